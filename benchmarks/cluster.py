@@ -1,0 +1,1190 @@
+"""An emulated bandwidth-bound cluster on one machine.
+
+Loopback hides the network: on one machine a 64 MB all-reduce between local
+processes is bound by memory copies, not by the link, so low-precision
+communication looks pointless there. This module starts K ranks, each in its
+own network namespace, joined by a Linux bridge that lives in a namespace of
+its own, and shapes both ends of every veth with ``tc`` tbf. Each rank then
+has a full-duplex link of the configured rate to a non-blocking "switch", the
+shape of a small data-parallel cluster. The host's own network is never
+touched: every interface, address and qdisc lives inside namespaces created
+here and deleted on every exit path (success, a failed rank, an exception,
+Ctrl-C, SIGTERM).
+
+Each rank's environment carries what ``dist.init_process_group("gloo")`` with
+``env://`` needs (``MASTER_ADDR``, ``MASTER_PORT``, ``RANK``, ``WORLD_SIZE``,
+``LOCAL_RANK``, ``LOCAL_WORLD_SIZE``) and ``GLOO_SOCKET_IFNAME`` naming the
+rank's veth. Before a benchmark, :meth:`EmulatedCluster.link_stats` measures
+the achieved TCP goodput and round-trip time between two ranks, so every
+result can state the conditions it ran under.
+
+Without root (or without ``ip``/``tc``), ``loopback=True`` runs the same
+ranks as plain processes on 127.0.0.1 with no shaping.
+
+Example:
+    >>> with EmulatedCluster(ranks=4, bandwidth="1gbit") as cluster:  # doctest: +SKIP
+    ...     print(cluster.link_stats().summary())
+    ...     results = cluster.run([sys.executable, "train.py"], timeout=600)
+    ...     assert all(r.ok for r in results)
+
+Command line::
+
+    python -m benchmarks.cluster --ranks 4 --bandwidth 1gbit -- python script.py args
+    python -m benchmarks.cluster --ranks 4 --bandwidth 1gbit --allreduce-mb 64
+"""
+
+from __future__ import annotations
+
+import argparse
+import atexit
+import contextlib
+import dataclasses
+import importlib.metadata
+import json
+import os
+import platform
+import re
+import secrets
+import selectors
+import shlex
+import shutil
+import signal
+import socket
+import statistics
+import struct
+import subprocess
+import sys
+import threading
+import time
+import warnings
+from collections.abc import Iterator, Mapping, Sequence
+from pathlib import Path
+from types import FrameType
+from typing import Any
+
+__all__ = [
+    "ClusterError",
+    "ClusterUnavailable",
+    "EmulatedCluster",
+    "LinkStats",
+    "RankResult",
+    "allreduce_check",
+    "cleanup_stale_namespaces",
+    "main",
+    "netns_unavailable_reason",
+    "parse_rate",
+    "tbf_parameters",
+]
+
+# Every namespace this module creates starts with this prefix followed by the
+# creating process's pid, so parallel runs never collide and leftovers of a
+# killed run (kill -9 skips all cleanup) can be recognised and removed.
+NS_PREFIX = "apsc-"
+# Addresses live only on veths inside our own namespaces, which have no route
+# anywhere else, so any private /24 is safe; this one is unlikely to confuse
+# someone reading `ip addr` output inside a namespace.
+_SUBNET = "10.213.77"
+_PREFIX_LEN = 24
+_MAX_RANKS = 250
+_BRIDGE_IF = "apsbr"
+_DEFAULT_MASTER_PORT = 29500
+# The kernel's CONFIG_HZ is 250 on the machines we target (and at most 1000
+# elsewhere); tbf refills its bucket at timer granularity, so the bucket must
+# hold at least one tick's worth of bytes or the link never reaches its rate.
+_ASSUMED_HZ = 250
+# One maximal GSO packet; smaller buckets make tbf split every GSO packet.
+_MIN_BURST_BYTES = 64 * 1024
+# Queue depth behind the bucket, in seconds of line rate: enough that TCP's
+# congestion window is never starved by tail drops, small enough that idle
+# round trips are not inflated by a standing queue.
+_QUEUE_SECONDS = 0.02
+_REPO_ROOT = Path(__file__).resolve().parents[1]
+_RESULT_TAG = "APS_CLUSTER_RESULT "
+
+_RATE_UNITS = {
+    "bit": 1,
+    "kbit": 10**3,
+    "mbit": 10**6,
+    "gbit": 10**9,
+    "tbit": 10**12,
+    "bps": 8,
+    "kbps": 8 * 10**3,
+    "mbps": 8 * 10**6,
+    "gbps": 8 * 10**9,
+}
+
+
+class ClusterError(RuntimeError):
+    """Setting up, running or tearing down the emulated cluster failed."""
+
+
+class ClusterUnavailable(ClusterError):
+    """This machine cannot host namespaces (not root, no ``ip``/``tc``, ...)."""
+
+
+@dataclasses.dataclass(frozen=True)
+class LinkStats:
+    """Measured conditions of one rank-to-rank link.
+
+    Attributes:
+        bandwidth_bits_per_s: TCP goodput from rank ``src`` to rank ``dst``.
+        rtt_s: median round trip of a 1-byte TCP ping-pong on the idle link.
+        rtt_min_s: fastest round trip seen.
+        ranks: number of ranks in the cluster.
+        configured_rate: the tbf rate as given (``"1gbit"``), or None.
+        configured_bits_per_s: the tbf rate in bits/s, or None (loopback).
+        transfer_bytes: size of the bulk transfer that measured bandwidth.
+        mtu: MTU of the veths (65536 for loopback).
+        loopback: True when ranks talk over 127.0.0.1 without shaping.
+
+    Example:
+        >>> s = LinkStats(9.5e8, 1e-4, 1e-4, 4, "1gbit", 10**9, 64 << 20, 1500, False)
+        >>> round(s.efficiency, 2)
+        0.95
+    """
+
+    bandwidth_bits_per_s: float
+    rtt_s: float
+    rtt_min_s: float
+    ranks: int
+    configured_rate: str | None
+    configured_bits_per_s: int | None
+    transfer_bytes: int
+    mtu: int
+    loopback: bool
+
+    @property
+    def efficiency(self) -> float | None:
+        """Measured goodput as a fraction of the configured rate (None if unshaped)."""
+        if not self.configured_bits_per_s:
+            return None
+        return self.bandwidth_bits_per_s / self.configured_bits_per_s
+
+    def summary(self) -> str:
+        """One human-readable line, e.g. for a benchmark's header."""
+        mode = "loopback (unshaped)" if self.loopback else f"tbf {self.configured_rate}"
+        eff = f" ({self.efficiency:.1%} of configured)" if self.efficiency is not None else ""
+        return (
+            f"link: {self.ranks} ranks, {mode}, mtu {self.mtu}: "
+            f"{self.bandwidth_bits_per_s / 1e6:.1f} Mbit/s TCP goodput{eff}, "
+            f"rtt {self.rtt_s * 1e6:.0f} us (min {self.rtt_min_s * 1e6:.0f} us), "
+            f"measured with {self.transfer_bytes / 2**20:.1f} MiB"
+        )
+
+    def to_dict(self) -> dict[str, Any]:
+        """Plain-JSON form, with the derived efficiency included."""
+        out = dataclasses.asdict(self)
+        out["efficiency"] = self.efficiency
+        return out
+
+
+@dataclasses.dataclass
+class RankResult:
+    """What one rank's process did.
+
+    Attributes:
+        rank: the rank.
+        returncode: exit status (negative: killed by that signal).
+        output: stdout and stderr, interleaved as written.
+        timed_out: the run's timeout expired and this rank was killed.
+        killed: the rank was stopped because another rank failed.
+
+    Example:
+        >>> RankResult(rank=0, returncode=0, output="").ok
+        True
+    """
+
+    rank: int
+    returncode: int | None
+    output: str
+    timed_out: bool = False
+    killed: bool = False
+
+    @property
+    def ok(self) -> bool:
+        """The rank exited by itself with status 0."""
+        return self.returncode == 0 and not self.timed_out and not self.killed
+
+
+def parse_rate(rate: str | int | float) -> int:
+    """Parse a rate in ``tc`` syntax into bits per second.
+
+    ``tc`` units apply: ``bit``/``kbit``/``mbit``/``gbit`` are bits and
+    ``bps``/``kbps``/``mbps`` are *bytes* per second. A bare number is bits/s.
+
+    Args:
+        rate: e.g. ``"1gbit"``, ``"100mbit"``, ``"12.5mbps"`` or ``10**9``.
+
+    Returns:
+        The rate in bits per second.
+
+    Raises:
+        ValueError: the text is not a positive rate.
+
+    Example:
+        >>> parse_rate("1gbit"), parse_rate("100mbit"), parse_rate("1mbps")
+        (1000000000, 100000000, 8000000)
+    """
+    if isinstance(rate, (int, float)):
+        value, unit = float(rate), "bit"
+    else:
+        m = re.fullmatch(r"\s*([0-9]*\.?[0-9]+)\s*([a-zA-Z]*)\s*", rate)
+        if not m:
+            raise ValueError(f"not a rate: {rate!r} (expected e.g. '1gbit' or '100mbit')")
+        value, unit = float(m.group(1)), (m.group(2).lower() or "bit")
+        if unit not in _RATE_UNITS:
+            raise ValueError(
+                f"unknown rate unit {unit!r} in {rate!r}; use one of {sorted(_RATE_UNITS)}"
+            )
+    bits = round(value * _RATE_UNITS[unit])
+    if bits <= 0:
+        raise ValueError(f"rate must be positive, got {rate!r}")
+    return bits
+
+
+def tbf_parameters(bits_per_s: int) -> tuple[int, int]:
+    """Bucket and queue sizes for a tbf qdisc at ``bits_per_s``.
+
+    Args:
+        bits_per_s: the shaped rate.
+
+    Returns:
+        ``(burst_bytes, limit_bytes)``: the bucket holds one timer tick of
+        traffic (at least one GSO packet) and the queue adds ~20 ms at rate.
+
+    Example:
+        >>> tbf_parameters(10**9)
+        (500000, 3000000)
+    """
+    rate_bytes = bits_per_s / 8
+    burst = max(int(rate_bytes / _ASSUMED_HZ), _MIN_BURST_BYTES)
+    limit = burst + max(int(rate_bytes * _QUEUE_SECONDS), 2 * _MIN_BURST_BYTES)
+    return burst, limit
+
+
+def netns_unavailable_reason() -> str | None:
+    """Why this machine cannot host namespaced clusters, or None if it can.
+
+    Only cheap checks (root, ``ip`` and ``tc`` on PATH); the kernel may still
+    refuse, which :meth:`EmulatedCluster.start` reports as
+    :class:`ClusterUnavailable`.
+
+    Example:
+        >>> reason = netns_unavailable_reason()
+        >>> reason is None or isinstance(reason, str)
+        True
+    """
+    if not sys.platform.startswith("linux"):
+        return f"network namespaces need Linux (this is {sys.platform})"
+    if os.geteuid() != 0:
+        return "network namespaces need root (run as root, or use loopback=True / --loopback)"
+    missing = [tool for tool in ("ip", "tc") if shutil.which(tool) is None]
+    if missing:
+        return f"{' and '.join(missing)} not found on PATH (install iproute2)"
+    return None
+
+
+def _cmd(args: Sequence[str], *, check: bool = True, timeout: float = 30.0) -> str:
+    """Run a short setup command, returning stdout; raise ClusterError on failure."""
+    try:
+        proc = subprocess.run(
+            list(args), capture_output=True, text=True, timeout=timeout, check=False
+        )
+    except (OSError, subprocess.TimeoutExpired) as exc:
+        raise ClusterError(f"`{shlex.join(args)}` failed: {exc}") from exc
+    if check and proc.returncode != 0:
+        raise ClusterError(
+            f"`{shlex.join(args)}` exited {proc.returncode}: {proc.stderr.strip() or proc.stdout.strip()}"
+        )
+    return proc.stdout
+
+
+def _list_netns() -> list[str]:
+    """Names in ``ip netns list`` (which appends ``(id: N)`` to some)."""
+    return [line.split()[0] for line in _cmd(["ip", "netns", "list"]).splitlines() if line.strip()]
+
+
+def _kill_netns_processes(ns: str) -> None:
+    """SIGKILL every process still inside ``ns`` so deleting it frees the kernel namespace."""
+    out = _cmd(["ip", "netns", "pids", ns], check=False)
+    for pid in out.split():
+        with contextlib.suppress(ProcessLookupError, ValueError, PermissionError):
+            os.kill(int(pid), signal.SIGKILL)
+
+
+def _delete_netns(names: Sequence[str]) -> list[str]:
+    """Delete namespaces (their veths, addresses and qdiscs go with them); return failures."""
+    failed = []
+    existing = set(_list_netns())
+    for ns in names:
+        if ns not in existing:
+            continue
+        _kill_netns_processes(ns)
+        try:
+            _cmd(["ip", "netns", "delete", ns])
+        except ClusterError:
+            failed.append(ns)
+    return failed
+
+
+def cleanup_stale_namespaces() -> list[str]:
+    """Delete namespaces left behind by runs whose process no longer exists.
+
+    Only a ``kill -9`` of the parent can leave namespaces behind; those carry
+    the dead parent's pid in their name. Namespaces of live processes (for
+    example a parallel test run) are left alone.
+
+    Returns:
+        The names deleted.
+
+    Example:
+        >>> cleanup_stale_namespaces()  # doctest: +SKIP
+        ['apsc-4242-1a2b-b', 'apsc-4242-1a2b-r0', 'apsc-4242-1a2b-r1']
+    """
+    stale = []
+    for ns in _list_netns():
+        m = re.match(re.escape(NS_PREFIX) + r"(\d+)-", ns)
+        if not m:
+            continue
+        try:
+            os.kill(int(m.group(1)), 0)
+        except ProcessLookupError:
+            stale.append(ns)
+        except PermissionError:
+            pass  # alive, owned by someone else
+    _delete_netns(sorted(stale, key=lambda n: n.endswith("-b")))
+    return stale
+
+
+def _readline(proc: subprocess.Popen[str], timeout: float) -> str:
+    """Read one line of ``proc.stdout`` or raise ClusterError after ``timeout`` s."""
+    assert proc.stdout is not None
+    with selectors.DefaultSelector() as sel:
+        sel.register(proc.stdout, selectors.EVENT_READ)
+        if not sel.select(timeout):
+            raise ClusterError(f"no output from `{shlex.join(proc.args)}` within {timeout:.0f} s")
+    return proc.stdout.readline()
+
+
+def _stop(procs: Sequence[subprocess.Popen[Any]], grace: float = 2.0) -> None:
+    """SIGTERM each process group, then SIGKILL what is left after ``grace`` s."""
+    for sig in (signal.SIGTERM, signal.SIGKILL):
+        alive = [p for p in procs if p.poll() is None]
+        for p in alive:
+            # Ranks run in their own session so the whole tree (a rank's own
+            # workers, dataloaders) goes, not just the leader.
+            with contextlib.suppress(ProcessLookupError, PermissionError):
+                os.killpg(p.pid, sig)
+        deadline = time.monotonic() + grace
+        for p in alive:
+            with contextlib.suppress(subprocess.TimeoutExpired):
+                p.wait(timeout=max(0.0, deadline - time.monotonic()))
+
+
+class _SignalsAsExit:
+    """Turn SIGTERM/SIGHUP into SystemExit so ``finally`` blocks run (Ctrl-C already raises)."""
+
+    _SIGNALS = (signal.SIGTERM, signal.SIGHUP)
+
+    def __init__(self) -> None:
+        self._previous: dict[int, Any] = {}
+
+    def install(self) -> None:
+        # Python only lets the main thread set handlers; elsewhere the caller's
+        # own try/finally and atexit are all we can offer.
+        if threading.current_thread() is not threading.main_thread():
+            return
+        for sig in self._SIGNALS:
+            self._previous[sig] = signal.signal(sig, self._handle)
+
+    def restore(self) -> None:
+        for sig, handler in self._previous.items():
+            with contextlib.suppress(ValueError, TypeError):
+                signal.signal(sig, handler)
+        self._previous.clear()
+
+    @staticmethod
+    def _handle(signum: int, frame: FrameType | None) -> None:
+        raise SystemExit(128 + signum)
+
+
+@contextlib.contextmanager
+def _signals_blocked() -> Iterator[None]:
+    """Defer Ctrl-C/SIGTERM while tearing down, so teardown is never half done."""
+    sigs = {signal.SIGINT, signal.SIGTERM, signal.SIGHUP}
+    old = signal.pthread_sigmask(signal.SIG_BLOCK, sigs)
+    try:
+        yield
+    finally:
+        signal.pthread_sigmask(signal.SIG_SETMASK, old)
+
+
+class EmulatedCluster:
+    """K ranks on one machine, each behind its own shaped link.
+
+    Topology: namespace ``<name>-b`` holds a bridge; namespace ``<name>-r<i>``
+    holds rank i's veth ``aps<i>`` with address ``10.213.77.<i+1>/24``; its
+    peer ``apsb<i>`` is a port of the bridge. A tbf qdisc at the configured
+    rate sits on both ends, so each rank sends and receives at most that rate
+    and the bridge itself never limits.
+
+    Use it as a context manager (or call :meth:`start`/:meth:`close`):
+    namespaces are deleted on every exit path. SIGTERM and SIGHUP are turned
+    into ``SystemExit`` while the cluster is up (main thread only), and an
+    ``atexit`` hook covers a cluster that was never closed.
+
+    Args:
+        ranks: number of ranks (2 to 250).
+        bandwidth: per-rank link rate in ``tc`` syntax (``"1gbit"``).
+        loopback: run ranks as plain processes on 127.0.0.1, no shaping.
+        fallback_to_loopback: when namespaces are unavailable, warn and run
+            in loopback mode instead of raising :class:`ClusterUnavailable`.
+        mtu: MTU of the veths.
+        master_port: rendezvous port (loopback mode picks a free one).
+
+    Example:
+        >>> with EmulatedCluster(ranks=2, bandwidth="100mbit") as c:  # doctest: +SKIP
+        ...     stats = c.link_stats()
+        ...     res = c.run([sys.executable, "-c", "import os; print(os.environ['RANK'])"])
+        >>> [r.output.strip() for r in res]  # doctest: +SKIP
+        ['0', '1']
+    """
+
+    def __init__(
+        self,
+        ranks: int = 2,
+        bandwidth: str | int = "1gbit",
+        *,
+        loopback: bool = False,
+        fallback_to_loopback: bool = False,
+        mtu: int = 1500,
+        master_port: int = _DEFAULT_MASTER_PORT,
+    ) -> None:
+        if not 1 <= ranks <= _MAX_RANKS:
+            raise ValueError(f"ranks must be in [1, {_MAX_RANKS}], got {ranks}")
+        if not 68 <= mtu <= 65535:
+            raise ValueError(f"mtu must be in [68, 65535], got {mtu}")
+        self.ranks = ranks
+        self.bandwidth = str(bandwidth)
+        self.bits_per_s = parse_rate(bandwidth)
+        self.loopback = loopback
+        self.fallback_to_loopback = fallback_to_loopback
+        self.mtu = mtu
+        self.master_port = master_port
+        self.name = f"{NS_PREFIX}{os.getpid()}-{secrets.token_hex(2)}"
+        self._started = False
+        self._created: list[str] = []
+        self._procs: list[subprocess.Popen[Any]] = []
+        self._procs_lock = threading.Lock()
+        self._signals = _SignalsAsExit()
+
+    # -- topology names -------------------------------------------------
+
+    @property
+    def bridge_namespace(self) -> str:
+        """Namespace holding the bridge."""
+        return f"{self.name}-b"
+
+    def namespace(self, rank: int) -> str:
+        """Namespace of ``rank``."""
+        return f"{self.name}-r{rank}"
+
+    @property
+    def namespaces(self) -> list[str]:
+        """Every namespace this cluster uses (empty in loopback mode)."""
+        if self.loopback:
+            return []
+        return [self.bridge_namespace] + [self.namespace(r) for r in range(self.ranks)]
+
+    def interface(self, rank: int) -> str:
+        """Rank-side veth name (what ``GLOO_SOCKET_IFNAME`` is set to)."""
+        return "lo" if self.loopback else f"aps{rank}"
+
+    def address(self, rank: int) -> str:
+        """IPv4 address of ``rank``."""
+        return "127.0.0.1" if self.loopback else f"{_SUBNET}.{rank + 1}"
+
+    # -- lifecycle --------------------------------------------------------
+
+    def __enter__(self) -> EmulatedCluster:
+        self.start()
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        self.close()
+
+    def start(self) -> EmulatedCluster:
+        """Create namespaces, bridge, veths, addresses and qdiscs.
+
+        Raises:
+            ClusterUnavailable: namespaces cannot be used here and
+                ``fallback_to_loopback`` is False.
+            ClusterError: a setup command failed (everything created so far
+                has been removed).
+        """
+        if self._started:
+            return self
+        reason = None if self.loopback else netns_unavailable_reason()
+        if reason is None and not self.loopback:
+            self._started = True
+            atexit.register(self.close)
+            self._signals.install()
+            try:
+                self._build()
+                return self
+            except ClusterUnavailable as exc:
+                self.close()
+                reason = str(exc)
+            except BaseException:
+                self.close()
+                raise
+        if reason is not None:
+            if not self.fallback_to_loopback:
+                raise ClusterUnavailable(reason)
+            warnings.warn(
+                f"emulated cluster falls back to loopback (no shaping): {reason}",
+                RuntimeWarning,
+                stacklevel=2,
+            )
+            self.loopback = True
+        if self.master_port == _DEFAULT_MASTER_PORT:
+            self.master_port = _free_port()
+        self._started = True
+        atexit.register(self.close)
+        self._signals.install()
+        return self
+
+    def _add_netns(self, ns: str) -> None:
+        first = not self._created
+        # Recorded before creation so a half-done `ip netns add` is still cleaned.
+        self._created.append(ns)
+        try:
+            _cmd(["ip", "netns", "add", ns])
+        except ClusterError as exc:
+            if first:
+                # The kernel or a container forbids namespaces altogether.
+                raise ClusterUnavailable(f"cannot create a network namespace: {exc}") from exc
+            raise
+
+    def _build(self) -> None:
+        bns = self.bridge_namespace
+        burst, limit = tbf_parameters(self.bits_per_s)
+        tbf = ["root", "tbf", "rate", f"{self.bits_per_s}bit", "burst", str(burst)]
+        tbf += ["limit", str(limit)]
+        self._add_netns(bns)
+        _cmd(["ip", "-n", bns, "link", "add", _BRIDGE_IF, "type", "bridge"])
+        _cmd(["ip", "-n", bns, "link", "set", _BRIDGE_IF, "up"])
+        for rank in range(self.ranks):
+            rns, rif, bif = self.namespace(rank), self.interface(rank), f"apsb{rank}"
+            self._add_netns(rns)
+            # Created inside the bridge namespace with the peer moved straight
+            # into the rank's: no interface ever appears in the host namespace.
+            mtu = ["mtu", str(self.mtu)]
+            veth = ["type", "veth", "peer", "name", rif, *mtu, "netns", rns]
+            _cmd(["ip", "-n", bns, "link", "add", bif, *mtu, *veth])
+            _cmd(["ip", "-n", bns, "link", "set", bif, "master", _BRIDGE_IF, "up"])
+            _cmd(
+                ["ip", "-n", rns, "addr", "add", f"{self.address(rank)}/{_PREFIX_LEN}", "dev", rif]
+            )
+            _cmd(["ip", "-n", rns, "link", "set", rif, "up"])
+            _cmd(["ip", "-n", rns, "link", "set", "lo", "up"])
+            # Egress on each end: rank -> bridge on the rank side, bridge ->
+            # rank on the bridge side, i.e. a full-duplex link of this rate.
+            _cmd(["tc", "-n", rns, "qdisc", "replace", "dev", rif, *tbf])
+            _cmd(["tc", "-n", bns, "qdisc", "replace", "dev", bif, *tbf])
+
+    def close(self) -> None:
+        """Kill every rank still running and delete every namespace (idempotent)."""
+        if not self._started:
+            return
+        with _signals_blocked():
+            self._started = False
+            with self._procs_lock:
+                procs, self._procs = self._procs, []
+            _stop(procs, grace=1.0)
+            failed: list[str] = []
+            if self._created:
+                # Rank namespaces first: deleting them destroys the veth pairs
+                # before the bridge they are enslaved to goes.
+                ordered = sorted(self._created, key=lambda n: n == self.bridge_namespace)
+                try:
+                    failed = _delete_netns(ordered)
+                except ClusterError as exc:
+                    failed = [f"{self._created} ({exc})"]
+                self._created = []
+            self._signals.restore()
+            atexit.unregister(self.close)
+        if failed:
+            raise ClusterError(
+                f"could not delete namespaces {failed}; run `ip netns delete` by hand"
+            )
+
+    # -- running things inside --------------------------------------------
+
+    def env(self, rank: int, extra: Mapping[str, str] | None = None) -> dict[str, str]:
+        """The full environment of ``rank``: ours, then the rendezvous, then ``extra``."""
+        env = dict(os.environ)
+        # Lets `python -c "import benchmarks..."` work from a plain checkout.
+        env["PYTHONPATH"] = os.pathsep.join(filter(None, [str(_REPO_ROOT), env.get("PYTHONPATH")]))
+        env.update(
+            MASTER_ADDR=self.address(0),
+            MASTER_PORT=str(self.master_port),
+            RANK=str(rank),
+            WORLD_SIZE=str(self.ranks),
+            LOCAL_RANK=str(rank),
+            LOCAL_WORLD_SIZE=str(self.ranks),
+            GLOO_SOCKET_IFNAME=self.interface(rank),
+            TP_SOCKET_IFNAME=self.interface(rank),
+            APS_CLUSTER_BANDWIDTH="loopback" if self.loopback else self.bandwidth,
+        )
+        env.update(extra or {})
+        return env
+
+    def command(self, rank: int, argv: Sequence[str]) -> list[str]:
+        """``argv`` wrapped to run inside ``rank``'s namespace."""
+        if self.loopback:
+            return list(argv)
+        return ["ip", "netns", "exec", self.namespace(rank), *argv]
+
+    def popen(
+        self,
+        rank: int,
+        argv: Sequence[str],
+        *,
+        env: Mapping[str, str] | None = None,
+        **kwargs: Any,
+    ) -> subprocess.Popen[Any]:
+        """Start ``argv`` as ``rank`` (own session, killed on close).
+
+        Args:
+            rank: which rank's namespace and environment.
+            argv: the command.
+            env: extra environment variables.
+            **kwargs: passed to :class:`subprocess.Popen`.
+
+        Example:
+            >>> p = cluster.popen(0, ["hostname"], stdout=subprocess.PIPE)  # doctest: +SKIP
+        """
+        if not self._started:
+            raise ClusterError("cluster is not started; use `with EmulatedCluster(...)`")
+        if not 0 <= rank < self.ranks:
+            raise ValueError(f"rank {rank} out of range for {self.ranks} ranks")
+        proc = subprocess.Popen(
+            self.command(rank, argv), env=self.env(rank, env), start_new_session=True, **kwargs
+        )
+        with self._procs_lock:
+            self._procs.append(proc)
+        return proc
+
+    def run(
+        self,
+        argv: Sequence[str],
+        *,
+        env: Mapping[str, str] | None = None,
+        timeout: float | None = None,
+        echo: bool = False,
+        fail_fast: bool = True,
+    ) -> list[RankResult]:
+        """Run ``argv`` on every rank and wait for all of them.
+
+        Args:
+            argv: the command every rank runs (its rank is in ``$RANK``).
+            env: extra environment variables for every rank.
+            timeout: seconds; past it every rank still running is killed.
+            echo: also print each output line, prefixed ``[rank i]``.
+            fail_fast: when a rank exits nonzero, stop the others (they
+                would otherwise block in a collective until Gloo times out).
+
+        Returns:
+            One :class:`RankResult` per rank, in rank order.
+
+        Example:
+            >>> res = cluster.run(["python", "train.py"], timeout=300)  # doctest: +SKIP
+            >>> [r.returncode for r in res]  # doctest: +SKIP
+            [0, 0, 0, 0]
+        """
+        procs: list[subprocess.Popen[str]] = []
+        outputs: list[list[str]] = [[] for _ in range(self.ranks)]
+        readers: list[threading.Thread] = []
+        timed_out = killed = False
+        try:
+            for rank in range(self.ranks):
+                p = self.popen(
+                    rank,
+                    argv,
+                    env=env,
+                    stdin=subprocess.DEVNULL,
+                    stdout=subprocess.PIPE,
+                    stderr=subprocess.STDOUT,
+                    text=True,
+                    errors="replace",
+                    bufsize=1,
+                )
+                procs.append(p)
+                t = threading.Thread(
+                    target=_pump, args=(p, outputs[rank], f"[rank {rank}] " if echo else None)
+                )
+                t.daemon = True
+                t.start()
+                readers.append(t)
+            deadline = None if timeout is None else time.monotonic() + timeout
+            while True:
+                # Poll every rank each round: a short-circuiting any() would
+                # never notice a later rank's failure while an earlier one runs.
+                codes = [p.poll() for p in procs]
+                if all(code is not None for code in codes):
+                    break
+                if deadline is not None and time.monotonic() > deadline:
+                    timed_out = True
+                    break
+                if fail_fast and any(code not in (None, 0) for code in codes):
+                    killed = True
+                    break
+                time.sleep(0.02)
+        finally:
+            running = {i for i, p in enumerate(procs) if p.poll() is None}
+            _stop(procs)
+            for t in readers:
+                t.join(timeout=5)
+            with self._procs_lock:
+                self._procs = [p for p in self._procs if p not in procs]
+        return [
+            RankResult(
+                rank=r,
+                returncode=p.returncode,
+                output="".join(outputs[r]),
+                timed_out=timed_out and r in running,
+                killed=killed and r in running,
+            )
+            for r, p in enumerate(procs)
+        ]
+
+    def qdiscs(self) -> str:
+        """``tc qdisc show`` of every veth, one block per namespace (for checks and logs)."""
+        blocks = []
+        for ns in self.namespaces:
+            blocks.append(f"# {ns}\n" + _cmd(["tc", "-n", ns, "qdisc", "show"]))
+        return "\n".join(blocks)
+
+    def link_stats(
+        self,
+        *,
+        src: int = 0,
+        dst: int = 1,
+        transfer_bytes: int | None = None,
+        pings: int = 200,
+        timeout: float | None = None,
+    ) -> LinkStats:
+        """Measure TCP goodput and round-trip time from rank ``src`` to ``dst``.
+
+        A small socket server runs in ``dst``'s namespace, a client in
+        ``src``'s: first ``pings`` 1-byte ping-pongs (TCP_NODELAY) on the idle
+        link, then a bulk transfer timed by the receiver from its first to its
+        last byte (so connection setup and slow start's first RTT do not count).
+
+        Args:
+            src: sending rank.
+            dst: receiving rank.
+            transfer_bytes: bulk size; default ~0.5 s at the configured rate,
+                clamped to [2, 64] MiB (64 MiB in loopback mode).
+            pings: number of round trips whose median is reported.
+            timeout: seconds before the probe is abandoned.
+
+        Returns:
+            The measured :class:`LinkStats`.
+
+        Example:
+            >>> print(cluster.link_stats().summary())  # doctest: +SKIP
+            link: 4 ranks, tbf 1gbit, mtu 1500: 957.9 Mbit/s TCP goodput (95.8% of configured), ...
+        """
+        if self.ranks < 2 and not self.loopback:
+            raise ClusterError("link_stats needs at least two ranks")
+        if self.loopback:
+            src = dst = 0
+        if transfer_bytes is None:
+            if self.loopback:
+                transfer_bytes = 64 << 20
+            else:
+                transfer_bytes = min(max(self.bits_per_s // 16, 2 << 20), 64 << 20)
+        if timeout is None:
+            rate = None if self.loopback else self.bits_per_s
+            timeout = 30.0 + (0.0 if rate is None else 4.0 * transfer_bytes * 8 / rate)
+        probe = [sys.executable, "-c", "import benchmarks.cluster as c; c._probe_main()"]
+        server = self.popen(
+            dst,
+            [*probe, "server", self.address(dst)],
+            stdout=subprocess.PIPE,
+            stdin=subprocess.DEVNULL,
+            text=True,
+        )
+        client: subprocess.Popen[str] | None = None
+        try:
+            ready = _readline(server, timeout).split()
+            if len(ready) != 2 or ready[0] != "ready":
+                raise ClusterError(f"link probe server failed to start (said {ready!r})")
+            client = self.popen(
+                src,
+                [*probe, "client", self.address(dst), ready[1], str(transfer_bytes), str(pings)],
+                stdout=subprocess.PIPE,
+                stdin=subprocess.DEVNULL,
+                text=True,
+            )
+            try:
+                out, _ = client.communicate(timeout=timeout)
+            except subprocess.TimeoutExpired as exc:
+                raise ClusterError(f"link probe took longer than {timeout:.0f} s") from exc
+            if client.returncode != 0:
+                raise ClusterError(f"link probe client exited {client.returncode}")
+            result = json.loads(out.strip().splitlines()[-1])
+        finally:
+            procs = [p for p in (server, client) if p is not None]
+            _stop(procs, grace=1.0)
+            for p in procs:
+                if p.stdout is not None:
+                    p.stdout.close()
+            with self._procs_lock:
+                self._procs = [p for p in self._procs if p not in procs]
+        return LinkStats(
+            bandwidth_bits_per_s=result["bits_per_s"],
+            rtt_s=result["rtt_median_s"],
+            rtt_min_s=result["rtt_min_s"],
+            ranks=self.ranks,
+            configured_rate=None if self.loopback else self.bandwidth,
+            configured_bits_per_s=None if self.loopback else self.bits_per_s,
+            transfer_bytes=transfer_bytes,
+            mtu=65536 if self.loopback else self.mtu,
+            loopback=self.loopback,
+        )
+
+
+def _installed_version(package: str) -> str | None:
+    """Version of an installed distribution, without importing it."""
+    try:
+        return importlib.metadata.version(package)
+    except importlib.metadata.PackageNotFoundError:
+        return None
+
+
+def _free_port() -> int:
+    """An unused TCP port on 127.0.0.1 (for the loopback rendezvous)."""
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return int(s.getsockname()[1])
+
+
+def _pump(proc: subprocess.Popen[str], sink: list[str], prefix: str | None) -> None:
+    """Collect a rank's output line by line; echo it with a prefix when asked."""
+    assert proc.stdout is not None
+    with proc.stdout:
+        for line in proc.stdout:
+            sink.append(line)
+            if prefix is not None:
+                sys.stdout.write(prefix + line)
+                sys.stdout.flush()
+
+
+# -- the link probe, run inside the namespaces via `python -c` ------------
+
+_HEADER = struct.Struct("!QI")  # bulk bytes, number of pings
+
+
+def _recv_exact(conn: socket.socket, n: int) -> bytes:
+    buf = bytearray()
+    while len(buf) < n:
+        chunk = conn.recv(n - len(buf))
+        if not chunk:
+            raise ConnectionError("peer closed the connection early")
+        buf += chunk
+    return bytes(buf)
+
+
+def _probe_server(host: str) -> None:
+    """Echo pings, then time a bulk transfer and report it to the client."""
+    with socket.socket() as lsock:
+        lsock.bind((host, 0))
+        lsock.listen(1)
+        print(f"ready {lsock.getsockname()[1]}", flush=True)
+        conn, _ = lsock.accept()
+    with conn:
+        conn.setsockopt(socket.IPPROTO_TCP, socket.TCP_NODELAY, 1)
+        nbytes, pings = _HEADER.unpack(_recv_exact(conn, _HEADER.size))
+        for _ in range(pings):
+            conn.sendall(_recv_exact(conn, 1))
+        buf = bytearray(1 << 20)
+        got = first = 0
+        t_first = t_last = 0.0
+        while got < nbytes:
+            n = conn.recv_into(buf)
+            if n == 0:
+                raise ConnectionError("sender closed before the transfer finished")
+            t_last = time.perf_counter()
+            if got == 0:
+                t_first, first = t_last, n
+            got += n
+        conn.sendall(json.dumps({"bytes": got - first, "seconds": t_last - t_first}).encode())
+
+
+def _probe_client(host: str, port: int, nbytes: int, pings: int) -> None:
+    """Ping-pong, then send ``nbytes``; print the result as one JSON line."""
+    with socket.create_connection((host, port), timeout=120) as conn:
+        conn.setsockopt(socket.IPPROTO_TCP, socket.TCP_NODELAY, 1)
+        conn.sendall(_HEADER.pack(nbytes, pings))
+        rtts = []
+        for _ in range(pings):
+            t0 = time.perf_counter()
+            conn.sendall(b"p")
+            _recv_exact(conn, 1)
+            rtts.append(time.perf_counter() - t0)
+        chunk = bytes(1 << 20)
+        view = memoryview(chunk)
+        left = nbytes
+        while left:
+            n = min(left, len(chunk))
+            conn.sendall(view[:n])
+            left -= n
+        report = json.loads(conn.recv(4096).decode())
+    seconds = max(report["seconds"], 1e-9)
+    print(
+        json.dumps(
+            {
+                "bits_per_s": report["bytes"] * 8 / seconds,
+                "rtt_median_s": statistics.median(rtts) if rtts else float("nan"),
+                "rtt_min_s": min(rtts) if rtts else float("nan"),
+            }
+        ),
+        flush=True,
+    )
+
+
+def _probe_main() -> None:
+    """Entry point of ``python -c "...; c._probe_main()" server|client ...``."""
+    args = sys.argv[1:]
+    if args[0] == "server":
+        _probe_server(args[1])
+    else:
+        _probe_client(args[1], int(args[2]), int(args[3]), int(args[4]))
+
+
+# -- the built-in all_reduce check ---------------------------------------
+
+
+def _allreduce_main() -> None:
+    """Time FP32 and FP16 all_reduce of the same element count on every rank.
+
+    Run by :func:`allreduce_check` in each rank; rank 0 prints one tagged
+    JSON line. Imports torch lazily so the rest of this module stays cheap.
+    """
+    import torch
+    import torch.distributed as dist
+
+    megabytes, repeats = float(sys.argv[1]), int(sys.argv[2])
+    torch.set_num_threads(1)
+    dist.init_process_group("gloo")
+    rank, world = dist.get_rank(), dist.get_world_size()
+    numel = int(megabytes * 2**20) // 4
+    out: dict[str, Any] = {"numel": numel, "fp32_megabytes": numel * 4 / 2**20, "world": world}
+    for dtype in (torch.float32, torch.float16):
+        t = torch.full((numel,), float(rank + 1), dtype=dtype)
+        dist.all_reduce(t)  # warm-up, also a correctness check
+        expected = world * (world + 1) / 2
+        if not bool((t == expected).all()):
+            raise RuntimeError(f"all_reduce {dtype} gave {t[:4]}, expected {expected}")
+        times = []
+        for _ in range(repeats):
+            dist.barrier()
+            t0 = time.perf_counter()
+            dist.all_reduce(t)
+            times.append(time.perf_counter() - t0)
+        # Every rank waits for the slowest, so the max over ranks is the step time.
+        worst = torch.tensor(times, dtype=torch.float64)
+        dist.all_reduce(worst, op=dist.ReduceOp.MAX)
+        name = str(dtype).removeprefix("torch.")
+        out[name] = {"seconds": worst.tolist(), "median_s": statistics.median(worst.tolist())}
+    dist.destroy_process_group()
+    if rank == 0:
+        print(_RESULT_TAG + json.dumps(out), flush=True)
+
+
+def allreduce_check(
+    cluster: EmulatedCluster, megabytes: float = 64.0, repeats: int = 5, timeout: float = 600.0
+) -> dict[str, Any]:
+    """Time a Gloo all_reduce of ``megabytes`` of FP32 (and as many FP16) in ``cluster``.
+
+    Args:
+        cluster: a started cluster.
+        megabytes: FP32 tensor size in MiB (the FP16 tensor has as many elements).
+        repeats: timed repeats per dtype (after one warm-up).
+        timeout: seconds before all ranks are killed.
+
+    Returns:
+        ``{"float32": {"seconds": [...], "median_s": ...}, "float16": {...}, ...}``.
+
+    Example:
+        >>> allreduce_check(cluster, 64, repeats=5)["float32"]["median_s"]  # doctest: +SKIP
+        1.02
+    """
+    argv = [sys.executable, "-c", "import benchmarks.cluster as c; c._allreduce_main()"]
+    results = cluster.run([*argv, str(megabytes), str(repeats)], timeout=timeout)
+    if not all(r.ok for r in results):
+        details = "\n".join(f"--- rank {r.rank} (exit {r.returncode})\n{r.output}" for r in results)
+        raise ClusterError(f"all_reduce check failed:\n{details}")
+    for line in results[0].output.splitlines():
+        if line.startswith(_RESULT_TAG):
+            return json.loads(line[len(_RESULT_TAG) :])
+    raise ClusterError(f"all_reduce check printed no result:\n{results[0].output}")
+
+
+# -- command line ----------------------------------------------------------
+
+
+def _parser() -> argparse.ArgumentParser:
+    p = argparse.ArgumentParser(
+        prog="python -m benchmarks.cluster",
+        description=(
+            "Run a command on K ranks, each in its own network namespace behind a "
+            "tbf-shaped veth, after measuring and printing the link's bandwidth and RTT."
+        ),
+        epilog=(
+            "example: python -m benchmarks.cluster --ranks 4 --bandwidth 1gbit -- "
+            "python train.py --epochs 1"
+        ),
+    )
+    p.add_argument("--ranks", type=int, default=4, help="number of ranks (default 4)")
+    p.add_argument(
+        "--bandwidth", default="1gbit", help="per-rank link rate, tc syntax (default 1gbit)"
+    )
+    p.add_argument("--mtu", type=int, default=1500, help="veth MTU (default 1500)")
+    p.add_argument("--loopback", action="store_true", help="no namespaces, 127.0.0.1, no shaping")
+    p.add_argument(
+        "--fallback-loopback",
+        action="store_true",
+        help="use loopback (with a warning) when namespaces are unavailable instead of failing",
+    )
+    p.add_argument(
+        "--probe-mb", type=float, default=None, help="bulk transfer size for the link probe"
+    )
+    p.add_argument("--no-probe", action="store_true", help="skip the link measurement")
+    p.add_argument(
+        "--timeout", type=float, default=None, help="seconds before all ranks are killed"
+    )
+    p.add_argument(
+        "--allreduce-mb",
+        type=float,
+        default=None,
+        help="run the built-in FP32/FP16 gloo all_reduce timing of this many MiB (FP32)",
+    )
+    p.add_argument("--repeats", type=int, default=5, help="timed repeats for --allreduce-mb")
+    p.add_argument("--json-out", type=Path, default=None, help="write link stats and results here")
+    p.add_argument(
+        "--cleanup-stale",
+        action="store_true",
+        help="delete namespaces left by killed runs (dead pid) and exit",
+    )
+    p.add_argument("command", nargs=argparse.REMAINDER, help="-- then the command every rank runs")
+    return p
+
+
+def main(argv: Sequence[str] | None = None) -> int:
+    """Command-line entry point; returns the exit status.
+
+    Example:
+        >>> main(["--ranks", "2", "--loopback", "--", "true"])  # doctest: +SKIP
+        0
+    """
+    args = _parser().parse_args(argv)
+    command = list(args.command)
+    if command[:1] == ["--"]:
+        command = command[1:]
+    if args.cleanup_stale:
+        removed = cleanup_stale_namespaces()
+        print(f"removed {len(removed)} stale namespaces: {' '.join(removed)}")
+        return 0
+    if not command and args.allreduce_mb is None and args.no_probe:
+        print("nothing to do: give a command after --, --allreduce-mb, or drop --no-probe")
+        return 2
+    cluster = EmulatedCluster(
+        ranks=args.ranks,
+        bandwidth=args.bandwidth,
+        loopback=args.loopback,
+        fallback_to_loopback=args.fallback_loopback,
+        mtu=args.mtu,
+    )
+    given = sys.argv[1:] if argv is None else list(argv)
+    record: dict[str, Any] = {
+        "command": shlex.join(["python", "-m", "benchmarks.cluster", *given]),
+        "date": time.strftime("%Y-%m-%dT%H:%M:%S%z"),
+        "machine": {
+            "cpus": os.cpu_count(),
+            "kernel": platform.release(),
+            "python": platform.python_version(),
+            "torch": _installed_version("torch"),
+        },
+    }
+    status = 0
+    try:
+        with cluster:
+            record["namespaces"] = cluster.namespaces
+            if not cluster.loopback:
+                burst, limit = tbf_parameters(cluster.bits_per_s)
+                record["tbf"] = {
+                    "rate_bits_per_s": cluster.bits_per_s,
+                    "burst_bytes": burst,
+                    "limit_bytes": limit,
+                }
+            if not args.no_probe:
+                nbytes = None if args.probe_mb is None else int(args.probe_mb * 2**20)
+                stats = cluster.link_stats(transfer_bytes=nbytes)
+                print(stats.summary(), flush=True)
+                record["link"] = stats.to_dict()
+            if args.allreduce_mb is not None:
+                res = allreduce_check(
+                    cluster, args.allreduce_mb, args.repeats, args.timeout or 600.0
+                )
+                for name in ("float32", "float16"):
+                    times = ", ".join(f"{s:.3f}" for s in res[name]["seconds"])
+                    print(
+                        f"all_reduce {name} {res['numel']} elements ({args.allreduce_mb:g} MiB FP32): "
+                        f"median {res[name]['median_s']:.3f} s  [{times}]",
+                        flush=True,
+                    )
+                if "link" in record:
+                    # A ring all-reduce moves 2 (N-1)/N of the tensor through each
+                    # rank's link: the floor any algorithm on this link must pay.
+                    wire = 2 * (cluster.ranks - 1) / cluster.ranks * res["numel"] * 8
+                    bw = record["link"]["bandwidth_bits_per_s"]
+                    res["ring_bound_s"] = {"float32": wire * 4 / bw, "float16": wire * 2 / bw}
+                record["allreduce"] = res
+            if command:
+                results = cluster.run(command, timeout=args.timeout, echo=True)
+                record["returncodes"] = [r.returncode for r in results]
+                for r in results:
+                    if not r.ok:
+                        why = f"exited {r.returncode}"
+                        if r.timed_out:
+                            why = "timed out"
+                        elif r.killed:
+                            why = "stopped after another rank failed"
+                        print(f"rank {r.rank} {why}", file=sys.stderr)
+                # Exit like the rank that failed first on its own (as torchrun
+                # does), or 124 like timeout(1) when the run was cut short.
+                own = [r for r in results if not r.ok and not r.killed and not r.timed_out]
+                if own:
+                    code = own[0].returncode
+                    status = code if code is not None and code > 0 else 1
+                elif any(r.timed_out for r in results):
+                    status = 124
+    except ClusterUnavailable as exc:
+        print(f"error: {exc}", file=sys.stderr)
+        return 3
+    except KeyboardInterrupt:
+        # The cluster is already torn down by the `with`; exit like a shell would.
+        print("interrupted; cluster removed", file=sys.stderr)
+        return 128 + signal.SIGINT
+    if args.json_out is not None:
+        args.json_out.parent.mkdir(parents=True, exist_ok=True)
+        args.json_out.write_text(json.dumps(record, indent=2) + "\n")
+    return status
+
+
+if __name__ == "__main__":
+    sys.exit(main())
