@@ -1,0 +1,300 @@
+"""Tests for launch/: aps-launch (elastic, -m, MPI, SLURM) and init_distributed.
+
+Every multi-rank test runs real processes on Gloo and checks the all-reduce
+result each rank printed (tests/launch_scripts/allreduce_check.py asserts it
+too), with a hard timeout per subprocess.
+"""
+
+from __future__ import annotations
+
+import os
+import re
+import shutil
+import socket
+import subprocess
+import sys
+import sysconfig
+from pathlib import Path
+
+import pytest
+import torch.distributed as dist
+
+from launch import DistEnvError, detect_env, init_distributed
+from launch import slurm as slurm_env
+from launch.cli import main as cli_main
+from launch.elastic import LOOPBACK_RDZV, torchrun_argv
+from launch.env import from_slurm
+
+SCRIPTS = Path(__file__).parent / "launch_scripts"
+SCRIPT = str(SCRIPTS / "allreduce_check.py")
+TIMEOUT = 90
+_OK = re.compile(
+    r"APS-OK rank=(\d) world=(\d) local=(\d) backend=(\w+) aps_backend=(\S+) sum=(\S+)"
+)
+_JOB_VARS = re.compile(
+    r"^(RANK|WORLD_SIZE|LOCAL_RANK|LOCAL_WORLD_SIZE|MASTER_ADDR|MASTER_PORT|APS_BACKEND"
+    r"|SLURM_.*|OMPI_.*|PMI_.*|PMIX_.*|MPI_LOCAL.*|TORCHELASTIC_.*)$"
+)
+
+
+def _clean_env(**extra: str) -> dict[str, str]:
+    env = {k: v for k, v in os.environ.items() if not _JOB_VARS.match(k)}
+    env.update(extra)
+    return env
+
+
+def _aps_launch() -> list[str]:
+    script = Path(sysconfig.get_path("scripts")) / "aps-launch"
+    return [str(script)] if script.exists() else [sys.executable, "-m", "launch.cli"]
+
+
+def _free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+def _run(cmd: list[str], env: dict[str, str]) -> subprocess.CompletedProcess[str]:
+    return subprocess.run(
+        cmd, env=env, capture_output=True, text=True, timeout=TIMEOUT, cwd=SCRIPTS.parent
+    )
+
+
+def _ranks(output: str, world: int, sum_expected: float) -> dict[int, tuple[str, ...]]:
+    """Parse the per-rank lines and check every rank saw the exact sum."""
+    found = {int(m.group(1)): m.groups() for m in _OK.finditer(output)}
+    assert sorted(found) == list(range(world)), output
+    for rank, (_, w, local, _, _, total) in found.items():
+        assert int(w) == world, output
+        assert float(total) == sum_expected, output
+        assert 0 <= int(local) < world, (rank, output)
+    return found
+
+
+def test_elastic_two_ranks_allreduce_on_loopback() -> None:
+    proc = _run(
+        [*_aps_launch(), "--nproc-per-node", "2", "--backend", "gloo", SCRIPT, "--check-loopback"],
+        _clean_env(),
+    )
+    assert proc.returncode == 0, proc.stdout + proc.stderr
+    ranks = _ranks(proc.stdout, world=2, sum_expected=3.0)
+    assert {r[2] for r in ranks.values()} == {"0", "1"}  # local ranks
+    assert all(r[3] == "gloo" and r[4] == "gloo" for r in ranks.values())  # APS_BACKEND reached
+
+
+def test_elastic_module_form_propagates_exit_code() -> None:
+    env = _clean_env(PYTHONPATH=os.pathsep.join([str(SCRIPTS), os.environ.get("PYTHONPATH", "")]))
+    proc = _run(
+        [*_aps_launch(), "--nproc-per-node", "2", "-m", "allreduce_check", "--fail-rank", "1"],
+        env,
+    )
+    _ranks(proc.stdout, world=2, sum_expected=3.0)  # both ran the module
+    assert proc.returncode == 3, proc.stdout + proc.stderr
+
+
+def _mpi_missing() -> str | None:
+    try:
+        import mpi4py  # noqa: F401
+    except ImportError:
+        return "mpi4py is not installed"
+    if shutil.which("mpirun") is None:
+        return "no mpirun on PATH"
+    return None
+
+
+@pytest.mark.mpi
+@pytest.mark.parametrize("via_launcher", [True, False], ids=["aps-launch--mpi", "init-only"])
+def test_mpi_two_ranks(via_launcher: bool) -> None:
+    reason = _mpi_missing()
+    if reason:
+        pytest.skip(reason)
+    launcher = [*_aps_launch(), "--mpi"] if via_launcher else [sys.executable]
+    cmd = ["mpirun", "-n", "2", *launcher, SCRIPT, "--check-loopback", "--world", "2"]
+    proc = _run(cmd, _clean_env())
+    assert proc.returncode == 0, proc.stdout + proc.stderr
+    _ranks(proc.stdout, world=2, sum_expected=3.0)
+
+
+@pytest.mark.parametrize("via_launcher", [True, False], ids=["aps-launch--slurm", "init-only"])
+def test_slurm_faked_two_tasks(via_launcher: bool) -> None:
+    port = str(_free_port())
+    common = {
+        "SLURM_NTASKS": "2",
+        "SLURM_NNODES": "1",
+        "SLURM_TASKS_PER_NODE": "2",
+        "SLURM_NODELIST": "localhost",
+        "SLURM_JOB_ID": "4242",
+    }
+    if via_launcher:
+        cmd = [*_aps_launch(), "--slurm", "--master-port", port, SCRIPT]
+    else:
+        cmd = [sys.executable, SCRIPT]
+        common["MASTER_PORT"] = port
+    cmd += ["--check-loopback", "--world", "2"]
+    procs = [
+        subprocess.Popen(
+            cmd,
+            env=_clean_env(**common, SLURM_PROCID=str(r), SLURM_LOCALID=str(r)),
+            stdout=subprocess.PIPE,
+            stderr=subprocess.PIPE,
+            text=True,
+        )
+        for r in (0, 1)
+    ]
+    outputs = []
+    try:
+        for p in procs:
+            out, err = p.communicate(timeout=TIMEOUT)
+            outputs.append(out + err)
+            assert p.returncode == 0, out + err
+    finally:
+        for p in procs:
+            p.kill()
+    _ranks("\n".join(outputs), world=2, sum_expected=3.0)
+
+
+def test_single_process_world_of_one() -> None:
+    proc = _run([sys.executable, SCRIPT, "--check-loopback", "--world", "1"], _clean_env())
+    assert proc.returncode == 0, proc.stdout + proc.stderr
+    ranks = _ranks(proc.stdout, world=1, sum_expected=1.0)
+    assert ranks[0][3] == "gloo"
+
+
+@pytest.mark.parametrize(
+    ("environ", "names"),
+    [
+        ({"RANK": "3", "WORLD_SIZE": "2"}, ["RANK=3", "WORLD_SIZE=2"]),
+        ({"RANK": "0"}, ["RANK", "WORLD_SIZE"]),
+        ({"WORLD_SIZE": "2"}, ["WORLD_SIZE", "RANK"]),
+        ({"RANK": "1", "WORLD_SIZE": "2", "MASTER_PORT": "29500"}, ["MASTER_ADDR"]),
+        ({"RANK": "1", "WORLD_SIZE": "2"}, ["MASTER_ADDR", "MASTER_PORT"]),
+        ({"RANK": "x", "WORLD_SIZE": "2"}, ["RANK='x'"]),
+        (
+            {"RANK": "0", "WORLD_SIZE": "2", "LOCAL_RANK": "2", "LOCAL_WORLD_SIZE": "2"},
+            ["LOCAL_RANK=2", "LOCAL_WORLD_SIZE=2"],
+        ),
+        ({"PMI_RANK": "0", "PMI_SIZE": "2"}, ["MPI_LOCALRANKID"]),
+        (
+            {
+                "OMPI_COMM_WORLD_RANK": "1",
+                "OMPI_COMM_WORLD_SIZE": "2",
+                "OMPI_COMM_WORLD_LOCAL_RANK": "1",
+                "OMPI_COMM_WORLD_LOCAL_SIZE": "2",
+            },
+            ["MASTER_ADDR", "MASTER_PORT"],
+        ),
+        ({"SLURM_PROCID": "2", "SLURM_NTASKS": "2"}, ["SLURM_PROCID=2", "SLURM_NTASKS=2"]),
+        ({"SLURM_PROCID": "0"}, ["SLURM_NTASKS"]),
+    ],
+)
+def test_inconsistent_env_names_the_variables(environ: dict[str, str], names: list[str]) -> None:
+    with pytest.raises(DistEnvError) as info:
+        detect_env(environ)
+    for name in names:
+        assert name in str(info.value)
+
+
+def test_init_distributed_raises_before_touching_torch(monkeypatch: pytest.MonkeyPatch) -> None:
+    if dist.is_initialized():
+        pytest.skip("another test left torch.distributed initialised in this process")
+    for key in list(os.environ):
+        if _JOB_VARS.match(key):
+            monkeypatch.delenv(key)
+    monkeypatch.setenv("RANK", "2")
+    monkeypatch.setenv("WORLD_SIZE", "2")
+    with pytest.raises(DistEnvError, match=r"RANK=2 must satisfy 0 <= RANK < WORLD_SIZE=2"):
+        init_distributed()
+    assert not dist.is_initialized()
+
+
+def test_detect_env_sources() -> None:
+    assert detect_env({}).source == "single"
+    torchrun = detect_env(
+        {
+            "RANK": "1",
+            "WORLD_SIZE": "4",
+            "LOCAL_RANK": "1",
+            "LOCAL_WORLD_SIZE": "2",
+            "MASTER_ADDR": "n1",
+            "MASTER_PORT": "29500",
+        }
+    )
+    assert (torchrun.rank, torchrun.world_size, torchrun.local_rank) == (1, 4, 1)
+    assert (torchrun.master_addr, torchrun.master_port, torchrun.source) == (
+        "n1",
+        29500,
+        "torchrun",
+    )
+    hydra = detect_env(
+        {
+            "PMI_RANK": "3",
+            "PMI_SIZE": "4",
+            "MPI_LOCALRANKID": "1",
+            "MPI_LOCALNRANKS": "2",
+            "MASTER_ADDR": "n1",
+            "MASTER_PORT": "1234",
+        }
+    )
+    assert (hydra.rank, hydra.local_rank, hydra.local_world_size, hydra.source) == (3, 1, 2, "mpi")
+
+
+def test_slurm_parsing() -> None:
+    assert slurm_env.first_host("gpu[07-09,12],login1") == "gpu07"
+    assert slurm_env.first_host("rack[2-3]-n[001-004]") == "rack2-n001"
+    assert slurm_env.first_host("single") == "single"
+    assert slurm_env.tasks_per_node("2(x3),1") == [2, 2, 2, 1]
+    assert slurm_env.port_from_job_id(123456) == slurm_env.port_from_job_id(123456 + 15000)
+    assert 15000 <= slurm_env.port_from_job_id(987654321) < 30000
+    env = from_slurm(
+        {
+            "SLURM_PROCID": "5",
+            "SLURM_NTASKS": "8",
+            "SLURM_LOCALID": "1",
+            "SLURM_NODEID": "1",
+            "SLURM_NNODES": "2",
+            "SLURM_TASKS_PER_NODE": "4(x2)",
+            "SLURM_JOB_ID": "77",
+            "SLURM_NODELIST": "node[03-04]",
+        }
+    )
+    assert (env.rank, env.world_size, env.local_rank, env.local_world_size) == (5, 8, 1, 4)
+    assert (env.master_addr, env.master_port) == ("node03", slurm_env.port_from_job_id(77))
+    one_node = from_slurm(
+        {
+            "SLURM_PROCID": "1",
+            "SLURM_NTASKS": "2",
+            "SLURM_NNODES": "1",
+            "SLURM_JOB_ID": "77",
+            "SLURM_NODELIST": "node03",
+            "MASTER_PORT": "1234",
+        }
+    )
+    assert (one_node.master_addr, one_node.master_port) == ("127.0.0.1", 1234)
+
+
+def test_torchrun_argv_rendezvous_choice() -> None:
+    local = torchrun_argv("t.py", ["-x"], nproc_per_node=2)
+    assert local[local.index("--rdzv-backend") + 1] == LOOPBACK_RDZV
+    assert local[local.index("--rdzv-endpoint") + 1] == "127.0.0.1:0"
+    assert local[-2:] == ["t.py", "-x"]
+    multi = torchrun_argv("t.py", [], nproc_per_node=4, nnodes="2", rdzv_endpoint="n1:29400")
+    assert multi[multi.index("--rdzv-backend") + 1] == "c10d"
+    static = torchrun_argv(
+        "t.py", [], nproc_per_node=4, nnodes="2", node_rank=1, master_addr="n1", master_port=1234
+    )
+    assert static[static.index("--rdzv-backend") + 1] == "static"
+    assert static[static.index("--rdzv-endpoint") + 1] == "n1:1234"
+    assert static[static.index("--node-rank") + 1] == "1"
+    with pytest.raises(ValueError, match="--rdzv-endpoint"):
+        torchrun_argv("t.py", [], nproc_per_node=4, nnodes="2")
+
+
+def test_cli_rejects_bad_combinations(capsys: pytest.CaptureFixture[str]) -> None:
+    assert cli_main(["--nnodes", "2", "t.py"]) == 2
+    assert "--rdzv-endpoint" in capsys.readouterr().err
+    with pytest.raises(SystemExit) as info:
+        cli_main(["--mpi", "--nproc-per-node", "2", "t.py"])
+    assert info.value.code == 2
+    assert "--nproc-per-node" in capsys.readouterr().err
+    with pytest.raises(SystemExit):
+        cli_main(["--mpi", "--slurm", "t.py"])
