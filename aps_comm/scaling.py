@@ -1,0 +1,114 @@
+"""Exponent rules of Auto Precision Scaling: one power of two per layer.
+
+Every rank computes each layer's largest magnitude, one MAX all-reduce agrees
+on it, and :func:`exponents` turns the agreed maxima into exponents ``e`` so
+that ``x * 2**e`` fits the wire format:
+
+- native low-precision all-reduce (the sum happens in the wire format):
+  ``e = floor(log2(FMAX / (N * amax)))``, so the N-way sum cannot overflow;
+- two-phase (FP32 accumulation on the shard owner):
+  ``e = floor(log2(FMAX / amax))``, log2(N) more bits for small values.
+
+Powers of two make scaling and unscaling exact. A zero layer gets ``e = 0``;
+a layer whose maximum is not finite gets ``e = 0`` and is reported through
+the ``finite`` mask so the caller can make it NaN on every rank.
+
+Example:
+    >>> amax = torch.tensor([1e-6, 3.0, 0.0, float("inf")])
+    >>> exponents(amax, E4M3, world_size=4, reduction="allreduce", scaling="layer")
+    tensor([26,  5,  0,  0], dtype=torch.int32)
+"""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+from typing import Literal
+
+import torch
+
+from aps_comm.formats import FloatFormat, _pow2, get_format
+
+__all__ = ["EXPONENT_LIMIT", "Scaling", "exponents", "layer_amax", "pow2"]
+
+Scaling = Literal["layer", "bucket", "none"]
+SCALINGS: tuple[str, ...] = ("layer", "bucket", "none")
+
+EXPONENT_LIMIT = 126
+"""Exponents are clamped to +-126 so that 2**e and 2**-e are normal float32."""
+
+
+def layer_amax(layers: Sequence[torch.Tensor]) -> torch.Tensor:
+    """max |x| of each tensor as a float32 vector; NaN becomes +inf, empty gives 0.
+
+    NaN is mapped to inf because MAX reductions may drop NaN (max(NaN, 1) can
+    be 1 depending on the backend); inf survives every MAX.
+
+    Example:
+        >>> layer_amax([torch.tensor([1.0, -3.0]), torch.tensor([float("nan")])])
+        tensor([3., inf])
+    """
+    out = torch.zeros(2, len(layers), dtype=torch.float32, device=_device(layers))
+    for i, t in enumerate(layers):
+        if t.numel():
+            # One read pass for both extremes; aminmax beats abs().max() and
+            # the foreach norms on CPU.
+            torch.aminmax(t, out=(out[0, i], out[1, i]))
+    amax = torch.maximum(out[1], out[0].neg_())
+    return amax.nan_to_num_(nan=float("inf"))
+
+
+def _device(layers: Sequence[torch.Tensor]) -> torch.device:
+    return layers[0].device if layers else torch.device("cpu")
+
+
+def exponents(
+    amax: torch.Tensor,
+    fmt: FloatFormat | str,
+    *,
+    world_size: int,
+    reduction: Literal["allreduce", "two_phase"],
+    scaling: Scaling = "layer",
+) -> torch.Tensor:
+    """Per-layer exponents ``e`` (int32) from the all-reduced maxima.
+
+    Args:
+        amax: float32 vector of every layer's max |g| over all ranks.
+        fmt: the wire format.
+        world_size: number of ranks N that sum.
+        reduction: "allreduce" (sum in the wire format: headroom for N) or
+            "two_phase" (sum in FP32: no headroom needed).
+        scaling: "layer" (one exponent per layer), "bucket" (one for all
+            layers, from the largest finite maximum), "none" (all zero).
+
+    Returns:
+        int32 tensor like ``amax``: the largest ``e`` with
+        ``headroom * amax * 2**e <= fmt.max``, clamped to +-126; 0 for zero
+        or non-finite maxima.
+    """
+    fmt = get_format(fmt)
+    if scaling not in SCALINGS:
+        raise ValueError(f"scaling must be one of {SCALINGS}, got {scaling!r}")
+    if reduction not in ("allreduce", "two_phase"):
+        raise ValueError(f"reduction must be 'allreduce' or 'two_phase', got {reduction!r}")
+    if scaling == "none":
+        return torch.zeros(amax.shape, dtype=torch.int32, device=amax.device)
+    a = amax.double()
+    usable = torch.isfinite(a) & (a > 0)
+    if scaling == "bucket":
+        finite_max = torch.where(usable, a, 0.0).max() if a.numel() else a.new_zeros(())
+        a = torch.where(usable, finite_max, a)
+    headroom = world_size if reduction == "allreduce" else 1
+    # float64 is exact here: amax has 24 significant bits, N < 2**29, 2**e is exact.
+    need = a * headroom
+    safe = torch.where(usable, need, 1.0)
+    e = torch.floor(torch.log2(fmt.max / safe))
+    # log2 of a rounded quotient can be off by one at powers of two: fix exactly.
+    e = torch.where(safe * torch.exp2(e) > fmt.max, e - 1, e)
+    e = torch.where(safe * torch.exp2(e + 1) <= fmt.max, e + 1, e)
+    e = torch.where(usable, e, 0.0).clamp_(-EXPONENT_LIMIT, EXPONENT_LIMIT)
+    return e.to(torch.int32)
+
+
+def pow2(e: torch.Tensor) -> torch.Tensor:
+    """2**e as float32, built from bits so it is exact (|e| <= 126)."""
+    return _pow2(e.to(torch.int32))
