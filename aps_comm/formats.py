@@ -373,15 +373,19 @@ def _check_encodable(x: torch.Tensor, fmt: FloatFormat) -> None:
 
 
 def _encode_torch(q: torch.Tensor, fmt: FloatFormat) -> torch.Tensor:
-    """Codes (int32) of already-quantized values; pure torch, any device."""
+    """Codes (int32) of already-quantized values; pure torch, any device.
+
+    Non-finite values map as in the compiled kernels: NaN to the NaN code (0
+    where the format has none), inf to the inf code, else NaN, else max.
+    """
     table = _positive_table(fmt, q.device)
     mag = torch.searchsorted(table, q.abs()).to(torch.int32)
     nan_code, inf_code = _special_codes(fmt)
-    if nan_code >= 0:
-        mag = torch.where(torch.isnan(q), nan_code, mag)
-    if inf_code >= 0:
-        mag = torch.where(torch.isinf(q), inf_code, mag)
-    sign = torch.signbit(q).to(torch.int32) << (fmt.bits - 1)
+    if inf_code < 0:
+        inf_code = nan_code if fmt.has_nan else len(table) - 1
+    mag = torch.where(torch.isinf(q), inf_code, mag)
+    mag = torch.where(torch.isnan(q), max(nan_code, 0), mag)
+    sign = (torch.signbit(q) & ~torch.isnan(q)).to(torch.int32) << (fmt.bits - 1)
     return mag | sign
 
 
