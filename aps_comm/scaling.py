@@ -7,7 +7,8 @@ that ``x * 2**e`` fits the wire format:
 - native low-precision all-reduce (the sum happens in the wire format):
   ``e = floor(log2(FMAX / (N * amax)))``, so the N-way sum cannot overflow;
 - two-phase (FP32 accumulation on the shard owner):
-  ``e = floor(log2(FMAX / amax))``, log2(N) more bits for small values.
+  ``e = floor(log2(FMAX / amax))``, log2(N) more bits for small values (and
+  never so large that the owner's FP32 sum of N values could overflow).
 
 Powers of two make scaling and unscaling exact. A zero layer gets ``e = 0``;
 a layer whose maximum is not finite gets ``e = 0`` and is reported through
@@ -54,7 +55,8 @@ def layer_amax(layers: Sequence[torch.Tensor]) -> torch.Tensor:
             # the foreach norms on CPU.
             torch.aminmax(t, out=(out[0, i], out[1, i]))
     amax = torch.maximum(out[1], out[0].neg_())
-    return amax.nan_to_num_(nan=float("inf"))
+    # Not nan_to_num: it would also turn +inf into float32's max.
+    return amax.masked_fill_(torch.isnan(amax), float("inf"))
 
 
 def _device(layers: Sequence[torch.Tensor]) -> torch.device:
@@ -97,16 +99,29 @@ def exponents(
     if scaling == "bucket":
         finite_max = torch.where(usable, a, 0.0).max() if a.numel() else a.new_zeros(())
         a = torch.where(usable, finite_max, a)
-    headroom = world_size if reduction == "allreduce" else 1
-    # float64 is exact here: amax has 24 significant bits, N < 2**29, 2**e is exact.
-    need = a * headroom
-    safe = torch.where(usable, need, 1.0)
-    e = torch.floor(torch.log2(fmt.max / safe))
-    # log2 of a rounded quotient can be off by one at powers of two: fix exactly.
-    e = torch.where(safe * torch.exp2(e) > fmt.max, e - 1, e)
-    e = torch.where(safe * torch.exp2(e + 1) <= fmt.max, e + 1, e)
+    if reduction == "allreduce":
+        e = _largest_exponent(torch.where(usable, a * world_size, 1.0), fmt.max)
+    else:
+        # The owner's FP32 sum of N scaled values must not overflow either:
+        # it matters for formats whose max is near float32's (BF16).
+        e = torch.minimum(
+            _largest_exponent(torch.where(usable, a, 1.0), fmt.max),
+            _largest_exponent(torch.where(usable, a * world_size, 1.0), _FLOAT32_MAX),
+        )
     e = torch.where(usable, e, 0.0).clamp_(-EXPONENT_LIMIT, EXPONENT_LIMIT)
     return e.to(torch.int32)
+
+
+_FLOAT32_MAX = float(torch.finfo(torch.float32).max)
+
+
+def _largest_exponent(need: torch.Tensor, limit: float) -> torch.Tensor:
+    """Largest integer e with need * 2**e <= limit (float64, exact)."""
+    # float64 is exact here: need has at most 24 + 29 significant bits.
+    e = torch.floor(torch.log2(limit / need))
+    # log2 of a rounded quotient can be off by one at powers of two: fix exactly.
+    e = torch.where(need * torch.exp2(e) > limit, e - 1, e)
+    return torch.where(need * torch.exp2(e + 1) <= limit, e + 1, e)
 
 
 def pow2(e: torch.Tensor) -> torch.Tensor:

@@ -21,6 +21,7 @@ from __future__ import annotations
 import datetime
 import multiprocessing as mp
 import os
+import pickle
 import queue
 import time
 import traceback
@@ -64,7 +65,9 @@ def _child(
             out = fn(rank, world_size, *args)
         finally:
             dist.destroy_process_group()
-        results.put((rank, True, out))
+        # Plain pickle, not torch's shared-memory reductions: those hand file
+        # descriptors over a socket that dies when this process exits.
+        results.put((rank, True, pickle.dumps(out)))
     except BaseException as exc:  # report everything, including SystemExit
         results.put((rank, False, f"{type(exc).__name__}: {exc}\n{traceback.format_exc()}"))
 
@@ -141,7 +144,7 @@ def run_distributed(
                     ) from None
                 continue
             if ok:
-                outputs[rank] = payload
+                outputs[rank] = pickle.loads(payload)
             else:
                 failures[rank] = payload
                 # The others are likely blocked in a collective with the failed

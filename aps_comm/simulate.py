@@ -1,0 +1,559 @@
+"""Simulated all-reduce over many virtual workers in one process (CPD, exact and fast).
+
+The APS authors wrote CPD to study number formats that hardware lacks on
+more workers than they had. This module does the same, bit for bit with the
+real hook: :func:`allreduce` takes every worker's gradients stacked along a
+leading dimension N and returns the averaged gradients every worker would
+end with, for any :class:`~aps_comm.formats.FloatFormat`, with the hook's
+scaling and exponent rules (:mod:`aps_comm.scaling`) and a choice of
+accumulation order. :class:`VirtualWorkers` trains a model as N data-parallel
+workers on one process (CPD's emulated nodes).
+
+Accumulation orders (``reduction``); ``q_r`` is worker r's scaled gradient
+rounded to the wire format, every addition is computed in float32 and
+rounded to the accumulator format (the wire format unless ``accumulator`` is
+given), which equals one correctly rounded addition in that format (double
+rounding is innocuous since float32 has at least 2p + 2 bits for p <= 11):
+
+- ``"two_phase"``: the hook's two-phase reduction. The shard owner sums in
+  FP32 in rank order, ``((q_0 + q_1) + ...) + q_{N-1}``, divides by N in
+  float32, rounds the mean to the wire format; result = that * 2**-e.
+- ``"ring"``: a native all-reduce in the wire format (reduce-scatter, then
+  all-gather), in exactly Gloo's order, so it reproduces
+  ``dist.all_reduce`` of FP16/BF16 tensors on Gloo bit for bit (see below).
+- ``"tree"``: a binary (binomial) tree: at step k rank r (a multiple of
+  2**(k+1)) adds the partial sum of rank r + 2**k; log2(N) steps.
+- ``"sequential"``: ``((q_0 + q_1) + q_2) + ...`` rounding every partial sum.
+
+For the three wire-format orders the exponent rule leaves headroom for the
+N-way sum (``reduction="allreduce"`` in :func:`~aps_comm.scaling.exponents`),
+the final sum is rounded to the wire format (what the all-gather carries)
+and multiplied by ``2**-e / N`` computed in float32 (one rounding), exactly
+as the hook's native path does. A partial sum beyond the format's range
+becomes inf in formats with inf (IEEE overflow, as Gloo's FP16 sum does)
+and saturates in formats without (e4m3fn, fp6, fp4); the workers' own
+contributions saturate, as the hook's encoder does. Layers whose maximum is
+not finite come back NaN everywhere; zero layers come back zero.
+
+Gloo's ring order (``gloo/allreduce.cc``, verified on torch's Gloo backend
+for 3 to 5 ranks, buffers of 10 to 8M FP16 elements, sizes that do and do
+not divide): the buffer of ``n`` elements of ``s`` bytes is cut into
+``S = roundUp(max(ceil(n*s / 1 MiB), 2*N), N)`` segments of
+``ceil(ceil(n*s / S) / s)`` elements (the last ones short or empty); rank c
+owns the ``S/N`` consecutive segments ``c*S/N ... (c+1)*S/N - 1`` (its
+"chunk"). Chunk c's partial sum starts at rank c-1 and travels down the
+ring, so its elements are summed as
+``(((x[c-1] + x[c-2]) + ...) + x[c+1]) + x[c]`` (ranks mod N), each addition
+rounded to FP16. Large buffers are pipelined in more segments (at most
+1 MiB each), which does not change this order but does move the chunk
+boundaries: with 3 ranks and 8,000,000 FP16 elements (16 MB, 18 segments of
+444,445) chunk 1 starts at element 2,666,670, not at ceil(n/3) = 2,666,667;
+with 4 ranks and 1001 elements the chunks are 252, 252, 252, 245 elements,
+not 251, 250, 250, 250. :func:`ring_chunks` gives the boundaries.
+
+All layers passed to one call form one bucket: the ring's chunks run over
+their concatenation, and ``scaling="bucket"`` shares one exponent among them.
+
+Example:
+    >>> g = torch.randn(64, 1000) * 1e-3                # 64 workers, one layer
+    >>> [avg] = allreduce([g], "e4m3", reduction="ring")
+    >>> float((avg - g.mean(0)).norm() / g.mean(0).norm()) < 0.1
+    True
+"""
+
+from __future__ import annotations
+
+import dataclasses
+from collections.abc import Callable, Sequence
+from typing import Literal
+
+import numpy as np
+import torch
+import torch.nn as nn
+
+from aps_comm import _kernels
+from aps_comm.formats import (
+    FP32,
+    FloatFormat,
+    Rounding,
+    _decode_into,
+    _encode_into,
+    _use_kernels,
+    get_format,
+    payload_nbytes,
+    quantize,
+)
+from aps_comm.scaling import Scaling, exponents, layer_amax, pow2
+
+__all__ = [
+    "GLOO_MAX_SEGMENT_BYTES",
+    "ORDERS",
+    "Order",
+    "SimConfig",
+    "VirtualWorkers",
+    "allreduce",
+    "ring_chunks",
+]
+
+Order = Literal["two_phase", "ring", "tree", "sequential"]
+ORDERS: tuple[str, ...] = ("two_phase", "ring", "tree", "sequential")
+
+GLOO_MAX_SEGMENT_BYTES = 1 << 20
+"""Gloo's ``AllreduceOptions::kMaxSegmentSize``: the largest message of its ring."""
+
+# Elements (workers x layer slice) processed at once: bounds the temporaries
+# to a few hundred MB for N = 256 while keeping every op large enough to be
+# bandwidth-bound.
+_BLOCK_ELEMENTS = 1 << 23
+
+
+@dataclasses.dataclass(frozen=True)
+class SimConfig:
+    """How the simulated workers communicate (the arguments of :func:`allreduce`).
+
+    Attributes:
+        fmt: wire format.
+        reduction: accumulation order, one of :data:`ORDERS`.
+        scaling: "layer" (APS), "bucket" or "none".
+        accumulator: format of the running sum (CPD's mid-result precision);
+            None: FP32 for "two_phase", the wire format otherwise.
+        kahan: Kahan-compensated accumulation (the compensation is kept in
+            the accumulator format).
+        rounding: "nearest" (even) or "stochastic", for every rounding to a
+            format narrower than float32.
+
+    Example:
+        >>> cfg = SimConfig("e5m2", reduction="ring", accumulator="fp16")
+        >>> cfg.accumulator.name
+        'fp16'
+    """
+
+    fmt: FloatFormat | str = "e4m3"
+    reduction: Order = "two_phase"
+    scaling: Scaling = "layer"
+    accumulator: FloatFormat | str | None = None
+    kahan: bool = False
+    rounding: Rounding = "nearest"
+
+    def __post_init__(self) -> None:
+        object.__setattr__(self, "fmt", get_format(self.fmt))
+        if self.accumulator is not None:
+            object.__setattr__(self, "accumulator", get_format(self.accumulator))
+        if self.reduction not in ORDERS:
+            raise ValueError(f"reduction must be one of {ORDERS}, got {self.reduction!r}")
+        if self.scaling not in ("layer", "bucket", "none"):
+            raise ValueError(f"scaling must be 'layer', 'bucket' or 'none', got {self.scaling!r}")
+        if self.rounding not in ("nearest", "stochastic"):
+            raise ValueError(f"rounding must be 'nearest' or 'stochastic', got {self.rounding!r}")
+
+
+def ring_chunks(
+    numel: int,
+    world_size: int,
+    element_bytes: int,
+    max_segment_bytes: int = GLOO_MAX_SEGMENT_BYTES,
+) -> list[int]:
+    """Start offsets of Gloo's ring chunks (the element ranges each rank reduces).
+
+    Args:
+        numel: elements in the all-reduced buffer.
+        world_size: number of ranks N.
+        element_bytes: bytes per element of the buffer's dtype (2 for FP16).
+        max_segment_bytes: Gloo's largest message, 1 MiB.
+
+    Returns:
+        N + 1 offsets: rank c reduces elements ``[out[c], out[c+1])``, which
+        may be empty for the last ranks.
+
+    Example:
+        >>> ring_chunks(1001, 4, 2)
+        [0, 252, 504, 756, 1001]
+    """
+    if numel <= 0 or world_size <= 0 or element_bytes <= 0:
+        raise ValueError("numel, world_size and element_bytes must be positive")
+    total = numel * element_bytes
+    seg_cap = element_bytes * max(1, max_segment_bytes // element_bytes)
+    n_seg = _ceil_div(max(_ceil_div(total, seg_cap), 2 * world_size), world_size) * world_size
+    seg_bytes = _ceil_div(_ceil_div(total, n_seg), element_bytes) * element_bytes
+    chunk = (n_seg // world_size) * (seg_bytes // element_bytes)
+    return [min(c * chunk, numel) for c in range(world_size)] + [numel]
+
+
+def _ceil_div(a: int, b: int) -> int:
+    return -(-a // b)
+
+
+def _element_bytes(fmt: FloatFormat) -> int:
+    # A 4-bit format has no native sum anywhere; count it as one byte.
+    return max(1, fmt.wire_bits // 8)
+
+
+# ---------------------------------------------------------------------------
+# rounding
+
+
+def _wire_round(
+    fmt: FloatFormat, rounding: Rounding, generator: torch.Generator | None, *, overflow: bool
+) -> Callable[..., torch.Tensor]:
+    """A function ``rnd(x, scale=None)`` rounding float32 ``x * scale`` to ``fmt`` (in float32).
+
+    ``overflow=False`` saturates (the encoder of a worker's contribution);
+    ``overflow=True`` turns results beyond the range into inf where the
+    format has inf (an adder's overflow).
+    """
+    if fmt == FP32:
+        return lambda x, scale=None: x if scale is None else x * scale
+    # Round to nearest even takes |x| >= max + half an ulp past max (max's
+    # mantissa is odd in "ieee" formats); stochastic rounding anything past max.
+    half_ulp = 2.0 ** (fmt._emax - fmt.man_bits - 1) if rounding == "nearest" else 0.0
+    limit = fmt.max + half_ulp
+
+    def rnd(x: torch.Tensor, scale: torch.Tensor | None = None) -> torch.Tensor:
+        if rounding == "nearest" and _use_kernels(x, fmt):
+            # The codec's compiled encoder (RNE, saturating, scale fused) and
+            # decoder: two passes, 20x faster than the generic quantize().
+            flat = x.contiguous().view(-1)
+            segments = None
+            if scale is not None:
+                factor = scale.reshape(1).cpu().numpy()
+                segments = _kernels.Segments(np.array([0, flat.numel()], np.int64), factor)
+            codes = torch.empty(payload_nbytes(flat.numel(), fmt), dtype=torch.uint8)
+            _encode_into(flat, fmt, codes, segments)
+            q = torch.empty_like(flat)
+            _decode_into(codes, fmt, q)
+            q = q.view(x.shape)
+        else:
+            x = x if scale is None else x * scale
+            q = quantize(x, fmt, rounding=rounding, generator=generator)
+        if overflow and fmt.has_inf:
+            big = x.abs() if scale is None else (x * scale).abs()
+            if float(big.max()) >= limit if big.numel() else False:
+                over = big >= limit if rounding == "nearest" else big > limit
+                inf = torch.copysign(torch.full_like(q, float("inf")), q)
+                q = torch.where(over, inf, q)
+        return q
+
+    return rnd
+
+
+@dataclasses.dataclass
+class _Acc:
+    """A partial sum with its Kahan compensation (``value - comp`` is the estimate)."""
+
+    value: torch.Tensor
+    comp: torch.Tensor | None
+
+
+def _add(a: _Acc, b: _Acc, rnd: Callable[[torch.Tensor], torch.Tensor]) -> _Acc:
+    """a + b, every operation rounded by ``rnd``; Kahan-compensated when a carries comp."""
+    if a.comp is None:
+        return _Acc(rnd(a.value + b.value), None)
+    # Kahan's step generalised to two compensated operands (the tree adds
+    # two partial sums); with b.comp = 0 it is the textbook recurrence.
+    comp = a.comp if b.comp is None else rnd(a.comp + b.comp)
+    y = rnd(b.value - comp)
+    t = rnd(a.value + y)
+    return _Acc(t, rnd(rnd(t - a.value) - y))
+
+
+def _start(x: torch.Tensor, kahan: bool) -> _Acc:
+    return _Acc(x, torch.zeros_like(x) if kahan else None)
+
+
+# ---------------------------------------------------------------------------
+# accumulation orders over the leading (worker) dimension
+
+
+def _sum_sequential(q: torch.Tensor, rnd: Callable, kahan: bool) -> torch.Tensor:
+    acc = _start(q[0], kahan)
+    for r in range(1, q.shape[0]):
+        acc = _add(acc, _Acc(q[r], None), rnd)
+    return acc.value
+
+
+def _sum_tree(q: torch.Tensor, rnd: Callable, kahan: bool) -> torch.Tensor:
+    parts = _start(q, kahan)
+    while parts.value.shape[0] > 1:
+        n = parts.value.shape[0]
+        even = n - n % 2
+        left = _Acc(parts.value[0:even:2], None if parts.comp is None else parts.comp[0:even:2])
+        right = _Acc(parts.value[1:even:2], None if parts.comp is None else parts.comp[1:even:2])
+        merged = _add(left, right, rnd)
+        if n % 2:  # the last rank has no partner at this step: it moves up unchanged
+            merged = _Acc(
+                torch.cat([merged.value, parts.value[-1:]]),
+                None if merged.comp is None else torch.cat([merged.comp, parts.comp[-1:]]),
+            )
+        parts = merged
+    return parts.value[0]
+
+
+def _sum_ring(q: torch.Tensor, owner: torch.Tensor, rnd: Callable, kahan: bool) -> torch.Tensor:
+    """Gloo's reduce-scatter: element i is summed from rank owner[i]-1 downwards."""
+    n = q.shape[0]
+    if n == 1:
+        return q[0]
+
+    def rank_row(k: int) -> torch.Tensor:
+        # Row (owner - k) mod N of every column: one gather per hop.
+        return q.gather(0, ((owner - k) % n).unsqueeze(0)).squeeze(0)
+
+    acc = _start(rank_row(1), kahan)
+    for k in [*range(2, n), 0]:
+        acc = _add(acc, _Acc(rank_row(k), None), rnd)
+    return acc.value
+
+
+# ---------------------------------------------------------------------------
+# allreduce
+
+
+def allreduce(
+    layers: Sequence[torch.Tensor],
+    fmt: FloatFormat | str,
+    *,
+    reduction: Order = "two_phase",
+    scaling: Scaling = "layer",
+    accumulator: FloatFormat | str | None = None,
+    kahan: bool = False,
+    rounding: Rounding = "nearest",
+    generator: torch.Generator | None = None,
+) -> list[torch.Tensor]:
+    """Average N virtual workers' gradients as the APS hook would, in any format and order.
+
+    Args:
+        layers: one tensor per parameter, shape ``(N, *param_shape)``: slice
+            r is worker r's gradient. They form one bucket, in this order.
+        fmt: wire format (a FloatFormat or a name).
+        reduction: accumulation order: "two_phase", "ring", "tree" or
+            "sequential" (see the module docstring).
+        scaling: "layer" (APS), "bucket" or "none", as in the hook.
+        accumulator: format of the running sum; None: FP32 for "two_phase",
+            the wire format for the others.
+        kahan: Kahan-compensated accumulation in the accumulator format.
+        rounding: "nearest" or "stochastic", for every rounding to a format
+            narrower than float32 (contributions, partial sums, the result).
+        generator: random generator for stochastic rounding.
+
+    Returns:
+        One float32 tensor per layer, shape ``param_shape``: the averaged
+        gradient every worker ends with.
+
+    Example:
+        >>> g = torch.randn(4, 3, 5)
+        >>> [avg] = allreduce([g], "fp32")
+        >>> torch.allclose(avg, g.mean(0))
+        True
+    """
+    cfg = SimConfig(fmt, reduction, scaling, accumulator, kahan, rounding)
+    fmt = cfg.fmt  # type: ignore[assignment]
+    assert isinstance(fmt, FloatFormat)
+    layers = list(layers)
+    if not layers:
+        return []
+    n = _check_layers(layers)
+    two_phase = reduction == "two_phase"
+    acc_fmt = cfg.accumulator or (FP32 if two_phase else fmt)
+    assert isinstance(acc_fmt, FloatFormat)
+    flat = [t.detach().reshape(n, -1) for t in layers]
+
+    amax = layer_amax(flat)
+    rule = "two_phase" if two_phase else "allreduce"
+    e = exponents(amax, fmt, world_size=n, reduction=rule, scaling=scaling)  # type: ignore[arg-type]
+    scale = pow2(e)
+    # The hook's unscale factors: exact for two_phase, one float32 rounding otherwise.
+    unscale = pow2(-e) if two_phase else pow2(-e) / n
+    finite = torch.isfinite(amax).tolist()
+
+    encode = _wire_round(fmt, rounding, generator, overflow=False)
+    hop = _wire_round(acc_fmt, rounding, generator, overflow=True)
+    final = _wire_round(fmt, rounding, generator, overflow=not two_phase)
+    if not two_phase and cfg.accumulator is None:
+        # The partial sums already are wire-format values: rounding again is the identity.
+        final = _identity
+    chunks = ring_chunks(sum(f.shape[1] for f in flat) or 1, n, _element_bytes(fmt))
+    chunk_starts = torch.tensor(chunks[1:-1], dtype=torch.int64)
+
+    out: list[torch.Tensor] = []
+    offset = 0
+    for i, x in enumerate(flat):
+        m = x.shape[1]
+        res = torch.empty(m, dtype=torch.float32, device=x.device)
+        if not finite[i]:
+            res.fill_(float("nan"))
+        step = max(1, _BLOCK_ELEMENTS // n)
+        for lo in range(0 if finite[i] else m, m, step):
+            hi = min(m, lo + step)
+            q = encode(x[:, lo:hi].float(), scale[i])
+            if reduction == "sequential" or two_phase:
+                s = _sum_sequential(q, hop, kahan)
+            elif reduction == "tree":
+                s = _sum_tree(q, hop, kahan)
+            else:
+                idx = torch.arange(offset + lo, offset + hi, device=x.device)
+                owner = torch.bucketize(idx, chunk_starts.to(x.device), right=True)
+                s = _sum_ring(q, owner, hop, kahan)
+            if two_phase:
+                res[lo:hi] = final(s / n) * unscale[i]
+            else:
+                res[lo:hi] = final(s) * unscale[i]
+        out.append(res.view(layers[i].shape[1:]))
+        offset += m
+    return out
+
+
+def _identity(x: torch.Tensor) -> torch.Tensor:
+    return x
+
+
+def _check_layers(layers: Sequence[torch.Tensor]) -> int:
+    """The common number of workers N; raises on malformed input."""
+    for t in layers:
+        if not isinstance(t, torch.Tensor) or not t.is_floating_point():
+            raise TypeError("every layer must be a floating-point tensor")
+        if t.dim() < 1:
+            raise ValueError("every layer needs a leading worker dimension N")
+    n = layers[0].shape[0]
+    if n < 1 or any(t.shape[0] != n for t in layers):
+        shapes = [tuple(t.shape) for t in layers]
+        raise ValueError(f"all layers need the same leading dimension N >= 1, got {shapes}")
+    return n
+
+
+# ---------------------------------------------------------------------------
+# virtual workers
+
+
+class VirtualWorkers:
+    """Train ``model`` as N data-parallel workers on one process (CPD's emulated nodes).
+
+    Each call to :meth:`backward` splits the batch into N equal micro-batches
+    (worker r gets rows ``r*B/N ... (r+1)*B/N - 1``), computes every worker's
+    gradient of its mean micro-batch loss, averages them with
+    :func:`allreduce` under ``config`` and stores the result in each
+    parameter's ``.grad``, as DDP with the APS hook would. The per-worker
+    gradients come from one vectorised pass (``torch.func.vmap``) when the
+    model allows it, else from N backward passes; models with buffers that
+    training updates (BatchNorm) need ``vectorize=False``.
+
+    Args:
+        model: the model; every worker holds the same replica.
+        world_size: number of virtual workers N.
+        config: the communication settings.
+        generator: random generator for stochastic rounding.
+        vectorize: compute the N gradients with ``vmap`` (fast) or a loop.
+
+    Attributes:
+        last_worker_grads: the per-worker gradients of the last step, one
+            ``(N, *shape)`` tensor per trainable parameter (for studies).
+
+    Example:
+        >>> model = nn.Linear(8, 2)
+        >>> vw = VirtualWorkers(model, 64, SimConfig("e2m1"))
+        >>> x, y = torch.randn(128, 8), torch.randint(0, 2, (128,))
+        >>> loss = vw.backward(nn.functional.cross_entropy, x, y)
+        >>> opt = torch.optim.SGD(model.parameters(), lr=0.1); opt.step()
+    """
+
+    def __init__(
+        self,
+        model: nn.Module,
+        world_size: int,
+        config: SimConfig | None = None,
+        *,
+        generator: torch.Generator | None = None,
+        vectorize: bool = True,
+    ) -> None:
+        if world_size < 1:
+            raise ValueError(f"world_size must be >= 1, got {world_size}")
+        self.model = model
+        self.world_size = world_size
+        self.config = config or SimConfig()
+        self.generator = generator
+        self.vectorize = vectorize
+        self.last_worker_grads: list[torch.Tensor] = []
+
+    def worker_grads(
+        self,
+        loss_fn: Callable[[torch.Tensor, torch.Tensor], torch.Tensor],
+        inputs: torch.Tensor,
+        targets: torch.Tensor,
+    ) -> tuple[list[torch.Tensor], torch.Tensor]:
+        """Every worker's gradients (one ``(N, *shape)`` tensor per parameter) and mean loss.
+
+        Raises:
+            ValueError: the batch does not split into N equal micro-batches.
+        """
+        n, b = self.world_size, inputs.shape[0]
+        if b % n or b == 0:
+            raise ValueError(f"batch of {b} does not split into {n} equal micro-batches")
+        xs = inputs.reshape(n, b // n, *inputs.shape[1:])
+        ys = targets.reshape(n, b // n, *targets.shape[1:])
+        names = [k for k, p in self.model.named_parameters() if p.requires_grad]
+        if self.vectorize:
+            grads, losses = self._vmapped(loss_fn, xs, ys, names)
+        else:
+            grads, losses = self._looped(loss_fn, xs, ys, names)
+        return grads, losses.mean()
+
+    def _vmapped(
+        self, loss_fn: Callable, xs: torch.Tensor, ys: torch.Tensor, names: list[str]
+    ) -> tuple[list[torch.Tensor], torch.Tensor]:
+        from torch.func import functional_call, grad_and_value, vmap
+
+        params = {k: p.detach() for k, p in self.model.named_parameters() if p.requires_grad}
+        buffers = dict(self.model.named_buffers())
+
+        def one(p: dict[str, torch.Tensor], x: torch.Tensor, y: torch.Tensor) -> torch.Tensor:
+            return loss_fn(functional_call(self.model, (p, buffers), (x,)), y)
+
+        g, losses = vmap(grad_and_value(one), in_dims=(None, 0, 0))(params, xs, ys)
+        return [g[k] for k in names], losses
+
+    def _looped(
+        self, loss_fn: Callable, xs: torch.Tensor, ys: torch.Tensor, names: list[str]
+    ) -> tuple[list[torch.Tensor], torch.Tensor]:
+        params = dict(self.model.named_parameters())
+        per: list[list[torch.Tensor]] = [[] for _ in names]
+        losses = []
+        for x, y in zip(xs, ys, strict=True):
+            loss = loss_fn(self.model(x), y)
+            gs = torch.autograd.grad(loss, [params[k] for k in names], allow_unused=True)
+            for j, (k, gk) in enumerate(zip(names, gs, strict=True)):
+                per[j].append(torch.zeros_like(params[k]) if gk is None else gk)
+            losses.append(loss.detach())
+        return [torch.stack(p) for p in per], torch.stack(losses)
+
+    def backward(
+        self,
+        loss_fn: Callable[[torch.Tensor, torch.Tensor], torch.Tensor],
+        inputs: torch.Tensor,
+        targets: torch.Tensor,
+    ) -> torch.Tensor:
+        """Compute N workers' gradients, all-reduce them (simulated), set ``.grad``.
+
+        Args:
+            loss_fn: ``loss_fn(model(x), y)``, a mean over the micro-batch.
+            inputs: the global batch, ``B`` rows, B divisible by N.
+            targets: the matching targets.
+
+        Returns:
+            The mean of the workers' losses (a detached scalar).
+        """
+        grads, loss = self.worker_grads(loss_fn, inputs, targets)
+        self.last_worker_grads = grads
+        cfg = self.config
+        averaged = allreduce(
+            grads,
+            cfg.fmt,
+            reduction=cfg.reduction,
+            scaling=cfg.scaling,
+            accumulator=cfg.accumulator,
+            kahan=cfg.kahan,
+            rounding=cfg.rounding,
+            generator=self.generator,
+        )
+        trainable = [p for p in self.model.parameters() if p.requires_grad]
+        for p, g in zip(trainable, averaged, strict=True):
+            p.grad = g.to(p.dtype)
+        return loss.detach()

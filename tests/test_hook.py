@@ -1,0 +1,505 @@
+"""The APS hook on real DDP, multi-rank on Gloo, against exact references.
+
+Every reference is computed from all ranks' raw bucket contents with the
+formats and scaling modules (themselves checked against ml_dtypes), never
+from the hook's own code path.
+"""
+
+import itertools
+import math
+
+import pytest
+import torch
+import torch.distributed as dist
+import torch.nn as nn
+from torch.distributed.algorithms.ddp_comm_hooks import default_hooks
+from torch.nn.parallel import DistributedDataParallel as DDP
+
+from aps_comm import APSState, aps_hook, register
+from aps_comm.formats import FloatFormat, get_format, quantize
+from aps_comm.scaling import exponents, layer_amax, pow2
+from aps_comm.testing import DistributedTestError, run_distributed
+
+# (format, reduction, scaling): every combination the hook offers on Gloo.
+CASES = [
+    ("e4m3", "two_phase", "layer"),
+    ("e4m3", "two_phase", "bucket"),
+    ("e4m3", "two_phase", "none"),
+    ("e5m2", "two_phase", "layer"),
+    ("fp16", "allreduce", "layer"),
+    ("fp16", "allreduce", "bucket"),
+    ("fp16", "allreduce", "none"),
+    ("bf16", "allreduce", "layer"),
+    ("fp16", "two_phase", "layer"),
+    ("bf16", "two_phase", "bucket"),
+    ("e2m1", "two_phase", "layer"),
+    ("e3m2", "two_phase", "layer"),
+    (FloatFormat(5, 1, bias=12, specials="fn"), "two_phase", "layer"),
+]
+
+
+class _Net(nn.Module):
+    """Parameter sizes are multiples of 4 so buckets split evenly over 4 ranks."""
+
+    def __init__(self, *, unused: bool = False, empty: bool = False, zero: bool = False) -> None:
+        super().__init__()
+        self.a = nn.Linear(16, 32)
+        self.b = nn.Linear(32, 32)
+        self.c = nn.Linear(32, 8)
+        self.unused = nn.Linear(4, 4) if unused else None
+        self.empty = nn.Parameter(torch.empty(0)) if empty else None
+        # A layer whose gradient is exactly zero on every rank.
+        self.z = nn.Parameter(torch.ones(4)) if zero else None
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        h = torch.relu(self.a(x))
+        # Different gradient magnitudes per layer, so exponents differ.
+        h = torch.relu(self.b(h)) * 1e-3
+        out = self.c(h)
+        if self.z is not None:
+            out = out + 0.0 * self.z.sum()
+        if self.empty is not None:
+            out = out + self.empty.sum()
+        return out
+
+
+def _capture(state: APSState, log: list):
+    """A hook that records each bucket's raw input and output around aps_hook."""
+
+    def hook(st: APSState, bucket: dist.GradBucket) -> torch.futures.Future[torch.Tensor]:
+        raw = bucket.buffer().detach().clone()
+        numels = [p.numel() for p in bucket.parameters()]
+        fut = aps_hook(st, bucket)
+
+        def save(f: torch.futures.Future) -> torch.Tensor:
+            out = f.value()
+            log.append((bucket.index(), raw, numels, out.detach().clone()))
+            return out
+
+        return fut.then(save)
+
+    return hook
+
+
+def _gloo_ring_sum(q: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
+    """Sum rows of ``q`` (N, n) in the order Gloo's ring all-reduce uses.
+
+    Chunk c of N equal chunks accumulates ranks c-1, c-2, ..., c+1, then c,
+    each addition in float32 rounded back to ``dtype`` (measured on Gloo).
+    """
+    n_ranks, n = q.shape
+    wire = q.to(dtype)
+    if n_ranks == 1:
+        return wire[0].float()
+    assert n % n_ranks == 0, "test buckets are sized to split evenly"
+    size = n // n_ranks
+    out = torch.empty(n, dtype=dtype)
+    for c in range(n_ranks):
+        sl = slice(c * size, (c + 1) * size)
+        order = [(c - k) % n_ranks for k in range(1, n_ranks)] + [c]
+        acc = wire[order[0], sl]
+        for r in order[1:]:
+            acc = (acc.float() + wire[r, sl].float()).to(dtype)
+        out[sl] = acc
+    return out.float()
+
+
+def reference(
+    raws: torch.Tensor, numels: list[int], fmt: FloatFormat, reduction: str, scaling: str
+) -> torch.Tensor:
+    """The exact averaged bucket from all ranks' raw buckets (N, n)."""
+    n_ranks = raws.shape[0]
+    raws = raws.float()
+    bounds = [0, *torch.cumsum(torch.tensor(numels), 0).tolist()]
+    layers = [raws[:, lo:hi] for lo, hi in itertools.pairwise(bounds)]
+    amax = layer_amax([layer.reshape(-1) for layer in layers])
+    exps = exponents(amax, fmt, world_size=n_ranks, reduction=reduction, scaling=scaling)
+    q = torch.cat(
+        [quantize(layer * pow2(e), fmt) for layer, e in zip(layers, exps, strict=True)], dim=1
+    )
+    if reduction == "two_phase":
+        acc = q[0].clone()
+        for r in range(1, n_ranks):
+            acc = acc + q[r]
+        reduced = quantize(acc / n_ranks, fmt)
+        factors = pow2(-exps)
+    else:
+        reduced = _gloo_ring_sum(q, fmt.torch_dtype)
+        factors = pow2(-exps) / n_ranks
+    out = torch.empty(raws.shape[1])
+    for (lo, hi), f, a in zip(itertools.pairwise(bounds), factors, amax, strict=True):
+        out[lo:hi] = reduced[lo:hi] * f if math.isfinite(a) else float("nan")
+    return out
+
+
+def _gather(t: torch.Tensor) -> torch.Tensor:
+    parts = [torch.empty_like(t) for _ in range(dist.get_world_size())]
+    dist.all_gather(parts, t.contiguous())
+    return torch.stack(parts)
+
+
+def _check_log(log: list, fmt: FloatFormat, reduction: str, scaling: str, dtype=None) -> int:
+    """Compare every captured bucket with the reference; returns buckets checked."""
+    assert log, "the hook never ran"
+    for _, raw, numels, out in sorted(log, key=lambda item: item[0]):
+        raws = _gather(raw)
+        expected = reference(raws, numels, fmt, reduction, scaling)
+        if dtype is not None and dtype != torch.float32:
+            expected = expected.to(dtype)
+        got = out.float() if dtype is None else out
+        ok = torch.equal(got.nan_to_num(nan=7.0), expected.to(got.dtype).nan_to_num(nan=7.0))
+        assert ok, f"bucket mismatch: max diff {(got.float() - expected.float()).abs().max()}"
+        # Bitwise identical on every rank.
+        outs = _gather(out.float())
+        assert torch.equal(outs.nan_to_num(nan=7.0), outs[:1].expand_as(outs).nan_to_num(nan=7.0))
+    return len(log)
+
+
+def _run_case(rank: int, world_size: int, cases: list, steps: int = 2) -> int:
+    checked = 0
+    for fmt_spec, reduction, scaling in cases:
+        fmt = get_format(fmt_spec)
+        torch.manual_seed(0)
+        model = _Net()
+        ddp = DDP(model, bucket_cap_mb=0.004)  # several buckets
+        state = APSState(fmt, reduction=reduction, scaling=scaling)
+        log: list = []
+        ddp.register_comm_hook(state, _capture(state, log))
+        opt = torch.optim.SGD(ddp.parameters(), lr=0.1)
+        for step in range(steps):
+            torch.manual_seed(1000 * step + rank)
+            x = torch.randn(8, 16) * (rank + 1)
+            opt.zero_grad()
+            ddp(x).pow(2).sum().backward()
+            checked += _check_log(log, fmt, reduction, scaling)
+            # What DDP wrote into .grad is the hook's output.
+            for p in model.parameters():
+                assert torch.isfinite(p.grad).all()
+            log.clear()
+            opt.step()
+        assert state.reduction == reduction
+    return checked
+
+
+@pytest.mark.parametrize("world_size", [2, 4])
+def test_matches_exact_reference(world_size: int) -> None:
+    checked = run_distributed(_run_case, world_size, args=(CASES,), timeout=240)
+    assert all(c >= 2 * len(CASES) for c in checked)
+
+
+def _fp32_vs_allreduce_hook(rank: int, world_size: int) -> bool:
+    grads = []
+    for use_aps in (False, True):
+        torch.manual_seed(0)
+        model = _Net()
+        ddp = DDP(model, bucket_cap_mb=0.004)
+        if use_aps:
+            register(ddp, fmt="fp32")
+        else:
+            ddp.register_comm_hook(None, default_hooks.allreduce_hook)
+        torch.manual_seed(rank)
+        ddp(torch.randn(8, 16)).pow(2).sum().backward()
+        grads.append(torch.cat([p.grad.reshape(-1) for p in model.parameters()]))
+    return torch.equal(grads[0].view(torch.int32), grads[1].view(torch.int32))
+
+
+def test_fp32_is_allreduce_hook_bit_for_bit() -> None:
+    assert all(run_distributed(_fp32_vs_allreduce_hook, 4))
+
+
+def _big_gradients(rank: int, world_size: int) -> dict:
+    out = {}
+    for name in ("torch_fp16", "aps_fp16"):
+        lin = nn.Linear(4, 1, bias=False)
+        with torch.no_grad():
+            lin.weight.zero_()
+        ddp = DDP(lin)
+        if name == "torch_fp16":
+            ddp.register_comm_hook(None, default_hooks.fp16_compress_hook)
+        else:
+            register(ddp, fmt="fp16", reduction="allreduce")
+        x = torch.full((1, 4), 1e5)  # d(sum(w x))/dw = 1e5, beyond FP16's range
+        ddp(x).sum().backward()
+        out[name] = lin.weight.grad.clone()
+    return out
+
+
+def test_fp16_does_not_overflow_where_fp16_compress_hook_does() -> None:
+    results = run_distributed(_big_gradients, 4)
+    for r in results:
+        assert torch.isinf(r["torch_fp16"]).all()
+        got = r["aps_fp16"]
+        assert torch.isfinite(got).all()
+        # Within FP16 rounding (relative 2**-11) of the true mean, 1e5.
+        assert torch.allclose(got, torch.full_like(got, 1e5), rtol=2**-10, atol=0)
+
+
+def _nonfinite(rank: int, world_size: int, fmt: str, reduction: str) -> dict:
+    torch.manual_seed(0)
+    model = _Net()
+    ddp = DDP(model)
+    state = APSState(fmt, reduction=reduction)
+    log: list = []
+    ddp.register_comm_hook(state, _capture(state, log))
+    torch.manual_seed(rank)
+    out = ddp(torch.randn(8, 16))
+    loss = out.pow(2).sum()
+    if rank == 1:
+        # A NaN (or inf) reaching only layer b's weight gradient on rank 1.
+        bad = float("nan") if fmt == "e4m3" else float("inf")
+        model.b.weight.register_hook(lambda g: g.index_fill(0, torch.tensor([3]), bad))
+    loss.backward()
+    fmt_obj = get_format(fmt)
+    _check_log(log, fmt_obj, reduction, "layer")
+    return {
+        "b_weight_all_nan": bool(torch.isnan(model.b.weight.grad).all()),
+        "others_finite": all(
+            bool(torch.isfinite(p.grad).all())
+            for n, p in model.named_parameters()
+            if n != "b.weight"
+        ),
+    }
+
+
+@pytest.mark.parametrize(("fmt", "reduction"), [("e4m3", "two_phase"), ("fp16", "allreduce")])
+def test_nonfinite_layer_is_nan_everywhere_and_others_exact(fmt: str, reduction: str) -> None:
+    for r in run_distributed(_nonfinite, 4, args=(fmt, reduction)):
+        assert r == {"b_weight_all_nan": True, "others_finite": True}
+
+
+def _grad_scaler(rank: int, world_size: int) -> list:
+    torch.manual_seed(0)
+    model = _Net()
+    ddp = DDP(model)
+    register(ddp, fmt="e4m3")
+    opt = torch.optim.SGD(ddp.parameters(), lr=0.01)
+    scaler = torch.amp.GradScaler("cpu", init_scale=2.0**10)
+    history = []
+    for step in range(3):
+        torch.manual_seed(10 * step + rank)
+        opt.zero_grad()
+        loss = ddp(torch.randn(8, 16)).pow(2).mean()
+        handle = None
+        if step == 1 and rank == 0:
+            handle = model.a.bias.register_hook(lambda g: g * float("inf"))
+        before = [p.detach().clone() for p in model.parameters()]
+        scaler.scale(loss).backward()
+        scaler.step(opt)
+        scaler.update()
+        changed = any(not torch.equal(b, p) for b, p in zip(before, model.parameters(), strict=True))
+        history.append((changed, scaler.get_scale()))
+        if handle is not None:
+            handle.remove()
+    return history
+
+
+def test_grad_scaler_skips_the_step_with_a_nonfinite_gradient() -> None:
+    results = run_distributed(_grad_scaler, 2)
+    for hist in results:
+        assert hist[0][0] is True  # normal step
+        assert hist[1][0] is False  # skipped on every rank, not only rank 0
+        assert hist[1][1] == hist[0][1] / 2  # scale backed off
+        assert hist[2][0] is True
+    assert results[0] == results[1]
+
+
+def _edge_cases(rank: int, world_size: int, variant: str) -> int:
+    torch.manual_seed(0)
+    kwargs = {"find_unused_parameters": False, "gradient_as_bucket_view": False}
+    net_kwargs = {}
+    dtype = torch.float32
+    if variant == "unused":
+        net_kwargs, kwargs["find_unused_parameters"] = {"unused": True}, True
+    elif variant == "empty_zero":
+        net_kwargs = {"empty": True, "zero": True}
+    elif variant == "bucket_view":
+        kwargs["gradient_as_bucket_view"] = True
+    elif variant in ("bf16", "fp16_model"):
+        dtype = torch.bfloat16 if variant == "bf16" else torch.float16
+    model = _Net(**net_kwargs).to(dtype)
+    ddp = DDP(model, bucket_cap_mb=0.004, **kwargs)
+    state = APSState("e4m3", reduction="two_phase")
+    log: list = []
+    ddp.register_comm_hook(state, _capture(state, log))
+    checked = 0
+    steps = 3 if variant == "no_sync" else 2
+    for step in range(steps):
+        torch.manual_seed(100 * step + rank)
+        x = torch.randn(8, 16, dtype=dtype)
+        if variant == "no_sync" and step == 0:
+            with ddp.no_sync():
+                ddp(x).float().pow(2).sum().backward()
+            assert not log  # no communication while accumulating
+            continue
+        ddp(x).float().pow(2).sum().backward()
+        checked += _check_log(log, get_format("e4m3"), "two_phase", "layer", dtype=dtype)
+        grads = {n: p.grad for n, p in model.named_parameters() if p.grad is not None}
+        if variant == "empty_zero":
+            assert grads["z"].abs().sum() == 0
+            assert grads["empty"].numel() == 0
+        if variant == "unused":
+            assert model.unused.weight.grad is None or model.unused.weight.grad.abs().sum() == 0
+        log.clear()
+        if variant != "no_sync":
+            ddp.zero_grad()
+    return checked
+
+
+@pytest.mark.parametrize(
+    "variant", ["unused", "empty_zero", "bucket_view", "bf16", "fp16_model", "no_sync"]
+)
+def test_edge_cases_match_reference(variant: str) -> None:
+    assert all(c > 0 for c in run_distributed(_edge_cases, 2, args=(variant,)))
+
+
+def test_world_size_one() -> None:
+    assert run_distributed(_run_case, 1, args=(CASES[:5],))[0] >= 10
+
+
+def _many_buckets(rank: int, world_size: int) -> tuple[int, int]:
+    torch.manual_seed(0)
+    model = nn.Sequential(*[nn.Linear(16, 16) for _ in range(40)])
+    ddp = DDP(model, bucket_cap_mb=0.0005)
+    state = APSState("e4m3", reduction="two_phase")
+    log: list = []
+    ddp.register_comm_hook(state, _capture(state, log))
+    n_buckets = 0
+    for step in range(10):
+        torch.manual_seed(step * 10 + rank)
+        ddp.zero_grad()
+        ddp(torch.randn(4, 16)).pow(2).sum().backward()
+        n_buckets = max(n_buckets, len(log))
+        _check_log(log, get_format("e4m3"), "two_phase", "layer")
+        log.clear()
+    return n_buckets, step + 1
+
+
+def test_many_buckets_in_order() -> None:
+    for n_buckets, steps in run_distributed(_many_buckets, 4, timeout=180):
+        assert n_buckets >= 30 and steps == 10
+
+
+def _bytes(rank: int, world_size: int) -> list:
+    out = []
+    for fmt, reduction in (("e4m3", "two_phase"), ("fp16", "allreduce"), ("e2m1", "two_phase")):
+        torch.manual_seed(0)
+        model = _Net()
+        ddp = DDP(model, bucket_cap_mb=0.004)
+        sizes: list[tuple[int, int]] = []
+
+        def hook(st, bucket, sizes=sizes):
+            sizes.append((bucket.buffer().numel(), len(bucket.parameters())))
+            return aps_hook(st, bucket)
+
+        state = APSState(fmt, reduction=reduction, stats=True)
+        ddp.register_comm_hook(state, hook)
+        ddp(torch.randn(8, 16)).sum().backward()
+        out.append((fmt, sizes, state.bytes_sent, dict(state.bytes_detail), state.stats))
+    return out
+
+
+def test_bytes_on_the_wire() -> None:
+    world_size = 4
+    for fmt, sizes, sent, detail, stats in run_distributed(_bytes, world_size)[0]:
+        n_layers = sum(n for _, n in sizes)
+        assert detail["all_reduce_max"] == 4 * n_layers
+        padded = [-(-numel // world_size) * world_size for numel, _ in sizes]
+        if fmt == "e4m3":
+            assert detail["all_to_all"] == sum(padded)  # one byte per element
+            assert detail["all_gather"] == sum(padded) // world_size
+        elif fmt == "fp16":
+            assert detail["all_reduce"] == 2 * sum(numel for numel, _ in sizes)
+        else:  # 4-bit: half a byte per element, shards padded to whole bytes
+            per = [-(-numel // world_size) for numel, _ in sizes]
+            assert detail["all_to_all"] == sum(world_size * ((p + p % 2) // 2) for p in per)
+        assert sent == sum(v for k, v in detail.items() if k != "all_gather")
+        assert len(stats) == n_layers
+        assert {s.format for s in stats} == {fmt}
+        assert sum(s.numel for s in stats) == sum(numel for numel, _ in sizes)
+
+
+def _stats(rank: int, world_size: int) -> list:
+    torch.manual_seed(0)
+    model = _Net()
+    ddp = DDP(model)
+    state = register(ddp, fmt="e4m3", reduction="two_phase", stats=True)
+    torch.manual_seed(rank)
+    # Features spanning 12 decades: a.weight's gradient columns do too, more
+    # than e4m3's range, so some elements underflow even after scaling.
+    x = torch.randn(8, 16) * torch.logspace(0, -12, 16)
+    ddp(x).pow(2).sum().backward()
+    params = dict(model.named_parameters())
+    checked = []
+    for s in state.stats:
+        raw_amax = _gather(params[s.name].grad.abs().max().reshape(1)).max()
+        # The hook's output is the average; the local input is gone, so
+        # recompute the exponent rule from the records themselves.
+        assert s.amax * 2.0**s.exponent <= 448 < s.amax * 2.0 ** (s.exponent + 1)
+        checked.append((s.name, s.numel, s.format, s.saturated, s.underflow_rate, float(raw_amax)))
+    return checked
+
+
+def test_stats_records() -> None:
+    records = run_distributed(_stats, 2)[0]
+    names = {r[0] for r in records}
+    assert names == {"a.weight", "a.bias", "b.weight", "b.bias", "c.weight", "c.bias"}
+    assert sum(r[1] for r in records) == sum(p.numel() for p in _Net().parameters())
+    for _, _, fmt, saturated, underflow, _ in records:
+        assert fmt == "e4m3" and saturated == 0
+        assert 0.0 <= underflow <= 1.0
+    # b's gradients span many binades: something underflows there.
+    assert max(r[4] for r in records) > 0
+
+
+def _mismatch(rank: int, world_size: int) -> None:
+    model = _Net()
+    ddp = DDP(model)
+    register(ddp, fmt="e4m3" if rank == 0 else "e5m2")
+    ddp(torch.randn(2, 16)).sum().backward()
+
+
+def test_configuration_mismatch_is_an_error_not_a_hang() -> None:
+    with pytest.raises(DistributedTestError) as info:
+        run_distributed(_mismatch, 2, timeout=60)
+    msg = str(info.value)
+    assert "configuration differs across ranks" in msg
+    assert "rank 0 failed" in msg and "rank 1 failed" in msg
+    assert "e4m3" in msg and "e5m2" in msg
+
+
+def _fp8_native_on_gloo(rank: int, world_size: int) -> None:
+    ddp = DDP(_Net())
+    register(ddp, fmt="e4m3", reduction="allreduce")
+    ddp(torch.randn(2, 16)).sum().backward()
+
+
+def test_fp8_native_allreduce_on_gloo_is_refused() -> None:
+    with pytest.raises(DistributedTestError, match=r"(?s)cannot.*two_phase"):
+        run_distributed(_fp8_native_on_gloo, 2, timeout=60)
+
+
+def _sparse(rank: int, world_size: int) -> None:
+    emb = nn.Embedding(10, 4, sparse=True)
+    ddp = DDP(emb)
+    register(ddp, fmt="e4m3")
+    ddp(torch.tensor([1, 2])).sum().backward()
+
+
+def test_sparse_gradients_are_refused() -> None:
+    with pytest.raises(DistributedTestError, match="sparse gradients"):
+        run_distributed(_sparse, 2, timeout=60)
+
+
+def test_bad_configuration_fails_at_construction() -> None:
+    with pytest.raises(ValueError, match="unknown number format 'e9m9x'"):
+        APSState("e9m9x")
+    with pytest.raises(ValueError, match="reduction must be one of"):
+        APSState("e4m3", reduction="ring")  # type: ignore[arg-type]
+    with pytest.raises(ValueError, match="scaling must be one of"):
+        APSState("e4m3", scaling="tensor")  # type: ignore[arg-type]
+
+
+def test_state_before_init_process_group() -> None:
+    assert not dist.is_initialized()
+    state = APSState("e5m2", reduction="two_phase")
+    assert state.process_group is None and state.reduction == "two_phase"
