@@ -286,7 +286,9 @@ def _grad_scaler(rank: int, world_size: int) -> list:
         scaler.scale(loss).backward()
         scaler.step(opt)
         scaler.update()
-        changed = any(not torch.equal(b, p) for b, p in zip(before, model.parameters(), strict=True))
+        changed = any(
+            not torch.equal(b, p) for b, p in zip(before, model.parameters(), strict=True)
+        )
         history.append((changed, scaler.get_scale()))
         if handle is not None:
             handle.remove()
