@@ -1,0 +1,75 @@
+"""Analytic performance model for low-precision gradient communication in DDP.
+
+Predicts all-reduce and training-step time for FP32, FP16/BF16 and APS FP8 on
+a model and a cluster, from alpha-beta-gamma link parameters (presets, explicit
+numbers, or a profile calibrated on the actual machines).
+
+Example:
+    >>> from perfmodel import ComputeTime, get_cluster, get_model, predict
+    >>> p = predict(get_model("gpt2-xl"), get_cluster("10gbe", world_size=16),
+    ...             ["e4m3"], ComputeTime.from_step_time(1.0))
+    >>> 1.0 < p.formats["e4m3"].speedup_vs_fp32 <= 4.0
+    True
+"""
+
+from perfmodel.api import (
+    FormatResult,
+    Prediction,
+    SweepRow,
+    breakeven_bandwidth,
+    predict,
+    sweep,
+    write_csv,
+)
+from perfmodel.cluster import (
+    CLUSTERS,
+    DEVICES,
+    Cluster,
+    Device,
+    OpCost,
+    custom_cluster,
+    get_cluster,
+    get_device,
+)
+from perfmodel.collectives import LinkParams, Topology
+from perfmodel.comm import CommBreakdown, bucket_comm
+from perfmodel.compute import ComputeTime
+from perfmodel.ddp import BucketTiming, StepPrediction, assign_buckets, simulate_step
+from perfmodel.formats import FORMATS, FormatSpec, get_format
+from perfmodel.models import MODEL_PRESETS, ModelSpec, TensorSpec, get_model
+from perfmodel.profile import Profile
+
+__all__ = [
+    "CLUSTERS",
+    "DEVICES",
+    "FORMATS",
+    "MODEL_PRESETS",
+    "BucketTiming",
+    "Cluster",
+    "CommBreakdown",
+    "ComputeTime",
+    "Device",
+    "FormatResult",
+    "FormatSpec",
+    "LinkParams",
+    "ModelSpec",
+    "OpCost",
+    "Prediction",
+    "Profile",
+    "StepPrediction",
+    "SweepRow",
+    "TensorSpec",
+    "Topology",
+    "assign_buckets",
+    "breakeven_bandwidth",
+    "bucket_comm",
+    "custom_cluster",
+    "get_cluster",
+    "get_device",
+    "get_format",
+    "get_model",
+    "predict",
+    "simulate_step",
+    "sweep",
+    "write_csv",
+]

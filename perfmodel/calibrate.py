@@ -1,0 +1,249 @@
+"""Measure collectives and codec passes on the real machines and fit the model.
+
+Every rank runs the same sweep (the collectives need all of them; the codec
+passes run on all ranks at once, so they share the machine's cores and memory
+bandwidth the way the hook does). Rank 0 fits:
+
+- per collective, ``t = A(p) alpha + B(p) n beta`` with the collective's own
+  coefficients (gamma folded into beta: one world size cannot separate them);
+- jointly over all collectives, one ``(alpha, beta, gamma)``: all-gather and
+  all-to-all reduce nothing, which is what separates beta from gamma;
+- per codec pass, ``t = launch + n s_per_elem``.
+
+Fits minimise relative error (weights ``1/t``), so small messages count as much
+as large ones, with non-negative parameters.
+
+Example (under ``aps-launch`` or ``torchrun``)::
+
+    aps-perfmodel calibrate --out profile.json --min-size 64KiB --max-size 64MiB
+"""
+
+from __future__ import annotations
+
+import datetime
+import itertools
+import socket
+from collections.abc import Sequence
+from typing import Any
+
+import numpy as np
+
+from perfmodel.cluster import OpCost
+from perfmodel.collectives import LinkParams
+from perfmodel.profile import Profile
+
+__all__ = ["COLLECTIVE_COEFFS", "fit_profile", "geometric_sizes", "run_calibration"]
+
+# (latency steps, bandwidth bytes factor, reduction bytes factor) as functions of p.
+COLLECTIVE_COEFFS = {
+    "all_reduce": lambda p: (2.0 * (p - 1), 2.0 * (p - 1) / p, (p - 1) / p),
+    "all_to_all": lambda p: (p - 1.0, (p - 1) / p, 0.0),
+    "all_gather": lambda p: (p - 1.0, (p - 1) / p, 0.0),
+}
+_MAXIMA_COUNTS = (1, 16, 64, 256)
+_FMT = "e4m3"
+
+
+def geometric_sizes(min_bytes: float, max_bytes: float, steps: int) -> list[int]:
+    """Sizes in bytes from ``min_bytes`` to ``max_bytes``, evenly spaced in log.
+
+    Example:
+        >>> geometric_sizes(1024, 4096, 3)
+        [1024, 2048, 4096]
+    """
+    if steps < 2:
+        return [int(max_bytes)]
+    return [round(float(v)) for v in np.geomspace(min_bytes, max_bytes, steps)]
+
+
+def _nnls(features: np.ndarray, target: np.ndarray) -> np.ndarray:
+    """Least squares with non-negative coefficients (exhaustive over supports; tiny problems)."""
+    best, best_err = np.zeros(features.shape[1]), np.inf
+    cols = range(features.shape[1])
+    for k in range(1, features.shape[1] + 1):
+        for support in itertools.combinations(cols, k):
+            sub = features[:, support]
+            coef, *_ = np.linalg.lstsq(sub, target, rcond=None)
+            if np.any(coef < 0):
+                continue
+            err = float(np.sum((sub @ coef - target) ** 2))
+            if err < best_err:
+                best_err = err
+                best = np.zeros(features.shape[1])
+                best[list(support)] = coef
+    return best
+
+
+def _fit_relative(features: np.ndarray, seconds: np.ndarray) -> tuple[np.ndarray, dict[str, float]]:
+    """Fit ``seconds ~ features @ coef`` minimising relative error; report the errors."""
+    weights = 1.0 / seconds
+    coef = _nnls(features * weights[:, None], np.ones_like(seconds))
+    rel = np.abs(features @ coef - seconds) / seconds
+    return coef, {"median_rel_err": float(np.median(rel)), "max_rel_err": float(np.max(rel))}
+
+
+def fit_profile(
+    samples: Sequence[dict[str, Any]],
+    world_size: int,
+    *,
+    backend: str = "gloo",
+    codec_source: str = "none",
+    host: str = "",
+) -> Profile:
+    """Fit a :class:`Profile` from timing samples.
+
+    Args:
+        samples: ``{"op", "n", "seconds"}`` dicts. Collective ops are
+            ``all_reduce.<dtype>``, ``all_to_all``, ``all_gather`` with ``n`` in
+            bytes, and ``all_reduce_max`` (``n`` bytes of float32 maxima);
+            codec ops (``amax``, ``scale``, ``unscale``, ``accumulate``,
+            ``encode.<fmt>``, ``decode.<fmt>``) have ``n`` in elements.
+        world_size: ranks the samples were measured on.
+        backend: backend name to record.
+        codec_source: which codec produced the codec samples.
+        host: host name to record.
+
+    Example:
+        >>> s = [{"op": "all_gather", "n": n, "seconds": 1e-4 + n * 1e-9 / 2} for n in (1e3, 1e6)]
+        >>> p = fit_profile(s, 2)
+        >>> round(p.collectives["all_gather"].beta * 1e9, 6)
+        1.0
+    """
+    p = world_size
+    by_op: dict[str, list[tuple[float, float]]] = {}
+    for s in samples:
+        by_op.setdefault(s["op"], []).append((float(s["n"]), float(s["seconds"])))
+
+    collectives: dict[str, LinkParams] = {}
+    codec: dict[str, OpCost] = {}
+    errors: dict[str, dict[str, float]] = {}
+    joint_rows, joint_t = [], []
+    for op, pts in sorted(by_op.items()):
+        n = np.array([x for x, _ in pts])
+        t = np.array([y for _, y in pts])
+        family = op.split(".")[0]
+        if family in COLLECTIVE_COEFFS or op == "all_reduce_max":
+            a, b, c = COLLECTIVE_COEFFS["all_reduce" if op == "all_reduce_max" else family](p)
+            coef, err = _fit_relative(np.column_stack([np.full_like(n, a), b * n]), t)
+            collectives[op] = LinkParams(alpha=float(coef[0]), beta=float(coef[1]), gamma=0.0)
+            errors[op] = err
+            if op != "all_reduce_max":
+                joint_rows.append(np.column_stack([np.full_like(n, a), b * n, c * n]))
+                joint_t.append(t)
+        else:
+            coef, err = _fit_relative(np.column_stack([np.ones_like(n), n]), t)
+            codec[op] = OpCost(launch_s=float(coef[0]), s_per_elem=float(coef[1]))
+            errors[op] = err
+    if joint_rows:
+        coef, err = _fit_relative(np.vstack(joint_rows), np.concatenate(joint_t))
+        link = LinkParams(float(coef[0]), float(coef[1]), float(coef[2]))
+        errors["link(joint)"] = err
+    else:
+        link = LinkParams(0.0, 0.0, 0.0)
+    return Profile(
+        world_size=p,
+        backend=backend,
+        link=link,
+        collectives=collectives,
+        codec=codec,
+        codec_source=codec_source,
+        fit_errors=errors,
+        samples=[dict(s) for s in samples],
+        host=host,
+        created=datetime.datetime.now(datetime.timezone.utc).isoformat(timespec="seconds"),
+    )
+
+
+def run_calibration(
+    sizes: Sequence[int],
+    repeats: int = 5,
+    codec_kind: str = "aps",
+    layers: int = 16,
+    verbose: bool = False,
+) -> tuple[list[dict[str, Any]], str]:
+    """Time every collective and codec pass on the initialised default group.
+
+    Must be called on every rank. ``sizes`` are FP32 gradient bytes per rank
+    (rounded to a multiple of the world size and of 4).
+
+    Returns:
+        The samples (identical on every rank: slowest rank, median of repeats)
+        and the codec's name ("none" if it could not be loaded).
+    """
+    import torch
+    import torch.distributed as dist
+
+    from perfmodel import measure
+
+    p = dist.get_world_size()
+    codec = measure.load_codec(codec_kind)
+    codec_label = "none" if codec is None else measure.codec_name(codec)
+    if codec is None and dist.get_rank() == 0:
+        print("aps_comm.formats (encode/decode) is not importable yet: skipping codec calibration")
+    samples: list[dict[str, Any]] = []
+
+    def record(op: str, n: float, fn: Any) -> None:
+        sec = measure.time_op(fn, repeats)
+        samples.append({"op": op, "n": n, "seconds": sec})
+        if verbose and dist.get_rank() == 0:
+            print(f"  {op:22s} n={int(n):>11d}  {sec * 1e3:9.3f} ms", flush=True)
+
+    for count in _MAXIMA_COUNTS:
+        m = torch.rand(count)
+        record("all_reduce_max", 4 * count, lambda m=m: dist.all_reduce(m, op=dist.ReduceOp.MAX))
+
+    for size in sizes:
+        n = max(p, int(size) // 4 // p * p)
+        x = torch.randn(n)
+        record("all_reduce.float32", 4 * n, lambda x=x: dist.all_reduce(x))
+        h = x.to(torch.float16)
+        record("all_reduce.float16", 2 * n, lambda h=h: dist.all_reduce(h))
+        u8 = torch.randint(0, 255, (n,), dtype=torch.uint8)
+        out8 = torch.empty_like(u8)
+        record("all_to_all", n, lambda u8=u8, out8=out8: dist.all_to_all_single(out8, u8))
+        shard = u8[: n // p].clone()
+        record("all_gather", n, lambda s=shard, o=out8: measure.all_gather_single(o, s))
+        record("encode.fp16", n, lambda x=x: measure.fp16_cast_down(x, p))
+        record("decode.fp16", n, lambda x=x, h=h: x.clone().copy_(h))
+        if codec is None:
+            continue
+        sizes_l = [s.numel() for s in torch.tensor_split(x, layers)]
+        segs = torch.split(x, sizes_l)
+        scaled = torch.empty_like(x)
+        payload = codec.encode(x, _FMT)
+        shards = torch.randn(p, n // p)
+        record("amax", n, lambda x=x, s=segs: measure.layer_amax(x, s))
+        record(
+            "scale",
+            n,
+            lambda s=segs, o=scaled, sl=sizes_l: [
+                torch.mul(a, 2.0, out=b) for a, b in zip(s, torch.split(o, sl), strict=True)
+            ],
+        )
+        record(f"encode.{_FMT}", n, lambda x=x: codec.encode(x, _FMT))
+        record(f"decode.{_FMT}", n, lambda pl=payload, k=n: codec.decode(pl, _FMT, k))
+        record(
+            "unscale",
+            n,
+            lambda s=segs, o=scaled, sl=sizes_l: [
+                torch.mul(a, 0.5, out=b) for a, b in zip(s, torch.split(o, sl), strict=True)
+            ],
+        )
+        record("accumulate", n, lambda sh=shards: sh.sum(0).div_(p))
+    return samples, codec_label
+
+
+def calibrate_here(
+    sizes: Sequence[int], repeats: int = 5, codec_kind: str = "aps", verbose: bool = False
+) -> Profile:
+    """Run :func:`run_calibration` on the current group and fit (on every rank)."""
+    import torch.distributed as dist
+
+    samples, label = run_calibration(sizes, repeats, codec_kind, verbose=verbose)
+    return fit_profile(
+        samples,
+        dist.get_world_size(),
+        backend=str(dist.get_backend()),
+        codec_source=label,
+        host=socket.gethostname(),
+    )

@@ -1,0 +1,324 @@
+"""``aps-perfmodel``: predict, sweep and calibrate from the command line.
+
+Example::
+
+    aps-perfmodel predict --model resnet50 --world-size 64 --cluster 100gbe --fmt e4m3
+    aps-perfmodel predict --model 25.6M --bandwidth 10Gbit --latency 20us --nodes 16 --json
+    aps-perfmodel sweep --model gpt2-xl --cluster 100gbe --world-sizes 8,64 \\
+        --bandwidths 1Gbit,10Gbit,100Gbit --out sweep.csv
+    aps-launch -n 4 -- aps-perfmodel calibrate --out profile.json
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import sys
+from collections.abc import Sequence
+from dataclasses import replace
+
+from perfmodel.api import Prediction, predict, sweep, write_csv
+from perfmodel.cluster import CLUSTERS, DEVICES, Cluster, custom_cluster, get_cluster, get_device
+from perfmodel.compute import OPTIMIZER_BYTES_PER_PARAM, ComputeTime
+from perfmodel.formats import FORMATS, STRATEGIES
+from perfmodel.models import MODEL_PRESETS, ModelSpec, get_model
+from perfmodel.profile import Profile
+from perfmodel.units import (
+    format_bandwidth,
+    format_bytes,
+    format_time,
+    parse_bandwidth,
+    parse_bytes,
+    parse_count,
+    parse_time,
+)
+
+__all__ = ["build_parser", "main"]
+
+
+def _add_model_cluster_args(ap: argparse.ArgumentParser) -> None:
+    g = ap.add_argument_group("model")
+    g.add_argument("--model", help=f"preset ({', '.join(MODEL_PRESETS)}) or a count like 25.6M")
+    g.add_argument("--params", help="parameter count (e.g. 25.6M), instead of --model")
+    g.add_argument("--bucket-cap-mb", type=float, default=25.0, help="DDP bucket_cap_mb (MiB)")
+
+    g = ap.add_argument_group("cluster")
+    g.add_argument("--cluster", choices=sorted(CLUSTERS), help="cluster preset")
+    g.add_argument("--profile", help="calibrated profile JSON (from `aps-perfmodel calibrate`)")
+    g.add_argument("--bandwidth", help="inter-node bandwidth, e.g. 100Gbit, 12.5GB/s")
+    g.add_argument("--latency", help="inter-node latency per message, e.g. 10us")
+    g.add_argument("--intra-bandwidth", help="intra-node bandwidth (with --gpus-per-node > 1)")
+    g.add_argument("--intra-latency", help="intra-node latency")
+    g.add_argument("--nodes", type=int, help="number of nodes")
+    g.add_argument("--gpus-per-node", type=int, help="devices per node")
+    g.add_argument("--device", choices=sorted(DEVICES), help="device preset (codec and compute)")
+    g.add_argument(
+        "--algorithm",
+        default="ring",
+        choices=["ring", "halving_doubling", "recursive_doubling", "auto"],
+        help="all-reduce algorithm",
+    )
+
+    g = ap.add_argument_group(
+        "compute (one of: --step-time, --forward-time/--backward-time, FLOPs)"
+    )
+    g.add_argument("--step-time", help="measured compute-only step time, split 1:2 fwd:bwd")
+    g.add_argument("--forward-time", help="forward time per step")
+    g.add_argument("--backward-time", help="backward time per step")
+    g.add_argument("--optimizer-time", default="0", help="optimizer time per step")
+    g.add_argument("--batch-size", type=int, default=32, help="per-rank batch (FLOP estimate)")
+    g.add_argument("--compute-dtype", default="bf16", help="dtype of the FLOP estimate")
+    g.add_argument("--mfu", type=float, default=0.4, help="model FLOPs utilisation of the estimate")
+    g.add_argument("--optimizer", default="adam", choices=sorted(OPTIMIZER_BYTES_PER_PARAM))
+
+    g = ap.add_argument_group("format")
+    g.add_argument("--fmt", default="e4m3", choices=sorted(FORMATS), help="low-precision format")
+    g.add_argument(
+        "--strategy", choices=STRATEGIES, help="override the format's reduction strategy"
+    )
+
+
+def _model(args: argparse.Namespace) -> ModelSpec:
+    if args.params:
+        return ModelSpec.from_params(parse_count(args.params))
+    if not args.model:
+        raise SystemExit("error: give --model or --params")
+    return get_model(args.model)
+
+
+def _world_size(args: argparse.Namespace, profile: Profile | None) -> int:
+    if args.world_size is not None:
+        return args.world_size
+    if args.nodes is not None:
+        return args.nodes * (args.gpus_per_node or 1)
+    if profile is not None:
+        return profile.world_size
+    raise SystemExit("error: give --world-size (or --nodes)")
+
+
+def _cluster(args: argparse.Namespace, world_size: int) -> Cluster:
+    profile = Profile.load(args.profile) if args.profile else None
+    if profile is not None:
+        cluster = profile.to_cluster(world_size, device=args.device or "cpu")
+    elif args.cluster:
+        cluster = get_cluster(args.cluster, gpus_per_node=args.gpus_per_node)
+        cluster = cluster.with_world_size(world_size)
+    elif args.bandwidth:
+        g = args.gpus_per_node or 1
+        if world_size % g:
+            raise SystemExit(f"error: world size {world_size} is not a multiple of {g}")
+        cluster = custom_cluster(
+            parse_bandwidth(args.bandwidth),
+            parse_time(args.latency or "10us"),
+            nodes=world_size // g,
+            gpus_per_node=g,
+            device=args.device or "a100",
+        )
+    else:
+        raise SystemExit("error: give --cluster, --profile or --bandwidth")
+    cluster = cluster.with_links(
+        bandwidth=parse_bandwidth(args.bandwidth) if args.bandwidth else None,
+        latency=parse_time(args.latency) if args.latency else None,
+        intra_bandwidth=parse_bandwidth(args.intra_bandwidth) if args.intra_bandwidth else None,
+        intra_latency=parse_time(args.intra_latency) if args.intra_latency else None,
+    )
+    if args.device and profile is None:
+        cluster = replace(cluster, device=get_device(args.device))
+    return replace(cluster, algorithm=args.algorithm)
+
+
+def _compute(args: argparse.Namespace, model: ModelSpec, cluster: Cluster) -> ComputeTime:
+    opt = parse_time(args.optimizer_time)
+    if args.forward_time or args.backward_time:
+        if not (args.forward_time and args.backward_time):
+            raise SystemExit("error: give both --forward-time and --backward-time")
+        return ComputeTime(parse_time(args.forward_time), parse_time(args.backward_time), opt)
+    if args.step_time:
+        return ComputeTime.from_step_time(parse_time(args.step_time), opt)
+    try:
+        return ComputeTime.estimate(
+            model,
+            cluster.device,
+            args.batch_size,
+            dtype=args.compute_dtype,
+            mfu=args.mfu,
+            optimizer=args.optimizer,
+        )
+    except ValueError as exc:
+        raise SystemExit(f"error: {exc} (give --step-time)") from None
+
+
+def _table(pred: Prediction, cluster: Cluster, model: ModelSpec) -> str:
+    topo = cluster.topology
+    lines = [
+        f"model    {model.name}: {model.total_params / 1e6:,.1f}M params in "
+        f"{model.num_tensors} tensors ({format_bytes(model.total_params * 4)} of FP32 gradients)",
+        f"cluster  {cluster.name}: {topo.nodes} node(s) x {topo.gpus_per_node} device(s) = "
+        f"{cluster.world_size} ranks; inter {format_bandwidth(topo.inter.bandwidth)}, "
+        f"{format_time(topo.inter.alpha)}"
+        + (
+            f"; intra {format_bandwidth(topo.intra.bandwidth)}, {format_time(topo.intra.alpha)}"
+            if topo.gpus_per_node > 1
+            else ""
+        ),
+        f"compute  forward {format_time(pred.compute.forward_s)}, backward "
+        f"{format_time(pred.compute.backward_s)}, optimizer {format_time(pred.compute.optimizer_s)}",
+        "",
+        f"{'format':8s} {'strategy':10s} {'wire/rank':>11s} {'comm':>10s} {'exposed':>10s} "
+        f"{'step':>10s} {'speedup':>8s}",
+    ]
+    for r in pred.formats.values():
+        lines.append(
+            f"{r.format:8s} {r.strategy:10s} {format_bytes(r.wire_bytes):>11s} "
+            f"{format_time(r.comm_s):>10s} {format_time(r.exposed_comm_s):>10s} "
+            f"{format_time(r.step_s):>10s} {r.speedup_vs_fp32:>7.3f}x"
+        )
+    return "\n".join(lines)
+
+
+def _cmd_predict(args: argparse.Namespace) -> int:
+    model = _model(args)
+    profile = Profile.load(args.profile) if args.profile else None
+    cluster = _cluster(args, _world_size(args, profile))
+    compute = _compute(args, model, cluster)
+    pred = predict(
+        model,
+        cluster,
+        [args.fmt],
+        compute,
+        strategy=args.strategy,
+        bucket_cap_mb=args.bucket_cap_mb,
+    )
+    if args.json:
+        print(json.dumps(pred.to_dict(), indent=2))
+    else:
+        print(_table(pred, cluster, model))
+    if args.plot:
+        from perfmodel.plot import plot_speedup_vs_bandwidth
+
+        plot_speedup_vs_bandwidth(
+            model, cluster, [args.fmt], compute, args.plot, strategy=args.strategy
+        )
+        if not args.json:
+            print(f"\nwrote {args.plot}")
+    return 0
+
+
+def _cmd_sweep(args: argparse.Namespace) -> int:
+    model = _model(args)
+    world_sizes = [int(w) for w in args.world_sizes.split(",")]
+    cluster = _cluster(args, world_sizes[0])
+    compute = _compute(args, model, cluster)
+    bandwidths = (
+        [parse_bandwidth(b) for b in args.bandwidths.split(",")]
+        if args.bandwidths
+        else [cluster.topology.inter.bandwidth]
+    )
+    rows = sweep(
+        model,
+        cluster,
+        bandwidths=bandwidths,
+        world_sizes=world_sizes,
+        formats=[args.fmt],
+        compute=compute,
+        strategy=args.strategy,
+        bucket_cap_mb=args.bucket_cap_mb,
+    )
+    write_csv(rows, args.out if args.out else sys.stdout)
+    return 0
+
+
+def _cmd_calibrate(args: argparse.Namespace) -> int:
+    import datetime
+
+    import torch.distributed as dist
+
+    from perfmodel.calibrate import calibrate_here, geometric_sizes
+
+    created = False
+    if not dist.is_initialized():
+        missing = [
+            k for k in ("RANK", "WORLD_SIZE", "MASTER_ADDR", "MASTER_PORT") if k not in os.environ
+        ]
+        if missing:
+            raise SystemExit(
+                f"error: run under aps-launch or torchrun (missing {', '.join(missing)})"
+            )
+        dist.init_process_group(args.backend, timeout=datetime.timedelta(seconds=args.timeout))
+        created = True
+    try:
+        sizes = (
+            [int(parse_bytes(s)) for s in args.sizes.split(",")]
+            if args.sizes
+            else geometric_sizes(parse_bytes(args.min_size), parse_bytes(args.max_size), args.steps)
+        )
+        profile = calibrate_here(sizes, args.repeats, args.codec, verbose=args.verbose)
+        if dist.get_rank() == 0:
+            profile.save(args.out)
+            link = profile.link
+            print(
+                f"fitted on {profile.world_size} ranks: alpha={format_time(link.alpha)}, "
+                f"bandwidth={format_bandwidth(link.bandwidth)}, gamma={link.gamma:.3g} s/B"
+            )
+            for op, err in profile.fit_errors.items():
+                print(
+                    f"  {op:22s} median err {err['median_rel_err']:6.1%}  "
+                    f"worst {err['max_rel_err']:6.1%}"
+                )
+            print(f"wrote {args.out}")
+    finally:
+        if created:
+            dist.destroy_process_group()
+    return 0
+
+
+def build_parser() -> argparse.ArgumentParser:
+    """The argument parser (exposed for documentation and tests)."""
+    ap = argparse.ArgumentParser(
+        prog="aps-perfmodel",
+        description="Predict whether low-precision gradient communication pays.",
+    )
+    sub = ap.add_subparsers(dest="command", required=True)
+
+    p = sub.add_parser("predict", help="predict comm and step time for one configuration")
+    _add_model_cluster_args(p)
+    p.add_argument("--world-size", type=int, help="total ranks")
+    p.add_argument("--json", action="store_true", help="print one JSON object")
+    p.add_argument("--plot", metavar="PATH", help="write a speedup-vs-bandwidth PNG")
+    p.set_defaults(func=_cmd_predict)
+
+    s = sub.add_parser("sweep", help="sweep bandwidths and world sizes to CSV")
+    _add_model_cluster_args(s)
+    s.add_argument("--world-sizes", required=True, help="comma-separated, e.g. 8,16,64")
+    s.add_argument("--bandwidths", help="comma-separated inter-node bandwidths, e.g. 1Gbit,10Gbit")
+    s.add_argument("--out", help="CSV path (default: stdout)")
+    s.set_defaults(func=_cmd_sweep, world_size=None)
+
+    c = sub.add_parser("calibrate", help="measure this machine group and fit a profile")
+    c.add_argument("--out", default="perfmodel_profile.json", help="profile JSON path")
+    c.add_argument("--sizes", help="comma-separated FP32 message sizes, e.g. 1MiB,16MiB")
+    c.add_argument("--min-size", default="64KiB", help="smallest message (FP32 bytes)")
+    c.add_argument("--max-size", default="64MiB", help="largest message (FP32 bytes)")
+    c.add_argument("--steps", type=int, default=8, help="sizes between min and max")
+    c.add_argument("--repeats", type=int, default=5, help="timed repeats per point")
+    c.add_argument("--codec", default="aps", choices=["aps", "torch"], help="codec to time")
+    c.add_argument("--backend", default="gloo", help="torch.distributed backend")
+    c.add_argument("--timeout", type=float, default=300.0, help="collective timeout (s)")
+    c.add_argument("--verbose", action="store_true", help="print every measurement")
+    c.set_defaults(func=_cmd_calibrate)
+    return ap
+
+
+def main(argv: Sequence[str] | None = None) -> int:
+    """Entry point of ``aps-perfmodel``."""
+    args = build_parser().parse_args(argv)
+    try:
+        return args.func(args)
+    except ValueError as exc:
+        print(f"error: {exc}", file=sys.stderr)
+        return 2
+
+
+if __name__ == "__main__":
+    sys.exit(main())

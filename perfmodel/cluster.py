@@ -1,0 +1,356 @@
+"""Devices and clusters: link parameters, memory bandwidth, presets.
+
+A :class:`Cluster` is a two-level :class:`~perfmodel.collectives.Topology`
+plus the :class:`Device` its ranks run on (which prices the codec passes and
+estimates compute). A calibrated profile can attach measured per-collective
+link fits and codec costs, which then replace the analytic defaults.
+
+Preset link numbers are vendor peak figures (sources in each preset); latencies
+are typical per-message software+wire latencies, stated as such.
+
+Example:
+    >>> c = get_cluster("dgx-h100", world_size=64)
+    >>> (c.topology.nodes, c.topology.gpus_per_node)
+    (8, 8)
+    >>> get_cluster("100gbe", world_size=4).topology.inter.bandwidth
+    12500000000.0
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable, Mapping
+from dataclasses import dataclass, field, replace
+from types import MappingProxyType
+
+from perfmodel.collectives import LinkParams, Topology
+
+__all__ = [
+    "CLUSTERS",
+    "DEVICES",
+    "Cluster",
+    "Device",
+    "OpCost",
+    "codec_bytes_per_elem",
+    "custom_cluster",
+    "get_cluster",
+    "get_device",
+]
+
+
+@dataclass(frozen=True)
+class Device:
+    """One accelerator (or CPU socket share) as the model sees it.
+
+    Attributes:
+        name: preset name.
+        mem_bw: memory bandwidth in bytes/s; prices the codec passes.
+        peak_flops: dense peak FLOP/s per compute dtype ("fp32", "tf32", "fp16", "bf16").
+        launch_s: fixed cost of one kernel/pass (launch and synchronisation).
+        source: where the numbers come from.
+
+    Example:
+        >>> get_device("v100").peak_flops["fp32"]
+        15700000000000.0
+    """
+
+    name: str
+    mem_bw: float
+    peak_flops: Mapping[str, float]
+    launch_s: float
+    source: str
+
+
+DEVICES: dict[str, Device] = {
+    "h100": Device(
+        "h100",
+        3.35e12,
+        MappingProxyType({"fp32": 67e12, "tf32": 494.7e12, "fp16": 989.4e12, "bf16": 989.4e12}),
+        5e-6,
+        "NVIDIA H100 SXM5 datasheet (dense tensor-core peaks, HBM3 3.35 TB/s)",
+    ),
+    "a100": Device(
+        "a100",
+        2.039e12,
+        MappingProxyType({"fp32": 19.5e12, "tf32": 156e12, "fp16": 312e12, "bf16": 312e12}),
+        5e-6,
+        "NVIDIA A100 80GB SXM datasheet (dense peaks, HBM2e 2.039 TB/s)",
+    ),
+    "v100": Device(
+        "v100",
+        0.9e12,
+        MappingProxyType({"fp32": 15.7e12, "tf32": 15.7e12, "fp16": 125e12, "bf16": 15.7e12}),
+        5e-6,
+        "NVIDIA Tesla V100 SXM2 datasheet (15.7 TFLOP/s FP32, 125 tensor, 900 GB/s HBM2)",
+    ),
+    "cpu": Device(
+        "cpu",
+        10e9,
+        MappingProxyType({"fp32": 50e9, "tf32": 50e9, "fp16": 50e9, "bf16": 50e9}),
+        2e-6,
+        "rough single-core share of a modern x86 server; calibrate for real numbers",
+    ),
+}
+
+
+def get_device(name: str) -> Device:
+    """Look up a device preset by name.
+
+    Example:
+        >>> get_device("h100").mem_bw
+        3350000000000.0
+    """
+    try:
+        return DEVICES[name.lower()]
+    except KeyError:
+        raise ValueError(f"unknown device {name!r}; choose from {sorted(DEVICES)}") from None
+
+
+@dataclass(frozen=True)
+class OpCost:
+    """Measured cost of one local pass: ``launch_s + n * s_per_elem`` (0 for n = 0).
+
+    Example:
+        >>> round(OpCost(1e-5, 1e-9).time(1000), 9)
+        1.1e-05
+    """
+
+    launch_s: float
+    s_per_elem: float
+
+    def time(self, n_elem: float) -> float:
+        """Seconds for a pass over ``n_elem`` elements."""
+        return 0.0 if n_elem <= 0 else self.launch_s + n_elem * self.s_per_elem
+
+
+_FORMAT_FREE_OPS = ("amax", "scale", "unscale", "accumulate")
+
+
+def codec_bytes_per_elem(op: str, wire_bytes: float) -> float:
+    """Bytes of memory traffic per element for one codec pass on FP32 gradients.
+
+    ``amax`` reads the FP32 gradient; ``encode`` (scale, clamp, cast, fused)
+    reads FP32 and writes the wire format; ``decode`` (decode, unscale) does the
+    reverse; ``accumulate`` reads the decoded FP32 shards and writes the sum.
+
+    Example:
+        >>> codec_bytes_per_elem("encode", 1.0)
+        5.0
+    """
+    table = {"amax": 4.0, "encode": 4.0 + wire_bytes, "decode": wire_bytes + 4.0, "accumulate": 8.0}
+    try:
+        return table[op]
+    except KeyError:
+        raise ValueError(f"unknown codec op {op!r}") from None
+
+
+@dataclass(frozen=True)
+class Cluster:
+    """A cluster to predict for.
+
+    Attributes:
+        name: preset or profile name.
+        topology: nodes x devices per node with their links.
+        device: the device each rank runs on.
+        algorithm: all-reduce algorithm ("ring", "halving_doubling",
+            "recursive_doubling" or "auto").
+        collective_fits: measured flat link parameters per collective, keyed
+            "all_reduce.<dtype>", "all_to_all", "all_gather", "all_reduce_max";
+            used instead of the topology formulas' links when present.
+        codec_fits: measured pass costs keyed "<op>.<format>" (or "accumulate").
+        source: where the link numbers come from.
+
+    Example:
+        >>> get_cluster("10gbe", world_size=8).world_size
+        8
+    """
+
+    name: str
+    topology: Topology
+    device: Device
+    algorithm: str = "ring"
+    collective_fits: Mapping[str, LinkParams] = field(default_factory=dict)
+    codec_fits: Mapping[str, OpCost] = field(default_factory=dict)
+    source: str = ""
+
+    @property
+    def world_size(self) -> int:
+        """Total number of ranks."""
+        return self.topology.world_size
+
+    def with_world_size(self, world_size: int) -> Cluster:
+        """The same cluster scaled to ``world_size`` ranks, filling nodes first.
+
+        Raises:
+            ValueError: ``world_size`` is not a multiple of the devices per node
+                (and larger than one node).
+        """
+        g = self.topology.gpus_per_node
+        if world_size < 1:
+            raise ValueError("world_size must be >= 1")
+        if world_size <= g:
+            topo = replace(self.topology, nodes=1, gpus_per_node=world_size)
+        elif world_size % g == 0:
+            topo = replace(self.topology, nodes=world_size // g)
+        else:
+            raise ValueError(f"world_size {world_size} is not a multiple of {g} devices per node")
+        return replace(self, topology=topo)
+
+    def with_links(
+        self,
+        *,
+        bandwidth: float | None = None,
+        latency: float | None = None,
+        intra_bandwidth: float | None = None,
+        intra_latency: float | None = None,
+    ) -> Cluster:
+        """Override the inter-node (and optionally intra-node) link bandwidth/latency.
+
+        Measured per-collective fits no longer describe a changed link, so they
+        are dropped when the inter-node link changes.
+        """
+        inter, intra = self.topology.inter, self.topology.intra
+        if bandwidth is not None:
+            inter = replace(inter, beta=1.0 / bandwidth)
+        if latency is not None:
+            inter = replace(inter, alpha=latency)
+        if intra_bandwidth is not None:
+            intra = replace(intra, beta=1.0 / intra_bandwidth)
+        if intra_latency is not None:
+            intra = replace(intra, alpha=intra_latency)
+        fits = self.collective_fits if bandwidth is None and latency is None else {}
+        return replace(
+            self, topology=replace(self.topology, inter=inter, intra=intra), collective_fits=fits
+        )
+
+    def codec_time(self, op: str, fmt_name: str, wire_bytes: float, n_elem: float) -> float:
+        """Seconds for one codec pass of ``n_elem`` elements on one rank."""
+        key = op if op in _FORMAT_FREE_OPS else f"{op}.{fmt_name}"
+        if key in self.codec_fits:
+            return self.codec_fits[key].time(n_elem)
+        if n_elem <= 0 or op in ("scale", "unscale"):
+            # On a GPU the power-of-two scaling is fused into the encode/decode kernels.
+            return 0.0
+        return (
+            self.device.launch_s
+            + n_elem * codec_bytes_per_elem(op, wire_bytes) / self.device.mem_bw
+        )
+
+
+def _link(gbytes_per_s: float, latency_s: float, device: Device) -> LinkParams:
+    # NCCL fuses the add into the copy kernel: about one extra pass of device memory per byte.
+    return LinkParams(alpha=latency_s, beta=1.0 / (gbytes_per_s * 1e9), gamma=1.0 / device.mem_bw)
+
+
+def _preset(
+    name: str,
+    gpus_per_node: int,
+    intra: tuple[float, float],
+    inter: tuple[float, float],
+    device: str,
+    source: str,
+) -> Callable[[], Cluster]:
+    def build() -> Cluster:
+        dev = DEVICES[device]
+        topo = Topology(1, gpus_per_node, _link(*intra, dev), _link(*inter, dev))
+        return Cluster(name=name, topology=topo, device=dev, source=source)
+
+    return build
+
+
+_PCIE4 = (25.0, 5e-6)
+
+CLUSTERS: dict[str, Callable[[], Cluster]] = {
+    "dgx-h100": _preset(
+        "dgx-h100",
+        8,
+        (450.0, 3e-6),
+        (400.0, 6e-6),
+        "h100",
+        "NVIDIA DGX H100: NVLink4 900 GB/s bidirectional per GPU (450 GB/s each way); "
+        "8x ConnectX-7 400 Gbit/s per node = 400 GB/s; latencies assumed 3 us / 6 us",
+    ),
+    "dgx1-v100": _preset(
+        "dgx1-v100",
+        8,
+        (150.0, 5e-6),
+        (50.0, 6e-6),
+        "v100",
+        "NVIDIA DGX-1 (V100): 6 NVLink2 links x 25 GB/s each way = 150 GB/s per GPU; "
+        "4x EDR InfiniBand 100 Gbit/s per node = 50 GB/s; latencies assumed 5 us / 6 us",
+    ),
+    "100gbe": _preset(
+        "100gbe",
+        1,
+        _PCIE4,
+        (12.5, 10e-6),
+        "a100",
+        "one GPU per host, 100 Gbit/s Ethernet (12.5 GB/s); latency assumed 10 us",
+    ),
+    "10gbe": _preset(
+        "10gbe",
+        1,
+        _PCIE4,
+        (1.25, 25e-6),
+        "a100",
+        "one GPU per host, 10 Gbit/s Ethernet (1.25 GB/s); latency assumed 25 us",
+    ),
+    "1gbe": _preset(
+        "1gbe",
+        1,
+        _PCIE4,
+        (0.125, 50e-6),
+        "a100",
+        "one GPU per host, 1 Gbit/s Ethernet (125 MB/s); latency assumed 50 us",
+    ),
+}
+
+
+def get_cluster(
+    name: str, world_size: int | None = None, gpus_per_node: int | None = None
+) -> Cluster:
+    """Build a preset cluster, optionally with another device count per node and world size.
+
+    Example:
+        >>> get_cluster("100gbe", world_size=16, gpus_per_node=8).topology.nodes
+        2
+    """
+    try:
+        cluster = CLUSTERS[name.lower()]()
+    except KeyError:
+        raise ValueError(f"unknown cluster {name!r}; choose from {sorted(CLUSTERS)}") from None
+    if gpus_per_node is not None:
+        cluster = replace(cluster, topology=replace(cluster.topology, gpus_per_node=gpus_per_node))
+    if world_size is not None:
+        cluster = cluster.with_world_size(world_size)
+    return cluster
+
+
+def custom_cluster(
+    bandwidth: float,
+    latency: float,
+    *,
+    nodes: int = 1,
+    gpus_per_node: int = 1,
+    intra_bandwidth: float = _PCIE4[0] * 1e9,
+    intra_latency: float = _PCIE4[1],
+    device: str = "a100",
+) -> Cluster:
+    """A cluster from explicit link numbers (bytes/s and seconds).
+
+    With ``gpus_per_node == 1`` every rank is its own node and only the
+    inter-node link matters.
+
+    Example:
+        >>> custom_cluster(12.5e9, 10e-6, nodes=4).world_size
+        4
+    """
+    dev = get_device(device)
+    topo = Topology(
+        nodes,
+        gpus_per_node,
+        _link(intra_bandwidth / 1e9, intra_latency, dev),
+        _link(bandwidth / 1e9, latency, dev),
+    )
+    return Cluster(
+        name="custom", topology=topo, device=dev, source="explicit --bandwidth/--latency"
+    )

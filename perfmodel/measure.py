@@ -1,0 +1,216 @@
+"""Timed building blocks of the gradient reduction paths, on a live process group.
+
+Calibration times each block over a sweep of sizes to fit the model; the
+validation times the whole paths. Both use these functions so the thing
+fitted is the thing measured:
+
+- ``fp32``: ``all_reduce`` of the FP32 buffer (DDP's default hook).
+- ``fp16``: cast to FP16 and divide by N, ``all_reduce``, copy back
+  (``fp16_compress_hook``).
+- ``aps-two-phase``: per-layer amax, MAX ``all_reduce`` of the L maxima, scale
+  by powers of two and encode, ``all_to_all_single`` of the bytes, decode and
+  FP32-sum the N shards and divide, re-encode, ``all_gather_single``, decode and
+  unscale. This mirrors ``aps_comm.hook``'s two-phase path step by step.
+
+Example:
+    >>> codec = load_codec("torch")
+    >>> import torch
+    >>> codec.decode(codec.encode(torch.tensor([1.5]), "e4m3"), "e4m3", 1)
+    tensor([1.5000])
+"""
+
+from __future__ import annotations
+
+import statistics
+import time
+from collections.abc import Callable, Sequence
+from typing import ClassVar, Protocol
+
+import torch
+import torch.distributed as dist
+
+__all__ = [
+    "FMAX",
+    "Codec",
+    "all_gather_single",
+    "aps_two_phase",
+    "fp16_allreduce",
+    "fp32_allreduce",
+    "load_codec",
+    "time_op",
+]
+
+# Largest finite magnitude of each 8-bit format (OCP FP8: e4m3fn and e5m2).
+FMAX = {"e4m3": 448.0, "e5m2": 57344.0}
+
+
+class Codec(Protocol):
+    """Encode FP32 to wire bytes and back (``aps_comm.formats``' API)."""
+
+    def encode(self, x: torch.Tensor, fmt: str) -> torch.Tensor: ...
+
+    def decode(self, payload: torch.Tensor, fmt: str, numel: int) -> torch.Tensor: ...
+
+
+class _TorchCastCodec:
+    """Stand-in codec: torch's native float8 casts (round to nearest even)."""
+
+    name = "torch-cast"
+    _DTYPES: ClassVar[dict[str, torch.dtype]] = {
+        "e4m3": torch.float8_e4m3fn,
+        "e5m2": torch.float8_e5m2,
+    }
+
+    def encode(self, x: torch.Tensor, fmt: str) -> torch.Tensor:
+        return x.to(self._DTYPES[fmt]).view(torch.uint8)
+
+    def decode(self, payload: torch.Tensor, fmt: str, numel: int) -> torch.Tensor:
+        return payload[:numel].view(self._DTYPES[fmt]).to(torch.float32)
+
+
+class _ApsCodec:
+    name = "aps_comm.formats"
+
+    def __init__(self, module: object) -> None:
+        self._m = module
+
+    def encode(self, x: torch.Tensor, fmt: str) -> torch.Tensor:
+        return self._m.encode(x, fmt)
+
+    def decode(self, payload: torch.Tensor, fmt: str, numel: int) -> torch.Tensor:
+        return self._m.decode(payload, fmt, numel)
+
+
+def load_codec(kind: str = "aps") -> Codec | None:
+    """The codec to measure: ``"aps"`` (``aps_comm.formats``) or ``"torch"`` (native casts).
+
+    Returns:
+        The codec, or None when ``kind == "aps"`` and ``aps_comm.formats`` (with
+        ``encode``/``decode``) cannot be imported yet.
+    """
+    if kind == "torch":
+        return _TorchCastCodec()
+    if kind != "aps":
+        raise ValueError(f"codec must be 'aps' or 'torch', got {kind!r}")
+    try:
+        from aps_comm import formats  # lazy: the library may not have it yet
+    except ImportError:
+        return None
+    if not (hasattr(formats, "encode") and hasattr(formats, "decode")):
+        return None
+    return _ApsCodec(formats)
+
+
+def codec_name(codec: Codec) -> str:
+    """Label of a codec for reports."""
+    return getattr(codec, "name", type(codec).__name__)
+
+
+def all_gather_single(output: torch.Tensor, inp: torch.Tensor) -> None:
+    """All-gather into one tensor under the name this torch version prefers.
+
+    torch 2.13 renamed ``all_gather_into_tensor`` to ``all_gather_single`` and
+    warns on the old name.
+    """
+    fn = getattr(dist, "all_gather_single", None) or dist.all_gather_into_tensor
+    fn(output, inp)
+
+
+def time_op(fn: Callable[[], object], repeats: int, warmup: int = 1) -> float:
+    """Median over repeats of the slowest rank's time for ``fn`` (all ranks call it).
+
+    Each repeat starts after a barrier; the per-repeat maximum over ranks is
+    what a collective costs the group.
+    """
+    for _ in range(warmup):
+        fn()
+    times = []
+    for _ in range(repeats):
+        dist.barrier()
+        t0 = time.perf_counter()
+        fn()
+        times.append(time.perf_counter() - t0)
+    t = torch.tensor(times, dtype=torch.float64)
+    dist.all_reduce(t, op=dist.ReduceOp.MAX)
+    return statistics.median(t.tolist())
+
+
+def fp32_allreduce(x: torch.Tensor) -> None:
+    """DDP's default: all-reduce the FP32 buffer."""
+    dist.all_reduce(x)
+
+
+def fp16_cast_down(x: torch.Tensor, world_size: int) -> torch.Tensor:
+    """``fp16_compress_hook``'s compression: cast and divide by N."""
+    return x.to(torch.float16).div_(world_size)
+
+
+def fp16_allreduce(x: torch.Tensor) -> None:
+    """``fp16_compress_hook``: cast/divide, all-reduce in FP16, copy back."""
+    h = fp16_cast_down(x, dist.get_world_size())
+    dist.all_reduce(h)
+    x.copy_(h)
+
+
+def layer_amax(x: torch.Tensor, layers: Sequence[torch.Tensor]) -> torch.Tensor:
+    """Per-layer max |g| (NaN mapped to +inf so a MAX reduction cannot drop it)."""
+    amax = torch.stack([seg.abs().amax() for seg in layers])
+    return torch.nan_to_num(amax, nan=float("inf"))
+
+
+def scale_exponents(amax: torch.Tensor, fmt: str) -> torch.Tensor:
+    """Two-phase APS exponents: ``floor(log2(FMAX / amax))`` (0 for all-zero layers)."""
+    safe = torch.where(amax > 0, amax, torch.ones_like(amax))
+    return torch.floor(torch.log2(FMAX[fmt] / safe))
+
+
+def scaled_encode(
+    x: torch.Tensor, layers: Sequence[torch.Tensor], exps: torch.Tensor, codec: Codec, fmt: str
+) -> torch.Tensor:
+    """Multiply each layer by 2^e (exact) and encode the whole buffer."""
+    scaled = torch.empty_like(x)
+    for seg, out, e in zip(
+        layers, torch.split(scaled, [s.numel() for s in layers]), exps.tolist(), strict=True
+    ):
+        torch.mul(seg, 2.0**e, out=out)
+    return codec.encode(scaled, fmt)
+
+
+def decode_unscale(
+    payload: torch.Tensor,
+    out: torch.Tensor,
+    sizes: Sequence[int],
+    exps: torch.Tensor,
+    codec: Codec,
+    fmt: str,
+) -> None:
+    """Decode the gathered bytes and multiply each layer by 2^-e into ``out``."""
+    dec = codec.decode(payload, fmt, out.numel())
+    for seg, dst, e in zip(
+        torch.split(dec, list(sizes)), torch.split(out, list(sizes)), exps.tolist(), strict=True
+    ):
+        torch.mul(seg, 2.0 ** (-e), out=dst)
+
+
+def owner_reduce(shards: torch.Tensor, world_size: int, codec: Codec, fmt: str) -> torch.Tensor:
+    """Decode the N received shards, sum in FP32, divide by N, re-encode."""
+    dec = codec.decode(shards, fmt, shards.numel()).view(world_size, -1)
+    return codec.encode(dec.sum(0).div_(world_size), fmt)
+
+
+def aps_two_phase(
+    x: torch.Tensor, layer_sizes: Sequence[int], codec: Codec, fmt: str = "e4m3"
+) -> None:
+    """APS two-phase reduction of ``x`` in place (its numel must divide by the world size)."""
+    p = dist.get_world_size()
+    layers = torch.split(x, list(layer_sizes))
+    amax = layer_amax(x, layers)
+    dist.all_reduce(amax, op=dist.ReduceOp.MAX)
+    exps = scale_exponents(amax, fmt)
+    payload = scaled_encode(x, layers, exps, codec, fmt)
+    shards = torch.empty_like(payload)
+    dist.all_to_all_single(shards, payload)
+    mine = owner_reduce(shards, p, codec, fmt)
+    gathered = torch.empty_like(payload)
+    all_gather_single(gathered, mine)
+    decode_unscale(gathered, x, layer_sizes, exps, codec, fmt)

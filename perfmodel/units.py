@@ -1,0 +1,176 @@
+"""Parse and format the human units the CLI accepts: sizes, rates, times, counts.
+
+Example:
+    >>> parse_bandwidth("100Gbit")
+    12500000000.0
+    >>> parse_time("10us")
+    1e-05
+    >>> parse_count("25.6M")
+    25600000
+"""
+
+from __future__ import annotations
+
+import re
+
+__all__ = [
+    "format_bandwidth",
+    "format_bytes",
+    "format_time",
+    "parse_bandwidth",
+    "parse_bytes",
+    "parse_count",
+    "parse_time",
+]
+
+_NUMBER = re.compile(r"^\s*([0-9]*\.?[0-9]+(?:[eE][-+]?[0-9]+)?)\s*([A-Za-z/]*)\s*$")
+
+_DECIMAL = {"": 1.0, "k": 1e3, "m": 1e6, "g": 1e9, "t": 1e12, "p": 1e15}
+_BINARY = {"ki": 2.0**10, "mi": 2.0**20, "gi": 2.0**30, "ti": 2.0**40}
+
+
+def _split(text: str) -> tuple[float, str]:
+    match = _NUMBER.match(text)
+    if not match:
+        raise ValueError(f"cannot parse {text!r} as a number with a unit")
+    return float(match.group(1)), match.group(2)
+
+
+def _prefix(unit: str, allowed_units: tuple[str, ...]) -> tuple[float, str]:
+    """Split ``unit`` into an SI/IEC prefix multiplier and the base unit."""
+    lowered = unit.lower()
+    for base in sorted(allowed_units, key=len, reverse=True):
+        if lowered.endswith(base):
+            prefix = lowered[: len(lowered) - len(base)]
+            if prefix in _BINARY:
+                return _BINARY[prefix], base
+            if prefix in _DECIMAL:
+                return _DECIMAL[prefix], base
+    raise ValueError(f"unknown unit {unit!r}")
+
+
+def parse_bytes(text: str | float | int) -> float:
+    """Parse a size such as ``"25MB"``, ``"1MiB"`` or ``"4096"`` into bytes.
+
+    Decimal prefixes (kB, MB, GB) are powers of 1000 and binary prefixes
+    (KiB, MiB, GiB) powers of 1024, as in the SI/IEC standards.
+
+    Example:
+        >>> parse_bytes("1MiB")
+        1048576.0
+    """
+    if isinstance(text, int | float):
+        return float(text)
+    value, unit = _split(text)
+    if unit == "":
+        return value
+    mult, _ = _prefix(unit, ("b", "byte", "bytes"))
+    return value * mult
+
+
+def parse_bandwidth(text: str | float | int) -> float:
+    """Parse a link rate into bytes per second.
+
+    ``bit``/``bps``/``b`` suffixes after a prefix letter mean bits when spelled
+    ``bit``, ``bps`` or ``b`` in lower case after ``G``/``M`` (``100Gbit``,
+    ``100Gbps``, ``100Gb``); ``B/s`` and ``GB/s`` mean bytes. A bare number is
+    bytes per second.
+
+    Example:
+        >>> parse_bandwidth("400Gbps")
+        50000000000.0
+        >>> parse_bandwidth("25GB/s")
+        25000000000.0
+    """
+    if isinstance(text, int | float):
+        return float(text)
+    value, unit = _split(text)
+    if unit == "":
+        return value
+    # Bits vs bytes is the one case-sensitive distinction: "Gb" bits, "GB" bytes.
+    for suffix in ("bit/s", "bits/s", "bit", "bits", "bps", "b/s", "b"):
+        if unit.endswith(suffix) and unit[len(unit) - len(suffix) :] == suffix:
+            mult = _prefix(unit[: len(unit) - len(suffix)] + "x", ("x",))[0]
+            return value * mult / 8.0
+    for suffix in ("B/s", "Bps", "B"):
+        if unit.endswith(suffix):
+            mult = _prefix(unit[: len(unit) - len(suffix)] + "x", ("x",))[0]
+            return value * mult
+    raise ValueError(f"unknown bandwidth unit {unit!r} in {text!r}")
+
+
+def parse_time(text: str | float | int) -> float:
+    """Parse a duration such as ``"10us"``, ``"1.5ms"`` or ``"2s"`` into seconds.
+
+    Example:
+        >>> parse_time("1.5ms")
+        0.0015
+    """
+    if isinstance(text, int | float):
+        return float(text)
+    value, unit = _split(text)
+    # Divide rather than multiply by 1e-6: 10 / 1e6 is exactly 1e-05 in floats.
+    divisor = {"": 1.0, "s": 1.0, "ms": 1e3, "us": 1e6, "µs": 1e6, "ns": 1e9}
+    if unit.lower() not in divisor:
+        raise ValueError(f"unknown time unit {unit!r} in {text!r}")
+    return value / divisor[unit.lower()]
+
+
+def parse_count(text: str | float | int) -> int:
+    """Parse a parameter count such as ``"25.6M"``, ``"7B"`` or ``"1.5e9"``.
+
+    Example:
+        >>> parse_count("7B")
+        7000000000
+    """
+    if isinstance(text, int | float):
+        return round(text)
+    value, unit = _split(text)
+    scale = {"": 1.0, "k": 1e3, "m": 1e6, "b": 1e9, "g": 1e9, "t": 1e12}
+    if unit.lower() not in scale:
+        raise ValueError(f"unknown count suffix {unit!r} in {text!r}")
+    return round(value * scale[unit.lower()])
+
+
+def format_time(seconds: float) -> str:
+    """Format seconds with a unit that keeps three significant digits.
+
+    Example:
+        >>> format_time(0.0123)
+        '12.3 ms'
+    """
+    mag = abs(seconds)
+    if mag >= 1.0 or mag == 0.0:
+        return f"{seconds:.3g} s"
+    if mag >= 1e-3:
+        return f"{seconds * 1e3:.3g} ms"
+    if mag >= 1e-6:
+        return f"{seconds * 1e6:.3g} us"
+    return f"{seconds * 1e9:.3g} ns"
+
+
+def format_bytes(nbytes: float) -> str:
+    """Format a byte count with a binary prefix.
+
+    Example:
+        >>> format_bytes(3 * 2**20)
+        '3 MiB'
+    """
+    for unit, scale in (("GiB", 2.0**30), ("MiB", 2.0**20), ("KiB", 2.0**10)):
+        if abs(nbytes) >= scale:
+            return f"{nbytes / scale:.3g} {unit}"
+    return f"{nbytes:.3g} B"
+
+
+def format_bandwidth(bytes_per_s: float) -> str:
+    """Format a link rate in bits per second, the way networks are sold.
+
+    Example:
+        >>> format_bandwidth(12.5e9)
+        '100 Gbit/s'
+    """
+    bits = bytes_per_s * 8.0
+    for unit, scale in (("Tbit/s", 1e12), ("Gbit/s", 1e9), ("Mbit/s", 1e6), ("kbit/s", 1e3)):
+        if bits >= scale:
+            return f"{bits / scale:.3g} {unit}"
+    return f"{bits:.3g} bit/s"

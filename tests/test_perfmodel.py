@@ -1,0 +1,444 @@
+"""Tests of the analytic performance model (perfmodel): formulas, limits, DDP, CLI, literature."""
+
+from __future__ import annotations
+
+import json
+import math
+
+import pytest
+import torch
+import torch.distributed as dist
+
+from perfmodel import (
+    ComputeTime,
+    LinkParams,
+    ModelSpec,
+    Topology,
+    assign_buckets,
+    bucket_comm,
+    custom_cluster,
+    get_cluster,
+    get_format,
+    get_model,
+    predict,
+    simulate_step,
+    sweep,
+)
+from perfmodel import collectives as C
+from perfmodel.cli import main as cli_main
+from perfmodel.ddp import DEFAULT_FIRST_BUCKET_BYTES
+from perfmodel.literature import reproduce_pytorch_ddp_benchmark
+from perfmodel.units import parse_bandwidth, parse_bytes, parse_count, parse_time
+
+LINK = LinkParams(alpha=1e-5, beta=1e-9, gamma=1e-10)
+
+
+# --- collectives: hand-computed values -------------------------------------------------
+
+
+def test_ring_allreduce_hand_value() -> None:
+    # 2*3*1e-5 + 2*1e6*(3/4)*1e-9 + 1e6*(3/4)*1e-10
+    assert C.ring_allreduce(1e6, 4, LINK) == pytest.approx(6e-5 + 1.5e-3 + 7.5e-5)
+
+
+def test_tree_allreduces_hand_values() -> None:
+    # Halving-doubling, p=8: 2*3 latency steps, same bandwidth/reduction as ring.
+    assert C.halving_doubling_allreduce(1e6, 8, LINK) == pytest.approx(
+        6e-5 + 2 * 1e6 * 7 / 8 * 1e-9 + 1e6 * 7 / 8 * 1e-10
+    )
+    # Recursive doubling, p=8: 3 steps of the full vector.
+    assert C.recursive_doubling_allreduce(1e6, 8, LINK) == pytest.approx(3 * (1e-5 + 1e-3 + 1e-4))
+    # p not a power of two pays the fold-in step: ceil(log2 6) = 3.
+    assert C.halving_doubling_allreduce(0.0, 6, LINK) == pytest.approx(6e-5)
+    assert C.allreduce(8.0, 8, LINK, "auto") == min(
+        fn(8.0, 8, LINK) for fn in C.ALLREDUCE_ALGORITHMS.values()
+    )
+    with pytest.raises(ValueError, match="unknown all-reduce"):
+        C.allreduce(1.0, 2, LINK, "butterfly")
+
+
+def test_reduce_scatter_all_gather_all_to_all_hand_values() -> None:
+    assert C.reduce_scatter(1e6, 4, LINK) == pytest.approx(3e-5 + 0.75e6 * 1.1e-9)
+    assert C.all_gather(1e6, 4, LINK) == pytest.approx(3e-5 + 0.75e-3)
+    assert C.all_to_all(1e6, 4, LINK) == pytest.approx(3e-5 + 0.75e-3)
+    # Ring all-reduce = reduce-scatter + all-gather.
+    assert C.ring_allreduce(1e6, 4, LINK) == pytest.approx(
+        C.reduce_scatter(1e6, 4, LINK) + C.all_gather(1e6, 4, LINK)
+    )
+    # Two-phase: 1 MB of FP8 on the wire, 4 MB of FP32 accumulated.
+    assert C.two_phase_reduction(1e6, 4e6, 4, LINK) == pytest.approx(
+        2 * (3e-5 + 0.75e-3) + 4e6 * 0.75 * 1e-10
+    )
+
+
+def test_single_rank_costs_nothing() -> None:
+    for fn in (C.ring_allreduce, C.reduce_scatter, C.all_gather, C.all_to_all):
+        assert fn(1e9, 1, LINK) == 0.0
+    c = custom_cluster(1e9, 1e-5, nodes=1)
+    assert bucket_comm(10**6, 5, get_format("e4m3"), c).total_s == 0.0
+
+
+def test_hierarchical_reduces_to_flat_and_hand_value() -> None:
+    intra, inter = LinkParams(1e-6, 1e-11, 1e-12), LinkParams(1e-5, 1e-9, 1e-12)
+    flat_nodes = Topology(4, 1, intra, inter)
+    one_node = Topology(1, 4, intra, inter)
+    assert C.hierarchical_allreduce(1e6, flat_nodes) == C.ring_allreduce(1e6, 4, inter)
+    assert C.hierarchical_allreduce(1e6, one_node) == C.ring_allreduce(1e6, 4, intra)
+    assert C.hierarchical_all_to_all(1e6, flat_nodes) == pytest.approx(C.all_to_all(1e6, 4, inter))
+    # 2 nodes x 4: intra reduce-scatter and all-gather of 1 MB; 4 flows of 250 kB share the NIC.
+    two = Topology(2, 4, intra, inter)
+    expect = (
+        (3 * 1e-6 + 1e6 * 0.75 * (1e-11 + 1e-12))
+        + (2 * 1e-5 + 2 * 2.5e5 * 0.5 * 4e-9 + 2.5e5 * 0.5 * 1e-12)
+        + (3 * 1e-6 + 1e6 * 0.75 * 1e-11)
+    )
+    assert C.hierarchical_allreduce(1e6, two) == pytest.approx(expect)
+    # All-to-all: 3 intra peers, 4 off-node peers whose traffic shares the node link.
+    a2a = 3 * (1e-6 + 1.25e5 * 1e-11) + 4 * (1e-5 + 1.25e5 * 4e-9)
+    assert C.hierarchical_all_to_all(1e6, two) == pytest.approx(a2a)
+
+
+# --- APS comm model: limits ---------------------------------------------------------
+
+
+def _ratio(fmt: str, cluster, n: int = 25 * 2**18, layers: int = 20, **kw) -> float:
+    fp32 = bucket_comm(n, layers, get_format("fp32"), cluster).total_s
+    return fp32 / bucket_comm(n, layers, get_format(fmt, **kw), cluster).total_s
+
+
+def test_fp8_speedup_tends_to_byte_ratio_when_bandwidth_bound() -> None:
+    slow = custom_cluster(parse_bandwidth("1Mbit"), 0.0, nodes=8)
+    assert _ratio("e4m3", slow) == pytest.approx(4.0, rel=1e-3)
+    assert _ratio("fp16", slow) == pytest.approx(2.0, rel=1e-3)
+    assert _ratio("e2m1", slow) == pytest.approx(8.0, rel=1e-3)
+
+
+def test_fp8_speedup_tends_to_one_when_latency_bound() -> None:
+    lat = custom_cluster(1e15, 1.0, nodes=8)  # one second per message, free bandwidth
+    # Same collective, fewer bytes: no gain.
+    assert _ratio("e4m3", lat, strategy="allreduce", aps=False) == pytest.approx(1.0, rel=1e-4)
+    # APS adds the MAX all-reduce of maxima: a latency-bound loss, never a gain.
+    aps = _ratio("e4m3", lat)
+    assert aps < 1.0
+    # ring all-reduce 2(p-1) steps vs all-to-all + all-gather 2(p-1) + recursive-doubling maxima 3.
+    assert aps == pytest.approx(14 / (14 + 3), rel=1e-3)
+    # And at the step level a latency-bound, compute-dominated step gains nothing.
+    m = get_model("resnet50")
+    pred = predict(
+        m, custom_cluster(1e15, 1e-7, nodes=8), ["e4m3"], ComputeTime.from_step_time(1.0)
+    )
+    assert pred.formats["e4m3"].speedup_vs_fp32 == pytest.approx(1.0, abs=1e-4)
+
+
+@pytest.mark.parametrize("fmt,bound", [("e4m3", 4.0), ("fp16", 2.0), ("bf16", 2.0), ("e2m1", 8.0)])
+def test_speedup_never_above_byte_ratio(fmt: str, bound: float) -> None:
+    model = get_model("gpt2-xl")
+    for name in ("1gbe", "100gbe", "dgx-h100"):
+        base = get_cluster(name)
+        for p in (2, 8, 64):
+            cluster = base.with_world_size(p)
+            for bw in (1e6, 1e8, 1e10, 1e12):
+                for lat in (0.0, 1e-5, 1e-3):
+                    c = cluster.with_links(bandwidth=bw, latency=lat)
+                    r = _ratio(fmt, c, n=10**7)
+                    assert r <= bound * (1 + 1e-9)
+                    pred = predict(model, c, [fmt], ComputeTime.from_step_time(0.5))
+                    for res in pred.formats.values():
+                        bytes_bound = 4.0 / get_format(res.format).wire_bytes
+                        assert res.speedup_vs_fp32 <= bytes_bound * (1 + 1e-9)
+
+
+def test_aps_breakdown_counts_codec_maxima_and_wire_bytes() -> None:
+    c = get_cluster("100gbe", world_size=4)
+    n = 2**20
+    b = bucket_comm(n, 16, get_format("e4m3"), c)
+    assert b.wire_bytes == pytest.approx(2 * n * 1.0 * 3 / 4)
+    assert b.maxima_s == pytest.approx(C.allreduce(64, 4, c.topology.inter, "auto"))
+    dev = c.device
+    # amax (4 B/elem), encode n (5), owner decode n (5), accumulate 4n*(3/4) at gamma, re-encode n/4, final decode n.
+    codec = 5 * dev.launch_s + (4 * n + 5 * n + 5 * n + 5 * n / 4 + 5 * n) / dev.mem_bw
+    codec += 4 * n * 0.75 * c.topology.inter.gamma
+    assert b.codec_s == pytest.approx(codec)
+    assert b.collective_s == pytest.approx(
+        C.all_to_all(n, 4, c.topology.inter) + C.all_gather(n, 4, c.topology.inter)
+    )
+    fp16 = bucket_comm(n, 16, get_format("fp16"), c)
+    assert fp16.maxima_s == 0.0 and fp16.wire_bytes == pytest.approx(2 * 2 * n * 3 / 4)
+
+
+# --- DDP bucketing and step timeline -------------------------------------------------
+
+
+def test_first_bucket_cap_matches_torch() -> None:
+    assert DEFAULT_FIRST_BUCKET_BYTES == dist._DEFAULT_FIRST_BUCKET_BYTES
+
+
+def test_bucket_assignment_matches_torch_reducer() -> None:
+    sizes = [9408, 64, 64, 4096, 2**20, 2**21, 300_000, 2**22, 10, 2**23, 7_000_000, 2**18]
+    ours = assign_buckets(sizes, bucket_cap_mb=25)
+    order = list(reversed(range(len(sizes))))
+    tensors = [torch.empty(sizes[i]) for i in order]
+    limits = [dist._DEFAULT_FIRST_BUCKET_BYTES, 25 * 2**20]
+    theirs, _ = dist._compute_bucket_assignment_by_size(
+        tensors, limits, [False] * len(sizes), order
+    )
+    assert [tuple(b) for b in theirs] == ours
+    assert len(ours) > 2  # the case exercises the first-bucket cap and the 25 MiB cap
+
+
+def test_step_timeline_hand_computed() -> None:
+    # Two equal tensors of 1 MiB elements (4 MiB each): each closes its own bucket.
+    model = ModelSpec("toy", (C_T("a", 2**20), C_T("b", 2**20)))
+    cluster = custom_cluster(4 * 2**20 / 0.5, 0.0, nodes=2)  # ring: 2*n*(1/2)*beta = 0.5 s
+    comp = ComputeTime(0.1, 0.8, 0.05)
+    s = simulate_step(model, cluster, get_format("fp32"), comp)
+    # b ready at 0.4 (half the weight), done 0.9; a ready at 0.8, starts 0.9, done 1.4.
+    # (The preset device's reduction gamma adds ~1e-6 s per bucket.)
+    assert [b.ready_s for b in s.buckets] == pytest.approx([0.4, 0.8])
+    assert [b.done_s for b in s.buckets] == pytest.approx([0.9, 1.4], rel=1e-5)
+    assert s.comm_s == pytest.approx(1.0, rel=1e-5)
+    assert s.exposed_comm_s == pytest.approx(0.6, rel=1e-5)
+    assert s.step_s == pytest.approx(0.1 + 1.4 + 0.05, rel=1e-5)
+
+
+def C_T(name: str, n: int):
+    from perfmodel.models import TensorSpec
+
+    return TensorSpec(name, n)
+
+
+# --- models, compute, units --------------------------------------------------------
+
+
+@pytest.mark.parametrize(
+    "name,published,tol",
+    [
+        ("resnet50", 25.557032e6, 1e-9),
+        ("vit-b16", 86.567656e6, 1e-9),
+        ("bert-large", 3.4e8, 0.025),
+        ("gpt2-xl", 1.558e9, 0.01),
+        ("llama-7b", 6.74e9, 0.01),
+    ],
+)
+def test_model_presets_match_published_totals(name: str, published: float, tol: float) -> None:
+    m = get_model(name)
+    assert m.total_params == pytest.approx(published, rel=tol)
+    assert m.source and m.forward_flops_per_sample > 0
+
+
+def test_model_from_module_and_params() -> None:
+    net = torch.nn.Sequential(
+        torch.nn.Conv2d(3, 8, 3), torch.nn.Flatten(), torch.nn.Linear(8 * 6 * 6, 10)
+    )
+    spec = ModelSpec.from_module(net, torch.zeros(1, 3, 8, 8))
+    assert spec.total_params == sum(p.numel() for p in net.parameters())
+    assert [t.name for t in spec.tensors] == [n for n, _ in net.named_parameters()]
+    assert spec.tensors[0].flops == 2 * 8 * 6 * 6 * 3 * 9
+    assert spec.tensors[2].flops == 2 * 288 * 10
+    p = get_model("25.6M")
+    assert p.total_params == 25_600_000 and p.num_tensors == 25
+    with pytest.raises(ValueError, match="unknown model"):
+        get_model("resnet5000")
+
+
+def test_compute_estimate_hand_value() -> None:
+    from perfmodel import get_device
+
+    m, d = get_model("resnet50"), get_device("v100")
+    c = ComputeTime.estimate(m, d, 32, dtype="fp32", mfu=0.5, optimizer="sgd")
+    fwd = 32 * m.forward_flops_per_sample / (15.7e12 * 0.5)
+    assert c.forward_s == pytest.approx(fwd)
+    assert c.backward_s == pytest.approx(2 * fwd)
+    assert c.optimizer_s == pytest.approx(m.total_params * 12 / 0.9e12)
+
+
+def test_units() -> None:
+    assert parse_bandwidth("100Gbit") == 12.5e9
+    assert parse_bandwidth(["8", "400Gbps"][1]) == 50e9
+    assert parse_bandwidth("25GB/s") == 25e9
+    assert parse_time("10us") == 1e-5
+    assert parse_count("25.6M") == 25_600_000
+    assert parse_bytes("1MiB") == 2**20
+    with pytest.raises(ValueError):
+        parse_bandwidth("fast")
+
+
+# --- API, CLI ----------------------------------------------------------------------
+
+
+def test_predict_cluster_sizes_and_sweep() -> None:
+    assert get_cluster("dgx-h100", world_size=64).topology.nodes == 8
+    with pytest.raises(ValueError, match="multiple"):
+        get_cluster("dgx-h100", world_size=12)
+    rows = sweep(
+        get_model("bert-large"),
+        get_cluster("10gbe"),
+        bandwidths=[1e8, 1e10],
+        world_sizes=[4, 16],
+        compute=ComputeTime.from_step_time(0.3),
+    )
+    assert len(rows) == 12
+    slow = [r for r in rows if r.bandwidth_Bps == 1e8 and r.format == "e4m3"]
+    fast = [r for r in rows if r.bandwidth_Bps == 1e10 and r.format == "e4m3"]
+    assert all(s.speedup_vs_fp32 > f.speedup_vs_fp32 for s, f in zip(slow, fast, strict=True))
+
+
+def test_cli_predict_json(capsys: pytest.CaptureFixture[str]) -> None:
+    rc = cli_main(
+        [
+            "predict",
+            "--model",
+            "resnet50",
+            "--world-size",
+            "64",
+            "--cluster",
+            "100gbe",
+            "--fmt",
+            "e4m3",
+            "--json",
+        ]
+    )
+    assert rc == 0
+    out = json.loads(capsys.readouterr().out)
+    assert set(out["formats"]) == {"fp32", "fp16", "e4m3"}
+    for v in out["formats"].values():
+        assert {"comm_s", "step_s", "speedup_vs_fp32"} <= set(v)
+    assert out["formats"]["fp32"]["speedup_vs_fp32"] == 1.0
+
+
+def test_cli_predict_table_plot_and_sweep(tmp_path, capsys: pytest.CaptureFixture[str]) -> None:
+    png = tmp_path / "s.png"
+    rc = cli_main(
+        [
+            "predict",
+            "--params",
+            "25.6M",
+            "--bandwidth",
+            "10Gbit",
+            "--latency",
+            "20us",
+            "--nodes",
+            "4",
+            "--step-time",
+            "100ms",
+            "--fmt",
+            "bf16",
+            "--plot",
+            str(png),
+        ]
+    )
+    text = capsys.readouterr().out
+    assert rc == 0 and "speedup" in text and "bf16" in text
+    assert png.read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
+    csv_path = tmp_path / "s.csv"
+    rc = cli_main(
+        [
+            "sweep",
+            "--model",
+            "llama-7b",
+            "--cluster",
+            "dgx-h100",
+            "--world-sizes",
+            "8,16",
+            "--bandwidths",
+            "100Gbit,400Gbit",
+            "--out",
+            str(csv_path),
+        ]
+    )
+    lines = csv_path.read_text().strip().splitlines()
+    assert (
+        rc == 0 and lines[0].startswith("model,cluster,world_size") and len(lines) == 1 + 2 * 2 * 3
+    )
+
+
+def test_cli_calibrate_needs_launcher_env(monkeypatch: pytest.MonkeyPatch) -> None:
+    for key in ("RANK", "WORLD_SIZE", "MASTER_ADDR", "MASTER_PORT"):
+        monkeypatch.delenv(key, raising=False)
+    with pytest.raises(SystemExit, match="aps-launch or torchrun"):
+        cli_main(["calibrate", "--out", "unused.json"])
+
+
+# --- literature -------------------------------------------------------------------
+
+
+def test_reproduces_pytorch_ddp_benchmark_within_15_percent() -> None:
+    rows = reproduce_pytorch_ddp_benchmark()
+    assert len(rows) == 10
+    for r in rows:
+        assert abs(r.rel_err) <= 0.15, r
+    # Multi-GPU runs communicate; the single-GPU run does not.
+    assert all((r.comm_s > 0) == (r.gpus > 1) for r in rows)
+    assert math.isclose(rows[0].published_s, 0.100)
+
+
+# --- calibration ------------------------------------------------------------------
+
+
+def test_fit_profile_recovers_synthetic_parameters(tmp_path) -> None:
+    from perfmodel.calibrate import COLLECTIVE_COEFFS, fit_profile
+    from perfmodel.profile import Profile
+
+    p, alpha, beta, gamma = 4, 2e-5, 1e-9, 3e-10
+    samples = []
+    for n in (1e4, 1e5, 1e6, 1e7):
+        for op in ("all_reduce", "all_to_all", "all_gather"):
+            a, b, c = COLLECTIVE_COEFFS[op](p)
+            key = "all_reduce.float32" if op == "all_reduce" else op
+            samples.append({"op": key, "n": n, "seconds": a * alpha + b * n * beta + c * n * gamma})
+        samples.append({"op": "encode.e4m3", "n": n, "seconds": 1e-5 + n * 2e-9})
+    prof = fit_profile(samples, p)
+    assert prof.link.alpha == pytest.approx(alpha, rel=1e-6)
+    assert prof.link.beta == pytest.approx(beta, rel=1e-6)
+    assert prof.link.gamma == pytest.approx(gamma, rel=1e-6)
+    # Per collective, gamma folds into beta: 2(p-1)/p beta' = 2(p-1)/p beta + (p-1)/p gamma.
+    assert prof.collectives["all_reduce.float32"].beta == pytest.approx(beta + gamma / 2, rel=1e-6)
+    assert prof.codec["encode.e4m3"].s_per_elem == pytest.approx(2e-9, rel=1e-6)
+    path = tmp_path / "p.json"
+    prof.save(path)
+    again = Profile.load(path)
+    assert again.collectives == prof.collectives and again.codec == prof.codec
+
+
+def _calibrate_rank(rank: int, world_size: int) -> dict:
+    from perfmodel import measure
+    from perfmodel.calibrate import run_calibration
+
+    samples, label = run_calibration([4096, 65536], repeats=1, codec_kind="torch", layers=4)
+    # The emulated APS two-phase path reduces correctly (within e4m3 rounding).
+    x = torch.randn(4096, generator=torch.Generator().manual_seed(rank))
+    ref = x.clone()
+    dist.all_reduce(ref)
+    ref /= world_size
+    measure.aps_two_phase(x, [1024] * 4, measure.load_codec("torch"), "e4m3")
+    err = ((x - ref).abs() / ref.abs().clamp_min(1e-3)).median().item()
+    return {"samples": samples, "label": label, "median_rel_err": err}
+
+
+def test_calibration_end_to_end_two_ranks(tmp_path, capsys: pytest.CaptureFixture[str]) -> None:
+    from aps_comm.testing import run_distributed
+    from perfmodel.calibrate import fit_profile
+
+    out = run_distributed(_calibrate_rank, 2, timeout=120)
+    assert out[0]["samples"] == out[1]["samples"]  # every rank reports the group's timing
+    assert out[0]["median_rel_err"] < 0.07  # e4m3 has 3 mantissa bits
+    ops = {s["op"] for s in out[0]["samples"]}
+    assert {
+        "all_reduce.float32",
+        "all_to_all",
+        "all_gather",
+        "all_reduce_max",
+        "encode.e4m3",
+        "decode.e4m3",
+        "accumulate",
+        "amax",
+    } <= ops
+    prof = fit_profile(out[0]["samples"], 2, codec_source=out[0]["label"])
+    assert prof.codec_source == "torch-cast"
+    path = tmp_path / "prof.json"
+    prof.save(path)
+    rc = cli_main(
+        ["predict", "--model", "resnet50", "--profile", str(path), "--step-time", "1s", "--json"]
+    )
+    res = json.loads(capsys.readouterr().out)
+    assert rc == 0 and res["world_size"] == 2 and res["formats"]["e4m3"]["comm_s"] > 0
