@@ -11,13 +11,20 @@ Example:
 
 from aps_comm.formats import FloatFormat, get_format
 from aps_comm.hook import APSConfig, APSState, aps_hook, register
+from aps_comm.policy import ByName, KeepLast, LowRatio, MinNumel, Promote, Schedule
 from aps_comm.telemetry import LayerStats
 
 __all__ = [
     "APSConfig",
     "APSState",
+    "ByName",
     "FloatFormat",
+    "KeepLast",
     "LayerStats",
+    "LowRatio",
+    "MinNumel",
+    "Promote",
+    "Schedule",
     "aps_hook",
     "get_format",
     "register",
