@@ -53,6 +53,9 @@ from aps_comm.telemetry import LayerStats, layer_stats
 __all__ = ["APSConfig", "APSState", "aps_hook", "register"]
 
 _BACKENDS = ("gloo", "nccl", "mpi")
+# Elements per pipelined chunk of a bucket (4 MiB of FP32): small enough to
+# overlap the codec with the wire, large enough to keep per-message costs low.
+_CHUNK_ELEMENTS = 2**20
 
 
 @dataclasses.dataclass(frozen=True)
@@ -176,6 +179,7 @@ class APSState:
         self._rates: dict[str, float] = {}
         # Error feedback: what rounding lost, per parameter name (unscaled).
         self._residuals: dict[str, torch.Tensor] = {}
+        self.chunk_elements = _CHUNK_ELEMENTS
         self._schedule = [r for r in self.policy if isinstance(r, Schedule)]
         self._promoter = next((r for r in self.policy if isinstance(r, Promote)), None)
 
@@ -413,18 +417,17 @@ def aps_hook(state: APSState, bucket: dist.GradBucket) -> torch.futures.Future[t
 
     fmts = state._formats(params)
     groups = _groups(bucket.index(), fmts, layers, x, numels, amax, names)
-    works, finishes = [], []
+    futures = []
     for g in groups:
-        work, finish = _reduce_group(state, g, layers, names, params)
-        works.append(work)
-        finishes.append(finish)
+        futures += _reduce_group(state, g, layers, names)
     if bucket.is_last():
         state._end_step()
 
     def finish_all(_: torch.futures.Future) -> torch.Tensor:
         # Only local work here: callbacks may run on a backend thread.
-        for g, finish in zip(groups, finishes, strict=True):
-            finish()
+        for fut in futures:
+            fut.value()  # re-raises a chunk's failure
+        for g in groups:
             if g.x is not x:
                 for i, t in zip(
                     g.index, torch.split(g.x, [numels[i] for i in g.index]), strict=True
@@ -434,9 +437,7 @@ def aps_hook(state: APSState, bucket: dist.GradBucket) -> torch.futures.Future[t
             buffer.copy_(x)
         return buffer
 
-    if len(works) == 1:
-        return works[0].get_future().then(finish_all)
-    return torch.futures.collect_all([w.get_future() for w in works]).then(finish_all)
+    return torch.futures.collect_all(futures).then(finish_all)
 
 
 def _groups(
@@ -470,9 +471,8 @@ def _reduce_group(
     g: _Group,
     layers: list[torch.Tensor],
     names: list[str | None],
-    params: Sequence[torch.Tensor],
-):
-    """Issue one group's collectives; return the work and the local finishing step."""
+) -> list[torch.futures.Future]:
+    """Issue one group's collectives; the futures complete once decoded into ``g.x``."""
     group, n_ranks, fmt = state.process_group, state.world_size, g.fmt
     if fmt == FP32:
         g.x.div_(n_ranks)
@@ -480,7 +480,7 @@ def _reduce_group(
         if state.error_feedback:
             for i in g.index:
                 state._residuals.pop(names[i] or "", None)
-        return dist.all_reduce(g.x, group=group, async_op=True), lambda: None
+        return [dist.all_reduce(g.x, group=group, async_op=True).get_future()]
 
     two_phase = state._reductions[fmt] == "two_phase"
     exps = exponents(
@@ -508,36 +508,84 @@ def _reduce_group(
     decode_with = _kernels.Segments(g.offsets, unscale.cpu().numpy())
 
     numel = g.x.numel()
+    # Chunks pipeline the codec with the wire: chunk c+1 encodes while chunk c
+    # is in flight, and each chunk decodes in its own callback. Error feedback
+    # keeps one chunk: its owner step needs the whole shard at once.
+    size = numel if state.error_feedback else state.chunk_elements
+    bounds = [(lo, min(lo + size, numel)) for lo in range(0, numel, max(size, 1))] or [(0, 0)]
     if two_phase:
-        _, shard_bytes = shard_layout(numel, fmt, n_ranks)
-        send, recv = state._buffers(g.key, shard_bytes * n_ranks, g.x.device)
-        payload = send[: payload_nbytes(numel, fmt)]
-        _encode_into(g.x, fmt, payload, encode_with)
-        send[payload.numel() :].zero_()  # padding: code 0 is +0 in every format
-        if state.error_feedback:
-            _keep_residuals(state, g, glayers, gnames, payload, exps, finite)
-        dist.all_to_all_single(recv, send, group=group)
-        state._count("all_to_all", send.numel())
-        if state.error_feedback:
-            reduced = _reduce_with_feedback(state, g, gnames, recv, scale, finite)
-        else:
-            reduced = reduce_shards(recv, n_ranks, fmt)
-        work = all_gather_single(send, reduced, group=group, async_op=True)
-        state._count("all_gather", reduced.numel())
-    else:
-        nbytes = numel * fmt.torch_dtype.itemsize  # type: ignore[union-attr]
-        send, _ = state._buffers(g.key, nbytes, g.x.device)
-        payload = send
-        _encode_into(g.x, fmt, payload, encode_with)
+        regions = _regions(bounds, fmt, n_ranks)
+        send, recv = state._buffers(g.key, regions[-1][1], g.x.device)
+        pending = []
+        for (lo, hi), (r0, r1) in zip(bounds, regions, strict=True):
+            chunk_send = send[r0:r1]
+            payload = chunk_send[: payload_nbytes(hi - lo, fmt)]
+            _encode_into(g.x[lo:hi], fmt, payload, _clip(encode_with, lo, hi))
+            chunk_send[payload.numel() :].zero_()  # padding: code 0 is +0 in every format
+            if state.error_feedback:
+                _keep_residuals(state, g, glayers, gnames, payload, exps, finite)
+            work = dist.all_to_all_single(recv[r0:r1], chunk_send, group=group, async_op=True)
+            pending.append(work)
+            state._count("all_to_all", chunk_send.numel())
+        futures = []
+        for (lo, hi), (r0, r1), work in zip(bounds, regions, pending, strict=True):
+            work.wait()
+            if state.error_feedback:
+                reduced = _reduce_with_feedback(state, g, gnames, recv[r0:r1], scale, finite)
+            else:
+                reduced = reduce_shards(recv[r0:r1], n_ranks, fmt)
+            # The chunk's send region is free once its all-to-all is done.
+            gathered = all_gather_single(send[r0:r1], reduced, group=group, async_op=True)
+            state._count("all_gather", reduced.numel())
+            futures.append(_then_decode(gathered, send[r0:r1], fmt, g.x, lo, hi, decode_with))
+        return futures
+    itemsize = fmt.torch_dtype.itemsize  # type: ignore[union-attr]
+    send, _ = state._buffers(g.key, numel * itemsize, g.x.device)
+    futures = []
+    for lo, hi in bounds:
+        payload = send[lo * itemsize : hi * itemsize]
+        _encode_into(g.x[lo:hi], fmt, payload, _clip(encode_with, lo, hi))
         if state.error_feedback:
             _keep_residuals(state, g, glayers, gnames, payload, exps, finite)
         work = dist.all_reduce(payload.view(fmt.torch_dtype), group=group, async_op=True)
-        state._count("all_reduce", nbytes)
+        state._count("all_reduce", payload.numel())
+        futures.append(_then_decode(work, payload, fmt, g.x, lo, hi, decode_with))
+    return futures
 
-    def finish() -> None:
-        _decode_into(payload, fmt, g.x, decode_with)
 
-    return work, finish
+def _regions(
+    bounds: list[tuple[int, int]], fmt: FloatFormat, n_ranks: int
+) -> list[tuple[int, int]]:
+    """Byte range of each chunk's padded two_phase buffer (N shards) in the scratch buffer."""
+    regions, start = [], 0
+    for lo, hi in bounds:
+        _, shard_bytes = shard_layout(hi - lo, fmt, n_ranks)
+        regions.append((start, start + shard_bytes * n_ranks))
+        start += shard_bytes * n_ranks
+    return regions
+
+
+def _clip(segments: _kernels.Segments, lo: int, hi: int) -> _kernels.Segments:
+    """The segments seen by the slice [lo, hi) of the buffer, with local offsets."""
+    return _kernels.Segments(np.clip(segments.offsets - lo, 0, hi - lo), segments.factors)
+
+
+def _then_decode(
+    work: dist.Work,
+    payload: torch.Tensor,
+    fmt: FloatFormat,
+    x: torch.Tensor,
+    lo: int,
+    hi: int,
+    segments: _kernels.Segments,
+) -> torch.futures.Future:
+    def decode(_: torch.futures.Future) -> None:
+        # Only local work here: callbacks may run on a backend thread.
+        _decode_into(
+            payload[: payload_nbytes(hi - lo, fmt)], fmt, x[lo:hi], _clip(segments, lo, hi)
+        )
+
+    return work.get_future().then(decode)
 
 
 def _add_residuals(state: APSState, layers: list[torch.Tensor], names: list[str | None]) -> None:
