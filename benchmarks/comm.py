@@ -1,0 +1,321 @@
+"""Communication benchmark: real DDP backward + communication, hook against hook.
+
+Every hook runs in the same job, on the same model and data: PyTorch's FP32
+``allreduce_hook``, ``fp16_compress_hook``, ``bf16_compress_hook`` and
+PowerSGD (rank 4), APS e4m3/e5m2 (two_phase) and FP16/BF16 (native
+all-reduce), and the naive e4m3 cast. Per hook: the median step time
+(backward plus communication; the slowest rank's time each step) over
+repeats, the effective bus bandwidth, the speedup over FP32 and over
+``fp16_compress_hook``, the relative L2 error of the averaged gradient
+against the exact FP32 mean, and the perfmodel's prediction beside it.
+
+By default the ranks run on an emulated bandwidth-bound cluster
+(:mod:`benchmarks.cluster`: network namespaces, tbf-shaped veths; needs root)::
+
+    python -m benchmarks.comm --ranks 4 --bandwidth 1gbit --mb 64 --json benchmarks/results/comm.json
+    python -m benchmarks.comm --loopback --ranks 2 --mb 16      # no root; loopback hides the network
+
+Example:
+    >>> main(["--loopback", "--ranks", "2", "--mb", "4", "--repeats", "2"])  # doctest: +SKIP
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import platform
+import statistics
+import sys
+import tempfile
+import time
+from collections.abc import Callable, Sequence
+from pathlib import Path
+from typing import Any
+
+import torch
+
+__all__ = ["HOOKS", "main"]
+
+HOOKS = (
+    "fp32",
+    "fp16",
+    "bf16",
+    "powersgd",
+    "aps-e4m3",
+    "aps-e5m2",
+    "aps-fp16",
+    "aps-bf16",
+    "naive-e4m3",
+)
+_WIDTH = 2048  # Linear(2048, 2048): 16 MiB of FP32 gradient per layer
+_PREDICTED = {
+    "fp32": "fp32",
+    "fp16": "fp16",
+    "aps-fp16": "fp16",
+    "bf16": "bf16",
+    "aps-bf16": "bf16",
+    "aps-e4m3": "e4m3",
+    "aps-e5m2": "e5m2",
+}
+
+
+def _model(mb: float) -> torch.nn.Module:
+    layers = max(1, round(mb * 2**20 / 4 / _WIDTH**2))
+    return torch.nn.Sequential(
+        *[torch.nn.Linear(_WIDTH, _WIDTH, bias=False) for _ in range(layers)]
+    )
+
+
+def _attach(name: str, ddp: torch.nn.parallel.DistributedDataParallel) -> tuple[Any, Callable]:
+    """Register hook ``name`` on ``ddp``; return (state, hook function)."""
+    from torch.distributed.algorithms.ddp_comm_hooks import default_hooks, powerSGD_hook
+
+    from aps_comm import APSState, aps_hook
+
+    if name == "fp32":
+        return None, default_hooks.allreduce_hook
+    if name == "fp16":
+        return None, default_hooks.fp16_compress_hook
+    if name == "bf16":
+        return None, default_hooks.bf16_compress_hook
+    if name == "powersgd":
+        state = powerSGD_hook.PowerSGDState(
+            process_group=None, matrix_approximation_rank=4, start_powerSGD_iter=2
+        )
+        return state, powerSGD_hook.powerSGD_hook
+    kind, fmt = name.split("-", 1)
+    if kind == "aps":
+        reduction = "allreduce" if fmt in ("fp16", "bf16") else "two_phase"
+        return APSState(fmt, reduction=reduction), aps_hook
+    if kind == "naive":
+        return APSState(fmt, reduction="two_phase", scaling="none"), aps_hook
+    raise ValueError(f"unknown hook {name!r}; choose from {', '.join(HOOKS)}")
+
+
+def _rel_error(ddp: torch.nn.Module, state: Any, hook: Callable, x: torch.Tensor) -> float:
+    """One more step with a capturing wrapper: error of the result vs the FP32 mean."""
+    import torch.distributed as dist
+
+    pairs: list[tuple[torch.Tensor, torch.Tensor]] = []
+
+    # Unannotated on purpose: DDP rejects string annotations (this module
+    # uses postponed evaluation).
+    def capture(st, bucket):  # type: ignore[no-untyped-def]
+        raw = bucket.buffer().detach().clone()
+        fut = hook(st, bucket)
+
+        def keep(f: torch.futures.Future) -> torch.Tensor:
+            pairs.append((raw, f.value()[0] if isinstance(f.value(), list) else f.value()))
+            return f.value()
+
+        return fut.then(keep)
+
+    ddp.register_comm_hook(state, capture)  # type: ignore[attr-defined]
+    ddp.zero_grad()
+    ddp(x).sum().backward()
+    err2 = ref2 = 0.0
+    for raw, out in pairs:
+        mean = raw.double()
+        dist.all_reduce(mean)
+        mean /= dist.get_world_size()
+        err2 += float((out.double() - mean).pow(2).sum())
+        ref2 += float(mean.pow(2).sum())
+    return (err2 / ref2) ** 0.5 if ref2 else 0.0
+
+
+def _worker(args: argparse.Namespace) -> None:
+    import torch.distributed as dist
+    from torch.nn.parallel import DistributedDataParallel as DDP
+
+    torch.set_num_threads(1)
+    dist.init_process_group("gloo")
+    rank, world = dist.get_rank(), dist.get_world_size()
+    torch.manual_seed(1234 + rank)
+    x = torch.randn(1, _WIDTH)
+    results = []
+    for name in args.hooks:
+        torch.manual_seed(0)
+        model = _model(args.mb)
+        ddp = DDP(model, bucket_cap_mb=args.bucket_mb)
+        state, hook = _attach(name, ddp)
+        try:
+            ddp.register_comm_hook(state, hook)
+        except (TypeError, RuntimeError) as exc:
+            # bf16_compress_hook: DDP allows it only with CUDA/NCCL or XPU.
+            results.append({"hook": name, "skipped": str(exc)})
+            if rank == 0:
+                print(f"{name:>11}: skipped ({exc})", flush=True)
+            continue
+        times = []
+        for step in range(args.warmup + args.repeats):
+            ddp.zero_grad()
+            dist.barrier()
+            start = time.perf_counter()
+            ddp(x).sum().backward()
+            elapsed = torch.tensor([time.perf_counter() - start])
+            # A step takes as long as its slowest rank.
+            dist.all_reduce(elapsed, op=dist.ReduceOp.MAX)
+            if step >= args.warmup:
+                times.append(float(elapsed))
+        # A fresh model for the error step: DDP allows one hook registration.
+        torch.manual_seed(0)
+        ddp_err = DDP(_model(args.mb), bucket_cap_mb=args.bucket_mb)
+        state_err, hook_err = _attach(name, ddp_err)
+        if name == "powersgd":
+            state_err.start_powerSGD_iter = 2
+            state_err.iter = 10  # past warm-up: measure the compressed result
+        error = _rel_error(ddp_err, state_err, hook_err, x)
+        results.append({"hook": name, "step_s": times, "rel_l2_error": error})
+        if rank == 0:
+            print(
+                f"{name:>11}: median {statistics.median(times):.3f} s, error {error:.2e}",
+                flush=True,
+            )
+        del ddp, ddp_err, model
+    if rank == 0:
+        n_params = sum(p.numel() for p in _model(args.mb).parameters())
+        Path(args.worker_out).write_text(
+            json.dumps({"world": world, "numel": n_params, "results": results})
+        )
+    dist.destroy_process_group()
+
+
+def _predict(numel: int, world: int, link: dict[str, Any] | None) -> dict[str, float]:
+    """perfmodel's step time (communication only) per format, for the measured link."""
+    if not link or not link.get("bandwidth_bits_per_s"):
+        return {}
+    from perfmodel import ComputeTime, ModelSpec, custom_cluster, predict
+
+    cluster = custom_cluster(
+        link["bandwidth_bits_per_s"] / 8,
+        max(link.get("rtt_s") or 0.0, 1e-6) / 2,
+        nodes=world,
+        device="cpu",
+    )
+    model = ModelSpec.from_module(_model(numel * 4 / 2**20))
+    pred = predict(model, cluster, ["e4m3", "e5m2", "bf16"], ComputeTime.from_step_time(0.0))
+    return {name: r.step_s for name, r in pred.formats.items()}
+
+
+def _summarise(raw: dict[str, Any], link: dict[str, Any] | None, args: argparse.Namespace) -> dict:
+    world, numel = raw["world"], raw["numel"]
+    done = [r for r in raw["results"] if "skipped" not in r]
+    medians = {r["hook"]: statistics.median(r["step_s"]) for r in done}
+    predicted = _predict(numel, world, link)
+    fp32_bytes = 4 * numel
+    runs = []
+    for r in done:
+        t = medians[r["hook"]]
+        runs.append(
+            {
+                "hook": r["hook"],
+                "median_step_s": t,
+                "step_s": r["step_s"],
+                # NCCL-tests convention, on the FP32 gradient size: what an FP32
+                # all-reduce would need to reach to take this long.
+                "bus_bandwidth_gbit": fp32_bytes * 8 * 2 * (world - 1) / world / t / 1e9,
+                "speedup_vs_fp32": medians["fp32"] / t if "fp32" in medians else None,
+                "speedup_vs_fp16": medians["fp16"] / t if "fp16" in medians else None,
+                "rel_l2_error": r["rel_l2_error"],
+                "predicted_step_s": predicted.get(_PREDICTED.get(r["hook"], "")),
+            }
+        )
+    return {
+        "command": "python -m benchmarks.comm " + " ".join(sys.argv[1:]),
+        "date": time.strftime("%Y-%m-%dT%H:%M:%S%z"),
+        "machine": {
+            "cpus": os.cpu_count(),
+            "python": platform.python_version(),
+            "torch": torch.__version__,
+            "kernel": platform.release(),
+        },
+        "link": link,
+        "ranks": world,
+        "gradient_mb": fp32_bytes / 2**20,
+        "bucket_cap_mb": args.bucket_mb,
+        "repeats": args.repeats,
+        "warmup": args.warmup,
+        "runs": runs,
+        "skipped": {r["hook"]: r["skipped"] for r in raw["results"] if "skipped" in r},
+    }
+
+
+def _table(result: dict[str, Any]) -> str:
+    lines = [
+        f"{'hook':>11} {'step s':>8} {'busbw Gb/s':>10} {'vs fp32':>8} {'vs fp16':>8} "
+        f"{'rel err':>9} {'predicted':>9}"
+    ]
+    for r in result["runs"]:
+        pred = r["predicted_step_s"]
+        lines.append(
+            f"{r['hook']:>11} {r['median_step_s']:>8.3f} {r['bus_bandwidth_gbit']:>10.2f} "
+            f"{r['speedup_vs_fp32'] or 0:>8.2f} {r['speedup_vs_fp16'] or 0:>8.2f} "
+            f"{r['rel_l2_error']:>9.2e} {f'{pred:.3f}' if pred else '-':>9}"
+        )
+    return "\n".join(lines)
+
+
+def _parser() -> argparse.ArgumentParser:
+    p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    p.add_argument("--ranks", type=int, default=4)
+    p.add_argument("--bandwidth", default="1gbit", help="per-rank link rate (tc syntax)")
+    p.add_argument("--loopback", action="store_true", help="no namespaces, no shaping")
+    p.add_argument("--mb", type=float, default=64.0, help="MiB of FP32 gradients")
+    p.add_argument("--bucket-mb", type=float, default=25.0, help="DDP bucket_cap_mb")
+    p.add_argument("--repeats", type=int, default=5)
+    p.add_argument("--warmup", type=int, default=3)
+    p.add_argument("--hooks", default=",".join(HOOKS), help="comma-separated subset of hooks")
+    p.add_argument("--timeout", type=float, default=1800.0)
+    p.add_argument("--json", type=Path, default=None, help="write the results here")
+    p.add_argument("--worker", action="store_true", help=argparse.SUPPRESS)
+    p.add_argument("--worker-out", default="", help=argparse.SUPPRESS)
+    return p
+
+
+def main(argv: Sequence[str] | None = None) -> int:
+    args = _parser().parse_args(argv)
+    args.hooks = [h.strip() for h in args.hooks.split(",") if h.strip()]
+    unknown = [h for h in args.hooks if h not in HOOKS]
+    if unknown:
+        raise SystemExit(f"unknown hooks {unknown}; choose from {', '.join(HOOKS)}")
+    if args.worker:
+        _worker(args)
+        return 0
+    from benchmarks.cluster import EmulatedCluster
+
+    with tempfile.TemporaryDirectory(prefix="aps-comm-") as tmp:
+        out = Path(tmp) / "rank0.json"
+        worker = [
+            sys.executable, "-m", "benchmarks.comm", "--worker", "--worker-out", str(out),
+            "--mb", str(args.mb), "--bucket-mb", str(args.bucket_mb),
+            "--repeats", str(args.repeats), "--warmup", str(args.warmup),
+            "--hooks", ",".join(args.hooks),
+        ]  # fmt: skip
+        with EmulatedCluster(
+            ranks=args.ranks, bandwidth=args.bandwidth, loopback=args.loopback
+        ) as cluster:
+            link = None
+            if not args.loopback:
+                stats = cluster.link_stats()
+                print(stats.summary(), flush=True)
+                link = stats.to_dict()
+            ranks = cluster.run(
+                worker, timeout=args.timeout, env={"PYTHONPATH": os.getcwd()}, echo=True
+            )
+        failed = [r for r in ranks if not r.ok]
+        if failed:
+            for r in failed:
+                print(r.output[-3000:], file=sys.stderr)
+            return 1
+        raw = json.loads(out.read_text())
+    result = _summarise(raw, link, args)
+    print(_table(result))
+    if args.json:
+        args.json.parent.mkdir(parents=True, exist_ok=True)
+        args.json.write_text(json.dumps(result, indent=2) + "\n")
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
