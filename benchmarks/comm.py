@@ -35,19 +35,23 @@ from typing import Any
 
 import torch
 
-__all__ = ["HOOKS", "main"]
+__all__ = ["DEFAULT_HOOKS", "HOOKS", "main"]
 
 HOOKS = (
     "fp32",
     "fp16",
     "bf16",
-    "powersgd",
     "aps-e4m3",
     "aps-e5m2",
     "aps-fp16",
     "aps-bf16",
     "naive-e4m3",
+    "powersgd",
 )
+# PowerSGD's hook issues its second all-reduce from a future callback; on Gloo
+# with 4 ranks in the emulated cluster that deadlocked (measured), so it is
+# not in the default list. Ask for it with --hooks.
+DEFAULT_HOOKS = HOOKS[:-1]
 _WIDTH = 2048  # Linear(2048, 2048): 16 MiB of FP32 gradient per layer
 _PREDICTED = {
     "fp32": "fp32",
@@ -265,7 +269,11 @@ def _parser() -> argparse.ArgumentParser:
     p.add_argument("--bucket-mb", type=float, default=25.0, help="DDP bucket_cap_mb")
     p.add_argument("--repeats", type=int, default=5)
     p.add_argument("--warmup", type=int, default=3)
-    p.add_argument("--hooks", default=",".join(HOOKS), help="comma-separated subset of hooks")
+    p.add_argument(
+        "--hooks",
+        default=",".join(DEFAULT_HOOKS),
+        help=f"comma-separated hooks, from: {', '.join(HOOKS)} (default: all but powersgd)",
+    )
     p.add_argument("--timeout", type=float, default=1800.0)
     p.add_argument("--json", type=Path, default=None, help="write the results here")
     p.add_argument("--worker", action="store_true", help=argparse.SUPPRESS)

@@ -1,0 +1,525 @@
+"""Accuracy of full training runs on real ranks, per communication hook, with bytes per step.
+
+Every hook trains the same model from the same initialisation on the same
+data order, on ``--world-size`` real processes (Gloo, CPU, real
+``DistributedDataParallel``), for ``--seeds`` seeds; all hooks of one seed
+run inside a single :func:`aps_comm.testing.run_distributed` call (one
+process start-up). Hooks: PyTorch's FP32 ``allreduce_hook``,
+``fp16_compress_hook`` and ``bf16_compress_hook``; e4m3 without scaling
+(the naive cast); APS e4m3 and e5m2; and APS e4m3 with the last layer in
+FP32, with underflow-driven promotion, and with error feedback.
+
+Tasks:
+
+- **digits**: :class:`~benchmarks._models.DigitsCNN` on sklearn's digits,
+  SGD with momentum. As in ``tests/test_training.py`` the loss is multiplied
+  by 2**-10 and the learning rate by 2**10: in FP32 the training is exactly
+  the same (powers of two), but the gradients take the magnitudes of a large
+  network's (1e-6 to 1e-4, as in the APS paper's ResNet-50).
+- **markov**: :class:`~benchmarks._models.TinyLM` (a 2-block causal
+  transformer) on next-token prediction over a random second-order Markov
+  chain, AdamW with a cosine schedule, no loss scaling (its natural
+  gradient magnitudes). Test loss, perplexity and token accuracy, beside
+  the true chain's (the oracle's).
+
+Bytes per step are the payload bytes each rank hands to collectives in one
+step: ``state.bytes_sent`` for the APS hook, and for PyTorch's hooks the
+bytes of the tensors they pass to ``dist.all_reduce`` (counted by a wrapper).
+
+    python -m benchmarks.accuracy [--seeds 3] [--digits-epochs 15] [--lm-steps 300]
+"""
+
+# No `from __future__ import annotations`: DDP inspects the wrapper hook's
+# annotations and needs the real dist.GradBucket / torch.futures.Future.
+
+import argparse
+import json
+import math
+import platform
+import statistics
+import sys
+import time
+from collections.abc import Callable
+from pathlib import Path
+from typing import Any
+
+import torch
+import torch.distributed as dist
+import torch.nn as nn
+from torch.distributed.algorithms.ddp_comm_hooks import default_hooks
+from torch.nn.parallel import DistributedDataParallel as DDP
+
+from aps_comm import register
+from aps_comm.policy import KeepLast, Promote
+from aps_comm.testing import run_distributed
+from benchmarks._models import DigitsCNN, TinyLM, lm_loss, load_digits_tensors, markov_data
+
+__all__ = ["HOOKS", "TASKS", "attach_hook", "main"]
+
+RESULTS = Path(__file__).resolve().parent / "results"
+LOSS_SCALE = 2.0**-10
+"""Digits task: loss multiplier (and 1 / learning-rate multiplier) giving large-network gradients."""
+
+HOOKS: dict[str, str] = {
+    "fp32": "PyTorch allreduce_hook (FP32)",
+    "fp16_compress": "PyTorch fp16_compress_hook",
+    "bf16_compress": "PyTorch bf16_compress_hook",
+    "naive-e4m3": 'register(ddp, fmt="e4m3", scaling="none")',
+    "aps-e4m3": 'register(ddp, fmt="e4m3")',
+    "aps-e5m2": 'register(ddp, fmt="e5m2")',
+    "aps-e4m3+last-fp32": 'register(ddp, fmt="e4m3", policy=[KeepLast("fp32")])',
+    "aps-e4m3+promote": 'register(ddp, fmt="e4m3", policy=[Promote()])',
+    "aps-e4m3+error-feedback": 'register(ddp, fmt="e4m3", error_feedback=True)',
+}
+"""Hook name -> how it is set up."""
+
+TASKS = ("digits", "markov")
+
+_TORCH_HOOKS = {
+    "fp32": default_hooks.allreduce_hook,
+    "fp16_compress": default_hooks.fp16_compress_hook,
+    "bf16_compress": default_hooks.bf16_compress_hook,
+}
+
+
+class _CountingState:
+    """State of :func:`_counting_hook`: a PyTorch hook and the bytes it hands to all_reduce."""
+
+    def __init__(self, hook: Callable) -> None:
+        self.hook = hook
+        self.bytes_sent = 0
+        self._pending = 0
+
+
+def _counting_hook(
+    state: _CountingState, bucket: dist.GradBucket
+) -> torch.futures.Future[torch.Tensor]:
+    """Run a PyTorch DDP hook, counting the bytes of every tensor it passes to all_reduce."""
+    original = dist.all_reduce
+
+    def counted(tensor: torch.Tensor, *args: Any, **kwargs: Any) -> Any:
+        state._pending += tensor.numel() * tensor.element_size()
+        return original(tensor, *args, **kwargs)
+
+    dist.all_reduce = counted
+    try:
+        fut = state.hook(None, bucket)
+    finally:
+        dist.all_reduce = original
+    if bucket.is_last():
+        state.bytes_sent, state._pending = state._pending, 0
+    return fut
+
+
+def attach_hook(ddp: DDP, hook: str, group: dist.ProcessGroup | None = None) -> Callable[[], int]:
+    """Register the named hook of :data:`HOOKS` on ``ddp``.
+
+    Args:
+        ddp: the DDP model (a hook can be registered once per DDP instance).
+        hook: a key of :data:`HOOKS`.
+        group: process group of the APS hooks (default: a new one each).
+
+    Returns:
+        A function returning the bytes this rank handed to collectives in
+        the last step.
+
+    Example:
+        >>> bytes_per_step = attach_hook(ddp, "aps-e4m3")  # doctest: +SKIP
+    """
+    if hook in _TORCH_HOOKS:
+        counting = _CountingState(_TORCH_HOOKS[hook])
+        ddp.register_comm_hook(counting, _counting_hook)
+        return lambda: counting.bytes_sent
+    options: dict[str, Any] = {
+        "naive-e4m3": {"fmt": "e4m3", "scaling": "none"},
+        "aps-e4m3": {"fmt": "e4m3"},
+        "aps-e5m2": {"fmt": "e5m2"},
+        "aps-e4m3+last-fp32": {"fmt": "e4m3", "policy": [KeepLast("fp32")]},
+        "aps-e4m3+promote": {"fmt": "e4m3", "policy": [Promote()]},
+        "aps-e4m3+error-feedback": {"fmt": "e4m3", "error_feedback": True},
+    }[hook]
+    state = register(ddp, process_group=group, **options)
+    return lambda: state.bytes_sent
+
+
+def _same_everywhere(model: nn.Module, world_size: int) -> None:
+    """Check (cheaply) that every rank holds the same parameters."""
+    total = sum(float(p.double().sum()) for p in model.parameters())
+    everyone: list[float | None] = [None] * world_size
+    dist.all_gather_object(everyone, total)
+    if len(set(everyone)) != 1:
+        raise AssertionError(f"ranks diverged: parameter sums {everyone}")
+
+
+def _train_digits(
+    rank: int, world_size: int, hook: str, seed: int, cfg: dict, group: dist.ProcessGroup
+) -> dict:
+    x_tr, y_tr, x_te, y_te = load_digits_tensors()
+    torch.manual_seed(seed)
+    model = DigitsCNN()
+    ddp = DDP(model)
+    sent = attach_hook(ddp, hook, group)
+    opt = torch.optim.SGD(ddp.parameters(), lr=cfg["digits_lr"] / LOSS_SCALE, momentum=0.9)
+    shard_x, shard_y = x_tr[rank::world_size], y_tr[rank::world_size]
+    batch = cfg["digits_batch"]
+    curve, step_bytes = [], 0
+    for epoch in range(cfg["digits_epochs"]):
+        gen = torch.Generator().manual_seed(1000 * seed + epoch)
+        order = torch.randperm(len(shard_y), generator=gen)
+        losses = []
+        for i in range(0, len(order) - batch + 1, batch):
+            idx = order[i : i + batch]
+            opt.zero_grad()
+            loss = nn.functional.cross_entropy(ddp(shard_x[idx]), shard_y[idx])
+            (loss * LOSS_SCALE).backward()
+            opt.step()
+            losses.append(float(loss.detach()))
+            step_bytes = sent()
+        with torch.no_grad():
+            logits = model(x_te)
+            acc = float((logits.argmax(1) == y_te).float().mean())
+            test_loss = float(nn.functional.cross_entropy(logits, y_te))
+        curve.append(
+            {
+                "epoch": epoch + 1,
+                "train_loss": sum(losses) / len(losses),
+                "test_loss": test_loss,
+                "test_acc": acc,
+            }
+        )
+    _same_everywhere(model, world_size)
+    final = curve[-1]
+    return {
+        "final": {"test_acc": final["test_acc"], "test_loss": final["test_loss"]},
+        "curve": curve,
+        "bytes_per_step": step_bytes,
+        "parameters": sum(p.numel() for p in model.parameters()),
+    }
+
+
+def _lm_eval(model: nn.Module, x: torch.Tensor, y: torch.Tensor) -> tuple[float, float]:
+    """Test loss and token accuracy on positions 1.. (those the oracle scores)."""
+    with torch.no_grad():
+        logits = model(x)[:, 1:]
+        loss = float(lm_loss(logits, y[:, 1:]))
+        acc = float((logits.argmax(-1) == y[:, 1:]).float().mean())
+    return loss, acc
+
+
+def _train_markov(
+    rank: int, world_size: int, hook: str, seed: int, cfg: dict, group: dist.ProcessGroup
+) -> dict:
+    data = markov_data(cfg["lm_vocab"], cfg["lm_seq_len"], cfg["lm_train"], cfg["lm_test"])
+    torch.manual_seed(seed)
+    model = TinyLM(cfg["lm_vocab"], cfg["lm_seq_len"], cfg["lm_dim"], cfg["lm_depth"])
+    ddp = DDP(model)
+    sent = attach_hook(ddp, hook, group)
+    steps = cfg["lm_steps"]
+    opt = torch.optim.AdamW(ddp.parameters(), lr=cfg["lm_lr"], weight_decay=0.01)
+    sched = torch.optim.lr_scheduler.LambdaLR(
+        opt, lambda s: 0.1 + 0.9 * 0.5 * (1 + math.cos(math.pi * min(s, steps) / steps))
+    )
+    shard_x, shard_y = data.x_train[rank::world_size], data.y_train[rank::world_size]
+    batch = cfg["lm_batch"]
+    every = max(1, steps // cfg["lm_evals"])
+    gen = torch.Generator().manual_seed(seed)
+    order = torch.randperm(len(shard_y), generator=gen)
+    pos, curve, losses, step_bytes = 0, [], [], 0
+    for step in range(1, steps + 1):
+        if pos + batch > len(order):
+            order, pos = torch.randperm(len(shard_y), generator=gen), 0
+        idx = order[pos : pos + batch]
+        pos += batch
+        opt.zero_grad()
+        loss = lm_loss(ddp(shard_x[idx]), shard_y[idx])
+        loss.backward()
+        opt.step()
+        sched.step()
+        losses.append(float(loss.detach()))
+        step_bytes = sent()
+        if step % every == 0 or step == steps:
+            test_loss, acc = _lm_eval(model, data.x_test, data.y_test)
+            curve.append(
+                {
+                    "step": step,
+                    "train_loss": sum(losses) / len(losses),
+                    "test_loss": test_loss,
+                    "test_acc": acc,
+                }
+            )
+            losses = []
+    _same_everywhere(model, world_size)
+    final = curve[-1]
+    return {
+        "final": {
+            "test_loss": final["test_loss"],
+            "test_ppl": math.exp(final["test_loss"]),
+            "test_acc": final["test_acc"],
+        },
+        "curve": curve,
+        "bytes_per_step": step_bytes,
+        "parameters": sum(p.numel() for p in model.parameters()),
+        "oracle": {
+            "test_loss": data.oracle_loss,
+            "test_ppl": math.exp(data.oracle_loss),
+            "test_acc": data.oracle_acc,
+        },
+    }
+
+
+def _one_seed(rank: int, world_size: int, seed: int, cfg: dict) -> list[dict]:
+    """Every (task, hook) of one seed, in one job. Rank 0 returns the records."""
+    torch.set_num_threads(1)
+    group = dist.new_group()  # one group for all APS states (used one after another)
+    trainers = {"digits": _train_digits, "markov": _train_markov}
+    records = []
+    for task in cfg["tasks"]:
+        for hook in cfg["hooks"]:
+            start = time.perf_counter()
+            out = trainers[task](rank, world_size, hook, seed, cfg, group)
+            out.update(task=task, hook=hook, seed=seed, seconds=time.perf_counter() - start)
+            records.append(out)
+            if rank == 0:
+                f = out["final"]
+                print(
+                    f"seed {seed} {task:<6} {hook:<24} test acc {f['test_acc']:.4f} "
+                    f"loss {f['test_loss']:.4f} bytes/step {out['bytes_per_step']:>8} "
+                    f"({out['seconds']:.1f} s)",
+                    flush=True,
+                )
+    return records if rank == 0 else []
+
+
+def _summary(runs: list[dict], hooks: list[str], tasks: list[str]) -> list[dict]:
+    rows = []
+    for task in tasks:
+        fp32 = [r["bytes_per_step"] for r in runs if r["task"] == task and r["hook"] == "fp32"]
+        fp32_bytes = statistics.fmean(fp32) if fp32 else None
+        for hook in hooks:
+            mine = [r for r in runs if r["task"] == task and r["hook"] == hook]
+            if not mine:
+                continue
+            row: dict[str, Any] = {"task": task, "hook": hook, "setup": HOOKS[hook]}
+            for metric in mine[0]["final"]:
+                vals = [r["final"][metric] for r in mine]
+                row[metric] = {
+                    "mean": statistics.fmean(vals),
+                    "std": statistics.stdev(vals) if len(vals) > 1 else 0.0,
+                    "min": min(vals),
+                    "max": max(vals),
+                    "per_seed": vals,
+                }
+            row["bytes_per_step"] = round(statistics.fmean(r["bytes_per_step"] for r in mine))
+            row["bytes_vs_fp32"] = row["bytes_per_step"] / fp32_bytes if fp32_bytes else None
+            row["seconds_per_run"] = statistics.fmean(r["seconds"] for r in mine)
+            rows.append(row)
+    return rows
+
+
+def main(argv: list[str] | None = None) -> dict:
+    """Run the benchmark; write ``accuracy.{json,md}`` and ``accuracy_<task>.png``.
+
+    Example:
+        >>> main(["--seeds", "1", "--digits-epochs", "1", "--lm-steps", "4"])  # doctest: +SKIP
+    """
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--world-size", type=int, default=4)
+    parser.add_argument("--seeds", type=int, default=3)
+    parser.add_argument("--tasks", nargs="+", choices=TASKS, default=list(TASKS))
+    parser.add_argument("--hooks", nargs="+", choices=list(HOOKS), default=list(HOOKS))
+    parser.add_argument("--digits-epochs", type=int, default=15)
+    parser.add_argument("--digits-batch", type=int, default=32, help="per rank")
+    parser.add_argument("--digits-lr", type=float, default=0.1, help="before the 2**10 factor")
+    parser.add_argument("--lm-steps", type=int, default=300)
+    parser.add_argument("--lm-batch", type=int, default=16, help="per rank")
+    parser.add_argument("--lm-lr", type=float, default=1e-2)
+    parser.add_argument("--lm-vocab", type=int, default=8)
+    parser.add_argument("--lm-seq-len", type=int, default=16)
+    parser.add_argument("--lm-dim", type=int, default=32)
+    parser.add_argument("--lm-depth", type=int, default=2)
+    parser.add_argument("--lm-train", type=int, default=4096)
+    parser.add_argument("--lm-test", type=int, default=512)
+    parser.add_argument("--lm-evals", type=int, default=6, help="test evaluations per run")
+    parser.add_argument("--timeout", type=float, default=3600.0, help="seconds per seed")
+    parser.add_argument("--out", type=Path, default=RESULTS)
+    parser.add_argument(
+        "--render",
+        type=Path,
+        default=None,
+        help="no training: recompute the summary, markdown and plots of this accuracy.json",
+    )
+    args = parser.parse_args(argv)
+    command = "python -m benchmarks.accuracy " + " ".join(sys.argv[1:] if argv is None else argv)
+    print(command, flush=True)
+    if args.render is not None:
+        # The summary is derived from the runs: recompute it with this version's rules.
+        result = json.loads(args.render.read_text())
+        s = result["settings"]
+        result["summary"] = _summary(result["runs"], s["hooks"], s["tasks"])
+        result["rendered_by"] = command
+        _write(result, args.out)
+        return result
+    cfg = {k: v for k, v in vars(args).items() if k not in ("out", "timeout")}
+    start = time.perf_counter()
+    runs: list[dict] = []
+    for seed in range(args.seeds):
+        runs += run_distributed(_one_seed, args.world_size, args=(seed, cfg), timeout=args.timeout)[
+            0
+        ]
+    result = {
+        "command": command,
+        "machine": _machine(),
+        "settings": cfg,
+        "loss_scale_digits": LOSS_SCALE,
+        "seconds": round(time.perf_counter() - start, 1),
+        "summary": _summary(runs, args.hooks, args.tasks),
+        "runs": runs,
+    }
+    _write(result, args.out)
+    print(f"ran in {result['seconds']} s")
+    return result
+
+
+def _write(result: dict, out: Path, json_too: bool = True) -> None:
+    out.mkdir(parents=True, exist_ok=True)
+    if json_too:
+        (out / "accuracy.json").write_text(json.dumps(result, indent=1))
+    (out / "accuracy.md").write_text(markdown(result))
+    for task in result["settings"]["tasks"]:
+        _plot(result, task, out / f"accuracy_{task}.png")
+    print((out / "accuracy.md").read_text())
+    print(f"wrote {out}/accuracy.md and plots" + (" and accuracy.json" if json_too else ""))
+
+
+def _machine() -> dict:
+    import os
+
+    return {
+        "platform": platform.platform(),
+        "cpus": os.cpu_count(),
+        "python": platform.python_version(),
+        "torch": torch.__version__,
+        "backend": "gloo (CPU), one process per rank, 1 intra-op thread each",
+    }
+
+
+def _fmt_stat(s: dict, digits: int = 4) -> str:
+    return f"{s['mean']:.{digits}f} ± {s['std']:.{digits}f}"
+
+
+def markdown(result: dict) -> str:
+    """The results as markdown (also used by :mod:`benchmarks.report`).
+
+    Example:
+        >>> text = markdown(json.loads(Path("benchmarks/results/accuracy.json").read_text()))  # doctest: +SKIP
+    """
+    s = result["settings"]
+    m = result["machine"]
+    lines = [
+        "# Accuracy of full training runs, per communication hook",
+        "",
+        f"`{result['command']}`",
+        "",
+        f"{s['world_size']} ranks: real processes, {m['backend']}, real DDP; {m['cpus']} CPU "
+        f"cores shared with other jobs (niced), torch {m['torch']}. {s['seeds']} seeds "
+        f"(initialisation and data order); mean ± sample standard deviation, min-max in "
+        f"brackets. Bytes per step: payload bytes one rank hands to collectives in the last "
+        f"step of each run, mean over seeds (with Promote, layers that moved up the ladder send 2 bytes per "
+        f"element). "
+        f"Total run time {result['seconds']:.0f} s.",
+        "",
+    ]
+    rows = result["summary"]
+    if "digits" in s["tasks"]:
+        lines += [
+            "## digits CNN (sklearn digits, 1437 train / 360 test images)",
+            "",
+            f"`DigitsCNN`, SGD momentum 0.9, lr {s['digits_lr']} x 2**10, loss x 2**-10 "
+            f"(exactly equivalent in FP32; gradients of 1e-6 to 1e-4 like a large network's, "
+            f"as in tests/test_training.py), batch {s['digits_batch']} per rank "
+            f"({s['digits_batch'] * s['world_size']} global), {s['digits_epochs']} epochs.",
+            "",
+            "| hook | test accuracy | [min, max] | test loss | bytes/step | vs FP32 |",
+            "|---|---:|---:|---:|---:|---:|",
+        ]
+        for r in (r for r in rows if r["task"] == "digits"):
+            a = r["test_acc"]
+            lines.append(
+                f"| {r['hook']} | {_fmt_stat(a)} | [{a['min']:.4f}, {a['max']:.4f}] | "
+                f"{_fmt_stat(r['test_loss'], 3)} | {r['bytes_per_step']:,} | "
+                f"{_ratio(r['bytes_vs_fp32'])} |"
+            )
+        lines += ["", "![digits curves](accuracy_digits.png)", ""]
+    if "markov" in s["tasks"]:
+        oracle = next(r["oracle"] for r in result["runs"] if r["task"] == "markov")
+        lines += [
+            "## Transformer LM on a random second-order Markov chain",
+            "",
+            f"`TinyLM` ({s['lm_depth']} blocks, width {s['lm_dim']}), vocabulary "
+            f"{s['lm_vocab']}, {s['lm_seq_len']} tokens per sequence, {s['lm_train']} train / "
+            f"{s['lm_test']} test sequences; AdamW lr {s['lm_lr']} (cosine to 10%), "
+            f"weight decay 0.01, batch {s['lm_batch']} per rank, {s['lm_steps']} steps, no loss "
+            f"scaling. Test metrics on positions 2 and later; the oracle (the true chain) "
+            f"scores loss {oracle['test_loss']:.4f}, perplexity {oracle['test_ppl']:.3f}, "
+            f"token accuracy {oracle['test_acc']:.4f}.",
+            "",
+            "| hook | test loss | perplexity | token accuracy | [min, max] | bytes/step | vs FP32 |",
+            "|---|---:|---:|---:|---:|---:|---:|",
+        ]
+        for r in (r for r in rows if r["task"] == "markov"):
+            a = r["test_acc"]
+            lines.append(
+                f"| {r['hook']} | {_fmt_stat(r['test_loss'])} | {_fmt_stat(r['test_ppl'], 3)} | "
+                f"{_fmt_stat(a)} | [{a['min']:.4f}, {a['max']:.4f}] | "
+                f"{r['bytes_per_step']:,} | {_ratio(r['bytes_vs_fp32'])} |"
+            )
+        lines += ["", "![markov curves](accuracy_markov.png)", ""]
+    lines += ["Hook set-ups:", ""]
+    lines += [f"- `{h}`: `{HOOKS[h]}`" for h in s["hooks"]]
+    return "\n".join(lines) + "\n"
+
+
+def _ratio(x: float | None) -> str:
+    return "-" if x is None else f"{x:.3f}"
+
+
+def _plot(result: dict, task: str, path: Path) -> None:
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    runs = [r for r in result["runs"] if r["task"] == task]
+    if not runs:
+        return
+    metrics = ("test_acc", "test_loss")
+    fig, axes = plt.subplots(1, 2, figsize=(12, 4.5))
+    xkey = "epoch" if task == "digits" else "step"
+    for i, hook in enumerate(result["settings"]["hooks"]):
+        mine = [r["curve"] for r in runs if r["hook"] == hook]
+        if not mine:
+            continue
+        xs = [p[xkey] for p in mine[0]]
+        for ax, metric in zip(axes, metrics, strict=True):
+            ys = [statistics.fmean(c[j][metric] for c in mine) for j in range(len(xs))]
+            style = "--" if hook in _TORCH_HOOKS else "-"
+            ax.plot(xs, ys, style, color=f"C{i}", label=hook)
+    if task == "markov":
+        oracle = runs[0]["oracle"]
+        for ax, metric in zip(axes, metrics, strict=True):
+            ax.axhline(oracle[metric], color="black", lw=0.8, ls=":", label="oracle")
+    for ax, metric in zip(axes, metrics, strict=True):
+        ax.set_xlabel(xkey)
+        ax.set_ylabel(metric.replace("_", " ") + " (mean of seeds)")
+        ax.grid(alpha=0.3)
+    axes[1].set_yscale("log")
+    axes[0].legend(fontsize=7)
+    title = "digits CNN" if task == "digits" else "transformer LM, Markov chain"
+    fig.suptitle(f"{title}, {result['settings']['world_size']} ranks (Gloo)")
+    fig.tight_layout()
+    fig.savefig(path, dpi=110)
+    plt.close(fig)
+
+
+if __name__ == "__main__":
+    main()
