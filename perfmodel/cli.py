@@ -6,7 +6,7 @@ Example::
     aps-perfmodel predict --model 25.6M --bandwidth 10Gbit --latency 20us --nodes 16 --json
     aps-perfmodel sweep --model gpt2-xl --cluster 100gbe --world-sizes 8,64 \\
         --bandwidths 1Gbit,10Gbit,100Gbit --out sweep.csv
-    aps-launch -n 4 -- aps-perfmodel calibrate --out profile.json
+    aps-launch --nproc-per-node 4 -m perfmodel.cli calibrate --out profile.json
 """
 
 from __future__ import annotations
