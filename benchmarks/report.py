@@ -116,7 +116,29 @@ def _comm(results: Path, out: Path) -> list[str]:
             f"{_num(r.get('speedup_vs_fp16'))} | {_num(r.get('rel_l2_error'), 'e')} | "
             f"{_num(r.get('predicted_step_s'))} |"
         )
-    return [*lines, ""]
+    lines.append("")
+    prof = _load(results, "comm_profile.json")
+    if prof is not None:
+        lines += [
+            "### Where the APS e4m3 step goes",
+            "",
+            f"Command {_command(prof)} (inside the same emulated cluster); each phase alone, "
+            f"all {prof['ranks']} ranks at once, median of the slowest rank.",
+            "",
+            "| phase | ms |",
+            "|---|---:|",
+        ]
+        lines += [f"| {k} | {v * 1e3:.1f} |" for k, v in prof["seconds"].items()]
+        lines += [
+            "",
+            f"The e4m3 wire phases take {prof['aps_wire_s'] * 1e3:.0f} ms together (the byte "
+            "ratio alone would give a quarter of the FP32 all-reduce) and the codec passes "
+            f"{prof['aps_cpu_s'] * 1e3:.0f} ms with 4 ranks sharing 2 cores; the step "
+            "overlaps little of the two, because the emulated links' kernel network stack "
+            "needs the same two cores.",
+            "",
+        ]
+    return lines
 
 
 def _plain(x: object) -> str:
