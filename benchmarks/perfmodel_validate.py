@@ -1,16 +1,27 @@
-"""Validate the performance model against measurement on loopback Gloo.
+"""Validate the performance model against measurement on an emulated cluster.
 
-For each world size: calibrate (collectives and codec passes over a sweep of
-sizes) and fit a profile; then, in a separate run of measurements, time the
-three complete reduction paths (FP32 all-reduce, FP16 compress all-reduce, APS
-e4m3 two-phase) on messages of 1 to 256 MiB of FP32 gradients and compare with
-the profile's predictions (``perfmodel.bucket_comm``).
+For each world size, on an :class:`benchmarks.cluster.EmulatedCluster` (each
+rank in its own network namespace behind a tbf-shaped link; ``--loopback``
+runs the same ranks on 127.0.0.1 unshaped): measure the link, then on every
+rank
 
-Writes ``benchmarks/results/perfmodel_validation.{json,md,png}``.
+1. calibrate: time the collectives and codec passes over a sweep of sizes
+   (``perfmodel.calibrate.run_calibration``) and fit a profile;
+2. measure, separately, the three complete reduction paths as DDP runs them:
+   a 16-layer ``Linear`` stack whose gradients are exactly the message, in one
+   DDP bucket, with torch's ``allreduce_hook`` (FP32), ``fp16_compress_hook``
+   (FP16) and ``aps_comm``'s hook (e4m3, two_phase, chunk-pipelined). The time
+   of a path runs from the last rank's hook call to the last rank's future
+   completing (ranks share one monotonic clock), so backward compute and
+   its skew between ranks are excluded.
 
-Example::
+The profile's prediction (``perfmodel.bucket_comm``) is compared with each
+measurement. Writes ``benchmarks/results/perfmodel_validation.{json,md,png}``.
 
-    python benchmarks/perfmodel_validate.py --world-sizes 2,4 --sizes-mib 1,4,16,64,256
+Example (needs root for the namespaces)::
+
+    python -m benchmarks.perfmodel_validate --world-sizes 2,4 --bandwidth 1gbit
+    python -m benchmarks.perfmodel_validate --loopback --world-sizes 2
 """
 
 from __future__ import annotations
@@ -20,12 +31,13 @@ import json
 import os
 import platform
 import statistics
+import sys
+import tempfile
 import time
 from pathlib import Path
 from typing import Any
 
-from aps_comm.testing import run_distributed
-from perfmodel.calibrate import fit_profile, geometric_sizes, run_calibration
+from perfmodel.calibrate import fit_profile, geometric_sizes
 from perfmodel.comm import bucket_comm
 from perfmodel.formats import get_format
 
@@ -34,149 +46,287 @@ LAYERS = 16  # parameter tensors per message: APS sends one maximum each
 PATHS = {"fp32": "fp32", "fp16": "fp16", "aps-e4m3": "e4m3"}
 
 
-def _worker(
-    rank: int,
-    world_size: int,
-    calib_sizes: list[int],
-    val_sizes: list[int],
-    repeats: int,
-    codec_kind: str,
-) -> dict[str, Any]:
+def _timed(hook: Any, marks: list[tuple[float, float]]) -> Any:
+    """Wrap a DDP comm hook: append (call, completion) ``perf_counter`` stamps."""
+
+    # Unannotated on purpose: DDP rejects string annotations.
+    def wrapped(state, bucket):  # type: ignore[no-untyped-def]
+        t0 = time.perf_counter()
+        fut = hook(state, bucket)
+
+        def done(f):  # type: ignore[no-untyped-def]
+            marks.append((t0, time.perf_counter()))
+            return f.value()
+
+        return fut.then(done)
+
+    return wrapped
+
+
+def _hook(path: str) -> tuple[Any, Any]:
+    from torch.distributed.algorithms.ddp_comm_hooks import default_hooks
+
+    from aps_comm import APSState, aps_hook
+
+    if path == "fp32":
+        return None, default_hooks.allreduce_hook
+    if path == "fp16":
+        return None, default_hooks.fp16_compress_hook
+    return APSState("e4m3", reduction="two_phase"), aps_hook
+
+
+def _measure_paths(sizes: list[int], repeats: int, warmup: int) -> list[dict[str, Any]]:
+    """Time each path's bucket communication inside DDP; median over repeats of the slowest rank."""
     import torch
+    import torch.distributed as dist
+    from torch.nn.parallel import DistributedDataParallel as DDP
 
-    from perfmodel import measure
-
-    samples, codec_label = run_calibration(calib_sizes, repeats, codec_kind, layers=LAYERS)
-    codec = measure.load_codec(codec_kind)
     measured = []
-    for size in val_sizes:
-        n = size // 4 // world_size * world_size
-        base = torch.randn(n, generator=torch.Generator().manual_seed(rank))
-        x = base.clone()
-        layer_sizes = [t.numel() for t in torch.tensor_split(x, LAYERS)]
-        runs = {
-            "fp32": lambda x=x: measure.fp32_allreduce(x),
-            "fp16": lambda x=x: measure.fp16_allreduce(x),
-            "aps-e4m3": lambda x=x, ls=layer_sizes: measure.aps_two_phase(x, ls, codec, "e4m3"),
-        }
-        for path, fn in runs.items():
-            if codec is None and path.startswith("aps"):
-                continue
-            x.copy_(base)
-            sec = measure.time_op(fn, repeats)
-            measured.append({"path": path, "n": n, "seconds": sec})
-    return {"samples": samples, "codec": codec_label, "measured": measured}
+    for size in sizes:
+        width = max(1, round((size / 4 / LAYERS) ** 0.5))
+        n = LAYERS * width * width
+        x = torch.randn(1, width)
+        for path in PATHS:
+            torch.manual_seed(0)
+            model = torch.nn.Sequential(
+                *[torch.nn.Linear(width, width, bias=False) for _ in range(LAYERS)]
+            )
+            # One bucket holding the whole message (an explicit cap also sets the first bucket's).
+            ddp = DDP(model, bucket_cap_mb=n * 4 / 2**20 + 1)
+            times: list[tuple[float, float]] = []
+            state, hook = _hook(path)
+            ddp.register_comm_hook(state, _timed(hook, times))
+            per_step = []
+            for step in range(warmup + repeats):
+                ddp.zero_grad()
+                dist.barrier()
+                del times[:]
+                ddp(x).sum().backward()
+                if len(times) != 1:
+                    raise RuntimeError(f"expected one bucket, got {len(times)}")
+                # Ranks share one machine, hence one monotonic clock: the bucket's
+                # communication runs from the last rank's hook call (the collectives
+                # cannot start earlier) to the last rank's completion. Backward-compute
+                # skew between ranks is thereby excluded.
+                t = torch.tensor(times[0], dtype=torch.float64)
+                dist.all_reduce(t, op=dist.ReduceOp.MAX)
+                if step >= warmup:
+                    per_step.append(float(t[1] - t[0]))
+            measured.append({"path": path, "n": n, "seconds": statistics.median(per_step)})
+            if dist.get_rank() == 0:
+                print(f"  {path:9s} {n * 4 / 2**20:6.0f} MiB  {measured[-1]['seconds']:.4f} s")
+            del ddp, model
+    return measured
 
 
-def _codec_kind() -> str:
-    from perfmodel.measure import load_codec
+def _worker(args: argparse.Namespace) -> None:
+    import torch
+    import torch.distributed as dist
 
-    return "aps" if load_codec("aps") is not None else "torch"
+    from perfmodel.calibrate import run_calibration
 
-
-def main() -> None:
-    ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    ap.add_argument("--world-sizes", default="2,4")
-    ap.add_argument("--sizes-mib", default="1,4,16,64,256", help="validation sizes, FP32 MiB")
-    ap.add_argument("--calib-min", type=float, default=0.25, help="calibration min size, MiB")
-    ap.add_argument("--calib-max", type=float, default=128.0, help="calibration max size, MiB")
-    ap.add_argument("--calib-steps", type=int, default=10)
-    ap.add_argument("--repeats", type=int, default=5)
-    ap.add_argument("--out", default=str(RESULTS))
-    args = ap.parse_args()
-
-    out = Path(args.out)
-    out.mkdir(parents=True, exist_ok=True)
-    codec_kind = _codec_kind()
-    calib_sizes = geometric_sizes(args.calib_min * 2**20, args.calib_max * 2**20, args.calib_steps)
-    val_sizes = [int(float(s) * 2**20) for s in args.sizes_mib.split(",")]
-    rows: list[dict[str, Any]] = []
-    profiles = {}
-    t_start = time.time()
-    # The machine may be shared: record its load so the errors can be read in context.
-    load_before = os.getloadavg()
-    for ws in (int(w) for w in args.world_sizes.split(",")):
-        t0 = time.time()
-        res = run_distributed(
-            _worker,
-            ws,
-            args=(calib_sizes, val_sizes, args.repeats, codec_kind),
-            timeout=1800,
-        )[0]
-        profile = fit_profile(res["samples"], ws, codec_source=res["codec"], host=platform.node())
-        profiles[ws] = profile
-        cluster = profile.to_cluster()
-        for m in res["measured"]:
-            fmt = get_format(PATHS[m["path"]])
-            pred = bucket_comm(m["n"], LAYERS, fmt, cluster).total_s
-            rows.append(
+    torch.set_num_threads(1)
+    dist.init_process_group("gloo")
+    calib = [int(s) for s in args.calib_sizes.split(",")]
+    val = [int(s) for s in args.val_sizes.split(",")]
+    t0 = time.time()
+    samples, codec_label = run_calibration(calib, args.repeats, "aps", layers=LAYERS)
+    t1 = time.time()
+    measured = _measure_paths(val, args.repeats, args.warmup)
+    if dist.get_rank() == 0:
+        Path(args.worker_out).write_text(
+            json.dumps(
                 {
-                    "world_size": ws,
-                    "path": m["path"],
-                    "fp32_mib": m["n"] * 4 / 2**20,
-                    "measured_s": m["seconds"],
-                    "predicted_s": pred,
-                    "rel_err": (pred - m["seconds"]) / m["seconds"],
+                    "samples": samples,
+                    "codec": codec_label,
+                    "measured": measured,
+                    "calibration_s": t1 - t0,
+                    "measurement_s": time.time() - t1,
                 }
             )
-        print(f"world size {ws}: {time.time() - t0:.0f} s", flush=True)
+        )
+    dist.destroy_process_group()
 
-    summary = {}
+
+def _run_world(ws: int, args: argparse.Namespace, calib: list[int], val: list[int]) -> dict:
+    from benchmarks.cluster import EmulatedCluster
+
+    with tempfile.TemporaryDirectory(prefix="aps-pmv-") as tmp:
+        out = Path(tmp) / "rank0.json"
+        worker = [
+            sys.executable, "-m", "benchmarks.perfmodel_validate", "--worker",
+            "--worker-out", str(out), "--repeats", str(args.repeats),
+            "--warmup", str(args.warmup),
+            "--calib-sizes", ",".join(map(str, calib)), "--val-sizes", ",".join(map(str, val)),
+        ]  # fmt: skip
+        with EmulatedCluster(ranks=ws, bandwidth=args.bandwidth, loopback=args.loopback) as c:
+            stats = c.link_stats()
+            print(stats.summary(), flush=True)
+            ranks = c.run(worker, timeout=args.timeout, echo=True)
+        failed = [r for r in ranks if not r.ok]
+        if failed:
+            for r in failed:
+                print(r.output[-3000:], file=sys.stderr)
+            raise SystemExit(f"{len(failed)} rank(s) failed at world size {ws}")
+        res = json.loads(out.read_text())
+    res["link"] = stats.to_dict()
+    return res
+
+
+def _predict_rows(ws: int, res: dict[str, Any]) -> tuple[Any, list[dict[str, Any]]]:
+    profile = fit_profile(res["samples"], ws, codec_source=res["codec"], host=platform.node())
+    cluster = profile.to_cluster()
+    rows = []
+    for m in res["measured"]:
+        fmt = get_format(PATHS[m["path"]])
+        pred = bucket_comm(m["n"], LAYERS, fmt, cluster).total_s
+        rows.append(
+            {
+                "world_size": ws,
+                "path": m["path"],
+                "fp32_mib": m["n"] * 4 / 2**20,
+                "measured_s": m["seconds"],
+                "predicted_s": pred,
+                "rel_err": (pred - m["seconds"]) / m["seconds"],
+            }
+        )
+    return profile, rows
+
+
+def _summary(rows: list[dict[str, Any]]) -> dict[str, Any]:
+    summary: dict[str, Any] = {}
+    groups: dict[str, list[dict[str, Any]]] = {"all": rows}
     for path in PATHS:
-        errs = [abs(r["rel_err"]) for r in rows if r["path"] == path]
+        groups[path] = [r for r in rows if r["path"] == path]
+        for ws in sorted({r["world_size"] for r in rows}):
+            groups[f"{path} @{ws}"] = [r for r in groups[path] if r["world_size"] == ws]
+    for name, sel in groups.items():
+        errs = [abs(r["rel_err"]) for r in sel]
         if errs:
-            summary[path] = {
+            summary[name] = {
                 "median_abs_err": statistics.median(errs),
                 "max_abs_err": max(errs),
                 "n": len(errs),
             }
-    allerr = [abs(r["rel_err"]) for r in rows]
-    summary["all"] = {
-        "median_abs_err": statistics.median(allerr),
-        "max_abs_err": max(allerr),
-        "n": len(allerr),
-    }
+    return summary
 
+
+def main(argv: list[str] | None = None) -> int:
+    ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    ap.add_argument("--world-sizes", default="2,4")
+    ap.add_argument("--bandwidth", default="1gbit", help="per-rank link rate (tc syntax)")
+    ap.add_argument("--loopback", action="store_true", help="127.0.0.1, no namespaces or shaping")
+    ap.add_argument("--sizes-mib", default="1,4,16,64,256", help="validation sizes, FP32 MiB")
+    ap.add_argument("--calib-min", type=float, default=0.25, help="calibration min size, MiB")
+    ap.add_argument("--calib-max", type=float, default=64.0, help="calibration max size, MiB")
+    ap.add_argument("--calib-steps", type=int, default=7)
+    ap.add_argument("--repeats", type=int, default=3)
+    ap.add_argument("--warmup", type=int, default=1)
+    ap.add_argument("--timeout", type=float, default=1800.0)
+    ap.add_argument("--out", default=str(RESULTS))
+    ap.add_argument("--raw", default="", help="re-fit and re-predict from a saved JSON (no runs)")
+    ap.add_argument("--note", action="append", default=[], help="a line for the report's notes")
+    ap.add_argument("--worker", action="store_true", help=argparse.SUPPRESS)
+    ap.add_argument("--worker-out", default="", help=argparse.SUPPRESS)
+    ap.add_argument("--calib-sizes", default="", help=argparse.SUPPRESS)
+    ap.add_argument("--val-sizes", default="", help=argparse.SUPPRESS)
+    args = ap.parse_args(argv)
+    if args.worker:
+        _worker(args)
+        return 0
+
+    out = Path(args.out)
+    out.mkdir(parents=True, exist_ok=True)
+    calib_sizes = geometric_sizes(args.calib_min * 2**20, args.calib_max * 2**20, args.calib_steps)
+    val_sizes = [int(float(s) * 2**20) for s in args.sizes_mib.split(",")]
+    t_start = time.time()
+    # The machine may be shared: record its load so the errors can be read in context.
+    load_before = os.getloadavg()
+    if args.raw:
+        old = json.loads(Path(args.raw).read_text())
+        raw = {int(k): v for k, v in old["raw"].items()}
+        setup_old = old["setup"]
+    else:
+        raw = {}
+        for ws in (int(w) for w in args.world_sizes.split(",")):
+            t0 = time.time()
+            raw[ws] = _run_world(ws, args, calib_sizes, val_sizes)
+            print(f"world size {ws}: {time.time() - t0:.0f} s", flush=True)
+        setup_old = None
+    rows: list[dict[str, Any]] = []
+    profiles = {}
+    for ws, res in raw.items():
+        profiles[ws], r = _predict_rows(ws, res)
+        rows += r
+    summary = _summary(rows)
+    mode = (
+        "loopback 127.0.0.1 (unshaped)"
+        if args.loopback
+        else f"emulated cluster, tbf {args.bandwidth}"
+    )
+    setup = setup_old or {
+        "command": "python -m benchmarks.perfmodel_validate " + " ".join(sys.argv[1:]),
+        "backend": "gloo",
+        "transport": mode + ", one process per rank, 1 intra-op thread each",
+        "host": platform.node(),
+        "cpu_count": os.cpu_count(),
+        "codec": next(iter(raw.values()))["codec"],
+        "layers_per_message": LAYERS,
+        "calibration_sizes_bytes": calib_sizes,
+        "validation_sizes_bytes": val_sizes,
+        "repeats": args.repeats,
+        "warmup": args.warmup,
+        "runtime_s": time.time() - t_start,
+        "loadavg_1_5_15_before": load_before,
+        "loadavg_1_5_15_after": os.getloadavg(),
+        "links": {ws: res["link"] for ws, res in raw.items()},
+    }
+    if args.note:
+        setup["notes"] = args.note
     report = {
-        "setup": {
-            "backend": "gloo",
-            "transport": "loopback 127.0.0.1, one process per rank, 1 intra-op thread each",
-            "host": platform.node(),
-            "cpu_count": os.cpu_count(),
-            "codec": profiles[next(iter(profiles))].codec_source,
-            "layers_per_message": LAYERS,
-            "calibration_sizes_bytes": calib_sizes,
-            "validation_sizes_bytes": val_sizes,
-            "repeats": args.repeats,
-            "runtime_s": time.time() - t_start,
-            "loadavg_1_5_15_before": load_before,
-            "loadavg_1_5_15_after": os.getloadavg(),
-        },
+        "setup": setup,
         "summary": summary,
         "rows": rows,
         "profiles": {ws: p.to_dict() | {"samples": len(p.samples)} for ws, p in profiles.items()},
+        "raw": raw,
     }
     (out / "perfmodel_validation.json").write_text(json.dumps(report, indent=2) + "\n")
     _write_md(out / "perfmodel_validation.md", report)
-    _plot(out / "perfmodel_validation.png", rows)
+    _plot(out / "perfmodel_validation.png", rows, setup["transport"])
     print(json.dumps(summary, indent=2))
+    return 0
 
 
 def _write_md(path: Path, report: dict[str, Any]) -> None:
     s = report["setup"]
     lines = [
-        "# perfmodel: predicted vs measured reduction time (loopback)",
+        "# perfmodel: predicted vs measured reduction time",
         "",
-        "Generated by `python benchmarks/perfmodel_validate.py`; numbers are from one run.",
+        f"Generated by `{s['command']}` (run under `flock /tmp/aps-bench.lock`); "
+        "numbers are from one run.",
         "",
-        f"- Setup: Gloo on {s['transport']}; host `{s['host']}` with {s['cpu_count']} cores.",
+        f"- Setup: Gloo, {s['transport']}; host `{s['host']}` with {s['cpu_count']} cores "
+        "shared by all ranks.",
+    ]
+    for ws, link in s.get("links", {}).items():
+        eff = link.get("efficiency")
+        lines.append(
+            f"- Link ({ws} ranks): {link['bandwidth_bits_per_s'] / 1e6:.0f} Mbit/s TCP goodput"
+            + (f" ({eff:.0%} of configured)" if eff else "")
+            + f", rtt {link['rtt_s'] * 1e6:.0f} us, mtu {link['mtu']}."
+        )
+    lines += [
         f"- Codec: `{s['codec']}`; {s['layers_per_message']} layers per message (one APS maximum each).",
         "- Model: a profile fitted per world size by `perfmodel.calibrate` on a separate sweep of "
         f"{len(s['calibration_sizes_bytes'])} sizes from "
         f"{s['calibration_sizes_bytes'][0] / 2**20:.2g} to {s['calibration_sizes_bytes'][-1] / 2**20:.0f} MiB "
-        "(collectives and codec passes timed separately), then `perfmodel.bucket_comm` "
-        "predicts each complete path.",
-        f"- Measured: median of {s['repeats']} repeats of the slowest rank, after one warm-up.",
+        "(collectives and codec passes timed separately, codec on all ranks at once), then "
+        "`perfmodel.bucket_comm` predicts each complete path (APS: chunk-pipelined, 2**20 "
+        "elements per chunk, as `aps_comm.hook`).",
+        "- Measured: real DDP hooks (`allreduce_hook`, `fp16_compress_hook`, `aps_comm` e4m3 "
+        "two_phase) on a 16-layer Linear stack in one bucket; time from the last rank's hook "
+        f"call to the last rank's future completing (one monotonic clock), median of {s['repeats']} repeats after "
+        f"{s.get('warmup', 1)} warm-up.",
         f"- Runtime: {s['runtime_s']:.0f} s. Load average (1/5/15 min) before "
         f"{', '.join(f'{v:.1f}' for v in s['loadavg_1_5_15_before'])}, after "
         f"{', '.join(f'{v:.1f}' for v in s['loadavg_1_5_15_after'])} "
@@ -203,10 +353,13 @@ def _write_md(path: Path, report: dict[str, Any]) -> None:
             f"| {r['world_size']} | {r['path']} | {r['fp32_mib']:.0f} | {r['measured_s'] * 1e3:.2f} ms "
             f"| {r['predicted_s'] * 1e3:.2f} ms | {r['rel_err']:+.1%} |"
         )
+    notes = report["setup"].get("notes")
+    if notes:
+        lines += ["", "## Notes", "", *notes]
     path.write_text("\n".join(lines) + "\n")
 
 
-def _plot(path: Path, rows: list[dict[str, Any]]) -> None:
+def _plot(path: Path, rows: list[dict[str, Any]], transport: str) -> None:
     import matplotlib
 
     matplotlib.use("Agg")
@@ -242,7 +395,7 @@ def _plot(path: Path, rows: list[dict[str, Any]]) -> None:
     ax.set_yscale("log")
     ax.set_xlabel("measured (s)")
     ax.set_ylabel("predicted (s)")
-    ax.set_title("perfmodel vs Gloo loopback, 1-256 MiB FP32 messages")
+    ax.set_title(f"perfmodel vs measured: Gloo, {transport.split(',')[0]}", fontsize=9)
     ax.legend(fontsize=8)
     ax.grid(True, which="both", alpha=0.3)
     fig.tight_layout()
@@ -251,4 +404,4 @@ def _plot(path: Path, rows: list[dict[str, Any]]) -> None:
 
 
 if __name__ == "__main__":
-    main()
+    sys.exit(main())

@@ -2,7 +2,7 @@
 
 Example:
     >>> from perfmodel import ComputeTime, get_cluster, get_model, predict
-    >>> p = predict(get_model("resnet50"), get_cluster("100gbe", world_size=64),
+    >>> p = predict(get_model("resnet50"), get_cluster("10gbe", world_size=64),
     ...             ["e4m3"], ComputeTime.from_step_time(0.1))
     >>> sorted(p.formats)
     ['e4m3', 'fp16', 'fp32']

@@ -5,6 +5,16 @@ all-reduce and cast back; or APS two-phase (amax, MAX all-reduce of the L
 per-layer maxima, encode, all-to-all, decode + FP32 accumulate on the shard
 owner, re-encode, all-gather, decode + unscale).
 
+APS scales by powers of two inside its encode/decode passes (no separate
+scale/unscale pass), and pipelines each bucket in chunks of
+``chunk_elements`` (``aps_comm.hook`` uses 2**20): every chunk pays its own
+collective latency and codec launch, and the codec of one chunk overlaps the
+wire time of another. With ``C`` the codec and ``W`` the wire time summed over
+the ``k`` chunks, the pipelined part takes ``max(C, W) + min(C, W) / k`` (the
+bottleneck stage, plus filling and draining the pipeline with one chunk of
+the other), i.e. ``overlap_s = min(C, W) (1 - 1/k)`` less than running them
+back to back.
+
 Example:
     >>> from perfmodel.cluster import get_cluster
     >>> from perfmodel.formats import get_format
@@ -31,9 +41,11 @@ from perfmodel.collectives import (
 )
 from perfmodel.formats import FormatSpec
 
-__all__ = ["CommBreakdown", "bucket_comm"]
+__all__ = ["DEFAULT_CHUNK_ELEMENTS", "CommBreakdown", "bucket_comm"]
 
 _FP32_BYTES = 4.0
+# aps_comm.hook's _CHUNK_ELEMENTS: elements per pipelined chunk of a bucket.
+DEFAULT_CHUNK_ELEMENTS = 2**20
 
 
 @dataclass(frozen=True)
@@ -48,6 +60,9 @@ class CommBreakdown:
         codec_s: local passes (amax, encode, decode, FP32 accumulation).
         wire_bytes: bytes this rank sends over the network for the data.
 
+        overlap_s: codec and wire time hidden by chunk pipelining.
+        chunks: pipelined chunks of the bucket (1: no pipelining).
+
     Example:
         >>> CommBreakdown("fp32", "native", 1.0, 0.0, 0.5, 8.0).total_s
         1.5
@@ -59,11 +74,13 @@ class CommBreakdown:
     maxima_s: float
     codec_s: float
     wire_bytes: float
+    overlap_s: float = 0.0
+    chunks: int = 1
 
     @property
     def total_s(self) -> float:
         """Seconds from the bucket's start to its reduced gradients being usable."""
-        return self.collective_s + self.maxima_s + self.codec_s
+        return self.collective_s + self.maxima_s + self.codec_s - self.overlap_s
 
 
 def _allreduce(cluster: Cluster, nbytes: float, key: str, algorithm: str) -> float:
@@ -100,7 +117,13 @@ def _accumulate(cluster: Cluster, n_elem: float) -> float:
     return n_elem * _FP32_BYTES * (p - 1) / p * _reduce_link(cluster).gamma
 
 
-def bucket_comm(n_elem: int, n_layers: int, fmt: FormatSpec, cluster: Cluster) -> CommBreakdown:
+def bucket_comm(
+    n_elem: int,
+    n_layers: int,
+    fmt: FormatSpec,
+    cluster: Cluster,
+    chunk_elements: int | None = DEFAULT_CHUNK_ELEMENTS,
+) -> CommBreakdown:
     """Time to reduce one bucket of ``n_elem`` FP32 gradients made of ``n_layers`` tensors.
 
     Args:
@@ -108,6 +131,9 @@ def bucket_comm(n_elem: int, n_layers: int, fmt: FormatSpec, cluster: Cluster) -
         n_layers: parameter tensors in the bucket (APS sends one maximum each).
         fmt: wire format and strategy.
         cluster: links, device and any calibrated fits.
+        chunk_elements: APS pipelines the bucket in chunks of this many
+            elements (None: one chunk, no pipelining). The FP32 and FP16
+            paths (torch's hooks) never chunk.
 
     Returns:
         The breakdown; all zero on a single rank, where nothing is communicated.
@@ -117,30 +143,40 @@ def bucket_comm(n_elem: int, n_layers: int, fmt: FormatSpec, cluster: Cluster) -
         return CommBreakdown(fmt.name, fmt.strategy, 0.0, 0.0, 0.0, 0.0)
     w = fmt.wire_bytes
     wire = n_elem * w
+    sent = 2 * wire * (p - 1) / p
 
     def codec(op: str, n: float) -> float:
         return cluster.codec_time(op, fmt.name, w, n)
 
-    maxima = 0.0
-    codec_s = 0.0
-    if fmt.aps:
-        # amax pass, then a latency-bound all-reduce of L float32 maxima; the
-        # scale/unscale passes are free on devices that fuse them into the codec.
-        codec_s += codec("amax", n_elem) + codec("scale", n_elem) + codec("unscale", n_elem)
-        maxima = _allreduce(cluster, n_layers * _FP32_BYTES, "all_reduce_max", "auto")
-
     if fmt.strategy == "native":
         collective = _allreduce(cluster, wire, f"all_reduce.{fmt.torch_dtype}", cluster.algorithm)
-        sent = 2 * wire * (p - 1) / p
-    elif fmt.strategy == "allreduce":
-        codec_s += codec("encode", n_elem) + codec("decode", n_elem)
+        return CommBreakdown(fmt.name, fmt.strategy, collective, 0.0, 0.0, sent)
+    if not fmt.aps and fmt.strategy == "allreduce":
+        # torch's cast-compress hooks: cast, all-reduce, cast back, one piece.
+        codec_s = codec("encode", n_elem) + codec("decode", n_elem)
         collective = _allreduce(cluster, wire, f"all_reduce.{fmt.torch_dtype}", cluster.algorithm)
-        sent = 2 * wire * (p - 1) / p
+        return CommBreakdown(fmt.name, fmt.strategy, collective, 0.0, codec_s, sent)
+
+    # aps_comm's hook. APS: amax pass and a latency-bound all-reduce of L float32
+    # maxima before anything is encoded; scaling is fused into encode/decode.
+    head = maxima = 0.0
+    if fmt.aps:
+        head = codec("amax", n_elem)
+        maxima = _allreduce(cluster, n_layers * _FP32_BYTES, "all_reduce_max", "auto")
+    k = 1 if not chunk_elements else max(1, -(-n_elem // chunk_elements))
+    m = n_elem / k
+    if fmt.strategy == "allreduce":
+        per_codec = codec("encode", m) + codec("decode", m)
+        key = f"all_reduce.{fmt.torch_dtype}"
+        per_wire = _allreduce(cluster, m * w, key, cluster.algorithm)
     else:
-        # Owner decodes p shards (n elements), sums them in FP32, re-encodes n/p;
-        # everyone decodes the gathered n elements (and unscales, counted above).
-        codec_s += codec("encode", n_elem) + codec("decode", n_elem) + _accumulate(cluster, n_elem)
-        codec_s += codec("encode", n_elem / p) + codec("decode", n_elem)
-        collective = _all_to_all(cluster, wire) + _all_gather(cluster, wire)
-        sent = 2 * wire * (p - 1) / p
-    return CommBreakdown(fmt.name, fmt.strategy, collective, maxima, codec_s, sent)
+        # Owner decodes p shards (m elements), sums them in FP32, re-encodes m/p;
+        # everyone decodes the gathered m elements (unscaling in the same pass).
+        per_codec = codec("encode", m) + codec("decode", m) + _accumulate(cluster, m)
+        per_codec += codec("encode", m / p) + codec("decode", m)
+        per_wire = _all_to_all(cluster, m * w) + _all_gather(cluster, m * w)
+    codec_s, collective = k * per_codec, k * per_wire
+    overlap = min(codec_s, collective) * (1.0 - 1.0 / k)
+    return CommBreakdown(
+        fmt.name, fmt.strategy, collective, maxima, head + codec_s, sent, overlap, k
+    )

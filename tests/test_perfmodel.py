@@ -101,9 +101,11 @@ def test_hierarchical_reduces_to_flat_and_hand_value() -> None:
 # --- APS comm model: limits ---------------------------------------------------------
 
 
-def _ratio(fmt: str, cluster, n: int = 25 * 2**18, layers: int = 20, **kw) -> float:
+def _ratio(
+    fmt: str, cluster, n: int = 25 * 2**18, layers: int = 20, chunk: int | None = 2**20, **kw
+) -> float:
     fp32 = bucket_comm(n, layers, get_format("fp32"), cluster).total_s
-    return fp32 / bucket_comm(n, layers, get_format(fmt, **kw), cluster).total_s
+    return fp32 / bucket_comm(n, layers, get_format(fmt, **kw), cluster, chunk).total_s
 
 
 def test_fp8_speedup_tends_to_byte_ratio_when_bandwidth_bound() -> None:
@@ -118,10 +120,13 @@ def test_fp8_speedup_tends_to_one_when_latency_bound() -> None:
     # Same collective, fewer bytes: no gain.
     assert _ratio("e4m3", lat, strategy="allreduce", aps=False) == pytest.approx(1.0, rel=1e-4)
     # APS adds the MAX all-reduce of maxima: a latency-bound loss, never a gain.
-    aps = _ratio("e4m3", lat)
+    aps = _ratio("e4m3", lat, chunk=None)
     assert aps < 1.0
     # ring all-reduce 2(p-1) steps vs all-to-all + all-gather 2(p-1) + recursive-doubling maxima 3.
     assert aps == pytest.approx(14 / (14 + 3), rel=1e-3)
+    # Pipelined in k chunks, every chunk pays the collectives' latency.
+    k = -(-25 * 2**18 // 2**20)
+    assert _ratio("e4m3", lat) == pytest.approx(14 / (14 * k + 3), rel=1e-3)
     # And at the step level a latency-bound, compute-dominated step gains nothing.
     m = get_model("resnet50")
     pred = predict(
@@ -442,3 +447,26 @@ def test_calibration_end_to_end_two_ranks(tmp_path, capsys: pytest.CaptureFixtur
     )
     res = json.loads(capsys.readouterr().out)
     assert rc == 0 and res["world_size"] == 2 and res["formats"]["e4m3"]["comm_s"] > 0
+
+
+def test_aps_chunk_pipelining_overlaps_codec_and_wire() -> None:
+    c = get_cluster("1gbe", world_size=4)
+    fmt = get_format("e4m3")
+    n, chunk = 2**24, 2**20
+    one = bucket_comm(n, 16, fmt, c, None)
+    piped = bucket_comm(n, 16, fmt, c, chunk)
+    assert one.chunks == 1 and one.overlap_s == 0.0 and piped.chunks == 16
+    # Per chunk: its own codec launches and collective latencies.
+    per = bucket_comm(chunk, 16, fmt, c, None)
+    codec, wire = (
+        16 * (per.codec_s - c.codec_time("amax", "e4m3", 1.0, chunk)),
+        16 * per.collective_s,
+    )
+    assert piped.collective_s == pytest.approx(wire)
+    head = c.codec_time("amax", "e4m3", 1.0, n)
+    expect = head + piped.maxima_s + max(codec, wire) + min(codec, wire) / 16
+    assert piped.total_s == pytest.approx(expect)
+    assert piped.overlap_s == pytest.approx(min(codec, wire) * 15 / 16) and piped.overlap_s > 0
+    # torch's FP16 hook is one piece: chunking does not apply.
+    fp16 = get_format("fp16")
+    assert bucket_comm(n, 16, fp16, c, chunk) == bucket_comm(n, 16, fp16, c, None)
