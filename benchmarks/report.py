@@ -6,7 +6,7 @@ benchmarks, the communication benchmark (``comm.json``), codec speed, the
 emulated link, the simulator studies and the performance model (its
 validation and its literature check). A file that is missing gets a
 section saying so; a JSON the report does not know is listed at the end.
-Misses are reported as such (e.g. the perf model's loopback validation
+Misses are reported as such (e.g. the perf model's validation
 target).
 
     python -m benchmarks.report [--results benchmarks/results] [--out benchmarks/RESULTS.md]
@@ -300,7 +300,7 @@ def _perfmodel(results: Path, out: Path) -> list[str]:
     else:
         setup = val["setup"]
         lines += [
-            "### Validation on loopback (predicted vs measured reduction time)",
+            "### Validation against measurement (predicted vs measured reduction time)",
             "",
             f"Command {_command(val, md)}. Machine: host `{setup['host']}`, "
             f"{setup['cpu_count']} cores, {setup['backend']} over {setup['transport']}; "
@@ -327,7 +327,7 @@ def _perfmodel(results: Path, out: Path) -> list[str]:
                 f"{overall['max_abs_err']:.1%} (N={worst['world_size']} {worst['path']} at "
                 f"{worst['fp32_mib']:g} MiB: measured {worst['measured_s'] * 1e3:.0f} ms, "
                 f"predicted {worst['predicted_s'] * 1e3:.0f} ms, {_pct(worst['rel_err'])}). "
-                "The model underestimates the APS e4m3 path most, increasingly with size.",
+                "Why, and what is left: the notes in perfmodel_validation.md.",
             ]
         lines.append("")
     lit = results / "perfmodel_literature.md"
