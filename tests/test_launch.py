@@ -29,7 +29,8 @@ SCRIPTS = Path(__file__).parent / "launch_scripts"
 SCRIPT = str(SCRIPTS / "allreduce_check.py")
 TIMEOUT = 90
 _OK = re.compile(
-    r"APS-OK rank=(\d) world=(\d) local=(\d) backend=(\w+) aps_backend=(\S+) sum=(\S+)"
+    r"APS-OK rank=(\d) world=(\d) local=(\d) backend=(\w+) aps_backend=(\w+|-) sum=([0-9.e+-]+?)"
+    r"(?=APS-OK|\s|$)"
 )
 _JOB_VARS = re.compile(
     r"^(RANK|WORLD_SIZE|LOCAL_RANK|LOCAL_WORLD_SIZE|MASTER_ADDR|MASTER_PORT|APS_BACKEND"

@@ -103,12 +103,14 @@ def main() -> int:
         if leaks:
             raise AssertionError(f"rank {info.rank} listens outside loopback: {leaks}")
 
-    print(
+    # One write per line: with print() the text and its newline are two writes,
+    # and two ranks sharing a pipe can interleave between them.
+    sys.stdout.write(
         f"APS-OK rank={info.rank} world={info.world_size} local={info.local_rank} "
         f"backend={dist.get_backend()} aps_backend={os.environ.get('APS_BACKEND', '-')} "
-        f"sum={t[0].item():g}",
-        flush=True,
+        f"sum={t[0].item():g}\n"
     )
+    sys.stdout.flush()
     dist.barrier()
     dist.destroy_process_group()
     return 3 if info.rank == opts.fail_rank else 0
