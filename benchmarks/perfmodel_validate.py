@@ -173,8 +173,28 @@ def _run_world(ws: int, args: argparse.Namespace, calib: list[int], val: list[in
     return res
 
 
+def _link_burst(link: dict[str, Any]) -> float:
+    """The tbf bucket the emulated cluster configured (0 on loopback: no shaper).
+
+    tbf passes its bucket unshaped at the start of every transfer after an idle
+    gap, so the model's links carry it as ``burst_bytes`` (taken from the
+    shaper's configuration, not fitted to the validation data).
+    """
+    from benchmarks.cluster import tbf_parameters
+
+    if link.get("loopback") or not link.get("configured_bits_per_s"):
+        return 0.0
+    return float(tbf_parameters(int(link["configured_bits_per_s"]))[0])
+
+
 def _predict_rows(ws: int, res: dict[str, Any]) -> tuple[Any, list[dict[str, Any]]]:
-    profile = fit_profile(res["samples"], ws, codec_source=res["codec"], host=platform.node())
+    profile = fit_profile(
+        res["samples"],
+        ws,
+        burst_bytes=_link_burst(res.get("link", {})),
+        codec_source=res["codec"],
+        host=platform.node(),
+    )
     cluster = profile.to_cluster()
     rows = []
     for m in res["measured"]:

@@ -13,6 +13,14 @@ bandwidth the way the hook does). Rank 0 fits:
 Fits minimise relative error (weights ``1/t``), so small messages count as much
 as large ones, with non-negative parameters.
 
+A token-bucket shaper (Linux ``tc tbf``, as on the emulated cluster) lets the
+first ``burst`` bytes of each call through unshaped; the affine law would then
+read the small samples as a faster link and under-estimate ``beta`` for every
+large message. ``burst_bytes`` (known from the shaper's configuration, or
+``"fit"`` to pick it from the samples) makes the bandwidth column
+``max(0, B(p) n - burst)``, and the profile's links carry it
+(:attr:`~perfmodel.collectives.LinkParams.burst_bytes`).
+
 Example (under ``aps-launch`` or ``torchrun``)::
 
     aps-perfmodel calibrate --out profile.json --min-size 64KiB --max-size 64MiB
@@ -82,10 +90,57 @@ def _fit_relative(features: np.ndarray, seconds: np.ndarray) -> tuple[np.ndarray
     return coef, {"median_rel_err": float(np.median(rel)), "max_rel_err": float(np.max(rel))}
 
 
+def _fit_collectives(
+    by_op: dict[str, list[tuple[float, float]]], p: int, burst: float
+) -> tuple[dict[str, LinkParams], LinkParams, dict[str, dict[str, float]], float]:
+    """Per-collective and joint link fits with a given burst; also the summed relative error."""
+    collectives: dict[str, LinkParams] = {}
+    errors: dict[str, dict[str, float]] = {}
+    joint_rows, joint_t = [], []
+    total = 0.0
+    for op, pts in sorted(by_op.items()):
+        family = op.split(".")[0]
+        if family not in COLLECTIVE_COEFFS and op != "all_reduce_max":
+            continue
+        n = np.array([x for x, _ in pts])
+        t = np.array([y for _, y in pts])
+        a, b, c = COLLECTIVE_COEFFS["all_reduce" if op == "all_reduce_max" else family](p)
+        wire = np.maximum(0.0, b * n - burst)
+        coef, err = _fit_relative(np.column_stack([np.full_like(n, a), wire]), t)
+        collectives[op] = LinkParams(float(coef[0]), float(coef[1]), 0.0, float(burst))
+        errors[op] = err
+        total += float(np.sum(np.abs(np.column_stack([np.full_like(n, a), wire]) @ coef - t) / t))
+        if op != "all_reduce_max":
+            joint_rows.append(np.column_stack([np.full_like(n, a), wire, c * n]))
+            joint_t.append(t)
+    if joint_rows:
+        coef, err = _fit_relative(np.vstack(joint_rows), np.concatenate(joint_t))
+        link = LinkParams(float(coef[0]), float(coef[1]), float(coef[2]), float(burst))
+        errors["link(joint)"] = err
+    else:
+        link = LinkParams(0.0, 0.0, 0.0)
+    return collectives, link, errors, total
+
+
+def _burst_candidates(by_op: dict[str, list[tuple[float, float]]], p: int) -> list[float]:
+    """0, and 128 sizes spaced evenly in log between the smallest and largest per-rank wire sizes."""
+    wire = [
+        COLLECTIVE_COEFFS[op.split(".")[0]](p)[1] * n
+        for op, pts in by_op.items()
+        if op.split(".")[0] in COLLECTIVE_COEFFS and op != "all_reduce_max"
+        for n, _ in pts
+    ]
+    wire = [w for w in wire if w > 0]
+    if not wire:
+        return [0.0]
+    return [0.0, *(float(v) for v in np.geomspace(min(wire), max(wire), 128))]
+
+
 def fit_profile(
     samples: Sequence[dict[str, Any]],
     world_size: int,
     *,
+    burst_bytes: float | str = 0.0,
     backend: str = "gloo",
     codec_source: str = "none",
     host: str = "",
@@ -99,6 +154,11 @@ def fit_profile(
             codec ops (``amax``, ``scale``, ``unscale``, ``accumulate``,
             ``encode.<fmt>``, ``decode.<fmt>``) have ``n`` in elements.
         world_size: ranks the samples were measured on.
+        burst_bytes: bytes per rank and call a token-bucket shaper passes
+            unshaped (the tbf ``burst``), or ``"fit"`` to choose, among 0 and
+            the sampled per-rank wire sizes, the one with the least summed
+            relative error over the collective fits (a log grid over the sampled
+            per-rank wire sizes). Recorded in every link.
         backend: backend name to record.
         codec_source: which codec produced the codec samples.
         host: host name to record.
@@ -114,32 +174,22 @@ def fit_profile(
     for s in samples:
         by_op.setdefault(s["op"], []).append((float(s["n"]), float(s["seconds"])))
 
-    collectives: dict[str, LinkParams] = {}
+    if burst_bytes == "fit":
+        fits = [_fit_collectives(by_op, p, b) for b in _burst_candidates(by_op, p)]
+        collectives, link, errors, _ = min(fits, key=lambda f: f[3])
+    elif isinstance(burst_bytes, str):
+        raise ValueError(f"burst_bytes must be a number of bytes or 'fit', got {burst_bytes!r}")
+    else:
+        collectives, link, errors, _ = _fit_collectives(by_op, p, float(burst_bytes))
     codec: dict[str, OpCost] = {}
-    errors: dict[str, dict[str, float]] = {}
-    joint_rows, joint_t = [], []
     for op, pts in sorted(by_op.items()):
+        if op.split(".")[0] in COLLECTIVE_COEFFS or op == "all_reduce_max":
+            continue
         n = np.array([x for x, _ in pts])
         t = np.array([y for _, y in pts])
-        family = op.split(".")[0]
-        if family in COLLECTIVE_COEFFS or op == "all_reduce_max":
-            a, b, c = COLLECTIVE_COEFFS["all_reduce" if op == "all_reduce_max" else family](p)
-            coef, err = _fit_relative(np.column_stack([np.full_like(n, a), b * n]), t)
-            collectives[op] = LinkParams(alpha=float(coef[0]), beta=float(coef[1]), gamma=0.0)
-            errors[op] = err
-            if op != "all_reduce_max":
-                joint_rows.append(np.column_stack([np.full_like(n, a), b * n, c * n]))
-                joint_t.append(t)
-        else:
-            coef, err = _fit_relative(np.column_stack([np.ones_like(n), n]), t)
-            codec[op] = OpCost(launch_s=float(coef[0]), s_per_elem=float(coef[1]))
-            errors[op] = err
-    if joint_rows:
-        coef, err = _fit_relative(np.vstack(joint_rows), np.concatenate(joint_t))
-        link = LinkParams(float(coef[0]), float(coef[1]), float(coef[2]))
-        errors["link(joint)"] = err
-    else:
-        link = LinkParams(0.0, 0.0, 0.0)
+        coef, err = _fit_relative(np.column_stack([np.ones_like(n), n]), t)
+        codec[op] = OpCost(launch_s=float(coef[0]), s_per_elem=float(coef[1]))
+        errors[op] = err
     return Profile(
         world_size=p,
         backend=backend,

@@ -6,7 +6,11 @@ for all-gather), the number of ranks ``p`` and a :class:`LinkParams`:
 
 - ``alpha``: seconds of latency per message (per algorithm step),
 - ``beta``: seconds per byte sent over the link (1 / bandwidth),
-- ``gamma``: seconds per byte of local reduction (the add in reduce steps).
+- ``gamma``: seconds per byte of local reduction (the add in reduce steps),
+- ``burst_bytes``: bytes a rank may send at the start of a collective call
+  before ``beta`` applies (a token-bucket shaper such as Linux ``tc tbf``
+  passes its bucket unshaped), so the bandwidth term of a call sending ``w``
+  bytes per rank is ``beta * max(0, w - burst_bytes)``. 0 for real links.
 
 Hierarchical variants split ``p = nodes * gpus_per_node`` and use separate
 links inside and between nodes; the ``gpus_per_node`` devices of a node share
@@ -56,19 +60,32 @@ class LinkParams:
         alpha: latency per message in seconds.
         beta: seconds per byte on the wire (inverse bandwidth).
         gamma: seconds per byte of local reduction.
+        burst_bytes: bytes per rank and collective call that cross the link
+            before ``beta`` applies (a token bucket's burst; 0 if none).
 
     Example:
         >>> LinkParams.from_bandwidth(12.5e9, latency_s=10e-6).beta
         8e-11
+        >>> LinkParams(0.0, 1e-9, burst_bytes=500.0).wire_time(1500.0)
+        1e-06
     """
 
     alpha: float
     beta: float
     gamma: float = 0.0
+    burst_bytes: float = 0.0
 
     def __post_init__(self) -> None:
-        if min(self.alpha, self.beta, self.gamma) < 0:
+        if min(self.alpha, self.beta, self.gamma, self.burst_bytes) < 0:
             raise ValueError(f"link parameters must be non-negative: {self}")
+
+    def wire_time(self, nbytes: float) -> float:
+        """Seconds the link's bandwidth term charges for ``nbytes`` sent in one call.
+
+        ``beta * max(0, nbytes - burst_bytes)``: the first ``burst_bytes`` pass
+        at no bandwidth cost (the bucket of a token-bucket shaper).
+        """
+        return self.beta * max(0.0, nbytes - self.burst_bytes)
 
     @classmethod
     def from_bandwidth(
@@ -88,9 +105,10 @@ class LinkParams:
     def shared_by(self, flows: int) -> LinkParams:
         """The link as seen by each of ``flows`` concurrent flows sharing its bandwidth.
 
-        Latency and local reduction are per flow and do not change.
+        Latency and local reduction are per flow and do not change; the
+        flows split the burst.
         """
-        return LinkParams(self.alpha, self.beta * flows, self.gamma)
+        return LinkParams(self.alpha, self.beta * flows, self.gamma, self.burst_bytes / flows)
 
 
 @dataclass(frozen=True)
@@ -134,7 +152,8 @@ def _check(n: float, p: int) -> None:
 def ring_allreduce(n: float, p: int, link: LinkParams) -> float:
     """Ring all-reduce: reduce-scatter then all-gather around a ring.
 
-    ``2(p-1) alpha + 2 n (p-1)/p beta + n (p-1)/p gamma``.
+    ``2(p-1) alpha + 2 n (p-1)/p beta + n (p-1)/p gamma`` (the bandwidth term
+    through :meth:`LinkParams.wire_time`, so less any burst).
 
     Example:
         >>> ring_allreduce(4.0, 2, LinkParams(1.0, 1.0, 1.0))
@@ -144,7 +163,7 @@ def ring_allreduce(n: float, p: int, link: LinkParams) -> float:
     if p == 1:
         return 0.0
     frac = (p - 1) / p
-    return 2 * (p - 1) * link.alpha + 2 * n * frac * link.beta + n * frac * link.gamma
+    return 2 * (p - 1) * link.alpha + link.wire_time(2 * n * frac) + n * frac * link.gamma
 
 
 def halving_doubling_allreduce(n: float, p: int, link: LinkParams) -> float:
@@ -162,7 +181,7 @@ def halving_doubling_allreduce(n: float, p: int, link: LinkParams) -> float:
         return 0.0
     frac = (p - 1) / p
     steps = math.ceil(math.log2(p))
-    return 2 * steps * link.alpha + 2 * n * frac * link.beta + n * frac * link.gamma
+    return 2 * steps * link.alpha + link.wire_time(2 * n * frac) + n * frac * link.gamma
 
 
 def recursive_doubling_allreduce(n: float, p: int, link: LinkParams) -> float:
@@ -178,7 +197,8 @@ def recursive_doubling_allreduce(n: float, p: int, link: LinkParams) -> float:
     _check(n, p)
     if p == 1:
         return 0.0
-    return math.ceil(math.log2(p)) * (link.alpha + n * link.beta + n * link.gamma)
+    steps = math.ceil(math.log2(p))
+    return steps * (link.alpha + n * link.gamma) + link.wire_time(steps * n)
 
 
 ALLREDUCE_ALGORITHMS = {
@@ -217,7 +237,7 @@ def reduce_scatter(n: float, p: int, link: LinkParams) -> float:
     if p == 1:
         return 0.0
     frac = (p - 1) / p
-    return (p - 1) * link.alpha + n * frac * (link.beta + link.gamma)
+    return (p - 1) * link.alpha + link.wire_time(n * frac) + n * frac * link.gamma
 
 
 def all_gather(n: float, p: int, link: LinkParams) -> float:
@@ -230,7 +250,7 @@ def all_gather(n: float, p: int, link: LinkParams) -> float:
     _check(n, p)
     if p == 1:
         return 0.0
-    return (p - 1) * link.alpha + n * (p - 1) / p * link.beta
+    return (p - 1) * link.alpha + link.wire_time(n * (p - 1) / p)
 
 
 def all_to_all(n: float, p: int, link: LinkParams) -> float:
@@ -246,7 +266,7 @@ def all_to_all(n: float, p: int, link: LinkParams) -> float:
     _check(n, p)
     if p == 1:
         return 0.0
-    return (p - 1) * link.alpha + n * (p - 1) / p * link.beta
+    return (p - 1) * link.alpha + link.wire_time(n * (p - 1) / p)
 
 
 def two_phase_reduction(n_wire: float, n_accumulate: float, p: int, link: LinkParams) -> float:
@@ -319,8 +339,9 @@ def hierarchical_all_to_all(n: float, topo: Topology) -> float:
     """
     _check(n, topo.world_size)
     g, p = topo.gpus_per_node, topo.world_size
-    intra = (g - 1) * (topo.intra.alpha + n / p * topo.intra.beta)
-    inter = (p - g) * (topo.inter.alpha + n / p * topo.inter.shared_by(g).beta)
+    intra = (g - 1) * topo.intra.alpha + topo.intra.wire_time((g - 1) * n / p)
+    shared = topo.inter.shared_by(g)
+    inter = (p - g) * shared.alpha + shared.wire_time((p - g) * n / p)
     return intra + inter
 
 

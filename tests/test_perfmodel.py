@@ -405,6 +405,36 @@ def test_fit_profile_recovers_synthetic_parameters(tmp_path) -> None:
     assert again.collectives == prof.collectives and again.codec == prof.codec
 
 
+def test_burst_term_hand_values_and_fit() -> None:
+    from perfmodel.calibrate import COLLECTIVE_COEFFS, fit_profile
+
+    link = C.LinkParams(alpha=1.0, beta=1.0, gamma=1.0, burst_bytes=2.0)
+    # Ring, n=4, p=2: 2 alpha + max(0, 2*4*1/2 - 2) beta + 4*1/2 gamma = 2 + 2 + 2.
+    assert C.ring_allreduce(4.0, 2, link) == 6.0
+    # All-gather, n=4, p=2: alpha + max(0, 2 - 2) beta = 1 (the burst covers it).
+    assert C.all_gather(4.0, 2, link) == 1.0
+    # Two flows share the bucket: 1 byte each, so all-to-all n=6, p=2 -> 1 + (3 - 1) * 2.
+    assert C.all_to_all(6.0, 2, link.shared_by(2)) == 5.0
+    with pytest.raises(ValueError):
+        C.LinkParams(1.0, 1.0, burst_bytes=-1.0)
+    # Samples from t = A alpha + beta max(0, B n - burst): the burst-aware fit
+    # recovers beta exactly, given the burst or choosing it from the samples.
+    p, alpha, beta, burst = 2, 1e-4, 8e-9, 5e5
+    samples = []
+    for n in (2.5e5, 6e5, 1.6e6, 4e6, 1e7):
+        a, b, _ = COLLECTIVE_COEFFS["all_gather"](p)
+        samples.append(
+            {"op": "all_gather", "n": n, "seconds": a * alpha + beta * max(0.0, b * n - burst)}
+        )
+    fit = fit_profile(samples, p, burst_bytes=burst).collectives["all_gather"]
+    assert fit.beta == pytest.approx(beta, rel=1e-6)
+    assert fit.burst_bytes == burst
+    fit = fit_profile(samples, p, burst_bytes="fit").collectives["all_gather"]
+    assert fit.beta == pytest.approx(beta, rel=0.05)
+    assert fit.burst_bytes == pytest.approx(burst, rel=0.1)
+    assert fit_profile(samples, p).collectives["all_gather"].beta < 0.9 * beta
+
+
 def _calibrate_rank(rank: int, world_size: int) -> dict:
     from perfmodel import measure
     from perfmodel.calibrate import run_calibration
