@@ -46,6 +46,7 @@ from aps_comm.reduction import (
     pick_reduction,
     reduce_shards,
     shard_layout,
+    shard_mean,
 )
 from aps_comm.scaling import SCALINGS, Scaling, exponents, layer_amax, pow2
 from aps_comm.telemetry import LayerStats, layer_stats
@@ -638,13 +639,8 @@ def _reduce_with_feedback(
     rank = dist.get_rank(state.process_group)
     shard_bytes = recv.numel() // n_ranks
     per = shard_bytes * 8 // fmt.wire_bits
-    acc = torch.empty(per, device=recv.device)
+    acc = shard_mean(recv, n_ranks, fmt)
     part = torch.empty_like(acc)
-    _decode_into(recv[:shard_bytes], fmt, acc)
-    for r in range(1, n_ranks):
-        _decode_into(recv[r * shard_bytes : (r + 1) * shard_bytes], fmt, part)
-        acc += part
-    acc /= n_ranks
     out = torch.empty(shard_bytes, dtype=torch.uint8, device=recv.device)
     _encode_into(acc, fmt, out)
     lo, hi = rank * per, min((rank + 1) * per, g.x.numel())

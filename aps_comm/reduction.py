@@ -33,6 +33,7 @@ __all__ = [
     "pick_reduction",
     "reduce_shards",
     "shard_layout",
+    "shard_mean",
 ]
 
 Reduction = Literal["auto", "allreduce", "two_phase"]
@@ -118,6 +119,14 @@ def reduce_shards(recv: torch.Tensor, n_ranks: int, fmt: FloatFormat) -> torch.T
     """
     if _use_kernels(recv, fmt):
         return _kernels.reduce_shards(recv, n_ranks, fmt)
+    out = torch.empty(recv.numel() // n_ranks, dtype=torch.uint8, device=recv.device)
+    _encode_into(shard_mean(recv, n_ranks, fmt), fmt, out)
+    return out
+
+
+def shard_mean(recv: torch.Tensor, n_ranks: int, fmt: FloatFormat) -> torch.Tensor:
+    """float32 mean of ``n_ranks`` encoded shards laid end to end: summed in rank
+    order, then divided by N (the arithmetic of :func:`reduce_shards`)."""
     shard_bytes = recv.numel() // n_ranks
     numel = shard_bytes * 8 // fmt.wire_bits
     acc = torch.empty(numel, dtype=torch.float32, device=recv.device)
@@ -126,6 +135,4 @@ def reduce_shards(recv: torch.Tensor, n_ranks: int, fmt: FloatFormat) -> torch.T
     for r in range(1, n_ranks):
         _decode_into(recv[r * shard_bytes : (r + 1) * shard_bytes], fmt, part)
         acc += part
-    out = torch.empty(shard_bytes, dtype=torch.uint8, device=recv.device)
-    _encode_into(acc.div_(n_ranks), fmt, out)
-    return out
+    return acc.div_(n_ranks)
