@@ -1,8 +1,9 @@
 """Compiled CPU kernels for the codec hot path (numba), with per-segment scaling.
 
 Eager torch decodes FP8 at 5-7x the cost of a plain copy on CPU; these
-kernels decode through a lookup table and encode with integer bit tricks in
-one pass, optionally fused with the per-layer power-of-two scale of APS. They
+kernels decode through a lookup table and encode with 32-bit integer bit
+tricks (plus one float add that rounds subnormals) over L1-sized blocks,
+optionally fused with the per-layer power-of-two scale of APS. They
 cover every format of at most 16 bits (two 4-bit codes per byte, one byte, or
 two bytes per element).
 :mod:`aps_comm.formats` falls back to pure torch when numba is missing or the
@@ -13,7 +14,7 @@ from __future__ import annotations
 
 import dataclasses
 import functools
-from typing import TYPE_CHECKING
+from typing import TYPE_CHECKING, Any
 
 import numpy as np
 import torch
@@ -23,6 +24,8 @@ if TYPE_CHECKING:
 
 try:
     import numba
+    from numba import types as nbtypes
+    from numba.extending import intrinsic
 
     AVAILABLE = True
 except ImportError:  # pragma: no cover - numba is an install requirement
@@ -52,12 +55,37 @@ class Segments:
         return x * torch.repeat_interleave(factors, lengths, output_size=x.numel())
 
 
+def _subnormal_magic(fmt: FloatFormat) -> int:
+    """float32 bits of ``min_subnormal * 2**23``, or 0 where that is no normal float32.
+
+    The ulp of this power of two is the target's smallest subnormal, so for
+    ``|v| < min_normal`` the FPU's round-to-nearest-even of ``|v| + magic``
+    leaves ``bits(|v| + magic) - bits(magic)`` equal to the subnormal code,
+    rounding up to min_normal (code ``2**man_bits``) included: the sum stays
+    below ``2 * magic`` because ``man_bits <= 23``. One float add replaces the
+    variable-shift integer rounding, the most expensive part of the encoder.
+    Formats with a strongly negative bias put magic beyond float32's range
+    (FloatFormat's own check keeps it above the normal minimum); they keep
+    the integer path.
+    """
+    exp = fmt._emin - fmt.man_bits + 23
+    if not -126 <= exp <= 127:
+        return 0
+    return int(np.float32(2.0**exp).view(np.uint32))
+
+
 @functools.lru_cache(maxsize=64)
-def _params(fmt: FloatFormat) -> tuple[np.uint32, ...]:
+def _params(fmt: FloatFormat, add_subnormals: bool = True) -> tuple[np.uint32, ...]:
     """uint32 constants of the branchless encoder for one format.
 
     A tuple, not an array: numba then treats them as loop-invariant scalars
     (an array might alias the output, forcing a reload every element).
+
+    Args:
+        fmt: the target format.
+        add_subnormals: round subnormals with a float add (see
+            :func:`_subnormal_magic`) where the format allows it; False forces
+            the integer path everywhere (the tests compare the two).
     """
     from aps_comm.formats import _special_codes
 
@@ -84,6 +112,7 @@ def _params(fmt: FloatFormat) -> tuple[np.uint32, ...]:
             nan_code,
             inf_code,
             fmt.bits - 1,
+            _subnormal_magic(fmt) if add_subnormals else 0,  # 0: integer subnormal path
         )
     )
 
@@ -97,18 +126,65 @@ def _table(fmt: FloatFormat) -> np.ndarray:
 
 if AVAILABLE:
 
-    @numba.njit(nogil=True, cache=True)
-    def _code(u, p):
-        """Code of the float32 with bits ``u``: round to nearest even, saturate.
+    def _u32_op(name: str) -> Any:
+        """A numba intrinsic: ``name`` (an llvmlite IRBuilder method) on two uint32.
 
-        Branchless (selects only) so that LLVM vectorises the loops calling it;
-        every lane computes both the normal and the subnormal rounding.
+        numba widens uint32 arithmetic to 64 bits, so the encoder would run in
+        half as many vector lanes; these keep it 32-bit. The callers guarantee
+        that nothing overflows where the result is used, and shift counts stay
+        below 32 (LLVM makes larger ones poison).
+        """
+
+        @intrinsic
+        def op(typingctx, a, b):
+            def codegen(context, builder, signature, args):
+                return getattr(builder, name)(*args)
+
+            return nbtypes.uint32(nbtypes.uint32, nbtypes.uint32), codegen
+
+        return op
+
+    _add32 = _u32_op("add")
+    _sub32 = _u32_op("sub")
+    _and32 = _u32_op("and_")
+    _or32 = _u32_op("or_")
+    _shl32 = _u32_op("shl")
+    _shr32 = _u32_op("lshr")
+
+    @numba.njit(nogil=True, cache=True)
+    def _finish(u, sub, p):
+        """Code of the float32 with bits ``u``, given its code ``sub`` as a subnormal.
+
+        Rounds normals to nearest even, saturates, maps inf/NaN and adds the
+        sign. Branchless (selects only) so that LLVM vectorises the loops
+        calling it; every lane computes both the normal and subnormal code.
         """
         one = np.uint32(1)
         inf_bits = np.uint32(0x7F800000)
-        a = u & np.uint32(0x7FFFFFFF)
+        a = _and32(u, np.uint32(0x7FFFFFFF))
         shift = p[0]
-        normal = ((a + p[1] + ((a >> shift) & one)) >> shift) - p[2]
+        # a + p[1] + 1 < 2**32: no wrap-around; below min_normal `normal` may
+        # wrap, but then the select discards it.
+        odd = _and32(_shr32(a, shift), one)
+        normal = _sub32(_shr32(_add32(_add32(a, p[1]), odd), shift), p[2])
+        c = normal if a >= p[4] else sub
+        c = p[6] if a >= p[3] else c
+        c = p[8] if a == inf_bits else c
+        c = p[7] if a > inf_bits else c
+        sign = _shl32(_shr32(u, np.uint32(31)), p[9])
+        sign = sign if a <= inf_bits else np.uint32(0)
+        return _or32(c, sign)
+
+    @numba.njit(nogil=True, cache=True)
+    def _code(u, p):
+        """Code of the float32 with bits ``u``, subnormals rounded with integers.
+
+        The path for formats without a usable magic (p[10] == 0); this
+        variable-shift rounding, in numba's 64-bit arithmetic, costs about as
+        much as the rest of the encoder.
+        """
+        one = np.uint32(1)
+        a = u & np.uint32(0x7FFFFFFF)
         # Subnormal in the target format: round(value / min_subnormal), ties to even.
         ef = a >> np.uint32(23)
         sig = (a & np.uint32(0x7FFFFF)) | (np.uint32(0x800000) if ef > 0 else np.uint32(0))
@@ -116,13 +192,7 @@ if AVAILABLE:
         s = s if s < np.uint32(31) else np.uint32(31)  # also catches the wrap-around
         s = s if s > 0 else one
         sub = (sig + ((one << (s - one)) - one) + ((sig >> s) & one)) >> s
-        c = normal if a >= p[4] else sub
-        c = p[6] if a >= p[3] else c
-        c = p[8] if a == inf_bits else c
-        c = p[7] if a > inf_bits else c
-        sign = (u >> np.uint32(31)) << p[9]
-        sign = sign if a <= inf_bits else np.uint32(0)
-        return c | sign
+        return _finish(u, np.uint32(sub), p)
 
     @numba.njit(nogil=True, cache=True)
     def _encode_plain(xu, codes, p):
@@ -130,15 +200,59 @@ if AVAILABLE:
             codes[i] = _code(xu[i], p)
 
     @numba.njit(nogil=True, cache=True)
+    def _magic(p):
+        """p[10] reinterpreted as float32 (numba cannot view a scalar)."""
+        bits = np.empty(1, np.uint32)
+        bits[0] = p[10]
+        return bits.view(np.float32)[0]
+
+    @numba.njit(nogil=True, cache=True)
+    def _add_block(x, sbuf, magic):
+        for j in range(len(x)):
+            sbuf[j] = abs(x[j]) + magic
+
+    @numba.njit(nogil=True, cache=True)
+    def _scale_add_block(x, f, buf, sbuf, magic):
+        for j in range(len(x)):
+            v = x[j] * f
+            buf[j] = v
+            sbuf[j] = abs(v) + magic
+
+    @numba.njit(nogil=True, cache=True)
+    def _encode_added(xu, su, codes, p):
+        """Codes of float32 bits ``xu``, with ``su`` the bits of ``|x| + magic``."""
+        for i in range(len(xu)):
+            codes[i] = _finish(xu[i], _sub32(su[i], p[10]), p)
+
+    @numba.njit(nogil=True, cache=True)
     def _scale_block(x, f, buf):
         for j in range(len(x)):
             buf[j] = x[j] * f
 
     @numba.njit(nogil=True, cache=True)
+    def _encode_unscaled(x, codes, p):
+        """codes[i] = code(x[i]), through a small scratch block."""
+        xu = x.view(np.uint32)
+        if p[10] == 0:
+            _encode_plain(xu, codes, p)
+            return
+        magic = _magic(p)
+        sbuf = np.empty(_BLOCK, np.float32)
+        sbu = sbuf.view(np.uint32)
+        for start in range(0, len(x), _BLOCK):
+            n = min(_BLOCK, len(x) - start)
+            _add_block(x[start : start + n], sbuf[:n], magic)
+            _encode_added(xu[start : start + n], sbu[:n], codes[start : start + n], p)
+
+    @numba.njit(nogil=True, cache=True)
     def _encode_codes(x, offsets, factors, codes, p):
-        """codes[i] = code(x[i] * factor of i's segment), through a small scratch block."""
+        """codes[i] = code(x[i] * factor of i's segment), through small scratch blocks."""
         buf = np.empty(_BLOCK, np.float32)
+        sbuf = np.empty(_BLOCK, np.float32)
         ubuf = buf.view(np.uint32)
+        sbu = sbuf.view(np.uint32)
+        fast = p[10] != 0
+        magic = _magic(p)
         for seg in range(len(offsets) - 1):
             f = factors[seg]
             lo, hi = offsets[seg], offsets[seg + 1]
@@ -146,8 +260,12 @@ if AVAILABLE:
                 n = min(_BLOCK, hi - start)
                 # Separate simple loops vectorise; one fused loop with the
                 # bit reinterpretation in the middle does not.
-                _scale_block(x[start : start + n], f, buf[:n])
-                _encode_plain(ubuf[:n], codes[start : start + n], p)
+                if fast:
+                    _scale_add_block(x[start : start + n], f, buf[:n], sbuf[:n], magic)
+                    _encode_added(ubuf[:n], sbu[:n], codes[start : start + n], p)
+                else:
+                    _scale_block(x[start : start + n], f, buf[:n])
+                    _encode_plain(ubuf[:n], codes[start : start + n], p)
 
     @numba.njit(nogil=True, cache=True)
     def _pack(codes, out):
@@ -180,8 +298,12 @@ if AVAILABLE:
     def _reduce(recv, n_ranks, shard, out_codes, table, p):
         """Sum n_ranks decoded shards in rank order, divide by n_ranks, re-encode."""
         buf = np.empty(_BLOCK, np.float32)
+        sbuf = np.empty(_BLOCK, np.float32)
         ubuf = buf.view(np.uint32)
+        sbu = sbuf.view(np.uint32)
         div = np.float32(n_ranks)
+        fast = p[10] != 0
+        magic = _magic(p)
         for start in range(0, shard, _BLOCK):
             n = min(_BLOCK, shard - start)
             for j in range(n):
@@ -190,9 +312,16 @@ if AVAILABLE:
                 base = r * shard + start
                 for j in range(n):
                     buf[j] += table[recv[base + j]]
-            for j in range(n):
-                buf[j] /= div
-            _encode_plain(ubuf[:n], out_codes[start : start + n], p)
+            if fast:
+                for j in range(n):
+                    v = buf[j] / div
+                    buf[j] = v
+                    sbuf[j] = abs(v) + magic
+                _encode_added(ubuf[:n], sbu[:n], out_codes[start : start + n], p)
+            else:
+                for j in range(n):
+                    buf[j] /= div
+                _encode_plain(ubuf[:n], out_codes[start : start + n], p)
 
 
 def _np(t: torch.Tensor) -> np.ndarray:
@@ -211,7 +340,7 @@ def encode(
     else:
         codes = oa if fmt.wire_bits == 8 else oa.view(np.uint16)
     if segments is None:
-        _encode_plain(xa.view(np.uint32), codes, params)
+        _encode_unscaled(xa, codes, params)
     else:
         _encode_codes(xa, segments.offsets, segments.factors, codes, params)
     if fmt.wire_bits == 4:

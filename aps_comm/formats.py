@@ -396,7 +396,9 @@ def _pack_nibbles(codes: torch.Tensor) -> torch.Tensor:
     return (pairs[:, 0] | (pairs[:, 1] << 4)).to(torch.uint8)
 
 
-def encode(x: torch.Tensor, fmt: FloatFormat | str) -> torch.Tensor:
+def encode(
+    x: torch.Tensor, fmt: FloatFormat | str, *, out: torch.Tensor | None = None
+) -> torch.Tensor:
     """Encode ``x`` into the wire representation of ``fmt``.
 
     The values are rounded as :func:`quantize` does (nearest-even, saturating).
@@ -406,12 +408,16 @@ def encode(x: torch.Tensor, fmt: FloatFormat | str) -> torch.Tensor:
     Args:
         x: a floating-point tensor; it is flattened.
         fmt: the format.
+        out: optional contiguous 1-D uint8 tensor of exactly
+            :func:`payload_nbytes` bytes on ``x``'s device to write into.
 
     Returns:
-        A 1-D uint8 tensor of :func:`payload_nbytes` bytes on ``x``'s device.
+        A 1-D uint8 tensor of :func:`payload_nbytes` bytes on ``x``'s device
+        (``out`` when given).
 
     Raises:
-        ValueError: ``x`` holds inf or NaN and ``fmt`` has no code for them.
+        ValueError: ``x`` holds inf or NaN and ``fmt`` has no code for them,
+            or ``out`` has the wrong size, dtype, device or layout.
 
     Example:
         >>> encode(torch.tensor([1.0, -2.0]), "e4m3")
@@ -420,13 +426,26 @@ def encode(x: torch.Tensor, fmt: FloatFormat | str) -> torch.Tensor:
     fmt = get_format(fmt)
     flat = x.reshape(-1)
     _check_encodable(flat, fmt)
-    out = torch.empty(payload_nbytes(flat.numel(), fmt), dtype=torch.uint8, device=x.device)
+    need = payload_nbytes(flat.numel(), fmt)
+    if out is None:
+        out = torch.empty(need, dtype=torch.uint8, device=x.device)
+    else:
+        _check_out(out, torch.uint8, need, x.device)
     _encode_into(flat, fmt, out)
     return out
 
 
-def decode(payload: torch.Tensor, fmt: FloatFormat | str, numel: int) -> torch.Tensor:
+def decode(
+    payload: torch.Tensor,
+    fmt: FloatFormat | str,
+    numel: int,
+    *,
+    out: torch.Tensor | None = None,
+) -> torch.Tensor:
     """Decode ``numel`` elements of ``fmt`` from a uint8 payload into float32.
+
+    ``out``, if given, must be a contiguous 1-D float32 tensor of ``numel``
+    elements on the payload's device; it is filled and returned.
 
     Example:
         >>> decode(torch.tensor([56, 192], dtype=torch.uint8), "e4m3", 2)
@@ -440,13 +459,37 @@ def decode(payload: torch.Tensor, fmt: FloatFormat | str, numel: int) -> torch.T
         raise ValueError(
             f"payload has {payload.numel()} bytes, {numel} elements of {fmt} need {need}"
         )
-    out = torch.empty(numel, dtype=torch.float32, device=payload.device)
+    if out is None:
+        out = torch.empty(numel, dtype=torch.float32, device=payload.device)
+    else:
+        _check_out(out, torch.float32, numel, payload.device)
     _decode_into(payload.reshape(-1)[:need], fmt, out)
     return out
 
 
+def _check_out(out: torch.Tensor, dtype: torch.dtype, numel: int, device: torch.device) -> None:
+    if (
+        out.dtype != dtype
+        or out.dim() != 1
+        or out.numel() != numel
+        or not out.is_contiguous()
+        or out.device != device
+    ):
+        raise ValueError(
+            f"out must be a contiguous 1-D {dtype} tensor of {numel} elements on {device}, "
+            f"got {out.dtype} of shape {tuple(out.shape)} on {out.device}"
+        )
+
+
 def _use_kernels(t: torch.Tensor, fmt: FloatFormat) -> bool:
-    return t.device.type == "cpu" and fmt.wire_bits <= 16 and _kernels.AVAILABLE
+    # The encoder's bit tricks assume the format's normals are float32 normals
+    # (bias <= 127); a larger bias takes the torch path.
+    return (
+        t.device.type == "cpu"
+        and fmt.wire_bits <= 16
+        and fmt._emin >= -126
+        and _kernels.AVAILABLE
+    )
 
 
 def _encode_into(

@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import functools
+
 import ml_dtypes
 import numpy as np
 import pytest
@@ -281,6 +283,111 @@ def test_segmented_kernels_match_torch() -> None:
         assert torch.equal(dec, seg.apply(decode(out, fmt, x.numel())))
 
 
+def _use_path(m: pytest.MonkeyPatch, path: str) -> None:
+    """Route the codec through one encoder path: "add", "int" or "torch" (see below)."""
+    if path == "int":
+        m.setattr(_kernels, "_params", functools.partial(_kernels._params, add_subnormals=False))
+    elif path == "torch":
+        m.setattr(_kernels, "AVAILABLE", False)
+
+
+def _kernel_bytes(
+    x: torch.Tensor,
+    fmt: FloatFormat,
+    monkeypatch: pytest.MonkeyPatch,
+    segments: _kernels.Segments | None = None,
+) -> dict[str, torch.Tensor]:
+    """Wire bytes of ``x`` (times ``segments``) from each encoder path.
+
+    "add": the kernels' float-add subnormal rounding where the format allows
+    it; "int": the kernels forced onto their integer path; "torch": the pure
+    torch reference.
+    """
+    out = {}
+    for path in ("add", "int", "torch"):
+        with monkeypatch.context() as m:
+            _use_path(m, path)
+            out[path] = torch.empty(payload_nbytes(x.numel(), fmt), dtype=torch.uint8)
+            F._encode_into(x, fmt, out[path], segments)
+    return out
+
+
+@pytest.mark.parametrize("name", sorted(ORACLES))
+def test_kernel_subnormal_paths_match_reference(name: str, monkeypatch: pytest.MonkeyPatch) -> None:
+    # Every value, every tie (midpoints, e.g. min_subnormal / 2 and the one
+    # between the largest subnormal and min_normal), their float32 neighbours.
+    fmt, dtype = ORACLES[name]
+    assert _kernels._params(fmt)[10] != 0, "expected the float-add path"
+    x = _probe_values(fmt, dtype)
+    if fmt.has_nan:
+        x = np.concatenate([x, [np.inf, -np.inf, np.nan, 3e38, -3.4e38]]).astype(np.float32)
+    xt = torch.from_numpy(x)
+    half = x.size // 2
+    segments = _kernels.Segments(
+        np.array([0, half, x.size], np.int64), np.array([0.5, 2.0], np.float32)
+    )
+    for seg in (None, segments):
+        got = _kernel_bytes(xt, fmt, monkeypatch, seg)
+        assert torch.equal(got["add"], got["int"]), (name, seg)
+        # torch's own fp16/bf16 cast keeps NaN payloads; the kernels write one NaN.
+        values = {k: decode(v, fmt, x.size) for k, v in got.items()}
+        values = {k: torch.where(v.isnan(), float("nan"), v) for k, v in values.items()}
+        assert torch.equal(values["add"].view(torch.int32), values["torch"].view(torch.int32))
+    # The owner's re-encode: the mean of neighbouring values is their tie.
+    vals = np.concatenate([-_finite_values(dtype)[::-1], _finite_values(dtype)])
+    vals = torch.from_numpy(vals[np.abs(vals) <= fmt.max])
+    recv = torch.cat([encode(vals[:-1], fmt), encode(vals[1:], fmt)])
+    reduced = {}
+    for path in ("add", "int"):
+        with monkeypatch.context() as m:
+            _use_path(m, path)
+            reduced[path] = _kernels.reduce_shards(recv, 2, fmt)
+    mean = (vals[:-1] + vals[1:]) / 2
+    assert torch.equal(reduced["add"], reduced["int"])
+    assert torch.equal(reduced["add"], _kernel_bytes(mean, fmt, monkeypatch)["torch"])
+
+
+@pytest.mark.parametrize(
+    "fmt",
+    [
+        FloatFormat(4, 3, specials="fn", bias=-110),  # min_subnormal * 2**23 overflows
+        FloatFormat(2, 1, specials="none", bias=-120),  # the same, packed 4-bit
+        FloatFormat(4, 3, specials="fn", bias=-106),  # magic = 2**127: still the add
+    ],
+    ids=lambda f: f"{f.name}-{f.specials}-b{f.bias}",
+)
+def test_kernel_subnormal_path_choice_for_extreme_bias(
+    fmt: FloatFormat, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    magic_exp = fmt._emin - fmt.man_bits + 23
+    assert (_kernels._params(fmt)[10] != 0) == (magic_exp <= 127)
+    table = F._code_table(fmt)
+    vals = np.unique(table[np.isfinite(table)])
+    mids = ((vals[:-1].astype(np.float64) + vals[1:]) / 2).astype(np.float32)
+    near = np.nextafter(mids, np.float32(np.inf)), np.nextafter(mids, np.float32(-np.inf))
+    rng = np.random.default_rng(7)
+    tiny = rng.uniform(-2 * fmt.min_normal, 2 * fmt.min_normal, 5_000).astype(np.float32)
+    x = np.concatenate([vals, mids, *near, tiny, [1.5 * fmt.max, -1.5 * fmt.max]])
+    x = x.astype(np.float32)
+    got = _kernel_bytes(torch.from_numpy(x), fmt, monkeypatch)
+    assert torch.equal(got["add"], got["int"])
+    assert torch.equal(got["add"], got["torch"])
+    back = decode(got["add"], fmt, x.size).numpy()
+    np.testing.assert_array_equal(back, _brute_force(x, fmt))
+
+
+def test_bias_beyond_float32_takes_the_torch_path() -> None:
+    # Normals below float32's smallest normal break the kernels' bit tricks
+    # (this format used to raise OverflowError in the kernel setup).
+    fmt = FloatFormat(5, 2, bias=148)
+    assert not F._use_kernels(torch.zeros(1), fmt)
+    table = F._code_table(fmt)
+    vals = np.unique(table[np.isfinite(table)]).astype(np.float32)
+    x = np.concatenate([vals, vals * np.float32(1.1), [fmt.max * 2]]).astype(np.float32)
+    back = decode(encode(torch.from_numpy(x), fmt), fmt, x.size).numpy()
+    np.testing.assert_array_equal(back, _brute_force(x, fmt))
+
+
 @pytest.mark.parametrize("fmt", [E4M3, E5M2, FP16, BF16, E2M1, E3M2], ids=str)
 def test_reduce_shards_matches_reference(fmt: FloatFormat) -> None:
     gen = torch.Generator().manual_seed(6)
@@ -304,3 +411,18 @@ def test_cuda_matches_cpu() -> None:
         assert torch.equal(q_gpu, quantize(x, fmt))
         back = decode(encode(x.cuda(), fmt), fmt, x.numel()).cpu()
         assert torch.equal(back, quantize(x, fmt))
+
+
+def test_encode_decode_into_out() -> None:
+    x = torch.randn(1000) * 10
+    for fmt in (E4M3, FP16, E2M1):
+        out = torch.empty(payload_nbytes(x.numel(), fmt), dtype=torch.uint8)
+        assert encode(x, fmt, out=out) is out
+        assert torch.equal(out, encode(x, fmt))
+        dec = torch.empty(x.numel())
+        assert decode(out, fmt, x.numel(), out=dec) is dec
+        assert torch.equal(dec, decode(out, fmt, x.numel()))
+    with pytest.raises(ValueError, match="999"):
+        encode(x, E4M3, out=torch.empty(999, dtype=torch.uint8))
+    with pytest.raises(ValueError, match="float32"):
+        decode(encode(x, E4M3), E4M3, 1000, out=torch.empty(1000, dtype=torch.float64))
