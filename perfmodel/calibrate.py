@@ -30,6 +30,7 @@ from __future__ import annotations
 
 import datetime
 import itertools
+import os
 import socket
 from collections.abc import Sequence
 from typing import Any
@@ -47,9 +48,19 @@ COLLECTIVE_COEFFS = {
     "all_reduce": lambda p: (2.0 * (p - 1), 2.0 * (p - 1) / p, (p - 1) / p),
     "all_to_all": lambda p: (p - 1.0, (p - 1) / p, 0.0),
     "all_gather": lambda p: (p - 1.0, (p - 1) / p, 0.0),
+    # aps_comm's pipelined all-to-all + all-gather (latency counted per chunk).
+    "exchange": lambda p: (1.0, 2.0 * (p - 1) / p, 0.0),
 }
 _MAXIMA_COUNTS = (1, 16, 64, 256)
 _FMT = "e4m3"
+# aps_comm.hook's chunk, in bytes of an 8-bit wire format.
+EXCHANGE_CHUNK_BYTES = 2**20
+# Elements per rank of the tiny message whose whole two_phase call is timed
+# ("two_phase_call"): its cost is the per-call overhead the parts miss.
+CALL_ELEMENTS = 1024
+# Idle time before every timed call: a shaper's token bucket refills and the
+# cores go idle, as before a gradient bucket that follows forward and backward.
+SETTLE_S = 0.02
 
 
 def geometric_sizes(min_bytes: float, max_bytes: float, steps: int) -> list[int]:
@@ -106,11 +117,16 @@ def _fit_collectives(
         t = np.array([y for _, y in pts])
         a, b, c = COLLECTIVE_COEFFS["all_reduce" if op == "all_reduce_max" else family](p)
         wire = np.maximum(0.0, b * n - burst)
-        coef, err = _fit_relative(np.column_stack([np.full_like(n, a), wire]), t)
+        lat = np.full_like(n, a)
+        if family == "exchange":
+            # alpha is per chunk; the chunks follow back to back, so a shaper's
+            # burst is passed once per exchange, not once per chunk.
+            lat = np.ceil(n / EXCHANGE_CHUNK_BYTES)
+        coef, err = _fit_relative(np.column_stack([lat, wire]), t)
         collectives[op] = LinkParams(float(coef[0]), float(coef[1]), 0.0, float(burst))
         errors[op] = err
-        total += float(np.sum(np.abs(np.column_stack([np.full_like(n, a), wire]) @ coef - t) / t))
-        if op != "all_reduce_max":
+        total += float(np.sum(np.abs(np.column_stack([lat, wire]) @ coef - t) / t))
+        if op not in ("all_reduce_max", "exchange"):
             joint_rows.append(np.column_stack([np.full_like(n, a), wire, c * n]))
             joint_t.append(t)
     if joint_rows:
@@ -144,6 +160,7 @@ def fit_profile(
     backend: str = "gloo",
     codec_source: str = "none",
     host: str = "",
+    cores_per_rank: float | None = None,
 ) -> Profile:
     """Fit a :class:`Profile` from timing samples.
 
@@ -152,7 +169,9 @@ def fit_profile(
             ``all_reduce.<dtype>``, ``all_to_all``, ``all_gather`` with ``n`` in
             bytes, and ``all_reduce_max`` (``n`` bytes of float32 maxima);
             codec ops (``amax``, ``scale``, ``unscale``, ``accumulate``,
-            ``encode.<fmt>``, ``decode.<fmt>``) have ``n`` in elements.
+            ``encode.<fmt>``, ``decode.<fmt>``, and ``reduce.<fmt>``: the shard
+            owner's fused decode-sum-encode of ``n`` received elements) have
+            ``n`` in elements.
         world_size: ranks the samples were measured on.
         burst_bytes: bytes per rank and call a token-bucket shaper passes
             unshaped (the tbf ``burst``), or ``"fit"`` to choose, among 0 and
@@ -162,6 +181,7 @@ def fit_profile(
         backend: backend name to record.
         codec_source: which codec produced the codec samples.
         host: host name to record.
+        cores_per_rank: CPU cores per rank on the measured machines, if known.
 
     Example:
         >>> s = [{"op": "all_gather", "n": n, "seconds": 1e-4 + n * 1e-9 / 2} for n in (1e3, 1e6)]
@@ -187,6 +207,12 @@ def fit_profile(
             continue
         n = np.array([x for x, _ in pts])
         t = np.array([y for _, y in pts])
+        if op.split(".")[0].endswith("_call"):
+            # One tiny size: a fixed cost per call.
+            codec[op] = OpCost(launch_s=float(np.median(t)), s_per_elem=0.0)
+            rel = np.abs(t / np.median(t) - 1)
+            errors[op] = {"median_rel_err": float(np.median(rel)), "max_rel_err": float(rel.max())}
+            continue
         coef, err = _fit_relative(np.column_stack([np.ones_like(n), n]), t)
         codec[op] = OpCost(launch_s=float(coef[0]), s_per_elem=float(coef[1]))
         errors[op] = err
@@ -200,6 +226,7 @@ def fit_profile(
         fit_errors=errors,
         samples=[dict(s) for s in samples],
         host=host,
+        cores_per_rank=cores_per_rank,
         created=datetime.datetime.now(datetime.timezone.utc).isoformat(timespec="seconds"),
     )
 
@@ -210,11 +237,16 @@ def run_calibration(
     codec_kind: str = "aps",
     layers: int = 16,
     verbose: bool = False,
+    settle_s: float = SETTLE_S,
 ) -> tuple[list[dict[str, Any]], str]:
     """Time every collective and codec pass on the initialised default group.
 
     Must be called on every rank. ``sizes`` are FP32 gradient bytes per rank
-    (rounded to a multiple of the world size and of 4).
+    (rounded to a multiple of the world size and of 4). Every timed call
+    starts ``settle_s`` after a barrier: measured on the emulated cluster, the
+    first collective after 20 ms idle took 3 ms where back-to-back ones took
+    0.3 ms (idle cores wake slowly), and a tbf shaper passes its burst only
+    after idling; a bucket after forward and backward meets both.
 
     Returns:
         The samples (identical on every rank: slowest rank, median of repeats)
@@ -233,7 +265,7 @@ def run_calibration(
     samples: list[dict[str, Any]] = []
 
     def record(op: str, n: float, fn: Any) -> None:
-        sec = measure.time_op(fn, repeats)
+        sec = measure.time_op(fn, repeats, settle_s=settle_s)
         samples.append({"op": op, "n": n, "seconds": sec})
         if verbose and dist.get_rank() == 0:
             print(f"  {op:22s} n={int(n):>11d}  {sec * 1e3:9.3f} ms", flush=True)
@@ -253,6 +285,14 @@ def run_calibration(
         record("all_to_all", n, lambda u8=u8, out8=out8: dist.all_to_all_single(out8, u8))
         shard = u8[: n // p].clone()
         record("all_gather", n, lambda s=shard, o=out8: measure.all_gather_single(o, s))
+        gathered = torch.empty_like(u8)
+        record(
+            "exchange",
+            n,
+            lambda u8=u8, o=out8, g=gathered: measure.pipelined_exchange(
+                u8, o, g, EXCHANGE_CHUNK_BYTES
+            ),
+        )
         record("encode.fp16", n, lambda x=x: measure.fp16_cast_down(x, p))
         record("decode.fp16", n, lambda x=x, h=h: x.clone().copy_(h))
         if codec is None:
@@ -260,9 +300,12 @@ def run_calibration(
         sizes_l = [s.numel() for s in torch.tensor_split(x, layers)]
         segs = torch.split(x, sizes_l)
         scaled = torch.empty_like(x)
+        # Outputs are allocated once, as the hook's are (its scratch buffers and
+        # the bucket itself): a fresh output per call would time page faults.
         payload = codec.encode(x, _FMT)
-        shards = torch.randn(p, n // p)
-        record("amax", n, lambda x=x, s=segs: measure.layer_amax(x, s))
+        decoded = torch.empty_like(x)
+        shards = codec.encode(torch.randn(n), _FMT)
+        record("amax", n, lambda s=segs: codec.amax(s))
         record(
             "scale",
             n,
@@ -270,8 +313,12 @@ def run_calibration(
                 torch.mul(a, 2.0, out=b) for a, b in zip(s, torch.split(o, sl), strict=True)
             ],
         )
-        record(f"encode.{_FMT}", n, lambda x=x: codec.encode(x, _FMT))
-        record(f"decode.{_FMT}", n, lambda pl=payload, k=n: codec.decode(pl, _FMT, k))
+        record(f"encode.{_FMT}", n, lambda x=x, o=payload: codec.encode(x, _FMT, out=o))
+        record(
+            f"decode.{_FMT}",
+            n,
+            lambda pl=payload, o=decoded: codec.decode(pl, _FMT, o.numel(), out=o),
+        )
         record(
             "unscale",
             n,
@@ -279,7 +326,19 @@ def run_calibration(
                 torch.mul(a, 0.5, out=b) for a, b in zip(s, torch.split(o, sl), strict=True)
             ],
         )
-        record("accumulate", n, lambda sh=shards: sh.sum(0).div_(p))
+        # The shard owner's whole step on n received elements: decode the p
+        # shards, FP32 sum, divide, re-encode n/p.
+        record(f"reduce.{_FMT}", n, lambda sh=shards: codec.reduce(sh, p, _FMT))
+        record("accumulate", n, lambda d=decoded: d.view(p, -1).sum(0).div_(p))
+    if codec is not None:
+        tiny = torch.randn(CALL_ELEMENTS)
+        parts = [CALL_ELEMENTS // layers] * layers
+        parts[-1] += CALL_ELEMENTS - sum(parts)
+        record(
+            f"two_phase_call.{_FMT}",
+            CALL_ELEMENTS,
+            lambda t=tiny, ls=parts: measure.aps_two_phase(t, ls, codec, _FMT),
+        )
     return samples, codec_label
 
 
@@ -290,10 +349,12 @@ def calibrate_here(
     import torch.distributed as dist
 
     samples, label = run_calibration(sizes, repeats, codec_kind, verbose=verbose)
+    local = int(os.environ.get("LOCAL_WORLD_SIZE", dist.get_world_size()))
     return fit_profile(
         samples,
         dist.get_world_size(),
         backend=str(dist.get_backend()),
         codec_source=label,
         host=socket.gethostname(),
+        cores_per_rank=(os.cpu_count() or 1) / max(1, local),
     )

@@ -158,6 +158,9 @@ class Cluster:
             used instead of the topology formulas' links when present.
         codec_fits: measured pass costs keyed "<op>.<format>" (or "accumulate").
         source: where the link numbers come from.
+        cores_per_rank: CPU cores per rank where measured (calibrated
+            profiles); below 1, APS's codec cannot overlap the wire, since the
+            network stack needs the same cores. None: one device per rank.
 
     Example:
         >>> get_cluster("10gbe", world_size=8).world_size
@@ -171,6 +174,7 @@ class Cluster:
     collective_fits: Mapping[str, LinkParams] = field(default_factory=dict)
     codec_fits: Mapping[str, OpCost] = field(default_factory=dict)
     source: str = ""
+    cores_per_rank: float | None = None
 
     @property
     def world_size(self) -> int:

@@ -27,8 +27,9 @@ Example:
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 
+from perfmodel.calibrate import CALL_ELEMENTS
 from perfmodel.cluster import Cluster
 from perfmodel.collectives import (
     LinkParams,
@@ -62,6 +63,8 @@ class CommBreakdown:
 
         overlap_s: codec and wire time hidden by chunk pipelining.
         chunks: pipelined chunks of the bucket (1: no pipelining).
+        overhead_s: per-call cost of the hook beyond its parts (calibrated
+            profiles only: ``two_phase_call.<fmt>``).
 
     Example:
         >>> CommBreakdown("fp32", "native", 1.0, 0.0, 0.5, 8.0).total_s
@@ -76,11 +79,12 @@ class CommBreakdown:
     wire_bytes: float
     overlap_s: float = 0.0
     chunks: int = 1
+    overhead_s: float = 0.0
 
     @property
     def total_s(self) -> float:
         """Seconds from the bucket's start to its reduced gradients being usable."""
-        return self.collective_s + self.maxima_s + self.codec_s - self.overlap_s
+        return self.collective_s + self.maxima_s + self.codec_s - self.overlap_s + self.overhead_s
 
 
 def _allreduce(cluster: Cluster, nbytes: float, key: str, algorithm: str) -> float:
@@ -90,18 +94,28 @@ def _allreduce(cluster: Cluster, nbytes: float, key: str, algorithm: str) -> flo
     return hierarchical_allreduce(nbytes, cluster.topology, algorithm)
 
 
-def _all_to_all(cluster: Cluster, nbytes: float) -> float:
-    fit = cluster.collective_fits.get("all_to_all")
-    if fit is not None:
-        return all_to_all(nbytes, cluster.world_size, fit)
-    return hierarchical_all_to_all(nbytes, cluster.topology)
+def _exchange(cluster: Cluster, nbytes: float, k: int) -> float:
+    """All-to-all then all-gather of an ``nbytes`` payload, ``k`` chunks back to back.
 
-
-def _all_gather(cluster: Cluster, nbytes: float) -> float:
-    fit = cluster.collective_fits.get("all_gather")
+    Uses the calibrated pipelined exchange where there is one (latency per
+    chunk, burst once). Otherwise composes the two collectives per chunk; a
+    token-bucket shaper (``burst_bytes``) still passes its burst only once,
+    since the chunks leave the link no idle time to refill it.
+    """
+    p = cluster.world_size
+    sent = 2 * k * nbytes * (p - 1) / p
+    fit = cluster.collective_fits.get("exchange")
     if fit is not None:
-        return all_gather(nbytes, cluster.world_size, fit)
-    return hierarchical_all_gather(nbytes, cluster.topology)
+        return k * fit.alpha + fit.wire_time(sent)
+    a2a, ag = cluster.collective_fits.get("all_to_all"), cluster.collective_fits.get("all_gather")
+    if a2a is None or ag is None:
+        return k * (
+            hierarchical_all_to_all(nbytes, cluster.topology)
+            + hierarchical_all_gather(nbytes, cluster.topology)
+        )
+    steady = all_to_all(nbytes, p, replace(a2a, burst_bytes=0.0))
+    steady += all_gather(nbytes, p, replace(ag, burst_bytes=0.0))
+    return k * steady - a2a.beta * min(a2a.burst_bytes, sent)
 
 
 def _reduce_link(cluster: Cluster) -> LinkParams:
@@ -168,15 +182,32 @@ def bucket_comm(
     if fmt.strategy == "allreduce":
         per_codec = codec("encode", m) + codec("decode", m)
         key = f"all_reduce.{fmt.torch_dtype}"
-        per_wire = _allreduce(cluster, m * w, key, cluster.algorithm)
+        collective = k * _allreduce(cluster, m * w, key, cluster.algorithm)
     else:
-        # Owner decodes p shards (m elements), sums them in FP32, re-encodes m/p;
-        # everyone decodes the gathered m elements (unscaling in the same pass).
-        per_codec = codec("encode", m) + codec("decode", m) + _accumulate(cluster, m)
-        per_codec += codec("encode", m / p) + codec("decode", m)
-        per_wire = _all_to_all(cluster, m * w) + _all_gather(cluster, m * w)
-    codec_s, collective = k * per_codec, k * per_wire
+        # Owner decodes p shards (m elements), sums them in FP32, re-encodes m/p
+        # (one fused pass where calibrated as "reduce.<fmt>"); everyone then
+        # decodes the gathered m elements (unscaling in the same pass).
+        if f"reduce.{fmt.name}" in cluster.codec_fits:
+            owner = cluster.codec_fits[f"reduce.{fmt.name}"].time(m)
+        else:
+            owner = codec("decode", m) + _accumulate(cluster, m) + codec("encode", m / p)
+        per_codec = codec("encode", m) + owner + codec("decode", m)
+        collective = _exchange(cluster, m * w, k)
+    codec_s = k * per_codec
     overlap = min(codec_s, collective) * (1.0 - 1.0 / k)
+    if cluster.cores_per_rank is not None and cluster.cores_per_rank < 1:
+        # Measured on the emulated cluster (4 ranks, 2 cores): the step took
+        # longer than codec plus wire run back to back; a rank's codec and the
+        # kernel's network stack compete for the same cores.
+        overlap = 0.0
+    overhead = 0.0
+    call = cluster.codec_fits.get(f"two_phase_call.{fmt.name}")
+    if call is not None and fmt.strategy == "two_phase" and n_elem > CALL_ELEMENTS:
+        # The whole call of a tiny message, measured, exceeds the sum of its
+        # parts' intercepts (each step waits on a thread handoff the
+        # back-to-back part timings never see): charge the difference per bucket.
+        tiny = bucket_comm(CALL_ELEMENTS, n_layers, fmt, cluster, chunk_elements).total_s
+        overhead = max(0.0, call.launch_s - tiny)
     return CommBreakdown(
-        fmt.name, fmt.strategy, collective, maxima, head + codec_s, sent, overlap, k
+        fmt.name, fmt.strategy, collective, maxima, head + codec_s, sent, overlap, k, overhead
     )

@@ -21,6 +21,7 @@ Example:
 
 from __future__ import annotations
 
+import math
 import statistics
 import time
 from collections.abc import Callable, Sequence
@@ -37,6 +38,8 @@ __all__ = [
     "fp16_allreduce",
     "fp32_allreduce",
     "load_codec",
+    "pipelined_exchange",
+    "repeats_for",
     "time_op",
 ]
 
@@ -45,11 +48,20 @@ FMAX = {"e4m3": 448.0, "e5m2": 57344.0}
 
 
 class Codec(Protocol):
-    """Encode FP32 to wire bytes and back (``aps_comm.formats``' API)."""
+    """Encode FP32 to wire bytes and back (``aps_comm.formats``' API), plus the hook's
+    other local passes: per-layer maxima and the shard owner's reduction."""
 
-    def encode(self, x: torch.Tensor, fmt: str) -> torch.Tensor: ...
+    def encode(
+        self, x: torch.Tensor, fmt: str, out: torch.Tensor | None = None
+    ) -> torch.Tensor: ...
 
-    def decode(self, payload: torch.Tensor, fmt: str, numel: int) -> torch.Tensor: ...
+    def decode(
+        self, payload: torch.Tensor, fmt: str, numel: int, out: torch.Tensor | None = None
+    ) -> torch.Tensor: ...
+
+    def amax(self, layers: Sequence[torch.Tensor]) -> torch.Tensor: ...
+
+    def reduce(self, shards: torch.Tensor, world_size: int, fmt: str) -> torch.Tensor: ...
 
 
 class _TorchCastCodec:
@@ -61,24 +73,47 @@ class _TorchCastCodec:
         "e5m2": torch.float8_e5m2,
     }
 
-    def encode(self, x: torch.Tensor, fmt: str) -> torch.Tensor:
-        return x.to(self._DTYPES[fmt]).view(torch.uint8)
+    def encode(self, x: torch.Tensor, fmt: str, out: torch.Tensor | None = None) -> torch.Tensor:
+        if out is None:
+            return x.to(self._DTYPES[fmt]).view(torch.uint8)
+        out.view(self._DTYPES[fmt]).copy_(x)
+        return out
 
-    def decode(self, payload: torch.Tensor, fmt: str, numel: int) -> torch.Tensor:
-        return payload[:numel].view(self._DTYPES[fmt]).to(torch.float32)
+    def decode(
+        self, payload: torch.Tensor, fmt: str, numel: int, out: torch.Tensor | None = None
+    ) -> torch.Tensor:
+        if out is None:
+            return payload[:numel].view(self._DTYPES[fmt]).to(torch.float32)
+        return out.copy_(payload[:numel].view(self._DTYPES[fmt]))
+
+    def amax(self, layers: Sequence[torch.Tensor]) -> torch.Tensor:
+        return layer_amax(layers)
+
+    def reduce(self, shards: torch.Tensor, world_size: int, fmt: str) -> torch.Tensor:
+        return owner_reduce(shards, world_size, self, fmt)
 
 
 class _ApsCodec:
+    """``aps_comm``'s own passes, exactly as its hook calls them."""
+
     name = "aps_comm.formats"
 
-    def __init__(self, module: object) -> None:
-        self._m = module
+    def __init__(self, formats: object, scaling: object, reduction: object) -> None:
+        self._f, self._s, self._r = formats, scaling, reduction
 
-    def encode(self, x: torch.Tensor, fmt: str) -> torch.Tensor:
-        return self._m.encode(x, fmt)
+    def encode(self, x: torch.Tensor, fmt: str, out: torch.Tensor | None = None) -> torch.Tensor:
+        return self._f.encode(x, fmt, out=out)
 
-    def decode(self, payload: torch.Tensor, fmt: str, numel: int) -> torch.Tensor:
-        return self._m.decode(payload, fmt, numel)
+    def decode(
+        self, payload: torch.Tensor, fmt: str, numel: int, out: torch.Tensor | None = None
+    ) -> torch.Tensor:
+        return self._f.decode(payload, fmt, numel, out=out)
+
+    def amax(self, layers: Sequence[torch.Tensor]) -> torch.Tensor:
+        return self._s.layer_amax(list(layers))
+
+    def reduce(self, shards: torch.Tensor, world_size: int, fmt: str) -> torch.Tensor:
+        return self._r.reduce_shards(shards, world_size, self._f.get_format(fmt))
 
 
 def load_codec(kind: str = "aps") -> Codec | None:
@@ -93,12 +128,10 @@ def load_codec(kind: str = "aps") -> Codec | None:
     if kind != "aps":
         raise ValueError(f"codec must be 'aps' or 'torch', got {kind!r}")
     try:
-        from aps_comm import formats  # lazy: the library may not have it yet
+        from aps_comm import formats, reduction, scaling
     except ImportError:
         return None
-    if not (hasattr(formats, "encode") and hasattr(formats, "decode")):
-        return None
-    return _ApsCodec(formats)
+    return _ApsCodec(formats, scaling, reduction)
 
 
 def codec_name(codec: Codec) -> str:
@@ -116,17 +149,64 @@ def all_gather_single(output: torch.Tensor, inp: torch.Tensor) -> None:
     fn(output, inp)
 
 
-def time_op(fn: Callable[[], object], repeats: int, warmup: int = 1) -> float:
+def pipelined_exchange(
+    send: torch.Tensor, recv: torch.Tensor, gathered: torch.Tensor, chunk_bytes: int
+) -> None:
+    """The wire part of ``aps_comm.hook``'s two_phase, without the codec.
+
+    ``send`` is cut in chunks of ``chunk_bytes``: every chunk's
+    ``all_to_all_single`` is issued first, then each chunk in turn is waited
+    for and its owner shard all-gathered, so the two collectives overlap on
+    the link as they do in the hook.
+    """
+    p = dist.get_world_size()
+    bounds = [
+        (lo, min(lo + chunk_bytes, send.numel())) for lo in range(0, send.numel(), chunk_bytes)
+    ]
+    works = [dist.all_to_all_single(recv[lo:hi], send[lo:hi], async_op=True) for lo, hi in bounds]
+    gathers = []
+    for (lo, hi), work in zip(bounds, works, strict=True):
+        work.wait()
+        shard = recv[lo : lo + (hi - lo) // p]
+        fn = getattr(dist, "all_gather_single", None) or dist.all_gather_into_tensor
+        gathers.append(fn(gathered[lo : lo + (hi - lo) // p * p], shard, async_op=True))
+    for g in gathers:
+        g.wait()
+
+
+def repeats_for(seconds: float, repeats: int, budget_s: float = 0.25, cap: int = 40) -> int:
+    """At least ``repeats``; more for quick operations, until about ``budget_s`` in all.
+
+    Short timings are the noisy ones (scheduling, wake-ups), and cheap to repeat.
+
+    Example:
+        >>> repeats_for(0.001, 5), repeats_for(1.0, 5)
+        (40, 5)
+    """
+    return max(repeats, min(cap, math.ceil(budget_s / max(seconds, 1e-9))))
+
+
+def time_op(
+    fn: Callable[[], object], repeats: int, warmup: int = 1, settle_s: float = 0.0
+) -> float:
     """Median over repeats of the slowest rank's time for ``fn`` (all ranks call it).
 
-    Each repeat starts after a barrier; the per-repeat maximum over ranks is
-    what a collective costs the group.
+    Each repeat starts after a barrier (and ``settle_s`` of idling); the
+    per-repeat maximum over ranks is what a collective costs the group.
+    Quick operations get more repeats (:func:`repeats_for`, decided on the
+    slowest rank's warm-up time so every rank runs the same number).
     """
-    for _ in range(warmup):
-        fn()
-    times = []
-    for _ in range(repeats):
+    for _ in range(max(warmup, 1)):
         dist.barrier()
+        t0 = time.perf_counter()
+        fn()
+        first = torch.tensor([time.perf_counter() - t0], dtype=torch.float64)
+    dist.all_reduce(first, op=dist.ReduceOp.MAX)
+    times = []
+    for _ in range(repeats_for(float(first), repeats)):
+        dist.barrier()
+        if settle_s:
+            time.sleep(settle_s)
         t0 = time.perf_counter()
         fn()
         times.append(time.perf_counter() - t0)
@@ -152,7 +232,7 @@ def fp16_allreduce(x: torch.Tensor) -> None:
     x.copy_(h)
 
 
-def layer_amax(x: torch.Tensor, layers: Sequence[torch.Tensor]) -> torch.Tensor:
+def layer_amax(layers: Sequence[torch.Tensor]) -> torch.Tensor:
     """Per-layer max |g| (NaN mapped to +inf so a MAX reduction cannot drop it)."""
     amax = torch.stack([seg.abs().amax() for seg in layers])
     return torch.nan_to_num(amax, nan=float("inf"))
@@ -204,13 +284,13 @@ def aps_two_phase(
     """APS two-phase reduction of ``x`` in place (its numel must divide by the world size)."""
     p = dist.get_world_size()
     layers = torch.split(x, list(layer_sizes))
-    amax = layer_amax(x, layers)
+    amax = codec.amax(layers)
     dist.all_reduce(amax, op=dist.ReduceOp.MAX)
     exps = scale_exponents(amax, fmt)
     payload = scaled_encode(x, layers, exps, codec, fmt)
     shards = torch.empty_like(payload)
     dist.all_to_all_single(shards, payload)
-    mine = owner_reduce(shards, p, codec, fmt)
+    mine = codec.reduce(shards, p, fmt)
     gathered = torch.empty_like(payload)
     all_gather_single(gathered, mine)
     decode_unscale(gathered, x, layer_sizes, exps, codec, fmt)

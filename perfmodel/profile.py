@@ -44,6 +44,9 @@ class Profile:
         samples: the raw medians: ``{"op", "n", "seconds"}`` (n bytes or elements).
         host: host name of rank 0.
         created: ISO time stamp.
+        cores_per_rank: CPU cores per rank on the calibrated machines (None:
+            not recorded). Below 1, ranks share cores, and a rank's codec and
+            its network stack compete for them instead of overlapping.
     """
 
     world_size: int
@@ -56,6 +59,7 @@ class Profile:
     samples: list[dict[str, Any]] = field(default_factory=list)
     host: str = ""
     created: str = ""
+    cores_per_rank: float | None = None
 
     def to_dict(self) -> dict[str, Any]:
         """JSON-ready dictionary (the file format)."""
@@ -72,6 +76,7 @@ class Profile:
             "codec": {k: asdict(v) for k, v in self.codec.items()},
             "fit_errors": self.fit_errors,
             "samples": self.samples,
+            "cores_per_rank": self.cores_per_rank,
         }
 
     @classmethod
@@ -96,6 +101,7 @@ class Profile:
             samples=data.get("samples", []),
             host=data.get("host", ""),
             created=data.get("created", ""),
+            cores_per_rank=data.get("cores_per_rank"),
         )
 
     def save(self, path: str | Path) -> None:
@@ -124,6 +130,7 @@ class Profile:
             collective_fits=dict(self.collectives),
             codec_fits=dict(self.codec),
             source=f"calibrated on {self.host} ({self.created})",
+            cores_per_rank=self.cores_per_rank,
         )
         if world_size is not None:
             cluster = replace(cluster, topology=replace(topo, nodes=world_size))

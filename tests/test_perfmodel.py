@@ -439,7 +439,9 @@ def _calibrate_rank(rank: int, world_size: int) -> dict:
     from perfmodel import measure
     from perfmodel.calibrate import run_calibration
 
-    samples, label = run_calibration([4096, 65536], repeats=1, codec_kind="torch", layers=4)
+    samples, label = run_calibration(
+        [4096, 65536], repeats=1, codec_kind="torch", layers=4, settle_s=0.0
+    )
     # The emulated APS two-phase path reduces correctly (within e4m3 rounding).
     x = torch.randn(4096, generator=torch.Generator().manual_seed(rank))
     ref = x.clone()
@@ -500,3 +502,74 @@ def test_aps_chunk_pipelining_overlaps_codec_and_wire() -> None:
     # torch's FP16 hook is one piece: chunking does not apply.
     fp16 = get_format("fp16")
     assert bucket_comm(n, 16, fp16, c, chunk) == bucket_comm(n, 16, fp16, c, None)
+
+
+def _fitted_cluster(
+    world: int,
+    cores_per_rank: float | None = None,
+    codec: dict | None = None,
+    **collectives: C.LinkParams,
+) -> object:
+    """A flat 1 Gbit/s cluster carrying the given collective and codec fits."""
+    from dataclasses import replace
+
+    c = get_cluster("1gbe", world_size=world)
+    return replace(
+        c, collective_fits=collectives, codec_fits=codec or {}, cores_per_rank=cores_per_rank
+    )
+
+
+def test_exchange_fit_latency_per_chunk_burst_once() -> None:
+    from perfmodel.calibrate import EXCHANGE_CHUNK_BYTES, fit_profile
+
+    # Synthetic pipelined exchanges: alpha per 1 MiB chunk, burst once per exchange.
+    p, alpha, beta, burst = 2, 3e-4, 8e-9, 5e5
+    samples = []
+    for n in (2**20, 4 * 2**20, 16 * 2**20, 64 * 2**20):
+        k = math.ceil(n / EXCHANGE_CHUNK_BYTES)
+        wire = max(0.0, 2 * n * (p - 1) / p - burst)
+        samples.append({"op": "exchange", "n": n, "seconds": k * alpha + beta * wire})
+    fit = fit_profile(samples, p, burst_bytes=burst).collectives["exchange"]
+    assert fit.alpha == pytest.approx(alpha, rel=1e-6)
+    assert fit.beta == pytest.approx(beta, rel=1e-6)
+    # The model charges the same: 16 chunks of 1 MiB (e4m3: 1 byte per element).
+    c = _fitted_cluster(p, exchange=fit)
+    aps = bucket_comm(16 * 2**20, 4, get_format("e4m3"), c)
+    wire = 16 * alpha + beta * (2 * 16 * 2**20 * (p - 1) / p - burst)
+    assert aps.collective_s == pytest.approx(wire)
+
+
+def test_composed_exchange_credits_burst_once() -> None:
+    # Without an exchange fit: all-to-all + all-gather per chunk, burst credited
+    # once for the whole back-to-back run, not once per chunk.
+    p, link = 2, C.LinkParams(alpha=1e-4, beta=1e-8, burst_bytes=4e5)
+    c = _fitted_cluster(p, all_to_all=link, all_gather=link)
+    aps = bucket_comm(8 * 2**20, 4, get_format("e4m3"), c)
+    chunk = 2**20 * (p - 1) / p
+    expect = 8 * 2 * (link.alpha + link.beta * chunk) - link.beta * link.burst_bytes
+    assert aps.collective_s == pytest.approx(expect)
+
+
+def test_call_overhead_and_shared_cores() -> None:
+    from perfmodel.calibrate import CALL_ELEMENTS
+    from perfmodel.cluster import OpCost
+
+    fmt, n = get_format("e4m3"), 8 * 2**20
+    link = C.LinkParams(alpha=1e-4, beta=1e-8)
+    base = _fitted_cluster(2, exchange=link)
+    plain = bucket_comm(n, 16, fmt, base)
+    assert plain.overhead_s == 0.0 and plain.overlap_s > 0
+    # A measured whole call slower than its parts adds the difference per bucket.
+    tiny = bucket_comm(CALL_ELEMENTS, 16, fmt, base).total_s
+    call = OpCost(launch_s=tiny + 5e-3, s_per_elem=0.0)
+    slow = bucket_comm(
+        n, 16, fmt, _fitted_cluster(2, codec={"two_phase_call.e4m3": call}, exchange=link)
+    )
+    assert slow.overhead_s == pytest.approx(5e-3)
+    assert slow.total_s == pytest.approx(plain.total_s + 5e-3)
+    # Ranks sharing cores: codec and wire no longer overlap.
+    shared = bucket_comm(n, 16, fmt, _fitted_cluster(2, 0.5, exchange=link))
+    assert shared.overlap_s == 0.0
+    assert shared.total_s == pytest.approx(plain.total_s + plain.overlap_s)
+    own = bucket_comm(n, 16, fmt, _fitted_cluster(2, 1.0, exchange=link))
+    assert own.total_s == pytest.approx(plain.total_s)
