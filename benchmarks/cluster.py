@@ -136,6 +136,7 @@ class LinkStats:
         transfer_bytes: size of the bulk transfer that measured bandwidth.
         mtu: MTU of the veths (65536 for loopback).
         loopback: True when ranks talk over 127.0.0.1 without shaping.
+        pinned_cpus: each rank ran pinned to one CPU (rank mod CPUs).
 
     Example:
         >>> s = LinkStats(9.5e8, 1e-4, 1e-4, 4, "1gbit", 10**9, 64 << 20, 1500, False)
@@ -152,6 +153,7 @@ class LinkStats:
     transfer_bytes: int
     mtu: int
     loopback: bool
+    pinned_cpus: bool = False
 
     @property
     def efficiency(self) -> float | None:
@@ -441,6 +443,11 @@ class EmulatedCluster:
             in loopback mode instead of raising :class:`ClusterUnavailable`.
         mtu: MTU of the veths.
         master_port: rendezvous port (loopback mode picks a free one).
+        pin_cpus: pin rank r to CPU r mod (CPUs available), as a real node
+            owns its cores (needs ``taskset``; skipped without it). Measured
+            with 4 ranks on 2 cores: one APS step took 37.6-40.3 ms over three
+            unpinned runs and 32.8-33.7 ms pinned, as the scheduler's placement
+            of the ranks changed from run to run.
 
     Example:
         >>> with EmulatedCluster(ranks=2, bandwidth="100mbit") as c:  # doctest: +SKIP
@@ -459,12 +466,14 @@ class EmulatedCluster:
         fallback_to_loopback: bool = False,
         mtu: int = 1500,
         master_port: int = _DEFAULT_MASTER_PORT,
+        pin_cpus: bool = True,
     ) -> None:
         if not 1 <= ranks <= _MAX_RANKS:
             raise ValueError(f"ranks must be in [1, {_MAX_RANKS}], got {ranks}")
         if not 68 <= mtu <= 65535:
             raise ValueError(f"mtu must be in [68, 65535], got {mtu}")
         self.ranks = ranks
+        self.pin_cpus = pin_cpus and shutil.which("taskset") is not None
         self.bandwidth = str(bandwidth)
         self.bits_per_s = parse_rate(bandwidth)
         self.loopback = loopback
@@ -641,10 +650,14 @@ class EmulatedCluster:
         return env
 
     def command(self, rank: int, argv: Sequence[str]) -> list[str]:
-        """``argv`` wrapped to run inside ``rank``'s namespace."""
+        """``argv`` wrapped to run inside ``rank``'s namespace (and on its CPU, if pinned)."""
+        pin: list[str] = []
+        if self.pin_cpus:
+            cpus = sorted(os.sched_getaffinity(0))
+            pin = ["taskset", "-c", str(cpus[rank % len(cpus)])]
         if self.loopback:
-            return list(argv)
-        return ["ip", "netns", "exec", self.namespace(rank), *argv]
+            return [*pin, *argv]
+        return [*pin, "ip", "netns", "exec", self.namespace(rank), *argv]
 
     def popen(
         self,
@@ -854,6 +867,7 @@ class EmulatedCluster:
             transfer_bytes=transfer_bytes,
             mtu=65536 if self.loopback else self.mtu,
             loopback=self.loopback,
+            pinned_cpus=self.pin_cpus,
         )
 
 

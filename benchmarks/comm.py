@@ -25,6 +25,7 @@ import argparse
 import json
 import os
 import platform
+import resource
 import statistics
 import sys
 import tempfile
@@ -141,7 +142,7 @@ def _worker(args: argparse.Namespace) -> None:
     for name in args.hooks:
         torch.manual_seed(0)
         model = _model(args.mb)
-        ddp = DDP(model, bucket_cap_mb=args.bucket_mb)
+        ddp = DDP(model, bucket_cap_mb=args.bucket_mb, gradient_as_bucket_view=args.bucket_view)
         state, hook = _attach(name, ddp)
         try:
             ddp.register_comm_hook(state, hook)
@@ -151,26 +152,41 @@ def _worker(args: argparse.Namespace) -> None:
             if rank == 0:
                 print(f"{name:>11}: skipped ({exc})", flush=True)
             continue
-        times = []
+        times, cpu = [], []
         for step in range(args.warmup + args.repeats):
             ddp.zero_grad()
             dist.barrier()
-            start = time.perf_counter()
+            start, cpu0 = time.perf_counter(), resource.getrusage(resource.RUSAGE_SELF)
             ddp(x).sum().backward()
             elapsed = torch.tensor([time.perf_counter() - start])
+            cpu1 = resource.getrusage(resource.RUSAGE_SELF)
+            if step >= args.warmup:
+                # This process's CPU time, all threads: user (ours, torch, Gloo) and
+                # system (mostly the network stack). All ranks share the machine.
+                cpu.append((cpu1.ru_utime - cpu0.ru_utime, cpu1.ru_stime - cpu0.ru_stime))
             # A step takes as long as its slowest rank.
             dist.all_reduce(elapsed, op=dist.ReduceOp.MAX)
             if step >= args.warmup:
                 times.append(float(elapsed))
         # A fresh model for the error step: DDP allows one hook registration.
         torch.manual_seed(0)
-        ddp_err = DDP(_model(args.mb), bucket_cap_mb=args.bucket_mb)
+        ddp_err = DDP(
+            _model(args.mb), bucket_cap_mb=args.bucket_mb, gradient_as_bucket_view=args.bucket_view
+        )
         state_err, hook_err = _attach(name, ddp_err)
         if name == "powersgd":
             state_err.start_powerSGD_iter = 2
             state_err.iter = 10  # past warm-up: measure the compressed result
         error = _rel_error(ddp_err, state_err, hook_err, x)
-        results.append({"hook": name, "step_s": times, "rel_l2_error": error})
+        results.append(
+            {
+                "hook": name,
+                "step_s": times,
+                "rank0_cpu_user_s": [u for u, _ in cpu],
+                "rank0_cpu_system_s": [s for _, s in cpu],
+                "rel_l2_error": error,
+            }
+        )
         if rank == 0:
             print(
                 f"{name:>11}: median {statistics.median(times):.3f} s, error {error:.2e}",
@@ -222,6 +238,8 @@ def _summarise(raw: dict[str, Any], link: dict[str, Any] | None, args: argparse.
                 "speedup_vs_fp32": medians["fp32"] / t if "fp32" in medians else None,
                 "speedup_vs_fp16": medians["fp16"] / t if "fp16" in medians else None,
                 "rel_l2_error": r["rel_l2_error"],
+                "rank0_cpu_user_s": statistics.median(r.get("rank0_cpu_user_s") or [0.0]),
+                "rank0_cpu_system_s": statistics.median(r.get("rank0_cpu_system_s") or [0.0]),
                 "predicted_step_s": predicted.get(_PREDICTED.get(r["hook"], "")),
             }
         )
@@ -238,6 +256,7 @@ def _summarise(raw: dict[str, Any], link: dict[str, Any] | None, args: argparse.
         "ranks": world,
         "gradient_mb": fp32_bytes / 2**20,
         "bucket_cap_mb": args.bucket_mb,
+        "gradient_as_bucket_view": args.bucket_view,
         "repeats": args.repeats,
         "warmup": args.warmup,
         "runs": runs,
@@ -248,14 +267,15 @@ def _summarise(raw: dict[str, Any], link: dict[str, Any] | None, args: argparse.
 def _table(result: dict[str, Any]) -> str:
     lines = [
         f"{'hook':>11} {'step s':>8} {'busbw Gb/s':>10} {'vs fp32':>8} {'vs fp16':>8} "
-        f"{'rel err':>9} {'predicted':>9}"
+        f"{'rel err':>9} {'predicted':>9} {'cpu usr+sys':>11}"
     ]
     for r in result["runs"]:
         pred = r["predicted_step_s"]
         lines.append(
             f"{r['hook']:>11} {r['median_step_s']:>8.3f} {r['bus_bandwidth_gbit']:>10.2f} "
             f"{r['speedup_vs_fp32'] or 0:>8.2f} {r['speedup_vs_fp16'] or 0:>8.2f} "
-            f"{r['rel_l2_error']:>9.2e} {f'{pred:.3f}' if pred else '-':>9}"
+            f"{r['rel_l2_error']:>9.2e} {f'{pred:.3f}' if pred else '-':>9} "
+            f"{r['rank0_cpu_user_s']:>5.3f}+{r['rank0_cpu_system_s']:.3f}"
         )
     return "\n".join(lines)
 
@@ -267,6 +287,12 @@ def _parser() -> argparse.ArgumentParser:
     p.add_argument("--loopback", action="store_true", help="no namespaces, no shaping")
     p.add_argument("--mb", type=float, default=64.0, help="MiB of FP32 gradients")
     p.add_argument("--bucket-mb", type=float, default=25.0, help="DDP bucket_cap_mb")
+    p.add_argument(
+        "--bucket-view",
+        action=argparse.BooleanOptionalAction,
+        default=True,
+        help="DDP gradient_as_bucket_view (default on: saves a copy per step, for every hook)",
+    )
     p.add_argument("--repeats", type=int, default=5)
     p.add_argument("--warmup", type=int, default=3)
     p.add_argument(
@@ -298,6 +324,7 @@ def main(argv: Sequence[str] | None = None) -> int:
             sys.executable, "-m", "benchmarks.comm", "--worker", "--worker-out", str(out),
             "--mb", str(args.mb), "--bucket-mb", str(args.bucket_mb),
             "--repeats", str(args.repeats), "--warmup", str(args.warmup),
+            "--bucket-view" if args.bucket_view else "--no-bucket-view",
             "--hooks", ",".join(args.hooks),
         ]  # fmt: skip
         with EmulatedCluster(
