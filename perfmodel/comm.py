@@ -97,16 +97,17 @@ def _allreduce(cluster: Cluster, nbytes: float, key: str, algorithm: str) -> flo
 def _exchange(cluster: Cluster, nbytes: float, k: int) -> float:
     """All-to-all then all-gather of an ``nbytes`` payload, ``k`` chunks back to back.
 
-    Uses the calibrated pipelined exchange where there is one (latency per
-    chunk, burst once). Otherwise composes the two collectives per chunk; a
-    token-bucket shaper (``burst_bytes``) still passes its burst only once,
-    since the chunks leave the link no idle time to refill it.
+    Uses the calibrated pipelined exchange where there is one (timed whole
+    at the hook's chunk size: one latency and one burst per call, the
+    per-chunk costs inside its beta). Otherwise composes the two collectives
+    per chunk; a token-bucket shaper (``burst_bytes``) still passes its burst
+    only once, since the chunks leave the link no idle time to refill it.
     """
     p = cluster.world_size
     sent = 2 * k * nbytes * (p - 1) / p
     fit = cluster.collective_fits.get("exchange")
     if fit is not None:
-        return k * fit.alpha + fit.wire_time(sent)
+        return fit.alpha + fit.wire_time(sent)
     a2a, ag = cluster.collective_fits.get("all_to_all"), cluster.collective_fits.get("all_gather")
     if a2a is None or ag is None:
         return k * (

@@ -519,24 +519,22 @@ def _fitted_cluster(
     )
 
 
-def test_exchange_fit_latency_per_chunk_burst_once() -> None:
-    from perfmodel.calibrate import EXCHANGE_CHUNK_BYTES, fit_profile
+def test_exchange_fit_one_latency_and_burst_per_call() -> None:
+    from perfmodel.calibrate import fit_profile
 
-    # Synthetic pipelined exchanges: alpha per 1 MiB chunk, burst once per exchange.
-    p, alpha, beta, burst = 2, 3e-4, 8e-9, 5e5
+    # Synthetic pipelined exchanges: one latency and one burst per call.
+    p, alpha, beta, burst = 2, 3e-3, 8e-9, 5e5
     samples = []
-    for n in (2**20, 4 * 2**20, 16 * 2**20, 64 * 2**20):
-        k = math.ceil(n / EXCHANGE_CHUNK_BYTES)
+    for n in (2**18, 2**20, 4 * 2**20, 16 * 2**20, 64 * 2**20):
         wire = max(0.0, 2 * n * (p - 1) / p - burst)
-        samples.append({"op": "exchange", "n": n, "seconds": k * alpha + beta * wire})
+        samples.append({"op": "exchange", "n": n, "seconds": alpha + beta * wire})
     fit = fit_profile(samples, p, burst_bytes=burst).collectives["exchange"]
     assert fit.alpha == pytest.approx(alpha, rel=1e-6)
     assert fit.beta == pytest.approx(beta, rel=1e-6)
-    # The model charges the same: 16 chunks of 1 MiB (e4m3: 1 byte per element).
+    # The model charges the same for 16 chunks of 1 MiB (e4m3: 1 byte per element).
     c = _fitted_cluster(p, exchange=fit)
     aps = bucket_comm(16 * 2**20, 4, get_format("e4m3"), c)
-    wire = 16 * alpha + beta * (2 * 16 * 2**20 * (p - 1) / p - burst)
-    assert aps.collective_s == pytest.approx(wire)
+    assert aps.collective_s == pytest.approx(alpha + beta * (2 * 16 * 2**20 * (p - 1) / p - burst))
 
 
 def test_composed_exchange_credits_burst_once() -> None:
