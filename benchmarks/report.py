@@ -111,7 +111,9 @@ def _comm(results: Path, out: Path) -> list[str]:
         "(user + system) | CPU floor (s) |",
         "|---|---:|---:|---:|---:|---:|---:|---:|---:|",
     ]
-    ranks, cpus = data.get("ranks") or 1, (data.get("machine") or {}).get("cpus") or 1
+    machine = data.get("machine")
+    ranks = data.get("ranks") or 1
+    cpus = (machine.get("cpus") if isinstance(machine, dict) else None) or 1
     for r in data.get("runs", []):
         cpu = (r.get("rank0_cpu_user_s") or 0.0) + (r.get("rank0_cpu_system_s") or 0.0)
         floor = cpu * ranks / cpus if cpu else None
@@ -490,8 +492,8 @@ def _highlights(results: Path) -> list[str]:
                 lines.append(
                     "- Miss: the communication targets (APS e4m3 >= 3.2x FP32 and >= 1.6x "
                     "fp16_compress_hook; the byte ratios give 4x and 2x) are not met: with "
-                    f"{comm.get('ranks')} ranks on {(comm.get('machine') or {}).get('cpus')} "
-                    "cores the CPU time, not the wire, bounds the step (see the CPU floor)."
+                    f"{comm.get('ranks')} ranks on this machine's cores the CPU time, not "
+                    "the wire, bounds the step (see the CPU floor)."
                 )
     return lines
 

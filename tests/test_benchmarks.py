@@ -74,7 +74,7 @@ def test_accuracy_and_report_smoke(tmp_path: Path) -> None:
 
     comm = {
         "command": "python -m benchmarks.comm --ranks 4",
-        "machine": "test",
+        "machine": {"cpus": 2},
         "link": {"bandwidth": "1gbit"},
         "ranks": 4,
         "gradient_mb": 64,
@@ -87,10 +87,13 @@ def test_accuracy_and_report_smoke(tmp_path: Path) -> None:
                 "speedup_vs_fp16": 1.2,
                 "rel_l2_error": 0.03,
                 "predicted_step_s": 0.45,
+                "rank0_cpu_user_s": 0.2,
+                "rank0_cpu_system_s": 0.05,
             }
         ],
     }
     (tmp_path / "comm.json").write_text(json.dumps(comm))
     text = report.build(tmp_path, out)
-    assert "| aps-e4m3 | 0.5 | 0.9 | 2 | 1.2 | 3.000e-02 | 0.45 |" in text
+    # CPU floor: 4 ranks x 0.25 s of CPU each / 2 cores.
+    assert "| aps-e4m3 | 0.5 | 0.9 | 2 | 1.2 | 3.000e-02 | 0.45 | 0.200 + 0.050 | 0.5 |" in text
     assert "python -m benchmarks.comm --ranks 4" in text
