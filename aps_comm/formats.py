@@ -485,10 +485,7 @@ def _use_kernels(t: torch.Tensor, fmt: FloatFormat) -> bool:
     # The encoder's bit tricks assume the format's normals are float32 normals
     # (bias <= 127); a larger bias takes the torch path.
     return (
-        t.device.type == "cpu"
-        and fmt.wire_bits <= 16
-        and fmt._emin >= -126
-        and _kernels.AVAILABLE
+        t.device.type == "cpu" and fmt.wire_bits <= 16 and fmt._emin >= -126 and _kernels.AVAILABLE
     )
 
 
