@@ -160,14 +160,13 @@ def _worker(args: argparse.Namespace) -> None:
             ddp(x).sum().backward()
             elapsed = torch.tensor([time.perf_counter() - start])
             cpu1 = resource.getrusage(resource.RUSAGE_SELF)
-            if step >= args.warmup:
-                # This process's CPU time, all threads: user (ours, torch, Gloo) and
-                # system (mostly the network stack). All ranks share the machine.
-                cpu.append((cpu1.ru_utime - cpu0.ru_utime, cpu1.ru_stime - cpu0.ru_stime))
             # A step takes as long as its slowest rank.
             dist.all_reduce(elapsed, op=dist.ReduceOp.MAX)
             if step >= args.warmup:
                 times.append(float(elapsed))
+                # This process's CPU time, all threads: user (ours, torch, Gloo) and
+                # system (mostly the network stack). All ranks share the machine.
+                cpu.append((cpu1.ru_utime - cpu0.ru_utime, cpu1.ru_stime - cpu0.ru_stime))
         # A fresh model for the error step: DDP allows one hook registration.
         torch.manual_seed(0)
         ddp_err = DDP(

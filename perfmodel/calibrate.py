@@ -120,11 +120,11 @@ def _fit_collectives(
         t = np.array([y for _, y in pts])
         a, b, c = COLLECTIVE_COEFFS["all_reduce" if op == "all_reduce_max" else family](p)
         wire = np.maximum(0.0, b * n - burst)
-        lat = np.full_like(n, a)
-        coef, err = _fit_relative(np.column_stack([lat, wire]), t)
+        features = np.column_stack([np.full_like(n, a), wire])
+        coef, err = _fit_relative(features, t)
         collectives[op] = LinkParams(float(coef[0]), float(coef[1]), 0.0, float(burst))
         errors[op] = err
-        total += float(np.sum(np.abs(np.column_stack([lat, wire]) @ coef - t) / t))
+        total += float(np.sum(np.abs(features @ coef - t) / t))
         if op not in ("all_reduce_max", "exchange"):
             joint_rows.append(np.column_stack([np.full_like(n, a), wire, c * n]))
             joint_t.append(t)
@@ -333,8 +333,7 @@ def run_calibration(
         record("accumulate", n, lambda d=decoded: d.view(p, -1).sum(0).div_(p))
     if codec is not None:
         tiny = torch.randn(CALL_ELEMENTS)
-        parts = [CALL_ELEMENTS // layers] * layers
-        parts[-1] += CALL_ELEMENTS - sum(parts)
+        parts = [s.numel() for s in torch.tensor_split(tiny, layers)]
         record(
             f"two_phase_call.{_FMT}",
             CALL_ELEMENTS,

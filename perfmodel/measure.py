@@ -139,14 +139,16 @@ def codec_name(codec: Codec) -> str:
     return getattr(codec, "name", type(codec).__name__)
 
 
-def all_gather_single(output: torch.Tensor, inp: torch.Tensor) -> None:
+def all_gather_single(
+    output: torch.Tensor, inp: torch.Tensor, async_op: bool = False
+) -> dist.Work | None:
     """All-gather into one tensor under the name this torch version prefers.
 
     torch 2.13 renamed ``all_gather_into_tensor`` to ``all_gather_single`` and
     warns on the old name.
     """
     fn = getattr(dist, "all_gather_single", None) or dist.all_gather_into_tensor
-    fn(output, inp)
+    return fn(output, inp, async_op=async_op)
 
 
 def pipelined_exchange(
@@ -168,8 +170,7 @@ def pipelined_exchange(
     for (lo, hi), work in zip(bounds, works, strict=True):
         work.wait()
         shard = recv[lo : lo + (hi - lo) // p]
-        fn = getattr(dist, "all_gather_single", None) or dist.all_gather_into_tensor
-        gathers.append(fn(gathered[lo : lo + (hi - lo) // p * p], shard, async_op=True))
+        gathers.append(all_gather_single(gathered[lo : lo + (hi - lo) // p * p], shard, True))
     for g in gathers:
         g.wait()
 
