@@ -248,7 +248,9 @@ def run_calibration(
     after idling; a bucket after forward and backward meets both.
 
     Returns:
-        The samples (identical on every rank: slowest rank, median of repeats)
+        The samples (identical on every rank; medians of repeats, each timed by
+        the slowest rank, or for collectives on ranks sharing a clock from the
+        last rank's start: ``"timed"``)
         and the codec's name ("none" if it could not be loaded).
     """
     import torch
@@ -262,10 +264,19 @@ def run_calibration(
     if codec is None and dist.get_rank() == 0:
         print("aps_comm.formats (encode/decode) is not importable yet: skipping codec calibration")
     samples: list[dict[str, Any]] = []
+    # Collectives are timed from the last rank's start where the ranks share a
+    # clock, as the validation times DDP's hooks; local passes by the slowest rank.
+    aligned = measure.shared_clock()
 
     def record(op: str, n: float, fn: Any) -> None:
-        sec = measure.time_op(fn, repeats, settle_s=settle_s)
-        samples.append({"op": op, "n": n, "seconds": sec})
+        collective = op.split(".")[0] in COLLECTIVE_COEFFS or op.startswith(
+            ("all_reduce", "two_phase_call")
+        )
+        span = collective and aligned
+        sec = measure.time_op(fn, repeats, settle_s=settle_s, from_last_start=span)
+        samples.append(
+            {"op": op, "n": n, "seconds": sec, "timed": "last_start" if span else "slowest_rank"}
+        )
         if verbose and dist.get_rank() == 0:
             print(f"  {op:22s} n={int(n):>11d}  {sec * 1e3:9.3f} ms", flush=True)
 

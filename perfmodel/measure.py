@@ -22,9 +22,12 @@ Example:
 from __future__ import annotations
 
 import math
+import os
+import socket
 import statistics
 import time
 from collections.abc import Callable, Sequence
+from pathlib import Path
 from typing import ClassVar, Protocol
 
 import torch
@@ -40,6 +43,7 @@ __all__ = [
     "load_codec",
     "pipelined_exchange",
     "repeats_for",
+    "shared_clock",
     "time_op",
 ]
 
@@ -187,15 +191,44 @@ def repeats_for(seconds: float, repeats: int, budget_s: float = 0.25, cap: int =
     return max(repeats, min(cap, math.ceil(budget_s / max(seconds, 1e-9))))
 
 
-def time_op(
-    fn: Callable[[], object], repeats: int, warmup: int = 1, settle_s: float = 0.0
-) -> float:
-    """Median over repeats of the slowest rank's time for ``fn`` (all ranks call it).
+def shared_clock() -> bool:
+    """Whether every rank reads the same monotonic clock (one kernel: same boot id).
 
-    Each repeat starts after a barrier (and ``settle_s`` of idling); the
-    per-repeat maximum over ranks is what a collective costs the group.
-    Quick operations get more repeats (:func:`repeats_for`, decided on the
-    slowest rank's warm-up time so every rank runs the same number).
+    Must be called on every rank. Ranks in separate network namespaces of one
+    machine (the emulated cluster) share it; separate machines or VMs do not.
+    """
+    try:
+        ident = Path("/proc/sys/kernel/random/boot_id").read_text().strip()
+    except OSError:
+        # Unknown: make every rank distinct, so no clock is assumed shared.
+        ident = f"{socket.gethostname()}:{os.getpid()}"
+    ids: list[object] = [None] * dist.get_world_size()
+    dist.all_gather_object(ids, ident)
+    return len(set(ids)) == 1
+
+
+def time_op(
+    fn: Callable[[], object],
+    repeats: int,
+    warmup: int = 1,
+    settle_s: float = 0.0,
+    from_last_start: bool = False,
+) -> float:
+    """Median over repeats of what ``fn`` costs the group (all ranks call it).
+
+    Each repeat starts after a barrier (and ``settle_s`` of idling). By
+    default a repeat costs the slowest rank's time. With ``from_last_start``
+    (for collectives, on ranks sharing a clock: :func:`shared_clock`) it runs
+    from the last rank's start to the last rank's end, as the validation times
+    DDP's hooks: a collective cannot progress before its last rank joins, and
+    the early ranks' wait for it (barrier exit skew, scheduling) is not part of
+    its cost. Quick operations get more repeats (:func:`repeats_for`, decided
+    on the slowest rank's warm-up time so every rank runs the same number).
+
+    Example:
+        >>> import torch.distributed as dist
+        >>> time_op(lambda: dist.all_reduce(torch.ones(4)), 5) > 0  # doctest: +SKIP
+        True
     """
     for _ in range(max(warmup, 1)):
         dist.barrier()
@@ -203,17 +236,19 @@ def time_op(
         fn()
         first = torch.tensor([time.perf_counter() - t0], dtype=torch.float64)
     dist.all_reduce(first, op=dist.ReduceOp.MAX)
-    times = []
+    stamps = []
     for _ in range(repeats_for(float(first), repeats)):
         dist.barrier()
         if settle_s:
             time.sleep(settle_s)
         t0 = time.perf_counter()
         fn()
-        times.append(time.perf_counter() - t0)
-    t = torch.tensor(times, dtype=torch.float64)
+        t1 = time.perf_counter()
+        stamps.append((t0, t1, t1 - t0))
+    t = torch.tensor(stamps, dtype=torch.float64)
     dist.all_reduce(t, op=dist.ReduceOp.MAX)
-    return statistics.median(t.tolist())
+    per_repeat = t[:, 1] - t[:, 0] if from_last_start else t[:, 2]
+    return statistics.median(per_repeat.tolist())
 
 
 def fp32_allreduce(x: torch.Tensor) -> None:

@@ -470,6 +470,10 @@ def test_calibration_end_to_end_two_ranks(tmp_path, capsys: pytest.CaptureFixtur
         "accumulate",
         "amax",
     } <= ops
+    # Collectives from the last rank's start (one clock here), local passes by the slowest rank.
+    timed = {s["op"]: s["timed"] for s in out[0]["samples"]}
+    assert timed["all_to_all"] == timed["all_reduce_max"] == "last_start"
+    assert timed["encode.e4m3"] == timed["amax"] == "slowest_rank"
     prof = fit_profile(out[0]["samples"], 2, codec_source=out[0]["label"])
     assert prof.codec_source == "torch-cast"
     path = tmp_path / "prof.json"
@@ -479,6 +483,31 @@ def test_calibration_end_to_end_two_ranks(tmp_path, capsys: pytest.CaptureFixtur
     )
     res = json.loads(capsys.readouterr().out)
     assert rc == 0 and res["world_size"] == 2 and res["formats"]["e4m3"]["comm_s"] > 0
+
+
+def _late_joiner_rank(rank: int, world_size: int) -> dict:
+    from perfmodel import measure
+
+    # Rank 1 idles 0.2 s longer after each barrier: rank 0 waits for it inside
+    # the collective, which is skew, not the collective's cost.
+    settle = 0.2 if rank == 1 else 0.0
+    x = torch.ones(4)
+    op = lambda: dist.all_reduce(x)  # noqa: E731
+    return {
+        "shared": measure.shared_clock(),
+        "slowest": measure.time_op(op, 3, settle_s=settle),
+        "from_last_start": measure.time_op(op, 3, settle_s=settle, from_last_start=True),
+    }
+
+
+def test_time_op_from_last_start_excludes_late_joiner_wait() -> None:
+    from aps_comm.testing import run_distributed
+
+    out = run_distributed(_late_joiner_rank, 2, timeout=120)
+    assert out[0] == out[1]  # one number for the group
+    assert out[0]["shared"]  # local ranks read one clock
+    assert out[0]["slowest"] >= 0.2
+    assert out[0]["from_last_start"] < 0.1
 
 
 def test_aps_chunk_pipelining_overlaps_codec_and_wire() -> None:
