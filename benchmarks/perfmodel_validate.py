@@ -366,13 +366,14 @@ def _write_md(path: Path, report: dict[str, Any]) -> None:
         "- Model: a profile fitted per world size by `perfmodel.calibrate` on a separate sweep of "
         f"{len(s['calibration_sizes_bytes'])} sizes from "
         f"{s['calibration_sizes_bytes'][0] / 2**20:.2g} to {s['calibration_sizes_bytes'][-1] / 2**20:.0f} MiB "
-        "(collectives and codec passes timed separately, codec on all ranks at once), then "
+        "(collectives and codec passes timed separately, codec on all ranks at once; "
+        "collectives from the last rank's start), then "
         "`perfmodel.bucket_comm` predicts each complete path (APS: chunk-pipelined, 2**20 "
         "elements per chunk, as `aps_comm.hook`).",
         "- Measured: real DDP hooks (`allreduce_hook`, `fp16_compress_hook`, `aps_comm` e4m3 "
         "two_phase) on a 16-layer Linear stack in one bucket; time from the last rank's hook "
-        f"call to the last rank's future completing (one monotonic clock), median of {s['repeats']} repeats after "
-        f"{s.get('warmup', 1)} warm-up.",
+        f"call to the last rank's future completing (one monotonic clock), median of at least {s['repeats']} repeats "
+        f"(up to 40 for quick ones) after {s.get('warmup', 1)} warm-up.",
         f"- Runtime: {s['runtime_s']:.0f} s. Load average (1/5/15 min) before "
         f"{', '.join(f'{v:.1f}' for v in s['loadavg_1_5_15_before'])}, after "
         f"{', '.join(f'{v:.1f}' for v in s['loadavg_1_5_15_after'])} "
