@@ -14,6 +14,7 @@ import subprocess
 import sys
 import time
 from collections.abc import Iterator
+from pathlib import Path
 
 import pytest
 
@@ -50,6 +51,14 @@ def _host_state() -> tuple[list[str], str]:
 
 def _ours(prefix: str) -> list[str]:
     return [ns for ns in cl._list_netns() if ns.startswith(prefix)]
+
+
+def _comm(pid: int) -> str:
+    """The command name of ``pid``, or "" once it has exited."""
+    try:
+        return Path(f"/proc/{pid}/comm").read_text().strip()
+    except OSError:
+        return ""
 
 
 @pytest.fixture
@@ -190,23 +199,31 @@ def test_signal_to_cli_cleans_up(netns: None, sig: signal.Signals) -> None:
     proc = subprocess.Popen(cmd, start_new_session=True, stdout=subprocess.DEVNULL)
     prefix = f"{cl.NS_PREFIX}{proc.pid}-"
     deadline = time.monotonic() + 20
-    pids: list[int] = []
+    pids: dict[str, int] = {}
+    # Only the ranks' own `sleep` counts: during setup `ip`/`tc` pass through
+    # the namespaces too, and signalling then would test a different moment.
     while time.monotonic() < deadline and len(pids) < 2:
         time.sleep(0.1)
         for ns in _ours(prefix):
-            if ns.endswith(("-r0", "-r1")):
+            if ns.endswith(("-r0", "-r1")) and ns not in pids:
                 out = subprocess.run(["ip", "netns", "pids", ns], capture_output=True, text=True)
-                pids += [int(p) for p in out.stdout.split() if int(p) not in pids]
+                sleeps = [int(p) for p in out.stdout.split() if _comm(int(p)) == "sleep"]
+                if sleeps:
+                    pids[ns] = sleeps[0]
     try:
-        assert len(pids) == 2, "ranks did not start"
+        assert len(pids) == 2, f"ranks did not start: {pids}"
         proc.send_signal(sig)
         rc = proc.wait(timeout=20)
     finally:
         if proc.poll() is None:
+            # SIGKILL skips the CLI's own cleanup: sweep its namespaces here so
+            # a failure does not leak them into the next test.
             proc.kill()
+            proc.wait()
+            cl.cleanup_stale_namespaces()
     assert rc != 0
     assert _ours(prefix) == []
-    for pid in pids:
+    for pid in pids.values():
         with pytest.raises(ProcessLookupError):
             os.kill(pid, 0)
 
