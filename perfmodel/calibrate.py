@@ -237,6 +237,8 @@ def run_calibration(
     layers: int = 16,
     verbose: bool = False,
     settle_s: float = SETTLE_S,
+    budget_s: float | None = None,
+    max_repeats: int | None = None,
 ) -> tuple[list[dict[str, Any]], str]:
     """Time every collective and codec pass on the initialised default group.
 
@@ -246,6 +248,8 @@ def run_calibration(
     first collective after 20 ms idle took 3 ms where back-to-back ones took
     0.3 ms (idle cores wake slowly), and a tbf shaper passes its burst only
     after idling; a bucket after forward and backward meets both.
+    ``budget_s``/``max_repeats`` (default: :func:`perfmodel.measure.time_op`'s)
+    give quick operations more repeats, where small messages are noisiest.
 
     Returns:
         The samples (identical on every rank; medians of repeats, each timed by
@@ -267,13 +271,17 @@ def run_calibration(
     # Collectives are timed from the last rank's start where the ranks share a
     # clock, as the validation times DDP's hooks; local passes by the slowest rank.
     aligned = measure.shared_clock()
+    budget = measure.BUDGET_S if budget_s is None else budget_s
+    cap = measure.MAX_REPEATS if max_repeats is None else max_repeats
 
     def record(op: str, n: float, fn: Any) -> None:
         collective = op.split(".")[0] in COLLECTIVE_COEFFS or op.startswith(
             ("all_reduce", "two_phase_call")
         )
         span = collective and aligned
-        sec = measure.time_op(fn, repeats, settle_s=settle_s, from_last_start=span)
+        sec = measure.time_op(
+            fn, repeats, settle_s=settle_s, from_last_start=span, budget_s=budget, max_repeats=cap
+        )
         samples.append(
             {"op": op, "n": n, "seconds": sec, "timed": "last_start" if span else "slowest_rank"}
         )

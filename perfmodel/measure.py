@@ -49,6 +49,10 @@ __all__ = [
 
 # Largest finite magnitude of each 8-bit format (OCP FP8: e4m3fn and e5m2).
 FMAX = {"e4m3": 448.0, "e5m2": 57344.0}
+# Default time budget per timed operation and its cap on repeats (the cap
+# bounds the cost of near-free operations, each repeat also idles settle_s).
+BUDGET_S = 0.25
+MAX_REPEATS = 40
 
 
 class Codec(Protocol):
@@ -179,16 +183,24 @@ def pipelined_exchange(
         g.wait()
 
 
-def repeats_for(seconds: float, repeats: int, budget_s: float = 0.25, cap: int = 40) -> int:
+def repeats_for(
+    seconds: float, repeats: int, budget_s: float = BUDGET_S, max_repeats: int = MAX_REPEATS
+) -> int:
     """At least ``repeats``; more for quick operations, until about ``budget_s`` in all.
 
     Short timings are the noisy ones (scheduling, wake-ups), and cheap to repeat.
+    The standard error of a median falls as 1/sqrt(repeats): a 4x larger
+    budget halves it where ``max_repeats`` allows.
 
     Example:
-        >>> repeats_for(0.001, 5), repeats_for(1.0, 5)
-        (40, 5)
+        >>> repeats_for(0.001, 5), repeats_for(1.0, 5), repeats_for(0.01, 5, 2.0, 400)
+        (40, 5, 200)
     """
-    return max(repeats, min(cap, math.ceil(budget_s / max(seconds, 1e-9))))
+    if budget_s < 0 or max_repeats < 1:
+        raise ValueError(
+            f"budget_s must be >= 0 and max_repeats >= 1, got {budget_s!r} and {max_repeats!r}"
+        )
+    return max(repeats, min(max_repeats, math.ceil(budget_s / max(seconds, 1e-9))))
 
 
 def shared_clock() -> bool:
@@ -213,6 +225,8 @@ def time_op(
     warmup: int = 1,
     settle_s: float = 0.0,
     from_last_start: bool = False,
+    budget_s: float = BUDGET_S,
+    max_repeats: int = MAX_REPEATS,
 ) -> float:
     """Median over repeats of what ``fn`` costs the group (all ranks call it).
 
@@ -222,8 +236,9 @@ def time_op(
     from the last rank's start to the last rank's end, as the validation times
     DDP's hooks: a collective cannot progress before its last rank joins, and
     the early ranks' wait for it (barrier exit skew, scheduling) is not part of
-    its cost. Quick operations get more repeats (:func:`repeats_for`, decided
-    on the slowest rank's warm-up time so every rank runs the same number).
+    its cost. Quick operations get more repeats, up to ``max_repeats`` within
+    about ``budget_s`` of timed work (:func:`repeats_for`, decided on the
+    slowest rank's warm-up time so every rank runs the same number).
 
     Example:
         >>> import torch.distributed as dist
@@ -237,7 +252,7 @@ def time_op(
         first = torch.tensor([time.perf_counter() - t0], dtype=torch.float64)
     dist.all_reduce(first, op=dist.ReduceOp.MAX)
     stamps = []
-    for _ in range(repeats_for(float(first), repeats)):
+    for _ in range(repeats_for(float(first), repeats, budget_s, max_repeats)):
         dist.barrier()
         if settle_s:
             time.sleep(settle_s)

@@ -493,10 +493,20 @@ def _late_joiner_rank(rank: int, world_size: int) -> dict:
     settle = 0.2 if rank == 1 else 0.0
     x = torch.ones(4)
     op = lambda: dist.all_reduce(x)  # noqa: E731
+    calls = [0, 0]
+
+    def counted(i: int) -> None:
+        calls[i] += 1
+        dist.all_reduce(x)
+
+    # A quick op: the budget would allow far more than the cap / the floor.
+    measure.time_op(lambda: counted(0), 2, budget_s=60.0, max_repeats=7)
+    measure.time_op(lambda: counted(1), 2, budget_s=0.0, max_repeats=7)
     return {
         "shared": measure.shared_clock(),
         "slowest": measure.time_op(op, 3, settle_s=settle),
         "from_last_start": measure.time_op(op, 3, settle_s=settle, from_last_start=True),
+        "calls": calls,
     }
 
 
@@ -508,6 +518,19 @@ def test_time_op_from_last_start_excludes_late_joiner_wait() -> None:
     assert out[0]["shared"]  # local ranks read one clock
     assert out[0]["slowest"] >= 0.2
     assert out[0]["from_last_start"] < 0.1
+    # One warm-up, then repeats up to the cap within the budget (never below `repeats`).
+    assert out[0]["calls"] == out[1]["calls"] == [1 + 7, 1 + 2]
+
+
+def test_repeats_for_budget_and_cap() -> None:
+    from perfmodel.measure import repeats_for
+
+    assert repeats_for(0.01, 5) == 25  # 0.25 s default budget
+    assert repeats_for(0.01, 5, budget_s=3.0, max_repeats=200) == 200
+    assert repeats_for(0.05, 5, budget_s=3.0, max_repeats=200) == 60
+    assert repeats_for(2.0, 5, budget_s=3.0, max_repeats=200) == 5
+    with pytest.raises(ValueError, match=r"max_repeats >= 1, got 0.25 and 0"):
+        repeats_for(0.01, 5, max_repeats=0)
 
 
 def test_aps_chunk_pipelining_overlaps_codec_and_wire() -> None:
