@@ -28,19 +28,21 @@ from __future__ import annotations
 
 import argparse
 import json
+import math
 import os
 import platform
 import statistics
 import sys
 import tempfile
 import time
+from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
 from perfmodel.calibrate import fit_profile, geometric_sizes
 from perfmodel.comm import bucket_comm
 from perfmodel.formats import get_format
-from perfmodel.measure import repeats_for
+from perfmodel.measure import BUDGET_S, MAX_REPEATS, repeats_for
 
 RESULTS = Path(__file__).resolve().parent / "results"
 LAYERS = 16  # parameter tensors per message: APS sends one maximum each
@@ -76,61 +78,104 @@ def _hook(path: str) -> tuple[Any, Any]:
     return APSState("e4m3", reduction="two_phase"), aps_hook
 
 
-def _measure_paths(
-    sizes: list[int], repeats: int, warmup: int, settle_s: float
-) -> list[dict[str, Any]]:
-    """Time each path's bucket communication inside DDP; median over repeats of the slowest rank.
+def _time_steps(
+    n: int, path: str, warmup: int, settle_s: float, count: Callable[[float], int]
+) -> list[float]:
+    """One DDP model of ``n`` parameters in one bucket; the bucket's time of each timed step.
 
-    Every step starts ``settle_s`` after a barrier, so a shaped link's token
-    bucket is full again, as the model assumes of a link that idled during
-    forward and backward.
+    ``count`` turns the last warm-up step's time into the number of timed steps.
     """
     import torch
     import torch.distributed as dist
     from torch.nn.parallel import DistributedDataParallel as DDP
 
-    measured = []
-    for size in sizes:
-        width = max(1, round((size / 4 / LAYERS) ** 0.5))
-        n = LAYERS * width * width
-        x = torch.randn(1, width)
-        for path in PATHS:
-            torch.manual_seed(0)
-            model = torch.nn.Sequential(
-                *[torch.nn.Linear(width, width, bias=False) for _ in range(LAYERS)]
-            )
-            # One bucket holding the whole message (an explicit cap also sets the first bucket's).
-            ddp = DDP(model, bucket_cap_mb=n * 4 / 2**20 + 1)
-            times: list[tuple[float, float]] = []
-            state, hook = _hook(path)
-            ddp.register_comm_hook(state, _timed(hook, times))
-            per_step: list[float] = []
-            step, total = 0, warmup + repeats
-            while step < total:
-                ddp.zero_grad()
-                dist.barrier()
-                time.sleep(settle_s)
-                del times[:]
-                ddp(x).sum().backward()
-                if len(times) != 1:
-                    raise RuntimeError(f"expected one bucket, got {len(times)}")
-                # Ranks share one machine, hence one monotonic clock: the bucket's
-                # communication runs from the last rank's hook call (the collectives
-                # cannot start earlier) to the last rank's completion. Backward-compute
-                # skew between ranks is thereby excluded.
-                t = torch.tensor(times[0], dtype=torch.float64)
-                dist.all_reduce(t, op=dist.ReduceOp.MAX)
-                if step >= warmup:
-                    per_step.append(float(t[1] - t[0]))
-                elif step == warmup - 1:
-                    # Quick paths are the noisy ones: repeat them more (same on all ranks).
-                    total = warmup + repeats_for(float(t[1] - t[0]), repeats)
-                step += 1
-            measured.append({"path": path, "n": n, "seconds": statistics.median(per_step)})
-            if dist.get_rank() == 0:
-                print(f"  {path:9s} {n * 4 / 2**20:6.0f} MiB  {measured[-1]['seconds']:.4f} s")
-            del ddp, model
-    return measured
+    width = round((n / LAYERS) ** 0.5)
+    torch.manual_seed(0)
+    model = torch.nn.Sequential(*[torch.nn.Linear(width, width, bias=False) for _ in range(LAYERS)])
+    x = torch.randn(1, width)
+    # One bucket holding the whole message (an explicit cap also sets the first bucket's).
+    ddp = DDP(model, bucket_cap_mb=n * 4 / 2**20 + 1)
+    times: list[tuple[float, float]] = []
+    state, hook = _hook(path)
+    ddp.register_comm_hook(state, _timed(hook, times))
+    per_step: list[float] = []
+    step, total = 0, warmup + 1
+    while step < total:
+        ddp.zero_grad()
+        dist.barrier()
+        time.sleep(settle_s)
+        del times[:]
+        ddp(x).sum().backward()
+        if len(times) != 1:
+            raise RuntimeError(f"expected one bucket, got {len(times)}")
+        # Ranks share one machine, hence one monotonic clock: the bucket's
+        # communication runs from the last rank's hook call (the collectives
+        # cannot start earlier) to the last rank's completion. Backward-compute
+        # skew between ranks is thereby excluded.
+        t = torch.tensor(times[0], dtype=torch.float64)
+        dist.all_reduce(t, op=dist.ReduceOp.MAX)
+        if step >= warmup:
+            per_step.append(float(t[1] - t[0]))
+        elif step == warmup - 1:
+            # Decided on the group's maximum, so every rank runs the same count.
+            total = warmup + count(float(t[1] - t[0]))
+        step += 1
+    return per_step
+
+
+def _measure_paths(
+    sizes: list[int],
+    repeats: int,
+    warmup: int,
+    settle_s: float,
+    budget_s: float,
+    max_repeats: int,
+    rounds: int = 1,
+) -> list[dict[str, Any]]:
+    """Time each path's bucket communication inside DDP; median over all repeats.
+
+    Every step starts ``settle_s`` after a barrier, so a shaped link's token
+    bucket is full again, as the model assumes of a link that idled during
+    forward and backward. With ``rounds`` > 1 the sweep over sizes and paths
+    runs that many times, each round taking its share of a point's repeats:
+    a shared machine has slow spells lasting seconds, and one point's repeats
+    back to back can all land in one.
+    """
+    import torch.distributed as dist
+
+    if rounds < 1:
+        raise ValueError(f"rounds must be >= 1, got {rounds}")
+    # n rounded so that the layers are square: the message the model predicts.
+    points = [
+        (LAYERS * max(1, round((size / 4 / LAYERS) ** 0.5)) ** 2, path)
+        for size in sizes
+        for path in PATHS
+    ]
+    samples: dict[tuple[int, str], list[float]] = {pt: [] for pt in points}
+    share: dict[tuple[int, str], int] = {}
+    for r in range(rounds):
+        for n, path in points:
+
+            def count(first: float, pt: tuple[int, str] = (n, path)) -> int:
+                # Quick paths are the noisy ones: repeat them more, split over the rounds.
+                if pt not in share:
+                    total = repeats_for(first, repeats, budget_s, max_repeats)
+                    share[pt] = max(1, math.ceil(total / rounds))
+                return share[pt]
+
+            samples[(n, path)] += _time_steps(n, path, warmup, settle_s, count)
+            if r == rounds - 1 and dist.get_rank() == 0:
+                med = statistics.median(samples[(n, path)])
+                print(f"  {path:9s} {n * 4 / 2**20:6.0f} MiB  {med:.4f} s")
+    return [
+        {
+            "path": path,
+            "n": n,
+            "seconds": statistics.median(samples[(n, path)]),
+            "repeats": len(samples[(n, path)]),
+        }
+        for n, path in points
+    ]
 
 
 def _worker(args: argparse.Namespace) -> None:
@@ -144,11 +189,20 @@ def _worker(args: argparse.Namespace) -> None:
     calib = [int(s) for s in args.calib_sizes.split(",")]
     val = [int(s) for s in args.val_sizes.split(",")]
     t0 = time.time()
+    settle_s = args.settle_ms / 1e3
     samples, codec_label = run_calibration(
-        calib, args.repeats, "aps", layers=LAYERS, settle_s=args.settle_ms / 1e3
+        calib,
+        args.repeats,
+        "aps",
+        layers=LAYERS,
+        settle_s=settle_s,
+        budget_s=args.calib_budget_s,
+        max_repeats=args.calib_max_repeats,
     )
     t1 = time.time()
-    measured = _measure_paths(val, args.repeats, args.warmup, args.settle_ms / 1e3)
+    measured = _measure_paths(
+        val, args.repeats, args.warmup, settle_s, args.budget_s, args.max_repeats, args.rounds
+    )
     if dist.get_rank() == 0:
         Path(args.worker_out).write_text(
             json.dumps(
@@ -173,6 +227,10 @@ def _run_world(ws: int, args: argparse.Namespace, calib: list[int], val: list[in
             sys.executable, "-m", "benchmarks.perfmodel_validate", "--worker",
             "--worker-out", str(out), "--repeats", str(args.repeats),
             "--warmup", str(args.warmup), "--settle-ms", str(args.settle_ms),
+            "--budget-s", str(args.budget_s), "--max-repeats", str(args.max_repeats),
+            "--rounds", str(args.rounds),
+            "--calib-budget-s", str(args.calib_budget_s),
+            "--calib-max-repeats", str(args.calib_max_repeats),
             "--calib-sizes", ",".join(map(str, calib)), "--val-sizes", ",".join(map(str, val)),
         ]  # fmt: skip
         with EmulatedCluster(ranks=ws, bandwidth=args.bandwidth, loopback=args.loopback) as c:
@@ -267,6 +325,26 @@ def main(argv: list[str] | None = None) -> int:
         help="idle time before each measured step, so the tbf bucket refills "
         "(4 ms at 1gbit; make it longer at lower rates)",
     )
+    ap.add_argument(
+        "--budget-s",
+        type=float,
+        default=BUDGET_S,
+        help="seconds of timed work per point: quick points get more repeats, up to --max-repeats",
+    )
+    ap.add_argument("--max-repeats", type=int, default=MAX_REPEATS)
+    ap.add_argument(
+        "--rounds",
+        type=int,
+        default=1,
+        help="sweep the measured points this many times, each with its share of the repeats",
+    )
+    ap.add_argument(
+        "--calib-budget-s",
+        type=float,
+        default=BUDGET_S,
+        help="the same for each calibration point (about 100 of them per world size)",
+    )
+    ap.add_argument("--calib-max-repeats", type=int, default=MAX_REPEATS)
     ap.add_argument("--timeout", type=float, default=1800.0)
     ap.add_argument("--out", default=str(RESULTS))
     ap.add_argument("--raw", default="", help="re-fit and re-predict from a saved JSON (no runs)")
@@ -276,6 +354,12 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--calib-sizes", default="", help=argparse.SUPPRESS)
     ap.add_argument("--val-sizes", default="", help=argparse.SUPPRESS)
     args = ap.parse_args(argv)
+    for flag in ("rounds", "max_repeats", "calib_max_repeats"):
+        if getattr(args, flag) < 1:
+            ap.error(f"--{flag.replace('_', '-')} must be >= 1, got {getattr(args, flag)}")
+    for flag in ("budget_s", "calib_budget_s"):
+        if getattr(args, flag) < 0:
+            ap.error(f"--{flag.replace('_', '-')} must be >= 0, got {getattr(args, flag)}")
     if args.worker:
         _worker(args)
         return 0
@@ -322,6 +406,11 @@ def main(argv: list[str] | None = None) -> int:
         "repeats": args.repeats,
         "warmup": args.warmup,
         "settle_ms": args.settle_ms,
+        "budget_s": args.budget_s,
+        "max_repeats": args.max_repeats,
+        "rounds": args.rounds,
+        "calib_budget_s": args.calib_budget_s,
+        "calib_max_repeats": args.calib_max_repeats,
         "runtime_s": time.time() - t_start,
         "loadavg_1_5_15_before": load_before,
         "loadavg_1_5_15_after": os.getloadavg(),
@@ -373,7 +462,15 @@ def _write_md(path: Path, report: dict[str, Any]) -> None:
         "- Measured: real DDP hooks (`allreduce_hook`, `fp16_compress_hook`, `aps_comm` e4m3 "
         "two_phase) on a 16-layer Linear stack in one bucket; time from the last rank's hook "
         f"call to the last rank's future completing (one monotonic clock), median of at least {s['repeats']} repeats "
-        f"(up to 40 for quick ones) after {s.get('warmup', 1)} warm-up.",
+        f"(quick ones more: up to {s.get('max_repeats', 40)} within about "
+        f"{s.get('budget_s', 0.25):g} s of timed work; calibration points up to "
+        f"{s.get('calib_max_repeats', 40)} within {s.get('calib_budget_s', 0.25):g} s) "
+        f"after {s.get('warmup', 1)} warm-up"
+        + (
+            f", taken in {s['rounds']} rounds over all points (each its share of the repeats)."
+            if s.get("rounds", 1) > 1
+            else "."
+        ),
         f"- Runtime: {s['runtime_s']:.0f} s. Load average (1/5/15 min) before "
         f"{', '.join(f'{v:.1f}' for v in s['loadavg_1_5_15_before'])}, after "
         f"{', '.join(f'{v:.1f}' for v in s['loadavg_1_5_15_after'])} "

@@ -105,3 +105,46 @@ def test_report_reads_the_command_from_top_level_or_setup(tmp_path: Path) -> Non
     assert report._command({"command": "python -m top"}, md) == "`python -m top`"
     assert report._command({"setup": {"command": "python -m setup"}}, md) == "`python -m setup`"
     assert "the JSON records no command" in report._command({"setup": {}}, md)
+
+
+def _validation_points(rank: int, world_size: int) -> list[dict]:
+    from benchmarks import perfmodel_validate as pv
+
+    # 16 layers of 8x8: 4 KiB messages, quick enough for 7 repeats over 3 rounds.
+    return pv._measure_paths(
+        [4096], repeats=7, warmup=1, settle_s=0.0, budget_s=0.0, max_repeats=7, rounds=3
+    )
+
+
+def test_perfmodel_validation_measures_every_path_over_rounds() -> None:
+    from aps_comm.testing import run_distributed
+    from benchmarks import perfmodel_validate as pv
+
+    out = run_distributed(_validation_points, 2, timeout=120)
+    assert out[0] == out[1]  # one measurement for the group
+    assert [p["path"] for p in out[0]] == list(pv.PATHS)
+    for point in out[0]:
+        assert point["n"] == pv.LAYERS * 8 * 8
+        # 7 repeats in 3 rounds: ceil(7 / 3) = 3 each, never fewer than asked.
+        assert point["repeats"] == 9
+        assert 0 < point["seconds"] < 10
+    with pytest.raises(ValueError, match="rounds must be >= 1, got 0"):
+        pv._measure_paths([4096], 1, 1, 0.0, 0.0, 1, rounds=0)
+
+
+@pytest.mark.parametrize(
+    ("flag", "why"),
+    [
+        (["--rounds", "0"], "--rounds must be >= 1, got 0"),
+        (["--max-repeats", "0"], "--max-repeats must be >= 1, got 0"),
+        (["--calib-budget-s", "-1"], "--calib-budget-s must be >= 0, got -1.0"),
+    ],
+)
+def test_perfmodel_validation_rejects_bad_repeat_settings(
+    flag: list[str], why: str, capsys: pytest.CaptureFixture[str]
+) -> None:
+    from benchmarks import perfmodel_validate as pv
+
+    with pytest.raises(SystemExit) as exc:
+        pv.main(flag)
+    assert exc.value.code == 2 and why in capsys.readouterr().err
