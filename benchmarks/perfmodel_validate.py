@@ -27,6 +27,7 @@ Example (needs root for the namespaces)::
 from __future__ import annotations
 
 import argparse
+import functools
 import json
 import math
 import os
@@ -153,20 +154,23 @@ def _measure_paths(
     ]
     samples: dict[tuple[int, str], list[float]] = {pt: [] for pt in points}
     share: dict[tuple[int, str], int] = {}
+
+    def count(pt: tuple[int, str], first: float) -> int:
+        # Quick paths are the noisy ones: repeat them more (decided in the first
+        # round), split over the rounds.
+        if pt not in share:
+            total = repeats_for(first, repeats, budget_s, max_repeats)
+            share[pt] = max(1, math.ceil(total / rounds))
+        return share[pt]
+
     for r in range(rounds):
-        for n, path in points:
-
-            def count(first: float, pt: tuple[int, str] = (n, path)) -> int:
-                # Quick paths are the noisy ones: repeat them more, split over the rounds.
-                if pt not in share:
-                    total = repeats_for(first, repeats, budget_s, max_repeats)
-                    share[pt] = max(1, math.ceil(total / rounds))
-                return share[pt]
-
-            samples[(n, path)] += _time_steps(n, path, warmup, settle_s, count)
+        for pt in points:
+            samples[pt] += _time_steps(*pt, warmup, settle_s, functools.partial(count, pt))
             if r == rounds - 1 and dist.get_rank() == 0:
-                med = statistics.median(samples[(n, path)])
-                print(f"  {path:9s} {n * 4 / 2**20:6.0f} MiB  {med:.4f} s")
+                n, path = pt
+                print(
+                    f"  {path:9s} {n * 4 / 2**20:6.0f} MiB  {statistics.median(samples[pt]):.4f} s"
+                )
     return [
         {
             "path": path,
@@ -462,9 +466,10 @@ def _write_md(path: Path, report: dict[str, Any]) -> None:
         "- Measured: real DDP hooks (`allreduce_hook`, `fp16_compress_hook`, `aps_comm` e4m3 "
         "two_phase) on a 16-layer Linear stack in one bucket; time from the last rank's hook "
         f"call to the last rank's future completing (one monotonic clock), median of at least {s['repeats']} repeats "
-        f"(quick ones more: up to {s.get('max_repeats', 40)} within about "
-        f"{s.get('budget_s', 0.25):g} s of timed work; calibration points up to "
-        f"{s.get('calib_max_repeats', 40)} within {s.get('calib_budget_s', 0.25):g} s) "
+        f"(quick ones more: up to {s.get('max_repeats', MAX_REPEATS)} within about "
+        f"{s.get('budget_s', BUDGET_S):g} s of timed work; calibration points up to "
+        f"{s.get('calib_max_repeats', MAX_REPEATS)} within "
+        f"{s.get('calib_budget_s', BUDGET_S):g} s) "
         f"after {s.get('warmup', 1)} warm-up"
         + (
             f", taken in {s['rounds']} rounds over all points (each its share of the repeats)."
