@@ -36,92 +36,17 @@ import statistics
 import sys
 import tempfile
 import time
-from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
 from perfmodel.calibrate import fit_profile, geometric_sizes
 from perfmodel.comm import bucket_comm
 from perfmodel.formats import get_format
-from perfmodel.measure import BUDGET_S, MAX_REPEATS, repeats_for
+from perfmodel.measure import BUDGET_S, MAX_REPEATS, repeats_for, time_hook_steps
 
 RESULTS = Path(__file__).resolve().parent / "results"
 LAYERS = 16  # parameter tensors per message: APS sends one maximum each
 PATHS = {"fp32": "fp32", "fp16": "fp16", "aps-e4m3": "e4m3"}
-
-
-def _timed(hook: Any, marks: list[tuple[float, float]]) -> Any:
-    """Wrap a DDP comm hook: append (call, completion) ``perf_counter`` stamps."""
-
-    # Unannotated on purpose: DDP rejects string annotations.
-    def wrapped(state, bucket):  # type: ignore[no-untyped-def]
-        t0 = time.perf_counter()
-        fut = hook(state, bucket)
-
-        def done(f):  # type: ignore[no-untyped-def]
-            marks.append((t0, time.perf_counter()))
-            return f.value()
-
-        return fut.then(done)
-
-    return wrapped
-
-
-def _hook(path: str) -> tuple[Any, Any]:
-    from torch.distributed.algorithms.ddp_comm_hooks import default_hooks
-
-    from aps_comm import APSState, aps_hook
-
-    if path == "fp32":
-        return None, default_hooks.allreduce_hook
-    if path == "fp16":
-        return None, default_hooks.fp16_compress_hook
-    return APSState("e4m3", reduction="two_phase"), aps_hook
-
-
-def _time_steps(
-    n: int, path: str, warmup: int, settle_s: float, count: Callable[[float], int]
-) -> list[float]:
-    """One DDP model of ``n`` parameters in one bucket; the bucket's time of each timed step.
-
-    ``count`` turns the last warm-up step's time into the number of timed steps.
-    """
-    import torch
-    import torch.distributed as dist
-    from torch.nn.parallel import DistributedDataParallel as DDP
-
-    width = round((n / LAYERS) ** 0.5)
-    torch.manual_seed(0)
-    model = torch.nn.Sequential(*[torch.nn.Linear(width, width, bias=False) for _ in range(LAYERS)])
-    x = torch.randn(1, width)
-    # One bucket holding the whole message (an explicit cap also sets the first bucket's).
-    ddp = DDP(model, bucket_cap_mb=n * 4 / 2**20 + 1)
-    times: list[tuple[float, float]] = []
-    state, hook = _hook(path)
-    ddp.register_comm_hook(state, _timed(hook, times))
-    per_step: list[float] = []
-    step, total = 0, warmup + 1
-    while step < total:
-        ddp.zero_grad()
-        dist.barrier()
-        time.sleep(settle_s)
-        del times[:]
-        ddp(x).sum().backward()
-        if len(times) != 1:
-            raise RuntimeError(f"expected one bucket, got {len(times)}")
-        # Ranks share one machine, hence one monotonic clock: the bucket's
-        # communication runs from the last rank's hook call (the collectives
-        # cannot start earlier) to the last rank's completion. Backward-compute
-        # skew between ranks is thereby excluded.
-        t = torch.tensor(times[0], dtype=torch.float64)
-        dist.all_reduce(t, op=dist.ReduceOp.MAX)
-        if step >= warmup:
-            per_step.append(float(t[1] - t[0]))
-        elif step == warmup - 1:
-            # Decided on the group's maximum, so every rank runs the same count.
-            total = warmup + count(float(t[1] - t[0]))
-        step += 1
-    return per_step
 
 
 def _measure_paths(
@@ -165,9 +90,11 @@ def _measure_paths(
 
     for r in range(rounds):
         for pt in points:
-            samples[pt] += _time_steps(*pt, warmup, settle_s, functools.partial(count, pt))
+            n, path = pt
+            samples[pt] += time_hook_steps(
+                n, PATHS[path], warmup, settle_s, functools.partial(count, pt), LAYERS
+            )
             if r == rounds - 1 and dist.get_rank() == 0:
-                n, path = pt
                 print(
                     f"  {path:9s} {n * 4 / 2**20:6.0f} MiB  {statistics.median(samples[pt]):.4f} s"
                 )

@@ -32,6 +32,7 @@ import datetime
 import itertools
 import os
 import socket
+import statistics
 from collections.abc import Sequence
 from typing import Any
 
@@ -58,9 +59,12 @@ _MAXIMA_COUNTS = (1, 16, 64, 256)
 _FMT = "e4m3"
 # aps_comm.hook's chunk, in bytes of an 8-bit wire format.
 EXCHANGE_CHUNK_BYTES = 2**20
-# Elements per rank of the tiny message whose whole two_phase call is timed
-# ("two_phase_call"): its cost is the per-call overhead the parts miss.
+# Elements of the tiny bucket whose whole reduction is timed through each real
+# DDP hook ("hook_call.<fmt>"): what a bucket costs beyond its bytes.
 CALL_ELEMENTS = 1024
+# The hooks whose whole call is calibrated: torch's FP32 and FP16 hooks, and
+# aps_comm's two_phase hook.
+HOOK_CALL_FORMATS = ("fp32", "fp16", _FMT)
 # Idle time before every timed call: a shaper's token bucket refills and the
 # cores go idle, as before a gradient bucket that follows forward and backward.
 SETTLE_S = 0.02
@@ -275,9 +279,7 @@ def run_calibration(
     cap = measure.MAX_REPEATS if max_repeats is None else max_repeats
 
     def record(op: str, n: float, fn: Any) -> None:
-        collective = op.split(".")[0] in COLLECTIVE_COEFFS or op.startswith(
-            ("all_reduce", "two_phase_call")
-        )
+        collective = op.split(".")[0] in COLLECTIVE_COEFFS or op.startswith("all_reduce")
         span = collective and aligned
         sec = measure.time_op(
             fn, repeats, settle_s=settle_s, from_last_start=span, budget_s=budget, max_repeats=cap
@@ -350,14 +352,33 @@ def run_calibration(
         # shards, FP32 sum, divide, re-encode n/p.
         record(f"reduce.{_FMT}", n, lambda sh=shards: codec.reduce(sh, p, _FMT))
         record("accumulate", n, lambda d=decoded: d.view(p, -1).sum(0).div_(p))
-    if codec is not None:
-        tiny = torch.randn(CALL_ELEMENTS)
-        parts = [s.numel() for s in torch.tensor_split(tiny, layers)]
-        record(
-            f"two_phase_call.{_FMT}",
+    # Each collective above, timed alone after an idle spell, pays a wake-up
+    # (measured on the emulated cluster: ~2 ms for a 4-byte all-reduce, 0.35 ms
+    # back to back) that a bucket's later collectives do not; and DDP calls its
+    # hook on a busy rank. So the fixed cost of a bucket is timed whole, through
+    # the real hook, as a tiny bucket inside DDP's backward.
+    for fmt in HOOK_CALL_FORMATS if codec is not None else HOOK_CALL_FORMATS[:2]:
+        steps = measure.time_hook_steps(
             CALL_ELEMENTS,
-            lambda t=tiny, ls=parts: measure.aps_two_phase(t, ls, codec, _FMT),
+            fmt,
+            1,
+            settle_s,
+            lambda first: measure.repeats_for(first, repeats, budget, cap),
+            layers,
+            from_last_start=aligned,
         )
+        samples.append(
+            {
+                "op": f"hook_call.{fmt}",
+                "n": CALL_ELEMENTS,
+                "seconds": statistics.median(steps),
+                "timed": "last_start" if aligned else "slowest_rank",
+            }
+        )
+        if verbose and dist.get_rank() == 0:
+            print(
+                f"  hook_call.{fmt:12s} n={CALL_ELEMENTS:>11d}  {samples[-1]['seconds'] * 1e3:9.3f} ms"
+            )
     return samples, codec_label
 
 

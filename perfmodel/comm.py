@@ -30,7 +30,7 @@ from __future__ import annotations
 from dataclasses import dataclass, replace
 
 from perfmodel.calibrate import CALL_ELEMENTS
-from perfmodel.cluster import Cluster
+from perfmodel.cluster import Cluster, OpCost
 from perfmodel.collectives import (
     LinkParams,
     all_gather,
@@ -40,7 +40,7 @@ from perfmodel.collectives import (
     hierarchical_all_to_all,
     hierarchical_allreduce,
 )
-from perfmodel.formats import FormatSpec
+from perfmodel.formats import FORMATS, FormatSpec
 
 __all__ = ["DEFAULT_CHUNK_ELEMENTS", "CommBreakdown", "bucket_comm"]
 
@@ -63,8 +63,9 @@ class CommBreakdown:
 
         overlap_s: codec and wire time hidden by chunk pipelining.
         chunks: pipelined chunks of the bucket (1: no pipelining).
-        overhead_s: per-call cost of the hook beyond its parts (calibrated
-            profiles only: ``two_phase_call.<fmt>``).
+        overhead_s: the bucket's fixed cost as the real hook pays it, less the
+            parts' own latencies (calibrated profiles only: ``hook_call.<fmt>``);
+            negative where the parts, timed alone, overcount it.
 
     Example:
         >>> CommBreakdown("fp32", "native", 1.0, 0.0, 0.5, 8.0).total_s
@@ -132,27 +133,14 @@ def _accumulate(cluster: Cluster, n_elem: float) -> float:
     return n_elem * _FP32_BYTES * (p - 1) / p * _reduce_link(cluster).gamma
 
 
-def bucket_comm(
+def _bucket_parts(
     n_elem: int,
     n_layers: int,
     fmt: FormatSpec,
     cluster: Cluster,
-    chunk_elements: int | None = DEFAULT_CHUNK_ELEMENTS,
+    chunk_elements: int | None,
 ) -> CommBreakdown:
-    """Time to reduce one bucket of ``n_elem`` FP32 gradients made of ``n_layers`` tensors.
-
-    Args:
-        n_elem: gradient elements in the bucket.
-        n_layers: parameter tensors in the bucket (APS sends one maximum each).
-        fmt: wire format and strategy.
-        cluster: links, device and any calibrated fits.
-        chunk_elements: APS pipelines the bucket in chunks of this many
-            elements (None: one chunk, no pipelining). The FP32 and FP16
-            paths (torch's hooks) never chunk.
-
-    Returns:
-        The breakdown; all zero on a single rank, where nothing is communicated.
-    """
+    """:func:`bucket_comm` from the parts alone (no whole-call calibration)."""
     p = cluster.world_size
     if p == 1 or n_elem == 0:
         return CommBreakdown(fmt.name, fmt.strategy, 0.0, 0.0, 0.0, 0.0)
@@ -201,14 +189,59 @@ def bucket_comm(
         # longer than codec plus wire run back to back; a rank's codec and the
         # kernel's network stack compete for the same cores.
         overlap = 0.0
-    overhead = 0.0
-    call = cluster.codec_fits.get(f"two_phase_call.{fmt.name}")
-    if call is not None and fmt.strategy == "two_phase" and n_elem > CALL_ELEMENTS:
-        # The whole call of a tiny message, measured, exceeds the sum of its
-        # parts' intercepts (each step waits on a thread handoff the
-        # back-to-back part timings never see): charge the difference per bucket.
-        tiny = bucket_comm(CALL_ELEMENTS, n_layers, fmt, cluster, chunk_elements).total_s
-        overhead = max(0.0, call.launch_s - tiny)
     return CommBreakdown(
-        fmt.name, fmt.strategy, collective, maxima, head + codec_s, sent, overlap, k, overhead
+        fmt.name, fmt.strategy, collective, maxima, head + codec_s, sent, overlap, k
     )
+
+
+def _hook_call(cluster: Cluster, fmt: FormatSpec) -> OpCost | None:
+    """The calibrated whole call of a tiny bucket through ``fmt``'s hook, if any.
+
+    Only for the path that was timed: the format's own strategy (``hook_call.fp16``
+    is torch's ``fp16_compress_hook``, ``hook_call.e4m3`` the two_phase APS hook).
+    """
+    call = cluster.codec_fits.get(f"hook_call.{fmt.name}")
+    default = FORMATS.get(fmt.name)
+    if (
+        call is None
+        or default is None
+        or (fmt.strategy, fmt.aps) != (default.strategy, default.aps)
+    ):
+        return None
+    return call
+
+
+def bucket_comm(
+    n_elem: int,
+    n_layers: int,
+    fmt: FormatSpec,
+    cluster: Cluster,
+    chunk_elements: int | None = DEFAULT_CHUNK_ELEMENTS,
+) -> CommBreakdown:
+    """Time to reduce one bucket of ``n_elem`` FP32 gradients made of ``n_layers`` tensors.
+
+    The parts (collectives, maxima, codec passes) come from the cluster's
+    links and fits. Where the cluster is a calibrated profile that timed the
+    format's hook whole on a tiny bucket (``hook_call.<fmt>``), the bucket's
+    fixed cost is that measured call rather than the sum of the parts'
+    latencies: ``overhead_s`` = call - parts(tiny bucket), negative where the
+    parts, each timed alone after idling, pay a wake-up the hook pays once.
+
+    Args:
+        n_elem: gradient elements in the bucket.
+        n_layers: parameter tensors in the bucket (APS sends one maximum each).
+        fmt: wire format and strategy.
+        cluster: links, device and any calibrated fits.
+        chunk_elements: APS pipelines the bucket in chunks of this many
+            elements (None: one chunk, no pipelining). The FP32 and FP16
+            paths (torch's hooks) never chunk.
+
+    Returns:
+        The breakdown; all zero on a single rank, where nothing is communicated.
+    """
+    parts = _bucket_parts(n_elem, n_layers, fmt, cluster, chunk_elements)
+    call = _hook_call(cluster, fmt)
+    if call is None or parts.total_s == 0.0:
+        return parts
+    tiny = _bucket_parts(CALL_ELEMENTS, n_layers, fmt, cluster, chunk_elements).total_s
+    return replace(parts, overhead_s=call.launch_s - tiny)

@@ -1,16 +1,17 @@
 """Timed building blocks of the gradient reduction paths, on a live process group.
 
-Calibration times each block over a sweep of sizes to fit the model; the
-validation times the whole paths. Both use these functions so the thing
-fitted is the thing measured:
+Calibration times each block over a sweep of sizes to fit the model, and the
+whole of each real DDP hook on a tiny bucket (:func:`time_hook_steps`); the
+validation times the whole hooks on real buckets with the same function, so
+the thing fitted is the thing measured. The blocks:
 
 - ``fp32``: ``all_reduce`` of the FP32 buffer (DDP's default hook).
 - ``fp16``: cast to FP16 and divide by N, ``all_reduce``, copy back
   (``fp16_compress_hook``).
-- ``aps-two-phase``: per-layer amax, MAX ``all_reduce`` of the L maxima, scale
-  by powers of two and encode, ``all_to_all_single`` of the bytes, decode and
-  FP32-sum the N shards and divide, re-encode, ``all_gather_single``, decode and
-  unscale. This mirrors ``aps_comm.hook``'s two-phase path step by step.
+- ``aps-two-phase``: per-layer amax, MAX ``all_reduce`` of the L maxima, scaled
+  encode, the chunk-pipelined ``all_to_all_single`` and ``all_gather_single``
+  (:func:`pipelined_exchange`), the shard owner's decode-sum-encode
+  (:meth:`Codec.reduce`), decode and unscale, as ``aps_comm.hook`` runs them.
 
 Example:
     >>> codec = load_codec("torch")
@@ -28,27 +29,23 @@ import statistics
 import time
 from collections.abc import Callable, Sequence
 from pathlib import Path
-from typing import ClassVar, Protocol
+from typing import Any, ClassVar, Protocol
 
 import torch
 import torch.distributed as dist
 
 __all__ = [
-    "FMAX",
     "Codec",
     "all_gather_single",
-    "aps_two_phase",
-    "fp16_allreduce",
-    "fp32_allreduce",
+    "ddp_hook",
     "load_codec",
     "pipelined_exchange",
     "repeats_for",
     "shared_clock",
+    "time_hook_steps",
     "time_op",
 ]
 
-# Largest finite magnitude of each 8-bit format (OCP FP8: e4m3fn and e5m2).
-FMAX = {"e4m3": 448.0, "e5m2": 57344.0}
 # Default time budget per timed operation and its cap on repeats (the cap
 # bounds the cost of near-free operations, each repeat also idles settle_s).
 BUDGET_S = 0.25
@@ -266,21 +263,9 @@ def time_op(
     return statistics.median(per_repeat.tolist())
 
 
-def fp32_allreduce(x: torch.Tensor) -> None:
-    """DDP's default: all-reduce the FP32 buffer."""
-    dist.all_reduce(x)
-
-
 def fp16_cast_down(x: torch.Tensor, world_size: int) -> torch.Tensor:
     """``fp16_compress_hook``'s compression: cast and divide by N."""
     return x.to(torch.float16).div_(world_size)
-
-
-def fp16_allreduce(x: torch.Tensor) -> None:
-    """``fp16_compress_hook``: cast/divide, all-reduce in FP16, copy back."""
-    h = fp16_cast_down(x, dist.get_world_size())
-    dist.all_reduce(h)
-    x.copy_(h)
 
 
 def layer_amax(layers: Sequence[torch.Tensor]) -> torch.Tensor:
@@ -289,59 +274,105 @@ def layer_amax(layers: Sequence[torch.Tensor]) -> torch.Tensor:
     return torch.nan_to_num(amax, nan=float("inf"))
 
 
-def scale_exponents(amax: torch.Tensor, fmt: str) -> torch.Tensor:
-    """Two-phase APS exponents: ``floor(log2(FMAX / amax))`` (0 for all-zero layers)."""
-    safe = torch.where(amax > 0, amax, torch.ones_like(amax))
-    return torch.floor(torch.log2(FMAX[fmt] / safe))
-
-
-def scaled_encode(
-    x: torch.Tensor, layers: Sequence[torch.Tensor], exps: torch.Tensor, codec: Codec, fmt: str
-) -> torch.Tensor:
-    """Multiply each layer by 2^e (exact) and encode the whole buffer."""
-    scaled = torch.empty_like(x)
-    for seg, out, e in zip(
-        layers, torch.split(scaled, [s.numel() for s in layers]), exps.tolist(), strict=True
-    ):
-        torch.mul(seg, 2.0**e, out=out)
-    return codec.encode(scaled, fmt)
-
-
-def decode_unscale(
-    payload: torch.Tensor,
-    out: torch.Tensor,
-    sizes: Sequence[int],
-    exps: torch.Tensor,
-    codec: Codec,
-    fmt: str,
-) -> None:
-    """Decode the gathered bytes and multiply each layer by 2^-e into ``out``."""
-    dec = codec.decode(payload, fmt, out.numel())
-    for seg, dst, e in zip(
-        torch.split(dec, list(sizes)), torch.split(out, list(sizes)), exps.tolist(), strict=True
-    ):
-        torch.mul(seg, 2.0 ** (-e), out=dst)
-
-
 def owner_reduce(shards: torch.Tensor, world_size: int, codec: Codec, fmt: str) -> torch.Tensor:
     """Decode the N received shards, sum in FP32, divide by N, re-encode."""
     dec = codec.decode(shards, fmt, shards.numel()).view(world_size, -1)
     return codec.encode(dec.sum(0).div_(world_size), fmt)
 
 
-def aps_two_phase(
-    x: torch.Tensor, layer_sizes: Sequence[int], codec: Codec, fmt: str = "e4m3"
-) -> None:
-    """APS two-phase reduction of ``x`` in place (its numel must divide by the world size)."""
-    p = dist.get_world_size()
-    layers = torch.split(x, list(layer_sizes))
-    amax = codec.amax(layers)
-    dist.all_reduce(amax, op=dist.ReduceOp.MAX)
-    exps = scale_exponents(amax, fmt)
-    payload = scaled_encode(x, layers, exps, codec, fmt)
-    shards = torch.empty_like(payload)
-    dist.all_to_all_single(shards, payload)
-    mine = codec.reduce(shards, p, fmt)
-    gathered = torch.empty_like(payload)
-    all_gather_single(gathered, mine)
-    decode_unscale(gathered, x, layer_sizes, exps, codec, fmt)
+def ddp_hook(fmt: str) -> tuple[Any, Callable[..., Any]]:
+    """The DDP comm hook (and its state) that reduces in ``fmt``.
+
+    ``"fp32"``: torch's ``allreduce_hook``; ``"fp16"``: torch's
+    ``fp16_compress_hook``; any other format: ``aps_comm``'s hook, two_phase.
+    """
+    from torch.distributed.algorithms.ddp_comm_hooks import default_hooks
+
+    if fmt == "fp32":
+        return None, default_hooks.allreduce_hook
+    if fmt == "fp16":
+        return None, default_hooks.fp16_compress_hook
+    from aps_comm import APSState, aps_hook
+
+    return APSState(fmt, reduction="two_phase"), aps_hook
+
+
+def _stamped(hook: Callable[..., Any], marks: list[tuple[float, float]]) -> Callable[..., Any]:
+    """Wrap a DDP comm hook: append (call, completion) ``perf_counter`` stamps."""
+
+    # Unannotated on purpose: DDP rejects string annotations.
+    def wrapped(state, bucket):  # type: ignore[no-untyped-def]
+        t0 = time.perf_counter()
+        fut = hook(state, bucket)
+
+        def done(f):  # type: ignore[no-untyped-def]
+            marks.append((t0, time.perf_counter()))
+            return f.value()
+
+        return fut.then(done)
+
+    return wrapped
+
+
+def time_hook_steps(
+    n: int,
+    fmt: str,
+    warmup: int,
+    settle_s: float,
+    count: Callable[[float], int],
+    layers: int = 16,
+    from_last_start: bool = True,
+) -> list[float]:
+    """A DDP model of ``n`` parameters in one bucket; its bucket's time in each timed step.
+
+    The model is ``layers`` square ``Linear`` layers (``n`` is rounded to
+    ``layers * width**2``), all in one bucket, reduced by :func:`ddp_hook`
+    (``fmt``). Every step starts ``settle_s`` after a barrier, so a shaped
+    link's token bucket refills as it does during forward and backward, then
+    runs forward and backward: the hook is called by DDP on a busy rank, as in
+    training, not on one waking from idle. A step's time runs from the hook's
+    call to its future's completion; with ``from_last_start`` (ranks sharing a
+    clock: :func:`shared_clock`) from the last rank's call to the last rank's
+    completion (the collectives cannot start before the last rank joins, and
+    backward-compute skew between ranks is excluded), else the slowest rank's
+    own time. ``count`` turns the last warm-up step's time (the group's
+    maximum, so every rank runs the same number) into the number of timed
+    steps. Must be called on every rank.
+
+    Example:
+        >>> time_hook_steps(1024, "fp16", 1, 0.0, lambda first: 5)  # doctest: +SKIP
+        [0.0011, 0.0009, 0.0010, 0.0009, 0.0010]
+    """
+    from torch.nn.parallel import DistributedDataParallel as DDP
+
+    width = max(1, round((n / layers) ** 0.5))
+    torch.manual_seed(0)
+    model = torch.nn.Sequential(*[torch.nn.Linear(width, width, bias=False) for _ in range(layers)])
+    x = torch.randn(1, width)
+    # One bucket holding the whole message (an explicit cap also sets the first bucket's).
+    ddp = DDP(model, bucket_cap_mb=layers * width * width * 4 / 2**20 + 1)
+    marks: list[tuple[float, float]] = []
+    state, hook = ddp_hook(fmt)
+    ddp.register_comm_hook(state, _stamped(hook, marks))
+    per_step: list[float] = []
+    warmup = max(warmup, 1)  # the last warm-up step decides the count
+    step, total = 0, warmup + 1
+    while step < total:
+        ddp.zero_grad()
+        dist.barrier()
+        if settle_s:
+            time.sleep(settle_s)
+        del marks[:]
+        ddp(x).sum().backward()
+        if len(marks) != 1:
+            raise RuntimeError(f"expected one bucket, got {len(marks)}")
+        t0, t1 = marks[0]
+        t = torch.tensor([t0, t1, t1 - t0], dtype=torch.float64)
+        dist.all_reduce(t, op=dist.ReduceOp.MAX)
+        seconds = float(t[1] - t[0]) if from_last_start else float(t[2])
+        if step >= warmup:
+            per_step.append(seconds)
+        elif step == warmup - 1:
+            total = warmup + count(seconds)
+        step += 1
+    return per_step
