@@ -41,7 +41,8 @@ class Profile:
         codec_source: which codec was measured ("aps_comm.formats",
             "torch-cast" or "none").
         fit_errors: per fit, the median and worst relative error on its samples.
-        samples: the raw medians: ``{"op", "n", "seconds"}`` (n bytes or elements).
+        samples: the raw timings (trimmed means of repeats): ``{"op", "n", "seconds"}``
+            (n bytes or elements).
         host: host name of rank 0.
         created: ISO time stamp.
         cores_per_rank: CPU cores per rank on the calibrated machines (None:

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import json
 import math
+import statistics
 
 import pytest
 import torch
@@ -527,6 +528,24 @@ def test_repeats_for_budget_and_cap() -> None:
     assert repeats_for(2.0, 5, budget_s=3.0, max_repeats=200) == 5
     with pytest.raises(ValueError, match=r"max_repeats >= 1, got 0.25 and 0"):
         repeats_for(0.01, 5, max_repeats=0)
+
+
+def test_trimmed_mean_is_stable_where_the_median_jumps() -> None:
+    from perfmodel.measure import trimmed_mean
+
+    # Bimodal repeats, as small hook calls on a shared VM: 1 ms or 5 ms.
+    fewer_slow = [1.0] * 11 + [5.0] * 9
+    more_slow = [1.0] * 9 + [5.0] * 11
+    assert statistics.median(fewer_slow) == 1.0 and statistics.median(more_slow) == 5.0
+    assert trimmed_mean(fewer_slow) == pytest.approx(2.75)  # 9x1 + 7x5 of the middle 16
+    assert trimmed_mean(more_slow) == pytest.approx(3.25)
+    # A rare stall (a retransmit) is trimmed away; trim 0 is the plain mean.
+    assert trimmed_mean([1.0] * 19 + [200.0]) == 1.0
+    assert trimmed_mean([1.0, 2.0, 6.0], 0.0) == 3.0
+    with pytest.raises(ValueError, match="trim must be in"):
+        trimmed_mean([1.0], 0.5)
+    with pytest.raises(ValueError, match="at least one value"):
+        trimmed_mean([])
 
 
 def test_aps_chunk_pipelining_overlaps_codec_and_wire() -> None:
