@@ -32,7 +32,6 @@ import datetime
 import itertools
 import os
 import socket
-import statistics
 from collections.abc import Sequence
 from typing import Any
 
@@ -256,7 +255,7 @@ def run_calibration(
     give quick operations more repeats, where small messages are noisiest.
 
     Returns:
-        The samples (identical on every rank; medians of repeats, each timed by
+        The samples (identical on every rank; trimmed means of repeats, each timed by
         the slowest rank, or for collectives on ranks sharing a clock from the
         last rank's start: ``"timed"``)
         and the codec's name ("none" if it could not be loaded).
@@ -294,7 +293,24 @@ def run_calibration(
         m = torch.rand(count)
         record("all_reduce_max", 4 * count, lambda m=m: dist.all_reduce(m, op=dist.ReduceOp.MAX))
 
+    # Each collective here, timed alone after an idle spell, pays a wake-up
+    # (measured on the emulated cluster: ~2 ms for a 4-byte all-reduce, 0.35 ms
+    # back to back) that a bucket's later collectives do not; and DDP calls its
+    # hook on a busy rank. So the fixed cost of a bucket is timed whole, through
+    # the real hook, as a tiny bucket inside DDP's backward.
+    hook_fmts = HOOK_CALL_FORMATS if codec is not None else HOOK_CALL_FORMATS[:2]
+    hook_steps: dict[str, list[float]] = {fmt: [] for fmt in hook_fmts}
     for size in sizes:
+        for fmt in hook_fmts:
+            hook_steps[fmt] += measure.time_hook_steps(
+                CALL_ELEMENTS,
+                fmt,
+                1,
+                settle_s,
+                lambda first: measure.repeats_for(first, repeats, budget, cap),
+                layers,
+                from_last_start=aligned,
+            )
         n = max(p, int(size) // 4 // p * p)
         x = torch.randn(n)
         record("all_reduce.float32", 4 * n, lambda x=x: dist.all_reduce(x))
@@ -352,26 +368,15 @@ def run_calibration(
         # shards, FP32 sum, divide, re-encode n/p.
         record(f"reduce.{_FMT}", n, lambda sh=shards: codec.reduce(sh, p, _FMT))
         record("accumulate", n, lambda d=decoded: d.view(p, -1).sum(0).div_(p))
-    # Each collective above, timed alone after an idle spell, pays a wake-up
-    # (measured on the emulated cluster: ~2 ms for a 4-byte all-reduce, 0.35 ms
-    # back to back) that a bucket's later collectives do not; and DDP calls its
-    # hook on a busy rank. So the fixed cost of a bucket is timed whole, through
-    # the real hook, as a tiny bucket inside DDP's backward.
-    for fmt in HOOK_CALL_FORMATS if codec is not None else HOOK_CALL_FORMATS[:2]:
-        steps = measure.time_hook_steps(
-            CALL_ELEMENTS,
-            fmt,
-            1,
-            settle_s,
-            lambda first: measure.repeats_for(first, repeats, budget, cap),
-            layers,
-            from_last_start=aligned,
-        )
+    # The hook calls' repeats are spread over the sweep, a share after each size:
+    # on a shared machine slow spells last seconds, and the fixed cost that every
+    # bucket pays should not be decided by one of them.
+    for fmt, steps in hook_steps.items():
         samples.append(
             {
                 "op": f"hook_call.{fmt}",
                 "n": CALL_ELEMENTS,
-                "seconds": statistics.median(steps),
+                "seconds": measure.trimmed_mean(steps),
                 "timed": "last_start" if aligned else "slowest_rank",
             }
         )

@@ -437,12 +437,24 @@ def test_burst_term_hand_values_and_fit() -> None:
 
 
 def _calibrate_rank(rank: int, world_size: int) -> dict:
+    from perfmodel import measure
     from perfmodel.calibrate import run_calibration
 
-    samples, label = run_calibration(
-        [4096, 65536], repeats=1, codec_kind="torch", layers=4, settle_s=0.0
-    )
-    return {"samples": samples, "label": label}
+    hook_runs: list[str] = []
+    timed = measure.time_hook_steps
+
+    def counted(n: int, fmt: str, *args: object, **kwargs: object) -> list[float]:
+        hook_runs.append(fmt)
+        return timed(n, fmt, *args, **kwargs)
+
+    measure.time_hook_steps = counted
+    try:
+        samples, label = run_calibration(
+            [4096, 65536], repeats=1, codec_kind="torch", layers=4, settle_s=0.0
+        )
+    finally:
+        measure.time_hook_steps = timed
+    return {"samples": samples, "label": label, "hook_runs": hook_runs}
 
 
 def test_calibration_end_to_end_two_ranks(tmp_path, capsys: pytest.CaptureFixture[str]) -> None:
@@ -451,6 +463,8 @@ def test_calibration_end_to_end_two_ranks(tmp_path, capsys: pytest.CaptureFixtur
 
     out = run_distributed(_calibrate_rank, 2, timeout=120)
     assert out[0]["samples"] == out[1]["samples"]  # every rank reports the group's timing
+    # The hook calls' repeats come in one share per calibrated size, spread over the sweep.
+    assert out[0]["hook_runs"] == ["fp32", "fp16", "e4m3"] * 2
     ops = {s["op"] for s in out[0]["samples"]}
     assert {
         "all_reduce.float32",
