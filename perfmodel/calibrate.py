@@ -299,16 +299,14 @@ def run_calibration(
     # hook on a busy rank. So the fixed cost of a bucket is timed whole, through
     # the real hook, as a tiny bucket inside DDP's backward.
     hook_fmts = HOOK_CALL_FORMATS if codec is not None else HOOK_CALL_FORMATS[:2]
+    benches = [measure.HookBench(CALL_ELEMENTS, fmt, layers) for fmt in hook_fmts]
     hook_steps: dict[str, list[float]] = {fmt: [] for fmt in hook_fmts}
     for size in sizes:
-        for fmt in hook_fmts:
-            hook_steps[fmt] += measure.time_hook_steps(
-                CALL_ELEMENTS,
-                fmt,
+        for bench in benches:
+            hook_steps[bench.fmt] += bench.steps(
                 1,
                 settle_s,
                 lambda first: measure.repeats_for(first, repeats, budget, cap),
-                layers,
                 from_last_start=aligned,
             )
         n = max(p, int(size) // 4 // p * p)

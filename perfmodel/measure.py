@@ -35,6 +35,7 @@ import torch.distributed as dist
 
 __all__ = [
     "Codec",
+    "HookBench",
     "all_gather_single",
     "ddp_hook",
     "load_codec",
@@ -340,6 +341,81 @@ def _stamped(hook: Callable[..., Any], marks: list[tuple[float, float]]) -> Call
     return wrapped
 
 
+class HookBench:
+    """A DDP model of ``n`` parameters in one bucket, reduced by :func:`ddp_hook` (``fmt``).
+
+    The model is ``layers`` square ``Linear`` layers (``n`` is rounded to
+    ``layers * width**2``), all in one bucket. Built once, it can be timed in
+    several shares (:meth:`steps`) without a new model, or for the APS hook a
+    new process group, each time. Must be built on every rank.
+
+    Example:
+        >>> bench = HookBench(1024, "fp16")  # doctest: +SKIP
+        >>> bench.steps(1, 0.0, lambda first: 5)  # doctest: +SKIP
+        [0.0011, 0.0009, 0.0010, 0.0009, 0.0010]
+    """
+
+    def __init__(self, n: int, fmt: str, layers: int = 16) -> None:
+        from torch.nn.parallel import DistributedDataParallel as DDP
+
+        self.fmt = fmt
+        width = max(1, round((n / layers) ** 0.5))
+        torch.manual_seed(0)
+        model = torch.nn.Sequential(
+            *[torch.nn.Linear(width, width, bias=False) for _ in range(layers)]
+        )
+        self._x = torch.randn(1, width)
+        # One bucket holding the whole message (an explicit cap also sets the first bucket's).
+        self._ddp = DDP(model, bucket_cap_mb=layers * width * width * 4 / 2**20 + 1)
+        self._marks: list[tuple[float, float]] = []
+        state, hook = ddp_hook(fmt)
+        self._ddp.register_comm_hook(state, _stamped(hook, self._marks))
+
+    def steps(
+        self,
+        warmup: int,
+        settle_s: float,
+        count: Callable[[float], int],
+        from_last_start: bool = True,
+    ) -> list[float]:
+        """The bucket's time in each timed step.
+
+        Every step starts ``settle_s`` after a barrier, so a shaped link's
+        token bucket refills as it does during forward and backward, then runs
+        forward and backward: the hook is called by DDP on a busy rank, as in
+        training, not on one waking from idle. A step's time runs from the
+        hook's call to its future's completion; with ``from_last_start`` (ranks
+        sharing a clock: :func:`shared_clock`) from the last rank's call to the
+        last rank's completion (the collectives cannot start before the last
+        rank joins, and backward-compute skew between ranks is excluded), else
+        the slowest rank's own time. ``count`` turns the last warm-up step's
+        time (the group's maximum, so every rank runs the same number) into the
+        number of timed steps. Must be called on every rank.
+        """
+        per_step: list[float] = []
+        warmup = max(warmup, 1)  # the last warm-up step decides the count
+        step, total = 0, warmup + 1
+        while step < total:
+            self._ddp.zero_grad()
+            dist.barrier()
+            if settle_s:
+                time.sleep(settle_s)
+            del self._marks[:]
+            self._ddp(self._x).sum().backward()
+            if len(self._marks) != 1:
+                raise RuntimeError(f"expected one bucket, got {len(self._marks)}")
+            t0, t1 = self._marks[0]
+            t = torch.tensor([t0, t1, t1 - t0], dtype=torch.float64)
+            dist.all_reduce(t, op=dist.ReduceOp.MAX)
+            seconds = float(t[1] - t[0]) if from_last_start else float(t[2])
+            if step >= warmup:
+                per_step.append(seconds)
+            elif step == warmup - 1:
+                total = warmup + count(seconds)
+            step += 1
+        return per_step
+
+
 def time_hook_steps(
     n: int,
     fmt: str,
@@ -349,56 +425,10 @@ def time_hook_steps(
     layers: int = 16,
     from_last_start: bool = True,
 ) -> list[float]:
-    """A DDP model of ``n`` parameters in one bucket; its bucket's time in each timed step.
-
-    The model is ``layers`` square ``Linear`` layers (``n`` is rounded to
-    ``layers * width**2``), all in one bucket, reduced by :func:`ddp_hook`
-    (``fmt``). Every step starts ``settle_s`` after a barrier, so a shaped
-    link's token bucket refills as it does during forward and backward, then
-    runs forward and backward: the hook is called by DDP on a busy rank, as in
-    training, not on one waking from idle. A step's time runs from the hook's
-    call to its future's completion; with ``from_last_start`` (ranks sharing a
-    clock: :func:`shared_clock`) from the last rank's call to the last rank's
-    completion (the collectives cannot start before the last rank joins, and
-    backward-compute skew between ranks is excluded), else the slowest rank's
-    own time. ``count`` turns the last warm-up step's time (the group's
-    maximum, so every rank runs the same number) into the number of timed
-    steps. Must be called on every rank.
+    """:meth:`HookBench.steps` of a new :class:`HookBench` (``n``, ``fmt``, ``layers``).
 
     Example:
         >>> time_hook_steps(1024, "fp16", 1, 0.0, lambda first: 5)  # doctest: +SKIP
         [0.0011, 0.0009, 0.0010, 0.0009, 0.0010]
     """
-    from torch.nn.parallel import DistributedDataParallel as DDP
-
-    width = max(1, round((n / layers) ** 0.5))
-    torch.manual_seed(0)
-    model = torch.nn.Sequential(*[torch.nn.Linear(width, width, bias=False) for _ in range(layers)])
-    x = torch.randn(1, width)
-    # One bucket holding the whole message (an explicit cap also sets the first bucket's).
-    ddp = DDP(model, bucket_cap_mb=layers * width * width * 4 / 2**20 + 1)
-    marks: list[tuple[float, float]] = []
-    state, hook = ddp_hook(fmt)
-    ddp.register_comm_hook(state, _stamped(hook, marks))
-    per_step: list[float] = []
-    warmup = max(warmup, 1)  # the last warm-up step decides the count
-    step, total = 0, warmup + 1
-    while step < total:
-        ddp.zero_grad()
-        dist.barrier()
-        if settle_s:
-            time.sleep(settle_s)
-        del marks[:]
-        ddp(x).sum().backward()
-        if len(marks) != 1:
-            raise RuntimeError(f"expected one bucket, got {len(marks)}")
-        t0, t1 = marks[0]
-        t = torch.tensor([t0, t1, t1 - t0], dtype=torch.float64)
-        dist.all_reduce(t, op=dist.ReduceOp.MAX)
-        seconds = float(t[1] - t[0]) if from_last_start else float(t[2])
-        if step >= warmup:
-            per_step.append(seconds)
-        elif step == warmup - 1:
-            total = warmup + count(seconds)
-        step += 1
-    return per_step
+    return HookBench(n, fmt, layers).steps(warmup, settle_s, count, from_last_start)

@@ -441,19 +441,19 @@ def _calibrate_rank(rank: int, world_size: int) -> dict:
     from perfmodel.calibrate import run_calibration
 
     hook_runs: list[str] = []
-    timed = measure.time_hook_steps
+    timed = measure.HookBench.steps
 
-    def counted(n: int, fmt: str, *args: object, **kwargs: object) -> list[float]:
-        hook_runs.append(fmt)
-        return timed(n, fmt, *args, **kwargs)
+    def counted(bench: measure.HookBench, *args: object, **kwargs: object) -> list[float]:
+        hook_runs.append(bench.fmt)
+        return timed(bench, *args, **kwargs)
 
-    measure.time_hook_steps = counted
+    measure.HookBench.steps = counted
     try:
         samples, label = run_calibration(
             [4096, 65536], repeats=1, codec_kind="torch", layers=4, settle_s=0.0
         )
     finally:
-        measure.time_hook_steps = timed
+        measure.HookBench.steps = timed
     return {"samples": samples, "label": label, "hook_runs": hook_runs}
 
 
