@@ -63,6 +63,7 @@ from types import FrameType
 from typing import Any
 
 __all__ = [
+    "DEFAULT_CONGESTION_CONTROL",
     "ClusterError",
     "ClusterUnavailable",
     "EmulatedCluster",
@@ -98,6 +99,18 @@ _MIN_BURST_BYTES = 64 * 1024
 # congestion window is never starved by tail drops, small enough that idle
 # round trips are not inflated by a standing queue.
 _QUEUE_SECONDS = 0.02
+# TCP congestion control inside the rank namespaces. A new namespace inherits
+# the host's default, which on the machine these results come from is BBR:
+# BBR paces every flow at its estimate of the bottleneck rate, and with the
+# bursty traffic of gradient buckets (idle through compute, then one message)
+# that estimate, and so the time of a 0.5-1 MB message, drifts with the
+# flow's history. Measured with 4 ranks at 1 Gbit/s, three rounds of 40 DDP
+# steps: fp16_compress_hook on 1 MiB took 8.8, 21.0 and 14.4 ms under BBR,
+# 8.7, 7.5 and 8.5 ms under Reno. Loss-based control (Linux's default, CUBIC,
+# or Reno) sends a window at once, as most clusters' hosts do; Reno is the one
+# a namespace may always select (the kernel allows it without privileges).
+DEFAULT_CONGESTION_CONTROL = "reno"
+_CC_SYSCTL = "net.ipv4.tcp_congestion_control"
 _REPO_ROOT = Path(__file__).resolve().parents[1]
 _RESULT_TAG = "APS_CLUSTER_RESULT "
 
@@ -137,6 +150,7 @@ class LinkStats:
         mtu: MTU of the veths (65536 for loopback).
         loopback: True when ranks talk over 127.0.0.1 without shaping.
         pinned_cpus: each rank ran pinned to one CPU (rank mod CPUs).
+        congestion_control: the ranks' TCP congestion control (None: unknown).
 
     Example:
         >>> s = LinkStats(9.5e8, 1e-4, 1e-4, 4, "1gbit", 10**9, 64 << 20, 1500, False)
@@ -154,6 +168,7 @@ class LinkStats:
     mtu: int
     loopback: bool
     pinned_cpus: bool = False
+    congestion_control: str | None = None
 
     @property
     def efficiency(self) -> float | None:
@@ -166,8 +181,9 @@ class LinkStats:
         """One human-readable line, e.g. for a benchmark's header."""
         mode = "loopback (unshaped)" if self.loopback else f"tbf {self.configured_rate}"
         eff = f" ({self.efficiency:.1%} of configured)" if self.efficiency is not None else ""
+        cc = f", tcp {self.congestion_control}" if self.congestion_control else ""
         return (
-            f"link: {self.ranks} ranks, {mode}, mtu {self.mtu}: "
+            f"link: {self.ranks} ranks, {mode}, mtu {self.mtu}{cc}: "
             f"{self.bandwidth_bits_per_s / 1e6:.1f} Mbit/s TCP goodput{eff}, "
             f"rtt {self.rtt_s * 1e6:.0f} us (min {self.rtt_min_s * 1e6:.0f} us), "
             f"measured with {self.transfer_bytes / 2**20:.1f} MiB"
@@ -448,6 +464,10 @@ class EmulatedCluster:
             with 4 ranks on 2 cores: one APS step took 37.6-40.3 ms over three
             unpinned runs and 32.8-33.7 ms pinned, as the scheduler's placement
             of the ranks changed from run to run.
+        congestion_control: TCP congestion control set in every rank's
+            namespace (``DEFAULT_CONGESTION_CONTROL``, Reno: see there why not
+            the host's BBR); None keeps the host's default. Loopback mode runs
+            in the host's namespace and always keeps it.
 
     Example:
         >>> with EmulatedCluster(ranks=2, bandwidth="100mbit") as c:  # doctest: +SKIP
@@ -467,6 +487,7 @@ class EmulatedCluster:
         mtu: int = 1500,
         master_port: int = _DEFAULT_MASTER_PORT,
         pin_cpus: bool = True,
+        congestion_control: str | None = DEFAULT_CONGESTION_CONTROL,
     ) -> None:
         if not 1 <= ranks <= _MAX_RANKS:
             raise ValueError(f"ranks must be in [1, {_MAX_RANKS}], got {ranks}")
@@ -479,6 +500,9 @@ class EmulatedCluster:
         self.loopback = loopback
         self.fallback_to_loopback = fallback_to_loopback
         self.mtu = mtu
+        if congestion_control is not None and not re.fullmatch(r"[a-z0-9_]+", congestion_control):
+            raise ValueError(f"not a congestion control name: {congestion_control!r}")
+        self.congestion_control = congestion_control
         self.master_port = master_port
         self.name = f"{NS_PREFIX}{os.getpid()}-{secrets.token_hex(2)}"
         self._started = False
@@ -597,10 +621,42 @@ class EmulatedCluster:
             )
             _cmd(["ip", "-n", rns, "link", "set", rif, "up"])
             _cmd(["ip", "-n", rns, "link", "set", "lo", "up"])
+            if self.congestion_control is not None:
+                self._set_congestion_control(rns, self.congestion_control)
             # Egress on each end: rank -> bridge on the rank side, bridge ->
             # rank on the bridge side, i.e. a full-duplex link of this rate.
             _cmd(["tc", "-n", rns, "qdisc", "replace", "dev", rif, *tbf])
             _cmd(["tc", "-n", bns, "qdisc", "replace", "dev", bif, *tbf])
+
+    def _set_congestion_control(self, ns: str, name: str) -> None:
+        if shutil.which("sysctl") is None:
+            raise ClusterError(
+                f"setting TCP congestion control {name!r} needs `sysctl` (procps); "
+                "install it or pass congestion_control=None (--congestion-control host)"
+            )
+        try:
+            _cmd(["ip", "netns", "exec", ns, "sysctl", "-qw", f"{_CC_SYSCTL}={name}"])
+        except ClusterError as exc:
+            # Outside the host's namespace only the allowed list may be chosen.
+            allowed = _cmd(
+                ["sysctl", "-n", "net.ipv4.tcp_allowed_congestion_control"], check=False
+            ).strip()
+            raise ClusterError(
+                f"cannot set TCP congestion control {name!r} in the rank namespaces "
+                f"(allowed there: {allowed or 'unknown'}): {exc}"
+            ) from exc
+
+    def tcp_congestion_control(self) -> str | None:
+        """The congestion control rank 0's TCP uses (None if it cannot be read)."""
+        path = "/proc/sys/" + _CC_SYSCTL.replace(".", "/")
+        if self.loopback:
+            with contextlib.suppress(OSError):
+                return Path(path).read_text().strip() or None
+            return None
+        return (
+            _cmd(["ip", "netns", "exec", self.namespace(0), "cat", path], check=False).strip()
+            or None
+        )
 
     def close(self) -> None:
         """Kill every rank still running and delete every namespace (idempotent)."""
@@ -868,6 +924,7 @@ class EmulatedCluster:
             mtu=65536 if self.loopback else self.mtu,
             loopback=self.loopback,
             pinned_cpus=self.pin_cpus,
+            congestion_control=self.tcp_congestion_control(),
         )
 
 
@@ -1068,6 +1125,14 @@ def _parser() -> argparse.ArgumentParser:
         "--bandwidth", default="1gbit", help="per-rank link rate, tc syntax (default 1gbit)"
     )
     p.add_argument("--mtu", type=int, default=1500, help="veth MTU (default 1500)")
+    p.add_argument(
+        "--congestion-control",
+        default=DEFAULT_CONGESTION_CONTROL,
+        help=(
+            f"TCP congestion control in the rank namespaces (default {DEFAULT_CONGESTION_CONTROL}; "
+            "'host' keeps the machine's default)"
+        ),
+    )
     p.add_argument("--loopback", action="store_true", help="no namespaces, 127.0.0.1, no shaping")
     p.add_argument(
         "--fallback-loopback",
@@ -1122,6 +1187,7 @@ def main(argv: Sequence[str] | None = None) -> int:
         loopback=args.loopback,
         fallback_to_loopback=args.fallback_loopback,
         mtu=args.mtu,
+        congestion_control=None if args.congestion_control == "host" else args.congestion_control,
     )
     given = sys.argv[1:] if argv is None else list(argv)
     record: dict[str, Any] = {

@@ -387,7 +387,12 @@ def _write_md(path: Path, report: dict[str, Any]) -> None:
         lines.append(
             f"- Link ({ws} ranks): {link['bandwidth_bits_per_s'] / 1e6:.0f} Mbit/s TCP goodput"
             + (f" ({eff:.0%} of configured)" if eff else "")
-            + f", rtt {link['rtt_s'] * 1e6:.0f} us, mtu {link['mtu']}."
+            + f", rtt {link['rtt_s'] * 1e6:.0f} us, mtu {link['mtu']}"
+            + (
+                f", TCP congestion control {link['congestion_control']}."
+                if link.get("congestion_control")
+                else "."
+            )
         )
     lines += [
         f"- Codec: `{s['codec']}`; {s['layers_per_message']} layers per message (one APS maximum each).",

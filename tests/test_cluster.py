@@ -31,8 +31,9 @@ t = torch.full((1000,), float(dist.get_rank() + 1))
 dist.all_reduce(t)
 keys = ["MASTER_ADDR", "MASTER_PORT", "RANK", "WORLD_SIZE", "LOCAL_RANK",
         "LOCAL_WORLD_SIZE", "GLOO_SOCKET_IFNAME", "EXTRA"]
+cc = open("/proc/sys/net/ipv4/tcp_congestion_control").read().strip()
 print("RESULT " + json.dumps({"env": {k: os.environ.get(k) for k in keys},
-                              "sum": sorted(set(t.tolist()))}))
+                              "sum": sorted(set(t.tolist())), "cc": cc}))
 dist.destroy_process_group()
 """
 
@@ -159,14 +160,35 @@ def test_namespaced_cluster_shapes_measures_and_reduces(netns: None) -> None:
     print(stats.summary())
     assert stats.configured_bits_per_s == 50 * 10**6 and stats.ranks == 2
     assert 0.7 < stats.efficiency < 1.3, stats.summary()
+    # Every rank's TCP runs the cluster's congestion control, not the host's.
+    assert stats.congestion_control == cl.DEFAULT_CONGESTION_CONTROL == "reno"
+    assert "tcp reno" in stats.summary()
     for rank, out in enumerate(_results(res)):
-        assert out["sum"] == [3.0]
+        assert out["sum"] == [3.0] and out["cc"] == "reno"
         env = out["env"]
         assert env["MASTER_ADDR"] == c.address(0) and env["GLOO_SOCKET_IFNAME"] == f"aps{rank}"
         assert env["RANK"] == env["LOCAL_RANK"] == str(rank)
         assert env["WORLD_SIZE"] == env["LOCAL_WORLD_SIZE"] == "2"
         assert env["EXTRA"] == "y"
     assert _ours(c.name) == []
+
+
+def _host_congestion_control() -> str:
+    return Path("/proc/sys/net/ipv4/tcp_congestion_control").read_text().strip()
+
+
+@pytest.mark.root
+def test_congestion_control_host_default_and_bad_names(netns: None) -> None:
+    host = _host_congestion_control()
+    with cl.EmulatedCluster(ranks=2, bandwidth="100mbit", congestion_control=None) as c:
+        assert c.tcp_congestion_control() == host
+    with pytest.raises(ValueError, match="not a congestion control name"):
+        cl.EmulatedCluster(ranks=2, congestion_control="reno; reboot")
+    c = cl.EmulatedCluster(ranks=2, congestion_control="nosuchcc")
+    with pytest.raises(cl.ClusterError, match=r"congestion control 'nosuchcc'.*allowed there"):
+        c.start()
+    assert _ours(c.name) == []
+    assert _host_congestion_control() == host
 
 
 @pytest.mark.root
