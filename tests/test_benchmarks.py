@@ -148,3 +148,47 @@ def test_perfmodel_validation_rejects_bad_repeat_settings(
     with pytest.raises(SystemExit) as exc:
         pv.main(flag)
     assert exc.value.code == 2 and why in capsys.readouterr().err
+
+
+def _validation_report(errs: list[float], command: str = "python -m x") -> dict:
+    rows = [
+        {"world_size": 2, "path": "fp16", "fp32_mib": 1.0 * (i + 1), "rel_err": e}
+        | {"measured_s": 1.0, "predicted_s": 1.0 + e}
+        for i, e in enumerate(errs)
+    ]
+    abs_errs = sorted(abs(e) for e in errs)
+    summary = {
+        "median_abs_err": abs_errs[len(abs_errs) // 2],
+        "max_abs_err": abs_errs[-1],
+        "n": len(errs),
+    }
+    setup = {"command": command, "host": "h", "cpu_count": 2, "backend": "gloo"}
+    setup |= {"transport": "t", "runtime_s": 1.0}
+    setup |= {"loadavg_1_5_15_before": [0, 0, 0], "loadavg_1_5_15_after": [0, 0, 0]}
+    return {"setup": setup, "summary": {"all": summary}, "rows": rows}
+
+
+def test_validation_target_is_judged_on_every_recorded_run(tmp_path: Path) -> None:
+    from benchmarks import perfmodel_validate as pv
+
+    repeat = tmp_path / "repeat.json"
+    repeat.write_text(json.dumps(_validation_report([0.05, -0.30, 0.02])))
+    summary = pv._run_summary(repeat, "python -m x")
+    assert summary["max_abs_err"] == 0.30 and summary["worst"]["fp32_mib"] == 2.0
+    with pytest.raises(SystemExit, match="not a repeat of this run"):
+        pv._run_summary(repeat, "python -m y")
+
+    # This run meets the target; its repeat does not: the report must say so.
+    val = _validation_report([0.05, -0.20, 0.02])
+    val["setup"]["repeat_runs"] = [summary]
+    assert [r["max_abs_err"] for r in pv.all_runs(val)] == [0.20, 0.30]
+    results = tmp_path / "results"
+    results.mkdir()
+    (results / "perfmodel_validation.json").write_text(json.dumps(val))
+    text = report.build(results, tmp_path / "RESULTS.md")
+    assert "**Missed** in run 2 of 2" in text
+    assert "missed its target (median <= 10%, worst <= 25%) in 1 of 2 runs" in text
+    del val["setup"]["repeat_runs"]
+    (results / "perfmodel_validation.json").write_text(json.dumps(val))
+    text = report.build(results, tmp_path / "RESULTS.md")
+    assert "Missed" not in text and "missed its target" not in text
