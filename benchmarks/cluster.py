@@ -111,6 +111,8 @@ _QUEUE_SECONDS = 0.02
 # a namespace may always select (the kernel allows it without privileges).
 DEFAULT_CONGESTION_CONTROL = "reno"
 _CC_SYSCTL = "net.ipv4.tcp_congestion_control"
+# --pin on the command lines: EmulatedCluster's pin_cpus.
+PIN_CHOICES: dict[str, bool | None] = {"auto": None, "always": True, "never": False}
 _REPO_ROOT = Path(__file__).resolve().parents[1]
 _RESULT_TAG = "APS_CLUSTER_RESULT "
 
@@ -459,11 +461,16 @@ class EmulatedCluster:
             in loopback mode instead of raising :class:`ClusterUnavailable`.
         mtu: MTU of the veths.
         master_port: rendezvous port (loopback mode picks a free one).
-        pin_cpus: pin rank r to CPU r mod (CPUs available), as a real node
-            owns its cores (needs ``taskset``; skipped without it). Measured
-            with 4 ranks on 2 cores: one APS step took 37.6-40.3 ms over three
-            unpinned runs and 32.8-33.7 ms pinned, as the scheduler's placement
-            of the ranks changed from run to run.
+        pin_cpus: pin rank r to CPU r mod (CPUs available) (needs
+            ``taskset``; skipped without it). None (the default) pins only
+            when there are more ranks than CPUs. Measured with 4 ranks on 2
+            cores: one APS step took 37.6-40.3 ms over three unpinned runs and
+            32.8-33.7 ms pinned, as the scheduler's placement of the ranks
+            changed from run to run. With a CPU or more per rank, pinning puts
+            a rank's main thread and its Gloo threads on one CPU, where one
+            waits for the other up to a scheduler tick: with 2 ranks on 2
+            cores a tiny FP32 DDP hook call took p25/p75 2.1-2.8/5.0-5.5 ms
+            pinned and 0.8-0.9/1.4-2.0 ms unpinned.
         congestion_control: TCP congestion control set in every rank's
             namespace (``DEFAULT_CONGESTION_CONTROL``, Reno: see there why not
             the host's BBR); None keeps the host's default. Loopback mode runs
@@ -486,7 +493,7 @@ class EmulatedCluster:
         fallback_to_loopback: bool = False,
         mtu: int = 1500,
         master_port: int = _DEFAULT_MASTER_PORT,
-        pin_cpus: bool = True,
+        pin_cpus: bool | None = None,
         congestion_control: str | None = DEFAULT_CONGESTION_CONTROL,
     ) -> None:
         if not 1 <= ranks <= _MAX_RANKS:
@@ -494,6 +501,8 @@ class EmulatedCluster:
         if not 68 <= mtu <= 65535:
             raise ValueError(f"mtu must be in [68, 65535], got {mtu}")
         self.ranks = ranks
+        if pin_cpus is None:
+            pin_cpus = ranks > len(os.sched_getaffinity(0))
         self.pin_cpus = pin_cpus and shutil.which("taskset") is not None
         self.bandwidth = str(bandwidth)
         self.bits_per_s = parse_rate(bandwidth)
@@ -1126,6 +1135,12 @@ def _parser() -> argparse.ArgumentParser:
     )
     p.add_argument("--mtu", type=int, default=1500, help="veth MTU (default 1500)")
     p.add_argument(
+        "--pin",
+        choices=list(PIN_CHOICES),
+        default="auto",
+        help="pin rank r to CPU r mod CPUs: always, never, or auto (when ranks outnumber CPUs)",
+    )
+    p.add_argument(
         "--congestion-control",
         default=DEFAULT_CONGESTION_CONTROL,
         help=(
@@ -1187,6 +1202,7 @@ def main(argv: Sequence[str] | None = None) -> int:
         loopback=args.loopback,
         fallback_to_loopback=args.fallback_loopback,
         mtu=args.mtu,
+        pin_cpus=PIN_CHOICES[args.pin],
         congestion_control=None if args.congestion_control == "host" else args.congestion_control,
     )
     given = sys.argv[1:] if argv is None else list(argv)

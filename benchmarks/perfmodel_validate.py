@@ -39,6 +39,7 @@ import time
 from pathlib import Path
 from typing import Any
 
+from benchmarks.cluster import PIN_CHOICES
 from perfmodel.calibrate import fit_profile, geometric_sizes
 from perfmodel.comm import bucket_comm
 from perfmodel.formats import get_format
@@ -170,7 +171,12 @@ def _run_world(ws: int, args: argparse.Namespace, calib: list[int], val: list[in
             "--calib-max-repeats", str(args.calib_max_repeats),
             "--calib-sizes", ",".join(map(str, calib)), "--val-sizes", ",".join(map(str, val)),
         ]  # fmt: skip
-        with EmulatedCluster(ranks=ws, bandwidth=args.bandwidth, loopback=args.loopback) as c:
+        with EmulatedCluster(
+            ranks=ws,
+            bandwidth=args.bandwidth,
+            loopback=args.loopback,
+            pin_cpus=PIN_CHOICES[args.pin],
+        ) as c:
             stats = c.link_stats()
             print(stats.summary(), flush=True)
             ranks = c.run(worker, timeout=args.timeout, echo=True)
@@ -251,6 +257,12 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--world-sizes", default="2,4")
     ap.add_argument("--bandwidth", default="1gbit", help="per-rank link rate (tc syntax)")
     ap.add_argument("--loopback", action="store_true", help="127.0.0.1, no namespaces or shaping")
+    ap.add_argument(
+        "--pin",
+        choices=list(PIN_CHOICES),
+        default="auto",
+        help="pin rank r to CPU r mod CPUs: always, never, or auto (when ranks outnumber CPUs)",
+    )
     ap.add_argument("--sizes-mib", default="1,4,16,64,256", help="validation sizes, FP32 MiB")
     ap.add_argument("--calib-min", type=float, default=0.25, help="calibration min size, MiB")
     ap.add_argument("--calib-max", type=float, default=64.0, help="calibration max size, MiB")
@@ -418,10 +430,11 @@ def _write_md(path: Path, report: dict[str, Any]) -> None:
             + (f" ({eff:.0%} of configured)" if eff else "")
             + f", rtt {link['rtt_s'] * 1e6:.0f} us, mtu {link['mtu']}"
             + (
-                f", TCP congestion control {link['congestion_control']}."
+                f", TCP congestion control {link['congestion_control']}"
                 if link.get("congestion_control")
-                else "."
+                else ""
             )
+            + (", each rank pinned to one CPU." if link.get("pinned_cpus") else ", ranks unpinned.")
         )
     lines += [
         f"- Codec: `{s['codec']}`; {s['layers_per_message']} layers per message (one APS maximum each).",

@@ -276,3 +276,21 @@ def test_setup_failure_cleans_up(netns: None, monkeypatch: pytest.MonkeyPatch) -
     with pytest.raises(cl.ClusterError, match="link add"):
         c.start()
     assert _ours(c.name) == []
+
+
+@pytest.mark.parametrize(
+    ("pin", "ranks_per_cpu", "pinned"),
+    [("auto", 1, False), ("auto", 2, True), ("always", 1, True), ("never", 2, False)],
+)
+def test_cli_pins_ranks_only_when_they_outnumber_the_cpus(
+    pin: str, ranks_per_cpu: int, pinned: bool
+) -> None:
+    cpus = len(os.sched_getaffinity(0))
+    if cl.shutil.which("taskset") is None or not 2 <= cpus <= 8:
+        pytest.skip("needs taskset and 2-8 CPUs")
+    script = "import os; print('CPUS', len(os.sched_getaffinity(0)))"
+    cmd = [sys.executable, "-m", "benchmarks.cluster", "--ranks", str(cpus * ranks_per_cpu)]
+    cmd += ["--loopback", "--pin", pin, "--no-probe", "--", sys.executable, "-c", script]
+    out = subprocess.run(cmd, capture_output=True, text=True, timeout=120, check=True).stdout
+    counts = {int(line.split("CPUS")[1]) for line in out.splitlines() if "CPUS" in line}
+    assert counts == ({1} if pinned else {cpus}), out
