@@ -64,11 +64,13 @@ from typing import Any
 
 __all__ = [
     "DEFAULT_CONGESTION_CONTROL",
+    "PIN_CHOICES",
     "ClusterError",
     "ClusterUnavailable",
     "EmulatedCluster",
     "LinkStats",
     "RankResult",
+    "add_pin_argument",
     "allreduce_check",
     "cleanup_stale_namespaces",
     "main",
@@ -317,6 +319,26 @@ def _cmd(args: Sequence[str], *, check: bool = True, timeout: float = 30.0) -> s
             f"`{shlex.join(args)}` exited {proc.returncode}: {proc.stderr.strip() or proc.stdout.strip()}"
         )
     return proc.stdout
+
+
+def _set_congestion_control(ns: str, name: str) -> None:
+    """Set the TCP congestion control of namespace ``ns``."""
+    if shutil.which("sysctl") is None:
+        raise ClusterError(
+            f"setting TCP congestion control {name!r} needs `sysctl` (procps); "
+            "install it or pass congestion_control=None (--congestion-control host)"
+        )
+    try:
+        _cmd(["ip", "netns", "exec", ns, "sysctl", "-qw", f"{_CC_SYSCTL}={name}"])
+    except ClusterError as exc:
+        # Outside the host's namespace only the allowed list may be chosen.
+        allowed = _cmd(
+            ["sysctl", "-n", "net.ipv4.tcp_allowed_congestion_control"], check=False
+        ).strip()
+        raise ClusterError(
+            f"cannot set TCP congestion control {name!r} in the rank namespaces "
+            f"(allowed there: {allowed or 'unknown'}): {exc}"
+        ) from exc
 
 
 def _list_netns() -> list[str]:
@@ -631,29 +653,11 @@ class EmulatedCluster:
             _cmd(["ip", "-n", rns, "link", "set", rif, "up"])
             _cmd(["ip", "-n", rns, "link", "set", "lo", "up"])
             if self.congestion_control is not None:
-                self._set_congestion_control(rns, self.congestion_control)
+                _set_congestion_control(rns, self.congestion_control)
             # Egress on each end: rank -> bridge on the rank side, bridge ->
             # rank on the bridge side, i.e. a full-duplex link of this rate.
             _cmd(["tc", "-n", rns, "qdisc", "replace", "dev", rif, *tbf])
             _cmd(["tc", "-n", bns, "qdisc", "replace", "dev", bif, *tbf])
-
-    def _set_congestion_control(self, ns: str, name: str) -> None:
-        if shutil.which("sysctl") is None:
-            raise ClusterError(
-                f"setting TCP congestion control {name!r} needs `sysctl` (procps); "
-                "install it or pass congestion_control=None (--congestion-control host)"
-            )
-        try:
-            _cmd(["ip", "netns", "exec", ns, "sysctl", "-qw", f"{_CC_SYSCTL}={name}"])
-        except ClusterError as exc:
-            # Outside the host's namespace only the allowed list may be chosen.
-            allowed = _cmd(
-                ["sysctl", "-n", "net.ipv4.tcp_allowed_congestion_control"], check=False
-            ).strip()
-            raise ClusterError(
-                f"cannot set TCP congestion control {name!r} in the rank namespaces "
-                f"(allowed there: {allowed or 'unknown'}): {exc}"
-            ) from exc
 
     def tcp_congestion_control(self) -> str | None:
         """The congestion control rank 0's TCP uses (None if it cannot be read)."""
@@ -1117,6 +1121,16 @@ def allreduce_check(
 # -- command line ----------------------------------------------------------
 
 
+def add_pin_argument(parser: argparse.ArgumentParser) -> None:
+    """``--pin auto|always|never``: the ``pin_cpus`` of an :class:`EmulatedCluster` (``PIN_CHOICES``)."""
+    parser.add_argument(
+        "--pin",
+        choices=list(PIN_CHOICES),
+        default="auto",
+        help="pin rank r to CPU r mod CPUs: always, never, or auto (when ranks outnumber CPUs)",
+    )
+
+
 def _parser() -> argparse.ArgumentParser:
     p = argparse.ArgumentParser(
         prog="python -m benchmarks.cluster",
@@ -1134,12 +1148,7 @@ def _parser() -> argparse.ArgumentParser:
         "--bandwidth", default="1gbit", help="per-rank link rate, tc syntax (default 1gbit)"
     )
     p.add_argument("--mtu", type=int, default=1500, help="veth MTU (default 1500)")
-    p.add_argument(
-        "--pin",
-        choices=list(PIN_CHOICES),
-        default="auto",
-        help="pin rank r to CPU r mod CPUs: always, never, or auto (when ranks outnumber CPUs)",
-    )
+    add_pin_argument(p)
     p.add_argument(
         "--congestion-control",
         default=DEFAULT_CONGESTION_CONTROL,

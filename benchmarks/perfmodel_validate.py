@@ -39,7 +39,7 @@ import time
 from pathlib import Path
 from typing import Any
 
-from benchmarks.cluster import PIN_CHOICES
+from benchmarks.cluster import PIN_CHOICES, add_pin_argument
 from perfmodel.calibrate import fit_profile, geometric_sizes
 from perfmodel.comm import bucket_comm
 from perfmodel.formats import get_format
@@ -257,12 +257,7 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--world-sizes", default="2,4")
     ap.add_argument("--bandwidth", default="1gbit", help="per-rank link rate (tc syntax)")
     ap.add_argument("--loopback", action="store_true", help="127.0.0.1, no namespaces or shaping")
-    ap.add_argument(
-        "--pin",
-        choices=list(PIN_CHOICES),
-        default="auto",
-        help="pin rank r to CPU r mod CPUs: always, never, or auto (when ranks outnumber CPUs)",
-    )
+    add_pin_argument(ap)
     ap.add_argument("--sizes-mib", default="1,4,16,64,256", help="validation sizes, FP32 MiB")
     ap.add_argument("--calib-min", type=float, default=0.25, help="calibration min size, MiB")
     ap.add_argument("--calib-max", type=float, default=64.0, help="calibration max size, MiB")
@@ -392,14 +387,18 @@ def main(argv: list[str] | None = None) -> int:
     return 0
 
 
-def all_runs(report: dict[str, Any]) -> list[dict[str, Any]]:
-    """This run's overall errors and worst point, then those of its recorded repeats."""
+def _overall(report: dict[str, Any]) -> dict[str, Any]:
+    """A run's overall errors and its worst point."""
     worst = max(report["rows"], key=lambda r: abs(r["rel_err"]))
-    this = {
+    return {
         **{k: report["summary"]["all"][k] for k in ("median_abs_err", "max_abs_err", "n")},
         "worst": {k: worst[k] for k in ("world_size", "path", "fp32_mib", "rel_err")},
     }
-    return [this, *report["setup"].get("repeat_runs", [])]
+
+
+def all_runs(report: dict[str, Any]) -> list[dict[str, Any]]:
+    """This run's overall errors and worst point, then those of its recorded repeats."""
+    return [_overall(report), *report["setup"].get("repeat_runs", [])]
 
 
 def _run_summary(path: Path, command: str) -> dict[str, Any]:
@@ -409,7 +408,7 @@ def _run_summary(path: Path, command: str) -> dict[str, Any]:
         raise SystemExit(
             f"{path} ran `{other['setup']['command']}`, not `{command}`: not a repeat of this run"
         )
-    return all_runs({**other, "setup": {}})[0]
+    return _overall(other)
 
 
 def _write_md(path: Path, report: dict[str, Any]) -> None:

@@ -346,7 +346,7 @@ def _perfmodel(results: Path, out: Path) -> list[str]:
         overall = val["summary"].get("all", {})
         if target:
             lines += ["", f"Target: {target.group(1).strip()}"]
-        if overall and (overall["median_abs_err"] > 0.10 or overall["max_abs_err"] > 0.25):
+        if overall and _validation_missed(overall):
             worst = max(val["rows"], key=lambda r: abs(r["rel_err"]))
             lines += [
                 "",
