@@ -9,6 +9,7 @@ Example:
     >>> state = register(ddp_model, fmt="e4m3")  # doctest: +SKIP
 """
 
+from aps_comm.codec import decode, encode
 from aps_comm.formats import FloatFormat, get_format
 from aps_comm.hook import APSConfig, APSState, aps_hook, register
 from aps_comm.policy import ByName, KeepLast, LowRatio, MinNumel, Promote, Schedule
@@ -26,6 +27,8 @@ __all__ = [
     "Promote",
     "Schedule",
     "aps_hook",
+    "decode",
+    "encode",
     "get_format",
     "register",
 ]

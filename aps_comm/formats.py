@@ -10,6 +10,11 @@ smaller: two elements per byte, FP16/BF16: two bytes).
 Every format with ``exp_bits <= 8`` and ``man_bits <= 23`` is a subset of
 float32, so float32 arithmetic with power-of-two quanta simulates it exactly.
 
+:func:`encode` and :func:`decode` here are the reference bit path in plain
+torch (any device, any format); :mod:`aps_comm.codec` is the fast codec the
+hook uses (compiled kernels on CPU, native casts on CUDA) and writes the same
+bytes.
+
 Run ``python -m aps_comm.formats`` for a table of the built-in formats.
 
 Example:
@@ -31,8 +36,6 @@ from typing import Literal
 import numpy as np
 import torch
 
-from aps_comm import _kernels
-
 __all__ = [
     "BF16",
     "E2M1",
@@ -46,11 +49,17 @@ __all__ = [
     "FP16",
     "FP32",
     "FloatFormat",
+    "code_table",
     "decode",
+    "decode_into",
     "encode",
+    "encode_into",
     "get_format",
     "payload_nbytes",
+    "pow2",
     "quantize",
+    "saturate",
+    "special_codes",
 ]
 
 Specials = Literal["ieee", "fn", "none"]
@@ -245,8 +254,14 @@ def get_format(fmt: FloatFormat | str) -> FloatFormat:
 # quantize
 
 
-def _pow2(k: torch.Tensor) -> torch.Tensor:
-    """2**k as float32 for int32 k in [-149, 127], built from bits (exact, subnormals too)."""
+def pow2(k: torch.Tensor) -> torch.Tensor:
+    """2**k as float32 for integer k in [-149, 127], built from bits (exact, subnormals too).
+
+    Example:
+        >>> pow2(torch.tensor([-1, 3]))
+        tensor([0.5000, 8.0000])
+    """
+    k = k.to(torch.int32)
     normal = torch.bitwise_left_shift(k + 127, 23)
     sub = torch.bitwise_left_shift(torch.ones_like(k), (k + 149).clamp(0, 22))
     return torch.where(k >= -126, normal, sub).view(torch.float32)
@@ -293,7 +308,7 @@ def quantize(
     # frexp: a = m * 2**e with |m| in [0.5, 1), so the leading bit has weight 2**(e-1).
     _, e = torch.frexp(a)
     lead = e.sub_(1).clamp_(min=fmt._emin)
-    quantum = _pow2(lead - fmt.man_bits)
+    quantum = pow2(lead - fmt.man_bits)
     # Dividing by a power of two is exact; it never overflows since |a| / quantum < 2**(m+1).
     y = a / quantum
     if rounding == "nearest" and fmt.man_bits == 0:
@@ -321,8 +336,13 @@ def quantize(
 
 
 @functools.lru_cache(maxsize=64)
-def _code_table(fmt: FloatFormat) -> np.ndarray:
-    """Value of every code 0 .. 2**bits - 1, as float32 (sign bit on top)."""
+def code_table(fmt: FloatFormat) -> np.ndarray:
+    """Value of every code 0 .. 2**bits - 1, as float32 (sign bit on top).
+
+    Example:
+        >>> code_table(E4M3)[56]
+        np.float32(1.0)
+    """
     codes = np.arange(2**fmt.bits, dtype=np.int64)
     m = fmt.man_bits
     mag = codes & ((1 << (fmt.bits - 1)) - 1)
@@ -345,12 +365,23 @@ def _code_table(fmt: FloatFormat) -> np.ndarray:
 @functools.lru_cache(maxsize=64)
 def _positive_table(fmt: FloatFormat, device: torch.device) -> torch.Tensor:
     """Finite non-negative values in code order (they are increasing)."""
-    table = _code_table(fmt)[: 2 ** (fmt.bits - 1)]
+    table = code_table(fmt)[: 2 ** (fmt.bits - 1)]
     return torch.from_numpy(table[np.isfinite(table)].copy()).to(device)
 
 
-def _special_codes(fmt: FloatFormat) -> tuple[int, int]:
-    """(NaN code, +inf code) as non-negative magnitudes; -1 where the format has none."""
+@functools.lru_cache(maxsize=64)
+def _device_code_table(fmt: FloatFormat, device: torch.device) -> torch.Tensor:
+    """:func:`code_table` on ``device``, copied there once."""
+    return torch.from_numpy(code_table(fmt)).to(device)
+
+
+def special_codes(fmt: FloatFormat) -> tuple[int, int]:
+    """(NaN code, +inf code) as non-negative magnitudes; -1 where the format has none.
+
+    Example:
+        >>> special_codes(E4M3)
+        (127, -1)
+    """
     m, top = fmt.man_bits, 2**fmt.exp_bits - 1
     if fmt.specials == "ieee":
         return (top << m) | (1 << (m - 1)), top << m
@@ -380,7 +411,7 @@ def _encode_torch(q: torch.Tensor, fmt: FloatFormat) -> torch.Tensor:
     """
     table = _positive_table(fmt, q.device)
     mag = torch.searchsorted(table, q.abs()).to(torch.int32)
-    nan_code, inf_code = _special_codes(fmt)
+    nan_code, inf_code = special_codes(fmt)
     if inf_code < 0:
         inf_code = nan_code if fmt.has_nan else len(table) - 1
     mag = torch.where(torch.isinf(q), inf_code, mag)
@@ -399,9 +430,11 @@ def _pack_nibbles(codes: torch.Tensor) -> torch.Tensor:
 def encode(
     x: torch.Tensor, fmt: FloatFormat | str, *, out: torch.Tensor | None = None
 ) -> torch.Tensor:
-    """Encode ``x`` into the wire representation of ``fmt``.
+    """Encode ``x`` into the wire representation of ``fmt`` (the reference bit path).
 
     The values are rounded as :func:`quantize` does (nearest-even, saturating).
+    Plain torch on any device; :func:`aps_comm.codec.encode` writes the same
+    bytes faster and fuses per-layer scales.
     FP8 formats give exactly the bytes of ``x.to(torch.float8_e4m3fn /
     float8_e5m2).view(torch.uint8)`` for values within range.
 
@@ -431,7 +464,7 @@ def encode(
         out = torch.empty(need, dtype=torch.uint8, device=x.device)
     else:
         _check_out(out, torch.uint8, need, x.device)
-    _encode_into(flat, fmt, out)
+    encode_into(flat, fmt, out)
     return out
 
 
@@ -442,7 +475,7 @@ def decode(
     *,
     out: torch.Tensor | None = None,
 ) -> torch.Tensor:
-    """Decode ``numel`` elements of ``fmt`` from a uint8 payload into float32.
+    """Decode ``numel`` elements of ``fmt`` from a uint8 payload into float32 (reference path).
 
     ``out``, if given, must be a contiguous 1-D float32 tensor of ``numel``
     elements on the payload's device; it is filled and returned.
@@ -463,7 +496,7 @@ def decode(
         out = torch.empty(numel, dtype=torch.float32, device=payload.device)
     else:
         _check_out(out, torch.float32, numel, payload.device)
-    _decode_into(payload.reshape(-1)[:need], fmt, out)
+    decode_into(payload.reshape(-1)[:need], fmt, out)
     return out
 
 
@@ -481,30 +514,11 @@ def _check_out(out: torch.Tensor, dtype: torch.dtype, numel: int, device: torch.
         )
 
 
-def _use_kernels(t: torch.Tensor, fmt: FloatFormat) -> bool:
-    # The encoder's bit tricks assume the format's normals are float32 normals
-    # (bias <= 127); a larger bias takes the torch path.
-    return (
-        t.device.type == "cpu" and fmt.wire_bits <= 16 and fmt._emin >= -126 and _kernels.AVAILABLE
-    )
-
-
-def _encode_into(
-    x: torch.Tensor, fmt: FloatFormat, out: torch.Tensor, scales: _kernels.Segments | None = None
-) -> None:
-    """Encode float ``x`` (optionally times per-segment powers of two) into ``out`` (uint8).
-
-    The hot path of the hook: one pass, no large temporaries on CPU.
-    """
-    if _use_kernels(x, fmt):
-        _kernels.encode(x, out, fmt, scales)
-        return
-    if scales is not None:
-        x = scales.apply(x)
+def encode_into(x: torch.Tensor, fmt: FloatFormat, out: torch.Tensor) -> None:
+    """Encode float ``x`` into uint8 ``out`` with plain torch ops, unchecked (any device)."""
     dtype = fmt.torch_dtype
     if dtype is not None and fmt.wire_bits >= 16:
-        sat = _saturate(x, fmt)
-        out.view(dtype).copy_(sat)
+        out.view(dtype).copy_(saturate(x, fmt))
         return
     codes = _encode_torch(quantize(x, fmt), fmt)
     if fmt.wire_bits == 4:
@@ -513,34 +527,37 @@ def _encode_into(
         out.copy_(codes.to(torch.uint8))
 
 
-def _saturate(x: torch.Tensor, fmt: FloatFormat) -> torch.Tensor:
-    """Clamp finite values to +-max, keeping inf (ieee) and NaN."""
-    sat = x.float().clamp(-fmt.max, fmt.max)
-    return torch.where(torch.isinf(x), x.float(), sat) if fmt.has_inf else sat
+def saturate(x: torch.Tensor, fmt: FloatFormat) -> torch.Tensor:
+    """``x`` in float32 with finite values clamped to +-max; inf stays inf where the
+    format has inf and becomes NaN where it has only NaN; NaN stays NaN.
+
+    What the encoder does to out-of-range values, before rounding.
+
+    Example:
+        >>> saturate(torch.tensor([1e6, float("inf")]), E4M3)
+        tensor([448., nan])
+    """
+    xf = x.float()
+    sat = xf.clamp(-fmt.max, fmt.max)  # NaN passes through clamp unchanged
+    if fmt.has_inf:
+        return torch.where(torch.isinf(xf), xf, sat)
+    if fmt.has_nan:
+        return sat.masked_fill_(torch.isinf(xf), float("nan"))
+    return sat
 
 
-def _decode_into(
-    payload: torch.Tensor,
-    fmt: FloatFormat,
-    out: torch.Tensor,
-    scales: _kernels.Segments | None = None,
-) -> None:
-    """Decode ``payload`` into float32 ``out`` (optionally times per-segment factors)."""
-    if _use_kernels(payload, fmt):
-        _kernels.decode(payload, out, fmt, scales)
-        return
+def decode_into(payload: torch.Tensor, fmt: FloatFormat, out: torch.Tensor) -> None:
+    """Decode uint8 ``payload`` into float32 ``out`` with plain torch ops, unchecked."""
     dtype = fmt.torch_dtype
     if dtype is not None and fmt.wire_bits >= 16:
         out.copy_(payload.view(dtype))
+        return
+    table = _device_code_table(fmt, payload.device)
+    if fmt.wire_bits == 4:
+        codes = torch.stack([payload & 0xF, payload >> 4], dim=1).reshape(-1)
     else:
-        table = torch.from_numpy(_code_table(fmt)).to(payload.device)
-        if fmt.wire_bits == 4:
-            codes = torch.stack([payload & 0xF, payload >> 4], dim=1).reshape(-1)
-        else:
-            codes = payload
-        out.copy_(table[codes[: out.numel()].long()])
-    if scales is not None:
-        out.copy_(scales.apply(out))
+        codes = payload
+    torch.index_select(table, 0, codes[: out.numel()].int(), out=out)
 
 
 # ---------------------------------------------------------------------------

@@ -1,14 +1,17 @@
-"""The APS communication hook for DistributedDataParallel.
+"""The APS communication hook for DistributedDataParallel: DDP glue and state.
 
-Per bucket: every rank finds each layer's largest |gradient|, one MAX
-all-reduce of those L floats agrees on them, each layer is multiplied by a
-power of two chosen so nothing can overflow (:mod:`aps_comm.scaling`), the
-bucket is encoded to the wire format in one fused pass, reduced
-(:mod:`aps_comm.reduction`), then decoded and unscaled in FP32 in one pass,
-in place in the bucket.
+Per bucket: every rank finds each layer's largest |gradient| in one fused
+pass, one MAX all-reduce of those L floats agrees on them, each layer is
+multiplied by a power of two chosen so nothing can overflow
+(:mod:`aps_comm.scaling`), and the bucket is encoded, reduced and decoded in
+place in pipelined chunks (:mod:`aps_comm.transports` over
+:mod:`aps_comm.codec`), following the bucket's cached :mod:`aps_comm.plan`.
 
-Collectives are issued only from the thread DDP calls the hook on, in bucket
-order, on the state's own process group: the future's callback only decodes.
+The hook returns at once (:mod:`aps_comm.executor`): on Gloo one FIFO worker
+per state runs the buckets in DDP's order, so every rank issues the same
+collectives in the same order; on NCCL the work is enqueued on a side stream
+and the future is CUDA-aware. Collectives run on the state's own process
+group, never DDP's.
 
 Example:
     >>> from aps_comm import APSState, aps_hook, register
@@ -21,42 +24,32 @@ Example:
 # and requires the real dist.GradBucket / torch.futures.Future objects.
 
 import dataclasses
+import datetime
+import functools
 from collections.abc import Sequence
 
-import numpy as np
 import torch
 import torch.distributed as dist
 from torch.nn.parallel import DistributedDataParallel
 
-from aps_comm import _kernels
-from aps_comm.formats import (
-    FP32,
-    FloatFormat,
-    _decode_into,
-    _encode_into,
-    get_format,
-    payload_nbytes,
-)
+from aps_comm import codec, transports
+from aps_comm.executor import FifoWorker, run_on_side_stream
+from aps_comm.formats import FP32, FloatFormat, get_format
+from aps_comm.plan import BucketPlan, GroupPlan
 from aps_comm.policy import LayerInfo, Promote, Rule, Schedule, static_formats
 from aps_comm.policy import describe as describe_policy
-from aps_comm.reduction import (
-    REDUCTIONS,
-    Reduction,
-    all_gather_single,
-    pick_reduction,
-    reduce_shards,
-    shard_layout,
-    shard_mean,
-)
-from aps_comm.scaling import SCALINGS, Scaling, exponents, layer_amax, pow2
+from aps_comm.reduction import REDUCTIONS, Reduction, pick_reduction
+from aps_comm.scaling import SCALINGS, Scaling, exponents, pow2
 from aps_comm.telemetry import LayerStats, layer_stats
 
-__all__ = ["APSConfig", "APSState", "aps_hook", "register"]
+__all__ = ["CHUNK_ELEMENTS", "APSConfig", "APSState", "aps_hook", "register"]
 
 _BACKENDS = ("gloo", "nccl", "mpi")
-# Elements per pipelined chunk of a bucket (4 MiB of FP32): small enough to
-# overlap the codec with the wire, large enough to keep per-message costs low.
-_CHUNK_ELEMENTS = 2**20
+CHUNK_ELEMENTS = 2**20
+"""Elements per pipelined chunk of a bucket (4 MiB of FP32): small enough to
+overlap the codec with the wire, large enough to keep per-message costs low."""
+# Error feedback keeps a group in one chunk: its owner step needs the whole shard.
+_ONE_CHUNK = 2**62
 
 
 @dataclasses.dataclass(frozen=True)
@@ -88,26 +81,24 @@ class APSConfig:
         )
 
 
-@dataclasses.dataclass
-class _Group:
-    """Layers of one bucket that travel in the same format this step."""
+@dataclasses.dataclass(frozen=True)
+class _Bucket:
+    """What the hook hands the engine: the bucket as DDP gave it."""
 
-    fmt: FloatFormat
-    index: list[int]  # positions of the layers in the bucket
-    x: torch.Tensor  # contiguous fp32 values (a view of the bucket if it is the only group)
-    offsets: np.ndarray
-    amax: torch.Tensor
-    key: tuple
+    index: int
+    buffer: torch.Tensor
+    params: list[torch.Tensor]
+    is_last: bool
 
 
 class APSState:
     """State of the APS hook: configuration, process group, policy, scratch buffers, stats.
 
-    Can be built before ``torch.distributed`` is initialised; it binds to a
-    process group on the first hook call. Unless ``process_group`` is given it
-    creates its own group over all ranks then (in the same order on every
-    rank, since DDP calls the hook for bucket 0 first everywhere), so its
-    collectives never interleave with DDP's.
+    Can be built before ``torch.distributed`` is initialised. Unless
+    ``process_group`` is given, it uses a group of its own over all ranks, so
+    its collectives never interleave with DDP's: :func:`register` (or
+    :meth:`bind_process_group`) creates it at once, with the default group's
+    timeout; otherwise the first hook call does.
 
     Args:
         fmt: wire format: a name accepted by :func:`aps_comm.formats.get_format`
@@ -138,6 +129,7 @@ class APSState:
         bytes_detail: the same per collective: "all_reduce_max", "all_to_all",
             "all_gather", "all_reduce".
         step: steps communicated so far.
+        chunk_elements: largest pipelined chunk of a bucket, in elements.
 
     Example:
         >>> state = APSState(fmt="e4m3", reduction="two_phase", stats=True)
@@ -172,7 +164,9 @@ class APSState:
         self._world_size = 0
         self._backend = ""
         self._reductions: dict[FloatFormat, str] = {}
-        self._scratch: dict[tuple, tuple[torch.Tensor, torch.Tensor]] = {}
+        self._plans: dict[tuple, BucketPlan] = {}
+        self._worker: FifoWorker | None = None
+        self._streams: dict[torch.device, torch.cuda.Stream] = {}
         self._step_stats: list[LayerStats] = []
         self._step_bytes: dict[str, int] = {}
         # Per parameter name: Promote's (level, calm steps) and last local underflow rate.
@@ -180,7 +174,7 @@ class APSState:
         self._rates: dict[str, float] = {}
         # Error feedback: what rounding lost, per parameter name (unscaled).
         self._residuals: dict[str, torch.Tensor] = {}
-        self.chunk_elements = _CHUNK_ELEMENTS
+        self.chunk_elements = CHUNK_ELEMENTS
         self._schedule = [r for r in self.policy if isinstance(r, Schedule)]
         self._promoter = next((r for r in self.policy if isinstance(r, Promote)), None)
 
@@ -225,11 +219,37 @@ class APSState:
             f"error_feedback={self.error_feedback}"
         )
 
-    def _bind(self, buffer: torch.Tensor) -> None:
+    def bind_process_group(self, timeout: datetime.timedelta | None = None) -> None:
+        """Create the state's process group (unless one was given) and agree on the configuration.
+
+        Collective: call it on every rank, where every rank is alive and in
+        step (:func:`register` does; otherwise the first hook call does, and
+        blocks until every rank has reached it). The group's timeout is
+        ``timeout``, else the default group's, so no collective of the hook
+        outlives the timeout the job chose.
+
+        Raises:
+            ValueError: the configuration differs across ranks (on every rank).
+        """
+        if self._world_size:
+            return
         if not dist.is_available() or not dist.is_initialized():
-            raise RuntimeError("aps_hook called before torch.distributed was initialised")
+            raise RuntimeError("the APS hook needs torch.distributed initialised")
         if self.process_group is None:
-            self.process_group = dist.new_group()
+            self.process_group = transports.new_group(timeout)
+        world_size = self.process_group.size()
+        # Agree on the configuration before anything can raise on one rank only:
+        # a rank that raised alone would leave the others blocked in a collective.
+        mine = self.describe()
+        everyone: list[str | None] = [None] * world_size
+        dist.all_gather_object(everyone, mine, group=self.process_group)
+        if any(c != mine for c in everyone):
+            listing = "; ".join(f"rank {r}: {c}" for r, c in enumerate(everyone))
+            raise ValueError(f"APSState configuration differs across ranks: {listing}")
+        self._world_size = world_size
+
+    def _bind(self, buffer: torch.Tensor) -> None:
+        self.bind_process_group()
         backend = str(dist.get_backend(self.process_group)).lower()
         if backend not in _BACKENDS:
             raise ValueError(
@@ -238,15 +258,6 @@ class APSState:
         if backend == "nccl" and buffer.device.type != "cuda":
             raise ValueError(f"the nccl backend needs CUDA gradients, got {buffer.device}")
         self._backend = backend
-        self._world_size = self.process_group.size()
-        # Agree on the configuration before anything can raise on one rank only:
-        # a rank that raised alone would leave the others blocked in a collective.
-        mine = self.describe()
-        everyone: list[str | None] = [None] * self._world_size
-        dist.all_gather_object(everyone, mine, group=self.process_group)
-        if any(c != mine for c in everyone):
-            listing = "; ".join(f"rank {r}: {c}" for r, c in enumerate(everyone))
-            raise ValueError(f"APSState configuration differs across ranks: {listing}")
         if (self.policy or self.error_feedback) and not self._layers:
             raise ValueError(
                 "policies and error feedback need the model's parameter names: use "
@@ -268,17 +279,14 @@ class APSState:
             return "allreduce"
         return pick_reduction(self.config.reduction, fmt, self._backend, device)
 
-    def _buffers(self, key: tuple, nbytes: int, device: torch.device) -> tuple[torch.Tensor, ...]:
-        """Two byte buffers per bucket and format, kept across steps: fresh large
-        allocations pay page faults on every step."""
-        pair = self._scratch.get(key)
-        if pair is None or pair[0].numel() != nbytes or pair[0].device != device:
-            pair = (
-                torch.empty(nbytes, dtype=torch.uint8, device=device),
-                torch.empty(nbytes, dtype=torch.uint8, device=device),
-            )
-            self._scratch[key] = pair
-        return pair
+    def _plan(self, index: int, numels: list[int], device: torch.device) -> BucketPlan:
+        key = (index, tuple(numels), str(device))
+        plan = self._plans.get(key)
+        if plan is None:
+            # DDP re-buckets once: drop the old layout's plan (and its scratch).
+            self._plans = {k: v for k, v in self._plans.items() if k[0] != index}
+            plan = self._plans[key] = BucketPlan.build(index, numels, device)
+        return plan
 
     def _count(self, collective: str, nbytes: int) -> None:
         self._step_bytes[collective] = self._step_bytes.get(collective, 0) + nbytes
@@ -290,6 +298,177 @@ class APSState:
         self._step_bytes = {}
         self._step_stats = []
         self.step += 1
+
+    def _submit(self, bucket: _Bucket) -> torch.futures.Future:
+        """Run the bucket off DDP's thread; the future completes with the averaged buffer."""
+        job = functools.partial(self._run_bucket, bucket)
+        device = bucket.buffer.device
+        if device.type == "cuda" and self._backend == "nccl":
+            stream = self._streams.get(device)
+            if stream is None:
+                stream = self._streams[device] = torch.cuda.Stream(device)
+            return run_on_side_stream(job, stream)
+        if device.type == "cuda":
+            # Gloo with CUDA tensors: the worker waits for the gradients'
+            # producer, and its own stream is drained before the future completes.
+            ready = torch.cuda.Event()
+            ready.record(torch.cuda.current_stream(device))
+            job = functools.partial(_on_worker_stream, job, ready, device)
+        if self._worker is None:
+            self._worker = FifoWorker(f"aps-comm-{id(self):x}")
+        return self._worker.submit(job)
+
+    def _run_bucket(self, b: _Bucket) -> torch.Tensor:
+        """One bucket's whole reduction: maxima, exponents, every format group."""
+        buffer, params = b.buffer, b.params
+        numels = [p.numel() for p in params]
+        names = [self.param_names.get(id(p)) for p in params]
+        plan = self._plan(b.index, numels, buffer.device)
+        x = buffer if buffer.dtype == torch.float32 else buffer.float()
+        if self.error_feedback:
+            self._add_residuals(x, numels, names)
+
+        amax = codec.segment_amax(x, plan.layout)
+        if self._promoter is not None:
+            prev = [self._rates.get(n or "", 0.0) for n in names]
+            shared = torch.cat([amax, torch.tensor(prev, dtype=torch.float32, device=x.device)])
+        else:
+            shared = amax
+        transports.all_reduce_max(shared, self.process_group, self._count)
+        amax = shared[: len(numels)]
+        if self._promoter is not None:
+            self._promote_step(params, shared[len(numels) :].tolist())
+
+        fmts = self._formats(params)
+        chunk = _ONE_CHUNK if self.error_feedback else self.chunk_elements
+        groups = plan.group(fmts, self._reductions, self._world_size, chunk)
+        layers = torch.split(x, numels) if len(groups) > 1 else [x]
+        for g in groups:
+            if g.contiguous:
+                self._reduce_group(g, x, amax, names, b.index)
+                continue
+            # Mixing formats costs a gather copy and one set of collectives per format.
+            gx = torch.cat([layers[i] for i in g.index]) if g.index else x.new_empty(0)
+            self._reduce_group(g, gx, amax[g.index_tensor], names, b.index)
+            for i, t in zip(g.index, torch.split(gx, g.numels), strict=True):
+                layers[i].copy_(t)
+        if x is not buffer:
+            buffer.copy_(x)
+        if b.is_last:
+            self._end_step()
+        return buffer
+
+    def _reduce_group(
+        self,
+        g: GroupPlan,
+        x: torch.Tensor,
+        amax: torch.Tensor,
+        names: list[str | None],
+        bucket_index: int,
+    ) -> None:
+        """Average one format group's values ``x`` in place."""
+        group, n_ranks, fmt = self.process_group, self._world_size, g.fmt
+        gnames = [names[i] for i in g.index]
+        if g.reduction == "fp32":
+            transports.fp32_mean(x, group, n_ranks, self._count)
+            if self.error_feedback:
+                for name in gnames:
+                    self._residuals.pop(name or "", None)
+            return
+        two_phase = g.reduction == "two_phase"
+        exps = exponents(
+            amax,
+            fmt,
+            world_size=n_ranks,
+            reduction="two_phase" if two_phase else "allreduce",
+            scaling=self.config.scaling,
+        )
+        finite = torch.isfinite(amax)
+        scale = pow2(exps)
+        # Native sums still need the division by N; two-phase owners divided already.
+        unscale = pow2(-exps) if two_phase else pow2(-exps) / n_ranks
+        unscale = torch.where(finite, unscale, float("nan"))
+        if self.collect_stats or self._promoter is not None:
+            records = layer_stats(torch.split(x, g.numels), gnames, bucket_index, fmt, exps, amax)
+            if self.collect_stats:
+                self._step_stats += records
+            if self._promoter is not None:
+                for r in records:
+                    self._rates[r.name or ""] = r.underflow_rate
+        after_encode = owner = None
+        if self.error_feedback:
+            after_encode = functools.partial(self._keep_residuals, g, x, gnames, exps, finite)
+            owner = functools.partial(self._reduce_with_feedback, g, gnames, scale, finite)
+        if two_phase:
+            transports.two_phase(
+                g, x, scale, unscale, group, n_ranks, self._count, after_encode, owner
+            )
+        else:
+            transports.native(g, x, scale, unscale, group, self._count, after_encode)
+
+    def _add_residuals(self, x: torch.Tensor, numels: list[int], names: list[str | None]) -> None:
+        have = [
+            (t, self._residuals[n])
+            for t, n in zip(torch.split(x, numels), names, strict=True)
+            if n in self._residuals
+        ]
+        if have:
+            torch._foreach_add_([t for t, _ in have], [r for _, r in have])
+
+    def _keep_residuals(
+        self,
+        g: GroupPlan,
+        x: torch.Tensor,
+        gnames: list[str | None],
+        exps: torch.Tensor,
+        finite: torch.Tensor,
+        chunk: int,
+        payload: torch.Tensor,
+    ) -> None:
+        """Residual = what this rank meant to send minus what its payload says (unscaled)."""
+        inverse = torch.where(finite, pow2(-exps), 0.0)
+        sent = codec.decode(payload, g.fmt, x.numel(), scale=inverse, layout=g.layout)
+        lost = torch.where(torch.isfinite(sent), x - sent, 0.0)
+        for name, part, ok in zip(
+            gnames, torch.split(lost, g.numels), finite.tolist(), strict=True
+        ):
+            if name is not None:
+                self._residuals[name] = part.clone() if ok else torch.zeros_like(part)
+
+    def _reduce_with_feedback(
+        self,
+        g: GroupPlan,
+        gnames: list[str | None],
+        scale: torch.Tensor,
+        finite: torch.Tensor,
+        chunk: int,
+        recv: torch.Tensor,
+        out: torch.Tensor,
+    ) -> None:
+        """The owner's step of two_phase, folding its re-quantization loss into its residuals.
+
+        The loss goes into this rank's per-parameter residuals times N: next step
+        it is sent again and averaged, so the mean gets it back. Keeping it per
+        parameter, not per shard, makes it independent of DDP's bucketing, which
+        changes after the first iteration (and so after a resume).
+        """
+        n_ranks, fmt = self._world_size, g.fmt
+        rank = dist.get_rank(self.process_group)
+        per = out.numel() * 8 // fmt.wire_bits
+        acc = codec.shard_mean(recv, fmt, n_ranks)
+        codec.encode(acc, fmt, out=out)
+        lo, hi = rank * per, min((rank + 1) * per, g.numel)
+        if hi <= lo:
+            return
+        part = codec.decode(out, fmt, acc.numel())
+        mine = torch.repeat_interleave(
+            torch.where(finite, scale, 0.0), g.layout.lengths, output_size=g.numel
+        )[lo:hi]
+        lost = torch.where(mine > 0, (acc[: hi - lo] - part[: hi - lo]) / mine, 0.0)
+        flat = torch.cat([self._residuals[n] for n in gnames])  # type: ignore[index]
+        flat[lo:hi] += lost * n_ranks
+        for name, piece in zip(gnames, torch.split(flat, g.numels), strict=True):
+            self._residuals[name] = piece  # type: ignore[index]
 
     def _formats(self, params: Sequence[torch.Tensor]) -> list[FloatFormat]:
         """This step's format of every layer of a bucket (Promote already updated)."""
@@ -361,14 +540,11 @@ def _check_bucket(buffer: torch.Tensor, params: Sequence[torch.Tensor]) -> None:
         raise ValueError(f"aps_hook needs floating-point gradients, got {buffer.dtype}")
 
 
-def _offsets(numels: Sequence[int]) -> np.ndarray:
-    offsets = np.zeros(len(numels) + 1, dtype=np.int64)
-    np.cumsum(numels, out=offsets[1:])
-    return offsets
-
-
 def aps_hook(state: APSState, bucket: dist.GradBucket) -> torch.futures.Future[torch.Tensor]:
     """DDP communication hook: average gradients in a low-precision wire format.
+
+    Returns at once: the bucket's work runs on the state's worker (Gloo) or
+    on a side stream (NCCL), never on DDP's thread.
 
     Args:
         state: an :class:`APSState`.
@@ -394,267 +570,17 @@ def aps_hook(state: APSState, bucket: dist.GradBucket) -> torch.futures.Future[t
         if bucket.is_last():
             state._end_step()
         return work.get_future().then(lambda fut: fut.value()[0])
-
-    group = state.process_group
-    numels = [p.numel() for p in params]
-    names = [state.param_names.get(id(p)) for p in params]
-    x = buffer if buffer.dtype == torch.float32 else buffer.float()
-    layers = list(torch.split(x, numels))
-    if state.error_feedback:
-        _add_residuals(state, layers, names)
-
-    amax = layer_amax(layers)
-    promote = state._promoter is not None
-    if promote:
-        prev = [state._rates.get(n or "", 0.0) for n in names]
-        shared = torch.cat([amax, torch.tensor(prev, dtype=torch.float32, device=amax.device)])
-    else:
-        shared = amax
-    dist.all_reduce(shared, op=dist.ReduceOp.MAX, group=group)
-    state._count("all_reduce_max", shared.numel() * 4)
-    amax = shared[: len(numels)]
-    if promote:
-        state._promote_step(params, shared[len(numels) :].tolist())
-
-    fmts = state._formats(params)
-    groups = _groups(bucket.index(), fmts, layers, x, numels, amax, names)
-    futures = []
-    for g in groups:
-        futures += _reduce_group(state, g, layers, names)
-    if bucket.is_last():
-        state._end_step()
-
-    def finish_all(_: torch.futures.Future) -> torch.Tensor:
-        # Only local work here: callbacks may run on a backend thread.
-        for fut in futures:
-            fut.value()  # re-raises a chunk's failure
-        for g in groups:
-            if g.x is not x:
-                for i, t in zip(
-                    g.index, torch.split(g.x, [numels[i] for i in g.index]), strict=True
-                ):
-                    layers[i].copy_(t)
-        if x is not buffer:
-            buffer.copy_(x)
-        return buffer
-
-    return torch.futures.collect_all(futures).then(finish_all)
+    return state._submit(_Bucket(bucket.index(), buffer, list(params), bucket.is_last()))
 
 
-def _groups(
-    bucket_index: int,
-    fmts: list[FloatFormat],
-    layers: list[torch.Tensor],
-    x: torch.Tensor,
-    numels: list[int],
-    amax: torch.Tensor,
-    names: list[str | None],
-) -> list[_Group]:
-    """Layers grouped by format, in order of first appearance (the same on every rank)."""
-    order: dict[FloatFormat, list[int]] = {}
-    for i, f in enumerate(fmts):
-        order.setdefault(f, []).append(i)
-    if len(order) == 1:
-        ((fmt, idx),) = order.items()
-        key = (bucket_index, fmt.name, tuple(names))
-        return [_Group(fmt, idx, x, _offsets(numels), amax, key)]
-    groups = []
-    for fmt, idx in order.items():
-        # Mixing formats costs a gather copy here and one set of collectives per format.
-        gx = torch.cat([layers[i] for i in idx]) if idx else x.new_empty(0)
-        key = (bucket_index, fmt.name, tuple(names[i] for i in idx))
-        groups.append(_Group(fmt, idx, gx, _offsets([numels[i] for i in idx]), amax[idx], key))
-    return groups
-
-
-def _reduce_group(
-    state: APSState,
-    g: _Group,
-    layers: list[torch.Tensor],
-    names: list[str | None],
-) -> list[torch.futures.Future]:
-    """Issue one group's collectives; the futures complete once decoded into ``g.x``."""
-    group, n_ranks, fmt = state.process_group, state.world_size, g.fmt
-    if fmt == FP32:
-        g.x.div_(n_ranks)
-        state._count("all_reduce", g.x.numel() * 4)
-        if state.error_feedback:
-            for i in g.index:
-                state._residuals.pop(names[i] or "", None)
-        return [dist.all_reduce(g.x, group=group, async_op=True).get_future()]
-
-    two_phase = state._reductions[fmt] == "two_phase"
-    exps = exponents(
-        g.amax,
-        fmt,
-        world_size=n_ranks,
-        reduction="two_phase" if two_phase else "allreduce",
-        scaling=state.config.scaling,
-    )
-    finite = torch.isfinite(g.amax)
-    scale = pow2(exps)
-    # Native sums still need the division by N; two-phase owners divided already.
-    unscale = pow2(-exps) if two_phase else pow2(-exps) / n_ranks
-    unscale = torch.where(finite, unscale, float("nan"))
-    glayers = list(torch.split(g.x, np.diff(g.offsets).tolist()))
-    gnames = [names[i] for i in g.index]
-    if state.collect_stats or state._promoter is not None:
-        records = layer_stats(glayers, gnames, g.key[0], fmt, exps, g.amax)
-        if state.collect_stats:
-            state._step_stats += records
-        if state._promoter is not None:
-            for r in records:
-                state._rates[r.name or ""] = r.underflow_rate
-    encode_with = _kernels.Segments(g.offsets, scale.cpu().numpy())
-    decode_with = _kernels.Segments(g.offsets, unscale.cpu().numpy())
-
-    numel = g.x.numel()
-    # Chunks pipeline the codec with the wire: chunk c+1 encodes while chunk c
-    # is in flight, and each chunk decodes in its own callback. Error feedback
-    # keeps one chunk: its owner step needs the whole shard at once.
-    size = numel if state.error_feedback else state.chunk_elements
-    bounds = [(lo, min(lo + size, numel)) for lo in range(0, numel, max(size, 1))] or [(0, 0)]
-    if two_phase:
-        regions = _regions(bounds, fmt, n_ranks)
-        send, recv = state._buffers(g.key, regions[-1][1], g.x.device)
-        pending = []
-        for (lo, hi), (r0, r1) in zip(bounds, regions, strict=True):
-            chunk_send = send[r0:r1]
-            payload = chunk_send[: payload_nbytes(hi - lo, fmt)]
-            _encode_into(g.x[lo:hi], fmt, payload, _clip(encode_with, lo, hi))
-            chunk_send[payload.numel() :].zero_()  # padding: code 0 is +0 in every format
-            if state.error_feedback:
-                _keep_residuals(state, g, glayers, gnames, payload, exps, finite)
-            work = dist.all_to_all_single(recv[r0:r1], chunk_send, group=group, async_op=True)
-            pending.append(work)
-            state._count("all_to_all", chunk_send.numel())
-        futures = []
-        for (lo, hi), (r0, r1), work in zip(bounds, regions, pending, strict=True):
-            work.wait()
-            if state.error_feedback:
-                reduced = _reduce_with_feedback(state, g, gnames, recv[r0:r1], scale, finite)
-            else:
-                reduced = reduce_shards(recv[r0:r1], n_ranks, fmt)
-            # The chunk's send region is free once its all-to-all is done.
-            gathered = all_gather_single(send[r0:r1], reduced, group=group, async_op=True)
-            state._count("all_gather", reduced.numel())
-            futures.append(_then_decode(gathered, send[r0:r1], fmt, g.x, lo, hi, decode_with))
-        return futures
-    itemsize = fmt.torch_dtype.itemsize  # type: ignore[union-attr]
-    send, _ = state._buffers(g.key, numel * itemsize, g.x.device)
-    futures = []
-    for lo, hi in bounds:
-        payload = send[lo * itemsize : hi * itemsize]
-        _encode_into(g.x[lo:hi], fmt, payload, _clip(encode_with, lo, hi))
-        if state.error_feedback:
-            _keep_residuals(state, g, glayers, gnames, payload, exps, finite)
-        work = dist.all_reduce(payload.view(fmt.torch_dtype), group=group, async_op=True)
-        state._count("all_reduce", payload.numel())
-        futures.append(_then_decode(work, payload, fmt, g.x, lo, hi, decode_with))
-    return futures
-
-
-def _regions(
-    bounds: list[tuple[int, int]], fmt: FloatFormat, n_ranks: int
-) -> list[tuple[int, int]]:
-    """Byte range of each chunk's padded two_phase buffer (N shards) in the scratch buffer."""
-    regions, start = [], 0
-    for lo, hi in bounds:
-        _, shard_bytes = shard_layout(hi - lo, fmt, n_ranks)
-        regions.append((start, start + shard_bytes * n_ranks))
-        start += shard_bytes * n_ranks
-    return regions
-
-
-def _clip(segments: _kernels.Segments, lo: int, hi: int) -> _kernels.Segments:
-    """The segments seen by the slice [lo, hi) of the buffer, with local offsets."""
-    return _kernels.Segments(np.clip(segments.offsets - lo, 0, hi - lo), segments.factors)
-
-
-def _then_decode(
-    work: dist.Work,
-    payload: torch.Tensor,
-    fmt: FloatFormat,
-    x: torch.Tensor,
-    lo: int,
-    hi: int,
-    segments: _kernels.Segments,
-) -> torch.futures.Future:
-    def decode(_: torch.futures.Future) -> None:
-        # Only local work here: callbacks may run on a backend thread.
-        _decode_into(
-            payload[: payload_nbytes(hi - lo, fmt)], fmt, x[lo:hi], _clip(segments, lo, hi)
-        )
-
-    return work.get_future().then(decode)
-
-
-def _add_residuals(state: APSState, layers: list[torch.Tensor], names: list[str | None]) -> None:
-    have = [
-        (t, state._residuals[n])
-        for t, n in zip(layers, names, strict=True)
-        if n in state._residuals
-    ]
-    if have:
-        torch._foreach_add_([t for t, _ in have], [r for _, r in have])
-
-
-def _keep_residuals(
-    state: APSState,
-    g: _Group,
-    glayers: list[torch.Tensor],
-    gnames: list[str | None],
-    payload: torch.Tensor,
-    exps: torch.Tensor,
-    finite: torch.Tensor,
-) -> None:
-    """Residual = what this rank meant to send minus what its payload says (unscaled)."""
-    sent = torch.empty_like(g.x)
-    inverse = torch.where(finite, pow2(-exps), 0.0)
-    _decode_into(payload, g.fmt, sent, _kernels.Segments(g.offsets, inverse.cpu().numpy()))
-    lost = torch.where(torch.isfinite(sent), g.x - sent, 0.0)
-    for name, part, ok in zip(
-        gnames, torch.split(lost, [t.numel() for t in glayers]), finite.tolist(), strict=True
-    ):
-        if name is not None:
-            state._residuals[name] = part.clone() if ok else torch.zeros_like(part)
-
-
-def _reduce_with_feedback(
-    state: APSState,
-    g: _Group,
-    gnames: list[str | None],
-    recv: torch.Tensor,
-    scale: torch.Tensor,
-    finite: torch.Tensor,
+def _on_worker_stream(
+    job: functools.partial, ready: torch.cuda.Event, device: torch.device
 ) -> torch.Tensor:
-    """The owner's step of two_phase, folding its re-quantization loss into its residuals.
-
-    The loss goes into this rank's per-parameter residuals times N: next step
-    it is sent again and averaged, so the mean gets it back. Keeping it per
-    parameter, not per shard, makes it independent of DDP's bucketing, which
-    changes after the first iteration (and so after a resume).
-    """
-    n_ranks, fmt = state.world_size, g.fmt
-    rank = dist.get_rank(state.process_group)
-    shard_bytes = recv.numel() // n_ranks
-    per = shard_bytes * 8 // fmt.wire_bits
-    acc = shard_mean(recv, n_ranks, fmt)
-    part = torch.empty_like(acc)
-    out = torch.empty(shard_bytes, dtype=torch.uint8, device=recv.device)
-    _encode_into(acc, fmt, out)
-    lo, hi = rank * per, min((rank + 1) * per, g.x.numel())
-    if hi <= lo:
-        return out
-    _decode_into(out, fmt, part)
-    lengths = torch.from_numpy(np.diff(g.offsets)).to(scale.device)
-    mine = torch.repeat_interleave(torch.where(finite, scale, 0.0), lengths)[lo:hi]
-    lost = torch.where(mine > 0, (acc[: hi - lo] - part[: hi - lo]) / mine, 0.0)
-    sizes = np.diff(g.offsets).tolist()
-    flat = torch.cat([state._residuals[n] for n in gnames])  # type: ignore[index]
-    flat[lo:hi] += lost * n_ranks
-    for name, piece in zip(gnames, torch.split(flat, sizes), strict=True):
-        state._residuals[name] = piece  # type: ignore[index]
+    stream = torch.cuda.Stream(device)
+    stream.wait_event(ready)
+    with torch.cuda.stream(stream):
+        out = job()
+    stream.synchronize()
     return out
 
 
@@ -672,7 +598,9 @@ def register(
     """Build an :class:`APSState`, register :func:`aps_hook` on ``ddp``, return the state.
 
     Parameter names from ``ddp.module`` label the per-layer stats and drive
-    the policy.
+    the policy. When ``torch.distributed`` is initialised, the state's own
+    process group is created here, where every rank is known to be alive,
+    with the default group's timeout (see :meth:`APSState.bind_process_group`).
 
     Example:
         >>> state = register(ddp, fmt="e5m2", stats=True)  # doctest: +SKIP
@@ -685,6 +613,8 @@ def register(
         )
     state = APSState(fmt, reduction, scaling, process_group, stats, policy, error_feedback)
     state.bind_model(ddp.module)
+    if dist.is_available() and dist.is_initialized():
+        state.bind_process_group()
     ddp.register_comm_hook(state, aps_hook)
     return state
 

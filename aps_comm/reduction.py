@@ -1,4 +1,4 @@
-"""How encoded gradients cross the wire: native all-reduce or two-phase.
+"""Which reduction a format uses: native all-reduce or two-phase (the choice, not the wire).
 
 - native: one all-reduce in the wire dtype (FP16/BF16 on every backend; FP8
   only where the backend sums it, NCCL >= 2.24 on sm_90+). The sum is rounded
@@ -20,36 +20,13 @@ from __future__ import annotations
 from typing import Literal
 
 import torch
-import torch.distributed as dist
 
-from aps_comm import _kernels
-from aps_comm.formats import FloatFormat, _decode_into, _encode_into, _use_kernels, payload_nbytes
+from aps_comm.formats import FloatFormat
 
-__all__ = [
-    "REDUCTIONS",
-    "Reduction",
-    "all_gather_single",
-    "native_sum_supported",
-    "pick_reduction",
-    "reduce_shards",
-    "shard_layout",
-    "shard_mean",
-]
+__all__ = ["REDUCTIONS", "Reduction", "native_sum_supported", "pick_reduction"]
 
 Reduction = Literal["auto", "allreduce", "two_phase"]
 REDUCTIONS: tuple[str, ...] = ("auto", "allreduce", "two_phase")
-
-
-def all_gather_single(
-    output: torch.Tensor, input: torch.Tensor, group: dist.ProcessGroup, async_op: bool = False
-) -> dist.Work | None:
-    """``all_gather_single`` where torch has it, else ``all_gather_into_tensor``.
-
-    Recent torch renamed the collective and deprecated the old name; calling
-    the right one keeps the output free of FutureWarnings on every version.
-    """
-    fn = getattr(dist, "all_gather_single", None) or dist.all_gather_into_tensor
-    return fn(output, input, group=group, async_op=async_op)
 
 
 def _nccl_sums_fp8(device: torch.device) -> bool:
@@ -97,42 +74,3 @@ def pick_reduction(
             "which works on every backend, or 'auto'."
         )
     return reduction
-
-
-def shard_layout(numel: int, fmt: FloatFormat, world_size: int) -> tuple[int, int]:
-    """(elements per shard, bytes per shard) for two_phase, padding ``numel`` up.
-
-    Shards hold whole bytes, so 4-bit formats use an even number of elements.
-    """
-    per = -(-numel // world_size)
-    if fmt.wire_bits == 4:
-        per += per % 2
-    return per, payload_nbytes(per, fmt)
-
-
-def reduce_shards(recv: torch.Tensor, n_ranks: int, fmt: FloatFormat) -> torch.Tensor:
-    """The shard owner's step of two_phase: mean of ``n_ranks`` encoded shards, re-encoded.
-
-    ``recv`` holds the shards end to end (rank 0 first). The sum runs in
-    float32 in rank order and is then divided by N, the same arithmetic on
-    every owner and in :mod:`aps_comm.simulate`.
-    """
-    if _use_kernels(recv, fmt):
-        return _kernels.reduce_shards(recv, n_ranks, fmt)
-    out = torch.empty(recv.numel() // n_ranks, dtype=torch.uint8, device=recv.device)
-    _encode_into(shard_mean(recv, n_ranks, fmt), fmt, out)
-    return out
-
-
-def shard_mean(recv: torch.Tensor, n_ranks: int, fmt: FloatFormat) -> torch.Tensor:
-    """float32 mean of ``n_ranks`` encoded shards laid end to end: summed in rank
-    order, then divided by N (the arithmetic of :func:`reduce_shards`)."""
-    shard_bytes = recv.numel() // n_ranks
-    numel = shard_bytes * 8 // fmt.wire_bits
-    acc = torch.empty(numel, dtype=torch.float32, device=recv.device)
-    part = torch.empty_like(acc)
-    _decode_into(recv[:shard_bytes], fmt, acc)
-    for r in range(1, n_ranks):
-        _decode_into(recv[r * shard_bytes : (r + 1) * shard_bytes], fmt, part)
-        acc += part
-    return acc.div_(n_ranks)

@@ -27,7 +27,7 @@ from typing import Literal
 
 import torch
 
-from aps_comm.formats import FloatFormat, _pow2, get_format
+from aps_comm.formats import FloatFormat, get_format, pow2
 
 __all__ = ["EXPONENT_LIMIT", "Scaling", "exponents", "layer_amax", "pow2"]
 
@@ -122,8 +122,3 @@ def _largest_exponent(need: torch.Tensor, limit: float) -> torch.Tensor:
     # log2 of a rounded quotient can be off by one at powers of two: fix exactly.
     e = torch.where(need * torch.exp2(e) > limit, e - 1, e)
     return torch.where(need * torch.exp2(e + 1) <= limit, e + 1, e)
-
-
-def pow2(e: torch.Tensor) -> torch.Tensor:
-    """2**e as float32, built from bits so it is exact (|e| <= 126)."""
-    return _pow2(e.to(torch.int32))

@@ -67,22 +67,11 @@ import dataclasses
 from collections.abc import Callable, Sequence
 from typing import Literal
 
-import numpy as np
 import torch
 import torch.nn as nn
 
-from aps_comm import _kernels
-from aps_comm.formats import (
-    FP32,
-    FloatFormat,
-    Rounding,
-    _decode_into,
-    _encode_into,
-    _use_kernels,
-    get_format,
-    payload_nbytes,
-    quantize,
-)
+from aps_comm import codec
+from aps_comm.formats import FP32, FloatFormat, Rounding, get_format, quantize
 from aps_comm.scaling import Scaling, exponents, layer_amax, pow2
 
 __all__ = [
@@ -209,19 +198,13 @@ def _wire_round(
     limit = fmt.max + half_ulp
 
     def rnd(x: torch.Tensor, scale: torch.Tensor | None = None) -> torch.Tensor:
-        if rounding == "nearest" and _use_kernels(x, fmt):
+        if rounding == "nearest" and codec.backend_for(fmt, x.device) == "kernels":
             # The codec's compiled encoder (RNE, saturating, scale fused) and
             # decoder: two passes, 20x faster than the generic quantize().
             flat = x.contiguous().view(-1)
-            segments = None
-            if scale is not None:
-                factor = scale.reshape(1).cpu().numpy()
-                segments = _kernels.Segments(np.array([0, flat.numel()], np.int64), factor)
-            codes = torch.empty(payload_nbytes(flat.numel(), fmt), dtype=torch.uint8)
-            _encode_into(flat, fmt, codes, segments)
-            q = torch.empty_like(flat)
-            _decode_into(codes, fmt, q)
-            q = q.view(x.shape)
+            factor = None if scale is None else scale.reshape(1).float()
+            codes = codec.encode(flat, fmt, scale=factor)
+            q = codec.decode(codes, fmt, flat.numel()).view(x.shape)
         else:
             x = x if scale is None else x * scale
             q = quantize(x, fmt, rounding=rounding, generator=generator)

@@ -46,6 +46,7 @@ def _child(
     backend: str,
     args: Sequence[Any],
     env: dict[str, str],
+    pg_timeout: float,
     results: mp.Queue,
 ) -> None:
     os.environ.update(env)
@@ -59,7 +60,7 @@ def _child(
             store=store,
             rank=rank,
             world_size=world_size,
-            timeout=datetime.timedelta(seconds=120),
+            timeout=datetime.timedelta(seconds=pg_timeout),
         )
         try:
             out = fn(rank, world_size, *args)
@@ -80,6 +81,7 @@ def run_distributed(
     backend: str = "gloo",
     timeout: float = 120.0,
     env: dict[str, str] | None = None,
+    pg_timeout: float = 120.0,
 ) -> list[Any]:
     """Run ``fn(rank, world_size, *args)`` on ``world_size`` fresh processes.
 
@@ -93,6 +95,7 @@ def run_distributed(
         backend: ``torch.distributed`` backend, "gloo" by default.
         timeout: seconds for the whole job; past it every rank is killed.
         env: extra environment variables set in every child.
+        pg_timeout: the process group's timeout, seconds.
 
     Returns:
         The per-rank return values, indexed by rank.
@@ -107,7 +110,17 @@ def run_distributed(
     procs = [
         ctx.Process(
             target=_child,
-            args=(fn, rank, world_size, store.port, backend, tuple(args), dict(env or {}), results),
+            args=(
+                fn,
+                rank,
+                world_size,
+                store.port,
+                backend,
+                tuple(args),
+                dict(env or {}),
+                pg_timeout,
+                results,
+            ),
             daemon=True,
         )
         for rank in range(world_size)

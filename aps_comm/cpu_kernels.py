@@ -1,4 +1,4 @@
-"""Compiled CPU kernels for the codec hot path (numba), with per-segment scaling.
+"""Compiled CPU kernels of the codec (numba), with per-segment scaling.
 
 Eager torch decodes FP8 at 5-7x the cost of a plain copy on CPU; these
 kernels decode through a lookup table and encode with 32-bit integer bit
@@ -6,21 +6,21 @@ tricks (plus one float add that rounds subnormals) over L1-sized blocks,
 optionally fused with the per-layer power-of-two scale of APS. They
 cover every format of at most 16 bits (two 4-bit codes per byte, one byte, or
 two bytes per element).
-:mod:`aps_comm.formats` falls back to pure torch when numba is missing or the
-tensor is not on the CPU.
+Only :mod:`aps_comm.codec` calls them; it falls back to plain torch when
+numba is missing. A segmentation is ``offsets`` (int64, L + 1 entries, from 0
+to the buffer's length) and ``factors`` (float32, L entries): element i of
+segment s is multiplied by ``factors[s]``.
 """
 
 from __future__ import annotations
 
-import dataclasses
 import functools
-from typing import TYPE_CHECKING, Any
+from typing import Any
 
 import numpy as np
 import torch
 
-if TYPE_CHECKING:
-    from aps_comm.formats import FloatFormat
+from aps_comm.formats import FloatFormat, code_table, special_codes
 
 try:
     import numba
@@ -31,28 +31,23 @@ try:
 except ImportError:  # pragma: no cover - numba is an install requirement
     AVAILABLE = False
 
-__all__ = ["AVAILABLE", "Segments", "decode", "encode", "reduce_shards"]
+__all__ = [
+    "AVAILABLE",
+    "decode",
+    "encode",
+    "encoder_params",
+    "reduce_shards",
+    "segment_amax",
+    "supports",
+]
 
 _BLOCK = 2048  # elements per scratch block: fits L1, amortises the loop overhead
 
 
-@dataclasses.dataclass(frozen=True)
-class Segments:
-    """Contiguous segments of a flat buffer, each multiplied by its own factor.
-
-    Args:
-        offsets: int64 array of length L + 1, offsets[0] = 0, non-decreasing.
-        factors: float32 array of length L.
-    """
-
-    offsets: np.ndarray
-    factors: np.ndarray
-
-    def apply(self, x: torch.Tensor) -> torch.Tensor:
-        """x times each segment's factor, in pure torch (the fallback path)."""
-        lengths = torch.from_numpy(np.diff(self.offsets)).to(x.device)
-        factors = torch.from_numpy(self.factors).to(x.device)
-        return x * torch.repeat_interleave(factors, lengths, output_size=x.numel())
+def supports(fmt: FloatFormat) -> bool:
+    """Whether the kernels handle ``fmt``: at most 16 bits on the wire, and normals
+    that are float32 normals (the encoder's bit tricks need bias <= 127)."""
+    return AVAILABLE and fmt.wire_bits <= 16 and fmt._emin >= -126
 
 
 def _subnormal_magic(fmt: FloatFormat) -> int:
@@ -75,7 +70,7 @@ def _subnormal_magic(fmt: FloatFormat) -> int:
 
 
 @functools.lru_cache(maxsize=64)
-def _params(fmt: FloatFormat, add_subnormals: bool = True) -> tuple[np.uint32, ...]:
+def encoder_params(fmt: FloatFormat, add_subnormals: bool = True) -> tuple[np.uint32, ...]:
     """uint32 constants of the branchless encoder for one format.
 
     A tuple, not an array: numba then treats them as loop-invariant scalars
@@ -87,9 +82,7 @@ def _params(fmt: FloatFormat, add_subnormals: bool = True) -> tuple[np.uint32, .
             :func:`_subnormal_magic`) where the format allows it; False forces
             the integer path everywhere (the tests compare the two).
     """
-    from aps_comm.formats import _special_codes
-
-    nan_code, inf_code = _special_codes(fmt)
+    nan_code, inf_code = special_codes(fmt)
     max_exp = int(np.floor(np.log2(fmt.max)))
     max_frac = round((fmt.max / 2.0**max_exp - 1.0) * 2**fmt.man_bits)
     max_code = ((max_exp + fmt.bias) << fmt.man_bits) | max_frac
@@ -117,11 +110,8 @@ def _params(fmt: FloatFormat, add_subnormals: bool = True) -> tuple[np.uint32, .
     )
 
 
-@functools.lru_cache(maxsize=64)
 def _table(fmt: FloatFormat) -> np.ndarray:
-    from aps_comm.formats import _code_table
-
-    return _code_table(fmt)
+    return code_table(fmt)
 
 
 if AVAILABLE:
@@ -323,56 +313,82 @@ if AVAILABLE:
                     buf[j] /= div
                 _encode_plain(ubuf[:n], out_codes[start : start + n], p)
 
+    @numba.njit(nogil=True, cache=True)
+    def _segment_amax_bits(xu, offsets, out):
+        """Largest |x| bits per segment; integer max of sign-cleared bits orders
+        non-negative floats, vectorises without fast-math, and puts NaN above inf."""
+        for seg in range(len(offsets) - 1):
+            m = np.uint32(0)
+            for i in range(offsets[seg], offsets[seg + 1]):
+                a = _and32(xu[i], np.uint32(0x7FFFFFFF))
+                m = a if a > m else m
+            out[seg] = m
+
 
 def _np(t: torch.Tensor) -> np.ndarray:
     return t.detach().numpy()
 
 
+def segment_amax(x: torch.Tensor, offsets: np.ndarray) -> torch.Tensor:
+    """max |x| of each segment of contiguous float32 ``x``: float32, NaN as +inf, empty 0."""
+    bits = np.empty(len(offsets) - 1, np.uint32)
+    _segment_amax_bits(_np(x).view(np.uint32), offsets, bits)
+    np.minimum(bits, np.uint32(0x7F800000), out=bits)  # NaN -> +inf
+    return torch.from_numpy(bits.view(np.float32))
+
+
 def encode(
-    x: torch.Tensor, out: torch.Tensor, fmt: FloatFormat, segments: Segments | None = None
+    x: torch.Tensor,
+    out: torch.Tensor,
+    fmt: FloatFormat,
+    offsets: np.ndarray | None = None,
+    factors: np.ndarray | None = None,
 ) -> None:
-    """Encode contiguous float32 ``x`` (times ``segments`` factors) into uint8 ``out``."""
+    """Encode contiguous float32 ``x`` (times per-segment ``factors``) into uint8 ``out``."""
     xa = _np(x.contiguous().float())
-    params = _params(fmt)
+    params = encoder_params(fmt)
     oa = _np(out)
     if fmt.wire_bits == 4:
         codes = np.empty(xa.size, np.uint8)
     else:
         codes = oa if fmt.wire_bits == 8 else oa.view(np.uint16)
-    if segments is None:
+    if factors is None:
         _encode_unscaled(xa, codes, params)
     else:
-        _encode_codes(xa, segments.offsets, segments.factors, codes, params)
+        _encode_codes(xa, offsets, factors, codes, params)
     if fmt.wire_bits == 4:
         _pack(codes, oa)
 
 
 def decode(
-    payload: torch.Tensor, out: torch.Tensor, fmt: FloatFormat, segments: Segments | None = None
+    payload: torch.Tensor,
+    out: torch.Tensor,
+    fmt: FloatFormat,
+    offsets: np.ndarray | None = None,
+    factors: np.ndarray | None = None,
 ) -> None:
-    """Decode uint8 ``payload`` into contiguous float32 ``out`` (times ``segments`` factors)."""
+    """Decode uint8 ``payload`` into contiguous float32 ``out`` (times per-segment ``factors``)."""
     table = _table(fmt)
     pa, oa = _np(payload), _np(out)
     if fmt.wire_bits == 16:
         pa = pa.view(np.uint16)
-    if fmt.wire_bits != 4 and segments is None:
+    if fmt.wire_bits != 4 and factors is None:
         _decode_scaled(pa, oa, table, np.float32(1.0))  # x * 1 is exact, NaN included
     elif fmt.wire_bits != 4:
-        _decode_segments(pa, oa, table, segments.offsets, segments.factors)
-    elif segments is None:
+        _decode_segments(pa, oa, table, offsets, factors)
+    elif factors is None:
         _decode4(pa, oa, table, np.array([0, oa.size], np.int64), np.ones(1, np.float32))
     else:
-        _decode4(pa, oa, table, segments.offsets, segments.factors)
+        _decode4(pa, oa, table, offsets, factors)
 
 
-def reduce_shards(recv: torch.Tensor, n_ranks: int, fmt: FloatFormat) -> torch.Tensor:
-    """Mean of ``n_ranks`` equal shards laid end to end in ``recv``, re-encoded.
+def reduce_shards(recv: torch.Tensor, n_ranks: int, fmt: FloatFormat, out: torch.Tensor) -> None:
+    """Mean of ``n_ranks`` equal shards laid end to end in ``recv``, re-encoded into ``out``.
 
     The sum runs in float32 in rank order, then divides by ``n_ranks``: the
     same arithmetic on every shard owner, so results are reproducible.
     """
     shard_bytes = recv.numel() // n_ranks
-    out = torch.empty(shard_bytes, dtype=torch.uint8)
     if fmt.wire_bits == 4:
         numel = 2 * shard_bytes
         vals = torch.empty(n_ranks * numel)
@@ -381,9 +397,8 @@ def reduce_shards(recv: torch.Tensor, n_ranks: int, fmt: FloatFormat) -> torch.T
         for r in range(1, n_ranks):
             acc += vals[r * numel : (r + 1) * numel]
         encode(acc / n_ranks, out, fmt)
-        return out
+        return
     ra, oa = _np(recv), _np(out)
     if fmt.wire_bits == 16:
         ra, oa = ra.view(np.uint16), oa.view(np.uint16)
-    _reduce(ra, n_ranks, ra.size // n_ranks, oa, _table(fmt), _params(fmt))
-    return out
+    _reduce(ra, n_ranks, ra.size // n_ranks, oa, _table(fmt), encoder_params(fmt))

@@ -1,0 +1,386 @@
+"""The codec: gradients to wire bytes and back, on any device, with per-layer scales.
+
+Three operations, each writing into a caller's buffer:
+
+- :func:`encode`: ``x * 2**e`` per segment (layer), saturated and rounded to
+  nearest even, as the format's codes.
+- :func:`decode`: codes to float32, times a per-segment factor.
+- :func:`owner_reduce`: the shard owner's step of two_phase: decode N
+  shards, sum them in float32 in rank order, divide by N, re-encode.
+
+Scales are float32 tensors with one entry per segment, on the data's device;
+segments are described by a :class:`Layout`, built once per bucket. The
+backend is chosen per call (``backend="auto"``):
+
+- ``"kernels"``: compiled numba kernels (CPU; formats up to 16 bits);
+- ``"cast"``: torch's native casts (``float8_e4m3fn``, ``float8_e5m2``,
+  ``float16``, ``bfloat16``) after a clamp, for formats that have a dtype
+  (the choice on CUDA, where no step reads a device value on the host);
+- ``"bits"``: the reference bit path of :mod:`aps_comm.formats` (custom
+  formats off the CPU, or without numba).
+
+Every backend writes the same bytes for finite inputs; NaN inputs may differ
+in the NaN code's sign bit, never in decoding to NaN.
+
+Example:
+    >>> x = torch.tensor([0.5, 3.0, 1e-3, -2.0])
+    >>> layout = Layout.from_numels([2, 2], x.device)
+    >>> scale = torch.tensor([4.0, 0.5])
+    >>> payload = encode(x, "e4m3", scale=scale, layout=layout)
+    >>> decode(payload, "e4m3", 4, scale=1 / scale, layout=layout)
+    tensor([ 0.5000,  3.0000,  0.0010, -2.0000])
+"""
+
+from __future__ import annotations
+
+import dataclasses
+from collections.abc import Sequence
+from typing import Literal
+
+import numpy as np
+import torch
+
+from aps_comm import cpu_kernels
+from aps_comm.formats import (
+    FloatFormat,
+    decode_into,
+    encode_into,
+    get_format,
+    payload_nbytes,
+    saturate,
+)
+
+__all__ = [
+    "BACKENDS",
+    "Backend",
+    "Layout",
+    "backend_for",
+    "decode",
+    "encode",
+    "owner_reduce",
+    "segment_amax",
+    "shard_mean",
+]
+
+Backend = Literal["auto", "kernels", "cast", "bits"]
+BACKENDS: tuple[str, ...] = ("auto", "kernels", "cast", "bits")
+
+
+@dataclasses.dataclass(frozen=True)
+class Layout:
+    """Segments (one per layer) of a flat buffer: where each starts and how long it is.
+
+    Build it once per bucket (:meth:`from_numels`) and cut it per chunk
+    (:meth:`window`); nothing in it changes from step to step.
+
+    Attributes:
+        offsets: int64 CPU tensor of L + 1 offsets, from 0 to ``numel``.
+        lengths: int64 tensor of the L segment lengths on the data's device.
+        numel: elements covered.
+    """
+
+    offsets: torch.Tensor
+    lengths: torch.Tensor
+    numel: int
+
+    @classmethod
+    def from_numels(cls, numels: Sequence[int], device: torch.device) -> Layout:
+        """The layout of layers of ``numels`` elements laid end to end.
+
+        Example:
+            >>> Layout.from_numels([3, 0, 2], torch.device("cpu")).offsets
+            tensor([0, 3, 3, 5])
+        """
+        offsets = torch.zeros(len(numels) + 1, dtype=torch.int64)
+        if numels:
+            torch.cumsum(torch.tensor(list(numels), dtype=torch.int64), 0, out=offsets[1:])
+        return cls._make(offsets, device)
+
+    @classmethod
+    def _make(cls, offsets: torch.Tensor, device: torch.device) -> Layout:
+        lengths = offsets.diff().to(device)
+        return cls(offsets, lengths, int(offsets[-1]))
+
+    def window(self, lo: int, hi: int) -> Layout:
+        """The layout seen by the slice ``[lo, hi)``, with every segment kept (some empty).
+
+        Example:
+            >>> Layout.from_numels([3, 2], torch.device("cpu")).window(2, 4).offsets
+            tensor([0, 1, 2])
+        """
+        return self._make((self.offsets - lo).clamp_(0, hi - lo), self.lengths.device)
+
+    @property
+    def n_segments(self) -> int:
+        return self.offsets.numel() - 1
+
+
+def backend_for(fmt: FloatFormat | str, device: torch.device) -> str:
+    """The backend ``"auto"`` resolves to for ``fmt`` on ``device``.
+
+    Example:
+        >>> backend_for("e4m3", torch.device("cpu"))
+        'kernels'
+        >>> backend_for("e4m3", torch.device("cuda"))
+        'cast'
+    """
+    fmt = get_format(fmt)
+    if device.type == "cpu" and cpu_kernels.supports(fmt):
+        return "kernels"
+    if fmt.torch_dtype is not None:
+        return "cast"
+    return "bits"
+
+
+def _resolve(backend: str, fmt: FloatFormat, device: torch.device) -> str:
+    if backend not in BACKENDS:
+        raise ValueError(f"backend must be one of {BACKENDS}, got {backend!r}")
+    if backend == "auto":
+        return backend_for(fmt, device)
+    if backend == "kernels" and not (device.type == "cpu" and cpu_kernels.supports(fmt)):
+        raise ValueError(
+            f"backend='kernels' needs CPU tensors, numba and a format of at most 16 bits "
+            f"with bias <= 127; got {fmt.name} on {device.type}"
+        )
+    if backend == "cast" and fmt.torch_dtype is None:
+        raise ValueError(f"backend='cast' needs a format with a torch dtype, got {fmt.name}")
+    return backend
+
+
+def _factors(scale: torch.Tensor, layout: Layout | None, numel: int) -> torch.Tensor:
+    """One factor per element (for the torch backends): no host read, the size is known."""
+    if layout is None:
+        return scale.reshape(-1)[:1].expand(numel) if scale.numel() == 1 else scale
+    return torch.repeat_interleave(scale, layout.lengths, output_size=numel)
+
+
+def _host_offsets(layout: Layout | None, numel: int) -> np.ndarray:
+    if layout is None:
+        return np.array([0, numel], np.int64)
+    return layout.offsets.numpy()
+
+
+def _check_scaled(scale: torch.Tensor | None, layout: Layout | None, numel: int) -> None:
+    if scale is None:
+        if layout is not None:
+            raise ValueError("a layout needs a scale")
+        return
+    if scale.dtype != torch.float32 or scale.dim() != 1:
+        raise ValueError(f"scale must be a 1-D float32 tensor, got {scale.dtype} {scale.shape}")
+    if layout is None:
+        if scale.numel() != 1:
+            raise ValueError(f"scale has {scale.numel()} entries but no layout was given")
+        return
+    if layout.numel != numel or layout.n_segments != scale.numel():
+        raise ValueError(
+            f"layout covers {layout.numel} elements in {layout.n_segments} segments; "
+            f"the data has {numel} elements and the scale {scale.numel()} entries"
+        )
+
+
+def encode(
+    x: torch.Tensor,
+    fmt: FloatFormat | str,
+    *,
+    out: torch.Tensor | None = None,
+    scale: torch.Tensor | None = None,
+    layout: Layout | None = None,
+    backend: Backend = "auto",
+) -> torch.Tensor:
+    """Encode ``x`` (times ``scale`` per segment) into ``fmt``'s wire bytes.
+
+    Values are multiplied by their segment's scale in float32, saturated to
+    ``+-fmt.max`` and rounded to nearest even; inf becomes inf (or NaN where
+    the format has no inf), NaN stays NaN.
+
+    Args:
+        x: contiguous 1-D floating-point tensor.
+        fmt: the wire format.
+        out: uint8 tensor of :func:`~aps_comm.formats.payload_nbytes` bytes on
+            ``x``'s device to write into; allocated when None.
+        scale: float32 factors, one per segment of ``layout`` (one in all
+            without a layout); powers of two keep the scaling exact.
+        layout: the segments of ``x``.
+        backend: "auto", "kernels", "cast" or "bits" (see the module doc).
+
+    Returns:
+        ``out``.
+
+    Example:
+        >>> encode(torch.tensor([1.0, -2.0]), "e4m3")
+        tensor([ 56, 192], dtype=torch.uint8)
+    """
+    fmt = get_format(fmt)
+    numel = x.numel()
+    _check_scaled(scale, layout, numel)
+    need = payload_nbytes(numel, fmt)
+    if out is None:
+        out = torch.empty(need, dtype=torch.uint8, device=x.device)
+    elif out.dtype != torch.uint8 or out.numel() != need or out.device != x.device:
+        raise ValueError(
+            f"out must hold {need} uint8 bytes on {x.device}, got {out.numel()} "
+            f"{out.dtype} on {out.device}"
+        )
+    kind = _resolve(backend, fmt, x.device)
+    if kind == "kernels":
+        factors = None if scale is None else scale.numpy()
+        cpu_kernels.encode(x, out, fmt, _host_offsets(layout, numel), factors)
+        return out
+    v = x.float() if scale is None else x * _factors(scale, layout, numel)
+    if kind == "cast":
+        # clamp + where + cast: torch's casts round to nearest even but do not saturate.
+        out.view(fmt.torch_dtype).copy_(saturate(v, fmt))
+    else:
+        if not fmt.has_nan:
+            v = torch.nan_to_num(v, nan=0.0, posinf=fmt.max, neginf=-fmt.max)
+        encode_into(v, fmt, out)
+    return out
+
+
+def decode(
+    payload: torch.Tensor,
+    fmt: FloatFormat | str,
+    numel: int,
+    *,
+    out: torch.Tensor | None = None,
+    scale: torch.Tensor | None = None,
+    layout: Layout | None = None,
+    backend: Backend = "auto",
+) -> torch.Tensor:
+    """Decode ``numel`` elements of ``fmt`` into float32 (times ``scale`` per segment).
+
+    Args:
+        payload: uint8 tensor holding at least the elements' bytes.
+        fmt: the wire format.
+        numel: elements to decode.
+        out: contiguous float32 tensor of ``numel`` elements to write into.
+        scale: float32 factors, one per segment of ``layout``.
+        layout: the segments of the output.
+        backend: "auto", "kernels", "cast" or "bits".
+
+    Returns:
+        ``out``.
+
+    Example:
+        >>> decode(torch.tensor([56, 192], dtype=torch.uint8), "e4m3", 2)
+        tensor([ 1., -2.])
+    """
+    fmt = get_format(fmt)
+    _check_scaled(scale, layout, numel)
+    need = payload_nbytes(numel, fmt)
+    if payload.dtype != torch.uint8 or payload.numel() < need:
+        raise ValueError(
+            f"payload must hold {need} uint8 bytes for {numel} elements of {fmt.name}, "
+            f"got {payload.numel()} {payload.dtype}"
+        )
+    if out is None:
+        out = torch.empty(numel, dtype=torch.float32, device=payload.device)
+    elif out.dtype != torch.float32 or out.numel() != numel or not out.is_contiguous():
+        raise ValueError(
+            f"out must be a contiguous float32 tensor of {numel} elements, "
+            f"got {out.dtype} of shape {tuple(out.shape)}"
+        )
+    payload = payload[:need]
+    kind = _resolve(backend, fmt, payload.device)
+    if kind == "kernels":
+        factors = None if scale is None else scale.numpy()
+        cpu_kernels.decode(payload, out, fmt, _host_offsets(layout, numel), factors)
+        return out
+    if kind == "cast":
+        out.copy_(payload.view(fmt.torch_dtype))
+    else:
+        decode_into(payload, fmt, out)
+    if scale is not None:
+        out.mul_(_factors(scale, layout, numel))
+    return out
+
+
+def owner_reduce(
+    recv: torch.Tensor,
+    fmt: FloatFormat | str,
+    n_ranks: int,
+    *,
+    out: torch.Tensor | None = None,
+    backend: Backend = "auto",
+) -> torch.Tensor:
+    """The shard owner's step of two_phase: mean of N encoded shards, re-encoded.
+
+    ``recv`` holds N equal shards end to end, rank 0 first. They are decoded,
+    summed in float32 in rank order, divided by N and encoded again: the same
+    arithmetic on every owner, on every backend, and in :mod:`aps_comm.simulate`.
+
+    Args:
+        recv: uint8 tensor of N equal shards.
+        fmt: the wire format.
+        n_ranks: N.
+        out: uint8 tensor of one shard's bytes to write into.
+        backend: "auto", "kernels", "cast" or "bits".
+
+    Returns:
+        ``out``.
+
+    Example:
+        >>> shards = torch.cat([encode(torch.tensor([1.0]), "e4m3"),
+        ...                     encode(torch.tensor([2.0]), "e4m3")])
+        >>> decode(owner_reduce(shards, "e4m3", 2), "e4m3", 1)
+        tensor([1.5000])
+    """
+    fmt = get_format(fmt)
+    if recv.dtype != torch.uint8 or recv.numel() % n_ranks:
+        raise ValueError(
+            f"recv must be uint8 of N={n_ranks} equal shards, got {recv.numel()} {recv.dtype}"
+        )
+    shard_bytes = recv.numel() // n_ranks
+    if out is None:
+        out = torch.empty(shard_bytes, dtype=torch.uint8, device=recv.device)
+    elif out.dtype != torch.uint8 or out.numel() != shard_bytes:
+        raise ValueError(f"out must hold {shard_bytes} uint8 bytes, got {out.numel()}")
+    kind = _resolve(backend, fmt, recv.device)
+    if kind == "kernels":
+        cpu_kernels.reduce_shards(recv, n_ranks, fmt, out)
+        return out
+    acc = shard_mean(recv, fmt, n_ranks, backend=kind)  # type: ignore[arg-type]
+    return encode(acc, fmt, out=out, backend=kind)  # type: ignore[arg-type]
+
+
+def shard_mean(
+    recv: torch.Tensor, fmt: FloatFormat | str, n_ranks: int, *, backend: Backend = "auto"
+) -> torch.Tensor:
+    """float32 mean of N encoded shards laid end to end: summed in rank order, then / N.
+
+    The arithmetic of :func:`owner_reduce` before its re-encoding.
+
+    Example:
+        >>> shards = encode(torch.tensor([1.0, 2.0]), "e4m3")
+        >>> shard_mean(shards, "e4m3", 2)
+        tensor([1.5000])
+    """
+    fmt = get_format(fmt)
+    shard_bytes = recv.numel() // n_ranks
+    numel = shard_bytes * 8 // fmt.wire_bits
+    acc = torch.empty(numel, dtype=torch.float32, device=recv.device)
+    part = torch.empty_like(acc)
+    decode(recv[:shard_bytes], fmt, numel, out=acc, backend=backend)
+    for r in range(1, n_ranks):
+        decode(recv[r * shard_bytes : (r + 1) * shard_bytes], fmt, numel, out=part, backend=backend)
+        acc += part
+    return acc.div_(n_ranks)
+
+
+def segment_amax(x: torch.Tensor, layout: Layout) -> torch.Tensor:
+    """max |x| of every segment in one pass: float32, NaN mapped to +inf, empty to 0.
+
+    NaN becomes inf because MAX reductions may drop NaN; inf survives every MAX.
+
+    Example:
+        >>> x = torch.tensor([1.0, -3.0, float("nan"), 2.0])
+        >>> segment_amax(x, Layout.from_numels([2, 0, 2], x.device))
+        tensor([3., 0., inf])
+    """
+    if x.numel() != layout.numel:
+        raise ValueError(f"layout covers {layout.numel} elements, x has {x.numel()}")
+    if x.device.type == "cpu" and cpu_kernels.AVAILABLE and x.dtype == torch.float32:
+        return cpu_kernels.segment_amax(x.contiguous(), layout.offsets.numpy())
+    a = x.detach().float().abs()
+    a = torch.nan_to_num(a, nan=float("inf"), posinf=float("inf"))
+    return torch.segment_reduce(a, "max", lengths=layout.lengths, unsafe=True, initial=0.0)

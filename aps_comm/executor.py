@@ -1,0 +1,131 @@
+"""Where a bucket's work runs, so that the hook returns at once and backward never stalls.
+
+- :class:`FifoWorker` (Gloo, CPU tensors): one thread per hook state runs the
+  buckets in the order DDP hands them over, so every rank issues the same
+  collectives in the same order, and completes the future the hook returned.
+  The codec's kernels release the GIL, so they run beside backward.
+- :func:`run_on_side_stream` (NCCL, CUDA tensors): the hook's thread enqueues
+  the bucket's work on a side stream that waits for the gradients' producer,
+  and returns a CUDA-aware future; nothing waits on the host.
+
+Example:
+    >>> worker = FifoWorker("demo")
+    >>> worker.submit(lambda: 6 * 7).wait()
+    42
+    >>> worker.close()
+"""
+
+from __future__ import annotations
+
+import queue
+import threading
+import weakref
+from collections.abc import Callable
+from typing import Any
+
+import torch
+
+__all__ = ["FifoWorker", "WorkerFailed", "run_on_side_stream"]
+
+
+class WorkerFailed(RuntimeError):
+    """An earlier job of the worker failed; later jobs are not run."""
+
+
+class FifoWorker:
+    """A daemon thread that runs submitted jobs one at a time, in submission order.
+
+    After a job raises, every later job fails at once with :class:`WorkerFailed`
+    naming the first error: a rank that stopped half-way through a sequence of
+    collectives must not start the next one out of step with its peers.
+
+    Args:
+        name: thread name, for debuggers and stack dumps.
+    """
+
+    def __init__(self, name: str) -> None:
+        self.name = name
+        self.error: BaseException | None = None
+        self._queue: queue.SimpleQueue = queue.SimpleQueue()
+        self._thread: threading.Thread | None = None
+        self._lock = threading.Lock()
+        self._finalizer: weakref.finalize | None = None
+
+    def submit(self, job: Callable[[], Any]) -> torch.futures.Future:
+        """Queue ``job``; the returned future holds its result or its exception."""
+        fut: torch.futures.Future = torch.futures.Future()
+        with self._lock:
+            if self._thread is None or not self._thread.is_alive():
+                self._start()
+        self._queue.put((job, fut))
+        return fut
+
+    def _start(self) -> None:
+        self._thread = threading.Thread(
+            target=_loop, args=(self._queue, self), name=self.name, daemon=True
+        )
+        self._thread.start()
+        # Stop the thread at interpreter exit before torch tears down its
+        # backends: a thread still alive in a collective then aborts the process.
+        self._finalizer = weakref.finalize(self, _stop, self._queue, self._thread)
+
+    def close(self, timeout: float = 10.0) -> None:
+        """Finish the queued jobs, then stop the thread (waits up to ``timeout`` s)."""
+        thread = self._thread
+        if thread is not None and thread.is_alive():
+            self._queue.put(None)
+            thread.join(timeout)
+        if self._finalizer is not None:
+            self._finalizer.detach()
+
+    @property
+    def alive(self) -> bool:
+        return self._thread is not None and self._thread.is_alive()
+
+
+def _stop(q: queue.SimpleQueue, thread: threading.Thread) -> None:
+    if thread.is_alive():
+        q.put(None)
+        thread.join(10.0)
+
+
+def _loop(q: queue.SimpleQueue, worker: FifoWorker) -> None:
+    # Only the queue and the error slot are touched: no reference cycle keeps
+    # the worker object alive, so its finalizer can run.
+    while True:
+        item = q.get()
+        if item is None:
+            return
+        job, fut = item
+        if worker.error is not None:
+            fut.set_exception(
+                WorkerFailed(f"not run: an earlier bucket failed with {worker.error!r}")
+            )
+            continue
+        try:
+            with torch.no_grad():
+                result = job()
+        except BaseException as exc:  # every error must reach the training loop
+            worker.error = exc
+            fut.set_exception(exc)
+            continue
+        fut.set_result(result)
+
+
+def run_on_side_stream(
+    job: Callable[[], torch.Tensor], stream: torch.cuda.Stream
+) -> torch.futures.Future:
+    """Enqueue ``job`` on ``stream`` after the current stream's work; return a CUDA-aware future.
+
+    The job must only enqueue device work (no host reads); its result tensor
+    is ready for any stream that waits on the returned future.
+    """
+    device = stream.device
+    producer = torch.cuda.current_stream(device)
+    stream.wait_stream(producer)
+    with torch.cuda.stream(stream), torch.no_grad():
+        result = job()
+        fut: torch.futures.Future = torch.futures.Future(devices=[device])
+        # Records an event on `stream`: consumers wait for it, not for the host.
+        fut.set_result(result)
+    return fut

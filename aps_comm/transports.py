@@ -1,0 +1,205 @@
+"""How encoded gradients cross the wire: the only module that issues collectives.
+
+- :func:`all_reduce_max`: the cheap all-reduce of the layers' maxima.
+- :func:`native`: one all-reduce per chunk in the wire dtype (FP16/BF16 on
+  every backend; FP8 where the backend sums it, NCCL >= 2.24 on sm_90+).
+- :func:`two_phase`: per chunk, ``all_to_all_single`` of the encoded shards
+  (uint8), the owner's FP32 sum (:func:`aps_comm.codec.owner_reduce`), and
+  ``all_gather`` of the reduced shards.
+
+Both pipeline the chunks of a bucket: while chunk c is on the wire, chunk c+1
+encodes and chunk c-1 reduces or decodes. They return when the bucket is
+decoded in place (on CUDA: when that work is enqueued on the current stream).
+Every rank issues the same collectives in the same order: the order depends
+only on the plan.
+
+Example:
+    >>> transports.two_phase(group_plan, x, scale, unscale, pg, 4, counter)  # doctest: +SKIP
+"""
+
+from __future__ import annotations
+
+import datetime
+from collections.abc import Callable
+
+import torch
+import torch.distributed as dist
+
+from aps_comm import codec
+from aps_comm.formats import payload_nbytes
+from aps_comm.plan import GroupPlan
+
+__all__ = [
+    "Counter",
+    "all_gather_single",
+    "all_reduce_max",
+    "fp32_mean",
+    "group_timeout",
+    "native",
+    "new_group",
+    "two_phase",
+]
+
+Counter = Callable[[str, int], None]
+"""``count(collective, nbytes)``: called for every payload handed to a collective."""
+
+
+def group_timeout(group: dist.ProcessGroup | None = None) -> datetime.timedelta:
+    """The timeout of ``group``'s backend (the default group's when None).
+
+    Example:
+        >>> group_timeout()  # doctest: +SKIP
+        datetime.timedelta(seconds=1800)
+    """
+    pg = group if group is not None else dist.group.WORLD
+    for device in ("cpu", "cuda"):
+        try:
+            return pg._get_backend(torch.device(device)).options._timeout
+        except (AttributeError, RuntimeError):
+            continue
+    return dist.default_pg_timeout
+
+
+def new_group(timeout: datetime.timedelta | None = None) -> dist.ProcessGroup:
+    """A new group over all ranks, with the default group's timeout unless one is given.
+
+    Collective: every rank must call it, in the same order as its other
+    ``new_group`` calls.
+    """
+    return dist.new_group(timeout=timeout or group_timeout())
+
+
+def all_gather_single(
+    output: torch.Tensor, input: torch.Tensor, group: dist.ProcessGroup, async_op: bool = False
+) -> dist.Work | None:
+    """``all_gather_single`` where torch has it, else ``all_gather_into_tensor``.
+
+    Recent torch renamed the collective and deprecated the old name; calling
+    the right one keeps the output free of FutureWarnings on every version.
+    """
+    fn = getattr(dist, "all_gather_single", None) or dist.all_gather_into_tensor
+    return fn(output, input, group=group, async_op=async_op)
+
+
+def all_reduce_max(vec: torch.Tensor, group: dist.ProcessGroup, count: Counter) -> None:
+    """MAX all-reduce of a float32 vector, in place."""
+    count("all_reduce_max", vec.numel() * vec.element_size())
+    dist.all_reduce(vec, op=dist.ReduceOp.MAX, group=group)
+
+
+def fp32_mean(x: torch.Tensor, group: dist.ProcessGroup, world_size: int, count: Counter) -> None:
+    """Average float32 ``x`` over the ranks in place (``allreduce_hook``'s arithmetic)."""
+    x.div_(world_size)
+    count("all_reduce", x.numel() * x.element_size())
+    dist.all_reduce(x, group=group)
+
+
+def native(
+    g: GroupPlan,
+    x: torch.Tensor,
+    scale: torch.Tensor,
+    unscale: torch.Tensor,
+    group: dist.ProcessGroup,
+    count: Counter,
+    after_encode: Callable[[int, torch.Tensor], None] | None = None,
+) -> None:
+    """Average ``x`` with one native all-reduce per chunk in the wire dtype.
+
+    Args:
+        g: the group's plan (``reduction == "allreduce"``).
+        x: the group's float32 values; the result is written back into it.
+        scale: per-layer factors applied before encoding.
+        unscale: per-layer factors applied after decoding (including 1/N).
+        group: the process group.
+        count: byte counter.
+        after_encode: called with (chunk, payload) after each chunk is encoded.
+    """
+    fmt, dtype = g.fmt, g.fmt.torch_dtype
+    pending: list[tuple[int, dist.Work]] = []
+    for c, ((lo, hi), (r0, r1)) in enumerate(zip(g.chunks, g.regions, strict=True)):
+        payload = g.send[r0:r1]
+        codec.encode(x[lo:hi], fmt, out=payload, scale=scale, layout=g.windows[c])
+        if after_encode is not None:
+            after_encode(c, payload)
+        count("all_reduce", payload.numel())
+        pending.append((c, dist.all_reduce(payload.view(dtype), group=group, async_op=True)))
+        if len(pending) > 1:
+            _decode(g, x, unscale, *pending.pop(0))
+    for item in pending:
+        _decode(g, x, unscale, *item)
+
+
+def _decode(g: GroupPlan, x: torch.Tensor, unscale: torch.Tensor, c: int, work: dist.Work) -> None:
+    work.wait()
+    lo, hi = g.chunks[c]
+    r0, r1 = g.regions[c]
+    codec.decode(g.send[r0:r1], g.fmt, hi - lo, out=x[lo:hi], scale=unscale, layout=g.windows[c])
+
+
+def two_phase(
+    g: GroupPlan,
+    x: torch.Tensor,
+    scale: torch.Tensor,
+    unscale: torch.Tensor,
+    group: dist.ProcessGroup,
+    world_size: int,
+    count: Counter,
+    after_encode: Callable[[int, torch.Tensor], None] | None = None,
+    owner: Callable[[int, torch.Tensor, torch.Tensor], None] | None = None,
+) -> None:
+    """Average ``x``: all-to-all of encoded shards, FP32 sum on the owner, all-gather.
+
+    Chunk c's collectives are issued in the order all_to_all(c),
+    all_to_all(c+1), all_gather(c): chunk c+1 encodes while chunk c's shards
+    travel, chunk c reduces while c+1's travel, and chunk c-1 decodes while
+    chunk c's reduced shards are gathered.
+
+    Args:
+        g: the group's plan (``reduction == "two_phase"``).
+        x: the group's float32 values; the result is written back into it.
+        scale: per-layer factors applied before encoding.
+        unscale: per-layer factors applied after decoding.
+        group: the process group.
+        world_size: ranks N.
+        count: byte counter.
+        after_encode: called with (chunk, payload) after each chunk is encoded.
+        owner: ``owner(chunk, recv, out)`` replaces the owner's reduction
+            (error feedback); default :func:`aps_comm.codec.owner_reduce`.
+    """
+    fmt = g.fmt
+    k = len(g.chunks)
+    exchanges: dict[int, dist.Work] = {}
+    gathers: dict[int, dist.Work] = {}
+    for c in range(k + 2):
+        if c < k:
+            lo, hi = g.chunks[c]
+            r0, r1 = g.regions[c]
+            send = g.send[r0:r1]
+            payload = send[: payload_nbytes(hi - lo, fmt)]
+            codec.encode(x[lo:hi], fmt, out=payload, scale=scale, layout=g.windows[c])
+            send[payload.numel() :].zero_()  # padding: code 0 is +0 in every format
+            if after_encode is not None:
+                after_encode(c, payload)
+            count("all_to_all", send.numel())
+            exchanges[c] = dist.all_to_all_single(g.recv[r0:r1], send, group=group, async_op=True)
+        if 1 <= c <= k:
+            p = c - 1
+            exchanges.pop(p).wait()
+            r0, r1 = g.regions[p]
+            s0, s1 = g.shard_regions[p]
+            shard = g.shards[s0:s1]
+            if owner is None:
+                codec.owner_reduce(g.recv[r0:r1], fmt, world_size, out=shard)
+            else:
+                owner(p, g.recv[r0:r1], shard)
+            count("all_gather", shard.numel())
+            # The chunk's send region is free once its all-to-all is done.
+            gathers[p] = all_gather_single(g.send[r0:r1], shard, group=group, async_op=True)
+        if c >= 2:
+            p = c - 2
+            gathers.pop(p).wait()
+            lo, hi = g.chunks[p]
+            r0, r1 = g.regions[p]
+            codec.decode(
+                g.send[r0:r1], fmt, hi - lo, out=x[lo:hi], scale=unscale, layout=g.windows[p]
+            )
