@@ -1,0 +1,244 @@
+"""The reduction engine: bucket plans, pipelined chunks, the FIFO worker, failures.
+
+Multi-chunk buckets are checked against the exact reference of
+``test_hook`` (computed from every rank's raw bucket), and the worker's
+behaviour is checked on real Gloo ranks: the hook returns before its peers
+have even started, a failure in the worker reaches every rank as an exception.
+"""
+
+from __future__ import annotations
+
+import os
+import time
+from pathlib import Path
+
+import pytest
+import test_hook
+import torch
+import torch.distributed as dist
+import torch.nn as nn
+from test_hook import _capture, _check_log, _Net
+from torch.nn.parallel import DistributedDataParallel as DDP
+
+import aps_comm.codec
+from aps_comm import APSState, aps_hook, register
+from aps_comm.executor import FifoWorker, WorkerFailed
+from aps_comm.formats import get_format
+from aps_comm.plan import BucketPlan, chunk_bounds, shard_layout
+from aps_comm.simulate import ring_chunks
+from aps_comm.testing import DistributedTestError, run_distributed
+
+# ---------------------------------------------------------------------------
+# plans
+
+
+def test_chunk_bounds_and_regions_by_hand() -> None:
+    assert chunk_bounds(0, 4) == [(0, 0)]
+    assert chunk_bounds(8, 4) == [(0, 4), (4, 8)]
+    assert chunk_bounds(9, 4) == [(0, 4), (4, 8), (8, 9)]
+    with pytest.raises(ValueError, match="chunk_elements must be >= 1, got 0"):
+        chunk_bounds(3, 0)
+    plan = BucketPlan.build(3, [5, 0, 6], torch.device("cpu"))
+    e4m3, e2m1, fp16 = get_format("e4m3"), get_format("e2m1"), get_format("fp16")
+    reductions = {e4m3: "two_phase", e2m1: "two_phase", fp16: "allreduce"}
+    (g,) = plan.group([e4m3] * 3, reductions, 4, chunk_elements=8)
+    assert g.contiguous and g.chunks == [(0, 8), (8, 11)]
+    # Chunk 0: 8 elements -> 4 shards of 2 bytes; chunk 1: 3 -> 4 shards of 1.
+    assert g.regions == [(0, 8), (8, 12)] and g.shard_regions == [(0, 2), (2, 3)]
+    assert g.windows[0].offsets.tolist() == [0, 5, 5, 8]
+    assert g.windows[1].offsets.tolist() == [0, 0, 0, 3]
+    assert g.send.numel() == g.recv.numel() == 12 and g.shards.numel() == 3
+    # The same formats give the same (cached) group plans, scratch included.
+    assert plan.group([e4m3] * 3, reductions, 4, chunk_elements=8)[0] is g
+    # Mixed formats: one group per format in order of first appearance.
+    a, b = plan.group([fp16, e2m1, fp16], reductions, 4, chunk_elements=8)
+    assert (a.fmt, a.index, a.reduction, b.fmt, b.index) == (fp16, [0, 2], "allreduce", e2m1, [1])
+    assert not a.contiguous and a.regions == [(0, 16), (16, 22)]
+    assert shard_layout(3, e2m1, 4) == (2, 1)
+
+
+# ---------------------------------------------------------------------------
+# multi-chunk buckets against the exact reference
+
+CHUNKED = [
+    ("e4m3", "two_phase", "layer"),
+    ("e2m1", "two_phase", "layer"),
+    ("fp16", "allreduce", "layer"),
+    ("bf16", "two_phase", "bucket"),
+]
+
+
+def _ring_sum_in_chunks(chunk_elements: int):  # type: ignore[no-untyped-def]
+    """test_hook's ring order, applied to each chunk: every chunk is its own all-reduce."""
+
+    def ring_sum(q: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
+        n_ranks, n = q.shape
+        wire = q.to(dtype)
+        out = torch.empty(n, dtype=dtype)
+        for lo, hi in chunk_bounds(n, chunk_elements):
+            starts = ring_chunks(hi - lo, n_ranks, wire.element_size())
+            for c in range(n_ranks):
+                sl = slice(lo + starts[c], lo + starts[c + 1])
+                order = [(c - k) % n_ranks for k in range(1, n_ranks)] + [c]
+                acc = wire[order[0], sl]
+                for r in order[1:]:
+                    acc = (acc.float() + wire[r, sl].float()).to(dtype)
+                out[sl] = acc
+        return out.float()
+
+    return ring_sum
+
+
+def _chunked(rank: int, world_size: int, chunk_elements: int) -> int:
+    if world_size > 1:
+        test_hook._gloo_ring_sum = _ring_sum_in_chunks(chunk_elements)
+    checked = 0
+    for fmt_spec, reduction, scaling in CHUNKED:
+        fmt = get_format(fmt_spec)
+        torch.manual_seed(0)
+        model = _Net()
+        ddp = DDP(model, bucket_cap_mb=0.004)
+        state = APSState(fmt, reduction=reduction, scaling=scaling)
+        state.chunk_elements = chunk_elements
+        log: list = []
+        ddp.register_comm_hook(state, _capture(state, log))
+        for step in range(2):
+            torch.manual_seed(1000 * step + rank)
+            ddp.zero_grad()
+            ddp(torch.randn(8, 16) * (rank + 1)).pow(2).sum().backward()
+            checked += _check_log(log, fmt, reduction, scaling)
+            log.clear()
+    return checked
+
+
+@pytest.mark.parametrize(("world_size", "chunk"), [(2, 100), (4, 37)])
+def test_multi_chunk_buckets_match_reference(world_size: int, chunk: int) -> None:
+    # Buckets of ~1000 elements in chunks of 100 or 37: many chunks, ragged ends.
+    assert all(c > 0 for c in run_distributed(_chunked, world_size, args=(chunk,), timeout=240))
+
+
+def _big_bucket(rank: int, world_size: int) -> tuple[int, int]:
+    torch.manual_seed(0)
+    model = nn.Linear(1100, 1000)  # 1.1M weights: one bucket above 2**20 elements
+    ddp = DDP(model, bucket_cap_mb=100)
+    state = APSState("e4m3", reduction="two_phase")
+    log: list = []
+    ddp.register_comm_hook(state, _capture(state, log))
+    torch.manual_seed(rank)
+    ddp(torch.randn(4, 1100) * (rank + 1)).pow(2).sum().backward()
+    _check_log(log, get_format("e4m3"), "two_phase", "layer")
+    return len(log), max(raw.numel() for _, raw, _, _ in log)
+
+
+def test_bucket_above_2_20_elements_matches_reference() -> None:
+    for n_buckets, numel in run_distributed(_big_bucket, 2, timeout=240):
+        assert n_buckets == 1 and numel > 2**20
+
+
+# ---------------------------------------------------------------------------
+# the hook returns at once
+
+
+def _returns_at_once(rank: int, world_size: int, flag: str) -> list[bool]:
+    torch.manual_seed(0)
+    model = _Net()
+    ddp = DDP(model, bucket_cap_mb=0.004)
+    state = APSState("e4m3")
+    state.bind_process_group()  # creates the group and agrees on the configuration
+    seen: list[bool] = []
+    step_flag = ""
+
+    def hook(st, bucket):  # type: ignore[no-untyped-def]  # DDP rejects string annotations
+        fut = aps_hook(st, bucket)
+        # Rank 1 has not started this backward yet: a hook that waited for any
+        # of its collectives could not have returned.
+        seen.append(not os.path.exists(step_flag))
+        return fut
+
+    ddp.register_comm_hook(state, hook)
+    for step in range(2):  # DDP re-buckets after step 0: several buckets in step 1
+        step_flag = f"{flag}.{step}"
+        dist.barrier()
+        loss = ddp(torch.randn(8, 16)).pow(2).sum()  # DDP's forward may synchronise
+        if rank == 1:
+            time.sleep(1.0)
+            Path(step_flag).touch()
+        loss.backward()
+    return seen
+
+
+def test_hook_returns_before_any_peer_has_started(tmp_path: Path) -> None:
+    seen = run_distributed(_returns_at_once, 2, args=(str(tmp_path / "started"),))
+    assert len(seen[0]) >= 3 and all(seen[0]), seen[0]
+
+
+# ---------------------------------------------------------------------------
+# failures in the worker
+
+
+def _fail_everywhere(rank: int, world_size: int) -> list[str]:
+    torch.manual_seed(0)
+    ddp = DDP(_Net(), bucket_cap_mb=0.004)
+    register(ddp, fmt="e4m3")
+
+    def broken(*args: object, **kwargs: object) -> torch.Tensor:
+        raise RuntimeError(f"injected codec failure on rank {rank}")
+
+    aps_comm.codec.encode = broken  # type: ignore[assignment]
+    errors = []
+    for _ in range(2):
+        try:
+            ddp(torch.randn(8, 16)).pow(2).sum().backward()
+        except RuntimeError as exc:
+            errors.append(str(exc))
+    return errors
+
+
+def test_worker_exception_surfaces_on_every_rank() -> None:
+    for rank, errors in enumerate(run_distributed(_fail_everywhere, 2, timeout=120)):
+        assert len(errors) == 2
+        assert f"injected codec failure on rank {rank}" in errors[0]
+        # The failed state refuses further buckets instead of running them out of step.
+        assert "earlier bucket failed" in errors[1]
+
+
+def _fail_on_one_rank(rank: int, world_size: int) -> None:
+    torch.manual_seed(0)
+    ddp = DDP(_Net(), bucket_cap_mb=0.004)
+    register(ddp, fmt="e4m3")
+    if rank == 1:
+
+        def broken(*args: object, **kwargs: object) -> torch.Tensor:
+            raise RuntimeError("injected codec failure on rank 1")
+
+        aps_comm.codec.encode = broken  # type: ignore[assignment]
+    ddp(torch.randn(8, 16)).pow(2).sum().backward()
+
+
+def test_one_rank_failing_makes_the_others_raise_within_the_timeout() -> None:
+    # The hook's group inherits the default group's 5 s timeout: rank 0,
+    # waiting for rank 1's shards, raises instead of hanging.
+    with pytest.raises(DistributedTestError) as info:
+        run_distributed(_fail_on_one_rank, 2, timeout=90, pg_timeout=5.0)
+    msg = str(info.value)
+    assert "injected codec failure on rank 1" in msg
+    assert "rank 0 failed" in msg
+
+
+def test_fifo_worker_order_and_failure() -> None:
+    worker = FifoWorker("test")
+    order: list[int] = []
+    futures = [worker.submit(lambda i=i: order.append(i) or i) for i in range(50)]
+    assert [f.wait() for f in futures] == list(range(50)) and order == list(range(50))
+
+    def boom() -> None:
+        raise ValueError("boom")
+
+    failed = worker.submit(boom)
+    later = worker.submit(lambda: 1)
+    with pytest.raises(ValueError, match="boom"):
+        failed.wait()
+    with pytest.raises(WorkerFailed, match="boom"):
+        later.wait()
+    worker.close()
+    assert not worker.alive
