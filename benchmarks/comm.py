@@ -15,6 +15,11 @@ By default the ranks run on an emulated bandwidth-bound cluster
     python -m benchmarks.comm --ranks 4 --bandwidth 1gbit --mb 64 --json benchmarks/results/comm.json
     python -m benchmarks.comm --loopback --ranks 2 --mb 16      # no root; loopback hides the network
 
+With ``--batch B`` backward also computes (a batch of B rows through the
+model), and per hook the report holds communication alone (batch 1), the
+step with compute, and the exposed communication: the step minus backward
+alone (timed with a hook that communicates nothing).
+
 Example:
     >>> main(["--loopback", "--ranks", "2", "--mb", "4", "--repeats", "2"])  # doctest: +SKIP
 """
@@ -98,6 +103,37 @@ def _attach(name: str, ddp: torch.nn.parallel.DistributedDataParallel) -> tuple[
     raise ValueError(f"unknown hook {name!r}; choose from {', '.join(HOOKS)}")
 
 
+def _no_comm(state: object, bucket):  # type: ignore[no-untyped-def]
+    """A hook that communicates nothing: backward alone, for the compute baseline."""
+    fut: torch.futures.Future = torch.futures.Future()
+    fut.set_result(bucket.buffer())
+    return fut
+
+
+def _time_steps(
+    ddp: torch.nn.Module, x: torch.Tensor, warmup: int, repeats: int
+) -> tuple[list[float], list[tuple[float, float]]]:
+    """Step times (slowest rank) and this rank's CPU (user, system) per step."""
+    import torch.distributed as dist
+
+    times, cpu = [], []
+    for step in range(warmup + repeats):
+        ddp.zero_grad()
+        dist.barrier()
+        start, cpu0 = time.perf_counter(), resource.getrusage(resource.RUSAGE_SELF)
+        ddp(x).sum().backward()
+        elapsed = torch.tensor([time.perf_counter() - start])
+        cpu1 = resource.getrusage(resource.RUSAGE_SELF)
+        # A step takes as long as its slowest rank.
+        dist.all_reduce(elapsed, op=dist.ReduceOp.MAX)
+        if step >= warmup:
+            times.append(float(elapsed))
+            # This process's CPU time, all threads: user (ours, torch, Gloo) and
+            # system (mostly the network stack). All ranks share the machine.
+            cpu.append((cpu1.ru_utime - cpu0.ru_utime, cpu1.ru_stime - cpu0.ru_stime))
+    return times, cpu
+
+
 def _rel_error(ddp: torch.nn.Module, state: Any, hook: Callable, x: torch.Tensor) -> float:
     """One more step with a capturing wrapper: error of the result vs the FP32 mean."""
     import torch.distributed as dist
@@ -138,7 +174,24 @@ def _worker(args: argparse.Namespace) -> None:
     rank, world = dist.get_rank(), dist.get_world_size()
     torch.manual_seed(1234 + rank)
     x = torch.randn(1, _WIDTH)
+    x_batch = torch.randn(args.batch, _WIDTH) if args.batch else None
     results = []
+    if x_batch is not None:
+        torch.manual_seed(0)
+        ddp = DDP(_model(args.mb), bucket_cap_mb=args.bucket_mb, gradient_as_bucket_view=True)
+        ddp.register_comm_hook(None, _no_comm)
+        times, cpu = _time_steps(ddp, x_batch, args.warmup, args.repeats)
+        results.append(
+            {
+                "hook": "compute-alone",
+                "step_s": times,
+                "rank0_cpu_user_s": [u for u, _ in cpu],
+                "rank0_cpu_system_s": [s for _, s in cpu],
+            }
+        )
+        if rank == 0:
+            print(f"backward alone (batch {args.batch}): {statistics.median(times):.3f} s")
+        del ddp
     for name in args.hooks:
         torch.manual_seed(0)
         model = _model(args.mb)
@@ -152,21 +205,14 @@ def _worker(args: argparse.Namespace) -> None:
             if rank == 0:
                 print(f"{name:>11}: skipped ({exc})", flush=True)
             continue
-        times, cpu = [], []
-        for step in range(args.warmup + args.repeats):
-            ddp.zero_grad()
-            dist.barrier()
-            start, cpu0 = time.perf_counter(), resource.getrusage(resource.RUSAGE_SELF)
-            ddp(x).sum().backward()
-            elapsed = torch.tensor([time.perf_counter() - start])
-            cpu1 = resource.getrusage(resource.RUSAGE_SELF)
-            # A step takes as long as its slowest rank.
-            dist.all_reduce(elapsed, op=dist.ReduceOp.MAX)
-            if step >= args.warmup:
-                times.append(float(elapsed))
-                # This process's CPU time, all threads: user (ours, torch, Gloo) and
-                # system (mostly the network stack). All ranks share the machine.
-                cpu.append((cpu1.ru_utime - cpu0.ru_utime, cpu1.ru_stime - cpu0.ru_stime))
+        times, cpu = _time_steps(ddp, x, args.warmup, args.repeats)
+        with_compute: dict[str, list[float]] = {}
+        if x_batch is not None:
+            steps, cpu_b = _time_steps(ddp, x_batch, args.warmup, args.repeats)
+            with_compute = {
+                "compute_step_s": steps,
+                "compute_rank0_cpu_s": [u + s for u, s in cpu_b],
+            }
         # A fresh model for the error step: DDP allows one hook registration.
         torch.manual_seed(0)
         ddp_err = DDP(
@@ -184,11 +230,15 @@ def _worker(args: argparse.Namespace) -> None:
                 "rank0_cpu_user_s": [u for u, _ in cpu],
                 "rank0_cpu_system_s": [s for _, s in cpu],
                 "rel_l2_error": error,
+                **with_compute,
             }
         )
         if rank == 0:
+            extra = ""
+            if with_compute:
+                extra = f", with compute {statistics.median(with_compute['compute_step_s']):.3f} s"
             print(
-                f"{name:>11}: median {statistics.median(times):.3f} s, error {error:.2e}",
+                f"{name:>11}: median {statistics.median(times):.3f} s{extra}, error {error:.2e}",
                 flush=True,
             )
         del ddp, ddp_err, model
@@ -219,7 +269,9 @@ def _predict(numel: int, world: int, link: dict[str, Any] | None) -> dict[str, f
 
 def _summarise(raw: dict[str, Any], link: dict[str, Any] | None, args: argparse.Namespace) -> dict:
     world, numel = raw["world"], raw["numel"]
-    done = [r for r in raw["results"] if "skipped" not in r]
+    done = [r for r in raw["results"] if "skipped" not in r and r["hook"] != "compute-alone"]
+    alone = next((r for r in raw["results"] if r["hook"] == "compute-alone"), None)
+    compute_s = statistics.median(alone["step_s"]) if alone else None
     medians = {r["hook"]: statistics.median(r["step_s"]) for r in done}
     predicted = _predict(numel, world, link)
     fp32_bytes = 4 * numel
@@ -240,6 +292,7 @@ def _summarise(raw: dict[str, Any], link: dict[str, Any] | None, args: argparse.
                 "rank0_cpu_user_s": statistics.median(r.get("rank0_cpu_user_s") or [0.0]),
                 "rank0_cpu_system_s": statistics.median(r.get("rank0_cpu_system_s") or [0.0]),
                 "predicted_step_s": predicted.get(_PREDICTED.get(r["hook"], "")),
+                **_with_compute(r, t, compute_s),
             }
         )
     return {
@@ -258,8 +311,26 @@ def _summarise(raw: dict[str, Any], link: dict[str, Any] | None, args: argparse.
         "gradient_as_bucket_view": args.bucket_view,
         "repeats": args.repeats,
         "warmup": args.warmup,
+        "batch": args.batch,
+        "compute_alone_s": compute_s,
+        "compute_alone_step_s": alone["step_s"] if alone else None,
         "runs": runs,
         "skipped": {r["hook"]: r["skipped"] for r in raw["results"] if "skipped" in r},
+    }
+
+
+def _with_compute(r: dict[str, Any], comm_s: float, compute_s: float | None) -> dict[str, Any]:
+    """The step with backward compute, and how much communication it leaves exposed."""
+    if compute_s is None or "compute_step_s" not in r:
+        return {}
+    step = statistics.median(r["compute_step_s"])
+    exposed = max(step - compute_s, 0.0)
+    return {
+        "compute_step_s": r["compute_step_s"],
+        "median_compute_step_s": step,
+        "exposed_comm_s": exposed,
+        "exposed_fraction": exposed / comm_s if comm_s else None,
+        "compute_rank0_cpu_s": statistics.median(r["compute_rank0_cpu_s"]),
     }
 
 
@@ -276,6 +347,27 @@ def _table(result: dict[str, Any]) -> str:
             f"{r['rel_l2_error']:>9.2e} {f'{pred:.3f}' if pred else '-':>9} "
             f"{r['rank0_cpu_user_s']:>5.3f}+{r['rank0_cpu_system_s']:.3f}"
         )
+    if result.get("compute_alone_s") is not None:
+        lines.append(
+            f"with compute (batch {result['batch']}; backward alone "
+            f"{result['compute_alone_s']:.3f} s):"
+        )
+        lines.append(
+            f"{'hook':>11} {'comm s':>8} {'step s':>8} {'exposed s':>9} {'exposed %':>9} "
+            f"{'cpu s':>7} {'vs fp32':>8} {'vs fp16':>8}"
+        )
+        steps = {r["hook"]: r.get("median_compute_step_s") for r in result["runs"]}
+        for r in result["runs"]:
+            if "median_compute_step_s" not in r:
+                continue
+            t = r["median_compute_step_s"]
+            vs32 = steps["fp32"] / t if steps.get("fp32") else 0.0
+            vs16 = steps["fp16"] / t if steps.get("fp16") else 0.0
+            lines.append(
+                f"{r['hook']:>11} {r['median_step_s']:>8.3f} {t:>8.3f} "
+                f"{r['exposed_comm_s']:>9.3f} {100 * r['exposed_fraction']:>8.0f}% "
+                f"{r['compute_rank0_cpu_s']:>7.3f} {vs32:>8.2f} {vs16:>8.2f}"
+            )
     return "\n".join(lines)
 
 
@@ -293,6 +385,12 @@ def _parser() -> argparse.ArgumentParser:
         help="DDP gradient_as_bucket_view (default on: saves a copy per step, for every hook)",
     )
     p.add_argument("--repeats", type=int, default=5)
+    p.add_argument(
+        "--batch",
+        type=int,
+        default=0,
+        help="also time steps whose backward computes a batch of this many rows",
+    )
     p.add_argument("--warmup", type=int, default=3)
     p.add_argument(
         "--hooks",
@@ -323,6 +421,7 @@ def main(argv: Sequence[str] | None = None) -> int:
             sys.executable, "-m", "benchmarks.comm", "--worker", "--worker-out", str(out),
             "--mb", str(args.mb), "--bucket-mb", str(args.bucket_mb),
             "--repeats", str(args.repeats), "--warmup", str(args.warmup),
+            "--batch", str(args.batch),
             "--bucket-view" if args.bucket_view else "--no-bucket-view",
             "--hooks", ",".join(args.hooks),
         ]  # fmt: skip

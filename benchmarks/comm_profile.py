@@ -23,14 +23,12 @@ import time
 from collections.abc import Callable, Sequence
 from pathlib import Path
 
-import numpy as np
 import torch
 import torch.distributed as dist
 
-from aps_comm import _kernels
-from aps_comm import formats as F
-from aps_comm.reduction import all_gather_single, reduce_shards
-from aps_comm.scaling import layer_amax
+from aps_comm import codec
+from aps_comm.formats import E4M3
+from aps_comm.transports import all_gather_single
 
 __all__ = ["main"]
 
@@ -63,17 +61,23 @@ def main(argv: Sequence[str] | None = None) -> int:
     send = torch.zeros(n, dtype=torch.uint8)
     recv = torch.empty_like(send)
     shard = torch.empty(n // world, dtype=torch.uint8)
-    layers = list(x32.split(n // 4))
-    segments = _kernels.Segments(np.linspace(0, n, 5).astype(np.int64), np.full(4, 8.0, np.float32))
+    layout = codec.Layout.from_numels([n // 4] * 3 + [n - 3 * (n // 4)], x32.device)
+    scale = torch.full((4,), 8.0)
     phases = {
         "wire: all_reduce fp32 (the FP32 hook)": lambda: dist.all_reduce(x32),
         "wire: all_reduce fp16 (fp16_compress_hook)": lambda: dist.all_reduce(x16),
         "wire: all_to_all_single e4m3 payload": lambda: dist.all_to_all_single(recv, send),
         "wire: all_gather e4m3 shards": lambda: all_gather_single(send, shard, dist.group.WORLD),
-        "cpu: layer maxima": lambda: layer_amax(layers),
-        "cpu: scale + encode": lambda: F._encode_into(x32, F.E4M3, send, segments),
-        "cpu: owner decode + sum + re-encode": lambda: reduce_shards(recv, world, F.E4M3),
-        "cpu: decode + unscale": lambda: F._decode_into(send, F.E4M3, x32, segments),
+        "cpu: layer maxima": lambda: codec.segment_amax(x32, layout),
+        "cpu: scale + encode": lambda: codec.encode(
+            x32, E4M3, out=send, scale=scale, layout=layout
+        ),
+        "cpu: owner decode + sum + re-encode": lambda: codec.owner_reduce(
+            recv, E4M3, world, out=shard
+        ),
+        "cpu: decode + unscale": lambda: codec.decode(
+            send, E4M3, n, out=x32, scale=1 / scale, layout=layout
+        ),
     }
     result = {name: _time(fn, args.repeats) for name, fn in phases.items()}
     if rank == 0:

@@ -269,7 +269,7 @@ def run_calibration(
     codec = measure.load_codec(codec_kind)
     codec_label = "none" if codec is None else measure.codec_name(codec)
     if codec is None and dist.get_rank() == 0:
-        print("aps_comm.formats (encode/decode) is not importable yet: skipping codec calibration")
+        print("aps_comm.codec is not importable: skipping codec calibration")
     samples: list[dict[str, Any]] = []
     # Collectives are timed from the last rank's start where the ranks share a
     # clock, as the validation times DDP's hooks; local passes by the slowest rank.
@@ -341,7 +341,8 @@ def run_calibration(
         payload = codec.encode(x, _FMT)
         decoded = torch.empty_like(x)
         shards = codec.encode(torch.randn(n), _FMT)
-        record("amax", n, lambda s=segs: codec.amax(s))
+        reduced = torch.empty(n // p, dtype=torch.uint8)
+        record("amax", n, lambda x=x, sl=sizes_l: codec.amax(x, sl))
         record(
             "scale",
             n,
@@ -364,7 +365,7 @@ def run_calibration(
         )
         # The shard owner's whole step on n received elements: decode the p
         # shards, FP32 sum, divide, re-encode n/p.
-        record(f"reduce.{_FMT}", n, lambda sh=shards: codec.reduce(sh, p, _FMT))
+        record(f"reduce.{_FMT}", n, lambda sh=shards, o=reduced: codec.reduce(sh, p, _FMT, out=o))
         record("accumulate", n, lambda d=decoded: d.view(p, -1).sum(0).div_(p))
     # The hook calls' repeats are spread over the sweep, a share after each size:
     # on a shared machine slow spells last seconds, and the fixed cost that every

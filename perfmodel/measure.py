@@ -56,8 +56,8 @@ TRIM = 0.1
 
 
 class Codec(Protocol):
-    """Encode FP32 to wire bytes and back (``aps_comm.formats``' API), plus the hook's
-    other local passes: per-layer maxima and the shard owner's reduction."""
+    """The hook's local passes: encode FP32 to wire bytes and back, per-layer maxima,
+    and the shard owner's reduction (``aps_comm.codec``'s API)."""
 
     def encode(
         self, x: torch.Tensor, fmt: str, out: torch.Tensor | None = None
@@ -67,13 +67,15 @@ class Codec(Protocol):
         self, payload: torch.Tensor, fmt: str, numel: int, out: torch.Tensor | None = None
     ) -> torch.Tensor: ...
 
-    def amax(self, layers: Sequence[torch.Tensor]) -> torch.Tensor: ...
+    def amax(self, x: torch.Tensor, sizes: Sequence[int]) -> torch.Tensor: ...
 
-    def reduce(self, shards: torch.Tensor, world_size: int, fmt: str) -> torch.Tensor: ...
+    def reduce(
+        self, shards: torch.Tensor, world_size: int, fmt: str, out: torch.Tensor | None = None
+    ) -> torch.Tensor: ...
 
 
 class _TorchCastCodec:
-    """Stand-in codec: torch's native float8 casts (round to nearest even)."""
+    """Stand-in codec: torch's native float8 casts (round to nearest even), eager ops."""
 
     name = "torch-cast"
     _DTYPES: ClassVar[dict[str, torch.dtype]] = {
@@ -94,52 +96,57 @@ class _TorchCastCodec:
             return payload[:numel].view(self._DTYPES[fmt]).to(torch.float32)
         return out.copy_(payload[:numel].view(self._DTYPES[fmt]))
 
-    def amax(self, layers: Sequence[torch.Tensor]) -> torch.Tensor:
-        return layer_amax(layers)
+    def amax(self, x: torch.Tensor, sizes: Sequence[int]) -> torch.Tensor:
+        return torch.stack([seg.abs().amax() for seg in torch.split(x, list(sizes))])
 
-    def reduce(self, shards: torch.Tensor, world_size: int, fmt: str) -> torch.Tensor:
-        return owner_reduce(shards, world_size, self, fmt)
+    def reduce(
+        self, shards: torch.Tensor, world_size: int, fmt: str, out: torch.Tensor | None = None
+    ) -> torch.Tensor:
+        dec = self.decode(shards, fmt, shards.numel()).view(world_size, -1)
+        return self.encode(dec.sum(0).div_(world_size), fmt, out=out)
 
 
 class _ApsCodec:
-    """``aps_comm``'s own passes, exactly as its hook calls them."""
+    """``aps_comm.codec``, exactly as the hook's transports call it."""
 
-    name = "aps_comm.formats"
+    name = "aps_comm.codec"
 
-    def __init__(self, formats: object, scaling: object, reduction: object) -> None:
-        self._f, self._s, self._r = formats, scaling, reduction
+    def __init__(self, codec: Any) -> None:
+        self._c = codec
 
     def encode(self, x: torch.Tensor, fmt: str, out: torch.Tensor | None = None) -> torch.Tensor:
-        return self._f.encode(x, fmt, out=out)
+        return self._c.encode(x, fmt, out=out)
 
     def decode(
         self, payload: torch.Tensor, fmt: str, numel: int, out: torch.Tensor | None = None
     ) -> torch.Tensor:
-        return self._f.decode(payload, fmt, numel, out=out)
+        return self._c.decode(payload, fmt, numel, out=out)
 
-    def amax(self, layers: Sequence[torch.Tensor]) -> torch.Tensor:
-        return self._s.layer_amax(list(layers))
+    def amax(self, x: torch.Tensor, sizes: Sequence[int]) -> torch.Tensor:
+        return self._c.segment_amax(x, self._c.Layout.from_numels(list(sizes), x.device))
 
-    def reduce(self, shards: torch.Tensor, world_size: int, fmt: str) -> torch.Tensor:
-        return self._r.reduce_shards(shards, world_size, self._f.get_format(fmt))
+    def reduce(
+        self, shards: torch.Tensor, world_size: int, fmt: str, out: torch.Tensor | None = None
+    ) -> torch.Tensor:
+        return self._c.owner_reduce(shards, fmt, world_size, out=out)
 
 
 def load_codec(kind: str = "aps") -> Codec | None:
-    """The codec to measure: ``"aps"`` (``aps_comm.formats``) or ``"torch"`` (native casts).
+    """The codec to measure: ``"aps"`` (``aps_comm.codec``) or ``"torch"`` (native casts).
 
     Returns:
-        The codec, or None when ``kind == "aps"`` and ``aps_comm.formats`` (with
-        ``encode``/``decode``) cannot be imported yet.
+        The codec, or None when ``kind == "aps"`` and ``aps_comm.codec`` cannot
+        be imported.
     """
     if kind == "torch":
         return _TorchCastCodec()
     if kind != "aps":
         raise ValueError(f"codec must be 'aps' or 'torch', got {kind!r}")
     try:
-        from aps_comm import formats, reduction, scaling
+        from aps_comm import codec
     except ImportError:
         return None
-    return _ApsCodec(formats, scaling, reduction)
+    return _ApsCodec(codec)
 
 
 def codec_name(codec: Codec) -> str:
@@ -162,25 +169,32 @@ def all_gather_single(
 def pipelined_exchange(
     send: torch.Tensor, recv: torch.Tensor, gathered: torch.Tensor, chunk_bytes: int
 ) -> None:
-    """The wire part of ``aps_comm.hook``'s two_phase, without the codec.
+    """The wire part of ``aps_comm.transports.two_phase``, without the codec.
 
-    ``send`` is cut in chunks of ``chunk_bytes``: every chunk's
-    ``all_to_all_single`` is issued first, then each chunk in turn is waited
-    for and its owner shard all-gathered, so the two collectives overlap on
-    the link as they do in the hook.
+    ``send`` is cut in chunks of ``chunk_bytes``, issued in the transport's
+    order: all_to_all(c + 1) before all_gather(c), and all_gather(c - 1)
+    waited for after all_gather(c) is issued, so the two collectives overlap
+    on the link as they do in the hook.
     """
     p = dist.get_world_size()
     bounds = [
         (lo, min(lo + chunk_bytes, send.numel())) for lo in range(0, send.numel(), chunk_bytes)
     ]
-    works = [dist.all_to_all_single(recv[lo:hi], send[lo:hi], async_op=True) for lo, hi in bounds]
-    gathers = []
-    for (lo, hi), work in zip(bounds, works, strict=True):
-        work.wait()
-        shard = recv[lo : lo + (hi - lo) // p]
-        gathers.append(all_gather_single(gathered[lo : lo + (hi - lo) // p * p], shard, True))
-    for g in gathers:
-        g.wait()
+    k = len(bounds)
+    exchanges: dict[int, dist.Work] = {}
+    gathers: dict[int, dist.Work] = {}
+    for c in range(k + 2):
+        if c < k:
+            lo, hi = bounds[c]
+            exchanges[c] = dist.all_to_all_single(recv[lo:hi], send[lo:hi], async_op=True)
+        if 1 <= c <= k:
+            lo, hi = bounds[c - 1]
+            exchanges.pop(c - 1).wait()
+            shard = recv[lo : lo + (hi - lo) // p]
+            out = gathered[lo : lo + (hi - lo) // p * p]
+            gathers[c - 1] = all_gather_single(out, shard, True)  # type: ignore[assignment]
+        if c >= 2:
+            gathers.pop(c - 2).wait()
 
 
 def repeats_for(
@@ -293,18 +307,6 @@ def time_op(
 def fp16_cast_down(x: torch.Tensor, world_size: int) -> torch.Tensor:
     """``fp16_compress_hook``'s compression: cast and divide by N."""
     return x.to(torch.float16).div_(world_size)
-
-
-def layer_amax(layers: Sequence[torch.Tensor]) -> torch.Tensor:
-    """Per-layer max |g| (NaN mapped to +inf so a MAX reduction cannot drop it)."""
-    amax = torch.stack([seg.abs().amax() for seg in layers])
-    return torch.nan_to_num(amax, nan=float("inf"))
-
-
-def owner_reduce(shards: torch.Tensor, world_size: int, codec: Codec, fmt: str) -> torch.Tensor:
-    """Decode the N received shards, sum in FP32, divide by N, re-encode."""
-    dec = codec.decode(shards, fmt, shards.numel()).view(world_size, -1)
-    return codec.encode(dec.sum(0).div_(world_size), fmt)
 
 
 def ddp_hook(fmt: str) -> tuple[Any, Callable[..., Any]]:
