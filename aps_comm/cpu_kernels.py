@@ -37,7 +37,6 @@ __all__ = [
     "encode",
     "encoder_params",
     "reduce_shards",
-    "segment_amax",
     "supports",
 ]
 
@@ -313,28 +312,9 @@ if AVAILABLE:
                     buf[j] /= div
                 _encode_plain(ubuf[:n], out_codes[start : start + n], p)
 
-    @numba.njit(nogil=True, cache=True)
-    def _segment_amax_bits(xu, offsets, out):
-        """Largest |x| bits per segment; integer max of sign-cleared bits orders
-        non-negative floats, vectorises without fast-math, and puts NaN above inf."""
-        for seg in range(len(offsets) - 1):
-            m = np.uint32(0)
-            for i in range(offsets[seg], offsets[seg + 1]):
-                a = _and32(xu[i], np.uint32(0x7FFFFFFF))
-                m = a if a > m else m
-            out[seg] = m
-
 
 def _np(t: torch.Tensor) -> np.ndarray:
     return t.detach().numpy()
-
-
-def segment_amax(x: torch.Tensor, offsets: np.ndarray) -> torch.Tensor:
-    """max |x| of each segment of contiguous float32 ``x``: float32, NaN as +inf, empty 0."""
-    bits = np.empty(len(offsets) - 1, np.uint32)
-    _segment_amax_bits(_np(x).view(np.uint32), offsets, bits)
-    np.minimum(bits, np.uint32(0x7F800000), out=bits)  # NaN -> +inf
-    return torch.from_numpy(bits.view(np.float32))
 
 
 def encode(

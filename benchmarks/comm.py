@@ -197,6 +197,8 @@ def _worker(args: argparse.Namespace) -> None:
         model = _model(args.mb)
         ddp = DDP(model, bucket_cap_mb=args.bucket_mb, gradient_as_bucket_view=args.bucket_view)
         state, hook = _attach(name, ddp)
+        if args.chunk_elements and hasattr(state, "chunk_elements"):
+            state.chunk_elements = args.chunk_elements
         try:
             ddp.register_comm_hook(state, hook)
         except (TypeError, RuntimeError) as exc:
@@ -393,6 +395,12 @@ def _parser() -> argparse.ArgumentParser:
     )
     p.add_argument("--warmup", type=int, default=3)
     p.add_argument(
+        "--chunk-elements",
+        type=int,
+        default=0,
+        help="APS hooks: elements per pipelined chunk (default: the hook's own)",
+    )
+    p.add_argument(
         "--hooks",
         default=",".join(DEFAULT_HOOKS),
         help=f"comma-separated hooks, from: {', '.join(HOOKS)} (default: all but powersgd)",
@@ -421,7 +429,7 @@ def main(argv: Sequence[str] | None = None) -> int:
             sys.executable, "-m", "benchmarks.comm", "--worker", "--worker-out", str(out),
             "--mb", str(args.mb), "--bucket-mb", str(args.bucket_mb),
             "--repeats", str(args.repeats), "--warmup", str(args.warmup),
-            "--batch", str(args.batch),
+            "--batch", str(args.batch), "--chunk-elements", str(args.chunk_elements),
             "--bucket-view" if args.bucket_view else "--no-bucket-view",
             "--hooks", ",".join(args.hooks),
         ]  # fmt: skip
