@@ -26,7 +26,9 @@ Example:
 import dataclasses
 import datetime
 import functools
-from collections.abc import Sequence
+import math
+import time
+from collections.abc import Callable, Sequence
 
 import torch
 import torch.distributed as dist
@@ -35,19 +37,16 @@ from torch.nn.parallel import DistributedDataParallel
 from aps_comm import codec, transports
 from aps_comm.executor import FifoWorker, run_on_side_stream
 from aps_comm.formats import FP32, FloatFormat, get_format
-from aps_comm.plan import BucketPlan, GroupPlan
+from aps_comm.plan import CHUNK_ELEMENTS, BucketPlan, GroupPlan, pipelined_chunk
 from aps_comm.policy import LayerInfo, Promote, Rule, Schedule, static_formats
 from aps_comm.policy import describe as describe_policy
 from aps_comm.reduction import REDUCTIONS, Reduction, pick_reduction
 from aps_comm.scaling import SCALINGS, Scaling, exponents, pow2
 from aps_comm.telemetry import LayerStats, layer_stats
 
-__all__ = ["CHUNK_ELEMENTS", "APSConfig", "APSState", "aps_hook", "register"]
+__all__ = ["APSConfig", "APSState", "aps_hook", "register"]
 
 _BACKENDS = ("gloo", "nccl", "mpi")
-CHUNK_ELEMENTS = 2**20
-"""Elements per pipelined chunk of a bucket (4 MiB of FP32): small enough to
-overlap the codec with the wire, large enough to keep per-message costs low."""
 # Error feedback keeps a group in one chunk: its owner step needs the whole shard.
 _ONE_CHUNK = 2**62
 
@@ -129,7 +128,11 @@ class APSState:
         bytes_detail: the same per collective: "all_reduce_max", "all_to_all",
             "all_gather", "all_reduce".
         step: steps communicated so far.
-        chunk_elements: largest pipelined chunk of a bucket, in elements.
+        chunk_elements: elements per pipelined chunk of a bucket; None (the
+            default) sizes them per bucket from how long its last exchange
+            took (:func:`aps_comm.plan.pipelined_chunk`, CPU tensors; the
+            ranks agree through the maxima all-reduce), 2**20 until then and
+            on CUDA.
 
     Example:
         >>> state = APSState(fmt="e4m3", reduction="two_phase", stats=True)
@@ -167,6 +170,9 @@ class APSState:
         self._plans: dict[tuple, BucketPlan] = {}
         self._worker: FifoWorker | None = None
         self._streams: dict[torch.device, torch.cuda.Stream] = {}
+        # The last bucket's finishing job and DDP's future for it, until the
+        # next bucket has started.
+        self._deferred: tuple[Callable[[], torch.Tensor], torch.futures.Future] | None = None
         self._step_stats: list[LayerStats] = []
         self._step_bytes: dict[str, int] = {}
         # Per parameter name: Promote's (level, calm steps) and last local underflow rate.
@@ -174,7 +180,7 @@ class APSState:
         self._rates: dict[str, float] = {}
         # Error feedback: what rounding lost, per parameter name (unscaled).
         self._residuals: dict[str, torch.Tensor] = {}
-        self.chunk_elements = CHUNK_ELEMENTS
+        self.chunk_elements: int | None = None
         self._schedule = [r for r in self.policy if isinstance(r, Schedule)]
         self._promoter = next((r for r in self.policy if isinstance(r, Promote)), None)
 
@@ -301,25 +307,49 @@ class APSState:
 
     def _submit(self, bucket: _Bucket) -> torch.futures.Future:
         """Run the bucket off DDP's thread; the future completes with the averaged buffer."""
-        job = functools.partial(self._run_bucket, bucket)
         device = bucket.buffer.device
         if device.type == "cuda" and self._backend == "nccl":
             stream = self._streams.get(device)
             if stream is None:
                 stream = self._streams[device] = torch.cuda.Stream(device)
+            job = functools.partial(_run_now, self._run_bucket, bucket)
             return run_on_side_stream(job, stream)
+        if self._worker is None:
+            self._worker = FifoWorker(f"aps-comm-{id(self):x}")
         if device.type == "cuda":
             # Gloo with CUDA tensors: the worker waits for the gradients'
             # producer, and its own stream is drained before the future completes.
             ready = torch.cuda.Event()
             ready.record(torch.cuda.current_stream(device))
-            job = functools.partial(_on_worker_stream, job, ready, device)
-        if self._worker is None:
-            self._worker = FifoWorker(f"aps-comm-{id(self):x}")
-        return self._worker.submit(job)
+            job = functools.partial(_run_now, self._run_bucket, bucket)
+            return self._worker.submit(functools.partial(_on_worker_stream, job, ready, device))
+        # The bucket's last chunks stay on the wire while the next bucket's
+        # maxima, exponents and first chunks are computed: the worker finishes
+        # bucket k after starting bucket k + 1 (the collectives' order is the
+        # same on every rank: it follows DDP's bucket order).
+        previous, self._deferred = self._deferred, None
+        if previous is not None and bucket.index == 0:
+            previous = None  # left over from a step whose backward raised: drop it
+        started: dict[str, functools.partial] = {}
+        defer = not bucket.is_last
+        self._worker.submit(lambda: started.setdefault("finish", self._run_bucket(bucket, defer)))
+        if previous is not None:
+            _forward(self._worker.submit(previous[0]), previous[1])
+        finish = functools.partial(_call_stored, started, "finish")
+        if not defer:
+            return self._worker.submit(finish)
+        fut: torch.futures.Future = torch.futures.Future()
+        self._deferred = (finish, fut)
+        return fut
 
-    def _run_bucket(self, b: _Bucket) -> torch.Tensor:
-        """One bucket's whole reduction: maxima, exponents, every format group."""
+    def _run_bucket(self, b: _Bucket, defer: bool = False) -> Callable[[], torch.Tensor]:
+        """One bucket's reduction: maxima, exponents, every format group.
+
+        Returns the function that finishes it (waits for what is still on the
+        wire, decodes, completes the step): with ``defer`` the last chunks of a
+        bucket of one format are left in flight for it, else it has nothing
+        left to wait for.
+        """
         buffer, params = b.buffer, b.params
         numels = [p.numel() for p in params]
         names = [self.param_names.get(id(p)) for p in params]
@@ -329,34 +359,58 @@ class APSState:
             self._add_residuals(x, numels, names)
 
         amax = codec.segment_amax(x, plan.layout)
+        n_layers = len(numels)
+        extra = []
         if self._promoter is not None:
-            prev = [self._rates.get(n or "", 0.0) for n in names]
-            shared = torch.cat([amax, torch.tensor(prev, dtype=torch.float32, device=x.device)])
-        else:
-            shared = amax
+            extra += [self._rates.get(n or "", 0.0) for n in names]
+        auto_chunk = (
+            self.chunk_elements is None and not self.error_feedback and x.device.type == "cpu"
+        )
+        if auto_chunk:
+            # Each rank's preferred chunk rides on the maxima; the largest wins.
+            extra.append(math.log2(pipelined_chunk(x.numel(), plan.exchange_s)))
+        shared = amax
+        if extra:
+            shared = torch.cat([amax, torch.tensor(extra, dtype=torch.float32, device=x.device)])
         transports.all_reduce_max(shared, self.process_group, self._count)
-        amax = shared[: len(numels)]
+        amax = shared[:n_layers]
         if self._promoter is not None:
-            self._promote_step(params, shared[len(numels) :].tolist())
+            self._promote_step(params, shared[n_layers : 2 * n_layers].tolist())
+        if self.error_feedback:
+            chunk = _ONE_CHUNK
+        elif auto_chunk:
+            chunk = 2 ** int(shared[-1])  # a CPU tensor: no device round trip
+        else:
+            chunk = self.chunk_elements or CHUNK_ELEMENTS
 
         fmts = self._formats(params)
-        chunk = _ONE_CHUNK if self.error_feedback else self.chunk_elements
         groups = plan.group(fmts, self._reductions, self._world_size, chunk)
+        start = time.perf_counter()
         layers = torch.split(x, numels) if len(groups) > 1 else [x]
+        tail = None
         for g in groups:
             if g.contiguous:
-                self._reduce_group(g, x, amax, names, b.index)
+                tail = self._reduce_group(g, x, amax, names, b.index, defer)
                 continue
             # Mixing formats costs a gather copy and one set of collectives per format.
             gx = torch.cat([layers[i] for i in g.index]) if g.index else x.new_empty(0)
             self._reduce_group(g, gx, amax[g.index_tensor], names, b.index)
             for i, t in zip(g.index, torch.split(gx, g.numels), strict=True):
                 layers[i].copy_(t)
-        if x is not buffer:
-            buffer.copy_(x)
+        if auto_chunk and len(groups) == 1:
+            plan.timed(time.perf_counter() - start)
+        return functools.partial(self._finish_bucket, b, x, tail)
+
+    def _finish_bucket(
+        self, b: _Bucket, x: torch.Tensor, tail: Callable[[], None] | None
+    ) -> torch.Tensor:
+        if tail is not None:
+            tail()
+        if x is not b.buffer:
+            b.buffer.copy_(x)
         if b.is_last:
             self._end_step()
-        return buffer
+        return b.buffer
 
     def _reduce_group(
         self,
@@ -365,8 +419,9 @@ class APSState:
         amax: torch.Tensor,
         names: list[str | None],
         bucket_index: int,
-    ) -> None:
-        """Average one format group's values ``x`` in place."""
+        defer: bool = False,
+    ) -> Callable[[], None] | None:
+        """Average one format group's values ``x`` in place (the tail deferred if asked)."""
         group, n_ranks, fmt = self.process_group, self._world_size, g.fmt
         gnames = [names[i] for i in g.index]
         if g.reduction == "fp32":
@@ -374,7 +429,7 @@ class APSState:
             if self.error_feedback:
                 for name in gnames:
                     self._residuals.pop(name or "", None)
-            return
+            return None
         two_phase = g.reduction == "two_phase"
         exps = exponents(
             amax,
@@ -400,11 +455,10 @@ class APSState:
             after_encode = functools.partial(self._keep_residuals, g, x, gnames, exps, finite)
             owner = functools.partial(self._reduce_with_feedback, g, gnames, scale, finite)
         if two_phase:
-            transports.two_phase(
-                g, x, scale, unscale, group, n_ranks, self._count, after_encode, owner
+            return transports.two_phase(
+                g, x, scale, unscale, group, n_ranks, self._count, after_encode, owner, defer
             )
-        else:
-            transports.native(g, x, scale, unscale, group, self._count, after_encode)
+        return transports.native(g, x, scale, unscale, group, self._count, after_encode, defer)
 
     def _add_residuals(self, x: torch.Tensor, numels: list[int], names: list[str | None]) -> None:
         have = [
@@ -571,6 +625,26 @@ def aps_hook(state: APSState, bucket: dist.GradBucket) -> torch.futures.Future[t
             state._end_step()
         return work.get_future().then(lambda fut: fut.value()[0])
     return state._submit(_Bucket(bucket.index(), buffer, list(params), bucket.is_last()))
+
+
+def _run_now(run: Callable[..., Callable[[], torch.Tensor]], bucket: _Bucket) -> torch.Tensor:
+    return run(bucket)()
+
+
+def _call_stored(store: dict, key: str) -> torch.Tensor:
+    return store[key]()
+
+
+def _forward(source: torch.futures.Future, target: torch.futures.Future) -> None:
+    """Complete ``target`` with ``source``'s result or exception once it has one."""
+
+    def done(f: torch.futures.Future) -> None:
+        try:
+            target.set_result(f.value())
+        except BaseException as exc:  # the training loop must see every failure
+            target.set_exception(exc)
+
+    source.add_done_callback(done)
 
 
 def _on_worker_stream(

@@ -20,6 +20,7 @@ Example:
 from __future__ import annotations
 
 import datetime
+import functools
 from collections.abc import Callable
 
 import torch
@@ -102,7 +103,8 @@ def native(
     group: dist.ProcessGroup,
     count: Counter,
     after_encode: Callable[[int, torch.Tensor], None] | None = None,
-) -> None:
+    defer: bool = False,
+) -> Callable[[], None] | None:
     """Average ``x`` with one native all-reduce per chunk in the wire dtype.
 
     Args:
@@ -113,6 +115,11 @@ def native(
         group: the process group.
         count: byte counter.
         after_encode: called with (chunk, payload) after each chunk is encoded.
+        defer: leave the last chunk in flight and return a function that waits
+            for it and decodes it: the caller can start the next bucket first.
+
+    Returns:
+        With ``defer``, the function that finishes the bucket; else None.
     """
     fmt, dtype = g.fmt, g.fmt.torch_dtype
     pending: list[tuple[int, dist.Work]] = []
@@ -125,11 +132,27 @@ def native(
         pending.append((c, dist.all_reduce(payload.view(dtype), group=group, async_op=True)))
         if len(pending) > 1:
             _decode(g, x, unscale, *pending.pop(0))
-    for item in pending:
-        _decode(g, x, unscale, *item)
+    return _finish(pending, functools.partial(_decode, g, x, unscale), defer)
+
+
+def _finish(
+    tail: list[tuple[int, dist.Work]], finish_one: Callable[..., None], defer: bool
+) -> Callable[[], None] | None:
+    """Wait for and decode the chunks still in flight, now or in the returned function."""
+
+    def finish() -> None:
+        for chunk, work in tail:
+            finish_one(chunk, work)
+
+    if defer:
+        return finish
+    finish()
+    return None
 
 
 def _decode(g: GroupPlan, x: torch.Tensor, unscale: torch.Tensor, c: int, work: dist.Work) -> None:
+    """Wait for chunk ``c``'s last collective, then decode it into ``x`` (two_phase: the
+    gathered shards, native: the summed payload; both sit in the send region)."""
     work.wait()
     lo, hi = g.chunks[c]
     r0, r1 = g.regions[c]
@@ -146,7 +169,8 @@ def two_phase(
     count: Counter,
     after_encode: Callable[[int, torch.Tensor], None] | None = None,
     owner: Callable[[int, torch.Tensor, torch.Tensor], None] | None = None,
-) -> None:
+    defer: bool = False,
+) -> Callable[[], None] | None:
     """Average ``x``: all-to-all of encoded shards, FP32 sum on the owner, all-gather.
 
     Chunk c's collectives are issued in the order all_to_all(c),
@@ -165,11 +189,18 @@ def two_phase(
         after_encode: called with (chunk, payload) after each chunk is encoded.
         owner: ``owner(chunk, recv, out)`` replaces the owner's reduction
             (error feedback); default :func:`aps_comm.codec.owner_reduce`.
+        defer: leave the last all-gathers in flight and return a function that
+            waits for them and decodes: the caller can start the next bucket
+            while they are on the wire.
+
+    Returns:
+        With ``defer``, the function that finishes the bucket; else None.
     """
     fmt = g.fmt
     k = len(g.chunks)
     exchanges: dict[int, dist.Work] = {}
     gathers: dict[int, dist.Work] = {}
+    tail: list[tuple[int, dist.Work]] = []
     for c in range(k + 2):
         if c < k:
             lo, hi = g.chunks[c]
@@ -196,10 +227,7 @@ def two_phase(
             # The chunk's send region is free once its all-to-all is done.
             gathers[p] = all_gather_single(g.send[r0:r1], shard, group=group, async_op=True)
         if c >= 2:
-            p = c - 2
-            gathers.pop(p).wait()
-            lo, hi = g.chunks[p]
-            r0, r1 = g.regions[p]
-            codec.decode(
-                g.send[r0:r1], fmt, hi - lo, out=x[lo:hi], scale=unscale, layout=g.windows[p]
-            )
+            tail.append((c - 2, gathers.pop(c - 2)))
+            if c < k or not defer:
+                _decode(g, x, unscale, *tail.pop())
+    return _finish(tail, functools.partial(_decode, g, x, unscale), defer)

@@ -24,7 +24,7 @@ import aps_comm.codec
 from aps_comm import APSState, aps_hook, register
 from aps_comm.executor import FifoWorker, WorkerFailed
 from aps_comm.formats import get_format
-from aps_comm.plan import BucketPlan, chunk_bounds, shard_layout
+from aps_comm.plan import CHUNK_ELEMENTS, BucketPlan, chunk_bounds, pipelined_chunk, shard_layout
 from aps_comm.simulate import ring_chunks
 from aps_comm.testing import DistributedTestError, run_distributed
 
@@ -55,6 +55,21 @@ def test_chunk_bounds_and_regions_by_hand() -> None:
     assert (a.fmt, a.index, a.reduction, b.fmt, b.index) == (fp16, [0, 2], "allreduce", e2m1, [1])
     assert not a.contiguous and a.regions == [(0, 16), (16, 22)]
     assert shard_layout(3, e2m1, 4) == (2, 1)
+
+
+def test_pipelined_chunk_by_hand() -> None:
+    # k = sqrt(W / 0.5 ms) chunks, rounded to a power of two in log space.
+    assert pipelined_chunk(2**23, 0.45) == 2**18  # 30 chunks of 280k -> 2**18
+    assert pipelined_chunk(2**23, 0.07) == 2**19  # 11.8 chunks of 710k -> 2**19
+    assert pipelined_chunk(2**23, 0.0005) == 2**23  # one chunk
+    assert pipelined_chunk(2**23, 0.0) == CHUNK_ELEMENTS  # not timed yet
+    assert pipelined_chunk(1000, 1.0) == 2**14  # never below 16k elements
+    assert pipelined_chunk(2**30, 0.0001) == 2**26  # nor above 64M
+    plan = BucketPlan.build(0, [10], torch.device("cpu"))
+    plan.timed(5.0)  # the first exchange pays page faults: not kept
+    plan.timed(0.3)
+    plan.timed(0.4)
+    assert plan.exchange_s == 0.3 and plan.exchanges == 3
 
 
 # ---------------------------------------------------------------------------
