@@ -343,6 +343,12 @@ class APSState:
         return fut
 
     def _run_bucket(self, b: _Bucket, defer: bool = False) -> Callable[[], torch.Tensor]:
+        try:
+            return self._reduce_bucket(b, defer)
+        except RuntimeError as exc:
+            raise RuntimeError(f"aps_hook, bucket {b.index}: {exc}") from exc
+
+    def _reduce_bucket(self, b: _Bucket, defer: bool) -> Callable[[], torch.Tensor]:
         """One bucket's reduction: maxima, exponents, every format group.
 
         Returns the function that finishes it (waits for what is still on the
@@ -405,7 +411,10 @@ class APSState:
         self, b: _Bucket, x: torch.Tensor, tail: Callable[[], None] | None
     ) -> torch.Tensor:
         if tail is not None:
-            tail()
+            try:
+                tail()
+            except RuntimeError as exc:
+                raise RuntimeError(f"aps_hook, bucket {b.index}: {exc}") from exc
         if x is not b.buffer:
             b.buffer.copy_(x)
         if b.is_last:

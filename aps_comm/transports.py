@@ -82,17 +82,26 @@ def all_gather_single(
     return fn(output, input, group=group, async_op=async_op)
 
 
+def _wait(work: dist.Work, what: str) -> None:
+    """``work.wait()``, naming the collective if it fails (a dead or stalled peer)."""
+    try:
+        work.wait()
+    except Exception as exc:
+        raise RuntimeError(f"aps_comm: {what} did not complete: {exc}") from exc
+
+
 def all_reduce_max(vec: torch.Tensor, group: dist.ProcessGroup, count: Counter) -> None:
     """MAX all-reduce of a float32 vector, in place."""
     count("all_reduce_max", vec.numel() * vec.element_size())
-    dist.all_reduce(vec, op=dist.ReduceOp.MAX, group=group)
+    work = dist.all_reduce(vec, op=dist.ReduceOp.MAX, group=group, async_op=True)
+    _wait(work, f"the MAX all-reduce of {vec.numel()} layer maxima")
 
 
 def fp32_mean(x: torch.Tensor, group: dist.ProcessGroup, world_size: int, count: Counter) -> None:
     """Average float32 ``x`` over the ranks in place (``allreduce_hook``'s arithmetic)."""
     x.div_(world_size)
     count("all_reduce", x.numel() * x.element_size())
-    dist.all_reduce(x, group=group)
+    _wait(dist.all_reduce(x, group=group, async_op=True), "the FP32 all-reduce")
 
 
 def native(
@@ -153,7 +162,8 @@ def _finish(
 def _decode(g: GroupPlan, x: torch.Tensor, unscale: torch.Tensor, c: int, work: dist.Work) -> None:
     """Wait for chunk ``c``'s last collective, then decode it into ``x`` (two_phase: the
     gathered shards, native: the summed payload; both sit in the send region)."""
-    work.wait()
+    last = "all_gather" if g.reduction == "two_phase" else f"{g.fmt.name} all-reduce"
+    _wait(work, f"the {last} of chunk {c + 1} of {len(g.chunks)}")
     lo, hi = g.chunks[c]
     r0, r1 = g.regions[c]
     codec.decode(g.send[r0:r1], g.fmt, hi - lo, out=x[lo:hi], scale=unscale, layout=g.windows[c])
@@ -215,7 +225,7 @@ def two_phase(
             exchanges[c] = dist.all_to_all_single(g.recv[r0:r1], send, group=group, async_op=True)
         if 1 <= c <= k:
             p = c - 1
-            exchanges.pop(p).wait()
+            _wait(exchanges.pop(p), f"the all_to_all of chunk {p + 1} of {k}")
             r0, r1 = g.regions[p]
             s0, s1 = g.shard_regions[p]
             shard = g.shards[s0:s1]

@@ -27,61 +27,82 @@ from aps_comm.formats import FORMATS, payload_nbytes
 __all__ = ["main", "run"]
 
 
-def _median_seconds(fn: Callable[[], object], repeats: int, device: torch.device) -> float:
+def _timer(device: torch.device) -> Callable[[Callable[[], object]], float]:
     sync = torch.cuda.synchronize if device.type == "cuda" else (lambda: None)
-    fn()  # warm-up: compilation, page faults
-    sync()
-    times = []
-    for _ in range(repeats):
+
+    def seconds(fn: Callable[[], object]) -> float:
+        sync()
         start = time.perf_counter()
         fn()
         sync()
-        times.append(time.perf_counter() - start)
-    return statistics.median(times)
+        return time.perf_counter() - start
+
+    return seconds
 
 
 def run(
     mib: int = 64, repeats: int = 9, formats: tuple[str, ...] = (), device: str = "cpu"
 ) -> dict:
-    """Measure every format's codec against ``copy_``; return a JSON-able dict."""
+    """Measure every format's codec against ``copy_``; return a JSON-able dict.
+
+    Each repeat times the copy, the encode and the decode back to back, and
+    the ratios are medians of the per-repeat ratios: a slow spell of the
+    machine then slows both sides of a ratio, not one.
+    """
     dev = torch.device(device)
     torch.set_num_threads(1)
     n = mib * 2**20 // 4
     gen = torch.Generator().manual_seed(0)
     x = torch.randn(n, generator=gen).to(dev)
     y = torch.empty_like(x)
-    copy_s = _median_seconds(lambda: y.copy_(x), repeats, dev)
     # APS scales each layer by its own power of two: 100 layers of equal size.
     sizes = [n // 100] * 99 + [n - 99 * (n // 100)]
     layout = codec.Layout.from_numels(sizes, dev)
     scale = torch.full((100,), 4.0, device=dev)
+    seconds = _timer(dev)
+    copies: list[float] = []
     rows = []
     for name in formats or ("e4m3", "e5m2", "fp16", "bf16", "e3m2", "e2m1"):
         fmt = FORMATS[name]
         p = torch.empty(payload_nbytes(n, fmt), dtype=torch.uint8, device=dev)
-
-        def enc(f=fmt, p=p, scaled=False):  # type: ignore[no-untyped-def]
-            kw = {"scale": scale, "layout": layout} if scaled else {}
-            return codec.encode(x, f, out=p, **kw)
-
-        def dec(f=fmt, p=p, scaled=False):  # type: ignore[no-untyped-def]
-            kw = {"scale": scale, "layout": layout} if scaled else {}
-            return codec.decode(p, f, n, out=y, **kw)
-
-        enc_t = _median_seconds(enc, repeats, dev)
-        dec_t = _median_seconds(dec, repeats, dev)
-        enc_s = _median_seconds(lambda e=enc: e(scaled=True), repeats, dev)
-        dec_s = _median_seconds(lambda d=dec: d(scaled=True), repeats, dev)
+        steps = {
+            "copy": lambda: y.copy_(x),
+            "encode": lambda f=fmt, p=p: codec.encode(x, f, out=p),
+            "decode": lambda f=fmt, p=p: codec.decode(p, f, n, out=y),
+            "scaled_encode": lambda f=fmt, p=p: codec.encode(
+                x, f, out=p, scale=scale, layout=layout
+            ),
+            "scaled_decode": lambda f=fmt, p=p: codec.decode(
+                p, f, n, out=y, scale=scale, layout=layout
+            ),
+        }
+        for fn in steps.values():
+            fn()  # warm-up: compilation, page faults
+        times: dict[str, list[float]] = {k: [] for k in steps}
+        for _ in range(repeats):
+            for k, fn in steps.items():
+                times[k].append(seconds(fn))
+        copies += times["copy"]
+        ratio = [
+            (e + d) / c
+            for e, d, c in zip(times["encode"], times["decode"], times["copy"], strict=True)
+        ]
+        scaled = [
+            (e + d) / c
+            for e, d, c in zip(
+                times["scaled_encode"], times["scaled_decode"], times["copy"], strict=True
+            )
+        ]
         rows.append(
             {
                 "format": name,
                 "backend": codec.backend_for(fmt, dev),
-                "encode_s": enc_t,
-                "decode_s": dec_t,
-                "scaled_encode_s": enc_s,
-                "scaled_decode_s": dec_s,
-                "encode_decode_over_copy": (enc_t + dec_t) / copy_s,
-                "scaled_encode_decode_over_copy": (enc_s + dec_s) / copy_s,
+                "encode_s": statistics.median(times["encode"]),
+                "decode_s": statistics.median(times["decode"]),
+                "scaled_encode_s": statistics.median(times["scaled_encode"]),
+                "scaled_decode_s": statistics.median(times["scaled_decode"]),
+                "encode_decode_over_copy": statistics.median(ratio),
+                "scaled_encode_decode_over_copy": statistics.median(scaled),
             }
         )
     machine = f"{platform.processor() or platform.machine()}, {platform.platform()}"
@@ -95,7 +116,7 @@ def run(
         "threads": 1,
         "buffer_mib": mib,
         "repeats": repeats,
-        "copy_s": copy_s,
+        "copy_s": statistics.median(copies),
         "formats": rows,
     }
 

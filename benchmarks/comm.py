@@ -176,23 +176,24 @@ def _worker(args: argparse.Namespace) -> None:
     x = torch.randn(1, _WIDTH)
     x_batch = torch.randn(args.batch, _WIDTH) if args.batch else None
     results = []
-    if x_batch is not None:
-        torch.manual_seed(0)
-        ddp = DDP(_model(args.mb), bucket_cap_mb=args.bucket_mb, gradient_as_bucket_view=True)
-        ddp.register_comm_hook(None, _no_comm)
-        times, cpu = _time_steps(ddp, x_batch, args.warmup, args.repeats)
-        results.append(
-            {
-                "hook": "compute-alone",
-                "step_s": times,
-                "rank0_cpu_user_s": [u for u, _ in cpu],
-                "rank0_cpu_system_s": [s for _, s in cpu],
-            }
-        )
-        if rank == 0:
-            print(f"backward alone (batch {args.batch}): {statistics.median(times):.3f} s")
-        del ddp
-    for name in args.hooks:
+    for rnd, name in [(r, h) for r in range(args.rounds) for h in args.hooks]:
+        if x_batch is not None and name == args.hooks[0]:
+            torch.manual_seed(0)
+            ddp = DDP(_model(args.mb), bucket_cap_mb=args.bucket_mb, gradient_as_bucket_view=True)
+            ddp.register_comm_hook(None, _no_comm)
+            times, cpu = _time_steps(ddp, x_batch, args.warmup, args.repeats)
+            results.append(
+                {
+                    "hook": "compute-alone",
+                    "round": rnd,
+                    "step_s": times,
+                    "rank0_cpu_user_s": [u for u, _ in cpu],
+                    "rank0_cpu_system_s": [s for _, s in cpu],
+                }
+            )
+            if rank == 0:
+                print(f"backward alone (batch {args.batch}): {statistics.median(times):.3f} s")
+            del ddp
         torch.manual_seed(0)
         model = _model(args.mb)
         ddp = DDP(model, bucket_cap_mb=args.bucket_mb, gradient_as_bucket_view=args.bucket_view)
@@ -215,6 +216,10 @@ def _worker(args: argparse.Namespace) -> None:
                 "compute_step_s": steps,
                 "compute_rank0_cpu_s": [u + s for u, s in cpu_b],
             }
+        if rnd < args.rounds - 1:  # the error is measured once, in the last round
+            results.append({"hook": name, "round": rnd, "step_s": times, **with_compute})
+            del ddp, model
+            continue
         # A fresh model for the error step: DDP allows one hook registration.
         torch.manual_seed(0)
         ddp_err = DDP(
@@ -232,6 +237,7 @@ def _worker(args: argparse.Namespace) -> None:
                 "rank0_cpu_user_s": [u for u, _ in cpu],
                 "rank0_cpu_system_s": [s for _, s in cpu],
                 "rel_l2_error": error,
+                "round": rnd,
                 **with_compute,
             }
         )
@@ -271,20 +277,26 @@ def _predict(numel: int, world: int, link: dict[str, Any] | None) -> dict[str, f
 
 def _summarise(raw: dict[str, Any], link: dict[str, Any] | None, args: argparse.Namespace) -> dict:
     world, numel = raw["world"], raw["numel"]
-    done = [r for r in raw["results"] if "skipped" not in r and r["hook"] != "compute-alone"]
-    alone = next((r for r in raw["results"] if r["hook"] == "compute-alone"), None)
-    compute_s = statistics.median(alone["step_s"]) if alone else None
-    medians = {r["hook"]: statistics.median(r["step_s"]) for r in done}
+    rounds = _by_round(raw["results"])
+    done = [r for r in raw["results"] if "rel_l2_error" in r and r["hook"] != "compute-alone"]
+    alone = [r for r in raw["results"] if r["hook"] == "compute-alone"]
+    compute_s = statistics.median(statistics.median(r["step_s"]) for r in alone) if alone else None
+    # Per hook: the median over rounds of each round's median step.
+    medians = {
+        h: statistics.median(statistics.median(r["step_s"]) for r in rs) for h, rs in rounds.items()
+    }
     predicted = _predict(numel, world, link)
     fp32_bytes = 4 * numel
     runs = []
     for r in done:
         t = medians[r["hook"]]
+        per_round = rounds[r["hook"]]
         runs.append(
             {
                 "hook": r["hook"],
                 "median_step_s": t,
-                "step_s": r["step_s"],
+                "step_s": [s for rr in per_round for s in rr["step_s"]],
+                "round_median_step_s": [statistics.median(rr["step_s"]) for rr in per_round],
                 # NCCL-tests convention, on the FP32 gradient size: what an FP32
                 # all-reduce would need to reach to take this long.
                 "bus_bandwidth_gbit": fp32_bytes * 8 * 2 * (world - 1) / world / t / 1e9,
@@ -294,7 +306,7 @@ def _summarise(raw: dict[str, Any], link: dict[str, Any] | None, args: argparse.
                 "rank0_cpu_user_s": statistics.median(r.get("rank0_cpu_user_s") or [0.0]),
                 "rank0_cpu_system_s": statistics.median(r.get("rank0_cpu_system_s") or [0.0]),
                 "predicted_step_s": predicted.get(_PREDICTED.get(r["hook"], "")),
-                **_with_compute(r, t, compute_s),
+                **_with_compute(per_round, t, compute_s),
             }
         )
     return {
@@ -314,25 +326,41 @@ def _summarise(raw: dict[str, Any], link: dict[str, Any] | None, args: argparse.
         "repeats": args.repeats,
         "warmup": args.warmup,
         "batch": args.batch,
+        "rounds": args.rounds,
         "compute_alone_s": compute_s,
-        "compute_alone_step_s": alone["step_s"] if alone else None,
+        "compute_alone_step_s": [s for r in alone for s in r["step_s"]] or None,
         "runs": runs,
         "skipped": {r["hook"]: r["skipped"] for r in raw["results"] if "skipped" in r},
     }
 
 
-def _with_compute(r: dict[str, Any], comm_s: float, compute_s: float | None) -> dict[str, Any]:
+def _by_round(results: list[dict[str, Any]]) -> dict[str, list[dict[str, Any]]]:
+    """Each measured hook's results, one per round."""
+    out: dict[str, list[dict[str, Any]]] = {}
+    for r in results:
+        if "skipped" not in r and r["hook"] != "compute-alone":
+            out.setdefault(r["hook"], []).append(r)
+    return out
+
+
+def _with_compute(
+    rounds: list[dict[str, Any]], comm_s: float, compute_s: float | None
+) -> dict[str, Any]:
     """The step with backward compute, and how much communication it leaves exposed."""
-    if compute_s is None or "compute_step_s" not in r:
+    if compute_s is None or any("compute_step_s" not in r for r in rounds):
         return {}
-    step = statistics.median(r["compute_step_s"])
+    per_round = [statistics.median(r["compute_step_s"]) for r in rounds]
+    step = statistics.median(per_round)
     exposed = max(step - compute_s, 0.0)
     return {
-        "compute_step_s": r["compute_step_s"],
+        "compute_step_s": [s for r in rounds for s in r["compute_step_s"]],
+        "round_median_compute_step_s": per_round,
         "median_compute_step_s": step,
         "exposed_comm_s": exposed,
         "exposed_fraction": exposed / comm_s if comm_s else None,
-        "compute_rank0_cpu_s": statistics.median(r["compute_rank0_cpu_s"]),
+        "compute_rank0_cpu_s": statistics.median(
+            c for r in rounds for c in r["compute_rank0_cpu_s"]
+        ),
     }
 
 
@@ -395,6 +423,12 @@ def _parser() -> argparse.ArgumentParser:
     )
     p.add_argument("--warmup", type=int, default=3)
     p.add_argument(
+        "--rounds",
+        type=int,
+        default=1,
+        help="measure every hook this many times, hooks interleaved; report medians over rounds",
+    )
+    p.add_argument(
         "--chunk-elements",
         type=int,
         default=0,
@@ -430,6 +464,7 @@ def main(argv: Sequence[str] | None = None) -> int:
             "--mb", str(args.mb), "--bucket-mb", str(args.bucket_mb),
             "--repeats", str(args.repeats), "--warmup", str(args.warmup),
             "--batch", str(args.batch), "--chunk-elements", str(args.chunk_elements),
+            "--rounds", str(args.rounds),
             "--bucket-view" if args.bucket_view else "--no-bucket-view",
             "--hooks", ",".join(args.hooks),
         ]  # fmt: skip

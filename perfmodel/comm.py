@@ -7,7 +7,9 @@ owner, re-encode, all-gather, decode + unscale).
 
 APS scales by powers of two inside its encode/decode passes (no separate
 scale/unscale pass), and pipelines each bucket in chunks of
-``chunk_elements`` (``aps_comm.hook`` uses 2**20): every chunk pays its own
+``chunk_elements`` ("auto", the hook's default, sizes them as
+:func:`aps_comm.plan.pipelined_chunk` does, from the bucket's exchange time:
+k = sqrt(W / 0.5 ms) chunks, a power of two): every chunk pays its own
 collective latency and codec launch, and the codec of one chunk overlaps the
 wire time of another. With ``C`` the codec and ``W`` the wire time summed over
 the ``k`` chunks, the pipelined part takes ``max(C, W) + min(C, W) / k`` (the
@@ -27,6 +29,7 @@ Example:
 
 from __future__ import annotations
 
+import math
 from dataclasses import dataclass, replace
 
 from perfmodel.calibrate import CALL_ELEMENTS
@@ -42,11 +45,29 @@ from perfmodel.collectives import (
 )
 from perfmodel.formats import FORMATS, FormatSpec
 
-__all__ = ["DEFAULT_CHUNK_ELEMENTS", "CommBreakdown", "bucket_comm"]
+__all__ = ["DEFAULT_CHUNK_ELEMENTS", "CommBreakdown", "bucket_comm", "pipelined_chunk"]
 
 _FP32_BYTES = 4.0
-# aps_comm.hook's _CHUNK_ELEMENTS: elements per pipelined chunk of a bucket.
+# aps_comm.plan.CHUNK_ELEMENTS: the hook's chunk before a bucket has been timed.
 DEFAULT_CHUNK_ELEMENTS = 2**20
+# aps_comm.plan.MESSAGE_OVERHEAD_S and its bounds on the chunk size.
+_MESSAGE_OVERHEAD_S = 5e-4
+_MIN_CHUNK, _MAX_CHUNK = 2**14, 2**26
+
+
+def pipelined_chunk(numel: int, exchange_s: float) -> int:
+    """The hook's automatic chunk size (``aps_comm.plan.pipelined_chunk``, kept
+    torch-free here; a test checks that the two agree).
+
+    Example:
+        >>> pipelined_chunk(8 * 2**20, 0.45)
+        262144
+    """
+    if exchange_s <= 0 or numel <= 0:
+        return DEFAULT_CHUNK_ELEMENTS
+    k = max(1.0, math.sqrt(exchange_s / _MESSAGE_OVERHEAD_S))
+    chunk = 2 ** round(math.log2(max(numel / k, 1.0)))
+    return int(min(max(chunk, _MIN_CHUNK), _MAX_CHUNK))
 
 
 @dataclass(frozen=True)
@@ -138,7 +159,7 @@ def _bucket_parts(
     n_layers: int,
     fmt: FormatSpec,
     cluster: Cluster,
-    chunk_elements: int | None,
+    chunk_elements: int | str | None,
 ) -> CommBreakdown:
     """:func:`bucket_comm` from the parts alone (no whole-call calibration)."""
     p = cluster.world_size
@@ -166,7 +187,14 @@ def _bucket_parts(
     if fmt.aps:
         head = codec("amax", n_elem)
         maxima = _allreduce(cluster, n_layers * _FP32_BYTES, "all_reduce_max", "auto")
-    k = 1 if not chunk_elements else max(1, -(-n_elem // chunk_elements))
+    if chunk_elements == "auto":
+        whole = (
+            _allreduce(cluster, n_elem * w, f"all_reduce.{fmt.torch_dtype}", cluster.algorithm)
+            if fmt.strategy == "allreduce"
+            else _exchange(cluster, n_elem * w, 1)
+        )
+        chunk_elements = pipelined_chunk(n_elem, whole)
+    k = 1 if not chunk_elements else max(1, -(-n_elem // int(chunk_elements)))
     m = n_elem / k
     if fmt.strategy == "allreduce":
         per_codec = codec("encode", m) + codec("decode", m)
@@ -216,7 +244,7 @@ def bucket_comm(
     n_layers: int,
     fmt: FormatSpec,
     cluster: Cluster,
-    chunk_elements: int | None = DEFAULT_CHUNK_ELEMENTS,
+    chunk_elements: int | str | None = "auto",
 ) -> CommBreakdown:
     """Time to reduce one bucket of ``n_elem`` FP32 gradients made of ``n_layers`` tensors.
 
@@ -233,7 +261,8 @@ def bucket_comm(
         fmt: wire format and strategy.
         cluster: links, device and any calibrated fits.
         chunk_elements: APS pipelines the bucket in chunks of this many
-            elements (None: one chunk, no pipelining). The FP32 and FP16
+            elements ("auto": as the hook sizes them, from the bucket's
+            exchange time; None: one chunk, no pipelining). The FP32 and FP16
             paths (torch's hooks) never chunk.
 
     Returns:

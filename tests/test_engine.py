@@ -72,6 +72,14 @@ def test_pipelined_chunk_by_hand() -> None:
     assert plan.exchange_s == 0.3 and plan.exchanges == 3
 
 
+def test_perfmodel_sizes_chunks_as_the_hook_does() -> None:
+    from perfmodel import comm
+
+    for numel in (1, 1000, 3 * 2**20, 2**23, 2**28):
+        for seconds in (0.0, 1e-4, 0.01, 0.07, 0.45, 5.0):
+            assert comm.pipelined_chunk(numel, seconds) == pipelined_chunk(numel, seconds)
+
+
 # ---------------------------------------------------------------------------
 # multi-chunk buckets against the exact reference
 
@@ -237,7 +245,10 @@ def test_one_rank_failing_makes_the_others_raise_within_the_timeout() -> None:
         run_distributed(_fail_on_one_rank, 2, timeout=90, pg_timeout=5.0)
     msg = str(info.value)
     assert "injected codec failure on rank 1" in msg
-    assert "rank 0 failed" in msg
+    # Rank 0 says which of the hook's collectives was left waiting.
+    rank0 = msg.split("rank 1 failed")[0]
+    assert "rank 0 failed" in rank0
+    assert "aps_hook, bucket" in rank0 and "all_to_all of chunk 1 of 1 did not complete" in rank0
 
 
 def test_fifo_worker_order_and_failure() -> None:

@@ -623,10 +623,25 @@ def test_composed_exchange_credits_burst_once() -> None:
     # once for the whole back-to-back run, not once per chunk.
     p, link = 2, C.LinkParams(alpha=1e-4, beta=1e-8, burst_bytes=4e5)
     c = _fitted_cluster(p, all_to_all=link, all_gather=link)
-    aps = bucket_comm(8 * 2**20, 4, get_format("e4m3"), c)
+    aps = bucket_comm(8 * 2**20, 4, get_format("e4m3"), c, chunk_elements=2**20)
     chunk = 2**20 * (p - 1) / p
     expect = 8 * 2 * (link.alpha + link.beta * chunk) - link.beta * link.burst_bytes
     assert aps.collective_s == pytest.approx(expect)
+
+
+def test_automatic_chunks_follow_the_hook_rule() -> None:
+    # "auto" (the default) cuts the bucket as the hook would: the unchunked
+    # exchange W gives k = sqrt(W / 0.5 ms) chunks, a power of two in size.
+    from perfmodel.comm import pipelined_chunk
+
+    p, link = 2, C.LinkParams(alpha=1e-4, beta=1e-8)
+    c = _fitted_cluster(p, all_to_all=link, all_gather=link)
+    n = 8 * 2**20
+    whole = bucket_comm(n, 4, get_format("e4m3"), c, chunk_elements=None)
+    auto = bucket_comm(n, 4, get_format("e4m3"), c)
+    chunk = pipelined_chunk(n, whole.collective_s)
+    assert auto.chunks == n // chunk > 1
+    assert auto == bucket_comm(n, 4, get_format("e4m3"), c, chunk_elements=chunk)
 
 
 def test_call_overhead_and_shared_cores() -> None:
