@@ -251,6 +251,23 @@ def test_one_rank_failing_makes_the_others_raise_within_the_timeout() -> None:
     assert "aps_hook, bucket" in rank0 and "all_to_all of chunk 1 of 1 did not complete" in rank0
 
 
+def _leaves_after_register(rank: int, world_size: int) -> str:
+    ddp = DDP(_Net(), bucket_cap_mb=0.004)
+    register(ddp, fmt="e4m3")  # the hook's group is made here, with every rank alive
+    if rank == 1:
+        return "left"
+    ddp(torch.randn(8, 16)).pow(2).sum().backward()
+    return "finished"
+
+
+def test_a_rank_leaving_before_the_first_backward_is_an_error_not_a_hang() -> None:
+    with pytest.raises(DistributedTestError) as info:
+        run_distributed(_leaves_after_register, 2, timeout=90, pg_timeout=5.0)
+    msg = str(info.value)
+    assert "rank 0 failed" in msg and "rank 1 failed" not in msg
+    assert "MAX all-reduce of" in msg and "did not complete" in msg
+
+
 def test_fifo_worker_order_and_failure() -> None:
     worker = FifoWorker("test")
     order: list[int] = []
