@@ -381,6 +381,8 @@ class APSState:
         transports.all_reduce_max(shared, self.process_group, self._count)
         amax = shared[:n_layers]
         if self._promoter is not None:
+            # Promote picks formats on the host: one device read per bucket, only
+            # with this policy (documented in the README).
             self._promote_step(params, shared[n_layers : 2 * n_layers].tolist())
         if self.error_feedback:
             chunk = _ONE_CHUNK
@@ -491,12 +493,12 @@ class APSState:
         """Residual = what this rank meant to send minus what its payload says (unscaled)."""
         inverse = torch.where(finite, pow2(-exps), 0.0)
         sent = codec.decode(payload, g.fmt, x.numel(), scale=inverse, layout=g.layout)
-        lost = torch.where(torch.isfinite(sent), x - sent, 0.0)
-        for name, part, ok in zip(
-            gnames, torch.split(lost, g.numels), finite.tolist(), strict=True
-        ):
+        # A non-finite layer keeps no residual: its inverse scale zeroed ``sent``.
+        keep = torch.repeat_interleave(finite, g.layout.lengths, output_size=g.numel)
+        lost = torch.where(keep & torch.isfinite(sent), x - sent, 0.0)
+        for name, part in zip(gnames, torch.split(lost, g.numels), strict=True):
             if name is not None:
-                self._residuals[name] = part.clone() if ok else torch.zeros_like(part)
+                self._residuals[name] = part.clone()
 
     def _reduce_with_feedback(
         self,

@@ -13,7 +13,6 @@ import time
 from pathlib import Path
 
 import pytest
-import test_hook
 import torch
 import torch.distributed as dist
 import torch.nn as nn
@@ -25,7 +24,6 @@ from aps_comm import APSState, aps_hook, register
 from aps_comm.executor import FifoWorker, WorkerFailed
 from aps_comm.formats import get_format
 from aps_comm.plan import CHUNK_ELEMENTS, BucketPlan, chunk_bounds, pipelined_chunk, shard_layout
-from aps_comm.simulate import ring_chunks
 from aps_comm.testing import DistributedTestError, run_distributed
 
 # ---------------------------------------------------------------------------
@@ -91,30 +89,7 @@ CHUNKED = [
 ]
 
 
-def _ring_sum_in_chunks(chunk_elements: int):  # type: ignore[no-untyped-def]
-    """test_hook's ring order, applied to each chunk: every chunk is its own all-reduce."""
-
-    def ring_sum(q: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
-        n_ranks, n = q.shape
-        wire = q.to(dtype)
-        out = torch.empty(n, dtype=dtype)
-        for lo, hi in chunk_bounds(n, chunk_elements):
-            starts = ring_chunks(hi - lo, n_ranks, wire.element_size())
-            for c in range(n_ranks):
-                sl = slice(lo + starts[c], lo + starts[c + 1])
-                order = [(c - k) % n_ranks for k in range(1, n_ranks)] + [c]
-                acc = wire[order[0], sl]
-                for r in order[1:]:
-                    acc = (acc.float() + wire[r, sl].float()).to(dtype)
-                out[sl] = acc
-        return out.float()
-
-    return ring_sum
-
-
 def _chunked(rank: int, world_size: int, chunk_elements: int) -> int:
-    if world_size > 1:
-        test_hook._gloo_ring_sum = _ring_sum_in_chunks(chunk_elements)
     checked = 0
     for fmt_spec, reduction, scaling in CHUNKED:
         fmt = get_format(fmt_spec)
@@ -129,7 +104,7 @@ def _chunked(rank: int, world_size: int, chunk_elements: int) -> int:
             torch.manual_seed(1000 * step + rank)
             ddp.zero_grad()
             ddp(torch.randn(8, 16) * (rank + 1)).pow(2).sum().backward()
-            checked += _check_log(log, fmt, reduction, scaling)
+            checked += _check_log(log, fmt, reduction, scaling, None, chunk_elements)
             log.clear()
     return checked
 

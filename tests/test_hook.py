@@ -17,7 +17,9 @@ from torch.nn.parallel import DistributedDataParallel as DDP
 
 from aps_comm import APSState, aps_hook, register
 from aps_comm.formats import FloatFormat, get_format, quantize
+from aps_comm.plan import chunk_bounds
 from aps_comm.scaling import exponents, layer_amax, pow2
+from aps_comm.simulate import ring_chunks
 from aps_comm.testing import DistributedTestError, run_distributed
 
 # (format, reduction, scaling): every combination the hook offers on Gloo.
@@ -81,31 +83,40 @@ def _capture(state: APSState, log: list):
     return hook
 
 
-def _gloo_ring_sum(q: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
+def _gloo_ring_sum(
+    q: torch.Tensor, dtype: torch.dtype, chunk_elements: int | None = None
+) -> torch.Tensor:
     """Sum rows of ``q`` (N, n) in the order Gloo's ring all-reduce uses.
 
-    Chunk c of N equal chunks accumulates ranks c-1, c-2, ..., c+1, then c,
-    each addition in float32 rounded back to ``dtype`` (measured on Gloo).
+    Chunk c of the ring (:func:`aps_comm.simulate.ring_chunks`) accumulates
+    ranks c-1, c-2, ..., c+1, then c, each addition in float32 rounded back to
+    ``dtype`` (measured on Gloo). With ``chunk_elements`` every chunk of the
+    bucket is its own all-reduce, as the hook pipelines it.
     """
     n_ranks, n = q.shape
     wire = q.to(dtype)
     if n_ranks == 1:
         return wire[0].float()
-    assert n % n_ranks == 0, "test buckets are sized to split evenly"
-    size = n // n_ranks
     out = torch.empty(n, dtype=dtype)
-    for c in range(n_ranks):
-        sl = slice(c * size, (c + 1) * size)
-        order = [(c - k) % n_ranks for k in range(1, n_ranks)] + [c]
-        acc = wire[order[0], sl]
-        for r in order[1:]:
-            acc = (acc.float() + wire[r, sl].float()).to(dtype)
-        out[sl] = acc
+    for lo, hi in chunk_bounds(n, chunk_elements or max(n, 1)):
+        starts = ring_chunks(hi - lo, n_ranks, wire.element_size())
+        for c in range(n_ranks):
+            sl = slice(lo + starts[c], lo + starts[c + 1])
+            order = [(c - k) % n_ranks for k in range(1, n_ranks)] + [c]
+            acc = wire[order[0], sl]
+            for r in order[1:]:
+                acc = (acc.float() + wire[r, sl].float()).to(dtype)
+            out[sl] = acc
     return out.float()
 
 
 def reference(
-    raws: torch.Tensor, numels: list[int], fmt: FloatFormat, reduction: str, scaling: str
+    raws: torch.Tensor,
+    numels: list[int],
+    fmt: FloatFormat,
+    reduction: str,
+    scaling: str,
+    chunk_elements: int | None = None,
 ) -> torch.Tensor:
     """The exact averaged bucket from all ranks' raw buckets (N, n)."""
     n_ranks = raws.shape[0]
@@ -124,7 +135,7 @@ def reference(
         reduced = quantize(acc / n_ranks, fmt)
         factors = pow2(-exps)
     else:
-        reduced = _gloo_ring_sum(q, fmt.torch_dtype)
+        reduced = _gloo_ring_sum(q, fmt.torch_dtype, chunk_elements)
         factors = pow2(-exps) / n_ranks
     out = torch.empty(raws.shape[1])
     for (lo, hi), f, a in zip(itertools.pairwise(bounds), factors, amax, strict=True):
@@ -138,12 +149,19 @@ def _gather(t: torch.Tensor) -> torch.Tensor:
     return torch.stack(parts)
 
 
-def _check_log(log: list, fmt: FloatFormat, reduction: str, scaling: str, dtype=None) -> int:
+def _check_log(
+    log: list,
+    fmt: FloatFormat,
+    reduction: str,
+    scaling: str,
+    dtype=None,
+    chunk_elements: int | None = None,
+) -> int:
     """Compare every captured bucket with the reference; returns buckets checked."""
     assert log, "the hook never ran"
     for _, raw, numels, out in sorted(log, key=lambda item: item[0]):
         raws = _gather(raw)
-        expected = reference(raws, numels, fmt, reduction, scaling)
+        expected = reference(raws, numels, fmt, reduction, scaling, chunk_elements)
         if dtype is not None and dtype != torch.float32:
             expected = expected.to(dtype)
         got = out.float() if dtype is None else out
