@@ -56,7 +56,6 @@ from benchmarks._models import DigitsCNN, TinyLM, lm_loss, load_digits_tensors, 
 
 __all__ = ["HOOKS", "TASKS", "attach_hook", "main"]
 
-RESULTS = Path(__file__).resolve().parent / "results"
 LOSS_SCALE = 2.0**-10
 """Digits task: loss multiplier (and 1 / learning-rate multiplier) giving large-network gradients."""
 
@@ -341,7 +340,12 @@ def main(argv: list[str] | None = None) -> dict:
     parser.add_argument("--lm-test", type=int, default=512)
     parser.add_argument("--lm-evals", type=int, default=6, help="test evaluations per run")
     parser.add_argument("--timeout", type=float, default=3600.0, help="seconds per seed")
-    parser.add_argument("--out", type=Path, default=RESULTS)
+    parser.add_argument(
+        "--out",
+        type=Path,
+        default=Path("."),
+        help="directory for the results (default: the working directory; the committed ones are in benchmarks/results)",
+    )
     parser.add_argument(
         "--render",
         type=Path,

@@ -262,7 +262,7 @@ def _predict(numel: int, world: int, link: dict[str, Any] | None) -> dict[str, f
     """perfmodel's step time (communication only) per format, for the measured link."""
     if not link or not link.get("bandwidth_bits_per_s"):
         return {}
-    from perfmodel import ComputeTime, ModelSpec, custom_cluster, predict
+    from aps_perfmodel import ComputeTime, ModelSpec, custom_cluster, predict
 
     cluster = custom_cluster(
         link["bandwidth_bits_per_s"] / 8,

@@ -51,7 +51,6 @@ from benchmarks._models import DigitsCNN, TinyLM, lm_loss, load_digits_tensors, 
 
 __all__ = ["FORMATS", "SCALINGS", "configs", "main"]
 
-RESULTS = Path(__file__).resolve().parent / "results"
 FORMATS = ("e4m3", "e5m2", "fp16", "bf16", "e3m2", "e2m1")
 SCALINGS = ("none", "bucket", "layer")
 NATIVE = ("fp16", "bf16")  # formats Gloo sums natively
@@ -323,7 +322,12 @@ def main(argv: list[str] | None = None) -> dict:
     parser.add_argument("--scalings", nargs="+", choices=SCALINGS, default=list(SCALINGS))
     parser.add_argument("--torch-hooks", nargs="*", choices=TORCH_HOOKS, default=list(TORCH_HOOKS))
     parser.add_argument("--timeout", type=float, default=1800.0)
-    parser.add_argument("--out", type=Path, default=RESULTS)
+    parser.add_argument(
+        "--out",
+        type=Path,
+        default=Path("."),
+        help="directory for the results (default: the working directory; the committed ones are in benchmarks/results)",
+    )
     args = parser.parse_args(argv)
     command = "python -m benchmarks.numerics " + " ".join(sys.argv[1:] if argv is None else argv)
     print(command, flush=True)

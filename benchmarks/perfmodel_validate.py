@@ -6,7 +6,7 @@ runs the same ranks on 127.0.0.1 unshaped): measure the link, then on every
 rank
 
 1. calibrate: time the collectives and codec passes over a sweep of sizes
-   (``perfmodel.calibrate.run_calibration``) and fit a profile;
+   (``aps_perfmodel.calibrate.run_calibration``) and fit a profile;
 2. measure, separately, the three complete reduction paths as DDP runs them:
    a 16-layer ``Linear`` stack whose gradients are exactly the message, in one
    DDP bucket, with torch's ``allreduce_hook`` (FP32), ``fp16_compress_hook``
@@ -15,8 +15,9 @@ rank
    completing (ranks share one monotonic clock), so backward compute and
    its skew between ranks are excluded.
 
-The profile's prediction (``perfmodel.bucket_comm``) is compared with each
-measurement. Writes ``benchmarks/results/perfmodel_validation.{json,md,png}``.
+The profile's prediction (``aps_perfmodel.bucket_comm``) is compared with each
+measurement. Writes ``perfmodel_validation.{json,md,png}`` to ``--out`` (default: the
+working directory; the committed ones are in ``benchmarks/results``).
 
 Example (needs root for the namespaces)::
 
@@ -39,11 +40,10 @@ import time
 from pathlib import Path
 from typing import Any
 
-from benchmarks.cluster import PIN_CHOICES, add_pin_argument
-from perfmodel.calibrate import fit_profile, geometric_sizes
-from perfmodel.comm import bucket_comm
-from perfmodel.formats import get_format
-from perfmodel.measure import (
+from aps_perfmodel.calibrate import fit_profile, geometric_sizes
+from aps_perfmodel.comm import bucket_comm
+from aps_perfmodel.formats import get_format
+from aps_perfmodel.measure import (
     BUDGET_S,
     MAX_REPEATS,
     TRIM,
@@ -51,8 +51,8 @@ from perfmodel.measure import (
     time_hook_steps,
     trimmed_mean,
 )
+from benchmarks.cluster import PIN_CHOICES, add_pin_argument
 
-RESULTS = Path(__file__).resolve().parent / "results"
 LAYERS = 16  # parameter tensors per message: APS sends one maximum each
 PATHS = {"fp32": "fp32", "fp16": "fp16", "aps-e4m3": "e4m3"}
 
@@ -120,7 +120,7 @@ def _worker(args: argparse.Namespace) -> None:
     import torch
     import torch.distributed as dist
 
-    from perfmodel.calibrate import run_calibration
+    from aps_perfmodel.calibrate import run_calibration
 
     torch.set_num_threads(1)
     dist.init_process_group("gloo")
@@ -292,7 +292,11 @@ def main(argv: list[str] | None = None) -> int:
     )
     ap.add_argument("--calib-max-repeats", type=int, default=MAX_REPEATS)
     ap.add_argument("--timeout", type=float, default=1800.0)
-    ap.add_argument("--out", default=str(RESULTS))
+    ap.add_argument(
+        "--out",
+        default=".",
+        help="directory for the results (default: the working directory; the committed ones are in benchmarks/results)",
+    )
     ap.add_argument("--raw", default="", help="re-fit and re-predict from a saved JSON (no runs)")
     ap.add_argument("--note", action="append", default=[], help="a line for the report's notes")
     ap.add_argument(

@@ -476,7 +476,7 @@ def _perfmodel(results: Path, out: Path) -> list[str]:
             first = re.split(r"(?<=\.)\s", caveat.group(1).strip(), maxsplit=2)
             lines += ["Caveat (from the file): " + " ".join(first[:2]), ""]
     else:
-        lines += ["Literature check: not yet run (`python -m perfmodel.literature`).", ""]
+        lines += ["Literature check: not yet run (`python -m aps_perfmodel.literature`).", ""]
     return lines
 
 

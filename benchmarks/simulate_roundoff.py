@@ -31,7 +31,6 @@ from benchmarks.simulate_training import DigitsCNN, load_digits_tensors
 
 __all__ = ["main"]
 
-RESULTS = Path(__file__).resolve().parent / "results"
 WORKERS = (4, 8, 16, 32, 64, 128, 256)
 FORMATS = ("e5m2", "e4m3")
 ORDERS = ("ring", "tree", "two_phase")
@@ -114,11 +113,16 @@ def _speed(numel: int, workers: int = 256) -> list[dict]:
 
 
 def main(argv: list[str] | None = None) -> dict:
-    """Run the study, write ``simulate_roundoff.{json,md}`` to benchmarks/results/."""
+    """Run the study, write ``simulate_roundoff.{json,md}`` to ``--out`` (default: the working directory)."""
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--batches", type=int, default=3)
     parser.add_argument("--speed-numel", type=int, default=1 << 20)
-    parser.add_argument("--out", type=Path, default=RESULTS)
+    parser.add_argument(
+        "--out",
+        type=Path,
+        default=Path("."),
+        help="directory for the results (default: the working directory; the committed ones are in benchmarks/results)",
+    )
     args = parser.parse_args(argv)
     command = "python -m benchmarks.simulate_roundoff " + " ".join(argv or sys.argv[1:])
     print(command)

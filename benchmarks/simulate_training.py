@@ -27,8 +27,6 @@ from aps_comm.simulate import SimConfig, VirtualWorkers
 
 __all__ = ["DigitsCNN", "load_digits_tensors", "main", "train"]
 
-RESULTS = Path(__file__).resolve().parent / "results"
-
 
 class DigitsCNN(nn.Module):
     """Two 3x3 conv layers and two linear layers, 53k parameters, for 8x8 digits."""
@@ -109,7 +107,7 @@ def _label(fmt: str, scaling: str | None) -> str:
 
 
 def main(argv: list[str] | None = None) -> dict:
-    """Run the study, write ``simulate_training.{json,md,png}`` to benchmarks/results/."""
+    """Run the study, write ``simulate_training.{json,md,png}`` to ``--out`` (default: the working directory)."""
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--workers", type=int, default=64)
     parser.add_argument("--micro-batch", type=int, default=2)
@@ -118,7 +116,12 @@ def main(argv: list[str] | None = None) -> dict:
     parser.add_argument("--seeds", type=int, default=2)
     parser.add_argument("--reduction", default="two_phase")
     parser.add_argument("--formats", nargs="+", default=["e5m2", "e4m3", "e3m2", "e2m1"])
-    parser.add_argument("--out", type=Path, default=RESULTS)
+    parser.add_argument(
+        "--out",
+        type=Path,
+        default=Path("."),
+        help="directory for the results (default: the working directory; the committed ones are in benchmarks/results)",
+    )
     args = parser.parse_args(argv)
     command = "python -m benchmarks.simulate_training " + " ".join(argv or sys.argv[1:])
     print(command)

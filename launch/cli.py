@@ -28,11 +28,11 @@ from collections.abc import Sequence
 
 import torch
 
-from launch.distributed import BACKEND_ENV
-from launch.elastic import launch_elastic, torchrun_argv
-from launch.env import LOOPBACK, DistEnvError, from_slurm, is_loopback
-from launch.inprocess import run_in_process
-from launch.store import connect_store, pin_loopback, serve_store
+from .distributed import BACKEND_ENV
+from .elastic import launch_elastic, torchrun_argv
+from .env import LOOPBACK, DistEnvError, from_slurm, is_loopback
+from .inprocess import run_in_process
+from .store import connect_store, pin_loopback, serve_store
 
 __all__ = ["build_parser", "default_nproc", "main"]
 
@@ -133,7 +133,7 @@ def _run_elastic(opts: argparse.Namespace) -> int:
 
 
 def _run_mpi(opts: argparse.Namespace) -> int:
-    from launch.mpi import mpi_rendezvous
+    from .mpi import mpi_rendezvous
 
     env, store = mpi_rendezvous(master_addr=opts.master_addr, master_port=opts.master_port)
     run_in_process(

@@ -1,9 +1,9 @@
 """``aps-demo``: train a small CNN with DDP once per gradient hook and compare.
 
 One command, no arguments needed, CPU only: it launches ``--nproc`` local
-ranks through the project's elastic launcher (:mod:`launch.elastic`, the
+ranks through the project's elastic launcher (:mod:`aps_launch.elastic`, the
 engine of torchrun) running this module; every rank joins the job with
-:func:`launch.init_distributed` and trains the same small CNN on
+:func:`aps_launch.init_distributed` and trains the same small CNN on
 scikit-learn's digits (8x8 images, shipped with scikit-learn, no download)
 once per hook:
 
@@ -52,9 +52,10 @@ from torch.distributed.algorithms.ddp_comm_hooks import default_hooks
 from torch.nn.parallel import DistributedDataParallel
 
 from aps_comm import get_format, register
-from launch.distributed import BACKEND_ENV, init_distributed
-from launch.elastic import launch_elastic, torchrun_argv
-from launch.store import pin_loopback
+
+from .distributed import BACKEND_ENV, init_distributed
+from .elastic import launch_elastic, torchrun_argv
+from .store import pin_loopback
 
 __all__ = ["DEFAULT_HOOKS", "build_parser", "format_table", "main", "resolve_hooks"]
 
@@ -473,7 +474,8 @@ def _launch(opts: argparse.Namespace, hooks: Sequence[str]) -> dict[str, Any] | 
     with tempfile.TemporaryDirectory(prefix="aps-demo-") as tmp:
         output = Path(tmp) / "results.json"
         argv = torchrun_argv(
-            "launch.demo",
+            # The installed name (aps_launch), not the checkout's directory name.
+            f"{__package__}.demo",
             _worker_argv(opts, hooks, output),
             nproc_per_node=opts.nproc,
             module=True,

@@ -23,9 +23,9 @@ from typing import NamedTuple
 import torch
 import torch.distributed as dist
 
-from launch.env import DistEnv, detect_env, is_loopback, mpi_env_present
-from launch.mpi import mpi_available, mpi_rendezvous, mpi_world_size
-from launch.store import connect_store, pin_loopback, serve_store
+from .env import DistEnv, detect_env, is_loopback, mpi_env_present
+from .mpi import mpi_available, mpi_rendezvous, mpi_world_size
+from .store import connect_store, pin_loopback, serve_store
 
 __all__ = ["BACKEND_ENV", "DistInfo", "init_distributed", "resolve_backend"]
 
@@ -137,7 +137,7 @@ def init_distributed(
         returns the same object without initialising again.
 
     Raises:
-        launch.DistEnvError: the environment is inconsistent or incomplete
+        aps_launch.DistEnvError: the environment is inconsistent or incomplete
             (the message names the variables).
         ValueError: the backend does not fit the machine, or a second call
             asks for a different backend than the first.

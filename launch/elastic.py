@@ -6,7 +6,7 @@
 and failure reports as ``torchrun``. The one addition is the ``aps-loopback``
 rendezvous backend for single-node jobs: torchrun's own choices (``static``,
 ``c10d``) start a store listening on every interface, ``aps-loopback`` starts
-it on ``127.0.0.1`` only (see :mod:`launch.store`).
+it on ``127.0.0.1`` only (see :mod:`aps_launch.store`).
 
 Example:
     >>> argv = torchrun_argv("train.py", ["--lr", "0.1"], nproc_per_node=2)
@@ -30,8 +30,8 @@ from torch.distributed.elastic.rendezvous import (
     rendezvous_handler_registry,
 )
 
-from launch.env import LOOPBACK
-from launch.store import serve_store
+from .env import LOOPBACK
+from .store import serve_store
 
 __all__ = ["LOOPBACK_RDZV", "launch_elastic", "register_loopback_rendezvous", "torchrun_argv"]
 

@@ -9,7 +9,7 @@ in order of precedence:
 2. MPI launchers: Open MPI (``OMPI_COMM_WORLD_*``), MPICH / Intel MPI Hydra
    (``PMI_RANK``, ``PMI_SIZE``, ``MPI_LOCALRANKID``, ``MPI_LOCALNRANKS``).
    MPI does not say where rank 0 is, so ``MASTER_ADDR``/``MASTER_PORT`` must
-   be exported; otherwise :func:`launch.init_distributed` asks mpi4py.
+   be exported; otherwise :func:`aps_launch.init_distributed` asks mpi4py.
 3. SLURM ``srun``: ``SLURM_PROCID``, ``SLURM_STEP_NUM_TASKS`` or
    ``SLURM_NTASKS``, ``SLURM_LOCALID``, the node list for the master.
 4. Nothing: a single process, world size 1, on loopback.
@@ -28,7 +28,7 @@ import os
 from collections.abc import Mapping
 from dataclasses import dataclass
 
-from launch import slurm
+from . import slurm
 
 __all__ = [
     "LOOPBACK",

@@ -20,9 +20,9 @@ from collections.abc import Sequence
 
 import torch.distributed as dist
 
-from launch.distributed import BACKEND_ENV
-from launch.env import DistEnv, is_loopback
-from launch.store import pin_loopback, wait_for_ranks
+from .distributed import BACKEND_ENV
+from .env import DistEnv, is_loopback
+from .store import pin_loopback, wait_for_ranks
 
 __all__ = ["run_in_process", "run_script"]
 
@@ -60,12 +60,12 @@ def run_in_process(
     every rank checks in and rank 0 waits for all of them before exiting.
 
     Args:
-        env: this rank, from :func:`launch.mpi.mpi_rendezvous` or SLURM.
+        env: this rank, from :func:`aps_launch.mpi.mpi_rendezvous` or SLURM.
         store: the rendezvous store (the server on rank 0).
         target: script path, or module name with ``module=True``.
         args: the script's arguments.
         module: run ``target`` as a module.
-        backend: exported as ``APS_BACKEND`` for :func:`launch.init_distributed`.
+        backend: exported as ``APS_BACKEND`` for :func:`aps_launch.init_distributed`.
 
     Example:
         >>> run_in_process(env, store, "train.py", [])  # doctest: +SKIP

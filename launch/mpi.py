@@ -19,8 +19,8 @@ import socket
 
 import torch.distributed as dist
 
-from launch.env import LOOPBACK, DistEnv, is_loopback
-from launch.store import connect_store, serve_store
+from .env import LOOPBACK, DistEnv, is_loopback
+from .store import connect_store, serve_store
 
 __all__ = ["mpi_available", "mpi_rendezvous", "mpi_world_size"]
 
@@ -47,7 +47,7 @@ def mpi_available() -> bool:
 def mpi_world_size() -> int:
     """Size of ``MPI.COMM_WORLD`` if the program already initialised MPI, else 0.
 
-    Lets :func:`launch.init_distributed` notice an MPI job started without the
+    Lets :func:`aps_launch.init_distributed` notice an MPI job started without the
     usual launcher variables, without initialising MPI itself.
 
     Example:

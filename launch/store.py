@@ -24,7 +24,7 @@ from collections.abc import MutableMapping
 
 import torch.distributed as dist
 
-from launch.env import is_loopback
+from .env import is_loopback
 
 __all__ = ["connect_store", "loopback_ifname", "pin_loopback", "serve_store", "wait_for_ranks"]
 

@@ -4,15 +4,19 @@ Predicts all-reduce and training-step time for FP32, FP16/BF16 and APS FP8 on
 a model and a cluster, from alpha-beta-gamma link parameters (presets, explicit
 numbers, or a profile calibrated on the actual machines).
 
+Installed as ``aps_perfmodel`` (the checkout keeps it in ``perfmodel/``), so
+that every name the package installs starts with ``aps``; the modules import
+each other relatively so that they work under the installed name.
+
 Example:
-    >>> from perfmodel import ComputeTime, get_cluster, get_model, predict
+    >>> from aps_perfmodel import ComputeTime, get_cluster, get_model, predict
     >>> p = predict(get_model("gpt2-xl"), get_cluster("10gbe", world_size=16),
     ...             ["e4m3"], ComputeTime.from_step_time(1.0))
     >>> 1.0 < p.formats["e4m3"].speedup_vs_fp32 <= 4.0
     True
 """
 
-from perfmodel.api import (
+from .api import (
     FormatResult,
     Prediction,
     SweepRow,
@@ -21,7 +25,7 @@ from perfmodel.api import (
     sweep,
     write_csv,
 )
-from perfmodel.cluster import (
+from .cluster import (
     CLUSTERS,
     DEVICES,
     Cluster,
@@ -31,13 +35,13 @@ from perfmodel.cluster import (
     get_cluster,
     get_device,
 )
-from perfmodel.collectives import LinkParams, Topology
-from perfmodel.comm import CommBreakdown, bucket_comm
-from perfmodel.compute import ComputeTime
-from perfmodel.ddp import BucketTiming, StepPrediction, assign_buckets, simulate_step
-from perfmodel.formats import FORMATS, FormatSpec, get_format
-from perfmodel.models import MODEL_PRESETS, ModelSpec, TensorSpec, get_model
-from perfmodel.profile import Profile
+from .collectives import LinkParams, Topology
+from .comm import CommBreakdown, bucket_comm
+from .compute import ComputeTime
+from .ddp import BucketTiming, StepPrediction, assign_buckets, simulate_step
+from .formats import FORMATS, FormatSpec, get_format
+from .models import MODEL_PRESETS, ModelSpec, TensorSpec, get_model
+from .profile import Profile
 
 __all__ = [
     "CLUSTERS",

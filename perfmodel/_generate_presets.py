@@ -1,6 +1,6 @@
 """Generate the model presets in ``perfmodel/data/*.json``.
 
-Run ``python -m perfmodel._generate_presets`` to rebuild them. Each preset lists
+Run ``python -m aps_perfmodel._generate_presets`` to rebuild them. Each preset lists
 every parameter tensor in definition order (the order ``module.parameters()``
 yields, which is what DDP buckets) with its element count and the forward
 FLOPs per sample attributed to it, plus the source of the architecture.

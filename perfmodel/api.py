@@ -1,7 +1,7 @@
 """Python API: predict a step, sweep bandwidths and world sizes, find the break-even.
 
 Example:
-    >>> from perfmodel import ComputeTime, get_cluster, get_model, predict
+    >>> from aps_perfmodel import ComputeTime, get_cluster, get_model, predict
     >>> p = predict(get_model("resnet50"), get_cluster("10gbe", world_size=64),
     ...             ["e4m3"], ComputeTime.from_step_time(0.1))
     >>> sorted(p.formats)
@@ -19,16 +19,16 @@ from dataclasses import asdict, dataclass
 from pathlib import Path
 from typing import IO, Any
 
-from perfmodel.cluster import Cluster
-from perfmodel.compute import ComputeTime
-from perfmodel.ddp import (
+from .cluster import Cluster
+from .compute import ComputeTime
+from .ddp import (
     DEFAULT_BUCKET_CAP_MB,
     DEFAULT_FIRST_BUCKET_BYTES,
     StepPrediction,
     simulate_step,
 )
-from perfmodel.formats import get_format
-from perfmodel.models import ModelSpec
+from .formats import get_format
+from .models import ModelSpec
 
 __all__ = [
     "BASELINE_FORMATS",
@@ -197,7 +197,7 @@ def sweep(
     """Predict over every (world size, inter-node bandwidth) pair.
 
     Example:
-        >>> from perfmodel import get_cluster, get_model
+        >>> from aps_perfmodel import get_cluster, get_model
         >>> rows = sweep(get_model("resnet50"), get_cluster("10gbe"), bandwidths=[1e9, 1e10],
         ...              world_sizes=[8], compute=ComputeTime.from_step_time(0.1))
         >>> len(rows)

@@ -19,7 +19,7 @@ read the small samples as a faster link and under-estimate ``beta`` for every
 large message. ``burst_bytes`` (known from the shaper's configuration, or
 ``"fit"`` to pick it from the samples) makes the bandwidth column
 ``max(0, B(p) n - burst)``, and the profile's links carry it
-(:attr:`~perfmodel.collectives.LinkParams.burst_bytes`).
+(:attr:`~aps_perfmodel.collectives.LinkParams.burst_bytes`).
 
 Example (under ``aps-launch`` or ``torchrun``)::
 
@@ -37,9 +37,9 @@ from typing import Any
 
 import numpy as np
 
-from perfmodel.cluster import OpCost
-from perfmodel.collectives import LinkParams
-from perfmodel.profile import Profile
+from .cluster import OpCost
+from .collectives import LinkParams
+from .profile import Profile
 
 __all__ = ["COLLECTIVE_COEFFS", "fit_profile", "geometric_sizes", "run_calibration"]
 
@@ -251,7 +251,7 @@ def run_calibration(
     first collective after 20 ms idle took 3 ms where back-to-back ones took
     0.3 ms (idle cores wake slowly), and a tbf shaper passes its burst only
     after idling; a bucket after forward and backward meets both.
-    ``budget_s``/``max_repeats`` (default: :func:`perfmodel.measure.time_op`'s)
+    ``budget_s``/``max_repeats`` (default: :func:`aps_perfmodel.measure.time_op`'s)
     give quick operations more repeats, where small messages are noisiest.
 
     Returns:
@@ -263,7 +263,7 @@ def run_calibration(
     import torch
     import torch.distributed as dist
 
-    from perfmodel import measure
+    from . import measure
 
     p = dist.get_world_size()
     codec = measure.load_codec(codec_kind)

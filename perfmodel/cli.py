@@ -6,7 +6,7 @@ Example::
     aps-perfmodel predict --model 25.6M --bandwidth 10Gbit --latency 20us --nodes 16 --json
     aps-perfmodel sweep --model gpt2-xl --cluster 100gbe --world-sizes 8,64 \\
         --bandwidths 1Gbit,10Gbit,100Gbit --out sweep.csv
-    aps-launch --nproc-per-node 4 -m perfmodel.cli calibrate --out profile.json
+    aps-launch --nproc-per-node 4 -m aps_perfmodel.cli calibrate --out profile.json
 """
 
 from __future__ import annotations
@@ -18,13 +18,13 @@ import sys
 from collections.abc import Sequence
 from dataclasses import replace
 
-from perfmodel.api import Prediction, predict, sweep, write_csv
-from perfmodel.cluster import CLUSTERS, DEVICES, Cluster, custom_cluster, get_cluster, get_device
-from perfmodel.compute import OPTIMIZER_BYTES_PER_PARAM, ComputeTime
-from perfmodel.formats import FORMATS, STRATEGIES
-from perfmodel.models import MODEL_PRESETS, ModelSpec, get_model
-from perfmodel.profile import Profile
-from perfmodel.units import (
+from .api import Prediction, predict, sweep, write_csv
+from .cluster import CLUSTERS, DEVICES, Cluster, custom_cluster, get_cluster, get_device
+from .compute import OPTIMIZER_BYTES_PER_PARAM, ComputeTime
+from .formats import FORMATS, STRATEGIES
+from .models import MODEL_PRESETS, ModelSpec, get_model
+from .profile import Profile
+from .units import (
     format_bandwidth,
     format_bytes,
     format_time,
@@ -195,7 +195,7 @@ def _cmd_predict(args: argparse.Namespace) -> int:
     else:
         print(_table(pred, cluster, model))
     if args.plot:
-        from perfmodel.plot import plot_speedup_vs_bandwidth
+        from .plot import plot_speedup_vs_bandwidth
 
         plot_speedup_vs_bandwidth(
             model, cluster, [args.fmt], compute, args.plot, strategy=args.strategy
@@ -234,7 +234,7 @@ def _cmd_calibrate(args: argparse.Namespace) -> int:
 
     import torch.distributed as dist
 
-    from perfmodel.calibrate import calibrate_here, geometric_sizes
+    from .calibrate import calibrate_here, geometric_sizes
 
     created = False
     if not dist.is_initialized():

@@ -1,6 +1,6 @@
 """Devices and clusters: link parameters, memory bandwidth, presets.
 
-A :class:`Cluster` is a two-level :class:`~perfmodel.collectives.Topology`
+A :class:`Cluster` is a two-level :class:`~aps_perfmodel.collectives.Topology`
 plus the :class:`Device` its ranks run on (which prices the codec passes and
 estimates compute). A calibrated profile can attach measured per-collective
 link fits and codec costs, which then replace the analytic defaults.
@@ -22,7 +22,7 @@ from collections.abc import Callable, Mapping
 from dataclasses import dataclass, field, replace
 from types import MappingProxyType
 
-from perfmodel.collectives import LinkParams, Topology
+from .collectives import LinkParams, Topology
 
 __all__ = [
     "CLUSTERS",

@@ -18,8 +18,8 @@ the other), i.e. ``overlap_s = min(C, W) (1 - 1/k)`` less than running them
 back to back.
 
 Example:
-    >>> from perfmodel.cluster import get_cluster
-    >>> from perfmodel.formats import get_format
+    >>> from aps_perfmodel.cluster import get_cluster
+    >>> from aps_perfmodel.formats import get_format
     >>> c = get_cluster("1gbe", world_size=4)
     >>> fp32 = bucket_comm(25 * 2**18, 10, get_format("fp32"), c)
     >>> fp8 = bucket_comm(25 * 2**18, 10, get_format("e4m3"), c)
@@ -32,9 +32,9 @@ from __future__ import annotations
 import math
 from dataclasses import dataclass, replace
 
-from perfmodel.calibrate import CALL_ELEMENTS
-from perfmodel.cluster import Cluster, OpCost
-from perfmodel.collectives import (
+from .calibrate import CALL_ELEMENTS
+from .cluster import Cluster, OpCost
+from .collectives import (
     LinkParams,
     all_gather,
     all_to_all,
@@ -43,7 +43,7 @@ from perfmodel.collectives import (
     hierarchical_all_to_all,
     hierarchical_allreduce,
 )
-from perfmodel.formats import FORMATS, FormatSpec
+from .formats import FORMATS, FormatSpec
 
 __all__ = ["DEFAULT_CHUNK_ELEMENTS", "CommBreakdown", "bucket_comm", "pipelined_chunk"]
 

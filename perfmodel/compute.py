@@ -15,8 +15,8 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
-from perfmodel.cluster import Device
-from perfmodel.models import ModelSpec
+from .cluster import Device
+from .models import ModelSpec
 
 __all__ = ["OPTIMIZER_BYTES_PER_PARAM", "ComputeTime"]
 
@@ -83,8 +83,8 @@ class ComputeTime:
         is memory-bound: :data:`OPTIMIZER_BYTES_PER_PARAM` over memory bandwidth.
 
         Example:
-            >>> from perfmodel.cluster import get_device
-            >>> from perfmodel.models import get_model
+            >>> from aps_perfmodel.cluster import get_device
+            >>> from aps_perfmodel.models import get_model
             >>> c = ComputeTime.estimate(get_model("resnet50"), get_device("v100"), 32,
             ...                          dtype="fp32", mfu=1.0)
             >>> round(c.forward_s * 1e3, 1)

@@ -21,11 +21,11 @@ from __future__ import annotations
 from collections.abc import Sequence
 from dataclasses import dataclass
 
-from perfmodel.cluster import Cluster
-from perfmodel.comm import CommBreakdown, bucket_comm
-from perfmodel.compute import ComputeTime
-from perfmodel.formats import FormatSpec
-from perfmodel.models import ModelSpec
+from .cluster import Cluster
+from .comm import CommBreakdown, bucket_comm
+from .compute import ComputeTime
+from .formats import FormatSpec
+from .models import ModelSpec
 
 __all__ = [
     "DEFAULT_BUCKET_CAP_MB",
@@ -135,9 +135,9 @@ def simulate_step(
     """Play one step: buckets become ready during backward and are reduced in order.
 
     Example:
-        >>> from perfmodel.cluster import get_cluster
-        >>> from perfmodel.formats import get_format
-        >>> from perfmodel.models import get_model
+        >>> from aps_perfmodel.cluster import get_cluster
+        >>> from aps_perfmodel.formats import get_format
+        >>> from aps_perfmodel.models import get_model
         >>> s = simulate_step(get_model("resnet50"), get_cluster("dgx-h100", world_size=8),
         ...                   get_format("fp32"), ComputeTime(0.03, 0.06, 0.0))
         >>> s.exposed_comm_s < s.comm_s < 0.01

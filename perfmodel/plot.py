@@ -1,7 +1,7 @@
 """Plot predicted step speedup over FP32 against inter-node bandwidth.
 
 Example:
-    >>> from perfmodel import ComputeTime, get_cluster, get_model
+    >>> from aps_perfmodel import ComputeTime, get_cluster, get_model
     >>> path = plot_speedup_vs_bandwidth(get_model("resnet50"), get_cluster("100gbe", world_size=8),
     ...     ["e4m3"], ComputeTime.from_step_time(0.1), "/tmp/speedup.png")  # doctest: +SKIP
 """
@@ -13,11 +13,11 @@ from pathlib import Path
 
 import numpy as np
 
-from perfmodel.api import BASELINE_FORMATS, breakeven_bandwidth, formats_with_baselines, predict
-from perfmodel.cluster import Cluster
-from perfmodel.compute import ComputeTime
-from perfmodel.models import ModelSpec
-from perfmodel.units import format_bandwidth
+from .api import BASELINE_FORMATS, breakeven_bandwidth, formats_with_baselines, predict
+from .cluster import Cluster
+from .compute import ComputeTime
+from .models import ModelSpec
+from .units import format_bandwidth
 
 __all__ = ["plot_speedup_vs_bandwidth"]
 

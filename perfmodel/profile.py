@@ -1,11 +1,11 @@
 """Calibrated profiles: fitted link and codec parameters saved as JSON.
 
 ``aps-perfmodel calibrate`` writes one; ``predict --profile`` turns it into a
-flat :class:`~perfmodel.cluster.Cluster` whose collectives and codec passes use
+flat :class:`~aps_perfmodel.cluster.Cluster` whose collectives and codec passes use
 the measured fits instead of the analytic presets.
 
 Example:
-    >>> from perfmodel.collectives import LinkParams
+    >>> from aps_perfmodel.collectives import LinkParams
     >>> p = Profile(world_size=2, backend="gloo", link=LinkParams(1e-4, 1e-9, 1e-10))
     >>> p.to_cluster().world_size
     2
@@ -18,8 +18,8 @@ from dataclasses import asdict, dataclass, field, replace
 from pathlib import Path
 from typing import Any
 
-from perfmodel.cluster import Cluster, OpCost, get_device
-from perfmodel.collectives import LinkParams, Topology
+from .cluster import Cluster, OpCost, get_device
+from .collectives import LinkParams, Topology
 
 __all__ = ["PROFILE_KIND", "Profile"]
 

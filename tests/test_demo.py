@@ -11,7 +11,7 @@ from pathlib import Path
 
 import pytest
 
-from launch.demo import DEFAULT_HOOKS, format_table, main, resolve_hooks
+from aps_launch.demo import DEFAULT_HOOKS, format_table, main, resolve_hooks
 
 TIMEOUT = 120
 _JOB_VARS = ("RANK", "WORLD_SIZE", "LOCAL_RANK", "MASTER_ADDR", "MASTER_PORT", "APS_BACKEND")
@@ -19,7 +19,7 @@ _JOB_VARS = ("RANK", "WORLD_SIZE", "LOCAL_RANK", "MASTER_ADDR", "MASTER_PORT", "
 
 def _aps_demo() -> list[str]:
     script = Path(sysconfig.get_path("scripts")) / "aps-demo"
-    return [str(script)] if script.exists() else [sys.executable, "-m", "launch.demo"]
+    return [str(script)] if script.exists() else [sys.executable, "-m", "aps_launch.demo"]
 
 
 def _env() -> dict[str, str]:

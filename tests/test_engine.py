@@ -71,7 +71,7 @@ def test_pipelined_chunk_by_hand() -> None:
 
 
 def test_perfmodel_sizes_chunks_as_the_hook_does() -> None:
-    from perfmodel import comm
+    from aps_perfmodel import comm
 
     for numel in (1, 1000, 3 * 2**20, 2**23, 2**28):
         for seconds in (0.0, 1e-4, 0.01, 0.07, 0.45, 5.0):

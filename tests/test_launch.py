@@ -19,11 +19,11 @@ from pathlib import Path
 import pytest
 import torch.distributed as dist
 
-from launch import DistEnvError, detect_env, init_distributed
-from launch import slurm as slurm_env
-from launch.cli import main as cli_main
-from launch.elastic import LOOPBACK_RDZV, torchrun_argv
-from launch.env import from_slurm
+from aps_launch import DistEnvError, detect_env, init_distributed
+from aps_launch import slurm as slurm_env
+from aps_launch.cli import main as cli_main
+from aps_launch.elastic import LOOPBACK_RDZV, torchrun_argv
+from aps_launch.env import from_slurm
 
 SCRIPTS = Path(__file__).parent / "launch_scripts"
 SCRIPT = str(SCRIPTS / "allreduce_check.py")
@@ -46,7 +46,7 @@ def _clean_env(**extra: str) -> dict[str, str]:
 
 def _aps_launch() -> list[str]:
     script = Path(sysconfig.get_path("scripts")) / "aps-launch"
-    return [str(script)] if script.exists() else [sys.executable, "-m", "launch.cli"]
+    return [str(script)] if script.exists() else [sys.executable, "-m", "aps_launch.cli"]
 
 
 def _free_port() -> int:

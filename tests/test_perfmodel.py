@@ -10,7 +10,7 @@ import pytest
 import torch
 import torch.distributed as dist
 
-from perfmodel import (
+from aps_perfmodel import (
     ComputeTime,
     LinkParams,
     ModelSpec,
@@ -25,11 +25,11 @@ from perfmodel import (
     simulate_step,
     sweep,
 )
-from perfmodel import collectives as C
-from perfmodel.cli import main as cli_main
-from perfmodel.ddp import DEFAULT_FIRST_BUCKET_BYTES
-from perfmodel.literature import reproduce_pytorch_ddp_benchmark
-from perfmodel.units import parse_bandwidth, parse_bytes, parse_count, parse_time
+from aps_perfmodel import collectives as C
+from aps_perfmodel.cli import main as cli_main
+from aps_perfmodel.ddp import DEFAULT_FIRST_BUCKET_BYTES
+from aps_perfmodel.literature import reproduce_pytorch_ddp_benchmark
+from aps_perfmodel.units import parse_bandwidth, parse_bytes, parse_count, parse_time
 
 LINK = LinkParams(alpha=1e-5, beta=1e-9, gamma=1e-10)
 
@@ -208,7 +208,7 @@ def test_step_timeline_hand_computed() -> None:
 
 
 def C_T(name: str, n: int):
-    from perfmodel.models import TensorSpec
+    from aps_perfmodel.models import TensorSpec
 
     return TensorSpec(name, n)
 
@@ -248,7 +248,7 @@ def test_model_from_module_and_params() -> None:
 
 
 def test_compute_estimate_hand_value() -> None:
-    from perfmodel import get_device
+    from aps_perfmodel import get_device
 
     m, d = get_model("resnet50"), get_device("v100")
     c = ComputeTime.estimate(m, d, 32, dtype="fp32", mfu=0.5, optimizer="sgd")
@@ -382,8 +382,8 @@ def test_reproduces_pytorch_ddp_benchmark_within_15_percent() -> None:
 
 
 def test_fit_profile_recovers_synthetic_parameters(tmp_path) -> None:
-    from perfmodel.calibrate import COLLECTIVE_COEFFS, fit_profile
-    from perfmodel.profile import Profile
+    from aps_perfmodel.calibrate import COLLECTIVE_COEFFS, fit_profile
+    from aps_perfmodel.profile import Profile
 
     p, alpha, beta, gamma = 4, 2e-5, 1e-9, 3e-10
     samples = []
@@ -407,7 +407,7 @@ def test_fit_profile_recovers_synthetic_parameters(tmp_path) -> None:
 
 
 def test_burst_term_hand_values_and_fit() -> None:
-    from perfmodel.calibrate import COLLECTIVE_COEFFS, fit_profile
+    from aps_perfmodel.calibrate import COLLECTIVE_COEFFS, fit_profile
 
     link = C.LinkParams(alpha=1.0, beta=1.0, gamma=1.0, burst_bytes=2.0)
     # Ring, n=4, p=2: 2 alpha + max(0, 2*4*1/2 - 2) beta + 4*1/2 gamma = 2 + 2 + 2.
@@ -437,8 +437,8 @@ def test_burst_term_hand_values_and_fit() -> None:
 
 
 def _calibrate_rank(rank: int, world_size: int) -> dict:
-    from perfmodel import measure
-    from perfmodel.calibrate import run_calibration
+    from aps_perfmodel import measure
+    from aps_perfmodel.calibrate import run_calibration
 
     hook_runs: list[str] = []
     timed = measure.HookBench.steps
@@ -459,7 +459,7 @@ def _calibrate_rank(rank: int, world_size: int) -> dict:
 
 def test_calibration_end_to_end_two_ranks(tmp_path, capsys: pytest.CaptureFixture[str]) -> None:
     from aps_comm.testing import run_distributed
-    from perfmodel.calibrate import fit_profile
+    from aps_perfmodel.calibrate import fit_profile
 
     out = run_distributed(_calibrate_rank, 2, timeout=120)
     assert out[0]["samples"] == out[1]["samples"]  # every rank reports the group's timing
@@ -497,7 +497,7 @@ def test_calibration_end_to_end_two_ranks(tmp_path, capsys: pytest.CaptureFixtur
 
 
 def _late_joiner_rank(rank: int, world_size: int) -> dict:
-    from perfmodel import measure
+    from aps_perfmodel import measure
 
     # Rank 1 idles 0.2 s longer after each barrier: rank 0 waits for it inside
     # the collective, which is skew, not the collective's cost.
@@ -534,7 +534,7 @@ def test_time_op_from_last_start_excludes_late_joiner_wait() -> None:
 
 
 def test_repeats_for_budget_and_cap() -> None:
-    from perfmodel.measure import repeats_for
+    from aps_perfmodel.measure import repeats_for
 
     assert repeats_for(0.01, 5) == 25  # 0.25 s default budget
     assert repeats_for(0.01, 5, budget_s=3.0, max_repeats=200) == 200
@@ -545,7 +545,7 @@ def test_repeats_for_budget_and_cap() -> None:
 
 
 def test_trimmed_mean_is_stable_where_the_median_jumps() -> None:
-    from perfmodel.measure import trimmed_mean
+    from aps_perfmodel.measure import trimmed_mean
 
     # Bimodal repeats, as small hook calls on a shared VM: 1 ms or 5 ms.
     fewer_slow = [1.0] * 11 + [5.0] * 9
@@ -601,7 +601,7 @@ def _fitted_cluster(
 
 
 def test_exchange_fit_one_latency_and_burst_per_call() -> None:
-    from perfmodel.calibrate import fit_profile
+    from aps_perfmodel.calibrate import fit_profile
 
     # Synthetic pipelined exchanges: one latency and one burst per call.
     p, alpha, beta, burst = 2, 3e-3, 8e-9, 5e5
@@ -632,7 +632,7 @@ def test_composed_exchange_credits_burst_once() -> None:
 def test_automatic_chunks_follow_the_hook_rule() -> None:
     # "auto" (the default) cuts the bucket as the hook would: the unchunked
     # exchange W gives k = sqrt(W / 0.5 ms) chunks, a power of two in size.
-    from perfmodel.comm import pipelined_chunk
+    from aps_perfmodel.comm import pipelined_chunk
 
     p, link = 2, C.LinkParams(alpha=1e-4, beta=1e-8)
     c = _fitted_cluster(p, all_to_all=link, all_gather=link)
@@ -645,8 +645,8 @@ def test_automatic_chunks_follow_the_hook_rule() -> None:
 
 
 def test_call_overhead_and_shared_cores() -> None:
-    from perfmodel.calibrate import CALL_ELEMENTS
-    from perfmodel.cluster import OpCost
+    from aps_perfmodel.calibrate import CALL_ELEMENTS
+    from aps_perfmodel.cluster import OpCost
 
     fmt, n = get_format("e4m3"), 8 * 2**20
     link = C.LinkParams(alpha=1e-4, beta=1e-8)

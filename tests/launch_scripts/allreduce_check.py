@@ -21,7 +21,7 @@ import sys
 import torch
 import torch.distributed as dist
 
-from launch import init_distributed
+from aps_launch import init_distributed
 
 _LISTEN = "0A"
 
