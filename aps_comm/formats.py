@@ -15,7 +15,7 @@ torch (any device, any format); :mod:`aps_comm.codec` is the fast codec the
 hook uses (compiled kernels on CPU, native casts on CUDA) and writes the same
 bytes.
 
-Run ``python -m aps_comm.formats`` for a table of the built-in formats.
+Run ``python -m aps_comm`` for a table of the built-in formats.
 
 Example:
     >>> x = torch.tensor([0.1, 300.0, 1e6])
@@ -558,55 +558,3 @@ def decode_into(payload: torch.Tensor, fmt: FloatFormat, out: torch.Tensor) -> N
     else:
         codes = payload
     torch.index_select(table, 0, codes[: out.numel()].int(), out=out)
-
-
-# ---------------------------------------------------------------------------
-# python -m aps_comm.formats
-
-
-def _table_rows(numel: int = 1 << 20, seed: int = 0) -> list[dict[str, float | str | int]]:
-    gen = torch.Generator().manual_seed(seed)
-    x = torch.randn(numel, generator=gen)
-    rows = []
-    for fmt in FORMATS.values():
-        # Scale the data into the format's normal range, as APS does, so the
-        # error reflects the mantissa and not saturation.
-        scaled = x * (fmt.max / x.abs().max() / 2)
-        back = decode(encode(scaled, fmt), fmt, numel)
-        nz = scaled != 0
-        rel = ((back - scaled).abs()[nz] / scaled.abs()[nz]).double()
-        rows.append(
-            {
-                "format": fmt.name,
-                "bits": fmt.bits,
-                "specials": fmt.specials,
-                "max": fmt.max,
-                "min_normal": fmt.min_normal,
-                "min_subnormal": fmt.min_subnormal,
-                "bytes/elem": payload_nbytes(2, fmt) / 2,
-                "rel_err_mean": float(rel.mean()),
-                "rel_err_max": float(rel.max()),
-            }
-        )
-    return rows
-
-
-def _main() -> None:
-    rows = _table_rows()
-    header = (
-        f"{'format':<7} {'bits':>4} {'specials':>8} {'max':>11} {'min normal':>11} "
-        f"{'min subnorm':>11} {'B/elem':>6} {'mean rel err':>12} {'max rel err':>11}"
-    )
-    print("Round-trip error of encode/decode on 1M N(0,1) values scaled to max/2:")
-    print(header)
-    print("-" * len(header))
-    for r in rows:
-        print(
-            f"{r['format']:<7} {r['bits']:>4} {r['specials']:>8} {r['max']:>11.4g} "
-            f"{r['min_normal']:>11.4g} {r['min_subnormal']:>11.4g} {r['bytes/elem']:>6} "
-            f"{r['rel_err_mean']:>12.3e} {r['rel_err_max']:>11.3e}"
-        )
-
-
-if __name__ == "__main__":
-    _main()

@@ -3,6 +3,8 @@
 from __future__ import annotations
 
 import functools
+import subprocess
+import sys
 
 import ml_dtypes
 import numpy as np
@@ -11,6 +13,7 @@ import torch
 
 from aps_comm import codec, cpu_kernels
 from aps_comm import formats as F
+from aps_comm.__main__ import format_table
 from aps_comm.formats import (
     BF16,
     E2M1,
@@ -447,3 +450,31 @@ def test_encode_decode_into_out() -> None:
         encode(x, E4M3, out=torch.empty(999, dtype=torch.uint8))
     with pytest.raises(ValueError, match="float32"):
         decode(encode(x, E4M3), E4M3, 1000, out=torch.empty(1000, dtype=torch.float64))
+
+
+@pytest.mark.slow
+def test_python_m_aps_comm_prints_every_format_without_warnings(tmp_path) -> None:
+    # -W error: runpy's "found in sys.modules" RuntimeWarning (the table used
+    # to live in aps_comm.formats, which the package imports) becomes a failure.
+    proc = subprocess.run(
+        [sys.executable, "-W", "error", "-m", "aps_comm"],
+        cwd=tmp_path,
+        capture_output=True,
+        text=True,
+        timeout=120,
+    )
+    assert proc.returncode == 0, proc.stderr
+    assert proc.stderr == ""
+    rows = {line.split()[0]: line.split() for line in proc.stdout.splitlines()[3:]}
+    assert list(rows) == list(F.FORMATS)
+    assert rows["e4m3"][1:4] == ["8", "fn", "448"]
+    assert rows["e2m1"][6] == "0.5"  # two elements per byte
+
+
+def test_format_table_rejects_an_empty_sample() -> None:
+    with pytest.raises(ValueError, match="numel must be >= 1, got 0"):
+        format_table(numel=0)
+    rows = format_table(numel=256)
+    assert [r["format"] for r in rows] == list(F.FORMATS)
+    fp32 = rows[list(F.FORMATS).index("fp32")]
+    assert fp32["rel_err_max"] == 0.0 and fp32["bytes/elem"] == 4.0
