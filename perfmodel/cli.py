@@ -3,10 +3,14 @@
 Example::
 
     aps-perfmodel predict --model resnet50 --world-size 64 --cluster 100gbe --fmt e4m3
-    aps-perfmodel predict --model 25.6M --bandwidth 10Gbit --latency 20us --nodes 16 --json
+    aps-perfmodel predict --params 25.6M --bandwidth 10Gbit --latency 20us --nodes 16 --json
     aps-perfmodel sweep --model gpt2-xl --cluster 100gbe --world-sizes 8,64 \\
         --bandwidths 1Gbit,10Gbit,100Gbit --out sweep.csv
     aps-launch --nproc-per-node 4 -m aps_perfmodel.cli calibrate --out profile.json
+
+A bare parameter count (``--params 25.6M``) has no FLOP counts: without
+``--step-time`` or ``--forward-time``/``--backward-time`` the prediction is
+of the communication alone, and the output says so.
 """
 
 from __future__ import annotations
@@ -17,6 +21,7 @@ import os
 import sys
 from collections.abc import Sequence
 from dataclasses import replace
+from typing import Any
 
 from .api import Prediction, predict, sweep, write_csv
 from .cluster import CLUSTERS, DEVICES, Cluster, custom_cluster, get_cluster, get_device
@@ -35,6 +40,8 @@ from .units import (
 )
 
 __all__ = ["build_parser", "main"]
+
+_NO_COMPUTE = ComputeTime(0.0, 0.0, 0.0)
 
 
 def _add_model_cluster_args(ap: argparse.ArgumentParser) -> None:
@@ -128,7 +135,8 @@ def _cluster(args: argparse.Namespace, world_size: int) -> Cluster:
     return replace(cluster, algorithm=args.algorithm)
 
 
-def _compute(args: argparse.Namespace, model: ModelSpec, cluster: Cluster) -> ComputeTime:
+def _compute(args: argparse.Namespace, model: ModelSpec, cluster: Cluster) -> ComputeTime | None:
+    """The compute times given or estimated; None for communication only."""
     opt = parse_time(args.optimizer_time)
     if args.forward_time or args.backward_time:
         if not (args.forward_time and args.backward_time):
@@ -136,6 +144,10 @@ def _compute(args: argparse.Namespace, model: ModelSpec, cluster: Cluster) -> Co
         return ComputeTime(parse_time(args.forward_time), parse_time(args.backward_time), opt)
     if args.step_time:
         return ComputeTime.from_step_time(parse_time(args.step_time), opt)
+    if model.forward_flops_per_sample <= 0:
+        # A bare parameter count says nothing about compute; the communication
+        # can still be predicted, and is what such a question is usually about.
+        return None
     try:
         return ComputeTime.estimate(
             model,
@@ -149,7 +161,37 @@ def _compute(args: argparse.Namespace, model: ModelSpec, cluster: Cluster) -> Co
         raise SystemExit(f"error: {exc} (give --step-time)") from None
 
 
-def _table(pred: Prediction, cluster: Cluster, model: ModelSpec) -> str:
+def _comm_only_reason(model: ModelSpec) -> str:
+    return (
+        f"{model.name!r} has no FLOP counts; for step times give --step-time "
+        "or --forward-time/--backward-time"
+    )
+
+
+def _comm_only_dict(pred: Prediction, model: ModelSpec) -> dict[str, Any]:
+    """``pred`` as JSON without the step-time fields, which would only repeat comm_s."""
+    fp32 = pred.formats["fp32"].comm_s
+    return {
+        "model": pred.model,
+        "cluster": pred.cluster,
+        "world_size": pred.world_size,
+        "communication_only": True,
+        "note": f"communication only: {_comm_only_reason(model)}",
+        "compute": None,
+        "formats": {
+            name: {
+                "format": r.format,
+                "strategy": r.strategy,
+                "comm_s": r.comm_s,
+                "comm_speedup_vs_fp32": fp32 / r.comm_s if r.comm_s > 0 else 1.0,
+                "wire_bytes": r.wire_bytes,
+            }
+            for name, r in pred.formats.items()
+        },
+    }
+
+
+def _table(pred: Prediction, cluster: Cluster, model: ModelSpec, comm_only: bool = False) -> str:
     topo = cluster.topology
     lines = [
         f"model    {model.name}: {model.total_params / 1e6:,.1f}M params in "
@@ -162,6 +204,23 @@ def _table(pred: Prediction, cluster: Cluster, model: ModelSpec) -> str:
             if topo.gpus_per_node > 1
             else ""
         ),
+    ]
+    if comm_only:
+        fp32 = pred.formats["fp32"].comm_s
+        lines += [
+            "compute  none: communication only",
+            f"         ({_comm_only_reason(model)})",
+            "",
+            f"{'format':8s} {'strategy':10s} {'wire/rank':>11s} {'comm':>10s} {'comm speedup':>13s}",
+        ]
+        for r in pred.formats.values():
+            speedup = fp32 / r.comm_s if r.comm_s > 0 else 1.0
+            lines.append(
+                f"{r.format:8s} {r.strategy:10s} {format_bytes(r.wire_bytes):>11s} "
+                f"{format_time(r.comm_s):>10s} {speedup:>12.3f}x"
+            )
+        return "\n".join(lines)
+    lines += [
         f"compute  forward {format_time(pred.compute.forward_s)}, backward "
         f"{format_time(pred.compute.backward_s)}, optimizer {format_time(pred.compute.optimizer_s)}",
         "",
@@ -182,18 +241,23 @@ def _cmd_predict(args: argparse.Namespace) -> int:
     profile = Profile.load(args.profile) if args.profile else None
     cluster = _cluster(args, _world_size(args, profile))
     compute = _compute(args, model, cluster)
+    if compute is None and args.plot:
+        raise SystemExit(f"error: --plot plots step times: {_comm_only_reason(model)}")
     pred = predict(
         model,
         cluster,
         [args.fmt],
-        compute,
+        # No compute: every bucket is ready at once and nothing overlaps, so
+        # each format's step is its communication time.
+        compute or _NO_COMPUTE,
         strategy=args.strategy,
         bucket_cap_mb=args.bucket_cap_mb,
     )
     if args.json:
-        print(json.dumps(pred.to_dict(), indent=2))
+        out = _comm_only_dict(pred, model) if compute is None else pred.to_dict()
+        print(json.dumps(out, indent=2))
     else:
-        print(_table(pred, cluster, model))
+        print(_table(pred, cluster, model, comm_only=compute is None))
     if args.plot:
         from .plot import plot_speedup_vs_bandwidth
 
@@ -210,6 +274,11 @@ def _cmd_sweep(args: argparse.Namespace) -> int:
     world_sizes = [int(w) for w in args.world_sizes.split(",")]
     cluster = _cluster(args, world_sizes[0])
     compute = _compute(args, model, cluster)
+    if compute is None:
+        print(
+            f"aps-perfmodel: communication only (step_s = comm_s): {_comm_only_reason(model)}",
+            file=sys.stderr,
+        )
     bandwidths = (
         [parse_bandwidth(b) for b in args.bandwidths.split(",")]
         if args.bandwidths
@@ -221,7 +290,7 @@ def _cmd_sweep(args: argparse.Namespace) -> int:
         bandwidths=bandwidths,
         world_sizes=world_sizes,
         formats=[args.fmt],
-        compute=compute,
+        compute=compute or _NO_COMPUTE,
         strategy=args.strategy,
         bucket_cap_mb=args.bucket_cap_mb,
     )

@@ -312,6 +312,44 @@ def test_cli_predict_json(capsys: pytest.CaptureFixture[str]) -> None:
     assert out["formats"]["fp32"]["speedup_vs_fp32"] == 1.0
 
 
+def test_cli_predict_params_alone_is_communication_only(
+    tmp_path, capsys: pytest.CaptureFixture[str]
+) -> None:
+    argv = ["predict", "--params", "25.6M", "--bandwidth", "10Gbit", "--latency", "20us"]
+    argv += ["--nodes", "16"]
+    assert cli_main([*argv, "--json"]) == 0
+    out = json.loads(capsys.readouterr().out)
+    assert out["communication_only"] is True and out["compute"] is None
+    assert "'25.6M params' has no FLOP counts" in out["note"]
+    fmts = out["formats"]
+    assert list(fmts) == ["fp32", "fp16", "e4m3"]
+    for v in fmts.values():
+        # No step time to report: the step fields are absent, not a copy of comm_s.
+        assert set(v) == {"format", "strategy", "comm_s", "comm_speedup_vs_fp32", "wire_bytes"}
+    assert fmts["fp32"]["comm_speedup_vs_fp32"] == 1.0
+    # The same communication as a prediction with compute times given.
+    model = ModelSpec.from_params("25.6M")
+    cluster = custom_cluster(parse_bandwidth("10Gbit"), parse_time("20us"), nodes=16)
+    with_compute = predict(model, cluster, ["e4m3"], ComputeTime.from_step_time(0.1))
+    for name, v in fmts.items():
+        assert v["wire_bytes"] == with_compute.formats[name].wire_bytes
+    e4m3 = fmts["e4m3"]["comm_speedup_vs_fp32"]
+    assert e4m3 == pytest.approx(fmts["fp32"]["comm_s"] / fmts["e4m3"]["comm_s"])
+    assert 1.0 < fmts["fp16"]["comm_speedup_vs_fp32"] < e4m3 < 4.0
+
+    assert cli_main(argv) == 0
+    text = capsys.readouterr().out
+    assert "compute  none: communication only" in text and "comm speedup" in text
+    assert "exposed" not in text and "step" not in text.split("comm speedup")[1]
+
+    with pytest.raises(SystemExit, match=r"--plot plots step times: '25\.6M params' has no FLOP"):
+        cli_main([*argv, "--plot", str(tmp_path / "p.png")])
+    assert not (tmp_path / "p.png").exists()
+
+    assert cli_main([*argv, "--step-time", "100ms"]) == 0
+    assert "communication only" not in capsys.readouterr().out
+
+
 def test_cli_predict_table_plot_and_sweep(tmp_path, capsys: pytest.CaptureFixture[str]) -> None:
     png = tmp_path / "s.png"
     rc = cli_main(
