@@ -26,6 +26,11 @@ Bytes per step are the payload bytes each rank hands to collectives in one
 step: ``state.bytes_sent`` for the APS hook, and for PyTorch's hooks the
 bytes of the tensors they pass to ``dist.all_reduce`` (counted by a wrapper).
 
+Per-layer figures over training: the APS hooks run with ``stats=True``, and
+for the first seed rank 0 records every layer's exponent, underflow rate and
+saturated count at up to :data:`LAYER_POINTS` steps per run; they are plotted
+in ``accuracy_layers.png``, one row per APS hook.
+
     python -m benchmarks.accuracy [--seeds 3] [--digits-epochs 15] [--lm-steps 300]
 """
 
@@ -49,7 +54,7 @@ import torch.nn as nn
 from torch.distributed.algorithms.ddp_comm_hooks import default_hooks
 from torch.nn.parallel import DistributedDataParallel as DDP
 
-from aps_comm import register
+from aps_comm import APSState, register
 from aps_comm.policy import KeepLast, Promote
 from aps_comm.testing import run_distributed
 from benchmarks._models import DigitsCNN, TinyLM, lm_loss, load_digits_tensors, markov_data
@@ -58,6 +63,10 @@ __all__ = ["HOOKS", "TASKS", "attach_hook", "main"]
 
 LOSS_SCALE = 2.0**-10
 """Digits task: loss multiplier (and 1 / learning-rate multiplier) giving large-network gradients."""
+LAYER_POINTS = 60
+"""Per-layer figures: at most this many recorded steps per run (first seed, rank 0)."""
+LAYER_FIGURES = ("exponent", "underflow_rate", "saturated")
+"""The :class:`~aps_comm.telemetry.LayerStats` fields recorded per layer."""
 
 HOOKS: dict[str, str] = {
     "fp32": "PyTorch allreduce_hook (FP32)",
@@ -110,25 +119,28 @@ def _counting_hook(
     return fut
 
 
-def attach_hook(ddp: DDP, hook: str, group: dist.ProcessGroup | None = None) -> Callable[[], int]:
+def attach_hook(
+    ddp: DDP, hook: str, group: dist.ProcessGroup | None = None, stats: bool = False
+) -> tuple[Callable[[], int], APSState | None]:
     """Register the named hook of :data:`HOOKS` on ``ddp``.
 
     Args:
         ddp: the DDP model (a hook can be registered once per DDP instance).
         hook: a key of :data:`HOOKS`.
         group: process group of the APS hooks (default: a new one each).
+        stats: APS hooks collect per-layer stats (``state.stats``).
 
     Returns:
         A function returning the bytes this rank handed to collectives in
-        the last step.
+        the last step, and the APS hook's state (None for PyTorch's hooks).
 
     Example:
-        >>> bytes_per_step = attach_hook(ddp, "aps-e4m3")  # doctest: +SKIP
+        >>> bytes_per_step, state = attach_hook(ddp, "aps-e4m3", stats=True)  # doctest: +SKIP
     """
     if hook in _TORCH_HOOKS:
         counting = _CountingState(_TORCH_HOOKS[hook])
         ddp.register_comm_hook(counting, _counting_hook)
-        return lambda: counting.bytes_sent
+        return (lambda: counting.bytes_sent), None
     options: dict[str, Any] = {
         "naive-e4m3": {"fmt": "e4m3", "scaling": "none"},
         "aps-e4m3": {"fmt": "e4m3"},
@@ -137,8 +149,35 @@ def attach_hook(ddp: DDP, hook: str, group: dist.ProcessGroup | None = None) -> 
         "aps-e4m3+promote": {"fmt": "e4m3", "policy": [Promote()]},
         "aps-e4m3+error-feedback": {"fmt": "e4m3", "error_feedback": True},
     }[hook]
-    state = register(ddp, process_group=group, **options)
-    return lambda: state.bytes_sent
+    state = register(ddp, process_group=group, stats=stats, **options)
+    return (lambda: state.bytes_sent), state
+
+
+class _LayerLog:
+    """Every layer's :data:`LAYER_FIGURES` at up to :data:`LAYER_POINTS` steps of a run."""
+
+    def __init__(self, state: APSState | None, model: nn.Module, steps: int) -> None:
+        self.state = state
+        self.names = [n for n, p in model.named_parameters() if p.requires_grad]
+        self.every = max(1, math.ceil(steps / LAYER_POINTS))
+        self.last = steps
+        self.steps: list[int] = []
+        self.figures: dict[str, list[list[float | None]]] = {f: [] for f in LAYER_FIGURES}
+
+    def record(self, step: int) -> None:
+        if self.state is None or (step % self.every and step != self.last):
+            return
+        # Keyed by name: DDP's bucket order changes after the first step, and
+        # layers a policy keeps in FP32 have no record (None: a gap in the plot).
+        now = {s.name: s for s in self.state.stats}
+        self.steps.append(step)
+        for figure, rows in self.figures.items():
+            rows.append([getattr(now[n], figure) if n in now else None for n in self.names])
+
+    def result(self) -> dict | None:
+        if self.state is None or not self.steps:
+            return None
+        return {"names": self.names, "steps": self.steps, **self.figures}
 
 
 def _same_everywhere(model: nn.Module, world_size: int) -> None:
@@ -157,11 +196,14 @@ def _train_digits(
     torch.manual_seed(seed)
     model = DigitsCNN()
     ddp = DDP(model)
-    sent = attach_hook(ddp, hook, group)
+    record = rank == 0 and seed == 0
+    sent, state = attach_hook(ddp, hook, group, stats=record)
     opt = torch.optim.SGD(ddp.parameters(), lr=cfg["digits_lr"] / LOSS_SCALE, momentum=0.9)
     shard_x, shard_y = x_tr[rank::world_size], y_tr[rank::world_size]
     batch = cfg["digits_batch"]
-    curve, step_bytes = [], 0
+    per_epoch = (len(shard_y) - batch) // batch + 1
+    layers = _LayerLog(state if record else None, model, cfg["digits_epochs"] * per_epoch)
+    curve, step_bytes, step = [], 0, 0
     for epoch in range(cfg["digits_epochs"]):
         gen = torch.Generator().manual_seed(1000 * seed + epoch)
         order = torch.randperm(len(shard_y), generator=gen)
@@ -174,6 +216,8 @@ def _train_digits(
             opt.step()
             losses.append(float(loss.detach()))
             step_bytes = sent()
+            step += 1
+            layers.record(step)
         with torch.no_grad():
             logits = model(x_te)
             acc = float((logits.argmax(1) == y_te).float().mean())
@@ -193,6 +237,7 @@ def _train_digits(
         "curve": curve,
         "bytes_per_step": step_bytes,
         "parameters": sum(p.numel() for p in model.parameters()),
+        "layers": layers.result(),
     }
 
 
@@ -212,8 +257,10 @@ def _train_markov(
     torch.manual_seed(seed)
     model = TinyLM(cfg["lm_vocab"], cfg["lm_seq_len"], cfg["lm_dim"], cfg["lm_depth"])
     ddp = DDP(model)
-    sent = attach_hook(ddp, hook, group)
+    record = rank == 0 and seed == 0
+    sent, state = attach_hook(ddp, hook, group, stats=record)
     steps = cfg["lm_steps"]
+    layers = _LayerLog(state if record else None, model, steps)
     opt = torch.optim.AdamW(ddp.parameters(), lr=cfg["lm_lr"], weight_decay=0.01)
     sched = torch.optim.lr_scheduler.LambdaLR(
         opt, lambda s: 0.1 + 0.9 * 0.5 * (1 + math.cos(math.pi * min(s, steps) / steps))
@@ -236,6 +283,7 @@ def _train_markov(
         sched.step()
         losses.append(float(loss.detach()))
         step_bytes = sent()
+        layers.record(step)
         if step % every == 0 or step == steps:
             test_loss, acc = _lm_eval(model, data.x_test, data.y_test)
             curve.append(
@@ -258,6 +306,7 @@ def _train_markov(
         "curve": curve,
         "bytes_per_step": step_bytes,
         "parameters": sum(p.numel() for p in model.parameters()),
+        "layers": layers.result(),
         "oracle": {
             "test_loss": data.oracle_loss,
             "test_ppl": math.exp(data.oracle_loss),
@@ -316,7 +365,7 @@ def _summary(runs: list[dict], hooks: list[str], tasks: list[str]) -> list[dict]
 
 
 def main(argv: list[str] | None = None) -> dict:
-    """Run the benchmark; write ``accuracy.{json,md}`` and ``accuracy_<task>.png``.
+    """Run the benchmark; write ``accuracy.{json,md}``, ``accuracy_<task>.png`` and ``accuracy_layers.png``.
 
     Example:
         >>> main(["--seeds", "1", "--digits-epochs", "1", "--lm-steps", "4"])  # doctest: +SKIP
@@ -391,6 +440,8 @@ def _write(result: dict, out: Path, json_too: bool = True) -> None:
     (out / "accuracy.md").write_text(markdown(result))
     for task in result["settings"]["tasks"]:
         _plot(result, task, out / f"accuracy_{task}.png")
+    if _layer_runs(result):
+        _plot_layers(result, out / "accuracy_layers.png")
     print((out / "accuracy.md").read_text())
     print(f"wrote {out}/accuracy.md and plots" + (" and accuracy.json" if json_too else ""))
 
@@ -478,6 +529,18 @@ def markdown(result: dict) -> str:
                 f"{r['bytes_per_step']:,} | {_ratio(r['bytes_vs_fp32'])} |"
             )
         lines += ["", "![markov curves](accuracy_markov.png)", ""]
+    if _layer_runs(result):
+        lines += [
+            "## Per-layer figures over training",
+            "",
+            "Each APS hook's per-layer exponent, underflow rate (this rank's nonzero elements "
+            "flushed to zero) and saturated elements, rank 0, first seed, at up to "
+            f"{LAYER_POINTS} steps per run; one line per layer, dark (input side) to "
+            "yellow (output side). Layers a policy sends in FP32 have no line.",
+            "",
+            "![per-layer figures](accuracy_layers.png)",
+            "",
+        ]
     lines += ["Hook set-ups:", ""]
     lines += [f"- `{h}`: `{HOOKS[h]}`" for h in s["hooks"]]
     return "\n".join(lines) + "\n"
@@ -522,6 +585,61 @@ def _plot(result: dict, task: str, path: Path) -> None:
     fig.suptitle(f"{title}, {result['settings']['world_size']} ranks (Gloo)")
     fig.tight_layout()
     fig.savefig(path, dpi=110)
+    plt.close(fig)
+
+
+def _layer_runs(result: dict) -> dict[tuple[str, str], dict]:
+    """(task, hook) -> the first seed's per-layer record (runs from before it have none)."""
+    return {(r["task"], r["hook"]): r["layers"] for r in result["runs"] if r.get("layers")}
+
+
+def _plot_layers(result: dict, path: Path) -> None:
+    """One row per APS hook; per task, columns exponent, underflow rate, saturated elements."""
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    recorded = _layer_runs(result)
+    tasks = [t for t in result["settings"]["tasks"] if any(k[0] == t for k in recorded)]
+    hooks = [h for h in result["settings"]["hooks"] if any(k[1] == h for k in recorded)]
+    cols = [(task, figure) for task in tasks for figure in LAYER_FIGURES]
+    fig, axes = plt.subplots(
+        len(hooks), len(cols), figsize=(3.3 * len(cols), 2.3 * len(hooks)), squeeze=False
+    )
+    cmap = plt.get_cmap("viridis")
+    for row, hook in enumerate(hooks):
+        for col, (task, figure) in enumerate(cols):
+            ax = axes[row][col]
+            log = recorded.get((task, hook))
+            if log is None:
+                ax.set_axis_off()
+                continue
+            n = len(log["names"])
+            for i in range(n):
+                # None (no record: the layer went in FP32) is a gap in the line.
+                ys = [math.nan if step[i] is None else step[i] for step in log[figure]]
+                ax.plot(log["steps"], ys, color=cmap(i / max(1, n - 1)), lw=0.9)
+            if figure == "underflow_rate":
+                ax.set_yscale("symlog", linthresh=1e-4)
+                ax.set_ylim(0, 1.3)  # a rate of 1 (everything flushed) stays visible
+            elif figure == "saturated":
+                ax.set_yscale("symlog", linthresh=1)
+                ax.set_ylim(0, max(2.0, ax.get_ylim()[1]))
+            if row == 0:
+                ax.set_title(f"{task}: {figure.replace('_', ' ')}", fontsize=9)
+            if col == 0:
+                ax.set_ylabel(hook, fontsize=8)
+            if row == len(hooks) - 1:
+                ax.set_xlabel("step")
+            ax.tick_params(labelsize=7)
+            ax.grid(alpha=0.3)
+    fig.suptitle(
+        f"Per-layer figures, rank 0 of {result['settings']['world_size']}, first seed "
+        "(line colour: layer, dark = input side, yellow = output side)"
+    )
+    fig.tight_layout()
+    fig.savefig(path, dpi=100)
     plt.close(fig)
 
 

@@ -11,7 +11,7 @@ pytest.importorskip("sklearn.datasets")
 pytest.importorskip("matplotlib")
 
 from benchmarks import accuracy, numerics, report
-from benchmarks._models import TinyLM, lm_loss, markov_data
+from benchmarks._models import DigitsCNN, TinyLM, lm_loss, markov_data
 
 
 def test_markov_data_and_oracle() -> None:
@@ -65,11 +65,29 @@ def test_accuracy_and_report_smoke(tmp_path: Path) -> None:
     assert json.loads((tmp_path / "accuracy.json").read_text())["command"].startswith(
         "python -m benchmarks.accuracy"
     )
+    # Per-layer figures: recorded for the APS hook only, plotted, linked.
+    layers = {(r["task"], r["hook"]): r["layers"] for r in result["runs"]}
+    assert layers[("digits", "fp32")] is None and layers[("markov", "fp16_compress")] is None
+    for task, model in (("digits", DigitsCNN()), ("markov", TinyLM(8, 16, 32, 2))):
+        log = layers[(task, "aps-e4m3")]
+        assert log["names"] == [n for n, _ in model.named_parameters()]
+        n_steps = len(log["steps"])
+        assert log["steps"] == list(range(1, n_steps + 1)) and n_steps >= 2
+        for figure in accuracy.LAYER_FIGURES:
+            assert len(log[figure]) == n_steps
+            assert all(len(step) == len(log["names"]) for step in log[figure])
+        assert all(isinstance(e, int) for step in log["exponent"] for e in step)
+        assert all(0.0 <= u <= 1.0 for step in log["underflow_rate"] for u in step)
+    # Digits' gradients (x 2**-10) sit far below e4m3's range: APS scales them up.
+    assert min(min(step) for step in layers[("digits", "aps-e4m3")]["exponent"]) > 0
+    assert (tmp_path / "accuracy_layers.png").stat().st_size > 0
+    assert "](accuracy_layers.png)" in (tmp_path / "accuracy.md").read_text()
 
     out = tmp_path / "RESULTS.md"
     text = report.main(["--results", str(tmp_path), "--out", str(out)])
     assert out.read_text() == text
     assert "## Accuracy" in text and "aps-e4m3" in text
+    assert "](./accuracy_layers.png)" in text  # the link follows the results folder
     assert "comm.json` does not exist" in text and "Numerics" in text
 
     comm = {
