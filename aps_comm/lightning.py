@@ -19,6 +19,7 @@ Example:
 
 from __future__ import annotations
 
+import os
 import statistics
 from collections.abc import Sequence
 from typing import Any
@@ -135,7 +136,10 @@ class APSStrategy(DDPStrategy):
                 module.log_dict(_step_figures(self.state), on_step=True, on_epoch=False)
 
     def save_checkpoint(
-        self, checkpoint: dict[str, Any], filepath: Any, storage_options: Any | None = None
+        self,
+        checkpoint: dict[str, Any],
+        filepath: str | os.PathLike,
+        storage_options: Any | None = None,
     ) -> None:
         """Add every rank's hook state to the checkpoint rank 0 writes.
 
