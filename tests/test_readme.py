@@ -1,0 +1,465 @@
+"""The README's commands and code, run as written.
+
+Every shell command in a ```bash block, and every command shown inline
+(`python -m ...`, `pip install ...`, `aps-launch ...`, ...), is either run
+here verbatim (:data:`RUN`) or listed in :data:`EXEMPT` with the reason; a
+command in neither, or an entry no longer in the README, fails
+:func:`test_every_readme_command_is_run_or_exempt`. Python blocks are all
+compiled; the one that is a training script runs under the README's
+``aps-launch`` commands, the others run together per section in a world of
+one (so alternatives shown side by side must not conflict).
+"""
+
+from __future__ import annotations
+
+import ast
+import csv
+import dataclasses
+import json
+import os
+import re
+import shutil
+import socket
+import subprocess
+import sys
+from collections.abc import Callable
+from pathlib import Path
+
+import pytest
+import torch
+
+ROOT = Path(__file__).resolve().parents[1]
+README = ROOT / "README.md"
+_JOB_VARS = ("RANK", "WORLD_SIZE", "LOCAL_RANK", "MASTER_ADDR", "MASTER_PORT", "APS_BACKEND")
+# Inline code that is a command rather than a name: `python -m x`, `pip install x`,
+# or a launcher/tool followed by arguments.
+_INLINE_COMMAND = re.compile(
+    r"^(python -m \S+.*|pip install \S.*|"
+    r"(aps-launch|aps-demo|aps-perfmodel|mpirun|srun|torchrun|pytest|ruff) \S.*)$"
+)
+
+_PIP = (
+    "installs into the environment the tests run in; .ci/run installs the quick-start "
+    "test line into a fresh venv, and tests/test_packaging.py builds and inspects the wheel"
+)
+_MULTI_NODE = "needs two machines (10.0.0.1 is node 0's address)"
+_SLURM = "needs a SLURM allocation"
+_MPI = "needs an MPI hostfile with several nodes (and NCCL for --backend nccl)"
+
+EXEMPT: dict[str, str] = {
+    'pip install torch==2.13.0 ".[demo]"': _PIP,
+    'pip install torch==2.13.0 -e ".[test]"': _PIP,
+    'pip install ".[demo]"': _PIP,
+    'pip install ".[mpi]"': _PIP,
+    "pip install .": _PIP,
+    "pytest": (
+        "the test suite itself (it would run this test again); .ci/run runs it, and "
+        "test_quick_start_test_command_is_what_ci_runs checks that the line is CI's"
+    ),
+    "aps-demo": (
+        "the same run as `aps-demo --json results.json --plot loss.png`, which runs here: "
+        "the two flags only add the two files"
+    ),
+    "aps-launch --nproc-per-node 4 -m mypackage.train": (
+        "4 ranks on 2 cores take ~30 s; the same 4-rank launch of the same script runs "
+        "here as `aps-launch --nproc-per-node 4 --backend gloo train.py`, and -m runs in "
+        "tests/test_launch.py"
+    ),
+    "aps-launch --nproc-per-node 2 -m aps_perfmodel.cli calibrate --out profile.json": (
+        "times collectives and codec passes up to 64 MiB for over two minutes; "
+        "tests/test_perfmodel.py runs the same calibration on small sizes"
+    ),
+    "python -m benchmarks.codec": (
+        "a timing benchmark (64 MiB, 9 repeats, ~15 s of a core) whose numbers are not "
+        "a pass/fail check; its results are benchmarks/results/codec.json"
+    ),
+    "python -m aps_comm": (
+        "runs in tests/test_formats.py as `python -W error -m aps_comm`, which also fails "
+        "on any warning it prints"
+    ),
+    "python -m build": (
+        "needs the build package and the index for its isolated build environment; "
+        "tests/test_packaging.py builds the sdist and wheel with the same backend offline"
+    ),
+    "torchrun --nnodes 2 --nproc-per-node 8 --rdzv-backend c10d --rdzv-endpoint "
+    "10.0.0.1:29400 --rdzv-id job42 train.py --epochs 90": _MULTI_NODE,
+    "aps-launch --nnodes 2 --nproc-per-node 8 --rdzv-endpoint 10.0.0.1:29400 "
+    "--rdzv-id job42 train.py --epochs 90": _MULTI_NODE,
+    "aps-launch --nnodes 2 --node-rank 0 --nproc-per-node 8 --master-addr 10.0.0.1 "
+    "--master-port 29500 train.py": _MULTI_NODE,
+    "export OMP_NUM_THREADS=$SLURM_CPUS_PER_TASK": _SLURM,
+    "srun aps-launch --slurm --backend nccl train.py --epochs 90": _SLURM,
+    'head=$(scontrol show hostnames "$SLURM_JOB_NODELIST" | head -n 1)': _SLURM,
+    'srun aps-launch --nnodes "$SLURM_NNODES" --nproc-per-node 8 --rdzv-endpoint '
+    '"$head:29400" --rdzv-id "$SLURM_JOB_ID" train.py': _SLURM,
+    "srun python train.py": _SLURM,
+    "mpirun -n 16 -ppn 8 -f hosts aps-launch --mpi --backend nccl train.py": _MPI,
+    "mpirun -np 16 --hostfile hosts --map-by ppr:8:node aps-launch --mpi train.py": _MPI,
+    "mpirun -n 16 python train.py": _MPI,
+}
+
+
+# --------------------------------------------------------------------------
+# Reading the README
+
+
+@dataclasses.dataclass(frozen=True)
+class _Block:
+    heading: str
+    lang: str
+    body: str
+
+
+def _blocks(text: str) -> list[_Block]:
+    blocks, heading, lang, body = [], "", None, []
+    for line in text.splitlines():
+        if line.startswith("```"):
+            if lang is None:
+                lang, body = line[3:].strip(), []
+            else:
+                blocks.append(_Block(heading, lang, "\n".join(body) + "\n"))
+                lang = None
+        elif lang is not None:
+            body.append(line)
+        elif line.startswith("#"):
+            heading = line.lstrip("#").strip()
+    return blocks
+
+
+def _strip_comment(line: str) -> str:
+    quote = None
+    for i, ch in enumerate(line):
+        if quote:
+            quote = None if ch == quote else quote
+        elif ch in "'\"":
+            quote = ch
+        elif ch == "#" and (i == 0 or line[i - 1].isspace()):
+            return line[:i]
+    return line
+
+
+def _shell_commands(body: str) -> list[str]:
+    """Commands of a bash block: continuations joined, comments dropped, split at &&."""
+    commands, pending = [], ""
+    for raw in body.splitlines():
+        line = pending + raw
+        if line.endswith("\\"):
+            pending = line[:-1] + " "
+            continue
+        pending = ""
+        for part in _strip_comment(line).split(" && "):
+            if part.strip():
+                commands.append(" ".join(part.split()))
+    return commands
+
+
+def _inline_commands(text: str) -> list[str]:
+    prose = re.sub(r"^```.*?^```", "", text, flags=re.S | re.M)
+    # A span may wrap onto the next line of the paragraph.
+    spans = [" ".join(span.split()) for span in re.findall(r"`([^`]+)`", prose)]
+    return [s for s in spans if _INLINE_COMMAND.match(s)]
+
+
+def _readme_commands() -> list[str]:
+    text = README.read_text()
+    found = [c for b in _blocks(text) if b.lang == "bash" for c in _shell_commands(b.body)]
+    return found + _inline_commands(text)
+
+
+def _section(title: str) -> str:
+    text = README.read_text()
+    start = text.index(f"\n## {title}\n")
+    end = text.find("\n## ", start + 1)
+    return text[start : end if end >= 0 else len(text)]
+
+
+# --------------------------------------------------------------------------
+# Running a command as the README shows it
+
+
+def _env() -> dict[str, str]:
+    # The venv's console scripts first, as after `pip install`; and a test run
+    # under a launcher must not make the commands join that job.
+    env = {k: v for k, v in os.environ.items() if k not in _JOB_VARS}
+    env["PATH"] = os.pathsep.join([str(Path(sys.executable).parent), env.get("PATH", "")])
+    return env
+
+
+def _run(command: str, cwd: Path, timeout: float) -> subprocess.CompletedProcess[str]:
+    return subprocess.run(
+        ["bash", "-c", command],
+        cwd=cwd,
+        env=_env(),
+        capture_output=True,
+        text=True,
+        timeout=timeout,
+    )
+
+
+def _train_script() -> str:
+    """The README's DDP script, with the model and data it leaves to the reader."""
+    (block,) = [b.body for b in _blocks(README.read_text()) if "init_distributed()" in b.body]
+    preamble = (
+        "import os\n"
+        "import torch\n\n"
+        "torch.manual_seed(int(os.environ.get('RANK', '0')))  # each rank its own data\n\n\n"
+        "class MyModel(torch.nn.Module):\n"
+        "    def __init__(self):\n"
+        "        super().__init__()\n"
+        "        self.net = torch.nn.Sequential(\n"
+        "            torch.nn.Linear(16, 32), torch.nn.Tanh(), torch.nn.Linear(32, 4)\n"
+        "        )\n\n"
+        "    def forward(self, x):\n"
+        "        return self.net(x)\n\n\n"
+        "loader = [(torch.randn(8, 16), torch.randint(0, 4, (8,))) for _ in range(3)]\n\n"
+    )
+    postamble = (
+        "\nwith torch.no_grad():\n"
+        "    total = sum(float(p.double().sum()) for p in ddp_model.parameters())\n"
+        # One write per line: the ranks share the launcher's stdout.
+        "print(f'README script: rank {info.rank} of {torch.distributed.get_world_size()}, '\n"
+        "      f'params {total!r}\\n', end='', flush=True)\n"
+    )
+    return preamble + block + postamble
+
+
+def _write_scripts(cwd: Path) -> None:
+    (cwd / "train.py").write_text(_train_script())
+    (cwd / "mypackage").mkdir()
+    (cwd / "mypackage" / "__init__.py").write_text("")
+    (cwd / "mypackage" / "train.py").write_text(_train_script())
+
+
+def _copy_benchmarks(cwd: Path) -> None:
+    shutil.copytree(
+        ROOT / "benchmarks", cwd / "benchmarks", ignore=shutil.ignore_patterns("__pycache__")
+    )
+
+
+# --------------------------------------------------------------------------
+# What each command must print
+
+
+def _check_ok(proc: subprocess.CompletedProcess[str], cwd: Path) -> None:
+    assert proc.returncode == 0, proc.stdout + proc.stderr
+
+
+def _launched(world_size: int) -> Callable[[subprocess.CompletedProcess[str], Path], None]:
+    def check(proc: subprocess.CompletedProcess[str], cwd: Path) -> None:
+        _check_ok(proc, cwd)
+        lines = re.findall(r"README script: rank (\d+) of (\d+), params ([-+.e\d]+)", proc.stdout)
+        assert sorted(int(r) for r, _, _ in lines) == list(range(world_size)), proc.stdout
+        assert {int(w) for _, w, _ in lines} == {world_size}
+        # Different data on every rank, identical weights after the steps: the
+        # APS-reduced gradients were the same everywhere.
+        assert len({p for _, _, p in lines}) == 1, lines
+
+    return check
+
+
+def _rows(lines: list[str]) -> dict[str, list[str]]:
+    start = next(i for i, line in enumerate(lines) if line.startswith("hook "))
+    rows = {}
+    for line in lines[start + 1 :]:
+        fields = line.split()
+        if len(fields) != 6:
+            break
+        rows[fields[0]] = fields[1:]
+    return rows
+
+
+def _check_demo(proc: subprocess.CompletedProcess[str], cwd: Path) -> None:
+    _check_ok(proc, cwd)
+    (shown,) = [b.body for b in _blocks(README.read_text()) if b.body.startswith("2 ranks,")]
+    shown_lines = shown.splitlines()
+    printed = proc.stdout.splitlines()
+    assert shown_lines[0] in printed, proc.stdout  # same configuration line
+    readme, run = _rows(shown_lines), _rows(printed[printed.index(shown_lines[0]) :])
+    assert list(run) == list(readme)
+    for name, (acc, _loss, nbytes, vs_fp32, _seconds) in readme.items():
+        # Bytes are exact by construction; accuracy may move a little on other CPUs.
+        assert run[name][2:4] == [nbytes, vs_fp32], (name, run[name])
+        assert abs(float(run[name][0].rstrip("%")) - float(acc.rstrip("%"))) <= 2.5, name
+    accuracy = {name: float(r[0].rstrip("%")) for name, r in run.items()}
+    # The README's reading of the table: the naive cast does not learn, APS
+    # stays within a few points of FP32.
+    assert accuracy["naive-e4m3"] < 20.0
+    for name in ("aps-e4m3", "aps-e5m2"):
+        assert abs(accuracy[name] - accuracy["fp32"]) <= 3.0, accuracy
+    saved = json.loads((cwd / "results.json").read_text())
+    assert [r["name"] for r in saved["runs"]] == list(readme)
+    assert (cwd / "loss.png").read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
+
+
+def _check_report(proc: subprocess.CompletedProcess[str], cwd: Path) -> None:
+    _check_ok(proc, cwd)
+    # The committed RESULTS.md is what the command makes of the committed results.
+    regenerated = (cwd / "benchmarks" / "RESULTS.md").read_text()
+    assert regenerated == (ROOT / "benchmarks" / "RESULTS.md").read_text()
+
+
+def _check_perfmodel_table(proc: subprocess.CompletedProcess[str], cwd: Path) -> None:
+    _check_ok(proc, cwd)
+    speedup = {
+        line.split()[0]: float(line.split()[-1].rstrip("x"))
+        for line in proc.stdout.splitlines()
+        if line.split() and line.split()[0] in ("fp32", "fp16", "e4m3")
+    }
+    # The README explains why FP8 beats FP32 but not FP16 here, with these numbers.
+    assert 1.0 < speedup["e4m3"] < speedup["fp16"], speedup
+    text = _section("Performance model")
+    assert f"e4m3 {speedup['e4m3']:.2f}x faster than FP32" in text
+    assert f"FP16 ({speedup['fp16']:.2f}x)" in text
+
+
+def _check_comm_only(proc: subprocess.CompletedProcess[str], cwd: Path) -> None:
+    _check_ok(proc, cwd)
+    out = json.loads(proc.stdout)
+    assert out["communication_only"] is True and out["compute"] is None
+    assert list(out["formats"]) == ["fp32", "fp16", "e4m3"]
+
+
+def _check_sweep(proc: subprocess.CompletedProcess[str], cwd: Path) -> None:
+    _check_ok(proc, cwd)
+    with open(cwd / "sweep.csv", newline="") as fh:
+        rows = list(csv.DictReader(fh))
+    # 2 world sizes x the cluster's one bandwidth x fp32, fp16, e4m3.
+    assert sorted({r["world_size"] for r in rows}) == ["64", "8"] and len(rows) == 6
+
+
+@dataclasses.dataclass(frozen=True)
+class _Run:
+    check: Callable[[subprocess.CompletedProcess[str], Path], None]
+    setup: Callable[[Path], None] | None = None
+    in_checkout: bool = False  # run in the repository root instead of a scratch directory
+    slow: bool = False
+    timeout: float = 120.0
+
+
+RUN: dict[str, _Run] = {
+    "aps-demo --json results.json --plot loss.png": _Run(_check_demo, slow=True, timeout=280),
+    "aps-launch train.py --epochs 1": _Run(
+        _launched(torch.cuda.device_count() or 2), _write_scripts, slow=True
+    ),
+    "aps-launch --nproc-per-node 4 --backend gloo train.py": _Run(
+        _launched(4), _write_scripts, slow=True
+    ),
+    "python -m benchmarks.report": _Run(_check_report, _copy_benchmarks),
+    "aps-perfmodel predict --model resnet50 --world-size 64 --cluster 100gbe --fmt e4m3": _Run(
+        _check_perfmodel_table
+    ),
+    "aps-perfmodel predict --params 25.6M --bandwidth 10Gbit --latency 20us --nodes 16 --json": (
+        _Run(_check_comm_only)
+    ),
+    "aps-perfmodel sweep --model gpt2-xl --cluster 100gbe --world-sizes 8,64 --out sweep.csv": (
+        _Run(_check_sweep)
+    ),
+    "ruff check .": _Run(_check_ok, in_checkout=True),
+    "ruff format --check .": _Run(_check_ok, in_checkout=True),
+}
+
+
+# --------------------------------------------------------------------------
+# Tests
+
+
+def test_every_readme_command_is_run_or_exempt() -> None:
+    commands = _readme_commands()
+    assert len(commands) > 20  # the parser found the README's blocks
+    unlisted = sorted(set(commands) - RUN.keys() - EXEMPT.keys())
+    assert not unlisted, f"README commands neither run nor exempt in {__file__}: {unlisted}"
+    stale = sorted((RUN.keys() | EXEMPT.keys()) - set(commands))
+    assert not stale, f"listed here but no longer in the README: {stale}"
+    assert not RUN.keys() & EXEMPT.keys()
+
+
+def test_command_parser() -> None:
+    body = (
+        "# a comment\n"
+        'pip install ".[x]" && run --flag  # trailing comment\n'
+        "tool --a 1 \\\n"
+        '    --b "#not a comment" \\\n'
+        "    file\n"
+    )
+    assert _shell_commands(body) == [
+        'pip install ".[x]"',
+        "run --flag",
+        'tool --a 1 --b "#not a comment" file',
+    ]
+    text = "Run `python -m aps_comm`, see `aps-launch`, or `pip\ninstall .`.\n```bash\nx\n```\n"
+    assert _inline_commands(text) == ["python -m aps_comm", "pip install ."]
+
+
+def test_quick_start_test_command_is_what_ci_runs() -> None:
+    (quick_start,) = [b for b in _blocks(README.read_text()) if b.heading == "Quick start"]
+    (test_line,) = [line for line in quick_start.body.splitlines() if "pytest" in line]
+    ci = (ROOT / ".ci" / "run").read_text().splitlines()
+    assert test_line in ci, f"{test_line!r} is not a line of .ci/run"
+
+
+@pytest.mark.parametrize(
+    "command",
+    [pytest.param(c, marks=[pytest.mark.slow] if r.slow else []) for c, r in RUN.items()],
+)
+def test_readme_command_runs(command: str, tmp_path: Path) -> None:
+    spec = RUN[command]
+    if spec.setup is not None:
+        spec.setup(tmp_path)
+    cwd = ROOT if spec.in_checkout else tmp_path
+    spec.check(_run(command, cwd, spec.timeout), tmp_path)
+
+
+def test_python_blocks_compile() -> None:
+    blocks = [b for b in _blocks(README.read_text()) if b.lang == "python"]
+    assert len(blocks) >= 5
+    for block in blocks:
+        ast.parse(block.body, filename=f"README.md, {block.heading}")
+
+
+_HARNESS = """
+import json
+import sys
+
+import torch
+import torch.distributed as dist
+from torch.nn.parallel import DistributedDataParallel as DDP
+
+dist.init_process_group("gloo")
+for heading, code in json.loads(open(sys.argv[1]).read()):
+    torch.manual_seed(0)
+    model = torch.nn.Sequential(torch.nn.Linear(8, 2048), torch.nn.ReLU(), torch.nn.Linear(2048, 4))
+    ddp = DDP(model)
+    # What the README's snippets take as given: "your DDP model".
+    exec(compile(code, f"README.md, {heading}", "exec"), {"ddp": ddp, "ddp_model": ddp})
+    ddp(torch.randn(16, 8)).square().mean().backward()
+    assert all(torch.isfinite(p.grad).all() for p in model.parameters()), heading
+    print("ran:", heading, flush=True)
+dist.destroy_process_group()
+"""
+
+
+@pytest.mark.slow
+def test_python_blocks_run_together_per_section(tmp_path: Path) -> None:
+    sections: dict[str, str] = {}
+    for b in _blocks(README.read_text()):
+        # The DDP script runs under the README's aps-launch commands instead.
+        if b.lang == "python" and "init_distributed()" not in b.body:
+            sections[b.heading] = sections.get(b.heading, "") + b.body
+    assert {"Using the hook", "Precision policies and error feedback"} <= sections.keys()
+    (tmp_path / "sections.json").write_text(json.dumps(list(sections.items())))
+    (tmp_path / "harness.py").write_text(_HARNESS)
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        port = s.getsockname()[1]
+    env = _env() | {"MASTER_ADDR": "127.0.0.1", "MASTER_PORT": str(port)}
+    env |= {"RANK": "0", "WORLD_SIZE": "1"}
+    proc = subprocess.run(
+        [sys.executable, "harness.py", "sections.json"],
+        cwd=tmp_path,
+        env=env,
+        capture_output=True,
+        text=True,
+        timeout=240,
+    )
+    assert proc.returncode == 0, proc.stdout + proc.stderr
+    assert re.findall(r"^ran: (.*)$", proc.stdout, re.M) == list(sections)
