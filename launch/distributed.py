@@ -16,6 +16,7 @@ Example:
 
 from __future__ import annotations
 
+import atexit
 import datetime
 import os
 from typing import NamedTuple
@@ -107,8 +108,18 @@ def _rendezvous(timeout: datetime.timedelta) -> tuple[DistEnv, dist.Store | None
     env = detect_env(environ)
     if env.source == "torchrun" and environ.get("TORCHELASTIC_USE_AGENT_STORE") == "True":
         # torchrun's agent (or aps-launch --mpi/--slurm) already serves the
-        # store at MASTER_ADDR:MASTER_PORT; env:// connects to it as a client.
-        return env, None
+        # store at MASTER_ADDR:MASTER_PORT. torchrun's static and c10d
+        # rendezvous keep that store across restarts, so a restarted group
+        # would find the dead group's Gloo/NCCL addresses in it and fail to
+        # connect (pytorch/pytorch#135712). With one node the agent's restart
+        # count is the same for every rank: a prefix per attempt isolates
+        # them. Several nodes may count differently; aps-launch opts out of
+        # store sharing there instead.
+        if environ.get("GROUP_WORLD_SIZE", "1") != "1":
+            return env, None
+        client = connect_store(env.master_addr, env.master_port, env.world_size, timeout)
+        attempt = environ.get("TORCHELASTIC_RESTART_COUNT", "0")
+        return env, dist.PrefixStore(f"aps_launch/attempt_{attempt}", client)
     if env.rank == 0:
         return env, serve_store(env.master_addr, env.master_port, env.world_size, timeout)
     return env, connect_store(env.master_addr, env.master_port, env.world_size, timeout)
@@ -178,4 +189,22 @@ def init_distributed(
         )
     _store = store
     _info = DistInfo(env.rank, env.world_size, env.local_rank, device)
+    # Registered after the process group exists, so it runs before handlers
+    # registered earlier and after those of anything started later (the APS
+    # hook's worker thread stops first).
+    atexit.register(_teardown)
     return _info
+
+
+def _teardown() -> None:
+    """Release the process groups, then the store server, while Python still runs.
+
+    Left to interpreter shutdown, Gloo's and the store's C++ threads are
+    destroyed in whatever order module globals happen to be cleared, which
+    can abort the process ("terminate called without an active exception")
+    after a successful run.
+    """
+    global _store
+    if dist.is_initialized():
+        dist.destroy_process_group()
+    _store = None

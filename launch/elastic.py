@@ -57,8 +57,12 @@ class _LoopbackRendezvous(RendezvousHandler):
         return LOOPBACK_RDZV
 
     def next_rendezvous(self) -> RendezvousInfo:
-        if self._server is None:
-            self._server = serve_store(LOOPBACK, 0, 1, self._timeout)
+        # A fresh server (and port) every round: workers connect to it without
+        # a per-attempt prefix (torch's env:// trusts the handler for that), so
+        # a restarted group reusing the last round's store would read the dead
+        # workers' Gloo addresses and fail with "Connection refused"
+        # (pytorch/pytorch#135712).
+        self._server = serve_store(LOOPBACK, 0, 1, self._timeout)
         store = dist.PrefixStore(self._run_id, self._server)
         return RendezvousInfo(store, 0, 1, RendezvousStoreInfo(LOOPBACK, self._server.port))
 
