@@ -17,6 +17,7 @@ Example:
 
 from __future__ import annotations
 
+import atexit
 import queue
 import threading
 import weakref
@@ -67,7 +68,12 @@ class FifoWorker:
         self._thread.start()
         # Stop the thread at interpreter exit before torch tears down its
         # backends: a thread still alive in a collective then aborts the process.
+        # A finalizer's atexit hook was registered with the first finalizer
+        # of the process, before any process group, so it would run after
+        # their teardown (atexit is last in, first out); this one runs first.
         self._finalizer = weakref.finalize(self, _stop, self._queue, self._thread)
+        self._finalizer.atexit = False
+        atexit.register(self._finalizer)
 
     def close(self, timeout: float = 10.0) -> None:
         """Finish the queued jobs, then stop the thread (waits up to ``timeout`` s)."""
@@ -77,6 +83,7 @@ class FifoWorker:
             thread.join(timeout)
         if self._finalizer is not None:
             self._finalizer.detach()
+            atexit.unregister(self._finalizer)
 
     @property
     def alive(self) -> bool:
