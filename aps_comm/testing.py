@@ -1,10 +1,11 @@
 """Run a function on N real processes joined by a ``torch.distributed`` group.
 
-This is the harness every multi-rank test uses: real processes (``spawn``), the
-Gloo backend on CPU tensors, a fresh rendezvous for every call (the parent
-hosts a ``TCPStore`` on an OS-chosen port, so there is no free-port race), a
-hard timeout so a deadlock fails instead of hanging, and the child's traceback
-in the error when a rank fails.
+This is the harness every multi-rank test uses: real processes (forked
+from a fork server that has imported torch once, spawned where there is no
+fork server), the Gloo backend on CPU tensors, a fresh rendezvous for every
+call (the parent hosts a ``TCPStore`` on an OS-chosen port, so there is no
+free-port race), a hard timeout so a deadlock fails instead of hanging, and
+the child's traceback in the error when a rank fails.
 
 Example:
     >>> def work(rank, world_size, scale):
@@ -73,6 +74,24 @@ def _child(
         results.put((rank, False, f"{type(exc).__name__}: {exc}\n{traceback.format_exc()}"))
 
 
+# What every rank imports anyway, imported once by the fork server instead of
+# by each rank: several seconds of CPU per rank on a small machine.
+_PRELOAD = ["torch", "torch.distributed", "torch._dynamo", "aps_comm", "aps_comm.hook"]
+
+
+def _context() -> mp.context.BaseContext:
+    """A fork server with torch preloaded where the platform has one, else spawn.
+
+    Ranks fork from a single-threaded server process, never from the caller
+    (which may run threads), so they start as clean as spawned ones.
+    """
+    if "forkserver" not in mp.get_all_start_methods():
+        return mp.get_context("spawn")
+    ctx = mp.get_context("forkserver")
+    ctx.set_forkserver_preload(_PRELOAD)
+    return ctx
+
+
 def run_distributed(
     fn: Callable[..., Any],
     world_size: int = 2,
@@ -104,7 +123,7 @@ def run_distributed(
         DistributedTestError: a rank raised (its traceback is in the message),
             died without reporting, or the job timed out.
     """
-    ctx = mp.get_context("spawn")
+    ctx = _context()
     store = dist.TCPStore("127.0.0.1", 0, world_size, is_master=True, wait_for_workers=False)
     results: mp.Queue = ctx.Queue()
     procs = [
