@@ -73,6 +73,11 @@ EXEMPT: dict[str, str] = {
         "a timing benchmark (64 MiB, 9 repeats, ~15 s of a core) whose numbers are not "
         "a pass/fail check; its results are benchmarks/results/codec.json"
     ),
+    "python -m benchmarks.restarts --runs 20": (
+        "20 crash-and-resume jobs (~3 min); its results are benchmarks/results/restarts.json, "
+        "and one crash-and-resume runs here (the aps-launch --max-restarts line) and in "
+        "tests/test_faults.py"
+    ),
     "python -m aps_comm": (
         "runs in tests/test_formats.py as `python -W error -m aps_comm`, which also fails "
         "on any warning it prints"
@@ -327,6 +332,15 @@ def _check_sweep(proc: subprocess.CompletedProcess[str], cwd: Path) -> None:
     assert sorted({r["world_size"] for r in rows}) == ["64", "8"] and len(rows) == 6
 
 
+def _check_resumed(proc: subprocess.CompletedProcess[str], cwd: Path) -> None:
+    _check_ok(proc, cwd)
+    out = proc.stdout + proc.stderr
+    # Rank 1 crashed once, the launcher restarted the group, both ranks resumed.
+    assert "rank 1: crashing at step 5" in out, out
+    assert out.count("resumed at step 5") == 2, out
+    assert re.search(r"RESUME-DIGEST [0-9a-f]{64}", out), out
+
+
 @dataclasses.dataclass(frozen=True)
 class _Run:
     check: Callable[[subprocess.CompletedProcess[str], Path], None]
@@ -345,6 +359,8 @@ RUN: dict[str, _Run] = {
         _launched(4), _write_scripts, slow=True
     ),
     "python -m benchmarks.report": _Run(_check_report, _copy_benchmarks),
+    "aps-launch --nproc-per-node 2 --max-restarts 1 -m benchmarks.resume_train --ckpt ckpt "
+    "--crash-at 5": _Run(_check_resumed, _copy_benchmarks, slow=True),
     "aps-perfmodel predict --model resnet50 --world-size 64 --cluster 100gbe --fmt e4m3": _Run(
         _check_perfmodel_table
     ),
