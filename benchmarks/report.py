@@ -287,6 +287,35 @@ def _codec(results: Path, out: Path) -> list[str]:
     return [*lines, ""]
 
 
+def _restarts(results: Path, out: Path) -> list[str]:
+    lines = ["## Crash and resume", ""]
+    found = [(n, _load(results, n)) for n in ("restarts.json", "restarts_torchrun.json")]
+    if all(data is None for _, data in found):
+        return [*lines, "Not yet run (`python -m benchmarks.restarts`).", ""]
+    lines += [
+        "One rank crashes (alternately exit(17) and SIGKILL) at a step between 1 and 8 of "
+        "10; the launcher (--max-restarts 1) restarts the group, which resumes from per-rank "
+        "checkpoints (`benchmarks/resume_train.py`: model, optimizer and APS state, error "
+        "feedback on, fixed DDP buckets); the final weights are compared with an "
+        "uninterrupted run's.",
+        "",
+        "| launcher | command | recovered | bit for bit | median s per job | torch |",
+        "|---|---|---:|---:|---:|---|",
+    ]
+    for name, data in found:
+        if data is None:
+            continue
+        runs = data["runs"]
+        lines.append(
+            f"| {data['launcher']} ({_link(results, out, name)}) | {_command(data)} | "
+            f"{data['recovered']}/{runs} | {data['bitwise']}/{runs} | "
+            f"{data['median_seconds']:.1f} | {data['torch']} |"
+        )
+    worst = min(data["recovered"] for _, data in found if data is not None)
+    lines += ["", f"Target: at least 19 of 20 recover: {'met' if worst >= 19 else 'missed'}."]
+    return [*lines, ""]
+
+
 def _cluster(results: Path, out: Path) -> list[str]:
     data = _load(results, "cluster_link.json")
     lines = ["## Emulated cluster link", ""]
@@ -485,6 +514,8 @@ _KNOWN = {
     "accuracy.json",
     *(name for name, _, _ in _COMM_FILES),
     "codec.json",
+    "restarts.json",
+    "restarts_torchrun.json",
     "cluster_link.json",
     "simulate_roundoff.json",
     "simulate_training.json",
@@ -513,6 +544,7 @@ SECTIONS: list[Callable[[Path, Path], list[str]]] = [
     _numerics,
     _comm,
     _codec,
+    _restarts,
     _cluster,
     _simulator,
     _perfmodel,
