@@ -1,13 +1,15 @@
 """The README's commands and code, run as written.
 
 Every shell command in a ```bash block, and every command shown inline
-(`python -m ...`, `pip install ...`, `aps-launch ...`, ...), is either run
-here verbatim (:data:`RUN`) or listed in :data:`EXEMPT` with the reason; a
-command in neither, or an entry no longer in the README, fails
+(`python -m ...`, `python script.py`, `pip install ...`, `aps-launch ...`,
+...), is either run here verbatim (:data:`RUN`) or listed in :data:`EXEMPT`
+with the reason; a command in neither, or an entry no longer in the README, fails
 :func:`test_every_readme_command_is_run_or_exempt`. Python blocks are all
-compiled; the one that is a training script runs under the README's
-``aps-launch`` commands, the others run together per section in a world of
-one (so alternatives shown side by side must not conflict).
+compiled. A block followed by a paragraph starting "Saved as `NAME.py`" is
+a script: it is written to NAME.py beside every command that names it, and
+runs only there. The DDP training script runs under the README's
+``aps-launch`` commands. The other blocks run together per section in a
+world of one (so alternatives shown side by side must not conflict).
 """
 
 from __future__ import annotations
@@ -34,7 +36,7 @@ _JOB_VARS = ("RANK", "WORLD_SIZE", "LOCAL_RANK", "MASTER_ADDR", "MASTER_PORT", "
 # Inline code that is a command rather than a name: `python -m x`, `pip install x`,
 # or a launcher/tool followed by arguments.
 _INLINE_COMMAND = re.compile(
-    r"^(python -m \S+.*|pip install \S.*|"
+    r"^(python -m \S+.*|python \S+\.py.*|pip install \S.*|"
     r"(aps-launch|aps-demo|aps-perfmodel|mpirun|srun|torchrun|pytest|ruff) \S.*)$"
 )
 
@@ -51,6 +53,9 @@ EXEMPT: dict[str, str] = {
     'pip install torch==2.13.0 -e ".[test]"': _PIP,
     'pip install ".[demo]"': _PIP,
     'pip install ".[mpi]"': _PIP,
+    'pip install ".[lightning,tensorboard]"': _PIP,
+    'pip install ".[accelerate]"': _PIP,
+    'pip install ".[tensorboard]"': _PIP,
     "pip install .": _PIP,
     "pytest": (
         "the test suite itself (it would run this test again); .ci/run runs it, and "
@@ -77,6 +82,18 @@ EXEMPT: dict[str, str] = {
         "20 crash-and-resume jobs (~3 min); its results are benchmarks/results/restarts.json, "
         "and one crash-and-resume runs here (the aps-launch --max-restarts line) and in "
         "tests/test_faults.py"
+    ),
+    "python -m benchmarks.accuracy": (
+        "the full benchmark, 4 ranks x 3 seeds x 9 hooks x 2 tasks (944 s for the committed "
+        "benchmarks/results/accuracy.json); tests/test_benchmarks.py runs it with tiny "
+        "settings and checks accuracy_layers.png"
+    ),
+    "accelerate launch --multi_gpu --num_processes 2 train_accelerate.py": (
+        "needs 2 GPUs; the same script runs here on 2 CPU processes (the torchrun line)"
+    ),
+    "tensorboard --logdir runs": (
+        "a server that runs until stopped; the event files it shows are read back after "
+        "the train_tensorboard.py and train_lightning.py runs here"
     ),
     "python -m aps_comm": (
         "runs in tests/test_formats.py as `python -W error -m aps_comm`, which also fails "
@@ -171,6 +188,19 @@ def _readme_commands() -> list[str]:
     return found + _inline_commands(text)
 
 
+# A block (whose lines never start with ```), then the paragraph that names it.
+_SAVED_AS = re.compile(r"^```python\n((?:(?!^```).)*)^```\n\nSaved as `([\w.-]+\.py)`", re.S | re.M)
+
+
+def _saved_scripts() -> dict[str, str]:
+    """NAME.py -> the Python block right before a paragraph starting "Saved as `NAME.py`"."""
+    scripts: dict[str, str] = {}
+    for body, name in _SAVED_AS.findall(README.read_text()):
+        assert name not in scripts, f"two README blocks saved as {name}"
+        scripts[name] = body
+    return scripts
+
+
 def _section(title: str) -> str:
     text = README.read_text()
     start = text.index(f"\n## {title}\n")
@@ -233,6 +263,13 @@ def _write_scripts(cwd: Path) -> None:
     (cwd / "mypackage").mkdir()
     (cwd / "mypackage" / "__init__.py").write_text("")
     (cwd / "mypackage" / "train.py").write_text(_train_script())
+
+
+def _write_saved_scripts(command: str, cwd: Path) -> None:
+    """Write the README's saved scripts that ``command`` names (as a word) into ``cwd``."""
+    for name, body in _saved_scripts().items():
+        if name in command.split():
+            (cwd / name).write_text(body)
 
 
 def _copy_benchmarks(cwd: Path) -> None:
@@ -341,6 +378,64 @@ def _check_resumed(proc: subprocess.CompletedProcess[str], cwd: Path) -> None:
     assert re.search(r"RESUME-DIGEST [0-9a-f]{64}", out), out
 
 
+def _scalars(logdir: Path) -> dict[str, list[tuple[int, float]]]:
+    """Every scalar series of the one TensorBoard run in ``logdir``: tag -> [(step, value)]."""
+    from tensorboard.backend.event_processing.event_accumulator import EventAccumulator
+
+    assert list(logdir.glob("events.out.tfevents.*")), sorted(logdir.rglob("*"))
+    events = EventAccumulator(str(logdir))
+    events.Reload()
+    return {
+        tag: [(e.step, e.value) for e in events.Scalars(tag)] for tag in events.Tags()["scalars"]
+    }
+
+
+_LAYER_FIGURES = ("exponent", "amax", "underflow_rate", "saturated")
+
+
+def _check_lightning(proc: subprocess.CompletedProcess[str], cwd: Path) -> None:
+    _check_ok(proc, cwd)
+    # Both ranks trained max_steps=8 steps through the APS hook (Lightning's CPU
+    # DDPStrategy would not have registered it: step would stay 0).
+    # (Not anchored: a line may follow the progress bar's last \r-update.)
+    done = dict(re.findall(r"rank (\d): 8 steps, (\d+) bytes in the last one\n", proc.stdout))
+    assert sorted(done) == ["0", "1"] and all(int(b) > 0 for b in done.values()), proc.stdout
+    scalars = _scalars(cwd / "runs" / "lightning" / "version_0")
+    # stats=True: the strategy's figures through self.log (log_every_n_steps=1).
+    for tag in ("bytes_sent", "underflowing_layers", "max_underflow_rate", "saturated"):
+        assert len(scalars[f"aps/{tag}"]) == 8, (tag, sorted(scalars))
+    assert len(scalars["aps/mean_exponent"]) == 8
+    # PerLayerStats: every layer's figures, at state.step 1..8.
+    layers = ("net.0.weight", "net.0.bias", "net.2.weight", "net.2.bias")
+    for tag in [f"aps_layers/{f}/{n}" for f in _LAYER_FIGURES for n in layers]:
+        assert [s for s, _ in scalars[tag]] == list(range(1, 9)), (tag, sorted(scalars))
+    assert [v for _, v in scalars["aps_layers/bytes_sent"]] == [float(done["0"])] * 8
+
+
+def _check_accelerate(proc: subprocess.CompletedProcess[str], cwd: Path) -> None:
+    _check_ok(proc, cwd)
+    # 256 samples, batch 32, 2 processes: 4 steps each; printed by the main process only.
+    steps = re.findall(r"^(\d+) steps so far, \d+ bytes in the last one$", proc.stdout, re.M)
+    assert steps == ["4"], proc.stdout + proc.stderr
+    # save_state kept every rank's own hook state (GatheredState), residuals included.
+    saved = torch.load(cwd / "aps_checkpoint" / "custom_checkpoint_0.pkl", weights_only=False)
+    assert saved["world_size"] == 2 and [r["step"] for r in saved["ranks"]] == [4, 4]
+    residuals = [r["residuals"] for r in saved["ranks"]]
+    assert set(residuals[0]) == {"0.weight", "0.bias", "2.weight", "2.bias"} == set(residuals[1])
+    # Each rank's data differ, so do their rounding residuals.
+    assert not all(torch.equal(residuals[0][k], residuals[1][k]) for k in residuals[0])
+
+
+def _check_tensorboard(proc: subprocess.CompletedProcess[str], cwd: Path) -> None:
+    _check_ok(proc, cwd)
+    scalars = _scalars(cwd / "runs" / "aps")  # written by rank 0 only: one event file
+    assert len(list((cwd / "runs" / "aps").glob("events.out.tfevents.*"))) == 1
+    sent = scalars["aps/bytes_sent"]
+    assert [s for s, _ in sent] == list(range(1, 21)) and all(v > 0 for _, v in sent), sent
+    for tag in [f"aps/{f}/{n}" for f in _LAYER_FIGURES for n in ("0.weight", "2.bias")]:
+        assert len(scalars[tag]) == 20, (tag, sorted(scalars))
+
+
 @dataclasses.dataclass(frozen=True)
 class _Run:
     check: Callable[[subprocess.CompletedProcess[str], Path], None]
@@ -369,6 +464,13 @@ RUN: dict[str, _Run] = {
     ),
     "aps-perfmodel sweep --model gpt2-xl --cluster 100gbe --world-sizes 8,64 --out sweep.csv": (
         _Run(_check_sweep)
+    ),
+    "python train_lightning.py": _Run(_check_lightning, slow=True),
+    "ACCELERATE_USE_CPU=1 torchrun --standalone --nproc_per_node 2 train_accelerate.py": _Run(
+        _check_accelerate, slow=True
+    ),
+    "torchrun --standalone --nproc_per_node 2 train_tensorboard.py": _Run(
+        _check_tensorboard, slow=True
     ),
     "ruff check .": _Run(_check_ok, in_checkout=True),
     "ruff format --check .": _Run(_check_ok, in_checkout=True),
@@ -404,6 +506,23 @@ def test_command_parser() -> None:
     ]
     text = "Run `python -m aps_comm`, see `aps-launch`, or `pip\ninstall .`.\n```bash\nx\n```\n"
     assert _inline_commands(text) == ["python -m aps_comm", "pip install ."]
+    assert _inline_commands("then `python train_x.py --epochs 2`, not `python`") == [
+        "python train_x.py --epochs 2"
+    ]
+
+
+def test_saved_scripts_are_found_and_run() -> None:
+    saved = _saved_scripts()
+    assert {"train_lightning.py", "train_accelerate.py", "train_tensorboard.py"} <= saved.keys()
+    for name, body in saved.items():
+        assert body in [b.body for b in _blocks(README.read_text()) if b.lang == "python"], name
+        # A saved script no command runs would be checked by nothing but ast.parse.
+        assert [c for c in RUN if name in c.split()], f"no RUN command runs {name}"
+    text = (
+        "```python\nz = 0\n```\n\nText.\n\n```python\nx = 1\n```\n\nSaved as `a.py`:\n\n"
+        "```python\ny = 2\n```\n\nSee `b.py`.\n"
+    )
+    assert _SAVED_AS.findall(text) == [("x = 1\n", "a.py")]
 
 
 def test_quick_start_test_command_is_what_ci_runs() -> None:
@@ -419,6 +538,7 @@ def test_quick_start_test_command_is_what_ci_runs() -> None:
 )
 def test_readme_command_runs(command: str, tmp_path: Path) -> None:
     spec = RUN[command]
+    _write_saved_scripts(command, tmp_path)
     if spec.setup is not None:
         spec.setup(tmp_path)
     cwd = ROOT if spec.in_checkout else tmp_path
@@ -457,9 +577,11 @@ dist.destroy_process_group()
 @pytest.mark.slow
 def test_python_blocks_run_together_per_section(tmp_path: Path) -> None:
     sections: dict[str, str] = {}
+    scripts = set(_saved_scripts().values())
     for b in _blocks(README.read_text()):
-        # The DDP script runs under the README's aps-launch commands instead.
-        if b.lang == "python" and "init_distributed()" not in b.body:
+        # The DDP script runs under the README's aps-launch commands instead, and
+        # the saved scripts under the commands that name them.
+        if b.lang == "python" and "init_distributed()" not in b.body and b.body not in scripts:
             sections[b.heading] = sections.get(b.heading, "") + b.body
     assert {"Using the hook", "Precision policies and error feedback"} <= sections.keys()
     (tmp_path / "sections.json").write_text(json.dumps(list(sections.items())))
