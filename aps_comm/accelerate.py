@@ -8,9 +8,10 @@ it. :func:`register_accelerate` checks that it does, registers the hook, and
 has ``accelerator.save_state`` / ``load_state`` carry every rank's hook
 state (:class:`~aps_comm.checkpoint.GatheredState`).
 
-Accelerate is an optional dependency: ``pip install "aps-comm[accelerate]"``.
+Accelerate is an optional dependency: ``pip install ".[accelerate]"`` (from the checkout).
 
-Example (``accelerate launch --cpu --num_processes 2 train.py``, or torchrun)::
+Example (``ACCELERATE_USE_CPU=1 torchrun --standalone --nproc_per_node 2 train.py`` on CPUs;
+``accelerate launch --cpu`` starts a single process)::
 
     from accelerate import Accelerator
     from aps_comm.accelerate import register_accelerate
@@ -35,8 +36,8 @@ try:
     from accelerate.utils import DDPCommunicationHookType
 except ImportError as exc:  # Accelerate is optional: say how to get it
     raise ImportError(
-        'aps_comm.accelerate needs Accelerate: pip install "aps-comm[accelerate]" '
-        '(or pip install "accelerate>=0.30")'
+        'aps_comm.accelerate needs Accelerate: pip install "accelerate>=0.30" '
+        '(or, in the aps-comm checkout, pip install ".[accelerate]")'
     ) from exc
 import torch
 from torch.nn.parallel import DistributedDataParallel

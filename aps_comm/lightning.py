@@ -6,7 +6,7 @@ registered. :class:`APSStrategy` registers :func:`aps_comm.aps_hook` on CPU
 and CUDA alike, keeps every rank's hook state in Lightning checkpoints, and
 with ``stats=True`` logs a few figures per step through the LightningModule.
 
-Lightning is an optional dependency: ``pip install "aps-comm[lightning]"``.
+Lightning is an optional dependency: ``pip install ".[lightning]"`` (from the checkout).
 
 Example:
     >>> import lightning as L
@@ -28,8 +28,8 @@ try:
     from lightning.pytorch.strategies import DDPStrategy
 except ImportError as exc:  # Lightning is optional: say how to get it
     raise ImportError(
-        'aps_comm.lightning needs Lightning: pip install "aps-comm[lightning]" '
-        '(or pip install "lightning>=2.2")'
+        'aps_comm.lightning needs Lightning: pip install "lightning>=2.2" '
+        '(or, in the aps-comm checkout, pip install ".[lightning]")'
     ) from exc
 import torch
 from torch.nn.parallel import DistributedDataParallel

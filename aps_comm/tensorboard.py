@@ -3,7 +3,7 @@
 :func:`log_stats` writes the last step's :class:`~aps_comm.telemetry.LayerStats`
 (``APSState(stats=True)``) and the bytes sent to any writer with
 ``add_scalar``: ``torch.utils.tensorboard.SummaryWriter`` (needs the
-``tensorboard`` package: ``pip install "aps-comm[tensorboard]"``),
+``tensorboard`` package: ``pip install ".[tensorboard]"`` from the checkout),
 tensorboardX, or Lightning's ``TensorBoardLogger.experiment``. Tags:
 
 - ``aps/bytes_sent``: payload bytes this rank handed to collectives.

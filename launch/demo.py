@@ -64,7 +64,7 @@ _PYTORCH_HOOKS: dict[str, Callable[..., torch.futures.Future[torch.Tensor]]] = {
     "fp32": default_hooks.allreduce_hook,
     "fp16": default_hooks.fp16_compress_hook,
 }
-_INSTALL_HINT = "pip install 'aps-comm[demo]'"
+_INSTALL_HINT = "pip install '.[demo]' in the aps-comm checkout"
 # The train/test split is fixed, independent of --seed: --seed varies the
 # initial weights and the batch order, not which images are held out.
 _SPLIT_SEED = 0

@@ -98,7 +98,7 @@ def test_plot_without_matplotlib_says_what_to_install(
         main(["--plot", str(tmp_path / "x.png")])
     assert exc.value.code == 2
     err = capsys.readouterr().err
-    assert "matplotlib" in err and "pip install 'aps-comm[demo]'" in err
+    assert "matplotlib" in err and "pip install '.[demo]'" in err
 
 
 def test_format_table_relative_to_fp32() -> None:

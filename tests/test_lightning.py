@@ -254,4 +254,4 @@ def test_lightning_is_optional() -> None:
     done = subprocess.run(
         [sys.executable, "-c", code], capture_output=True, text=True, timeout=60, check=True
     )
-    assert 'pip install "aps-comm[lightning]"' in done.stdout
+    assert 'pip install "lightning>=2.2"' in done.stdout
