@@ -84,6 +84,9 @@ CASES = [
     (2, "exit-in-hook", 1),
     (2, "kill-in-hook", 1),
     (2, "stall", 1),
+    (4, "exit-before-backward", 0),
+    (4, "exit-in-backward", 1),
+    (4, "exit-in-hook", 1),
     (4, "kill-in-hook", 1),
     (4, "stall", 1),
 ]
