@@ -36,8 +36,12 @@ __all__ = [
 
 CHUNK_ELEMENTS = 2**20
 """Elements per pipelined chunk until a bucket's exchange has been timed (4 MiB of FP32)."""
-MESSAGE_OVERHEAD_S = 5e-4
-"""What one more chunk costs on Gloo over TCP: its collectives' latency and wake-ups."""
+MESSAGE_OVERHEAD_S = 8e-4
+"""What one more chunk costs on Gloo over TCP: its collectives' latency and wake-ups.
+
+Fitted to the emulated cluster's measured best chunk sizes (see
+:func:`pipelined_chunk`); 5e-4 put 2 ranks at 1 Gbit/s on 2**19-element
+chunks, 6-30% slower per step than 2**20."""
 _MIN_CHUNK, _MAX_CHUNK = 2**14, 2**26
 
 
@@ -49,14 +53,15 @@ def pipelined_chunk(numel: int, exchange_s: float, overhead_s: float = MESSAGE_O
     messages' fixed cost. The sum is least at k = sqrt(W / overhead), so slow
     links get small chunks (little to fill and drain) and fast ones large
     chunks (few fixed costs). Measured on the emulated cluster: 2 ranks at 1
-    Gbit/s were fastest with 2**20-element chunks, 4 ranks at 250 Mbit/s with
-    2**18.
+    Gbit/s were fastest with 2**20-element chunks (APS e4m3 step 0.171-0.179 s
+    against 0.185-0.227 s with 2**19 and 0.193-0.203 s with 2**21), 4 ranks at
+    250 Mbit/s with 2**18; 25 MB buckets then exchange in about 50 and 300 ms.
 
     Example:
-        >>> pipelined_chunk(8 * 2**20, exchange_s=0.45)  # 30 chunks: 2**18 elements
+        >>> pipelined_chunk(8 * 2**20, exchange_s=0.45)  # 24 chunks: 2**18 elements
         262144
-        >>> pipelined_chunk(8 * 2**20, exchange_s=0.07)  # 12 chunks: 2**19 elements
-        524288
+        >>> pipelined_chunk(8 * 2**20, exchange_s=0.07)  # 9.4 chunks: 2**20 elements
+        1048576
     """
     if exchange_s <= 0 or numel <= 0:
         return CHUNK_ELEMENTS

@@ -9,7 +9,7 @@ APS scales by powers of two inside its encode/decode passes (no separate
 scale/unscale pass), and pipelines each bucket in chunks of
 ``chunk_elements`` ("auto", the hook's default, sizes them as
 :func:`aps_comm.plan.pipelined_chunk` does, from the bucket's exchange time:
-k = sqrt(W / 0.5 ms) chunks, a power of two): every chunk pays its own
+k = sqrt(W / 0.8 ms) chunks, a power of two): every chunk pays its own
 collective latency and codec launch, and the codec of one chunk overlaps the
 wire time of another. With ``C`` the codec and ``W`` the wire time summed over
 the ``k`` chunks, the pipelined part takes ``max(C, W) + min(C, W) / k`` (the
@@ -51,7 +51,7 @@ _FP32_BYTES = 4.0
 # aps_comm.plan.CHUNK_ELEMENTS: the hook's chunk before a bucket has been timed.
 DEFAULT_CHUNK_ELEMENTS = 2**20
 # aps_comm.plan.MESSAGE_OVERHEAD_S and its bounds on the chunk size.
-_MESSAGE_OVERHEAD_S = 5e-4
+_MESSAGE_OVERHEAD_S = 8e-4
 _MIN_CHUNK, _MAX_CHUNK = 2**14, 2**26
 
 

@@ -56,9 +56,9 @@ def test_chunk_bounds_and_regions_by_hand() -> None:
 
 
 def test_pipelined_chunk_by_hand() -> None:
-    # k = sqrt(W / 0.5 ms) chunks, rounded to a power of two in log space.
-    assert pipelined_chunk(2**23, 0.45) == 2**18  # 30 chunks of 280k -> 2**18
-    assert pipelined_chunk(2**23, 0.07) == 2**19  # 11.8 chunks of 710k -> 2**19
+    # k = sqrt(W / 0.8 ms) chunks, rounded to a power of two in log space.
+    assert pipelined_chunk(2**23, 0.45) == 2**18  # 23.7 chunks of 354k -> 2**18
+    assert pipelined_chunk(2**23, 0.07) == 2**20  # 9.4 chunks of 897k -> 2**20
     assert pipelined_chunk(2**23, 0.0005) == 2**23  # one chunk
     assert pipelined_chunk(2**23, 0.0) == CHUNK_ELEMENTS  # not timed yet
     assert pipelined_chunk(1000, 1.0) == 2**14  # never below 16k elements

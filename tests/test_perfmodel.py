@@ -669,7 +669,7 @@ def test_composed_exchange_credits_burst_once() -> None:
 
 def test_automatic_chunks_follow_the_hook_rule() -> None:
     # "auto" (the default) cuts the bucket as the hook would: the unchunked
-    # exchange W gives k = sqrt(W / 0.5 ms) chunks, a power of two in size.
+    # exchange W gives k = sqrt(W / 0.8 ms) chunks, a power of two in size.
     from aps_perfmodel.comm import pipelined_chunk
 
     p, link = 2, C.LinkParams(alpha=1e-4, beta=1e-8)
