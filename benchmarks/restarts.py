@@ -32,18 +32,13 @@ _DIGEST = re.compile(r"RESUME-DIGEST ([0-9a-f]{64})")
 _TRAIN = ["-m", "benchmarks.resume_train"]
 
 
-def _launcher(name: str, nproc: int) -> list[str]:
+def _launcher(name: str, nproc: int, max_restarts: int = 0) -> list[str]:
+    """The launcher's command line up to the training module's ``-m``."""
+    common = [f"--nproc-per-node={nproc}", f"--max-restarts={max_restarts}", "-m"]
     if name == "aps-launch":
-        return [sys.executable, "-m", "aps_launch.cli", f"--nproc-per-node={nproc}", "-m"]
+        return [sys.executable, "-m", "aps_launch.cli", *common]
     if name == "torchrun":
-        return [
-            sys.executable,
-            "-m",
-            "torch.distributed.run",
-            "--standalone",
-            f"--nproc-per-node={nproc}",
-            "-m",
-        ]
+        return [sys.executable, "-m", "torch.distributed.run", "--standalone", *common]
     raise ValueError(f"unknown launcher {name!r}: use 'aps-launch' or 'torchrun'")
 
 
@@ -59,7 +54,7 @@ def _job(cmd: list[str], timeout: float) -> tuple[int, str, float]:
 
 def run(runs: int = 20, nproc: int = 2, launcher: str = "aps-launch", timeout: float = 180) -> dict:
     """The loop; returns a JSON-able summary with one record per run."""
-    base = _launcher(launcher, nproc)
+    base, restarting = _launcher(launcher, nproc), _launcher(launcher, nproc, max_restarts=1)
     train = ["benchmarks.resume_train", "--fixed-buckets", "--steps=10"]
     work = Path(tempfile.mkdtemp(prefix="aps-restarts-"))
     try:
@@ -71,7 +66,7 @@ def run(runs: int = 20, nproc: int = 2, launcher: str = "aps-launch", timeout: f
         records = []
         for i in range(runs):
             crash_at, kill = 1 + i % 8, i % 2 == 1
-            cmd = [*base[:-1], "--max-restarts=1", "-m", *train, f"--ckpt={work / str(i)}"]
+            cmd = [*restarting, *train, f"--ckpt={work / str(i)}"]
             cmd += [f"--crash-at={crash_at}", *(["--crash-kill"] if kill else [])]
             rc, text, seconds = _job(cmd, timeout)
             found = _DIGEST.search(text)

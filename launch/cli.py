@@ -36,7 +36,6 @@ from .store import connect_store, pin_loopback, serve_store
 
 __all__ = ["build_parser", "default_nproc", "main"]
 
-_SHARE_STORE_ENV = "TORCH_DISABLE_SHARE_RDZV_TCP_STORE"
 _ELASTIC_ONLY = ("nproc_per_node", "nnodes", "node_rank", "rdzv_endpoint", "rdzv_backend")
 
 
@@ -127,12 +126,6 @@ def _run_elastic(opts: argparse.Namespace) -> int:
         os.environ[BACKEND_ENV] = opts.backend
     else:
         os.environ.setdefault(BACKEND_ENV, "nccl" if torch.cuda.is_available() else "gloo")
-    if "--rdzv-backend" in argv and argv[argv.index("--rdzv-backend") + 1] == "c10d":
-        # torchrun's c10d rendezvous shares its store with the workers, with no
-        # per-restart prefix that all nodes agree on, so a restarted group can
-        # read the dead group's addresses (pytorch/pytorch#135712). Opting out
-        # makes rank 0 serve a fresh store on a new port every round.
-        os.environ.setdefault(_SHARE_STORE_ENV, "1")
     endpoint_host = (opts.rdzv_endpoint or LOOPBACK).rsplit(":", 1)[0]
     if nnodes.split(":")[-1] == "1" and is_loopback(endpoint_host):
         pin_loopback()

@@ -17,6 +17,7 @@ Example:
 from __future__ import annotations
 
 import datetime
+import os
 import sys
 from collections.abc import Sequence
 
@@ -37,6 +38,7 @@ __all__ = ["LOOPBACK_RDZV", "launch_elastic", "register_loopback_rendezvous", "t
 
 LOOPBACK_RDZV = "aps-loopback"
 _RDZV_TIMEOUT = datetime.timedelta(minutes=10)
+_SHARE_STORE_ENV = "TORCH_DISABLE_SHARE_RDZV_TCP_STORE"
 
 
 class _LoopbackRendezvous(RendezvousHandler):
@@ -187,6 +189,12 @@ def launch_elastic(argv: Sequence[str]) -> int:
 
     register_loopback_rendezvous()
     args = torchrun.get_args_parser().parse_args(list(argv))
+    if args.rdzv_backend == "c10d":
+        # torchrun's c10d rendezvous shares its store with the workers, with no
+        # per-restart prefix that all nodes agree on, so a restarted group can
+        # read the dead group's addresses (pytorch/pytorch#135712). Opting out
+        # makes rank 0 serve a fresh store on a new port every round.
+        os.environ.setdefault(_SHARE_STORE_ENV, "1")
     try:
         torchrun.run(args)
     except ChildFailedError as exc:
