@@ -299,3 +299,28 @@ def test_cli_rejects_bad_combinations(capsys: pytest.CaptureFixture[str]) -> Non
     assert "--nproc-per-node" in capsys.readouterr().err
     with pytest.raises(SystemExit):
         cli_main(["--mpi", "--slurm", "t.py"])
+
+
+def test_loopback_rendezvous_gives_every_round_a_fresh_store() -> None:
+    # A restarted worker group must not find the dead group's keys (its Gloo
+    # addresses) in the store: each round gets its own server and port.
+    from torch.distributed.elastic.rendezvous import (
+        RendezvousParameters,
+        rendezvous_handler_registry,
+    )
+
+    from aps_launch.elastic import register_loopback_rendezvous
+
+    register_loopback_rendezvous()
+    handler = rendezvous_handler_registry.create_handler(
+        RendezvousParameters(LOOPBACK_RDZV, "127.0.0.1:0", "job", min_nodes=1, max_nodes=1)
+    )
+    ports = []
+    for _ in range(2):
+        info = handler.next_rendezvous()
+        port = info.bootstrap_store_info.master_port
+        workers = dist.TCPStore("127.0.0.1", port, 1, is_master=False)
+        assert not workers.check(["default_pg/rank_0"]), "a key from the last round survived"
+        workers.set("default_pg/rank_0", "127.0.0.1:1")
+        ports.append(port)
+    assert ports[0] != ports[1]
