@@ -1,0 +1,624 @@
+"""APS gradient reduce-scatter for FSDP2 (``torch.distributed.fsdp.fully_shard``).
+
+FSDP2 reduce-scatters each unit's gradients in ``reduce_dtype`` (FP32 or
+BF16), without scaling. :func:`register` replaces that collective on every
+``fully_shard``-ed module with an APS reduce-scatter
+(``FSDPModule.set_custom_reduce_scatter``). Per unit and backward:
+
+1. every rank finds each parameter's largest |gradient| in the unit's
+   reduce-scatter input (FSDP lays it out as N rows, row r holding every
+   parameter's padded r-th chunk);
+2. one MAX all-reduce of those maxima (4 bytes per parameter) agrees on them,
+   and each parameter gets a power-of-two exponent with which nothing can
+   overflow (:func:`aps_comm.scaling.exponents`, the two-phase rule: the sum
+   happens in FP32);
+3. each row is encoded (:func:`aps_comm.codec.encode`, per-parameter scales)
+   and ``all_to_all_single`` sends row r, as uint8 bytes, to rank r: FP8 moves
+   one byte per gradient element;
+4. each rank decodes the N rows it received (unscaled in the same pass), sums
+   them in FP32 in rank order and writes the sum into FSDP's output shard in
+   the reduce dtype. There is no all-gather: FSDP keeps only shards.
+
+FSDP is asked for plain sums (``set_force_sum_reduction_for_comms(True)``):
+it divides by the world size (or the factor of
+``set_gradient_divide_factor``) afterwards, in the reduce dtype, as it does
+for its own reduce-scatter. A NaN or inf anywhere in a parameter's gradient
+on any rank makes that parameter's reduced gradient NaN on every rank.
+
+All use of FSDP2's private API (the ``ReduceScatter`` interface of
+``torch.distributed.fsdp._fully_shard._fsdp_api`` and the parameter groups
+behind an ``FSDPModule``) is in one section at the end of this module; on a
+torch without it, :func:`register` raises a clear error.
+
+Not supported (a ``ValueError`` on every rank at :func:`register`): HSDP and
+other meshes with a replicate dimension, a shard group other than all ranks
+in order, several parameter groups per module (``shard_placement_fn`` with
+per-parameter meshes), a module that already has a custom reduce-scatter,
+and the :class:`~aps_comm.policy.Promote` policy.
+
+Example:
+    >>> from torch.distributed.fsdp import fully_shard
+    >>> for block in model.blocks:                      # doctest: +SKIP
+    ...     fully_shard(block)
+    >>> fully_shard(model)                              # doctest: +SKIP
+    >>> state = aps_comm.fsdp.register(model, "e4m3")   # doctest: +SKIP
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import functools
+from collections.abc import Sequence
+from typing import Any
+
+import torch
+import torch.distributed as dist
+
+from aps_comm import codec, transports
+from aps_comm.formats import FP32, FloatFormat, get_format, payload_nbytes
+from aps_comm.policy import LayerInfo, Promote, Rule, Schedule, static_formats
+from aps_comm.policy import describe as describe_policy
+from aps_comm.scaling import SCALINGS, Scaling, exponents, pow2
+from aps_comm.telemetry import LayerStats, layer_stats
+
+__all__ = ["APSFSDPConfig", "APSFSDPState", "register"]
+
+
+@dataclasses.dataclass(frozen=True)
+class APSFSDPConfig:
+    """What every rank must agree on.
+
+    Attributes:
+        fmt: the wire format.
+        scaling: "layer" (one exponent per parameter), "bucket" (one per FSDP
+            unit and format) or "none" (plain saturating cast, the naive
+            baseline).
+    """
+
+    fmt: FloatFormat
+    scaling: Scaling = "layer"
+
+    def __post_init__(self) -> None:
+        object.__setattr__(self, "fmt", get_format(self.fmt))
+        if self.scaling not in SCALINGS:
+            raise ValueError(f"scaling must be one of {SCALINGS}, got {self.scaling!r}")
+
+    def describe(self) -> str:
+        f = self.fmt
+        return (
+            f"fmt={f.name}(e{f.exp_bits}m{f.man_bits}, bias={f.bias}, {f.specials}), "
+            f"scaling={self.scaling}"
+        )
+
+
+@dataclasses.dataclass(frozen=True)
+class _Run:
+    """Consecutive parameters of a unit that travel in one format."""
+
+    fmt: FloatFormat
+    index: tuple[int, ...]
+    lo: int  # elements, within a row
+    hi: int
+    b0: int  # bytes, within an encoded row
+    b1: int
+    layout: codec.Layout
+
+
+@dataclasses.dataclass(frozen=True)
+class _Unit:
+    """One FSDP parameter group as its reduce-scatter sees it.
+
+    ``chunks[i]`` is parameter i's padded per-rank chunk: FSDP's reduce-scatter
+    input is N rows of ``sum(chunks)`` elements, row r holding every
+    parameter's r-th chunk in order.
+    """
+
+    index: int
+    module: str
+    names: tuple[str, ...]
+    numels: tuple[int, ...]
+    chunks: tuple[int, ...]
+
+    @property
+    def row_numel(self) -> int:
+        return sum(self.chunks)
+
+    def describe(self) -> str:
+        return f"{self.module or '<root>'}:{list(zip(self.names, self.chunks, strict=True))}"
+
+
+class APSFSDPState:
+    """State of the APS reduce-scatter of an FSDP2 model: config, group, stats.
+
+    Built by :func:`register`, which also installs it; one state serves every
+    ``fully_shard``-ed module of the model.
+
+    Attributes:
+        config: the :class:`APSFSDPConfig`.
+        process_group: the state's own group over all ranks (made by
+            :func:`aps_comm.transports.new_group`, with the default group's
+            timeout), so its collectives never interleave with FSDP's.
+        stats: with ``stats=True``, the last step's :class:`~aps_comm.telemetry.LayerStats`
+            per parameter (``bucket`` is the FSDP unit's index).
+        bytes_sent: payload bytes this rank handed to collectives in the last
+            step: per unit, the maxima (4 bytes per parameter plus 4) and the
+            encoded reduce-scatter input (one byte per element for FP8,
+            padding included).
+        bytes_detail: the same per collective: "all_reduce_max", "all_to_all".
+        step: steps that reduced gradients (a ``set_requires_gradient_sync(False)``
+            backward reduces nothing and does not count).
+        units: the module names of the FSDP units with trainable parameters.
+
+    Example:
+        >>> state = register(model, "e4m3", stats=True)  # doctest: +SKIP
+        >>> loss.backward(); state.bytes_sent             # doctest: +SKIP
+    """
+
+    def __init__(
+        self,
+        fmt: FloatFormat | str = "e4m3",
+        scaling: Scaling = "layer",
+        policy: Sequence[Rule] | None = None,
+        stats: bool = False,
+    ) -> None:
+        self.config = APSFSDPConfig(get_format(fmt), scaling)
+        self.policy: list[Rule] = list(policy or [])
+        for rule in self.policy:
+            if not isinstance(rule, Rule):
+                raise TypeError(f"policy entries must be aps_comm.policy rules, got {rule!r}")
+            if isinstance(rule, Promote):
+                raise ValueError(
+                    "aps_comm.fsdp does not support the Promote policy (it needs each "
+                    "parameter's underflow rate carried across steps); use static rules "
+                    "(ByName, KeepLast, MinNumel, LowRatio) or Schedule"
+                )
+        self.collect_stats = bool(stats)
+        self.process_group: dist.ProcessGroup | None = None
+        self.stats: list[LayerStats] = []
+        self.bytes_sent = 0
+        self.bytes_detail: dict[str, int] = {}
+        self.step = 0
+        self._world_size = 0
+        self._rank = 0
+        self._units: list[_Unit] = []
+        self._formats: dict[str, FloatFormat] = {}
+        self._schedule = [r for r in self.policy if isinstance(r, Schedule)]
+        self._runs: dict[tuple[int, tuple[FloatFormat, ...]], list[_Run]] = {}
+        self._step_bytes: dict[str, int] = {}
+        self._step_stats: list[LayerStats] = []
+        self._done: set[int] = set()
+
+    @property
+    def fmt(self) -> FloatFormat:
+        return self.config.fmt
+
+    @property
+    def world_size(self) -> int:
+        return self._world_size
+
+    @property
+    def units(self) -> list[str]:
+        return [u.module for u in self._units]
+
+    def describe(self) -> str:
+        """Everything every rank must agree on, as text."""
+        return f"{self.config.describe()}, policy={describe_policy(self.policy)}"
+
+    # -- the reduce-scatter --------------------------------------------------
+
+    def _reduce_scatter(
+        self, unit: _Unit, output: torch.Tensor, input: torch.Tensor, op: Any
+    ) -> None:
+        try:
+            self._reduce_unit(unit, output, input, op)
+        except RuntimeError as exc:
+            raise RuntimeError(
+                f"aps_comm.fsdp, unit {unit.index} ({unit.module or '<root>'}): {exc}"
+            ) from exc
+
+    def _reduce_unit(self, unit: _Unit, output: torch.Tensor, input: torch.Tensor, op: Any) -> None:
+        n, group = self._world_size, self.process_group
+        assert group is not None
+        if unit.index in self._done:
+            # A unit reduced twice before every unit did: the previous step
+            # left some unit out (it cannot, with reduce_scatter_unused_params).
+            self._end_step()
+        problem = _check_call(unit, output, input, op, n)
+        p = len(unit.chunks)
+        x = input.view(n, -1) if not problem else input.new_zeros(n, unit.row_numel)
+        if x.dtype != torch.float32:
+            x = x.float()
+        grid = _grid_layout(unit, n, x.device)
+        shared = torch.zeros(p + 1, dtype=torch.float32, device=x.device)
+        if p:
+            shared[:p] = codec.segment_amax(x.reshape(-1), grid).view(n, p).amax(0)
+        # The flag rides on the maxima: a rank whose input does not match the
+        # layout makes every rank raise here, instead of mismatched collectives.
+        shared[p] = float(bool(problem))
+        transports.all_reduce_max(shared, group, self._count)
+        if shared[p] > 0:
+            raise ValueError(
+                f"the reduce-scatter input does not match the unit's parameters "
+                f"{'on this rank: ' + problem if problem else 'on another rank'}"
+            )
+        amax = shared[:p]
+        formats = self._step_formats(unit)
+        runs = self._unit_runs(unit, formats, x.device)
+        exps = torch.zeros(p, dtype=torch.int32, device=x.device)
+        for fmt in dict.fromkeys(formats):
+            if fmt == FP32:
+                continue  # exact in FP32: no scaling
+            idx = torch.tensor(
+                [i for i, f in enumerate(formats) if f == fmt], dtype=torch.long, device=x.device
+            )
+            exps[idx] = exponents(
+                amax[idx], fmt, world_size=n, reduction="two_phase", scaling=self.config.scaling
+            )
+        scale = pow2(exps)
+        unscale = torch.where(torch.isfinite(amax), pow2(-exps), float("nan"))
+        row_bytes = runs[-1].b1 if runs else 0
+        send = torch.empty(n, row_bytes, dtype=torch.uint8, device=x.device)
+        for r in range(n):
+            for run in runs:
+                codec.encode(
+                    x[r, run.lo : run.hi],
+                    run.fmt,
+                    out=send[r, run.b0 : run.b1],
+                    scale=scale[list(run.index)],
+                    layout=run.layout,
+                )
+        recv = torch.empty_like(send)
+        self._count("all_to_all", send.numel())
+        work = dist.all_to_all_single(recv, send, group=group, async_op=True)
+        _wait(work, f"the all_to_all of {send.numel()} encoded bytes")
+        acc = torch.empty(unit.row_numel, dtype=torch.float32, device=x.device)
+        part = torch.empty_like(acc) if n > 1 else acc
+        for r in range(n):
+            dst = acc if r == 0 else part
+            for run in runs:
+                codec.decode(
+                    recv[r, run.b0 : run.b1],
+                    run.fmt,
+                    run.hi - run.lo,
+                    out=dst[run.lo : run.hi],
+                    scale=unscale[list(run.index)],
+                    layout=run.layout,
+                )
+            if r:
+                acc += part  # FP32, in rank order: the same sum on every backend
+        if _is_avg(op):
+            acc.div_(n)
+        output.copy_(acc)
+        if self.collect_stats:
+            self._record(unit, x, formats, exps, amax)
+        self._done.add(unit.index)
+        if len(self._done) == len(self._units):
+            self._end_step()
+
+    def _step_formats(self, unit: _Unit) -> list[FloatFormat]:
+        for rule in self._schedule:
+            fmt = rule.override(self.step)
+            if fmt is not None:
+                return [fmt] * len(unit.names)
+        return [self._formats.get(name, self.fmt) for name in unit.names]
+
+    def _unit_runs(
+        self, unit: _Unit, formats: list[FloatFormat], device: torch.device
+    ) -> list[_Run]:
+        key = (unit.index, tuple(formats))
+        runs = self._runs.get(key)
+        if runs is None:
+            runs = self._runs[key] = _make_runs(unit, formats, device)
+        return runs
+
+    def _record(
+        self,
+        unit: _Unit,
+        x: torch.Tensor,
+        formats: list[FloatFormat],
+        exps: torch.Tensor,
+        amax: torch.Tensor,
+    ) -> None:
+        offsets = [0]
+        for c in unit.chunks:
+            offsets.append(offsets[-1] + c)
+        for i, (name, numel) in enumerate(zip(unit.names, unit.numels, strict=True)):
+            # The parameter's whole gradient on this rank: its chunk of every row.
+            grad = x[:, offsets[i] : offsets[i + 1]].reshape(-1)[:numel]
+            self._step_stats += layer_stats(
+                [grad], [name], unit.index, formats[i], exps[i : i + 1], amax[i : i + 1]
+            )
+
+    def _count(self, collective: str, nbytes: int) -> None:
+        self._step_bytes[collective] = self._step_bytes.get(collective, 0) + nbytes
+
+    def _end_step(self) -> None:
+        self.bytes_detail = self._step_bytes
+        self.bytes_sent = sum(self._step_bytes.values())
+        self.stats = self._step_stats
+        self._step_bytes = {}
+        self._step_stats = []
+        self._done = set()
+        self.step += 1
+
+
+def _check_call(unit: _Unit, output: torch.Tensor, input: torch.Tensor, op: Any, n: int) -> str:
+    """Why this call does not fit the unit's layout, or "" when it does."""
+    s = unit.row_numel
+    if input.numel() != n * s or output.numel() != s:
+        return (
+            f"FSDP passed {input.numel()} input and {output.numel()} output elements; the "
+            f"unit's {len(unit.chunks)} trainable parameters make {n} x {s} and {s} (did "
+            "set_reduce_scatter_unused_params(False) or a requires_grad change leave "
+            "parameters out?)"
+        )
+    if not (input.is_floating_point() and input.is_contiguous()):
+        return f"the input must be a contiguous floating-point tensor, got {input.dtype}"
+    if not (_is_sum(op) or _is_avg(op)):
+        return f"only ReduceOp.SUM and AVG are supported, FSDP asked for {op!r}"
+    return ""
+
+
+def _is_sum(op: Any) -> bool:
+    return op == dist.ReduceOp.SUM
+
+
+def _is_avg(op: Any) -> bool:
+    return op == dist.ReduceOp.AVG
+
+
+@functools.lru_cache(maxsize=64)
+def _grid_layout(unit: _Unit, n: int, device: torch.device) -> codec.Layout:
+    """Segments of the whole input: row-major, one per (rank row, parameter)."""
+    return codec.Layout.from_numels(list(unit.chunks) * n, device)
+
+
+def _make_runs(unit: _Unit, formats: list[FloatFormat], device: torch.device) -> list[_Run]:
+    runs: list[_Run] = []
+    i, lo, b0 = 0, 0, 0
+    while i < len(formats):
+        j = i
+        while j < len(formats) and formats[j] == formats[i]:
+            j += 1
+        hi = lo + sum(unit.chunks[i:j])
+        b1 = b0 + payload_nbytes(hi - lo, formats[i])
+        layout = codec.Layout.from_numels(list(unit.chunks[i:j]), device)
+        runs.append(_Run(formats[i], tuple(range(i, j)), lo, hi, b0, b1, layout))
+        i, lo, b0 = j, hi, b1
+    return runs
+
+
+def _wait(work: dist.Work, what: str) -> None:
+    """``work.wait()``, naming the collective if it fails (a dead or stalled peer)."""
+    try:
+        work.wait()
+    except Exception as exc:
+        raise RuntimeError(f"aps_comm: {what} did not complete: {exc}") from exc
+
+
+def register(
+    module: torch.nn.Module,
+    fmt: FloatFormat | str = "e4m3",
+    *,
+    scaling: Scaling = "layer",
+    policy: Sequence[Rule] | None = None,
+    stats: bool = False,
+) -> APSFSDPState:
+    """Install the APS reduce-scatter on every ``fully_shard``-ed module of ``module``.
+
+    Collective: call it on every rank, after ``fully_shard`` and before the
+    first backward. It creates the state's process group, checks that every
+    rank has the same configuration and units, and on each unit sets the
+    custom reduce-scatter, ``set_force_sum_reduction_for_comms(True)`` (plain
+    sums; FSDP divides afterwards) and ``set_reduce_scatter_unused_params(True)``
+    (a parameter without a gradient sends zeros, so every rank's layout is the
+    same).
+
+    Args:
+        module: the model; it or its submodules are ``fully_shard``-ed
+            (FSDP2) over one mesh dimension spanning all ranks.
+        fmt: the wire format ("e4m3", "e5m2", "fp16", "bf16", "fp32", any
+            "eXmY", or a FloatFormat).
+        scaling: "layer" (APS, one exponent per parameter), "bucket" (one per
+            unit and format) or "none" (plain saturating cast).
+        policy: static rules of :mod:`aps_comm.policy` (``ByName``,
+            ``KeepLast``, ``MinNumel``, ``LowRatio``) and ``Schedule``;
+            ``Promote`` is not supported.
+        stats: record per-parameter :class:`~aps_comm.telemetry.LayerStats`
+            of the last step in ``state.stats`` (local passes, no collective).
+
+    Returns:
+        The :class:`APSFSDPState`.
+
+    Raises:
+        RuntimeError: torch.distributed is not initialised, or this torch
+            lacks FSDP2's custom reduce-scatter API.
+        ValueError: no ``fully_shard``-ed module, an unsupported layout (HSDP,
+            a sub-mesh, several parameter groups, an existing custom
+            reduce-scatter), or a configuration that differs across ranks;
+            raised on every rank.
+
+    Example:
+        >>> state = register(model, "e4m3", stats=True)  # doctest: +SKIP
+    """
+    if not dist.is_available() or not dist.is_initialized():
+        raise RuntimeError("aps_comm.fsdp.register needs torch.distributed initialised")
+    api = _fsdp_api()
+    state = APSFSDPState(fmt, scaling, policy, stats)
+    names = {id(p): n for n, p in module.named_parameters()}
+    problems: list[str] = []
+    found: list[tuple[Any, Any, _Unit]] = []
+    world = dist.get_world_size()
+    for mod_name, mod in module.named_modules():
+        if not isinstance(mod, api.FSDPModule):
+            continue
+        try:
+            group = _one_param_group(mod, api, world)
+        except ValueError as exc:
+            problems.append(f"{mod_name or '<root>'}: {exc}")
+            continue
+        if group is None:
+            continue
+        unit = _unit_of(group, len(found), mod_name, names)
+        if unit.chunks:
+            found.append((mod, group, unit))
+    if not found and not problems:
+        problems.append(
+            f"{type(module).__name__} has no fully_shard-ed module with trainable parameters"
+        )
+    state._units = [u for _, _, u in found]
+    infos = [
+        LayerInfo(i, n, p.numel(), n.rpartition(".")[0], p)
+        for i, (n, p) in enumerate((n, p) for n, p in module.named_parameters() if p.requires_grad)
+    ]
+    formats = static_formats(state.policy, infos, state.fmt)
+    state._formats = {info.name: f for info, f in zip(infos, formats, strict=True)}
+
+    # Collective from here: every rank creates the group and compares notes
+    # before any rank raises, so a problem on one rank is an error on all.
+    state.process_group = transports.new_group()
+    mine = "; ".join(problems) or (
+        f"{state.describe()}, units=[{', '.join(u.describe() for u in state._units)}], "
+        f"formats={[f.name for f in formats]}"
+    )
+    everyone: list[str | None] = [None] * world
+    dist.all_gather_object(everyone, (bool(problems), mine), group=state.process_group)
+    bad = [f"rank {r}: {text}" for r, (err, text) in enumerate(everyone) if err]  # type: ignore[misc]
+    if bad:
+        raise ValueError("aps_comm.fsdp.register cannot install on this model: " + "; ".join(bad))
+    if any(text != mine for _, text in everyone):  # type: ignore[misc]
+        listing = "; ".join(f"rank {r}: {text}" for r, (_, text) in enumerate(everyone))  # type: ignore[misc]
+        raise ValueError(f"aps_comm.fsdp configuration differs across ranks: {listing}")
+    state._world_size = world
+    state._rank = dist.get_rank(state.process_group)
+    comm_class = _comm_class()
+    for mod, _, unit in found:
+        mod.set_custom_reduce_scatter(comm_class(state, unit))
+        mod.set_force_sum_reduction_for_comms(True)
+        mod.set_reduce_scatter_unused_params(True, recurse=False)
+    return state
+
+
+# ---------------------------------------------------------------------------
+# FSDP2 internals. Everything that touches torch's private FSDP2 API is below:
+# the ReduceScatter interface (not re-exported in torch 2.13), the parameter
+# groups of an FSDPModule, their mesh and their FSDPParams' padded sizes.
+
+
+@dataclasses.dataclass(frozen=True)
+class _API:
+    FSDPModule: type
+    ReduceScatter: type
+    FSDPMeshInfo: type
+    DDPMeshInfo: type
+    DefaultReduceScatter: type
+
+
+@functools.lru_cache(maxsize=1)
+def _fsdp_api() -> _API:
+    """The private FSDP2 classes this module builds on, or a clear error."""
+    try:
+        from torch.distributed.fsdp import FSDPModule
+        from torch.distributed.fsdp._fully_shard._fsdp_api import ReduceScatter
+        from torch.distributed.fsdp._fully_shard._fsdp_collectives import DefaultReduceScatter
+        from torch.distributed.fsdp._fully_shard._fsdp_common import DDPMeshInfo, FSDPMeshInfo
+    except ImportError as exc:
+        raise RuntimeError(
+            f"aps_comm.fsdp needs FSDP2's custom reduce-scatter API "
+            f"(torch.distributed.fsdp._fully_shard._fsdp_api.ReduceScatter and "
+            f"FSDPModule.set_custom_reduce_scatter), which torch {torch.__version__} "
+            f"does not have: {exc}"
+        ) from exc
+    for method in (
+        "set_custom_reduce_scatter",
+        "set_force_sum_reduction_for_comms",
+        "set_reduce_scatter_unused_params",
+        "_get_fsdp_state",
+    ):
+        if not hasattr(FSDPModule, method):
+            raise RuntimeError(
+                f"aps_comm.fsdp needs FSDPModule.{method}, which torch {torch.__version__} "
+                "does not have"
+            )
+    return _API(FSDPModule, ReduceScatter, FSDPMeshInfo, DDPMeshInfo, DefaultReduceScatter)
+
+
+def _one_param_group(mod: Any, api: _API, world: int) -> Any | None:
+    """The module's single FSDP parameter group (None without parameters), or ValueError."""
+    groups = list(mod._get_fsdp_state()._fsdp_param_groups)
+    if not groups:
+        return None
+    if len(groups) > 1:
+        raise ValueError(
+            f"{len(groups)} parameter groups (shard_placement_fn with per-parameter "
+            "meshes); aps_comm.fsdp supports one per module"
+        )
+    group = groups[0]
+    mesh_info = group.mesh_info
+    if isinstance(mesh_info, api.DDPMeshInfo) or not isinstance(mesh_info, api.FSDPMeshInfo):
+        raise ValueError(
+            f"{type(mesh_info).__name__}: HSDP and replicated meshes are not supported; "
+            "aps_comm.fsdp needs a 1-D shard mesh over all ranks"
+        )
+    ranks = dist.get_process_group_ranks(mesh_info.shard_process_group)
+    if ranks != list(range(world)):
+        raise ValueError(
+            f"the shard group holds ranks {ranks}; aps_comm.fsdp needs all {world} ranks in order"
+        )
+    if not isinstance(group._reduce_scatter_comm, api.DefaultReduceScatter):
+        raise ValueError(
+            f"it already has a custom reduce-scatter ({type(group._reduce_scatter_comm).__name__})"
+        )
+    return group
+
+
+def _unit_of(group: Any, index: int, module: str, names: dict[int, str]) -> _Unit:
+    """The unit's trainable parameters, in FSDP's order, with their padded chunks."""
+    params = [fp for fp in group.fsdp_params if fp.sharded_param.requires_grad]
+    return _Unit(
+        index=index,
+        module=module,
+        names=tuple(
+            names.get(id(fp.sharded_param), f"{module}.?{i}") for i, fp in enumerate(params)
+        ),
+        numels=tuple(fp.sharded_param.numel() for fp in params),
+        chunks=tuple(fp.padded_sharded_param_size.numel() for fp in params),
+    )
+
+
+@functools.lru_cache(maxsize=1)
+def _comm_class() -> type:
+    """The ReduceScatter subclass, made once the private base class is known to exist."""
+    base = _fsdp_api().ReduceScatter
+
+    class APSReduceScatter(base):  # type: ignore[misc, valid-type]
+        """FSDP2 reduce-scatter through the APS codec (see :mod:`aps_comm.fsdp`).
+
+        Runs synchronously and returns None: FSDP calls it without ``async_op``.
+        """
+
+        def __init__(self, state: APSFSDPState, unit: _Unit) -> None:
+            self.state = state
+            self.unit = unit
+
+        def allocate(
+            self,
+            size: Sequence[int | torch.SymInt],
+            *,
+            dtype: torch.dtype,
+            device: torch.device,
+        ) -> torch.Tensor:
+            return torch.empty(*size, dtype=dtype, device=device)
+
+        def __call__(
+            self,
+            output_tensor: torch.Tensor,
+            input_tensor: torch.Tensor,
+            group: dist.ProcessGroup,
+            op: Any,
+            async_op: bool = False,
+        ) -> dist.Work | None:
+            self.state._reduce_scatter(self.unit, output_tensor, input_tensor, op)
+            return None
+
+    return APSReduceScatter

@@ -1,0 +1,340 @@
+"""The APS reduce-scatter on real FSDP2 (fully_shard), multi-rank on Gloo.
+
+The model's gradients are chosen by the test: each parameter ``p`` enters the
+loss as ``(p * g).sum()``, so rank r's unsharded gradient is exactly its own
+``g`` (in the compute dtype). The reference is computed from every rank's
+``g`` with the codec (encode with the agreed per-parameter power of two,
+decode, FP32 sum in rank order), then cast and divided as FSDP does after a
+reduce-scatter; the sharded gradients FSDP ends with must equal it bit for bit.
+"""
+
+import sys
+
+import pytest
+import torch
+import torch.nn as nn
+from torch.distributed.device_mesh import init_device_mesh
+from torch.distributed.fsdp import MixedPrecisionPolicy, fully_shard
+
+from aps_comm import codec
+from aps_comm.formats import get_format
+from aps_comm.fsdp import register
+from aps_comm.policy import KeepLast, Promote
+from aps_comm.scaling import exponents, pow2
+from aps_comm.testing import run_distributed
+
+# Parameter shapes per unit; dim 0 of several does not divide by 2 or 4 (padding).
+_SHAPES = {"a": [(5, 3), (7,), (1,)], "b": [(33, 4), (2, 2, 3), (4,)], "root": [(3, 5)]}
+# Gradient magnitudes per parameter: from far below e4m3's subnormals to 1e3.
+_MAGS = [1e-6, 3.0, 1e3, 1e-4, 0.5, 0.0, 2e-2]
+
+
+class _Leaf(nn.Module):
+    def __init__(self, shapes: list[tuple[int, ...]]) -> None:
+        super().__init__()
+        self.ps = nn.ParameterList(nn.Parameter(torch.zeros(s)) for s in shapes)
+
+    def forward(self, gs: list[torch.Tensor]) -> torch.Tensor:
+        return sum((p * g).sum() for p, g in zip(self.ps, gs, strict=True))
+
+
+class _Net(nn.Module):
+    def __init__(self) -> None:
+        super().__init__()
+        self.a = _Leaf(_SHAPES["a"])
+        self.b = _Leaf(_SHAPES["b"])
+        self.c = nn.Parameter(torch.zeros(_SHAPES["root"][0]))
+
+    def forward(self, ga: list, gb: list, gc: torch.Tensor) -> torch.Tensor:
+        return self.a(ga) + self.b(gb) + (self.c * gc).sum()
+
+
+def _shard(net: nn.Module, mp: MixedPrecisionPolicy, reshard: bool) -> nn.Module:
+    fully_shard(net.a, mp_policy=mp, reshard_after_forward=reshard)
+    fully_shard(net.b, mp_policy=mp, reshard_after_forward=reshard)
+    fully_shard(net, mp_policy=mp, reshard_after_forward=reshard)
+    return net
+
+
+# The order of _grads: a's parameters, b's, then the root's.
+_ORDER = [f"a.ps.{i}" for i in range(3)] + [f"b.ps.{i}" for i in range(3)] + ["c"]
+_UNITS = [[0, 1, 2], [3, 4, 5], [6]]
+
+
+def _grads(rank: int, step: int, nan: bool = False) -> list[torch.Tensor]:
+    """Rank ``rank``'s chosen gradients, one per parameter in named_parameters order."""
+    gen = torch.Generator().manual_seed(100 * step + rank)
+    shapes = _SHAPES["a"] + _SHAPES["b"] + _SHAPES["root"]
+    out = []
+    for i, s in enumerate(shapes):
+        # Magnitudes differ per rank too, so the agreed maximum is not every rank's.
+        g = torch.randn(s, generator=gen) * _MAGS[i % len(_MAGS)] * (1 + rank)
+        out.append(g)
+    if nan and rank == 1:
+        out[3].view(-1)[5] = float("nan")  # b.ps.0 on rank 1 only
+    return out
+
+
+def _backward(net: nn.Module, gs: list[torch.Tensor]) -> None:
+    net(gs[:3], gs[3:6], gs[6]).backward()
+
+
+def _reference(
+    all_gs: list[list[torch.Tensor]],
+    fmt: str,
+    scaling: str,
+    compute: torch.dtype,
+    reduce: torch.dtype,
+    fp32_params: set[int] = frozenset(),  # type: ignore[assignment]
+) -> list[torch.Tensor]:
+    """What FSDP + APS must produce: per parameter, from every rank's gradient."""
+    n = len(all_gs)
+    xs = [[g.to(compute).to(reduce).float().reshape(-1) for g in gs] for gs in all_gs]
+    amax = torch.stack([torch.stack([x.abs().max() for x in r]) for r in xs]).amax(0)
+    amax = torch.where(torch.isnan(amax), float("inf"), amax)
+    exps = torch.zeros(len(amax), dtype=torch.int32)
+    f = get_format(fmt)
+    # One exponent per parameter, or per FSDP unit ("bucket"); FP32 parameters are not scaled.
+    for unit in _UNITS:
+        idx = [i for i in unit if i not in fp32_params]
+        if idx:
+            exps[idx] = exponents(
+                amax[idx], f, world_size=n, reduction="two_phase", scaling=scaling
+            )
+    out = []
+    for i in range(len(amax)):
+        fi = get_format("fp32") if i in fp32_params else f
+        e = exps[i : i + 1]
+        unscale = pow2(-e) if torch.isfinite(amax[i]) else torch.tensor([float("nan")])
+        acc = None
+        for r in range(n):
+            x = xs[r][i]
+            dec = codec.decode(codec.encode(x, fi, scale=pow2(e)), fi, x.numel(), scale=unscale)
+            acc = dec if acc is None else acc + dec
+        # FSDP: the sum lands in the reduce dtype, is divided there, then cast back.
+        red = acc.to(reduce).div_(float(n)).to(torch.float32)
+        out.append(red.reshape(all_gs[0][i].shape))
+    return out
+
+
+def _same(a: torch.Tensor, b: torch.Tensor) -> bool:
+    return a.shape == b.shape and bool(((a == b) | (torch.isnan(a) & torch.isnan(b))).all())
+
+
+def _exact_case(
+    rank: int,
+    n: int,
+    fmt: str,
+    scaling: str,
+    compute: torch.dtype | None,
+    reduce: torch.dtype | None,
+    reshard: bool,
+    nan: bool,
+    keep_last: bool,
+) -> dict:
+    torch.manual_seed(0)
+    mp = MixedPrecisionPolicy(param_dtype=compute, reduce_dtype=reduce)
+    net = _shard(_Net(), mp, reshard)
+    policy = [KeepLast("fp32")] if keep_last else None
+    state = register(net, fmt, scaling=scaling, policy=policy)
+    names = _ORDER
+    # KeepLast: the parameters of the module that owns the last named parameter.
+    last = list(net.named_parameters())[-1][0].rpartition(".")[0]
+    fp32_params = {i for i, name in enumerate(names) if keep_last and name.startswith(last + ".")}
+    assert not keep_last or len(fp32_params) == 3
+    params = dict(net.named_parameters())
+    results = {}
+    for step in range(2):
+        net.zero_grad()
+        _backward(net, _grads(rank, step, nan))
+        got = [params[name].grad.full_tensor() for name in names]
+        everyone = [_grads(r, step, nan) for r in range(n)]
+        c = compute or torch.float32
+        want = _reference(everyone, fmt, scaling, c, reduce or c, fp32_params)
+        for name, g, w in zip(names, got, want, strict=True):
+            assert _same(g, w), (fmt, scaling, compute, reduce, step, name, (g - w).abs().max())
+        results[step] = dict(state.bytes_detail)
+    padded = sum(
+        -(-s[0] // n) * n * (torch.Size(s).numel() // s[0]) for u in _SHAPES.values() for s in u
+    )
+    return {"bytes": results, "padded": padded, "step": state.step, "units": state.units}
+
+
+def _exact(rank: int, n: int) -> list[dict]:
+    bf16, fp32 = torch.bfloat16, torch.float32
+    cases = [
+        ("e4m3", "layer", None, None, True, False, False),
+        ("e4m3", "layer", bf16, fp32, False, False, False),
+        ("e4m3", "layer", bf16, bf16, True, False, False),
+        ("e5m2", "bucket", None, bf16, False, False, False),
+        ("e4m3", "none", None, None, True, False, False),
+        ("e4m3", "layer", None, None, True, True, False),
+        ("e3m2", "layer", None, None, False, False, True),
+    ]
+    return [_exact_case(rank, n, *case) for case in cases]
+
+
+@pytest.mark.parametrize("world_size", [2, 4])
+def test_equals_exact_reference(world_size: int) -> None:
+    """Bit for bit the reference: formats, scalings, mixed precision, reshard either
+    way, a NaN on one rank, a policy keeping the last layer in FP32; bytes counted."""
+    out = run_distributed(_exact, world_size, timeout=240)
+    for case in out[0]:
+        assert case["step"] == 2
+        assert case["units"] == ["", "a", "b"]
+    e4m3 = out[0][0]
+    n_params = sum(len(u) for u in _SHAPES.values())
+    for step in (0, 1):
+        # FP8: one byte per (padded) gradient element; 4 bytes per parameter and unit flag.
+        assert e4m3["bytes"][step]["all_to_all"] == e4m3["padded"]
+        assert e4m3["bytes"][step]["all_reduce_max"] == 4 * (n_params + 3)
+
+
+def _accumulate(rank: int, n: int) -> bool:
+    torch.manual_seed(0)
+    net = _shard(_Net(), MixedPrecisionPolicy(), True)
+    state = register(net, "e4m3")
+    net.set_requires_gradient_sync(False)
+    g0 = _grads(rank, 0)
+    _backward(net, g0)
+    assert state.step == 0 and state.bytes_sent == 0  # nothing reduced yet
+    net.set_requires_gradient_sync(True)
+    g1 = _grads(rank, 1)
+    _backward(net, g1)
+    assert state.step == 1
+    # Autograd accumulates the two micro-batches in FP32 before the reduction.
+    everyone = [[a + b for a, b in zip(_grads(r, 0), _grads(r, 1), strict=True)] for r in range(n)]
+    want = _reference(everyone, "e4m3", "layer", torch.float32, torch.float32)
+    params = dict(net.named_parameters())
+    got = [params[name].grad.full_tensor() for name in _ORDER]
+    return all(_same(g, w) for g, w in zip(got, want, strict=True))
+
+
+@pytest.mark.parametrize("world_size", [2, 4])
+def test_gradient_accumulation(world_size: int) -> None:
+    assert all(run_distributed(_accumulate, world_size, timeout=120))
+
+
+def _train(rank: int, n: int, setup: str) -> tuple[float, float]:
+    """A small MLP at large-network gradient magnitudes (loss x 2**-12): first and last loss."""
+    gen = torch.Generator().manual_seed(0)
+    x = torch.randn(256, 16, generator=gen)
+    y = x @ torch.randn(16, 1, generator=gen)
+    torch.manual_seed(0)
+    net = nn.Sequential(nn.Linear(16, 64), nn.Tanh(), nn.Linear(64, 1))
+    fully_shard(net[0])
+    fully_shard(net)
+    if setup != "fp32":
+        register(net, "e4m3", scaling="none" if setup == "naive" else "layer")
+    scale = 2.0**-12
+    opt = torch.optim.SGD(net.parameters(), lr=0.05 / scale)
+    xs, ys = x[rank::n], y[rank::n]
+    with torch.no_grad():
+        first = float(nn.functional.mse_loss(net(x), y))
+    for _ in range(30):
+        opt.zero_grad()
+        (nn.functional.mse_loss(net(xs), ys) * scale).backward()
+        opt.step()
+    with torch.no_grad():
+        return first, float(nn.functional.mse_loss(net(x), y))
+
+
+def _train_all(rank: int, n: int) -> dict:
+    return {s: _train(rank, n, s) for s in ("fp32", "aps", "naive")}
+
+
+def test_training_follows_fp32() -> None:
+    """APS e4m3 trains like FP32 FSDP; the unscaled cast flushes these gradients to zero."""
+    out = run_distributed(_train_all, 2, timeout=180)[0]
+    first = out["fp32"][0]
+    assert out["fp32"][1] < 0.2 * first, out
+    assert abs(out["aps"][1] - out["fp32"][1]) < 0.05 * out["fp32"][1], out
+    assert out["naive"][1] > 0.9 * first, out
+
+
+def _errors(rank: int, n: int) -> dict:
+    out = {}
+
+    def attempt(key: str, fn) -> None:  # type: ignore[no-untyped-def]
+        try:
+            fn()
+            out[key] = "no error"
+        except (ValueError, RuntimeError) as exc:
+            out[key] = f"{type(exc).__name__}: {exc}"
+
+    attempt(
+        "promote",
+        lambda: register(_shard(_Net(), MixedPrecisionPolicy(), True), policy=[Promote()]),
+    )
+    attempt("plain", lambda: register(_Net()))
+    # A configuration that differs on one rank is an error on every rank.
+    fmt = "e5m2" if rank == n - 1 else "e4m3"
+    attempt("differs", lambda: register(_shard(_Net(), MixedPrecisionPolicy(), True), fmt))
+    net = _shard(_Net(), MixedPrecisionPolicy(), True)
+    register(net)
+    attempt("twice", lambda: register(net))
+    if n == 4:
+        mesh = init_device_mesh("cpu", (2, 2), mesh_dim_names=("replicate", "shard"))
+        hsdp = _Net()
+        fully_shard(hsdp.a, mesh=mesh)
+        fully_shard(hsdp, mesh=mesh)
+        attempt("hsdp", lambda: register(hsdp))
+    return out
+
+
+@pytest.mark.parametrize("world_size", [2, 4])
+def test_unsupported_is_an_error_on_every_rank(world_size: int) -> None:
+    out = run_distributed(_errors, world_size, timeout=120)
+    for rank_out in out:
+        assert "Promote" in rank_out["promote"]
+        assert "no fully_shard-ed module" in rank_out["plain"]
+        assert "differs across ranks" in rank_out["differs"]
+        assert "already has a custom reduce-scatter" in rank_out["twice"]
+        if world_size == 4:
+            assert "HSDP" in rank_out["hsdp"], rank_out["hsdp"]
+
+
+def _old_torch(rank: int, n: int) -> str:
+    from aps_comm import fsdp
+
+    # As on a torch without FSDP2's custom reduce-scatter: its module cannot be imported.
+    sys.modules["torch.distributed.fsdp._fully_shard._fsdp_api"] = None  # type: ignore[assignment]
+    fsdp._fsdp_api.cache_clear()
+    try:
+        register(nn.Linear(2, 2))
+    except RuntimeError as exc:
+        return str(exc)
+    return "no error"
+
+
+def test_missing_private_api_is_a_clear_error() -> None:
+    msg = run_distributed(_old_torch, 1)[0]
+    assert "custom reduce-scatter API" in msg and torch.__version__ in msg
+
+
+def test_register_needs_distributed() -> None:
+    with pytest.raises(RuntimeError, match=r"torch\.distributed initialised"):
+        register(nn.Linear(2, 2))
+
+
+def _peer_stalls(rank: int, n: int) -> str:
+    import time
+
+    # No resharding: backward all-gathers nothing, so its first collective is ours.
+    net = _shard(_Net(), MixedPrecisionPolicy(), False)
+    register(net)
+    gs = _grads(rank, 0)
+    loss = net(gs[:3], gs[3:6], gs[6])
+    if rank == 1:
+        time.sleep(5)  # past the group's 3 s timeout: rank 0 waits in the maxima all-reduce
+        return "stalled"
+    try:
+        loss.backward()
+    except RuntimeError as exc:
+        return str(exc)
+    return "no error"
+
+
+def test_stalled_peer_is_an_error_naming_the_collective() -> None:
+    msg = run_distributed(_peer_stalls, 2, timeout=60, pg_timeout=3)[0]
+    assert "aps_comm.fsdp, unit" in msg and "MAX all-reduce" in msg, msg
