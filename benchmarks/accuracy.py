@@ -31,7 +31,15 @@ for the first seed rank 0 records every layer's exponent, underflow rate and
 saturated count at up to :data:`LAYER_POINTS` steps per run; they are plotted
 in ``accuracy_layers.png``, one row per APS hook.
 
+With ``--fsdp`` the same tasks train under FSDP2 (``fully_shard`` on every
+layer or block, then the root) instead of DDP, with the setups of
+:data:`FSDP_HOOKS`: FSDP's own reduce-scatter in FP32 and in BF16
+(``reduce_dtype``), and :func:`aps_comm.fsdp.register` with e4m3, unscaled
+(naive) and APS. Results go to ``accuracy_fsdp.{json,md}`` and
+``accuracy_fsdp_<task>.png``.
+
     python -m benchmarks.accuracy [--seeds 3] [--digits-epochs 15] [--lm-steps 300]
+    python -m benchmarks.accuracy --fsdp [--seeds 3]
 """
 
 # No `from __future__ import annotations`: DDP inspects the wrapper hook's
@@ -55,11 +63,12 @@ from torch.distributed.algorithms.ddp_comm_hooks import default_hooks
 from torch.nn.parallel import DistributedDataParallel as DDP
 
 from aps_comm import APSState, register
+from aps_comm import fsdp as aps_fsdp
 from aps_comm.policy import KeepLast, Promote
 from aps_comm.testing import run_distributed
 from benchmarks._models import DigitsCNN, TinyLM, lm_loss, load_digits_tensors, markov_data
 
-__all__ = ["HOOKS", "TASKS", "attach_hook", "main"]
+__all__ = ["FSDP_HOOKS", "HOOKS", "TASKS", "attach_hook", "main", "prepare"]
 
 LOSS_SCALE = 2.0**-10
 """Digits task: loss multiplier (and 1 / learning-rate multiplier) giving large-network gradients."""
@@ -80,6 +89,16 @@ HOOKS: dict[str, str] = {
     "aps-e4m3+error-feedback": 'register(ddp, fmt="e4m3", error_feedback=True)',
 }
 """Hook name -> how it is set up."""
+
+FSDP_HOOKS: dict[str, str] = {
+    "fsdp-fp32": "fully_shard: FSDP2's own reduce-scatter in FP32",
+    "fsdp-bf16": "fully_shard(mp_policy=MixedPrecisionPolicy(reduce_dtype=torch.bfloat16))",
+    "fsdp-naive-e4m3": 'aps_comm.fsdp.register(model, "e4m3", scaling="none")',
+    "fsdp-aps-e4m3": 'aps_comm.fsdp.register(model, "e4m3")',
+}
+"""FSDP2 setup name (``--fsdp``) -> how it is set up."""
+
+_SETUPS = {**HOOKS, **FSDP_HOOKS}
 
 TASKS = ("digits", "markov")
 
@@ -153,6 +172,57 @@ def attach_hook(
     return (lambda: state.bytes_sent), state
 
 
+def _fsdp_units(model: nn.Module) -> list[nn.Module]:
+    """The modules to fully_shard before the root: every block or layer with parameters."""
+    blocks = getattr(model, "blocks", None)
+    if blocks is not None:
+        return list(blocks)
+    return [m for m in model.children() if any(True for _ in m.parameters())]
+
+
+def _padded_bytes(model: nn.Module, world_size: int, elem_bytes: int) -> int:
+    """Bytes of FSDP's reduce-scatter input: every gradient, dim 0 padded to the world size."""
+    total = 0
+    for p in model.parameters():
+        rows = -(-p.shape[0] // world_size) * world_size if p.dim() else world_size
+        total += rows * (p.numel() // max(p.shape[0], 1) if p.dim() else 1)
+    return total * elem_bytes
+
+
+def prepare(
+    model: nn.Module, hook: str, group: dist.ProcessGroup | None = None, stats: bool = False
+) -> tuple[nn.Module, Callable[[], int], Any]:
+    """Wrap ``model`` for ``hook``: DDP with a hook of :data:`HOOKS`, or FSDP2 (:data:`FSDP_HOOKS`).
+
+    Returns:
+        The module to train, a function returning the bytes this rank handed
+        to collectives in the last step, and the APS state (None otherwise).
+        For FSDP's own reduce-scatter the bytes are those of its input (every
+        padded gradient in the reduce dtype), what it hands to Gloo.
+
+    Example:
+        >>> net, bytes_per_step, state = prepare(DigitsCNN(), "fsdp-aps-e4m3")  # doctest: +SKIP
+    """
+    if hook not in FSDP_HOOKS:
+        ddp = DDP(model)
+        sent, state = attach_hook(ddp, hook, group, stats)
+        return ddp, sent, state
+    from torch.distributed.fsdp import MixedPrecisionPolicy, fully_shard
+
+    world = dist.get_world_size()
+    reduce_dtype = torch.bfloat16 if hook == "fsdp-bf16" else torch.float32
+    mp = MixedPrecisionPolicy(reduce_dtype=reduce_dtype)
+    native = _padded_bytes(model, world, 2 if hook == "fsdp-bf16" else 4)
+    for unit in _fsdp_units(model):
+        fully_shard(unit, mp_policy=mp)
+    fully_shard(model, mp_policy=mp)
+    if hook in ("fsdp-fp32", "fsdp-bf16"):
+        return model, (lambda: native), None
+    scaling = "none" if hook == "fsdp-naive-e4m3" else "layer"
+    state = aps_fsdp.register(model, "e4m3", scaling=scaling, stats=stats)
+    return model, (lambda: state.bytes_sent), state
+
+
 class _LayerLog:
     """Every layer's :data:`LAYER_FIGURES` at up to :data:`LAYER_POINTS` steps of a run."""
 
@@ -181,7 +251,9 @@ class _LayerLog:
 
 
 def _same_everywhere(model: nn.Module, world_size: int) -> None:
-    """Check (cheaply) that every rank holds the same parameters."""
+    """Check (cheaply) that every rank holds the same parameters (DDP; FSDP keeps one copy)."""
+    if any(type(p).__name__ == "DTensor" for p in model.parameters()):
+        return
     total = sum(float(p.double().sum()) for p in model.parameters())
     everyone: list[float | None] = [None] * world_size
     dist.all_gather_object(everyone, total)
@@ -195,9 +267,8 @@ def _train_digits(
     x_tr, y_tr, x_te, y_te = load_digits_tensors()
     torch.manual_seed(seed)
     model = DigitsCNN()
-    ddp = DDP(model)
     record = rank == 0 and seed == 0
-    sent, state = attach_hook(ddp, hook, group, stats=record)
+    ddp, sent, state = prepare(model, hook, group, stats=record)
     opt = torch.optim.SGD(ddp.parameters(), lr=cfg["digits_lr"] / LOSS_SCALE, momentum=0.9)
     shard_x, shard_y = x_tr[rank::world_size], y_tr[rank::world_size]
     batch = cfg["digits_batch"]
@@ -256,9 +327,8 @@ def _train_markov(
     data = markov_data(cfg["lm_vocab"], cfg["lm_seq_len"], cfg["lm_train"], cfg["lm_test"])
     torch.manual_seed(seed)
     model = TinyLM(cfg["lm_vocab"], cfg["lm_seq_len"], cfg["lm_dim"], cfg["lm_depth"])
-    ddp = DDP(model)
     record = rank == 0 and seed == 0
-    sent, state = attach_hook(ddp, hook, group, stats=record)
+    ddp, sent, state = prepare(model, hook, group, stats=record)
     steps = cfg["lm_steps"]
     layers = _LayerLog(state if record else None, model, steps)
     opt = torch.optim.AdamW(ddp.parameters(), lr=cfg["lm_lr"], weight_decay=0.01)
@@ -341,13 +411,14 @@ def _one_seed(rank: int, world_size: int, seed: int, cfg: dict) -> list[dict]:
 def _summary(runs: list[dict], hooks: list[str], tasks: list[str]) -> list[dict]:
     rows = []
     for task in tasks:
-        fp32 = [r["bytes_per_step"] for r in runs if r["task"] == task and r["hook"] == "fp32"]
+        base = "fp32" if "fp32" in hooks else "fsdp-fp32"
+        fp32 = [r["bytes_per_step"] for r in runs if r["task"] == task and r["hook"] == base]
         fp32_bytes = statistics.fmean(fp32) if fp32 else None
         for hook in hooks:
             mine = [r for r in runs if r["task"] == task and r["hook"] == hook]
             if not mine:
                 continue
-            row: dict[str, Any] = {"task": task, "hook": hook, "setup": HOOKS[hook]}
+            row: dict[str, Any] = {"task": task, "hook": hook, "setup": _SETUPS[hook]}
             for metric in mine[0]["final"]:
                 vals = [r["final"][metric] for r in mine]
                 row[metric] = {
@@ -374,7 +445,14 @@ def main(argv: list[str] | None = None) -> dict:
     parser.add_argument("--world-size", type=int, default=4)
     parser.add_argument("--seeds", type=int, default=3)
     parser.add_argument("--tasks", nargs="+", choices=TASKS, default=list(TASKS))
-    parser.add_argument("--hooks", nargs="+", choices=list(HOOKS), default=list(HOOKS))
+    parser.add_argument(
+        "--hooks", nargs="+", choices=list(_SETUPS), default=None, help="default: all of the mode's"
+    )
+    parser.add_argument(
+        "--fsdp",
+        action="store_true",
+        help="train with FSDP2 (fully_shard) and the setups of FSDP_HOOKS; writes accuracy_fsdp.*",
+    )
     parser.add_argument("--digits-epochs", type=int, default=15)
     parser.add_argument("--digits-batch", type=int, default=32, help="per rank")
     parser.add_argument("--digits-lr", type=float, default=0.1, help="before the 2**10 factor")
@@ -402,6 +480,8 @@ def main(argv: list[str] | None = None) -> dict:
         help="no training: recompute the summary, markdown and plots of this accuracy.json",
     )
     args = parser.parse_args(argv)
+    if args.hooks is None:
+        args.hooks = list(FSDP_HOOKS if args.fsdp else HOOKS)
     command = "python -m benchmarks.accuracy " + " ".join(sys.argv[1:] if argv is None else argv)
     print(command, flush=True)
     if args.render is not None:
@@ -433,17 +513,23 @@ def main(argv: list[str] | None = None) -> dict:
     return result
 
 
+def _prefix(result: dict) -> str:
+    """File name stem: ``accuracy`` (DDP) or ``accuracy_fsdp`` (``--fsdp``)."""
+    return "accuracy_fsdp" if result["settings"].get("fsdp") else "accuracy"
+
+
 def _write(result: dict, out: Path, json_too: bool = True) -> None:
     out.mkdir(parents=True, exist_ok=True)
+    stem = _prefix(result)
     if json_too:
-        (out / "accuracy.json").write_text(json.dumps(result, indent=1))
-    (out / "accuracy.md").write_text(markdown(result))
+        (out / f"{stem}.json").write_text(json.dumps(result, indent=1))
+    (out / f"{stem}.md").write_text(markdown(result))
     for task in result["settings"]["tasks"]:
-        _plot(result, task, out / f"accuracy_{task}.png")
+        _plot(result, task, out / f"{stem}_{task}.png")
     if _layer_runs(result):
-        _plot_layers(result, out / "accuracy_layers.png")
-    print((out / "accuracy.md").read_text())
-    print(f"wrote {out}/accuracy.md and plots" + (" and accuracy.json" if json_too else ""))
+        _plot_layers(result, out / f"{stem}_layers.png")
+    print((out / f"{stem}.md").read_text())
+    print(f"wrote {out}/{stem}.md and plots" + (f" and {stem}.json" if json_too else ""))
 
 
 def _machine() -> dict:
@@ -470,12 +556,22 @@ def markdown(result: dict) -> str:
     """
     s = result["settings"]
     m = result["machine"]
+    stem = _prefix(result)
+    fsdp = bool(s.get("fsdp"))
+    wrapper = (
+        "FSDP2 (fully_shard on every layer or transformer block, then the root; bytes per "
+        "step of FSDP's own reduce-scatter: its input, every padded gradient in the reduce "
+        "dtype)"
+        if fsdp
+        else "real DDP"
+    )
     lines = [
-        "# Accuracy of full training runs, per communication hook",
+        "# Accuracy of full training runs, per "
+        + ("FSDP2 gradient reduce-scatter" if fsdp else "communication hook"),
         "",
         f"`{result['command']}`",
         "",
-        f"{s['world_size']} ranks: real processes, {m['backend']}, real DDP; {m['cpus']} CPU "
+        f"{s['world_size']} ranks: real processes, {m['backend']}, {wrapper}; {m['cpus']} CPU "
         f"cores shared with other jobs (niced), torch {m['torch']}. {s['seeds']} seeds "
         f"(initialisation and data order); mean ± sample standard deviation, min-max in "
         f"brackets. Bytes per step: payload bytes one rank hands to collectives in the last "
@@ -504,7 +600,7 @@ def markdown(result: dict) -> str:
                 f"{_fmt_stat(r['test_loss'], 3)} | {r['bytes_per_step']:,} | "
                 f"{_ratio(r['bytes_vs_fp32'])} |"
             )
-        lines += ["", "![digits curves](accuracy_digits.png)", ""]
+        lines += ["", f"![digits curves]({stem}_digits.png)", ""]
     if "markov" in s["tasks"]:
         oracle = next(r["oracle"] for r in result["runs"] if r["task"] == "markov")
         lines += [
@@ -528,7 +624,7 @@ def markdown(result: dict) -> str:
                 f"{_fmt_stat(a)} | [{a['min']:.4f}, {a['max']:.4f}] | "
                 f"{r['bytes_per_step']:,} | {_ratio(r['bytes_vs_fp32'])} |"
             )
-        lines += ["", "![markov curves](accuracy_markov.png)", ""]
+        lines += ["", f"![markov curves]({stem}_markov.png)", ""]
     if _layer_runs(result):
         lines += [
             "## Per-layer figures over training",
@@ -538,11 +634,11 @@ def markdown(result: dict) -> str:
             f"{LAYER_POINTS} steps per run; one line per layer, dark (input side) to "
             "yellow (output side). Layers a policy sends in FP32 have no line.",
             "",
-            "![per-layer figures](accuracy_layers.png)",
+            f"![per-layer figures]({stem}_layers.png)",
             "",
         ]
     lines += ["Hook set-ups:", ""]
-    lines += [f"- `{h}`: `{HOOKS[h]}`" for h in s["hooks"]]
+    lines += [f"- `{h}`: `{_SETUPS[h]}`" for h in s["hooks"]]
     return "\n".join(lines) + "\n"
 
 
@@ -569,7 +665,7 @@ def _plot(result: dict, task: str, path: Path) -> None:
         xs = [p[xkey] for p in mine[0]]
         for ax, metric in zip(axes, metrics, strict=True):
             ys = [statistics.fmean(c[j][metric] for c in mine) for j in range(len(xs))]
-            style = "--" if hook in _TORCH_HOOKS else "-"
+            style = "--" if hook in _TORCH_HOOKS or hook in ("fsdp-fp32", "fsdp-bf16") else "-"
             ax.plot(xs, ys, style, color=f"C{i}", label=hook)
     if task == "markov":
         oracle = runs[0]["oracle"]

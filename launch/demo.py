@@ -13,6 +13,12 @@ once per hook:
   (``register(ddp, fmt="e4m3", scaling="none")``);
 * ``aps-e4m3`` / ``aps-e5m2`` — Auto Precision Scaling (``register(ddp, fmt=...)``).
 
+With ``--fsdp`` the model is sharded with FSDP2 (``fully_shard`` on its
+feature extractor and classifier, then the root) instead of DDP; ``fp32``,
+``bf16`` and ``fp16`` are then FSDP's own reduce-scatter in that
+``reduce_dtype``, and ``aps-<fmt>`` / ``naive-<fmt>`` install
+:func:`aps_comm.fsdp.register` (default list: ``fp32,bf16,naive-e4m3,aps-e4m3,aps-e5m2``).
+
 ``aps-<fmt>`` and ``naive-<fmt>`` work for any format
 :func:`aps_comm.get_format` knows (``--fmt e3m2`` adds ``aps-e3m2``). Every run
 starts from the same weights and sees the same batches in the same order.
@@ -24,6 +30,7 @@ loss curves.
 Example:
     ``aps-demo``
     ``aps-demo --epochs 5 --hooks fp32,aps-e4m3 --fmt e3m2 --json out.json --plot out.png``
+    ``aps-demo --fsdp``
 
     >>> build_parser().parse_args(["--hooks", "fp32,aps-e4m3"]).hooks
     'fp32,aps-e4m3'
@@ -51,15 +58,26 @@ from torch import nn
 from torch.distributed.algorithms.ddp_comm_hooks import default_hooks
 from torch.nn.parallel import DistributedDataParallel
 
+from aps_comm import fsdp as aps_fsdp
 from aps_comm import get_format, register
 
 from .distributed import BACKEND_ENV, init_distributed
 from .elastic import launch_elastic, torchrun_argv
 from .store import pin_loopback
 
-__all__ = ["DEFAULT_HOOKS", "build_parser", "format_table", "main", "resolve_hooks"]
+__all__ = [
+    "DEFAULT_FSDP_HOOKS",
+    "DEFAULT_HOOKS",
+    "build_parser",
+    "format_table",
+    "main",
+    "resolve_hooks",
+]
 
 DEFAULT_HOOKS = ("fp32", "fp16", "naive-e4m3", "aps-e4m3", "aps-e5m2")
+DEFAULT_FSDP_HOOKS = ("fp32", "bf16", "naive-e4m3", "aps-e4m3", "aps-e5m2")
+# --fsdp: FSDP2's own reduce-scatter in these reduce dtypes.
+_FSDP_REDUCE_DTYPES = {"fp32": torch.float32, "bf16": torch.bfloat16, "fp16": torch.float16}
 _PYTORCH_HOOKS: dict[str, Callable[..., torch.futures.Future[torch.Tensor]]] = {
     "fp32": default_hooks.allreduce_hook,
     "fp16": default_hooks.fp16_compress_hook,
@@ -89,9 +107,16 @@ def build_parser() -> argparse.ArgumentParser:
     )
     parser.add_argument(
         "--hooks",
-        default=",".join(DEFAULT_HOOKS),
-        help="comma-separated hooks to run, in order (default: %(default)s); "
+        default=None,
+        help=f"comma-separated hooks to run, in order (default: {','.join(DEFAULT_HOOKS)}; "
+        f"with --fsdp {','.join(DEFAULT_FSDP_HOOKS)}); "
         "also aps-<fmt> / naive-<fmt> for any aps_comm format",
+    )
+    parser.add_argument(
+        "--fsdp",
+        action="store_true",
+        help="shard the model with FSDP2 (fully_shard) instead of DDP; fp32/bf16/fp16 are "
+        "FSDP's own reduce-scatter in that reduce_dtype, aps-/naive- use aps_comm.fsdp",
     )
     parser.add_argument(
         "--fmt", default=None, help="extra APS wire format to add as aps-<fmt> (e.g. e3m2)"
@@ -122,8 +147,11 @@ def build_parser() -> argparse.ArgumentParser:
     return parser
 
 
-def resolve_hooks(hooks: str, fmt: str | None = None) -> list[str]:
+def resolve_hooks(hooks: str | None, fmt: str | None = None, fsdp: bool = False) -> list[str]:
     """Validate a comma-separated hook list and append ``aps-<fmt>``.
+
+    ``hooks=None`` is the default list (:data:`DEFAULT_HOOKS`, or
+    :data:`DEFAULT_FSDP_HOOKS` with ``fsdp``).
 
     Raises:
         ValueError: a name is neither a built-in hook nor ``aps-``/``naive-``
@@ -133,6 +161,9 @@ def resolve_hooks(hooks: str, fmt: str | None = None) -> list[str]:
         >>> resolve_hooks("fp32,aps-e4m3", fmt="e3m2")
         ['fp32', 'aps-e4m3', 'aps-e3m2']
     """
+    defaults = DEFAULT_FSDP_HOOKS if fsdp else DEFAULT_HOOKS
+    if hooks is None:
+        hooks = ",".join(defaults)
     names = [h.strip() for h in hooks.split(",") if h.strip()]
     if fmt is not None:
         try:
@@ -141,18 +172,20 @@ def resolve_hooks(hooks: str, fmt: str | None = None) -> list[str]:
             raise ValueError(f"--fmt: {exc}") from None
         names.append(f"aps-{fmt}")
     if not names:
-        raise ValueError(f"no hooks given; valid: {', '.join(DEFAULT_HOOKS)}")
-    unknown = [n for n in names if not _known_hook(n)]
+        raise ValueError(f"no hooks given; valid: {', '.join(defaults)}")
+    unknown = [n for n in names if not _known_hook(n, fsdp)]
     if unknown:
+        native = [*_FSDP_REDUCE_DTYPES] if fsdp else [*_PYTORCH_HOOKS]
+        valid = dict.fromkeys([*defaults, *native])
         raise ValueError(
-            f"unknown hook name(s): {', '.join(unknown)}; valid: {', '.join(DEFAULT_HOOKS)}, "
+            f"unknown hook name(s): {', '.join(unknown)}; valid: {', '.join(valid)}, "
             "or aps-<fmt> / naive-<fmt> for any aps_comm format (e.g. aps-e3m2, naive-e5m2)"
         )
     return list(dict.fromkeys(names))
 
 
-def _known_hook(name: str) -> bool:
-    if name in _PYTORCH_HOOKS:
+def _known_hook(name: str, fsdp: bool = False) -> bool:
+    if name in (_FSDP_REDUCE_DTYPES if fsdp else _PYTORCH_HOOKS):
         return True
     kind, _, fmt = name.partition("-")
     if kind not in ("aps", "naive") or not fmt:
@@ -264,6 +297,32 @@ def _attach_hook(name: str, ddp: DistributedDataParallel) -> Callable[[], int]:
     return lambda: state.bytes_sent
 
 
+def _shard(name: str, model: nn.Module) -> Callable[[], int]:
+    """``--fsdp``: fully_shard ``model`` for setup ``name``; return the last step's bytes.
+
+    FSDP's own reduce-scatter reports nothing; its bytes are its input (every
+    gradient, dim 0 padded to the world size, in the reduce dtype), what it
+    hands to the collective.
+    """
+    from torch.distributed.fsdp import MixedPrecisionPolicy, fully_shard
+
+    world = dist.get_world_size()
+    dtype = _FSDP_REDUCE_DTYPES.get(name, torch.float32)
+    padded = sum(
+        -(-p.shape[0] // world) * world * (p.numel() // p.shape[0]) for p in model.parameters()
+    )
+    mp = MixedPrecisionPolicy(reduce_dtype=dtype)
+    for unit in model.children():
+        fully_shard(unit, mp_policy=mp)
+    fully_shard(model, mp_policy=mp)
+    if name in _FSDP_REDUCE_DTYPES:
+        native = padded * dtype.itemsize
+        return lambda: native
+    kind, _, fmt = name.partition("-")
+    state = aps_fsdp.register(model, fmt, scaling="layer" if kind == "aps" else "none")
+    return lambda: state.bytes_sent
+
+
 def _batches(n_train: int, batch_size: int, seed: int, epoch: int) -> list[torch.Tensor]:
     from torch.utils.data import DistributedSampler
 
@@ -284,8 +343,13 @@ def _train_one(name: str, data: Sequence[torch.Tensor], opts: argparse.Namespace
     x_train, y_train, x_test, y_test = data
     rank = dist.get_rank()
     torch.manual_seed(opts.seed)
-    ddp = DistributedDataParallel(_DigitsCNN())
-    take_bytes = _attach_hook(name, ddp)
+    if opts.fsdp:
+        ddp = net = _DigitsCNN()
+        take_bytes = _shard(name, net)
+    else:
+        ddp = DistributedDataParallel(_DigitsCNN())
+        take_bytes = _attach_hook(name, ddp)
+        net = ddp.module
     # The loss times grad_scale and the learning rate over it: the same training
     # in FP32 (powers of two are exact, SGD is linear in the gradient), with
     # gradients as small as a large network's, the regime APS is built for.
@@ -328,14 +392,14 @@ def _train_one(name: str, data: Sequence[torch.Tensor], opts: argparse.Namespace
             epoch_loss[epoch, 1] += 1
             bar.update()
             bar.set_postfix(loss=f"{loss.item():.3f}", refresh=False)
-        accuracy_curve.append(_evaluate(ddp.module, x_test, y_test)[0])
+        accuracy_curve.append(_evaluate(net, x_test, y_test)[0])
     dist.barrier()
     seconds = time.perf_counter() - start
     bar.close()
 
     dist.all_reduce(epoch_loss)
     loss_curve = (epoch_loss[:, 0] / epoch_loss[:, 1]).tolist()
-    accuracy, test_loss = _evaluate(ddp.module, x_test, y_test)
+    accuracy, test_loss = _evaluate(net, x_test, y_test)
     return {
         "name": name,
         "test_accuracy": accuracy,
@@ -364,7 +428,8 @@ def _worker(opts: argparse.Namespace) -> int:
     torch.set_num_threads(max(1, (os.cpu_count() or 1) // dist.get_world_size()))
     try:
         data = _load_digits()
-        runs = [_train_one(name, data, opts) for name in resolve_hooks(opts.hooks)]
+        hooks = resolve_hooks(opts.hooks, fsdp=opts.fsdp)
+        runs = [_train_one(name, data, opts) for name in hooks]
         if dist.get_rank() == 0:
             record = {"runs": runs, "config": _config(opts)}
             opts.worker_output.write_text(json.dumps(record, indent=2))
@@ -384,6 +449,7 @@ def _config(opts: argparse.Namespace) -> dict[str, Any]:
         "batch_size_per_rank": opts.batch_size,
         "optimizer": "SGD(momentum=0.9), cosine learning rate",
         "dataset": "sklearn digits, 75/25 stratified split",
+        "wrapper": "FSDP2 (fully_shard)" if opts.fsdp else "DDP",
     }
 
 
@@ -461,6 +527,7 @@ def _worker_argv(opts: argparse.Namespace, hooks: Sequence[str], output: Path) -
         str(opts.batch_size),
         "--worker-output",
         str(output),
+        *(["--fsdp"] if opts.fsdp else []),
     ]
 
 
@@ -502,7 +569,7 @@ def main(argv: Sequence[str] | None = None) -> int:
     if opts.worker_output is not None:
         return _worker(opts)
     try:
-        hooks = resolve_hooks(opts.hooks, opts.fmt)
+        hooks = resolve_hooks(opts.hooks, opts.fmt, fsdp=opts.fsdp)
     except ValueError as exc:
         parser.error(str(exc))
     if opts.nproc < 1 or opts.epochs < 1 or opts.batch_size < 1 or not math.isfinite(opts.lr):
@@ -527,7 +594,9 @@ def main(argv: Sequence[str] | None = None) -> int:
     runs = result["runs"]
     print()
     print(
-        f"{result['config']['world_size']} ranks, {opts.epochs} epochs, "
+        f"{result['config']['world_size']} ranks"
+        + (" (FSDP2)" if opts.fsdp else "")
+        + f", {opts.epochs} epochs, "
         f"batch {opts.batch_size}/rank, lr {opts.lr}, seed {opts.seed}, "
         f"gradients x {opts.grad_scale:g} (lr / {opts.grad_scale:g})"
     )

@@ -338,3 +338,39 @@ def _peer_stalls(rank: int, n: int) -> str:
 def test_stalled_peer_is_an_error_naming_the_collective() -> None:
     msg = run_distributed(_peer_stalls, 2, timeout=60, pg_timeout=3)[0]
     assert "aps_comm.fsdp, unit" in msg and "MAX all-reduce" in msg, msg
+
+
+def test_perfmodel_fsdp_reduce_scatter() -> None:
+    """The FSDP mode of the perf model: bytes and the relations between the setups."""
+    from aps_perfmodel.cluster import custom_cluster
+    from aps_perfmodel.fsdp import FSDPUnit, fsdp_step, padded_numel, reduce_scatter_time
+
+    assert padded_numel([(5, 3), (7,), (1,)], 4) == 8 * 3 + 8 + 4
+    c = custom_cluster(125e6, 50e-6, nodes=4, device="cpu")
+    unit = FSDPUnit(2**22, 3)
+    n, frac = 2**22, 3 / 4
+    rs = {f: reduce_scatter_time(unit, f, c, "nccl") for f in ("fp32", "bf16", "e4m3")}
+    assert rs["fp32"].wire_bytes == 4 * n * frac and rs["bf16"].wire_bytes == 2 * n * frac
+    assert rs["e4m3"].wire_bytes == n * frac  # one byte per element, no all-gather
+    assert rs["e4m3"].maxima_s > 0 and rs["fp32"].maxima_s == 0
+    # Gloo emulates the reduce-scatter with an all-reduce: twice the traffic.
+    gloo = reduce_scatter_time(unit, "fp32", c, "gloo")
+    assert gloo.wire_bytes == 2 * rs["fp32"].wire_bytes and gloo.total_s > rs["fp32"].total_s
+    assert reduce_scatter_time(unit, "e4m3", c, "gloo") == rs["e4m3"]
+    steps = {f: fsdp_step([unit] * 2, f, c, backend="gloo") for f in ("fp32", "bf16", "e4m3")}
+    assert steps["fp32"].all_gather_s == steps["e4m3"].all_gather_s > 0
+    assert steps["fp32"].step_s > steps["bf16"].step_s > steps["e4m3"].step_s
+    one = custom_cluster(125e6, 50e-6, nodes=1, device="cpu")
+    assert fsdp_step([unit], "e4m3", one).step_s == 0.0
+    with pytest.raises(ValueError, match="backend"):
+        fsdp_step([unit], "e4m3", c, backend="mpi")
+
+
+def test_demo_fsdp_hook_names() -> None:
+    from aps_launch.demo import DEFAULT_FSDP_HOOKS, build_parser, resolve_hooks
+
+    assert build_parser().parse_args(["--fsdp"]).fsdp
+    assert resolve_hooks(None, fsdp=True) == list(DEFAULT_FSDP_HOOKS)
+    assert resolve_hooks("bf16,aps-e3m2", fsdp=True) == ["bf16", "aps-e3m2"]
+    with pytest.raises(ValueError, match="bf16"):
+        resolve_hooks("bf16")  # DDP has no bf16 hook on CPU in the demo
