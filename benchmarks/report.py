@@ -24,6 +24,7 @@ from pathlib import Path
 from typing import Any
 
 from benchmarks import accuracy, numerics
+from benchmarks import fsdp as fsdp_bench
 from benchmarks.perfmodel_validate import all_runs
 
 __all__ = ["build", "main"]
@@ -509,9 +510,38 @@ def _perfmodel(results: Path, out: Path) -> list[str]:
     return lines
 
 
+_FSDP_FILES = ("fsdp_2ranks.json", "fsdp_4ranks_250mbit.json")
+
+
+def _fsdp(results: Path, out: Path) -> list[str]:
+    """FSDP2: the accuracy benchmark's --fsdp run and the step-time benchmark."""
+    lines = ["## FSDP2: APS reduce-scatter", ""]
+    acc = _load(results, "accuracy_fsdp.json")
+    if acc is None:
+        lines += ["Accuracy: not yet run (`python -m benchmarks.accuracy --fsdp`).", ""]
+    else:
+        rel = Path(os.path.relpath(results.resolve(), out.resolve())).as_posix()
+        lines += [f"Source: {_link(results, out, 'accuracy_fsdp.json')}.", ""]
+        lines += [
+            re.sub(r"\]\((accuracy_fsdp_[a-z]+\.png)\)", rf"]({rel}/\1)", line)
+            for line in _demote(accuracy.markdown(acc))
+        ]
+        lines.append("")
+    for name in _FSDP_FILES:
+        data = _load(results, name)
+        lines += [f"### Step time, {name}", ""]
+        if data is None:
+            lines += ["Not yet run (`python -m benchmarks.fsdp`).", ""]
+            continue
+        lines += [f"Source: {_link(results, out, name)}.", "", fsdp_bench.markdown(data)]
+    return lines
+
+
 _KNOWN = {
     "numerics.json",
     "accuracy.json",
+    "accuracy_fsdp.json",
+    *_FSDP_FILES,
     *(name for name, _, _ in _COMM_FILES),
     "codec.json",
     "restarts.json",
@@ -548,6 +578,7 @@ SECTIONS: list[Callable[[Path, Path], list[str]]] = [
     _cluster,
     _simulator,
     _perfmodel,
+    _fsdp,
     _others,
 ]
 

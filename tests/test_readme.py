@@ -118,6 +118,19 @@ EXEMPT: dict[str, str] = {
     "mpirun -n 16 -ppn 8 -f hosts aps-launch --mpi --backend nccl train.py": _MPI,
     "mpirun -np 16 --hostfile hosts --map-by ppr:8:node aps-launch --mpi train.py": _MPI,
     "mpirun -n 16 python train.py": _MPI,
+    "aps-demo --fsdp": (
+        "the demo's five runs under FSDP2 (~2 min on 2 cores); tests/test_fsdp.py checks its "
+        "setup names and runs FSDP2 training with and without APS"
+    ),
+    "python -m benchmarks.fsdp --ranks 2 --bandwidth 1gbit --json "
+    "benchmarks/results/fsdp_2ranks.json": (
+        "a timing benchmark on the emulated cluster (needs root for network namespaces); "
+        "its results are benchmarks/results/fsdp_*.json"
+    ),
+    "python -m benchmarks.accuracy --fsdp": (
+        "the FSDP2 accuracy benchmark, 4 ranks x 3 seeds x 4 setups x 2 tasks; its results "
+        "are benchmarks/results/accuracy_fsdp.json"
+    ),
 }
 
 
@@ -426,6 +439,15 @@ def _check_accelerate(proc: subprocess.CompletedProcess[str], cwd: Path) -> None
     assert not all(torch.equal(residuals[0][k], residuals[1][k]) for k in residuals[0])
 
 
+def _check_fsdp(proc: subprocess.CompletedProcess[str], cwd: Path) -> None:
+    _check_ok(proc, cwd)
+    (line,) = re.findall(
+        r"^30 steps, loss ([.\d]+), (\d+) bytes in the last one$", proc.stdout, re.M
+    )
+    # e4m3: one byte per padded gradient element (4866) plus 4 per parameter and unit (36).
+    assert float(line[0]) < 2.0 and int(line[1]) == 4902, proc.stdout
+
+
 def _check_tensorboard(proc: subprocess.CompletedProcess[str], cwd: Path) -> None:
     _check_ok(proc, cwd)
     scalars = _scalars(cwd / "runs" / "aps")  # written by rank 0 only: one event file
@@ -472,6 +494,7 @@ RUN: dict[str, _Run] = {
     "torchrun --standalone --nproc_per_node 2 train_tensorboard.py": _Run(
         _check_tensorboard, slow=True
     ),
+    "torchrun --standalone --nproc_per_node 2 train_fsdp.py": _Run(_check_fsdp, slow=True),
     "ruff check .": _Run(_check_ok, in_checkout=True),
     "ruff format --check .": _Run(_check_ok, in_checkout=True),
 }
