@@ -487,6 +487,11 @@ def _perfmodel(results: Path, out: Path) -> list[str]:
                 ),
             ]
         lines.append("")
+    scale = results / "perfmodel_scale.md"
+    if scale.exists():
+        lines += ["### Predictions at scale", "", *_demote(scale.read_text())[1:], ""]
+        png = os.path.relpath((results / "perfmodel_scale.png").resolve(), out.resolve())
+        lines += [f"![communication speedup vs ranks]({Path(png).as_posix()})", ""]
     lit = results / "perfmodel_literature.md"
     if lit.exists():
         text = lit.read_text()
@@ -520,6 +525,7 @@ _KNOWN = {
     "simulate_roundoff.json",
     "simulate_training.json",
     "perfmodel_validation.json",
+    "perfmodel_scale.json",
 }
 
 

@@ -247,7 +247,7 @@ def _chosen_notes(pred: Prediction) -> list[str]:
             parts = ", ".join(f"{s} for {n} bucket{'s' * (n != 1)}" for s, n in r.chosen.items())
             chunks = sorted({b.comm.chunks for b in pred.steps[r.format].buckets})
             notes.append(
-                f"{r.format} auto chose {parts} (chunks per bucket: {', '.join(map(str, chunks))})"
+                f"auto for {r.format}: {parts} (chunks per bucket: {', '.join(map(str, chunks))})"
             )
     return ["", *notes] if notes else []
 
