@@ -487,6 +487,16 @@ class APSState:
         x = buffer if buffer.dtype == torch.float32 else buffer.float()
         if self.error_feedback:
             self._add_residuals(x, numels, names)
+        if self._promoter is None and not self.error_feedback:
+            # Formats known before the maxima: a bucket that goes entirely in
+            # FP32 (auto's choice, or a schedule) needs neither maxima nor scales.
+            fmts = self._formats(params)
+            reductions = self._bucket_choice(plan, fmts)
+            if all(f == FP32 or reductions[f] == "fp32" for f in fmts):
+                transports.fp32_mean(x, self.process_group, self._world_size, self._count)
+                if any(f != FP32 for f in fmts):
+                    self.bucket_reductions[b.index] = "fp32"
+                return functools.partial(self._finish_bucket, b, x, None)
 
         amax = codec.segment_amax(x, plan.layout)
         n_layers = len(numels)

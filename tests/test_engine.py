@@ -277,3 +277,47 @@ def test_fifo_worker_order_and_failure() -> None:
         later.wait()
     worker.close()
     assert not worker.alive
+
+
+# ---------------------------------------------------------------------------
+# auto's per-bucket choice with a calibrated profile
+
+
+def _auto_with_profile(rank: int, world_size: int) -> tuple[dict[int, str], dict[str, int]]:
+    from test_hook import reference
+
+    from aps_perfmodel.collectives import LinkParams
+    from aps_perfmodel.profile import Profile
+
+    # 1 ms per message, 1 Gbit/s: FP32 wins below ~10^5 elements, two_phase above.
+    profile = Profile(world_size=2, backend="gloo", link=LinkParams(alpha=1e-3, beta=8e-9))
+    torch.manual_seed(0)
+    # Rebuilt buckets follow the gradients' order: the big layer fills bucket 0
+    # (above DDP's 1 MB first bucket), the small one is bucket 1.
+    model = nn.Sequential(nn.Linear(16, 8), nn.Linear(8, 65536))
+    ddp = DDP(model, bucket_cap_mb=0.25)
+    state = APSState("e4m3", profile=profile)
+    log: list = []
+    from test_hook import _capture, _gather
+
+    ddp.register_comm_hook(state, _capture(state, log))
+    torch.manual_seed(rank)
+    for _ in range(2):  # DDP re-buckets after the first step
+        log.clear()
+        ddp(torch.randn(4, 16)).pow(2).sum().backward()
+    e4m3 = get_format("e4m3")
+    for index, raw, numels, out in log:
+        raws = _gather(raw)
+        if state.bucket_reductions[index] == "fp32":
+            expected = raws[0] / 2 + raws[1] / 2  # allreduce_hook: divide, then sum
+        else:
+            expected = reference(raws, numels, e4m3, "two_phase", "layer")
+        assert torch.equal(out, expected), (state.bucket_reductions, numels)
+    return dict(state.bucket_reductions), dict(state.bytes_detail)
+
+
+def test_auto_sends_small_buckets_in_fp32_with_a_profile() -> None:
+    for chosen, detail in run_distributed(_auto_with_profile, 2, timeout=120):
+        assert sorted(set(chosen.values())) == ["fp32", "two_phase"], (chosen, detail)
+        # Only the two_phase bucket's layers travel as maxima.
+        assert detail["all_reduce_max"] > 0 and detail["all_reduce"] > 0
