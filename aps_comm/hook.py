@@ -27,7 +27,9 @@ import dataclasses
 import datetime
 import functools
 import math
+import os
 import time
+import warnings
 from collections.abc import Callable, Sequence
 
 import torch
@@ -43,6 +45,7 @@ from aps_comm.policy import describe as describe_policy
 from aps_comm.reduction import REDUCTIONS, Reduction, pick_reduction
 from aps_comm.scaling import SCALINGS, Scaling, exponents, pow2
 from aps_comm.telemetry import LayerStats, layer_stats
+from aps_comm.topology import NodeGroups, check_topology, env_ranks_per_node, node_groups
 
 __all__ = ["APSConfig", "APSState", "aps_hook", "register"]
 
@@ -105,9 +108,11 @@ class APSState:
             "fp32" is a plain averaging all-reduce, bit for bit PyTorch's
             ``allreduce_hook``.
         reduction: "allreduce" (native sum in the wire dtype), "two_phase"
-            (all-to-all, FP32 sum, all-gather) or "auto" (native where the
-            backend sums the wire dtype: FP16/BF16 always, FP8 on NCCL >= 2.24
-            with sm_90+; else two_phase). Resolved per format.
+            (all-to-all, FP32 sum, all-gather), "hierarchical" (FP32
+            reduce-scatter inside each node, two_phase across nodes, all-gather
+            inside the node; only the wire format crosses nodes) or "auto"
+            (native where the backend sums the wire dtype: FP16/BF16 always,
+            FP8 on NCCL >= 2.24 with sm_90+; else two_phase). Resolved per format.
         scaling: "layer" (APS, one exponent per parameter tensor), "bucket"
             (one per bucket and format) or "none" (plain saturating cast).
         process_group: group to communicate on; default: a new group over all ranks.
@@ -119,14 +124,20 @@ class APSState:
             for two_phase its re-encoding as shard owner) and add it back next
             step. Memory: one float32 copy of the gradients per rank. The
             rounding of native low-precision sums inside the backend is not
-            compensated.
+            compensated. Not with ``reduction="hierarchical"``.
+        ranks_per_node: ranks on each node, for hierarchical reductions; None
+            reads ``LOCAL_WORLD_SIZE`` (set by torchrun, aps-launch and the
+            SLURM and MPI launchers), else 1. Ranks must be numbered node by
+            node; every rank checks what the others see when it binds.
 
     Attributes:
         stats: the last step's per-layer records (with ``stats=True``).
         bytes_sent: payload bytes this rank handed to collectives in the last
             step: the maxima plus the encoded buckets (see ``bytes_detail``).
         bytes_detail: the same per collective: "all_reduce_max", "all_to_all",
-            "all_gather", "all_reduce".
+            "all_gather", "all_reduce"; hierarchical adds the in-node
+            "node_all_to_all" (FP32) and "node_all_gather" ("all_to_all" and
+            "all_gather" are then what crosses nodes).
         step: steps communicated so far.
         chunk_elements: elements per pipelined chunk of a bucket; None (the
             default) sizes them per bucket from how long its last exchange
@@ -148,8 +159,22 @@ class APSState:
         stats: bool = False,
         policy: Sequence[Rule] | None = None,
         error_feedback: bool = False,
+        ranks_per_node: int | None = None,
     ) -> None:
         self.config = APSConfig(get_format(fmt), reduction, scaling)
+        if ranks_per_node is not None and (
+            isinstance(ranks_per_node, bool)
+            or not isinstance(ranks_per_node, int)
+            or ranks_per_node < 1
+        ):
+            raise ValueError(f"ranks_per_node must be a positive integer, got {ranks_per_node!r}")
+        if error_feedback and reduction == "hierarchical":
+            raise ValueError(
+                "error_feedback is not supported with reduction='hierarchical' (the node "
+                "sums are rounded once for L ranks); use reduction='two_phase'"
+            )
+        self.ranks_per_node = ranks_per_node
+        self.nodes: NodeGroups | None = None
         self.process_group = process_group
         self.collect_stats = bool(stats)
         self.policy: list[Rule] = list(policy or [])
@@ -246,13 +271,46 @@ class APSState:
         world_size = self.process_group.size()
         # Agree on the configuration before anything can raise on one rank only:
         # a rank that raised alone would leave the others blocked in a collective.
-        mine = self.describe()
-        everyone: list[str | None] = [None] * world_size
+        mine = (self.describe(), self._seen_topology())
+        everyone: list = [None] * world_size
         dist.all_gather_object(everyone, mine, group=self.process_group)
-        if any(c != mine for c in everyone):
-            listing = "; ".join(f"rank {r}: {c}" for r, c in enumerate(everyone))
+        if any(c[0] != mine[0] for c in everyone):
+            listing = "; ".join(f"rank {r}: {c[0]}" for r, c in enumerate(everyone))
             raise ValueError(f"APSState configuration differs across ranks: {listing}")
+        self._bind_nodes([c[1] for c in everyone], world_size, timeout)
         self._world_size = world_size
+
+    def _seen_topology(self) -> tuple[int, int | None]:
+        """(ranks per node, LOCAL_RANK) as this rank sees them; errors wait for the others."""
+        try:
+            per = self.ranks_per_node or env_ranks_per_node() or 1
+        except ValueError:
+            per = 0  # reported by check_topology on every rank
+        local = os.environ.get("LOCAL_RANK")
+        explicit = self.ranks_per_node is not None
+        return per, int(local) if local and local.isdigit() and not explicit else None
+
+    def _bind_nodes(
+        self,
+        seen: list[tuple[int, int | None]],
+        world_size: int,
+        timeout: datetime.timedelta | None,
+    ) -> None:
+        """Check the topology on every rank and create the groups hierarchical reductions use."""
+        wanted = self.config.reduction == "hierarchical"
+        try:
+            topology = check_topology(seen, world_size)
+        except ValueError as exc:
+            if wanted or self.ranks_per_node is not None:
+                raise
+            warnings.warn(
+                f"aps_comm: no hierarchical reduction: {exc}", RuntimeWarning, stacklevel=3
+            )
+            return
+        if wanted or (self.config.reduction == "auto" and 1 < topology.ranks_per_node < world_size):
+            group = self.process_group
+            assert group is not None
+            self.nodes = node_groups(topology, group, timeout or transports.group_timeout(group))
 
     def _bind(self, buffer: torch.Tensor) -> None:
         self.bind_process_group()
@@ -299,7 +357,9 @@ class APSState:
 
     def _end_step(self) -> None:
         self.bytes_detail = self._step_bytes
-        self.bytes_sent = sum(v for k, v in self._step_bytes.items() if k != "all_gather")
+        self.bytes_sent = sum(
+            v for k, v in self._step_bytes.items() if not k.endswith("all_gather")
+        )
         self.stats = self._step_stats
         self._step_bytes = {}
         self._step_stats = []
@@ -392,7 +452,10 @@ class APSState:
             chunk = self.chunk_elements or CHUNK_ELEMENTS
 
         fmts = self._formats(params)
-        groups = plan.group(fmts, self._reductions, self._world_size, chunk)
+        node = None
+        if self.nodes is not None:
+            node = (self.nodes.topology.ranks_per_node, dist.get_rank(self.process_group))
+        groups = plan.group(fmts, self._reductions, self._world_size, chunk, node)
         start = time.perf_counter()
         layers = torch.split(x, numels) if len(groups) > 1 else [x]
         tail = None
@@ -441,6 +504,8 @@ class APSState:
                 for name in gnames:
                     self._residuals.pop(name or "", None)
             return None
+        if g.reduction == "hierarchical":
+            return self._reduce_across_nodes(g, x, amax, gnames, bucket_index, defer)
         two_phase = g.reduction == "two_phase"
         exps = exponents(
             amax,
@@ -470,6 +535,43 @@ class APSState:
                 g, x, scale, unscale, group, n_ranks, self._count, after_encode, owner, defer
             )
         return transports.native(g, x, scale, unscale, group, self._count, after_encode, defer)
+
+    def _reduce_across_nodes(
+        self,
+        g: GroupPlan,
+        x: torch.Tensor,
+        amax: torch.Tensor,
+        gnames: list[str | None],
+        bucket_index: int,
+        defer: bool,
+    ) -> Callable[[], None] | None:
+        """Hierarchical two_phase of one format group: exponents for each stage, then the wire."""
+        nodes, fmt, scaling = self.nodes, g.fmt, self.config.scaling
+        assert nodes is not None
+        per_node, n_nodes = nodes.topology.ranks_per_node, nodes.topology.nodes
+        # The node sums add L gradients: headroom L. The mean sent back needs none.
+        inner = exponents(
+            amax, fmt, world_size=n_nodes, reduction="two_phase", scaling=scaling, headroom=per_node
+        )
+        outer = exponents(
+            amax, fmt, world_size=self._world_size, reduction="two_phase", scaling=scaling
+        )
+        unscale = torch.where(torch.isfinite(amax), pow2(-outer), float("nan"))
+        if self.collect_stats:
+            self._step_stats += layer_stats(
+                torch.split(x, g.numels), gnames, bucket_index, fmt, inner, amax
+            )
+        return transports.hierarchical(
+            g,
+            x,
+            pow2(inner),
+            pow2(outer - inner),
+            unscale,
+            nodes,
+            self._world_size,
+            self._count,
+            defer,
+        )
 
     def _add_residuals(self, x: torch.Tensor, numels: list[int], names: list[str | None]) -> None:
         have = [
@@ -679,6 +781,7 @@ def register(
     stats: bool = False,
     policy: Sequence[Rule] | None = None,
     error_feedback: bool = False,
+    ranks_per_node: int | None = None,
 ) -> APSState:
     """Build an :class:`APSState`, register :func:`aps_hook` on ``ddp``, return the state.
 
@@ -696,7 +799,9 @@ def register(
             "process_group= (a group over the same ranks, separate from DDP's) so the "
             "hook's collectives stay among those ranks"
         )
-    state = APSState(fmt, reduction, scaling, process_group, stats, policy, error_feedback)
+    state = APSState(
+        fmt, reduction, scaling, process_group, stats, policy, error_feedback, ranks_per_node
+    )
     state.bind_model(ddp.module)
     if dist.is_available() and dist.is_initialized():
         state.bind_process_group()

@@ -17,7 +17,7 @@ from __future__ import annotations
 
 import dataclasses
 import math
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 
 import torch
 
@@ -29,6 +29,7 @@ __all__ = [
     "MESSAGE_OVERHEAD_S",
     "BucketPlan",
     "GroupPlan",
+    "NodePlan",
     "chunk_bounds",
     "pipelined_chunk",
     "shard_layout",
@@ -100,13 +101,57 @@ def chunk_bounds(numel: int, chunk_elements: int) -> list[tuple[int, int]]:
 
 
 @dataclasses.dataclass
+class NodePlan:
+    """How hierarchical two_phase cuts each chunk: slices per local rank, shards per node.
+
+    Chunk c of n elements is cut into L slices of ``slices[c]`` elements (the
+    last ones short or empty); local rank l owns slice l: it receives that
+    slice from every rank of its node (FP32), sums them, encodes the sum and
+    exchanges it in M shards with the ranks of local rank l on the other
+    nodes. ``slices[c]`` is a multiple of M (of 2M for 4-bit formats), so
+    shards and slices hold whole bytes and the gathered slices are the
+    chunk's payload end to end.
+
+    Attributes:
+        ranks_per_node: L.
+        nodes: M.
+        local_rank: this rank's local rank.
+        slices: per chunk, elements per slice (padded).
+        splits: per chunk, the valid elements of each local rank's slice.
+        node: this rank's node.
+        shard_valid: per chunk, the valid elements of the shard this rank owns.
+        slice_windows: per chunk, the segments of this rank's slice (its valid part).
+        shard_windows: per chunk, the segments of its shard (its valid part).
+        sum_regions: per chunk, this rank's range in ``sums`` (L x its slice).
+        slice_regions: per chunk, its encoded slice's bytes in ``encoded`` (and
+            the inter-node exchange's in the group plan's ``recv``).
+        sums: float32 scratch receiving the node's slices.
+        encoded: uint8 scratch for this rank's encoded slices.
+    """
+
+    ranks_per_node: int
+    nodes: int
+    local_rank: int
+    node: int
+    slices: list[int]
+    splits: list[list[int]]
+    shard_valid: list[int]
+    slice_windows: list[Layout]
+    shard_windows: list[Layout]
+    sum_regions: list[tuple[int, int]]
+    slice_regions: list[tuple[int, int]]
+    sums: torch.Tensor
+    encoded: torch.Tensor
+
+
+@dataclasses.dataclass
 class GroupPlan:
     """Layers of one bucket that travel in one format, and how they travel.
 
     Attributes:
         fmt: the wire format.
         reduction: "fp32" (plain averaging all-reduce), "allreduce" (native
-            sum in the wire dtype) or "two_phase".
+            sum in the wire dtype), "two_phase" or "hierarchical".
         index: positions of the group's layers in the bucket.
         index_tensor: the same on the bucket's device (to pick their maxima).
         numels: the layers' sizes.
@@ -115,11 +160,13 @@ class GroupPlan:
         chunks: element ranges pipelined one after another.
         windows: each chunk's segment layout.
         regions: each chunk's byte range in ``send``/``recv`` (two_phase: N padded
-            shards; native: the chunk's payload).
-        shard_regions: two_phase: each chunk's reduced shard in ``shards``.
+            shards; native: the chunk's payload; hierarchical: L padded slices
+            in ``send``, this rank's slice's M shards in ``recv``).
+        shard_regions: two_phase and hierarchical: each chunk's reduced shard in ``shards``.
         send: scratch for the encoded chunks (two_phase also gathers into it).
         recv: two_phase: scratch for the received shards.
         shards: two_phase: scratch for the owner's reduced shards.
+        node: hierarchical: the slices and their scratch.
     """
 
     fmt: FloatFormat
@@ -136,6 +183,7 @@ class GroupPlan:
     send: torch.Tensor
     recv: torch.Tensor
     shards: torch.Tensor
+    node: NodePlan | None = None
 
     @property
     def numel(self) -> int:
@@ -185,22 +233,27 @@ class BucketPlan:
         reductions: dict,
         world_size: int,
         chunk_elements: int,
+        node: tuple[int, int] | None = None,
     ) -> list[GroupPlan]:
         """The group plans for this step's per-layer formats (built on first use).
 
         Args:
             fmts: each layer's wire format this step.
-            reductions: each format's resolved reduction ("allreduce" or
-                "two_phase"), keyed by format or name; FP32 is always a plain
-                all-reduce.
+            reductions: each format's resolved reduction ("allreduce",
+                "two_phase" or "hierarchical"), keyed by format or name; FP32
+                is always a plain all-reduce.
             world_size: ranks N.
             chunk_elements: largest chunk, in elements.
+            node: (ranks per node L, this rank), for hierarchical.
 
         Returns:
             One plan per format, in order of first appearance (the same on every rank).
         """
         formats = [get_format(f) for f in fmts]
-        key = (tuple(formats), world_size, chunk_elements)
+        chosen = tuple(
+            reductions.get(f, reductions.get(f.name)) if f != FP32 else "fp32" for f in formats
+        )
+        key = (tuple(formats), world_size, chunk_elements, chosen, node)
         cached = self.groups.get(key)
         if cached is None:
             # One chunking per format mix: a new chunk size frees the old scratch.
@@ -209,7 +262,9 @@ class BucketPlan:
             for i, f in enumerate(formats):
                 order.setdefault(f, []).append(i)
             cached = [
-                self._group_plan(f, idx, len(order) == 1, reductions, world_size, chunk_elements)
+                self._group_plan(
+                    f, idx, len(order) == 1, reductions, world_size, chunk_elements, node
+                )
                 for f, idx in order.items()
             ]
             self.groups[key] = cached
@@ -223,14 +278,26 @@ class BucketPlan:
         reductions: dict,
         world_size: int,
         chunk_elements: int,
+        node: tuple[int, int] | None,
     ) -> GroupPlan:
         numels = [self.numels[i] for i in index]
         layout = Layout.from_numels(numels, self.device)
         reduction = "fp32" if fmt == FP32 else reductions.get(fmt, reductions.get(fmt.name))
-        if reduction not in ("fp32", "allreduce", "two_phase"):
+        if reduction not in ("fp32", "allreduce", "two_phase", "hierarchical"):
             raise ValueError(f"no resolved reduction for {fmt.name}: {reduction!r}")
         chunks = chunk_bounds(layout.numel, chunk_elements if reduction != "fp32" else 2**62)
         windows = [layout.window(lo, hi) for lo, hi in chunks]
+
+        def scratch(n: int, dtype: torch.dtype = torch.uint8) -> torch.Tensor:
+            # Kept across steps: fresh large allocations pay page faults every step.
+            return torch.empty(n, dtype=dtype, device=self.device)
+
+        if reduction == "hierarchical":
+            if node is None:
+                raise ValueError("hierarchical two_phase needs the node layout")
+            return self._node_plan(
+                fmt, index, contiguous, numels, layout, chunks, windows, world_size, node, scratch
+            )
         regions, shard_regions = [], []
         start = shard_start = 0
         for lo, hi in chunks:
@@ -243,11 +310,6 @@ class BucketPlan:
                 size = payload_nbytes(hi - lo, fmt) if reduction == "allreduce" else 0
             regions.append((start, start + size))
             start += size
-
-        def scratch(n: int) -> torch.Tensor:
-            # Kept across steps: fresh large allocations pay page faults every step.
-            return torch.empty(n, dtype=torch.uint8, device=self.device)
-
         two_phase = reduction == "two_phase"
         return GroupPlan(
             fmt=fmt,
@@ -264,4 +326,76 @@ class BucketPlan:
             send=scratch(start),
             recv=scratch(start if two_phase else 0),
             shards=scratch(shard_start),
+        )
+
+    def _node_plan(
+        self,
+        fmt: FloatFormat,
+        index: list[int],
+        contiguous: bool,
+        numels: list[int],
+        layout: Layout,
+        chunks: list[tuple[int, int]],
+        windows: list[Layout],
+        world_size: int,
+        node: tuple[int, int],
+        scratch: Callable[..., torch.Tensor],
+    ) -> GroupPlan:
+        per_node, rank = node
+        local, me = rank % per_node, rank // per_node
+        nodes = world_size // per_node
+        slices, splits, shard_valid, slice_windows, shard_windows = [], [], [], [], []
+        regions, shard_regions, sum_regions, slice_regions = [], [], [], []
+        start = shard_start = sum_start = slice_start = 0
+        for lo, hi in chunks:
+            n = hi - lo
+            shard, shard_bytes = shard_layout(-(-n // per_node), fmt, nodes)
+            per = shard * nodes
+            split = [min(max(n - j * per, 0), per) for j in range(per_node)]
+            slices.append(per)
+            splits.append(split)
+            mine = lo + local * per
+            slice_windows.append(layout.window(mine, mine + split[local]))
+            valid = min(max(split[local] - me * shard, 0), shard)
+            shard_valid.append(valid)
+            shard_windows.append(layout.window(mine + me * shard, mine + me * shard + valid))
+            regions.append((start, start + shard_bytes * nodes * per_node))
+            start = regions[-1][1]
+            shard_regions.append((shard_start, shard_start + shard_bytes))
+            shard_start += shard_bytes
+            sum_regions.append((sum_start, sum_start + per_node * split[local]))
+            sum_start = sum_regions[-1][1]
+            slice_regions.append((slice_start, slice_start + shard_bytes * nodes))
+            slice_start = slice_regions[-1][1]
+        plan = NodePlan(
+            ranks_per_node=per_node,
+            nodes=nodes,
+            local_rank=local,
+            node=me,
+            slices=slices,
+            splits=splits,
+            shard_valid=shard_valid,
+            slice_windows=slice_windows,
+            shard_windows=shard_windows,
+            sum_regions=sum_regions,
+            slice_regions=slice_regions,
+            sums=scratch(sum_start, torch.float32),
+            encoded=scratch(slice_start),
+        )
+        return GroupPlan(
+            fmt=fmt,
+            reduction="hierarchical",
+            index=index,
+            index_tensor=torch.tensor(index, dtype=torch.int64, device=self.device),
+            numels=numels,
+            contiguous=contiguous,
+            layout=layout,
+            chunks=chunks,
+            windows=windows,
+            regions=regions,
+            shard_regions=shard_regions,
+            send=scratch(start),
+            recv=scratch(slice_start),
+            shards=scratch(shard_start),
+            node=plan,
         )
