@@ -234,11 +234,26 @@ def _rel_error(ddp: torch.nn.Module, state: Any, hook: Callable, x: torch.Tensor
     return (err2 / ref2) ** 0.5 if ref2 else 0.0
 
 
-def _bucket_numels(ddp: torch.nn.Module) -> list[int]:
-    """Elements in each of DDP's buckets, as it built them (after its first step)."""
-    logged = ddp._get_ddp_logging_data()  # type: ignore[operator]
-    sizes = str(logged.get("bucket_sizes", "") or "")
-    return [int(b) // 4 for b in sizes.split(",") if b.strip()]
+def _bucket_numels(mb: float, x: torch.Tensor, args: argparse.Namespace, DDP: Any) -> list[int]:
+    """Elements in each bucket DDP hands its hook, once it has rebuilt them (its second step).
+
+    Counted from the hook's calls: DDP's logging data keeps the sizes of the
+    buckets it built first.
+    """
+    sizes: list[int] = []
+
+    def count(state, bucket):  # type: ignore[no-untyped-def]
+        sizes.append(bucket.buffer().numel())
+        return _no_comm(state, bucket)
+
+    torch.manual_seed(0)
+    ddp = DDP(_model(mb), bucket_cap_mb=args.bucket_mb, gradient_as_bucket_view=args.bucket_view)
+    ddp.register_comm_hook(None, count)
+    for _ in range(2):
+        sizes.clear()
+        ddp.zero_grad()
+        ddp(x).sum().backward()
+    return sizes
 
 
 def _worker(args: argparse.Namespace) -> None:
@@ -263,7 +278,7 @@ def _worker_size(args: argparse.Namespace, mb: float, rank: int, DDP: Any) -> di
     x = torch.randn(1, width)
     x_batch = torch.randn(args.batch, width) if args.batch else None
     results: list[dict[str, Any]] = []
-    buckets: list[int] = []
+    buckets = _bucket_numels(mb, x, args, DDP)
     for rnd, spec in [(r, h) for r in range(args.rounds) for h in args.hooks]:
         name, chunk = split_hook(spec)
         if any(r.get("hook") == spec and "skipped" in r for r in results):
@@ -302,7 +317,6 @@ def _worker_size(args: argparse.Namespace, mb: float, rank: int, DDP: Any) -> di
                 print(f"{spec:>11}: skipped ({exc})", flush=True)
             continue
         times, cpu = _time_steps(ddp, x, args.warmup, args.repeats)
-        buckets = buckets or _bucket_numels(ddp)
         extra: dict[str, Any] = {}
         if name.startswith("aps-"):
             # What the hook ran (auto resolves per bucket; state.reduction
