@@ -349,3 +349,24 @@ def test_perfmodel_validation_measures_the_hierarchical_path_on_2x2() -> None:
     assert out[0] == out[3]
     assert [p["path"] for p in out[0]] == list(pv.NODE_PATHS)
     assert all(p["repeats"] == 2 and 0 < p["seconds"] < 10 for p in out[0])
+
+
+def test_report_nodes_section(tmp_path: Path) -> None:
+    run = {"hook": "aps-e4m3", "median_step_s": 0.05, "predicted_step_s": 0.04}
+    run |= {"rank0_cpu_user_s": 0.01, "rank0_cpu_system_s": 0.005, "chunk_elements": None}
+    fixed = run | {"hook": "aps-e4m3:chunk=1048576", "median_step_s": 0.1, "chunk_elements": 2**20}
+    sweep = {
+        "command": "python -m benchmarks.comm --nodes 8 --delay 1ms",
+        "machine": {"cpus": 2},
+        "ranks": 8, "nodes": 8, "ranks_per_node": 1, "delay_s": 0.001,
+        "link": {"configured_rate": "1gbit", "rtt_s": 0.0021},
+        "prediction": "aps_perfmodel.strategies", "bucket_cap_mb": 4, "rounds": 2, "repeats": 5,
+        "sweep": [{"gradient_mb": 4.0, "bucket_numels": [2**20], "runs": [run, fixed]}],
+    }  # fmt: skip
+    (tmp_path / "comm_latency_8nodes.json").write_text(json.dumps(sweep))
+    text = report.build(tmp_path, tmp_path / "RESULTS.md")
+    assert "python -m benchmarks.comm --nodes 8 --delay 1ms" in text
+    # 8 ranks x 15 ms of CPU / 2 cores = 60 ms; the fixed chunk took 2x as long.
+    assert "| 4 | 1 | aps-e4m3 | default | 50.0 | 40 | -20.0% | 60.0 | 2.00x |" in text
+    assert "| 4 | 1 | aps-e4m3 | 1048576 | 100.0 | 40 | -60.0% | 60.0 | 1.00x |" in text
+    assert "## Other results" not in text  # a known file, not listed as unknown

@@ -239,8 +239,8 @@ def _bridge_links(c: cl.EmulatedCluster, kind: str) -> str:
 
 @pytest.mark.root
 def test_nodes_shape_only_between_nodes_add_delay_and_clean_up(netns: None) -> None:
-    rate, delay = "50mbit", 0.002
-    with cl.EmulatedCluster(nodes=2, ranks_per_node=2, bandwidth=rate, delay="2ms") as c:
+    rate, delay = "50mbit", 0.005
+    with cl.EmulatedCluster(nodes=2, ranks_per_node=2, bandwidth=rate, delay="5ms") as c:
         assert c.namespaces == [c.bridge_namespace, f"{c.name}-n0", f"{c.name}-n1"]
         assert set(c.namespaces) <= set(cl._list_netns())
         qdiscs = c.qdiscs()
@@ -260,14 +260,15 @@ def test_nodes_shape_only_between_nodes_add_delay_and_clean_up(netns: None) -> N
     assert (inter.src, inter.dst, inter.intra_node) == (0, 2, False)
     assert inter.configured_bits_per_s == 50 * 10**6 and inter.delay_s == delay
     assert 0.7 < inter.efficiency < 1.3, inter.summary()
-    # Two one-way delays per round trip, and not much more.
-    assert 2 * delay <= inter.rtt_min_s and inter.rtt_s < 2 * delay + 0.002, inter.summary()
+    # Two one-way delays per round trip, and not much more (the fastest: the
+    # machine is shared, and a loaded scheduler only ever adds).
+    assert 2 * delay <= inter.rtt_min_s < 2 * delay + 0.002, inter.summary()
     assert (intra.src, intra.dst, intra.intra_node) == (0, 1, True)
     assert intra.configured_bits_per_s is None and intra.efficiency is None
     # Unshaped and undelayed: far beyond the node's link.
     assert intra.bandwidth_bits_per_s > 10 * 50 * 10**6, intra.summary()
-    assert intra.rtt_s < delay, intra.summary()
-    assert "intra-node rank 0 -> 1" in intra.summary() and "2 ms one-way" in inter.summary()
+    assert intra.rtt_min_s < delay, intra.summary()
+    assert "intra-node rank 0 -> 1" in intra.summary() and "5 ms one-way" in inter.summary()
     for rank, out in enumerate(_results(res)):
         assert out["sum"] == [10.0]  # 1 + 2 + 3 + 4: every pair connected
         env = out["env"]
