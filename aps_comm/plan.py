@@ -346,35 +346,41 @@ class BucketPlan:
             # Kept across steps: fresh large allocations pay page faults every step.
             return torch.empty(n, dtype=dtype, device=self.device)
 
+        node_plan = None
+        regions: list[tuple[int, int]] = []
+        shard_regions: list[tuple[int, int]] = []
+        start = shard_start = 0
         if reduction in ("hierarchical", "grid"):
             if not node or reduction not in node:
                 raise ValueError(f"{reduction} needs the node layout")
-            return self._node_plan(
+            node_plan = self._node_plan(
                 reduction == "grid",
                 fmt,
-                index,
-                contiguous,
-                numels,
                 layout,
                 chunks,
-                windows,
                 world_size,
                 node[reduction],
                 scratch,
+                regions,
+                shard_regions,
             )
-        regions, shard_regions = [], []
-        start = shard_start = 0
-        for lo, hi in chunks:
-            if reduction == "two_phase":
-                _, shard_bytes = shard_layout(hi - lo, fmt, world_size)
-                size = shard_bytes * world_size
-                shard_regions.append((shard_start, shard_start + shard_bytes))
-                shard_start += shard_bytes
-            else:
-                size = payload_nbytes(hi - lo, fmt) if reduction == "allreduce" else 0
-            regions.append((start, start + size))
-            start += size
-        two_phase = reduction == "two_phase"
+            start = regions[-1][1]
+            shard_start = shard_regions[-1][1]
+        else:
+            for lo, hi in chunks:
+                if reduction == "two_phase":
+                    _, shard_bytes = shard_layout(hi - lo, fmt, world_size)
+                    size = shard_bytes * world_size
+                    shard_regions.append((shard_start, shard_start + shard_bytes))
+                    shard_start += shard_bytes
+                else:
+                    size = payload_nbytes(hi - lo, fmt) if reduction == "allreduce" else 0
+                regions.append((start, start + size))
+                start += size
+        if node_plan is not None:
+            received = node_plan.encoded.numel()  # one encoded slice per chunk
+        else:
+            received = start if reduction == "two_phase" else 0
         return GroupPlan(
             fmt=fmt,
             reduction=reduction,
@@ -388,29 +394,30 @@ class BucketPlan:
             regions=regions,
             shard_regions=shard_regions,
             send=scratch(start),
-            recv=scratch(start if two_phase else 0),
+            recv=scratch(received),
             shards=scratch(shard_start),
+            node=node_plan,
         )
 
+    @staticmethod
     def _node_plan(
-        self,
         wire_first: bool,
         fmt: FloatFormat,
-        index: list[int],
-        contiguous: bool,
-        numels: list[int],
         layout: Layout,
         chunks: list[tuple[int, int]],
-        windows: list[Layout],
         world_size: int,
         node: tuple[int, int],
         scratch: Callable[..., torch.Tensor],
-    ) -> GroupPlan:
+        regions: list[tuple[int, int]],
+        shard_regions: list[tuple[int, int]],
+    ) -> NodePlan:
+        """Slices, shards and scratch of hierarchical/grid; fills the group's
+        ``regions`` (L padded slices per chunk) and ``shard_regions``."""
         per_node, rank = node
         local, me = rank % per_node, rank // per_node
         nodes = world_size // per_node
         slices, splits, shard_valid, slice_windows, shard_windows = [], [], [], [], []
-        regions, shard_regions, sum_regions, slice_regions = [], [], [], []
+        sum_regions, slice_regions = [], []
         start = shard_start = sum_start = slice_start = 0
         for lo, hi in chunks:
             n = hi - lo
@@ -433,7 +440,7 @@ class BucketPlan:
             sum_start = sum_regions[-1][1]
             slice_regions.append((slice_start, slice_start + shard_bytes * nodes))
             slice_start = slice_regions[-1][1]
-        plan = NodePlan(
+        return NodePlan(
             ranks_per_node=per_node,
             nodes=nodes,
             local_rank=local,
@@ -448,21 +455,4 @@ class BucketPlan:
             sums=scratch(sum_start, torch.uint8 if wire_first else torch.float32),
             encoded=scratch(slice_start),
             wire_first=wire_first,
-        )
-        return GroupPlan(
-            fmt=fmt,
-            reduction="grid" if wire_first else "hierarchical",
-            index=index,
-            index_tensor=torch.tensor(index, dtype=torch.int64, device=self.device),
-            numels=numels,
-            contiguous=contiguous,
-            layout=layout,
-            chunks=chunks,
-            windows=windows,
-            regions=regions,
-            shard_regions=shard_regions,
-            send=scratch(start),
-            recv=scratch(slice_start),
-            shards=scratch(shard_start),
-            node=plan,
         )
