@@ -347,11 +347,18 @@ def owner_reduce(
 
 
 def shard_mean(
-    recv: torch.Tensor, fmt: FloatFormat | str, n_ranks: int, *, backend: Backend = "auto"
+    recv: torch.Tensor,
+    fmt: FloatFormat | str,
+    n_ranks: int,
+    *,
+    divisor: int | None = None,
+    backend: Backend = "auto",
 ) -> torch.Tensor:
     """float32 mean of N encoded shards laid end to end: summed in rank order, then / N.
 
-    The arithmetic of :func:`owner_reduce` before its re-encoding.
+    The arithmetic of :func:`owner_reduce` before its re-encoding. ``divisor``
+    replaces N where each shard is already a sum (hierarchical two_phase's
+    node sums divide by the world size, not by the number of nodes).
 
     Example:
         >>> shards = encode(torch.tensor([1.0, 2.0]), "e4m3")
@@ -367,7 +374,7 @@ def shard_mean(
     for r in range(1, n_ranks):
         decode(recv[r * shard_bytes : (r + 1) * shard_bytes], fmt, numel, out=part, backend=backend)
         acc += part
-    return acc.div_(n_ranks)
+    return acc.div_(n_ranks if divisor is None else divisor)
 
 
 def segment_amax(x: torch.Tensor, layout: Layout) -> torch.Tensor:

@@ -70,6 +70,7 @@ def exponents(
     world_size: int,
     reduction: Literal["allreduce", "two_phase"],
     scaling: Scaling = "layer",
+    headroom: int = 1,
 ) -> torch.Tensor:
     """Per-layer exponents ``e`` (int32) from the all-reduced maxima.
 
@@ -81,6 +82,9 @@ def exponents(
             "two_phase" (sum in FP32: no headroom needed).
         scaling: "layer" (one exponent per layer), "bucket" (one for all
             layers, from the largest finite maximum), "none" (all zero).
+        headroom: how many gradients each encoded value sums (hierarchical
+            two_phase encodes the sums of a node's L ranks: L), computed in
+            float64 so the product is exact.
 
     Returns:
         int32 tensor like ``amax``: the largest ``e`` with
@@ -92,9 +96,11 @@ def exponents(
         raise ValueError(f"scaling must be one of {SCALINGS}, got {scaling!r}")
     if reduction not in ("allreduce", "two_phase"):
         raise ValueError(f"reduction must be 'allreduce' or 'two_phase', got {reduction!r}")
+    if headroom < 1:
+        raise ValueError(f"headroom must be >= 1, got {headroom}")
     if scaling == "none":
         return torch.zeros(amax.shape, dtype=torch.int32, device=amax.device)
-    a = amax.double()
+    a = amax.double() * headroom
     usable = torch.isfinite(a) & (a > 0)
     if scaling == "bucket":
         finite_max = torch.where(usable, a, 0.0).max() if a.numel() else a.new_zeros(())

@@ -24,6 +24,18 @@ rounding is innocuous since float32 has at least 2p + 2 bits for p <= 11):
 - ``"tree"``: a binary (binomial) tree: at step k rank r (a multiple of
   2**(k+1)) adds the partial sum of rank r + 2**k; log2(N) steps.
 - ``"sequential"``: ``((q_0 + q_1) + q_2) + ...`` rounding every partial sum.
+- ``"hierarchical"``: the hook's hierarchical two_phase over nodes of
+  ``ranks_per_node`` (L) workers, node-major. Each node sums its workers'
+  float32 gradients in order, the sum times ``2**e_in`` (exponents with
+  headroom for L gradients) is rounded to the wire format, the M node sums
+  are added in FP32 in node order and divided by N, that mean times
+  ``2**(e - e_in)`` (``e``: the two_phase exponent) is rounded to the wire
+  format; result = that * 2**-e.
+- ``"grid"``: the hook's grid two_phase: the same on a virtual g x N/g
+  grid (g from :func:`aps_comm.topology.grid_rows`), where each worker's
+  gradient times ``2**e`` is rounded to the wire format first, the g rounded
+  values of a row are summed in FP32 in order, and that sum times
+  ``2**(e_in - e)`` is rounded again before the column level.
 
 For the three wire-format orders the exponent rule leaves headroom for the
 N-way sum (``reduction="allreduce"`` in :func:`~aps_comm.scaling.exponents`),
@@ -73,6 +85,7 @@ import torch.nn as nn
 from aps_comm import codec
 from aps_comm.formats import FP32, FloatFormat, Rounding, get_format, quantize
 from aps_comm.scaling import Scaling, exponents, layer_amax, pow2
+from aps_comm.topology import grid_rows
 
 __all__ = [
     "GLOO_MAX_SEGMENT_BYTES",
@@ -84,8 +97,8 @@ __all__ = [
     "ring_chunks",
 ]
 
-Order = Literal["two_phase", "ring", "tree", "sequential"]
-ORDERS: tuple[str, ...] = ("two_phase", "ring", "tree", "sequential")
+Order = Literal["two_phase", "ring", "tree", "sequential", "hierarchical", "grid"]
+ORDERS: tuple[str, ...] = ("two_phase", "ring", "tree", "sequential", "hierarchical", "grid")
 
 GLOO_MAX_SEGMENT_BYTES = 1 << 20
 """Gloo's ``AllreduceOptions::kMaxSegmentSize``: the largest message of its ring."""
@@ -110,6 +123,7 @@ class SimConfig:
             the accumulator format).
         rounding: "nearest" (even) or "stochastic", for every rounding to a
             format narrower than float32.
+        ranks_per_node: workers per node L, for "hierarchical" (must divide N).
 
     Example:
         >>> cfg = SimConfig("e5m2", reduction="ring", accumulator="fp16")
@@ -123,6 +137,7 @@ class SimConfig:
     accumulator: FloatFormat | str | None = None
     kahan: bool = False
     rounding: Rounding = "nearest"
+    ranks_per_node: int = 1
 
     def __post_init__(self) -> None:
         object.__setattr__(self, "fmt", get_format(self.fmt))
@@ -134,6 +149,12 @@ class SimConfig:
             raise ValueError(f"scaling must be 'layer', 'bucket' or 'none', got {self.scaling!r}")
         if self.rounding not in ("nearest", "stochastic"):
             raise ValueError(f"rounding must be 'nearest' or 'stochastic', got {self.rounding!r}")
+        if self.ranks_per_node < 1:
+            raise ValueError(f"ranks_per_node must be >= 1, got {self.ranks_per_node}")
+        if self.reduction in ("hierarchical", "grid") and (
+            self.accumulator is not None or self.kahan
+        ):
+            raise ValueError(f"{self.reduction} sums in float32: no accumulator format, no Kahan")
 
 
 def ring_chunks(
@@ -301,6 +322,7 @@ def allreduce(
     kahan: bool = False,
     rounding: Rounding = "nearest",
     generator: torch.Generator | None = None,
+    ranks_per_node: int = 1,
 ) -> list[torch.Tensor]:
     """Average N virtual workers' gradients as the APS hook would, in any format and order.
 
@@ -317,6 +339,7 @@ def allreduce(
         rounding: "nearest" or "stochastic", for every rounding to a format
             narrower than float32 (contributions, partial sums, the result).
         generator: random generator for stochastic rounding.
+        ranks_per_node: workers per node L, for "hierarchical"; must divide N.
 
     Returns:
         One float32 tensor per layer, shape ``param_shape``: the averaged
@@ -328,13 +351,15 @@ def allreduce(
         >>> torch.allclose(avg, g.mean(0))
         True
     """
-    cfg = SimConfig(fmt, reduction, scaling, accumulator, kahan, rounding)
+    cfg = SimConfig(fmt, reduction, scaling, accumulator, kahan, rounding, ranks_per_node)
     fmt = cfg.fmt  # type: ignore[assignment]
     assert isinstance(fmt, FloatFormat)
     layers = list(layers)
     if not layers:
         return []
     n = _check_layers(layers)
+    if reduction in ("hierarchical", "grid"):
+        return _hierarchical(layers, fmt, n, cfg, generator)
     two_phase = reduction == "two_phase"
     acc_fmt = cfg.accumulator or (FP32 if two_phase else fmt)
     assert isinstance(acc_fmt, FloatFormat)
@@ -382,6 +407,55 @@ def allreduce(
                 res[lo:hi] = final(s) * unscale[i]
         out.append(res.view(layers[i].shape[1:]))
         offset += m
+    return out
+
+
+def _hierarchical(
+    layers: list[torch.Tensor],
+    fmt: FloatFormat,
+    n: int,
+    cfg: SimConfig,
+    generator: torch.Generator | None,
+) -> list[torch.Tensor]:
+    """The hook's hierarchical or grid two_phase, element by element (see the module docstring)."""
+    grid = cfg.reduction == "grid"
+    per = grid_rows(n) if grid else cfg.ranks_per_node
+    if grid and per < 2:
+        raise ValueError(f"{n} workers have no grid (no divisor between 2 and sqrt({n}))")
+    if n % per:
+        raise ValueError(f"ranks_per_node={per} must divide the number of workers {n}")
+    nodes = n // per
+    flat = [t.detach().reshape(n, -1) for t in layers]
+    amax = layer_amax(flat)
+    scaling = cfg.scaling
+    inner = exponents(
+        amax, fmt, world_size=nodes, reduction="two_phase", scaling=scaling, headroom=per
+    )
+    outer = exponents(amax, fmt, world_size=n, reduction="two_phase", scaling=scaling)
+    scale, shift, unscale = pow2(inner), pow2(outer - inner), pow2(-outer)
+    if grid:
+        first, scale = pow2(outer), pow2(inner - outer)
+    finite = torch.isfinite(amax).tolist()
+    rnd = _wire_round(fmt, cfg.rounding, generator, overflow=False)
+    out: list[torch.Tensor] = []
+    for i, x in enumerate(flat):
+        m = x.shape[1]
+        res = torch.full((m,), float("nan"), dtype=torch.float32, device=x.device)
+        step = max(1, _BLOCK_ELEMENTS // n)
+        for lo in range(0 if finite[i] else m, m, step):
+            hi = min(m, lo + step)
+            part = x[:, lo:hi].float().reshape(nodes, per, hi - lo)
+            if grid:
+                part = rnd(part, first[i])
+            sums = part[:, 0].clone()
+            for r in range(1, per):
+                sums += part[:, r]  # local-rank order
+            q = rnd(sums, scale[i])
+            acc = q[0].clone()
+            for node in range(1, nodes):
+                acc += q[node]  # node order
+            res[lo:hi] = rnd(acc / n, shift[i]) * unscale[i]
+        out.append(res.view(layers[i].shape[1:]))
     return out
 
 
@@ -535,6 +609,7 @@ class VirtualWorkers:
             kahan=cfg.kahan,
             rounding=cfg.rounding,
             generator=self.generator,
+            ranks_per_node=cfg.ranks_per_node,
         )
         trainable = [p for p in self.model.parameters() if p.requires_grad]
         for p, g in zip(trainable, averaged, strict=True):

@@ -6,6 +6,12 @@
 - :func:`two_phase`: per chunk, ``all_to_all_single`` of the encoded shards
   (uint8), the owner's FP32 sum (:func:`aps_comm.codec.owner_reduce`), and
   ``all_gather`` of the reduced shards.
+- :func:`hierarchical`: per chunk, an FP32 ``all_to_all_single`` inside the
+  node and an ordered sum (a reduce-scatter whose order is fixed), two_phase
+  of the encoded node sums among the ranks with the same local rank, and an
+  ``all_gather`` of the encoded slices inside the node: only the wire format
+  crosses nodes. The grid reduction runs the same stages on a virtual grid
+  of ranks, its first level exchanging the wire format too.
 
 Both pipeline the chunks of a bucket: while chunk c is on the wire, chunk c+1
 encodes and chunk c-1 reduces or decodes. They return when the bucket is
@@ -29,6 +35,7 @@ import torch.distributed as dist
 from aps_comm import codec
 from aps_comm.formats import payload_nbytes
 from aps_comm.plan import GroupPlan
+from aps_comm.topology import NodeGroups
 
 __all__ = [
     "Counter",
@@ -36,6 +43,7 @@ __all__ = [
     "all_reduce_max",
     "fp32_mean",
     "group_timeout",
+    "hierarchical",
     "native",
     "new_group",
     "two_phase",
@@ -241,3 +249,148 @@ def two_phase(
             if c < k or not defer:
                 _decode(g, x, unscale, *tail.pop())
     return _finish(tail, functools.partial(_decode, g, x, unscale), defer)
+
+
+def hierarchical(
+    g: GroupPlan,
+    x: torch.Tensor,
+    scale: torch.Tensor,
+    shift: torch.Tensor,
+    unscale: torch.Tensor,
+    groups: NodeGroups,
+    world_size: int,
+    count: Counter,
+    defer: bool = False,
+    first: torch.Tensor | None = None,
+) -> Callable[[], None] | None:
+    """Average ``x``: FP32 reduce-scatter in the node, two_phase across nodes, gather in the node.
+
+    Per chunk, four collectives: (1) ``all_to_all_single`` of FP32 slices on
+    the node's group, after which local rank l sums slice l of its node's L
+    ranks in local-rank order; (2) the sum, encoded with ``scale`` (headroom
+    for L gradients), goes in M shards to the ranks with local rank l on
+    every node (``all_to_all_single`` on the inter-node group); the shard's
+    owner sums the M decoded shards in node order, divides by N, multiplies
+    by ``shift`` (the exponent of a mean, headroom 1) and encodes; (3)
+    ``all_gather`` of those shards on the inter-node group; (4)
+    ``all_gather`` of the encoded slices on the node's group, and every rank
+    decodes the chunk with ``unscale``. Stage s of chunk c runs at step
+    c + s, later stages first, so the collectives' order is the same on
+    every rank and every chunk's stages overlap the others' wire time.
+
+    With ``g.node.wire_first`` (the grid reduction) stage (1) sends the
+    chunk encoded with ``first`` instead of FP32, and the slice's owner sums
+    the L decoded slices in order; ``scale`` then takes those sums from
+    ``first``'s scale to theirs. In-node byte counts are then the first
+    level's ("node_all_to_all", "node_all_gather").
+
+    Args:
+        g: the group's plan (``reduction == "hierarchical"``).
+        x: the group's float32 values; the result is written back into it.
+        scale: per-layer factors for the node sums.
+        shift: per-layer factors from the node sums' scale to the mean's.
+        unscale: per-layer factors applied after decoding.
+        groups: this rank's intra- and inter-node groups.
+        world_size: ranks N.
+        count: byte counter.
+        defer: leave the last chunk's in-node gather in flight and return a
+            function that waits for it and decodes.
+        first: per-layer factors of the first level's encoding (grid only).
+
+    Returns:
+        With ``defer``, the function that finishes the bucket; else None.
+    """
+    node = g.node
+    assert node is not None
+    fmt, per_node, k = g.fmt, node.ranks_per_node, len(g.chunks)
+    local = node.local_rank
+    works: dict[tuple[int, int], dist.Work] = {}
+
+    def wait(c: int, stage: int, what: str) -> None:
+        _wait(works.pop((c, stage)), f"the {what} of chunk {c + 1} of {k}")
+
+    def exchange_in_node(c: int) -> None:
+        lo, hi = g.chunks[c]
+        split = node.splits[c]
+        s0, s1 = node.sum_regions[c]
+        if node.wire_first:
+            r0, r1 = g.regions[c]
+            send = g.send[r0:r1]  # free until the last stage gathers into it
+            payload = send[: payload_nbytes(hi - lo, fmt)]
+            codec.encode(x[lo:hi], fmt, out=payload, scale=first, layout=g.windows[c])
+            send[payload.numel() :].zero_()
+            count("node_all_to_all", send.numel())
+            works[c, 0] = dist.all_to_all_single(
+                node.sums[s0:s1], send, group=groups.intra, async_op=True
+            )
+            return
+        count("node_all_to_all", (hi - lo) * 4)
+        works[c, 0] = dist.all_to_all_single(
+            node.sums[s0:s1],
+            x[lo:hi],
+            output_split_sizes=[split[local]] * per_node,
+            input_split_sizes=split,
+            group=groups.intra,
+            async_op=True,
+        )
+
+    def exchange_across_nodes(c: int) -> None:
+        wait(c, 0, "first-level all_to_all" if node.wire_first else "in-node FP32 all_to_all")
+        s0, s1 = node.sum_regions[c]
+        valid = node.splits[c][local]
+        if node.wire_first:
+            acc = codec.shard_mean(node.sums[s0:s1], fmt, per_node, divisor=1)[:valid]
+        else:
+            parts = node.sums[s0:s1].view(per_node, valid)
+            acc = parts[0].clone()
+            for r in range(1, per_node):
+                acc += parts[r]  # local-rank order, as aps_comm.simulate sums
+        e0, e1 = node.slice_regions[c]
+        encoded = node.encoded[e0:e1]
+        payload = encoded[: payload_nbytes(valid, fmt)]
+        codec.encode(acc, fmt, out=payload, scale=scale, layout=node.slice_windows[c])
+        encoded[payload.numel() :].zero_()  # padding: code 0 is +0 in every format
+        count("all_to_all", encoded.numel())
+        works[c, 1] = dist.all_to_all_single(
+            g.recv[e0:e1], encoded, group=groups.inter, async_op=True
+        )
+
+    def reduce_shard(c: int) -> None:
+        wait(c, 1, "across-node all_to_all")
+        e0, e1 = node.slice_regions[c]
+        h0, h1 = g.shard_regions[c]
+        shard = g.shards[h0:h1]
+        mean = codec.shard_mean(g.recv[e0:e1], fmt, node.nodes, divisor=world_size)
+        valid = node.shard_valid[c]
+        payload = shard[: payload_nbytes(valid, fmt)]
+        codec.encode(mean[:valid], fmt, out=payload, scale=shift, layout=node.shard_windows[c])
+        shard[payload.numel() :].zero_()
+        count("all_gather", shard.numel())
+        # The slice's bytes are free once its all-to-all is done.
+        works[c, 2] = all_gather_single(
+            node.encoded[e0:e1], shard, group=groups.inter, async_op=True
+        )
+
+    def gather_in_node(c: int) -> None:
+        wait(c, 2, "across-node all_gather")
+        e0, e1 = node.slice_regions[c]
+        r0, r1 = g.regions[c]
+        count("node_all_gather", e1 - e0)
+        works[c, 3] = all_gather_single(
+            g.send[r0:r1], node.encoded[e0:e1], group=groups.intra, async_op=True
+        )
+
+    def decode(c: int) -> None:
+        wait(c, 3, "in-node all_gather")
+        lo, hi = g.chunks[c]
+        r0, _ = g.regions[c]
+        codec.decode(g.send[r0:], fmt, hi - lo, out=x[lo:hi], scale=unscale, layout=g.windows[c])
+
+    stages = (exchange_in_node, exchange_across_nodes, reduce_shard, gather_in_node, decode)
+    last = len(stages) - 1
+    for step in range(k + last):
+        for s in range(last, -1, -1):
+            c = step - s
+            if 0 <= c < k and not (defer and s == last and c == k - 1):
+                stages[s](c)
+    return functools.partial(decode, k - 1) if defer else None

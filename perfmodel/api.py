@@ -15,7 +15,7 @@ from __future__ import annotations
 import csv
 import math
 from collections.abc import Iterable, Sequence
-from dataclasses import asdict, dataclass
+from dataclasses import asdict, dataclass, field
 from pathlib import Path
 from typing import IO, Any
 
@@ -51,12 +51,13 @@ class FormatResult:
 
     Attributes:
         format: format name.
-        strategy: how it is reduced.
+        strategy: how it is reduced ("auto": chosen per bucket, see ``chosen``).
         comm_s: total communication time per step (overlapped or not).
         exposed_comm_s: communication not hidden behind backward.
         step_s: predicted step time.
         speedup_vs_fp32: FP32 step time over this format's.
         wire_bytes: bytes each rank sends per step.
+        chosen: buckets per strategy actually used (what "auto" chose).
     """
 
     format: str
@@ -66,6 +67,19 @@ class FormatResult:
     step_s: float
     speedup_vs_fp32: float
     wire_bytes: float
+    chosen: dict[str, int] = field(default_factory=dict)
+
+    @property
+    def strategy_label(self) -> str:
+        """``strategy``, with what "auto" chose: ``auto:two_phase`` or ``auto:mixed``.
+
+        Example:
+            >>> FormatResult("e4m3", "auto", 1, 1, 1, 1, 1, {"hierarchical": 3}).strategy_label
+            'auto:hierarchical'
+        """
+        if self.strategy != "auto" or not self.chosen:
+            return self.strategy
+        return f"auto:{next(iter(self.chosen))}" if len(self.chosen) == 1 else "auto:mixed"
 
 
 @dataclass(frozen=True)
@@ -132,7 +146,9 @@ def predict(
         formats: extra formats to predict besides fp32 and fp16.
         compute: compute times; default: estimated from FLOPs on the cluster's
             device for a per-rank batch of 32 at 40% MFU in bf16 with Adam.
-        strategy: reduction strategy for the requested (non-baseline) formats.
+        strategy: reduction strategy for the requested (non-baseline) formats;
+            default "auto", the hook's default: per bucket, the fastest that
+            the cluster allows (:func:`~aps_perfmodel.strategies.choose_strategy`).
         bucket_cap_mb: DDP ``bucket_cap_mb``.
         first_bucket_bytes: DDP's cap for the first bucket.
     """
@@ -141,7 +157,7 @@ def predict(
     steps: dict[str, StepPrediction] = {}
     specs = {}
     for name in formats_with_baselines(formats):
-        spec = get_format(name, strategy if name not in BASELINE_FORMATS else None)
+        spec = get_format(name, (strategy or "auto") if name not in BASELINE_FORMATS else None)
         specs[name] = spec
         steps[name] = simulate_step(
             model,
@@ -161,10 +177,18 @@ def predict(
             step_s=s.step_s,
             speedup_vs_fp32=base / s.step_s if s.step_s > 0 else 1.0,
             wire_bytes=s.wire_bytes,
+            chosen=_chosen(s),
         )
         for name, s in steps.items()
     }
     return Prediction(model.name, cluster.name, cluster.world_size, compute, results, steps)
+
+
+def _chosen(step: StepPrediction) -> dict[str, int]:
+    counts: dict[str, int] = {}
+    for b in step.buckets:
+        counts[b.comm.strategy] = counts.get(b.comm.strategy, 0) + 1
+    return dict(sorted(counts.items(), key=lambda kv: -kv[1]))
 
 
 @dataclass(frozen=True)

@@ -82,7 +82,9 @@ def _add_model_cluster_args(ap: argparse.ArgumentParser) -> None:
     g = ap.add_argument_group("format")
     g.add_argument("--fmt", default="e4m3", choices=sorted(FORMATS), help="low-precision format")
     g.add_argument(
-        "--strategy", choices=STRATEGIES, help="override the format's reduction strategy"
+        "--strategy",
+        choices=STRATEGIES,
+        help="reduction strategy of --fmt (default auto: the hook's choice per bucket)",
     )
 
 
@@ -182,6 +184,7 @@ def _comm_only_dict(pred: Prediction, model: ModelSpec) -> dict[str, Any]:
             name: {
                 "format": r.format,
                 "strategy": r.strategy,
+                "chosen": r.chosen,
                 "comm_s": r.comm_s,
                 "comm_speedup_vs_fp32": fp32 / r.comm_s if r.comm_s > 0 else 1.0,
                 "wire_bytes": r.wire_bytes,
@@ -211,29 +214,42 @@ def _table(pred: Prediction, cluster: Cluster, model: ModelSpec, comm_only: bool
             "compute  none: communication only",
             f"         ({_comm_only_reason(model)})",
             "",
-            f"{'format':8s} {'strategy':10s} {'wire/rank':>11s} {'comm':>10s} {'comm speedup':>13s}",
+            f"{'format':8s} {'strategy':17s} {'wire/rank':>11s} {'comm':>10s} {'comm speedup':>13s}",
         ]
         for r in pred.formats.values():
             speedup = fp32 / r.comm_s if r.comm_s > 0 else 1.0
             lines.append(
-                f"{r.format:8s} {r.strategy:10s} {format_bytes(r.wire_bytes):>11s} "
+                f"{r.format:8s} {r.strategy_label:17s} {format_bytes(r.wire_bytes):>11s} "
                 f"{format_time(r.comm_s):>10s} {speedup:>12.3f}x"
             )
-        return "\n".join(lines)
+        return "\n".join(lines + _chosen_notes(pred))
     lines += [
         f"compute  forward {format_time(pred.compute.forward_s)}, backward "
         f"{format_time(pred.compute.backward_s)}, optimizer {format_time(pred.compute.optimizer_s)}",
         "",
-        f"{'format':8s} {'strategy':10s} {'wire/rank':>11s} {'comm':>10s} {'exposed':>10s} "
+        f"{'format':8s} {'strategy':17s} {'wire/rank':>11s} {'comm':>10s} {'exposed':>10s} "
         f"{'step':>10s} {'speedup':>8s}",
     ]
     for r in pred.formats.values():
         lines.append(
-            f"{r.format:8s} {r.strategy:10s} {format_bytes(r.wire_bytes):>11s} "
+            f"{r.format:8s} {r.strategy_label:17s} {format_bytes(r.wire_bytes):>11s} "
             f"{format_time(r.comm_s):>10s} {format_time(r.exposed_comm_s):>10s} "
             f"{format_time(r.step_s):>10s} {r.speedup_vs_fp32:>7.3f}x"
         )
-    return "\n".join(lines)
+    return "\n".join(lines + _chosen_notes(pred))
+
+
+def _chosen_notes(pred: Prediction) -> list[str]:
+    """One line per "auto" format: the strategy chosen, and for how many buckets."""
+    notes = []
+    for r in pred.formats.values():
+        if r.strategy == "auto" and r.chosen:
+            parts = ", ".join(f"{s} for {n} bucket{'s' * (n != 1)}" for s, n in r.chosen.items())
+            chunks = sorted({b.comm.chunks for b in pred.steps[r.format].buckets})
+            notes.append(
+                f"auto for {r.format}: {parts} (chunks per bucket: {', '.join(map(str, chunks))})"
+            )
+    return ["", *notes] if notes else []
 
 
 def _cmd_predict(args: argparse.Namespace) -> int:

@@ -47,6 +47,9 @@ class Device:
         peak_flops: dense peak FLOP/s per compute dtype ("fp32", "tf32", "fp16", "bf16").
         launch_s: fixed cost of one kernel/pass (launch and synchronisation).
         source: where the numbers come from.
+        fp8_sum: whether NCCL sums FP8 (e4m3, e5m2) natively on it (NCCL >=
+            2.24 on sm_90+), so that the native all-reduce strategy is open
+            to 8-bit formats.
 
     Example:
         >>> get_device("v100").peak_flops["fp32"]
@@ -58,6 +61,7 @@ class Device:
     peak_flops: Mapping[str, float]
     launch_s: float
     source: str
+    fp8_sum: bool = False
 
 
 DEVICES: dict[str, Device] = {
@@ -66,7 +70,9 @@ DEVICES: dict[str, Device] = {
         3.35e12,
         MappingProxyType({"fp32": 67e12, "tf32": 494.7e12, "fp16": 989.4e12, "bf16": 989.4e12}),
         5e-6,
-        "NVIDIA H100 SXM5 datasheet (dense tensor-core peaks, HBM3 3.35 TB/s)",
+        "NVIDIA H100 SXM5 datasheet (dense tensor-core peaks, HBM3 3.35 TB/s); "
+        "FP8 sums: NCCL 2.24 release notes (FP8 reductions on sm_90+)",
+        fp8_sum=True,
     ),
     "a100": Device(
         "a100",
@@ -88,6 +94,16 @@ DEVICES: dict[str, Device] = {
         MappingProxyType({"fp32": 50e9, "tf32": 50e9, "fp16": 50e9, "bf16": 50e9}),
         2e-6,
         "rough single-core share of a modern x86 server; calibrate for real numbers",
+    ),
+    "cpu-numba": Device(
+        "cpu-numba",
+        5.9e9,
+        MappingProxyType({"fp32": 50e9, "tf32": 50e9, "fp16": 50e9, "bf16": 50e9}),
+        1e-5,
+        "aps_comm's compiled CPU codec on one thread (benchmarks/results/codec.json: scaled "
+        "e4m3 encode of 64 MiB in 14.3 ms, 5 B/element of traffic = 5.9 GB/s; decode is "
+        "faster, 9.4 GB/s); 10 us per pass assumed for a compiled call from Python; "
+        "FLOPs as the cpu preset",
     ),
 }
 
@@ -161,6 +177,11 @@ class Cluster:
         cores_per_rank: CPU cores per rank where measured (calibrated
             profiles); below 1, APS's codec cannot overlap the wire, since the
             network stack needs the same cores. None: one device per rank.
+        chunk_overhead_s: what one more pipelined chunk costs the hook beyond
+            the model's collective latencies (wake-ups, Python), which the
+            chunk rule weighs against filling the pipeline; None: the model's
+            own fixed cost of one chunk (its collectives' latencies and
+            codec launches).
 
     Example:
         >>> get_cluster("10gbe", world_size=8).world_size
@@ -175,6 +196,7 @@ class Cluster:
     codec_fits: Mapping[str, OpCost] = field(default_factory=dict)
     source: str = ""
     cores_per_rank: float | None = None
+    chunk_overhead_s: float | None = None
 
     @property
     def world_size(self) -> int:

@@ -360,11 +360,22 @@ def _check_perfmodel_table(proc: subprocess.CompletedProcess[str], cwd: Path) ->
         for line in proc.stdout.splitlines()
         if line.split() and line.split()[0] in ("fp32", "fp16", "e4m3")
     }
-    # The README explains why FP8 beats FP32 but not FP16 here, with these numbers.
-    assert 1.0 < speedup["e4m3"] < speedup["fp16"], speedup
+    # The README explains why FP8 beats FP32 and FP16 here, with these numbers.
+    assert 1.0 < speedup["fp16"] < speedup["e4m3"], speedup
     text = _section("Performance model")
     assert f"e4m3 {speedup['e4m3']:.2f}x faster than FP32" in text
     assert f"FP16 ({speedup['fp16']:.2f}x)" in text
+    assert "auto for e4m3: two_phase for 5 buckets" in proc.stdout
+
+
+def _check_perfmodel_scale(proc: subprocess.CompletedProcess[str], cwd: Path) -> None:
+    _check_ok(proc, cwd)
+    # The committed table is what the command computes (it is a model: no noise).
+    out = cwd / "benchmarks" / "results"
+    committed = ROOT / "benchmarks" / "results"
+    for name in ("perfmodel_scale.json", "perfmodel_scale.md"):
+        assert (out / name).read_text() == (committed / name).read_text(), name
+    assert (out / "perfmodel_scale.png").read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
 
 
 def _check_comm_only(proc: subprocess.CompletedProcess[str], cwd: Path) -> None:
@@ -481,6 +492,7 @@ RUN: dict[str, _Run] = {
     "aps-perfmodel predict --model resnet50 --world-size 64 --cluster 100gbe --fmt e4m3": _Run(
         _check_perfmodel_table
     ),
+    "python -m aps_perfmodel.scale --out benchmarks/results": _Run(_check_perfmodel_scale),
     "aps-perfmodel predict --params 25.6M --bandwidth 10Gbit --latency 20us --nodes 16 --json": (
         _Run(_check_comm_only)
     ),

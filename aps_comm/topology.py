@@ -1,0 +1,189 @@
+"""Nodes and ranks: which ranks share a node, and the process groups of each level.
+
+Hierarchical two_phase reduces in FP32 among the ranks of a node, then in the
+wire format among the ranks that have the same local rank on every node. The
+topology comes from the launcher (``LOCAL_WORLD_SIZE`` and ``LOCAL_RANK``, set
+by torchrun, aps-launch, SLURM and MPI through :mod:`aps_launch`) or is given
+explicitly; ranks are node-major (rank = node * L + local rank), as every
+launcher numbers them. Every rank checks what every other rank sees, so a
+mismatch is one clear error on every rank rather than a hang.
+
+Example:
+    >>> t = Topology(world_size=8, ranks_per_node=4)
+    >>> (t.nodes, t.node_ranks(1), t.peer_ranks(2))
+    (2, [4, 5, 6, 7], [2, 6])
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import datetime
+import math
+import os
+from collections.abc import Mapping, Sequence
+
+import torch.distributed as dist
+
+__all__ = [
+    "NodeGroups",
+    "Topology",
+    "check_topology",
+    "env_ranks_per_node",
+    "grid_rows",
+    "node_groups",
+]
+
+
+@dataclasses.dataclass(frozen=True)
+class Topology:
+    """N ranks as M nodes of L ranks, node-major.
+
+    Attributes:
+        world_size: N.
+        ranks_per_node: L; must divide N.
+    """
+
+    world_size: int
+    ranks_per_node: int
+
+    def __post_init__(self) -> None:
+        n, per = self.world_size, self.ranks_per_node
+        if n < 1 or per < 1 or n % per:
+            raise ValueError(
+                f"ranks_per_node={per} must be >= 1 and divide the world size {n} "
+                "(every node must run the same number of ranks)"
+            )
+
+    @property
+    def nodes(self) -> int:
+        """M."""
+        return self.world_size // self.ranks_per_node
+
+    def node_ranks(self, node: int) -> list[int]:
+        """The group ranks on ``node``, in local-rank order."""
+        per = self.ranks_per_node
+        return list(range(node * per, (node + 1) * per))
+
+    def peer_ranks(self, local_rank: int) -> list[int]:
+        """The group ranks with local rank ``local_rank``, in node order."""
+        return list(range(local_rank, self.world_size, self.ranks_per_node))
+
+
+def grid_rows(world_size: int) -> int:
+    """The rows g of the grid two_phase lays N ranks on: the largest divisor of N <= sqrt(N).
+
+    The grid's two levels exchange with g - 1 and N/g - 1 peers instead of
+    N - 1; g = 1 (N prime or below 4) means no grid.
+
+    Example:
+        >>> [grid_rows(n) for n in (2, 4, 7, 8, 64, 1024)]
+        [1, 2, 1, 2, 8, 32]
+    """
+    best = 1
+    for g in range(2, math.isqrt(max(world_size, 1)) + 1):
+        if world_size % g == 0:
+            best = g
+    return best
+
+
+def env_ranks_per_node(environ: Mapping[str, str] | None = None) -> int | None:
+    """``LOCAL_WORLD_SIZE`` from the launcher's environment, or None when it is not set.
+
+    Raises:
+        ValueError: it is set but not a positive integer.
+    """
+    env = os.environ if environ is None else environ
+    raw = env.get("LOCAL_WORLD_SIZE")
+    if raw is None or raw == "":
+        return None
+    try:
+        value = int(raw)
+    except ValueError:
+        value = 0
+    if value < 1:
+        raise ValueError(f"LOCAL_WORLD_SIZE must be a positive integer, got {raw!r}")
+    return value
+
+
+def check_topology(seen: Sequence[tuple[int, int | None]], world_size: int) -> Topology:
+    """The topology every rank agrees on, from what each rank saw.
+
+    Args:
+        seen: per group rank, (its ranks per node, its ``LOCAL_RANK`` from the
+            environment or None).
+        world_size: N.
+
+    Raises:
+        ValueError: the ranks disagree on the ranks per node, it does not
+            divide N, or a rank's local rank is not its rank modulo L (ranks
+            must be node-major). The message lists what every rank saw, so
+            every rank raises the same error.
+
+    Example:
+        >>> check_topology([(2, 0), (2, 1), (2, 0), (2, 1)], 4).nodes
+        2
+    """
+    listing = "; ".join(
+        f"rank {r}: ranks_per_node={per}, LOCAL_RANK={local}" for r, (per, local) in enumerate(seen)
+    )
+    sizes = {per for per, _ in seen}
+    if len(sizes) != 1:
+        raise ValueError(f"the ranks disagree on the ranks per node: {listing}")
+    per = sizes.pop()
+    try:
+        topology = Topology(world_size, per)
+    except ValueError as exc:
+        raise ValueError(f"{exc}: {listing}") from None
+    wrong = [r for r, (_, local) in enumerate(seen) if local is not None and local != r % per]
+    if wrong:
+        raise ValueError(
+            f"ranks {wrong} have a LOCAL_RANK that is not their rank modulo {per}: ranks "
+            f"must be numbered node by node (rank = node * ranks_per_node + local rank): "
+            f"{listing}"
+        )
+    return topology
+
+
+@dataclasses.dataclass(frozen=True)
+class NodeGroups:
+    """This rank's two process groups of a hierarchical reduction.
+
+    Attributes:
+        topology: the layout.
+        intra: the ranks of this rank's node (size L).
+        inter: the ranks with this rank's local rank, one per node (size M).
+        local_rank: this rank's position in ``intra``.
+        node: this rank's position in ``inter``.
+    """
+
+    topology: Topology
+    intra: dist.ProcessGroup
+    inter: dist.ProcessGroup
+    local_rank: int
+    node: int
+
+
+def node_groups(
+    topology: Topology, group: dist.ProcessGroup, timeout: datetime.timedelta
+) -> NodeGroups:
+    """Create the intra- and inter-node groups over ``group``'s ranks.
+
+    Collective over ``group``: every rank creates every subgroup, in the same
+    order (``torch.distributed.new_group``'s rule), each with ``timeout``.
+    """
+    ranks = dist.get_process_group_ranks(group)
+    me = dist.get_rank(group)
+    intra = inter = None
+    for node in range(topology.nodes):
+        members = [ranks[r] for r in topology.node_ranks(node)]
+        pg = dist.new_group(members, timeout=timeout, use_local_synchronization=False)
+        if me in topology.node_ranks(node):
+            intra = pg
+    for local in range(topology.ranks_per_node):
+        members = [ranks[r] for r in topology.peer_ranks(local)]
+        pg = dist.new_group(members, timeout=timeout, use_local_synchronization=False)
+        if me in topology.peer_ranks(local):
+            inter = pg
+    assert intra is not None and inter is not None
+    per = topology.ranks_per_node
+    return NodeGroups(topology, intra, inter, me % per, me // per)

@@ -1,0 +1,622 @@
+"""How ``aps_comm``'s hook reduces a bucket, what each way costs, and which to pick.
+
+The hook imports this module at run time to size its chunks and to choose a
+strategy per bucket (``reduction="auto"``); the performance model uses the
+same functions, so the model predicts the hook as built. It needs no torch
+and no ``aps_comm``.
+
+Strategies (:data:`STRATEGIES`), on N = M nodes x L ranks per node, w wire
+bytes per element (1 for FP8):
+
+- ``"fp32"``: the plain FP32 all-reduce in one piece (DDP's default hook).
+- ``"native"``: all-reduce in the wire dtype (FP16/BF16 everywhere, FP8 on
+  NCCL >= 2.24 on sm_90+), chunked, with APS scaling.
+- ``"two_phase"``: per chunk an all-to-all of encoded shards over all N
+  ranks, the owner's decode + FP32 sum + re-encode, an all-gather.
+- ``"hierarchical"``: per chunk an intra-node all-to-all of FP32 slices and
+  their FP32 sum, two_phase across the M nodes among the ranks with the same
+  local rank, an intra-node all-gather of the encoded slices.
+
+Chunks (:func:`chunk_elements`) are sized so that no message to one peer is
+small enough for latency to dominate it, and so that the pipeline of chunks
+neither pays too many per-chunk costs nor fills and drains too slowly.
+
+Example:
+    >>> c = hook_cluster("nccl", "cuda", world_size=64, ranks_per_node=8)
+    >>> choose_strategy(25 * 2**18, 20, "e4m3", c, native_ok=False, hierarchical_ok=True)
+    'hierarchical'
+    >>> choose_strategy(1000, 2, "e4m3", c, native_ok=False, hierarchical_ok=True)
+    'fp32'
+"""
+
+from __future__ import annotations
+
+import math
+from collections.abc import Sequence
+from dataclasses import dataclass, replace
+from typing import TYPE_CHECKING
+
+from .cluster import Cluster, custom_cluster, get_cluster, get_device
+from .collectives import (
+    LinkParams,
+    Topology,
+    all_gather,
+    all_to_all,
+    allreduce,
+    hierarchical_all_gather,
+    hierarchical_all_to_all,
+    hierarchical_allreduce,
+)
+from .formats import FormatSpec, get_format
+
+if TYPE_CHECKING:
+    from .profile import Profile
+
+__all__ = [
+    "GLOO_CHUNK_OVERHEAD_S",
+    "LATENCY_FACTOR",
+    "MAX_CHUNK",
+    "MIN_CHUNK",
+    "STRATEGIES",
+    "CommBreakdown",
+    "bucket_breakdown",
+    "choose_strategy",
+    "chunk_elements",
+    "hook_cluster",
+    "native_sum",
+    "strategy_chunk",
+    "strategy_times",
+]
+
+STRATEGIES = ("fp32", "native", "two_phase", "hierarchical")
+"""The hook's ways to reduce a bucket, in the order ties are broken (first wins)."""
+
+LATENCY_FACTOR = 4.0
+"""A message to one peer must take at least this many link latencies on the wire.
+
+A message of B bytes costs ``alpha + B beta``; with ``B beta >= 4 alpha`` the
+latency is at most 1/5 of it, so bytes, not latency, set the time. A larger
+factor buys little (8: 1/9) for chunks twice as large, which take twice as
+long to fill and drain the pipeline."""
+
+MIN_CHUNK, MAX_CHUNK = 2**14, 2**26
+"""Bounds on a chunk in elements: 64 KiB and 256 MiB of FP32."""
+
+GLOO_CHUNK_OVERHEAD_S = 8e-4
+"""What one more chunk costs the hook on Gloo over TCP: its collectives' wake-ups.
+
+Fitted to the emulated cluster's measured best chunk sizes: 2 ranks at
+1 Gbit/s were fastest with 2**20-element chunks of 25 MB buckets, 4 ranks at
+250 Mbit/s with 2**18 (5e-4 put the first on 2**19, 6-30% slower)."""
+
+_FP32_BYTES = 4.0
+# Links of the hook's defaults without a profile (hook_cluster).
+_LOOPBACK = (5e9, 10e-6)  # TCP between processes on one host: assumed, calibrate for real
+_NIC_400G = (50e9, 6e-6)  # one ConnectX-7 400 Gbit/s NIC per node; latency as dgx-h100's
+
+
+def chunk_elements(
+    numel: int,
+    wire_bytes: float,
+    peers: int,
+    link: LinkParams,
+    overhead_s: float,
+    exchange_s: float | None = None,
+) -> int:
+    """Elements per pipelined chunk of a bucket: a power of two, or ``numel`` (one chunk).
+
+    Two constraints; the larger chunk wins:
+
+    - latency: the message to one peer, ``chunk * wire_bytes / peers`` bytes,
+      takes at least :data:`LATENCY_FACTOR` latencies on the wire
+      (``>= 4 alpha / beta`` bytes), rounded up to a power of two;
+    - pipelining: an exchange of W seconds cut in k chunks takes about
+      ``W + W/k + k overhead_s`` (one chunk fills the pipeline, one drains it,
+      every chunk pays its fixed cost), least at ``k = sqrt(W / overhead_s)``;
+      the chunk is ``numel / k`` rounded to a power of two.
+
+    The result is clamped to ``[MIN_CHUNK, MAX_CHUNK]``; a bucket no larger
+    than the chunk is sent in one chunk of ``numel`` elements.
+
+    Args:
+        numel: elements in the bucket.
+        wire_bytes: bytes per element on the wire (1 for FP8, 4 for FP32).
+        peers: pieces a chunk is cut into, one per destination: the group size
+            (N for two_phase's shards and for a ring all-reduce's steps).
+        link: the link the per-peer messages cross, as one flow sees it
+            (``inter.shared_by(L)`` where L ranks share a node's NIC).
+        overhead_s: fixed cost of one more chunk.
+        exchange_s: the bucket's unchunked exchange W, measured; None: the
+            link's bandwidth term for an all-to-all plus all-gather,
+            ``beta * 2 numel wire_bytes (peers - 1) / peers``.
+
+    Returns:
+        The chunk size in elements (at least 1).
+
+    Raises:
+        ValueError: a negative size or cost, ``wire_bytes <= 0`` or ``peers < 1``.
+
+    Example:
+        >>> slow = LinkParams(alpha=1e-4, beta=1e-8)   # 100 MB/s, 100 us
+        >>> chunk_elements(2**23, 1.0, 4, slow, 8e-4)  # k = 12.5: pipelining decides
+        524288
+        >>> fast = LinkParams(alpha=1e-5, beta=8e-11)  # 100 Gbit/s, 10 us
+        >>> chunk_elements(2**23, 1.0, 64, fast, 8e-4)  # 500 kB per peer: one chunk
+        8388608
+    """
+    if numel < 0 or overhead_s < 0 or (exchange_s is not None and exchange_s < 0):
+        raise ValueError(
+            f"numel, overhead_s and exchange_s must be non-negative, got {numel}, "
+            f"{overhead_s} and {exchange_s}"
+        )
+    if wire_bytes <= 0 or peers < 1:
+        raise ValueError(f"wire_bytes must be > 0 and peers >= 1, got {wire_bytes} and {peers}")
+    if numel <= 1 or peers == 1:
+        return max(int(numel), 1)
+    if exchange_s is None:
+        exchange_s = link.wire_time(2.0 * numel * wire_bytes * (peers - 1) / peers)
+    if exchange_s == 0.0:
+        pipelined = float(numel)  # nothing on the wire to overlap
+    elif overhead_s == 0.0:
+        pipelined = 1.0  # free chunks: as many as the latency rule allows
+    else:
+        k = max(1.0, math.sqrt(exchange_s / overhead_s))
+        pipelined = 2.0 ** round(math.log2(max(numel / k, 1.0)))
+    if link.beta == 0.0:
+        latency = math.inf  # no bandwidth term: every extra message is pure latency
+    else:
+        per_peer = LATENCY_FACTOR * link.alpha / link.beta
+        latency = 2.0 ** math.ceil(math.log2(max(per_peer * peers / wire_bytes, 1.0)))
+    chunk = min(max(pipelined, latency, MIN_CHUNK), MAX_CHUNK)
+    return int(numel) if chunk >= numel else int(chunk)
+
+
+@dataclass(frozen=True)
+class CommBreakdown:
+    """Where the time of one bucket's reduction goes, on one rank.
+
+    Attributes:
+        format: wire format name.
+        strategy: the strategy (one of :data:`STRATEGIES`).
+        collective_s: data collectives, summed over the chunks.
+        maxima_s: APS MAX all-reduce of the per-layer maxima.
+        codec_s: local passes (amax, encode, decode, FP32 accumulation).
+        wire_bytes: bytes this rank sends for the data (inside and between nodes).
+        overlap_s: codec and wire time hidden by chunk pipelining.
+        chunks: pipelined chunks of the bucket (1: no pipelining).
+        overhead_s: the bucket's fixed cost as the real hook pays it, less the
+            parts' own latencies (calibrated profiles only: ``hook_call.<fmt>``);
+            negative where the parts, timed alone, overcount it.
+
+    Example:
+        >>> CommBreakdown("fp32", "fp32", 1.0, 0.0, 0.5, 8.0).total_s
+        1.5
+    """
+
+    format: str
+    strategy: str
+    collective_s: float
+    maxima_s: float
+    codec_s: float
+    wire_bytes: float
+    overlap_s: float = 0.0
+    chunks: int = 1
+    overhead_s: float = 0.0
+
+    @property
+    def total_s(self) -> float:
+        """Seconds from the bucket's start to its reduced gradients being usable."""
+        return self.collective_s + self.maxima_s + self.codec_s - self.overlap_s + self.overhead_s
+
+
+def _spec(fmt: str | FormatSpec) -> FormatSpec:
+    """The format as the APS hook sends it: every format but FP32 is APS-scaled."""
+    if isinstance(fmt, FormatSpec):
+        return fmt
+    spec = get_format(fmt)
+    return spec if spec.name == "fp32" else replace(spec, aps=True)
+
+
+def _check_strategy(strategy: str) -> None:
+    if strategy not in STRATEGIES:
+        raise ValueError(f"unknown strategy {strategy!r}; choose from {STRATEGIES}")
+
+
+def native_sum(fmt: str | FormatSpec, cluster: Cluster) -> bool:
+    """Whether the cluster's collectives sum ``fmt``'s dtype natively (the ``native`` strategy).
+
+    FP16 and BF16 everywhere; FP8 (e4m3, e5m2) where the device is marked
+    :attr:`~aps_perfmodel.cluster.Device.fp8_sum` (NCCL >= 2.24 on sm_90+).
+
+    Example:
+        >>> native_sum("e4m3", get_cluster("dgx-h100")), native_sum("e4m3", get_cluster("100gbe"))
+        (True, False)
+    """
+    spec = _spec(fmt)
+    if spec.name in ("fp32", "fp16", "bf16"):
+        return True
+    return spec.name in ("e4m3", "e5m2") and cluster.device.fp8_sum
+
+
+def _allreduce(cluster: Cluster, nbytes: float, key: str, algorithm: str) -> float:
+    fit = cluster.collective_fits.get(key)
+    if fit is not None:
+        return allreduce(nbytes, cluster.world_size, fit, algorithm)
+    return hierarchical_allreduce(nbytes, cluster.topology, algorithm)
+
+
+def _exchange(cluster: Cluster, nbytes: float, k: int) -> float:
+    """Flat all-to-all then all-gather of an ``nbytes`` payload, ``k`` chunks back to back.
+
+    Uses the calibrated pipelined exchange where there is one (timed whole:
+    one latency and one burst per call). Otherwise composes the two
+    collectives per chunk; a token-bucket shaper (``burst_bytes``) still
+    passes its burst only once, since the chunks leave the link no idle time
+    to refill it.
+    """
+    p = cluster.world_size
+    sent = 2 * k * nbytes * (p - 1) / p
+    fit = cluster.collective_fits.get("exchange")
+    if fit is not None:
+        return fit.alpha + fit.wire_time(sent)
+    a2a, ag = cluster.collective_fits.get("all_to_all"), cluster.collective_fits.get("all_gather")
+    if a2a is None or ag is None:
+        return k * (
+            hierarchical_all_to_all(nbytes, cluster.topology)
+            + hierarchical_all_gather(nbytes, cluster.topology)
+        )
+    steady = all_to_all(nbytes, p, replace(a2a, burst_bytes=0.0))
+    steady += all_gather(nbytes, p, replace(ag, burst_bytes=0.0))
+    return k * steady - a2a.beta * min(a2a.burst_bytes, sent)
+
+
+def _accumulate(cluster: Cluster, n_in: float, group: int) -> float:
+    """FP32 sum on the owner of ``group`` slices, ``n_in`` elements in all."""
+    if n_in <= 0 or group <= 1:
+        return 0.0
+    if "accumulate" in cluster.codec_fits:
+        return cluster.codec_fits["accumulate"].time(n_in)
+    topo = cluster.topology
+    gamma = topo.intra.gamma if topo.gpus_per_node > 1 else topo.inter.gamma
+    return n_in * _FP32_BYTES * (group - 1) / group * gamma
+
+
+def _hier_wire(cluster: Cluster, w: float, m: float) -> float:
+    """The four collectives of one hierarchical chunk of ``m`` elements."""
+    topo = cluster.topology
+    g, nodes = topo.gpus_per_node, topo.nodes
+    shared = topo.inter.shared_by(g)
+    return (
+        all_to_all(_FP32_BYTES * m, g, topo.intra)
+        + all_to_all(w * m / g, nodes, shared)
+        + all_gather(w * m / g, nodes, shared)
+        + all_gather(w * m, g, topo.intra)
+    )
+
+
+def _wire(strategy: str, fmt: FormatSpec, cluster: Cluster, m: float, k: int) -> float:
+    """Collective seconds of ``k`` chunks of ``m`` elements, back to back."""
+    w = fmt.wire_bytes
+    if strategy == "fp32":
+        return k * _allreduce(cluster, _FP32_BYTES * m, "all_reduce.float32", cluster.algorithm)
+    if strategy == "native":
+        return k * _allreduce(cluster, w * m, f"all_reduce.{fmt.torch_dtype}", cluster.algorithm)
+    if strategy == "two_phase":
+        return _exchange(cluster, w * m, k)
+    return k * _hier_wire(cluster, w, m)
+
+
+def _codec(strategy: str, fmt: FormatSpec, cluster: Cluster, m: float) -> float:
+    """Local passes of one chunk of ``m`` elements (the APS amax pass is per bucket)."""
+    topo = cluster.topology
+    p, g, nodes = cluster.world_size, topo.gpus_per_node, topo.nodes
+
+    def codec(op: str, n: float) -> float:
+        return cluster.codec_time(op, fmt.name, fmt.wire_bytes, n)
+
+    def owner(n: float, group: int) -> float:
+        # Decode the group's shards (n elements), sum them in FP32, re-encode n/group
+        # (one fused pass where calibrated as "reduce.<fmt>").
+        if group <= 1:
+            return 0.0
+        if f"reduce.{fmt.name}" in cluster.codec_fits:
+            return cluster.codec_fits[f"reduce.{fmt.name}"].time(n)
+        return codec("decode", n) + _accumulate(cluster, n, group) + codec("encode", n / group)
+
+    if strategy == "fp32":
+        return 0.0
+    if strategy == "native":
+        return codec("encode", m) + codec("decode", m)
+    if strategy == "two_phase":
+        return codec("encode", m) + owner(m, p) + codec("decode", m)
+    # hierarchical: FP32 sum of the L slices, encode the node sum, the inter-node
+    # owner's decode-sum-encode, and every rank decodes the gathered chunk.
+    return (
+        _accumulate(cluster, m, g)
+        + codec("encode", m / g)
+        + owner(m / g, nodes)
+        + codec("decode", m)
+    )
+
+
+def _flat_link(cluster: Cluster, key: str) -> LinkParams:
+    """The link a flat collective's per-peer messages cross (as one flow sees it)."""
+    fit = cluster.collective_fits.get(key)
+    if fit is not None:
+        return fit
+    topo = cluster.topology
+    if topo.nodes == 1:
+        return topo.intra
+    return topo.inter.shared_by(topo.gpus_per_node)
+
+
+def strategy_chunk(
+    numel: int,
+    fmt: str | FormatSpec,
+    cluster: Cluster,
+    strategy: str,
+    exchange_s: float | None = None,
+) -> int:
+    """The chunk (elements) that ``strategy`` cuts a bucket into on ``cluster``.
+
+    :func:`chunk_elements` with the strategy's peers and links: N peers on
+    the bottleneck link for ``native`` and ``two_phase``; for
+    ``hierarchical`` the larger of the inter-node stages' chunk (N peers
+    per chunk, the node's NIC shared by its L ranks) and the intra-node
+    FP32 stage's (L peers, 4 bytes per element). The per-chunk overhead is
+    :attr:`Cluster.chunk_overhead_s`, else the model's fixed cost of one
+    chunk. ``"fp32"`` is never chunked.
+
+    Args:
+        numel: elements in the bucket.
+        fmt: wire format name (or spec).
+        cluster: the cluster (e.g. from :func:`hook_cluster`).
+        strategy: one of :data:`STRATEGIES`.
+        exchange_s: the bucket's measured exchange; None: the model's
+            unchunked collectives.
+
+    Example:
+        >>> c = hook_cluster("gloo", "cpu", world_size=2, ranks_per_node=1)
+        >>> strategy_chunk(25 * 2**18, "e4m3", c, "two_phase", exchange_s=0.05)
+        1048576
+    """
+    _check_strategy(strategy)
+    spec = _spec(fmt)
+    if strategy == "fp32" or cluster.world_size == 1 or numel <= 1:
+        return max(int(numel), 1)
+    overhead = cluster.chunk_overhead_s
+    if overhead is None:
+        overhead = _wire(strategy, spec, cluster, 1.0, 1) + _codec(strategy, spec, cluster, 1.0)
+    if exchange_s is None:
+        exchange_s = _wire(strategy, spec, cluster, float(numel), 1)
+    w, p = spec.wire_bytes, cluster.world_size
+    if strategy == "hierarchical":
+        topo = cluster.topology
+        g = topo.gpus_per_node
+        chunk = chunk_elements(numel, _FP32_BYTES, g, topo.intra, overhead, exchange_s)
+        if topo.nodes > 1:
+            inter = topo.inter.shared_by(g)
+            chunk = max(chunk, chunk_elements(numel, w, p, inter, overhead, exchange_s))
+        return chunk
+    key = "all_to_all" if strategy == "two_phase" else f"all_reduce.{spec.torch_dtype}"
+    return chunk_elements(numel, w, p, _flat_link(cluster, key), overhead, exchange_s)
+
+
+def bucket_breakdown(
+    numel: int,
+    n_layers: int,
+    fmt: str | FormatSpec,
+    cluster: Cluster,
+    strategy: str,
+    chunk: int | str | None = "auto",
+) -> CommBreakdown:
+    """The reduction of one bucket of ``numel`` FP32 gradients in ``n_layers`` tensors.
+
+    APS formats pay a pass for the layer maxima and their MAX all-reduce,
+    then ``k`` chunks, each with its collectives' latencies and its codec
+    passes; the codec of one chunk overlaps the wire time of another, so
+    with ``C`` the codec and ``W`` the wire time over the chunks the
+    pipelined part takes ``max(C, W) + min(C, W) / k``. ``"fp32"`` and
+    torch's cast hooks (``aps=False``) are one piece.
+
+    Args:
+        numel: gradient elements in the bucket.
+        n_layers: parameter tensors in it (APS sends one maximum each).
+        fmt: wire format name (APS-scaled unless ``fp32``) or spec.
+        cluster: links, device and any calibrated fits.
+        strategy: one of :data:`STRATEGIES`.
+        chunk: elements per chunk; "auto": :func:`strategy_chunk`; None: one chunk.
+
+    Example:
+        >>> c = get_cluster("dgx-h100", world_size=64)
+        >>> b = bucket_breakdown(25 * 2**18, 20, "e4m3", c, "hierarchical")
+        >>> b.chunks, b.total_s < bucket_breakdown(25 * 2**18, 20, "fp32", c, "fp32").total_s
+        (1, True)
+    """
+    _check_strategy(strategy)
+    spec = _spec(fmt)
+    if strategy == "fp32":
+        spec = replace(spec, aps=False)
+    p = cluster.world_size
+    if p == 1 or numel == 0:
+        return CommBreakdown(spec.name, strategy, 0.0, 0.0, 0.0, 0.0)
+    w = spec.wire_bytes
+    if strategy == "fp32":
+        collective = _wire("fp32", spec, cluster, float(numel), 1)
+        return CommBreakdown(
+            spec.name, strategy, collective, 0.0, 0.0, 2 * 4.0 * numel * (p - 1) / p
+        )
+    if strategy == "hierarchical":
+        topo = cluster.topology
+        g, nodes = topo.gpus_per_node, topo.nodes
+        sent = numel * ((_FP32_BYTES + w) * (g - 1) / g + 2 * w * (nodes - 1) / (nodes * g))
+    else:
+        sent = 2 * w * numel * (p - 1) / p
+    if not spec.aps:
+        # torch's cast hooks (fp16_compress_hook): cast, all-reduce, cast back, one piece.
+        collective = _wire(strategy, spec, cluster, float(numel), 1)
+        codec_s = _codec(strategy, spec, cluster, float(numel))
+        return CommBreakdown(spec.name, strategy, collective, 0.0, codec_s, sent)
+    head = cluster.codec_time("amax", spec.name, w, numel)
+    maxima = _allreduce(cluster, n_layers * _FP32_BYTES, "all_reduce_max", "auto")
+    if chunk == "auto":
+        chunk = strategy_chunk(numel, spec, cluster, strategy)
+    k = 1 if not chunk else max(1, -(-numel // int(chunk)))
+    m = numel / k
+    codec_s = k * _codec(strategy, spec, cluster, m)
+    collective = _wire(strategy, spec, cluster, m, k)
+    overlap = min(codec_s, collective) * (1.0 - 1.0 / k)
+    if cluster.cores_per_rank is not None and cluster.cores_per_rank < 1:
+        # Measured on the emulated cluster (4 ranks, 2 cores): the step took
+        # longer than codec plus wire run back to back; a rank's codec and the
+        # kernel's network stack compete for the same cores.
+        overlap = 0.0
+    return CommBreakdown(spec.name, strategy, collective, maxima, head + codec_s, sent, overlap, k)
+
+
+def strategy_times(
+    numel: int,
+    n_layers: int,
+    fmt: str,
+    cluster: Cluster,
+    strategies: Sequence[str],
+) -> dict[str, float]:
+    """Seconds each strategy takes to reduce one bucket, as the hook builds it.
+
+    Args:
+        numel: gradient elements in the bucket.
+        n_layers: parameter tensors in it.
+        fmt: wire format name (any but ``fp32`` is APS-scaled).
+        cluster: the cluster (e.g. :func:`hook_cluster`).
+        strategies: names from :data:`STRATEGIES`.
+
+    Raises:
+        ValueError: an unknown strategy or format.
+
+    Example:
+        >>> c = hook_cluster("nccl", "cuda", world_size=16, ranks_per_node=8)
+        >>> t = strategy_times(2**22, 10, "e4m3", c, ["fp32", "hierarchical"])
+        >>> t["hierarchical"] < t["fp32"]
+        True
+    """
+    return {s: bucket_breakdown(numel, n_layers, fmt, cluster, s).total_s for s in strategies}
+
+
+def choose_strategy(
+    numel: int,
+    n_layers: int,
+    fmt: str,
+    cluster: Cluster,
+    native_ok: bool,
+    hierarchical_ok: bool,
+) -> str:
+    """The fastest strategy for one bucket; ``"fp32"`` where nothing else is faster.
+
+    Candidates: ``fp32`` and ``two_phase`` always, ``native`` where
+    ``native_ok`` (the backend sums the wire dtype), ``hierarchical`` where
+    ``hierarchical_ok`` and nodes have several ranks. Ties go to the earlier
+    name in :data:`STRATEGIES`. Pure arithmetic on its arguments, so every
+    rank that passes the same ones chooses the same.
+
+    Example:
+        >>> c = hook_cluster("gloo", "cpu", world_size=4, ranks_per_node=1)
+        >>> choose_strategy(25 * 2**18, 20, "e4m3", c, native_ok=False, hierarchical_ok=False)
+        'two_phase'
+        >>> choose_strategy(25 * 2**18, 20, "fp32", c, native_ok=False, hierarchical_ok=False)
+        'fp32'
+    """
+    if _spec(fmt).name == "fp32" or cluster.world_size == 1:
+        return "fp32"
+    allowed = {
+        "fp32": True,
+        "native": native_ok,
+        "two_phase": True,
+        "hierarchical": hierarchical_ok and cluster.topology.gpus_per_node > 1,
+    }
+    times = strategy_times(numel, n_layers, fmt, cluster, [s for s in STRATEGIES if allowed[s]])
+    best = "fp32"
+    for s, t in times.items():
+        if t < times[best]:
+            best = s
+    return best
+
+
+def hook_cluster(
+    backend: str,
+    device_type: str,
+    world_size: int,
+    ranks_per_node: int,
+    profile: Profile | None = None,
+) -> Cluster:
+    """The cluster the hook plans with: the calibrated profile, else defaults per backend.
+
+    - A profile (``aps-perfmodel calibrate``): its fitted links and codec
+      passes, on ``world_size / ranks_per_node`` nodes.
+    - NCCL: NVLink-class links inside a node (the dgx-h100 preset: 450 GB/s,
+      3 us) and one 400 Gbit/s NIC per node (50 GB/s, 6 us) between nodes;
+      the GPU codec (H100 memory), so chunks are sized by the links alone.
+    - Gloo (and any other backend): 10 Gbit/s-class TCP between nodes (the
+      10gbe preset: 1.25 GB/s, 25 us), loopback TCP inside a node (assumed
+      5 GB/s, 10 us), :data:`GLOO_CHUNK_OVERHEAD_S` per chunk; the CPU codec
+      (the ``cpu-numba`` device) on CPU tensors, the GPU codec on CUDA.
+
+    Args:
+        backend: ``torch.distributed`` backend name ("nccl", "gloo", ...).
+        device_type: the gradients' device type ("cpu", "cuda").
+        world_size: ranks N.
+        ranks_per_node: ranks L per node (node-major ranks).
+        profile: a calibrated profile, if any.
+
+    Raises:
+        ValueError: ``world_size`` or ``ranks_per_node`` below 1, or N not a
+            multiple of L.
+
+    Example:
+        >>> c = hook_cluster("nccl", "cuda", world_size=16, ranks_per_node=8)
+        >>> (c.topology.nodes, c.topology.gpus_per_node, c.device.name)
+        (2, 8, 'h100')
+    """
+    if world_size < 1 or ranks_per_node < 1 or world_size % ranks_per_node:
+        raise ValueError(
+            f"world_size ({world_size}) must be a positive multiple of "
+            f"ranks_per_node ({ranks_per_node})"
+        )
+    nodes = world_size // ranks_per_node
+    nccl = backend.lower() == "nccl"
+    device = "cpu-numba" if device_type == "cpu" else "h100"
+    overhead = None if nccl else GLOO_CHUNK_OVERHEAD_S
+    if profile is not None:
+        cluster = profile.to_cluster(world_size, device=device)
+        link = profile.link
+        return replace(
+            cluster,
+            topology=Topology(nodes, ranks_per_node, link, link),
+            chunk_overhead_s=overhead,
+        )
+    if nccl:
+        intra = get_cluster("dgx-h100").topology.intra
+        bw, lat = _NIC_400G
+        name, source = "nccl-default", "hook defaults: NVLink-class intra, 400 Gbit/s per node"
+    else:
+        bw, lat = (
+            get_cluster("10gbe").topology.inter.bandwidth,
+            get_cluster("10gbe").topology.inter.alpha,
+        )
+        intra = LinkParams.from_bandwidth(*_LOOPBACK)
+        name, source = "gloo-default", "hook defaults: 10 Gbit/s TCP, loopback inside a node"
+    cluster = custom_cluster(
+        bw,
+        lat,
+        nodes=nodes,
+        gpus_per_node=ranks_per_node,
+        intra_bandwidth=intra.bandwidth,
+        intra_latency=intra.alpha,
+        device=device,
+    )
+    return replace(
+        cluster,
+        name=name,
+        source=source,
+        device=get_device(device),
+        chunk_overhead_s=overhead,
+    )

@@ -1,0 +1,254 @@
+"""Hierarchical two_phase: topology, exactness against aps_comm.simulate, bytes, errors.
+
+Four Gloo ranks play two nodes of two ranks. Every bucket the hook returns is
+compared bit for bit with :func:`aps_comm.simulate.allreduce` (``reduction=
+"hierarchical"``) computed from every rank's raw bucket, and must be
+identical on every rank.
+"""
+
+from __future__ import annotations
+
+import os
+
+import pytest
+import torch
+import torch.distributed as dist
+import torch.nn as nn
+from test_hook import _capture, _gather, _Net
+from torch.nn.parallel import DistributedDataParallel as DDP
+
+from aps_comm import APSState, register, simulate
+from aps_comm.formats import get_format, payload_nbytes
+from aps_comm.testing import DistributedTestError, run_distributed
+from aps_comm.topology import Topology, check_topology, env_ranks_per_node
+
+# ---------------------------------------------------------------------------
+# topology
+
+
+def test_topology_layout_and_errors() -> None:
+    t = Topology(world_size=6, ranks_per_node=3)
+    assert (t.nodes, t.node_ranks(1), t.peer_ranks(2)) == (2, [3, 4, 5], [2, 5])
+    with pytest.raises(
+        ValueError, match="ranks_per_node=4 must be >= 1 and divide the world size 6"
+    ):
+        Topology(6, 4)
+    assert env_ranks_per_node({}) is None
+    assert env_ranks_per_node({"LOCAL_WORLD_SIZE": "8"}) == 8
+    with pytest.raises(ValueError, match="LOCAL_WORLD_SIZE must be a positive integer, got 'x'"):
+        env_ranks_per_node({"LOCAL_WORLD_SIZE": "x"})
+
+
+def test_check_topology_names_what_every_rank_saw() -> None:
+    assert check_topology([(2, 0), (2, 1), (2, 0), (2, 1)], 4) == Topology(4, 2)
+    assert check_topology([(2, None)] * 4, 4).nodes == 2
+    with pytest.raises(ValueError, match=r"disagree.*rank 3: ranks_per_node=4"):
+        check_topology([(2, 0), (2, 1), (2, 0), (4, 3)], 4)
+    with pytest.raises(ValueError, match=r"ranks_per_node=3 must .* divide the world size 4"):
+        check_topology([(3, None)] * 4, 4)
+    with pytest.raises(ValueError, match=r"ranks \[1, 2\] have a LOCAL_RANK"):
+        check_topology([(2, 0), (2, 0), (2, 1), (2, 1)], 4)
+
+
+# ---------------------------------------------------------------------------
+# the simulator's hierarchical order
+
+
+@pytest.mark.parametrize("fmt", ["e4m3", "e2m1", "bf16"])
+def test_simulated_hierarchy_of_one_rank_per_node_is_two_phase(fmt: str) -> None:
+    torch.manual_seed(0)
+    layers = [torch.randn(4, 30) * 1e-3, torch.randn(4, 7) * 50.0]
+    flat = simulate.allreduce(layers, fmt, reduction="two_phase")
+    one = simulate.allreduce(layers, fmt, reduction="hierarchical", ranks_per_node=1)
+    for a, b in zip(flat, one, strict=True):
+        assert torch.equal(a, b)
+
+
+def test_simulated_hierarchy_sums_nodes_in_fp32_before_rounding() -> None:
+    # Node 0 holds +x and -x: their FP32 sum is exactly zero, so only node 1's
+    # value survives; flat two_phase rounds +x and -x first (same zero here),
+    # but a value below the format's resolution survives only in the node sum.
+    g = torch.tensor([[1.0], [1.0 / 64], [0.0], [0.0]])
+    [flat] = simulate.allreduce([g], "e4m3", reduction="two_phase")
+    [hier] = simulate.allreduce([g], "e4m3", reduction="hierarchical", ranks_per_node=2)
+    exact = g.mean(0)
+    assert abs(float(hier - exact)) <= abs(float(flat - exact))
+    with pytest.raises(ValueError, match="ranks_per_node=3 must divide the number of workers 4"):
+        simulate.allreduce([g], "e4m3", reduction="hierarchical", ranks_per_node=3)
+
+
+# ---------------------------------------------------------------------------
+# the hook on 4 ranks as 2 nodes x 2
+
+
+CASES = [("e4m3", "layer"), ("e2m1", "layer"), ("e5m2", "bucket"), ("bf16", "layer")]
+
+
+def _hier_case(rank: int, world_size: int, chunk: int | None, via_env: bool, reduction: str) -> int:
+    if via_env:
+        os.environ.update(LOCAL_WORLD_SIZE="2", LOCAL_RANK=str(rank % 2))
+    checked = 0
+    for fmt_spec, scaling in CASES:
+        fmt = get_format(fmt_spec)
+        torch.manual_seed(0)
+        model = _Net()
+        ddp = DDP(model, bucket_cap_mb=0.004)
+        state = APSState(
+            fmt,
+            reduction=reduction,
+            scaling=scaling,
+            ranks_per_node=None if via_env else 2,
+        )
+        state.bind_process_group()
+        state.chunk_elements = chunk
+        groups = state.grid if reduction == "grid" else state.nodes
+        assert groups is not None and groups.topology == Topology(4, 2)
+        log: list = []
+        ddp.register_comm_hook(state, _capture(state, log))
+        for step in range(2):
+            torch.manual_seed(1000 * step + rank)
+            poison = step == 1 and fmt_spec == "e4m3"
+            if poison and rank == 1:  # a NaN gradient in one layer of one rank
+                handle = model.c.bias.register_hook(lambda g: torch.full_like(g, float("nan")))
+            ddp.zero_grad()
+            ddp(torch.randn(8, 16) * (rank + 1)).pow(2).sum().backward()
+            if poison and rank == 1:
+                handle.remove()
+            for _, raw, numels, out in sorted(log, key=lambda item: item[0]):
+                raws = _gather(raw)
+                layers = list(torch.split(raws, numels, dim=1))
+                expected = torch.cat(
+                    simulate.allreduce(
+                        layers, fmt, reduction=reduction, scaling=scaling, ranks_per_node=2
+                    )
+                )
+                assert torch.equal(out.nan_to_num(nan=7.0), expected.nan_to_num(nan=7.0)), (
+                    f"{fmt_spec} bucket mismatch, max diff {(out - expected).abs().nan_to_num().max()}"
+                )
+                outs = _gather(out)
+                assert torch.equal(outs.nan_to_num(7.0), outs[:1].expand_as(outs).nan_to_num(7.0))
+                checked += 1
+            if poison:  # NaN in that layer on every rank, nothing else touched
+                assert torch.isnan(model.c.bias.grad).all()
+                assert torch.isfinite(model.a.weight.grad).all()
+            log.clear()
+        assert state.reduction == reduction
+    return checked
+
+
+@pytest.mark.parametrize(
+    ("chunk", "via_env", "reduction"),
+    [
+        (None, False, "hierarchical"),
+        (37, True, "hierarchical"),
+        (None, False, "grid"),
+        (37, False, "grid"),
+    ],
+)
+def test_hierarchical_and_grid_match_simulate_bit_for_bit(
+    chunk: int | None, via_env: bool, reduction: str
+) -> None:
+    # Buckets of ~1000 elements; chunks of 37 give ragged slices and shards.
+    checked = run_distributed(_hier_case, 4, args=(chunk, via_env, reduction), timeout=240)
+    assert all(c >= 2 * len(CASES) for c in checked)
+
+
+def _bytes_case(rank: int, world_size: int, reduction: str) -> dict[str, int]:
+    torch.manual_seed(0)
+    model = nn.Linear(64, 64, bias=False)  # one bucket of 4096 elements
+    ddp = DDP(model, bucket_cap_mb=100)
+    state = register(ddp, "e4m3", reduction=reduction, ranks_per_node=2)
+    torch.manual_seed(rank)
+    ddp(torch.randn(4, 64)).sum().backward()
+    ddp(torch.randn(4, 64)).sum().backward()
+    return state.bytes_detail
+
+
+@pytest.mark.parametrize("reduction", ["hierarchical", "grid"])
+def test_only_the_wire_format_crosses_nodes(reduction: str) -> None:
+    for detail in run_distributed(_bytes_case, 4, args=(reduction,), timeout=120):
+        # Each rank owns half the bucket in its node and sends it across nodes
+        # in FP8: one byte per element per node, split over the node's 2 ranks.
+        assert detail["all_to_all"] == payload_nbytes(4096 // 2, get_format("e4m3"))
+        assert detail["all_gather"] == 4096 // 2 // 2
+        # The first level: FP32 inside a node, FP8 between the grid's rows.
+        assert detail["node_all_to_all"] == 4096 * (1 if reduction == "grid" else 4)
+        assert detail["node_all_gather"] == 4096 // 2
+
+
+def _single_node(rank: int, world_size: int, per_node: int) -> bool:
+    torch.manual_seed(0)
+    model = _Net()
+    ddp = DDP(model, bucket_cap_mb=0.004)
+    state = APSState("e4m3", reduction="hierarchical", ranks_per_node=per_node)
+    log: list = []
+    ddp.register_comm_hook(state, _capture(state, log))
+    torch.manual_seed(rank)
+    ddp(torch.randn(8, 16)).pow(2).sum().backward()
+    for _, raw, numels, out in log:
+        layers = list(torch.split(_gather(raw), numels, dim=1))
+        expected = torch.cat(
+            simulate.allreduce(layers, "e4m3", reduction="hierarchical", ranks_per_node=per_node)
+        )
+        assert torch.equal(out, expected)
+    return True
+
+
+@pytest.mark.parametrize("per_node", [1, 2])
+def test_one_node_and_one_rank_per_node_are_exact(per_node: int) -> None:
+    assert all(run_distributed(_single_node, 2, args=(per_node,), timeout=120))
+
+
+def _mismatched(rank: int, world_size: int) -> str:
+    os.environ.update(LOCAL_WORLD_SIZE="4" if rank == 3 else "2", LOCAL_RANK=str(rank % 2))
+    try:
+        APSState("e4m3", reduction="hierarchical").bind_process_group()
+    except ValueError as exc:
+        return str(exc)
+    return ""
+
+
+def test_mismatched_topology_is_an_error_on_every_rank() -> None:
+    errors = run_distributed(_mismatched, 4, timeout=120)
+    for msg in errors:
+        assert "disagree on the ranks per node" in msg and "rank 3: ranks_per_node=4" in msg
+
+
+def test_grid_rows_and_simulated_grid_errors() -> None:
+    from aps_comm.topology import grid_rows
+
+    assert [grid_rows(n) for n in (1, 2, 3, 4, 6, 7, 8, 12, 64, 1024)] == [
+        1,
+        1,
+        1,
+        2,
+        2,
+        1,
+        2,
+        3,
+        8,
+        32,
+    ]
+    with pytest.raises(ValueError, match="7 workers have no grid"):
+        simulate.allreduce([torch.ones(7, 3)], "e4m3", reduction="grid")
+    with pytest.raises(DistributedTestError, match="the world size 2 has no such divisor"):
+        run_distributed(_grid_of_two, 2, timeout=60)
+
+
+def _grid_of_two(rank: int, world_size: int) -> None:
+    APSState("e4m3", reduction="grid").bind_process_group()
+
+
+def test_bad_arguments_are_errors() -> None:
+    for reduction in ("hierarchical", "grid"):
+        with pytest.raises(ValueError, match=f"not supported with reduction='{reduction}'"):
+            APSState("e4m3", reduction=reduction, error_feedback=True)
+    with pytest.raises(ValueError, match="ranks_per_node must be a positive integer, got 0"):
+        APSState("e4m3", ranks_per_node=0)
+    with pytest.raises(DistributedTestError, match=r"must .* divide the world size 2"):
+        run_distributed(_bad_per_node, 2, timeout=60)
+
+
+def _bad_per_node(rank: int, world_size: int) -> None:
+    APSState("e4m3", reduction="hierarchical", ranks_per_node=3).bind_process_group()
+    dist.barrier()
