@@ -352,7 +352,7 @@ def _check_perfmodel_table(proc: subprocess.CompletedProcess[str], cwd: Path) ->
     text = _section("Performance model")
     assert f"e4m3 {speedup['e4m3']:.2f}x faster than FP32" in text
     assert f"FP16 ({speedup['fp16']:.2f}x)" in text
-    assert "auto for e4m3: two_phase for 5 buckets" in proc.stdout
+    assert "auto for e4m3: grid for 5 buckets" in proc.stdout
 
 
 def _check_perfmodel_scale(proc: subprocess.CompletedProcess[str], cwd: Path) -> None:
