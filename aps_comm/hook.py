@@ -39,13 +39,22 @@ from torch.nn.parallel import DistributedDataParallel
 from aps_comm import codec, transports
 from aps_comm.executor import FifoWorker, run_on_side_stream
 from aps_comm.formats import FP32, FloatFormat, get_format
-from aps_comm.plan import CHUNK_ELEMENTS, BucketPlan, GroupPlan, pipelined_chunk
+from aps_comm.plan import BucketPlan, GroupPlan, Planner
 from aps_comm.policy import LayerInfo, Promote, Rule, Schedule, static_formats
 from aps_comm.policy import describe as describe_policy
-from aps_comm.reduction import REDUCTIONS, Reduction, pick_reduction
+from aps_comm.reduction import REDUCTIONS, Reduction, native_sum_supported, pick_reduction
 from aps_comm.scaling import SCALINGS, Scaling, exponents, pow2
 from aps_comm.telemetry import LayerStats, layer_stats
-from aps_comm.topology import NodeGroups, check_topology, env_ranks_per_node, node_groups
+from aps_comm.topology import (
+    NodeGroups,
+    Topology,
+    check_topology,
+    env_ranks_per_node,
+    grid_rows,
+    node_groups,
+)
+from aps_perfmodel.profile import Profile
+from aps_perfmodel.strategies import hook_cluster
 
 __all__ = ["APSConfig", "APSState", "aps_hook", "register"]
 
@@ -110,9 +119,14 @@ class APSState:
         reduction: "allreduce" (native sum in the wire dtype), "two_phase"
             (all-to-all, FP32 sum, all-gather), "hierarchical" (FP32
             reduce-scatter inside each node, two_phase across nodes, all-gather
-            inside the node; only the wire format crosses nodes) or "auto"
-            (native where the backend sums the wire dtype: FP16/BF16 always,
-            FP8 on NCCL >= 2.24 with sm_90+; else two_phase). Resolved per format.
+            inside the node; only the wire format crosses nodes) or "auto":
+            per bucket, whichever :mod:`aps_perfmodel.strategies` predicts
+            fastest among native (where the backend sums the wire dtype:
+            FP16/BF16 always, FP8 on NCCL >= 2.24 with sm_90+), two_phase,
+            hierarchical (several nodes of several ranks) and, on NCCL or
+            with a ``profile``, the plain FP32 all-reduce for buckets too
+            small for anything else to pay (``state.bucket_reductions`` and
+            the stats say what was chosen).
         scaling: "layer" (APS, one exponent per parameter tensor), "bucket"
             (one per bucket and format) or "none" (plain saturating cast).
         process_group: group to communicate on; default: a new group over all ranks.
@@ -129,6 +143,10 @@ class APSState:
             reads ``LOCAL_WORLD_SIZE`` (set by torchrun, aps-launch and the
             SLURM and MPI launchers), else 1. Ranks must be numbered node by
             node; every rank checks what the others see when it binds.
+        profile: a calibrated :class:`aps_perfmodel.profile.Profile` (or the
+            path of its JSON, from ``aps-perfmodel calibrate``): the links and
+            codec the hook plans chunks and strategies with; default: the
+            backend's defaults (:func:`aps_perfmodel.strategies.hook_cluster`).
 
     Attributes:
         stats: the last step's per-layer records (with ``stats=True``).
@@ -139,11 +157,15 @@ class APSState:
             "node_all_to_all" (FP32) and "node_all_gather" ("all_to_all" and
             "all_gather" are then what crosses nodes).
         step: steps communicated so far.
+        bucket_reductions: per bucket index, the reduction its (largest)
+            low-precision group used in the last step.
         chunk_elements: elements per pipelined chunk of a bucket; None (the
-            default) sizes them per bucket from how long its last exchange
-            took (:func:`aps_comm.plan.pipelined_chunk`, CPU tensors; the
-            ranks agree through the maxima all-reduce), 2**20 until then and
-            on CUDA.
+            default) sizes them per bucket by bytes per peer and the
+            pipelining optimum (:meth:`aps_comm.plan.Planner.chunk`), from the
+            bucket's measured exchange on CPU tensors (the ranks agree
+            through the maxima all-reduce), from the model before that and on
+            CUDA.
+        chunk_bytes: the same in wire bytes (used when ``chunk_elements`` is None).
 
     Example:
         >>> state = APSState(fmt="e4m3", reduction="two_phase", stats=True)
@@ -160,21 +182,28 @@ class APSState:
         policy: Sequence[Rule] | None = None,
         error_feedback: bool = False,
         ranks_per_node: int | None = None,
+        profile: Profile | str | os.PathLike | None = None,
     ) -> None:
         self.config = APSConfig(get_format(fmt), reduction, scaling)
+        self.profile = Profile.load(profile) if isinstance(profile, (str, os.PathLike)) else profile
         if ranks_per_node is not None and (
             isinstance(ranks_per_node, bool)
             or not isinstance(ranks_per_node, int)
             or ranks_per_node < 1
         ):
             raise ValueError(f"ranks_per_node must be a positive integer, got {ranks_per_node!r}")
-        if error_feedback and reduction == "hierarchical":
+        if error_feedback and reduction in ("hierarchical", "grid"):
             raise ValueError(
-                "error_feedback is not supported with reduction='hierarchical' (the node "
-                "sums are rounded once for L ranks); use reduction='two_phase'"
+                f"error_feedback is not supported with reduction={reduction!r} (partial "
+                "sums are rounded for several ranks at once); use reduction='two_phase'"
             )
         self.ranks_per_node = ranks_per_node
         self.nodes: NodeGroups | None = None
+        self.grid: NodeGroups | None = None
+        self.topology: Topology | None = None
+        self.bucket_reductions: dict[int, str] = {}
+        self._planner: Planner | None = None
+        self._auto: dict[tuple, dict[FloatFormat, str]] = {}
         self.process_group = process_group
         self.collect_stats = bool(stats)
         self.policy: list[Rule] = list(policy or [])
@@ -206,6 +235,7 @@ class APSState:
         # Error feedback: what rounding lost, per parameter name (unscaled).
         self._residuals: dict[str, torch.Tensor] = {}
         self.chunk_elements: int | None = None
+        self.chunk_bytes: int | None = None
         self._schedule = [r for r in self.policy if isinstance(r, Schedule)]
         self._promoter = next((r for r in self.policy if isinstance(r, Promote)), None)
 
@@ -215,7 +245,11 @@ class APSState:
 
     @property
     def reduction(self) -> str:
-        """The reduction of the state's format: as requested until bound, then resolved."""
+        """The reduction used: as requested until bound, then resolved; after a step
+        with "auto", what the buckets chose (joined by "+" where they differ)."""
+        chosen = sorted(set(self.bucket_reductions.values()))
+        if chosen:
+            return "+".join(chosen)
         return self._reductions.get(self.fmt) or self.config.reduction
 
     @property
@@ -298,6 +332,20 @@ class APSState:
     ) -> None:
         """Check the topology on every rank and create the groups hierarchical reductions use."""
         wanted = self.config.reduction == "hierarchical"
+        group = self.process_group
+        assert group is not None
+        timeout = timeout or transports.group_timeout(group)
+        rows = grid_rows(world_size)
+        if self.config.reduction == "grid" and rows < 2:
+            raise ValueError(
+                f"reduction='grid' lays the ranks on a g x N/g grid with 2 <= g <= sqrt(N); "
+                f"the world size {world_size} has no such divisor"
+            )
+        grid_wanted = self.config.reduction == "grid" or (
+            self.config.reduction == "auto" and rows >= 2 and not self.error_feedback
+        )
+        if grid_wanted:
+            self.grid = node_groups(Topology(world_size, rows), group, timeout)
         try:
             topology = check_topology(seen, world_size)
         except ValueError as exc:
@@ -306,11 +354,14 @@ class APSState:
             warnings.warn(
                 f"aps_comm: no hierarchical reduction: {exc}", RuntimeWarning, stacklevel=3
             )
+            self.topology = Topology(world_size, 1)
             return
+        self.topology = topology
         if wanted or (self.config.reduction == "auto" and 1 < topology.ranks_per_node < world_size):
-            group = self.process_group
-            assert group is not None
-            self.nodes = node_groups(topology, group, timeout or transports.group_timeout(group))
+            if self.grid is not None and self.grid.topology == topology:
+                self.nodes = self.grid  # the same groups
+            else:
+                self.nodes = node_groups(topology, group, timeout)
 
     def _bind(self, buffer: torch.Tensor) -> None:
         self.bind_process_group()
@@ -329,6 +380,19 @@ class APSState:
             )
         for fmt in self._possible_formats():
             self._reductions[fmt] = self._resolve(fmt, buffer.device)
+        topology = self.topology or Topology(self._world_size, 1)
+        cluster = hook_cluster(
+            backend, buffer.device.type, self._world_size, topology.ranks_per_node, self.profile
+        )
+        self._planner = Planner(
+            cluster,
+            hierarchical=self.nodes is not None
+            and topology.nodes > 1
+            and topology.ranks_per_node > 1
+            and not self.error_feedback,
+            fp32=backend == "nccl" or self.profile is not None,
+            grid=self.grid is not None,
+        )
         self._bound = True
 
     def _possible_formats(self) -> set[FloatFormat]:
@@ -423,18 +487,35 @@ class APSState:
         x = buffer if buffer.dtype == torch.float32 else buffer.float()
         if self.error_feedback:
             self._add_residuals(x, numels, names)
+        if self._promoter is None and not self.error_feedback:
+            # Formats known before the maxima: a bucket that goes entirely in
+            # FP32 (auto's choice, or a schedule) needs neither maxima nor scales.
+            fmts = self._formats(params)
+            reductions = self._bucket_choice(plan, fmts)
+            if all(f == FP32 or reductions[f] == "fp32" for f in fmts):
+                transports.fp32_mean(x, self.process_group, self._world_size, self._count)
+                if any(f != FP32 for f in fmts):
+                    self.bucket_reductions[b.index] = "fp32"
+                return functools.partial(self._finish_bucket, b, x, None)
 
         amax = codec.segment_amax(x, plan.layout)
         n_layers = len(numels)
+        planner = self._planner
+        assert planner is not None
+        # The chunk is sized for the state's format; policies may mix in others.
+        main = self._bucket_choice(plan, [self.fmt] * n_layers)[self.fmt]
         extra = []
         if self._promoter is not None:
             extra += [self._rates.get(n or "", 0.0) for n in names]
         auto_chunk = (
-            self.chunk_elements is None and not self.error_feedback and x.device.type == "cpu"
+            self.chunk_elements is None and self.chunk_bytes is None and not self.error_feedback
         )
-        if auto_chunk:
-            # Each rank's preferred chunk rides on the maxima; the largest wins.
-            extra.append(math.log2(pipelined_chunk(x.numel(), plan.exchange_s)))
+        measured = auto_chunk and x.device.type == "cpu"
+        if measured:
+            # Each rank's preferred chunk, from its own timing, rides on the
+            # maxima; the largest wins.
+            mine = planner.chunk(self.fmt, x.numel(), main, plan.exchange_s or None)
+            extra.append(math.log2(mine))
         shared = amax
         if extra:
             shared = torch.cat([amax, torch.tensor(extra, dtype=torch.float32, device=x.device)])
@@ -446,16 +527,27 @@ class APSState:
             self._promote_step(params, shared[n_layers : 2 * n_layers].tolist())
         if self.error_feedback:
             chunk = _ONE_CHUNK
-        elif auto_chunk:
+        elif measured:
             chunk = 2 ** int(shared[-1])  # a CPU tensor: no device round trip
+        elif auto_chunk:
+            chunk = planner.chunk(self.fmt, x.numel(), main)  # the same on every rank
+        elif self.chunk_elements is not None:
+            chunk = self.chunk_elements
         else:
-            chunk = self.chunk_elements or CHUNK_ELEMENTS
+            chunk = max(1, int(self.chunk_bytes) * 8 // self.fmt.wire_bits)  # type: ignore[arg-type]
 
         fmts = self._formats(params)
-        node = None
+        node: dict[str, tuple[int, int]] = {}
+        rank = dist.get_rank(self.process_group)
         if self.nodes is not None:
-            node = (self.nodes.topology.ranks_per_node, dist.get_rank(self.process_group))
-        groups = plan.group(fmts, self._reductions, self._world_size, chunk, node)
+            node["hierarchical"] = (self.nodes.topology.ranks_per_node, rank)
+        if self.grid is not None:
+            node["grid"] = (self.grid.topology.ranks_per_node, rank)
+        reductions = self._bucket_choice(plan, fmts)
+        groups = plan.group(fmts, reductions, self._world_size, chunk, node)
+        sent = [g for g in groups if g.fmt != FP32]
+        if sent:
+            self.bucket_reductions[b.index] = max(sent, key=lambda g: g.numel).reduction
         start = time.perf_counter()
         layers = torch.split(x, numels) if len(groups) > 1 else [x]
         tail = None
@@ -468,9 +560,34 @@ class APSState:
             self._reduce_group(g, gx, amax[g.index_tensor], names, b.index)
             for i, t in zip(g.index, torch.split(gx, g.numels), strict=True):
                 layers[i].copy_(t)
-        if auto_chunk and len(groups) == 1:
+        if measured and len(groups) == 1:
             plan.timed(time.perf_counter() - start)
         return functools.partial(self._finish_bucket, b, x, tail)
+
+    def _bucket_choice(
+        self, plan: BucketPlan, fmts: Sequence[FloatFormat]
+    ) -> dict[FloatFormat, str]:
+        """Each format's reduction in this bucket: as configured, or the model's choice."""
+        if self.config.reduction != "auto":
+            return self._reductions
+        key = (plan.key, tuple(fmts))
+        chosen = self._auto.get(key)
+        if chosen is None:
+            planner = self._planner
+            assert planner is not None
+            chosen = {}
+            for fmt in dict.fromkeys(fmts):
+                sizes = [n for n, f in zip(plan.numels, fmts, strict=True) if f == fmt]
+                native = native_sum_supported(fmt, self._backend, plan.device)
+                chosen[fmt] = (
+                    "fp32"
+                    if fmt == FP32
+                    else planner.reduction(fmt, sum(sizes), len(sizes), native)
+                )
+            if len(self._auto) > 4 * len(self._plans) + 16:
+                self._auto.clear()  # layouts DDP dropped
+            self._auto[key] = chosen
+        return chosen
 
     def _finish_bucket(
         self, b: _Bucket, x: torch.Tensor, tail: Callable[[], None] | None
@@ -504,7 +621,7 @@ class APSState:
                 for name in gnames:
                     self._residuals.pop(name or "", None)
             return None
-        if g.reduction == "hierarchical":
+        if g.reduction in ("hierarchical", "grid"):
             return self._reduce_across_nodes(g, x, amax, gnames, bucket_index, defer)
         two_phase = g.reduction == "two_phase"
         exps = exponents(
@@ -545,8 +662,9 @@ class APSState:
         bucket_index: int,
         defer: bool,
     ) -> Callable[[], None] | None:
-        """Hierarchical two_phase of one format group: exponents for each stage, then the wire."""
-        nodes, fmt, scaling = self.nodes, g.fmt, self.config.scaling
+        """Hierarchical or grid two_phase of one format group: each stage's exponents, the wire."""
+        grid = g.reduction == "grid"
+        nodes, fmt, scaling = self.grid if grid else self.nodes, g.fmt, self.config.scaling
         assert nodes is not None
         per_node, n_nodes = nodes.topology.ranks_per_node, nodes.topology.nodes
         # The node sums add L gradients: headroom L. The mean sent back needs none.
@@ -557,6 +675,10 @@ class APSState:
             amax, fmt, world_size=self._world_size, reduction="two_phase", scaling=scaling
         )
         unscale = torch.where(torch.isfinite(amax), pow2(-outer), float("nan"))
+        # The grid's first level sends each rank's gradient (headroom 1), and its
+        # sums of g of them move from that scale to the inner one.
+        first = pow2(outer) if grid else None
+        scale = pow2(inner - outer) if grid else pow2(inner)
         if self.collect_stats:
             self._step_stats += layer_stats(
                 torch.split(x, g.numels), gnames, bucket_index, fmt, inner, amax
@@ -564,13 +686,14 @@ class APSState:
         return transports.hierarchical(
             g,
             x,
-            pow2(inner),
+            scale,
             pow2(outer - inner),
             unscale,
             nodes,
             self._world_size,
             self._count,
             defer,
+            first,
         )
 
     def _add_residuals(self, x: torch.Tensor, numels: list[int], names: list[str | None]) -> None:
@@ -782,6 +905,7 @@ def register(
     policy: Sequence[Rule] | None = None,
     error_feedback: bool = False,
     ranks_per_node: int | None = None,
+    profile: Profile | str | os.PathLike | None = None,
 ) -> APSState:
     """Build an :class:`APSState`, register :func:`aps_hook` on ``ddp``, return the state.
 
@@ -800,7 +924,15 @@ def register(
             "hook's collectives stay among those ranks"
         )
     state = APSState(
-        fmt, reduction, scaling, process_group, stats, policy, error_feedback, ranks_per_node
+        fmt,
+        reduction,
+        scaling,
+        process_group,
+        stats,
+        policy,
+        error_feedback,
+        ranks_per_node,
+        profile,
     )
     state.bind_model(ddp.module)
     if dist.is_available() and dist.is_initialized():

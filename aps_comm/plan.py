@@ -23,52 +23,96 @@ import torch
 
 from aps_comm.codec import Layout
 from aps_comm.formats import FP32, FloatFormat, get_format, payload_nbytes
+from aps_perfmodel.cluster import Cluster
+from aps_perfmodel.strategies import STRATEGIES, strategy_chunk, strategy_times
 
 __all__ = [
-    "CHUNK_ELEMENTS",
-    "MESSAGE_OVERHEAD_S",
     "BucketPlan",
     "GroupPlan",
     "NodePlan",
+    "Planner",
     "chunk_bounds",
-    "pipelined_chunk",
+    "model_format",
     "shard_layout",
 ]
 
-CHUNK_ELEMENTS = 2**20
-"""Elements per pipelined chunk until a bucket's exchange has been timed (4 MiB of FP32)."""
-MESSAGE_OVERHEAD_S = 8e-4
-"""What one more chunk costs on Gloo over TCP: its collectives' latency and wake-ups.
-
-Fitted to the emulated cluster's measured best chunk sizes (see
-:func:`pipelined_chunk`); 5e-4 put 2 ranks at 1 Gbit/s on 2**19-element
-chunks, 6-30% slower per step than 2**20."""
-_MIN_CHUNK, _MAX_CHUNK = 2**14, 2**26
+# The hook's reduction names for the model's strategies.
+_HOOK_NAMES = {
+    "native": "allreduce",
+    "two_phase": "two_phase",
+    "hierarchical": "hierarchical",
+    "grid": "grid",
+}
 
 
-def pipelined_chunk(numel: int, exchange_s: float, overhead_s: float = MESSAGE_OVERHEAD_S) -> int:
-    """The chunk size (a power of two) for a bucket whose exchange took ``exchange_s``.
+def model_format(fmt: FloatFormat) -> str:
+    """``fmt`` as :mod:`aps_perfmodel` names it (custom formats by their bit widths)."""
+    if fmt.name in ("fp32", "fp16", "bf16"):
+        return fmt.name
+    return f"e{fmt.exp_bits}m{fmt.man_bits}"
 
-    Cut in k chunks, an exchange of W seconds takes about W + W/k + k * overhead:
-    one chunk fills the pipeline and one drains it, and every chunk pays its
-    messages' fixed cost. The sum is least at k = sqrt(W / overhead), so slow
-    links get small chunks (little to fill and drain) and fast ones large
-    chunks (few fixed costs). Measured on the emulated cluster: 2 ranks at 1
-    Gbit/s were fastest with 2**20-element chunks (APS e4m3 step 0.171-0.179 s
-    against 0.185-0.227 s with 2**19 and 0.193-0.203 s with 2**21), 4 ranks at
-    250 Mbit/s with 2**18; 25 MB buckets then exchange in about 50 and 300 ms.
+
+@dataclasses.dataclass(frozen=True)
+class Planner:
+    """How the hook decides, per bucket, how to reduce it and in what chunks.
+
+    Both decisions come from :mod:`aps_perfmodel.strategies`, the same
+    functions the performance model predicts with, so the model predicts the
+    hook as built. They depend only on the bucket's sizes and the cluster,
+    so every rank decides the same.
+
+    Attributes:
+        cluster: what the hook plans with
+            (:func:`aps_perfmodel.strategies.hook_cluster`: a calibrated
+            profile, else defaults per backend).
+        hierarchical: hierarchical two_phase is possible (several nodes of
+            several ranks, groups created, no error feedback).
+        grid: grid two_phase is possible (its groups were created).
+        fp32: ``reduction="auto"`` may send a bucket as a plain FP32
+            all-reduce where the model says nothing else is faster: on NCCL
+            and with a calibrated profile, where the model knows the links;
+            not on Gloo by default, where a 1 and a 100 Gbit/s link look alike.
 
     Example:
-        >>> pipelined_chunk(8 * 2**20, exchange_s=0.45)  # 24 chunks: 2**18 elements
-        262144
-        >>> pipelined_chunk(8 * 2**20, exchange_s=0.07)  # 9.4 chunks: 2**20 elements
-        1048576
+        >>> from aps_perfmodel.strategies import hook_cluster
+        >>> p = Planner(hook_cluster("nccl", "cuda", 64, 8), hierarchical=True, fp32=True)
+        >>> p.reduction(get_format("e4m3"), 25 * 2**18, 20, native=False)
+        'hierarchical'
+        >>> p.reduction(get_format("e4m3"), 1000, 2, native=False)
+        'fp32'
     """
-    if exchange_s <= 0 or numel <= 0:
-        return CHUNK_ELEMENTS
-    k = max(1.0, math.sqrt(exchange_s / overhead_s))
-    chunk = 2 ** round(math.log2(max(numel / k, 1.0)))
-    return int(min(max(chunk, _MIN_CHUNK), _MAX_CHUNK))
+
+    cluster: Cluster
+    hierarchical: bool
+    fp32: bool
+    grid: bool = False
+
+    def reduction(self, fmt: FloatFormat, numel: int, n_layers: int, native: bool) -> str:
+        """The fastest way to reduce ``numel`` elements of ``fmt`` (a hook reduction name)."""
+        candidates = ["fp32"] if self.fp32 else []
+        if native:
+            candidates.append("native")
+        candidates.append("two_phase")
+        if self.hierarchical:
+            candidates.append("hierarchical")
+        if self.grid and "grid" in STRATEGIES:
+            candidates.append("grid")
+        times = strategy_times(numel, n_layers, model_format(fmt), self.cluster, candidates)
+        best = min(candidates, key=lambda s: times[s])  # ties: the earlier candidate
+        return "fp32" if best == "fp32" else _HOOK_NAMES[best]
+
+    def chunk(
+        self, fmt: FloatFormat, numel: int, reduction: str, exchange_s: float | None = None
+    ) -> int:
+        """Elements per chunk (:func:`aps_perfmodel.strategies.strategy_chunk`), a power of
+        two at least as large: a chunk as large as the bucket is one chunk."""
+        chunk = numel
+        if reduction != "fp32" and numel > 1:
+            strategy = "native" if reduction == "allreduce" else reduction
+            if strategy not in STRATEGIES:  # a model without it sizes it as two_phase
+                strategy = "two_phase"
+            chunk = strategy_chunk(numel, model_format(fmt), self.cluster, strategy, exchange_s)
+        return 2 ** math.ceil(math.log2(max(chunk, 1)))
 
 
 def shard_layout(numel: int, fmt: FloatFormat, world_size: int) -> tuple[int, int]:
@@ -125,8 +169,10 @@ class NodePlan:
         sum_regions: per chunk, this rank's range in ``sums`` (L x its slice).
         slice_regions: per chunk, its encoded slice's bytes in ``encoded`` (and
             the inter-node exchange's in the group plan's ``recv``).
-        sums: float32 scratch receiving the node's slices.
+        sums: scratch receiving the node's slices: float32, or with
+            ``wire_first`` (grid) their encoded bytes, L x the padded slice.
         encoded: uint8 scratch for this rank's encoded slices.
+        wire_first: the first level exchanges the wire format (grid), not FP32.
     """
 
     ranks_per_node: int
@@ -142,6 +188,7 @@ class NodePlan:
     slice_regions: list[tuple[int, int]]
     sums: torch.Tensor
     encoded: torch.Tensor
+    wire_first: bool = False
 
 
 @dataclasses.dataclass
@@ -151,7 +198,7 @@ class GroupPlan:
     Attributes:
         fmt: the wire format.
         reduction: "fp32" (plain averaging all-reduce), "allreduce" (native
-            sum in the wire dtype), "two_phase" or "hierarchical".
+            sum in the wire dtype), "two_phase", "hierarchical" or "grid".
         index: positions of the group's layers in the bucket.
         index_tensor: the same on the bucket's device (to pick their maxima).
         numels: the layers' sizes.
@@ -162,11 +209,11 @@ class GroupPlan:
         regions: each chunk's byte range in ``send``/``recv`` (two_phase: N padded
             shards; native: the chunk's payload; hierarchical: L padded slices
             in ``send``, this rank's slice's M shards in ``recv``).
-        shard_regions: two_phase and hierarchical: each chunk's reduced shard in ``shards``.
+        shard_regions: two_phase, hierarchical, grid: each chunk's reduced shard in ``shards``.
         send: scratch for the encoded chunks (two_phase also gathers into it).
         recv: two_phase: scratch for the received shards.
         shards: two_phase: scratch for the owner's reduced shards.
-        node: hierarchical: the slices and their scratch.
+        node: hierarchical and grid: the slices and their scratch.
     """
 
     fmt: FloatFormat
@@ -201,7 +248,7 @@ class BucketPlan:
         device: the bucket's device.
         groups: group plans, per (formats, reductions, world size, chunk size).
         exchange_s: the quickest exchange of this bucket so far (seconds; what
-            :func:`pipelined_chunk` sizes chunks from: the minimum, since
+            :meth:`Planner.chunk` sizes chunks from on CPU: the minimum, since
             waiting for a late peer or a busy core only ever adds time).
         exchanges: exchanges timed so far.
     """
@@ -233,7 +280,7 @@ class BucketPlan:
         reductions: dict,
         world_size: int,
         chunk_elements: int,
-        node: tuple[int, int] | None = None,
+        node: dict[str, tuple[int, int]] | None = None,
     ) -> list[GroupPlan]:
         """The group plans for this step's per-layer formats (built on first use).
 
@@ -244,7 +291,8 @@ class BucketPlan:
                 is always a plain all-reduce.
             world_size: ranks N.
             chunk_elements: largest chunk, in elements.
-            node: (ranks per node L, this rank), for hierarchical.
+            node: per reduction that needs one ("hierarchical", "grid"), its
+                (ranks per node, or rows, and this rank).
 
         Returns:
             One plan per format, in order of first appearance (the same on every rank).
@@ -253,7 +301,13 @@ class BucketPlan:
         chosen = tuple(
             reductions.get(f, reductions.get(f.name)) if f != FP32 else "fp32" for f in formats
         )
-        key = (tuple(formats), world_size, chunk_elements, chosen, node)
+        key = (
+            tuple(formats),
+            world_size,
+            chunk_elements,
+            chosen,
+            tuple(sorted((node or {}).items())),
+        )
         cached = self.groups.get(key)
         if cached is None:
             # One chunking per format mix: a new chunk size frees the old scratch.
@@ -278,12 +332,12 @@ class BucketPlan:
         reductions: dict,
         world_size: int,
         chunk_elements: int,
-        node: tuple[int, int] | None,
+        node: dict[str, tuple[int, int]] | None,
     ) -> GroupPlan:
         numels = [self.numels[i] for i in index]
         layout = Layout.from_numels(numels, self.device)
         reduction = "fp32" if fmt == FP32 else reductions.get(fmt, reductions.get(fmt.name))
-        if reduction not in ("fp32", "allreduce", "two_phase", "hierarchical"):
+        if reduction not in ("fp32", "allreduce", "two_phase", "hierarchical", "grid"):
             raise ValueError(f"no resolved reduction for {fmt.name}: {reduction!r}")
         chunks = chunk_bounds(layout.numel, chunk_elements if reduction != "fp32" else 2**62)
         windows = [layout.window(lo, hi) for lo, hi in chunks]
@@ -292,25 +346,41 @@ class BucketPlan:
             # Kept across steps: fresh large allocations pay page faults every step.
             return torch.empty(n, dtype=dtype, device=self.device)
 
-        if reduction == "hierarchical":
-            if node is None:
-                raise ValueError("hierarchical two_phase needs the node layout")
-            return self._node_plan(
-                fmt, index, contiguous, numels, layout, chunks, windows, world_size, node, scratch
-            )
-        regions, shard_regions = [], []
+        node_plan = None
+        regions: list[tuple[int, int]] = []
+        shard_regions: list[tuple[int, int]] = []
         start = shard_start = 0
-        for lo, hi in chunks:
-            if reduction == "two_phase":
-                _, shard_bytes = shard_layout(hi - lo, fmt, world_size)
-                size = shard_bytes * world_size
-                shard_regions.append((shard_start, shard_start + shard_bytes))
-                shard_start += shard_bytes
-            else:
-                size = payload_nbytes(hi - lo, fmt) if reduction == "allreduce" else 0
-            regions.append((start, start + size))
-            start += size
-        two_phase = reduction == "two_phase"
+        if reduction in ("hierarchical", "grid"):
+            if not node or reduction not in node:
+                raise ValueError(f"{reduction} needs the node layout")
+            node_plan = self._node_plan(
+                reduction == "grid",
+                fmt,
+                layout,
+                chunks,
+                world_size,
+                node[reduction],
+                scratch,
+                regions,
+                shard_regions,
+            )
+            start = regions[-1][1]
+            shard_start = shard_regions[-1][1]
+        else:
+            for lo, hi in chunks:
+                if reduction == "two_phase":
+                    _, shard_bytes = shard_layout(hi - lo, fmt, world_size)
+                    size = shard_bytes * world_size
+                    shard_regions.append((shard_start, shard_start + shard_bytes))
+                    shard_start += shard_bytes
+                else:
+                    size = payload_nbytes(hi - lo, fmt) if reduction == "allreduce" else 0
+                regions.append((start, start + size))
+                start += size
+        if node_plan is not None:
+            received = node_plan.encoded.numel()  # one encoded slice per chunk
+        else:
+            received = start if reduction == "two_phase" else 0
         return GroupPlan(
             fmt=fmt,
             reduction=reduction,
@@ -324,28 +394,30 @@ class BucketPlan:
             regions=regions,
             shard_regions=shard_regions,
             send=scratch(start),
-            recv=scratch(start if two_phase else 0),
+            recv=scratch(received),
             shards=scratch(shard_start),
+            node=node_plan,
         )
 
+    @staticmethod
     def _node_plan(
-        self,
+        wire_first: bool,
         fmt: FloatFormat,
-        index: list[int],
-        contiguous: bool,
-        numels: list[int],
         layout: Layout,
         chunks: list[tuple[int, int]],
-        windows: list[Layout],
         world_size: int,
         node: tuple[int, int],
         scratch: Callable[..., torch.Tensor],
-    ) -> GroupPlan:
+        regions: list[tuple[int, int]],
+        shard_regions: list[tuple[int, int]],
+    ) -> NodePlan:
+        """Slices, shards and scratch of hierarchical/grid; fills the group's
+        ``regions`` (L padded slices per chunk) and ``shard_regions``."""
         per_node, rank = node
         local, me = rank % per_node, rank // per_node
         nodes = world_size // per_node
         slices, splits, shard_valid, slice_windows, shard_windows = [], [], [], [], []
-        regions, shard_regions, sum_regions, slice_regions = [], [], [], []
+        sum_regions, slice_regions = [], []
         start = shard_start = sum_start = slice_start = 0
         for lo, hi in chunks:
             n = hi - lo
@@ -363,11 +435,12 @@ class BucketPlan:
             start = regions[-1][1]
             shard_regions.append((shard_start, shard_start + shard_bytes))
             shard_start += shard_bytes
-            sum_regions.append((sum_start, sum_start + per_node * split[local]))
+            mine_size = shard_bytes * nodes if wire_first else split[local]
+            sum_regions.append((sum_start, sum_start + per_node * mine_size))
             sum_start = sum_regions[-1][1]
             slice_regions.append((slice_start, slice_start + shard_bytes * nodes))
             slice_start = slice_regions[-1][1]
-        plan = NodePlan(
+        return NodePlan(
             ranks_per_node=per_node,
             nodes=nodes,
             local_rank=local,
@@ -379,23 +452,7 @@ class BucketPlan:
             shard_windows=shard_windows,
             sum_regions=sum_regions,
             slice_regions=slice_regions,
-            sums=scratch(sum_start, torch.float32),
+            sums=scratch(sum_start, torch.uint8 if wire_first else torch.float32),
             encoded=scratch(slice_start),
-        )
-        return GroupPlan(
-            fmt=fmt,
-            reduction="hierarchical",
-            index=index,
-            index_tensor=torch.tensor(index, dtype=torch.int64, device=self.device),
-            numels=numels,
-            contiguous=contiguous,
-            layout=layout,
-            chunks=chunks,
-            windows=windows,
-            regions=regions,
-            shard_regions=shard_regions,
-            send=scratch(start),
-            recv=scratch(slice_start),
-            shards=scratch(shard_start),
-            node=plan,
+            wire_first=wire_first,
         )

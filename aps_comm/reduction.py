@@ -11,6 +11,10 @@
   the node, two_phase of the node sums across nodes (only the wire format
   crosses nodes: one byte per element for FP8), an all-gather inside the
   node (:func:`aps_comm.transports.hierarchical`).
+- grid: the same two levels on a virtual g x N/g grid of ranks
+  (:func:`aps_comm.topology.grid_rows`), the first level in the wire format
+  too: 2(g-1) + 2(N/g-1) messages per chunk instead of 2(N-1), for many
+  ranks with one per host, where latency, not bytes, sets the time.
 
 Example:
     >>> pick_reduction("auto", E4M3, backend="gloo", device=torch.device("cpu"))
@@ -29,8 +33,8 @@ from aps_comm.formats import FloatFormat
 
 __all__ = ["REDUCTIONS", "Reduction", "native_sum_supported", "pick_reduction"]
 
-Reduction = Literal["auto", "allreduce", "two_phase", "hierarchical"]
-REDUCTIONS: tuple[str, ...] = ("auto", "allreduce", "two_phase", "hierarchical")
+Reduction = Literal["auto", "allreduce", "two_phase", "hierarchical", "grid"]
+REDUCTIONS: tuple[str, ...] = ("auto", "allreduce", "two_phase", "hierarchical", "grid")
 
 
 def _nccl_sums_fp8(device: torch.device) -> bool:
@@ -56,7 +60,7 @@ def native_sum_supported(fmt: FloatFormat, backend: str, device: torch.device) -
 
 def pick_reduction(
     reduction: Reduction, fmt: FloatFormat, backend: str, device: torch.device
-) -> Literal["allreduce", "two_phase", "hierarchical"]:
+) -> Literal["allreduce", "two_phase", "hierarchical", "grid"]:
     """Resolve "auto" and check that "allreduce" is possible.
 
     "auto" picks the native all-reduce where the backend sums the wire dtype

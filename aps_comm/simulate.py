@@ -31,6 +31,11 @@ rounding is innocuous since float32 has at least 2p + 2 bits for p <= 11):
   are added in FP32 in node order and divided by N, that mean times
   ``2**(e - e_in)`` (``e``: the two_phase exponent) is rounded to the wire
   format; result = that * 2**-e.
+- ``"grid"``: the hook's grid two_phase: the same on a virtual g x N/g
+  grid (g from :func:`aps_comm.topology.grid_rows`), where each worker's
+  gradient times ``2**e`` is rounded to the wire format first, the g rounded
+  values of a row are summed in FP32 in order, and that sum times
+  ``2**(e_in - e)`` is rounded again before the column level.
 
 For the three wire-format orders the exponent rule leaves headroom for the
 N-way sum (``reduction="allreduce"`` in :func:`~aps_comm.scaling.exponents`),
@@ -80,6 +85,7 @@ import torch.nn as nn
 from aps_comm import codec
 from aps_comm.formats import FP32, FloatFormat, Rounding, get_format, quantize
 from aps_comm.scaling import Scaling, exponents, layer_amax, pow2
+from aps_comm.topology import grid_rows
 
 __all__ = [
     "GLOO_MAX_SEGMENT_BYTES",
@@ -91,8 +97,8 @@ __all__ = [
     "ring_chunks",
 ]
 
-Order = Literal["two_phase", "ring", "tree", "sequential", "hierarchical"]
-ORDERS: tuple[str, ...] = ("two_phase", "ring", "tree", "sequential", "hierarchical")
+Order = Literal["two_phase", "ring", "tree", "sequential", "hierarchical", "grid"]
+ORDERS: tuple[str, ...] = ("two_phase", "ring", "tree", "sequential", "hierarchical", "grid")
 
 GLOO_MAX_SEGMENT_BYTES = 1 << 20
 """Gloo's ``AllreduceOptions::kMaxSegmentSize``: the largest message of its ring."""
@@ -145,8 +151,10 @@ class SimConfig:
             raise ValueError(f"rounding must be 'nearest' or 'stochastic', got {self.rounding!r}")
         if self.ranks_per_node < 1:
             raise ValueError(f"ranks_per_node must be >= 1, got {self.ranks_per_node}")
-        if self.reduction == "hierarchical" and (self.accumulator is not None or self.kahan):
-            raise ValueError("hierarchical sums in float32: no accumulator format, no Kahan")
+        if self.reduction in ("hierarchical", "grid") and (
+            self.accumulator is not None or self.kahan
+        ):
+            raise ValueError(f"{self.reduction} sums in float32: no accumulator format, no Kahan")
 
 
 def ring_chunks(
@@ -350,7 +358,7 @@ def allreduce(
     if not layers:
         return []
     n = _check_layers(layers)
-    if reduction == "hierarchical":
+    if reduction in ("hierarchical", "grid"):
         return _hierarchical(layers, fmt, n, cfg, generator)
     two_phase = reduction == "two_phase"
     acc_fmt = cfg.accumulator or (FP32 if two_phase else fmt)
@@ -409,8 +417,11 @@ def _hierarchical(
     cfg: SimConfig,
     generator: torch.Generator | None,
 ) -> list[torch.Tensor]:
-    """The hook's hierarchical two_phase, element by element (see the module docstring)."""
-    per = cfg.ranks_per_node
+    """The hook's hierarchical or grid two_phase, element by element (see the module docstring)."""
+    grid = cfg.reduction == "grid"
+    per = grid_rows(n) if grid else cfg.ranks_per_node
+    if grid and per < 2:
+        raise ValueError(f"{n} workers have no grid (no divisor between 2 and sqrt({n}))")
     if n % per:
         raise ValueError(f"ranks_per_node={per} must divide the number of workers {n}")
     nodes = n // per
@@ -422,6 +433,8 @@ def _hierarchical(
     )
     outer = exponents(amax, fmt, world_size=n, reduction="two_phase", scaling=scaling)
     scale, shift, unscale = pow2(inner), pow2(outer - inner), pow2(-outer)
+    if grid:
+        first, scale = pow2(outer), pow2(inner - outer)
     finite = torch.isfinite(amax).tolist()
     rnd = _wire_round(fmt, cfg.rounding, generator, overflow=False)
     out: list[torch.Tensor] = []
@@ -432,6 +445,8 @@ def _hierarchical(
         for lo in range(0 if finite[i] else m, m, step):
             hi = min(m, lo + step)
             part = x[:, lo:hi].float().reshape(nodes, per, hi - lo)
+            if grid:
+                part = rnd(part, first[i])
             sums = part[:, 0].clone()
             for r in range(1, per):
                 sums += part[:, r]  # local-rank order

@@ -10,7 +10,8 @@
   node and an ordered sum (a reduce-scatter whose order is fixed), two_phase
   of the encoded node sums among the ranks with the same local rank, and an
   ``all_gather`` of the encoded slices inside the node: only the wire format
-  crosses nodes.
+  crosses nodes. The grid reduction runs the same stages on a virtual grid
+  of ranks, its first level exchanging the wire format too.
 
 Both pipeline the chunks of a bucket: while chunk c is on the wire, chunk c+1
 encodes and chunk c-1 reduces or decodes. They return when the bucket is
@@ -260,6 +261,7 @@ def hierarchical(
     world_size: int,
     count: Counter,
     defer: bool = False,
+    first: torch.Tensor | None = None,
 ) -> Callable[[], None] | None:
     """Average ``x``: FP32 reduce-scatter in the node, two_phase across nodes, gather in the node.
 
@@ -276,6 +278,12 @@ def hierarchical(
     c + s, later stages first, so the collectives' order is the same on
     every rank and every chunk's stages overlap the others' wire time.
 
+    With ``g.node.wire_first`` (the grid reduction) stage (1) sends the
+    chunk encoded with ``first`` instead of FP32, and the slice's owner sums
+    the L decoded slices in order; ``scale`` then takes those sums from
+    ``first``'s scale to theirs. In-node byte counts are then the first
+    level's ("node_all_to_all", "node_all_gather").
+
     Args:
         g: the group's plan (``reduction == "hierarchical"``).
         x: the group's float32 values; the result is written back into it.
@@ -287,6 +295,7 @@ def hierarchical(
         count: byte counter.
         defer: leave the last chunk's in-node gather in flight and return a
             function that waits for it and decodes.
+        first: per-layer factors of the first level's encoding (grid only).
 
     Returns:
         With ``defer``, the function that finishes the bucket; else None.
@@ -304,6 +313,17 @@ def hierarchical(
         lo, hi = g.chunks[c]
         split = node.splits[c]
         s0, s1 = node.sum_regions[c]
+        if node.wire_first:
+            r0, r1 = g.regions[c]
+            send = g.send[r0:r1]  # free until the last stage gathers into it
+            payload = send[: payload_nbytes(hi - lo, fmt)]
+            codec.encode(x[lo:hi], fmt, out=payload, scale=first, layout=g.windows[c])
+            send[payload.numel() :].zero_()
+            count("node_all_to_all", send.numel())
+            works[c, 0] = dist.all_to_all_single(
+                node.sums[s0:s1], send, group=groups.intra, async_op=True
+            )
+            return
         count("node_all_to_all", (hi - lo) * 4)
         works[c, 0] = dist.all_to_all_single(
             node.sums[s0:s1],
@@ -315,13 +335,16 @@ def hierarchical(
         )
 
     def exchange_across_nodes(c: int) -> None:
-        wait(c, 0, "in-node FP32 all_to_all")
+        wait(c, 0, "first-level all_to_all" if node.wire_first else "in-node FP32 all_to_all")
         s0, s1 = node.sum_regions[c]
         valid = node.splits[c][local]
-        parts = node.sums[s0:s1].view(per_node, valid)
-        acc = parts[0].clone()
-        for r in range(1, per_node):
-            acc += parts[r]  # local-rank order, as aps_comm.simulate sums
+        if node.wire_first:
+            acc = codec.shard_mean(node.sums[s0:s1], fmt, per_node, divisor=1)[:valid]
+        else:
+            parts = node.sums[s0:s1].view(per_node, valid)
+            acc = parts[0].clone()
+            for r in range(1, per_node):
+                acc += parts[r]  # local-rank order, as aps_comm.simulate sums
         e0, e1 = node.slice_regions[c]
         encoded = node.encoded[e0:e1]
         payload = encoded[: payload_nbytes(valid, fmt)]

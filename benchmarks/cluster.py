@@ -2,21 +2,28 @@
 
 Loopback hides the network: on one machine a 64 MB all-reduce between local
 processes is bound by memory copies, not by the link, so low-precision
-communication looks pointless there. This module starts K ranks, each in its
-own network namespace, joined by a Linux bridge that lives in a namespace of
-its own, and shapes both ends of every veth with ``tc`` tbf. Each rank then
-has a full-duplex link of the configured rate to a non-blocking "switch", the
-shape of a small data-parallel cluster. The host's own network is never
-touched: every interface, address and qdisc lives inside namespaces created
-here and deleted on every exit path (success, a failed rank, an exception,
-Ctrl-C, SIGTERM).
+communication looks pointless there. This module starts M nodes of L ranks
+each (K = M L ranks, node-major: rank = node * L + local rank). Every node is
+a network namespace holding its L ranks, joined to the others by a Linux
+bridge that lives in a namespace of its own, and both ends of every node's
+veth are shaped with ``tc`` tbf. Each node then has a full-duplex link of the
+configured rate to a non-blocking "switch", shared by its L ranks as a real
+node's NIC is, while ranks of one node talk over that namespace's loopback
+(unshaped, or shaped to ``intra_node_bandwidth``), the shape of a small
+data-parallel cluster. With ``delay`` a small userspace switch replaces the
+bridge and holds every frame between nodes for that long (one way), for
+latency-bound runs (``tc netem`` is not in every kernel; this needs only
+packet sockets). The host's own network is never touched: every interface,
+address and qdisc lives inside namespaces created here and deleted on every
+exit path (success, a failed rank, an exception, Ctrl-C, SIGTERM).
 
 Each rank's environment carries what ``dist.init_process_group("gloo")`` with
-``env://`` needs (``MASTER_ADDR``, ``MASTER_PORT``, ``RANK``, ``WORLD_SIZE``,
-``LOCAL_RANK``, ``LOCAL_WORLD_SIZE``) and ``GLOO_SOCKET_IFNAME`` naming the
-rank's veth. Before a benchmark, :meth:`EmulatedCluster.link_stats` measures
-the achieved TCP goodput and round-trip time between two ranks, so every
-result can state the conditions it ran under.
+``env://`` needs (``MASTER_ADDR``, ``MASTER_PORT``, ``RANK``, ``WORLD_SIZE``),
+the topology as launchers give it (``LOCAL_RANK``, ``LOCAL_WORLD_SIZE`` = L,
+``GROUP_RANK`` = the node) and ``GLOO_SOCKET_IFNAME`` naming the node's veth.
+Before a benchmark, :meth:`EmulatedCluster.link_stats` measures the achieved
+TCP goodput and round-trip time between two ranks (by default on different
+nodes), so every result can state the conditions it ran under.
 
 Without root (or without ``ip``/``tc``), ``loopback=True`` runs the same
 ranks as plain processes on 127.0.0.1 with no shaping.
@@ -31,6 +38,7 @@ Command line::
 
     python -m benchmarks.cluster --ranks 4 --bandwidth 1gbit -- python script.py args
     python -m benchmarks.cluster --ranks 4 --bandwidth 1gbit --allreduce-mb 64
+    python -m benchmarks.cluster --nodes 2 --ranks-per-node 2 --bandwidth 1gbit --delay 0.5ms
 """
 
 from __future__ import annotations
@@ -45,6 +53,7 @@ import os
 import platform
 import re
 import secrets
+import select
 import selectors
 import shlex
 import shutil
@@ -71,10 +80,13 @@ __all__ = [
     "LinkStats",
     "RankResult",
     "add_pin_argument",
+    "add_topology_arguments",
     "allreduce_check",
     "cleanup_stale_namespaces",
+    "cluster_topology",
     "main",
     "netns_unavailable_reason",
+    "parse_delay",
     "parse_rate",
     "tbf_parameters",
 ]
@@ -97,6 +109,9 @@ _DEFAULT_MASTER_PORT = 29500
 _ASSUMED_HZ = 250
 # One maximal GSO packet; smaller buckets make tbf split every GSO packet.
 _MIN_BURST_BYTES = 64 * 1024
+# lo's MTU is 65536, so its packets are a little larger than one GSO packet
+# on a veth; tbf drops a packet larger than its bucket.
+_LO_MIN_BURST_BYTES = 2 * 65536 + 1024
 # Queue depth behind the bucket, in seconds of line rate: enough that TCP's
 # congestion window is never starved by tail drops, small enough that idle
 # round trips are not inflated by a standing queue.
@@ -155,6 +170,15 @@ class LinkStats:
         loopback: True when ranks talk over 127.0.0.1 without shaping.
         pinned_cpus: each rank ran pinned to one CPU (rank mod CPUs).
         congestion_control: the ranks' TCP congestion control (None: unknown).
+        nodes: number of nodes (each a namespace holding its ranks).
+        ranks_per_node: ranks per node (they share the node's link).
+        intra_node: ``src`` and ``dst`` are on one node: the pair talks over
+            the node's loopback, shaped only to ``configured_rate`` (None:
+            unshaped), never through the node's link.
+        delay_s: configured one-way delay between nodes (0: none; the
+            measured round trip includes it twice).
+        src: the sending rank.
+        dst: the receiving rank.
 
     Example:
         >>> s = LinkStats(9.5e8, 1e-4, 1e-4, 4, "1gbit", 10**9, 64 << 20, 1500, False)
@@ -173,6 +197,12 @@ class LinkStats:
     loopback: bool
     pinned_cpus: bool = False
     congestion_control: str | None = None
+    nodes: int | None = None
+    ranks_per_node: int = 1
+    intra_node: bool = False
+    delay_s: float = 0.0
+    src: int = 0
+    dst: int = 1
 
     @property
     def efficiency(self) -> float | None:
@@ -183,11 +213,22 @@ class LinkStats:
 
     def summary(self) -> str:
         """One human-readable line, e.g. for a benchmark's header."""
-        mode = "loopback (unshaped)" if self.loopback else f"tbf {self.configured_rate}"
+        if self.loopback:
+            mode = "loopback (unshaped)"
+        elif self.intra_node:
+            shaped = f"tbf {self.configured_rate}" if self.configured_rate else "unshaped"
+            mode = f"intra-node rank {self.src} -> {self.dst} over the node's lo ({shaped})"
+        else:
+            mode = f"tbf {self.configured_rate}"
+            if self.delay_s:
+                mode += f" + {self.delay_s * 1e3:g} ms one-way delay"
         eff = f" ({self.efficiency:.1%} of configured)" if self.efficiency is not None else ""
         cc = f", tcp {self.congestion_control}" if self.congestion_control else ""
+        layout = f"{self.ranks} ranks"
+        if self.nodes is not None and self.ranks_per_node > 1:
+            layout = f"{self.nodes} nodes x {self.ranks_per_node} ranks"
         return (
-            f"link: {self.ranks} ranks, {mode}, mtu {self.mtu}{cc}: "
+            f"link: {layout}, {mode}, mtu {self.mtu}{cc}: "
             f"{self.bandwidth_bits_per_s / 1e6:.1f} Mbit/s TCP goodput{eff}, "
             f"rtt {self.rtt_s * 1e6:.0f} us (min {self.rtt_min_s * 1e6:.0f} us), "
             f"measured with {self.transfer_bytes / 2**20:.1f} MiB"
@@ -264,11 +305,50 @@ def parse_rate(rate: str | int | float) -> int:
     return bits
 
 
-def tbf_parameters(bits_per_s: int) -> tuple[int, int]:
+_DELAY_UNITS = {"s": 1.0, "sec": 1.0, "ms": 1e-3, "msec": 1e-3, "us": 1e-6, "usec": 1e-6}
+
+
+def parse_delay(delay: str | int | float | None) -> float:
+    """Parse a one-way delay (``tc netem`` syntax) into seconds.
+
+    Args:
+        delay: e.g. ``"0.5ms"``, ``"200us"``, ``"1s"``; a bare number is
+            seconds; None is no delay.
+
+    Returns:
+        The delay in seconds (0.0 for none).
+
+    Raises:
+        ValueError: the text is not a delay, or it is negative or above 10 s.
+
+    Example:
+        >>> parse_delay("0.5ms"), parse_delay("2s"), parse_delay(None)
+        (0.0005, 2.0, 0.0)
+    """
+    if delay is None:
+        return 0.0
+    if isinstance(delay, (int, float)):
+        seconds = float(delay)
+    else:
+        m = re.fullmatch(r"\s*([0-9]*\.?[0-9]+)\s*([a-zA-Z]*)\s*", delay)
+        unit = m.group(2).lower() if m else ""
+        if not m or unit not in _DELAY_UNITS:
+            raise ValueError(
+                f"not a delay: {delay!r} (expected e.g. '0.5ms' or '200us'; "
+                f"units {sorted(_DELAY_UNITS)})"
+            )
+        seconds = float(m.group(1)) * _DELAY_UNITS[unit]
+    if not 0.0 <= seconds <= 10.0:
+        raise ValueError(f"delay must be in [0, 10] s, got {delay!r}")
+    return seconds
+
+
+def tbf_parameters(bits_per_s: int, min_burst: int = _MIN_BURST_BYTES) -> tuple[int, int]:
     """Bucket and queue sizes for a tbf qdisc at ``bits_per_s``.
 
     Args:
         bits_per_s: the shaped rate.
+        min_burst: the smallest bucket, in bytes (the largest packet).
 
     Returns:
         ``(burst_bytes, limit_bytes)``: the bucket holds one timer tick of
@@ -279,9 +359,15 @@ def tbf_parameters(bits_per_s: int) -> tuple[int, int]:
         (500000, 3000000)
     """
     rate_bytes = bits_per_s / 8
-    burst = max(int(rate_bytes / _ASSUMED_HZ), _MIN_BURST_BYTES)
-    limit = burst + max(int(rate_bytes * _QUEUE_SECONDS), 2 * _MIN_BURST_BYTES)
+    burst = max(int(rate_bytes / _ASSUMED_HZ), min_burst)
+    limit = burst + max(int(rate_bytes * _QUEUE_SECONDS), 2 * min_burst)
     return burst, limit
+
+
+def _tbf_args(bits_per_s: int, min_burst: int = _MIN_BURST_BYTES) -> list[str]:
+    """``tc qdisc replace dev X`` arguments for a root tbf at ``bits_per_s``."""
+    burst, limit = tbf_parameters(bits_per_s, min_burst)
+    return ["root", "tbf", "rate", f"{bits_per_s}bit", "burst", str(burst), "limit", str(limit)]
 
 
 def netns_unavailable_reason() -> str | None:
@@ -462,13 +548,21 @@ def _signals_blocked() -> Iterator[None]:
 
 
 class EmulatedCluster:
-    """K ranks on one machine, each behind its own shaped link.
+    """M nodes of L ranks on one machine, each node behind its own shaped link.
 
-    Topology: namespace ``<name>-b`` holds a bridge; namespace ``<name>-r<i>``
-    holds rank i's veth ``aps<i>`` with address ``10.213.77.<i+1>/24``; its
-    peer ``apsb<i>`` is a port of the bridge. A tbf qdisc at the configured
-    rate sits on both ends, so each rank sends and receives at most that rate
-    and the bridge itself never limits.
+    Topology: namespace ``<name>-b`` holds a bridge; namespace ``<name>-n<j>``
+    holds node j's ranks (``j * L`` to ``j * L + L - 1``, node-major) and its
+    veth ``aps<j>`` with address ``10.213.77.<j+1>/24``; the veth's peer
+    ``apsb<j>`` is a port of the bridge. A tbf qdisc at the configured rate
+    sits on both ends, so each node sends and receives at most that rate, its
+    L ranks together, and the bridge itself never limits. Ranks of one node
+    share its address; the kernel routes traffic between them over the
+    namespace's ``lo``, so it never touches the node's link (unshaped, or a
+    tbf of ``intra_node_bandwidth`` on that ``lo``: one bus for the whole
+    node, not a link per rank). With ``delay``, a userspace switch (one
+    process in the bridge namespace, packet sockets on every ``apsb<j>``)
+    takes the bridge's place and forwards each frame that long after it
+    arrived; the tbf qdiscs still shape both ends.
 
     Use it as a context manager (or call :meth:`start`/:meth:`close`):
     namespaces are deleted on every exit path. SIGTERM and SIGHUP are turned
@@ -476,8 +570,10 @@ class EmulatedCluster:
     ``atexit`` hook covers a cluster that was never closed.
 
     Args:
-        ranks: number of ranks (2 to 250).
-        bandwidth: per-rank link rate in ``tc`` syntax (``"1gbit"``).
+        ranks: number of ranks (1 to 250), ``nodes * ranks_per_node``; None
+            (the default) takes it from ``nodes`` (2 nodes if both are None).
+        bandwidth: per-node link rate in ``tc`` syntax (``"1gbit"``); with one
+            rank per node, the rank's own link.
         loopback: run ranks as plain processes on 127.0.0.1, no shaping.
         fallback_to_loopback: when namespaces are unavailable, warn and run
             in loopback mode instead of raising :class:`ClusterUnavailable`.
@@ -497,6 +593,12 @@ class EmulatedCluster:
             namespace (``DEFAULT_CONGESTION_CONTROL``, Reno: see there why not
             the host's BBR); None keeps the host's default. Loopback mode runs
             in the host's namespace and always keeps it.
+        nodes: number of nodes (1 to 250); None: ``ranks / ranks_per_node``.
+        ranks_per_node: ranks per node, L (``LOCAL_WORLD_SIZE``).
+        intra_node_bandwidth: rate of each node's ``lo`` (all traffic between
+            ranks of that node, both directions, shares it); None: unshaped.
+        delay: one-way delay added between nodes (``"0.5ms"``, seconds as a
+            number, None for none). Loopback mode cannot add one.
 
     Example:
         >>> with EmulatedCluster(ranks=2, bandwidth="100mbit") as c:  # doctest: +SKIP
@@ -508,7 +610,7 @@ class EmulatedCluster:
 
     def __init__(
         self,
-        ranks: int = 2,
+        ranks: int | None = None,
         bandwidth: str | int = "1gbit",
         *,
         loopback: bool = False,
@@ -517,17 +619,50 @@ class EmulatedCluster:
         master_port: int = _DEFAULT_MASTER_PORT,
         pin_cpus: bool | None = None,
         congestion_control: str | None = DEFAULT_CONGESTION_CONTROL,
+        nodes: int | None = None,
+        ranks_per_node: int = 1,
+        intra_node_bandwidth: str | int | None = None,
+        delay: str | float | None = None,
     ) -> None:
+        if isinstance(ranks_per_node, bool) or not 1 <= ranks_per_node <= _MAX_RANKS:
+            raise ValueError(f"ranks_per_node must be in [1, {_MAX_RANKS}], got {ranks_per_node}")
+        if nodes is None:
+            if ranks is None:
+                nodes = 2
+            elif ranks % ranks_per_node:
+                raise ValueError(
+                    f"ranks={ranks} is not a multiple of ranks_per_node={ranks_per_node}"
+                )
+            else:
+                nodes = ranks // ranks_per_node
+        if not 1 <= nodes <= _MAX_RANKS:
+            raise ValueError(f"nodes must be in [1, {_MAX_RANKS}], got {nodes}")
+        if ranks is not None and ranks != nodes * ranks_per_node:
+            raise ValueError(
+                f"ranks={ranks} does not match nodes={nodes} x ranks_per_node={ranks_per_node}"
+            )
+        ranks = nodes * ranks_per_node
         if not 1 <= ranks <= _MAX_RANKS:
             raise ValueError(f"ranks must be in [1, {_MAX_RANKS}], got {ranks}")
         if not 68 <= mtu <= 65535:
             raise ValueError(f"mtu must be in [68, 65535], got {mtu}")
         self.ranks = ranks
+        self.nodes = nodes
+        self.ranks_per_node = ranks_per_node
+        self.delay_s = parse_delay(delay)
+        self.intra_node_bandwidth = (
+            None if intra_node_bandwidth is None else str(intra_node_bandwidth)
+        )
+        self.intra_node_bits_per_s = (
+            None if intra_node_bandwidth is None else parse_rate(intra_node_bandwidth)
+        )
         if pin_cpus is None:
             pin_cpus = ranks > len(os.sched_getaffinity(0))
         self.pin_cpus = pin_cpus and shutil.which("taskset") is not None
         self.bandwidth = str(bandwidth)
         self.bits_per_s = parse_rate(bandwidth)
+        if loopback and (self.delay_s or intra_node_bandwidth is not None):
+            raise ValueError("loopback mode shapes nothing: drop delay and intra_node_bandwidth")
         self.loopback = loopback
         self.fallback_to_loopback = fallback_to_loopback
         self.mtu = mtu
@@ -540,6 +675,7 @@ class EmulatedCluster:
         self._created: list[str] = []
         self._procs: list[subprocess.Popen[Any]] = []
         self._procs_lock = threading.Lock()
+        self._switch: subprocess.Popen[str] | None = None
         self._signals = _SignalsAsExit()
 
     # -- topology names -------------------------------------------------
@@ -549,24 +685,32 @@ class EmulatedCluster:
         """Namespace holding the bridge."""
         return f"{self.name}-b"
 
+    def node(self, rank: int) -> int:
+        """The node ``rank`` runs on (ranks are node-major)."""
+        return rank // self.ranks_per_node
+
+    def node_namespace(self, node: int) -> str:
+        """Namespace of ``node`` (it holds all of that node's ranks)."""
+        return f"{self.name}-n{node}"
+
     def namespace(self, rank: int) -> str:
-        """Namespace of ``rank``."""
-        return f"{self.name}-r{rank}"
+        """Namespace of ``rank``: its node's."""
+        return self.node_namespace(self.node(rank))
 
     @property
     def namespaces(self) -> list[str]:
         """Every namespace this cluster uses (empty in loopback mode)."""
         if self.loopback:
             return []
-        return [self.bridge_namespace] + [self.namespace(r) for r in range(self.ranks)]
+        return [self.bridge_namespace] + [self.node_namespace(j) for j in range(self.nodes)]
 
     def interface(self, rank: int) -> str:
-        """Rank-side veth name (what ``GLOO_SOCKET_IFNAME`` is set to)."""
-        return "lo" if self.loopback else f"aps{rank}"
+        """Node-side veth name of ``rank``'s node (what ``GLOO_SOCKET_IFNAME`` is set to)."""
+        return "lo" if self.loopback else f"aps{self.node(rank)}"
 
     def address(self, rank: int) -> str:
-        """IPv4 address of ``rank``."""
-        return "127.0.0.1" if self.loopback else f"{_SUBNET}.{rank + 1}"
+        """IPv4 address of ``rank`` (its node's: the node's ranks share it)."""
+        return "127.0.0.1" if self.loopback else f"{_SUBNET}.{self.node(rank) + 1}"
 
     # -- lifecycle --------------------------------------------------------
 
@@ -606,7 +750,7 @@ class EmulatedCluster:
             if not self.fallback_to_loopback:
                 raise ClusterUnavailable(reason)
             warnings.warn(
-                f"emulated cluster falls back to loopback (no shaping): {reason}",
+                f"emulated cluster falls back to loopback (no shaping, no delay): {reason}",
                 RuntimeWarning,
                 stacklevel=2,
             )
@@ -632,32 +776,61 @@ class EmulatedCluster:
 
     def _build(self) -> None:
         bns = self.bridge_namespace
-        burst, limit = tbf_parameters(self.bits_per_s)
-        tbf = ["root", "tbf", "rate", f"{self.bits_per_s}bit", "burst", str(burst)]
-        tbf += ["limit", str(limit)]
+        tbf = _tbf_args(self.bits_per_s)
         self._add_netns(bns)
-        _cmd(["ip", "-n", bns, "link", "add", _BRIDGE_IF, "type", "bridge"])
-        _cmd(["ip", "-n", bns, "link", "set", _BRIDGE_IF, "up"])
-        for rank in range(self.ranks):
-            rns, rif, bif = self.namespace(rank), self.interface(rank), f"apsb{rank}"
-            self._add_netns(rns)
+        if not self.delay_s:
+            _cmd(["ip", "-n", bns, "link", "add", _BRIDGE_IF, "type", "bridge"])
+            _cmd(["ip", "-n", bns, "link", "set", _BRIDGE_IF, "up"])
+        for node in range(self.nodes):
+            rank = node * self.ranks_per_node
+            nns, nif, bif = self.node_namespace(node), self.interface(rank), f"apsb{node}"
+            self._add_netns(nns)
             # Created inside the bridge namespace with the peer moved straight
-            # into the rank's: no interface ever appears in the host namespace.
+            # into the node's: no interface ever appears in the host namespace.
             mtu = ["mtu", str(self.mtu)]
-            veth = ["type", "veth", "peer", "name", rif, *mtu, "netns", rns]
+            veth = ["type", "veth", "peer", "name", nif, *mtu, "netns", nns]
             _cmd(["ip", "-n", bns, "link", "add", bif, *mtu, *veth])
-            _cmd(["ip", "-n", bns, "link", "set", bif, "master", _BRIDGE_IF, "up"])
+            if self.delay_s:
+                _cmd(["ip", "-n", bns, "link", "set", bif, "up"])
+            else:
+                _cmd(["ip", "-n", bns, "link", "set", bif, "master", _BRIDGE_IF, "up"])
             _cmd(
-                ["ip", "-n", rns, "addr", "add", f"{self.address(rank)}/{_PREFIX_LEN}", "dev", rif]
+                ["ip", "-n", nns, "addr", "add", f"{self.address(rank)}/{_PREFIX_LEN}", "dev", nif]
             )
-            _cmd(["ip", "-n", rns, "link", "set", rif, "up"])
-            _cmd(["ip", "-n", rns, "link", "set", "lo", "up"])
+            _cmd(["ip", "-n", nns, "link", "set", nif, "up"])
+            _cmd(["ip", "-n", nns, "link", "set", "lo", "up"])
             if self.congestion_control is not None:
-                _set_congestion_control(rns, self.congestion_control)
-            # Egress on each end: rank -> bridge on the rank side, bridge ->
-            # rank on the bridge side, i.e. a full-duplex link of this rate.
-            _cmd(["tc", "-n", rns, "qdisc", "replace", "dev", rif, *tbf])
+                _set_congestion_control(nns, self.congestion_control)
+            # Egress on each end: node -> bridge on the node side, bridge ->
+            # node on the bridge side, i.e. a full-duplex link of this rate.
+            _cmd(["tc", "-n", nns, "qdisc", "replace", "dev", nif, *tbf])
             _cmd(["tc", "-n", bns, "qdisc", "replace", "dev", bif, *tbf])
+            if self.intra_node_bits_per_s is not None:
+                # lo carries 64 KiB packets: the bucket must hold one whole.
+                lo_tbf = _tbf_args(self.intra_node_bits_per_s, min_burst=_LO_MIN_BURST_BYTES)
+                _cmd(["tc", "-n", nns, "qdisc", "replace", "dev", "lo", *lo_tbf])
+        if self.delay_s:
+            self._start_switch([f"apsb{node}" for node in range(self.nodes)])
+
+    def _start_switch(self, ports: list[str]) -> None:
+        """Start the delaying switch in the bridge namespace; return once it forwards."""
+        argv = [sys.executable, "-c", "import benchmarks.cluster as c; c._switch_main()"]
+        argv += [repr(self.delay_s), *ports]
+        env = dict(os.environ)
+        env["PYTHONPATH"] = os.pathsep.join(filter(None, [str(_REPO_ROOT), env.get("PYTHONPATH")]))
+        # Its own session, so _stop() takes it down like a rank; stderr stays
+        # ours so a crash of the switch is seen (the ranks would only stall).
+        self._switch = subprocess.Popen(
+            ["ip", "netns", "exec", self.bridge_namespace, *argv],
+            env=env,
+            stdin=subprocess.DEVNULL,
+            stdout=subprocess.PIPE,
+            text=True,
+            start_new_session=True,
+        )
+        line = _readline(self._switch, 30.0).strip()
+        if line != "ready":
+            raise ClusterError(f"the delaying switch failed to start (said {line!r})")
 
     def tcp_congestion_control(self) -> str | None:
         """The congestion control rank 0's TCP uses (None if it cannot be read)."""
@@ -679,7 +852,12 @@ class EmulatedCluster:
             self._started = False
             with self._procs_lock:
                 procs, self._procs = self._procs, []
+            if self._switch is not None:
+                procs.append(self._switch)
             _stop(procs, grace=1.0)
+            if self._switch is not None and self._switch.stdout is not None:
+                self._switch.stdout.close()
+            self._switch = None
             failed: list[str] = []
             if self._created:
                 # Rank namespaces first: deleting them destroys the veth pairs
@@ -704,13 +882,16 @@ class EmulatedCluster:
         env = dict(os.environ)
         # Lets `python -c "import benchmarks..."` work from a plain checkout.
         env["PYTHONPATH"] = os.pathsep.join(filter(None, [str(_REPO_ROOT), env.get("PYTHONPATH")]))
+        # Launchers' names (torchrun): LOCAL_* within the node, GROUP_* the node.
         env.update(
             MASTER_ADDR=self.address(0),
             MASTER_PORT=str(self.master_port),
             RANK=str(rank),
             WORLD_SIZE=str(self.ranks),
-            LOCAL_RANK=str(rank),
-            LOCAL_WORLD_SIZE=str(self.ranks),
+            LOCAL_RANK=str(rank % self.ranks_per_node),
+            LOCAL_WORLD_SIZE=str(self.ranks_per_node),
+            GROUP_RANK=str(self.node(rank)),
+            GROUP_WORLD_SIZE=str(self.nodes),
             GLOO_SOCKET_IFNAME=self.interface(rank),
             TP_SOCKET_IFNAME=self.interface(rank),
             APS_CLUSTER_BANDWIDTH="loopback" if self.loopback else self.bandwidth,
@@ -852,7 +1033,7 @@ class EmulatedCluster:
         self,
         *,
         src: int = 0,
-        dst: int = 1,
+        dst: int | None = None,
         transfer_bytes: int | None = None,
         pings: int = 200,
         timeout: float | None = None,
@@ -863,12 +1044,15 @@ class EmulatedCluster:
         ``src``'s: first ``pings`` 1-byte ping-pongs (TCP_NODELAY) on the idle
         link, then a bulk transfer timed by the receiver from its first to its
         last byte (so connection setup and slow start's first RTT do not count).
+        Two ranks of one node measure the node's loopback, not its link.
 
         Args:
             src: sending rank.
-            dst: receiving rank.
-            transfer_bytes: bulk size; default ~0.5 s at the configured rate,
-                clamped to [2, 64] MiB (64 MiB in loopback mode).
+            dst: receiving rank; None: the first rank of the next node (rank
+                1 when there is one node).
+            transfer_bytes: bulk size; default ~0.5 s at the configured rate
+                (the intra-node rate for a pair on one node; 64 MiB if
+                unshaped), clamped to [2, 64] MiB.
             pings: number of round trips whose median is reported.
             timeout: seconds before the probe is abandoned.
 
@@ -881,15 +1065,22 @@ class EmulatedCluster:
         """
         if self.ranks < 2 and not self.loopback:
             raise ClusterError("link_stats needs at least two ranks")
+        if dst is None:
+            dst = self.ranks_per_node % self.ranks if self.nodes > 1 else 1
+        for name, r in (("src", src), ("dst", dst)):
+            if not 0 <= r < self.ranks:
+                raise ValueError(f"{name}={r} out of range for {self.ranks} ranks")
+        if src == dst and not self.loopback:
+            raise ValueError(f"src and dst are both rank {src}")
         if self.loopback:
             src = dst = 0
+        intra = not self.loopback and self.node(src) == self.node(dst)
+        rate: int | None = None
+        if not self.loopback:
+            rate = self.intra_node_bits_per_s if intra else self.bits_per_s
         if transfer_bytes is None:
-            if self.loopback:
-                transfer_bytes = 64 << 20
-            else:
-                transfer_bytes = min(max(self.bits_per_s // 16, 2 << 20), 64 << 20)
+            transfer_bytes = 64 << 20 if rate is None else min(max(rate // 16, 2 << 20), 64 << 20)
         if timeout is None:
-            rate = None if self.loopback else self.bits_per_s
             timeout = 30.0 + (0.0 if rate is None else 4.0 * transfer_bytes * 8 / rate)
         probe = [sys.executable, "-c", "import benchmarks.cluster as c; c._probe_main()"]
         server = self.popen(
@@ -931,13 +1122,21 @@ class EmulatedCluster:
             rtt_s=result["rtt_median_s"],
             rtt_min_s=result["rtt_min_s"],
             ranks=self.ranks,
-            configured_rate=None if self.loopback else self.bandwidth,
-            configured_bits_per_s=None if self.loopback else self.bits_per_s,
+            configured_rate=(self.intra_node_bandwidth if intra else self.bandwidth)
+            if rate is not None
+            else None,
+            configured_bits_per_s=rate,
             transfer_bytes=transfer_bytes,
-            mtu=65536 if self.loopback else self.mtu,
+            mtu=65536 if self.loopback or intra else self.mtu,
             loopback=self.loopback,
             pinned_cpus=self.pin_cpus,
             congestion_control=self.tcp_congestion_control(),
+            nodes=self.nodes,
+            ranks_per_node=self.ranks_per_node,
+            intra_node=intra,
+            delay_s=0.0 if intra or self.loopback else self.delay_s,
+            src=src,
+            dst=dst,
         )
 
 
@@ -1049,6 +1248,79 @@ def _probe_main() -> None:
         _probe_client(args[1], int(args[2]), int(args[3]), int(args[4]))
 
 
+# -- the delaying switch, run in the bridge namespace via `python -c` ----
+
+_SOL_PACKET = 263
+_PACKET_VNET_HDR = 15  # frames come with a virtio_net_hdr: GSO frames pass whole
+_PACKET_IGNORE_OUTGOING = 23  # Linux >= 4.20: do not read back what we send
+_ETH_P_ALL = 0x0003
+_VNET_HDR_LEN = 10
+_MAX_FRAME = _VNET_HDR_LEN + 14 + 65535 + 64
+
+
+def _switch_main() -> None:
+    """Forward Ethernet frames among the given ports, each ``delay`` s after it came.
+
+    Entry point of ``python -c "...; c._switch_main()" DELAY PORT...``. A
+    learning switch: a frame goes to the port its destination MAC was last
+    seen on, else (broadcast, ARP, unknown) to every other port. One thread,
+    frames in arrival order (the delay is constant, so a FIFO is a timer
+    queue). Packet sockets with virtio headers receive the veths' GSO frames
+    (up to 64 KiB) whole, so a Gbit/s link costs a few thousand frames per
+    second; the tbf qdiscs on both veth ends still shape every link. Runs
+    SCHED_FIFO when allowed: with every core busy running ranks, a
+    time-shared switch would add the scheduler's latency to the delay.
+    """
+    import collections
+
+    delay = float(sys.argv[1])
+    ports = sys.argv[2:]
+    with contextlib.suppress(OSError, AttributeError):
+        os.sched_setscheduler(0, os.SCHED_FIFO, os.sched_param(1))
+    socks = []
+    for port in ports:
+        s = socket.socket(socket.AF_PACKET, socket.SOCK_RAW, socket.htons(_ETH_P_ALL))
+        s.setsockopt(_SOL_PACKET, _PACKET_VNET_HDR, 1)
+        s.setsockopt(_SOL_PACKET, _PACKET_IGNORE_OUTGOING, 1)
+        s.setsockopt(socket.SOL_SOCKET, socket.SO_RCVBUF, 8 << 20)
+        s.setsockopt(socket.SOL_SOCKET, socket.SO_SNDBUF, 8 << 20)
+        s.bind((port, 0))
+        s.setblocking(False)
+        socks.append(s)
+    index = {s.fileno(): i for i, s in enumerate(socks)}
+    poller = select.poll()
+    for s in socks:
+        poller.register(s.fileno(), select.POLLIN)
+    where: dict[bytes, int] = {}
+    queue: collections.deque[tuple[float, int, bytes]] = collections.deque()
+    dst_at, src_at = _VNET_HDR_LEN, _VNET_HDR_LEN + 6
+    print("ready", flush=True)
+    while True:
+        now = time.monotonic()
+        while queue and queue[0][0] <= now:
+            _, out, frame = queue.popleft()
+            # A full send buffer drops the frame, as a switch's full queue
+            # would; TCP retransmits it.
+            with contextlib.suppress(BlockingIOError):
+                socks[out].send(frame)
+        timeout_ms = None if not queue else max(0.0, (queue[0][0] - now) * 1e3)
+        for fd, _ in poller.poll(timeout_ms):
+            port = index[fd]
+            while True:
+                try:
+                    frame = socks[port].recv(_MAX_FRAME)
+                except BlockingIOError:
+                    break
+                where[frame[src_at : src_at + 6]] = port
+                due = time.monotonic() + delay
+                dst = frame[dst_at : dst_at + 6]
+                out = where.get(dst)
+                if dst[0] & 1 or out is None:
+                    queue.extend((due, o, frame) for o in range(len(socks)) if o != port)
+                elif out != port:
+                    queue.append((due, out, frame))
+
+
 # -- the built-in all_reduce check ---------------------------------------
 
 
@@ -1121,6 +1393,69 @@ def allreduce_check(
 # -- command line ----------------------------------------------------------
 
 
+def add_topology_arguments(parser: argparse.ArgumentParser, *, ranks_default: int | None) -> None:
+    """``--ranks``, ``--nodes``, ``--ranks-per-node``, ``--intra-node-bandwidth``, ``--delay``.
+
+    Their values go to :class:`EmulatedCluster` as ``ranks``, ``nodes``,
+    ``ranks_per_node``, ``intra_node_bandwidth`` and ``delay``; with
+    ``--nodes`` given, ``--ranks`` may be left out (``ranks_default`` applies
+    only when neither is given).
+
+    Example:
+        >>> p = argparse.ArgumentParser()
+        >>> add_topology_arguments(p, ranks_default=4)
+        >>> a = p.parse_args(["--nodes", "2", "--ranks-per-node", "2"])
+        >>> cluster_topology(a, ranks_default=4)
+        {'ranks': None, 'nodes': 2, 'ranks_per_node': 2, 'intra_node_bandwidth': None, 'delay': None}
+    """
+    parser.add_argument(
+        "--ranks",
+        type=int,
+        default=None,
+        help=f"number of ranks (default: nodes x ranks-per-node, else {ranks_default})",
+    )
+    parser.add_argument(
+        "--nodes", type=int, default=None, help="nodes, each a namespace holding its ranks"
+    )
+    parser.add_argument(
+        "--ranks-per-node",
+        type=int,
+        default=1,
+        help="ranks per node (LOCAL_WORLD_SIZE); they share the node's link (default 1)",
+    )
+    parser.add_argument(
+        "--intra-node-bandwidth",
+        default=None,
+        help="rate of each node's loopback, shared by its ranks (default: unshaped)",
+    )
+    parser.add_argument(
+        "--delay",
+        default=None,
+        help="one-way delay between nodes, e.g. 0.5ms (a userspace switch replaces the bridge)",
+    )
+
+
+def cluster_topology(args: argparse.Namespace, *, ranks_default: int) -> dict[str, Any]:
+    """The :class:`EmulatedCluster` keyword arguments from :func:`add_topology_arguments`' flags.
+
+    Example:
+        >>> p = argparse.ArgumentParser()
+        >>> add_topology_arguments(p, ranks_default=4)
+        >>> cluster_topology(p.parse_args([]), ranks_default=4)["ranks"]
+        4
+    """
+    ranks = args.ranks
+    if ranks is None and args.nodes is None:
+        ranks = ranks_default * args.ranks_per_node
+    return {
+        "ranks": ranks,
+        "nodes": args.nodes,
+        "ranks_per_node": args.ranks_per_node,
+        "intra_node_bandwidth": args.intra_node_bandwidth,
+        "delay": args.delay,
+    }
+
+
 def add_pin_argument(parser: argparse.ArgumentParser) -> None:
     """``--pin auto|always|never``: the ``pin_cpus`` of an :class:`EmulatedCluster` (``PIN_CHOICES``)."""
     parser.add_argument(
@@ -1135,17 +1470,18 @@ def _parser() -> argparse.ArgumentParser:
     p = argparse.ArgumentParser(
         prog="python -m benchmarks.cluster",
         description=(
-            "Run a command on K ranks, each in its own network namespace behind a "
-            "tbf-shaped veth, after measuring and printing the link's bandwidth and RTT."
+            "Run a command on K ranks (M nodes of L ranks), each node in its own network "
+            "namespace behind a tbf-shaped veth, after measuring and printing the link's "
+            "bandwidth and RTT."
         ),
         epilog=(
             "example: python -m benchmarks.cluster --ranks 4 --bandwidth 1gbit -- "
             "python train.py --epochs 1"
         ),
     )
-    p.add_argument("--ranks", type=int, default=4, help="number of ranks (default 4)")
+    add_topology_arguments(p, ranks_default=4)
     p.add_argument(
-        "--bandwidth", default="1gbit", help="per-rank link rate, tc syntax (default 1gbit)"
+        "--bandwidth", default="1gbit", help="per-node link rate, tc syntax (default 1gbit)"
     )
     p.add_argument("--mtu", type=int, default=1500, help="veth MTU (default 1500)")
     add_pin_argument(p)
@@ -1205,15 +1541,21 @@ def main(argv: Sequence[str] | None = None) -> int:
     if not command and args.allreduce_mb is None and args.no_probe:
         print("nothing to do: give a command after --, --allreduce-mb, or drop --no-probe")
         return 2
-    cluster = EmulatedCluster(
-        ranks=args.ranks,
-        bandwidth=args.bandwidth,
-        loopback=args.loopback,
-        fallback_to_loopback=args.fallback_loopback,
-        mtu=args.mtu,
-        pin_cpus=PIN_CHOICES[args.pin],
-        congestion_control=None if args.congestion_control == "host" else args.congestion_control,
-    )
+    try:
+        cluster = EmulatedCluster(
+            bandwidth=args.bandwidth,
+            loopback=args.loopback,
+            fallback_to_loopback=args.fallback_loopback,
+            mtu=args.mtu,
+            pin_cpus=PIN_CHOICES[args.pin],
+            congestion_control=None
+            if args.congestion_control == "host"
+            else args.congestion_control,
+            **cluster_topology(args, ranks_default=4),
+        )
+    except ValueError as exc:
+        print(f"error: {exc}", file=sys.stderr)
+        return 2
     given = sys.argv[1:] if argv is None else list(argv)
     record: dict[str, Any] = {
         "command": shlex.join(["python", "-m", "benchmarks.cluster", *given]),
@@ -1241,6 +1583,10 @@ def main(argv: Sequence[str] | None = None) -> int:
                 stats = cluster.link_stats(transfer_bytes=nbytes)
                 print(stats.summary(), flush=True)
                 record["link"] = stats.to_dict()
+                if cluster.ranks_per_node > 1 and not cluster.loopback:
+                    intra = cluster.link_stats(dst=1, transfer_bytes=nbytes)
+                    print(intra.summary(), flush=True)
+                    record["link_intra_node"] = intra.to_dict()
             if args.allreduce_mb is not None:
                 res = allreduce_check(
                     cluster, args.allreduce_mb, args.repeats, args.timeout or 600.0

@@ -15,6 +15,23 @@ By default the ranks run on an emulated bandwidth-bound cluster
     python -m benchmarks.comm --ranks 4 --bandwidth 1gbit --mb 64 --json benchmarks/results/comm.json
     python -m benchmarks.comm --loopback --ranks 2 --mb 16      # no root; loopback hides the network
 
+With ``--nodes M --ranks-per-node L`` the cluster has nodes (ranks of a node
+unshaped among themselves, the node's link shared by its L ranks) and the
+default hooks are those that matter there: the FP32 hook,
+``fp16_compress_hook``, APS e4m3 flat two_phase (``aps-e4m3``), hierarchical
+(``aps-e4m3-hierarchical``) and ``reduction="auto"`` (``aps-e4m3-auto``)::
+
+    python -m benchmarks.comm --nodes 2 --ranks-per-node 2 --bandwidth 1gbit --rounds 3
+
+A hook name may end in ``:chunk=N`` to fix the APS chunk at N elements
+(``state.chunk_elements``), and ``--mb`` may list several sizes: the
+latency-bound sweep compares fixed and sized chunks over small gradients, with
+the performance model's prediction per hook beside each (where the model
+knows the strategy)::
+
+    python -m benchmarks.comm --nodes 8 --bandwidth 1gbit --delay 1ms --mb 1,2,4,8 \
+        --bucket-mb 2 --hooks fp32,aps-e4m3,aps-e4m3:chunk=1048576
+
 With ``--batch B`` backward also computes (a batch of B rows through the
 model), and per hook the report holds communication alone (batch 1), the
 step with compute, and the exposed communication: the step minus backward
@@ -53,12 +70,18 @@ HOOKS = (
     "aps-bf16",
     "naive-e4m3",
     "powersgd",
+    "aps-e4m3-hierarchical",
+    "aps-e4m3-auto",
 )
 # PowerSGD's hook issues its second all-reduce from a future callback; on Gloo
 # with 4 ranks in the emulated cluster that deadlocked (measured), so it is
 # not in the default list. Ask for it with --hooks.
-DEFAULT_HOOKS = HOOKS[:-1]
+DEFAULT_HOOKS = HOOKS[:8]
+NODE_HOOKS = ("fp32", "fp16", "aps-e4m3", "aps-e4m3-hierarchical", "aps-e4m3-auto")
+"""The default with several ranks per node: baselines, flat and hierarchical APS, auto."""
+_CHUNK_OPT = ":chunk="
 _WIDTH = 2048  # Linear(2048, 2048): 16 MiB of FP32 gradient per layer
+_SMALL_LAYERS = 4
 _PREDICTED = {
     "fp32": "fp32",
     "fp16": "fp16",
@@ -68,13 +91,56 @@ _PREDICTED = {
     "aps-e4m3": "e4m3",
     "aps-e5m2": "e5m2",
 }
+# The strategy each hook runs, as aps_perfmodel.strategies names it (format, strategy).
+_STRATEGY = {
+    "fp32": ("fp32", "fp32"),
+    "fp16": ("fp16", "native"),
+    "aps-e4m3": ("e4m3", "two_phase"),
+    "aps-e4m3-hierarchical": ("e4m3", "hierarchical"),
+    "aps-e4m3-auto": ("e4m3", "auto"),
+}
+
+
+def _shape(mb: float) -> tuple[int, int]:
+    """(width, layers) of the Linear stack holding ``mb`` MiB of FP32 gradients.
+
+    16 MiB layers of width 2048 from 16 MiB up; below, 4 square layers (the
+    latency-bound sweep's 1-8 MiB).
+    """
+    numel = mb * 2**20 / 4
+    if numel >= _WIDTH**2:
+        return _WIDTH, max(1, round(numel / _WIDTH**2))
+    return max(1, round((numel / _SMALL_LAYERS) ** 0.5)), _SMALL_LAYERS
 
 
 def _model(mb: float) -> torch.nn.Module:
-    layers = max(1, round(mb * 2**20 / 4 / _WIDTH**2))
-    return torch.nn.Sequential(
-        *[torch.nn.Linear(_WIDTH, _WIDTH, bias=False) for _ in range(layers)]
-    )
+    width, layers = _shape(mb)
+    return torch.nn.Sequential(*[torch.nn.Linear(width, width, bias=False) for _ in range(layers)])
+
+
+def split_hook(spec: str) -> tuple[str, int | None]:
+    """``"aps-e4m3:chunk=1048576"`` -> ``("aps-e4m3", 1048576)``; no option -> ``(spec, None)``.
+
+    Raises:
+        ValueError: an unknown hook, a chunk on a hook that does not chunk, or
+            a chunk that is not a positive integer.
+
+    Example:
+        >>> split_hook("aps-e4m3:chunk=1048576"), split_hook("fp32")
+        (('aps-e4m3', 1048576), ('fp32', None))
+    """
+    name, _, chunk = spec.partition(_CHUNK_OPT)
+    if name not in HOOKS:
+        raise ValueError(f"unknown hook {name!r} in {spec!r}; choose from {', '.join(HOOKS)}")
+    if not chunk:
+        if spec != name:
+            raise ValueError(f"{spec!r}: give the chunk in elements, e.g. {name}{_CHUNK_OPT}65536")
+        return name, None
+    if not name.startswith(("aps-", "naive-")):
+        raise ValueError(f"{spec!r}: only APS hooks are chunked")
+    if not chunk.isdigit() or int(chunk) < 1:
+        raise ValueError(f"{spec!r}: the chunk must be a positive number of elements")
+    return name, int(chunk)
 
 
 def _attach(name: str, ddp: torch.nn.parallel.DistributedDataParallel) -> tuple[Any, Callable]:
@@ -96,7 +162,10 @@ def _attach(name: str, ddp: torch.nn.parallel.DistributedDataParallel) -> tuple[
         return state, powerSGD_hook.powerSGD_hook
     kind, fmt = name.split("-", 1)
     if kind == "aps":
-        reduction = "allreduce" if fmt in ("fp16", "bf16") else "two_phase"
+        fmt, _, reduction = fmt.partition("-")
+        if not reduction:
+            reduction = "allreduce" if fmt in ("fp16", "bf16") else "two_phase"
+        # ranks_per_node: the hook reads LOCAL_WORLD_SIZE, which the cluster sets.
         return APSState(fmt, reduction=reduction), aps_hook
     if kind == "naive":
         return APSState(fmt, reduction="two_phase", scaling="none"), aps_hook
@@ -165,6 +234,28 @@ def _rel_error(ddp: torch.nn.Module, state: Any, hook: Callable, x: torch.Tensor
     return (err2 / ref2) ** 0.5 if ref2 else 0.0
 
 
+def _bucket_numels(mb: float, x: torch.Tensor, args: argparse.Namespace, DDP: Any) -> list[int]:
+    """Elements in each bucket DDP hands its hook, once it has rebuilt them (its second step).
+
+    Counted from the hook's calls: DDP's logging data keeps the sizes of the
+    buckets it built first.
+    """
+    sizes: list[int] = []
+
+    def count(state, bucket):  # type: ignore[no-untyped-def]
+        sizes.append(bucket.buffer().numel())
+        return _no_comm(state, bucket)
+
+    torch.manual_seed(0)
+    ddp = DDP(_model(mb), bucket_cap_mb=args.bucket_mb, gradient_as_bucket_view=args.bucket_view)
+    ddp.register_comm_hook(None, count)
+    for _ in range(2):
+        sizes.clear()
+        ddp.zero_grad()
+        ddp(x).sum().backward()
+    return sizes
+
+
 def _worker(args: argparse.Namespace) -> None:
     import torch.distributed as dist
     from torch.nn.parallel import DistributedDataParallel as DDP
@@ -172,14 +263,29 @@ def _worker(args: argparse.Namespace) -> None:
     torch.set_num_threads(1)
     dist.init_process_group("gloo")
     rank, world = dist.get_rank(), dist.get_world_size()
+    sizes = []
+    for mb in args.mb:
+        sizes.append(_worker_size(args, mb, rank, DDP))
+    if rank == 0:
+        Path(args.worker_out).write_text(json.dumps({"world": world, "sizes": sizes}))
+    dist.destroy_process_group()
+
+
+def _worker_size(args: argparse.Namespace, mb: float, rank: int, DDP: Any) -> dict[str, Any]:
+    """Every hook (and round) on ``mb`` MiB of gradients; rank 0's record of them."""
+    width, _ = _shape(mb)
     torch.manual_seed(1234 + rank)
-    x = torch.randn(1, _WIDTH)
-    x_batch = torch.randn(args.batch, _WIDTH) if args.batch else None
-    results = []
-    for rnd, name in [(r, h) for r in range(args.rounds) for h in args.hooks]:
-        if x_batch is not None and name == args.hooks[0]:
+    x = torch.randn(1, width)
+    x_batch = torch.randn(args.batch, width) if args.batch else None
+    results: list[dict[str, Any]] = []
+    buckets = _bucket_numels(mb, x, args, DDP)
+    for rnd, spec in [(r, h) for r in range(args.rounds) for h in args.hooks]:
+        name, chunk = split_hook(spec)
+        if any(r.get("hook") == spec and "skipped" in r for r in results):
+            continue
+        if x_batch is not None and spec == args.hooks[0]:
             torch.manual_seed(0)
-            ddp = DDP(_model(args.mb), bucket_cap_mb=args.bucket_mb, gradient_as_bucket_view=True)
+            ddp = DDP(_model(mb), bucket_cap_mb=args.bucket_mb, gradient_as_bucket_view=True)
             ddp.register_comm_hook(None, _no_comm)
             times, cpu = _time_steps(ddp, x_batch, args.warmup, args.repeats)
             results.append(
@@ -195,20 +301,28 @@ def _worker(args: argparse.Namespace) -> None:
                 print(f"backward alone (batch {args.batch}): {statistics.median(times):.3f} s")
             del ddp
         torch.manual_seed(0)
-        model = _model(args.mb)
+        model = _model(mb)
         ddp = DDP(model, bucket_cap_mb=args.bucket_mb, gradient_as_bucket_view=args.bucket_view)
-        state, hook = _attach(name, ddp)
-        if args.chunk_elements and hasattr(state, "chunk_elements"):
-            state.chunk_elements = args.chunk_elements
         try:
+            state, hook = _attach(name, ddp)
+            chunk = chunk or args.chunk_elements or None
+            if chunk and hasattr(state, "chunk_elements"):
+                state.chunk_elements = chunk
             ddp.register_comm_hook(state, hook)
-        except (TypeError, RuntimeError) as exc:
-            # bf16_compress_hook: DDP allows it only with CUDA/NCCL or XPU.
-            results.append({"hook": name, "skipped": str(exc)})
+        except (TypeError, RuntimeError, ValueError) as exc:
+            # bf16_compress_hook: DDP allows it only with CUDA/NCCL or XPU; a
+            # reduction this aps_comm does not have ("unknown reduction").
+            results.append({"hook": spec, "skipped": f"{type(exc).__name__}: {exc}"})
             if rank == 0:
-                print(f"{name:>11}: skipped ({exc})", flush=True)
+                print(f"{spec:>11}: skipped ({exc})", flush=True)
             continue
         times, cpu = _time_steps(ddp, x, args.warmup, args.repeats)
+        extra: dict[str, Any] = {}
+        if name.startswith("aps-"):
+            # What the hook ran (auto resolves per bucket; state.reduction
+            # holds its choice once bound) and the chunk it was told to use.
+            extra["reduction"] = str(getattr(state, "reduction", None))
+            extra["chunk_elements"] = getattr(state, "chunk_elements", None)
         with_compute: dict[str, list[float]] = {}
         if x_batch is not None:
             steps, cpu_b = _time_steps(ddp, x_batch, args.warmup, args.repeats)
@@ -216,46 +330,54 @@ def _worker(args: argparse.Namespace) -> None:
                 "compute_step_s": steps,
                 "compute_rank0_cpu_s": [u + s for u, s in cpu_b],
             }
+        record = {
+            "hook": spec,
+            "round": rnd,
+            "step_s": times,
+            "rank0_cpu_user_s": [u for u, _ in cpu],
+            "rank0_cpu_system_s": [s for _, s in cpu],
+            **extra,
+            **with_compute,
+        }
         if rnd < args.rounds - 1:  # the error is measured once, in the last round
-            results.append({"hook": name, "round": rnd, "step_s": times, **with_compute})
+            results.append(record)
             del ddp, model
             continue
         # A fresh model for the error step: DDP allows one hook registration.
         torch.manual_seed(0)
         ddp_err = DDP(
-            _model(args.mb), bucket_cap_mb=args.bucket_mb, gradient_as_bucket_view=args.bucket_view
+            _model(mb), bucket_cap_mb=args.bucket_mb, gradient_as_bucket_view=args.bucket_view
         )
         state_err, hook_err = _attach(name, ddp_err)
+        if chunk and hasattr(state_err, "chunk_elements"):
+            state_err.chunk_elements = chunk
         if name == "powersgd":
             state_err.start_powerSGD_iter = 2
             state_err.iter = 10  # past warm-up: measure the compressed result
         error = _rel_error(ddp_err, state_err, hook_err, x)
-        results.append(
-            {
-                "hook": name,
-                "step_s": times,
-                "rank0_cpu_user_s": [u for u, _ in cpu],
-                "rank0_cpu_system_s": [s for _, s in cpu],
-                "rel_l2_error": error,
-                "round": rnd,
-                **with_compute,
-            }
-        )
+        results.append({**record, "rel_l2_error": error})
         if rank == 0:
-            extra = ""
+            more = ""
             if with_compute:
-                extra = f", with compute {statistics.median(with_compute['compute_step_s']):.3f} s"
+                more = f", with compute {statistics.median(with_compute['compute_step_s']):.3f} s"
+            if "reduction" in extra:
+                more += f", reduction {extra['reduction']}"
             print(
-                f"{name:>11}: median {statistics.median(times):.3f} s{extra}, error {error:.2e}",
+                f"{spec:>11} ({mb:g} MiB): median {statistics.median(times):.3f} s{more}, "
+                f"error {error:.2e}",
                 flush=True,
             )
         del ddp, ddp_err, model
-    if rank == 0:
-        n_params = sum(p.numel() for p in _model(args.mb).parameters())
-        Path(args.worker_out).write_text(
-            json.dumps({"world": world, "numel": n_params, "results": results})
-        )
-    dist.destroy_process_group()
+    n_params = sum(p.numel() for p in _model(mb).parameters())
+    width, layers = _shape(mb)
+    return {
+        "mb": mb,
+        "numel": n_params,
+        "layers": layers,
+        "width": width,
+        "bucket_numels": buckets,
+        "results": results,
+    }
 
 
 def _predict(numel: int, world: int, link: dict[str, Any] | None) -> dict[str, float]:
@@ -275,8 +397,95 @@ def _predict(numel: int, world: int, link: dict[str, Any] | None) -> dict[str, f
     return {name: r.step_s for name, r in pred.formats.items()}
 
 
-def _summarise(raw: dict[str, Any], link: dict[str, Any] | None, args: argparse.Namespace) -> dict:
+def _model_cluster(topology: dict[str, Any]) -> Any:
+    """The perfmodel cluster of the measured links: M nodes of L ranks on this machine's CPUs.
+
+    Inter-node: the measured TCP goodput of one node's link and half its
+    round trip; intra-node: the same of the node's loopback (a guess of
+    5 GB/s and 10 us where it was not measured). Raises ImportError while
+    ``aps_perfmodel.strategies`` (the model of the hook as built) is missing.
+    """
+    import dataclasses
+
+    import aps_perfmodel
+    from aps_perfmodel import custom_cluster, strategies
+
+    # An editable install resolves a submodule missing from the imported
+    # package out of the checkout it was installed from: not this code's model.
+    if Path(strategies.__file__).parent != Path(aps_perfmodel.__file__).parent:
+        raise ImportError("aps_perfmodel.strategies is not part of the imported aps_perfmodel")
+
+    link, intra = topology["link"], topology.get("link_intra_node") or {}
+    nodes, per_node = topology["nodes"], topology["ranks_per_node"]
+    cluster = custom_cluster(
+        link["bandwidth_bits_per_s"] / 8,
+        max(link.get("rtt_s") or 0.0, 1e-6) / 2,
+        nodes=nodes,
+        gpus_per_node=per_node,
+        intra_bandwidth=intra.get("bandwidth_bits_per_s", 40e9) / 8,
+        intra_latency=max(intra.get("rtt_s") or 2e-5, 1e-6) / 2,
+        device="cpu-numba",
+    )
+    return dataclasses.replace(
+        cluster,
+        chunk_overhead_s=strategies.GLOO_CHUNK_OVERHEAD_S,
+        # Every rank of every node shares this machine's cores.
+        cores_per_rank=(os.cpu_count() or 1) / (nodes * per_node),
+    )
+
+
+def predict_strategies(
+    size: dict[str, Any], hooks: Sequence[str], topology: dict[str, Any]
+) -> tuple[dict[str, float], str]:
+    """The model's communication time per hook: the sum over DDP's buckets.
+
+    Each bucket as ``aps_perfmodel.strategies.bucket_breakdown`` models the
+    hook's strategy for it (``auto``: the strategy ``choose_strategy`` picks
+    per bucket; a ``:chunk=N`` hook: chunks of N elements, else the model's
+    chunk rule). Hooks the model has no strategy for are left out.
+
+    Returns:
+        ``({hook: seconds}, note)``; empty with the reason in the note while
+        the model of the hook as built is not installed, or without a
+        measured link.
+    """
+    if not topology.get("link") or not topology["link"].get("bandwidth_bits_per_s"):
+        return {}, "no measured link (loopback)"
+    try:
+        from aps_perfmodel.strategies import bucket_breakdown, choose_strategy
+
+        cluster = _model_cluster(topology)
+    except ImportError as exc:
+        return {}, f"model pending: {exc}"
+    width = size["width"]
+    buckets = size["bucket_numels"] or [size["numel"]]
+    out: dict[str, float] = {}
+    for spec in hooks:
+        name, chunk = split_hook(spec)
+        if name not in _STRATEGY:
+            continue
+        fmt, strategy = _STRATEGY[name]
+        total = 0.0
+        for numel in buckets:
+            layers = max(1, round(numel / width**2))
+            chosen = strategy
+            if strategy == "auto":
+                chosen = choose_strategy(
+                    numel, layers, fmt, cluster, native_ok=False, hierarchical_ok=True
+                )
+            plan: int | str = chunk if chunk else "auto"
+            total += bucket_breakdown(numel, layers, fmt, cluster, chosen, chunk=plan).total_s
+        out[spec] = total
+    return out, "aps_perfmodel.strategies: sum over DDP's buckets of bucket_breakdown"
+
+
+def _summarise(
+    raw: dict[str, Any],
+    topology: dict[str, Any],
+    args: argparse.Namespace,
+) -> dict:
     world, numel = raw["world"], raw["numel"]
+    link = topology.get("link")
     rounds = _by_round(raw["results"])
     done = [r for r in raw["results"] if "rel_l2_error" in r and r["hook"] != "compute-alone"]
     alone = [r for r in raw["results"] if r["hook"] == "compute-alone"]
@@ -285,7 +494,14 @@ def _summarise(raw: dict[str, Any], link: dict[str, Any] | None, args: argparse.
     medians = {
         h: statistics.median(statistics.median(r["step_s"]) for r in rs) for h, rs in rounds.items()
     }
-    predicted = _predict(numel, world, link)
+    model_note = "aps_perfmodel.predict (flat, one rank per link)"
+    predicted: dict[str, float] = {}
+    if topology["ranks_per_node"] == 1:
+        flat = _predict(numel, world, link)
+        predicted = {h: flat[_PREDICTED[h]] for h in rounds if _PREDICTED.get(h) in flat}
+    strategies, note = predict_strategies(raw, list(rounds), topology)
+    if strategies or topology["ranks_per_node"] > 1:
+        predicted, model_note = strategies, note
     fp32_bytes = 4 * numel
     runs = []
     for r in done:
@@ -305,7 +521,8 @@ def _summarise(raw: dict[str, Any], link: dict[str, Any] | None, args: argparse.
                 "rel_l2_error": r["rel_l2_error"],
                 "rank0_cpu_user_s": statistics.median(r.get("rank0_cpu_user_s") or [0.0]),
                 "rank0_cpu_system_s": statistics.median(r.get("rank0_cpu_system_s") or [0.0]),
-                "predicted_step_s": predicted.get(_PREDICTED.get(r["hook"], "")),
+                "predicted_step_s": predicted.get(r["hook"]),
+                **{k: r[k] for k in ("reduction", "chunk_elements") if k in r},
                 **_with_compute(per_round, t, compute_s),
             }
         )
@@ -319,8 +536,15 @@ def _summarise(raw: dict[str, Any], link: dict[str, Any] | None, args: argparse.
             "kernel": platform.release(),
         },
         "link": link,
+        "link_intra_node": topology.get("link_intra_node"),
         "ranks": world,
+        "nodes": topology["nodes"],
+        "ranks_per_node": topology["ranks_per_node"],
+        "delay_s": topology.get("delay_s", 0.0),
         "gradient_mb": fp32_bytes / 2**20,
+        "layers": raw.get("layers"),
+        "bucket_numels": raw.get("bucket_numels"),
+        "prediction": model_note,
         "bucket_cap_mb": args.bucket_mb,
         "gradient_as_bucket_view": args.bucket_view,
         "repeats": args.repeats,
@@ -366,17 +590,20 @@ def _with_compute(
 
 def _table(result: dict[str, Any]) -> str:
     lines = [
-        f"{'hook':>11} {'step s':>8} {'busbw Gb/s':>10} {'vs fp32':>8} {'vs fp16':>8} "
-        f"{'rel err':>9} {'predicted':>9} {'cpu usr+sys':>11}"
+        f"{'hook':>22} {'step s':>8} {'busbw Gb/s':>10} {'vs fp32':>8} {'vs fp16':>8} "
+        f"{'rel err':>9} {'predicted':>9} {'cpu usr+sys':>11} reduction"
     ]
     for r in result["runs"]:
         pred = r["predicted_step_s"]
         lines.append(
-            f"{r['hook']:>11} {r['median_step_s']:>8.3f} {r['bus_bandwidth_gbit']:>10.2f} "
+            f"{r['hook']:>22} {r['median_step_s']:>8.3f} {r['bus_bandwidth_gbit']:>10.2f} "
             f"{r['speedup_vs_fp32'] or 0:>8.2f} {r['speedup_vs_fp16'] or 0:>8.2f} "
             f"{r['rel_l2_error']:>9.2e} {f'{pred:.3f}' if pred else '-':>9} "
-            f"{r['rank0_cpu_user_s']:>5.3f}+{r['rank0_cpu_system_s']:.3f}"
+            f"{r['rank0_cpu_user_s']:>5.3f}+{r['rank0_cpu_system_s']:.3f} "
+            f"{r.get('reduction') or ''}"
         )
+    for hook, why in result.get("skipped", {}).items():
+        lines.append(f"{hook:>22} skipped: {why}")
     if result.get("compute_alone_s") is not None:
         lines.append(
             f"with compute (batch {result['batch']}; backward alone "
@@ -402,11 +629,18 @@ def _table(result: dict[str, Any]) -> str:
 
 
 def _parser() -> argparse.ArgumentParser:
+    from benchmarks.cluster import add_topology_arguments
+
     p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    p.add_argument("--ranks", type=int, default=4)
-    p.add_argument("--bandwidth", default="1gbit", help="per-rank link rate (tc syntax)")
+    add_topology_arguments(p, ranks_default=4)
+    p.add_argument("--bandwidth", default="1gbit", help="per-node link rate (tc syntax)")
     p.add_argument("--loopback", action="store_true", help="no namespaces, no shaping")
-    p.add_argument("--mb", type=float, default=64.0, help="MiB of FP32 gradients")
+    p.add_argument(
+        "--mb",
+        type=lambda text: [float(v) for v in text.split(",")],
+        default=[64.0],
+        help="MiB of FP32 gradients; a comma-separated list sweeps them (default 64)",
+    )
     p.add_argument("--bucket-mb", type=float, default=25.0, help="DDP bucket_cap_mb")
     p.add_argument(
         "--bucket-view",
@@ -436,8 +670,10 @@ def _parser() -> argparse.ArgumentParser:
     )
     p.add_argument(
         "--hooks",
-        default=",".join(DEFAULT_HOOKS),
-        help=f"comma-separated hooks, from: {', '.join(HOOKS)} (default: all but powersgd)",
+        default=None,
+        help=f"comma-separated hooks, from: {', '.join(HOOKS)}, each optionally with "
+        f"{_CHUNK_OPT}N (default: all but powersgd and the node ones; with --ranks-per-node "
+        f"> 1: {','.join(NODE_HOOKS)})",
     )
     p.add_argument("--timeout", type=float, default=1800.0)
     p.add_argument("--json", type=Path, default=None, help="write the results here")
@@ -447,21 +683,31 @@ def _parser() -> argparse.ArgumentParser:
 
 
 def main(argv: Sequence[str] | None = None) -> int:
+    """Command-line entry point; returns the exit status.
+
+    Example:
+        >>> main(["--loopback", "--ranks", "2", "--mb", "4", "--repeats", "2"])  # doctest: +SKIP
+        0
+    """
     args = _parser().parse_args(argv)
+    if args.hooks is None:
+        args.hooks = ",".join(NODE_HOOKS if args.ranks_per_node > 1 else DEFAULT_HOOKS)
     args.hooks = [h.strip() for h in args.hooks.split(",") if h.strip()]
-    unknown = [h for h in args.hooks if h not in HOOKS]
-    if unknown:
-        raise SystemExit(f"unknown hooks {unknown}; choose from {', '.join(HOOKS)}")
+    try:
+        for spec in args.hooks:
+            split_hook(spec)
+    except ValueError as exc:
+        raise SystemExit(str(exc)) from None
     if args.worker:
         _worker(args)
         return 0
-    from benchmarks.cluster import EmulatedCluster
+    from benchmarks.cluster import EmulatedCluster, cluster_topology
 
     with tempfile.TemporaryDirectory(prefix="aps-comm-") as tmp:
         out = Path(tmp) / "rank0.json"
         worker = [
             sys.executable, "-m", "benchmarks.comm", "--worker", "--worker-out", str(out),
-            "--mb", str(args.mb), "--bucket-mb", str(args.bucket_mb),
+            "--mb", ",".join(map(str, args.mb)), "--bucket-mb", str(args.bucket_mb),
             "--repeats", str(args.repeats), "--warmup", str(args.warmup),
             "--batch", str(args.batch), "--chunk-elements", str(args.chunk_elements),
             "--rounds", str(args.rounds),
@@ -469,13 +715,24 @@ def main(argv: Sequence[str] | None = None) -> int:
             "--hooks", ",".join(args.hooks),
         ]  # fmt: skip
         with EmulatedCluster(
-            ranks=args.ranks, bandwidth=args.bandwidth, loopback=args.loopback
+            bandwidth=args.bandwidth,
+            loopback=args.loopback,
+            **cluster_topology(args, ranks_default=4),
         ) as cluster:
-            link = None
+            topology: dict[str, Any] = {
+                "nodes": cluster.nodes,
+                "ranks_per_node": cluster.ranks_per_node,
+                "delay_s": cluster.delay_s,
+                "link": None,
+            }
             if not args.loopback:
                 stats = cluster.link_stats()
                 print(stats.summary(), flush=True)
-                link = stats.to_dict()
+                topology["link"] = stats.to_dict()
+                if cluster.ranks_per_node > 1:
+                    intra = cluster.link_stats(dst=1)
+                    print(intra.summary(), flush=True)
+                    topology["link_intra_node"] = intra.to_dict()
             ranks = cluster.run(
                 worker, timeout=args.timeout, env={"PYTHONPATH": os.getcwd()}, echo=True
             )
@@ -485,12 +742,34 @@ def main(argv: Sequence[str] | None = None) -> int:
                 print(r.output[-3000:], file=sys.stderr)
             return 1
         raw = json.loads(out.read_text())
-    result = _summarise(raw, link, args)
-    print(_table(result))
+    sizes = [_summarise(size | {"world": raw["world"]}, topology, args) for size in raw["sizes"]]
+    for result in sizes:
+        print(
+            f"-- {result['gradient_mb']:g} MiB of FP32 gradients, prediction: {result['prediction']}"
+        )
+        print(_table(result))
+    # One size: the result itself (as the report reads it); several: the sweep.
+    if len(sizes) == 1:
+        record: dict[str, Any] = sizes[0]
+    else:
+        common = {k: v for k, v in sizes[0].items() if k not in _PER_SIZE}
+        record = common | {"sweep": [{k: r[k] for k in _PER_SIZE if k in r} for r in sizes]}
     if args.json:
         args.json.parent.mkdir(parents=True, exist_ok=True)
-        args.json.write_text(json.dumps(result, indent=2) + "\n")
+        args.json.write_text(json.dumps(record, indent=2) + "\n")
     return 0
+
+
+# Keys that differ between the sizes of a sweep (the rest is the run's setup).
+_PER_SIZE = (
+    "gradient_mb",
+    "layers",
+    "bucket_numels",
+    "compute_alone_s",
+    "compute_alone_step_s",
+    "runs",
+    "skipped",
+)
 
 
 if __name__ == "__main__":

@@ -16,13 +16,21 @@ rank
    its skew between ranks are excluded.
 
 The profile's prediction (``aps_perfmodel.bucket_comm``) is compared with each
-measurement. Writes ``perfmodel_validation.{json,md,png}`` to ``--out`` (default: the
+measurement.
+
+With ``--nodes M --ranks-per-node L`` the cluster has nodes (ranks of a node
+talk over its unshaped loopback, the node's shaped link is shared by its L
+ranks) and a fourth path is measured, APS e4m3 hierarchical. The model then
+runs on M nodes of L ranks: the calibrated fits (collectives timed on all N
+ranks, the codec passes) and, for the hierarchical stages, the node's link
+and its loopback as the emulated cluster's probe measured them. Writes ``perfmodel_validation.{json,md,png}`` to ``--out`` (default: the
 working directory; the committed ones are in ``benchmarks/results``).
 
 Example (needs root for the namespaces)::
 
     python -m benchmarks.perfmodel_validate --world-sizes 2,4 --bandwidth 1gbit
     python -m benchmarks.perfmodel_validate --loopback --world-sizes 2
+    python -m benchmarks.perfmodel_validate --nodes 2 --ranks-per-node 2 --bandwidth 1gbit
 """
 
 from __future__ import annotations
@@ -55,6 +63,10 @@ from benchmarks.cluster import PIN_CHOICES, add_pin_argument
 
 LAYERS = 16  # parameter tensors per message: APS sends one maximum each
 PATHS = {"fp32": "fp32", "fp16": "fp16", "aps-e4m3": "e4m3"}
+NODE_PATHS = {**PATHS, "aps-e4m3-hierarchical": "e4m3"}
+"""The paths measured with several ranks per node: path -> wire format."""
+# The APS paths' reductions (the hook's and the model's strategy name).
+_REDUCTION = {"aps-e4m3": "two_phase", "aps-e4m3-hierarchical": "hierarchical"}
 
 
 def _measure_paths(
@@ -65,6 +77,7 @@ def _measure_paths(
     budget_s: float,
     max_repeats: int,
     rounds: int = 1,
+    paths: dict[str, str] = PATHS,
 ) -> list[dict[str, Any]]:
     """Time each path's bucket communication inside DDP; median over all repeats.
 
@@ -83,7 +96,7 @@ def _measure_paths(
     points = [
         (LAYERS * max(1, round((size / 4 / LAYERS) ** 0.5)) ** 2, path)
         for size in sizes
-        for path in PATHS
+        for path in paths
     ]
     samples: dict[tuple[int, str], list[float]] = {pt: [] for pt in points}
     share: dict[tuple[int, str], int] = {}
@@ -100,7 +113,13 @@ def _measure_paths(
         for pt in points:
             n, path = pt
             samples[pt] += time_hook_steps(
-                n, PATHS[path], warmup, settle_s, functools.partial(count, pt), LAYERS
+                n,
+                paths[path],
+                warmup,
+                settle_s,
+                functools.partial(count, pt),
+                LAYERS,
+                reduction=_REDUCTION.get(path, "two_phase"),
             )
             if r == rounds - 1 and dist.get_rank() == 0:
                 print(f"  {path:9s} {n * 4 / 2**20:6.0f} MiB  {trimmed_mean(samples[pt]):.4f} s")
@@ -138,8 +157,16 @@ def _worker(args: argparse.Namespace) -> None:
         max_repeats=args.calib_max_repeats,
     )
     t1 = time.time()
+    paths = NODE_PATHS if args.ranks_per_node > 1 else PATHS
     measured = _measure_paths(
-        val, args.repeats, args.warmup, settle_s, args.budget_s, args.max_repeats, args.rounds
+        val,
+        args.repeats,
+        args.warmup,
+        settle_s,
+        args.budget_s,
+        args.max_repeats,
+        args.rounds,
+        paths,
     )
     if dist.get_rank() == 0:
         Path(args.worker_out).write_text(
@@ -170,15 +197,21 @@ def _run_world(ws: int, args: argparse.Namespace, calib: list[int], val: list[in
             "--calib-budget-s", str(args.calib_budget_s),
             "--calib-max-repeats", str(args.calib_max_repeats),
             "--calib-sizes", ",".join(map(str, calib)), "--val-sizes", ",".join(map(str, val)),
+            "--ranks-per-node", str(args.ranks_per_node),
         ]  # fmt: skip
         with EmulatedCluster(
             ranks=ws,
             bandwidth=args.bandwidth,
             loopback=args.loopback,
             pin_cpus=PIN_CHOICES[args.pin],
+            ranks_per_node=args.ranks_per_node,
         ) as c:
             stats = c.link_stats()
             print(stats.summary(), flush=True)
+            intra = None
+            if c.ranks_per_node > 1 and not c.loopback:
+                intra = c.link_stats(dst=1)
+                print(intra.summary(), flush=True)
             ranks = c.run(worker, timeout=args.timeout, echo=True)
         failed = [r for r in ranks if not r.ok]
         if failed:
@@ -187,6 +220,8 @@ def _run_world(ws: int, args: argparse.Namespace, calib: list[int], val: list[in
             raise SystemExit(f"{len(failed)} rank(s) failed at world size {ws}")
         res = json.loads(out.read_text())
     res["link"] = stats.to_dict()
+    if intra is not None:
+        res["link_intra_node"] = intra.to_dict()
     return res
 
 
@@ -204,6 +239,33 @@ def _link_burst(link: dict[str, Any]) -> float:
     return float(tbf_parameters(int(link["configured_bits_per_s"]))[0])
 
 
+def _with_nodes(cluster: Any, res: dict[str, Any]) -> Any:
+    """The calibrated cluster on the measured nodes: M nodes of L ranks.
+
+    The inter-node link is the node's (its measured TCP goodput, half its
+    round trip, the tbf bucket), shared by the node's L ranks; the intra-node
+    link its loopback as measured. The calibrated collective fits (timed on
+    all N ranks of this topology) still price the flat paths.
+    """
+    import dataclasses
+
+    from aps_perfmodel.collectives import LinkParams, Topology
+
+    intra = res.get("link_intra_node")
+    if not intra:
+        return cluster
+    link = res["link"]
+    nodes = link["nodes"]
+    per_node = link["ranks_per_node"]
+
+    def params(stats: dict[str, Any], burst: float) -> LinkParams:
+        lp = LinkParams.from_bandwidth(stats["bandwidth_bits_per_s"] / 8, stats["rtt_s"] / 2)
+        return dataclasses.replace(lp, burst_bytes=burst)
+
+    topology = Topology(nodes, per_node, params(intra, 0.0), params(link, _link_burst(link)))
+    return dataclasses.replace(cluster, topology=topology)
+
+
 def _predict_rows(ws: int, res: dict[str, Any]) -> tuple[Any, list[dict[str, Any]]]:
     profile = fit_profile(
         res["samples"],
@@ -214,10 +276,10 @@ def _predict_rows(ws: int, res: dict[str, Any]) -> tuple[Any, list[dict[str, Any
         # All ranks of the emulated cluster share this machine's cores.
         cores_per_rank=(os.cpu_count() or 1) / ws,
     )
-    cluster = profile.to_cluster()
+    cluster = _with_nodes(profile.to_cluster(), res)
     rows = []
     for m in res["measured"]:
-        fmt = get_format(PATHS[m["path"]])
+        fmt = get_format(NODE_PATHS[m["path"]], strategy=_REDUCTION.get(m["path"]))
         pred = bucket_comm(m["n"], LAYERS, fmt, cluster).total_s
         rows.append(
             {
@@ -237,8 +299,11 @@ def _predict_rows(ws: int, res: dict[str, Any]) -> tuple[Any, list[dict[str, Any
 def _summary(rows: list[dict[str, Any]]) -> dict[str, Any]:
     summary: dict[str, Any] = {}
     groups: dict[str, list[dict[str, Any]]] = {"all": rows}
-    for path in PATHS:
+    for path in NODE_PATHS:
         groups[path] = [r for r in rows if r["path"] == path]
+        if not groups[path]:
+            del groups[path]
+            continue
         for ws in sorted({r["world_size"] for r in rows}):
             groups[f"{path} @{ws}"] = [r for r in groups[path] if r["world_size"] == ws]
     for name, sel in groups.items():
@@ -254,7 +319,14 @@ def _summary(rows: list[dict[str, Any]]) -> dict[str, Any]:
 
 def main(argv: list[str] | None = None) -> int:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    ap.add_argument("--world-sizes", default="2,4")
+    ap.add_argument("--world-sizes", default="2,4", help="ranks per run (with --nodes: ignored)")
+    ap.add_argument("--nodes", type=int, default=None, help="nodes: one run of nodes x L ranks")
+    ap.add_argument(
+        "--ranks-per-node",
+        type=int,
+        default=1,
+        help="ranks per node (they share its link; L > 1 adds the hierarchical path)",
+    )
     ap.add_argument("--bandwidth", default="1gbit", help="per-rank link rate (tc syntax)")
     ap.add_argument("--loopback", action="store_true", help="127.0.0.1, no namespaces or shaping")
     add_pin_argument(ap)
@@ -297,6 +369,11 @@ def main(argv: list[str] | None = None) -> int:
         default=".",
         help="directory for the results (default: the working directory; the committed ones are in benchmarks/results)",
     )
+    ap.add_argument(
+        "--name",
+        default="perfmodel_validation",
+        help="file name stem of the results (default perfmodel_validation)",
+    )
     ap.add_argument("--raw", default="", help="re-fit and re-predict from a saved JSON (no runs)")
     ap.add_argument("--note", action="append", default=[], help="a line for the report's notes")
     ap.add_argument(
@@ -334,7 +411,10 @@ def main(argv: list[str] | None = None) -> int:
         setup_old = old["setup"]
     else:
         raw = {}
-        for ws in (int(w) for w in args.world_sizes.split(",")):
+        world_sizes = [int(w) for w in args.world_sizes.split(",")]
+        if args.nodes is not None:
+            world_sizes = [args.nodes * args.ranks_per_node]
+        for ws in world_sizes:
             t0 = time.time()
             raw[ws] = _run_world(ws, args, calib_sizes, val_sizes)
             print(f"world size {ws}: {time.time() - t0:.0f} s", flush=True)
@@ -350,6 +430,8 @@ def main(argv: list[str] | None = None) -> int:
         if args.loopback
         else f"emulated cluster, tbf {args.bandwidth}"
     )
+    if args.ranks_per_node > 1:
+        mode += f" per node, {args.ranks_per_node} ranks per node (unshaped loopback inside)"
     setup = setup_old or {
         "command": "python -m benchmarks.perfmodel_validate " + " ".join(sys.argv[1:]),
         "backend": "gloo",
@@ -384,9 +466,9 @@ def main(argv: list[str] | None = None) -> int:
         "profiles": {ws: p.to_dict() | {"samples": len(p.samples)} for ws, p in profiles.items()},
         "raw": raw,
     }
-    (out / "perfmodel_validation.json").write_text(json.dumps(report, indent=2) + "\n")
-    _write_md(out / "perfmodel_validation.md", report)
-    _plot(out / "perfmodel_validation.png", rows, setup["transport"])
+    (out / f"{args.name}.json").write_text(json.dumps(report, indent=2) + "\n")
+    _write_md(out / f"{args.name}.md", report)
+    _plot(out / f"{args.name}.png", rows, setup["transport"])
     print(json.dumps(summary, indent=2))
     return 0
 
@@ -520,7 +602,7 @@ def _plot(path: Path, rows: list[dict[str, Any]], transport: str) -> None:
 
     fig, ax = plt.subplots(figsize=(6, 5.5))
     markers = {2: "o", 3: "^", 4: "s"}
-    colors = {"fp32": "C0", "fp16": "C1", "aps-e4m3": "C2"}
+    colors = {"fp32": "C0", "fp16": "C1", "aps-e4m3": "C2", "aps-e4m3-hierarchical": "C3"}
     for r in rows:
         ax.scatter(
             r["measured_s"],

@@ -236,6 +236,122 @@ def _comm_profile(results: Path) -> list[str]:
     return lines
 
 
+# The emulated cluster with nodes (issue 17): hierarchical vs flat, per link rate.
+_NODE_FILES = (
+    ("comm_nodes_2x2_1gbit.json", "2 nodes x 2 ranks, 1 Gbit/s per node"),
+    ("comm_nodes_2x2_250mbit.json", "2 nodes x 2 ranks, 250 Mbit/s per node"),
+)
+_LATENCY_FILE = "comm_latency_8nodes.json"
+_NODE_VALIDATION = "perfmodel_validation_nodes.json"
+
+
+def _nodes(results: Path, out: Path) -> list[str]:
+    """Nodes on the emulated cluster: the hooks, the latency-bound sweep, the model's errors."""
+    lines = ["## Nodes: hierarchical vs flat APS on an emulated cluster with nodes", ""]
+    found = [(n, t, _load(results, n)) for n, t in _NODE_FILES]
+    sweep = _load(results, _LATENCY_FILE)
+    val = _load(results, _NODE_VALIDATION)
+    if all(d is None for *_, d in found) and sweep is None and val is None:
+        return [
+            *lines,
+            "Not yet run (`python -m benchmarks.comm --nodes 2 --ranks-per-node 2`).",
+            "",
+        ]
+    for name, title, data in found:
+        if data is None:
+            continue
+        lines += _comm_table(data, f"{title} ({_link(results, out, name)})", None)
+        lines += _node_notes(data)
+    if sweep is not None:
+        lines += _latency_sweep(sweep, _link(results, out, _LATENCY_FILE))
+    if val is not None:
+        lines += _node_validation(val, _link(results, out, _NODE_VALIDATION.replace("json", "md")))
+    return lines
+
+
+def _node_notes(data: dict) -> list[str]:
+    intra = data.get("link_intra_node") or {}
+    lines = []
+    if intra:
+        lines.append(
+            f"Inside a node: {intra['bandwidth_bits_per_s'] / 1e9:.1f} Gbit/s TCP goodput, "
+            f"rtt {intra['rtt_s'] * 1e6:.0f} us (the node's loopback, unshaped); between nodes: "
+            f"{data['link']['bandwidth_bits_per_s'] / 1e6:.0f} Mbit/s, rtt "
+            f"{data['link']['rtt_s'] * 1e6:.0f} us, shared by the node's "
+            f"{data.get('ranks_per_node')} ranks."
+        )
+    chosen = {r["hook"]: r["reduction"] for r in data.get("runs", []) if r.get("reduction")}
+    if chosen:
+        lines.append(
+            "Reduction each APS hook ran (state.reduction after its steps): "
+            + ", ".join(f"{h}: {v}" for h, v in chosen.items())
+            + "."
+        )
+    for hook, why in (data.get("skipped") or {}).items():
+        lines.append(f"Not measured: {hook} ({why}).")
+    lines.append(f"Predicted: {data.get('prediction', 'not recorded')}.")
+    return [*lines, ""]
+
+
+def _latency_sweep(data: dict, link: str) -> list[str]:
+    ranks, cpus = data.get("ranks") or 1, (data.get("machine") or {}).get("cpus") or 1
+    delay = data.get("delay_s") or 0.0
+    lines = [
+        f"### Latency-bound sweep: fixed vs sized chunks ({link})",
+        "",
+        f"Command {_command(data)}. {ranks} ranks ({data.get('nodes')} nodes x "
+        f"{data.get('ranks_per_node')}), link {_plain(data.get('link', {}).get('configured_rate'))} "
+        f"per node with {delay * 1e3:g} ms one-way delay between nodes (measured rtt "
+        f"{(data.get('link') or {}).get('rtt_s', 0) * 1e3:.2f} ms), DDP bucket_cap_mb "
+        f"{data.get('bucket_cap_mb')}; medians over {data.get('rounds')} rounds of "
+        f"{data.get('repeats')} steps. Predicted: {data.get('prediction', 'not recorded')}. "
+        f"CPU floor: {ranks} ranks x rank 0's CPU per step / {cpus} cores.",
+        "",
+        "| FP32 MiB | buckets | hook | chunk | median step (ms) | predicted (ms) | "
+        "pred. error | CPU floor (ms) | vs chunk=2**20 |",
+        "|---:|---:|---|---|---:|---:|---:|---:|---:|",
+    ]
+    for size in data.get("sweep", []):
+        runs = size.get("runs", [])
+        fixed = next((r for r in runs if r["hook"].endswith(":chunk=1048576")), None)
+        for r in runs:
+            t, pred = r["median_step_s"], r.get("predicted_step_s")
+            cpu = (r.get("rank0_cpu_user_s") or 0.0) + (r.get("rank0_cpu_system_s") or 0.0)
+            err = f"{_pct((pred - t) / t)}" if pred else "-"
+            vs = f"{fixed['median_step_s'] / t:.2f}x" if fixed else "-"
+            chunk = r.get("chunk_elements") or ("default" if r["hook"].startswith("aps") else "-")
+            lines.append(
+                f"| {size['gradient_mb']:.0f} | {len(size.get('bucket_numels') or [])} | "
+                f"{r['hook'].split(':')[0]} | {chunk} | {t * 1e3:.1f} | "
+                f"{_num(pred * 1e3 if pred else None)} | {err} | "
+                f"{cpu * ranks / cpus * 1e3:.1f} | {vs} |"
+            )
+    return [*lines, ""]
+
+
+def _node_validation(val: dict, link: str) -> list[str]:
+    setup = val["setup"]
+    lines = [
+        f"### The model against measurement with nodes ({link})",
+        "",
+        f"Command {_command(val)}; {setup['transport']}; {setup['runtime_s']:.0f} s.",
+        "",
+        "| path | median abs. error | worst | points |",
+        "|---|---:|---:|---:|",
+    ]
+    for path, s in val["summary"].items():
+        lines.append(f"| {path} | {s['median_abs_err']:.1%} | {s['max_abs_err']:.1%} | {s['n']} |")
+    overall = val["summary"].get("all")
+    if overall:
+        met = not _validation_missed(overall)
+        lines += [
+            "",
+            f"Target (median <= 10%, worst <= 25%): {'met' if met else '**missed**'} "
+            f"(median {overall['median_abs_err']:.1%}, worst {overall['max_abs_err']:.1%}).",
+        ]
+    return [*lines, ""]
+
+
 def _plain(x: object) -> str:
     if isinstance(x, dict):
         return ", ".join(f"{k} {_plain(v)}" for k, v in x.items())
@@ -526,6 +642,9 @@ _KNOWN = {
     "simulate_training.json",
     "perfmodel_validation.json",
     "perfmodel_scale.json",
+    *(name for name, _ in _NODE_FILES),
+    _LATENCY_FILE,
+    _NODE_VALIDATION,
 }
 
 
@@ -549,6 +668,7 @@ SECTIONS: list[Callable[[Path, Path], list[str]]] = [
     _accuracy,
     _numerics,
     _comm,
+    _nodes,
     _codec,
     _restarts,
     _cluster,

@@ -309,11 +309,12 @@ def fp16_cast_down(x: torch.Tensor, world_size: int) -> torch.Tensor:
     return x.to(torch.float16).div_(world_size)
 
 
-def ddp_hook(fmt: str) -> tuple[Any, Callable[..., Any]]:
+def ddp_hook(fmt: str, reduction: str = "two_phase") -> tuple[Any, Callable[..., Any]]:
     """The DDP comm hook (and its state) that reduces in ``fmt``.
 
     ``"fp32"``: torch's ``allreduce_hook``; ``"fp16"``: torch's
-    ``fp16_compress_hook``; any other format: ``aps_comm``'s hook, two_phase.
+    ``fp16_compress_hook``; any other format: ``aps_comm``'s hook with
+    ``reduction`` (two_phase unless told).
     """
     from torch.distributed.algorithms.ddp_comm_hooks import default_hooks
 
@@ -323,7 +324,7 @@ def ddp_hook(fmt: str) -> tuple[Any, Callable[..., Any]]:
         return None, default_hooks.fp16_compress_hook
     from aps_comm import APSState, aps_hook
 
-    return APSState(fmt, reduction="two_phase"), aps_hook
+    return APSState(fmt, reduction=reduction), aps_hook
 
 
 def _stamped(hook: Callable[..., Any], marks: list[tuple[float, float]]) -> Callable[..., Any]:
@@ -357,7 +358,7 @@ class HookBench:
         [0.0011, 0.0009, 0.0010, 0.0009, 0.0010]
     """
 
-    def __init__(self, n: int, fmt: str, layers: int = 16) -> None:
+    def __init__(self, n: int, fmt: str, layers: int = 16, reduction: str = "two_phase") -> None:
         from torch.nn.parallel import DistributedDataParallel as DDP
 
         self.fmt = fmt
@@ -370,7 +371,7 @@ class HookBench:
         # One bucket holding the whole message (an explicit cap also sets the first bucket's).
         self._ddp = DDP(model, bucket_cap_mb=layers * width * width * 4 / 2**20 + 1)
         self._marks: list[tuple[float, float]] = []
-        state, hook = ddp_hook(fmt)
+        state, hook = ddp_hook(fmt, reduction)
         self._ddp.register_comm_hook(state, _stamped(hook, self._marks))
 
     def steps(
@@ -426,11 +427,12 @@ def time_hook_steps(
     count: Callable[[float], int],
     layers: int = 16,
     from_last_start: bool = True,
+    reduction: str = "two_phase",
 ) -> list[float]:
-    """:meth:`HookBench.steps` of a new :class:`HookBench` (``n``, ``fmt``, ``layers``).
+    """:meth:`HookBench.steps` of a new :class:`HookBench` (``n``, ``fmt``, ``layers``, ``reduction``).
 
     Example:
         >>> time_hook_steps(1024, "fp16", 1, 0.0, lambda first: 5)  # doctest: +SKIP
         [0.0011, 0.0009, 0.0010, 0.0009, 0.0010]
     """
-    return HookBench(n, fmt, layers).steps(warmup, settle_s, count, from_last_start)
+    return HookBench(n, fmt, layers, reduction).steps(warmup, settle_s, count, from_last_start)

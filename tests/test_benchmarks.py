@@ -2,6 +2,7 @@
 
 import json
 import math
+import os
 from pathlib import Path
 
 import pytest
@@ -210,3 +211,162 @@ def test_validation_target_is_judged_on_every_recorded_run(tmp_path: Path) -> No
     (results / "perfmodel_validation.json").write_text(json.dumps(val))
     text = report.build(results, tmp_path / "RESULTS.md")
     assert "Missed" not in text and "missed its target" not in text
+
+
+def test_comm_hook_specs() -> None:
+    from benchmarks import comm
+
+    assert comm.split_hook("aps-e4m3:chunk=1048576") == ("aps-e4m3", 1048576)
+    assert comm.split_hook("aps-e4m3-hierarchical") == ("aps-e4m3-hierarchical", None)
+    for bad, why in [
+        ("aps-e9m9", "unknown hook 'aps-e9m9'"),
+        ("fp32:chunk=4", "only APS hooks are chunked"),
+        ("aps-e4m3:chunk=0", "positive number of elements"),
+        ("aps-e4m3:chunk=x", "positive number of elements"),
+        ("aps-e4m3:chunk=", "give the chunk in elements"),
+    ]:
+        with pytest.raises(ValueError, match=why):
+            comm.split_hook(bad)
+    # 16 MiB layers from 16 MiB up; 4 square layers below.
+    assert comm._shape(64) == (2048, 4) and comm._shape(4) == (512, 4)
+
+
+def _topology(ranks_per_node: int = 2) -> dict:
+    link = {"bandwidth_bits_per_s": 1e9, "rtt_s": 2e-4}
+    intra = {"bandwidth_bits_per_s": 4e10, "rtt_s": 5e-5}
+    return {"nodes": 2, "ranks_per_node": ranks_per_node, "link": link, "link_intra_node": intra}
+
+
+def test_comm_prediction_is_the_model_per_bucket() -> None:
+    import dataclasses
+
+    from aps_perfmodel import custom_cluster
+    from aps_perfmodel.strategies import GLOO_CHUNK_OVERHEAD_S, bucket_breakdown
+    from benchmarks import comm
+
+    size = {"width": 512, "numel": 4 * 512**2, "bucket_numels": [3 * 512**2, 512**2]}
+    hooks = ["fp32", "fp16", "aps-e4m3", "aps-e4m3-hierarchical", "aps-e4m3-auto"]
+    hooks += ["aps-e4m3:chunk=65536", "naive-e4m3"]
+    pred, note = comm.predict_strategies(size, hooks, _topology())
+    assert "bucket_breakdown" in note and set(pred) == set(hooks) - {"naive-e4m3"}
+    # The reference, built here from the same measured numbers.
+    cluster = dataclasses.replace(
+        custom_cluster(
+            1e9 / 8, 1e-4, nodes=2, gpus_per_node=2, intra_bandwidth=5e9,
+            intra_latency=2.5e-5, device="cpu-numba",
+        ),
+        chunk_overhead_s=GLOO_CHUNK_OVERHEAD_S,
+        cores_per_rank=(os.cpu_count() or 1) / 4,
+    )  # fmt: skip
+
+    def ref(fmt: str, strategy: str, chunk: int | str = "auto") -> float:
+        return sum(
+            bucket_breakdown(n, n // 512**2, fmt, cluster, strategy, chunk=chunk).total_s
+            for n in size["bucket_numels"]
+        )
+
+    assert pred["fp32"] == ref("fp32", "fp32") and pred["fp16"] == ref("fp16", "native")
+    assert pred["aps-e4m3"] == ref("e4m3", "two_phase")
+    assert pred["aps-e4m3-hierarchical"] == ref("e4m3", "hierarchical")
+    assert pred["aps-e4m3:chunk=65536"] == ref("e4m3", "two_phase", 65536)
+    assert pred["aps-e4m3:chunk=65536"] != pred["aps-e4m3"]
+    assert pred["aps-e4m3-auto"] <= min(pred["fp32"], pred["aps-e4m3"]) + 1e-12
+    assert comm.predict_strategies(size, hooks, _topology() | {"link": None}) == (
+        {},
+        "no measured link (loopback)",
+    )
+
+
+def _comm_worker(rank: int, world_size: int) -> dict:
+    import argparse
+
+    from torch.nn.parallel import DistributedDataParallel as DDP
+
+    from benchmarks import comm
+
+    args = argparse.Namespace(
+        hooks=["fp32", "aps-e4m3:chunk=4096", "aps-e4m3-auto"],
+        rounds=2, batch=0, bucket_mb=0.0625, bucket_view=True, warmup=1, repeats=2,
+        chunk_elements=0,
+    )  # fmt: skip
+    return comm._worker_size(args, 0.25, rank, DDP)
+
+
+def test_comm_worker_records_every_hook_round_and_chunk() -> None:
+    from aps_comm.testing import run_distributed
+
+    out = run_distributed(_comm_worker, 2, timeout=120)[0]
+    assert (out["width"], out["layers"], out["numel"]) == (128, 4, 4 * 128**2)
+    # 64 KiB buckets of 64 KiB layers: DDP's buckets hold every element once.
+    assert sum(out["bucket_numels"]) == out["numel"] and len(out["bucket_numels"]) == 4
+    rows = out["results"]
+    assert [(r["hook"], r["round"]) for r in rows] == [
+        (h, rnd) for rnd in range(2) for h in ("fp32", "aps-e4m3:chunk=4096", "aps-e4m3-auto")
+    ]
+    for r in rows:
+        assert len(r["step_s"]) == 2 and all(t > 0 for t in r["step_s"])
+        assert ("rel_l2_error" in r) == (r["round"] == 1)
+    last = {r["hook"]: r for r in rows if r["round"] == 1}
+    assert last["fp32"]["rel_l2_error"] < 1e-6 and "reduction" not in last["fp32"]
+    assert last["aps-e4m3:chunk=4096"]["chunk_elements"] == 4096
+    assert last["aps-e4m3:chunk=4096"]["reduction"] == "two_phase"
+    assert last["aps-e4m3-auto"]["chunk_elements"] is None
+    assert 0 < last["aps-e4m3:chunk=4096"]["rel_l2_error"] < 0.1
+
+
+def test_perfmodel_validation_puts_the_profile_on_the_measured_nodes() -> None:
+    from aps_perfmodel import custom_cluster
+    from benchmarks import cluster as cl
+    from benchmarks import perfmodel_validate as pv
+
+    flat = custom_cluster(1e8, 1e-4, nodes=4)
+    link = {"bandwidth_bits_per_s": 8e8, "rtt_s": 4e-4, "configured_bits_per_s": 10**9}
+    link |= {"nodes": 2, "ranks_per_node": 2, "loopback": False}
+    res = {"link": link, "link_intra_node": {"bandwidth_bits_per_s": 8e9, "rtt_s": 1e-4}}
+    topo = pv._with_nodes(flat, res).topology
+    assert (topo.nodes, topo.gpus_per_node) == (2, 2)
+    assert topo.inter.bandwidth == pytest.approx(1e8) and topo.inter.alpha == 2e-4
+    assert topo.inter.burst_bytes == cl.tbf_parameters(10**9)[0]
+    assert topo.intra.bandwidth == pytest.approx(1e9) and topo.intra.alpha == 5e-5
+    assert topo.intra.burst_bytes == 0.0
+    assert pv._with_nodes(flat, {"link": link}) is flat  # one rank per node: as calibrated
+
+
+def _validation_points_2x2(rank: int, world_size: int) -> list[dict]:
+    from benchmarks import perfmodel_validate as pv
+
+    return pv._measure_paths(
+        [4096], repeats=2, warmup=1, settle_s=0.0, budget_s=0.0, max_repeats=2,
+        paths=pv.NODE_PATHS,
+    )  # fmt: skip
+
+
+def test_perfmodel_validation_measures_the_hierarchical_path_on_2x2() -> None:
+    from aps_comm.testing import run_distributed
+    from benchmarks import perfmodel_validate as pv
+
+    out = run_distributed(_validation_points_2x2, 4, timeout=120, env={"LOCAL_WORLD_SIZE": "2"})
+    assert out[0] == out[3]
+    assert [p["path"] for p in out[0]] == list(pv.NODE_PATHS)
+    assert all(p["repeats"] == 2 and 0 < p["seconds"] < 10 for p in out[0])
+
+
+def test_report_nodes_section(tmp_path: Path) -> None:
+    run = {"hook": "aps-e4m3", "median_step_s": 0.05, "predicted_step_s": 0.04}
+    run |= {"rank0_cpu_user_s": 0.01, "rank0_cpu_system_s": 0.005, "chunk_elements": None}
+    fixed = run | {"hook": "aps-e4m3:chunk=1048576", "median_step_s": 0.1, "chunk_elements": 2**20}
+    sweep = {
+        "command": "python -m benchmarks.comm --nodes 8 --delay 1ms",
+        "machine": {"cpus": 2},
+        "ranks": 8, "nodes": 8, "ranks_per_node": 1, "delay_s": 0.001,
+        "link": {"configured_rate": "1gbit", "rtt_s": 0.0021},
+        "prediction": "aps_perfmodel.strategies", "bucket_cap_mb": 4, "rounds": 2, "repeats": 5,
+        "sweep": [{"gradient_mb": 4.0, "bucket_numels": [2**20], "runs": [run, fixed]}],
+    }  # fmt: skip
+    (tmp_path / "comm_latency_8nodes.json").write_text(json.dumps(sweep))
+    text = report.build(tmp_path, tmp_path / "RESULTS.md")
+    assert "python -m benchmarks.comm --nodes 8 --delay 1ms" in text
+    # 8 ranks x 15 ms of CPU / 2 cores = 60 ms; the fixed chunk took 2x as long.
+    assert "| 4 | 1 | aps-e4m3 | default | 50.0 | 40 | -20.0% | 60.0 | 2.00x |" in text
+    assert "| 4 | 1 | aps-e4m3 | 1048576 | 100.0 | 40 | -60.0% | 60.0 | 1.00x |" in text
+    assert "## Other results" not in text  # a known file, not listed as unknown

@@ -30,7 +30,7 @@ dist.init_process_group("gloo")
 t = torch.full((1000,), float(dist.get_rank() + 1))
 dist.all_reduce(t)
 keys = ["MASTER_ADDR", "MASTER_PORT", "RANK", "WORLD_SIZE", "LOCAL_RANK",
-        "LOCAL_WORLD_SIZE", "GLOO_SOCKET_IFNAME", "EXTRA"]
+        "LOCAL_WORLD_SIZE", "GROUP_RANK", "GLOO_SOCKET_IFNAME", "EXTRA"]
 cc = open("/proc/sys/net/ipv4/tcp_congestion_control").read().strip()
 print("RESULT " + json.dumps({"env": {k: os.environ.get(k) for k in keys},
                               "sum": sorted(set(t.tolist())), "cc": cc}))
@@ -142,8 +142,10 @@ def test_loopback_env_and_allreduce() -> None:
         assert out["sum"] == [3.0]
         env = out["env"]
         assert env["MASTER_ADDR"] == "127.0.0.1" and env["GLOO_SOCKET_IFNAME"] == "lo"
-        assert env["RANK"] == env["LOCAL_RANK"] == str(rank)
-        assert env["WORLD_SIZE"] == env["LOCAL_WORLD_SIZE"] == "2"
+        # One rank per node (the default): each rank is its node's only one.
+        assert env["RANK"] == env["GROUP_RANK"] == str(rank)
+        assert env["LOCAL_RANK"] == "0" and env["LOCAL_WORLD_SIZE"] == "1"
+        assert env["WORLD_SIZE"] == "2"
         assert env["MASTER_PORT"] == str(c.master_port) and env["EXTRA"] == "x"
 
 
@@ -167,9 +169,129 @@ def test_namespaced_cluster_shapes_measures_and_reduces(netns: None) -> None:
         assert out["sum"] == [3.0] and out["cc"] == "reno"
         env = out["env"]
         assert env["MASTER_ADDR"] == c.address(0) and env["GLOO_SOCKET_IFNAME"] == f"aps{rank}"
-        assert env["RANK"] == env["LOCAL_RANK"] == str(rank)
-        assert env["WORLD_SIZE"] == env["LOCAL_WORLD_SIZE"] == "2"
+        assert env["RANK"] == env["GROUP_RANK"] == str(rank)
+        assert env["LOCAL_RANK"] == "0" and env["LOCAL_WORLD_SIZE"] == "1"
+        assert env["WORLD_SIZE"] == "2"
         assert env["EXTRA"] == "y"
+    assert _ours(c.name) == []
+
+
+def test_nodes_topology_names_env_and_bad_arguments() -> None:
+    c = cl.EmulatedCluster(nodes=3, ranks_per_node=2, bandwidth="10mbit")
+    assert (c.ranks, c.nodes) == (6, 3)
+    # Node-major: ranks 4 and 5 are node 2's, behind its veth and address.
+    assert [c.node(r) for r in range(6)] == [0, 0, 1, 1, 2, 2]
+    assert c.namespace(5) == c.namespace(4) == c.node_namespace(2) == f"{c.name}-n2"
+    assert c.interface(5) == "aps2" and c.address(5) == "10.213.77.3"
+    assert c.namespaces == [c.bridge_namespace] + [f"{c.name}-n{j}" for j in range(3)]
+    for rank in range(6):
+        env = c.env(rank)
+        assert env["RANK"] == str(rank) and env["WORLD_SIZE"] == "6"
+        assert env["LOCAL_RANK"] == str(rank % 2) and env["LOCAL_WORLD_SIZE"] == "2"
+        assert env["GROUP_RANK"] == str(rank // 2) and env["GROUP_WORLD_SIZE"] == "3"
+        assert env["GLOO_SOCKET_IFNAME"] == f"aps{rank // 2}"
+        assert env["MASTER_ADDR"] == "10.213.77.1"
+    assert cl.EmulatedCluster(ranks=8, ranks_per_node=4).nodes == 2
+    assert cl.EmulatedCluster().ranks == 2  # two single-rank nodes, as before nodes existed
+    bad = [
+        ({"ranks": 3, "ranks_per_node": 2}, "ranks=3 is not a multiple of ranks_per_node=2"),
+        ({"ranks": 4, "nodes": 3, "ranks_per_node": 2}, "ranks=4 does not match nodes=3"),
+        ({"nodes": 0}, "nodes must be in"),
+        ({"ranks_per_node": 0}, "ranks_per_node must be in"),
+        ({"delay": "5 parsecs"}, "not a delay: '5 parsecs'"),
+        ({"delay": "-1ms"}, "not a delay"),
+        ({"delay": 11.0}, r"delay must be in \[0, 10\] s, got 11.0"),
+        ({"intra_node_bandwidth": "fast"}, "not a rate: 'fast'"),
+        ({"loopback": True, "delay": "1ms"}, "loopback mode shapes nothing"),
+    ]
+    for kwargs, why in bad:
+        with pytest.raises(ValueError, match=why):
+            cl.EmulatedCluster(**kwargs)  # type: ignore[arg-type]
+    assert cl.parse_delay("250us") == pytest.approx(2.5e-4) and cl.parse_delay(0) == 0.0
+
+
+def test_cli_topology_flags() -> None:
+    import argparse
+
+    p = argparse.ArgumentParser()
+    cl.add_topology_arguments(p, ranks_default=4)
+    topo = cl.cluster_topology(
+        p.parse_args(["--nodes", "4", "--ranks-per-node", "2", "--delay", "1ms"]), ranks_default=4
+    )
+    c = cl.EmulatedCluster(**topo)
+    assert (c.ranks, c.nodes, c.ranks_per_node, c.delay_s) == (8, 4, 2, 0.001)
+    # Without --nodes, --ranks counts ranks (default 4 nodes' worth).
+    assert cl.cluster_topology(p.parse_args([]), ranks_default=4)["ranks"] == 4
+    args = p.parse_args(["--ranks-per-node", "2"])
+    assert cl.EmulatedCluster(**cl.cluster_topology(args, ranks_default=4)).nodes == 4
+    assert cl.main(["--ranks", "3", "--ranks-per-node", "2", "--no-probe", "--", "true"]) == 2
+
+
+def _bridge_links(c: cl.EmulatedCluster, kind: str) -> str:
+    out = subprocess.run(
+        ["ip", "-n", c.bridge_namespace, "-o", "link", "show", "type", kind],
+        capture_output=True,
+        text=True,
+        check=True,
+    )
+    return out.stdout
+
+
+@pytest.mark.root
+def test_nodes_shape_only_between_nodes_add_delay_and_clean_up(netns: None) -> None:
+    rate, delay = "50mbit", 0.005
+    with cl.EmulatedCluster(nodes=2, ranks_per_node=2, bandwidth=rate, delay="5ms") as c:
+        assert c.namespaces == [c.bridge_namespace, f"{c.name}-n0", f"{c.name}-n1"]
+        assert set(c.namespaces) <= set(cl._list_netns())
+        qdiscs = c.qdiscs()
+        # One shaped veth per node (both ends), nothing on the nodes' lo.
+        assert qdiscs.count("tbf") == 4 and qdiscs.count("rate 50Mbit") == 4, qdiscs
+        # The delaying switch replaced the kernel bridge.
+        assert _bridge_links(c, "bridge") == ""
+        switch = subprocess.run(
+            ["ip", "netns", "pids", c.bridge_namespace], capture_output=True, text=True
+        ).stdout.split()
+        assert len(switch) == 1 and _comm(int(switch[0])).startswith("python")
+        inter = c.link_stats(transfer_bytes=3 << 20, pings=30)
+        intra = c.link_stats(dst=1, transfer_bytes=16 << 20, pings=30)
+        res = c.run([sys.executable, "-c", _RANK_SCRIPT], env={"EXTRA": "z"}, timeout=60)
+    print(inter.summary())
+    print(intra.summary())
+    assert (inter.src, inter.dst, inter.intra_node) == (0, 2, False)
+    assert inter.configured_bits_per_s == 50 * 10**6 and inter.delay_s == delay
+    assert 0.7 < inter.efficiency < 1.3, inter.summary()
+    # Two one-way delays per round trip, and not much more (the fastest: the
+    # machine is shared, and a loaded scheduler only ever adds).
+    assert 2 * delay <= inter.rtt_min_s < 2 * delay + 0.002, inter.summary()
+    assert (intra.src, intra.dst, intra.intra_node) == (0, 1, True)
+    assert intra.configured_bits_per_s is None and intra.efficiency is None
+    # Unshaped and undelayed: far beyond the node's link.
+    assert intra.bandwidth_bits_per_s > 10 * 50 * 10**6, intra.summary()
+    assert intra.rtt_min_s < delay, intra.summary()
+    assert "intra-node rank 0 -> 1" in intra.summary() and "5 ms one-way" in inter.summary()
+    for rank, out in enumerate(_results(res)):
+        assert out["sum"] == [10.0]  # 1 + 2 + 3 + 4: every pair connected
+        env = out["env"]
+        assert env["RANK"] == str(rank) and env["WORLD_SIZE"] == "4"
+        assert env["LOCAL_RANK"] == str(rank % 2) and env["LOCAL_WORLD_SIZE"] == "2"
+        assert env["GROUP_RANK"] == str(rank // 2)
+        assert env["GLOO_SOCKET_IFNAME"] == f"aps{rank // 2}"
+    assert _ours(c.name) == []
+    assert _comm(int(switch[0])) == ""
+
+
+@pytest.mark.root
+def test_nodes_intra_node_bandwidth_shapes_the_loopback(netns: None) -> None:
+    with cl.EmulatedCluster(
+        nodes=2, ranks_per_node=2, bandwidth="20mbit", intra_node_bandwidth="100mbit"
+    ) as c:
+        assert _bridge_links(c, "bridge") != ""  # no delay: the kernel bridge
+        qdiscs = c.qdiscs()
+        assert qdiscs.count("rate 20Mbit") == 4 and qdiscs.count("rate 100Mbit") == 2, qdiscs
+        intra = c.link_stats(dst=1, transfer_bytes=4 << 20, pings=10)
+    print(intra.summary())
+    assert intra.intra_node and intra.configured_bits_per_s == 10**8
+    assert 0.7 < intra.efficiency < 1.3, intra.summary()
     assert _ours(c.name) == []
 
 
@@ -227,7 +349,7 @@ def test_signal_to_cli_cleans_up(netns: None, sig: signal.Signals) -> None:
     while time.monotonic() < deadline and len(pids) < 2:
         time.sleep(0.1)
         for ns in _ours(prefix):
-            if ns.endswith(("-r0", "-r1")) and ns not in pids:
+            if ns.endswith(("-n0", "-n1")) and ns not in pids:
                 out = subprocess.run(["ip", "netns", "pids", ns], capture_output=True, text=True)
                 sleeps = [int(p) for p in out.stdout.split() if _comm(int(p)) == "sleep"]
                 if sleeps:

@@ -23,7 +23,7 @@ import aps_comm.codec
 from aps_comm import APSState, aps_hook, register
 from aps_comm.executor import FifoWorker, WorkerFailed
 from aps_comm.formats import get_format
-from aps_comm.plan import CHUNK_ELEMENTS, BucketPlan, chunk_bounds, pipelined_chunk, shard_layout
+from aps_comm.plan import BucketPlan, Planner, chunk_bounds, shard_layout
 from aps_comm.testing import DistributedTestError, run_distributed
 
 # ---------------------------------------------------------------------------
@@ -55,14 +55,26 @@ def test_chunk_bounds_and_regions_by_hand() -> None:
     assert shard_layout(3, e2m1, 4) == (2, 1)
 
 
-def test_pipelined_chunk_by_hand() -> None:
-    # k = sqrt(W / 0.8 ms) chunks, rounded to a power of two in log space.
-    assert pipelined_chunk(2**23, 0.45) == 2**18  # 23.7 chunks of 354k -> 2**18
-    assert pipelined_chunk(2**23, 0.07) == 2**20  # 9.4 chunks of 897k -> 2**20
-    assert pipelined_chunk(2**23, 0.0005) == 2**23  # one chunk
-    assert pipelined_chunk(2**23, 0.0) == CHUNK_ELEMENTS  # not timed yet
-    assert pipelined_chunk(1000, 1.0) == 2**14  # never below 16k elements
-    assert pipelined_chunk(2**30, 0.0001) == 2**26  # nor above 64M
+def test_planner_chunks_by_bytes_per_peer() -> None:
+    from aps_perfmodel.collectives import LinkParams
+    from aps_perfmodel.strategies import chunk_elements, hook_cluster
+
+    e4m3 = get_format("e4m3")
+    gloo = Planner(hook_cluster("gloo", "cpu", 2, 1), hierarchical=False, fp32=False)
+    # Timed exchanges: k = sqrt(W / 0.8 ms) chunks, as fitted on the emulated cluster.
+    assert gloo.chunk(e4m3, 2**23, "two_phase", exchange_s=0.07) == 2**20
+    assert gloo.chunk(e4m3, 2**23, "two_phase", exchange_s=0.45) == 2**18
+    # Not timed yet: the link's bandwidth stands in for the exchange.
+    untimed = gloo.chunk(e4m3, 2**23, "two_phase")
+    link = gloo.cluster.topology.inter
+    assert untimed == chunk_elements(2**23, 1.0, 2, link, 8e-4)
+    # Small buckets travel in one chunk; the chunk is a power of two at least that large.
+    assert gloo.chunk(e4m3, 1000, "two_phase") == 1024
+    assert gloo.chunk(e4m3, 1000, "fp32") == 1024
+    # 64 ranks on 100 Gbit/s: a message to one peer must be >= 4 alphas on the wire
+    # (4 * 10 us * 12.5 GB/s = 500 kB), so 2**23 FP8 elements stay one chunk.
+    fast = LinkParams(alpha=1e-5, beta=8e-11)
+    assert chunk_elements(2**23, 1.0, 64, fast, 8e-4) == 2**23
     plan = BucketPlan.build(0, [10], torch.device("cpu"))
     plan.timed(5.0)  # the first exchange pays page faults: not kept
     plan.timed(0.3)
@@ -70,12 +82,17 @@ def test_pipelined_chunk_by_hand() -> None:
     assert plan.exchange_s == 0.3 and plan.exchanges == 3
 
 
-def test_perfmodel_sizes_chunks_as_the_hook_does() -> None:
-    from aps_perfmodel import comm
+def test_auto_chooses_per_bucket_by_the_model() -> None:
+    from aps_perfmodel.strategies import hook_cluster
 
-    for numel in (1, 1000, 3 * 2**20, 2**23, 2**28):
-        for seconds in (0.0, 1e-4, 0.01, 0.07, 0.45, 5.0):
-            assert comm.pipelined_chunk(numel, seconds) == pipelined_chunk(numel, seconds)
+    e4m3 = get_format("e4m3")
+    nccl = Planner(hook_cluster("nccl", "cuda", 64, 8), hierarchical=True, fp32=True)
+    assert nccl.reduction(e4m3, 25 * 2**18, 20, native=False) == "hierarchical"
+    assert nccl.reduction(e4m3, 1000, 2, native=False) == "fp32"  # latency-bound: FP32 wins
+    # Without the FP32 fallback (Gloo without a profile) the format is always sent.
+    gloo = Planner(hook_cluster("gloo", "cpu", 2, 1), hierarchical=False, fp32=False)
+    assert gloo.reduction(e4m3, 1000, 2, native=False) == "two_phase"
+    assert gloo.reduction(get_format("fp16"), 1000, 2, native=True) == "allreduce"
 
 
 # ---------------------------------------------------------------------------
@@ -260,3 +277,47 @@ def test_fifo_worker_order_and_failure() -> None:
         later.wait()
     worker.close()
     assert not worker.alive
+
+
+# ---------------------------------------------------------------------------
+# auto's per-bucket choice with a calibrated profile
+
+
+def _auto_with_profile(rank: int, world_size: int) -> tuple[dict[int, str], dict[str, int]]:
+    from test_hook import reference
+
+    from aps_perfmodel.collectives import LinkParams
+    from aps_perfmodel.profile import Profile
+
+    # 1 ms per message, 1 Gbit/s: FP32 wins below ~10^5 elements, two_phase above.
+    profile = Profile(world_size=2, backend="gloo", link=LinkParams(alpha=1e-3, beta=8e-9))
+    torch.manual_seed(0)
+    # Rebuilt buckets follow the gradients' order: the big layer fills bucket 0
+    # (above DDP's 1 MB first bucket), the small one is bucket 1.
+    model = nn.Sequential(nn.Linear(16, 8), nn.Linear(8, 65536))
+    ddp = DDP(model, bucket_cap_mb=0.25)
+    state = APSState("e4m3", profile=profile)
+    log: list = []
+    from test_hook import _capture, _gather
+
+    ddp.register_comm_hook(state, _capture(state, log))
+    torch.manual_seed(rank)
+    for _ in range(2):  # DDP re-buckets after the first step
+        log.clear()
+        ddp(torch.randn(4, 16)).pow(2).sum().backward()
+    e4m3 = get_format("e4m3")
+    for index, raw, numels, out in log:
+        raws = _gather(raw)
+        if state.bucket_reductions[index] == "fp32":
+            expected = raws[0] / 2 + raws[1] / 2  # allreduce_hook: divide, then sum
+        else:
+            expected = reference(raws, numels, e4m3, "two_phase", "layer")
+        assert torch.equal(out, expected), (state.bucket_reductions, numels)
+    return dict(state.bucket_reductions), dict(state.bytes_detail)
+
+
+def test_auto_sends_small_buckets_in_fp32_with_a_profile() -> None:
+    for chosen, detail in run_distributed(_auto_with_profile, 2, timeout=120):
+        assert sorted(set(chosen.values())) == ["fp32", "two_phase"], (chosen, detail)
+        # Only the two_phase bucket's layers travel as maxima.
+        assert detail["all_reduce_max"] > 0 and detail["all_reduce"] > 0

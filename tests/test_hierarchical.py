@@ -84,7 +84,7 @@ def test_simulated_hierarchy_sums_nodes_in_fp32_before_rounding() -> None:
 CASES = [("e4m3", "layer"), ("e2m1", "layer"), ("e5m2", "bucket"), ("bf16", "layer")]
 
 
-def _hier_case(rank: int, world_size: int, chunk: int | None, via_env: bool) -> int:
+def _hier_case(rank: int, world_size: int, chunk: int | None, via_env: bool, reduction: str) -> int:
     if via_env:
         os.environ.update(LOCAL_WORLD_SIZE="2", LOCAL_RANK=str(rank % 2))
     checked = 0
@@ -95,13 +95,14 @@ def _hier_case(rank: int, world_size: int, chunk: int | None, via_env: bool) -> 
         ddp = DDP(model, bucket_cap_mb=0.004)
         state = APSState(
             fmt,
-            reduction="hierarchical",
+            reduction=reduction,
             scaling=scaling,
             ranks_per_node=None if via_env else 2,
         )
         state.bind_process_group()
         state.chunk_elements = chunk
-        assert state.nodes is not None and state.nodes.topology == Topology(4, 2)
+        groups = state.grid if reduction == "grid" else state.nodes
+        assert groups is not None and groups.topology == Topology(4, 2)
         log: list = []
         ddp.register_comm_hook(state, _capture(state, log))
         for step in range(2):
@@ -118,7 +119,7 @@ def _hier_case(rank: int, world_size: int, chunk: int | None, via_env: bool) -> 
                 layers = list(torch.split(raws, numels, dim=1))
                 expected = torch.cat(
                     simulate.allreduce(
-                        layers, fmt, reduction="hierarchical", scaling=scaling, ranks_per_node=2
+                        layers, fmt, reduction=reduction, scaling=scaling, ranks_per_node=2
                     )
                 )
                 assert torch.equal(out.nan_to_num(nan=7.0), expected.nan_to_num(nan=7.0)), (
@@ -131,35 +132,47 @@ def _hier_case(rank: int, world_size: int, chunk: int | None, via_env: bool) -> 
                 assert torch.isnan(model.c.bias.grad).all()
                 assert torch.isfinite(model.a.weight.grad).all()
             log.clear()
-        assert state.reduction == "hierarchical"
+        assert state.reduction == reduction
     return checked
 
 
-@pytest.mark.parametrize(("chunk", "via_env"), [(None, False), (37, True)])
-def test_hierarchical_matches_simulate_bit_for_bit(chunk: int | None, via_env: bool) -> None:
+@pytest.mark.parametrize(
+    ("chunk", "via_env", "reduction"),
+    [
+        (None, False, "hierarchical"),
+        (37, True, "hierarchical"),
+        (None, False, "grid"),
+        (37, False, "grid"),
+    ],
+)
+def test_hierarchical_and_grid_match_simulate_bit_for_bit(
+    chunk: int | None, via_env: bool, reduction: str
+) -> None:
     # Buckets of ~1000 elements; chunks of 37 give ragged slices and shards.
-    checked = run_distributed(_hier_case, 4, args=(chunk, via_env), timeout=240)
+    checked = run_distributed(_hier_case, 4, args=(chunk, via_env, reduction), timeout=240)
     assert all(c >= 2 * len(CASES) for c in checked)
 
 
-def _bytes_case(rank: int, world_size: int) -> dict[str, int]:
+def _bytes_case(rank: int, world_size: int, reduction: str) -> dict[str, int]:
     torch.manual_seed(0)
     model = nn.Linear(64, 64, bias=False)  # one bucket of 4096 elements
     ddp = DDP(model, bucket_cap_mb=100)
-    state = register(ddp, "e4m3", reduction="hierarchical", ranks_per_node=2)
+    state = register(ddp, "e4m3", reduction=reduction, ranks_per_node=2)
     torch.manual_seed(rank)
     ddp(torch.randn(4, 64)).sum().backward()
     ddp(torch.randn(4, 64)).sum().backward()
     return state.bytes_detail
 
 
-def test_only_the_wire_format_crosses_nodes() -> None:
-    for detail in run_distributed(_bytes_case, 4, timeout=120):
+@pytest.mark.parametrize("reduction", ["hierarchical", "grid"])
+def test_only_the_wire_format_crosses_nodes(reduction: str) -> None:
+    for detail in run_distributed(_bytes_case, 4, args=(reduction,), timeout=120):
         # Each rank owns half the bucket in its node and sends it across nodes
         # in FP8: one byte per element per node, split over the node's 2 ranks.
         assert detail["all_to_all"] == payload_nbytes(4096 // 2, get_format("e4m3"))
         assert detail["all_gather"] == 4096 // 2 // 2
-        assert detail["node_all_to_all"] == 4096 * 4
+        # The first level: FP32 inside a node, FP8 between the grid's rows.
+        assert detail["node_all_to_all"] == 4096 * (1 if reduction == "grid" else 4)
         assert detail["node_all_gather"] == 4096 // 2
 
 
@@ -201,11 +214,35 @@ def test_mismatched_topology_is_an_error_on_every_rank() -> None:
         assert "disagree on the ranks per node" in msg and "rank 3: ranks_per_node=4" in msg
 
 
+def test_grid_rows_and_simulated_grid_errors() -> None:
+    from aps_comm.topology import grid_rows
+
+    assert [grid_rows(n) for n in (1, 2, 3, 4, 6, 7, 8, 12, 64, 1024)] == [
+        1,
+        1,
+        1,
+        2,
+        2,
+        1,
+        2,
+        3,
+        8,
+        32,
+    ]
+    with pytest.raises(ValueError, match="7 workers have no grid"):
+        simulate.allreduce([torch.ones(7, 3)], "e4m3", reduction="grid")
+    with pytest.raises(DistributedTestError, match="the world size 2 has no such divisor"):
+        run_distributed(_grid_of_two, 2, timeout=60)
+
+
+def _grid_of_two(rank: int, world_size: int) -> None:
+    APSState("e4m3", reduction="grid").bind_process_group()
+
+
 def test_bad_arguments_are_errors() -> None:
-    with pytest.raises(
-        ValueError, match="error_feedback is not supported with reduction='hierarchical'"
-    ):
-        APSState("e4m3", reduction="hierarchical", error_feedback=True)
+    for reduction in ("hierarchical", "grid"):
+        with pytest.raises(ValueError, match=f"not supported with reduction='{reduction}'"):
+            APSState("e4m3", reduction=reduction, error_feedback=True)
     with pytest.raises(ValueError, match="ranks_per_node must be a positive integer, got 0"):
         APSState("e4m3", ranks_per_node=0)
     with pytest.raises(DistributedTestError, match=r"must .* divide the world size 2"):
