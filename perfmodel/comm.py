@@ -1,7 +1,7 @@
 """Communication time of one gradient bucket, as the hooks reduce it.
 
 The data path of each strategy (FP32 all-reduce; native all-reduce in the
-wire dtype; APS two_phase; hierarchical two_phase) and the chunk rule are
+wire dtype; APS two_phase; hierarchical and grid two_phase) and the chunk rule are
 modelled in :mod:`aps_perfmodel.strategies`, which ``aps_comm``'s hook imports
 to size its chunks and choose its strategy; this module applies them to a
 format spec: ``strategy="auto"`` is the hook's per-bucket choice
@@ -26,7 +26,13 @@ from dataclasses import replace
 from .calibrate import CALL_ELEMENTS
 from .cluster import Cluster, OpCost
 from .formats import FORMATS, FormatSpec
-from .strategies import CommBreakdown, bucket_breakdown, choose_strategy, native_sum
+from .strategies import (
+    CommBreakdown,
+    bucket_breakdown,
+    choose_strategy,
+    grid_rows,
+    native_sum,
+)
 
 __all__ = ["CommBreakdown", "bucket_comm", "resolve_strategy"]
 
@@ -35,13 +41,17 @@ def resolve_strategy(n_elem: int, n_layers: int, fmt: FormatSpec, cluster: Clust
     """``fmt``'s strategy for this bucket: its own, or the hook's choice for ``"auto"``.
 
     "auto" may pick ``native`` where the cluster sums the wire dtype
-    (:func:`~aps_perfmodel.strategies.native_sum`) and ``hierarchical``
-    where nodes have several ranks.
+    (:func:`~aps_perfmodel.strategies.native_sum`), ``hierarchical``
+    where nodes have several ranks and ``grid`` where N >= 4 has a divisor
+    2 <= g <= sqrt(N) (:func:`~aps_perfmodel.strategies.grid_rows`), as the
+    hook does under ``reduction="auto"``.
 
     Example:
         >>> from aps_perfmodel.cluster import get_cluster
         >>> from aps_perfmodel.formats import get_format
         >>> resolve_strategy(2**22, 8, get_format("e4m3", "auto"), get_cluster("100gbe", 8))
+        'grid'
+        >>> resolve_strategy(2**22, 8, get_format("e4m3", "auto"), get_cluster("100gbe", 7))
         'two_phase'
     """
     if fmt.strategy != "auto":
@@ -53,6 +63,7 @@ def resolve_strategy(n_elem: int, n_layers: int, fmt: FormatSpec, cluster: Clust
         cluster,
         native_ok=native_sum(fmt, cluster),
         hierarchical_ok=cluster.topology.gpus_per_node > 1,
+        grid_ok=grid_rows(cluster.world_size) >= 2,
     )
 
 

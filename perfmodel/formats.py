@@ -10,6 +10,8 @@ The ways to reduce a gradient bucket, named as ``aps_comm``'s hook names them
   shard owner, re-encode, all-gather, decode.
 - ``hierarchical``: FP32 reduce-scatter inside the node, two_phase across
   nodes, all-gather inside the node.
+- ``grid``: two_phase in two levels on a virtual grid of the ranks, every
+  stage in the wire format (fewer messages than flat two_phase at scale).
 - ``auto``: per bucket, the fastest of those the cluster allows.
 
 ``aps`` adds the per-layer MAX all-reduce of maxima, the chunk pipelining
@@ -31,7 +33,7 @@ from dataclasses import dataclass, replace
 
 __all__ = ["FORMATS", "STRATEGIES", "FormatSpec", "get_format"]
 
-STRATEGIES = ("fp32", "native", "two_phase", "hierarchical", "auto")
+STRATEGIES = ("fp32", "native", "two_phase", "hierarchical", "grid", "auto")
 _STRATEGY_ALIASES = {"allreduce": "native"}
 
 

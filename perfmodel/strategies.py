@@ -16,6 +16,18 @@ bytes per element (1 for FP8):
 - ``"hierarchical"``: per chunk an intra-node all-to-all of FP32 slices and
   their FP32 sum, two_phase across the M nodes among the ranks with the same
   local rank, an intra-node all-gather of the encoded slices.
+- ``"grid"``: two_phase in two levels on a virtual g x C grid of the N ranks
+  (g = :func:`grid_rows`, C = N / g), every stage in the wire format: per
+  chunk an all-to-all in the row group (g consecutive ranks), the slice
+  owner's decode + FP32 sum + re-encode, two_phase in the column group (the
+  C ranks with the same position in their row), an all-gather in the row
+  group: 2(g-1) + 2(C-1) messages per chunk instead of 2(N-1).
+
+The staged strategies (hierarchical, grid) run stage s of chunk c at step
+c + s, so collectives on different process groups (the node's and the
+across-node group; the row and the column group) and the codec of different
+chunks run at the same time: the model pipelines them as resources
+(:func:`bucket_breakdown`), sharing a node's NIC among all that cross it.
 
 Chunks (:func:`chunk_elements`) are sized so that no message to one peer is
 small enough for latency to dominate it, and so that the pipeline of chunks
@@ -27,10 +39,14 @@ Example:
     'hierarchical'
     >>> choose_strategy(1000, 2, "e4m3", c, native_ok=False, hierarchical_ok=True)
     'fp32'
+    >>> flat = hook_cluster("nccl", "cuda", world_size=1024, ranks_per_node=1)
+    >>> choose_strategy(25 * 2**18, 20, "e4m3", flat, False, False, grid_ok=True)
+    'grid'
 """
 
 from __future__ import annotations
 
+import functools
 import math
 from collections.abc import Sequence
 from dataclasses import dataclass, replace
@@ -62,13 +78,15 @@ __all__ = [
     "bucket_breakdown",
     "choose_strategy",
     "chunk_elements",
+    "grid_peers",
+    "grid_rows",
     "hook_cluster",
     "native_sum",
     "strategy_chunk",
     "strategy_times",
 ]
 
-STRATEGIES = ("fp32", "native", "two_phase", "hierarchical")
+STRATEGIES = ("fp32", "native", "two_phase", "hierarchical", "grid")
 """The hook's ways to reduce a bucket, in the order ties are broken (first wins)."""
 
 LATENCY_FACTOR = 4.0
@@ -169,6 +187,60 @@ def chunk_elements(
         latency = 2.0 ** math.ceil(math.log2(max(per_peer * peers / wire_bytes, 1.0)))
     chunk = min(max(pipelined, latency, MIN_CHUNK), MAX_CHUNK)
     return int(numel) if chunk >= numel else int(chunk)
+
+
+def grid_rows(world_size: int) -> int:
+    """The rows g of the grid N ranks are laid on: the largest divisor of N that is <= sqrt(N).
+
+    Row groups are g consecutive ranks, column groups the C = N / g ranks
+    with the same position in their row (``aps_comm``'s hierarchical groups
+    with ``ranks_per_node = g``). g = 1 (N prime, or below 4) means no grid.
+
+    Example:
+        >>> [grid_rows(n) for n in (2, 4, 7, 8, 64, 1024)]
+        [1, 2, 1, 2, 8, 32]
+    """
+    best = 1
+    for g in range(2, math.isqrt(max(world_size, 1)) + 1):
+        if world_size % g == 0:
+            best = g
+    return best
+
+
+def grid_peers(world_size: int) -> int:
+    """The peers of a flat exchange as latency-bound as one grid chunk: what sizes its chunks.
+
+    The chunk rule keeps a chunk's latency at most ``1 / LATENCY_FACTOR``
+    of its bytes' time on the wire. A flat exchange of a chunk of m elements
+    sends 2(N-1) messages and ``2 m w (N-1)/N`` bytes, so one message per peer
+    must carry ``LATENCY_FACTOR alpha / beta`` bytes: peers = N. A grid chunk
+    sends ``2(g-1) + 2(C-1)`` messages and ``2 m w ((g-1)/g + (C-1)/N)`` bytes;
+    the flat exchange with the same ratio has
+
+        peers = ((g-1) + (C-1)) / ((g-1)/g + (C-1)/N)
+
+    (rounded up): about g + C, not N. Sizing by the smallest message instead
+    (the column stage's ``m w / N`` bytes, peers = N) would ask for chunks
+    about sqrt(N)/2 times larger than that ratio needs, i.e. one chunk per
+    bucket at scale and no pipelining; sizing by the row stage alone
+    (peers = g) ignores the column stage's 2(C-1) latencies (C >= g), which
+    would then be about half of the chunk's wire time.
+
+    Raises:
+        ValueError: N has no grid (:func:`grid_rows` is 1).
+
+    Example:
+        >>> [grid_peers(n) for n in (4, 8, 64, 1024)]
+        [3, 5, 15, 63]
+    """
+    g = grid_rows(world_size)
+    if g < 2:
+        raise ValueError(
+            f"world size {world_size} has no grid: no divisor g with 2 <= g <= sqrt(N)"
+        )
+    cols = world_size // g
+    messages = (g - 1) + (cols - 1)
+    return math.ceil(messages / ((g - 1) / g + (cols - 1) / world_size) - 1e-9)
 
 
 @dataclass(frozen=True)
@@ -281,17 +353,86 @@ def _accumulate(cluster: Cluster, n_in: float, group: int) -> float:
     return n_in * _FP32_BYTES * (group - 1) / group * gamma
 
 
-def _hier_wire(cluster: Cluster, w: float, m: float) -> float:
-    """The four collectives of one hierarchical chunk of ``m`` elements."""
+@functools.lru_cache(maxsize=256)
+def _group_layout(world: int, per_node: int, size: int, stride: int) -> tuple[int, int]:
+    """(q, nodes) for the groups of ``size`` ranks ``stride`` apart on node-major ranks.
+
+    Rows (stride 1) start at multiples of ``size``; columns (stride g) at
+    0..g-1. ``q`` is the fewest members any member has on its own node
+    (itself included: the worst rank's on-node peers are q - 1), ``nodes``
+    the most nodes a group spans.
+    """
+    starts = range(0, world, size) if stride == 1 else range(stride)
+    q, nodes = size, 1
+    for start in starts:
+        counts: dict[int, int] = {}
+        for i in range(size):
+            node = (start + i * stride) // per_node
+            counts[node] = counts.get(node, 0) + 1
+        q, nodes = min(q, *counts.values()), max(nodes, len(counts))
+    return q, nodes
+
+
+@dataclass(frozen=True)
+class _Stage:
+    """One collective of a chunk: on which process group, how long, how long on the NIC."""
+
+    group: str
+    seconds: float
+    nic_s: float = 0.0
+
+
+def _group_stages(
+    cluster: Cluster, group: str, nbytes: float, size: int, stride: int
+) -> tuple[_Stage, _Stage]:
+    """An all-to-all of an ``nbytes`` send buffer and an all-gather of an ``nbytes`` output.
+
+    On groups of ``size`` ranks ``stride`` apart: with q members on a node,
+    q - 1 peers over the node's link and the rest through its NIC, which
+    all L ranks of the node cross at the same stage (each sees it shared by
+    L, as :func:`~aps_perfmodel.collectives.hierarchical_all_to_all`); the
+    all-gather across nodes is two-level, as flat two_phase's is modelled.
+    """
     topo = cluster.topology
-    g, nodes = topo.gpus_per_node, topo.nodes
-    shared = topo.inter.shared_by(g)
-    return (
-        all_to_all(_FP32_BYTES * m, g, topo.intra)
-        + all_to_all(w * m / g, nodes, shared)
-        + all_gather(w * m / g, nodes, shared)
-        + all_gather(w * m, g, topo.intra)
+    if size == 1:
+        return _Stage(group, 0.0), _Stage(group, 0.0)
+    q, nodes = _group_layout(cluster.world_size, topo.gpus_per_node, size, stride)
+    if nodes == 1:
+        return (
+            _Stage(group, all_to_all(nbytes, size, topo.intra)),
+            _Stage(group, all_gather(nbytes, size, topo.intra)),
+        )
+    nic = topo.inter.shared_by(topo.gpus_per_node)
+    off = nbytes * (size - q) / size
+    a2a = (
+        (q - 1) * topo.intra.alpha
+        + topo.intra.wire_time(nbytes * (q - 1) / size)
+        + (size - q) * nic.alpha
+        + nic.wire_time(off)
     )
+    gathered = nbytes / q * (nodes - 1) / nodes
+    ag = all_gather(nbytes / q, nodes, nic) + all_gather(nbytes, q, topo.intra)
+    return _Stage(group, a2a, nic.wire_time(off)), _Stage(group, ag, nic.wire_time(gathered))
+
+
+def _stages(strategy: str, cluster: Cluster, w: float, m: float) -> list[_Stage]:
+    """The four collectives of one hierarchical or grid chunk of ``m`` elements, in order."""
+    topo = cluster.topology
+    if strategy == "hierarchical":
+        g, nodes = topo.gpus_per_node, topo.nodes
+        shared = topo.inter.shared_by(g)
+        inter = w * m / g * (nodes - 1) / nodes
+        return [
+            _Stage("intra", all_to_all(_FP32_BYTES * m, g, topo.intra)),
+            _Stage("inter", all_to_all(w * m / g, nodes, shared), shared.wire_time(inter)),
+            _Stage("inter", all_gather(w * m / g, nodes, shared), shared.wire_time(inter)),
+            _Stage("intra", all_gather(w * m, g, topo.intra)),
+        ]
+    p = cluster.world_size
+    g = grid_rows(p)
+    row_a2a, row_ag = _group_stages(cluster, "row", w * m, g, 1)
+    col_a2a, col_ag = _group_stages(cluster, "column", w * m / g, p // g, g)
+    return [row_a2a, col_a2a, col_ag, row_ag]
 
 
 def _wire(strategy: str, fmt: FormatSpec, cluster: Cluster, m: float, k: int) -> float:
@@ -303,7 +444,25 @@ def _wire(strategy: str, fmt: FormatSpec, cluster: Cluster, m: float, k: int) ->
         return k * _allreduce(cluster, w * m, f"all_reduce.{fmt.torch_dtype}", cluster.algorithm)
     if strategy == "two_phase":
         return _exchange(cluster, w * m, k)
-    return k * _hier_wire(cluster, w, m)
+    return k * sum(st.seconds for st in _stages(strategy, cluster, w, m))
+
+
+def _busiest(strategy: str, fmt: FormatSpec, cluster: Cluster, m: float, k: int) -> float:
+    """Seconds of the busiest wire resource over ``k`` chunks of ``m`` elements.
+
+    Flat strategies run their collectives on one process group, one after
+    another: all of the wire time. The staged ones run each process group's
+    collectives in order, and the groups at the same time, as far as the
+    node's NIC, which the groups' across-node traffic shares, lets them.
+    """
+    if strategy not in ("hierarchical", "grid"):
+        return _wire(strategy, fmt, cluster, m, k)
+    per: dict[str, float] = {}
+    nic = 0.0
+    for st in _stages(strategy, cluster, fmt.wire_bytes, m):
+        per[st.group] = per.get(st.group, 0.0) + st.seconds
+        nic += st.nic_s
+    return k * max(nic, *per.values())
 
 
 def _codec(strategy: str, fmt: FormatSpec, cluster: Cluster, m: float) -> float:
@@ -329,6 +488,11 @@ def _codec(strategy: str, fmt: FormatSpec, cluster: Cluster, m: float) -> float:
         return codec("encode", m) + codec("decode", m)
     if strategy == "two_phase":
         return codec("encode", m) + owner(m, p) + codec("decode", m)
+    if strategy == "grid":
+        # Encode the chunk; the row owner's decode-sum-encode of g slices, the
+        # column owner's of C shards; every rank decodes the gathered chunk.
+        rows = grid_rows(p)
+        return codec("encode", m) + owner(m, rows) + owner(m / rows, p // rows) + codec("decode", m)
     # hierarchical: FP32 sum of the L slices, encode the node sum, the inter-node
     # owner's decode-sum-encode, and every rank decodes the gathered chunk.
     return (
@@ -363,7 +527,9 @@ def strategy_chunk(
     the bottleneck link for ``native`` and ``two_phase``; for
     ``hierarchical`` the larger of the inter-node stages' chunk (N peers
     per chunk, the node's NIC shared by its L ranks) and the intra-node
-    FP32 stage's (L peers, 4 bytes per element). The per-chunk overhead is
+    FP32 stage's (L peers, 4 bytes per element); for ``grid``
+    :func:`grid_peers` (about g + C) on the link its column groups cross
+    (the NIC, shared by the node's L ranks). The per-chunk overhead is
     :attr:`Cluster.chunk_overhead_s`, else the model's fixed cost of one
     chunk. ``"fp32"`` is never chunked.
 
@@ -398,6 +564,10 @@ def strategy_chunk(
             inter = topo.inter.shared_by(g)
             chunk = max(chunk, chunk_elements(numel, w, p, inter, overhead, exchange_s))
         return chunk
+    if strategy == "grid":
+        topo = cluster.topology
+        link = topo.intra if topo.nodes == 1 else topo.inter.shared_by(topo.gpus_per_node)
+        return chunk_elements(numel, w, grid_peers(p), link, overhead, exchange_s)
     key = "all_to_all" if strategy == "two_phase" else f"all_reduce.{spec.torch_dtype}"
     return chunk_elements(numel, w, p, _flat_link(cluster, key), overhead, exchange_s)
 
@@ -414,10 +584,15 @@ def bucket_breakdown(
 
     APS formats pay a pass for the layer maxima and their MAX all-reduce,
     then ``k`` chunks, each with its collectives' latencies and its codec
-    passes; the codec of one chunk overlaps the wire time of another, so
-    with ``C`` the codec and ``W`` the wire time over the chunks the
-    pipelined part takes ``max(C, W) + min(C, W) / k``. ``"fp32"`` and
-    torch's cast hooks (``aps=False``) are one piece.
+    passes. The chunks are a pipeline: its resources (the codec; the wire of
+    each process group a strategy uses, and the node's NIC that their
+    across-node traffic shares) work on different chunks at the same time.
+    With ``S`` the sum of all codec and wire time over the chunks and ``R``
+    the busiest resource's, it takes ``R + (S - R) / k``: one chunk through
+    every stage (fill and drain), the other ``k - 1`` at the busiest
+    resource's pace. Flat strategies have two resources, codec ``C`` and wire
+    ``W``: ``max(C, W) + min(C, W) / k``. ``"fp32"`` and torch's cast hooks
+    (``aps=False``) are one piece.
 
     Args:
         numel: gradient elements in the bucket.
@@ -450,6 +625,13 @@ def bucket_breakdown(
         topo = cluster.topology
         g, nodes = topo.gpus_per_node, topo.nodes
         sent = numel * ((_FP32_BYTES + w) * (g - 1) / g + 2 * w * (nodes - 1) / (nodes * g))
+    elif strategy == "grid":
+        rows = grid_rows(p)
+        if rows < 2:
+            raise ValueError(
+                f"strategy 'grid' needs a world size with a divisor g, 2 <= g <= sqrt(N); got {p}"
+            )
+        sent = 2 * w * numel * ((rows - 1) / rows + (p // rows - 1) / p)
     else:
         sent = 2 * w * numel * (p - 1) / p
     if not spec.aps:
@@ -465,7 +647,8 @@ def bucket_breakdown(
     m = numel / k
     codec_s = k * _codec(strategy, spec, cluster, m)
     collective = _wire(strategy, spec, cluster, m, k)
-    overlap = min(codec_s, collective) * (1.0 - 1.0 / k)
+    busiest = max(codec_s, _busiest(strategy, spec, cluster, m, k))
+    overlap = (codec_s + collective - busiest) * (1.0 - 1.0 / k)
     if cluster.cores_per_rank is not None and cluster.cores_per_rank < 1:
         # Measured on the emulated cluster (4 ranks, 2 cores): the step took
         # longer than codec plus wire run back to back; a rank's codec and the
@@ -509,12 +692,14 @@ def choose_strategy(
     cluster: Cluster,
     native_ok: bool,
     hierarchical_ok: bool,
+    grid_ok: bool = False,
 ) -> str:
     """The fastest strategy for one bucket; ``"fp32"`` where nothing else is faster.
 
     Candidates: ``fp32`` and ``two_phase`` always, ``native`` where
     ``native_ok`` (the backend sums the wire dtype), ``hierarchical`` where
-    ``hierarchical_ok`` and nodes have several ranks. Ties go to the earlier
+    ``hierarchical_ok`` and nodes have several ranks, ``grid`` where
+    ``grid_ok`` and N has a grid (:func:`grid_rows` >= 2). Ties go to the earlier
     name in :data:`STRATEGIES`. Pure arithmetic on its arguments, so every
     rank that passes the same ones chooses the same.
 
@@ -532,6 +717,7 @@ def choose_strategy(
         "native": native_ok,
         "two_phase": True,
         "hierarchical": hierarchical_ok and cluster.topology.gpus_per_node > 1,
+        "grid": grid_ok and grid_rows(cluster.world_size) >= 2,
     }
     times = strategy_times(numel, n_layers, fmt, cluster, [s for s in STRATEGIES if allowed[s]])
     best = "fp32"
