@@ -27,6 +27,7 @@ from .api import Prediction, predict, sweep, write_csv
 from .cluster import CLUSTERS, DEVICES, Cluster, custom_cluster, get_cluster, get_device
 from .compute import OPTIMIZER_BYTES_PER_PARAM, ComputeTime
 from .formats import FORMATS, STRATEGIES
+from .fsdp import FSDPUnit, fsdp_step
 from .models import MODEL_PRESETS, ModelSpec, get_model
 from .profile import Profile
 from .units import (
@@ -314,6 +315,74 @@ def _cmd_sweep(args: argparse.Namespace) -> int:
     return 0
 
 
+def fsdp_units(model: ModelSpec, n_units: int, world_size: int) -> list[FSDPUnit]:
+    """The model's tensors cut into ``n_units`` consecutive units of about equal size.
+
+    Each tensor's padding to the world size (FSDP pads dim 0) is bounded by
+    ``world_size - 1`` rows; presets give only element counts, so a tensor
+    counts as ``numel`` rounded up to a multiple of the world size.
+
+    Example:
+        >>> [u.numel for u in fsdp_units(ModelSpec.from_params(3_000_000), 3, 4)]
+        [1000000, 1000000, 1000000]
+    """
+    if n_units < 1:
+        raise SystemExit(f"error: --units must be >= 1, got {n_units}")
+    target = model.total_params / n_units
+    units: list[FSDPUnit] = []
+    numel = count = seen = 0
+    for t in model.tensors:
+        numel += -(-t.numel // world_size) * world_size
+        count += 1
+        seen += t.numel
+        # Close a unit where the running total passes the next equal share.
+        if len(units) < n_units - 1 and seen >= target * (len(units) + 1):
+            units.append(FSDPUnit(numel, count))
+            numel = count = 0
+    if count:
+        units.append(FSDPUnit(numel, count))
+    return units
+
+
+def _cmd_fsdp(args: argparse.Namespace) -> int:
+    model = _model(args)
+    profile = Profile.load(args.profile) if args.profile else None
+    cluster = _cluster(args, _world_size(args, profile))
+    units = fsdp_units(model, args.units, cluster.world_size)
+    rows = []
+    for fmt in dict.fromkeys(["fp32", "bf16", args.fmt]):
+        pred = fsdp_step(units, fmt, cluster, backend=args.backend, param_bytes=args.param_bytes)
+        rows.append(pred)
+    base = rows[0].reduce_scatter_s
+    if args.json:
+        out = [
+            {
+                "format": r.format,
+                "aps": r.aps,
+                "reduce_scatter_s": r.reduce_scatter_s,
+                "all_gather_s": r.all_gather_s,
+                "step_comm_s": r.step_s,
+                "wire_bytes": r.wire_bytes,
+            }
+            for r in rows
+        ]
+        print(json.dumps({"units": len(units), "backend": args.backend, "rows": out}, indent=2))
+        return 0
+    print(
+        f"FSDP2, {model.name}, {len(units)} units, {cluster.world_size} ranks, {args.backend} "
+        "(communication only: no compute)"
+    )
+    for r in rows:
+        kind = "APS reduce-scatter" if r.aps else "reduce_dtype"
+        print(
+            f"{r.format:5s} {kind:18s} {format_bytes(r.wire_bytes):>10s}  "
+            f"reduce-scatter {format_time(r.reduce_scatter_s):>9s} "
+            f"({base / r.reduce_scatter_s if r.reduce_scatter_s else 1.0:.2f}x)  "
+            f"all-gathers {format_time(r.all_gather_s):>9s}  step {format_time(r.step_s):>9s}"
+        )
+    return 0
+
+
 def _cmd_calibrate(args: argparse.Namespace) -> int:
     import datetime
 
@@ -379,6 +448,17 @@ def build_parser() -> argparse.ArgumentParser:
     s.add_argument("--bandwidths", help="comma-separated inter-node bandwidths, e.g. 1Gbit,10Gbit")
     s.add_argument("--out", help="CSV path (default: stdout)")
     s.set_defaults(func=_cmd_sweep, world_size=None)
+
+    f = sub.add_parser("fsdp", help="predict FSDP2's reduce-scatter: FP32, BF16 and APS")
+    _add_model_cluster_args(f)
+    f.add_argument("--world-size", type=int, help="total ranks")
+    f.add_argument("--units", type=int, default=8, help="fully_shard units (equal sizes)")
+    f.add_argument("--backend", default="nccl", choices=["nccl", "gloo"])
+    f.add_argument(
+        "--param-bytes", type=float, default=4.0, help="bytes per parameter all-gathered"
+    )
+    f.add_argument("--json", action="store_true", help="print one JSON object")
+    f.set_defaults(func=_cmd_fsdp)
 
     c = sub.add_parser("calibrate", help="measure this machine group and fit a profile")
     c.add_argument("--out", default="perfmodel_profile.json", help="profile JSON path")

@@ -1054,3 +1054,43 @@ def test_staged_strategies_pipeline_their_groups() -> None:
     # Ranks sharing cores: nothing overlaps.
     shared = bucket_breakdown(4 * m, 4, "e4m3", replace(c, cores_per_rank=0.5), "grid", chunk=m)
     assert shared.total_s == pytest.approx(b.maxima_s + 4 * (row + col))
+
+
+def test_fsdp_cli_cuts_units_and_compares_reduce_scatters(capsys) -> None:
+    from aps_perfmodel.cli import fsdp_units, main
+    from aps_perfmodel.models import ModelSpec, TensorSpec
+
+    model = ModelSpec("m", tuple(TensorSpec(f"t{i}", n) for i, n in enumerate([30, 25, 20, 25])))
+    units = fsdp_units(model, 2, 4)
+    # Shares of 50 of the 100 elements: the first unit closes once 50 are in
+    # (30 + 25); each tensor padded to a multiple of 4.
+    assert [(u.numel, u.n_params) for u in units] == [(32 + 28, 2), (20 + 28, 2)]
+    assert len(fsdp_units(model, 9, 1)) == 4  # never more units than tensors
+    assert (
+        main(
+            [
+                "fsdp",
+                "--params",
+                "8M",
+                "--world-size",
+                "4",
+                "--bandwidth",
+                "1Gbit",
+                "--latency",
+                "50us",
+                "--backend",
+                "gloo",
+                "--json",
+            ]
+        )
+        == 0
+    )
+    rows = {r["format"]: r for r in json.loads(capsys.readouterr().out)["rows"]}
+    # Gloo's FP32 reduce-scatter is an all-reduce: APS e4m3 sends 1/8 of its bytes.
+    assert rows["fp32"]["wire_bytes"] == pytest.approx(8 * rows["e4m3"]["wire_bytes"], rel=0.01)
+    assert rows["e4m3"]["aps"] and not rows["bf16"]["aps"]
+    assert (
+        rows["e4m3"]["reduce_scatter_s"]
+        < rows["bf16"]["reduce_scatter_s"]
+        < rows["fp32"]["reduce_scatter_s"]
+    )

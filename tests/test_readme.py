@@ -474,6 +474,15 @@ def _check_tensorboard(proc: subprocess.CompletedProcess[str], cwd: Path) -> Non
         assert len(scalars[tag]) == 20, (tag, sorted(scalars))
 
 
+def _check_fsdp_model(proc: subprocess.CompletedProcess[str], cwd: Path) -> None:
+    _check_ok(proc, cwd)
+    lines = {line.split()[0]: line for line in proc.stdout.splitlines()[1:]}
+    # The README quotes these figures.
+    assert "499 ms (1.00x)" in lines["fp32"], proc.stdout
+    assert "252 ms (1.98x)" in lines["bf16"], proc.stdout
+    assert "142 ms (3.51x)" in lines["e4m3"] and "991 ms" in lines["e4m3"], proc.stdout
+
+
 @dataclasses.dataclass(frozen=True)
 class _Run:
     check: Callable[[subprocess.CompletedProcess[str], Path], None]
@@ -503,6 +512,9 @@ RUN: dict[str, _Run] = {
     ),
     "aps-perfmodel sweep --model gpt2-xl --cluster 100gbe --world-sizes 8,64 --out sweep.csv": (
         _Run(_check_sweep)
+    ),
+    "aps-perfmodel fsdp --model gpt2-xl --world-size 64 --cluster 100gbe --fmt e4m3": _Run(
+        _check_fsdp_model
     ),
     "python train_lightning.py": _Run(_check_lightning, slow=True),
     "ACCELERATE_USE_CPU=1 torchrun --standalone --nproc_per_node 2 train_accelerate.py": _Run(
