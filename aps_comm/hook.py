@@ -159,6 +159,8 @@ class APSState:
         step: steps communicated so far.
         bucket_reductions: per bucket index, the reduction its (largest)
             low-precision group used in the last step.
+        bucket_chunks: per bucket index, the elements per chunk it was cut
+            into in the last step (absent for buckets sent as plain FP32).
         chunk_elements: elements per pipelined chunk of a bucket; None (the
             default) sizes them per bucket by bytes per peer and the
             pipelining optimum (:meth:`aps_comm.plan.Planner.chunk`), from the
@@ -202,6 +204,7 @@ class APSState:
         self.grid: NodeGroups | None = None
         self.topology: Topology | None = None
         self.bucket_reductions: dict[int, str] = {}
+        self.bucket_chunks: dict[int, int] = {}
         self._planner: Planner | None = None
         self._auto: dict[tuple, dict[FloatFormat, str]] = {}
         self.process_group = process_group
@@ -535,6 +538,7 @@ class APSState:
             chunk = self.chunk_elements
         else:
             chunk = max(1, int(self.chunk_bytes) * 8 // self.fmt.wire_bits)  # type: ignore[arg-type]
+        self.bucket_chunks[b.index] = chunk
 
         fmts = self._formats(params)
         node: dict[str, tuple[int, int]] = {}

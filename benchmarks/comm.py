@@ -24,13 +24,16 @@ default hooks are those that matter there: the FP32 hook,
     python -m benchmarks.comm --nodes 2 --ranks-per-node 2 --bandwidth 1gbit --rounds 3
 
 A hook name may end in ``:chunk=N`` to fix the APS chunk at N elements
-(``state.chunk_elements``), and ``--mb`` may list several sizes: the
+(``state.chunk_elements``) or in ``:profile=P`` to plan with a profile
+(``APSState(profile=...)``): ``P`` is the JSON of ``aps-perfmodel calibrate``,
+or ``link`` for one built from this run's measured inter-node link (its TCP
+goodput, half its round trip). ``--mb`` may list several sizes: the
 latency-bound sweep compares fixed and sized chunks over small gradients, with
 the performance model's prediction per hook beside each (where the model
-knows the strategy)::
+knows the strategy; for the chunk each bucket was cut into)::
 
     python -m benchmarks.comm --nodes 8 --bandwidth 1gbit --delay 1ms --mb 1,2,4,8 \
-        --bucket-mb 2 --hooks fp32,aps-e4m3,aps-e4m3:chunk=1048576
+        --bucket-mb 2 --hooks fp32,aps-e4m3,aps-e4m3:chunk=1048576,aps-e4m3:profile=link
 
 With ``--batch B`` backward also computes (a batch of B rows through the
 model), and per hook the report holds communication alone (batch 1), the
@@ -72,6 +75,7 @@ HOOKS = (
     "powersgd",
     "aps-e4m3-hierarchical",
     "aps-e4m3-auto",
+    "aps-e4m3-grid",
 )
 # PowerSGD's hook issues its second all-reduce from a future callback; on Gloo
 # with 4 ranks in the emulated cluster that deadlocked (measured), so it is
@@ -80,6 +84,9 @@ DEFAULT_HOOKS = HOOKS[:8]
 NODE_HOOKS = ("fp32", "fp16", "aps-e4m3", "aps-e4m3-hierarchical", "aps-e4m3-auto")
 """The default with several ranks per node: baselines, flat and hierarchical APS, auto."""
 _CHUNK_OPT = ":chunk="
+_PROFILE_OPT = ":profile="
+LINK_PROFILE = "link"
+"""``:profile=link``: a profile built from this run's measured inter-node link."""
 _WIDTH = 2048  # Linear(2048, 2048): 16 MiB of FP32 gradient per layer
 _SMALL_LAYERS = 4
 _PREDICTED = {
@@ -91,6 +98,8 @@ _PREDICTED = {
     "aps-e4m3": "e4m3",
     "aps-e5m2": "e5m2",
 }
+# The hook's reduction names that aps_perfmodel.strategies names otherwise.
+_MODEL_STRATEGY = {"allreduce": "native"}
 # The strategy each hook runs, as aps_perfmodel.strategies names it (format, strategy).
 _STRATEGY = {
     "fp32": ("fp32", "fp32"),
@@ -119,32 +128,88 @@ def _model(mb: float) -> torch.nn.Module:
 
 
 def split_hook(spec: str) -> tuple[str, int | None]:
-    """``"aps-e4m3:chunk=1048576"`` -> ``("aps-e4m3", 1048576)``; no option -> ``(spec, None)``.
+    """``"aps-e4m3:chunk=1048576"`` -> ``("aps-e4m3", 1048576)``; no chunk -> ``(name, None)``.
 
     Raises:
-        ValueError: an unknown hook, a chunk on a hook that does not chunk, or
-            a chunk that is not a positive integer.
+        ValueError: as :func:`hook_profile`.
 
     Example:
         >>> split_hook("aps-e4m3:chunk=1048576"), split_hook("fp32")
         (('aps-e4m3', 1048576), ('fp32', None))
     """
-    name, _, chunk = spec.partition(_CHUNK_OPT)
+    name, chunk, _ = _parse_hook(spec)
+    return name, chunk
+
+
+def hook_profile(spec: str) -> str | None:
+    """The profile a hook spec plans with: ``"link"``, a JSON path, or None.
+
+    Raises:
+        ValueError: an unknown hook, a chunk or profile on a hook that has
+            none, a chunk that is not a positive integer, an empty profile,
+            or both a chunk and a profile (a fixed chunk ignores the profile).
+
+    Example:
+        >>> hook_profile("aps-e4m3:profile=link"), hook_profile("aps-e4m3:chunk=65536")
+        ('link', None)
+    """
+    return _parse_hook(spec)[2]
+
+
+def _parse_hook(spec: str) -> tuple[str, int | None, str | None]:
+    name, chunk, profile = spec, "", None
+    if _PROFILE_OPT in name:
+        name, _, profile = name.partition(_PROFILE_OPT)
+    if _CHUNK_OPT in name:
+        name, _, chunk = name.partition(_CHUNK_OPT)
     if name not in HOOKS:
         raise ValueError(f"unknown hook {name!r} in {spec!r}; choose from {', '.join(HOOKS)}")
+    if (chunk or profile is not None) and not name.startswith(("aps-", "naive-")):
+        raise ValueError(f"{spec!r}: only APS hooks are chunked (or take a profile)")
+    if profile is not None and not profile:
+        raise ValueError(f"{spec!r}: give a profile, e.g. {name}{_PROFILE_OPT}{LINK_PROFILE}")
+    if profile is not None and _CHUNK_OPT in spec:
+        raise ValueError(f"{spec!r}: a fixed chunk ignores the profile; give one of them")
     if not chunk:
-        if spec != name:
+        if _CHUNK_OPT in spec:
             raise ValueError(f"{spec!r}: give the chunk in elements, e.g. {name}{_CHUNK_OPT}65536")
-        return name, None
-    if not name.startswith(("aps-", "naive-")):
-        raise ValueError(f"{spec!r}: only APS hooks are chunked")
+        if profile is None and spec != name:
+            raise ValueError(f"{spec!r}: unknown option; use {_CHUNK_OPT}N or {_PROFILE_OPT}P")
+        return name, None, profile
     if not chunk.isdigit() or int(chunk) < 1:
         raise ValueError(f"{spec!r}: the chunk must be a positive number of elements")
-    return name, int(chunk)
+    return name, int(chunk), profile
 
 
-def _attach(name: str, ddp: torch.nn.parallel.DistributedDataParallel) -> tuple[Any, Callable]:
-    """Register hook ``name`` on ``ddp``; return (state, hook function)."""
+def link_profile(link: dict[str, Any], ranks: int) -> Any:
+    """A :class:`aps_perfmodel.profile.Profile` of a measured link (``LinkStats.to_dict()``).
+
+    Alpha is half the measured round trip, beta the inverse of the TCP
+    goodput: what the hook needs to size chunks by bytes per peer. Nothing
+    else is fitted (the codec is priced by the ``cpu-numba`` device).
+
+    Example:
+        >>> p = link_profile({"bandwidth_bits_per_s": 1e9, "rtt_s": 2e-3}, 8)
+        >>> p.link.alpha, round(p.link.bandwidth)
+        (0.001, 125000000)
+    """
+    from aps_perfmodel.collectives import LinkParams
+    from aps_perfmodel.profile import Profile
+
+    return Profile(
+        world_size=ranks,
+        backend="gloo",
+        link=LinkParams.from_bandwidth(link["bandwidth_bits_per_s"] / 8, link["rtt_s"] / 2),
+        codec_source="none",
+        created=time.strftime("%Y-%m-%dT%H:%M:%S%z"),
+        cores_per_rank=(os.cpu_count() or 1) / ranks,
+    )
+
+
+def _attach(
+    name: str, ddp: torch.nn.parallel.DistributedDataParallel, profile: str | None = None
+) -> tuple[Any, Callable]:
+    """Hook ``name`` for ``ddp`` (APS: planning with ``profile``); return (state, hook function)."""
     from torch.distributed.algorithms.ddp_comm_hooks import default_hooks, powerSGD_hook
 
     from aps_comm import APSState, aps_hook
@@ -166,9 +231,9 @@ def _attach(name: str, ddp: torch.nn.parallel.DistributedDataParallel) -> tuple[
         if not reduction:
             reduction = "allreduce" if fmt in ("fp16", "bf16") else "two_phase"
         # ranks_per_node: the hook reads LOCAL_WORLD_SIZE, which the cluster sets.
-        return APSState(fmt, reduction=reduction), aps_hook
+        return APSState(fmt, reduction=reduction, profile=profile), aps_hook
     if kind == "naive":
-        return APSState(fmt, reduction="two_phase", scaling="none"), aps_hook
+        return APSState(fmt, reduction="two_phase", scaling="none", profile=profile), aps_hook
     raise ValueError(f"unknown hook {name!r}; choose from {', '.join(HOOKS)}")
 
 
@@ -280,7 +345,11 @@ def _worker_size(args: argparse.Namespace, mb: float, rank: int, DDP: Any) -> di
     results: list[dict[str, Any]] = []
     buckets = _bucket_numels(mb, x, args, DDP)
     for rnd, spec in [(r, h) for r in range(args.rounds) for h in args.hooks]:
-        name, chunk = split_hook(spec)
+        name, chunk, profile = _parse_hook(spec)
+        if profile == LINK_PROFILE:
+            profile = args.link_profile or None
+            if profile is None:
+                raise ValueError(f"{spec!r}: no measured link to build a profile from (loopback)")
         if any(r.get("hook") == spec and "skipped" in r for r in results):
             continue
         if x_batch is not None and spec == args.hooks[0]:
@@ -304,7 +373,7 @@ def _worker_size(args: argparse.Namespace, mb: float, rank: int, DDP: Any) -> di
         model = _model(mb)
         ddp = DDP(model, bucket_cap_mb=args.bucket_mb, gradient_as_bucket_view=args.bucket_view)
         try:
-            state, hook = _attach(name, ddp)
+            state, hook = _attach(name, ddp, profile)
             chunk = chunk or args.chunk_elements or None
             if chunk and hasattr(state, "chunk_elements"):
                 state.chunk_elements = chunk
@@ -323,6 +392,11 @@ def _worker_size(args: argparse.Namespace, mb: float, rank: int, DDP: Any) -> di
             # holds its choice once bound) and the chunk it was told to use.
             extra["reduction"] = str(getattr(state, "reduction", None))
             extra["chunk_elements"] = getattr(state, "chunk_elements", None)
+            # Per bucket (in DDP's order), what the hook ran in the last step
+            # (no chunk: the bucket went as a plain FP32 all-reduce).
+            ran, chunks = state.bucket_reductions, state.bucket_chunks
+            extra["bucket_reductions"] = [ran[i] for i in sorted(ran)]
+            extra["bucket_chunks"] = [chunks.get(i) for i in sorted(ran)]
         with_compute: dict[str, list[float]] = {}
         if x_batch is not None:
             steps, cpu_b = _time_steps(ddp, x_batch, args.warmup, args.repeats)
@@ -348,7 +422,7 @@ def _worker_size(args: argparse.Namespace, mb: float, rank: int, DDP: Any) -> di
         ddp_err = DDP(
             _model(mb), bucket_cap_mb=args.bucket_mb, gradient_as_bucket_view=args.bucket_view
         )
-        state_err, hook_err = _attach(name, ddp_err)
+        state_err, hook_err = _attach(name, ddp_err, profile)
         if chunk and hasattr(state_err, "chunk_elements"):
             state_err.chunk_elements = chunk
         if name == "powersgd":
@@ -435,14 +509,21 @@ def _model_cluster(topology: dict[str, Any]) -> Any:
 
 
 def predict_strategies(
-    size: dict[str, Any], hooks: Sequence[str], topology: dict[str, Any]
+    size: dict[str, Any],
+    hooks: Sequence[str],
+    topology: dict[str, Any],
+    ran: dict[str, dict[str, list]] | None = None,
 ) -> tuple[dict[str, float], str]:
     """The model's communication time per hook: the sum over DDP's buckets.
 
     Each bucket as ``aps_perfmodel.strategies.bucket_breakdown`` models the
     hook's strategy for it (``auto``: the strategy ``choose_strategy`` picks
     per bucket; a ``:chunk=N`` hook: chunks of N elements, else the model's
-    chunk rule). Hooks the model has no strategy for are left out.
+    chunk rule). Where ``ran[hook]`` holds what the hook ran per bucket
+    (``bucket_reductions``, ``bucket_chunks``, as many as DDP's buckets),
+    those are modelled instead: the model then prices the chunks the hook
+    chose, not the ones the model would choose. Hooks the model has no
+    strategy for are left out.
 
     Returns:
         ``({hook: seconds}, note)``; empty with the reason in the note while
@@ -452,7 +533,7 @@ def predict_strategies(
     if not topology.get("link") or not topology["link"].get("bandwidth_bits_per_s"):
         return {}, "no measured link (loopback)"
     try:
-        from aps_perfmodel.strategies import bucket_breakdown, choose_strategy
+        from aps_perfmodel.strategies import STRATEGIES, bucket_breakdown, choose_strategy
 
         cluster = _model_cluster(topology)
     except ImportError as exc:
@@ -465,15 +546,23 @@ def predict_strategies(
         if name not in _STRATEGY:
             continue
         fmt, strategy = _STRATEGY[name]
+        done = (ran or {}).get(spec) or {}
+        chunks = done.get("bucket_chunks") or []
+        # The hook's reduction names as the model's strategies.
+        strategies = [_MODEL_STRATEGY.get(r, r) for r in done.get("bucket_reductions") or []]
+        if len(chunks) != len(buckets) or len(strategies) != len(buckets):
+            chunks, strategies = [], []
+        if any(s not in STRATEGIES for s in strategies):
+            continue  # a reduction the model does not know (grid)
         total = 0.0
-        for numel in buckets:
+        for i, numel in enumerate(buckets):
             layers = max(1, round(numel / width**2))
-            chosen = strategy
-            if strategy == "auto":
+            chosen = strategies[i] if strategies else strategy
+            if chosen == "auto":
                 chosen = choose_strategy(
                     numel, layers, fmt, cluster, native_ok=False, hierarchical_ok=True
                 )
-            plan: int | str = chunk if chunk else "auto"
+            plan: int | str | None = chunks[i] if chunks else chunk if chunk else "auto"
             total += bucket_breakdown(numel, layers, fmt, cluster, chosen, chunk=plan).total_s
         out[spec] = total
     return out, "aps_perfmodel.strategies: sum over DDP's buckets of bucket_breakdown"
@@ -499,7 +588,10 @@ def _summarise(
     if topology["ranks_per_node"] == 1:
         flat = _predict(numel, world, link)
         predicted = {h: flat[_PREDICTED[h]] for h in rounds if _PREDICTED.get(h) in flat}
-    strategies, note = predict_strategies(raw, list(rounds), topology)
+    ran = {
+        r["hook"]: {k: r[k] for k in ("bucket_reductions", "bucket_chunks") if k in r} for r in done
+    }
+    strategies, note = predict_strategies(raw, list(rounds), topology, ran)
     if strategies or topology["ranks_per_node"] > 1:
         predicted, model_note = strategies, note
     fp32_bytes = 4 * numel
@@ -522,7 +614,11 @@ def _summarise(
                 "rank0_cpu_user_s": statistics.median(r.get("rank0_cpu_user_s") or [0.0]),
                 "rank0_cpu_system_s": statistics.median(r.get("rank0_cpu_system_s") or [0.0]),
                 "predicted_step_s": predicted.get(r["hook"]),
-                **{k: r[k] for k in ("reduction", "chunk_elements") if k in r},
+                **{
+                    k: r[k]
+                    for k in ("reduction", "chunk_elements", "bucket_reductions", "bucket_chunks")
+                    if k in r
+                },
                 **_with_compute(per_round, t, compute_s),
             }
         )
@@ -537,6 +633,8 @@ def _summarise(
         },
         "link": link,
         "link_intra_node": topology.get("link_intra_node"),
+        # What ":profile=link" hooks planned with (alpha, beta of the link above).
+        "link_profile": (topology.get("link_profile") or {}).get("link"),
         "ranks": world,
         "nodes": topology["nodes"],
         "ranks_per_node": topology["ranks_per_node"],
@@ -679,6 +777,7 @@ def _parser() -> argparse.ArgumentParser:
     p.add_argument("--json", type=Path, default=None, help="write the results here")
     p.add_argument("--worker", action="store_true", help=argparse.SUPPRESS)
     p.add_argument("--worker-out", default="", help=argparse.SUPPRESS)
+    p.add_argument("--link-profile", default="", help=argparse.SUPPRESS)
     return p
 
 
@@ -695,7 +794,8 @@ def main(argv: Sequence[str] | None = None) -> int:
     args.hooks = [h.strip() for h in args.hooks.split(",") if h.strip()]
     try:
         for spec in args.hooks:
-            split_hook(spec)
+            if hook_profile(spec) == LINK_PROFILE and args.loopback:
+                raise ValueError(f"{spec!r}: loopback measures no link to build a profile from")
     except ValueError as exc:
         raise SystemExit(str(exc)) from None
     if args.worker:
@@ -714,6 +814,7 @@ def main(argv: Sequence[str] | None = None) -> int:
             "--bucket-view" if args.bucket_view else "--no-bucket-view",
             "--hooks", ",".join(args.hooks),
         ]  # fmt: skip
+        wants_link = any(hook_profile(h) == LINK_PROFILE for h in args.hooks)
         with EmulatedCluster(
             bandwidth=args.bandwidth,
             loopback=args.loopback,
@@ -733,6 +834,11 @@ def main(argv: Sequence[str] | None = None) -> int:
                     intra = cluster.link_stats(dst=1)
                     print(intra.summary(), flush=True)
                     topology["link_intra_node"] = intra.to_dict()
+            if wants_link:
+                profile = link_profile(topology["link"], cluster.nodes * cluster.ranks_per_node)
+                topology["link_profile"] = profile.to_dict()
+                profile.save(Path(tmp) / "link_profile.json")
+                worker += ["--link-profile", str(Path(tmp) / "link_profile.json")]
             ranks = cluster.run(
                 worker, timeout=args.timeout, env={"PYTHONPATH": os.getcwd()}, echo=True
             )

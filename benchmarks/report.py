@@ -321,9 +321,15 @@ def _latency_sweep(data: dict, link: str) -> list[str]:
             err = f"{_pct((pred - t) / t)}" if pred else "-"
             vs = f"{fixed['median_step_s'] / t:.2f}x" if fixed else "-"
             chunk = r.get("chunk_elements") or ("default" if r["hook"].startswith("aps") else "-")
+            used = sorted({c for c in r.get("bucket_chunks") or [] if c})
+            if used and not r.get("chunk_elements"):
+                # What the hook's chunk rule chose, per distinct bucket chunk.
+                chunk = "rule " + ", ".join(
+                    f"2**{c.bit_length() - 1}" if c & (c - 1) == 0 else str(c) for c in used
+                )
             lines.append(
                 f"| {size['gradient_mb']:.0f} | {len(size.get('bucket_numels') or [])} | "
-                f"{r['hook'].split(':')[0]} | {chunk} | {t * 1e3:.1f} | "
+                f"{r['hook'].split(':chunk=')[0]} | {chunk} | {t * 1e3:.1f} | "
                 f"{_num(pred * 1e3 if pred else None)} | {err} | "
                 f"{cpu * ranks / cpus * 1e3:.1f} | {vs} |"
             )

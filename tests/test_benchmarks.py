@@ -227,6 +227,20 @@ def test_comm_hook_specs() -> None:
     ]:
         with pytest.raises(ValueError, match=why):
             comm.split_hook(bad)
+    assert comm.hook_profile("aps-e4m3:profile=link") == "link"
+    assert comm.split_hook("aps-e4m3:profile=p.json") == ("aps-e4m3", None)
+    assert comm.hook_profile("aps-e4m3-grid") is None
+    for bad, why in [
+        ("fp32:profile=link", "only APS hooks"),
+        ("aps-e4m3:profile=", "give a profile"),
+        ("aps-e4m3:chunk=4:profile=link", "a fixed chunk ignores the profile"),
+        ("aps-e4m3:chunks=4", "unknown hook"),
+    ]:
+        with pytest.raises(ValueError, match=why):
+            comm.hook_profile(bad)
+    # The link's profile: half the round trip, the goodput.
+    link = comm.link_profile({"bandwidth_bits_per_s": 8e8, "rtt_s": 3e-3}, 8).link
+    assert link.alpha == 1.5e-3 and link.bandwidth == pytest.approx(1e8)
     # 16 MiB layers from 16 MiB up; 4 square layers below.
     assert comm._shape(64) == (2048, 4) and comm._shape(4) == (512, 4)
 
@@ -271,6 +285,25 @@ def test_comm_prediction_is_the_model_per_bucket() -> None:
     assert pred["aps-e4m3:chunk=65536"] == ref("e4m3", "two_phase", 65536)
     assert pred["aps-e4m3:chunk=65536"] != pred["aps-e4m3"]
     assert pred["aps-e4m3-auto"] <= min(pred["fp32"], pred["aps-e4m3"]) + 1e-12
+    # What the hook ran per bucket, where recorded, is what the model prices.
+    ran = {"aps-e4m3": {"bucket_reductions": ["two_phase"] * 2, "bucket_chunks": [2**16, 2**20]}}
+    ran["aps-e4m3-auto"] = {
+        "bucket_reductions": ["hierarchical", "fp32"],
+        "bucket_chunks": [2**18, None],
+    }
+    ran["aps-e4m3-grid"] = {"bucket_reductions": ["grid"] * 2, "bucket_chunks": [2**20] * 2}
+    with_ran, _ = comm.predict_strategies(size, [*hooks, "aps-e4m3-grid"], _topology(), ran)
+    assert with_ran["aps-e4m3"] == sum(
+        bucket_breakdown(n, n // 512**2, "e4m3", cluster, "two_phase", chunk=c).total_s
+        for n, c in zip(size["bucket_numels"], [2**16, 2**20], strict=True)
+    )
+    assert (
+        with_ran["aps-e4m3-auto"]
+        == bucket_breakdown(3 * 512**2, 3, "e4m3", cluster, "hierarchical", chunk=2**18).total_s
+        + bucket_breakdown(512**2, 1, "e4m3", cluster, "fp32").total_s
+    )
+    assert "aps-e4m3-grid" not in with_ran  # the model has no grid strategy
+    assert with_ran["fp32"] == pred["fp32"]
     assert comm.predict_strategies(size, hooks, _topology() | {"link": None}) == (
         {},
         "no measured link (loopback)",
@@ -311,6 +344,12 @@ def test_comm_worker_records_every_hook_round_and_chunk() -> None:
     assert last["aps-e4m3:chunk=4096"]["chunk_elements"] == 4096
     assert last["aps-e4m3:chunk=4096"]["reduction"] == "two_phase"
     assert last["aps-e4m3-auto"]["chunk_elements"] is None
+    # What ran per bucket: the fixed chunk; auto's choice and the chunk rule's.
+    assert last["aps-e4m3:chunk=4096"]["bucket_chunks"] == [4096] * 4
+    assert last["aps-e4m3:chunk=4096"]["bucket_reductions"] == ["two_phase"] * 4
+    auto = last["aps-e4m3-auto"]
+    assert len(auto["bucket_reductions"]) == 4 and set(auto["bucket_reductions"]) <= {"two_phase"}
+    assert all(c is not None and c >= 128**2 for c in auto["bucket_chunks"])
     assert 0 < last["aps-e4m3:chunk=4096"]["rel_l2_error"] < 0.1
 
 
@@ -369,4 +408,10 @@ def test_report_nodes_section(tmp_path: Path) -> None:
     # 8 ranks x 15 ms of CPU / 2 cores = 60 ms; the fixed chunk took 2x as long.
     assert "| 4 | 1 | aps-e4m3 | default | 50.0 | 40 | -20.0% | 60.0 | 2.00x |" in text
     assert "| 4 | 1 | aps-e4m3 | 1048576 | 100.0 | 40 | -60.0% | 60.0 | 1.00x |" in text
+    # A hook planning with the link's profile: its name and the chunk its rule chose.
+    sized = run | {"hook": "aps-e4m3:profile=link", "bucket_chunks": [2**22]}
+    sweep["sweep"][0]["runs"].append(sized)
+    (tmp_path / "comm_latency_8nodes.json").write_text(json.dumps(sweep))
+    text = report.build(tmp_path, tmp_path / "RESULTS.md")
+    assert "| 4 | 1 | aps-e4m3:profile=link | rule 2**22 | 50.0 |" in text
     assert "## Other results" not in text  # a known file, not listed as unknown
