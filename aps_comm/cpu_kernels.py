@@ -1,11 +1,12 @@
 """Compiled CPU kernels of the codec (numba), with per-segment scaling.
 
 Eager torch decodes FP8 at 5-7x the cost of a plain copy on CPU; these
-kernels decode through a lookup table and encode with 32-bit integer bit
-tricks (plus one float add that rounds subnormals) over L1-sized blocks,
-optionally fused with the per-layer power-of-two scale of APS. They
-cover every format of at most 16 bits (two 4-bit codes per byte, one byte, or
-two bytes per element).
+kernels make one vectorised pass over the data, the per-layer scale of APS
+fused in. The encoder rounds with one float add per element (every binade
+where the format allows it, else subnormals only, else 32-bit integer bit
+tricks); the decoder moves the code's bit fields into a float32 (a table
+lookup for 4-bit codes and unusual biases). They cover every format of at
+most 16 bits (two 4-bit codes per byte, one byte, or two bytes per element).
 Only :mod:`aps_comm.codec` calls them; it falls back to plain torch when
 numba is missing. A segmentation is ``offsets`` (int64, L + 1 entries, from 0
 to the buffer's length) and ``factors`` (float32, L entries): element i of
@@ -42,7 +43,7 @@ __all__ = [
     "supports",
 ]
 
-_BLOCK = 2048  # elements per scratch block: fits L1, amortises the loop overhead
+_BLOCK = 2048  # elements per block of the owner reduction's float32 sum: fits L1
 
 
 def supports(fmt: FloatFormat) -> bool:
@@ -138,11 +139,10 @@ def decoder_params(fmt: FloatFormat) -> tuple[tuple[np.uint32, ...], np.float32]
 
     A code's magnitude bits shifted so its mantissa tops float32's mantissa
     read as a float32 that is the value divided by ``2**(127 - bias)``,
-    subnormals included; multiplying by that power of two is exact. Needs 8
-    or 16 bits on the wire and ``0 <= bias <= 253`` (the factor must be a
-    normal float32).
+    subnormals included; multiplying by that power of two is exact. Needs
+    ``0 <= bias <= 253`` (the factor must be a normal float32).
     """
-    if fmt.wire_bits not in (8, 16) or not 0 <= fmt.bias <= 253:  # type: ignore[operator]
+    if not 0 <= fmt.bias <= 253:  # type: ignore[operator]
         return None
     magmask = (1 << (fmt.bits - 1)) - 1
     never = magmask + 1
@@ -383,6 +383,43 @@ if AVAILABLE:
                 out[i] = table[code] * f
 
     @numba.njit(nogil=True, cache=True)
+    def _nibble(payload, i, q):
+        """float32 bits (as :func:`_code_bits`) of element i of a packed 4-bit payload."""
+        byte = np.uint32(payload[i >> 1])
+        return _code_bits(_and32(_shr32(byte, np.uint32((i & 1) * 4)), np.uint32(15)), q)
+
+    @numba.njit(nogil=True, cache=True)
+    def _decode4_bits(payload, out, lo, hi, q, a, b):
+        """out[i] = (bits-value(i) * a) * b for i in [lo, hi), two codes per byte."""
+        i = lo
+        if i < hi and i & 1:
+            out[i] = _u2f(_nibble(payload, i, q)) * a * b
+            i += 1
+        pairs = (hi - i) >> 1
+        codes = payload[i >> 1 : (i >> 1) + pairs]
+        vals = out[i : i + 2 * pairs]
+        # Whole bytes: a loop of simple strided stores that vectorises.
+        for j in range(pairs):
+            byte = np.uint32(codes[j])
+            vals[2 * j] = _u2f(_code_bits(_and32(byte, np.uint32(15)), q)) * a * b
+            vals[2 * j + 1] = _u2f(_code_bits(_shr32(byte, np.uint32(4)), q)) * a * b
+        i += 2 * pairs
+        if i < hi:
+            out[i] = _u2f(_nibble(payload, i, q)) * a * b
+
+    @numba.njit(nogil=True, cache=True)
+    def _decode4_arith(payload, out, q, k, offsets, factors):
+        """4-bit codes by moving bit fields, per segment (see :func:`_decode_bits`)."""
+        for seg in range(len(offsets) - 1):
+            f = factors[seg]
+            g = f * k
+            if np.float64(g) == np.float64(f) * np.float64(k):
+                a, b = g, np.float32(1.0)  # x * 1 is x
+            else:
+                a, b = k, f
+            _decode4_bits(payload, out, offsets[seg], offsets[seg + 1], q, a, b)
+
+    @numba.njit(nogil=True, cache=True)
     def _accumulate_bits(payload, acc, q, k, first):
         if first:
             for j in range(len(acc)):
@@ -423,6 +460,29 @@ if AVAILABLE:
             for j in range(n):
                 block[j] = block[j] / div
             _encode_block(block, one, out_codes[start : start + n], p)
+
+    @numba.njit(nogil=True, cache=True)
+    def _reduce4(recv, n_ranks, shard_bytes, out, q, k, p):
+        """:func:`_reduce` for packed 4-bit codes (decoded from bit fields)."""
+        acc = np.empty(_BLOCK, np.float32)
+        part = np.empty(_BLOCK, np.float32)
+        codes = np.empty(_BLOCK, np.uint8)
+        div = np.float32(n_ranks)
+        one = np.float32(1.0)
+        for start in range(0, shard_bytes, _BLOCK // 2):
+            nb = min(_BLOCK // 2, shard_bytes - start)
+            n = 2 * nb
+            block = acc[:n]
+            _decode4_bits(recv[start : start + nb], block, 0, n, q, k, one)
+            for r in range(1, n_ranks):
+                base = r * shard_bytes + start
+                _decode4_bits(recv[base : base + nb], part[:n], 0, n, q, k, one)
+                for j in range(n):
+                    block[j] += part[j]
+            for j in range(n):
+                block[j] = block[j] / div
+            _encode_block(block, one, codes[:n], p)
+            _pack(codes[:n], out[start : start + nb])
 
 
 def _np(t: torch.Tensor) -> np.ndarray:
@@ -471,7 +531,9 @@ def decode(
     if factors is None:
         offsets, factors = _whole(oa.size)
     arith = decoder_params(fmt)
-    if arith is not None:
+    if arith is not None and fmt.wire_bits == 4:
+        _decode4_arith(pa, oa, arith[0], arith[1], offsets, factors)
+    elif arith is not None:
         _decode_arith(pa, oa, arith[0], arith[1], offsets, factors)
     elif fmt.wire_bits != 4:
         _decode_segments(pa, oa, table, offsets, factors)
@@ -486,6 +548,10 @@ def reduce_shards(recv: torch.Tensor, n_ranks: int, fmt: FloatFormat, out: torch
     same arithmetic on every shard owner, so results are reproducible.
     """
     shard_bytes = recv.numel() // n_ranks
+    arith = decoder_params(fmt)
+    if fmt.wire_bits == 4 and arith is not None:
+        _reduce4(_np(recv), n_ranks, shard_bytes, _np(out), arith[0], arith[1], encoder_params(fmt))
+        return
     if fmt.wire_bits == 4:
         numel = 2 * shard_bytes
         vals = torch.empty(n_ranks * numel)
@@ -498,7 +564,6 @@ def reduce_shards(recv: torch.Tensor, n_ranks: int, fmt: FloatFormat, out: torch
     ra, oa = _np(recv), _np(out)
     if fmt.wire_bits == 16:
         ra, oa = ra.view(np.uint16), oa.view(np.uint16)
-    arith = decoder_params(fmt)
     # Without the bit-field decoder the table decodes; q and k are then unused.
     q, k = arith if arith is not None else ((np.uint32(0),) * 5, np.float32(1.0))
     shard = ra.size // n_ranks

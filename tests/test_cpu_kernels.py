@@ -21,6 +21,7 @@ from aps_comm.formats import (
     code_table,
     decode,
     encode,
+    payload_nbytes,
 )
 
 # Built-in formats, and custom ones on either side of each path's limits.
@@ -112,6 +113,10 @@ def test_every_encoder_path_matches_reference(
         assert torch.equal(out, got["int"]), (fmt, name)
         back = decode(out, fmt, x.numel())
         assert torch.equal(_canonical(back), _canonical(decode(expected, fmt, x.numel()))), name
+    # The kernels' decoder (bit fields, or the table for 4-bit codes with a
+    # negative bias) gives the reference's values for every code in the sweep.
+    mine = codec.decode(got["int"], fmt, x.numel(), backend="kernels")
+    assert torch.equal(_canonical(mine), _canonical(decode(got["int"], fmt, x.numel())))
 
 
 @pytest.mark.parametrize("fmt", [E4M3, E5M2, FP16, BF16, E2M1, E3M0], ids=str)
@@ -147,20 +152,29 @@ def test_scaled_encode_and_decode_match_reference(
 
 @pytest.mark.parametrize(
     "fmt",
-    [E4M3, E5M2, FP16, BF16, E3M2, FloatFormat(4, 3, specials="fn", bias=-92)],
+    [
+        E4M3,
+        E5M2,
+        FP16,
+        BF16,
+        E3M2,
+        E2M1,
+        E3M0,
+        FloatFormat(4, 3, specials="fn", bias=-92),  # decoded through the table
+        FloatFormat(2, 1, specials="none", bias=-120),  # 4-bit, through torch
+    ],
     ids=lambda f: f"{f.name}-b{f.bias}",
 )
-@pytest.mark.parametrize("n_ranks", [1, 2, 4])
+@pytest.mark.parametrize("n_ranks", [1, 2, 3, 4])
 def test_owner_reduce_matches_reference(fmt: FloatFormat, n_ranks: int) -> None:
     # Random codes (inf and NaN included), sums that overflow, and blocks
     # that end mid-way (the shard is no multiple of the kernel's block).
     shard = 5000
     gen = torch.Generator().manual_seed(n_ranks)
-    nbytes = shard * fmt.wire_bits // 8
-    recv = torch.randint(0, 2**fmt.bits, (n_ranks * nbytes,), generator=gen)
-    if fmt.wire_bits == 16:  # random bytes: every byte pair is a code
-        recv = recv % 256
-    recv = recv.to(torch.uint8)
+    nbytes = payload_nbytes(shard, fmt)
+    # Every byte is a code pair (4 bits), a code (8) or half of one (16).
+    high = 2**fmt.bits if fmt.wire_bits == 8 else 256
+    recv = torch.randint(0, high, (n_ranks * nbytes,), generator=gen).to(torch.uint8)
     got = codec.owner_reduce(recv, fmt, n_ranks, backend="kernels")
     acc = decode(recv[:nbytes], fmt, shard)
     for r in range(1, n_ranks):
