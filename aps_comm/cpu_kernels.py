@@ -1,11 +1,12 @@
 """Compiled CPU kernels of the codec (numba), with per-segment scaling.
 
 Eager torch decodes FP8 at 5-7x the cost of a plain copy on CPU; these
-kernels decode through a lookup table and encode with 32-bit integer bit
-tricks (plus one float add that rounds subnormals) over L1-sized blocks,
-optionally fused with the per-layer power-of-two scale of APS. They
-cover every format of at most 16 bits (two 4-bit codes per byte, one byte, or
-two bytes per element).
+kernels make one vectorised pass over the data, the per-layer scale of APS
+fused in. The encoder rounds with one float add per element (every binade
+where the format allows it, else subnormals only, else 32-bit integer bit
+tricks); the decoder moves the code's bit fields into a float32 (a table
+lookup for 4-bit codes and unusual biases). They cover every format of at
+most 16 bits (two 4-bit codes per byte, one byte, or two bytes per element).
 Only :mod:`aps_comm.codec` calls them; it falls back to plain torch when
 numba is missing. A segmentation is ``offsets`` (int64, L + 1 entries, from 0
 to the buffer's length) and ``factors`` (float32, L entries): element i of
@@ -15,6 +16,7 @@ segment s is multiplied by ``factors[s]``.
 from __future__ import annotations
 
 import functools
+import math
 from typing import Any
 
 import numpy as np
@@ -41,7 +43,7 @@ __all__ = [
     "supports",
 ]
 
-_BLOCK = 2048  # elements per scratch block: fits L1, amortises the loop overhead
+_BLOCK = 2048  # elements per block of the owner reduction's float32 sum: fits L1
 
 
 def supports(fmt: FloatFormat) -> bool:
@@ -69,6 +71,20 @@ def _subnormal_magic(fmt: FloatFormat) -> int:
     return int(np.float32(2.0**exp).view(np.uint32))
 
 
+def _binade_step(fmt: FloatFormat) -> int:
+    """float32 bits of ``2**(23 - man_bits)`` for :func:`_code_binade`, or 0 where it
+    does not apply.
+
+    It needs ``man_bits >= 1`` (ties to an even count of ulps are ties to an
+    even code only then) and ``2**(E + 23 - man_bits)`` finite for the top
+    binade ``E`` (bf16 and very negative biases are out).
+    """
+    top = math.floor(math.log2(fmt.max))
+    if fmt.man_bits < 1 or top + 23 - fmt.man_bits > 127:
+        return 0
+    return (23 - fmt.man_bits) << 23
+
+
 @functools.lru_cache(maxsize=64)
 def encoder_params(fmt: FloatFormat, add_subnormals: bool = True) -> tuple[np.uint32, ...]:
     """uint32 constants of the branchless encoder for one format.
@@ -78,9 +94,10 @@ def encoder_params(fmt: FloatFormat, add_subnormals: bool = True) -> tuple[np.ui
 
     Args:
         fmt: the target format.
-        add_subnormals: round subnormals with a float add (see
-            :func:`_subnormal_magic`) where the format allows it; False forces
-            the integer path everywhere (the tests compare the two).
+        add_subnormals: round with float adds (:func:`_code_binade` where the
+            format allows it, else subnormals only, see
+            :func:`_subnormal_magic`); False forces the integer path
+            everywhere (the tests compare the paths).
     """
     nan_code, inf_code = special_codes(fmt)
     max_exp = int(np.floor(np.log2(fmt.max)))
@@ -106,6 +123,8 @@ def encoder_params(fmt: FloatFormat, add_subnormals: bool = True) -> tuple[np.ui
             inf_code,
             fmt.bits - 1,
             _subnormal_magic(fmt) if add_subnormals else 0,  # 0: integer subnormal path
+            _binade_step(fmt) if add_subnormals else 0,  # 0: no binade path
+            (fmt._emin + 127) << 23,  # float32 exponent field of min_normal
         )
     )
 
@@ -120,11 +139,10 @@ def decoder_params(fmt: FloatFormat) -> tuple[tuple[np.uint32, ...], np.float32]
 
     A code's magnitude bits shifted so its mantissa tops float32's mantissa
     read as a float32 that is the value divided by ``2**(127 - bias)``,
-    subnormals included; multiplying by that power of two is exact. Needs 8
-    or 16 bits on the wire and ``0 <= bias <= 253`` (the factor must be a
-    normal float32).
+    subnormals included; multiplying by that power of two is exact. Needs
+    ``0 <= bias <= 253`` (the factor must be a normal float32).
     """
-    if fmt.wire_bits not in (8, 16) or not 0 <= fmt.bias <= 253:  # type: ignore[operator]
+    if not 0 <= fmt.bias <= 253:  # type: ignore[operator]
         return None
     magmask = (1 << (fmt.bits - 1)) - 1
     never = magmask + 1
@@ -165,6 +183,25 @@ if AVAILABLE:
     _or32 = _u32_op("or_")
     _shl32 = _u32_op("shl")
     _shr32 = _u32_op("lshr")
+
+    def _bitcast(src: Any, dst: Any) -> Any:
+        """A numba intrinsic reinterpreting a ``src`` scalar's bits as ``dst``.
+
+        An LLVM bitcast: free, and unlike a view through a scratch array it
+        keeps a loop that mixes float and bit arithmetic in one vectorised pass.
+        """
+
+        @intrinsic
+        def cast(typingctx, a):
+            def codegen(context, builder, signature, args):
+                return builder.bitcast(args[0], context.get_value_type(dst))
+
+            return dst(src), codegen
+
+        return cast
+
+    _f2u = _bitcast(nbtypes.float32, nbtypes.uint32)
+    _u2f = _bitcast(nbtypes.uint32, nbtypes.float32)
 
     @numba.njit(nogil=True, cache=True)
     def _finish(u, sub, p):
@@ -210,77 +247,81 @@ if AVAILABLE:
         return _finish(u, np.uint32(sub), p)
 
     @numba.njit(nogil=True, cache=True)
-    def _encode_plain(xu, codes, p):
-        for i in range(len(xu)):
-            codes[i] = _code(xu[i], p)
+    def _code_magic(u, p):
+        """Code of the float32 with bits ``u``, subnormals rounded by one float add.
+
+        See :func:`_subnormal_magic`; the path where p[10] != 0 but the
+        format's binades do not all fit :func:`_code_binade`.
+        """
+        a = _u2f(_and32(u, np.uint32(0x7FFFFFFF)))
+        return _finish(u, _sub32(_f2u(a + _u2f(p[10])), p[10]), p)
 
     @numba.njit(nogil=True, cache=True)
-    def _magic(p):
-        """p[10] reinterpreted as float32 (numba cannot view a scalar)."""
-        bits = np.empty(1, np.uint32)
-        bits[0] = p[10]
-        return bits.view(np.float32)[0]
+    def _code_binade(u, p):
+        """Code of the float32 with bits ``u``: every binade rounded by one float add.
+
+        With ``|v|`` first clamped to ``fmt.max`` (saturation) and ``E`` its
+        exponent raised to at least ``emin``, ``c = 2**(E + 23 - man_bits)``
+        has the format's ulp in ``E``'s binade as its own ulp, so the FPU's
+        round-to-nearest-even of ``|v| + c`` rounds ``|v|`` to the format:
+        ``bits(|v| + c) - bits(c)`` is its mantissa count ``m`` in ulps (8 to
+        16 for e4m3's normals; 16 is the next binade's first value, and below
+        ``min_normal`` it is the subnormal code). The code is then
+        ``((E - emin) << man_bits) + m``: no variable shift, no separate
+        subnormal path, and ties go to an even ``m``, i.e. an even code (this
+        needs ``man_bits >= 1``). ``c`` must stay a finite float32 (p[11] != 0
+        only where it does).
+        """
+        inf_bits = np.uint32(0x7F800000)
+        a = _and32(u, np.uint32(0x7FFFFFFF))
+        am = a if a < p[3] else p[3]
+        e = _and32(am, inf_bits)
+        e = e if e > p[12] else p[12]
+        cb = _add32(e, p[11])
+        m = _sub32(_f2u(_u2f(am) + _u2f(cb)), cb)
+        c = _add32(m, _shr32(_sub32(e, p[12]), p[0]))
+        c = p[8] if a == inf_bits else c
+        c = _or32(c, _shl32(_shr32(u, np.uint32(31)), p[9]))
+        return p[7] if a > inf_bits else c
 
     @numba.njit(nogil=True, cache=True)
-    def _add_block(x, sbuf, magic):
-        for j in range(len(x)):
-            sbuf[j] = abs(x[j]) + magic
+    def _encode_binade(x, f, codes, p):
+        for i in range(len(x)):
+            codes[i] = _code_binade(_f2u(x[i] * f), p)
 
     @numba.njit(nogil=True, cache=True)
-    def _scale_add_block(x, f, buf, sbuf, magic):
-        for j in range(len(x)):
-            v = x[j] * f
-            buf[j] = v
-            sbuf[j] = abs(v) + magic
+    def _encode_magic(x, f, codes, p):
+        for i in range(len(x)):
+            codes[i] = _code_magic(_f2u(x[i] * f), p)
 
     @numba.njit(nogil=True, cache=True)
-    def _encode_added(xu, su, codes, p):
-        """Codes of float32 bits ``xu``, with ``su`` the bits of ``|x| + magic``."""
-        for i in range(len(xu)):
-            codes[i] = _finish(xu[i], _sub32(su[i], p[10]), p)
+    def _encode_int(x, f, codes, p):
+        for i in range(len(x)):
+            codes[i] = _code(_f2u(x[i] * f), p)
 
     @numba.njit(nogil=True, cache=True)
-    def _scale_block(x, f, buf):
-        for j in range(len(x)):
-            buf[j] = x[j] * f
+    def _encode_block(x, f, codes, p):
+        """codes[i] = code(x[i] * f) through the format's fastest exact path.
 
-    @numba.njit(nogil=True, cache=True)
-    def _encode_unscaled(x, codes, p):
-        """codes[i] = code(x[i]), through a small scratch block."""
-        xu = x.view(np.uint32)
-        if p[10] == 0:
-            _encode_plain(xu, codes, p)
-            return
-        magic = _magic(p)
-        sbuf = np.empty(_BLOCK, np.float32)
-        sbu = sbuf.view(np.uint32)
-        for start in range(0, len(x), _BLOCK):
-            n = min(_BLOCK, len(x) - start)
-            _add_block(x[start : start + n], sbuf[:n], magic)
-            _encode_added(xu[start : start + n], sbu[:n], codes[start : start + n], p)
+        One fused pass: ``x * f`` is rounded once in float32 (exact for the
+        powers of two of APS, and ``x * 1`` is ``x``) and never stored.
+        """
+        if p[11] != 0:
+            _encode_binade(x, f, codes, p)
+        elif p[10] != 0:
+            _encode_magic(x, f, codes, p)
+        else:
+            _encode_int(x, f, codes, p)
 
     @numba.njit(nogil=True, cache=True)
     def _encode_codes(x, offsets, factors, codes, p):
-        """codes[i] = code(x[i] * factor of i's segment), through small scratch blocks."""
-        buf = np.empty(_BLOCK, np.float32)
-        sbuf = np.empty(_BLOCK, np.float32)
-        ubuf = buf.view(np.uint32)
-        sbu = sbuf.view(np.uint32)
-        fast = p[10] != 0
-        magic = _magic(p)
+        """codes[i] = code(x[i] * factor of i's segment)."""
         for seg in range(len(offsets) - 1):
-            f = factors[seg]
             lo, hi = offsets[seg], offsets[seg + 1]
-            for start in range(lo, hi, _BLOCK):
-                n = min(_BLOCK, hi - start)
-                # Separate simple loops vectorise; one fused loop with the
-                # bit reinterpretation in the middle does not.
-                if fast:
-                    _scale_add_block(x[start : start + n], f, buf[:n], sbuf[:n], magic)
-                    _encode_added(ubuf[:n], sbu[:n], codes[start : start + n], p)
-                else:
-                    _scale_block(x[start : start + n], f, buf[:n])
-                    _encode_plain(ubuf[:n], codes[start : start + n], p)
+            # Slices, not a loop from lo to hi: indices from 0 are known to be
+            # non-negative, so numba drops its wrap-around select and LLVM
+            # vectorises the loop.
+            _encode_block(x[lo:hi], factors[seg], codes[lo:hi], p)
 
     @numba.njit(nogil=True, cache=True)
     def _pack(codes, out):
@@ -302,34 +343,36 @@ if AVAILABLE:
             _decode_scaled(payload[lo:hi], out[lo:hi], table, factors[seg])
 
     @numba.njit(nogil=True, cache=True)
-    def _code_bits(payload, ubuf, q):
-        """float32 bits of each code's value divided by 2**(127 - bias): sign, exponent
+    def _code_bits(code, q):
+        """float32 bits of a code's value divided by 2**(127 - bias): sign, exponent
         and mantissa fields moved into place, inf and NaN patterns selected."""
-        for j in range(len(payload)):
-            c = np.uint32(payload[j])
-            mag = _and32(c, q[1])
-            sign = _shl32(_shr32(c, q[2]), np.uint32(31))
-            u = _or32(sign, _shl32(mag, q[0]))
-            u = _or32(sign, np.uint32(0x7F800000)) if mag == q[3] else u
-            ubuf[j] = _or32(sign, np.uint32(0x7FC00000)) if mag >= q[4] else u
+        c = np.uint32(code)
+        mag = _and32(c, q[1])
+        sign = _shl32(_shr32(c, q[2]), np.uint32(31))
+        u = _or32(sign, _shl32(mag, q[0]))
+        u = _or32(sign, np.uint32(0x7F800000)) if mag == q[3] else u
+        return _or32(sign, np.uint32(0x7FC00000)) if mag >= q[4] else u
 
     @numba.njit(nogil=True, cache=True)
-    def _scale_bits(fbuf, out, k, f):
-        for j in range(len(out)):
-            out[j] = fbuf[j] * k * f  # (v * 2**(127 - bias)) is exact, then the factor
+    def _decode_bits(payload, out, q, k, f):
+        """out[i] = value(payload[i]) * f, the value rebuilt from bit fields (vectorises)."""
+        g = f * k
+        # (v * 2**(127 - bias)) is exact, so v * (k * f) rounds the same exact
+        # product as (v * k) * f, one multiply instead of two, wherever k * f
+        # is itself exact: not where it overflows or loses bits as a subnormal.
+        if np.float64(g) == np.float64(f) * np.float64(k):
+            for i in range(len(out)):
+                out[i] = _u2f(_code_bits(payload[i], q)) * g
+        else:
+            for i in range(len(out)):
+                out[i] = _u2f(_code_bits(payload[i], q)) * k * f
 
     @numba.njit(nogil=True, cache=True)
     def _decode_arith(payload, out, q, k, offsets, factors):
-        """Decode by moving bit fields (vectorises) instead of a table gather."""
-        ubuf = np.empty(_BLOCK, np.uint32)
-        fbuf = ubuf.view(np.float32)
+        """Decode by moving bit fields instead of a table gather, per segment."""
         for seg in range(len(offsets) - 1):
-            f = factors[seg]
             lo, hi = offsets[seg], offsets[seg + 1]
-            for start in range(lo, hi, _BLOCK):
-                n = min(_BLOCK, hi - start)
-                _code_bits(payload[start : start + n], ubuf[:n], q)
-                _scale_bits(fbuf[:n], out[start : start + n], k, f)
+            _decode_bits(payload[lo:hi], out[lo:hi], q, k, factors[seg])
 
     @numba.njit(nogil=True, cache=True)
     def _decode4(payload, out, table, offsets, factors):
@@ -340,37 +383,115 @@ if AVAILABLE:
                 out[i] = table[code] * f
 
     @numba.njit(nogil=True, cache=True)
-    def _reduce(recv, n_ranks, shard, out_codes, table, p):
-        """Sum n_ranks decoded shards in rank order, divide by n_ranks, re-encode."""
-        buf = np.empty(_BLOCK, np.float32)
-        sbuf = np.empty(_BLOCK, np.float32)
-        ubuf = buf.view(np.uint32)
-        sbu = sbuf.view(np.uint32)
+    def _nibble(payload, i, q):
+        """float32 bits (as :func:`_code_bits`) of element i of a packed 4-bit payload."""
+        byte = np.uint32(payload[i >> 1])
+        return _code_bits(_and32(_shr32(byte, np.uint32((i & 1) * 4)), np.uint32(15)), q)
+
+    @numba.njit(nogil=True, cache=True)
+    def _decode4_bits(payload, out, lo, hi, q, a, b):
+        """out[i] = (bits-value(i) * a) * b for i in [lo, hi), two codes per byte."""
+        i = lo
+        if i < hi and i & 1:
+            out[i] = _u2f(_nibble(payload, i, q)) * a * b
+            i += 1
+        pairs = (hi - i) >> 1
+        codes = payload[i >> 1 : (i >> 1) + pairs]
+        vals = out[i : i + 2 * pairs]
+        # Whole bytes: a loop of simple strided stores that vectorises.
+        for j in range(pairs):
+            byte = np.uint32(codes[j])
+            vals[2 * j] = _u2f(_code_bits(_and32(byte, np.uint32(15)), q)) * a * b
+            vals[2 * j + 1] = _u2f(_code_bits(_shr32(byte, np.uint32(4)), q)) * a * b
+        i += 2 * pairs
+        if i < hi:
+            out[i] = _u2f(_nibble(payload, i, q)) * a * b
+
+    @numba.njit(nogil=True, cache=True)
+    def _decode4_arith(payload, out, q, k, offsets, factors):
+        """4-bit codes by moving bit fields, per segment (see :func:`_decode_bits`)."""
+        for seg in range(len(offsets) - 1):
+            f = factors[seg]
+            g = f * k
+            if np.float64(g) == np.float64(f) * np.float64(k):
+                a, b = g, np.float32(1.0)  # x * 1 is x
+            else:
+                a, b = k, f
+            _decode4_bits(payload, out, offsets[seg], offsets[seg + 1], q, a, b)
+
+    @numba.njit(nogil=True, cache=True)
+    def _accumulate_bits(payload, acc, q, k, first):
+        if first:
+            for j in range(len(acc)):
+                acc[j] = _u2f(_code_bits(payload[j], q)) * k
+        else:
+            for j in range(len(acc)):
+                acc[j] += _u2f(_code_bits(payload[j], q)) * k
+
+    @numba.njit(nogil=True, cache=True)
+    def _accumulate_table(payload, acc, table, first):
+        if first:
+            for j in range(len(acc)):
+                acc[j] = table[payload[j]]
+        else:
+            for j in range(len(acc)):
+                acc[j] += table[payload[j]]
+
+    @numba.njit(nogil=True, cache=True)
+    def _reduce(recv, n_ranks, shard, out_codes, table, bits, q, k, p):
+        """Sum n_ranks decoded shards in rank order, divide by n_ranks, re-encode.
+
+        Over L1-sized blocks: each rank's codes are decoded (from bit fields
+        where ``bits``, else through ``table``) and added into one float32
+        block, which is divided and encoded before the next block.
+        """
+        acc = np.empty(_BLOCK, np.float32)
         div = np.float32(n_ranks)
-        fast = p[10] != 0
-        magic = _magic(p)
+        one = np.float32(1.0)
         for start in range(0, shard, _BLOCK):
             n = min(_BLOCK, shard - start)
+            block = acc[:n]
+            for r in range(n_ranks):
+                codes = recv[r * shard + start : r * shard + start + n]
+                if bits:
+                    _accumulate_bits(codes, block, q, k, r == 0)
+                else:
+                    _accumulate_table(codes, block, table, r == 0)
             for j in range(n):
-                buf[j] = table[recv[start + j]]
+                block[j] = block[j] / div
+            _encode_block(block, one, out_codes[start : start + n], p)
+
+    @numba.njit(nogil=True, cache=True)
+    def _reduce4(recv, n_ranks, shard_bytes, out, q, k, p):
+        """:func:`_reduce` for packed 4-bit codes (decoded from bit fields)."""
+        acc = np.empty(_BLOCK, np.float32)
+        part = np.empty(_BLOCK, np.float32)
+        codes = np.empty(_BLOCK, np.uint8)
+        div = np.float32(n_ranks)
+        one = np.float32(1.0)
+        for start in range(0, shard_bytes, _BLOCK // 2):
+            nb = min(_BLOCK // 2, shard_bytes - start)
+            n = 2 * nb
+            block = acc[:n]
+            _decode4_bits(recv[start : start + nb], block, 0, n, q, k, one)
             for r in range(1, n_ranks):
-                base = r * shard + start
+                base = r * shard_bytes + start
+                _decode4_bits(recv[base : base + nb], part[:n], 0, n, q, k, one)
                 for j in range(n):
-                    buf[j] += table[recv[base + j]]
-            if fast:
-                for j in range(n):
-                    v = buf[j] / div
-                    buf[j] = v
-                    sbuf[j] = abs(v) + magic
-                _encode_added(ubuf[:n], sbu[:n], out_codes[start : start + n], p)
-            else:
-                for j in range(n):
-                    buf[j] /= div
-                _encode_plain(ubuf[:n], out_codes[start : start + n], p)
+                    block[j] += part[j]
+            for j in range(n):
+                block[j] = block[j] / div
+            _encode_block(block, one, codes[:n], p)
+            _pack(codes[:n], out[start : start + nb])
 
 
 def _np(t: torch.Tensor) -> np.ndarray:
     return t.detach().numpy()
+
+
+def _whole(n: int) -> tuple[np.ndarray, np.ndarray]:
+    """One segment of ``n`` elements with factor 1 (``x * 1`` is ``x``, NaN included)."""
+    return np.array([0, n], np.int64), np.ones(1, np.float32)
 
 
 def encode(
@@ -389,9 +510,8 @@ def encode(
     else:
         codes = oa if fmt.wire_bits == 8 else oa.view(np.uint16)
     if factors is None:
-        _encode_unscaled(xa, codes, params)
-    else:
-        _encode_codes(xa, offsets, factors, codes, params)
+        offsets, factors = _whole(xa.size)
+    _encode_codes(xa, offsets, factors, codes, params)
     if fmt.wire_bits == 4:
         _pack(codes, oa)
 
@@ -408,17 +528,15 @@ def decode(
     pa, oa = _np(payload), _np(out)
     if fmt.wire_bits == 16:
         pa = pa.view(np.uint16)
+    if factors is None:
+        offsets, factors = _whole(oa.size)
     arith = decoder_params(fmt)
-    if arith is not None:
-        if factors is None:
-            offsets, factors = np.array([0, oa.size], np.int64), np.ones(1, np.float32)
+    if arith is not None and fmt.wire_bits == 4:
+        _decode4_arith(pa, oa, arith[0], arith[1], offsets, factors)
+    elif arith is not None:
         _decode_arith(pa, oa, arith[0], arith[1], offsets, factors)
-    elif fmt.wire_bits != 4 and factors is None:
-        _decode_scaled(pa, oa, table, np.float32(1.0))  # x * 1 is exact, NaN included
     elif fmt.wire_bits != 4:
         _decode_segments(pa, oa, table, offsets, factors)
-    elif factors is None:
-        _decode4(pa, oa, table, np.array([0, oa.size], np.int64), np.ones(1, np.float32))
     else:
         _decode4(pa, oa, table, offsets, factors)
 
@@ -430,6 +548,10 @@ def reduce_shards(recv: torch.Tensor, n_ranks: int, fmt: FloatFormat, out: torch
     same arithmetic on every shard owner, so results are reproducible.
     """
     shard_bytes = recv.numel() // n_ranks
+    arith = decoder_params(fmt)
+    if fmt.wire_bits == 4 and arith is not None:
+        _reduce4(_np(recv), n_ranks, shard_bytes, _np(out), arith[0], arith[1], encoder_params(fmt))
+        return
     if fmt.wire_bits == 4:
         numel = 2 * shard_bytes
         vals = torch.empty(n_ranks * numel)
@@ -442,4 +564,7 @@ def reduce_shards(recv: torch.Tensor, n_ranks: int, fmt: FloatFormat, out: torch
     ra, oa = _np(recv), _np(out)
     if fmt.wire_bits == 16:
         ra, oa = ra.view(np.uint16), oa.view(np.uint16)
-    _reduce(ra, n_ranks, ra.size // n_ranks, oa, _table(fmt), encoder_params(fmt))
+    # Without the bit-field decoder the table decodes; q and k are then unused.
+    q, k = arith if arith is not None else ((np.uint32(0),) * 5, np.float32(1.0))
+    shard = ra.size // n_ranks
+    _reduce(ra, n_ranks, shard, oa, _table(fmt), arith is not None, q, k, encoder_params(fmt))

@@ -5,7 +5,11 @@ without per-layer scales, on one CPU thread or on a CUDA device (where every
 timing synchronises the device). Medians of repeats, every ratio measured in
 the same run as the copy it is divided by.
 
-    python -m benchmarks.codec [--mib 64] [--repeats 9] [--device cuda] [--json PATH]
+    python -m benchmarks.codec [--mib 64] [--repeats 9] [--formats e4m3,e5m2]
+                               [--device cuda] [--json PATH]
+
+On CPU both sides run on one thread: ``torch.set_num_threads(1)`` for the
+copy, and the numba kernels are serial.
 """
 
 from __future__ import annotations
@@ -125,10 +129,14 @@ def main(argv: list[str] | None = None) -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--mib", type=int, default=64)
     parser.add_argument("--repeats", type=int, default=9)
+    parser.add_argument(
+        "--formats", default="", help="comma-separated format names (default: six formats)"
+    )
     parser.add_argument("--device", default="cpu", help="cpu (one thread) or cuda")
     parser.add_argument("--json", type=Path, default=None, help="write results here")
     args = parser.parse_args(argv)
-    result = run(args.mib, args.repeats, device=args.device)
+    formats = tuple(f for f in args.formats.split(",") if f)
+    result = run(args.mib, args.repeats, formats, device=args.device)
     where = "1 thread" if args.device == "cpu" else result["machine"]
     print(f"copy_ of {args.mib} MiB float32, {where}: {result['copy_s'] * 1e3:.2f} ms (median)")
     print(f"{'format':<7} {'enc ms':>8} {'dec ms':>8} {'(enc+dec)/copy':>15} {'scaled':>8}")

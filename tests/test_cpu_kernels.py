@@ -1,0 +1,185 @@
+"""The CPU kernels' encoder paths, fused scales and owner reduction against the reference."""
+
+from __future__ import annotations
+
+import numpy as np
+import pytest
+import torch
+
+from aps_comm import codec, cpu_kernels
+from aps_comm.formats import (
+    BF16,
+    E2M1,
+    E2M3,
+    E3M0,
+    E3M2,
+    E3M4,
+    E4M3,
+    E5M2,
+    FP16,
+    FloatFormat,
+    code_table,
+    decode,
+    encode,
+    payload_nbytes,
+)
+
+# Built-in formats, and custom ones on either side of each path's limits.
+FORMATS = [
+    E4M3,
+    E5M2,
+    FP16,
+    BF16,
+    E3M4,
+    E2M3,
+    E3M2,
+    E2M1,
+    E3M0,
+    FloatFormat(5, 1, bias=10),
+    FloatFormat(3, 3, specials="fn", bias=5),
+    FloatFormat(4, 3, specials="fn", bias=-92),  # top binade: 2**(107 + 20) = 2**127
+    FloatFormat(4, 3, specials="fn", bias=-93),  # 2**128 overflows: no binade path
+    FloatFormat(2, 1, specials="none", bias=-120),  # no float-add path at all
+]
+_IDS = [f"{f.name}-{f.specials}-b{f.bias}" for f in FORMATS]
+
+
+def _paths(fmt: FloatFormat) -> dict[str, tuple[np.uint32, ...]]:
+    """The encoder's parameter tuples for every path ``fmt`` can take.
+
+    "binade": every value rounded by a float add (index 11), "magic":
+    subnormals only (index 10), "int": integers only.
+    """
+    p = cpu_kernels.encoder_params(fmt)
+    paths = {"int": cpu_kernels.encoder_params(fmt, add_subnormals=False)}
+    if p[10] != 0:
+        paths["magic"] = (*p[:11], np.uint32(0), *p[12:])
+    if p[11] != 0:
+        paths["binade"] = p
+    return paths
+
+
+def _encode_with(
+    params: tuple[np.uint32, ...],
+    x: torch.Tensor,
+    fmt: FloatFormat,
+    monkeypatch: pytest.MonkeyPatch,
+    **kw: object,
+) -> torch.Tensor:
+    with monkeypatch.context() as m:
+        m.setattr(cpu_kernels, "encoder_params", lambda f, add_subnormals=True: params)
+        return codec.encode(x, fmt, backend="kernels", **kw)  # type: ignore[arg-type]
+
+
+def _float32_sweep(fmt: FloatFormat) -> torch.Tensor:
+    """A million float32 bit patterns spread over all 2**32 (every exponent, sign and
+    many mantissas), the format's own values and their neighbours, and specials."""
+    bits = np.arange(0, 2**32, 4093, dtype=np.uint64).astype(np.uint32)
+    table = code_table(fmt)
+    vals = table[np.isfinite(table)]
+    near = [np.nextafter(vals, np.float32(v)) for v in (np.inf, -np.inf)]
+    edges = [fmt.max, -fmt.max, min(2 * fmt.max, 3e38), np.inf, -np.inf, np.nan, 0.0, -0.0]
+    x = np.concatenate([bits.view(np.float32), vals, *near, np.array(edges, np.float32)])
+    x = x.astype(np.float32)
+    if not fmt.has_nan:
+        x = x[np.isfinite(x)]
+    return torch.from_numpy(x)
+
+
+def _canonical(x: torch.Tensor) -> torch.Tensor:
+    """int32 bits with every NaN the same NaN (NaN codes may differ in sign)."""
+    return torch.where(x.isnan(), float("nan"), x).view(torch.int32)
+
+
+def test_path_choice() -> None:
+    # The float-add path for every built-in format but bf16 (its top binade
+    # would need 2**143) and e3m0 (no mantissa bit to round to even).
+    for fmt in (E4M3, E5M2, FP16, E3M4, E2M3, E3M2, E2M1):
+        assert set(_paths(fmt)) == {"int", "magic", "binade"}, fmt
+    for fmt in (BF16, E3M0):
+        assert set(_paths(fmt)) == {"int", "magic"}, fmt
+
+
+@pytest.mark.parametrize("fmt", FORMATS, ids=_IDS)
+def test_every_encoder_path_matches_reference(
+    fmt: FloatFormat, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    assert cpu_kernels.supports(fmt)
+    x = _float32_sweep(fmt)
+    expected = encode(x, fmt)
+    got = {name: _encode_with(p, x, fmt, monkeypatch) for name, p in _paths(fmt).items()}
+    for name, out in got.items():
+        # Same values, and the same bytes whatever the path (NaN codes included).
+        assert torch.equal(out, got["int"]), (fmt, name)
+        back = decode(out, fmt, x.numel())
+        assert torch.equal(_canonical(back), _canonical(decode(expected, fmt, x.numel()))), name
+    # The kernels' decoder (bit fields, or the table for 4-bit codes with a
+    # negative bias) gives the reference's values for every code in the sweep.
+    mine = codec.decode(got["int"], fmt, x.numel(), backend="kernels")
+    assert torch.equal(_canonical(mine), _canonical(decode(got["int"], fmt, x.numel())))
+
+
+@pytest.mark.parametrize("fmt", [E4M3, E5M2, FP16, BF16, E2M1, E3M0], ids=str)
+def test_scaled_encode_and_decode_match_reference(
+    fmt: FloatFormat, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    # Factors where the decoder's single multiply is exact (powers of two,
+    # 1, a subnormal) and where it is not (2**100 times the decoder's own
+    # power of two overflows; 3 is no power of two): either way one rounding.
+    gen = torch.Generator().manual_seed(11)
+    sizes = [0, 1, 2047, 2049, 5000, 3, 777]
+    x = torch.randn(sum(sizes), generator=gen) * torch.exp2(torch.randint(-30, 30, (sum(sizes),)))
+    layout = codec.Layout.from_numels(sizes, x.device)
+    scale = torch.tensor([8.0, 2.0**-140, 2.0**100, 3.0, 1.0, 0.5, 2.0**-20])
+    per_element = torch.repeat_interleave(scale, layout.lengths)
+    scaled = x * per_element
+    if not fmt.has_nan:  # the reference refuses inf there; the kernels saturate it
+        scaled = scaled.clamp(-fmt.max, fmt.max)
+    expected = encode(scaled, fmt)
+    values = _canonical(decode(expected, fmt, x.numel()))
+    got = {
+        name: _encode_with(p, x, fmt, monkeypatch, scale=scale, layout=layout)
+        for name, p in _paths(fmt).items()
+    }
+    for name, out in got.items():
+        # -inf in e4m3 is a NaN code with the sign bit here, without in the reference.
+        assert torch.equal(out, got["int"]), (fmt, name)
+        assert torch.equal(_canonical(decode(out, fmt, x.numel())), values), (fmt, name)
+    dec = codec.decode(expected, fmt, x.numel(), scale=scale, layout=layout, backend="kernels")
+    ref = decode(expected, fmt, x.numel()) * per_element
+    assert torch.equal(_canonical(dec), _canonical(ref)), fmt
+
+
+@pytest.mark.parametrize(
+    "fmt",
+    [
+        E4M3,
+        E5M2,
+        FP16,
+        BF16,
+        E3M2,
+        E2M1,
+        E3M0,
+        FloatFormat(4, 3, specials="fn", bias=-92),  # decoded through the table
+        FloatFormat(2, 1, specials="none", bias=-120),  # 4-bit, through torch
+    ],
+    ids=lambda f: f"{f.name}-b{f.bias}",
+)
+@pytest.mark.parametrize("n_ranks", [1, 2, 3, 4])
+def test_owner_reduce_matches_reference(fmt: FloatFormat, n_ranks: int) -> None:
+    # Random codes (inf and NaN included), sums that overflow, and blocks
+    # that end mid-way (the shard is no multiple of the kernel's block).
+    shard = 5000
+    gen = torch.Generator().manual_seed(n_ranks)
+    nbytes = payload_nbytes(shard, fmt)
+    # Every byte is a code pair (4 bits), a code (8) or half of one (16).
+    high = 2**fmt.bits if fmt.wire_bits == 8 else 256
+    recv = torch.randint(0, high, (n_ranks * nbytes,), generator=gen).to(torch.uint8)
+    got = codec.owner_reduce(recv, fmt, n_ranks, backend="kernels")
+    acc = decode(recv[:nbytes], fmt, shard)
+    for r in range(1, n_ranks):
+        acc = acc + decode(recv[r * nbytes : (r + 1) * nbytes], fmt, shard)
+    expected = encode(acc / n_ranks, fmt)
+    assert torch.equal(
+        _canonical(decode(got, fmt, shard)), _canonical(decode(expected, fmt, shard))
+    )
