@@ -503,6 +503,7 @@ def _model_cluster(topology: dict[str, Any]) -> Any:
     return dataclasses.replace(
         cluster,
         chunk_overhead_s=strategies.GLOO_CHUNK_OVERHEAD_S,
+        backend="gloo",  # the ring Gloo runs for the FP32/FP16 hooks, not a node-aware one
         # Every rank of every node shares this machine's cores.
         cores_per_rank=(os.cpu_count() or 1) / (nodes * per_node),
     )

@@ -182,6 +182,10 @@ class Cluster:
             chunk rule weighs against filling the pipeline; None: the model's
             own fixed cost of one chunk (its collectives' latencies and
             codec launches).
+        backend: the ``torch.distributed`` backend the ranks run (calibrated
+            profiles, the hook's clusters); ``"gloo"`` all-reduces in one
+            flat ring over node-major ranks, not node-aware; None: unknown
+            (node-aware all-reduce, as NCCL runs it across nodes).
 
     Example:
         >>> get_cluster("10gbe", world_size=8).world_size
@@ -197,6 +201,7 @@ class Cluster:
     source: str = ""
     cores_per_rank: float | None = None
     chunk_overhead_s: float | None = None
+    backend: str | None = None
 
     @property
     def world_size(self) -> int:

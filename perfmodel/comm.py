@@ -67,17 +67,18 @@ def resolve_strategy(n_elem: int, n_layers: int, fmt: FormatSpec, cluster: Clust
     )
 
 
-def _hook_call(cluster: Cluster, fmt: FormatSpec, strategy: str) -> OpCost | None:
-    """The calibrated whole call of a tiny bucket through ``fmt``'s hook, if any.
+def _hook_call(cluster: Cluster, fmt: FormatSpec) -> tuple[OpCost, str] | None:
+    """The calibrated whole call of a tiny bucket through ``fmt``'s hook, and its strategy.
 
-    Only for the path that was timed: the format's own strategy (``hook_call.fp16``
-    is torch's ``fp16_compress_hook``, ``hook_call.e4m3`` the two_phase APS hook).
+    ``hook_call.fp16`` is torch's ``fp16_compress_hook``, ``hook_call.e4m3``
+    the APS hook timed with two_phase: a path through the same hook (the same
+    ``aps``), whatever its strategy, pays that hook's fixed cost.
     """
     call = cluster.codec_fits.get(f"hook_call.{fmt.name}")
     default = FORMATS.get(fmt.name)
-    if call is None or default is None or (strategy, fmt.aps) != (default.strategy, default.aps):
+    if call is None or default is None or fmt.aps != default.aps:
         return None
-    return call
+    return call, default.strategy
 
 
 def bucket_comm(
@@ -113,8 +114,11 @@ def bucket_comm(
     """
     strategy = resolve_strategy(n_elem, n_layers, fmt, cluster)
     parts = bucket_breakdown(n_elem, n_layers, fmt, cluster, strategy, chunk_elements)
-    call = _hook_call(cluster, fmt, strategy)
-    if call is None or parts.total_s == 0.0:
+    timed = _hook_call(cluster, fmt)
+    if timed is None or parts.total_s == 0.0:
         return parts
-    tiny = bucket_breakdown(CALL_ELEMENTS, n_layers, fmt, cluster, strategy, chunk_elements).total_s
-    return replace(parts, overhead_s=call.launch_s - tiny)
+    # The hook's own cost (Python, DDP's future, wake-ups) is what the timed call
+    # took beyond its path's parts; another strategy pays its own parts on top.
+    call, calibrated = timed
+    tiny = bucket_breakdown(CALL_ELEMENTS, n_layers, fmt, cluster, calibrated, chunk_elements)
+    return replace(parts, overhead_s=call.launch_s - tiny.total_s)

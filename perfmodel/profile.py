@@ -132,6 +132,7 @@ class Profile:
             codec_fits=dict(self.codec),
             source=f"calibrated on {self.host} ({self.created})",
             cores_per_rank=self.cores_per_rank,
+            backend=self.backend.lower(),
         )
         if world_size is not None:
             cluster = replace(cluster, topology=replace(topo, nodes=world_size))

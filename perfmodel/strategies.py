@@ -310,11 +310,40 @@ def native_sum(fmt: str | FormatSpec, cluster: Cluster) -> bool:
     return spec.name in ("e4m3", "e5m2") and cluster.device.fp8_sum
 
 
+def _intra(cluster: Cluster) -> LinkParams:
+    """The in-node link as one rank's transfers see it in a step.
+
+    The topology's intra link is one flow's, its two ends on cores of their
+    own (as a probe measures loopback TCP, as presets state NVLink). Where
+    ranks are CPU processes (``cores_per_rank`` known), loopback moves every
+    byte by two copies on the CPU, the sender's and the receiver's, and in an
+    all-to-all or all-gather a rank does both for its own bytes: ``2 / cores``
+    of that rate's time, never less than the flow's own.
+    """
+    intra, cores = cluster.topology.intra, cluster.cores_per_rank
+    if cores is None or cores <= 0:
+        return intra
+    return replace(intra, beta=intra.beta * max(1.0, 2.0 / cores))
+
+
 def _allreduce(cluster: Cluster, nbytes: float, key: str, algorithm: str) -> float:
     fit = cluster.collective_fits.get(key)
     if fit is not None:
         return allreduce(nbytes, cluster.world_size, fit, algorithm)
-    return hierarchical_allreduce(nbytes, cluster.topology, algorithm)
+    topo = cluster.topology
+    if cluster.backend == "gloo" and topo.nodes > 1 and topo.gpus_per_node > 1:
+        # Gloo runs one flat ring over node-major ranks, not node-aware: each
+        # step every rank passes n/N to the next, one flow per node over its
+        # link (not shared), the rest over the in-node link; a step waits for
+        # the slower, so each node link carries 2(N-1)/N n.
+        intra, inter = _intra(cluster), topo.inter
+        slow = replace(
+            inter if inter.beta >= intra.beta else intra,
+            alpha=max(intra.alpha, inter.alpha),
+            gamma=intra.gamma,
+        )
+        return allreduce(nbytes, cluster.world_size, slow, algorithm)
+    return hierarchical_allreduce(nbytes, topo, algorithm)
 
 
 def _exchange(cluster: Cluster, nbytes: float, k: int) -> float:
@@ -375,11 +404,42 @@ def _group_layout(world: int, per_node: int, size: int, stride: int) -> tuple[in
 
 @dataclass(frozen=True)
 class _Stage:
-    """One collective of a chunk: on which process group, how long, how long on the NIC."""
+    """One collective of a chunk: its group, seconds, and bytes through the node's NIC.
+
+    ``seconds`` is the steady state, no shaper burst (see :func:`_nic_credit`).
+    """
 
     group: str
     seconds: float
-    nic_s: float = 0.0
+    nic_bytes: float = 0.0
+
+
+def _stage_links(cluster: Cluster, key: str) -> tuple[LinkParams, LinkParams]:
+    """(in-node link, node NIC as each of its L ranks' flows sees it) for a ``key`` collective.
+
+    Bandwidth from the topology (the NIC without its burst: chunks follow
+    back to back, see :func:`_nic_credit`); latency from the profile's fit of
+    that collective where calibrated: the per-step cost of a real call
+    (Gloo's wake-ups, about a millisecond), not the wire's round trip.
+    """
+    topo = cluster.topology
+    intra = _intra(cluster)
+    nic = replace(topo.inter.shared_by(topo.gpus_per_node), burst_bytes=0.0)
+    fit = cluster.collective_fits.get(key)
+    if fit is not None:
+        intra, nic = replace(intra, alpha=fit.alpha), replace(nic, alpha=fit.alpha)
+    return intra, nic
+
+
+def _nic_credit(cluster: Cluster, nic_bytes: float) -> float:
+    """Seconds a shaper's burst saves the NIC over a bucket whose flows send ``nic_bytes`` each.
+
+    As flat two_phase's exchange: the burst passes once per bucket, since
+    the chunks' calls leave the link no idle time to refill it.
+    """
+    topo = cluster.topology
+    shared = topo.inter.shared_by(topo.gpus_per_node)
+    return shared.beta * min(shared.burst_bytes, nic_bytes)
 
 
 def _group_stages(
@@ -397,22 +457,24 @@ def _group_stages(
     if size == 1:
         return _Stage(group, 0.0), _Stage(group, 0.0)
     q, nodes = _group_layout(cluster.world_size, topo.gpus_per_node, size, stride)
+    intra, nic = _stage_links(cluster, "all_to_all")
     if nodes == 1:
+        intra_ag, _ = _stage_links(cluster, "all_gather")
         return (
-            _Stage(group, all_to_all(nbytes, size, topo.intra)),
-            _Stage(group, all_gather(nbytes, size, topo.intra)),
+            _Stage(group, all_to_all(nbytes, size, intra)),
+            _Stage(group, all_gather(nbytes, size, intra_ag)),
         )
-    nic = topo.inter.shared_by(topo.gpus_per_node)
     off = nbytes * (size - q) / size
     a2a = (
-        (q - 1) * topo.intra.alpha
-        + topo.intra.wire_time(nbytes * (q - 1) / size)
+        (q - 1) * intra.alpha
+        + intra.wire_time(nbytes * (q - 1) / size)
         + (size - q) * nic.alpha
         + nic.wire_time(off)
     )
+    intra, nic = _stage_links(cluster, "all_gather")
     gathered = nbytes / q * (nodes - 1) / nodes
-    ag = all_gather(nbytes / q, nodes, nic) + all_gather(nbytes, q, topo.intra)
-    return _Stage(group, a2a, nic.wire_time(off)), _Stage(group, ag, nic.wire_time(gathered))
+    ag = all_gather(nbytes / q, nodes, nic) + all_gather(nbytes, q, intra)
+    return _Stage(group, a2a, off), _Stage(group, ag, gathered)
 
 
 def _stages(strategy: str, cluster: Cluster, w: float, m: float) -> list[_Stage]:
@@ -420,13 +482,14 @@ def _stages(strategy: str, cluster: Cluster, w: float, m: float) -> list[_Stage]
     topo = cluster.topology
     if strategy == "hierarchical":
         g, nodes = topo.gpus_per_node, topo.nodes
-        shared = topo.inter.shared_by(g)
+        intra, nic = _stage_links(cluster, "all_to_all")
+        intra_ag, nic_ag = _stage_links(cluster, "all_gather")
         inter = w * m / g * (nodes - 1) / nodes
         return [
-            _Stage("intra", all_to_all(_FP32_BYTES * m, g, topo.intra)),
-            _Stage("inter", all_to_all(w * m / g, nodes, shared), shared.wire_time(inter)),
-            _Stage("inter", all_gather(w * m / g, nodes, shared), shared.wire_time(inter)),
-            _Stage("intra", all_gather(w * m, g, topo.intra)),
+            _Stage("intra", all_to_all(_FP32_BYTES * m, g, intra)),
+            _Stage("inter", all_to_all(w * m / g, nodes, nic), inter),
+            _Stage("inter", all_gather(w * m / g, nodes, nic_ag), inter),
+            _Stage("intra", all_gather(w * m, g, intra_ag)),
         ]
     p = cluster.world_size
     g = grid_rows(p)
@@ -444,7 +507,9 @@ def _wire(strategy: str, fmt: FormatSpec, cluster: Cluster, m: float, k: int) ->
         return k * _allreduce(cluster, w * m, f"all_reduce.{fmt.torch_dtype}", cluster.algorithm)
     if strategy == "two_phase":
         return _exchange(cluster, w * m, k)
-    return k * sum(st.seconds for st in _stages(strategy, cluster, w, m))
+    stages = _stages(strategy, cluster, w, m)
+    credit = _nic_credit(cluster, k * sum(st.nic_bytes for st in stages))
+    return k * sum(st.seconds for st in stages) - credit
 
 
 def _busiest(strategy: str, fmt: FormatSpec, cluster: Cluster, m: float, k: int) -> float:
@@ -458,11 +523,16 @@ def _busiest(strategy: str, fmt: FormatSpec, cluster: Cluster, m: float, k: int)
     if strategy not in ("hierarchical", "grid"):
         return _wire(strategy, fmt, cluster, m, k)
     per: dict[str, float] = {}
-    nic = 0.0
+    through: dict[str, float] = {}
+    nic_bytes = 0.0
     for st in _stages(strategy, cluster, fmt.wire_bytes, m):
         per[st.group] = per.get(st.group, 0.0) + st.seconds
-        nic += st.nic_s
-    return k * max(nic, *per.values())
+        through[st.group] = through.get(st.group, 0.0) + st.nic_bytes
+        nic_bytes += st.nic_bytes
+    topo = cluster.topology
+    nic = topo.inter.shared_by(topo.gpus_per_node).beta * k * nic_bytes
+    busy = [k * s - _nic_credit(cluster, k * through[grp]) for grp, s in per.items()]
+    return max(nic - _nic_credit(cluster, k * nic_bytes), *busy)
 
 
 def _codec(strategy: str, fmt: FormatSpec, cluster: Cluster, m: float) -> float:
@@ -778,6 +848,7 @@ def hook_cluster(
             cluster,
             topology=Topology(nodes, ranks_per_node, link, link),
             chunk_overhead_s=overhead,
+            backend=backend.lower(),
         )
     if nccl:
         intra = get_cluster("dgx-h100").topology.intra
@@ -805,4 +876,5 @@ def hook_cluster(
         source=source,
         device=get_device(device),
         chunk_overhead_s=overhead,
+        backend=backend.lower(),
     )

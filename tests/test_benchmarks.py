@@ -271,6 +271,7 @@ def test_comm_prediction_is_the_model_per_bucket() -> None:
         ),
         chunk_overhead_s=GLOO_CHUNK_OVERHEAD_S,
         cores_per_rank=(os.cpu_count() or 1) / 4,
+        backend="gloo",
     )  # fmt: skip
 
     def ref(fmt: str, strategy: str, chunk: int | str = "auto") -> float:

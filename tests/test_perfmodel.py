@@ -718,9 +718,15 @@ def test_call_overhead_and_shared_cores() -> None:
         assert got.overhead_s == pytest.approx(delta)
         assert got.total_s == pytest.approx(plain.total_s + delta)
         assert bucket_comm(CALL_ELEMENTS, 16, fmt, timed).total_s == pytest.approx(tiny + delta)
-        # Only the path that was timed: e4m3 through an all-reduce is another path.
+        # Another strategy through the same APS hook pays the same hook cost on
+        # top of its own parts; torch's cast hook (aps=False) is another hook.
         other = get_format("e4m3", strategy="allreduce")
-        assert bucket_comm(n, 16, other, timed) == bucket_comm(n, 16, other, base)
+        assert bucket_comm(n, 16, other, timed).overhead_s == pytest.approx(delta)
+        assert bucket_comm(n, 16, other, timed).total_s == pytest.approx(
+            bucket_comm(n, 16, other, base).total_s + delta
+        )
+        cast = replace(other, aps=False)
+        assert bucket_comm(n, 16, cast, timed) == bucket_comm(n, 16, cast, base)
     # The torch hooks' calls too: FP32 all-reduce, 4 ms call against its parts.
     fp32 = get_format("fp32")
     parts = bucket_comm(CALL_ELEMENTS, 16, fp32, base).total_s
@@ -786,6 +792,89 @@ def test_hierarchical_stages_hand_value() -> None:
     h = bucket_breakdown(10**6, 4, "e4m3", flat, "hierarchical", chunk=None)
     t = bucket_breakdown(10**6, 4, "e4m3", flat, "two_phase", chunk=None)
     assert h.collective_s == pytest.approx(t.collective_s)
+
+
+def _two_by_two(**kw: object) -> object:
+    """2 nodes x 2 ranks: in-node 10 GB/s (1 us), node links 100 MB/s (10 us)."""
+    from aps_perfmodel import Cluster, get_device
+
+    intra, inter = C.LinkParams(1e-6, 1e-10), C.LinkParams(1e-5, 1e-8)
+    return Cluster("toy", Topology(2, 2, intra, inter), get_device("h100"), **kw)
+
+
+def test_hierarchical_stages_price_latency_with_calibrated_fits() -> None:
+    from aps_perfmodel.strategies import bucket_breakdown
+
+    # Fitted per-step latencies of 1 ms (all-to-all) and 2 ms (all-gather), as
+    # Gloo's calls cost; bandwidth stays the topology's.
+    fits = {"all_to_all": C.LinkParams(1e-3, 5e-8), "all_gather": C.LinkParams(2e-3, 5e-8)}
+    b = bucket_breakdown(10**6, 4, "e4m3", _two_by_two(collective_fits=fits), "hierarchical", None)
+    # Each stage on its group of 2: one step. In-node all-to-all of 4 MB of FP32
+    # (2 MB each way at 1e-10), the 0.5 MB slice across nodes (2 flows share the
+    # NIC: 2e-8) out and back, in-node all-gather of 1 MB of FP8.
+    expect = (1e-3 + 2e6 * 1e-10) + (1e-3 + 2.5e5 * 2e-8) + (2e-3 + 2.5e5 * 2e-8)
+    expect += 2e-3 + 5e5 * 1e-10
+    assert b.collective_s == pytest.approx(expect)
+    # Grid (g = 2: rows are the nodes) takes the same latencies per stage.
+    g = bucket_breakdown(10**6, 4, "e4m3", _two_by_two(collective_fits=fits), "grid", None)
+    assert g.collective_s == pytest.approx(
+        (1e-3 + 5e5 * 1e-10) + (1e-3 + 2.5e5 * 2e-8) + (2e-3 + 2.5e5 * 2e-8) + (2e-3 + 5e5 * 1e-10)
+    )
+
+
+def test_staged_strategies_credit_burst_once_per_bucket() -> None:
+    from aps_perfmodel.strategies import bucket_breakdown
+
+    inter = C.LinkParams(1e-5, 1e-8, burst_bytes=4e5)
+    c = replace(_two_by_two(), topology=replace(_two_by_two().topology, inter=inter))
+    # 8 chunks of 2**17 elements: per chunk 2 x 32 kB per flow across nodes at
+    # 2e-8 (2 flows); the flow's 200 kB share of the burst passes once.
+    b = bucket_breakdown(2**20, 4, "e4m3", c, "hierarchical", chunk=2**17)
+    m = 2**17
+    chunk = (1e-6 + 2 * m * 1e-10) + 2 * (1e-5 + m / 4 * 2e-8) + (1e-6 + m / 2 * 1e-10)
+    assert b.chunks == 8
+    assert b.collective_s == pytest.approx(8 * chunk - 2e5 * 2e-8)
+
+
+def test_in_node_stages_cost_cpu_where_ranks_share_cores() -> None:
+    from aps_perfmodel.strategies import bucket_breakdown
+
+    def intra_s(cores: float | None) -> float:
+        b = bucket_breakdown(
+            10**6, 4, "e4m3", _two_by_two(cores_per_rank=cores), "hierarchical", None
+        )
+        return b.collective_s - 2 * (1e-5 + 2.5e5 * 2e-8) - 2e-6
+
+    # In-node bytes: 2 MB of FP32 out, 0.5 MB of FP8 gathered, at 1e-10 per byte;
+    # a rank copies each byte twice (send, receive) on its share of a core.
+    assert intra_s(None) == pytest.approx(2.5e6 * 1e-10)
+    assert intra_s(4.0) == pytest.approx(2.5e6 * 1e-10)
+    assert intra_s(1.0) == pytest.approx(2.5e6 * 2e-10)
+    assert intra_s(0.5) == pytest.approx(2.5e6 * 4e-10)
+
+
+def test_gloo_all_reduce_is_one_flat_ring() -> None:
+    from aps_perfmodel.profile import Profile
+    from aps_perfmodel.strategies import bucket_breakdown, hook_cluster
+
+    n = 10**6
+    # Gloo: ring over 4 node-major ranks, 2(N-1)/N of the 4 MB on each node link
+    # (one flow, not shared), every step at the node link's latency.
+    gloo = bucket_breakdown(n, 4, "fp32", _two_by_two(backend="gloo"), "fp32")
+    assert gloo.collective_s == pytest.approx(6 * 1e-5 + 1.5 * 4e6 * 1e-8)
+    # Node-aware (NCCL-like): the 2 MB shard, its 2 flows sharing the link: 1 x 4 MB.
+    aware = bucket_breakdown(n, 4, "fp32", _two_by_two(), "fp32")
+    expect = (1e-6 + 2e6 * 1e-10) + (2 * 1e-5 + 2e6 * 2e-8) + (1e-6 + 2e6 * 1e-10)
+    assert aware.collective_s == pytest.approx(expect)
+    # torch's FP16 hook: the same ring on 2 bytes per element.
+    fp16 = replace(get_format("fp16"), aps=False)
+    half = bucket_breakdown(n, 4, fp16, _two_by_two(backend="gloo"), "native")
+    assert half.collective_s == pytest.approx(6 * 1e-5 + 1.5 * 2e6 * 1e-8)
+    # The backend reaches the model from the hook and from a profile.
+    assert hook_cluster("gloo", "cpu", 4, 2).backend == "gloo"
+    assert hook_cluster("nccl", "cuda", 4, 2).backend == "nccl"
+    prof = Profile(world_size=2, backend="gloo", link=C.LinkParams(1e-4, 1e-9))
+    assert prof.to_cluster().backend == "gloo"
 
 
 def test_hook_cluster_defaults_profile_and_errors() -> None:
