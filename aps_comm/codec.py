@@ -374,7 +374,8 @@ def shard_mean(
     for r in range(1, n_ranks):
         decode(recv[r * shard_bytes : (r + 1) * shard_bytes], fmt, numel, out=part, backend=backend)
         acc += part
-    return acc.div_(n_ranks if divisor is None else divisor)
+    divisor = n_ranks if divisor is None else divisor
+    return acc if divisor == 1 else acc.div_(divisor)
 
 
 def segment_amax(x: torch.Tensor, layout: Layout) -> torch.Tensor:

@@ -206,7 +206,8 @@ class APSState:
         self.bucket_reductions: dict[int, str] = {}
         self.bucket_chunks: dict[int, int] = {}
         self._planner: Planner | None = None
-        self._auto: dict[tuple, dict[FloatFormat, str]] = {}
+        # Per reduction that needs one, its (ranks per node or rows, this rank).
+        self._node_layouts: dict[str, tuple[int, int]] = {}
         self.process_group = process_group
         self.collect_stats = bool(stats)
         self.policy: list[Rule] = list(policy or [])
@@ -396,6 +397,10 @@ class APSState:
             fp32=backend == "nccl" or self.profile is not None,
             grid=self.grid is not None,
         )
+        rank = dist.get_rank(self.process_group)
+        for name, groups in (("hierarchical", self.nodes), ("grid", self.grid)):
+            if groups is not None:
+                self._node_layouts[name] = (groups.topology.ranks_per_node, rank)
         self._bound = True
 
     def _possible_formats(self) -> set[FloatFormat]:
@@ -490,6 +495,7 @@ class APSState:
         x = buffer if buffer.dtype == torch.float32 else buffer.float()
         if self.error_feedback:
             self._add_residuals(x, numels, names)
+        fmts = None
         if self._promoter is None and not self.error_feedback:
             # Formats known before the maxima: a bucket that goes entirely in
             # FP32 (auto's choice, or a schedule) needs neither maxima nor scales.
@@ -540,15 +546,10 @@ class APSState:
             chunk = max(1, int(self.chunk_bytes) * 8 // self.fmt.wire_bits)  # type: ignore[arg-type]
         self.bucket_chunks[b.index] = chunk
 
-        fmts = self._formats(params)
-        node: dict[str, tuple[int, int]] = {}
-        rank = dist.get_rank(self.process_group)
-        if self.nodes is not None:
-            node["hierarchical"] = (self.nodes.topology.ranks_per_node, rank)
-        if self.grid is not None:
-            node["grid"] = (self.grid.topology.ranks_per_node, rank)
+        if fmts is None:  # Promote has just updated them
+            fmts = self._formats(params)
         reductions = self._bucket_choice(plan, fmts)
-        groups = plan.group(fmts, reductions, self._world_size, chunk, node)
+        groups = plan.group(fmts, reductions, self._world_size, chunk, self._node_layouts)
         sent = [g for g in groups if g.fmt != FP32]
         if sent:
             self.bucket_reductions[b.index] = max(sent, key=lambda g: g.numel).reduction
@@ -574,8 +575,8 @@ class APSState:
         """Each format's reduction in this bucket: as configured, or the model's choice."""
         if self.config.reduction != "auto":
             return self._reductions
-        key = (plan.key, tuple(fmts))
-        chosen = self._auto.get(key)
+        key = tuple(fmts)
+        chosen = plan.reductions.get(key)
         if chosen is None:
             planner = self._planner
             assert planner is not None
@@ -588,9 +589,7 @@ class APSState:
                     if fmt == FP32
                     else planner.reduction(fmt, sum(sizes), len(sizes), native)
                 )
-            if len(self._auto) > 4 * len(self._plans) + 16:
-                self._auto.clear()  # layouts DDP dropped
-            self._auto[key] = chosen
+            plan.reductions[key] = chosen
         return chosen
 
     def _finish_bucket(

@@ -24,7 +24,7 @@ import torch
 from aps_comm.codec import Layout
 from aps_comm.formats import FP32, FloatFormat, get_format, payload_nbytes
 from aps_perfmodel.cluster import Cluster
-from aps_perfmodel.strategies import STRATEGIES, strategy_chunk, strategy_times
+from aps_perfmodel.strategies import choose_strategy, strategy_chunk
 
 __all__ = [
     "BucketPlan",
@@ -89,16 +89,16 @@ class Planner:
 
     def reduction(self, fmt: FloatFormat, numel: int, n_layers: int, native: bool) -> str:
         """The fastest way to reduce ``numel`` elements of ``fmt`` (a hook reduction name)."""
-        candidates = ["fp32"] if self.fp32 else []
-        if native:
-            candidates.append("native")
-        candidates.append("two_phase")
-        if self.hierarchical:
-            candidates.append("hierarchical")
-        if self.grid and "grid" in STRATEGIES:
-            candidates.append("grid")
-        times = strategy_times(numel, n_layers, model_format(fmt), self.cluster, candidates)
-        best = min(candidates, key=lambda s: times[s])  # ties: the earlier candidate
+        best = choose_strategy(
+            numel,
+            n_layers,
+            model_format(fmt),
+            self.cluster,
+            native_ok=native,
+            hierarchical_ok=self.hierarchical,
+            grid_ok=self.grid,
+            fp32_ok=self.fp32,
+        )
         return "fp32" if best == "fp32" else _HOOK_NAMES[best]
 
     def chunk(
@@ -109,8 +109,6 @@ class Planner:
         chunk = numel
         if reduction != "fp32" and numel > 1:
             strategy = "native" if reduction == "allreduce" else reduction
-            if strategy not in STRATEGIES:  # a model without it sizes it as two_phase
-                strategy = "two_phase"
             chunk = strategy_chunk(numel, model_format(fmt), self.cluster, strategy, exchange_s)
         return 2 ** math.ceil(math.log2(max(chunk, 1)))
 
@@ -251,6 +249,8 @@ class BucketPlan:
             :meth:`Planner.chunk` sizes chunks from on CPU: the minimum, since
             waiting for a late peer or a busy core only ever adds time).
         exchanges: exchanges timed so far.
+        reductions: ``reduction="auto"``'s choice per format, per mix of the
+            layers' formats (the model's answer depends only on the layout).
     """
 
     key: tuple
@@ -260,6 +260,7 @@ class BucketPlan:
     groups: dict[tuple, list[GroupPlan]] = dataclasses.field(default_factory=dict)
     exchange_s: float = 0.0
     exchanges: int = 0
+    reductions: dict[tuple, dict[FloatFormat, str]] = dataclasses.field(default_factory=dict)
 
     def timed(self, seconds: float) -> None:
         """Record one exchange of the bucket (the first, which pays page faults, is not kept)."""

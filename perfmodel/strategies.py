@@ -763,10 +763,12 @@ def choose_strategy(
     native_ok: bool,
     hierarchical_ok: bool,
     grid_ok: bool = False,
+    fp32_ok: bool = True,
 ) -> str:
     """The fastest strategy for one bucket; ``"fp32"`` where nothing else is faster.
 
-    Candidates: ``fp32`` and ``two_phase`` always, ``native`` where
+    Candidates: ``fp32`` where ``fp32_ok`` (always an FP32 format's),
+    ``two_phase`` always, ``native`` where
     ``native_ok`` (the backend sums the wire dtype), ``hierarchical`` where
     ``hierarchical_ok`` and nodes have several ranks, ``grid`` where
     ``grid_ok`` and N has a grid (:func:`grid_rows` >= 2). Ties go to the earlier
@@ -780,21 +782,18 @@ def choose_strategy(
         >>> choose_strategy(25 * 2**18, 20, "fp32", c, native_ok=False, hierarchical_ok=False)
         'fp32'
     """
-    if _spec(fmt).name == "fp32" or cluster.world_size == 1:
+    if _spec(fmt).name == "fp32" or (cluster.world_size == 1 and fp32_ok):
         return "fp32"
     allowed = {
-        "fp32": True,
+        "fp32": fp32_ok,
         "native": native_ok,
         "two_phase": True,
         "hierarchical": hierarchical_ok and cluster.topology.gpus_per_node > 1,
         "grid": grid_ok and grid_rows(cluster.world_size) >= 2,
     }
-    times = strategy_times(numel, n_layers, fmt, cluster, [s for s in STRATEGIES if allowed[s]])
-    best = "fp32"
-    for s, t in times.items():
-        if t < times[best]:
-            best = s
-    return best
+    candidates = [s for s in STRATEGIES if allowed[s]]
+    times = strategy_times(numel, n_layers, fmt, cluster, candidates)
+    return min(candidates, key=times.__getitem__)  # ties: the earlier name
 
 
 def hook_cluster(
