@@ -18,11 +18,13 @@ from __future__ import annotations
 
 import dataclasses
 import datetime
-import math
 import os
 from collections.abc import Mapping, Sequence
 
 import torch.distributed as dist
+
+# One rule for the hook and the model that prices it (the grid's rows g).
+from aps_perfmodel.strategies import grid_rows
 
 __all__ = [
     "NodeGroups",
@@ -67,23 +69,6 @@ class Topology:
     def peer_ranks(self, local_rank: int) -> list[int]:
         """The group ranks with local rank ``local_rank``, in node order."""
         return list(range(local_rank, self.world_size, self.ranks_per_node))
-
-
-def grid_rows(world_size: int) -> int:
-    """The rows g of the grid two_phase lays N ranks on: the largest divisor of N <= sqrt(N).
-
-    The grid's two levels exchange with g - 1 and N/g - 1 peers instead of
-    N - 1; g = 1 (N prime or below 4) means no grid.
-
-    Example:
-        >>> [grid_rows(n) for n in (2, 4, 7, 8, 64, 1024)]
-        [1, 2, 1, 2, 8, 32]
-    """
-    best = 1
-    for g in range(2, math.isqrt(max(world_size, 1)) + 1):
-        if world_size % g == 0:
-            best = g
-    return best
 
 
 def env_ranks_per_node(environ: Mapping[str, str] | None = None) -> int | None:
