@@ -38,7 +38,10 @@ knows the strategy; for the chunk each bucket was cut into)::
 With ``--batch B`` backward also computes (a batch of B rows through the
 model), and per hook the report holds communication alone (batch 1), the
 step with compute, and the exposed communication: the step minus backward
-alone (timed with a hook that communicates nothing).
+alone (a hook that communicates nothing, stepped just before each of the
+hook's steps; the median of the differences), and the communication's CPU
+per step (the same difference in rank 0's CPU time), its floor where backward
+fills the cores.
 
 Example:
     >>> main(["--loopback", "--ranks", "2", "--mb", "4", "--repeats", "2"])  # doctest: +SKIP
@@ -268,6 +271,32 @@ def _time_steps(
     return times, cpu
 
 
+def _time_paired(
+    ddp: torch.nn.Module, alone: torch.nn.Module, x: torch.Tensor, warmup: int, repeats: int
+) -> dict[str, list[float]]:
+    """Steps of ``ddp`` each right after a step of ``alone`` (backward alone, no communication).
+
+    Backward's time on a shared VM drifts by tens of percent over a minute;
+    the exposed communication is the difference of two such times, so each
+    hook step is compared with the baseline step just before it.
+    """
+    out: dict[str, list[float]] = {
+        "compute_step_s": [],
+        "compute_rank0_cpu_s": [],
+        "alone_step_s": [],
+        "alone_rank0_cpu_s": [],
+    }
+    for step in range(warmup + repeats):
+        base, base_cpu = _time_steps(alone, x, 0, 1)
+        hooked, cpu = _time_steps(ddp, x, 0, 1)
+        if step >= warmup:
+            out["alone_step_s"] += base
+            out["alone_rank0_cpu_s"] += [u + s for u, s in base_cpu]
+            out["compute_step_s"] += hooked
+            out["compute_rank0_cpu_s"] += [u + s for u, s in cpu]
+    return out
+
+
 def _rel_error(ddp: torch.nn.Module, state: Any, hook: Callable, x: torch.Tensor) -> float:
     """One more step with a capturing wrapper: error of the result vs the FP32 mean."""
     import torch.distributed as dist
@@ -344,6 +373,12 @@ def _worker_size(args: argparse.Namespace, mb: float, rank: int, DDP: Any) -> di
     x_batch = torch.randn(args.batch, width) if args.batch else None
     results: list[dict[str, Any]] = []
     buckets = _bucket_numels(mb, x, args, DDP)
+    alone = None
+    if x_batch is not None:
+        # Backward alone: a hook that communicates nothing, stepped beside every hook.
+        torch.manual_seed(0)
+        alone = DDP(_model(mb), bucket_cap_mb=args.bucket_mb, gradient_as_bucket_view=True)
+        alone.register_comm_hook(None, _no_comm)
     for rnd, spec in [(r, h) for r in range(args.rounds) for h in args.hooks]:
         name, chunk, profile = _parse_hook(spec)
         if profile == LINK_PROFILE:
@@ -352,23 +387,6 @@ def _worker_size(args: argparse.Namespace, mb: float, rank: int, DDP: Any) -> di
                 raise ValueError(f"{spec!r}: no measured link to build a profile from (loopback)")
         if any(r.get("hook") == spec and "skipped" in r for r in results):
             continue
-        if x_batch is not None and spec == args.hooks[0]:
-            torch.manual_seed(0)
-            ddp = DDP(_model(mb), bucket_cap_mb=args.bucket_mb, gradient_as_bucket_view=True)
-            ddp.register_comm_hook(None, _no_comm)
-            times, cpu = _time_steps(ddp, x_batch, args.warmup, args.repeats)
-            results.append(
-                {
-                    "hook": "compute-alone",
-                    "round": rnd,
-                    "step_s": times,
-                    "rank0_cpu_user_s": [u for u, _ in cpu],
-                    "rank0_cpu_system_s": [s for _, s in cpu],
-                }
-            )
-            if rank == 0:
-                print(f"backward alone (batch {args.batch}): {statistics.median(times):.3f} s")
-            del ddp
         torch.manual_seed(0)
         model = _model(mb)
         ddp = DDP(model, bucket_cap_mb=args.bucket_mb, gradient_as_bucket_view=args.bucket_view)
@@ -398,12 +416,8 @@ def _worker_size(args: argparse.Namespace, mb: float, rank: int, DDP: Any) -> di
             extra["bucket_reductions"] = [ran[i] for i in sorted(ran)]
             extra["bucket_chunks"] = [chunks.get(i) for i in sorted(ran)]
         with_compute: dict[str, list[float]] = {}
-        if x_batch is not None:
-            steps, cpu_b = _time_steps(ddp, x_batch, args.warmup, args.repeats)
-            with_compute = {
-                "compute_step_s": steps,
-                "compute_rank0_cpu_s": [u + s for u, s in cpu_b],
-            }
+        if x_batch is not None and alone is not None:
+            with_compute = _time_paired(ddp, alone, x_batch, args.warmup, args.repeats)
         record = {
             "hook": spec,
             "round": rnd,
@@ -433,7 +447,10 @@ def _worker_size(args: argparse.Namespace, mb: float, rank: int, DDP: Any) -> di
         if rank == 0:
             more = ""
             if with_compute:
-                more = f", with compute {statistics.median(with_compute['compute_step_s']):.3f} s"
+                more = (
+                    f", with compute {statistics.median(with_compute['compute_step_s']):.3f} s "
+                    f"(backward alone {statistics.median(with_compute['alone_step_s']):.3f} s)"
+                )
             if "reduction" in extra:
                 more += f", reduction {extra['reduction']}"
             print(
@@ -577,9 +594,10 @@ def _summarise(
     world, numel = raw["world"], raw["numel"]
     link = topology.get("link")
     rounds = _by_round(raw["results"])
-    done = [r for r in raw["results"] if "rel_l2_error" in r and r["hook"] != "compute-alone"]
-    alone = [r for r in raw["results"] if r["hook"] == "compute-alone"]
-    compute_s = statistics.median(statistics.median(r["step_s"]) for r in alone) if alone else None
+    done = [r for r in raw["results"] if "rel_l2_error" in r]
+    # Backward alone, from the baseline steps taken beside every hook's.
+    alone = [s for r in raw["results"] for s in r.get("alone_step_s", [])]
+    compute_s = statistics.median(alone) if alone else None
     # Per hook: the median over rounds of each round's median step.
     medians = {
         h: statistics.median(statistics.median(r["step_s"]) for r in rs) for h, rs in rounds.items()
@@ -620,7 +638,7 @@ def _summarise(
                     for k in ("reduction", "chunk_elements", "bucket_reductions", "bucket_chunks")
                     if k in r
                 },
-                **_with_compute(per_round, t, compute_s),
+                **_with_compute(per_round, t),
             }
         )
     return {
@@ -651,7 +669,7 @@ def _summarise(
         "batch": args.batch,
         "rounds": args.rounds,
         "compute_alone_s": compute_s,
-        "compute_alone_step_s": [s for r in alone for s in r["step_s"]] or None,
+        "compute_alone_step_s": alone or None,
         "runs": runs,
         "skipped": {r["hook"]: r["skipped"] for r in raw["results"] if "skipped" in r},
     }
@@ -661,29 +679,40 @@ def _by_round(results: list[dict[str, Any]]) -> dict[str, list[dict[str, Any]]]:
     """Each measured hook's results, one per round."""
     out: dict[str, list[dict[str, Any]]] = {}
     for r in results:
-        if "skipped" not in r and r["hook"] != "compute-alone":
+        if "skipped" not in r:
             out.setdefault(r["hook"], []).append(r)
     return out
 
 
-def _with_compute(
-    rounds: list[dict[str, Any]], comm_s: float, compute_s: float | None
-) -> dict[str, Any]:
-    """The step with backward compute, and how much communication it leaves exposed."""
-    if compute_s is None or any("compute_step_s" not in r for r in rounds):
+def _with_compute(rounds: list[dict[str, Any]], comm_s: float) -> dict[str, Any]:
+    """The step with backward compute, and how much communication it leaves exposed.
+
+    Exposed = the hook's step minus the backward-alone step just before it,
+    median over the pairs. The communication's CPU per step is the same
+    difference in rank 0's CPU time: on a machine whose cores backward
+    already fills (one core per rank here), the step must find that time
+    too, so it is the floor of the exposed communication.
+    """
+    if any("alone_step_s" not in r for r in rounds):
         return {}
-    per_round = [statistics.median(r["compute_step_s"]) for r in rounds]
-    step = statistics.median(per_round)
-    exposed = max(step - compute_s, 0.0)
+    steps = [s for r in rounds for s in r["compute_step_s"]]
+    alone = [s for r in rounds for s in r["alone_step_s"]]
+    cpu = [c for r in rounds for c in r["compute_rank0_cpu_s"]]
+    alone_cpu = [c for r in rounds for c in r["alone_rank0_cpu_s"]]
+    exposed = max(statistics.median(s - a for s, a in zip(steps, alone, strict=True)), 0.0)
+    comm_cpu = max(statistics.median(c - a for c, a in zip(cpu, alone_cpu, strict=True)), 0.0)
     return {
-        "compute_step_s": [s for r in rounds for s in r["compute_step_s"]],
-        "round_median_compute_step_s": per_round,
-        "median_compute_step_s": step,
+        "compute_step_s": steps,
+        "round_median_compute_step_s": [statistics.median(r["compute_step_s"]) for r in rounds],
+        "median_compute_step_s": statistics.median(steps),
+        "alone_step_s": alone,
+        "median_alone_step_s": statistics.median(alone),
         "exposed_comm_s": exposed,
         "exposed_fraction": exposed / comm_s if comm_s else None,
-        "compute_rank0_cpu_s": statistics.median(
-            c for r in rounds for c in r["compute_rank0_cpu_s"]
-        ),
+        "compute_rank0_cpu_s": statistics.median(cpu),
+        "alone_rank0_cpu_s": statistics.median(alone_cpu),
+        "comm_cpu_in_step_s": comm_cpu,
+        "comm_cpu_fraction": comm_cpu / comm_s if comm_s else None,
     }
 
 
@@ -709,8 +738,8 @@ def _table(result: dict[str, Any]) -> str:
             f"{result['compute_alone_s']:.3f} s):"
         )
         lines.append(
-            f"{'hook':>11} {'comm s':>8} {'step s':>8} {'exposed s':>9} {'exposed %':>9} "
-            f"{'cpu s':>7} {'vs fp32':>8} {'vs fp16':>8}"
+            f"{'hook':>11} {'comm s':>8} {'alone s':>8} {'step s':>8} {'exposed s':>9} "
+            f"{'exposed %':>9} {'comm cpu %':>10} {'vs fp32':>8} {'vs fp16':>8}"
         )
         steps = {r["hook"]: r.get("median_compute_step_s") for r in result["runs"]}
         for r in result["runs"]:
@@ -720,9 +749,9 @@ def _table(result: dict[str, Any]) -> str:
             vs32 = steps["fp32"] / t if steps.get("fp32") else 0.0
             vs16 = steps["fp16"] / t if steps.get("fp16") else 0.0
             lines.append(
-                f"{r['hook']:>11} {r['median_step_s']:>8.3f} {t:>8.3f} "
-                f"{r['exposed_comm_s']:>9.3f} {100 * r['exposed_fraction']:>8.0f}% "
-                f"{r['compute_rank0_cpu_s']:>7.3f} {vs32:>8.2f} {vs16:>8.2f}"
+                f"{r['hook']:>11} {r['median_step_s']:>8.3f} {r['median_alone_step_s']:>8.3f} "
+                f"{t:>8.3f} {r['exposed_comm_s']:>9.3f} {100 * r['exposed_fraction']:>8.0f}% "
+                f"{100 * r['comm_cpu_fraction']:>9.0f}% {vs32:>8.2f} {vs16:>8.2f}"
             )
     return "\n".join(lines)
 

@@ -320,7 +320,7 @@ def _comm_worker(rank: int, world_size: int) -> dict:
 
     args = argparse.Namespace(
         hooks=["fp32", "aps-e4m3:chunk=4096", "aps-e4m3-auto"],
-        rounds=2, batch=0, bucket_mb=0.0625, bucket_view=True, warmup=1, repeats=2,
+        rounds=2, batch=3, bucket_mb=0.0625, bucket_view=True, warmup=1, repeats=2,
         chunk_elements=0,
     )  # fmt: skip
     return comm._worker_size(args, 0.25, rank, DDP)
@@ -340,6 +340,9 @@ def test_comm_worker_records_every_hook_round_and_chunk() -> None:
     for r in rows:
         assert len(r["step_s"]) == 2 and all(t > 0 for t in r["step_s"])
         assert ("rel_l2_error" in r) == (r["round"] == 1)
+        # --batch: every step with compute has its backward-alone step beside it.
+        for key in ("compute_step_s", "alone_step_s", "compute_rank0_cpu_s", "alone_rank0_cpu_s"):
+            assert len(r[key]) == 2 and all(t >= 0 for t in r[key]), key
     last = {r["hook"]: r for r in rows if r["round"] == 1}
     assert last["fp32"]["rel_l2_error"] < 1e-6 and "reduction" not in last["fp32"]
     assert last["aps-e4m3:chunk=4096"]["chunk_elements"] == 4096
@@ -352,6 +355,35 @@ def test_comm_worker_records_every_hook_round_and_chunk() -> None:
     assert len(auto["bucket_reductions"]) == 4 and set(auto["bucket_reductions"]) <= {"two_phase"}
     assert all(c is not None and c >= 128**2 for c in auto["bucket_chunks"])
     assert 0 < last["aps-e4m3:chunk=4096"]["rel_l2_error"] < 0.1
+
+
+def test_exposed_communication_is_the_median_of_paired_differences() -> None:
+    from benchmarks import comm
+
+    rounds = [
+        {
+            "compute_step_s": [1.0, 1.5],
+            "alone_step_s": [0.9, 1.0],
+            "compute_rank0_cpu_s": [1.2, 1.3],
+            "alone_rank0_cpu_s": [1.0, 1.0],
+        },
+        {
+            "compute_step_s": [2.0],
+            "alone_step_s": [1.8],
+            "compute_rank0_cpu_s": [2.0],
+            "alone_rank0_cpu_s": [1.9],
+        },
+    ]
+    out = comm._with_compute(rounds, comm_s=0.4)
+    # Differences 0.1, 0.5, 0.2: median 0.2 (not 1.5 - 1.0 from the medians).
+    assert out["exposed_comm_s"] == pytest.approx(0.2)
+    assert out["exposed_fraction"] == pytest.approx(0.5)
+    assert out["median_compute_step_s"] == 1.5 and out["median_alone_step_s"] == 1.0
+    # CPU differences 0.2, 0.3, 0.1.
+    assert out["comm_cpu_in_step_s"] == pytest.approx(0.2)
+    assert out["comm_cpu_fraction"] == pytest.approx(0.5)
+    assert out["round_median_compute_step_s"] == [1.25, 2.0]
+    assert comm._with_compute([{"compute_step_s": [1.0]}], 0.4) == {}
 
 
 def test_perfmodel_validation_puts_the_profile_on_the_measured_nodes() -> None:
