@@ -46,7 +46,9 @@ class FifoWorker:
 
     def __init__(self, name: str) -> None:
         self.name = name
-        self.error: BaseException | None = None
+        # The first error, shared with the thread, which must not hold the
+        # worker itself: the worker's finalizer stops the thread.
+        self._failed: list[BaseException] = []
         self._queue: queue.SimpleQueue = queue.SimpleQueue()
         self._thread: threading.Thread | None = None
         self._lock = threading.Lock()
@@ -63,7 +65,7 @@ class FifoWorker:
 
     def _start(self) -> None:
         self._thread = threading.Thread(
-            target=_loop, args=(self._queue, self), name=self.name, daemon=True
+            target=_loop, args=(self._queue, self._failed), name=self.name, daemon=True
         )
         self._thread.start()
         # Stop the thread at interpreter exit before torch tears down its
@@ -86,6 +88,11 @@ class FifoWorker:
             atexit.unregister(self._finalizer)
 
     @property
+    def error(self) -> BaseException | None:
+        """The first job's exception, if one raised (later jobs were not run)."""
+        return self._failed[0] if self._failed else None
+
+    @property
     def alive(self) -> bool:
         return self._thread is not None and self._thread.is_alive()
 
@@ -93,30 +100,39 @@ class FifoWorker:
 def _stop(q: queue.SimpleQueue, thread: threading.Thread) -> None:
     if thread.is_alive():
         q.put(None)
-        thread.join(10.0)
+        # The owner's last reference may go on the worker's own thread.
+        if thread is not threading.current_thread():
+            thread.join(10.0)
 
 
-def _loop(q: queue.SimpleQueue, worker: FifoWorker) -> None:
+def _loop(q: queue.SimpleQueue, failed: list[BaseException]) -> None:
     # Only the queue and the error slot are touched: no reference cycle keeps
     # the worker object alive, so its finalizer can run.
     while True:
         item = q.get()
         if item is None:
             return
-        job, fut = item
-        if worker.error is not None:
-            fut.set_exception(
-                WorkerFailed(f"not run: an earlier bucket failed with {worker.error!r}")
-            )
-            continue
-        try:
-            with torch.no_grad():
-                result = job()
-        except BaseException as exc:  # every error must reach the training loop
-            worker.error = exc
-            fut.set_exception(exc)
-            continue
-        fut.set_result(result)
+        _run_one(*item, failed)
+        # The job's closure holds its owner (a hook state, its buffers): a
+        # reference left in this frame while it waits for the next job would
+        # keep the owner, and so this thread, alive for good.
+        del item
+
+
+def _run_one(
+    job: Callable[[], Any], fut: torch.futures.Future, failed: list[BaseException]
+) -> None:
+    if failed:
+        fut.set_exception(WorkerFailed(f"not run: an earlier bucket failed with {failed[0]!r}"))
+        return
+    try:
+        with torch.no_grad():
+            result = job()
+    except BaseException as exc:  # every error must reach the training loop
+        failed.append(exc)
+        fut.set_exception(exc)
+        return
+    fut.set_result(result)
 
 
 def run_on_side_stream(
