@@ -183,9 +183,7 @@ def _comm_table(data: dict, title: str, goal: tuple[float, float] | None) -> lis
 
 def _compute_table(data: dict) -> list[str]:
     """Steps whose backward computes: how much of each hook's communication stays exposed."""
-    runs = [r for r in data.get("runs", []) if "median_compute_step_s" in r]
-    if runs and "median_alone_step_s" not in runs[0]:
-        return _compute_table_unpaired(data)
+    runs = [r for r in data.get("runs", []) if "median_alone_step_s" in r]
     lines = [
         f"With backward compute (batch {data.get('batch')}): every step of a hook follows "
         "a step of backward alone (a hook that communicates nothing; median "
@@ -237,32 +235,6 @@ def _exposure_target(runs: list[dict]) -> list[str]:
         "Target: APS e4m3's exposed communication <= 50% of its communication "
         f"alone: {'met' if met else 'missed'} ({aps['exposed_fraction']:.0%}).",
     ]
-
-
-def _compute_table_unpaired(data: dict) -> list[str]:
-    """Results from before the paired baseline: backward alone timed once per round."""
-    lines = [
-        f"With backward compute (batch {data.get('batch')}): backward alone (a hook "
-        f"that communicates nothing) takes {data['compute_alone_s']:.3f} s. Exposed "
-        "communication = step - backward alone; its share is of the hook's "
-        "communication alone (the table above, batch 1).",
-        "",
-        "| hook | communication alone (s) | step with compute (s) | exposed (s) | "
-        "exposed share | rank-0 CPU s/step | speedup vs FP32 | speedup vs fp16 |",
-        "|---|---:|---:|---:|---:|---:|---:|---:|",
-    ]
-    runs = [r for r in data.get("runs", []) if "median_compute_step_s" in r]
-    steps = {r["hook"]: r["median_compute_step_s"] for r in runs}
-    for r in runs:
-        t = r["median_compute_step_s"]
-        vs32 = steps["fp32"] / t if steps.get("fp32") else None
-        vs16 = steps["fp16"] / t if steps.get("fp16") else None
-        lines.append(
-            f"| {r['hook']} | {_num(r['median_step_s'])} | {_num(t)} | "
-            f"{_num(r['exposed_comm_s'])} | {r['exposed_fraction']:.0%} | "
-            f"{_num(r['compute_rank0_cpu_s'])} | {_num(vs32)} | {_num(vs16)} |"
-        )
-    return [*lines, *_exposure_target(runs), ""]
 
 
 def _comm_profile(results: Path) -> list[str]:
