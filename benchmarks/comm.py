@@ -234,10 +234,16 @@ def _attach(
         if not reduction:
             reduction = "allreduce" if fmt in ("fp16", "bf16") else "two_phase"
         # ranks_per_node: the hook reads LOCAL_WORLD_SIZE, which the cluster sets.
-        return APSState(fmt, reduction=reduction, profile=profile), aps_hook
-    if kind == "naive":
-        return APSState(fmt, reduction="two_phase", scaling="none", profile=profile), aps_hook
-    raise ValueError(f"unknown hook {name!r}; choose from {', '.join(HOOKS)}")
+        state = APSState(fmt, reduction=reduction, profile=profile)
+    elif kind == "naive":
+        state = APSState(fmt, reduction="two_phase", scaling="none", profile=profile)
+    else:
+        raise ValueError(f"unknown hook {name!r}; choose from {', '.join(HOOKS)}")
+    # Binding now (collective: every rank attaches the same hooks in the same
+    # order) raises a configuration this world cannot run, such as grid on 2
+    # ranks, here, where the caller skips the hook, not in backward.
+    state.bind_process_group()
+    return state, aps_hook
 
 
 def _no_comm(state: object, bucket):  # type: ignore[no-untyped-def]

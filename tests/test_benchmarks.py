@@ -319,7 +319,7 @@ def _comm_worker(rank: int, world_size: int) -> dict:
     from benchmarks import comm
 
     args = argparse.Namespace(
-        hooks=["fp32", "aps-e4m3:chunk=4096", "aps-e4m3-auto"],
+        hooks=["fp32", "aps-e4m3:chunk=4096", "aps-e4m3-auto", "aps-e4m3-grid"],
         rounds=2, batch=3, bucket_mb=0.0625, bucket_view=True, warmup=1, repeats=2,
         chunk_elements=0,
     )  # fmt: skip
@@ -333,7 +333,11 @@ def test_comm_worker_records_every_hook_round_and_chunk() -> None:
     assert (out["width"], out["layers"], out["numel"]) == (128, 4, 4 * 128**2)
     # 64 KiB buckets of 64 KiB layers: DDP's buckets hold every element once.
     assert sum(out["bucket_numels"]) == out["numel"] and len(out["bucket_numels"]) == 4
-    rows = out["results"]
+    # Grid needs 4 ranks or more: refused when attached, recorded once, not run.
+    skipped = [r for r in out["results"] if "skipped" in r]
+    assert [r["hook"] for r in skipped] == ["aps-e4m3-grid"]
+    assert "no such divisor" in skipped[0]["skipped"]
+    rows = [r for r in out["results"] if "skipped" not in r]
     assert [(r["hook"], r["round"]) for r in rows] == [
         (h, rnd) for rnd in range(2) for h in ("fp32", "aps-e4m3:chunk=4096", "aps-e4m3-auto")
     ]
