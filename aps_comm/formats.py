@@ -115,6 +115,15 @@ class FloatFormat:
                 "(exact simulation needs max <= 2**127 and min_subnormal >= 2**-149)"
             )
 
+    def describe(self) -> str:
+        """Every field that fixes the encoding, as text (ranks compare it).
+
+        Example:
+            >>> FloatFormat(4, 3, specials="fn", name="e4m3").describe()
+            'e4m3(e4m3, bias=7, fn)'
+        """
+        return f"{self.name}(e{self.exp_bits}m{self.man_bits}, bias={self.bias}, {self.specials})"
+
     @property
     def bits(self) -> int:
         """Total width in bits, sign included."""
@@ -225,7 +234,7 @@ def get_format(fmt: FloatFormat | str) -> FloatFormat:
         >>> get_format("fp8_e4m3") is E4M3
         True
         >>> get_format("e6m1").max
-        3.221225472e+09
+        3221225472.0
 
     Raises:
         ValueError: the name is not a known format.
@@ -535,7 +544,7 @@ def saturate(x: torch.Tensor, fmt: FloatFormat) -> torch.Tensor:
 
     Example:
         >>> saturate(torch.tensor([1e6, float("inf")]), E4M3)
-        tensor([448., nan])
+        tensor([448.,  nan])
     """
     xf = x.float()
     sat = xf.clamp(-fmt.max, fmt.max)  # NaN passes through clamp unchanged

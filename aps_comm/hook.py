@@ -85,11 +85,7 @@ class APSConfig:
             raise ValueError(f"scaling must be one of {SCALINGS}, got {self.scaling!r}")
 
     def describe(self) -> str:
-        f = self.fmt
-        return (
-            f"fmt={f.name}(e{f.exp_bits}m{f.man_bits}, bias={f.bias}, {f.specials}), "
-            f"reduction={self.reduction}, scaling={self.scaling}"
-        )
+        return f"fmt={self.fmt.describe()}, reduction={self.reduction}, scaling={self.scaling}"
 
 
 @dataclasses.dataclass(frozen=True)
