@@ -31,7 +31,7 @@ from .api import predict
 from .cluster import Cluster, get_cluster
 from .ddp import BucketTiming
 from .models import get_model
-from .strategies import bucket_breakdown, grid_rows, native_sum
+from .strategies import bucket_breakdown, grid_rows, native_sum, wire_bound
 
 __all__ = [
     "GRID",
@@ -71,9 +71,10 @@ class ScaleRow:
             overlap it.
         fp32_latency_share: the same for the FP32 hook (its message latency).
         bound_vs_fp32: the wire alone over the FP32 hook's communication: per
-            bucket the fastest strategy's collectives in one chunk, with the
-            codec and the maxima all-reduce free. No APS implementation of
-            these strategies gets below it on these links.
+            bucket the least :func:`~.strategies.wire_bound` of the strategies
+            the cluster allows (the model's time with a free codec and free
+            maxima, at the best chunk count). No APS implementation of these
+            strategies gets below it on these links.
         met: whether both targets hold; None where communication is at most
             10% of the step (no target).
     """
@@ -105,18 +106,12 @@ def _latency_s(buckets: Sequence[BucketTiming], fmt: str, cluster: Cluster) -> f
 
 
 def _wire_bound_s(buckets: Sequence[BucketTiming], fmt: str, cluster: Cluster) -> float:
-    """The buckets' fastest collectives alone: one chunk each, no codec, no maxima."""
+    """The buckets' best strategy's wire alone (:func:`~.strategies.wire_bound`)."""
     strategies = ["two_phase"]
     strategies += ["native"] if native_sum(fmt, cluster) else []
     strategies += ["hierarchical"] if cluster.topology.gpus_per_node > 1 else []
     strategies += ["grid"] if grid_rows(cluster.world_size) >= 2 else []
-    return sum(
-        min(
-            bucket_breakdown(b.numel, b.n_tensors, fmt, cluster, s, None).collective_s
-            for s in strategies
-        )
-        for b in buckets
-    )
+    return sum(min(wire_bound(b.numel, fmt, cluster, s) for s in strategies) for b in buckets)
 
 
 def scale_rows(
@@ -198,9 +193,9 @@ def _markdown(rows: Sequence[ScaleRow], fmt: str, command: str) -> str:
         f"(worst {max(r.vs_fp32 for r in rows):.2f}x its communication). *latency share* is "
         "what is left of the communication with infinitely fast links (message latency, "
         "and the codec passes nothing hides), *FP32 latency* the same for the FP32 hook. "
-        "*wire bound* is the wire alone: per bucket the fastest strategy's collectives in "
-        "one chunk, with the codec and the maxima all-reduce free; no APS implementation "
-        "of these strategies gets below it on these links.",
+        "*wire bound* is the wire alone: per bucket the best strategy as the model "
+        "prices it with the codec and the maxima all-reduce free, at the best chunk "
+        "count; no APS implementation of these strategies gets below it on these links.",
     ]
     by_grid = [r for r in rows if r.met and "grid" in r.chosen]
     if by_grid:

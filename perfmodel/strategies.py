@@ -84,6 +84,7 @@ __all__ = [
     "native_sum",
     "strategy_chunk",
     "strategy_times",
+    "wire_bound",
 ]
 
 STRATEGIES = ("fp32", "native", "two_phase", "hierarchical", "grid")
@@ -725,6 +726,39 @@ def bucket_breakdown(
         # kernel's network stack compete for the same cores.
         overlap = 0.0
     return CommBreakdown(spec.name, strategy, collective, maxima, head + codec_s, sent, overlap, k)
+
+
+def wire_bound(numel: int, fmt: str | FormatSpec, cluster: Cluster, strategy: str) -> float:
+    """``strategy``'s time for one bucket with a free codec and free maxima, best chunking.
+
+    What :func:`bucket_breakdown` predicts when the codec passes and the
+    maxima all-reduce cost nothing, at the best chunk count (1 to 2**16,
+    powers of two): with ``W`` the collectives' seconds over ``k`` chunks
+    and ``R`` the busiest wire resource's, ``R + (W - R) / k``. Flat
+    strategies have one resource, so one chunk is best. However fast its
+    codec, the hook cannot beat it on these links.
+
+    Example:
+        >>> c = get_cluster("100gbe", world_size=64)
+        >>> b = bucket_breakdown(2**22, 8, "e4m3", c, "two_phase")
+        >>> wire_bound(2**22, "e4m3", c, "two_phase") <= b.total_s
+        True
+    """
+    _check_strategy(strategy)
+    spec = _spec(fmt)
+    if strategy == "fp32":
+        spec = replace(spec, aps=False)
+    if cluster.world_size == 1 or numel == 0:
+        return 0.0
+    best = math.inf
+    for k in (2**i for i in range(17)):
+        if k > numel:
+            break
+        m = numel / k
+        wire = _wire(strategy, spec, cluster, m, k)
+        busiest = _busiest(strategy, spec, cluster, m, k)
+        best = min(best, busiest + (wire - busiest) / k)
+    return best
 
 
 def strategy_times(
