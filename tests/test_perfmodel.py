@@ -1188,3 +1188,22 @@ def test_fsdp_cli_cuts_units_and_compares_reduce_scatters(capsys) -> None:
         < rows["bf16"]["reduce_scatter_s"]
         < rows["fp32"]["reduce_scatter_s"]
     )
+
+
+def test_wire_bound_is_the_model_with_a_free_codec_at_the_best_chunking() -> None:
+    from aps_perfmodel.strategies import bucket_breakdown, wire_bound
+
+    for name, p in (("100gbe", 64), ("dgx-h100", 32), ("10gbe", 8)):
+        c = get_cluster(name, world_size=p)
+        n = 25 * 2**18
+        # Flat: one process group, every chunk adds latency: one chunk, wire only.
+        flat = bucket_breakdown(n, 10, "e4m3", c, "two_phase", chunk=None)
+        assert wire_bound(n, "e4m3", c, "two_phase") == pytest.approx(flat.collective_s)
+        for s in ("two_phase", "native", "hierarchical", "grid"):
+            if s == "hierarchical" and c.topology.gpus_per_node == 1:
+                continue
+            bound = wire_bound(n, "e4m3", c, s)
+            # Never above what the model predicts with the codec, the maxima and the rule's chunks.
+            assert 0 < bound <= bucket_breakdown(n, 10, "e4m3", c, s).total_s, (name, s)
+            assert bound <= bucket_breakdown(n, 10, "e4m3", c, s, chunk=None).collective_s
+    assert wire_bound(0, "e4m3", get_cluster("100gbe", world_size=8), "grid") == 0.0
