@@ -103,6 +103,11 @@ def _accuracy(results: Path, out: Path) -> list[str]:
 # two cores, is the bottleneck.
 _COMM_FILES = (
     ("comm_2ranks.json", "2 ranks, 1 Gbit/s, no compute in backward", (3.4, 1.7)),
+    (
+        "comm_2ranks_bucket16.json",
+        "2 ranks, 1 Gbit/s, no compute in backward, DDP bucket_cap_mb=16",
+        (3.4, 1.7),
+    ),
     ("comm_4ranks_250mbit.json", "4 ranks, 250 Mbit/s, no compute in backward", (3.4, 1.7)),
     ("comm.json", "4 ranks, 1 Gbit/s, every hook (CPU-bound here: see the CPU floor)", None),
     ("comm_2ranks_batch320.json", "2 ranks, 1 Gbit/s, backward computes a batch", None),
