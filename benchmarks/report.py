@@ -367,6 +367,31 @@ def _latency_sweep(data: dict, link: str) -> list[str]:
     return [*lines, ""]
 
 
+def _validation_repeats(val: dict) -> list[str]:
+    """Every saved run of a validation command, and the runs that missed its target."""
+    runs = all_runs(val)
+    if len(runs) < 2:
+        return []
+    missed = [i + 1 for i, r in enumerate(runs) if _validation_missed(r)]
+    return [
+        "",
+        f"Repeats of this command with the same code ({len(runs)} runs, this one first): "
+        + "; ".join(
+            f"median {r['median_abs_err']:.1%}, worst {r['max_abs_err']:.2%} "
+            f"({r['worst']['path']} {r['worst']['fp32_mib']:g} MiB "
+            f"@{r['worst']['world_size']}, {_pct(r['worst']['rel_err'])})"
+            for r in runs
+        )
+        + "."
+        + (
+            f" **Missed** in run {', '.join(map(str, missed))} of {len(runs)}: the target "
+            "does not hold run to run."
+            if missed
+            else ""
+        ),
+    ]
+
+
 def _node_validation(val: dict, link: str) -> list[str]:
     setup = val["setup"]
     lines = [
@@ -387,7 +412,7 @@ def _node_validation(val: dict, link: str) -> list[str]:
             f"Target (median <= 10%, worst <= 25%): {'met' if met else '**missed**'} "
             f"(median {overall['median_abs_err']:.1%}, worst {overall['max_abs_err']:.1%}).",
         ]
-    return [*lines, ""]
+    return [*lines, *_validation_repeats(val), ""]
 
 
 def _plain(x: object) -> str:
@@ -620,26 +645,7 @@ def _perfmodel(results: Path, out: Path) -> list[str]:
                 f"predicted {worst['predicted_s'] * 1e3:.0f} ms, {_pct(worst['rel_err'])}). "
                 "Why, and what is left: the notes in perfmodel_validation.md.",
             ]
-        runs = all_runs(val)
-        missed = [i + 1 for i, r in enumerate(runs) if _validation_missed(r)]
-        if len(runs) > 1:
-            lines += [
-                "",
-                f"Repeats of this command with the same code ({len(runs)} runs, this one first): "
-                + "; ".join(
-                    f"median {r['median_abs_err']:.1%}, worst {r['max_abs_err']:.2%} "
-                    f"({r['worst']['path']} {r['worst']['fp32_mib']:g} MiB "
-                    f"@{r['worst']['world_size']}, {_pct(r['worst']['rel_err'])})"
-                    for r in runs
-                )
-                + "."
-                + (
-                    f" **Missed** in run {', '.join(map(str, missed))} of {len(runs)}: the target "
-                    "does not hold run to run."
-                    if missed
-                    else ""
-                ),
-            ]
+        lines += _validation_repeats(val)
         lines.append("")
     scale = results / "perfmodel_scale.md"
     if scale.exists():
