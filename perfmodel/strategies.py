@@ -610,7 +610,8 @@ def strategy_chunk(
         cluster: the cluster (e.g. from :func:`hook_cluster`).
         strategy: one of :data:`STRATEGIES`.
         exchange_s: the bucket's measured exchange; None: the model's
-            unchunked collectives.
+            unchunked collectives and codec passes (what the hook measures
+            once it has run the bucket).
 
     Example:
         >>> c = hook_cluster("gloo", "cpu", world_size=2, ranks_per_node=1)
@@ -625,7 +626,10 @@ def strategy_chunk(
     if overhead is None:
         overhead = _wire(strategy, spec, cluster, 1.0, 1) + _codec(strategy, spec, cluster, 1.0)
     if exchange_s is None:
-        exchange_s = _wire(strategy, spec, cluster, float(numel), 1)
+        # What the hook times on CPU once it has run the bucket: its codec and wire.
+        exchange_s = _wire(strategy, spec, cluster, float(numel), 1) + _codec(
+            strategy, spec, cluster, float(numel)
+        )
     w, p = spec.wire_bytes, cluster.world_size
     if strategy == "hierarchical":
         topo = cluster.topology

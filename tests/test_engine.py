@@ -59,17 +59,22 @@ def test_chunk_bounds_and_regions_by_hand() -> None:
 
 def test_planner_chunks_by_bytes_per_peer() -> None:
     from aps_perfmodel.collectives import LinkParams
-    from aps_perfmodel.strategies import chunk_elements, hook_cluster
+    from aps_perfmodel.strategies import bucket_breakdown, chunk_elements, hook_cluster
 
     e4m3 = get_format("e4m3")
     gloo = Planner(hook_cluster("gloo", "cpu", 2, 1), hierarchical=False, fp32=False)
     # Timed exchanges: k = sqrt(W / 0.8 ms) chunks, as fitted on the emulated cluster.
     assert gloo.chunk(e4m3, 2**23, "two_phase", exchange_s=0.07) == 2**20
     assert gloo.chunk(e4m3, 2**23, "two_phase", exchange_s=0.45) == 2**18
-    # Not timed yet: the link's bandwidth stands in for the exchange.
+    # Not timed yet: the model's one-chunk exchange stands in for it, codec
+    # passes included (as the hook times it), the maxima pass not.
     untimed = gloo.chunk(e4m3, 2**23, "two_phase")
-    link = gloo.cluster.topology.inter
-    assert untimed == chunk_elements(2**23, 1.0, 2, link, 8e-4)
+    c, link = gloo.cluster, gloo.cluster.topology.inter
+    one = bucket_breakdown(2**23, 1, "e4m3", c, "two_phase", chunk=None)
+    exchange = one.collective_s + one.codec_s - c.codec_time("amax", "e4m3", 1.0, 2**23)
+    assert untimed == chunk_elements(2**23, 1.0, 2, link, 8e-4, exchange_s=exchange)
+    # The codec's time asks for more chunks than the wire alone.
+    assert untimed < chunk_elements(2**23, 1.0, 2, link, 8e-4)
     # Small buckets travel in one chunk; the chunk is a power of two at least that large.
     assert gloo.chunk(e4m3, 1000, "two_phase") == 1024
     assert gloo.chunk(e4m3, 1000, "fp32") == 1024
