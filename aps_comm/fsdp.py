@@ -98,6 +98,7 @@ class _Run:
     b0: int  # bytes, within an encoded row
     b1: int
     layout: codec.Layout
+    index_tensor: torch.Tensor  # ``index`` on the unit's device, to pick scales without a copy
 
 
 @dataclasses.dataclass(frozen=True)
@@ -179,7 +180,10 @@ class APSFSDPState:
         self._units: list[_Unit] = []
         self._formats: dict[str, FloatFormat] = {}
         self._schedule = [r for r in self.policy if isinstance(r, Schedule)]
-        self._runs: dict[tuple[int, tuple[FloatFormat, ...]], list[_Run]] = {}
+        self._runs: dict[
+            tuple[int, tuple[FloatFormat, ...]],
+            tuple[list[_Run], dict[FloatFormat, torch.Tensor]],
+        ] = {}
         self._step_bytes: dict[str, int] = {}
         self._step_stats: list[LayerStats] = []
         self._done: set[int] = set()
@@ -239,28 +243,26 @@ class APSFSDPState:
             )
         amax = shared[:p]
         formats = self._step_formats(unit)
-        runs = self._unit_runs(unit, formats, x.device)
+        runs, by_format = self._unit_runs(unit, formats, x.device)
         exps = torch.zeros(p, dtype=torch.int32, device=x.device)
-        for fmt in dict.fromkeys(formats):
-            if fmt == FP32:
-                continue  # exact in FP32: no scaling
-            idx = torch.tensor(
-                [i for i, f in enumerate(formats) if f == fmt], dtype=torch.long, device=x.device
-            )
+        for fmt, idx in by_format.items():
             exps[idx] = exponents(
                 amax[idx], fmt, world_size=n, reduction="two_phase", scaling=self.config.scaling
             )
         scale = pow2(exps)
         unscale = torch.where(torch.isfinite(amax), pow2(-exps), float("nan"))
+        # Each run's factors, picked once for all N rows.
+        scales = [scale[run.index_tensor] for run in runs]
+        unscales = [unscale[run.index_tensor] for run in runs]
         row_bytes = runs[-1].b1 if runs else 0
         send = torch.empty(n, row_bytes, dtype=torch.uint8, device=x.device)
         for r in range(n):
-            for run in runs:
+            for run, factors in zip(runs, scales, strict=True):
                 codec.encode(
                     x[r, run.lo : run.hi],
                     run.fmt,
                     out=send[r, run.b0 : run.b1],
-                    scale=scale[list(run.index)],
+                    scale=factors,
                     layout=run.layout,
                 )
         recv = torch.empty_like(send)
@@ -271,13 +273,13 @@ class APSFSDPState:
         part = torch.empty_like(acc) if n > 1 else acc
         for r in range(n):
             dst = acc if r == 0 else part
-            for run in runs:
+            for run, factors in zip(runs, unscales, strict=True):
                 codec.decode(
                     recv[r, run.b0 : run.b1],
                     run.fmt,
                     run.hi - run.lo,
                     out=dst[run.lo : run.hi],
-                    scale=unscale[list(run.index)],
+                    scale=factors,
                     layout=run.layout,
                 )
             if r:
@@ -300,12 +302,21 @@ class APSFSDPState:
 
     def _unit_runs(
         self, unit: _Unit, formats: list[FloatFormat], device: torch.device
-    ) -> list[_Run]:
+    ) -> tuple[list[_Run], dict[FloatFormat, torch.Tensor]]:
+        """The unit's runs for these formats, and each scaled format's parameters
+        on ``device``: built once per format mix, not every step."""
         key = (unit.index, tuple(formats))
-        runs = self._runs.get(key)
-        if runs is None:
-            runs = self._runs[key] = _make_runs(unit, formats, device)
-        return runs
+        cached = self._runs.get(key)
+        if cached is None:
+            by_format = {
+                fmt: torch.tensor(
+                    [i for i, f in enumerate(formats) if f == fmt], dtype=torch.long, device=device
+                )
+                for fmt in dict.fromkeys(formats)
+                if fmt != FP32  # exact in FP32: no scaling
+            }
+            cached = self._runs[key] = (_make_runs(unit, formats, device), by_format)
+        return cached
 
     def _record(
         self,
@@ -379,7 +390,8 @@ def _make_runs(unit: _Unit, formats: list[FloatFormat], device: torch.device) ->
         hi = lo + sum(unit.chunks[i:j])
         b1 = b0 + payload_nbytes(hi - lo, formats[i])
         layout = codec.Layout.from_numels(list(unit.chunks[i:j]), device)
-        runs.append(_Run(formats[i], tuple(range(i, j)), lo, hi, b0, b1, layout))
+        index = torch.arange(i, j, device=device)
+        runs.append(_Run(formats[i], tuple(range(i, j)), lo, hi, b0, b1, layout, index))
         i, lo, b0 = j, hi, b1
     return runs
 

@@ -535,7 +535,9 @@ class APSState:
         elif measured:
             chunk = 2 ** int(shared[-1])  # a CPU tensor: no device round trip
         elif auto_chunk:
-            chunk = planner.chunk(self.fmt, x.numel(), main)  # the same on every rank
+            if not plan.model_chunk:  # the same on every rank, and every step
+                plan.model_chunk = planner.chunk(self.fmt, x.numel(), main)
+            chunk = plan.model_chunk
         elif self.chunk_elements is not None:
             chunk = self.chunk_elements
         else:

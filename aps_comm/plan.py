@@ -251,6 +251,9 @@ class BucketPlan:
         exchanges: exchanges timed so far.
         reductions: ``reduction="auto"``'s choice per format, per mix of the
             layers' formats (the model's answer depends only on the layout).
+        model_chunk: the model's chunk for the state's format where nothing
+            was timed (CUDA; 0 until first asked): it too depends only on
+            the layout.
     """
 
     key: tuple
@@ -261,6 +264,7 @@ class BucketPlan:
     exchange_s: float = 0.0
     exchanges: int = 0
     reductions: dict[tuple, dict[FloatFormat, str]] = dataclasses.field(default_factory=dict)
+    model_chunk: int = 0
 
     def timed(self, seconds: float) -> None:
         """Record one exchange of the bucket (the first, which pays page faults, is not kept)."""
