@@ -477,18 +477,28 @@ def _worker_size(args: argparse.Namespace, mb: float, rank: int, DDP: Any) -> di
     }
 
 
-def _predict(numel: int, world: int, link: dict[str, Any] | None) -> dict[str, float]:
-    """perfmodel's step time (communication only) per format, for the measured link."""
-    if not link or not link.get("bandwidth_bits_per_s"):
-        return {}
-    from aps_perfmodel import ComputeTime, ModelSpec, custom_cluster, predict
+def flat_link_cluster(link: dict[str, Any], world: int) -> Any:
+    """The perfmodel cluster of a measured link: ``world`` nodes of one CPU rank each.
 
-    cluster = custom_cluster(
+    Bandwidth: the link's TCP goodput; latency: half its round trip.
+    """
+    from aps_perfmodel import custom_cluster
+
+    return custom_cluster(
         link["bandwidth_bits_per_s"] / 8,
         max(link.get("rtt_s") or 0.0, 1e-6) / 2,
         nodes=world,
         device="cpu",
     )
+
+
+def _predict(numel: int, world: int, link: dict[str, Any] | None) -> dict[str, float]:
+    """perfmodel's step time (communication only) per format, for the measured link."""
+    if not link or not link.get("bandwidth_bits_per_s"):
+        return {}
+    from aps_perfmodel import ComputeTime, ModelSpec, predict
+
+    cluster = flat_link_cluster(link, world)
     model = ModelSpec.from_module(_model(numel * 4 / 2**20))
     pred = predict(model, cluster, ["e4m3", "e5m2", "bf16"], ComputeTime.from_step_time(0.0))
     return {name: r.step_s for name, r in pred.formats.items()}

@@ -124,15 +124,10 @@ def _predict(layers: int, world: int, link: dict[str, Any] | None) -> dict[str, 
     """perfmodel's FSDP step (communication only) per setup, for the measured link."""
     if not link or not link.get("bandwidth_bits_per_s"):
         return {}
-    from aps_perfmodel.cluster import custom_cluster
     from aps_perfmodel.fsdp import FSDPUnit, fsdp_step, padded_numel
+    from benchmarks.comm import flat_link_cluster
 
-    cluster = custom_cluster(
-        link["bandwidth_bits_per_s"] / 8,
-        max(link.get("rtt_s") or 0.0, 1e-6) / 2,
-        nodes=world,
-        device="cpu",
-    )
+    cluster = flat_link_cluster(link, world)
     units = [FSDPUnit(padded_numel([(_WIDTH, _WIDTH)], world), 1)] * layers
     out = {}
     for setup, fmt in _PREDICTED.items():
