@@ -5,7 +5,9 @@ on it, and :func:`exponents` turns the agreed maxima into exponents ``e`` so
 that ``x * 2**e`` fits the wire format:
 
 - native low-precision all-reduce (the sum happens in the wire format):
-  ``e = floor(log2(FMAX / (N * amax)))``, so the N-way sum cannot overflow;
+  ``e = floor(log2(FMAX / (N * amax)))``, lowered by one where the encoded
+  maximum rounds up past ``FMAX / N`` (N * that rounded value must stay
+  finite), so the N-way sum cannot overflow;
 - two-phase (FP32 accumulation on the shard owner):
   ``e = floor(log2(FMAX / amax))``, log2(N) more bits for small values (and
   never so large that the owner's FP32 sum of N values could overflow).
@@ -106,7 +108,14 @@ def exponents(
         finite_max = torch.where(usable, a, 0.0).max() if a.numel() else a.new_zeros(())
         a = torch.where(usable, finite_max, a)
     if reduction == "allreduce":
-        e = _largest_exponent(torch.where(usable, a * world_size, 1.0), fmt.max)
+        safe = torch.where(usable, a, 1.0)
+        e = _largest_exponent(safe * world_size, fmt.max)
+        # amax * 2**e <= FMAX / N, but it is encoded rounded: where the rounded
+        # value times N passes FMAX (fp16, N = 13, amax 5038.5: 13 * 5040 is
+        # inf), one less. Then it fits: a binade's next value is at most twice
+        # the last, so the rounded half is at most FMAX / N.
+        over = _round_up_to(safe * torch.exp2(e), fmt) * world_size > fmt.max
+        e = torch.where(over, e - 1, e)
     else:
         # The owner's FP32 sum of N scaled values must not overflow either:
         # it matters for formats whose max is near float32's (BF16).
@@ -119,6 +128,22 @@ def exponents(
 
 
 _FLOAT32_MAX = float(torch.finfo(torch.float32).max)
+
+
+def _round_up_to(y: torch.Tensor, fmt: FloatFormat) -> torch.Tensor:
+    """Positive float64 ``y`` rounded to ``fmt`` as the encoder rounds it (nearest,
+    ties to even, saturating at ``fmt.max``); exact in float64."""
+    _, ex = torch.frexp(y)
+    lead = (ex - 1).clamp_(min=fmt._emin).double()  # the leading bit's exponent
+    quantum = torch.exp2(lead - fmt.man_bits)
+    m = y / quantum  # exact: a power of two
+    if fmt.man_bits == 0:
+        # No mantissa bit: ties go to the even code, whose last bit is the exponent's.
+        down = (m == 1.5) & (torch.remainder(lead + fmt.bias, 2) == 0)  # type: ignore[operator]
+        r = torch.where(down, torch.ones_like(m), torch.round(m))
+    else:
+        r = torch.round(m)  # half to even
+    return (r * quantum).clamp_(max=fmt.max)
 
 
 def _largest_exponent(need: torch.Tensor, limit: float) -> torch.Tensor:
