@@ -240,8 +240,9 @@ def bind_topology(
     except ValueError as exc:
         if wanted or explicit:
             raise
-        if any(stated for *_, stated in seen):
-            # Stated but wrong: flat reductions still work, say why hierarchical won't run.
+        if reduction == Reduction.AUTO and grid_ok and any(stated for *_, stated in seen):
+            # A stated layout "auto" could have used: flat reductions still
+            # work; say why hierarchical won't run.
             warnings.warn(
                 f"aps_comm: no hierarchical reduction: {exc}", RuntimeWarning, stacklevel=4
             )

@@ -206,7 +206,7 @@ def _fail_everywhere(rank: int, world_size: int) -> list[str]:
     def broken(*args: object, **kwargs: object) -> torch.Tensor:
         raise RuntimeError(f"injected codec failure on rank {rank}")
 
-    aps_comm.codec.encode = broken  # type: ignore[assignment]
+    aps_comm.codec.Codec.encode = broken  # type: ignore[assignment,method-assign]
     errors = []
     for _ in range(2):
         try:
@@ -233,7 +233,7 @@ def _fail_on_one_rank(rank: int, world_size: int) -> None:
         def broken(*args: object, **kwargs: object) -> torch.Tensor:
             raise RuntimeError("injected codec failure on rank 1")
 
-        aps_comm.codec.encode = broken  # type: ignore[assignment]
+        aps_comm.codec.Codec.encode = broken  # type: ignore[assignment,method-assign]
     ddp(torch.randn(8, 16)).pow(2).sum().backward()
 
 
