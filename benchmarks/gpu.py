@@ -909,7 +909,7 @@ def _step_cuda_tests(ctx: _Context) -> StepResult:
     test_file = _ROOT / "tests" / "test_cuda.py"
     if not test_file.exists():
         return StepResult("cuda_tests", Status.SKIPPED, f"{test_file.name} is not in this checkout")
-    xml = ctx.out / "cuda_tests.xml"
+    xml = (ctx.out / "cuda_tests.xml").resolve()  # pytest runs in the checkout
     cmd = [sys.executable, "-m", "pytest", str(test_file), "-q", "-rs", "-p", "no:cacheprovider"]
     try:
         proc = subprocess.run(
