@@ -93,6 +93,7 @@ __all__ = [
     "HookCase",
     "ProfileEvent",
     "Status",
+    "StepContext",
     "StepResult",
     "bucket_profile",
     "check_fsdp",
@@ -893,19 +894,29 @@ class CodecTiming:
 
 
 @dataclasses.dataclass(frozen=True)
-class _Context:
+class StepContext:
+    """What every step gets.
+
+    Attributes:
+        env: the machine.
+        out: the output folder.
+        deadline: ``time.monotonic()`` past which no step should run.
+    """
+
     env: Environment
     out: Path
     deadline: float
 
     def remaining(self) -> float:
+        """Seconds left of the budget."""
         return self.deadline - time.monotonic()
 
     def timeout(self, wanted: float) -> float:
+        """``wanted`` seconds, or what is left of the budget if less (at least 1)."""
         return max(1.0, min(wanted, self.remaining()))
 
 
-def _step_cuda_tests(ctx: _Context) -> StepResult:
+def _step_cuda_tests(ctx: StepContext) -> StepResult:
     test_file = _ROOT / "tests" / "test_cuda.py"
     if not test_file.exists():
         return StepResult("cuda_tests", Status.SKIPPED, f"{test_file.name} is not in this checkout")
@@ -958,7 +969,7 @@ def _events_ms(fns: dict[str, Callable[[], object]], repeats: int) -> dict[str, 
     return {k: [s.elapsed_time(e) for s, e in v] for k, v in marks.items()}
 
 
-def _step_codec(ctx: _Context, repeats: int = 50) -> StepResult:
+def _step_codec(ctx: StepContext, repeats: int = 50) -> StepResult:
     dev = torch.device("cuda", 0)
     fmt = get_format("e4m3")
     n = _MIB * 2**20 // 4
@@ -1088,7 +1099,7 @@ _STEPS_PER_CASE = 4
 _SYNC_ERROR_FROM = 2
 
 
-def _step_hook_nccl(ctx: _Context) -> StepResult:
+def _step_hook_nccl(ctx: StepContext) -> StepResult:
     label = "nccl, 1 rank"
     rows, runnable = [], []
     for case in _NCCL_CASES:
@@ -1134,7 +1145,7 @@ _GLOO_CASES: dict[int, tuple[HookCase, ...]] = {
 }
 
 
-def _step_hook_gloo_cuda(ctx: _Context) -> StepResult:
+def _step_hook_gloo_cuda(ctx: StepContext) -> StepResult:
     rows = []
     for world, cases in _GLOO_CASES.items():
         label = f"gloo + cuda tensors, {world} ranks"
@@ -1153,7 +1164,7 @@ def _step_hook_gloo_cuda(ctx: _Context) -> StepResult:
     return _case_step("hook_gloo_cuda", rows, {"steps": 3, "sync_debug": "not applicable"})
 
 
-def _step_fsdp(ctx: _Context, world: int = 2, fmt: str = "e4m3") -> StepResult:
+def _step_fsdp(ctx: StepContext, world: int = 2, fmt: str = "e4m3") -> StepResult:
     gpu = run_distributed(fsdp_grads, world, args=("cuda", fmt), timeout=ctx.timeout(300))
     cpu = run_distributed(fsdp_grads, world, args=("cpu", fmt), timeout=ctx.timeout(300))
     problems = [
@@ -1178,7 +1189,7 @@ def _step_fsdp(ctx: _Context, world: int = 2, fmt: str = "e4m3") -> StepResult:
 _STALLS = (EventKind.HOST_SYNC, EventKind.D2H_COPY, EventKind.H2D_COPY)
 
 
-def _step_profile(ctx: _Context) -> StepResult:
+def _step_profile(ctx: StepContext) -> StepResult:
     cases = [HookCase("e4m3", "two_phase"), HookCase("fp16", "allreduce")]
     if ctx.env.native_fp8 is None:
         cases.append(HookCase("e4m3", "allreduce"))
@@ -1202,7 +1213,7 @@ def _step_profile(ctx: _Context) -> StepResult:
     return StepResult("profile", Status.PASSED, details=details)
 
 
-STEPS: dict[str, Callable[[_Context], StepResult]] = {
+STEPS: dict[str, Callable[[StepContext], StepResult]] = {
     "cuda_tests": _step_cuda_tests,
     "codec": _step_codec,
     "hook_nccl": _step_hook_nccl,
@@ -1223,7 +1234,7 @@ def _skip_reason(name: str, env: Environment) -> str | None:
     return None
 
 
-def _run_step(name: str, ctx: _Context) -> StepResult:
+def _run_step(name: str, ctx: StepContext) -> StepResult:
     reason = _skip_reason(name, ctx.env)
     if reason is None and ctx.remaining() < 30:
         reason = "the time budget was spent by the steps before"
@@ -1350,7 +1361,7 @@ def main(argv: Sequence[str] | None = None) -> int:
         parser.error(f"--budget-s must be positive, got {args.budget_s}")
     args.out.mkdir(parents=True, exist_ok=True)
     env = Environment.detect()
-    ctx = _Context(env, args.out, time.monotonic() + args.budget_s)
+    ctx = StepContext(env, args.out, time.monotonic() + args.budget_s)
     started = time.monotonic()
     results = []
     for name in names:
