@@ -376,8 +376,9 @@ class BucketPlan:
             )
             i, lo, b0 = j, hi, b1
         by_format = {
-            fmt: torch.tensor(
-                [k for k, f in enumerate(formats) if f == fmt], dtype=torch.long, device=self.device
+            fmt: to_device(
+                torch.tensor([k for k, f in enumerate(formats) if f == fmt], dtype=torch.long),
+                self.device,
             )
             for fmt in dict.fromkeys(formats)
             if fmt != FP32  # exact in FP32: no scaling
