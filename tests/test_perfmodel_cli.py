@@ -72,6 +72,13 @@ def test_cli_predict_params_alone_is_communication_only(
     out = json.loads(capsys.readouterr().out)
     assert out["communication_only"] is True and out["compute"] is None
     assert "'25.6M params' has no FLOP counts" in out["note"]
+    # It says the comm speedup is not the step's, and how to ask for the step.
+    assert "'comm speedup' is not the step speedup" in out["note"]
+    for how in ("--step-time", "--forward-time/--backward-time", "--model with a preset"):
+        assert how in out["note"], how
+    # Nothing was estimated, so no batch or MFU is claimed.
+    assert out["assumptions"]["compute"] == "none: communication only"
+    assert "batch_per_rank" not in out["assumptions"] and "mfu" not in out["assumptions"]
     fmts = out["formats"]
     assert list(fmts) == ["fp32", "fp16", "e4m3"]
     for v in fmts.values():
@@ -83,6 +90,7 @@ def test_cli_predict_params_alone_is_communication_only(
             "comm_s",
             "comm_speedup_vs_fp32",
             "wire_bytes",
+            "inter_node_bytes",
         }
     assert fmts["fp32"]["comm_speedup_vs_fp32"] == 1.0
     # The same communication as a prediction with compute times given.
@@ -98,7 +106,12 @@ def test_cli_predict_params_alone_is_communication_only(
     assert cli_main(argv) == 0
     text = capsys.readouterr().out
     assert "compute  none: communication only" in text and "comm speedup" in text
-    assert "exposed" not in text and "step" not in text.split("comm speedup")[1]
+    flat = " ".join(text.split())  # the note is wrapped
+    assert "'comm speedup' is not the step speedup; for the step speedup give --step-time" in flat
+    header = next(line for line in text.splitlines() if line.startswith("format "))
+    assert header.split() == ["format", "strategy", "wire/rank", "across/rank", "comm", "comm",
+                              "speedup"]  # fmt: skip
+    assert "exposed" not in text
 
     with pytest.raises(SystemExit, match=r"--plot plots step times: '25\.6M params' has no FLOP"):
         cli_main([*argv, "--plot", str(tmp_path / "p.png")])
@@ -199,3 +212,92 @@ def test_fsdp_cli_cuts_units_and_compares_reduce_scatters(capsys) -> None:
         < rows["bf16"]["reduce_scatter_s"]
         < rows["fp32"]["reduce_scatter_s"]
     )
+
+
+def _predict_json(capsys: pytest.CaptureFixture[str], *argv: str) -> dict:
+    assert cli_main(["predict", *argv, "--json"]) == 0
+    return json.loads(capsys.readouterr().out)
+
+
+def test_cli_predict_says_what_it_assumed(capsys: pytest.CaptureFixture[str]) -> None:
+    argv = ["--model", "bert-large", "--cluster", "10gbe", "--world-size", "8"]
+    out = _predict_json(capsys, *argv)
+    a = out["assumptions"]
+    assert a["compute"] == "estimated from the model's FLOPs"
+    assert (a["batch_per_rank"], a["seq_len"], a["device"]) == (32, 512, "a100")
+    assert (a["mfu"], a["compute_dtype"], a["optimizer"]) == (0.4, "bf16", "adam")
+    assert a["sample"] == "a sequence of 512 tokens" and a["bucket_cap_mb"] == 25.0
+    assert "inside its node and across nodes" in a["wire_bytes"]
+    # The assumptions are the ones used: a quarter of the batch, a quarter of the compute.
+    small = _predict_json(capsys, *argv, "--batch-size", "8", "--device", "h100", "--mfu", "0.5")
+    assert (small["assumptions"]["batch_per_rank"], small["assumptions"]["device"]) == (8, "h100")
+    assert small["assumptions"]["mfu"] == 0.5
+    assert small["compute"]["forward_s"] < out["compute"]["forward_s"] / 4
+    speedup = out["formats"]["e4m3"]["speedup_vs_fp32"]
+    assert small["formats"]["e4m3"]["speedup_vs_fp32"] > speedup
+
+    assert cli_main(["predict", *argv]) == 0
+    text = capsys.readouterr().out
+    flat = " ".join(text.split())
+    assert "assumed batch 32 per rank, a sequence of 512 tokens each (--batch-size)" in flat
+    assert "a100 at 40% MFU in bf16 (--device, --mfu, --compute-dtype); adam (--optimizer)" in flat
+    assert "wire/rank: bytes one rank sends per step for the gradients, inside its node" in flat
+
+    # Given compute: no batch or MFU claimed, the split said.
+    given = _predict_json(capsys, *argv, "--step-time", "300ms")
+    assert given["assumptions"]["compute"] == "given: --step-time, split forward:backward 1:2"
+    assert "batch_per_rank" not in given["assumptions"]
+    assert cli_main(["predict", *argv, "--step-time", "300ms"]) == 0
+    text = capsys.readouterr().out
+    assert "assumed  compute given: --step-time" in text and "MFU" not in text
+
+
+def test_cli_choices_are_case_insensitive_as_the_api(capsys: pytest.CaptureFixture[str]) -> None:
+    lower = _predict_json(
+        capsys,
+        *("--model", "resnet50", "--cluster", "100gbe", "--world-size", "16"),
+        *("--fmt", "e4m3", "--device", "h100", "--strategy", "two_phase"),
+    )
+    mixed = _predict_json(
+        capsys,
+        *("--model", "ResNet50", "--cluster", "100GbE", "--world-size", "16"),
+        *("--fmt", "E4M3", "--device", "H100", "--strategy", "Two_Phase"),
+    )
+    assert mixed == lower
+    # Any name the API takes: an alias is its format.
+    assert set(_predict_json(capsys, "--model", "resnet50", "--cluster", "100gbe",
+                             "--world-size", "16", "--fmt", "FP8")["formats"]) == {
+        "fp32", "fp16", "e4m3"
+    }  # fmt: skip
+    with pytest.raises(SystemExit):
+        cli_main(["predict", "--model", "resnet50", "--cluster", "100gbe", "--fmt", "e9"])
+    assert "unknown format 'e9'" in capsys.readouterr().err
+
+
+def test_cli_wire_per_rank_counts_in_node_bytes_and_says_so(
+    capsys: pytest.CaptureFixture[str],
+) -> None:
+    # 4 nodes of 8: hierarchical sends FP32 inside the node, e4m3 across.
+    argv = ["--model", "gpt2-xl", "--cluster", "100gbe", "--world-size", "32"]
+    argv += ["--gpus-per-node", "8", "--strategy", "hierarchical", "--step-time", "1s"]
+    out = _predict_json(capsys, *argv)["formats"]
+    n = get_model("gpt2-xl").total_params
+    nodes, per_node, p = 4, 8, 32
+    # Per element: FP32 to 7 of 8 node peers and e4m3 back, 2 x 1 byte of 1/8 across.
+    e4m3_all = n * ((4 + 1) * (per_node - 1) / per_node + 2 * (nodes - 1) / (nodes * per_node))
+    assert out["e4m3"]["wire_bytes"] == pytest.approx(e4m3_all)
+    assert out["fp16"]["wire_bytes"] == pytest.approx(2 * 2 * n * (p - 1) / p)
+    assert out["e4m3"]["wire_bytes"] > out["fp16"]["wire_bytes"]
+    # Across nodes, each of a node's 8 ranks all-reduces its 1/8: e4m3 half of fp16's.
+    across = 2 * n * (nodes - 1) / (nodes * per_node)
+    assert out["e4m3"]["inter_node_bytes"] == pytest.approx(across)
+    assert out["fp16"]["inter_node_bytes"] == pytest.approx(2 * across)
+    assert out["fp32"]["inter_node_bytes"] == pytest.approx(4 * across)
+
+    assert cli_main(["predict", *argv]) == 0
+    flat = " ".join(capsys.readouterr().out.split())
+    assert "across/rank" in flat
+    assert (
+        "e4m3 sends more than fp16 per rank but 2.0x fewer bytes than fp16 across nodes: "
+        "hierarchical first reduces each chunk in FP32 inside the node"
+    ) in flat

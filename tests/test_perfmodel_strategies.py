@@ -284,3 +284,33 @@ def test_wire_bound_is_the_model_with_a_free_codec_at_the_best_chunking() -> Non
             assert 0 < bound <= bucket_breakdown(n, 10, "e4m3", c, s).total_s, (name, s)
             assert bound <= bucket_breakdown(n, 10, "e4m3", c, s, chunk=None).collective_s
     assert wire_bound(0, "e4m3", get_cluster("100gbe", world_size=8), "grid") == 0.0
+
+
+def test_inter_node_bytes_hand_values() -> None:
+    from aps_perfmodel.strategies import bucket_breakdown
+
+    n, nodes, per_node, p = 2**22, 4, 8, 32
+    c = get_cluster("100gbe", gpus_per_node=per_node).with_world_size(p)
+
+    def across(fmt: str, strategy: str, cluster=c) -> float:
+        b = bucket_breakdown(n, 4, fmt, cluster, strategy)
+        assert 0 <= b.inter_node_bytes <= b.wire_bytes
+        return b.inter_node_bytes / n
+
+    # NCCL's two-level all-reduce and hierarchical: each rank's 1/8 crosses, twice.
+    share = 2 * (nodes - 1) / (nodes * per_node)
+    assert across("fp32", "fp32") == pytest.approx(4 * share)
+    assert across("fp16", "native") == pytest.approx(2 * share)
+    assert across("e4m3", "hierarchical") == pytest.approx(share)
+    # Flat two_phase: (N - L)/N of the all-to-all's and the all-gather's bytes.
+    assert across("e4m3", "two_phase") == pytest.approx(2 * (p - per_node) / p)
+    # Grid 4 x 8: rows inside a node; the column stage carries a row's quarter of
+    # the chunk over 8 ranks, 2 on each node: 6 of its 8 all-to-all shards leave
+    # the node, and its two-level all-gather sends half of it to the 3 other nodes.
+    assert across("e4m3", "grid") == pytest.approx(1 / 4 * 6 / 8 + 1 / 4 / 2 * 3 / 4)
+    # Gloo's one flat ring: one rank in 8 sends to the next node.
+    gloo = replace(c, backend="gloo")
+    assert across("fp32", "fp32", gloo) == pytest.approx(2 * 4 * (p - 1) / p / per_node)
+    # One node: nothing leaves it.
+    one = get_cluster("100gbe", gpus_per_node=8).with_world_size(8)
+    assert across("e4m3", "hierarchical", one) == across("fp32", "fp32", one) == 0.0
