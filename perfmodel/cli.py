@@ -259,18 +259,20 @@ def _assumptions(
     return out
 
 
-def _assumption_lines(a: dict[str, Any]) -> list[str]:
+def _assumption_text(a: dict[str, Any]) -> str:
     if "batch_per_rank" not in a:
         given = "" if a["compute"].startswith("none") else f"compute {a['compute']}; "
-        text = f"{given}device {a['device']} (--device), which prices the codec passes"
-    else:
-        sample = f", {a['sample']} each" if a["sample"] else ""
-        text = (
-            f"batch {a['batch_per_rank']} per rank{sample} (--batch-size); {a['device']} at "
-            f"{a['mfu']:.0%} MFU in {a['compute_dtype']} (--device, --mfu, --compute-dtype); "
-            f"{a['optimizer']} (--optimizer); or give a measured --step-time"
-        )
-    first, *rest = _wrap(text)
+        return f"{given}device {a['device']} (--device), which prices the codec passes"
+    sample = f", {a['sample']} each" if a["sample"] else ""
+    return (
+        f"batch {a['batch_per_rank']} per rank{sample} (--batch-size); {a['device']} at "
+        f"{a['mfu']:.0%} MFU in {a['compute_dtype']} (--device, --mfu, --compute-dtype); "
+        f"{a['optimizer']} (--optimizer); or give a measured --step-time"
+    )
+
+
+def _assumption_lines(a: dict[str, Any]) -> list[str]:
+    first, *rest = _wrap(_assumption_text(a))
     return [f"assumed  {first}", *(f"         {line}" for line in rest)]
 
 
@@ -451,6 +453,10 @@ def _cmd_sweep(args: argparse.Namespace) -> int:
             f"aps-perfmodel: communication only (step_s = comm_s): {_comm_only_reason(model)}",
             file=sys.stderr,
         )
+    else:
+        # The CSV has no room for them; the assumptions go to stderr, as the note above.
+        assumed = _assumption_text(_assumptions(args, model, cluster, compute))
+        print(f"aps-perfmodel: assumed {assumed}", file=sys.stderr)
     bandwidths = (
         [parse_bandwidth(b) for b in args.bandwidths.split(",")]
         if args.bandwidths
