@@ -581,7 +581,7 @@ class EmulatedCluster:
     def env(self, rank: int, extra: Mapping[str, str] | None = None) -> dict[str, str]:
         """The full environment of ``rank``: ours, then the rendezvous, then ``extra``."""
         env = dict(os.environ)
-        # Lets `python -c "import benchmarks..."` work from a plain checkout.
+        # Lets `python -m benchmarks...` (probe, switch, benchmarks) run from a checkout.
         env["PYTHONPATH"] = os.pathsep.join(filter(None, [str(_REPO_ROOT), env.get("PYTHONPATH")]))
         # Launchers' names (torchrun): LOCAL_* within the node, GROUP_* the node.
         env.update(

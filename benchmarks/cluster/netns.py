@@ -45,7 +45,7 @@ __all__ = [
     "tbf_parameters",
 ]
 
-# Every namespace this module creates starts with this prefix followed by the
+# Every namespace this package creates starts with this prefix followed by the
 # creating process's pid, so parallel runs never collide and leftovers of a
 # killed run (kill -9 skips all cleanup) can be recognised and removed.
 NS_PREFIX = "apsc-"

@@ -30,7 +30,7 @@ _MAX_FRAME = _VNET_HDR_LEN + 14 + 65535 + 64
 def main(argv: Sequence[str] | None = None) -> None:
     """Forward Ethernet frames among the given ports, each ``delay`` s after it came.
 
-    Entry point of ``python -c "...; c.main()" DELAY PORT...``. A
+    Entry point of ``python -m benchmarks.cluster.switch DELAY PORT...``. A
     learning switch: a frame goes to the port its destination MAC was last
     seen on, else (broadcast, ARP, unknown) to every other port. One thread,
     frames in arrival order (the delay is constant, so a FIFO is a timer
