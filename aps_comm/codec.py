@@ -19,7 +19,12 @@ functions take a format and a backend per call and use a cached
   ``float16``, ``bfloat16``) after a clamp, for formats that have a dtype
   (the choice on CUDA, where no step reads a device value on the host);
 - ``"bits"``: the reference bit path of :mod:`aps_comm.formats` (custom
-  formats of at most 16 bits off the CPU, or without numba).
+  formats of at most 16 bits off the CPU, or without numba);
+- ``"triton"``: the fused kernels of :mod:`aps_comm.triton_codec` (CUDA,
+  formats up to 16 bits; the choice there where Triton is installed): one
+  pass over memory per call instead of a chain of torch ops. Under Triton's
+  interpreter (``TRITON_INTERPRET=1`` when it is first used) they run on CPU
+  tensors instead, for tests.
 
 Payloads may start at any byte of a larger buffer (a bucket or unit that
 mixes formats packs them end to end): ``cast`` then goes through an aligned
@@ -41,6 +46,7 @@ from __future__ import annotations
 
 import dataclasses
 import functools
+import types
 from collections.abc import Sequence
 from typing import Literal
 
@@ -76,8 +82,8 @@ __all__ = [
     "shard_mean",
 ]
 
-Backend = Literal["auto", "kernels", "cast", "bits"]
-BACKENDS: tuple[str, ...] = ("auto", "kernels", "cast", "bits")
+Backend = Literal["auto", "kernels", "cast", "bits", "triton"]
+BACKENDS: tuple[str, ...] = ("auto", "kernels", "cast", "bits", "triton")
 
 AMAX_BLOCK = 4096
 """Elements per block of :func:`segment_amax` off the CPU: every segment is cut
@@ -126,7 +132,10 @@ class Layout:
     @classmethod
     def _make(cls, offsets: torch.Tensor, device: torch.device) -> Layout:
         sizes = offsets.diff()
-        return cls(offsets, to_device(sizes, device), tuple(sizes.tolist()), int(offsets[-1]))
+        layout = cls(offsets, to_device(sizes, device), tuple(sizes.tolist()), int(offsets[-1]))
+        if device.type == "cuda":
+            layout.device_offsets  # noqa: B018 - the Triton codec's, copied at plan time
+        return layout
 
     def window(self, lo: int, hi: int) -> Layout:
         """The layout seen by the slice ``[lo, hi)``, with every segment kept (some empty).
@@ -140,6 +149,16 @@ class Layout:
     @property
     def n_segments(self) -> int:
         return self.offsets.numel() - 1
+
+    @functools.cached_property
+    def device_offsets(self) -> torch.Tensor:
+        """:attr:`offsets` on the layout's device (the Triton kernels search them).
+
+        Example:
+            >>> Layout.from_numels([3, 2], torch.device("cpu")).device_offsets
+            tensor([0, 3, 5])
+        """
+        return to_device(self.offsets, self.lengths.device)
 
     @functools.cached_property
     def blocks(self) -> tuple[torch.Tensor, torch.Tensor]:
@@ -170,15 +189,32 @@ def backend_for(fmt: FloatFormat | str, device: torch.device) -> str:
     Example:
         >>> backend_for("e4m3", torch.device("cpu"))
         'kernels'
-        >>> backend_for("e4m3", torch.device("cuda"))
-        'cast'
+        >>> backend_for("e4m3", torch.device("cuda"))  # 'cast' without Triton
+        'triton'
     """
     fmt = get_format(fmt)
-    if torch.device(device).type == "cpu" and cpu_kernels.supports(fmt):
+    device = torch.device(device)
+    if device.type == "cpu" and cpu_kernels.supports(fmt):
         return "kernels"
+    if device.type == "cuda" and _triton_runs(fmt, device):
+        return "triton"
     if fmt.torch_dtype is not None:
         return "cast"
     return "bits"
+
+
+def _triton() -> types.ModuleType:
+    """:mod:`aps_comm.triton_codec`, imported on first use: ``import aps_comm`` neither
+    needs Triton nor pays for importing it, and a test can set ``TRITON_INTERPRET``
+    before the kernels are built."""
+    from aps_comm import triton_codec
+
+    return triton_codec
+
+
+def _triton_runs(fmt: FloatFormat, device: torch.device) -> bool:
+    """Whether the Triton codec runs ``fmt`` on ``device``."""
+    return _triton().supports(fmt) and _triton().runs_on(device)
 
 
 def _resolve(backend: str, fmt: FloatFormat, device: torch.device) -> str:
@@ -190,6 +226,12 @@ def _resolve(backend: str, fmt: FloatFormat, device: torch.device) -> str:
         raise ValueError(
             f"backend='kernels' needs CPU tensors, numba and a format of at most 16 bits "
             f"with bias <= 127; got {fmt.name} on {device.type}"
+        )
+    if backend == "triton" and not _triton_runs(fmt, device):
+        raise ValueError(
+            "backend='triton' needs triton installed, CUDA tensors (CPU ones under "
+            "TRITON_INTERPRET=1) and a format of at most 16 bits with bias <= 127; "
+            f"got {fmt.name} on {device.type}"
         )
     if backend == "cast" and fmt.torch_dtype is None:
         raise ValueError(f"backend='cast' needs a format with a torch dtype, got {fmt.name}")
@@ -206,6 +248,10 @@ def _factors(scale: torch.Tensor, layout: Layout | None, numel: int) -> torch.Te
     if layout is None:
         return scale.reshape(-1)[:1].expand(numel) if scale.numel() == 1 else scale
     return torch.repeat_interleave(scale, layout.lengths, output_size=numel)
+
+
+def _device_offsets(layout: Layout | None) -> torch.Tensor | None:
+    return None if layout is None else layout.device_offsets
 
 
 def _host_offsets(layout: Layout | None, numel: int) -> np.ndarray:
@@ -245,8 +291,8 @@ class Codec:
         fmt: the wire format (a :class:`~aps_comm.formats.FloatFormat` or a
             name); stored resolved.
         device: the data's device.
-        backend: "auto", "kernels", "cast" or "bits" (see the module doc);
-            stored resolved ("auto" becomes the backend it picks).
+        backend: "auto", "kernels", "cast", "bits" or "triton" (see the
+            module doc); stored resolved ("auto" becomes the backend it picks).
 
     Raises:
         ValueError: the backend cannot run ``fmt`` on ``device``.
@@ -301,6 +347,9 @@ class Codec:
             factors = None if scale is None else scale.numpy()
             cpu_kernels.encode(x, out, fmt, _host_offsets(layout, numel), factors)
             return out
+        if self.backend == "triton":
+            _triton().encode(x, out, fmt, _device_offsets(layout), scale)
+            return out
         v = x.float() if scale is None else x * _factors(scale, layout, numel)
         if self.backend == "cast":
             cast_into(v, fmt, out)
@@ -346,6 +395,9 @@ class Codec:
             factors = None if scale is None else scale.numpy()
             cpu_kernels.decode(payload, out, fmt, _host_offsets(layout, numel), factors)
             return out
+        if self.backend == "triton":
+            _triton().decode(payload, out, fmt, _device_offsets(layout), scale)
+            return out
         if self.backend == "cast":
             uncast_into(payload, fmt, out)
         else:
@@ -373,6 +425,9 @@ class Codec:
         if self.backend == "kernels":
             cpu_kernels.reduce_shards(recv, n_ranks, self.fmt, out)
             return out
+        if self.backend == "triton":
+            _triton().reduce_shards(recv, n_ranks, self.fmt, out)
+            return out
         return self.encode(self.shard_mean(recv, n_ranks), out=out)
 
     def shard_mean(
@@ -391,11 +446,15 @@ class Codec:
         """
         shard_bytes = self._shard_bytes(recv, n_ranks)
         numel = shard_bytes * 8 // self.fmt.wire_bits
+        divisor = n_ranks if divisor is None else divisor
+        if self.backend == "triton":
+            out = torch.empty(numel, dtype=torch.float32, device=recv.device)
+            _triton().shard_mean(recv, n_ranks, self.fmt, out, divisor)
+            return out
         values = self.decode(recv, n_ranks * numel)
         acc = values[:numel]
         for r in range(1, n_ranks):
             acc += values[r * numel : (r + 1) * numel]
-        divisor = n_ranks if divisor is None else divisor
         return acc if divisor == 1 else acc.div_(divisor)
 
     def _shard_bytes(self, recv: torch.Tensor, n_ranks: int) -> int:
@@ -440,7 +499,7 @@ def encode(
         scale: float32 factors, one per segment of ``layout`` (one in all
             without a layout); powers of two keep the scaling exact.
         layout: the segments of ``x``.
-        backend: "auto", "kernels", "cast" or "bits" (see the module doc).
+        backend: "auto", "kernels", "cast", "bits" or "triton" (see the module doc).
 
     Returns:
         ``out``.
@@ -471,7 +530,7 @@ def decode(
         out: contiguous float32 tensor of ``numel`` elements to write into.
         scale: float32 factors, one per segment of ``layout``.
         layout: the segments of the output.
-        backend: "auto", "kernels", "cast" or "bits".
+        backend: "auto", "kernels", "cast", "bits" or "triton".
 
     Returns:
         ``out``.
@@ -504,7 +563,7 @@ def owner_reduce(
         fmt: the wire format.
         n_ranks: N.
         out: uint8 tensor of one shard's bytes to write into.
-        backend: "auto", "kernels", "cast" or "bits".
+        backend: "auto", "kernels", "cast", "bits" or "triton".
 
     Returns:
         ``out``.

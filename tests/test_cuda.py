@@ -24,7 +24,7 @@ import pytest
 import torch
 import torch.distributed as dist
 
-from aps_comm import codec
+from aps_comm import codec, triton_codec
 from aps_comm.formats import get_format
 from aps_comm.testing import run_distributed
 from benchmarks.gpu import (
@@ -78,8 +78,10 @@ def test_codec_on_cuda_writes_the_cpu_bytes(name: str) -> None:
 
 def test_cuda_backends() -> None:
     dev = torch.device("cuda")
-    assert codec.backend_for("e4m3", dev) == "cast"
-    assert codec.backend_for("e3m2", dev) == "bits"
+    fused = triton_codec.runs_on(dev)  # Triton installed: its kernels, else torch ops
+    assert codec.backend_for("e4m3", dev) == ("triton" if fused else "cast")
+    assert codec.backend_for("e3m2", dev) == ("triton" if fused else "bits")
+    assert codec.backend_for("fp32", dev) == "cast"
 
 
 # Every reduction one NCCL rank can force; native FP8 only where the machine sums it.

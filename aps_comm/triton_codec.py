@@ -1,0 +1,620 @@
+"""Triton kernels of the codec: encode, decode and the owner's reduction in one pass.
+
+On CUDA the torch backends of :mod:`aps_comm.codec` run a chain of ops per
+call (a repeat of the scales, a multiply, a clamp, a cast, a copy), each a
+pass over memory; these kernels read the input once and write the output
+once, the per-segment scale (one float32 per layer of a
+:class:`~aps_comm.codec.Layout`) fused in:
+
+- :func:`encode`: ``x * scale`` rounded to the format's codes;
+- :func:`decode`: codes to float32, times the scale;
+- :func:`reduce_shards`: N encoded shards decoded, summed in float32 in rank
+  order, divided by N and encoded again (two_phase's shard owner);
+- :func:`shard_mean`: the same sum and division, kept in float32.
+
+Every rounding is done with integer operations on the float32 bit pattern,
+as in the integer path of :mod:`aps_comm.cpu_kernels` (round to nearest
+even, saturation to ``+-max``, subnormals, the NaN and inf codes, 4-bit
+codes two per byte with the low nibble first, 9-16-bit codes two bytes per
+element with the low byte first); the only float operations are the scale's
+multiply, the sum and the division, each one IEEE-rounded operation. No
+float8 cast is used, so Triton's interpreter (``TRITON_INTERPRET=1``, read
+by ``triton.jit`` when this module is imported) runs the kernels on CPU
+tensors and writes the bytes a GPU writes: the tests compare them there bit
+for bit with the CPU kernels.
+
+Triton is optional: without it (or older than :data:`MIN_TRITON`)
+:data:`AVAILABLE` is False, :func:`supports` says no and the codec keeps its
+torch backends.
+
+Example:
+    >>> from aps_comm.formats import E4M3
+    >>> x = torch.tensor([1.0, -2.0], device="cuda")  # doctest: +SKIP
+    >>> out = torch.empty(2, dtype=torch.uint8, device="cuda")  # doctest: +SKIP
+    >>> encode(x, out, E4M3)  # doctest: +SKIP
+    >>> out  # doctest: +SKIP
+    tensor([ 56, 192], device='cuda:0', dtype=torch.uint8)
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import functools
+
+import torch
+
+from aps_comm.cpu_kernels import encoder_params
+from aps_comm.formats import FloatFormat
+
+MIN_TRITON = (3, 4)
+"""The oldest Triton the kernels are written for (``triton.knobs``, tuple constexprs)."""
+
+try:
+    import triton
+    import triton.language as tl
+    from triton import knobs as _knobs
+
+    AVAILABLE = tuple(int(p) for p in triton.__version__.split(".")[:2]) >= MIN_TRITON
+except ImportError:
+    AVAILABLE = False
+
+__all__ = [
+    "AVAILABLE",
+    "BLOCK",
+    "INTERPRETED",
+    "MIN_TRITON",
+    "FormatConstants",
+    "decode",
+    "encode",
+    "format_constants",
+    "ptx",
+    "reduce_shards",
+    "runs_on",
+    "shard_mean",
+    "supports",
+]
+
+BLOCK = 1024
+"""Elements per program: a multiple of 2, so no 4-bit byte is shared by two programs."""
+
+INTERPRETED: bool = AVAILABLE and bool(_knobs.runtime.interpret)
+"""Whether the kernels were built for Triton's interpreter (``TRITON_INTERPRET=1``
+when this module was imported): they then run on CPU tensors, not on CUDA ones."""
+
+_U32 = 1 << 32
+
+
+@dataclasses.dataclass(frozen=True)
+class FormatConstants:
+    """The integer constants of one format's encoder and decoder (kernel constexprs).
+
+    Attributes:
+        wire_bits: 4, 8 or 16 bits per element on the wire.
+        encode: (shift, half_ulp - 1, bias adjustment, max bits, min_normal
+            bits, 150 + log2(min_subnormal), max code, NaN code, inf code,
+            sign position) as in :func:`aps_comm.cpu_kernels.encoder_params`,
+            non-negative and below 2**32.
+        decode: (mantissa bits, sign position, magnitude mask, exponent
+            adjustment ``(127 - bias) << 23`` mod 2**32, emin, inf magnitude,
+            first NaN magnitude, shift of a subnormal code that is a float32
+            subnormal); the special magnitudes are past the mask where the
+            format has none, the shift is 31 where no such code exists.
+
+    Example:
+        >>> from aps_comm.formats import E4M3
+        >>> format_constants(E4M3).decode
+        (3, 7, 127, 1006632960, -6, 128, 127, 31)
+    """
+
+    wire_bits: int
+    encode: tuple[int, ...]
+    decode: tuple[int, ...]
+
+
+def supports(fmt: FloatFormat) -> bool:
+    """Whether these kernels run ``fmt``: Triton installed, at most 16 bits on the wire,
+    normals that are float32 normals (the same formats as :mod:`aps_comm.cpu_kernels`).
+
+    Example:
+        >>> from aps_comm.formats import E4M3, FP32
+        >>> supports(FP32)
+        False
+    """
+    return AVAILABLE and fmt.wire_bits <= 16 and fmt._emin >= -126
+
+
+def runs_on(device: torch.device) -> bool:
+    """Whether the kernels run on tensors of ``device``: CUDA when compiled, the CPU
+    when interpreted.
+
+    Example:
+        >>> runs_on(torch.device("meta"))
+        False
+    """
+    if not AVAILABLE:
+        return False
+    return torch.device(device).type == ("cpu" if INTERPRETED else "cuda")
+
+
+@functools.lru_cache(maxsize=64)
+def format_constants(fmt: FloatFormat) -> FormatConstants:
+    """The constants of ``fmt`` for the kernels (see :class:`FormatConstants`).
+
+    Raises:
+        ValueError: the kernels do not run ``fmt`` (see :func:`supports`).
+    """
+    if not (fmt.wire_bits <= 16 and fmt._emin >= -126):
+        raise ValueError(
+            f"the Triton codec handles formats of at most 16 bits with bias <= 127, "
+            f"got {fmt.describe()}"
+        )
+    enc = tuple(int(v) % _U32 for v in encoder_params(fmt, False)[:10])
+    m, sign = fmt.man_bits, fmt.bits - 1
+    magmask = (1 << sign) - 1
+    never = magmask + 1
+    if fmt.specials == "ieee":
+        inf_mag = (2**fmt.exp_bits - 1) << m
+        nan_from = inf_mag + 1
+    elif fmt.specials == "fn":
+        inf_mag, nan_from = never, magmask
+    else:
+        inf_mag = nan_from = never
+    adjust = ((127 - fmt.bias) << 23) % _U32  # type: ignore[operator]
+    # frac * 2**(emin - m) as float32 subnormal bits: frac << (emin - m + 149),
+    # used only where that exponent is below float32's normals (shift < 23).
+    subshift = min(fmt._emin - m + 149, 31)
+    dec = (m, sign, magmask, adjust, fmt._emin, inf_mag, nan_from, subshift)
+    return FormatConstants(fmt.wire_bits, enc, dec)
+
+
+def _top(n_segments: int) -> int:
+    """The largest power of two below ``n_segments`` (0 for one segment): the first
+    step of the kernels' binary search over the segment offsets."""
+    return 1 << (n_segments - 1).bit_length() - 1 if n_segments > 1 else 0
+
+
+if AVAILABLE:
+
+    @triton.jit
+    def _search(off_ptr, idx, s, step, last):
+        """Largest t in [s, last] with off[t] <= idx, by steps step, step / 2, .., 1.
+
+        ``step`` must be at least half of ``last - s`` rounded up to a power of
+        two. Scalars or vectors alike: with offsets from 0, the segment that
+        holds element ``idx`` (an empty segment's offset equals the next one's,
+        so the largest t skips it).
+        """
+        while step > 0:
+            t = s + step
+            ok = t <= last
+            o = tl.load(off_ptr + t, mask=ok, other=0)
+            s = tl.where(ok & (o <= idx), t, s)
+            step = step // 2
+        return s
+
+    @triton.jit
+    def _chunk_segments(off_ptr, first, last_idx, top, n_last):
+        """(segment of element ``first``, segment of ``last_idx``, search step between them)."""
+        zero = tl.program_id(0) * 0
+        lo = _search(off_ptr, first, zero, zero + top, n_last)
+        hi = _search(off_ptr, last_idx, lo, zero + top, n_last)
+        width = hi - lo
+        step = zero
+        nxt = zero + 1
+        while nxt <= width:
+            step = nxt
+            nxt = nxt * 2
+        return lo, hi, step
+
+    @triton.jit
+    def _factor(scale_ptr, off_ptr, idx, lo, hi, step):
+        """The scale of element ``idx``'s segment (the chunk's segments are lo..hi)."""
+        # tl.full, not tl.zeros: the interpreter runs only core builtins when triton was
+        # imported before TRITON_INTERPRET was set (as in a test session).
+        s = _search(off_ptr, idx, tl.full(idx.shape, 0, tl.int32) + lo, step, hi)
+        return tl.load(scale_ptr + s)
+
+    @triton.jit
+    def _code(v, E: tl.constexpr):
+        """uint32 code of float32 ``v``: :func:`aps_comm.cpu_kernels._code`'s integer path.
+
+        Round to nearest even in the format's normals and subnormals,
+        saturation to max, inf to the inf code (or NaN, or max), NaN to the
+        NaN code without a sign.
+        """
+        u = v.to(tl.uint32, bitcast=True)
+        a = u & 0x7FFFFFFF
+        # Subnormal in the format: round(|v| / min_subnormal), ties to even.
+        ef = a >> 23
+        sig = (a & 0x7FFFFF) | tl.where(ef > 0, 0x800000, 0).to(tl.uint32)
+        s = (E[5] - tl.maximum(ef, 1).to(tl.int32)).to(tl.int32)
+        s = tl.where(s < 0, 31, tl.minimum(s, 31))  # negative: the kernels' wrap-around
+        s = tl.maximum(s, 1).to(tl.uint32)
+        sub = (sig + ((1 << (s - 1)) - 1).to(tl.uint32) + ((sig >> s) & 1)) >> s
+        # Normal: drop `shift` mantissa bits rounding to even, rebias the exponent.
+        odd = (a >> E[0]) & 1
+        normal = ((a + E[1] + odd) >> E[0]) - E[2]
+        c = tl.where(a >= E[4], normal, sub)
+        c = tl.where(a >= E[3], E[6], c)
+        c = tl.where(a == 0x7F800000, E[8], c)
+        c = tl.where(a > 0x7F800000, E[7], c)
+        sign = tl.where(a <= 0x7F800000, (u >> 31) << E[9], 0)
+        return c | sign
+
+    @triton.jit
+    def _value(c, D: tl.constexpr):
+        """float32 value of uint32 code ``c`` (bits above the format's ignored), built
+        from integer bit fields: exact, subnormals of both formats included."""
+        mag = c & D[2]
+        sign = ((c >> D[1]) & 1) << 31
+        normal = (mag << (23 - D[0])) + D[3]
+        frac = mag & ((1 << D[0]) - 1)
+        # A subnormal code: frac * 2**(emin - m), normalised with p = log2(frac).
+        p = tl.maximum(
+            (frac.to(tl.float32).to(tl.uint32, bitcast=True) >> 23).to(tl.int32) - 127, 0
+        )
+        e = D[4] - D[0] + p
+        sub_n = ((e + 127).to(tl.uint32) << 23) | ((frac << (23 - p).to(tl.uint32)) & 0x7FFFFF)
+        sub_s = frac << D[7]  # a float32 subnormal: frac * 2**(emin - m + 149) ulps
+        sub = tl.where(e >= -126, sub_n, sub_s)
+        bits = tl.where((mag >> D[0]) == 0, tl.where(frac == 0, 0, sub), normal)
+        bits = tl.where(mag == D[5], 0x7F800000, bits)
+        bits = tl.where(mag >= D[6], 0x7FC00000, bits)
+        return (bits | sign).to(tl.float32, bitcast=True)
+
+    @triton.jit
+    def _load_code(src_ptr, idx, mask, WIRE: tl.constexpr):
+        """uint32 code of element ``idx`` of a payload at byte pointer ``src_ptr``."""
+        if WIRE == 4:
+            byte = tl.load(src_ptr + (idx >> 1), mask=mask, other=0).to(tl.uint32)
+            c = (byte >> ((idx & 1) * 4).to(tl.uint32)) & 0xF
+        elif WIRE == 8:
+            c = tl.load(src_ptr + idx, mask=mask, other=0).to(tl.uint32)
+        else:
+            lo = tl.load(src_ptr + 2 * idx, mask=mask, other=0).to(tl.uint32)
+            hi = tl.load(src_ptr + 2 * idx + 1, mask=mask, other=0).to(tl.uint32)
+            c = lo | (hi << 8)
+        return c
+
+    @triton.jit
+    def _store_codes(dst_ptr, pid, c0, c1, m0, WIRE: tl.constexpr, BLOCK: tl.constexpr):
+        """Store a chunk's codes: for 4 bits ``c0``/``c1`` are the even/odd elements
+        (one byte each pair), else ``c0`` are all of them."""
+        if WIRE == 4:
+            j = tl.arange(0, BLOCK // 2)
+            tl.store(dst_ptr + pid * (BLOCK // 2) + j, (c0 | (c1 << 4)).to(tl.uint8), mask=m0)
+        elif WIRE == 8:
+            i = pid * BLOCK + tl.arange(0, BLOCK)
+            tl.store(dst_ptr + i, c0.to(tl.uint8), mask=m0)
+        else:
+            i = pid * BLOCK + tl.arange(0, BLOCK)
+            tl.store(dst_ptr + 2 * i, (c0 & 0xFF).to(tl.uint8), mask=m0)
+            tl.store(dst_ptr + 2 * i + 1, (c0 >> 8).to(tl.uint8), mask=m0)
+
+    @triton.jit
+    def _scaled_codes(x_ptr, idx, mask, scale_ptr, off_ptr, lo, hi, step, E, SCALED: tl.constexpr):
+        v = tl.load(x_ptr + idx, mask=mask, other=0.0).to(tl.float32)
+        if SCALED:
+            v = v * _factor(scale_ptr, off_ptr, idx, lo, hi, step)
+        return tl.where(mask, _code(v, E), 0)
+
+    @triton.jit(do_not_specialize=["numel", "top", "n_last"])
+    def _encode_kernel(
+        x_ptr,
+        out_ptr,
+        off_ptr,
+        scale_ptr,
+        numel,
+        top,
+        n_last,
+        E: tl.constexpr,
+        WIRE: tl.constexpr,
+        SCALED: tl.constexpr,
+        BLOCK: tl.constexpr,
+    ):
+        pid = tl.program_id(0).to(tl.int64)
+        first = pid * BLOCK
+        lo, hi, step = _chunk_segments(
+            off_ptr, first, tl.minimum(first + BLOCK, numel) - 1, top, n_last
+        )
+        if WIRE == 4:
+            i0 = first + 2 * tl.arange(0, BLOCK // 2)
+            m0 = i0 < numel
+            c0 = _scaled_codes(x_ptr, i0, m0, scale_ptr, off_ptr, lo, hi, step, E, SCALED)
+            c1 = _scaled_codes(
+                x_ptr, i0 + 1, i0 + 1 < numel, scale_ptr, off_ptr, lo, hi, step, E, SCALED
+            )
+        else:
+            i0 = first + tl.arange(0, BLOCK)
+            m0 = i0 < numel
+            c0 = _scaled_codes(x_ptr, i0, m0, scale_ptr, off_ptr, lo, hi, step, E, SCALED)
+            c1 = c0
+        _store_codes(out_ptr, pid, c0, c1, m0, WIRE, BLOCK)
+
+    @triton.jit(do_not_specialize=["numel", "top", "n_last"])
+    def _decode_kernel(
+        src_ptr,
+        out_ptr,
+        off_ptr,
+        scale_ptr,
+        numel,
+        top,
+        n_last,
+        D: tl.constexpr,
+        WIRE: tl.constexpr,
+        SCALED: tl.constexpr,
+        BLOCK: tl.constexpr,
+    ):
+        pid = tl.program_id(0).to(tl.int64)
+        first = pid * BLOCK
+        i = first + tl.arange(0, BLOCK)
+        mask = i < numel
+        v = _value(_load_code(src_ptr, i, mask, WIRE), D)
+        if SCALED:
+            lo, hi, step = _chunk_segments(
+                off_ptr, first, tl.minimum(first + BLOCK, numel) - 1, top, n_last
+            )
+            v = v * _factor(scale_ptr, off_ptr, i, lo, hi, step)
+        tl.store(out_ptr + i, v, mask=mask)
+
+    @triton.jit
+    def _rank_sum(src_ptr, shard_bytes, n_ranks, idx, mask, D: tl.constexpr, WIRE: tl.constexpr):
+        """float32 sum over ranks (r0 + r1 + ... in order) of element ``idx`` of every shard."""
+        acc = _value(_load_code(src_ptr, idx, mask, WIRE), D)  # rank 0 as is: -0 stays -0
+        for r in range(1, n_ranks):
+            acc += _value(_load_code(src_ptr + r * shard_bytes, idx, mask, WIRE), D)
+        return acc
+
+    @triton.jit(do_not_specialize=["shard_bytes", "numel", "n_ranks"])
+    def _reduce_kernel(
+        src_ptr,
+        out_ptr,
+        shard_bytes,
+        numel,
+        n_ranks,
+        divisor,
+        E: tl.constexpr,
+        D: tl.constexpr,
+        WIRE: tl.constexpr,
+        DIVIDE: tl.constexpr,
+        ENCODE: tl.constexpr,
+        BLOCK: tl.constexpr,
+    ):
+        """Sum N shards in rank order, divide by ``divisor`` (IEEE-rounded), then
+        encode (``ENCODE``) or store float32."""
+        pid = tl.program_id(0).to(tl.int64)
+        first = pid * BLOCK
+        if ENCODE and WIRE == 4:
+            i0 = first + 2 * tl.arange(0, BLOCK // 2)
+            m0 = i0 < numel
+            s0 = _rank_sum(src_ptr, shard_bytes, n_ranks, i0, m0, D, WIRE)
+            s1 = _rank_sum(src_ptr, shard_bytes, n_ranks, i0 + 1, i0 + 1 < numel, D, WIRE)
+            if DIVIDE:
+                s0 = tl.math.div_rn(s0, divisor)
+                s1 = tl.math.div_rn(s1, divisor)
+            c0 = tl.where(m0, _code(s0, E), 0)
+            c1 = tl.where(i0 + 1 < numel, _code(s1, E), 0)
+            _store_codes(out_ptr, pid, c0, c1, m0, WIRE, BLOCK)
+        else:
+            i = first + tl.arange(0, BLOCK)
+            mask = i < numel
+            s = _rank_sum(src_ptr, shard_bytes, n_ranks, i, mask, D, WIRE)
+            if DIVIDE:
+                s = tl.math.div_rn(s, divisor)
+            if ENCODE:
+                c = tl.where(mask, _code(s, E), 0)
+                _store_codes(out_ptr, pid, c, c, mask, WIRE, BLOCK)
+            else:
+                tl.store(out_ptr + i, s, mask=mask)
+
+
+def _check(fmt: FloatFormat, *tensors: torch.Tensor) -> FormatConstants:
+    if not AVAILABLE:
+        raise RuntimeError("the Triton codec needs triton (pip install triton)")
+    consts = format_constants(fmt)
+    for t in tensors:
+        if not runs_on(t.device):
+            where = "CPU tensors (TRITON_INTERPRET=1)" if INTERPRETED else "CUDA tensors"
+            raise ValueError(f"the Triton codec was built for {where}, got a {t.device} tensor")
+    return consts
+
+
+def _grid(numel: int) -> tuple[int]:
+    return (triton.cdiv(numel, BLOCK),)
+
+
+def _options() -> dict[str, bool]:
+    """Compile options: no fused multiply-add, whatever Triton's default (each float
+    operation rounds once, as on the CPU); the interpreter takes none."""
+    return {} if INTERPRETED else {"enable_fp_fusion": False}
+
+
+def _segments(
+    numel: int, offsets: torch.Tensor | None, factors: torch.Tensor | None
+) -> tuple[torch.Tensor | None, int, int]:
+    """(offsets to search, first search step, last segment) for the kernels."""
+    if factors is None:
+        return None, 0, 0
+    n = factors.numel()
+    if offsets is None:
+        if n != 1:
+            raise ValueError(f"{n} factors need their segments' offsets")
+        return factors, 0, 0  # one segment: the kernels read no offset
+    if offsets.numel() != n + 1 or offsets.device != factors.device:
+        raise ValueError(
+            f"offsets must hold {n + 1} entries on {factors.device}, got {offsets.numel()} "
+            f"on {offsets.device}"
+        )
+    return offsets, _top(n), n - 1
+
+
+def encode(
+    x: torch.Tensor,
+    out: torch.Tensor,
+    fmt: FloatFormat,
+    offsets: torch.Tensor | None = None,
+    factors: torch.Tensor | None = None,
+) -> None:
+    """Encode contiguous ``x`` (times per-segment ``factors``) into uint8 ``out``.
+
+    Args:
+        x: contiguous float32, float16 or bfloat16 elements.
+        out: uint8, :func:`~aps_comm.formats.payload_nbytes` bytes (any byte offset).
+        fmt: the format (:func:`supports`).
+        offsets: int64, L + 1 segment offsets from 0 to ``x.numel()``, on
+            ``x``'s device; None with one factor or none.
+        factors: float32, one per segment (element i of segment s is
+            multiplied by ``factors[s]``); None: no scaling.
+    """
+    consts = _check(fmt, x, out)
+    x = x.reshape(-1)
+    numel = x.numel()
+    if not numel:
+        return
+    off, top, last = _segments(numel, offsets, factors)
+    _encode_kernel[_grid(numel)](
+        x,
+        out,
+        x if off is None else off,
+        x if factors is None else factors,
+        numel,
+        top,
+        last,
+        E=consts.encode,
+        WIRE=consts.wire_bits,
+        SCALED=factors is not None,
+        BLOCK=BLOCK,
+        **_options(),
+    )
+
+
+def decode(
+    payload: torch.Tensor,
+    out: torch.Tensor,
+    fmt: FloatFormat,
+    offsets: torch.Tensor | None = None,
+    factors: torch.Tensor | None = None,
+) -> None:
+    """Decode uint8 ``payload`` into contiguous float32 ``out`` (times per-segment ``factors``).
+
+    Args: as :func:`encode`, ``out`` giving the element count.
+    """
+    consts = _check(fmt, payload, out)
+    numel = out.numel()
+    if not numel:
+        return
+    off, top, last = _segments(numel, offsets, factors)
+    _decode_kernel[_grid(numel)](
+        payload,
+        out,
+        out if off is None else off,
+        out if factors is None else factors,
+        numel,
+        top,
+        last,
+        D=consts.decode,
+        WIRE=consts.wire_bits,
+        SCALED=factors is not None,
+        BLOCK=BLOCK,
+        **_options(),
+    )
+
+
+def _reduce(
+    recv: torch.Tensor,
+    n_ranks: int,
+    fmt: FloatFormat,
+    out: torch.Tensor,
+    divisor: int,
+    encode: bool,
+) -> None:
+    consts = _check(fmt, recv, out)
+    shard_bytes = recv.numel() // n_ranks
+    numel = shard_bytes * 8 // consts.wire_bits
+    if not numel:
+        return
+    _reduce_kernel[_grid(numel)](
+        recv,
+        out,
+        shard_bytes,
+        numel,
+        n_ranks,
+        float(divisor),
+        E=consts.encode,
+        D=consts.decode,
+        WIRE=consts.wire_bits,
+        DIVIDE=encode or divisor != 1,
+        ENCODE=encode,
+        BLOCK=BLOCK,
+        **_options(),
+    )
+
+
+def reduce_shards(recv: torch.Tensor, n_ranks: int, fmt: FloatFormat, out: torch.Tensor) -> None:
+    """Mean of ``n_ranks`` equal shards laid end to end in ``recv``, re-encoded into ``out``.
+
+    As :func:`aps_comm.cpu_kernels.reduce_shards`: decoded exactly, summed in
+    float32 in rank order, divided by ``n_ranks`` (rounded once), encoded.
+    """
+    _reduce(recv, n_ranks, fmt, out, n_ranks, True)
+
+
+def shard_mean(
+    recv: torch.Tensor, n_ranks: int, fmt: FloatFormat, out: torch.Tensor, divisor: int
+) -> None:
+    """float32 sum of ``n_ranks`` equal encoded shards in rank order, divided by ``divisor``
+    (not divided where it is 1), into ``out`` (one shard's elements)."""
+    _reduce(recv, n_ranks, fmt, out, divisor, False)
+
+
+def ptx(fmt: FloatFormat, arch: int = 90) -> dict[str, str]:
+    """The PTX of the scaled encode and decode, the owner's reduction and the shard mean
+    of ``fmt`` for an ``sm_<arch>`` GPU, compiled here without one (ptxas ships with
+    Triton): to read what the device runs, e.g. that no operation flushes subnormals.
+
+    Raises:
+        RuntimeError: no Triton, or the kernels were built for the interpreter.
+
+    Example:
+        >>> from aps_comm.formats import E4M3
+        >>> "div.rn.f32" in ptx(E4M3)["shard_mean"]  # doctest: +SKIP
+        True
+    """
+    if not AVAILABLE or INTERPRETED:
+        raise RuntimeError("ptx() needs triton and kernels built without TRITON_INTERPRET")
+    from triton.backends.compiler import GPUTarget
+    from triton.compiler import ASTSource
+
+    consts = format_constants(fmt)
+    target = GPUTarget("cuda", arch, 32)
+    scalar = {"numel": "i32", "top": "i32", "n_last": "i32"}
+    common = {"WIRE": consts.wire_bits, "BLOCK": BLOCK}
+    sources = {
+        "encode": (
+            _encode_kernel,
+            {"x_ptr": "*fp32", "out_ptr": "*u8", "off_ptr": "*i64", "scale_ptr": "*fp32"},
+            {"E": consts.encode, "SCALED": True},
+        ),
+        "decode": (
+            _decode_kernel,
+            {"src_ptr": "*u8", "out_ptr": "*fp32", "off_ptr": "*i64", "scale_ptr": "*fp32"},
+            {"D": consts.decode, "SCALED": True},
+        ),
+    }
+    scalar_r = {"shard_bytes": "i32", "numel": "i32", "n_ranks": "i32", "divisor": "fp32"}
+    for name, encode in (("owner_reduce", True), ("shard_mean", False)):
+        pointers = {"src_ptr": "*u8", "out_ptr": "*u8" if encode else "*fp32"}
+        sources[name] = (
+            _reduce_kernel,
+            {**pointers, **scalar_r},
+            {"E": consts.encode, "D": consts.decode, "DIVIDE": True, "ENCODE": encode},
+        )
+    out = {}
+    for name, (fn, signature, constexprs) in sources.items():
+        if fn is not _reduce_kernel:
+            signature = {**signature, **scalar}
+        constexprs = {**constexprs, **common}
+        signature = {**signature, **{k: "constexpr" for k in constexprs}}
+        src = ASTSource(fn, signature=signature, constexprs=constexprs)
+        out[name] = triton.compile(src, target=target, options=_options()).asm["ptx"]
+    return out

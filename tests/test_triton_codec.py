@@ -1,0 +1,327 @@
+"""The Triton codec under Triton's interpreter, bit for bit against the numba kernels.
+
+The kernels round with integer operations only, so the interpreter
+(``TRITON_INTERPRET=1``) writes on CPU tensors the bytes a GPU writes. Every
+format the kernels take (the built-ins, 9-16-bit customs, fn/none specials,
+packed 4-bit ones, unusual biases): encode with per-layer scales (ties,
+subnormals, saturation, inf and NaN, empty and odd segments, an odd 4-bit
+count, several programs per call), decode of every bit pattern, the owner's
+reduction and the shard mean, payloads at odd byte offsets; then how the
+codec picks the backend, with and without Triton.
+
+``triton.jit`` reads ``TRITON_INTERPRET`` when it builds a kernel, i.e. when
+:mod:`aps_comm.triton_codec` is imported: the fixture imports (or reloads) it
+with the variable set, and reloads it as it was afterwards, so the rest of a
+session (a CUDA test) sees compiled kernels.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import importlib
+import os
+import re
+import sys
+import types
+from collections.abc import Iterator
+
+import numpy as np
+import pytest
+import torch
+
+from aps_comm import codec
+from aps_comm import formats as F
+from aps_comm.formats import FloatFormat, code_table, get_format, payload_nbytes
+
+try:
+    import triton  # noqa: F401
+
+    HAVE_TRITON = True
+except ImportError:
+    HAVE_TRITON = False
+
+needs_triton = pytest.mark.skipif(
+    not HAVE_TRITON, reason="triton is not installed (pip install triton; in the test extra)"
+)
+
+FORMATS = [
+    *(f for f in F.FORMATS.values() if f.wire_bits <= 16),
+    get_format("e5m3"),
+    get_format("e4m4"),
+    get_format("e6m9"),
+    FloatFormat(5, 3, specials="fn", name="e5m3fn"),
+    FloatFormat(6, 9, specials="fn", name="e6m9fn"),
+    FloatFormat(4, 4, specials="none", name="e4m4none"),
+    FloatFormat(4, 3, specials="none", name="e4m3none"),
+    FloatFormat(3, 3, specials="fn", bias=5, name="e3m3fn-b5"),
+    FloatFormat(3, 2, specials="ieee", bias=-3, name="e3m2-b-3"),  # negative bias
+    FloatFormat(5, 2, specials="ieee", bias=40, name="e5m2-b40"),  # float32-subnormal codes
+    FloatFormat(2, 2, specials="none", name="e2m2none"),
+    FloatFormat(2, 1, specials="ieee", name="e2m1ieee"),  # 4 bits, packed, inf and NaN
+    FloatFormat(2, 1, specials="fn", name="e2m1fn"),
+    FloatFormat(3, 0, specials="fn", name="e3m0fn"),
+    FloatFormat(1, 2, specials="none", name="e1m2none"),
+    FloatFormat(2, 0, specials="none", name="e2m0none"),  # 3 bits, packed
+]
+IDS = [f.name for f in FORMATS]
+# Segments: empty ones, a single element, odd sizes, one across the kernels'
+# program boundary (1010 to 1050); the rest takes what is left.
+SIZES = [0, 1, 7, 0, 1000, 2, 40]
+# Powers of two (APS), a subnormal float32 factor, one that overflows, one no power of two.
+SCALES = [8.0, 2.0**-140, 0.5, 2.0**100, 3.0, 2.0**-20, 0.25, 1.0]
+
+
+@pytest.fixture(scope="module")
+def tc() -> Iterator[types.ModuleType]:
+    """:mod:`aps_comm.triton_codec` built for the interpreter (restored afterwards)."""
+    if not HAVE_TRITON:
+        pytest.skip("triton is not installed (pip install triton; in the test extra)")
+    with _loaded(interpret=True) as module:
+        assert module.INTERPRETED
+        yield module
+
+
+@contextlib.contextmanager
+def _loaded(*, interpret: bool, hide_triton: bool = False) -> Iterator[types.ModuleType]:
+    """aps_comm.triton_codec built as asked, then rebuilt as it was (or as the
+    environment says, where it was not imported yet)."""
+    import aps_comm.triton_codec as module
+
+    was = module.INTERPRETED if module.AVAILABLE else None
+    try:
+        yield _load(interpret=interpret, hide_triton=hide_triton)
+    finally:
+        _load(interpret=was)
+
+
+def _load(*, interpret: bool | None = None, hide_triton: bool = False) -> types.ModuleType:
+    """(Re)import aps_comm.triton_codec with TRITON_INTERPRET set (True), unset (False)
+    or as the environment has it (None); with triton hidden (``hide_triton``)."""
+    old = os.environ.get("TRITON_INTERPRET")
+    saved = {k: v for k, v in sys.modules.items() if k == "triton" or k.startswith("triton.")}
+    if interpret:
+        os.environ["TRITON_INTERPRET"] = "1"
+    elif interpret is not None:
+        os.environ.pop("TRITON_INTERPRET", None)
+    if hide_triton:
+        for k in saved:
+            del sys.modules[k]
+        sys.modules["triton"] = None  # type: ignore[assignment] - import fails
+    try:
+        import aps_comm.triton_codec as module
+
+        return importlib.reload(module)
+    finally:
+        if hide_triton:
+            del sys.modules["triton"]
+            sys.modules.update(saved)
+        if old is None:
+            os.environ.pop("TRITON_INTERPRET", None)
+        else:
+            os.environ["TRITON_INTERPRET"] = old
+
+
+def _values(fmt: FloatFormat) -> torch.Tensor:
+    """The format's values, the ties between them and their neighbours, random
+    magnitudes over its range and beyond, subnormals, zeros, inf and NaN."""
+    table = code_table(fmt)
+    vals = np.unique(table[np.isfinite(table)])
+    if vals.size > 600:  # 16-bit formats: a spread of their values
+        vals = np.unique(np.concatenate([vals[::211], vals[:100], vals[-100:]]))
+    mids = ((vals[:-1].astype(np.float64) + vals[1:]) / 2).astype(np.float32)
+    near = [np.nextafter(mids, np.float32(v)) for v in (np.inf, -np.inf)]
+    rng = np.random.default_rng(fmt.bits)
+    rand = rng.standard_normal(1200) * 2.0 ** rng.integers(-60, 60, 1200) * min(fmt.max, 1e30)
+    edges = [fmt.max, -fmt.max, 2 * min(fmt.max, 1e38), fmt.min_subnormal / 2, 3e38, -3.4e38]
+    edges += [1e-40, -3e-39, 2.0**-149]  # float32 subnormals
+    specials = [0.0, -0.0, np.inf, -np.inf, np.nan, -np.nan]
+    with np.errstate(over="ignore"):  # beyond float32 is inf: wanted
+        x = np.concatenate([vals, mids, *near, rand, edges, specials]).astype(np.float32)
+    x = rng.permutation(x)
+    return torch.from_numpy(x[: x.size - 1 + x.size % 2])  # odd: a half-filled 4-bit byte
+
+
+def _layout(numel: int) -> tuple[codec.Layout, torch.Tensor]:
+    assert numel >= sum(SIZES)
+    sizes = [*SIZES, numel - sum(SIZES)]
+    return codec.Layout.from_numels(sizes, torch.device("cpu")), torch.tensor(SCALES)
+
+
+def _bits(x: torch.Tensor) -> torch.Tensor:
+    """int32 bits with every NaN the same NaN (a NaN's payload is not the codec's)."""
+    return torch.where(x.isnan(), float("nan"), x).view(torch.int32)
+
+
+def _quiet(fn, *args, **kwargs):  # type: ignore[no-untyped-def]
+    # The interpreter computes with numpy, which warns where a float op gives inf.
+    with np.errstate(all="ignore"):
+        return fn(*args, **kwargs)
+
+
+@pytest.mark.parametrize("fmt", FORMATS, ids=IDS)
+def test_encode_matches_kernels(tc: types.ModuleType, fmt: FloatFormat) -> None:
+    x = _values(fmt)
+    assert x.numel() % 2 == 1 and x.numel() > tc.BLOCK  # two programs or more
+    layout, scale = _layout(x.numel())
+    ref = codec.encode(x, fmt, scale=scale, layout=layout, backend="kernels")
+    got = _quiet(codec.encode, x, fmt, scale=scale, layout=layout, backend="triton")
+    assert torch.equal(got, ref)
+    assert torch.equal(_quiet(codec.encode, x, fmt, backend="triton"), codec.encode(x, fmt))
+    one = torch.tensor([0.25])
+    assert torch.equal(
+        _quiet(codec.encode, x, fmt, scale=one, backend="triton"),
+        codec.encode(x, fmt, scale=one, backend="kernels"),
+    )
+    if fmt.wire_bits == 4:  # the odd element's byte: the low nibble, a zero high one
+        assert got[-1] >> 4 == 0
+    # Half-precision inputs are read as they are (widening to float32 is exact).
+    half = x.to(torch.float16)
+    assert torch.equal(_quiet(codec.encode, half, fmt, backend="triton"), codec.encode(half, fmt))
+
+
+def _every_code(fmt: FloatFormat) -> torch.Tensor:
+    """A payload holding every bit pattern of a wire element (bits above the format's too)."""
+    if fmt.wire_bits == 16:
+        return torch.arange(2**16, dtype=torch.int32).view(torch.uint8)[torch.arange(2**18) % 4 < 2]
+    return torch.arange(256, dtype=torch.int32).to(torch.uint8).repeat(5)
+
+
+@pytest.mark.parametrize("fmt", FORMATS, ids=IDS)
+def test_decode_matches_kernels(tc: types.ModuleType, fmt: FloatFormat) -> None:
+    payload = _every_code(fmt)
+    numel = payload.numel() * 8 // fmt.wire_bits - (fmt.wire_bits == 4)  # odd 4-bit count
+    layout, scale = _layout(numel)
+    ref = codec.decode(payload, fmt, numel, scale=scale, layout=layout, backend="kernels")
+    got = _quiet(codec.decode, payload, fmt, numel, scale=scale, layout=layout, backend="triton")
+    assert torch.equal(_bits(got), _bits(ref))
+    if fmt.wire_bits == 16:  # unscaled: 2048 random codes of the 65536 (time)
+        payload = torch.randint(0, 256, (4096,), dtype=torch.uint8, generator=torch.Generator())
+    numel = payload.numel() * 8 // fmt.wire_bits
+    plain = _quiet(codec.decode, payload, fmt, numel, backend="triton")
+    assert torch.equal(_bits(plain), _bits(codec.decode(payload, fmt, numel)))
+    # Zeros keep their sign; no NaN appears where the format has none.
+    assert torch.equal(plain.view(torch.int32) == 0, _bits(F.decode(payload, fmt, numel)) == 0)
+    assert fmt.has_nan or not plain.isnan().any()
+
+
+def _shards(fmt: FloatFormat, n_ranks: int, shard: int) -> torch.Tensor:
+    """N encoded shards of ``shard`` elements: values near the top (sums overflow), tiny
+    ones, -0, and the specials the format holds."""
+    gen = torch.Generator().manual_seed(n_ranks * 97 + fmt.bits)
+    parts = []
+    for _ in range(n_ranks):
+        x = torch.randn(shard, generator=gen) * min(fmt.max, 1e30) / 3
+        x[:: max(shard // 5, 1)] *= 2.0**-40
+        x[7] = -0.0
+        if fmt.has_nan:
+            x[3], x[5] = float("inf"), float("nan")
+        parts.append(F.encode(x.clamp(-fmt.max, fmt.max) if not fmt.has_nan else x, fmt))
+    return torch.cat(parts)
+
+
+@pytest.mark.parametrize("fmt", FORMATS, ids=IDS)
+def test_owner_reduce_and_shard_mean_match_kernels(tc: types.ModuleType, fmt: FloatFormat) -> None:
+    for n_ranks, shard in ((1, 101), (3, 101), (6, 1100)):  # 1100: two programs per call
+        recv = _shards(fmt, n_ranks, shard)
+        got = _quiet(codec.owner_reduce, recv, fmt, n_ranks, backend="triton")
+        assert torch.equal(got, codec.owner_reduce(recv, fmt, n_ranks, backend="kernels"))
+        for divisor in (None, 1, 4):
+            mean = _quiet(codec.shard_mean, recv, fmt, n_ranks, divisor=divisor, backend="triton")
+            ref = codec.shard_mean(recv, fmt, n_ranks, divisor=divisor, backend="kernels")
+            assert torch.equal(_bits(mean), _bits(ref)), divisor
+    # Random bytes: every code, NaN and inf among them, in every rank's slot.
+    recv = torch.randint(0, 256, (4 * 302,), dtype=torch.uint8, generator=torch.Generator())
+    got = _quiet(codec.owner_reduce, recv, fmt, 4, backend="triton")
+    assert torch.equal(got, codec.owner_reduce(recv, fmt, 4, backend="kernels"))
+
+
+@pytest.mark.parametrize(
+    "fmt", [F.FP16, F.BF16, F.E4M3, F.E2M1, get_format("e5m3")], ids=lambda f: f.name
+)
+def test_any_byte_offset(tc: types.ModuleType, fmt: FloatFormat) -> None:
+    # A bucket mixing formats packs a 2-byte format at any byte.
+    x = _values(fmt)[:1101]
+    layout, scale = _layout(x.numel())
+    need = payload_nbytes(x.numel(), fmt)
+    aligned = codec.encode(x, fmt, scale=scale, layout=layout, backend="kernels")
+    values = codec.decode(aligned, fmt, x.numel(), scale=scale, layout=layout, backend="kernels")
+    for offset in (1, 3):
+        buf = torch.full((need + offset + 5,), 0xA5, dtype=torch.uint8)
+        out = buf[offset : offset + need]
+        _quiet(codec.encode, x, fmt, out=out, scale=scale, layout=layout, backend="triton")
+        assert torch.equal(out, aligned), offset
+        assert torch.all(buf[:offset] == 0xA5) and torch.all(buf[offset + need :] == 0xA5)
+        back = _quiet(
+            codec.decode, buf[offset:], fmt, x.numel(), scale=scale, layout=layout, backend="triton"
+        )
+        assert torch.equal(_bits(back), _bits(values)), offset
+        if fmt.wire_bits == 4 or x.numel() % 2 == 0:
+            reduced = _quiet(codec.owner_reduce, out, fmt, 1, backend="triton")
+            assert torch.equal(reduced, codec.owner_reduce(out, fmt, 1, backend="kernels"))
+
+
+def test_empty_and_bad_inputs(tc: types.ModuleType) -> None:
+    empty = torch.empty(0)
+    layout = codec.Layout.from_numels([0, 0], empty.device)
+    scale = torch.ones(2)
+    assert codec.encode(empty, "e4m3", scale=scale, layout=layout, backend="triton").numel() == 0
+    assert codec.decode(torch.empty(0, dtype=torch.uint8), "e2m1", 0, backend="triton").numel() == 0
+    nothing = torch.empty(0, dtype=torch.uint8)
+    assert codec.owner_reduce(nothing, "e4m3", 3, backend="triton").numel() == 0
+    assert codec.shard_mean(nothing, "e4m3", 3, backend="triton").numel() == 0
+    out = torch.empty(2, dtype=torch.uint8)
+    with pytest.raises(ValueError, match="2 factors need"):
+        tc.encode(torch.ones(2), out, F.E4M3, None, torch.ones(2))
+    with pytest.raises(ValueError, match="offsets must hold 3"):
+        tc.encode(torch.ones(2), out, F.E4M3, torch.tensor([0, 2]), torch.ones(2))
+    with pytest.raises(ValueError, match="fp32"):
+        tc.format_constants(F.FP32)
+
+
+def test_backend_choice(tc: types.ModuleType, monkeypatch: pytest.MonkeyPatch) -> None:
+    cpu = torch.device("cpu")
+    assert codec.Codec("e4m3", cpu, "triton").backend == "triton"
+    assert codec.backend_for("e4m3", cpu) == "kernels"  # auto keeps the numba kernels
+    with pytest.raises(ValueError, match=r"backend='triton' needs .* got fp32 on cpu"):
+        codec.Codec("fp32", cpu, "triton")
+    with pytest.raises(ValueError, match="got e4m3 on meta"):
+        codec.Codec("e4m3", torch.device("meta"), "triton")
+    # On CUDA "auto" picks the kernels for every format they take (as if compiled there).
+    monkeypatch.setattr(tc, "runs_on", lambda device: torch.device(device).type == "cuda")
+    cuda = torch.device("cuda")
+    assert [codec.backend_for(f, cuda) for f in ("e4m3", "e3m2", "e5m3", "fp16", "fp32")] == [
+        "triton",
+        "triton",
+        "triton",
+        "triton",
+        "cast",
+    ]
+    monkeypatch.setattr(tc, "AVAILABLE", False)
+    assert [codec.backend_for(f, cuda) for f in ("e4m3", "e3m2")] == ["cast", "bits"]
+
+
+def test_without_triton() -> None:
+    # Triton is optional: the module imports, says no, and the codec keeps torch ops.
+    with _loaded(interpret=False, hide_triton=True) as hidden:
+        assert not hidden.AVAILABLE and not hidden.INTERPRETED
+        assert not hidden.supports(F.E4M3) and not hidden.runs_on(torch.device("cuda"))
+        assert codec.backend_for("e4m3", torch.device("cuda")) == "cast"
+        with pytest.raises(ValueError, match="backend='triton' needs triton installed"):
+            codec.Codec("e4m3", torch.device("cpu"), "triton")
+        with pytest.raises(RuntimeError, match="needs triton"):
+            hidden.encode(torch.ones(1), torch.empty(1, dtype=torch.uint8), F.E4M3)
+
+
+@needs_triton
+@pytest.mark.filterwarnings("error::UserWarning")  # Triton's: a shift past 32 bits
+@pytest.mark.parametrize("fmt", [F.E4M3, F.E2M1, get_format("e5m3")], ids=lambda f: f.name)
+def test_kernels_compile_for_a_gpu(fmt: FloatFormat) -> None:
+    # What the interpreter ran is what a GPU runs: Triton compiles the kernels for
+    # sm_90 without one, and their float operations round once, to nearest, keeping
+    # subnormals (no .ftz, no fused multiply-add, no approximate division).
+    with _loaded(interpret=False) as module:
+        for name, ptx in module.ptx(fmt).items():
+            ops = set(re.findall(r"\b(?:add|sub|mul|div|fma|mad)\.[a-z0-9.]*f(?:32|64)\b", ptx))
+            assert ops <= {"mul.rn.f32", "add.rn.f32", "div.rn.f32"}, (name, ops)
+            assert ".ftz" not in ptx and ".approx" not in ptx, name
+            assert ".global.b8" in ptx or ".global.u8" in ptx, name  # byte stores, any offset
