@@ -3,8 +3,9 @@
 On CUDA the torch backends of :mod:`aps_comm.codec` run a chain of ops per
 call (a repeat of the scales, a multiply, a clamp, a cast, a copy), each a
 pass over memory; these kernels read the input once and write the output
-once, the per-segment scale (one float32 per layer of a
-:class:`~aps_comm.codec.Layout`) fused in:
+once, the scale fused in: one float32 per segment (layer) of a
+:class:`~aps_comm.codec.Layout`, or one per block of ``block_size``
+elements of each layer (block scaling; :func:`block_segments`):
 
 - :func:`encode`: ``x * scale`` rounded to the format's codes;
 - :func:`decode`: codes to float32, times the scale;
@@ -64,6 +65,7 @@ __all__ = [
     "INTERPRETED",
     "MIN_TRITON",
     "FormatConstants",
+    "block_segments",
     "decode",
     "encode",
     "format_constants",
@@ -167,6 +169,36 @@ def format_constants(fmt: FloatFormat) -> FormatConstants:
     return FormatConstants(fmt.wire_bits, enc, dec)
 
 
+def block_segments(
+    offsets: torch.Tensor, block_size: int, lo: int = 0
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """The block arguments of :func:`encode`/:func:`decode` for the window from ``lo`` of a
+    buffer whose layers start at ``offsets``: (the layers' offsets relative to
+    ``lo``, each layer's first block relative to the block holding ``lo``).
+
+    Host work, once per plan: copy both to the device there. The window's
+    factors are then ``block_factors[b0:]``, ``b0`` the block holding ``lo``
+    (the first block ending after it), as :meth:`aps_comm.codec.Layout.window`
+    cuts the per-block layout.
+
+    Args:
+        offsets: int64 CPU tensor, the buffer's L + 1 layer offsets from 0.
+        block_size: elements per block, a power of two.
+        lo: where the window starts in the buffer.
+
+    Example:
+        >>> block_segments(torch.tensor([0, 20, 28]), 8, lo=12)
+        (tensor([-12,   8,  16]), tensor([-1,  2]))
+    """
+    counts = (offsets.diff() + block_size - 1) // block_size
+    first = torch.cumsum(counts, 0) - counts
+    # Blocks that end at or before lo: every block of the layers before it (their
+    # short last ones too), then the whole blocks of the layer it cuts.
+    cut = (lo - offsets[:-1]).clamp(min=0) // block_size
+    done = int(torch.where(offsets[1:] <= lo, counts, cut).sum())
+    return offsets - lo, first - done
+
+
 def _top(n_segments: int) -> int:
     """The largest power of two below ``n_segments`` (0 for one segment): the first
     step of the kernels' binary search over the segment offsets."""
@@ -207,12 +239,17 @@ if AVAILABLE:
         return lo, hi, step
 
     @triton.jit
-    def _factor(scale_ptr, off_ptr, idx, lo, hi, step):
-        """The scale of element ``idx``'s segment (the chunk's segments are lo..hi)."""
+    def _factor(scale_ptr, off_ptr, first_ptr, idx, lo, hi, step, SHIFT: tl.constexpr):
+        """The factor of element ``idx`` (the chunk's segments are lo..hi): its segment's
+        (``SHIFT`` 0), or its block's (blocks of ``2**SHIFT`` elements from each
+        segment's start, the segment's first block at index ``first[segment]``)."""
         # tl.full, not tl.zeros: the interpreter runs only core builtins when triton was
         # imported before TRITON_INTERPRET was set (as in a test session).
         s = _search(off_ptr, idx, tl.full(idx.shape, 0, tl.int32) + lo, step, hi)
-        return tl.load(scale_ptr + s)
+        if SHIFT == 0:
+            return tl.load(scale_ptr + s)
+        block = tl.load(first_ptr + s) + ((idx - tl.load(off_ptr + s)) >> SHIFT)
+        return tl.load(scale_ptr + block)
 
     @triton.jit
     def _code(v, E: tl.constexpr):
@@ -292,10 +329,12 @@ if AVAILABLE:
             tl.store(dst_ptr + 2 * i + 1, (c0 >> 8).to(tl.uint8), mask=m0)
 
     @triton.jit
-    def _scaled_codes(x_ptr, idx, mask, scale_ptr, off_ptr, lo, hi, step, E, SCALED: tl.constexpr):
+    def _scaled_codes(
+        x_ptr, idx, mask, scale_ptr, off_ptr, first_ptr, lo, hi, step, E, SCALED, SHIFT
+    ):
         v = tl.load(x_ptr + idx, mask=mask, other=0.0).to(tl.float32)
         if SCALED:
-            v = v * _factor(scale_ptr, off_ptr, idx, lo, hi, step)
+            v = v * _factor(scale_ptr, off_ptr, first_ptr, idx, lo, hi, step, SHIFT)
         return tl.where(mask, _code(v, E), 0)
 
     @triton.jit(do_not_specialize=["numel", "top", "n_last"])
@@ -304,12 +343,14 @@ if AVAILABLE:
         out_ptr,
         off_ptr,
         scale_ptr,
+        first_ptr,
         numel,
         top,
         n_last,
         E: tl.constexpr,
         WIRE: tl.constexpr,
         SCALED: tl.constexpr,
+        SHIFT: tl.constexpr,
         BLOCK: tl.constexpr,
     ):
         pid = tl.program_id(0).to(tl.int64)
@@ -320,14 +361,19 @@ if AVAILABLE:
         if WIRE == 4:
             i0 = first + 2 * tl.arange(0, BLOCK // 2)
             m0 = i0 < numel
-            c0 = _scaled_codes(x_ptr, i0, m0, scale_ptr, off_ptr, lo, hi, step, E, SCALED)
+            c0 = _scaled_codes(
+                x_ptr, i0, m0, scale_ptr, off_ptr, first_ptr, lo, hi, step, E, SCALED, SHIFT
+            )
+            m1 = i0 + 1 < numel
             c1 = _scaled_codes(
-                x_ptr, i0 + 1, i0 + 1 < numel, scale_ptr, off_ptr, lo, hi, step, E, SCALED
+                x_ptr, i0 + 1, m1, scale_ptr, off_ptr, first_ptr, lo, hi, step, E, SCALED, SHIFT
             )
         else:
             i0 = first + tl.arange(0, BLOCK)
             m0 = i0 < numel
-            c0 = _scaled_codes(x_ptr, i0, m0, scale_ptr, off_ptr, lo, hi, step, E, SCALED)
+            c0 = _scaled_codes(
+                x_ptr, i0, m0, scale_ptr, off_ptr, first_ptr, lo, hi, step, E, SCALED, SHIFT
+            )
             c1 = c0
         _store_codes(out_ptr, pid, c0, c1, m0, WIRE, BLOCK)
 
@@ -337,12 +383,14 @@ if AVAILABLE:
         out_ptr,
         off_ptr,
         scale_ptr,
+        first_ptr,
         numel,
         top,
         n_last,
         D: tl.constexpr,
         WIRE: tl.constexpr,
         SCALED: tl.constexpr,
+        SHIFT: tl.constexpr,
         BLOCK: tl.constexpr,
     ):
         pid = tl.program_id(0).to(tl.int64)
@@ -354,7 +402,7 @@ if AVAILABLE:
             lo, hi, step = _chunk_segments(
                 off_ptr, first, tl.minimum(first + BLOCK, numel) - 1, top, n_last
             )
-            v = v * _factor(scale_ptr, off_ptr, i, lo, hi, step)
+            v = v * _factor(scale_ptr, off_ptr, first_ptr, i, lo, hi, step, SHIFT)
         tl.store(out_ptr + i, v, mask=mask)
 
     @triton.jit
@@ -429,23 +477,68 @@ def _options() -> dict[str, bool]:
     return {} if INTERPRETED else {"enable_fp_fusion": False}
 
 
-def _segments(
-    numel: int, offsets: torch.Tensor | None, factors: torch.Tensor | None
-) -> tuple[torch.Tensor | None, int, int]:
-    """(offsets to search, first search step, last segment) for the kernels."""
+@dataclasses.dataclass(frozen=True)
+class _Scaling:
+    """What the kernels read for the factors: pointers (tensors) and search constants."""
+
+    offsets: torch.Tensor
+    factors: torch.Tensor
+    first: torch.Tensor
+    top: int
+    last: int
+    shift: int
+    scaled: bool
+
+    def args(self) -> tuple[torch.Tensor | int, ...]:
+        return (self.offsets, self.factors, self.first)
+
+
+def _scaling(
+    dummy: torch.Tensor,
+    offsets: torch.Tensor | None,
+    factors: torch.Tensor | None,
+    block_size: int,
+    first_block: torch.Tensor | None,
+) -> _Scaling:
+    """The kernels' view of a segmentation (``dummy`` fills pointers never read)."""
     if factors is None:
-        return None, 0, 0
-    n = factors.numel()
-    if offsets is None:
-        if n != 1:
-            raise ValueError(f"{n} factors need their segments' offsets")
-        return factors, 0, 0  # one segment: the kernels read no offset
-    if offsets.numel() != n + 1 or offsets.device != factors.device:
+        if offsets is not None or block_size or first_block is not None:
+            raise ValueError("offsets, block_size and first_block need factors")
+        return _Scaling(dummy, dummy, dummy, 0, 0, 0, False)
+    if factors.dtype != torch.float32 or factors.device != dummy.device:
         raise ValueError(
-            f"offsets must hold {n + 1} entries on {factors.device}, got {offsets.numel()} "
-            f"on {offsets.device}"
+            f"factors must be float32 on {dummy.device}, got {factors.dtype} on {factors.device}"
         )
-    return offsets, _top(n), n - 1
+    if not block_size:
+        n = factors.numel()
+        if offsets is None:
+            if n != 1:
+                raise ValueError(f"{n} factors need their segments' offsets")
+            return _Scaling(dummy, factors, dummy, 0, 0, 0, True)  # no offset is read
+        _check_offsets(offsets, n, dummy.device)
+        return _Scaling(offsets, factors, dummy, _top(n), n - 1, 0, True)
+    if block_size < 2 or block_size & (block_size - 1):
+        raise ValueError(f"block_size must be a power of two >= 2 (or 0), got {block_size}")
+    if offsets is None or first_block is None:
+        raise ValueError("block scaling needs the segments' offsets and first blocks")
+    n = first_block.numel()
+    _check_offsets(offsets, n, dummy.device)
+    if first_block.device != dummy.device or first_block.dtype not in (torch.int32, torch.int64):
+        raise ValueError(
+            f"first_block must be int32 or int64 on {dummy.device}, got {first_block.dtype} "
+            f"on {first_block.device}"
+        )
+    return _Scaling(
+        offsets, factors, first_block, _top(n), n - 1, block_size.bit_length() - 1, True
+    )
+
+
+def _check_offsets(offsets: torch.Tensor, n: int, device: torch.device) -> None:
+    if offsets.numel() != n + 1 or offsets.device != device or offsets.dtype != torch.int64:
+        raise ValueError(
+            f"offsets must hold {n + 1} int64 entries on {device}, got {offsets.numel()} "
+            f"{offsets.dtype} on {offsets.device}"
+        )
 
 
 def encode(
@@ -454,35 +547,49 @@ def encode(
     fmt: FloatFormat,
     offsets: torch.Tensor | None = None,
     factors: torch.Tensor | None = None,
+    *,
+    block_size: int = 0,
+    first_block: torch.Tensor | None = None,
 ) -> None:
-    """Encode contiguous ``x`` (times per-segment ``factors``) into uint8 ``out``.
+    """Encode contiguous ``x`` (times per-segment or per-block ``factors``) into uint8 ``out``.
 
     Args:
         x: contiguous float32, float16 or bfloat16 elements.
         out: uint8, :func:`~aps_comm.formats.payload_nbytes` bytes (any byte offset).
         fmt: the format (:func:`supports`).
-        offsets: int64, L + 1 segment offsets from 0 to ``x.numel()``, on
-            ``x``'s device; None with one factor or none.
+        offsets: int64, L + 1 segment offsets on ``x``'s device: from 0 to
+            ``x.numel()``; with ``block_size`` the first may be negative and
+            the last beyond ``x.numel()`` (``x`` is a window of a buffer
+            whose segments start before or end after it). None with one
+            factor or none.
         factors: float32, one per segment (element i of segment s is
-            multiplied by ``factors[s]``); None: no scaling.
+            multiplied by ``factors[s]``), or with ``block_size`` one per
+            block; None: no scaling.
+        block_size: 0, or a power of two: each segment is cut into blocks of
+            this many elements from its start (its last one may be short),
+            and element i of segment s is multiplied by
+            ``factors[first_block[s] + (i - offsets[s]) // block_size]``.
+        first_block: int32 or int64, L entries: the index in ``factors`` of
+            each segment's first block (negative for a segment that started
+            before a window).
     """
     consts = _check(fmt, x, out)
     x = x.reshape(-1)
     numel = x.numel()
     if not numel:
         return
-    off, top, last = _segments(numel, offsets, factors)
+    sc = _scaling(x, offsets, factors, block_size, first_block)
     _encode_kernel[_grid(numel)](
         x,
         out,
-        x if off is None else off,
-        x if factors is None else factors,
+        *sc.args(),
         numel,
-        top,
-        last,
+        sc.top,
+        sc.last,
         E=consts.encode,
         WIRE=consts.wire_bits,
-        SCALED=factors is not None,
+        SCALED=sc.scaled,
+        SHIFT=sc.shift,
         BLOCK=BLOCK,
         **_options(),
     )
@@ -494,8 +601,12 @@ def decode(
     fmt: FloatFormat,
     offsets: torch.Tensor | None = None,
     factors: torch.Tensor | None = None,
+    *,
+    block_size: int = 0,
+    first_block: torch.Tensor | None = None,
 ) -> None:
-    """Decode uint8 ``payload`` into contiguous float32 ``out`` (times per-segment ``factors``).
+    """Decode uint8 ``payload`` into contiguous float32 ``out`` (times per-segment or
+    per-block ``factors``).
 
     Args: as :func:`encode`, ``out`` giving the element count.
     """
@@ -503,18 +614,18 @@ def decode(
     numel = out.numel()
     if not numel:
         return
-    off, top, last = _segments(numel, offsets, factors)
+    sc = _scaling(out, offsets, factors, block_size, first_block)
     _decode_kernel[_grid(numel)](
         payload,
         out,
-        out if off is None else off,
-        out if factors is None else factors,
+        *sc.args(),
         numel,
-        top,
-        last,
+        sc.top,
+        sc.last,
         D=consts.decode,
         WIRE=consts.wire_bits,
-        SCALED=factors is not None,
+        SCALED=sc.scaled,
+        SHIFT=sc.shift,
         BLOCK=BLOCK,
         **_options(),
     )
@@ -567,10 +678,11 @@ def shard_mean(
     _reduce(recv, n_ranks, fmt, out, divisor, False)
 
 
-def ptx(fmt: FloatFormat, arch: int = 90) -> dict[str, str]:
+def ptx(fmt: FloatFormat, arch: int = 90, block_size: int = 0) -> dict[str, str]:
     """The PTX of the scaled encode and decode, the owner's reduction and the shard mean
     of ``fmt`` for an ``sm_<arch>`` GPU, compiled here without one (ptxas ships with
     Triton): to read what the device runs, e.g. that no operation flushes subnormals.
+    ``block_size``: the encode and decode with per-block factors.
 
     Raises:
         RuntimeError: no Triton, or the kernels were built for the interpreter.
@@ -587,18 +699,20 @@ def ptx(fmt: FloatFormat, arch: int = 90) -> dict[str, str]:
 
     consts = format_constants(fmt)
     target = GPUTarget("cuda", arch, 32)
+    factors = {"off_ptr": "*i64", "scale_ptr": "*fp32", "first_ptr": "*i64"}
+    shift = block_size.bit_length() - 1 if block_size else 0
     scalar = {"numel": "i32", "top": "i32", "n_last": "i32"}
     common = {"WIRE": consts.wire_bits, "BLOCK": BLOCK}
     sources = {
         "encode": (
             _encode_kernel,
-            {"x_ptr": "*fp32", "out_ptr": "*u8", "off_ptr": "*i64", "scale_ptr": "*fp32"},
-            {"E": consts.encode, "SCALED": True},
+            {"x_ptr": "*fp32", "out_ptr": "*u8", **factors},
+            {"E": consts.encode, "SCALED": True, "SHIFT": shift},
         ),
         "decode": (
             _decode_kernel,
-            {"src_ptr": "*u8", "out_ptr": "*fp32", "off_ptr": "*i64", "scale_ptr": "*fp32"},
-            {"D": consts.decode, "SCALED": True},
+            {"src_ptr": "*u8", "out_ptr": "*fp32", **factors},
+            {"D": consts.decode, "SCALED": True, "SHIFT": shift},
         ),
     }
     scalar_r = {"shard_bytes": "i32", "numel": "i32", "n_ranks": "i32", "divisor": "fp32"}

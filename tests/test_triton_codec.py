@@ -6,8 +6,10 @@ format the kernels take (the built-ins, 9-16-bit customs, fn/none specials,
 packed 4-bit ones, unusual biases): encode with per-layer scales (ties,
 subnormals, saturation, inf and NaN, empty and odd segments, an odd 4-bit
 count, several programs per call), decode of every bit pattern, the owner's
-reduction and the shard mean, payloads at odd byte offsets; then how the
-codec picks the backend, with and without Triton.
+reduction and the shard mean, payloads at odd byte offsets, block scaling
+(a factor per block of each layer, windows cutting blocks); the PTX the
+kernels compile to for a GPU; how the codec picks the backend, with and
+without Triton.
 
 ``triton.jit`` reads ``TRITON_INTERPRET`` when it builds a kernel, i.e. when
 :mod:`aps_comm.triton_codec` is imported: the fixture imports (or reloads) it
@@ -180,9 +182,12 @@ def test_encode_matches_kernels(tc: types.ModuleType, fmt: FloatFormat) -> None:
 
 
 def _every_code(fmt: FloatFormat) -> torch.Tensor:
-    """A payload holding every bit pattern of a wire element (bits above the format's too)."""
+    """A payload holding every bit pattern of a wire element (bits above the format's too);
+    for 16 bits every high byte with 58 low ones (the extremes among them)."""
     if fmt.wire_bits == 16:
-        return torch.arange(2**16, dtype=torch.int32).view(torch.uint8)[torch.arange(2**18) % 4 < 2]
+        low = torch.cat([torch.arange(0, 256, 5), torch.tensor([1, 2, 3, 4, 254, 253, 252])])
+        codes = (torch.arange(256)[:, None] * 256 + low[None, :]).reshape(-1).to(torch.int32)
+        return codes.view(torch.uint8)[torch.arange(4 * codes.numel()) % 4 < 2]
     return torch.arange(256, dtype=torch.int32).to(torch.uint8).repeat(5)
 
 
@@ -221,11 +226,12 @@ def _shards(fmt: FloatFormat, n_ranks: int, shard: int) -> torch.Tensor:
 
 @pytest.mark.parametrize("fmt", FORMATS, ids=IDS)
 def test_owner_reduce_and_shard_mean_match_kernels(tc: types.ModuleType, fmt: FloatFormat) -> None:
-    for n_ranks, shard in ((1, 101), (3, 101), (6, 1100)):  # 1100: two programs per call
+    # 1100 elements: two programs per call. Divisor 1: the sum, not divided.
+    for n_ranks, shard, divisors in ((1, 101, (1,)), (5, 1100, (None, 3))):
         recv = _shards(fmt, n_ranks, shard)
         got = _quiet(codec.owner_reduce, recv, fmt, n_ranks, backend="triton")
         assert torch.equal(got, codec.owner_reduce(recv, fmt, n_ranks, backend="kernels"))
-        for divisor in (None, 1, 4):
+        for divisor in divisors:
             mean = _quiet(codec.shard_mean, recv, fmt, n_ranks, divisor=divisor, backend="triton")
             ref = codec.shard_mean(recv, fmt, n_ranks, divisor=divisor, backend="kernels")
             assert torch.equal(_bits(mean), _bits(ref)), divisor
@@ -260,6 +266,49 @@ def test_any_byte_offset(tc: types.ModuleType, fmt: FloatFormat) -> None:
             assert torch.equal(reduced, codec.owner_reduce(out, fmt, 1, backend="kernels"))
 
 
+BLOCK_FORMATS = [F.E4M3, F.E2M1, get_format("e5m3"), F.E3M2]
+
+
+@pytest.mark.parametrize("block_size", [8, 32])
+@pytest.mark.parametrize("fmt", BLOCK_FORMATS, ids=lambda f: f.name)
+def test_block_scaling_matches_kernels(
+    tc: types.ModuleType, fmt: FloatFormat, block_size: int
+) -> None:
+    # Block scaling: every layer cut into blocks from its start (the last one short),
+    # a factor per block. The kernels' reference: each block its own segment.
+    sizes = [0, 37, 64, 5, 0, 1000, 301]
+    layers = torch.tensor([0, *np.cumsum(sizes)], dtype=torch.int64)
+    counts = [-(-n // block_size) for n in sizes]
+    starts = [int(layers[i]) + k * block_size for i, c in enumerate(counts) for k in range(c)]
+    blocks = torch.tensor([*starts, int(layers[-1])], dtype=torch.int64)
+    per_block = codec.Layout.from_numels(blocks.diff().tolist(), torch.device("cpu"))
+    gen = torch.Generator().manual_seed(block_size)
+    n_blocks = sum(counts)
+    scale = torch.exp2(torch.randint(-20, 21, (n_blocks,), generator=gen).float())
+    scale[3], scale[-2] = 3.0, 2.0**-140  # no power of two; a subnormal float32
+    unscale = 1 / scale
+    unscale[5] = float("nan")  # a layer made NaN
+    x = _values(fmt).repeat(2)[: int(layers[-1])]
+    x = x * torch.exp2(torch.randint(-20, 21, x.shape, generator=gen).float())
+    ref = codec.encode(x, fmt, scale=scale, layout=per_block, backend="kernels")
+    # The whole buffer, then windows (chunks of the bucket) from inside a block, from
+    # a layer's start, to inside a block: the layers' offsets relative to the window
+    # (negative before it), the factors from the block holding its first element.
+    for lo, hi in ((0, x.numel()), (50, 1201), (106, 1307)):
+        b0 = int(torch.searchsorted(blocks, lo, right=True)) - 1
+        window = per_block.window(lo, hi)
+        offsets, first = tc.block_segments(layers, block_size, lo)
+        kw = {"block_size": block_size, "first_block": first}
+        ref = codec.encode(x[lo:hi], fmt, scale=scale, layout=window, backend="kernels")
+        got = torch.empty_like(ref)
+        _quiet(tc.encode, x[lo:hi], got, fmt, offsets, scale[b0:], **kw)
+        assert torch.equal(got, ref), lo
+        back = codec.decode(ref, fmt, hi - lo, scale=unscale, layout=window, backend="kernels")
+        mine = torch.empty(hi - lo)
+        _quiet(tc.decode, ref, mine, fmt, offsets, unscale[b0:], **kw)
+        assert torch.equal(_bits(mine), _bits(back)), lo
+
+
 def test_empty_and_bad_inputs(tc: types.ModuleType) -> None:
     empty = torch.empty(0)
     layout = codec.Layout.from_numels([0, 0], empty.device)
@@ -276,6 +325,15 @@ def test_empty_and_bad_inputs(tc: types.ModuleType) -> None:
         tc.encode(torch.ones(2), out, F.E4M3, torch.tensor([0, 2]), torch.ones(2))
     with pytest.raises(ValueError, match="fp32"):
         tc.format_constants(F.FP32)
+    offsets, first = torch.tensor([0, 2]), torch.tensor([0])
+    with pytest.raises(ValueError, match=r"power of two >= 2 .* got 24"):
+        tc.encode(
+            torch.ones(2), out, F.E4M3, offsets, torch.ones(1), block_size=24, first_block=first
+        )
+    with pytest.raises(ValueError, match="first blocks"):
+        tc.encode(torch.ones(2), out, F.E4M3, offsets, torch.ones(1), block_size=8)
+    with pytest.raises(ValueError, match="need factors"):
+        tc.decode(out, torch.empty(2), F.E4M3, offsets)
 
 
 def test_backend_choice(tc: types.ModuleType, monkeypatch: pytest.MonkeyPatch) -> None:
@@ -320,7 +378,10 @@ def test_kernels_compile_for_a_gpu(fmt: FloatFormat) -> None:
     # sm_90 without one, and their float operations round once, to nearest, keeping
     # subnormals (no .ftz, no fused multiply-add, no approximate division).
     with _loaded(interpret=False) as module:
-        for name, ptx in module.ptx(fmt).items():
+        kernels = module.ptx(fmt)
+        block = module.ptx(fmt, block_size=32)
+        kernels |= {f"block {k}": block[k] for k in ("encode", "decode")}
+        for name, ptx in kernels.items():
             ops = set(re.findall(r"\b(?:add|sub|mul|div|fma|mad)\.[a-z0-9.]*f(?:32|64)\b", ptx))
             assert ops <= {"mul.rn.f32", "add.rn.f32", "div.rn.f32"}, (name, ops)
             assert ".ftz" not in ptx and ".approx" not in ptx, name
