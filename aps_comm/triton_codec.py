@@ -409,8 +409,9 @@ if AVAILABLE:
     def _rank_sum(src_ptr, shard_bytes, n_ranks, idx, mask, D: tl.constexpr, WIRE: tl.constexpr):
         """float32 sum over ranks (r0 + r1 + ... in order) of element ``idx`` of every shard."""
         acc = _value(_load_code(src_ptr, idx, mask, WIRE), D)  # rank 0 as is: -0 stays -0
+        shard = shard_bytes.to(tl.int64)  # N shards may pass 2**31 bytes
         for r in range(1, n_ranks):
-            acc += _value(_load_code(src_ptr + r * shard_bytes, idx, mask, WIRE), D)
+            acc += _value(_load_code(src_ptr + r * shard, idx, mask, WIRE), D)
         return acc
 
     @triton.jit(do_not_specialize=["shard_bytes", "numel", "n_ranks"])
@@ -575,6 +576,9 @@ def encode(
     """
     consts = _check(fmt, x, out)
     x = x.reshape(-1)
+    if INTERPRETED and x.dtype == torch.bfloat16:
+        # The interpreter widens bfloat16 subnormals wrongly; a GPU (and .float()) exactly.
+        x = x.float()
     numel = x.numel()
     if not numel:
         return

@@ -1019,6 +1019,21 @@ def _step_codec(ctx: StepContext, repeats: int = 50) -> StepResult:
                 c.decode, payload, n, out=y, scale=unscale, layout=layout
             ),
         }
+    if "triton" in backends:  # block scaling (issue 28): a factor per 32 elements
+        from aps_comm import triton_codec
+
+        offsets, first = (t.to(dev) for t in triton_codec.block_segments(layout.offsets, 32))
+        n_blocks = int(((layout.offsets.diff() + 31) // 32).sum())
+        bscale = torch.exp2(torch.randint(-4, 5, (n_blocks,), device=dev).float())
+        blocks = {"block_size": 32, "first_block": first}
+        fns |= {
+            "triton:block_encode": functools.partial(
+                triton_codec.encode, x, payload, fmt, offsets, bscale, **blocks
+            ),
+            "triton:block_decode": functools.partial(
+                triton_codec.decode, payload, y, fmt, offsets, 1 / bscale, **blocks
+            ),
+        }
     ms = _events_ms(fns, repeats)
 
     def timing(b: str, prefix: str) -> CodecTiming:
@@ -1037,7 +1052,11 @@ def _step_codec(ctx: StepContext, repeats: int = 50) -> StepResult:
         "repeats": repeats,
         "backend": auto,
         "backends": {
-            b: {"unscaled": timing(b, "").to_json(), "scaled": timing(b, "scaled_").to_json()}
+            b: {
+                "unscaled": timing(b, "").to_json(),
+                "scaled": timing(b, "scaled_").to_json(),
+                **({"block32": timing(b, "block_").to_json()} if b == "triton" else {}),
+            }
             for b in backends
         },
         "copy_gb_per_s": round(2 * 4 * n / (plain.copy_ms * 1e-3) / 1e9, 1),
@@ -1327,10 +1346,9 @@ def render_markdown(report: dict[str, Any]) -> str:
                     f"{t['decode_ms']:.3f} | {t['ratio']:.2f}x |"
                 )
             for backend, rows in d.get("backends", {}).items():
-                if backend == d["backend"]:
-                    continue  # the rows above
-                for key in ("unscaled", "scaled"):
-                    t = rows[key]
+                for key, t in rows.items():
+                    if backend == d["backend"] and key in ("unscaled", "scaled"):
+                        continue  # the rows above
                     lines.append(
                         f"| {key} ({backend}) | {t['copy_ms']:.3f} | {t['encode_ms']:.3f} | "
                         f"{t['decode_ms']:.3f} | {t['ratio']:.2f}x |"

@@ -241,6 +241,17 @@ def test_render_markdown_shows_each_steps_numbers() -> None:
                         "decode_ms": 0.13,
                         "ratio": 1.61,
                     },
+                    "backends": {
+                        "cast": {},  # auto's: its rows are the two above
+                        "triton": {
+                            "block32": {
+                                "copy_ms": 0.18,
+                                "encode_ms": 0.125,
+                                "decode_ms": 0.12,
+                                "ratio": 1.36,
+                            },
+                        },
+                    },
                 },
             },
             {
@@ -306,6 +317,7 @@ def test_render_markdown_shows_each_steps_numbers() -> None:
         "| codec | failed | per-layer scaled (encode + decode) / copy = 1.61x > 1.5x | 2.5 |" in md
     )
     assert "| scaled | 0.180 | 0.160 | 0.130 | 1.61x |" in md
+    assert "| block32 (triton) | 0.180 | 0.125 | 0.120 | 1.36x |" in md
     assert "| e4m3 grid | nccl, 1 rank | skipped | N = 1 \\| none |  |" in md
     assert "| fp16 allreduce | 0 | 9 | 1 | 0 | 0 | 0 |" in md
     assert "| fp16 allreduce | outside | 40 | 0 | 2 | 0 | 0 |" in md

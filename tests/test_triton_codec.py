@@ -176,9 +176,10 @@ def test_encode_matches_kernels(tc: types.ModuleType, fmt: FloatFormat) -> None:
     )
     if fmt.wire_bits == 4:  # the odd element's byte: the low nibble, a zero high one
         assert got[-1] >> 4 == 0
-    # Half-precision inputs are read as they are (widening to float32 is exact).
-    half = x.to(torch.float16)
-    assert torch.equal(_quiet(codec.encode, half, fmt, backend="triton"), codec.encode(half, fmt))
+    # Other float inputs are read as they are and rounded to float32 as the kernels do.
+    for dtype in (torch.float16, torch.bfloat16, torch.float64):
+        y = x.to(dtype)
+        assert torch.equal(_quiet(codec.encode, y, fmt, backend="triton"), codec.encode(y, fmt))
 
 
 def _every_code(fmt: FloatFormat) -> torch.Tensor:
