@@ -11,30 +11,43 @@ Only :mod:`aps_comm.codec` calls them; it falls back to plain torch when
 numba is missing. A segmentation is ``offsets`` (int64, L + 1 entries, from 0
 to the buffer's length) and ``factors`` (float32, L entries): element i of
 segment s is multiplied by ``factors[s]``.
+
+Compiling them takes seconds, so they are cached on disk (numba's
+``cache=True``): in the package's ``__pycache__``, or where that is not
+writable (an installed package) in the user's cache directory, or in
+``NUMBA_CACHE_DIR`` when set. The first compile in a process logs one line
+(logger ``aps_comm.cpu_kernels``); later processes load the cache silently.
 """
 
 from __future__ import annotations
 
 import functools
+import logging
 import math
+from collections.abc import Callable
 from typing import Any
 
 import numpy as np
 import torch
 
-from aps_comm.formats import FloatFormat, code_table, special_codes
+from aps_comm.formats import FloatFormat, special_codes, wire_code_table
 
 try:
     import numba
     from numba import types as nbtypes
+    from numba.core import event as nbevent
     from numba.extending import intrinsic
 
     AVAILABLE = True
 except ImportError:  # pragma: no cover - numba is an install requirement
     AVAILABLE = False
 
+_log = logging.getLogger(__name__)
+
 __all__ = [
     "AVAILABLE",
+    "COMPILE_NOTICE",
+    "CompileNotice",
     "decode",
     "decoder_params",
     "encode",
@@ -130,7 +143,8 @@ def encoder_params(fmt: FloatFormat, add_subnormals: bool = True) -> tuple[np.ui
 
 
 def _table(fmt: FloatFormat) -> np.ndarray:
-    return code_table(fmt)
+    # Every 8- or 16-bit pattern has an entry: no read past the table.
+    return wire_code_table(fmt)
 
 
 @functools.lru_cache(maxsize=64)
@@ -157,7 +171,60 @@ def decoder_params(fmt: FloatFormat) -> tuple[tuple[np.uint32, ...], np.float32]
     return q, np.float32(2.0 ** (127 - fmt.bias))  # type: ignore[operator]
 
 
+def _njit(fn: Callable[..., Any]) -> Any:
+    """numba.njit(nogil=True, cache=True), without the cache where no directory is writable.
+
+    numba refuses ``cache=True`` at decoration time when neither the source's
+    ``__pycache__`` nor a user cache directory can be written; importing the
+    package must not fail there, the kernels are then compiled per process.
+    """
+    try:
+        return numba.njit(nogil=True, cache=True)(fn)
+    except RuntimeError as exc:
+        if "cannot cache" not in str(exc):
+            raise
+        _log.warning("aps_comm: numba cannot cache the CPU kernels (%s); set NUMBA_CACHE_DIR", exc)
+        return numba.njit(nogil=True)(fn)
+
+
 if AVAILABLE:
+
+    class CompileNotice(nbevent.Listener):
+        """Logs one line the first time this process compiles one of these kernels.
+
+        A numba ``"numba:compile"`` listener: numba fires the event only for a
+        real compile, never for a function loaded from its disk cache, so a
+        machine whose cache is warm hears nothing. Registered once, at import.
+
+        Example:
+            >>> notice = CompileNotice()
+            >>> notice.said
+            False
+        """
+
+        def __init__(self) -> None:
+            self.said = False
+
+        def on_start(self, event: Any) -> None:
+            if self.said:
+                return
+            dispatcher = (event.data or {}).get("dispatcher")
+            if getattr(getattr(dispatcher, "py_func", None), "__module__", None) != __name__:
+                return
+            self.said = True
+            where = getattr(getattr(dispatcher, "_cache", None), "_cache_path", None)
+            _log.warning(
+                "aps_comm: compiling the CPU codec kernels with numba (a few seconds, once: "
+                "cached in %s for later runs)",
+                where or "numba's cache directory",
+            )
+
+        def on_end(self, event: Any) -> None:
+            pass
+
+    COMPILE_NOTICE = CompileNotice()
+    """The process's notice; ``said`` turns True at the first compile."""
+    nbevent.register("numba:compile", COMPILE_NOTICE)
 
     def _u32_op(name: str) -> Any:
         """A numba intrinsic: ``name`` (an llvmlite IRBuilder method) on two uint32.
@@ -203,7 +270,7 @@ if AVAILABLE:
     _f2u = _bitcast(nbtypes.float32, nbtypes.uint32)
     _u2f = _bitcast(nbtypes.uint32, nbtypes.float32)
 
-    @numba.njit(nogil=True, cache=True)
+    @_njit
     def _finish(u, sub, p):
         """Code of the float32 with bits ``u``, given its code ``sub`` as a subnormal.
 
@@ -227,7 +294,7 @@ if AVAILABLE:
         sign = sign if a <= inf_bits else np.uint32(0)
         return _or32(c, sign)
 
-    @numba.njit(nogil=True, cache=True)
+    @_njit
     def _code(u, p):
         """Code of the float32 with bits ``u``, subnormals rounded with integers.
 
@@ -246,7 +313,7 @@ if AVAILABLE:
         sub = (sig + ((one << (s - one)) - one) + ((sig >> s) & one)) >> s
         return _finish(u, np.uint32(sub), p)
 
-    @numba.njit(nogil=True, cache=True)
+    @_njit
     def _code_magic(u, p):
         """Code of the float32 with bits ``u``, subnormals rounded by one float add.
 
@@ -256,7 +323,7 @@ if AVAILABLE:
         a = _u2f(_and32(u, np.uint32(0x7FFFFFFF)))
         return _finish(u, _sub32(_f2u(a + _u2f(p[10])), p[10]), p)
 
-    @numba.njit(nogil=True, cache=True)
+    @_njit
     def _code_binade(u, p):
         """Code of the float32 with bits ``u``: every binade rounded by one float add.
 
@@ -284,22 +351,22 @@ if AVAILABLE:
         c = _or32(c, _shl32(_shr32(u, np.uint32(31)), p[9]))
         return p[7] if a > inf_bits else c
 
-    @numba.njit(nogil=True, cache=True)
+    @_njit
     def _encode_binade(x, f, codes, p):
         for i in range(len(x)):
             codes[i] = _code_binade(_f2u(x[i] * f), p)
 
-    @numba.njit(nogil=True, cache=True)
+    @_njit
     def _encode_magic(x, f, codes, p):
         for i in range(len(x)):
             codes[i] = _code_magic(_f2u(x[i] * f), p)
 
-    @numba.njit(nogil=True, cache=True)
+    @_njit
     def _encode_int(x, f, codes, p):
         for i in range(len(x)):
             codes[i] = _code(_f2u(x[i] * f), p)
 
-    @numba.njit(nogil=True, cache=True)
+    @_njit
     def _encode_block(x, f, codes, p):
         """codes[i] = code(x[i] * f) through the format's fastest exact path.
 
@@ -313,7 +380,7 @@ if AVAILABLE:
         else:
             _encode_int(x, f, codes, p)
 
-    @numba.njit(nogil=True, cache=True)
+    @_njit
     def _encode_codes(x, offsets, factors, codes, p):
         """codes[i] = code(x[i] * factor of i's segment)."""
         for seg in range(len(offsets) - 1):
@@ -323,7 +390,7 @@ if AVAILABLE:
             # vectorises the loop.
             _encode_block(x[lo:hi], factors[seg], codes[lo:hi], p)
 
-    @numba.njit(nogil=True, cache=True)
+    @_njit
     def _pack(codes, out):
         n = len(codes)
         for i in range(n // 2):
@@ -331,18 +398,18 @@ if AVAILABLE:
         if n % 2:
             out[n // 2] = codes[n - 1]
 
-    @numba.njit(nogil=True, cache=True)
+    @_njit
     def _decode_scaled(payload, out, table, f):
         for i in range(len(out)):
             out[i] = table[payload[i]] * f
 
-    @numba.njit(nogil=True, cache=True)
+    @_njit
     def _decode_segments(payload, out, table, offsets, factors):
         for seg in range(len(offsets) - 1):
             lo, hi = offsets[seg], offsets[seg + 1]
             _decode_scaled(payload[lo:hi], out[lo:hi], table, factors[seg])
 
-    @numba.njit(nogil=True, cache=True)
+    @_njit
     def _code_bits(code, q):
         """float32 bits of a code's value divided by 2**(127 - bias): sign, exponent
         and mantissa fields moved into place, inf and NaN patterns selected."""
@@ -353,7 +420,7 @@ if AVAILABLE:
         u = _or32(sign, np.uint32(0x7F800000)) if mag == q[3] else u
         return _or32(sign, np.uint32(0x7FC00000)) if mag >= q[4] else u
 
-    @numba.njit(nogil=True, cache=True)
+    @_njit
     def _decode_bits(payload, out, q, k, f):
         """out[i] = value(payload[i]) * f, the value rebuilt from bit fields (vectorises)."""
         g = f * k
@@ -367,14 +434,14 @@ if AVAILABLE:
             for i in range(len(out)):
                 out[i] = _u2f(_code_bits(payload[i], q)) * k * f
 
-    @numba.njit(nogil=True, cache=True)
+    @_njit
     def _decode_arith(payload, out, q, k, offsets, factors):
         """Decode by moving bit fields instead of a table gather, per segment."""
         for seg in range(len(offsets) - 1):
             lo, hi = offsets[seg], offsets[seg + 1]
             _decode_bits(payload[lo:hi], out[lo:hi], q, k, factors[seg])
 
-    @numba.njit(nogil=True, cache=True)
+    @_njit
     def _decode4(payload, out, table, offsets, factors):
         for seg in range(len(offsets) - 1):
             f = factors[seg]
@@ -382,13 +449,13 @@ if AVAILABLE:
                 code = (payload[i >> 1] >> ((i & 1) * 4)) & 0xF
                 out[i] = table[code] * f
 
-    @numba.njit(nogil=True, cache=True)
+    @_njit
     def _nibble(payload, i, q):
         """float32 bits (as :func:`_code_bits`) of element i of a packed 4-bit payload."""
         byte = np.uint32(payload[i >> 1])
         return _code_bits(_and32(_shr32(byte, np.uint32((i & 1) * 4)), np.uint32(15)), q)
 
-    @numba.njit(nogil=True, cache=True)
+    @_njit
     def _decode4_bits(payload, out, lo, hi, q, a, b):
         """out[i] = (bits-value(i) * a) * b for i in [lo, hi), two codes per byte."""
         i = lo
@@ -407,7 +474,7 @@ if AVAILABLE:
         if i < hi:
             out[i] = _u2f(_nibble(payload, i, q)) * a * b
 
-    @numba.njit(nogil=True, cache=True)
+    @_njit
     def _decode4_arith(payload, out, q, k, offsets, factors):
         """4-bit codes by moving bit fields, per segment (see :func:`_decode_bits`)."""
         for seg in range(len(offsets) - 1):
@@ -419,7 +486,7 @@ if AVAILABLE:
                 a, b = k, f
             _decode4_bits(payload, out, offsets[seg], offsets[seg + 1], q, a, b)
 
-    @numba.njit(nogil=True, cache=True)
+    @_njit
     def _accumulate_bits(payload, acc, q, k, first):
         if first:
             for j in range(len(acc)):
@@ -428,7 +495,7 @@ if AVAILABLE:
             for j in range(len(acc)):
                 acc[j] += _u2f(_code_bits(payload[j], q)) * k
 
-    @numba.njit(nogil=True, cache=True)
+    @_njit
     def _accumulate_table(payload, acc, table, first):
         if first:
             for j in range(len(acc)):
@@ -437,7 +504,7 @@ if AVAILABLE:
             for j in range(len(acc)):
                 acc[j] += table[payload[j]]
 
-    @numba.njit(nogil=True, cache=True)
+    @_njit
     def _reduce(recv, n_ranks, shard, out_codes, table, bits, q, k, p):
         """Sum n_ranks decoded shards in rank order, divide by n_ranks, re-encode.
 
@@ -461,7 +528,7 @@ if AVAILABLE:
                 block[j] = block[j] / div
             _encode_block(block, one, out_codes[start : start + n], p)
 
-    @numba.njit(nogil=True, cache=True)
+    @_njit
     def _reduce4(recv, n_ranks, shard_bytes, out, q, k, p):
         """:func:`_reduce` for packed 4-bit codes (decoded from bit fields)."""
         acc = np.empty(_BLOCK, np.float32)

@@ -5,7 +5,8 @@ subnormals. :func:`quantize` rounds float tensors to the nearest representable
 value (round-to-nearest-even, or unbiased stochastic rounding) and returns them
 in float32; :func:`encode` / :func:`decode` convert to and from the bytes that
 travel on the wire (FP8 and 5-7 bit formats: one byte per element, 4-bit and
-smaller: two elements per byte, FP16/BF16: two bytes).
+smaller: two elements per byte, FP16/BF16 and 9-16-bit formats: two bytes,
+low byte first).
 
 Every format with ``exp_bits <= 8`` and ``man_bits <= 23`` is a subset of
 float32, so float32 arithmetic with power-of-two quanta simulates it exactly.
@@ -36,6 +37,8 @@ from typing import Literal
 import numpy as np
 import torch
 
+from aps_comm.hostcopy import to_device
+
 __all__ = [
     "BF16",
     "E2M1",
@@ -49,9 +52,11 @@ __all__ = [
     "FP16",
     "FP32",
     "FloatFormat",
+    "cast_into",
     "code_table",
     "decode",
     "decode_into",
+    "device_code_tables",
     "encode",
     "encode_into",
     "get_format",
@@ -60,6 +65,8 @@ __all__ = [
     "quantize",
     "saturate",
     "special_codes",
+    "uncast_into",
+    "wire_code_table",
 ]
 
 Specials = Literal["ieee", "fn", "none"]
@@ -372,16 +379,48 @@ def code_table(fmt: FloatFormat) -> np.ndarray:
 
 
 @functools.lru_cache(maxsize=64)
-def _positive_table(fmt: FloatFormat, device: torch.device) -> torch.Tensor:
-    """Finite non-negative values in code order (they are increasing)."""
-    table = code_table(fmt)[: 2 ** (fmt.bits - 1)]
-    return torch.from_numpy(table[np.isfinite(table)].copy()).to(device)
+def wire_code_table(fmt: FloatFormat) -> np.ndarray:
+    """Value of every bit pattern of one wire element (2**wire_bits entries, float32).
+
+    :func:`code_table` repeated: bits above the format's own are ignored, as
+    the compiled decoder ignores them, so any payload decodes without an
+    out-of-range index (formats of at most 16 bits on the wire).
+
+    Example:
+        >>> t = wire_code_table(E3M2)
+        >>> len(t), t[64 + 5] == t[5]
+        (256, np.True_)
+    """
+    if fmt.wire_bits > 16:
+        raise ValueError(f"{fmt.name} has {fmt.bits} bits: code tables cover at most 16")
+    return np.tile(code_table(fmt), 2 ** (fmt.wire_bits - fmt.bits))
 
 
 @functools.lru_cache(maxsize=64)
-def _device_code_table(fmt: FloatFormat, device: torch.device) -> torch.Tensor:
-    """:func:`code_table` on ``device``, copied there once."""
-    return torch.from_numpy(code_table(fmt)).to(device)
+def device_code_tables(fmt: FloatFormat, device: torch.device) -> tuple[torch.Tensor, torch.Tensor]:
+    """The bit path's tables on ``device``, built and copied there once (not blocking).
+
+    Returns:
+        (positive, values): the finite non-negative values in code order
+        (increasing: the encoder's search table) and :func:`wire_code_table`
+        (the decoder's lookup table), float32.
+
+    Example:
+        >>> device_code_tables(E2M1, torch.device("cpu"))[0]
+        tensor([0.0000, 0.5000, 1.0000, 1.5000, 2.0000, 3.0000, 4.0000, 6.0000])
+    """
+    table = code_table(fmt)[: 2 ** (fmt.bits - 1)]
+    positive = torch.from_numpy(table[np.isfinite(table)].copy())
+    both = to_device(torch.cat([positive, torch.from_numpy(wire_code_table(fmt))]), device)
+    return both[: positive.numel()], both[positive.numel() :]
+
+
+def _check_bit_path(fmt: FloatFormat) -> None:
+    if fmt.torch_dtype is None and fmt.wire_bits > 16:
+        raise ValueError(
+            f"{fmt.name} has {fmt.bits} bits and no torch dtype: the bit path encodes "
+            "formats of at most 16 bits (or with a native dtype, like fp32)"
+        )
 
 
 def special_codes(fmt: FloatFormat) -> tuple[int, int]:
@@ -418,7 +457,7 @@ def _encode_torch(q: torch.Tensor, fmt: FloatFormat) -> torch.Tensor:
     Non-finite values map as in the compiled kernels: NaN to the NaN code (0
     where the format has none), inf to the inf code, else NaN, else max.
     """
-    table = _positive_table(fmt, q.device)
+    table = device_code_tables(fmt, q.device)[0]
     mag = torch.searchsorted(table, q.abs()).to(torch.int32)
     nan_code, inf_code = special_codes(fmt)
     if inf_code < 0:
@@ -524,16 +563,25 @@ def _check_out(out: torch.Tensor, dtype: torch.dtype, numel: int, device: torch.
 
 
 def encode_into(x: torch.Tensor, fmt: FloatFormat, out: torch.Tensor) -> None:
-    """Encode float ``x`` into uint8 ``out`` with plain torch ops, unchecked (any device)."""
-    dtype = fmt.torch_dtype
-    if dtype is not None and fmt.wire_bits >= 16:
-        out.view(dtype).copy_(saturate(x, fmt))
+    """Encode float ``x`` into uint8 ``out`` with plain torch ops, unchecked (any device).
+
+    ``out`` may start at any byte offset. Formats of 9 to 16 bits write each
+    code as two bytes, low byte first (the compiled kernels' uint16 on every
+    little-endian host).
+    """
+    if fmt.torch_dtype is not None and fmt.wire_bits >= 16:
+        cast_into(x, fmt, out)
         return
+    _check_bit_path(fmt)
     codes = _encode_torch(quantize(x, fmt), fmt)
     if fmt.wire_bits == 4:
         out.copy_(_pack_nibbles(codes))
-    else:
+    elif fmt.wire_bits == 8:
         out.copy_(codes.to(torch.uint8))
+    else:
+        pairs = out.view(-1, 2)
+        pairs[:, 0].copy_(codes & 0xFF)
+        pairs[:, 1].copy_(codes >> 8)
 
 
 def saturate(x: torch.Tensor, fmt: FloatFormat) -> torch.Tensor:
@@ -555,15 +603,79 @@ def saturate(x: torch.Tensor, fmt: FloatFormat) -> torch.Tensor:
     return sat
 
 
-def decode_into(payload: torch.Tensor, fmt: FloatFormat, out: torch.Tensor) -> None:
-    """Decode uint8 ``payload`` into float32 ``out`` with plain torch ops, unchecked."""
+def _typed_view(buf: torch.Tensor, dtype: torch.dtype) -> torch.Tensor | None:
+    """uint8 ``buf`` viewed as ``dtype``, or None where its offset forbids the view.
+
+    A view to a wider dtype needs the storage offset to be a multiple of the
+    item size (a bucket that mixes formats puts a 2-byte format at any byte).
+    The offset is host-side metadata: deciding reads nothing from the device.
+    """
+    if buf.storage_offset() % dtype.itemsize:
+        return None
+    return buf.view(dtype)
+
+
+def cast_into(x: torch.Tensor, fmt: FloatFormat, out: torch.Tensor) -> None:
+    """Encode ``x`` into uint8 ``out`` with torch's native cast to ``fmt.torch_dtype``.
+
+    Saturated first (torch's casts round to nearest even but do not
+    saturate). ``out`` may start at any byte: where it cannot be viewed as
+    the dtype, the cast goes to an aligned scratch tensor and its bytes are
+    copied. Unchecked; ``fmt`` must have a torch dtype.
+
+    Example:
+        >>> out = torch.empty(5, dtype=torch.uint8)
+        >>> cast_into(torch.tensor([1.0, -2.0]), FP16, out[1:])
+        >>> out[1:].tolist()
+        [0, 60, 0, 192]
+    """
     dtype = fmt.torch_dtype
-    if dtype is not None and fmt.wire_bits >= 16:
-        out.copy_(payload.view(dtype))
-        return
-    table = _device_code_table(fmt, payload.device)
-    if fmt.wire_bits == 4:
-        codes = torch.stack([payload & 0xF, payload >> 4], dim=1).reshape(-1)
+    assert dtype is not None
+    typed = _typed_view(out, dtype)
+    if typed is not None:
+        typed.copy_(saturate(x, fmt))
     else:
-        codes = payload
-    torch.index_select(table, 0, codes[: out.numel()].int(), out=out)
+        out.copy_(saturate(x, fmt).to(dtype).view(torch.uint8))
+
+
+def uncast_into(payload: torch.Tensor, fmt: FloatFormat, out: torch.Tensor) -> None:
+    """Decode uint8 ``payload`` of ``fmt.torch_dtype`` values into float32 ``out``.
+
+    ``payload`` may start at any byte (see :func:`cast_into`). Unchecked.
+
+    Example:
+        >>> buf = torch.tensor([7, 0, 60, 0, 192], dtype=torch.uint8)
+        >>> out = torch.empty(2)
+        >>> uncast_into(buf[1:], FP16, out)
+        >>> out
+        tensor([ 1., -2.])
+    """
+    dtype = fmt.torch_dtype
+    assert dtype is not None
+    typed = _typed_view(payload, dtype)
+    if typed is None:
+        typed = torch.empty(out.numel(), dtype=dtype, device=payload.device)
+        typed.view(torch.uint8).copy_(payload)
+    out.copy_(typed)
+
+
+def decode_into(payload: torch.Tensor, fmt: FloatFormat, out: torch.Tensor) -> None:
+    """Decode uint8 ``payload`` into float32 ``out`` with plain torch ops, unchecked.
+
+    ``payload`` may start at any byte; bits above the format's own in a code
+    are ignored (as the compiled kernels ignore them).
+    """
+    numel = out.numel()
+    if fmt.torch_dtype is not None and fmt.wire_bits >= 16:
+        uncast_into(payload[: payload_nbytes(numel, fmt)], fmt, out)
+        return
+    _check_bit_path(fmt)
+    table = device_code_tables(fmt, payload.device)[1]
+    if fmt.wire_bits == 4:
+        codes = torch.stack([payload & 0xF, payload >> 4], dim=1).reshape(-1)[:numel].int()
+    elif fmt.wire_bits == 8:
+        codes = payload[:numel].int()
+    else:
+        pairs = payload[: 2 * numel].view(-1, 2).int()
+        codes = pairs[:, 0] | (pairs[:, 1] << 8)
+    torch.index_select(table, 0, codes, out=out)

@@ -54,12 +54,17 @@ from typing import Any
 import torch
 import torch.distributed as dist
 
-from aps_comm import codec, transports
-from aps_comm.formats import FP32, FloatFormat, get_format, payload_nbytes
-from aps_comm.policy import LayerInfo, Promote, Rule, Schedule, static_formats
+from aps_comm import agreement
+from aps_comm.agreement import Layouts
+from aps_comm.config import Reduction, Scaling
+from aps_comm.engine import Comm, Reducer, Settings
+from aps_comm.formats import FloatFormat, get_format
+from aps_comm.plan import Planner
+from aps_comm.policy import Assignment, LayerInfo, Rule
 from aps_comm.policy import describe as describe_policy
-from aps_comm.scaling import SCALINGS, Scaling, exponents, pow2
-from aps_comm.telemetry import LayerStats, layer_stats
+from aps_comm.telemetry import LayerStats, StepStats
+from aps_comm.topology import Topology
+from aps_perfmodel.strategies import hook_cluster
 
 __all__ = ["APSFSDPConfig", "APSFSDPState", "register"]
 
@@ -76,29 +81,14 @@ class APSFSDPConfig:
     """
 
     fmt: FloatFormat
-    scaling: Scaling = "layer"
+    scaling: Scaling = Scaling.LAYER
 
     def __post_init__(self) -> None:
         object.__setattr__(self, "fmt", get_format(self.fmt))
-        if self.scaling not in SCALINGS:
-            raise ValueError(f"scaling must be one of {SCALINGS}, got {self.scaling!r}")
+        object.__setattr__(self, "scaling", Scaling.parse(self.scaling, "scaling"))
 
     def describe(self) -> str:
         return f"fmt={self.fmt.describe()}, scaling={self.scaling}"
-
-
-@dataclasses.dataclass(frozen=True)
-class _Run:
-    """Consecutive parameters of a unit that travel in one format."""
-
-    fmt: FloatFormat
-    index: tuple[int, ...]
-    lo: int  # elements, within a row
-    hi: int
-    b0: int  # bytes, within an encoded row
-    b1: int
-    layout: codec.Layout
-    index_tensor: torch.Tensor  # ``index`` on the unit's device, to pick scales without a copy
 
 
 @dataclasses.dataclass(frozen=True)
@@ -154,39 +144,32 @@ class APSFSDPState:
     def __init__(
         self,
         fmt: FloatFormat | str = "e4m3",
-        scaling: Scaling = "layer",
+        scaling: Scaling | str = "layer",
         policy: Sequence[Rule] | None = None,
         stats: bool = False,
     ) -> None:
-        self.config = APSFSDPConfig(get_format(fmt), scaling)
+        self.config = APSFSDPConfig(get_format(fmt), scaling)  # type: ignore[arg-type]
         self.policy: list[Rule] = list(policy or [])
-        for rule in self.policy:
-            if not isinstance(rule, Rule):
-                raise TypeError(f"policy entries must be aps_comm.policy rules, got {rule!r}")
-            if isinstance(rule, Promote):
-                raise ValueError(
-                    "aps_comm.fsdp does not support the Promote policy (it needs each "
-                    "parameter's underflow rate carried across steps); use static rules "
-                    "(ByName, KeepLast, MinNumel, LowRatio) or Schedule"
-                )
+        self.assignment = Assignment(self.policy, self.config.fmt)
+        if self.assignment.promoter is not None:
+            raise ValueError(
+                "aps_comm.fsdp does not support the Promote policy (it needs each "
+                "parameter's underflow rate carried across steps); use static rules "
+                "(ByName, KeepLast, MinNumel, LowRatio) or Schedule"
+            )
         self.collect_stats = bool(stats)
         self.process_group: dist.ProcessGroup | None = None
-        self.stats: list[LayerStats] = []
+        self.reducer: Reducer | None = None
         self.bytes_sent = 0
         self.bytes_detail: dict[str, int] = {}
         self.step = 0
         self._world_size = 0
-        self._rank = 0
         self._units: list[_Unit] = []
-        self._formats: dict[str, FloatFormat] = {}
-        self._schedule = [r for r in self.policy if isinstance(r, Schedule)]
-        self._runs: dict[
-            tuple[int, tuple[FloatFormat, ...]],
-            tuple[list[_Run], dict[FloatFormat, torch.Tensor]],
-        ] = {}
-        self._step_bytes: dict[str, int] = {}
-        self._step_stats: list[LayerStats] = []
+        self._last_stats = StepStats()
         self._done: set[int] = set()
+        # Per step, the maximum of every unit's layout-check flag, on the device:
+        # read on the host once, when the next step starts.
+        self._flags: torch.Tensor | None = None
 
     @property
     def fmt(self) -> FloatFormat:
@@ -200,9 +183,26 @@ class APSFSDPState:
     def units(self) -> list[str]:
         return [u.module for u in self._units]
 
+    @property
+    def stats(self) -> list[LayerStats]:
+        """The last step's per-parameter records (with ``stats=True``), read once."""
+        return self._last_stats.records()
+
     def describe(self) -> str:
         """Everything every rank must agree on, as text."""
         return f"{self.config.describe()}, policy={describe_policy(self.policy)}"
+
+    def bind(self, group: dist.ProcessGroup, device: torch.device) -> None:
+        """Make the reducer: two_phase on ``group`` for gradients on ``device``."""
+        world, rank = group.size(), dist.get_rank(group)
+        backend = agreement.backend_for(group, device)
+        comm = Comm(group, world, rank, backend, Layouts(Topology(world, 1)))
+        planner = Planner(hook_cluster(backend, device.type, world, 1), False, False)
+        settings = Settings(
+            self.fmt, Reduction.TWO_PHASE, self.config.scaling, self.collect_stats, False
+        )
+        self.process_group, self._world_size = group, world
+        self.reducer = Reducer(settings, comm, planner, self.assignment)
 
     # -- the reduce-scatter --------------------------------------------------
 
@@ -217,134 +217,58 @@ class APSFSDPState:
             ) from exc
 
     def _reduce_unit(self, unit: _Unit, output: torch.Tensor, input: torch.Tensor, op: Any) -> None:
-        n, group = self._world_size, self.process_group
-        assert group is not None
+        reducer = self.reducer
+        assert reducer is not None
+        n = self._world_size
         if unit.index in self._done:
             # A unit reduced twice before every unit did: the previous step
             # left some unit out (it cannot, with reduce_scatter_unused_params).
             self._end_step()
+        if not self._done:
+            self._check_last_step()
         problem = _check_call(unit, output, input, op, n)
-        p = len(unit.chunks)
-        x = input.view(n, -1) if not problem else input.new_zeros(n, unit.row_numel)
-        if x.dtype != torch.float32:
-            x = x.float()
-        grid = _grid_layout(unit, n, x.device)
-        shared = torch.zeros(p + 1, dtype=torch.float32, device=x.device)
-        if p:
-            shared[:p] = codec.segment_amax(x.reshape(-1), grid).view(n, p).amax(0)
-        # The flag rides on the maxima: a rank whose input does not match the
-        # layout makes every rank raise here, instead of mismatched collectives.
-        shared[p] = float(bool(problem))
-        transports.all_reduce_max(shared, group, self._count)
-        if shared[p] > 0:
+        rows = input.view(n, -1) if not problem else input.new_zeros(n, unit.row_numel)
+        if rows.dtype != torch.float32:
+            rows = rows.float()
+        flag = torch.full((), float(bool(problem)), device=rows.device)
+        acc = reducer.unit(
+            unit.index,
+            rows,
+            unit.chunks,
+            unit.numels,
+            unit.names,
+            step=self.step,
+            problem=flag,
+        )
+        # Every rank took part in the unit's collectives: the rank whose input
+        # did not fit raises now; the others' results are NaN, and they raise
+        # when the next step starts.
+        if problem:
             raise ValueError(
-                f"the reduce-scatter input does not match the unit's parameters "
-                f"{'on this rank: ' + problem if problem else 'on another rank'}"
+                f"the reduce-scatter input does not match the unit's parameters on this rank: "
+                f"{problem}"
             )
-        amax = shared[:p]
-        formats = self._step_formats(unit)
-        runs, by_format = self._unit_runs(unit, formats, x.device)
-        exps = torch.zeros(p, dtype=torch.int32, device=x.device)
-        for fmt, idx in by_format.items():
-            exps[idx] = exponents(
-                amax[idx], fmt, world_size=n, reduction="two_phase", scaling=self.config.scaling
-            )
-        scale = pow2(exps)
-        unscale = torch.where(torch.isfinite(amax), pow2(-exps), float("nan"))
-        # Each run's factors, picked once for all N rows.
-        scales = [scale[run.index_tensor] for run in runs]
-        unscales = [unscale[run.index_tensor] for run in runs]
-        row_bytes = runs[-1].b1 if runs else 0
-        send = torch.empty(n, row_bytes, dtype=torch.uint8, device=x.device)
-        for r in range(n):
-            for run, factors in zip(runs, scales, strict=True):
-                codec.encode(
-                    x[r, run.lo : run.hi],
-                    run.fmt,
-                    out=send[r, run.b0 : run.b1],
-                    scale=factors,
-                    layout=run.layout,
-                )
-        recv = torch.empty_like(send)
-        self._count("all_to_all", send.numel())
-        work = dist.all_to_all_single(recv, send, group=group, async_op=True)
-        _wait(work, f"the all_to_all of {send.numel()} encoded bytes")
-        acc = torch.empty(unit.row_numel, dtype=torch.float32, device=x.device)
-        part = torch.empty_like(acc) if n > 1 else acc
-        for r in range(n):
-            dst = acc if r == 0 else part
-            for run, factors in zip(runs, unscales, strict=True):
-                codec.decode(
-                    recv[r, run.b0 : run.b1],
-                    run.fmt,
-                    run.hi - run.lo,
-                    out=dst[run.lo : run.hi],
-                    scale=factors,
-                    layout=run.layout,
-                )
-            if r:
-                acc += part  # FP32, in rank order: the same sum on every backend
+        self._flags = flag if self._flags is None else torch.maximum(self._flags, flag)
         if _is_avg(op):
             acc.div_(n)
         output.copy_(acc)
-        if self.collect_stats:
-            self._record(unit, x, formats, exps, amax)
         self._done.add(unit.index)
         if len(self._done) == len(self._units):
             self._end_step()
 
-    def _step_formats(self, unit: _Unit) -> list[FloatFormat]:
-        for rule in self._schedule:
-            fmt = rule.override(self.step)
-            if fmt is not None:
-                return [fmt] * len(unit.names)
-        return [self._formats.get(name, self.fmt) for name in unit.names]
-
-    def _unit_runs(
-        self, unit: _Unit, formats: list[FloatFormat], device: torch.device
-    ) -> tuple[list[_Run], dict[FloatFormat, torch.Tensor]]:
-        """The unit's runs for these formats, and each scaled format's parameters
-        on ``device``: built once per format mix, not every step."""
-        key = (unit.index, tuple(formats))
-        cached = self._runs.get(key)
-        if cached is None:
-            by_format = {
-                fmt: torch.tensor(
-                    [i for i, f in enumerate(formats) if f == fmt], dtype=torch.long, device=device
-                )
-                for fmt in dict.fromkeys(formats)
-                if fmt != FP32  # exact in FP32: no scaling
-            }
-            cached = self._runs[key] = (_make_runs(unit, formats, device), by_format)
-        return cached
-
-    def _record(
-        self,
-        unit: _Unit,
-        x: torch.Tensor,
-        formats: list[FloatFormat],
-        exps: torch.Tensor,
-        amax: torch.Tensor,
-    ) -> None:
-        offsets = [0]
-        for c in unit.chunks:
-            offsets.append(offsets[-1] + c)
-        for i, (name, numel) in enumerate(zip(unit.names, unit.numels, strict=True)):
-            # The parameter's whole gradient on this rank: its chunk of every row.
-            grad = x[:, offsets[i] : offsets[i + 1]].reshape(-1)[:numel]
-            self._step_stats += layer_stats(
-                [grad], [name], unit.index, formats[i], exps[i : i + 1], amax[i : i + 1]
+    def _check_last_step(self) -> None:
+        """Raise on every rank if a unit of the last step had a rank whose input did not fit."""
+        flags, self._flags = self._flags, None
+        if flags is not None and bool(flags > 0):
+            raise ValueError(
+                "in the previous step, another rank's reduce-scatter input did not match its "
+                "unit's parameters (that rank's error says how); the unit's gradients were NaN"
             )
 
-    def _count(self, collective: str, nbytes: int) -> None:
-        self._step_bytes[collective] = self._step_bytes.get(collective, 0) + nbytes
-
     def _end_step(self) -> None:
-        self.bytes_detail = self._step_bytes
-        self.bytes_sent = sum(self._step_bytes.values())
-        self.stats = self._step_stats
-        self._step_bytes = {}
-        self._step_stats = []
+        assert self.reducer is not None
+        self.bytes_detail, self._last_stats = self.reducer.end_step()
+        self.bytes_sent = sum(self.bytes_detail.values())
         self._done = set()
         self.step += 1
 
@@ -372,36 +296,6 @@ def _is_sum(op: Any) -> bool:
 
 def _is_avg(op: Any) -> bool:
     return op == dist.ReduceOp.AVG
-
-
-@functools.lru_cache(maxsize=64)
-def _grid_layout(unit: _Unit, n: int, device: torch.device) -> codec.Layout:
-    """Segments of the whole input: row-major, one per (rank row, parameter)."""
-    return codec.Layout.from_numels(list(unit.chunks) * n, device)
-
-
-def _make_runs(unit: _Unit, formats: list[FloatFormat], device: torch.device) -> list[_Run]:
-    runs: list[_Run] = []
-    i, lo, b0 = 0, 0, 0
-    while i < len(formats):
-        j = i
-        while j < len(formats) and formats[j] == formats[i]:
-            j += 1
-        hi = lo + sum(unit.chunks[i:j])
-        b1 = b0 + payload_nbytes(hi - lo, formats[i])
-        layout = codec.Layout.from_numels(list(unit.chunks[i:j]), device)
-        index = torch.arange(i, j, device=device)
-        runs.append(_Run(formats[i], tuple(range(i, j)), lo, hi, b0, b1, layout, index))
-        i, lo, b0 = j, hi, b1
-    return runs
-
-
-def _wait(work: dist.Work, what: str) -> None:
-    """``work.wait()``, naming the collective if it fails (a dead or stalled peer)."""
-    try:
-        work.wait()
-    except Exception as exc:
-        raise RuntimeError(f"aps_comm: {what} did not complete: {exc}") from exc
 
 
 def register(
@@ -475,30 +369,32 @@ def register(
             f"{type(module).__name__} has no fully_shard-ed module with trainable parameters"
         )
     state._units = [u for _, _, u in found]
-    infos = [
-        LayerInfo(i, n, p.numel(), n.rpartition(".")[0], p)
-        for i, (n, p) in enumerate((n, p) for n, p in module.named_parameters() if p.requires_grad)
-    ]
-    formats = static_formats(state.policy, infos, state.fmt)
-    state._formats = {info.name: f for info, f in zip(infos, formats, strict=True)}
+    trainable = [(n, p) for n, p in module.named_parameters() if p.requires_grad]
+    state.assignment.bind(
+        {
+            n: LayerInfo(i, n, p.numel(), n.rpartition(".")[0], p)
+            for i, (n, p) in enumerate(trainable)
+        }
+    )
+    formats = state.assignment.static([n for n, _ in trainable])
+    device = next((p.device for _, p in trainable), torch.device("cpu"))
 
     # Collective from here: every rank creates the group and compares notes
     # before any rank raises, so a problem on one rank is an error on all.
-    state.process_group = transports.new_group()
-    mine = "; ".join(problems) or (
+    group = agreement.new_group()
+    if not problems:
+        try:
+            state.bind(group, device)
+        except ValueError as exc:
+            problems.append(str(exc))
+    agreement.agree(
+        group,
         f"{state.describe()}, units=[{', '.join(u.describe() for u in state._units)}], "
-        f"formats={[f.name for f in formats]}"
+        f"formats={[f.name for f in formats]}",
+        what="aps_comm.fsdp configuration",
+        problem="; ".join(problems),
+        refused="aps_comm.fsdp.register cannot install on this model",
     )
-    everyone: list[str | None] = [None] * world
-    dist.all_gather_object(everyone, (bool(problems), mine), group=state.process_group)
-    bad = [f"rank {r}: {text}" for r, (err, text) in enumerate(everyone) if err]  # type: ignore[misc]
-    if bad:
-        raise ValueError("aps_comm.fsdp.register cannot install on this model: " + "; ".join(bad))
-    if any(text != mine for _, text in everyone):  # type: ignore[misc]
-        listing = "; ".join(f"rank {r}: {text}" for r, (_, text) in enumerate(everyone))  # type: ignore[misc]
-        raise ValueError(f"aps_comm.fsdp configuration differs across ranks: {listing}")
-    state._world_size = world
-    state._rank = dist.get_rank(state.process_group)
     comm_class = _comm_class()
     for mod, _, unit in found:
         mod.set_custom_reduce_scatter(comm_class(state, unit))

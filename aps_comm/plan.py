@@ -22,6 +22,7 @@ from collections.abc import Callable, Sequence
 import torch
 
 from aps_comm.codec import Layout
+from aps_comm.config import Route
 from aps_comm.formats import FP32, FloatFormat, get_format, payload_nbytes
 from aps_perfmodel.cluster import Cluster
 from aps_perfmodel.strategies import choose_strategy, strategy_chunk
@@ -35,14 +36,6 @@ __all__ = [
     "model_format",
     "shard_layout",
 ]
-
-# The hook's reduction names for the model's strategies.
-_HOOK_NAMES = {
-    "native": "allreduce",
-    "two_phase": "two_phase",
-    "hierarchical": "hierarchical",
-    "grid": "grid",
-}
 
 
 def model_format(fmt: FloatFormat) -> str:
@@ -77,9 +70,9 @@ class Planner:
         >>> from aps_perfmodel.strategies import hook_cluster
         >>> p = Planner(hook_cluster("nccl", "cuda", 64, 8), hierarchical=True, fp32=True)
         >>> p.reduction(get_format("e4m3"), 25 * 2**18, 20, native=False)
-        'hierarchical'
+        <Route.HIERARCHICAL: 'hierarchical'>
         >>> p.reduction(get_format("e4m3"), 1000, 2, native=False)
-        'fp32'
+        <Route.FP32: 'fp32'>
     """
 
     cluster: Cluster
@@ -87,7 +80,7 @@ class Planner:
     fp32: bool
     grid: bool = False
 
-    def reduction(self, fmt: FloatFormat, numel: int, n_layers: int, native: bool) -> str:
+    def reduction(self, fmt: FloatFormat, numel: int, n_layers: int, native: bool) -> Route:
         """The fastest way to reduce ``numel`` elements of ``fmt`` (a hook reduction name)."""
         best = choose_strategy(
             numel,
@@ -99,7 +92,7 @@ class Planner:
             grid_ok=self.grid,
             fp32_ok=self.fp32,
         )
-        return "fp32" if best == "fp32" else _HOOK_NAMES[best]
+        return Route.from_model(best)
 
     def chunk(
         self, fmt: FloatFormat, numel: int, reduction: str, exchange_s: float | None = None
@@ -107,8 +100,8 @@ class Planner:
         """Elements per chunk (:func:`aps_perfmodel.strategies.strategy_chunk`), a power of
         two at least as large: a chunk as large as the bucket is one chunk."""
         chunk = numel
-        if reduction != "fp32" and numel > 1:
-            strategy = "native" if reduction == "allreduce" else reduction
+        if reduction != Route.FP32 and numel > 1:
+            strategy = Route(reduction).model_name
             chunk = strategy_chunk(numel, model_format(fmt), self.cluster, strategy, exchange_s)
         return 2 ** math.ceil(math.log2(max(chunk, 1)))
 
@@ -235,6 +228,56 @@ class GroupPlan:
         return self.layout.numel
 
 
+@dataclasses.dataclass(frozen=True)
+class Run:
+    """Consecutive parameters of an FSDP unit that travel in one format.
+
+    Attributes:
+        fmt: the wire format.
+        index: the parameters' positions in the unit.
+        index_tensor: the same on the unit's device (to pick their factors).
+        lo: first element within a row.
+        hi: end element within a row.
+        b0: first byte within an encoded row.
+        b1: end byte within an encoded row.
+        layout: the parameters' chunks within ``[lo, hi)``.
+    """
+
+    fmt: FloatFormat
+    index: tuple[int, ...]
+    index_tensor: torch.Tensor
+    lo: int
+    hi: int
+    b0: int
+    b1: int
+    layout: Layout
+
+
+@dataclasses.dataclass(frozen=True)
+class RowRuns:
+    """How an FSDP unit's rows travel for one mix of formats (built once per mix).
+
+    FSDP's reduce-scatter input is N rows, row r holding every parameter's
+    padded r-th chunk: row r is the shard that rank r owns, so the unit is
+    two_phase's exchange with the rows as shards, encoded run by run.
+
+    Attributes:
+        runs: the row's runs of one format, in order.
+        by_format: per scaled (non-FP32) format, its parameters' positions on the device.
+        row_numel: elements per row.
+        row_bytes: bytes per encoded row.
+        send: scratch for the N encoded rows.
+        recv: scratch for the N received rows.
+    """
+
+    runs: list[Run]
+    by_format: dict[FloatFormat, torch.Tensor]
+    row_numel: int
+    row_bytes: int
+    send: torch.Tensor
+    recv: torch.Tensor
+
+
 @dataclasses.dataclass
 class BucketPlan:
     """One bucket layout: its layers, its segments, and its group plans per format mix.
@@ -254,6 +297,8 @@ class BucketPlan:
         model_chunk: the model's chunk for the state's format where nothing
             was timed (CUDA; 0 until first asked): it too depends only on
             the layout.
+        row_runs: FSDP units: the rows' runs per format mix.
+        group_builds: group plans and row runs built so far (each allocates scratch).
     """
 
     key: tuple
@@ -265,6 +310,53 @@ class BucketPlan:
     exchanges: int = 0
     reductions: dict[tuple, dict[FloatFormat, str]] = dataclasses.field(default_factory=dict)
     model_chunk: int = 0
+    row_runs: dict[tuple, RowRuns] = dataclasses.field(default_factory=dict)
+    group_builds: int = 0
+
+    def runs(self, formats: Sequence[FloatFormat], n_rows: int) -> RowRuns:
+        """An FSDP unit's runs for this step's per-parameter formats (built on first use).
+
+        The plan's layers are the unit's N rows of its P chunks (``numels``
+        is the P chunks repeated N times).
+
+        Example:
+            >>> plan = BucketPlan.build(0, [3, 2] * 2, torch.device("cpu"))
+            >>> runs = plan.runs([get_format("e4m3"), get_format("fp16")], 2)
+            >>> [(r.fmt.name, r.lo, r.hi, r.b0, r.b1) for r in runs.runs]
+            [('e4m3', 0, 3, 0, 3), ('fp16', 3, 5, 3, 7)]
+        """
+        formats = [get_format(f) for f in formats]
+        key = (tuple(formats), n_rows)
+        cached = self.row_runs.get(key)
+        if cached is not None:
+            return cached
+        chunks = self.numels[: len(formats)]
+        runs: list[Run] = []
+        i = lo = b0 = 0
+        while i < len(formats):
+            j = i
+            while j < len(formats) and formats[j] == formats[i]:
+                j += 1
+            hi = lo + sum(chunks[i:j])
+            b1 = b0 + payload_nbytes(hi - lo, formats[i])
+            index = torch.arange(i, j, device=self.device)
+            layout = Layout.from_numels(chunks[i:j], self.device)
+            runs.append(Run(formats[i], tuple(range(i, j)), index, lo, hi, b0, b1, layout))
+            i, lo, b0 = j, hi, b1
+        by_format = {
+            fmt: torch.tensor(
+                [k for k, f in enumerate(formats) if f == fmt], dtype=torch.long, device=self.device
+            )
+            for fmt in dict.fromkeys(formats)
+            if fmt != FP32  # exact in FP32: no scaling
+        }
+        self.group_builds += 1
+        row_bytes = runs[-1].b1 if runs else 0
+        send = torch.empty(n_rows, row_bytes, dtype=torch.uint8, device=self.device)
+        cached = RowRuns(runs, by_format, lo, row_bytes, send, torch.empty_like(send))
+        # One format mix at a time: a Schedule switch frees the old scratch.
+        self.row_runs = {key: cached}
+        return cached
 
     def timed(self, seconds: float) -> None:
         """Record one exchange of the bucket (the first, which pays page faults, is not kept)."""
@@ -304,7 +396,8 @@ class BucketPlan:
         """
         formats = [get_format(f) for f in fmts]
         chosen = tuple(
-            reductions.get(f, reductions.get(f.name)) if f != FP32 else "fp32" for f in formats
+            Route(reductions.get(f, reductions.get(f.name))) if f != FP32 else Route.FP32
+            for f in formats
         )
         key = (
             tuple(formats),
@@ -327,6 +420,7 @@ class BucketPlan:
                 for f, idx in order.items()
             ]
             self.groups[key] = cached
+            self.group_builds += 1
         return cached
 
     def _group_plan(
@@ -341,9 +435,10 @@ class BucketPlan:
     ) -> GroupPlan:
         numels = [self.numels[i] for i in index]
         layout = Layout.from_numels(numels, self.device)
-        reduction = "fp32" if fmt == FP32 else reductions.get(fmt, reductions.get(fmt.name))
-        if reduction not in ("fp32", "allreduce", "two_phase", "hierarchical", "grid"):
-            raise ValueError(f"no resolved reduction for {fmt.name}: {reduction!r}")
+        chosen = Route.FP32 if fmt == FP32 else reductions.get(fmt, reductions.get(fmt.name))
+        if chosen not in tuple(Route):
+            raise ValueError(f"no resolved reduction for {fmt.name}: {chosen!r}")
+        reduction = Route(chosen)
         chunks = chunk_bounds(layout.numel, chunk_elements if reduction != "fp32" else 2**62)
         windows = [layout.window(lo, hi) for lo, hi in chunks]
 
@@ -390,7 +485,7 @@ class BucketPlan:
             fmt=fmt,
             reduction=reduction,
             index=index,
-            index_tensor=torch.tensor(index, dtype=torch.int64, device=self.device),
+            index_tensor=_to_device(index, self.device),
             numels=numels,
             contiguous=contiguous,
             layout=layout,
@@ -461,3 +556,16 @@ class BucketPlan:
             encoded=scratch(slice_start),
             wire_first=wire_first,
         )
+
+
+def _to_device(values: list[int], device: torch.device) -> torch.Tensor:
+    """An int64 tensor of ``values`` on ``device``, copied without blocking the host.
+
+    Plans are built while earlier buckets are still on the wire: on CUDA a
+    pageable copy would wait for them. Pinned memory makes the copy
+    asynchronous; the host tensor is kept alive by the copy's stream order.
+    """
+    host = torch.tensor(values, dtype=torch.int64)
+    if device.type != "cuda":
+        return host.to(device)
+    return host.pin_memory().to(device, non_blocking=True)

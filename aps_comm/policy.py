@@ -39,6 +39,7 @@ import torch
 from aps_comm.formats import FloatFormat, get_format
 
 __all__ = [
+    "Assignment",
     "ByName",
     "KeepLast",
     "LayerInfo",
@@ -228,3 +229,89 @@ def static_formats(
 def describe(rules: Sequence[Rule]) -> str:
     """A stable text form of a policy, compared across ranks at bind time."""
     return "[" + ", ".join(r.describe() for r in rules) + "]"
+
+
+class Assignment:
+    """Each layer's wire format, step by step: the static rules, Schedule and Promote applied.
+
+    Layers are keyed by whatever identifies them to the caller (DDP: the
+    parameter's ``id``; FSDP: its name). Promote's underflow rates come
+    from the previous step; its decisions are the same on every rank because
+    the rates it reads are all-reduced (the maximum over ranks).
+
+    Args:
+        rules: the policy.
+        base: the state's format.
+
+    Example:
+        >>> a = Assignment([Schedule(2, "fp16")], get_format("e4m3"))
+        >>> a.bind({"w": LayerInfo(0, "w", 10, "")})
+        >>> [f.name for f in a.formats(["w"], step=1)], [f.name for f in a.formats(["w"], step=2)]
+        (['fp16'], ['e4m3'])
+    """
+
+    def __init__(self, rules: Sequence[Rule], base: FloatFormat) -> None:
+        self.rules = list(rules)
+        for rule in self.rules:
+            if not isinstance(rule, Rule):
+                raise TypeError(f"policy entries must be aps_comm.policy rules, got {rule!r}")
+        self.base = base
+        self.schedule = [r for r in self.rules if isinstance(r, Schedule)]
+        self.promoter = next((r for r in self.rules if isinstance(r, Promote)), None)
+        self.layers: dict[Any, tuple[LayerInfo, FloatFormat]] = {}
+        # Per parameter name: Promote's (level, calm steps).
+        self.promote: dict[str, tuple[int, int]] = {}
+
+    def bind(self, layers: Mapping[Any, LayerInfo]) -> None:
+        """Apply the static rules to the model's layers (keyed as the caller keys them)."""
+        infos = list(layers.values())
+        formats = static_formats(self.rules, infos, self.base)
+        self.layers = {k: (info, f) for k, info, f in zip(layers, infos, formats, strict=True)}
+        if self.promoter is not None:
+            ladder = list(self.promoter.ladder)
+            for info, f in zip(infos, formats, strict=True):
+                if f in ladder:
+                    self.promote.setdefault(info.name, (ladder.index(f), 0))
+
+    @property
+    def bound(self) -> bool:
+        return bool(self.layers)
+
+    def possible(self) -> set[FloatFormat]:
+        """Every format a layer may travel in."""
+        formats = {self.base} | {f for _, f in self.layers.values()}
+        formats |= {get_format(r.fmt) for r in self.schedule}
+        if self.promoter is not None:
+            formats |= set(self.promoter.ladder)  # type: ignore[arg-type]
+        return formats
+
+    def static(self, keys: Sequence[Any]) -> list[FloatFormat]:
+        """Each layer's format from the static rules alone (no Schedule, no Promote)."""
+        return [self.layers.get(key, (None, self.base))[1] for key in keys]
+
+    def formats(self, keys: Sequence[Any], step: int) -> list[FloatFormat]:
+        """This step's format of each layer (Promote's decisions so far applied)."""
+        for rule in self.schedule:
+            fmt = rule.override(step)
+            if fmt is not None:
+                return [fmt] * len(keys)
+        out = []
+        ladder = self.promoter.ladder if self.promoter is not None else ()
+        for key in keys:
+            info, fmt = self.layers.get(key, (None, self.base))
+            if info is not None and info.name in self.promote:
+                fmt = ladder[self.promote[info.name][0]]  # type: ignore[index]
+            out.append(fmt)
+        return out
+
+    def promote_step(self, keys: Sequence[Any], rates: Sequence[float]) -> None:
+        """Move each layer on Promote's ladder from its all-reduced underflow rate."""
+        assert self.promoter is not None
+        ladder = list(self.promoter.ladder)
+        for key, rate in zip(keys, rates, strict=True):
+            info, static = self.layers[key]
+            if info.name in self.promote and static in ladder:
+                level, calm = self.promote[info.name]
+                self.promote[info.name] = self.promoter.step(
+                    level, calm, rate, ladder.index(static)
+                )

@@ -18,27 +18,29 @@
 
 Example:
     >>> pick_reduction("auto", E4M3, backend="gloo", device=torch.device("cpu"))
-    'two_phase'
+    <Route.TWO_PHASE: 'two_phase'>
     >>> pick_reduction("auto", FP16, backend="gloo", device=torch.device("cpu"))
-    'allreduce'
+    <Route.ALLREDUCE: 'allreduce'>
 """
 
 from __future__ import annotations
 
-from typing import Literal
-
 import torch
+from torch.torch_version import TorchVersion
 
+from aps_comm.config import REDUCTIONS, Reduction, Route
 from aps_comm.formats import FloatFormat
 
 __all__ = ["REDUCTIONS", "Reduction", "native_sum_supported", "pick_reduction"]
 
-Reduction = Literal["auto", "allreduce", "two_phase", "hierarchical", "grid"]
-REDUCTIONS: tuple[str, ...] = ("auto", "allreduce", "two_phase", "hierarchical", "grid")
+FP8_ALLREDUCE_TORCH = (2, 8)
+"""The first torch whose ``ProcessGroupNCCL::allreduce`` accepts float8 (pytorch#152706)."""
 
 
 def _nccl_sums_fp8(device: torch.device) -> bool:
     if device.type != "cuda" or not torch.cuda.is_available():
+        return False
+    if TorchVersion(torch.__version__) < FP8_ALLREDUCE_TORCH:
         return False
     try:
         version = torch.cuda.nccl.version()
@@ -59,26 +61,25 @@ def native_sum_supported(fmt: FloatFormat, backend: str, device: torch.device) -
 
 
 def pick_reduction(
-    reduction: Reduction, fmt: FloatFormat, backend: str, device: torch.device
-) -> Literal["allreduce", "two_phase", "hierarchical", "grid"]:
+    reduction: Reduction | str, fmt: FloatFormat, backend: str, device: torch.device
+) -> Route:
     """Resolve "auto" and check that "allreduce" is possible.
 
     "auto" picks the native all-reduce where the backend sums the wire dtype
-    (FP16/BF16 everywhere, FP8 on NCCL >= 2.24 with sm_90+), else two_phase.
+    (FP16/BF16 everywhere, FP8 on NCCL >= 2.24 with sm_90+ and torch >= 2.8), else two_phase.
 
     Raises:
         ValueError: "allreduce" was asked for a format the backend cannot sum.
     """
-    if reduction not in REDUCTIONS:
-        raise ValueError(f"reduction must be one of {REDUCTIONS}, got {reduction!r}")
+    reduction = Reduction.parse(reduction, "reduction")
     native = native_sum_supported(fmt, backend, device)
-    if reduction == "auto":
-        return "allreduce" if native else "two_phase"
-    if reduction == "allreduce" and not native:
+    if reduction == Reduction.AUTO:
+        return Route.ALLREDUCE if native else Route.TWO_PHASE
+    if reduction == Reduction.ALLREDUCE and not native:
         raise ValueError(
             f"reduction='allreduce' needs a backend that sums {fmt.name} natively; "
             f"backend {backend!r} on {device.type} cannot (FP8 sums need NCCL >= 2.24 on "
-            "sm_90+, custom formats have no native sum). Use reduction='two_phase', "
-            "which works on every backend, or 'auto'."
+            "sm_90+ and torch >= 2.8, custom formats have no native sum). Use "
+            "reduction='two_phase', which works on every backend, or 'auto'."
         )
-    return reduction
+    return Route(reduction.value)

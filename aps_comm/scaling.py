@@ -5,7 +5,9 @@ on it, and :func:`exponents` turns the agreed maxima into exponents ``e`` so
 that ``x * 2**e`` fits the wire format:
 
 - native low-precision all-reduce (the sum happens in the wire format):
-  ``e = floor(log2(FMAX / (N * amax)))``, so the N-way sum cannot overflow;
+  ``e = floor(log2(FMAX / (N * amax)))``, lowered by one where the encoded
+  maximum rounds up past ``FMAX / N`` (N * that rounded value must stay
+  finite), so the N-way sum cannot overflow;
 - two-phase (FP32 accumulation on the shard owner):
   ``e = floor(log2(FMAX / amax))``, log2(N) more bits for small values (and
   never so large that the owner's FP32 sum of N values could overflow).
@@ -22,17 +24,17 @@ Example:
 
 from __future__ import annotations
 
+import dataclasses
 from collections.abc import Sequence
 from typing import Literal
 
 import torch
 
+from aps_comm.config import SCALINGS, Scaling
 from aps_comm.formats import FloatFormat, get_format, pow2
 
-__all__ = ["EXPONENT_LIMIT", "Scaling", "exponents", "layer_amax", "pow2"]
+__all__ = ["EXPONENT_LIMIT", "Factors", "Scaling", "exponents", "factors", "layer_amax", "pow2"]
 
-Scaling = Literal["layer", "bucket", "none"]
-SCALINGS: tuple[str, ...] = ("layer", "bucket", "none")
 
 EXPONENT_LIMIT = 126
 """Exponents are clamped to +-126 so that 2**e and 2**-e are normal float32."""
@@ -69,7 +71,7 @@ def exponents(
     *,
     world_size: int,
     reduction: Literal["allreduce", "two_phase"],
-    scaling: Scaling = "layer",
+    scaling: Scaling | str = "layer",
     headroom: int = 1,
 ) -> torch.Tensor:
     """Per-layer exponents ``e`` (int32) from the all-reduced maxima.
@@ -106,7 +108,14 @@ def exponents(
         finite_max = torch.where(usable, a, 0.0).max() if a.numel() else a.new_zeros(())
         a = torch.where(usable, finite_max, a)
     if reduction == "allreduce":
-        e = _largest_exponent(torch.where(usable, a * world_size, 1.0), fmt.max)
+        safe = torch.where(usable, a, 1.0)
+        e = _largest_exponent(safe * world_size, fmt.max)
+        # amax * 2**e <= FMAX / N, but it is encoded rounded: where the rounded
+        # value times N passes FMAX (fp16, N = 13, amax 5038.5: 13 * 5040 is
+        # inf), one less. Then it fits: a binade's next value is at most twice
+        # the last, so the rounded half is at most FMAX / N.
+        over = _round_up_to(safe * torch.exp2(e), fmt) * world_size > fmt.max
+        e = torch.where(over, e - 1, e)
     else:
         # The owner's FP32 sum of N scaled values must not overflow either:
         # it matters for formats whose max is near float32's (BF16).
@@ -121,6 +130,22 @@ def exponents(
 _FLOAT32_MAX = float(torch.finfo(torch.float32).max)
 
 
+def _round_up_to(y: torch.Tensor, fmt: FloatFormat) -> torch.Tensor:
+    """Positive float64 ``y`` rounded to ``fmt`` as the encoder rounds it (nearest,
+    ties to even, saturating at ``fmt.max``); exact in float64."""
+    _, ex = torch.frexp(y)
+    lead = (ex - 1).clamp_(min=fmt._emin).double()  # the leading bit's exponent
+    quantum = torch.exp2(lead - fmt.man_bits)
+    m = y / quantum  # exact: a power of two
+    if fmt.man_bits == 0:
+        # No mantissa bit: ties go to the even code, whose last bit is the exponent's.
+        down = (m == 1.5) & (torch.remainder(lead + fmt.bias, 2) == 0)  # type: ignore[operator]
+        r = torch.where(down, torch.ones_like(m), torch.round(m))
+    else:
+        r = torch.round(m)  # half to even
+    return (r * quantum).clamp_(max=fmt.max)
+
+
 def _largest_exponent(need: torch.Tensor, limit: float) -> torch.Tensor:
     """Largest integer e with need * 2**e <= limit (float64, exact)."""
     # float64 is exact here: need has at most 24 + 29 significant bits.
@@ -128,3 +153,88 @@ def _largest_exponent(need: torch.Tensor, limit: float) -> torch.Tensor:
     # log2 of a rounded quotient can be off by one at powers of two: fix exactly.
     e = torch.where(need * torch.exp2(e) > limit, e - 1, e)
     return torch.where(need * torch.exp2(e + 1) <= limit, e + 1, e)
+
+
+@dataclasses.dataclass(frozen=True)
+class Factors:
+    """Per-layer factors of one format group for one route (float32, on the maxima's device).
+
+    Attributes:
+        exponents: the exponents the values were encoded with (the node sums'
+            for staged routes), for telemetry.
+        scale: applied before the first encoding that sums (the node sums'
+            for hierarchical, from ``first``'s scale for the grid).
+        unscale: applied after the last decoding; NaN for layers whose
+            maximum is not finite (so they come back NaN on every rank).
+            Native sums include the division by N.
+        shift: staged routes: from the node sums' scale to the mean's.
+        first: the grid: each rank's own values' scale (headroom 1).
+    """
+
+    exponents: torch.Tensor
+    scale: torch.Tensor
+    unscale: torch.Tensor
+    shift: torch.Tensor | None = None
+    first: torch.Tensor | None = None
+
+
+def factors(
+    amax: torch.Tensor,
+    fmt: FloatFormat,
+    route: str,
+    *,
+    world_size: int,
+    scaling: Scaling | str = "layer",
+    ranks_per_node: int = 1,
+    divide: bool = True,
+) -> Factors:
+    """The scale factors of one format group: the one rule of the hook, FSDP and the simulator.
+
+    Args:
+        amax: the all-reduced maxima of the group's layers.
+        fmt: the wire format.
+        route: "allreduce" (the sum happens in the wire format), "two_phase",
+            "hierarchical" or "grid" (:class:`aps_comm.config.Route`).
+        world_size: N.
+        scaling: "layer", "bucket" or "none".
+        ranks_per_node: staged routes: ranks per node (or the grid's rows) L.
+        divide: native sums: fold 1/N into ``unscale`` (the mean); two_phase
+            owners divide before re-encoding, so they never need it.
+
+    Example:
+        >>> f = factors(torch.tensor([3.0, float("nan")]), get_format("e4m3"), "allreduce",
+        ...             world_size=4)
+        >>> f.scale, f.unscale
+        (tensor([32.,  1.]), tensor([0.0078,    nan]))
+    """
+    finite = torch.isfinite(amax)
+    if route in ("hierarchical", "grid"):
+        n_nodes = world_size // ranks_per_node
+        # The node sums add L gradients: headroom L. The mean sent back needs none.
+        inner = exponents(
+            amax,
+            fmt,
+            world_size=n_nodes,
+            reduction="two_phase",
+            scaling=scaling,
+            headroom=ranks_per_node,
+        )
+        outer = exponents(amax, fmt, world_size=world_size, reduction="two_phase", scaling=scaling)
+        unscale = torch.where(finite, pow2(-outer), float("nan"))
+        if route == "grid":
+            # The grid's first level sends each rank's gradient (headroom 1);
+            # its sums of L of them move from that scale to the inner one.
+            return Factors(inner, pow2(inner - outer), unscale, pow2(outer - inner), pow2(outer))
+        return Factors(inner, pow2(inner), unscale, pow2(outer - inner))
+    two_phase = route == "two_phase"
+    exps = exponents(
+        amax,
+        fmt,
+        world_size=world_size,
+        reduction="two_phase" if two_phase else "allreduce",
+        scaling=scaling,
+    )
+    unscale = pow2(-exps)
+    if not two_phase and divide:
+        unscale = unscale / world_size
+    return Factors(exps, pow2(exps), torch.where(finite, unscale, float("nan")))

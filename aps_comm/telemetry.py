@@ -1,7 +1,9 @@
 """What happened to each layer in the last step: exponent, maximum, underflow, saturation.
 
 Collected only with ``APSState(stats=True)``; it costs local passes over the
-gradients, never an extra collective.
+gradients, never an extra collective. The counts stay on the gradients'
+device while the step runs (:class:`StepStats`); they are read to the host
+once, when the step's records are first asked for.
 
 Example:
     >>> state = register(ddp_model, fmt="e4m3", stats=True)
@@ -16,9 +18,9 @@ from collections.abc import Sequence
 
 import torch
 
-from aps_comm.formats import FloatFormat
+from aps_comm.formats import FloatFormat, pow2
 
-__all__ = ["LayerStats", "format_stats", "layer_stats"]
+__all__ = ["LayerStats", "StepStats", "format_stats", "layer_counts", "layer_stats"]
 
 
 @dataclasses.dataclass(frozen=True)
@@ -49,6 +51,97 @@ class LayerStats:
     saturated: int
 
 
+def layer_counts(
+    x: torch.Tensor, lengths: torch.Tensor, exps: torch.Tensor, fmt: FloatFormat
+) -> torch.Tensor:
+    """(L, 3) int64 counts per layer of ``x``: nonzero, underflowing and saturating elements.
+
+    Device-only (no host read): ``lengths`` are the L layers' sizes on ``x``'s
+    device, ``exps`` their exponents. An element underflows when its scaled
+    magnitude is nonzero but at most half the smallest subnormal (the tie
+    rounds to the even code, zero).
+
+    Example:
+        >>> layer_counts(torch.tensor([1.0, 1e-9, 0.0, 1e4]), torch.tensor([3, 1]),
+        ...              torch.tensor([0, 0]), get_format("e4m3"))
+        tensor([[2, 1, 0],
+                [1, 0, 1]])
+    """
+    n_layers, numel = lengths.numel(), x.numel()
+    seg = torch.repeat_interleave(
+        torch.arange(n_layers, device=x.device), lengths, output_size=numel
+    )
+    factor = torch.repeat_interleave(pow2(exps), lengths, output_size=numel)
+    mag = x.detach().float().abs().mul_(factor)
+    flags = torch.stack(
+        [mag > 0, (mag > 0) & (mag <= fmt.min_subnormal / 2), mag > fmt.max], dim=1
+    ).long()
+    return torch.zeros(n_layers, 3, dtype=torch.int64, device=x.device).index_add_(0, seg, flags)
+
+
+class StepStats:
+    """One step's records, kept on the device until they are read (once).
+
+    Example:
+        >>> rec = StepStats()
+        >>> rec.add(0, ["w"], [2], E4M3, torch.tensor([3]), torch.tensor([0.5]),
+        ...         torch.tensor([[2, 0, 0]]))
+        >>> rec.records()[0].exponent
+        3
+    """
+
+    def __init__(self) -> None:
+        self._parts: list[tuple[int, list[str | None], list[int], FloatFormat]] = []
+        self._values: list[torch.Tensor] = []
+        self._records: list[LayerStats] | None = None
+
+    @classmethod
+    def of(cls, records: Sequence[LayerStats]) -> StepStats:
+        """A step whose records are already on the host."""
+        out = cls()
+        out._records = list(records)
+        return out
+
+    def add(
+        self,
+        bucket: int,
+        names: Sequence[str | None],
+        numels: Sequence[int],
+        fmt: FloatFormat,
+        exps: torch.Tensor,
+        amax: torch.Tensor,
+        counts: torch.Tensor,
+    ) -> None:
+        """Queue one format group's records (device tensors, one row per layer)."""
+        self._parts.append((bucket, list(names), list(numels), fmt))
+        self._values.append(
+            torch.cat([exps.double()[:, None], amax.double()[:, None], counts.double()], dim=1)
+        )
+
+    def records(self) -> list[LayerStats]:
+        """The records, read to the host in one copy on first use."""
+        if self._records is None:
+            rows = torch.cat(self._values).tolist() if self._values else []
+            out: list[LayerStats] = []
+            for bucket, names, numels, fmt in self._parts:
+                for name, numel in zip(names, numels, strict=True):
+                    e, a, nonzero, under, saturated = rows[len(out)]
+                    out.append(
+                        LayerStats(
+                            name=name,
+                            bucket=bucket,
+                            numel=numel,
+                            format=str(fmt.name),
+                            exponent=int(e),
+                            amax=float(a),
+                            underflow_rate=under / nonzero if nonzero else 0.0,
+                            saturated=int(saturated),
+                        )
+                    )
+            self._records, self._values = out, []
+        return self._records
+
+
 def layer_stats(
     layers: Sequence[torch.Tensor],
     names: Sequence[str | None],
@@ -57,7 +150,7 @@ def layer_stats(
     exps: torch.Tensor,
     amax: torch.Tensor,
 ) -> list[LayerStats]:
-    """Records for one bucket; ``layers`` are this rank's unscaled gradients."""
+    """Records for one bucket, read at once; ``layers`` are this rank's unscaled gradients."""
     # A scaled magnitude at or below half the smallest subnormal rounds to zero
     # (the tie goes to the even code, zero).
     tiny = fmt.min_subnormal / 2

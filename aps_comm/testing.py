@@ -44,7 +44,7 @@ def _child(
     rank: int,
     world_size: int,
     port: int,
-    backend: str,
+    backend: str | None,
     args: Sequence[Any],
     env: dict[str, str],
     pg_timeout: float,
@@ -97,7 +97,7 @@ def run_distributed(
     world_size: int = 2,
     *,
     args: Sequence[Any] = (),
-    backend: str = "gloo",
+    backend: str | None = "gloo",
     timeout: float = 120.0,
     env: dict[str, str] | None = None,
     pg_timeout: float = 120.0,
@@ -111,7 +111,9 @@ def run_distributed(
         fn: the per-rank function; its return value must be picklable.
         world_size: number of processes.
         args: extra positional arguments passed to every rank.
-        backend: ``torch.distributed`` backend, "gloo" by default.
+        backend: ``torch.distributed`` backend, "gloo" by default; None
+            initialises as ``init_process_group()`` without a backend does
+            (Gloo for CPU tensors, NCCL for CUDA ones).
         timeout: seconds for the whole job; past it every rank is killed.
         env: extra environment variables set in every child.
         pg_timeout: the process group's timeout, seconds.

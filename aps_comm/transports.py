@@ -1,6 +1,8 @@
-"""How encoded gradients cross the wire: the only module that issues collectives.
+"""How encoded gradients cross the wire: the only module that issues tensor collectives.
 
 - :func:`all_reduce_max`: the cheap all-reduce of the layers' maxima.
+- :func:`fp32_mean` / :func:`fp32_mean_async`: the plain FP32 average
+  (``allreduce_hook``'s arithmetic).
 - :func:`native`: one all-reduce per chunk in the wire dtype (FP16/BF16 on
   every backend; FP8 where the backend sums it, NCCL >= 2.24 on sm_90+).
 - :func:`two_phase`: per chunk, ``all_to_all_single`` of the encoded shards
@@ -12,6 +14,9 @@
   ``all_gather`` of the encoded slices inside the node: only the wire format
   crosses nodes. The grid reduction runs the same stages on a virtual grid
   of ranks, its first level exchanging the wire format too.
+- :func:`reduce_scatter`: FSDP2's reduce-scatter, two_phase's exchange of
+  encoded shards (the unit's rows) and the owner's FP32 sum, with no
+  all-gather: FSDP keeps shards.
 
 Both pipeline the chunks of a bucket: while chunk c is on the wire, chunk c+1
 encodes and chunk c-1 reduces or decodes. They return when the bucket is
@@ -25,16 +30,15 @@ Example:
 
 from __future__ import annotations
 
-import datetime
 import functools
-from collections.abc import Callable
+from collections.abc import Callable, Sequence
 
 import torch
 import torch.distributed as dist
 
 from aps_comm import codec
 from aps_comm.formats import payload_nbytes
-from aps_comm.plan import GroupPlan
+from aps_comm.plan import GroupPlan, RowRuns
 from aps_comm.topology import NodeGroups
 
 __all__ = [
@@ -42,40 +46,15 @@ __all__ = [
     "all_gather_single",
     "all_reduce_max",
     "fp32_mean",
-    "group_timeout",
+    "fp32_mean_async",
     "hierarchical",
     "native",
-    "new_group",
+    "reduce_scatter",
     "two_phase",
 ]
 
 Counter = Callable[[str, int], None]
 """``count(collective, nbytes)``: called for every payload handed to a collective."""
-
-
-def group_timeout(group: dist.ProcessGroup | None = None) -> datetime.timedelta:
-    """The timeout of ``group``'s backend (the default group's when None).
-
-    Example:
-        >>> group_timeout()  # doctest: +SKIP
-        datetime.timedelta(seconds=1800)
-    """
-    pg = group if group is not None else dist.group.WORLD
-    for device in ("cpu", "cuda"):
-        try:
-            return pg._get_backend(torch.device(device)).options._timeout
-        except (AttributeError, RuntimeError):
-            continue
-    return dist.default_pg_timeout
-
-
-def new_group(timeout: datetime.timedelta | None = None) -> dist.ProcessGroup:
-    """A new group over all ranks, with the default group's timeout unless one is given.
-
-    Collective: every rank must call it, in the same order as its other
-    ``new_group`` calls.
-    """
-    return dist.new_group(timeout=timeout or group_timeout())
 
 
 def all_gather_single(
@@ -110,6 +89,81 @@ def fp32_mean(x: torch.Tensor, group: dist.ProcessGroup, world_size: int, count:
     x.div_(world_size)
     count("all_reduce", x.numel() * x.element_size())
     _wait(dist.all_reduce(x, group=group, async_op=True), "the FP32 all-reduce")
+
+
+def fp32_mean_async(
+    x: torch.Tensor, group: dist.ProcessGroup, world_size: int, count: Counter
+) -> torch.futures.Future:
+    """:func:`fp32_mean` without waiting: ``allreduce_hook``'s arithmetic, its future.
+
+    The future holds ``x`` (averaged in place) once the all-reduce is done.
+    """
+    x.div_(world_size)
+    count("all_reduce", x.numel() * x.element_size())
+    work = dist.all_reduce(x, group=group, async_op=True)
+    return work.get_future().then(_first)
+
+
+def _first(fut: torch.futures.Future) -> torch.Tensor:
+    return fut.value()[0]
+
+
+def reduce_scatter(
+    runs: RowRuns,
+    rows: torch.Tensor,
+    scales: Sequence[torch.Tensor],
+    unscales: Sequence[torch.Tensor],
+    group: dist.ProcessGroup,
+    count: Counter,
+) -> torch.Tensor:
+    """Sum N ranks' rows into this rank's: two_phase's exchange, without its all-gather.
+
+    Row r of every rank is encoded (run by run, with ``scales``) and sent to
+    rank r in one ``all_to_all_single`` of uint8 bytes; this rank decodes
+    the N rows it receives (unscaled in the same pass) and sums them in
+    FP32 in rank order: the same sum on every backend.
+
+    Args:
+        runs: the unit's runs and scratch (:meth:`aps_comm.plan.BucketPlan.runs`).
+        rows: the N rows, float32, shape (N, ``runs.row_numel``).
+        scales: per run, its parameters' factors before encoding.
+        unscales: per run, its parameters' factors after decoding.
+        group: the process group.
+        count: byte counter.
+
+    Returns:
+        The sum of the N received rows (float32, ``runs.row_numel``).
+    """
+    n = rows.shape[0]
+    send, recv = runs.send, runs.recv
+    for r in range(n):
+        for run, factors in zip(runs.runs, scales, strict=True):
+            codec.encode(
+                rows[r, run.lo : run.hi],
+                run.fmt,
+                out=send[r, run.b0 : run.b1],
+                scale=factors,
+                layout=run.layout,
+            )
+    count("all_to_all", send.numel())
+    work = dist.all_to_all_single(recv, send, group=group, async_op=True)
+    _wait(work, f"the all_to_all of {send.numel()} encoded bytes")
+    acc = torch.empty(runs.row_numel, dtype=torch.float32, device=rows.device)
+    part = torch.empty_like(acc) if n > 1 else acc
+    for r in range(n):
+        dst = acc if r == 0 else part
+        for run, factors in zip(runs.runs, unscales, strict=True):
+            codec.decode(
+                recv[r, run.b0 : run.b1],
+                run.fmt,
+                run.hi - run.lo,
+                out=dst[run.lo : run.hi],
+                scale=factors,
+                layout=run.layout,
+            )
+        if r:
+            acc += part  # FP32, in rank order
+    return acc
 
 
 def native(

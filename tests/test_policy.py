@@ -232,7 +232,7 @@ def _promote(rank: int, world_size: int) -> list:
             # underflows e4m3 after scaling; rank 0's does not.
             x = x * torch.logspace(0, -12, 64)
         ddp(x).sum().backward()
-        seen.append(({s.name: s.format for s in state.stats}, dict(state._promote)))
+        seen.append(({s.name: s.format for s in state.stats}, dict(state.assignment.promote)))
     return seen
 
 

@@ -1,0 +1,255 @@
+"""What every rank must agree on before the first gradient moves: groups, backend, configuration.
+
+The DDP hook and the FSDP2 reduce-scatter bind the same way: a process
+group of their own (so their collectives never interleave with DDP's or
+FSDP's), the backend that group uses for the gradients' device, the
+configuration compared across ranks, and the node topology. Every check
+here gathers what every rank sees *before* any rank raises, so a problem on
+one rank is the same error on every rank, never a hang.
+
+Example:
+    >>> group = new_group()                                       # doctest: +SKIP
+    >>> backend_for(group, torch.device("cpu"))                   # doctest: +SKIP
+    'gloo'
+    >>> agree(group, "fmt=e4m3", what="APSState configuration")   # doctest: +SKIP
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import datetime
+import os
+import warnings
+from collections.abc import Sequence
+
+import torch
+import torch.distributed as dist
+
+from aps_comm.config import Reduction
+from aps_comm.topology import (
+    NodeGroups,
+    Topology,
+    check_topology,
+    env_ranks_per_node,
+    grid_rows,
+    node_groups,
+)
+
+__all__ = [
+    "BACKENDS",
+    "Layouts",
+    "agree",
+    "backend_for",
+    "bind_topology",
+    "check_backend",
+    "group_timeout",
+    "new_group",
+    "seen_topology",
+]
+
+BACKENDS: tuple[str, ...] = ("gloo", "nccl", "mpi")
+"""Backends the hook runs on (the group's backend for the gradients' device)."""
+
+
+def group_timeout(group: dist.ProcessGroup | None = None) -> datetime.timedelta:
+    """The timeout of ``group``'s backend (the default group's when None).
+
+    Example:
+        >>> group_timeout()  # doctest: +SKIP
+        datetime.timedelta(seconds=1800)
+    """
+    pg = group if group is not None else dist.group.WORLD
+    for device in ("cpu", "cuda"):
+        try:
+            return pg._get_backend(torch.device(device)).options._timeout
+        except (AttributeError, RuntimeError):
+            continue
+    return dist.default_pg_timeout
+
+
+def new_group(timeout: datetime.timedelta | None = None) -> dist.ProcessGroup:
+    """A new group over all ranks, with the default group's timeout unless one is given.
+
+    Collective: every rank must call it, in the same order as its other
+    ``new_group`` calls. The group has the default group's backends (for a
+    default group made without a backend: Gloo for CPU, NCCL for CUDA).
+    """
+    return dist.new_group(timeout=timeout or group_timeout())
+
+
+def backend_for(group: dist.ProcessGroup, device: torch.device) -> str:
+    """The name of the backend ``group`` uses for tensors on ``device`` ("gloo", "nccl", ...).
+
+    ``dist.get_backend`` answers "undefined" for a group made by
+    ``init_process_group()`` without a backend, and "cpu:gloo,cuda:nccl" for
+    a per-device spec: the backend that matters is the one the device's
+    collectives go to, which only the group knows.
+
+    Raises:
+        ValueError: the group has no backend for ``device``'s type.
+    """
+    try:
+        return str(group._get_backend(device).name()).lower()
+    except (AttributeError, RuntimeError):
+        pass
+    spec = str(dist.get_backend(group)).lower()
+    for part in spec.split(","):
+        dev, sep, name = part.partition(":")
+        if not sep:
+            return dev
+        if dev == device.type:
+            return name
+    raise ValueError(
+        f"the process group has no backend for {device.type} tensors (backends: {spec!r}); "
+        "initialise it with a backend for the gradients' device, e.g. "
+        "init_process_group() (Gloo for CPU, NCCL for CUDA)"
+    )
+
+
+def check_backend(backend: str, device: torch.device) -> None:
+    """Refuse backends and device pairings the hook cannot run on, naming both.
+
+    Example:
+        >>> check_backend("nccl", torch.device("cpu"))
+        Traceback (most recent call last):
+        ...
+        ValueError: the nccl backend needs CUDA gradients, got cpu
+    """
+    if backend not in BACKENDS:
+        raise ValueError(
+            f"aps_comm does not support the {backend!r} backend for {device.type} "
+            f"gradients; supported: {BACKENDS}"
+        )
+    if backend == "nccl" and device.type != "cuda":
+        raise ValueError(f"the nccl backend needs CUDA gradients, got {device.type}")
+
+
+def agree(
+    group: dist.ProcessGroup,
+    mine: str,
+    *,
+    what: str,
+    problem: str = "",
+    refused: str | None = None,
+) -> None:
+    """Compare ``mine`` across the ranks of ``group``; every rank raises the same error.
+
+    Collective (one ``all_gather_object``). ``problem`` is this rank's reason
+    not to go on ("" when there is none): problems are reported first, so a
+    rank that cannot proceed stops every rank instead of leaving them in a
+    collective it will never join, under ``refused`` (default: ``what``).
+
+    Raises:
+        ValueError: some rank has a problem, or ``mine`` differs across ranks
+            (the message lists every rank's text).
+    """
+    everyone: list = [None] * group.size()
+    dist.all_gather_object(everyone, (problem, mine), group=group)
+    bad = [f"rank {r}: {p}" for r, (p, _) in enumerate(everyone) if p]
+    if bad:
+        raise ValueError(f"{refused or what}: " + "; ".join(bad))
+    if any(text != mine for _, text in everyone):
+        listing = "; ".join(f"rank {r}: {text}" for r, (_, text) in enumerate(everyone))
+        raise ValueError(f"{what} differs across ranks: {listing}")
+
+
+def seen_topology(ranks_per_node: int | None) -> tuple[int, int | None, bool]:
+    """(ranks per node, LOCAL_RANK, whether the layout was stated) as this rank sees them.
+
+    The ranks per node come from ``ranks_per_node``, else ``LOCAL_WORLD_SIZE``;
+    when neither says, it is 1 and not *stated*: then ``LOCAL_RANK`` alone
+    (Lightning sets it without ``LOCAL_WORLD_SIZE``) says nothing about the
+    layout and is not checked. Errors become ranks per node 0, reported by
+    :func:`aps_comm.topology.check_topology` on every rank.
+    """
+    try:
+        env = env_ranks_per_node()
+    except ValueError:
+        return 0, None, True
+    stated = ranks_per_node is not None or env is not None
+    per = ranks_per_node or env or 1
+    local = os.environ.get("LOCAL_RANK")
+    check_local = stated and ranks_per_node is None
+    return per, int(local) if local and local.isdigit() and check_local else None, stated
+
+
+@dataclasses.dataclass(frozen=True)
+class Layouts:
+    """The node layouts a bound state reduces with.
+
+    Attributes:
+        topology: nodes of ranks, as the ranks agreed (1 rank per node when
+            unknown).
+        nodes: hierarchical reduction's groups, where it can run.
+        grid: the grid reduction's groups, where it can run.
+    """
+
+    topology: Topology
+    nodes: NodeGroups | None = None
+    grid: NodeGroups | None = None
+
+    def node_layouts(self, rank: int) -> dict[str, tuple[int, int]]:
+        """Per staged route that can run, its (ranks per node or rows, this rank)."""
+        out = {}
+        for name, groups in (("hierarchical", self.nodes), ("grid", self.grid)):
+            if groups is not None:
+                out[name] = (groups.topology.ranks_per_node, rank)
+        return out
+
+
+def bind_topology(
+    seen: Sequence[tuple[int, int | None, bool]],
+    group: dist.ProcessGroup,
+    reduction: Reduction,
+    *,
+    grid_ok: bool,
+    explicit: bool = False,
+    timeout: datetime.timedelta | None = None,
+) -> Layouts:
+    """Check what every rank saw and create the groups hierarchical and grid reductions use.
+
+    Collective over ``group`` when it creates groups (every rank makes the
+    same decisions from the same gathered ``seen``).
+
+    Args:
+        seen: every rank's :func:`seen_topology`.
+        group: the state's group.
+        reduction: what was asked.
+        grid_ok: "auto" may use the grid (it is off with error feedback).
+        explicit: the user gave the ranks per node (a wrong layout is then an error).
+        timeout: the subgroups' timeout; default: ``group``'s.
+
+    Raises:
+        ValueError: "grid" was asked on a world with no grid; the topology is
+            inconsistent where hierarchical was asked or the layout was stated.
+    """
+    world_size = group.size()
+    timeout = timeout or group_timeout(group)
+    rows = grid_rows(world_size)
+    if reduction == Reduction.GRID and rows < 2:
+        raise ValueError(
+            f"reduction='grid' lays the ranks on a g x N/g grid with 2 <= g <= sqrt(N); "
+            f"the world size {world_size} has no such divisor"
+        )
+    grid = None
+    if reduction == Reduction.GRID or (reduction == Reduction.AUTO and rows >= 2 and grid_ok):
+        grid = node_groups(Topology(world_size, rows), group, timeout)
+    wanted = reduction == Reduction.HIERARCHICAL
+    try:
+        topology = check_topology([(per, local) for per, local, _ in seen], world_size)
+    except ValueError as exc:
+        if wanted or explicit:
+            raise
+        if any(stated for *_, stated in seen):
+            # Stated but wrong: flat reductions still work, say why hierarchical won't run.
+            warnings.warn(
+                f"aps_comm: no hierarchical reduction: {exc}", RuntimeWarning, stacklevel=4
+            )
+        return Layouts(Topology(world_size, 1), None, grid)
+    nodes = None
+    if wanted or (reduction == Reduction.AUTO and 1 < topology.ranks_per_node < world_size):
+        if grid is not None and grid.topology == topology:
+            nodes = grid  # the same groups
+        else:
+            nodes = node_groups(topology, group, timeout)
+    return Layouts(topology, nodes, grid)

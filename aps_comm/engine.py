@@ -1,0 +1,484 @@
+"""The reduction engine: one reducer for DDP buckets and FSDP2 units.
+
+A bucket's (or unit's) path, in order:
+
+1. **maxima**: every layer's max |g| in one fused pass, one MAX all-reduce
+   (with whatever else must be agreed riding on it: Promote's underflow
+   rates, each rank's preferred chunk, FSDP's layout check);
+2. **formats**: each layer's wire format this step (:class:`aps_comm.policy.Assignment`);
+3. **plan**: the layout's cached :class:`aps_comm.plan.BucketPlan` (groups,
+   chunks, scratch), and each format's route (:class:`aps_comm.config.Route`);
+4. **scale**: :func:`aps_comm.scaling.factors`, the one exponent rule;
+5. **transport**: :mod:`aps_comm.transports` moves the bytes (the only
+   module that issues tensor collectives);
+6. **finish**: the last chunks decoded, the step's bytes and stats recorded.
+
+FSDP2's reduce-scatter is two_phase without its all-gather: the unit's N
+rows are the N shards, and the owner's FP32 sum is the result.
+
+Nothing here reads a device value on the host, except Promote's one read
+per bucket (its decisions are made on the host) and the error flag of an
+FSDP layout check, read once at the next step's start.
+
+Example:
+    >>> reducer = Reducer(settings, comm, planner, assignment)   # doctest: +SKIP
+    >>> finish = reducer.bucket(0, x, keys, names, step=0)        # doctest: +SKIP
+    >>> finish()                                                  # doctest: +SKIP
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import functools
+import math
+import time
+from collections.abc import Callable, Sequence
+from typing import Any
+
+import torch
+import torch.distributed as dist
+
+from aps_comm import codec, transports
+from aps_comm.agreement import Layouts
+from aps_comm.config import Reduction, Route, Scaling
+from aps_comm.feedback import ErrorFeedback
+from aps_comm.formats import FP32, FloatFormat, pow2
+from aps_comm.plan import BucketPlan, GroupPlan, Planner
+from aps_comm.policy import Assignment
+from aps_comm.reduction import native_sum_supported, pick_reduction
+from aps_comm.scaling import factors
+from aps_comm.telemetry import StepStats, layer_counts
+
+__all__ = ["ONE_CHUNK", "Comm", "Reducer", "Settings", "Traffic"]
+
+ONE_CHUNK = 2**62
+"""A chunk larger than any bucket: error feedback's owner step needs the whole shard."""
+
+
+@dataclasses.dataclass(frozen=True)
+class Settings:
+    """What the reducer does, as the ranks agreed it.
+
+    Attributes:
+        fmt: the state's wire format.
+        reduction: as requested.
+        scaling: exponent granularity.
+        stats: keep per-layer records of each step.
+        error_feedback: keep and resend what rounding lost.
+    """
+
+    fmt: FloatFormat
+    reduction: Reduction = Reduction.AUTO
+    scaling: Scaling = Scaling.LAYER
+    stats: bool = False
+    error_feedback: bool = False
+
+
+@dataclasses.dataclass(frozen=True)
+class Comm:
+    """Where the reducer's collectives go.
+
+    Attributes:
+        group: the state's own process group.
+        world_size: N.
+        rank: this rank in ``group``.
+        backend: ``group``'s backend for the gradients' device.
+        layouts: node layouts for the staged routes.
+    """
+
+    group: dist.ProcessGroup
+    world_size: int
+    rank: int
+    backend: str
+    layouts: Layouts
+
+    def node_layouts(self) -> dict[str, tuple[int, int]]:
+        return self.layouts.node_layouts(self.rank)
+
+
+class Traffic:
+    """Payload bytes handed to each collective in the current step (a ``Counter``)."""
+
+    def __init__(self) -> None:
+        self.bytes: dict[str, int] = {}
+
+    def __call__(self, collective: str, nbytes: int) -> None:
+        self.bytes[collective] = self.bytes.get(collective, 0) + nbytes
+
+    def take(self) -> dict[str, int]:
+        out, self.bytes = self.bytes, {}
+        return out
+
+
+class Reducer:
+    """One rank's reducer: plans, the per-step path of buckets and units, and their records.
+
+    Args:
+        settings: the agreed configuration.
+        comm: groups, world and backend.
+        planner: the model's choices of route and chunk.
+        assignment: each layer's format, step by step.
+        feedback: the residuals, with error feedback.
+    """
+
+    def __init__(
+        self,
+        settings: Settings,
+        comm: Comm,
+        planner: Planner,
+        assignment: Assignment,
+        feedback: ErrorFeedback | None = None,
+    ) -> None:
+        self.settings = settings
+        self.comm = comm
+        self.planner = planner
+        self.assignment = assignment
+        self.feedback = feedback
+        self.traffic = Traffic()
+        self.stats = StepStats()
+        self.plans: dict[tuple, BucketPlan] = {}
+        self.plan_builds = 0
+        self.bucket_routes: dict[int, str] = {}
+        self.bucket_chunks: dict[int, int] = {}
+        # Promote: each layer's last local underflow rate, on the device.
+        self.rates: dict[str, torch.Tensor] = {}
+        self._routes: dict[FloatFormat, Route] = {}
+
+    # -- binding ---------------------------------------------------------------
+
+    def resolve(self, device: torch.device) -> dict[FloatFormat, Route]:
+        """Each possible format's route on ``device`` ("auto" stays open per bucket).
+
+        Raises:
+            ValueError: a format cannot take the requested reduction here.
+        """
+        if not self._routes:
+            self._routes = {
+                fmt: Route.ALLREDUCE
+                if fmt == FP32
+                else pick_reduction(self.settings.reduction, fmt, self.comm.backend, device)
+                for fmt in sorted(self.assignment.possible(), key=str)
+            }
+        return self._routes
+
+    def resolve_cached(self) -> dict[FloatFormat, Route]:
+        """The routes :meth:`resolve` found (empty before it ran)."""
+        return self._routes
+
+    def plan(self, index: int, numels: Sequence[int], device: torch.device) -> BucketPlan:
+        """The bucket's plan, built on first use (DDP re-buckets once: the old one is dropped)."""
+        key = (index, tuple(numels), str(device))
+        plan = self.plans.get(key)
+        if plan is None:
+            self.plans = {k: v for k, v in self.plans.items() if k[0] != index}
+            plan = self.plans[key] = BucketPlan.build(index, numels, device)
+            self.plan_builds += 1
+        return plan
+
+    # -- one DDP bucket -----------------------------------------------------------
+
+    def bucket(
+        self,
+        index: int,
+        x: torch.Tensor,
+        keys: Sequence[Any],
+        numels: list[int],
+        names: Sequence[str | None],
+        *,
+        step: int,
+        chunk: int | None = None,
+        defer: bool = False,
+    ) -> Callable[[], None] | None:
+        """Average one bucket's float32 values ``x`` over the ranks, in place.
+
+        Args:
+            index: DDP's bucket index.
+            x: the bucket's values (float32, contiguous).
+            keys: each layer's key in the assignment.
+            numels: each layer's size.
+            names: each layer's parameter name (None when unknown).
+            step: the step number (Schedule).
+            chunk: elements per chunk; None sizes chunks by the model (and
+                on CPU by the bucket's measured exchange).
+            defer: leave the last chunks on the wire and return the function
+                that finishes them.
+
+        Returns:
+            With ``defer`` and chunks left in flight, the function that
+            finishes the bucket; else None.
+        """
+        comm, settings, assignment = self.comm, self.settings, self.assignment
+        plan = self.plan(index, numels, x.device)
+        if self.feedback is not None:
+            self.feedback.add(x, numels, names)
+        promoter = assignment.promoter
+        fmts = None
+        if promoter is None and self.feedback is None:
+            # Formats known before the maxima: a bucket that goes entirely in
+            # FP32 (auto's choice, or a schedule) needs neither maxima nor scales.
+            fmts = assignment.formats(keys, step)
+            routes = self._routes_for(plan, fmts)
+            if all(routes[f] == Route.FP32 for f in fmts):
+                transports.fp32_mean(x, comm.group, comm.world_size, self.traffic)
+                if any(f != FP32 for f in fmts):
+                    self.bucket_routes[index] = Route.FP32.value
+                return None
+
+        amax = codec.segment_amax(x, plan.layout)
+        n_layers = len(numels)
+        main = self._routes_for(plan, [settings.fmt] * n_layers)[settings.fmt]
+        extra: list[torch.Tensor] = []
+        if promoter is not None:
+            zero = torch.zeros((), device=x.device)
+            extra.append(torch.stack([self.rates.get(n or "", zero) for n in names]))
+        measured = chunk is None and self.feedback is None and x.device.type == "cpu"
+        if measured:
+            # Each rank's preferred chunk, from its own timing, rides on the
+            # maxima; the largest wins. A CPU tensor: no device round trip.
+            mine = self.planner.chunk(settings.fmt, x.numel(), main, plan.exchange_s or None)
+            extra.append(torch.tensor([math.log2(mine)], dtype=torch.float32))
+        shared = torch.cat([amax, *extra]) if extra else amax
+        transports.all_reduce_max(shared, comm.group, self.traffic)
+        amax = shared[:n_layers]
+        if promoter is not None:
+            # Promote picks formats on the host: one device read per bucket,
+            # only with this policy.
+            assignment.promote_step(keys, shared[n_layers : 2 * n_layers].tolist())
+        if self.feedback is not None:
+            chunk = ONE_CHUNK
+        elif measured:
+            chunk = 2 ** int(shared[-1])
+        elif chunk is None:
+            if not plan.model_chunk:  # the same on every rank, and every step
+                plan.model_chunk = self.planner.chunk(settings.fmt, x.numel(), main)
+            chunk = plan.model_chunk
+        self.bucket_chunks[index] = chunk
+
+        if fmts is None:  # Promote has just updated them
+            fmts = assignment.formats(keys, step)
+        routes = self._routes_for(plan, fmts)
+        groups = plan.group(fmts, routes, comm.world_size, chunk, comm.node_layouts())
+        sent = [g for g in groups if g.fmt != FP32]
+        if sent:
+            self.bucket_routes[index] = str(max(sent, key=lambda g: g.numel).reduction)
+        start = time.perf_counter()
+        layers = torch.split(x, numels) if len(groups) > 1 else [x]
+        tail = None
+        for g in groups:
+            if g.contiguous:
+                tail = self._group(g, x, amax, names, index, defer)
+                continue
+            # Mixing formats costs a gather copy and one set of collectives per format.
+            gx = torch.cat([layers[i] for i in g.index]) if g.index else x.new_empty(0)
+            self._group(g, gx, amax[g.index_tensor], names, index)
+            for i, t in zip(g.index, torch.split(gx, g.numels), strict=True):
+                layers[i].copy_(t)
+        if measured and len(groups) == 1:
+            plan.timed(time.perf_counter() - start)
+        return tail
+
+    def _routes_for(self, plan: BucketPlan, fmts: Sequence[FloatFormat]) -> dict:
+        """Each format's route in this bucket: as configured, or the model's choice."""
+        if self.settings.reduction != Reduction.AUTO:
+            return {**self._routes, FP32: Route.FP32}
+        key = tuple(fmts)
+        chosen = plan.reductions.get(key)
+        if chosen is None:
+            chosen = {}
+            for fmt in dict.fromkeys(fmts):
+                sizes = [n for n, f in zip(plan.numels, fmts, strict=True) if f == fmt]
+                native = native_sum_supported(fmt, self.comm.backend, plan.device)
+                chosen[fmt] = (
+                    Route.FP32
+                    if fmt == FP32
+                    else self.planner.reduction(fmt, sum(sizes), len(sizes), native)
+                )
+            plan.reductions[key] = chosen
+        return chosen
+
+    def _group(
+        self,
+        g: GroupPlan,
+        x: torch.Tensor,
+        amax: torch.Tensor,
+        names: Sequence[str | None],
+        bucket: int,
+        defer: bool = False,
+    ) -> Callable[[], None] | None:
+        """Average one format group's values ``x`` in place (the tail deferred if asked)."""
+        comm, fmt, route = self.comm, g.fmt, Route(g.reduction)
+        gnames = [names[i] for i in g.index]
+        if route == Route.FP32:
+            transports.fp32_mean(x, comm.group, comm.world_size, self.traffic)
+            if self.feedback is not None:
+                self.feedback.drop(gnames)
+            return None
+        per_node = g.node.ranks_per_node if g.node is not None else 1
+        f = factors(
+            amax,
+            fmt,
+            route,
+            world_size=comm.world_size,
+            scaling=self.settings.scaling,
+            ranks_per_node=per_node,
+        )
+        if self.settings.stats or self.assignment.promoter is not None:
+            counts = layer_counts(x, g.layout.lengths, f.exponents, fmt)
+            if self.settings.stats:
+                self.stats.add(bucket, gnames, g.numels, fmt, f.exponents, amax, counts)
+            if self.assignment.promoter is not None and not route.staged:
+                rates = counts[:, 1].float() / counts[:, 0].clamp(min=1).float()
+                for name, rate in zip(gnames, rates.unbind(), strict=True):
+                    self.rates[name or ""] = rate
+        if route.staged:
+            assert g.node is not None
+            layouts = self.comm.layouts
+            groups = layouts.grid if route == Route.GRID else layouts.nodes
+            assert groups is not None and f.shift is not None
+            return transports.hierarchical(
+                g,
+                x,
+                f.scale,
+                f.shift,
+                f.unscale,
+                groups,
+                comm.world_size,
+                self.traffic,
+                defer,
+                f.first,
+            )
+        after_encode = owner = None
+        if self.feedback is not None:
+            finite = torch.isfinite(amax)
+            fb = self.feedback
+            after_encode = functools.partial(_keep_sent, fb, g, x, gnames, f.exponents, finite)
+            owner = functools.partial(_owner_with_feedback, fb, g, gnames, f.scale, finite)
+        if route == Route.TWO_PHASE:
+            return transports.two_phase(
+                g,
+                x,
+                f.scale,
+                f.unscale,
+                comm.group,
+                comm.world_size,
+                self.traffic,
+                after_encode,
+                owner,
+                defer,
+            )
+        return transports.native(
+            g, x, f.scale, f.unscale, comm.group, self.traffic, after_encode, defer
+        )
+
+    # -- one FSDP2 unit ----------------------------------------------------------
+
+    def unit(
+        self,
+        index: int,
+        rows: torch.Tensor,
+        chunks: Sequence[int],
+        numels: Sequence[int],
+        names: Sequence[str],
+        *,
+        step: int,
+        problem: torch.Tensor,
+    ) -> torch.Tensor:
+        """Reduce-scatter one FSDP unit: the sum over ranks of this rank's row (float32).
+
+        Args:
+            index: the unit's index.
+            rows: the reduce-scatter input as N rows (float32); row r holds
+                every parameter's padded r-th chunk, in order.
+            chunks: each parameter's padded chunk (elements per row).
+            numels: each parameter's size (for the records).
+            names: each parameter's name.
+            step: the step number (Schedule).
+            problem: a 0-d float32 flag on the rows' device, 1 where this
+                rank's input did not fit the unit (it then sends zeros);
+                the maximum over ranks is written back into it, and a
+                flagged unit comes back NaN on every rank.
+
+        Returns:
+            The sum over ranks of this rank's row (FSDP divides afterwards).
+        """
+        comm, settings = self.comm, self.settings
+        n, p = comm.world_size, len(chunks)
+        plan = self.plan(index, list(chunks) * n, rows.device)
+        shared = torch.empty(p + 1, dtype=torch.float32, device=rows.device)
+        if p:
+            # Per parameter, the max over its chunk of every row.
+            seg = codec.segment_amax(rows.reshape(-1), plan.layout).view(n, p)
+            torch.amax(seg, 0, out=shared[:p])
+        # The flag rides on the maxima, so no rank needs a host read to learn it.
+        shared[p:] = problem.reshape(1)
+        transports.all_reduce_max(shared, comm.group, self.traffic)
+        problem.copy_(shared[p])
+        amax = shared[:p]
+        runs = plan.runs(self.assignment.formats(names, step), n)
+        exps = torch.zeros(p, dtype=torch.int32, device=rows.device)
+        for fmt, which in runs.by_format.items():
+            f = factors(amax[which], fmt, Route.TWO_PHASE, world_size=n, scaling=settings.scaling)
+            exps[which] = f.exponents
+        finite = torch.isfinite(amax) & (shared[p] == 0)
+        scale = pow2(exps)
+        unscale = torch.where(finite, pow2(-exps), float("nan"))
+        # Each run's factors, picked once for all N rows.
+        scales = [scale[run.index_tensor] for run in runs.runs]
+        unscales = [unscale[run.index_tensor] for run in runs.runs]
+        out = transports.reduce_scatter(runs, rows, scales, unscales, comm.group, self.traffic)
+        if settings.stats:
+            for run in runs.runs:
+                # Every row's chunks of the run's parameters, counted per parameter.
+                counts = (
+                    layer_counts(
+                        rows[:, run.lo : run.hi].reshape(-1),
+                        run.layout.lengths.repeat(n),
+                        exps[run.index_tensor].repeat(n),
+                        run.fmt,
+                    )
+                    .view(n, -1, 3)
+                    .sum(0)
+                )
+                self.stats.add(
+                    index,
+                    [names[i] for i in run.index],
+                    [numels[i] for i in run.index],
+                    run.fmt,
+                    exps[run.index_tensor],
+                    amax[run.index_tensor],
+                    counts,
+                )
+        return out
+
+    # -- the step ---------------------------------------------------------------------
+
+    def end_step(self) -> tuple[dict[str, int], StepStats]:
+        """The step's bytes per collective and records; the next step starts empty."""
+        stats, self.stats = self.stats, StepStats()
+        return self.traffic.take(), stats
+
+
+def _keep_sent(
+    fb: ErrorFeedback,
+    g: GroupPlan,
+    x: torch.Tensor,
+    names: list[str | None],
+    exps: torch.Tensor,
+    finite: torch.Tensor,
+    chunk: int,
+    payload: torch.Tensor,
+) -> None:
+    fb.keep_sent(g.fmt, g.layout, g.numels, x, names, exps, finite, payload)
+
+
+def _owner_with_feedback(
+    fb: ErrorFeedback,
+    g: GroupPlan,
+    names: list[str | None],
+    scale: torch.Tensor,
+    finite: torch.Tensor,
+    chunk: int,
+    recv: torch.Tensor,
+    out: torch.Tensor,
+) -> None:
+    fb.owner_reduce(g.fmt, g.layout, g.numels, names, scale, finite, recv, out)

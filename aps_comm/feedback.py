@@ -1,0 +1,110 @@
+"""Error feedback: what rounding lost this step, added back to the next step's gradients.
+
+Residuals are kept per parameter name (unscaled, float32, on the gradients'
+device), so they do not depend on DDP's bucketing, which changes after the
+first iteration (and so after a resume). Two losses are kept: this rank's
+encoding of its gradient, and, for two_phase, its re-encoding of the mean
+as a shard owner (times N, so that the next step's mean gets it back).
+
+Example:
+    >>> fb = ErrorFeedback(rank=0, world_size=2)
+    >>> x = torch.zeros(3)
+    >>> fb.add(x, [3], ["w"])        # nothing kept yet: x is unchanged
+    >>> x
+    tensor([0., 0., 0.])
+"""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+
+import torch
+
+from aps_comm import codec
+from aps_comm.codec import Layout
+from aps_comm.formats import FloatFormat, pow2
+
+__all__ = ["ErrorFeedback"]
+
+
+class ErrorFeedback:
+    """The residuals of one rank.
+
+    Args:
+        rank: this rank in the state's group.
+        world_size: N.
+    """
+
+    def __init__(self, rank: int, world_size: int) -> None:
+        self.rank = rank
+        self.world_size = world_size
+        self.residuals: dict[str, torch.Tensor] = {}
+
+    def add(self, x: torch.Tensor, numels: Sequence[int], names: Sequence[str | None]) -> None:
+        """Add the kept residuals to the layers of ``x`` (in place)."""
+        have = [
+            (t, self.residuals[n])
+            for t, n in zip(torch.split(x, list(numels)), names, strict=True)
+            if n in self.residuals
+        ]
+        if have:
+            torch._foreach_add_([t for t, _ in have], [r for _, r in have])
+
+    def drop(self, names: Sequence[str | None]) -> None:
+        """Forget the residuals of layers sent exactly (FP32)."""
+        for name in names:
+            self.residuals.pop(name or "", None)
+
+    def keep_sent(
+        self,
+        fmt: FloatFormat,
+        layout: Layout,
+        numels: Sequence[int],
+        x: torch.Tensor,
+        names: Sequence[str | None],
+        exps: torch.Tensor,
+        finite: torch.Tensor,
+        payload: torch.Tensor,
+    ) -> None:
+        """Residual = what this rank meant to send minus what its payload says (unscaled)."""
+        inverse = torch.where(finite, pow2(-exps), 0.0)
+        sent = codec.decode(payload, fmt, x.numel(), scale=inverse, layout=layout)
+        # A non-finite layer keeps no residual: its inverse scale zeroed ``sent``.
+        keep = torch.repeat_interleave(finite, layout.lengths, output_size=layout.numel)
+        lost = torch.where(keep & torch.isfinite(sent), x - sent, 0.0)
+        for name, part in zip(names, torch.split(lost, list(numels)), strict=True):
+            if name is not None:
+                self.residuals[name] = part.clone()
+
+    def owner_reduce(
+        self,
+        fmt: FloatFormat,
+        layout: Layout,
+        numels: Sequence[int],
+        names: Sequence[str | None],
+        scale: torch.Tensor,
+        finite: torch.Tensor,
+        recv: torch.Tensor,
+        out: torch.Tensor,
+    ) -> None:
+        """The owner's step of two_phase, folding its re-quantization loss into the residuals.
+
+        The loss goes into this rank's per-parameter residuals times N: next
+        step it is sent again and averaged, so the mean gets it back.
+        """
+        n_ranks, numel = self.world_size, layout.numel
+        per = out.numel() * 8 // fmt.wire_bits
+        acc = codec.shard_mean(recv, fmt, n_ranks)
+        codec.encode(acc, fmt, out=out)
+        lo, hi = self.rank * per, min((self.rank + 1) * per, numel)
+        if hi <= lo:
+            return
+        part = codec.decode(out, fmt, acc.numel())
+        mine = torch.repeat_interleave(
+            torch.where(finite, scale, 0.0), layout.lengths, output_size=numel
+        )[lo:hi]
+        lost = torch.where(mine > 0, (acc[: hi - lo] - part[: hi - lo]) / mine, 0.0)
+        flat = torch.cat([self.residuals[n] for n in names])  # type: ignore[index]
+        flat[lo:hi] += lost * n_ranks
+        for name, piece in zip(names, torch.split(flat, list(numels)), strict=True):
+            self.residuals[name] = piece  # type: ignore[index]

@@ -1,0 +1,335 @@
+"""The device path, proven without a device: buckets and FSDP units on ``device="meta"``.
+
+A GPU run must never read a device value on the host (each read stalls the
+host behind every kernel queued before it) nor copy host memory to the
+device on the steady-state path. Meta tensors have shapes and no data, so
+driving the engine's bucket path (:meth:`aps_comm.engine.Reducer.bucket`)
+and FSDP's reduce-scatter (:meth:`aps_comm.engine.Reducer.unit`) on them,
+with the collectives stubbed out, under :class:`HostTraffic` (a dispatch
+mode that sees every ATen op) shows every host read and host-to-device copy
+the code would make on a GPU. Plans are built in the first two steps (DDP
+re-buckets once); from the third step on there must be none, except the
+reads the design allows: Promote's one read per bucket, and the stats read
+once per step when asked for.
+"""
+
+from __future__ import annotations
+
+import itertools
+from collections.abc import Callable, Iterator
+from contextlib import contextmanager
+from typing import Any
+
+import pytest
+import torch
+import torch.distributed as dist
+from torch.utils._python_dispatch import TorchDispatchMode
+
+import aps_comm.reduction as reduction_mod
+from aps_comm.agreement import Layouts
+from aps_comm.config import Reduction, Route, Scaling
+from aps_comm.engine import Comm, Reducer, Settings
+from aps_comm.feedback import ErrorFeedback
+from aps_comm.formats import FORMATS, FloatFormat, get_format
+from aps_comm.plan import Planner
+from aps_comm.policy import Assignment, KeepLast, LayerInfo, Promote, Rule, Schedule
+from aps_comm.telemetry import StepStats
+from aps_comm.topology import NodeGroups, Topology, grid_rows
+from aps_perfmodel.strategies import hook_cluster
+
+META = torch.device("meta")
+aten = torch.ops.aten
+
+# Every built-in format and custom ones of 5 to 16 bits (9-16-bit customs
+# travel in two bytes through the bit path on a GPU).
+ALL_FORMATS = [*FORMATS, "e5m3", "e4m4", "e6m9", "e2m2", "e3m3"]
+# Sizes that are odd, empty, larger than a chunk, and not multiples of N.
+NUMELS = [7, 0, 1000, 33, 1, 517]
+
+
+class HostTraffic(TorchDispatchMode):
+    """Records every device-to-host read and host-to-device copy of meta tensors.
+
+    Reads are answered with zeros (meta tensors hold no data), so the code
+    goes on and every read of a step is seen, not just the first.
+    """
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.reads: list[str] = []
+        self.copies: list[str] = []
+
+    def __torch_dispatch__(
+        self, func: Any, types: Any, args: tuple = (), kwargs: dict | None = None
+    ) -> Any:
+        kwargs = kwargs or {}
+        on_device = any(isinstance(a, torch.Tensor) and a.device.type == "meta" for a in args)
+        if func is aten._local_scalar_dense.default and on_device:
+            self.reads.append(f"{func} (.item(), bool(), int())")
+            return 0
+        if func in (aten.nonzero.default, aten.masked_select.default) and on_device:
+            self.reads.append(f"{func} (its output size needs a host read)")
+        if (
+            func is aten.repeat_interleave.Tensor
+            and on_device
+            and kwargs.get("output_size") is None
+        ):
+            self.reads.append(f"{func} without output_size")
+        if func is aten._to_copy.default:
+            src, dst = args[0].device, kwargs.get("device") or args[0].device
+            if src.type == "meta" and torch.device(dst).type == "cpu":
+                self.reads.append(f"{func} to the host (.cpu(), .tolist(), .numpy())")
+                dtype = kwargs.get("dtype") or args[0].dtype
+                return torch.zeros(args[0].shape, dtype=dtype)
+            if src.type == "cpu" and torch.device(dst).type == "meta":
+                self.copies.append(f"{func} of {tuple(args[0].shape)} to the device")
+        if func is aten.copy_.default:
+            dst, src = args[0], args[1]
+            if dst.device.type == "meta" and src.device.type == "cpu" and src.dim() > 0:
+                self.copies.append(f"{func} of {tuple(src.shape)} to the device")
+            if dst.device.type == "cpu" and src.device.type == "meta":
+                self.reads.append(f"{func} to the host")
+                return dst
+        return func(*args, **kwargs)
+
+
+class _Done:
+    """A finished collective (the stub answers every collective with one)."""
+
+    def __init__(self, tensor: torch.Tensor) -> None:
+        self.tensor = tensor
+
+    def wait(self, timeout: Any = None) -> bool:
+        return True
+
+    def get_future(self) -> torch.futures.Future:
+        fut: torch.futures.Future = torch.futures.Future()
+        fut.set_result([self.tensor])
+        return fut
+
+
+class _Group:
+    """A process group of ``size`` ranks that only answers its size."""
+
+    def __init__(self, size: int) -> None:
+        self._size = size
+
+    def size(self) -> int:
+        return self._size
+
+
+@contextmanager
+def stubbed_collectives(monkeypatch: pytest.MonkeyPatch) -> Iterator[list[str]]:
+    """Every tensor collective the transports issue, answered at once; yields their names."""
+    issued: list[str] = []
+
+    def stub(name: str) -> Callable[..., _Done]:
+        def collective(out: torch.Tensor, *args: Any, **kwargs: Any) -> _Done:
+            issued.append(name)
+            return _Done(out)
+
+        return collective
+
+    for name in ("all_reduce", "all_to_all_single", "all_gather_into_tensor"):
+        monkeypatch.setattr(dist, name, stub(name))
+    if hasattr(dist, "all_gather_single"):
+        monkeypatch.setattr(dist, "all_gather_single", stub("all_gather_into_tensor"))
+    yield issued
+
+
+def _layouts(world: int, per_node: int) -> Layouts:
+    topology = Topology(world, per_node)
+    rows = grid_rows(world)
+    nodes = NodeGroups(topology, _Group(per_node), _Group(world // per_node), 0, 0)  # type: ignore[arg-type]
+    grid = None
+    if rows >= 2:
+        grid_top = Topology(world, rows)
+        grid = NodeGroups(grid_top, _Group(rows), _Group(world // rows), 0, 0)  # type: ignore[arg-type]
+    return Layouts(topology, nodes if 1 < per_node < world else None, grid)
+
+
+def _reducer(
+    fmt: FloatFormat,
+    reduction: str,
+    scaling: str,
+    world: int,
+    rank: int,
+    rules: list[Rule],
+    *,
+    stats: bool = False,
+    feedback: bool = False,
+) -> tuple[Reducer, list[str]]:
+    per_node = 2 if world % 2 == 0 else 1
+    layouts = _layouts(world, per_node)
+    comm = Comm(_Group(world), world, rank, "nccl", layouts)  # type: ignore[arg-type]
+    planner = Planner(
+        hook_cluster("nccl", "cuda", world, per_node),
+        hierarchical=layouts.nodes is not None and not feedback,
+        fp32=False,  # "auto" must not send a small test bucket as plain FP32
+        grid=layouts.grid is not None and not feedback,
+    )
+    names = [f"layer{i}.weight" for i in range(len(NUMELS))]
+    assignment = Assignment(rules, fmt)
+    assignment.bind(
+        {
+            n: LayerInfo(i, n, k, n.rpartition(".")[0])
+            for i, (n, k) in enumerate(zip(names, NUMELS, strict=True))
+        }
+    )
+    settings = Settings(fmt, Reduction(reduction), Scaling(scaling), stats, feedback)
+    fb = ErrorFeedback(rank, world) if feedback else None
+    reducer = Reducer(settings, comm, planner, assignment, fb)
+    reducer.resolve(META)
+    return reducer, names
+
+
+def _bucket_steps(
+    reducer: Reducer, names: list[str], steps: int, chunk: int | None
+) -> tuple[list[HostTraffic], StepStats]:
+    """Run ``steps`` steps of two buckets: the host traffic of each step after
+    warm-up, and the last step's records."""
+    seen = []
+    stats = StepStats()
+    buckets = [NUMELS[:3], NUMELS[3:]]
+    keys = [names[:3], names[3:]]
+    for step in range(steps):
+        mode = HostTraffic()
+        with mode:  # in warm-up too: it answers Promote's read, which meta cannot
+            for b, numels in enumerate(buckets):
+                x = torch.empty(sum(numels), device=META)
+                tail = reducer.bucket(
+                    b, x, keys[b], numels, keys[b], step=step, chunk=chunk, defer=b == 0
+                )
+                if tail is not None:
+                    tail()
+            _, stats = reducer.end_step()
+        if step >= 2:
+            seen.append(mode)
+    return seen, stats
+
+
+def _cases() -> Iterator[tuple[str, str, str, int]]:
+    for name in ALL_FORMATS:
+        fmt = get_format(name)
+        for world in (3, 6):
+            routes = ["two_phase", "auto"]
+            if fmt.torch_dtype is not None:
+                routes.append("allreduce")  # FP8 with the native gate opened below
+            if world == 6:
+                routes += ["hierarchical", "grid"]
+            for reduction in routes:
+                yield name, reduction, "layer", world
+        yield name, "two_phase", "bucket", 6
+
+
+@pytest.fixture
+def fp8_sums(monkeypatch: pytest.MonkeyPatch) -> None:
+    """As on an H100 with NCCL >= 2.24 and torch >= 2.8: FP8 sums natively."""
+    monkeypatch.setattr(reduction_mod, "_nccl_sums_fp8", lambda device: True)
+
+
+@pytest.mark.parametrize(("name", "reduction", "scaling", "world"), list(_cases()))
+def test_bucket_path_makes_no_host_traffic(
+    monkeypatch: pytest.MonkeyPatch,
+    fp8_sums: None,
+    name: str,
+    reduction: str,
+    scaling: str,
+    world: int,
+) -> None:
+    fmt = get_format(name)
+    with stubbed_collectives(monkeypatch) as issued:
+        reducer, names = _reducer(fmt, reduction, scaling, world, world - 1, [])
+        steady, _ = _bucket_steps(reducer, names, 4, chunk=256)
+    for mode in steady:
+        assert mode.reads == [] and mode.copies == [], (mode.reads, mode.copies)
+    builds = reducer.plan_builds + sum(p.group_builds for p in reducer.plans.values())
+    # Two buckets, a plan each (and a group plan each, unless sent as plain
+    # FP32), all built at step 0.
+    assert builds == (2 if fmt.name == "fp32" else 4), builds
+    if fmt.name != "fp32":
+        assert set(reducer.bucket_routes.values()) <= set(Route) - {Route.FP32}
+        assert "all_reduce" in issued  # the maxima
+        assert len(issued) > 2 * 4, issued  # the codec's payloads went to collectives
+
+
+POLICIES: dict[str, list[Rule]] = {
+    "keep_last": [KeepLast("fp16")],  # mixed formats: groups at odd byte offsets
+    "keep_last_fp32": [KeepLast("fp32")],
+    "promote": [Promote(ladder=("e4m3", "e5m2", "fp16"))],
+    "schedule": [Schedule(1, "bf16")],  # switches formats at step 1
+}
+
+
+@pytest.mark.parametrize(
+    ("policy", "reduction", "world"),
+    list(itertools.product(POLICIES, ["two_phase", "allreduce", "auto", "grid"], [3, 6])),
+)
+def test_policies_make_no_host_traffic_but_promotes_read(
+    monkeypatch: pytest.MonkeyPatch, fp8_sums: None, policy: str, reduction: str, world: int
+) -> None:
+    if reduction == "grid" and grid_rows(world) < 2:
+        pytest.skip(f"{world} ranks have no grid")
+    with stubbed_collectives(monkeypatch):
+        reducer, names = _reducer(
+            get_format("e4m3"), reduction, "layer", world, 1, POLICIES[policy], stats=True
+        )
+        steady, _ = _bucket_steps(reducer, names, 4, chunk=None)
+    for mode in steady:
+        # Promote decides on the host: one read per bucket, documented.
+        assert len(mode.reads) == (2 if policy == "promote" else 0), mode.reads
+        assert mode.copies == [], mode.copies
+
+
+@pytest.mark.parametrize("name", ["e4m3", "e2m1", "fp16", "e5m3"])
+@pytest.mark.parametrize("world", [3, 6])
+def test_error_feedback_and_stats_make_no_host_traffic(
+    monkeypatch: pytest.MonkeyPatch, name: str, world: int
+) -> None:
+    with stubbed_collectives(monkeypatch):
+        reducer, names = _reducer(
+            get_format(name), "two_phase", "layer", world, 0, [], stats=True, feedback=True
+        )
+        steady, stats = _bucket_steps(reducer, names, 4, chunk=None)
+        for mode in steady:
+            assert mode.reads == [] and mode.copies == [], (mode.reads, mode.copies)
+        # The stats stay on the device until asked for, then are read once.
+        mode = HostTraffic()
+        with mode:
+            records = stats.records()
+            assert stats.records() is records
+        assert len(mode.reads) == 1 and [r.name for r in records] == names
+
+
+def _unit_steps(reducer: Reducer, names: list[str], world: int, steps: int) -> list[HostTraffic]:
+    chunks = [-(-n // world) for n in NUMELS]
+    seen = []
+    for step in range(steps):
+        mode = HostTraffic()
+        with mode:  # in warm-up too: it answers Promote's read, which meta cannot
+            rows = torch.empty(world, sum(chunks), device=META)
+            problem = torch.zeros((), device=META)
+            out = reducer.unit(0, rows, chunks, NUMELS, names, step=step, problem=problem)
+            assert out.shape == (sum(chunks),)
+            reducer.end_step()
+        if step >= 2:
+            seen.append(mode)
+    return seen
+
+
+@pytest.mark.parametrize("name", ALL_FORMATS)
+@pytest.mark.parametrize("world", [3, 6])
+@pytest.mark.parametrize("policy", ["none", "keep_last", "schedule"])
+def test_fsdp_reduce_scatter_makes_no_host_traffic(
+    monkeypatch: pytest.MonkeyPatch, name: str, world: int, policy: str
+) -> None:
+    rules = [] if policy == "none" else POLICIES[policy]
+    with stubbed_collectives(monkeypatch) as issued:
+        reducer, names = _reducer(
+            get_format(name), "two_phase", "layer", world, 2, rules, stats=True
+        )
+        steady = _unit_steps(reducer, names, world, 4)
+    for mode in steady:
+        assert mode.reads == [] and mode.copies == [], (mode.reads, mode.copies)
+    # Per step: the maxima and one all-to-all; no all-gather (FSDP keeps shards).
+    assert issued == ["all_reduce", "all_to_all_single"] * 4
