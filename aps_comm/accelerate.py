@@ -8,7 +8,7 @@ it. :func:`register_accelerate` checks that it does, registers the hook, and
 has ``accelerator.save_state`` / ``load_state`` carry every rank's hook
 state (:class:`~aps_comm.checkpoint.GatheredState`).
 
-Accelerate is an optional dependency: ``pip install ".[accelerate]"`` (from the checkout).
+Accelerate is an optional dependency: ``pip install -e ".[accelerate]"`` (from the checkout).
 
 Example (``ACCELERATE_USE_CPU=1 torchrun --standalone --nproc_per_node 2 train.py`` on CPUs;
 ``accelerate launch --cpu`` starts a single process)::
@@ -37,7 +37,7 @@ try:
 except ImportError as exc:  # Accelerate is optional: say how to get it
     raise ImportError(
         'aps_comm.accelerate needs Accelerate: pip install "accelerate>=0.30" '
-        '(or, in the aps-comm checkout, pip install ".[accelerate]")'
+        '(or, in the aps-comm checkout, pip install -e ".[accelerate]")'
     ) from exc
 import torch
 from torch.nn.parallel import DistributedDataParallel

@@ -21,6 +21,7 @@ import datetime
 import os
 import warnings
 from collections.abc import Sequence
+from typing import Any
 
 import torch
 import torch.distributed as dist
@@ -42,6 +43,7 @@ __all__ = [
     "backend_for",
     "bind_topology",
     "check_backend",
+    "gather",
     "group_timeout",
     "new_group",
     "seen_topology",
@@ -124,6 +126,13 @@ def check_backend(backend: str, device: torch.device) -> None:
         raise ValueError(f"the nccl backend needs CUDA gradients, got {device.type}")
 
 
+def gather(group: dist.ProcessGroup, mine: Any) -> list[Any]:
+    """Every rank's ``mine``, indexed by rank in ``group`` (one ``all_gather_object``)."""
+    everyone: list = [None] * group.size()
+    dist.all_gather_object(everyone, mine, group=group)
+    return everyone
+
+
 def agree(
     group: dist.ProcessGroup,
     mine: str,
@@ -143,8 +152,7 @@ def agree(
         ValueError: some rank has a problem, or ``mine`` differs across ranks
             (the message lists every rank's text).
     """
-    everyone: list = [None] * group.size()
-    dist.all_gather_object(everyone, (problem, mine), group=group)
+    everyone = gather(group, (problem, mine))
     bad = [f"rank {r}: {p}" for r, (p, _) in enumerate(everyone) if p]
     if bad:
         raise ValueError(f"{refused or what}: " + "; ".join(bad))
@@ -240,8 +248,9 @@ def bind_topology(
     except ValueError as exc:
         if wanted or explicit:
             raise
-        if any(stated for *_, stated in seen):
-            # Stated but wrong: flat reductions still work, say why hierarchical won't run.
+        if reduction == Reduction.AUTO and grid_ok and any(stated for *_, stated in seen):
+            # A stated layout "auto" could have used: flat reductions still
+            # work; say why hierarchical won't run.
             warnings.warn(
                 f"aps_comm: no hierarchical reduction: {exc}", RuntimeWarning, stacklevel=4
             )

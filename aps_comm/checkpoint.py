@@ -35,8 +35,10 @@ class GatheredState:
     ``state_dict()`` is a collective (a ``gather_object`` to ``dst``): call
     it on every rank. It returns ``{"world_size": N, "ranks": [rank 0's
     state dict, ...]}`` on ``dst`` and None elsewhere; tensors are moved to
-    the CPU. ``load_state_dict(saved)`` on every rank restores that rank's
-    entry, with the residuals moved to ``device``.
+    the CPU, and each entry keeps the device its residuals were on (the
+    gradients' device) under ``"device"``. ``load_state_dict(saved)`` on
+    every rank restores that rank's entry, with the residuals moved back to
+    that device, or to ``device`` when one is given.
 
     A checkpoint from another world size cannot give each rank its own
     residuals: then the step counter and the policy's decisions (equal on
@@ -45,7 +47,9 @@ class GatheredState:
 
     Args:
         state: the hook's state (bound to the model, so keys are parameter names).
-        device: where the residuals live: the gradients' device (default: CPU).
+        device: where restored residuals go: the gradients' device. Default:
+            the device they were saved from, as ``torch.load`` restores
+            tensors (give it to resume elsewhere, e.g. on the CPU).
         group: the process group to gather over (default: the default group).
         dst: the rank (in ``group``) that receives the gathered dict.
 
@@ -56,22 +60,25 @@ class GatheredState:
     def __init__(
         self,
         state: APSState,
-        device: torch.device | str = "cpu",
+        device: torch.device | str | None = None,
         group: dist.ProcessGroup | None = None,
         dst: int = 0,
     ) -> None:
         if not isinstance(state, APSState):
             raise TypeError(f"GatheredState needs an aps_comm.APSState, got {type(state).__name__}")
         self.state = state
-        self.device = torch.device(device)
+        self.device = None if device is None else torch.device(device)
         self.group = group
         self.dst = dst
 
     def state_dict(self) -> dict[str, Any] | None:
         """Every rank's state dict on ``dst`` (None on the other ranks). Collective."""
         mine = self.state.state_dict()
-        # Pickled CUDA tensors would land on dst's GPU: send host copies.
-        mine["residuals"] = {k: v.detach().cpu() for k, v in mine["residuals"].items()}
+        # Pickled CUDA tensors would land on dst's GPU: send host copies, and
+        # say where they belong (one model: one device).
+        residuals = mine["residuals"]
+        mine["device"] = str(next(iter(residuals.values())).device) if residuals else "cpu"
+        mine["residuals"] = {k: v.detach().cpu() for k, v in residuals.items()}
         if not (dist.is_available() and dist.is_initialized()):
             return {"world_size": 1, "ranks": [mine]}
         world_size = dist.get_world_size(self.group)
@@ -95,7 +102,18 @@ class GatheredState:
         rank = dist.get_rank(self.group) if initialised else 0
         if saved["world_size"] == world_size:
             mine = dict(saved["ranks"][rank])
-            mine["residuals"] = {k: v.to(self.device) for k, v in mine["residuals"].items()}
+            # Checkpoints from before the device was kept had their residuals on the CPU.
+            saved_on = torch.device(mine.pop("device", "cpu"))
+            device = saved_on if self.device is None else self.device
+            try:
+                mine["residuals"] = {k: v.to(device) for k, v in mine["residuals"].items()}
+            # A torch without CUDA raises AssertionError for a CUDA device.
+            except (RuntimeError, AssertionError) as exc:
+                raise RuntimeError(
+                    f"rank {rank}'s error-feedback residuals (saved on {saved_on}) cannot be "
+                    f"moved to {device} ({exc}); pass GatheredState(state, device=...) with "
+                    "the device of this rank's gradients"
+                ) from exc
         else:
             if saved["ranks"][0]["residuals"]:
                 warnings.warn(
@@ -104,4 +122,5 @@ class GatheredState:
                     stacklevel=2,
                 )
             mine = dict(saved["ranks"][0], residuals={}, rates={})
+            mine.pop("device", None)
         self.state.load_state_dict(mine)

@@ -422,9 +422,9 @@ class Reducer:
         finite = torch.isfinite(amax) & (shared[p] == 0)
         scale = pow2(exps)
         unscale = torch.where(finite, pow2(-exps), float("nan"))
-        # Each run's factors, picked once for all N rows.
-        scales = [scale[run.index_tensor] for run in runs.runs]
-        unscales = [unscale[run.index_tensor] for run in runs.runs]
+        # Each run's factors for all N rows, picked in one gather each.
+        scales = [scale[run.rows_index] for run in runs.runs]
+        unscales = [unscale[run.rows_index] for run in runs.runs]
         out = transports.reduce_scatter(runs, rows, scales, unscales, comm.group, self.traffic)
         if settings.stats:
             for run in runs.runs:
@@ -468,7 +468,7 @@ def _keep_sent(
     chunk: int,
     payload: torch.Tensor,
 ) -> None:
-    fb.keep_sent(g.fmt, g.layout, g.numels, x, names, exps, finite, payload)
+    fb.keep_sent(g.codec, g.layout, g.numels, x, names, exps, finite, payload)
 
 
 def _owner_with_feedback(
@@ -481,4 +481,4 @@ def _owner_with_feedback(
     recv: torch.Tensor,
     out: torch.Tensor,
 ) -> None:
-    fb.owner_reduce(g.fmt, g.layout, g.numels, names, scale, finite, recv, out)
+    fb.owner_reduce(g.codec, g.layout, g.numels, names, scale, finite, recv, out)

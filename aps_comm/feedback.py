@@ -20,9 +20,8 @@ from collections.abc import Sequence
 
 import torch
 
-from aps_comm import codec
-from aps_comm.codec import Layout
-from aps_comm.formats import FloatFormat, pow2
+from aps_comm.codec import Codec, Layout
+from aps_comm.formats import pow2
 
 __all__ = ["ErrorFeedback"]
 
@@ -57,7 +56,7 @@ class ErrorFeedback:
 
     def keep_sent(
         self,
-        fmt: FloatFormat,
+        coder: Codec,
         layout: Layout,
         numels: Sequence[int],
         x: torch.Tensor,
@@ -68,7 +67,7 @@ class ErrorFeedback:
     ) -> None:
         """Residual = what this rank meant to send minus what its payload says (unscaled)."""
         inverse = torch.where(finite, pow2(-exps), 0.0)
-        sent = codec.decode(payload, fmt, x.numel(), scale=inverse, layout=layout)
+        sent = coder.decode(payload, x.numel(), scale=inverse, layout=layout)
         # A non-finite layer keeps no residual: its inverse scale zeroed ``sent``.
         keep = torch.repeat_interleave(finite, layout.lengths, output_size=layout.numel)
         lost = torch.where(keep & torch.isfinite(sent), x - sent, 0.0)
@@ -78,7 +77,7 @@ class ErrorFeedback:
 
     def owner_reduce(
         self,
-        fmt: FloatFormat,
+        coder: Codec,
         layout: Layout,
         numels: Sequence[int],
         names: Sequence[str | None],
@@ -93,13 +92,13 @@ class ErrorFeedback:
         step it is sent again and averaged, so the mean gets it back.
         """
         n_ranks, numel = self.world_size, layout.numel
-        per = out.numel() * 8 // fmt.wire_bits
-        acc = codec.shard_mean(recv, fmt, n_ranks)
-        codec.encode(acc, fmt, out=out)
+        per = out.numel() * 8 // coder.fmt.wire_bits
+        acc = coder.shard_mean(recv, n_ranks)
+        coder.encode(acc, out=out)
         lo, hi = self.rank * per, min((self.rank + 1) * per, numel)
         if hi <= lo:
             return
-        part = codec.decode(out, fmt, acc.numel())
+        part = coder.decode(out, acc.numel())
         mine = torch.repeat_interleave(
             torch.where(finite, scale, 0.0), layout.lengths, output_size=numel
         )[lo:hi]

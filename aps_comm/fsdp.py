@@ -170,6 +170,7 @@ class APSFSDPState:
         # Per step, the maximum of every unit's layout-check flag, on the device:
         # read on the host once, when the next step starts.
         self._flags: torch.Tensor | None = None
+        self._flags_host: _HostCopy | None = None
 
     @property
     def fmt(self) -> FloatFormat:
@@ -257,9 +258,14 @@ class APSFSDPState:
             self._end_step()
 
     def _check_last_step(self) -> None:
-        """Raise on every rank if a unit of the last step had a rank whose input did not fit."""
-        flags, self._flags = self._flags, None
-        if flags is not None and bool(flags > 0):
+        """Raise on every rank if a unit of the last step had a rank whose input did not fit.
+
+        The flag was copied to the host without blocking when the last step
+        ended; a whole optimizer step later that copy has long finished, so
+        this read does not stall the host behind the device's queue.
+        """
+        flags, self._flags_host = self._flags_host, None
+        if flags is not None and bool(flags.result() > 0):
             raise ValueError(
                 "in the previous step, another rank's reduce-scatter input did not match its "
                 "unit's parameters (that rank's error says how); the unit's gradients were NaN"
@@ -271,6 +277,27 @@ class APSFSDPState:
         self.bytes_sent = sum(self.bytes_detail.values())
         self._done = set()
         self.step += 1
+        if self._flags is not None:
+            self._flags_host, self._flags = _HostCopy(self._flags), None
+
+
+class _HostCopy:
+    """A device value on its way to the host: read it once its copy has finished."""
+
+    def __init__(self, value: torch.Tensor) -> None:
+        self.event = None
+        if value.device.type == "cuda":
+            self.host = torch.empty(value.shape, dtype=value.dtype, pin_memory=True)
+            self.host.copy_(value, non_blocking=True)
+            self.event = torch.cuda.Event()
+            self.event.record()
+        else:
+            self.host = value
+
+    def result(self) -> torch.Tensor:
+        if self.event is not None:
+            self.event.synchronize()
+        return self.host
 
 
 def _check_call(unit: _Unit, output: torch.Tensor, input: torch.Tensor, op: Any, n: int) -> str:

@@ -319,8 +319,7 @@ class APSState:
             agreement.seen_topology(self.ranks_per_node),
             self._routes_seen(group),
         )
-        everyone: list = [None] * group.size()
-        dist.all_gather_object(everyone, mine, group=group)
+        everyone = agreement.gather(group, mine)
         if any(c[0] != mine[0] for c in everyone):
             listing = "; ".join(f"rank {r}: {c[0]}" for r, c in enumerate(everyone))
             raise ValueError(f"APSState configuration differs across ranks: {listing}")

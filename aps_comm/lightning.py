@@ -5,8 +5,11 @@ only when the root device is CUDA; on CPU the hook is silently never
 registered. :class:`APSStrategy` registers :func:`aps_comm.aps_hook` on CPU
 and CUDA alike, keeps every rank's hook state in Lightning checkpoints, and
 with ``stats=True`` logs a few figures per step through the LightningModule.
+Where the launcher did not set ``LOCAL_WORLD_SIZE`` (Lightning's own do not),
+it sets it to the strategy's processes per node, so the hook sees the node
+layout Lightning numbers its ranks by.
 
-Lightning is an optional dependency: ``pip install ".[lightning]"`` (from the checkout).
+Lightning is an optional dependency: ``pip install -e ".[lightning]"`` (from the checkout).
 
 Example:
     >>> import lightning as L
@@ -29,7 +32,7 @@ try:
 except ImportError as exc:  # Lightning is optional: say how to get it
     raise ImportError(
         'aps_comm.lightning needs Lightning: pip install "lightning>=2.2" '
-        '(or, in the aps-comm checkout, pip install ".[lightning]")'
+        '(or, in the aps-comm checkout, pip install -e ".[lightning]")'
     ) from exc
 import torch
 from torch.nn.parallel import DistributedDataParallel
@@ -121,6 +124,10 @@ class APSStrategy(DDPStrategy):
         if not isinstance(ddp, DistributedDataParallel):
             raise TypeError(f"expected DDP to wrap the model, got {type(ddp).__name__}")
         self.state.bind_model(ddp.module)
+        # The hook learns the node layout from LOCAL_WORLD_SIZE, as torchrun sets it.
+        # Lightning's own launchers set LOCAL_RANK only, and number the ranks node
+        # by node, num_processes per node (DDPStrategy.set_world_ranks): say so.
+        os.environ.setdefault("LOCAL_WORLD_SIZE", str(self.num_processes))
         # Collective: every rank is here, wrapping its model.
         self.state.bind_process_group()
         ddp.register_comm_hook(self.state, aps_hook)

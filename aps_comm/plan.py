@@ -21,9 +21,10 @@ from collections.abc import Callable, Sequence
 
 import torch
 
-from aps_comm.codec import Layout
+from aps_comm.codec import Codec, Layout, codec_for
 from aps_comm.config import Route
 from aps_comm.formats import FP32, FloatFormat, get_format, payload_nbytes
+from aps_comm.hostcopy import to_device
 from aps_perfmodel.cluster import Cluster
 from aps_perfmodel.strategies import choose_strategy, strategy_chunk
 
@@ -205,6 +206,7 @@ class GroupPlan:
         recv: two_phase: scratch for the received shards.
         shards: two_phase: scratch for the owner's reduced shards.
         node: hierarchical and grid: the slices and their scratch.
+        codec: the format's codec on the bucket's device (backend resolved once).
     """
 
     fmt: FloatFormat
@@ -221,6 +223,7 @@ class GroupPlan:
     send: torch.Tensor
     recv: torch.Tensor
     shards: torch.Tensor
+    codec: Codec
     node: NodePlan | None = None
 
     @property
@@ -241,6 +244,13 @@ class Run:
         b0: first byte within an encoded row.
         b1: end byte within an encoded row.
         layout: the parameters' chunks within ``[lo, hi)``.
+        codec: the format's codec on the unit's device.
+        rows_layout: the same chunks in every one of the N rows, end to end
+            (the run of all rows is coded in one call).
+        rows_index: ``index_tensor`` repeated for the N rows.
+        packed_rows: the N rows' encoded runs are contiguous byte ranges
+            (not for a 4-bit run of an odd element count, whose last byte
+            is shared by two rows when packed end to end).
     """
 
     fmt: FloatFormat
@@ -251,6 +261,10 @@ class Run:
     b0: int
     b1: int
     layout: Layout
+    codec: Codec
+    rows_layout: Layout
+    rows_index: torch.Tensor
+    packed_rows: bool
 
 
 @dataclasses.dataclass(frozen=True)
@@ -268,6 +282,7 @@ class RowRuns:
         row_bytes: bytes per encoded row.
         send: scratch for the N encoded rows.
         recv: scratch for the N received rows.
+        values: scratch for the N decoded rows (float32).
     """
 
     runs: list[Run]
@@ -276,6 +291,7 @@ class RowRuns:
     row_bytes: int
     send: torch.Tensor
     recv: torch.Tensor
+    values: torch.Tensor
 
 
 @dataclasses.dataclass
@@ -341,11 +357,28 @@ class BucketPlan:
             b1 = b0 + payload_nbytes(hi - lo, formats[i])
             index = torch.arange(i, j, device=self.device)
             layout = Layout.from_numels(chunks[i:j], self.device)
-            runs.append(Run(formats[i], tuple(range(i, j)), index, lo, hi, b0, b1, layout))
+            packed = formats[i].wire_bits != 4 or (hi - lo) % 2 == 0
+            runs.append(
+                Run(
+                    formats[i],
+                    tuple(range(i, j)),
+                    index,
+                    lo,
+                    hi,
+                    b0,
+                    b1,
+                    layout,
+                    codec_for(formats[i], self.device),
+                    Layout.from_numels(chunks[i:j] * n_rows, self.device),
+                    index.repeat(n_rows),
+                    packed,
+                )
+            )
             i, lo, b0 = j, hi, b1
         by_format = {
-            fmt: torch.tensor(
-                [k for k, f in enumerate(formats) if f == fmt], dtype=torch.long, device=self.device
+            fmt: to_device(
+                torch.tensor([k for k, f in enumerate(formats) if f == fmt], dtype=torch.long),
+                self.device,
             )
             for fmt in dict.fromkeys(formats)
             if fmt != FP32  # exact in FP32: no scaling
@@ -353,7 +386,8 @@ class BucketPlan:
         self.group_builds += 1
         row_bytes = runs[-1].b1 if runs else 0
         send = torch.empty(n_rows, row_bytes, dtype=torch.uint8, device=self.device)
-        cached = RowRuns(runs, by_format, lo, row_bytes, send, torch.empty_like(send))
+        values = torch.empty(n_rows, lo, dtype=torch.float32, device=self.device)
+        cached = RowRuns(runs, by_format, lo, row_bytes, send, torch.empty_like(send), values)
         # One format mix at a time: a Schedule switch frees the old scratch.
         self.row_runs = {key: cached}
         return cached
@@ -485,7 +519,7 @@ class BucketPlan:
             fmt=fmt,
             reduction=reduction,
             index=index,
-            index_tensor=_to_device(index, self.device),
+            index_tensor=to_device(torch.tensor(index, dtype=torch.int64), self.device),
             numels=numels,
             contiguous=contiguous,
             layout=layout,
@@ -496,6 +530,7 @@ class BucketPlan:
             send=scratch(start),
             recv=scratch(received),
             shards=scratch(shard_start),
+            codec=codec_for(fmt, self.device),
             node=node_plan,
         )
 
@@ -556,16 +591,3 @@ class BucketPlan:
             encoded=scratch(slice_start),
             wire_first=wire_first,
         )
-
-
-def _to_device(values: list[int], device: torch.device) -> torch.Tensor:
-    """An int64 tensor of ``values`` on ``device``, copied without blocking the host.
-
-    Plans are built while earlier buckets are still on the wire: on CUDA a
-    pageable copy would wait for them. Pinned memory makes the copy
-    asynchronous; the host tensor is kept alive by the copy's stream order.
-    """
-    host = torch.tensor(values, dtype=torch.int64)
-    if device.type != "cuda":
-        return host.to(device)
-    return host.pin_memory().to(device, non_blocking=True)

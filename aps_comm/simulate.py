@@ -83,8 +83,9 @@ import torch
 import torch.nn as nn
 
 from aps_comm import codec
+from aps_comm.config import SCALINGS, Scaling
 from aps_comm.formats import FP32, FloatFormat, Rounding, get_format, quantize
-from aps_comm.scaling import Scaling, exponents, layer_amax, pow2
+from aps_comm.scaling import factors, layer_amax
 from aps_comm.topology import grid_rows
 
 __all__ = [
@@ -145,8 +146,8 @@ class SimConfig:
             object.__setattr__(self, "accumulator", get_format(self.accumulator))
         if self.reduction not in ORDERS:
             raise ValueError(f"reduction must be one of {ORDERS}, got {self.reduction!r}")
-        if self.scaling not in ("layer", "bucket", "none"):
-            raise ValueError(f"scaling must be 'layer', 'bucket' or 'none', got {self.scaling!r}")
+        if self.scaling not in SCALINGS:
+            raise ValueError(f"scaling must be one of {SCALINGS}, got {self.scaling!r}")
         if self.rounding not in ("nearest", "stochastic"):
             raise ValueError(f"rounding must be 'nearest' or 'stochastic', got {self.rounding!r}")
         if self.ranks_per_node < 1:
@@ -366,11 +367,10 @@ def allreduce(
     flat = [t.detach().reshape(n, -1) for t in layers]
 
     amax = layer_amax(flat)
-    rule = "two_phase" if two_phase else "allreduce"
-    e = exponents(amax, fmt, world_size=n, reduction=rule, scaling=scaling)  # type: ignore[arg-type]
-    scale = pow2(e)
-    # The hook's unscale factors: exact for two_phase, one float32 rounding otherwise.
-    unscale = pow2(-e) if two_phase else pow2(-e) / n
+    # The hook's factors (one rule for both): unscaling is exact for two_phase,
+    # one float32 rounding (the division by N) for the native sums.
+    f = factors(amax, fmt, "two_phase" if two_phase else "allreduce", world_size=n, scaling=scaling)
+    scale, unscale = f.scale, f.unscale
     finite = torch.isfinite(amax).tolist()
 
     encode = _wire_round(fmt, rounding, generator, overflow=False)
@@ -428,13 +428,9 @@ def _hierarchical(
     flat = [t.detach().reshape(n, -1) for t in layers]
     amax = layer_amax(flat)
     scaling = cfg.scaling
-    inner = exponents(
-        amax, fmt, world_size=nodes, reduction="two_phase", scaling=scaling, headroom=per
-    )
-    outer = exponents(amax, fmt, world_size=n, reduction="two_phase", scaling=scaling)
-    scale, shift, unscale = pow2(inner), pow2(outer - inner), pow2(-outer)
-    if grid:
-        first, scale = pow2(outer), pow2(inner - outer)
+    f = factors(amax, fmt, cfg.reduction, world_size=n, scaling=scaling, ranks_per_node=per)
+    scale, shift, unscale, first = f.scale, f.shift, f.unscale, f.first
+    assert shift is not None and (first is not None or not grid)
     finite = torch.isfinite(amax).tolist()
     rnd = _wire_round(fmt, cfg.rounding, generator, overflow=False)
     out: list[torch.Tensor] = []

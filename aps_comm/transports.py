@@ -36,7 +36,6 @@ from collections.abc import Callable, Sequence
 import torch
 import torch.distributed as dist
 
-from aps_comm import codec
 from aps_comm.formats import payload_nbytes
 from aps_comm.plan import GroupPlan, RowRuns
 from aps_comm.topology import NodeGroups
@@ -118,16 +117,19 @@ def reduce_scatter(
 ) -> torch.Tensor:
     """Sum N ranks' rows into this rank's: two_phase's exchange, without its all-gather.
 
-    Row r of every rank is encoded (run by run, with ``scales``) and sent to
-    rank r in one ``all_to_all_single`` of uint8 bytes; this rank decodes
-    the N rows it receives (unscaled in the same pass) and sums them in
-    FP32 in rank order: the same sum on every backend.
+    Row r of every rank is encoded (with ``scales``) and sent to rank r in one
+    ``all_to_all_single`` of uint8 bytes; this rank decodes the N rows it
+    receives (unscaled in the same pass) and sums them in FP32 in rank
+    order: the same sum on every backend. Each run is coded for all N rows
+    in one call, so the launches per unit grow with the runs plus N, not
+    with their product.
 
     Args:
         runs: the unit's runs and scratch (:meth:`aps_comm.plan.BucketPlan.runs`).
         rows: the N rows, float32, shape (N, ``runs.row_numel``).
-        scales: per run, its parameters' factors before encoding.
-        unscales: per run, its parameters' factors after decoding.
+        scales: per run, its parameters' factors before encoding (for all N
+            rows: ``run.rows_index`` order).
+        unscales: per run, the factors after decoding (the same order).
         group: the process group.
         count: byte counter.
 
@@ -135,34 +137,45 @@ def reduce_scatter(
         The sum of the N received rows (float32, ``runs.row_numel``).
     """
     n = rows.shape[0]
-    send, recv = runs.send, runs.recv
-    for r in range(n):
-        for run, factors in zip(runs.runs, scales, strict=True):
-            codec.encode(
-                rows[r, run.lo : run.hi],
-                run.fmt,
-                out=send[r, run.b0 : run.b1],
+    send, recv, values = runs.send, runs.recv, runs.values
+    for run, factors in zip(runs.runs, scales, strict=True):
+        if run.packed_rows:
+            encoded = run.codec.encode(
+                rows[:, run.lo : run.hi].contiguous().view(-1),
                 scale=factors,
+                layout=run.rows_layout,
+            )
+            send[:, run.b0 : run.b1].copy_(encoded.view(n, -1))
+            continue
+        per_row = factors[: run.index_tensor.numel()]
+        for r in range(n):
+            run.codec.encode(
+                rows[r, run.lo : run.hi].contiguous(),
+                out=send[r, run.b0 : run.b1],
+                scale=per_row,
                 layout=run.layout,
             )
     count("all_to_all", send.numel())
     work = dist.all_to_all_single(recv, send, group=group, async_op=True)
     _wait(work, f"the all_to_all of {send.numel()} encoded bytes")
-    acc = torch.empty(runs.row_numel, dtype=torch.float32, device=rows.device)
-    part = torch.empty_like(acc) if n > 1 else acc
-    for r in range(n):
-        dst = acc if r == 0 else part
-        for run, factors in zip(runs.runs, unscales, strict=True):
-            codec.decode(
-                recv[r, run.b0 : run.b1],
-                run.fmt,
-                run.hi - run.lo,
-                out=dst[run.lo : run.hi],
+    for run, factors in zip(runs.runs, unscales, strict=True):
+        if run.packed_rows:
+            decoded = run.codec.decode(
+                recv[:, run.b0 : run.b1].contiguous().view(-1),
+                n * (run.hi - run.lo),
                 scale=factors,
-                layout=run.layout,
+                layout=run.rows_layout,
             )
-        if r:
-            acc += part  # FP32, in rank order
+            values[:, run.lo : run.hi].copy_(decoded.view(n, -1))
+            continue
+        per_row = factors[: run.index_tensor.numel()]
+        for r in range(n):
+            values[r, run.lo : run.hi] = run.codec.decode(
+                recv[r, run.b0 : run.b1], run.hi - run.lo, scale=per_row, layout=run.layout
+            )
+    acc = values[0].clone()
+    for r in range(1, n):
+        acc += values[r]  # FP32, in rank order
     return acc
 
 
@@ -192,11 +205,11 @@ def native(
     Returns:
         With ``defer``, the function that finishes the bucket; else None.
     """
-    fmt, dtype = g.fmt, g.fmt.torch_dtype
+    dtype = g.fmt.torch_dtype
     pending: list[tuple[int, dist.Work]] = []
     for c, ((lo, hi), (r0, r1)) in enumerate(zip(g.chunks, g.regions, strict=True)):
         payload = g.send[r0:r1]
-        codec.encode(x[lo:hi], fmt, out=payload, scale=scale, layout=g.windows[c])
+        g.codec.encode(x[lo:hi], out=payload, scale=scale, layout=g.windows[c])
         if after_encode is not None:
             after_encode(c, payload)
         count("all_reduce", payload.numel())
@@ -228,7 +241,7 @@ def _decode(g: GroupPlan, x: torch.Tensor, unscale: torch.Tensor, c: int, work: 
     _wait(work, f"the {last} of chunk {c + 1} of {len(g.chunks)}")
     lo, hi = g.chunks[c]
     r0, r1 = g.regions[c]
-    codec.decode(g.send[r0:r1], g.fmt, hi - lo, out=x[lo:hi], scale=unscale, layout=g.windows[c])
+    g.codec.decode(g.send[r0:r1], hi - lo, out=x[lo:hi], scale=unscale, layout=g.windows[c])
 
 
 def two_phase(
@@ -279,7 +292,7 @@ def two_phase(
             r0, r1 = g.regions[c]
             send = g.send[r0:r1]
             payload = send[: payload_nbytes(hi - lo, fmt)]
-            codec.encode(x[lo:hi], fmt, out=payload, scale=scale, layout=g.windows[c])
+            g.codec.encode(x[lo:hi], out=payload, scale=scale, layout=g.windows[c])
             send[payload.numel() :].zero_()  # padding: code 0 is +0 in every format
             if after_encode is not None:
                 after_encode(c, payload)
@@ -292,7 +305,7 @@ def two_phase(
             s0, s1 = g.shard_regions[p]
             shard = g.shards[s0:s1]
             if owner is None:
-                codec.owner_reduce(g.recv[r0:r1], fmt, world_size, out=shard)
+                g.codec.owner_reduce(g.recv[r0:r1], world_size, out=shard)
             else:
                 owner(p, g.recv[r0:r1], shard)
             count("all_gather", shard.numel())
@@ -371,7 +384,7 @@ def hierarchical(
             r0, r1 = g.regions[c]
             send = g.send[r0:r1]  # free until the last stage gathers into it
             payload = send[: payload_nbytes(hi - lo, fmt)]
-            codec.encode(x[lo:hi], fmt, out=payload, scale=first, layout=g.windows[c])
+            g.codec.encode(x[lo:hi], out=payload, scale=first, layout=g.windows[c])
             send[payload.numel() :].zero_()
             count("node_all_to_all", send.numel())
             works[c, 0] = dist.all_to_all_single(
@@ -393,7 +406,7 @@ def hierarchical(
         s0, s1 = node.sum_regions[c]
         valid = node.splits[c][local]
         if node.wire_first:
-            acc = codec.shard_mean(node.sums[s0:s1], fmt, per_node, divisor=1)[:valid]
+            acc = g.codec.shard_mean(node.sums[s0:s1], per_node, divisor=1)[:valid]
         else:
             parts = node.sums[s0:s1].view(per_node, valid)
             acc = parts[0].clone()
@@ -402,7 +415,7 @@ def hierarchical(
         e0, e1 = node.slice_regions[c]
         encoded = node.encoded[e0:e1]
         payload = encoded[: payload_nbytes(valid, fmt)]
-        codec.encode(acc, fmt, out=payload, scale=scale, layout=node.slice_windows[c])
+        g.codec.encode(acc, out=payload, scale=scale, layout=node.slice_windows[c])
         encoded[payload.numel() :].zero_()  # padding: code 0 is +0 in every format
         count("all_to_all", encoded.numel())
         works[c, 1] = dist.all_to_all_single(
@@ -414,10 +427,10 @@ def hierarchical(
         e0, e1 = node.slice_regions[c]
         h0, h1 = g.shard_regions[c]
         shard = g.shards[h0:h1]
-        mean = codec.shard_mean(g.recv[e0:e1], fmt, node.nodes, divisor=world_size)
+        mean = g.codec.shard_mean(g.recv[e0:e1], node.nodes, divisor=world_size)
         valid = node.shard_valid[c]
         payload = shard[: payload_nbytes(valid, fmt)]
-        codec.encode(mean[:valid], fmt, out=payload, scale=shift, layout=node.shard_windows[c])
+        g.codec.encode(mean[:valid], out=payload, scale=shift, layout=node.shard_windows[c])
         shard[payload.numel() :].zero_()
         count("all_gather", shard.numel())
         # The slice's bytes are free once its all-to-all is done.
@@ -438,7 +451,7 @@ def hierarchical(
         wait(c, 3, "in-node all_gather")
         lo, hi = g.chunks[c]
         r0, _ = g.regions[c]
-        codec.decode(g.send[r0:], fmt, hi - lo, out=x[lo:hi], scale=unscale, layout=g.windows[c])
+        g.codec.decode(g.send[r0:], hi - lo, out=x[lo:hi], scale=unscale, layout=g.windows[c])
 
     stages = (exchange_in_node, exchange_across_nodes, reduce_shard, gather_in_node, decode)
     last = len(stages) - 1

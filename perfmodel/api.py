@@ -56,8 +56,12 @@ class FormatResult:
         exposed_comm_s: communication not hidden behind backward.
         step_s: predicted step time.
         speedup_vs_fp32: FP32 step time over this format's.
-        wire_bytes: bytes each rank sends per step.
+        wire_bytes: bytes each rank sends per step, inside its node and across
+            nodes (hierarchical's in-node stages are FP32, so an 8-bit format
+            can send more than FP16 here and still less across nodes).
         chosen: buckets per strategy actually used (what "auto" chose).
+        inter_node_bytes: the part of ``wire_bytes`` that leaves the node (per
+            rank, averaged over a node's ranks; 0 on one node).
     """
 
     format: str
@@ -68,6 +72,7 @@ class FormatResult:
     speedup_vs_fp32: float
     wire_bytes: float
     chosen: dict[str, int] = field(default_factory=dict)
+    inter_node_bytes: float = 0.0
 
     @property
     def strategy_label(self) -> str:
@@ -178,6 +183,7 @@ def predict(
             speedup_vs_fp32=base / s.step_s if s.step_s > 0 else 1.0,
             wire_bytes=s.wire_bytes,
             chosen=_chosen(s),
+            inter_node_bytes=s.inter_node_bytes,
         )
         for name, s in steps.items()
     }

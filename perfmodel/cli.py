@@ -10,7 +10,11 @@ Example::
 
 A bare parameter count (``--params 25.6M``) has no FLOP counts: without
 ``--step-time`` or ``--forward-time``/``--backward-time`` the prediction is
-of the communication alone, and the output says so.
+of the communication alone, and the output says so and how to ask for the
+step. Every prediction prints what it assumed (per-rank batch, sequence
+length, device, MFU; ``assumptions`` in JSON) and what ``wire/rank`` counts.
+Choices are case-insensitive (``--fmt E4M3 --cluster 100GbE``), as in the
+Python API.
 """
 
 from __future__ import annotations
@@ -19,14 +23,15 @@ import argparse
 import json
 import os
 import sys
+import textwrap
 from collections.abc import Sequence
 from dataclasses import replace
 from typing import Any
 
-from .api import Prediction, predict, sweep, write_csv
+from .api import FormatResult, Prediction, predict, sweep, write_csv
 from .cluster import CLUSTERS, DEVICES, Cluster, custom_cluster, get_cluster, get_device
 from .compute import OPTIMIZER_BYTES_PER_PARAM, ComputeTime
-from .formats import FORMATS, STRATEGIES
+from .formats import FORMATS, STRATEGIES, get_format
 from .fsdp import FSDPUnit, fsdp_step
 from .models import MODEL_PRESETS, ModelSpec, get_model
 from .profile import Profile
@@ -44,6 +49,20 @@ __all__ = ["build_parser", "main"]
 
 _NO_COMPUTE = ComputeTime(0.0, 0.0, 0.0)
 
+_WIRE_NOTE = (
+    "wire/rank: bytes one rank sends per step for the gradients, inside its node and "
+    "across nodes; across/rank: the part that leaves the node"
+)
+_ALL_REDUCE_ALGORITHMS = ("ring", "halving_doubling", "recursive_doubling", "auto")
+
+
+def _format_name(name: str) -> str:
+    """``--fmt``: any name :func:`~aps_perfmodel.formats.get_format` takes, in any case."""
+    try:
+        return get_format(name).name
+    except ValueError as exc:
+        raise argparse.ArgumentTypeError(str(exc)) from None
+
 
 def _add_model_cluster_args(ap: argparse.ArgumentParser) -> None:
     g = ap.add_argument_group("model")
@@ -52,7 +71,7 @@ def _add_model_cluster_args(ap: argparse.ArgumentParser) -> None:
     g.add_argument("--bucket-cap-mb", type=float, default=25.0, help="DDP bucket_cap_mb (MiB)")
 
     g = ap.add_argument_group("cluster")
-    g.add_argument("--cluster", choices=sorted(CLUSTERS), help="cluster preset")
+    g.add_argument("--cluster", type=str.lower, choices=sorted(CLUSTERS), help="cluster preset")
     g.add_argument("--profile", help="calibrated profile JSON (from `aps-perfmodel calibrate`)")
     g.add_argument("--bandwidth", help="inter-node bandwidth, e.g. 100Gbit, 12.5GB/s")
     g.add_argument("--latency", help="inter-node latency per message, e.g. 10us")
@@ -60,11 +79,17 @@ def _add_model_cluster_args(ap: argparse.ArgumentParser) -> None:
     g.add_argument("--intra-latency", help="intra-node latency")
     g.add_argument("--nodes", type=int, help="number of nodes")
     g.add_argument("--gpus-per-node", type=int, help="devices per node")
-    g.add_argument("--device", choices=sorted(DEVICES), help="device preset (codec and compute)")
+    g.add_argument(
+        "--device",
+        type=str.lower,
+        choices=sorted(DEVICES),
+        help="device preset (codec and compute); default: the cluster's",
+    )
     g.add_argument(
         "--algorithm",
         default="ring",
-        choices=["ring", "halving_doubling", "recursive_doubling", "auto"],
+        type=str.lower,
+        choices=_ALL_REDUCE_ALGORITHMS,
         help="all-reduce algorithm",
     )
 
@@ -75,15 +100,32 @@ def _add_model_cluster_args(ap: argparse.ArgumentParser) -> None:
     g.add_argument("--forward-time", help="forward time per step")
     g.add_argument("--backward-time", help="backward time per step")
     g.add_argument("--optimizer-time", default="0", help="optimizer time per step")
-    g.add_argument("--batch-size", type=int, default=32, help="per-rank batch (FLOP estimate)")
-    g.add_argument("--compute-dtype", default="bf16", help="dtype of the FLOP estimate")
+    g.add_argument(
+        "--batch-size",
+        type=int,
+        default=32,
+        help="per-rank batch of the FLOP estimate (sequences of the preset's length for "
+        "language models)",
+    )
+    g.add_argument(
+        "--compute-dtype", type=str.lower, default="bf16", help="dtype of the FLOP estimate"
+    )
     g.add_argument("--mfu", type=float, default=0.4, help="model FLOPs utilisation of the estimate")
-    g.add_argument("--optimizer", default="adam", choices=sorted(OPTIMIZER_BYTES_PER_PARAM))
+    g.add_argument(
+        "--optimizer", type=str.lower, default="adam", choices=sorted(OPTIMIZER_BYTES_PER_PARAM)
+    )
 
     g = ap.add_argument_group("format")
-    g.add_argument("--fmt", default="e4m3", choices=sorted(FORMATS), help="low-precision format")
+    g.add_argument(
+        "--fmt",
+        default="e4m3",
+        type=_format_name,
+        help=f"low-precision format: {', '.join(sorted(FORMATS))}, an alias such as fp8, "
+        "or any e<E>m<M>",
+    )
     g.add_argument(
         "--strategy",
+        type=str.lower,
         choices=STRATEGIES,
         help="reduction strategy of --fmt (default auto: the hook's choice per bucket)",
     )
@@ -166,12 +208,77 @@ def _compute(args: argparse.Namespace, model: ModelSpec, cluster: Cluster) -> Co
 
 def _comm_only_reason(model: ModelSpec) -> str:
     return (
-        f"{model.name!r} has no FLOP counts; for step times give --step-time "
-        "or --forward-time/--backward-time"
+        f"{model.name!r} has no FLOP counts, so the step time and the step speedup are "
+        "unknown and 'comm speedup' is not the step speedup; for the step speedup give "
+        "--step-time (a measured compute-only step) or --forward-time/--backward-time, "
+        f"or --model with a preset ({', '.join(MODEL_PRESETS)})"
     )
 
 
-def _comm_only_dict(pred: Prediction, model: ModelSpec) -> dict[str, Any]:
+def _sample(model: ModelSpec) -> str | None:
+    """What one sample of the FLOP estimate is, from the preset's config."""
+    cfg = model.config
+    if "seq_len" in cfg:
+        return f"a sequence of {cfg['seq_len']} tokens"
+    if "input" in cfg:
+        return f"a {'x'.join(map(str, cfg['input']))} input"
+    if "image" in cfg:
+        return f"a {cfg['image']}x{cfg['image']} image"
+    return None
+
+
+def _assumptions(
+    args: argparse.Namespace, model: ModelSpec, cluster: Cluster, compute: ComputeTime | None
+) -> dict[str, Any]:
+    """What a prediction assumed beyond its inputs: compute, device, bucketing, byte counts."""
+    out: dict[str, Any] = {"device": cluster.device.name}
+    if compute is None:
+        out["compute"] = "none: communication only"
+    elif args.forward_time or args.backward_time:
+        out["compute"] = "given: --forward-time/--backward-time"
+    elif args.step_time:
+        out["compute"] = "given: --step-time, split forward:backward 1:2"
+    else:
+        out.update(
+            compute="estimated from the model's FLOPs",
+            batch_per_rank=args.batch_size,
+            seq_len=model.config.get("seq_len"),
+            sample=_sample(model),
+            compute_dtype=args.compute_dtype,
+            mfu=args.mfu,
+            optimizer=args.optimizer,
+        )
+    out.update(
+        bucket_cap_mb=args.bucket_cap_mb,
+        algorithm=cluster.algorithm,
+        wire_bytes="bytes one rank sends per step for the gradients, inside its node and "
+        "across nodes (hierarchical's in-node stages are FP32)",
+        inter_node_bytes="the part of wire_bytes that leaves the node, per rank (averaged "
+        "over a node's ranks)",
+    )
+    return out
+
+
+def _assumption_text(a: dict[str, Any]) -> str:
+    if "batch_per_rank" not in a:
+        given = "" if a["compute"].startswith("none") else f"compute {a['compute']}; "
+        return f"{given}device {a['device']} (--device), which prices the codec passes"
+    sample = f", {a['sample']} each" if a["sample"] else ""
+    return (
+        f"batch {a['batch_per_rank']} per rank{sample} (--batch-size); {a['device']} at "
+        f"{a['mfu']:.0%} MFU in {a['compute_dtype']} (--device, --mfu, --compute-dtype); "
+        f"{a['optimizer']} (--optimizer); or give a measured --step-time"
+    )
+
+
+def _assumption_lines(a: dict[str, Any]) -> list[str]:
+    first, *rest = _wrap(_assumption_text(a))
+    return [f"assumed  {first}", *(f"         {line}" for line in rest)]
+
+
+def _comm_only_dict(
+    pred: Prediction, model: ModelSpec, assumptions: dict[str, Any]
+) -> dict[str, Any]:
     """``pred`` as JSON without the step-time fields, which would only repeat comm_s."""
     fp32 = pred.formats["fp32"].comm_s
     return {
@@ -181,6 +288,7 @@ def _comm_only_dict(pred: Prediction, model: ModelSpec) -> dict[str, Any]:
         "communication_only": True,
         "note": f"communication only: {_comm_only_reason(model)}",
         "compute": None,
+        "assumptions": assumptions,
         "formats": {
             name: {
                 "format": r.format,
@@ -189,14 +297,22 @@ def _comm_only_dict(pred: Prediction, model: ModelSpec) -> dict[str, Any]:
                 "comm_s": r.comm_s,
                 "comm_speedup_vs_fp32": fp32 / r.comm_s if r.comm_s > 0 else 1.0,
                 "wire_bytes": r.wire_bytes,
+                "inter_node_bytes": r.inter_node_bytes,
             }
             for name, r in pred.formats.items()
         },
     }
 
 
-def _table(pred: Prediction, cluster: Cluster, model: ModelSpec, comm_only: bool = False) -> str:
+def _table(
+    pred: Prediction,
+    cluster: Cluster,
+    model: ModelSpec,
+    assumptions: dict[str, Any],
+    comm_only: bool = False,
+) -> str:
     topo = cluster.topology
+    nodes = topo.nodes > 1
     lines = [
         f"model    {model.name}: {model.total_params / 1e6:,.1f}M params in "
         f"{model.num_tensors} tensors ({format_bytes(model.total_params * 4)} of FP32 gradients)",
@@ -209,35 +325,72 @@ def _table(pred: Prediction, cluster: Cluster, model: ModelSpec, comm_only: bool
             else ""
         ),
     ]
+    across_head = f" {'across/rank':>11s}" if nodes else ""
+
+    def bytes_cells(r: FormatResult) -> str:
+        across = f" {format_bytes(r.inter_node_bytes):>11s}" if nodes else ""
+        return f"{format_bytes(r.wire_bytes):>11s}{across}"
+
     if comm_only:
         fp32 = pred.formats["fp32"].comm_s
         lines += [
             "compute  none: communication only",
-            f"         ({_comm_only_reason(model)})",
+            *(f"         {line}" for line in _wrap(f"({_comm_only_reason(model)})")),
+            *_assumption_lines(assumptions),
             "",
-            f"{'format':8s} {'strategy':17s} {'wire/rank':>11s} {'comm':>10s} {'comm speedup':>13s}",
+            f"{'format':8s} {'strategy':17s} {'wire/rank':>11s}{across_head} {'comm':>10s} "
+            f"{'comm speedup':>13s}",
         ]
         for r in pred.formats.values():
             speedup = fp32 / r.comm_s if r.comm_s > 0 else 1.0
             lines.append(
-                f"{r.format:8s} {r.strategy_label:17s} {format_bytes(r.wire_bytes):>11s} "
+                f"{r.format:8s} {r.strategy_label:17s} {bytes_cells(r)} "
                 f"{format_time(r.comm_s):>10s} {speedup:>12.3f}x"
             )
-        return "\n".join(lines + _chosen_notes(pred))
-    lines += [
-        f"compute  forward {format_time(pred.compute.forward_s)}, backward "
-        f"{format_time(pred.compute.backward_s)}, optimizer {format_time(pred.compute.optimizer_s)}",
-        "",
-        f"{'format':8s} {'strategy':17s} {'wire/rank':>11s} {'comm':>10s} {'exposed':>10s} "
-        f"{'step':>10s} {'speedup':>8s}",
-    ]
+    else:
+        lines += [
+            f"compute  forward {format_time(pred.compute.forward_s)}, backward "
+            f"{format_time(pred.compute.backward_s)}, optimizer "
+            f"{format_time(pred.compute.optimizer_s)}",
+            *_assumption_lines(assumptions),
+            "",
+            f"{'format':8s} {'strategy':17s} {'wire/rank':>11s}{across_head} {'comm':>10s} "
+            f"{'exposed':>10s} {'step':>10s} {'speedup':>8s}",
+        ]
+        for r in pred.formats.values():
+            lines.append(
+                f"{r.format:8s} {r.strategy_label:17s} {bytes_cells(r)} "
+                f"{format_time(r.comm_s):>10s} {format_time(r.exposed_comm_s):>10s} "
+                f"{format_time(r.step_s):>10s} {r.speedup_vs_fp32:>7.3f}x"
+            )
+    return "\n".join(lines + _chosen_notes(pred) + _wire_notes(pred, nodes))
+
+
+def _wrap(text: str, width: int = 82) -> list[str]:
+    # Option names must stay whole: "--step-" / "time" reads as two options.
+    return textwrap.wrap(text, width, break_on_hyphens=False) or [""]
+
+
+def _wire_notes(pred: Prediction, nodes: bool) -> list[str]:
+    """What ``wire/rank`` counts, and why a format can send more than FP16 in it."""
+    notes = ["", *_wrap((_WIRE_NOTE if nodes else _WIRE_NOTE.split(";")[0]) + ".")]
+    fp16 = pred.formats["fp16"]
     for r in pred.formats.values():
-        lines.append(
-            f"{r.format:8s} {r.strategy_label:17s} {format_bytes(r.wire_bytes):>11s} "
-            f"{format_time(r.comm_s):>10s} {format_time(r.exposed_comm_s):>10s} "
-            f"{format_time(r.step_s):>10s} {r.speedup_vs_fp32:>7.3f}x"
+        if r.format in ("fp32", "fp16") or r.wire_bytes <= fp16.wire_bytes:
+            continue
+        if "hierarchical" not in r.chosen:
+            continue
+        less = (
+            f"{fp16.inter_node_bytes / r.inter_node_bytes:.1f}x fewer bytes than fp16 across nodes"
+            if r.inter_node_bytes > 0
+            else "none across nodes"
         )
-    return "\n".join(lines + _chosen_notes(pred))
+        notes += _wrap(
+            f"{r.format} sends more than fp16 per rank but {less}: hierarchical first "
+            "reduces each chunk in FP32 inside the node (4 bytes per element over the "
+            f"in-node link), then sends {r.format} across nodes only."
+        )
+    return notes
 
 
 def _chosen_notes(pred: Prediction) -> list[str]:
@@ -270,11 +423,15 @@ def _cmd_predict(args: argparse.Namespace) -> int:
         strategy=args.strategy,
         bucket_cap_mb=args.bucket_cap_mb,
     )
+    assumptions = _assumptions(args, model, cluster, compute)
     if args.json:
-        out = _comm_only_dict(pred, model) if compute is None else pred.to_dict()
+        if compute is None:
+            out = _comm_only_dict(pred, model, assumptions)
+        else:
+            out = {**pred.to_dict(), "assumptions": assumptions}
         print(json.dumps(out, indent=2))
     else:
-        print(_table(pred, cluster, model, comm_only=compute is None))
+        print(_table(pred, cluster, model, assumptions, comm_only=compute is None))
     if args.plot:
         from .plot import plot_speedup_vs_bandwidth
 
@@ -296,6 +453,10 @@ def _cmd_sweep(args: argparse.Namespace) -> int:
             f"aps-perfmodel: communication only (step_s = comm_s): {_comm_only_reason(model)}",
             file=sys.stderr,
         )
+    else:
+        # The CSV has no room for them; the assumptions go to stderr, as the note above.
+        assumed = _assumption_text(_assumptions(args, model, cluster, compute))
+        print(f"aps-perfmodel: assumed {assumed}", file=sys.stderr)
     bandwidths = (
         [parse_bandwidth(b) for b in args.bandwidths.split(",")]
         if args.bandwidths
@@ -453,7 +614,7 @@ def build_parser() -> argparse.ArgumentParser:
     _add_model_cluster_args(f)
     f.add_argument("--world-size", type=int, help="total ranks")
     f.add_argument("--units", type=int, default=8, help="fully_shard units (equal sizes)")
-    f.add_argument("--backend", default="nccl", choices=["nccl", "gloo"])
+    f.add_argument("--backend", type=str.lower, default="nccl", choices=["nccl", "gloo"])
     f.add_argument(
         "--param-bytes", type=float, default=4.0, help="bytes per parameter all-gathered"
     )
@@ -467,7 +628,9 @@ def build_parser() -> argparse.ArgumentParser:
     c.add_argument("--max-size", default="64MiB", help="largest message (FP32 bytes)")
     c.add_argument("--steps", type=int, default=8, help="sizes between min and max")
     c.add_argument("--repeats", type=int, default=5, help="timed repeats per point")
-    c.add_argument("--codec", default="aps", choices=["aps", "torch"], help="codec to time")
+    c.add_argument(
+        "--codec", type=str.lower, default="aps", choices=["aps", "torch"], help="codec to time"
+    )
     c.add_argument("--backend", default="gloo", help="torch.distributed backend")
     c.add_argument("--timeout", type=float, default=300.0, help="collective timeout (s)")
     c.add_argument("--verbose", action="store_true", help="print every measurement")

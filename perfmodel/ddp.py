@@ -110,8 +110,9 @@ class StepPrediction:
         comm_s: total communication time of all buckets (overlapped or not).
         exposed_comm_s: the part not hidden behind backward.
         step_s: forward + max(backward, last bucket done) + optimizer.
-        wire_bytes: bytes each rank sends per step.
+        wire_bytes: bytes each rank sends per step, inside its node and across nodes.
         buckets: the timeline.
+        inter_node_bytes: the part of ``wire_bytes`` that leaves the node.
     """
 
     format: str
@@ -121,6 +122,7 @@ class StepPrediction:
     step_s: float
     wire_bytes: float
     buckets: tuple[BucketTiming, ...]
+    inter_node_bytes: float = 0.0
 
 
 def simulate_step(
@@ -177,4 +179,5 @@ def simulate_step(
         step_s=step,
         wire_bytes=sum(b.comm.wire_bytes for b in timeline),
         buckets=tuple(timeline),
+        inter_node_bytes=sum(b.comm.inter_node_bytes for b in timeline),
     )

@@ -124,7 +124,7 @@ def to_markdown(rows: list[LiteratureRow]) -> str:
     lines += [
         "",
         f"Step-time errors range from {min(errs):+.1%} to {max(errs):+.1%}; "
-        f"worst {worst:.1%} (target 15%; `tests/test_perfmodel.py` asserts it).",
+        f"worst {worst:.1%} (target 15%; `tests/test_perfmodel_step.py` asserts it).",
         "",
         "## What the model does not capture",
         "",

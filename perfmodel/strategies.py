@@ -254,12 +254,16 @@ class CommBreakdown:
         collective_s: data collectives, summed over the chunks.
         maxima_s: APS MAX all-reduce of the per-layer maxima.
         codec_s: local passes (amax, encode, decode, FP32 accumulation).
-        wire_bytes: bytes this rank sends for the data (inside and between nodes).
+        wire_bytes: bytes this rank sends for the data, inside its node and
+            across nodes: a staged strategy's in-node stages count too
+            (hierarchical's are FP32), so it can exceed a flat format's.
         overlap_s: codec and wire time hidden by chunk pipelining.
         chunks: pipelined chunks of the bucket (1: no pipelining).
         overhead_s: the bucket's fixed cost as the real hook pays it, less the
             parts' own latencies (calibrated profiles only: ``hook_call.<fmt>``);
             negative where the parts, timed alone, overcount it.
+        inter_node_bytes: the part of ``wire_bytes`` that leaves the node, per
+            rank (averaged over the node's ranks); 0 on one node.
 
     Example:
         >>> CommBreakdown("fp32", "fp32", 1.0, 0.0, 0.5, 8.0).total_s
@@ -275,6 +279,7 @@ class CommBreakdown:
     overlap_s: float = 0.0
     chunks: int = 1
     overhead_s: float = 0.0
+    inter_node_bytes: float = 0.0
 
     @property
     def total_s(self) -> float:
@@ -499,6 +504,29 @@ def _stages(strategy: str, cluster: Cluster, w: float, m: float) -> list[_Stage]
     return [row_a2a, col_a2a, col_ag, row_ag]
 
 
+def _inter_node_bytes(strategy: str, w: float, numel: float, cluster: Cluster) -> float:
+    """Bytes per rank (averaged over a node's ranks) that leave the node for one bucket.
+
+    As the collectives are modelled: NCCL's all-reduce is two-level (each of
+    the L ranks all-reduces its 1/L shard across the M nodes), Gloo's (and a
+    calibrated profile's) one flat ring over node-major ranks (one rank in L
+    sends to the next node);
+    flat two_phase's all-to-all and all-gather send (N - L)/N of each rank's
+    bytes off the node; the staged strategies' stages say what crosses.
+    """
+    topo = cluster.topology
+    nodes, per_node, p = topo.nodes, topo.gpus_per_node, cluster.world_size
+    if nodes == 1:
+        return 0.0
+    if strategy in ("fp32", "native"):
+        if cluster.backend == "gloo" or cluster.collective_fits:  # one flat ring
+            return 2.0 * w * numel * (p - 1) / p / per_node
+        return 2.0 * w * numel * (nodes - 1) / (nodes * per_node)
+    if strategy == "two_phase":
+        return 2.0 * w * numel * (p - per_node) / p
+    return sum(st.nic_bytes for st in _stages(strategy, cluster, w, numel))
+
+
 def _wire(strategy: str, fmt: FormatSpec, cluster: Cluster, m: float, k: int) -> float:
     """Collective seconds of ``k`` chunks of ``m`` elements, back to back."""
     w = fmt.wire_bytes
@@ -693,8 +721,15 @@ def bucket_breakdown(
     w = spec.wire_bytes
     if strategy == "fp32":
         collective = _wire("fp32", spec, cluster, float(numel), 1)
+        across = _inter_node_bytes("fp32", _FP32_BYTES, numel, cluster)
         return CommBreakdown(
-            spec.name, strategy, collective, 0.0, 0.0, 2 * 4.0 * numel * (p - 1) / p
+            spec.name,
+            strategy,
+            collective,
+            0.0,
+            0.0,
+            2 * _FP32_BYTES * numel * (p - 1) / p,
+            inter_node_bytes=across,
         )
     if strategy == "hierarchical":
         topo = cluster.topology
@@ -709,11 +744,14 @@ def bucket_breakdown(
         sent = 2 * w * numel * ((rows - 1) / rows + (p // rows - 1) / p)
     else:
         sent = 2 * w * numel * (p - 1) / p
+    across = _inter_node_bytes(strategy, w, numel, cluster)
     if not spec.aps:
         # torch's cast hooks (fp16_compress_hook): cast, all-reduce, cast back, one piece.
         collective = _wire(strategy, spec, cluster, float(numel), 1)
         codec_s = _codec(strategy, spec, cluster, float(numel))
-        return CommBreakdown(spec.name, strategy, collective, 0.0, codec_s, sent)
+        return CommBreakdown(
+            spec.name, strategy, collective, 0.0, codec_s, sent, inter_node_bytes=across
+        )
     head = cluster.codec_time("amax", spec.name, w, numel)
     maxima = _allreduce(cluster, n_layers * _FP32_BYTES, "all_reduce_max", "auto")
     if chunk == "auto":
@@ -729,7 +767,17 @@ def bucket_breakdown(
         # longer than codec plus wire run back to back; a rank's codec and the
         # kernel's network stack compete for the same cores.
         overlap = 0.0
-    return CommBreakdown(spec.name, strategy, collective, maxima, head + codec_s, sent, overlap, k)
+    return CommBreakdown(
+        spec.name,
+        strategy,
+        collective,
+        maxima,
+        head + codec_s,
+        sent,
+        overlap,
+        k,
+        inter_node_bytes=across,
+    )
 
 
 def wire_bound(numel: int, fmt: str | FormatSpec, cluster: Cluster, strategy: str) -> float:

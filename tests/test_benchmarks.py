@@ -89,7 +89,7 @@ def test_accuracy_and_report_smoke(tmp_path: Path) -> None:
     assert out.read_text() == text
     assert "## Accuracy" in text and "aps-e4m3" in text
     assert "](./accuracy_layers.png)" in text  # the link follows the results folder
-    assert "comm.json` does not exist" in text and "Numerics" in text
+    assert "Not yet run (`python -m benchmarks.comm`)." in text and "Numerics" in text
 
     comm = {
         "command": "python -m benchmarks.comm --ranks 4",
@@ -116,6 +116,61 @@ def test_accuracy_and_report_smoke(tmp_path: Path) -> None:
     # CPU floor: 4 ranks x 0.25 s of CPU each / 2 cores.
     assert "| aps-e4m3 | 0.5 | 0.9 | 2 | 1.2 | 3.000e-02 | 0.45 | 0.200 + 0.050 | 0.5 |" in text
     assert "python -m benchmarks.comm --ranks 4" in text
+
+
+def _comm_run(command: str, cpu_s: float, **fields: object) -> dict:
+    """A communication result as benchmarks.comm writes it, one APS run of 0.1 s."""
+    run = {"hook": "aps-e4m3", "median_step_s": 0.1, "speedup_vs_fp32": 3.5}
+    run |= {"speedup_vs_fp16": 1.8, "rank0_cpu_user_s": cpu_s, "rank0_cpu_system_s": 0.0}
+    data = {"command": command, "machine": {"cpus": 2}, "gradient_mb": 64, "runs": [run]}
+    return data | {"batch": 0, "bucket_cap_mb": 25.0} | fields
+
+
+def test_report_finds_results_by_what_they_record_not_their_names(tmp_path: Path) -> None:
+    link = {"configured_rate": "1gbit", "bandwidth_bits_per_s": 9e8, "rtt_s": 1e-4}
+    files = {
+        # 2 ranks x 0.02 s of CPU / 2 cores = 0.02 s: the link bounds the 0.1 s step.
+        "zz_link_bound.json": _comm_run(
+            "python -m benchmarks.comm --ranks 2 --hooks fp32,aps-e4m3", 0.02, ranks=2, link=link
+        ),
+        # 4 x 0.04 / 2 = 0.08 s >= 3/4 of the step: CPU-bound, held to no link target.
+        "aa_cpu_bound.json": _comm_run(
+            "python -m benchmarks.comm --ranks 4", 0.04, ranks=4, link=link, bucket_cap_mb=16.0
+        ),
+        "mm_nodes.json": _comm_run(
+            "python -m benchmarks.comm --nodes 2 --ranks-per-node 2", 0.01,
+            ranks=4, nodes=2, ranks_per_node=2, link=link,
+        ),
+        "unknown.json": {"command": "python -m somewhere.else --flag"},
+        "broken.json": "{not json",
+    }  # fmt: skip
+    for name, data in files.items():
+        text = data if isinstance(data, str) else json.dumps(data)
+        (tmp_path / name).write_text(text)
+    found = {r.name: r.module for r in report.find_results(tmp_path)}
+    assert found["zz_link_bound.json"] == found["mm_nodes.json"] == "benchmarks.comm"
+    assert found["unknown.json"] == "somewhere.else" and found["broken.json"] is None
+
+    text = report.build(tmp_path, tmp_path / "RESULTS.md")
+    comm = text.split("## Communication benchmark")[1].split("\n## ")[0]
+    # Titles from the recorded ranks, link, hooks, compute and buckets; link-bound first.
+    bound = "### 2 ranks, 1 Gbit/s, no compute in backward ([zz_link_bound.json]"
+    cpu = (
+        "### 4 ranks, 1 Gbit/s, every hook, no compute in backward, DDP bucket_cap_mb=16 "
+        "(CPU-bound here: see the CPU floor) ([aa_cpu_bound.json]"
+    )
+    assert comm.index(bound) < comm.index(cpu)
+    assert comm.count("Target: APS e4m3 >= 3.4x the FP32 hook") == 1
+    assert (
+        "Target: APS e4m3 >= 3.4x the FP32 hook and >= 1.7x fp16_compress_hook: met"
+        in (comm.split(cpu)[0])
+    )
+    nodes = text.split("## Nodes")[1].split("\n## ")[0]
+    assert "### 2 nodes x 2 ranks, 1 Gbit/s per node ([mm_nodes.json]" in nodes
+    others = text.split("## Other results")[1]
+    assert "[unknown.json](unknown.json): command `python -m somewhere.else --flag`" in others
+    assert "[broken.json](broken.json): not valid JSON" in others
+    assert "zz_link_bound" not in others and "mm_nodes" not in others
 
 
 def test_report_reads_the_command_from_top_level_or_setup(tmp_path: Path) -> None:
@@ -190,15 +245,17 @@ def _validation_report(errs: list[float], command: str = "python -m x") -> dict:
 def test_validation_target_is_judged_on_every_recorded_run(tmp_path: Path) -> None:
     from benchmarks import perfmodel_validate as pv
 
+    # The report finds a validation by the module its command runs.
+    cmd = "python -m benchmarks.perfmodel_validate --world-sizes 2"
     repeat = tmp_path / "repeat.json"
-    repeat.write_text(json.dumps(_validation_report([0.05, -0.30, 0.02])))
-    summary = pv._run_summary(repeat, "python -m x")
+    repeat.write_text(json.dumps(_validation_report([0.05, -0.30, 0.02], cmd)))
+    summary = pv._run_summary(repeat, cmd)
     assert summary["max_abs_err"] == 0.30 and summary["worst"]["fp32_mib"] == 2.0
     with pytest.raises(SystemExit, match="not a repeat of this run"):
         pv._run_summary(repeat, "python -m y")
 
     # This run meets the target; its repeat does not: the report must say so.
-    val = _validation_report([0.05, -0.20, 0.02])
+    val = _validation_report([0.05, -0.20, 0.02], cmd)
     val["setup"]["repeat_runs"] = [summary]
     assert [r["max_abs_err"] for r in pv.all_runs(val)] == [0.20, 0.30]
     results = tmp_path / "results"

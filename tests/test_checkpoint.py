@@ -49,3 +49,39 @@ def test_bad_input_is_named() -> None:
     # Another configuration: APSState names both.
     with pytest.raises(ValueError, match="checkpoint was saved with"):
         GatheredState(APSState("e5m2", error_feedback=True)).load_state_dict(_saved(1, step=1))
+
+
+def test_residuals_go_back_to_the_device_they_were_saved_from() -> None:
+    # "meta" stands for the gradients' device on a machine without an accelerator.
+    saved = _saved(1, step=2)
+    saved["ranks"][0]["device"] = "meta"
+    state = APSState("e4m3", error_feedback=True)
+    GatheredState(state).load_state_dict(saved)
+    assert state.state_dict()["residuals"]["w"].device == torch.device("meta")
+    # A device given moves them there instead (a resume on other hardware).
+    elsewhere = APSState("e4m3", error_feedback=True)
+    GatheredState(elsewhere, "cpu").load_state_dict(saved)
+    restored = elsewhere.state_dict()
+    assert torch.equal(restored["residuals"]["w"], torch.zeros(3)) and "device" not in restored
+
+
+def test_a_device_this_process_cannot_use_is_named() -> None:
+    saved = _saved(1, step=2)
+    saved["ranks"][0]["device"] = "cuda:99"
+    with pytest.raises(RuntimeError, match=r"saved on cuda:99\) cannot be moved.*device=\.\.\."):
+        GatheredState(APSState("e4m3", error_feedback=True)).load_state_dict(saved)
+
+
+@pytest.mark.cuda
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA device")
+def test_cuda_residuals_come_back_on_cuda() -> None:
+    state = APSState("e4m3", error_feedback=True)
+    on_gpu = _saved(1, step=5)["ranks"][0]
+    state.load_state_dict(dict(on_gpu, residuals={"w": torch.arange(3.0, device="cuda")}))
+    saved = GatheredState(state).state_dict()
+    assert saved is not None and saved["ranks"][0]["residuals"]["w"].device.type == "cpu"
+    again = APSState("e4m3", error_feedback=True)
+    GatheredState(again).load_state_dict(saved)
+    residual = again.state_dict()["residuals"]["w"]
+    assert residual.device == torch.device("cuda", 0)
+    assert torch.equal(residual.cpu(), torch.arange(3.0))

@@ -1,4 +1,4 @@
-"""Tests of the emulated cluster (benchmarks/cluster.py).
+"""Tests of the emulated cluster (benchmarks/cluster/).
 
 The namespace tests need root and iproute2 and are marked ``root``; they skip
 with the reason where the machine lacks them. The loopback and parsing tests
@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import json
 import os
+import shutil
 import signal
 import subprocess
 import sys
@@ -19,6 +20,7 @@ from pathlib import Path
 import pytest
 
 from benchmarks import cluster as cl
+from benchmarks.cluster import netns as shaping
 
 # Every rank prints its rendezvous environment and the result of a Gloo
 # all_reduce of (rank + 1), so one run checks the env and the data path.
@@ -51,7 +53,7 @@ def _host_state() -> tuple[list[str], str]:
 
 
 def _ours(prefix: str) -> list[str]:
-    return [ns for ns in cl._list_netns() if ns.startswith(prefix)]
+    return [ns for ns in shaping.list_netns() if ns.startswith(prefix)]
 
 
 def _comm(pid: int) -> str:
@@ -103,7 +105,7 @@ def test_parse_rate_and_tbf_parameters() -> None:
 
 
 def test_unavailable_raises_or_falls_back(monkeypatch: pytest.MonkeyPatch) -> None:
-    monkeypatch.setattr(cl.shutil, "which", lambda name: None)
+    monkeypatch.setattr(shutil, "which", lambda name: None)
     if cl.netns_unavailable_reason() is None:
         pytest.fail("missing ip/tc not detected")
     with pytest.raises(cl.ClusterUnavailable):
@@ -123,8 +125,8 @@ def test_kernel_refusing_namespaces_is_unavailable(monkeypatch: pytest.MonkeyPat
             raise cl.ClusterError("mount --make-shared /run/netns failed: Operation not permitted")
         return ""
 
-    monkeypatch.setattr(cl, "netns_unavailable_reason", lambda: None)
-    monkeypatch.setattr(cl, "_cmd", fake_cmd)
+    monkeypatch.setattr(shaping, "netns_unavailable_reason", lambda: None)
+    monkeypatch.setattr(shaping, "run_command", fake_cmd)
     with pytest.raises(cl.ClusterUnavailable, match="cannot create a network namespace"):
         cl.EmulatedCluster(ranks=2).start()
     with pytest.warns(RuntimeWarning, match="Operation not permitted"):
@@ -153,7 +155,7 @@ def test_loopback_env_and_allreduce() -> None:
 def test_namespaced_cluster_shapes_measures_and_reduces(netns: None) -> None:
     rate = "50mbit"
     with cl.EmulatedCluster(ranks=2, bandwidth=rate) as c:
-        assert set(c.namespaces) <= set(cl._list_netns())
+        assert set(c.namespaces) <= set(shaping.list_netns())
         qdiscs = c.qdiscs()
         # Both ends of both veths: aps0/aps1 on the rank side, apsb0/apsb1 on the bridge.
         assert qdiscs.count("tbf") == 4 and qdiscs.count("rate 50Mbit") == 4, qdiscs
@@ -242,7 +244,7 @@ def test_nodes_shape_only_between_nodes_add_delay_and_clean_up(netns: None) -> N
     rate, delay = "50mbit", 0.005
     with cl.EmulatedCluster(nodes=2, ranks_per_node=2, bandwidth=rate, delay="5ms") as c:
         assert c.namespaces == [c.bridge_namespace, f"{c.name}-n0", f"{c.name}-n1"]
-        assert set(c.namespaces) <= set(cl._list_netns())
+        assert set(c.namespaces) <= set(shaping.list_netns())
         qdiscs = c.qdiscs()
         # One shaped veth per node (both ends), nothing on the nodes' lo.
         assert qdiscs.count("tbf") == 4 and qdiscs.count("rate 50Mbit") == 4, qdiscs
@@ -383,7 +385,7 @@ def test_cleanup_stale_namespaces(netns: None) -> None:
     try:
         removed = cl.cleanup_stale_namespaces()
         assert stale in removed and live not in removed
-        assert stale not in cl._list_netns() and live in cl._list_netns()
+        assert stale not in shaping.list_netns() and live in shaping.list_netns()
     finally:
         for ns in (stale, live):
             subprocess.run(["ip", "netns", "delete", ns], capture_output=True)
@@ -393,7 +395,7 @@ def test_cleanup_stale_namespaces(netns: None) -> None:
 def test_setup_failure_cleans_up(netns: None, monkeypatch: pytest.MonkeyPatch) -> None:
     # Interface names are limited to 15 characters, so creating the bridge fails
     # after the bridge namespace exists: that namespace must still be removed.
-    monkeypatch.setattr(cl, "_BRIDGE_IF", "x" * 20)
+    monkeypatch.setattr(shaping, "BRIDGE_IF", "x" * 20)
     c = cl.EmulatedCluster(ranks=2)
     with pytest.raises(cl.ClusterError, match="link add"):
         c.start()
@@ -408,7 +410,7 @@ def test_cli_pins_ranks_only_when_they_outnumber_the_cpus(
     pin: str, ranks_per_cpu: int, pinned: bool
 ) -> None:
     cpus = len(os.sched_getaffinity(0))
-    if cl.shutil.which("taskset") is None or not 2 <= cpus <= 8:
+    if shutil.which("taskset") is None or not 2 <= cpus <= 8:
         pytest.skip("needs taskset and 2-8 CPUs")
     script = "import os; print('CPUS', len(os.sched_getaffinity(0)))"
     cmd = [sys.executable, "-m", "benchmarks.cluster", "--ranks", str(cpus * ranks_per_cpu)]

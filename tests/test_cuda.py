@@ -1,21 +1,43 @@
-"""The CUDA path: the codec and the hook on a GPU, bit for bit with the CPU path.
+"""The CUDA path: the codec, the DDP hook and FSDP2 on a GPU, bit for bit with the CPU path.
 
-Skipped with the reason where there is no CUDA device. The hook runs with
-``torch.cuda.set_sync_debug_mode("error")``: any host read of a device value
-on its hot path fails the test.
+Skipped with the reason where there is no CUDA device (``python -m
+benchmarks.gpu`` runs this file on a GPU, beside its measurements).
+
+Gradients are exact on every device (:class:`benchmarks.gpu.GradModel`: each
+parameter's gradient is a tensor drawn on the host), so a comparison with the
+Gloo/CPU run sees only what communication did. Every reduction is forced: at
+world size 1 on NCCL, "auto" sends every bucket as plain FP32 and the codec
+would never run. Each hook run is checked by
+:func:`benchmarks.gpu.check_hook_case`: no error, every bucket used the forced
+reduction, the wire carried the format's bytes (``state.bytes_detail``), and
+every gradient's bits equal the reference's. On NCCL the steps from 2 on run
+under ``torch.cuda.set_sync_debug_mode("error")`` (steps 0 and 1 build plans;
+DDP re-buckets after step 0, with a host copy of its own): any host read of a
+device value on the hook's path fails the test.
 """
 
 from __future__ import annotations
 
+from typing import Any
+
 import pytest
 import torch
 import torch.distributed as dist
-import torch.nn as nn
-from torch.nn.parallel import DistributedDataParallel as DDP
 
-from aps_comm import codec, register
+from aps_comm import codec
 from aps_comm.formats import get_format
 from aps_comm.testing import run_distributed
+from benchmarks.gpu import (
+    Environment,
+    HookCase,
+    check_fsdp,
+    check_hook_case,
+    count_mismatches,
+    ddp_grads,
+    fsdp_grads,
+    hook_skip_reason,
+    reference_case,
+)
 
 pytestmark = [
     pytest.mark.cuda,
@@ -60,50 +82,65 @@ def test_cuda_backends() -> None:
     assert codec.backend_for("e3m2", dev) == "bits"
 
 
-def _model() -> nn.Module:
-    torch.manual_seed(0)
-    return nn.Sequential(nn.Linear(64, 256), nn.ReLU(), nn.Linear(256, 64), nn.Linear(64, 8))
+# Every reduction one NCCL rank can force; native FP8 only where the machine sums it.
+NCCL_CASES = [
+    HookCase("e4m3", "two_phase"),
+    HookCase("e5m2", "two_phase"),
+    HookCase("e3m2", "two_phase"),
+    HookCase("fp16", "allreduce"),
+    HookCase("bf16", "allreduce"),
+    HookCase("bf16", "two_phase"),
+    HookCase("e4m3", "allreduce"),
+    HookCase("e5m2", "allreduce"),
+]
 
 
-def _grads(rank: int, world_size: int, device: str, fmt: str, sync_error: bool) -> list:
-    dev = torch.device(device)
-    if dev.type == "cuda":
-        torch.cuda.set_device(0)
-    model = _model().to(dev)
-    ddp = DDP(model, bucket_cap_mb=0.05)
-    state = register(ddp, fmt=fmt)
-    state.chunk_elements = 5000  # several chunks per bucket
-    out = []
-    for step in range(3):
-        torch.manual_seed(100 * step + rank)
-        x = torch.randn(32, 64).to(dev)
-        ddp.zero_grad()
-        if sync_error and step > 0:  # the first step builds the plans
-            torch.cuda.set_sync_debug_mode("error")
-        ddp(x).pow(2).sum().backward()
-        torch.cuda.set_sync_debug_mode("default") if dev.type == "cuda" else None
-        out.append([p.grad.detach().cpu().clone() for p in model.parameters()])
-    return out
+def _nccl_skip(case: HookCase) -> str | None:
+    return hook_skip_reason(case, "nccl", 1, Environment.detect().native_fp8)
 
 
-@pytest.mark.parametrize("fmt", ["e4m3", "fp16", "e3m2"])
-def test_hook_on_nccl_matches_cpu_at_world_size_one(fmt: str) -> None:
-    gpu = run_distributed(_grads, 1, args=("cuda", fmt, True), backend="nccl")[0]
-    cpu = run_distributed(_grads, 1, args=("cpu", fmt, False))[0]
-    for g_step, c_step in zip(gpu, cpu, strict=True):
-        for g, c in zip(g_step, c_step, strict=True):
-            assert torch.equal(g, c)
+@pytest.fixture(scope="module")
+def nccl_runs() -> dict[HookCase, tuple[dict[str, Any], dict[str, Any]]]:
+    """Every runnable NCCL case in one job, its Gloo/CPU reference in another."""
+    if not dist.is_nccl_available():
+        pytest.skip("needs the NCCL backend")
+    cases = [c for c in NCCL_CASES if _nccl_skip(c) is None]
+    gpu = run_distributed(ddp_grads, 1, args=("cuda", cases, 4, 2), backend="nccl", timeout=300)[0]
+    cpu = run_distributed(
+        ddp_grads, 1, args=("cpu", [reference_case(c) for c in cases], 4, None), timeout=300
+    )[0]
+    return {c: (g, r) for c, g, r in zip(cases, gpu, cpu, strict=True)}
 
 
-def _gloo_cuda(rank: int, world_size: int, device: str) -> list:
-    return _grads(rank, world_size, device, "e4m3", False)
+@pytest.mark.parametrize("case", NCCL_CASES, ids=str)
+def test_hook_on_nccl_at_world_size_one_matches_gloo_cpu(
+    nccl_runs: dict[HookCase, tuple[dict[str, Any], dict[str, Any]]], case: HookCase
+) -> None:
+    reason = _nccl_skip(case)
+    if reason:
+        pytest.skip(reason)
+    got, want = nccl_runs[case]
+    assert check_hook_case(case, got, want) == []
+
+
+GLOO_CASES = [HookCase("e4m3", "two_phase"), HookCase("fp16", "allreduce")]
 
 
 @pytest.mark.skipif(not dist.is_gloo_available(), reason="needs Gloo")
 def test_hook_on_gloo_with_cuda_tensors_matches_cpu() -> None:
-    gpu = run_distributed(_gloo_cuda, 2, args=("cuda",))
-    cpu = run_distributed(_gloo_cuda, 2, args=("cpu",))
-    for r in range(2):
-        for g_step, c_step in zip(gpu[r], cpu[r], strict=True):
-            for g, c in zip(g_step, c_step, strict=True):
-                assert torch.equal(g, c)
+    gpu = run_distributed(ddp_grads, 2, args=("cuda", GLOO_CASES, 3), timeout=300)
+    cpu = run_distributed(ddp_grads, 2, args=("cpu", GLOO_CASES, 3), timeout=300)
+    for rank in range(2):
+        for i, case in enumerate(GLOO_CASES):
+            assert check_hook_case(case, gpu[rank][i], cpu[rank][i]) == [], (rank, case)
+    for i in range(len(GLOO_CASES)):
+        assert count_mismatches(gpu[1][i]["grads"], gpu[0][i]["grads"])[0] == 0
+
+
+@pytest.mark.skipif(not dist.is_gloo_available(), reason="needs Gloo")
+def test_fsdp_on_gloo_with_cuda_tensors_matches_cpu() -> None:
+    # Two ranks: FSDP2 skips the reduce-scatter at world size 1.
+    gpu = run_distributed(fsdp_grads, 2, args=("cuda", "e4m3"), timeout=300)
+    cpu = run_distributed(fsdp_grads, 2, args=("cpu", "e4m3"), timeout=300)
+    for rank in range(2):
+        assert check_fsdp(gpu[rank], cpu[rank], 2, "e4m3") == [], rank

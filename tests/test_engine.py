@@ -18,7 +18,7 @@ import pytest
 import torch
 import torch.distributed as dist
 import torch.nn as nn
-from test_hook import _capture, _check_log, _Net
+from conftest import Net, capture, check_log
 from torch.nn.parallel import DistributedDataParallel as DDP
 
 import aps_comm.codec
@@ -118,17 +118,17 @@ def _chunked(rank: int, world_size: int, chunk_elements: int) -> int:
     for fmt_spec, reduction, scaling in CHUNKED:
         fmt = get_format(fmt_spec)
         torch.manual_seed(0)
-        model = _Net()
+        model = Net()
         ddp = DDP(model, bucket_cap_mb=0.004)
         state = APSState(fmt, reduction=reduction, scaling=scaling)
         state.chunk_elements = chunk_elements
         log: list = []
-        ddp.register_comm_hook(state, _capture(state, log))
+        ddp.register_comm_hook(state, capture(state, log))
         for step in range(2):
             torch.manual_seed(1000 * step + rank)
             ddp.zero_grad()
             ddp(torch.randn(8, 16) * (rank + 1)).pow(2).sum().backward()
-            checked += _check_log(log, fmt, reduction, scaling, None, chunk_elements)
+            checked += check_log(log, fmt, reduction, scaling, None, chunk_elements)
             log.clear()
     return checked
 
@@ -145,10 +145,10 @@ def _big_bucket(rank: int, world_size: int) -> tuple[int, int]:
     ddp = DDP(model, bucket_cap_mb=100)
     state = APSState("e4m3", reduction="two_phase")
     log: list = []
-    ddp.register_comm_hook(state, _capture(state, log))
+    ddp.register_comm_hook(state, capture(state, log))
     torch.manual_seed(rank)
     ddp(torch.randn(4, 1100) * (rank + 1)).pow(2).sum().backward()
-    _check_log(log, get_format("e4m3"), "two_phase", "layer")
+    check_log(log, get_format("e4m3"), "two_phase", "layer")
     return len(log), max(raw.numel() for _, raw, _, _ in log)
 
 
@@ -163,7 +163,7 @@ def test_bucket_above_2_20_elements_matches_reference() -> None:
 
 def _returns_at_once(rank: int, world_size: int, flag: str) -> list[bool]:
     torch.manual_seed(0)
-    model = _Net()
+    model = Net()
     ddp = DDP(model, bucket_cap_mb=0.004)
     state = APSState("e4m3")
     state.bind_process_group()  # creates the group and agrees on the configuration
@@ -200,13 +200,13 @@ def test_hook_returns_before_any_peer_has_started(tmp_path: Path) -> None:
 
 def _fail_everywhere(rank: int, world_size: int) -> list[str]:
     torch.manual_seed(0)
-    ddp = DDP(_Net(), bucket_cap_mb=0.004)
+    ddp = DDP(Net(), bucket_cap_mb=0.004)
     register(ddp, fmt="e4m3")
 
     def broken(*args: object, **kwargs: object) -> torch.Tensor:
         raise RuntimeError(f"injected codec failure on rank {rank}")
 
-    aps_comm.codec.encode = broken  # type: ignore[assignment]
+    aps_comm.codec.Codec.encode = broken  # type: ignore[assignment,method-assign]
     errors = []
     for _ in range(2):
         try:
@@ -226,14 +226,14 @@ def test_worker_exception_surfaces_on_every_rank() -> None:
 
 def _fail_on_one_rank(rank: int, world_size: int) -> None:
     torch.manual_seed(0)
-    ddp = DDP(_Net(), bucket_cap_mb=0.004)
+    ddp = DDP(Net(), bucket_cap_mb=0.004)
     register(ddp, fmt="e4m3")
     if rank == 1:
 
         def broken(*args: object, **kwargs: object) -> torch.Tensor:
             raise RuntimeError("injected codec failure on rank 1")
 
-        aps_comm.codec.encode = broken  # type: ignore[assignment]
+        aps_comm.codec.Codec.encode = broken  # type: ignore[assignment,method-assign]
     ddp(torch.randn(8, 16)).pow(2).sum().backward()
 
 
@@ -251,7 +251,7 @@ def test_one_rank_failing_makes_the_others_raise_within_the_timeout() -> None:
 
 
 def _leaves_after_register(rank: int, world_size: int) -> str:
-    ddp = DDP(_Net(), bucket_cap_mb=0.004)
+    ddp = DDP(Net(), bucket_cap_mb=0.004)
     register(ddp, fmt="e4m3")  # the hook's group is made here, with every rank alive
     if rank == 1:
         return "left"
@@ -333,7 +333,7 @@ def test_a_dropped_model_frees_its_hook_state() -> None:
 
 
 def _auto_with_profile(rank: int, world_size: int) -> tuple[dict[int, str], dict[str, int]]:
-    from test_hook import reference
+    from conftest import reference
 
     from aps_perfmodel.collectives import LinkParams
     from aps_perfmodel.profile import Profile
@@ -347,16 +347,16 @@ def _auto_with_profile(rank: int, world_size: int) -> tuple[dict[int, str], dict
     ddp = DDP(model, bucket_cap_mb=0.25)
     state = APSState("e4m3", profile=profile)
     log: list = []
-    from test_hook import _capture, _gather
+    from conftest import capture, gather
 
-    ddp.register_comm_hook(state, _capture(state, log))
+    ddp.register_comm_hook(state, capture(state, log))
     torch.manual_seed(rank)
     for _ in range(2):  # DDP re-buckets after the first step
         log.clear()
         ddp(torch.randn(4, 16)).pow(2).sum().backward()
     e4m3 = get_format("e4m3")
     for index, raw, numels, out in log:
-        raws = _gather(raw)
+        raws = gather(raw)
         if state.bucket_reductions[index] == "fp32":
             expected = raws[0] / 2 + raws[1] / 2  # allreduce_hook: divide, then sum
         else:

@@ -374,3 +374,35 @@ def test_demo_fsdp_hook_names() -> None:
     assert resolve_hooks("bf16,aps-e3m2", fsdp=True) == ["bf16", "aps-e3m2"]
     with pytest.raises(ValueError, match="bf16"):
         resolve_hooks("bf16")  # DDP has no bf16 hook on CPU in the demo
+
+
+def _mismatch(rank: int, n: int) -> dict:
+    """Rank 1 hands unit a's reduce-scatter an input that does not fit; rank 0 a good one."""
+    import torch.distributed as dist
+
+    net = _shard(_Net(), MixedPrecisionPolicy(), True)
+    register(net)
+    comm = net.a._get_fsdp_state()._fsdp_param_groups[0]._reduce_scatter_comm
+    row = sum(-(-s[0] // n) * (torch.Size(s).numel() // s[0]) for s in _SHAPES["a"])
+    out: dict = {}
+    for step in range(2):
+        good = torch.ones(n * row)
+        given = good[:-1] if rank == 1 and step == 0 else good
+        output = torch.empty(row)
+        try:
+            comm(output, given, None, dist.ReduceOp.SUM)
+            out[step] = output.clone()
+        except ValueError as exc:
+            out[step] = str(exc)
+            break  # a training loop stops at its error
+    return out
+
+
+def test_a_layout_mismatch_on_one_rank_is_an_error_on_every_rank() -> None:
+    """No host read per unit: the rank whose input does not fit raises at once (after
+    taking part in the unit's collectives); the others' unit comes back NaN and they
+    raise when the next step starts."""
+    good, bad = run_distributed(_mismatch, 2)
+    assert "does not match the unit's parameters on this rank" in bad[0]
+    assert torch.isnan(good[0]).all()
+    assert "another rank's reduce-scatter input did not match" in good[1]

@@ -14,7 +14,7 @@ import pytest
 import torch
 import torch.distributed as dist
 import torch.nn as nn
-from test_hook import _capture, _gather, _Net
+from conftest import Net, capture, gather
 from torch.nn.parallel import DistributedDataParallel as DDP
 
 from aps_comm import APSState, register, simulate
@@ -91,7 +91,7 @@ def _hier_case(rank: int, world_size: int, chunk: int | None, via_env: bool, red
     for fmt_spec, scaling in CASES:
         fmt = get_format(fmt_spec)
         torch.manual_seed(0)
-        model = _Net()
+        model = Net()
         ddp = DDP(model, bucket_cap_mb=0.004)
         state = APSState(
             fmt,
@@ -104,7 +104,7 @@ def _hier_case(rank: int, world_size: int, chunk: int | None, via_env: bool, red
         groups = state.grid if reduction == "grid" else state.nodes
         assert groups is not None and groups.topology == Topology(4, 2)
         log: list = []
-        ddp.register_comm_hook(state, _capture(state, log))
+        ddp.register_comm_hook(state, capture(state, log))
         for step in range(2):
             torch.manual_seed(1000 * step + rank)
             poison = step == 1 and fmt_spec == "e4m3"
@@ -115,7 +115,7 @@ def _hier_case(rank: int, world_size: int, chunk: int | None, via_env: bool, red
             if poison and rank == 1:
                 handle.remove()
             for _, raw, numels, out in sorted(log, key=lambda item: item[0]):
-                raws = _gather(raw)
+                raws = gather(raw)
                 layers = list(torch.split(raws, numels, dim=1))
                 expected = torch.cat(
                     simulate.allreduce(
@@ -125,7 +125,7 @@ def _hier_case(rank: int, world_size: int, chunk: int | None, via_env: bool, red
                 assert torch.equal(out.nan_to_num(nan=7.0), expected.nan_to_num(nan=7.0)), (
                     f"{fmt_spec} bucket mismatch, max diff {(out - expected).abs().nan_to_num().max()}"
                 )
-                outs = _gather(out)
+                outs = gather(out)
                 assert torch.equal(outs.nan_to_num(7.0), outs[:1].expand_as(outs).nan_to_num(7.0))
                 checked += 1
             if poison:  # NaN in that layer on every rank, nothing else touched
@@ -178,15 +178,15 @@ def test_only_the_wire_format_crosses_nodes(reduction: str) -> None:
 
 def _single_node(rank: int, world_size: int, per_node: int) -> bool:
     torch.manual_seed(0)
-    model = _Net()
+    model = Net()
     ddp = DDP(model, bucket_cap_mb=0.004)
     state = APSState("e4m3", reduction="hierarchical", ranks_per_node=per_node)
     log: list = []
-    ddp.register_comm_hook(state, _capture(state, log))
+    ddp.register_comm_hook(state, capture(state, log))
     torch.manual_seed(rank)
     ddp(torch.randn(8, 16)).pow(2).sum().backward()
     for _, raw, numels, out in log:
-        layers = list(torch.split(_gather(raw), numels, dim=1))
+        layers = list(torch.split(gather(raw), numels, dim=1))
         expected = torch.cat(
             simulate.allreduce(layers, "e4m3", reduction="hierarchical", ranks_per_node=per_node)
         )

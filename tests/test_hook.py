@@ -5,21 +5,16 @@ formats and scaling modules (themselves checked against ml_dtypes), never
 from the hook's own code path.
 """
 
-import itertools
-import math
-
 import pytest
 import torch
 import torch.distributed as dist
 import torch.nn as nn
+from conftest import Net, capture, check_log, gather
 from torch.distributed.algorithms.ddp_comm_hooks import default_hooks
 from torch.nn.parallel import DistributedDataParallel as DDP
 
 from aps_comm import APSState, aps_hook, register
-from aps_comm.formats import FloatFormat, get_format, quantize
-from aps_comm.plan import chunk_bounds
-from aps_comm.scaling import exponents, layer_amax, pow2
-from aps_comm.simulate import ring_chunks
+from aps_comm.formats import FloatFormat, get_format
 from aps_comm.testing import DistributedTestError, run_distributed
 
 # (format, reduction, scaling): every combination the hook offers on Gloo.
@@ -40,156 +35,23 @@ CASES = [
 ]
 
 
-class _Net(nn.Module):
-    """Parameter sizes are multiples of 4 so buckets split evenly over 4 ranks."""
-
-    def __init__(self, *, unused: bool = False, empty: bool = False, zero: bool = False) -> None:
-        super().__init__()
-        self.a = nn.Linear(16, 32)
-        self.b = nn.Linear(32, 32)
-        self.c = nn.Linear(32, 8)
-        self.unused = nn.Linear(4, 4) if unused else None
-        self.empty = nn.Parameter(torch.empty(0)) if empty else None
-        # A layer whose gradient is exactly zero on every rank.
-        self.z = nn.Parameter(torch.ones(4)) if zero else None
-
-    def forward(self, x: torch.Tensor) -> torch.Tensor:
-        h = torch.relu(self.a(x))
-        # Different gradient magnitudes per layer, so exponents differ.
-        h = torch.relu(self.b(h)) * 1e-3
-        out = self.c(h)
-        if self.z is not None:
-            out = out + 0.0 * self.z.sum()
-        if self.empty is not None:
-            out = out + self.empty.sum()
-        return out
-
-
-def _capture(state: APSState, log: list):
-    """A hook that records each bucket's raw input and output around aps_hook."""
-
-    def hook(st: APSState, bucket: dist.GradBucket) -> torch.futures.Future[torch.Tensor]:
-        raw = bucket.buffer().detach().clone()
-        numels = [p.numel() for p in bucket.parameters()]
-        fut = aps_hook(st, bucket)
-
-        def save(f: torch.futures.Future) -> torch.Tensor:
-            out = f.value()
-            log.append((bucket.index(), raw, numels, out.detach().clone()))
-            return out
-
-        return fut.then(save)
-
-    return hook
-
-
-def _gloo_ring_sum(
-    q: torch.Tensor, dtype: torch.dtype, chunk_elements: int | None = None
-) -> torch.Tensor:
-    """Sum rows of ``q`` (N, n) in the order Gloo's ring all-reduce uses.
-
-    Chunk c of the ring (:func:`aps_comm.simulate.ring_chunks`) accumulates
-    ranks c-1, c-2, ..., c+1, then c, each addition in float32 rounded back to
-    ``dtype`` (measured on Gloo). With ``chunk_elements`` every chunk of the
-    bucket is its own all-reduce, as the hook pipelines it.
-    """
-    n_ranks, n = q.shape
-    wire = q.to(dtype)
-    if n_ranks == 1:
-        return wire[0].float()
-    out = torch.empty(n, dtype=dtype)
-    for lo, hi in chunk_bounds(n, chunk_elements or max(n, 1)):
-        starts = ring_chunks(hi - lo, n_ranks, wire.element_size())
-        for c in range(n_ranks):
-            sl = slice(lo + starts[c], lo + starts[c + 1])
-            order = [(c - k) % n_ranks for k in range(1, n_ranks)] + [c]
-            acc = wire[order[0], sl]
-            for r in order[1:]:
-                acc = (acc.float() + wire[r, sl].float()).to(dtype)
-            out[sl] = acc
-    return out.float()
-
-
-def reference(
-    raws: torch.Tensor,
-    numels: list[int],
-    fmt: FloatFormat,
-    reduction: str,
-    scaling: str,
-    chunk_elements: int | None = None,
-) -> torch.Tensor:
-    """The exact averaged bucket from all ranks' raw buckets (N, n)."""
-    n_ranks = raws.shape[0]
-    raws = raws.float()
-    bounds = [0, *torch.cumsum(torch.tensor(numels), 0).tolist()]
-    layers = [raws[:, lo:hi] for lo, hi in itertools.pairwise(bounds)]
-    amax = layer_amax([layer.reshape(-1) for layer in layers])
-    exps = exponents(amax, fmt, world_size=n_ranks, reduction=reduction, scaling=scaling)
-    q = torch.cat(
-        [quantize(layer * pow2(e), fmt) for layer, e in zip(layers, exps, strict=True)], dim=1
-    )
-    if reduction == "two_phase":
-        acc = q[0].clone()
-        for r in range(1, n_ranks):
-            acc = acc + q[r]
-        reduced = quantize(acc / n_ranks, fmt)
-        factors = pow2(-exps)
-    else:
-        reduced = _gloo_ring_sum(q, fmt.torch_dtype, chunk_elements)
-        factors = pow2(-exps) / n_ranks
-    out = torch.empty(raws.shape[1])
-    for (lo, hi), f, a in zip(itertools.pairwise(bounds), factors, amax, strict=True):
-        out[lo:hi] = reduced[lo:hi] * f if math.isfinite(a) else float("nan")
-    return out
-
-
-def _gather(t: torch.Tensor) -> torch.Tensor:
-    parts = [torch.empty_like(t) for _ in range(dist.get_world_size())]
-    dist.all_gather(parts, t.contiguous())
-    return torch.stack(parts)
-
-
-def _check_log(
-    log: list,
-    fmt: FloatFormat,
-    reduction: str,
-    scaling: str,
-    dtype=None,
-    chunk_elements: int | None = None,
-) -> int:
-    """Compare every captured bucket with the reference; returns buckets checked."""
-    assert log, "the hook never ran"
-    for _, raw, numels, out in sorted(log, key=lambda item: item[0]):
-        raws = _gather(raw)
-        expected = reference(raws, numels, fmt, reduction, scaling, chunk_elements)
-        if dtype is not None and dtype != torch.float32:
-            expected = expected.to(dtype)
-        got = out.float() if dtype is None else out
-        ok = torch.equal(got.nan_to_num(nan=7.0), expected.to(got.dtype).nan_to_num(nan=7.0))
-        assert ok, f"bucket mismatch: max diff {(got.float() - expected.float()).abs().max()}"
-        # Bitwise identical on every rank.
-        outs = _gather(out.float())
-        assert torch.equal(outs.nan_to_num(nan=7.0), outs[:1].expand_as(outs).nan_to_num(nan=7.0))
-    return len(log)
-
-
 def _run_case(rank: int, world_size: int, cases: list, steps: int = 2) -> int:
     checked = 0
     for fmt_spec, reduction, scaling in cases:
         fmt = get_format(fmt_spec)
         torch.manual_seed(0)
-        model = _Net()
+        model = Net()
         ddp = DDP(model, bucket_cap_mb=0.004)  # several buckets
         state = APSState(fmt, reduction=reduction, scaling=scaling)
         log: list = []
-        ddp.register_comm_hook(state, _capture(state, log))
+        ddp.register_comm_hook(state, capture(state, log))
         opt = torch.optim.SGD(ddp.parameters(), lr=0.1)
         for step in range(steps):
             torch.manual_seed(1000 * step + rank)
             x = torch.randn(8, 16) * (rank + 1)
             opt.zero_grad()
             ddp(x).pow(2).sum().backward()
-            checked += _check_log(log, fmt, reduction, scaling)
+            checked += check_log(log, fmt, reduction, scaling)
             # What DDP wrote into .grad is the hook's output.
             for p in model.parameters():
                 assert torch.isfinite(p.grad).all()
@@ -209,7 +71,7 @@ def _fp32_vs_allreduce_hook(rank: int, world_size: int) -> bool:
     grads = []
     for use_aps in (False, True):
         torch.manual_seed(0)
-        model = _Net()
+        model = Net()
         ddp = DDP(model, bucket_cap_mb=0.004)
         if use_aps:
             register(ddp, fmt="fp32")
@@ -254,11 +116,11 @@ def test_fp16_does_not_overflow_where_fp16_compress_hook_does() -> None:
 
 def _nonfinite(rank: int, world_size: int, fmt: str, reduction: str) -> dict:
     torch.manual_seed(0)
-    model = _Net()
+    model = Net()
     ddp = DDP(model)
     state = APSState(fmt, reduction=reduction)
     log: list = []
-    ddp.register_comm_hook(state, _capture(state, log))
+    ddp.register_comm_hook(state, capture(state, log))
     torch.manual_seed(rank)
     out = ddp(torch.randn(8, 16))
     loss = out.pow(2).sum()
@@ -268,7 +130,7 @@ def _nonfinite(rank: int, world_size: int, fmt: str, reduction: str) -> dict:
         model.b.weight.register_hook(lambda g: g.index_fill(0, torch.tensor([3]), bad))
     loss.backward()
     fmt_obj = get_format(fmt)
-    _check_log(log, fmt_obj, reduction, "layer")
+    check_log(log, fmt_obj, reduction, "layer")
     return {
         "b_weight_all_nan": bool(torch.isnan(model.b.weight.grad).all()),
         "others_finite": all(
@@ -287,7 +149,7 @@ def test_nonfinite_layer_is_nan_everywhere_and_others_exact(fmt: str, reduction:
 
 def _grad_scaler(rank: int, world_size: int) -> list:
     torch.manual_seed(0)
-    model = _Net()
+    model = Net()
     ddp = DDP(model)
     register(ddp, fmt="e4m3")
     opt = torch.optim.SGD(ddp.parameters(), lr=0.01)
@@ -336,11 +198,11 @@ def _edge_cases(rank: int, world_size: int, variant: str) -> int:
         kwargs["gradient_as_bucket_view"] = True
     elif variant in ("bf16", "fp16_model"):
         dtype = torch.bfloat16 if variant == "bf16" else torch.float16
-    model = _Net(**net_kwargs).to(dtype)
+    model = Net(**net_kwargs).to(dtype)
     ddp = DDP(model, bucket_cap_mb=0.004, **kwargs)
     state = APSState("e4m3", reduction="two_phase")
     log: list = []
-    ddp.register_comm_hook(state, _capture(state, log))
+    ddp.register_comm_hook(state, capture(state, log))
     checked = 0
     steps = 3 if variant == "no_sync" else 2
     for step in range(steps):
@@ -352,7 +214,7 @@ def _edge_cases(rank: int, world_size: int, variant: str) -> int:
             assert not log  # no communication while accumulating
             continue
         ddp(x).float().pow(2).sum().backward()
-        checked += _check_log(log, get_format("e4m3"), "two_phase", "layer", dtype=dtype)
+        checked += check_log(log, get_format("e4m3"), "two_phase", "layer", dtype=dtype)
         grads = {n: p.grad for n, p in model.named_parameters() if p.grad is not None}
         if variant == "empty_zero":
             assert grads["z"].abs().sum() == 0
@@ -382,14 +244,14 @@ def _many_buckets(rank: int, world_size: int) -> tuple[int, int]:
     ddp = DDP(model, bucket_cap_mb=0.0005)
     state = APSState("e4m3", reduction="two_phase")
     log: list = []
-    ddp.register_comm_hook(state, _capture(state, log))
+    ddp.register_comm_hook(state, capture(state, log))
     n_buckets = 0
     for step in range(10):
         torch.manual_seed(step * 10 + rank)
         ddp.zero_grad()
         ddp(torch.randn(4, 16)).pow(2).sum().backward()
         n_buckets = max(n_buckets, len(log))
-        _check_log(log, get_format("e4m3"), "two_phase", "layer")
+        check_log(log, get_format("e4m3"), "two_phase", "layer")
         log.clear()
     return n_buckets, step + 1
 
@@ -403,7 +265,7 @@ def _bytes(rank: int, world_size: int) -> list:
     out = []
     for fmt, reduction in (("e4m3", "two_phase"), ("fp16", "allreduce"), ("e2m1", "two_phase")):
         torch.manual_seed(0)
-        model = _Net()
+        model = Net()
         ddp = DDP(model, bucket_cap_mb=0.004)
         sizes: list[tuple[int, int]] = []
 
@@ -441,7 +303,7 @@ def test_bytes_on_the_wire() -> None:
 
 def _stats(rank: int, world_size: int) -> list:
     torch.manual_seed(0)
-    model = _Net()
+    model = Net()
     ddp = DDP(model)
     state = register(ddp, fmt="e4m3", reduction="two_phase", stats=True)
     torch.manual_seed(rank)
@@ -452,7 +314,7 @@ def _stats(rank: int, world_size: int) -> list:
     params = dict(model.named_parameters())
     checked = []
     for s in state.stats:
-        raw_amax = _gather(params[s.name].grad.abs().max().reshape(1)).max()
+        raw_amax = gather(params[s.name].grad.abs().max().reshape(1)).max()
         # The hook's output is the average; the local input is gone, so
         # recompute the exponent rule from the records themselves.
         assert s.amax * 2.0**s.exponent <= 448 < s.amax * 2.0 ** (s.exponent + 1)
@@ -464,7 +326,7 @@ def test_stats_records() -> None:
     records = run_distributed(_stats, 2)[0]
     names = {r[0] for r in records}
     assert names == {"a.weight", "a.bias", "b.weight", "b.bias", "c.weight", "c.bias"}
-    assert sum(r[1] for r in records) == sum(p.numel() for p in _Net().parameters())
+    assert sum(r[1] for r in records) == sum(p.numel() for p in Net().parameters())
     for _, _, fmt, saturated, underflow, _ in records:
         assert fmt == "e4m3" and saturated == 0
         assert 0.0 <= underflow <= 1.0
@@ -473,7 +335,7 @@ def test_stats_records() -> None:
 
 
 def _mismatch(rank: int, world_size: int) -> None:
-    model = _Net()
+    model = Net()
     ddp = DDP(model)
     register(ddp, fmt="e4m3" if rank == 0 else "e5m2")
     ddp(torch.randn(2, 16)).sum().backward()
@@ -489,7 +351,7 @@ def test_configuration_mismatch_is_an_error_not_a_hang() -> None:
 
 
 def _fp8_native_on_gloo(rank: int, world_size: int) -> None:
-    ddp = DDP(_Net())
+    ddp = DDP(Net())
     register(ddp, fmt="e4m3", reduction="allreduce")
     ddp(torch.randn(2, 16)).sum().backward()
 

@@ -10,6 +10,7 @@ involved.
 import os
 import subprocess
 import sys
+import warnings
 from pathlib import Path
 from typing import Any
 
@@ -67,7 +68,9 @@ def _lightning_runs(rank: int, world_size: int, tmp: str) -> dict:
 
     from aps_comm.lightning import CHECKPOINT_KEY, APSStrategy
 
+    # As Lightning's launchers do: LOCAL_RANK, and no LOCAL_WORLD_SIZE.
     os.environ["LOCAL_RANK"] = str(rank)
+    os.environ.pop("LOCAL_WORLD_SIZE", None)
     batches = _batches(rank)
 
     class Module(L.LightningModule):
@@ -146,7 +149,11 @@ def _lightning_runs(rank: int, world_size: int, tmp: str) -> dict:
     every_epoch = ModelCheckpoint(tmp, "{epoch}", save_top_k=-1, save_on_train_epoch_end=True)
     whole = trainer(STEPS, every_epoch, stats=True)
     model = Module()
-    whole.fit(model)
+    with warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter("always")
+        whole.fit(model)
+    out["warnings"] = [f"{w.category.__name__}: {w.message}" for w in caught]
+    out["local_world_size"] = os.environ.get("LOCAL_WORLD_SIZE")
     out["whole"] = [p.detach().clone() for p in model.net.parameters()]
     out["whole_state"] = whole.strategy.state.state_dict()
     out["logged"] = whole.logger.metrics
@@ -221,6 +228,16 @@ def test_stats_are_logged_every_step(runs: list[dict]) -> None:
                 sum(r["exponents"]) / len(r["exponents"])
             )
             assert 0.0 <= m["aps/max_underflow_rate"] <= 1.0
+
+
+@pytest.mark.slow
+def test_one_node_run_gives_no_hierarchical_warning(runs: list[dict]) -> None:
+    # LOCAL_RANK 1 on rank 1 without LOCAL_WORLD_SIZE once read as one rank per
+    # node, numbered wrongly: "no hierarchical reduction: ranks [1] have a
+    # LOCAL_RANK that is not their rank modulo 1", on a run that never asked.
+    for out in runs:
+        assert out["local_world_size"] == "2"
+        assert not [w for w in out["warnings"] if "hierarchical" in w], out["warnings"]
 
 
 @pytest.mark.parametrize("key", ["ddp_comm_hook", "ddp_comm_state", "ddp_comm_wrapper"])

@@ -1,0 +1,1394 @@
+"""GPU acceptance in one command: aps-comm's CUDA path, checked and measured on one GPU.
+
+Run it from the checkout, where ``pip install -e .`` has made ``aps_perfmodel``
+importable (``--no-deps`` on a machine without a registry)::
+
+    python -m benchmarks.gpu --out DIR [--steps codec,profile] [--budget-s 1200]
+
+Steps, each recorded in ``DIR/gpu.json`` and ``DIR/gpu.md`` as passed, failed
+or skipped with its reason:
+
+1. ``cuda_tests``: ``pytest tests/test_cuda.py``, its summary and counts.
+2. ``codec``: e4m3 encode + decode of a 256 MiB float32 buffer against a
+   device copy of the same buffer, with and without per-layer scales, timed
+   with CUDA events; the ratio is the median of per-repeat ratios (target
+   <= 1.5x; the memory-bound ideal is 1.25x: 10 bytes moved per element
+   against the copy's 8).
+3. ``hook_nccl``: DDP with :func:`aps_comm.register` at world size 1 on
+   NCCL, each reduction forced (at world size 1 "auto" would send every
+   bucket as FP32 and the codec would never run), bit for bit with the same
+   run on Gloo/CPU, with ``torch.cuda.set_sync_debug_mode("error")`` from
+   step 2 (steps 0 and 1 build plans; DDP re-buckets after step 0). Native
+   FP8 all-reduce where torch >= 2.8, NCCL >= 2.24 and sm_90+ allow it (its
+   CPU reference is two_phase: at world size 1 both are one round trip
+   through the format); "hierarchical" and "grid" need more ranks than NCCL
+   can put on one GPU and are recorded as skipped.
+4. ``hook_gloo_cuda``: 2 and 4 ranks on the one GPU through Gloo with CUDA
+   tensors (two_phase, native FP16/BF16 sums, hierarchical and grid at 4
+   ranks), bit for bit with the same ranks on CPU. No sync-debug mode here:
+   Gloo stages CUDA tensors through host memory and synchronises by design.
+5. ``fsdp``: :func:`aps_comm.fsdp.register` on FSDP2 (``fully_shard``), 2
+   ranks on the one GPU through Gloo, bit for bit with CPU (FSDP2 skips the
+   reduce-scatter at world size 1, so one NCCL rank would not run it).
+6. ``profile``: ``torch.profiler`` over one step (after 3 warm-up steps) at
+   world size 1 on NCCL, per bucket: kernels (NCCL's apart), host syncs
+   (cudaStreamSynchronize, cudaDeviceSynchronize, cudaEventSynchronize,
+   blocking cudaMemcpy) and copies between host and device; any sync or
+   host-device copy inside a bucket fails the step.
+
+Every gradient is exact on any device: each parameter ``p`` enters the loss
+as ``(p * g).sum()`` (:class:`GradModel`), so its gradient is ``g``, drawn on
+the host per rank and step, and a comparison sees only what communication
+did. Only public API is used (``aps_comm.register``, ``aps_comm.APSState``,
+``aps_comm.aps_hook``, ``aps_comm.codec``, ``aps_comm.fsdp.register``).
+
+Without a CUDA device every step is skipped with the reason and the command
+exits 0 (CI runs it so); with one it exits 1 when a step failed.
+
+Example:
+    >>> main(["--out", "gpu-results"])  # doctest: +SKIP
+    0
+"""
+
+# No `from __future__ import annotations`: DDP checks labelled_hook's annotations
+# against the real dist.GradBucket and torch.futures.Future[torch.Tensor].
+import argparse
+import contextlib
+import dataclasses
+import enum
+import json
+import math
+import platform
+import re
+import statistics
+import subprocess
+import sys
+import time
+import traceback
+import xml.etree.ElementTree as ET
+from collections.abc import Callable, Iterator, Sequence
+from pathlib import Path
+from typing import Any
+
+import torch
+import torch.distributed as dist
+import torch.nn as nn
+from torch.nn.parallel import DistributedDataParallel as DDP
+
+import aps_comm
+from aps_comm import codec
+from aps_comm.formats import get_format, payload_nbytes
+from aps_comm.testing import run_distributed
+
+__all__ = [
+    "BUCKET_CAP_MB",
+    "BUCKET_PREFIX",
+    "CHUNK_ELEMENTS",
+    "SHAPES",
+    "STEPS",
+    "CodecTiming",
+    "Environment",
+    "EventKind",
+    "GradModel",
+    "HookCase",
+    "ProfileEvent",
+    "Status",
+    "StepContext",
+    "StepResult",
+    "bucket_profile",
+    "check_fsdp",
+    "check_hook_case",
+    "classify_event",
+    "count_mismatches",
+    "ddp_grads",
+    "fsdp_grads",
+    "hook_skip_reason",
+    "junit_counts",
+    "labelled_hook",
+    "main",
+    "median_ratio",
+    "native_fp8_skip_reason",
+    "padded_numel",
+    "profile_step",
+    "rank_grads",
+    "reference_case",
+    "render_markdown",
+]
+
+_ROOT = Path(__file__).resolve().parents[1]
+
+# Parameter shapes: odd sizes, a one-element layer, a zero layer (magnitude 0
+# below), and layers large enough for several chunks of CHUNK_ELEMENTS.
+SHAPES: tuple[tuple[int, ...], ...] = (
+    (300, 41),
+    (7,),
+    (1,),
+    (129, 65),
+    (9,),
+    (5000,),
+    (17, 3),
+    (40000,),
+    (3,),
+)
+# Per-parameter scale of the gradients: from far below e4m3's subnormals to 1e3.
+_MAGNITUDES = (1e-2, 3.0, 1e3, 1e-5, 0.0, 0.5, 2e-2, 1.0, 1e-7)
+# 50 KB buckets: about 13k FP32 elements, so the ~66k gradients form several.
+BUCKET_CAP_MB = 0.05
+CHUNK_ELEMENTS = 2500  # several pipelined chunks per bucket
+BUCKET_PREFIX = "aps_bucket_"  # the profiler range around each hook call
+_CODEC_TARGET = 1.5
+_MIB = 256  # the codec buffer: 64 Mi float32, several times any GPU's L2
+_BYTES_SLACK = 1.02  # chunk padding may add up to 2% to the wire bytes
+
+
+class Status(str, enum.Enum):
+    """What happened to a step (or a case inside one)."""
+
+    PASSED = "passed"
+    FAILED = "failed"
+    SKIPPED = "skipped"
+
+
+class EventKind(str, enum.Enum):
+    """The profiler events a bucket's summary counts."""
+
+    KERNEL = "kernels"
+    NCCL_KERNEL = "nccl_kernels"
+    HOST_SYNC = "host_syncs"
+    D2H_COPY = "d2h_copies"
+    H2D_COPY = "h2d_copies"
+
+
+@dataclasses.dataclass(frozen=True)
+class StepResult:
+    """One step's outcome.
+
+    Attributes:
+        name: the step's name (see :data:`STEPS`).
+        status: passed, failed or skipped.
+        reason: why it was skipped or what failed; empty when it passed.
+        seconds: wall time of the step.
+        details: what it measured or compared (JSON-able).
+    """
+
+    name: str
+    status: Status
+    reason: str = ""
+    seconds: float = 0.0
+    details: dict[str, Any] = dataclasses.field(default_factory=dict)
+
+    def to_json(self) -> dict[str, Any]:
+        return {
+            "name": self.name,
+            "status": self.status.value,
+            "reason": self.reason,
+            "seconds": round(self.seconds, 3),
+            "details": self.details,
+        }
+
+
+@dataclasses.dataclass(frozen=True)
+class HookCase:
+    """One DDP hook configuration: wire format and forced reduction.
+
+    Example:
+        >>> HookCase("e4m3", "hierarchical", ranks_per_node=2).name
+        'e4m3 hierarchical'
+    """
+
+    fmt: str
+    reduction: str
+    ranks_per_node: int | None = None
+
+    @property
+    def name(self) -> str:
+        return f"{self.fmt} {self.reduction}"
+
+    def __str__(self) -> str:
+        return self.name.replace(" ", "-")
+
+
+@dataclasses.dataclass(frozen=True)
+class Environment:
+    """What the machine offers the steps.
+
+    Attributes:
+        cuda: a CUDA device is usable.
+        device: the device's name ("" without one).
+        capability: its compute capability, or None.
+        torch: torch's version string.
+        nccl: NCCL's version (major, minor, patch), or None.
+        nccl_backend: torch.distributed has the NCCL backend.
+        gloo_backend: torch.distributed has the Gloo backend.
+    """
+
+    cuda: bool
+    device: str
+    capability: tuple[int, int] | None
+    torch: str
+    nccl: tuple[int, ...] | None
+    nccl_backend: bool
+    gloo_backend: bool
+
+    @classmethod
+    def detect(cls) -> "Environment":
+        cuda = torch.cuda.is_available()
+        nccl: tuple[int, ...] | None = None
+        if cuda:
+            with contextlib.suppress(AttributeError, RuntimeError):
+                nccl = tuple(int(v) for v in torch.cuda.nccl.version()[:3])
+        return cls(
+            cuda=cuda,
+            device=torch.cuda.get_device_name(0) if cuda else "",
+            capability=tuple(torch.cuda.get_device_capability(0)) if cuda else None,  # type: ignore[arg-type]
+            torch=torch.__version__,
+            nccl=nccl,
+            nccl_backend=dist.is_available() and dist.is_nccl_available(),
+            gloo_backend=dist.is_available() and dist.is_gloo_available(),
+        )
+
+    @property
+    def native_fp8(self) -> str | None:
+        """Why NCCL cannot sum FP8 here, or None where it can."""
+        return native_fp8_skip_reason(self.torch, self.nccl, self.capability)
+
+    def to_json(self) -> dict[str, Any]:
+        return {
+            "device": self.device or "none",
+            "capability": ".".join(map(str, self.capability)) if self.capability else None,
+            "torch": self.torch,
+            "nccl": ".".join(map(str, self.nccl)) if self.nccl else None,
+            "python": platform.python_version(),
+            "native_fp8": self.native_fp8 or "supported",
+        }
+
+
+# ---------------------------------------------------------------------------
+# Pure helpers (unit-tested with hand values).
+
+
+def _release(version: str) -> tuple[int, int]:
+    match = re.match(r"(\d+)\.(\d+)", version)
+    if match is None:
+        raise ValueError(f"not a version: {version!r}")
+    return int(match[1]), int(match[2])
+
+
+def native_fp8_skip_reason(
+    torch_version: str, nccl: Sequence[int] | None, capability: Sequence[int] | None
+) -> str | None:
+    """Why a native FP8 all-reduce cannot run, or None where it can.
+
+    ProcessGroupNCCL sums float8 from torch 2.8 (PR #152706), NCCL from 2.24,
+    and only on sm_90 or newer.
+
+    Example:
+        >>> native_fp8_skip_reason("2.8.0", (2, 24, 3), (9, 0)) is None
+        True
+        >>> native_fp8_skip_reason("2.7.1", (2, 26, 2), (9, 0))
+        'native FP8 all-reduce needs torch >= 2.8 (has 2.7.1)'
+    """
+    missing = []
+    if _release(torch_version) < (2, 8):
+        missing.append(f"torch >= 2.8 (has {torch_version})")
+    if nccl is None or tuple(nccl[:2]) < (2, 24):
+        have = ".".join(map(str, nccl)) if nccl else "none"
+        missing.append(f"NCCL >= 2.24 (has {have})")
+    if capability is None or capability[0] < 9:
+        have = ".".join(map(str, capability)) if capability else "no GPU"
+        missing.append(f"compute capability >= 9.0 (has {have})")
+    return "native FP8 all-reduce needs " + ", ".join(missing) if missing else None
+
+
+def _is_fp8(fmt: str) -> bool:
+    return get_format(fmt).torch_dtype in (torch.float8_e4m3fn, torch.float8_e5m2)
+
+
+def hook_skip_reason(
+    case: HookCase, backend: str, world_size: int, native_fp8: str | None
+) -> str | None:
+    """Why ``case`` cannot run on ``backend`` at ``world_size``, or None where it can.
+
+    Args:
+        case: the configuration.
+        backend: "nccl" or "gloo".
+        world_size: the ranks of the run.
+        native_fp8: :func:`native_fp8_skip_reason` for this machine.
+
+    Example:
+        >>> hook_skip_reason(HookCase("e4m3", "grid"), "nccl", 1, None)
+        'grid lays N ranks on a g x N/g grid with 2 <= g <= sqrt(N): N = 1 has no such g'
+    """
+    fmt = get_format(case.fmt)
+    if case.reduction == "allreduce":
+        if fmt.torch_dtype is None:
+            return f"{case.fmt} is a custom format: no backend sums it natively"
+        if _is_fp8(case.fmt):
+            if backend != "nccl":
+                return f"{backend} cannot sum float8; only NCCL can"
+            return native_fp8
+    if case.reduction == "hierarchical":
+        per = case.ranks_per_node
+        if per is None or per < 2 or world_size < 2 * per or world_size % per:
+            return (
+                "hierarchical needs at least 2 nodes of at least 2 ranks "
+                f"(ranks_per_node={per}, world size {world_size})"
+                + ("; NCCL puts one rank on each GPU" if backend == "nccl" else "")
+            )
+    if case.reduction == "grid" and not any(
+        world_size % g == 0 for g in range(2, math.isqrt(world_size) + 1)
+    ):
+        return (
+            "grid lays N ranks on a g x N/g grid with 2 <= g <= sqrt(N): "
+            f"N = {world_size} has no such g"
+        )
+    return None
+
+
+def reference_case(case: HookCase) -> HookCase:
+    """The Gloo/CPU run ``case`` is compared with: itself, but two_phase for a native
+    FP8 sum, which Gloo lacks (at world size 1 both are one round trip through the
+    format with the same exponent)."""
+    if case.reduction == "allreduce" and _is_fp8(case.fmt):
+        return dataclasses.replace(case, reduction="two_phase")
+    return case
+
+
+def median_ratio(parts: Sequence[Sequence[float]], base: Sequence[float]) -> float:
+    """Median over repeats ``i`` of ``sum(p[i] for p in parts) / base[i]``.
+
+    Ratios are taken per repeat, so a slow spell of the machine slows both
+    sides of one ratio rather than one side of the medians.
+
+    Example:
+        >>> median_ratio([[1.0, 2.0, 3.0], [1.0, 1.0, 1.0]], [1.0, 2.0, 4.0])
+        1.5
+    """
+    if not base or any(len(p) != len(base) for p in parts):
+        raise ValueError(
+            f"every part needs one time per repeat of the base ({len(base)}), got "
+            f"{[len(p) for p in parts]}"
+        )
+    if any(b <= 0 for b in base):
+        raise ValueError(f"base times must be positive, got {list(base)}")
+    return statistics.median(sum(p[i] for p in parts) / b for i, b in enumerate(base))
+
+
+_SYNC_CALLS = frozenset(
+    {
+        "cudaStreamSynchronize",
+        "cudaDeviceSynchronize",
+        "cudaEventSynchronize",
+        "cudaMemcpy",
+        "cudaMemcpy2D",
+        "cudaMemcpy3D",
+    }
+)
+
+
+def classify_event(name: str, on_device: bool) -> EventKind | None:
+    """What a profiler event is, for the per-bucket summary (None: not counted).
+
+    Device events: CUPTI names copies "Memcpy DtoH (Device -> Pageable)" and
+    the like, and NCCL's kernels start with "nccl". Host events: the CUDA
+    runtime calls that block the host (a version suffix such as "_v3020" or a
+    per-thread-stream suffix is ignored); asynchronous copies are counted on
+    the device side instead.
+
+    Example:
+        >>> classify_event("cudaStreamSynchronize", on_device=False)
+        <EventKind.HOST_SYNC: 'host_syncs'>
+        >>> classify_event("cudaMemcpyAsync", on_device=False) is None
+        True
+    """
+    if on_device:
+        if name.startswith("Memcpy DtoH"):
+            return EventKind.D2H_COPY
+        if name.startswith("Memcpy HtoD"):
+            return EventKind.H2D_COPY
+        if name.startswith(("Memcpy", "Memset")):
+            return None
+        if name.startswith("nccl"):
+            return EventKind.NCCL_KERNEL
+        return EventKind.KERNEL
+    base = re.sub(r"(_v\d+)?(_ptsz|_ptds)?$", "", name)
+    return EventKind.HOST_SYNC if base in _SYNC_CALLS else None
+
+
+@dataclasses.dataclass(frozen=True)
+class ProfileEvent:
+    """A profiler event, reduced to what :func:`bucket_profile` needs.
+
+    Attributes:
+        name: the event's name.
+        thread: the host thread it ran on (for device events: unused).
+        start_us: start, microseconds.
+        end_us: end, microseconds.
+        on_device: a device activity (kernel, copy) rather than a host event.
+        kernels: names of the device activities the profiler linked to this
+            host event (an operator's kernels and copies).
+    """
+
+    name: str
+    thread: int
+    start_us: float
+    end_us: float
+    on_device: bool = False
+    kernels: tuple[str, ...] = ()
+
+
+def bucket_profile(events: Sequence[ProfileEvent], prefix: str = BUCKET_PREFIX) -> dict[str, Any]:
+    """Per bucket, the kernels, host syncs and copies its hook call issued.
+
+    A bucket is a host range named ``prefix + index``; a host event belongs to
+    it when it starts inside the range on the same thread, and the device
+    activities linked to that event are counted with it. Everything else is
+    counted under "outside" (the forward, autograd, DDP's own work).
+
+    Returns:
+        ``{"buckets": [{"bucket": i, <EventKind values>: count}, ...],
+        "outside": {...}, "step": {...}}``, buckets in index order.
+
+    Example:
+        >>> ev = [ProfileEvent("aps_bucket_0", 1, 0.0, 10.0),
+        ...       ProfileEvent("aten::mul", 1, 1.0, 2.0, kernels=("mul_kernel",))]
+        >>> bucket_profile(ev)["buckets"][0]["kernels"]
+        1
+    """
+    windows = []
+    for e in events:
+        if not e.on_device and e.name.startswith(prefix):
+            index = e.name[len(prefix) :]
+            if not index.isdigit():
+                raise ValueError(f"bucket range {e.name!r} does not end in a bucket index")
+            windows.append((int(index), e))
+    windows.sort(key=lambda w: (w[0], w[1].start_us))
+
+    def zero() -> dict[str, int]:
+        return {k.value: 0 for k in EventKind}
+
+    counts: dict[int | None, dict[str, int]] = {i: zero() for i, _ in windows}
+    counts[None] = zero()
+    for e in events:
+        if e.on_device or e.name.startswith(prefix):
+            continue
+        where = next(
+            (
+                i
+                for i, w in windows
+                if w.thread == e.thread and w.start_us <= e.start_us <= w.end_us
+            ),
+            None,
+        )
+        kinds = [classify_event(e.name, False)] + [classify_event(k, True) for k in e.kernels]
+        for kind in kinds:
+            if kind is not None:
+                counts[where][kind.value] += 1
+    step = zero()
+    for c in counts.values():
+        for k, v in c.items():
+            step[k] += v
+    return {
+        "buckets": [{"bucket": i, **counts[i]} for i in sorted(k for k in counts if k is not None)],
+        "outside": counts[None],
+        "step": step,
+    }
+
+
+def count_mismatches(
+    got: Sequence[Sequence[torch.Tensor]], want: Sequence[Sequence[torch.Tensor]]
+) -> tuple[int, int]:
+    """(elements whose bits differ, elements compared) over steps of gradient lists.
+
+    Bits, not values: -0.0 and 0.0 differ, NaNs with the same bits agree. A
+    tensor whose shape or dtype differs counts as wholly different.
+
+    Example:
+        >>> count_mismatches([[torch.tensor([1.0, 0.0])]], [[torch.tensor([1.0, -0.0])]])
+        (1, 2)
+    """
+    if len(got) != len(want):
+        raise ValueError(f"{len(got)} steps against {len(want)}")
+    bad = total = 0
+    for g_step, w_step in zip(got, want, strict=True):
+        if len(g_step) != len(w_step):
+            raise ValueError(f"{len(g_step)} gradients against {len(w_step)} in a step")
+        for g, w in zip(g_step, w_step, strict=True):
+            n = max(g.numel(), w.numel())
+            total += n
+            if g.shape != w.shape or g.dtype != w.dtype:
+                bad += n
+                continue
+            gb = g.detach().contiguous().view(-1).view(torch.uint8).view(-1, g.element_size())
+            wb = w.detach().contiguous().view(-1).view(torch.uint8).view(-1, w.element_size())
+            bad += int((gb != wb).any(dim=1).sum())
+    return bad, total
+
+
+def padded_numel(shapes: Sequence[Sequence[int]], world_size: int) -> int:
+    """Elements of FSDP2's reduce-scatter input: dim 0 of each parameter padded to N.
+
+    Example:
+        >>> padded_numel([(5, 3), (1,)], 2)
+        20
+    """
+    total = 0
+    for shape in shapes:
+        rest = math.prod(shape[1:])
+        total += -(-shape[0] // world_size) * world_size * rest
+    return total
+
+
+def _wire_check(got: int, expected: int, what: str) -> str | None:
+    if expected <= got <= expected * _BYTES_SLACK:
+        return None
+    return (
+        f"{what}: {got} bytes where the wire format makes {expected} "
+        f"(up to {_BYTES_SLACK:.2f}x with padding): the codec did not send what was asked"
+    )
+
+
+def check_hook_case(case: HookCase, got: dict, want: dict) -> list[str]:
+    """What is wrong with a :func:`ddp_grads` record against its reference; empty when right.
+
+    Checks that the run raised nothing, that every bucket used the forced
+    reduction (``state.bucket_reductions``), that the wire carried the
+    format's bytes (``state.bytes_detail``: "all_reduce" for a native sum,
+    "all_to_all" for two_phase; present for hierarchical and grid, whose
+    second level carries a share), and that every gradient's bits equal the
+    reference's.
+    """
+    if got["error"]:
+        return [f"raised: {got['error']}"]
+    if want["error"]:
+        return [f"the reference run raised: {want['error']}"]
+    problems = []
+    if got["bucket_reductions"] != [case.reduction]:
+        problems.append(
+            f"the buckets used {got['bucket_reductions']}, not only {case.reduction!r}: "
+            "the codec did not run as asked"
+        )
+    detail = got["bytes_detail"]
+    expected = payload_nbytes(got["numel"], get_format(case.fmt))
+    if case.reduction in ("allreduce", "two_phase"):
+        key = "all_reduce" if case.reduction == "allreduce" else "all_to_all"
+        problem = _wire_check(detail.get(key, 0), expected, f"bytes_detail[{key!r}]")
+        if problem:
+            problems.append(problem)
+    elif not detail.get("all_to_all"):
+        problems.append(f"no all_to_all bytes in bytes_detail {detail}: the codec did not run")
+    bad, total = count_mismatches(got["grads"], want["grads"])
+    if bad:
+        problems.append(f"{bad} of {total} gradient elements differ bitwise from the reference")
+    return problems
+
+
+def check_fsdp(got: dict, want: dict, world_size: int, fmt: str) -> list[str]:
+    """What is wrong with an :func:`fsdp_grads` record against its reference; empty when right.
+
+    Checks that neither run raised, that the all-to-all carried the format's
+    bytes for FSDP's padded reduce-scatter input (:func:`padded_numel`), and
+    that every gradient shard's bits equal the reference's.
+    """
+    if got["error"] or want["error"]:
+        return [f"raised: {got['error'] or want['error']}"]
+    problems = []
+    expected = payload_nbytes(padded_numel(SHAPES, world_size), get_format(fmt))
+    problem = _wire_check(got["bytes_detail"].get("all_to_all", 0), expected, "all_to_all")
+    if problem:
+        problems.append(problem)
+    bad, total = count_mismatches(got["grads"], want["grads"])
+    if bad:
+        problems.append(
+            f"{bad} of {total} gradient shard elements differ bitwise from the reference"
+        )
+    return problems
+
+
+def junit_counts(xml_text: str) -> dict[str, int]:
+    """Test counts from pytest's JUnit XML: tests, failures, errors, skipped, passed.
+
+    Example:
+        >>> junit_counts('<testsuite tests="3" failures="1" errors="0" skipped="1"/>')["passed"]
+        1
+    """
+    root = ET.fromstring(xml_text)
+    suites = [root] if root.tag == "testsuite" else root.findall("testsuite")
+    if not suites:
+        raise ValueError(f"no <testsuite> in the JUnit XML (root <{root.tag}>)")
+    keys = ("tests", "failures", "errors", "skipped")
+    counts = {k: sum(int(s.get(k, 0)) for s in suites) for k in keys}
+    counts["passed"] = counts["tests"] - counts["failures"] - counts["errors"] - counts["skipped"]
+    return counts
+
+
+# ---------------------------------------------------------------------------
+# What each rank runs (module level, so run_distributed can start it).
+
+
+def rank_grads(
+    rank: int, step: int, shapes: Sequence[Sequence[int]] = SHAPES
+) -> list[torch.Tensor]:
+    """Rank ``rank``'s gradients at ``step``, one per shape, drawn on the host.
+
+    Each tensor spans about 10 binades below its magnitude (so low-precision
+    formats underflow some of it), the magnitudes differ per parameter (one is
+    all zeros) and per rank (so the agreed maximum is not every rank's).
+
+    Example:
+        >>> [tuple(g.shape) for g in rank_grads(0, 0, [(2, 3), (4,)])]
+        [(2, 3), (4,)]
+    """
+    if len(shapes) > len(_MAGNITUDES):
+        raise ValueError(f"at most {len(_MAGNITUDES)} shapes, got {len(shapes)}")
+    gen = torch.Generator().manual_seed(1000 * step + rank)
+    out = []
+    for shape, mag in zip(shapes, _MAGNITUDES, strict=False):
+        spread = torch.exp2(torch.randint(-10, 1, tuple(shape), generator=gen).float())
+        out.append(torch.randn(tuple(shape), generator=gen) * spread * (mag * (1 + rank)))
+    return out
+
+
+class _Block(nn.Module):
+    def __init__(self, shapes: Sequence[Sequence[int]]) -> None:
+        super().__init__()
+        self.ps = nn.ParameterList(nn.Parameter(torch.zeros(tuple(s))) for s in shapes)
+
+    def forward(self, gs: list[torch.Tensor]) -> torch.Tensor:
+        return torch.stack([(p * g).sum() for p, g in zip(self.ps, gs, strict=True)]).sum()
+
+
+class GradModel(nn.Module):
+    """Parameters whose gradients are what the caller passes: loss = sum((p * g).sum()).
+
+    The parameters sit in ``blocks`` submodules (FSDP2 units). Multiplying by
+    a parameter of zeros and summing is exact on every device, so ``p.grad``
+    is ``g`` bit for bit on CPU and GPU alike.
+
+    Example:
+        >>> model = GradModel([(2,), (3,)], blocks=2)
+        >>> model([torch.ones(2), torch.full((3,), 2.0)]).backward()
+        >>> model.blocks[1].ps[0].grad
+        tensor([2., 2., 2.])
+    """
+
+    def __init__(self, shapes: Sequence[Sequence[int]] = SHAPES, blocks: int = 3) -> None:
+        super().__init__()
+        per = -(-len(shapes) // blocks)
+        self.blocks = nn.ModuleList(_Block(shapes[i : i + per]) for i in range(0, len(shapes), per))
+
+    def forward(self, gs: list[torch.Tensor]) -> torch.Tensor:
+        losses, i = [], 0
+        for block in self.blocks:
+            n = len(block.ps)
+            losses.append(block(gs[i : i + n]))
+            i += n
+        return torch.stack(losses).sum()
+
+
+@contextlib.contextmanager
+def _sync_errors(on: bool) -> Iterator[None]:
+    """``torch.cuda.set_sync_debug_mode("error")`` inside, when ``on``.
+
+    The mode is process-wide (c10's warning state), so it covers the autograd
+    thread the hook runs on too.
+    """
+    if not on:
+        yield
+        return
+    torch.cuda.set_sync_debug_mode("error")
+    try:
+        yield
+    finally:
+        torch.cuda.set_sync_debug_mode("default")
+
+
+def _error(exc: BaseException, where: str) -> str:
+    tb = "".join(traceback.format_exception(exc)[-6:])
+    return f"{where}: {type(exc).__name__}: {exc}\n{tb}"
+
+
+def _device(device: str) -> torch.device:
+    dev = torch.device(device)
+    if dev.type == "cuda":
+        torch.cuda.set_device(0)  # one GPU: every rank on it
+    return dev
+
+
+def ddp_grads(
+    rank: int,
+    world_size: int,
+    device: str,
+    cases: Sequence[HookCase],
+    steps: int = 4,
+    sync_error_from: int | None = None,
+) -> list[dict[str, Any]]:
+    """Per case, DDP + :func:`aps_comm.register` on :class:`GradModel` for ``steps`` steps.
+
+    Args:
+        rank: this rank.
+        world_size: ranks.
+        device: "cuda" or "cpu".
+        cases: the configurations, run one after another in this process.
+        steps: steps per case.
+        sync_error_from: the first step run under
+            ``torch.cuda.set_sync_debug_mode("error")`` (None: none).
+
+    Returns:
+        Per case: {"case", "grads" (per step, every parameter's gradient on the
+        CPU), "bucket_reductions" (sorted, last step), "bytes_detail" (last
+        step), "numel", "error" (None, or what raised and at which step)}.
+    """
+    dev = _device(device)
+    results = []
+    for case in cases:
+        out: dict[str, Any] = {
+            "case": case.name,
+            "grads": [],
+            "bucket_reductions": [],
+            "bytes_detail": {},
+            "numel": sum(math.prod(s) for s in SHAPES),
+            "error": None,
+        }
+        step = -1
+        try:
+            model = GradModel().to(dev)
+            ddp = DDP(model, bucket_cap_mb=BUCKET_CAP_MB)
+            state = aps_comm.register(
+                ddp, case.fmt, reduction=case.reduction, ranks_per_node=case.ranks_per_node
+            )
+            state.chunk_elements = CHUNK_ELEMENTS
+            for step in range(steps):
+                gs = [g.to(dev) for g in rank_grads(rank, step)]
+                ddp.zero_grad(set_to_none=True)
+                strict = (
+                    dev.type == "cuda" and sync_error_from is not None and step >= sync_error_from
+                )
+                with _sync_errors(strict):
+                    ddp(gs).backward()
+                out["grads"].append([p.grad.detach().cpu().clone() for p in model.parameters()])
+            out["bucket_reductions"] = sorted(set(state.bucket_reductions.values()))
+            out["bytes_detail"] = dict(state.bytes_detail)
+        except Exception as exc:  # recorded; the next case gets a fresh model and state
+            out["error"] = _error(exc, f"{case.name}, step {step}")
+        results.append(out)
+    return results
+
+
+def fsdp_grads(
+    rank: int, world_size: int, device: str, fmt: str = "e4m3", steps: int = 3
+) -> dict[str, Any]:
+    """FSDP2 (``fully_shard`` per block, then the root) + :func:`aps_comm.fsdp.register`.
+
+    Returns:
+        {"grads" (per step, every parameter's local shard on the CPU),
+        "bytes_detail" (last step), "error"}.
+    """
+    from torch.distributed.device_mesh import init_device_mesh
+    from torch.distributed.fsdp import fully_shard
+
+    import aps_comm.fsdp
+
+    dev = _device(device)
+    out: dict[str, Any] = {"grads": [], "bytes_detail": {}, "error": None}
+    step = -1
+    try:
+        mesh = init_device_mesh(dev.type, (world_size,))
+        model = GradModel()
+        for block in model.blocks:
+            fully_shard(block, mesh=mesh)
+        fully_shard(model, mesh=mesh)
+        state = aps_comm.fsdp.register(model, fmt)
+        for step in range(steps):
+            gs = [g.to(dev) for g in rank_grads(rank, step)]
+            model(gs).backward()
+            out["grads"].append(
+                [p.grad.to_local().detach().cpu().clone() for p in model.parameters()]
+            )
+            model.zero_grad(set_to_none=True)
+        out["bytes_detail"] = dict(state.bytes_detail)
+    except Exception as exc:
+        out["error"] = _error(exc, f"FSDP {fmt}, step {step}")
+    return out
+
+
+def labelled_hook(
+    state: aps_comm.APSState, bucket: dist.GradBucket
+) -> torch.futures.Future[torch.Tensor]:
+    """:func:`aps_comm.aps_hook` inside a profiler range named after the bucket."""
+    with torch.profiler.record_function(f"{BUCKET_PREFIX}{bucket.index()}"):
+        return aps_comm.aps_hook(state, bucket)
+
+
+def profile_step(
+    rank: int, world_size: int, device: str, cases: Sequence[HookCase], warm_steps: int = 3
+) -> list[dict[str, Any]]:
+    """Per case, :func:`bucket_profile` of one DDP step after ``warm_steps`` unprofiled ones.
+
+    The hook is :func:`labelled_hook` (``APSState`` + ``aps_hook``, as
+    :func:`aps_comm.register` installs it, inside a named range). The step
+    ends with one ``torch.cuda.synchronize`` on CUDA, so every kernel is in
+    the trace: it is counted under "outside".
+    """
+    dev = _device(device)
+    activities = [torch.profiler.ProfilerActivity.CPU]
+    if dev.type == "cuda":
+        activities.append(torch.profiler.ProfilerActivity.CUDA)
+    results = []
+    for case in cases:
+        try:
+            model = GradModel().to(dev)
+            ddp = DDP(model, bucket_cap_mb=BUCKET_CAP_MB)
+            state = aps_comm.APSState(
+                fmt=case.fmt, reduction=case.reduction, ranks_per_node=case.ranks_per_node
+            )
+            state.bind_model(model)
+            ddp.register_comm_hook(state, labelled_hook)
+            state.chunk_elements = CHUNK_ELEMENTS
+            for step in range(warm_steps + 1):
+                gs = [g.to(dev) for g in rank_grads(rank, step)]
+                ddp.zero_grad(set_to_none=True)
+                profiler = (
+                    torch.profiler.profile(activities=activities)
+                    if step == warm_steps
+                    else contextlib.nullcontext()
+                )
+                with profiler as prof:
+                    ddp(gs).backward()
+                    if dev.type == "cuda":
+                        torch.cuda.synchronize()
+            events = [
+                ProfileEvent(
+                    name=e.name,
+                    thread=e.thread,
+                    start_us=e.time_range.start,
+                    end_us=e.time_range.end,
+                    on_device=e.device_type != torch.autograd.DeviceType.CPU,
+                    kernels=tuple(k.name for k in e.kernels),
+                )
+                for e in prof.events()
+            ]
+            summary = bucket_profile(events)
+            summary["bucket_reductions"] = sorted(set(state.bucket_reductions.values()))
+            results.append({"case": case.name, "error": None, **summary})
+        except Exception as exc:
+            results.append({"case": case.name, "error": _error(exc, case.name)})
+    return results
+
+
+# ---------------------------------------------------------------------------
+# The steps.
+
+
+@dataclasses.dataclass(frozen=True)
+class CodecTiming:
+    """Medians of one codec timing (milliseconds) and its ratios to the copy."""
+
+    copy_ms: float
+    encode_ms: float
+    decode_ms: float
+    ratio: float
+
+    def to_json(self) -> dict[str, float]:
+        return {k: round(v, 4) for k, v in dataclasses.asdict(self).items()}
+
+
+@dataclasses.dataclass(frozen=True)
+class StepContext:
+    """What every step gets.
+
+    Attributes:
+        env: the machine.
+        out: the output folder.
+        deadline: ``time.monotonic()`` past which no step should run.
+    """
+
+    env: Environment
+    out: Path
+    deadline: float
+
+    def remaining(self) -> float:
+        """Seconds left of the budget."""
+        return self.deadline - time.monotonic()
+
+    def timeout(self, wanted: float) -> float:
+        """``wanted`` seconds, or what is left of the budget if less (at least 1)."""
+        return max(1.0, min(wanted, self.remaining()))
+
+
+def _step_cuda_tests(ctx: StepContext) -> StepResult:
+    test_file = _ROOT / "tests" / "test_cuda.py"
+    if not test_file.exists():
+        return StepResult("cuda_tests", Status.SKIPPED, f"{test_file.name} is not in this checkout")
+    xml = (ctx.out / "cuda_tests.xml").resolve()  # pytest runs in the checkout
+    cmd = [sys.executable, "-m", "pytest", str(test_file), "-q", "-rs", "-p", "no:cacheprovider"]
+    try:
+        proc = subprocess.run(
+            [*cmd, f"--junitxml={xml}"],
+            cwd=_ROOT,
+            capture_output=True,
+            text=True,
+            timeout=ctx.timeout(600),
+            check=False,
+        )
+    except subprocess.TimeoutExpired as exc:
+        return StepResult("cuda_tests", Status.FAILED, f"pytest ran past {exc.timeout:.0f} s")
+    output = proc.stdout + proc.stderr
+    summary = next((ln for ln in reversed(output.splitlines()) if ln.strip()), "")
+    details: dict[str, Any] = {
+        "command": "python -m pytest tests/test_cuda.py -q -rs",
+        "returncode": proc.returncode,
+        "summary": summary,
+        "output_tail": output[-4000:],
+    }
+    if xml.exists():
+        details["counts"] = junit_counts(xml.read_text())
+    passed = details.get("counts", {}).get("passed", 0)
+    if proc.returncode == 0 and passed > 0:
+        return StepResult("cuda_tests", Status.PASSED, details=details)
+    return StepResult(
+        "cuda_tests", Status.FAILED, summary or f"exit {proc.returncode}", 0.0, details
+    )
+
+
+def _events_ms(fns: dict[str, Callable[[], object]], repeats: int) -> dict[str, list[float]]:
+    """Each function's time per repeat, CUDA events around it, the repeats interleaved."""
+    for fn in fns.values():
+        for _ in range(3):  # warm-up: allocator, kernel loading
+            fn()
+    marks: dict[str, list[tuple[torch.cuda.Event, torch.cuda.Event]]] = {k: [] for k in fns}
+    for _ in range(repeats):
+        for name, fn in fns.items():
+            start = torch.cuda.Event(enable_timing=True)
+            end = torch.cuda.Event(enable_timing=True)
+            start.record()
+            fn()
+            end.record()
+            marks[name].append((start, end))
+    torch.cuda.synchronize()
+    return {k: [s.elapsed_time(e) for s, e in v] for k, v in marks.items()}
+
+
+def _step_codec(ctx: StepContext, repeats: int = 50) -> StepResult:
+    dev = torch.device("cuda", 0)
+    fmt = get_format("e4m3")
+    n = _MIB * 2**20 // 4
+    x = torch.randn(n, device=dev)
+    y = torch.empty_like(x)
+    payload = torch.empty(payload_nbytes(n, fmt), dtype=torch.uint8, device=dev)
+    # 100 layers of one size, each with its own power of two, as the hook scales them.
+    layout = codec.Layout.from_numels([n // 100] * 99 + [n - 99 * (n // 100)], dev)
+    scale = torch.exp2(torch.randint(-4, 5, (100,), device=dev).float())
+    unscale = 1 / scale
+    # Correct first: the device's bytes are the CPU kernels' bytes.
+    m, cpu = 1 << 20, torch.device("cpu")
+    gpu_bytes = codec.encode(x[:m], fmt, scale=scale[:1], layout=codec.Layout.from_numels([m], dev))
+    cpu_bytes = codec.encode(
+        x[:m].cpu(), fmt, scale=scale[:1].cpu(), layout=codec.Layout.from_numels([m], cpu)
+    )
+    if not torch.equal(gpu_bytes.cpu(), cpu_bytes):
+        differ = int((gpu_bytes.cpu() != cpu_bytes).sum())
+        return StepResult(
+            "codec", Status.FAILED, f"{differ} of {m} e4m3 bytes differ from the CPU's"
+        )
+    ms = _events_ms(
+        {
+            "copy": lambda: y.copy_(x),
+            "encode": lambda: codec.encode(x, fmt, out=payload),
+            "decode": lambda: codec.decode(payload, fmt, n, out=y),
+            "scaled_encode": lambda: codec.encode(x, fmt, out=payload, scale=scale, layout=layout),
+            "scaled_decode": lambda: codec.decode(
+                payload, fmt, n, out=y, scale=unscale, layout=layout
+            ),
+        },
+        repeats,
+    )
+    plain = CodecTiming(
+        statistics.median(ms["copy"]),
+        statistics.median(ms["encode"]),
+        statistics.median(ms["decode"]),
+        median_ratio([ms["encode"], ms["decode"]], ms["copy"]),
+    )
+    scaled = CodecTiming(
+        plain.copy_ms,
+        statistics.median(ms["scaled_encode"]),
+        statistics.median(ms["scaled_decode"]),
+        median_ratio([ms["scaled_encode"], ms["scaled_decode"]], ms["copy"]),
+    )
+    details = {
+        "buffer_mib": _MIB,
+        "elements": n,
+        "repeats": repeats,
+        "backend": codec.backend_for(fmt, dev),
+        "copy_gb_per_s": round(2 * 4 * n / (plain.copy_ms * 1e-3) / 1e9, 1),
+        "target": _CODEC_TARGET,
+        "ideal": 1.25,
+        "unscaled": plain.to_json(),
+        "scaled": scaled.to_json(),
+    }
+    missed = [
+        f"{name} (encode + decode) / copy = {t.ratio:.2f}x > {_CODEC_TARGET}x"
+        for name, t in (("unscaled", plain), ("per-layer scaled", scaled))
+        if t.ratio > _CODEC_TARGET
+    ]
+    if missed:
+        return StepResult("codec", Status.FAILED, "; ".join(missed), 0.0, details)
+    return StepResult("codec", Status.PASSED, details=details)
+
+
+def _compare_cases(
+    cases: Sequence[HookCase],
+    got: Sequence[Sequence[dict]],
+    want: Sequence[Sequence[dict]],
+    label: str,
+) -> list[dict[str, Any]]:
+    """One row per case: every rank against its reference, and every rank against rank 0."""
+    rows = []
+    for i, case in enumerate(cases):
+        problems = []
+        for rank in range(len(got)):
+            problems += [
+                f"rank {rank}: {p}" for p in check_hook_case(case, got[rank][i], want[rank][i])
+            ]
+            if rank and not got[rank][i]["error"] and not got[0][i]["error"]:
+                bad, total = count_mismatches(got[rank][i]["grads"], got[0][i]["grads"])
+                if bad:
+                    problems.append(f"rank {rank}: {bad} of {total} elements differ from rank 0")
+        ref = reference_case(case)
+        rows.append(
+            {
+                "case": case.name,
+                "run": label,
+                "status": (Status.FAILED if problems else Status.PASSED).value,
+                "reason": "; ".join(problems),
+                "reference": f"gloo/cpu {ref.name}",
+                "bucket_reductions": got[0][i]["bucket_reductions"],
+                "bytes_detail": got[0][i]["bytes_detail"],
+                "elements": got[0][i]["numel"],
+            }
+        )
+    return rows
+
+
+def _skipped_row(case: HookCase, label: str, reason: str) -> dict[str, Any]:
+    return {"case": case.name, "run": label, "status": Status.SKIPPED.value, "reason": reason}
+
+
+def _case_step(name: str, rows: list[dict[str, Any]], extra: dict[str, Any]) -> StepResult:
+    failed = [r for r in rows if r["status"] == Status.FAILED.value]
+    ran = [r for r in rows if r["status"] == Status.PASSED.value]
+    details = {**extra, "cases": rows}
+    if failed:
+        reason = "; ".join(f"{r['case']} ({r['run']}): {r['reason']}" for r in failed)
+        return StepResult(name, Status.FAILED, reason, 0.0, details)
+    if not ran:
+        return StepResult(name, Status.SKIPPED, "every case was skipped", 0.0, details)
+    return StepResult(name, Status.PASSED, details=details)
+
+
+_NCCL_CASES = tuple(
+    [HookCase(f, r) for f in ("fp16", "bf16") for r in ("allreduce", "two_phase")]
+    + [HookCase(f, r) for f in ("e4m3", "e5m2") for r in ("allreduce", "two_phase")]
+    + [
+        HookCase("e3m2", "two_phase"),
+        HookCase("e4m3", "hierarchical", ranks_per_node=2),
+        HookCase("e4m3", "grid"),
+    ]
+)
+_STEPS_PER_CASE = 4
+_SYNC_ERROR_FROM = 2
+
+
+def _step_hook_nccl(ctx: StepContext) -> StepResult:
+    label = "nccl, 1 rank"
+    rows, runnable = [], []
+    for case in _NCCL_CASES:
+        reason = hook_skip_reason(case, "nccl", 1, ctx.env.native_fp8)
+        if reason:
+            rows.append(_skipped_row(case, label, reason))
+        else:
+            runnable.append(case)
+    gpu = run_distributed(
+        ddp_grads,
+        1,
+        args=("cuda", runnable, _STEPS_PER_CASE, _SYNC_ERROR_FROM),
+        backend="nccl",
+        timeout=ctx.timeout(300),
+    )
+    cpu = run_distributed(
+        ddp_grads,
+        1,
+        args=("cpu", [reference_case(c) for c in runnable], _STEPS_PER_CASE, None),
+        timeout=ctx.timeout(300),
+    )
+    rows += _compare_cases(runnable, gpu, cpu, label)
+    extra = {
+        "steps": _STEPS_PER_CASE,
+        "sync_debug_error_from_step": _SYNC_ERROR_FROM,
+        "native_fp8": ctx.env.native_fp8 or "supported",
+    }
+    return _case_step("hook_nccl", rows, extra)
+
+
+_GLOO_CASES: dict[int, tuple[HookCase, ...]] = {
+    2: (
+        HookCase("e4m3", "two_phase"),
+        HookCase("fp16", "allreduce"),
+        HookCase("e3m2", "two_phase"),
+    ),
+    4: (
+        HookCase("e4m3", "two_phase"),
+        HookCase("e4m3", "hierarchical", ranks_per_node=2),
+        HookCase("e4m3", "grid"),
+        HookCase("bf16", "allreduce"),
+    ),
+}
+
+
+def _step_hook_gloo_cuda(ctx: StepContext) -> StepResult:
+    rows = []
+    for world, cases in _GLOO_CASES.items():
+        label = f"gloo + cuda tensors, {world} ranks"
+        runnable = []
+        for case in cases:
+            reason = hook_skip_reason(case, "gloo", world, ctx.env.native_fp8)
+            if reason:
+                rows.append(_skipped_row(case, label, reason))
+            else:
+                runnable.append(case)
+        gpu = run_distributed(
+            ddp_grads, world, args=("cuda", runnable, 3), timeout=ctx.timeout(300)
+        )
+        cpu = run_distributed(ddp_grads, world, args=("cpu", runnable, 3), timeout=ctx.timeout(300))
+        rows += _compare_cases(runnable, gpu, cpu, label)
+    return _case_step("hook_gloo_cuda", rows, {"steps": 3, "sync_debug": "not applicable"})
+
+
+def _step_fsdp(ctx: StepContext, world: int = 2, fmt: str = "e4m3") -> StepResult:
+    gpu = run_distributed(fsdp_grads, world, args=("cuda", fmt), timeout=ctx.timeout(300))
+    cpu = run_distributed(fsdp_grads, world, args=("cpu", fmt), timeout=ctx.timeout(300))
+    problems = [
+        f"rank {rank}: {p}"
+        for rank in range(world)
+        for p in check_fsdp(gpu[rank], cpu[rank], world, fmt)
+    ]
+    details = {
+        "ranks": world,
+        "format": fmt,
+        "run": "gloo + cuda tensors on one GPU, against gloo/cpu",
+        "why_not_nccl": "FSDP2 skips the reduce-scatter at world size 1 "
+        "(torch.distributed.fsdp._fully_shard._fsdp_collectives.foreach_reduce), and "
+        "NCCL puts one rank on each GPU",
+        "bytes_detail": gpu[0]["bytes_detail"],
+    }
+    if problems:
+        return StepResult("fsdp", Status.FAILED, "; ".join(problems), 0.0, details)
+    return StepResult("fsdp", Status.PASSED, details=details)
+
+
+_STALLS = (EventKind.HOST_SYNC, EventKind.D2H_COPY, EventKind.H2D_COPY)
+
+
+def _step_profile(ctx: StepContext) -> StepResult:
+    cases = [HookCase("e4m3", "two_phase"), HookCase("fp16", "allreduce")]
+    if ctx.env.native_fp8 is None:
+        cases.append(HookCase("e4m3", "allreduce"))
+    out = run_distributed(
+        profile_step, 1, args=("cuda", cases), backend="nccl", timeout=ctx.timeout(300)
+    )[0]
+    failed = [f"{r['case']}: {r['error']}" for r in out if r["error"]]
+    # After warm-up a bucket's path neither blocks the host nor copies between
+    # host and device (plans, scales and chunk sizes are all built by then).
+    stalls = [
+        f"{r['case']} bucket {b['bucket']}: "
+        + ", ".join(f"{b[k.value]} {k.value}" for k in _STALLS if b[k.value])
+        for r in out
+        if not r["error"]
+        for b in r["buckets"]
+        if any(b[k.value] for k in _STALLS)
+    ]
+    details = {"ranks": 1, "backend": "nccl", "cases": out}
+    if failed or stalls:
+        return StepResult("profile", Status.FAILED, "; ".join(failed + stalls), 0.0, details)
+    return StepResult("profile", Status.PASSED, details=details)
+
+
+STEPS: dict[str, Callable[[StepContext], StepResult]] = {
+    "cuda_tests": _step_cuda_tests,
+    "codec": _step_codec,
+    "hook_nccl": _step_hook_nccl,
+    "hook_gloo_cuda": _step_hook_gloo_cuda,
+    "fsdp": _step_fsdp,
+    "profile": _step_profile,
+}
+"""Every step, in the order they run."""
+
+
+def _skip_reason(name: str, env: Environment) -> str | None:
+    if not env.cuda:
+        return "no CUDA device (torch.cuda.is_available() is False)"
+    if name in ("hook_nccl", "profile") and not env.nccl_backend:
+        return "torch.distributed has no NCCL backend"
+    if name in ("hook_gloo_cuda", "fsdp") and not env.gloo_backend:
+        return "torch.distributed has no Gloo backend"
+    return None
+
+
+def _run_step(name: str, ctx: StepContext) -> StepResult:
+    reason = _skip_reason(name, ctx.env)
+    if reason is None and ctx.remaining() < 30:
+        reason = "the time budget was spent by the steps before"
+    if reason is not None:
+        return StepResult(name, Status.SKIPPED, reason)
+    start = time.monotonic()
+    try:
+        result = STEPS[name](ctx)
+    except Exception as exc:  # a broken step is a failed step, not a stopped run
+        result = StepResult(name, Status.FAILED, _error(exc, name))
+    return dataclasses.replace(result, seconds=time.monotonic() - start)
+
+
+# ---------------------------------------------------------------------------
+# The report.
+
+
+def _cell(text: Any) -> str:
+    return str(text).replace("|", "\\|").replace("\n", " ")
+
+
+def _short(text: str, limit: int = 300) -> str:
+    text = " ".join(str(text).split())
+    return text if len(text) <= limit else text[: limit - 3] + "..."
+
+
+def render_markdown(report: dict[str, Any]) -> str:
+    """The report as markdown: a table of steps, then each step's numbers.
+
+    Example:
+        >>> md = render_markdown({"command": "python -m benchmarks.gpu", "machine": {},
+        ...     "steps": [{"name": "codec", "status": "skipped", "reason": "no GPU",
+        ...                "seconds": 0.0, "details": {}}]})
+        >>> "| codec | skipped | no GPU |" in md
+        True
+    """
+    lines = [
+        "# GPU acceptance",
+        "",
+        f"Generated by `{report['command']}`.",
+        "",
+        "Machine: "
+        + (", ".join(f"{k} {v}" for k, v in report["machine"].items()) or "not recorded"),
+        "",
+        "| step | status | reason | seconds |",
+        "| --- | --- | --- | --- |",
+    ]
+    for s in report["steps"]:
+        lines.append(
+            f"| {s['name']} | {s['status']} | {_cell(_short(s['reason']))} | {s['seconds']:.1f} |"
+        )
+    for s in report["steps"]:
+        d = s["details"]
+        if not d:
+            continue
+        lines += ["", f"## {s['name']}", ""]
+        if s["name"] == "codec" and "scaled" in d:
+            lines += [
+                f"e4m3, {d['buffer_mib']} MiB float32, {d['repeats']} repeats (medians), "
+                f"backend {d['backend']}; copy {d['copy_gb_per_s']} GB/s (read + write). "
+                f"Target <= {d['target']}x, memory-bound ideal {d['ideal']}x.",
+                "",
+                "| variant | copy ms | encode ms | decode ms | (enc + dec) / copy |",
+                "| --- | --- | --- | --- | --- |",
+            ]
+            for key in ("unscaled", "scaled"):
+                t = d[key]
+                lines.append(
+                    f"| {key} | {t['copy_ms']:.3f} | {t['encode_ms']:.3f} | "
+                    f"{t['decode_ms']:.3f} | {t['ratio']:.2f}x |"
+                )
+        elif "cases" in d and s["name"] != "profile":
+            lines += [
+                "| case | run | status | reason | bytes_detail |",
+                "| --- | --- | --- | --- | --- |",
+            ]
+            for r in d["cases"]:
+                lines.append(
+                    f"| {r['case']} | {r['run']} | {r['status']} | {_cell(_short(r['reason']))} | "
+                    f"{_cell(r.get('bytes_detail', ''))} |"
+                )
+        elif s["name"] == "profile" and "cases" in d:
+            kinds = [k.value for k in EventKind]
+            lines += [
+                "| case | bucket | " + " | ".join(kinds) + " |",
+                "| --- | --- | " + " | ".join("---" for _ in kinds) + " |",
+            ]
+            for r in d["cases"]:
+                if r["error"]:
+                    lines.append(f"| {r['case']} | error | {_cell(_short(r['error']))} |")
+                    continue
+                rows = [*r["buckets"], {"bucket": "outside", **r["outside"]}]
+                for b in rows:
+                    lines.append(
+                        f"| {r['case']} | {b['bucket']} | "
+                        + " | ".join(str(b[k]) for k in kinds)
+                        + " |"
+                    )
+        else:
+            shown = {k: v for k, v in d.items() if k != "output_tail"}
+            lines += ["```", json.dumps(shown, indent=2), "```"]
+            if "output_tail" in d:
+                lines += ["", "```", d["output_tail"][-1500:].strip(), "```"]
+    return "\n".join(lines) + "\n"
+
+
+def main(argv: Sequence[str] | None = None) -> int:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--out", type=Path, required=True, help="folder for gpu.json and gpu.md")
+    parser.add_argument(
+        "--steps",
+        default=",".join(STEPS),
+        help=f"comma-separated steps to run (default: all of {','.join(STEPS)})",
+    )
+    parser.add_argument(
+        "--budget-s", type=float, default=1200.0, help="wall-time budget, seconds (default 1200)"
+    )
+    args = parser.parse_args(argv)
+    names = [s for s in args.steps.split(",") if s]
+    unknown = [s for s in names if s not in STEPS]
+    if unknown:
+        parser.error(f"unknown steps {unknown}; known: {list(STEPS)}")
+    if args.budget_s <= 0:
+        parser.error(f"--budget-s must be positive, got {args.budget_s}")
+    args.out.mkdir(parents=True, exist_ok=True)
+    env = Environment.detect()
+    ctx = StepContext(env, args.out, time.monotonic() + args.budget_s)
+    started = time.monotonic()
+    results = []
+    for name in names:
+        result = _run_step(name, ctx)
+        print(
+            f"{name:15s} {result.status.value:8s} {result.seconds:7.1f} s  {_short(result.reason, 200)}",
+            flush=True,
+        )
+        results.append(result)
+    # The folder's name only: a report may be committed, a machine's path must not be.
+    shown_args = ["--out", args.out.name]
+    if names != list(STEPS):
+        shown_args += ["--steps", ",".join(names)]
+    report = {
+        "command": "python -m benchmarks.gpu " + " ".join(shown_args),
+        "machine": env.to_json(),
+        "seconds": round(time.monotonic() - started, 1),
+        "steps": [r.to_json() for r in results],
+    }
+    (args.out / "gpu.json").write_text(json.dumps(report, indent=2) + "\n")
+    (args.out / "gpu.md").write_text(render_markdown(report))
+    return 1 if any(r.status == Status.FAILED for r in results) else 0
+
+
+if __name__ == "__main__":
+    # Run as benchmarks.gpu, not __main__, so run_distributed's ranks can import
+    # the per-rank functions by their module's name.
+    from benchmarks.gpu import main as _main
+
+    sys.exit(_main())

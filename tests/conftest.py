@@ -1,0 +1,162 @@
+"""Helpers shared by the multi-rank hook tests (test_hook, test_engine, test_hierarchical).
+
+They run inside the ranks that :func:`aps_comm.testing.run_distributed` starts,
+so they are plain importable functions rather than fixtures: a rank unpickles
+its test function by module name and imports ``conftest`` from ``tests/``.
+
+Example:
+    >>> from conftest import Net, capture, check_log
+    >>> log = []
+    >>> ddp.register_comm_hook(state, capture(state, log))  # inside a rank
+    >>> check_log(log, get_format("e4m3"), "two_phase", "layer")
+"""
+
+# No `from __future__ import annotations`: DDP's register_comm_hook checks
+# the hook's `bucket` annotation is dist.GradBucket itself, not a string.
+import itertools
+import math
+
+import torch
+import torch.distributed as dist
+import torch.nn as nn
+
+from aps_comm import APSState, aps_hook
+from aps_comm.formats import FloatFormat, quantize
+from aps_comm.plan import chunk_bounds
+from aps_comm.scaling import exponents, layer_amax, pow2
+from aps_comm.simulate import ring_chunks
+
+__all__ = ["Net", "capture", "check_log", "gather", "reference"]
+
+
+class Net(nn.Module):
+    """Parameter sizes are multiples of 4 so buckets split evenly over 4 ranks."""
+
+    def __init__(self, *, unused: bool = False, empty: bool = False, zero: bool = False) -> None:
+        super().__init__()
+        self.a = nn.Linear(16, 32)
+        self.b = nn.Linear(32, 32)
+        self.c = nn.Linear(32, 8)
+        self.unused = nn.Linear(4, 4) if unused else None
+        self.empty = nn.Parameter(torch.empty(0)) if empty else None
+        # A layer whose gradient is exactly zero on every rank.
+        self.z = nn.Parameter(torch.ones(4)) if zero else None
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        h = torch.relu(self.a(x))
+        # Different gradient magnitudes per layer, so exponents differ.
+        h = torch.relu(self.b(h)) * 1e-3
+        out = self.c(h)
+        if self.z is not None:
+            out = out + 0.0 * self.z.sum()
+        if self.empty is not None:
+            out = out + self.empty.sum()
+        return out
+
+
+def capture(state: APSState, log: list):
+    """A hook that records each bucket's raw input and output around aps_hook."""
+
+    def hook(st: APSState, bucket: dist.GradBucket) -> torch.futures.Future[torch.Tensor]:
+        raw = bucket.buffer().detach().clone()
+        numels = [p.numel() for p in bucket.parameters()]
+        fut = aps_hook(st, bucket)
+
+        def save(f: torch.futures.Future) -> torch.Tensor:
+            out = f.value()
+            log.append((bucket.index(), raw, numels, out.detach().clone()))
+            return out
+
+        return fut.then(save)
+
+    return hook
+
+
+def _gloo_ring_sum(
+    q: torch.Tensor, dtype: torch.dtype, chunk_elements: int | None = None
+) -> torch.Tensor:
+    """Sum rows of ``q`` (N, n) in the order Gloo's ring all-reduce uses.
+
+    Chunk c of the ring (:func:`aps_comm.simulate.ring_chunks`) accumulates
+    ranks c-1, c-2, ..., c+1, then c, each addition in float32 rounded back to
+    ``dtype`` (measured on Gloo). With ``chunk_elements`` every chunk of the
+    bucket is its own all-reduce, as the hook pipelines it.
+    """
+    n_ranks, n = q.shape
+    wire = q.to(dtype)
+    if n_ranks == 1:
+        return wire[0].float()
+    out = torch.empty(n, dtype=dtype)
+    for lo, hi in chunk_bounds(n, chunk_elements or max(n, 1)):
+        starts = ring_chunks(hi - lo, n_ranks, wire.element_size())
+        for c in range(n_ranks):
+            sl = slice(lo + starts[c], lo + starts[c + 1])
+            order = [(c - k) % n_ranks for k in range(1, n_ranks)] + [c]
+            acc = wire[order[0], sl]
+            for r in order[1:]:
+                acc = (acc.float() + wire[r, sl].float()).to(dtype)
+            out[sl] = acc
+    return out.float()
+
+
+def reference(
+    raws: torch.Tensor,
+    numels: list[int],
+    fmt: FloatFormat,
+    reduction: str,
+    scaling: str,
+    chunk_elements: int | None = None,
+) -> torch.Tensor:
+    """The exact averaged bucket from all ranks' raw buckets (N, n)."""
+    n_ranks = raws.shape[0]
+    raws = raws.float()
+    bounds = [0, *torch.cumsum(torch.tensor(numels), 0).tolist()]
+    layers = [raws[:, lo:hi] for lo, hi in itertools.pairwise(bounds)]
+    amax = layer_amax([layer.reshape(-1) for layer in layers])
+    exps = exponents(amax, fmt, world_size=n_ranks, reduction=reduction, scaling=scaling)
+    q = torch.cat(
+        [quantize(layer * pow2(e), fmt) for layer, e in zip(layers, exps, strict=True)], dim=1
+    )
+    if reduction == "two_phase":
+        acc = q[0].clone()
+        for r in range(1, n_ranks):
+            acc = acc + q[r]
+        reduced = quantize(acc / n_ranks, fmt)
+        factors = pow2(-exps)
+    else:
+        reduced = _gloo_ring_sum(q, fmt.torch_dtype, chunk_elements)
+        factors = pow2(-exps) / n_ranks
+    out = torch.empty(raws.shape[1])
+    for (lo, hi), f, a in zip(itertools.pairwise(bounds), factors, amax, strict=True):
+        out[lo:hi] = reduced[lo:hi] * f if math.isfinite(a) else float("nan")
+    return out
+
+
+def gather(t: torch.Tensor) -> torch.Tensor:
+    parts = [torch.empty_like(t) for _ in range(dist.get_world_size())]
+    dist.all_gather(parts, t.contiguous())
+    return torch.stack(parts)
+
+
+def check_log(
+    log: list,
+    fmt: FloatFormat,
+    reduction: str,
+    scaling: str,
+    dtype=None,
+    chunk_elements: int | None = None,
+) -> int:
+    """Compare every captured bucket with the reference; returns buckets checked."""
+    assert log, "the hook never ran"
+    for _, raw, numels, out in sorted(log, key=lambda item: item[0]):
+        raws = gather(raw)
+        expected = reference(raws, numels, fmt, reduction, scaling, chunk_elements)
+        if dtype is not None and dtype != torch.float32:
+            expected = expected.to(dtype)
+        got = out.float() if dtype is None else out
+        ok = torch.equal(got.nan_to_num(nan=7.0), expected.to(got.dtype).nan_to_num(nan=7.0))
+        assert ok, f"bucket mismatch: max diff {(got.float() - expected.float()).abs().max()}"
+        # Bitwise identical on every rank.
+        outs = gather(out.float())
+        assert torch.equal(outs.nan_to_num(nan=7.0), outs[:1].expand_as(outs).nan_to_num(nan=7.0))
+    return len(log)

@@ -1,0 +1,307 @@
+"""The Python API's predict and sweep, and the ``aps-perfmodel`` command line (invoked in-process
+through ``main(argv)``).
+"""
+
+from __future__ import annotations
+
+import json
+
+import pytest
+
+from aps_perfmodel import (
+    ComputeTime,
+    ModelSpec,
+    custom_cluster,
+    get_cluster,
+    get_model,
+    predict,
+    sweep,
+)
+from aps_perfmodel.cli import main as cli_main
+from aps_perfmodel.units import parse_bandwidth, parse_time
+
+# --- API, CLI ----------------------------------------------------------------------
+
+
+def test_predict_cluster_sizes_and_sweep() -> None:
+    assert get_cluster("dgx-h100", world_size=64).topology.nodes == 8
+    with pytest.raises(ValueError, match="multiple"):
+        get_cluster("dgx-h100", world_size=12)
+    rows = sweep(
+        get_model("bert-large"),
+        get_cluster("10gbe"),
+        bandwidths=[1e8, 1e10],
+        world_sizes=[4, 16],
+        compute=ComputeTime.from_step_time(0.3),
+    )
+    assert len(rows) == 12
+    slow = [r for r in rows if r.bandwidth_Bps == 1e8 and r.format == "e4m3"]
+    fast = [r for r in rows if r.bandwidth_Bps == 1e10 and r.format == "e4m3"]
+    assert all(s.speedup_vs_fp32 > f.speedup_vs_fp32 for s, f in zip(slow, fast, strict=True))
+
+
+def test_cli_predict_json(capsys: pytest.CaptureFixture[str]) -> None:
+    rc = cli_main(
+        [
+            "predict",
+            "--model",
+            "resnet50",
+            "--world-size",
+            "64",
+            "--cluster",
+            "100gbe",
+            "--fmt",
+            "e4m3",
+            "--json",
+        ]
+    )
+    assert rc == 0
+    out = json.loads(capsys.readouterr().out)
+    assert set(out["formats"]) == {"fp32", "fp16", "e4m3"}
+    for v in out["formats"].values():
+        assert {"comm_s", "step_s", "speedup_vs_fp32"} <= set(v)
+    assert out["formats"]["fp32"]["speedup_vs_fp32"] == 1.0
+
+
+def test_cli_predict_params_alone_is_communication_only(
+    tmp_path, capsys: pytest.CaptureFixture[str]
+) -> None:
+    argv = ["predict", "--params", "25.6M", "--bandwidth", "10Gbit", "--latency", "20us"]
+    argv += ["--nodes", "16"]
+    assert cli_main([*argv, "--json"]) == 0
+    out = json.loads(capsys.readouterr().out)
+    assert out["communication_only"] is True and out["compute"] is None
+    assert "'25.6M params' has no FLOP counts" in out["note"]
+    # It says the comm speedup is not the step's, and how to ask for the step.
+    assert "'comm speedup' is not the step speedup" in out["note"]
+    for how in ("--step-time", "--forward-time/--backward-time", "--model with a preset"):
+        assert how in out["note"], how
+    # Nothing was estimated, so no batch or MFU is claimed.
+    assert out["assumptions"]["compute"] == "none: communication only"
+    assert "batch_per_rank" not in out["assumptions"] and "mfu" not in out["assumptions"]
+    fmts = out["formats"]
+    assert list(fmts) == ["fp32", "fp16", "e4m3"]
+    for v in fmts.values():
+        # No step time to report: the step fields are absent, not a copy of comm_s.
+        assert set(v) == {
+            "format",
+            "strategy",
+            "chosen",
+            "comm_s",
+            "comm_speedup_vs_fp32",
+            "wire_bytes",
+            "inter_node_bytes",
+        }
+    assert fmts["fp32"]["comm_speedup_vs_fp32"] == 1.0
+    # The same communication as a prediction with compute times given.
+    model = ModelSpec.from_params("25.6M")
+    cluster = custom_cluster(parse_bandwidth("10Gbit"), parse_time("20us"), nodes=16)
+    with_compute = predict(model, cluster, ["e4m3"], ComputeTime.from_step_time(0.1))
+    for name, v in fmts.items():
+        assert v["wire_bytes"] == with_compute.formats[name].wire_bytes
+    e4m3 = fmts["e4m3"]["comm_speedup_vs_fp32"]
+    assert e4m3 == pytest.approx(fmts["fp32"]["comm_s"] / fmts["e4m3"]["comm_s"])
+    assert 1.0 < fmts["fp16"]["comm_speedup_vs_fp32"] < e4m3 < 4.0
+
+    assert cli_main(argv) == 0
+    text = capsys.readouterr().out
+    assert "compute  none: communication only" in text and "comm speedup" in text
+    flat = " ".join(text.split())  # the note is wrapped
+    assert "'comm speedup' is not the step speedup; for the step speedup give --step-time" in flat
+    header = next(line for line in text.splitlines() if line.startswith("format "))
+    assert header.split() == ["format", "strategy", "wire/rank", "across/rank", "comm", "comm",
+                              "speedup"]  # fmt: skip
+    assert "exposed" not in text
+
+    with pytest.raises(SystemExit, match=r"--plot plots step times: '25\.6M params' has no FLOP"):
+        cli_main([*argv, "--plot", str(tmp_path / "p.png")])
+    assert not (tmp_path / "p.png").exists()
+
+    assert cli_main([*argv, "--step-time", "100ms"]) == 0
+    assert "communication only" not in capsys.readouterr().out
+
+
+def test_cli_predict_table_plot_and_sweep(tmp_path, capsys: pytest.CaptureFixture[str]) -> None:
+    png = tmp_path / "s.png"
+    rc = cli_main(
+        [
+            "predict",
+            "--params",
+            "25.6M",
+            "--bandwidth",
+            "10Gbit",
+            "--latency",
+            "20us",
+            "--nodes",
+            "4",
+            "--step-time",
+            "100ms",
+            "--fmt",
+            "bf16",
+            "--plot",
+            str(png),
+        ]
+    )
+    text = capsys.readouterr().out
+    assert rc == 0 and "speedup" in text and "bf16" in text
+    assert png.read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
+    csv_path = tmp_path / "s.csv"
+    rc = cli_main(
+        [
+            "sweep",
+            "--model",
+            "llama-7b",
+            "--cluster",
+            "dgx-h100",
+            "--world-sizes",
+            "8,16",
+            "--bandwidths",
+            "100Gbit,400Gbit",
+            "--out",
+            str(csv_path),
+        ]
+    )
+    lines = csv_path.read_text().strip().splitlines()
+    assert (
+        rc == 0 and lines[0].startswith("model,cluster,world_size") and len(lines) == 1 + 2 * 2 * 3
+    )
+    # The CSV's step times rest on an estimate; what it assumed goes to stderr.
+    err = capsys.readouterr().err
+    assert "aps-perfmodel: assumed batch 32 per rank, a sequence of 2048 tokens each" in err
+    assert "h100 at 40% MFU in bf16" in err
+
+
+def test_cli_calibrate_needs_launcher_env(monkeypatch: pytest.MonkeyPatch) -> None:
+    for key in ("RANK", "WORLD_SIZE", "MASTER_ADDR", "MASTER_PORT"):
+        monkeypatch.delenv(key, raising=False)
+    with pytest.raises(SystemExit, match="aps-launch or torchrun"):
+        cli_main(["calibrate", "--out", "unused.json"])
+
+
+def test_fsdp_cli_cuts_units_and_compares_reduce_scatters(capsys) -> None:
+    from aps_perfmodel.cli import fsdp_units, main
+    from aps_perfmodel.models import ModelSpec, TensorSpec
+
+    model = ModelSpec("m", tuple(TensorSpec(f"t{i}", n) for i, n in enumerate([30, 25, 20, 25])))
+    units = fsdp_units(model, 2, 4)
+    # Shares of 50 of the 100 elements: the first unit closes once 50 are in
+    # (30 + 25); each tensor padded to a multiple of 4.
+    assert [(u.numel, u.n_params) for u in units] == [(32 + 28, 2), (20 + 28, 2)]
+    assert len(fsdp_units(model, 9, 1)) == 4  # never more units than tensors
+    assert (
+        main(
+            [
+                "fsdp",
+                "--params",
+                "8M",
+                "--world-size",
+                "4",
+                "--bandwidth",
+                "1Gbit",
+                "--latency",
+                "50us",
+                "--backend",
+                "gloo",
+                "--json",
+            ]
+        )
+        == 0
+    )
+    rows = {r["format"]: r for r in json.loads(capsys.readouterr().out)["rows"]}
+    # Gloo's FP32 reduce-scatter is an all-reduce: APS e4m3 sends 1/8 of its bytes.
+    assert rows["fp32"]["wire_bytes"] == pytest.approx(8 * rows["e4m3"]["wire_bytes"], rel=0.01)
+    assert rows["e4m3"]["aps"] and not rows["bf16"]["aps"]
+    assert (
+        rows["e4m3"]["reduce_scatter_s"]
+        < rows["bf16"]["reduce_scatter_s"]
+        < rows["fp32"]["reduce_scatter_s"]
+    )
+
+
+def _predict_json(capsys: pytest.CaptureFixture[str], *argv: str) -> dict:
+    assert cli_main(["predict", *argv, "--json"]) == 0
+    return json.loads(capsys.readouterr().out)
+
+
+def test_cli_predict_says_what_it_assumed(capsys: pytest.CaptureFixture[str]) -> None:
+    argv = ["--model", "bert-large", "--cluster", "10gbe", "--world-size", "8"]
+    out = _predict_json(capsys, *argv)
+    a = out["assumptions"]
+    assert a["compute"] == "estimated from the model's FLOPs"
+    assert (a["batch_per_rank"], a["seq_len"], a["device"]) == (32, 512, "a100")
+    assert (a["mfu"], a["compute_dtype"], a["optimizer"]) == (0.4, "bf16", "adam")
+    assert a["sample"] == "a sequence of 512 tokens" and a["bucket_cap_mb"] == 25.0
+    assert "inside its node and across nodes" in a["wire_bytes"]
+    # The assumptions are the ones used: a quarter of the batch, a quarter of the compute.
+    small = _predict_json(capsys, *argv, "--batch-size", "8", "--device", "h100", "--mfu", "0.5")
+    assert (small["assumptions"]["batch_per_rank"], small["assumptions"]["device"]) == (8, "h100")
+    assert small["assumptions"]["mfu"] == 0.5
+    assert small["compute"]["forward_s"] < out["compute"]["forward_s"] / 4
+    speedup = out["formats"]["e4m3"]["speedup_vs_fp32"]
+    assert small["formats"]["e4m3"]["speedup_vs_fp32"] > speedup
+
+    assert cli_main(["predict", *argv]) == 0
+    text = capsys.readouterr().out
+    flat = " ".join(text.split())
+    assert "assumed batch 32 per rank, a sequence of 512 tokens each (--batch-size)" in flat
+    assert "a100 at 40% MFU in bf16 (--device, --mfu, --compute-dtype); adam (--optimizer)" in flat
+    assert "wire/rank: bytes one rank sends per step for the gradients, inside its node" in flat
+
+    # Given compute: no batch or MFU claimed, the split said.
+    given = _predict_json(capsys, *argv, "--step-time", "300ms")
+    assert given["assumptions"]["compute"] == "given: --step-time, split forward:backward 1:2"
+    assert "batch_per_rank" not in given["assumptions"]
+    assert cli_main(["predict", *argv, "--step-time", "300ms"]) == 0
+    text = capsys.readouterr().out
+    assert "assumed  compute given: --step-time" in text and "MFU" not in text
+
+
+def test_cli_choices_are_case_insensitive_as_the_api(capsys: pytest.CaptureFixture[str]) -> None:
+    lower = _predict_json(
+        capsys,
+        *("--model", "resnet50", "--cluster", "100gbe", "--world-size", "16"),
+        *("--fmt", "e4m3", "--device", "h100", "--strategy", "two_phase"),
+    )
+    mixed = _predict_json(
+        capsys,
+        *("--model", "ResNet50", "--cluster", "100GbE", "--world-size", "16"),
+        *("--fmt", "E4M3", "--device", "H100", "--strategy", "Two_Phase"),
+    )
+    assert mixed == lower
+    # Any name the API takes: an alias is its format.
+    fp8 = _predict_json(
+        capsys, "--model", "resnet50", "--cluster", "100gbe", "--world-size", "4", "--fmt", "FP8"
+    )
+    assert list(fp8["formats"]) == ["fp32", "fp16", "e4m3"]
+    with pytest.raises(SystemExit):
+        cli_main(["predict", "--model", "resnet50", "--cluster", "100gbe", "--fmt", "e9"])
+    assert "unknown format 'e9'" in capsys.readouterr().err
+
+
+def test_cli_wire_per_rank_counts_in_node_bytes_and_says_so(
+    capsys: pytest.CaptureFixture[str],
+) -> None:
+    # 4 nodes of 8: hierarchical sends FP32 inside the node, e4m3 across.
+    argv = ["--model", "gpt2-xl", "--cluster", "100gbe", "--world-size", "32"]
+    argv += ["--gpus-per-node", "8", "--strategy", "hierarchical", "--step-time", "1s"]
+    out = _predict_json(capsys, *argv)["formats"]
+    n = get_model("gpt2-xl").total_params
+    nodes, per_node, p = 4, 8, 32
+    # Per element: FP32 to 7 of 8 node peers and e4m3 back, 2 x 1 byte of 1/8 across.
+    e4m3_all = n * ((4 + 1) * (per_node - 1) / per_node + 2 * (nodes - 1) / (nodes * per_node))
+    assert out["e4m3"]["wire_bytes"] == pytest.approx(e4m3_all)
+    assert out["fp16"]["wire_bytes"] == pytest.approx(2 * 2 * n * (p - 1) / p)
+    assert out["e4m3"]["wire_bytes"] > out["fp16"]["wire_bytes"]
+    # Across nodes, each of a node's 8 ranks all-reduces its 1/8: e4m3 half of fp16's.
+    across = 2 * n * (nodes - 1) / (nodes * per_node)
+    assert out["e4m3"]["inter_node_bytes"] == pytest.approx(across)
+    assert out["fp16"]["inter_node_bytes"] == pytest.approx(2 * across)
+    assert out["fp32"]["inter_node_bytes"] == pytest.approx(4 * across)
+
+    assert cli_main(["predict", *argv]) == 0
+    flat = " ".join(capsys.readouterr().out.split())
+    assert "across/rank" in flat
+    assert (
+        "e4m3 sends more than fp16 per rank but 2.0x fewer bytes than fp16 across nodes: "
+        "hierarchical first reduces each chunk in FP32 inside the node"
+    ) in flat

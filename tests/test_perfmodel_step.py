@@ -1,0 +1,216 @@
+"""One DDP step as the model plays it: the APS comm model's limits, DDP's buckets and timeline,
+models, compute, units, and the published PyTorch DDP benchmark.
+"""
+
+from __future__ import annotations
+
+import math
+
+import pytest
+import torch
+import torch.distributed as dist
+
+from aps_perfmodel import (
+    ComputeTime,
+    ModelSpec,
+    assign_buckets,
+    bucket_comm,
+    custom_cluster,
+    get_cluster,
+    get_format,
+    get_model,
+    predict,
+    simulate_step,
+)
+from aps_perfmodel import collectives as C
+from aps_perfmodel.ddp import DEFAULT_FIRST_BUCKET_BYTES
+from aps_perfmodel.literature import reproduce_pytorch_ddp_benchmark
+from aps_perfmodel.strategies import grid_rows
+from aps_perfmodel.units import parse_bandwidth, parse_bytes, parse_count, parse_time
+
+# --- APS comm model: limits ---------------------------------------------------------
+
+
+def _ratio(
+    fmt: str, cluster, n: int = 25 * 2**18, layers: int = 20, chunk: int | None = 2**20, **kw
+) -> float:
+    fp32 = bucket_comm(n, layers, get_format("fp32"), cluster).total_s
+    return fp32 / bucket_comm(n, layers, get_format(fmt, **kw), cluster, chunk).total_s
+
+
+def test_fp8_speedup_tends_to_byte_ratio_when_bandwidth_bound() -> None:
+    slow = custom_cluster(parse_bandwidth("1Mbit"), 0.0, nodes=8)
+    assert _ratio("e4m3", slow) == pytest.approx(4.0, rel=1e-3)
+    assert _ratio("fp16", slow) == pytest.approx(2.0, rel=1e-3)
+    assert _ratio("e2m1", slow) == pytest.approx(8.0, rel=1e-3)
+
+
+def test_fp8_speedup_tends_to_one_when_latency_bound() -> None:
+    lat = custom_cluster(1e15, 1.0, nodes=8)  # one second per message, free bandwidth
+    # Same collective, fewer bytes: no gain.
+    assert _ratio("e4m3", lat, strategy="allreduce", aps=False) == pytest.approx(1.0, rel=1e-4)
+    # APS adds the MAX all-reduce of maxima: a latency-bound loss, never a gain.
+    aps = _ratio("e4m3", lat, chunk=None)
+    assert aps < 1.0
+    # ring all-reduce 2(p-1) steps vs all-to-all + all-gather 2(p-1) + recursive-doubling maxima 3.
+    assert aps == pytest.approx(14 / (14 + 3), rel=1e-3)
+    # Pipelined in k chunks, every chunk pays the collectives' latency.
+    k = -(-25 * 2**18 // 2**20)
+    assert _ratio("e4m3", lat) == pytest.approx(14 / (14 * k + 3), rel=1e-3)
+    # And at the step level a latency-bound, compute-dominated step gains nothing.
+    m = get_model("resnet50")
+    pred = predict(
+        m, custom_cluster(1e15, 1e-7, nodes=8), ["e4m3"], ComputeTime.from_step_time(1.0)
+    )
+    assert pred.formats["e4m3"].speedup_vs_fp32 == pytest.approx(1.0, abs=1e-4)
+
+
+@pytest.mark.parametrize("fmt,bound", [("e4m3", 4.0), ("fp16", 2.0), ("bf16", 2.0), ("e2m1", 8.0)])
+def test_speedup_never_above_byte_ratio(fmt: str, bound: float) -> None:
+    model = get_model("gpt2-xl")
+    for name in ("1gbe", "100gbe", "dgx-h100"):
+        base = get_cluster(name)
+        for p in (2, 8, 64):
+            cluster = base.with_world_size(p)
+            for bw in (1e6, 1e8, 1e10, 1e12):
+                for lat in (0.0, 1e-5, 1e-3):
+                    c = cluster.with_links(bandwidth=bw, latency=lat)
+                    r = _ratio(fmt, c, n=10**7)
+                    assert r <= bound * (1 + 1e-9)
+                    pred = predict(model, c, [fmt], ComputeTime.from_step_time(0.5))
+                    for res in pred.formats.values():
+                        bound = 4.0 / get_format(res.format).wire_bytes
+                        if "grid" in res.chosen:
+                            # Grid also cuts the messages: the FP32 ring's 2(p-1)
+                            # latencies against 2(g-1) + 2(p/g-1).
+                            g = grid_rows(p)
+                            bound = max(bound, (p - 1) / (g - 1 + p // g - 1))
+                        assert res.speedup_vs_fp32 <= bound * (1 + 1e-9)
+
+
+def test_aps_breakdown_counts_codec_maxima_and_wire_bytes() -> None:
+    c = get_cluster("100gbe", world_size=4)
+    n = 2**20
+    b = bucket_comm(n, 16, get_format("e4m3"), c)
+    assert b.wire_bytes == pytest.approx(2 * n * 1.0 * 3 / 4)
+    assert b.maxima_s == pytest.approx(C.allreduce(64, 4, c.topology.inter, "auto"))
+    dev = c.device
+    # amax (4 B/elem), encode n (5), owner decode n (5), accumulate 4n*(3/4) at gamma, re-encode n/4, final decode n.
+    codec = 5 * dev.launch_s + (4 * n + 5 * n + 5 * n + 5 * n / 4 + 5 * n) / dev.mem_bw
+    codec += 4 * n * 0.75 * c.topology.inter.gamma
+    assert b.codec_s == pytest.approx(codec)
+    assert b.collective_s == pytest.approx(
+        C.all_to_all(n, 4, c.topology.inter) + C.all_gather(n, 4, c.topology.inter)
+    )
+    fp16 = bucket_comm(n, 16, get_format("fp16"), c)
+    assert fp16.maxima_s == 0.0 and fp16.wire_bytes == pytest.approx(2 * 2 * n * 3 / 4)
+
+
+# --- DDP bucketing and step timeline -------------------------------------------------
+
+
+def test_first_bucket_cap_matches_torch() -> None:
+    assert DEFAULT_FIRST_BUCKET_BYTES == dist._DEFAULT_FIRST_BUCKET_BYTES
+
+
+def test_bucket_assignment_matches_torch_reducer() -> None:
+    sizes = [9408, 64, 64, 4096, 2**20, 2**21, 300_000, 2**22, 10, 2**23, 7_000_000, 2**18]
+    ours = assign_buckets(sizes, bucket_cap_mb=25)
+    order = list(reversed(range(len(sizes))))
+    tensors = [torch.empty(sizes[i]) for i in order]
+    limits = [dist._DEFAULT_FIRST_BUCKET_BYTES, 25 * 2**20]
+    theirs, _ = dist._compute_bucket_assignment_by_size(
+        tensors, limits, [False] * len(sizes), order
+    )
+    assert [tuple(b) for b in theirs] == ours
+    assert len(ours) > 2  # the case exercises the first-bucket cap and the 25 MiB cap
+
+
+def test_step_timeline_hand_computed() -> None:
+    # Two equal tensors of 1 MiB elements (4 MiB each): each closes its own bucket.
+    model = ModelSpec("toy", (C_T("a", 2**20), C_T("b", 2**20)))
+    cluster = custom_cluster(4 * 2**20 / 0.5, 0.0, nodes=2)  # ring: 2*n*(1/2)*beta = 0.5 s
+    comp = ComputeTime(0.1, 0.8, 0.05)
+    s = simulate_step(model, cluster, get_format("fp32"), comp)
+    # b ready at 0.4 (half the weight), done 0.9; a ready at 0.8, starts 0.9, done 1.4.
+    # (The preset device's reduction gamma adds ~1e-6 s per bucket.)
+    assert [b.ready_s for b in s.buckets] == pytest.approx([0.4, 0.8])
+    assert [b.done_s for b in s.buckets] == pytest.approx([0.9, 1.4], rel=1e-5)
+    assert s.comm_s == pytest.approx(1.0, rel=1e-5)
+    assert s.exposed_comm_s == pytest.approx(0.6, rel=1e-5)
+    assert s.step_s == pytest.approx(0.1 + 1.4 + 0.05, rel=1e-5)
+
+
+def C_T(name: str, n: int):
+    from aps_perfmodel.models import TensorSpec
+
+    return TensorSpec(name, n)
+
+
+# --- models, compute, units --------------------------------------------------------
+
+
+@pytest.mark.parametrize(
+    "name,published,tol",
+    [
+        ("resnet50", 25.557032e6, 1e-9),
+        ("vit-b16", 86.567656e6, 1e-9),
+        ("bert-large", 3.4e8, 0.025),
+        ("gpt2-xl", 1.558e9, 0.01),
+        ("llama-7b", 6.74e9, 0.01),
+    ],
+)
+def test_model_presets_match_published_totals(name: str, published: float, tol: float) -> None:
+    m = get_model(name)
+    assert m.total_params == pytest.approx(published, rel=tol)
+    assert m.source and m.forward_flops_per_sample > 0
+
+
+def test_model_from_module_and_params() -> None:
+    net = torch.nn.Sequential(
+        torch.nn.Conv2d(3, 8, 3), torch.nn.Flatten(), torch.nn.Linear(8 * 6 * 6, 10)
+    )
+    spec = ModelSpec.from_module(net, torch.zeros(1, 3, 8, 8))
+    assert spec.total_params == sum(p.numel() for p in net.parameters())
+    assert [t.name for t in spec.tensors] == [n for n, _ in net.named_parameters()]
+    assert spec.tensors[0].flops == 2 * 8 * 6 * 6 * 3 * 9
+    assert spec.tensors[2].flops == 2 * 288 * 10
+    p = get_model("25.6M")
+    assert p.total_params == 25_600_000 and p.num_tensors == 25
+    with pytest.raises(ValueError, match="unknown model"):
+        get_model("resnet5000")
+
+
+def test_compute_estimate_hand_value() -> None:
+    from aps_perfmodel import get_device
+
+    m, d = get_model("resnet50"), get_device("v100")
+    c = ComputeTime.estimate(m, d, 32, dtype="fp32", mfu=0.5, optimizer="sgd")
+    fwd = 32 * m.forward_flops_per_sample / (15.7e12 * 0.5)
+    assert c.forward_s == pytest.approx(fwd)
+    assert c.backward_s == pytest.approx(2 * fwd)
+    assert c.optimizer_s == pytest.approx(m.total_params * 12 / 0.9e12)
+
+
+def test_units() -> None:
+    assert parse_bandwidth("100Gbit") == 12.5e9
+    assert parse_bandwidth(["8", "400Gbps"][1]) == 50e9
+    assert parse_bandwidth("25GB/s") == 25e9
+    assert parse_time("10us") == 1e-5
+    assert parse_count("25.6M") == 25_600_000
+    assert parse_bytes("1MiB") == 2**20
+    with pytest.raises(ValueError):
+        parse_bandwidth("fast")
+
+
+# --- literature -------------------------------------------------------------------
+
+
+def test_reproduces_pytorch_ddp_benchmark_within_15_percent() -> None:
+    rows = reproduce_pytorch_ddp_benchmark()
+    assert len(rows) == 10
+    for r in rows:
+        assert abs(r.rel_err) <= 0.15, r
+    # Multi-GPU runs communicate; the single-GPU run does not.
+    assert all((r.comm_s > 0) == (r.gpus > 1) for r in rows)
+    assert math.isclose(rows[0].published_s, 0.100)
