@@ -60,6 +60,7 @@ EXEMPT: dict[str, str] = {
     'pip install -e ".[mpi]"': _PIP,
     'pip install -e ".[lightning,tensorboard]"': _PIP,
     'pip install -e ".[accelerate]"': _PIP,
+    'pip install -e ".[transformers]"': _PIP,
     'pip install -e ".[tensorboard]"': _PIP,
     "pip install .": _PIP,
     "pytest": (
