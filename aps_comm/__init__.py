@@ -9,7 +9,8 @@ Example:
     >>> state = register(ddp_model, fmt="e4m3")  # doctest: +SKIP
 """
 
-from aps_comm.codec import decode, encode
+from aps_comm.codec import Codec, decode, encode
+from aps_comm.config import Reduction, Scaling
 from aps_comm.formats import FloatFormat, get_format
 from aps_comm.hook import APSConfig, APSState, aps_hook, register
 from aps_comm.policy import ByName, KeepLast, LowRatio, MinNumel, Promote, Schedule
@@ -19,12 +20,15 @@ __all__ = [
     "APSConfig",
     "APSState",
     "ByName",
+    "Codec",
     "FloatFormat",
     "KeepLast",
     "LayerStats",
     "LowRatio",
     "MinNumel",
     "Promote",
+    "Reduction",
+    "Scaling",
     "Schedule",
     "aps_hook",
     "decode",

@@ -43,11 +43,10 @@ import torch
 from torch.nn.parallel import DistributedDataParallel
 
 from aps_comm.checkpoint import GatheredState
+from aps_comm.config import Reduction, Scaling
 from aps_comm.formats import FloatFormat
 from aps_comm.hook import APSState, register
 from aps_comm.policy import Rule
-from aps_comm.reduction import Reduction
-from aps_comm.scaling import Scaling
 
 __all__ = ["register_accelerate"]
 

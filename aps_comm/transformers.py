@@ -49,11 +49,10 @@ from torch.nn.parallel import DistributedDataParallel
 from torch.utils.hooks import RemovableHandle
 
 from aps_comm.checkpoint import GatheredState
+from aps_comm.config import Reduction, Scaling
 from aps_comm.formats import FloatFormat
 from aps_comm.hook import APSState, aps_hook
 from aps_comm.policy import Rule
-from aps_comm.reduction import Reduction
-from aps_comm.scaling import Scaling
 
 __all__ = ["CHECKPOINT_FILE", "APSCallback"]
 

@@ -1,6 +1,6 @@
 """A small deterministic DDP + APS job that checkpoints every step and resumes.
 
-It is the README's resume recipe as a script, and the worker that
+It is the resume recipe of docs/launching-and-restarts.md as a script, and the worker that
 :mod:`benchmarks.restarts` crashes and restarts: every rank trains the same
 MLP on its own seeded batches with ``register(ddp, fmt, error_feedback=True)``,
 writes ``{model, optimizer, APS state, step}`` to its own file after every
@@ -97,7 +97,7 @@ def main(argv: list[str] | None = None) -> None:
     state = register(ddp, fmt=args.fmt, error_feedback=not args.no_error_feedback)
     optimizer = torch.optim.SGD(ddp.parameters(), lr=0.05, momentum=0.9)
 
-    # --- the README's resume recipe ---
+    # --- the resume recipe (docs/launching-and-restarts.md) ---
     args.ckpt.mkdir(parents=True, exist_ok=True)
     mine = args.ckpt / f"rank{info.rank}.pt"
     start = 0

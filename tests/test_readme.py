@@ -1,15 +1,18 @@
-"""The README's commands and code, run as written.
+"""The commands and code of the README and of every page in docs/, run as written.
 
 Every shell command in a ```bash block, and every command shown inline
 (`python -m ...`, `python script.py`, `pip install ...`, `aps-launch ...`,
-...), is either run here verbatim (:data:`RUN`) or listed in :data:`EXEMPT`
-with the reason; a command in neither, or an entry no longer in the README, fails
-:func:`test_every_readme_command_is_run_or_exempt`. Python blocks are all
-compiled. A block followed by a paragraph starting "Saved as `NAME.py`" is
-a script: it is written to NAME.py beside every command that names it, and
-runs only there. The DDP training script runs under the README's
-``aps-launch`` commands. The other blocks run together per section in a
-world of one (so alternatives shown side by side must not conflict).
+...), in README.md or docs/*.md, is either run here verbatim (:data:`RUN`)
+or listed in :data:`EXEMPT` with the reason; a command in neither, or an
+entry no longer in any of them, fails
+:func:`test_every_doc_command_is_run_or_exempt`. A command shown on several
+pages runs once. Python blocks are all compiled. A block followed by a
+paragraph starting "Saved as `NAME.py`" is a script: it is written to
+NAME.py beside every command that names it, and runs only there. The
+``init_distributed`` training script (docs/launching-and-restarts.md) runs
+under that page's ``aps-launch`` commands. The other blocks run together per
+page and section in a world of one (so alternatives shown side by side must
+not conflict). Relative links between the pages must resolve.
 """
 
 from __future__ import annotations
@@ -32,6 +35,7 @@ import torch
 
 ROOT = Path(__file__).resolve().parents[1]
 README = ROOT / "README.md"
+DOCS = ROOT / "docs"
 _JOB_VARS = ("RANK", "WORLD_SIZE", "LOCAL_RANK", "MASTER_ADDR", "MASTER_PORT", "APS_BACKEND")
 # Inline code that is a command rather than a name: `python -m x`, `pip install x`,
 # or a launcher/tool followed by arguments.
@@ -52,11 +56,17 @@ EXEMPT: dict[str, str] = {
     'pip install torch==2.13.0 ".[demo]"': _PIP,
     'pip install torch==2.13.0 -e ".[test]"': _PIP,
     'pip install ".[demo]"': _PIP,
-    'pip install ".[mpi]"': _PIP,
-    'pip install ".[lightning,tensorboard]"': _PIP,
-    'pip install ".[accelerate]"': _PIP,
-    'pip install ".[tensorboard]"': _PIP,
+    'pip install -e ".[lightning]"': _PIP,
+    'pip install -e ".[mpi]"': _PIP,
+    'pip install -e ".[lightning,tensorboard]"': _PIP,
+    'pip install -e ".[accelerate]"': _PIP,
+    'pip install -e ".[transformers]"': _PIP,
+    'pip install -e ".[tensorboard]"': _PIP,
     "pip install .": _PIP,
+    "python -m benchmarks.gpu --out gpu-results": (
+        "needs a CUDA GPU for its measurements; tests/test_benchmarks_gpu.py runs it on this "
+        "machine, where it records every step as skipped and exits 0"
+    ),
     "pytest": (
         "the test suite itself (it would run this test again); .ci/run runs it, and "
         "test_quick_start_test_command_is_what_ci_runs checks that the line is CI's"
@@ -72,12 +82,12 @@ EXEMPT: dict[str, str] = {
     ),
     "aps-launch --nproc-per-node 2 -m aps_perfmodel.cli calibrate --out profile.json": (
         "times collectives and codec passes up to 64 MiB for over two minutes; "
-        "tests/test_perfmodel.py runs the same calibration on small sizes"
+        "tests/test_perfmodel_calibrate.py runs the same calibration on small sizes"
     ),
     "aps-perfmodel calibrate": (
-        "named inline in the reduction table, not a command line: the full command, "
-        "`aps-launch --nproc-per-node 2 -m aps_perfmodel.cli calibrate --out profile.json`, "
-        "is in the Performance model section (exempt above)"
+        "named inline in the options table of docs/design-and-guarantees.md, not a command "
+        "line: the full command, `aps-launch --nproc-per-node 2 -m aps_perfmodel.cli "
+        "calibrate --out profile.json`, is in docs/performance-model.md (exempt above)"
     ),
     "python -m benchmarks.codec": (
         "a timing benchmark (64 MiB, 9 repeats, ~15 s of a core) whose numbers are not "
@@ -140,7 +150,16 @@ EXEMPT: dict[str, str] = {
 
 
 # --------------------------------------------------------------------------
-# Reading the README
+# Reading the README and docs/
+
+
+def _pages() -> list[Path]:
+    """The README and every page of docs/: the files whose commands and code run here."""
+    return [README, *sorted(DOCS.glob("*.md"))]
+
+
+def _page(path: Path) -> str:
+    return str(path.relative_to(ROOT))
 
 
 @dataclasses.dataclass(frozen=True)
@@ -148,22 +167,27 @@ class _Block:
     heading: str
     lang: str
     body: str
+    page: str = "README.md"
 
 
-def _blocks(text: str) -> list[_Block]:
+def _blocks(text: str, page: str = "README.md") -> list[_Block]:
     blocks, heading, lang, body = [], "", None, []
     for line in text.splitlines():
         if line.startswith("```"):
             if lang is None:
                 lang, body = line[3:].strip(), []
             else:
-                blocks.append(_Block(heading, lang, "\n".join(body) + "\n"))
+                blocks.append(_Block(heading, lang, "\n".join(body) + "\n", page))
                 lang = None
         elif lang is not None:
             body.append(line)
         elif line.startswith("#"):
             heading = line.lstrip("#").strip()
     return blocks
+
+
+def _all_blocks() -> list[_Block]:
+    return [b for path in _pages() for b in _blocks(path.read_text(), _page(path))]
 
 
 def _strip_comment(line: str) -> str:
@@ -200,10 +224,15 @@ def _inline_commands(text: str) -> list[str]:
     return [s for s in spans if _INLINE_COMMAND.match(s)]
 
 
-def _readme_commands() -> list[str]:
-    text = README.read_text()
-    found = [c for b in _blocks(text) if b.lang == "bash" for c in _shell_commands(b.body)]
-    return found + _inline_commands(text)
+def _doc_commands() -> dict[str, list[str]]:
+    """Every command of the README and docs/ -> the pages that show it."""
+    found: dict[str, list[str]] = {}
+    for path in _pages():
+        text = path.read_text()
+        bash = [c for b in _blocks(text) if b.lang == "bash" for c in _shell_commands(b.body)]
+        for command in bash + _inline_commands(text):
+            found.setdefault(command, []).append(_page(path))
+    return found
 
 
 # A block (whose lines never start with ```), then the paragraph that names it.
@@ -213,17 +242,30 @@ _SAVED_AS = re.compile(r"^```python\n((?:(?!^```).)*)^```\n\nSaved as `([\w.-]+\
 def _saved_scripts() -> dict[str, str]:
     """NAME.py -> the Python block right before a paragraph starting "Saved as `NAME.py`"."""
     scripts: dict[str, str] = {}
-    for body, name in _SAVED_AS.findall(README.read_text()):
-        assert name not in scripts, f"two README blocks saved as {name}"
-        scripts[name] = body
+    for path in _pages():
+        for body, name in _SAVED_AS.findall(path.read_text()):
+            assert name not in scripts, f"two blocks saved as {name} (the second in {path.name})"
+            scripts[name] = body
     return scripts
 
 
-def _section(title: str) -> str:
-    text = README.read_text()
-    start = text.index(f"\n## {title}\n")
-    end = text.find("\n## ", start + 1)
-    return text[start : end if end >= 0 else len(text)]
+def _slug(heading: str) -> str:
+    """The anchor GitHub gives a heading: lower case, punctuation dropped, spaces to hyphens."""
+    return re.sub(r"[^\w\- ]", "", heading.strip().lower()).replace(" ", "-")
+
+
+def _anchors(path: Path) -> set[str]:
+    text = re.sub(r"^```.*?^```", "", path.read_text(), flags=re.S | re.M)
+    return {_slug(h) for h in re.findall(r"^#+ (.*)$", text, re.M)}
+
+
+# [text](target): relative targets only; a URL, or an image's own link, is not checked here.
+_LINK = re.compile(r"\]\((?!https?://|mailto:)([^)\s]*)\)")
+
+
+def _links(text: str) -> list[str]:
+    prose = re.sub(r"^```.*?^```", "", text, flags=re.S | re.M)
+    return _LINK.findall(re.sub(r"`[^`]*`", "", prose))
 
 
 # --------------------------------------------------------------------------
@@ -250,8 +292,8 @@ def _run(command: str, cwd: Path, timeout: float) -> subprocess.CompletedProcess
 
 
 def _train_script() -> str:
-    """The README's DDP script, with the model and data it leaves to the reader."""
-    (block,) = [b.body for b in _blocks(README.read_text()) if "init_distributed()" in b.body]
+    """The docs' ``init_distributed`` DDP script, with the model and data it leaves to the reader."""
+    (block,) = [b.body for b in _all_blocks() if "init_distributed()" in b.body]
     preamble = (
         "import os\n"
         "import torch\n\n"
@@ -330,7 +372,7 @@ def _rows(lines: list[str]) -> dict[str, list[str]]:
 
 def _check_demo(proc: subprocess.CompletedProcess[str], cwd: Path) -> None:
     _check_ok(proc, cwd)
-    (shown,) = [b.body for b in _blocks(README.read_text()) if b.body.startswith("2 ranks,")]
+    (shown,) = [b.body for b in _all_blocks() if b.body.startswith("2 ranks,")]
     shown_lines = shown.splitlines()
     printed = proc.stdout.splitlines()
     assert shown_lines[0] in printed, proc.stdout  # same configuration line
@@ -341,7 +383,7 @@ def _check_demo(proc: subprocess.CompletedProcess[str], cwd: Path) -> None:
         assert run[name][2:4] == [nbytes, vs_fp32], (name, run[name])
         assert abs(float(run[name][0].rstrip("%")) - float(acc.rstrip("%"))) <= 2.5, name
     accuracy = {name: float(r[0].rstrip("%")) for name, r in run.items()}
-    # The README's reading of the table: the naive cast does not learn, APS
+    # docs/demo.md's reading of the table: the naive cast does not learn, APS
     # stays within a few points of FP32.
     assert accuracy["naive-e4m3"] < 20.0
     for name in ("aps-e4m3", "aps-e5m2"):
@@ -365,9 +407,9 @@ def _check_perfmodel_table(proc: subprocess.CompletedProcess[str], cwd: Path) ->
         for line in proc.stdout.splitlines()
         if line.split() and line.split()[0] in ("fp32", "fp16", "e4m3")
     }
-    # The README explains why FP8 beats FP32 and FP16 here, with these numbers.
+    # docs/performance-model.md explains why FP8 beats FP32 and FP16 here, with these numbers.
     assert 1.0 < speedup["fp16"] < speedup["e4m3"], speedup
-    text = _section("Performance model")
+    text = (DOCS / "performance-model.md").read_text()
     assert f"e4m3 {speedup['e4m3']:.2f}x faster than FP32" in text
     assert f"FP16 ({speedup['fp16']:.2f}x)" in text
     assert "auto for e4m3: grid for 5 buckets" in proc.stdout
@@ -455,6 +497,22 @@ def _check_accelerate(proc: subprocess.CompletedProcess[str], cwd: Path) -> None
     assert not all(torch.equal(residuals[0][k], residuals[1][k]) for k in residuals[0])
 
 
+def _check_ddp_script(proc: subprocess.CompletedProcess[str], cwd: Path) -> None:
+    _check_ok(proc, cwd)
+    # Not anchored: the ranks share torchrun's stdout, and their lines may interleave.
+    done = re.findall(
+        r"rank (\d): (\d+) steps, loss ([.\d]+), (\d+) bytes sent in the last one", proc.stdout
+    )
+    assert sorted(rank for rank, *_ in done) == ["0", "1"], proc.stdout + proc.stderr
+    # Every step went through the hook, and the model learned (its loss starts near 16).
+    assert {steps for _, steps, _, _ in done} == {"50"}, done
+    assert all(float(loss) < 1.0 for _, _, loss, _ in done), done
+    # The README accounts for these bytes: 1 per padded element, 4 per layer, 4 per bucket.
+    (nbytes,) = {int(b) for *_, b in done}
+    assert nbytes == 1154 + 4 * 4 + 4, done
+    assert f"`{nbytes} bytes sent`" in README.read_text()
+
+
 def _check_fsdp(proc: subprocess.CompletedProcess[str], cwd: Path) -> None:
     _check_ok(proc, cwd)
     (line,) = re.findall(
@@ -477,7 +535,7 @@ def _check_tensorboard(proc: subprocess.CompletedProcess[str], cwd: Path) -> Non
 def _check_fsdp_model(proc: subprocess.CompletedProcess[str], cwd: Path) -> None:
     _check_ok(proc, cwd)
     lines = {line.split()[0]: line for line in proc.stdout.splitlines()[1:]}
-    # The README quotes these figures.
+    # docs/fsdp2.md quotes these figures.
     assert "499 ms (1.00x)" in lines["fp32"], proc.stdout
     assert "252 ms (1.98x)" in lines["bf16"], proc.stdout
     assert "142 ms (3.51x)" in lines["e4m3"] and "991 ms" in lines["e4m3"], proc.stdout
@@ -493,6 +551,7 @@ class _Run:
 
 
 RUN: dict[str, _Run] = {
+    "torchrun --standalone --nproc-per-node 2 train_ddp.py": _Run(_check_ddp_script, slow=True),
     "aps-demo --json results.json --plot loss.png": _Run(_check_demo, slow=True, timeout=280),
     "aps-launch train.py --epochs 1": _Run(
         _launched(torch.cuda.device_count() or 2), _write_scripts, slow=True
@@ -533,14 +592,46 @@ RUN: dict[str, _Run] = {
 # Tests
 
 
-def test_every_readme_command_is_run_or_exempt() -> None:
-    commands = _readme_commands()
-    assert len(commands) > 20  # the parser found the README's blocks
-    unlisted = sorted(set(commands) - RUN.keys() - EXEMPT.keys())
-    assert not unlisted, f"README commands neither run nor exempt in {__file__}: {unlisted}"
-    stale = sorted((RUN.keys() | EXEMPT.keys()) - set(commands))
-    assert not stale, f"listed here but no longer in the README: {stale}"
+def test_every_doc_command_is_run_or_exempt() -> None:
+    commands = _doc_commands()
+    assert len(commands) > 20  # the parser found the blocks
+    # Every page with commands was read (a page without any would not be listed).
+    assert {"README.md", "docs/launching-and-restarts.md", "docs/integrations.md"} <= {
+        page for pages in commands.values() for page in pages
+    }
+    unlisted = {c: p for c, p in commands.items() if c not in RUN and c not in EXEMPT}
+    assert not unlisted, f"commands neither run nor exempt in {__file__}: {unlisted}"
+    stale = sorted((RUN.keys() | EXEMPT.keys()) - commands.keys())
+    assert not stale, f"listed here but no longer in the README or docs/: {stale}"
     assert not RUN.keys() & EXEMPT.keys()
+
+
+def test_readme_is_a_front_door() -> None:
+    text = README.read_text()
+    assert len(text.splitlines()) <= 250
+    # Everything moved out of the README is one link away from it.
+    linked = {(ROOT / link.split("#")[0]).resolve() for link in _links(text)}
+    unlinked = sorted(p.name for p in DOCS.glob("*.md") if p.resolve() not in linked)
+    assert not unlinked, f"docs/ pages the README does not link to: {unlinked}"
+    assert (ROOT / "CHANGELOG.md").resolve() in linked
+
+
+def test_relative_links_resolve() -> None:
+    pages = [*_pages(), ROOT / "CHANGELOG.md"]
+    broken = []
+    for path in pages:
+        for link in _links(path.read_text()):
+            target, _, anchor = link.partition("#")
+            dest = (path.parent / target).resolve() if target else path
+            if not dest.exists():
+                broken.append(f"{_page(path)}: {link} (no such file)")
+            elif anchor and dest.suffix == ".md" and anchor not in _anchors(dest):
+                broken.append(f"{_page(path)}: {link} (no such heading)")
+    assert not broken, broken
+    assert _slug("FSDP2: APS reduce-scatter") == "fsdp2-aps-reduce-scatter"
+    assert _slug("The demo: `aps-demo`") == "the-demo-aps-demo"
+    text = "See [a](b.md#c), `[x](y)`, [u](https://e.org/#z) and ![p](q.png).\n```\n[d](e)\n```\n"
+    assert _links(text) == ["b.md#c", "q.png"]
 
 
 def test_command_parser() -> None:
@@ -565,9 +656,15 @@ def test_command_parser() -> None:
 
 def test_saved_scripts_are_found_and_run() -> None:
     saved = _saved_scripts()
-    assert {"train_lightning.py", "train_accelerate.py", "train_tensorboard.py"} <= saved.keys()
+    assert {
+        "train_ddp.py",
+        "train_fsdp.py",
+        "train_lightning.py",
+        "train_accelerate.py",
+        "train_tensorboard.py",
+    } <= saved.keys()
     for name, body in saved.items():
-        assert body in [b.body for b in _blocks(README.read_text()) if b.lang == "python"], name
+        assert body in [b.body for b in _all_blocks() if b.lang == "python"], name
         # A saved script no command runs would be checked by nothing but ast.parse.
         assert [c for c in RUN if name in c.split()], f"no RUN command runs {name}"
     text = (
@@ -588,7 +685,7 @@ def test_quick_start_test_command_is_what_ci_runs() -> None:
     "command",
     [pytest.param(c, marks=[pytest.mark.slow] if r.slow else []) for c, r in RUN.items()],
 )
-def test_readme_command_runs(command: str, tmp_path: Path) -> None:
+def test_doc_command_runs(command: str, tmp_path: Path) -> None:
     spec = RUN[command]
     _write_saved_scripts(command, tmp_path)
     if spec.setup is not None:
@@ -598,10 +695,10 @@ def test_readme_command_runs(command: str, tmp_path: Path) -> None:
 
 
 def test_python_blocks_compile() -> None:
-    blocks = [b for b in _blocks(README.read_text()) if b.lang == "python"]
+    blocks = [b for b in _all_blocks() if b.lang == "python"]
     assert len(blocks) >= 5
     for block in blocks:
-        ast.parse(block.body, filename=f"README.md, {block.heading}")
+        ast.parse(block.body, filename=f"{block.page}, {block.heading}")
 
 
 _HARNESS = """
@@ -617,8 +714,8 @@ for heading, code in json.loads(open(sys.argv[1]).read()):
     torch.manual_seed(0)
     model = torch.nn.Sequential(torch.nn.Linear(8, 2048), torch.nn.ReLU(), torch.nn.Linear(2048, 4))
     ddp = DDP(model)
-    # What the README's snippets take as given: "your DDP model".
-    exec(compile(code, f"README.md, {heading}", "exec"), {"ddp": ddp, "ddp_model": ddp})
+    # What the docs' snippets take as given: "your DDP model".
+    exec(compile(code, heading, "exec"), {"ddp": ddp, "ddp_model": ddp})
     ddp(torch.randn(16, 8)).square().mean().backward()
     assert all(torch.isfinite(p.grad).all() for p in model.parameters()), heading
     print("ran:", heading, flush=True)
@@ -630,12 +727,19 @@ dist.destroy_process_group()
 def test_python_blocks_run_together_per_section(tmp_path: Path) -> None:
     sections: dict[str, str] = {}
     scripts = set(_saved_scripts().values())
-    for b in _blocks(README.read_text()):
-        # The DDP script runs under the README's aps-launch commands instead, and
-        # the saved scripts under the commands that name them.
+    for b in _all_blocks():
+        # The init_distributed script runs under the aps-launch commands instead,
+        # and the saved scripts under the commands that name them.
         if b.lang == "python" and "init_distributed()" not in b.body and b.body not in scripts:
-            sections[b.heading] = sections.get(b.heading, "") + b.body
-    assert {"Using the hook", "Precision policies and error feedback"} <= sections.keys()
+            key = f"{b.page}, {b.heading}"
+            sections[key] = sections.get(key, "") + b.body
+    assert {
+        "README.md, aps-comm",
+        "README.md, FSDP2",
+        "docs/design-and-guarantees.md, Using the hook",
+        "docs/precision-policies.md, Policies",
+        "docs/launching-and-restarts.md, Resuming from a checkpoint",
+    } <= sections.keys()
     (tmp_path / "sections.json").write_text(json.dumps(list(sections.items())))
     (tmp_path / "harness.py").write_text(_HARNESS)
     with socket.socket() as s:
