@@ -406,12 +406,30 @@ if AVAILABLE:
         tl.store(out_ptr + i, v, mask=mask)
 
     @triton.jit
+    def _divide(s, divisor, DIVIDE: tl.constexpr):
+        """float32 ``s / divisor`` rounded once to nearest even, subnormals kept.
+
+        ``DIVIDE`` 1: ``divisor`` is the exact reciprocal of a power of two, and
+        one multiply rounds as the division would. 2: through float64: the
+        quotient rounded to 53 bits and then to float32's 24 is the quotient
+        rounded once (53 >= 2 * 24 + 2; Figueroa), and a float64 division never
+        flushes. Triton's own correctly rounded float32 division (``div_rn``)
+        compiles to ``div.rn.ftz.f32`` in Triton 3.4.
+        """
+        if DIVIDE == 1:
+            return s * divisor
+        return (s.to(tl.float64) / divisor).to(tl.float32)  # divisor: an exact float32
+
+    @triton.jit
     def _rank_sum(src_ptr, shard_bytes, n_ranks, idx, mask, D: tl.constexpr, WIRE: tl.constexpr):
         """float32 sum over ranks (r0 + r1 + ... in order) of element ``idx`` of every shard."""
         acc = _value(_load_code(src_ptr, idx, mask, WIRE), D)  # rank 0 as is: -0 stays -0
         shard = shard_bytes.to(tl.int64)  # N shards may pass 2**31 bytes
-        for r in range(1, n_ranks):
+        # A while loop: Triton 3.4's interpreter cannot iterate a range() to a tensor.
+        r = shard * 0 + 1
+        while r < n_ranks:
             acc += _value(_load_code(src_ptr + r * shard, idx, mask, WIRE), D)
+            r += 1
         return acc
 
     @triton.jit(do_not_specialize=["shard_bytes", "numel", "n_ranks"])
@@ -429,8 +447,9 @@ if AVAILABLE:
         ENCODE: tl.constexpr,
         BLOCK: tl.constexpr,
     ):
-        """Sum N shards in rank order, divide by ``divisor`` (IEEE-rounded), then
-        encode (``ENCODE``) or store float32."""
+        """Sum N shards in rank order, divide by the divisor (IEEE-rounded: ``DIVIDE``
+        0 not at all, else see :func:`_divide`), then encode (``ENCODE``) or store
+        float32."""
         pid = tl.program_id(0).to(tl.int64)
         first = pid * BLOCK
         if ENCODE and WIRE == 4:
@@ -439,8 +458,8 @@ if AVAILABLE:
             s0 = _rank_sum(src_ptr, shard_bytes, n_ranks, i0, m0, D, WIRE)
             s1 = _rank_sum(src_ptr, shard_bytes, n_ranks, i0 + 1, i0 + 1 < numel, D, WIRE)
             if DIVIDE:
-                s0 = tl.math.div_rn(s0, divisor)
-                s1 = tl.math.div_rn(s1, divisor)
+                s0 = _divide(s0, divisor, DIVIDE)
+                s1 = _divide(s1, divisor, DIVIDE)
             c0 = tl.where(m0, _code(s0, E), 0)
             c1 = tl.where(i0 + 1 < numel, _code(s1, E), 0)
             _store_codes(out_ptr, pid, c0, c1, m0, WIRE, BLOCK)
@@ -449,7 +468,7 @@ if AVAILABLE:
             mask = i < numel
             s = _rank_sum(src_ptr, shard_bytes, n_ranks, i, mask, D, WIRE)
             if DIVIDE:
-                s = tl.math.div_rn(s, divisor)
+                s = _divide(s, divisor, DIVIDE)
             if ENCODE:
                 c = tl.where(mask, _code(s, E), 0)
                 _store_codes(out_ptr, pid, c, c, mask, WIRE, BLOCK)
@@ -644,21 +663,24 @@ def _reduce(
     encode: bool,
 ) -> None:
     consts = _check(fmt, recv, out)
+    if not (isinstance(divisor, int) and 1 <= divisor <= 2**24):
+        raise ValueError(f"divisor must be an int from 1 to 2**24, got {divisor!r}")
     shard_bytes = recv.numel() // n_ranks
     numel = shard_bytes * 8 // consts.wire_bits
     if not numel:
         return
+    pow2 = divisor & (divisor - 1) == 0
     _reduce_kernel[_grid(numel)](
         recv,
         out,
         shard_bytes,
         numel,
         n_ranks,
-        float(divisor),
+        1.0 / divisor if pow2 else float(divisor),
         E=consts.encode,
         D=consts.decode,
         WIRE=consts.wire_bits,
-        DIVIDE=encode or divisor != 1,
+        DIVIDE=0 if divisor == 1 and not encode else 1 if pow2 else 2,
         ENCODE=encode,
         BLOCK=BLOCK,
         **_options(),
@@ -693,7 +715,7 @@ def ptx(fmt: FloatFormat, arch: int = 90, block_size: int = 0) -> dict[str, str]
 
     Example:
         >>> from aps_comm.formats import E4M3
-        >>> "div.rn.f32" in ptx(E4M3)["shard_mean"]  # doctest: +SKIP
+        >>> "div.rn.f64" in ptx(E4M3)["shard_mean"]  # doctest: +SKIP
         True
     """
     if not AVAILABLE or INTERPRETED:
@@ -725,7 +747,7 @@ def ptx(fmt: FloatFormat, arch: int = 90, block_size: int = 0) -> dict[str, str]
         sources[name] = (
             _reduce_kernel,
             {**pointers, **scalar_r},
-            {"E": consts.encode, "D": consts.decode, "DIVIDE": True, "ENCODE": encode},
+            {"E": consts.encode, "D": consts.decode, "DIVIDE": 2, "ENCODE": encode},
         )
     out = {}
     for name, (fn, signature, constexprs) in sources.items():

@@ -160,6 +160,25 @@ def _quiet(fn, *args, **kwargs):  # type: ignore[no-untyped-def]
         return fn(*args, **kwargs)
 
 
+@needs_triton
+@pytest.mark.filterwarnings("error::UserWarning")  # Triton's: a shift past 32 bits
+@pytest.mark.parametrize("fmt", [F.E4M3, F.E2M1, get_format("e5m3")], ids=lambda f: f.name)
+def test_kernels_compile_for_a_gpu(fmt: FloatFormat) -> None:
+    # What the interpreter ran is what a GPU runs: Triton compiles the kernels for
+    # sm_90 without one, and their float operations round once, to nearest, keeping
+    # subnormals (no .ftz, no fused multiply-add, no approximate division). First in
+    # the file: Triton 3.4's interpreter leaves patches behind that break compiling.
+    with _loaded(interpret=False) as module:
+        kernels = module.ptx(fmt)
+        block = module.ptx(fmt, block_size=32)
+        kernels |= {f"block {k}": block[k] for k in ("encode", "decode")}
+        for name, ptx in kernels.items():
+            ops = set(re.findall(r"\b(?:add|sub|mul|div|fma|mad)\.[a-z0-9.]*f(?:32|64)\b", ptx))
+            assert ops <= {"mul.rn.f32", "add.rn.f32", "div.rn.f64"}, (name, ops)
+            assert ".ftz" not in ptx and ".approx" not in ptx, name
+            assert ".global.b8" in ptx or ".global.u8" in ptx, name  # byte stores, any offset
+
+
 @pytest.mark.parametrize("fmt", FORMATS, ids=IDS)
 def test_encode_matches_kernels(tc: types.ModuleType, fmt: FloatFormat) -> None:
     x = _values(fmt)
@@ -236,10 +255,13 @@ def test_owner_reduce_and_shard_mean_match_kernels(tc: types.ModuleType, fmt: Fl
             mean = _quiet(codec.shard_mean, recv, fmt, n_ranks, divisor=divisor, backend="triton")
             ref = codec.shard_mean(recv, fmt, n_ranks, divisor=divisor, backend="kernels")
             assert torch.equal(_bits(mean), _bits(ref)), divisor
-    # Random bytes: every code, NaN and inf among them, in every rank's slot.
+    # Random bytes: every code, NaN and inf among them, in every rank's slot; N a
+    # power of two (the division is a multiply by 1/N there).
     recv = torch.randint(0, 256, (4 * 302,), dtype=torch.uint8, generator=torch.Generator())
     got = _quiet(codec.owner_reduce, recv, fmt, 4, backend="triton")
     assert torch.equal(got, codec.owner_reduce(recv, fmt, 4, backend="kernels"))
+    mean = _quiet(codec.shard_mean, recv, fmt, 4, backend="triton")
+    assert torch.equal(_bits(mean), _bits(codec.shard_mean(recv, fmt, 4, backend="kernels")))
 
 
 @pytest.mark.parametrize(
@@ -333,6 +355,8 @@ def test_empty_and_bad_inputs(tc: types.ModuleType) -> None:
         )
     with pytest.raises(ValueError, match="first blocks"):
         tc.encode(torch.ones(2), out, F.E4M3, offsets, torch.ones(1), block_size=8)
+    with pytest.raises(ValueError, match=r"divisor must be an int from 1 .* got 0"):
+        tc.shard_mean(torch.zeros(4, dtype=torch.uint8), 2, F.E4M3, torch.empty(2), 0)
     with pytest.raises(ValueError, match="need factors"):
         tc.decode(out, torch.empty(2), F.E4M3, offsets)
 
@@ -369,21 +393,3 @@ def test_without_triton() -> None:
             codec.Codec("e4m3", torch.device("cpu"), "triton")
         with pytest.raises(RuntimeError, match="needs triton"):
             hidden.encode(torch.ones(1), torch.empty(1, dtype=torch.uint8), F.E4M3)
-
-
-@needs_triton
-@pytest.mark.filterwarnings("error::UserWarning")  # Triton's: a shift past 32 bits
-@pytest.mark.parametrize("fmt", [F.E4M3, F.E2M1, get_format("e5m3")], ids=lambda f: f.name)
-def test_kernels_compile_for_a_gpu(fmt: FloatFormat) -> None:
-    # What the interpreter ran is what a GPU runs: Triton compiles the kernels for
-    # sm_90 without one, and their float operations round once, to nearest, keeping
-    # subnormals (no .ftz, no fused multiply-add, no approximate division).
-    with _loaded(interpret=False) as module:
-        kernels = module.ptx(fmt)
-        block = module.ptx(fmt, block_size=32)
-        kernels |= {f"block {k}": block[k] for k in ("encode", "decode")}
-        for name, ptx in kernels.items():
-            ops = set(re.findall(r"\b(?:add|sub|mul|div|fma|mad)\.[a-z0-9.]*f(?:32|64)\b", ptx))
-            assert ops <= {"mul.rn.f32", "add.rn.f32", "div.rn.f32"}, (name, ops)
-            assert ".ftz" not in ptx and ".approx" not in ptx, name
-            assert ".global.b8" in ptx or ".global.u8" in ptx, name  # byte stores, any offset
