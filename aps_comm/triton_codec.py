@@ -122,7 +122,12 @@ def supports(fmt: FloatFormat) -> bool:
         >>> supports(FP32)
         False
     """
-    return AVAILABLE and fmt.wire_bits <= 16 and fmt._emin >= -126
+    return AVAILABLE and _fits(fmt)
+
+
+def _fits(fmt: FloatFormat) -> bool:
+    # bias <= 127: the format's normals are float32 normals (emin = 1 - bias >= -126).
+    return fmt.wire_bits <= 16 and fmt.bias <= 127  # type: ignore[operator]
 
 
 def runs_on(device: torch.device) -> bool:
@@ -145,7 +150,7 @@ def format_constants(fmt: FloatFormat) -> FormatConstants:
     Raises:
         ValueError: the kernels do not run ``fmt`` (see :func:`supports`).
     """
-    if not (fmt.wire_bits <= 16 and fmt._emin >= -126):
+    if not _fits(fmt):
         raise ValueError(
             f"the Triton codec handles formats of at most 16 bits with bias <= 127, "
             f"got {fmt.describe()}"
@@ -164,8 +169,9 @@ def format_constants(fmt: FloatFormat) -> FormatConstants:
     adjust = ((127 - fmt.bias) << 23) % _U32  # type: ignore[operator]
     # frac * 2**(emin - m) as float32 subnormal bits: frac << (emin - m + 149),
     # used only where that exponent is below float32's normals (shift < 23).
-    subshift = min(fmt._emin - m + 149, 31)
-    dec = (m, sign, magmask, adjust, fmt._emin, inf_mag, nan_from, subshift)
+    emin = 1 - fmt.bias  # type: ignore[operator]
+    subshift = min(emin - m + 149, 31)
+    dec = (m, sign, magmask, adjust, emin, inf_mag, nan_from, subshift)
     return FormatConstants(fmt.wire_bits, enc, dec)
 
 
