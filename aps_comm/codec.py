@@ -228,10 +228,11 @@ def _resolve(backend: str, fmt: FloatFormat, device: torch.device) -> str:
             f"with bias <= 127; got {fmt.name} on {device.type}"
         )
     if backend == "triton" and not _triton_runs(fmt, device):
+        problem = _triton().launch_problem(device)
         raise ValueError(
             "backend='triton' needs triton installed, CUDA tensors (CPU ones under "
             "TRITON_INTERPRET=1) and a format of at most 16 bits with bias <= 127; "
-            f"got {fmt.name} on {device.type}"
+            f"got {fmt.name} on {device.type}" + (f" ({problem})" if problem else "")
         )
     if backend == "cast" and fmt.torch_dtype is None:
         raise ValueError(f"backend='cast' needs a format with a torch dtype, got {fmt.name}")

@@ -41,11 +41,14 @@ from __future__ import annotations
 
 import dataclasses
 import functools
+import logging
 
 import torch
 
 from aps_comm.cpu_kernels import encoder_params
-from aps_comm.formats import FloatFormat
+from aps_comm.formats import E4M3, FloatFormat
+
+_log = logging.getLogger(__name__)
 
 MIN_TRITON = (3, 4)
 """The oldest Triton the kernels are written for (``triton.knobs``, tuple constexprs)."""
@@ -69,6 +72,7 @@ __all__ = [
     "decode",
     "encode",
     "format_constants",
+    "launch_problem",
     "ptx",
     "reduce_shards",
     "runs_on",
@@ -132,15 +136,51 @@ def _fits(fmt: FloatFormat) -> bool:
 
 def runs_on(device: torch.device) -> bool:
     """Whether the kernels run on tensors of ``device``: CUDA when compiled, the CPU
-    when interpreted.
+    when interpreted, and a first kernel compiled and launched there (once per
+    device; a machine where Triton cannot build, e.g. without a C compiler for
+    its launcher, keeps the torch ops rather than failing in a training step).
 
     Example:
         >>> runs_on(torch.device("meta"))
         False
     """
+    return launch_problem(device) is None
+
+
+_PROBED: dict[torch.device, str | None] = {}
+
+
+def launch_problem(device: torch.device) -> str | None:
+    """Why the kernels cannot run on ``device``, or None where they can.
+
+    Triton missing or too old, the wrong device type, or the first launch's
+    error: tried once per device (a two-element encode), a failure logged once.
+
+    Example:
+        >>> launch_problem(torch.device("meta"))  # doctest: +ELLIPSIS
+        'the Triton codec runs on ... tensors, not meta ones'
+    """
+    device = torch.device(device)
     if not AVAILABLE:
-        return False
-    return torch.device(device).type == ("cpu" if INTERPRETED else "cuda")
+        return f"triton >= {'.'.join(map(str, MIN_TRITON))} is not installed"
+    kind = "cpu" if INTERPRETED else "cuda"
+    if device.type != kind:
+        return f"the Triton codec runs on {kind} tensors, not {device.type} ones"
+    if device.type == "cuda" and device.index is None:
+        device = torch.device("cuda", torch.cuda.current_device())
+    if device not in _PROBED:
+        try:
+            x = torch.zeros(2, device=device)
+            _encode(x, torch.empty(2, dtype=torch.uint8, device=device), format_constants(E4M3))
+            _PROBED[device] = None
+        except Exception as exc:  # any failure: the codec keeps its torch backends
+            _PROBED[device] = f"{type(exc).__name__}: {exc}"
+            _log.warning(
+                "aps_comm: the Triton codec cannot run on %s (%s); using torch ops there",
+                device,
+                _PROBED[device],
+            )
+    return _PROBED[device]
 
 
 @functools.lru_cache(maxsize=64)
@@ -487,9 +527,9 @@ def _check(fmt: FloatFormat, *tensors: torch.Tensor) -> FormatConstants:
         raise RuntimeError("the Triton codec needs triton (pip install triton)")
     consts = format_constants(fmt)
     for t in tensors:
-        if not runs_on(t.device):
-            where = "CPU tensors (TRITON_INTERPRET=1)" if INTERPRETED else "CUDA tensors"
-            raise ValueError(f"the Triton codec was built for {where}, got a {t.device} tensor")
+        problem = launch_problem(t.device)
+        if problem:
+            raise ValueError(problem)
     return consts
 
 
@@ -599,7 +639,18 @@ def encode(
             each segment's first block (negative for a segment that started
             before a window).
     """
-    consts = _check(fmt, x, out)
+    _encode(x, out, _check(fmt, x, out), offsets, factors, block_size, first_block)
+
+
+def _encode(
+    x: torch.Tensor,
+    out: torch.Tensor,
+    consts: FormatConstants,
+    offsets: torch.Tensor | None = None,
+    factors: torch.Tensor | None = None,
+    block_size: int = 0,
+    first_block: torch.Tensor | None = None,
+) -> None:
     x = x.reshape(-1)
     if INTERPRETED and x.dtype == torch.bfloat16:
         # The interpreter widens bfloat16 subnormals wrongly; a GPU (and .float()) exactly.

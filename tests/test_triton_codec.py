@@ -383,6 +383,24 @@ def test_backend_choice(tc: types.ModuleType, monkeypatch: pytest.MonkeyPatch) -
     assert [codec.backend_for(f, cuda) for f in ("e4m3", "e3m2")] == ["cast", "bits"]
 
 
+def test_a_failing_first_launch_keeps_the_torch_ops(
+    tc: types.ModuleType, monkeypatch: pytest.MonkeyPatch, caplog: pytest.LogCaptureFixture
+) -> None:
+    # E.g. no C compiler for Triton's launcher: "auto" must not pick a backend that
+    # would fail in the first backward; an explicit "triton" says why.
+    def fail(*args: object, **kwargs: object) -> None:
+        raise RuntimeError("Failed to find C compiler")
+
+    monkeypatch.setattr(tc, "_PROBED", {})
+    monkeypatch.setattr(tc, "_encode", fail)
+    cpu = torch.device("cpu")
+    assert not tc.runs_on(cpu) and not tc.runs_on(cpu)
+    assert [r.getMessage().count("C compiler") for r in caplog.records] == [1]  # once
+    with pytest.raises(ValueError, match=r"on cpu .*RuntimeError: Failed to find C compiler"):
+        codec.Codec("e2m1", cpu, "triton")
+    assert tc.launch_problem(torch.device("meta")).endswith("not meta ones")
+
+
 def test_without_triton() -> None:
     # Triton is optional: the module imports, says no, and the codec keeps torch ops.
     with _loaded(interpret=False, hide_triton=True) as hidden:
