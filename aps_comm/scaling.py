@@ -1,4 +1,4 @@
-"""Exponent rules of Auto Precision Scaling: one power of two per layer.
+"""Exponent rules of Auto Precision Scaling: one power of two per layer (or per block).
 
 Every rank computes each layer's largest magnitude, one MAX all-reduce agrees
 on it, and :func:`exponents` turns the agreed maxima into exponents ``e`` so
@@ -16,6 +16,15 @@ Powers of two make scaling and unscaling exact. A zero layer gets ``e = 0``;
 a layer whose maximum is not finite gets ``e = 0`` and is reported through
 the ``finite`` mask so the caller can make it NaN on every rank.
 
+Block scaling (``scaling="block"``) applies the same rules to every block of
+``block_size`` elements of a layer (:meth:`aps_comm.codec.Layout.grid`):
+:func:`block_amax` gives each block's maximum, one MAX all-reduce agrees on
+them, and :func:`factors` turns them into per-block factors; a block whose
+maximum is not finite makes its whole layer NaN. Exponents fit one signed
+byte (+-126). Every rule is non-increasing in ``amax``, so the exponent of
+the agreed maximum is also the minimum over ranks of each rank's own
+exponent of a non-zero finite maximum: the agreement may travel as bytes.
+
 Example:
     >>> amax = torch.tensor([1e-6, 3.0, 0.0, float("inf")])
     >>> exponents(amax, E4M3, world_size=4, reduction="allreduce", scaling="layer")
@@ -26,14 +35,27 @@ from __future__ import annotations
 
 import dataclasses
 from collections.abc import Sequence
-from typing import Literal
+from typing import TYPE_CHECKING, Literal
 
 import torch
 
+from aps_comm import cpu_kernels
 from aps_comm.config import SCALINGS, Scaling
 from aps_comm.formats import FloatFormat, get_format, pow2
 
-__all__ = ["EXPONENT_LIMIT", "Factors", "Scaling", "exponents", "factors", "layer_amax", "pow2"]
+if TYPE_CHECKING:
+    from aps_comm.codec import Blocks
+
+__all__ = [
+    "EXPONENT_LIMIT",
+    "Factors",
+    "Scaling",
+    "block_amax",
+    "exponents",
+    "factors",
+    "layer_amax",
+    "pow2",
+]
 
 
 EXPONENT_LIMIT = 126
@@ -61,6 +83,37 @@ def layer_amax(layers: Sequence[torch.Tensor]) -> torch.Tensor:
     return amax.masked_fill_(torch.isnan(amax), float("inf"))
 
 
+def block_amax(x: torch.Tensor, blocks: Blocks) -> torch.Tensor:
+    """max |x| of every block as a float32 vector on x's device: NaN becomes +inf.
+
+    One pass, no host read (the blocks were laid out at plan time): a numba
+    kernel on the CPU, ``torch.segment_reduce`` elsewhere.
+
+    Args:
+        x: 1-D floating-point tensor of ``blocks.layout.numel`` elements.
+        blocks: its blocks (:meth:`aps_comm.codec.Layout.grid`, or a window).
+
+    Example:
+        >>> from aps_comm.codec import Layout
+        >>> x = torch.tensor([1.0, -3.0, 0.5, float("nan"), 2.0])
+        >>> block_amax(x, Layout.from_numels([5], x.device).grid(8))
+        tensor([inf])
+    """
+    layout = blocks.layout
+    if x.dim() != 1 or x.numel() != layout.numel:
+        raise ValueError(f"blocks cover {layout.numel} elements, x has shape {tuple(x.shape)}")
+    out = torch.zeros(layout.n_segments, dtype=torch.float32, device=x.device)
+    if not layout.n_segments:
+        return out
+    v = x.detach().float().contiguous()
+    if v.device.type == "cpu" and cpu_kernels.AVAILABLE:
+        cpu_kernels.block_amax(v, layout.offsets.numpy(), out)
+        return out
+    a = torch.segment_reduce(v.abs(), "max", lengths=layout.lengths, unsafe=True, initial=0.0)
+    # Not nan_to_num: it would also turn +inf into float32's max.
+    return a.masked_fill_(torch.isnan(a), float("inf"))
+
+
 def _device(layers: Sequence[torch.Tensor]) -> torch.device:
     return layers[0].device if layers else torch.device("cpu")
 
@@ -82,8 +135,9 @@ def exponents(
         world_size: number of ranks N that sum.
         reduction: "allreduce" (sum in the wire format: headroom for N) or
             "two_phase" (sum in FP32: no headroom needed).
-        scaling: "layer" (one exponent per layer), "bucket" (one for all
-            layers, from the largest finite maximum), "none" (all zero).
+        scaling: "layer" (one exponent per layer), "block" (``amax`` holds
+            blocks: one exponent each, the same rule), "bucket" (one for
+            all layers, from the largest finite maximum), "none" (all zero).
         headroom: how many gradients each encoded value sums (hierarchical
             two_phase encodes the sums of a node's L ranks: L), computed in
             float64 so the product is exact.
@@ -187,6 +241,7 @@ def factors(
     scaling: Scaling | str = "layer",
     ranks_per_node: int = 1,
     divide: bool = True,
+    counts: torch.Tensor | None = None,
 ) -> Factors:
     """The scale factors of one format group: the one rule of the hook, FSDP and the simulator.
 
@@ -196,10 +251,14 @@ def factors(
         route: "allreduce" (the sum happens in the wire format), "two_phase",
             "hierarchical" or "grid" (:class:`aps_comm.config.Route`).
         world_size: N.
-        scaling: "layer", "bucket" or "none".
+        scaling: "layer", "bucket", "block" or "none".
         ranks_per_node: staged routes: ranks per node (or the grid's rows) L.
         divide: native sums: fold 1/N into ``unscale`` (the mean); two_phase
             owners divide before re-encoding, so they never need it.
+        counts: block scaling only: how many of ``amax``'s blocks each layer
+            has (int64 on ``amax``'s device, :attr:`aps_comm.codec.Blocks.device_counts`);
+            every factor is then per block, and a block whose maximum is not
+            finite makes ``unscale`` NaN for every block of its layer.
 
     Example:
         >>> f = factors(torch.tensor([3.0, float("nan")]), get_format("e4m3"), "allreduce",
@@ -207,7 +266,16 @@ def factors(
         >>> f.scale, f.unscale
         (tensor([32.,  1.]), tensor([0.0078,    nan]))
     """
-    finite = torch.isfinite(amax)
+    if scaling == "block":
+        if counts is None:
+            raise ValueError(
+                "scaling='block' needs the blocks' maxima and each layer's block count (counts)"
+            )
+        finite = _layer_finite(amax, counts)
+    elif counts is not None:
+        raise ValueError(f"counts is for scaling='block', got scaling={scaling!r}")
+    else:
+        finite = torch.isfinite(amax)
     if route in ("hierarchical", "grid"):
         n_nodes = world_size // ranks_per_node
         # The node sums add L gradients: headroom L. The mean sent back needs none.
@@ -238,3 +306,10 @@ def factors(
     if not two_phase and divide:
         unscale = unscale / world_size
     return Factors(exps, pow2(exps), torch.where(finite, unscale, float("nan")))
+
+
+def _layer_finite(amax: torch.Tensor, counts: torch.Tensor) -> torch.Tensor:
+    """Per block: whether every block of its layer has a finite maximum (no host read)."""
+    bad = (~torch.isfinite(amax)).float()
+    layer_bad = torch.segment_reduce(bad, "max", lengths=counts, unsafe=True, initial=0.0)
+    return torch.repeat_interleave(layer_bad == 0, counts, output_size=amax.numel())

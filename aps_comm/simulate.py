@@ -83,9 +83,9 @@ import torch
 import torch.nn as nn
 
 from aps_comm import codec
-from aps_comm.config import SCALINGS, Scaling
+from aps_comm.config import DEFAULT_BLOCK_SIZE, SCALINGS, Scaling, check_block_size
 from aps_comm.formats import FP32, FloatFormat, Rounding, get_format, quantize
-from aps_comm.scaling import factors, layer_amax
+from aps_comm.scaling import Factors, factors, layer_amax
 from aps_comm.topology import grid_rows
 
 __all__ = [
@@ -117,7 +117,7 @@ class SimConfig:
     Attributes:
         fmt: wire format.
         reduction: accumulation order, one of :data:`ORDERS`.
-        scaling: "layer" (APS), "bucket" or "none".
+        scaling: "layer" (APS), "bucket", "block" or "none".
         accumulator: format of the running sum (CPD's mid-result precision);
             None: FP32 for "two_phase", the wire format otherwise.
         kahan: Kahan-compensated accumulation (the compensation is kept in
@@ -125,6 +125,7 @@ class SimConfig:
         rounding: "nearest" (even) or "stochastic", for every rounding to a
             format narrower than float32.
         ranks_per_node: workers per node L, for "hierarchical" (must divide N).
+        block_size: elements per block for ``scaling="block"`` (8 to 256).
 
     Example:
         >>> cfg = SimConfig("e5m2", reduction="ring", accumulator="fp16")
@@ -139,6 +140,7 @@ class SimConfig:
     kahan: bool = False
     rounding: Rounding = "nearest"
     ranks_per_node: int = 1
+    block_size: int = DEFAULT_BLOCK_SIZE
 
     def __post_init__(self) -> None:
         object.__setattr__(self, "fmt", get_format(self.fmt))
@@ -152,6 +154,7 @@ class SimConfig:
             raise ValueError(f"rounding must be 'nearest' or 'stochastic', got {self.rounding!r}")
         if self.ranks_per_node < 1:
             raise ValueError(f"ranks_per_node must be >= 1, got {self.ranks_per_node}")
+        check_block_size(self.block_size)
         if self.reduction in ("hierarchical", "grid") and (
             self.accumulator is not None or self.kahan
         ):
@@ -223,6 +226,10 @@ def _wire_round(
         if rounding == "nearest" and codec.backend_for(fmt, x.device) == "kernels":
             # The codec's compiled encoder (RNE, saturating, scale fused) and
             # decoder: two passes, 20x faster than the generic quantize().
+            if scale is not None and scale.numel() > 1:
+                # Block scales, one per element: x * scale in float32 is what
+                # the fused encoder computes.
+                x, scale = x * scale, None
             flat = x.contiguous().view(-1)
             factor = None if scale is None else scale.reshape(1).float()
             codes = codec.encode(flat, fmt, scale=factor)
@@ -324,6 +331,7 @@ def allreduce(
     rounding: Rounding = "nearest",
     generator: torch.Generator | None = None,
     ranks_per_node: int = 1,
+    block_size: int = DEFAULT_BLOCK_SIZE,
 ) -> list[torch.Tensor]:
     """Average N virtual workers' gradients as the APS hook would, in any format and order.
 
@@ -333,7 +341,11 @@ def allreduce(
         fmt: wire format (a FloatFormat or a name).
         reduction: accumulation order: "two_phase", "ring", "tree" or
             "sequential" (see the module docstring).
-        scaling: "layer" (APS), "bucket" or "none", as in the hook.
+        scaling: "layer" (APS), "bucket", "block" or "none", as in the hook.
+            "block": every ``block_size`` elements of a layer (from its
+            start) get their own exponent from their maximum over the N
+            workers, with the reduction's headroom rule; a non-finite block
+            makes its layer NaN.
         accumulator: format of the running sum; None: FP32 for "two_phase",
             the wire format for the others.
         kahan: Kahan-compensated accumulation in the accumulator format.
@@ -341,6 +353,7 @@ def allreduce(
             narrower than float32 (contributions, partial sums, the result).
         generator: random generator for stochastic rounding.
         ranks_per_node: workers per node L, for "hierarchical"; must divide N.
+        block_size: elements per block for ``scaling="block"``.
 
     Returns:
         One float32 tensor per layer, shape ``param_shape``: the averaged
@@ -352,7 +365,9 @@ def allreduce(
         >>> torch.allclose(avg, g.mean(0))
         True
     """
-    cfg = SimConfig(fmt, reduction, scaling, accumulator, kahan, rounding, ranks_per_node)
+    cfg = SimConfig(
+        fmt, reduction, scaling, accumulator, kahan, rounding, ranks_per_node, block_size
+    )
     fmt = cfg.fmt  # type: ignore[assignment]
     assert isinstance(fmt, FloatFormat)
     layers = list(layers)
@@ -369,8 +384,9 @@ def allreduce(
     amax = layer_amax(flat)
     # The hook's factors (one rule for both): unscaling is exact for two_phase,
     # one float32 rounding (the division by N) for the native sums.
-    f = factors(amax, fmt, "two_phase" if two_phase else "allreduce", world_size=n, scaling=scaling)
-    scale, unscale = f.scale, f.unscale
+    route = "two_phase" if two_phase else "allreduce"
+    f = _factors(flat, amax, fmt, route, n, cfg)
+    scale, unscale = _per_layer(f.scale, flat, cfg), _per_layer(f.unscale, flat, cfg)
     finite = torch.isfinite(amax).tolist()
 
     encode = _wire_round(fmt, rounding, generator, overflow=False)
@@ -392,7 +408,7 @@ def allreduce(
         step = max(1, _BLOCK_ELEMENTS // n)
         for lo in range(0 if finite[i] else m, m, step):
             hi = min(m, lo + step)
-            q = encode(x[:, lo:hi].float(), scale[i])
+            q = encode(x[:, lo:hi].float(), _cut(scale[i], lo, hi))
             if reduction == "sequential" or two_phase:
                 s = _sum_sequential(q, hop, kahan)
             elif reduction == "tree":
@@ -402,9 +418,9 @@ def allreduce(
                 owner = torch.bucketize(idx, chunk_starts.to(x.device), right=True)
                 s = _sum_ring(q, owner, hop, kahan)
             if two_phase:
-                res[lo:hi] = final(s / n) * unscale[i]
+                res[lo:hi] = final(s / n) * _cut(unscale[i], lo, hi)
             else:
-                res[lo:hi] = final(s) * unscale[i]
+                res[lo:hi] = final(s) * _cut(unscale[i], lo, hi)
         out.append(res.view(layers[i].shape[1:]))
         offset += m
     return out
@@ -427,10 +443,11 @@ def _hierarchical(
     nodes = n // per
     flat = [t.detach().reshape(n, -1) for t in layers]
     amax = layer_amax(flat)
-    scaling = cfg.scaling
-    f = factors(amax, fmt, cfg.reduction, world_size=n, scaling=scaling, ranks_per_node=per)
-    scale, shift, unscale, first = f.scale, f.shift, f.unscale, f.first
-    assert shift is not None and (first is not None or not grid)
+    f = _factors(flat, amax, fmt, cfg.reduction, n, cfg, per)
+    assert f.shift is not None and (f.first is not None or not grid)
+    scale, shift = _per_layer(f.scale, flat, cfg), _per_layer(f.shift, flat, cfg)
+    unscale = _per_layer(f.unscale, flat, cfg)
+    first = _per_layer(f.first, flat, cfg) if f.first is not None else None
     finite = torch.isfinite(amax).tolist()
     rnd = _wire_round(fmt, cfg.rounding, generator, overflow=False)
     out: list[torch.Tensor] = []
@@ -442,17 +459,71 @@ def _hierarchical(
             hi = min(m, lo + step)
             part = x[:, lo:hi].float().reshape(nodes, per, hi - lo)
             if grid:
-                part = rnd(part, first[i])
+                assert first is not None
+                part = rnd(part, _cut(first[i], lo, hi))
             sums = part[:, 0].clone()
             for r in range(1, per):
                 sums += part[:, r]  # local-rank order
-            q = rnd(sums, scale[i])
+            q = rnd(sums, _cut(scale[i], lo, hi))
             acc = q[0].clone()
             for node in range(1, nodes):
                 acc += q[node]  # node order
-            res[lo:hi] = rnd(acc / n, shift[i]) * unscale[i]
+            res[lo:hi] = rnd(acc / n, _cut(shift[i], lo, hi)) * _cut(unscale[i], lo, hi)
         out.append(res.view(layers[i].shape[1:]))
     return out
+
+
+def _factors(
+    flat: list[torch.Tensor],
+    amax: torch.Tensor,
+    fmt: FloatFormat,
+    route: str,
+    n: int,
+    cfg: SimConfig,
+    per: int = 1,
+) -> Factors:
+    """The hook's factors: per layer from ``amax``, or per block of every layer."""
+    if cfg.scaling != "block":
+        return factors(amax, fmt, route, world_size=n, scaling=cfg.scaling, ranks_per_node=per)
+    blocks = [_block_maxima(x, cfg.block_size) for x in flat]
+    counts = torch.tensor([b.numel() for b in blocks], dtype=torch.int64)
+    return factors(
+        torch.cat(blocks),
+        fmt,
+        route,
+        world_size=n,
+        scaling="block",
+        ranks_per_node=per,
+        counts=counts,
+    )
+
+
+def _block_maxima(x: torch.Tensor, block_size: int) -> torch.Tensor:
+    """max |x| over the N workers of every block of a ``(N, m)`` layer; NaN becomes inf."""
+    n, m = x.shape
+    blocks = _ceil_div(m, block_size)
+    a = torch.zeros(n, blocks * block_size, dtype=torch.float32, device=x.device)
+    a[:, :m] = x.abs()
+    top = a.view(n, blocks, block_size).amax(dim=(0, 2))  # amax keeps NaN
+    return top.masked_fill_(torch.isnan(top), float("inf"))
+
+
+def _per_layer(v: torch.Tensor, flat: list[torch.Tensor], cfg: SimConfig) -> list[torch.Tensor]:
+    """Each layer's factor: a 0-d tensor, or with block scaling one per element."""
+    if cfg.scaling != "block":
+        return list(v.unbind())
+    out, start = [], 0
+    for x in flat:
+        m = x.shape[1]
+        blocks = _ceil_div(m, cfg.block_size)
+        out.append(v[start : start + blocks].repeat_interleave(cfg.block_size)[:m])
+        start += blocks
+    return out
+
+
+def _cut(factor: torch.Tensor, lo: int, hi: int) -> torch.Tensor:
+    """The factor of elements ``[lo, hi)``: per-element factors sliced, a 0-d one as is."""
+    return factor[lo:hi] if factor.dim() else factor
 
 
 def _identity(x: torch.Tensor) -> torch.Tensor:
@@ -606,6 +677,7 @@ class VirtualWorkers:
             rounding=cfg.rounding,
             generator=self.generator,
             ranks_per_node=cfg.ranks_per_node,
+            block_size=cfg.block_size,
         )
         trainable = [p for p in self.model.parameters() if p.requires_grad]
         for p, g in zip(trainable, averaged, strict=True):
