@@ -65,6 +65,12 @@ not 251, 250, 250, 250. :func:`ring_chunks` gives the boundaries.
 
 All layers passed to one call form one bucket: the ring's chunks run over
 their concatenation, and ``scaling="bucket"`` shares one exponent among them.
+``scaling="block"`` gives every ``block_size`` elements of a layer (from the
+layer's start; the last block may be short) its own exponent from the
+block's maximum over all workers, by the same rule as a layer's (native
+orders: headroom N; two_phase: none; hierarchical and grid: per stage); the
+two_phase owner re-encodes the mean with the same block exponents, and a
+non-finite block makes its layer NaN.
 
 Example:
     >>> g = torch.randn(64, 1000) * 1e-3                # 64 workers, one layer
