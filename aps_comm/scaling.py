@@ -54,6 +54,7 @@ __all__ = [
     "exponents",
     "factors",
     "layer_amax",
+    "mean_exponents",
     "pow2",
 ]
 
@@ -313,3 +314,27 @@ def _layer_finite(amax: torch.Tensor, counts: torch.Tensor) -> torch.Tensor:
     bad = (~torch.isfinite(amax)).float()
     layer_bad = torch.segment_reduce(bad, "max", lengths=counts, unsafe=True, initial=0.0)
     return torch.repeat_interleave(layer_bad == 0, counts, output_size=amax.numel())
+
+
+def mean_exponents(amax: torch.Tensor, exps: torch.Tensor, fmt: FloatFormat | str) -> torch.Tensor:
+    """Extra exponents ``d`` (int32) for a two_phase owner's mean, per block.
+
+    The owner's mean of N scaled values (scaled by ``2**exps``) is often far
+    below the block's maximum (by up to N), so re-encoding it with ``exps``
+    flushes it in narrow formats. The owner scales it by ``2**d`` more:
+    the largest ``d`` with ``amax * 2**d <= fmt.max`` (no headroom: nothing
+    sums it afterwards), capped so that ``exps + d <= 126`` (the receivers
+    unscale by ``2**-(exps + d)``, a normal float32); 0 for zero blocks.
+
+    Args:
+        amax: max |mean| of every block of the owner's shard, in the scaled
+            domain (:func:`block_amax` of :meth:`aps_comm.codec.Codec.shard_mean`).
+        exps: the blocks' agreed exponents (what the shards were encoded with).
+        fmt: the wire format.
+
+    Example:
+        >>> mean_exponents(torch.tensor([0.5, 0.0]), torch.tensor([120, 3]), "e4m3")
+        tensor([6, 0], dtype=torch.int32)
+    """
+    d = exponents(amax, fmt, world_size=1, reduction="two_phase", scaling="layer")
+    return torch.minimum(d, EXPONENT_LIMIT - exps.to(torch.int32))

@@ -82,6 +82,7 @@ Example:
 from __future__ import annotations
 
 import dataclasses
+import functools
 from collections.abc import Callable, Sequence
 from typing import Literal
 
@@ -90,8 +91,8 @@ import torch.nn as nn
 
 from aps_comm import codec
 from aps_comm.config import DEFAULT_BLOCK_SIZE, SCALINGS, Scaling, check_block_size
-from aps_comm.formats import FP32, FloatFormat, Rounding, get_format, quantize
-from aps_comm.scaling import Factors, factors, layer_amax
+from aps_comm.formats import FP32, FloatFormat, Rounding, get_format, pow2, quantize
+from aps_comm.scaling import Factors, factors, layer_amax, mean_exponents
 from aps_comm.topology import grid_rows
 
 __all__ = [
@@ -132,6 +133,11 @@ class SimConfig:
             format narrower than float32.
         ranks_per_node: workers per node L, for "hierarchical" (must divide N).
         block_size: elements per block for ``scaling="block"`` (8 to 256).
+        owner_exponents: two_phase with block scaling: the shard owner gives
+            each block of the mean its own exponent on top of the agreed one
+            (:func:`aps_comm.scaling.mean_exponents`, one more byte per block
+            with the all-gather), as the hook does where shards hold whole
+            blocks.
 
     Example:
         >>> cfg = SimConfig("e5m2", reduction="ring", accumulator="fp16")
@@ -147,6 +153,7 @@ class SimConfig:
     rounding: Rounding = "nearest"
     ranks_per_node: int = 1
     block_size: int = DEFAULT_BLOCK_SIZE
+    owner_exponents: bool = False
 
     def __post_init__(self) -> None:
         object.__setattr__(self, "fmt", get_format(self.fmt))
@@ -161,6 +168,11 @@ class SimConfig:
         if self.ranks_per_node < 1:
             raise ValueError(f"ranks_per_node must be >= 1, got {self.ranks_per_node}")
         check_block_size(self.block_size)
+        if self.owner_exponents and (self.scaling != "block" or self.reduction != "two_phase"):
+            raise ValueError(
+                "owner_exponents needs scaling='block' and reduction='two_phase', got "
+                f"scaling={self.scaling!r}, reduction={self.reduction!r}"
+            )
         if self.reduction in ("hierarchical", "grid") and (
             self.accumulator is not None or self.kahan
         ):
@@ -338,6 +350,7 @@ def allreduce(
     generator: torch.Generator | None = None,
     ranks_per_node: int = 1,
     block_size: int = DEFAULT_BLOCK_SIZE,
+    owner_exponents: bool = False,
 ) -> list[torch.Tensor]:
     """Average N virtual workers' gradients as the APS hook would, in any format and order.
 
@@ -360,6 +373,8 @@ def allreduce(
         generator: random generator for stochastic rounding.
         ranks_per_node: workers per node L, for "hierarchical"; must divide N.
         block_size: elements per block for ``scaling="block"``.
+        owner_exponents: two_phase with block scaling: the owner re-chooses
+            each block's exponent for the mean (see :class:`SimConfig`).
 
     Returns:
         One float32 tensor per layer, shape ``param_shape``: the averaged
@@ -372,7 +387,15 @@ def allreduce(
         True
     """
     cfg = SimConfig(
-        fmt, reduction, scaling, accumulator, kahan, rounding, ranks_per_node, block_size
+        fmt,
+        reduction,
+        scaling,
+        accumulator,
+        kahan,
+        rounding,
+        ranks_per_node,
+        block_size,
+        owner_exponents,
     )
     fmt = cfg.fmt  # type: ignore[assignment]
     assert isinstance(fmt, FloatFormat)
@@ -406,6 +429,7 @@ def allreduce(
 
     out: list[torch.Tensor] = []
     offset = 0
+    first_block = 0
     for i, x in enumerate(flat):
         m = x.shape[1]
         res = torch.empty(m, dtype=torch.float32, device=x.device)
@@ -423,13 +447,27 @@ def allreduce(
                 idx = torch.arange(offset + lo, offset + hi, device=x.device)
                 owner = torch.bucketize(idx, chunk_starts.to(x.device), right=True)
                 s = _sum_ring(q, owner, hop, kahan)
-            if two_phase:
+            if cfg.owner_exponents:
+                res[lo:hi] = s / n  # the owner's mean, rounded once all of it is known
+            elif two_phase:
                 res[lo:hi] = final(s / n) * _cut(unscale[i], lo, hi)
             else:
                 res[lo:hi] = final(s) * _cut(unscale[i], lo, hi)
+        blocks = _ceil_div(m, block_size) if scaling == "block" else 0
+        if cfg.owner_exponents and finite[i] and m:
+            exps = f.exponents[first_block : first_block + blocks]
+            d = mean_exponents(_block_maxima(res.view(1, m), block_size), exps, fmt)
+            spread = functools.partial(_spread, m=m, block_size=block_size)
+            res = final(res, spread(pow2(d))) * spread(pow2(-(exps + d)))
+        first_block += blocks
         out.append(res.view(layers[i].shape[1:]))
         offset += m
     return out
+
+
+def _spread(v: torch.Tensor, m: int, block_size: int) -> torch.Tensor:
+    """Per-block values to one per element of an ``m``-element layer."""
+    return v.repeat_interleave(block_size)[:m]
 
 
 def _hierarchical(
@@ -522,7 +560,7 @@ def _per_layer(v: torch.Tensor, flat: list[torch.Tensor], cfg: SimConfig) -> lis
     for x in flat:
         m = x.shape[1]
         blocks = _ceil_div(m, cfg.block_size)
-        out.append(v[start : start + blocks].repeat_interleave(cfg.block_size)[:m])
+        out.append(_spread(v[start : start + blocks], m, cfg.block_size))
         start += blocks
     return out
 
@@ -684,6 +722,7 @@ class VirtualWorkers:
             generator=self.generator,
             ranks_per_node=cfg.ranks_per_node,
             block_size=cfg.block_size,
+            owner_exponents=cfg.owner_exponents,
         )
         trainable = [p for p in self.model.parameters() if p.requires_grad]
         for p, g in zip(trainable, averaged, strict=True):

@@ -267,19 +267,27 @@ def _hand_exponent(a: float, name: str, n: int, native: bool) -> int:
 
 
 def _hand_simulate(g: np.ndarray, name: str, block_size: int, order: str) -> np.ndarray:
-    """One layer (N, m) averaged with block scaling, in numpy: the reference."""
+    """One layer (N, m) averaged with block scaling, in numpy: the reference.
+
+    Order "owner": two_phase whose owner picks each block's exponent for the mean.
+    """
     n, m = g.shape
-    native = order != "two_phase"
+    native = order not in ("two_phase", "owner")
     out = np.empty(m, np.float32)
     for lo in range(0, m, block_size):
         blk = g[:, lo : lo + block_size]
         e = _hand_exponent(float(np.abs(blk).max()), name, n, native)
         q = _round(blk * np.float32(2.0**e), name)
-        if order == "two_phase":
+        if not native:
             s = q[0].copy()
             for r in range(1, n):
                 s += q[r]
-            out[lo : lo + block_size] = _round(s / np.float32(n), name) * np.float32(2.0**-e)
+            mean = s / np.float32(n)
+            d = 0
+            if order == "owner":  # the mean's own exponent, capped so e + d <= 126
+                d = min(_hand_exponent(float(np.abs(mean).max()), name, 1, False), 126 - e)
+            scaled = mean * np.float32(2.0**d)
+            out[lo : lo + block_size] = _round(scaled, name) * np.float32(2.0 ** -(e + d))
         else:
             if order == "tree":  # n == 4: (q0 + q1) + (q2 + q3)
                 s = _round(_round(q[0] + q[1], name) + _round(q[2] + q[3], name), name)
@@ -291,12 +299,19 @@ def _hand_simulate(g: np.ndarray, name: str, block_size: int, order: str) -> np.
     return out
 
 
-@pytest.mark.parametrize("order", ["two_phase", "sequential", "tree"])
+@pytest.mark.parametrize("order", ["two_phase", "sequential", "tree", "owner"])
 @pytest.mark.parametrize("name", ["e4m3", "e3m2", "e2m1"])
 def test_simulate_block_matches_hand_reference(order: str, name: str) -> None:
     g = _grads([45, 16], seed=11, rows=4)
     layers = [g[:, :45], g[:, 45:].reshape(4, 4, 4)]
-    got = simulate.allreduce(layers, name, reduction=order, scaling="block", block_size=8)
+    got = simulate.allreduce(
+        layers,
+        name,
+        reduction="two_phase" if order == "owner" else order,
+        scaling="block",
+        block_size=8,
+        owner_exponents=order == "owner",
+    )
     for t, want in zip(got, layers, strict=True):
         ref = _hand_simulate(want.reshape(4, -1).numpy(), name, 8, order)
         assert np.array_equal(t.reshape(-1).numpy(), ref)
@@ -331,3 +346,21 @@ def test_simulate_block_poisons_layers() -> None:
     g[1, 3] = float("nan")
     a, b = simulate.allreduce([g[:, :20], g[:, 20:]], "e2m1", scaling="block", block_size=8)
     assert a.isnan().all() and not b.isnan().any()
+
+
+def test_owner_exponents_lift_small_means() -> None:
+    """Cancelling gradients: the mean is far below the block maximum, and e2m1 with the
+    agreed exponent flushes it; the owner's exponent keeps it."""
+    g = torch.tensor([[1.0, 0.25, 0.375, -0.5] * 2, [-1.0, -0.125, -0.25, 0.5] * 2])
+    exact = g.mean(0)
+    [plain] = simulate.allreduce([g], "e2m1", scaling="block", block_size=8)
+    [owner] = simulate.allreduce([g], "e2m1", scaling="block", block_size=8, owner_exponents=True)
+    assert torch.equal(plain, torch.zeros(8))
+    assert torch.equal(owner, exact)
+    assert S.mean_exponents(torch.tensor([0.0625, 0.0]), torch.tensor([2, 5]), "e2m1").tolist() == [
+        6,
+        0,
+    ]
+    assert S.mean_exponents(torch.tensor([1e-30]), torch.tensor([120]), "e4m3").tolist() == [6]
+    with pytest.raises(ValueError, match="owner_exponents"):
+        simulate.SimConfig(scaling="layer", owner_exponents=True)
