@@ -23,7 +23,8 @@ them, and :func:`factors` turns them into per-block factors; a block whose
 maximum is not finite makes its whole layer NaN. Exponents fit one signed
 byte (+-126). Every rule is non-increasing in ``amax``, so the exponent of
 the agreed maximum is also the minimum over ranks of each rank's own
-exponent of a non-zero finite maximum: the agreement may travel as bytes.
+exponent of a non-zero finite maximum: the agreement may travel as bytes
+(:func:`exponent_keys`, :func:`factors_from_keys`).
 
 Example:
     >>> amax = torch.tensor([1e-6, 3.0, 0.0, float("inf")])
@@ -51,8 +52,10 @@ __all__ = [
     "Factors",
     "Scaling",
     "block_amax",
+    "exponent_keys",
     "exponents",
     "factors",
+    "factors_from_keys",
     "layer_amax",
     "mean_exponents",
     "pow2",
@@ -277,6 +280,19 @@ def factors(
         raise ValueError(f"counts is for scaling='block', got scaling={scaling!r}")
     else:
         finite = torch.isfinite(amax)
+    exps = _route_exponents(amax, fmt, route, world_size, scaling, ranks_per_node)
+    return _assemble(exps, finite, route, world_size, divide)
+
+
+def _route_exponents(
+    amax: torch.Tensor,
+    fmt: FloatFormat,
+    route: str,
+    world_size: int,
+    scaling: Scaling | str,
+    ranks_per_node: int,
+) -> torch.Tensor:
+    """The route's exponents as rows of an int32 tensor: staged (inner, outer), else one."""
     if route in ("hierarchical", "grid"):
         n_nodes = world_size // ranks_per_node
         # The node sums add L gradients: headroom L. The mean sent back needs none.
@@ -289,31 +305,120 @@ def factors(
             headroom=ranks_per_node,
         )
         outer = exponents(amax, fmt, world_size=world_size, reduction="two_phase", scaling=scaling)
+        return torch.stack([inner, outer])
+    reduction = "two_phase" if route == "two_phase" else "allreduce"
+    return exponents(amax, fmt, world_size=world_size, reduction=reduction, scaling=scaling)[None]
+
+
+def _assemble(
+    exps: torch.Tensor, finite: torch.Tensor, route: str, world_size: int, divide: bool
+) -> Factors:
+    """The factors of :func:`_route_exponents`' rows; NaN unscale where not ``finite``."""
+    if route in ("hierarchical", "grid"):
+        inner, outer = exps.unbind()
         unscale = torch.where(finite, pow2(-outer), float("nan"))
         if route == "grid":
             # The grid's first level sends each rank's gradient (headroom 1);
             # its sums of L of them move from that scale to the inner one.
             return Factors(inner, pow2(inner - outer), unscale, pow2(outer - inner), pow2(outer))
         return Factors(inner, pow2(inner), unscale, pow2(outer - inner))
-    two_phase = route == "two_phase"
-    exps = exponents(
-        amax,
-        fmt,
-        world_size=world_size,
-        reduction="two_phase" if two_phase else "allreduce",
-        scaling=scaling,
-    )
-    unscale = pow2(-exps)
-    if not two_phase and divide:
+    e = exps[0]
+    unscale = pow2(-e)
+    if route != "two_phase" and divide:
         unscale = unscale / world_size
-    return Factors(exps, pow2(exps), torch.where(finite, unscale, float("nan")))
+    return Factors(e, pow2(e), torch.where(finite, unscale, float("nan")))
+
+
+_KEY_ZERO, _KEY_BAD = 0, 255
+
+
+def exponent_keys(
+    amax: torch.Tensor,
+    fmt: FloatFormat,
+    route: str,
+    *,
+    world_size: int,
+    ranks_per_node: int = 1,
+    scaling: Scaling | str = "block",
+) -> torch.Tensor:
+    """One byte per exponent of this rank's own maxima, to agree on with a MAX all-reduce.
+
+    Every exponent rule is non-increasing in ``amax``, so the exponent of
+    the ranks' largest maximum is the smallest of their own exponents. The
+    key is ``127 - e`` (1 to 253) for a finite non-zero maximum, 0 for a zero
+    one (no constraint) and 255 for a non-finite one (it wins, and marks the
+    layer for NaN): the MAX over ranks of the keys gives, through
+    :func:`factors_from_keys`, exactly :func:`factors` of the MAX of the
+    maxima, at one byte per block (two for staged routes) instead of four.
+
+    Args:
+        amax: this rank's maxima (per block, or per layer).
+        fmt: the wire format.
+        route: as in :func:`factors`.
+        world_size: N.
+        ranks_per_node: staged routes' L.
+        scaling: "block" or "layer" (per-entry rules; "bucket" is not one).
+
+    Returns:
+        uint8 tensor of shape (rows, len(amax)): rows = 2 for hierarchical
+        and grid (the inner and outer exponents), else 1.
+
+    Example:
+        >>> exponent_keys(torch.tensor([3.0, 0.0, float("nan")]), get_format("e4m3"),
+        ...               "two_phase", world_size=4)
+        tensor([[120,   0, 255]], dtype=torch.uint8)
+    """
+    if scaling not in ("block", "layer"):
+        raise ValueError(f"exponent keys need scaling 'block' or 'layer', got {scaling!r}")
+    exps = _route_exponents(amax, get_format(fmt), route, world_size, scaling, ranks_per_node)
+    keys = torch.where(amax == 0, _KEY_ZERO, 127 - exps)
+    return torch.where(torch.isfinite(amax), keys, _KEY_BAD).to(torch.uint8)
+
+
+def factors_from_keys(
+    keys: torch.Tensor,
+    fmt: FloatFormat,
+    route: str,
+    *,
+    world_size: int,
+    divide: bool = True,
+    counts: torch.Tensor | None = None,
+) -> Factors:
+    """:func:`factors` from the MAX over ranks of :func:`exponent_keys` (no host read).
+
+    Args:
+        keys: the all-reduced keys (uint8, shape (rows, n)).
+        fmt: the wire format (unused by the arithmetic, kept for symmetry
+            with :func:`factors` and checked).
+        route: as in :func:`factors`.
+        world_size: N.
+        divide: native sums: fold 1/N into ``unscale``.
+        counts: block scaling: blocks per layer (a key of 255 makes its
+            whole layer NaN).
+
+    Example:
+        >>> keys = torch.tensor([[120, 0, 255]], dtype=torch.uint8)
+        >>> factors_from_keys(keys, get_format("e4m3"), "two_phase", world_size=4).unscale
+        tensor([0.0078, 1.0000,    nan])
+    """
+    get_format(fmt)
+    k = keys.to(torch.int32)
+    bad = (k == _KEY_BAD).any(0)
+    finite = ~bad if counts is None else _spread_finite(~bad, counts)
+    exps = torch.where((k == _KEY_ZERO) | (k == _KEY_BAD), 0, 127 - k)
+    return _assemble(exps, finite, route, world_size, divide)
 
 
 def _layer_finite(amax: torch.Tensor, counts: torch.Tensor) -> torch.Tensor:
     """Per block: whether every block of its layer has a finite maximum (no host read)."""
-    bad = (~torch.isfinite(amax)).float()
+    return _spread_finite(torch.isfinite(amax), counts)
+
+
+def _spread_finite(finite: torch.Tensor, counts: torch.Tensor) -> torch.Tensor:
+    """Per block: whether every block of its layer is ``finite`` (no host read)."""
+    bad = (~finite).float()
     layer_bad = torch.segment_reduce(bad, "max", lengths=counts, unsafe=True, initial=0.0)
-    return torch.repeat_interleave(layer_bad == 0, counts, output_size=amax.numel())
+    return torch.repeat_interleave(layer_bad == 0, counts, output_size=finite.numel())
 
 
 def mean_exponents(amax: torch.Tensor, exps: torch.Tensor, fmt: FloatFormat | str) -> torch.Tensor:

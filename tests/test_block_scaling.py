@@ -364,3 +364,39 @@ def test_owner_exponents_lift_small_means() -> None:
     assert S.mean_exponents(torch.tensor([1e-30]), torch.tensor([120]), "e4m3").tolist() == [6]
     with pytest.raises(ValueError, match="owner_exponents"):
         simulate.SimConfig(scaling="layer", owner_exponents=True)
+
+
+def _same(a: torch.Tensor | None, b: torch.Tensor | None) -> bool:
+    if a is None or b is None:
+        return a is b
+    return torch.equal(torch.nan_to_num(a, nan=-1.0), torch.nan_to_num(b, nan=-1.0))
+
+
+@pytest.mark.parametrize("route", ["allreduce", "two_phase", "hierarchical", "grid"])
+@pytest.mark.parametrize("name", ["e4m3", "e2m1", "fp16", "bf16"])
+def test_one_byte_keys_agree_like_the_maxima(route: str, name: str) -> None:
+    """MAX over ranks of each rank's keys gives the factors of the MAX of the maxima."""
+    fmt = get_format(name)
+    g = torch.Generator().manual_seed(len(name) + len(route))
+    ranks, n = 5, 400
+    amax = torch.exp2(torch.empty(ranks, n).uniform_(-140, 140, generator=g))
+    # Mantissas near the round-up boundaries of the native rule, zeros, non-finite.
+    amax[:, :50] = fmt.max / torch.arange(1, 51).float() * (1 + 2.0**-fmt.man_bits / 3)
+    amax[torch.rand(ranks, n, generator=g) < 0.2] = 0.0
+    amax[:, 60:70] = 0.0
+    amax[2, 100] = float("inf")
+    amax[4, 101] = float("nan")
+    amax = amax.clamp(max=float(torch.finfo(torch.float32).max))
+    amax[2, 100] = float("inf")
+    counts = torch.tensor([100, 0, 150, 150])
+    kw = {"world_size": 8}
+    per = {"ranks_per_node": 2} if route in ("hierarchical", "grid") else {}
+    keys = torch.stack([S.exponent_keys(a, fmt, route, **kw, **per) for a in amax]).amax(0)
+    assert keys.dtype == torch.uint8 and keys.shape[0] == (2 if per else 1)
+    top = torch.where(amax.isnan(), float("inf"), amax).amax(0)  # the MAX all-reduce
+    want = S.factors(top, fmt, route, scaling="block", counts=counts, **kw, **per)
+    got = S.factors_from_keys(keys, fmt, route, counts=counts, **kw)
+    for field in ("exponents", "scale", "unscale", "shift", "first"):
+        assert _same(getattr(got, field), getattr(want, field)), field
+    assert got.unscale[100:250].isnan().all()  # the non-finite blocks' layer
+    assert not got.unscale[:100].isnan().any() and not got.unscale[250:].isnan().any()
