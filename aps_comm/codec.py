@@ -467,11 +467,19 @@ class Codec:
         return self.encode(self.shard_mean(recv, n_ranks), out=out)
 
     def shard_mean(
-        self, recv: torch.Tensor, n_ranks: int, *, divisor: int | None = None
+        self,
+        recv: torch.Tensor,
+        n_ranks: int,
+        *,
+        divisor: int | None = None,
+        scale: torch.Tensor | None = None,
+        layout: Layout | None = None,
     ) -> torch.Tensor:
         """float32 mean of N encoded shards laid end to end: see :func:`shard_mean`.
 
-        All N shards are decoded in one call, then added in rank order
+        All N shards are decoded in one call (times ``scale`` per segment of
+        ``layout``, which covers the N shards end to end, padding included:
+        each rank's own block exponents), then added in rank order
         (r0 + r1 + ... in float32, one in-place add per rank): the order that
         makes every backend give the same bits.
 
@@ -482,7 +490,7 @@ class Codec:
         """
         shard_bytes = self._shard_bytes(recv, n_ranks)
         numel = shard_bytes * 8 // self.fmt.wire_bits
-        values = self.decode(recv, n_ranks * numel)
+        values = self.decode(recv, n_ranks * numel, scale=scale, layout=layout)
         acc = values[:numel]
         for r in range(1, n_ranks):
             acc += values[r * numel : (r + 1) * numel]
@@ -615,6 +623,8 @@ def shard_mean(
     n_ranks: int,
     *,
     divisor: int | None = None,
+    scale: torch.Tensor | None = None,
+    layout: Layout | None = None,
     backend: Backend = "auto",
 ) -> torch.Tensor:
     """float32 mean of N encoded shards laid end to end: summed in rank order, then / N.
@@ -622,13 +632,18 @@ def shard_mean(
     The arithmetic of :func:`owner_reduce` before its re-encoding. ``divisor``
     replaces N where each shard is already a sum (hierarchical two_phase's
     node sums divide by the world size, not by the number of nodes).
+    ``scale`` and ``layout`` (covering all N shards, padding included) unscale
+    each shard as it is decoded: shards encoded with each rank's own block
+    exponents.
 
     Example:
         >>> shards = encode(torch.tensor([1.0, 2.0]), "e4m3")
         >>> shard_mean(shards, "e4m3", 2)
         tensor([1.5000])
     """
-    return codec_for(fmt, recv.device, backend).shard_mean(recv, n_ranks, divisor=divisor)
+    return codec_for(fmt, recv.device, backend).shard_mean(
+        recv, n_ranks, divisor=divisor, scale=scale, layout=layout
+    )
 
 
 def segment_amax(x: torch.Tensor, layout: Layout, *, blocked: bool | None = None) -> torch.Tensor:

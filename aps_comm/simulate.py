@@ -138,6 +138,11 @@ class SimConfig:
             (:func:`aps_comm.scaling.mean_exponents`, one more byte per block
             with the all-gather), as the hook does where shards hold whole
             blocks.
+        rank_exponents: two_phase with block scaling, no agreement before
+            the exchange: each worker encodes with its own block exponents
+            (sent with its shard), the owner decodes every shard with its
+            sender's, sums in FP32, and gives each block of the mean its own
+            exponent (sent with the all-gather).
 
     Example:
         >>> cfg = SimConfig("e5m2", reduction="ring", accumulator="fp16")
@@ -154,6 +159,7 @@ class SimConfig:
     ranks_per_node: int = 1
     block_size: int = DEFAULT_BLOCK_SIZE
     owner_exponents: bool = False
+    rank_exponents: bool = False
 
     def __post_init__(self) -> None:
         object.__setattr__(self, "fmt", get_format(self.fmt))
@@ -168,11 +174,12 @@ class SimConfig:
         if self.ranks_per_node < 1:
             raise ValueError(f"ranks_per_node must be >= 1, got {self.ranks_per_node}")
         check_block_size(self.block_size)
-        if self.owner_exponents and (self.scaling != "block" or self.reduction != "two_phase"):
-            raise ValueError(
-                "owner_exponents needs scaling='block' and reduction='two_phase', got "
-                f"scaling={self.scaling!r}, reduction={self.reduction!r}"
-            )
+        for name in ("owner_exponents", "rank_exponents"):
+            if getattr(self, name) and (self.scaling != "block" or self.reduction != "two_phase"):
+                raise ValueError(
+                    f"{name} needs scaling='block' and reduction='two_phase', got "
+                    f"scaling={self.scaling!r}, reduction={self.reduction!r}"
+                )
         if self.reduction in ("hierarchical", "grid") and (
             self.accumulator is not None or self.kahan
         ):
@@ -351,6 +358,7 @@ def allreduce(
     ranks_per_node: int = 1,
     block_size: int = DEFAULT_BLOCK_SIZE,
     owner_exponents: bool = False,
+    rank_exponents: bool = False,
 ) -> list[torch.Tensor]:
     """Average N virtual workers' gradients as the APS hook would, in any format and order.
 
@@ -375,6 +383,8 @@ def allreduce(
         block_size: elements per block for ``scaling="block"``.
         owner_exponents: two_phase with block scaling: the owner re-chooses
             each block's exponent for the mean (see :class:`SimConfig`).
+        rank_exponents: two_phase with block scaling: every worker's own
+            block exponents, and the owner's for the mean (see :class:`SimConfig`).
 
     Returns:
         One float32 tensor per layer, shape ``param_shape``: the averaged
@@ -396,6 +406,7 @@ def allreduce(
         ranks_per_node,
         block_size,
         owner_exponents,
+        rank_exponents,
     )
     fmt = cfg.fmt  # type: ignore[assignment]
     assert isinstance(fmt, FloatFormat)
@@ -436,9 +447,13 @@ def allreduce(
         if not finite[i]:
             res.fill_(float("nan"))
         step = max(1, _BLOCK_ELEMENTS // n)
+        own = _own_factors(x, fmt, n, block_size) if rank_exponents and finite[i] else None
         for lo in range(0 if finite[i] else m, m, step):
             hi = min(m, lo + step)
-            q = encode(x[:, lo:hi].float(), _cut(scale[i], lo, hi))
+            if own is None:
+                q = encode(x[:, lo:hi].float(), _cut(scale[i], lo, hi))
+            else:  # each worker's own block scale; the owner decodes with it
+                q = encode(x[:, lo:hi].float(), own[0][:, lo:hi]) * own[1][:, lo:hi]
             if reduction == "sequential" or two_phase:
                 s = _sum_sequential(q, hop, kahan)
             elif reduction == "tree":
@@ -447,14 +462,19 @@ def allreduce(
                 idx = torch.arange(offset + lo, offset + hi, device=x.device)
                 owner = torch.bucketize(idx, chunk_starts.to(x.device), right=True)
                 s = _sum_ring(q, owner, hop, kahan)
-            if cfg.owner_exponents:
+            if cfg.owner_exponents or rank_exponents:
                 res[lo:hi] = s / n  # the owner's mean, rounded once all of it is known
             elif two_phase:
                 res[lo:hi] = final(s / n) * _cut(unscale[i], lo, hi)
             else:
                 res[lo:hi] = final(s) * _cut(unscale[i], lo, hi)
         blocks = _ceil_div(m, block_size) if scaling == "block" else 0
-        if cfg.owner_exponents and finite[i] and m:
+        if rank_exponents and finite[i] and m:
+            # The mean is in the true domain: its exponents are absolute.
+            e = factors(_block_maxima(res.view(1, m), block_size), fmt, "two_phase", world_size=1)
+            spread = functools.partial(_spread, m=m, block_size=block_size)
+            res = final(res, spread(e.scale)) * spread(e.unscale)
+        elif cfg.owner_exponents and finite[i] and m:
             exps = f.exponents[first_block : first_block + blocks]
             d = mean_exponents(_block_maxima(res.view(1, m), block_size), exps, fmt)
             spread = functools.partial(_spread, m=m, block_size=block_size)
@@ -466,8 +486,23 @@ def allreduce(
 
 
 def _spread(v: torch.Tensor, m: int, block_size: int) -> torch.Tensor:
-    """Per-block values to one per element of an ``m``-element layer."""
-    return v.repeat_interleave(block_size)[:m]
+    """Per-block values to one per element of an ``m``-element layer (along the last dim)."""
+    return v.repeat_interleave(block_size, dim=-1)[..., :m]
+
+
+def _own_factors(
+    x: torch.Tensor, fmt: FloatFormat, n: int, block_size: int
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """Every worker's own block scale and unscale, one per element of its ``(N, m)`` layer."""
+    m = x.shape[1]
+    blocks = _ceil_div(m, block_size)
+    a = torch.zeros(n, blocks * block_size, dtype=torch.float32, device=x.device)
+    a[:, :m] = x.abs()
+    own = a.view(n, blocks, block_size).amax(dim=2).reshape(-1)
+    f = factors(own, fmt, "two_phase", world_size=n)
+    return _spread(f.scale.view(n, blocks), m, block_size), _spread(
+        f.unscale.view(n, blocks), m, block_size
+    )
 
 
 def _hierarchical(
@@ -723,6 +758,7 @@ class VirtualWorkers:
             ranks_per_node=cfg.ranks_per_node,
             block_size=cfg.block_size,
             owner_exponents=cfg.owner_exponents,
+            rank_exponents=cfg.rank_exponents,
         )
         trainable = [p for p in self.model.parameters() if p.requires_grad]
         for p, g in zip(trainable, averaged, strict=True):

@@ -269,13 +269,29 @@ def _hand_exponent(a: float, name: str, n: int, native: bool) -> int:
 def _hand_simulate(g: np.ndarray, name: str, block_size: int, order: str) -> np.ndarray:
     """One layer (N, m) averaged with block scaling, in numpy: the reference.
 
-    Order "owner": two_phase whose owner picks each block's exponent for the mean.
+    Order "owner": two_phase whose owner picks each block's exponent for the mean;
+    "rank": each worker's own block exponents too.
     """
     n, m = g.shape
-    native = order not in ("two_phase", "owner")
+    native = order not in ("two_phase", "owner", "rank")
     out = np.empty(m, np.float32)
     for lo in range(0, m, block_size):
         blk = g[:, lo : lo + block_size]
+        if order == "rank":
+            own = [_hand_exponent(float(np.abs(b).max()), name, n, False) for b in blk]
+            true = [
+                _round(b * np.float32(2.0**e), name) * np.float32(2.0**-e)
+                for b, e in zip(blk, own, strict=True)
+            ]
+            mean = true[0].copy()
+            for t in true[1:]:
+                mean += t
+            mean /= np.float32(n)
+            e = _hand_exponent(float(np.abs(mean).max()), name, 1, False)
+            out[lo : lo + block_size] = _round(mean * np.float32(2.0**e), name) * np.float32(
+                2.0**-e
+            )
+            continue
         e = _hand_exponent(float(np.abs(blk).max()), name, n, native)
         q = _round(blk * np.float32(2.0**e), name)
         if not native:
@@ -299,7 +315,7 @@ def _hand_simulate(g: np.ndarray, name: str, block_size: int, order: str) -> np.
     return out
 
 
-@pytest.mark.parametrize("order", ["two_phase", "sequential", "tree", "owner"])
+@pytest.mark.parametrize("order", ["two_phase", "sequential", "tree", "owner", "rank"])
 @pytest.mark.parametrize("name", ["e4m3", "e3m2", "e2m1"])
 def test_simulate_block_matches_hand_reference(order: str, name: str) -> None:
     g = _grads([45, 16], seed=11, rows=4)
@@ -307,10 +323,11 @@ def test_simulate_block_matches_hand_reference(order: str, name: str) -> None:
     got = simulate.allreduce(
         layers,
         name,
-        reduction="two_phase" if order == "owner" else order,
+        reduction="two_phase" if order in ("owner", "rank") else order,
         scaling="block",
         block_size=8,
         owner_exponents=order == "owner",
+        rank_exponents=order == "rank",
     )
     for t, want in zip(got, layers, strict=True):
         ref = _hand_simulate(want.reshape(4, -1).numpy(), name, 8, order)
@@ -400,3 +417,41 @@ def test_one_byte_keys_agree_like_the_maxima(route: str, name: str) -> None:
         assert _same(getattr(got, field), getattr(want, field)), field
     assert got.unscale[100:250].isnan().all()  # the non-finite blocks' layer
     assert not got.unscale[:100].isnan().any() and not got.unscale[250:].isnan().any()
+
+
+@pytest.mark.parametrize("name", ["e4m3", "e2m1", "fp16"])
+def test_shard_mean_with_each_ranks_block_exponents(name: str) -> None:
+    """Shards encoded with each rank's own block exponents: the owner's mean (decoded
+    with each sender's, summed in rank order) is the reference's on every backend."""
+    fmt = get_format(name)
+    n, numels = 3, [20, 12]  # one shard per rank: 32 elements, blocks of 8 (the last short)
+    g = _grads(numels, seed=9, rows=n)
+    g[1] *= 2.0**-12  # rank 1's gradients are far smaller: its own exponents are larger
+    blocks = codec.Layout.from_numels(numels, CPU).grid(8)
+    own = [
+        S.factors(
+            S.block_amax(r, blocks),
+            fmt,
+            "two_phase",
+            world_size=n,
+            scaling="block",
+            counts=blocks.device_counts,
+        )
+        for r in g
+    ]
+    sizes = list(blocks.layout.sizes)
+    acc = None
+    for r, f in zip(g, own, strict=True):
+        e = np.repeat(f.exponents.numpy().astype(np.float64), sizes)
+        t = _round(r.numpy() * np.exp2(e), name) * np.exp2(-e).astype(np.float32)
+        acc = t if acc is None else acc + t
+    ref = acc / np.float32(n)
+    every = codec.Layout.from_numels(sizes * n, CPU)  # the N shards' blocks end to end
+    unscale = torch.cat([f.unscale for f in own])
+    for backend in _backends(name):
+        c = codec.Codec(fmt, CPU, backend)
+        recv = torch.cat(
+            [c.encode(r, scale=f.scale, layout=blocks.layout) for r, f in zip(g, own, strict=True)]
+        )
+        mean = c.shard_mean(recv, n, scale=unscale, layout=every)
+        assert np.array_equal(mean.numpy(), ref), backend
