@@ -54,6 +54,7 @@ import numpy as np
 import torch
 
 from aps_comm import cpu_kernels
+from aps_comm.config import check_block_size
 from aps_comm.formats import (
     FloatFormat,
     cast_into,
@@ -71,6 +72,7 @@ __all__ = [
     "AMAX_BLOCK",
     "BACKENDS",
     "Backend",
+    "Blocks",
     "Codec",
     "Layout",
     "backend_for",
@@ -150,6 +152,30 @@ class Layout:
     def n_segments(self) -> int:
         return self.offsets.numel() - 1
 
+    def grid(self, block_size: int) -> Blocks:
+        """Every segment cut into blocks of ``block_size`` elements from its start.
+
+        Block scaling gives each block its own exponent; blocks never cross
+        segments (layers), and a segment's last block may be short. Build it
+        once per bucket (it is host work proportional to the blocks) and
+        cut it per chunk with :meth:`Blocks.window`.
+
+        Example:
+            >>> b = Layout.from_numels([20, 0, 8], torch.device("cpu")).grid(8)
+            >>> b.layout.offsets, b.counts
+            (tensor([ 0,  8, 16, 20, 28]), tensor([3, 0, 1]))
+        """
+        block_size = check_block_size(block_size)
+        sizes = self.offsets.diff()
+        counts = (sizes + block_size - 1) // block_size
+        segment = torch.repeat_interleave(torch.arange(sizes.numel()), counts)
+        first = torch.cumsum(counts, 0) - counts  # each segment's first block
+        index = torch.arange(segment.numel()) - first[segment]
+        starts = self.offsets[segment] + index * block_size
+        offsets = torch.cat([starts, torch.tensor([self.numel], dtype=torch.int64)])
+        device = self.lengths.device
+        return Blocks(Layout._make(offsets, device), block_size, counts, to_device(counts, device))
+
     @functools.cached_property
     def device_offsets(self) -> torch.Tensor:
         """:attr:`offsets` on the layout's device (the Triton kernels search them).
@@ -181,6 +207,71 @@ class Layout:
         lengths = (sizes[segment] - index * AMAX_BLOCK).clamp_(max=AMAX_BLOCK)
         both = to_device(torch.cat([lengths, segment]), self.lengths.device)
         return both[: segment.numel()], both[segment.numel() :]
+
+
+@dataclasses.dataclass(frozen=True)
+class Blocks:
+    """The blocks of block scaling in a buffer (or a window of it), from :meth:`Layout.grid`.
+
+    The codec scales per segment of a :class:`Layout`; :attr:`layout` makes
+    each block one segment, so ``encode(x, fmt, scale=block_scale[b.first :
+    b.first + b.n_blocks], layout=b.layout)`` encodes with block scales.
+
+    Attributes:
+        layout: the blocks as segments (offsets relative to the buffer or window).
+        block_size: elements per whole block.
+        counts: int64 CPU tensor, blocks in each segment of the parent layout
+            (a layer's blocks, for spreading a block's NaN to its layer).
+        device_counts: the same on the data's device.
+        first: index of the first block in the whole buffer's blocks (a
+            window's scales are ``scale[first : first + n_blocks]``).
+
+    Example:
+        >>> b = Layout.from_numels([20, 8], torch.device("cpu")).grid(8).window(12, 24)
+        >>> b.layout.offsets, b.first, b.counts
+        (tensor([ 0,  4,  8, 12]), 1, tensor([2, 1]))
+    """
+
+    layout: Layout
+    block_size: int
+    counts: torch.Tensor
+    device_counts: torch.Tensor
+    first: int = 0
+
+    @property
+    def n_blocks(self) -> int:
+        return self.layout.n_segments
+
+    def wire_nbytes(self, fmt: FloatFormat | str) -> int:
+        """Bytes these blocks put on the wire: the format's payload plus one exponent byte each.
+
+        Example:
+            >>> Layout.from_numels([64], torch.device("cpu")).grid(32).wire_nbytes("e2m1")
+            34
+        """
+        return payload_nbytes(self.layout.numel, get_format(fmt)) + self.n_blocks
+
+    def window(self, lo: int, hi: int) -> Blocks:
+        """The blocks that overlap the slice ``[lo, hi)`` of the buffer, clipped to it.
+
+        ``lo`` and ``hi`` are offsets in the whole buffer (this must be a
+        whole buffer's blocks, ``first == 0``).
+        """
+        if self.first or not 0 <= lo <= hi <= self.layout.numel:
+            raise ValueError(
+                f"window [{lo}, {hi}) must lie in a whole buffer of {self.layout.numel} elements"
+            )
+        offsets = self.layout.offsets
+        b0 = int(torch.searchsorted(offsets[1:], lo, right=True))  # first block ending after lo
+        b1 = max(b0, int(torch.searchsorted(offsets[:-1], hi))) if hi > lo else b0
+        cut = (offsets[b0 : b1 + 1] - lo).clamp_(0, hi - lo) if b1 > b0 else offsets[:1] * 0
+        # Each layer's blocks inside [b0, b1): its block range cut by the window's.
+        end = torch.cumsum(self.counts, 0)
+        counts = (end.clamp(max=b1) - (end - self.counts).clamp(min=b0)).clamp_(min=0)
+        device = self.layout.lengths.device
+        return Blocks(
+            Layout._make(cut, device), self.block_size, counts, to_device(counts, device), b0
+        )
 
 
 def backend_for(fmt: FloatFormat | str, device: torch.device) -> str:
@@ -432,11 +523,19 @@ class Codec:
         return self.encode(self.shard_mean(recv, n_ranks), out=out)
 
     def shard_mean(
-        self, recv: torch.Tensor, n_ranks: int, *, divisor: int | None = None
+        self,
+        recv: torch.Tensor,
+        n_ranks: int,
+        *,
+        divisor: int | None = None,
+        scale: torch.Tensor | None = None,
+        layout: Layout | None = None,
     ) -> torch.Tensor:
         """float32 mean of N encoded shards laid end to end: see :func:`shard_mean`.
 
-        All N shards are decoded in one call, then added in rank order
+        All N shards are decoded in one call (times ``scale`` per segment of
+        ``layout``, which covers the N shards end to end, padding included:
+        each rank's own block exponents), then added in rank order
         (r0 + r1 + ... in float32, one in-place add per rank): the order that
         makes every backend give the same bits.
 
@@ -448,11 +547,11 @@ class Codec:
         shard_bytes = self._shard_bytes(recv, n_ranks)
         numel = shard_bytes * 8 // self.fmt.wire_bits
         divisor = n_ranks if divisor is None else divisor
-        if self.backend == "triton":
+        if self.backend == "triton" and scale is None:
             out = torch.empty(numel, dtype=torch.float32, device=recv.device)
             _triton().shard_mean(recv, n_ranks, self.fmt, out, divisor)
             return out
-        values = self.decode(recv, n_ranks * numel)
+        values = self.decode(recv, n_ranks * numel, scale=scale, layout=layout)
         acc = values[:numel]
         for r in range(1, n_ranks):
             acc += values[r * numel : (r + 1) * numel]
@@ -584,6 +683,8 @@ def shard_mean(
     n_ranks: int,
     *,
     divisor: int | None = None,
+    scale: torch.Tensor | None = None,
+    layout: Layout | None = None,
     backend: Backend = "auto",
 ) -> torch.Tensor:
     """float32 mean of N encoded shards laid end to end: summed in rank order, then / N.
@@ -591,13 +692,18 @@ def shard_mean(
     The arithmetic of :func:`owner_reduce` before its re-encoding. ``divisor``
     replaces N where each shard is already a sum (hierarchical two_phase's
     node sums divide by the world size, not by the number of nodes).
+    ``scale`` and ``layout`` (covering all N shards, padding included) unscale
+    each shard as it is decoded: shards encoded with each rank's own block
+    exponents.
 
     Example:
         >>> shards = encode(torch.tensor([1.0, 2.0]), "e4m3")
         >>> shard_mean(shards, "e4m3", 2)
         tensor([1.5000])
     """
-    return codec_for(fmt, recv.device, backend).shard_mean(recv, n_ranks, divisor=divisor)
+    return codec_for(fmt, recv.device, backend).shard_mean(
+        recv, n_ranks, divisor=divisor, scale=scale, layout=layout
+    )
 
 
 def segment_amax(x: torch.Tensor, layout: Layout, *, blocked: bool | None = None) -> torch.Tensor:

@@ -18,8 +18,20 @@ Example:
 from __future__ import annotations
 
 import enum
+import operator
 
-__all__ = ["REDUCTIONS", "SCALINGS", "Choice", "Reduction", "Route", "Scaling"]
+__all__ = [
+    "BLOCK_SIZES",
+    "DEFAULT_BLOCK_SIZE",
+    "REDUCTIONS",
+    "SCALINGS",
+    "Choice",
+    "Reduction",
+    "Route",
+    "Scaling",
+    "check_block_size",
+    "check_hook_scaling",
+]
 
 
 class Choice(str, enum.Enum):
@@ -88,12 +100,63 @@ class Route(Choice):
 
 
 class Scaling(Choice):
-    """Exponent granularity: one per layer (APS), one per bucket and format, or none."""
+    """Exponent granularity: one per layer (APS), per bucket and format, per block, or none.
+
+    ``BLOCK`` gives every ``block_size`` consecutive elements of a layer its
+    own exponent (blocks never cross layers; a layer's last block may be
+    short), one byte each on the wire beside the format's bytes.
+    """
 
     LAYER = "layer"
     BUCKET = "bucket"
+    BLOCK = "block"
     NONE = "none"
 
 
 REDUCTIONS: tuple[str, ...] = tuple(m.value for m in Reduction)
 SCALINGS: tuple[str, ...] = tuple(m.value for m in Scaling)
+
+BLOCK_SIZES: tuple[int, ...] = (8, 16, 32, 64, 128, 256)
+"""The block sizes of :attr:`Scaling.BLOCK`: powers of two, so a block's index is a shift."""
+
+DEFAULT_BLOCK_SIZE = 32
+"""Elements per block by default: the OCP MX formats' block, 1/32 byte of exponent per element."""
+
+
+def check_hook_scaling(scaling: Scaling) -> Scaling:
+    """``scaling`` if the DDP hook and FSDP2 run it, else a ValueError saying what does.
+
+    Block scaling exists in the codec (:meth:`aps_comm.codec.Layout.grid`),
+    the exponent rules (:func:`aps_comm.scaling.factors`) and the simulator
+    (:func:`aps_comm.simulate.allreduce`); the reduction engine does not
+    send block exponents yet.
+
+    Example:
+        >>> check_hook_scaling(Scaling.LAYER)
+        <Scaling.LAYER: 'layer'>
+    """
+    if scaling == Scaling.BLOCK:
+        raise ValueError(
+            "scaling='block' is not supported by the DDP hook and FSDP2 yet (the engine "
+            "does not send block exponents); it runs in aps_comm.simulate.allreduce and the "
+            "codec. Use scaling='layer' (APS, one exponent per parameter) to train."
+        )
+    return scaling
+
+
+def check_block_size(block_size: int) -> int:
+    """``block_size`` if it is one of :data:`BLOCK_SIZES`, else a ValueError naming it.
+
+    Example:
+        >>> check_block_size(64)
+        64
+    """
+    try:
+        size = operator.index(block_size) if not isinstance(block_size, bool) else None
+    except TypeError:
+        size = None
+    if size not in BLOCK_SIZES:
+        raise ValueError(
+            f"block_size must be a power of two from 8 to 256 {BLOCK_SIZES}, got {block_size!r}"
+        )
+    return size

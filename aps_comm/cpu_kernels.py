@@ -48,6 +48,7 @@ __all__ = [
     "AVAILABLE",
     "COMPILE_NOTICE",
     "CompileNotice",
+    "block_amax",
     "decode",
     "decoder_params",
     "encode",
@@ -380,15 +381,45 @@ if AVAILABLE:
         else:
             _encode_int(x, f, codes, p)
 
+    # The segment loops below keep the element loop inline (no call per
+    # segment): block scaling has a segment every 8 to 256 elements, where a
+    # call per segment costs 8x the encoding. Slices, not a loop from lo to
+    # hi: indices from 0 are known to be non-negative, so numba drops its
+    # wrap-around select and LLVM vectorises the loop.
+
     @_njit
-    def _encode_codes(x, offsets, factors, codes, p):
-        """codes[i] = code(x[i] * factor of i's segment)."""
+    def _segments_binade(x, offsets, factors, codes, p):
         for seg in range(len(offsets) - 1):
             lo, hi = offsets[seg], offsets[seg + 1]
-            # Slices, not a loop from lo to hi: indices from 0 are known to be
-            # non-negative, so numba drops its wrap-around select and LLVM
-            # vectorises the loop.
-            _encode_block(x[lo:hi], factors[seg], codes[lo:hi], p)
+            f, xs, cs = factors[seg], x[lo:hi], codes[lo:hi]
+            for i in range(len(xs)):
+                cs[i] = _code_binade(_f2u(xs[i] * f), p)
+
+    @_njit
+    def _segments_magic(x, offsets, factors, codes, p):
+        for seg in range(len(offsets) - 1):
+            lo, hi = offsets[seg], offsets[seg + 1]
+            f, xs, cs = factors[seg], x[lo:hi], codes[lo:hi]
+            for i in range(len(xs)):
+                cs[i] = _code_magic(_f2u(xs[i] * f), p)
+
+    @_njit
+    def _segments_int(x, offsets, factors, codes, p):
+        for seg in range(len(offsets) - 1):
+            lo, hi = offsets[seg], offsets[seg + 1]
+            f, xs, cs = factors[seg], x[lo:hi], codes[lo:hi]
+            for i in range(len(xs)):
+                cs[i] = _code(_f2u(xs[i] * f), p)
+
+    @_njit
+    def _encode_codes(x, offsets, factors, codes, p):
+        """codes[i] = code(x[i] * factor of i's segment), through the fastest exact path."""
+        if p[11] != 0:
+            _segments_binade(x, offsets, factors, codes, p)
+        elif p[10] != 0:
+            _segments_magic(x, offsets, factors, codes, p)
+        else:
+            _segments_int(x, offsets, factors, codes, p)
 
     @_njit
     def _pack(codes, out):
@@ -399,15 +430,12 @@ if AVAILABLE:
             out[n // 2] = codes[n - 1]
 
     @_njit
-    def _decode_scaled(payload, out, table, f):
-        for i in range(len(out)):
-            out[i] = table[payload[i]] * f
-
-    @_njit
     def _decode_segments(payload, out, table, offsets, factors):
         for seg in range(len(offsets) - 1):
             lo, hi = offsets[seg], offsets[seg + 1]
-            _decode_scaled(payload[lo:hi], out[lo:hi], table, factors[seg])
+            f, ps, os = factors[seg], payload[lo:hi], out[lo:hi]
+            for i in range(len(os)):  # inline: see _segments_binade
+                os[i] = table[ps[i]] * f
 
     @_njit
     def _code_bits(code, q):
@@ -421,25 +449,25 @@ if AVAILABLE:
         return _or32(sign, np.uint32(0x7FC00000)) if mag >= q[4] else u
 
     @_njit
-    def _decode_bits(payload, out, q, k, f):
-        """out[i] = value(payload[i]) * f, the value rebuilt from bit fields (vectorises)."""
-        g = f * k
-        # (v * 2**(127 - bias)) is exact, so v * (k * f) rounds the same exact
-        # product as (v * k) * f, one multiply instead of two, wherever k * f
-        # is itself exact: not where it overflows or loses bits as a subnormal.
-        if np.float64(g) == np.float64(f) * np.float64(k):
-            for i in range(len(out)):
-                out[i] = _u2f(_code_bits(payload[i], q)) * g
-        else:
-            for i in range(len(out)):
-                out[i] = _u2f(_code_bits(payload[i], q)) * k * f
-
-    @_njit
     def _decode_arith(payload, out, q, k, offsets, factors):
-        """Decode by moving bit fields instead of a table gather, per segment."""
+        """Decode by moving bit fields instead of a table gather, per segment
+        (one multiply by ``f * k`` where it is exact; inline: see
+        :func:`_segments_binade`).
+
+        (v * 2**(127 - bias)) is exact, so v * (k * f) rounds the same exact
+        product as (v * k) * f, one multiply instead of two, wherever k * f
+        is itself exact: not where it overflows or loses bits as a subnormal.
+        """
         for seg in range(len(offsets) - 1):
             lo, hi = offsets[seg], offsets[seg + 1]
-            _decode_bits(payload[lo:hi], out[lo:hi], q, k, factors[seg])
+            f, ps, os = factors[seg], payload[lo:hi], out[lo:hi]
+            g = f * k
+            if np.float64(g) == np.float64(f) * np.float64(k):
+                for i in range(len(os)):
+                    os[i] = _u2f(_code_bits(ps[i], q)) * g
+            else:
+                for i in range(len(os)):
+                    os[i] = _u2f(_code_bits(ps[i], q)) * k * f
 
     @_njit
     def _decode4(payload, out, table, offsets, factors):
@@ -476,7 +504,7 @@ if AVAILABLE:
 
     @_njit
     def _decode4_arith(payload, out, q, k, offsets, factors):
-        """4-bit codes by moving bit fields, per segment (see :func:`_decode_bits`)."""
+        """4-bit codes by moving bit fields, per segment (see :func:`_decode_arith`)."""
         for seg in range(len(offsets) - 1):
             f = factors[seg]
             g = f * k
@@ -484,7 +512,17 @@ if AVAILABLE:
                 a, b = g, np.float32(1.0)  # x * 1 is x
             else:
                 a, b = k, f
-            _decode4_bits(payload, out, offsets[seg], offsets[seg + 1], q, a, b)
+            lo, hi = offsets[seg], offsets[seg + 1]
+            if (lo | hi) & 1:
+                _decode4_bits(payload, out, lo, hi, q, a, b)
+                continue
+            # Whole bytes (every block of block scaling but a window's cut
+            # ones): inline, see _segments_binade.
+            codes, vals = payload[lo >> 1 : hi >> 1], out[lo:hi]
+            for j in range(len(codes)):
+                byte = np.uint32(codes[j])
+                vals[2 * j] = _u2f(_code_bits(_and32(byte, np.uint32(15)), q)) * a * b
+                vals[2 * j + 1] = _u2f(_code_bits(_shr32(byte, np.uint32(4)), q)) * a * b
 
     @_njit
     def _accumulate_bits(payload, acc, q, k, first):
@@ -550,6 +588,31 @@ if AVAILABLE:
                 block[j] = block[j] / div
             _encode_block(block, one, codes[:n], p)
             _pack(codes[:n], out[start : start + nb])
+
+
+if AVAILABLE:
+
+    @_njit
+    def _amax_bits(xb):
+        """Largest ``bits & 0x7FFFFFFF`` of float32 bits ``xb``: NaN above inf above the
+        finite magnitudes, so an integer max (which vectorises) is a NaN-aware max |x|."""
+        m = np.uint32(0)
+        for i in range(len(xb)):
+            a = _and32(xb[i], np.uint32(0x7FFFFFFF))
+            m = a if a > m else m
+        return m
+
+    @_njit
+    def _block_amax(xb, offsets, out):
+        inf_bits = np.uint32(0x7F800000)
+        for b in range(len(offsets) - 1):
+            m = _amax_bits(xb[offsets[b] : offsets[b + 1]])
+            out[b] = m if m < inf_bits else inf_bits  # NaN becomes inf
+
+
+def block_amax(x: torch.Tensor, offsets: np.ndarray, out: torch.Tensor) -> None:
+    """max |x| of each segment of contiguous float32 ``x`` into float32 ``out``; NaN gives inf."""
+    _block_amax(_np(x).view(np.uint32), offsets, _np(out).view(np.uint32))
 
 
 def _np(t: torch.Tensor) -> np.ndarray:

@@ -56,7 +56,7 @@ import torch.distributed as dist
 
 from aps_comm import agreement
 from aps_comm.agreement import Layouts
-from aps_comm.config import Reduction, Scaling
+from aps_comm.config import Reduction, Scaling, check_hook_scaling
 from aps_comm.engine import Comm, Reducer, Settings
 from aps_comm.formats import FloatFormat, get_format
 from aps_comm.plan import Planner
@@ -85,7 +85,8 @@ class APSFSDPConfig:
 
     def __post_init__(self) -> None:
         object.__setattr__(self, "fmt", get_format(self.fmt))
-        object.__setattr__(self, "scaling", Scaling.parse(self.scaling, "scaling"))
+        scaling = check_hook_scaling(Scaling.parse(self.scaling, "scaling"))  # type: ignore[arg-type]
+        object.__setattr__(self, "scaling", scaling)
 
     def describe(self) -> str:
         return f"fmt={self.fmt.describe()}, scaling={self.scaling}"

@@ -36,7 +36,7 @@ import torch.distributed as dist
 from torch.nn.parallel import DistributedDataParallel
 
 from aps_comm import agreement, transports
-from aps_comm.config import Reduction, Scaling
+from aps_comm.config import Reduction, Scaling, check_hook_scaling
 from aps_comm.engine import Comm, Reducer, Settings
 from aps_comm.executor import FifoWorker, run_on_side_stream
 from aps_comm.feedback import ErrorFeedback
@@ -74,7 +74,8 @@ class APSConfig:
     def __post_init__(self) -> None:
         object.__setattr__(self, "fmt", get_format(self.fmt))
         object.__setattr__(self, "reduction", Reduction.parse(self.reduction, "reduction"))
-        object.__setattr__(self, "scaling", Scaling.parse(self.scaling, "scaling"))
+        scaling = check_hook_scaling(Scaling.parse(self.scaling, "scaling"))  # type: ignore[arg-type]
+        object.__setattr__(self, "scaling", scaling)
 
     def describe(self) -> str:
         return f"fmt={self.fmt.describe()}, reduction={self.reduction}, scaling={self.scaling}"

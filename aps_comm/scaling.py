@@ -1,4 +1,4 @@
-"""Exponent rules of Auto Precision Scaling: one power of two per layer.
+"""Exponent rules of Auto Precision Scaling: one power of two per layer (or per block).
 
 Every rank computes each layer's largest magnitude, one MAX all-reduce agrees
 on it, and :func:`exponents` turns the agreed maxima into exponents ``e`` so
@@ -16,6 +16,16 @@ Powers of two make scaling and unscaling exact. A zero layer gets ``e = 0``;
 a layer whose maximum is not finite gets ``e = 0`` and is reported through
 the ``finite`` mask so the caller can make it NaN on every rank.
 
+Block scaling (``scaling="block"``) applies the same rules to every block of
+``block_size`` elements of a layer (:meth:`aps_comm.codec.Layout.grid`):
+:func:`block_amax` gives each block's maximum, one MAX all-reduce agrees on
+them, and :func:`factors` turns them into per-block factors; a block whose
+maximum is not finite makes its whole layer NaN. Exponents fit one signed
+byte (+-126). Every rule is non-increasing in ``amax``, so the exponent of
+the agreed maximum is also the minimum over ranks of each rank's own
+exponent of a non-zero finite maximum: the agreement may travel as bytes
+(:func:`exponent_keys`, :func:`factors_from_keys`).
+
 Example:
     >>> amax = torch.tensor([1e-6, 3.0, 0.0, float("inf")])
     >>> exponents(amax, E4M3, world_size=4, reduction="allreduce", scaling="layer")
@@ -26,14 +36,30 @@ from __future__ import annotations
 
 import dataclasses
 from collections.abc import Sequence
-from typing import Literal
+from typing import TYPE_CHECKING, Literal
 
 import torch
 
+from aps_comm import cpu_kernels
 from aps_comm.config import SCALINGS, Scaling
 from aps_comm.formats import FloatFormat, get_format, pow2
 
-__all__ = ["EXPONENT_LIMIT", "Factors", "Scaling", "exponents", "factors", "layer_amax", "pow2"]
+if TYPE_CHECKING:
+    from aps_comm.codec import Blocks
+
+__all__ = [
+    "EXPONENT_LIMIT",
+    "Factors",
+    "Scaling",
+    "block_amax",
+    "exponent_keys",
+    "exponents",
+    "factors",
+    "factors_from_keys",
+    "layer_amax",
+    "mean_exponents",
+    "pow2",
+]
 
 
 EXPONENT_LIMIT = 126
@@ -61,6 +87,37 @@ def layer_amax(layers: Sequence[torch.Tensor]) -> torch.Tensor:
     return amax.masked_fill_(torch.isnan(amax), float("inf"))
 
 
+def block_amax(x: torch.Tensor, blocks: Blocks) -> torch.Tensor:
+    """max |x| of every block as a float32 vector on x's device: NaN becomes +inf.
+
+    One pass, no host read (the blocks were laid out at plan time): a numba
+    kernel on the CPU, ``torch.segment_reduce`` elsewhere.
+
+    Args:
+        x: 1-D floating-point tensor of ``blocks.layout.numel`` elements.
+        blocks: its blocks (:meth:`aps_comm.codec.Layout.grid`, or a window).
+
+    Example:
+        >>> from aps_comm.codec import Layout
+        >>> x = torch.tensor([1.0, -3.0, 0.5, float("nan"), 2.0])
+        >>> block_amax(x, Layout.from_numels([5], x.device).grid(8))
+        tensor([inf])
+    """
+    layout = blocks.layout
+    if x.dim() != 1 or x.numel() != layout.numel:
+        raise ValueError(f"blocks cover {layout.numel} elements, x has shape {tuple(x.shape)}")
+    out = torch.zeros(layout.n_segments, dtype=torch.float32, device=x.device)
+    if not layout.n_segments:
+        return out
+    v = x.detach().float().contiguous()
+    if v.device.type == "cpu" and cpu_kernels.AVAILABLE:
+        cpu_kernels.block_amax(v, layout.offsets.numpy(), out)
+        return out
+    a = torch.segment_reduce(v.abs(), "max", lengths=layout.lengths, unsafe=True, initial=0.0)
+    # Not nan_to_num: it would also turn +inf into float32's max.
+    return a.masked_fill_(torch.isnan(a), float("inf"))
+
+
 def _device(layers: Sequence[torch.Tensor]) -> torch.device:
     return layers[0].device if layers else torch.device("cpu")
 
@@ -82,8 +139,9 @@ def exponents(
         world_size: number of ranks N that sum.
         reduction: "allreduce" (sum in the wire format: headroom for N) or
             "two_phase" (sum in FP32: no headroom needed).
-        scaling: "layer" (one exponent per layer), "bucket" (one for all
-            layers, from the largest finite maximum), "none" (all zero).
+        scaling: "layer" (one exponent per layer), "block" (``amax`` holds
+            blocks: one exponent each, the same rule), "bucket" (one for
+            all layers, from the largest finite maximum), "none" (all zero).
         headroom: how many gradients each encoded value sums (hierarchical
             two_phase encodes the sums of a node's L ranks: L), computed in
             float64 so the product is exact.
@@ -187,6 +245,7 @@ def factors(
     scaling: Scaling | str = "layer",
     ranks_per_node: int = 1,
     divide: bool = True,
+    counts: torch.Tensor | None = None,
 ) -> Factors:
     """The scale factors of one format group: the one rule of the hook, FSDP and the simulator.
 
@@ -196,10 +255,14 @@ def factors(
         route: "allreduce" (the sum happens in the wire format), "two_phase",
             "hierarchical" or "grid" (:class:`aps_comm.config.Route`).
         world_size: N.
-        scaling: "layer", "bucket" or "none".
+        scaling: "layer", "bucket", "block" or "none".
         ranks_per_node: staged routes: ranks per node (or the grid's rows) L.
         divide: native sums: fold 1/N into ``unscale`` (the mean); two_phase
             owners divide before re-encoding, so they never need it.
+        counts: block scaling only: how many of ``amax``'s blocks each layer
+            has (int64 on ``amax``'s device, :attr:`aps_comm.codec.Blocks.device_counts`);
+            every factor is then per block, and a block whose maximum is not
+            finite makes ``unscale`` NaN for every block of its layer.
 
     Example:
         >>> f = factors(torch.tensor([3.0, float("nan")]), get_format("e4m3"), "allreduce",
@@ -207,7 +270,29 @@ def factors(
         >>> f.scale, f.unscale
         (tensor([32.,  1.]), tensor([0.0078,    nan]))
     """
-    finite = torch.isfinite(amax)
+    if scaling == "block":
+        if counts is None:
+            raise ValueError(
+                "scaling='block' needs the blocks' maxima and each layer's block count (counts)"
+            )
+        finite = _layer_finite(amax, counts)
+    elif counts is not None:
+        raise ValueError(f"counts is for scaling='block', got scaling={scaling!r}")
+    else:
+        finite = torch.isfinite(amax)
+    exps = _route_exponents(amax, fmt, route, world_size, scaling, ranks_per_node)
+    return _assemble(exps, finite, route, world_size, divide)
+
+
+def _route_exponents(
+    amax: torch.Tensor,
+    fmt: FloatFormat,
+    route: str,
+    world_size: int,
+    scaling: Scaling | str,
+    ranks_per_node: int,
+) -> torch.Tensor:
+    """The route's exponents as rows of an int32 tensor: staged (inner, outer), else one."""
     if route in ("hierarchical", "grid"):
         n_nodes = world_size // ranks_per_node
         # The node sums add L gradients: headroom L. The mean sent back needs none.
@@ -220,21 +305,141 @@ def factors(
             headroom=ranks_per_node,
         )
         outer = exponents(amax, fmt, world_size=world_size, reduction="two_phase", scaling=scaling)
+        return torch.stack([inner, outer])
+    reduction = "two_phase" if route == "two_phase" else "allreduce"
+    return exponents(amax, fmt, world_size=world_size, reduction=reduction, scaling=scaling)[None]
+
+
+def _assemble(
+    exps: torch.Tensor, finite: torch.Tensor, route: str, world_size: int, divide: bool
+) -> Factors:
+    """The factors of :func:`_route_exponents`' rows; NaN unscale where not ``finite``."""
+    if route in ("hierarchical", "grid"):
+        inner, outer = exps.unbind()
         unscale = torch.where(finite, pow2(-outer), float("nan"))
         if route == "grid":
             # The grid's first level sends each rank's gradient (headroom 1);
             # its sums of L of them move from that scale to the inner one.
             return Factors(inner, pow2(inner - outer), unscale, pow2(outer - inner), pow2(outer))
         return Factors(inner, pow2(inner), unscale, pow2(outer - inner))
-    two_phase = route == "two_phase"
-    exps = exponents(
-        amax,
-        fmt,
-        world_size=world_size,
-        reduction="two_phase" if two_phase else "allreduce",
-        scaling=scaling,
-    )
-    unscale = pow2(-exps)
-    if not two_phase and divide:
+    e = exps[0]
+    unscale = pow2(-e)
+    if route != "two_phase" and divide:
         unscale = unscale / world_size
-    return Factors(exps, pow2(exps), torch.where(finite, unscale, float("nan")))
+    return Factors(e, pow2(e), torch.where(finite, unscale, float("nan")))
+
+
+_KEY_ZERO, _KEY_BAD = 0, 255
+
+
+def exponent_keys(
+    amax: torch.Tensor,
+    fmt: FloatFormat,
+    route: str,
+    *,
+    world_size: int,
+    ranks_per_node: int = 1,
+    scaling: Scaling | str = "block",
+) -> torch.Tensor:
+    """One byte per exponent of this rank's own maxima, to agree on with a MAX all-reduce.
+
+    Every exponent rule is non-increasing in ``amax``, so the exponent of
+    the ranks' largest maximum is the smallest of their own exponents. The
+    key is ``127 - e`` (1 to 253) for a finite non-zero maximum, 0 for a zero
+    one (no constraint) and 255 for a non-finite one (it wins, and marks the
+    layer for NaN): the MAX over ranks of the keys gives, through
+    :func:`factors_from_keys`, exactly :func:`factors` of the MAX of the
+    maxima, at one byte per block (two for staged routes) instead of four.
+
+    Args:
+        amax: this rank's maxima (per block, or per layer).
+        fmt: the wire format.
+        route: as in :func:`factors`.
+        world_size: N.
+        ranks_per_node: staged routes' L.
+        scaling: "block" or "layer" (per-entry rules; "bucket" is not one).
+
+    Returns:
+        uint8 tensor of shape (rows, len(amax)): rows = 2 for hierarchical
+        and grid (the inner and outer exponents), else 1.
+
+    Example:
+        >>> exponent_keys(torch.tensor([3.0, 0.0, float("nan")]), get_format("e4m3"),
+        ...               "two_phase", world_size=4)
+        tensor([[120,   0, 255]], dtype=torch.uint8)
+    """
+    if scaling not in ("block", "layer"):
+        raise ValueError(f"exponent keys need scaling 'block' or 'layer', got {scaling!r}")
+    exps = _route_exponents(amax, get_format(fmt), route, world_size, scaling, ranks_per_node)
+    keys = torch.where(amax == 0, _KEY_ZERO, 127 - exps)
+    return torch.where(torch.isfinite(amax), keys, _KEY_BAD).to(torch.uint8)
+
+
+def factors_from_keys(
+    keys: torch.Tensor,
+    fmt: FloatFormat,
+    route: str,
+    *,
+    world_size: int,
+    divide: bool = True,
+    counts: torch.Tensor | None = None,
+) -> Factors:
+    """:func:`factors` from the MAX over ranks of :func:`exponent_keys` (no host read).
+
+    Args:
+        keys: the all-reduced keys (uint8, shape (rows, n)).
+        fmt: the wire format (unused by the arithmetic, kept for symmetry
+            with :func:`factors` and checked).
+        route: as in :func:`factors`.
+        world_size: N.
+        divide: native sums: fold 1/N into ``unscale``.
+        counts: block scaling: blocks per layer (a key of 255 makes its
+            whole layer NaN).
+
+    Example:
+        >>> keys = torch.tensor([[120, 0, 255]], dtype=torch.uint8)
+        >>> factors_from_keys(keys, get_format("e4m3"), "two_phase", world_size=4).unscale
+        tensor([0.0078, 1.0000,    nan])
+    """
+    get_format(fmt)
+    k = keys.to(torch.int32)
+    bad = (k == _KEY_BAD).any(0)
+    finite = ~bad if counts is None else _spread_finite(~bad, counts)
+    exps = torch.where((k == _KEY_ZERO) | (k == _KEY_BAD), 0, 127 - k)
+    return _assemble(exps, finite, route, world_size, divide)
+
+
+def _layer_finite(amax: torch.Tensor, counts: torch.Tensor) -> torch.Tensor:
+    """Per block: whether every block of its layer has a finite maximum (no host read)."""
+    return _spread_finite(torch.isfinite(amax), counts)
+
+
+def _spread_finite(finite: torch.Tensor, counts: torch.Tensor) -> torch.Tensor:
+    """Per block: whether every block of its layer is ``finite`` (no host read)."""
+    bad = (~finite).float()
+    layer_bad = torch.segment_reduce(bad, "max", lengths=counts, unsafe=True, initial=0.0)
+    return torch.repeat_interleave(layer_bad == 0, counts, output_size=finite.numel())
+
+
+def mean_exponents(amax: torch.Tensor, exps: torch.Tensor, fmt: FloatFormat | str) -> torch.Tensor:
+    """Extra exponents ``d`` (int32) for a two_phase owner's mean, per block.
+
+    The owner's mean of N scaled values (scaled by ``2**exps``) is often far
+    below the block's maximum (by up to N), so re-encoding it with ``exps``
+    flushes it in narrow formats. The owner scales it by ``2**d`` more:
+    the largest ``d`` with ``amax * 2**d <= fmt.max`` (no headroom: nothing
+    sums it afterwards), capped so that ``exps + d <= 126`` (the receivers
+    unscale by ``2**-(exps + d)``, a normal float32); 0 for zero blocks.
+
+    Args:
+        amax: max |mean| of every block of the owner's shard, in the scaled
+            domain (:func:`block_amax` of :meth:`aps_comm.codec.Codec.shard_mean`).
+        exps: the blocks' agreed exponents (what the shards were encoded with).
+        fmt: the wire format.
+
+    Example:
+        >>> mean_exponents(torch.tensor([0.5, 0.0]), torch.tensor([120, 3]), "e4m3")
+        tensor([6, 0], dtype=torch.int32)
+    """
+    d = exponents(amax, fmt, world_size=1, reduction="two_phase", scaling="layer")
+    return torch.minimum(d, EXPONENT_LIMIT - exps.to(torch.int32))

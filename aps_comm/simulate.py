@@ -65,6 +65,12 @@ not 251, 250, 250, 250. :func:`ring_chunks` gives the boundaries.
 
 All layers passed to one call form one bucket: the ring's chunks run over
 their concatenation, and ``scaling="bucket"`` shares one exponent among them.
+``scaling="block"`` gives every ``block_size`` elements of a layer (from the
+layer's start; the last block may be short) its own exponent from the
+block's maximum over all workers, by the same rule as a layer's (native
+orders: headroom N; two_phase: none; hierarchical and grid: per stage); the
+two_phase owner re-encodes the mean with the same block exponents, and a
+non-finite block makes its layer NaN.
 
 Example:
     >>> g = torch.randn(64, 1000) * 1e-3                # 64 workers, one layer
@@ -76,6 +82,7 @@ Example:
 from __future__ import annotations
 
 import dataclasses
+import functools
 from collections.abc import Callable, Sequence
 from typing import Literal
 
@@ -83,9 +90,9 @@ import torch
 import torch.nn as nn
 
 from aps_comm import codec
-from aps_comm.config import SCALINGS, Scaling
-from aps_comm.formats import FP32, FloatFormat, Rounding, get_format, quantize
-from aps_comm.scaling import factors, layer_amax
+from aps_comm.config import DEFAULT_BLOCK_SIZE, SCALINGS, Scaling, check_block_size
+from aps_comm.formats import FP32, FloatFormat, Rounding, get_format, pow2, quantize
+from aps_comm.scaling import Factors, factors, layer_amax, mean_exponents
 from aps_comm.topology import grid_rows
 
 __all__ = [
@@ -117,7 +124,7 @@ class SimConfig:
     Attributes:
         fmt: wire format.
         reduction: accumulation order, one of :data:`ORDERS`.
-        scaling: "layer" (APS), "bucket" or "none".
+        scaling: "layer" (APS), "bucket", "block" or "none".
         accumulator: format of the running sum (CPD's mid-result precision);
             None: FP32 for "two_phase", the wire format otherwise.
         kahan: Kahan-compensated accumulation (the compensation is kept in
@@ -125,6 +132,17 @@ class SimConfig:
         rounding: "nearest" (even) or "stochastic", for every rounding to a
             format narrower than float32.
         ranks_per_node: workers per node L, for "hierarchical" (must divide N).
+        block_size: elements per block for ``scaling="block"`` (8 to 256).
+        owner_exponents: two_phase with block scaling: the shard owner gives
+            each block of the mean its own exponent on top of the agreed one
+            (:func:`aps_comm.scaling.mean_exponents`, one more byte per block
+            with the all-gather), as the hook does where shards hold whole
+            blocks.
+        rank_exponents: two_phase with block scaling, no agreement before
+            the exchange: each worker encodes with its own block exponents
+            (sent with its shard), the owner decodes every shard with its
+            sender's, sums in FP32, and gives each block of the mean its own
+            exponent (sent with the all-gather).
 
     Example:
         >>> cfg = SimConfig("e5m2", reduction="ring", accumulator="fp16")
@@ -139,6 +157,9 @@ class SimConfig:
     kahan: bool = False
     rounding: Rounding = "nearest"
     ranks_per_node: int = 1
+    block_size: int = DEFAULT_BLOCK_SIZE
+    owner_exponents: bool = False
+    rank_exponents: bool = False
 
     def __post_init__(self) -> None:
         object.__setattr__(self, "fmt", get_format(self.fmt))
@@ -152,6 +173,13 @@ class SimConfig:
             raise ValueError(f"rounding must be 'nearest' or 'stochastic', got {self.rounding!r}")
         if self.ranks_per_node < 1:
             raise ValueError(f"ranks_per_node must be >= 1, got {self.ranks_per_node}")
+        check_block_size(self.block_size)
+        for name in ("owner_exponents", "rank_exponents"):
+            if getattr(self, name) and (self.scaling != "block" or self.reduction != "two_phase"):
+                raise ValueError(
+                    f"{name} needs scaling='block' and reduction='two_phase', got "
+                    f"scaling={self.scaling!r}, reduction={self.reduction!r}"
+                )
         if self.reduction in ("hierarchical", "grid") and (
             self.accumulator is not None or self.kahan
         ):
@@ -223,6 +251,10 @@ def _wire_round(
         if rounding == "nearest" and codec.backend_for(fmt, x.device) == "kernels":
             # The codec's compiled encoder (RNE, saturating, scale fused) and
             # decoder: two passes, 20x faster than the generic quantize().
+            if scale is not None and scale.numel() > 1:
+                # Block scales, one per element: x * scale in float32 is what
+                # the fused encoder computes.
+                x, scale = x * scale, None
             flat = x.contiguous().view(-1)
             factor = None if scale is None else scale.reshape(1).float()
             codes = codec.encode(flat, fmt, scale=factor)
@@ -324,6 +356,9 @@ def allreduce(
     rounding: Rounding = "nearest",
     generator: torch.Generator | None = None,
     ranks_per_node: int = 1,
+    block_size: int = DEFAULT_BLOCK_SIZE,
+    owner_exponents: bool = False,
+    rank_exponents: bool = False,
 ) -> list[torch.Tensor]:
     """Average N virtual workers' gradients as the APS hook would, in any format and order.
 
@@ -333,7 +368,11 @@ def allreduce(
         fmt: wire format (a FloatFormat or a name).
         reduction: accumulation order: "two_phase", "ring", "tree" or
             "sequential" (see the module docstring).
-        scaling: "layer" (APS), "bucket" or "none", as in the hook.
+        scaling: "layer" (APS), "bucket", "block" or "none", as in the hook.
+            "block": every ``block_size`` elements of a layer (from its
+            start) get their own exponent from their maximum over the N
+            workers, with the reduction's headroom rule; a non-finite block
+            makes its layer NaN.
         accumulator: format of the running sum; None: FP32 for "two_phase",
             the wire format for the others.
         kahan: Kahan-compensated accumulation in the accumulator format.
@@ -341,6 +380,11 @@ def allreduce(
             narrower than float32 (contributions, partial sums, the result).
         generator: random generator for stochastic rounding.
         ranks_per_node: workers per node L, for "hierarchical"; must divide N.
+        block_size: elements per block for ``scaling="block"``.
+        owner_exponents: two_phase with block scaling: the owner re-chooses
+            each block's exponent for the mean (see :class:`SimConfig`).
+        rank_exponents: two_phase with block scaling: every worker's own
+            block exponents, and the owner's for the mean (see :class:`SimConfig`).
 
     Returns:
         One float32 tensor per layer, shape ``param_shape``: the averaged
@@ -352,7 +396,18 @@ def allreduce(
         >>> torch.allclose(avg, g.mean(0))
         True
     """
-    cfg = SimConfig(fmt, reduction, scaling, accumulator, kahan, rounding, ranks_per_node)
+    cfg = SimConfig(
+        fmt,
+        reduction,
+        scaling,
+        accumulator,
+        kahan,
+        rounding,
+        ranks_per_node,
+        block_size,
+        owner_exponents,
+        rank_exponents,
+    )
     fmt = cfg.fmt  # type: ignore[assignment]
     assert isinstance(fmt, FloatFormat)
     layers = list(layers)
@@ -369,8 +424,9 @@ def allreduce(
     amax = layer_amax(flat)
     # The hook's factors (one rule for both): unscaling is exact for two_phase,
     # one float32 rounding (the division by N) for the native sums.
-    f = factors(amax, fmt, "two_phase" if two_phase else "allreduce", world_size=n, scaling=scaling)
-    scale, unscale = f.scale, f.unscale
+    route = "two_phase" if two_phase else "allreduce"
+    f = _factors(flat, amax, fmt, route, n, cfg)
+    scale, unscale = _per_layer(f.scale, flat, cfg), _per_layer(f.unscale, flat, cfg)
     finite = torch.isfinite(amax).tolist()
 
     encode = _wire_round(fmt, rounding, generator, overflow=False)
@@ -384,15 +440,20 @@ def allreduce(
 
     out: list[torch.Tensor] = []
     offset = 0
+    first_block = 0
     for i, x in enumerate(flat):
         m = x.shape[1]
         res = torch.empty(m, dtype=torch.float32, device=x.device)
         if not finite[i]:
             res.fill_(float("nan"))
         step = max(1, _BLOCK_ELEMENTS // n)
+        own = _own_factors(x, fmt, n, block_size) if rank_exponents and finite[i] else None
         for lo in range(0 if finite[i] else m, m, step):
             hi = min(m, lo + step)
-            q = encode(x[:, lo:hi].float(), scale[i])
+            if own is None:
+                q = encode(x[:, lo:hi].float(), _cut(scale[i], lo, hi))
+            else:  # each worker's own block scale; the owner decodes with it
+                q = encode(x[:, lo:hi].float(), own[0][:, lo:hi]) * own[1][:, lo:hi]
             if reduction == "sequential" or two_phase:
                 s = _sum_sequential(q, hop, kahan)
             elif reduction == "tree":
@@ -401,13 +462,47 @@ def allreduce(
                 idx = torch.arange(offset + lo, offset + hi, device=x.device)
                 owner = torch.bucketize(idx, chunk_starts.to(x.device), right=True)
                 s = _sum_ring(q, owner, hop, kahan)
-            if two_phase:
-                res[lo:hi] = final(s / n) * unscale[i]
+            if cfg.owner_exponents or rank_exponents:
+                res[lo:hi] = s / n  # the owner's mean, rounded once all of it is known
+            elif two_phase:
+                res[lo:hi] = final(s / n) * _cut(unscale[i], lo, hi)
             else:
-                res[lo:hi] = final(s) * unscale[i]
+                res[lo:hi] = final(s) * _cut(unscale[i], lo, hi)
+        blocks = _ceil_div(m, block_size) if scaling == "block" else 0
+        if rank_exponents and finite[i] and m:
+            # The mean is in the true domain: its exponents are absolute.
+            e = factors(_block_maxima(res.view(1, m), block_size), fmt, "two_phase", world_size=1)
+            spread = functools.partial(_spread, m=m, block_size=block_size)
+            res = final(res, spread(e.scale)) * spread(e.unscale)
+        elif cfg.owner_exponents and finite[i] and m:
+            exps = f.exponents[first_block : first_block + blocks]
+            d = mean_exponents(_block_maxima(res.view(1, m), block_size), exps, fmt)
+            spread = functools.partial(_spread, m=m, block_size=block_size)
+            res = final(res, spread(pow2(d))) * spread(pow2(-(exps + d)))
+        first_block += blocks
         out.append(res.view(layers[i].shape[1:]))
         offset += m
     return out
+
+
+def _spread(v: torch.Tensor, m: int, block_size: int) -> torch.Tensor:
+    """Per-block values to one per element of an ``m``-element layer (along the last dim)."""
+    return v.repeat_interleave(block_size, dim=-1)[..., :m]
+
+
+def _own_factors(
+    x: torch.Tensor, fmt: FloatFormat, n: int, block_size: int
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """Every worker's own block scale and unscale, one per element of its ``(N, m)`` layer."""
+    m = x.shape[1]
+    blocks = _ceil_div(m, block_size)
+    a = torch.zeros(n, blocks * block_size, dtype=torch.float32, device=x.device)
+    a[:, :m] = x.abs()
+    own = a.view(n, blocks, block_size).amax(dim=2).reshape(-1)
+    f = factors(own, fmt, "two_phase", world_size=n)
+    return _spread(f.scale.view(n, blocks), m, block_size), _spread(
+        f.unscale.view(n, blocks), m, block_size
+    )
 
 
 def _hierarchical(
@@ -427,10 +522,11 @@ def _hierarchical(
     nodes = n // per
     flat = [t.detach().reshape(n, -1) for t in layers]
     amax = layer_amax(flat)
-    scaling = cfg.scaling
-    f = factors(amax, fmt, cfg.reduction, world_size=n, scaling=scaling, ranks_per_node=per)
-    scale, shift, unscale, first = f.scale, f.shift, f.unscale, f.first
-    assert shift is not None and (first is not None or not grid)
+    f = _factors(flat, amax, fmt, cfg.reduction, n, cfg, per)
+    assert f.shift is not None and (f.first is not None or not grid)
+    scale, shift = _per_layer(f.scale, flat, cfg), _per_layer(f.shift, flat, cfg)
+    unscale = _per_layer(f.unscale, flat, cfg)
+    first = _per_layer(f.first, flat, cfg) if f.first is not None else None
     finite = torch.isfinite(amax).tolist()
     rnd = _wire_round(fmt, cfg.rounding, generator, overflow=False)
     out: list[torch.Tensor] = []
@@ -442,17 +538,71 @@ def _hierarchical(
             hi = min(m, lo + step)
             part = x[:, lo:hi].float().reshape(nodes, per, hi - lo)
             if grid:
-                part = rnd(part, first[i])
+                assert first is not None
+                part = rnd(part, _cut(first[i], lo, hi))
             sums = part[:, 0].clone()
             for r in range(1, per):
                 sums += part[:, r]  # local-rank order
-            q = rnd(sums, scale[i])
+            q = rnd(sums, _cut(scale[i], lo, hi))
             acc = q[0].clone()
             for node in range(1, nodes):
                 acc += q[node]  # node order
-            res[lo:hi] = rnd(acc / n, shift[i]) * unscale[i]
+            res[lo:hi] = rnd(acc / n, _cut(shift[i], lo, hi)) * _cut(unscale[i], lo, hi)
         out.append(res.view(layers[i].shape[1:]))
     return out
+
+
+def _factors(
+    flat: list[torch.Tensor],
+    amax: torch.Tensor,
+    fmt: FloatFormat,
+    route: str,
+    n: int,
+    cfg: SimConfig,
+    per: int = 1,
+) -> Factors:
+    """The hook's factors: per layer from ``amax``, or per block of every layer."""
+    if cfg.scaling != "block":
+        return factors(amax, fmt, route, world_size=n, scaling=cfg.scaling, ranks_per_node=per)
+    blocks = [_block_maxima(x, cfg.block_size) for x in flat]
+    counts = torch.tensor([b.numel() for b in blocks], dtype=torch.int64)
+    return factors(
+        torch.cat(blocks),
+        fmt,
+        route,
+        world_size=n,
+        scaling="block",
+        ranks_per_node=per,
+        counts=counts,
+    )
+
+
+def _block_maxima(x: torch.Tensor, block_size: int) -> torch.Tensor:
+    """max |x| over the N workers of every block of a ``(N, m)`` layer; NaN becomes inf."""
+    n, m = x.shape
+    blocks = _ceil_div(m, block_size)
+    a = torch.zeros(n, blocks * block_size, dtype=torch.float32, device=x.device)
+    a[:, :m] = x.abs()
+    top = a.view(n, blocks, block_size).amax(dim=(0, 2))  # amax keeps NaN
+    return top.masked_fill_(torch.isnan(top), float("inf"))
+
+
+def _per_layer(v: torch.Tensor, flat: list[torch.Tensor], cfg: SimConfig) -> list[torch.Tensor]:
+    """Each layer's factor: a 0-d tensor, or with block scaling one per element."""
+    if cfg.scaling != "block":
+        return list(v.unbind())
+    out, start = [], 0
+    for x in flat:
+        m = x.shape[1]
+        blocks = _ceil_div(m, cfg.block_size)
+        out.append(_spread(v[start : start + blocks], m, cfg.block_size))
+        start += blocks
+    return out
+
+
+def _cut(factor: torch.Tensor, lo: int, hi: int) -> torch.Tensor:
+    """The factor of elements ``[lo, hi)``: per-element factors sliced, a 0-d one as is."""
+    return factor[lo:hi] if factor.dim() else factor
 
 
 def _identity(x: torch.Tensor) -> torch.Tensor:
@@ -606,6 +756,9 @@ class VirtualWorkers:
             rounding=cfg.rounding,
             generator=self.generator,
             ranks_per_node=cfg.ranks_per_node,
+            block_size=cfg.block_size,
+            owner_exponents=cfg.owner_exponents,
+            rank_exponents=cfg.rank_exponents,
         )
         trainable = [p for p in self.model.parameters() if p.requires_grad]
         for p, g in zip(trainable, averaged, strict=True):

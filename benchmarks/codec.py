@@ -1,12 +1,13 @@
 """Codec speed: encode + decode of a 64 MiB float32 buffer against a plain copy.
 
-:mod:`aps_comm.codec` as the hook calls it: preallocated buffers, with and
-without per-layer scales, on one CPU thread or on a CUDA device (where every
-timing synchronises the device). Medians of repeats, every ratio measured in
-the same run as the copy it is divided by.
+:mod:`aps_comm.codec` as the hook calls it: preallocated buffers, without
+scales, with per-layer scales and with block scales (one per
+``--block-size`` elements of every layer), on one CPU thread or on a CUDA
+device (where every timing synchronises the device). Medians of repeats,
+every ratio measured in the same run as the copy it is divided by.
 
     python -m benchmarks.codec [--mib 64] [--repeats 9] [--formats e4m3,e5m2]
-                               [--device cuda] [--json PATH]
+                               [--block-size 32] [--device cuda] [--json PATH]
 
 On CPU both sides run on one thread: ``torch.set_num_threads(1)`` for the
 copy, and the numba kernels are serial.
@@ -45,7 +46,11 @@ def _timer(device: torch.device) -> Callable[[Callable[[], object]], float]:
 
 
 def run(
-    mib: int = 64, repeats: int = 9, formats: tuple[str, ...] = (), device: str = "cpu"
+    mib: int = 64,
+    repeats: int = 9,
+    formats: tuple[str, ...] = (),
+    device: str = "cpu",
+    block_size: int = 32,
 ) -> dict:
     """Measure every format's codec against ``copy_``; return a JSON-able dict.
 
@@ -63,6 +68,8 @@ def run(
     sizes = [n // 100] * 99 + [n - 99 * (n // 100)]
     layout = codec.Layout.from_numels(sizes, dev)
     scale = torch.full((100,), 4.0, device=dev)
+    blocks = layout.grid(block_size)  # plan time, as the hook builds it once per bucket
+    block_scale = torch.full((blocks.n_blocks,), 4.0, device=dev)
     seconds = _timer(dev)
     copies: list[float] = []
     rows = []
@@ -78,6 +85,12 @@ def run(
             ),
             "scaled_decode": lambda f=fmt, p=p: codec.decode(
                 p, f, n, out=y, scale=scale, layout=layout
+            ),
+            "block_encode": lambda f=fmt, p=p: codec.encode(
+                x, f, out=p, scale=block_scale, layout=blocks.layout
+            ),
+            "block_decode": lambda f=fmt, p=p: codec.decode(
+                p, f, n, out=y, scale=block_scale, layout=blocks.layout
             ),
         }
         for fn in steps.values():
@@ -97,6 +110,12 @@ def run(
                 times["scaled_encode"], times["scaled_decode"], times["copy"], strict=True
             )
         ]
+        block = [
+            (e + d) / c
+            for e, d, c in zip(
+                times["block_encode"], times["block_decode"], times["copy"], strict=True
+            )
+        ]
         rows.append(
             {
                 "format": name,
@@ -107,6 +126,9 @@ def run(
                 "scaled_decode_s": statistics.median(times["scaled_decode"]),
                 "encode_decode_over_copy": statistics.median(ratio),
                 "scaled_encode_decode_over_copy": statistics.median(scaled),
+                "block_encode_s": statistics.median(times["block_encode"]),
+                "block_decode_s": statistics.median(times["block_decode"]),
+                "block_encode_decode_over_copy": statistics.median(block),
             }
         )
     machine = f"{platform.processor() or platform.machine()}, {platform.platform()}"
@@ -119,6 +141,7 @@ def run(
         "torch": torch.__version__,
         "threads": 1,
         "buffer_mib": mib,
+        "block_size": block_size,
         "repeats": repeats,
         "copy_s": statistics.median(copies),
         "formats": rows,
@@ -132,18 +155,23 @@ def main(argv: list[str] | None = None) -> None:
     parser.add_argument(
         "--formats", default="", help="comma-separated format names (default: six formats)"
     )
+    parser.add_argument("--block-size", type=int, default=32, help="elements per block scale")
     parser.add_argument("--device", default="cpu", help="cpu (one thread) or cuda")
     parser.add_argument("--json", type=Path, default=None, help="write results here")
     args = parser.parse_args(argv)
     formats = tuple(f for f in args.formats.split(",") if f)
-    result = run(args.mib, args.repeats, formats, device=args.device)
+    result = run(args.mib, args.repeats, formats, device=args.device, block_size=args.block_size)
     where = "1 thread" if args.device == "cpu" else result["machine"]
     print(f"copy_ of {args.mib} MiB float32, {where}: {result['copy_s'] * 1e3:.2f} ms (median)")
-    print(f"{'format':<7} {'enc ms':>8} {'dec ms':>8} {'(enc+dec)/copy':>15} {'scaled':>8}")
+    print(
+        f"{'format':<7} {'enc ms':>8} {'dec ms':>8} {'(enc+dec)/copy':>15} {'scaled':>8} "
+        f"{'block ' + str(args.block_size):>9}"
+    )
     for r in result["formats"]:
         print(
             f"{r['format']:<7} {r['encode_s'] * 1e3:>8.2f} {r['decode_s'] * 1e3:>8.2f} "
-            f"{r['encode_decode_over_copy']:>15.2f} {r['scaled_encode_decode_over_copy']:>8.2f}"
+            f"{r['encode_decode_over_copy']:>15.2f} {r['scaled_encode_decode_over_copy']:>8.2f} "
+            f"{r['block_encode_decode_over_copy']:>9.2f}"
         )
     if args.json:
         args.json.parent.mkdir(parents=True, exist_ok=True)

@@ -23,7 +23,14 @@ dtype, ring all-reduce in the wire dtype.
 Reductions: ``two_phase`` for every format; ``allreduce`` (the backend sums
 the wire dtype natively) for fp16 and bf16, the formats Gloo can sum.
 
+Block scaling (``--block-sizes 16 32 64``) adds two_phase rows for each
+block size, simulated at every N (real and simulated columns alike): with
+the exponents agreed across ranks ("block32"), with the owner also picking
+each block's exponent for the mean ("block32+owner") and with each rank's
+own exponents ("block32+rank"); see :func:`aps_comm.simulate.allreduce`.
+
     python -m benchmarks.numerics [--batches 4] [--micro-batch 4] [--sim-workers 16 64 256]
+                                  [--block-sizes 16 32 64] [--block-formats e4m3 e3m2 e2m1]
 """
 
 # No `from __future__ import annotations`: DDP inspects the capture hook's annotations.
@@ -49,7 +56,7 @@ from aps_comm.simulate import VirtualWorkers, allreduce
 from aps_comm.testing import run_distributed
 from benchmarks._models import DigitsCNN, TinyLM, lm_loss, load_digits_tensors, markov_data
 
-__all__ = ["FORMATS", "SCALINGS", "configs", "main"]
+__all__ = ["BLOCK_VARIANTS", "FORMATS", "SCALINGS", "block_configs", "configs", "main"]
 
 FORMATS = ("e4m3", "e5m2", "fp16", "bf16", "e3m2", "e2m1")
 SCALINGS = ("none", "bucket", "layer")
@@ -84,6 +91,34 @@ def configs(
         fmt = {"fp32_allreduce": "fp32", "fp16_compress": "fp16", "bf16_compress": "bf16"}[hook]
         out.append({"hook": hook, "format": fmt, "reduction": "allreduce", "scaling": "none"})
     return out
+
+
+BLOCK_VARIANTS = {"": {}, "+owner": {"owner_exponents": True}, "+rank": {"rank_exponents": True}}
+
+
+def block_configs(formats: Sequence[str], block_sizes: Sequence[int]) -> list[dict[str, str]]:
+    """The block-scaling rows: two_phase, every block size and variant.
+
+    Example:
+        >>> [c["scaling"] for c in block_configs(["e2m1"], [32])]
+        ['block32', 'block32+owner', 'block32+rank']
+    """
+    return [
+        {"hook": "aps", "format": fmt, "reduction": "two_phase", "scaling": f"block{b}{v}"}
+        for fmt in formats
+        for b in block_sizes
+        for v in BLOCK_VARIANTS
+    ]
+
+
+def _block_options(scaling: str) -> dict:
+    """simulate.allreduce's keywords for a "block32+owner"-style scaling."""
+    size, _, variant = scaling.removeprefix("block").partition("+")
+    return {
+        "scaling": "block",
+        "block_size": int(size),
+        **BLOCK_VARIANTS[f"+{variant}" if variant else ""],
+    }
 
 
 def _configs(settings: dict) -> list[dict[str, str]]:
@@ -299,6 +334,23 @@ def _simulated(name: str, snapshot: dict, settings: dict, workers: int) -> list[
     return [_row(name, workers, "simulated", cfgs[i], per) for i, per in per_cfg.items()]
 
 
+def _simulated_blocks(name: str, snapshot: dict, settings: dict, workers: int) -> list[dict]:
+    """The block-scaling rows at ``workers`` (simulated: the hook has no block scaling yet)."""
+    model = _new_model(name)
+    model.load_state_dict(snapshot)
+    loss_fn = _loss_fn(name)
+    cfgs = block_configs(settings["block_formats"], settings["block_sizes"])
+    per_cfg: dict[int, list[dict]] = {}
+    for b in range(settings["batches"]):
+        x, y = _batch(name, b, workers, settings["micro_batch"])
+        grads, _ = VirtualWorkers(model, workers).worker_grads(loss_fn, x, y)
+        exact = [g.double().mean(0) for g in grads]
+        for i, cfg in enumerate(cfgs):
+            avg = allreduce(grads, cfg["format"], **_block_options(cfg["scaling"]))
+            per_cfg.setdefault(i, []).append(_errors(list(zip(avg, exact, strict=True))))
+    return [_row(name, workers, "simulated", cfgs[i], per) for i, per in per_cfg.items()]
+
+
 # ---------------------------------------------------------------------------
 # CLI and output
 
@@ -321,6 +373,12 @@ def main(argv: list[str] | None = None) -> dict:
     parser.add_argument("--formats", nargs="+", choices=FORMATS, default=list(FORMATS))
     parser.add_argument("--scalings", nargs="+", choices=SCALINGS, default=list(SCALINGS))
     parser.add_argument("--torch-hooks", nargs="*", choices=TORCH_HOOKS, default=list(TORCH_HOOKS))
+    parser.add_argument(
+        "--block-sizes", type=int, nargs="*", default=[], help="block scaling rows (simulated)"
+    )
+    parser.add_argument(
+        "--block-formats", nargs="+", choices=FORMATS, default=["e4m3", "e3m2", "e2m1"]
+    )
     parser.add_argument("--timeout", type=float, default=1800.0)
     parser.add_argument(
         "--out",
@@ -343,6 +401,8 @@ def main(argv: list[str] | None = None) -> dict:
         "formats": args.formats,
         "scalings": args.scalings,
         "torch_hooks": args.torch_hooks,
+        "block_sizes": args.block_sizes,
+        "block_formats": args.block_formats,
         "loss_scale_digits": LOSS_SCALE,
         "lm": _LM,
     }
@@ -357,6 +417,10 @@ def main(argv: list[str] | None = None) -> dict:
             t = time.perf_counter()
             rows += _simulated(name, snapshots[name], settings, n)
             print(f"simulated {name} N={n}: {time.perf_counter() - t:.1f} s", flush=True)
+        for n in sorted(set(args.real_workers + args.sim_workers)) if args.block_sizes else ():
+            t = time.perf_counter()
+            rows += _simulated_blocks(name, snapshots[name], settings, n)
+            print(f"block scaling {name} N={n}: {time.perf_counter() - t:.1f} s", flush=True)
     result = {
         "command": command,
         "machine": {
@@ -408,6 +472,14 @@ def markdown(result: dict) -> str:
         f"{result['machine']['torch']}. Run time {result['seconds']:.0f} s.",
         "",
     ]
+    if s.get("block_sizes"):
+        lines += [
+            "Block scaling rows (two_phase, simulated at every N): `blockB` agrees each "
+            "block's exponent across ranks and the owner re-encodes the mean with it; "
+            "`+owner`: the owner picks each block's exponent for the mean; `+rank`: each "
+            "rank encodes with its own block exponents and the owner picks the mean's.",
+            "",
+        ]
     titles = {
         "digits_cnn": "digits CNN, loss x 2**-10 (gradients of a large network's magnitude)",
         "markov_lm": "transformer LM (Markov chain task), no loss scaling",
@@ -422,7 +494,8 @@ def markdown(result: dict) -> str:
             + " |",
             "|---|---|---|" + "---:|" * len(workers),
         ]
-        for cfg in _configs(s):
+        blocks = block_configs(s.get("block_formats", ()), s.get("block_sizes", ()))
+        for cfg in _configs(s) + blocks:
             cells = []
             for mode, n in workers:
                 match = [
@@ -430,7 +503,8 @@ def markdown(result: dict) -> str:
                     for r in result["rows"]
                     if r["model"] == name
                     and r["workers"] == n
-                    and r["mode"] == mode
+                    # Block rows are simulated at every N.
+                    and (r["mode"] == mode or cfg in blocks)
                     and _label(r) == _label(cfg)
                 ]
                 cells.append(_cell(match[0]) if match else "-")

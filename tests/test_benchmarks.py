@@ -50,6 +50,18 @@ def test_numerics_smoke(tmp_path: Path) -> None:
     assert "| e4m3 | two_phase | layer |" in (tmp_path / "numerics.md").read_text()
 
 
+def test_numerics_block_rows(tmp_path: Path) -> None:
+    argv = ["--models", "digits_cnn", "--batches", "1", "--pretrain-steps", "2"]
+    argv += ["--real-workers", "--sim-workers", "4", "--formats", "e2m1", "--scalings", "layer"]
+    argv += ["--torch-hooks", "--block-sizes", "32", "--block-formats", "e2m1"]
+    result = numerics.main([*argv, "--out", str(tmp_path)])
+    err = {r["scaling"]: r["rel_err"] for r in result["rows"]}
+    assert set(err) == {"layer", "block32", "block32+owner", "block32+rank"}
+    # One exponent per layer flushes most of e2m1; blocks keep far more.
+    assert err["block32+rank"] < err["block32"] < err["layer"]
+    assert "| e2m1 | two_phase | block32+owner |" in (tmp_path / "numerics.md").read_text()
+
+
 def test_accuracy_and_report_smoke(tmp_path: Path) -> None:
     argv = ["--world-size", "2", "--seeds", "1", "--hooks", "fp32", "fp16_compress", "aps-e4m3"]
     argv += ["--digits-epochs", "1", "--lm-steps", "2", "--lm-evals", "1", "--out", str(tmp_path)]
