@@ -36,7 +36,7 @@ import torch
 import torch.distributed as dist
 from torch.nn.parallel import DistributedDataParallel
 
-from aps_comm import codec, transports
+from aps_comm import codec, teardown, transports
 from aps_comm.executor import FifoWorker, run_on_side_stream
 from aps_comm.formats import FP32, FloatFormat, get_format
 from aps_comm.plan import BucketPlan, GroupPlan, Planner
@@ -939,6 +939,7 @@ def register(
     if dist.is_available() and dist.is_initialized():
         state.bind_process_group()
     ddp.register_comm_hook(state, aps_hook)
+    teardown.release_at_exit(state)
     return state
 
 
