@@ -77,7 +77,9 @@ def release_at_exit(owner: object) -> None:
 
     Looks for :class:`~aps_comm.executor.FifoWorker` and ``ProcessGroup``
     objects among ``owner``'s attributes, directly or one level down in a
-    dataclass, list, tuple or dict; the default group is left alone. Call it
+    dataclass, list, tuple or dict; the default group is left alone, a group
+    the user handed to the owner is destroyed too (and joined only if nothing
+    else still refers to it). Call it
     once the owner exists; calling it again is harmless. Each call moves the
     exit handler to the front of the ``atexit`` queue (last in, first out),
     so it runs before the handlers registered earlier: ``init_distributed``'s

@@ -33,6 +33,7 @@ import json
 import os
 import platform
 import re
+import socket
 import subprocess
 import sys
 import time
@@ -40,7 +41,7 @@ from collections import Counter
 from collections.abc import Callable, Iterator
 from pathlib import Path
 
-__all__ = ["STYLES", "main", "run"]
+__all__ = ["STYLES", "main", "run", "scrub"]
 
 ROOT = Path(__file__).resolve().parents[1]
 # Style -> (launcher, the job's way of joining and whether it registers the hook).
@@ -187,7 +188,7 @@ def run(
             record = {"run": len(records[style]), "rc": rc, "outcome": outcome,
                       "seconds": round(seconds, 2)}  # fmt: skip
             if outcome != "ok":
-                record["log_tail"] = log[-1500:]
+                record["log_tail"] = scrub(log[-1500:])
             records[style].append(record)
             print(f"{style} run {record['run']}: rc {rc} {outcome} {seconds:.1f} s", flush=True)
         summary = {s: _summary(s, records[s]) for s in runs if records[s]}
@@ -207,6 +208,33 @@ def _summary(style: str, records: list[dict]) -> dict:
         "exit_codes": dict(sorted(Counter(str(r["rc"]) for r in records).items())),
         "records": records,
     }
+
+
+def scrub(text: str) -> str:
+    """``text`` without this machine's paths and host name (they stay out of the results).
+
+    Example:
+        >>> scrub(f"{ROOT}/benchmarks/exits.py") == "<repo>/benchmarks/exits.py"
+        True
+    """
+    for path, name in (
+        (sys.prefix, "<venv>"),
+        (str(ROOT), "<repo>"),
+        (sys.base_prefix, "<python>"),
+    ):
+        text = text.replace(path, name)
+    return re.sub(rf"\b{re.escape(socket.gethostname())}\b", "<host>", text)
+
+
+def _shown(argv: list[str]) -> str:
+    """The command line as run, without ``--lock`` (a path on the machine that ran it)."""
+    shown, skip = ["python -m benchmarks.exits"], False
+    for arg in argv:
+        if skip or arg.startswith("--lock"):
+            skip = arg == "--lock"
+            continue
+        shown.append(arg)
+    return " ".join(shown)
 
 
 def _markdown(result: dict) -> str:
@@ -272,9 +300,7 @@ def main(argv: list[str] | None = None) -> int:
         "cpus": os.cpu_count(),
         "world": _WORLD,
         "jobs_per_style_per_round": args.per_round,
-        "command": " ".join(
-            ["python -m benchmarks.exits", *(sys.argv[1:] if argv is None else argv)]
-        ),
+        "command": _shown(sys.argv[1:] if argv is None else argv),
     }
 
     def write(summary: dict) -> None:
