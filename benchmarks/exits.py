@@ -6,6 +6,8 @@ of each launch style and records every job's exit code:
 - ``aps-launch``: ``aps-launch --nproc-per-node 2`` with ``init_distributed`` + ``register``;
 - ``torchrun+init_distributed``: ``torchrun`` with ``aps_launch.init_distributed`` + ``register``;
 - ``torchrun+init_process_group``: ``torchrun`` with ``dist.init_process_group`` + ``register``;
+- ``torchrun+init_process_group, teardown off`` (the control): the same job with
+  ``aps_comm.teardown.release_at_exit`` replaced by a no-op before ``register``;
 - ``torchrun+plain-ddp`` (the baseline): ``torchrun`` with ``dist.init_process_group``
   and DDP's own all-reduce, no aps-comm imported.
 
@@ -49,9 +51,11 @@ STYLES: dict[str, tuple[str, str]] = {
     "aps-launch": ("aps-launch", "init_distributed"),
     "torchrun+init_distributed": ("torchrun", "init_distributed"),
     "torchrun+init_process_group": ("torchrun", "init_process_group"),
+    "torchrun+init_process_group, teardown off": ("torchrun", "no_teardown"),
     "torchrun+plain-ddp": ("torchrun", "plain"),
 }
-_JOBS = ("init_distributed", "init_process_group", "plain")
+_JOBS = ("init_distributed", "init_process_group", "no_teardown", "plain")
+_BASELINES = ("no_teardown", "plain")
 _DONE = re.compile(r"EXIT-OK rank=(\d+)")
 _ABORT = re.compile(r"terminate called|SIGABRT|exitcode\s*:\s*-6")
 _JOB_VARS = re.compile(
@@ -78,9 +82,14 @@ def _job(kind: str) -> None:
     torch.manual_seed(0)
     ddp = DDP(nn.Sequential(nn.Linear(16, 32), nn.ReLU(), nn.Linear(32, 4)))
     if kind != "plain":
-        from aps_comm import register
+        from aps_comm import register, teardown
 
+        skipped: list = []
+        if kind == "no_teardown":
+            # The control: the same job with the exit teardown left out.
+            teardown.release_at_exit = skipped.append
         register(ddp, fmt="e4m3")
+        assert skipped or kind != "no_teardown", "register no longer calls the teardown"
     opt = torch.optim.SGD(ddp.parameters(), lr=0.1)
     torch.manual_seed(rank)
     for _ in range(3):
@@ -155,6 +164,7 @@ def run(
     lock: str | None = None,
     on_round: Callable[[dict], None] | None = None,
     per_round: int = 1,
+    one_at_a_time: bool = False,
 ) -> dict:
     """``runs[style]`` jobs of each style, in rounds of ``per_round`` concurrent jobs per style.
 
@@ -182,7 +192,10 @@ def run(
         if not pending:
             return summary
         with _locked(lock):
-            finished = _round(pending, timeout)
+            if one_at_a_time:
+                finished = [job for s in pending for job in _round([s], timeout)]
+            else:
+                finished = _round(pending, timeout)
         for style, rc, log, seconds in finished:
             outcome = _classify(rc, log)
             record = {"run": len(records[style]), "rc": rc, "outcome": outcome,
@@ -243,9 +256,10 @@ def _markdown(result: dict) -> str:
         "",
         f"torch {result['config']['torch']}, Python {result['config']['python']}, "
         f"{result['config']['cpus']} CPUs; each job: 2 ranks, a 16-32-4 MLP, 3 DDP steps, "
-        "no teardown in the script; the styles' jobs run side by side in rounds, "
-        f"{result['config']['jobs_per_style_per_round']} of each style at a time, "
-        "on a machine shared with other work. "
+        "no teardown in the script; rounds of "
+        f"{result['config']['jobs_per_style_per_round']} job(s) of each style, "
+        + ("run one after another" if result["config"].get("one_at_a_time") else "side by side")
+        + ", on a machine shared with other work. "
         f"Command: `{result['config']['command']}`.",
         "",
         "| style | runs | exit 0 | aborts at exit (SIGABRT) | other failures |",
@@ -259,8 +273,9 @@ def _markdown(result: dict) -> str:
         "",
         "An abort at exit: every rank printed its result, then a rank died of",
         "SIGABRT (`terminate called without an active exception`) during interpreter",
-        "shutdown; the launcher reports the job FAILED. The baseline is torch's own",
-        "DDP all-reduce without aps-comm (see `aps_comm/teardown.py` for the cause).",
+        "shutdown; the launcher reports the job FAILED. The control is the hook",
+        "without its exit teardown; the baseline is torch's own DDP all-reduce",
+        "without aps-comm (see `aps_comm/teardown.py` for the cause).",
         "",
     ]
     return "\n".join(lines)
@@ -271,12 +286,15 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--job", choices=_JOBS, help="run as one rank of a job (internal)")
     parser.add_argument("--runs", type=int, default=200, help="jobs per aps-comm style")
     parser.add_argument(
-        "--baseline-runs", type=int, default=None, help="plain-DDP jobs (default: --runs)"
+        "--baseline-runs", type=int, default=None, help="jobs per baseline style (default: --runs)"
     )
     parser.add_argument("--styles", nargs="+", choices=sorted(STYLES), default=list(STYLES))
     parser.add_argument("--timeout", type=float, default=300, help="seconds per job")
     parser.add_argument("--lock", default=None, help="flock this file around each round")
-    parser.add_argument("--per-round", type=int, default=1, help="concurrent jobs per style")
+    parser.add_argument("--per-round", type=int, default=1, help="jobs of each style per round")
+    parser.add_argument(
+        "--one-at-a-time", action="store_true", help="run a round's jobs one after another"
+    )
     parser.add_argument("--out", type=Path, default=ROOT / "benchmarks/results/exits.json")
     parser.add_argument(
         "--keep", action="store_true", help="keep the styles already in --out that are not run"
@@ -300,6 +318,7 @@ def main(argv: list[str] | None = None) -> int:
         "cpus": os.cpu_count(),
         "world": _WORLD,
         "jobs_per_style_per_round": args.per_round,
+        "one_at_a_time": args.one_at_a_time,
         "command": _shown(sys.argv[1:] if argv is None else argv),
     }
 
@@ -310,8 +329,11 @@ def main(argv: list[str] | None = None) -> int:
         args.out.write_text(json.dumps(result, indent=1) + "\n")
         args.out.with_suffix(".md").write_text(_markdown(result))
 
-    runs = {s: baseline_runs if STYLES[s][1] == "plain" else args.runs for s in args.styles}
-    summary = run(runs, args.timeout, args.lock, on_round=write, per_round=args.per_round)
+    runs = {s: baseline_runs if STYLES[s][1] in _BASELINES else args.runs for s in args.styles}
+    summary = run(
+        runs, args.timeout, args.lock, on_round=write, per_round=args.per_round,
+        one_at_a_time=args.one_at_a_time,
+    )  # fmt: skip
     for s in summary.values():
         print(f"{s['style']}: {s['ok']}/{s['runs']} exit 0, {s['abort_at_exit']} aborts at exit")
     return 0
