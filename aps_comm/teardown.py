@@ -54,6 +54,7 @@ from __future__ import annotations
 import atexit
 import contextlib
 import dataclasses
+import gc
 import sys
 import threading
 import weakref
@@ -164,7 +165,17 @@ def _join(groups: dict[int, dist.ProcessGroup]) -> None:
     ``groups`` must hold the only references left: the backend's destructor,
     which joins Gloo's threads, runs when the helper clears it.
     """
-    helper = threading.Thread(target=groups.clear, name="aps-comm-teardown", daemon=True)
+    helper = threading.Thread(target=_drop, args=(groups,), name="aps-comm-teardown", daemon=True)
     del groups
     helper.start()
     helper.join(JOIN_TIMEOUT_S)
+
+
+def _drop(groups: dict[int, dist.ProcessGroup]) -> None:
+    alive = [weakref.ref(g) for g in groups.values()]
+    groups.clear()
+    if any(ref() is not None for ref in alive):
+        # Garbage not yet collected (a cycle through a finished bucket's
+        # closures) can hold the last reference: collect it here, not in the
+        # interpreter's shutdown, where the join would come too late.
+        gc.collect()

@@ -10,6 +10,7 @@ abort at exit with and without it is measured by ``benchmarks/exits.py``.
 from __future__ import annotations
 
 import atexit
+import gc
 import os
 import re
 import subprocess
@@ -60,6 +61,12 @@ def _released_at_exit(rank: int, world_size: int) -> dict:
         opt.step()
     workers = [t for t in threading.enumerate() if t.name.startswith("aps-comm-")]
     group = weakref.ref(state.process_group)
+    # Garbage that still refers to the group (as a finished bucket's closures
+    # can) must not keep it, and its Gloo threads, alive past the handler.
+    gc.disable()
+    cycle: list = [state.process_group]
+    cycle.append(cycle)
+    del cycle
     before = _native_threads()
     destroyed: list[tuple[bool, bool]] = []
     real_destroy = dist.destroy_process_group
@@ -74,6 +81,7 @@ def _released_at_exit(rank: int, world_size: int) -> dict:
             handler()
     finally:
         dist.destroy_process_group = real_destroy
+        gc.enable()
     after = _native_threads()
     total = torch.ones(1)
     dist.all_reduce(total)  # the default group is not the hook's to release
