@@ -179,3 +179,10 @@ def _drop(groups: dict[int, dist.ProcessGroup]) -> None:
         # closures) can hold the last reference: collect it here, not in the
         # interpreter's shutdown, where the join would come too late.
         gc.collect()
+    survivors = sum(ref() is not None for ref in alive)
+    if survivors:
+        print(
+            f"aps_comm: {survivors} process group(s) still referenced at exit; their "
+            "Gloo threads are not joined",
+            file=sys.stderr,
+        )

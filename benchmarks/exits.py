@@ -58,6 +58,8 @@ _JOBS = ("init_distributed", "init_process_group", "no_teardown", "plain")
 _BASELINES = ("no_teardown", "plain")
 _DONE = re.compile(r"EXIT-OK rank=(\d+)")
 _ABORT = re.compile(r"terminate called|SIGABRT|exitcode\s*:\s*-6")
+# Lines worth keeping from a failed job's output, wherever they are in it.
+_NOTE = re.compile(r"terminate called|aps_comm:|Error|exitcode")
 _JOB_VARS = re.compile(
     r"^(RANK|WORLD_SIZE|LOCAL_RANK|LOCAL_WORLD_SIZE|MASTER_ADDR|MASTER_PORT|APS_BACKEND"
     r"|TORCHELASTIC_.*|GROUP_.*|ROLE_.*)$"
@@ -202,6 +204,9 @@ def run(
                       "seconds": round(seconds, 2)}  # fmt: skip
             if outcome != "ok":
                 record["log_tail"] = scrub(log[-1500:])
+                record["notes"] = [scrub(line) for line in log.splitlines() if _NOTE.search(line)][
+                    :20
+                ]
             records[style].append(record)
             print(f"{style} run {record['run']}: rc {rc} {outcome} {seconds:.1f} s", flush=True)
         summary = {s: _summary(s, records[s]) for s in runs if records[s]}
