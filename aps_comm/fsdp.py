@@ -54,7 +54,7 @@ from typing import Any
 import torch
 import torch.distributed as dist
 
-from aps_comm import agreement
+from aps_comm import agreement, teardown
 from aps_comm.agreement import Layouts
 from aps_comm.config import Reduction, Scaling, check_hook_scaling
 from aps_comm.engine import Comm, Reducer, Settings
@@ -205,6 +205,16 @@ class APSFSDPState:
         )
         self.process_group, self._world_size = group, world
         self.reducer = Reducer(settings, comm, planner, self.assignment)
+
+    def exit_workers(self) -> list:
+        """No threads of its own: the reduce-scatter runs on FSDP's."""
+        return []
+
+    def exit_groups(self) -> list[dist.ProcessGroup]:
+        """Hand over the state's process group and forget it (see :mod:`aps_comm.teardown`)."""
+        groups = [self.process_group] if self.process_group is not None else []
+        self.process_group, self.reducer = None, None
+        return groups
 
     # -- the reduce-scatter --------------------------------------------------
 
@@ -423,6 +433,7 @@ def register(
         problem="; ".join(problems),
         refused="aps_comm.fsdp.register cannot install on this model",
     )
+    teardown.release_at_exit(state)
     comm_class = _comm_class()
     for mod, _, unit in found:
         mod.set_custom_reduce_scatter(comm_class(state, unit))

@@ -35,7 +35,7 @@ import torch
 import torch.distributed as dist
 from torch.nn.parallel import DistributedDataParallel
 
-from aps_comm import agreement, transports
+from aps_comm import agreement, teardown, transports
 from aps_comm.config import Reduction, Scaling, check_hook_scaling
 from aps_comm.engine import Comm, Reducer, Settings
 from aps_comm.executor import FifoWorker, run_on_side_stream
@@ -309,6 +309,8 @@ class APSState:
             raise RuntimeError("the APS hook needs torch.distributed initialised")
         if self.process_group is None:
             self.process_group = agreement.new_group(timeout)
+        # Its Gloo threads must be joined before Python shuts down.
+        teardown.release_at_exit(self)
         group = self.process_group
         # Agree on the configuration before anything can raise on one rank only:
         # a rank that raised alone would leave the others blocked in a collective.
@@ -511,6 +513,25 @@ class APSState:
         if b.is_last:
             self._end_step()
         return b.buffer
+
+    # -- exit ------------------------------------------------------------------------
+
+    def exit_workers(self) -> list[FifoWorker]:
+        """The threads that issue the state's collectives (:mod:`aps_comm.teardown` stops them)."""
+        return [self._worker] if self._worker is not None else []
+
+    def exit_groups(self) -> list[dist.ProcessGroup]:
+        """Hand over the state's own process groups and forget them: the state is done.
+
+        :mod:`aps_comm.teardown` destroys them at exit, once the workers have
+        stopped, so that their Gloo threads are joined before Python shuts down.
+        """
+        groups = [self.process_group]
+        for nodes in (self.nodes, self.grid):
+            if nodes is not None:
+                groups += [nodes.intra, nodes.inter]
+        self.process_group, self.layouts, self.reducer, self._deferred = None, None, None, None
+        return [g for g in groups if g is not None]
 
     # -- checkpoints ---------------------------------------------------------------
 
@@ -721,6 +742,7 @@ def register(
         else:
             state.bind(device)
     ddp.register_comm_hook(state, aps_hook)
+    teardown.release_at_exit(state)
     return state
 
 

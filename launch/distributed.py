@@ -189,20 +189,21 @@ def init_distributed(
         )
     _store = store
     _info = DistInfo(env.rank, env.world_size, env.local_rank, device)
-    # Registered after the process group exists, so it runs before handlers
-    # registered earlier and after those of anything started later (the APS
-    # hook's worker thread stops first).
+    # atexit is last in, first out: what aps_comm.register installs later
+    # (aps_comm.teardown: the hook's worker, then its groups) runs before this.
     atexit.register(_teardown)
     return _info
 
 
 def _teardown() -> None:
-    """Release the process groups, then the store server, while Python still runs.
+    """Unregister the process groups, then drop the store server, while Python still runs.
 
-    Left to interpreter shutdown, Gloo's and the store's C++ threads are
-    destroyed in whatever order module globals happen to be cleared, which
-    can abort the process ("terminate called without an active exception")
-    after a successful run.
+    This does not join the default group's Gloo threads: DDP and torch's own
+    modules keep the group alive until the interpreter's shutdown. With the
+    APS hook, the collectives whose Works a Gloo thread may still be freeing
+    at exit run on the hook's own groups, which :mod:`aps_comm.teardown`
+    joins before this runs; DDP's own all-reduce (no hook) runs here and can
+    still abort at exit on torch 2.13.
     """
     global _store
     if dist.is_initialized():

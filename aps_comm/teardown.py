@@ -1,0 +1,164 @@
+"""Release aps-comm's threads and process groups at exit, while Python is still whole.
+
+Why a finished job on Gloo can abort at exit (torch 2.13, CPython 3.11): a
+Gloo worker thread (``ProcessGroupGloo::runLoop``) completes a collective's
+future, so the training loop moves on, and only then frees its own reference
+to the ``Work``. Freeing it takes the GIL when the Work holds Python-owned
+state: a tensor that also has a Python object (when its C++ refcount falls
+from 2 to 1, c10 drops its reference to that object,
+``TensorImpl::decref_pyobject``) or, for a Work
+created inside ``backward()``, the ``contextvars.Context`` that autograd
+stashes in thread-local state and every Work captures. If the main thread has
+begun ``Py_FinalizeEx`` by then, CPython ends the waiting thread with
+``pthread_exit``; its forced unwinding meets the Work's ``noexcept``
+destructor and C++ calls ``std::terminate``: "terminate called without an
+active exception", SIGABRT, after the job printed its results. A core dump
+shows the worker in ``~AsyncAllreduceWork`` (DDP's own all-reduce) or
+``~AsyncAlltoallWork`` / ``~AsyncAllgatherWork`` (the hook's) ->
+``ConcretePyInterpreterVTable::decref`` -> ``take_gil`` ->
+``PyThread_exit_thread``, and the main thread in ``Py_FinalizeEx``.
+
+``dist.destroy_process_group`` does not help: Gloo's ``shutdown()`` is a
+no-op, and the worker threads are joined only by the backend's destructor,
+which runs when the last reference to the group goes (torch releases the GIL
+there, so a worker that still has a Work to free can take it). The default
+group never gets there: DDP, and functions in ``torch.distributed.nn`` that
+take it as a default argument when imported after it exists, keep it alive.
+
+So :func:`release_at_exit` registers an owner (an ``APSState``) and one
+``atexit`` handler per process that, before finalisation, for every owner
+still alive:
+
+1. closes its :class:`~aps_comm.executor.FifoWorker` threads
+   (``exit_workers``): the queued buckets finish, no new collective starts;
+2. takes its process groups (``exit_groups``; never the default group) away
+   from it and from ``torch.distributed``, then drops the last
+   reference on a helper thread: the Gloo backend's destructor waits for its
+   queue and joins its threads. After that no thread of those groups can need
+   the GIL. The helper is given :data:`JOIN_TIMEOUT_S`; a group still busy
+   then (a collective stuck on a peer that never joins it: the job failed
+   anyway) is left to the interpreter's shutdown as before. So are the groups
+   of a job whose hook failed or whose worker did not stop in time: their
+   peers may be gone, and waiting on their queues would only delay the exit.
+
+The owner is unusable afterwards. The handler never raises and never changes
+the exit code: a job that failed keeps its own.
+
+Example:
+    >>> from aps_comm.teardown import release_at_exit
+    >>> release_at_exit(state)  # doctest: +SKIP
+"""
+
+from __future__ import annotations
+
+import atexit
+import contextlib
+import gc
+import sys
+import threading
+import weakref
+from typing import Protocol
+
+import torch.distributed as dist
+
+from aps_comm.executor import FifoWorker
+
+__all__ = ["JOIN_TIMEOUT_S", "ExitResources", "release_at_exit"]
+
+JOIN_TIMEOUT_S = 10.0
+"""Seconds the exit handler waits for a worker to finish, and for the groups to be joined."""
+
+
+class ExitResources(Protocol):
+    """What an owner (the DDP hook's or FSDP's state) holds that must go before Python does."""
+
+    def exit_workers(self) -> list[FifoWorker]:
+        """The threads that issue its collectives."""
+        ...
+
+    def exit_groups(self) -> list[dist.ProcessGroup]:
+        """Its process groups, which it forgets (it is unusable afterwards)."""
+        ...
+
+
+# Weak: an owner collected before exit has released its groups already.
+_owners: weakref.WeakSet = weakref.WeakSet()
+
+
+def release_at_exit(owner: ExitResources) -> None:
+    """At interpreter exit, close ``owner``'s workers and destroy its process groups.
+
+    The owner says what it holds (:class:`ExitResources`); the default group
+    is left alone, a group the user handed to the owner is destroyed too (and
+    joined only if nothing else still refers to it). Call it
+    once the owner exists; calling it again is harmless. Each call moves the
+    exit handler to the front of the ``atexit`` queue (last in, first out),
+    so it runs before the handlers registered earlier: ``init_distributed``'s
+    release of the default group and of the store comes after it.
+
+    Args:
+        owner: e.g. an :class:`~aps_comm.APSState`. Held weakly.
+
+    Example:
+        >>> release_at_exit(state)  # doctest: +SKIP
+    """
+    _owners.add(owner)
+    atexit.unregister(_release_all)
+    atexit.register(_release_all)
+
+
+def _release_all() -> None:
+    """The exit handler: every owner's workers first, then every owner's groups."""
+    try:
+        owners = list(_owners)
+        healthy = True
+        for owner in owners:
+            for worker in owner.exit_workers():
+                worker.close(JOIN_TIMEOUT_S)
+                healthy = healthy and worker.error is None and not worker.alive
+        if not healthy:
+            # A collective failed or is stuck: its peers may be gone, and the
+            # groups' queues would keep the process waiting for nothing.
+            return
+        default = dist.group.WORLD if dist.is_initialized() else None
+        groups: dict[int, dist.ProcessGroup] = {}
+        for owner in owners:
+            for group in owner.exit_groups():
+                if group is not default:
+                    groups[id(group)] = group
+        del owners
+        for group in groups.values():
+            with contextlib.suppress(ValueError):  # gone with the default group already
+                dist.destroy_process_group(group)
+        _join(groups)
+    except Exception as exc:  # an exit handler must not mask the job's own outcome
+        print(f"aps_comm: releasing process groups at exit failed: {exc!r}", file=sys.stderr)
+
+
+def _join(groups: dict[int, dist.ProcessGroup]) -> None:
+    """Drop the last references to ``groups`` on a helper thread; wait for it, bounded.
+
+    ``groups`` must hold the only references left: the backend's destructor,
+    which joins Gloo's threads, runs when the helper clears it.
+    """
+    helper = threading.Thread(target=_drop, args=(groups,), name="aps-comm-teardown", daemon=True)
+    del groups
+    helper.start()
+    helper.join(JOIN_TIMEOUT_S)
+
+
+def _drop(groups: dict[int, dist.ProcessGroup]) -> None:
+    alive = [weakref.ref(g) for g in groups.values()]
+    groups.clear()
+    if any(ref() is not None for ref in alive):
+        # Garbage not yet collected (a cycle through a finished bucket's
+        # closures) can hold the last reference: collect it here, not in the
+        # interpreter's shutdown, where the join would come too late.
+        gc.collect()
+    survivors = sum(ref() is not None for ref in alive)
+    if survivors:
+        print(
+            f"aps_comm: {survivors} process group(s) still referenced at exit; their "
+            "Gloo threads are not joined",
+            file=sys.stderr,
+        )

@@ -1,0 +1,146 @@
+"""Clean exits: the ordered teardown that ``register`` installs (aps_comm/teardown.py).
+
+What decides an exit is an order of events, checked here directly, never by
+looping jobs and hoping: the hook's worker stops, then its process groups are
+destroyed and their Gloo threads joined, then ``init_distributed``'s default
+group goes, and a job that failed keeps its exit code. How often tiny jobs
+abort at exit with and without it is measured by ``benchmarks/exits.py``.
+"""
+
+from __future__ import annotations
+
+import atexit
+import gc
+import os
+import re
+import subprocess
+import sys
+import threading
+import weakref
+from pathlib import Path
+
+import pytest
+import torch
+import torch.distributed as dist
+from torch import nn
+from torch.nn.parallel import DistributedDataParallel as DDP
+
+from aps_comm import register
+from aps_comm.testing import run_distributed
+
+SCRIPT = Path(__file__).parent / "launch_scripts" / "exit_codes.py"
+_JOB_VARS = re.compile(r"^(RANK|WORLD_SIZE|LOCAL_RANK|MASTER_ADDR|MASTER_PORT|TORCHELASTIC_.*)$")
+
+
+def _native_threads() -> int:
+    return len(os.listdir("/proc/self/task"))
+
+
+def _released_at_exit(rank: int, world_size: int) -> dict:
+    """Register, train two steps, run the exit handler ``register`` installed; report."""
+    handlers = []
+    real_register = atexit.register
+
+    def capture(fn, *args, **kwargs):
+        handlers.append(fn)
+        return real_register(fn, *args, **kwargs)
+
+    atexit.register = capture
+    try:
+        torch.manual_seed(0)
+        ddp = DDP(nn.Sequential(nn.Linear(16, 32), nn.ReLU(), nn.Linear(32, 4)))
+        state = register(ddp, fmt="e4m3")
+    finally:
+        atexit.register = real_register
+    # One handler, however often it was moved to the front of the atexit queue.
+    installed = list(
+        dict.fromkeys(h for h in handlers if getattr(h, "__module__", "") == "aps_comm.teardown")
+    )
+    opt = torch.optim.SGD(ddp.parameters(), lr=0.1)
+    torch.manual_seed(rank)
+    for _ in range(2):
+        opt.zero_grad()
+        ddp(torch.randn(8, 16)).square().mean().backward()
+        opt.step()
+    workers = [t for t in threading.enumerate() if t.name.startswith("aps-comm-")]
+    group = weakref.ref(state.process_group)
+    # Garbage that still refers to the group (as a finished bucket's closures
+    # can) must not keep it, and its Gloo threads, alive past the handler.
+    gc.disable()
+    cycle: list = [state.process_group]
+    cycle.append(cycle)
+    del cycle
+    before = _native_threads()
+    destroyed: list[tuple[bool, bool]] = []
+    real_destroy = dist.destroy_process_group
+
+    def logged(g: dist.ProcessGroup | None = None) -> None:
+        destroyed.append((g is None, any(w.is_alive() for w in workers)))
+        real_destroy(g)
+
+    dist.destroy_process_group = logged
+    try:
+        for handler in installed:
+            handler()
+    finally:
+        dist.destroy_process_group = real_destroy
+        gc.enable()
+    after = _native_threads()
+    total = torch.ones(1)
+    dist.all_reduce(total)  # the default group is not the hook's to release
+    return {
+        "installed": len(installed),
+        "workers": len(workers),
+        "workers_alive": any(w.is_alive() for w in workers),
+        "destroyed": destroyed,
+        "group_freed": group() is None,
+        "state_group_cleared": state.process_group is None,
+        "threads_joined": before - after,
+        "default_sum": total.item(),
+    }
+
+
+@pytest.mark.skipif(not os.path.isdir("/proc/self/task"), reason="counts threads in /proc")
+def test_register_installs_an_exit_handler_that_stops_then_joins() -> None:
+    for rank, r in enumerate(run_distributed(_released_at_exit, 2)):
+        assert r["installed"] == 1, (rank, r)
+        assert r["workers"] == 1 and not r["workers_alive"], (rank, r)
+        # Only the hook's own group, and only once its worker had stopped.
+        assert r["destroyed"] == [(False, False)], (rank, r)
+        assert r["group_freed"] and r["state_group_cleared"], (rank, r)
+        # The worker thread and the group's two Gloo worker threads are gone.
+        assert r["threads_joined"] >= 3, (rank, r)
+        assert r["default_sum"] == 2.0, (rank, r)
+
+
+def _clean_env() -> dict[str, str]:
+    env = {k: v for k, v in os.environ.items() if not _JOB_VARS.match(k)}
+    env["OMP_NUM_THREADS"] = "1"
+    return env
+
+
+def test_exit_order_and_failing_jobs_keep_their_exit_code() -> None:
+    """A job that raises exits 1, one that calls sys.exit(3) exits 3; the teardown runs in order.
+
+    World of one under ``init_distributed`` (tests/launch_scripts/exit_codes.py).
+    """
+    procs = {
+        mode: subprocess.Popen(
+            [sys.executable, str(SCRIPT), mode],
+            env=_clean_env(),
+            stdout=subprocess.PIPE,
+            stderr=subprocess.STDOUT,
+            text=True,
+        )
+        for mode in ("raise", "exit3")
+    }
+    expected = {"raise": 1, "exit3": 3}
+    for mode, proc in procs.items():
+        out, _ = proc.communicate(timeout=120)
+        assert proc.returncode == expected[mode], out
+        assert f"TRAINED mode={mode}" in out, out
+        order = re.findall(r"^DESTROY .*$", out, re.M)
+        assert order == ["DESTROY group worker_alive=False", "DESTROY default"], out
+        assert "terminate called" not in out, out
+        if mode == "raise":
+            assert "RuntimeError: the job failed after training" in out, out
