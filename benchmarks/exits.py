@@ -255,7 +255,7 @@ def _shown(argv: list[str]) -> str:
     return " ".join(shown)
 
 
-def _markdown(result: dict) -> str:
+def markdown(result: dict) -> str:
     lines = [
         "# Clean exits: tiny 2-rank DDP jobs on Gloo (CPU)",
         "",
@@ -332,7 +332,7 @@ def main(argv: list[str] | None = None) -> int:
         result = {"config": config, "styles": {s: styles[s] for s in STYLES if s in styles}}
         args.out.parent.mkdir(parents=True, exist_ok=True)
         args.out.write_text(json.dumps(result, indent=1) + "\n")
-        args.out.with_suffix(".md").write_text(_markdown(result))
+        args.out.with_suffix(".md").write_text(markdown(result))
 
     runs = {s: baseline_runs if STYLES[s][1] in _BASELINES else args.runs for s in args.styles}
     summary = run(

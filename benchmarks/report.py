@@ -28,7 +28,7 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
-from benchmarks import accuracy, numerics
+from benchmarks import accuracy, exits, numerics
 from benchmarks import fsdp as fsdp_bench
 from benchmarks.perfmodel_validate import all_runs
 
@@ -39,10 +39,10 @@ RESULTS = HERE / "results"
 
 
 def _recorded_command(data: object) -> str | None:
-    """The command a results JSON records: at its top level, or in its setup or settings."""
+    """The command a results JSON records: at its top level, or in its setup, settings or config."""
     if not isinstance(data, dict):
         return None
-    for where in (data, data.get("setup"), data.get("settings")):
+    for where in (data, data.get("setup"), data.get("settings"), data.get("config")):
         if isinstance(where, dict) and isinstance(where.get("command"), str):
             return where["command"]
     return None
@@ -877,6 +877,18 @@ def _others(found: _Found) -> list[str]:
     return [*lines, ""]
 
 
+def _exits(found: _Found) -> list[str]:
+    """Jobs that finished: how many exited 0, per way of launching them."""
+    lines = ["## Clean exits", ""]
+    runs = found.of("benchmarks.exits")
+    if not runs:
+        return [*lines, "Not yet run (`python -m benchmarks.exits`).", ""]
+    for res in runs:
+        lines += [f"Source: {found.link(res.name)}; {_command(res.data)}.", ""]
+        lines += [*_demote(exits.markdown(res.data)), ""]
+    return lines
+
+
 SECTIONS: list[Callable[[_Found], list[str]]] = [
     _accuracy,
     _numerics,
@@ -888,6 +900,7 @@ SECTIONS: list[Callable[[_Found], list[str]]] = [
     _simulator,
     _perfmodel,
     _fsdp,
+    _exits,
     _others,
 ]
 
