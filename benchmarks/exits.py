@@ -79,7 +79,7 @@ def _job(kind: str) -> None:
 
         rank = init_distributed().rank
     else:
-        dist.init_process_group("gloo")
+        dist.init_process_group()  # as most scripts write it: Gloo for CPU tensors
         rank = dist.get_rank()
     torch.manual_seed(0)
     ddp = DDP(nn.Sequential(nn.Linear(16, 32), nn.ReLU(), nn.Linear(32, 4)))
