@@ -45,7 +45,7 @@ from aps_comm.feedback import ErrorFeedback
 from aps_comm.formats import FP32, FloatFormat, pow2
 from aps_comm.plan import BucketPlan, GroupPlan, Planner
 from aps_comm.policy import Assignment
-from aps_comm.reduction import native_sum_supported, pick_reduction
+from aps_comm.reduction import native_sum_supported, resolve_routes
 from aps_comm.scaling import factors
 from aps_comm.telemetry import StepStats, layer_counts
 
@@ -143,6 +143,7 @@ class Reducer:
         # Promote: each layer's last local underflow rate, on the device.
         self.rates: dict[str, torch.Tensor] = {}
         self._routes: dict[FloatFormat, Route] = {}
+        self._fixed: dict[FloatFormat, Route] = {}
 
     # -- binding ---------------------------------------------------------------
 
@@ -153,12 +154,12 @@ class Reducer:
             ValueError: a format cannot take the requested reduction here.
         """
         if not self._routes:
-            self._routes = {
-                fmt: Route.ALLREDUCE
-                if fmt == FP32
-                else pick_reduction(self.settings.reduction, fmt, self.comm.backend, device)
-                for fmt in sorted(self.assignment.possible(), key=str)
-            }
+            self._routes = resolve_routes(
+                self.settings.reduction, self.assignment.possible(), self.comm.backend, device
+            )
+            # What a bucket sends by, when "auto" does not choose: FP32 layers
+            # always travel as the plain FP32 mean.
+            self._fixed = {**self._routes, FP32: Route.FP32}
         return self._routes
 
     def resolve_cached(self) -> dict[FloatFormat, Route]:
@@ -280,7 +281,7 @@ class Reducer:
     def _routes_for(self, plan: BucketPlan, fmts: Sequence[FloatFormat]) -> dict:
         """Each format's route in this bucket: as configured, or the model's choice."""
         if self.settings.reduction != Reduction.AUTO:
-            return {**self._routes, FP32: Route.FP32}
+            return self._fixed
         key = tuple(fmts)
         chosen = plan.reductions.get(key)
         if chosen is None:

@@ -59,6 +59,7 @@ from aps_comm.agreement import Layouts
 from aps_comm.config import Reduction, Scaling, check_hook_scaling
 from aps_comm.engine import Comm, Reducer, Settings
 from aps_comm.formats import FloatFormat, get_format
+from aps_comm.hostcopy import HostValue
 from aps_comm.plan import Planner
 from aps_comm.policy import Assignment, LayerInfo, Rule
 from aps_comm.policy import describe as describe_policy
@@ -171,7 +172,7 @@ class APSFSDPState:
         # Per step, the maximum of every unit's layout-check flag, on the device:
         # read on the host once, when the next step starts.
         self._flags: torch.Tensor | None = None
-        self._flags_host: _HostCopy | None = None
+        self._flags_host: HostValue | None = None
 
     @property
     def fmt(self) -> FloatFormat:
@@ -289,26 +290,7 @@ class APSFSDPState:
         self._done = set()
         self.step += 1
         if self._flags is not None:
-            self._flags_host, self._flags = _HostCopy(self._flags), None
-
-
-class _HostCopy:
-    """A device value on its way to the host: read it once its copy has finished."""
-
-    def __init__(self, value: torch.Tensor) -> None:
-        self.event = None
-        if value.device.type == "cuda":
-            self.host = torch.empty(value.shape, dtype=value.dtype, pin_memory=True)
-            self.host.copy_(value, non_blocking=True)
-            self.event = torch.cuda.Event()
-            self.event.record()
-        else:
-            self.host = value
-
-    def result(self) -> torch.Tensor:
-        if self.event is not None:
-            self.event.synchronize()
-        return self.host
+            self._flags_host, self._flags = HostValue(self._flags), None
 
 
 def _check_call(unit: _Unit, output: torch.Tensor, input: torch.Tensor, op: Any, n: int) -> str:

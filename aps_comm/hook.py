@@ -44,7 +44,7 @@ from aps_comm.formats import FP32, FloatFormat, get_format
 from aps_comm.plan import Planner
 from aps_comm.policy import Assignment, LayerInfo, Rule
 from aps_comm.policy import describe as describe_policy
-from aps_comm.reduction import pick_reduction
+from aps_comm.reduction import resolve_routes
 from aps_comm.telemetry import LayerStats, StepStats
 from aps_comm.topology import NodeGroups, Topology
 from aps_perfmodel.profile import Profile
@@ -347,12 +347,10 @@ class APSState:
             try:
                 backend = agreement.backend_for(group, device)
                 agreement.check_backend(backend, device)
-                routes = {
-                    f.name: "fp32"
-                    if f == FP32
-                    else str(pick_reduction(self.config.reduction, f, backend, device))
-                    for f in sorted(self.assignment.possible(), key=str)
-                }
+                resolved = resolve_routes(
+                    self.config.reduction, self.assignment.possible(), backend, device
+                )
+                routes = {f.name: str(r) for f, r in resolved.items()}
                 seen[device.type] = ("", f"backend={backend}, routes={routes}")
             except ValueError as exc:
                 seen[device.type] = (str(exc), "")

@@ -17,7 +17,7 @@ from __future__ import annotations
 
 import torch
 
-__all__ = ["to_device"]
+__all__ = ["HostValue", "to_device"]
 
 
 def to_device(host: torch.Tensor, device: torch.device | str) -> torch.Tensor:
@@ -35,3 +35,32 @@ def to_device(host: torch.Tensor, device: torch.device | str) -> torch.Tensor:
     if device.type == "cuda":
         return host.pin_memory().to(device, non_blocking=True)
     return host.to(device)
+
+
+class HostValue:
+    """A device value on its way to the host: copied without blocking, read once it arrived.
+
+    On CUDA the copy goes to pinned memory on the current stream and an event
+    marks its end; :meth:`result` waits only for that event. Elsewhere the
+    value is used as it is.
+
+    Example:
+        >>> HostValue(torch.tensor(3.0)).result()
+        tensor(3.)
+    """
+
+    def __init__(self, value: torch.Tensor) -> None:
+        self.event: torch.cuda.Event | None = None
+        if value.device.type == "cuda":
+            self.host = torch.empty(value.shape, dtype=value.dtype, pin_memory=True)
+            self.host.copy_(value, non_blocking=True)
+            self.event = torch.cuda.Event()
+            self.event.record()
+        else:
+            self.host = value
+
+    def result(self) -> torch.Tensor:
+        """The value on the host (waits for the copy where it has not finished)."""
+        if self.event is not None:
+            self.event.synchronize()
+        return self.host

@@ -25,13 +25,15 @@ Example:
 
 from __future__ import annotations
 
+from collections.abc import Iterable
+
 import torch
 from torch.torch_version import TorchVersion
 
 from aps_comm.config import REDUCTIONS, Reduction, Route
-from aps_comm.formats import FloatFormat
+from aps_comm.formats import FP32, FloatFormat
 
-__all__ = ["REDUCTIONS", "Reduction", "native_sum_supported", "pick_reduction"]
+__all__ = ["REDUCTIONS", "Reduction", "native_sum_supported", "pick_reduction", "resolve_routes"]
 
 FP8_ALLREDUCE_TORCH = (2, 8)
 """The first torch whose ``ProcessGroupNCCL::allreduce`` accepts float8 (pytorch#152706)."""
@@ -83,3 +85,27 @@ def pick_reduction(
             "reduction='two_phase', which works on every backend, or 'auto'."
         )
     return Route(reduction.value)
+
+
+def resolve_routes(
+    reduction: Reduction | str,
+    formats: Iterable[FloatFormat],
+    backend: str,
+    device: torch.device,
+) -> dict[FloatFormat, Route]:
+    """Every format's route for ``reduction`` on ``backend`` and ``device`` (FP32: a plain
+    all-reduce), in a stable order: what a state binds with and what its ranks compare.
+
+    Raises:
+        ValueError: a format cannot take ``reduction`` there (see :func:`pick_reduction`).
+
+    Example:
+        >>> from aps_comm.formats import E4M3, FP16
+        >>> routes = resolve_routes("auto", [FP16, E4M3], "gloo", torch.device("cpu"))
+        >>> {f.name: str(r) for f, r in routes.items()}
+        {'e4m3': 'two_phase', 'fp16': 'allreduce'}
+    """
+    return {
+        fmt: Route.ALLREDUCE if fmt == FP32 else pick_reduction(reduction, fmt, backend, device)
+        for fmt in sorted(set(formats), key=str)
+    }
