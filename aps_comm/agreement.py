@@ -26,6 +26,7 @@ from typing import Any
 import torch
 import torch.distributed as dist
 
+from aps_comm import teardown
 from aps_comm.config import Reduction
 from aps_comm.topology import (
     NodeGroups,
@@ -76,7 +77,9 @@ def new_group(timeout: datetime.timedelta | None = None) -> dist.ProcessGroup:
     ``new_group`` calls. The group has the default group's backends (for a
     default group made without a backend: Gloo for CPU, NCCL for CUDA).
     """
-    return dist.new_group(timeout=timeout or group_timeout())
+    # Recorded for the exit handler: its Gloo threads must be joined before
+    # Python shuts down, even after the state that made it is gone.
+    return teardown.join_at_exit(dist.new_group(timeout=timeout or group_timeout()))
 
 
 def backend_for(group: dist.ProcessGroup, device: torch.device) -> str:

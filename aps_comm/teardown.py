@@ -24,15 +24,22 @@ which runs when the last reference to the group goes (torch releases the GIL
 there, so a worker that still has a Work to free can take it). The default
 group never gets there: DDP, and functions in ``torch.distributed.nn`` that
 take it as a default argument when imported after it exists, keep it alive.
+Neither do the groups aps-comm creates, even once their owner is gone: a
+training function returns, its DDP model and the hook's state are freed, and
+``torch.distributed``'s registry still holds the groups, and their threads,
+until the interpreter's shutdown (the abort the first exit handler missed:
+it only knew the owners still alive at exit).
 
-So :func:`release_at_exit` registers an owner (an ``APSState``) and one
-``atexit`` handler per process that, before finalisation, for every owner
-still alive:
+So :func:`join_at_exit` records (weakly) every group aps-comm creates, and
+:func:`release_at_exit` registers an owner (an ``APSState``) and one
+``atexit`` handler per process that, before finalisation:
 
-1. closes its :class:`~aps_comm.executor.FifoWorker` threads
-   (``exit_workers``): the queued buckets finish, no new collective starts;
-2. takes its process groups (``exit_groups``; never the default group) away
-   from it and from ``torch.distributed``, then drops the last
+1. closes the :class:`~aps_comm.executor.FifoWorker` threads of every owner
+   still alive (``exit_workers``): the queued buckets finish, no new
+   collective starts (a collected owner's worker stopped with it);
+2. takes their process groups (``exit_groups``), and every recorded group
+   still alive, whoever owned it (never the default group), away from them
+   and from ``torch.distributed``, then drops the last
    reference on a helper thread: the Gloo backend's destructor waits for its
    queue and joins its threads. After that no thread of those groups can need
    the GIL. The helper is given :data:`JOIN_TIMEOUT_S`; a group still busy
@@ -63,7 +70,7 @@ import torch.distributed as dist
 
 from aps_comm.executor import FifoWorker
 
-__all__ = ["JOIN_TIMEOUT_S", "ExitResources", "release_at_exit"]
+__all__ = ["JOIN_TIMEOUT_S", "ExitResources", "join_at_exit", "release_at_exit"]
 
 JOIN_TIMEOUT_S = 10.0
 """Seconds the exit handler waits for a worker to finish, and for the groups to be joined."""
@@ -81,8 +88,27 @@ class ExitResources(Protocol):
         ...
 
 
-# Weak: an owner collected before exit has released its groups already.
+# Weak: an owner collected before exit has stopped its worker, and its groups
+# are in _groups.
 _owners: weakref.WeakSet = weakref.WeakSet()
+# Weak: a group destroyed and freed before exit has joined its threads then.
+_groups: weakref.WeakSet = weakref.WeakSet()
+
+
+def join_at_exit(group: dist.ProcessGroup) -> dist.ProcessGroup:
+    """Record a group aps-comm created: the exit handler destroys and joins it if still alive.
+
+    Held weakly: a group the program destroys and drops earlier is gone
+    already. Returns ``group`` (for ``return join_at_exit(dist.new_group())``).
+
+    Example:
+        >>> group = join_at_exit(dist.new_group())  # doctest: +SKIP
+    """
+    if isinstance(group, dist.ProcessGroup):  # not NON_GROUP_MEMBER
+        _groups.add(group)
+        atexit.unregister(_release_all)
+        atexit.register(_release_all)
+    return group
 
 
 def release_at_exit(owner: ExitResources) -> None:
@@ -124,9 +150,12 @@ def _release_all() -> None:
         groups: dict[int, dist.ProcessGroup] = {}
         for owner in owners:
             for group in owner.exit_groups():
-                if group is not default:
-                    groups[id(group)] = group
+                groups[id(group)] = group
         del owners
+        for group in list(_groups):
+            groups[id(group)] = group
+        _groups.clear()
+        groups.pop(id(default), None)
         for group in groups.values():
             with contextlib.suppress(ValueError):  # gone with the default group already
                 dist.destroy_process_group(group)

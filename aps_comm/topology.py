@@ -23,6 +23,8 @@ from collections.abc import Mapping, Sequence
 
 import torch.distributed as dist
 
+from aps_comm.teardown import join_at_exit
+
 # One rule for the hook and the model that prices it (the grid's rows g).
 from aps_perfmodel.strategies import grid_rows
 
@@ -161,12 +163,12 @@ def node_groups(
     intra = inter = None
     for node in range(topology.nodes):
         members = [ranks[r] for r in topology.node_ranks(node)]
-        pg = dist.new_group(members, timeout=timeout, use_local_synchronization=False)
+        pg = join_at_exit(dist.new_group(members, timeout=timeout, use_local_synchronization=False))
         if me in topology.node_ranks(node):
             intra = pg
     for local in range(topology.ranks_per_node):
         members = [ranks[r] for r in topology.peer_ranks(local)]
-        pg = dist.new_group(members, timeout=timeout, use_local_synchronization=False)
+        pg = join_at_exit(dist.new_group(members, timeout=timeout, use_local_synchronization=False))
         if me in topology.peer_ranks(local):
             inter = pg
     assert intra is not None and inter is not None

@@ -36,8 +36,12 @@ def _native_threads() -> int:
     return len(os.listdir("/proc/self/task"))
 
 
-def _released_at_exit(rank: int, world_size: int) -> dict:
-    """Register, train two steps, run the exit handler ``register`` installed; report."""
+def _released_at_exit(rank: int, world_size: int, drop: bool = False) -> dict:
+    """Register, train two steps, run the exit handler ``register`` installed; report.
+
+    With ``drop`` the model and the state are freed first, as when training
+    runs in a function that returned before the interpreter exits.
+    """
     handlers = []
     real_register = atexit.register
 
@@ -64,10 +68,15 @@ def _released_at_exit(rank: int, world_size: int) -> dict:
         opt.step()
     workers = [t for t in threading.enumerate() if t.name.startswith("aps-comm-")]
     group = weakref.ref(state.process_group)
+    owner = weakref.ref(state)
+    if drop:
+        del ddp, opt, state
+        gc.collect()
+        assert owner() is None, "the state outlived its model"
     # Garbage that still refers to the group (as a finished bucket's closures
     # can) must not keep it, and its Gloo threads, alive past the handler.
     gc.disable()
-    cycle: list = [state.process_group]
+    cycle: list = [group()]
     cycle.append(cycle)
     del cycle
     before = _native_threads()
@@ -94,7 +103,7 @@ def _released_at_exit(rank: int, world_size: int) -> dict:
         "workers_alive": any(w.is_alive() for w in workers),
         "destroyed": destroyed,
         "group_freed": group() is None,
-        "state_group_cleared": state.process_group is None,
+        "state_group_cleared": owner() is None or owner().process_group is None,
         "threads_joined": before - after,
         "default_sum": total.item(),
     }
@@ -109,6 +118,23 @@ def test_register_installs_an_exit_handler_that_stops_then_joins() -> None:
         assert r["destroyed"] == [(False, False)], (rank, r)
         assert r["group_freed"] and r["state_group_cleared"], (rank, r)
         # The worker thread and the group's two Gloo worker threads are gone.
+        assert r["threads_joined"] >= 3, (rank, r)
+        assert r["default_sum"] == 2.0, (rank, r)
+
+
+@pytest.mark.skipif(not os.path.isdir("/proc/self/task"), reason="counts threads in /proc")
+def test_groups_of_a_state_freed_before_exit_are_joined_too() -> None:
+    """Training in a function: its model and state are gone at exit, their group is not.
+
+    torch's registry keeps the hook's group, and its Gloo threads, alive
+    after the state is freed; the handler must still destroy and join it.
+    """
+    for rank, r in enumerate(run_distributed(_released_at_exit, 2, args=(True,))):
+        assert r["installed"] == 1, (rank, r)
+        assert not r["workers_alive"], (rank, r)
+        assert r["destroyed"] == [(False, False)], (rank, r)
+        assert r["group_freed"], (rank, r)
+        # The group's Gloo threads are gone (its worker stopped with the state).
         assert r["threads_joined"] >= 3, (rank, r)
         assert r["default_sum"] == 2.0, (rank, r)
 

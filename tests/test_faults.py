@@ -161,29 +161,6 @@ def test_peer_failure_fails_survivors_within_timeout(
 
 
 @pytest.mark.slow
-@pytest.mark.parametrize("world", [1, 2])
-def test_clean_exit_every_time(world: int) -> None:
-    """A script that trains and exits without any teardown ends with rc 0, 20 runs in a row.
-
-    The runs fork from a process that has imported torch once
-    (tests/launch_scripts/exit_loop.py) and leave through the interpreter's
-    normal shutdown.
-    """
-    out = subprocess.run(
-        [sys.executable, str(SCRIPTS / "exit_loop.py"), "--runs=20", f"--world={world}"],
-        env=_clean_env(),
-        capture_output=True,
-        text=True,
-        timeout=300,
-    )
-    log = out.stdout + out.stderr
-    assert "EXIT-LOOP ok=20 runs=20" in log, log
-    assert out.returncode == 0, log
-    assert log.count("EXIT-OK rank=") == 20 * world, log
-    assert "terminate called" not in log, log
-
-
-@pytest.mark.slow
 def test_crash_and_resume_is_bitwise_the_uninterrupted_run(tmp_path: Path) -> None:
     """aps-launch --max-restarts recovers from a kill -9 and the resumed run is exact.
 
