@@ -30,7 +30,7 @@ __all__ = [
     "Route",
     "Scaling",
     "check_block_size",
-    "check_hook_scaling",
+    "check_fsdp_scaling",
 ]
 
 
@@ -123,23 +123,21 @@ DEFAULT_BLOCK_SIZE = 32
 """Elements per block by default: the OCP MX formats' block, 1/32 byte of exponent per element."""
 
 
-def check_hook_scaling(scaling: Scaling) -> Scaling:
-    """``scaling`` if the DDP hook and FSDP2 run it, else a ValueError saying what does.
+def check_fsdp_scaling(scaling: Scaling) -> Scaling:
+    """``scaling`` if FSDP2's reduce-scatter runs it, else a ValueError saying what does.
 
-    Block scaling exists in the codec (:meth:`aps_comm.codec.Layout.grid`),
-    the exponent rules (:func:`aps_comm.scaling.factors`) and the simulator
-    (:func:`aps_comm.simulate.allreduce`); the reduction engine does not
-    send block exponents yet.
+    The DDP hook runs every scaling; FSDP2's reduce-scatter does not send
+    block exponents yet.
 
     Example:
-        >>> check_hook_scaling(Scaling.LAYER)
+        >>> check_fsdp_scaling(Scaling.LAYER)
         <Scaling.LAYER: 'layer'>
     """
     if scaling == Scaling.BLOCK:
         raise ValueError(
-            "scaling='block' is not supported by the DDP hook and FSDP2 yet (the engine "
-            "does not send block exponents); it runs in aps_comm.simulate.allreduce and the "
-            "codec. Use scaling='layer' (APS, one exponent per parameter) to train."
+            "scaling='block' is not supported by aps_comm.fsdp yet (its reduce-scatter "
+            "does not send block exponents); it runs with the DDP hook (aps_comm.register) "
+            "and in aps_comm.simulate.allreduce. Use scaling='layer' with FSDP2."
         )
     return scaling
 

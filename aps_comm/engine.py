@@ -40,14 +40,14 @@ import torch.distributed as dist
 
 from aps_comm import codec, transports
 from aps_comm.agreement import Layouts
-from aps_comm.config import Reduction, Route, Scaling
+from aps_comm.config import DEFAULT_BLOCK_SIZE, Reduction, Route, Scaling
 from aps_comm.feedback import ErrorFeedback
 from aps_comm.formats import FP32, FloatFormat, pow2
 from aps_comm.plan import BucketPlan, GroupPlan, Planner
 from aps_comm.policy import Assignment
 from aps_comm.reduction import native_sum_supported, resolve_routes
-from aps_comm.scaling import factors
-from aps_comm.telemetry import StepStats, layer_counts
+from aps_comm.scaling import block_amax, exponent_keys, factors, factors_from_keys
+from aps_comm.telemetry import StepStats, layer_counts, per_layer
 
 __all__ = ["ONE_CHUNK", "Comm", "Reducer", "Settings", "Traffic"]
 
@@ -65,6 +65,7 @@ class Settings:
         scaling: exponent granularity.
         stats: keep per-layer records of each step.
         error_feedback: keep and resend what rounding lost.
+        block_size: elements per block with block scaling.
     """
 
     fmt: FloatFormat
@@ -72,6 +73,7 @@ class Settings:
     scaling: Scaling = Scaling.LAYER
     stats: bool = False
     error_feedback: bool = False
+    block_size: int = DEFAULT_BLOCK_SIZE
 
 
 @dataclasses.dataclass(frozen=True)
@@ -225,30 +227,44 @@ class Reducer:
                     self.bucket_routes[index] = Route.FP32.value
                 return None
 
-        amax = codec.segment_amax(x, plan.layout)
         n_layers = len(numels)
         main = self._routes_for(plan, [settings.fmt] * n_layers)[settings.fmt]
-        extra: list[torch.Tensor] = []
-        if promoter is not None:
-            zero = torch.zeros((), device=x.device)
-            extra.append(torch.stack([self.rates.get(n or "", zero) for n in names]))
         measured = chunk is None and self.feedback is None and x.device.type == "cpu"
-        if measured:
-            # Each rank's preferred chunk, from its own timing, rides on the
-            # maxima; the largest wins. A CPU tensor: no device round trip.
-            mine = self.planner.chunk(settings.fmt, x.numel(), main, plan.exchange_s or None)
-            extra.append(torch.tensor([math.log2(mine)], dtype=torch.float32))
-        shared = torch.cat([amax, *extra]) if extra else amax
-        transports.all_reduce_max(shared, comm.group, self.traffic)
-        amax = shared[:n_layers]
-        if promoter is not None:
-            # Promote picks formats on the host: one device read per bucket,
-            # only with this policy.
-            assignment.promote_step(keys, shared[n_layers : 2 * n_layers].tolist())
+        # Each rank's preferred chunk, from its own timing, rides on the
+        # maxima; the largest wins. A CPU tensor: no device round trip.
+        mine = (
+            self.planner.chunk(settings.fmt, x.numel(), main, plan.exchange_s or None)
+            if measured
+            else 0
+        )
+        blocked = settings.scaling == Scaling.BLOCK
+        agreed: dict[FloatFormat, tuple[torch.Tensor, torch.Tensor]] = {}
+        if blocked:
+            if fmts is None:  # error feedback
+                fmts = assignment.formats(keys, step)
+            amax = x.new_empty(0)
+            agreed, wanted = self._agree_blocks(plan, x, fmts, mine)
+        else:
+            amax = codec.segment_amax(x, plan.layout)
+            extra: list[torch.Tensor] = []
+            if promoter is not None:
+                zero = torch.zeros((), device=x.device)
+                extra.append(torch.stack([self.rates.get(n or "", zero) for n in names]))
+            if measured:
+                extra.append(torch.tensor([math.log2(mine)], dtype=torch.float32))
+            shared = torch.cat([amax, *extra]) if extra else amax
+            transports.all_reduce_max(shared, comm.group, self.traffic)
+            amax = shared[:n_layers]
+            wanted = shared[-1] if measured else None
+            if promoter is not None:
+                # Promote picks formats on the host: one device read per bucket,
+                # only with this policy.
+                assignment.promote_step(keys, shared[n_layers : 2 * n_layers].tolist())
         if self.feedback is not None:
             chunk = ONE_CHUNK
         elif measured:
-            chunk = 2 ** int(shared[-1])
+            assert wanted is not None
+            chunk = 2 ** int(wanted)
         elif chunk is None:
             if not plan.model_chunk:  # the same on every rank, and every step
                 plan.model_chunk = self.planner.chunk(settings.fmt, x.numel(), main)
@@ -258,7 +274,14 @@ class Reducer:
         if fmts is None:  # Promote has just updated them
             fmts = assignment.formats(keys, step)
         routes = self._routes_for(plan, fmts)
-        groups = plan.group(fmts, routes, comm.world_size, chunk, comm.node_layouts())
+        groups = plan.group(
+            fmts,
+            routes,
+            comm.world_size,
+            chunk,
+            comm.node_layouts(),
+            settings.block_size if blocked else None,
+        )
         sent = [g for g in groups if g.fmt != FP32]
         if sent:
             self.bucket_routes[index] = str(max(sent, key=lambda g: g.numel).reduction)
@@ -266,17 +289,59 @@ class Reducer:
         layers = torch.split(x, numels) if len(groups) > 1 else [x]
         tail = None
         for g in groups:
+            keyed = agreed.get(g.fmt)
             if g.contiguous:
-                tail = self._group(g, x, amax, names, index, defer)
+                tail = self._group(g, x, amax, names, index, defer, keyed)
                 continue
             # Mixing formats costs a gather copy and one set of collectives per format.
             gx = torch.cat([layers[i] for i in g.index]) if g.index else x.new_empty(0)
-            self._group(g, gx, amax[g.index_tensor], names, index)
+            g_amax = amax if blocked else amax[g.index_tensor]
+            self._group(g, gx, g_amax, names, index, keyed=keyed)
             for i, t in zip(g.index, torch.split(gx, g.numels), strict=True):
                 layers[i].copy_(t)
         if measured and len(groups) == 1:
             plan.timed(time.perf_counter() - start)
         return tail
+
+    def _agree_blocks(
+        self, plan: BucketPlan, x: torch.Tensor, fmts: Sequence[FloatFormat], mine: int
+    ) -> tuple[dict[FloatFormat, tuple[torch.Tensor, torch.Tensor]], torch.Tensor | None]:
+        """Block scaling's one collective: a MAX all-reduce of one-byte block exponents.
+
+        Each format's blocks get this rank's exponent keys under their route's
+        rule (:func:`aps_comm.scaling.exponent_keys`); the MAX over ranks of a
+        key is the key of the ranks' largest maximum. ``mine`` (this rank's
+        preferred chunk, 0 for none) rides along as its log2, one byte.
+
+        Returns:
+            Per format sent scaled: (its blocks' agreed keys, shape (rows,
+            blocks), and this rank's own block maxima, for the records); and
+            the agreed log2 chunk (a 0-d tensor) when ``mine`` was given.
+        """
+        comm, block_size = self.comm, self.settings.block_size
+        routes = self._routes_for(plan, fmts)
+        maxima = block_amax(x, plan.grid(block_size))
+        node = comm.node_layouts()
+        mine_keys: list[tuple[FloatFormat, torch.Tensor, torch.Tensor]] = []
+        for fmt, picks in plan.block_index(fmts, block_size).items():
+            route = routes[fmt]
+            if route == Route.FP32:
+                continue
+            local = maxima if picks is None else maxima[picks]
+            per = node[route.value][0] if route.staged else 1
+            keys = exponent_keys(local, fmt, route, world_size=comm.world_size, ranks_per_node=per)
+            mine_keys.append((fmt, keys, local))
+        parts = [keys.reshape(-1) for _, keys, _ in mine_keys]
+        if mine:
+            parts.append(torch.tensor([int(math.log2(mine))], dtype=torch.uint8))
+        shared = torch.cat(parts) if parts else torch.zeros(0, dtype=torch.uint8)
+        transports.all_reduce_max(shared, comm.group, self.traffic)
+        out: dict[FloatFormat, tuple[torch.Tensor, torch.Tensor]] = {}
+        start = 0
+        for fmt, keys, local in mine_keys:
+            out[fmt] = (shared[start : start + keys.numel()].view(keys.shape), local)
+            start += keys.numel()
+        return out, (shared[-1] if mine else None)
 
     def _routes_for(self, plan: BucketPlan, fmts: Sequence[FloatFormat]) -> dict:
         """Each format's route in this bucket: as configured, or the model's choice."""
@@ -305,8 +370,13 @@ class Reducer:
         names: Sequence[str | None],
         bucket: int,
         defer: bool = False,
+        keyed: tuple[torch.Tensor, torch.Tensor] | None = None,
     ) -> Callable[[], None] | None:
-        """Average one format group's values ``x`` in place (the tail deferred if asked)."""
+        """Average one format group's values ``x`` in place (the tail deferred if asked).
+
+        ``amax`` holds the layers' agreed maxima; with block scaling ``keyed``
+        holds the blocks' agreed exponent keys and this rank's block maxima.
+        """
         comm, fmt, route = self.comm, g.fmt, Route(g.reduction)
         gnames = [names[i] for i in g.index]
         if route == Route.FP32:
@@ -315,18 +385,28 @@ class Reducer:
                 self.feedback.drop(gnames)
             return None
         per_node = g.node.ranks_per_node if g.node is not None else 1
-        f = factors(
-            amax,
-            fmt,
-            route,
-            world_size=comm.world_size,
-            scaling=self.settings.scaling,
-            ranks_per_node=per_node,
-        )
+        if g.blocks is not None:
+            assert keyed is not None
+            f = factors_from_keys(
+                keyed[0], fmt, route, world_size=comm.world_size, counts=g.blocks.device_counts
+            )
+        else:
+            f = factors(
+                amax,
+                fmt,
+                route,
+                world_size=comm.world_size,
+                scaling=self.settings.scaling,
+                ranks_per_node=per_node,
+            )
         if self.settings.stats or self.assignment.promoter is not None:
             counts = layer_counts(x, g.layout.lengths, f.exponents, fmt)
             if self.settings.stats:
-                self.stats.add(bucket, gnames, g.numels, fmt, f.exponents, amax, counts)
+                exps, maxima = f.exponents, amax
+                if g.blocks is not None:
+                    assert keyed is not None
+                    counts, exps, maxima = per_layer(g.blocks, counts, f.exponents, keyed[1])
+                self.stats.add(bucket, gnames, g.numels, fmt, exps, maxima, counts)
             if self.assignment.promoter is not None and not route.staged:
                 rates = counts[:, 1].float() / counts[:, 0].clamp(min=1).float()
                 for name, rate in zip(gnames, rates.unbind(), strict=True):
@@ -350,7 +430,7 @@ class Reducer:
             )
         after_encode = owner = None
         if self.feedback is not None:
-            finite = torch.isfinite(amax)
+            finite = torch.isfinite(f.unscale)  # per layer, or per block
             fb = self.feedback
             after_encode = functools.partial(_keep_sent, fb, g, x, gnames, f.exponents, finite)
             owner = functools.partial(_owner_with_feedback, fb, g, gnames, f.scale, finite)

@@ -56,7 +56,7 @@ import torch.distributed as dist
 
 from aps_comm import agreement, teardown
 from aps_comm.agreement import Layouts
-from aps_comm.config import Reduction, Scaling, check_hook_scaling
+from aps_comm.config import Reduction, Scaling, check_fsdp_scaling
 from aps_comm.engine import Comm, Reducer, Settings
 from aps_comm.formats import FloatFormat, get_format
 from aps_comm.hostcopy import HostValue
@@ -86,7 +86,7 @@ class APSFSDPConfig:
 
     def __post_init__(self) -> None:
         object.__setattr__(self, "fmt", get_format(self.fmt))
-        scaling = check_hook_scaling(Scaling.parse(self.scaling, "scaling"))  # type: ignore[arg-type]
+        scaling = check_fsdp_scaling(Scaling.parse(self.scaling, "scaling"))  # type: ignore[arg-type]
         object.__setattr__(self, "scaling", scaling)
 
     def describe(self) -> str:

@@ -36,7 +36,12 @@ import torch.distributed as dist
 from torch.nn.parallel import DistributedDataParallel
 
 from aps_comm import agreement, teardown, transports
-from aps_comm.config import Reduction, Scaling, check_hook_scaling
+from aps_comm.config import (
+    DEFAULT_BLOCK_SIZE,
+    Reduction,
+    Scaling,
+    check_block_size,
+)
 from aps_comm.engine import Comm, Reducer, Settings
 from aps_comm.executor import FifoWorker, run_on_side_stream
 from aps_comm.feedback import ErrorFeedback
@@ -61,24 +66,32 @@ class APSConfig:
         fmt: the wire format.
         reduction: a :class:`aps_comm.config.Reduction` (or its name).
         scaling: a :class:`aps_comm.config.Scaling` (or its name).
+        block_size: elements per block with ``scaling="block"`` (a power of
+            two from 8 to 256).
 
     Example:
         >>> APSConfig("e4m3", "two_phase").describe()
         'fmt=e4m3(e4m3, bias=7, fn), reduction=two_phase, scaling=layer'
+        >>> APSConfig("e2m1", "two_phase", "block", 64).describe()
+        'fmt=e2m1(e2m1, bias=1, fn), reduction=two_phase, scaling=block(64)'
     """
 
     fmt: FloatFormat
     reduction: Reduction = Reduction.AUTO
     scaling: Scaling = Scaling.LAYER
+    block_size: int = DEFAULT_BLOCK_SIZE
 
     def __post_init__(self) -> None:
         object.__setattr__(self, "fmt", get_format(self.fmt))
         object.__setattr__(self, "reduction", Reduction.parse(self.reduction, "reduction"))
-        scaling = check_hook_scaling(Scaling.parse(self.scaling, "scaling"))  # type: ignore[arg-type]
-        object.__setattr__(self, "scaling", scaling)
+        object.__setattr__(self, "scaling", Scaling.parse(self.scaling, "scaling"))
+        object.__setattr__(self, "block_size", check_block_size(self.block_size))
 
     def describe(self) -> str:
-        return f"fmt={self.fmt.describe()}, reduction={self.reduction}, scaling={self.scaling}"
+        scaling = str(self.scaling)
+        if self.scaling == Scaling.BLOCK:
+            scaling += f"({self.block_size})"
+        return f"fmt={self.fmt.describe()}, reduction={self.reduction}, scaling={scaling}"
 
 
 @dataclasses.dataclass(frozen=True)
@@ -117,7 +130,12 @@ class APSState:
             small for anything else to pay (``state.bucket_reductions`` and
             the stats say what was chosen).
         scaling: "layer" (APS, one exponent per parameter tensor), "bucket"
-            (one per bucket and format) or "none" (plain saturating cast).
+            (one per bucket and format), "block" (one per ``block_size``
+            elements of each parameter, agreed by one MAX all-reduce of
+            one-byte exponents; what makes 4-bit formats such as e2m1 train)
+            or "none" (plain saturating cast).
+        block_size: elements per block with ``scaling="block"``: a power of
+            two from 8 to 256 (default 32: one exponent byte per 32 elements).
         process_group: group to communicate on; default: a new group over all ranks.
         stats: record per-layer :class:`~aps_comm.telemetry.LayerStats` of the
             last step in ``state.stats``.
@@ -174,8 +192,9 @@ class APSState:
         error_feedback: bool = False,
         ranks_per_node: int | None = None,
         profile: Profile | str | os.PathLike | None = None,
+        block_size: int = DEFAULT_BLOCK_SIZE,
     ) -> None:
-        self.config = APSConfig(get_format(fmt), reduction, scaling)  # type: ignore[arg-type]
+        self.config = APSConfig(get_format(fmt), reduction, scaling, block_size)  # type: ignore[arg-type]
         self.profile = Profile.load(profile) if isinstance(profile, (str, os.PathLike)) else profile
         if ranks_per_node is not None and (
             isinstance(ranks_per_node, bool)
@@ -193,6 +212,12 @@ class APSState:
         self.collect_stats = bool(stats)
         self.policy: list[Rule] = list(policy or [])
         self.assignment = Assignment(self.policy, self.config.fmt)
+        if self.assignment.promoter is not None and self.config.scaling == Scaling.BLOCK:
+            raise ValueError(
+                "policy Promote needs one exponent per layer (it measures each layer's "
+                "underflow on the agreed maxima); use scaling='layer' with Promote, or "
+                "scaling='block' without it"
+            )
         self.error_feedback = bool(error_feedback)
         self.feedback = ErrorFeedback(0, 1) if self.error_feedback else None
         self.bytes_sent = 0
@@ -411,6 +436,7 @@ class APSState:
             self.config.scaling,
             self.collect_stats,
             self.error_feedback,
+            self.config.block_size,
         )
         if self.feedback is not None:
             self.feedback.rank, self.feedback.world_size = comm.rank, comm.world_size
@@ -691,6 +717,7 @@ def register(
     error_feedback: bool = False,
     ranks_per_node: int | None = None,
     profile: Profile | str | os.PathLike | None = None,
+    block_size: int = DEFAULT_BLOCK_SIZE,
 ) -> APSState:
     """Build an :class:`APSState`, register :func:`aps_hook` on ``ddp``, return the state.
 
@@ -731,6 +758,7 @@ def register(
         error_feedback,
         ranks_per_node,
         profile,
+        block_size,
     )
     state.bind_model(ddp.module)
     if dist.is_available() and dist.is_initialized():

@@ -21,7 +21,7 @@ from collections.abc import Callable, Sequence
 
 import torch
 
-from aps_comm.codec import Codec, Layout, codec_for
+from aps_comm.codec import Blocks, Codec, Layout, codec_for
 from aps_comm.config import Route
 from aps_comm.formats import FP32, FloatFormat, get_format, payload_nbytes
 from aps_comm.hostcopy import to_device
@@ -195,7 +195,8 @@ class GroupPlan:
         index_tensor: the same on the bucket's device (to pick their maxima).
         numels: the layers' sizes.
         contiguous: the group is the whole bucket (no gather copy).
-        layout: the layers' segments within the group's values.
+        layout: the segments the codec scales: the layers within the group's
+            values, or with block scaling their blocks (:attr:`blocks`).
         chunks: element ranges pipelined one after another.
         windows: each chunk's segment layout.
         regions: each chunk's byte range in ``send``/``recv`` (two_phase: N padded
@@ -207,6 +208,8 @@ class GroupPlan:
         shards: two_phase: scratch for the owner's reduced shards.
         node: hierarchical and grid: the slices and their scratch.
         codec: the format's codec on the bucket's device (backend resolved once).
+        blocks: block scaling: the layers' blocks (:meth:`aps_comm.codec.Layout.grid`;
+            ``layout`` is their layout); None with one exponent per layer.
     """
 
     fmt: FloatFormat
@@ -225,6 +228,7 @@ class GroupPlan:
     shards: torch.Tensor
     codec: Codec
     node: NodePlan | None = None
+    blocks: Blocks | None = None
 
     @property
     def numel(self) -> int:
@@ -315,6 +319,8 @@ class BucketPlan:
             the layout.
         row_runs: FSDP units: the rows' runs per format mix.
         group_builds: group plans and row runs built so far (each allocates scratch).
+        grids: block scaling: the bucket's blocks per block size, and per
+            format mix each format's blocks in the bucket (:meth:`block_index`).
     """
 
     key: tuple
@@ -328,6 +334,51 @@ class BucketPlan:
     model_chunk: int = 0
     row_runs: dict[tuple, RowRuns] = dataclasses.field(default_factory=dict)
     group_builds: int = 0
+    grids: dict[tuple, object] = dataclasses.field(default_factory=dict)
+
+    def grid(self, block_size: int) -> Blocks:
+        """The bucket's layers cut into blocks of ``block_size`` (built on first use)."""
+        key = ("grid", block_size)
+        blocks = self.grids.get(key)
+        if blocks is None:
+            blocks = self.grids[key] = self.layout.grid(block_size)
+        assert isinstance(blocks, Blocks)
+        return blocks
+
+    def block_index(self, formats: Sequence[FloatFormat], block_size: int) -> dict:
+        """Per format of this mix (FP32 aside), its layers' blocks in the bucket's grid.
+
+        In order of the format's layers, so they are the blocks of its group
+        plan's :attr:`GroupPlan.blocks`; None where the format has every layer
+        (no gather needed). Built once per mix.
+
+        Example:
+            >>> plan = BucketPlan.build(0, [20, 8], torch.device("cpu"))
+            >>> e4m3, e5m2 = get_format("e4m3"), get_format("e5m2")
+            >>> plan.block_index([e4m3, e5m2], 8)[e5m2]
+            tensor([3])
+        """
+        key = ("index", tuple(formats), block_size)
+        cached = self.grids.get(key)
+        if cached is None:
+            counts = self.grid(block_size).counts
+            first = (torch.cumsum(counts, 0) - counts).tolist()
+            cached = {}
+            for fmt in dict.fromkeys(formats):
+                if fmt == FP32:
+                    continue
+                if all(f == fmt for f in formats):
+                    cached[fmt] = None
+                    continue
+                picks = [
+                    torch.arange(first[i], first[i] + int(counts[i]))
+                    for i, f in enumerate(formats)
+                    if f == fmt
+                ]
+                cached[fmt] = to_device(torch.cat(picks), self.device)
+            self.grids[key] = cached
+        assert isinstance(cached, dict)
+        return cached
 
     def runs(self, formats: Sequence[FloatFormat], n_rows: int) -> RowRuns:
         """An FSDP unit's runs for this step's per-parameter formats (built on first use).
@@ -412,6 +463,7 @@ class BucketPlan:
         world_size: int,
         chunk_elements: int,
         node: dict[str, tuple[int, int]] | None = None,
+        block_size: int | None = None,
     ) -> list[GroupPlan]:
         """The group plans for this step's per-layer formats (built on first use).
 
@@ -424,6 +476,8 @@ class BucketPlan:
             chunk_elements: largest chunk, in elements.
             node: per reduction that needs one ("hierarchical", "grid"), its
                 (ranks per node, or rows, and this rank).
+            block_size: block scaling: the codec scales every block of this
+                many elements of a layer (:attr:`GroupPlan.blocks`).
 
         Returns:
             One plan per format, in order of first appearance (the same on every rank).
@@ -439,6 +493,7 @@ class BucketPlan:
             chunk_elements,
             chosen,
             tuple(sorted((node or {}).items())),
+            block_size,
         )
         cached = self.groups.get(key)
         if cached is None:
@@ -449,7 +504,14 @@ class BucketPlan:
                 order.setdefault(f, []).append(i)
             cached = [
                 self._group_plan(
-                    f, idx, len(order) == 1, reductions, world_size, chunk_elements, node
+                    f,
+                    idx,
+                    len(order) == 1,
+                    reductions,
+                    world_size,
+                    chunk_elements,
+                    node,
+                    block_size,
                 )
                 for f, idx in order.items()
             ]
@@ -466,9 +528,15 @@ class BucketPlan:
         world_size: int,
         chunk_elements: int,
         node: dict[str, tuple[int, int]] | None,
+        block_size: int | None = None,
     ) -> GroupPlan:
         numels = [self.numels[i] for i in index]
         layout = Layout.from_numels(numels, self.device)
+        blocks = None
+        if block_size is not None and fmt != FP32:
+            # The codec scales per segment: with block scaling a segment is a block.
+            blocks = layout.grid(block_size)
+            layout = blocks.layout
         chosen = Route.FP32 if fmt == FP32 else reductions.get(fmt, reductions.get(fmt.name))
         if chosen not in tuple(Route):
             raise ValueError(f"no resolved reduction for {fmt.name}: {chosen!r}")
@@ -532,6 +600,7 @@ class BucketPlan:
             shards=scratch(shard_start),
             codec=codec_for(fmt, self.device),
             node=node_plan,
+            blocks=blocks,
         )
 
     @staticmethod

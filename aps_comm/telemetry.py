@@ -18,9 +18,10 @@ from collections.abc import Sequence
 
 import torch
 
+from aps_comm.codec import Blocks
 from aps_comm.formats import FloatFormat, pow2
 
-__all__ = ["LayerStats", "StepStats", "format_stats", "layer_counts", "layer_stats"]
+__all__ = ["LayerStats", "StepStats", "format_stats", "layer_counts", "layer_stats", "per_layer"]
 
 
 @dataclasses.dataclass(frozen=True)
@@ -35,9 +36,13 @@ class LayerStats:
         bucket: DDP bucket index.
         numel: number of elements.
         format: wire format name.
-        exponent: the power of two the layer was multiplied by before encoding.
-        amax: the all-reduced max |g| (inf if some rank had inf or NaN).
-        underflow_rate: fraction of this rank's nonzero elements that became zero.
+        exponent: the power of two the layer was multiplied by before encoding
+            (block scaling: the smallest of its blocks', its largest block's).
+        amax: the all-reduced max |g| (inf if some rank had inf or NaN); with
+            block scaling the ranks agree on block exponents only, and this is
+            this rank's own max |g|.
+        underflow_rate: fraction of this rank's nonzero elements that became
+            zero (flushed), each scaled by its layer's (or block's) exponent.
         saturated: elements of this rank whose scaled magnitude exceeded the format's max.
     """
 
@@ -77,6 +82,42 @@ def layer_counts(
         [mag > 0, (mag > 0) & (mag <= fmt.min_subnormal / 2), mag > fmt.max], dim=1
     ).long()
     return torch.zeros(n_layers, 3, dtype=torch.int64, device=x.device).index_add_(0, seg, flags)
+
+
+def per_layer(
+    blocks: Blocks, counts: torch.Tensor, exps: torch.Tensor, amax: torch.Tensor
+) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """Block scaling's per-block records folded into one per layer (no host read).
+
+    Args:
+        blocks: the layers' blocks (:meth:`aps_comm.codec.Layout.grid`).
+        counts: (blocks, 3) counts of :func:`layer_counts` over the blocks.
+        exps: each block's exponent.
+        amax: each block's max |g| on this rank.
+
+    Returns:
+        Per layer: the summed counts, the smallest block exponent and the
+        largest block maximum (0 for layers without elements).
+
+    Example:
+        >>> b = Layout.from_numels([3, 2], torch.device("cpu")).grid(8)
+        >>> per_layer(b, torch.tensor([[2, 1, 0], [1, 0, 0]]), torch.tensor([4, 6]),
+        ...           torch.tensor([0.5, 0.1]))[1]
+        tensor([4, 6])
+    """
+    n_layers = blocks.counts.numel()
+    layer = torch.repeat_interleave(
+        torch.arange(n_layers, device=counts.device),
+        blocks.device_counts,
+        output_size=counts.shape[0],
+    )
+    summed = torch.zeros(n_layers, 3, dtype=counts.dtype, device=counts.device)
+    summed.index_add_(0, layer, counts)
+    smallest = torch.zeros(n_layers, dtype=exps.dtype, device=exps.device)
+    smallest.scatter_reduce_(0, layer, exps, "amin", include_self=False)
+    largest = torch.zeros(n_layers, dtype=amax.dtype, device=amax.device)
+    largest.scatter_reduce_(0, layer, amax, "amax", include_self=False)
+    return summed, smallest, largest
 
 
 class StepStats:

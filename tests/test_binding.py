@@ -37,8 +37,7 @@ def test_choices_parse_any_case_and_name_the_bad_value() -> None:
     assert Route.from_model("native") is Route.ALLREDUCE and Route.GRID.model_name == "grid"
     with pytest.raises(ValueError, match=r"reduction must be one of .*'auto'.*got 'ring'"):
         APSState("e4m3", reduction="ring")
-    with pytest.raises(ValueError, match=r"scaling='block' is not supported by the DDP hook"):
-        APSState("e4m3", scaling="block")
+    assert APSState("e4m3", scaling="BLOCK").config.scaling is Scaling.BLOCK
     with pytest.raises(ValueError, match=r"scaling must be one of .*'block'.*got 'blocks'"):
         APSState("e4m3", scaling="blocks")
 

@@ -43,6 +43,8 @@ aten = torch.ops.aten
 # Every built-in format and custom ones of 5 to 16 bits (9-16-bit customs
 # travel in two bytes through the bit path on a GPU).
 ALL_FORMATS = [*FORMATS, "e5m3", "e4m4", "e6m9", "e2m2", "e3m3"]
+# Block scaling: FP8, FP16, 4- and 6-bit, a custom format in two bytes on the wire.
+BLOCK_FORMATS = ["e4m3", "e2m1", "e3m2", "fp16", "e6m9"]
 # Sizes that are odd, empty, larger than a chunk, and not multiples of N.
 NUMELS = [7, 0, 1000, 33, 1, 517]
 
@@ -219,6 +221,8 @@ def _cases() -> Iterator[tuple[str, str, str, int]]:
                 routes += ["hierarchical", "grid"]
             for reduction in routes:
                 yield name, reduction, "layer", world
+                if name in BLOCK_FORMATS:
+                    yield name, reduction, "block", world
         yield name, "two_phase", "bucket", 6
 
 
@@ -283,12 +287,13 @@ def test_policies_make_no_host_traffic_but_promotes_read(
 
 @pytest.mark.parametrize("name", ["e4m3", "e2m1", "fp16", "e5m3"])
 @pytest.mark.parametrize("world", [3, 6])
+@pytest.mark.parametrize("scaling", ["layer", "block"])
 def test_error_feedback_and_stats_make_no_host_traffic(
-    monkeypatch: pytest.MonkeyPatch, name: str, world: int
+    monkeypatch: pytest.MonkeyPatch, name: str, world: int, scaling: str
 ) -> None:
     with stubbed_collectives(monkeypatch):
         reducer, names = _reducer(
-            get_format(name), "two_phase", "layer", world, 0, [], stats=True, feedback=True
+            get_format(name), "two_phase", scaling, world, 0, [], stats=True, feedback=True
         )
         steady, stats = _bucket_steps(reducer, names, 3, chunk=None)
         for mode in steady:

@@ -81,7 +81,13 @@ def test_simulated_hierarchy_sums_nodes_in_fp32_before_rounding() -> None:
 # the hook on 4 ranks as 2 nodes x 2
 
 
-CASES = [("e4m3", "layer"), ("e2m1", "layer"), ("e5m2", "bucket"), ("bf16", "layer")]
+CASES = [
+    ("e4m3", "layer"),
+    ("e2m1", "layer"),
+    ("e5m2", "bucket"),
+    ("bf16", "layer"),
+    ("e2m1", "block"),
+]
 
 
 def _hier_case(rank: int, world_size: int, chunk: int | None, via_env: bool, reduction: str) -> int:

@@ -1,0 +1,138 @@
+"""Block scaling in the DDP hook: exact against aps_comm.simulate, bytes, records, errors.
+
+Every bucket the hook reduces is compared bit for bit with
+:func:`aps_comm.simulate.allreduce` (``scaling="block"``) of every rank's raw
+bucket: native FP16/BF16 sums and two_phase on 2 ranks, with a NaN poisoning
+one layer on one rank. Hierarchical and grid run in tests/test_hierarchical.py.
+"""
+
+from __future__ import annotations
+
+import pytest
+import torch
+from torch import nn
+from torch.nn.parallel import DistributedDataParallel as DDP
+
+from aps_comm import APSState, register, simulate
+from aps_comm.formats import get_format
+from aps_comm.fsdp import APSFSDPState
+from aps_comm.policy import Promote
+from aps_comm.testing import run_distributed
+from tests.conftest import Net, capture, gather
+
+# (format, reduction, block size)
+CASES = [
+    ("e4m3", "two_phase", 32),
+    ("e2m1", "two_phase", 8),
+    ("e3m2", "two_phase", 64),
+    ("fp16", "allreduce", 32),
+    ("bf16", "allreduce", 16),
+]
+
+
+def _exact_case(rank: int, world_size: int, chunk: int | None) -> int:
+    checked = 0
+    for fmt_spec, reduction, block_size in CASES:
+        fmt = get_format(fmt_spec)
+        torch.manual_seed(0)
+        model = Net()
+        ddp = DDP(model, bucket_cap_mb=0.004)
+        state = APSState(fmt, reduction=reduction, scaling="block", block_size=block_size)
+        state.bind_process_group()
+        state.chunk_elements = chunk
+        log: list = []
+        ddp.register_comm_hook(state, capture(state, log))
+        for step in range(2):
+            torch.manual_seed(1000 * step + rank)
+            poison = step == 1
+            if poison and rank == 1:  # a NaN gradient in one layer of one rank
+                handle = model.c.bias.register_hook(lambda g: torch.full_like(g, float("nan")))
+            ddp.zero_grad()
+            # Ranks and layers far apart in magnitude: one exponent per layer would flush.
+            ddp(torch.randn(8, 16) * 10.0 ** (3 * rank)).pow(2).sum().backward()
+            if poison and rank == 1:
+                handle.remove()
+            for _, raw, numels, out in sorted(log, key=lambda item: item[0]):
+                raws = gather(raw)
+                layers = list(torch.split(raws, numels, dim=1))
+                expected = torch.cat(
+                    simulate.allreduce(
+                        layers,
+                        fmt,
+                        # 2 ranks: one rounded sum in any order, Gloo's ring included.
+                        reduction="ring" if reduction == "allreduce" else reduction,
+                        scaling="block",
+                        block_size=block_size,
+                    )
+                )
+                same = torch.equal(out.nan_to_num(nan=7.0), expected.nan_to_num(nan=7.0))
+                assert same, (
+                    f"{fmt_spec}/{reduction}/{block_size}: bucket mismatch, max diff "
+                    f"{(out - expected).abs().nan_to_num().max()}"
+                )
+                checked += 1
+            if poison:  # NaN in that layer on every rank, nothing else touched
+                assert torch.isnan(model.c.bias.grad).all()
+                assert torch.isfinite(model.a.weight.grad).all()
+            log.clear()
+    return checked
+
+
+@pytest.mark.parametrize("chunk", [None, 37])
+def test_block_scaling_matches_simulate_bit_for_bit(chunk: int | None) -> None:
+    # Buckets of ~1000 elements; chunks of 37 cut blocks and layers anywhere.
+    checked = run_distributed(_exact_case, 2, args=(chunk,), timeout=240)
+    assert all(c >= 2 * len(CASES) for c in checked)
+
+
+def _bytes_and_records(rank: int, world_size: int) -> dict:
+    out: dict = {}
+    for fmt, scaling in [("e4m3", "block"), ("e2m1", "block"), ("e2m1", "layer")]:
+        torch.manual_seed(0)
+        model = nn.Linear(64, 64, bias=False)  # one bucket of 4096 elements, 128 blocks
+        ddp = DDP(model, bucket_cap_mb=100)
+        state = register(ddp, fmt, reduction="two_phase", scaling=scaling, stats=True)
+        state.chunk_elements = 1 << 20  # one chunk, not sized by timing
+        # Each row of the gradient: 32 values near 1, then 32 near 1e-6 (one
+        # block each): a layer spanning six orders of magnitude, its blocks one.
+        j = torch.arange(64)
+        x = (10.0 ** (-6 * (j // 32)) * (1 + (j % 32) / 32)).expand(4, 64) * (rank + 1)
+        ddp(x).sum().backward()
+        [record] = state.stats
+        out[f"{fmt}/{scaling}"] = {
+            "bytes": dict(state.bytes_detail),
+            "sent": state.bytes_sent,
+            "underflow": record.underflow_rate,
+            "exponent": record.exponent,
+            "amax": record.amax,
+            "grad_amax": model.weight.grad.abs().max().item(),
+            "describe": state.describe(),
+        }
+    return out
+
+
+def test_block_bytes_per_element_and_per_layer_records() -> None:
+    for rank, r in enumerate(run_distributed(_bytes_and_records, 2)):
+        e4m3, e2m1, layer = r["e4m3/block"], r["e2m1/block"], r["e2m1/layer"]
+        # One exponent byte per 32 elements, agreed by one MAX all-reduce of bytes.
+        assert e4m3["bytes"]["all_reduce_max"] == 128, e4m3
+        assert e4m3["sent"] / 4096 == 1 + 1 / 32, e4m3  # FP8: 1.03 bytes per element
+        assert e2m1["sent"] / 4096 == 0.5 + 1 / 32, e2m1  # e2m1: 0.53
+        assert e4m3["bytes"]["all_gather"] == 4096 // 2, e4m3
+        assert "scaling=block(32)" in e4m3["describe"], e4m3
+        # The flushed fraction per layer: one exponent per layer loses the
+        # small end of the layer in e2m1, one per block keeps nearly all of it.
+        assert layer["underflow"] >= 0.5, layer
+        assert e2m1["underflow"] < 0.05, e2m1
+        # The layer's record: its largest block's exponent, this rank's maximum.
+        assert e2m1["exponent"] == layer["exponent"], (rank, e2m1, layer)
+        assert e2m1["amax"] > 0 and e2m1["amax"] <= layer["amax"], (e2m1, layer)
+
+
+def test_block_configuration_errors() -> None:
+    with pytest.raises(ValueError, match=r"block_size must be a power of two.*got 48"):
+        APSState("e4m3", scaling="block", block_size=48)
+    with pytest.raises(ValueError, match="Promote needs one exponent per layer"):
+        APSState("e4m3", scaling="block", policy=[Promote()])
+    with pytest.raises(ValueError, match=r"scaling=.block. is not supported by aps_comm\.fsdp"):
+        APSFSDPState("e4m3", "block")
