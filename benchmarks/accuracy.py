@@ -68,7 +68,7 @@ from aps_comm.policy import KeepLast, Promote
 from aps_comm.testing import run_distributed
 from benchmarks._models import DigitsCNN, TinyLM, lm_loss, load_digits_tensors, markov_data
 
-__all__ = ["FSDP_HOOKS", "HOOKS", "TASKS", "attach_hook", "main", "prepare"]
+__all__ = ["BLOCK_HOOKS", "FSDP_HOOKS", "HOOKS", "TASKS", "attach_hook", "main", "prepare"]
 
 LOSS_SCALE = 2.0**-10
 """Digits task: loss multiplier (and 1 / learning-rate multiplier) giving large-network gradients."""
@@ -87,8 +87,24 @@ HOOKS: dict[str, str] = {
     "aps-e4m3+last-fp32": 'register(ddp, fmt="e4m3", policy=[KeepLast("fp32")])',
     "aps-e4m3+promote": 'register(ddp, fmt="e4m3", policy=[Promote()])',
     "aps-e4m3+error-feedback": 'register(ddp, fmt="e4m3", error_feedback=True)',
+    "naive-e2m1": 'register(ddp, fmt="e2m1", scaling="none")',
+    "aps-e2m1-block": 'register(ddp, fmt="e2m1", scaling="block")',
+    "aps-e2m1-block+error-feedback": (
+        'register(ddp, fmt="e2m1", scaling="block", error_feedback=True)'
+    ),
+    "aps-e3m2-block": 'register(ddp, fmt="e3m2", scaling="block")',
 }
 """Hook name -> how it is set up."""
+BLOCK_HOOKS = (
+    "fp32",
+    "naive-e4m3",
+    "aps-e4m3",
+    "naive-e2m1",
+    "aps-e2m1-block",
+    "aps-e2m1-block+error-feedback",
+    "aps-e3m2-block",
+)
+"""``--block``: block scaling's formats beside FP32, APS e4m3 and naive casts."""
 
 FSDP_HOOKS: dict[str, str] = {
     "fsdp-fp32": "fully_shard: FSDP2's own reduce-scatter in FP32",
@@ -167,6 +183,14 @@ def attach_hook(
         "aps-e4m3+last-fp32": {"fmt": "e4m3", "policy": [KeepLast("fp32")]},
         "aps-e4m3+promote": {"fmt": "e4m3", "policy": [Promote()]},
         "aps-e4m3+error-feedback": {"fmt": "e4m3", "error_feedback": True},
+        "naive-e2m1": {"fmt": "e2m1", "scaling": "none"},
+        "aps-e2m1-block": {"fmt": "e2m1", "scaling": "block"},
+        "aps-e2m1-block+error-feedback": {
+            "fmt": "e2m1",
+            "scaling": "block",
+            "error_feedback": True,
+        },
+        "aps-e3m2-block": {"fmt": "e3m2", "scaling": "block"},
     }[hook]
     state = register(ddp, process_group=group, stats=stats, **options)
     return (lambda: state.bytes_sent), state
@@ -453,6 +477,11 @@ def main(argv: list[str] | None = None) -> dict:
         action="store_true",
         help="train with FSDP2 (fully_shard) and the setups of FSDP_HOOKS; writes accuracy_fsdp.*",
     )
+    parser.add_argument(
+        "--block",
+        action="store_true",
+        help="the setups of BLOCK_HOOKS (block scaling beside FP32 and APS e4m3); writes accuracy_block.*",
+    )
     parser.add_argument("--digits-epochs", type=int, default=15)
     parser.add_argument("--digits-batch", type=int, default=32, help="per rank")
     parser.add_argument("--digits-lr", type=float, default=0.1, help="before the 2**10 factor")
@@ -481,7 +510,7 @@ def main(argv: list[str] | None = None) -> dict:
     )
     args = parser.parse_args(argv)
     if args.hooks is None:
-        args.hooks = list(FSDP_HOOKS if args.fsdp else HOOKS)
+        args.hooks = list(FSDP_HOOKS if args.fsdp else BLOCK_HOOKS if args.block else HOOKS)
     command = "python -m benchmarks.accuracy " + " ".join(sys.argv[1:] if argv is None else argv)
     print(command, flush=True)
     if args.render is not None:
@@ -514,8 +543,11 @@ def main(argv: list[str] | None = None) -> dict:
 
 
 def _prefix(result: dict) -> str:
-    """File name stem: ``accuracy`` (DDP) or ``accuracy_fsdp`` (``--fsdp``)."""
-    return "accuracy_fsdp" if result["settings"].get("fsdp") else "accuracy"
+    """File name stem: ``accuracy`` (DDP), ``accuracy_fsdp`` (``--fsdp``) or ``accuracy_block`` (``--block``)."""
+    settings = result["settings"]
+    if settings.get("fsdp"):
+        return "accuracy_fsdp"
+    return "accuracy_block" if settings.get("block") else "accuracy"
 
 
 def _write(result: dict, out: Path, json_too: bool = True) -> None:
