@@ -30,7 +30,6 @@ __all__ = [
     "Route",
     "Scaling",
     "check_block_size",
-    "check_fsdp_scaling",
 ]
 
 
@@ -121,25 +120,6 @@ BLOCK_SIZES: tuple[int, ...] = (8, 16, 32, 64, 128, 256)
 
 DEFAULT_BLOCK_SIZE = 32
 """Elements per block by default: the OCP MX formats' block, 1/32 byte of exponent per element."""
-
-
-def check_fsdp_scaling(scaling: Scaling) -> Scaling:
-    """``scaling`` if FSDP2's reduce-scatter runs it, else a ValueError saying what does.
-
-    The DDP hook runs every scaling; FSDP2's reduce-scatter does not send
-    block exponents yet.
-
-    Example:
-        >>> check_fsdp_scaling(Scaling.LAYER)
-        <Scaling.LAYER: 'layer'>
-    """
-    if scaling == Scaling.BLOCK:
-        raise ValueError(
-            "scaling='block' is not supported by aps_comm.fsdp yet (its reduce-scatter "
-            "does not send block exponents); it runs with the DDP hook (aps_comm.register) "
-            "and in aps_comm.simulate.allreduce. Use scaling='layer' with FSDP2."
-        )
-    return scaling
 
 
 def check_block_size(block_size: int) -> int:

@@ -485,6 +485,8 @@ class Reducer:
         comm, settings = self.comm, self.settings
         n, p = comm.world_size, len(chunks)
         plan = self.plan(index, list(chunks) * n, rows.device)
+        if settings.scaling == Scaling.BLOCK:
+            return self._unit_blocks(plan, index, rows, numels, names, step, problem)
         shared = torch.empty(p + 1, dtype=torch.float32, device=rows.device)
         if p:
             # Per parameter, the max over its chunk of every row.
@@ -528,6 +530,83 @@ class Reducer:
                     exps[run.index_tensor],
                     amax[run.index_tensor],
                     counts,
+                )
+        return out
+
+    def _unit_blocks(
+        self,
+        plan: BucketPlan,
+        index: int,
+        rows: torch.Tensor,
+        numels: Sequence[int],
+        names: Sequence[str],
+        step: int,
+        problem: torch.Tensor,
+    ) -> torch.Tensor:
+        """:meth:`unit` with block scaling: blocks of every row's chunk of every parameter.
+
+        The ranks agree on each block's exponent (the key of the largest of
+        their maxima, one byte per block, the layout flag one more byte), as
+        the DDP path does; a non-finite block makes its parameter NaN in every
+        row, on every rank.
+        """
+        comm, settings = self.comm, self.settings
+        n = comm.world_size
+        runs = plan.runs(self.assignment.formats(names, step), n, settings.block_size)
+        maxima = block_amax(rows.reshape(-1), plan.grid(settings.block_size))
+        keys: list[torch.Tensor] = []
+        for run in runs.runs:
+            assert run.block_index is not None
+            local = maxima[run.block_index]
+            if run.fmt == FP32:  # sent exactly: its keys only carry non-finite blocks
+                keys.append(torch.where(torch.isfinite(local), 0, 255).to(torch.uint8))
+            else:
+                keys.append(exponent_keys(local, run.fmt, Route.TWO_PHASE, world_size=n)[0])
+        flag = (problem.reshape(1) > 0).to(torch.uint8)
+        shared = torch.cat([*keys, flag])
+        transports.all_reduce_max(shared, comm.group, self.traffic)
+        problem.copy_(shared[-1])
+        ok = shared[-1] == 0
+        scales, unscales, agreed = [], [], []
+        start = 0
+        for run, mine in zip(runs.runs, keys, strict=True):
+            blocks = run.rows_blocks
+            assert blocks is not None
+            k = shared[start : start + mine.numel()]
+            start += mine.numel()
+            f = factors_from_keys(k[None], run.fmt, Route.TWO_PHASE, world_size=n)
+            # A parameter with a non-finite block in any row is NaN in every row.
+            bad = torch.segment_reduce(
+                (k == 255).float(), "max", lengths=blocks.device_counts, unsafe=True, initial=0.0
+            )
+            param_bad = bad.view(n, -1).amax(0).repeat(n) > 0
+            keep = (
+                ~torch.repeat_interleave(param_bad, blocks.device_counts, output_size=k.numel())
+                & ok
+            )
+            scales.append(f.scale)
+            # Every rank sends this rank its row: all N are decoded with its blocks' factors.
+            unscale = torch.where(keep, pow2(-f.exponents), float("nan"))
+            unscales.append(unscale.view(n, -1)[comm.rank].repeat(n))
+            agreed.append(f.exponents)
+        out = transports.reduce_scatter(runs, rows, scales, unscales, comm.group, self.traffic)
+        if settings.stats:
+            for run, exps in zip(runs.runs, agreed, strict=True):
+                assert run.rows_blocks is not None and run.block_index is not None
+                counts = layer_counts(
+                    rows[:, run.lo : run.hi].reshape(-1), run.rows_layout.lengths, exps, run.fmt
+                )
+                counts, first, largest = per_layer(
+                    run.rows_blocks, counts, exps, maxima[run.block_index]
+                )
+                self.stats.add(
+                    index,
+                    [names[i] for i in run.index],
+                    [numels[i] for i in run.index],
+                    run.fmt,
+                    first.view(n, -1).amin(0),
+                    largest.view(n, -1).amax(0),
+                    counts.view(n, -1, 3).sum(0),
                 )
         return out
 

@@ -56,7 +56,7 @@ import torch.distributed as dist
 
 from aps_comm import agreement, teardown
 from aps_comm.agreement import Layouts
-from aps_comm.config import Reduction, Scaling, check_fsdp_scaling
+from aps_comm.config import DEFAULT_BLOCK_SIZE, Reduction, Scaling, check_block_size
 from aps_comm.engine import Comm, Reducer, Settings
 from aps_comm.formats import FloatFormat, get_format
 from aps_comm.hostcopy import HostValue
@@ -77,20 +77,26 @@ class APSFSDPConfig:
     Attributes:
         fmt: the wire format.
         scaling: "layer" (one exponent per parameter), "bucket" (one per FSDP
-            unit and format) or "none" (plain saturating cast, the naive
+            unit and format), "block" (one per ``block_size`` elements of each
+            parameter's chunk) or "none" (plain saturating cast, the naive
             baseline).
+        block_size: elements per block with ``scaling="block"``.
     """
 
     fmt: FloatFormat
     scaling: Scaling = Scaling.LAYER
+    block_size: int = DEFAULT_BLOCK_SIZE
 
     def __post_init__(self) -> None:
         object.__setattr__(self, "fmt", get_format(self.fmt))
-        scaling = check_fsdp_scaling(Scaling.parse(self.scaling, "scaling"))  # type: ignore[arg-type]
-        object.__setattr__(self, "scaling", scaling)
+        object.__setattr__(self, "scaling", Scaling.parse(self.scaling, "scaling"))
+        object.__setattr__(self, "block_size", check_block_size(self.block_size))
 
     def describe(self) -> str:
-        return f"fmt={self.fmt.describe()}, scaling={self.scaling}"
+        scaling = str(self.scaling)
+        if self.scaling == Scaling.BLOCK:
+            scaling += f"({self.block_size})"
+        return f"fmt={self.fmt.describe()}, scaling={scaling}"
 
 
 @dataclasses.dataclass(frozen=True)
@@ -149,8 +155,9 @@ class APSFSDPState:
         scaling: Scaling | str = "layer",
         policy: Sequence[Rule] | None = None,
         stats: bool = False,
+        block_size: int = DEFAULT_BLOCK_SIZE,
     ) -> None:
-        self.config = APSFSDPConfig(get_format(fmt), scaling)  # type: ignore[arg-type]
+        self.config = APSFSDPConfig(get_format(fmt), scaling, block_size)  # type: ignore[arg-type]
         self.policy: list[Rule] = list(policy or [])
         self.assignment = Assignment(self.policy, self.config.fmt)
         if self.assignment.promoter is not None:
@@ -202,7 +209,12 @@ class APSFSDPState:
         comm = Comm(group, world, rank, backend, Layouts(Topology(world, 1)))
         planner = Planner(hook_cluster(backend, device.type, world, 1), False, False)
         settings = Settings(
-            self.fmt, Reduction.TWO_PHASE, self.config.scaling, self.collect_stats, False
+            self.fmt,
+            Reduction.TWO_PHASE,
+            self.config.scaling,
+            self.collect_stats,
+            False,
+            self.config.block_size,
         )
         self.process_group, self._world_size = group, world
         self.reducer = Reducer(settings, comm, planner, self.assignment)
@@ -325,6 +337,7 @@ def register(
     scaling: Scaling = "layer",
     policy: Sequence[Rule] | None = None,
     stats: bool = False,
+    block_size: int = DEFAULT_BLOCK_SIZE,
 ) -> APSFSDPState:
     """Install the APS reduce-scatter on every ``fully_shard``-ed module of ``module``.
 
@@ -342,12 +355,16 @@ def register(
         fmt: the wire format ("e4m3", "e5m2", "fp16", "bf16", "fp32", any
             "eXmY", or a FloatFormat).
         scaling: "layer" (APS, one exponent per parameter), "bucket" (one per
-            unit and format) or "none" (plain saturating cast).
+            unit and format), "block" (one per ``block_size`` elements of each
+            parameter's chunk, agreed by one MAX all-reduce of one-byte
+            exponents) or "none" (plain saturating cast).
         policy: static rules of :mod:`aps_comm.policy` (``ByName``,
             ``KeepLast``, ``MinNumel``, ``LowRatio``) and ``Schedule``;
             ``Promote`` is not supported.
         stats: record per-parameter :class:`~aps_comm.telemetry.LayerStats`
             of the last step in ``state.stats`` (local passes, no collective).
+        block_size: elements per block with ``scaling="block"`` (a power of
+            two from 8 to 256).
 
     Returns:
         The :class:`APSFSDPState`.
@@ -366,7 +383,7 @@ def register(
     if not dist.is_available() or not dist.is_initialized():
         raise RuntimeError("aps_comm.fsdp.register needs torch.distributed initialised")
     api = _fsdp_api()
-    state = APSFSDPState(fmt, scaling, policy, stats)
+    state = APSFSDPState(fmt, scaling, policy, stats, block_size)
     names = {id(p): n for n, p in module.named_parameters()}
     problems: list[str] = []
     found: list[tuple[Any, Any, _Unit]] = []

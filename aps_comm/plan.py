@@ -247,14 +247,19 @@ class Run:
         hi: end element within a row.
         b0: first byte within an encoded row.
         b1: end byte within an encoded row.
-        layout: the parameters' chunks within ``[lo, hi)``.
+        layout: the segments the codec scales in ``[lo, hi)``: the
+            parameters' chunks, or with block scaling their blocks.
         codec: the format's codec on the unit's device.
-        rows_layout: the same chunks in every one of the N rows, end to end
+        rows_layout: the same segments in every one of the N rows, end to end
             (the run of all rows is coded in one call).
         rows_index: ``index_tensor`` repeated for the N rows.
         packed_rows: the N rows' encoded runs are contiguous byte ranges
             (not for a 4-bit run of an odd element count, whose last byte
             is shared by two rows when packed end to end).
+        rows_blocks: block scaling: the N rows' chunks of the run cut into
+            blocks (``rows_layout`` is their layout), else None.
+        block_index: block scaling: the run's blocks, row by row, in the
+            unit's blocks (:meth:`BucketPlan.grid` of the N rows), else None.
     """
 
     fmt: FloatFormat
@@ -269,6 +274,8 @@ class Run:
     rows_layout: Layout
     rows_index: torch.Tensor
     packed_rows: bool
+    rows_blocks: Blocks | None = None
+    block_index: torch.Tensor | None = None
 
 
 @dataclasses.dataclass(frozen=True)
@@ -380,11 +387,14 @@ class BucketPlan:
         assert isinstance(cached, dict)
         return cached
 
-    def runs(self, formats: Sequence[FloatFormat], n_rows: int) -> RowRuns:
+    def runs(
+        self, formats: Sequence[FloatFormat], n_rows: int, block_size: int | None = None
+    ) -> RowRuns:
         """An FSDP unit's runs for this step's per-parameter formats (built on first use).
 
         The plan's layers are the unit's N rows of its P chunks (``numels``
-        is the P chunks repeated N times).
+        is the P chunks repeated N times). With ``block_size`` the runs scale
+        per block of every chunk (:attr:`Run.rows_blocks`).
 
         Example:
             >>> plan = BucketPlan.build(0, [3, 2] * 2, torch.device("cpu"))
@@ -393,11 +403,15 @@ class BucketPlan:
             [('e4m3', 0, 3, 0, 3), ('fp16', 3, 5, 3, 7)]
         """
         formats = [get_format(f) for f in formats]
-        key = (tuple(formats), n_rows)
+        key = (tuple(formats), n_rows, block_size)
         cached = self.row_runs.get(key)
         if cached is not None:
             return cached
         chunks = self.numels[: len(formats)]
+        first = None
+        if block_size is not None:
+            counts = self.grid(block_size).counts
+            first = [0, *torch.cumsum(counts, 0).tolist()]  # each segment's first block
         runs: list[Run] = []
         i = lo = b0 = 0
         while i < len(formats):
@@ -408,7 +422,17 @@ class BucketPlan:
             b1 = b0 + payload_nbytes(hi - lo, formats[i])
             index = torch.arange(i, j, device=self.device)
             layout = Layout.from_numels(chunks[i:j], self.device)
+            rows_layout = Layout.from_numels(chunks[i:j] * n_rows, self.device)
             packed = formats[i].wire_bits != 4 or (hi - lo) % 2 == 0
+            rows_blocks = block_index = None
+            if block_size is not None and first is not None:
+                # The codec scales per segment: with block scaling a segment is a block.
+                layout = layout.grid(block_size).layout
+                rows_blocks = rows_layout.grid(block_size)
+                rows_layout = rows_blocks.layout
+                p = len(formats)
+                picks = [torch.arange(first[r * p + i], first[r * p + j]) for r in range(n_rows)]
+                block_index = to_device(torch.cat(picks), self.device)
             runs.append(
                 Run(
                     formats[i],
@@ -420,9 +444,11 @@ class BucketPlan:
                     b1,
                     layout,
                     codec_for(formats[i], self.device),
-                    Layout.from_numels(chunks[i:j] * n_rows, self.device),
+                    rows_layout,
                     index.repeat(n_rows),
                     packed,
+                    rows_blocks,
+                    block_index,
                 )
             )
             i, lo, b0 = j, hi, b1

@@ -127,9 +127,10 @@ def reduce_scatter(
     Args:
         runs: the unit's runs and scratch (:meth:`aps_comm.plan.BucketPlan.runs`).
         rows: the N rows, float32, shape (N, ``runs.row_numel``).
-        scales: per run, its parameters' factors before encoding (for all N
-            rows: ``run.rows_index`` order).
-        unscales: per run, the factors after decoding (the same order).
+        scales: per run, its factors before encoding for all N rows, row by
+            row (its parameters', ``run.rows_index`` order, or its blocks').
+        unscales: per run, the factors after decoding each of the N received
+            rows (all of them this rank's row, from every rank: its factors N times).
         group: the process group.
         count: byte counter.
 
@@ -147,12 +148,12 @@ def reduce_scatter(
             )
             send[:, run.b0 : run.b1].copy_(encoded.view(n, -1))
             continue
-        per_row = factors[: run.index_tensor.numel()]
+        per_row = factors.view(n, -1)  # each row's factors (per block, or the run's parameters')
         for r in range(n):
             run.codec.encode(
                 rows[r, run.lo : run.hi].contiguous(),
                 out=send[r, run.b0 : run.b1],
-                scale=per_row,
+                scale=per_row[r],
                 layout=run.layout,
             )
     count("all_to_all", send.numel())
@@ -168,10 +169,10 @@ def reduce_scatter(
             )
             values[:, run.lo : run.hi].copy_(decoded.view(n, -1))
             continue
-        per_row = factors[: run.index_tensor.numel()]
+        per_row = factors.view(n, -1)
         for r in range(n):
             values[r, run.lo : run.hi] = run.codec.decode(
-                recv[r, run.b0 : run.b1], run.hi - run.lo, scale=per_row, layout=run.layout
+                recv[r, run.b0 : run.b1], run.hi - run.lo, scale=per_row[r], layout=run.layout
             )
     acc = values[0].clone()
     for r in range(1, n):

@@ -134,5 +134,6 @@ def test_block_configuration_errors() -> None:
         APSState("e4m3", scaling="block", block_size=48)
     with pytest.raises(ValueError, match="Promote needs one exponent per layer"):
         APSState("e4m3", scaling="block", policy=[Promote()])
-    with pytest.raises(ValueError, match=r"scaling=.block. is not supported by aps_comm\.fsdp"):
-        APSFSDPState("e4m3", "block")
+    with pytest.raises(ValueError, match=r"block_size must be a power of two.*got 0"):
+        APSFSDPState("e4m3", "block", block_size=0)
+    assert "scaling=block(64)" in APSFSDPState("e2m1", "block", block_size=64).describe()

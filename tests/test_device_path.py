@@ -322,16 +322,23 @@ def _unit_steps(reducer: Reducer, names: list[str], world: int, steps: int) -> l
     return seen
 
 
-@pytest.mark.parametrize("name", ALL_FORMATS)
-@pytest.mark.parametrize("world", [3, 6])
-@pytest.mark.parametrize("policy", ["none", "keep_last", "schedule"])
+def _fsdp_cases() -> Iterator[tuple[str, int, str, str]]:
+    for name, world, policy in itertools.product(
+        ALL_FORMATS, [3, 6], ["none", "keep_last", "schedule"]
+    ):
+        yield name, world, policy, "layer"
+        if name in BLOCK_FORMATS:
+            yield name, world, policy, "block"
+
+
+@pytest.mark.parametrize(("name", "world", "policy", "scaling"), list(_fsdp_cases()))
 def test_fsdp_reduce_scatter_makes_no_host_traffic(
-    monkeypatch: pytest.MonkeyPatch, name: str, world: int, policy: str
+    monkeypatch: pytest.MonkeyPatch, name: str, world: int, policy: str, scaling: str
 ) -> None:
     rules = [] if policy == "none" else POLICIES[policy]
     with stubbed_collectives(monkeypatch) as issued:
         reducer, names = _reducer(
-            get_format(name), "two_phase", "layer", world, 2, rules, stats=True
+            get_format(name), "two_phase", scaling, world, 2, rules, stats=True
         )
         steady = _unit_steps(reducer, names, world, 3)
     for mode in steady:

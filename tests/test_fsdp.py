@@ -20,7 +20,7 @@ from aps_comm import codec
 from aps_comm.formats import get_format
 from aps_comm.fsdp import register
 from aps_comm.policy import KeepLast, Promote
-from aps_comm.scaling import exponents, pow2
+from aps_comm.scaling import block_amax, exponents, factors, pow2
 from aps_comm.testing import run_distributed
 
 # Parameter shapes per unit; dim 0 of several does not divide by 2 or 4 (padding).
@@ -117,6 +117,44 @@ def _reference(
     return out
 
 
+def _block_reference(
+    all_gs: list[list[torch.Tensor]], fmt: str, compute: torch.dtype, reduce: torch.dtype
+) -> list[torch.Tensor]:
+    """Block scaling: blocks of 32 from the start of every rank's chunk (row) of a parameter.
+
+    Each block's exponent comes from its maximum over the ranks (two_phase's
+    rule); a non-finite block makes its whole parameter NaN.
+    """
+    n, f = len(all_gs), get_format(fmt)
+    out = []
+    for i, g0 in enumerate(all_gs[0]):
+        rows = -(-g0.shape[0] // n) if g0.dim() else 1
+        chunk = rows * (g0.numel() // max(g0.shape[0], 1) if g0.dim() else 1)
+        padded = []
+        for gs in all_gs:
+            x = torch.zeros(n * chunk)
+            x[: g0.numel()] = gs[i].to(compute).to(reduce).float().reshape(-1)
+            padded.append(x)
+        blocks = codec.Layout.from_numels([chunk] * n, torch.device("cpu")).grid(32)
+        amax = torch.stack([block_amax(x, blocks) for x in padded]).amax(0)
+        fs = factors(
+            amax,
+            f,
+            "two_phase",
+            world_size=n,
+            scaling="block",
+            counts=torch.tensor([blocks.n_blocks]),
+        )
+        acc = None
+        for x in padded:
+            enc = codec.encode(x, f, scale=fs.scale, layout=blocks.layout)
+            dec = codec.decode(enc, f, x.numel(), scale=fs.unscale, layout=blocks.layout)
+            acc = dec if acc is None else acc + dec
+        red = acc.to(reduce).div_(float(n)).to(torch.float32)
+        out.append(red[: g0.numel()].reshape(g0.shape))
+    return out
+
+
 def _same(a: torch.Tensor, b: torch.Tensor) -> bool:
     return a.shape == b.shape and bool(((a == b) | (torch.isnan(a) & torch.isnan(b))).all())
 
@@ -150,7 +188,10 @@ def _exact_case(
         got = [params[name].grad.full_tensor() for name in names]
         everyone = [_grads(r, step, nan) for r in range(n)]
         c = compute or torch.float32
-        want = _reference(everyone, fmt, scaling, c, reduce or c, fp32_params)
+        if scaling == "block":
+            want = _block_reference(everyone, fmt, c, reduce or c)
+        else:
+            want = _reference(everyone, fmt, scaling, c, reduce or c, fp32_params)
         for name, g, w in zip(names, got, want, strict=True):
             assert _same(g, w), (fmt, scaling, compute, reduce, step, name, (g - w).abs().max())
         results[step] = dict(state.bytes_detail)
@@ -170,6 +211,8 @@ def _exact(rank: int, n: int) -> list[dict]:
         ("e4m3", "none", None, None, True, False, False),
         ("e4m3", "layer", None, None, True, True, False),
         ("e3m2", "layer", None, None, False, False, True),
+        ("e2m1", "block", None, None, True, True, False),
+        ("e4m3", "block", bf16, fp32, False, False, False),
     ]
     return [_exact_case(rank, n, *case) for case in cases]
 
@@ -188,6 +231,12 @@ def test_equals_exact_reference(world_size: int) -> None:
         # FP8: one byte per (padded) gradient element; 4 bytes per parameter and unit flag.
         assert e4m3["bytes"][step]["all_to_all"] == e4m3["padded"]
         assert e4m3["bytes"][step]["all_reduce_max"] == 4 * (n_params + 3)
+    # Block scaling: one exponent byte per block of 32 of every row's chunk
+    # (and the unit's flag byte), agreed in one MAX all-reduce per unit.
+    n = world_size
+    chunks = [-(-s[0] // n) * (torch.Size(s).numel() // s[0]) for u in _SHAPES.values() for s in u]
+    blocks = sum(n * -(-c // 32) for c in chunks)
+    assert out[0][7]["bytes"][0]["all_reduce_max"] == blocks + 3
 
 
 def _accumulate(rank: int, n: int) -> bool:
