@@ -176,8 +176,16 @@ def _is_fsdp(data: dict) -> bool:
     return "--fsdp" in (_recorded_command(data) or "").split()
 
 
+def _is_block(data: dict) -> bool:
+    return "--block" in (_recorded_command(data) or "").split()
+
+
+def _is_main_accuracy(data: dict) -> bool:
+    return not _is_fsdp(data) and not _is_block(data)
+
+
 def _accuracy(found: _Found) -> list[str]:
-    res = found.one("benchmarks.accuracy", lambda d: not _is_fsdp(d))
+    res = found.one("benchmarks.accuracy", _is_main_accuracy)
     lines = ["## Accuracy: full training runs per hook", ""]
     if res is None:
         return [*lines, "Not yet run (`python -m benchmarks.accuracy`).", ""]
@@ -889,8 +897,24 @@ def _exits(found: _Found) -> list[str]:
     return lines
 
 
+def _block(found: _Found) -> list[str]:
+    """Block scaling: the accuracy benchmark's --block run."""
+    lines = ["## Block scaling: 4-bit gradients", ""]
+    res = found.one("benchmarks.accuracy", _is_block)
+    if res is None:
+        return [*lines, "Not yet run (`python -m benchmarks.accuracy --block`).", ""]
+    lines += [f"Source: {found.link(res.name)}, command {_command(res.data)}.", ""]
+    rel = Path(os.path.relpath(found.results.resolve(), found.out.resolve())).as_posix()
+    lines += [
+        re.sub(r"\]\((accuracy_block_[a-z]+\.png)\)", rf"]({rel}/\1)", line)
+        for line in _demote(accuracy.markdown(res.data))[3:]
+    ]
+    return [*lines, ""]
+
+
 SECTIONS: list[Callable[[_Found], list[str]]] = [
     _accuracy,
+    _block,
     _numerics,
     _comm,
     _nodes,
@@ -908,7 +932,7 @@ SECTIONS: list[Callable[[_Found], list[str]]] = [
 def _highlights(found: _Found) -> list[str]:
     """Headline numbers and misses, computed from the JSON (nothing typed in)."""
     lines = []
-    acc_res = found.one("benchmarks.accuracy", lambda d: not _is_fsdp(d))
+    acc_res = found.one("benchmarks.accuracy", _is_main_accuracy)
     acc = acc_res.data if acc_res else None
     if acc:
         for task in acc["settings"]["tasks"]:
