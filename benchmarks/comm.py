@@ -79,6 +79,8 @@ HOOKS = (
     "aps-e4m3-hierarchical",
     "aps-e4m3-auto",
     "aps-e4m3-grid",
+    "aps-e4m3-block",
+    "aps-e2m1-block",
 )
 # PowerSGD's hook issues its second all-reduce from a future callback; on Gloo
 # with 4 ranks in the emulated cluster that deadlocked (measured), so it is
@@ -230,11 +232,13 @@ def _attach(
         return state, powerSGD_hook.powerSGD_hook
     kind, fmt = name.split("-", 1)
     if kind == "aps":
-        fmt, _, reduction = fmt.partition("-")
+        # "aps-e2m1-block": one exponent per block of 32, two_phase.
+        scaling = "block" if fmt.endswith("-block") else "layer"
+        fmt, _, reduction = fmt.removesuffix("-block").partition("-")
         if not reduction:
             reduction = "allreduce" if fmt in ("fp16", "bf16") else "two_phase"
         # ranks_per_node: the hook reads LOCAL_WORLD_SIZE, which the cluster sets.
-        state = APSState(fmt, reduction=reduction, profile=profile)
+        state = APSState(fmt, reduction=reduction, scaling=scaling, profile=profile)
     elif kind == "naive":
         state = APSState(fmt, reduction="two_phase", scaling="none", profile=profile)
     else:
