@@ -104,12 +104,19 @@ class Layout:
         lengths: int64 tensor of the L segment lengths on the data's device.
         sizes: the same lengths as Python ints (for splitting on the host).
         numel: elements covered.
+        first: a window's first segment in the layout it was cut from (0 for
+            a whole layout); its scales are ``scale[first : first + n_segments]``
+            of that layout's (the codec picks them).
+        parent: a window's parent's segment count (the scales' length); None
+            for a whole layout.
     """
 
     offsets: torch.Tensor
     lengths: torch.Tensor
     sizes: tuple[int, ...]
     numel: int
+    first: int = 0
+    parent: int | None = None
 
     @classmethod
     def from_numels(cls, numels: Sequence[int], device: torch.device) -> Layout:
@@ -132,21 +139,48 @@ class Layout:
         return layout
 
     @classmethod
-    def _make(cls, offsets: torch.Tensor, device: torch.device) -> Layout:
+    def _make(
+        cls,
+        offsets: torch.Tensor,
+        device: torch.device,
+        first: int = 0,
+        parent: int | None = None,
+    ) -> Layout:
         sizes = offsets.diff()
-        layout = cls(offsets, to_device(sizes, device), tuple(sizes.tolist()), int(offsets[-1]))
+        layout = cls(
+            offsets,
+            to_device(sizes, device),
+            tuple(sizes.tolist()),
+            int(offsets[-1]),
+            first,
+            parent,
+        )
         if device.type == "cuda":
             layout.device_offsets  # noqa: B018 - the Triton codec's, copied at plan time
         return layout
 
     def window(self, lo: int, hi: int) -> Layout:
-        """The layout seen by the slice ``[lo, hi)``, with every segment kept (some empty).
+        """The layout seen by the slice ``[lo, hi)``: the segments that overlap it, clipped.
+
+        Only those segments are kept (a chunk of a bucket cut into thousands
+        of blocks costs its own blocks, not the bucket's); the codec takes the
+        whole layout's scales and picks the window's (:attr:`first`).
 
         Example:
-            >>> Layout.from_numels([3, 2], torch.device("cpu")).window(2, 4).offsets
-            tensor([0, 1, 2])
+            >>> w = Layout.from_numels([3, 2, 4], torch.device("cpu")).window(2, 4)
+            >>> w.offsets, w.first
+            (tensor([0, 1, 2]), 0)
         """
-        return self._make((self.offsets - lo).clamp_(0, hi - lo), self.lengths.device)
+        if self.parent is not None or not 0 <= lo <= hi:
+            raise ValueError(f"window [{lo}, {hi}) of a whole layout: 0 <= lo <= hi")
+        # A window past the end (a padded slice of a chunk) is empty.
+        lo, hi = min(lo, self.numel), min(hi, self.numel)
+        ends = self.offsets[1:]
+        b0 = int(torch.searchsorted(ends, lo, right=True)) if hi > lo else 0
+        b1 = int(torch.searchsorted(self.offsets[:-1], hi)) if hi > lo else 0
+        b0 = min(b0, b1)
+        cut = (self.offsets[b0 : b1 + 1] - lo).clamp_(0, hi - lo)
+        return self._make(cut, self.lengths.device, b0, self.n_segments)
 
     @property
     def n_segments(self) -> int:
@@ -363,11 +397,19 @@ def _check_scaled(scale: torch.Tensor | None, layout: Layout | None, numel: int)
         if scale.numel() != 1:
             raise ValueError(f"scale has {scale.numel()} entries but no layout was given")
         return
-    if layout.numel != numel or layout.n_segments != scale.numel():
+    segments = layout.n_segments if layout.parent is None else layout.parent
+    if layout.numel != numel or segments != scale.numel():
         raise ValueError(
-            f"layout covers {layout.numel} elements in {layout.n_segments} segments; "
+            f"layout covers {layout.numel} elements in {segments} segments; "
             f"the data has {numel} elements and the scale {scale.numel()} entries"
         )
+
+
+def _window_scale(scale: torch.Tensor | None, layout: Layout | None) -> torch.Tensor | None:
+    """The scales of a window's segments, out of its whole layout's (no copy)."""
+    if scale is None or layout is None or layout.parent is None:
+        return scale
+    return scale[layout.first : layout.first + layout.n_segments]
 
 
 @dataclasses.dataclass(frozen=True)
@@ -427,6 +469,7 @@ class Codec:
         fmt = self.fmt
         numel = x.numel()
         _check_scaled(scale, layout, numel)
+        scale = _window_scale(scale, layout)
         need = payload_nbytes(numel, fmt)
         if out is None:
             out = torch.empty(need, dtype=torch.uint8, device=x.device)
@@ -469,6 +512,7 @@ class Codec:
         """
         fmt = self.fmt
         _check_scaled(scale, layout, numel)
+        scale = _window_scale(scale, layout)
         need = payload_nbytes(numel, fmt)
         if payload.dtype != torch.uint8 or payload.numel() < need:
             raise ValueError(
