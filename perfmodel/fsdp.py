@@ -219,6 +219,10 @@ def reduce_scatter_time(
     Returns:
         The :class:`UnitTiming`; all zero on one rank (FSDP copies, nothing is sent).
 
+    Raises:
+        ValueError: an APS format with block scaling, which ``aps_comm.fsdp``'s
+            reduce-scatter does not run (it sends no block exponents).
+
     Example:
         >>> from aps_perfmodel.cluster import custom_cluster
         >>> c = custom_cluster(125e6, 0.0, nodes=2, device="cpu")
@@ -227,6 +231,12 @@ def reduce_scatter_time(
     """
     _check_backend(backend)
     fmt = get_format(fmt) if isinstance(fmt, str) else fmt
+    if fmt.block_scaled:
+        raise ValueError(
+            f"{fmt.name} with scaling='block': aps_comm.fsdp's reduce-scatter does not send "
+            "block exponents, so there is nothing to predict; use scaling='layer' for FSDP2 "
+            "(block scaling runs with the DDP hook: aps-perfmodel predict)"
+        )
     p, n = cluster.world_size, float(unit.numel)
     if p == 1 or n == 0:
         return UnitTiming(0.0, 0.0, 0.0, 0.0)

@@ -264,6 +264,9 @@ class CommBreakdown:
             negative where the parts, timed alone, overcount it.
         inter_node_bytes: the part of ``wire_bytes`` that leaves the node, per
             rank (averaged over the node's ranks); 0 on one node.
+        exponent_bytes: the part of ``wire_bytes`` that is block exponents
+            (block scaling: their MAX all-reduce, and two_phase's all-gather);
+            0 with per-layer scaling, whose 4-byte maxima are not counted.
 
     Example:
         >>> CommBreakdown("fp32", "fp32", 1.0, 0.0, 0.5, 8.0).total_s
@@ -280,6 +283,7 @@ class CommBreakdown:
     chunks: int = 1
     overhead_s: float = 0.0
     inter_node_bytes: float = 0.0
+    exponent_bytes: float = 0.0
 
     @property
     def total_s(self) -> float:
@@ -352,17 +356,19 @@ def _allreduce(cluster: Cluster, nbytes: float, key: str, algorithm: str) -> flo
     return hierarchical_allreduce(nbytes, topo, algorithm)
 
 
-def _exchange(cluster: Cluster, nbytes: float, k: int) -> float:
-    """Flat all-to-all then all-gather of an ``nbytes`` payload, ``k`` chunks back to back.
+def _exchange(cluster: Cluster, nbytes: float, k: int, gathered: float | None = None) -> float:
+    """Flat all-to-all of ``nbytes`` then all-gather of ``gathered``, ``k`` chunks back to back.
 
-    Uses the calibrated pipelined exchange where there is one (timed whole:
-    one latency and one burst per call). Otherwise composes the two
-    collectives per chunk; a token-bucket shaper (``burst_bytes``) still
-    passes its burst only once, since the chunks leave the link no idle time
-    to refill it.
+    ``gathered`` (default ``nbytes``) is larger where the owners' shards
+    carry their block exponents. Uses the calibrated pipelined exchange
+    where there is one (timed whole: one latency and one burst per call).
+    Otherwise composes the two collectives per chunk; a token-bucket shaper
+    (``burst_bytes``) still passes its burst only once, since the chunks
+    leave the link no idle time to refill it.
     """
     p = cluster.world_size
-    sent = 2 * k * nbytes * (p - 1) / p
+    gathered = nbytes if gathered is None else gathered
+    sent = k * (nbytes + gathered) * (p - 1) / p
     fit = cluster.collective_fits.get("exchange")
     if fit is not None:
         return fit.alpha + fit.wire_time(sent)
@@ -370,10 +376,10 @@ def _exchange(cluster: Cluster, nbytes: float, k: int) -> float:
     if a2a is None or ag is None:
         return k * (
             hierarchical_all_to_all(nbytes, cluster.topology)
-            + hierarchical_all_gather(nbytes, cluster.topology)
+            + hierarchical_all_gather(gathered, cluster.topology)
         )
     steady = all_to_all(nbytes, p, replace(a2a, burst_bytes=0.0))
-    steady += all_gather(nbytes, p, replace(ag, burst_bytes=0.0))
+    steady += all_gather(gathered, p, replace(ag, burst_bytes=0.0))
     return k * steady - a2a.beta * min(a2a.burst_bytes, sent)
 
 
@@ -535,7 +541,8 @@ def _wire(strategy: str, fmt: FormatSpec, cluster: Cluster, m: float, k: int) ->
     if strategy == "native":
         return k * _allreduce(cluster, w * m, f"all_reduce.{fmt.torch_dtype}", cluster.algorithm)
     if strategy == "two_phase":
-        return _exchange(cluster, w * m, k)
+        # The owners' shards of the mean go back with their block exponents.
+        return _exchange(cluster, w * m, k, (w + fmt.exponent_bytes) * m)
     stages = _stages(strategy, cluster, w, m)
     credit = _nic_credit(cluster, k * sum(st.nic_bytes for st in stages))
     return k * sum(st.seconds for st in stages) - credit
@@ -569,8 +576,10 @@ def _codec(strategy: str, fmt: FormatSpec, cluster: Cluster, m: float) -> float:
     topo = cluster.topology
     p, g, nodes = cluster.world_size, topo.gpus_per_node, topo.nodes
 
+    block = fmt.block_size if fmt.block_scaled else None
+
     def codec(op: str, n: float) -> float:
-        return cluster.codec_time(op, fmt.name, fmt.wire_bytes, n)
+        return cluster.codec_time(op, fmt.name, fmt.wire_bytes, n, block)
 
     def owner(n: float, group: int) -> float:
         # Decode the group's shards (n elements), sum them in FP32, re-encode n/group
@@ -578,7 +587,7 @@ def _codec(strategy: str, fmt: FormatSpec, cluster: Cluster, m: float) -> float:
         if group <= 1:
             return 0.0
         if f"reduce.{fmt.name}" in cluster.codec_fits:
-            return cluster.codec_fits[f"reduce.{fmt.name}"].time(n)
+            return codec("reduce", n)
         return codec("decode", n) + _accumulate(cluster, n, group) + codec("encode", n / group)
 
     if strategy == "fp32":
@@ -682,6 +691,7 @@ def bucket_breakdown(
     cluster: Cluster,
     strategy: str,
     chunk: int | str | None = "auto",
+    n_blocks: int | None = None,
 ) -> CommBreakdown:
     """The reduction of one bucket of ``numel`` FP32 gradients in ``n_layers`` tensors.
 
@@ -697,6 +707,13 @@ def bucket_breakdown(
     ``W``: ``max(C, W) + min(C, W) / k``. ``"fp32"`` and torch's cast hooks
     (``aps=False``) are one piece.
 
+    With block scaling (``fmt.block_scaled``) the MAX all-reduce carries one
+    exponent byte per block instead of 4 bytes per layer, two_phase's
+    all-gather carries the owners' exponents too (``exponent_bytes`` per
+    element), and the passes that apply the scales cost more per element
+    (:meth:`~aps_perfmodel.cluster.Cluster.codec_time`); the payload's bytes
+    are the same.
+
     Args:
         numel: gradient elements in the bucket.
         n_layers: parameter tensors in it (APS sends one maximum each).
@@ -704,14 +721,28 @@ def bucket_breakdown(
         cluster: links, device and any calibrated fits.
         strategy: one of :data:`STRATEGIES`.
         chunk: elements per chunk; "auto": :func:`strategy_chunk`; None: one chunk.
+        n_blocks: block scaling: the bucket's blocks (exponent bytes),
+            :meth:`~aps_perfmodel.formats.FormatSpec.block_count` of its
+            layers; None: the most its layers can make
+            (:meth:`~aps_perfmodel.formats.FormatSpec.block_bound`).
+
+    Raises:
+        ValueError: an unknown strategy, grid without a grid, or a negative ``n_blocks``.
 
     Example:
         >>> c = get_cluster("dgx-h100", world_size=64)
         >>> b = bucket_breakdown(25 * 2**18, 20, "e4m3", c, "hierarchical")
         >>> b.chunks, b.total_s < bucket_breakdown(25 * 2**18, 20, "fp32", c, "fp32").total_s
         (1, True)
+        >>> e2m1 = get_format("e2m1", aps=True, scaling="block")
+        >>> two = get_cluster("1gbe", world_size=2)
+        >>> b = bucket_breakdown(2**20, 4, e2m1, two, "native", n_blocks=2**20 // 32)
+        >>> b.wire_bytes / 2**20  # an all-reduce of 0.5 B and one of 1/32 B per element
+        0.53125
     """
     _check_strategy(strategy)
+    if n_blocks is not None and n_blocks < 0:
+        raise ValueError(f"n_blocks must be >= 0, got {n_blocks}")
     spec = _spec(fmt)
     if strategy == "fp32":
         spec = replace(spec, aps=False)
@@ -753,7 +784,19 @@ def bucket_breakdown(
             spec.name, strategy, collective, 0.0, codec_s, sent, inter_node_bytes=across
         )
     head = cluster.codec_time("amax", spec.name, w, numel)
-    maxima = _allreduce(cluster, n_layers * _FP32_BYTES, "all_reduce_max", "auto")
+    exponents = 0.0
+    if spec.block_scaled:
+        blocks = spec.block_bound(numel, n_layers) if n_blocks is None else n_blocks
+        # One MAX all-reduce of one-byte exponents agrees every block's.
+        maxima = _allreduce(cluster, float(blocks), "all_reduce_max", "auto")
+        exponents = 2.0 * blocks * (p - 1) / p
+        across += _inter_node_bytes("native", 1.0, blocks, cluster)
+        if strategy == "two_phase":
+            e = spec.exponent_bytes * numel
+            exponents += e * (p - 1) / p
+            across += e * (p - cluster.topology.gpus_per_node) / p
+    else:
+        maxima = _allreduce(cluster, n_layers * _FP32_BYTES, "all_reduce_max", "auto")
     if chunk == "auto":
         chunk = strategy_chunk(numel, spec, cluster, strategy)
     k = 1 if not chunk else max(1, -(-numel // int(chunk)))
@@ -773,10 +816,11 @@ def bucket_breakdown(
         collective,
         maxima,
         head + codec_s,
-        sent,
+        sent + exponents,
         overlap,
         k,
         inter_node_bytes=across,
+        exponent_bytes=exponents,
     )
 
 
@@ -816,7 +860,7 @@ def wire_bound(numel: int, fmt: str | FormatSpec, cluster: Cluster, strategy: st
 def strategy_times(
     numel: int,
     n_layers: int,
-    fmt: str,
+    fmt: str | FormatSpec,
     cluster: Cluster,
     strategies: Sequence[str],
 ) -> dict[str, float]:
@@ -825,7 +869,8 @@ def strategy_times(
     Args:
         numel: gradient elements in the bucket.
         n_layers: parameter tensors in it.
-        fmt: wire format name (any but ``fp32`` is APS-scaled).
+        fmt: wire format name (any but ``fp32`` is APS-scaled, per layer) or
+            spec (e.g. ``get_format(name, aps=True, scaling="block")``).
         cluster: the cluster (e.g. :func:`hook_cluster`).
         strategies: names from :data:`STRATEGIES`.
 
@@ -844,7 +889,7 @@ def strategy_times(
 def choose_strategy(
     numel: int,
     n_layers: int,
-    fmt: str,
+    fmt: str | FormatSpec,
     cluster: Cluster,
     native_ok: bool,
     hierarchical_ok: bool,
@@ -859,7 +904,8 @@ def choose_strategy(
     ``hierarchical_ok`` and nodes have several ranks, ``grid`` where
     ``grid_ok`` and N has a grid (:func:`grid_rows` >= 2). Ties go to the earlier
     name in :data:`STRATEGIES`. Pure arithmetic on its arguments, so every
-    rank that passes the same ones chooses the same.
+    rank that passes the same ones chooses the same. ``fmt`` is a format
+    name (APS-scaled per layer) or a spec, whose scaling is priced.
 
     Example:
         >>> c = hook_cluster("gloo", "cpu", world_size=4, ranks_per_node=1)
