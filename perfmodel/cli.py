@@ -58,10 +58,7 @@ _WIRE_NOTE = (
     "wire/rank: bytes one rank sends per step for the gradients, inside its node and "
     "across nodes; across/rank: the part that leaves the node"
 )
-_EXPONENT_NOTE = (
-    "one byte per block: their MAX all-reduce, and two_phase's all-gather of the owners' "
-    "re-scaled shards"
-)
+_EXPONENT_NOTE = "one byte per block, agreed by one MAX all-reduce"
 _ALL_REDUCE_ALGORITHMS = ("ring", "halving_doubling", "recursive_doubling", "auto")
 
 
@@ -168,11 +165,21 @@ def _add_model_cluster_args(ap: argparse.ArgumentParser) -> None:
 
 
 def _scaling(args: argparse.Namespace) -> tuple[Scaling, int]:
-    """``--scaling`` and the block size it uses; ``--block-size`` only with ``--scaling block``."""
+    """``--scaling`` and the block size it uses; ``--block-size`` only with ``--scaling block``.
+
+    Block scaling needs an APS ``--fmt``: fp16 and bf16 are predicted as the
+    unscaled hooks users compare against (``fp16_compress_hook``, FSDP's
+    ``reduce_dtype``).
+    """
     scaling = Scaling(args.scaling)
     if args.block_size is not None and scaling != Scaling.BLOCK:
         raise SystemExit(
             f"error: --block-size {args.block_size} is for --scaling block, not {scaling.value}"
+        )
+    if scaling == Scaling.BLOCK and not get_format(args.fmt).aps:
+        raise SystemExit(
+            f"error: --scaling block needs an APS --fmt (e4m3, e5m2, e2m1 or any e<E>m<M>); "
+            f"{args.fmt} is predicted as an unscaled hook"
         )
     return scaling, args.block_size or DEFAULT_BLOCK_SIZE
 
@@ -319,8 +326,8 @@ def _scaling_text(fmt: str, scaling: Scaling, block_size: int) -> str:
         w = get_format(fmt).wire_bytes
         return (
             f"block for {fmt}: one exponent byte per {block_size} elements of each tensor, "
-            f"{w:g} + 1/{block_size} = {w + 1 / block_size:.3g} bytes per element where "
-            "they travel (--scaling, --block-size)"
+            f"{w:g} + 1/{block_size} = {w + 1 / block_size:.3g} bytes per element "
+            "(--scaling, --block-size)"
         )
     return f"layer for {fmt}: one float32 maximum per tensor (--scaling)"
 
@@ -583,17 +590,17 @@ def fsdp_units(model: ModelSpec, n_units: int, world_size: int) -> list[FSDPUnit
         raise SystemExit(f"error: --units must be >= 1, got {n_units}")
     target = model.total_params / n_units
     units: list[FSDPUnit] = []
-    numel = count = seen = 0
+    sizes: list[int] = []
+    seen = 0
     for t in model.tensors:
-        numel += -(-t.numel // world_size) * world_size
-        count += 1
+        sizes.append(-(-t.numel // world_size) * world_size)
         seen += t.numel
         # Close a unit where the running total passes the next equal share.
         if len(units) < n_units - 1 and seen >= target * (len(units) + 1):
-            units.append(FSDPUnit(numel, count))
-            numel = count = 0
-    if count:
-        units.append(FSDPUnit(numel, count))
+            units.append(FSDPUnit(sum(sizes), len(sizes), tuple(sizes)))
+            sizes = []
+    if sizes:
+        units.append(FSDPUnit(sum(sizes), len(sizes), tuple(sizes)))
     return units
 
 
@@ -618,15 +625,19 @@ def _cmd_fsdp(args: argparse.Namespace) -> int:
                 "all_gather_s": r.all_gather_s,
                 "step_comm_s": r.step_s,
                 "wire_bytes": r.wire_bytes,
+                "exponent_bytes": r.exponent_bytes,
             }
             for r in rows
         ]
-        print(json.dumps({"units": len(units), "backend": args.backend, "rows": out}, indent=2))
+        head = {"units": len(units), "backend": args.backend, "scaling": scaling.value}
+        head["block_size"] = block_size if scaling == Scaling.BLOCK else None
+        print(json.dumps({**head, "rows": out}, indent=2))
         return 0
     print(
         f"FSDP2, {model.name}, {len(units)} units, {cluster.world_size} ranks, {args.backend} "
         "(communication only: no compute)"
     )
+    print(f"scaling {_scaling_text(args.fmt, scaling, block_size)}")
     for r in rows:
         kind = "APS reduce-scatter" if r.aps else "reduce_dtype"
         print(

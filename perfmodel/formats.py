@@ -22,10 +22,10 @@ for it in ``APSState(reduction=...)``).
 An APS format's ``scaling`` is ``"layer"`` (one float32 maximum per tensor,
 agreed by a MAX all-reduce of 4 bytes per layer) or ``"block"`` (one
 power-of-two exponent byte per ``block_size`` elements of a layer, agreed by
-a MAX all-reduce of 1 byte per block; two_phase's owners re-scale their mean
-per block and send those exponent bytes with the all-gather). A pass that
-carries exponents sends ``wire_bytes + exponent_bytes`` per element: 1 + 1/32
-for FP8 with blocks of 32, 0.5 + 1/32 for e2m1.
+a MAX all-reduce of 1 byte per block, which then scales every stage of the
+reduction). Per element, a ring all-reduce of the payload beside the
+exponents' costs ``wire_bytes + exponent_bytes``: 1 + 1/32 for FP8 with
+blocks of 32, 0.5 + 1/32 for e2m1, as two_phase's exchange does.
 
 Example:
     >>> get_format("e4m3").wire_bytes
@@ -117,7 +117,7 @@ class FormatSpec:
 
     @property
     def exponent_bytes(self) -> float:
-        """Block exponent bytes per element where they travel: ``1 / block_size``, else 0.
+        """Block exponent bytes per element: ``1 / block_size`` with block scaling, else 0.
 
         The per-layer maxima (4 bytes per tensor) are not per element and are
         not counted here.

@@ -386,9 +386,9 @@ def test_bad_block_size_and_scaling_are_errors_naming_the_value(
     with pytest.raises(SystemExit):
         cli_main([*argv, "--scaling", "bucket"])
     assert "invalid choice: 'bucket'" in capsys.readouterr().err
-    # FSDP2's reduce-scatter sends no block exponents: nothing to predict.
-    assert cli_main(["fsdp", *argv[1:], "--scaling", "block"]) == 2
-    assert "does not send block exponents" in capsys.readouterr().err
+    # fp16 and bf16 are predicted as the unscaled hooks users compare against.
+    with pytest.raises(SystemExit, match="--scaling block needs an APS --fmt"):
+        cli_main([*argv, "--fmt", "bf16", "--scaling", "block"])
     # The API names the value too.
     model, cluster = get_model("resnet50"), get_cluster("1gbe", world_size=4)
     with pytest.raises(ValueError, match="got 48"):
@@ -404,3 +404,41 @@ def test_bad_block_size_and_scaling_are_errors_naming_the_value(
     # fp16 and bf16 are predicted as torch's cast hooks, which scale nothing.
     with pytest.raises(ValueError, match="bf16 is predicted as torch's cast hook"):
         predict(model, cluster, ["bf16"], scaling="block")
+
+
+def test_fsdp_block_scaling_adds_only_the_exponents_all_reduce_and_codec(
+    capsys: pytest.CaptureFixture[str],
+) -> None:
+    from aps_perfmodel import collectives as C
+    from aps_perfmodel.cli import fsdp_units
+    from aps_perfmodel.fsdp import FSDPUnit, fsdp_step, reduce_scatter_time
+
+    e4m3 = get_format("e4m3", scaling="block")
+    # On 4 ranks, rows of 96 and 8 elements: 3 + 1 blocks per rank's row.
+    unit = FSDPUnit(4 * (96 + 8), 2, (4 * 96, 4 * 8))
+    assert unit.blocks(e4m3, 4) == 4 * (3 + 1)
+    assert FSDPUnit(416, 2).blocks(e4m3, 4) == 13 + 2 * 4 - 1  # sizes unknown: the most
+    c = custom_cluster(125e6, 50e-6, nodes=4, device="cpu")
+    layer = reduce_scatter_time(unit, get_format("e4m3"), c)
+    block = reduce_scatter_time(unit, e4m3, c)
+    assert block.collective_s == layer.collective_s  # the same all-to-all of the payload
+    # One MAX all-reduce of a byte per block and the unit's flag.
+    assert block.maxima_s == pytest.approx(C.hierarchical_allreduce(16 + 1, c.topology, "auto"))
+    assert block.exponent_bytes == 2 * 16 * 3 / 4
+    assert block.wire_bytes == layer.wire_bytes + block.exponent_bytes
+    assert block.codec_s > layer.codec_s
+    # The CLI: its units know their parameters, so the blocks are exact.
+    argv = ["fsdp", "--model", "resnet50", "--world-size", "4", "--cluster", "1gbe", "--json"]
+    assert cli_main([*argv, "--scaling", "block", "--block-size", "16"]) == 0
+    out = json.loads(capsys.readouterr().out)
+    assert (out["scaling"], out["block_size"]) == ("block", 16)
+    rows = {r["format"]: r for r in out["rows"]}
+    units = fsdp_units(get_model("resnet50"), 8, 4)
+    cluster = get_cluster("1gbe", world_size=4)
+    fmt = get_format("e4m3", scaling="block", block_size=16)
+    want = fsdp_step(units, fmt, cluster)
+    assert rows["e4m3"]["exponent_bytes"] == want.exponent_bytes
+    assert want.exponent_bytes == pytest.approx(sum(2 * u.blocks(fmt, 4) * 3 / 4 for u in units))
+    sizes = [-(-t.numel // 4) * 4 for t in get_model("resnet50").tensors]
+    assert sum(u.blocks(fmt, 4) for u in units) == sum(4 * -(-(s // 4) // 16) for s in sizes)
+    assert rows["fp32"]["exponent_bytes"] == rows["bf16"]["exponent_bytes"] == 0.0
