@@ -19,6 +19,7 @@ from dataclasses import asdict, dataclass, field
 from pathlib import Path
 from typing import IO, Any
 
+from .choices import DEFAULT_BLOCK_SIZE, Scaling, check_block_size
 from .cluster import Cluster
 from .compute import ComputeTime
 from .ddp import (
@@ -27,7 +28,7 @@ from .ddp import (
     StepPrediction,
     simulate_step,
 )
-from .formats import get_format
+from .formats import check_scaling, get_format
 from .models import ModelSpec
 
 __all__ = [
@@ -62,6 +63,10 @@ class FormatResult:
         chosen: buckets per strategy actually used (what "auto" chose).
         inter_node_bytes: the part of ``wire_bytes`` that leaves the node (per
             rank, averaged over a node's ranks; 0 on one node).
+        scaling: APS's exponent granularity for this format ("layer" or
+            "block"); "none" for FP32 and torch's cast hook (the baselines).
+        exponent_bytes: the part of ``wire_bytes`` that is block exponents
+            (0 unless ``scaling`` is "block").
     """
 
     format: str
@@ -73,6 +78,8 @@ class FormatResult:
     wire_bytes: float
     chosen: dict[str, int] = field(default_factory=dict)
     inter_node_bytes: float = 0.0
+    scaling: Scaling = Scaling.LAYER
+    exponent_bytes: float = 0.0
 
     @property
     def strategy_label(self) -> str:
@@ -98,6 +105,8 @@ class Prediction:
         compute: compute times per step.
         formats: results by format name (always fp32 and fp16, plus the requested).
         steps: the full timelines by format name.
+        scaling: the requested formats' scaling ("layer" or "block").
+        block_size: elements per exponent byte with block scaling, else None.
     """
 
     model: str
@@ -106,6 +115,8 @@ class Prediction:
     compute: ComputeTime
     formats: dict[str, FormatResult]
     steps: dict[str, StepPrediction]
+    scaling: Scaling = Scaling.LAYER
+    block_size: int | None = None
 
     def to_dict(self) -> dict[str, Any]:
         """JSON-ready summary (without the per-bucket timelines)."""
@@ -113,9 +124,16 @@ class Prediction:
             "model": self.model,
             "cluster": self.cluster,
             "world_size": self.world_size,
+            "scaling": self.scaling.value,
+            "block_size": self.block_size,
             "compute": asdict(self.compute),
-            "formats": {k: asdict(v) for k, v in self.formats.items()},
+            "formats": {k: _result_dict(v) for k, v in self.formats.items()},
         }
+
+
+def _result_dict(r: FormatResult) -> dict[str, Any]:
+    """``r`` as JSON-ready values (the scaling as its name)."""
+    return {**asdict(r), "scaling": r.scaling.value}
 
 
 def formats_with_baselines(formats: Iterable[str]) -> list[str]:
@@ -142,6 +160,8 @@ def predict(
     strategy: str | None = None,
     bucket_cap_mb: float = DEFAULT_BUCKET_CAP_MB,
     first_bucket_bytes: int = DEFAULT_FIRST_BUCKET_BYTES,
+    scaling: Scaling | str = Scaling.LAYER,
+    block_size: int = DEFAULT_BLOCK_SIZE,
 ) -> Prediction:
     """Predict communication and step time for FP32, FP16 and the requested formats.
 
@@ -156,13 +176,43 @@ def predict(
             the cluster allows (:func:`~aps_perfmodel.strategies.choose_strategy`).
         bucket_cap_mb: DDP ``bucket_cap_mb``.
         first_bucket_bytes: DDP's cap for the first bucket.
+        scaling: APS's scaling of the requested formats, "layer" (one
+            maximum per tensor) or "block" (one exponent byte per
+            ``block_size`` elements of a tensor); the baselines scale nothing.
+        block_size: elements per block with ``scaling="block"`` (8 to 256).
+
+    Raises:
+        ValueError: an unknown format or strategy, a scaling the model does not
+            price, a block size not in :data:`~aps_perfmodel.choices.BLOCK_SIZES`,
+            or block scaling of a format predicted as an unscaled hook.
+
+    Example:
+        >>> from aps_perfmodel import get_cluster, get_model
+        >>> c, m = get_cluster("1gbe", world_size=4), get_model("resnet50")
+        >>> p = predict(m, c, ["e2m1"], ComputeTime.from_step_time(0.1), scaling="block")
+        >>> r = p.formats["e2m1"]
+        >>> str(r.scaling), p.block_size, 0 < r.exponent_bytes < r.wire_bytes
+        ('block', 32, True)
     """
+    scaling = check_scaling(scaling)
+    check_block_size(block_size)
+    if scaling == Scaling.BLOCK:
+        for name in formats:
+            if not get_format(name).aps:
+                raise ValueError(
+                    f"{name} is predicted as torch's cast hook (or FP32), which scales "
+                    "nothing: scaling='block' needs an APS format (e4m3, e5m2, e2m1 or any "
+                    "e<E>m<M>)"
+                )
     if compute is None:
         compute = ComputeTime.estimate(model, cluster.device, 32)
     steps: dict[str, StepPrediction] = {}
     specs = {}
     for name in formats_with_baselines(formats):
-        spec = get_format(name, (strategy or "auto") if name not in BASELINE_FORMATS else None)
+        if name in BASELINE_FORMATS:
+            spec = get_format(name)
+        else:
+            spec = get_format(name, strategy or "auto", scaling=scaling, block_size=block_size)
         specs[name] = spec
         steps[name] = simulate_step(
             model,
@@ -184,10 +234,21 @@ def predict(
             wire_bytes=s.wire_bytes,
             chosen=_chosen(s),
             inter_node_bytes=s.inter_node_bytes,
+            scaling=specs[name].scaling if specs[name].aps else Scaling.NONE,
+            exponent_bytes=s.exponent_bytes,
         )
         for name, s in steps.items()
     }
-    return Prediction(model.name, cluster.name, cluster.world_size, compute, results, steps)
+    return Prediction(
+        model.name,
+        cluster.name,
+        cluster.world_size,
+        compute,
+        results,
+        steps,
+        scaling,
+        block_size if scaling == Scaling.BLOCK else None,
+    )
 
 
 def _chosen(step: StepPrediction) -> dict[str, int]:
@@ -223,8 +284,12 @@ def sweep(
     compute: ComputeTime | None = None,
     strategy: str | None = None,
     bucket_cap_mb: float = DEFAULT_BUCKET_CAP_MB,
+    scaling: Scaling | str = Scaling.LAYER,
+    block_size: int = DEFAULT_BLOCK_SIZE,
 ) -> list[SweepRow]:
     """Predict over every (world size, inter-node bandwidth) pair.
+
+    ``scaling`` and ``block_size`` are the requested formats', as in :func:`predict`.
 
     Example:
         >>> from aps_perfmodel import get_cluster, get_model
@@ -239,7 +304,14 @@ def sweep(
         for bw in bandwidths:
             c = sized.with_links(bandwidth=bw)
             pred = predict(
-                model, c, formats, compute, strategy=strategy, bucket_cap_mb=bucket_cap_mb
+                model,
+                c,
+                formats,
+                compute,
+                strategy=strategy,
+                bucket_cap_mb=bucket_cap_mb,
+                scaling=scaling,
+                block_size=block_size,
             )
             for r in pred.formats.values():
                 rows.append(
@@ -286,12 +358,15 @@ def breakeven_bandwidth(
     high: float = 1e13,
     tolerance: float = 0.01,
     strategy: str | None = None,
+    scaling: Scaling | str = Scaling.LAYER,
+    block_size: int = DEFAULT_BLOCK_SIZE,
 ) -> float | None:
     """The inter-node bandwidth (bytes/s) above which ``fmt`` stops paying.
 
     "Stops paying" means the step speedup over FP32 falls to ``1 + tolerance``
     or below. Found by bisection in log-bandwidth, assuming the speedup falls
     as bandwidth grows (communication shrinks while compute stays).
+    ``scaling`` and ``block_size`` are ``fmt``'s, as in :func:`predict`.
 
     Returns:
         The bandwidth, or None if ``fmt`` pays over the whole ``[low, high]``
@@ -301,7 +376,9 @@ def breakeven_bandwidth(
     def speedup(bw: float) -> float:
         c = cluster.with_links(bandwidth=bw)
         return (
-            predict(model, c, [fmt], compute, strategy=strategy)
+            predict(
+                model, c, [fmt], compute, strategy=strategy, scaling=scaling, block_size=block_size
+            )
             .formats[get_format(fmt).name]
             .speedup_vs_fp32
         )

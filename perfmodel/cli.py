@@ -6,15 +6,19 @@ Example::
     aps-perfmodel predict --params 25.6M --bandwidth 10Gbit --latency 20us --nodes 16 --json
     aps-perfmodel sweep --model gpt2-xl --cluster 100gbe --world-sizes 8,64 \\
         --bandwidths 1Gbit,10Gbit,100Gbit --out sweep.csv
+    aps-perfmodel predict --model resnet50 --world-size 8 --cluster 1gbe --fmt e2m1 \\
+        --scaling block --block-size 32
     aps-launch --nproc-per-node 4 -m aps_perfmodel.cli calibrate --out profile.json
 
 A bare parameter count (``--params 25.6M``) has no FLOP counts: without
 ``--step-time`` or ``--forward-time``/``--backward-time`` the prediction is
 of the communication alone, and the output says so and how to ask for the
 step. Every prediction prints what it assumed (per-rank batch, sequence
-length, device, MFU; ``assumptions`` in JSON) and what ``wire/rank`` counts.
-Choices are case-insensitive (``--fmt E4M3 --cluster 100GbE``), as in the
-Python API.
+length, device, MFU; ``assumptions`` in JSON), the scaling of ``--fmt``
+(``--scaling layer``: one maximum per tensor; ``block``: one exponent byte per
+``--block-size`` elements) and what ``wire/rank`` counts (with block scaling,
+the exponent bytes too). Choices are case-insensitive (``--fmt E4M3
+--cluster 100GbE --scaling BLOCK``), as in the Python API.
 """
 
 from __future__ import annotations
@@ -29,9 +33,10 @@ from dataclasses import replace
 from typing import Any
 
 from .api import FormatResult, Prediction, predict, sweep, write_csv
+from .choices import BLOCK_SIZES, DEFAULT_BLOCK_SIZE, Scaling, check_block_size
 from .cluster import CLUSTERS, DEVICES, Cluster, custom_cluster, get_cluster, get_device
 from .compute import OPTIMIZER_BYTES_PER_PARAM, ComputeTime
-from .formats import FORMATS, STRATEGIES, get_format
+from .formats import FORMATS, PRICED_SCALINGS, STRATEGIES, get_format
 from .fsdp import FSDPUnit, fsdp_step
 from .models import MODEL_PRESETS, ModelSpec, get_model
 from .profile import Profile
@@ -53,6 +58,7 @@ _WIRE_NOTE = (
     "wire/rank: bytes one rank sends per step for the gradients, inside its node and "
     "across nodes; across/rank: the part that leaves the node"
 )
+_EXPONENT_NOTE = "one byte per block, agreed by one MAX all-reduce"
 _ALL_REDUCE_ALGORITHMS = ("ring", "halving_doubling", "recursive_doubling", "auto")
 
 
@@ -60,6 +66,20 @@ def _format_name(name: str) -> str:
     """``--fmt``: any name :func:`~aps_perfmodel.formats.get_format` takes, in any case."""
     try:
         return get_format(name).name
+    except ValueError as exc:
+        raise argparse.ArgumentTypeError(str(exc)) from None
+
+
+def _block_size(text: str) -> int:
+    """``--block-size``: one of :data:`~aps_perfmodel.choices.BLOCK_SIZES` (the error names it)."""
+    try:
+        size = int(text)
+    except ValueError:
+        raise argparse.ArgumentTypeError(
+            f"block_size must be an integer in {BLOCK_SIZES}, got {text!r}"
+        ) from None
+    try:
+        return check_block_size(size)
     except ValueError as exc:
         raise argparse.ArgumentTypeError(str(exc)) from None
 
@@ -129,6 +149,39 @@ def _add_model_cluster_args(ap: argparse.ArgumentParser) -> None:
         choices=STRATEGIES,
         help="reduction strategy of --fmt (default auto: the hook's choice per bucket)",
     )
+    g.add_argument(
+        "--scaling",
+        type=str.lower,
+        default=Scaling.LAYER.value,
+        choices=[s.value for s in PRICED_SCALINGS],
+        help="APS scaling of --fmt: layer (one maximum per tensor) or block (one exponent "
+        "byte per --block-size elements of a tensor)",
+    )
+    g.add_argument(
+        "--block-size",
+        type=_block_size,
+        help=f"elements per exponent with --scaling block (default {DEFAULT_BLOCK_SIZE})",
+    )
+
+
+def _scaling(args: argparse.Namespace) -> tuple[Scaling, int]:
+    """``--scaling`` and the block size it uses; ``--block-size`` only with ``--scaling block``.
+
+    Block scaling needs an APS ``--fmt``: fp16 and bf16 are predicted as the
+    unscaled hooks users compare against (``fp16_compress_hook``, FSDP's
+    ``reduce_dtype``).
+    """
+    scaling = Scaling(args.scaling)
+    if args.block_size is not None and scaling != Scaling.BLOCK:
+        raise SystemExit(
+            f"error: --block-size {args.block_size} is for --scaling block, not {scaling.value}"
+        )
+    if scaling == Scaling.BLOCK and not get_format(args.fmt).aps:
+        raise SystemExit(
+            f"error: --scaling block needs an APS --fmt (e4m3, e5m2, e2m1 or any e<E>m<M>); "
+            f"{args.fmt} is predicted as an unscaled hook"
+        )
+    return scaling, args.block_size or DEFAULT_BLOCK_SIZE
 
 
 def _model(args: argparse.Namespace) -> ModelSpec:
@@ -248,15 +301,35 @@ def _assumptions(
             mfu=args.mfu,
             optimizer=args.optimizer,
         )
+    scaling, block_size = _scaling(args)
+    blocked = scaling == Scaling.BLOCK
     out.update(
         bucket_cap_mb=args.bucket_cap_mb,
         algorithm=cluster.algorithm,
+        scaling=scaling.value,
+        block_size=block_size if blocked else None,
+        scaling_note=_scaling_text(args.fmt, scaling, block_size),
         wire_bytes="bytes one rank sends per step for the gradients, inside its node and "
-        "across nodes (hierarchical's in-node stages are FP32)",
+        "across nodes (hierarchical's in-node stages are FP32)"
+        + (f"; with block scaling, the exponent bytes too ({_EXPONENT_NOTE})" if blocked else ""),
         inter_node_bytes="the part of wire_bytes that leaves the node, per rank (averaged "
         "over a node's ranks)",
     )
+    if blocked:
+        out["exponent_bytes"] = f"the part of wire_bytes that is block exponents ({_EXPONENT_NOTE})"
     return out
+
+
+def _scaling_text(fmt: str, scaling: Scaling, block_size: int) -> str:
+    """What the scaling of ``fmt`` sends, in words (fp32 and fp16 are unscaled baselines)."""
+    if scaling == Scaling.BLOCK:
+        w = get_format(fmt).wire_bytes
+        return (
+            f"block for {fmt}: one exponent byte per {block_size} elements of each tensor, "
+            f"{w:g} + 1/{block_size} = {w + 1 / block_size:.3g} bytes per element "
+            "(--scaling, --block-size)"
+        )
+    return f"layer for {fmt}: one float32 maximum per tensor (--scaling)"
 
 
 def _assumption_text(a: dict[str, Any]) -> str:
@@ -273,7 +346,9 @@ def _assumption_text(a: dict[str, Any]) -> str:
 
 def _assumption_lines(a: dict[str, Any]) -> list[str]:
     first, *rest = _wrap(_assumption_text(a))
-    return [f"assumed  {first}", *(f"         {line}" for line in rest)]
+    lines = [f"assumed  {first}", *(f"         {line}" for line in rest)]
+    first, *rest = _wrap(a["scaling_note"])
+    return [*lines, f"scaling  {first}", *(f"         {line}" for line in rest)]
 
 
 def _comm_only_dict(
@@ -287,6 +362,8 @@ def _comm_only_dict(
         "world_size": pred.world_size,
         "communication_only": True,
         "note": f"communication only: {_comm_only_reason(model)}",
+        "scaling": pred.scaling.value,
+        "block_size": pred.block_size,
         "compute": None,
         "assumptions": assumptions,
         "formats": {
@@ -294,10 +371,12 @@ def _comm_only_dict(
                 "format": r.format,
                 "strategy": r.strategy,
                 "chosen": r.chosen,
+                "scaling": r.scaling.value,
                 "comm_s": r.comm_s,
                 "comm_speedup_vs_fp32": fp32 / r.comm_s if r.comm_s > 0 else 1.0,
                 "wire_bytes": r.wire_bytes,
                 "inter_node_bytes": r.inter_node_bytes,
+                "exponent_bytes": r.exponent_bytes,
             }
             for name, r in pred.formats.items()
         },
@@ -374,6 +453,12 @@ def _wrap(text: str, width: int = 82) -> list[str]:
 def _wire_notes(pred: Prediction, nodes: bool) -> list[str]:
     """What ``wire/rank`` counts, and why a format can send more than FP16 in it."""
     notes = ["", *_wrap((_WIRE_NOTE if nodes else _WIRE_NOTE.split(";")[0]) + ".")]
+    for r in pred.formats.values():
+        if r.exponent_bytes > 0:
+            notes += _wrap(
+                f"{r.format}'s wire/rank includes {format_bytes(r.exponent_bytes)} of block "
+                f"exponents ({_EXPONENT_NOTE})."
+            )
     fp16 = pred.formats["fp16"]
     for r in pred.formats.values():
         if r.format in ("fp32", "fp16") or r.wire_bytes <= fp16.wire_bytes:
@@ -413,6 +498,7 @@ def _cmd_predict(args: argparse.Namespace) -> int:
     compute = _compute(args, model, cluster)
     if compute is None and args.plot:
         raise SystemExit(f"error: --plot plots step times: {_comm_only_reason(model)}")
+    scaling, block_size = _scaling(args)
     pred = predict(
         model,
         cluster,
@@ -422,6 +508,8 @@ def _cmd_predict(args: argparse.Namespace) -> int:
         compute or _NO_COMPUTE,
         strategy=args.strategy,
         bucket_cap_mb=args.bucket_cap_mb,
+        scaling=scaling,
+        block_size=block_size,
     )
     assumptions = _assumptions(args, model, cluster, compute)
     if args.json:
@@ -436,7 +524,14 @@ def _cmd_predict(args: argparse.Namespace) -> int:
         from .plot import plot_speedup_vs_bandwidth
 
         plot_speedup_vs_bandwidth(
-            model, cluster, [args.fmt], compute, args.plot, strategy=args.strategy
+            model,
+            cluster,
+            [args.fmt],
+            compute,
+            args.plot,
+            strategy=args.strategy,
+            scaling=scaling,
+            block_size=block_size,
         )
         if not args.json:
             print(f"\nwrote {args.plot}")
@@ -445,9 +540,11 @@ def _cmd_predict(args: argparse.Namespace) -> int:
 
 def _cmd_sweep(args: argparse.Namespace) -> int:
     model = _model(args)
+    scaling, block_size = _scaling(args)
     world_sizes = [int(w) for w in args.world_sizes.split(",")]
     cluster = _cluster(args, world_sizes[0])
     compute = _compute(args, model, cluster)
+    assumptions = _assumptions(args, model, cluster, compute)
     if compute is None:
         print(
             f"aps-perfmodel: communication only (step_s = comm_s): {_comm_only_reason(model)}",
@@ -455,8 +552,8 @@ def _cmd_sweep(args: argparse.Namespace) -> int:
         )
     else:
         # The CSV has no room for them; the assumptions go to stderr, as the note above.
-        assumed = _assumption_text(_assumptions(args, model, cluster, compute))
-        print(f"aps-perfmodel: assumed {assumed}", file=sys.stderr)
+        print(f"aps-perfmodel: assumed {_assumption_text(assumptions)}", file=sys.stderr)
+    print(f"aps-perfmodel: scaling {assumptions['scaling_note']}", file=sys.stderr)
     bandwidths = (
         [parse_bandwidth(b) for b in args.bandwidths.split(",")]
         if args.bandwidths
@@ -471,6 +568,8 @@ def _cmd_sweep(args: argparse.Namespace) -> int:
         compute=compute or _NO_COMPUTE,
         strategy=args.strategy,
         bucket_cap_mb=args.bucket_cap_mb,
+        scaling=scaling,
+        block_size=block_size,
     )
     write_csv(rows, args.out if args.out else sys.stdout)
     return 0
@@ -491,17 +590,17 @@ def fsdp_units(model: ModelSpec, n_units: int, world_size: int) -> list[FSDPUnit
         raise SystemExit(f"error: --units must be >= 1, got {n_units}")
     target = model.total_params / n_units
     units: list[FSDPUnit] = []
-    numel = count = seen = 0
+    sizes: list[int] = []
+    seen = 0
     for t in model.tensors:
-        numel += -(-t.numel // world_size) * world_size
-        count += 1
+        sizes.append(-(-t.numel // world_size) * world_size)
         seen += t.numel
         # Close a unit where the running total passes the next equal share.
         if len(units) < n_units - 1 and seen >= target * (len(units) + 1):
-            units.append(FSDPUnit(numel, count))
-            numel = count = 0
-    if count:
-        units.append(FSDPUnit(numel, count))
+            units.append(FSDPUnit(sum(sizes), len(sizes), tuple(sizes)))
+            sizes = []
+    if sizes:
+        units.append(FSDPUnit(sum(sizes), len(sizes), tuple(sizes)))
     return units
 
 
@@ -510,8 +609,10 @@ def _cmd_fsdp(args: argparse.Namespace) -> int:
     profile = Profile.load(args.profile) if args.profile else None
     cluster = _cluster(args, _world_size(args, profile))
     units = fsdp_units(model, args.units, cluster.world_size)
+    scaling, block_size = _scaling(args)
     rows = []
-    for fmt in dict.fromkeys(["fp32", "bf16", args.fmt]):
+    for name in dict.fromkeys(["fp32", "bf16", args.fmt]):
+        fmt = get_format(name, scaling=scaling, block_size=block_size)
         pred = fsdp_step(units, fmt, cluster, backend=args.backend, param_bytes=args.param_bytes)
         rows.append(pred)
     base = rows[0].reduce_scatter_s
@@ -524,15 +625,19 @@ def _cmd_fsdp(args: argparse.Namespace) -> int:
                 "all_gather_s": r.all_gather_s,
                 "step_comm_s": r.step_s,
                 "wire_bytes": r.wire_bytes,
+                "exponent_bytes": r.exponent_bytes,
             }
             for r in rows
         ]
-        print(json.dumps({"units": len(units), "backend": args.backend, "rows": out}, indent=2))
+        head = {"units": len(units), "backend": args.backend, "scaling": scaling.value}
+        head["block_size"] = block_size if scaling == Scaling.BLOCK else None
+        print(json.dumps({**head, "rows": out}, indent=2))
         return 0
     print(
         f"FSDP2, {model.name}, {len(units)} units, {cluster.world_size} ranks, {args.backend} "
         "(communication only: no compute)"
     )
+    print(f"scaling {_scaling_text(args.fmt, scaling, block_size)}")
     for r in rows:
         kind = "APS reduce-scatter" if r.aps else "reduce_dtype"
         print(

@@ -25,11 +25,14 @@ from types import MappingProxyType
 from .collectives import LinkParams, Topology
 
 __all__ = [
+    "BLOCK_CODEC_RATIO",
+    "BLOCK_CODEC_RATIO_PACKED",
     "CLUSTERS",
     "DEVICES",
     "Cluster",
     "Device",
     "OpCost",
+    "block_codec_ratio",
     "codec_bytes_per_elem",
     "custom_cluster",
     "get_cluster",
@@ -50,6 +53,10 @@ class Device:
         fp8_sum: whether NCCL sums FP8 (e4m3, e5m2) natively on it (NCCL >=
             2.24 on sm_90+), so that the native all-reduce strategy is open
             to 8-bit formats.
+        cpu_codec: its codec is ``aps_comm``'s compiled CPU kernels, whose
+            block-scaled passes cost :func:`block_codec_ratio` times the
+            per-layer ones (measured); a GPU's memory-bound kernels pay only
+            the exponents' bytes of extra traffic.
 
     Example:
         >>> get_device("v100").peak_flops["fp32"]
@@ -62,6 +69,7 @@ class Device:
     launch_s: float
     source: str
     fp8_sum: bool = False
+    cpu_codec: bool = False
 
 
 DEVICES: dict[str, Device] = {
@@ -94,6 +102,7 @@ DEVICES: dict[str, Device] = {
         MappingProxyType({"fp32": 50e9, "tf32": 50e9, "fp16": 50e9, "bf16": 50e9}),
         2e-6,
         "rough single-core share of a modern x86 server; calibrate for real numbers",
+        cpu_codec=True,
     ),
     "cpu-numba": Device(
         "cpu-numba",
@@ -104,6 +113,7 @@ DEVICES: dict[str, Device] = {
         "e4m3 encode of 64 MiB in 14.3 ms, 5 B/element of traffic = 5.9 GB/s; decode is "
         "faster, 9.4 GB/s); 10 us per pass assumed for a compiled call from Python; "
         "FLOPs as the cpu preset",
+        cpu_codec=True,
     ),
 }
 
@@ -139,20 +149,59 @@ class OpCost:
 
 
 _FORMAT_FREE_OPS = ("amax", "scale", "unscale", "accumulate")
+# The passes that apply a block's scale to every element: encode, decode and
+# the owner's fused decode-sum-encode. The block maxima pass reads the FP32
+# gradient as the per-layer amax does, and is priced as it.
+_BLOCK_SCALED_OPS = ("encode", "decode", "reduce")
+
+BLOCK_CODEC_RATIO = 1.30
+"""Block-scaled over per-layer-scaled encode + decode time on the CPU kernels, byte formats.
+
+Measured on the 2-vCPU development machine, one thread, 64 MiB, 15 repeats,
+three runs of ``python -m benchmarks.codec --block-size 32 --repeats 15``,
+each ratio from one run (block and per-layer timed beside the same copy):
+e4m3 1.28-1.31 (block 2.05-2.11x a copy, per layer 1.60-1.62x), e5m2
+1.28-1.30, fp16 1.24-1.27, bf16 1.11-1.30. The medians: e4m3 1.30, e5m2 1.29,
+fp16 1.26, bf16 1.28."""
+
+BLOCK_CODEC_RATIO_PACKED = 1.58
+"""The same for formats packed below a byte per element (e2m1, e3m2), as measured.
+
+The same three runs: e2m1 1.53-1.61 (block 2.83-3.31x a copy, per layer
+1.79-2.16x), e3m2 1.42-1.66; e2m1's median is 1.58, e3m2's 1.55."""
 
 
-def codec_bytes_per_elem(op: str, wire_bytes: float) -> float:
+def block_codec_ratio(wire_bytes: float) -> float:
+    """Per-element time of a block-scaled CPU codec pass over a per-layer one.
+
+    Example:
+        >>> block_codec_ratio(1.0), block_codec_ratio(0.5)
+        (1.3, 1.58)
+    """
+    return BLOCK_CODEC_RATIO_PACKED if wire_bytes < 1.0 else BLOCK_CODEC_RATIO
+
+
+def codec_bytes_per_elem(op: str, wire_bytes: float, exponent_bytes: float = 0.0) -> float:
     """Bytes of memory traffic per element for one codec pass on FP32 gradients.
 
     ``amax`` reads the FP32 gradient; ``encode`` (scale, clamp, cast, fused)
     reads FP32 and writes the wire format; ``decode`` (decode, unscale) does the
     reverse; ``accumulate`` reads the decoded FP32 shards and writes the sum.
+    With block scaling, ``encode`` and ``decode`` also read the blocks'
+    exponents, ``exponent_bytes`` per element.
 
     Example:
         >>> codec_bytes_per_elem("encode", 1.0)
         5.0
+        >>> codec_bytes_per_elem("decode", 0.5, 1 / 32)
+        4.53125
     """
-    table = {"amax": 4.0, "encode": 4.0 + wire_bytes, "decode": wire_bytes + 4.0, "accumulate": 8.0}
+    table = {
+        "amax": 4.0,
+        "encode": 4.0 + wire_bytes + exponent_bytes,
+        "decode": wire_bytes + exponent_bytes + 4.0,
+        "accumulate": 8.0,
+    }
     try:
         return table[op]
     except KeyError:
@@ -253,18 +302,44 @@ class Cluster:
             self, topology=replace(self.topology, inter=inter, intra=intra), collective_fits=fits
         )
 
-    def codec_time(self, op: str, fmt_name: str, wire_bytes: float, n_elem: float) -> float:
-        """Seconds for one codec pass of ``n_elem`` elements on one rank."""
+    def codec_time(
+        self,
+        op: str,
+        fmt_name: str,
+        wire_bytes: float,
+        n_elem: float,
+        block_size: int | None = None,
+    ) -> float:
+        """Seconds for one codec pass of ``n_elem`` elements on one rank.
+
+        With ``block_size`` (block scaling), the encode, decode and owner's
+        reduce passes cost more per element: calibrated fits and CPU devices
+        (which time ``aps_comm``'s CPU kernels) by :func:`block_codec_ratio`,
+        as measured; other devices by the exponents' bytes of memory traffic
+        (:func:`codec_bytes_per_elem`). Launch costs do not change.
+
+        Example:
+            >>> c = custom_cluster(125e6, 50e-6, nodes=2, device="cpu-numba")
+            >>> layer = c.codec_time("encode", "e4m3", 1.0, 2**20)
+            >>> block = c.codec_time("encode", "e4m3", 1.0, 2**20, block_size=32)
+            >>> round((block - c.device.launch_s) / (layer - c.device.launch_s), 2)
+            1.3
+        """
         key = op if op in _FORMAT_FREE_OPS else f"{op}.{fmt_name}"
+        blocked = block_size is not None and op in _BLOCK_SCALED_OPS
+        ratio = block_codec_ratio(wire_bytes) if blocked else 1.0
         if key in self.codec_fits:
-            return self.codec_fits[key].time(n_elem)
+            fit = self.codec_fits[key]
+            # Fits are calibrated on the CPU kernels (aps-perfmodel calibrate).
+            return OpCost(fit.launch_s, fit.s_per_elem * ratio).time(n_elem)
         if n_elem <= 0 or op in ("scale", "unscale"):
             # On a GPU the power-of-two scaling is fused into the encode/decode kernels.
             return 0.0
-        return (
-            self.device.launch_s
-            + n_elem * codec_bytes_per_elem(op, wire_bytes) / self.device.mem_bw
-        )
+        if blocked and block_size is not None and not self.device.cpu_codec:
+            per_elem = codec_bytes_per_elem(op, wire_bytes, 1.0 / block_size)
+        else:
+            per_elem = codec_bytes_per_elem(op, wire_bytes) * ratio
+        return self.device.launch_s + n_elem * per_elem / self.device.mem_bw
 
 
 def _link(gbytes_per_s: float, latency_s: float, device: Device) -> LinkParams:

@@ -24,6 +24,7 @@ from __future__ import annotations
 from dataclasses import replace
 
 from .calibrate import CALL_ELEMENTS
+from .choices import Scaling
 from .cluster import Cluster, OpCost
 from .formats import FORMATS, FormatSpec
 from .strategies import (
@@ -56,10 +57,11 @@ def resolve_strategy(n_elem: int, n_layers: int, fmt: FormatSpec, cluster: Clust
     """
     if fmt.strategy != "auto":
         return fmt.strategy
+    # The hook's choice: APS-scaled (every format but FP32), with fmt's scaling.
     return choose_strategy(
         n_elem,
         n_layers,
-        fmt.name,
+        fmt if fmt.name == "fp32" else replace(fmt, aps=True),
         cluster,
         native_ok=native_sum(fmt, cluster),
         hierarchical_ok=cluster.topology.gpus_per_node > 1,
@@ -87,6 +89,7 @@ def bucket_comm(
     fmt: FormatSpec,
     cluster: Cluster,
     chunk_elements: int | str | None = "auto",
+    n_blocks: int | None = None,
 ) -> CommBreakdown:
     """Time to reduce one bucket of ``n_elem`` FP32 gradients made of ``n_layers`` tensors.
 
@@ -107,18 +110,23 @@ def bucket_comm(
             elements ("auto": as the hook sizes them,
             :func:`~aps_perfmodel.strategies.strategy_chunk`; None: one
             chunk). The FP32 and torch's FP16 hooks never chunk.
+        n_blocks: block scaling: the bucket's blocks (one exponent byte
+            each); None: the most its layers can make
+            (:meth:`~aps_perfmodel.formats.FormatSpec.block_bound`).
 
     Returns:
         The breakdown (its ``strategy`` says what "auto" chose); all zero on a
         single rank, where nothing is communicated.
     """
     strategy = resolve_strategy(n_elem, n_layers, fmt, cluster)
-    parts = bucket_breakdown(n_elem, n_layers, fmt, cluster, strategy, chunk_elements)
+    parts = bucket_breakdown(n_elem, n_layers, fmt, cluster, strategy, chunk_elements, n_blocks)
     timed = _hook_call(cluster, fmt)
     if timed is None or parts.total_s == 0.0:
         return parts
     # The hook's own cost (Python, DDP's future, wake-ups) is what the timed call
-    # took beyond its path's parts; another strategy pays its own parts on top.
+    # took beyond its path's parts; another strategy or scaling pays its own parts
+    # on top. The call was timed with per-layer scaling.
     call, calibrated = timed
-    tiny = bucket_breakdown(CALL_ELEMENTS, n_layers, fmt, cluster, calibrated, chunk_elements)
+    timed_fmt = replace(fmt, scaling=Scaling.LAYER)
+    tiny = bucket_breakdown(CALL_ELEMENTS, n_layers, timed_fmt, cluster, calibrated, chunk_elements)
     return replace(parts, overhead_s=call.launch_s - tiny.total_s)

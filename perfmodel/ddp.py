@@ -113,6 +113,8 @@ class StepPrediction:
         wire_bytes: bytes each rank sends per step, inside its node and across nodes.
         buckets: the timeline.
         inter_node_bytes: the part of ``wire_bytes`` that leaves the node.
+        exponent_bytes: the part of ``wire_bytes`` that is block exponents
+            (0 with per-layer scaling).
     """
 
     format: str
@@ -123,6 +125,7 @@ class StepPrediction:
     wire_bytes: float
     buckets: tuple[BucketTiming, ...]
     inter_node_bytes: float = 0.0
+    exponent_bytes: float = 0.0
 
 
 def simulate_step(
@@ -162,7 +165,8 @@ def simulate_step(
         numels, bucket_cap_mb=bucket_cap_mb, first_bucket_bytes=first_bucket_bytes
     ):
         n = sum(numels[i] for i in bucket)
-        comm = bucket_comm(n, len(bucket), fmt, cluster)
+        blocks = fmt.block_count([numels[i] for i in bucket])
+        comm = bucket_comm(n, len(bucket), fmt, cluster, n_blocks=blocks)
         ready_s = max(ready[i] for i in bucket)
         start = max(ready_s, free_at)
         free_at = start + comm.total_s
@@ -180,4 +184,5 @@ def simulate_step(
         wire_bytes=sum(b.comm.wire_bytes for b in timeline),
         buckets=tuple(timeline),
         inter_node_bytes=sum(b.comm.inter_node_bytes for b in timeline),
+        exponent_bytes=sum(b.comm.exponent_bytes for b in timeline),
     )

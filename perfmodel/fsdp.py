@@ -14,7 +14,9 @@ the gradients after backward. Three ways to reduce-scatter are modelled:
   parameter (plus one), encode, one ``all_to_all`` of ``n * w`` bytes (the
   padded input, ``w`` bytes per element), then the owner decodes the N rows it
   received (``n`` elements in all), sums them in FP32 and writes ``n / N``.
-  No all-gather and no chunk pipelining.
+  No all-gather and no chunk pipelining. With block scaling every row's
+  chunk of every parameter is cut into blocks, and the MAX all-reduce
+  carries one exponent byte per block (plus one) instead.
 
 On CPU FSDP calls the reduce-scatter synchronously in the post-backward hook,
 so nothing overlaps: the step is compute plus every all-gather and every
@@ -74,6 +76,8 @@ class FSDPUnit:
         numel: elements of the reduce-scatter input: every parameter with
             dim 0 padded to a multiple of the world size (:func:`padded_numel`).
         n_params: parameter tensors (APS sends one maximum each).
+        param_numels: each parameter's padded elements, where known: block
+            scaling then counts its blocks exactly (:meth:`blocks`).
 
     Example:
         >>> FSDPUnit(1024, 2).numel
@@ -82,10 +86,35 @@ class FSDPUnit:
 
     numel: int
     n_params: int
+    param_numels: tuple[int, ...] = ()
 
     def __post_init__(self) -> None:
         if self.numel < 0 or self.n_params < 0:
             raise ValueError(f"numel and n_params must be >= 0: {self}")
+        if self.param_numels and (
+            len(self.param_numels) != self.n_params or sum(self.param_numels) != self.numel
+        ):
+            raise ValueError(f"param_numels must be n_params sizes summing to numel: {self}")
+
+    def blocks(self, fmt: FormatSpec, world_size: int) -> int:
+        """Block exponents of this unit: blocks of every rank's row chunk of every parameter.
+
+        Each parameter's padded input is N rows (one per rank) of
+        ``numel / N`` elements, each cut into blocks (the last may be short);
+        without :attr:`param_numels`, the most blocks the unit can make. 0
+        without block scaling.
+
+        Example:
+            >>> e4m3 = get_format("e4m3", scaling="block")
+            >>> FSDPUnit(256, 2, (192, 64)).blocks(e4m3, 4), FSDPUnit(256, 2).blocks(e4m3, 4)
+            (12, 15)
+        """
+        if not fmt.block_scaled:
+            return 0
+        if self.param_numels:
+            rows = [n // world_size for n in self.param_numels]
+            return world_size * fmt.block_count(rows)
+        return fmt.block_bound(self.numel, self.n_params * world_size)
 
 
 def padded_numel(shapes: Sequence[Sequence[int]], world_size: int) -> int:
@@ -117,7 +146,9 @@ class UnitTiming:
         collective_s: the data collective (reduce-scatter, all-reduce or all-to-all).
         maxima_s: APS's MAX all-reduce of the maxima (0 otherwise).
         codec_s: APS's local passes: amax, encode, decode, FP32 sum (0 otherwise).
-        wire_bytes: bytes this rank sends over the network for the data.
+        wire_bytes: bytes this rank sends over the network for the data
+            (with block scaling, the exponents' MAX all-reduce too).
+        exponent_bytes: the part of ``wire_bytes`` that is block exponents.
 
     Example:
         >>> UnitTiming(1.0, 0.1, 0.2, 8.0).total_s
@@ -128,6 +159,7 @@ class UnitTiming:
     maxima_s: float
     codec_s: float
     wire_bytes: float
+    exponent_bytes: float = 0.0
 
     @property
     def total_s(self) -> float:
@@ -148,6 +180,7 @@ class FSDPStepPrediction:
         step_s: ``compute_s + all_gather_s + exposed_s``.
         units: per unit, its reduce-scatter's :class:`UnitTiming`.
         wire_bytes: bytes one rank sends for the reduce-scatters.
+        exponent_bytes: the part of ``wire_bytes`` that is block exponents.
 
     Example:
         >>> p = FSDPStepPrediction("e4m3", True, 0.0, 0.0, 1.0, 1.0, 1.0, (), 8.0)
@@ -164,6 +197,7 @@ class FSDPStepPrediction:
     step_s: float
     units: tuple[UnitTiming, ...]
     wire_bytes: float
+    exponent_bytes: float = 0.0
 
 
 def _check_backend(backend: str) -> None:
@@ -250,10 +284,19 @@ def reduce_scatter_time(
             "fp32/bf16/fp16 (FSDP's own) or an APS format"
         )
 
-    def codec(op: str, elems: float) -> float:
-        return cluster.codec_time(op, fmt.name, w, elems)
+    block = fmt.block_size if fmt.block_scaled else None
 
-    maxima = _allreduce(cluster, (unit.n_params + 1) * _FP32_BYTES, "all_reduce_max", "auto")
+    def codec(op: str, elems: float) -> float:
+        return cluster.codec_time(op, fmt.name, w, elems, block)
+
+    exponents = 0.0
+    if fmt.block_scaled:
+        # One byte per block, and one for the unit's flag, in one MAX all-reduce.
+        blocks = unit.blocks(fmt, p)
+        maxima = _allreduce(cluster, blocks + 1.0, "all_reduce_max", "auto")
+        exponents = 2.0 * blocks * frac
+    else:
+        maxima = _allreduce(cluster, (unit.n_params + 1) * _FP32_BYTES, "all_reduce_max", "auto")
     # amax and encode read the whole input; the owner decodes the N rows it
     # received (n elements in all), sums them and writes its n / N shard.
     codec_s = codec("amax", n) + codec("encode", n) + codec("decode", n)
@@ -265,7 +308,7 @@ def reduce_scatter_time(
         )
         codec_s += n * _FP32_BYTES * frac * link.gamma
     collective = _all_to_all(cluster, n * w)
-    return UnitTiming(collective, maxima, codec_s, n * w * frac)
+    return UnitTiming(collective, maxima, codec_s, n * w * frac + exponents, exponents)
 
 
 def fsdp_step(
@@ -325,4 +368,5 @@ def fsdp_step(
         step_s=compute_s + all_gather_s + exposed,
         units=timings,
         wire_bytes=sum(t.wire_bytes for t in timings),
+        exponent_bytes=sum(t.exponent_bytes for t in timings),
     )

@@ -14,6 +14,7 @@ from pathlib import Path
 import numpy as np
 
 from .api import BASELINE_FORMATS, breakeven_bandwidth, formats_with_baselines, predict
+from .choices import DEFAULT_BLOCK_SIZE, Scaling
 from .cluster import Cluster
 from .compute import ComputeTime
 from .models import ModelSpec
@@ -31,6 +32,8 @@ def plot_speedup_vs_bandwidth(
     *,
     bandwidths: Sequence[float] | None = None,
     strategy: str | None = None,
+    scaling: Scaling | str = Scaling.LAYER,
+    block_size: int = DEFAULT_BLOCK_SIZE,
 ) -> Path:
     """Write a PNG of speedup vs bandwidth, marking where each low-precision format stops paying.
 
@@ -42,6 +45,8 @@ def plot_speedup_vs_bandwidth(
         path: output PNG.
         bandwidths: bytes/s to evaluate (default: 100 Mbit/s to 3.2 Tbit/s).
         strategy: strategy for the requested formats.
+        scaling: APS scaling of the requested formats ("layer" or "block").
+        block_size: elements per exponent byte with block scaling.
 
     Returns:
         The path written.
@@ -58,7 +63,13 @@ def plot_speedup_vs_bandwidth(
     curves = {f: [] for f in names}
     for bw in bws:
         pred = predict(
-            model, cluster.with_links(bandwidth=float(bw)), formats, compute, strategy=strategy
+            model,
+            cluster.with_links(bandwidth=float(bw)),
+            formats,
+            compute,
+            strategy=strategy,
+            scaling=scaling,
+            block_size=block_size,
         )
         for f in names:
             curves[f].append(pred.formats[f].speedup_vs_fp32)
@@ -75,6 +86,8 @@ def plot_speedup_vs_bandwidth(
             low=float(bws[0]),
             high=float(bws[-1]),
             strategy=strategy if f not in BASELINE_FORMATS else None,
+            scaling=scaling,
+            block_size=block_size,
         )
         if bw_even is not None:
             ax.axvline(bw_even * 8, color=line.get_color(), ls="--", lw=1)

@@ -264,6 +264,9 @@ class CommBreakdown:
             negative where the parts, timed alone, overcount it.
         inter_node_bytes: the part of ``wire_bytes`` that leaves the node, per
             rank (averaged over the node's ranks); 0 on one node.
+        exponent_bytes: the part of ``wire_bytes`` that is block exponents
+            (block scaling: their MAX all-reduce); 0 with per-layer scaling,
+            whose 4-byte maxima are not counted.
 
     Example:
         >>> CommBreakdown("fp32", "fp32", 1.0, 0.0, 0.5, 8.0).total_s
@@ -280,6 +283,7 @@ class CommBreakdown:
     chunks: int = 1
     overhead_s: float = 0.0
     inter_node_bytes: float = 0.0
+    exponent_bytes: float = 0.0
 
     @property
     def total_s(self) -> float:
@@ -569,8 +573,10 @@ def _codec(strategy: str, fmt: FormatSpec, cluster: Cluster, m: float) -> float:
     topo = cluster.topology
     p, g, nodes = cluster.world_size, topo.gpus_per_node, topo.nodes
 
+    block = fmt.block_size if fmt.block_scaled else None
+
     def codec(op: str, n: float) -> float:
-        return cluster.codec_time(op, fmt.name, fmt.wire_bytes, n)
+        return cluster.codec_time(op, fmt.name, fmt.wire_bytes, n, block)
 
     def owner(n: float, group: int) -> float:
         # Decode the group's shards (n elements), sum them in FP32, re-encode n/group
@@ -578,7 +584,7 @@ def _codec(strategy: str, fmt: FormatSpec, cluster: Cluster, m: float) -> float:
         if group <= 1:
             return 0.0
         if f"reduce.{fmt.name}" in cluster.codec_fits:
-            return cluster.codec_fits[f"reduce.{fmt.name}"].time(n)
+            return codec("reduce", n)
         return codec("decode", n) + _accumulate(cluster, n, group) + codec("encode", n / group)
 
     if strategy == "fp32":
@@ -682,6 +688,7 @@ def bucket_breakdown(
     cluster: Cluster,
     strategy: str,
     chunk: int | str | None = "auto",
+    n_blocks: int | None = None,
 ) -> CommBreakdown:
     """The reduction of one bucket of ``numel`` FP32 gradients in ``n_layers`` tensors.
 
@@ -697,6 +704,13 @@ def bucket_breakdown(
     ``W``: ``max(C, W) + min(C, W) / k``. ``"fp32"`` and torch's cast hooks
     (``aps=False``) are one piece.
 
+    With block scaling (``fmt.block_scaled``) the MAX all-reduce carries one
+    exponent byte per block instead of 4 bytes per layer (the agreed
+    exponents scale every stage, so nothing else carries them), and the
+    passes that apply the scales cost more per element
+    (:meth:`~aps_perfmodel.cluster.Cluster.codec_time`); the payload's bytes
+    are the same.
+
     Args:
         numel: gradient elements in the bucket.
         n_layers: parameter tensors in it (APS sends one maximum each).
@@ -704,14 +718,28 @@ def bucket_breakdown(
         cluster: links, device and any calibrated fits.
         strategy: one of :data:`STRATEGIES`.
         chunk: elements per chunk; "auto": :func:`strategy_chunk`; None: one chunk.
+        n_blocks: block scaling: the bucket's blocks (exponent bytes),
+            :meth:`~aps_perfmodel.formats.FormatSpec.block_count` of its
+            layers; None: the most its layers can make
+            (:meth:`~aps_perfmodel.formats.FormatSpec.block_bound`).
+
+    Raises:
+        ValueError: an unknown strategy, grid without a grid, or a negative ``n_blocks``.
 
     Example:
         >>> c = get_cluster("dgx-h100", world_size=64)
         >>> b = bucket_breakdown(25 * 2**18, 20, "e4m3", c, "hierarchical")
         >>> b.chunks, b.total_s < bucket_breakdown(25 * 2**18, 20, "fp32", c, "fp32").total_s
         (1, True)
+        >>> e2m1 = get_format("e2m1", aps=True, scaling="block")
+        >>> two = get_cluster("1gbe", world_size=2)
+        >>> b = bucket_breakdown(2**20, 4, e2m1, two, "native", n_blocks=2**20 // 32)
+        >>> b.wire_bytes / 2**20  # an all-reduce of 0.5 B and one of 1/32 B per element
+        0.53125
     """
     _check_strategy(strategy)
+    if n_blocks is not None and n_blocks < 0:
+        raise ValueError(f"n_blocks must be >= 0, got {n_blocks}")
     spec = _spec(fmt)
     if strategy == "fp32":
         spec = replace(spec, aps=False)
@@ -753,7 +781,15 @@ def bucket_breakdown(
             spec.name, strategy, collective, 0.0, codec_s, sent, inter_node_bytes=across
         )
     head = cluster.codec_time("amax", spec.name, w, numel)
-    maxima = _allreduce(cluster, n_layers * _FP32_BYTES, "all_reduce_max", "auto")
+    exponents = 0.0
+    if spec.block_scaled:
+        blocks = spec.block_bound(numel, n_layers) if n_blocks is None else n_blocks
+        # One MAX all-reduce of one-byte exponents agrees every block's.
+        maxima = _allreduce(cluster, float(blocks), "all_reduce_max", "auto")
+        exponents = 2.0 * blocks * (p - 1) / p
+        across += _inter_node_bytes("native", 1.0, blocks, cluster)
+    else:
+        maxima = _allreduce(cluster, n_layers * _FP32_BYTES, "all_reduce_max", "auto")
     if chunk == "auto":
         chunk = strategy_chunk(numel, spec, cluster, strategy)
     k = 1 if not chunk else max(1, -(-numel // int(chunk)))
@@ -773,10 +809,11 @@ def bucket_breakdown(
         collective,
         maxima,
         head + codec_s,
-        sent,
+        sent + exponents,
         overlap,
         k,
         inter_node_bytes=across,
+        exponent_bytes=exponents,
     )
 
 
@@ -816,7 +853,7 @@ def wire_bound(numel: int, fmt: str | FormatSpec, cluster: Cluster, strategy: st
 def strategy_times(
     numel: int,
     n_layers: int,
-    fmt: str,
+    fmt: str | FormatSpec,
     cluster: Cluster,
     strategies: Sequence[str],
 ) -> dict[str, float]:
@@ -825,7 +862,8 @@ def strategy_times(
     Args:
         numel: gradient elements in the bucket.
         n_layers: parameter tensors in it.
-        fmt: wire format name (any but ``fp32`` is APS-scaled).
+        fmt: wire format name (any but ``fp32`` is APS-scaled, per layer) or
+            spec (e.g. ``get_format(name, aps=True, scaling="block")``).
         cluster: the cluster (e.g. :func:`hook_cluster`).
         strategies: names from :data:`STRATEGIES`.
 
@@ -844,7 +882,7 @@ def strategy_times(
 def choose_strategy(
     numel: int,
     n_layers: int,
-    fmt: str,
+    fmt: str | FormatSpec,
     cluster: Cluster,
     native_ok: bool,
     hierarchical_ok: bool,
@@ -859,7 +897,8 @@ def choose_strategy(
     ``hierarchical_ok`` and nodes have several ranks, ``grid`` where
     ``grid_ok`` and N has a grid (:func:`grid_rows` >= 2). Ties go to the earlier
     name in :data:`STRATEGIES`. Pure arithmetic on its arguments, so every
-    rank that passes the same ones chooses the same.
+    rank that passes the same ones chooses the same. ``fmt`` is a format
+    name (APS-scaled per layer) or a spec, whose scaling is priced.
 
     Example:
         >>> c = hook_cluster("gloo", "cpu", world_size=4, ranks_per_node=1)

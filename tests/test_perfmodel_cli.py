@@ -13,10 +13,12 @@ from aps_perfmodel import (
     ModelSpec,
     custom_cluster,
     get_cluster,
+    get_format,
     get_model,
     predict,
     sweep,
 )
+from aps_perfmodel.choices import BLOCK_SIZES
 from aps_perfmodel.cli import main as cli_main
 from aps_perfmodel.units import parse_bandwidth, parse_time
 
@@ -87,10 +89,12 @@ def test_cli_predict_params_alone_is_communication_only(
             "format",
             "strategy",
             "chosen",
+            "scaling",
             "comm_s",
             "comm_speedup_vs_fp32",
             "wire_bytes",
             "inter_node_bytes",
+            "exponent_bytes",
         }
     assert fmts["fp32"]["comm_speedup_vs_fp32"] == 1.0
     # The same communication as a prediction with compute times given.
@@ -305,3 +309,136 @@ def test_cli_wire_per_rank_counts_in_node_bytes_and_says_so(
         "e4m3 sends more than fp16 per rank but 2.0x fewer bytes than fp16 across nodes: "
         "hierarchical first reduces each chunk in FP32 inside the node"
     ) in flat
+
+
+def test_cli_block_scaling_flags_round_trip_into_json(capsys: pytest.CaptureFixture[str]) -> None:
+    argv = ["--model", "resnet50", "--cluster", "1gbe", "--world-size", "4", "--fmt", "e2m1"]
+    argv += ["--strategy", "two_phase", "--step-time", "100ms"]
+    out = _predict_json(capsys, *argv, "--scaling", "Block", "--block-size", "64")
+    a = out["assumptions"]
+    assert (out["scaling"], out["block_size"]) == ("block", 64)
+    assert (a["scaling"], a["block_size"]) == ("block", 64)
+    assert (
+        "one exponent byte per 64 elements" in a["scaling_note"]
+        and "0.5 + 1/64" in a["scaling_note"]
+    )
+    assert "the exponent bytes too" in a["wire_bytes"] and "block exponents" in a["exponent_bytes"]
+    fmts = out["formats"]
+    assert fmts["e2m1"]["scaling"] == "block"
+    assert fmts["fp32"]["scaling"] == fmts["fp16"]["scaling"] == "none"
+    assert fmts["fp32"]["exponent_bytes"] == fmts["fp16"]["exponent_bytes"] == 0.0
+    # The API's numbers for the same question.
+    api = predict(
+        get_model("resnet50"),
+        get_cluster("1gbe", world_size=4),
+        ["e2m1"],
+        ComputeTime.from_step_time(0.1),
+        strategy="two_phase",
+        scaling="block",
+        block_size=64,
+    ).formats["e2m1"]
+    assert fmts["e2m1"]["exponent_bytes"] == api.exponent_bytes > 0
+    assert fmts["e2m1"]["wire_bytes"] == api.wire_bytes
+    assert fmts["e2m1"]["step_s"] == api.step_s
+    # Per-layer scaling (the default) sends the same payload and no exponent bytes.
+    layer = _predict_json(capsys, *argv)
+    assert (layer["scaling"], layer["block_size"], layer["assumptions"]["scaling"]) == (
+        "layer",
+        None,
+        "layer",
+    )
+    assert layer["formats"]["e2m1"]["exponent_bytes"] == 0.0
+    assert fmts["e2m1"]["wire_bytes"] - fmts["e2m1"]["exponent_bytes"] == pytest.approx(
+        layer["formats"]["e2m1"]["wire_bytes"]
+    )
+    assert fmts["e2m1"]["step_s"] > layer["formats"]["e2m1"]["step_s"]
+    # The text says which scaling it assumed and what wire/rank holds.
+    assert cli_main(["predict", *argv, "--scaling", "block"]) == 0
+    flat = " ".join(capsys.readouterr().out.split())
+    assert "scaling block for e2m1: one exponent byte per 32 elements of each tensor" in flat
+    assert "e2m1's wire/rank includes" in flat and "of block exponents" in flat
+    assert cli_main(["predict", *argv]) == 0
+    flat = " ".join(capsys.readouterr().out.split())
+    assert "scaling layer for e2m1: one float32 maximum per tensor" in flat
+    assert "block exponents" not in flat
+    # The sweep says it too (its CSV has no room for it).
+    sweep_argv = ["sweep", "--model", "resnet50", "--cluster", "1gbe", "--fmt", "e2m1"]
+    assert cli_main([*sweep_argv, "--world-sizes", "4", "--scaling", "block"]) == 0
+    assert "aps-perfmodel: scaling block for e2m1" in capsys.readouterr().err
+
+
+def test_bad_block_size_and_scaling_are_errors_naming_the_value(
+    capsys: pytest.CaptureFixture[str],
+) -> None:
+    argv = ["predict", "--model", "resnet50", "--cluster", "1gbe", "--world-size", "4"]
+    for bad in ("48", "512", "4", "x"):
+        with pytest.raises(SystemExit):
+            cli_main([*argv, "--scaling", "block", "--block-size", bad])
+        err = capsys.readouterr().err
+        if bad.isdigit():
+            assert (
+                f"block_size must be a power of two from 8 to 256 {BLOCK_SIZES}, got {bad}" in err
+            )
+        else:
+            assert f"block_size must be an integer in {BLOCK_SIZES}, got 'x'" in err
+    with pytest.raises(SystemExit, match="--block-size 64 is for --scaling block, not layer"):
+        cli_main([*argv, "--block-size", "64"])
+    with pytest.raises(SystemExit):
+        cli_main([*argv, "--scaling", "bucket"])
+    assert "invalid choice: 'bucket'" in capsys.readouterr().err
+    # fp16 and bf16 are predicted as the unscaled hooks users compare against.
+    with pytest.raises(SystemExit, match="--scaling block needs an APS --fmt"):
+        cli_main([*argv, "--fmt", "bf16", "--scaling", "block"])
+    # The API names the value too.
+    model, cluster = get_model("resnet50"), get_cluster("1gbe", world_size=4)
+    with pytest.raises(ValueError, match="got 48"):
+        predict(model, cluster, ["e4m3"], scaling="block", block_size=48)
+    with pytest.raises(ValueError, match="got 300"):
+        get_format("e4m3", scaling="block", block_size=300)
+    with pytest.raises(
+        ValueError, match=r"the model prices scaling \('layer', 'block'\), got 'none'"
+    ):
+        predict(model, cluster, ["e4m3"], scaling="none")
+    with pytest.raises(ValueError, match="scaling must be one of"):
+        get_format("e4m3", scaling="blocks")
+    # fp16 and bf16 are predicted as torch's cast hooks, which scale nothing.
+    with pytest.raises(ValueError, match="bf16 is predicted as torch's cast hook"):
+        predict(model, cluster, ["bf16"], scaling="block")
+
+
+def test_fsdp_block_scaling_adds_only_the_exponents_all_reduce_and_codec(
+    capsys: pytest.CaptureFixture[str],
+) -> None:
+    from aps_perfmodel import collectives as C
+    from aps_perfmodel.cli import fsdp_units
+    from aps_perfmodel.fsdp import FSDPUnit, fsdp_step, reduce_scatter_time
+
+    e4m3 = get_format("e4m3", scaling="block")
+    # On 4 ranks, rows of 96 and 8 elements: 3 + 1 blocks per rank's row.
+    unit = FSDPUnit(4 * (96 + 8), 2, (4 * 96, 4 * 8))
+    assert unit.blocks(e4m3, 4) == 4 * (3 + 1)
+    assert FSDPUnit(416, 2).blocks(e4m3, 4) == 13 + 2 * 4 - 1  # sizes unknown: the most
+    c = custom_cluster(125e6, 50e-6, nodes=4, device="cpu")
+    layer = reduce_scatter_time(unit, get_format("e4m3"), c)
+    block = reduce_scatter_time(unit, e4m3, c)
+    assert block.collective_s == layer.collective_s  # the same all-to-all of the payload
+    # One MAX all-reduce of a byte per block and the unit's flag.
+    assert block.maxima_s == pytest.approx(C.hierarchical_allreduce(16 + 1, c.topology, "auto"))
+    assert block.exponent_bytes == 2 * 16 * 3 / 4
+    assert block.wire_bytes == layer.wire_bytes + block.exponent_bytes
+    assert block.codec_s > layer.codec_s
+    # The CLI: its units know their parameters, so the blocks are exact.
+    argv = ["fsdp", "--model", "resnet50", "--world-size", "4", "--cluster", "1gbe", "--json"]
+    assert cli_main([*argv, "--scaling", "block", "--block-size", "16"]) == 0
+    out = json.loads(capsys.readouterr().out)
+    assert (out["scaling"], out["block_size"]) == ("block", 16)
+    rows = {r["format"]: r for r in out["rows"]}
+    units = fsdp_units(get_model("resnet50"), 8, 4)
+    cluster = get_cluster("1gbe", world_size=4)
+    fmt = get_format("e4m3", scaling="block", block_size=16)
+    want = fsdp_step(units, fmt, cluster)
+    assert rows["e4m3"]["exponent_bytes"] == want.exponent_bytes
+    assert want.exponent_bytes == pytest.approx(sum(2 * u.blocks(fmt, 4) * 3 / 4 for u in units))
+    sizes = [-(-t.numel // 4) * 4 for t in get_model("resnet50").tensors]
+    assert sum(u.blocks(fmt, 4) for u in units) == sum(4 * -(-(s // 4) // 16) for s in sizes)
+    assert rows["fp32"]["exponent_bytes"] == rows["bf16"]["exponent_bytes"] == 0.0

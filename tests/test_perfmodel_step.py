@@ -5,6 +5,7 @@ models, compute, units, and the published PyTorch DDP benchmark.
 from __future__ import annotations
 
 import math
+from dataclasses import replace
 
 import pytest
 import torch
@@ -13,19 +14,23 @@ import torch.distributed as dist
 from aps_perfmodel import (
     ComputeTime,
     ModelSpec,
+    OpCost,
+    TensorSpec,
     assign_buckets,
     bucket_comm,
     custom_cluster,
     get_cluster,
+    get_device,
     get_format,
     get_model,
     predict,
     simulate_step,
 )
 from aps_perfmodel import collectives as C
+from aps_perfmodel.cluster import block_codec_ratio
 from aps_perfmodel.ddp import DEFAULT_FIRST_BUCKET_BYTES
 from aps_perfmodel.literature import reproduce_pytorch_ddp_benchmark
-from aps_perfmodel.strategies import grid_rows
+from aps_perfmodel.strategies import bucket_breakdown, grid_rows
 from aps_perfmodel.units import parse_bandwidth, parse_bytes, parse_count, parse_time
 
 # --- APS comm model: limits ---------------------------------------------------------
@@ -104,6 +109,80 @@ def test_aps_breakdown_counts_codec_maxima_and_wire_bytes() -> None:
     )
     fp16 = bucket_comm(n, 16, get_format("fp16"), c)
     assert fp16.maxima_s == 0.0 and fp16.wire_bytes == pytest.approx(2 * 2 * n * 3 / 4)
+
+
+# --- APS comm model: block scaling ---------------------------------------------------
+
+
+@pytest.mark.parametrize("fmt,w", [("e4m3", 1.0), ("e2m1", 0.5)])
+def test_block_scaling_sends_one_exponent_byte_per_block(fmt: str, w: float) -> None:
+    spec = get_format(fmt, scaling="block")  # blocks of 32 by default
+    assert spec.wire_bytes + spec.exponent_bytes == w + 1 / 32  # 1.03125, 0.53125 exactly
+    assert get_format(fmt).exponent_bytes == 0.0
+    # Blocks never cross layers; a layer's last block may be short.
+    assert spec.block_count([33, 32, 1]) == 4 and spec.block_bound(66, 3) == 5
+    c, p = get_cluster("1gbe", world_size=4), 4
+    numels = [2**19, 2**18, 2**18]
+    n, blocks = sum(numels), spec.block_count(numels)
+    assert blocks == n // 32
+    # Native sums: the payload's all-reduce and the exponents' MAX all-reduce, both
+    # rings: w + 1/32 bytes per element.
+    native = bucket_comm(n, 3, replace(spec, strategy="native"), c, n_blocks=blocks)
+    assert native.wire_bytes == 2 * n * (p - 1) / p * (w + 1 / 32)
+    assert native.exponent_bytes == 2 * blocks * (p - 1) / p
+    # two_phase: the all-to-all and the all-gather send w each, beside the same
+    # all-reduce of the exponents, which scale every stage.
+    tp = bucket_comm(n, 3, spec, c, n_blocks=blocks)
+    assert tp.wire_bytes == 2 * n * (p - 1) / p * (w + 1 / 32)
+    assert tp.exponent_bytes == native.exponent_bytes
+    # The payload is the per-layer model's.
+    assert tp.wire_bytes - tp.exponent_bytes == bucket_comm(n, 3, get_format(fmt), c).wire_bytes
+    # A DDP step counts every bucket's blocks exactly, short ones included.
+    model = ModelSpec("m", (TensorSpec("a", 33), TensorSpec("b", 64), TensorSpec("c", 1)))
+    step = simulate_step(model, c, replace(spec, strategy="native"), ComputeTime(0, 0, 0))
+    assert step.exponent_bytes == 2 * (2 + 2 + 1) * (p - 1) / p
+
+
+@pytest.mark.parametrize("fmt", ["e4m3", "e2m1"])
+@pytest.mark.parametrize("strategy", ["native", "two_phase"])
+def test_block_scaling_costs_only_its_exponent_bytes_and_codec(fmt: str, strategy: str) -> None:
+    per_elem = {"encode": 1e-9, "decode": 2e-9, "reduce": 3e-9}
+    fits = {f"{op}.{fmt}": OpCost(1e-5, s) for op, s in per_elem.items()}
+    fits["amax"] = OpCost(1e-5, 1e-10)
+    c = replace(custom_cluster(1e9, 1e-5, nodes=4, device="cpu"), codec_fits=fits)
+    p, n, layers, link = 4, 2**20, 8, c.topology.inter
+    layer_spec = get_format(fmt, strategy, aps=True)
+    block_spec = get_format(fmt, strategy, aps=True, scaling="block")
+    layer = bucket_breakdown(n, layers, layer_spec, c, strategy, None)
+    block = bucket_breakdown(n, layers, block_spec, c, strategy, None, n_blocks=n // 32)
+    # The maxima: one MAX all-reduce of a byte per block instead of 4 bytes per layer.
+    assert layer.maxima_s == pytest.approx(C.allreduce(4 * layers, p, link, "auto"))
+    assert block.maxima_s == pytest.approx(C.allreduce(n // 32, p, link, "auto"))
+    # The codec: the passes that apply the scales cost the measured ratio per
+    # element (calibrated fits time the CPU kernels); launches and amax do not change.
+    passes = per_elem["encode"] + per_elem["decode"]
+    passes += per_elem["reduce"] if strategy == "two_phase" else 0.0
+    extra_codec = (block_codec_ratio(layer_spec.wire_bytes) - 1) * n * passes
+    assert block.codec_s - layer.codec_s == pytest.approx(extra_codec)
+    # The wire: the payload's collectives are the same.
+    assert block.collective_s == layer.collective_s
+    assert block.total_s == pytest.approx(
+        layer.total_s + (block.maxima_s - layer.maxima_s) + extra_codec
+    )
+    assert block.total_s > layer.total_s
+    # Uncalibrated: the CPU codec pays the same ratio, a GPU's memory-bound
+    # codec only the exponents' bytes of traffic. Encode and decode n each; two_phase's
+    # owner also decodes n and re-encodes n / p.
+    passes_n = 2 * n if strategy == "native" else (3 + 1 / p) * n
+    w = layer_spec.wire_bytes
+    for device, extra in (
+        ("cpu-numba", (block_codec_ratio(w) - 1) * passes_n * (4 + w)),
+        ("a100", passes_n / 32),
+    ):
+        d = replace(c, codec_fits={}, device=get_device(device))
+        lay = bucket_breakdown(n, layers, layer_spec, d, strategy, None)
+        blk = bucket_breakdown(n, layers, block_spec, d, strategy, None, n_blocks=n // 32)
+        assert blk.codec_s - lay.codec_s == pytest.approx(extra / d.device.mem_bw)
 
 
 # --- DDP bucketing and step timeline -------------------------------------------------

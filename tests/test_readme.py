@@ -33,6 +33,8 @@ from pathlib import Path
 import pytest
 import torch
 
+from aps_perfmodel import get_cluster, get_model, predict
+
 ROOT = Path(__file__).resolve().parents[1]
 README = ROOT / "README.md"
 DOCS = ROOT / "docs"
@@ -415,6 +417,22 @@ def _check_perfmodel_table(proc: subprocess.CompletedProcess[str], cwd: Path) ->
     assert "auto for e4m3: grid for 5 buckets" in proc.stdout
 
 
+def _check_perfmodel_block(proc: subprocess.CompletedProcess[str], cwd: Path) -> None:
+    _check_ok(proc, cwd)
+    row = next(line.split() for line in proc.stdout.splitlines() if line.startswith("e2m1 "))
+    flat = " ".join(proc.stdout.split())
+    # docs/performance-model.md quotes these numbers.
+    text = " ".join((DOCS / "performance-model.md").read_text().split())
+    speedup = float(row[-1].rstrip("x"))
+    assert f"a step {speedup:.2f}x faster than FP32's for e2m1 with blocks of 32" in text
+    per_layer = predict(get_model("resnet50"), get_cluster("1gbe", world_size=8), ["e2m1"])
+    assert f"({per_layer.formats['e2m1'].speedup_vs_fp32:.2f}x with one exponent per tensor" in text
+    assert f"`wire/rank` of {row[2]} {row[3]} includes" in text
+    assert "scaling block for e2m1: one exponent byte per 32 elements" in flat
+    exponents = flat.split("e2m1's wire/rank includes ")[1].split(" of block exponents")[0]
+    assert f"includes {exponents} of block exponents" in text
+
+
 def _check_perfmodel_scale(proc: subprocess.CompletedProcess[str], cwd: Path) -> None:
     _check_ok(proc, cwd)
     # The committed table is what the command computes (it is a model: no noise).
@@ -565,6 +583,8 @@ RUN: dict[str, _Run] = {
     "aps-perfmodel predict --model resnet50 --world-size 64 --cluster 100gbe --fmt e4m3": _Run(
         _check_perfmodel_table
     ),
+    "aps-perfmodel predict --model resnet50 --world-size 8 --cluster 1gbe --fmt e2m1 "
+    "--scaling block": _Run(_check_perfmodel_block),
     "python -m aps_perfmodel.scale --out benchmarks/results": _Run(_check_perfmodel_scale),
     "aps-perfmodel predict --params 25.6M --bandwidth 10Gbit --latency 20us --nodes 16 --json": (
         _Run(_check_comm_only)
