@@ -207,7 +207,13 @@ class APSFSDPState:
         world, rank = group.size(), dist.get_rank(group)
         backend = agreement.backend_for(group, device)
         comm = Comm(group, world, rank, backend, Layouts(Topology(world, 1)))
-        planner = Planner(hook_cluster(backend, device.type, world, 1), False, False)
+        planner = Planner(
+            hook_cluster(backend, device.type, world, 1),
+            False,
+            False,
+            scaling=self.config.scaling,
+            block_size=self.config.block_size,
+        )
         settings = Settings(
             self.fmt,
             Reduction.TWO_PHASE,

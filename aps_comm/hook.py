@@ -429,6 +429,8 @@ class APSState:
             and not self.error_feedback,
             fp32=comm.backend == "nccl" or self.profile is not None,
             grid=self.layouts.grid is not None,
+            scaling=self.config.scaling,
+            block_size=self.config.block_size,
         )
         settings = Settings(
             self.fmt,

@@ -22,10 +22,12 @@ from collections.abc import Callable, Sequence
 import torch
 
 from aps_comm.codec import Blocks, Codec, Layout, codec_for
-from aps_comm.config import Route
+from aps_comm.config import DEFAULT_BLOCK_SIZE, Route, Scaling
 from aps_comm.formats import FP32, FloatFormat, get_format, payload_nbytes
 from aps_comm.hostcopy import to_device
 from aps_perfmodel.cluster import Cluster
+from aps_perfmodel.formats import FormatSpec
+from aps_perfmodel.formats import get_format as model_spec
 from aps_perfmodel.strategies import choose_strategy, strategy_chunk
 
 __all__ = [
@@ -80,13 +82,23 @@ class Planner:
     hierarchical: bool
     fp32: bool
     grid: bool = False
+    scaling: Scaling = Scaling.LAYER
+    block_size: int = DEFAULT_BLOCK_SIZE
+
+    def spec(self, fmt: FloatFormat) -> str | FormatSpec:
+        """``fmt`` as the model prices it: with block scaling, its exponent bytes and codec."""
+        if self.scaling != Scaling.BLOCK or fmt == FP32:
+            return model_format(fmt)
+        return model_spec(
+            model_format(fmt), aps=True, scaling=Scaling.BLOCK, block_size=self.block_size
+        )
 
     def reduction(self, fmt: FloatFormat, numel: int, n_layers: int, native: bool) -> Route:
         """The fastest way to reduce ``numel`` elements of ``fmt`` (a hook reduction name)."""
         best = choose_strategy(
             numel,
             n_layers,
-            model_format(fmt),
+            self.spec(fmt),
             self.cluster,
             native_ok=native,
             hierarchical_ok=self.hierarchical,
@@ -103,7 +115,7 @@ class Planner:
         chunk = numel
         if reduction != Route.FP32 and numel > 1:
             strategy = Route(reduction).model_name
-            chunk = strategy_chunk(numel, model_format(fmt), self.cluster, strategy, exchange_s)
+            chunk = strategy_chunk(numel, self.spec(fmt), self.cluster, strategy, exchange_s)
         return 2 ** math.ceil(math.log2(max(chunk, 1)))
 
 
