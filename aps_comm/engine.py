@@ -281,6 +281,8 @@ class Reducer:
             chunk,
             comm.node_layouts(),
             settings.block_size if blocked else None,
+            # Error feedback keeps the owner's loss in its residuals instead.
+            owner_exponents=blocked and self.feedback is None,
         )
         sent = [g for g in groups if g.fmt != FP32]
         if sent:
@@ -434,6 +436,19 @@ class Reducer:
             fb = self.feedback
             after_encode = functools.partial(_keep_sent, fb, g, x, gnames, f.exponents, finite)
             owner = functools.partial(_owner_with_feedback, fb, g, gnames, f.scale, finite)
+        if route == Route.TWO_PHASE and g.block_shards is not None:
+            return transports.two_phase_blocks(
+                g,
+                x,
+                f.scale,
+                f.exponents,
+                torch.isfinite(f.unscale),
+                comm.rank,
+                comm.group,
+                comm.world_size,
+                self.traffic,
+                defer,
+            )
         if route == Route.TWO_PHASE:
             return transports.two_phase(
                 g,

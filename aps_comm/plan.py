@@ -16,6 +16,7 @@ Example:
 from __future__ import annotations
 
 import dataclasses
+import itertools
 import math
 from collections.abc import Callable, Sequence
 
@@ -195,6 +196,59 @@ class NodePlan:
     wire_first: bool = False
 
 
+@dataclasses.dataclass(frozen=True)
+class BlockShards:
+    """two_phase with block scaling: each chunk's N shards hold whole blocks.
+
+    The owner of a shard re-encodes the mean of its N copies; the mean of a
+    block is often far below the largest rank's values its agreed exponent
+    was chosen for (by up to N), so the owner gives each block of the mean
+    its own extra exponent ``d`` (:func:`aps_comm.scaling.mean_exponents`)
+    and sends it, one byte per block, after the shard's payload in the
+    all-gather. Shards are cut at block boundaries (chunks too), each padded
+    to the chunk's largest shard.
+
+    Attributes:
+        bounds: per chunk, the N + 1 shard boundaries (elements of the group).
+        windows: per chunk, per shard, its blocks as a window of the group's
+            layout (the senders encode with the agreed scales).
+        layouts: per chunk, per shard, the same blocks as a layout of their own
+            (the owner's mean, and the receivers' decoding).
+        shard_bytes: per chunk, the payload bytes every shard is padded to.
+        slots: per chunk, exponent bytes after each shard's payload (the most
+            blocks any shard of the chunk has).
+        gather_regions: per chunk, its N gathered shards in ``gathered``.
+        gathered: uint8 scratch for the all-gathered shards and exponents.
+    """
+
+    bounds: list[list[int]]
+    windows: list[list[Layout]]
+    layouts: list[list[Layout]]
+    shard_bytes: list[int]
+    slots: list[int]
+    gather_regions: list[tuple[int, int]]
+    gathered: torch.Tensor
+
+
+def _snap(boundaries: torch.Tensor, at: int) -> int:
+    """The first block boundary at or after ``at`` (the last one if none)."""
+    i = int(torch.searchsorted(boundaries, at))
+    return int(boundaries[min(i, boundaries.numel() - 1)])
+
+
+def block_chunks(layout: Layout, chunk_elements: int) -> list[tuple[int, int]]:
+    """:func:`chunk_bounds` moved to block boundaries (``layout``'s segments are blocks).
+
+    Example:
+        >>> blocks = Layout.from_numels([10, 7], torch.device("cpu")).grid(8).layout
+        >>> block_chunks(blocks, 6)
+        [(0, 8), (8, 17)]
+    """
+    cuts = [lo for lo, _ in chunk_bounds(layout.numel, chunk_elements)][1:]
+    edges = sorted({0, layout.numel, *(_snap(layout.offsets, c) for c in cuts)})
+    return list(itertools.pairwise(edges)) or [(0, 0)]
+
+
 @dataclasses.dataclass
 class GroupPlan:
     """Layers of one bucket that travel in one format, and how they travel.
@@ -222,6 +276,10 @@ class GroupPlan:
         codec: the format's codec on the bucket's device (backend resolved once).
         blocks: block scaling: the layers' blocks (:meth:`aps_comm.codec.Layout.grid`;
             ``layout`` is their layout); None with one exponent per layer.
+        block_shards: two_phase with block scaling and owner exponents: the
+            shards of whole blocks (:class:`BlockShards`); ``regions`` and
+            ``shard_regions`` then hold N padded shards and one shard with its
+            exponent bytes.
     """
 
     fmt: FloatFormat
@@ -241,6 +299,7 @@ class GroupPlan:
     codec: Codec
     node: NodePlan | None = None
     blocks: Blocks | None = None
+    block_shards: BlockShards | None = None
 
     @property
     def numel(self) -> int:
@@ -502,6 +561,7 @@ class BucketPlan:
         chunk_elements: int,
         node: dict[str, tuple[int, int]] | None = None,
         block_size: int | None = None,
+        owner_exponents: bool = False,
     ) -> list[GroupPlan]:
         """The group plans for this step's per-layer formats (built on first use).
 
@@ -516,6 +576,8 @@ class BucketPlan:
                 (ranks per node, or rows, and this rank).
             block_size: block scaling: the codec scales every block of this
                 many elements of a layer (:attr:`GroupPlan.blocks`).
+            owner_exponents: with block scaling, two_phase shards hold whole
+                blocks and their owners send exponents (:class:`BlockShards`).
 
         Returns:
             One plan per format, in order of first appearance (the same on every rank).
@@ -532,6 +594,7 @@ class BucketPlan:
             chosen,
             tuple(sorted((node or {}).items())),
             block_size,
+            owner_exponents,
         )
         cached = self.groups.get(key)
         if cached is None:
@@ -550,6 +613,7 @@ class BucketPlan:
                     chunk_elements,
                     node,
                     block_size,
+                    owner_exponents,
                 )
                 for f, idx in order.items()
             ]
@@ -567,6 +631,7 @@ class BucketPlan:
         chunk_elements: int,
         node: dict[str, tuple[int, int]] | None,
         block_size: int | None = None,
+        owner_exponents: bool = False,
     ) -> GroupPlan:
         numels = [self.numels[i] for i in index]
         layout = Layout.from_numels(numels, self.device)
@@ -579,7 +644,11 @@ class BucketPlan:
         if chosen not in tuple(Route):
             raise ValueError(f"no resolved reduction for {fmt.name}: {chosen!r}")
         reduction = Route(chosen)
-        chunks = chunk_bounds(layout.numel, chunk_elements if reduction != "fp32" else 2**62)
+        by_blocks = blocks is not None and owner_exponents and reduction == Route.TWO_PHASE
+        if by_blocks:
+            chunks = block_chunks(layout, chunk_elements)
+        else:
+            chunks = chunk_bounds(layout.numel, chunk_elements if reduction != "fp32" else 2**62)
         windows = [layout.window(lo, hi) for lo, hi in chunks]
 
         def scratch(n: int, dtype: torch.dtype = torch.uint8) -> torch.Tensor:
@@ -587,6 +656,7 @@ class BucketPlan:
             return torch.empty(n, dtype=dtype, device=self.device)
 
         node_plan = None
+        block_shards = None
         regions: list[tuple[int, int]] = []
         shard_regions: list[tuple[int, int]] = []
         start = shard_start = 0
@@ -606,6 +676,11 @@ class BucketPlan:
             )
             start = regions[-1][1]
             shard_start = shard_regions[-1][1]
+        elif by_blocks:
+            block_shards = self._block_shards(
+                fmt, layout, chunks, world_size, scratch, regions, shard_regions
+            )
+            start, shard_start = regions[-1][1], shard_regions[-1][1]
         else:
             for lo, hi in chunks:
                 if reduction == "two_phase":
@@ -639,6 +714,48 @@ class BucketPlan:
             codec=codec_for(fmt, self.device),
             node=node_plan,
             blocks=blocks,
+            block_shards=block_shards,
+        )
+
+    @staticmethod
+    def _block_shards(
+        fmt: FloatFormat,
+        layout: Layout,
+        chunks: list[tuple[int, int]],
+        world_size: int,
+        scratch: Callable[..., torch.Tensor],
+        regions: list[tuple[int, int]],
+        shard_regions: list[tuple[int, int]],
+    ) -> BlockShards:
+        """Shards of whole blocks per chunk (``layout``'s segments are the blocks); fills
+        the group's ``regions`` (N padded shards) and ``shard_regions`` (one shard and
+        its exponent bytes)."""
+        bounds, windows, layouts, shard_bytes, slots, gather_regions = [], [], [], [], [], []
+        start = shard_start = gather_start = 0
+        for lo, hi in chunks:
+            per = -(-(hi - lo) // world_size)
+            cut = [
+                lo,
+                *(min(_snap(layout.offsets, lo + k * per), hi) for k in range(1, world_size)),
+                hi,
+            ]
+            wins = [layout.window(a, b) for a, b in itertools.pairwise(cut)]
+            own = [Layout.from_numels(w.sizes, layout.lengths.device) for w in wins]
+            sb = max(payload_nbytes(b - a, fmt) for a, b in itertools.pairwise(cut))
+            slot = max(w.n_segments for w in wins)
+            bounds.append(cut)
+            windows.append(wins)
+            layouts.append(own)
+            shard_bytes.append(sb)
+            slots.append(slot)
+            regions.append((start, start + world_size * sb))
+            start = regions[-1][1]
+            shard_regions.append((shard_start, shard_start + sb + slot))
+            shard_start = shard_regions[-1][1]
+            gather_regions.append((gather_start, gather_start + world_size * (sb + slot)))
+            gather_start = gather_regions[-1][1]
+        return BlockShards(
+            bounds, windows, layouts, shard_bytes, slots, gather_regions, scratch(gather_start)
         )
 
     @staticmethod

@@ -31,13 +31,16 @@ Example:
 from __future__ import annotations
 
 import functools
+import itertools
 from collections.abc import Callable, Sequence
 
 import torch
 import torch.distributed as dist
 
-from aps_comm.formats import payload_nbytes
+from aps_comm.codec import segment_amax
+from aps_comm.formats import payload_nbytes, pow2
 from aps_comm.plan import GroupPlan, RowRuns
+from aps_comm.scaling import mean_exponents
 from aps_comm.topology import NodeGroups
 
 __all__ = [
@@ -50,6 +53,7 @@ __all__ = [
     "native",
     "reduce_scatter",
     "two_phase",
+    "two_phase_blocks",
 ]
 
 Counter = Callable[[str, int], None]
@@ -317,6 +321,108 @@ def two_phase(
             if c < k or not defer:
                 _decode(g, x, unscale, *tail.pop())
     return _finish(tail, functools.partial(_decode, g, x, unscale), defer)
+
+
+def two_phase_blocks(
+    g: GroupPlan,
+    x: torch.Tensor,
+    scale: torch.Tensor,
+    exponents: torch.Tensor,
+    finite: torch.Tensor,
+    rank: int,
+    group: dist.ProcessGroup,
+    world_size: int,
+    count: Counter,
+    defer: bool = False,
+) -> Callable[[], None] | None:
+    """:func:`two_phase` with block scaling: shards of whole blocks, the owners' exponents.
+
+    Every rank encodes each shard of a chunk with the agreed block scales; the
+    owner of a shard averages its N copies in FP32 (rank order), gives each
+    block of the mean the extra exponent ``d`` that fills the format
+    (:func:`aps_comm.scaling.mean_exponents`), encodes it and all-gathers it
+    with ``d``, one byte per block; every rank decodes shard s with
+    ``2**-(e + d_s)``. The order of collectives is :func:`two_phase`'s.
+
+    Args:
+        g: the group's plan (``g.block_shards`` set).
+        x: the group's float32 values; the result is written back into it.
+        scale: the agreed factor of every block of the group.
+        exponents: the agreed exponent (int32) of every block.
+        finite: per block, whether its layer is finite everywhere (else NaN).
+        rank: this rank: the shard it owns.
+        group: the process group.
+        world_size: ranks N.
+        count: byte counter.
+        defer: as in :func:`two_phase`.
+
+    Returns:
+        With ``defer``, the function that finishes the bucket; else None.
+    """
+    sh = g.block_shards
+    assert sh is not None
+    fmt, k, n = g.fmt, len(g.chunks), world_size
+    exchanges: dict[int, dist.Work] = {}
+    gathers: dict[int, dist.Work] = {}
+    tail: list[tuple[int, dist.Work]] = []
+
+    def decode(c: int, work: dist.Work) -> None:
+        _wait(work, f"the all_gather of chunk {c + 1} of {k}")
+        q0, q1 = sh.gather_regions[c]
+        sb = sh.shard_bytes[c]
+        rows = sh.gathered[q0:q1].view(n, sb + sh.slots[c])
+        for s, (a, b) in enumerate(itertools.pairwise(sh.bounds[c])):
+            first, blocks = sh.windows[c][s].first, sh.layouts[c][s].n_segments
+            d = rows[s, sb : sb + blocks].to(torch.int32)
+            e = exponents[first : first + blocks]
+            unscale = torch.where(finite[first : first + blocks], pow2(-(e + d)), float("nan"))
+            g.codec.decode(
+                rows[s, : payload_nbytes(b - a, fmt)],
+                b - a,
+                out=x[a:b],
+                scale=unscale,
+                layout=sh.layouts[c][s],
+            )
+
+    for c in range(k + 2):
+        if c < k:
+            r0, r1 = g.regions[c]
+            sb = sh.shard_bytes[c]
+            send = g.send[r0:r1].view(n, sb)
+            for s, (a, b) in enumerate(itertools.pairwise(sh.bounds[c])):
+                used = payload_nbytes(b - a, fmt)
+                g.codec.encode(x[a:b], out=send[s, :used], scale=scale, layout=sh.windows[c][s])
+                send[s, used:].zero_()  # padding: code 0 is +0 in every format
+            count("all_to_all", send.numel())
+            exchanges[c] = dist.all_to_all_single(
+                g.recv[r0:r1], g.send[r0:r1], group=group, async_op=True
+            )
+        if 1 <= c <= k:
+            p = c - 1
+            _wait(exchanges.pop(p), f"the all_to_all of chunk {p + 1} of {k}")
+            r0, r1 = g.regions[p]
+            s0, s1 = g.shard_regions[p]
+            sb = sh.shard_bytes[p]
+            a, b = sh.bounds[p][rank], sh.bounds[p][rank + 1]
+            mine = sh.layouts[p][rank]
+            out = g.shards[s0:s1]
+            mean = g.codec.shard_mean(g.recv[r0:r1], n)[: b - a]
+            first = sh.windows[p][rank].first
+            top = segment_amax(mean, mine).nan_to_num_(nan=float("inf"))
+            d = mean_exponents(top, exponents[first : first + mine.n_segments], fmt)
+            used = payload_nbytes(b - a, fmt)
+            g.codec.encode(mean, out=out[:used], scale=pow2(d), layout=mine)
+            out[used:sb].zero_()
+            out[sb : sb + mine.n_segments] = d.clamp(0, 255).to(torch.uint8)
+            out[sb + mine.n_segments :].zero_()
+            count("all_gather", out.numel())
+            q0, q1 = sh.gather_regions[p]
+            gathers[p] = all_gather_single(sh.gathered[q0:q1], out, group=group, async_op=True)
+        if c >= 2:
+            tail.append((c - 2, gathers.pop(c - 2)))
+            if c < k or not defer:
+                decode(*tail.pop())
+    return _finish(tail, decode, defer)
 
 
 def hierarchical(
