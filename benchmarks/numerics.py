@@ -26,8 +26,9 @@ the wire dtype natively) for fp16 and bf16, the formats Gloo can sum.
 Block scaling (``--block-sizes 16 32 64``) adds two_phase rows for each
 block size, simulated at every N (real and simulated columns alike): with
 the exponents agreed across ranks ("block32"), with the owner also picking
-each block's exponent for the mean ("block32+owner") and with each rank's
-own exponents ("block32+rank"); see :func:`aps_comm.simulate.allreduce`.
+each block's exponent for the mean ("block32+owner", what the hook's
+two_phase runs) and with each rank's own exponents ("block32+rank"); see
+:func:`aps_comm.simulate.allreduce`.
 
     python -m benchmarks.numerics [--batches 4] [--micro-batch 4] [--sim-workers 16 64 256]
                                   [--block-sizes 16 32 64] [--block-formats e4m3 e3m2 e2m1]
@@ -335,7 +336,9 @@ def _simulated(name: str, snapshot: dict, settings: dict, workers: int) -> list[
 
 
 def _simulated_blocks(name: str, snapshot: dict, settings: dict, workers: int) -> list[dict]:
-    """The block-scaling rows at ``workers`` (simulated: the hook has no block scaling yet)."""
+    """The block-scaling rows at ``workers``, simulated at every N: the hook's two_phase is
+    bit for bit ``block32+owner`` (tests/test_block_engine.py); the other two variants
+    exist only in the simulator."""
     model = _new_model(name)
     model.load_state_dict(snapshot)
     loss_fn = _loss_fn(name)

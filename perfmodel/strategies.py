@@ -265,8 +265,8 @@ class CommBreakdown:
         inter_node_bytes: the part of ``wire_bytes`` that leaves the node, per
             rank (averaged over the node's ranks); 0 on one node.
         exponent_bytes: the part of ``wire_bytes`` that is block exponents
-            (block scaling: their MAX all-reduce); 0 with per-layer scaling,
-            whose 4-byte maxima are not counted.
+            (block scaling: their MAX all-reduce, and two_phase's all-gather);
+            0 with per-layer scaling, whose 4-byte maxima are not counted.
 
     Example:
         >>> CommBreakdown("fp32", "fp32", 1.0, 0.0, 0.5, 8.0).total_s
@@ -356,17 +356,19 @@ def _allreduce(cluster: Cluster, nbytes: float, key: str, algorithm: str) -> flo
     return hierarchical_allreduce(nbytes, topo, algorithm)
 
 
-def _exchange(cluster: Cluster, nbytes: float, k: int) -> float:
-    """Flat all-to-all then all-gather of an ``nbytes`` payload, ``k`` chunks back to back.
+def _exchange(cluster: Cluster, nbytes: float, k: int, gathered: float | None = None) -> float:
+    """Flat all-to-all of ``nbytes`` then all-gather of ``gathered``, ``k`` chunks back to back.
 
-    Uses the calibrated pipelined exchange where there is one (timed whole:
-    one latency and one burst per call). Otherwise composes the two
-    collectives per chunk; a token-bucket shaper (``burst_bytes``) still
-    passes its burst only once, since the chunks leave the link no idle time
-    to refill it.
+    ``gathered`` (default ``nbytes``) is larger where the owners' shards
+    carry their block exponents. Uses the calibrated pipelined exchange
+    where there is one (timed whole: one latency and one burst per call).
+    Otherwise composes the two collectives per chunk; a token-bucket shaper
+    (``burst_bytes``) still passes its burst only once, since the chunks
+    leave the link no idle time to refill it.
     """
     p = cluster.world_size
-    sent = 2 * k * nbytes * (p - 1) / p
+    gathered = nbytes if gathered is None else gathered
+    sent = k * (nbytes + gathered) * (p - 1) / p
     fit = cluster.collective_fits.get("exchange")
     if fit is not None:
         return fit.alpha + fit.wire_time(sent)
@@ -374,10 +376,10 @@ def _exchange(cluster: Cluster, nbytes: float, k: int) -> float:
     if a2a is None or ag is None:
         return k * (
             hierarchical_all_to_all(nbytes, cluster.topology)
-            + hierarchical_all_gather(nbytes, cluster.topology)
+            + hierarchical_all_gather(gathered, cluster.topology)
         )
     steady = all_to_all(nbytes, p, replace(a2a, burst_bytes=0.0))
-    steady += all_gather(nbytes, p, replace(ag, burst_bytes=0.0))
+    steady += all_gather(gathered, p, replace(ag, burst_bytes=0.0))
     return k * steady - a2a.beta * min(a2a.burst_bytes, sent)
 
 
@@ -539,7 +541,8 @@ def _wire(strategy: str, fmt: FormatSpec, cluster: Cluster, m: float, k: int) ->
     if strategy == "native":
         return k * _allreduce(cluster, w * m, f"all_reduce.{fmt.torch_dtype}", cluster.algorithm)
     if strategy == "two_phase":
-        return _exchange(cluster, w * m, k)
+        # The owners' shards of the mean go back with their block exponents.
+        return _exchange(cluster, w * m, k, (w + fmt.exponent_bytes) * m)
     stages = _stages(strategy, cluster, w, m)
     credit = _nic_credit(cluster, k * sum(st.nic_bytes for st in stages))
     return k * sum(st.seconds for st in stages) - credit
@@ -705,9 +708,9 @@ def bucket_breakdown(
     (``aps=False``) are one piece.
 
     With block scaling (``fmt.block_scaled``) the MAX all-reduce carries one
-    exponent byte per block instead of 4 bytes per layer (the agreed
-    exponents scale every stage, so nothing else carries them), and the
-    passes that apply the scales cost more per element
+    exponent byte per block instead of 4 bytes per layer, two_phase's
+    all-gather carries the owners' exponents too (``exponent_bytes`` per
+    element), and the passes that apply the scales cost more per element
     (:meth:`~aps_perfmodel.cluster.Cluster.codec_time`); the payload's bytes
     are the same.
 
@@ -788,6 +791,10 @@ def bucket_breakdown(
         maxima = _allreduce(cluster, float(blocks), "all_reduce_max", "auto")
         exponents = 2.0 * blocks * (p - 1) / p
         across += _inter_node_bytes("native", 1.0, blocks, cluster)
+        if strategy == "two_phase":
+            e = spec.exponent_bytes * numel
+            exponents += e * (p - 1) / p
+            across += e * (p - cluster.topology.gpus_per_node) / p
     else:
         maxima = _allreduce(cluster, n_layers * _FP32_BYTES, "all_reduce_max", "auto")
     if chunk == "auto":

@@ -130,11 +130,10 @@ def test_block_scaling_sends_one_exponent_byte_per_block(fmt: str, w: float) -> 
     native = bucket_comm(n, 3, replace(spec, strategy="native"), c, n_blocks=blocks)
     assert native.wire_bytes == 2 * n * (p - 1) / p * (w + 1 / 32)
     assert native.exponent_bytes == 2 * blocks * (p - 1) / p
-    # two_phase: the all-to-all and the all-gather send w each, beside the same
-    # all-reduce of the exponents, which scale every stage.
+    # two_phase: the all-to-all sends w, the all-gather w + 1/32 (the owners'
+    # re-scaled exponents), beside the exponents' all-reduce.
     tp = bucket_comm(n, 3, spec, c, n_blocks=blocks)
-    assert tp.wire_bytes == 2 * n * (p - 1) / p * (w + 1 / 32)
-    assert tp.exponent_bytes == native.exponent_bytes
+    assert tp.wire_bytes == n * (p - 1) / p * (w + (w + 1 / 32) + 2 / 32)
     # The payload is the per-layer model's.
     assert tp.wire_bytes - tp.exponent_bytes == bucket_comm(n, 3, get_format(fmt), c).wire_bytes
     # A DDP step counts every bucket's blocks exactly, short ones included.
@@ -164,10 +163,12 @@ def test_block_scaling_costs_only_its_exponent_bytes_and_codec(fmt: str, strateg
     passes += per_elem["reduce"] if strategy == "two_phase" else 0.0
     extra_codec = (block_codec_ratio(layer_spec.wire_bytes) - 1) * n * passes
     assert block.codec_s - layer.codec_s == pytest.approx(extra_codec)
-    # The wire: the payload's collectives are the same.
-    assert block.collective_s == layer.collective_s
+    # The wire: the payload's collectives are the same; two_phase's all-gather
+    # also carries the owners' exponents.
+    gather = link.beta * n / 32 * (p - 1) / p if strategy == "two_phase" else 0.0
+    assert block.collective_s - layer.collective_s == pytest.approx(gather, abs=1e-15)
     assert block.total_s == pytest.approx(
-        layer.total_s + (block.maxima_s - layer.maxima_s) + extra_codec
+        layer.total_s + (block.maxima_s - layer.maxima_s) + extra_codec + gather
     )
     assert block.total_s > layer.total_s
     # Uncalibrated: the CPU codec pays the same ratio, a GPU's memory-bound
