@@ -45,13 +45,14 @@ from aps_comm.config import SCALINGS, Scaling
 from aps_comm.formats import FloatFormat, get_format, pow2
 
 if TYPE_CHECKING:
-    from aps_comm.codec import Blocks
+    from aps_comm.codec import Blocks, Layout
 
 __all__ = [
     "EXPONENT_LIMIT",
     "Factors",
     "Scaling",
     "block_amax",
+    "blocks_amax",
     "exponent_keys",
     "exponents",
     "factors",
@@ -103,7 +104,20 @@ def block_amax(x: torch.Tensor, blocks: Blocks) -> torch.Tensor:
         >>> block_amax(x, Layout.from_numels([5], x.device).grid(8))
         tensor([inf])
     """
-    layout = blocks.layout
+    return blocks_amax(x, blocks.layout)
+
+
+def blocks_amax(x: torch.Tensor, layout: Layout) -> torch.Tensor:
+    """:func:`block_amax` of a layout whose segments are blocks (many, small).
+
+    :func:`aps_comm.codec.segment_amax` suits a few large segments (layers);
+    this one a segment per block.
+
+    Example:
+        >>> from aps_comm.codec import Layout
+        >>> blocks_amax(torch.tensor([1.0, -3.0, 2.0]), Layout.from_numels([2, 1], "cpu"))
+        tensor([3., 2.])
+    """
     if x.dim() != 1 or x.numel() != layout.numel:
         raise ValueError(f"blocks cover {layout.numel} elements, x has shape {tuple(x.shape)}")
     out = torch.zeros(layout.n_segments, dtype=torch.float32, device=x.device)

@@ -37,10 +37,9 @@ from collections.abc import Callable, Sequence
 import torch
 import torch.distributed as dist
 
-from aps_comm.codec import segment_amax
 from aps_comm.formats import payload_nbytes, pow2
 from aps_comm.plan import GroupPlan, RowRuns
-from aps_comm.scaling import mean_exponents
+from aps_comm.scaling import blocks_amax, mean_exponents
 from aps_comm.topology import NodeGroups
 
 __all__ = [
@@ -408,7 +407,7 @@ def two_phase_blocks(
             out = g.shards[s0:s1]
             mean = g.codec.shard_mean(g.recv[r0:r1], n)[: b - a]
             first = sh.windows[p][rank].first
-            top = segment_amax(mean, mine).nan_to_num_(nan=float("inf"))
+            top = blocks_amax(mean, mine)
             d = mean_exponents(top, exponents[first : first + mine.n_segments], fmt)
             used = payload_nbytes(b - a, fmt)
             g.codec.encode(mean, out=out[:used], scale=pow2(d), layout=mine)
