@@ -4,7 +4,8 @@ A bucket's (or unit's) path, in order:
 
 1. **maxima**: every layer's max |g| in one fused pass, one MAX all-reduce
    (with whatever else must be agreed riding on it: Promote's underflow
-   rates, each rank's preferred chunk, FSDP's layout check);
+   rates, each rank's preferred chunk, FSDP's layout check); with block
+   scaling, every block's one-byte exponent key instead;
 2. **formats**: each layer's wire format this step (:class:`aps_comm.policy.Assignment`);
 3. **plan**: the layout's cached :class:`aps_comm.plan.BucketPlan` (groups,
    chunks, scratch), and each format's route (:class:`aps_comm.config.Route`);
