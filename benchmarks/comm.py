@@ -112,7 +112,10 @@ _STRATEGY = {
     "aps-e4m3": ("e4m3", "two_phase"),
     "aps-e4m3-hierarchical": ("e4m3", "hierarchical"),
     "aps-e4m3-auto": ("e4m3", "auto"),
+    "aps-e4m3-block": ("e4m3:block", "two_phase"),
+    "aps-e2m1-block": ("e2m1:block", "two_phase"),
 }
+_BLOCK_SUFFIX = ":block"  # priced with block scaling's exponent bytes and codec
 
 
 def _shape(mb: float) -> tuple[int, int]:
@@ -571,6 +574,7 @@ def predict_strategies(
     if not topology.get("link") or not topology["link"].get("bandwidth_bits_per_s"):
         return {}, "no measured link (loopback)"
     try:
+        from aps_perfmodel.formats import get_format as model_format
         from aps_perfmodel.strategies import STRATEGIES, bucket_breakdown, choose_strategy
 
         cluster = _model_cluster(topology)
@@ -584,6 +588,8 @@ def predict_strategies(
         if name not in _STRATEGY:
             continue
         fmt, strategy = _STRATEGY[name]
+        if fmt.endswith(_BLOCK_SUFFIX):
+            fmt = model_format(fmt.removesuffix(_BLOCK_SUFFIX), aps=True, scaling="block")
         done = (ran or {}).get(spec) or {}
         chunks = done.get("bucket_chunks") or []
         # The hook's reduction names as the model's strategies.
