@@ -342,7 +342,14 @@ def test_exception_inside_context_cleans_up(netns: None) -> None:
 def test_signal_to_cli_cleans_up(netns: None, sig: signal.Signals) -> None:
     cmd = [sys.executable, "-m", "benchmarks.cluster", "--ranks", "2", "--bandwidth", "10mbit"]
     cmd += ["--no-probe", "--", "sleep", "60"]
-    proc = subprocess.Popen(cmd, start_new_session=True, stdout=subprocess.DEVNULL)
+    # A test run started in the background without job control ignores SIGINT,
+    # and a child inherits an ignored signal: handle it here while starting the
+    # CLI, so that exec resets it to the default and the CLI gets Ctrl-C.
+    previous = signal.signal(signal.SIGINT, signal.default_int_handler)
+    try:
+        proc = subprocess.Popen(cmd, start_new_session=True, stdout=subprocess.DEVNULL)
+    finally:
+        signal.signal(signal.SIGINT, previous)
     prefix = f"{cl.NS_PREFIX}{proc.pid}-"
     deadline = time.monotonic() + 20
     pids: dict[str, int] = {}
