@@ -47,7 +47,14 @@ from aps_comm.formats import FP32, FloatFormat, pow2
 from aps_comm.plan import BucketPlan, GroupPlan, Planner
 from aps_comm.policy import Assignment
 from aps_comm.reduction import native_sum_supported, resolve_routes
-from aps_comm.scaling import block_amax, exponent_keys, factors, factors_from_keys
+from aps_comm.scaling import (
+    KEY_BAD,
+    KEY_ZERO,
+    block_amax,
+    exponent_keys,
+    factors,
+    factors_from_keys,
+)
 from aps_comm.telemetry import StepStats, layer_counts, per_layer
 
 __all__ = ["ONE_CHUNK", "Comm", "Reducer", "Settings", "Traffic"]
@@ -575,7 +582,7 @@ class Reducer:
             assert run.block_index is not None
             local = maxima[run.block_index]
             if run.fmt == FP32:  # sent exactly: its keys only carry non-finite blocks
-                keys.append(torch.where(torch.isfinite(local), 0, 255).to(torch.uint8))
+                keys.append(torch.where(torch.isfinite(local), KEY_ZERO, KEY_BAD).to(torch.uint8))
             else:
                 keys.append(exponent_keys(local, run.fmt, Route.TWO_PHASE, world_size=n)[0])
         flag = (problem.reshape(1) > 0).to(torch.uint8)
@@ -593,7 +600,11 @@ class Reducer:
             f = factors_from_keys(k[None], run.fmt, Route.TWO_PHASE, world_size=n)
             # A parameter with a non-finite block in any row is NaN in every row.
             bad = torch.segment_reduce(
-                (k == 255).float(), "max", lengths=blocks.device_counts, unsafe=True, initial=0.0
+                (k == KEY_BAD).float(),
+                "max",
+                lengths=blocks.device_counts,
+                unsafe=True,
+                initial=0.0,
             )
             param_bad = bad.view(n, -1).amax(0).repeat(n) > 0
             keep = (

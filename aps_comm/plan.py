@@ -16,6 +16,7 @@ Example:
 from __future__ import annotations
 
 import dataclasses
+import functools
 import itertools
 import math
 from collections.abc import Callable, Sequence
@@ -90,9 +91,7 @@ class Planner:
         """``fmt`` as the model prices it: with block scaling, its exponent bytes and codec."""
         if self.scaling != Scaling.BLOCK or fmt == FP32:
             return model_format(fmt)
-        return model_spec(
-            model_format(fmt), aps=True, scaling=Scaling.BLOCK, block_size=self.block_size
-        )
+        return _block_spec(model_format(fmt), self.block_size)
 
     def reduction(self, fmt: FloatFormat, numel: int, n_layers: int, native: bool) -> Route:
         """The fastest way to reduce ``numel`` elements of ``fmt`` (a hook reduction name)."""
@@ -118,6 +117,12 @@ class Planner:
             strategy = Route(reduction).model_name
             chunk = strategy_chunk(numel, self.spec(fmt), self.cluster, strategy, exchange_s)
         return 2 ** math.ceil(math.log2(max(chunk, 1)))
+
+
+@functools.lru_cache(maxsize=64)
+def _block_spec(name: str, block_size: int) -> FormatSpec:
+    """The model's spec of ``name`` with block scaling (built once, not per bucket)."""
+    return model_spec(name, aps=True, scaling=Scaling.BLOCK, block_size=block_size)
 
 
 def shard_layout(numel: int, fmt: FloatFormat, world_size: int) -> tuple[int, int]:
@@ -219,6 +224,9 @@ class BlockShards:
             blocks any shard of the chunk has).
         gather_regions: per chunk, its N gathered shards in ``gathered``.
         gathered: uint8 scratch for the all-gathered shards and exponents.
+        exponent_index: per chunk, where each of its blocks' owner exponent
+            lies in its gathered region (on the device), in block order: the
+            chunk's factors are built in one gather, not one per shard.
     """
 
     bounds: list[list[int]]
@@ -228,6 +236,7 @@ class BlockShards:
     slots: list[int]
     gather_regions: list[tuple[int, int]]
     gathered: torch.Tensor
+    exponent_index: list[torch.Tensor]
 
 
 def _snap(boundaries: torch.Tensor, at: int) -> int:
@@ -397,8 +406,9 @@ class BucketPlan:
             the layout.
         row_runs: FSDP units: the rows' runs per format mix.
         group_builds: group plans and row runs built so far (each allocates scratch).
-        grids: block scaling: the bucket's blocks per block size, and per
-            format mix each format's blocks in the bucket (:meth:`block_index`).
+        grids: block scaling: the bucket's blocks per block size (:meth:`grid`).
+        block_indices: per format mix and block size, each format's blocks in
+            the bucket (:meth:`block_index`).
     """
 
     key: tuple
@@ -412,15 +422,14 @@ class BucketPlan:
     model_chunk: int = 0
     row_runs: dict[tuple, RowRuns] = dataclasses.field(default_factory=dict)
     group_builds: int = 0
-    grids: dict[tuple, object] = dataclasses.field(default_factory=dict)
+    grids: dict[int, Blocks] = dataclasses.field(default_factory=dict)
+    block_indices: dict[tuple, dict] = dataclasses.field(default_factory=dict)
 
     def grid(self, block_size: int) -> Blocks:
         """The bucket's layers cut into blocks of ``block_size`` (built on first use)."""
-        key = ("grid", block_size)
-        blocks = self.grids.get(key)
+        blocks = self.grids.get(block_size)
         if blocks is None:
-            blocks = self.grids[key] = self.layout.grid(block_size)
-        assert isinstance(blocks, Blocks)
+            blocks = self.grids[block_size] = self.layout.grid(block_size)
         return blocks
 
     def block_index(self, formats: Sequence[FloatFormat], block_size: int) -> dict:
@@ -436,8 +445,8 @@ class BucketPlan:
             >>> plan.block_index([e4m3, e5m2], 8)[e5m2]
             tensor([3])
         """
-        key = ("index", tuple(formats), block_size)
-        cached = self.grids.get(key)
+        key = (tuple(formats), block_size)
+        cached = self.block_indices.get(key)
         if cached is None:
             counts = self.grid(block_size).counts
             first = (torch.cumsum(counts, 0) - counts).tolist()
@@ -454,8 +463,7 @@ class BucketPlan:
                     if f == fmt
                 ]
                 cached[fmt] = to_device(torch.cat(picks), self.device)
-            self.grids[key] = cached
-        assert isinstance(cached, dict)
+            self.block_indices[key] = cached
         return cached
 
     def runs(
@@ -731,6 +739,7 @@ class BucketPlan:
         the group's ``regions`` (N padded shards) and ``shard_regions`` (one shard and
         its exponent bytes)."""
         bounds, windows, layouts, shard_bytes, slots, gather_regions = [], [], [], [], [], []
+        exponent_index = []
         start = shard_start = gather_start = 0
         for lo, hi in chunks:
             per = -(-(hi - lo) // world_size)
@@ -754,8 +763,22 @@ class BucketPlan:
             shard_start = shard_regions[-1][1]
             gather_regions.append((gather_start, gather_start + world_size * (sb + slot)))
             gather_start = gather_regions[-1][1]
+            # Shard s's j-th block: byte sb + j of the s-th gathered row.
+            where = [
+                s * (sb + slot) + sb + j for s, w in enumerate(wins) for j in range(w.n_segments)
+            ]
+            exponent_index.append(
+                to_device(torch.tensor(where, dtype=torch.int64), layout.lengths.device)
+            )
         return BlockShards(
-            bounds, windows, layouts, shard_bytes, slots, gather_regions, scratch(gather_start)
+            bounds,
+            windows,
+            layouts,
+            shard_bytes,
+            slots,
+            gather_regions,
+            scratch(gather_start),
+            exponent_index,
         )
 
     @staticmethod

@@ -49,6 +49,8 @@ if TYPE_CHECKING:
 
 __all__ = [
     "EXPONENT_LIMIT",
+    "KEY_BAD",
+    "KEY_ZERO",
     "Factors",
     "Scaling",
     "block_amax",
@@ -343,7 +345,8 @@ def _assemble(
     return Factors(e, pow2(e), torch.where(finite, unscale, float("nan")))
 
 
-_KEY_ZERO, _KEY_BAD = 0, 255
+KEY_ZERO, KEY_BAD = 0, 255
+"""Exponent keys of a zero maximum (no constraint) and of a non-finite one (wins every MAX)."""
 
 
 def exponent_keys(
@@ -385,8 +388,8 @@ def exponent_keys(
     if scaling not in ("block", "layer"):
         raise ValueError(f"exponent keys need scaling 'block' or 'layer', got {scaling!r}")
     exps = _route_exponents(amax, get_format(fmt), route, world_size, scaling, ranks_per_node)
-    keys = torch.where(amax == 0, _KEY_ZERO, 127 - exps)
-    return torch.where(torch.isfinite(amax), keys, _KEY_BAD).to(torch.uint8)
+    keys = torch.where(amax == 0, KEY_ZERO, 127 - exps)
+    return torch.where(torch.isfinite(amax), keys, KEY_BAD).to(torch.uint8)
 
 
 def factors_from_keys(
@@ -417,9 +420,9 @@ def factors_from_keys(
     """
     get_format(fmt)
     k = keys.to(torch.int32)
-    bad = (k == _KEY_BAD).any(0)
+    bad = (k == KEY_BAD).any(0)
     finite = ~bad if counts is None else _spread_finite(~bad, counts)
-    exps = torch.where((k == _KEY_ZERO) | (k == _KEY_BAD), 0, 127 - k)
+    exps = torch.where((k == KEY_ZERO) | (k == KEY_BAD), 0, 127 - k)
     return _assemble(exps, finite, route, world_size, divide)
 
 

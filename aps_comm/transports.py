@@ -369,17 +369,22 @@ def two_phase_blocks(
         _wait(work, f"the all_gather of chunk {c + 1} of {k}")
         q0, q1 = sh.gather_regions[c]
         sb = sh.shard_bytes[c]
-        rows = sh.gathered[q0:q1].view(n, sb + sh.slots[c])
+        gathered = sh.gathered[q0:q1]
+        # The chunk's blocks, every shard's: unscaled by 2**-(e + d), d its owner's.
+        b0 = g.windows[c].first
+        b1 = b0 + g.windows[c].n_segments
+        d = gathered[sh.exponent_index[c]].to(torch.int32)
+        unscale = torch.where(finite[b0:b1], pow2(-(exponents[b0:b1] + d)), float("nan"))
+        rows = gathered.view(n, sb + sh.slots[c])
         for s, (a, b) in enumerate(itertools.pairwise(sh.bounds[c])):
-            first, blocks = sh.windows[c][s].first, sh.layouts[c][s].n_segments
-            d = rows[s, sb : sb + blocks].to(torch.int32)
-            e = exponents[first : first + blocks]
-            unscale = torch.where(finite[first : first + blocks], pow2(-(e + d)), float("nan"))
+            if a == b:
+                continue
+            first = sh.windows[c][s].first - b0
             g.codec.decode(
                 rows[s, : payload_nbytes(b - a, fmt)],
                 b - a,
                 out=x[a:b],
-                scale=unscale,
+                scale=unscale[first : first + sh.layouts[c][s].n_segments],
                 layout=sh.layouts[c][s],
             )
 
