@@ -33,6 +33,7 @@ __all__ = [
     "DEFAULT_BLOCK_SIZE",
     "REDUCTIONS",
     "SCALINGS",
+    "BlockExponents",
     "Choice",
     "Reduction",
     "Route",
@@ -85,6 +86,24 @@ class Route(Choice):
     def staged(self) -> bool:
         """Hierarchical and grid: two levels of groups, each with its own exponents."""
         return self in (Route.HIERARCHICAL, Route.GRID)
+
+
+class BlockExponents(Choice):
+    """Where two_phase's block exponents come from, with ``scaling="block"``.
+
+    - ``AGREED``: one MAX all-reduce of one-byte exponents agrees every
+      block's exponent before the first chunk; every rank encodes with it,
+      and each shard's owner gives every block of the mean its own extra
+      exponent (sent with the all-gather).
+    - ``RANK``: no collective before the first chunk: every rank encodes
+      with its own block exponents and sends them with its shards; the owner
+      decodes each shard with its sender's, sums in FP32 and gives every
+      block of the mean its own exponent. Other routes (and error feedback,
+      whose owner keeps the agreed exponents) still agree.
+    """
+
+    AGREED = "agreed"
+    RANK = "rank"
 
 
 REDUCTIONS: tuple[str, ...] = tuple(m.value for m in Reduction)

@@ -41,7 +41,7 @@ import torch.distributed as dist
 
 from aps_comm import codec, transports
 from aps_comm.agreement import Layouts
-from aps_comm.config import DEFAULT_BLOCK_SIZE, Reduction, Route, Scaling
+from aps_comm.config import DEFAULT_BLOCK_SIZE, BlockExponents, Reduction, Route, Scaling
 from aps_comm.feedback import ErrorFeedback
 from aps_comm.formats import FP32, FloatFormat, pow2
 from aps_comm.plan import BucketPlan, GroupPlan, Planner
@@ -74,6 +74,7 @@ class Settings:
         stats: keep per-layer records of each step.
         error_feedback: keep and resend what rounding lost.
         block_size: elements per block with block scaling.
+        block_exponents: with block scaling, two_phase's exponents.
     """
 
     fmt: FloatFormat
@@ -82,6 +83,7 @@ class Settings:
     stats: bool = False
     error_feedback: bool = False
     block_size: int = DEFAULT_BLOCK_SIZE
+    block_exponents: BlockExponents = BlockExponents.AGREED
 
 
 @dataclasses.dataclass(frozen=True)
@@ -237,7 +239,17 @@ class Reducer:
 
         n_layers = len(numels)
         main = self._routes_for(plan, [settings.fmt] * n_layers)[settings.fmt]
-        measured = chunk is None and self.feedback is None and x.device.type == "cpu"
+        blocked = settings.scaling == Scaling.BLOCK
+        # Each rank's own block exponents: two_phase groups agree on nothing
+        # (error feedback's owner keeps the agreed exponents instead).
+        rank_exps = (
+            blocked and settings.block_exponents == BlockExponents.RANK and self.feedback is None
+        )
+        # On CPU the chunk each rank measured rides on the agreement, which
+        # rank exponents skip: they take the model's.
+        measured = (
+            chunk is None and self.feedback is None and x.device.type == "cpu" and not rank_exps
+        )
         # Each rank's preferred chunk, from its own timing, rides on the
         # maxima; the largest wins. A CPU tensor: no device round trip.
         mine = (
@@ -245,13 +257,12 @@ class Reducer:
             if measured
             else 0
         )
-        blocked = settings.scaling == Scaling.BLOCK
         agreed: dict[FloatFormat, tuple[torch.Tensor, torch.Tensor]] = {}
         if blocked:
             if fmts is None:  # error feedback
                 fmts = assignment.formats(keys, step)
             amax = x.new_empty(0)
-            agreed, wanted = self._agree_blocks(plan, x, fmts, mine)
+            agreed, wanted = self._agree_blocks(plan, x, fmts, mine, rank_exps)
         else:
             amax = codec.segment_amax(x, plan.layout)
             extra: list[torch.Tensor] = []
@@ -291,6 +302,7 @@ class Reducer:
             settings.block_size if blocked else None,
             # Error feedback keeps the owner's loss in its residuals instead.
             owner_exponents=blocked and self.feedback is None,
+            rank_exponents=rank_exps,
         )
         sent = [g for g in groups if g.fmt != FP32]
         if sent:
@@ -314,25 +326,34 @@ class Reducer:
         return tail
 
     def _agree_blocks(
-        self, plan: BucketPlan, x: torch.Tensor, fmts: Sequence[FloatFormat], mine: int
+        self,
+        plan: BucketPlan,
+        x: torch.Tensor,
+        fmts: Sequence[FloatFormat],
+        mine: int,
+        rank_exps: bool = False,
     ) -> tuple[dict[FloatFormat, tuple[torch.Tensor, torch.Tensor]], torch.Tensor | None]:
         """Block scaling's one collective: a MAX all-reduce of one-byte block exponents.
 
         Each format's blocks get this rank's exponent keys under their route's
         rule (:func:`aps_comm.scaling.exponent_keys`); the MAX over ranks of a
         key is the key of the ranks' largest maximum. ``mine`` (this rank's
-        preferred chunk, 0 for none) rides along as its log2, one byte.
+        preferred chunk, 0 for none) rides along as its log2, one byte. With
+        ``rank_exps`` two_phase formats keep this rank's own keys (they travel
+        with the shards); with nothing left to agree there is no collective.
 
         Returns:
-            Per format sent scaled: (its blocks' agreed keys, shape (rows,
-            blocks), and this rank's own block maxima, for the records); and
-            the agreed log2 chunk (a 0-d tensor) when ``mine`` was given.
+            Per format sent scaled: (its blocks' agreed keys, or with
+            ``rank_exps`` two_phase's own keys, shape (rows, blocks), and this
+            rank's own block maxima, for the records); and the agreed log2
+            chunk (a 0-d tensor) when ``mine`` was given.
         """
         comm, block_size = self.comm, self.settings.block_size
         routes = self._routes_for(plan, fmts)
         maxima = block_amax(x, plan.grid(block_size))
         node = comm.node_layouts()
         mine_keys: list[tuple[FloatFormat, torch.Tensor, torch.Tensor]] = []
+        out: dict[FloatFormat, tuple[torch.Tensor, torch.Tensor]] = {}
         for fmt, picks in plan.block_index(fmts, block_size).items():
             route = routes[fmt]
             if route == Route.FP32:
@@ -340,13 +361,17 @@ class Reducer:
             local = maxima if picks is None else maxima[picks]
             per = node[route.value][0] if route.staged else 1
             keys = exponent_keys(local, fmt, route, world_size=comm.world_size, ranks_per_node=per)
-            mine_keys.append((fmt, keys, local))
+            if rank_exps and route == Route.TWO_PHASE:
+                out[fmt] = (keys, local)
+            else:
+                mine_keys.append((fmt, keys, local))
         parts = [keys.reshape(-1) for _, keys, _ in mine_keys]
         if mine:
             parts.append(torch.tensor([int(math.log2(mine))], dtype=torch.uint8))
-        shared = torch.cat(parts) if parts else torch.zeros(0, dtype=torch.uint8)
+        if not parts:
+            return out, None
+        shared = torch.cat(parts)
         transports.all_reduce_max(shared, comm.group, self.traffic)
-        out: dict[FloatFormat, tuple[torch.Tensor, torch.Tensor]] = {}
         start = 0
         for fmt, keys, local in mine_keys:
             out[fmt] = (shared[start : start + keys.numel()].view(keys.shape), local)
@@ -444,6 +469,15 @@ class Reducer:
             fb = self.feedback
             after_encode = functools.partial(_keep_sent, fb, g, x, gnames, f.exponents, finite)
             owner = functools.partial(_owner_with_feedback, fb, g, gnames, f.scale, finite)
+        if (
+            route == Route.TWO_PHASE
+            and g.block_shards is not None
+            and g.block_shards.rank_exponents
+        ):
+            assert keyed is not None
+            return transports.two_phase_rank_blocks(
+                g, x, keyed[0][0], comm.rank, comm.group, comm.world_size, self.traffic, defer
+            )
         if route == Route.TWO_PHASE and g.block_shards is not None:
             return transports.two_phase_blocks(
                 g,

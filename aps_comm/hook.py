@@ -38,6 +38,7 @@ from torch.nn.parallel import DistributedDataParallel
 from aps_comm import agreement, teardown, transports
 from aps_comm.config import (
     DEFAULT_BLOCK_SIZE,
+    BlockExponents,
     Reduction,
     Scaling,
     check_block_size,
@@ -68,29 +69,40 @@ class APSConfig:
         scaling: a :class:`aps_comm.config.Scaling` (or its name).
         block_size: elements per block with ``scaling="block"`` (a power of
             two from 8 to 256).
+        block_exponents: with ``scaling="block"``, where two_phase's block
+            exponents come from (:class:`aps_comm.config.BlockExponents`).
 
     Example:
         >>> APSConfig("e4m3", "two_phase").describe()
         'fmt=e4m3(e4m3, bias=7, fn), reduction=two_phase, scaling=layer'
         >>> APSConfig("e2m1", "two_phase", "block", 64).describe()
         'fmt=e2m1(e2m1, bias=1, fn), reduction=two_phase, scaling=block(64)'
+        >>> APSConfig("e2m1", "two_phase", "block", 32, "rank").describe()
+        'fmt=e2m1(e2m1, bias=1, fn), reduction=two_phase, scaling=block(32, rank exponents)'
     """
 
     fmt: FloatFormat
     reduction: Reduction = Reduction.AUTO
     scaling: Scaling = Scaling.LAYER
     block_size: int = DEFAULT_BLOCK_SIZE
+    block_exponents: BlockExponents = BlockExponents.AGREED
 
     def __post_init__(self) -> None:
         object.__setattr__(self, "fmt", get_format(self.fmt))
         object.__setattr__(self, "reduction", Reduction.parse(self.reduction, "reduction"))
         object.__setattr__(self, "scaling", Scaling.parse(self.scaling, "scaling"))
         object.__setattr__(self, "block_size", check_block_size(self.block_size))
+        object.__setattr__(
+            self,
+            "block_exponents",
+            BlockExponents.parse(self.block_exponents, "block_exponents"),
+        )
 
     def describe(self) -> str:
         scaling = str(self.scaling)
         if self.scaling == Scaling.BLOCK:
-            scaling += f"({self.block_size})"
+            rank = self.block_exponents == BlockExponents.RANK
+            scaling += f"({self.block_size}{', rank exponents' if rank else ''})"
         return f"fmt={self.fmt.describe()}, reduction={self.reduction}, scaling={scaling}"
 
 
@@ -136,6 +148,10 @@ class APSState:
             or "none" (plain saturating cast).
         block_size: elements per block with ``scaling="block"``: a power of
             two from 8 to 256 (default 32: one exponent byte per 32 elements).
+        block_exponents: with ``scaling="block"`` and two_phase, "agreed"
+            (one MAX all-reduce of the blocks' exponents before the first
+            chunk) or "rank" (none: each rank sends its own exponents with
+            its shards); see :class:`aps_comm.config.BlockExponents`.
         process_group: group to communicate on; default: a new group over all ranks.
         stats: record per-layer :class:`~aps_comm.telemetry.LayerStats` of the
             last step in ``state.stats``.
@@ -193,8 +209,15 @@ class APSState:
         ranks_per_node: int | None = None,
         profile: Profile | str | os.PathLike | None = None,
         block_size: int = DEFAULT_BLOCK_SIZE,
+        block_exponents: BlockExponents | str = BlockExponents.AGREED,
     ) -> None:
-        self.config = APSConfig(get_format(fmt), reduction, scaling, block_size)  # type: ignore[arg-type]
+        self.config = APSConfig(
+            get_format(fmt),
+            reduction,  # type: ignore[arg-type]
+            scaling,  # type: ignore[arg-type]
+            block_size,
+            block_exponents,  # type: ignore[arg-type]
+        )
         self.profile = Profile.load(profile) if isinstance(profile, (str, os.PathLike)) else profile
         if ranks_per_node is not None and (
             isinstance(ranks_per_node, bool)
@@ -439,6 +462,7 @@ class APSState:
             self.collect_stats,
             self.error_feedback,
             self.config.block_size,
+            self.config.block_exponents,
         )
         if self.feedback is not None:
             self.feedback.rank, self.feedback.world_size = comm.rank, comm.world_size
@@ -720,6 +744,7 @@ def register(
     ranks_per_node: int | None = None,
     profile: Profile | str | os.PathLike | None = None,
     block_size: int = DEFAULT_BLOCK_SIZE,
+    block_exponents: BlockExponents | str = BlockExponents.AGREED,
 ) -> APSState:
     """Build an :class:`APSState`, register :func:`aps_hook` on ``ddp``, return the state.
 
@@ -761,6 +786,7 @@ def register(
         ranks_per_node,
         profile,
         block_size,
+        block_exponents,
     )
     state.bind_model(ddp.module)
     if dist.is_available() and dist.is_initialized():

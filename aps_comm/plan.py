@@ -227,6 +227,15 @@ class BlockShards:
         exponent_index: per chunk, where each of its blocks' owner exponent
             lies in its gathered region (on the device), in block order: the
             chunk's factors are built in one gather, not one per shard.
+        pieces: per chunk, the bytes each shard takes in the all-to-all:
+            ``shard_bytes``, and with each rank's own exponents
+            (:attr:`aps_comm.config.BlockExponents.RANK`) its ``slots``
+            exponent bytes too, and in the first chunk :attr:`flags` more.
+        flags: with each rank's own exponents, one byte per layer of the
+            group after the first chunk's shards: whether the sender's layer
+            is finite (every owner learns every rank's, so every rank makes
+            the same layers NaN); else 0.
+        rank_exponents: each rank sends its own block exponents with its shards.
     """
 
     bounds: list[list[int]]
@@ -237,6 +246,9 @@ class BlockShards:
     gather_regions: list[tuple[int, int]]
     gathered: torch.Tensor
     exponent_index: list[torch.Tensor]
+    pieces: list[int]
+    flags: int = 0
+    rank_exponents: bool = False
 
 
 def _snap(boundaries: torch.Tensor, at: int) -> int:
@@ -570,6 +582,7 @@ class BucketPlan:
         node: dict[str, tuple[int, int]] | None = None,
         block_size: int | None = None,
         owner_exponents: bool = False,
+        rank_exponents: bool = False,
     ) -> list[GroupPlan]:
         """The group plans for this step's per-layer formats (built on first use).
 
@@ -586,6 +599,8 @@ class BucketPlan:
                 many elements of a layer (:attr:`GroupPlan.blocks`).
             owner_exponents: with block scaling, two_phase shards hold whole
                 blocks and their owners send exponents (:class:`BlockShards`).
+            rank_exponents: the same, and every rank sends its own block
+                exponents with its shards (no agreement).
 
         Returns:
             One plan per format, in order of first appearance (the same on every rank).
@@ -603,6 +618,7 @@ class BucketPlan:
             tuple(sorted((node or {}).items())),
             block_size,
             owner_exponents,
+            rank_exponents,
         )
         cached = self.groups.get(key)
         if cached is None:
@@ -622,6 +638,7 @@ class BucketPlan:
                     node,
                     block_size,
                     owner_exponents,
+                    rank_exponents,
                 )
                 for f, idx in order.items()
             ]
@@ -640,6 +657,7 @@ class BucketPlan:
         node: dict[str, tuple[int, int]] | None,
         block_size: int | None = None,
         owner_exponents: bool = False,
+        rank_exponents: bool = False,
     ) -> GroupPlan:
         numels = [self.numels[i] for i in index]
         layout = Layout.from_numels(numels, self.device)
@@ -652,7 +670,11 @@ class BucketPlan:
         if chosen not in tuple(Route):
             raise ValueError(f"no resolved reduction for {fmt.name}: {chosen!r}")
         reduction = Route(chosen)
-        by_blocks = blocks is not None and owner_exponents and reduction == Route.TWO_PHASE
+        by_blocks = (
+            blocks is not None
+            and (owner_exponents or rank_exponents)
+            and reduction == Route.TWO_PHASE
+        )
         if by_blocks:
             chunks = block_chunks(layout, chunk_elements)
         else:
@@ -685,8 +707,9 @@ class BucketPlan:
             start = regions[-1][1]
             shard_start = shard_regions[-1][1]
         elif by_blocks:
+            flags = len(numels) if rank_exponents else 0
             block_shards = self._block_shards(
-                fmt, layout, chunks, world_size, scratch, regions, shard_regions
+                fmt, layout, chunks, world_size, scratch, regions, shard_regions, flags
             )
             start, shard_start = regions[-1][1], shard_regions[-1][1]
         else:
@@ -734,12 +757,14 @@ class BucketPlan:
         scratch: Callable[..., torch.Tensor],
         regions: list[tuple[int, int]],
         shard_regions: list[tuple[int, int]],
+        flags: int = 0,
     ) -> BlockShards:
         """Shards of whole blocks per chunk (``layout``'s segments are the blocks); fills
-        the group's ``regions`` (N padded shards) and ``shard_regions`` (one shard and
-        its exponent bytes)."""
+        the group's ``regions`` (N padded shards, with each rank's own exponents
+        theirs too and ``flags`` bytes in the first chunk) and ``shard_regions``
+        (one shard and its exponent bytes)."""
         bounds, windows, layouts, shard_bytes, slots, gather_regions = [], [], [], [], [], []
-        exponent_index = []
+        exponent_index, pieces = [], []
         start = shard_start = gather_start = 0
         for lo, hi in chunks:
             per = -(-(hi - lo) // world_size)
@@ -757,7 +782,9 @@ class BucketPlan:
             layouts.append(own)
             shard_bytes.append(sb)
             slots.append(slot)
-            regions.append((start, start + world_size * sb))
+            piece = sb + (slot + (flags if not pieces else 0) if flags else 0)
+            pieces.append(piece)
+            regions.append((start, start + world_size * piece))
             start = regions[-1][1]
             shard_regions.append((shard_start, shard_start + sb + slot))
             shard_start = shard_regions[-1][1]
@@ -779,6 +806,9 @@ class BucketPlan:
             gather_regions,
             scratch(gather_start),
             exponent_index,
+            pieces,
+            flags,
+            bool(flags),
         )
 
     @staticmethod

@@ -53,12 +53,14 @@ __all__ = [
     "KEY_ZERO",
     "Factors",
     "Scaling",
+    "bad_layers",
     "block_amax",
     "blocks_amax",
     "exponent_keys",
     "exponents",
     "factors",
     "factors_from_keys",
+    "key_exponents",
     "layer_amax",
     "mean_exponents",
     "pow2",
@@ -419,11 +421,36 @@ def factors_from_keys(
         tensor([0.0078, 1.0000,    nan])
     """
     get_format(fmt)
-    k = keys.to(torch.int32)
-    bad = (k == KEY_BAD).any(0)
+    bad = (keys == KEY_BAD).any(0)
     finite = ~bad if counts is None else _spread_finite(~bad, counts)
-    exps = torch.where((k == KEY_ZERO) | (k == KEY_BAD), 0, 127 - k)
-    return _assemble(exps, finite, route, world_size, divide)
+    return _assemble(key_exponents(keys), finite, route, world_size, divide)
+
+
+def key_exponents(keys: torch.Tensor) -> torch.Tensor:
+    """The exponents (int32) that :func:`exponent_keys` encoded: 0 for a zero or bad key.
+
+    Example:
+        >>> key_exponents(torch.tensor([120, 0, 255], dtype=torch.uint8))
+        tensor([7, 0, 0], dtype=torch.int32)
+    """
+    k = keys.to(torch.int32)
+    return torch.where((k == KEY_ZERO) | (k == KEY_BAD), 0, 127 - k)
+
+
+def bad_layers(keys: torch.Tensor, counts: torch.Tensor) -> torch.Tensor:
+    """Per layer, 1 (uint8) where any of its blocks' keys is ``KEY_BAD``, else 0.
+
+    Args:
+        keys: one key per block (uint8), the layers' blocks in order.
+        counts: blocks per layer (int64, on the keys' device).
+
+    Example:
+        >>> bad_layers(torch.tensor([3, 255, 0], dtype=torch.uint8), torch.tensor([2, 1]))
+        tensor([1, 0], dtype=torch.uint8)
+    """
+    bad = (keys == KEY_BAD).float()
+    out = torch.segment_reduce(bad, "max", lengths=counts, unsafe=True, initial=0.0)
+    return out.to(torch.uint8)
 
 
 def _layer_finite(amax: torch.Tensor, counts: torch.Tensor) -> torch.Tensor:

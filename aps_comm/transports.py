@@ -37,9 +37,16 @@ from collections.abc import Callable, Sequence
 import torch
 import torch.distributed as dist
 
+from aps_comm.codec import Layout
 from aps_comm.formats import payload_nbytes, pow2
 from aps_comm.plan import GroupPlan, RowRuns
-from aps_comm.scaling import blocks_amax, mean_exponents
+from aps_comm.scaling import (
+    bad_layers,
+    blocks_amax,
+    exponent_keys,
+    key_exponents,
+    mean_exponents,
+)
 from aps_comm.topology import NodeGroups
 
 __all__ = [
@@ -53,6 +60,7 @@ __all__ = [
     "reduce_scatter",
     "two_phase",
     "two_phase_blocks",
+    "two_phase_rank_blocks",
 ]
 
 Counter = Callable[[str, int], None]
@@ -359,6 +367,148 @@ def two_phase_blocks(
         With ``defer``, the function that finishes the bucket; else None.
     """
     sh = g.block_shards
+    assert sh is not None and not sh.rank_exponents
+    fmt, n = g.fmt, world_size
+
+    def send(c: int, s: int, a: int, b: int, piece: torch.Tensor) -> None:
+        used = payload_nbytes(b - a, fmt)
+        g.codec.encode(x[a:b], out=piece[:used], scale=scale, layout=sh.windows[c][s])
+        piece[used:].zero_()  # padding: code 0 is +0 in every format
+
+    def owner(p: int, rows: torch.Tensor, a: int, b: int, out: torch.Tensor) -> None:
+        mine = sh.layouts[p][rank]
+        mean = g.codec.shard_mean(rows.reshape(-1), n)[: b - a]
+        first = sh.windows[p][rank].first
+        d = mean_exponents(blocks_amax(mean, mine), exponents[first : first + mine.n_segments], fmt)
+        _owner_out(g, p, mean, mine, d.clamp(0, 255).to(torch.uint8), d, out)
+
+    def unscale(b0: int, b1: int, d: torch.Tensor) -> torch.Tensor:
+        return torch.where(finite[b0:b1], pow2(-(exponents[b0:b1] + d)), float("nan"))
+
+    return _block_pipeline(g, x, send, owner, unscale, rank, group, world_size, count, defer)
+
+
+def two_phase_rank_blocks(
+    g: GroupPlan,
+    x: torch.Tensor,
+    keys: torch.Tensor,
+    rank: int,
+    group: dist.ProcessGroup,
+    world_size: int,
+    count: Counter,
+    defer: bool = False,
+) -> Callable[[], None] | None:
+    """:func:`two_phase_blocks` with every rank's own block exponents: no collective first.
+
+    Each rank encodes its shards with its own block exponents and sends them
+    after each shard's payload, one byte per block (and, in the first chunk,
+    one byte per layer: whether its layer is non-finite). The owner decodes
+    every rank's copy with its sender's exponents, sums them in FP32 in rank
+    order, divides by N, gives each block of the mean its own exponent
+    (:func:`aps_comm.scaling.exponent_keys`, no headroom), encodes it and
+    all-gathers it with those exponents. A layer non-finite on any rank is
+    NaN on every rank: every owner receives every rank's layer flags with
+    the first chunk, before anything is decoded.
+
+    Args:
+        g: the group's plan (``g.block_shards`` with ``rank_exponents``).
+        x: the group's float32 values; the result is written back into it.
+        keys: this rank's :func:`aps_comm.scaling.exponent_keys` of every
+            block of the group (two_phase, N ranks).
+        rank: this rank: the shard it owns.
+        group: the process group.
+        world_size: ranks N.
+        count: byte counter.
+        defer: as in :func:`two_phase`.
+
+    Returns:
+        With ``defer``, the function that finishes the bucket; else None.
+    """
+    sh = g.block_shards
+    assert sh is not None and sh.rank_exponents and g.blocks is not None
+    fmt, n = g.fmt, world_size
+    counts = g.blocks.device_counts
+    scale = pow2(key_exponents(keys))
+    flags = bad_layers(keys, counts)
+    bad: list[torch.Tensor] = []  # per block: its layer is non-finite on some rank
+
+    def send(c: int, s: int, a: int, b: int, piece: torch.Tensor) -> None:
+        used, sb = payload_nbytes(b - a, fmt), sh.shard_bytes[c]
+        first, blocks = sh.windows[c][s].first, sh.windows[c][s].n_segments
+        g.codec.encode(x[a:b], out=piece[:used], scale=scale, layout=sh.windows[c][s])
+        piece[used:].zero_()  # padding: code 0 is +0 in every format
+        piece[sb : sb + blocks] = keys[first : first + blocks]
+        if c == 0:
+            piece[sb + sh.slots[0] :] = flags
+
+    def owner(p: int, rows: torch.Tensor, a: int, b: int, out: torch.Tensor) -> None:
+        sb, mine = sh.shard_bytes[p], sh.layouts[p][rank]
+        if p == 0:
+            union = rows[:, sb + sh.slots[0] :].amax(0)
+            bad.append(torch.repeat_interleave(union != 0, counts, output_size=g.layout.n_segments))
+        used, blocks = payload_nbytes(b - a, fmt), mine.n_segments
+        mean = torch.empty(b - a, dtype=torch.float32, device=x.device)
+        part = torch.empty_like(mean) if n > 1 else mean
+        for r in range(n):  # rank order: every owner's sum has the same bits
+            unscale = pow2(-key_exponents(rows[r, sb : sb + blocks]))
+            dst = mean if r == 0 else part
+            g.codec.decode(rows[r, :used], b - a, out=dst, scale=unscale, layout=mine)
+            if r:
+                mean += part
+        mean.div_(n)
+        mean_keys = exponent_keys(blocks_amax(mean, mine), fmt, "two_phase", world_size=1)[0]
+        _owner_out(g, p, mean, mine, mean_keys, key_exponents(mean_keys), out)
+
+    def unscale(b0: int, b1: int, k: torch.Tensor) -> torch.Tensor:
+        return torch.where(bad[0][b0:b1], float("nan"), pow2(-key_exponents(k)))
+
+    return _block_pipeline(
+        g, x, send, owner, unscale, rank, group, world_size, count, defer, raw=True
+    )
+
+
+def _owner_out(
+    g: GroupPlan,
+    p: int,
+    mean: torch.Tensor,
+    mine: Layout,
+    sent: torch.Tensor,
+    exps: torch.Tensor,
+    out: torch.Tensor,
+) -> None:
+    """The owner's shard of chunk ``p``: ``mean * 2**exps`` encoded, then ``sent`` (one
+    byte per block), zero padded."""
+    sh = g.block_shards
+    assert sh is not None
+    used, sb = payload_nbytes(mean.numel(), g.fmt), sh.shard_bytes[p]
+    g.codec.encode(mean, out=out[:used], scale=pow2(exps), layout=mine)
+    out[used:sb].zero_()
+    out[sb : sb + mine.n_segments] = sent
+    out[sb + mine.n_segments :].zero_()
+
+
+def _block_pipeline(
+    g: GroupPlan,
+    x: torch.Tensor,
+    send: Callable[[int, int, int, int, torch.Tensor], None],
+    owner: Callable[[int, torch.Tensor, int, int, torch.Tensor], None],
+    unscale: Callable[[int, int, torch.Tensor], torch.Tensor],
+    rank: int,
+    group: dist.ProcessGroup,
+    world_size: int,
+    count: Counter,
+    defer: bool,
+    raw: bool = False,
+) -> Callable[[], None] | None:
+    """The chunk pipeline of the block-scaled two_phase variants (:func:`two_phase`'s order).
+
+    ``send(c, s, a, b, piece)`` fills shard s (elements ``[a, b)``) of chunk
+    c's exchange; ``owner(p, rows, a, b, out)`` turns the N received pieces
+    into this rank's gathered shard; ``unscale(b0, b1, sent)`` gives the
+    factors of the chunk's blocks ``[b0, b1)`` from the bytes their owners
+    sent (as uint8 when ``raw``, else as int32).
+    """
+    sh = g.block_shards
     assert sh is not None
     fmt, k, n = g.fmt, len(g.chunks), world_size
     exchanges: dict[int, dist.Work] = {}
@@ -370,11 +520,10 @@ def two_phase_blocks(
         q0, q1 = sh.gather_regions[c]
         sb = sh.shard_bytes[c]
         gathered = sh.gathered[q0:q1]
-        # The chunk's blocks, every shard's: unscaled by 2**-(e + d), d its owner's.
+        # The chunk's blocks, every shard's, unscaled by what their owners sent.
         b0 = g.windows[c].first
-        b1 = b0 + g.windows[c].n_segments
-        d = gathered[sh.exponent_index[c]].to(torch.int32)
-        unscale = torch.where(finite[b0:b1], pow2(-(exponents[b0:b1] + d)), float("nan"))
+        sent = gathered[sh.exponent_index[c]]
+        factors = unscale(b0, b0 + g.windows[c].n_segments, sent if raw else sent.to(torch.int32))
         rows = gathered.view(n, sb + sh.slots[c])
         for s, (a, b) in enumerate(itertools.pairwise(sh.bounds[c])):
             if a == b:
@@ -384,20 +533,17 @@ def two_phase_blocks(
                 rows[s, : payload_nbytes(b - a, fmt)],
                 b - a,
                 out=x[a:b],
-                scale=unscale[first : first + sh.layouts[c][s].n_segments],
+                scale=factors[first : first + sh.layouts[c][s].n_segments],
                 layout=sh.layouts[c][s],
             )
 
     for c in range(k + 2):
         if c < k:
             r0, r1 = g.regions[c]
-            sb = sh.shard_bytes[c]
-            send = g.send[r0:r1].view(n, sb)
+            pieces = g.send[r0:r1].view(n, sh.pieces[c])
             for s, (a, b) in enumerate(itertools.pairwise(sh.bounds[c])):
-                used = payload_nbytes(b - a, fmt)
-                g.codec.encode(x[a:b], out=send[s, :used], scale=scale, layout=sh.windows[c][s])
-                send[s, used:].zero_()  # padding: code 0 is +0 in every format
-            count("all_to_all", send.numel())
+                send(c, s, a, b, pieces[s])
+            count("all_to_all", pieces.numel())
             exchanges[c] = dist.all_to_all_single(
                 g.recv[r0:r1], g.send[r0:r1], group=group, async_op=True
             )
@@ -406,19 +552,9 @@ def two_phase_blocks(
             _wait(exchanges.pop(p), f"the all_to_all of chunk {p + 1} of {k}")
             r0, r1 = g.regions[p]
             s0, s1 = g.shard_regions[p]
-            sb = sh.shard_bytes[p]
             a, b = sh.bounds[p][rank], sh.bounds[p][rank + 1]
-            mine = sh.layouts[p][rank]
             out = g.shards[s0:s1]
-            mean = g.codec.shard_mean(g.recv[r0:r1], n)[: b - a]
-            first = sh.windows[p][rank].first
-            top = blocks_amax(mean, mine)
-            d = mean_exponents(top, exponents[first : first + mine.n_segments], fmt)
-            used = payload_nbytes(b - a, fmt)
-            g.codec.encode(mean, out=out[:used], scale=pow2(d), layout=mine)
-            out[used:sb].zero_()
-            out[sb : sb + mine.n_segments] = d.clamp(0, 255).to(torch.uint8)
-            out[sb + mine.n_segments :].zero_()
+            owner(p, g.recv[r0:r1].view(n, sh.pieces[p]), a, b, out)
             count("all_gather", out.numel())
             q0, q1 = sh.gather_regions[p]
             gathers[p] = all_gather_single(sh.gathered[q0:q1], out, group=group, async_op=True)

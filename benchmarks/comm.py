@@ -81,6 +81,7 @@ HOOKS = (
     "aps-e4m3-grid",
     "aps-e4m3-block",
     "aps-e2m1-block",
+    "aps-e2m1-block-rank",
 )
 # PowerSGD's hook issues its second all-reduce from a future callback; on Gloo
 # with 4 ranks in the emulated cluster that deadlocked (measured), so it is
@@ -114,6 +115,7 @@ _STRATEGY = {
     "aps-e4m3-auto": ("e4m3", "auto"),
     "aps-e4m3-block": ("e4m3:block", "two_phase"),
     "aps-e2m1-block": ("e2m1:block", "two_phase"),
+    "aps-e2m1-block-rank": ("e2m1:block", "two_phase"),
 }
 _BLOCK_SUFFIX = ":block"  # priced with block scaling's exponent bytes and codec
 
@@ -235,13 +237,18 @@ def _attach(
         return state, powerSGD_hook.powerSGD_hook
     kind, fmt = name.split("-", 1)
     if kind == "aps":
-        # "aps-e2m1-block": one exponent per block of 32, two_phase.
+        # "aps-e2m1-block": one exponent per block of 32, two_phase, agreed by
+        # a MAX all-reduce; "-block-rank": each rank's own, sent with its shards.
+        exps = "rank" if fmt.endswith("-block-rank") else "agreed"
+        fmt = fmt.removesuffix("-rank")
         scaling = "block" if fmt.endswith("-block") else "layer"
         fmt, _, reduction = fmt.removesuffix("-block").partition("-")
         if not reduction:
             reduction = "allreduce" if fmt in ("fp16", "bf16") else "two_phase"
         # ranks_per_node: the hook reads LOCAL_WORLD_SIZE, which the cluster sets.
-        state = APSState(fmt, reduction=reduction, scaling=scaling, profile=profile)
+        state = APSState(
+            fmt, reduction=reduction, scaling=scaling, profile=profile, block_exponents=exps
+        )
     elif kind == "naive":
         state = APSState(fmt, reduction="two_phase", scaling="none", profile=profile)
     else:

@@ -20,26 +20,32 @@ from aps_comm.policy import Promote
 from aps_comm.testing import run_distributed
 from tests.conftest import Net, capture, gather
 
-# (format, reduction, block size)
+# (format, reduction, block size, block exponents)
 CASES = [
-    ("e4m3", "two_phase", 32),
-    ("e2m1", "two_phase", 8),
-    ("e3m2", "two_phase", 64),
-    ("fp16", "allreduce", 32),
-    ("bf16", "allreduce", 16),
+    ("e4m3", "two_phase", 32, "agreed"),
+    ("e2m1", "two_phase", 8, "agreed"),
+    ("e3m2", "two_phase", 64, "agreed"),
+    ("fp16", "allreduce", 32, "agreed"),
+    ("bf16", "allreduce", 16, "agreed"),
+    # Each rank's own exponents, sent with its shards: no collective first.
+    ("e2m1", "two_phase", 32, "rank"),
+    ("e4m3", "two_phase", 8, "rank"),
+    ("bf16", "two_phase", 16, "rank"),
 ]
 
 
 def _exact_case(rank: int, world_size: int, chunk: int | None) -> int:
     checked = 0
-    for fmt_spec, reduction, block_size in CASES:
+    for fmt_spec, reduction, block_size, exps in CASES:
         if reduction == "allreduce" and world_size > 2:
             continue  # Gloo's ring order past 2 ranks is not the simulator's ring
         fmt = get_format(fmt_spec)
         torch.manual_seed(0)
         model = Net()
         ddp = DDP(model, bucket_cap_mb=0.004)
-        state = APSState(fmt, reduction=reduction, scaling="block", block_size=block_size)
+        state = APSState(
+            fmt, reduction=reduction, scaling="block", block_size=block_size, block_exponents=exps
+        )
         state.bind_process_group()
         state.chunk_elements = chunk
         log: list = []
@@ -66,7 +72,8 @@ def _exact_case(rank: int, world_size: int, chunk: int | None) -> int:
                         scaling="block",
                         block_size=block_size,
                         # two_phase: each shard's owner picks its mean's exponents.
-                        owner_exponents=reduction == "two_phase",
+                        owner_exponents=reduction == "two_phase" and exps == "agreed",
+                        rank_exponents=exps == "rank",
                     )
                 )
                 same = torch.equal(out.nan_to_num(nan=7.0), expected.nan_to_num(nan=7.0))
@@ -78,6 +85,8 @@ def _exact_case(rank: int, world_size: int, chunk: int | None) -> int:
             if poison:  # NaN in that layer on every rank, nothing else touched
                 assert torch.isnan(model.c.bias.grad).all()
                 assert torch.isfinite(model.a.weight.grad).all()
+            if exps == "rank":  # nothing agreed before the first chunk
+                assert "all_reduce_max" not in state.bytes_detail, state.bytes_detail
             log.clear()
     return checked
 
@@ -87,17 +96,24 @@ def test_block_scaling_matches_simulate_bit_for_bit(world: int, chunk: int | Non
     # Buckets of ~1000 elements; chunks of 37 cut layers anywhere (and two_phase's
     # shards of whole blocks come out uneven, some empty).
     checked = run_distributed(_exact_case, world, args=(chunk,), timeout=240)
-    cases = len(CASES) if world == 2 else sum(r != "allreduce" for _, r, _ in CASES)
+    cases = len(CASES) if world == 2 else sum(r != "allreduce" for _, r, _, _ in CASES)
     assert all(c >= 2 * cases for c in checked)
 
 
 def _bytes_and_records(rank: int, world_size: int) -> dict:
     out: dict = {}
-    for fmt, scaling in [("e4m3", "block"), ("e2m1", "block"), ("e2m1", "layer")]:
+    for fmt, scaling, exps in [
+        ("e4m3", "block", "agreed"),
+        ("e2m1", "block", "agreed"),
+        ("e2m1", "layer", "agreed"),
+        ("e2m1", "block", "rank"),
+    ]:
         torch.manual_seed(0)
         model = nn.Linear(64, 64, bias=False)  # one bucket of 4096 elements, 128 blocks
         ddp = DDP(model, bucket_cap_mb=100)
-        state = register(ddp, fmt, reduction="two_phase", scaling=scaling, stats=True)
+        state = register(
+            ddp, fmt, reduction="two_phase", scaling=scaling, stats=True, block_exponents=exps
+        )
         state.chunk_elements = 1 << 20  # one chunk, not sized by timing
         # Each row of the gradient: 32 values near 1, then 32 near 1e-6 (one
         # block each): a layer spanning six orders of magnitude, its blocks one.
@@ -105,7 +121,7 @@ def _bytes_and_records(rank: int, world_size: int) -> dict:
         x = (10.0 ** (-6 * (j // 32)) * (1 + (j % 32) / 32)).expand(4, 64) * (rank + 1)
         ddp(x).sum().backward()
         [record] = state.stats
-        out[f"{fmt}/{scaling}"] = {
+        out[f"{fmt}/{scaling}" + ("/rank" if exps == "rank" else "")] = {
             "bytes": dict(state.bytes_detail),
             "sent": state.bytes_sent,
             "underflow": record.underflow_rate,
@@ -134,6 +150,15 @@ def test_block_bytes_per_element_and_per_layer_records() -> None:
         # The layer's record: its largest block's exponent, this rank's maximum.
         assert e2m1["exponent"] == layer["exponent"], (rank, e2m1, layer)
         assert e2m1["amax"] > 0 and e2m1["amax"] <= layer["amax"], (e2m1, layer)
+        # Each rank's own exponents: the same bytes per element, all in the
+        # exchange (plus one flag byte per layer and shard in the first chunk).
+        rank_exps = r["e2m1/block/rank"]
+        assert "all_reduce_max" not in rank_exps["bytes"], rank_exps
+        assert rank_exps["bytes"]["all_to_all"] == 2 * (1024 + 64 + 1), rank_exps
+        assert rank_exps["sent"] - 2 == 4096 * (0.5 + 1 / 32), rank_exps
+        assert rank_exps["bytes"]["all_gather"] == 1024 + 64, rank_exps
+        assert "scaling=block(32, rank exponents)" in rank_exps["describe"], rank_exps
+        assert rank_exps["underflow"] < 0.05, rank_exps
 
 
 def test_block_configuration_errors() -> None:

@@ -27,7 +27,7 @@ from torch.utils._python_dispatch import TorchDispatchMode
 
 import aps_comm.reduction as reduction_mod
 from aps_comm.agreement import Layouts
-from aps_comm.config import Reduction, Route, Scaling
+from aps_comm.config import BlockExponents, Reduction, Route, Scaling
 from aps_comm.engine import Comm, Reducer, Settings
 from aps_comm.feedback import ErrorFeedback
 from aps_comm.formats import FORMATS, FloatFormat, get_format
@@ -160,6 +160,7 @@ def _reducer(
     *,
     stats: bool = False,
     feedback: bool = False,
+    block_exponents: str = "agreed",
 ) -> tuple[Reducer, list[str]]:
     per_node = 2 if world % 2 == 0 else 1
     layouts = _layouts(world, per_node)
@@ -178,7 +179,14 @@ def _reducer(
             for i, (n, k) in enumerate(zip(names, NUMELS, strict=True))
         }
     )
-    settings = Settings(fmt, Reduction(reduction), Scaling(scaling), stats, feedback)
+    settings = Settings(
+        fmt,
+        Reduction(reduction),
+        Scaling(scaling),
+        stats,
+        feedback,
+        block_exponents=BlockExponents(block_exponents),
+    )
     fb = ErrorFeedback(rank, world) if feedback else None
     reducer = Reducer(settings, comm, planner, assignment, fb)
     reducer.resolve(META)
@@ -255,6 +263,23 @@ def test_bucket_path_makes_no_host_traffic(
         assert set(reducer.bucket_routes.values()) <= set(Route) - {Route.FP32}
         assert "all_reduce" in issued  # the maxima
         assert len(issued) > 2 * 3, issued  # the codec's payloads went to collectives
+
+
+@pytest.mark.parametrize("name", BLOCK_FORMATS)
+@pytest.mark.parametrize("world", [3, 6])
+def test_rank_block_exponents_make_no_host_traffic_and_no_agreement(
+    monkeypatch: pytest.MonkeyPatch, name: str, world: int
+) -> None:
+    with stubbed_collectives(monkeypatch) as issued:
+        reducer, names = _reducer(
+            get_format(name), "two_phase", "block", world, 1, [], block_exponents="rank"
+        )
+        steady, _ = _bucket_steps(reducer, names, 3, chunk=512)
+    for mode in steady:
+        assert mode.reads == [] and mode.copies == [], (mode.reads, mode.copies)
+    # The exponents travel with the shards: nothing is agreed before them.
+    assert "all_reduce" not in issued, issued
+    assert {"all_to_all_single", "all_gather_into_tensor"} <= set(issued), issued
 
 
 POLICIES: dict[str, list[Rule]] = {
