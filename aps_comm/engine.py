@@ -245,11 +245,7 @@ class Reducer:
         rank_exps = (
             blocked and settings.block_exponents == BlockExponents.RANK and self.feedback is None
         )
-        # On CPU the chunk each rank measured rides on the agreement, which
-        # rank exponents skip: they take the model's.
-        measured = (
-            chunk is None and self.feedback is None and x.device.type == "cpu" and not rank_exps
-        )
+        measured = chunk is None and self.feedback is None and x.device.type == "cpu"
         # Each rank's preferred chunk, from its own timing, rides on the
         # maxima; the largest wins. A CPU tensor: no device round trip.
         mine = (
@@ -262,7 +258,9 @@ class Reducer:
             if fmts is None:  # error feedback
                 fmts = assignment.formats(keys, step)
             amax = x.new_empty(0)
-            agreed, wanted = self._agree_blocks(plan, x, fmts, mine, rank_exps)
+            # Rank exponents: each rank's chunk rides on the first exchange
+            # instead, for the next step.
+            agreed, wanted = self._agree_blocks(plan, x, fmts, 0 if rank_exps else mine, rank_exps)
         else:
             amax = codec.segment_amax(x, plan.layout)
             extra: list[torch.Tensor] = []
@@ -281,6 +279,10 @@ class Reducer:
                 assignment.promote_step(keys, shared[n_layers : 2 * n_layers].tolist())
         if self.feedback is not None:
             chunk = ONE_CHUNK
+        elif measured and rank_exps:
+            if not plan.model_chunk:
+                plan.model_chunk = self.planner.chunk(settings.fmt, x.numel(), main)
+            chunk = plan.agreed_chunk or plan.model_chunk
         elif measured:
             assert wanted is not None
             chunk = 2 ** int(wanted)
@@ -313,7 +315,10 @@ class Reducer:
         for g in groups:
             keyed = agreed.get(g.fmt)
             if g.contiguous:
-                tail = self._group(g, x, amax, names, index, defer, keyed)
+                offer = None
+                if measured and rank_exps:
+                    offer = (int(math.log2(mine)), functools.partial(_agree_chunk, plan))
+                tail = self._group(g, x, amax, names, index, defer, keyed, offer)
                 continue
             # Mixing formats costs a gather copy and one set of collectives per format.
             gx = torch.cat([layers[i] for i in g.index]) if g.index else x.new_empty(0)
@@ -406,9 +411,12 @@ class Reducer:
         bucket: int,
         defer: bool = False,
         keyed: tuple[torch.Tensor, torch.Tensor] | None = None,
+        offer: tuple[int, Callable[[int], None]] | None = None,
     ) -> Callable[[], None] | None:
         """Average one format group's values ``x`` in place (the tail deferred if asked).
 
+        ``offer``: with rank block exponents, this rank's preferred chunk
+        (log2) and what to call with the ranks' largest.
         ``amax`` holds the layers' agreed maxima; with block scaling ``keyed``
         holds the blocks' agreed exponent keys and this rank's block maxima.
         """
@@ -475,8 +483,18 @@ class Reducer:
             and g.block_shards.rank_exponents
         ):
             assert keyed is not None
+            log2, on_chunk = offer or (0, None)
             return transports.two_phase_rank_blocks(
-                g, x, keyed[0][0], comm.rank, comm.group, comm.world_size, self.traffic, defer
+                g,
+                x,
+                keyed[0][0],
+                comm.rank,
+                comm.group,
+                comm.world_size,
+                self.traffic,
+                defer,
+                log2,
+                on_chunk,
             )
         if route == Route.TWO_PHASE and g.block_shards is not None:
             return transports.two_phase_blocks(
@@ -677,6 +695,12 @@ class Reducer:
         """The step's bytes per collective and records; the next step starts empty."""
         stats, self.stats = self.stats, StepStats()
         return self.traffic.take(), stats
+
+
+def _agree_chunk(plan: BucketPlan, log2: int) -> None:
+    """The ranks' largest preferred chunk, from a first exchange: the bucket's next one."""
+    if log2:
+        plan.agreed_chunk = 2**log2
 
 
 def _keep_sent(

@@ -231,10 +231,11 @@ class BlockShards:
             ``shard_bytes``, and with each rank's own exponents
             (:attr:`aps_comm.config.BlockExponents.RANK`) its ``slots``
             exponent bytes too, and in the first chunk :attr:`flags` more.
-        flags: with each rank's own exponents, one byte per layer of the
-            group after the first chunk's shards: whether the sender's layer
-            is finite (every owner learns every rank's, so every rank makes
-            the same layers NaN); else 0.
+        flags: with each rank's own exponents, bytes after each shard of the
+            first chunk: one per layer of the group, whether the sender's
+            layer is non-finite (every owner learns every rank's, so every
+            rank makes the same layers NaN), then the log2 of the sender's
+            preferred chunk (0: none); else 0.
         rank_exponents: each rank sends its own block exponents with its shards.
     """
 
@@ -416,6 +417,10 @@ class BucketPlan:
         model_chunk: the model's chunk for the state's format where nothing
             was timed (CUDA; 0 until first asked): it too depends only on
             the layout.
+        agreed_chunk: with each rank's own block exponents on CPU, the chunk
+            the ranks agreed through the last step's first exchange (each
+            rank's preference rides on it, as it rides on the agreement
+            otherwise); 0 before one.
         row_runs: FSDP units: the rows' runs per format mix.
         group_builds: group plans and row runs built so far (each allocates scratch).
         grids: block scaling: the bucket's blocks per block size (:meth:`grid`).
@@ -432,6 +437,7 @@ class BucketPlan:
     exchanges: int = 0
     reductions: dict[tuple, dict[FloatFormat, str]] = dataclasses.field(default_factory=dict)
     model_chunk: int = 0
+    agreed_chunk: int = 0
     row_runs: dict[tuple, RowRuns] = dataclasses.field(default_factory=dict)
     group_builds: int = 0
     grids: dict[int, Blocks] = dataclasses.field(default_factory=dict)
@@ -707,7 +713,7 @@ class BucketPlan:
             start = regions[-1][1]
             shard_start = shard_regions[-1][1]
         elif by_blocks:
-            flags = len(numels) if rank_exponents else 0
+            flags = len(numels) + 1 if rank_exponents else 0
             block_shards = self._block_shards(
                 fmt, layout, chunks, world_size, scratch, regions, shard_regions, flags
             )

@@ -397,6 +397,8 @@ def two_phase_rank_blocks(
     world_size: int,
     count: Counter,
     defer: bool = False,
+    chunk_log2: int = 0,
+    on_chunk: Callable[[int], None] | None = None,
 ) -> Callable[[], None] | None:
     """:func:`two_phase_blocks` with every rank's own block exponents: no collective first.
 
@@ -420,6 +422,10 @@ def two_phase_rank_blocks(
         world_size: ranks N.
         count: byte counter.
         defer: as in :func:`two_phase`.
+        chunk_log2: this rank's preferred chunk (log2 elements, 0 for none),
+            sent with the first chunk: the ranks' largest is their next one.
+        on_chunk: called with that largest (a CPU tensor's value: only for
+            CPU buckets), once every rank's has arrived.
 
     Returns:
         With ``defer``, the function that finishes the bucket; else None.
@@ -439,13 +445,16 @@ def two_phase_rank_blocks(
         piece[used:].zero_()  # padding: code 0 is +0 in every format
         piece[sb : sb + blocks] = keys[first : first + blocks]
         if c == 0:
-            piece[sb + sh.slots[0] :] = flags
+            piece[sb + sh.slots[0] : -1] = flags
+            piece[-1] = chunk_log2
 
     def owner(p: int, rows: torch.Tensor, a: int, b: int, out: torch.Tensor) -> None:
         sb, mine = sh.shard_bytes[p], sh.layouts[p][rank]
         if p == 0:
-            union = rows[:, sb + sh.slots[0] :].amax(0)
+            union = rows[:, sb + sh.slots[0] : -1].amax(0)
             bad.append(torch.repeat_interleave(union != 0, counts, output_size=g.layout.n_segments))
+            if on_chunk is not None:
+                on_chunk(int(rows[:, -1].max()))
         used, blocks = payload_nbytes(b - a, fmt), mine.n_segments
         mean = torch.empty(b - a, dtype=torch.float32, device=x.device)
         part = torch.empty_like(mean) if n > 1 else mean

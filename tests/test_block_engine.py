@@ -16,6 +16,7 @@ from torch.nn.parallel import DistributedDataParallel as DDP
 from aps_comm import APSState, register, simulate
 from aps_comm.formats import get_format
 from aps_comm.fsdp import APSFSDPState
+from aps_comm.plan import Planner
 from aps_comm.policy import Promote
 from aps_comm.testing import run_distributed
 from tests.conftest import Net, capture, gather
@@ -151,11 +152,12 @@ def test_block_bytes_per_element_and_per_layer_records() -> None:
         assert e2m1["exponent"] == layer["exponent"], (rank, e2m1, layer)
         assert e2m1["amax"] > 0 and e2m1["amax"] <= layer["amax"], (e2m1, layer)
         # Each rank's own exponents: the same bytes per element, all in the
-        # exchange (plus one flag byte per layer and shard in the first chunk).
+        # exchange (plus, per shard of the first chunk, a flag byte per layer
+        # and the sender's preferred chunk).
         rank_exps = r["e2m1/block/rank"]
         assert "all_reduce_max" not in rank_exps["bytes"], rank_exps
-        assert rank_exps["bytes"]["all_to_all"] == 2 * (1024 + 64 + 1), rank_exps
-        assert rank_exps["sent"] - 2 == 4096 * (0.5 + 1 / 32), rank_exps
+        assert rank_exps["bytes"]["all_to_all"] == 2 * (1024 + 64 + 1 + 1), rank_exps
+        assert rank_exps["sent"] - 4 == 4096 * (0.5 + 1 / 32), rank_exps
         assert rank_exps["bytes"]["all_gather"] == 1024 + 64, rank_exps
         assert "scaling=block(32, rank exponents)" in rank_exps["describe"], rank_exps
         assert rank_exps["underflow"] < 0.05, rank_exps
@@ -169,3 +171,32 @@ def test_block_configuration_errors() -> None:
     with pytest.raises(ValueError, match=r"block_size must be a power of two.*got 0"):
         APSFSDPState("e4m3", "block", block_size=0)
     assert "scaling=block(64)" in APSFSDPState("e2m1", "block", block_size=64).describe()
+
+
+def _rank_exponents_chunk(rank: int, world_size: int) -> list:
+    # Each rank prefers its own chunk once it has timed the bucket; before,
+    # the model's (the same everywhere).
+    def chunk(self, fmt, numel, reduction, exchange_s=None):
+        return 2**8 if exchange_s is None else 2 ** (9 + rank)
+
+    Planner.chunk = chunk  # this rank's process only
+    torch.manual_seed(0)
+    model = nn.Linear(64, 64, bias=False)  # one bucket of 4096 elements
+    ddp = DDP(model, bucket_cap_mb=100)
+    state = register(ddp, "e2m1", reduction="two_phase", scaling="block", block_exponents="rank")
+    chunks = []
+    for step in range(4):
+        torch.manual_seed(step * 10 + rank)
+        ddp.zero_grad()
+        ddp(torch.randn(4, 64)).sum().backward()
+        chunks.append(state.bucket_chunks[0])
+        assert "all_reduce_max" not in state.bytes_detail
+    return [chunks, model.weight.grad]
+
+
+def test_rank_exponents_agree_on_the_chunk_through_the_exchange() -> None:
+    # The ranks' preferences ride on the first chunk's exchange: the largest
+    # is every rank's next chunk (timed from the second step on).
+    (chunks0, grad0), (chunks1, grad1) = run_distributed(_rank_exponents_chunk, 2)
+    assert chunks0 == chunks1 == [2**8, 2**8, 2**8, 2**10], (chunks0, chunks1)
+    assert torch.equal(grad0, grad1)
