@@ -39,7 +39,6 @@ import torch.distributed as dist
 
 from aps_comm.formats import payload_nbytes, pow2
 from aps_comm.plan import GroupPlan, RowRuns
-from aps_comm.scaling import blocks_amax, mean_exponents
 from aps_comm.topology import NodeGroups
 
 __all__ = [
@@ -339,7 +338,8 @@ def two_phase_blocks(
     Every rank encodes each shard of a chunk with the agreed block scales; the
     owner of a shard averages its N copies in FP32 (rank order), gives each
     block of the mean the extra exponent ``d`` that fills the format
-    (:func:`aps_comm.scaling.mean_exponents`), encodes it and all-gathers it
+    (:func:`aps_comm.scaling.mean_exponents`), encodes it (all in one pass:
+    :meth:`aps_comm.codec.Codec.owner_reduce_blocks`) and all-gathers it
     with ``d``, one byte per block; every rank decodes shard s with
     ``2**-(e + d_s)``. The order of collectives is :func:`two_phase`'s.
 
@@ -410,12 +410,11 @@ def two_phase_blocks(
             a, b = sh.bounds[p][rank], sh.bounds[p][rank + 1]
             mine = sh.layouts[p][rank]
             out = g.shards[s0:s1]
-            mean = g.codec.shard_mean(g.recv[r0:r1], n)[: b - a]
             first = sh.windows[p][rank].first
-            top = blocks_amax(mean, mine)
-            d = mean_exponents(top, exponents[first : first + mine.n_segments], fmt)
             used = payload_nbytes(b - a, fmt)
-            g.codec.encode(mean, out=out[:used], scale=pow2(d), layout=mine)
+            _, d = g.codec.owner_reduce_blocks(
+                g.recv[r0:r1], n, mine, exponents[first : first + mine.n_segments], out=out[:used]
+            )
             out[used:sb].zero_()
             out[sb : sb + mine.n_segments] = d.clamp(0, 255).to(torch.uint8)
             out[sb + mine.n_segments :].zero_()
