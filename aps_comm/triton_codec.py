@@ -537,6 +537,10 @@ if AVAILABLE:
 if AVAILABLE:
 
     @triton.jit
+    def _larger(a, b):
+        return tl.maximum(a, b)
+
+    @triton.jit
     def _mean_exponent(m, e, M: tl.constexpr):
         """int32 extra exponents d of blocks from their max |mean| bits ``m`` (int32, NaN
         clamped to inf) and agreed exponents ``e``: :func:`aps_comm.scaling.mean_exponents`
@@ -630,7 +634,8 @@ if AVAILABLE:
         if DIVIDE:
             v = _divide(v, divisor, DIVIDE)
         mag = tl.where(mask, v.to(tl.int32, bitcast=True) & 0x7FFFFFFF, 0)
-        m = tl.minimum(tl.max(mag, axis=1), 0x7F800000)  # NaN above inf: clamped to inf
+        # tl.reduce, not tl.max (a library @jit function: see _factor's tl.full).
+        m = tl.minimum(tl.reduce(mag, 1, _larger), 0x7F800000)  # NaN above inf: to inf
         valid = owned | (r < LEAD)
         e = tl.load(exp_ptr + seg, mask=valid, other=0)
         d = _mean_exponent(m, e, M)
