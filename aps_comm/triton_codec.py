@@ -72,6 +72,7 @@ __all__ = [
     "INTERPRETED",
     "MAX_SEGMENT",
     "MIN_TRITON",
+    "TILE",
     "FormatConstants",
     "block_segments",
     "decode",
