@@ -422,6 +422,31 @@ OWNER_FORMATS = [
 ]
 
 
+@contextlib.contextmanager
+def _program_order(monkeypatch: pytest.MonkeyPatch, backwards: bool) -> Iterator[None]:
+    """Run the interpreter's programs in reverse order along the grid's first axis."""
+    if not backwards:
+        yield
+        return
+    from triton.runtime.interpreter import interpreter_builder as builder
+
+    dims = []
+    set_dim, set_idx = builder.set_grid_dim, builder.set_grid_idx
+
+    def dim(x: int, y: int, z: int) -> None:
+        dims.append(x)
+        set_dim(x, y, z)
+
+    def idx(x: int, y: int, z: int) -> None:
+        set_idx(dims[-1] - 1 - x, y, z)
+
+    with monkeypatch.context() as m:
+        m.setattr(builder, "set_grid_dim", dim)
+        m.setattr(builder, "set_grid_idx", idx)
+        yield
+    assert dims, "the interpreter no longer sets its grid through set_grid_dim"
+
+
 @pytest.mark.parametrize("fmt", OWNER_FORMATS, ids=lambda f: f.name)
 def test_owner_reduce_blocks_matches_kernels(
     tc: types.ModuleType, fmt: FloatFormat, monkeypatch: pytest.MonkeyPatch
@@ -431,7 +456,8 @@ def test_owner_reduce_blocks_matches_kernels(
     # block; random agreed exponents. Small tiles: many programs, 4-bit blocks at odd
     # offsets sharing a byte with another program's block.
     numels = [37, 0, 64, 5, 300, 1, 98]  # odd in all: the last byte half filled
-    for block_size, n_ranks, tile in ((8, 3, 64), (32, 4, 128), (256, 1, tc.TILE)):
+    # Tiles of 8 rows of 8, 64 rows of 32 (the default), 2 rows of 256 (1 block and its lead).
+    for block_size, n_ranks, tile in ((8, 3, 64), (32, 4, tc.TILE), (256, 1, 256)):
         monkeypatch.setattr(tc, "TILE", tile)
         layout = codec.Layout.from_numels(numels, torch.device("cpu")).grid(block_size).layout
         numel, need = layout.numel, payload_nbytes(layout.numel, fmt)
@@ -447,18 +473,22 @@ def test_owner_reduce_blocks_matches_kernels(
             F.encode(x, fmt, out=part)
         exps = torch.randint(-126, 127, (layout.n_segments,), dtype=torch.int32, generator=gen)
         ref, ref_d = codec.owner_reduce_blocks(recv, fmt, n_ranks, layout, exps, backend="kernels")
-        buf = torch.full((need + 4,), 0xA5, dtype=torch.uint8)
-        got, d = _quiet(
-            codec.owner_reduce_blocks,
-            recv,
-            fmt,
-            n_ranks,
-            layout,
-            exps,
-            out=buf[1 : need + 1],
-            backend="triton",
-        )
-        assert torch.equal(got, ref) and torch.equal(d, ref_d), (block_size, n_ranks)
-        assert buf[0] == 0xA5 and torch.all(buf[need + 1 :] == 0xA5)
+        # 4 bits: programs run first to last, then last to first. A byte two programs
+        # wrote (a GPU race) would come out wrong in one order or the other.
+        for backwards in (False, True) if fmt.wire_bits == 4 else (False,):
+            buf = torch.full((need + 4,), 0xA5, dtype=torch.uint8)
+            with _program_order(monkeypatch, backwards):
+                got, d = _quiet(
+                    codec.owner_reduce_blocks,
+                    recv,
+                    fmt,
+                    n_ranks,
+                    layout,
+                    exps,
+                    out=buf[1 : need + 1],
+                    backend="triton",
+                )
+            assert torch.equal(got, ref) and torch.equal(d, ref_d), (block_size, n_ranks, backwards)
+            assert buf[0] == 0xA5 and torch.all(buf[need + 1 :] == 0xA5)
     with pytest.raises(ValueError, match="blocks of at most 4096 elements, got one of 5000"):
         tc.reduce_blocks(recv, 1, fmt, layout.device_offsets, exps, got, d, 126, 5000)
