@@ -1,6 +1,6 @@
 """The codec: gradients to wire bytes and back, on any device, with per-layer scales.
 
-Three operations, each writing into a caller's buffer:
+Four operations, each writing into a caller's buffer:
 
 - :func:`encode`: ``x * 2**e`` per segment (layer), saturated and rounded to
   nearest even, as the format's codes.
