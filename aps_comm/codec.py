@@ -1,12 +1,14 @@
 """The codec: gradients to wire bytes and back, on any device, with per-layer scales.
 
-Three operations, each writing into a caller's buffer:
+Four operations, each writing into a caller's buffer:
 
 - :func:`encode`: ``x * 2**e`` per segment (layer), saturated and rounded to
   nearest even, as the format's codes.
 - :func:`decode`: codes to float32, times a per-segment factor.
 - :func:`owner_reduce`: the shard owner's step of two_phase: decode N
   shards, sum them in float32 in rank order, divide by N, re-encode.
+- :func:`owner_reduce_blocks`: the same step with block scaling, each
+  block of the mean given its own extra exponent (the owner's exponents).
 
 Scales are float32 tensors with one entry per segment, on the data's device;
 segments are described by a :class:`Layout`, built once per bucket. A
@@ -63,10 +65,11 @@ from aps_comm.formats import (
     encode_into,
     get_format,
     payload_nbytes,
+    pow2,
     uncast_into,
 )
 from aps_comm.hostcopy import to_device
-from aps_comm.scaling import layer_amax
+from aps_comm.scaling import EXPONENT_LIMIT, blocks_amax, layer_amax, mean_exponents
 
 __all__ = [
     "AMAX_BLOCK",
@@ -80,6 +83,7 @@ __all__ = [
     "decode",
     "encode",
     "owner_reduce",
+    "owner_reduce_blocks",
     "segment_amax",
     "shard_mean",
 ]
@@ -209,6 +213,16 @@ class Layout:
         offsets = torch.cat([starts, torch.tensor([self.numel], dtype=torch.int64)])
         device = self.lengths.device
         return Blocks(Layout._make(offsets, device), block_size, counts, to_device(counts, device))
+
+    @functools.cached_property
+    def longest(self) -> int:
+        """The longest segment's elements (0 for none); found once per layout.
+
+        Example:
+            >>> Layout.from_numels([3, 0, 5], torch.device("cpu")).longest
+            5
+        """
+        return max(self.sizes, default=0)
 
     @functools.cached_property
     def device_offsets(self) -> torch.Tensor:
@@ -566,6 +580,93 @@ class Codec:
             return out
         return self.encode(self.shard_mean(recv, n_ranks), out=out)
 
+    def owner_reduce_blocks(
+        self,
+        recv: torch.Tensor,
+        n_ranks: int,
+        layout: Layout,
+        exponents: torch.Tensor,
+        *,
+        out: torch.Tensor | None = None,
+    ) -> tuple[torch.Tensor, torch.Tensor]:
+        """The shard owner's step of two_phase with block scaling: see :func:`owner_reduce_blocks`.
+
+        Example:
+            >>> c = Codec("e2m1", torch.device("cpu"))
+            >>> blocks = Layout.from_numels([2], torch.device("cpu"))
+            >>> shards = torch.cat([c.encode(torch.tensor([1.0, 0.5])),
+            ...                     c.encode(torch.tensor([-1.0, 0.5]))])
+            >>> e = torch.zeros(1, dtype=torch.int32)
+            >>> payload, d = c.owner_reduce_blocks(shards, 2, blocks, e)
+            >>> d, c.decode(payload, 2, scale=pow2(-d), layout=blocks)
+            (tensor([3], dtype=torch.int32), tensor([0.0000, 0.5000]))
+        """
+        numel, n_blocks = layout.numel, layout.n_segments
+        shard_bytes = self._shard_bytes(recv, n_ranks)
+        if shard_bytes * 8 % self.fmt.wire_bits or numel > shard_bytes * 8 // self.fmt.wire_bits:
+            raise ValueError(
+                f"each shard must hold whole elements, at least the layout's {numel}: got "
+                f"{shard_bytes} bytes of {self.fmt.name} ({self.fmt.wire_bits} bits each)"
+            )
+        if layout.parent is not None:
+            raise ValueError(
+                "owner_reduce_blocks needs a whole layout of the shard's blocks, got a window "
+                "(build one with Layout.from_numels(window.sizes, device))"
+            )
+        if (
+            exponents.dtype != torch.int32
+            or exponents.dim() != 1
+            or exponents.numel() != n_blocks
+            or exponents.device != recv.device
+        ):
+            raise ValueError(
+                f"exponents must be an int32 vector of the layout's {n_blocks} blocks on "
+                f"{recv.device}, got {exponents.dtype} of shape {tuple(exponents.shape)} "
+                f"on {exponents.device}"
+            )
+        need = payload_nbytes(numel, self.fmt)
+        if out is None:
+            out = torch.empty(need, dtype=torch.uint8, device=recv.device)
+        elif out.dtype != torch.uint8 or out.numel() != need or out.device != recv.device:
+            raise ValueError(
+                f"out must hold {need} uint8 bytes on {recv.device}, got {out.numel()} "
+                f"{out.dtype} on {out.device}"
+            )
+        if self.backend == "kernels":
+            d = torch.empty(n_blocks, dtype=torch.int32)
+            if n_blocks:
+                cpu_kernels.reduce_blocks(
+                    recv,
+                    n_ranks,
+                    self.fmt,
+                    layout.offsets.numpy(),
+                    exponents.numpy(),
+                    out,
+                    d.numpy(),
+                    EXPONENT_LIMIT,
+                    layout.longest,
+                )
+            return out, d
+        if self.backend == "triton" and layout.longest <= _triton().MAX_SEGMENT:
+            d = torch.empty(n_blocks, dtype=torch.int32, device=recv.device)
+            _triton().reduce_blocks(
+                recv,
+                n_ranks,
+                self.fmt,
+                layout.device_offsets,
+                exponents,
+                out,
+                d,
+                EXPONENT_LIMIT,
+                layout.longest,
+            )
+            return out, d
+        # The chain the kernels fuse (and Triton's, for segments longer than its tile).
+        mean = self.shard_mean(recv, n_ranks)[:numel]
+        d = mean_exponents(blocks_amax(mean, layout), exponents, self.fmt)
+        self.encode(mean, out=out, scale=pow2(d), layout=layout)
+        return out, d
+
     def shard_mean(
         self,
         recv: torch.Tensor,
@@ -719,6 +820,58 @@ def owner_reduce(
         tensor([1.5000])
     """
     return codec_for(fmt, recv.device, backend).owner_reduce(recv, n_ranks, out=out)
+
+
+def owner_reduce_blocks(
+    recv: torch.Tensor,
+    fmt: FloatFormat | str,
+    n_ranks: int,
+    layout: Layout,
+    exponents: torch.Tensor,
+    *,
+    out: torch.Tensor | None = None,
+    backend: Backend = "auto",
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """The shard owner's step of two_phase with block scaling, in one pass where it can.
+
+    The mean of N encoded shards (as :func:`shard_mean`: decoded, summed in
+    float32 in rank order, divided by N) is cut into the blocks of
+    ``layout``; each block gets the extra exponent ``d`` of
+    :func:`aps_comm.scaling.mean_exponents` (its largest ``|mean| * 2**d``
+    fills the format) and is encoded times ``2**d``. The receivers decode it
+    with ``2**-(e + d)``. The "kernels" and "triton" backends do it in one
+    pass (the mean never stored), the others as that chain of calls, with
+    the same bytes and exponents.
+
+    Args:
+        recv: uint8 tensor of N equal shards, rank 0 first (each may end in padding).
+        fmt: the wire format.
+        n_ranks: N.
+        layout: the blocks of the shard's first ``layout.numel`` elements,
+            one segment each (a layer's last block may be short); a whole
+            layout, not a window.
+        exponents: int32, the blocks' agreed exponents ``e`` (what the shards
+            were encoded with; in [-126, 126]).
+        out: uint8 tensor of :func:`~aps_comm.formats.payload_nbytes` bytes of
+            ``layout.numel`` elements to write into.
+        backend: "auto", "kernels", "cast", "bits" or "triton".
+
+    Returns:
+        (``out``, ``d``): the encoded mean and the int32 extra exponents, one
+        per block.
+
+    Example:
+        >>> blocks = Layout.from_numels([2], torch.device("cpu"))
+        >>> shards = torch.cat([encode(torch.tensor([1.0, 0.5]), "e2m1"),
+        ...                     encode(torch.tensor([-1.0, 0.5]), "e2m1")])
+        >>> e = torch.zeros(1, dtype=torch.int32)
+        >>> payload, d = owner_reduce_blocks(shards, "e2m1", 2, blocks, e)
+        >>> d, decode(payload, "e2m1", 2, scale=pow2(-d), layout=blocks)
+        (tensor([3], dtype=torch.int32), tensor([0.0000, 0.5000]))
+    """
+    return codec_for(fmt, recv.device, backend).owner_reduce_blocks(
+        recv, n_ranks, layout, exponents, out=out
+    )
 
 
 def shard_mean(

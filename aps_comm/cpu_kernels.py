@@ -53,6 +53,8 @@ __all__ = [
     "decoder_params",
     "encode",
     "encoder_params",
+    "mean_limit",
+    "reduce_blocks",
     "reduce_shards",
     "supports",
 ]
@@ -608,6 +610,220 @@ if AVAILABLE:
         for b in range(len(offsets) - 1):
             m = _amax_bits(xb[offsets[b] : offsets[b + 1]])
             out[b] = m if m < inf_bits else inf_bits  # NaN becomes inf
+
+
+if AVAILABLE:
+
+    @_njit
+    def _pow2_bits(d):
+        """float32 bits of 2**d for an integer d in [-149, 127] (:func:`aps_comm.formats.pow2`)."""
+        if d >= -126:
+            return np.uint32((d + 127) << 23)
+        return np.uint32(np.uint32(1) << np.uint32(min(max(d + 149, 0), 22)))
+
+    @_njit
+    def _mean_exponent(m, e, lim):
+        """:func:`aps_comm.scaling.mean_exponents` of one block from its max |mean| bits.
+
+        ``m``: the largest ``bits & 0x7FFFFFFF`` of the block (NaN clamped to
+        inf), ``e``: the block's agreed exponent, ``lim``: :func:`mean_limit`.
+        The largest d with ``amax * 2**d <= limit`` is ``E(limit) - E(amax)``,
+        one less where amax's mantissa is the larger: exact integer work on
+        the bit fields (a subnormal amax normalised first), where scaling
+        computes the same d in float64.
+        """
+        lim_e, lim_m, limit = lim
+        a = np.int64(m)
+        if a == 0 or a >= 0x7F800000:
+            d = np.int64(0)
+        else:
+            if a >= 0x800000:
+                ea = (a >> 23) - 127
+                ma = a & 0x7FFFFF
+            else:  # float32 subnormal: its leading bit from an exact int -> float conversion
+                top = np.int64(_f2u(np.float32(a)) >> np.uint32(23)) - 127
+                ea = top - 149
+                ma = (a << (23 - top)) & 0x7FFFFF
+            d = lim_e - ea - (1 if ma > lim_m else 0)
+            d = min(max(d, -limit), limit)
+        return min(d, limit - np.int64(e))
+
+    @_njit
+    def _encode_mean_blocks(acc, base, g0, offsets, s, t, exps, d_out, codes, cbase, p, lim):
+        """Blocks s..t-1 of the group whose float32 mean starts at ``acc[base]`` (element
+        ``g0``): each block's max, its extra exponent d into ``d_out``, its codes of
+        ``mean * 2**d`` into ``codes`` from index ``cbase`` (element ``g0``)."""
+        accb = acc.view(np.uint32)
+        for seg in range(s, t):
+            lo, hi = base + offsets[seg] - g0, base + offsets[seg + 1] - g0
+            m = _amax_bits(accb[lo:hi])
+            d = _mean_exponent(
+                m if m < np.uint32(0x7F800000) else np.uint32(0x7F800000), exps[seg], lim
+            )
+            d_out[seg] = d
+            f = _u2f(_pow2_bits(d))
+            xs = acc[lo:hi]
+            cs = codes[cbase + lo - base : cbase + hi - base]
+            # The encoder's path, branched per block (the element loops stay inline).
+            if p[11] != 0:
+                for i in range(len(xs)):
+                    cs[i] = _code_binade(_f2u(xs[i] * f), p)
+            elif p[10] != 0:
+                for i in range(len(xs)):
+                    cs[i] = _code_magic(_f2u(xs[i] * f), p)
+            else:
+                for i in range(len(xs)):
+                    cs[i] = _code(_f2u(xs[i] * f), p)
+
+    @_njit
+    def _group_end(offsets, s, cap):
+        """The end t of the group of whole blocks from s: as many as fit ``cap``, one at least."""
+        n_seg = len(offsets) - 1
+        t = s + 1
+        while t < n_seg and offsets[t + 1] - offsets[s] <= cap:
+            t += 1
+        return t
+
+    @_njit
+    def _reduce_blocks(
+        recv, n_ranks, shard, out_codes, offsets, exps, d_out, cap, table, bits, q, k, p, lim
+    ):
+        """The owner's step with block exponents, 8- and 16-bit codes, one pass.
+
+        Per group of whole blocks (about L1's size): N ranks' codes decoded
+        and added in rank order, divided by N, then per block its max, d and
+        codes (:func:`_encode_mean_blocks`): the mean is never stored.
+        """
+        acc = np.empty(cap, np.float32)
+        div = np.float32(n_ranks)
+        s = 0
+        while s < len(offsets) - 1:
+            t = _group_end(offsets, s, cap)
+            g0, g1 = offsets[s], offsets[t]
+            block = acc[: g1 - g0]
+            for r in range(n_ranks):
+                codes = recv[r * shard + g0 : r * shard + g1]
+                if bits:
+                    _accumulate_bits(codes, block, q, k, r == 0)
+                else:
+                    _accumulate_table(codes, block, table, r == 0)
+            if n_ranks > 1:  # the chain divides only then
+                for j in range(len(block)):
+                    block[j] = block[j] / div
+            _encode_mean_blocks(acc, 0, g0, offsets, s, t, exps, d_out, out_codes, g0, p, lim)
+            s = t
+
+    @_njit
+    def _decode4_table(payload, out, lo, hi, table):
+        for i in range(lo, hi):
+            out[i] = table[(payload[i >> 1] >> ((i & 1) * 4)) & 0xF]
+
+    @_njit
+    def _reduce_blocks4(
+        recv, n_ranks, shard_bytes, out, offsets, exps, d_out, cap, table, bits, q, k, p, lim
+    ):
+        """:func:`_reduce_blocks` for packed 4-bit codes.
+
+        A group starting at an odd element shares its first byte with the
+        previous group's last element: the buffers hold the group from the
+        even element before it, that element's code carried over, so every
+        byte is written whole (a later group rewrites a half-written last byte).
+        """
+        acc = np.empty(cap + 1, np.float32)
+        part = np.empty(cap + 1, np.float32)
+        codes = np.empty(cap + 1, np.uint8)
+        div = np.float32(n_ranks)
+        one = np.float32(1.0)
+        carry = np.uint8(0)
+        s = 0
+        while s < len(offsets) - 1:
+            t = _group_end(offsets, s, cap)
+            g0, g1 = offsets[s], offsets[t]
+            lo = g0 & 1
+            hi = lo + g1 - g0
+            b0, b1 = g0 >> 1, (g1 + 1) >> 1
+            for r in range(n_ranks):
+                dst = acc if r == 0 else part
+                payload = recv[r * shard_bytes + b0 : r * shard_bytes + b1]
+                if bits:
+                    _decode4_bits(payload, dst, lo, hi, q, k, one)
+                else:
+                    _decode4_table(payload, dst, lo, hi, table)
+                if r > 0:
+                    for j in range(lo, hi):
+                        acc[j] += part[j]
+            if n_ranks > 1:
+                for j in range(lo, hi):
+                    acc[j] = acc[j] / div
+            _encode_mean_blocks(acc, lo, g0, offsets, s, t, exps, d_out, codes, lo, p, lim)
+            codes[0] = carry if lo else codes[0]
+            _pack(codes[:hi], out[b0:b1])
+            carry = codes[hi - 1]
+            s = t
+
+
+def mean_limit(fmt: FloatFormat, limit: int) -> tuple[int, int, int]:
+    """The constants of the owner's extra exponents: (exponent, mantissa field) of the
+    largest value a block may reach (``fmt.max``, at most float32's) as a float32,
+    and the exponent limit (:data:`aps_comm.scaling.EXPONENT_LIMIT`).
+
+    Example:
+        >>> from aps_comm.formats import E4M3
+        >>> mean_limit(E4M3, 126)  # 448 = 1.75 * 2**8
+        (8, 6291456, 126)
+    """
+    bits = int(np.float32(min(fmt.max, float(np.finfo(np.float32).max))).view(np.uint32))
+    return (bits >> 23) - 127, bits & 0x7FFFFF, limit
+
+
+def reduce_blocks(
+    recv: torch.Tensor,
+    n_ranks: int,
+    fmt: FloatFormat,
+    offsets: np.ndarray,
+    exponents: np.ndarray,
+    out: torch.Tensor,
+    d: np.ndarray,
+    limit: int,
+    longest: int | None = None,
+) -> None:
+    """The owner's step of two_phase with block exponents, in one pass over the data.
+
+    The mean of ``n_ranks`` equal shards laid end to end in ``recv`` (decoded,
+    summed in float32 in rank order, divided by ``n_ranks``) is cut into
+    blocks (the segments at ``offsets``, from 0 to the elements wanted); each
+    block gets the extra exponent of :func:`aps_comm.scaling.mean_exponents`
+    (into int32 ``d``, from the blocks' agreed int32 ``exponents``) and is
+    encoded times ``2**d`` into ``out``. Bytes and exponents equal those of
+    :meth:`aps_comm.codec.Codec.shard_mean`, ``blocks_amax``,
+    ``mean_exponents`` and a scaled encode one after another. ``longest``:
+    the longest block's elements, where the caller knows it (else found here).
+    """
+    shard_bytes = recv.numel() // n_ranks
+    arith = decoder_params(fmt)
+    # Without the bit-field decoder the table decodes; q and k are then unused.
+    q, k = arith if arith is not None else ((np.uint32(0),) * 5, np.float32(1.0))
+    if longest is None:
+        longest = int(np.diff(offsets).max()) if offsets.size > 1 else 0
+    cap = max(_BLOCK, longest)
+    args = (
+        exponents,
+        d,
+        cap,
+        _table(fmt),
+        arith is not None,
+        q,
+        k,
+        encoder_params(fmt),
+        mean_limit(fmt, limit),
+    )
+    ra, oa = _np(recv), _np(out)
+    if fmt.wire_bits == 4:
+        _reduce_blocks4(ra, n_ranks, shard_bytes, oa, offsets, *args)
+        return
+    if fmt.wire_bits == 16:
+        ra, oa = ra.view(np.uint16), oa.view(np.uint16)
+    _reduce_blocks(ra, n_ranks, ra.size // n_ranks, oa, offsets, *args)
 
 
 def block_amax(x: torch.Tensor, offsets: np.ndarray, out: torch.Tensor) -> None:

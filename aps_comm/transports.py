@@ -37,7 +37,6 @@ from collections.abc import Callable, Sequence
 import torch
 import torch.distributed as dist
 
-from aps_comm.codec import Layout
 from aps_comm.formats import payload_nbytes, pow2
 from aps_comm.plan import GroupPlan, RowRuns
 from aps_comm.scaling import (
@@ -45,7 +44,6 @@ from aps_comm.scaling import (
     blocks_amax,
     exponent_keys,
     key_exponents,
-    mean_exponents,
 )
 from aps_comm.topology import NodeGroups
 
@@ -347,7 +345,8 @@ def two_phase_blocks(
     Every rank encodes each shard of a chunk with the agreed block scales; the
     owner of a shard averages its N copies in FP32 (rank order), gives each
     block of the mean the extra exponent ``d`` that fills the format
-    (:func:`aps_comm.scaling.mean_exponents`), encodes it and all-gathers it
+    (:func:`aps_comm.scaling.mean_exponents`), encodes it (all in one pass:
+    :meth:`aps_comm.codec.Codec.owner_reduce_blocks`) and all-gathers it
     with ``d``, one byte per block; every rank decodes shard s with
     ``2**-(e + d_s)``. The order of collectives is :func:`two_phase`'s.
 
@@ -376,11 +375,14 @@ def two_phase_blocks(
         piece[used:].zero_()  # padding: code 0 is +0 in every format
 
     def owner(p: int, rows: torch.Tensor, a: int, b: int, out: torch.Tensor) -> None:
-        mine = sh.layouts[p][rank]
-        mean = g.codec.shard_mean(rows.reshape(-1), n)[: b - a]
-        first = sh.windows[p][rank].first
-        d = mean_exponents(blocks_amax(mean, mine), exponents[first : first + mine.n_segments], fmt)
-        _owner_out(g, p, mean, mine, d.clamp(0, 255).to(torch.uint8), d, out)
+        mine, sb = sh.layouts[p][rank], sh.shard_bytes[p]
+        first, used = sh.windows[p][rank].first, payload_nbytes(b - a, fmt)
+        _, d = g.codec.owner_reduce_blocks(
+            rows.reshape(-1), n, mine, exponents[first : first + mine.n_segments], out=out[:used]
+        )
+        out[used:sb].zero_()
+        out[sb : sb + mine.n_segments] = d.clamp(0, 255).to(torch.uint8)
+        out[sb + mine.n_segments :].zero_()
 
     def unscale(b0: int, b1: int, d: torch.Tensor) -> torch.Tensor:
         return torch.where(finite[b0:b1], pow2(-(exponents[b0:b1] + d)), float("nan"))
@@ -466,7 +468,10 @@ def two_phase_rank_blocks(
                 mean += part
         mean.div_(n)
         mean_keys = exponent_keys(blocks_amax(mean, mine), fmt, "two_phase", world_size=1)[0]
-        _owner_out(g, p, mean, mine, mean_keys, key_exponents(mean_keys), out)
+        g.codec.encode(mean, out=out[:used], scale=pow2(key_exponents(mean_keys)), layout=mine)
+        out[used:sb].zero_()
+        out[sb : sb + blocks] = mean_keys
+        out[sb + blocks :].zero_()
 
     def unscale(b0: int, b1: int, k: torch.Tensor) -> torch.Tensor:
         return torch.where(bad[0][b0:b1], float("nan"), pow2(-key_exponents(k)))
@@ -474,26 +479,6 @@ def two_phase_rank_blocks(
     return _block_pipeline(
         g, x, send, owner, unscale, rank, group, world_size, count, defer, raw=True
     )
-
-
-def _owner_out(
-    g: GroupPlan,
-    p: int,
-    mean: torch.Tensor,
-    mine: Layout,
-    sent: torch.Tensor,
-    exps: torch.Tensor,
-    out: torch.Tensor,
-) -> None:
-    """The owner's shard of chunk ``p``: ``mean * 2**exps`` encoded, then ``sent`` (one
-    byte per block), zero padded."""
-    sh = g.block_shards
-    assert sh is not None
-    used, sb = payload_nbytes(mean.numel(), g.fmt), sh.shard_bytes[p]
-    g.codec.encode(mean, out=out[:used], scale=pow2(exps), layout=mine)
-    out[used:sb].zero_()
-    out[sb : sb + mine.n_segments] = sent
-    out[sb + mine.n_segments :].zero_()
 
 
 def _block_pipeline(

@@ -11,7 +11,10 @@ elements of each layer (block scaling; :func:`block_segments`):
 - :func:`decode`: codes to float32, times the scale;
 - :func:`reduce_shards`: N encoded shards decoded, summed in float32 in rank
   order, divided by N and encoded again (two_phase's shard owner);
-- :func:`shard_mean`: the same sum and division, kept in float32.
+- :func:`shard_mean`: the same sum and division, kept in float32;
+- :func:`reduce_blocks`: the owner's step with block scaling: the mean of
+  each block given its own extra exponent (its max, the exponent and the
+  encoding in the same pass).
 
 Every rounding is done with integer operations on the float32 bit pattern,
 as in the integer path of :mod:`aps_comm.cpu_kernels` (round to nearest
@@ -45,8 +48,9 @@ import logging
 
 import torch
 
-from aps_comm.cpu_kernels import encoder_params
+from aps_comm.cpu_kernels import encoder_params, mean_limit
 from aps_comm.formats import E4M3, FloatFormat
+from aps_comm.scaling import EXPONENT_LIMIT
 
 _log = logging.getLogger(__name__)
 
@@ -66,7 +70,9 @@ __all__ = [
     "AVAILABLE",
     "BLOCK",
     "INTERPRETED",
+    "MAX_SEGMENT",
     "MIN_TRITON",
+    "TILE",
     "FormatConstants",
     "block_segments",
     "decode",
@@ -74,6 +80,7 @@ __all__ = [
     "format_constants",
     "launch_problem",
     "ptx",
+    "reduce_blocks",
     "reduce_shards",
     "runs_on",
     "shard_mean",
@@ -82,6 +89,12 @@ __all__ = [
 
 BLOCK = 1024
 """Elements per program: a multiple of 2, so no 4-bit byte is shared by two programs."""
+
+TILE = 2048
+"""Elements of :func:`reduce_blocks`' tile per program: rows of whole blocks."""
+
+MAX_SEGMENT = 4096
+"""The longest block :func:`reduce_blocks` takes (a tile row holds a whole block)."""
 
 INTERPRETED: bool = AVAILABLE and bool(_knobs.runtime.interpret)
 """Whether the kernels were built for Triton's interpreter (``TRITON_INTERPRET=1``
@@ -522,6 +535,131 @@ if AVAILABLE:
                 tl.store(out_ptr + i, s, mask=mask)
 
 
+if AVAILABLE:
+
+    @triton.jit
+    def _larger(a, b):
+        return tl.maximum(a, b)
+
+    @triton.jit
+    def _mean_exponent(m, e, M: tl.constexpr):
+        """int32 extra exponents d of blocks from their max |mean| bits ``m`` (int32, NaN
+        clamped to inf) and agreed exponents ``e``: :func:`aps_comm.scaling.mean_exponents`
+        in integers, as :func:`aps_comm.cpu_kernels._mean_exponent` (``M``:
+        :func:`aps_comm.cpu_kernels.mean_limit`)."""
+        # A float32 subnormal's leading bit: its int -> float conversion is exact.
+        top = (m.to(tl.float32).to(tl.int32, bitcast=True) >> 23) - 127
+        top = tl.minimum(tl.maximum(top, 0), 22)  # only used below 2**-126: no wild shift
+        normal = m >= 0x800000
+        ea = tl.where(normal, (m >> 23) - 127, top - 149)
+        ma = tl.where(normal, m & 0x7FFFFF, (m << (23 - top)) & 0x7FFFFF)
+        d = M[0] - ea - (ma > M[1]).to(tl.int32)
+        d = tl.minimum(tl.maximum(d, -M[2]), M[2])
+        d = tl.where((m == 0) | (m >= 0x7F800000), 0, d)
+        return tl.minimum(d, M[2] - e)
+
+    @triton.jit
+    def _pow2(d):
+        """float32 2**d for int32 d in [-149, 127], from bits (:func:`aps_comm.formats.pow2`)."""
+        sub = tl.full(d.shape, 1, tl.int32) << tl.minimum(tl.maximum(d + 149, 0), 22)
+        bits = tl.where(d >= -126, (tl.maximum(d, -126) + 127) << 23, sub)
+        return bits.to(tl.float32, bitcast=True)
+
+    @triton.jit
+    def _tile_index(off_ptr, el, e0, s0, s1, lead_start, ROWS: tl.constexpr, WIDTH: tl.constexpr):
+        """Where element ``el`` lies in a :func:`_reduce_blocks_kernel` tile (flattened):
+        row 0 (the lead block) before the program's first element ``e0``, else its own
+        block's row, found by a binary search over the program's blocks."""
+        seg = _search(off_ptr, el, el * 0 + s0, s0 * 0 + ROWS // 2, s1 - 1)
+        own = (1 + seg - s0) * WIDTH + (el - tl.load(off_ptr + seg))
+        return tl.where(el < e0, el - lead_start, own).to(tl.int32)
+
+    @triton.jit(do_not_specialize=["shard_bytes", "n_blocks", "n_ranks", "top"])
+    def _reduce_blocks_kernel(
+        src_ptr,
+        out_ptr,
+        d_ptr,
+        off_ptr,
+        exp_ptr,
+        shard_bytes,
+        n_blocks,
+        n_ranks,
+        divisor,
+        top,
+        E: tl.constexpr,
+        D: tl.constexpr,
+        M: tl.constexpr,
+        WIRE: tl.constexpr,
+        DIVIDE: tl.constexpr,
+        LEAD: tl.constexpr,
+        ROWS: tl.constexpr,
+        WIDTH: tl.constexpr,
+    ):
+        """The owner's step with block exponents over a tile of whole blocks, one per row.
+
+        Program p owns blocks ``s0 = p * (ROWS - LEAD)`` on: row ``LEAD + j`` of
+        its [ROWS, WIDTH] tile is block ``s0 + j``. The rows' N ranks' codes are
+        decoded and summed in rank order, divided (:func:`_divide`), each
+        row's max gives its d, and the codes of ``mean * 2**d`` are stored.
+        4-bit codes (``LEAD`` 1): a block may start at an odd element, sharing
+        its first byte with the block before it, perhaps another program's.
+        Each byte is written by the program owning its high nibble's element
+        (the last program also writes the final half byte): a program whose
+        first element is odd computes the block holding the element before it
+        as well (row 0, found by a search; its d is not stored), and reads
+        each byte's two codes out of the flattened tile with ``tl.gather``.
+        """
+        pid = tl.program_id(0).to(tl.int64)
+        s0 = pid * (ROWS - LEAD)
+        s1 = tl.minimum(s0 + ROWS - LEAD, n_blocks)
+        e0 = tl.load(off_ptr + s0)
+        e1 = tl.load(off_ptr + s1)
+        r = tl.arange(0, ROWS)
+        seg = s0 + r - LEAD
+        owned = (r >= LEAD) & (seg < s1)
+        start = tl.load(off_ptr + seg, mask=owned, other=0)
+        end = tl.load(off_ptr + seg + 1, mask=owned, other=0)
+        lead_start = e0
+        if LEAD:
+            zero = s0 * 0
+            lead = _search(off_ptr, e0 - 1, zero, zero + top, n_blocks - 1)
+            lead_start = tl.load(off_ptr + lead)
+            has_lead = (e0 & 1) == 1
+            seg = tl.where(r == 0, lead, seg)
+            start = tl.where(r == 0, lead_start, start)
+            end = tl.where((r == 0) & has_lead, tl.load(off_ptr + lead + 1), end)
+        j = tl.arange(0, WIDTH)
+        idx = start[:, None] + j[None, :]
+        mask = j[None, :] < (end - start)[:, None]
+        v = _rank_sum(src_ptr, shard_bytes, n_ranks, idx, mask, D, WIRE)
+        if DIVIDE:
+            v = _divide(v, divisor, DIVIDE)
+        mag = tl.where(mask, v.to(tl.int32, bitcast=True) & 0x7FFFFFFF, 0)
+        # tl.reduce, not tl.max (a library @jit function: see _factor's tl.full).
+        m = tl.minimum(tl.reduce(mag, 1, _larger), 0x7F800000)  # NaN above inf: to inf
+        valid = owned | (r < LEAD)
+        e = tl.load(exp_ptr + seg, mask=valid, other=0)
+        d = _mean_exponent(m, e, M)
+        tl.store(d_ptr + seg, d, mask=owned)
+        c = tl.where(mask, _code(v * _pow2(d)[:, None], E), 0)
+        if WIRE == 4:
+            flat = tl.reshape(c, [ROWS * WIDTH])
+            k = (e0 >> 1) + tl.arange(0, ROWS * WIDTH // 2)
+            stop = (e1 >> 1) + ((s1 == n_blocks) & ((e1 & 1) == 1)).to(tl.int64)
+            bmask = k < stop
+            low = tl.where(bmask, 2 * k, e0)
+            high = tl.where(bmask & (2 * k + 1 < e1), 2 * k + 1, e0)
+            c0 = tl.gather(flat, _tile_index(off_ptr, low, e0, s0, s1, lead_start, ROWS, WIDTH), 0)
+            c1 = tl.gather(flat, _tile_index(off_ptr, high, e0, s0, s1, lead_start, ROWS, WIDTH), 0)
+            c1 = tl.where(2 * k + 1 < e1, c1, 0)
+            tl.store(out_ptr + k, (c0 | (c1 << 4)).to(tl.uint8), mask=bmask)
+        elif WIRE == 8:
+            tl.store(out_ptr + idx, c.to(tl.uint8), mask=mask)
+        else:
+            tl.store(out_ptr + 2 * idx, (c & 0xFF).to(tl.uint8), mask=mask)
+            tl.store(out_ptr + 2 * idx + 1, (c >> 8).to(tl.uint8), mask=mask)
+
+
 def _check(fmt: FloatFormat, *tensors: torch.Tensor) -> FormatConstants:
     if not AVAILABLE:
         raise RuntimeError("the Triton codec needs triton (pip install triton)")
@@ -761,11 +899,82 @@ def shard_mean(
     _reduce(recv, n_ranks, fmt, out, divisor, False)
 
 
+def _tile(longest: int, wire_bits: int) -> tuple[int, int, int]:
+    """(LEAD, ROWS, WIDTH) of :func:`reduce_blocks`' tile for blocks of at most ``longest``."""
+    width = max(2, 1 << max(longest - 1, 0).bit_length())
+    lead = 1 if wire_bits == 4 else 0
+    return lead, max(2, TILE // width), width
+
+
+def reduce_blocks(
+    recv: torch.Tensor,
+    n_ranks: int,
+    fmt: FloatFormat,
+    offsets: torch.Tensor,
+    exponents: torch.Tensor,
+    out: torch.Tensor,
+    d: torch.Tensor,
+    limit: int,
+    longest: int,
+) -> None:
+    """The owner's step of two_phase with block exponents, in one kernel.
+
+    As :func:`aps_comm.cpu_kernels.reduce_blocks`: the mean of ``n_ranks``
+    equal shards of ``recv`` (decoded exactly, summed in float32 in rank
+    order, divided by ``n_ranks`` rounded once) cut into the blocks at
+    ``offsets`` (int64 on the device, from 0); each block's extra exponent
+    (:func:`aps_comm.scaling.mean_exponents` of its max and its int32
+    ``exponents``, capped at ``limit``) into int32 ``d`` and its codes of
+    ``mean * 2**d`` into ``out``. One program per tile of whole blocks (see
+    :func:`_reduce_blocks_kernel` for the 4-bit bytes two blocks share).
+
+    Args:
+        longest: the longest block's elements (at most :data:`MAX_SEGMENT`).
+    """
+    consts = _check(fmt, recv, out)
+    n_blocks = offsets.numel() - 1
+    if not 0 <= longest <= MAX_SEGMENT:
+        raise ValueError(f"blocks of at most {MAX_SEGMENT} elements, got one of {longest}")
+    for name, t in (("exponents", exponents), ("d", d)):
+        if t.dtype != torch.int32 or t.numel() != n_blocks or t.device != recv.device:
+            raise ValueError(
+                f"{name} must hold {n_blocks} int32 entries on {recv.device}, got "
+                f"{t.numel()} {t.dtype} on {t.device}"
+            )
+    _check_offsets(offsets, n_blocks, recv.device)
+    if not n_blocks:
+        return
+    lead, rows, width = _tile(longest, consts.wire_bits)
+    pow2 = n_ranks & (n_ranks - 1) == 0
+    _reduce_blocks_kernel[(triton.cdiv(n_blocks, rows - lead),)](
+        recv,
+        out,
+        d,
+        offsets,
+        exponents,
+        recv.numel() // n_ranks,
+        n_blocks,
+        n_ranks,
+        1.0 / n_ranks if pow2 else float(n_ranks),
+        _top(n_blocks),
+        E=consts.encode,
+        D=consts.decode,
+        M=mean_limit(fmt, limit),
+        WIRE=consts.wire_bits,
+        DIVIDE=0 if n_ranks == 1 else 1 if pow2 else 2,
+        LEAD=lead,
+        ROWS=rows,
+        WIDTH=width,
+        **_options(),
+    )
+
+
 def ptx(fmt: FloatFormat, arch: int = 90, block_size: int = 0) -> dict[str, str]:
-    """The PTX of the scaled encode and decode, the owner's reduction and the shard mean
-    of ``fmt`` for an ``sm_<arch>`` GPU, compiled here without one (ptxas ships with
-    Triton): to read what the device runs, e.g. that no operation flushes subnormals.
-    ``block_size``: the encode and decode with per-block factors.
+    """The PTX of the scaled encode and decode, the owner's reduction, the shard mean and
+    the owner's step with block exponents (``"owner_blocks"``) of ``fmt`` for an
+    ``sm_<arch>`` GPU, compiled here without one (ptxas ships with Triton): to read
+    what the device runs, e.g. that no operation flushes subnormals. ``block_size``:
+    the encode and decode with per-block factors, and the owner's blocks (else 32).
 
     Raises:
         RuntimeError: no Triton, or the kernels were built for the interpreter.
@@ -806,11 +1015,38 @@ def ptx(fmt: FloatFormat, arch: int = 90, block_size: int = 0) -> dict[str, str]
             {**pointers, **scalar_r},
             {"E": consts.encode, "D": consts.decode, "DIVIDE": 2, "ENCODE": encode},
         )
+    lead, rows, width = _tile(block_size or 32, consts.wire_bits)
+    sources["owner_blocks"] = (
+        _reduce_blocks_kernel,
+        {
+            "src_ptr": "*u8",
+            "out_ptr": "*u8",
+            "d_ptr": "*i32",
+            "off_ptr": "*i64",
+            "exp_ptr": "*i32",
+            "shard_bytes": "i32",
+            "n_blocks": "i32",
+            "n_ranks": "i32",
+            "divisor": "fp32",
+            "top": "i32",
+        },
+        {
+            "E": consts.encode,
+            "D": consts.decode,
+            "M": mean_limit(fmt, EXPONENT_LIMIT),
+            "WIRE": consts.wire_bits,
+            "DIVIDE": 2,
+            "LEAD": lead,
+            "ROWS": rows,
+            "WIDTH": width,
+        },
+    )
     out = {}
     for name, (fn, signature, constexprs) in sources.items():
-        if fn is not _reduce_kernel:
+        if fn in (_encode_kernel, _decode_kernel):
             signature = {**signature, **scalar}
-        constexprs = {**constexprs, **common}
+        if fn is not _reduce_blocks_kernel:
+            constexprs = {**constexprs, **common}
         signature = {**signature, **{k: "constexpr" for k in constexprs}}
         src = ASTSource(fn, signature=signature, constexprs=constexprs)
         out[name] = triton.compile(src, target=target, options=_options()).asm["ptx"]

@@ -6,6 +6,11 @@ scales, with per-layer scales and with block scales (one per
 device (where every timing synchronises the device). Medians of repeats,
 every ratio measured in the same run as the copy it is divided by.
 
+Also two_phase's shard owner with block scaling: the buffer's codes as 4
+ranks' shards of a quarter each, averaged and re-encoded with each block's
+own exponent (:func:`aps_comm.codec.owner_reduce_blocks`), beside the chain
+of calls it fuses (shard mean, block maxima, exponents, scaled encode).
+
     python -m benchmarks.codec [--mib 64] [--repeats 9] [--formats e4m3,e5m2]
                                [--block-size 32] [--device cuda] [--json PATH]
 
@@ -27,9 +32,27 @@ from pathlib import Path
 import torch
 
 from aps_comm import codec
-from aps_comm.formats import FORMATS, payload_nbytes
+from aps_comm.formats import FORMATS, FloatFormat, payload_nbytes, pow2
+from aps_comm.scaling import blocks_amax, mean_exponents
 
 __all__ = ["main", "run"]
+
+
+OWNER_RANKS = 4
+"""Shards the owner step averages (each a quarter of the buffer)."""
+
+
+def _owner_chain(
+    recv: torch.Tensor,
+    fmt: FloatFormat,
+    layout: codec.Layout,
+    exps: torch.Tensor,
+    out: torch.Tensor,
+) -> None:
+    """The owner's step as calls one after another (what owner_reduce_blocks fuses)."""
+    mean = codec.shard_mean(recv, fmt, OWNER_RANKS)
+    d = mean_exponents(blocks_amax(mean, layout), exps, fmt)
+    codec.encode(mean, fmt, out=out, scale=pow2(d), layout=layout)
 
 
 def _timer(device: torch.device) -> Callable[[Callable[[], object]], float]:
@@ -70,12 +93,17 @@ def run(
     scale = torch.full((100,), 4.0, device=dev)
     blocks = layout.grid(block_size)  # plan time, as the hook builds it once per bucket
     block_scale = torch.full((blocks.n_blocks,), 4.0, device=dev)
+    # The owner of one of OWNER_RANKS shards, each a quarter of the buffer, of whole blocks.
+    shard = codec.Layout.from_numels([n // OWNER_RANKS], dev).grid(block_size).layout
+    shard_exps = torch.full((shard.n_segments,), 2, dtype=torch.int32, device=dev)
     seconds = _timer(dev)
     copies: list[float] = []
     rows = []
     for name in formats or ("e4m3", "e5m2", "fp16", "bf16", "e3m2", "e2m1"):
         fmt = FORMATS[name]
         p = torch.empty(payload_nbytes(n, fmt), dtype=torch.uint8, device=dev)
+        recv = codec.encode(x, fmt, scale=block_scale, layout=blocks.layout)
+        q = torch.empty(payload_nbytes(shard.numel, fmt), dtype=torch.uint8, device=dev)
         steps = {
             "copy": lambda: y.copy_(x),
             "encode": lambda f=fmt, p=p: codec.encode(x, f, out=p),
@@ -91,6 +119,12 @@ def run(
             ),
             "block_decode": lambda f=fmt, p=p: codec.decode(
                 p, f, n, out=y, scale=block_scale, layout=blocks.layout
+            ),
+            "owner_block": lambda f=fmt, r=recv, q=q: codec.owner_reduce_blocks(
+                r, f, OWNER_RANKS, shard, shard_exps, out=q
+            ),
+            "owner_block_chain": lambda f=fmt, r=recv, q=q: _owner_chain(
+                r, f, shard, shard_exps, q
             ),
         }
         for fn in steps.values():
@@ -129,6 +163,12 @@ def run(
                 "block_encode_s": statistics.median(times["block_encode"]),
                 "block_decode_s": statistics.median(times["block_decode"]),
                 "block_encode_decode_over_copy": statistics.median(block),
+                "owner_block_s": statistics.median(times["owner_block"]),
+                "owner_block_chain_s": statistics.median(times["owner_block_chain"]),
+                "owner_block_chain_over_fused": statistics.median(
+                    c / f
+                    for c, f in zip(times["owner_block_chain"], times["owner_block"], strict=True)
+                ),
             }
         )
     machine = f"{platform.processor() or platform.machine()}, {platform.platform()}"
@@ -142,6 +182,7 @@ def run(
         "threads": 1,
         "buffer_mib": mib,
         "block_size": block_size,
+        "owner_ranks": OWNER_RANKS,
         "repeats": repeats,
         "copy_s": statistics.median(copies),
         "formats": rows,
@@ -165,13 +206,14 @@ def main(argv: list[str] | None = None) -> None:
     print(f"copy_ of {args.mib} MiB float32, {where}: {result['copy_s'] * 1e3:.2f} ms (median)")
     print(
         f"{'format':<7} {'enc ms':>8} {'dec ms':>8} {'(enc+dec)/copy':>15} {'scaled':>8} "
-        f"{'block ' + str(args.block_size):>9}"
+        f"{'block ' + str(args.block_size):>9} {'owner ms':>9} {'chain ms':>9}"
     )
     for r in result["formats"]:
         print(
             f"{r['format']:<7} {r['encode_s'] * 1e3:>8.2f} {r['decode_s'] * 1e3:>8.2f} "
             f"{r['encode_decode_over_copy']:>15.2f} {r['scaled_encode_decode_over_copy']:>8.2f} "
-            f"{r['block_encode_decode_over_copy']:>9.2f}"
+            f"{r['block_encode_decode_over_copy']:>9.2f} {r['owner_block_s'] * 1e3:>9.2f} "
+            f"{r['owner_block_chain_s'] * 1e3:>9.2f}"
         )
     if args.json:
         args.json.parent.mkdir(parents=True, exist_ok=True)

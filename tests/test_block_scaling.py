@@ -16,9 +16,10 @@ import pytest
 import torch
 
 from aps_comm import codec, cpu_kernels, simulate
+from aps_comm import formats as F
 from aps_comm import scaling as S
 from aps_comm.config import BLOCK_SIZES, Scaling, check_block_size
-from aps_comm.formats import get_format, payload_nbytes
+from aps_comm.formats import FloatFormat, get_format, payload_nbytes, pow2
 
 ORACLES = {
     "e4m3": ml_dtypes.float8_e4m3fn,
@@ -455,3 +456,116 @@ def test_shard_mean_with_each_ranks_block_exponents(name: str) -> None:
         )
         mean = c.shard_mean(recv, n, scale=unscale, layout=every)
         assert np.array_equal(mean.numpy(), ref), backend
+
+
+# The owner's step with block exponents: built-ins of every wire width, a 9-16-bit
+# custom, a 4-bit one the kernels decode through a table (negative bias), and one
+# whose largest value is below 1 with float32-subnormal means (the exponent rule's
+# subnormal path: d well below the cap).
+OWNER_FORMATS = [
+    *(get_format(n) for n in ("e4m3", "e5m2", "e3m2", "e2m1", "fp16", "bf16")),
+    get_format("e5m3"),
+    FloatFormat(2, 1, specials="none", bias=-1, name="e2m1-b-1"),
+    FloatFormat(3, 4, specials="ieee", bias=127, name="e3m4-b127"),
+    FloatFormat(3, 1, specials="fn", bias=127, name="e3m1fn-b127"),  # max 2**-120: mantissa 0
+]
+
+
+def _owner_chain(
+    c: codec.Codec, recv: torch.Tensor, n: int, layout: codec.Layout, exps: torch.Tensor
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """The owner's step as two_phase_blocks ran it before the fused kernels."""
+    mean = c.shard_mean(recv, n)[: layout.numel]
+    d = S.mean_exponents(S.blocks_amax(mean, layout), exps, c.fmt)
+    return c.encode(mean, scale=pow2(d), layout=layout), d
+
+
+def _owner_inputs(
+    fmt: FloatFormat, n: int, block_size: int, seed: int
+) -> list[tuple[torch.Tensor, codec.Layout, torch.Tensor]]:
+    """(recv, blocks, agreed exponents) of a shard owner, twice: gradients encoded with
+    their agreed block exponents (a zero block, NaN and inf blocks; shards padded as
+    two_phase pads them), then random codes with random exponents, the first half's
+    blocks holding the format's subnormals only."""
+    # Odd sizes: blocks at odd offsets, in the 4-bit case bytes shared by two blocks,
+    # also where the kernels' groups of ~2048 elements meet (inside the 2500).
+    numels = [37, 0, 64, 5, 300, 1, 2500, 3 * block_size + 3]
+    blocks = codec.Layout.from_numels(numels, CPU).grid(block_size)
+    layout, numel = blocks.layout, blocks.layout.numel
+    need = payload_nbytes(numel, fmt)
+    shard = need + (2 if fmt.wire_bits == 16 else 3)  # whole elements, padded
+    g = _grads(numels, seed=seed, rows=n) * min(fmt.max, 2.0**100)
+    g[:, 40:48] = 0.0  # a zero block (two for block 8)
+    g[0, 120], g[n - 1, 200] = float("nan"), float("inf")
+    amax = torch.stack([S.block_amax(r, blocks) for r in g]).amax(0)
+    f = S.factors(
+        amax, fmt, "two_phase", world_size=n, scaling="block", counts=blocks.device_counts
+    )
+    recv = torch.zeros(n * shard, dtype=torch.uint8)
+    for r in range(n):
+        codec.encode(
+            g[r], fmt, out=recv[r * shard : r * shard + need], scale=f.scale, layout=layout
+        )
+    gen = torch.Generator().manual_seed(seed)
+    raw = torch.randint(0, 256, (n * shard,), dtype=torch.uint8, generator=gen)
+    tiny = torch.randint(-(2**fmt.man_bits), 2**fmt.man_bits, (n, numel), generator=gen)
+    for r in range(n):
+        part = raw[r * shard : r * shard + need]
+        x = F.decode(part, fmt, numel)
+        x[: numel // 2] = tiny[r, : numel // 2] * fmt.min_subnormal
+        F.encode(x, fmt, out=part)
+    exps = torch.randint(-126, 127, (layout.n_segments,), dtype=torch.int32, generator=gen)
+    return [(recv, layout, f.exponents), (raw, layout, exps)]
+
+
+@pytest.mark.parametrize("fmt", OWNER_FORMATS, ids=lambda f: f.name)
+def test_owner_reduce_blocks_matches_the_chain(fmt: FloatFormat) -> None:
+    """The one-pass owner step gives the chain's bytes and exponents exactly: the
+    kernels bit for bit, the torch backends up to the sign of NaN codes."""
+    kernels = codec.Codec(fmt, CPU, "kernels")
+    torch_backends = ["bits"] + (["cast"] if fmt.torch_dtype is not None else [])
+    for block_size, n in itertools.product((8, 32, 256), (1, 2, 3, 4)):
+        for recv, layout, exps in _owner_inputs(fmt, n, block_size, seed=n * block_size):
+            ref, ref_d = _owner_chain(kernels, recv, n, layout, exps)
+            out = torch.full((ref.numel() + 6,), 0xA5, dtype=torch.uint8)
+            got, d = kernels.owner_reduce_blocks(recv, n, layout, exps, out=out[3:-3])
+            assert torch.equal(got, ref) and torch.equal(d, ref_d), (block_size, n)
+            assert (out[:3] == 0xA5).all() and (out[-3:] == 0xA5).all()
+            for backend in torch_backends:
+                c = codec.Codec(fmt, CPU, backend)
+                got, d = c.owner_reduce_blocks(recv, n, layout, exps)
+                assert torch.equal(d, ref_d), backend
+                assert _same_codes(got, ref, fmt, layout.numel), backend
+    # The subnormal means' exponents are not all at the cap (the rule's subnormal path).
+    if fmt.name == "e3m4-b127":
+        recv, layout, exps = _owner_inputs(fmt, 3, 8, seed=0)[1]
+        _, d = kernels.owner_reduce_blocks(recv, 3, layout, exps.clamp(max=0))
+        assert 0 < d[0] < 120 and 0 < d[1] < 120
+
+
+def _same_codes(a: torch.Tensor, b: torch.Tensor, fmt: FloatFormat, numel: int) -> bool:
+    """Equal codes up to the sign of NaN codes (the torch backends' NaN may differ)."""
+    x, y = F.decode(a, fmt, numel), F.decode(b, fmt, numel)
+    return torch.equal(
+        x.nan_to_num(nan=7.0).view(torch.int32), y.nan_to_num(nan=7.0).view(torch.int32)
+    )
+
+
+def test_owner_reduce_blocks_rejects_bad_inputs() -> None:
+    blocks = codec.Layout.from_numels([20], CPU).grid(8).layout
+    exps = torch.zeros(3, dtype=torch.int32)
+    recv = torch.zeros(2 * 10, dtype=torch.uint8)
+    c = codec.Codec("e4m3", CPU)
+    with pytest.raises(ValueError, match="at least the layout's 20: got 10 bytes"):
+        c.owner_reduce_blocks(recv, 2, blocks, exps)
+    recv = torch.zeros(2 * 20, dtype=torch.uint8)
+    with pytest.raises(ValueError, match=r"int32 vector of the layout's 3 blocks .* torch.int64"):
+        c.owner_reduce_blocks(recv, 2, blocks, exps.long())
+    with pytest.raises(ValueError, match="a whole layout"):
+        c.owner_reduce_blocks(recv, 2, codec.Layout.from_numels([20], CPU).window(2, 9), exps)
+    with pytest.raises(ValueError, match="out must hold 20 uint8 bytes"):
+        c.owner_reduce_blocks(recv, 2, blocks, exps, out=torch.empty(19, dtype=torch.uint8))
+    with pytest.raises(ValueError, match="whole elements"):  # 9 bytes of fp16
+        codec.owner_reduce_blocks(torch.zeros(18, dtype=torch.uint8), "fp16", 2, blocks, exps)
+    payload, d = c.owner_reduce_blocks(recv[:0], 2, codec.Layout.from_numels([], CPU), exps[:0])
+    assert payload.numel() == 0 and d.numel() == 0

@@ -411,3 +411,84 @@ def test_without_triton() -> None:
             codec.Codec("e4m3", torch.device("cpu"), "triton")
         with pytest.raises(RuntimeError, match="needs triton"):
             hidden.encode(torch.ones(1), torch.empty(1, dtype=torch.uint8), F.E4M3)
+
+
+OWNER_FORMATS = [
+    *(get_format(n) for n in ("e4m3", "e5m2", "e3m2", "e2m1", "fp16", "bf16", "e5m3")),
+    FloatFormat(2, 1, specials="ieee", name="e2m1ieee"),  # 4 bits with inf and NaN
+    FloatFormat(3, 2, specials="ieee", bias=-3, name="e3m2-b-3"),  # the kernels' table decode
+    FloatFormat(3, 4, specials="ieee", bias=127, name="e3m4-b127"),  # float32-subnormal means
+    FloatFormat(3, 1, specials="fn", bias=127, name="e3m1fn-b127"),  # max 2**-120: mantissa 0
+]
+
+
+@contextlib.contextmanager
+def _program_order(monkeypatch: pytest.MonkeyPatch, backwards: bool) -> Iterator[None]:
+    """Run the interpreter's programs in reverse order along the grid's first axis."""
+    if not backwards:
+        yield
+        return
+    from triton.runtime.interpreter import interpreter_builder as builder
+
+    dims = []
+    set_dim, set_idx = builder.set_grid_dim, builder.set_grid_idx
+
+    def dim(x: int, y: int, z: int) -> None:
+        dims.append(x)
+        set_dim(x, y, z)
+
+    def idx(x: int, y: int, z: int) -> None:
+        set_idx(dims[-1] - 1 - x, y, z)
+
+    with monkeypatch.context() as m:
+        m.setattr(builder, "set_grid_dim", dim)
+        m.setattr(builder, "set_grid_idx", idx)
+        yield
+    assert dims, "the interpreter no longer sets its grid through set_grid_dim"
+
+
+@pytest.mark.parametrize("fmt", OWNER_FORMATS, ids=lambda f: f.name)
+def test_owner_reduce_blocks_matches_kernels(
+    tc: types.ModuleType, fmt: FloatFormat, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    # The owner's step with block exponents: random codes of N ranks (every code, NaN
+    # and inf among them), a third of the shard the format's subnormals only, a zero
+    # block; random agreed exponents. Small tiles: many programs, 4-bit blocks at odd
+    # offsets sharing a byte with another program's block.
+    numels = [37, 0, 64, 5, 300, 1, 98]  # odd in all: the last byte half filled
+    # Tiles of 8 rows of 8, 64 rows of 32 (the default), 2 rows of 256 (1 block and its lead).
+    for block_size, n_ranks, tile in ((8, 3, 64), (32, 4, tc.TILE), (256, 1, 256)):
+        monkeypatch.setattr(tc, "TILE", tile)
+        layout = codec.Layout.from_numels(numels, torch.device("cpu")).grid(block_size).layout
+        numel, need = layout.numel, payload_nbytes(layout.numel, fmt)
+        shard = need + (2 if fmt.wire_bits == 16 else 1)
+        gen = torch.Generator().manual_seed(block_size)
+        recv = torch.randint(0, 256, (n_ranks * shard,), dtype=torch.uint8, generator=gen)
+        tiny = torch.randint(-(2**fmt.man_bits), 2**fmt.man_bits, (numel,), generator=gen)
+        for r in range(n_ranks):
+            part = recv[r * shard : r * shard + need]
+            x = F.decode(part, fmt, numel)
+            x[: numel // 3] = tiny[: numel // 3] * fmt.min_subnormal
+            x[200:208] = 0.0
+            F.encode(x, fmt, out=part)
+        exps = torch.randint(-126, 127, (layout.n_segments,), dtype=torch.int32, generator=gen)
+        ref, ref_d = codec.owner_reduce_blocks(recv, fmt, n_ranks, layout, exps, backend="kernels")
+        # 4 bits: programs run first to last, then last to first. A byte two programs
+        # wrote (a GPU race) would come out wrong in one order or the other.
+        for backwards in (False, True) if fmt.wire_bits == 4 else (False,):
+            buf = torch.full((need + 4,), 0xA5, dtype=torch.uint8)
+            with _program_order(monkeypatch, backwards):
+                got, d = _quiet(
+                    codec.owner_reduce_blocks,
+                    recv,
+                    fmt,
+                    n_ranks,
+                    layout,
+                    exps,
+                    out=buf[1 : need + 1],
+                    backend="triton",
+                )
+            assert torch.equal(got, ref) and torch.equal(d, ref_d), (block_size, n_ranks, backwards)
+            assert buf[0] == 0xA5 and torch.all(buf[need + 1 :] == 0xA5)
+    with pytest.raises(ValueError, match="blocks of at most 4096 elements, got one of 5000"):
+        tc.reduce_blocks(recv, 1, fmt, layout.device_offsets, exps, got, d, 126, 5000)
