@@ -601,18 +601,8 @@ class Codec:
             >>> d, c.decode(payload, 2, scale=pow2(-d), layout=blocks)
             (tensor([3], dtype=torch.int32), tensor([0.0000, 0.5000]))
         """
+        out = self._owner_blocks_out(recv, n_ranks, layout, out)
         numel, n_blocks = layout.numel, layout.n_segments
-        shard_bytes = self._shard_bytes(recv, n_ranks)
-        if shard_bytes * 8 % self.fmt.wire_bits or numel > shard_bytes * 8 // self.fmt.wire_bits:
-            raise ValueError(
-                f"each shard must hold whole elements, at least the layout's {numel}: got "
-                f"{shard_bytes} bytes of {self.fmt.name} ({self.fmt.wire_bits} bits each)"
-            )
-        if layout.parent is not None:
-            raise ValueError(
-                "owner_reduce_blocks needs a whole layout of the shard's blocks, got a window "
-                "(build one with Layout.from_numels(window.sizes, device))"
-            )
         if (
             exponents.dtype != torch.int32
             or exponents.dim() != 1
@@ -623,14 +613,6 @@ class Codec:
                 f"exponents must be an int32 vector of the layout's {n_blocks} blocks on "
                 f"{recv.device}, got {exponents.dtype} of shape {tuple(exponents.shape)} "
                 f"on {exponents.device}"
-            )
-        need = payload_nbytes(numel, self.fmt)
-        if out is None:
-            out = torch.empty(need, dtype=torch.uint8, device=recv.device)
-        elif out.dtype != torch.uint8 or out.numel() != need or out.device != recv.device:
-            raise ValueError(
-                f"out must hold {need} uint8 bytes on {recv.device}, got {out.numel()} "
-                f"{out.dtype} on {out.device}"
             )
         if self.backend == "kernels":
             d = torch.empty(n_blocks, dtype=torch.int32)
@@ -666,6 +648,102 @@ class Codec:
         d = mean_exponents(blocks_amax(mean, layout), exponents, self.fmt)
         self.encode(mean, out=out, scale=pow2(d), layout=layout)
         return out, d
+
+    def owner_reduce_rank_blocks(
+        self,
+        recv: torch.Tensor,
+        n_ranks: int,
+        layout: Layout,
+        rank_scales: torch.Tensor,
+        *,
+        out: torch.Tensor | None = None,
+    ) -> tuple[torch.Tensor, torch.Tensor]:
+        """:meth:`owner_reduce_blocks` where every rank encoded with its own block exponents.
+
+        Rank r's shard (row r of ``recv``: N equal rows, the shard at each
+        row's start) is decoded times ``rank_scales[r]`` (float32, shape
+        (N, blocks): its sender's ``2**-e``), the N values summed in float32
+        in rank order and divided by N; each block of the mean gets its own
+        exponent ``d`` (:func:`aps_comm.scaling.mean_exponents` with agreed
+        exponents 0) and is encoded times ``2**d``; receivers decode with
+        ``2**-d``. One pass on the "kernels" backend, the chain of calls
+        elsewhere, with the same bytes.
+
+        Example:
+            >>> c = Codec("e2m1", torch.device("cpu"))
+            >>> blocks = Layout.from_numels([2], torch.device("cpu"))
+            >>> rows = torch.cat([c.encode(torch.tensor([4.0, 2.0])),
+            ...                   c.encode(torch.tensor([-2.0, 1.0]))])
+            >>> scales = torch.tensor([[0.25], [0.5]])  # the senders' own 2**-e
+            >>> payload, d = c.owner_reduce_rank_blocks(rows, 2, blocks, scales)
+            >>> d, c.decode(payload, 2, scale=pow2(-d), layout=blocks)
+            (tensor([2], dtype=torch.int32), tensor([0.0000, 0.5000]))
+        """
+        out = self._owner_blocks_out(recv, n_ranks, layout, out)
+        numel, n_blocks = layout.numel, layout.n_segments
+        if (
+            rank_scales.dtype != torch.float32
+            or rank_scales.shape != (n_ranks, n_blocks)
+            or rank_scales.device != recv.device
+        ):
+            raise ValueError(
+                f"rank_scales must be float32 of shape ({n_ranks}, {n_blocks}) on "
+                f"{recv.device}, got {rank_scales.dtype} of shape {tuple(rank_scales.shape)} "
+                f"on {rank_scales.device}"
+            )
+        if self.backend == "kernels":
+            d = torch.empty(n_blocks, dtype=torch.int32)
+            if n_blocks:
+                cpu_kernels.reduce_rank_blocks(
+                    recv,
+                    n_ranks,
+                    self.fmt,
+                    layout.offsets.numpy(),
+                    rank_scales.contiguous().numpy(),
+                    out,
+                    d.numpy(),
+                    EXPONENT_LIMIT,
+                    layout.longest,
+                )
+            return out, d
+        rows = recv.view(n_ranks, -1)
+        used = payload_nbytes(numel, self.fmt)
+        mean = self.decode(rows[0, :used], numel, scale=rank_scales[0], layout=layout)
+        for r in range(1, n_ranks):  # rank order
+            mean += self.decode(rows[r, :used], numel, scale=rank_scales[r], layout=layout)
+        if n_ranks > 1:
+            mean.div_(n_ranks)
+        zero = torch.zeros(n_blocks, dtype=torch.int32, device=recv.device)
+        d = mean_exponents(blocks_amax(mean, layout), zero, self.fmt)
+        self.encode(mean, out=out, scale=pow2(d), layout=layout)
+        return out, d
+
+    def _owner_blocks_out(
+        self, recv: torch.Tensor, n_ranks: int, layout: Layout, out: torch.Tensor | None
+    ) -> torch.Tensor:
+        """Check the owner's inputs (whole elements per shard, a whole layout) and give
+        the output bytes (``out``, checked, or new)."""
+        numel = layout.numel
+        shard_bytes = self._shard_bytes(recv, n_ranks)
+        if shard_bytes * 8 % self.fmt.wire_bits or numel > shard_bytes * 8 // self.fmt.wire_bits:
+            raise ValueError(
+                f"each shard must hold whole elements, at least the layout's {numel}: got "
+                f"{shard_bytes} bytes of {self.fmt.name} ({self.fmt.wire_bits} bits each)"
+            )
+        if layout.parent is not None:
+            raise ValueError(
+                "the owner's step needs a whole layout of the shard's blocks, got a window "
+                "(build one with Layout.from_numels(window.sizes, device))"
+            )
+        need = payload_nbytes(numel, self.fmt)
+        if out is None:
+            return torch.empty(need, dtype=torch.uint8, device=recv.device)
+        if out.dtype != torch.uint8 or out.numel() != need or out.device != recv.device:
+            raise ValueError(
+                f"out must hold {need} uint8 bytes on {recv.device}, got {out.numel()} "
+                f"{out.dtype} on {out.device}"
+            )
+        return out
 
     def shard_mean(
         self,

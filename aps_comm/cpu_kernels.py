@@ -55,6 +55,7 @@ __all__ = [
     "encoder_params",
     "mean_limit",
     "reduce_blocks",
+    "reduce_rank_blocks",
     "reduce_shards",
     "supports",
 ]
@@ -760,6 +761,141 @@ if AVAILABLE:
             _pack(codes[:hi], out[b0:b1])
             carry = codes[hi - 1]
             s = t
+
+
+if AVAILABLE:
+
+    @_njit
+    def _add_scaled(vals, acc, first):
+        if first:
+            for j in range(len(acc)):
+                acc[j] = vals[j]
+        else:
+            for j in range(len(acc)):
+                acc[j] += vals[j]
+
+    @_njit
+    def _scaled_values(codes, out, f, table, bits, q, k):
+        """Codes' values times ``f``, rounded once (as :func:`decode` with a factor):
+        ``(v * k) * f`` from bit fields (``v * k`` is exact), or ``table * f``."""
+        if bits:
+            for j in range(len(out)):
+                out[j] = (_u2f(_code_bits(codes[j], q)) * k) * f
+        else:
+            for j in range(len(out)):
+                out[j] = table[codes[j]] * f
+
+    @_njit
+    def _reduce_rank_blocks(
+        recv, n_ranks, row, out_codes, offsets, factors, d_out, cap, table, bits, q, k, p, lim
+    ):
+        """:func:`_reduce_blocks` where rank r's codes of block b are decoded times
+        ``factors[r, b]`` (every rank's own block exponents); ``row``: codes
+        from one rank's shard to the next's. 8- and 16-bit codes."""
+        acc = np.empty(cap, np.float32)
+        part = np.empty(cap, np.float32)
+        zero = np.zeros(len(offsets) - 1, np.int32)
+        div = np.float32(n_ranks)
+        s = 0
+        while s < len(offsets) - 1:
+            t = _group_end(offsets, s, cap)
+            g0 = offsets[s]
+            for r in range(n_ranks):
+                for seg in range(s, t):
+                    lo, hi = offsets[seg] - g0, offsets[seg + 1] - g0
+                    codes = recv[r * row + g0 + lo : r * row + g0 + hi]
+                    _scaled_values(codes, part[lo:hi], factors[r, seg], table, bits, q, k)
+                _add_scaled(part[: offsets[t] - g0], acc[: offsets[t] - g0], r == 0)
+            if n_ranks > 1:
+                for j in range(offsets[t] - g0):
+                    acc[j] = acc[j] / div
+            _encode_mean_blocks(acc, 0, g0, offsets, s, t, zero, d_out, out_codes, g0, p, lim)
+            s = t
+
+    @_njit
+    def _reduce_rank_blocks4(
+        recv, n_ranks, row, out, offsets, factors, d_out, cap, table, bits, q, k, p, lim
+    ):
+        """:func:`_reduce_rank_blocks` for packed 4-bit codes (the carry of
+        :func:`_reduce_blocks4`); ``row`` in bytes."""
+        acc = np.empty(cap + 1, np.float32)
+        part = np.empty(cap + 1, np.float32)
+        codes = np.empty(cap + 1, np.uint8)
+        zero = np.zeros(len(offsets) - 1, np.int32)
+        div = np.float32(n_ranks)
+        carry = np.uint8(0)
+        s = 0
+        while s < len(offsets) - 1:
+            t = _group_end(offsets, s, cap)
+            g0, g1 = offsets[s], offsets[t]
+            lo = g0 & 1
+            hi = lo + g1 - g0
+            b0, b1 = g0 >> 1, (g1 + 1) >> 1
+            for r in range(n_ranks):
+                payload = recv[r * row + b0 : r * row + b1]
+                for seg in range(s, t):
+                    a, b = lo + offsets[seg] - g0, lo + offsets[seg + 1] - g0
+                    f = factors[r, seg]
+                    if bits:
+                        _decode4_bits(payload, part, a, b, q, k, f)
+                    else:
+                        for i in range(a, b):
+                            part[i] = table[(payload[i >> 1] >> ((i & 1) * 4)) & 0xF] * f
+                _add_scaled(part[lo:hi], acc[lo:hi], r == 0)
+            if n_ranks > 1:
+                for j in range(lo, hi):
+                    acc[j] = acc[j] / div
+            _encode_mean_blocks(acc, lo, g0, offsets, s, t, zero, d_out, codes, lo, p, lim)
+            codes[0] = carry if lo else codes[0]
+            _pack(codes[:hi], out[b0:b1])
+            carry = codes[hi - 1]
+            s = t
+
+
+def reduce_rank_blocks(
+    recv: torch.Tensor,
+    n_ranks: int,
+    fmt: FloatFormat,
+    offsets: np.ndarray,
+    factors: np.ndarray,
+    out: torch.Tensor,
+    d: np.ndarray,
+    limit: int,
+    longest: int | None = None,
+) -> None:
+    """:func:`reduce_blocks` with every rank's own block factors, exponents from none.
+
+    Row r of ``recv`` (``n_ranks`` equal rows, each rank's shard at its
+    start, anything after it) is decoded times ``factors[r]`` (float32, one
+    per block), the N values summed in float32 in rank order and divided by
+    ``n_ranks``; each block of the mean gets the exponent of
+    :func:`aps_comm.scaling.mean_exponents` with agreed exponents 0 (into
+    ``d``) and is encoded times ``2**d`` into ``out``.
+    """
+    row = recv.numel() // n_ranks
+    arith = decoder_params(fmt)
+    q, k = arith if arith is not None else ((np.uint32(0),) * 5, np.float32(1.0))
+    if longest is None:
+        longest = int(np.diff(offsets).max()) if offsets.size > 1 else 0
+    cap = max(_BLOCK, longest)
+    args = (
+        factors,
+        d,
+        cap,
+        _table(fmt),
+        arith is not None,
+        q,
+        k,
+        encoder_params(fmt),
+        mean_limit(fmt, limit),
+    )
+    ra, oa = _np(recv), _np(out)
+    if fmt.wire_bits == 4:
+        _reduce_rank_blocks4(ra, n_ranks, row, oa, offsets, *args)
+        return
+    if fmt.wire_bits == 16:
+        ra, oa = ra.view(np.uint16), oa.view(np.uint16)
+    _reduce_rank_blocks(ra, n_ranks, ra.size // n_ranks, oa, offsets, *args)
 
 
 def mean_limit(fmt: FloatFormat, limit: int) -> tuple[int, int, int]:

@@ -230,7 +230,8 @@ class BlockShards:
         pieces: per chunk, the bytes each shard takes in the all-to-all:
             ``shard_bytes``, and with each rank's own exponents
             (:attr:`aps_comm.config.BlockExponents.RANK`) its ``slots``
-            exponent bytes too, and in the first chunk :attr:`flags` more.
+            exponent bytes too, and in the first chunk :attr:`flags` more,
+            rounded up to 4 bytes.
         flags: with each rank's own exponents, bytes after each shard of the
             first chunk: one per layer of the group, whether the sender's
             layer is non-finite (every owner learns every rank's, so every
@@ -788,7 +789,9 @@ class BucketPlan:
             layouts.append(own)
             shard_bytes.append(sb)
             slots.append(slot)
-            piece = sb + (slot + (flags if not pieces else 0) if flags else 0)
+            piece = sb
+            if flags:  # 4-byte aligned: the owner reads 16-bit codes from every row
+                piece = -(-(sb + slot + (flags if not pieces else 0)) // 4) * 4
             pieces.append(piece)
             regions.append((start, start + world_size * piece))
             start = regions[-1][1]

@@ -41,8 +41,6 @@ from aps_comm.formats import payload_nbytes, pow2
 from aps_comm.plan import GroupPlan, RowRuns
 from aps_comm.scaling import (
     bad_layers,
-    blocks_amax,
-    exponent_keys,
     key_exponents,
 )
 from aps_comm.topology import NodeGroups
@@ -409,8 +407,9 @@ def two_phase_rank_blocks(
     one byte per layer: whether its layer is non-finite). The owner decodes
     every rank's copy with its sender's exponents, sums them in FP32 in rank
     order, divides by N, gives each block of the mean its own exponent
-    (:func:`aps_comm.scaling.exponent_keys`, no headroom), encodes it and
-    all-gathers it with those exponents. A layer non-finite on any rank is
+    (no headroom; all in one pass:
+    :meth:`aps_comm.codec.Codec.owner_reduce_rank_blocks`), encodes it and
+    all-gathers it with those exponents, as keys. A layer non-finite on any rank is
     NaN on every rank: every owner receives every rank's layer flags with
     the first chunk, before anything is decoded.
 
@@ -447,30 +446,23 @@ def two_phase_rank_blocks(
         piece[used:].zero_()  # padding: code 0 is +0 in every format
         piece[sb : sb + blocks] = keys[first : first + blocks]
         if c == 0:
-            piece[sb + sh.slots[0] : -1] = flags
-            piece[-1] = chunk_log2
+            at = sb + sh.slots[0]
+            piece[at : at + flags.numel()] = flags
+            piece[at + flags.numel()] = chunk_log2
 
     def owner(p: int, rows: torch.Tensor, a: int, b: int, out: torch.Tensor) -> None:
         sb, mine = sh.shard_bytes[p], sh.layouts[p][rank]
         if p == 0:
-            union = rows[:, sb + sh.slots[0] : -1].amax(0)
+            at = sb + sh.slots[0]
+            union = rows[:, at : at + flags.numel()].amax(0)
             bad.append(torch.repeat_interleave(union != 0, counts, output_size=g.layout.n_segments))
             if on_chunk is not None:
-                on_chunk(int(rows[:, -1].max()))
+                on_chunk(int(rows[:, at + flags.numel()].max()))
         used, blocks = payload_nbytes(b - a, fmt), mine.n_segments
-        mean = torch.empty(b - a, dtype=torch.float32, device=x.device)
-        part = torch.empty_like(mean) if n > 1 else mean
-        for r in range(n):  # rank order: every owner's sum has the same bits
-            unscale = pow2(-key_exponents(rows[r, sb : sb + blocks]))
-            dst = mean if r == 0 else part
-            g.codec.decode(rows[r, :used], b - a, out=dst, scale=unscale, layout=mine)
-            if r:
-                mean += part
-        mean.div_(n)
-        mean_keys = exponent_keys(blocks_amax(mean, mine), fmt, "two_phase", world_size=1)[0]
-        g.codec.encode(mean, out=out[:used], scale=pow2(key_exponents(mean_keys)), layout=mine)
+        unscale = pow2(-key_exponents(rows[:, sb : sb + blocks]))
+        _, d = g.codec.owner_reduce_rank_blocks(rows.reshape(-1), n, mine, unscale, out=out[:used])
         out[used:sb].zero_()
-        out[sb : sb + blocks] = mean_keys
+        out[sb : sb + blocks] = 127 - d  # a key (zero and non-finite blocks: d = 0)
         out[sb + blocks :].zero_()
 
     def unscale(b0: int, b1: int, k: torch.Tensor) -> torch.Tensor:

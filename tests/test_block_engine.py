@@ -153,11 +153,11 @@ def test_block_bytes_per_element_and_per_layer_records() -> None:
         assert e2m1["amax"] > 0 and e2m1["amax"] <= layer["amax"], (e2m1, layer)
         # Each rank's own exponents: the same bytes per element, all in the
         # exchange (plus, per shard of the first chunk, a flag byte per layer
-        # and the sender's preferred chunk).
+        # and the sender's preferred chunk, padded to 4 bytes).
         rank_exps = r["e2m1/block/rank"]
         assert "all_reduce_max" not in rank_exps["bytes"], rank_exps
-        assert rank_exps["bytes"]["all_to_all"] == 2 * (1024 + 64 + 1 + 1), rank_exps
-        assert rank_exps["sent"] - 4 == 4096 * (0.5 + 1 / 32), rank_exps
+        assert rank_exps["bytes"]["all_to_all"] == 2 * (1024 + 64 + 4), rank_exps
+        assert rank_exps["sent"] - 8 == 4096 * (0.5 + 1 / 32), rank_exps
         assert rank_exps["bytes"]["all_gather"] == 1024 + 64, rank_exps
         assert "scaling=block(32, rank exponents)" in rank_exps["describe"], rank_exps
         assert rank_exps["underflow"] < 0.05, rank_exps

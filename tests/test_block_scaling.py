@@ -569,3 +569,43 @@ def test_owner_reduce_blocks_rejects_bad_inputs() -> None:
         codec.owner_reduce_blocks(torch.zeros(18, dtype=torch.uint8), "fp16", 2, blocks, exps)
     payload, d = c.owner_reduce_blocks(recv[:0], 2, codec.Layout.from_numels([], CPU), exps[:0])
     assert payload.numel() == 0 and d.numel() == 0
+
+
+def _rank_owner_chain(
+    c: codec.Codec, recv: torch.Tensor, n: int, layout: codec.Layout, scales: torch.Tensor
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """The owner's step with every rank's own block exponents, one call at a time."""
+    rows, used = recv.view(n, -1), payload_nbytes(layout.numel, c.fmt)
+    mean = c.decode(rows[0, :used], layout.numel, scale=scales[0], layout=layout)
+    for r in range(1, n):
+        mean = mean + c.decode(rows[r, :used], layout.numel, scale=scales[r], layout=layout)
+    mean = mean / n
+    zero = torch.zeros(layout.n_segments, dtype=torch.int32)
+    d = S.mean_exponents(S.blocks_amax(mean, layout), zero, c.fmt)
+    return c.encode(mean, scale=pow2(d), layout=layout), d
+
+
+@pytest.mark.parametrize("fmt", OWNER_FORMATS, ids=lambda f: f.name)
+def test_owner_reduce_rank_blocks_matches_the_chain(fmt: FloatFormat) -> None:
+    """Each rank's shard decoded with its own block scales, then the owner's step: the
+    kernels' one pass bit for bit as the chain, the torch backends up to NaN signs."""
+    kernels = codec.Codec(fmt, CPU, "kernels")
+    torch_backends = ["bits"] + (["cast"] if fmt.torch_dtype is not None else [])
+    for block_size, n in itertools.product((8, 256), (1, 3)):
+        for recv, layout, exps in _owner_inputs(fmt, n, block_size, seed=n * block_size):
+            # Every rank its own exponents, as far apart as the senders' maxima.
+            gen = torch.Generator().manual_seed(n)
+            shift = torch.randint(-6, 7, (n, layout.n_segments), generator=gen)
+            scales = pow2(-(exps + shift).clamp(-126, 126))
+            ref, ref_d = _rank_owner_chain(kernels, recv, n, layout, scales)
+            out = torch.full((ref.numel() + 6,), 0xA5, dtype=torch.uint8)
+            got, d = kernels.owner_reduce_rank_blocks(recv, n, layout, scales, out=out[3:-3])
+            assert torch.equal(got, ref) and torch.equal(d, ref_d), (block_size, n)
+            assert (out[:3] == 0xA5).all() and (out[-3:] == 0xA5).all()
+            for backend in torch_backends:
+                c = codec.Codec(fmt, CPU, backend)
+                got, d = c.owner_reduce_rank_blocks(recv, n, layout, scales)
+                assert torch.equal(d, ref_d), backend
+                assert _same_codes(got, ref, fmt, layout.numel), backend
+    with pytest.raises(ValueError, match=r"rank_scales must be float32 of shape \(3, "):
+        kernels.owner_reduce_rank_blocks(recv, 3, layout, scales[:1])
