@@ -766,24 +766,22 @@ if AVAILABLE:
 if AVAILABLE:
 
     @_njit
-    def _add_scaled(vals, acc, first):
+    def _add_scaled(vals, factors, acc, first):
+        """acc (=, or +=) vals * factors, elementwise: one rounding per product and sum."""
         if first:
             for j in range(len(acc)):
-                acc[j] = vals[j]
+                acc[j] = vals[j] * factors[j]
         else:
             for j in range(len(acc)):
-                acc[j] += vals[j]
+                acc[j] += vals[j] * factors[j]
 
     @_njit
-    def _scaled_values(codes, out, f, table, bits, q, k):
-        """Codes' values times ``f``, rounded once (as :func:`decode` with a factor):
-        ``(v * k) * f`` from bit fields (``v * k`` is exact), or ``table * f``."""
-        if bits:
-            for j in range(len(out)):
-                out[j] = (_u2f(_code_bits(codes[j], q)) * k) * f
-        else:
-            for j in range(len(out)):
-                out[j] = table[codes[j]] * f
+    def _fill_factors(fe, offsets, s, t, g0, lo, fr):
+        """Each element of blocks s..t-1 (from ``fe[lo]``, element ``g0``) its block's factor."""
+        for seg in range(s, t):
+            f = fr[seg]
+            for j in range(lo + offsets[seg] - g0, lo + offsets[seg + 1] - g0):
+                fe[j] = f
 
     @_njit
     def _reduce_rank_blocks(
@@ -791,23 +789,32 @@ if AVAILABLE:
     ):
         """:func:`_reduce_blocks` where rank r's codes of block b are decoded times
         ``factors[r, b]`` (every rank's own block exponents); ``row``: codes
-        from one rank's shard to the next's. 8- and 16-bit codes."""
+        from one rank's shard to the next's. 8- and 16-bit codes.
+
+        A code's value ``v`` (``bits * k`` is exact) times its factor rounds
+        once, as :func:`decode` with factors: the values are decoded first,
+        then multiplied elementwise by each element's block factor and added.
+        """
         acc = np.empty(cap, np.float32)
         part = np.empty(cap, np.float32)
+        fe = np.empty(cap, np.float32)
         zero = np.zeros(len(offsets) - 1, np.int32)
         div = np.float32(n_ranks)
         s = 0
         while s < len(offsets) - 1:
             t = _group_end(offsets, s, cap)
-            g0 = offsets[s]
+            g0, g1 = offsets[s], offsets[t]
+            n = g1 - g0
             for r in range(n_ranks):
-                for seg in range(s, t):
-                    lo, hi = offsets[seg] - g0, offsets[seg + 1] - g0
-                    codes = recv[r * row + g0 + lo : r * row + g0 + hi]
-                    _scaled_values(codes, part[lo:hi], factors[r, seg], table, bits, q, k)
-                _add_scaled(part[: offsets[t] - g0], acc[: offsets[t] - g0], r == 0)
+                codes = recv[r * row + g0 : r * row + g1]
+                if bits:
+                    _accumulate_bits(codes, part[:n], q, k, True)
+                else:
+                    _accumulate_table(codes, part[:n], table, True)
+                _fill_factors(fe, offsets, s, t, g0, 0, factors[r])
+                _add_scaled(part[:n], fe[:n], acc[:n], r == 0)
             if n_ranks > 1:
-                for j in range(offsets[t] - g0):
+                for j in range(n):
                     acc[j] = acc[j] / div
             _encode_mean_blocks(acc, 0, g0, offsets, s, t, zero, d_out, out_codes, g0, p, lim)
             s = t
@@ -820,9 +827,11 @@ if AVAILABLE:
         :func:`_reduce_blocks4`); ``row`` in bytes."""
         acc = np.empty(cap + 1, np.float32)
         part = np.empty(cap + 1, np.float32)
+        fe = np.empty(cap + 1, np.float32)
         codes = np.empty(cap + 1, np.uint8)
         zero = np.zeros(len(offsets) - 1, np.int32)
         div = np.float32(n_ranks)
+        one = np.float32(1.0)
         carry = np.uint8(0)
         s = 0
         while s < len(offsets) - 1:
@@ -833,15 +842,12 @@ if AVAILABLE:
             b0, b1 = g0 >> 1, (g1 + 1) >> 1
             for r in range(n_ranks):
                 payload = recv[r * row + b0 : r * row + b1]
-                for seg in range(s, t):
-                    a, b = lo + offsets[seg] - g0, lo + offsets[seg + 1] - g0
-                    f = factors[r, seg]
-                    if bits:
-                        _decode4_bits(payload, part, a, b, q, k, f)
-                    else:
-                        for i in range(a, b):
-                            part[i] = table[(payload[i >> 1] >> ((i & 1) * 4)) & 0xF] * f
-                _add_scaled(part[lo:hi], acc[lo:hi], r == 0)
+                if bits:
+                    _decode4_bits(payload, part, lo, hi, q, k, one)
+                else:
+                    _decode4_table(payload, part, lo, hi, table)
+                _fill_factors(fe, offsets, s, t, g0, lo, factors[r])
+                _add_scaled(part[lo:hi], fe[lo:hi], acc[lo:hi], r == 0)
             if n_ranks > 1:
                 for j in range(lo, hi):
                     acc[j] = acc[j] / div
