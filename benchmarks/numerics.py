@@ -28,7 +28,13 @@ block size, simulated at every N (real and simulated columns alike): with
 the exponents agreed across ranks ("block32"), with the owner also picking
 each block's exponent for the mean ("block32+owner", what the hook's
 two_phase runs) and with each rank's own exponents ("block32+rank"); see
-:func:`aps_comm.simulate.allreduce`.
+:func:`aps_comm.simulate.allreduce`. Beside them, the floor of each format and
+block size ("exact mean", "block32 floor", :func:`block_floor`): the exact
+mean of the same gradients rounded to the format once, every block with its
+own exponent from the mean's block maximum and no headroom. It is what
+encoding the mean itself flushes: a larger exponent would saturate the
+block's largest element, so no block exponent rule flushes less of the true
+mean.
 
     python -m benchmarks.numerics [--batches 4] [--micro-batch 4] [--sim-workers 16 64 256]
                                   [--block-sizes 16 32 64] [--block-formats e4m3 e3m2 e2m1]
@@ -53,11 +59,24 @@ from torch.distributed.algorithms.ddp_comm_hooks import default_hooks
 from torch.nn.parallel import DistributedDataParallel as DDP
 
 from aps_comm import APSState, aps_hook
+from aps_comm.codec import Layout
+from aps_comm.formats import FloatFormat, get_format, quantize
+from aps_comm.scaling import blocks_amax, factors
 from aps_comm.simulate import VirtualWorkers, allreduce
 from aps_comm.testing import run_distributed
 from benchmarks._models import DigitsCNN, TinyLM, lm_loss, load_digits_tensors, markov_data
 
-__all__ = ["BLOCK_VARIANTS", "FORMATS", "SCALINGS", "block_configs", "configs", "main"]
+__all__ = [
+    "BLOCK_VARIANTS",
+    "FLOOR",
+    "FORMATS",
+    "SCALINGS",
+    "block_configs",
+    "block_floor",
+    "configs",
+    "floor_config",
+    "main",
+]
 
 FORMATS = ("e4m3", "e5m2", "fp16", "bf16", "e3m2", "e2m1")
 SCALINGS = ("none", "bucket", "layer")
@@ -112,6 +131,72 @@ def block_configs(formats: Sequence[str], block_sizes: Sequence[int]) -> list[di
     ]
 
 
+FLOOR = "exact mean"
+"""The reduction column of the floor rows (:func:`floor_config`)."""
+
+
+def floor_config(fmt: str, block_size: int) -> dict[str, str]:
+    """The floor row of a format and block size: the exact mean encoded by :func:`block_floor`.
+
+    Example:
+        >>> floor_config("e4m3", 32)["scaling"]
+        'block32 floor'
+    """
+    return {
+        "hook": "floor",
+        "format": fmt,
+        "reduction": FLOOR,
+        "scaling": f"block{block_size} floor",
+    }
+
+
+def block_floor(
+    means: Sequence[torch.Tensor], fmt: FloatFormat | str, block_size: int
+) -> list[torch.Tensor]:
+    """The exact mean rounded to ``fmt`` with its own exponent per block: the flush floor.
+
+    Every ``block_size`` elements of a layer (from the layer's start, as the
+    hook cuts them) get the exponent of two_phase's rule for one worker
+    (:func:`aps_comm.scaling.factors`, no headroom) from the block's largest
+    magnitude; the mean is rounded to float32 (what an owner holds) and then
+    to the format with it. A larger exponent would saturate the block's
+    largest element, so no block exponent flushes fewer elements of the mean.
+
+    Args:
+        means: each layer's exact mean, any shape and floating dtype.
+        fmt: the wire format.
+        block_size: elements per block (a power of two from 8 to 256).
+
+    Returns:
+        One float32 tensor per layer, shaped like its mean; a layer with a
+        non-finite element comes back NaN.
+
+    Example:
+        >>> block_floor([torch.tensor([1.0, 2.0**-19, 2.0**-17])], "e4m3", 8)
+        [tensor([1.0000e+00, 0.0000e+00, 7.6294e-06])]
+    """
+    flat = [m.detach().reshape(-1).float() for m in means]
+    if not flat:
+        return []
+    blocks = Layout.from_numels([f.numel() for f in flat], flat[0].device).grid(block_size)
+    x = torch.cat(flat)
+    f = factors(
+        blocks_amax(x, blocks.layout),
+        get_format(fmt),
+        "two_phase",
+        world_size=1,
+        scaling="block",
+        counts=blocks.device_counts,
+    )
+    lengths = blocks.layout.lengths
+    scale = torch.repeat_interleave(f.scale, lengths, output_size=x.numel())
+    unscale = torch.repeat_interleave(f.unscale, lengths, output_size=x.numel())
+    out = quantize(x * scale, fmt) * unscale
+    return [
+        o.view(m.shape) for o, m in zip(out.split([f.numel() for f in flat]), means, strict=True)
+    ]
+
+
 def _block_options(scaling: str) -> dict:
     """simulate.allreduce's keywords for a "block32+owner"-style scaling."""
     size, _, variant = scaling.removeprefix("block").partition("+")
@@ -131,7 +216,7 @@ def _configs(settings: dict) -> list[dict[str, str]]:
 
 
 def _label(cfg: dict[str, str]) -> str:
-    if cfg["hook"] != "aps":
+    if cfg["hook"] not in ("aps", "floor"):
         return cfg["hook"]
     return f"{cfg['format']} {cfg['reduction']} {cfg['scaling']}"
 
@@ -338,11 +423,13 @@ def _simulated(name: str, snapshot: dict, settings: dict, workers: int) -> list[
 def _simulated_blocks(name: str, snapshot: dict, settings: dict, workers: int) -> list[dict]:
     """The block-scaling rows at ``workers``, simulated at every N: the hook's two_phase is
     bit for bit ``block32+owner`` (tests/test_block_engine.py); the other two variants
-    exist only in the simulator."""
+    exist only in the simulator. Then each format and block size's floor
+    (:func:`block_floor`) from the same gradients."""
     model = _new_model(name)
     model.load_state_dict(snapshot)
     loss_fn = _loss_fn(name)
     cfgs = block_configs(settings["block_formats"], settings["block_sizes"])
+    floors = [(f, b) for f in settings["block_formats"] for b in settings["block_sizes"]]
     per_cfg: dict[int, list[dict]] = {}
     for b in range(settings["batches"]):
         x, y = _batch(name, b, workers, settings["micro_batch"])
@@ -351,6 +438,10 @@ def _simulated_blocks(name: str, snapshot: dict, settings: dict, workers: int) -
         for i, cfg in enumerate(cfgs):
             avg = allreduce(grads, cfg["format"], **_block_options(cfg["scaling"]))
             per_cfg.setdefault(i, []).append(_errors(list(zip(avg, exact, strict=True))))
+        for i, (fmt, size) in enumerate(floors, start=len(cfgs)):
+            out = block_floor(exact, fmt, size)
+            per_cfg.setdefault(i, []).append(_errors(list(zip(out, exact, strict=True))))
+    cfgs += [floor_config(fmt, size) for fmt, size in floors]
     return [_row(name, workers, "simulated", cfgs[i], per) for i, per in per_cfg.items()]
 
 
@@ -480,7 +571,12 @@ def markdown(result: dict) -> str:
             "Block scaling rows (two_phase, simulated at every N): `blockB` agrees each "
             "block's exponent across ranks and the owner re-encodes the mean with it; "
             "`+owner`: the owner picks each block's exponent for the mean; `+rank`: each "
-            "rank encodes with its own block exponents and the owner picks the mean's.",
+            "rank encodes with its own block exponents and the owner picks the mean's. "
+            "`exact mean | blockB floor`: the exact mean of the same gradients rounded once "
+            "to the format, each block with its own exponent from the mean's block maximum "
+            "and no headroom (two_phase's rule for one worker). It is what encoding the true "
+            "mean itself flushes: no block exponent flushes less of it, since a larger one "
+            "would saturate the block's largest element.",
             "",
         ]
     titles = {
@@ -497,7 +593,13 @@ def markdown(result: dict) -> str:
             + " |",
             "|---|---|---|" + "---:|" * len(workers),
         ]
-        blocks = block_configs(s.get("block_formats", ()), s.get("block_sizes", ()))
+        # Each format and block size's variants, then its floor.
+        blocks = [
+            cfg
+            for fmt in s.get("block_formats", ())
+            for size in s.get("block_sizes", ())
+            for cfg in (*block_configs([fmt], [size]), floor_config(fmt, size))
+        ]
         for cfg in _configs(s) + blocks:
             cells = []
             for mode, n in workers:
@@ -511,7 +613,7 @@ def markdown(result: dict) -> str:
                     and _label(r) == _label(cfg)
                 ]
                 cells.append(_cell(match[0]) if match else "-")
-            first = cfg["format"] if cfg["hook"] == "aps" else f"torch {cfg['hook']}"
+            first = cfg["format"] if cfg["hook"] in ("aps", "floor") else f"torch {cfg['hook']}"
             lines.append(
                 f"| {first} | {cfg['reduction']} | {cfg['scaling']} | " + " | ".join(cells) + " |"
             )

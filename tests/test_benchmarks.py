@@ -11,6 +11,7 @@ import torch
 pytest.importorskip("sklearn.datasets")
 pytest.importorskip("matplotlib")
 
+from aps_comm.simulate import allreduce
 from benchmarks import accuracy, numerics, report
 from benchmarks._models import DigitsCNN, TinyLM, lm_loss, markov_data
 
@@ -56,10 +57,49 @@ def test_numerics_block_rows(tmp_path: Path) -> None:
     argv += ["--torch-hooks", "--block-sizes", "32", "--block-formats", "e2m1"]
     result = numerics.main([*argv, "--out", str(tmp_path)])
     err = {r["scaling"]: r["rel_err"] for r in result["rows"]}
-    assert set(err) == {"layer", "block32", "block32+owner", "block32+rank"}
+    flushed = {r["scaling"]: r["flushed"] for r in result["rows"]}
+    assert set(err) == {"layer", "block32", "block32+owner", "block32+rank", "block32 floor"}
     # One exponent per layer flushes most of e2m1; blocks keep far more.
     assert err["block32+rank"] < err["block32"] < err["layer"]
-    assert "| e2m1 | two_phase | block32+owner |" in (tmp_path / "numerics.md").read_text()
+    # The exact mean with its own block exponents flushes least.
+    assert 0 < flushed["block32 floor"] < min(flushed[k] for k in flushed if k != "block32 floor")
+    text = (tmp_path / "numerics.md").read_text()
+    assert "| e2m1 | two_phase | block32+owner |" in text
+    assert "| e2m1 | exact mean | block32 floor |" in text
+
+
+def test_block_floor() -> None:
+    """The exact mean rounded once per block, by hand: e4m3 (max 448, smallest subnormal
+    2**-9) and e2m1 (max 6, values 0.5, 1, 1.5, 2, 3, 4, 6), blocks of 8 from each layer's start."""
+    a = torch.tensor([1.0, -0.75, 17 / 32, 2.0**-18, 1.5 * 2.0**-18, 2.0**-19, 0.0, -3 * 2.0**-17])
+    a = torch.cat([a, torch.tensor([2.0**-12, 2.0**-25])]).double()  # a second, short block
+    b = torch.tensor([[2.0**-32, -(2.0**-33)], [5 * 2.0**-35, 0.0]], dtype=torch.float64)
+    out = numerics.block_floor([a, b], "e4m3", 8)
+    # Block 1: max 1 gets 2**8 (256 <= 448 < 512): 17/32 -> 136, a tie between 128 and 144,
+    # goes to 128 (even); 2**-18 -> 2**-10, half the smallest subnormal, a tie, to 0;
+    # 1.5 * 2**-18 -> 1.5 * 2**-10 rounds up to 2**-9; 2**-19 flushes; 3 * 2**-9 is a subnormal.
+    # Block 2 (max 2**-12) gets 2**20: exact (with block 1's 2**8, 2**-25 would flush).
+    want_a = [1.0, -0.75, 0.5, 0.0, 2.0**-17, 0.0, 0.0, -3 * 2.0**-17, 2.0**-12, 2.0**-25]
+    assert out[0].dtype == torch.float32 and out[0].tolist() == want_a
+    # Layer b starts its own block (max 2**-32, exponent 40): exact. In a block with
+    # layer a's last two elements it would get 2**20 and flush (2**-32 to 2**-12).
+    assert out[1].shape == (2, 2) and torch.equal(out[1], b.float())
+    c = torch.tensor([3.0, 1.25, 0.125, 0.2, -0.1, 0.0, 6.0 * 2.0**-5, 2.0**-30])
+    # Max 3 gets 2**1: 1.25 -> 2.5, a tie, to 2 (even); 0.125 -> 0.25, a tie, to 0;
+    # 0.2 -> 0.4 -> 0.5; 6 * 2**-5 -> 0.375 -> 0.5.
+    [got] = numerics.block_floor([c], "e2m1", 8)
+    assert got.tolist() == [3.0, 1.0, 0.0, 0.25, 0.0, 0.0, 0.25, 0.0]
+    # A non-finite mean poisons its layer only.
+    bad, good = numerics.block_floor([torch.tensor([1.0, float("inf")]), c], "e2m1", 8)
+    assert bad.isnan().all() and torch.equal(good, got)
+    assert numerics.block_floor([], "e4m3", 32) == []
+    # The simulator's owner step with its own exponents, on one worker, rounds the same way.
+    gen = torch.Generator().manual_seed(0)
+    layers = [torch.randn(1, 3, 37, generator=gen) * 2.0**-k for k in (0, 10, 20)]
+    for fmt in ("e4m3", "e2m1"):
+        sim = allreduce(layers, fmt, scaling="block", block_size=16, rank_exponents=True)
+        got = numerics.block_floor([t[0] for t in layers], fmt, 16)
+        assert all(torch.equal(s, g) for s, g in zip(sim, got, strict=True)), fmt
 
 
 def test_accuracy_and_report_smoke(tmp_path: Path) -> None:
