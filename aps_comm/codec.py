@@ -113,6 +113,10 @@ class Layout:
             of that layout's (the codec picks them).
         parent: a window's parent's segment count (the scales' length); None
             for a whole layout.
+        block_size: set where every segment is a block of a :meth:`grid`
+            (or of a window of one): at most this many elements, most of them
+            exactly. The CPU kernels then walk runs of whole blocks
+            (:attr:`block_runs`) without reading each block's offsets.
     """
 
     offsets: torch.Tensor
@@ -121,6 +125,7 @@ class Layout:
     numel: int
     first: int = 0
     parent: int | None = None
+    block_size: int | None = None
 
     @classmethod
     def from_numels(cls, numels: Sequence[int], device: torch.device) -> Layout:
@@ -149,6 +154,7 @@ class Layout:
         device: torch.device,
         first: int = 0,
         parent: int | None = None,
+        block_size: int | None = None,
     ) -> Layout:
         sizes = offsets.diff()
         layout = cls(
@@ -158,6 +164,7 @@ class Layout:
             int(offsets[-1]),
             first,
             parent,
+            block_size,
         )
         if device.type == "cuda":
             layout.device_offsets  # noqa: B018 - the Triton codec's, copied at plan time
@@ -184,7 +191,7 @@ class Layout:
         b1 = int(torch.searchsorted(self.offsets[:-1], hi)) if hi > lo else 0
         b0 = min(b0, b1)
         cut = (self.offsets[b0 : b1 + 1] - lo).clamp_(0, hi - lo)
-        return self._make(cut, self.lengths.device, b0, self.n_segments)
+        return self._make(cut, self.lengths.device, b0, self.n_segments, self.block_size)
 
     @property
     def n_segments(self) -> int:
@@ -212,7 +219,29 @@ class Layout:
         starts = self.offsets[segment] + index * block_size
         offsets = torch.cat([starts, torch.tensor([self.numel], dtype=torch.int64)])
         device = self.lengths.device
-        return Blocks(Layout._make(offsets, device), block_size, counts, to_device(counts, device))
+        layout = Layout._make(offsets, device, block_size=block_size)
+        return Blocks(layout, block_size, counts, to_device(counts, device))
+
+    @functools.cached_property
+    def block_runs(self) -> np.ndarray:
+        """Runs of consecutive segments of exactly :attr:`block_size` elements.
+
+        Returns:
+            int64 array of shape (R, 2): each run's first segment and its
+            number of segments, in buffer order; empty without a block size.
+            Built on the host at the first use (once per layout).
+
+        Example:
+            >>> Layout.from_numels([20, 8], torch.device("cpu")).grid(8).layout.block_runs
+            array([[0, 2],
+                   [3, 1]])
+        """
+        if self.block_size is None:
+            return np.zeros((0, 2), np.int64)
+        whole = (self.offsets.diff() == self.block_size).numpy().astype(np.int8)
+        edges = np.diff(np.concatenate([[0], whole, [0]]))
+        starts, ends = np.flatnonzero(edges == 1), np.flatnonzero(edges == -1)
+        return np.stack([starts, ends - starts], axis=1).astype(np.int64)
 
     @functools.cached_property
     def longest(self) -> int:
@@ -318,7 +347,11 @@ class Blocks:
         counts = (end.clamp(max=b1) - (end - self.counts).clamp(min=b0)).clamp_(min=0)
         device = self.layout.lengths.device
         return Blocks(
-            Layout._make(cut, device), self.block_size, counts, to_device(counts, device), b0
+            Layout._make(cut, device, block_size=self.block_size),
+            self.block_size,
+            counts,
+            to_device(counts, device),
+            b0,
         )
 
 
@@ -398,6 +431,13 @@ def _host_offsets(layout: Layout | None, numel: int) -> np.ndarray:
     if layout is None:
         return np.array([0, numel], np.int64)
     return layout.offsets.numpy()
+
+
+def _host_runs(layout: Layout | None) -> tuple[int | None, np.ndarray | None]:
+    """A block layout's size and runs of whole blocks, for the CPU kernels."""
+    if layout is None or layout.block_size is None:
+        return None, None
+    return layout.block_size, layout.block_runs
 
 
 def _check_scaled(scale: torch.Tensor | None, layout: Layout | None, numel: int) -> None:
@@ -494,7 +534,8 @@ class Codec:
             )
         if self.backend == "kernels":
             factors = None if scale is None else scale.numpy()
-            cpu_kernels.encode(x, out, fmt, _host_offsets(layout, numel), factors)
+            offsets = _host_offsets(layout, numel)
+            cpu_kernels.encode(x, out, fmt, offsets, factors, *_host_runs(layout))
             return out
         if self.backend == "triton":
             _triton().encode(x, out, fmt, _device_offsets(layout), scale)
@@ -543,7 +584,8 @@ class Codec:
         payload = payload[:need]
         if self.backend == "kernels":
             factors = None if scale is None else scale.numpy()
-            cpu_kernels.decode(payload, out, fmt, _host_offsets(layout, numel), factors)
+            offsets = _host_offsets(layout, numel)
+            cpu_kernels.decode(payload, out, fmt, offsets, factors, *_host_runs(layout))
             return out
         if self.backend == "triton":
             _triton().decode(payload, out, fmt, _device_offsets(layout), scale)

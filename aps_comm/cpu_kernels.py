@@ -4,13 +4,22 @@ Eager torch decodes FP8 at 5-7x the cost of a plain copy on CPU; these
 kernels make one vectorised pass over the data, the per-layer scale of APS
 fused in. The encoder rounds with one float add per element (every binade
 where the format allows it, else subnormals only, else 32-bit integer bit
-tricks); the decoder moves the code's bit fields into a float32 (a table
-lookup for 4-bit codes and unusual biases). They cover every format of at
-most 16 bits (two 4-bit codes per byte, one byte, or two bytes per element).
+tricks); the decoder moves the code's bit fields into a float32 that is the
+code's value. They cover every format of at most 16 bits (two 4-bit codes
+per byte, one byte, or two bytes per element) whose normals are float32
+normals.
 Only :mod:`aps_comm.codec` calls them; it falls back to plain torch when
 numba is missing. A segmentation is ``offsets`` (int64, L + 1 entries, from 0
 to the buffer's length) and ``factors`` (float32, L entries): element i of
 segment s is multiplied by ``factors[s]``.
+
+Block scaling makes a segment of every 8 to 256 elements. Such segments go
+through explicit 16- and 8-lane LLVM vectors (numba intrinsics repeating the
+scalar arithmetic) instead of the loop vectoriser, whose short-loop path
+costs more than the work; runs of whole blocks (``block_size`` and ``runs``,
+from :attr:`aps_comm.codec.Layout.block_runs`) are walked block by block
+without reading their offsets. Measured on one thread, 64 MiB: e4m3
+encode + decode with blocks of 32 within 10% of per-layer scaling.
 
 Compiling them takes seconds, so they are cached on disk (numba's
 ``cache=True``): in the package's ``__pycache__``, or where that is not
@@ -30,10 +39,12 @@ from typing import Any
 import numpy as np
 import torch
 
-from aps_comm.formats import FloatFormat, special_codes, wire_code_table
+from aps_comm.config import BLOCK_SIZES
+from aps_comm.formats import FloatFormat, special_codes
 
 try:
     import numba
+    from llvmlite import ir
     from numba import types as nbtypes
     from numba.core import event as nbevent
     from numba.extending import intrinsic
@@ -61,6 +72,9 @@ __all__ = [
 ]
 
 _BLOCK = 2048  # elements per block of the owner reduction's float32 sum: fits L1
+_TILE = 4096  # elements per tile of the 4-bit encoder's codes: fits L1
+_SHORT = 256  # segments of at most this many elements go through explicit vectors
+_NO_RUNS = np.zeros((0, 2), np.int64)
 
 
 def supports(fmt: FloatFormat) -> bool:
@@ -146,22 +160,34 @@ def encoder_params(fmt: FloatFormat, add_subnormals: bool = True) -> tuple[np.ui
     )
 
 
-def _table(fmt: FloatFormat) -> np.ndarray:
-    # Every 8- or 16-bit pattern has an entry: no read past the table.
-    return wire_code_table(fmt)
-
-
 @functools.lru_cache(maxsize=64)
-def decoder_params(fmt: FloatFormat) -> tuple[tuple[np.uint32, ...], np.float32] | None:
-    """Constants of the bit-field decoder, or None where it does not apply.
+def decoder_params(fmt: FloatFormat) -> tuple[tuple[np.uint32, ...], np.float32]:
+    """Constants of the bit-field decoder of a format the kernels support.
 
-    A code's magnitude bits shifted so its mantissa tops float32's mantissa
-    read as a float32 that is the value divided by ``2**(127 - bias)``,
-    subnormals included; multiplying by that power of two is exact. Needs
-    ``0 <= bias <= 253`` (the factor must be a normal float32).
+    A code's magnitude bits shifted so its mantissa tops float32's mantissa,
+    plus ``127 - bias`` in the exponent field, read as a float32 are a
+    normal code's value. A subnormal code (exponent field 0) gets one more in
+    the exponent field, which adds the implicit bit ``2**(1 - bias)``; the
+    decoder subtracts it again in float32 (exact). So no intermediate is a
+    float32 subnormal unless the value itself is one: the CPU multiplies
+    subnormal operands far slower. (An earlier decoder produced the value
+    divided by ``2**(127 - bias)``, which made e4m3's and e2m1's subnormal
+    codes float32 subnormals: block-scaled decodes of random data took 1.4x
+    (e4m3) and 2.6x (e2m1) as long as now.)
+
+    Returns:
+        ``(q, m)``: q is (mantissa shift, magnitude mask, sign position, inf
+        magnitude, first NaN magnitude, exponent bits of a normal code, of a
+        subnormal code, ``1 << man_bits``: the smallest normal magnitude, or 0
+        where no code needs the subnormal step: bias 127), m is
+        ``2**(1 - bias)`` as float32.
+
+    Raises:
+        ValueError: ``fmt`` is not one :func:`supports` (the shifted exponent
+            must stay a float32 exponent).
     """
-    if not 0 <= fmt.bias <= 253:  # type: ignore[operator]
-        return None
+    if fmt.wire_bits > 16 or fmt._emin < -126:
+        raise ValueError(f"the CPU kernels do not decode {fmt.describe()}")
     magmask = (1 << (fmt.bits - 1)) - 1
     never = magmask + 1
     if fmt.specials == "ieee":
@@ -171,8 +197,24 @@ def decoder_params(fmt: FloatFormat) -> tuple[tuple[np.uint32, ...], np.float32]
         inf_mag, nan_from = never, magmask
     else:
         inf_mag = nan_from = never
-    q = tuple(np.uint32(v) for v in (23 - fmt.man_bits, magmask, fmt.bits - 1, inf_mag, nan_from))
-    return q, np.float32(2.0 ** (127 - fmt.bias))  # type: ignore[operator]
+    # emin >= -126 is bias <= 127; FloatFormat keeps emax <= 127, so a finite
+    # code's exponent field plus the offset stays at most 254.
+    offset = 127 - fmt.bias  # type: ignore[operator]
+    q = tuple(
+        np.uint32(v)
+        for v in (
+            23 - fmt.man_bits,
+            magmask,
+            fmt.bits - 1,
+            inf_mag,
+            nan_from,
+            offset << 23,
+            (offset + 1) << 23,
+            # Bias 127 (bf16): the moved bits are the value, subnormals too.
+            0 if fmt.bias == 127 else 1 << fmt.man_bits,
+        )
+    )
+    return q, np.float32(2.0 ** (1 - fmt.bias))  # type: ignore[operator]
 
 
 def _njit(fn: Callable[..., Any]) -> Any:
@@ -273,6 +315,133 @@ if AVAILABLE:
 
     _f2u = _bitcast(nbtypes.float32, nbtypes.uint32)
     _u2f = _bitcast(nbtypes.uint32, nbtypes.float32)
+    _u64 = np.uint64
+
+    def _splat(builder: Any, value: Any, width: int) -> Any:
+        """LLVM IR: a vector of ``width`` copies of a scalar."""
+        vec = ir.VectorType(value.type, width)
+        one = builder.insert_element(ir.Constant(vec, ir.Undefined), value, ir.IntType(32)(0))
+        zeros = ir.Constant(ir.VectorType(ir.IntType(32), width), [0] * width)
+        return builder.shuffle_vector(one, ir.Constant(vec, ir.Undefined), zeros)
+
+    def _vector_values(builder: Any, codes: Any, q: Any, m: Any, width: int) -> Any:
+        """LLVM IR of :func:`_code_value` on a vector of ``width`` uint32 codes."""
+        i32 = ir.VectorType(ir.IntType(32), width)
+        f32 = ir.VectorType(ir.FloatType(), width)
+        qs = [_splat(builder, builder.extract_value(q, i), width) for i in range(8)]
+        mag = builder.and_(codes, qs[1])
+        sign = builder.shl(builder.lshr(codes, qs[2]), i32([31] * width))
+        sub = builder.icmp_unsigned("<", mag, qs[7])
+        u = builder.add(builder.shl(mag, qs[0]), builder.select(sub, qs[6], qs[5]))
+        implicit = builder.select(sub, _splat(builder, m, width), f32([0.0] * width))
+        b = builder.or_(builder.bitcast(builder.fsub(builder.bitcast(u, f32), implicit), i32), sign)
+        inf = builder.or_(sign, i32([0x7F800000] * width))
+        b = builder.select(builder.icmp_unsigned("==", mag, qs[3]), inf, b)
+        nan = builder.or_(sign, i32([0x7FC00000] * width))
+        return builder.bitcast(builder.select(builder.icmp_unsigned(">=", mag, qs[4]), nan, b), f32)
+
+    def _decode_lanes(width: int, packed: bool) -> Any:
+        """A numba intrinsic decoding ``width`` codes at once in explicit LLVM vectors.
+
+        ``(payload, i, out, j, q, m, f)``: ``out[j : j + width]`` gets the
+        values of the codes from ``payload[i]`` on (the 8- or 16-bit
+        elements ``payload[i : i + width]``, or where ``packed`` the 4-bit
+        codes of bytes ``payload[i : i + width // 2]``, low nibble first),
+        times ``f``: :func:`_decode_segments`'s arithmetic. A block of 32
+        elements is then two vector steps; the loop vectoriser would run it in
+        its short-loop epilogue after alias checks.
+        """
+
+        @intrinsic
+        def lanes(typingctx, payload, i, out, j, q, m, f):
+            def codegen(context, builder, signature, args):
+                pay = context.make_array(signature.args[0])(context, builder, args[0])
+                dst = context.make_array(signature.args[2])(context, builder, args[2])
+                i32 = ir.VectorType(ir.IntType(32), width)
+                src = builder.gep(pay.data, [args[1]])
+                if packed:
+                    half = ir.VectorType(ir.IntType(8), width // 2)
+                    raw = builder.load(builder.bitcast(src, half.as_pointer()), align=1)
+                    wide = builder.zext(raw, ir.VectorType(ir.IntType(32), width // 2))
+                    low = builder.and_(wide, wide.type([15] * (width // 2)))
+                    high = builder.lshr(wide, wide.type([4] * (width // 2)))
+                    order = [k for n in range(width // 2) for k in (n, n + width // 2)]
+                    codes = builder.shuffle_vector(low, high, i32(order))
+                else:
+                    elem = src.type.pointee
+                    vec = ir.VectorType(elem, width)
+                    raw = builder.load(builder.bitcast(src, vec.as_pointer()), align=1)
+                    codes = builder.zext(raw, i32)
+                vals = _vector_values(builder, codes, args[4], args[5], width)
+                vals = builder.fmul(vals, _splat(builder, args[6], width))
+                target = builder.gep(dst.data, [args[3]])
+                builder.store(vals, builder.bitcast(target, vals.type.as_pointer()), align=4)
+                return context.get_dummy_value()
+
+            return nbtypes.void(payload, i, out, j, q, m, f), codegen
+
+        return lanes
+
+    _decode16 = _decode_lanes(16, packed=False)
+    _decode8 = _decode_lanes(8, packed=False)
+    _decode16x4 = _decode_lanes(16, packed=True)
+    _decode8x4 = _decode_lanes(8, packed=True)
+
+    def _encode_lanes(width: int, packed: bool = False) -> Any:
+        """A numba intrinsic: :func:`_code_binade` on ``width`` elements in explicit vectors.
+
+        ``(x, i, f, codes, p)``: ``codes[i : i + width]`` (uint8 or uint16)
+        get the codes of ``x[i : i + width] * f``; where ``packed``, bytes
+        ``codes[i // 2 : (i + width) // 2]`` get them two a byte, low nibble
+        first (``i`` even). See :func:`_decode_lanes` for why blocks want this.
+        """
+
+        @intrinsic
+        def lanes(typingctx, x, i, f, codes, p):
+            def codegen(context, builder, signature, args):
+                xs = context.make_array(signature.args[0])(context, builder, args[0])
+                cs = context.make_array(signature.args[3])(context, builder, args[3])
+                i32 = ir.VectorType(ir.IntType(32), width)
+                f32 = ir.VectorType(ir.FloatType(), width)
+                ps = [_splat(builder, builder.extract_value(args[4], k), width) for k in range(13)]
+                src = builder.bitcast(builder.gep(xs.data, [args[1]]), f32.as_pointer())
+                scaled = builder.fmul(builder.load(src, align=4), _splat(builder, args[2], width))
+                u = builder.bitcast(scaled, i32)
+                inf = i32([0x7F800000] * width)
+                a = builder.and_(u, i32([0x7FFFFFFF] * width))
+                am = builder.select(builder.icmp_unsigned("<", a, ps[3]), a, ps[3])
+                e = builder.and_(am, inf)
+                e = builder.select(builder.icmp_unsigned(">", e, ps[12]), e, ps[12])
+                cb = builder.add(e, ps[11])
+                total = builder.fadd(builder.bitcast(am, f32), builder.bitcast(cb, f32))
+                m = builder.sub(builder.bitcast(total, i32), cb)
+                c = builder.add(m, builder.lshr(builder.sub(e, ps[12]), ps[0]))
+                c = builder.select(builder.icmp_unsigned("==", a, inf), ps[8], c)
+                c = builder.or_(c, builder.shl(builder.lshr(u, i32([31] * width)), ps[9]))
+                c = builder.select(builder.icmp_unsigned(">", a, inf), ps[7], c)
+                if packed:
+                    half = ir.VectorType(ir.IntType(32), width // 2)
+                    evens = half([2 * k for k in range(width // 2)])
+                    odds = half([2 * k + 1 for k in range(width // 2)])
+                    low = builder.shuffle_vector(c, c, evens)
+                    high = builder.shuffle_vector(c, c, odds)
+                    c = builder.or_(low, builder.shl(high, half([4] * (width // 2))))
+                    index = builder.lshr(args[1], args[1].type(1))
+                else:
+                    index = args[1]
+                dst = builder.gep(cs.data, [index])
+                narrow = builder.trunc(c, ir.VectorType(dst.type.pointee, c.type.count))
+                builder.store(narrow, builder.bitcast(dst, narrow.type.as_pointer()), align=1)
+                return context.get_dummy_value()
+
+            return nbtypes.void(x, i, f, codes, p), codegen
+
+        return lanes
+
+    _encode16 = _encode_lanes(16)
+    _encode8 = _encode_lanes(8)
+    _encode16x4 = _encode_lanes(16, packed=True)
+    _encode8x4 = _encode_lanes(8, packed=True)
 
     @_njit
     def _finish(u, sub, p):
@@ -386,39 +555,66 @@ if AVAILABLE:
 
     # The segment loops below keep the element loop inline (no call per
     # segment): block scaling has a segment every 8 to 256 elements, where a
-    # call per segment costs 8x the encoding. Slices, not a loop from lo to
-    # hi: indices from 0 are known to be non-negative, so numba drops its
-    # wrap-around select and LLVM vectorises the loop.
+    # call per segment costs 8x the encoding. They index with unsigned
+    # integers (no slices): numba then drops the wrap-around select of a
+    # negative index, so LLVM vectorises the loop, and no array view is made
+    # per segment.
+
+    # Runs of whole blocks (see :func:`encode`: ``size`` elements each, the
+    # segments ``runs[r, 0]`` on, ``runs[r, 1]`` of them) are walked without
+    # reading their offsets, each block in ``size / 16`` vector steps (one
+    # 8-lane step for blocks of 8); every other segment on its own.
 
     @_njit
-    def _segments_binade(x, offsets, factors, codes, p):
-        for seg in range(len(offsets) - 1):
-            lo, hi = offsets[seg], offsets[seg + 1]
-            f, xs, cs = factors[seg], x[lo:hi], codes[lo:hi]
-            for i in range(len(xs)):
-                cs[i] = _code_binade(_f2u(xs[i] * f), p)
+    def _segments_binade(x, offsets, factors, codes, p, size, runs):
+        seg = 0
+        for r in range(len(runs) + 1):
+            stop = runs[r, 0] if r < len(runs) else len(offsets) - 1
+            while seg < stop:
+                f = factors[seg]
+                lo, hi = offsets[seg], offsets[seg + 1]
+                if hi - lo <= _SHORT:  # blocks: explicit vectors, see _encode_lanes
+                    while lo + 16 <= hi:
+                        _encode16(x, lo, f, codes, p)
+                        lo += 16
+                    if lo + 8 <= hi:
+                        _encode8(x, lo, f, codes, p)
+                        lo += 8
+                for i in range(_u64(lo), _u64(hi)):
+                    codes[i] = _code_binade(_f2u(x[i] * f), p)
+                seg += 1
+            if r == len(runs):
+                break
+            lo = offsets[seg]
+            for b in range(seg, seg + runs[r, 1]):
+                f = factors[b]
+                if size == 8:
+                    _encode8(x, lo, f, codes, p)
+                else:
+                    for j in range(lo, lo + size, 16):
+                        _encode16(x, j, f, codes, p)
+                lo += size
+            seg += runs[r, 1]
 
     @_njit
     def _segments_magic(x, offsets, factors, codes, p):
         for seg in range(len(offsets) - 1):
-            lo, hi = offsets[seg], offsets[seg + 1]
-            f, xs, cs = factors[seg], x[lo:hi], codes[lo:hi]
-            for i in range(len(xs)):
-                cs[i] = _code_magic(_f2u(xs[i] * f), p)
+            f = factors[seg]
+            for i in range(_u64(offsets[seg]), _u64(offsets[seg + 1])):
+                codes[i] = _code_magic(_f2u(x[i] * f), p)
 
     @_njit
     def _segments_int(x, offsets, factors, codes, p):
         for seg in range(len(offsets) - 1):
-            lo, hi = offsets[seg], offsets[seg + 1]
-            f, xs, cs = factors[seg], x[lo:hi], codes[lo:hi]
-            for i in range(len(xs)):
-                cs[i] = _code(_f2u(xs[i] * f), p)
+            f = factors[seg]
+            for i in range(_u64(offsets[seg]), _u64(offsets[seg + 1])):
+                codes[i] = _code(_f2u(x[i] * f), p)
 
     @_njit
-    def _encode_codes(x, offsets, factors, codes, p):
+    def _encode_codes(x, offsets, factors, codes, p, size, runs):
         """codes[i] = code(x[i] * factor of i's segment), through the fastest exact path."""
         if p[11] != 0:
-            _segments_binade(x, offsets, factors, codes, p)
+            _segments_binade(x, offsets, factors, codes, p, size, runs)
         elif p[10] != 0:
             _segments_magic(x, offsets, factors, codes, p)
         else:
@@ -433,125 +629,212 @@ if AVAILABLE:
             out[n // 2] = codes[n - 1]
 
     @_njit
-    def _decode_segments(payload, out, table, offsets, factors):
-        for seg in range(len(offsets) - 1):
-            lo, hi = offsets[seg], offsets[seg + 1]
-            f, ps, os = factors[seg], payload[lo:hi], out[lo:hi]
-            for i in range(len(os)):  # inline: see _segments_binade
-                os[i] = table[ps[i]] * f
+    def _encode4(x, offsets, factors, out, p, size, runs):
+        """Packed 4-bit codes of x (times per-segment factors).
+
+        Runs of whole blocks that start at a byte (with the binade encoder)
+        go block by block in explicit vectors, straight into ``out``; the
+        stretches between them (which start at a byte too) through
+        :func:`_encode4_tiles`.
+        """
+        fast = p[11] != 0
+        seg = 0
+        for r in range(len(runs) + 1):
+            stop = runs[r, 0] if r < len(runs) else len(offsets) - 1
+            whole = fast and r < len(runs) and offsets[stop] & 1 == 0
+            if r < len(runs) and not whole:
+                continue  # its blocks join the stretch up to the next run
+            if seg < stop:
+                a, b = offsets[seg], offsets[stop]
+                cut = offsets[seg : stop + 1] - a
+                _encode4_tiles(x[a:b], cut, factors[seg:stop], out[a // 2 :], p)
+                seg = stop
+            if not whole:
+                break
+            lo = offsets[seg]
+            for blk in range(seg, seg + runs[r, 1]):
+                f = factors[blk]
+                if size == 8:
+                    _encode8x4(x, lo, f, out, p)
+                else:
+                    for j in range(lo, lo + size, 16):
+                        _encode16x4(x, j, f, out, p)
+                lo += size
+            seg += runs[r, 1]
 
     @_njit
-    def _code_bits(code, q):
-        """float32 bits of a code's value divided by 2**(127 - bias): sign, exponent
-        and mantissa fields moved into place, inf and NaN patterns selected."""
+    def _encode4_tiles(x, offsets, factors, out, p):
+        """Packed 4-bit codes of x (times per-segment factors), a tile at a time.
+
+        Each tile of :data:`_TILE` elements is encoded into an L1-resident
+        scratch (its segments cut to the tile) and packed two codes a byte:
+        no buffer of one byte per element, whose fresh pages cost as much as
+        the encoding.
+        """
+        n = len(x)
+        codes = np.empty(_TILE, np.uint8)
+        # A tile's segments cut to it; empty segments make any count possible,
+        # but only the pages of the first few entries are ever touched.
+        cut = np.empty(len(offsets), np.int64)
+        no_runs = np.zeros((0, 2), np.int64)
+        seg = 0
+        for t0 in range(0, n, _TILE):
+            t1 = min(t0 + _TILE, n)
+            while offsets[seg + 1] <= t0:  # segments ending before the tile
+                seg += 1
+            first = seg
+            k = 0
+            cut[0] = 0
+            while True:
+                end = offsets[seg + 1]
+                k += 1
+                cut[k] = min(end, t1) - t0
+                if end >= t1:
+                    break
+                seg += 1
+            _encode_codes(x[t0:t1], cut[: k + 1], factors[first : first + k], codes, p, 0, no_runs)
+            _pack(codes[: t1 - t0], out[t0 // 2 :])
+
+    @_njit
+    def _code_value(code, q, m):
+        """float32 value of a code (see :func:`decoder_params`): fields moved into
+        place, the implicit bit of subnormals taken off, inf and NaN selected."""
         c = np.uint32(code)
         mag = _and32(c, q[1])
         sign = _shl32(_shr32(c, q[2]), np.uint32(31))
-        u = _or32(sign, _shl32(mag, q[0]))
-        u = _or32(sign, np.uint32(0x7F800000)) if mag == q[3] else u
-        return _or32(sign, np.uint32(0x7FC00000)) if mag >= q[4] else u
+        sub = mag < q[7]
+        u = _add32(_shl32(mag, q[0]), q[6] if sub else q[5])
+        v = _u2f(u) - (m if sub else np.float32(0.0))
+        b = _or32(_f2u(v), sign)
+        b = _or32(sign, np.uint32(0x7F800000)) if mag == q[3] else b
+        return _u2f(_or32(sign, np.uint32(0x7FC00000)) if mag >= q[4] else b)
 
     @_njit
-    def _decode_arith(payload, out, q, k, offsets, factors):
-        """Decode by moving bit fields instead of a table gather, per segment
-        (one multiply by ``f * k`` where it is exact; inline: see
-        :func:`_segments_binade`).
+    def _decode_segments(payload, out, q, m, offsets, factors, size, runs):
+        """out[i] = value(payload[i]) * factor of i's segment (one rounding).
 
-        (v * 2**(127 - bias)) is exact, so v * (k * f) rounds the same exact
-        product as (v * k) * f, one multiply instead of two, wherever k * f
-        is itself exact: not where it overflows or loses bits as a subnormal.
+        Segments of a block's size in explicit vectors (:func:`_decode_lanes`);
+        longer ones in the loop LLVM vectorises, unrolled four times. Runs of
+        whole blocks as in :func:`_segments_binade`.
         """
-        for seg in range(len(offsets) - 1):
-            lo, hi = offsets[seg], offsets[seg + 1]
-            f, ps, os = factors[seg], payload[lo:hi], out[lo:hi]
-            g = f * k
-            if np.float64(g) == np.float64(f) * np.float64(k):
-                for i in range(len(os)):
-                    os[i] = _u2f(_code_bits(ps[i], q)) * g
-            else:
-                for i in range(len(os)):
-                    os[i] = _u2f(_code_bits(ps[i], q)) * k * f
+        seg = 0
+        for r in range(len(runs) + 1):
+            stop = runs[r, 0] if r < len(runs) else len(offsets) - 1
+            while seg < stop:
+                f = factors[seg]
+                lo, hi = offsets[seg], offsets[seg + 1]
+                if hi - lo <= _SHORT:
+                    while lo + 16 <= hi:
+                        _decode16(payload, lo, out, lo, q, m, f)
+                        lo += 16
+                    if lo + 8 <= hi:
+                        _decode8(payload, lo, out, lo, q, m, f)
+                        lo += 8
+                for i in range(_u64(lo), _u64(hi)):
+                    out[i] = _code_value(payload[i], q, m) * f
+                seg += 1
+            if r == len(runs):
+                break
+            lo = offsets[seg]
+            for b in range(seg, seg + runs[r, 1]):
+                f = factors[b]
+                if size == 8:
+                    _decode8(payload, lo, out, lo, q, m, f)
+                else:
+                    for j in range(lo, lo + size, 16):
+                        _decode16(payload, j, out, j, q, m, f)
+                lo += size
+            seg += runs[r, 1]
 
     @_njit
-    def _decode4(payload, out, table, offsets, factors):
-        for seg in range(len(offsets) - 1):
-            f = factors[seg]
-            for i in range(offsets[seg], offsets[seg + 1]):
-                code = (payload[i >> 1] >> ((i & 1) * 4)) & 0xF
-                out[i] = table[code] * f
-
-    @_njit
-    def _nibble(payload, i, q):
-        """float32 bits (as :func:`_code_bits`) of element i of a packed 4-bit payload."""
+    def _nibble(payload, i, q, m):
+        """Value of element i of a packed 4-bit payload."""
         byte = np.uint32(payload[i >> 1])
-        return _code_bits(_and32(_shr32(byte, np.uint32((i & 1) * 4)), np.uint32(15)), q)
+        return _code_value(_and32(_shr32(byte, np.uint32((i & 1) * 4)), np.uint32(15)), q, m)
 
     @_njit
-    def _decode4_bits(payload, out, lo, hi, q, a, b):
-        """out[i] = (bits-value(i) * a) * b for i in [lo, hi), two codes per byte."""
-        i = lo
-        if i < hi and i & 1:
-            out[i] = _u2f(_nibble(payload, i, q)) * a * b
-            i += 1
-        pairs = (hi - i) >> 1
-        codes = payload[i >> 1 : (i >> 1) + pairs]
-        vals = out[i : i + 2 * pairs]
-        # Whole bytes: a loop of simple strided stores that vectorises.
-        for j in range(pairs):
-            byte = np.uint32(codes[j])
-            vals[2 * j] = _u2f(_code_bits(_and32(byte, np.uint32(15)), q)) * a * b
-            vals[2 * j + 1] = _u2f(_code_bits(_shr32(byte, np.uint32(4)), q)) * a * b
-        i += 2 * pairs
-        if i < hi:
-            out[i] = _u2f(_nibble(payload, i, q)) * a * b
+    def _decode4(payload, out, q, m, offsets, factors, size, runs):
+        """:func:`_decode_segments` for packed 4-bit codes: two per byte, low nibble first.
 
-    @_njit
-    def _decode4_arith(payload, out, q, k, offsets, factors):
-        """4-bit codes by moving bit fields, per segment (see :func:`_decode_arith`)."""
-        for seg in range(len(offsets) - 1):
-            f = factors[seg]
-            g = f * k
-            if np.float64(g) == np.float64(f) * np.float64(k):
-                a, b = g, np.float32(1.0)  # x * 1 is x
-            else:
-                a, b = k, f
-            lo, hi = offsets[seg], offsets[seg + 1]
-            if (lo | hi) & 1:
-                _decode4_bits(payload, out, lo, hi, q, a, b)
+        A run of whole blocks starting mid-byte (after a layer of odd size)
+        goes segment by segment.
+        """
+        four = np.uint32(4)
+        low = np.uint32(15)
+        seg = 0
+        for r in range(len(runs) + 1):
+            stop = runs[r, 0] if r < len(runs) else len(offsets) - 1
+            whole = r < len(runs) and offsets[stop] & 1 == 0
+            if r < len(runs) and not whole:
+                stop += runs[r, 1]
+            while seg < stop:
+                f = factors[seg]
+                lo, hi = offsets[seg], offsets[seg + 1]
+                if lo < hi and lo & 1:
+                    out[lo] = _nibble(payload, lo, q, m) * f
+                    lo += 1
+                if hi - lo <= _SHORT:
+                    while lo + 16 <= hi:
+                        _decode16x4(payload, lo >> 1, out, lo, q, m, f)
+                        lo += 16
+                    if lo + 8 <= hi:
+                        _decode8x4(payload, lo >> 1, out, lo, q, m, f)
+                        lo += 8
+                # Whole bytes: a loop of two strided stores that vectorises.
+                start = _u64(lo)
+                for j in range(_u64((hi - lo) >> 1)):
+                    byte = np.uint32(payload[(start >> _u64(1)) + j])
+                    out[start + _u64(2) * j] = _code_value(_and32(byte, low), q, m) * f
+                    out[start + _u64(2) * j + _u64(1)] = _code_value(_shr32(byte, four), q, m) * f
+                if (hi - lo) & 1:
+                    out[hi - 1] = _nibble(payload, hi - 1, q, m) * f
+                seg += 1
+            if not whole:
                 continue
-            # Whole bytes (every block of block scaling but a window's cut
-            # ones): inline, see _segments_binade.
-            codes, vals = payload[lo >> 1 : hi >> 1], out[lo:hi]
-            for j in range(len(codes)):
-                byte = np.uint32(codes[j])
-                vals[2 * j] = _u2f(_code_bits(_and32(byte, np.uint32(15)), q)) * a * b
-                vals[2 * j + 1] = _u2f(_code_bits(_shr32(byte, np.uint32(4)), q)) * a * b
+            lo = offsets[seg]
+            for b in range(seg, seg + runs[r, 1]):
+                f = factors[b]
+                if size == 8:
+                    _decode8x4(payload, lo >> 1, out, lo, q, m, f)
+                else:
+                    for j in range(lo, lo + size, 16):
+                        _decode16x4(payload, j >> 1, out, j, q, m, f)
+                lo += size
+            seg += runs[r, 1]
 
     @_njit
-    def _accumulate_bits(payload, acc, q, k, first):
-        if first:
+    def _moved_value(code, q):
+        """:func:`_code_value` where no code needs the subnormal step (``q[7] == 0``)."""
+        c = np.uint32(code)
+        mag = _and32(c, q[1])
+        sign = _shl32(_shr32(c, q[2]), np.uint32(31))
+        b = _or32(_add32(_shl32(mag, q[0]), q[5]), sign)
+        b = _or32(sign, np.uint32(0x7F800000)) if mag == q[3] else b
+        return _u2f(_or32(sign, np.uint32(0x7FC00000)) if mag >= q[4] else b)
+
+    @_njit
+    def _accumulate(payload, acc, q, m, first):
+        # The owner adds N decoded shards: bf16's plain bit move saves a tenth.
+        if q[7] == 0:
+            if first:
+                for j in range(len(acc)):
+                    acc[j] = _moved_value(payload[j], q)
+            else:
+                for j in range(len(acc)):
+                    acc[j] += _moved_value(payload[j], q)
+        elif first:
             for j in range(len(acc)):
-                acc[j] = _u2f(_code_bits(payload[j], q)) * k
+                acc[j] = _code_value(payload[j], q, m)
         else:
             for j in range(len(acc)):
-                acc[j] += _u2f(_code_bits(payload[j], q)) * k
+                acc[j] += _code_value(payload[j], q, m)
 
     @_njit
-    def _accumulate_table(payload, acc, table, first):
-        if first:
-            for j in range(len(acc)):
-                acc[j] = table[payload[j]]
-        else:
-            for j in range(len(acc)):
-                acc[j] += table[payload[j]]
-
-    @_njit
-    def _reduce(recv, n_ranks, shard, out_codes, table, bits, q, k, p):
+    def _reduce(recv, n_ranks, shard, out_codes, q, m, p):
         """Sum n_ranks decoded shards in rank order, divide by n_ranks, re-encode.
 
-        Over L1-sized blocks: each rank's codes are decoded (from bit fields
-        where ``bits``, else through ``table``) and added into one float32
-        block, which is divided and encoded before the next block.
+        Over L1-sized blocks: each rank's codes are decoded and added into one
+        float32 block, which is divided and encoded before the next block.
         """
         acc = np.empty(_BLOCK, np.float32)
         div = np.float32(n_ranks)
@@ -561,30 +844,31 @@ if AVAILABLE:
             block = acc[:n]
             for r in range(n_ranks):
                 codes = recv[r * shard + start : r * shard + start + n]
-                if bits:
-                    _accumulate_bits(codes, block, q, k, r == 0)
-                else:
-                    _accumulate_table(codes, block, table, r == 0)
+                _accumulate(codes, block, q, m, r == 0)
             for j in range(n):
                 block[j] = block[j] / div
             _encode_block(block, one, out_codes[start : start + n], p)
 
     @_njit
-    def _reduce4(recv, n_ranks, shard_bytes, out, q, k, p):
-        """:func:`_reduce` for packed 4-bit codes (decoded from bit fields)."""
+    def _reduce4(recv, n_ranks, shard_bytes, out, q, m, p):
+        """:func:`_reduce` for packed 4-bit codes."""
         acc = np.empty(_BLOCK, np.float32)
         part = np.empty(_BLOCK, np.float32)
         codes = np.empty(_BLOCK, np.uint8)
+        whole = np.zeros(2, np.int64)
+        ones = np.ones(1, np.float32)
+        no_runs = np.zeros((0, 2), np.int64)
         div = np.float32(n_ranks)
         one = np.float32(1.0)
         for start in range(0, shard_bytes, _BLOCK // 2):
             nb = min(_BLOCK // 2, shard_bytes - start)
             n = 2 * nb
+            whole[1] = n
             block = acc[:n]
-            _decode4_bits(recv[start : start + nb], block, 0, n, q, k, one)
+            _decode4(recv[start : start + nb], block, q, m, whole, ones, 0, no_runs)
             for r in range(1, n_ranks):
                 base = r * shard_bytes + start
-                _decode4_bits(recv[base : base + nb], part[:n], 0, n, q, k, one)
+                _decode4(recv[base : base + nb], part, q, m, whole, ones, 0, no_runs)
                 for j in range(n):
                     block[j] += part[j]
             for j in range(n):
@@ -686,9 +970,7 @@ if AVAILABLE:
         return t
 
     @_njit
-    def _reduce_blocks(
-        recv, n_ranks, shard, out_codes, offsets, exps, d_out, cap, table, bits, q, k, p, lim
-    ):
+    def _reduce_blocks(recv, n_ranks, shard, out_codes, offsets, exps, d_out, cap, q, m, p, lim):
         """The owner's step with block exponents, 8- and 16-bit codes, one pass.
 
         Per group of whole blocks (about L1's size): N ranks' codes decoded
@@ -704,10 +986,7 @@ if AVAILABLE:
             block = acc[: g1 - g0]
             for r in range(n_ranks):
                 codes = recv[r * shard + g0 : r * shard + g1]
-                if bits:
-                    _accumulate_bits(codes, block, q, k, r == 0)
-                else:
-                    _accumulate_table(codes, block, table, r == 0)
+                _accumulate(codes, block, q, m, r == 0)
             if n_ranks > 1:  # the chain divides only then
                 for j in range(len(block)):
                     block[j] = block[j] / div
@@ -715,14 +994,20 @@ if AVAILABLE:
             s = t
 
     @_njit
-    def _decode4_table(payload, out, lo, hi, table):
-        for i in range(lo, hi):
-            out[i] = table[(payload[i >> 1] >> ((i & 1) * 4)) & 0xF]
+    def _decode4_range(payload, out, lo, hi, q, m, f):
+        """out[i] = value(4-bit code i of payload) * f for i in [lo, hi)."""
+        i = lo
+        if i < hi and i & 1:
+            out[i] = _nibble(payload, i, q, m) * f
+            i += 1
+        while i + 16 <= hi:
+            _decode16x4(payload, i >> 1, out, i, q, m, f)
+            i += 16
+        for j in range(i, hi):
+            out[j] = _nibble(payload, j, q, m) * f
 
     @_njit
-    def _reduce_blocks4(
-        recv, n_ranks, shard_bytes, out, offsets, exps, d_out, cap, table, bits, q, k, p, lim
-    ):
+    def _reduce_blocks4(recv, n_ranks, shard_bytes, out, offsets, exps, d_out, cap, q, m, p, lim):
         """:func:`_reduce_blocks` for packed 4-bit codes.
 
         A group starting at an odd element shares its first byte with the
@@ -746,10 +1031,7 @@ if AVAILABLE:
             for r in range(n_ranks):
                 dst = acc if r == 0 else part
                 payload = recv[r * shard_bytes + b0 : r * shard_bytes + b1]
-                if bits:
-                    _decode4_bits(payload, dst, lo, hi, q, k, one)
-                else:
-                    _decode4_table(payload, dst, lo, hi, table)
+                _decode4_range(payload, dst, lo, hi, q, m, one)
                 if r > 0:
                     for j in range(lo, hi):
                         acc[j] += part[j]
@@ -785,14 +1067,14 @@ if AVAILABLE:
 
     @_njit
     def _reduce_rank_blocks(
-        recv, n_ranks, row, out_codes, offsets, factors, d_out, cap, table, bits, q, k, p, lim
+        recv, n_ranks, row, out_codes, offsets, factors, d_out, cap, q, m, p, lim
     ):
         """:func:`_reduce_blocks` where rank r's codes of block b are decoded times
         ``factors[r, b]`` (every rank's own block exponents); ``row``: codes
         from one rank's shard to the next's. 8- and 16-bit codes.
 
-        A code's value ``v`` (``bits * k`` is exact) times its factor rounds
-        once, as :func:`decode` with factors: the values are decoded first,
+        A code's value (exact) times its factor rounds once, as
+        :func:`decode` with factors: the values are decoded first,
         then multiplied elementwise by each element's block factor and added.
         """
         acc = np.empty(cap, np.float32)
@@ -806,11 +1088,7 @@ if AVAILABLE:
             g0, g1 = offsets[s], offsets[t]
             n = g1 - g0
             for r in range(n_ranks):
-                codes = recv[r * row + g0 : r * row + g1]
-                if bits:
-                    _accumulate_bits(codes, part[:n], q, k, True)
-                else:
-                    _accumulate_table(codes, part[:n], table, True)
+                _accumulate(recv[r * row + g0 : r * row + g1], part[:n], q, m, True)
                 _fill_factors(fe, offsets, s, t, g0, 0, factors[r])
                 _add_scaled(part[:n], fe[:n], acc[:n], r == 0)
             if n_ranks > 1:
@@ -820,9 +1098,7 @@ if AVAILABLE:
             s = t
 
     @_njit
-    def _reduce_rank_blocks4(
-        recv, n_ranks, row, out, offsets, factors, d_out, cap, table, bits, q, k, p, lim
-    ):
+    def _reduce_rank_blocks4(recv, n_ranks, row, out, offsets, factors, d_out, cap, q, m, p, lim):
         """:func:`_reduce_rank_blocks` for packed 4-bit codes (the carry of
         :func:`_reduce_blocks4`); ``row`` in bytes."""
         acc = np.empty(cap + 1, np.float32)
@@ -842,10 +1118,7 @@ if AVAILABLE:
             b0, b1 = g0 >> 1, (g1 + 1) >> 1
             for r in range(n_ranks):
                 payload = recv[r * row + b0 : r * row + b1]
-                if bits:
-                    _decode4_bits(payload, part, lo, hi, q, k, one)
-                else:
-                    _decode4_table(payload, part, lo, hi, table)
+                _decode4_range(payload, part, lo, hi, q, m, one)
                 _fill_factors(fe, offsets, s, t, g0, lo, factors[r])
                 _add_scaled(part[lo:hi], fe[lo:hi], acc[lo:hi], r == 0)
             if n_ranks > 1:
@@ -879,8 +1152,7 @@ def reduce_rank_blocks(
     ``d``) and is encoded times ``2**d`` into ``out``.
     """
     row = recv.numel() // n_ranks
-    arith = decoder_params(fmt)
-    q, k = arith if arith is not None else ((np.uint32(0),) * 5, np.float32(1.0))
+    q, m = decoder_params(fmt)
     if longest is None:
         longest = int(np.diff(offsets).max()) if offsets.size > 1 else 0
     cap = max(_BLOCK, longest)
@@ -888,10 +1160,8 @@ def reduce_rank_blocks(
         factors,
         d,
         cap,
-        _table(fmt),
-        arith is not None,
         q,
-        k,
+        m,
         encoder_params(fmt),
         mean_limit(fmt, limit),
     )
@@ -942,9 +1212,7 @@ def reduce_blocks(
     the longest block's elements, where the caller knows it (else found here).
     """
     shard_bytes = recv.numel() // n_ranks
-    arith = decoder_params(fmt)
-    # Without the bit-field decoder the table decodes; q and k are then unused.
-    q, k = arith if arith is not None else ((np.uint32(0),) * 5, np.float32(1.0))
+    q, m = decoder_params(fmt)
     if longest is None:
         longest = int(np.diff(offsets).max()) if offsets.size > 1 else 0
     cap = max(_BLOCK, longest)
@@ -952,10 +1220,8 @@ def reduce_blocks(
         exponents,
         d,
         cap,
-        _table(fmt),
-        arith is not None,
         q,
-        k,
+        m,
         encoder_params(fmt),
         mean_limit(fmt, limit),
     )
@@ -982,26 +1248,38 @@ def _whole(n: int) -> tuple[np.ndarray, np.ndarray]:
     return np.array([0, n], np.int64), np.ones(1, np.float32)
 
 
+def _runs(block_size: int | None, runs: np.ndarray | None) -> tuple[int, np.ndarray]:
+    """The kernels' run arguments: none unless the blocks are of a size they walk."""
+    if runs is None or block_size not in BLOCK_SIZES:
+        return 0, _NO_RUNS
+    return block_size, runs  # type: ignore[return-value]
+
+
 def encode(
     x: torch.Tensor,
     out: torch.Tensor,
     fmt: FloatFormat,
     offsets: np.ndarray | None = None,
     factors: np.ndarray | None = None,
+    block_size: int | None = None,
+    runs: np.ndarray | None = None,
 ) -> None:
-    """Encode contiguous float32 ``x`` (times per-segment ``factors``) into uint8 ``out``."""
+    """Encode contiguous float32 ``x`` (times per-segment ``factors``) into uint8 ``out``.
+
+    ``runs`` (int64, shape (R, 2): first segment, count) marks runs of
+    segments of exactly ``block_size`` elements (:attr:`aps_comm.codec.Layout.block_runs`),
+    which the binade encoder walks block by block without their offsets.
+    """
     xa = _np(x.contiguous().float())
     params = encoder_params(fmt)
     oa = _np(out)
-    if fmt.wire_bits == 4:
-        codes = np.empty(xa.size, np.uint8)
-    else:
-        codes = oa if fmt.wire_bits == 8 else oa.view(np.uint16)
     if factors is None:
         offsets, factors = _whole(xa.size)
-    _encode_codes(xa, offsets, factors, codes, params)
     if fmt.wire_bits == 4:
-        _pack(codes, oa)
+        _encode4(xa, offsets, factors, oa, params, *_runs(block_size, runs))
+    else:
+        codes = oa if fmt.wire_bits == 8 else oa.view(np.uint16)
+        _encode_codes(xa, offsets, factors, codes, params, *_runs(block_size, runs))
 
 
 def decode(
@@ -1010,23 +1288,23 @@ def decode(
     fmt: FloatFormat,
     offsets: np.ndarray | None = None,
     factors: np.ndarray | None = None,
+    block_size: int | None = None,
+    runs: np.ndarray | None = None,
 ) -> None:
-    """Decode uint8 ``payload`` into contiguous float32 ``out`` (times per-segment ``factors``)."""
-    table = _table(fmt)
+    """Decode uint8 ``payload`` into contiguous float32 ``out`` (times per-segment ``factors``).
+
+    ``block_size`` and ``runs`` as for :func:`encode`.
+    """
     pa, oa = _np(payload), _np(out)
-    if fmt.wire_bits == 16:
-        pa = pa.view(np.uint16)
     if factors is None:
         offsets, factors = _whole(oa.size)
-    arith = decoder_params(fmt)
-    if arith is not None and fmt.wire_bits == 4:
-        _decode4_arith(pa, oa, arith[0], arith[1], offsets, factors)
-    elif arith is not None:
-        _decode_arith(pa, oa, arith[0], arith[1], offsets, factors)
-    elif fmt.wire_bits != 4:
-        _decode_segments(pa, oa, table, offsets, factors)
+    q, m = decoder_params(fmt)
+    size, walk = _runs(block_size, runs)
+    if fmt.wire_bits == 4:
+        _decode4(pa, oa, q, m, offsets, factors, size, walk)
     else:
-        _decode4(pa, oa, table, offsets, factors)
+        pa = pa if fmt.wire_bits == 8 else pa.view(np.uint16)
+        _decode_segments(pa, oa, q, m, offsets, factors, size, walk)
 
 
 def reduce_shards(recv: torch.Tensor, n_ranks: int, fmt: FloatFormat, out: torch.Tensor) -> None:
@@ -1036,23 +1314,11 @@ def reduce_shards(recv: torch.Tensor, n_ranks: int, fmt: FloatFormat, out: torch
     same arithmetic on every shard owner, so results are reproducible.
     """
     shard_bytes = recv.numel() // n_ranks
-    arith = decoder_params(fmt)
-    if fmt.wire_bits == 4 and arith is not None:
-        _reduce4(_np(recv), n_ranks, shard_bytes, _np(out), arith[0], arith[1], encoder_params(fmt))
-        return
-    if fmt.wire_bits == 4:
-        numel = 2 * shard_bytes
-        vals = torch.empty(n_ranks * numel)
-        decode(recv, vals, fmt)
-        acc = vals[:numel].clone()
-        for r in range(1, n_ranks):
-            acc += vals[r * numel : (r + 1) * numel]
-        encode(acc / n_ranks, out, fmt)
-        return
+    q, m = decoder_params(fmt)
     ra, oa = _np(recv), _np(out)
+    if fmt.wire_bits == 4:
+        _reduce4(ra, n_ranks, shard_bytes, oa, q, m, encoder_params(fmt))
+        return
     if fmt.wire_bits == 16:
         ra, oa = ra.view(np.uint16), oa.view(np.uint16)
-    # Without the bit-field decoder the table decodes; q and k are then unused.
-    q, k = arith if arith is not None else ((np.uint32(0),) * 5, np.float32(1.0))
-    shard = ra.size // n_ranks
-    _reduce(ra, n_ranks, shard, oa, _table(fmt), arith is not None, q, k, encoder_params(fmt))
+    _reduce(ra, n_ranks, ra.size // n_ranks, oa, q, m, encoder_params(fmt))

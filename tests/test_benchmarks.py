@@ -561,3 +561,42 @@ def test_report_nodes_section(tmp_path: Path) -> None:
     text = report.build(tmp_path, tmp_path / "RESULTS.md")
     assert "| 4 | 1 | aps-e4m3:profile=link | rule 2**22 | 50.0 |" in text
     assert "## Other results" not in text  # a known file, not listed as unknown
+
+
+def test_report_codec_section_shows_block_scales(tmp_path: Path) -> None:
+    def row(name: str, plain: float, block: float | None) -> dict:
+        r = {
+            "format": name,
+            "encode_s": 0.002,
+            "decode_s": 0.002,
+            "encode_decode_over_copy": plain,
+            "scaled_encode_decode_over_copy": plain,
+        }
+        if block is not None:
+            r["block_encode_decode_over_copy"] = block
+        return r
+
+    base = {
+        "command": "python -m benchmarks.codec --repeats 3",
+        "machine": "m",
+        "torch": "t",
+        "threads": 1,
+        "buffer_mib": 64,
+        "repeats": 3,
+        "copy_s": 0.003,
+    }
+    (tmp_path / "codec.json").write_text(
+        json.dumps(
+            {**base, "block_size": 32, "formats": [row("e4m3", 1.5, 2.3), row("e2m1", 1.4, 1.7)]}
+        )
+    )
+    codec = report.build(tmp_path, tmp_path / "RESULTS.md").split("## Codec speed")[1]
+    assert "| e4m3 | 2.0 | 2.0 | 1.5x | 1.5x | 2.3x |" in codec
+    assert "| e2m1 | 2.0 | 2.0 | 1.4x | 1.4x | 1.7x |" in codec
+    assert "Block scales: one per 32 elements of every layer." in codec
+    assert "Target: e4m3 encode + decode <= 2x a copy: met (1.50x)." in codec
+    assert "Target: e4m3 encode + decode with block scales <= 2x a copy: missed (2.30x)." in codec
+    # A result from before block scales: no block column values, no block target.
+    (tmp_path / "codec.json").write_text(json.dumps({**base, "formats": [row("e4m3", 1.5, None)]}))
+    codec = report.build(tmp_path, tmp_path / "RESULTS.md").split("## Codec speed")[1]
+    assert "| e4m3 | 2.0 | 2.0 | 1.5x | 1.5x | - |" in codec and "with block scales <=" not in codec

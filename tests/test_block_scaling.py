@@ -72,6 +72,15 @@ def test_grid_and_windows(block_size: int) -> None:
         assert w.n_blocks == len(inside) == int(w.counts.sum())
         cut = [min(ends[b], hi) - max(starts[b], lo) for b in inside]
         assert list(w.layout.sizes) == cut and w.layout.numel == hi - lo
+        # Windows of either kind keep the block size, and their runs of whole
+        # blocks (which the CPU kernels walk) are exactly their full-size blocks.
+        for layout in (w.layout, blocks.layout.window(lo, hi)):
+            assert layout.block_size == block_size
+            runs = [(int(s), int(n)) for s, n in layout.block_runs]
+            walked = [b for s, n in runs for b in range(s, s + n)]
+            assert walked == [b for b, n in enumerate(layout.sizes) if n == block_size]
+            assert all(s + n not in {t for t, _ in runs} for s, n in runs)  # maximal
+    assert codec.Layout.from_numels(numels, CPU).block_runs.shape == (0, 2)
 
 
 def test_block_amax_kernel_and_torch_path(monkeypatch: pytest.MonkeyPatch) -> None:

@@ -183,3 +183,83 @@ def test_owner_reduce_matches_reference(fmt: FloatFormat, n_ranks: int) -> None:
     assert torch.equal(
         _canonical(decode(got, fmt, shard)), _canonical(decode(expected, fmt, shard))
     )
+
+
+# Layers longer than the 4-bit encoder's tile, odd sizes (the next layer's 4-bit
+# codes, and its run of whole blocks, then start mid-byte), empty layers, and a
+# tile holding more segments than elements.
+_TILED_NUMELS = [4097, 8191, 3, 0, 0, 1, 2, 5000, *([0] * 5000), 6]
+
+
+@pytest.mark.parametrize("fmt", [E2M1, E3M0, E4M3, FP16, BF16], ids=str)
+@pytest.mark.parametrize("block_size", [8, 256])
+def test_block_scaled_kernels_match_the_bits_backend(fmt: FloatFormat, block_size: int) -> None:
+    # Every block its own factor: powers of two over a wide range (codes
+    # from subnormal to saturated), some no power of two (3, 1.5: the
+    # product rounds once), one subnormal float32.
+    gen = torch.Generator().manual_seed(block_size)
+    numel = sum(_TILED_NUMELS)
+    x = torch.randn(numel, generator=gen) * torch.exp2(torch.randint(-12, 12, (numel,)))
+    blocks = codec.Layout.from_numels(_TILED_NUMELS, x.device).grid(block_size)
+    scale = torch.exp2(torch.randint(-16, 16, (blocks.n_blocks,), generator=gen).float())
+    scale[::7], scale[3::11], scale[5] = 3.0, 1.5, 2.0**-140
+    for sc, layout in ((scale, blocks.layout), (scale[:1], None)):
+        kw = {"scale": sc, "layout": layout}
+        mine = codec.encode(x, fmt, backend="kernels", **kw)  # type: ignore[arg-type]
+        assert torch.equal(mine, codec.encode(x, fmt, backend="bits", **kw)), layout  # type: ignore[arg-type]
+        got = codec.decode(mine, fmt, numel, backend="kernels", **kw)  # type: ignore[arg-type]
+        ref = codec.decode(mine, fmt, numel, backend="bits", **kw)  # type: ignore[arg-type]
+        assert torch.equal(_canonical(got), _canonical(ref)), layout
+
+
+def _block_sizes(numel: int) -> list[int]:
+    """Segment sizes of blocks (whole, short, odd, single) covering ``numel`` elements."""
+    cycle = [8, 16, 32, 7, 24, 1, 256, 40, 9, 17]
+    sizes = cycle * (numel // sum(cycle) + 1)
+    while sum(sizes) - sizes[-1] >= numel:
+        sizes.pop()
+    sizes[-1] -= sum(sizes) - numel
+    return sizes
+
+
+@pytest.mark.parametrize(
+    "fmt",
+    [E4M3, E5M2, FP16, BF16, E2M3, E2M1, E3M0, FloatFormat(3, 3, specials="fn", bias=5)],
+    ids=lambda f: f"{f.name}-b{f.bias}",
+)
+def test_short_segments_decode_every_code(fmt: FloatFormat) -> None:
+    # Every code (inf and NaN included) through segments of a block's sizes,
+    # odd starts among them: the decoder's explicit 16- and 8-lane vectors,
+    # and the scalar rest, against the reference times each factor.
+    gen = torch.Generator().manual_seed(fmt.bits)
+    numel = max(2**fmt.bits, 4096)
+    codes = torch.arange(numel) % 2**fmt.bits
+    codes = codes[torch.randperm(numel, generator=gen)]
+    if fmt.wire_bits == 16:
+        payload = codes.to(torch.int16).view(torch.uint8)
+    elif fmt.wire_bits == 8:
+        payload = codes.to(torch.uint8)
+    else:
+        payload = (codes[0::2] | codes[1::2] << 4).to(torch.uint8)
+    sizes = _block_sizes(numel)
+    layout = codec.Layout.from_numels(sizes, payload.device)
+    scale = torch.exp2(torch.randint(-20, 20, (len(sizes),), generator=gen).float())
+    scale[::5] = 3.0
+    got = codec.decode(payload, fmt, numel, scale=scale, layout=layout, backend="kernels")
+    ref = decode(payload, fmt, numel) * torch.repeat_interleave(scale, layout.lengths)
+    assert torch.equal(_canonical(got), _canonical(ref))
+
+
+@pytest.mark.parametrize("fmt", [E4M3, E5M2, FP16, E3M4, E2M3, E3M2, E2M1], ids=str)
+def test_short_segments_encode_like_one_segment(fmt: FloatFormat) -> None:
+    # The sweep (every exponent, ties, neighbours, inf, NaN) cut into a
+    # block's sizes with factor 1 goes through the encoder's explicit 16- and
+    # 8-lane vectors and its scalar rest; as one segment through the loop
+    # checked against the reference above.
+    x = _float32_sweep(fmt)
+    x = x[torch.randperm(x.numel(), generator=torch.Generator().manual_seed(0))]
+    sizes = _block_sizes(x.numel())
+    layout = codec.Layout.from_numels(sizes, x.device)
+    ones = torch.ones(len(sizes))
+    got = codec.encode(x, fmt, scale=ones, layout=layout, backend="kernels")
+    assert torch.equal(got, codec.encode(x, fmt, backend="kernels"))
