@@ -323,7 +323,7 @@ class Cluster:
             >>> layer = c.codec_time("encode", "e4m3", 1.0, 2**20)
             >>> block = c.codec_time("encode", "e4m3", 1.0, 2**20, block_size=32)
             >>> round((block - c.device.launch_s) / (layer - c.device.launch_s), 2)
-            1.3
+            1.07
         """
         key = op if op in _FORMAT_FREE_OPS else f"{op}.{fmt_name}"
         blocked = block_size is not None and op in _BLOCK_SCALED_OPS
