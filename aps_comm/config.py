@@ -5,8 +5,9 @@ Every module that names a reduction or a scaling uses these enums; they are
 plain strings. :mod:`aps_perfmodel` names the same strategies its own way
 ("native" for the wire-format all-reduce); :meth:`Route.model_name` and
 :meth:`Route.from_model` are the only translation between the two. The
-scalings and block sizes are defined in :mod:`aps_perfmodel.choices` (the
-model prices them, and must not import ``aps_comm``) and re-exported here.
+scalings, block sizes and block exponents are defined in
+:mod:`aps_perfmodel.choices` (the model prices them, and must not import
+``aps_comm``) and re-exported here.
 
 Example:
     >>> Reduction("two_phase") is Reduction.TWO_PHASE
@@ -23,6 +24,7 @@ from aps_perfmodel.choices import (
     BLOCK_SIZES,
     DEFAULT_BLOCK_SIZE,
     SCALINGS,
+    BlockExponents,
     Choice,
     Scaling,
     check_block_size,
@@ -86,24 +88,6 @@ class Route(Choice):
     def staged(self) -> bool:
         """Hierarchical and grid: two levels of groups, each with its own exponents."""
         return self in (Route.HIERARCHICAL, Route.GRID)
-
-
-class BlockExponents(Choice):
-    """Where two_phase's block exponents come from, with ``scaling="block"``.
-
-    - ``AGREED``: one MAX all-reduce of one-byte exponents agrees every
-      block's exponent before the first chunk; every rank encodes with it,
-      and each shard's owner gives every block of the mean its own extra
-      exponent (sent with the all-gather).
-    - ``RANK``: no collective before the first chunk: every rank encodes
-      with its own block exponents and sends them with its shards; the owner
-      decodes each shard with its sender's, sums in FP32 and gives every
-      block of the mean its own exponent. Other routes (and error feedback,
-      whose owner keeps the agreed exponents) still agree.
-    """
-
-    AGREED = "agreed"
-    RANK = "rank"
 
 
 REDUCTIONS: tuple[str, ...] = tuple(m.value for m in Reduction)

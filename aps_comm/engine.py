@@ -83,7 +83,7 @@ class Settings:
     stats: bool = False
     error_feedback: bool = False
     block_size: int = DEFAULT_BLOCK_SIZE
-    block_exponents: BlockExponents = BlockExponents.AGREED
+    block_exponents: BlockExponents = BlockExponents.RANK
 
 
 @dataclasses.dataclass(frozen=True)

@@ -56,7 +56,13 @@ import torch.distributed as dist
 
 from aps_comm import agreement, teardown
 from aps_comm.agreement import Layouts
-from aps_comm.config import DEFAULT_BLOCK_SIZE, Reduction, Scaling, check_block_size
+from aps_comm.config import (
+    DEFAULT_BLOCK_SIZE,
+    BlockExponents,
+    Reduction,
+    Scaling,
+    check_block_size,
+)
 from aps_comm.engine import Comm, Reducer, Settings
 from aps_comm.formats import FloatFormat, get_format
 from aps_comm.hostcopy import HostValue
@@ -213,6 +219,8 @@ class APSFSDPState:
             False,
             scaling=self.config.scaling,
             block_size=self.config.block_size,
+            # FSDP's owners keep FP32 sums: the blocks' exponents are agreed.
+            block_exponents=BlockExponents.AGREED,
         )
         settings = Settings(
             self.fmt,
@@ -221,6 +229,7 @@ class APSFSDPState:
             self.collect_stats,
             False,
             self.config.block_size,
+            BlockExponents.AGREED,
         )
         self.process_group, self._world_size = group, world
         self.reducer = Reducer(settings, comm, planner, self.assignment)

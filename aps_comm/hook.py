@@ -77,15 +77,15 @@ class APSConfig:
         'fmt=e4m3(e4m3, bias=7, fn), reduction=two_phase, scaling=layer'
         >>> APSConfig("e2m1", "two_phase", "block", 64).describe()
         'fmt=e2m1(e2m1, bias=1, fn), reduction=two_phase, scaling=block(64)'
-        >>> APSConfig("e2m1", "two_phase", "block", 32, "rank").describe()
-        'fmt=e2m1(e2m1, bias=1, fn), reduction=two_phase, scaling=block(32, rank exponents)'
+        >>> APSConfig("e2m1", "two_phase", "block", 32, "agreed").describe()
+        'fmt=e2m1(e2m1, bias=1, fn), reduction=two_phase, scaling=block(32, agreed exponents)'
     """
 
     fmt: FloatFormat
     reduction: Reduction = Reduction.AUTO
     scaling: Scaling = Scaling.LAYER
     block_size: int = DEFAULT_BLOCK_SIZE
-    block_exponents: BlockExponents = BlockExponents.AGREED
+    block_exponents: BlockExponents = BlockExponents.RANK
 
     def __post_init__(self) -> None:
         object.__setattr__(self, "fmt", get_format(self.fmt))
@@ -101,8 +101,8 @@ class APSConfig:
     def describe(self) -> str:
         scaling = str(self.scaling)
         if self.scaling == Scaling.BLOCK:
-            rank = self.block_exponents == BlockExponents.RANK
-            scaling += f"({self.block_size}{', rank exponents' if rank else ''})"
+            agreed = self.block_exponents == BlockExponents.AGREED
+            scaling += f"({self.block_size}{', agreed exponents' if agreed else ''})"
         return f"fmt={self.fmt.describe()}, reduction={self.reduction}, scaling={scaling}"
 
 
@@ -148,10 +148,12 @@ class APSState:
             or "none" (plain saturating cast).
         block_size: elements per block with ``scaling="block"``: a power of
             two from 8 to 256 (default 32: one exponent byte per 32 elements).
-        block_exponents: with ``scaling="block"`` and two_phase, "agreed"
-            (one MAX all-reduce of the blocks' exponents before the first
-            chunk) or "rank" (none: each rank sends its own exponents with
-            its shards); see :class:`aps_comm.config.BlockExponents`.
+        block_exponents: with ``scaling="block"`` and two_phase, "rank"
+            (the default: no collective before the first chunk, each rank
+            sends its own block exponents with its shards) or "agreed" (one
+            MAX all-reduce of the blocks' exponents first); with error
+            feedback and the other routes the exponents are always agreed.
+            See :class:`aps_comm.config.BlockExponents`.
         process_group: group to communicate on; default: a new group over all ranks.
         stats: record per-layer :class:`~aps_comm.telemetry.LayerStats` of the
             last step in ``state.stats``.
@@ -209,7 +211,7 @@ class APSState:
         ranks_per_node: int | None = None,
         profile: Profile | str | os.PathLike | None = None,
         block_size: int = DEFAULT_BLOCK_SIZE,
-        block_exponents: BlockExponents | str = BlockExponents.AGREED,
+        block_exponents: BlockExponents | str = BlockExponents.RANK,
     ) -> None:
         self.config = APSConfig(
             get_format(fmt),
@@ -454,6 +456,9 @@ class APSState:
             grid=self.layouts.grid is not None,
             scaling=self.config.scaling,
             block_size=self.config.block_size,
+            block_exponents=(
+                BlockExponents.AGREED if self.error_feedback else self.config.block_exponents
+            ),
         )
         settings = Settings(
             self.fmt,
@@ -744,7 +749,7 @@ def register(
     ranks_per_node: int | None = None,
     profile: Profile | str | os.PathLike | None = None,
     block_size: int = DEFAULT_BLOCK_SIZE,
-    block_exponents: BlockExponents | str = BlockExponents.AGREED,
+    block_exponents: BlockExponents | str = BlockExponents.RANK,
 ) -> APSState:
     """Build an :class:`APSState`, register :func:`aps_hook` on ``ddp``, return the state.
 

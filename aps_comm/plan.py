@@ -24,7 +24,7 @@ from collections.abc import Callable, Sequence
 import torch
 
 from aps_comm.codec import Blocks, Codec, Layout, codec_for
-from aps_comm.config import DEFAULT_BLOCK_SIZE, Route, Scaling
+from aps_comm.config import DEFAULT_BLOCK_SIZE, BlockExponents, Route, Scaling
 from aps_comm.formats import FP32, FloatFormat, get_format, payload_nbytes
 from aps_comm.hostcopy import to_device
 from aps_perfmodel.cluster import Cluster
@@ -86,12 +86,13 @@ class Planner:
     grid: bool = False
     scaling: Scaling = Scaling.LAYER
     block_size: int = DEFAULT_BLOCK_SIZE
+    block_exponents: BlockExponents = BlockExponents.RANK
 
     def spec(self, fmt: FloatFormat) -> str | FormatSpec:
         """``fmt`` as the model prices it: with block scaling, its exponent bytes and codec."""
         if self.scaling != Scaling.BLOCK or fmt == FP32:
             return model_format(fmt)
-        return _block_spec(model_format(fmt), self.block_size)
+        return _block_spec(model_format(fmt), self.block_size, self.block_exponents)
 
     def reduction(self, fmt: FloatFormat, numel: int, n_layers: int, native: bool) -> Route:
         """The fastest way to reduce ``numel`` elements of ``fmt`` (a hook reduction name)."""
@@ -120,9 +121,15 @@ class Planner:
 
 
 @functools.lru_cache(maxsize=64)
-def _block_spec(name: str, block_size: int) -> FormatSpec:
+def _block_spec(name: str, block_size: int, block_exponents: BlockExponents) -> FormatSpec:
     """The model's spec of ``name`` with block scaling (built once, not per bucket)."""
-    return model_spec(name, aps=True, scaling=Scaling.BLOCK, block_size=block_size)
+    return model_spec(
+        name,
+        aps=True,
+        scaling=Scaling.BLOCK,
+        block_size=block_size,
+        block_exponents=block_exponents,
+    )
 
 
 def shard_layout(numel: int, fmt: FloatFormat, world_size: int) -> tuple[int, int]:

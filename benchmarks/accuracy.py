@@ -89,6 +89,9 @@ HOOKS: dict[str, str] = {
     "aps-e4m3+error-feedback": 'register(ddp, fmt="e4m3", error_feedback=True)',
     "naive-e2m1": 'register(ddp, fmt="e2m1", scaling="none")',
     "aps-e2m1-block": 'register(ddp, fmt="e2m1", scaling="block")',
+    "aps-e2m1-block-agreed": (
+        'register(ddp, fmt="e2m1", scaling="block", block_exponents="agreed")'
+    ),
     "aps-e2m1-block+error-feedback": (
         'register(ddp, fmt="e2m1", scaling="block", error_feedback=True)'
     ),
@@ -101,6 +104,7 @@ BLOCK_HOOKS = (
     "aps-e4m3",
     "naive-e2m1",
     "aps-e2m1-block",
+    "aps-e2m1-block-agreed",
     "aps-e2m1-block+error-feedback",
     "aps-e3m2-block",
 )
@@ -185,6 +189,7 @@ def attach_hook(
         "aps-e4m3+error-feedback": {"fmt": "e4m3", "error_feedback": True},
         "naive-e2m1": {"fmt": "e2m1", "scaling": "none"},
         "aps-e2m1-block": {"fmt": "e2m1", "scaling": "block"},
+        "aps-e2m1-block-agreed": {"fmt": "e2m1", "scaling": "block", "block_exponents": "agreed"},
         "aps-e2m1-block+error-feedback": {
             "fmt": "e2m1",
             "scaling": "block",

@@ -21,6 +21,7 @@ __all__ = [
     "BLOCK_SIZES",
     "DEFAULT_BLOCK_SIZE",
     "SCALINGS",
+    "BlockExponents",
     "Choice",
     "Scaling",
     "check_block_size",
@@ -61,6 +62,25 @@ class Scaling(Choice):
 
 
 SCALINGS: tuple[str, ...] = tuple(m.value for m in Scaling)
+
+
+class BlockExponents(Choice):
+    """Where two_phase's block exponents come from, with ``Scaling.BLOCK``.
+
+    - ``RANK``: no collective before the first chunk: every rank encodes
+      with its own block exponents and sends them with its shards (one byte
+      per block); the owner decodes each copy with its sender's, sums in
+      FP32 and gives every block of the mean its own exponent (sent with the
+      all-gather). Error feedback, and the other routes, agree instead.
+    - ``AGREED``: one MAX all-reduce of one-byte exponents agrees every
+      block's exponent before the first chunk; every rank encodes with it,
+      and each shard's owner gives every block of the mean its own extra
+      exponent (sent with the all-gather).
+    """
+
+    RANK = "rank"
+    AGREED = "agreed"
+
 
 BLOCK_SIZES: tuple[int, ...] = (8, 16, 32, 64, 128, 256)
 """The block sizes of :attr:`Scaling.BLOCK`: powers of two, so a block's index is a shift."""

@@ -58,7 +58,10 @@ _WIRE_NOTE = (
     "wire/rank: bytes one rank sends per step for the gradients, inside its node and "
     "across nodes; across/rank: the part that leaves the node"
 )
-_EXPONENT_NOTE = "one byte per block, agreed by one MAX all-reduce"
+_EXPONENT_NOTE = (
+    "one byte per block: two_phase sends each rank's own with its shards and the owners' "
+    "with the all-gather, the other strategies agree them by one MAX all-reduce"
+)
 _ALL_REDUCE_ALGORITHMS = ("ring", "halving_doubling", "recursive_doubling", "auto")
 
 

@@ -44,7 +44,7 @@ import re
 from collections.abc import Sequence
 from dataclasses import dataclass, replace
 
-from .choices import DEFAULT_BLOCK_SIZE, Scaling, check_block_size
+from .choices import DEFAULT_BLOCK_SIZE, BlockExponents, Scaling, check_block_size
 
 __all__ = ["FORMATS", "PRICED_SCALINGS", "STRATEGIES", "FormatSpec", "check_scaling", "get_format"]
 
@@ -85,6 +85,9 @@ class FormatSpec:
             (ignored without ``aps``: FP32 and torch's cast hooks scale nothing).
         block_size: elements per exponent with ``scaling="block"``
             (:data:`~aps_perfmodel.choices.BLOCK_SIZES`).
+        block_exponents: with ``scaling="block"``, two_phase's exponents:
+            each rank's own, sent with its shards (no MAX all-reduce), or
+            agreed (:class:`~aps_perfmodel.choices.BlockExponents`).
 
     Example:
         >>> FormatSpec("e4m3", 1.0, "two_phase", True, "uint8").wire_bytes
@@ -100,6 +103,7 @@ class FormatSpec:
     torch_dtype: str
     scaling: Scaling = Scaling.LAYER
     block_size: int = DEFAULT_BLOCK_SIZE
+    block_exponents: BlockExponents = BlockExponents.RANK
 
     def __post_init__(self) -> None:
         object.__setattr__(self, "strategy", _STRATEGY_ALIASES.get(self.strategy, self.strategy))
@@ -109,11 +113,22 @@ class FormatSpec:
             raise ValueError("wire_bytes must be positive")
         object.__setattr__(self, "scaling", check_scaling(self.scaling))
         object.__setattr__(self, "block_size", check_block_size(self.block_size))
+        object.__setattr__(
+            self,
+            "block_exponents",
+            BlockExponents.parse(self.block_exponents, "block_exponents"),
+        )
 
     @property
     def block_scaled(self) -> bool:
         """Whether APS sends one exponent byte per block (``aps`` and ``scaling="block"``)."""
         return self.aps and self.scaling == Scaling.BLOCK
+
+    @property
+    def rank_exponents(self) -> bool:
+        """Block scaling with each rank's own exponents (two_phase sends them with its
+        shards instead of agreeing them)."""
+        return self.block_scaled and self.block_exponents == BlockExponents.RANK
 
     @property
     def exponent_bytes(self) -> float:
@@ -182,6 +197,7 @@ def get_format(
     aps: bool | None = None,
     scaling: Scaling | str | None = None,
     block_size: int | None = None,
+    block_exponents: BlockExponents | str | None = None,
 ) -> FormatSpec:
     """Look up a format by name, optionally overriding its strategy, APS flag or scaling.
 
@@ -222,4 +238,6 @@ def get_format(
         spec = replace(spec, scaling=scaling)
     if block_size is not None:
         spec = replace(spec, block_size=block_size)
+    if block_exponents is not None:
+        spec = replace(spec, block_exponents=block_exponents)
     return spec

@@ -541,8 +541,10 @@ def _wire(strategy: str, fmt: FormatSpec, cluster: Cluster, m: float, k: int) ->
     if strategy == "native":
         return k * _allreduce(cluster, w * m, f"all_reduce.{fmt.torch_dtype}", cluster.algorithm)
     if strategy == "two_phase":
-        # The owners' shards of the mean go back with their block exponents.
-        return _exchange(cluster, w * m, k, (w + fmt.exponent_bytes) * m)
+        # The owners' shards of the mean go back with their block exponents
+        # (and each rank's own go out with its shards).
+        out = (w + fmt.exponent_bytes) * m if fmt.rank_exponents else w * m
+        return _exchange(cluster, out, k, (w + fmt.exponent_bytes) * m)
     stages = _stages(strategy, cluster, w, m)
     credit = _nic_credit(cluster, k * sum(st.nic_bytes for st in stages))
     return k * sum(st.seconds for st in stages) - credit
@@ -710,7 +712,9 @@ def bucket_breakdown(
     With block scaling (``fmt.block_scaled``) the MAX all-reduce carries one
     exponent byte per block instead of 4 bytes per layer, two_phase's
     all-gather carries the owners' exponents too (``exponent_bytes`` per
-    element), and the passes that apply the scales cost more per element
+    element); with each rank's own exponents (``fmt.rank_exponents``)
+    two_phase has no MAX all-reduce and its exchange carries them. The passes
+    that apply the scales cost more per element
     (:meth:`~aps_perfmodel.cluster.Cluster.codec_time`); the payload's bytes
     are the same.
 
@@ -785,7 +789,14 @@ def bucket_breakdown(
         )
     head = cluster.codec_time("amax", spec.name, w, numel)
     exponents = 0.0
-    if spec.block_scaled:
+    if spec.block_scaled and spec.rank_exponents and strategy == "two_phase":
+        # Each rank's own exponents go with its shards, the owners' with the
+        # all-gather: nothing is agreed first.
+        maxima = 0.0
+        e = spec.exponent_bytes * numel
+        exponents = 2.0 * e * (p - 1) / p
+        across += 2.0 * e * (p - cluster.topology.gpus_per_node) / p
+    elif spec.block_scaled:
         blocks = spec.block_bound(numel, n_layers) if n_blocks is None else n_blocks
         # One MAX all-reduce of one-byte exponents agrees every block's.
         maxima = _allreduce(cluster, float(blocks), "all_reduce_max", "auto")

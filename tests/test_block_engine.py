@@ -143,7 +143,7 @@ def test_block_bytes_per_element_and_per_layer_records() -> None:
         assert e2m1["sent"] / 4096 == 0.5 + 1 / 32, e2m1  # e2m1: 0.53
         # The owner's half of the mean and its 64 blocks' own exponents, one byte each.
         assert e4m3["bytes"]["all_gather"] == 4096 // 2 + 64, e4m3
-        assert "scaling=block(32)" in e4m3["describe"], e4m3
+        assert "scaling=block(32, agreed exponents)" in e4m3["describe"], e4m3
         # The flushed fraction per layer: one exponent per layer loses the
         # small end of the layer in e2m1, one per block keeps nearly all of it.
         assert layer["underflow"] >= 0.5, layer
@@ -159,7 +159,7 @@ def test_block_bytes_per_element_and_per_layer_records() -> None:
         assert rank_exps["bytes"]["all_to_all"] == 2 * (1024 + 64 + 4), rank_exps
         assert rank_exps["sent"] - 8 == 4096 * (0.5 + 1 / 32), rank_exps
         assert rank_exps["bytes"]["all_gather"] == 1024 + 64, rank_exps
-        assert "scaling=block(32, rank exponents)" in rank_exps["describe"], rank_exps
+        assert "scaling=block(32)," in rank_exps["describe"], rank_exps  # the default
         assert rank_exps["underflow"] < 0.05, rank_exps
 
 

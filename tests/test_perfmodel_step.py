@@ -130,12 +130,20 @@ def test_block_scaling_sends_one_exponent_byte_per_block(fmt: str, w: float) -> 
     native = bucket_comm(n, 3, replace(spec, strategy="native"), c, n_blocks=blocks)
     assert native.wire_bytes == 2 * n * (p - 1) / p * (w + 1 / 32)
     assert native.exponent_bytes == 2 * blocks * (p - 1) / p
-    # two_phase: the all-to-all sends w, the all-gather w + 1/32 (the owners'
-    # re-scaled exponents), beside the exponents' all-reduce.
-    tp = bucket_comm(n, 3, spec, c, n_blocks=blocks)
+    # two_phase with agreed exponents: the all-to-all sends w, the all-gather
+    # w + 1/32 (the owners' re-scaled exponents), beside the exponents' all-reduce.
+    agreed = replace(spec, block_exponents="agreed")
+    tp = bucket_comm(n, 3, agreed, c, n_blocks=blocks)
     assert tp.wire_bytes == n * (p - 1) / p * (w + (w + 1 / 32) + 2 / 32)
+    assert tp.maxima_s > 0
+    # With each rank's own (the default): no all-reduce, w + 1/32 both ways.
+    own = bucket_comm(n, 3, spec, c, n_blocks=blocks)
+    assert own.wire_bytes == n * (p - 1) / p * 2 * (w + 1 / 32)
+    assert own.exponent_bytes == n * (p - 1) / p * 2 / 32 and own.maxima_s == 0.0
+    assert own.total_s < tp.total_s
     # The payload is the per-layer model's.
-    assert tp.wire_bytes - tp.exponent_bytes == bucket_comm(n, 3, get_format(fmt), c).wire_bytes
+    for b in (tp, own):
+        assert b.wire_bytes - b.exponent_bytes == bucket_comm(n, 3, get_format(fmt), c).wire_bytes
     # A DDP step counts every bucket's blocks exactly, short ones included.
     model = ModelSpec("m", (TensorSpec("a", 33), TensorSpec("b", 64), TensorSpec("c", 1)))
     step = simulate_step(model, c, replace(spec, strategy="native"), ComputeTime(0, 0, 0))
@@ -151,7 +159,7 @@ def test_block_scaling_costs_only_its_exponent_bytes_and_codec(fmt: str, strateg
     c = replace(custom_cluster(1e9, 1e-5, nodes=4, device="cpu"), codec_fits=fits)
     p, n, layers, link = 4, 2**20, 8, c.topology.inter
     layer_spec = get_format(fmt, strategy, aps=True)
-    block_spec = get_format(fmt, strategy, aps=True, scaling="block")
+    block_spec = get_format(fmt, strategy, aps=True, scaling="block", block_exponents="agreed")
     layer = bucket_breakdown(n, layers, layer_spec, c, strategy, None)
     block = bucket_breakdown(n, layers, block_spec, c, strategy, None, n_blocks=n // 32)
     # The maxima: one MAX all-reduce of a byte per block instead of 4 bytes per layer.
