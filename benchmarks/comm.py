@@ -81,7 +81,7 @@ HOOKS = (
     "aps-e4m3-grid",
     "aps-e4m3-block",
     "aps-e2m1-block",
-    "aps-e2m1-block-rank",
+    "aps-e2m1-block-agreed",
 )
 # PowerSGD's hook issues its second all-reduce from a future callback; on Gloo
 # with 4 ranks in the emulated cluster that deadlocked (measured), so it is
@@ -115,9 +115,9 @@ _STRATEGY = {
     "aps-e4m3-auto": ("e4m3", "auto"),
     "aps-e4m3-block": ("e4m3:block", "two_phase"),
     "aps-e2m1-block": ("e2m1:block", "two_phase"),
-    "aps-e2m1-block-rank": ("e2m1:block", "two_phase"),
+    "aps-e2m1-block-agreed": ("e2m1:block:agreed", "two_phase"),
 }
-_BLOCK_SUFFIX = ":block"  # priced with block scaling's exponent bytes and codec
+_BLOCK_SUFFIX = ":block"  # priced with block scaling's exponent bytes and codec (":agreed": agreed)
 
 
 def _shape(mb: float) -> tuple[int, int]:
@@ -237,10 +237,10 @@ def _attach(
         return state, powerSGD_hook.powerSGD_hook
     kind, fmt = name.split("-", 1)
     if kind == "aps":
-        # "aps-e2m1-block": one exponent per block of 32, two_phase, agreed by
-        # a MAX all-reduce; "-block-rank": each rank's own, sent with its shards.
-        exps = "rank" if fmt.endswith("-block-rank") else "agreed"
-        fmt = fmt.removesuffix("-rank")
+        # "aps-e2m1-block": one exponent per block of 32, two_phase, each rank's
+        # own sent with its shards; "-block-agreed": agreed by a MAX all-reduce.
+        exps = "agreed" if fmt.endswith("-block-agreed") else "rank"
+        fmt = fmt.removesuffix("-agreed")
         scaling = "block" if fmt.endswith("-block") else "layer"
         fmt, _, reduction = fmt.removesuffix("-block").partition("-")
         if not reduction:
@@ -595,8 +595,14 @@ def predict_strategies(
         if name not in _STRATEGY:
             continue
         fmt, strategy = _STRATEGY[name]
-        if fmt.endswith(_BLOCK_SUFFIX):
-            fmt = model_format(fmt.removesuffix(_BLOCK_SUFFIX), aps=True, scaling="block")
+        name_, _, exps = fmt.partition(_BLOCK_SUFFIX)
+        if _BLOCK_SUFFIX in fmt:
+            fmt = model_format(
+                name_,
+                aps=True,
+                scaling="block",
+                block_exponents=exps.removeprefix(":") or "rank",
+            )
         done = (ran or {}).get(spec) or {}
         chunks = done.get("bucket_chunks") or []
         # The hook's reduction names as the model's strategies.
