@@ -7,7 +7,8 @@ packed 4-bit ones, unusual biases): encode with per-layer scales (ties,
 subnormals, saturation, inf and NaN, empty and odd segments, an odd 4-bit
 count, several programs per call), decode of every bit pattern, the owner's
 reduction and the shard mean, payloads at odd byte offsets, block scaling
-(a factor per block of each layer, windows cutting blocks); the PTX the
+(a factor per block of each layer, windows cutting blocks), the owner's step
+with block exponents (agreed, or each rank's own with its shard); the PTX the
 kernels compile to for a GPU; how the codec picks the backend, with and
 without Triton.
 
