@@ -708,8 +708,8 @@ class Codec:
         in rank order and divided by N; each block of the mean gets its own
         exponent ``d`` (:func:`aps_comm.scaling.mean_exponents` with agreed
         exponents 0) and is encoded times ``2**d``; receivers decode with
-        ``2**-d``. One pass on the "kernels" backend, the chain of calls
-        elsewhere, with the same bytes.
+        ``2**-d``. One pass on the "kernels" and "triton" backends, the chain
+        of calls elsewhere, with the same bytes.
 
         Example:
             >>> c = Codec("e2m1", torch.device("cpu"))
@@ -719,7 +719,7 @@ class Codec:
             >>> scales = torch.tensor([[0.25], [0.5]])  # the senders' own 2**-e
             >>> payload, d = c.owner_reduce_rank_blocks(rows, 2, blocks, scales)
             >>> d, c.decode(payload, 2, scale=pow2(-d), layout=blocks)
-            (tensor([2], dtype=torch.int32), tensor([0.0000, 0.5000]))
+            (tensor([3], dtype=torch.int32), tensor([0.0000, 0.5000]))
         """
         out = self._owner_blocks_out(recv, n_ranks, layout, out)
         numel, n_blocks = layout.numel, layout.n_segments
@@ -748,6 +748,21 @@ class Codec:
                     layout.longest,
                 )
             return out, d
+        if self.backend == "triton" and layout.longest <= _triton().MAX_SEGMENT:
+            d = torch.empty(n_blocks, dtype=torch.int32, device=recv.device)
+            _triton().reduce_rank_blocks(
+                recv,
+                n_ranks,
+                self.fmt,
+                layout.device_offsets,
+                rank_scales.contiguous(),
+                out,
+                d,
+                EXPONENT_LIMIT,
+                layout.longest,
+            )
+            return out, d
+        # The chain the kernels fuse (and Triton's, for segments longer than its tile).
         rows = recv.view(n_ranks, -1)
         used = payload_nbytes(numel, self.fmt)
         mean = self.decode(rows[0, :used], numel, scale=rank_scales[0], layout=layout)

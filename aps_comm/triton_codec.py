@@ -14,7 +14,9 @@ elements of each layer (block scaling; :func:`block_segments`):
 - :func:`shard_mean`: the same sum and division, kept in float32;
 - :func:`reduce_blocks`: the owner's step with block scaling: the mean of
   each block given its own extra exponent (its max, the exponent and the
-  encoding in the same pass).
+  encoding in the same pass);
+- :func:`reduce_rank_blocks`: the same where every rank encoded with its own
+  block exponents: each rank's values times its factors before the sum.
 
 Every rounding is done with integer operations on the float32 bit pattern,
 as in the integer path of :mod:`aps_comm.cpu_kernels` (round to nearest
@@ -81,6 +83,7 @@ __all__ = [
     "launch_problem",
     "ptx",
     "reduce_blocks",
+    "reduce_rank_blocks",
     "reduce_shards",
     "runs_on",
     "shard_mean",
@@ -480,14 +483,37 @@ if AVAILABLE:
         return (s.to(tl.float64) / divisor).to(tl.float32)  # divisor: an exact float32
 
     @triton.jit
-    def _rank_sum(src_ptr, shard_bytes, n_ranks, idx, mask, D: tl.constexpr, WIRE: tl.constexpr):
-        """float32 sum over ranks (r0 + r1 + ... in order) of element ``idx`` of every shard."""
+    def _rank_sum(
+        src_ptr,
+        shard_bytes,
+        n_ranks,
+        idx,
+        mask,
+        D: tl.constexpr,
+        WIRE: tl.constexpr,
+        fac_ptr=None,
+        fac_at=None,
+        fac_stride=None,
+        FACTORS: tl.constexpr = False,
+    ):
+        """float32 sum over ranks (r0 + r1 + ... in order) of element ``idx`` of every shard
+        (rank r's ``shard_bytes`` from rank r - 1's).
+
+        ``FACTORS``: rank r's values times ``fac_ptr[r * fac_stride + fac_at]``
+        (``fac_at`` broadcast against ``idx``), each product rounded once
+        before its add (the kernels compile without fused multiply-adds).
+        """
         acc = _value(_load_code(src_ptr, idx, mask, WIRE), D)  # rank 0 as is: -0 stays -0
+        if FACTORS:
+            acc = acc * tl.load(fac_ptr + fac_at)
         shard = shard_bytes.to(tl.int64)  # N shards may pass 2**31 bytes
         # A while loop: Triton 3.4's interpreter cannot iterate a range() to a tensor.
         r = shard * 0 + 1
         while r < n_ranks:
-            acc += _value(_load_code(src_ptr + r * shard, idx, mask, WIRE), D)
+            v = _value(_load_code(src_ptr + r * shard, idx, mask, WIRE), D)
+            if FACTORS:
+                v = v * tl.load(fac_ptr + r * fac_stride + fac_at)
+            acc += v
             r += 1
         return acc
 
@@ -581,6 +607,7 @@ if AVAILABLE:
         d_ptr,
         off_ptr,
         exp_ptr,
+        fac_ptr,
         shard_bytes,
         n_blocks,
         n_ranks,
@@ -594,13 +621,19 @@ if AVAILABLE:
         LEAD: tl.constexpr,
         ROWS: tl.constexpr,
         WIDTH: tl.constexpr,
+        FACTORS: tl.constexpr,
     ):
         """The owner's step with block exponents over a tile of whole blocks, one per row.
 
         Program p owns blocks ``s0 = p * (ROWS - LEAD)`` on: row ``LEAD + j`` of
         its [ROWS, WIDTH] tile is block ``s0 + j``. The rows' N ranks' codes are
-        decoded and summed in rank order, divided (:func:`_divide`), each
-        row's max gives its d, and the codes of ``mean * 2**d`` are stored.
+        decoded and summed in rank order (rank r's ``shard_bytes`` after rank
+        r - 1's), divided (:func:`_divide`), each row's max gives its d (from
+        the agreed exponents at ``exp_ptr``), and the codes of ``mean * 2**d``
+        are stored. ``FACTORS``: every rank encoded with its own block
+        exponents: rank r's values of block b are multiplied by
+        ``fac_ptr[r * n_blocks + b]`` before they are added, and the agreed
+        exponents are 0 (``exp_ptr`` is not read).
         4-bit codes (``LEAD`` 1): a block may start at an odd element, sharing
         its first byte with the block before it, perhaps another program's.
         Each byte is written by the program owning its high nibble's element
@@ -631,15 +664,21 @@ if AVAILABLE:
         j = tl.arange(0, WIDTH)
         idx = start[:, None] + j[None, :]
         mask = j[None, :] < (end - start)[:, None]
-        v = _rank_sum(src_ptr, shard_bytes, n_ranks, idx, mask, D, WIRE)
+        valid = owned | (r < LEAD)
+        # A row past the last block reads block 0's factors (its elements are masked).
+        fac_at = tl.where(valid, seg, 0)[:, None]
+        v = _rank_sum(
+            src_ptr, shard_bytes, n_ranks, idx, mask, D, WIRE, fac_ptr, fac_at, n_blocks, FACTORS
+        )
         if DIVIDE:
             v = _divide(v, divisor, DIVIDE)
         mag = tl.where(mask, v.to(tl.int32, bitcast=True) & 0x7FFFFFFF, 0)
         # tl.reduce, not tl.max (a library @jit function: see _factor's tl.full).
         m = tl.minimum(tl.reduce(mag, 1, _larger), 0x7F800000)  # NaN above inf: to inf
-        valid = owned | (r < LEAD)
-        e = tl.load(exp_ptr + seg, mask=valid, other=0)
-        d = _mean_exponent(m, e, M)
+        if FACTORS:
+            d = _mean_exponent(m, 0, M)
+        else:
+            d = _mean_exponent(m, tl.load(exp_ptr + seg, mask=valid, other=0), M)
         tl.store(d_ptr + seg, d, mask=owned)
         c = tl.where(mask, _code(v * _pow2(d)[:, None], E), 0)
         if WIRE == 4:
@@ -931,12 +970,77 @@ def reduce_blocks(
     Args:
         longest: the longest block's elements (at most :data:`MAX_SEGMENT`).
     """
+    _reduce_blocks(recv, n_ranks, fmt, offsets, exponents, None, out, d, limit, longest)
+
+
+def reduce_rank_blocks(
+    recv: torch.Tensor,
+    n_ranks: int,
+    fmt: FloatFormat,
+    offsets: torch.Tensor,
+    factors: torch.Tensor,
+    out: torch.Tensor,
+    d: torch.Tensor,
+    limit: int,
+    longest: int,
+) -> None:
+    """:func:`reduce_blocks` where every rank encoded with its own block exponents.
+
+    As :func:`aps_comm.cpu_kernels.reduce_rank_blocks`: row r of ``recv``
+    (``n_ranks`` equal rows, each rank's shard at its start, anything after
+    it) is decoded times ``factors[r]`` (contiguous float32 of shape
+    (``n_ranks``, blocks): each product rounded once), the N values summed
+    in float32 in rank order and divided by ``n_ranks``; each block gets
+    the exponent of :func:`aps_comm.scaling.mean_exponents` with agreed
+    exponents 0 (into ``d``) and is encoded times ``2**d`` into ``out``.
+
+    Example:
+        >>> from aps_comm.formats import E4M3
+        >>> rows = torch.tensor([[56, 7], [48, 9]], dtype=torch.uint8, device="cuda")  # doctest: +SKIP
+        >>> factors = torch.tensor([[1.0], [4.0]], device="cuda")  # doctest: +SKIP
+        >>> out = torch.empty(1, dtype=torch.uint8, device="cuda")  # doctest: +SKIP
+        >>> d = torch.empty(1, dtype=torch.int32, device="cuda")  # doctest: +SKIP
+        >>> offsets = torch.tensor([0, 1], device="cuda")  # doctest: +SKIP
+        >>> reduce_rank_blocks(rows, 2, E4M3, offsets, factors, out, d, 126, 1)  # doctest: +SKIP
+        >>> d, out  # (1.0 * 1 + 0.5 * 4) / 2 = 1.5, times 2**8: 384  # doctest: +SKIP
+        (tensor([8], device='cuda:0', dtype=torch.int32), tensor([124], device='cuda:0', dtype=torch.uint8))
+    """
+    n_blocks = offsets.numel() - 1
+    if (
+        factors.dtype != torch.float32
+        or factors.shape != (n_ranks, n_blocks)
+        or not factors.is_contiguous()
+        or factors.device != recv.device
+    ):
+        raise ValueError(
+            f"factors must be contiguous float32 of shape ({n_ranks}, {n_blocks}) on "
+            f"{recv.device}, got {factors.dtype} of shape {tuple(factors.shape)} on "
+            f"{factors.device}"
+        )
+    _reduce_blocks(recv, n_ranks, fmt, offsets, None, factors, out, d, limit, longest)
+
+
+def _reduce_blocks(
+    recv: torch.Tensor,
+    n_ranks: int,
+    fmt: FloatFormat,
+    offsets: torch.Tensor,
+    exponents: torch.Tensor | None,
+    factors: torch.Tensor | None,
+    out: torch.Tensor,
+    d: torch.Tensor,
+    limit: int,
+    longest: int,
+) -> None:
+    """Launch :func:`_reduce_blocks_kernel` with agreed ``exponents`` or per-rank ``factors``."""
     consts = _check(fmt, recv, out)
     n_blocks = offsets.numel() - 1
     if not 0 <= longest <= MAX_SEGMENT:
         raise ValueError(f"blocks of at most {MAX_SEGMENT} elements, got one of {longest}")
     for name, t in (("exponents", exponents), ("d", d)):
-        if t.dtype != torch.int32 or t.numel() != n_blocks or t.device != recv.device:
+        if t is not None and (
+            t.dtype != torch.int32 or t.numel() != n_blocks or t.device != recv.device
+        ):
             raise ValueError(
                 f"{name} must hold {n_blocks} int32 entries on {recv.device}, got "
                 f"{t.numel()} {t.dtype} on {t.device}"
@@ -951,7 +1055,8 @@ def reduce_blocks(
         out,
         d,
         offsets,
-        exponents,
+        d if exponents is None else exponents,  # not read with factors
+        d if factors is None else factors,  # not read without
         recv.numel() // n_ranks,
         n_blocks,
         n_ranks,
@@ -965,16 +1070,18 @@ def reduce_blocks(
         LEAD=lead,
         ROWS=rows,
         WIDTH=width,
+        FACTORS=factors is not None,
         **_options(),
     )
 
 
 def ptx(fmt: FloatFormat, arch: int = 90, block_size: int = 0) -> dict[str, str]:
     """The PTX of the scaled encode and decode, the owner's reduction, the shard mean and
-    the owner's step with block exponents (``"owner_blocks"``) of ``fmt`` for an
-    ``sm_<arch>`` GPU, compiled here without one (ptxas ships with Triton): to read
-    what the device runs, e.g. that no operation flushes subnormals. ``block_size``:
-    the encode and decode with per-block factors, and the owner's blocks (else 32).
+    the owner's step with block exponents, agreed (``"owner_blocks"``) or each rank's
+    own (``"owner_rank_blocks"``), of ``fmt`` for an ``sm_<arch>`` GPU, compiled here
+    without one (ptxas ships with Triton): to read what the device runs, e.g. that no
+    operation flushes subnormals. ``block_size``: the encode and decode with per-block
+    factors, and the owner's blocks (else 32).
 
     Raises:
         RuntimeError: no Triton, or the kernels were built for the interpreter.
@@ -1016,31 +1123,34 @@ def ptx(fmt: FloatFormat, arch: int = 90, block_size: int = 0) -> dict[str, str]
             {"E": consts.encode, "D": consts.decode, "DIVIDE": 2, "ENCODE": encode},
         )
     lead, rows, width = _tile(block_size or 32, consts.wire_bits)
-    sources["owner_blocks"] = (
-        _reduce_blocks_kernel,
-        {
-            "src_ptr": "*u8",
-            "out_ptr": "*u8",
-            "d_ptr": "*i32",
-            "off_ptr": "*i64",
-            "exp_ptr": "*i32",
-            "shard_bytes": "i32",
-            "n_blocks": "i32",
-            "n_ranks": "i32",
-            "divisor": "fp32",
-            "top": "i32",
-        },
-        {
-            "E": consts.encode,
-            "D": consts.decode,
-            "M": mean_limit(fmt, EXPONENT_LIMIT),
-            "WIRE": consts.wire_bits,
-            "DIVIDE": 2,
-            "LEAD": lead,
-            "ROWS": rows,
-            "WIDTH": width,
-        },
-    )
+    for name, rank_factors in (("owner_blocks", False), ("owner_rank_blocks", True)):
+        sources[name] = (
+            _reduce_blocks_kernel,
+            {
+                "src_ptr": "*u8",
+                "out_ptr": "*u8",
+                "d_ptr": "*i32",
+                "off_ptr": "*i64",
+                "exp_ptr": "*i32",
+                "fac_ptr": "*fp32",
+                "shard_bytes": "i32",
+                "n_blocks": "i32",
+                "n_ranks": "i32",
+                "divisor": "fp32",
+                "top": "i32",
+            },
+            {
+                "E": consts.encode,
+                "D": consts.decode,
+                "M": mean_limit(fmt, EXPONENT_LIMIT),
+                "WIRE": consts.wire_bits,
+                "DIVIDE": 2,
+                "LEAD": lead,
+                "ROWS": rows,
+                "WIDTH": width,
+                "FACTORS": rank_factors,
+            },
+        )
     out = {}
     for name, (fn, signature, constexprs) in sources.items():
         if fn in (_encode_kernel, _decode_kernel):

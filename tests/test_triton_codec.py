@@ -7,7 +7,8 @@ packed 4-bit ones, unusual biases): encode with per-layer scales (ties,
 subnormals, saturation, inf and NaN, empty and odd segments, an odd 4-bit
 count, several programs per call), decode of every bit pattern, the owner's
 reduction and the shard mean, payloads at odd byte offsets, block scaling
-(a factor per block of each layer, windows cutting blocks); the PTX the
+(a factor per block of each layer, windows cutting blocks), the owner's step
+with block exponents (agreed, or each rank's own with its shard); the PTX the
 kernels compile to for a GPU; how the codec picks the backend, with and
 without Triton.
 
@@ -33,7 +34,7 @@ import torch
 
 from aps_comm import codec
 from aps_comm import formats as F
-from aps_comm.formats import FloatFormat, code_table, get_format, payload_nbytes
+from aps_comm.formats import FloatFormat, code_table, get_format, payload_nbytes, pow2
 
 try:
     import triton  # noqa: F401
@@ -492,3 +493,79 @@ def test_owner_reduce_blocks_matches_kernels(
             assert buf[0] == 0xA5 and torch.all(buf[need + 1 :] == 0xA5)
     with pytest.raises(ValueError, match="blocks of at most 4096 elements, got one of 5000"):
         tc.reduce_blocks(recv, 1, fmt, layout.device_offsets, exps, got, d, 126, 5000)
+
+
+def _rank_rows(
+    fmt: FloatFormat, n_ranks: int, layout: codec.Layout, gen: torch.Generator
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """(recv, factors) of an owner whose ranks encoded with their own block exponents.
+
+    Rows of random codes (a third the format's subnormals) and then bytes the
+    owner must skip (the senders' exponents, in two_phase); each block's
+    exponent random, some at +-126, every rank's up to 6 binades from it. A
+    zero block; NaN and inf blocks where the format has them.
+    """
+    numel, n_blocks = layout.numel, layout.n_segments
+    need = payload_nbytes(numel, fmt)
+    row = need + n_blocks + 3
+    row += row % 2 if fmt.wire_bits == 16 else 0  # whole elements
+    recv = torch.randint(0, 256, (n_ranks * row,), dtype=torch.uint8, generator=gen)
+    at = layout.offsets.tolist()
+    zero, nan, inf, opposite = (layout.offsets.diff() >= 4).nonzero()[[1, 2, 3, -1], 0].tolist()
+    for r in range(n_ranks):
+        part = recv[r * row : r * row + need]
+        x = F.decode(part, fmt, numel)
+        x[~x.isfinite()] = 0.0  # non-finite values only where placed below
+        tiny = torch.randint(-(2**fmt.man_bits), 2**fmt.man_bits, (numel // 3,), generator=gen)
+        x[: numel // 3] = tiny * fmt.min_subnormal
+        x[at[zero] : at[zero + 1]] = 0.0
+        if fmt.has_nan:
+            x[at[nan] + r] = float("nan")
+        if fmt.has_inf:  # +inf on every rank; +inf on one, -inf on the others: NaN
+            x[at[inf] + 1] = float("inf")
+            x[at[opposite]] = float("inf") if r == 0 else float("-inf")
+        F.encode(x, fmt, out=part)
+    base = torch.randint(-126, 127, (n_blocks,), generator=gen)
+    base[::5], base[1::7] = 126, -126  # products below float32's normals; overflowing
+    shift = torch.randint(-6, 7, (n_ranks, n_blocks), generator=gen)
+    return recv, pow2(-(base + shift).clamp(-126, 126))
+
+
+@pytest.mark.parametrize("fmt", OWNER_FORMATS, ids=lambda f: f.name)
+def test_owner_reduce_rank_blocks_matches_kernels(
+    tc: types.ModuleType, fmt: FloatFormat, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    # The owner's step with every rank's own block exponents: rank r's values times its
+    # factors (each product rounded once), summed in rank order, divided by N; each
+    # block's d from its max alone. Tiles as in the agreed test's.
+    numels = [37, 0, 64, 5, 300, 1, 98]
+    cpu = torch.device("cpu")
+    kernels, triton_ = codec.Codec(fmt, cpu, "kernels"), codec.Codec(fmt, cpu, "triton")
+    for block_size, n_ranks, tile in ((8, 3, 64), (32, 4, tc.TILE), (256, 1, 256), (8, 2, 64)):
+        monkeypatch.setattr(tc, "TILE", tile)
+        layout = codec.Layout.from_numels(numels, cpu).grid(block_size).layout
+        gen = torch.Generator().manual_seed(block_size * n_ranks)
+        recv, factors = _rank_rows(fmt, n_ranks, layout, gen)
+        ref, ref_d = kernels.owner_reduce_rank_blocks(recv, n_ranks, layout, factors)
+        need = ref.numel()
+        for backwards in (False, True) if fmt.wire_bits == 4 else (False,):
+            buf = torch.full((need + 4,), 0xA5, dtype=torch.uint8)
+            with _program_order(monkeypatch, backwards):
+                got, d = _quiet(
+                    triton_.owner_reduce_rank_blocks,
+                    recv,
+                    n_ranks,
+                    layout,
+                    factors,
+                    out=buf[1 : need + 1],
+                )
+            assert torch.equal(got, ref) and torch.equal(d, ref_d), (block_size, n_ranks, backwards)
+            assert buf[0] == 0xA5 and torch.all(buf[need + 1 :] == 0xA5)
+    # Factors in a column (a transposed tensor) are read as their values.
+    cols = factors.t().contiguous().t()
+    assert torch.equal(
+        _quiet(triton_.owner_reduce_rank_blocks, recv, n_ranks, layout, cols)[0], ref
+    )
+    d = torch.empty(layout.n_segments, dtype=torch.int32)
+    with pytest.raises(ValueError, match=r"factors must be contiguous float32 of shape \(2, "):
+        tc.reduce_rank_blocks(recv, 2, fmt, layout.device_offsets, cols, got, d, 126, 8)
