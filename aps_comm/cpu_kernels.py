@@ -69,6 +69,7 @@ __all__ = [
     "reduce_rank_blocks",
     "reduce_shards",
     "supports",
+    "two_phase_keys",
 ]
 
 _BLOCK = 2048  # elements per block of the owner reduction's float32 sum: fits L1
@@ -1172,6 +1173,33 @@ def reduce_rank_blocks(
     if fmt.wire_bits == 16:
         ra, oa = ra.view(np.uint16), oa.view(np.uint16)
     _reduce_rank_blocks(ra, n_ranks, ra.size // n_ranks, oa, offsets, *args)
+
+
+if AVAILABLE:
+
+    @_njit
+    def _two_phase_keys(ab, out, lim):
+        """One-byte exponent keys of float32 maxima bits ``ab`` (non-negative, NaN as inf)."""
+        inf_bits = np.uint32(0x7F800000)
+        for i in range(len(ab)):
+            a = ab[i]
+            if a == 0:
+                out[i] = 0
+            elif a >= inf_bits:
+                out[i] = 255
+            else:
+                out[i] = 127 - _mean_exponent(a, 0, lim)
+
+
+def two_phase_keys(amax: torch.Tensor, fmt: FloatFormat, limit: int, out: torch.Tensor) -> None:
+    """:func:`aps_comm.scaling.exponent_keys` of two_phase maxima, where ``fmt.max`` times
+    the ranks stays below float32's max (the FP32 sum cannot bind the exponent).
+
+    ``amax``: contiguous float32 maxima (>= 0, NaN given as inf); ``out``: uint8,
+    as many: 0 for a zero maximum, 255 for inf, else ``127 - e`` with ``e``
+    the largest exponent in [-``limit``, ``limit``] with ``amax * 2**e <= fmt.max``.
+    """
+    _two_phase_keys(_np(amax).view(np.uint32), _np(out), mean_limit(fmt, limit))
 
 
 def mean_limit(fmt: FloatFormat, limit: int) -> tuple[int, int, int]:

@@ -389,7 +389,24 @@ def exponent_keys(
     """
     if scaling not in ("block", "layer"):
         raise ValueError(f"exponent keys need scaling 'block' or 'layer', got {scaling!r}")
-    exps = _route_exponents(amax, get_format(fmt), route, world_size, scaling, ranks_per_node)
+    fmt = get_format(fmt)
+    if (
+        route == "two_phase"
+        and amax.device.type == "cpu"
+        and cpu_kernels.AVAILABLE
+        and amax.dtype == torch.float32
+        and amax.dim() == 1
+        and fmt.max * world_size <= _FLOAT32_MAX
+    ):
+        # Integer work on the bits (thousands of blocks per bucket, every step);
+        # the FP32 sum's bound cannot bind here.
+        out = torch.empty((1, amax.numel()), dtype=torch.uint8)
+        v = amax.contiguous().abs()
+        cpu_kernels.two_phase_keys(
+            v.masked_fill_(torch.isnan(v), float("inf")), fmt, EXPONENT_LIMIT, out[0]
+        )
+        return out
+    exps = _route_exponents(amax, fmt, route, world_size, scaling, ranks_per_node)
     keys = torch.where(amax == 0, KEY_ZERO, 127 - exps)
     return torch.where(torch.isfinite(amax), keys, KEY_BAD).to(torch.uint8)
 

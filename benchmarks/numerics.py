@@ -570,8 +570,9 @@ def markdown(result: dict) -> str:
         lines += [
             "Block scaling rows (two_phase, simulated at every N): `blockB` agrees each "
             "block's exponent across ranks and the owner re-encodes the mean with it; "
-            "`+owner`: the owner picks each block's exponent for the mean; `+rank`: each "
-            "rank encodes with its own block exponents and the owner picks the mean's. "
+            "`+owner`: the owner picks each block's exponent for the mean (the hook's "
+            '`block_exponents="agreed"`); `+rank`: each rank encodes with its own block '
+            "exponents and the owner picks the mean's (the hook's default). "
             "`exact mean | blockB floor`: the exact mean of the same gradients rounded once "
             "to the format, each block with its own exponent from the mean's block maximum "
             "and no headroom (two_phase's rule for one worker). It is what encoding the true "

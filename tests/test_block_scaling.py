@@ -618,3 +618,32 @@ def test_owner_reduce_rank_blocks_matches_the_chain(fmt: FloatFormat) -> None:
                 assert _same_codes(got, ref, fmt, layout.numel), backend
     with pytest.raises(ValueError, match=r"rank_scales must be float32 of shape \(3, "):
         kernels.owner_reduce_rank_blocks(recv, 3, layout, scales[:1])
+
+
+@pytest.mark.parametrize("fmt", OWNER_FORMATS, ids=lambda f: f.name)
+def test_two_phase_keys_on_the_cpu_match_the_exponent_rule(fmt: FloatFormat) -> None:
+    """The CPU kernel's two_phase keys (integer work on the bits) equal the float64
+    rule's: zero, non-finite, float32 subnormals, both sides of every power of two."""
+    gen = torch.Generator().manual_seed(0)
+    pow2s = torch.exp2(torch.arange(-149, 128, dtype=torch.float64)).float()
+    edges = torch.cat([pow2s, pow2s.nextafter(torch.tensor(0.0))])
+    limit = torch.tensor(min(fmt.max, 3.4e38), dtype=torch.float32)
+    at_max = limit * pow2s[100:180]  # fmt.max times powers of two, exactly
+    amax = torch.cat(
+        [
+            torch.tensor([0.0, float("inf"), float("nan"), 1e-45, 3.4e38]),
+            edges,
+            at_max,
+            at_max.nextafter(torch.tensor(float("inf"))),
+            torch.rand(2000, generator=gen)
+            * torch.exp2(torch.randint(-140, 120, (2000,), generator=gen)),
+        ]
+    )
+    for world in (1, 2, 1000):
+        if fmt.max * world > torch.finfo(torch.float32).max:
+            continue  # the FP32 sum's bound: the float64 rule runs
+        got = S.exponent_keys(amax, fmt, "two_phase", world_size=world)
+        e = S.exponents(amax, fmt, world_size=world, reduction="two_phase", scaling="block")
+        want = torch.where(amax == 0, S.KEY_ZERO, 127 - e)
+        want = torch.where(torch.isfinite(amax), want, S.KEY_BAD).to(torch.uint8)
+        assert torch.equal(got[0], want), (world, (got[0] != want).nonzero()[:5])
