@@ -35,6 +35,7 @@ Example:
 from __future__ import annotations
 
 import dataclasses
+import functools
 from collections.abc import Sequence
 from typing import TYPE_CHECKING, Literal
 
@@ -61,6 +62,7 @@ __all__ = [
     "factors",
     "factors_from_keys",
     "key_exponents",
+    "key_factors",
     "layer_amax",
     "mean_exponents",
     "pow2",
@@ -452,6 +454,26 @@ def key_exponents(keys: torch.Tensor) -> torch.Tensor:
     """
     k = keys.to(torch.int32)
     return torch.where((k == KEY_ZERO) | (k == KEY_BAD), 0, 127 - k)
+
+
+def key_factors(keys: torch.Tensor, *, unscale: bool) -> torch.Tensor:
+    """``2**e`` (or with ``unscale`` ``2**-e``) of each key's exponent, float32, by lookup.
+
+    The same values as ``pow2(+-key_exponents(keys))`` (1 for zero and bad
+    keys) in one gather from a 256-entry table built on the keys' device
+    (no host copy): every chunk's factors, every step.
+
+    Example:
+        >>> key_factors(torch.tensor([120, 0], dtype=torch.uint8), unscale=True)
+        tensor([0.0078, 1.0000])
+    """
+    return _factor_table(str(keys.device), unscale)[keys.to(torch.int32)]
+
+
+@functools.lru_cache(maxsize=16)
+def _factor_table(device: str, unscale: bool) -> torch.Tensor:
+    e = key_exponents(torch.arange(256, dtype=torch.int32, device=device))
+    return pow2(-e if unscale else e)
 
 
 def bad_layers(keys: torch.Tensor, counts: torch.Tensor) -> torch.Tensor:

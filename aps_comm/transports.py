@@ -41,7 +41,7 @@ from aps_comm.formats import payload_nbytes, pow2
 from aps_comm.plan import GroupPlan, RowRuns
 from aps_comm.scaling import (
     bad_layers,
-    key_exponents,
+    key_factors,
 )
 from aps_comm.topology import NodeGroups
 
@@ -435,7 +435,7 @@ def two_phase_rank_blocks(
     assert sh is not None and sh.rank_exponents and g.blocks is not None
     fmt, n = g.fmt, world_size
     counts = g.blocks.device_counts
-    scale = pow2(key_exponents(keys))
+    scale = key_factors(keys, unscale=False)
     flags = bad_layers(keys, counts)
     bad: list[torch.Tensor] = []  # per block: its layer is non-finite on some rank
 
@@ -459,14 +459,14 @@ def two_phase_rank_blocks(
             if on_chunk is not None:
                 on_chunk(int(rows[:, at + flags.numel()].max()))
         used, blocks = payload_nbytes(b - a, fmt), mine.n_segments
-        unscale = pow2(-key_exponents(rows[:, sb : sb + blocks]))
+        unscale = key_factors(rows[:, sb : sb + blocks], unscale=True)
         _, d = g.codec.owner_reduce_rank_blocks(rows.reshape(-1), n, mine, unscale, out=out[:used])
         out[used:sb].zero_()
         out[sb : sb + blocks] = 127 - d  # a key (zero and non-finite blocks: d = 0)
         out[sb + blocks :].zero_()
 
     def unscale(b0: int, b1: int, k: torch.Tensor) -> torch.Tensor:
-        return torch.where(bad[0][b0:b1], float("nan"), pow2(-key_exponents(k)))
+        return torch.where(bad[0][b0:b1], float("nan"), key_factors(k, unscale=True))
 
     return _block_pipeline(
         g, x, send, owner, unscale, rank, group, world_size, count, defer, raw=True

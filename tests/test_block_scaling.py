@@ -647,3 +647,11 @@ def test_two_phase_keys_on_the_cpu_match_the_exponent_rule(fmt: FloatFormat) -> 
         want = torch.where(amax == 0, S.KEY_ZERO, 127 - e)
         want = torch.where(torch.isfinite(amax), want, S.KEY_BAD).to(torch.uint8)
         assert torch.equal(got[0], want), (world, (got[0] != want).nonzero()[:5])
+
+
+def test_key_factors_are_the_keys_powers_of_two() -> None:
+    keys = torch.arange(256, dtype=torch.int32).to(torch.uint8).view(16, 16)
+    e = S.key_exponents(keys)
+    assert torch.equal(S.key_factors(keys, unscale=True), pow2(-e))
+    assert torch.equal(S.key_factors(keys, unscale=False), pow2(e))
+    assert S.key_factors(keys, unscale=True)[0, 0] == 1.0 and pow2(-e).shape == (16, 16)
