@@ -28,7 +28,7 @@ exponent of a non-zero finite maximum: the agreement may travel as bytes
 
 Example:
     >>> amax = torch.tensor([1e-6, 3.0, 0.0, float("inf")])
-    >>> exponents(amax, E4M3, world_size=4, reduction="allreduce", scaling="layer")
+    >>> exponents(amax, "e4m3", world_size=4, reduction="allreduce", scaling="layer")
     tensor([26,  5,  0,  0], dtype=torch.int32)
 """
 
