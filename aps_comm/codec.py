@@ -687,9 +687,7 @@ class Codec:
             return out, d
         # The chain the kernels fuse (and Triton's, for segments longer than its tile).
         mean = self.shard_mean(recv, n_ranks)[:numel]
-        d = mean_exponents(blocks_amax(mean, layout), exponents, self.fmt)
-        self.encode(mean, out=out, scale=pow2(d), layout=layout)
-        return out, d
+        return self._encode_mean(mean, layout, exponents, out)
 
     def owner_reduce_rank_blocks(
         self,
@@ -771,7 +769,15 @@ class Codec:
         if n_ranks > 1:
             mean.div_(n_ranks)
         zero = torch.zeros(n_blocks, dtype=torch.int32, device=recv.device)
-        d = mean_exponents(blocks_amax(mean, layout), zero, self.fmt)
+        return self._encode_mean(mean, layout, zero, out)
+
+    def _encode_mean(
+        self, mean: torch.Tensor, layout: Layout, exponents: torch.Tensor, out: torch.Tensor
+    ) -> tuple[torch.Tensor, torch.Tensor]:
+        """The owner's last steps, as the chain of calls: each block's extra exponent
+        ``d`` for the mean (:func:`aps_comm.scaling.mean_exponents`), then the mean
+        encoded times ``2**d`` into ``out``."""
+        d = mean_exponents(blocks_amax(mean, layout), exponents, self.fmt)
         self.encode(mean, out=out, scale=pow2(d), layout=layout)
         return out, d
 

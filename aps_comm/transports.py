@@ -383,7 +383,8 @@ def two_phase_blocks(
         out[sb + mine.n_segments :].zero_()
 
     def unscale(b0: int, b1: int, d: torch.Tensor) -> torch.Tensor:
-        return torch.where(finite[b0:b1], pow2(-(exponents[b0:b1] + d)), float("nan"))
+        e = exponents[b0:b1] + d.to(torch.int32)
+        return torch.where(finite[b0:b1], pow2(-e), float("nan"))
 
     return _block_pipeline(g, x, send, owner, unscale, rank, group, world_size, count, defer)
 
@@ -468,9 +469,7 @@ def two_phase_rank_blocks(
     def unscale(b0: int, b1: int, k: torch.Tensor) -> torch.Tensor:
         return torch.where(bad[0][b0:b1], float("nan"), key_factors(k, unscale=True))
 
-    return _block_pipeline(
-        g, x, send, owner, unscale, rank, group, world_size, count, defer, raw=True
-    )
+    return _block_pipeline(g, x, send, owner, unscale, rank, group, world_size, count, defer)
 
 
 def _block_pipeline(
@@ -484,7 +483,6 @@ def _block_pipeline(
     world_size: int,
     count: Counter,
     defer: bool,
-    raw: bool = False,
 ) -> Callable[[], None] | None:
     """The chunk pipeline of the block-scaled two_phase variants (:func:`two_phase`'s order).
 
@@ -492,7 +490,7 @@ def _block_pipeline(
     c's exchange; ``owner(p, rows, a, b, out)`` turns the N received pieces
     into this rank's gathered shard; ``unscale(b0, b1, sent)`` gives the
     factors of the chunk's blocks ``[b0, b1)`` from the bytes their owners
-    sent (as uint8 when ``raw``, else as int32).
+    sent (uint8).
     """
     sh = g.block_shards
     assert sh is not None
@@ -509,7 +507,7 @@ def _block_pipeline(
         # The chunk's blocks, every shard's, unscaled by what their owners sent.
         b0 = g.windows[c].first
         sent = gathered[sh.exponent_index[c]]
-        factors = unscale(b0, b0 + g.windows[c].n_segments, sent if raw else sent.to(torch.int32))
+        factors = unscale(b0, b0 + g.windows[c].n_segments, sent)
         rows = gathered.view(n, sb + sh.slots[c])
         for s, (a, b) in enumerate(itertools.pairwise(sh.bounds[c])):
             if a == b:
