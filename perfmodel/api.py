@@ -19,7 +19,7 @@ from dataclasses import asdict, dataclass, field
 from pathlib import Path
 from typing import IO, Any
 
-from .choices import DEFAULT_BLOCK_SIZE, Scaling, check_block_size
+from .choices import DEFAULT_BLOCK_SIZE, BlockExponents, Scaling, check_block_size
 from .cluster import Cluster
 from .compute import ComputeTime
 from .ddp import (
@@ -107,6 +107,8 @@ class Prediction:
         steps: the full timelines by format name.
         scaling: the requested formats' scaling ("layer" or "block").
         block_size: elements per exponent byte with block scaling, else None.
+        block_exponents: with block scaling, where two_phase's block exponents
+            come from (each rank's own, or agreed), else None.
     """
 
     model: str
@@ -117,6 +119,7 @@ class Prediction:
     steps: dict[str, StepPrediction]
     scaling: Scaling = Scaling.LAYER
     block_size: int | None = None
+    block_exponents: BlockExponents | None = None
 
     def to_dict(self) -> dict[str, Any]:
         """JSON-ready summary (without the per-bucket timelines)."""
@@ -126,6 +129,7 @@ class Prediction:
             "world_size": self.world_size,
             "scaling": self.scaling.value,
             "block_size": self.block_size,
+            "block_exponents": self.block_exponents.value if self.block_exponents else None,
             "compute": asdict(self.compute),
             "formats": {k: _result_dict(v) for k, v in self.formats.items()},
         }
@@ -162,6 +166,7 @@ def predict(
     first_bucket_bytes: int = DEFAULT_FIRST_BUCKET_BYTES,
     scaling: Scaling | str = Scaling.LAYER,
     block_size: int = DEFAULT_BLOCK_SIZE,
+    block_exponents: BlockExponents | str = BlockExponents.RANK,
 ) -> Prediction:
     """Predict communication and step time for FP32, FP16 and the requested formats.
 
@@ -180,10 +185,16 @@ def predict(
             maximum per tensor) or "block" (one exponent byte per
             ``block_size`` elements of a tensor); the baselines scale nothing.
         block_size: elements per block with ``scaling="block"`` (8 to 256).
+        block_exponents: with ``scaling="block"``, two_phase's block
+            exponents: "rank" (the hook's default: each rank sends its own
+            with its shards, no collective first) or "agreed" (one MAX
+            all-reduce of one-byte exponents first); the other strategies
+            always agree them.
 
     Raises:
         ValueError: an unknown format or strategy, a scaling the model does not
             price, a block size not in :data:`~aps_perfmodel.choices.BLOCK_SIZES`,
+            a ``block_exponents`` not in :class:`~aps_perfmodel.choices.BlockExponents`,
             or block scaling of a format predicted as an unscaled hook.
 
     Example:
@@ -196,6 +207,7 @@ def predict(
     """
     scaling = check_scaling(scaling)
     check_block_size(block_size)
+    block_exponents = BlockExponents.parse(block_exponents, "block_exponents")
     if scaling == Scaling.BLOCK:
         for name in formats:
             if not get_format(name).aps:
@@ -212,7 +224,13 @@ def predict(
         if name in BASELINE_FORMATS:
             spec = get_format(name)
         else:
-            spec = get_format(name, strategy or "auto", scaling=scaling, block_size=block_size)
+            spec = get_format(
+                name,
+                strategy or "auto",
+                scaling=scaling,
+                block_size=block_size,
+                block_exponents=block_exponents,
+            )
         specs[name] = spec
         steps[name] = simulate_step(
             model,
@@ -248,6 +266,7 @@ def predict(
         steps,
         scaling,
         block_size if scaling == Scaling.BLOCK else None,
+        block_exponents if scaling == Scaling.BLOCK else None,
     )
 
 
@@ -286,10 +305,12 @@ def sweep(
     bucket_cap_mb: float = DEFAULT_BUCKET_CAP_MB,
     scaling: Scaling | str = Scaling.LAYER,
     block_size: int = DEFAULT_BLOCK_SIZE,
+    block_exponents: BlockExponents | str = BlockExponents.RANK,
 ) -> list[SweepRow]:
     """Predict over every (world size, inter-node bandwidth) pair.
 
-    ``scaling`` and ``block_size`` are the requested formats', as in :func:`predict`.
+    ``scaling``, ``block_size`` and ``block_exponents`` are the requested
+    formats', as in :func:`predict`.
 
     Example:
         >>> from aps_perfmodel import get_cluster, get_model
@@ -312,6 +333,7 @@ def sweep(
                 bucket_cap_mb=bucket_cap_mb,
                 scaling=scaling,
                 block_size=block_size,
+                block_exponents=block_exponents,
             )
             for r in pred.formats.values():
                 rows.append(
@@ -360,13 +382,15 @@ def breakeven_bandwidth(
     strategy: str | None = None,
     scaling: Scaling | str = Scaling.LAYER,
     block_size: int = DEFAULT_BLOCK_SIZE,
+    block_exponents: BlockExponents | str = BlockExponents.RANK,
 ) -> float | None:
     """The inter-node bandwidth (bytes/s) above which ``fmt`` stops paying.
 
     "Stops paying" means the step speedup over FP32 falls to ``1 + tolerance``
     or below. Found by bisection in log-bandwidth, assuming the speedup falls
     as bandwidth grows (communication shrinks while compute stays).
-    ``scaling`` and ``block_size`` are ``fmt``'s, as in :func:`predict`.
+    ``scaling``, ``block_size`` and ``block_exponents`` are ``fmt``'s, as in
+    :func:`predict`.
 
     Returns:
         The bandwidth, or None if ``fmt`` pays over the whole ``[low, high]``
@@ -377,7 +401,14 @@ def breakeven_bandwidth(
         c = cluster.with_links(bandwidth=bw)
         return (
             predict(
-                model, c, [fmt], compute, strategy=strategy, scaling=scaling, block_size=block_size
+                model,
+                c,
+                [fmt],
+                compute,
+                strategy=strategy,
+                scaling=scaling,
+                block_size=block_size,
+                block_exponents=block_exponents,
             )
             .formats[get_format(fmt).name]
             .speedup_vs_fp32

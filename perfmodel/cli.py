@@ -7,7 +7,7 @@ Example::
     aps-perfmodel sweep --model gpt2-xl --cluster 100gbe --world-sizes 8,64 \\
         --bandwidths 1Gbit,10Gbit,100Gbit --out sweep.csv
     aps-perfmodel predict --model resnet50 --world-size 8 --cluster 1gbe --fmt e2m1 \\
-        --scaling block --block-size 32
+        --scaling block --block-size 32 --block-exponents agreed
     aps-launch --nproc-per-node 4 -m aps_perfmodel.cli calibrate --out profile.json
 
 A bare parameter count (``--params 25.6M``) has no FLOP counts: without
@@ -16,8 +16,9 @@ of the communication alone, and the output says so and how to ask for the
 step. Every prediction prints what it assumed (per-rank batch, sequence
 length, device, MFU; ``assumptions`` in JSON), the scaling of ``--fmt``
 (``--scaling layer``: one maximum per tensor; ``block``: one exponent byte per
-``--block-size`` elements) and what ``wire/rank`` counts (with block scaling,
-the exponent bytes too). Choices are case-insensitive (``--fmt E4M3
+``--block-size`` elements; ``--block-exponents rank``, the hook's default,
+or ``agreed``) and what ``wire/rank`` counts (with block scaling, the
+exponent bytes too). Choices are case-insensitive (``--fmt E4M3
 --cluster 100GbE --scaling BLOCK``), as in the Python API.
 """
 
@@ -33,7 +34,13 @@ from dataclasses import replace
 from typing import Any
 
 from .api import FormatResult, Prediction, predict, sweep, write_csv
-from .choices import BLOCK_SIZES, DEFAULT_BLOCK_SIZE, Scaling, check_block_size
+from .choices import (
+    BLOCK_SIZES,
+    DEFAULT_BLOCK_SIZE,
+    BlockExponents,
+    Scaling,
+    check_block_size,
+)
 from .cluster import CLUSTERS, DEVICES, Cluster, custom_cluster, get_cluster, get_device
 from .compute import OPTIMIZER_BYTES_PER_PARAM, ComputeTime
 from .formats import FORMATS, PRICED_SCALINGS, STRATEGIES, get_format
@@ -58,10 +65,14 @@ _WIRE_NOTE = (
     "wire/rank: bytes one rank sends per step for the gradients, inside its node and "
     "across nodes; across/rank: the part that leaves the node"
 )
-_EXPONENT_NOTE = (
-    "one byte per block: two_phase sends each rank's own with its shards and the owners' "
-    "with the all-gather, the other strategies agree them by one MAX all-reduce"
-)
+_EXPONENT_NOTES = {
+    BlockExponents.RANK: "one byte per block: two_phase sends each rank's own with its shards "
+    "and the owners' with the all-gather, the other strategies agree them by one MAX "
+    "all-reduce (--block-exponents rank)",
+    BlockExponents.AGREED: "one byte per block: one MAX all-reduce agrees them before the "
+    "first chunk, and two_phase's owners send the mean's with the all-gather "
+    "(--block-exponents agreed)",
+}
 _ALL_REDUCE_ALGORITHMS = ("ring", "halving_doubling", "recursive_doubling", "auto")
 
 
@@ -165,26 +176,37 @@ def _add_model_cluster_args(ap: argparse.ArgumentParser) -> None:
         type=_block_size,
         help=f"elements per exponent with --scaling block (default {DEFAULT_BLOCK_SIZE})",
     )
+    g.add_argument(
+        "--block-exponents",
+        type=str.lower,
+        choices=[b.value for b in BlockExponents],
+        help="with --scaling block, two_phase's block exponents: rank (the hook's default: "
+        "each rank sends its own with its shards) or agreed (one MAX all-reduce first)",
+    )
 
 
-def _scaling(args: argparse.Namespace) -> tuple[Scaling, int]:
-    """``--scaling`` and the block size it uses; ``--block-size`` only with ``--scaling block``.
+def _scaling(args: argparse.Namespace) -> tuple[Scaling, int, BlockExponents]:
+    """``--scaling``, its block size and its block exponents' source.
 
-    Block scaling needs an APS ``--fmt``: fp16 and bf16 are predicted as the
-    unscaled hooks users compare against (``fp16_compress_hook``, FSDP's
-    ``reduce_dtype``).
+    ``--block-size`` and ``--block-exponents`` only go with ``--scaling
+    block``. Block scaling needs an APS ``--fmt``: fp16 and bf16 are
+    predicted as the unscaled hooks users compare against
+    (``fp16_compress_hook``, FSDP's ``reduce_dtype``).
     """
     scaling = Scaling(args.scaling)
-    if args.block_size is not None and scaling != Scaling.BLOCK:
-        raise SystemExit(
-            f"error: --block-size {args.block_size} is for --scaling block, not {scaling.value}"
-        )
+    for flag, value in (
+        ("--block-size", args.block_size),
+        ("--block-exponents", args.block_exponents),
+    ):
+        if value is not None and scaling != Scaling.BLOCK:
+            raise SystemExit(f"error: {flag} {value} is for --scaling block, not {scaling.value}")
     if scaling == Scaling.BLOCK and not get_format(args.fmt).aps:
         raise SystemExit(
             f"error: --scaling block needs an APS --fmt (e4m3, e5m2, e2m1 or any e<E>m<M>); "
             f"{args.fmt} is predicted as an unscaled hook"
         )
-    return scaling, args.block_size or DEFAULT_BLOCK_SIZE
+    exponents = BlockExponents(args.block_exponents or BlockExponents.RANK.value)
+    return scaling, args.block_size or DEFAULT_BLOCK_SIZE, exponents
 
 
 def _model(args: argparse.Namespace) -> ModelSpec:
@@ -304,33 +326,42 @@ def _assumptions(
             mfu=args.mfu,
             optimizer=args.optimizer,
         )
-    scaling, block_size = _scaling(args)
+    scaling, block_size, exponents = _scaling(args)
     blocked = scaling == Scaling.BLOCK
+    note = _EXPONENT_NOTES[exponents]
     out.update(
         bucket_cap_mb=args.bucket_cap_mb,
         algorithm=cluster.algorithm,
         scaling=scaling.value,
         block_size=block_size if blocked else None,
-        scaling_note=_scaling_text(args.fmt, scaling, block_size),
+        block_exponents=exponents.value if blocked else None,
+        scaling_note=_scaling_text(args.fmt, scaling, block_size, exponents),
         wire_bytes="bytes one rank sends per step for the gradients, inside its node and "
         "across nodes (hierarchical's in-node stages are FP32)"
-        + (f"; with block scaling, the exponent bytes too ({_EXPONENT_NOTE})" if blocked else ""),
+        + (f"; with block scaling, the exponent bytes too ({note})" if blocked else ""),
         inter_node_bytes="the part of wire_bytes that leaves the node, per rank (averaged "
         "over a node's ranks)",
     )
     if blocked:
-        out["exponent_bytes"] = f"the part of wire_bytes that is block exponents ({_EXPONENT_NOTE})"
+        out["exponent_bytes"] = f"the part of wire_bytes that is block exponents ({note})"
     return out
 
 
-def _scaling_text(fmt: str, scaling: Scaling, block_size: int) -> str:
+def _scaling_text(
+    fmt: str, scaling: Scaling, block_size: int, exponents: BlockExponents | None = None
+) -> str:
     """What the scaling of ``fmt`` sends, in words (fp32 and fp16 are unscaled baselines)."""
     if scaling == Scaling.BLOCK:
         w = get_format(fmt).wire_bytes
+        source = {
+            BlockExponents.RANK: "two_phase's each rank's own",
+            BlockExponents.AGREED: "agreed across ranks",
+            None: "agreed across ranks",
+        }[exponents]
         return (
             f"block for {fmt}: one exponent byte per {block_size} elements of each tensor, "
-            f"{w:g} + 1/{block_size} = {w + 1 / block_size:.3g} bytes per element "
-            "(--scaling, --block-size)"
+            f"{w:g} + 1/{block_size} = {w + 1 / block_size:.3g} bytes per element, {source} "
+            "(--scaling, --block-size, --block-exponents)"
         )
     return f"layer for {fmt}: one float32 maximum per tensor (--scaling)"
 
@@ -460,7 +491,7 @@ def _wire_notes(pred: Prediction, nodes: bool) -> list[str]:
         if r.exponent_bytes > 0:
             notes += _wrap(
                 f"{r.format}'s wire/rank includes {format_bytes(r.exponent_bytes)} of block "
-                f"exponents ({_EXPONENT_NOTE})."
+                f"exponents ({_EXPONENT_NOTES[pred.block_exponents or BlockExponents.RANK]})."
             )
     fp16 = pred.formats["fp16"]
     for r in pred.formats.values():
@@ -501,7 +532,7 @@ def _cmd_predict(args: argparse.Namespace) -> int:
     compute = _compute(args, model, cluster)
     if compute is None and args.plot:
         raise SystemExit(f"error: --plot plots step times: {_comm_only_reason(model)}")
-    scaling, block_size = _scaling(args)
+    scaling, block_size, exponents = _scaling(args)
     pred = predict(
         model,
         cluster,
@@ -513,6 +544,7 @@ def _cmd_predict(args: argparse.Namespace) -> int:
         bucket_cap_mb=args.bucket_cap_mb,
         scaling=scaling,
         block_size=block_size,
+        block_exponents=exponents,
     )
     assumptions = _assumptions(args, model, cluster, compute)
     if args.json:
@@ -535,6 +567,7 @@ def _cmd_predict(args: argparse.Namespace) -> int:
             strategy=args.strategy,
             scaling=scaling,
             block_size=block_size,
+            block_exponents=exponents,
         )
         if not args.json:
             print(f"\nwrote {args.plot}")
@@ -543,7 +576,7 @@ def _cmd_predict(args: argparse.Namespace) -> int:
 
 def _cmd_sweep(args: argparse.Namespace) -> int:
     model = _model(args)
-    scaling, block_size = _scaling(args)
+    scaling, block_size, exponents = _scaling(args)
     world_sizes = [int(w) for w in args.world_sizes.split(",")]
     cluster = _cluster(args, world_sizes[0])
     compute = _compute(args, model, cluster)
@@ -573,6 +606,7 @@ def _cmd_sweep(args: argparse.Namespace) -> int:
         bucket_cap_mb=args.bucket_cap_mb,
         scaling=scaling,
         block_size=block_size,
+        block_exponents=exponents,
     )
     write_csv(rows, args.out if args.out else sys.stdout)
     return 0
@@ -612,7 +646,12 @@ def _cmd_fsdp(args: argparse.Namespace) -> int:
     profile = Profile.load(args.profile) if args.profile else None
     cluster = _cluster(args, _world_size(args, profile))
     units = fsdp_units(model, args.units, cluster.world_size)
-    scaling, block_size = _scaling(args)
+    scaling, block_size, _ = _scaling(args)
+    if args.block_exponents == BlockExponents.RANK.value:
+        raise SystemExit(
+            "error: --block-exponents rank is DDP two_phase's; FSDP2's reduce-scatter always "
+            "agrees block exponents by one MAX all-reduce (leave it out, or say agreed)"
+        )
     rows = []
     for name in dict.fromkeys(["fp32", "bf16", args.fmt]):
         fmt = get_format(name, scaling=scaling, block_size=block_size)

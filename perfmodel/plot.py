@@ -14,7 +14,7 @@ from pathlib import Path
 import numpy as np
 
 from .api import BASELINE_FORMATS, breakeven_bandwidth, formats_with_baselines, predict
-from .choices import DEFAULT_BLOCK_SIZE, Scaling
+from .choices import DEFAULT_BLOCK_SIZE, BlockExponents, Scaling
 from .cluster import Cluster
 from .compute import ComputeTime
 from .models import ModelSpec
@@ -34,6 +34,7 @@ def plot_speedup_vs_bandwidth(
     strategy: str | None = None,
     scaling: Scaling | str = Scaling.LAYER,
     block_size: int = DEFAULT_BLOCK_SIZE,
+    block_exponents: BlockExponents | str = BlockExponents.RANK,
 ) -> Path:
     """Write a PNG of speedup vs bandwidth, marking where each low-precision format stops paying.
 
@@ -47,6 +48,8 @@ def plot_speedup_vs_bandwidth(
         strategy: strategy for the requested formats.
         scaling: APS scaling of the requested formats ("layer" or "block").
         block_size: elements per exponent byte with block scaling.
+        block_exponents: with block scaling, two_phase's block exponents
+            ("rank" or "agreed", as in :func:`~aps_perfmodel.api.predict`).
 
     Returns:
         The path written.
@@ -70,6 +73,7 @@ def plot_speedup_vs_bandwidth(
             strategy=strategy,
             scaling=scaling,
             block_size=block_size,
+            block_exponents=block_exponents,
         )
         for f in names:
             curves[f].append(pred.formats[f].speedup_vs_fp32)
@@ -88,6 +92,7 @@ def plot_speedup_vs_bandwidth(
             strategy=strategy if f not in BASELINE_FORMATS else None,
             scaling=scaling,
             block_size=block_size,
+            block_exponents=block_exponents,
         )
         if bw_even is not None:
             ax.axvline(bw_even * 8, color=line.get_color(), ls="--", lw=1)

@@ -367,6 +367,60 @@ def test_cli_block_scaling_flags_round_trip_into_json(capsys: pytest.CaptureFixt
     assert "aps-perfmodel: scaling block for e2m1" in capsys.readouterr().err
 
 
+def test_cli_block_exponents_price_rank_and_agreed_as_the_api_does(
+    capsys: pytest.CaptureFixture[str],
+) -> None:
+    argv = ["--model", "resnet50", "--cluster", "1gbe", "--world-size", "8", "--fmt", "e2m1"]
+    argv += ["--strategy", "two_phase", "--step-time", "100ms", "--scaling", "block"]
+    default = _predict_json(capsys, *argv)
+    rank = _predict_json(capsys, *argv, "--block-exponents", "RANK")
+    agreed = _predict_json(capsys, *argv, "--block-exponents", "agreed")
+    # The hook's default is each rank's own exponents, and so is the model's.
+    assert default == rank
+    assert (rank["block_exponents"], rank["assumptions"]["block_exponents"]) == ("rank", "rank")
+    assert (agreed["block_exponents"], agreed["assumptions"]["block_exponents"]) == (
+        "agreed",
+        "agreed",
+    )
+    assert "each rank's own" in rank["assumptions"]["scaling_note"]
+    assert "agreed across ranks" in agreed["assumptions"]["scaling_note"]
+    assert "one MAX all-reduce agrees them" in agreed["assumptions"]["exponent_bytes"]
+    model, cluster = get_model("resnet50"), get_cluster("1gbe", world_size=8)
+    for out, exponents in ((rank, "rank"), (agreed, "agreed")):
+        api = predict(
+            model,
+            cluster,
+            ["e2m1"],
+            ComputeTime.from_step_time(0.1),
+            strategy="two_phase",
+            scaling="block",
+            block_exponents=exponents,
+        )
+        assert api.to_dict()["block_exponents"] == exponents
+        assert out["formats"]["e2m1"]["exponent_bytes"] == api.formats["e2m1"].exponent_bytes
+        assert out["formats"]["e2m1"]["step_s"] == api.formats["e2m1"].step_s
+    # Own exponents ride (N-1)/N of the blocks with the shards; agreeing them
+    # costs a ring all-reduce, 2(N-1)/N; both add the owners' with the all-gather.
+    r, a = rank["formats"]["e2m1"], agreed["formats"]["e2m1"]
+    assert a["exponent_bytes"] == pytest.approx(r["exponent_bytes"] * 3 / 2)
+    assert a["wire_bytes"] - r["wire_bytes"] == pytest.approx(r["exponent_bytes"] / 2, rel=1e-4)
+    assert a["step_s"] > r["step_s"]
+    # The baselines scale nothing either way.
+    assert agreed["formats"]["fp32"] == rank["formats"]["fp32"]
+    # Per-layer scaling has no block exponents to say anything of.
+    assert _predict_json(capsys, *argv[:-2])["block_exponents"] is None
+    # The sweep prices the same choice.
+    sweep_argv = ["sweep", "--model", "resnet50", "--cluster", "1gbe", "--fmt", "e2m1"]
+    sweep_argv += ["--strategy", "two_phase", "--world-sizes", "8", "--scaling", "block"]
+    steps = {}
+    for exponents in ("rank", "agreed"):
+        assert cli_main([*sweep_argv, "--block-exponents", exponents]) == 0
+        captured = capsys.readouterr()
+        line = [row for row in captured.out.splitlines() if ",e2m1," in row]
+        steps[exponents] = float(line[0].split(",")[8])
+    assert steps["agreed"] > steps["rank"]
+
+
 def test_bad_block_size_and_scaling_are_errors_naming_the_value(
     capsys: pytest.CaptureFixture[str],
 ) -> None:
@@ -383,6 +437,18 @@ def test_bad_block_size_and_scaling_are_errors_naming_the_value(
             assert f"block_size must be an integer in {BLOCK_SIZES}, got 'x'" in err
     with pytest.raises(SystemExit, match="--block-size 64 is for --scaling block, not layer"):
         cli_main([*argv, "--block-size", "64"])
+    with pytest.raises(
+        SystemExit, match="--block-exponents agreed is for --scaling block, not layer"
+    ):
+        cli_main([*argv, "--block-exponents", "agreed"])
+    with pytest.raises(SystemExit):
+        cli_main([*argv, "--scaling", "block", "--block-exponents", "own"])
+    assert "invalid choice: 'own'" in capsys.readouterr().err
+    fsdp = ["fsdp", *argv[1:], "--fmt", "e2m1", "--scaling", "block"]
+    with pytest.raises(SystemExit, match="FSDP2's reduce-scatter always agrees block exponents"):
+        cli_main([*fsdp, "--block-exponents", "rank"])
+    assert cli_main([*fsdp, "--block-exponents", "agreed"]) == 0
+    assert "agreed across ranks" in capsys.readouterr().out
     with pytest.raises(SystemExit):
         cli_main([*argv, "--scaling", "bucket"])
     assert "invalid choice: 'bucket'" in capsys.readouterr().err
@@ -401,6 +467,8 @@ def test_bad_block_size_and_scaling_are_errors_naming_the_value(
         predict(model, cluster, ["e4m3"], scaling="none")
     with pytest.raises(ValueError, match="scaling must be one of"):
         get_format("e4m3", scaling="blocks")
+    with pytest.raises(ValueError, match=r"block_exponents must be one of.*got 'own'"):
+        predict(model, cluster, ["e4m3"], scaling="block", block_exponents="own")
     # fp16 and bf16 are predicted as torch's cast hooks, which scale nothing.
     with pytest.raises(ValueError, match="bf16 is predicted as torch's cast hook"):
         predict(model, cluster, ["bf16"], scaling="block")
