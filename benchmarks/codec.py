@@ -9,7 +9,10 @@ every ratio measured in the same run as the copy it is divided by.
 Also two_phase's shard owner with block scaling: the buffer's codes as 4
 ranks' shards of a quarter each, averaged and re-encoded with each block's
 own exponent (:func:`aps_comm.codec.owner_reduce_blocks`), beside the chain
-of calls it fuses (shard mean, block maxima, exponents, scaled encode).
+of calls it fuses (shard mean, block maxima, exponents, scaled encode), and
+the same step where every rank encoded with its own block exponents
+(:meth:`aps_comm.codec.Codec.owner_reduce_rank_blocks`, the hook's default
+``block_exponents="rank"``): each shard decoded with its sender's.
 
     python -m benchmarks.codec [--mib 64] [--repeats 9] [--formats e4m3,e5m2]
                                [--block-size 32] [--device cuda] [--json PATH]
@@ -96,6 +99,10 @@ def run(
     # The owner of one of OWNER_RANKS shards, each a quarter of the buffer, of whole blocks.
     shard = codec.Layout.from_numels([n // OWNER_RANKS], dev).grid(block_size).layout
     shard_exps = torch.full((shard.n_segments,), 2, dtype=torch.int32, device=dev)
+    # Each sender's own 2**-e per block: ranks differ by powers of two.
+    rank_scales = torch.stack(
+        [torch.full((shard.n_segments,), 2.0**-r, device=dev) for r in range(OWNER_RANKS)]
+    )
     seconds = _timer(dev)
     copies: list[float] = []
     rows = []
@@ -126,6 +133,9 @@ def run(
             "owner_block_chain": lambda f=fmt, r=recv, q=q: _owner_chain(
                 r, f, shard, shard_exps, q
             ),
+            "owner_rank_block": lambda f=fmt, r=recv, q=q: codec.codec_for(
+                f, dev
+            ).owner_reduce_rank_blocks(r, OWNER_RANKS, shard, rank_scales, out=q),
         }
         for fn in steps.values():
             fn()  # warm-up: compilation, page faults
@@ -169,6 +179,7 @@ def run(
                     c / f
                     for c, f in zip(times["owner_block_chain"], times["owner_block"], strict=True)
                 ),
+                "owner_rank_block_s": statistics.median(times["owner_rank_block"]),
             }
         )
     machine = f"{platform.processor() or platform.machine()}, {platform.platform()}"
@@ -206,14 +217,14 @@ def main(argv: list[str] | None = None) -> None:
     print(f"copy_ of {args.mib} MiB float32, {where}: {result['copy_s'] * 1e3:.2f} ms (median)")
     print(
         f"{'format':<7} {'enc ms':>8} {'dec ms':>8} {'(enc+dec)/copy':>15} {'scaled':>8} "
-        f"{'block ' + str(args.block_size):>9} {'owner ms':>9} {'chain ms':>9}"
+        f"{'block ' + str(args.block_size):>9} {'owner ms':>9} {'chain ms':>9} {'rank ms':>8}"
     )
     for r in result["formats"]:
         print(
             f"{r['format']:<7} {r['encode_s'] * 1e3:>8.2f} {r['decode_s'] * 1e3:>8.2f} "
             f"{r['encode_decode_over_copy']:>15.2f} {r['scaled_encode_decode_over_copy']:>8.2f} "
             f"{r['block_encode_decode_over_copy']:>9.2f} {r['owner_block_s'] * 1e3:>9.2f} "
-            f"{r['owner_block_chain_s'] * 1e3:>9.2f}"
+            f"{r['owner_block_chain_s'] * 1e3:>9.2f} {r['owner_rank_block_s'] * 1e3:>8.2f}"
         )
     if args.json:
         args.json.parent.mkdir(parents=True, exist_ok=True)

@@ -621,6 +621,24 @@ def _codec(found: _Found) -> list[str]:
         )
     if "block_size" in data:
         lines += ["", f"Block scales: one per {data['block_size']} elements of every layer."]
+    owners = [f for f in data["formats"] if "owner_rank_block_s" in f]
+    if owners:
+        lines += [
+            "",
+            f"two_phase's shard owner with block scales: {data['owner_ranks']} ranks' shards "
+            f"of a quarter of the buffer each, averaged and re-encoded with each block's own "
+            'exponent; agreed exponents in one pass (`block_exponents="agreed"`) and as '
+            'the chain of calls it fuses, and each rank\'s own (`"rank"`, the default), '
+            "every shard decoded with its sender's exponents.",
+            "",
+            "| format | agreed, one pass (ms) | agreed, chain (ms) | rank's own (ms) |",
+            "|---|---:|---:|---:|",
+        ]
+        lines += [
+            f"| {f['format']} | {f['owner_block_s'] * 1e3:.1f} | "
+            f"{f['owner_block_chain_s'] * 1e3:.1f} | {f['owner_rank_block_s'] * 1e3:.1f} |"
+            for f in owners
+        ]
     e4m3 = next((f for f in data["formats"] if f["format"] == "e4m3"), None)
     if e4m3 is not None:
         targets = [("", e4m3["encode_decode_over_copy"])]

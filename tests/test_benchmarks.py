@@ -600,3 +600,11 @@ def test_report_codec_section_shows_block_scales(tmp_path: Path) -> None:
     (tmp_path / "codec.json").write_text(json.dumps({**base, "formats": [row("e4m3", 1.5, None)]}))
     codec = report.build(tmp_path, tmp_path / "RESULTS.md").split("## Codec speed")[1]
     assert "| e4m3 | 2.0 | 2.0 | 1.5x | 1.5x | - |" in codec and "with block scales <=" not in codec
+    assert "shard owner" not in codec  # nor the owner steps it did not time
+    # The owner steps, agreed (fused and chained) and with each rank's own exponents.
+    owner = {"owner_block_s": 0.0031, "owner_block_chain_s": 0.0395, "owner_rank_block_s": 0.0047}
+    data = {**base, "owner_ranks": 4, "formats": [{**row("e2m1", 1.4, 1.7), **owner}]}
+    (tmp_path / "codec.json").write_text(json.dumps(data))
+    codec = report.build(tmp_path, tmp_path / "RESULTS.md").split("## Codec speed")[1]
+    assert "4 ranks' shards of a quarter of the buffer each" in codec
+    assert "| e2m1 | 3.1 | 39.5 | 4.7 |" in codec
