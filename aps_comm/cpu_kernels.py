@@ -64,6 +64,7 @@ __all__ = [
     "decoder_params",
     "encode",
     "encoder_params",
+    "layer_any",
     "mean_limit",
     "reduce_blocks",
     "reduce_rank_blocks",
@@ -1223,6 +1224,30 @@ def two_phase_keys(amax: torch.Tensor, fmt: FloatFormat, limit: int, out: torch.
     the largest exponent in [-``limit``, ``limit``] with ``amax * 2**e <= fmt.max``.
     """
     _two_phase_keys(_np(amax).view(np.uint32), _np(out), mean_limit(fmt, limit))
+
+
+if AVAILABLE:
+
+    @_njit
+    def _layer_any(keys, counts, value, out):
+        """out[l] = 1 where any of layer l's ``counts[l]`` keys (in order) is ``value``."""
+        start = 0
+        for layer in range(len(counts)):
+            stop = start + counts[layer]
+            hit = np.uint8(0)
+            for i in range(start, stop):  # no early exit: the loop vectorises
+                hit |= keys[i] == value
+            out[layer] = hit
+            start = stop
+
+
+def layer_any(keys: torch.Tensor, counts: torch.Tensor, value: int, out: torch.Tensor) -> None:
+    """Per layer, 1 (into uint8 ``out``) where any of its blocks' uint8 ``keys`` is ``value``.
+
+    ``keys``: contiguous, the layers' blocks in order; ``counts``: int64
+    blocks per layer (summing to ``keys.numel()``).
+    """
+    _layer_any(_np(keys), _np(counts), np.uint8(value), _np(out))
 
 
 def mean_limit(fmt: FloatFormat, limit: int) -> tuple[int, int, int]:

@@ -50,6 +50,7 @@ from aps_comm.reduction import native_sum_supported, resolve_routes
 from aps_comm.scaling import (
     KEY_BAD,
     KEY_ZERO,
+    Factors,
     block_amax,
     exponent_keys,
     factors,
@@ -428,12 +429,15 @@ class Reducer:
                 self.feedback.drop(gnames)
             return None
         per_node = g.node.ranks_per_node if g.node is not None else 1
-        if g.blocks is not None:
-            assert keyed is not None
-            f = factors_from_keys(
-                keyed[0], fmt, route, world_size=comm.world_size, counts=g.blocks.device_counts
-            )
-        else:
+        rank_blocks = (
+            route == Route.TWO_PHASE
+            and g.block_shards is not None
+            and g.block_shards.rank_exponents
+        )
+        records = self.settings.stats or self.assignment.promoter is not None
+        # Each rank's own keys go out as they are: factors only for the records.
+        f: Factors | None = None
+        if g.blocks is None:
             f = factors(
                 amax,
                 fmt,
@@ -442,7 +446,13 @@ class Reducer:
                 scaling=self.settings.scaling,
                 ranks_per_node=per_node,
             )
-        if self.settings.stats or self.assignment.promoter is not None:
+        elif records or not rank_blocks:
+            assert keyed is not None
+            f = factors_from_keys(
+                keyed[0], fmt, route, world_size=comm.world_size, counts=g.blocks.device_counts
+            )
+        if records:
+            assert f is not None
             counts = layer_counts(x, g.layout.lengths, f.exponents, fmt)
             if self.settings.stats:
                 exps, maxima = f.exponents, amax
@@ -454,6 +464,22 @@ class Reducer:
                 rates = counts[:, 1].float() / counts[:, 0].clamp(min=1).float()
                 for name, rate in zip(gnames, rates.unbind(), strict=True):
                     self.rates[name or ""] = rate
+        if rank_blocks:
+            assert keyed is not None and self.feedback is None
+            log2, on_chunk = offer or (0, None)
+            return transports.two_phase_rank_blocks(
+                g,
+                x,
+                keyed[0][0],
+                comm.rank,
+                comm.group,
+                comm.world_size,
+                self.traffic,
+                defer,
+                log2,
+                on_chunk,
+            )
+        assert f is not None
         if route.staged:
             assert g.node is not None
             layouts = self.comm.layouts
@@ -477,25 +503,6 @@ class Reducer:
             fb = self.feedback
             after_encode = functools.partial(_keep_sent, fb, g, x, gnames, f.exponents, finite)
             owner = functools.partial(_owner_with_feedback, fb, g, gnames, f.scale, finite)
-        if (
-            route == Route.TWO_PHASE
-            and g.block_shards is not None
-            and g.block_shards.rank_exponents
-        ):
-            assert keyed is not None
-            log2, on_chunk = offer or (0, None)
-            return transports.two_phase_rank_blocks(
-                g,
-                x,
-                keyed[0][0],
-                comm.rank,
-                comm.group,
-                comm.world_size,
-                self.traffic,
-                defer,
-                log2,
-                on_chunk,
-            )
         if route == Route.TWO_PHASE and g.block_shards is not None:
             return transports.two_phase_blocks(
                 g,

@@ -655,3 +655,27 @@ def test_key_factors_are_the_keys_powers_of_two() -> None:
     assert torch.equal(S.key_factors(keys, unscale=True), pow2(-e))
     assert torch.equal(S.key_factors(keys, unscale=False), pow2(e))
     assert S.key_factors(keys, unscale=True)[0, 0] == 1.0 and pow2(-e).shape == (16, 16)
+
+
+def test_key_factors_of_a_strided_view_keep_its_shape() -> None:
+    # The owner looks up the keys of its received rows: a (N, blocks) slice.
+    rows = torch.arange(60, dtype=torch.int32).to(torch.uint8).view(3, 20) + 100
+    view = rows[:, 5:12]
+    want = pow2(-S.key_exponents(view))
+    assert torch.equal(S.key_factors(view, unscale=True), want) and want.shape == (3, 7)
+
+
+def test_bad_layers_kernel_matches_the_torch_rule(monkeypatch: pytest.MonkeyPatch) -> None:
+    if not cpu_kernels.AVAILABLE:
+        pytest.skip("numba is not installed")
+    gen = torch.Generator().manual_seed(5)
+    counts = torch.tensor([3, 0, 1, 40, 7, 1000, 2], dtype=torch.int64)
+    keys = torch.randint(0, 255, (int(counts.sum()),), generator=gen, dtype=torch.uint8)
+    # Bad keys in the first block, a one-block layer, a last block and the last layer.
+    for at in (0, 3, 50, int(counts.sum()) - 1):
+        keys[at] = S.KEY_BAD
+    fast = S.bad_layers(keys, counts)
+    monkeypatch.setattr(cpu_kernels, "AVAILABLE", False)
+    slow = S.bad_layers(keys, counts)
+    assert fast.dtype == slow.dtype == torch.uint8
+    assert fast.tolist() == slow.tolist() == [1, 0, 1, 0, 1, 0, 1]
