@@ -442,7 +442,15 @@ def factors_from_keys(
     get_format(fmt)
     bad = (keys == KEY_BAD).any(0)
     finite = ~bad if counts is None else _spread_finite(~bad, counts)
-    return _assemble(key_exponents(keys), finite, route, world_size, divide)
+    exps = key_exponents(keys)
+    if route in ("hierarchical", "grid"):
+        return _assemble(exps, finite, route, world_size, divide)
+    # One lookup per factor instead of pow2's arithmetic: every block, every step.
+    unscale = key_factors(keys[0], unscale=True)
+    if route != "two_phase" and divide:
+        unscale = unscale / world_size
+    scale = key_factors(keys[0], unscale=False)
+    return Factors(exps[0], scale, torch.where(finite, unscale, float("nan")))
 
 
 def key_exponents(keys: torch.Tensor) -> torch.Tensor:
@@ -452,7 +460,13 @@ def key_exponents(keys: torch.Tensor) -> torch.Tensor:
         >>> key_exponents(torch.tensor([120, 0, 255], dtype=torch.uint8))
         tensor([7, 0, 0], dtype=torch.int32)
     """
-    k = keys.to(torch.int32)
+    table = _exponent_table(str(keys.device))
+    return torch.index_select(table, 0, keys.reshape(-1).long()).view(keys.shape)
+
+
+@functools.lru_cache(maxsize=16)
+def _exponent_table(device: str) -> torch.Tensor:
+    k = torch.arange(256, dtype=torch.int32, device=device)
     return torch.where((k == KEY_ZERO) | (k == KEY_BAD), 0, 127 - k)
 
 
@@ -506,8 +520,12 @@ def _layer_finite(amax: torch.Tensor, counts: torch.Tensor) -> torch.Tensor:
 
 def _spread_finite(finite: torch.Tensor, counts: torch.Tensor) -> torch.Tensor:
     """Per block: whether every block of its layer is ``finite`` (no host read)."""
-    bad = (~finite).float()
-    layer_bad = torch.segment_reduce(bad, "max", lengths=counts, unsafe=True, initial=0.0)
+    if finite.device.type == "cpu" and cpu_kernels.AVAILABLE:
+        layer_bad = torch.empty(counts.numel(), dtype=torch.uint8)
+        cpu_kernels.layer_any((~finite).contiguous().view(torch.uint8), counts, 1, layer_bad)
+    else:
+        bad = (~finite).float()
+        layer_bad = torch.segment_reduce(bad, "max", lengths=counts, unsafe=True, initial=0.0)
     return torch.repeat_interleave(layer_bad == 0, counts, output_size=finite.numel())
 
 

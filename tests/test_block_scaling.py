@@ -679,3 +679,32 @@ def test_bad_layers_kernel_matches_the_torch_rule(monkeypatch: pytest.MonkeyPatc
     slow = S.bad_layers(keys, counts)
     assert fast.dtype == slow.dtype == torch.uint8
     assert fast.tolist() == slow.tolist() == [1, 0, 1, 0, 1, 0, 1]
+
+
+@pytest.mark.parametrize("route", ["two_phase", "allreduce", "hierarchical"])
+def test_factors_from_keys_by_lookup_equal_the_powers_of_two(
+    route: str, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    gen = torch.Generator().manual_seed(11)
+    counts = torch.tensor([5, 1, 30, 2], dtype=torch.int64)
+    rows = 2 if route == "hierarchical" else 1
+    keys = torch.randint(0, 254, (rows, int(counts.sum())), generator=gen, dtype=torch.uint8)
+    keys[0, 7] = S.KEY_BAD  # layer 2 is non-finite on some rank
+    keys[-1, 0] = S.KEY_ZERO
+    fmt = get_format("e4m3")
+    got = S.factors_from_keys(keys, fmt, route, world_size=4, counts=counts)
+    finite = torch.repeat_interleave(torch.tensor([True, True, False, True]), counts)
+    e = torch.where((keys == 0) | (keys == 255), 0, 127 - keys.to(torch.int32))
+    if route == "hierarchical":
+        want_unscale = pow2(-e[1])
+    else:
+        want_unscale = pow2(-e[0]) / (4 if route == "allreduce" else 1)
+        assert torch.equal(got.scale, pow2(e[0]))
+    assert torch.equal(got.exponents, e[0])
+    assert torch.equal(got.unscale.isnan(), ~finite)
+    assert torch.equal(got.unscale[finite], want_unscale[finite])
+    # The CPU kernel's layer rule and torch's give the same blocks.
+    monkeypatch.setattr(cpu_kernels, "AVAILABLE", False)
+    slow = S.factors_from_keys(keys, fmt, route, world_size=4, counts=counts)
+    assert torch.equal(slow.unscale.isnan(), got.unscale.isnan())
+    assert torch.equal(slow.scale, got.scale)
