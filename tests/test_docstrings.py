@@ -5,7 +5,9 @@ One test per docstring with examples, in every module of ``aps_comm``,
 aside: importing one runs its command), so the README's ``pytest`` checks
 them and they cannot go stale. Examples that need what a unit test lacks (a
 GPU, a cluster, a launcher, a DDP job) are marked ``# doctest: +SKIP``; a
-docstring whose examples are all skipped is reported as skipped.
+docstring whose examples are all skipped is reported as skipped. The
+examples run in the test process, so each one gets the environment back as it
+was and fails if it leaves a default process group behind.
 
 The modules are imported under the names users import, not collected with
 ``--doctest-modules`` from the checkout's directories: that imports
@@ -23,9 +25,12 @@ from __future__ import annotations
 import doctest
 import functools
 import importlib
+import os
 import pkgutil
+from unittest import mock
 
 import pytest
+import torch.distributed as dist
 
 PACKAGES = ("aps_comm", "aps_launch", "aps_perfmodel", "benchmarks")
 
@@ -89,6 +94,13 @@ def test_docstring_example(test: doctest.DocTest) -> None:
         pytest.skip("every example is +SKIP (needs a GPU, a cluster, a launcher or a DDP job)")
     report: list[str] = []
     runner = doctest.DocTestRunner(optionflags=doctest.ELLIPSIS)
-    failed, _ = runner.run(test, out=report.append)
+    # The examples run in this process: what one exports (aps_launch's
+    # pin_loopback, say) must not reach the tests after it.
+    with mock.patch.dict(os.environ):
+        failed, _ = runner.run(test, out=report.append)
+    if dist.is_initialized():
+        dist.destroy_process_group()
+        report.append("the example left torch.distributed initialised for the tests after it\n")
+        failed += 1
     if failed:
         pytest.fail("".join(report), pytrace=False)
