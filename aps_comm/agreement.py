@@ -58,7 +58,7 @@ def group_timeout(group: dist.ProcessGroup | None = None) -> datetime.timedelta:
     """The timeout of ``group``'s backend (the default group's when None).
 
     Example:
-        >>> group_timeout()  # doctest: +SKIP
+        >>> group_timeout()  # no process group yet: torch's default
         datetime.timedelta(seconds=1800)
     """
     pg = group if group is not None else dist.group.WORLD

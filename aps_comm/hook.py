@@ -19,7 +19,7 @@ Example:
     >>> from aps_comm import APSState, aps_hook, register
     >>> state = APSState(fmt="e4m3")            # may precede init_process_group
     >>> ddp.register_comm_hook(state, aps_hook)  # doctest: +SKIP
-    >>> state = register(ddp, fmt="e5m2")        # the same, in one call
+    >>> state = register(ddp, fmt="e5m2")        # the same, in one call  # doctest: +SKIP
 """
 
 # No `from __future__ import annotations`: DDP inspects the hook's annotations
@@ -76,9 +76,9 @@ class APSConfig:
         >>> APSConfig("e4m3", "two_phase").describe()
         'fmt=e4m3(e4m3, bias=7, fn), reduction=two_phase, scaling=layer'
         >>> APSConfig("e2m1", "two_phase", "block", 64).describe()
-        'fmt=e2m1(e2m1, bias=1, fn), reduction=two_phase, scaling=block(64)'
+        'fmt=e2m1(e2m1, bias=1, none), reduction=two_phase, scaling=block(64)'
         >>> APSConfig("e2m1", "two_phase", "block", 32, "agreed").describe()
-        'fmt=e2m1(e2m1, bias=1, fn), reduction=two_phase, scaling=block(32, agreed exponents)'
+        'fmt=e2m1(e2m1, bias=1, none), reduction=two_phase, scaling=block(32, agreed exponents)'
     """
 
     fmt: FloatFormat

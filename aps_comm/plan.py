@@ -8,9 +8,12 @@ can do, and on CUDA it copies nothing from the host.
 
 Example:
     >>> plan = BucketPlan.build(0, [300, 100], torch.device("cpu"))
-    >>> group = plan.group(["e4m3", "e4m3"], {"e4m3": "two_phase"}, 4, chunk_elements=256)
+    >>> [group] = plan.group(["e4m3", "e4m3"], {"e4m3": "two_phase"}, 4, chunk_elements=256)
     >>> group.chunks
     [(0, 256), (256, 400)]
+    >>> groups = plan.group(["e4m3", "fp32"], {"e4m3": "two_phase"}, 4, chunk_elements=256)
+    >>> [(g.fmt.name, g.reduction, g.chunks) for g in groups]  # one plan per format
+    [('e4m3', <Route.TWO_PHASE: 'two_phase'>, [(0, 256), (256, 300)]), ('fp32', <Route.FP32: 'fp32'>, [(0, 100)])]
 """
 
 from __future__ import annotations

@@ -17,6 +17,7 @@
   ranks with one per host, where latency, not bytes, sets the time.
 
 Example:
+    >>> from aps_comm.formats import E4M3, FP16
     >>> pick_reduction("auto", E4M3, backend="gloo", device=torch.device("cpu"))
     <Route.TWO_PHASE: 'two_phase'>
     >>> pick_reduction("auto", FP16, backend="gloo", device=torch.device("cpu"))

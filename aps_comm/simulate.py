@@ -73,10 +73,13 @@ two_phase owner re-encodes the mean with the same block exponents, and a
 non-finite block makes its layer NaN.
 
 Example:
-    >>> g = torch.randn(64, 1000) * 1e-3                # 64 workers, one layer
-    >>> [avg] = allreduce([g], "e4m3", reduction="ring")
-    >>> float((avg - g.mean(0)).norm() / g.mean(0).norm()) < 0.1
-    True
+    >>> gen = torch.Generator().manual_seed(0)
+    >>> g = torch.randn(64, 1000, generator=gen) * 1e-3  # 64 workers, one layer
+    >>> def error(reduction):
+    ...     [avg] = allreduce([g], "e4m3", reduction=reduction)
+    ...     return round(float((avg - g.mean(0)).norm() / g.mean(0).norm()), 2)
+    >>> error("two_phase"), error("ring")  # FP32 sum vs 63 sums rounded to e4m3
+    (0.04, 0.16)
 """
 
 from __future__ import annotations

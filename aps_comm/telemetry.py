@@ -6,9 +6,18 @@ device while the step runs (:class:`StepStats`); they are read to the host
 once, when the step's records are first asked for.
 
 Example:
-    >>> state = register(ddp_model, fmt="e4m3", stats=True)
-    >>> loss.backward()
+    >>> state = register(ddp_model, fmt="e4m3", stats=True)  # doctest: +SKIP
+    >>> loss.backward()  # doctest: +SKIP
     >>> print(format_stats(state.stats))  # doctest: +SKIP
+
+    One layer's record, as the hook makes it from the agreed exponent and maximum:
+
+    >>> from aps_comm.formats import E4M3
+    >>> g = torch.tensor([0.5, 1e-9, 0.0, -0.25])
+    >>> records = layer_stats([g], ["fc.weight"], 0, E4M3, torch.tensor([9]), torch.tensor([0.5]))
+    >>> print(format_stats(records))
+    layer                                         numel   fmt   exp       amax underflow    sat
+    fc.weight                                         4  e4m3     9  5.000e-01    33.33%      0
 """
 
 from __future__ import annotations
@@ -67,6 +76,7 @@ def layer_counts(
     rounds to the even code, zero).
 
     Example:
+        >>> from aps_comm.formats import get_format
         >>> layer_counts(torch.tensor([1.0, 1e-9, 0.0, 1e4]), torch.tensor([3, 1]),
         ...              torch.tensor([0, 0]), get_format("e4m3"))
         tensor([[2, 1, 0],
@@ -100,6 +110,7 @@ def per_layer(
         largest block maximum (0 for layers without elements).
 
     Example:
+        >>> from aps_comm.codec import Layout
         >>> b = Layout.from_numels([3, 2], torch.device("cpu")).grid(8)
         >>> per_layer(b, torch.tensor([[2, 1, 0], [1, 0, 0]]), torch.tensor([4, 6]),
         ...           torch.tensor([0.5, 0.1]))[1]
@@ -124,6 +135,7 @@ class StepStats:
     """One step's records, kept on the device until they are read (once).
 
     Example:
+        >>> from aps_comm.formats import E4M3
         >>> rec = StepStats()
         >>> rec.add(0, ["w"], [2], E4M3, torch.tensor([3]), torch.tensor([0.5]),
         ...         torch.tensor([[2, 0, 0]]))

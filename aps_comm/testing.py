@@ -8,13 +8,26 @@ free-port race), a hard timeout so a deadlock fails instead of hanging, and
 the child's traceback in the error when a rank fails.
 
 Example:
+    The ranks unpickle ``fn`` by name, so it must be importable: defined at
+    the top of a test module, not in a doctest or a closure.
+
     >>> def work(rank, world_size, scale):
     ...     t = torch.ones(3) * (rank + 1) * scale
     ...     dist.all_reduce(t)
     ...     return t
-    >>> results = run_distributed(work, world_size=2, args=(2.0,))
-    >>> results[0]
-    tensor([6., 6., 6.])
+    >>> run_distributed(work, world_size=2, args=(2.0,))  # in a test module  # doctest: +SKIP
+    [tensor([6., 6., 6.]), tensor([6., 6., 6.])]
+
+    Every rank calls ``fn(rank, world_size, *args)``; the results come back in
+    rank order, and a rank's exception comes back with its traceback:
+
+    >>> run_distributed(divmod, world_size=2)
+    [(0, 0), (0, 1)]
+    >>> run_distributed(divmod, world_size=2, args=(3,))  # doctest: +ELLIPSIS
+    Traceback (most recent call last):
+        ...
+    aps_comm.testing.DistributedTestError: rank 0 failed: TypeError: divmod expected 2 arguments, got 3
+    ...
 """
 
 from __future__ import annotations

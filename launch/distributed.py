@@ -154,8 +154,8 @@ def init_distributed(
             asks for a different backend than the first.
 
     Example:
-        >>> info = init_distributed()
-        >>> model = torch.nn.parallel.DistributedDataParallel(
+        >>> info = init_distributed()  # once per process, at the start  # doctest: +SKIP
+        >>> model = torch.nn.parallel.DistributedDataParallel(  # doctest: +SKIP
         ...     torch.nn.Linear(4, 4).to(info.device))
     """
     global _info, _store

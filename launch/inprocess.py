@@ -7,8 +7,9 @@ interpreter. Staying in-process keeps the MPI (PMI) connection and the
 environment MPI set up, which a child process would not inherit reliably.
 
 Example:
-    >>> env = DistEnv(0, 1, 0, 1, "127.0.0.1", 0, "single")  # doctest: +SKIP
-    >>> run_in_process(env, store, "train.py", ["--lr", "0.1"], backend="gloo")
+    >>> from aps_launch.mpi import mpi_rendezvous
+    >>> env, store = mpi_rendezvous()  # every rank, under mpirun  # doctest: +SKIP
+    >>> run_in_process(env, store, "train.py", ["--lr", "0.1"], backend="gloo")  # doctest: +SKIP
 """
 
 from __future__ import annotations

@@ -121,7 +121,7 @@ def port_from_job_id(job_id: int) -> int:
     ``15000`` apart; pass ``--master-port`` to be certain.
 
     Example:
-        >>> port_from_job_id(123456)
-        21000
+        >>> port_from_job_id(123456), port_from_job_id(123457), port_from_job_id(138456)
+        (18456, 18457, 18456)
     """
     return _PORT_BASE + job_id % _PORT_SPAN

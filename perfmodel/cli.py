@@ -620,8 +620,9 @@ def fsdp_units(model: ModelSpec, n_units: int, world_size: int) -> list[FSDPUnit
     counts as ``numel`` rounded up to a multiple of the world size.
 
     Example:
-        >>> [u.numel for u in fsdp_units(ModelSpec.from_params(3_000_000), 3, 4)]
-        [1000000, 1000000, 1000000]
+        >>> model = ModelSpec.from_params("2.5M")  # tensors of 1048576, 1048576, 402848
+        >>> [u.param_numels for u in fsdp_units(model, 2, 3)]
+        [(1048578, 1048578), (402849,)]
     """
     if n_units < 1:
         raise SystemExit(f"error: --units must be >= 1, got {n_units}")

@@ -66,7 +66,7 @@ class LinkParams:
     Example:
         >>> LinkParams.from_bandwidth(12.5e9, latency_s=10e-6).beta
         8e-11
-        >>> LinkParams(0.0, 1e-9, burst_bytes=500.0).wire_time(1500.0)
+        >>> round(LinkParams(0.0, 1e-9, burst_bytes=500.0).wire_time(1500.0), 15)  # 1000 bytes
         1e-06
     """
 

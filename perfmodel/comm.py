@@ -10,8 +10,7 @@ profile's whole-hook timings (``hook_call.<fmt>``) replace the parts' fixed
 cost.
 
 Example:
-    >>> from aps_perfmodel.cluster import get_cluster
-    >>> from aps_perfmodel.formats import get_format
+    >>> from aps_perfmodel import bucket_comm, get_cluster, get_format
     >>> c = get_cluster("1gbe", world_size=4)
     >>> fp32 = bucket_comm(25 * 2**18, 10, get_format("fp32"), c)
     >>> fp8 = bucket_comm(25 * 2**18, 10, get_format("e4m3"), c)
@@ -48,8 +47,8 @@ def resolve_strategy(n_elem: int, n_layers: int, fmt: FormatSpec, cluster: Clust
     hook does under ``reduction="auto"``.
 
     Example:
-        >>> from aps_perfmodel.cluster import get_cluster
-        >>> from aps_perfmodel.formats import get_format
+        >>> from aps_perfmodel import get_cluster, get_format
+        >>> from aps_perfmodel.comm import resolve_strategy
         >>> resolve_strategy(2**22, 8, get_format("e4m3", "auto"), get_cluster("100gbe", 8))
         'grid'
         >>> resolve_strategy(2**22, 8, get_format("e4m3", "auto"), get_cluster("100gbe", 7))

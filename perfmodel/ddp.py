@@ -140,9 +140,7 @@ def simulate_step(
     """Play one step: buckets become ready during backward and are reduced in order.
 
     Example:
-        >>> from aps_perfmodel.cluster import get_cluster
-        >>> from aps_perfmodel.formats import get_format
-        >>> from aps_perfmodel.models import get_model
+        >>> from aps_perfmodel import ComputeTime, get_cluster, get_format, get_model, simulate_step
         >>> s = simulate_step(get_model("resnet50"), get_cluster("dgx-h100", world_size=8),
         ...                   get_format("fp32"), ComputeTime(0.03, 0.06, 0.0))
         >>> s.exposed_comm_s < s.comm_s < 0.01
