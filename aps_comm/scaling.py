@@ -442,15 +442,7 @@ def factors_from_keys(
     get_format(fmt)
     bad = (keys == KEY_BAD).any(0)
     finite = ~bad if counts is None else _spread_finite(~bad, counts)
-    exps = key_exponents(keys)
-    if route in ("hierarchical", "grid"):
-        return _assemble(exps, finite, route, world_size, divide)
-    # One lookup per factor instead of pow2's arithmetic: every block, every step.
-    unscale = key_factors(keys[0], unscale=True)
-    if route != "two_phase" and divide:
-        unscale = unscale / world_size
-    scale = key_factors(keys[0], unscale=False)
-    return Factors(exps[0], scale, torch.where(finite, unscale, float("nan")))
+    return _assemble(key_exponents(keys), finite, route, world_size, divide)
 
 
 def key_exponents(keys: torch.Tensor) -> torch.Tensor:
@@ -503,14 +495,18 @@ def bad_layers(keys: torch.Tensor, counts: torch.Tensor) -> torch.Tensor:
         >>> bad_layers(torch.tensor([3, 255, 0], dtype=torch.uint8), torch.tensor([2, 1]))
         tensor([1, 0], dtype=torch.uint8)
     """
-    if keys.device.type == "cpu" and cpu_kernels.AVAILABLE and keys.is_contiguous():
+    return _layers_any(keys, counts, KEY_BAD)
+
+
+def _layers_any(values: torch.Tensor, counts: torch.Tensor, value: int) -> torch.Tensor:
+    """Per layer, 1 (uint8) where any of its ``counts`` uint8 ``values`` equals ``value``."""
+    out = torch.empty(counts.numel(), dtype=torch.uint8, device=values.device)
+    if values.device.type == "cpu" and cpu_kernels.AVAILABLE:
         # segment_reduce takes 1.5 ms for 512k blocks on one CPU thread, every step.
-        out = torch.empty(counts.numel(), dtype=torch.uint8)
-        cpu_kernels.layer_any(keys, counts, KEY_BAD, out)
+        cpu_kernels.layer_any(values.contiguous(), counts, value, out)
         return out
-    bad = (keys == KEY_BAD).float()
-    out = torch.segment_reduce(bad, "max", lengths=counts, unsafe=True, initial=0.0)
-    return out.to(torch.uint8)
+    hits = (values == value).float()
+    return torch.segment_reduce(hits, "max", lengths=counts, unsafe=True, initial=0.0).to(out)
 
 
 def _layer_finite(amax: torch.Tensor, counts: torch.Tensor) -> torch.Tensor:
@@ -520,12 +516,7 @@ def _layer_finite(amax: torch.Tensor, counts: torch.Tensor) -> torch.Tensor:
 
 def _spread_finite(finite: torch.Tensor, counts: torch.Tensor) -> torch.Tensor:
     """Per block: whether every block of its layer is ``finite`` (no host read)."""
-    if finite.device.type == "cpu" and cpu_kernels.AVAILABLE:
-        layer_bad = torch.empty(counts.numel(), dtype=torch.uint8)
-        cpu_kernels.layer_any((~finite).contiguous().view(torch.uint8), counts, 1, layer_bad)
-    else:
-        bad = (~finite).float()
-        layer_bad = torch.segment_reduce(bad, "max", lengths=counts, unsafe=True, initial=0.0)
+    layer_bad = _layers_any(finite.contiguous().view(torch.uint8), counts, 0)
     return torch.repeat_interleave(layer_bad == 0, counts, output_size=finite.numel())
 
 

@@ -353,11 +353,11 @@ def _scaling_text(
     """What the scaling of ``fmt`` sends, in words (fp32 and fp16 are unscaled baselines)."""
     if scaling == Scaling.BLOCK:
         w = get_format(fmt).wire_bytes
-        source = {
-            BlockExponents.RANK: "two_phase's each rank's own",
-            BlockExponents.AGREED: "agreed across ranks",
-            None: "agreed across ranks",
-        }[exponents]
+        source = (
+            "two_phase's each rank's own"
+            if exponents == BlockExponents.RANK
+            else "agreed across ranks"
+        )
         return (
             f"block for {fmt}: one exponent byte per {block_size} elements of each tensor, "
             f"{w:g} + 1/{block_size} = {w + 1 / block_size:.3g} bytes per element, {source} "
