@@ -48,8 +48,9 @@ from __future__ import annotations
 
 import dataclasses
 import functools
+import logging
 import types
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from typing import Literal
 
 import numpy as np
@@ -69,7 +70,15 @@ from aps_comm.formats import (
     uncast_into,
 )
 from aps_comm.hostcopy import to_device
-from aps_comm.scaling import EXPONENT_LIMIT, blocks_amax, layer_amax, mean_exponents
+from aps_comm.scaling import (
+    EXPONENT_LIMIT,
+    KEY_BAD,
+    blocks_amax,
+    exponent_keys,
+    key_factors,
+    layer_amax,
+    mean_exponents,
+)
 
 __all__ = [
     "AMAX_BLOCK",
@@ -77,6 +86,7 @@ __all__ = [
     "Backend",
     "Blocks",
     "Codec",
+    "Keyed",
     "Layout",
     "backend_for",
     "codec_for",
@@ -87,6 +97,8 @@ __all__ = [
     "segment_amax",
     "shard_mean",
 ]
+
+_log = logging.getLogger(__name__)
 
 Backend = Literal["auto", "kernels", "cast", "bits", "triton"]
 BACKENDS: tuple[str, ...] = ("auto", "kernels", "cast", "bits", "triton")
@@ -440,13 +452,18 @@ def _host_runs(layout: Layout | None) -> tuple[int | None, np.ndarray | None]:
     return layout.block_size, layout.block_runs
 
 
-def _check_scaled(scale: torch.Tensor | None, layout: Layout | None, numel: int) -> None:
+def _check_scaled(
+    scale: torch.Tensor | None,
+    layout: Layout | None,
+    numel: int,
+    dtype: torch.dtype = torch.float32,
+) -> None:
     if scale is None:
         if layout is not None:
             raise ValueError("a layout needs a scale")
         return
-    if scale.dtype != torch.float32 or scale.dim() != 1:
-        raise ValueError(f"scale must be a 1-D float32 tensor, got {scale.dtype} {scale.shape}")
+    if scale.dtype != dtype or scale.dim() != 1:
+        raise ValueError(f"scale must be a 1-D {dtype} tensor, got {scale.dtype} {scale.shape}")
     if layout is None:
         if scale.numel() != 1:
             raise ValueError(f"scale has {scale.numel()} entries but no layout was given")
@@ -464,6 +481,79 @@ def _window_scale(scale: torch.Tensor | None, layout: Layout | None) -> torch.Te
     if scale is None or layout is None or layout.parent is None:
         return scale
     return scale[layout.first : layout.first + layout.n_segments]
+
+
+_TRITON_FAILED: dict[tuple, str] = {}
+_TRITON_RAN: set[tuple] = set()
+
+
+def _triton_ran(variant: tuple, launch: Callable[[], None]) -> bool:
+    """Launch a Triton kernel variant; False where it cannot compile or launch here.
+
+    A variant is the kernel and what makes it compile differently (format,
+    scaling, keys, padding). Its first failure is logged once and sends it
+    to the torch ops from then on, so training never fails for a kernel:
+    the first-use probe launches one variant only. Argument errors
+    (``ValueError``) are the caller's and propagate, and so does a failure
+    of a variant that has run before (that is not a compiler's problem).
+    """
+    if variant in _TRITON_FAILED:
+        return False
+    try:
+        launch()
+    except ValueError:
+        raise
+    except Exception as exc:
+        if variant in _TRITON_RAN:
+            raise
+        _TRITON_FAILED[variant] = f"{type(exc).__name__}: {exc}"
+        _log.warning(
+            "aps_comm: the Triton kernel %s failed (%s); that variant uses torch ops from now on",
+            variant,
+            _TRITON_FAILED[variant],
+        )
+        return False
+    _TRITON_RAN.add(variant)
+    return True
+
+
+@dataclasses.dataclass(frozen=True)
+class Keyed:
+    """Agreed exponent keys standing in for a group's factors: the kernels derive them.
+
+    Pass it as ``scale`` to :meth:`Codec.encode` (each segment times ``2**e``)
+    or :meth:`Codec.decode` (times ``2**-e / divisor``, NaN for a bad key):
+    the factors of :func:`aps_comm.scaling.factors_from_keys`, with no
+    per-layer factor tensors built first.
+
+    Attributes:
+        keys: int32, one key per segment (:meth:`Codec.layer_keys`, all-reduced).
+        divisor: the unscale's division (a native sum's N), 1 for none.
+
+    Example:
+        >>> c = Codec("e4m3", torch.device("cpu"))
+        >>> keys = torch.tensor([120], dtype=torch.int32)  # e = 7
+        >>> c.decode(c.encode(torch.tensor([1.0]), scale=Keyed(keys)), 1, scale=Keyed(keys))
+        tensor([1.])
+    """
+
+    keys: torch.Tensor
+    divisor: int = 1
+
+    def window(self, layout: Layout | None) -> Keyed:
+        """The keys of a window's segments (no copy)."""
+        if layout is None or layout.parent is None:
+            return self
+        return Keyed(self.keys[layout.first : layout.first + layout.n_segments], self.divisor)
+
+    def factors(self, unscale: bool) -> torch.Tensor:
+        """The float32 factors the keys stand for, by torch ops (the backends without kernels)."""
+        f = key_factors(self.keys, unscale=unscale)
+        if not unscale:
+            return f
+        if self.divisor != 1:
+            f = f / self.divisor
+        return torch.where(self.keys == KEY_BAD, float("nan"), f)
 
 
 @dataclasses.dataclass(frozen=True)
@@ -511,10 +601,14 @@ class Codec:
         x: torch.Tensor,
         *,
         out: torch.Tensor | None = None,
-        scale: torch.Tensor | None = None,
+        scale: torch.Tensor | Keyed | None = None,
         layout: Layout | None = None,
+        pad: int = 0,
     ) -> torch.Tensor:
         """Encode ``x`` (times ``scale`` per segment): see :func:`encode`.
+
+        ``scale`` may be :class:`Keyed` (factors derived from exponent keys);
+        ``pad`` zero codes follow the elements (a shard's padding) in ``out``.
 
         Example:
             >>> Codec("e4m3", torch.device("cpu")).encode(torch.tensor([1.0, -2.0]))
@@ -522,9 +616,18 @@ class Codec:
         """
         fmt = self.fmt
         numel = x.numel()
-        _check_scaled(scale, layout, numel)
-        scale = _window_scale(scale, layout)
-        need = payload_nbytes(numel, fmt)
+        given = scale
+        keys = None
+        if isinstance(scale, Keyed):
+            _check_scaled(scale.keys, layout, numel, torch.int32)
+            if self.backend in ("triton", "kernels"):
+                keys, scale = scale.window(layout).keys, None  # factors made by the kernels
+            else:
+                scale = scale.factors(unscale=False)
+        if keys is None:
+            _check_scaled(scale, layout, numel)
+            scale = _window_scale(scale, layout)
+        need = payload_nbytes(numel + pad, fmt)
         if out is None:
             out = torch.empty(need, dtype=torch.uint8, device=x.device)
         elif out.dtype != torch.uint8 or out.numel() != need or out.device != x.device:
@@ -532,22 +635,35 @@ class Codec:
                 f"out must hold {need} uint8 bytes on {x.device}, got {out.numel()} "
                 f"{out.dtype} on {out.device}"
             )
+        if self.backend == "triton":
+            block = layout.block_size if layout is not None else None
+            variant = ("encode", fmt.name, scale is not None, keys is not None, block, pad > 0)
+            offsets = _device_offsets(layout)
+            launch = functools.partial(
+                _triton().encode, x, out, fmt, offsets, scale, keys=keys, pad=pad
+            )
+            if not _triton_ran(variant, launch):
+                return self._torch().encode(x, out=out, scale=given, layout=layout, pad=pad)
+            return out
+        head, full = payload_nbytes(numel, fmt), out
+        if pad:
+            out[head:].zero_()  # code 0 is +0 in every format
+            out = out[:head]
         if self.backend == "kernels":
-            factors = None if scale is None else scale.numpy()
+            if keys is not None:
+                factors = cpu_kernels.key_factors(keys.numpy(), False)
+            else:
+                factors = None if scale is None else scale.numpy()
             offsets = _host_offsets(layout, numel)
             cpu_kernels.encode(x, out, fmt, offsets, factors, *_host_runs(layout))
-            return out
-        if self.backend == "triton":
-            _triton().encode(x, out, fmt, _device_offsets(layout), scale)
-            return out
-        v = x.float() if scale is None else x * _factors(scale, layout, numel)
-        if self.backend == "cast":
-            cast_into(v, fmt, out)
+        elif self.backend == "cast":
+            cast_into(x.float() if scale is None else x * _factors(scale, layout, numel), fmt, out)
         else:
+            v = x.float() if scale is None else x * _factors(scale, layout, numel)
             if not fmt.has_nan:
                 v = torch.nan_to_num(v, nan=0.0, posinf=fmt.max, neginf=-fmt.max)
             encode_into(v, fmt, out)
-        return out
+        return full
 
     def decode(
         self,
@@ -555,10 +671,12 @@ class Codec:
         numel: int,
         *,
         out: torch.Tensor | None = None,
-        scale: torch.Tensor | None = None,
+        scale: torch.Tensor | Keyed | None = None,
         layout: Layout | None = None,
     ) -> torch.Tensor:
         """Decode ``numel`` elements into float32 (times ``scale``): see :func:`decode`.
+
+        ``scale`` may be :class:`Keyed`: each segment times ``2**-e / divisor``.
 
         Example:
             >>> Codec("e4m3", torch.device("cpu")).decode(
@@ -566,6 +684,29 @@ class Codec:
             tensor([ 1., -2.])
         """
         fmt = self.fmt
+        if isinstance(scale, Keyed):
+            _check_scaled(scale.keys, layout, numel, torch.int32)
+            keyed = scale.window(layout)
+            if self.backend == "triton" and out is not None:
+                variant = ("decode", fmt.name, True, True, None, keyed.divisor)
+                launch = functools.partial(
+                    _triton().decode,
+                    payload,
+                    out,
+                    fmt,
+                    _device_offsets(layout),
+                    keys=keyed.keys,
+                    divisor=keyed.divisor,
+                )
+                if not _triton_ran(variant, launch):
+                    return self._torch().decode(payload, numel, out=out, scale=scale, layout=layout)
+                return out
+            if self.backend == "kernels" and out is not None:
+                factors = cpu_kernels.key_factors(keyed.keys.numpy(), True, keyed.divisor)
+                offsets = _host_offsets(layout, numel)
+                cpu_kernels.decode(payload, out, fmt, offsets, factors, *_host_runs(layout))
+                return out
+            scale = scale.factors(unscale=True)
         _check_scaled(scale, layout, numel)
         scale = _window_scale(scale, layout)
         need = payload_nbytes(numel, fmt)
@@ -588,7 +729,15 @@ class Codec:
             cpu_kernels.decode(payload, out, fmt, offsets, factors, *_host_runs(layout))
             return out
         if self.backend == "triton":
-            _triton().decode(payload, out, fmt, _device_offsets(layout), scale)
+            block = layout.block_size if layout is not None else None
+            variant = ("decode", fmt.name, scale is not None, False, block, 1)
+            offsets = _device_offsets(layout)
+            launch = functools.partial(_triton().decode, payload, out, fmt, offsets, scale)
+            if not _triton_ran(variant, launch):
+                # The factors are the window's already: decode, then multiply.
+                self._torch().decode(payload, numel, out=out)
+                if scale is not None:
+                    out.mul_(_factors(scale, layout, numel))
             return out
         if self.backend == "cast":
             uncast_into(payload, fmt, out)
@@ -596,6 +745,63 @@ class Codec:
             decode_into(payload, fmt, out)
         if scale is not None:
             out.mul_(_factors(scale, layout, numel))
+        return out
+
+    def _torch(self) -> Codec:
+        """This format's codec with torch ops on the same device (a Triton variant's fallback)."""
+        return codec_for(self.fmt, self.device, "cast" if self.fmt.torch_dtype else "bits")
+
+    def layer_keys(
+        self,
+        x: torch.Tensor,
+        layout: Layout,
+        out: torch.Tensor,
+        *,
+        world_size: int,
+        native: bool,
+    ) -> torch.Tensor:
+        """Each segment's exponent key of its max |x| into int32 ``out``, in one pass.
+
+        The keys of :func:`aps_comm.scaling.exponent_keys` (route "allreduce"
+        where ``native``, else "two_phase") of :func:`segment_amax`: what one
+        MAX all-reduce agrees on, and what :class:`Keyed` turns into factors.
+
+        Example:
+            >>> c = Codec("e4m3", torch.device("cpu"))
+            >>> keys = torch.empty(2, dtype=torch.int32)
+            >>> layout = Layout.from_numels([2, 1], torch.device("cpu"))
+            >>> c.layer_keys(torch.tensor([3.0, -1.0, 0.0]), layout, keys, world_size=4,
+            ...              native=False)
+            tensor([120,   0], dtype=torch.int32)
+        """
+        if out.dtype != torch.int32 or out.numel() != layout.n_segments:
+            raise ValueError(
+                f"out must hold {layout.n_segments} int32 keys, got {out.numel()} {out.dtype}"
+            )
+        triton = self.backend == "triton" and x.dtype == torch.float32
+        if triton:
+            out.zero_()
+            launch = functools.partial(
+                _triton().layer_keys,
+                x,
+                out,
+                self.fmt,
+                layout.device_offsets,
+                world_size=world_size,
+                native=native,
+            )
+            triton = _triton_ran(("layer_keys", self.fmt.name, native), launch)
+        if triton:
+            pass
+        elif self.backend == "kernels" and x.dtype == torch.float32:
+            cpu_kernels.layer_keys(
+                x, layout.offsets.numpy(), out, self.fmt, world_size, native, EXPONENT_LIMIT
+            )
+        else:
+            route = "allreduce" if native else "two_phase"
+            amax = segment_amax(x, layout)
+            keys = exponent_keys(amax, self.fmt, route, world_size=world_size, scaling="layer")
+            out.copy_(keys[0])
         return out
 
     def owner_reduce(
@@ -618,7 +824,9 @@ class Codec:
             cpu_kernels.reduce_shards(recv, n_ranks, self.fmt, out)
             return out
         if self.backend == "triton":
-            _triton().reduce_shards(recv, n_ranks, self.fmt, out)
+            launch = functools.partial(_triton().reduce_shards, recv, n_ranks, self.fmt, out)
+            if not _triton_ran(("owner_reduce", self.fmt.name), launch):
+                return self._torch().owner_reduce(recv, n_ranks, out=out)
             return out
         return self.encode(self.shard_mean(recv, n_ranks), out=out)
 

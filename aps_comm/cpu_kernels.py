@@ -1250,6 +1250,103 @@ def layer_any(keys: torch.Tensor, counts: torch.Tensor, value: int, out: torch.T
     _layer_any(_np(keys), _np(counts), np.uint8(value), _np(out))
 
 
+if AVAILABLE:
+
+    @_njit
+    def _largest_exponent(p, lim):
+        """Largest integer e with float64 ``p * 2**e <= lim`` (both positive, finite): exact,
+        from their frexp fields."""
+        mp, ep = math.frexp(p)
+        ml, el = math.frexp(lim)
+        return el - ep - (1 if mp > ml else 0)
+
+    @_njit
+    def _layer_keys(xb, offsets, out, n_ranks, native, fmax, limit, p, q, m):
+        """int32 exponent keys of each segment's max |x| (``xb``: float32 bits)."""
+        inf_bits = np.uint32(0x7F800000)
+        f32max = 3.4028234663852886e38
+        n = np.float64(n_ranks)
+        for s in range(len(offsets) - 1):
+            a_bits = _amax_bits(xb[offsets[s] : offsets[s + 1]])
+            if a_bits == 0:
+                out[s] = 0
+                continue
+            if a_bits >= inf_bits:
+                out[s] = 255
+                continue
+            a = np.float64(_u2f(np.uint32(a_bits)))
+            if native:
+                e = _largest_exponent(a * n, fmax)
+                v = np.float32(math.ldexp(a, e))
+                r = np.float64(_code_value(_code(_f2u(v), p), q, m))
+                if r * n > fmax:
+                    e -= 1
+            else:
+                e = min(_largest_exponent(a, fmax), _largest_exponent(a * n, f32max))
+            e = min(max(e, -limit), limit)
+            out[s] = 127 - e
+
+
+if AVAILABLE:
+
+    @_njit
+    def _key_factors(keys, out, unscale, divisor):
+        """float32 factors of int32 exponent keys (see :func:`key_factors`)."""
+        for i in range(len(keys)):
+            k = keys[i]
+            e = 0 if k == 0 or k == 255 else 127 - k
+            if unscale:
+                f = np.float32(math.ldexp(1.0, -e))
+                if divisor != 1:
+                    f = f / np.float32(divisor)  # float32 operands: one IEEE division
+                out[i] = np.float32(np.nan) if k == 255 else f
+            else:
+                out[i] = np.float32(math.ldexp(1.0, e))
+
+
+def key_factors(keys: np.ndarray, unscale: bool, divisor: int = 1) -> np.ndarray:
+    """float32 ``2**e`` (or with ``unscale`` ``2**-e / divisor``, NaN for key 255) of int32
+    exponent keys: :meth:`aps_comm.codec.Keyed.factors` in one call, for the CPU kernels.
+
+    Example:
+        >>> key_factors(np.array([120, 0, 255], np.int32), True, 4)
+        array([0.00195312, 0.25      ,        nan], dtype=float32)
+    """
+    out = np.empty(len(keys), np.float32)
+    _key_factors(keys, out, unscale, divisor)
+    return out
+
+
+def layer_keys(
+    x: torch.Tensor,
+    offsets: np.ndarray,
+    out: torch.Tensor,
+    fmt: FloatFormat,
+    world_size: int,
+    native: bool,
+    limit: int,
+) -> None:
+    """int32 exponent keys of each segment's max |x| into ``out``, in one pass.
+
+    :func:`aps_comm.scaling.exponent_keys` of the segments' maxima (route
+    "allreduce" where ``native``, else "two_phase"), with float64 products
+    that are exact and exponents from frexp fields instead of logarithms.
+    """
+    q, m = decoder_params(fmt)
+    _layer_keys(
+        _np(x).view(np.uint32),
+        offsets,
+        _np(out),
+        world_size,
+        native,
+        float(fmt.max),
+        limit,
+        encoder_params(fmt),
+        q,
+        m,
+    )
+
+
 def mean_limit(fmt: FloatFormat, limit: int) -> tuple[int, int, int]:
     """The constants of the owner's extra exponents: (exponent, mantissa field) of the
     largest value a block may reach (``fmt.max``, at most float32's) as a float32,

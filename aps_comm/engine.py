@@ -41,6 +41,7 @@ import torch.distributed as dist
 
 from aps_comm import codec, transports
 from aps_comm.agreement import Layouts
+from aps_comm.codec import Keyed
 from aps_comm.config import DEFAULT_BLOCK_SIZE, BlockExponents, Reduction, Route, Scaling
 from aps_comm.feedback import ErrorFeedback
 from aps_comm.formats import FP32, FloatFormat, pow2
@@ -58,7 +59,7 @@ from aps_comm.scaling import (
 )
 from aps_comm.telemetry import StepStats, layer_counts, per_layer
 
-__all__ = ["ONE_CHUNK", "Comm", "Reducer", "Settings", "Traffic"]
+__all__ = ["ONE_CHUNK", "Comm", "Reducer", "Settings", "Steady", "Traffic"]
 
 ONE_CHUNK = 2**62
 """A chunk larger than any bucket: error feedback's owner step needs the whole shard."""
@@ -123,6 +124,45 @@ class Traffic:
         return out
 
 
+@dataclasses.dataclass
+class Steady:
+    """A bucket's path once its layout and formats are settled: bound once, run every step.
+
+    From its second step on, a bucket whose layers all travel in one format
+    with one exponent per layer, by two_phase or a native sum, needs nothing
+    per layer on the host: one kernel writes every layer's exponent key, one
+    MAX all-reduce agrees on them, and the codec's kernels derive each
+    layer's factors from the keys (:class:`aps_comm.codec.Keyed`). No
+    per-layer list, lookup or tensor op is built per step.
+
+    Attributes:
+        numel: the bucket's elements (a rebuilt bucket is planned again).
+        ptr: the bucket buffer's address (DDP's rebuilt buckets are new buffers).
+        plan: the bucket's plan.
+        group: the one group plan (the whole bucket).
+        route: the route (FP32 buckets only average).
+        fmts: each layer's format (to plan another chunk size).
+        keys: int32 scratch of the MAX all-reduce: the layers' keys, then this
+            rank's preferred chunk (log2) where chunks are timed (CPU).
+        scale: the keys as the encoder's factors.
+        unscale: the keys as the decoder's (a native sum's N as divisor).
+        measured: chunks sized by this rank's timing, agreed on the keys.
+        chunk: elements per chunk of ``group``.
+    """
+
+    numel: int
+    ptr: int
+    plan: BucketPlan
+    group: GroupPlan
+    route: Route
+    fmts: list[FloatFormat]
+    keys: torch.Tensor
+    scale: Keyed
+    unscale: Keyed
+    measured: bool
+    chunk: int
+
+
 class Reducer:
     """One rank's reducer: plans, the per-step path of buckets and units, and their records.
 
@@ -157,6 +197,8 @@ class Reducer:
         self.rates: dict[str, torch.Tensor] = {}
         self._routes: dict[FloatFormat, Route] = {}
         self._fixed: dict[FloatFormat, Route] = {}
+        # Per bucket index: its bound path once settled (:class:`Steady`).
+        self.steady: dict[int, Steady] = {}
 
     # -- binding ---------------------------------------------------------------
 
@@ -236,6 +278,7 @@ class Reducer:
                 transports.fp32_mean(x, comm.group, comm.world_size, self.traffic)
                 if any(f != FP32 for f in fmts):
                     self.bucket_routes[index] = Route.FP32.value
+                self._settle(index, x, plan, fmts, None, Route.FP32, False, 0)
                 return None
 
         n_layers = len(numels)
@@ -329,6 +372,110 @@ class Reducer:
                 layers[i].copy_(t)
         if measured and len(groups) == 1:
             plan.timed(time.perf_counter() - start)
+        if len(groups) == 1 and not blocked and fmts is not None:
+            g = groups[0]
+            self._settle(index, x, plan, fmts, g, Route(g.reduction), measured, chunk)
+        return tail
+
+    def _settle(
+        self,
+        index: int,
+        x: torch.Tensor,
+        plan: BucketPlan,
+        fmts: list[FloatFormat],
+        g: GroupPlan | None,
+        route: Route,
+        measured: bool,
+        chunk: int,
+    ) -> None:
+        """Bind the bucket's :class:`Steady` path where nothing in it changes per step."""
+        assignment, settings = self.assignment, self.settings
+        if (
+            self.feedback is not None
+            or assignment.rules
+            or settings.stats
+            or settings.scaling != Scaling.LAYER
+            or not (route == Route.FP32 or (g is not None and g.contiguous))
+            or route not in (Route.FP32, Route.TWO_PHASE, Route.ALLREDUCE)
+        ):
+            return
+        n = len(fmts)
+        keys = torch.zeros(n + int(measured), dtype=torch.int32, device=x.device)
+        layer_keys = keys[:n]
+        native = route == Route.ALLREDUCE
+        self.steady[index] = Steady(
+            x.numel(),
+            x.data_ptr(),
+            plan,
+            g,  # type: ignore[arg-type]
+            route,
+            list(fmts),
+            keys,
+            Keyed(layer_keys),
+            Keyed(layer_keys, self.comm.world_size if native else 1),
+            measured,
+            chunk,
+        )
+
+    def steady_for(self, index: int, buffer: torch.Tensor) -> Steady | None:
+        """The bucket's :class:`Steady` path, if its layout is the one it was bound to."""
+        st = self.steady.get(index)
+        if st is not None and st.numel == buffer.numel() and st.ptr == buffer.data_ptr():
+            return st
+        return None
+
+    def run_steady(
+        self, index: int, st: Steady, x: torch.Tensor, defer: bool = False
+    ) -> Callable[[], None] | None:
+        """Average one bucket along its :class:`Steady` path (the same bits as :meth:`bucket`).
+
+        Launches per bucket sent as one chunk: the keys (two: zeros, then the
+        kernel), the encode, the owner's step (two_phase) and the decode, around
+        the MAX all-reduce and the route's collectives; per further chunk three.
+        """
+        comm = self.comm
+        if st.route == Route.FP32:
+            transports.fp32_mean(x, comm.group, comm.world_size, self.traffic)
+            return None
+        g, native = st.group, st.route == Route.ALLREDUCE
+        n = len(st.fmts)
+        if st.measured:  # CPU only: the keys' numpy view, no tensor op
+            fmt = self.settings.fmt
+            mine = self.planner.chunk(fmt, st.numel, st.route, st.plan.exchange_s or None)
+            st.keys.numpy()[n] = int(math.log2(mine))
+        g.codec.layer_keys(x, g.layout, st.scale.keys, world_size=comm.world_size, native=native)
+        transports.all_reduce_max(st.keys, comm.group, self.traffic)
+        if st.measured:
+            chunk = 2 ** int(st.keys.numpy()[n])
+            if chunk != st.chunk:
+                st.group = g = st.plan.group(
+                    st.fmts,
+                    self._routes_for(st.plan, st.fmts),
+                    comm.world_size,
+                    chunk,
+                    comm.node_layouts(),
+                )[0]
+                st.chunk = self.bucket_chunks[index] = chunk
+        start = time.perf_counter()
+        if native:
+            tail = transports.native(
+                g, x, st.scale, st.unscale, comm.group, self.traffic, None, defer
+            )
+        else:
+            tail = transports.two_phase(
+                g,
+                x,
+                st.scale,
+                st.unscale,
+                comm.group,
+                comm.world_size,
+                self.traffic,
+                None,
+                None,
+                defer,
+            )
+        if st.measured:
+            st.plan.timed(time.perf_counter() - start)
         return tail
 
     def _agree_blocks(

@@ -532,6 +532,26 @@ class APSState:
         self._deferred = (finish, fut)
         return fut
 
+    def run_bucket(
+        self,
+        index: int,
+        buffer: torch.Tensor,
+        params: Sequence[torch.Tensor] = (),
+        is_last: bool = True,
+    ) -> torch.Tensor:
+        """Average one bucket on the calling thread, as the hook's worker does.
+
+        For tools that measure the bucket path itself (``benchmarks.hostcost``):
+        no future, no worker, no side stream. ``params`` may be empty once the
+        bucket has settled (its second step after DDP's re-bucketing).
+
+        Example:
+            >>> state.run_bucket(0, flat_grads, list(model.parameters()))  # doctest: +SKIP
+        """
+        if self.reducer is None:
+            self.bind(buffer.device)
+        return self._run_bucket(_Bucket(index, buffer, list(params), is_last))()
+
     def _stream(self, device: torch.device) -> torch.cuda.Stream:
         """The state's one side stream per device (created once, not per bucket)."""
         stream = self._streams.get(device)
@@ -545,6 +565,10 @@ class APSState:
         assert reducer is not None
         try:
             x = b.buffer if b.buffer.dtype == torch.float32 else b.buffer.float()
+            steady = reducer.steady_for(b.index, b.buffer)
+            if steady is not None:
+                tail = reducer.run_steady(b.index, steady, x, defer)
+                return functools.partial(self._finish_bucket, b, x, tail)
             numels = [p.numel() for p in b.params]
             names = [self.param_names.get(id(p)) for p in b.params]
             keys = [id(p) for p in b.params]
@@ -689,12 +713,15 @@ def aps_hook(state: APSState, bucket: dist.GradBucket) -> torch.futures.Future[t
             "the default optimize_ddp ('ddp_optimizer') works, bit for bit."
         )
     buffer = bucket.buffer()
-    params = bucket.parameters()
-    _check_bucket(buffer, params)
+    index = bucket.index()
     if state.reducer is None:
         state.bind(buffer.device)
     reducer = state.reducer
     assert reducer is not None
+    # A settled bucket was checked when it was bound: no per-parameter work per step.
+    params = [] if reducer.steady_for(index, buffer) is not None else bucket.parameters()
+    if params:
+        _check_bucket(buffer, params)
     if state.fmt == FP32 and not state.policy and not state.error_feedback:
         # Exactly default_hooks.allreduce_hook, on the state's group.
         fut = transports.fp32_mean_async(
@@ -703,7 +730,7 @@ def aps_hook(state: APSState, bucket: dist.GradBucket) -> torch.futures.Future[t
         if bucket.is_last():
             state._end_step()
         return fut
-    return state._submit(_Bucket(bucket.index(), buffer, list(params), bucket.is_last()))
+    return state._submit(_Bucket(index, buffer, list(params), bucket.is_last()))
 
 
 def _run_now(run: Callable[..., Callable[[], torch.Tensor]], bucket: _Bucket) -> torch.Tensor:

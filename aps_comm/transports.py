@@ -37,6 +37,7 @@ from collections.abc import Callable, Sequence
 import torch
 import torch.distributed as dist
 
+from aps_comm.codec import Keyed
 from aps_comm.formats import payload_nbytes, pow2
 from aps_comm.plan import GroupPlan, RowRuns
 from aps_comm.scaling import (
@@ -190,8 +191,8 @@ def reduce_scatter(
 def native(
     g: GroupPlan,
     x: torch.Tensor,
-    scale: torch.Tensor,
-    unscale: torch.Tensor,
+    scale: torch.Tensor | Keyed,
+    unscale: torch.Tensor | Keyed,
     group: dist.ProcessGroup,
     count: Counter,
     after_encode: Callable[[int, torch.Tensor], None] | None = None,
@@ -202,8 +203,9 @@ def native(
     Args:
         g: the group's plan (``reduction == "allreduce"``).
         x: the group's float32 values; the result is written back into it.
-        scale: per-layer factors applied before encoding.
-        unscale: per-layer factors applied after decoding (including 1/N).
+        scale: per-layer factors applied before encoding (or their keys).
+        unscale: per-layer factors applied after decoding, including 1/N (or
+            their keys, with N as the divisor).
         group: the process group.
         count: byte counter.
         after_encode: called with (chunk, payload) after each chunk is encoded.
@@ -242,7 +244,9 @@ def _finish(
     return None
 
 
-def _decode(g: GroupPlan, x: torch.Tensor, unscale: torch.Tensor, c: int, work: dist.Work) -> None:
+def _decode(
+    g: GroupPlan, x: torch.Tensor, unscale: torch.Tensor | Keyed, c: int, work: dist.Work
+) -> None:
     """Wait for chunk ``c``'s last collective, then decode it into ``x`` (two_phase: the
     gathered shards, native: the summed payload; both sit in the send region)."""
     last = "all_gather" if g.reduction == "two_phase" else f"{g.fmt.name} all-reduce"
@@ -255,8 +259,8 @@ def _decode(g: GroupPlan, x: torch.Tensor, unscale: torch.Tensor, c: int, work: 
 def two_phase(
     g: GroupPlan,
     x: torch.Tensor,
-    scale: torch.Tensor,
-    unscale: torch.Tensor,
+    scale: torch.Tensor | Keyed,
+    unscale: torch.Tensor | Keyed,
     group: dist.ProcessGroup,
     world_size: int,
     count: Counter,
@@ -274,8 +278,8 @@ def two_phase(
     Args:
         g: the group's plan (``reduction == "two_phase"``).
         x: the group's float32 values; the result is written back into it.
-        scale: per-layer factors applied before encoding.
-        unscale: per-layer factors applied after decoding.
+        scale: per-layer factors applied before encoding (or their keys).
+        unscale: per-layer factors applied after decoding (or their keys).
         group: the process group.
         world_size: ranks N.
         count: byte counter.
@@ -299,11 +303,11 @@ def two_phase(
             lo, hi = g.chunks[c]
             r0, r1 = g.regions[c]
             send = g.send[r0:r1]
-            payload = send[: payload_nbytes(hi - lo, fmt)]
-            g.codec.encode(x[lo:hi], out=payload, scale=scale, layout=g.windows[c])
-            send[payload.numel() :].zero_()  # padding: code 0 is +0 in every format
+            # The shards' padding is encoded as zeros (code 0 is +0 in every format).
+            pad = (r1 - r0) * 8 // fmt.wire_bits - (hi - lo)
+            g.codec.encode(x[lo:hi], out=send, scale=scale, layout=g.windows[c], pad=pad)
             if after_encode is not None:
-                after_encode(c, payload)
+                after_encode(c, send[: payload_nbytes(hi - lo, fmt)])
             count("all_to_all", send.numel())
             exchanges[c] = dist.all_to_all_single(g.recv[r0:r1], send, group=group, async_op=True)
         if 1 <= c <= k:
@@ -449,7 +453,9 @@ def two_phase_rank_blocks(
         if c == 0:
             at = sb + sh.slots[0]
             piece[at : at + flags.numel()] = flags
-            piece[at + flags.numel()] = chunk_log2
+            # fill_ takes the value as a kernel argument; an assignment of a host
+            # value would copy it to the device and wait for the stream.
+            piece[at + flags.numel() : at + flags.numel() + 1].fill_(chunk_log2)
 
     def owner(p: int, rows: torch.Tensor, a: int, b: int, out: torch.Tensor) -> None:
         sb, mine = sh.shard_bytes[p], sh.layouts[p][rank]

@@ -301,17 +301,55 @@ if AVAILABLE:
         return lo, hi, step
 
     @triton.jit
-    def _factor(scale_ptr, off_ptr, first_ptr, idx, lo, hi, step, SHIFT: tl.constexpr):
+    def _factor(
+        scale_ptr,
+        off_ptr,
+        first_ptr,
+        idx,
+        lo,
+        hi,
+        step,
+        divisor,
+        SHIFT: tl.constexpr,
+        KEYS: tl.constexpr,
+        DIVIDE: tl.constexpr,
+    ):
         """The factor of element ``idx`` (the chunk's segments are lo..hi): its segment's
         (``SHIFT`` 0), or its block's (blocks of ``2**SHIFT`` elements from each
-        segment's start, the segment's first block at index ``first[segment]``)."""
+        segment's start, the segment's first block at index ``first[segment]``).
+
+        ``KEYS`` 0: ``scale_ptr`` holds float32 factors. 1 or 2: int32 exponent
+        keys (:func:`aps_comm.scaling.exponent_keys`), turned into ``2**e`` (1)
+        or ``2**-e`` divided by ``divisor`` as ``DIVIDE`` says, NaN for a bad
+        key (2), as :func:`aps_comm.scaling.factors_from_keys` computes them.
+        """
         # tl.full, not tl.zeros: the interpreter runs only core builtins when triton was
         # imported before TRITON_INTERPRET was set (as in a test session).
         s = _search(off_ptr, idx, tl.full(idx.shape, 0, tl.int32) + lo, step, hi)
+        # if/else, never an early return: Triton generates (and type-checks) the code
+        # after a constexpr-guarded return too.
         if SHIFT == 0:
-            return tl.load(scale_ptr + s)
-        block = tl.load(first_ptr + s) + ((idx - tl.load(off_ptr + s)) >> SHIFT)
-        return tl.load(scale_ptr + block)
+            f = tl.load(scale_ptr + s)
+        else:
+            f = tl.load(
+                scale_ptr + tl.load(first_ptr + s) + ((idx - tl.load(off_ptr + s)) >> SHIFT)
+            )
+        if KEYS:
+            f = _key_factor(f, divisor, KEYS, DIVIDE)
+        return f
+
+    @triton.jit
+    def _key_factor(k, divisor, KEYS: tl.constexpr, DIVIDE: tl.constexpr):
+        """float32 factor of int32 exponent key ``k``: see :func:`_factor`."""
+        e = tl.where((k == 0) | (k == 255), 0, 127 - k)
+        if KEYS == 1:
+            f = _pow2(e)
+        else:
+            f = _pow2(-e)
+            if DIVIDE:
+                f = _divide(f, divisor, DIVIDE)
+            f = tl.where(k == 255, float("nan"), f)
+        return f
 
     @triton.jit
     def _code(v, E: tl.constexpr):
@@ -392,14 +430,14 @@ if AVAILABLE:
 
     @triton.jit
     def _scaled_codes(
-        x_ptr, idx, mask, scale_ptr, off_ptr, first_ptr, lo, hi, step, E, SCALED, SHIFT
+        x_ptr, idx, mask, scale_ptr, off_ptr, first_ptr, lo, hi, step, E, SCALED, SHIFT, KEYS
     ):
         v = tl.load(x_ptr + idx, mask=mask, other=0.0).to(tl.float32)
         if SCALED:
-            v = v * _factor(scale_ptr, off_ptr, first_ptr, idx, lo, hi, step, SHIFT)
+            v = v * _factor(scale_ptr, off_ptr, first_ptr, idx, lo, hi, step, 1, SHIFT, KEYS, 0)
         return tl.where(mask, _code(v, E), 0)
 
-    @triton.jit(do_not_specialize=["numel", "top", "n_last"])
+    @triton.jit(do_not_specialize=["numel", "top", "n_last", "total"])
     def _encode_kernel(
         x_ptr,
         out_ptr,
@@ -409,37 +447,62 @@ if AVAILABLE:
         numel,
         top,
         n_last,
+        total,
         E: tl.constexpr,
         WIRE: tl.constexpr,
         SCALED: tl.constexpr,
         SHIFT: tl.constexpr,
+        KEYS: tl.constexpr,
         BLOCK: tl.constexpr,
     ):
+        """Codes of ``numel`` elements, then zero codes up to ``total`` (a shard's padding)."""
         pid = tl.program_id(0).to(tl.int64)
         first = pid * BLOCK
-        lo, hi, step = _chunk_segments(
-            off_ptr, first, tl.minimum(first + BLOCK, numel) - 1, top, n_last
-        )
+        last = tl.maximum(tl.minimum(first + BLOCK, numel) - 1, 0)
+        lo, hi, step = _chunk_segments(off_ptr, tl.minimum(first, last), last, top, n_last)
         if WIRE == 4:
             i0 = first + 2 * tl.arange(0, BLOCK // 2)
             m0 = i0 < numel
             c0 = _scaled_codes(
-                x_ptr, i0, m0, scale_ptr, off_ptr, first_ptr, lo, hi, step, E, SCALED, SHIFT
+                x_ptr, i0, m0, scale_ptr, off_ptr, first_ptr, lo, hi, step, E, SCALED, SHIFT, KEYS
             )
             m1 = i0 + 1 < numel
             c1 = _scaled_codes(
-                x_ptr, i0 + 1, m1, scale_ptr, off_ptr, first_ptr, lo, hi, step, E, SCALED, SHIFT
+                x_ptr,
+                i0 + 1,
+                m1,
+                scale_ptr,
+                off_ptr,
+                first_ptr,
+                lo,
+                hi,
+                step,
+                E,
+                SCALED,
+                SHIFT,
+                KEYS,
             )
         else:
             i0 = first + tl.arange(0, BLOCK)
-            m0 = i0 < numel
             c0 = _scaled_codes(
-                x_ptr, i0, m0, scale_ptr, off_ptr, first_ptr, lo, hi, step, E, SCALED, SHIFT
+                x_ptr,
+                i0,
+                i0 < numel,
+                scale_ptr,
+                off_ptr,
+                first_ptr,
+                lo,
+                hi,
+                step,
+                E,
+                SCALED,
+                SHIFT,
+                KEYS,
             )
             c1 = c0
-        _store_codes(out_ptr, pid, c0, c1, m0, WIRE, BLOCK)
+        _store_codes(out_ptr, pid, c0, c1, i0 < total, WIRE, BLOCK)
 
-    @triton.jit(do_not_specialize=["numel", "top", "n_last"])
+    @triton.jit(do_not_specialize=["numel", "top", "n_last", "divisor"])
     def _decode_kernel(
         src_ptr,
         out_ptr,
@@ -449,10 +512,13 @@ if AVAILABLE:
         numel,
         top,
         n_last,
+        divisor,
         D: tl.constexpr,
         WIRE: tl.constexpr,
         SCALED: tl.constexpr,
         SHIFT: tl.constexpr,
+        KEYS: tl.constexpr,
+        DIVIDE: tl.constexpr,
         BLOCK: tl.constexpr,
     ):
         pid = tl.program_id(0).to(tl.int64)
@@ -464,7 +530,9 @@ if AVAILABLE:
             lo, hi, step = _chunk_segments(
                 off_ptr, first, tl.minimum(first + BLOCK, numel) - 1, top, n_last
             )
-            v = v * _factor(scale_ptr, off_ptr, first_ptr, i, lo, hi, step, SHIFT)
+            v = v * _factor(
+                scale_ptr, off_ptr, first_ptr, i, lo, hi, step, divisor, SHIFT, KEYS, DIVIDE
+            )
         tl.store(out_ptr + i, v, mask=mask)
 
     @triton.jit
@@ -699,6 +767,156 @@ if AVAILABLE:
             tl.store(out_ptr + 2 * idx + 1, (c >> 8).to(tl.uint8), mask=mask)
 
 
+if AVAILABLE:
+
+    @triton.jit
+    def _largest(p, LE: tl.constexpr, LM: tl.constexpr):
+        """Largest integer e with ``p * 2**e`` at most the limit whose float64 exponent is
+        ``LE`` and mantissa field ``LM`` (``p``: positive normal float64), from the bits."""
+        bits = p.to(tl.int64, bitcast=True)
+        ep = (bits >> 52) - 1023
+        mp = bits & 0xFFFFFFFFFFFFF
+        return (LE - ep - (mp > LM).to(tl.int64)).to(tl.int32)
+
+    @triton.jit
+    def _exp_key(m, n_ranks, E: tl.constexpr, D: tl.constexpr, K: tl.constexpr):
+        """int32 exponent key of a maximum's bits ``m`` (NaN given as inf):
+        :func:`aps_comm.scaling.exponent_keys` for one layer (``K``: :func:`key_constants`).
+
+        Exact integer work on float64 bit fields where scaling computes the same
+        exponent with float64 logarithms: ``m`` has 24 significant bits and the
+        ranks at most 24, so every product below is exact.
+        """
+        bad = m >= 0x7F800000
+        zero = m == 0
+        a = tl.where(bad | zero, 0x3F800000, m).to(tl.float32, bitcast=True).to(tl.float64)
+        n = n_ranks.to(tl.float64)
+        if K[0] == 1:
+            # A native sum of N values: N * amax * 2**e fits, and so does N times the
+            # value as the encoder rounds it (else one binade less).
+            e = _largest(a * n, K[1], K[2])
+            p2 = ((e.to(tl.int64) + 1023) << 52).to(tl.float64, bitcast=True)
+            r = _value(_code((a * p2).to(tl.float32), E), D).to(tl.float64)
+            fmax = (m * 0 + K[3]).to(tl.float32, bitcast=True).to(tl.float64)
+            e = tl.where(r * n > fmax, e - 1, e)
+        else:
+            # two_phase: the value fits the format, and the owner's FP32 sum of N fits float32.
+            e = tl.minimum(_largest(a, K[1], K[2]), _largest(a * n, 127, 0xFFFFFE0000000))
+        e = tl.minimum(tl.maximum(e, -K[4]), K[4])
+        key = tl.where(zero, 0, 127 - e)
+        return tl.where(bad, 255, key)
+
+    @triton.jit(do_not_specialize=["numel", "top", "n_last", "n_ranks"])
+    def _keys_kernel(
+        x_ptr,
+        keys_ptr,
+        off_ptr,
+        numel,
+        top,
+        n_last,
+        n_ranks,
+        E: tl.constexpr,
+        D: tl.constexpr,
+        K: tl.constexpr,
+        BLOCK: tl.constexpr,
+    ):
+        """Each segment's exponent key, MAX-ed into ``keys_ptr`` (int32, zero beforehand).
+
+        Keys never decrease with the maximum, so the key of a segment's largest
+        |x| is the largest of its pieces' keys: every program takes the max of
+        its pieces and meets the others in one atomic max per segment it
+        touches, with no second pass.
+        """
+        pid = tl.program_id(0).to(tl.int64)
+        first = pid * BLOCK
+        i = first + tl.arange(0, BLOCK)
+        mask = i < numel
+        x = tl.load(x_ptr + i, mask=mask, other=0.0)
+        # An integer max of |x|'s bits is a max that keeps NaN (above inf): to inf.
+        mag = tl.minimum(x.to(tl.int32, bitcast=True) & 0x7FFFFFFF, 0x7F800000)
+        lo, hi, step = _chunk_segments(
+            off_ptr, first, tl.minimum(first + BLOCK, numel) - 1, top, n_last
+        )
+        if lo == hi:
+            m = tl.reduce(mag, 0, _larger)
+            tl.atomic_max(keys_ptr + lo, _exp_key(m, n_ranks, E, D, K))
+        else:
+            seg = _search(off_ptr, i, tl.full(i.shape, 0, tl.int32) + lo, step, hi)
+            s = lo
+            while s <= hi:
+                m = tl.reduce(tl.where(seg == s, mag, 0), 0, _larger)
+                tl.atomic_max(keys_ptr + s, _exp_key(m, n_ranks, E, D, K))
+                s += 1
+
+
+@functools.lru_cache(maxsize=64)
+def key_constants(fmt: FloatFormat, native: bool) -> tuple[int, int, int, int, int]:
+    """The constants of :func:`layer_keys`' exponent rule for ``fmt``: (1 for a native
+    sum else 0, ``fmt.max``'s float64 exponent and mantissa field, its float32 bits,
+    the exponent limit).
+
+    Example:
+        >>> from aps_comm.formats import E4M3
+        >>> key_constants(E4M3, False)  # 448 = 1.75 * 2**8
+        (0, 8, 3377699720527872, 1138753536, 126)
+    """
+    import struct
+
+    b64 = struct.unpack("<q", struct.pack("<d", float(fmt.max)))[0]
+    b32 = struct.unpack("<i", struct.pack("<f", float(fmt.max)))[0]
+    return (int(native), (b64 >> 52) - 1023, b64 & ((1 << 52) - 1), b32, EXPONENT_LIMIT)
+
+
+def layer_keys(
+    x: torch.Tensor,
+    keys: torch.Tensor,
+    fmt: FloatFormat,
+    offsets: torch.Tensor,
+    *,
+    world_size: int,
+    native: bool,
+) -> None:
+    """Each segment's exponent key of its max |x|, MAX-ed into int32 ``keys`` (zeros first).
+
+    The values of :func:`aps_comm.scaling.exponent_keys` of the segments'
+    maxima (route "allreduce" where ``native``, else "two_phase") in one
+    pass over ``x``: the keys a MAX all-reduce agrees on.
+
+    Args:
+        x: contiguous float32 values.
+        keys: int32, one per segment, zero (or keys to MAX with).
+        fmt: the wire format.
+        offsets: int64 segment offsets on the device, from 0 to ``x.numel()``.
+        world_size: N, the ranks that sum.
+        native: the sum happens in the wire format (headroom for N).
+    """
+    consts = _check(fmt, x, keys)
+    n = offsets.numel() - 1
+    if x.dtype != torch.float32 or keys.dtype != torch.int32 or keys.numel() != n:
+        raise ValueError(
+            f"layer_keys needs float32 values and {n} int32 keys, got {x.dtype} and "
+            f"{keys.numel()} {keys.dtype}"
+        )
+    _check_offsets(offsets, n, x.device)
+    numel = x.numel()
+    if not numel:
+        return
+    _keys_kernel[_grid(numel)](
+        x,
+        keys,
+        offsets,
+        numel,
+        _top(n),
+        n - 1,
+        world_size,
+        E=consts.encode,
+        D=consts.decode,
+        K=key_constants(fmt, native),
+        BLOCK=BLOCK,
+        **_options(),
+    )
+
+
 def _check(fmt: FloatFormat, *tensors: torch.Tensor) -> FormatConstants:
     if not AVAILABLE:
         raise RuntimeError("the Triton codec needs triton (pip install triton)")
@@ -731,44 +949,68 @@ class _Scaling:
     last: int
     shift: int
     scaled: bool
+    keys: int = 0
 
     def args(self) -> tuple[torch.Tensor | int, ...]:
         return (self.offsets, self.factors, self.first)
 
 
+@functools.lru_cache(maxsize=16)
+def _placeholders(device: torch.device) -> tuple[torch.Tensor, torch.Tensor]:
+    """Typed stand-ins (int64, float32) for pointers a kernel variant never reads.
+
+    Each has the type the read would have, so every variant compiles whatever
+    a constexpr prunes (a float32 tensor passed for an int64 pointer once made
+    a variant fail to compile on GPUs).
+    """
+    return (
+        torch.zeros(1, dtype=torch.int64, device=device),
+        torch.zeros(1, dtype=torch.float32, device=device),
+    )
+
+
 def _scaling(
-    dummy: torch.Tensor,
+    device: torch.device,
     offsets: torch.Tensor | None,
     factors: torch.Tensor | None,
     block_size: int,
     first_block: torch.Tensor | None,
+    keys: bool = False,
 ) -> _Scaling:
-    """The kernels' view of a segmentation (``dummy`` fills pointers never read)."""
+    """The kernels' view of a segmentation; typed placeholders fill pointers never read.
+
+    ``keys``: ``factors`` are int32 exponent keys, one per segment.
+    """
+    no_int, no_float = _placeholders(device)
     if factors is None:
         if offsets is not None or block_size or first_block is not None:
             raise ValueError("offsets, block_size and first_block need factors")
-        return _Scaling(dummy, dummy, dummy, 0, 0, 0, False)
-    if factors.dtype != torch.float32 or factors.device != dummy.device:
+        return _Scaling(no_int, no_float, no_int, 0, 0, 0, False)
+    want = torch.int32 if keys else torch.float32
+    if factors.dtype != want or factors.device != device:
         raise ValueError(
-            f"factors must be float32 on {dummy.device}, got {factors.dtype} on {factors.device}"
+            f"{'keys' if keys else 'factors'} must be {want} on {device}, got "
+            f"{factors.dtype} on {factors.device}"
         )
+    if keys and block_size:
+        raise ValueError("exponent keys are per segment, not per block")
     if not block_size:
         n = factors.numel()
         if offsets is None:
             if n != 1:
                 raise ValueError(f"{n} factors need their segments' offsets")
-            return _Scaling(dummy, factors, dummy, 0, 0, 0, True)  # no offset is read
-        _check_offsets(offsets, n, dummy.device)
-        return _Scaling(offsets, factors, dummy, _top(n), n - 1, 0, True)
+            return _Scaling(no_int, factors, no_int, 0, 0, 0, True, int(keys))  # no offset read
+        _check_offsets(offsets, n, device)
+        return _Scaling(offsets, factors, no_int, _top(n), n - 1, 0, True, int(keys))
     if block_size < 2 or block_size & (block_size - 1):
         raise ValueError(f"block_size must be a power of two >= 2 (or 0), got {block_size}")
     if offsets is None or first_block is None:
         raise ValueError("block scaling needs the segments' offsets and first blocks")
     n = first_block.numel()
-    _check_offsets(offsets, n, dummy.device)
-    if first_block.device != dummy.device or first_block.dtype not in (torch.int32, torch.int64):
+    _check_offsets(offsets, n, device)
+    if first_block.device != device or first_block.dtype not in (torch.int32, torch.int64):
         raise ValueError(
-            f"first_block must be int32 or int64 on {dummy.device}, got {first_block.dtype} "
+            f"first_block must be int32 or int64 on {device}, got {first_block.dtype} "
             f"on {first_block.device}"
         )
     return _Scaling(
@@ -793,12 +1035,15 @@ def encode(
     *,
     block_size: int = 0,
     first_block: torch.Tensor | None = None,
+    keys: torch.Tensor | None = None,
+    pad: int = 0,
 ) -> None:
     """Encode contiguous ``x`` (times per-segment or per-block ``factors``) into uint8 ``out``.
 
     Args:
         x: contiguous float32, float16 or bfloat16 elements.
-        out: uint8, :func:`~aps_comm.formats.payload_nbytes` bytes (any byte offset).
+        out: uint8, :func:`~aps_comm.formats.payload_nbytes` bytes (any byte
+            offset) of ``x.numel() + pad`` elements.
         fmt: the format (:func:`supports`).
         offsets: int64, L + 1 segment offsets on ``x``'s device: from 0 to
             ``x.numel()``; with ``block_size`` the first may be negative and
@@ -812,11 +1057,19 @@ def encode(
             this many elements from its start (its last one may be short),
             and element i of segment s is multiplied by
             ``factors[first_block[s] + (i - offsets[s]) // block_size]``.
-        first_block: int32 or int64, L entries: the index in ``factors`` of
-            each segment's first block (negative for a segment that started
+        first_block: int32 or int64, L entries: the index in ``factors`` of each
+            segment's first block (negative for a segment that started
             before a window).
+        keys: instead of ``factors``: int32 exponent keys, one per segment
+            (:func:`layer_keys`); each segment is multiplied by ``2**e``.
+        pad: zero codes written after the elements (a shard's padding).
     """
-    _encode(x, out, _check(fmt, x, out), offsets, factors, block_size, first_block)
+    if keys is not None:
+        if factors is not None:
+            raise ValueError("give factors or keys, not both")
+        factors = keys
+    consts = _check(fmt, x, out)
+    _encode(x, out, consts, offsets, factors, block_size, first_block, keys is not None, pad)
 
 
 def _encode(
@@ -827,26 +1080,31 @@ def _encode(
     factors: torch.Tensor | None = None,
     block_size: int = 0,
     first_block: torch.Tensor | None = None,
+    keys: bool = False,
+    pad: int = 0,
 ) -> None:
     x = x.reshape(-1)
     if INTERPRETED and x.dtype == torch.bfloat16:
         # The interpreter widens bfloat16 subnormals wrongly; a GPU (and .float()) exactly.
         x = x.float()
     numel = x.numel()
-    if not numel:
+    total = numel + pad
+    if not total:
         return
-    sc = _scaling(x, offsets, factors, block_size, first_block)
-    _encode_kernel[_grid(numel)](
+    sc = _scaling(x.device, offsets, factors, block_size, first_block, keys)
+    _encode_kernel[_grid(total)](
         x,
         out,
         *sc.args(),
         numel,
         sc.top,
         sc.last,
+        total,
         E=consts.encode,
         WIRE=consts.wire_bits,
         SCALED=sc.scaled,
         SHIFT=sc.shift,
+        KEYS=sc.keys,
         BLOCK=BLOCK,
         **_options(),
     )
@@ -861,17 +1119,30 @@ def decode(
     *,
     block_size: int = 0,
     first_block: torch.Tensor | None = None,
+    keys: torch.Tensor | None = None,
+    divisor: int = 1,
 ) -> None:
     """Decode uint8 ``payload`` into contiguous float32 ``out`` (times per-segment or
     per-block ``factors``).
 
-    Args: as :func:`encode`, ``out`` giving the element count.
+    Args: as :func:`encode`, ``out`` giving the element count; with ``keys``
+        each segment is multiplied by ``2**-e / divisor`` (NaN for a bad key),
+        as :func:`aps_comm.scaling.factors_from_keys` computes the unscale.
     """
+    if keys is not None:
+        if factors is not None:
+            raise ValueError("give factors or keys, not both")
+        factors = keys
+    elif divisor != 1:
+        raise ValueError("a divisor goes with keys")
+    if not (isinstance(divisor, int) and 1 <= divisor <= 2**24):
+        raise ValueError(f"divisor must be an int from 1 to 2**24, got {divisor!r}")
     consts = _check(fmt, payload, out)
     numel = out.numel()
     if not numel:
         return
-    sc = _scaling(out, offsets, factors, block_size, first_block)
+    sc = _scaling(out.device, offsets, factors, block_size, first_block, keys is not None)
+    pow2 = divisor & (divisor - 1) == 0
     _decode_kernel[_grid(numel)](
         payload,
         out,
@@ -879,10 +1150,13 @@ def decode(
         numel,
         sc.top,
         sc.last,
+        1.0 / divisor if pow2 else float(divisor),
         D=consts.decode,
         WIRE=consts.wire_bits,
         SCALED=sc.scaled,
         SHIFT=sc.shift,
+        KEYS=2 * sc.keys,
+        DIVIDE=0 if divisor == 1 else 1 if pow2 else 2,
         BLOCK=BLOCK,
         **_options(),
     )
@@ -1105,13 +1379,13 @@ def ptx(fmt: FloatFormat, arch: int = 90, block_size: int = 0) -> dict[str, str]
     sources = {
         "encode": (
             _encode_kernel,
-            {"x_ptr": "*fp32", "out_ptr": "*u8", **factors},
-            {"E": consts.encode, "SCALED": True, "SHIFT": shift},
+            {"x_ptr": "*fp32", "out_ptr": "*u8", **factors, **scalar, "total": "i32"},
+            {"E": consts.encode, "SCALED": True, "SHIFT": shift, "KEYS": 0},
         ),
         "decode": (
             _decode_kernel,
-            {"src_ptr": "*u8", "out_ptr": "*fp32", **factors},
-            {"D": consts.decode, "SCALED": True, "SHIFT": shift},
+            {"src_ptr": "*u8", "out_ptr": "*fp32", **factors, **scalar, "divisor": "fp32"},
+            {"D": consts.decode, "SCALED": True, "SHIFT": shift, "KEYS": 0, "DIVIDE": 0},
         ),
     }
     scalar_r = {"shard_bytes": "i32", "numel": "i32", "n_ranks": "i32", "divisor": "fp32"}
@@ -1152,10 +1426,31 @@ def ptx(fmt: FloatFormat, arch: int = 90, block_size: int = 0) -> dict[str, str]
             },
         )
     out = {}
+    keyed = {"off_ptr": "*i64", "scale_ptr": "*i32", "first_ptr": "*i64"}
+    sources["encode_keys"] = (
+        _encode_kernel,
+        {"x_ptr": "*fp32", "out_ptr": "*u8", **keyed, **scalar, "total": "i32"},
+        {"E": consts.encode, "SCALED": True, "SHIFT": 0, "KEYS": 1},
+    )
+    for name, divide in (("decode_keys", 0), ("decode_keys_pow2", 1), ("decode_keys_n", 2)):
+        sources[name] = (
+            _decode_kernel,
+            {"src_ptr": "*u8", "out_ptr": "*fp32", **keyed, **scalar, "divisor": "fp32"},
+            {"D": consts.decode, "SCALED": True, "SHIFT": 0, "KEYS": 2, "DIVIDE": divide},
+        )
+    for name, native in (("keys", False), ("keys_native", True)):
+        sources[name] = (
+            _keys_kernel,
+            {"x_ptr": "*fp32", "keys_ptr": "*i32", "off_ptr": "*i64", **scalar, "n_ranks": "i32"},
+            {
+                "E": consts.encode,
+                "D": consts.decode,
+                "K": key_constants(fmt, native),
+                "BLOCK": BLOCK,
+            },
+        )
     for name, (fn, signature, constexprs) in sources.items():
-        if fn in (_encode_kernel, _decode_kernel):
-            signature = {**signature, **scalar}
-        if fn is not _reduce_blocks_kernel:
+        if fn not in (_reduce_blocks_kernel, _keys_kernel):
             constexprs = {**constexprs, **common}
         signature = {**signature, **{k: "constexpr" for k in constexprs}}
         src = ASTSource(fn, signature=signature, constexprs=constexprs)

@@ -87,7 +87,9 @@ class HostTraffic(TorchDispatchMode):
                 self.copies.append(f"{func} of {tuple(args[0].shape)} to the device")
         if func is aten.copy_.default:
             dst, src = args[0], args[1]
-            if dst.device.type == "meta" and src.device.type == "cpu" and src.dim() > 0:
+            # A 0-d source too: ``t[i] = value`` copies a host scalar and waits for
+            # the stream on a GPU (``t[i:i + 1].fill_(value)`` does not).
+            if dst.device.type == "meta" and src.device.type == "cpu":
                 self.copies.append(f"{func} of {tuple(src.shape)} to the device")
             if dst.device.type == "cpu" and src.device.type == "meta":
                 self.reads.append(f"{func} to the host")
@@ -202,14 +204,20 @@ def _bucket_steps(
     stats = StepStats()
     buckets = [NUMELS[:3], NUMELS[3:]]
     keys = [names[:3], names[3:]]
+    # DDP's bucket buffers live across steps: a settled bucket runs its bound path.
+    xs = [torch.empty(sum(numels), device=META) for numels in buckets]
     for step in range(steps):
         mode = HostTraffic()
         with mode:  # in warm-up too: it answers Promote's read, which meta cannot
             for b, numels in enumerate(buckets):
-                x = torch.empty(sum(numels), device=META)
-                tail = reducer.bucket(
-                    b, x, keys[b], numels, keys[b], step=step, chunk=chunk, defer=b == 0
-                )
+                x = xs[b]
+                settled = reducer.steady_for(b, x)
+                if settled is not None:
+                    tail = reducer.run_steady(b, settled, x, defer=b == 0)
+                else:
+                    tail = reducer.bucket(
+                        b, x, keys[b], numels, keys[b], step=step, chunk=chunk, defer=b == 0
+                    )
                 if tail is not None:
                     tail()
             _, stats = reducer.end_step()

@@ -35,7 +35,7 @@ CASES = [
 ]
 
 
-def _run_case(rank: int, world_size: int, cases: list, steps: int = 2) -> int:
+def _run_case(rank: int, world_size: int, cases: list, steps: int = 3) -> int:
     checked = 0
     for fmt_spec, reduction, scaling in cases:
         fmt = get_format(fmt_spec)
@@ -64,7 +64,7 @@ def _run_case(rank: int, world_size: int, cases: list, steps: int = 2) -> int:
 @pytest.mark.parametrize("world_size", [2, 4])
 def test_matches_exact_reference(world_size: int) -> None:
     checked = run_distributed(_run_case, world_size, args=(CASES,), timeout=240)
-    assert all(c >= 2 * len(CASES) for c in checked)
+    assert all(c >= 3 * len(CASES) for c in checked)  # the third step runs settled buckets
 
 
 def _fp32_vs_allreduce_hook(rank: int, world_size: int) -> bool:

@@ -175,9 +175,12 @@ def test_kernels_compile_for_a_gpu(fmt: FloatFormat) -> None:
         kernels |= {f"block {k}": block[k] for k in ("encode", "decode")}
         for name, ptx in kernels.items():
             ops = set(re.findall(r"\b(?:add|sub|mul|div|fma|mad)\.[a-z0-9.]*f(?:32|64)\b", ptx))
-            assert ops <= {"mul.rn.f32", "add.rn.f32", "div.rn.f64"}, (name, ops)
+            # The keys' float64 products are exact (24-bit operands).
+            allowed = {"mul.rn.f64"} if name.startswith("keys") else set()
+            assert ops <= {"mul.rn.f32", "add.rn.f32", "div.rn.f64", *allowed}, (name, ops)
             assert ".ftz" not in ptx and ".approx" not in ptx, name
-            assert ".global.b8" in ptx or ".global.u8" in ptx, name  # byte stores, any offset
+            if not name.startswith("keys"):  # keys store int32
+                assert ".global.b8" in ptx or ".global.u8" in ptx, name  # byte stores, any offset
 
 
 @pytest.mark.parametrize("fmt", FORMATS, ids=IDS)

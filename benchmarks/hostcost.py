@@ -1,0 +1,335 @@
+"""Host cost of the hook per bucket: kernel-launching ops and host microseconds.
+
+On a GPU the hook is host-bound long before it is bandwidth-bound: every
+ATen op that launches work and every Python step costs host time that the
+bucket's bytes never pay back. This benchmark drives one bucket at a time
+through the state's own path (:meth:`aps_comm.APSState.run_bucket`, what
+the hook's worker runs) at world size 1 (Gloo on CPU, NCCL on CUDA) and
+reports, per bucket at steady state (after the plan and the settled path
+are bound):
+
+- ``ops``: ATen ops that launch work (views, allocations and collectives
+  not counted) plus codec kernel calls (numba on CPU, Triton on CUDA);
+- ``host_us``: the median wall time of one bucket on the host, less the
+  time inside collectives (the wire's) and, on CPU, inside the codec's
+  kernels (the device's work on a GPU, where launches return at once);
+- for a model of many small layers and one of few large ones, for the
+  two_phase, native and block routes.
+
+Target (issue #34): at most 15 ops, the same for 2 or 200 layers, and at
+most 300 us per bucket on a quiet 2-core machine (150 us on a GPU host).
+
+Usage::
+
+    python -m benchmarks.hostcost [--device cpu] [--repeats 50] [--out FILE]
+
+Example:
+    >>> rows = measure(torch.device("cpu"), repeats=3)  # doctest: +SKIP
+"""
+
+from __future__ import annotations
+
+import argparse
+import contextlib
+import dataclasses
+import json
+import os
+import statistics
+import sys
+import tempfile
+import time
+from collections.abc import Callable, Iterator
+from typing import Any
+
+import torch
+import torch.distributed as dist
+from torch.utils._python_dispatch import TorchDispatchMode
+
+import aps_comm
+from aps_comm import cpu_kernels
+
+__all__ = ["MODELS", "ROUTES", "OpCounter", "Row", "count_ops", "main", "measure"]
+
+MODELS: dict[str, list[int]] = {
+    "many-small": [2048] * 200,
+    "few-large": [131072] * 4,
+}
+"""Layer sizes of one bucket: 200 layers of 2k elements, or 4 of 128k."""
+
+ROUTES: dict[str, dict[str, Any]] = {
+    "two_phase": {"fmt": "e4m3", "reduction": "two_phase"},
+    "native": {"fmt": "fp16", "reduction": "allreduce"},
+    "block": {"fmt": "e2m1", "reduction": "two_phase", "scaling": "block"},
+}
+"""The routes measured: APS e4m3 two_phase, FP16 native sums, e2m1 block two_phase."""
+
+_UNCOUNTED = {"empty.memory_format", "empty_strided.default", "lift_fresh.default"}
+
+# The codec's kernels: numba on CPU, Triton on CUDA (both called through their modules).
+_CPU_KERNELS = (
+    "encode",
+    "decode",
+    "reduce_shards",
+    "reduce_blocks",
+    "reduce_rank_blocks",
+    "layer_keys",
+    "two_phase_keys",
+    "block_amax",
+    "layer_any",
+)
+_TRITON_KERNELS = (
+    "encode",
+    "decode",
+    "reduce_shards",
+    "shard_mean",
+    "reduce_blocks",
+    "reduce_rank_blocks",
+    "layer_keys",
+)
+
+
+class OpCounter(TorchDispatchMode):
+    """Counts ATen ops that launch work (not views, allocations or collectives)."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.ops: list[str] = []
+
+    def __torch_dispatch__(
+        self, func: Any, types: Any, args: tuple = (), kwargs: dict | None = None
+    ) -> Any:
+        name = func._opname + "." + func._overloadname
+        if not (func.is_view or func.namespace == "c10d" or name in _UNCOUNTED):
+            self.ops.append(f"{func.namespace}::{name}")
+        return func(*args, **(kwargs or {}))
+
+
+@contextlib.contextmanager
+def _kernels(device: torch.device, calls: list[str], seconds: list[float]) -> Iterator[None]:
+    """Count the codec's kernel calls into ``calls`` and their time into ``seconds``."""
+    if device.type == "cpu":
+        module, names = cpu_kernels, _CPU_KERNELS
+    else:
+        from aps_comm import triton_codec
+
+        module, names = triton_codec, _TRITON_KERNELS
+    saved = {n: getattr(module, n) for n in names if hasattr(module, n)}
+
+    def wrap(name: str, fn: Callable[..., Any]) -> Callable[..., Any]:
+        def counted(*args: Any, **kwargs: Any) -> Any:
+            calls.append(f"kernel::{name}")
+            start = time.perf_counter()
+            try:
+                return fn(*args, **kwargs)
+            finally:
+                seconds.append(time.perf_counter() - start)
+
+        return counted
+
+    try:
+        for name, fn in saved.items():
+            setattr(module, name, wrap(name, fn))
+        yield
+    finally:
+        for name, fn in saved.items():
+            setattr(module, name, fn)
+
+
+class _TimedWork:
+    """A collective's work whose ``wait`` is timed (on Gloo it blocks for the transfer)."""
+
+    def __init__(self, work: Any, seconds: list[float]) -> None:
+        self._work, self._seconds = work, seconds
+
+    def wait(self, *args: Any) -> Any:
+        start = time.perf_counter()
+        try:
+            return self._work.wait(*args)
+        finally:
+            self._seconds.append(time.perf_counter() - start)
+
+    def __getattr__(self, name: str) -> Any:
+        return getattr(self._work, name)
+
+
+_COLLECTIVES = ("all_reduce", "all_to_all_single", "all_gather_into_tensor", "all_gather_single")
+
+
+@contextlib.contextmanager
+def _collectives(seconds: list[float]) -> Iterator[None]:
+    """Time every collective (its call and its wait) into ``seconds``: the wire's time, not
+    the host's (NCCL returns at once; Gloo at world size 1 still hands off to its threads)."""
+    saved = {n: getattr(dist, n) for n in _COLLECTIVES if hasattr(dist, n)}
+
+    def wrap(fn: Callable[..., Any]) -> Callable[..., Any]:
+        def timed(*args: Any, **kwargs: Any) -> Any:
+            start = time.perf_counter()
+            try:
+                work = fn(*args, **kwargs)
+            finally:
+                seconds.append(time.perf_counter() - start)
+            return _TimedWork(work, seconds) if work is not None else None
+
+        return timed
+
+    try:
+        for name, fn in saved.items():
+            setattr(dist, name, wrap(fn))
+        yield
+    finally:
+        for name, fn in saved.items():
+            setattr(dist, name, fn)
+
+
+@dataclasses.dataclass(frozen=True)
+class Row:
+    """One model and route: what one settled bucket costs on the host."""
+
+    model: str
+    route: str
+    layers: int
+    elements: int
+    ops: int
+    aten_ops: int
+    kernels: int
+    host_us: float
+    kernel_us: float
+    wire_us: float
+    total_us: float
+    op_names: tuple[str, ...]
+
+
+def _sync(device: torch.device) -> None:
+    if device.type == "cuda":
+        torch.cuda.synchronize(device)
+
+
+def count_ops(
+    state: aps_comm.APSState, buffer: torch.Tensor, params: list[torch.Tensor]
+) -> tuple[list[str], list[str]]:
+    """(ATen ops, codec kernel calls) of one bucket through ``state``'s path."""
+    calls: list[str] = []
+    seconds: list[float] = []
+    counter = OpCounter()
+    with _kernels(buffer.device, calls, seconds), counter:
+        state.run_bucket(0, buffer, params)
+    return counter.ops, calls
+
+
+def _bucket(
+    numels: list[int], device: torch.device, seed: int
+) -> tuple[torch.Tensor, list[torch.Tensor]]:
+    gen = torch.Generator().manual_seed(seed)
+    buffer = torch.randn(sum(numels), generator=gen).to(device)
+    params = [torch.nn.Parameter(torch.empty(n, device=device)) for n in numels]
+    return buffer, params
+
+
+def measure(
+    device: torch.device,
+    repeats: int = 50,
+    models: dict[str, list[int]] | None = None,
+    routes: dict[str, dict[str, Any]] | None = None,
+) -> list[Row]:
+    """Every model and route's :class:`Row`, in a world of one rank already initialised."""
+    rows = []
+    for model, numels in (models or MODELS).items():
+        for route, options in (routes or ROUTES).items():
+            state = aps_comm.APSState(**options)
+            buffer, params = _bucket(numels, device, 0)
+            for _ in range(3):  # the plan, then the settled path, then one more
+                state.run_bucket(0, buffer, params)
+            _sync(device)
+            aten, kernels = count_ops(state, buffer, params)
+            total, host, in_kernels, on_wire = [], [], [], []
+            for _ in range(repeats):
+                calls: list[str] = []
+                seconds: list[float] = []
+                wire: list[float] = []
+                _sync(device)
+                with _kernels(device, calls, seconds), _collectives(wire):
+                    start = time.perf_counter()
+                    state.run_bucket(0, buffer, params)
+                    elapsed = time.perf_counter() - start
+                _sync(device)
+                kernel_s = sum(seconds) if device.type == "cpu" else 0.0
+                total.append(elapsed)
+                in_kernels.append(kernel_s)
+                on_wire.append(sum(wire))
+                host.append(elapsed - kernel_s - sum(wire))
+            rows.append(
+                Row(
+                    model,
+                    route,
+                    len(numels),
+                    sum(numels),
+                    len(aten) + len(kernels),
+                    len(aten),
+                    len(kernels),
+                    round(statistics.median(host) * 1e6, 1),
+                    round(statistics.median(in_kernels) * 1e6, 1),
+                    round(statistics.median(on_wire) * 1e6, 1),
+                    round(statistics.median(total) * 1e6, 1),
+                    tuple(aten + kernels),
+                )
+            )
+    return rows
+
+
+@contextlib.contextmanager
+def world_of_one(device: torch.device) -> Iterator[None]:
+    """A default process group of one rank: Gloo for CPU, NCCL for CUDA."""
+    with tempfile.TemporaryDirectory() as tmp:
+        store = dist.FileStore(os.path.join(tmp, "store"), 1)
+        backend = "nccl" if device.type == "cuda" else "gloo"
+        if device.type == "cuda":
+            torch.cuda.set_device(device)
+        dist.init_process_group(backend, store=store, rank=0, world_size=1)
+        try:
+            yield
+        finally:
+            dist.destroy_process_group()
+
+
+def table(rows: list[Row]) -> str:
+    """The rows as a Markdown table."""
+    lines = [
+        "| model | route | layers | ops per bucket (ATen + kernels) | host us | "
+        "in kernels us | collectives us | total us |",
+        "|---|---|---|---|---|---|---|---|",
+    ]
+    for r in rows:
+        lines.append(
+            f"| {r.model} | {r.route} | {r.layers} | {r.ops} ({r.aten_ops} + {r.kernels}) "
+            f"| {r.host_us:.0f} | {r.kernel_us:.0f} | {r.wire_us:.0f} | {r.total_us:.0f} |"
+        )
+    return "\n".join(lines)
+
+
+def main(argv: list[str] | None = None) -> int:
+    parser = argparse.ArgumentParser(prog="python -m benchmarks.hostcost", description=__doc__)
+    parser.add_argument("--device", default="cpu", help="cpu, or cuda (NCCL)")
+    parser.add_argument("--repeats", type=int, default=50)
+    parser.add_argument("--out", default=None, help="write the rows as JSON here")
+    args = parser.parse_args(argv)
+    device = torch.device(args.device)
+    if device.type == "cuda" and not torch.cuda.is_available():
+        parser.error("--device cuda needs a CUDA device")
+    with world_of_one(device):
+        rows = measure(device, args.repeats)
+    print(table(rows))
+    if args.out:
+        doc = {
+            "command": "python -m benchmarks.hostcost " + " ".join(argv or sys.argv[1:]),
+            "device": str(device),
+            "torch": torch.__version__,
+            "repeats": args.repeats,
+            "rows": [dataclasses.asdict(r) for r in rows],
+        }
+        with open(args.out, "w") as f:
+            json.dump(doc, f, indent=1)
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
