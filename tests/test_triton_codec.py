@@ -572,3 +572,129 @@ def test_owner_reduce_rank_blocks_matches_kernels(
     d = torch.empty(layout.n_segments, dtype=torch.int32)
     with pytest.raises(ValueError, match=r"factors must be contiguous float32 of shape \(2, "):
         tc.reduce_rank_blocks(recv, 2, fmt, layout.device_offsets, cols, got, d, 126, 8)
+
+
+_KERNELS = ("_encode_kernel", "_decode_kernel", "_reduce_kernel", "_reduce_blocks_kernel", "_keys_kernel")
+
+
+class _Recorder:
+    """Stands in for a kernel under the interpreter: records each launch's arguments."""
+
+    def __init__(self, name: str, kernel: object, log: list) -> None:
+        self.name, self.kernel, self.log = name, kernel, log
+
+    def __getitem__(self, grid: object):  # type: ignore[no-untyped-def]
+        launch = self.kernel[grid]  # type: ignore[index]
+
+        def run(*args: object, **kwargs: object) -> object:
+            self.log.append((self.name, args, kwargs))
+            return launch(*args, **kwargs)
+
+        return run
+
+
+def _launch_everything(tc: types.ModuleType) -> None:
+    """Every launcher of the codec, every variant it launches, for three wire widths."""
+    cpu = torch.device("cpu")
+    for fmt in (F.E4M3, F.E2M1, F.FP16):
+        c = codec.Codec(fmt, cpu, "triton")
+        numels = [5, 0, 700, 33, 2]
+        layout = codec.Layout.from_numels(numels, cpu)
+        x = torch.randn(layout.numel)
+        scale = torch.full((len(numels),), 4.0)
+        keys = torch.empty(len(numels), dtype=torch.int32)
+        for native in (False, True):
+            c.layer_keys(x, layout, keys, world_size=3, native=native)
+        blocks = layout.grid(32)
+        block_scale = torch.full((blocks.n_blocks,), 2.0)
+        n = layout.numel
+        variants = [
+            {},
+            {"scale": scale, "layout": layout},
+            {"scale": block_scale, "layout": blocks.layout},
+            {"scale": codec.Keyed(keys), "layout": layout},
+        ]
+        for kw in variants:
+            payload = c.encode(x, **kw)
+            c.decode(payload, n, out=torch.empty(n), **kw)
+        padded = torch.empty(payload_nbytes(n + 6, fmt), dtype=torch.uint8)
+        c.encode(x, out=padded, scale=codec.Keyed(keys), layout=layout, pad=6)
+        for divisor in (4, 3):
+            c.decode(padded, n, out=torch.empty(n), scale=codec.Keyed(keys, divisor), layout=layout)
+        shards = torch.cat([c.encode(x[:64]), c.encode(x[64:128])])
+        c.owner_reduce(shards, 2)
+        c.shard_mean(shards, 2)
+        rows = blocks.layout.window(0, 64)
+        shard = payload_nbytes(64, fmt)
+        recv = torch.cat([c.encode(x[:64]), c.encode(x[:64])])
+        d = torch.empty(rows.n_segments, dtype=torch.int32)
+        out = torch.empty(shard, dtype=torch.uint8)
+        exps = torch.zeros(rows.n_segments, dtype=torch.int32)
+        tc.reduce_blocks(recv, 2, fmt, rows.device_offsets, exps, out, d, 126, 32)
+        factors = torch.ones(2, rows.n_segments)
+        tc.reduce_rank_blocks(recv, 2, fmt, rows.device_offsets, factors, out, d, 126, 32)
+
+
+@needs_triton
+def test_every_launched_variant_compiles_for_a_gpu(monkeypatch: pytest.MonkeyPatch) -> None:
+    # What the launchers pass, not hand-written signatures: the launches are recorded
+    # under the interpreter, then bound by Triton's own binder for sm_90 and compiled.
+    # A float32 placeholder for an int64 pointer once made every scaled encode fail
+    # to compile on GPUs while hand-written signatures compiled.
+    from triton.backends.compiler import GPUTarget
+    from triton.compiler import ASTSource, make_backend
+    from triton.runtime.jit import create_function_from_signature
+
+    log: list = []
+    with _loaded(interpret=True) as tc:
+        for name in _KERNELS:
+            monkeypatch.setattr(tc, name, _Recorder(name, getattr(tc, name), log))
+        _quiet(_launch_everything, tc)
+        monkeypatch.undo()
+    assert {name for name, _, _ in log} == set(_KERNELS), {name for name, _, _ in log}
+    target = GPUTarget("cuda", 90, 32)
+    backend = make_backend(target)
+    compiled = set()
+    with _loaded(interpret=False) as module:
+        for name, args, kwargs in log:
+            fn = getattr(module, name)
+            binder = create_function_from_signature(fn.signature, fn.params, backend)
+            bound, spec, opts = binder(*args, **kwargs)
+            options, signature, constexprs, attrs = fn._pack_args(
+                backend, kwargs, bound, spec, opts
+            )
+            key = (name, repr(sorted(signature.items())), repr(sorted(constexprs.items())))
+            if key in compiled:
+                continue
+            src = ASTSource(fn, signature, constexprs, attrs)
+            triton.compile(src, target=target, options=options.__dict__)
+            compiled.add(key)
+    assert len(compiled) >= 20, len(compiled)
+
+
+def test_a_failing_kernel_variant_falls_back_to_torch_ops(
+    tc: types.ModuleType, monkeypatch: pytest.MonkeyPatch, caplog: pytest.LogCaptureFixture
+) -> None:
+    # A variant the first-use probe never launches (the keys kernel) fails to compile:
+    # it is logged once and runs on torch ops from then on, with the same keys.
+    calls = []
+
+    def fail(*args: object, **kwargs: object) -> None:
+        calls.append(1)
+        raise RuntimeError("CompilationError: invalid operands")
+
+    monkeypatch.setattr(codec, "_TRITON_FAILED", {})
+    monkeypatch.setattr(codec, "_TRITON_RAN", set())  # never launched in this process
+    monkeypatch.setattr(tc, "layer_keys", fail)
+    cpu = torch.device("cpu")
+    layout = codec.Layout.from_numels([3, 4], cpu)
+    x = torch.tensor([1.0, -3.0, 0.5, 200.0, float("nan"), 2.0, 0.0])[:7]
+    want = torch.empty(2, dtype=torch.int32)
+    codec.Codec(F.E4M3, cpu, "kernels").layer_keys(x, layout, want, world_size=2, native=False)
+    c = codec.Codec(F.E4M3, cpu, "triton")
+    for _ in range(2):
+        got = torch.empty(2, dtype=torch.int32)
+        c.layer_keys(x, layout, got, world_size=2, native=False)
+        assert torch.equal(got, want)
+    assert calls == [1]  # tried once, then straight to the torch ops
+    assert [r.getMessage().count("invalid operands") for r in caplog.records] == [1]

@@ -1,0 +1,76 @@
+"""The hook's work per settled bucket: a fixed handful of ops, whatever the layer count.
+
+Counts, not times: :func:`benchmarks.hostcost.count_ops` sees every ATen op
+that launches work and every codec kernel call of one bucket through the
+state's own path, at world size 1 on Gloo. A bucket of 200 layers must cost
+what a bucket of 2 costs, and no more than 15 (issue #34's budget; on a GPU
+every op is a kernel launch and ~10 us of host time). The settled path must
+also give the same bits as the full one it replaces.
+"""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+import aps_comm
+from benchmarks.hostcost import ROUTES, count_ops, world_of_one
+
+CPU = torch.device("cpu")
+BUDGET = 15
+
+
+def _bucket(numels: list[int], seed: int) -> tuple[torch.Tensor, list[torch.Tensor]]:
+    gen = torch.Generator().manual_seed(seed)
+    x = torch.randn(sum(numels), generator=gen) * 2.0 ** torch.randint(-20, 20, (1,), generator=gen)
+    x[:: max(1, x.numel() // 7)] *= 1000.0  # layers of very different maxima
+    params = [torch.nn.Parameter(torch.empty(n)) for n in numels]
+    return x, params
+
+
+@pytest.fixture(scope="module")
+def world() -> None:
+    with world_of_one(CPU):
+        yield
+
+
+@pytest.mark.parametrize("route", ["two_phase", "native"])
+def test_ops_per_settled_bucket_do_not_grow_with_layers(world: None, route: str) -> None:
+    counts = {}
+    for layers in (2, 200):
+        state = aps_comm.APSState(**ROUTES[route])
+        x, params = _bucket([300 + i for i in range(layers)], layers)
+        for _ in range(2):  # the plan, then the settled path bound
+            state.run_bucket(0, x.clone(), params)
+        buffer = x.clone()
+        state.run_bucket(0, buffer, params)  # a new buffer: planned once more
+        aten, kernels = count_ops(state, buffer, params)
+        assert not any("_local_scalar_dense" in op for op in aten), aten  # no host read
+        counts[layers] = (aten, kernels)
+    assert counts[2] == counts[200], counts
+    aten, kernels = counts[200]
+    assert len(aten) + len(kernels) <= BUDGET, counts[200]
+    assert "kernel::layer_keys" in kernels  # one pass writes every layer's key
+
+
+@pytest.mark.parametrize("route", ["two_phase", "native"])
+@pytest.mark.parametrize("fmt", ["e4m3", "e2m1", "fp16", "bf16"])
+def test_settled_path_gives_the_full_paths_bits(world: None, route: str, fmt: str) -> None:
+    if route == "native" and fmt in ("e4m3", "e2m1"):
+        pytest.skip("Gloo sums no 8- or 4-bit format natively")
+    numels = [5, 0, 1, 700, 33, 2]
+    options = {**ROUTES[route], "fmt": fmt}
+    x, params = _bucket(numels, 7)
+    x[3] = float("nan")  # the first layer is non-finite: NaN everywhere in it
+    settled = aps_comm.APSState(**options)
+    buffer = x.clone()
+    for _ in range(3):
+        buffer.copy_(x)
+        out = settled.run_bucket(0, buffer, params)
+    assert settled.reducer is not None and settled.reducer.steady_for(0, buffer) is not None
+    fresh = aps_comm.APSState(**options)
+    want = fresh.run_bucket(0, x.clone(), params)  # the full path, never settled
+    assert torch.equal(out.isnan(), want.isnan())
+    assert out[:5].isnan().all()
+    same = torch.where(out.isnan(), 0.0, out).view(torch.int32)
+    assert torch.equal(same, torch.where(want.isnan(), 0.0, want).view(torch.int32))
