@@ -3,19 +3,34 @@
 Run it from the checkout, where ``pip install -e .`` has made ``aps_perfmodel``
 importable (``--no-deps`` on a machine without a registry)::
 
-    python -m benchmarks.gpu --out DIR [--steps codec,profile] [--budget-s 1200]
+    python -m benchmarks.gpu --out DIR [--steps step,codec] [--budget-s 420]
 
-Steps, each recorded in ``DIR/gpu.json`` and ``DIR/gpu.md`` as passed, failed
-or skipped with its reason:
+Steps, most valuable first, each recorded in ``DIR/gpu.json`` and
+``DIR/gpu.md`` as passed, failed or skipped with its reason. The default
+budget (420 s) ends the command within 8 minutes; a step starts only with
+its :data:`MIN_SECONDS` left, and its timeouts end at the budget:
 
-1. ``cuda_tests``: ``pytest tests/test_cuda.py``, its summary and counts.
+1. ``step``: what users feel, the step time of a real model
+   (:class:`StepLM`: 12 pre-norm encoder layers, d_model 1024, 216.7M
+   parameters, batch 8 x 512, bf16 autocast, SGD) under DDP at world size 1
+   on NCCL, median of 20 timed steps after 6 warm-up ones, per configuration
+   of :data:`STEP_CONFIGS` (DDP default first and last, ``fp16_compress_hook``,
+   APS e4m3 two_phase, native FP8, e2m1 and e4m3 block, "auto"), each against
+   DDP default's mean; plus, from one profiled step, kernel launches per step
+   and per bucket and the host time of a hook call. Targets: e4m3 two_phase
+   and native <= 1.10x, block <= 1.15x, "auto" (FP32 at world size 1) <= 1.02x.
 2. ``codec``: e4m3 encode + decode of a 256 MiB float32 buffer against a
    device copy of the same buffer, with and without per-layer scales, timed
    with CUDA events; the ratio is the median of per-repeat ratios (target
    <= 1.5x; the memory-bound ideal is 1.25x: 10 bytes moved per element
    against the copy's 8). The backend "auto" picks is judged; the torch
    casts and the Triton kernels (where Triton is installed) are timed beside it.
-3. ``hook_nccl``: DDP with :func:`aps_comm.register` at world size 1 on
+3. ``profile``: ``torch.profiler`` over one step (after 3 warm-up steps) at
+   world size 1 on NCCL, per bucket: kernels (NCCL's apart), host syncs
+   (cudaStreamSynchronize, cudaDeviceSynchronize, cudaEventSynchronize,
+   blocking cudaMemcpy) and copies between host and device; any sync or
+   host-device copy inside a bucket fails the step.
+4. ``hook_nccl``: DDP with :func:`aps_comm.register` at world size 1 on
    NCCL, each reduction forced (at world size 1 "auto" would send every
    bucket as FP32 and the codec would never run), bit for bit with the same
    run on Gloo/CPU, with ``torch.cuda.set_sync_debug_mode("error")`` from
@@ -24,18 +39,14 @@ or skipped with its reason:
    CPU reference is two_phase: at world size 1 both are one round trip
    through the format); "hierarchical" and "grid" need more ranks than NCCL
    can put on one GPU and are recorded as skipped.
-4. ``hook_gloo_cuda``: 2 and 4 ranks on the one GPU through Gloo with CUDA
+5. ``hook_gloo_cuda``: 2 and 4 ranks on the one GPU through Gloo with CUDA
    tensors (two_phase, native FP16/BF16 sums, hierarchical and grid at 4
    ranks), bit for bit with the same ranks on CPU. No sync-debug mode here:
    Gloo stages CUDA tensors through host memory and synchronises by design.
-5. ``fsdp``: :func:`aps_comm.fsdp.register` on FSDP2 (``fully_shard``), 2
+6. ``fsdp``: :func:`aps_comm.fsdp.register` on FSDP2 (``fully_shard``), 2
    ranks on the one GPU through Gloo, bit for bit with CPU (FSDP2 skips the
    reduce-scatter at world size 1, so one NCCL rank would not run it).
-6. ``profile``: ``torch.profiler`` over one step (after 3 warm-up steps) at
-   world size 1 on NCCL, per bucket: kernels (NCCL's apart), host syncs
-   (cudaStreamSynchronize, cudaDeviceSynchronize, cudaEventSynchronize,
-   blocking cudaMemcpy) and copies between host and device; any sync or
-   host-device copy inside a bucket fails the step.
+7. ``cuda_tests``: ``pytest tests/test_cuda.py``, its summary and counts.
 
 Every gradient is exact on any device: each parameter ``p`` enters the loss
 as ``(p * g).sum()`` (:class:`GradModel`), so its gradient is ``g``, drawn on
@@ -58,6 +69,7 @@ import contextlib
 import dataclasses
 import enum
 import functools
+import gc
 import json
 import math
 import platform
@@ -80,24 +92,35 @@ from torch.nn.parallel import DistributedDataParallel as DDP
 import aps_comm
 from aps_comm import codec
 from aps_comm.formats import FloatFormat, get_format, payload_nbytes
-from aps_comm.testing import run_distributed
+from aps_comm.testing import DistributedTestError, run_distributed
 
 __all__ = [
     "BUCKET_CAP_MB",
     "BUCKET_PREFIX",
     "CHUNK_ELEMENTS",
+    "DEFAULT_BUDGET_S",
+    "MIN_SECONDS",
     "SHAPES",
     "STEPS",
+    "STEP_CONFIGS",
+    "STEP_TIMED",
+    "STEP_WARMUP",
     "CodecTiming",
     "Environment",
     "EventKind",
     "GradModel",
+    "Hook",
     "HookCase",
+    "LMSpec",
     "ProfileEvent",
     "Status",
+    "StepConfig",
     "StepContext",
+    "StepLM",
     "StepResult",
+    "TimedHook",
     "bucket_profile",
+    "budget_skip_reason",
     "check_fsdp",
     "check_hook_case",
     "classify_event",
@@ -105,16 +128,20 @@ __all__ = [
     "ddp_grads",
     "fsdp_grads",
     "hook_skip_reason",
+    "judge_step_rows",
     "junit_counts",
     "labelled_hook",
+    "launch_counts",
     "main",
     "median_ratio",
     "native_fp8_skip_reason",
     "padded_numel",
     "profile_step",
     "rank_grads",
+    "real_model_steps",
     "reference_case",
     "render_markdown",
+    "timed_hook",
 ]
 
 _ROOT = Path(__file__).resolve().parents[1]
@@ -429,6 +456,10 @@ class ProfileEvent:
         on_device: a device activity (kernel, copy) rather than a host event.
         kernels: names of the device activities the profiler linked to this
             host event (an operator's kernels and copies).
+        corr: the profiler's correlation id: a CUDA runtime call (a kernel
+            launch) and the kernel it launched share it.
+        annotation: a ``record_function`` range mirrored on the device
+            timeline, not device work.
     """
 
     name: str
@@ -437,6 +468,8 @@ class ProfileEvent:
     end_us: float
     on_device: bool = False
     kernels: tuple[str, ...] = ()
+    corr: int = 0
+    annotation: bool = False
 
 
 def bucket_profile(events: Sequence[ProfileEvent], prefix: str = BUCKET_PREFIX) -> dict[str, Any]:
@@ -1252,31 +1285,561 @@ def _step_profile(ctx: StepContext) -> StepResult:
     return StepResult("profile", Status.PASSED, details=details)
 
 
+# ---------------------------------------------------------------------------
+# The real-model step (issue 34): what users feel, the step time of a real model.
+
+
+@dataclasses.dataclass(frozen=True)
+class LMSpec:
+    """The real model and its batch: fixed, so that step numbers compare across runs.
+
+    The defaults are the issue-34 model: 12 pre-norm encoder layers (d_model
+    1024, 16 heads, feed-forward 4096, dropout 0), a final LayerNorm, an untied
+    32000-token embedding and output head (no bias): 216.7M parameters; batch
+    8 x 512 tokens.
+    """
+
+    vocab: int = 32000
+    d_model: int = 1024
+    heads: int = 16
+    ff: int = 4096
+    layers: int = 12
+    batch: int = 8
+    seq: int = 512
+
+
+class StepLM(nn.Module):
+    """Embedding, ``nn.TransformerEncoder`` (pre-norm), final LayerNorm, output head.
+
+    Example:
+        >>> with torch.device("meta"):
+        ...     n = sum(p.numel() for p in StepLM().parameters())
+        >>> round(n / 1e6, 1)
+        216.7
+    """
+
+    def __init__(self, spec: LMSpec = LMSpec()) -> None:
+        super().__init__()
+        self.embed = nn.Embedding(spec.vocab, spec.d_model)
+        layer = nn.TransformerEncoderLayer(
+            spec.d_model, spec.heads, spec.ff, dropout=0.0, batch_first=True, norm_first=True
+        )
+        self.encoder = nn.TransformerEncoder(
+            layer, spec.layers, norm=nn.LayerNorm(spec.d_model), enable_nested_tensor=False
+        )
+        self.head = nn.Linear(spec.d_model, spec.vocab, bias=False)
+
+    def forward(self, tokens: torch.Tensor) -> torch.Tensor:
+        return self.head(self.encoder(self.embed(tokens)))
+
+
+class Hook(str, enum.Enum):
+    """Which communication a :class:`StepConfig` runs."""
+
+    DDP = "ddp"  # DDP's built-in FP32 all-reduce, no comm hook
+    FP16 = "fp16_compress"  # torch's fp16_compress_hook
+    APS = "aps"  # aps_comm's hook, as aps_comm.register installs it
+
+
+@dataclasses.dataclass(frozen=True)
+class StepConfig:
+    """One configuration of the ``step`` step and its target (step time / DDP default's).
+
+    Example:
+        >>> StepConfig("x", Hook.APS, "e2m1", "two_phase", "block").code
+        'aps_comm.register(ddp, fmt="e2m1", reduction="two_phase", scaling="block")'
+    """
+
+    name: str
+    hook: Hook = Hook.DDP
+    fmt: str = "e4m3"
+    reduction: str = "auto"
+    scaling: str = "layer"
+    target: float | None = None
+
+    @property
+    def code(self) -> str:
+        """What a user writes for it."""
+        if self.hook == Hook.DDP:
+            return "DDP(model)"
+        if self.hook == Hook.FP16:
+            return "ddp.register_comm_hook(None, fp16_compress_hook)"
+        args = [f'fmt="{self.fmt}"']
+        if self.reduction != "auto":
+            args.append(f'reduction="{self.reduction}"')
+        if self.scaling != "layer":
+            args.append(f'scaling="{self.scaling}"')
+        return f"aps_comm.register(ddp, {', '.join(args)})"
+
+
+STEP_CONFIGS: tuple[StepConfig, ...] = (
+    StepConfig("DDP default"),
+    StepConfig("fp16_compress_hook", Hook.FP16),
+    StepConfig("APS e4m3 two_phase", Hook.APS, "e4m3", "two_phase", target=1.10),
+    StepConfig("APS e4m3 allreduce (native FP8)", Hook.APS, "e4m3", "allreduce", target=1.10),
+    StepConfig("APS e2m1 block two_phase", Hook.APS, "e2m1", "two_phase", "block", 1.15),
+    StepConfig("APS e4m3 block two_phase", Hook.APS, "e4m3", "two_phase", "block", 1.15),
+    StepConfig("APS auto", Hook.APS, "e4m3", "auto", target=1.02),
+    StepConfig("DDP default (again)"),
+)
+"""The ``step`` step's configurations in the order they run: DDP default first and
+last, so drift over the run shows (the ratios are against the mean of the two)."""
+
+STEP_WARMUP = 6
+STEP_TIMED = 20
+
+
+class TimedHook:
+    """A comm hook and its state, with the host wall time of each call.
+
+    Registered as ``ddp.register_comm_hook(TimedHook(hook, state), timed_hook)``.
+    With ``label`` set, each call also runs inside a profiler range named
+    ``BUCKET_PREFIX + bucket index`` (see :func:`bucket_profile`).
+    """
+
+    def __init__(self, hook: Callable[..., Any], state: Any) -> None:
+        self.hook = hook
+        self.state = state
+        self.host_us: list[float] = []
+        self.label = False
+
+
+def timed_hook(timed: TimedHook, bucket: dist.GradBucket) -> torch.futures.Future[torch.Tensor]:
+    """``timed.hook(timed.state, bucket)``, its host time appended to ``timed.host_us``."""
+    start = time.perf_counter()
+    if timed.label:
+        with torch.profiler.record_function(f"{BUCKET_PREFIX}{bucket.index()}"):
+            fut = timed.hook(timed.state, bucket)
+    else:
+        fut = timed.hook(timed.state, bucket)
+    timed.host_us.append((time.perf_counter() - start) * 1e6)
+    return fut
+
+
+def _aps_state(ddp: DDP, cfg: StepConfig, device: torch.device) -> aps_comm.APSState:
+    """What :func:`aps_comm.register` builds and binds, without registering :func:`aps_comm.aps_hook`.
+
+    Raises:
+        ValueError: the configuration cannot run here (native FP8 where NCCL
+            cannot sum it), as :func:`aps_comm.register` raises it.
+    """
+    state = aps_comm.APSState(cfg.fmt, reduction=cfg.reduction, scaling=cfg.scaling)
+    state.bind_model(ddp.module)
+    state.bind(device)
+    return state
+
+
+def _step_row(cfg: StepConfig) -> dict[str, Any]:
+    return {
+        "config": cfg.name,
+        "code": cfg.code,
+        "hook": cfg.hook.value,
+        "target": cfg.target,
+        "step_ms": None,
+        "times_ms": [],
+        "buckets": None,
+        "host_us_per_bucket": None,
+        "launches_per_step": None,
+        "launches_per_bucket": None,
+        "bucket_reductions": [],
+        "peak_gib": None,
+        "skipped": None,
+        "error": None,
+        "seconds": 0.0,
+    }
+
+
+_LAUNCH = re.compile(r"^cu(da)?Launch(Kernel|CooperativeKernel)")
+
+
+def launch_counts(
+    events: Sequence[ProfileEvent], prefix: str = BUCKET_PREFIX
+) -> tuple[int, float | None, int]:
+    """Kernel launches in a profiled step, NCCL's left out.
+
+    Returns:
+        (kernels the device ran in the step, launch calls on the host inside
+        the bucket ranges ``prefix + index`` (same thread) per bucket or None
+        without ranges, the number of ranges). A launch call (cudaLaunchKernel,
+        cuLaunchKernel and their variants) is NCCL's when the kernel with its
+        correlation id is; ``record_function`` ranges mirrored on the device
+        are not kernels.
+
+    Example:
+        >>> ev = [ProfileEvent("aps_bucket_0", 1, 0.0, 10.0),
+        ...       ProfileEvent("cudaLaunchKernel", 1, 1.0, 2.0, corr=5),
+        ...       ProfileEvent("cudaLaunchKernel", 1, 3.0, 4.0, corr=6),
+        ...       ProfileEvent("mul_kernel", 0, 2.0, 3.0, on_device=True, corr=5),
+        ...       ProfileEvent("ncclDevKernel_Sum", 0, 4.0, 5.0, on_device=True, corr=6)]
+        >>> launch_counts(ev)
+        (1, 1.0, 1)
+    """
+    device = [e for e in events if e.on_device and not e.annotation]
+    per_step = sum(1 for e in device if classify_event(e.name, True) == EventKind.KERNEL)
+    nccl = {e.corr for e in device if classify_event(e.name, True) == EventKind.NCCL_KERNEL}
+    windows = [e for e in events if not e.on_device and e.name.startswith(prefix)]
+    if not windows:
+        return per_step, None, 0
+    inside = sum(
+        1
+        for e in events
+        if not e.on_device
+        and _LAUNCH.match(e.name)
+        and e.corr not in nccl
+        and any(w.thread == e.thread and w.start_us <= e.start_us <= w.end_us for w in windows)
+    )
+    return per_step, inside / len(windows), len(windows)
+
+
+def _profiled_launches(
+    run: Callable[[], None], timed: TimedHook | None, device: torch.device
+) -> tuple[int, float | None]:
+    """One profiled step: :func:`launch_counts`' per step and per bucket (None without a hook)."""
+    activities = [torch.profiler.ProfilerActivity.CPU]
+    if device.type == "cuda":
+        activities.append(torch.profiler.ProfilerActivity.CUDA)
+    if timed is not None:
+        timed.label = True
+    try:
+        with torch.profiler.profile(activities=activities) as prof:
+            run()
+    finally:
+        if timed is not None:
+            timed.label = False
+    events = [
+        ProfileEvent(
+            e.name,
+            e.thread,
+            e.time_range.start,
+            e.time_range.end,
+            e.device_type != torch.autograd.DeviceType.CPU,
+            corr=e.id,
+            annotation=bool(getattr(e, "is_user_annotation", False)),
+        )
+        for e in prof.events()
+    ]
+    per_step, per_bucket, _ = launch_counts(events)
+    return per_step, (per_bucket if timed is not None else None)
+
+
+def _run_config(
+    cfg: StepConfig, dev: torch.device, spec: LMSpec, warm: int, timed_steps: int, profile: bool
+) -> dict[str, Any]:
+    row = _step_row(cfg)
+    cuda = dev.type == "cuda"
+    sync = torch.cuda.synchronize if cuda else (lambda: None)
+    if cuda:
+        torch.cuda.reset_peak_memory_stats()
+    timed: TimedHook | None = None
+    try:
+        torch.manual_seed(0)
+        with dev:
+            model = StepLM(spec)
+        ddp = DDP(model, device_ids=[dev.index] if cuda else None)
+        if cfg.hook == Hook.FP16:
+            from torch.distributed.algorithms.ddp_comm_hooks import default_hooks
+
+            timed = TimedHook(default_hooks.fp16_compress_hook, None)
+        elif cfg.hook == Hook.APS:
+            try:
+                state = _aps_state(ddp, cfg, dev)
+            except ValueError as exc:  # aps_comm.register raises the same here
+                row["skipped"] = f"aps_comm.register raised ValueError: {exc}"
+                return row
+            timed = TimedHook(aps_comm.aps_hook, state)
+        if timed is not None:
+            ddp.register_comm_hook(timed, timed_hook)
+        opt = torch.optim.SGD(model.parameters(), lr=1e-4)
+        gen = torch.Generator(device=dev).manual_seed(0)
+        shape = (spec.batch, spec.seq)
+        tokens = torch.randint(0, spec.vocab, shape, device=dev, generator=gen)
+        targets = torch.randint(0, spec.vocab, shape, device=dev, generator=gen)
+
+        def one_step() -> None:
+            opt.zero_grad(set_to_none=True)
+            with torch.autocast(dev.type, dtype=torch.bfloat16):
+                logits = ddp(tokens)
+                loss = nn.functional.cross_entropy(logits.view(-1, spec.vocab), targets.view(-1))
+            loss.backward()
+            opt.step()
+
+        for _ in range(warm):
+            one_step()
+        sync()
+        calls: list[int] = []
+        for _ in range(timed_steps):
+            before = len(timed.host_us) if timed else 0
+            start = time.perf_counter()
+            one_step()
+            sync()
+            row["times_ms"].append((time.perf_counter() - start) * 1e3)
+            calls.append((len(timed.host_us) if timed else 0) - before)
+        row["step_ms"] = statistics.median(row["times_ms"])
+        if timed is not None:
+            timed_calls = timed.host_us[-sum(calls) :] if sum(calls) else []
+            row["buckets"] = calls[-1]
+            if timed_calls:
+                row["host_us_per_bucket"] = statistics.median(timed_calls)
+        if timed is not None and isinstance(timed.state, aps_comm.APSState):
+            row["bucket_reductions"] = sorted(set(timed.state.bucket_reductions.values()))
+        if profile:
+
+            def profiled() -> None:
+                one_step()
+                sync()
+
+            row["launches_per_step"], row["launches_per_bucket"] = _profiled_launches(
+                profiled, timed, dev
+            )
+        if cuda:
+            row["peak_gib"] = round(torch.cuda.max_memory_allocated() / 2**30, 2)
+    except torch.cuda.OutOfMemoryError as exc:
+        row["error"] = f"out of CUDA memory: {_short(str(exc), 400)}"
+    except Exception as exc:  # recorded; the next configuration starts afresh
+        row["error"] = _short(_error(exc, cfg.name), 1500)
+    return row  # the model, optimizer and batch go with this frame
+
+
+def real_model_steps(
+    rank: int,
+    world_size: int,
+    device: str,
+    configs: Sequence[StepConfig] = STEP_CONFIGS,
+    spec: LMSpec = LMSpec(),
+    warm: int = STEP_WARMUP,
+    timed: int = STEP_TIMED,
+    profile: bool = True,
+    budget_s: float | None = None,
+    partial: str | None = None,
+) -> list[dict[str, Any]]:
+    """Per configuration, the median step time of :class:`StepLM` under DDP.
+
+    Each configuration gets the model afresh (seed 0), SGD, one batch of
+    random tokens and targets drawn on the device (seed 0), bf16 autocast,
+    cross-entropy; ``warm`` unmeasured steps, then ``timed`` steps each between
+    two device synchronisations (forward, loss, backward, optimizer step);
+    then, with ``profile``, one step under ``torch.profiler``. The comm hooks
+    run through :class:`TimedHook`, for the host time of each call.
+
+    Args:
+        rank: this rank.
+        world_size: ranks.
+        device: "cuda" or "cpu".
+        configs: what to run, in order.
+        spec: the model and batch.
+        warm: unmeasured steps per configuration.
+        timed: measured steps per configuration.
+        profile: profile one more step for the kernel launches.
+        budget_s: seconds for all configurations; one is skipped with the
+            reason when fewer are left than the slowest so far took.
+        partial: a file each finished row is appended to (a JSON line), so
+            that the rows survive if the job is killed.
+
+    Returns:
+        Per configuration, a row: "config", "code", "hook", "target",
+        "step_ms" (median), "times_ms", "buckets" (hook calls per step),
+        "host_us_per_bucket" (median host time of a hook call, microseconds),
+        "launches_per_step" (non-NCCL kernels in the profiled step),
+        "launches_per_bucket" (non-NCCL kernels launched inside a hook call,
+        mean over the buckets), "bucket_reductions", "peak_gib", "skipped"
+        (None or why), "error" (None or what raised), "seconds".
+    """
+    dev = _device(device)
+    started = time.monotonic()
+    slowest = 0.0
+    rows = []
+    for cfg in configs:
+        left = math.inf if budget_s is None else budget_s - (time.monotonic() - started)
+        if left < slowest * 1.2:
+            row = _step_row(cfg)
+            row["skipped"] = (
+                f"the time budget: {max(left, 0):.0f} s left, a configuration took "
+                f"up to {slowest:.0f} s"
+            )
+        else:
+            t0 = time.monotonic()
+            row = _run_config(cfg, dev, spec, warm, timed, profile)
+            gc.collect()
+            if dev.type == "cuda":
+                torch.cuda.empty_cache()
+            row["seconds"] = round(time.monotonic() - t0, 2)
+            slowest = max(slowest, row["seconds"])
+        rows.append(row)
+        if partial:
+            with open(partial, "a") as f:
+                f.write(json.dumps(row) + "\n")
+    return rows
+
+
+def judge_step_rows(rows: Sequence[dict[str, Any]]) -> tuple[list[dict[str, Any]], dict[str, Any]]:
+    """Each row's ratio to DDP default and its verdict; and the baseline.
+
+    The baseline is the mean step time of the DDP-default rows that ran
+    (first and last in :data:`STEP_CONFIGS`); "drift" is last / first - 1.
+    A row's "result": "baseline" (a DDP-default row), "pass" or "fail"
+    (ratio against its target), "reported" (no target), "skipped", "error",
+    or "no baseline".
+
+    Example:
+        >>> rows, base = judge_step_rows([
+        ...     {"hook": "ddp", "step_ms": 40.0, "target": None},
+        ...     {"hook": "aps", "step_ms": 46.0, "target": 1.1},
+        ...     {"hook": "ddp", "step_ms": 44.0, "target": None}])
+        >>> base["baseline_ms"], rows[1]["ratio"], rows[1]["result"]
+        (42.0, 1.0952, 'pass')
+    """
+    ran = [r["step_ms"] for r in rows if r["hook"] == Hook.DDP.value and r.get("step_ms")]
+    base = statistics.mean(ran) if ran else None
+    baseline = {
+        "baseline_ms": round(base, 3) if base else None,
+        "baseline_runs_ms": [round(t, 3) for t in ran],
+        "drift": round(ran[-1] / ran[0] - 1, 4) if len(ran) > 1 else None,
+    }
+    out = []
+    for r in rows:
+        ratio = None
+        if r.get("error"):
+            result = "error"
+        elif r.get("skipped"):
+            result = "skipped"
+        elif base is None or not r.get("step_ms"):
+            result = "no baseline"
+        else:
+            ratio = round(r["step_ms"] / base, 4)
+            if r["hook"] == Hook.DDP.value:
+                result = "baseline"
+            elif r.get("target") is None:
+                result = "reported"
+            else:
+                result = "pass" if ratio <= r["target"] else "fail"
+        out.append({**r, "ratio": ratio, "result": result})
+    return out, baseline
+
+
+_STEP_SECONDS = 240.0  # the step's share of the budget at most
+_STEP_STARTUP_S = 30.0  # process start, CUDA and NCCL initialisation
+
+
+def _step_step(ctx: StepContext) -> StepResult:
+    allowance = ctx.timeout(_STEP_SECONDS)
+    partial = ctx.out / "step_rows.jsonl"
+    partial.unlink(missing_ok=True)
+    stopped = None
+    try:
+        rows = run_distributed(
+            real_model_steps,
+            1,
+            args=(
+                "cuda",
+                STEP_CONFIGS,
+                LMSpec(),
+                STEP_WARMUP,
+                STEP_TIMED,
+                True,
+                max(allowance - _STEP_STARTUP_S, 1.0),
+                str(partial),
+            ),
+            backend="nccl",
+            timeout=allowance,
+        )[0]
+    except DistributedTestError as exc:  # keep the rows that finished
+        stopped = _short(str(exc), 1500)
+        done = (
+            [json.loads(ln) for ln in partial.read_text().splitlines()] if partial.exists() else []
+        )
+        rows = done + [
+            {**_step_row(c), "error": f"the run stopped: {stopped}"}
+            for c in STEP_CONFIGS[len(done) :]
+        ]
+    partial.unlink(missing_ok=True)
+    judged, baseline = judge_step_rows(rows)
+    spec = LMSpec()
+    with torch.device("meta"):
+        params = sum(p.numel() for p in StepLM(spec).parameters())
+    details = {
+        "model": (
+            f"nn.TransformerEncoder, {spec.layers} pre-norm layers (d_model {spec.d_model}, "
+            f"{spec.heads} heads, feed-forward {spec.ff}, dropout 0), untied {spec.vocab}-token "
+            f"embedding and head: {params / 1e6:.1f}M parameters"
+        ),
+        "parameters": params,
+        "batch": f"{spec.batch} x {spec.seq} tokens, bf16 autocast, SGD, cross-entropy",
+        "ddp": "world size 1 on NCCL, default buckets",
+        "steps": f"{STEP_WARMUP} warm-up, {STEP_TIMED} timed (median), 1 profiled",
+        **baseline,
+        "configs": judged,
+    }
+    bad = [
+        f"{r['config']}: {r['ratio']:.3f}x > {r['target']}x"
+        if r["result"] == "fail"
+        else f"{r['config']}: {_short(r['error'] or 'no DDP-default baseline', 200)}"
+        for r in judged
+        if r["result"] in ("fail", "error", "no baseline")
+    ]
+    if stopped:
+        bad.insert(0, f"the run stopped: {stopped}")
+    if bad:
+        return StepResult("step", Status.FAILED, "; ".join(bad), 0.0, details)
+    if not any(r["result"] in ("pass", "reported") for r in judged):
+        return StepResult("step", Status.SKIPPED, "every configuration was skipped", 0.0, details)
+    return StepResult("step", Status.PASSED, details=details)
+
+
 STEPS: dict[str, Callable[[StepContext], StepResult]] = {
-    "cuda_tests": _step_cuda_tests,
+    "step": _step_step,
     "codec": _step_codec,
+    "profile": _step_profile,
     "hook_nccl": _step_hook_nccl,
     "hook_gloo_cuda": _step_hook_gloo_cuda,
     "fsdp": _step_fsdp,
-    "profile": _step_profile,
+    "cuda_tests": _step_cuda_tests,
 }
-"""Every step, in the order they run."""
+"""Every step, in the order they run: the most valuable first, so a short budget
+spends itself on what matters most."""
+
+MIN_SECONDS: dict[str, float] = {
+    "step": 60.0,
+    "codec": 30.0,
+    "profile": 45.0,
+    "hook_nccl": 60.0,
+    "hook_gloo_cuda": 90.0,
+    "fsdp": 45.0,
+    "cuda_tests": 60.0,
+}
+"""Seconds of budget a step needs to start (its setup: processes, CUDA, NCCL)."""
+
+DEFAULT_BUDGET_S = 420.0
+"""The default ``--budget-s``: with Python's and torch's start and the report, the
+command ends within 8 minutes of GPU time (each step's timeouts end at the budget)."""
 
 
 def _skip_reason(name: str, env: Environment) -> str | None:
     if not env.cuda:
         return "no CUDA device (torch.cuda.is_available() is False)"
-    if name in ("hook_nccl", "profile") and not env.nccl_backend:
+    if name in ("step", "hook_nccl", "profile") and not env.nccl_backend:
         return "torch.distributed has no NCCL backend"
     if name in ("hook_gloo_cuda", "fsdp") and not env.gloo_backend:
         return "torch.distributed has no Gloo backend"
     return None
 
 
+def budget_skip_reason(name: str, remaining: float) -> str | None:
+    """Why ``name`` cannot start with ``remaining`` seconds of the budget, or None.
+
+    Example:
+        >>> budget_skip_reason("codec", 12.4)
+        'the time budget: 12 s left, codec needs at least 30 s'
+    """
+    need = MIN_SECONDS.get(name, 30.0)
+    if remaining >= need:
+        return None
+    return f"the time budget: {max(remaining, 0):.0f} s left, {name} needs at least {need:.0f} s"
+
+
 def _run_step(name: str, ctx: StepContext) -> StepResult:
     reason = _skip_reason(name, ctx.env)
-    if reason is None and ctx.remaining() < 30:
-        reason = "the time budget was spent by the steps before"
+    if reason is None:
+        reason = budget_skip_reason(name, ctx.remaining())
     if reason is not None:
         return StepResult(name, Status.SKIPPED, reason)
     start = time.monotonic()
@@ -1298,6 +1861,41 @@ def _cell(text: Any) -> str:
 def _short(text: str, limit: int = 300) -> str:
     text = " ".join(str(text).split())
     return text if len(text) <= limit else text[: limit - 3] + "..."
+
+
+def _num(value: float | None, fmt: str) -> str:
+    return "" if value is None else format(value, fmt)
+
+
+def _step_markdown(d: dict[str, Any]) -> list[str]:
+    """The ``step`` step's table: one row per configuration."""
+    first_last = ", ".join(f"{t:.2f}" for t in d.get("baseline_runs_ms", []))
+    drift = d.get("drift")
+    lines = [
+        f"{d['model']}; {d['batch']}; {d['ddp']}; {d['steps']}.",
+        "",
+        f"DDP default: {_num(d.get('baseline_ms'), '.2f') or 'no'} ms "
+        f"(runs first and last: {first_last or 'none'}"
+        + (f"; drift {drift:+.1%}" if drift is not None else "")
+        + "); ratios are against it. Launches: non-NCCL kernels in the profiled step, and "
+        "inside each comm hook call (mean per bucket); host µs: median host time of a hook call.",
+        "",
+        "| config | step ms | ratio | target | result | launches/step | launches/bucket "
+        "| host µs/bucket | buckets | reductions | note |",
+        "| --- | --- | --- | --- | --- | --- | --- | --- | --- | --- | --- |",
+    ]
+    for r in d["configs"]:
+        note = r.get("error") or r.get("skipped") or ""
+        target = f"<= {r['target']:.2f}x" if r.get("target") is not None else ""
+        lines.append(
+            f"| {r['config']} | {_num(r.get('step_ms'), '.2f')} | "
+            f"{_num(r.get('ratio'), '.3f')}{'x' if r.get('ratio') is not None else ''} | "
+            f"{target} | {r['result']} | {_num(r.get('launches_per_step'), 'd')} | "
+            f"{_num(r.get('launches_per_bucket'), '.1f')} | "
+            f"{_num(r.get('host_us_per_bucket'), '.0f')} | {_num(r.get('buckets'), 'd')} | "
+            f"{', '.join(r.get('bucket_reductions') or [])} | {_cell(_short(note, 200))} |"
+        )
+    return lines
 
 
 def render_markdown(report: dict[str, Any]) -> str:
@@ -1353,6 +1951,8 @@ def render_markdown(report: dict[str, Any]) -> str:
                         f"| {key} ({backend}) | {t['copy_ms']:.3f} | {t['encode_ms']:.3f} | "
                         f"{t['decode_ms']:.3f} | {t['ratio']:.2f}x |"
                     )
+        elif s["name"] == "step" and "configs" in d:
+            lines += _step_markdown(d)
         elif "cases" in d and s["name"] != "profile":
             lines += [
                 "| case | run | status | reason | bytes_detail |",
@@ -1397,7 +1997,11 @@ def main(argv: Sequence[str] | None = None) -> int:
         help=f"comma-separated steps to run (default: all of {','.join(STEPS)})",
     )
     parser.add_argument(
-        "--budget-s", type=float, default=1200.0, help="wall-time budget, seconds (default 1200)"
+        "--budget-s",
+        type=float,
+        default=DEFAULT_BUDGET_S,
+        help=f"wall-time budget, seconds (default {DEFAULT_BUDGET_S:.0f}: the command "
+        "ends within 8 minutes); a step that does not fit in what is left is skipped",
     )
     args = parser.parse_args(argv)
     names = [s for s in args.steps.split(",") if s]

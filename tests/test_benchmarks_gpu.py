@@ -7,6 +7,7 @@ import copy
 import json
 import subprocess
 import sys
+import time
 from pathlib import Path
 from typing import Any
 
@@ -41,6 +42,252 @@ def test_without_cuda_every_step_is_skipped_with_its_reason(tmp_path: Path) -> N
     md = (out / "gpu.md").read_text()
     for name in gpu.STEPS:
         assert f"| {name} | skipped | no CUDA device" in md
+
+
+def test_steps_run_most_valuable_first_within_8_minutes() -> None:
+    assert list(gpu.STEPS) == [
+        "step",
+        "codec",
+        "profile",
+        "hook_nccl",
+        "hook_gloo_cuda",
+        "fsdp",
+        "cuda_tests",
+    ]
+    assert set(gpu.MIN_SECONDS) == set(gpu.STEPS)
+    # The budget plus Python's and torch's start and the report: within 8 minutes.
+    assert gpu.DEFAULT_BUDGET_S + 45 <= 8 * 60
+    # The step's own allowance leaves room for the others.
+    assert gpu._STEP_SECONDS <= gpu.DEFAULT_BUDGET_S / 1.5
+
+
+def test_a_step_that_does_not_fit_the_budget_is_skipped_with_the_reason(tmp_path: Path) -> None:
+    assert gpu.budget_skip_reason("step", 60.0) is None
+    assert gpu.budget_skip_reason("step", 59.4) == (
+        "the time budget: 59 s left, step needs at least 60 s"
+    )
+    assert gpu.budget_skip_reason("codec", -3.0) == (
+        "the time budget: 0 s left, codec needs at least 30 s"
+    )
+    env = gpu.Environment(True, "H100", (9, 0), "2.13.0", (2, 27, 3), True, True)
+    ctx = gpu.StepContext(env, tmp_path, time.monotonic() + 40)  # 40 s left: codec only
+    assert gpu._run_step("step", ctx) == gpu.StepResult(
+        "step", gpu.Status.SKIPPED, "the time budget: 40 s left, step needs at least 60 s"
+    )
+    assert gpu._run_step("cuda_tests", ctx).reason.startswith("the time budget: 40 s left")
+
+
+def test_step_model_is_the_issue_34_model_of_216_7m_parameters() -> None:
+    spec = gpu.LMSpec()
+    assert (spec.vocab, spec.d_model, spec.heads, spec.ff, spec.layers) == (
+        32000,
+        1024,
+        16,
+        4096,
+        12,
+    )
+    assert (spec.batch, spec.seq) == (8, 512)
+    with torch.device("meta"):
+        model = gpu.StepLM(spec)
+    n = sum(p.numel() for p in model.parameters())
+    assert abs(n - 216.7e6) <= 0.1e6, n
+    layers = model.encoder.layers
+    assert len(layers) == 12
+    assert all(layer.norm_first for layer in layers)
+    assert all(layer.dropout.p == 0.0 and layer.self_attn.num_heads == 16 for layer in layers)
+    assert layers[0].linear1.out_features == 4096
+    assert model.embed.weight is not model.head.weight
+
+
+def test_step_configs_are_the_issue_34_table() -> None:
+    got = [(c.name, c.code, c.target) for c in gpu.STEP_CONFIGS]
+    assert got == [
+        ("DDP default", "DDP(model)", None),
+        ("fp16_compress_hook", "ddp.register_comm_hook(None, fp16_compress_hook)", None),
+        (
+            "APS e4m3 two_phase",
+            'aps_comm.register(ddp, fmt="e4m3", reduction="two_phase")',
+            1.10,
+        ),
+        (
+            "APS e4m3 allreduce (native FP8)",
+            'aps_comm.register(ddp, fmt="e4m3", reduction="allreduce")',
+            1.10,
+        ),
+        (
+            "APS e2m1 block two_phase",
+            'aps_comm.register(ddp, fmt="e2m1", reduction="two_phase", scaling="block")',
+            1.15,
+        ),
+        (
+            "APS e4m3 block two_phase",
+            'aps_comm.register(ddp, fmt="e4m3", reduction="two_phase", scaling="block")',
+            1.15,
+        ),
+        ("APS auto", 'aps_comm.register(ddp, fmt="e4m3")', 1.02),
+        ("DDP default (again)", "DDP(model)", None),
+    ]
+    assert (gpu.STEP_WARMUP, gpu.STEP_TIMED) == (6, 20)
+
+
+def test_launch_counts_leave_out_nccl_annotations_and_other_threads() -> None:
+    events = [
+        ProfileEvent("aps_bucket_0", 7, 0.0, 10.0),
+        ProfileEvent("aps_bucket_1", 7, 20.0, 30.0),
+        ProfileEvent("aps_bucket_0", 0, 1.0, 9.0, on_device=True, annotation=True),
+        ProfileEvent("cudaLaunchKernel", 7, 1.0, 2.0, corr=11),
+        ProfileEvent("cuLaunchKernelEx", 7, 3.0, 4.0, corr=12),  # Triton's, driver API
+        ProfileEvent("cudaLaunchKernelExC_v11060", 7, 21.0, 22.0, corr=13),
+        ProfileEvent("cudaLaunchKernel", 7, 24.0, 25.0, corr=14),  # NCCL's
+        ProfileEvent("cudaLaunchKernel", 8, 5.0, 6.0, corr=15),  # another thread
+        ProfileEvent("cudaLaunchKernel", 7, 15.0, 16.0, corr=16),  # between buckets
+        ProfileEvent("cudaMemcpyAsync", 7, 26.0, 27.0, corr=17),  # not a launch
+        ProfileEvent("vectorized_elementwise_kernel", 0, 2.0, 3.0, on_device=True, corr=11),
+        ProfileEvent("triton_encode", 0, 4.0, 5.0, on_device=True, corr=12),
+        ProfileEvent("reduce_kernel", 0, 22.0, 23.0, on_device=True, corr=13),
+        ProfileEvent("ncclDevKernel_AllReduce", 0, 25.0, 26.0, on_device=True, corr=14),
+        ProfileEvent("gemm", 0, 6.0, 7.0, on_device=True, corr=15),
+        ProfileEvent("gemm", 0, 16.0, 17.0, on_device=True, corr=16),
+        ProfileEvent("Memcpy DtoD (Device -> Device)", 0, 27.0, 28.0, on_device=True, corr=17),
+    ]
+    # Device: 5 kernels (not NCCL's, the copy or the mirrored range); host: 3 launches
+    # in the two buckets.
+    assert gpu.launch_counts(events) == (5, 1.5, 2)
+    assert gpu.launch_counts(events[2:]) == (5, None, 0)
+
+
+def _row(hook: str, step_ms: float | None, target: float | None = None, **kw: Any) -> dict:
+    return {
+        "config": kw.pop("config", hook),
+        "hook": hook,
+        "step_ms": step_ms,
+        "target": target,
+        **kw,
+    }
+
+
+def test_judge_step_rows_against_the_mean_of_first_and_last_ddp_default() -> None:
+    rows, base = gpu.judge_step_rows(
+        [
+            _row("ddp", 40.0),
+            _row("fp16_compress", 41.0),
+            _row("aps", 46.0, 1.10),  # 46 / 42 = 1.095: pass
+            _row("aps", 46.5, 1.10),  # 1.107: fail
+            _row("aps", 48.3, 1.15),  # exactly 1.15: pass
+            _row("aps", None, 1.10, skipped="native FP8 unsupported"),
+            _row("aps", None, 1.02, error="out of CUDA memory"),
+            _row("ddp", 44.0),
+        ]
+    )
+    assert base == {"baseline_ms": 42.0, "baseline_runs_ms": [40.0, 44.0], "drift": 0.1}
+    assert [(r["ratio"], r["result"]) for r in rows] == [
+        (0.9524, "baseline"),
+        (0.9762, "reported"),
+        (1.0952, "pass"),
+        (1.1071, "fail"),
+        (1.15, "pass"),
+        (None, "skipped"),
+        (None, "error"),
+        (1.0476, "baseline"),
+    ]
+    # One DDP-default run: it alone is the baseline; none: nothing is judged.
+    rows, base = gpu.judge_step_rows([_row("ddp", 50.0), _row("aps", 51.0, 1.02)])
+    assert base["drift"] is None and rows[1]["result"] == "pass"
+    rows, base = gpu.judge_step_rows([_row("ddp", None, error="boom"), _row("aps", 51.0, 1.02)])
+    assert base["baseline_ms"] is None
+    assert [r["result"] for r in rows] == ["error", "no baseline"]
+
+
+def _fake_rows(step_ms: dict[str, float]) -> list[dict[str, Any]]:
+    rows = []
+    for cfg in gpu.STEP_CONFIGS:
+        row = gpu._step_row(cfg)
+        if cfg.reduction == "allreduce":
+            row["skipped"] = "aps_comm.register raised ValueError: no native FP8"
+        else:
+            row["step_ms"] = step_ms.get(cfg.name, 40.0)
+        rows.append(row)
+    return rows
+
+
+def test_step_step_judges_the_rows_and_keeps_the_finished_ones(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    env = gpu.Environment(True, "H100", (9, 0), "2.13.0", (2, 27, 3), True, True)
+    ctx = gpu.StepContext(env, tmp_path, time.monotonic() + 400)
+    calls: list[dict[str, Any]] = []
+
+    def passing(fn: Any, world: int, **kw: Any) -> list:
+        calls.append({"fn": fn, "world": world, **kw})
+        return [_fake_rows({"APS auto": 40.4})]
+
+    monkeypatch.setattr(gpu, "run_distributed", passing)
+    result = gpu._step_step(ctx)
+    assert result.status == gpu.Status.PASSED, result.reason
+    (call,) = calls
+    assert call["fn"] is gpu.real_model_steps and call["world"] == 1
+    assert call["backend"] == "nccl" and call["timeout"] <= gpu._STEP_SECONDS
+    assert call["args"][:2] == ("cuda", gpu.STEP_CONFIGS)
+    assert result.details["parameters"] == pytest.approx(216.7e6, abs=0.1e6)
+    assert [r["result"] for r in result.details["configs"]] == [
+        "baseline",
+        "reported",
+        "pass",
+        "skipped",
+        "pass",
+        "pass",
+        "pass",
+        "baseline",
+    ]
+
+    monkeypatch.setattr(gpu, "run_distributed", lambda *a, **k: [_fake_rows({"APS auto": 41.0})])
+    result = gpu._step_step(ctx)
+    assert result.status == gpu.Status.FAILED
+    assert result.reason == "APS auto: 1.025x > 1.02x"
+
+    def killed(fn: Any, world: int, **kw: Any) -> list:
+        partial = Path(kw["args"][-1])
+        rows = _fake_rows({})
+        partial.write_text("".join(json.dumps(r) + "\n" for r in rows[:2]))
+        raise gpu.DistributedTestError("the job timed out after 240 s")
+
+    monkeypatch.setattr(gpu, "run_distributed", killed)
+    result = gpu._step_step(ctx)
+    assert result.status == gpu.Status.FAILED
+    assert result.reason.startswith("the run stopped: the job timed out after 240 s")
+    configs = result.details["configs"]
+    assert [r["result"] for r in configs[:2]] == ["baseline", "reported"]
+    assert all(r["error"].startswith("the run stopped") for r in configs[2:])
+    assert not (tmp_path / "step_rows.jsonl").exists()
+    md = gpu.render_markdown({"command": "c", "machine": {}, "steps": [result.to_json()]})
+    assert "| DDP default | 40.00 | 1.000x |  | baseline |" in md
+    assert "| APS auto |  |  | <= 1.02x | error |" in md
+
+
+def _tiny_steps(rank: int, world_size: int) -> list[dict[str, Any]]:
+    spec = gpu.LMSpec(vocab=64, d_model=32, heads=2, ff=64, layers=2, batch=2, seq=8)
+    configs = [c for c in gpu.STEP_CONFIGS if c.scaling == "layer"]  # block: no faster to check
+    return gpu.real_model_steps(rank, world_size, "cpu", configs, spec, warm=1, timed=2)
+
+
+def test_real_model_steps_run_every_config_on_gloo_cpu() -> None:
+    rows = run_distributed(_tiny_steps, 1, timeout=180)[0]
+    by = {r["config"]: r for r in rows}
+    assert list(by) == [c.name for c in gpu.STEP_CONFIGS if c.scaling == "layer"]
+    for name in ("DDP default", "fp16_compress_hook", "APS e4m3 two_phase", "APS auto"):
+        r = by[name]
+        assert r["error"] is None and r["skipped"] is None, r
+        assert len(r["times_ms"]) == 2 and r["step_ms"] > 0
+        assert r["launches_per_step"] == 0  # no device: no kernels
+    for name in ("fp16_compress_hook", "APS e4m3 two_phase", "APS auto"):
+        assert by[name]["buckets"] >= 1 and by[name]["host_us_per_bucket"] > 0
+        assert by[name]["launches_per_bucket"] == 0
+    assert by["DDP default"]["buckets"] is None
+    assert by["APS e4m3 two_phase"]["bucket_reductions"] == ["two_phase"]
+    # Gloo cannot sum float8: register's ValueError is the skip reason.
+    native = by["APS e4m3 allreduce (native FP8)"]
+    assert native["skipped"].startswith("aps_comm.register raised ValueError: ")
+    assert native["error"] is None and native["step_ms"] is None
 
 
 def test_unknown_step_is_an_error_naming_it(capsys: pytest.CaptureFixture[str]) -> None:
