@@ -517,6 +517,19 @@ def _triton_ran(variant: tuple, launch: Callable[[], None]) -> bool:
     return True
 
 
+def _run_bound(
+    variant: tuple, launch: Callable[[], object], fallback: Callable[[], object]
+) -> None:
+    """A bound Triton launch, or its torch-op fallback where the variant cannot run here."""
+    if not _triton_ran(variant, launch):
+        fallback()
+
+
+def _zero_then(keys: torch.Tensor, launch: Callable[[], object]) -> None:
+    keys.zero_()
+    launch()
+
+
 @dataclasses.dataclass(frozen=True)
 class Keyed:
     """Agreed exponent keys standing in for a group's factors: the kernels derive them.
@@ -746,6 +759,100 @@ class Codec:
         if scale is not None:
             out.mul_(_factors(scale, layout, numel))
         return out
+
+    def bind_encode(
+        self,
+        x: torch.Tensor,
+        out: torch.Tensor,
+        scale: torch.Tensor | Keyed | None,
+        layout: Layout | None,
+        pad: int = 0,
+    ) -> Callable[[], object]:
+        """One :meth:`encode` call checked once; the returned call repeats it.
+
+        A settled bucket encodes the same buffers with the same keys every
+        step: on the Triton backend with :class:`Keyed` factors the launch
+        itself is bound (no per-call checks, windows or lookups on the host);
+        elsewhere the call is :meth:`encode`'s.
+        """
+        call = functools.partial(self.encode, x, out=out, scale=scale, layout=layout, pad=pad)
+        if self.backend != "triton" or not isinstance(scale, Keyed):
+            return call
+        _check_scaled(scale.keys, layout, x.numel(), torch.int32)
+        keys = scale.window(layout).keys
+        launch = _triton().bind_encode(
+            x, out, self.fmt, _device_offsets(layout), keys=keys, pad=pad
+        )
+        variant = ("encode", self.fmt.name, False, True, None, pad > 0)
+        fallback = functools.partial(
+            self._torch().encode, x, out=out, scale=scale, layout=layout, pad=pad
+        )
+        return functools.partial(_run_bound, variant, launch, fallback)
+
+    def bind_decode(
+        self,
+        payload: torch.Tensor,
+        out: torch.Tensor,
+        scale: torch.Tensor | Keyed | None,
+        layout: Layout | None,
+    ) -> Callable[[], object]:
+        """One :meth:`decode` call into ``out`` checked once; the returned call repeats it."""
+        numel = out.numel()
+        call = functools.partial(self.decode, payload, numel, out=out, scale=scale, layout=layout)
+        if self.backend != "triton" or not isinstance(scale, Keyed):
+            return call
+        _check_scaled(scale.keys, layout, numel, torch.int32)
+        keyed = scale.window(layout)
+        launch = _triton().bind_decode(
+            payload,
+            out,
+            self.fmt,
+            _device_offsets(layout),
+            keys=keyed.keys,
+            divisor=keyed.divisor,
+        )
+        variant = ("decode", self.fmt.name, True, True, None, keyed.divisor)
+        fallback = functools.partial(
+            self._torch().decode, payload, numel, out=out, scale=scale, layout=layout
+        )
+        return functools.partial(_run_bound, variant, launch, fallback)
+
+    def bind_owner_reduce(
+        self, recv: torch.Tensor, n_ranks: int, out: torch.Tensor
+    ) -> Callable[[], object]:
+        """One :meth:`owner_reduce` call checked once; the returned call repeats it."""
+        call = functools.partial(self.owner_reduce, recv, n_ranks, out=out)
+        if self.backend != "triton":
+            return call
+        if out.numel() != self._shard_bytes(recv, n_ranks):
+            call()  # raises the error
+        launch = _triton().bind_reduce_shards(recv, n_ranks, self.fmt, out)
+        fallback = functools.partial(self._torch().owner_reduce, recv, n_ranks, out=out)
+        return functools.partial(_run_bound, ("owner_reduce", self.fmt.name), launch, fallback)
+
+    def bind_layer_keys(
+        self,
+        x: torch.Tensor,
+        layout: Layout,
+        out: torch.Tensor,
+        *,
+        world_size: int,
+        native: bool,
+    ) -> Callable[[], object]:
+        """One :meth:`layer_keys` call checked once; the returned call repeats it."""
+        call = functools.partial(
+            self.layer_keys, x, layout, out, world_size=world_size, native=native
+        )
+        if self.backend != "triton" or x.dtype != torch.float32:
+            return call
+        launch = _triton().bind_layer_keys(
+            x, out, self.fmt, layout.device_offsets, world_size=world_size, native=native
+        )
+        fallback = functools.partial(
+            self._torch().layer_keys, x, layout, out, world_size=world_size, native=native
+        )
+        bound = functools.partial(_zero_then, out, launch)
+        return functools.partial(_run_bound, ("layer_keys", self.fmt.name, native), bound, fallback)
 
     def _torch(self) -> Codec:
         """This format's codec with torch ops on the same device (a Triton variant's fallback)."""

@@ -148,6 +148,10 @@ class Steady:
         unscale: the keys as the decoder's (a native sum's N as divisor).
         measured: chunks sized by this rank's timing, agreed on the keys.
         chunk: elements per chunk of ``group``.
+        keys_call: the keys kernel, bound to the bucket's float32 buffer.
+        calls: each chunk's codec work, bound to that buffer
+            (:class:`aps_comm.transports.ChunkCalls`).
+        bound_ptr: the address of the buffer they are bound to (0 for none).
     """
 
     numel: int
@@ -161,6 +165,33 @@ class Steady:
     unscale: Keyed
     measured: bool
     chunk: int
+    keys_call: Callable[[], object] | None = None
+    calls: list[transports.ChunkCalls] | None = None
+    bound_ptr: int = 0
+
+    def bind(self, x: torch.Tensor, world_size: int) -> None:
+        """Bind the keys kernel and every chunk's codec work to the float32 buffer ``x``."""
+        g = self.group
+        if g is None:
+            return
+        native = self.route == Route.ALLREDUCE
+        self.keys_call = g.codec.bind_layer_keys(
+            x, g.layout, self.scale.keys, world_size=world_size, native=native
+        )
+        calls = []
+        for c, ((lo, hi), (r0, r1)) in enumerate(zip(g.chunks, g.regions, strict=True)):
+            window, send = g.windows[c], g.send[r0:r1]
+            owner = None
+            if native:
+                encode = g.codec.bind_encode(x[lo:hi], send, self.scale, window)
+            else:
+                pad = (r1 - r0) * 8 // g.fmt.wire_bits - (hi - lo)
+                encode = g.codec.bind_encode(x[lo:hi], send, self.scale, window, pad)
+                s0, s1 = g.shard_regions[c]
+                owner = g.codec.bind_owner_reduce(g.recv[r0:r1], world_size, g.shards[s0:s1])
+            decode = g.codec.bind_decode(send, x[lo:hi], self.unscale, window)
+            calls.append(transports.ChunkCalls(encode, owner, decode))
+        self.calls, self.bound_ptr = calls, x.data_ptr()
 
 
 class Reducer:
@@ -403,7 +434,7 @@ class Reducer:
         keys = torch.zeros(n + int(measured), dtype=torch.int32, device=x.device)
         layer_keys = keys[:n]
         native = route == Route.ALLREDUCE
-        self.steady[index] = Steady(
+        self.steady[index] = st = Steady(
             x.numel(),
             x.data_ptr(),
             plan,
@@ -416,6 +447,7 @@ class Reducer:
             measured,
             chunk,
         )
+        st.bind(x, self.comm.world_size)
 
     def steady_for(self, index: int, buffer: torch.Tensor) -> Steady | None:
         """The bucket's :class:`Steady` path, if its layout is the one it was bound to."""
@@ -443,7 +475,14 @@ class Reducer:
             fmt = self.settings.fmt
             mine = self.planner.chunk(fmt, st.numel, st.route, st.plan.exchange_s or None)
             st.keys.numpy()[n] = int(math.log2(mine))
-        g.codec.layer_keys(x, g.layout, st.scale.keys, world_size=comm.world_size, native=native)
+        # Bound to the bucket's buffer (a float32 bucket is its own values).
+        bound = st.bound_ptr == x.data_ptr() and st.keys_call is not None
+        if bound:
+            st.keys_call()  # type: ignore[misc]
+        else:
+            g.codec.layer_keys(
+                x, g.layout, st.scale.keys, world_size=comm.world_size, native=native
+            )
         transports.all_reduce_max(st.keys, comm.group, self.traffic)
         if st.measured:
             chunk = 2 ** int(st.keys.numpy()[n])
@@ -456,10 +495,13 @@ class Reducer:
                     comm.node_layouts(),
                 )[0]
                 st.chunk = self.bucket_chunks[index] = chunk
+                if bound:
+                    st.bind(x, comm.world_size)
+        calls = st.calls if bound else None
         start = time.perf_counter()
         if native:
             tail = transports.native(
-                g, x, st.scale, st.unscale, comm.group, self.traffic, None, defer
+                g, x, st.scale, st.unscale, comm.group, self.traffic, None, defer, calls
             )
         else:
             tail = transports.two_phase(
@@ -473,6 +515,7 @@ class Reducer:
                 None,
                 None,
                 defer,
+                calls,
             )
         if st.measured:
             st.plan.timed(time.perf_counter() - start)

@@ -30,6 +30,7 @@ Example:
 
 from __future__ import annotations
 
+import dataclasses
 import functools
 import itertools
 from collections.abc import Callable, Sequence
@@ -47,6 +48,7 @@ from aps_comm.scaling import (
 from aps_comm.topology import NodeGroups
 
 __all__ = [
+    "ChunkCalls",
     "Counter",
     "all_gather_single",
     "all_reduce_max",
@@ -59,6 +61,23 @@ __all__ = [
     "two_phase_blocks",
     "two_phase_rank_blocks",
 ]
+
+
+@dataclasses.dataclass(frozen=True)
+class ChunkCalls:
+    """One chunk's codec work, bound once (:meth:`aps_comm.codec.Codec.bind_encode` and
+    friends): a settled bucket repeats the same calls on the same buffers every step.
+
+    Attributes:
+        encode: encodes the chunk into its send region (two_phase: with its padding).
+        owner: two_phase: the owner's step into the chunk's shard (None for native sums).
+        decode: decodes the chunk's result into the bucket.
+    """
+
+    encode: Callable[[], object]
+    owner: Callable[[], object] | None
+    decode: Callable[[], object]
+
 
 Counter = Callable[[str, int], None]
 """``count(collective, nbytes)``: called for every payload handed to a collective."""
@@ -197,6 +216,7 @@ def native(
     count: Counter,
     after_encode: Callable[[int, torch.Tensor], None] | None = None,
     defer: bool = False,
+    calls: Sequence[ChunkCalls] | None = None,
 ) -> Callable[[], None] | None:
     """Average ``x`` with one native all-reduce per chunk in the wire dtype.
 
@@ -211,6 +231,8 @@ def native(
         after_encode: called with (chunk, payload) after each chunk is encoded.
         defer: leave the last chunk in flight and return a function that waits
             for it and decodes it: the caller can start the next bucket first.
+        calls: the chunks' codec work bound once (a settled bucket), in place
+            of the codec calls with ``scale`` and ``unscale``.
 
     Returns:
         With ``defer``, the function that finishes the bucket; else None.
@@ -219,14 +241,17 @@ def native(
     pending: list[tuple[int, dist.Work]] = []
     for c, ((lo, hi), (r0, r1)) in enumerate(zip(g.chunks, g.regions, strict=True)):
         payload = g.send[r0:r1]
-        g.codec.encode(x[lo:hi], out=payload, scale=scale, layout=g.windows[c])
+        if calls is not None:
+            calls[c].encode()
+        else:
+            g.codec.encode(x[lo:hi], out=payload, scale=scale, layout=g.windows[c])
         if after_encode is not None:
             after_encode(c, payload)
         count("all_reduce", payload.numel())
         pending.append((c, dist.all_reduce(payload.view(dtype), group=group, async_op=True)))
         if len(pending) > 1:
-            _decode(g, x, unscale, *pending.pop(0))
-    return _finish(pending, functools.partial(_decode, g, x, unscale), defer)
+            _decode(g, x, unscale, *pending.pop(0), calls)
+    return _finish(pending, functools.partial(_decode, g, x, unscale, calls=calls), defer)
 
 
 def _finish(
@@ -245,12 +270,20 @@ def _finish(
 
 
 def _decode(
-    g: GroupPlan, x: torch.Tensor, unscale: torch.Tensor | Keyed, c: int, work: dist.Work
+    g: GroupPlan,
+    x: torch.Tensor,
+    unscale: torch.Tensor | Keyed,
+    c: int,
+    work: dist.Work,
+    calls: Sequence[ChunkCalls] | None = None,
 ) -> None:
     """Wait for chunk ``c``'s last collective, then decode it into ``x`` (two_phase: the
     gathered shards, native: the summed payload; both sit in the send region)."""
     last = "all_gather" if g.reduction == "two_phase" else f"{g.fmt.name} all-reduce"
     _wait(work, f"the {last} of chunk {c + 1} of {len(g.chunks)}")
+    if calls is not None:
+        calls[c].decode()
+        return
     lo, hi = g.chunks[c]
     r0, r1 = g.regions[c]
     g.codec.decode(g.send[r0:r1], hi - lo, out=x[lo:hi], scale=unscale, layout=g.windows[c])
@@ -267,6 +300,7 @@ def two_phase(
     after_encode: Callable[[int, torch.Tensor], None] | None = None,
     owner: Callable[[int, torch.Tensor, torch.Tensor], None] | None = None,
     defer: bool = False,
+    calls: Sequence[ChunkCalls] | None = None,
 ) -> Callable[[], None] | None:
     """Average ``x``: all-to-all of encoded shards, FP32 sum on the owner, all-gather.
 
@@ -289,6 +323,8 @@ def two_phase(
         defer: leave the last all-gathers in flight and return a function that
             waits for them and decodes: the caller can start the next bucket
             while they are on the wire.
+        calls: the chunks' codec work bound once (a settled bucket), in place
+            of the codec calls with ``scale`` and ``unscale``.
 
     Returns:
         With ``defer``, the function that finishes the bucket; else None.
@@ -304,8 +340,11 @@ def two_phase(
             r0, r1 = g.regions[c]
             send = g.send[r0:r1]
             # The shards' padding is encoded as zeros (code 0 is +0 in every format).
-            pad = (r1 - r0) * 8 // fmt.wire_bits - (hi - lo)
-            g.codec.encode(x[lo:hi], out=send, scale=scale, layout=g.windows[c], pad=pad)
+            if calls is not None:
+                calls[c].encode()
+            else:
+                pad = (r1 - r0) * 8 // fmt.wire_bits - (hi - lo)
+                g.codec.encode(x[lo:hi], out=send, scale=scale, layout=g.windows[c], pad=pad)
             if after_encode is not None:
                 after_encode(c, send[: payload_nbytes(hi - lo, fmt)])
             count("all_to_all", send.numel())
@@ -316,7 +355,9 @@ def two_phase(
             r0, r1 = g.regions[p]
             s0, s1 = g.shard_regions[p]
             shard = g.shards[s0:s1]
-            if owner is None:
+            if calls is not None:
+                calls[p].owner()  # type: ignore[misc]
+            elif owner is None:
                 g.codec.owner_reduce(g.recv[r0:r1], world_size, out=shard)
             else:
                 owner(p, g.recv[r0:r1], shard)
@@ -326,8 +367,8 @@ def two_phase(
         if c >= 2:
             tail.append((c - 2, gathers.pop(c - 2)))
             if c < k or not defer:
-                _decode(g, x, unscale, *tail.pop())
-    return _finish(tail, functools.partial(_decode, g, x, unscale), defer)
+                _decode(g, x, unscale, *tail.pop(), calls)
+    return _finish(tail, functools.partial(_decode, g, x, unscale, calls=calls), defer)
 
 
 def two_phase_blocks(

@@ -47,6 +47,7 @@ from __future__ import annotations
 import dataclasses
 import functools
 import logging
+from collections.abc import Callable
 
 import torch
 
@@ -76,11 +77,17 @@ __all__ = [
     "MIN_TRITON",
     "TILE",
     "FormatConstants",
+    "bind_decode",
+    "bind_encode",
+    "bind_layer_keys",
+    "bind_reduce_shards",
     "block_segments",
     "decode",
     "encode",
     "format_constants",
+    "key_constants",
     "launch_problem",
+    "layer_keys",
     "ptx",
     "reduce_blocks",
     "reduce_rank_blocks",
@@ -187,7 +194,7 @@ def launch_problem(device: torch.device) -> str | None:
     if device not in _PROBED:
         try:
             x = torch.zeros(2, device=device)
-            _encode(x, torch.empty(2, dtype=torch.uint8, device=device), format_constants(E4M3))
+            _encode(x, torch.empty(2, dtype=torch.uint8, device=device), format_constants(E4M3))()
             _PROBED[device] = None
         except Exception as exc:  # any failure: the codec keeps its torch backends
             _PROBED[device] = f"{type(exc).__name__}: {exc}"
@@ -325,7 +332,9 @@ if AVAILABLE:
         """
         # tl.full, not tl.zeros: the interpreter runs only core builtins when triton was
         # imported before TRITON_INTERPRET was set (as in a test session).
-        s = _search(off_ptr, idx, tl.full(idx.shape, 0, tl.int32) + lo, step, hi)
+        s = tl.full(idx.shape, 0, tl.int32) + lo
+        if lo != hi:  # a program inside one segment (most of them) needs no search
+            s = _search(off_ptr, idx, s, step, hi)
         # if/else, never an early return: Triton generates (and type-checks) the code
         # after a constexpr-guarded return too.
         if SHIFT == 0:
@@ -878,6 +887,22 @@ def layer_keys(
 ) -> None:
     """Each segment's exponent key of its max |x|, MAX-ed into int32 ``keys`` (zeros first).
 
+    Args: see :func:`bind_layer_keys`, which this launches once.
+    """
+    bind_layer_keys(x, keys, fmt, offsets, world_size=world_size, native=native)()
+
+
+def bind_layer_keys(
+    x: torch.Tensor,
+    keys: torch.Tensor,
+    fmt: FloatFormat,
+    offsets: torch.Tensor,
+    *,
+    world_size: int,
+    native: bool,
+) -> Callable[[], object]:
+    """:func:`layer_keys` checked and bound once: the returned call launches it.
+
     The values of :func:`aps_comm.scaling.exponent_keys` of the segments'
     maxima (route "allreduce" where ``native``, else "two_phase") in one
     pass over ``x``: the keys a MAX all-reduce agrees on.
@@ -900,8 +925,9 @@ def layer_keys(
     _check_offsets(offsets, n, x.device)
     numel = x.numel()
     if not numel:
-        return
-    _keys_kernel[_grid(numel)](
+        return _NOTHING
+    return functools.partial(
+        _keys_kernel[_grid(numel)],
         x,
         keys,
         offsets,
@@ -926,6 +952,13 @@ def _check(fmt: FloatFormat, *tensors: torch.Tensor) -> FormatConstants:
         if problem:
             raise ValueError(problem)
     return consts
+
+
+def _nothing() -> None:
+    """An empty launch: nothing to do."""
+
+
+_NOTHING: Callable[[], object] = _nothing
 
 
 def _grid(numel: int) -> tuple[int]:
@@ -1064,12 +1097,39 @@ def encode(
             (:func:`layer_keys`); each segment is multiplied by ``2**e``.
         pad: zero codes written after the elements (a shard's padding).
     """
+    bind_encode(
+        x,
+        out,
+        fmt,
+        offsets,
+        factors,
+        block_size=block_size,
+        first_block=first_block,
+        keys=keys,
+        pad=pad,
+    )()
+
+
+def bind_encode(
+    x: torch.Tensor,
+    out: torch.Tensor,
+    fmt: FloatFormat,
+    offsets: torch.Tensor | None = None,
+    factors: torch.Tensor | None = None,
+    *,
+    block_size: int = 0,
+    first_block: torch.Tensor | None = None,
+    keys: torch.Tensor | None = None,
+    pad: int = 0,
+) -> Callable[[], object]:
+    """:func:`encode` checked and bound once: the returned call launches it (a
+    settled bucket's every step, with no per-call checks on the host)."""
     if keys is not None:
         if factors is not None:
             raise ValueError("give factors or keys, not both")
         factors = keys
     consts = _check(fmt, x, out)
-    _encode(x, out, consts, offsets, factors, block_size, first_block, keys is not None, pad)
+    return _encode(x, out, consts, offsets, factors, block_size, first_block, keys is not None, pad)
 
 
 def _encode(
@@ -1090,9 +1150,10 @@ def _encode(
     numel = x.numel()
     total = numel + pad
     if not total:
-        return
+        return _NOTHING
     sc = _scaling(x.device, offsets, factors, block_size, first_block, keys)
-    _encode_kernel[_grid(total)](
+    return functools.partial(
+        _encode_kernel[_grid(total)],
         x,
         out,
         *sc.args(),
@@ -1129,6 +1190,32 @@ def decode(
         each segment is multiplied by ``2**-e / divisor`` (NaN for a bad key),
         as :func:`aps_comm.scaling.factors_from_keys` computes the unscale.
     """
+    bind_decode(
+        payload,
+        out,
+        fmt,
+        offsets,
+        factors,
+        block_size=block_size,
+        first_block=first_block,
+        keys=keys,
+        divisor=divisor,
+    )()
+
+
+def bind_decode(
+    payload: torch.Tensor,
+    out: torch.Tensor,
+    fmt: FloatFormat,
+    offsets: torch.Tensor | None = None,
+    factors: torch.Tensor | None = None,
+    *,
+    block_size: int = 0,
+    first_block: torch.Tensor | None = None,
+    keys: torch.Tensor | None = None,
+    divisor: int = 1,
+) -> Callable[[], object]:
+    """:func:`decode` checked and bound once: the returned call launches it."""
     if keys is not None:
         if factors is not None:
             raise ValueError("give factors or keys, not both")
@@ -1140,10 +1227,11 @@ def decode(
     consts = _check(fmt, payload, out)
     numel = out.numel()
     if not numel:
-        return
+        return _NOTHING
     sc = _scaling(out.device, offsets, factors, block_size, first_block, keys is not None)
     pow2 = divisor & (divisor - 1) == 0
-    _decode_kernel[_grid(numel)](
+    return functools.partial(
+        _decode_kernel[_grid(numel)],
         payload,
         out,
         *sc.args(),
@@ -1169,16 +1257,17 @@ def _reduce(
     out: torch.Tensor,
     divisor: int,
     encode: bool,
-) -> None:
+) -> Callable[[], object]:
     consts = _check(fmt, recv, out)
     if not (isinstance(divisor, int) and 1 <= divisor <= 2**24):
         raise ValueError(f"divisor must be an int from 1 to 2**24, got {divisor!r}")
     shard_bytes = recv.numel() // n_ranks
     numel = shard_bytes * 8 // consts.wire_bits
     if not numel:
-        return
+        return _NOTHING
     pow2 = divisor & (divisor - 1) == 0
-    _reduce_kernel[_grid(numel)](
+    return functools.partial(
+        _reduce_kernel[_grid(numel)],
         recv,
         out,
         shard_bytes,
@@ -1201,7 +1290,14 @@ def reduce_shards(recv: torch.Tensor, n_ranks: int, fmt: FloatFormat, out: torch
     As :func:`aps_comm.cpu_kernels.reduce_shards`: decoded exactly, summed in
     float32 in rank order, divided by ``n_ranks`` (rounded once), encoded.
     """
-    _reduce(recv, n_ranks, fmt, out, n_ranks, True)
+    _reduce(recv, n_ranks, fmt, out, n_ranks, True)()
+
+
+def bind_reduce_shards(
+    recv: torch.Tensor, n_ranks: int, fmt: FloatFormat, out: torch.Tensor
+) -> Callable[[], object]:
+    """:func:`reduce_shards` checked and bound once: the returned call launches it."""
+    return _reduce(recv, n_ranks, fmt, out, n_ranks, True)
 
 
 def shard_mean(
@@ -1209,7 +1305,7 @@ def shard_mean(
 ) -> None:
     """float32 sum of ``n_ranks`` equal encoded shards in rank order, divided by ``divisor``
     (not divided where it is 1), into ``out`` (one shard's elements)."""
-    _reduce(recv, n_ranks, fmt, out, divisor, False)
+    _reduce(recv, n_ranks, fmt, out, divisor, False)()
 
 
 def _tile(longest: int, wire_bits: int) -> tuple[int, int, int]:

@@ -283,7 +283,7 @@ def world_of_one(device: torch.device) -> Iterator[None]:
         store = dist.FileStore(os.path.join(tmp, "store"), 1)
         backend = "nccl" if device.type == "cuda" else "gloo"
         if device.type == "cuda":
-            torch.cuda.set_device(device)
+            torch.cuda.set_device(device.index or 0)
         dist.init_process_group(backend, store=store, rank=0, world_size=1)
         try:
             yield

@@ -37,7 +37,7 @@ from aps_comm import formats as F
 from aps_comm.formats import FloatFormat, code_table, get_format, payload_nbytes, pow2
 
 try:
-    import triton  # noqa: F401
+    import triton
 
     HAVE_TRITON = True
 except ImportError:
@@ -574,7 +574,13 @@ def test_owner_reduce_rank_blocks_matches_kernels(
         tc.reduce_rank_blocks(recv, 2, fmt, layout.device_offsets, cols, got, d, 126, 8)
 
 
-_KERNELS = ("_encode_kernel", "_decode_kernel", "_reduce_kernel", "_reduce_blocks_kernel", "_keys_kernel")
+_KERNELS = (
+    "_encode_kernel",
+    "_decode_kernel",
+    "_reduce_kernel",
+    "_reduce_blocks_kernel",
+    "_keys_kernel",
+)
 
 
 class _Recorder:
@@ -698,3 +704,40 @@ def test_a_failing_kernel_variant_falls_back_to_torch_ops(
         assert torch.equal(got, want)
     assert calls == [1]  # tried once, then straight to the torch ops
     assert [r.getMessage().count("invalid operands") for r in caplog.records] == [1]
+
+
+@pytest.mark.parametrize("fmt", [F.E4M3, F.E2M1, F.FP16], ids=lambda f: f.name)
+def test_bound_calls_repeat_the_codec_calls(tc: types.ModuleType, fmt: FloatFormat) -> None:
+    # A settled bucket binds its launches once and repeats them every step: the bound
+    # calls write what the checked calls write, and follow new values in the buffers.
+    cpu = torch.device("cpu")
+    c = codec.Codec(fmt, cpu, "triton")
+    layout = codec.Layout.from_numels([5, 0, 1500, 33, 2], cpu)
+    n = layout.numel
+    window = layout.window(3, n - 1)
+    keys = torch.zeros(layout.n_segments, dtype=torch.int32)
+    x = torch.empty(n)
+    bound_keys = c.bind_layer_keys(x, layout, keys, world_size=3, native=False)
+    pad = 5
+    sent = torch.empty(payload_nbytes(n - 4 + pad, fmt), dtype=torch.uint8)
+    bound_encode = c.bind_encode(x[3 : n - 1], sent, codec.Keyed(keys), window, pad)
+    back = torch.empty(n - 4)
+    bound_decode = c.bind_decode(sent, back, codec.Keyed(keys, 3), window)
+    shards = torch.empty(2 * payload_nbytes(64, fmt), dtype=torch.uint8)
+    mean = torch.empty(payload_nbytes(64, fmt), dtype=torch.uint8)
+    bound_owner = c.bind_owner_reduce(shards, 2, mean)
+    for seed in range(2):
+        x.copy_(torch.randn(n, generator=torch.Generator().manual_seed(seed)) * 100)
+        shards.copy_(torch.randint(0, 256, shards.shape, dtype=torch.uint8))
+        _quiet(bound_keys)
+        want_keys = torch.empty_like(keys)
+        c.layer_keys(x, layout, want_keys, world_size=3, native=False)
+        assert torch.equal(keys, want_keys) and keys.any()
+        _quiet(bound_encode)
+        want = c.encode(x[3 : n - 1], scale=codec.Keyed(keys), layout=window, pad=pad)
+        assert torch.equal(sent, want)
+        _quiet(bound_decode)
+        got = c.decode(sent, n - 4, scale=codec.Keyed(keys, 3), layout=window)
+        assert torch.equal(_bits(back), _bits(got))
+        _quiet(bound_owner)
+        assert torch.equal(mean, _quiet(c.owner_reduce, shards, 2))
