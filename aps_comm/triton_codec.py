@@ -75,6 +75,7 @@ __all__ = [
     "INTERPRETED",
     "MAX_SEGMENT",
     "MIN_TRITON",
+    "NUM_WARPS",
     "TILE",
     "FormatConstants",
     "bind_decode",
@@ -965,10 +966,17 @@ def _grid(numel: int) -> tuple[int]:
     return (triton.cdiv(numel, BLOCK),)
 
 
-def _options() -> dict[str, bool]:
+NUM_WARPS: int | None = None
+"""Warps per program of the compiled kernels (None: Triton's default)."""
+
+
+def _options() -> dict[str, int | bool]:
     """Compile options: no fused multiply-add, whatever Triton's default (each float
-    operation rounds once, as on the CPU); the interpreter takes none."""
-    return {} if INTERPRETED else {"enable_fp_fusion": False}
+    operation rounds once, as on the CPU), and :data:`NUM_WARPS`; the interpreter
+    takes none."""
+    if INTERPRETED:
+        return {}
+    return {"enable_fp_fusion": False, **({"num_warps": NUM_WARPS} if NUM_WARPS else {})}
 
 
 @dataclasses.dataclass(frozen=True)

@@ -1013,6 +1013,17 @@ def _runs(fmt: FloatFormat, device: torch.device, backend: str) -> bool:
     return True
 
 
+CODEC_SHAPES: tuple[tuple[int, int], ...] = ((1024, 4), (2048, 4), (4096, 4), (4096, 8), (8192, 8))
+"""(elements, warps) per program of the Triton codec that the codec step times, keyed."""
+
+
+def codec_triton_module() -> Any:
+    """:mod:`aps_comm.triton_codec` (imported where Triton runs)."""
+    from aps_comm import triton_codec
+
+    return triton_codec
+
+
 def _step_codec(ctx: StepContext, repeats: int = 50) -> StepResult:
     dev = torch.device("cuda", 0)
     fmt = get_format("e4m3")
@@ -1067,7 +1078,42 @@ def _step_codec(ctx: StepContext, repeats: int = 50) -> StepResult:
                 triton_codec.decode, payload, y, fmt, offsets, 1 / bscale, **blocks
             ),
         }
+    if "triton" in backends:  # the settled path's calls: factors from exponent keys
+        tc = codec_triton_module()
+        keys = torch.randint(120, 131, (100,), dtype=torch.int32, device=dev)
+        c = codec.Codec(fmt, dev, "triton")
+        fns |= {
+            "triton:keyed_encode": functools.partial(
+                c.encode, x, out=payload, scale=codec.Keyed(keys), layout=layout
+            ),
+            "triton:keyed_decode": functools.partial(
+                c.decode, payload, n, out=y, scale=codec.Keyed(keys, 3), layout=layout
+            ),
+        }
     ms = _events_ms(fns, repeats)
+    shapes: dict[str, dict[str, float]] = {}
+    if "triton" in backends:  # elements and warps per program, for the next tuning
+        saved = tc.BLOCK, tc.NUM_WARPS
+        try:
+            for block, warps in CODEC_SHAPES:
+                tc.BLOCK, tc.NUM_WARPS = block, warps
+                shape = _events_ms(
+                    {
+                        "copy": lambda: y.copy_(x),
+                        "encode": fns["triton:keyed_encode"],
+                        "decode": fns["triton:keyed_decode"],
+                    },
+                    max(repeats // 2, 5),
+                )
+                shapes[f"{block}x{warps}"] = {
+                    "encode_ms": round(statistics.median(shape["encode"]), 4),
+                    "decode_ms": round(statistics.median(shape["decode"]), 4),
+                    "ratio": round(
+                        median_ratio([shape["encode"], shape["decode"]], shape["copy"]), 3
+                    ),
+                }
+        finally:
+            tc.BLOCK, tc.NUM_WARPS = saved
 
     def timing(b: str, prefix: str) -> CodecTiming:
         enc, dec = ms[f"{b}:{prefix}encode"], ms[f"{b}:{prefix}decode"]
@@ -1088,7 +1134,15 @@ def _step_codec(ctx: StepContext, repeats: int = 50) -> StepResult:
             b: {
                 "unscaled": timing(b, "").to_json(),
                 "scaled": timing(b, "scaled_").to_json(),
-                **({"block32": timing(b, "block_").to_json()} if b == "triton" else {}),
+                **(
+                    {
+                        "block32": timing(b, "block_").to_json(),
+                        "keyed": timing(b, "keyed_").to_json(),
+                        "shapes": shapes,
+                    }
+                    if b == "triton"
+                    else {}
+                ),
             }
             for b in backends
         },
@@ -1522,82 +1576,126 @@ def _profiled_launches(
     return per_step, (per_bucket if timed is not None else None)
 
 
-def _run_config(
-    cfg: StepConfig, dev: torch.device, spec: LMSpec, warm: int, timed_steps: int, profile: bool
-) -> dict[str, Any]:
-    row = _step_row(cfg)
-    cuda = dev.type == "cuda"
-    sync = torch.cuda.synchronize if cuda else (lambda: None)
-    if cuda:
-        torch.cuda.reset_peak_memory_stats()
-    timed: TimedHook | None = None
-    try:
+class _ConfigRun:
+    """One configuration's model, DDP, hook and batch, built and warmed up, ready to step.
+
+    All configurations live side by side and take their timed steps in turns
+    (:func:`real_model_steps`): a machine's drift over the run (clocks, other
+    tenants) lands on every configuration alike, not on the last ones.
+    """
+
+    def __init__(self, cfg: StepConfig, dev: torch.device, spec: LMSpec, warm: int) -> None:
+        self.row = _step_row(cfg)
+        self.cfg, self.dev, self.spec = cfg, dev, spec
+        self.timed: TimedHook | None = None
+        self.ready = False
+        self.calls: list[int] = []
+        cuda = dev.type == "cuda"
+        self.sync = torch.cuda.synchronize if cuda else (lambda: None)
+        try:
+            self._build()
+            if self.row["skipped"]:
+                return
+            for _ in range(warm):
+                self.one_step()
+            self.sync()
+            self.ready = True
+        except Exception as exc:
+            self.fail(exc)
+
+    def _build(self) -> None:
+        cfg, dev, spec = self.cfg, self.dev, self.spec
         torch.manual_seed(0)
         with dev:
-            model = StepLM(spec)
-        ddp = DDP(model, device_ids=[dev.index] if cuda else None)
+            self.model = StepLM(spec)
+        self.ddp = DDP(self.model, device_ids=[dev.index] if dev.type == "cuda" else None)
         if cfg.hook == Hook.FP16:
             from torch.distributed.algorithms.ddp_comm_hooks import default_hooks
 
-            timed = TimedHook(default_hooks.fp16_compress_hook, None)
+            self.timed = TimedHook(default_hooks.fp16_compress_hook, None)
         elif cfg.hook == Hook.APS:
             try:
-                state = _aps_state(ddp, cfg, dev)
+                state = _aps_state(self.ddp, cfg, dev)
             except ValueError as exc:  # aps_comm.register raises the same here
-                row["skipped"] = f"aps_comm.register raised ValueError: {exc}"
-                return row
-            timed = TimedHook(aps_comm.aps_hook, state)
-        if timed is not None:
-            ddp.register_comm_hook(timed, timed_hook)
-        opt = torch.optim.SGD(model.parameters(), lr=1e-4)
+                self.row["skipped"] = f"aps_comm.register raised ValueError: {exc}"
+                return
+            self.timed = TimedHook(aps_comm.aps_hook, state)
+        if self.timed is not None:
+            self.ddp.register_comm_hook(self.timed, timed_hook)
+        self.opt = torch.optim.SGD(self.model.parameters(), lr=1e-4)
         gen = torch.Generator(device=dev).manual_seed(0)
         shape = (spec.batch, spec.seq)
-        tokens = torch.randint(0, spec.vocab, shape, device=dev, generator=gen)
-        targets = torch.randint(0, spec.vocab, shape, device=dev, generator=gen)
+        self.tokens = torch.randint(0, spec.vocab, shape, device=dev, generator=gen)
+        self.targets = torch.randint(0, spec.vocab, shape, device=dev, generator=gen)
 
-        def one_step() -> None:
-            opt.zero_grad(set_to_none=True)
-            with torch.autocast(dev.type, dtype=torch.bfloat16):
-                logits = ddp(tokens)
-                loss = nn.functional.cross_entropy(logits.view(-1, spec.vocab), targets.view(-1))
-            loss.backward()
-            opt.step()
-
-        for _ in range(warm):
-            one_step()
-        sync()
-        calls: list[int] = []
-        for _ in range(timed_steps):
-            before = len(timed.host_us) if timed else 0
-            start = time.perf_counter()
-            one_step()
-            sync()
-            row["times_ms"].append((time.perf_counter() - start) * 1e3)
-            calls.append((len(timed.host_us) if timed else 0) - before)
-        row["step_ms"] = statistics.median(row["times_ms"])
-        if timed is not None:
-            timed_calls = timed.host_us[-sum(calls) :] if sum(calls) else []
-            row["buckets"] = calls[-1]
-            if timed_calls:
-                row["host_us_per_bucket"] = statistics.median(timed_calls)
-        if timed is not None and isinstance(timed.state, aps_comm.APSState):
-            row["bucket_reductions"] = sorted(set(timed.state.bucket_reductions.values()))
-        if profile:
-
-            def profiled() -> None:
-                one_step()
-                sync()
-
-            row["launches_per_step"], row["launches_per_bucket"] = _profiled_launches(
-                profiled, timed, dev
+    def one_step(self) -> None:
+        self.opt.zero_grad(set_to_none=True)
+        with torch.autocast(self.dev.type, dtype=torch.bfloat16):
+            logits = self.ddp(self.tokens)
+            loss = nn.functional.cross_entropy(
+                logits.view(-1, self.spec.vocab), self.targets.view(-1)
             )
-        if cuda:
-            row["peak_gib"] = round(torch.cuda.max_memory_allocated() / 2**30, 2)
-    except torch.cuda.OutOfMemoryError as exc:
-        row["error"] = f"out of CUDA memory: {_short(str(exc), 400)}"
-    except Exception as exc:  # recorded; the next configuration starts afresh
-        row["error"] = _short(_error(exc, cfg.name), 1500)
-    return row  # the model, optimizer and batch go with this frame
+        loss.backward()
+        self.opt.step()
+
+    def fail(self, exc: BaseException) -> None:
+        self.ready = False
+        if isinstance(exc, torch.cuda.OutOfMemoryError):
+            self.row["error"] = f"out of CUDA memory: {_short(str(exc), 400)}"
+        else:
+            self.row["error"] = _short(_error(exc, self.cfg.name), 1500)
+        self.release()
+
+    def time_one(self) -> None:
+        """One timed step (between two device synchronisations)."""
+        if not self.ready:
+            return
+        try:
+            before = len(self.timed.host_us) if self.timed else 0
+            self.sync()
+            start = time.perf_counter()
+            self.one_step()
+            self.sync()
+            self.row["times_ms"].append((time.perf_counter() - start) * 1e3)
+            self.calls.append((len(self.timed.host_us) if self.timed else 0) - before)
+        except Exception as exc:
+            self.fail(exc)
+
+    def finish(self, profile: bool) -> dict[str, Any]:
+        """The row: medians, host time per hook call, and one profiled step's launches."""
+        row, timed = self.row, self.timed
+        if not self.ready:
+            return row
+        try:
+            row["step_ms"] = statistics.median(row["times_ms"])
+            calls = sum(self.calls)
+            if timed is not None:
+                row["buckets"] = self.calls[-1]
+                if calls:
+                    row["host_us_per_bucket"] = statistics.median(timed.host_us[-calls:])
+                if isinstance(timed.state, aps_comm.APSState):
+                    reductions = timed.state.bucket_reductions.values()
+                    row["bucket_reductions"] = sorted(set(reductions))
+            if profile:
+
+                def profiled() -> None:
+                    self.one_step()
+                    self.sync()
+
+                row["launches_per_step"], row["launches_per_bucket"] = _profiled_launches(
+                    profiled, timed, self.dev
+                )
+        except Exception as exc:
+            self.fail(exc)
+        self.release()
+        return row
+
+    def release(self) -> None:
+        for name in ("ddp", "model", "opt", "tokens", "targets", "timed"):
+            self.__dict__.pop(name, None)
+        gc.collect()
+        if self.dev.type == "cuda":
+            torch.cuda.empty_cache()
 
 
 def real_model_steps(
@@ -1616,10 +1714,12 @@ def real_model_steps(
 
     Each configuration gets the model afresh (seed 0), SGD, one batch of
     random tokens and targets drawn on the device (seed 0), bf16 autocast,
-    cross-entropy; ``warm`` unmeasured steps, then ``timed`` steps each between
-    two device synchronisations (forward, loss, backward, optimizer step);
-    then, with ``profile``, one step under ``torch.profiler``. The comm hooks
-    run through :class:`TimedHook`, for the host time of each call.
+    cross-entropy, and ``warm`` unmeasured steps; all of them are built first
+    and live side by side, then take ``timed`` steps in turns (each between
+    two device synchronisations; the order reversed every other round), so
+    that drift over the run falls on all alike; then, with ``profile``, one
+    step each under ``torch.profiler``. The comm hooks run through
+    :class:`TimedHook`, for the host time of each call.
 
     Args:
         rank: this rank.
@@ -1630,8 +1730,9 @@ def real_model_steps(
         warm: unmeasured steps per configuration.
         timed: measured steps per configuration.
         profile: profile one more step for the kernel launches.
-        budget_s: seconds for all configurations; one is skipped with the
-            reason when fewer are left than the slowest so far took.
+        budget_s: seconds for all configurations: the timed rounds stop once
+            80% of it is spent (a configuration with no timed step is skipped
+            with the reason).
         partial: a file each finished row is appended to (a JSON line), so
             that the rows survive if the job is killed.
 
@@ -1646,24 +1747,30 @@ def real_model_steps(
     """
     dev = _device(device)
     started = time.monotonic()
-    slowest = 0.0
-    rows = []
+    if dev.type == "cuda":
+        torch.cuda.reset_peak_memory_stats()
+    runs = []
     for cfg in configs:
-        left = math.inf if budget_s is None else budget_s - (time.monotonic() - started)
-        if left < slowest * 1.2:
-            row = _step_row(cfg)
-            row["skipped"] = (
-                f"the time budget: {max(left, 0):.0f} s left, a configuration took "
-                f"up to {slowest:.0f} s"
-            )
-        else:
-            t0 = time.monotonic()
-            row = _run_config(cfg, dev, spec, warm, timed, profile)
-            gc.collect()
-            if dev.type == "cuda":
-                torch.cuda.empty_cache()
-            row["seconds"] = round(time.monotonic() - t0, 2)
-            slowest = max(slowest, row["seconds"])
+        t0 = time.monotonic()
+        runs.append(_ConfigRun(cfg, dev, spec, warm))
+        runs[-1].row["seconds"] = round(time.monotonic() - t0, 2)
+    # Timed steps in turns, the order reversed every other round: drift over the
+    # run (clocks, other tenants) falls on every configuration alike.
+    for r in range(timed):
+        if budget_s is not None and time.monotonic() - started > budget_s * 0.8:
+            break
+        for run in runs if r % 2 == 0 else runs[::-1]:
+            run.time_one()
+    rows = []
+    for run in runs:
+        if run.ready and not run.row["times_ms"]:
+            run.row["skipped"] = "the time budget: no timed step fitted"
+            run.ready = False
+        t0 = time.monotonic()
+        row = run.finish(profile)
+        row["seconds"] = round(row["seconds"] + time.monotonic() - t0, 2)
+        if dev.type == "cuda":
+            row["peak_gib"] = round(torch.cuda.max_memory_allocated() / 2**30, 2)
         rows.append(row)
         if partial:
             with open(partial, "a") as f:
@@ -1943,13 +2050,30 @@ def render_markdown(report: dict[str, Any]) -> str:
                     f"| {key} | {t['copy_ms']:.3f} | {t['encode_ms']:.3f} | "
                     f"{t['decode_ms']:.3f} | {t['ratio']:.2f}x |"
                 )
+            shapes: dict[str, dict[str, float]] = {}
             for backend, rows in d.get("backends", {}).items():
                 for key, t in rows.items():
+                    if key == "shapes":
+                        shapes = t
+                        continue
                     if backend == d["backend"] and key in ("unscaled", "scaled"):
                         continue  # the rows above
                     lines.append(
                         f"| {key} ({backend}) | {t['copy_ms']:.3f} | {t['encode_ms']:.3f} | "
                         f"{t['decode_ms']:.3f} | {t['ratio']:.2f}x |"
+                    )
+            if shapes:
+                lines += [
+                    "",
+                    "Keyed (the settled path's calls) by elements x warps per program:",
+                    "",
+                    "| shape | encode ms | decode ms | (enc + dec) / copy |",
+                    "| --- | --- | --- | --- |",
+                ]
+                for shape, t in shapes.items():
+                    lines.append(
+                        f"| {shape} | {t['encode_ms']:.3f} | {t['decode_ms']:.3f} | "
+                        f"{t['ratio']:.2f}x |"
                     )
         elif s["name"] == "step" and "configs" in d:
             lines += _step_markdown(d)

@@ -8,8 +8,9 @@ the hook's worker runs) at world size 1 (Gloo on CPU, NCCL on CUDA) and
 reports, per bucket at steady state (after the plan and the settled path
 are bound):
 
-- ``ops``: ATen ops that launch work (views, allocations and collectives
-  not counted) plus codec kernel calls (numba on CPU, Triton on CUDA);
+- ``ops``: on CPU the ATen ops that launch work (views, allocations and
+  collectives not counted) plus the codec's numba kernel calls; on CUDA the
+  kernels the device ran (``torch.profiler``; NCCL's not counted);
 - ``host_us``: the median wall time of one bucket on the host, less the
   time inside collectives (the wire's) and, on CPU, inside the codec's
   kernels (the device's work on a GPU, where launches return at once);
@@ -207,10 +208,28 @@ def _sync(device: torch.device) -> None:
 def count_ops(
     state: aps_comm.APSState, buffer: torch.Tensor, params: list[torch.Tensor]
 ) -> tuple[list[str], list[str]]:
-    """(ATen ops, codec kernel calls) of one bucket through ``state``'s path."""
+    """(ATen ops, codec kernel calls) of one bucket through ``state``'s path.
+
+    On CUDA the kernels are what the device ran (``torch.profiler``, NCCL's
+    left out): the ATen ops that launched some of them are listed apart, not
+    added (see :func:`measure`).
+    """
     calls: list[str] = []
     seconds: list[float] = []
     counter = OpCounter()
+    if buffer.device.type == "cuda":
+        activities = [torch.profiler.ProfilerActivity.CPU, torch.profiler.ProfilerActivity.CUDA]
+        with torch.profiler.profile(activities=activities) as prof, counter:
+            state.run_bucket(0, buffer, params)
+            torch.cuda.synchronize(buffer.device)
+        kernels = [
+            f"cuda::{e.name}"
+            for e in prof.events()
+            if e.device_type == torch.autograd.DeviceType.CUDA
+            and not e.name.lower().startswith("nccl")
+            and not getattr(e, "is_user_annotation", False)
+        ]
+        return counter.ops, kernels
     with _kernels(buffer.device, calls, seconds), counter:
         state.run_bucket(0, buffer, params)
     return counter.ops, calls
@@ -257,13 +276,15 @@ def measure(
                 in_kernels.append(kernel_s)
                 on_wire.append(sum(wire))
                 host.append(elapsed - kernel_s - sum(wire))
+            # On CUDA every launch is a kernel the device ran: the ATen ops are among them.
+            ops = len(kernels) if device.type == "cuda" else len(aten) + len(kernels)
             rows.append(
                 Row(
                     model,
                     route,
                     len(numels),
                     sum(numels),
-                    len(aten) + len(kernels),
+                    ops,
                     len(aten),
                     len(kernels),
                     round(statistics.median(host) * 1e6, 1),
