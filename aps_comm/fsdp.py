@@ -449,10 +449,10 @@ def register(
     )
     teardown.release_at_exit(state)
     comm_class = _comm_class()
-    for mod, _, unit in found:
+    for mod, group, unit in found:
         mod.set_custom_reduce_scatter(comm_class(state, unit))
         mod.set_force_sum_reduction_for_comms(True)
-        mod.set_reduce_scatter_unused_params(True, recurse=False)
+        _reduce_scatter_unused_params(mod, group, api)
     return state
 
 
@@ -462,6 +462,11 @@ def register(
 # groups of an FSDPModule, their mesh and their FSDPParams' padded sizes.
 
 
+# The oldest torch aps_comm.fsdp is tested on (tests/test_fsdp.py passes on
+# 2.11 and 2.13); older torch lacks the FSDP2 API it builds on or is untested.
+MIN_TORCH = "2.11"
+
+
 @dataclasses.dataclass(frozen=True)
 class _API:
     FSDPModule: type
@@ -469,6 +474,9 @@ class _API:
     FSDPMeshInfo: type
     DDPMeshInfo: type
     DefaultReduceScatter: type
+    # FSDPModule.set_reduce_scatter_unused_params exists (torch 2.13 has it,
+    # 2.11 does not); without it _reduce_scatter_unused_params sends the same zeros.
+    unused_params: bool
 
 
 @functools.lru_cache(maxsize=1)
@@ -484,25 +492,83 @@ def _fsdp_api() -> _API:
             f"aps_comm.fsdp needs FSDP2's custom reduce-scatter API "
             f"(torch.distributed.fsdp._fully_shard._fsdp_api.ReduceScatter and "
             f"FSDPModule.set_custom_reduce_scatter), which torch {torch.__version__} "
-            f"does not have: {exc}"
+            f"does not have ({MIN_TORCH} or later has it): {exc}"
         ) from exc
     for method in (
         "set_custom_reduce_scatter",
         "set_force_sum_reduction_for_comms",
-        "set_reduce_scatter_unused_params",
         "_get_fsdp_state",
     ):
         if not hasattr(FSDPModule, method):
             raise RuntimeError(
                 f"aps_comm.fsdp needs FSDPModule.{method}, which torch {torch.__version__} "
-                "does not have"
+                f"does not have ({MIN_TORCH} or later has it)"
             )
-    return _API(FSDPModule, ReduceScatter, FSDPMeshInfo, DDPMeshInfo, DefaultReduceScatter)
+    return _API(
+        FSDPModule,
+        ReduceScatter,
+        FSDPMeshInfo,
+        DDPMeshInfo,
+        DefaultReduceScatter,
+        unused_params=hasattr(FSDPModule, "set_reduce_scatter_unused_params"),
+    )
+
+
+def _reduce_scatter_unused_params(mod: Any, group: Any, api: _API) -> None:
+    """Make FSDP reduce-scatter zeros for a trainable parameter that got no gradient.
+
+    The APS reduce-scatter needs every rank to send the unit's whole layout:
+    a parameter used on one rank and not on another (conditional control
+    flow) must still take its place, as zeros, or the ranks' inputs differ.
+    Newer torch (2.13) does that with ``set_reduce_scatter_unused_params(True)``.
+    Older torch (2.11) skips such a parameter in
+    ``FSDPParamGroup.post_backward``; the wrapper below gives it a zero
+    gradient just before, which post_backward then collects and clears exactly
+    as torch 2.13's flag does (its ``unsharded_zero_grad_data`` branch):
+    only when gradients are reduced, only for a parameter that was unsharded,
+    requires a gradient and has neither a gradient nor one accumulated.
+    """
+    if api.unused_params:
+        mod.set_reduce_scatter_unused_params(True, recurse=False)
+        return
+    post_backward = group.post_backward
+
+    def zero_unused_then_post_backward(*args: Any) -> Any:
+        if group.reduce_grads:
+            for fsdp_param in group.fsdp_params:
+                if not hasattr(fsdp_param, "_unsharded_param"):
+                    continue
+                param = fsdp_param.unsharded_param
+                if (
+                    param.requires_grad
+                    and param.grad is None
+                    and fsdp_param.unsharded_accumulated_grad is None
+                ):
+                    param.grad = torch.zeros_like(param)
+        return post_backward(*args)
+
+    # An attribute of this group only: FSDP looks post_backward up on the
+    # instance (its autograd function and the root's final callback alike).
+    group.post_backward = zero_unused_then_post_backward
+
+
+def _param_groups(mod: Any) -> list[Any]:
+    """The module's FSDP parameter groups.
+
+    torch 2.13 keeps a list (``_fsdp_param_groups``: per-parameter meshes can
+    make several); torch 2.11 keeps at most one (``_fsdp_param_group``).
+    """
+    state = mod._get_fsdp_state()
+    groups = getattr(state, "_fsdp_param_groups", None)
+    if groups is not None:
+        return list(groups)
+    group = getattr(state, "_fsdp_param_group", None)
+    return [] if group is None else [group]
 
 
 def _one_param_group(mod: Any, api: _API, world: int) -> Any | None:
     """The module's single FSDP parameter group (None without parameters), or ValueError."""
-    groups = list(mod._get_fsdp_state()._fsdp_param_groups)
+    groups = _param_groups(mod)
     if not groups:
         return None
     if len(groups) > 1:

@@ -6,7 +6,7 @@ runs the same ranks on 127.0.0.1 unshaped): measure the link, then on every
 rank
 
 1. calibrate: time the collectives and codec passes over a sweep of sizes
-   (``aps_perfmodel.calibrate.run_calibration``) and fit a profile;
+   (``aps_comm.calibrate.run_calibration``) and fit a profile;
 2. measure, separately, the three complete reduction paths as DDP runs them:
    a 16-layer ``Linear`` stack whose gradients are exactly the message, in one
    DDP bucket, with torch's ``allreduce_hook`` (FP32), ``fp16_compress_hook``
@@ -48,10 +48,7 @@ import time
 from pathlib import Path
 from typing import Any
 
-from aps_perfmodel.calibrate import fit_profile, geometric_sizes
-from aps_perfmodel.comm import bucket_comm
-from aps_perfmodel.formats import get_format
-from aps_perfmodel.measure import (
+from aps_comm.measure import (
     BUDGET_S,
     MAX_REPEATS,
     TRIM,
@@ -59,6 +56,9 @@ from aps_perfmodel.measure import (
     time_hook_steps,
     trimmed_mean,
 )
+from aps_perfmodel.calibrate import fit_profile, geometric_sizes
+from aps_perfmodel.comm import bucket_comm
+from aps_perfmodel.formats import get_format
 from benchmarks.cluster import PIN_CHOICES, add_pin_argument
 
 LAYERS = 16  # parameter tensors per message: APS sends one maximum each
@@ -139,7 +139,7 @@ def _worker(args: argparse.Namespace) -> None:
     import torch
     import torch.distributed as dist
 
-    from aps_perfmodel.calibrate import run_calibration
+    from aps_comm.calibrate import run_calibration
 
     torch.set_num_threads(1)
     dist.init_process_group("gloo")

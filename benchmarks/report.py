@@ -23,7 +23,7 @@ import json
 import os
 import re
 import sys
-from collections.abc import Callable
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
@@ -332,6 +332,16 @@ def _comm_table(data: dict, title: str, goal: tuple[float, float] | None) -> lis
             )
             + f" | {_num(floor)} |"
         )
+    rounds = [
+        f"{r['hook']} {min(r['round_median_step_s']):.3f}-{max(r['round_median_step_s']):.3f}"
+        for r in data.get("runs", [])
+        if len(r.get("round_median_step_s") or []) > 1
+    ]
+    if rounds:
+        lines += [
+            "",
+            "The medians of each round (s), lowest to highest: " + ", ".join(rounds) + ".",
+        ]
     lines += [
         "",
         "CPU floor: the step cannot be shorter than the CPU time all ranks need per step "
@@ -582,8 +592,16 @@ def _node_validation(val: dict, link: str) -> list[str]:
 
 
 def _plain(x: object) -> str:
+    """A recorded value as a reader reads it: floats to 4 significant digits.
+
+    Example:
+        >>> _plain({"rtt_s": 0.00010516600013943389, "ranks": 2, "loopback": False})
+        'rtt_s 0.0001052, ranks 2, loopback False'
+    """
     if isinstance(x, dict):
         return ", ".join(f"{k} {_plain(v)}" for k, v in x.items())
+    if isinstance(x, float):
+        return f"{x:.4g}"
     return str(x)
 
 
@@ -591,7 +609,7 @@ def _num(x: object, style: str = "g") -> str:
     if x is None:
         return "-"
     if isinstance(x, (int, float)):
-        return f"{x:.3e}" if style == "e" else f"{x:.3g}"
+        return f"{x:.3e}" if style == "e" else f"{x:#.3g}"
     return str(x)
 
 
@@ -615,8 +633,8 @@ def _codec(found: _Found) -> list[str]:
         block = f.get("block_encode_decode_over_copy")
         lines.append(
             f"| {f['format']} | {f['encode_s'] * 1e3:.1f} | {f['decode_s'] * 1e3:.1f} | "
-            f"{f['encode_decode_over_copy']:.1f}x | {f['scaled_encode_decode_over_copy']:.1f}x | "
-            + ("-" if block is None else f"{block:.1f}x")
+            f"{f['encode_decode_over_copy']:.2f}x | {f['scaled_encode_decode_over_copy']:.2f}x | "
+            + ("-" if block is None else f"{block:.2f}x")
             + " |"
         )
     if "block_size" in data:
@@ -1034,7 +1052,7 @@ def _highlights(found: _Found) -> list[str]:
         if not (aps and aps.get("speedup_vs_fp32") and aps.get("speedup_vs_fp16")):
             continue
         lines.append(
-            f"- comm, {title}, {comm.get('gradient_mb'):.0f} MB: APS e4m3 "
+            f"- comm, {title}, {comm.get('gradient_mb'):.0f} MB ({found.link(res.name)}): APS e4m3 "
             f"{aps['median_step_s']:.3f} s/step, {aps['speedup_vs_fp32']:.2f}x FP32 and "
             f"{aps['speedup_vs_fp16']:.2f}x fp16_compress_hook."
         )
@@ -1080,6 +1098,202 @@ def build(results: Path = RESULTS, out: Path = HERE / "RESULTS.md") -> str:
     for section in SECTIONS:
         lines += section(found)
     return "\n".join(lines).rstrip() + "\n"
+
+
+# ---------------------------------------------------------------------------
+# Figures quoted in the README and docs: each names its run, and equals what
+# this report derives from that run.
+
+ROOT = HERE.parent
+DOCS = (ROOT / "README.md", *sorted((ROOT / "docs").glob("*.md")))
+# A link to a results JSON names the run a sentence quotes.
+_CITATION = re.compile(r"\]\(([^)\s]*results/([\w.-]+\.json))\)")
+# A quoted figure: a decimal with a unit of time, a ratio or a share, or a bare
+# decimal with 3 or more digits after the point (an accuracy, an error).
+_FIGURE = re.compile(r"(?<![\w.+/-])(\d+\.\d+(?:e[-+]?\d+)?)(\s?(?:x|s|ms|%)(?![\w/]))?")
+_NUMBER = re.compile(r"(?<![\w.])-?\d+(?:\.\d+)?(?:e[-+]?\d+)?")
+# What a sentence that quotes the model, not a run, carries (invisible when rendered).
+MODEL_MARK = "<!-- model -->"
+
+
+def run_figures(name: str, results: Path = RESULTS) -> list[str]:
+    """Every number this report shows for the results file ``name``, and nothing else.
+
+    The report is built over ``name`` alone (with its markdown, if any), so its
+    sections and headlines hold only what is derived from that run.
+
+    Example:
+        >>> "3.36" in run_figures("comm_2ranks.json")
+        True
+    """
+    import shutil
+    import tempfile
+
+    with tempfile.TemporaryDirectory() as tmp:
+        alone = Path(tmp)
+        for path in results.glob(Path(name).stem + ".*"):
+            shutil.copy(path, alone / path.name)
+        text = build(alone, alone / "RESULTS.md")
+    return _NUMBER.findall(text)
+
+
+def _quoted(token: str, shown: Sequence[str]) -> bool:
+    """Whether a figure as quoted (``0.174``, ``3.4``, ``1.9e-3``) rounds from one shown.
+
+    A shown number counts only where it has at least the quoted precision:
+    ``1.5`` does not back a quoted ``1.50``.
+    """
+    if "e" in token:
+        mantissa = token.split("e")[0]
+        digits = len(mantissa.replace(".", "").lstrip("0"))
+        want = float(token)
+        return any(
+            float(v) and _digits(v) >= digits and float(f"{float(v):.{digits - 1}e}") == want
+            for v in shown
+        )
+    places = len(token.split(".")[1])
+    return any(_places(v) >= places and f"{float(v):.{places}f}" == token for v in shown)
+
+
+def _places(number: str) -> int:
+    """Decimal places a printed number shows (``1.90e-03`` shows 4)."""
+    mantissa, _, exponent = number.partition("e")
+    places = len(mantissa.partition(".")[2])
+    return places - int(exponent) if exponent else places
+
+
+def _digits(number: str) -> int:
+    """Significant digits a printed number shows."""
+    mantissa = number.partition("e")[0].lstrip("-")
+    return len(mantissa.replace(".", "").lstrip("0")) or 1
+
+
+def _figures(text: str) -> list[str]:
+    """The figures a sentence quotes (``0.174 s``, ``3.36x``, ``60%``, ``0.986``)."""
+    found = []
+    for m in _FIGURE.finditer(_CITATION.sub("]()", text)):
+        number, unit = m.group(1), (m.group(2) or "").strip()
+        if unit or len(number.split(".")[1].split("e")[0]) >= 3:
+            found.append(m.group(0))
+    return found
+
+
+def _units(markdown: str) -> list[str]:
+    """Paragraphs, list items and tables (each with the paragraph before it), outside code."""
+    units: list[list[str]] = []
+    current: list[str] = []
+    fence = False
+    for line in markdown.splitlines():
+        if line.startswith("```"):
+            fence = not fence
+            continue
+        if fence:
+            continue
+        after_table = bool(current) and current[-1].startswith("|") and not line.startswith("|")
+        if not line.strip() or line.startswith(("#", "- ")) or after_table:
+            if current:
+                units.append(current)
+            current = []
+        if line.strip() and not line.startswith("#"):
+            current.append(line.strip())
+    if current:
+        units.append(current)
+    # A table's caption is the paragraph or item just before it.
+    merged: list[list[str]] = []
+    for unit in units:
+        if unit[0].startswith("|") and merged and not merged[-1][-1].startswith("|"):
+            merged[-1] = [" ".join(merged[-1]), *unit]
+        else:
+            merged.append(unit)
+    return ["\n".join(u) if u[-1].startswith("|") else " ".join(u) for u in merged]
+
+
+def _sentences(unit: str) -> list[str]:
+    """A prose unit's sentences; a table (with its caption) is one."""
+    if "\n|" in unit or unit.startswith("|"):
+        return [unit]
+    return re.split(r"(?<=[.;])\s+(?=[A-Z(`*])", unit)
+
+
+def check_docs(docs: Sequence[Path] = DOCS, results: Path = RESULTS) -> list[str]:
+    """Where the docs quote a run's figure without naming the run, or one the run does not have.
+
+    A sentence (a table with its caption counts as one) names its runs with
+    links to their JSON under ``benchmarks/results/``. Then every figure it
+    quotes must be one that this report shows for one of those runs, at the
+    quoted precision (:func:`run_figures`). A sentence that names no run must
+    not quote a communication or FSDP run's step time (``0.174 s``) or speedup
+    (``3.36x``) unless it marks itself as quoting the model (``MODEL_MARK``).
+
+    Returns:
+        One line per problem, naming the file and the sentence.
+
+    Example:
+        >>> check_docs()
+        []
+    """
+    figures: dict[str, list[str]] = {}
+    measured: dict[str, list[str]] = {}
+    for res in find_results(results):
+        if res.module in ("benchmarks.comm", "benchmarks.fsdp") and isinstance(res.data, dict):
+            measured[res.name] = _step_figures(res.data)
+    problems = []
+    for doc in docs:
+        for unit in _units(doc.read_text()):
+            for sentence in _sentences(unit):
+                named = [m.group(2) for m in _CITATION.finditer(sentence)]
+                quoted = _figures(sentence)
+                shown = doc.relative_to(ROOT) if doc.is_relative_to(ROOT) else doc
+                where = f"{shown.as_posix()}: {sentence[:120]!r}"
+                if named:
+                    values: list[str] = []
+                    for name in named:
+                        if not (results / name).exists():
+                            problems.append(f"{where} names {name}, which is not a result")
+                            continue
+                        if name not in figures:
+                            figures[name] = run_figures(name, results)
+                        values += figures[name]
+                    wrong = [
+                        q for q in quoted if not _quoted(re.sub(r"\s?[xms%]+$", "", q), values)
+                    ]
+                    if wrong:
+                        problems.append(f"{where} quotes {wrong}, not figures of {named}")
+                elif MODEL_MARK not in sentence:
+                    # Speedups to 2 places and step times to 3, as the report prints them.
+                    steps = [
+                        number
+                        for q in quoted
+                        for number, unit in [re.match(r"([\d.]+)\s?(.*)", q).groups()]
+                        if (unit, len(number.split(".")[1])) in (("x", 2), ("s", 3))
+                    ]
+                    runs = sorted(
+                        name
+                        for name, values in measured.items()
+                        if any(_quoted(number, values) for number in steps)
+                    )
+                    if runs:
+                        problems.append(f"{where} quotes a run's figures without naming it {runs}")
+    return problems
+
+
+def _step_figures(data: dict) -> list[str]:
+    """A communication or FSDP run's step times and speedups, with and without compute."""
+    runs = list(data.get("runs", [])) + [r for s in data.get("sweep", []) for r in s["runs"]]
+    with_compute = {r.get("hook"): r.get("median_compute_step_s") for r in runs}
+    out = []
+    for r in runs:
+        for key in ("median_step_s", "median_compute_step_s"):
+            if isinstance(r.get(key), int | float):
+                out.append(f"{r[key]:.3f}")
+        for key in ("speedup_vs_fp32", "speedup_vs_fp16"):
+            if isinstance(r.get(key), int | float):
+                out.append(f"{r[key]:.2f}")
+        t = r.get("median_compute_step_s")
+        for base in ("fp32", "fp16"):
+            if t and with_compute.get(base):
+                out.append(f"{with_compute[base] / t:.2f}")
+    return out
 
 
 def main(argv: list[str] | None = None) -> str:

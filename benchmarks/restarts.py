@@ -105,6 +105,22 @@ def run(runs: int = 20, nproc: int = 2, launcher: str = "aps-launch", timeout: f
     }
 
 
+def summary(result: dict) -> str:
+    """The one line a run prints: recovered and bit-for-bit counts, median seconds per run.
+
+    Example:
+        >>> summary({"launcher": "torchrun", "runs": 20, "recovered": 20, "bitwise": 19,
+        ...          "median_seconds": 9.489999999999998})
+        'torchrun: 20/20 recovered, 19/20 bitwise equal to the uninterrupted run, median 9.5 s per run'
+    """
+    median = result["median_seconds"]
+    return (
+        f"{result['launcher']}: {result['recovered']}/{result['runs']} recovered, "
+        f"{result['bitwise']}/{result['runs']} bitwise equal to the uninterrupted run, "
+        f"median {'-' if median is None else f'{median:.1f}'} s per run"
+    )
+
+
 def main(argv: list[str] | None = None) -> None:
     """CLI entry: run the loop, print the summary, optionally write JSON."""
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
@@ -115,11 +131,7 @@ def main(argv: list[str] | None = None) -> None:
     parser.add_argument("--json", type=Path, default=None, help="write the summary here")
     args = parser.parse_args(argv)
     result = run(args.runs, args.nproc, args.launcher, args.timeout)
-    print(
-        f"{result['launcher']}: {result['recovered']}/{result['runs']} recovered, "
-        f"{result['bitwise']}/{result['runs']} bitwise equal to the uninterrupted run, "
-        f"median {result['median_seconds']} s per run"
-    )
+    print(summary(result))
     if args.json is not None:
         args.json.write_text(json.dumps(result, indent=1) + "\n")
 

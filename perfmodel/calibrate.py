@@ -1,8 +1,11 @@
-"""Measure collectives and codec passes on the real machines and fit the model.
+"""Fit the model to timings of collectives and codec passes on the real machines.
 
+The timing itself is :mod:`aps_comm.calibrate`'s (it runs the real hook and
+codec, beside the code it times); this module takes its plain numbers, a list
+of ``{"op", "n", "seconds"}`` samples, and never imports ``aps_comm``.
 Every rank runs the same sweep (the collectives need all of them; the codec
 passes run on all ranks at once, so they share the machine's cores and memory
-bandwidth the way the hook does). Rank 0 fits:
+bandwidth the way the hook does). The fits:
 
 - per collective, ``t = A(p) alpha + B(p) n beta`` with the collective's own
   coefficients (gamma folded into beta: one world size cannot separate them);
@@ -30,8 +33,6 @@ from __future__ import annotations
 
 import datetime
 import itertools
-import os
-import socket
 from collections.abc import Sequence
 from typing import Any
 
@@ -41,7 +42,7 @@ from .cluster import OpCost
 from .collectives import LinkParams
 from .profile import Profile
 
-__all__ = ["COLLECTIVE_COEFFS", "fit_profile", "geometric_sizes", "run_calibration"]
+__all__ = ["CALL_ELEMENTS", "COLLECTIVE_COEFFS", "fit_profile", "geometric_sizes"]
 
 # (latency steps, bandwidth bytes factor, reduction bytes factor) as functions of p.
 COLLECTIVE_COEFFS = {
@@ -51,22 +52,14 @@ COLLECTIVE_COEFFS = {
     # aps_comm's pipelined all-to-all + all-gather, timed whole: one latency per
     # call and one burst (the chunks follow back to back). A per-chunk latency
     # cannot be told apart from beta (chunk count and bytes grow together), so
-    # it stays inside beta, for the hook's chunk size (EXCHANGE_CHUNK_BYTES).
+    # it stays inside beta, for the hook's chunk size (aps_comm.calibrate's
+    # EXCHANGE_CHUNK_BYTES).
     "exchange": lambda p: (1.0, 2.0 * (p - 1) / p, 0.0),
 }
-_MAXIMA_COUNTS = (1, 16, 64, 256)
-_FMT = "e4m3"
-# aps_comm.hook's chunk, in bytes of an 8-bit wire format.
-EXCHANGE_CHUNK_BYTES = 2**20
 # Elements of the tiny bucket whose whole reduction is timed through each real
-# DDP hook ("hook_call.<fmt>"): what a bucket costs beyond its bytes.
+# DDP hook ("hook_call.<fmt>" samples): what a bucket costs beyond its bytes.
+# The model prices a bucket's fixed cost from it; aps_comm.calibrate times it.
 CALL_ELEMENTS = 1024
-# The hooks whose whole call is calibrated: torch's FP32 and FP16 hooks, and
-# aps_comm's two_phase hook.
-HOOK_CALL_FORMATS = ("fp32", "fp16", _FMT)
-# Idle time before every timed call: a shaper's token bucket refills and the
-# cores go idle, as before a gradient bucket that follows forward and backward.
-SETTLE_S = 0.02
 
 
 def geometric_sizes(min_bytes: float, max_bytes: float, steps: int) -> list[int]:
@@ -230,175 +223,4 @@ def fit_profile(
         host=host,
         cores_per_rank=cores_per_rank,
         created=datetime.datetime.now(datetime.timezone.utc).isoformat(timespec="seconds"),
-    )
-
-
-def run_calibration(
-    sizes: Sequence[int],
-    repeats: int = 5,
-    codec_kind: str = "aps",
-    layers: int = 16,
-    verbose: bool = False,
-    settle_s: float = SETTLE_S,
-    budget_s: float | None = None,
-    max_repeats: int | None = None,
-) -> tuple[list[dict[str, Any]], str]:
-    """Time every collective and codec pass on the initialised default group.
-
-    Must be called on every rank. ``sizes`` are FP32 gradient bytes per rank
-    (rounded to a multiple of the world size and of 4). Every timed call
-    starts ``settle_s`` after a barrier: measured on the emulated cluster, the
-    first collective after 20 ms idle took 3 ms where back-to-back ones took
-    0.3 ms (idle cores wake slowly), and a tbf shaper passes its burst only
-    after idling; a bucket after forward and backward meets both.
-    ``budget_s``/``max_repeats`` (default: :func:`aps_perfmodel.measure.time_op`'s)
-    give quick operations more repeats, where small messages are noisiest.
-
-    Returns:
-        The samples (identical on every rank; trimmed means of repeats, each timed by
-        the slowest rank, or for collectives on ranks sharing a clock from the
-        last rank's start: ``"timed"``)
-        and the codec's name ("none" if it could not be loaded).
-    """
-    import torch
-    import torch.distributed as dist
-
-    from . import measure
-
-    p = dist.get_world_size()
-    codec = measure.load_codec(codec_kind)
-    codec_label = "none" if codec is None else measure.codec_name(codec)
-    if codec is None and dist.get_rank() == 0:
-        print("aps_comm.codec is not importable: skipping codec calibration")
-    samples: list[dict[str, Any]] = []
-    # Collectives are timed from the last rank's start where the ranks share a
-    # clock, as the validation times DDP's hooks; local passes by the slowest rank.
-    aligned = measure.shared_clock()
-    budget = measure.BUDGET_S if budget_s is None else budget_s
-    cap = measure.MAX_REPEATS if max_repeats is None else max_repeats
-
-    def record(op: str, n: float, fn: Any) -> None:
-        collective = op.split(".")[0] in COLLECTIVE_COEFFS or op.startswith("all_reduce")
-        span = collective and aligned
-        sec = measure.time_op(
-            fn, repeats, settle_s=settle_s, from_last_start=span, budget_s=budget, max_repeats=cap
-        )
-        samples.append(
-            {"op": op, "n": n, "seconds": sec, "timed": "last_start" if span else "slowest_rank"}
-        )
-        if verbose and dist.get_rank() == 0:
-            print(f"  {op:22s} n={int(n):>11d}  {sec * 1e3:9.3f} ms", flush=True)
-
-    for count in _MAXIMA_COUNTS:
-        m = torch.rand(count)
-        record("all_reduce_max", 4 * count, lambda m=m: dist.all_reduce(m, op=dist.ReduceOp.MAX))
-
-    # Each collective here, timed alone after an idle spell, pays a wake-up
-    # (measured on the emulated cluster: ~2 ms for a 4-byte all-reduce, 0.35 ms
-    # back to back) that a bucket's later collectives do not; and DDP calls its
-    # hook on a busy rank. So the fixed cost of a bucket is timed whole, through
-    # the real hook, as a tiny bucket inside DDP's backward.
-    hook_fmts = HOOK_CALL_FORMATS if codec is not None else HOOK_CALL_FORMATS[:2]
-    benches = [measure.HookBench(CALL_ELEMENTS, fmt, layers) for fmt in hook_fmts]
-    hook_steps: dict[str, list[float]] = {fmt: [] for fmt in hook_fmts}
-    for size in sizes:
-        for bench in benches:
-            hook_steps[bench.fmt] += bench.steps(
-                1,
-                settle_s,
-                lambda first: measure.repeats_for(first, repeats, budget, cap),
-                from_last_start=aligned,
-            )
-        n = max(p, int(size) // 4 // p * p)
-        x = torch.randn(n)
-        record("all_reduce.float32", 4 * n, lambda x=x: dist.all_reduce(x))
-        h = x.to(torch.float16)
-        record("all_reduce.float16", 2 * n, lambda h=h: dist.all_reduce(h))
-        u8 = torch.randint(0, 255, (n,), dtype=torch.uint8)
-        out8 = torch.empty_like(u8)
-        record("all_to_all", n, lambda u8=u8, out8=out8: dist.all_to_all_single(out8, u8))
-        shard = u8[: n // p].clone()
-        record("all_gather", n, lambda s=shard, o=out8: measure.all_gather_single(o, s))
-        gathered = torch.empty_like(u8)
-        record(
-            "exchange",
-            n,
-            lambda u8=u8, o=out8, g=gathered: measure.pipelined_exchange(
-                u8, o, g, EXCHANGE_CHUNK_BYTES
-            ),
-        )
-        record("encode.fp16", n, lambda x=x: measure.fp16_cast_down(x, p))
-        # fp16_compress_hook copies the result back into the existing bucket.
-        back = torch.empty_like(x)
-        record("decode.fp16", n, lambda b=back, h=h: b.copy_(h))
-        if codec is None:
-            continue
-        sizes_l = [s.numel() for s in torch.tensor_split(x, layers)]
-        segs = torch.split(x, sizes_l)
-        scaled = torch.empty_like(x)
-        # Outputs are allocated once, as the hook's are (its scratch buffers and
-        # the bucket itself): a fresh output per call would time page faults.
-        payload = codec.encode(x, _FMT)
-        decoded = torch.empty_like(x)
-        shards = codec.encode(torch.randn(n), _FMT)
-        reduced = torch.empty(n // p, dtype=torch.uint8)
-        record("amax", n, lambda x=x, sl=sizes_l: codec.amax(x, sl))
-        record(
-            "scale",
-            n,
-            lambda s=segs, o=scaled, sl=sizes_l: [
-                torch.mul(a, 2.0, out=b) for a, b in zip(s, torch.split(o, sl), strict=True)
-            ],
-        )
-        record(f"encode.{_FMT}", n, lambda x=x, o=payload: codec.encode(x, _FMT, out=o))
-        record(
-            f"decode.{_FMT}",
-            n,
-            lambda pl=payload, o=decoded: codec.decode(pl, _FMT, o.numel(), out=o),
-        )
-        record(
-            "unscale",
-            n,
-            lambda s=segs, o=scaled, sl=sizes_l: [
-                torch.mul(a, 0.5, out=b) for a, b in zip(s, torch.split(o, sl), strict=True)
-            ],
-        )
-        # The shard owner's whole step on n received elements: decode the p
-        # shards, FP32 sum, divide, re-encode n/p.
-        record(f"reduce.{_FMT}", n, lambda sh=shards, o=reduced: codec.reduce(sh, p, _FMT, out=o))
-        record("accumulate", n, lambda d=decoded: d.view(p, -1).sum(0).div_(p))
-    # The hook calls' repeats are spread over the sweep, a share after each size:
-    # on a shared machine slow spells last seconds, and the fixed cost that every
-    # bucket pays should not be decided by one of them.
-    for fmt, steps in hook_steps.items():
-        samples.append(
-            {
-                "op": f"hook_call.{fmt}",
-                "n": CALL_ELEMENTS,
-                "seconds": measure.trimmed_mean(steps),
-                "timed": "last_start" if aligned else "slowest_rank",
-            }
-        )
-        if verbose and dist.get_rank() == 0:
-            print(
-                f"  hook_call.{fmt:12s} n={CALL_ELEMENTS:>11d}  {samples[-1]['seconds'] * 1e3:9.3f} ms"
-            )
-    return samples, codec_label
-
-
-def calibrate_here(
-    sizes: Sequence[int], repeats: int = 5, codec_kind: str = "aps", verbose: bool = False
-) -> Profile:
-    """Run :func:`run_calibration` on the current group and fit (on every rank)."""
-    import torch.distributed as dist
-
-    samples, label = run_calibration(sizes, repeats, codec_kind, verbose=verbose)
-    local = int(os.environ.get("LOCAL_WORLD_SIZE", dist.get_world_size()))
-    return fit_profile(
-        samples,
-        dist.get_world_size(),
-        backend=str(dist.get_backend()),
-        codec_source=label,
-        host=socket.gethostname(),
-        cores_per_rank=(os.cpu_count() or 1) / max(1, local),
     )

@@ -26,7 +26,6 @@ from __future__ import annotations
 
 import argparse
 import json
-import os
 import sys
 import textwrap
 from collections.abc import Sequence
@@ -693,47 +692,22 @@ def _cmd_fsdp(args: argparse.Namespace) -> int:
 
 
 def _cmd_calibrate(args: argparse.Namespace) -> int:
-    import datetime
+    # Measuring means running aps_comm's codec and hooks: that code times
+    # itself (aps_comm.calibrate) and hands back plain numbers, which
+    # calibrate.fit_profile fits. This command is the only place the model
+    # reaches aps_comm, and only when asked to measure.
+    from aps_comm.calibrate import calibrate_command
 
-    import torch.distributed as dist
+    from .calibrate import geometric_sizes
 
-    from .calibrate import calibrate_here, geometric_sizes
-
-    created = False
-    if not dist.is_initialized():
-        missing = [
-            k for k in ("RANK", "WORLD_SIZE", "MASTER_ADDR", "MASTER_PORT") if k not in os.environ
-        ]
-        if missing:
-            raise SystemExit(
-                f"error: run under aps-launch or torchrun (missing {', '.join(missing)})"
-            )
-        dist.init_process_group(args.backend, timeout=datetime.timedelta(seconds=args.timeout))
-        created = True
-    try:
-        sizes = (
-            [int(parse_bytes(s)) for s in args.sizes.split(",")]
-            if args.sizes
-            else geometric_sizes(parse_bytes(args.min_size), parse_bytes(args.max_size), args.steps)
-        )
-        profile = calibrate_here(sizes, args.repeats, args.codec, verbose=args.verbose)
-        if dist.get_rank() == 0:
-            profile.save(args.out)
-            link = profile.link
-            print(
-                f"fitted on {profile.world_size} ranks: alpha={format_time(link.alpha)}, "
-                f"bandwidth={format_bandwidth(link.bandwidth)}, gamma={link.gamma:.3g} s/B"
-            )
-            for op, err in profile.fit_errors.items():
-                print(
-                    f"  {op:22s} median err {err['median_rel_err']:6.1%}  "
-                    f"worst {err['max_rel_err']:6.1%}"
-                )
-            print(f"wrote {args.out}")
-    finally:
-        if created:
-            dist.destroy_process_group()
-    return 0
+    sizes = (
+        [int(parse_bytes(s)) for s in args.sizes.split(",")]
+        if args.sizes
+        else geometric_sizes(parse_bytes(args.min_size), parse_bytes(args.max_size), args.steps)
+    )
+    return calibrate_command(
+        args.out, sizes, args.repeats, args.codec, args.backend, args.timeout, args.verbose
+    )
 
 
 def build_parser() -> argparse.ArgumentParser:

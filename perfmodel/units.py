@@ -12,6 +12,7 @@ Example:
 from __future__ import annotations
 
 import re
+from collections.abc import Sequence
 
 __all__ = [
     "format_bandwidth",
@@ -132,45 +133,48 @@ def parse_count(text: str | float | int) -> int:
     return round(value * scale[unit.lower()])
 
 
+def _three_digits(value: float, units: Sequence[tuple[str, float]]) -> str:
+    """``value`` in the largest unit it reaches once rounded to 3 significant digits.
+
+    ``units`` run from the largest to the smallest, which also takes anything
+    below it. Rounding before choosing keeps 999.99e6 bit/s from printing as
+    ``1e+03 Mbit/s``: 0.99999 Gbit/s rounds to 1 and prints as ``1 Gbit/s``.
+    """
+    unit, scale = units[-1]
+    for unit, scale in units:  # noqa: B007 (the last pair is the fallback)
+        if abs(float(f"{value / scale:.3g}")) >= 1.0:
+            break
+    return f"{value / scale:.3g} {unit}"
+
+
 def format_time(seconds: float) -> str:
     """Format seconds with a unit that keeps three significant digits.
 
     Example:
-        >>> format_time(0.0123)
-        '12.3 ms'
+        >>> format_time(0.0123), format_time(0.99999), format_time(9.489999999999998)
+        ('12.3 ms', '1 s', '9.49 s')
     """
-    mag = abs(seconds)
-    if mag >= 1.0 or mag == 0.0:
-        return f"{seconds:.3g} s"
-    if mag >= 1e-3:
-        return f"{seconds * 1e3:.3g} ms"
-    if mag >= 1e-6:
-        return f"{seconds * 1e6:.3g} us"
-    return f"{seconds * 1e9:.3g} ns"
+    if seconds == 0.0:
+        return "0 s"
+    return _three_digits(seconds, (("s", 1.0), ("ms", 1e-3), ("us", 1e-6), ("ns", 1e-9)))
 
 
 def format_bytes(nbytes: float) -> str:
     """Format a byte count with a binary prefix.
 
     Example:
-        >>> format_bytes(3 * 2**20)
-        '3 MiB'
+        >>> format_bytes(3 * 2**20), format_bytes(1023.9)
+        ('3 MiB', '1 KiB')
     """
-    for unit, scale in (("GiB", 2.0**30), ("MiB", 2.0**20), ("KiB", 2.0**10)):
-        if abs(nbytes) >= scale:
-            return f"{nbytes / scale:.3g} {unit}"
-    return f"{nbytes:.3g} B"
+    return _three_digits(nbytes, (("GiB", 2.0**30), ("MiB", 2.0**20), ("KiB", 2.0**10), ("B", 1.0)))
 
 
 def format_bandwidth(bytes_per_s: float) -> str:
     """Format a link rate in bits per second, the way networks are sold.
 
     Example:
-        >>> format_bandwidth(12.5e9)
-        '100 Gbit/s'
+        >>> format_bandwidth(12.5e9), format_bandwidth(0.99999e9 / 8)
+        ('100 Gbit/s', '1 Gbit/s')
     """
-    bits = bytes_per_s * 8.0
-    for unit, scale in (("Tbit/s", 1e12), ("Gbit/s", 1e9), ("Mbit/s", 1e6), ("kbit/s", 1e3)):
-        if bits >= scale:
-            return f"{bits / scale:.3g} {unit}"
-    return f"{bits:.3g} bit/s"
+    units = (("Tbit/s", 1e12), ("Gbit/s", 1e9), ("Mbit/s", 1e6), ("kbit/s", 1e3), ("bit/s", 1.0))
+    return _three_digits(bytes_per_s * 8.0, units)

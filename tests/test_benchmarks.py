@@ -166,7 +166,10 @@ def test_accuracy_and_report_smoke(tmp_path: Path) -> None:
     (tmp_path / "comm.json").write_text(json.dumps(comm))
     text = report.build(tmp_path, out)
     # CPU floor: 4 ranks x 0.25 s of CPU each / 2 cores.
-    assert "| aps-e4m3 | 0.5 | 0.9 | 2 | 1.2 | 3.000e-02 | 0.45 | 0.200 + 0.050 | 0.5 |" in text
+    assert (
+        "| aps-e4m3 | 0.500 | 0.900 | 2.00 | 1.20 | 3.000e-02 | 0.450 | 0.200 + 0.050 | 0.500 |"
+        in text
+    )
     assert "python -m benchmarks.comm --ranks 4" in text
 
 
@@ -552,8 +555,8 @@ def test_report_nodes_section(tmp_path: Path) -> None:
     text = report.build(tmp_path, tmp_path / "RESULTS.md")
     assert "python -m benchmarks.comm --nodes 8 --delay 1ms" in text
     # 8 ranks x 15 ms of CPU / 2 cores = 60 ms; the fixed chunk took 2x as long.
-    assert "| 4 | 1 | aps-e4m3 | default | 50.0 | 40 | -20.0% | 60.0 | 2.00x |" in text
-    assert "| 4 | 1 | aps-e4m3 | 1048576 | 100.0 | 40 | -60.0% | 60.0 | 1.00x |" in text
+    assert "| 4 | 1 | aps-e4m3 | default | 50.0 | 40.0 | -20.0% | 60.0 | 2.00x |" in text
+    assert "| 4 | 1 | aps-e4m3 | 1048576 | 100.0 | 40.0 | -60.0% | 60.0 | 1.00x |" in text
     # A hook planning with the link's profile: its name and the chunk its rule chose.
     sized = run | {"hook": "aps-e4m3:profile=link", "bucket_chunks": [2**22]}
     sweep["sweep"][0]["runs"].append(sized)
@@ -591,15 +594,17 @@ def test_report_codec_section_shows_block_scales(tmp_path: Path) -> None:
         )
     )
     codec = report.build(tmp_path, tmp_path / "RESULTS.md").split("## Codec speed")[1]
-    assert "| e4m3 | 2.0 | 2.0 | 1.5x | 1.5x | 2.3x |" in codec
-    assert "| e2m1 | 2.0 | 2.0 | 1.4x | 1.4x | 1.7x |" in codec
+    assert "| e4m3 | 2.0 | 2.0 | 1.50x | 1.50x | 2.30x |" in codec
+    assert "| e2m1 | 2.0 | 2.0 | 1.40x | 1.40x | 1.70x |" in codec
     assert "Block scales: one per 32 elements of every layer." in codec
     assert "Target: e4m3 encode + decode <= 2x a copy: met (1.50x)." in codec
     assert "Target: e4m3 encode + decode with block scales <= 2x a copy: missed (2.30x)." in codec
     # A result from before block scales: no block column values, no block target.
     (tmp_path / "codec.json").write_text(json.dumps({**base, "formats": [row("e4m3", 1.5, None)]}))
     codec = report.build(tmp_path, tmp_path / "RESULTS.md").split("## Codec speed")[1]
-    assert "| e4m3 | 2.0 | 2.0 | 1.5x | 1.5x | - |" in codec and "with block scales <=" not in codec
+    assert (
+        "| e4m3 | 2.0 | 2.0 | 1.50x | 1.50x | - |" in codec and "with block scales <=" not in codec
+    )
     assert "shard owner" not in codec  # nor the owner steps it did not time
     # The owner steps, agreed (fused and chained) and with each rank's own exponents.
     owner = {"owner_block_s": 0.0031, "owner_block_chain_s": 0.0395, "owner_rank_block_s": 0.0047}
@@ -608,3 +613,35 @@ def test_report_codec_section_shows_block_scales(tmp_path: Path) -> None:
     codec = report.build(tmp_path, tmp_path / "RESULTS.md").split("## Codec speed")[1]
     assert "4 ranks' shards of a quarter of the buffer each" in codec
     assert "| e2m1 | 3.1 | 39.5 | 4.7 |" in codec
+
+
+def test_results_md_is_what_the_report_builds() -> None:
+    """RESULTS.md is generated: committed as `python -m benchmarks.report` writes it."""
+    assert (report.HERE / "RESULTS.md").read_text() == report.build()
+
+
+def test_docs_name_the_run_of_every_figure_and_quote_it_as_the_report_does() -> None:
+    """Every step time, speedup, accuracy or error the README and docs quote from a
+    run links that run's JSON and equals what the report derives from it."""
+    problems = report.check_docs()
+    assert not problems, "\n".join(problems)
+
+
+def test_check_docs_catches_a_figure_of_another_run_and_an_unnamed_run(tmp_path: Path) -> None:
+    # Two runs of one configuration (2 ranks at 1 Gbit/s): 0.174 s / 3.36x in
+    # comm_2ranks.json, 0.162 s / 3.55x in comm_block_2ranks.json.
+    doc = tmp_path / "doc.md"
+    link = "[comm_2ranks.json](benchmarks/results/comm_2ranks.json)"
+    doc.write_text(
+        f"- Named, right: APS e4m3 0.174 s per step, 3.36x the FP32 hook ({link}).\n"
+        f"- Named, another run's figure: APS e4m3 0.162 s per step, 3.55x ({link}).\n"
+        "- Unnamed: APS e4m3 0.174 s per step, 3.36x the FP32 hook.\n"
+        "- The model's: 3.36x the FP32 hook <!-- model -->.\n"
+    )
+    problems = report.check_docs([doc])
+    assert len(problems) == 2, problems
+    assert "quotes ['0.162 s', '3.55x'], not figures of ['comm_2ranks.json']" in problems[0]
+    assert "without naming it" in problems[1] and "comm_2ranks.json" in problems[1]
+    # The report's precision bounds the quote's: 0.19 (printed) does not back 0.190.
+    assert report._quoted("0.19", ["0.19"]) and not report._quoted("0.190", ["0.19"])
+    assert report._quoted("1.9e-3", ["1.90e-03"]) and report._quoted("3.4", ["3.36"])

@@ -34,8 +34,9 @@ class _Leaf(nn.Module):
         super().__init__()
         self.ps = nn.ParameterList(nn.Parameter(torch.zeros(s)) for s in shapes)
 
-    def forward(self, gs: list[torch.Tensor]) -> torch.Tensor:
-        return sum((p * g).sum() for p, g in zip(self.ps, gs, strict=True))
+    def forward(self, gs: list[torch.Tensor | None]) -> torch.Tensor:
+        # A None gradient leaves its parameter out of the loss: unused on this rank.
+        return sum((p * g).sum() for p, g in zip(self.ps, gs, strict=True) if g is not None)
 
 
 class _Net(nn.Module):
@@ -425,13 +426,64 @@ def test_demo_fsdp_hook_names() -> None:
         resolve_hooks("bf16")  # DDP has no bf16 hook on CPU in the demo
 
 
+def _unused(rank: int, n: int, fallback: bool) -> list[bool]:
+    """b.ps.1 unused on rank 1 only, a.ps.2 on every rank: both reduce as zeros there."""
+    import dataclasses
+
+    from aps_comm import fsdp
+
+    if fallback:
+        # As on a torch without FSDPModule.set_reduce_scatter_unused_params (2.11).
+        api = dataclasses.replace(fsdp._fsdp_api(), unused_params=False)
+        fsdp._fsdp_api = lambda: api
+    torch.manual_seed(0)
+    net = _shard(_Net(), MixedPrecisionPolicy(), True)
+    register(net, "e4m3")
+    unused = {4: {1}, 2: set(range(n))}  # parameter index -> ranks that do not use it
+    params = dict(net.named_parameters())
+    ok = []
+    for step in range(2):
+        net.zero_grad()
+        gs = _grads(rank, step)
+        net(
+            *[
+                [None if rank in unused.get(i, ()) else gs[i] for i in unit]
+                for unit in (_UNITS[0], _UNITS[1])
+            ],
+            gs[6],
+        ).backward()
+        everyone = [
+            [
+                torch.zeros_like(g) if r in unused.get(i, ()) else g
+                for i, g in enumerate(_grads(r, step))
+            ]
+            for r in range(n)
+        ]
+        want = _reference(everyone, "e4m3", "layer", torch.float32, torch.float32)
+        got = [params[name].grad for name in _ORDER]
+        ok.append(
+            all(g is not None and _same(g.full_tensor(), w) for g, w in zip(got, want, strict=True))
+        )
+    return ok
+
+
+@pytest.mark.parametrize("fallback", [False, True], ids=["torch-flag", "zero-grad-fallback"])
+def test_a_parameter_unused_on_some_ranks_reduces_as_zeros(fallback: bool) -> None:
+    """Conditional control flow: a parameter without a gradient on a rank still takes its
+    place in the unit's layout, as zeros, through torch's flag where it exists and through
+    aps_comm.fsdp's own zero gradient where it does not (torch 2.11)."""
+    assert run_distributed(_unused, 2, args=(fallback,), timeout=120) == [[True, True]] * 2
+
+
 def _mismatch(rank: int, n: int) -> dict:
     """Rank 1 hands unit a's reduce-scatter an input that does not fit; rank 0 a good one."""
     import torch.distributed as dist
 
+    from aps_comm import fsdp
+
     net = _shard(_Net(), MixedPrecisionPolicy(), True)
     register(net)
-    comm = net.a._get_fsdp_state()._fsdp_param_groups[0]._reduce_scatter_comm
+    comm = fsdp._param_groups(net.a)[0]._reduce_scatter_comm
     row = sum(-(-s[0] // n) * (torch.Size(s).numel() // s[0]) for s in _SHAPES["a"])
     out: dict = {}
     for step in range(2):

@@ -71,8 +71,8 @@ def test_burst_term_hand_values_and_fit() -> None:
 
 
 def _calibrate_rank(rank: int, world_size: int) -> dict:
-    from aps_perfmodel import measure
-    from aps_perfmodel.calibrate import run_calibration
+    from aps_comm import measure
+    from aps_comm.calibrate import run_calibration
 
     hook_runs: list[str] = []
     timed = measure.HookBench.steps
@@ -131,7 +131,7 @@ def test_calibration_end_to_end_two_ranks(tmp_path, capsys: pytest.CaptureFixtur
 
 
 def _late_joiner_rank(rank: int, world_size: int) -> dict:
-    from aps_perfmodel import measure
+    from aps_comm import measure
 
     # Rank 1 idles 0.2 s longer after each barrier: rank 0 waits for it inside
     # the collective, which is skew, not the collective's cost.
@@ -172,7 +172,7 @@ def test_time_op_from_last_start_excludes_late_joiner_wait() -> None:
 
 
 def test_repeats_for_budget_and_cap() -> None:
-    from aps_perfmodel.measure import repeats_for
+    from aps_comm.measure import repeats_for
 
     assert repeats_for(0.01, 5) == 25  # 0.25 s default budget
     assert repeats_for(0.01, 5, budget_s=3.0, max_repeats=200) == 200
@@ -183,7 +183,7 @@ def test_repeats_for_budget_and_cap() -> None:
 
 
 def test_trimmed_mean_is_stable_where_the_median_jumps() -> None:
-    from aps_perfmodel.measure import trimmed_mean
+    from aps_comm.measure import trimmed_mean
 
     # Bimodal repeats, as small hook calls on a shared VM: 1 ms or 5 ms.
     fewer_slow = [1.0] * 11 + [5.0] * 9

@@ -1,9 +1,11 @@
 """Timed building blocks of the gradient reduction paths, on a live process group.
 
-Calibration times each block over a sweep of sizes to fit the model, and the
-whole of each real DDP hook on a tiny bucket (:func:`time_hook_steps`); the
-validation times the whole hooks on real buckets with the same function, so
-the thing fitted is the thing measured. The blocks:
+Calibration (:mod:`aps_comm.calibrate`) times each block over a sweep of
+sizes, and the whole of each real DDP hook on a tiny bucket
+(:func:`time_hook_steps`); the validation times the whole hooks on real
+buckets with the same function, so the thing fitted is the thing measured.
+The timing lives here, beside the code it times; :mod:`aps_perfmodel` only
+fits the plain numbers it produces and never imports this module. The blocks:
 
 - ``fp32``: ``all_reduce`` of the FP32 buffer (DDP's default hook).
 - ``fp16``: cast to FP16 and divide by N, ``all_reduce``, copy back
@@ -32,6 +34,9 @@ from typing import Any, ClassVar, Protocol
 
 import torch
 import torch.distributed as dist
+
+from aps_comm import codec as aps_codec
+from aps_comm.hook import APSState, aps_hook
 
 __all__ = [
     "Codec",
@@ -131,22 +136,18 @@ class _ApsCodec:
         return self._c.owner_reduce(shards, fmt, world_size, out=out)
 
 
-def load_codec(kind: str = "aps") -> Codec | None:
+def load_codec(kind: str = "aps") -> Codec:
     """The codec to measure: ``"aps"`` (``aps_comm.codec``) or ``"torch"`` (native casts).
 
-    Returns:
-        The codec, or None when ``kind == "aps"`` and ``aps_comm.codec`` cannot
-        be imported.
+    Example:
+        >>> load_codec("torch").name
+        'torch-cast'
     """
     if kind == "torch":
         return _TorchCastCodec()
     if kind != "aps":
         raise ValueError(f"codec must be 'aps' or 'torch', got {kind!r}")
-    try:
-        from aps_comm import codec
-    except ImportError:
-        return None
-    return _ApsCodec(codec)
+    return _ApsCodec(aps_codec)
 
 
 def codec_name(codec: Codec) -> str:
@@ -322,8 +323,6 @@ def ddp_hook(fmt: str, reduction: str = "two_phase") -> tuple[Any, Callable[...,
         return None, default_hooks.allreduce_hook
     if fmt == "fp16":
         return None, default_hooks.fp16_compress_hook
-    from aps_comm import APSState, aps_hook
-
     return APSState(fmt, reduction=reduction), aps_hook
 
 
