@@ -72,21 +72,19 @@ from aps_comm.formats import (
 from aps_comm.hostcopy import to_device
 from aps_comm.scaling import (
     EXPONENT_LIMIT,
-    KEY_BAD,
     blocks_amax,
-    exponent_keys,
-    key_factors,
     layer_amax,
     mean_exponents,
 )
+from aps_comm.scaling import factors as scale_factors
 
 __all__ = [
     "AMAX_BLOCK",
     "BACKENDS",
+    "AgreedMaxima",
     "Backend",
     "Blocks",
     "Codec",
-    "Keyed",
     "Layout",
     "backend_for",
     "codec_for",
@@ -491,7 +489,7 @@ def _triton_ran(variant: tuple, launch: Callable[[], None]) -> bool:
     """Launch a Triton kernel variant; False where it cannot compile or launch here.
 
     A variant is the kernel and what makes it compile differently (format,
-    scaling, keys, padding). Its first failure is logged once and sends it
+    scaling, agreed maxima, padding). Its first failure is logged once and sends it
     to the torch ops from then on, so training never fails for a kernel:
     the first-use probe launches one variant only. Argument errors
     (``ValueError``) are the caller's and propagate, and so does a failure
@@ -525,48 +523,60 @@ def _run_bound(
         fallback()
 
 
-def _zero_then(keys: torch.Tensor, launch: Callable[[], object]) -> None:
-    keys.zero_()
+def _zero_then(maxima: torch.Tensor, launch: Callable[[], object]) -> None:
+    maxima.zero_()
     launch()
 
 
 @dataclasses.dataclass(frozen=True)
-class Keyed:
-    """Agreed exponent keys standing in for a group's factors: the kernels derive them.
+class AgreedMaxima:
+    """The layers' agreed maxima standing in for their factors: the kernels derive them.
 
     Pass it as ``scale`` to :meth:`Codec.encode` (each segment times ``2**e``)
-    or :meth:`Codec.decode` (times ``2**-e / divisor``, NaN for a bad key):
-    the factors of :func:`aps_comm.scaling.factors_from_keys`, with no
-    per-layer factor tensors built first.
+    or :meth:`Codec.decode` (times the unscale: ``2**-e``, divided by N for a
+    native sum, NaN for a non-finite maximum): the factors of
+    :func:`aps_comm.scaling.factors` of the same maxima, with no per-layer
+    factor tensors built first.
 
     Attributes:
-        keys: int32, one key per segment (:meth:`Codec.layer_keys`, all-reduced).
-        divisor: the unscale's division (a native sum's N), 1 for none.
+        maxima: float32, one per segment (:meth:`Codec.layer_maxima`, all-reduced).
+        world_size: N, the ranks whose values are summed.
+        native: the sum happens in the wire format (route "allreduce"), else
+            two_phase's FP32 sum.
 
     Example:
         >>> c = Codec("e4m3", torch.device("cpu"))
-        >>> keys = torch.tensor([120], dtype=torch.int32)  # e = 7
-        >>> c.decode(c.encode(torch.tensor([1.0]), scale=Keyed(keys)), 1, scale=Keyed(keys))
+        >>> agreed = AgreedMaxima(torch.tensor([3.0]), world_size=1)  # e = 7
+        >>> c.decode(c.encode(torch.tensor([1.0]), scale=agreed), 1, scale=agreed)
         tensor([1.])
     """
 
-    keys: torch.Tensor
-    divisor: int = 1
+    maxima: torch.Tensor
+    world_size: int
+    native: bool = False
 
-    def window(self, layout: Layout | None) -> Keyed:
-        """The keys of a window's segments (no copy)."""
+    def window(self, layout: Layout | None) -> AgreedMaxima:
+        """The maxima of a window's segments (no copy)."""
         if layout is None or layout.parent is None:
             return self
-        return Keyed(self.keys[layout.first : layout.first + layout.n_segments], self.divisor)
+        at = slice(layout.first, layout.first + layout.n_segments)
+        return AgreedMaxima(self.maxima[at], self.world_size, self.native)
 
-    def factors(self, unscale: bool) -> torch.Tensor:
-        """The float32 factors the keys stand for, by torch ops (the backends without kernels)."""
-        f = key_factors(self.keys, unscale=unscale)
-        if not unscale:
-            return f
-        if self.divisor != 1:
-            f = f / self.divisor
-        return torch.where(self.keys == KEY_BAD, float("nan"), f)
+    def factors(self, fmt: FloatFormat, unscale: bool) -> torch.Tensor:
+        """The float32 factors the maxima stand for (the backends without kernels)."""
+        route = "allreduce" if self.native else "two_phase"
+        f = scale_factors(self.maxima, fmt, route, world_size=self.world_size)
+        return f.unscale if unscale else f.scale
+
+    def host_factors(self, fmt: FloatFormat, unscale: bool) -> np.ndarray:
+        """The same factors for the CPU kernels, in one numba pass."""
+        return cpu_kernels.maxima_factors(
+            self.maxima.numpy(), fmt, self.world_size, self.native, EXPONENT_LIMIT, unscale
+        )
+
+    def rule(self) -> object:
+        """The Triton kernels' rule for these maxima (:class:`aps_comm.triton_codec.Rule`)."""
+        return _triton().Rule(self.world_size, self.native)
 
 
 @dataclasses.dataclass(frozen=True)
@@ -614,13 +624,13 @@ class Codec:
         x: torch.Tensor,
         *,
         out: torch.Tensor | None = None,
-        scale: torch.Tensor | Keyed | None = None,
+        scale: torch.Tensor | AgreedMaxima | None = None,
         layout: Layout | None = None,
         pad: int = 0,
     ) -> torch.Tensor:
         """Encode ``x`` (times ``scale`` per segment): see :func:`encode`.
 
-        ``scale`` may be :class:`Keyed` (factors derived from exponent keys);
+        ``scale`` may be :class:`AgreedMaxima` (factors derived from them);
         ``pad`` zero codes follow the elements (a shard's padding) in ``out``.
 
         Example:
@@ -630,14 +640,14 @@ class Codec:
         fmt = self.fmt
         numel = x.numel()
         given = scale
-        keys = None
-        if isinstance(scale, Keyed):
-            _check_scaled(scale.keys, layout, numel, torch.int32)
+        agreed = None
+        if isinstance(scale, AgreedMaxima):
+            _check_scaled(scale.maxima, layout, numel)
             if self.backend in ("triton", "kernels"):
-                keys, scale = scale.window(layout).keys, None  # factors made by the kernels
+                agreed, scale = scale.window(layout), None  # factors made by the kernels
             else:
-                scale = scale.factors(unscale=False)
-        if keys is None:
+                scale = scale.factors(fmt, unscale=False)
+        if agreed is None:
             _check_scaled(scale, layout, numel)
             scale = _window_scale(scale, layout)
         need = payload_nbytes(numel + pad, fmt)
@@ -650,10 +660,18 @@ class Codec:
             )
         if self.backend == "triton":
             block = layout.block_size if layout is not None else None
-            variant = ("encode", fmt.name, scale is not None, keys is not None, block, pad > 0)
+            variant = ("encode", fmt.name, scale is not None, agreed is not None, block, pad > 0)
             offsets = _device_offsets(layout)
             launch = functools.partial(
-                _triton().encode, x, out, fmt, offsets, scale, keys=keys, pad=pad
+                _triton().encode,
+                x,
+                out,
+                fmt,
+                offsets,
+                scale,
+                maxima=agreed.maxima if agreed else None,
+                rule=agreed.rule() if agreed else None,
+                pad=pad,
             )
             if not _triton_ran(variant, launch):
                 return self._torch().encode(x, out=out, scale=given, layout=layout, pad=pad)
@@ -663,12 +681,12 @@ class Codec:
             out[head:].zero_()  # code 0 is +0 in every format
             out = out[:head]
         if self.backend == "kernels":
-            if keys is not None:
-                factors = cpu_kernels.key_factors(keys.numpy(), False)
+            if agreed is not None:
+                host = agreed.host_factors(fmt, unscale=False)
             else:
-                factors = None if scale is None else scale.numpy()
+                host = None if scale is None else scale.numpy()
             offsets = _host_offsets(layout, numel)
-            cpu_kernels.encode(x, out, fmt, offsets, factors, *_host_runs(layout))
+            cpu_kernels.encode(x, out, fmt, offsets, host, *_host_runs(layout))
         elif self.backend == "cast":
             cast_into(x.float() if scale is None else x * _factors(scale, layout, numel), fmt, out)
         else:
@@ -684,12 +702,12 @@ class Codec:
         numel: int,
         *,
         out: torch.Tensor | None = None,
-        scale: torch.Tensor | Keyed | None = None,
+        scale: torch.Tensor | AgreedMaxima | None = None,
         layout: Layout | None = None,
     ) -> torch.Tensor:
         """Decode ``numel`` elements into float32 (times ``scale``): see :func:`decode`.
 
-        ``scale`` may be :class:`Keyed`: each segment times ``2**-e / divisor``.
+        ``scale`` may be :class:`AgreedMaxima`: each segment times their unscale.
 
         Example:
             >>> Codec("e4m3", torch.device("cpu")).decode(
@@ -697,29 +715,29 @@ class Codec:
             tensor([ 1., -2.])
         """
         fmt = self.fmt
-        if isinstance(scale, Keyed):
-            _check_scaled(scale.keys, layout, numel, torch.int32)
-            keyed = scale.window(layout)
+        if isinstance(scale, AgreedMaxima):
+            _check_scaled(scale.maxima, layout, numel)
+            agreed = scale.window(layout)
             if self.backend == "triton" and out is not None:
-                variant = ("decode", fmt.name, True, True, None, keyed.divisor)
+                variant = ("decode", fmt.name, True, True, None, agreed.native)
                 launch = functools.partial(
                     _triton().decode,
                     payload,
                     out,
                     fmt,
                     _device_offsets(layout),
-                    keys=keyed.keys,
-                    divisor=keyed.divisor,
+                    maxima=agreed.maxima,
+                    rule=agreed.rule(),
                 )
                 if not _triton_ran(variant, launch):
                     return self._torch().decode(payload, numel, out=out, scale=scale, layout=layout)
                 return out
             if self.backend == "kernels" and out is not None:
-                factors = cpu_kernels.key_factors(keyed.keys.numpy(), True, keyed.divisor)
+                host = agreed.host_factors(fmt, unscale=True)
                 offsets = _host_offsets(layout, numel)
-                cpu_kernels.decode(payload, out, fmt, offsets, factors, *_host_runs(layout))
+                cpu_kernels.decode(payload, out, fmt, offsets, host, *_host_runs(layout))
                 return out
-            scale = scale.factors(unscale=True)
+            scale = scale.factors(fmt, unscale=True)
         _check_scaled(scale, layout, numel)
         scale = _window_scale(scale, layout)
         need = payload_nbytes(numel, fmt)
@@ -764,24 +782,30 @@ class Codec:
         self,
         x: torch.Tensor,
         out: torch.Tensor,
-        scale: torch.Tensor | Keyed | None,
+        scale: torch.Tensor | AgreedMaxima | None,
         layout: Layout | None,
         pad: int = 0,
     ) -> Callable[[], object]:
         """One :meth:`encode` call checked once; the returned call repeats it.
 
-        A settled bucket encodes the same buffers with the same keys every
-        step: on the Triton backend with :class:`Keyed` factors the launch
+        A settled bucket encodes the same buffers every step: on the Triton
+        backend with :class:`AgreedMaxima` as factors the launch
         itself is bound (no per-call checks, windows or lookups on the host);
         elsewhere the call is :meth:`encode`'s.
         """
         call = functools.partial(self.encode, x, out=out, scale=scale, layout=layout, pad=pad)
-        if self.backend != "triton" or not isinstance(scale, Keyed):
+        if self.backend != "triton" or not isinstance(scale, AgreedMaxima):
             return call
-        _check_scaled(scale.keys, layout, x.numel(), torch.int32)
-        keys = scale.window(layout).keys
+        _check_scaled(scale.maxima, layout, x.numel())
+        agreed = scale.window(layout)
         launch = _triton().bind_encode(
-            x, out, self.fmt, _device_offsets(layout), keys=keys, pad=pad
+            x,
+            out,
+            self.fmt,
+            _device_offsets(layout),
+            maxima=agreed.maxima,
+            rule=agreed.rule(),
+            pad=pad,
         )
         variant = ("encode", self.fmt.name, False, True, None, pad > 0)
         fallback = functools.partial(
@@ -793,25 +817,25 @@ class Codec:
         self,
         payload: torch.Tensor,
         out: torch.Tensor,
-        scale: torch.Tensor | Keyed | None,
+        scale: torch.Tensor | AgreedMaxima | None,
         layout: Layout | None,
     ) -> Callable[[], object]:
         """One :meth:`decode` call into ``out`` checked once; the returned call repeats it."""
         numel = out.numel()
         call = functools.partial(self.decode, payload, numel, out=out, scale=scale, layout=layout)
-        if self.backend != "triton" or not isinstance(scale, Keyed):
+        if self.backend != "triton" or not isinstance(scale, AgreedMaxima):
             return call
-        _check_scaled(scale.keys, layout, numel, torch.int32)
-        keyed = scale.window(layout)
+        _check_scaled(scale.maxima, layout, numel)
+        agreed = scale.window(layout)
         launch = _triton().bind_decode(
             payload,
             out,
             self.fmt,
             _device_offsets(layout),
-            keys=keyed.keys,
-            divisor=keyed.divisor,
+            maxima=agreed.maxima,
+            rule=agreed.rule(),
         )
-        variant = ("decode", self.fmt.name, True, True, None, keyed.divisor)
+        variant = ("decode", self.fmt.name, True, True, None, agreed.native)
         fallback = functools.partial(
             self._torch().decode, payload, numel, out=out, scale=scale, layout=layout
         )
@@ -830,85 +854,51 @@ class Codec:
         fallback = functools.partial(self._torch().owner_reduce, recv, n_ranks, out=out)
         return functools.partial(_run_bound, ("owner_reduce", self.fmt.name), launch, fallback)
 
-    def bind_layer_keys(
-        self,
-        x: torch.Tensor,
-        layout: Layout,
-        out: torch.Tensor,
-        *,
-        world_size: int,
-        native: bool,
+    def bind_layer_maxima(
+        self, x: torch.Tensor, layout: Layout, out: torch.Tensor
     ) -> Callable[[], object]:
-        """One :meth:`layer_keys` call checked once; the returned call repeats it."""
-        call = functools.partial(
-            self.layer_keys, x, layout, out, world_size=world_size, native=native
-        )
+        """One :meth:`layer_maxima` call checked once; the returned call repeats it."""
+        call = functools.partial(self.layer_maxima, x, layout, out)
         if self.backend != "triton" or x.dtype != torch.float32:
             return call
-        launch = _triton().bind_layer_keys(
-            x, out, self.fmt, layout.device_offsets, world_size=world_size, native=native
-        )
-        fallback = functools.partial(
-            self._torch().layer_keys, x, layout, out, world_size=world_size, native=native
-        )
+        launch = _triton().bind_layer_maxima(x, out, layout.device_offsets)
+        fallback = functools.partial(self._torch().layer_maxima, x, layout, out)
         bound = functools.partial(_zero_then, out, launch)
-        return functools.partial(_run_bound, ("layer_keys", self.fmt.name, native), bound, fallback)
+        return functools.partial(_run_bound, ("layer_maxima",), bound, fallback)
 
     def _torch(self) -> Codec:
         """This format's codec with torch ops on the same device (a Triton variant's fallback)."""
         return codec_for(self.fmt, self.device, "cast" if self.fmt.torch_dtype else "bits")
 
-    def layer_keys(
-        self,
-        x: torch.Tensor,
-        layout: Layout,
-        out: torch.Tensor,
-        *,
-        world_size: int,
-        native: bool,
-    ) -> torch.Tensor:
-        """Each segment's exponent key of its max |x| into int32 ``out``, in one pass.
+    def layer_maxima(self, x: torch.Tensor, layout: Layout, out: torch.Tensor) -> torch.Tensor:
+        """Each segment's max |x| into float32 ``out`` in one pass: :func:`segment_amax`.
 
-        The keys of :func:`aps_comm.scaling.exponent_keys` (route "allreduce"
-        where ``native``, else "two_phase") of :func:`segment_amax`: what one
-        MAX all-reduce agrees on, and what :class:`Keyed` turns into factors.
+        What one MAX all-reduce agrees on, and what :class:`AgreedMaxima`
+        turns into factors (on CPU the numba kernel, on CUDA one Triton
+        kernel that meets its programs' pieces in atomic maxima).
 
         Example:
             >>> c = Codec("e4m3", torch.device("cpu"))
-            >>> keys = torch.empty(2, dtype=torch.int32)
+            >>> out = torch.empty(2)
             >>> layout = Layout.from_numels([2, 1], torch.device("cpu"))
-            >>> c.layer_keys(torch.tensor([3.0, -1.0, 0.0]), layout, keys, world_size=4,
-            ...              native=False)
-            tensor([120,   0], dtype=torch.int32)
+            >>> c.layer_maxima(torch.tensor([3.0, -4.0, float("nan")]), layout, out)
+            tensor([4., inf])
         """
-        if out.dtype != torch.int32 or out.numel() != layout.n_segments:
+        if out.dtype != torch.float32 or out.numel() != layout.n_segments:
             raise ValueError(
-                f"out must hold {layout.n_segments} int32 keys, got {out.numel()} {out.dtype}"
+                f"out must hold {layout.n_segments} float32 maxima, got {out.numel()} {out.dtype}"
             )
-        triton = self.backend == "triton" and x.dtype == torch.float32
-        if triton:
+        done = False
+        if self.backend == "triton" and x.dtype == torch.float32:
             out.zero_()
-            launch = functools.partial(
-                _triton().layer_keys,
-                x,
-                out,
-                self.fmt,
-                layout.device_offsets,
-                world_size=world_size,
-                native=native,
-            )
-            triton = _triton_ran(("layer_keys", self.fmt.name, native), launch)
-        if triton:
+            launch = functools.partial(_triton().layer_maxima, x, out, layout.device_offsets)
+            done = _triton_ran(("layer_maxima",), launch)
+        if done:
             pass
         elif self.backend == "kernels" and x.dtype == torch.float32:
-            cpu_kernels.layer_keys(
-                x, layout.offsets.numpy(), out, self.fmt, world_size, native, EXPONENT_LIMIT
-            )
+            cpu_kernels.block_amax(x, layout.offsets.numpy(), out)
         else:
-            route = "allreduce" if native else "two_phase"
-            amax = segment_amax(x, layout)
-            keys = exponent_keys(amax, self.fmt, route, world_size=world_size, scaling="layer")
-            out.copy_(keys[0])
+            out.copy_(segment_amax(x, layout))
         return out
 
     def owner_reduce(

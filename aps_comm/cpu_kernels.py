@@ -1261,13 +1261,13 @@ if AVAILABLE:
         return el - ep - (1 if mp > ml else 0)
 
     @_njit
-    def _layer_keys(xb, offsets, out, n_ranks, native, fmax, limit, p, q, m):
-        """int32 exponent keys of each segment's max |x| (``xb``: float32 bits)."""
+    def _maxima_keys(ab, out, n_ranks, native, fmax, limit, p, q, m):
+        """int32 exponent keys of float32 maxima bits ``ab`` (non-negative, NaN as inf)."""
         inf_bits = np.uint32(0x7F800000)
         f32max = 3.4028234663852886e38
         n = np.float64(n_ranks)
-        for s in range(len(offsets) - 1):
-            a_bits = _amax_bits(xb[offsets[s] : offsets[s + 1]])
+        for s in range(len(ab)):
+            a_bits = ab[s]
             if a_bits == 0:
                 out[s] = 0
                 continue
@@ -1285,6 +1285,33 @@ if AVAILABLE:
                 e = min(_largest_exponent(a, fmax), _largest_exponent(a * n, f32max))
             e = min(max(e, -limit), limit)
             out[s] = 127 - e
+
+
+def maxima_factors(
+    maxima: np.ndarray,
+    fmt: FloatFormat,
+    world_size: int,
+    native: bool,
+    limit: int,
+    unscale: bool,
+) -> np.ndarray:
+    """The factors of agreed float32 maxima: :func:`aps_comm.scaling.factors`' ``scale``
+    (or with ``unscale`` its ``unscale``) for route "allreduce" where ``native``, else
+    "two_phase", in two calls, for the CPU kernels.
+
+    Exponents come from float64 products that are exact and from frexp
+    fields instead of logarithms; a non-finite maximum unscales to NaN.
+
+    Example:
+        >>> from aps_comm.formats import E4M3
+        >>> maxima_factors(np.array([3.0, 0.0, np.inf], np.float32), E4M3, 4, False, 126, True)
+        array([0.0078125,       1.,       nan], dtype=float32)
+    """
+    q, m = decoder_params(fmt)
+    keys = np.empty(len(maxima), np.int32)
+    bits = np.ascontiguousarray(maxima, np.float32).view(np.uint32)
+    _maxima_keys(bits, keys, world_size, native, float(fmt.max), limit, encoder_params(fmt), q, m)
+    return key_factors(keys, unscale, world_size if native and unscale else 1)
 
 
 if AVAILABLE:
@@ -1306,7 +1333,7 @@ if AVAILABLE:
 
 def key_factors(keys: np.ndarray, unscale: bool, divisor: int = 1) -> np.ndarray:
     """float32 ``2**e`` (or with ``unscale`` ``2**-e / divisor``, NaN for key 255) of int32
-    exponent keys: :meth:`aps_comm.codec.Keyed.factors` in one call, for the CPU kernels.
+    exponent keys (:func:`maxima_factors`' last step), for the CPU kernels.
 
     Example:
         >>> key_factors(np.array([120, 0, 255], np.int32), True, 4)
@@ -1315,36 +1342,6 @@ def key_factors(keys: np.ndarray, unscale: bool, divisor: int = 1) -> np.ndarray
     out = np.empty(len(keys), np.float32)
     _key_factors(keys, out, unscale, divisor)
     return out
-
-
-def layer_keys(
-    x: torch.Tensor,
-    offsets: np.ndarray,
-    out: torch.Tensor,
-    fmt: FloatFormat,
-    world_size: int,
-    native: bool,
-    limit: int,
-) -> None:
-    """int32 exponent keys of each segment's max |x| into ``out``, in one pass.
-
-    :func:`aps_comm.scaling.exponent_keys` of the segments' maxima (route
-    "allreduce" where ``native``, else "two_phase"), with float64 products
-    that are exact and exponents from frexp fields instead of logarithms.
-    """
-    q, m = decoder_params(fmt)
-    _layer_keys(
-        _np(x).view(np.uint32),
-        offsets,
-        _np(out),
-        world_size,
-        native,
-        float(fmt.max),
-        limit,
-        encoder_params(fmt),
-        q,
-        m,
-    )
 
 
 def mean_limit(fmt: FloatFormat, limit: int) -> tuple[int, int, int]:

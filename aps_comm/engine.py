@@ -41,7 +41,7 @@ import torch.distributed as dist
 
 from aps_comm import codec, transports
 from aps_comm.agreement import Layouts
-from aps_comm.codec import Keyed
+from aps_comm.codec import AgreedMaxima
 from aps_comm.config import DEFAULT_BLOCK_SIZE, BlockExponents, Reduction, Route, Scaling
 from aps_comm.feedback import ErrorFeedback
 from aps_comm.formats import FP32, FloatFormat, pow2
@@ -130,10 +130,12 @@ class Steady:
 
     From its second step on, a bucket whose layers all travel in one format
     with one exponent per layer, by two_phase or a native sum, needs nothing
-    per layer on the host: one kernel writes every layer's exponent key, one
-    MAX all-reduce agrees on them, and the codec's kernels derive each
-    layer's factors from the keys (:class:`aps_comm.codec.Keyed`). No
-    per-layer list, lookup or tensor op is built per step.
+    per layer on the host: one kernel writes every layer's maximum, one MAX
+    all-reduce agrees on them (the same collective, with the same contents,
+    as :meth:`Reducer.bucket`'s, so ranks on either path agree), and the
+    codec's kernels derive each layer's factors from the agreed maxima
+    (:class:`aps_comm.codec.AgreedMaxima`). No per-layer list, lookup or
+    tensor op is built per step.
 
     Attributes:
         numel: the bucket's elements (a rebuilt bucket is planned again).
@@ -142,13 +144,12 @@ class Steady:
         group: the one group plan (the whole bucket).
         route: the route (FP32 buckets only average).
         fmts: each layer's format (to plan another chunk size).
-        keys: int32 scratch of the MAX all-reduce: the layers' keys, then this
-            rank's preferred chunk (log2) where chunks are timed (CPU).
-        scale: the keys as the encoder's factors.
-        unscale: the keys as the decoder's (a native sum's N as divisor).
+        maxima: float32 scratch of the MAX all-reduce: the layers' maxima, then
+            this rank's preferred chunk (log2) where chunks are timed (CPU).
+        agreed: the agreed maxima as the codec's factors.
         measured: chunks sized by this rank's timing, agreed on the keys.
         chunk: elements per chunk of ``group``.
-        keys_call: the keys kernel, bound to the bucket's float32 buffer.
+        maxima_call: the maxima kernel, bound to the bucket's float32 buffer.
         calls: each chunk's codec work, bound to that buffer
             (:class:`aps_comm.transports.ChunkCalls`).
         bound_ptr: the address of the buffer they are bound to (0 for none).
@@ -160,36 +161,33 @@ class Steady:
     group: GroupPlan
     route: Route
     fmts: list[FloatFormat]
-    keys: torch.Tensor
-    scale: Keyed
-    unscale: Keyed
+    maxima: torch.Tensor
+    agreed: AgreedMaxima
     measured: bool
     chunk: int
-    keys_call: Callable[[], object] | None = None
+    maxima_call: Callable[[], object] | None = None
     calls: list[transports.ChunkCalls] | None = None
     bound_ptr: int = 0
 
     def bind(self, x: torch.Tensor, world_size: int) -> None:
-        """Bind the keys kernel and every chunk's codec work to the float32 buffer ``x``."""
+        """Bind the maxima kernel and every chunk's codec work to the float32 buffer ``x``."""
         g = self.group
         if g is None:
             return
         native = self.route == Route.ALLREDUCE
-        self.keys_call = g.codec.bind_layer_keys(
-            x, g.layout, self.scale.keys, world_size=world_size, native=native
-        )
+        self.maxima_call = g.codec.bind_layer_maxima(x, g.layout, self.agreed.maxima)
         calls = []
         for c, ((lo, hi), (r0, r1)) in enumerate(zip(g.chunks, g.regions, strict=True)):
             window, send = g.windows[c], g.send[r0:r1]
             owner = None
             if native:
-                encode = g.codec.bind_encode(x[lo:hi], send, self.scale, window)
+                encode = g.codec.bind_encode(x[lo:hi], send, self.agreed, window)
             else:
                 pad = (r1 - r0) * 8 // g.fmt.wire_bits - (hi - lo)
-                encode = g.codec.bind_encode(x[lo:hi], send, self.scale, window, pad)
+                encode = g.codec.bind_encode(x[lo:hi], send, self.agreed, window, pad)
                 s0, s1 = g.shard_regions[c]
                 owner = g.codec.bind_owner_reduce(g.recv[r0:r1], world_size, g.shards[s0:s1])
-            decode = g.codec.bind_decode(send, x[lo:hi], self.unscale, window)
+            decode = g.codec.bind_decode(send, x[lo:hi], self.agreed, window)
             calls.append(transports.ChunkCalls(encode, owner, decode))
         self.calls, self.bound_ptr = calls, x.data_ptr()
 
@@ -431,8 +429,7 @@ class Reducer:
         ):
             return
         n = len(fmts)
-        keys = torch.zeros(n + int(measured), dtype=torch.int32, device=x.device)
-        layer_keys = keys[:n]
+        maxima = torch.zeros(n + int(measured), dtype=torch.float32, device=x.device)
         native = route == Route.ALLREDUCE
         self.steady[index] = st = Steady(
             x.numel(),
@@ -441,9 +438,8 @@ class Reducer:
             g,  # type: ignore[arg-type]
             route,
             list(fmts),
-            keys,
-            Keyed(layer_keys),
-            Keyed(layer_keys, self.comm.world_size if native else 1),
+            maxima,
+            AgreedMaxima(maxima[:n], self.comm.world_size, native),
             measured,
             chunk,
         )
@@ -461,7 +457,7 @@ class Reducer:
     ) -> Callable[[], None] | None:
         """Average one bucket along its :class:`Steady` path (the same bits as :meth:`bucket`).
 
-        Launches per bucket sent as one chunk: the keys (two: zeros, then the
+        Launches per bucket sent as one chunk: the maxima (two: zeros, then the
         kernel), the encode, the owner's step (two_phase) and the decode, around
         the MAX all-reduce and the route's collectives; per further chunk three.
         """
@@ -474,18 +470,16 @@ class Reducer:
         if st.measured:  # CPU only: the keys' numpy view, no tensor op
             fmt = self.settings.fmt
             mine = self.planner.chunk(fmt, st.numel, st.route, st.plan.exchange_s or None)
-            st.keys.numpy()[n] = int(math.log2(mine))
+            st.maxima.numpy()[n] = math.log2(mine)
         # Bound to the bucket's buffer (a float32 bucket is its own values).
-        bound = st.bound_ptr == x.data_ptr() and st.keys_call is not None
+        bound = st.bound_ptr == x.data_ptr() and st.maxima_call is not None
         if bound:
-            st.keys_call()  # type: ignore[misc]
+            st.maxima_call()  # type: ignore[misc]
         else:
-            g.codec.layer_keys(
-                x, g.layout, st.scale.keys, world_size=comm.world_size, native=native
-            )
-        transports.all_reduce_max(st.keys, comm.group, self.traffic)
+            g.codec.layer_maxima(x, g.layout, st.agreed.maxima)
+        transports.all_reduce_max(st.maxima, comm.group, self.traffic)
         if st.measured:
-            chunk = 2 ** int(st.keys.numpy()[n])
+            chunk = 2 ** int(st.maxima.numpy()[n])
             if chunk != st.chunk:
                 st.group = g = st.plan.group(
                     st.fmts,
@@ -501,14 +495,14 @@ class Reducer:
         start = time.perf_counter()
         if native:
             tail = transports.native(
-                g, x, st.scale, st.unscale, comm.group, self.traffic, None, defer, calls
+                g, x, st.agreed, st.agreed, comm.group, self.traffic, None, defer, calls
             )
         else:
             tail = transports.two_phase(
                 g,
                 x,
-                st.scale,
-                st.unscale,
+                st.agreed,
+                st.agreed,
                 comm.group,
                 comm.world_size,
                 self.traffic,

@@ -38,7 +38,7 @@ from collections.abc import Callable, Sequence
 import torch
 import torch.distributed as dist
 
-from aps_comm.codec import Keyed
+from aps_comm.codec import AgreedMaxima
 from aps_comm.formats import payload_nbytes, pow2
 from aps_comm.plan import GroupPlan, RowRuns
 from aps_comm.scaling import (
@@ -210,8 +210,8 @@ def reduce_scatter(
 def native(
     g: GroupPlan,
     x: torch.Tensor,
-    scale: torch.Tensor | Keyed,
-    unscale: torch.Tensor | Keyed,
+    scale: torch.Tensor | AgreedMaxima,
+    unscale: torch.Tensor | AgreedMaxima,
     group: dist.ProcessGroup,
     count: Counter,
     after_encode: Callable[[int, torch.Tensor], None] | None = None,
@@ -223,9 +223,9 @@ def native(
     Args:
         g: the group's plan (``reduction == "allreduce"``).
         x: the group's float32 values; the result is written back into it.
-        scale: per-layer factors applied before encoding (or their keys).
+        scale: per-layer factors applied before encoding (or the agreed maxima they come from).
         unscale: per-layer factors applied after decoding, including 1/N (or
-            their keys, with N as the divisor).
+            the agreed maxima they come from).
         group: the process group.
         count: byte counter.
         after_encode: called with (chunk, payload) after each chunk is encoded.
@@ -272,7 +272,7 @@ def _finish(
 def _decode(
     g: GroupPlan,
     x: torch.Tensor,
-    unscale: torch.Tensor | Keyed,
+    unscale: torch.Tensor | AgreedMaxima,
     c: int,
     work: dist.Work,
     calls: Sequence[ChunkCalls] | None = None,
@@ -292,8 +292,8 @@ def _decode(
 def two_phase(
     g: GroupPlan,
     x: torch.Tensor,
-    scale: torch.Tensor | Keyed,
-    unscale: torch.Tensor | Keyed,
+    scale: torch.Tensor | AgreedMaxima,
+    unscale: torch.Tensor | AgreedMaxima,
     group: dist.ProcessGroup,
     world_size: int,
     count: Counter,
@@ -312,8 +312,8 @@ def two_phase(
     Args:
         g: the group's plan (``reduction == "two_phase"``).
         x: the group's float32 values; the result is written back into it.
-        scale: per-layer factors applied before encoding (or their keys).
-        unscale: per-layer factors applied after decoding (or their keys).
+        scale: per-layer factors applied before encoding (or the agreed maxima they come from).
+        unscale: per-layer factors applied after decoding (or the agreed maxima they come from).
         group: the process group.
         world_size: ranks N.
         count: byte counter.

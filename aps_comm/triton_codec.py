@@ -78,9 +78,10 @@ __all__ = [
     "NUM_WARPS",
     "TILE",
     "FormatConstants",
+    "Rule",
     "bind_decode",
     "bind_encode",
-    "bind_layer_keys",
+    "bind_layer_maxima",
     "bind_reduce_shards",
     "block_segments",
     "decode",
@@ -88,7 +89,7 @@ __all__ = [
     "format_constants",
     "key_constants",
     "launch_problem",
-    "layer_keys",
+    "layer_maxima",
     "ptx",
     "reduce_blocks",
     "reduce_rank_blocks",
@@ -193,10 +194,10 @@ def launch_problem(device: torch.device) -> str | None:
     if device.type == "cuda" and device.index is None:
         device = torch.device("cuda", torch.cuda.current_device())
     if device not in _PROBED:
+        _PROBED[device] = None  # the probe's own launch checks the device too
         try:
             x = torch.zeros(2, device=device)
-            _encode(x, torch.empty(2, dtype=torch.uint8, device=device), format_constants(E4M3))()
-            _PROBED[device] = None
+            bind_encode(x, torch.empty(2, dtype=torch.uint8, device=device), E4M3)()
         except Exception as exc:  # any failure: the codec keeps its torch backends
             _PROBED[device] = f"{type(exc).__name__}: {exc}"
             _log.warning(
@@ -318,18 +319,23 @@ if AVAILABLE:
         hi,
         step,
         divisor,
+        n_ranks,
         SHIFT: tl.constexpr,
-        KEYS: tl.constexpr,
+        AMAX: tl.constexpr,
         DIVIDE: tl.constexpr,
+        E: tl.constexpr,
+        D: tl.constexpr,
+        K: tl.constexpr,
     ):
         """The factor of element ``idx`` (the chunk's segments are lo..hi): its segment's
         (``SHIFT`` 0), or its block's (blocks of ``2**SHIFT`` elements from each
         segment's start, the segment's first block at index ``first[segment]``).
 
-        ``KEYS`` 0: ``scale_ptr`` holds float32 factors. 1 or 2: int32 exponent
-        keys (:func:`aps_comm.scaling.exponent_keys`), turned into ``2**e`` (1)
-        or ``2**-e`` divided by ``divisor`` as ``DIVIDE`` says, NaN for a bad
-        key (2), as :func:`aps_comm.scaling.factors_from_keys` computes them.
+        ``AMAX`` 0: ``scale_ptr`` holds float32 factors. 1 or 2: the segments'
+        agreed maxima (float32 bits), whose exponents (:func:`_exp_key`, rule
+        ``K`` for ``n_ranks``) give ``2**e`` (1) or ``2**-e`` divided by
+        ``divisor`` as ``DIVIDE`` says, NaN for a non-finite maximum (2): the
+        factors :func:`aps_comm.scaling.factors` computes from the same maxima.
         """
         # tl.full, not tl.zeros: the interpreter runs only core builtins when triton was
         # imported before TRITON_INTERPRET was set (as in a test session).
@@ -338,21 +344,29 @@ if AVAILABLE:
             s = _search(off_ptr, idx, s, step, hi)
         # if/else, never an early return: Triton generates (and type-checks) the code
         # after a constexpr-guarded return too.
-        if SHIFT == 0:
+        if AMAX:
+            # Per segment, not per element, where the program lies in one segment.
+            if lo == hi:
+                one = _key_factor(
+                    _exp_key(tl.load(scale_ptr + lo), n_ranks, E, D, K), divisor, AMAX, DIVIDE
+                )
+                f = tl.full(idx.shape, 0, tl.float32) + one
+            else:
+                k = _exp_key(tl.load(scale_ptr + s), n_ranks, E, D, K)
+                f = _key_factor(k, divisor, AMAX, DIVIDE)
+        elif SHIFT == 0:
             f = tl.load(scale_ptr + s)
         else:
             f = tl.load(
                 scale_ptr + tl.load(first_ptr + s) + ((idx - tl.load(off_ptr + s)) >> SHIFT)
             )
-        if KEYS:
-            f = _key_factor(f, divisor, KEYS, DIVIDE)
         return f
 
     @triton.jit
-    def _key_factor(k, divisor, KEYS: tl.constexpr, DIVIDE: tl.constexpr):
+    def _key_factor(k, divisor, AMAX: tl.constexpr, DIVIDE: tl.constexpr):
         """float32 factor of int32 exponent key ``k``: see :func:`_factor`."""
         e = tl.where((k == 0) | (k == 255), 0, 127 - k)
-        if KEYS == 1:
+        if AMAX == 1:
             f = _pow2(e)
         else:
             f = _pow2(-e)
@@ -440,14 +454,45 @@ if AVAILABLE:
 
     @triton.jit
     def _scaled_codes(
-        x_ptr, idx, mask, scale_ptr, off_ptr, first_ptr, lo, hi, step, E, SCALED, SHIFT, KEYS
+        x_ptr,
+        idx,
+        mask,
+        scale_ptr,
+        off_ptr,
+        first_ptr,
+        lo,
+        hi,
+        step,
+        n_ranks,
+        E,
+        SCALED,
+        SHIFT,
+        AMAX,
+        D,
+        K,
     ):
         v = tl.load(x_ptr + idx, mask=mask, other=0.0).to(tl.float32)
         if SCALED:
-            v = v * _factor(scale_ptr, off_ptr, first_ptr, idx, lo, hi, step, 1, SHIFT, KEYS, 0)
+            v = v * _factor(
+                scale_ptr,
+                off_ptr,
+                first_ptr,
+                idx,
+                lo,
+                hi,
+                step,
+                1,
+                n_ranks,
+                SHIFT,
+                AMAX,
+                0,
+                E,
+                D,
+                K,
+            )
         return tl.where(mask, _code(v, E), 0)
 
-    @triton.jit(do_not_specialize=["numel", "top", "n_last", "total"])
+    @triton.jit(do_not_specialize=["numel", "top", "n_last", "total", "n_ranks"])
     def _encode_kernel(
         x_ptr,
         out_ptr,
@@ -458,11 +503,14 @@ if AVAILABLE:
         top,
         n_last,
         total,
+        n_ranks,
         E: tl.constexpr,
+        D: tl.constexpr,
+        K: tl.constexpr,
         WIRE: tl.constexpr,
         SCALED: tl.constexpr,
         SHIFT: tl.constexpr,
-        KEYS: tl.constexpr,
+        AMAX: tl.constexpr,
         BLOCK: tl.constexpr,
     ):
         """Codes of ``numel`` elements, then zero codes up to ``total`` (a shard's padding)."""
@@ -474,7 +522,22 @@ if AVAILABLE:
             i0 = first + 2 * tl.arange(0, BLOCK // 2)
             m0 = i0 < numel
             c0 = _scaled_codes(
-                x_ptr, i0, m0, scale_ptr, off_ptr, first_ptr, lo, hi, step, E, SCALED, SHIFT, KEYS
+                x_ptr,
+                i0,
+                m0,
+                scale_ptr,
+                off_ptr,
+                first_ptr,
+                lo,
+                hi,
+                step,
+                n_ranks,
+                E,
+                SCALED,
+                SHIFT,
+                AMAX,
+                D,
+                K,
             )
             m1 = i0 + 1 < numel
             c1 = _scaled_codes(
@@ -487,10 +550,13 @@ if AVAILABLE:
                 lo,
                 hi,
                 step,
+                n_ranks,
                 E,
                 SCALED,
                 SHIFT,
-                KEYS,
+                AMAX,
+                D,
+                K,
             )
         else:
             i0 = first + tl.arange(0, BLOCK)
@@ -504,15 +570,18 @@ if AVAILABLE:
                 lo,
                 hi,
                 step,
+                n_ranks,
                 E,
                 SCALED,
                 SHIFT,
-                KEYS,
+                AMAX,
+                D,
+                K,
             )
             c1 = c0
         _store_codes(out_ptr, pid, c0, c1, i0 < total, WIRE, BLOCK)
 
-    @triton.jit(do_not_specialize=["numel", "top", "n_last", "divisor"])
+    @triton.jit(do_not_specialize=["numel", "top", "n_last", "divisor", "n_ranks"])
     def _decode_kernel(
         src_ptr,
         out_ptr,
@@ -523,11 +592,14 @@ if AVAILABLE:
         top,
         n_last,
         divisor,
+        n_ranks,
         D: tl.constexpr,
+        E: tl.constexpr,
+        K: tl.constexpr,
         WIRE: tl.constexpr,
         SCALED: tl.constexpr,
         SHIFT: tl.constexpr,
-        KEYS: tl.constexpr,
+        AMAX: tl.constexpr,
         DIVIDE: tl.constexpr,
         BLOCK: tl.constexpr,
     ):
@@ -541,7 +613,21 @@ if AVAILABLE:
                 off_ptr, first, tl.minimum(first + BLOCK, numel) - 1, top, n_last
             )
             v = v * _factor(
-                scale_ptr, off_ptr, first_ptr, i, lo, hi, step, divisor, SHIFT, KEYS, DIVIDE
+                scale_ptr,
+                off_ptr,
+                first_ptr,
+                i,
+                lo,
+                hi,
+                step,
+                divisor,
+                n_ranks,
+                SHIFT,
+                AMAX,
+                DIVIDE,
+                E,
+                D,
+                K,
             )
         tl.store(out_ptr + i, v, mask=mask)
 
@@ -816,26 +902,21 @@ if AVAILABLE:
         key = tl.where(zero, 0, 127 - e)
         return tl.where(bad, 255, key)
 
-    @triton.jit(do_not_specialize=["numel", "top", "n_last", "n_ranks"])
-    def _keys_kernel(
+    @triton.jit(do_not_specialize=["numel", "top", "n_last"])
+    def _maxima_kernel(
         x_ptr,
-        keys_ptr,
+        amax_ptr,
         off_ptr,
         numel,
         top,
         n_last,
-        n_ranks,
-        E: tl.constexpr,
-        D: tl.constexpr,
-        K: tl.constexpr,
         BLOCK: tl.constexpr,
     ):
-        """Each segment's exponent key, MAX-ed into ``keys_ptr`` (int32, zero beforehand).
+        """Each segment's max |x| (NaN as inf), MAX-ed into ``amax_ptr`` as int32 bits
+        (zero beforehand): non-negative float32 bits order as the values do.
 
-        Keys never decrease with the maximum, so the key of a segment's largest
-        |x| is the largest of its pieces' keys: every program takes the max of
-        its pieces and meets the others in one atomic max per segment it
-        touches, with no second pass.
+        Every program takes the max of its pieces and meets the others in one
+        atomic max per segment it touches, with no second pass.
         """
         pid = tl.program_id(0).to(tl.int64)
         first = pid * BLOCK
@@ -848,20 +929,19 @@ if AVAILABLE:
             off_ptr, first, tl.minimum(first + BLOCK, numel) - 1, top, n_last
         )
         if lo == hi:
-            m = tl.reduce(mag, 0, _larger)
-            tl.atomic_max(keys_ptr + lo, _exp_key(m, n_ranks, E, D, K))
+            tl.atomic_max(amax_ptr + lo, tl.reduce(mag, 0, _larger))
         else:
             seg = _search(off_ptr, i, tl.full(i.shape, 0, tl.int32) + lo, step, hi)
             s = lo
             while s <= hi:
-                m = tl.reduce(tl.where(seg == s, mag, 0), 0, _larger)
-                tl.atomic_max(keys_ptr + s, _exp_key(m, n_ranks, E, D, K))
+                tl.atomic_max(amax_ptr + s, tl.reduce(tl.where(seg == s, mag, 0), 0, _larger))
                 s += 1
 
 
 @functools.lru_cache(maxsize=64)
 def key_constants(fmt: FloatFormat, native: bool) -> tuple[int, int, int, int, int]:
-    """The constants of :func:`layer_keys`' exponent rule for ``fmt``: (1 for a native
+    """The constants of the exponent rule the kernels apply to agreed maxima for ``fmt``
+    (:func:`encode`'s and :func:`decode`'s ``maxima``): (1 for a native
     sum else 0, ``fmt.max``'s float64 exponent and mantissa field, its float32 bits,
     the exponent limit).
 
@@ -877,68 +957,46 @@ def key_constants(fmt: FloatFormat, native: bool) -> tuple[int, int, int, int, i
     return (int(native), (b64 >> 52) - 1023, b64 & ((1 << 52) - 1), b32, EXPONENT_LIMIT)
 
 
-def layer_keys(
-    x: torch.Tensor,
-    keys: torch.Tensor,
-    fmt: FloatFormat,
-    offsets: torch.Tensor,
-    *,
-    world_size: int,
-    native: bool,
-) -> None:
-    """Each segment's exponent key of its max |x|, MAX-ed into int32 ``keys`` (zeros first).
+def layer_maxima(x: torch.Tensor, maxima: torch.Tensor, offsets: torch.Tensor) -> None:
+    """Each segment's max |x| (NaN as inf), MAX-ed into float32 ``maxima`` (zeros first).
 
-    Args: see :func:`bind_layer_keys`, which this launches once.
+    Args: see :func:`bind_layer_maxima`, which this launches once.
     """
-    bind_layer_keys(x, keys, fmt, offsets, world_size=world_size, native=native)()
+    bind_layer_maxima(x, maxima, offsets)()
 
 
-def bind_layer_keys(
-    x: torch.Tensor,
-    keys: torch.Tensor,
-    fmt: FloatFormat,
-    offsets: torch.Tensor,
-    *,
-    world_size: int,
-    native: bool,
+def bind_layer_maxima(
+    x: torch.Tensor, maxima: torch.Tensor, offsets: torch.Tensor
 ) -> Callable[[], object]:
-    """:func:`layer_keys` checked and bound once: the returned call launches it.
+    """:func:`layer_maxima` checked and bound once: the returned call launches it.
 
-    The values of :func:`aps_comm.scaling.exponent_keys` of the segments'
-    maxima (route "allreduce" where ``native``, else "two_phase") in one
-    pass over ``x``: the keys a MAX all-reduce agrees on.
+    The values of :func:`aps_comm.codec.segment_amax` (NaN as inf, an empty
+    segment 0) in one pass over ``x``: the maxima a MAX all-reduce agrees on.
 
     Args:
         x: contiguous float32 values.
-        keys: int32, one per segment, zero (or keys to MAX with).
-        fmt: the wire format.
+        maxima: float32, one per segment, zero (or maxima to MAX with).
         offsets: int64 segment offsets on the device, from 0 to ``x.numel()``.
-        world_size: N, the ranks that sum.
-        native: the sum happens in the wire format (headroom for N).
     """
-    consts = _check(fmt, x, keys)
+    _check(E4M3, x, maxima)
     n = offsets.numel() - 1
-    if x.dtype != torch.float32 or keys.dtype != torch.int32 or keys.numel() != n:
+    if x.dtype != torch.float32 or maxima.dtype != torch.float32 or maxima.numel() != n:
         raise ValueError(
-            f"layer_keys needs float32 values and {n} int32 keys, got {x.dtype} and "
-            f"{keys.numel()} {keys.dtype}"
+            f"layer_maxima needs float32 values and {n} float32 maxima, got {x.dtype} and "
+            f"{maxima.numel()} {maxima.dtype}"
         )
     _check_offsets(offsets, n, x.device)
     numel = x.numel()
     if not numel:
         return _NOTHING
     return functools.partial(
-        _keys_kernel[_grid(numel)],
+        _maxima_kernel[_grid(numel)],
         x,
-        keys,
+        maxima.view(torch.int32),
         offsets,
         numel,
         _top(n),
         n - 1,
-        world_size,
-        E=consts.encode,
-        D=consts.decode,
-        K=key_constants(fmt, native),
         BLOCK=BLOCK,
         **_options(),
     )
@@ -981,7 +1039,12 @@ def _options() -> dict[str, int | bool]:
 
 @dataclasses.dataclass(frozen=True)
 class _Scaling:
-    """What the kernels read for the factors: pointers (tensors) and search constants."""
+    """What the kernels read for the factors: pointers (tensors) and search constants.
+
+    ``amax``: ``factors`` are agreed maxima (their int32 bits), the exponents
+    found from them in the kernels by rule ``rule`` (:func:`key_constants`)
+    for ``n_ranks``.
+    """
 
     offsets: torch.Tensor
     factors: torch.Tensor
@@ -990,7 +1053,9 @@ class _Scaling:
     last: int
     shift: int
     scaled: bool
-    keys: int = 0
+    amax: bool = False
+    rule: tuple[int, ...] = (0, 0, 0, 0, 0)
+    n_ranks: int = 1
 
     def args(self) -> tuple[torch.Tensor | int, ...]:
         return (self.offsets, self.factors, self.first)
@@ -1010,39 +1075,63 @@ def _placeholders(device: torch.device) -> tuple[torch.Tensor, torch.Tensor]:
     )
 
 
+@dataclasses.dataclass(frozen=True)
+class Rule:
+    """How the kernels turn agreed maxima into exponents (:func:`aps_comm.scaling.factors`).
+
+    Attributes:
+        world_size: N, the ranks whose values are summed.
+        native: the sum happens in the wire format (headroom for N, and the
+            decoder divides by N), else two_phase's FP32 sum.
+    """
+
+    world_size: int
+    native: bool = False
+
+
 def _scaling(
     device: torch.device,
+    fmt: FloatFormat,
     offsets: torch.Tensor | None,
     factors: torch.Tensor | None,
     block_size: int,
     first_block: torch.Tensor | None,
-    keys: bool = False,
+    rule: Rule | None = None,
 ) -> _Scaling:
     """The kernels' view of a segmentation; typed placeholders fill pointers never read.
 
-    ``keys``: ``factors`` are int32 exponent keys, one per segment.
+    ``rule``: ``factors`` are the segments' agreed maxima (float32), one per segment.
     """
     no_int, no_float = _placeholders(device)
     if factors is None:
-        if offsets is not None or block_size or first_block is not None:
-            raise ValueError("offsets, block_size and first_block need factors")
+        if offsets is not None or block_size or first_block is not None or rule is not None:
+            raise ValueError("offsets, block_size, first_block and maxima need factors")
         return _Scaling(no_int, no_float, no_int, 0, 0, 0, False)
-    want = torch.int32 if keys else torch.float32
-    if factors.dtype != want or factors.device != device:
+    if factors.dtype != torch.float32 or factors.device != device:
         raise ValueError(
-            f"{'keys' if keys else 'factors'} must be {want} on {device}, got "
+            f"{'maxima' if rule else 'factors'} must be float32 on {device}, got "
             f"{factors.dtype} on {factors.device}"
         )
-    if keys and block_size:
-        raise ValueError("exponent keys are per segment, not per block")
+    extra: dict = {}
+    if rule is not None:
+        if block_size:
+            raise ValueError("maxima are per segment, not per block")
+        if not (isinstance(rule.world_size, int) and 1 <= rule.world_size <= 2**24):
+            raise ValueError(f"world_size must be an int from 1 to 2**24, got {rule.world_size!r}")
+        extra = {
+            "amax": True,
+            "rule": key_constants(fmt, rule.native),
+            "n_ranks": rule.world_size,
+        }
+        factors = factors.view(torch.int32)  # the kernels read the maxima's bits
     if not block_size:
         n = factors.numel()
         if offsets is None:
             if n != 1:
                 raise ValueError(f"{n} factors need their segments' offsets")
-            return _Scaling(no_int, factors, no_int, 0, 0, 0, True, int(keys))  # no offset read
+            return _Scaling(no_int, factors, no_int, 0, 0, 0, True, **extra)  # no offset read
         _check_offsets(offsets, n, device)
-        return _Scaling(offsets, factors, no_int, _top(n), n - 1, 0, True, int(keys))
+        return _Scaling(offsets, factors, no_int, _top(n), n - 1, 0, True, **extra)
     if block_size < 2 or block_size & (block_size - 1):
         raise ValueError(f"block_size must be a power of two >= 2 (or 0), got {block_size}")
     if offsets is None or first_block is None:
@@ -1076,7 +1165,8 @@ def encode(
     *,
     block_size: int = 0,
     first_block: torch.Tensor | None = None,
-    keys: torch.Tensor | None = None,
+    maxima: torch.Tensor | None = None,
+    rule: Rule | None = None,
     pad: int = 0,
 ) -> None:
     """Encode contiguous ``x`` (times per-segment or per-block ``factors``) into uint8 ``out``.
@@ -1101,8 +1191,10 @@ def encode(
         first_block: int32 or int64, L entries: the index in ``factors`` of each
             segment's first block (negative for a segment that started
             before a window).
-        keys: instead of ``factors``: int32 exponent keys, one per segment
-            (:func:`layer_keys`); each segment is multiplied by ``2**e``.
+        maxima: instead of ``factors``: float32 agreed maxima, one per
+            segment; each segment is multiplied by the ``2**e`` that
+            :func:`aps_comm.scaling.factors` gives them under ``rule``.
+        rule: with ``maxima``, their exponent rule.
         pad: zero codes written after the elements (a shard's padding).
     """
     bind_encode(
@@ -1113,7 +1205,8 @@ def encode(
         factors,
         block_size=block_size,
         first_block=first_block,
-        keys=keys,
+        maxima=maxima,
+        rule=rule,
         pad=pad,
     )()
 
@@ -1127,30 +1220,14 @@ def bind_encode(
     *,
     block_size: int = 0,
     first_block: torch.Tensor | None = None,
-    keys: torch.Tensor | None = None,
+    maxima: torch.Tensor | None = None,
+    rule: Rule | None = None,
     pad: int = 0,
 ) -> Callable[[], object]:
     """:func:`encode` checked and bound once: the returned call launches it (a
     settled bucket's every step, with no per-call checks on the host)."""
-    if keys is not None:
-        if factors is not None:
-            raise ValueError("give factors or keys, not both")
-        factors = keys
+    factors, rule = _maxima_or_factors(factors, maxima, rule)
     consts = _check(fmt, x, out)
-    return _encode(x, out, consts, offsets, factors, block_size, first_block, keys is not None, pad)
-
-
-def _encode(
-    x: torch.Tensor,
-    out: torch.Tensor,
-    consts: FormatConstants,
-    offsets: torch.Tensor | None = None,
-    factors: torch.Tensor | None = None,
-    block_size: int = 0,
-    first_block: torch.Tensor | None = None,
-    keys: bool = False,
-    pad: int = 0,
-) -> None:
     x = x.reshape(-1)
     if INTERPRETED and x.dtype == torch.bfloat16:
         # The interpreter widens bfloat16 subnormals wrongly; a GPU (and .float()) exactly.
@@ -1159,7 +1236,7 @@ def _encode(
     total = numel + pad
     if not total:
         return _NOTHING
-    sc = _scaling(x.device, offsets, factors, block_size, first_block, keys)
+    sc = _scaling(x.device, fmt, offsets, factors, block_size, first_block, rule)
     return functools.partial(
         _encode_kernel[_grid(total)],
         x,
@@ -1169,14 +1246,31 @@ def _encode(
         sc.top,
         sc.last,
         total,
+        sc.n_ranks,
         E=consts.encode,
+        D=consts.decode,
+        K=sc.rule,
         WIRE=consts.wire_bits,
         SCALED=sc.scaled,
         SHIFT=sc.shift,
-        KEYS=sc.keys,
+        AMAX=int(sc.amax),
         BLOCK=BLOCK,
         **_options(),
     )
+
+
+def _maxima_or_factors(
+    factors: torch.Tensor | None, maxima: torch.Tensor | None, rule: Rule | None
+) -> tuple[torch.Tensor | None, Rule | None]:
+    if maxima is None:
+        if rule is not None:
+            raise ValueError("a rule goes with maxima")
+        return factors, None
+    if factors is not None:
+        raise ValueError("give factors or maxima, not both")
+    if rule is None:
+        raise ValueError("maxima need their rule")
+    return maxima, rule
 
 
 def decode(
@@ -1188,15 +1282,16 @@ def decode(
     *,
     block_size: int = 0,
     first_block: torch.Tensor | None = None,
-    keys: torch.Tensor | None = None,
-    divisor: int = 1,
+    maxima: torch.Tensor | None = None,
+    rule: Rule | None = None,
 ) -> None:
     """Decode uint8 ``payload`` into contiguous float32 ``out`` (times per-segment or
     per-block ``factors``).
 
-    Args: as :func:`encode`, ``out`` giving the element count; with ``keys``
-        each segment is multiplied by ``2**-e / divisor`` (NaN for a bad key),
-        as :func:`aps_comm.scaling.factors_from_keys` computes the unscale.
+    Args: as :func:`encode`, ``out`` giving the element count; with ``maxima``
+        each segment is multiplied by the unscale :func:`aps_comm.scaling.factors`
+        gives them under ``rule`` (``2**-e``, divided by N for a native sum,
+        NaN for a non-finite maximum).
     """
     bind_decode(
         payload,
@@ -1206,8 +1301,8 @@ def decode(
         factors,
         block_size=block_size,
         first_block=first_block,
-        keys=keys,
-        divisor=divisor,
+        maxima=maxima,
+        rule=rule,
     )()
 
 
@@ -1220,23 +1315,17 @@ def bind_decode(
     *,
     block_size: int = 0,
     first_block: torch.Tensor | None = None,
-    keys: torch.Tensor | None = None,
-    divisor: int = 1,
+    maxima: torch.Tensor | None = None,
+    rule: Rule | None = None,
 ) -> Callable[[], object]:
     """:func:`decode` checked and bound once: the returned call launches it."""
-    if keys is not None:
-        if factors is not None:
-            raise ValueError("give factors or keys, not both")
-        factors = keys
-    elif divisor != 1:
-        raise ValueError("a divisor goes with keys")
-    if not (isinstance(divisor, int) and 1 <= divisor <= 2**24):
-        raise ValueError(f"divisor must be an int from 1 to 2**24, got {divisor!r}")
+    factors, rule = _maxima_or_factors(factors, maxima, rule)
     consts = _check(fmt, payload, out)
     numel = out.numel()
     if not numel:
         return _NOTHING
-    sc = _scaling(out.device, offsets, factors, block_size, first_block, keys is not None)
+    sc = _scaling(out.device, fmt, offsets, factors, block_size, first_block, rule)
+    divisor = rule.world_size if rule is not None and rule.native else 1
     pow2 = divisor & (divisor - 1) == 0
     return functools.partial(
         _decode_kernel[_grid(numel)],
@@ -1247,11 +1336,14 @@ def bind_decode(
         sc.top,
         sc.last,
         1.0 / divisor if pow2 else float(divisor),
+        sc.n_ranks,
         D=consts.decode,
+        E=consts.encode,
+        K=sc.rule,
         WIRE=consts.wire_bits,
         SCALED=sc.scaled,
         SHIFT=sc.shift,
-        KEYS=2 * sc.keys,
+        AMAX=2 * int(sc.amax),
         DIVIDE=0 if divisor == 1 else 1 if pow2 else 2,
         BLOCK=BLOCK,
         **_options(),
@@ -1480,16 +1572,19 @@ def ptx(fmt: FloatFormat, arch: int = 90, block_size: int = 0) -> dict[str, str]
     shift = block_size.bit_length() - 1 if block_size else 0
     scalar = {"numel": "i32", "top": "i32", "n_last": "i32"}
     common = {"WIRE": consts.wire_bits, "BLOCK": BLOCK}
+    rest = {"total": "i32", "n_ranks": "i32"}
+    rest_d = {"divisor": "fp32", "n_ranks": "i32"}
+    plain = {"E": consts.encode, "D": consts.decode, "K": (0, 0, 0, 0, 0)}
     sources = {
         "encode": (
             _encode_kernel,
-            {"x_ptr": "*fp32", "out_ptr": "*u8", **factors, **scalar, "total": "i32"},
-            {"E": consts.encode, "SCALED": True, "SHIFT": shift, "KEYS": 0},
+            {"x_ptr": "*fp32", "out_ptr": "*u8", **factors, **scalar, **rest},
+            {**plain, "SCALED": True, "SHIFT": shift, "AMAX": 0},
         ),
         "decode": (
             _decode_kernel,
-            {"src_ptr": "*u8", "out_ptr": "*fp32", **factors, **scalar, "divisor": "fp32"},
-            {"D": consts.decode, "SCALED": True, "SHIFT": shift, "KEYS": 0, "DIVIDE": 0},
+            {"src_ptr": "*u8", "out_ptr": "*fp32", **factors, **scalar, **rest_d},
+            {**plain, "SCALED": True, "SHIFT": shift, "AMAX": 0, "DIVIDE": 0},
         ),
     }
     scalar_r = {"shard_bytes": "i32", "numel": "i32", "n_ranks": "i32", "divisor": "fp32"}
@@ -1530,31 +1625,45 @@ def ptx(fmt: FloatFormat, arch: int = 90, block_size: int = 0) -> dict[str, str]
             },
         )
     out = {}
-    keyed = {"off_ptr": "*i64", "scale_ptr": "*i32", "first_ptr": "*i64"}
-    sources["encode_keys"] = (
-        _encode_kernel,
-        {"x_ptr": "*fp32", "out_ptr": "*u8", **keyed, **scalar, "total": "i32"},
-        {"E": consts.encode, "SCALED": True, "SHIFT": 0, "KEYS": 1},
-    )
-    for name, divide in (("decode_keys", 0), ("decode_keys_pow2", 1), ("decode_keys_n", 2)):
+    agreed = {"off_ptr": "*i64", "scale_ptr": "*i32", "first_ptr": "*i64"}
+    for name, native in (("encode_maxima", False), ("encode_maxima_native", True)):
         sources[name] = (
-            _decode_kernel,
-            {"src_ptr": "*u8", "out_ptr": "*fp32", **keyed, **scalar, "divisor": "fp32"},
-            {"D": consts.decode, "SCALED": True, "SHIFT": 0, "KEYS": 2, "DIVIDE": divide},
-        )
-    for name, native in (("keys", False), ("keys_native", True)):
-        sources[name] = (
-            _keys_kernel,
-            {"x_ptr": "*fp32", "keys_ptr": "*i32", "off_ptr": "*i64", **scalar, "n_ranks": "i32"},
+            _encode_kernel,
+            {"x_ptr": "*fp32", "out_ptr": "*u8", **agreed, **scalar, **rest},
             {
                 "E": consts.encode,
                 "D": consts.decode,
                 "K": key_constants(fmt, native),
-                "BLOCK": BLOCK,
+                "SCALED": True,
+                "SHIFT": 0,
+                "AMAX": 1,
             },
         )
+    for name, native, divide in (
+        ("decode_maxima", False, 0),
+        ("decode_maxima_pow2", True, 1),
+        ("decode_maxima_n", True, 2),
+    ):
+        sources[name] = (
+            _decode_kernel,
+            {"src_ptr": "*u8", "out_ptr": "*fp32", **agreed, **scalar, **rest_d},
+            {
+                "D": consts.decode,
+                "E": consts.encode,
+                "K": key_constants(fmt, native),
+                "SCALED": True,
+                "SHIFT": 0,
+                "AMAX": 2,
+                "DIVIDE": divide,
+            },
+        )
+    sources["maxima"] = (
+        _maxima_kernel,
+        {"x_ptr": "*fp32", "amax_ptr": "*i32", "off_ptr": "*i64", **scalar},
+        {"BLOCK": BLOCK},
+    )
     for name, (fn, signature, constexprs) in sources.items():
-        if fn not in (_reduce_blocks_kernel, _keys_kernel):
+        if fn not in (_reduce_blocks_kernel, _maxima_kernel):
             constexprs = {**constexprs, **common}
         signature = {**signature, **{k: "constexpr" for k in constexprs}}
         src = ASTSource(fn, signature=signature, constexprs=constexprs)

@@ -73,7 +73,6 @@ _CPU_KERNELS = (
     "reduce_shards",
     "reduce_blocks",
     "reduce_rank_blocks",
-    "layer_keys",
     "two_phase_keys",
     "block_amax",
     "layer_any",
@@ -85,7 +84,7 @@ _TRITON_KERNELS = (
     "shard_mean",
     "reduce_blocks",
     "reduce_rank_blocks",
-    "layer_keys",
+    "layer_maxima",
 )
 
 

@@ -386,3 +386,32 @@ def test_state_before_init_process_group() -> None:
     assert not dist.is_initialized()
     state = APSState("e5m2", reduction="two_phase")
     assert state.process_group is None and state.reduction == "two_phase"
+
+
+def _stats_on_one_rank(rank: int, world_size: int, route: str) -> list[list[int]]:
+    grads = []
+    for stats_rank in (None, 0):  # stats nowhere, then on rank 0 only
+        torch.manual_seed(0)
+        model = Net()
+        ddp = DDP(model, bucket_cap_mb=0.004)
+        fmt = "fp16" if route == "allreduce" else "e4m3"
+        register(ddp, fmt=fmt, reduction=route, stats=rank == stats_rank)
+        run = []
+        for step in range(4):  # from the third step on, settled buckets take their bound path
+            torch.manual_seed(100 * step + rank)
+            ddp.zero_grad()
+            ddp(torch.randn(8, 16) * (rank + 1)).pow(2).sum().backward()
+            run.append(torch.cat([p.grad.reshape(-1) for p in model.parameters()]))
+        grads.append(torch.cat(run).view(torch.int32).tolist())
+    return grads
+
+
+@pytest.mark.parametrize("route", ["two_phase", "allreduce"])
+def test_ranks_that_record_stats_and_ranks_that_do_not_agree(route: str) -> None:
+    # Stats are a rank's own choice (a benchmark records on rank 0 only): a rank that
+    # records takes the full path every step, the others settle, and the two paths'
+    # collectives must match, or the MAX all-reduce mixes maxima with something else.
+    out = run_distributed(_stats_on_one_rank, 2, args=(route,), timeout=180)
+    for grads in out:
+        assert grads[0] == grads[1]  # stats on one rank change nothing
+    assert out[0][1] == out[1][1]  # every rank holds the same gradients

@@ -396,7 +396,7 @@ def test_a_failing_first_launch_keeps_the_torch_ops(
         raise RuntimeError("Failed to find C compiler")
 
     monkeypatch.setattr(tc, "_PROBED", {})
-    monkeypatch.setattr(tc, "_encode", fail)
+    monkeypatch.setattr(tc, "bind_encode", fail)
     cpu = torch.device("cpu")
     assert not tc.runs_on(cpu) and not tc.runs_on(cpu)
     assert [r.getMessage().count("C compiler") for r in caplog.records] == [1]  # once
@@ -579,7 +579,7 @@ _KERNELS = (
     "_decode_kernel",
     "_reduce_kernel",
     "_reduce_blocks_kernel",
-    "_keys_kernel",
+    "_maxima_kernel",
 )
 
 
@@ -608,9 +608,7 @@ def _launch_everything(tc: types.ModuleType) -> None:
         layout = codec.Layout.from_numels(numels, cpu)
         x = torch.randn(layout.numel)
         scale = torch.full((len(numels),), 4.0)
-        keys = torch.empty(len(numels), dtype=torch.int32)
-        for native in (False, True):
-            c.layer_keys(x, layout, keys, world_size=3, native=native)
+        maxima = c.layer_maxima(x, layout, torch.empty(len(numels)))
         blocks = layout.grid(32)
         block_scale = torch.full((blocks.n_blocks,), 2.0)
         n = layout.numel
@@ -618,15 +616,15 @@ def _launch_everything(tc: types.ModuleType) -> None:
             {},
             {"scale": scale, "layout": layout},
             {"scale": block_scale, "layout": blocks.layout},
-            {"scale": codec.Keyed(keys), "layout": layout},
+            {"scale": codec.AgreedMaxima(maxima, 3), "layout": layout},
+            {"scale": codec.AgreedMaxima(maxima, 3, native=True), "layout": layout},
+            {"scale": codec.AgreedMaxima(maxima, 4, native=True), "layout": layout},
         ]
         for kw in variants:
             payload = c.encode(x, **kw)
             c.decode(payload, n, out=torch.empty(n), **kw)
         padded = torch.empty(payload_nbytes(n + 6, fmt), dtype=torch.uint8)
-        c.encode(x, out=padded, scale=codec.Keyed(keys), layout=layout, pad=6)
-        for divisor in (4, 3):
-            c.decode(padded, n, out=torch.empty(n), scale=codec.Keyed(keys, divisor), layout=layout)
+        c.encode(x, out=padded, scale=codec.AgreedMaxima(maxima, 3), layout=layout, pad=6)
         shards = torch.cat([c.encode(x[:64]), c.encode(x[64:128])])
         c.owner_reduce(shards, 2)
         c.shard_mean(shards, 2)
@@ -681,8 +679,8 @@ def test_every_launched_variant_compiles_for_a_gpu(monkeypatch: pytest.MonkeyPat
 def test_a_failing_kernel_variant_falls_back_to_torch_ops(
     tc: types.ModuleType, monkeypatch: pytest.MonkeyPatch, caplog: pytest.LogCaptureFixture
 ) -> None:
-    # A variant the first-use probe never launches (the keys kernel) fails to compile:
-    # it is logged once and runs on torch ops from then on, with the same keys.
+    # A variant the first-use probe never launches (the maxima kernel) fails to compile:
+    # it is logged once and runs on torch ops from then on, with the same maxima.
     calls = []
 
     def fail(*args: object, **kwargs: object) -> None:
@@ -691,17 +689,14 @@ def test_a_failing_kernel_variant_falls_back_to_torch_ops(
 
     monkeypatch.setattr(codec, "_TRITON_FAILED", {})
     monkeypatch.setattr(codec, "_TRITON_RAN", set())  # never launched in this process
-    monkeypatch.setattr(tc, "layer_keys", fail)
+    monkeypatch.setattr(tc, "layer_maxima", fail)
     cpu = torch.device("cpu")
     layout = codec.Layout.from_numels([3, 4], cpu)
-    x = torch.tensor([1.0, -3.0, 0.5, 200.0, float("nan"), 2.0, 0.0])[:7]
-    want = torch.empty(2, dtype=torch.int32)
-    codec.Codec(F.E4M3, cpu, "kernels").layer_keys(x, layout, want, world_size=2, native=False)
+    x = torch.tensor([1.0, -3.0, 0.5, 200.0, float("nan"), 2.0, 0.0])
     c = codec.Codec(F.E4M3, cpu, "triton")
     for _ in range(2):
-        got = torch.empty(2, dtype=torch.int32)
-        c.layer_keys(x, layout, got, world_size=2, native=False)
-        assert torch.equal(got, want)
+        got = c.layer_maxima(x, layout, torch.empty(2))
+        assert torch.equal(got, torch.tensor([3.0, float("inf")]))
     assert calls == [1]  # tried once, then straight to the torch ops
     assert [r.getMessage().count("invalid operands") for r in caplog.records] == [1]
 
@@ -711,33 +706,34 @@ def test_bound_calls_repeat_the_codec_calls(tc: types.ModuleType, fmt: FloatForm
     # A settled bucket binds its launches once and repeats them every step: the bound
     # calls write what the checked calls write, and follow new values in the buffers.
     cpu = torch.device("cpu")
-    c = codec.Codec(fmt, cpu, "triton")
+    c, kernels = codec.Codec(fmt, cpu, "triton"), codec.Codec(fmt, cpu)
     layout = codec.Layout.from_numels([5, 0, 1500, 33, 2], cpu)
     n = layout.numel
     window = layout.window(3, n - 1)
-    keys = torch.zeros(layout.n_segments, dtype=torch.int32)
+    maxima = torch.zeros(layout.n_segments)
     x = torch.empty(n)
-    bound_keys = c.bind_layer_keys(x, layout, keys, world_size=3, native=False)
+    bound_maxima = c.bind_layer_maxima(x, layout, maxima)
     pad = 5
+    agreed = codec.AgreedMaxima(maxima, 3, native=fmt.torch_dtype is not None)
     sent = torch.empty(payload_nbytes(n - 4 + pad, fmt), dtype=torch.uint8)
-    bound_encode = c.bind_encode(x[3 : n - 1], sent, codec.Keyed(keys), window, pad)
+    bound_encode = c.bind_encode(x[3 : n - 1], sent, agreed, window, pad)
     back = torch.empty(n - 4)
-    bound_decode = c.bind_decode(sent, back, codec.Keyed(keys, 3), window)
+    bound_decode = c.bind_decode(sent, back, agreed, window)
     shards = torch.empty(2 * payload_nbytes(64, fmt), dtype=torch.uint8)
     mean = torch.empty(payload_nbytes(64, fmt), dtype=torch.uint8)
     bound_owner = c.bind_owner_reduce(shards, 2, mean)
     for seed in range(2):
         x.copy_(torch.randn(n, generator=torch.Generator().manual_seed(seed)) * 100)
+        x[1 + seed] = float("nan") if seed else x[1]  # the first layer non-finite
         shards.copy_(torch.randint(0, 256, shards.shape, dtype=torch.uint8))
-        _quiet(bound_keys)
-        want_keys = torch.empty_like(keys)
-        c.layer_keys(x, layout, want_keys, world_size=3, native=False)
-        assert torch.equal(keys, want_keys) and keys.any()
+        _quiet(bound_maxima)
+        assert torch.equal(maxima, codec.segment_amax(x, layout))
         _quiet(bound_encode)
-        want = c.encode(x[3 : n - 1], scale=codec.Keyed(keys), layout=window, pad=pad)
+        # The CPU kernels derive the same factors from the same maxima.
+        want = kernels.encode(x[3 : n - 1], scale=agreed, layout=window, pad=pad)
         assert torch.equal(sent, want)
         _quiet(bound_decode)
-        got = c.decode(sent, n - 4, scale=codec.Keyed(keys, 3), layout=window)
+        got = kernels.decode(sent, n - 4, scale=agreed, layout=window)
         assert torch.equal(_bits(back), _bits(got))
         _quiet(bound_owner)
         assert torch.equal(mean, _quiet(c.owner_reduce, shards, 2))
