@@ -1305,7 +1305,7 @@ def maxima_factors(
     Example:
         >>> from aps_comm.formats import E4M3
         >>> maxima_factors(np.array([3.0, 0.0, np.inf], np.float32), E4M3, 4, False, 126, True)
-        array([0.0078125,       1.,       nan], dtype=float32)
+        array([0.0078125, 1.       ,       nan], dtype=float32)
     """
     q, m = decoder_params(fmt)
     keys = np.empty(len(maxima), np.int32)
