@@ -492,17 +492,24 @@ class Reducer:
                 if bound:
                     st.bind(x, comm.world_size)
         calls = st.calls if bound else None
+        scale = unscale = st.agreed
+        if g.codec.backend == "kernels":
+            # The CPU kernels take factor arrays: made once per bucket, not per chunk.
+            fmt = g.fmt
+            scale = torch.from_numpy(st.agreed.host_factors(fmt, unscale=False))
+            unscale = torch.from_numpy(st.agreed.host_factors(fmt, unscale=True))
+            calls = None
         start = time.perf_counter()
         if native:
             tail = transports.native(
-                g, x, st.agreed, st.agreed, comm.group, self.traffic, None, defer, calls
+                g, x, scale, unscale, comm.group, self.traffic, None, defer, calls
             )
         else:
             tail = transports.two_phase(
                 g,
                 x,
-                st.agreed,
-                st.agreed,
+                scale,
+                unscale,
                 comm.group,
                 comm.world_size,
                 self.traffic,
