@@ -5,15 +5,15 @@ Ranks are started independently (one ``python`` per rank, joined through
 kills the survivors), with a 5 s process-group timeout. One rank fails on
 purpose (tests/launch_scripts/fault_train.py); every other rank must exit
 non-zero within the timeout plus slack, with the hook's collective named, and
-nothing may be left behind: no process, no /dev/shm entry, no network
-namespace.
+nothing of the job's may be left behind: no process, no /dev/shm entry.
+Only what the test itself started is checked, never the whole machine's
+state: other jobs on a shared machine come and go meanwhile.
 """
 
 from __future__ import annotations
 
 import os
 import re
-import shutil
 import signal
 import socket
 import subprocess
@@ -59,13 +59,6 @@ def _shm() -> set[str]:
     return set(os.listdir("/dev/shm")) if os.path.isdir("/dev/shm") else set()
 
 
-def _netns() -> str:
-    ip = shutil.which("ip")
-    if ip is None:
-        return ""
-    return subprocess.run([ip, "netns", "list"], capture_output=True, text=True).stdout
-
-
 def _pids_with(token: str) -> list[int]:
     found = []
     for pid in filter(str.isdigit, os.listdir("/proc")):
@@ -97,7 +90,7 @@ CASES = [
 def test_peer_failure_fails_survivors_within_timeout(
     tmp_path: Path, world: int, fault: str, at_step: int
 ) -> None:
-    shm, netns = _shm(), _netns()
+    shm = _shm()
     port, mark, fault_rank = _free_port(), tmp_path / "fault_time", world - 1
     cmd = [
         sys.executable,
@@ -157,7 +150,6 @@ def test_peer_failure_fails_survivors_within_timeout(
     pids = [str(p.pid) for p, _ in procs]
     left = {e for e in _shm() - shm if any(pid in e for pid in pids)}
     assert not left, f"left in /dev/shm: {left}"
-    assert _netns() == netns
 
 
 @pytest.mark.slow
