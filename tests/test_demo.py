@@ -68,6 +68,25 @@ def test_two_ranks_one_epoch_writes_json_and_plot(tmp_path: Path) -> None:
     assert "fp32" in proc.stdout and "aps-e4m3" in proc.stdout and "bytes/step" in proc.stdout
 
 
+@pytest.mark.slow
+def test_ranks_import_the_installed_package_not_the_current_folders(tmp_path: Path) -> None:
+    """``aps-demo`` started in a checkout: its ranks (``python -m``) import what is installed.
+
+    The current folder holds an ``aps_comm`` that fails on import, as a
+    checkout's would after a non-editable install (here: not the one
+    installed).
+    """
+    pytest.importorskip("sklearn")
+    if not (Path(sysconfig.get_path("scripts")) / "aps-demo").exists():
+        pytest.skip("needs the aps-demo entry point (python -m would import the folder's too)")
+    decoy = tmp_path / "aps_comm"
+    decoy.mkdir()
+    (decoy / "__init__.py").write_text("raise ImportError('the current folder\\'s aps_comm')\n")
+    proc = _run(["--epochs", "1", "--hooks", "fp32"], tmp_path)
+    out = proc.stdout + proc.stderr
+    assert proc.returncode == 0 and "current folder's aps_comm" not in out, out
+
+
 def test_unknown_hook_fails_before_launching(tmp_path: Path) -> None:
     proc = _run(["--hooks", "fp32,fp8-magic"], tmp_path)
     assert proc.returncode != 0
