@@ -26,11 +26,14 @@ from typing import Any
 
 import torch
 
-__all__ = ["FifoWorker", "WorkerFailed", "run_on_side_stream"]
+__all__ = ["FifoWorker", "WorkerFailed", "raised_by_backward", "run_on_side_stream"]
 
 
 class WorkerFailed(RuntimeError):
-    """An earlier job of the worker failed; later jobs are not run."""
+    """An earlier job of the worker failed; later jobs are not run.
+
+    Its ``__cause__`` is that earlier job's exception.
+    """
 
 
 class FifoWorker:
@@ -123,7 +126,9 @@ def _run_one(
     job: Callable[[], Any], fut: torch.futures.Future, failed: list[BaseException]
 ) -> None:
     if failed:
-        fut.set_exception(WorkerFailed(f"not run: an earlier bucket failed with {failed[0]!r}"))
+        refused = WorkerFailed(f"not run: an earlier bucket failed with {failed[0]!r}")
+        refused.__cause__ = failed[0]
+        fut.set_exception(refused)
         return
     try:
         with torch.no_grad():
@@ -133,6 +138,64 @@ def _run_one(
         fut.set_exception(exc)
         return
     fut.set_result(result)
+
+
+def raised_by_backward(fut: torch.futures.Future, fallback: torch.Tensor) -> torch.futures.Future:
+    """The future to hand DDP for ``fut``: its failure is raised by ``backward()`` itself.
+
+    DDP's reducer reads a Python future's value in C++, where an exception
+    set with ``set_exception`` is just a value: ``backward()`` would raise
+    ``Unable to cast <the message> to Tensor``, and a callback that re-raises
+    it comes out as ``Got the following error when running the callback:
+    ...``. So the returned future always holds a tensor (``fallback``, the
+    bucket's unreduced buffer, where ``fut`` failed), and a final callback of
+    the backward pass, queued to run after DDP's own (which waits for the
+    buckets and unflattens them), raises the exception itself: the caller of
+    ``backward()`` gets its type and text. A bucket refused because an
+    earlier one failed (:class:`WorkerFailed`) raises that earlier failure.
+
+    Outside a backward pass (no final callbacks to queue) ``fut`` is
+    returned as it is.
+
+    Args:
+        fut: a bucket's future from the worker (not a CUDA-aware one: the
+            returned future does not carry stream dependencies).
+        fallback: the tensor DDP gets where ``fut`` failed.
+
+    Returns:
+        A future that completes when ``fut`` does, always with a tensor.
+
+    Example:
+        >>> fut = torch.futures.Future()
+        >>> raised_by_backward(fut, torch.zeros(1)) is fut  # outside backward(): as it is
+        True
+    """
+    engine = torch.autograd.Variable._execution_engine
+    failed: list[BaseException] = []
+    out: torch.futures.Future = torch.futures.Future()
+
+    def after_ddp() -> None:
+        out.wait()
+        if failed:
+            exc = failed[0]
+            raise exc.__cause__ if isinstance(exc, WorkerFailed) and exc.__cause__ else exc
+
+    try:
+        # Queued now, this would run before DDP's callback (queued once every
+        # bucket is handed over); queued from its own callback, it runs after.
+        engine.queue_callback(lambda: engine.queue_callback(after_ddp))
+    except RuntimeError:  # not inside backward(): whoever waits on fut sees its error
+        return fut
+
+    def done(f: torch.futures.Future) -> None:
+        try:
+            out.set_result(f.value())
+        except BaseException as exc:  # raised by backward() once DDP is done
+            failed.append(exc)
+            out.set_result(fallback)
+
+    fut.add_done_callback(done)
+    return out
 
 
 def run_on_side_stream(

@@ -44,7 +44,7 @@ from aps_comm.config import (
     check_block_size,
 )
 from aps_comm.engine import Comm, Reducer, Settings
-from aps_comm.executor import FifoWorker, run_on_side_stream
+from aps_comm.executor import FifoWorker, raised_by_backward, run_on_side_stream
 from aps_comm.feedback import ErrorFeedback
 from aps_comm.formats import FP32, FloatFormat, get_format
 from aps_comm.plan import Planner
@@ -730,7 +730,11 @@ def aps_hook(state: APSState, bucket: dist.GradBucket) -> torch.futures.Future[t
         if bucket.is_last():
             state._end_step()
         return fut
-    return state._submit(_Bucket(index, buffer, list(params), bucket.is_last()))
+    fut = state._submit(_Bucket(index, buffer, list(params), bucket.is_last()))
+    if buffer.device.type == "cuda" and reducer.comm.backend == "nccl":
+        return fut  # the side stream's, complete: a failure was raised in this call
+    # The worker's: DDP would report its failure as "Unable to cast ... to Tensor".
+    return raised_by_backward(fut, buffer)
 
 
 def _run_now(run: Callable[..., Callable[[], torch.Tensor]], bucket: _Bucket) -> torch.Tensor:

@@ -136,32 +136,42 @@ def release_at_exit(owner: ExitResources) -> None:
 def _release_all() -> None:
     """The exit handler: every owner's workers first, then every owner's groups."""
     try:
-        owners = list(_owners)
-        healthy = True
-        for owner in owners:
-            for worker in owner.exit_workers():
-                worker.close(JOIN_TIMEOUT_S)
-                healthy = healthy and worker.error is None and not worker.alive
-        if not healthy:
+        if not _workers_stopped():
             # A collective failed or is stuck: its peers may be gone, and the
             # groups' queues would keep the process waiting for nothing.
             return
-        default = dist.group.WORLD if dist.is_initialized() else None
-        groups: dict[int, dist.ProcessGroup] = {}
-        for owner in owners:
-            for group in owner.exit_groups():
-                groups[id(group)] = group
-        del owners
-        for group in list(_groups):
-            groups[id(group)] = group
-        _groups.clear()
-        groups.pop(id(default), None)
-        for group in groups.values():
-            with contextlib.suppress(ValueError):  # gone with the default group already
-                dist.destroy_process_group(group)
-        _join(groups)
+        # Only this dict may refer to the groups from here on: a loop variable
+        # left in this frame would keep the last one alive through the join.
+        _join(_take_groups())
     except Exception as exc:  # an exit handler must not mask the job's own outcome
         print(f"aps_comm: releasing process groups at exit failed: {exc!r}", file=sys.stderr)
+
+
+def _workers_stopped() -> bool:
+    """Close every live owner's workers; whether all of them stopped cleanly."""
+    healthy = True
+    for owner in list(_owners):
+        for worker in owner.exit_workers():
+            worker.close(JOIN_TIMEOUT_S)
+            healthy = healthy and worker.error is None and not worker.alive
+    return healthy
+
+
+def _take_groups() -> dict[int, dist.ProcessGroup]:
+    """Every owner's groups and every recorded group, destroyed; the default group left alone."""
+    default = dist.group.WORLD if dist.is_initialized() else None
+    groups: dict[int, dist.ProcessGroup] = {}
+    for owner in list(_owners):
+        for group in owner.exit_groups():
+            groups[id(group)] = group
+    for group in list(_groups):
+        groups[id(group)] = group
+    _groups.clear()
+    groups.pop(id(default), None)
+    for group in groups.values():
+        with contextlib.suppress(ValueError):  # gone with the default group already
+            dist.destroy_process_group(group)
+    return groups
 
 
 def _join(groups: dict[int, dist.ProcessGroup]) -> None:
@@ -186,8 +196,12 @@ def _drop(groups: dict[int, dist.ProcessGroup]) -> None:
         gc.collect()
     survivors = sum(ref() is not None for ref in alive)
     if survivors:
+        # Something of the program's (a global, a module attribute) still holds
+        # a group, so its threads outlive this handler: say what to change.
         print(
-            f"aps_comm: {survivors} process group(s) still referenced at exit; their "
-            "Gloo threads are not joined",
+            f"aps_comm: {survivors} process group(s) that aps-comm created are still referenced "
+            "by the program at exit, so their threads cannot be joined before Python shuts "
+            "down (a rank may then abort at exit). Delete the references you keep to them "
+            "(e.g. a global holding state.process_group) before the script ends.",
             file=sys.stderr,
         )

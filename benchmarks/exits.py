@@ -1,7 +1,15 @@
-"""Clean exits: do tiny 2-rank DDP jobs on Gloo end with exit code 0 once they finished?
+"""Clean exits: do 2-rank DDP jobs on Gloo end with exit code 0, and nothing to worry about?
 
-Runs ``--runs`` tiny jobs (a small MLP, three DDP steps, 2 ranks, Gloo on CPU)
-of each launch style and records every job's exit code:
+Runs ``--runs`` jobs (2 ranks, Gloo on CPU) of each launch style and records
+every job's exit code and whether it printed a warning at exit:
+
+- ``readme+torchrun``: the README's DDP script (its "Train with torchrun"
+  block, read from README.md, ending with ``dist.destroy_process_group()``),
+  saved as ``train_ddp.py`` in a scratch folder and run as the README says,
+  ``torchrun --standalone --nproc-per-node 2 train_ddp.py``;
+- ``readme+aps-launch``: the same script under ``aps-launch --nproc-per-node 2``;
+
+and tiny jobs (a small MLP, three DDP steps, no teardown in the script):
 
 - ``aps-launch``: ``aps-launch --nproc-per-node 2`` with ``init_distributed`` + ``register``;
 - ``torchrun+init_distributed``: ``torchrun`` with ``aps_launch.init_distributed`` + ``register``;
@@ -11,18 +19,23 @@ of each launch style and records every job's exit code:
 - ``torchrun+plain-ddp`` (the baseline): ``torchrun`` with ``dist.init_process_group``
   and DDP's own all-reduce, no aps-comm imported.
 
-A run is *ok* when the launcher exits 0; an *abort at exit* when every rank
+A run is *ok* when the launcher exits 0 and nothing was printed at exit (an
+``aps_comm:`` message about the exit, or ``terminate called``); a *warning at
+exit* when it exits 0 with such a message; an *abort at exit* when every rank
 printed its result and a rank then died of SIGABRT ("terminate called without
 an active exception"); anything else is a *failure*. Writes JSON (one record
 per run) and a markdown table of the counts.
 
     python -m benchmarks.exits --runs 200 --out benchmarks/results/exits.json
+    python -m benchmarks.exits --styles readme+torchrun readme+aps-launch \\
+        --runs 200 --max-seconds 600 --out benchmarks/results/exits_readme.json
 
 The jobs run in rounds, ``--per-round`` jobs of each style at a time side by
 side, so every style sees the same load. ``--lock PATH`` takes an exclusive ``flock``
 on PATH around each round, so timing runs of other programs that use the same
 lock interleave with this long loop instead of waiting for all of it. The
-results are rewritten after every round. Run as
+results are rewritten after every round; ``--max-seconds`` starts no round
+after that many seconds (the results say how many runs fitted). Run as
 ``python -m benchmarks.exits --job STYLE`` under a launcher, it is the job.
 """
 
@@ -38,6 +51,7 @@ import re
 import socket
 import subprocess
 import sys
+import tempfile
 import time
 from collections import Counter
 from collections.abc import Callable, Iterator
@@ -48,6 +62,8 @@ __all__ = ["STYLES", "main", "run", "scrub"]
 ROOT = Path(__file__).resolve().parents[1]
 # Style -> (launcher, the job's way of joining and whether it registers the hook).
 STYLES: dict[str, tuple[str, str]] = {
+    "readme+torchrun": ("torchrun", "readme"),
+    "readme+aps-launch": ("aps-launch", "readme"),
     "aps-launch": ("aps-launch", "init_distributed"),
     "torchrun+init_distributed": ("torchrun", "init_distributed"),
     "torchrun+init_process_group": ("torchrun", "init_process_group"),
@@ -56,10 +72,15 @@ STYLES: dict[str, tuple[str, str]] = {
 }
 _JOBS = ("init_distributed", "init_process_group", "no_teardown", "plain")
 _BASELINES = ("no_teardown", "plain")
-_DONE = re.compile(r"EXIT-OK rank=(\d+)")
+# What a finished rank prints: the tiny job's line, or the README script's.
+_DONE = re.compile(r"EXIT-OK rank=(\d+)|^rank (\d+): \d+ steps", re.M)
 _ABORT = re.compile(r"terminate called|SIGABRT|exitcode\s*:\s*-6")
+# What a job that finished must not print on its way out.
+_AT_EXIT = re.compile(r"aps_comm: .*at exit|terminate called")
 # Lines worth keeping from a failed job's output, wherever they are in it.
 _NOTE = re.compile(r"terminate called|aps_comm:|Error|exitcode")
+# The script that the README's "Train with torchrun" section saves as train_ddp.py.
+_README_SCRIPT = "train_ddp.py"
 _JOB_VARS = re.compile(
     r"^(RANK|WORLD_SIZE|LOCAL_RANK|LOCAL_WORLD_SIZE|MASTER_ADDR|MASTER_PORT|APS_BACKEND"
     r"|TORCHELASTIC_.*|GROUP_.*|ROLE_.*)$"
@@ -102,9 +123,26 @@ def _job(kind: str) -> None:
     # No teardown: the script ends as most training scripts do.
 
 
+def readme_script(readme: Path = ROOT / "README.md") -> str:
+    """The README's complete DDP script: the Python block the README saves as train_ddp.py.
+
+    Example:
+        >>> "dist.destroy_process_group()" in readme_script()
+        True
+    """
+    text = readme.read_text()
+    marker = text.index(f"Saved as `{_README_SCRIPT}`")
+    blocks = re.findall(r"```python\n(.*?)```", text[:marker], re.S)
+    if not blocks:
+        raise ValueError(f"no python block before 'Saved as `{_README_SCRIPT}`' in {readme}")
+    return blocks[-1]
+
+
 def _command(style: str) -> list[str]:
     launcher, kind = STYLES[style]
     job = ["-m", "benchmarks.exits", "--job", kind]
+    if kind == "readme":
+        job = [_README_SCRIPT]
     if launcher == "aps-launch":
         return [sys.executable, "-m", "aps_launch.cli", f"--nproc-per-node={_WORLD}", *job]
     return [sys.executable, "-m", "torch.distributed.run", "--standalone",
@@ -125,38 +163,58 @@ def _locked(path: str | None) -> Iterator[None]:
 
 
 def _classify(rc: int, log: str) -> str:
+    """``ok``, ``warning_at_exit``, ``abort_at_exit`` or ``failure`` (see the module's docstring).
+
+    Example:
+        >>> _classify(0, "rank 0: 50 steps\\nrank 1: 50 steps\\n")
+        'ok'
+        >>> _classify(0, "aps_comm: 1 process group(s) still referenced at exit; ...")
+        'warning_at_exit'
+    """
     if rc == 0:
-        return "ok"
-    finished = {int(m) for m in _DONE.findall(log)} == set(range(_WORLD))
+        return "warning_at_exit" if _AT_EXIT.search(log) else "ok"
+    finished = {int(a or b) for a, b in _DONE.findall(log)} == set(range(_WORLD))
     return "abort_at_exit" if finished and _ABORT.search(log) else "failure"
 
 
-def _env() -> dict[str, str]:
+def _env(style: str) -> dict[str, str]:
     env = {k: v for k, v in os.environ.items() if not _JOB_VARS.match(k)}
-    env["PYTHONPATH"] = os.pathsep.join(filter(None, [str(ROOT), env.get("PYTHONPATH")]))
+    if STYLES[style][1] != "readme":
+        # The tiny jobs are this module; the README's script imports what is
+        # installed, as a user's does.
+        env["PYTHONPATH"] = os.pathsep.join(filter(None, [str(ROOT), env.get("PYTHONPATH")]))
     env.setdefault("OMP_NUM_THREADS", "1")
     return env
 
 
 def _round(styles: list[str], timeout: float) -> list[tuple[str, int, str, float]]:
-    """One job of each style, all at once: (style, exit code, output, seconds)."""
+    """One job of each style, all at once: (style, exit code, output, seconds).
+
+    The README's script runs in a scratch folder of its own, as a user's
+    would; the tiny jobs in the repository (they are this module).
+    """
     start = time.perf_counter()
-    procs = [
-        (style, subprocess.Popen(
-            _command(style), cwd=ROOT, env=_env(), stdout=subprocess.PIPE,
-            stderr=subprocess.STDOUT, text=True,
-        ))
-        for style in styles
-    ]  # fmt: skip
-    done = []
-    for style, proc in procs:
-        try:
-            log, _ = proc.communicate(timeout=max(1.0, timeout - (time.perf_counter() - start)))
-            rc = proc.returncode
-        except subprocess.TimeoutExpired:
-            proc.kill()
-            log, rc = proc.communicate()[0], 124
-        done.append((style, rc, log, time.perf_counter() - start))
+    with contextlib.ExitStack() as scratch:
+        procs = []
+        for style in styles:
+            cwd = ROOT
+            if STYLES[style][1] == "readme":
+                cwd = Path(scratch.enter_context(tempfile.TemporaryDirectory(prefix="aps-exits-")))
+                (cwd / _README_SCRIPT).write_text(readme_script())
+            procs.append((style, subprocess.Popen(
+                _command(style), cwd=cwd, env=_env(style), stdout=subprocess.PIPE,
+                stderr=subprocess.STDOUT, text=True,
+            )))  # fmt: skip
+        done = []
+        for style, proc in procs:
+            try:
+                left = timeout - (time.perf_counter() - start)
+                log, _ = proc.communicate(timeout=max(1.0, left))
+                rc = proc.returncode
+            except subprocess.TimeoutExpired:
+                proc.kill()
+                log, rc = proc.communicate()[0], 124
+            done.append((style, rc, log, time.perf_counter() - start))
     return done
 
 
@@ -167,12 +225,13 @@ def run(
     on_round: Callable[[dict], None] | None = None,
     per_round: int = 1,
     one_at_a_time: bool = False,
+    max_seconds: float | None = None,
 ) -> dict:
     """``runs[style]`` jobs of each style, in rounds of ``per_round`` concurrent jobs per style.
 
     Running the styles side by side gives every style the same machine load.
     Returns ``{style: summary}``, each with one record per job; ``on_round``
-    gets that after every round.
+    gets that after every round. No round starts after ``max_seconds``.
 
     Example:
         >>> run({"torchrun+plain-ddp": 1})["torchrun+plain-ddp"]["runs"]  # doctest: +SKIP
@@ -187,11 +246,12 @@ def run(
             raise ValueError(f"runs for {style!r} must be >= 0, got {n}")
     records: dict[str, list[dict]] = {s: [] for s in runs}
     summary: dict = {}
+    began = time.monotonic()
     while True:
         pending = [
             s for s in runs for _ in range(min(per_round, runs[s] - len(records[s])))
         ]  # fmt: skip
-        if not pending:
+        if not pending or (max_seconds is not None and time.monotonic() - began > max_seconds):
             return summary
         with _locked(lock):
             if one_at_a_time:
@@ -221,6 +281,7 @@ def _summary(style: str, records: list[dict]) -> dict:
         "command": " ".join(_command(style)[1:]),
         "runs": len(records),
         "ok": counts["ok"],
+        "warning_at_exit": counts["warning_at_exit"],
         "abort_at_exit": counts["abort_at_exit"],
         "failure": counts["failure"],
         "exit_codes": dict(sorted(Counter(str(r["rc"]) for r in records).items())),
@@ -239,6 +300,7 @@ def scrub(text: str) -> str:
         (sys.prefix, "<venv>"),
         (str(ROOT), "<repo>"),
         (sys.base_prefix, "<python>"),
+        (tempfile.gettempdir(), "<tmp>"),
     ):
         text = text.replace(path, name)
     return re.sub(rf"\b{re.escape(socket.gethostname())}\b", "<host>", text)
@@ -256,31 +318,52 @@ def _shown(argv: list[str]) -> str:
 
 
 def markdown(result: dict) -> str:
+    """The counts as a markdown table; results recorded before warnings were counted say so."""
+    config, styles = result["config"], result["styles"]
+    readme = [s for s in styles if STYLES[s][1] == "readme"]
+    tiny = [s for s in styles if STYLES[s][1] != "readme"]
+    jobs = []
+    if readme:
+        jobs.append(
+            "the README's DDP script (a 16-64-1 MLP, 50 steps, ending with "
+            "`dist.destroy_process_group()`) in a scratch folder"
+        )
+    if tiny:
+        jobs.append("a tiny job (a 16-32-4 MLP, 3 DDP steps, no teardown in the script)")
+    stopped = config.get("max_seconds")
     lines = [
-        "# Clean exits: tiny 2-rank DDP jobs on Gloo (CPU)",
+        "# Clean exits: 2-rank DDP jobs on Gloo (CPU)",
         "",
-        f"torch {result['config']['torch']}, Python {result['config']['python']}, "
-        f"{result['config']['cpus']} CPUs; each job: 2 ranks, a 16-32-4 MLP, 3 DDP steps, "
-        "no teardown in the script; rounds of "
-        f"{result['config']['jobs_per_style_per_round']} job(s) of each style, "
-        + ("run one after another" if result["config"].get("one_at_a_time") else "side by side")
-        + ", on a machine shared with other work. "
-        f"Command: `{result['config']['command']}`.",
+        f"torch {config['torch']}, Python {config['python']}, {config['cpus']} CPUs; "
+        f"each job: 2 ranks, {' or '.join(jobs)}; rounds of "
+        f"{config['jobs_per_style_per_round']} job(s) of each style, "
+        + ("run one after another" if config.get("one_at_a_time") else "side by side")
+        + ", on a machine shared with other work"
+        + (f", no round started after {stopped:g} s" if stopped else "")
+        + f". Command: `{config['command']}`.",
         "",
-        "| style | runs | exit 0 | aborts at exit (SIGABRT) | other failures |",
-        "|---|---:|---:|---:|---:|",
+        "| style | runs | exit 0 | exit 0 with a warning at exit | aborts at exit (SIGABRT) "
+        "| other failures |",
+        "|---|---:|---:|---:|---:|---:|",
     ]
-    for s in result["styles"].values():
+    for s in styles.values():
+        # Recorded before warnings were counted: "ok" meant exit 0, whatever it printed.
+        warned = s.get("warning_at_exit")
+        exit0 = s["ok"] + (warned or 0)
+        shown = "not counted" if warned is None else str(warned)
         lines.append(
-            f"| {s['style']} | {s['runs']} | {s['ok']} | {s['abort_at_exit']} | {s['failure']} |"
+            f"| {s['style']} | {s['runs']} | {exit0} | {shown} | {s['abort_at_exit']} "
+            f"| {s['failure']} |"
         )
     lines += [
         "",
-        "An abort at exit: every rank printed its result, then a rank died of",
-        "SIGABRT (`terminate called without an active exception`) during interpreter",
-        "shutdown; the launcher reports the job FAILED. The control is the hook",
-        "without its exit teardown; the baseline is torch's own DDP all-reduce",
-        "without aps-comm (see `aps_comm/teardown.py` for the cause).",
+        "A warning at exit: the job exited 0 but printed an `aps_comm:` message about",
+        "its exit (or `terminate called`) on its way out. An abort at exit: every rank",
+        "printed its result, then a rank died of SIGABRT (`terminate called without an",
+        "active exception`) during interpreter shutdown; the launcher reports the job",
+        "FAILED. The control is the hook without its exit teardown; the baseline is",
+        "torch's own DDP all-reduce without aps-comm (see `aps_comm/teardown.py` for",
+        "the cause).",
         "",
     ]
     return "\n".join(lines)
@@ -304,6 +387,9 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument(
         "--keep", action="store_true", help="keep the styles already in --out that are not run"
     )
+    parser.add_argument(
+        "--max-seconds", type=float, default=None, help="start no round after this many seconds"
+    )
     args = parser.parse_args(argv)
     if args.job:
         _job(args.job)
@@ -324,6 +410,7 @@ def main(argv: list[str] | None = None) -> int:
         "world": _WORLD,
         "jobs_per_style_per_round": args.per_round,
         "one_at_a_time": args.one_at_a_time,
+        "max_seconds": args.max_seconds,
         "command": _shown(sys.argv[1:] if argv is None else argv),
     }
 
@@ -337,10 +424,13 @@ def main(argv: list[str] | None = None) -> int:
     runs = {s: baseline_runs if STYLES[s][1] in _BASELINES else args.runs for s in args.styles}
     summary = run(
         runs, args.timeout, args.lock, on_round=write, per_round=args.per_round,
-        one_at_a_time=args.one_at_a_time,
+        one_at_a_time=args.one_at_a_time, max_seconds=args.max_seconds,
     )  # fmt: skip
     for s in summary.values():
-        print(f"{s['style']}: {s['ok']}/{s['runs']} exit 0, {s['abort_at_exit']} aborts at exit")
+        print(
+            f"{s['style']}: {s['ok']}/{s['runs']} exit 0 with nothing at exit, "
+            f"{s['warning_at_exit']} warnings at exit, {s['abort_at_exit']} aborts at exit"
+        )
     return 0
 
 

@@ -531,6 +531,17 @@ def _worker_argv(opts: argparse.Namespace, hooks: Sequence[str], output: Path) -
     ]
 
 
+@contextlib.contextmanager
+def _working_directory(path: str) -> Iterator[None]:
+    """Run the block in ``path`` (``contextlib.chdir`` is Python >= 3.11)."""
+    before = os.getcwd()
+    os.chdir(path)
+    try:
+        yield
+    finally:
+        os.chdir(before)
+
+
 def _launch(opts: argparse.Namespace, hooks: Sequence[str]) -> dict[str, Any] | int:
     """Run the ranks; their results, or the job's non-zero exit code."""
     os.environ[BACKEND_ENV] = "gloo"
@@ -548,7 +559,10 @@ def _launch(opts: argparse.Namespace, hooks: Sequence[str]) -> dict[str, Any] | 
             module=True,
             rdzv_id="aps-demo",
         )
-        code = launch_elastic(argv)
+        # `python -m` puts the ranks' working folder first on sys.path: started
+        # from a checkout, they would import its aps_comm, not the installed one.
+        with _working_directory(tmp):
+            code = launch_elastic(argv)
         if code != 0:
             return code
         if not output.exists():

@@ -44,12 +44,19 @@ _FAIL_SCRIPT = (
 )
 
 
-def _host_state() -> tuple[list[str], str]:
-    """Host-namespace links and qdiscs: none of it may change."""
-    links = subprocess.run(["ip", "-o", "link"], capture_output=True, text=True, check=True)
-    names = sorted(line.split(":")[1].strip() for line in links.stdout.splitlines())
-    qd = subprocess.run(["tc", "qdisc", "show"], capture_output=True, text=True, check=True)
-    return names, qd.stdout
+def _in_a_namespace(args: list[str]) -> bool:
+    """Whether a setup command acts inside a cluster namespace (or only reads): never on the host.
+
+    What the cluster does is checked by its own commands, not by comparing
+    the host's links and qdiscs before and after: other jobs on a shared
+    machine may change those meanwhile.
+    """
+    if args[:2] in (["ip", "-n"], ["tc", "-n"]):
+        return args[2].startswith(cl.NS_PREFIX)
+    if args[:2] == ["ip", "netns"]:
+        return args[2:3] == ["list"] or (len(args) > 3 and args[3].startswith(cl.NS_PREFIX))
+    # Reading the host's allowed congestion controls for an error message.
+    return args[:2] == ["sysctl", "-n"]
 
 
 def _ours(prefix: str) -> list[str]:
@@ -65,8 +72,12 @@ def _comm(pid: int) -> str:
 
 
 @pytest.fixture
-def netns() -> Iterator[None]:
-    """Skip without root/iproute2/netns; afterwards check the host is untouched."""
+def netns(monkeypatch: pytest.MonkeyPatch) -> Iterator[None]:
+    """Skip without root/iproute2/netns; afterwards check the cluster left the host alone.
+
+    Only what this test made is checked: its namespaces are gone, and every
+    setup command the cluster ran acted inside a cluster namespace.
+    """
     reason = cl.netns_unavailable_reason()
     if reason is not None:
         pytest.skip(reason)
@@ -75,10 +86,32 @@ def netns() -> Iterator[None]:
     if made.returncode != 0:
         pytest.skip(f"cannot create a network namespace: {made.stderr.strip()}")
     subprocess.run(["ip", "netns", "delete", probe], check=True)
-    before = _host_state()
+    commands: list[list[str]] = []
+    run_command = shaping.run_command
+
+    def recorded(args: list[str], **kwargs: object) -> str:
+        commands.append(list(args))
+        return run_command(args, **kwargs)
+
+    monkeypatch.setattr(shaping, "run_command", recorded)
     yield
     assert _ours(f"{cl.NS_PREFIX}{os.getpid()}-") == []
-    assert _host_state() == before
+    # None recorded would mean the cluster no longer runs them through run_command.
+    assert commands, "no setup command went through netns.run_command"
+    on_the_host = [c for c in commands if not _in_a_namespace(c)]
+    assert not on_the_host, on_the_host
+
+
+def test_setup_commands_on_the_host_are_told_apart() -> None:
+    assert _in_a_namespace(["ip", "-n", f"{cl.NS_PREFIX}1-ab12-b", "link", "add", "apsb0"])
+    assert _in_a_namespace(["tc", "-n", f"{cl.NS_PREFIX}1-ab12-n0", "qdisc", "replace"])
+    assert _in_a_namespace(["ip", "netns", "add", f"{cl.NS_PREFIX}1-ab12-n0"])
+    assert _in_a_namespace(["ip", "netns", "list"])
+    assert not _in_a_namespace(["ip", "link", "add", "aps0", "type", "veth"])
+    assert not _in_a_namespace(["tc", "qdisc", "replace", "dev", "eth0", "root", "tbf"])
+    assert not _in_a_namespace(["ip", "netns", "add", "someone-elses"])
+    assert not _in_a_namespace(["ip", "-n", "someone-elses", "link", "set", "lo", "up"])
+    assert not _in_a_namespace(["sysctl", "-w", "net.ipv4.tcp_congestion_control=bbr"])
 
 
 def _results(res: list[cl.RankResult]) -> list[dict]:

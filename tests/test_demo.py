@@ -19,7 +19,11 @@ _JOB_VARS = ("RANK", "WORLD_SIZE", "LOCAL_RANK", "MASTER_ADDR", "MASTER_PORT", "
 
 def _aps_demo() -> list[str]:
     script = Path(sysconfig.get_path("scripts")) / "aps-demo"
-    return [str(script)] if script.exists() else [sys.executable, "-m", "aps_launch.demo"]
+    if script.exists():
+        return [str(script)]
+    # Not `python -m`: that would import an aps_comm in the working folder.
+    run = "import sys; del sys.path[0]; from aps_launch.demo import main; sys.exit(main())"
+    return [sys.executable, "-c", run]
 
 
 def _env() -> dict[str, str]:
@@ -43,11 +47,18 @@ def test_two_ranks_one_epoch_writes_json_and_plot(tmp_path: Path) -> None:
     pytest.importorskip("sklearn")
     pytest.importorskip("matplotlib")
     out, png = tmp_path / "demo.json", tmp_path / "demo.png"
+    # Started in a checkout, the ranks (`python -m`, which puts the working
+    # folder on sys.path) must still import what is installed, not this one.
+    (tmp_path / "aps_comm").mkdir()
+    (tmp_path / "aps_comm" / "__init__.py").write_text(
+        "raise ImportError('the folder\\'s aps_comm')\n"
+    )
     proc = _run(
         ["--epochs", "1", "--hooks", "fp32,aps-e4m3", "--json", str(out), "--plot", str(png)],
         tmp_path,
     )
     assert proc.returncode == 0, proc.stdout + proc.stderr
+    assert "the folder's aps_comm" not in proc.stdout + proc.stderr
 
     runs = json.loads(out.read_text())["runs"]
     assert [r["name"] for r in runs] == ["fp32", "aps-e4m3"]

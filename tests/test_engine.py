@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import gc
 import os
+import re
 import time
 import weakref
 from pathlib import Path
@@ -220,9 +221,13 @@ def _fail_everywhere(rank: int, world_size: int) -> list[str]:
 def test_worker_exception_surfaces_on_every_rank() -> None:
     for rank, errors in enumerate(run_distributed(_fail_everywhere, 2, timeout=120)):
         assert len(errors) == 2
-        assert f"injected codec failure on rank {rank}" in errors[0]
-        # The failed state refuses further buckets instead of running them out of step.
-        assert "earlier bucket failed" in errors[1]
+        # backward() raises the hook's own error, not DDP's "Unable to cast ... to Tensor".
+        assert re.fullmatch(
+            rf"aps_hook, bucket \d+: injected codec failure on rank {rank}", errors[0]
+        ), errors
+        # The failed state refuses further buckets instead of running them out of
+        # step, and says what stopped it.
+        assert errors[1] == errors[0]
 
 
 def _fail_on_one_rank(rank: int, world_size: int) -> None:
@@ -248,7 +253,12 @@ def test_one_rank_failing_makes_the_others_raise_within_the_timeout() -> None:
     # Rank 0 says which of the hook's collectives was left waiting.
     rank0 = msg.split("rank 1 failed")[0]
     assert "rank 0 failed" in rank0
-    assert "aps_hook, bucket" in rank0 and "all_to_all of chunk 1 of 1 did not complete" in rank0
+    assert re.search(
+        r"^RuntimeError: aps_hook, bucket \d+: aps_comm: the all_to_all of chunk 1 of 1 did not "
+        "complete",
+        rank0,
+        re.M,
+    ), rank0
 
 
 def _leaves_after_register(rank: int, world_size: int) -> str:

@@ -5,15 +5,15 @@ Ranks are started independently (one ``python`` per rank, joined through
 kills the survivors), with a 5 s process-group timeout. One rank fails on
 purpose (tests/launch_scripts/fault_train.py); every other rank must exit
 non-zero within the timeout plus slack, with the hook's collective named, and
-nothing may be left behind: no process, no /dev/shm entry, no network
-namespace.
+nothing of the job's may be left behind: no process, no /dev/shm entry.
+Only what the test itself started is checked, never the whole machine's
+state: other jobs on a shared machine come and go meanwhile.
 """
 
 from __future__ import annotations
 
 import os
 import re
-import shutil
 import signal
 import socket
 import subprocess
@@ -59,13 +59,6 @@ def _shm() -> set[str]:
     return set(os.listdir("/dev/shm")) if os.path.isdir("/dev/shm") else set()
 
 
-def _netns() -> str:
-    ip = shutil.which("ip")
-    if ip is None:
-        return ""
-    return subprocess.run([ip, "netns", "list"], capture_output=True, text=True).stdout
-
-
 def _pids_with(token: str) -> list[int]:
     found = []
     for pid in filter(str.isdigit, os.listdir("/proc")):
@@ -97,7 +90,7 @@ CASES = [
 def test_peer_failure_fails_survivors_within_timeout(
     tmp_path: Path, world: int, fault: str, at_step: int
 ) -> None:
-    shm, netns = _shm(), _netns()
+    shm = _shm()
     port, mark, fault_rank = _free_port(), tmp_path / "fault_time", world - 1
     cmd = [
         sys.executable,
@@ -146,10 +139,15 @@ def test_peer_failure_fails_survivors_within_timeout(
         assert "FAULT-DONE" not in log, log
         took = exited[p.pid] - fault_time
         assert took < PG_TIMEOUT + SLACK, f"rank {r} took {took:.1f} s after the fault:\n{log}"
-        # The error says which of the hook's collectives was waiting.
-        assert re.search(r"aps_hook, bucket \d+: .*(MAX all-reduce|all_to_all|all_gather)", log), (
-            log
-        )
+        # The error is the hook's own (not DDP's "Unable to cast ... to Tensor")
+        # and says which of its collectives was waiting (torch prefixes the
+        # lines of an uncaught exception with the rank).
+        assert re.search(
+            r"^(\[rank\d+\]: )?RuntimeError: aps_hook, bucket \d+: aps_comm: the (MAX all-reduce|all_to_all|"
+            r"all_gather) .*did not complete",
+            log,
+            re.M,
+        ), log
         assert "terminate called" not in log, log
     assert _pids_with(str(mark)) == [], "a rank's process outlived the test"
     # Only entries named after one of this job's processes are its own (other
@@ -157,7 +155,6 @@ def test_peer_failure_fails_survivors_within_timeout(
     pids = [str(p.pid) for p, _ in procs]
     left = {e for e in _shm() - shm if any(pid in e for pid in pids)}
     assert not left, f"left in /dev/shm: {left}"
-    assert _netns() == netns
 
 
 @pytest.mark.slow

@@ -344,8 +344,14 @@ def _copy_benchmarks(cwd: Path) -> None:
 # What each command must print
 
 
+# What an exit handler, or a thread dying in the interpreter's shutdown, prints:
+# a job that finished has nothing to say at exit.
+_EXIT_NOISE = re.compile(r"^.*(aps_comm: .*at exit|terminate called).*$", re.M)
+
+
 def _check_ok(proc: subprocess.CompletedProcess[str], cwd: Path) -> None:
     assert proc.returncode == 0, proc.stdout + proc.stderr
+    assert not _EXIT_NOISE.findall(proc.stdout + proc.stderr), proc.stderr
 
 
 def _launched(world_size: int) -> Callable[[subprocess.CompletedProcess[str], Path], None]:
