@@ -279,7 +279,13 @@ def test_cli_choices_are_case_insensitive_as_the_api(capsys: pytest.CaptureFixtu
     assert list(fp8["formats"]) == ["fp32", "fp16", "e4m3"]
     with pytest.raises(SystemExit):
         cli_main(["predict", "--model", "resnet50", "--cluster", "100gbe", "--fmt", "e9"])
-    assert "unknown format 'e9'" in capsys.readouterr().err
+    assert "unknown number format 'e9'" in capsys.readouterr().err
+    # An e<E>m<M> name that breaks a limit says which, in one line.
+    with pytest.raises(SystemExit):
+        cli_main(["predict", "--model", "resnet50", "--cluster", "100gbe", "--fmt", "e9m9"])
+    err = capsys.readouterr().err
+    assert "argument --fmt: number format 'e9m9' has 9 exponent bits; a format has 1 to 8" in err
+    assert "Traceback" not in err
 
 
 def test_cli_wire_per_rank_counts_in_node_bytes_and_says_so(
