@@ -242,6 +242,7 @@ def run_calibration(
     settle_s: float = SETTLE_S,
     budget_s: float | None = None,
     max_repeats: int | None = None,
+    progress: bool = False,
 ) -> tuple[list[dict[str, Any]], str]:
     """Time every collective and codec pass on the initialised default group.
 
@@ -253,6 +254,8 @@ def run_calibration(
     after idling; a bucket after forward and backward meets both.
     ``budget_s``/``max_repeats`` (default: :func:`aps_perfmodel.measure.time_op`'s)
     give quick operations more repeats, where small messages are noisiest.
+    ``progress`` shows a progress bar of the sizes on rank 0's stderr (a
+    calibration takes minutes).
 
     Returns:
         The samples (identical on every rank; trimmed means of repeats, each timed by
@@ -301,7 +304,15 @@ def run_calibration(
     hook_fmts = HOOK_CALL_FORMATS if codec is not None else HOOK_CALL_FORMATS[:2]
     benches = [measure.HookBench(CALL_ELEMENTS, fmt, layers) for fmt in hook_fmts]
     hook_steps: dict[str, list[float]] = {fmt: [] for fmt in hook_fmts}
-    for size in sizes:
+    from tqdm import tqdm
+
+    bar = tqdm(
+        sizes,
+        desc="calibrating",
+        unit="size",
+        disable=not progress or dist.get_rank() != 0,
+    )
+    for size in bar:
         for bench in benches:
             hook_steps[bench.fmt] += bench.steps(
                 1,
@@ -387,12 +398,16 @@ def run_calibration(
 
 
 def calibrate_here(
-    sizes: Sequence[int], repeats: int = 5, codec_kind: str = "aps", verbose: bool = False
+    sizes: Sequence[int],
+    repeats: int = 5,
+    codec_kind: str = "aps",
+    verbose: bool = False,
+    progress: bool = False,
 ) -> Profile:
     """Run :func:`run_calibration` on the current group and fit (on every rank)."""
     import torch.distributed as dist
 
-    samples, label = run_calibration(sizes, repeats, codec_kind, verbose=verbose)
+    samples, label = run_calibration(sizes, repeats, codec_kind, verbose=verbose, progress=progress)
     local = int(os.environ.get("LOCAL_WORLD_SIZE", dist.get_world_size()))
     return fit_profile(
         samples,

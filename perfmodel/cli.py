@@ -813,7 +813,18 @@ def _cmd_calibrate(args: argparse.Namespace) -> int:
             if args.sizes
             else geometric_sizes(args.min_size, args.max_size, args.steps)
         )
-        profile = calibrate_here(sizes, args.repeats, args.codec, verbose=args.verbose)
+        if dist.get_rank() == 0:
+            print(
+                f"calibrating on {dist.get_world_size()} ranks: {len(sizes)} sizes from "
+                f"{format_bytes(min(sizes))} to {format_bytes(max(sizes))}, {args.repeats} "
+                "repeats each (the defaults take 2-3 minutes on 2 CPU ranks)",
+                file=sys.stderr,
+                flush=True,
+            )
+        # The measurements printed one per line are progress enough with --verbose.
+        profile = calibrate_here(
+            sizes, args.repeats, args.codec, verbose=args.verbose, progress=not args.verbose
+        )
         if dist.get_rank() == 0:
             profile.save(args.out)
             link = profile.link
