@@ -17,17 +17,19 @@ from __future__ import annotations
 import datetime
 import os
 import socket
+import sys
 from collections.abc import Sequence
 from pathlib import Path
 from typing import Any
 
 import torch
 import torch.distributed as dist
+from tqdm import tqdm
 
 from aps_comm import measure
 from aps_perfmodel.calibrate import CALL_ELEMENTS, COLLECTIVE_COEFFS, fit_profile
 from aps_perfmodel.profile import Profile
-from aps_perfmodel.units import format_bandwidth, format_time
+from aps_perfmodel.units import format_bandwidth, format_bytes, format_time
 
 __all__ = ["calibrate_command", "calibrate_here", "run_calibration"]
 
@@ -52,6 +54,7 @@ def run_calibration(
     settle_s: float = SETTLE_S,
     budget_s: float | None = None,
     max_repeats: int | None = None,
+    progress: bool = False,
 ) -> tuple[list[dict[str, Any]], str]:
     """Time every collective and codec pass on the initialised default group.
 
@@ -63,6 +66,8 @@ def run_calibration(
     after idling; a bucket after forward and backward meets both.
     ``budget_s``/``max_repeats`` (default: :func:`aps_comm.measure.time_op`'s)
     give quick operations more repeats, where small messages are noisiest.
+    ``progress`` shows a progress bar of the sizes on rank 0's stderr (a
+    calibration takes minutes).
 
     Returns:
         The samples (identical on every rank; trimmed means of repeats, each timed by
@@ -104,7 +109,8 @@ def run_calibration(
     hook_fmts = HOOK_CALL_FORMATS
     benches = [measure.HookBench(CALL_ELEMENTS, fmt, layers) for fmt in hook_fmts]
     hook_steps: dict[str, list[float]] = {fmt: [] for fmt in hook_fmts}
-    for size in sizes:
+    bar = tqdm(sizes, desc="calibrating", unit="size", disable=not progress or dist.get_rank() != 0)
+    for size in bar:
         for bench in benches:
             hook_steps[bench.fmt] += bench.steps(
                 1,
@@ -188,14 +194,18 @@ def run_calibration(
 
 
 def calibrate_here(
-    sizes: Sequence[int], repeats: int = 5, codec_kind: str = "aps", verbose: bool = False
+    sizes: Sequence[int],
+    repeats: int = 5,
+    codec_kind: str = "aps",
+    verbose: bool = False,
+    progress: bool = False,
 ) -> Profile:
     """Run :func:`run_calibration` on the current group and fit (on every rank).
 
     Example:
         >>> calibrate_here([65536, 1 << 20]).save("profile.json")  # doctest: +SKIP
     """
-    samples, label = run_calibration(sizes, repeats, codec_kind, verbose=verbose)
+    samples, label = run_calibration(sizes, repeats, codec_kind, verbose=verbose, progress=progress)
     local = int(os.environ.get("LOCAL_WORLD_SIZE", dist.get_world_size()))
     return fit_profile(
         samples,
@@ -248,7 +258,16 @@ def calibrate_command(
         dist.init_process_group(backend, timeout=datetime.timedelta(seconds=timeout_s))
         created = True
     try:
-        profile = calibrate_here(sizes, repeats, codec_kind, verbose=verbose)
+        if dist.get_rank() == 0:
+            print(
+                f"calibrating on {dist.get_world_size()} ranks: {len(sizes)} sizes from "
+                f"{format_bytes(min(sizes))} to {format_bytes(max(sizes))}, {repeats} "
+                "repeats each (the defaults take 2-3 minutes on 2 CPU ranks)",
+                file=sys.stderr,
+                flush=True,
+            )
+        # The measurements printed one per line are progress enough with --verbose.
+        profile = calibrate_here(sizes, repeats, codec_kind, verbose=verbose, progress=not verbose)
         if dist.get_rank() == 0:
             profile.save(out)
             link = profile.link

@@ -5,9 +5,10 @@ Every module that names a reduction or a scaling uses these enums; they are
 plain strings. :mod:`aps_perfmodel` names the same strategies its own way
 ("native" for the wire-format all-reduce); :meth:`Route.model_name` and
 :meth:`Route.from_model` are the only translation between the two. The
-scalings, block sizes and block exponents are defined in
-:mod:`aps_perfmodel.choices` (the model prices them, and must not import
-``aps_comm``) and re-exported here.
+scalings, block sizes and block exponents, and the names of the number
+formats with their aliases, are defined in :mod:`aps_perfmodel.choices`
+(the model prices them, and must not import ``aps_comm``) and re-exported
+here.
 
 Example:
     >>> Reduction("two_phase") is Reduction.TWO_PHASE
@@ -23,24 +24,34 @@ from __future__ import annotations
 from aps_perfmodel.choices import (
     BLOCK_SIZES,
     DEFAULT_BLOCK_SIZE,
+    FORMAT_ALIASES,
+    FORMAT_NAMES,
     SCALINGS,
     BlockExponents,
     Choice,
+    FormatName,
     Scaling,
     check_block_size,
+    format_bits,
+    format_name,
 )
 
 __all__ = [
     "BLOCK_SIZES",
     "DEFAULT_BLOCK_SIZE",
+    "FORMAT_ALIASES",
+    "FORMAT_NAMES",
     "REDUCTIONS",
     "SCALINGS",
     "BlockExponents",
     "Choice",
+    "FormatName",
     "Reduction",
     "Route",
     "Scaling",
     "check_block_size",
+    "format_bits",
+    "format_name",
 ]
 
 

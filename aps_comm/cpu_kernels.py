@@ -33,6 +33,7 @@ from __future__ import annotations
 import functools
 import logging
 import math
+import os
 from collections.abc import Callable
 from typing import Any
 
@@ -235,12 +236,27 @@ def _njit(fn: Callable[..., Any]) -> Any:
         return numba.njit(nogil=True)(fn)
 
 
+def _first_rank_here() -> bool:
+    """Whether this process is a job's first rank on its machine (or no job's rank at all).
+
+    Launchers (torchrun, aps-launch, Lightning) set ``LOCAL_RANK``; without
+    it, ``RANK``. Read when the kernels compile, which is after launch.
+
+    Example:
+        >>> _first_rank_here() == (os.environ.get("LOCAL_RANK", os.environ.get("RANK", "0")) == "0")
+        True
+    """
+    return os.environ.get("LOCAL_RANK", os.environ.get("RANK", "0")).strip() in ("0", "")
+
+
 if AVAILABLE:
 
     class CompileNotice(nbevent.Listener):
         """Logs one line the first time this process compiles one of these kernels.
 
-        A numba ``"numba:compile"`` listener: numba fires the event only for a
+        Only on a job's first rank of each machine (:func:`_first_rank_here`):
+        the others compile the same kernels at the same time, and N copies
+        of the line told nothing more. A numba ``"numba:compile"`` listener: numba fires the event only for a
         real compile, never for a function loaded from its disk cache, so a
         machine whose cache is warm hears nothing. Registered once, at import.
 
@@ -260,6 +276,8 @@ if AVAILABLE:
             if getattr(getattr(dispatcher, "py_func", None), "__module__", None) != __name__:
                 return
             self.said = True
+            if not _first_rank_here():
+                return  # every rank compiles, but one line per machine tells the user
             where = getattr(getattr(dispatcher, "_cache", None), "_cache_path", None)
             _log.warning(
                 "aps_comm: compiling the CPU codec kernels with numba (a few seconds, once: "

@@ -31,12 +31,12 @@ from __future__ import annotations
 import dataclasses
 import functools
 import math
-import re
 from typing import Literal
 
 import numpy as np
 import torch
 
+from aps_comm.config import format_bits, format_name
 from aps_comm.hostcopy import to_device
 
 __all__ = [
@@ -228,42 +228,38 @@ _NATIVE_DTYPES: dict[tuple[int, int, int | None, str], torch.dtype] = {
     (8, 7, 127, "ieee"): torch.bfloat16,
     (8, 23, 127, "ieee"): torch.float32,
 }
-_EXMY = re.compile(r"^(?:fp\d+_)?e(\d+)m(\d+)$")
 
 
 def get_format(fmt: FloatFormat | str) -> FloatFormat:
     """Return the :class:`FloatFormat` for a format or its name.
 
-    Accepts the built-in names ("e4m3", "fp8_e4m3", "e5m2", "fp16", "bf16",
-    "fp32", ...) and any "eXmY" string (IEEE-style specials, default bias).
+    Accepts the built-in names ("e4m3", "e5m2", "fp16", "bf16", "fp32", ...),
+    their aliases ("fp8", "fp4", "fp8_e4m3", "half", ...: the same names
+    ``aps-perfmodel --fmt`` takes, :data:`aps_comm.config.FORMAT_ALIASES`) and
+    any "eXmY" string (IEEE-style specials where there is room, default bias).
 
     Example:
-        >>> get_format("fp8_e4m3") is E4M3
+        >>> get_format("fp8_e4m3") is E4M3 and get_format("FP8") is E4M3
         True
         >>> get_format("e6m1").max
         3221225472.0
 
     Raises:
-        ValueError: the name is not a known format.
+        ValueError: the name is not a known format, or an "eXmY" that cannot
+            exist (the error names the limit it breaks, e.g. at most 8
+            exponent bits).
+        TypeError: ``fmt`` is neither a FloatFormat nor a str.
     """
     if isinstance(fmt, FloatFormat):
         return fmt
-    if isinstance(fmt, str):
-        key = fmt.strip().lower()
-        if key in FORMATS:
-            return FORMATS[key]
-        if key in _ALIASES:
-            return _ALIASES[key]
-        match = _EXMY.match(key)
-        if match:
-            exp_bits, man_bits = int(match.group(1)), int(match.group(2))
-            specials: Specials = "ieee" if exp_bits >= 2 and man_bits >= 1 else "none"
-            return FloatFormat(exp_bits, man_bits, specials=specials, name=key)
-    valid = sorted(FORMATS) + sorted(_ALIASES)
-    raise ValueError(
-        f"unknown number format {fmt!r}; valid names: {', '.join(valid)}, or any 'eXmY' "
-        "(e.g. 'e3m2'), or a FloatFormat"
-    )
+    if not isinstance(fmt, str):
+        raise TypeError(f"a number format is a FloatFormat or its name (e.g. 'e4m3'), got {fmt!r}")
+    key = format_name(fmt)
+    if key in FORMATS:
+        return FORMATS[key]
+    exp_bits, man_bits = format_bits(key)
+    specials: Specials = "ieee" if exp_bits >= 2 and man_bits >= 1 else "none"
+    return FloatFormat(exp_bits, man_bits, specials=specials, name=key)
 
 
 # ---------------------------------------------------------------------------

@@ -67,7 +67,7 @@ from aps_comm.engine import Comm, Reducer, Settings
 from aps_comm.formats import FloatFormat, get_format
 from aps_comm.hostcopy import HostValue
 from aps_comm.plan import Planner
-from aps_comm.policy import Assignment, LayerInfo, Rule
+from aps_comm.policy import Assignment, LayerInfo, Rule, policy_rules
 from aps_comm.policy import describe as describe_policy
 from aps_comm.telemetry import LayerStats, StepStats
 from aps_comm.topology import Topology
@@ -164,7 +164,7 @@ class APSFSDPState:
         block_size: int = DEFAULT_BLOCK_SIZE,
     ) -> None:
         self.config = APSFSDPConfig(get_format(fmt), scaling, block_size)  # type: ignore[arg-type]
-        self.policy: list[Rule] = list(policy or [])
+        self.policy: list[Rule] = policy_rules(policy)
         self.assignment = Assignment(self.policy, self.config.fmt)
         if self.assignment.promoter is not None:
             raise ValueError(

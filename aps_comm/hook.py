@@ -48,7 +48,7 @@ from aps_comm.executor import FifoWorker, raised_by_backward, run_on_side_stream
 from aps_comm.feedback import ErrorFeedback
 from aps_comm.formats import FP32, FloatFormat, get_format
 from aps_comm.plan import Planner
-from aps_comm.policy import Assignment, LayerInfo, Rule
+from aps_comm.policy import Assignment, LayerInfo, Rule, policy_rules
 from aps_comm.policy import describe as describe_policy
 from aps_comm.reduction import resolve_routes
 from aps_comm.telemetry import LayerStats, StepStats
@@ -235,7 +235,7 @@ class APSState:
         self.ranks_per_node = ranks_per_node
         self.process_group = process_group
         self.collect_stats = bool(stats)
-        self.policy: list[Rule] = list(policy or [])
+        self.policy: list[Rule] = policy_rules(policy)
         self.assignment = Assignment(self.policy, self.config.fmt)
         if self.assignment.promoter is not None and self.config.scaling == Scaling.BLOCK:
             raise ValueError(

@@ -48,6 +48,7 @@ __all__ = [
     "Promote",
     "Rule",
     "Schedule",
+    "policy_rules",
     "static_formats",
 ]
 
@@ -226,6 +227,50 @@ def static_formats(
     return formats
 
 
+_POLICY_EXAMPLE = 'policy=[KeepLast("fp32")] (a list of rules from aps_comm.policy)'
+
+
+def policy_rules(policy: Sequence[Rule] | Rule | None) -> list[Rule]:
+    """``policy`` as a list of rules; a TypeError naming the value passed otherwise.
+
+    A string is a sequence too: ``policy="fp32"`` would otherwise be read as
+    four rules named "f", "p", "3" and "2".
+
+    Example:
+        >>> policy_rules([KeepLast("fp32")])
+        [KeepLast(fmt='fp32')]
+        >>> policy_rules("fp32")
+        Traceback (most recent call last):
+        ...
+        TypeError: policy must be a list of aps_comm.policy rules, got 'fp32'; e.g. policy=[KeepLast("fp32")] (a list of rules from aps_comm.policy)
+    """
+    if policy is None:
+        return []
+    if isinstance(policy, Rule):
+        # One rule where a list is expected: what was meant is clear, but say it,
+        # since the other rules of the list would silently be missing otherwise.
+        raise TypeError(
+            f"policy must be a list of aps_comm.policy rules, got the single rule {policy!r}; "
+            f"e.g. policy=[{policy!r}]"
+        )
+    try:
+        if isinstance(policy, str | bytes):
+            raise TypeError  # iterable, but as letters, not rules
+        rules = list(policy)
+    except TypeError:
+        raise TypeError(
+            f"policy must be a list of aps_comm.policy rules, got {policy!r}; "
+            f"e.g. {_POLICY_EXAMPLE}"
+        ) from None
+    for rule in rules:
+        if not isinstance(rule, Rule):
+            raise TypeError(
+                f"policy entries must be aps_comm.policy rules, got {rule!r} in "
+                f"policy={policy!r}; e.g. {_POLICY_EXAMPLE}"
+            )
+    return rules
+
+
 def describe(rules: Sequence[Rule]) -> str:
     """A stable text form of a policy, compared across ranks at bind time."""
     return "[" + ", ".join(r.describe() for r in rules) + "]"
@@ -251,10 +296,7 @@ class Assignment:
     """
 
     def __init__(self, rules: Sequence[Rule], base: FloatFormat) -> None:
-        self.rules = list(rules)
-        for rule in self.rules:
-            if not isinstance(rule, Rule):
-                raise TypeError(f"policy entries must be aps_comm.policy rules, got {rule!r}")
+        self.rules = policy_rules(rules)
         self.base = base
         self.schedule = [r for r in self.rules if isinstance(r, Schedule)]
         self.promoter = next((r for r in self.rules if isinstance(r, Promote)), None)

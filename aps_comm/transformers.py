@@ -14,14 +14,17 @@ it when ``trainer.train(resume_from_checkpoint=...)`` resumes.
 Transformers is an optional dependency: ``pip install -e ".[transformers]"``
 (from the checkout).
 
-Example (``torchrun --standalone --nproc_per_node 2 train.py``)::
+Example (``torchrun --standalone --nproc_per_node 2 train.py``; a complete
+script is in docs/integrations.md)::
 
+    import torch
     from transformers import Trainer, TrainingArguments
     from aps_comm.transformers import APSCallback
 
     aps = APSCallback(fmt="e4m3", error_feedback=True)
-    trainer = Trainer(model=model, args=TrainingArguments("out", save_steps=100),
-                      train_dataset=data, callbacks=[aps])
+    # On CPUs Trainer joins torchrun's job only with use_cpu=True (over Gloo).
+    args = TrainingArguments("out", save_steps=100, use_cpu=not torch.cuda.is_available())
+    trainer = Trainer(model=model, args=args, train_dataset=data, callbacks=[aps])
     trainer.train()  # or trainer.train(resume_from_checkpoint=True)
     aps.state.step  # steps the hook communicated, the resumed ones included
 """
@@ -60,6 +63,26 @@ CHECKPOINT_FILE = "aps_comm.pt"
 """File of every rank's hook state in a Trainer checkpoint folder."""
 
 
+def _not_distributed_cause(args: TrainingArguments, ranks: int) -> str:
+    """Why Trainer runs alone in a job of ``ranks`` processes, and what to change."""
+    head = (
+        f"APSCallback: torch.distributed has {ranks} processes, but Trainer runs this one "
+        f"alone (parallel mode {args.parallel_mode.value}, args.world_size {args.world_size}), "
+        "so it builds no DistributedDataParallel model to put the hook on"
+    )
+    if not torch.cuda.is_available() and not args.use_cpu:
+        # Accelerate's state, which Trainer uses, goes multi-process on CPUs only when asked.
+        return (
+            f"{head}: without CUDA, Trainer goes distributed only with "
+            "TrainingArguments(..., use_cpu=True), which reduces over Gloo"
+        )
+    local_rank = os.environ.get("LOCAL_RANK", "unset")
+    return (
+        f"{head}: TrainingArguments did not find the job in the environment (LOCAL_RANK "
+        f"{local_rank}); start the processes with torchrun or aps-launch, which set it"
+    )
+
+
 class APSCallback(TrainerCallback):
     """A ``Trainer`` callback that reduces DDP gradients with the APS hook.
 
@@ -92,7 +115,9 @@ class APSCallback(TrainerCallback):
 
     Raises:
         ValueError: an option of the hook is invalid (here); the run is not
-            distributed (at the start of training).
+            distributed (at the start of training), or torch.distributed is
+            but Trainer is not (on a CPU machine: ``TrainingArguments`` without
+            ``use_cpu=True``), the error says which.
         TypeError: the model ran a training forward outside DDP.
         FileNotFoundError: a resumed run's checkpoint folder is not found.
 
@@ -135,6 +160,12 @@ class APSCallback(TrainerCallback):
         **kwargs: Any,
     ) -> None:
         """Restore a resumed run's hook state; register the hook at the first training forward."""
+        if dist.is_available() and dist.is_initialized() and args.world_size < 2:
+            ranks = dist.get_world_size()
+            if ranks > 1:
+                # The job is distributed but Trainer is not: "launch one process
+                # per device" would send a user who did exactly that in circles.
+                raise ValueError(_not_distributed_cause(args, ranks))
         if not (dist.is_available() and dist.is_initialized()) or args.world_size < 2:
             raise ValueError(
                 f"APSCallback needs a distributed run, where Trainer wraps the model in "

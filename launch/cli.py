@@ -24,7 +24,7 @@ from __future__ import annotations
 import argparse
 import os
 import sys
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 
 import torch
 
@@ -47,6 +47,42 @@ def default_nproc() -> int:
         True
     """
     return torch.cuda.device_count() if torch.cuda.is_available() else 2
+
+
+def _count(least: int) -> Callable[[str], int]:
+    """An argparse type: an integer of at least ``least``, else argparse's one-line error."""
+
+    def convert(text: str) -> int:
+        try:
+            value = int(text)
+        except ValueError:
+            raise argparse.ArgumentTypeError(f"expected an integer, got {text!r}") from None
+        if value < least:
+            raise argparse.ArgumentTypeError(f"must be at least {least}, got {text!r}")
+        return value
+
+    return convert
+
+
+def _port(text: str) -> int:
+    port = _count(1)(text)
+    if port > 65535:
+        raise argparse.ArgumentTypeError(f"a port is at most 65535, got {text!r}")
+    return port
+
+
+def _nnodes(text: str) -> str:
+    """``--nnodes``: ``N`` or ``MIN:MAX`` with 1 <= MIN <= MAX, kept as text for torchrun."""
+    parts = text.split(":")
+    try:
+        low, high = int(parts[0]), int(parts[-1])
+    except ValueError:
+        low = high = 0
+    if len(parts) > 2 or not 1 <= low <= high:
+        raise argparse.ArgumentTypeError(
+            f"expected a node count N or MIN:MAX with 1 <= MIN <= MAX, got {text!r}"
+        )
+    return text
 
 
 def build_parser() -> argparse.ArgumentParser:
@@ -74,18 +110,22 @@ def build_parser() -> argparse.ArgumentParser:
     )
     parser.add_argument(
         "--nproc-per-node",
-        type=int,
+        type=_count(1),
         default=None,
         help="ranks on this node (default: number of GPUs, or 2 without CUDA)",
     )
-    parser.add_argument("--nnodes", default=None, help="nodes, or MIN:MAX (default 1)")
-    parser.add_argument("--node-rank", type=int, default=None, help="this node's rank (static)")
+    parser.add_argument(
+        "--nnodes", type=_nnodes, default=None, help="nodes, or MIN:MAX (default 1)"
+    )
+    parser.add_argument(
+        "--node-rank", type=_count(0), default=None, help="this node's rank (static)"
+    )
     parser.add_argument("--rdzv-endpoint", default=None, help="HOST:PORT of the rendezvous")
     parser.add_argument("--rdzv-backend", choices=["c10d", "static"], default=None)
     parser.add_argument("--rdzv-id", default="aps-launch", help="job id, same on all nodes")
-    parser.add_argument("--max-restarts", type=int, default=0, help="worker group restarts")
+    parser.add_argument("--max-restarts", type=_count(0), default=0, help="worker group restarts")
     parser.add_argument("--master-addr", default=None, help="rank 0's host (static/MPI/SLURM)")
-    parser.add_argument("--master-port", type=int, default=None, help="rank 0's store port")
+    parser.add_argument("--master-port", type=_port, default=None, help="rank 0's store port")
     parser.add_argument(
         "-m", "--module", action="store_true", help="run SCRIPT as a module (python -m)"
     )
@@ -102,7 +142,8 @@ def _config_error(exc: Exception) -> int:
 
 
 def _run_elastic(opts: argparse.Namespace) -> int:
-    nproc = opts.nproc_per_node or default_nproc()
+    # None only: 0 is refused by the parser, never read as "the default".
+    nproc = default_nproc() if opts.nproc_per_node is None else opts.nproc_per_node
     nnodes = opts.nnodes or "1"
     try:
         argv = torchrun_argv(

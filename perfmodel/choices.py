@@ -2,29 +2,42 @@
 
 ``aps_comm`` imports :mod:`aps_perfmodel` (the hook plans with its
 strategies), so what both need lives on this side: the scalings, the block
-sizes of block scaling and their check. :mod:`aps_comm.config` re-exports
-them beside its reductions and routes.
+sizes of block scaling and their check, and the names of the number formats
+with their aliases (``aps_comm.register(ddp, "fp8")`` and ``aps-perfmodel
+--fmt fp8`` read them here). :mod:`aps_comm.config` re-exports them beside
+its reductions and routes. ``import aps_comm.config`` would import torch
+(``aps_comm/__init__.py`` does), and the model must not.
 
 Example:
     >>> Scaling.parse("BLOCK", "scaling")
     <Scaling.BLOCK: 'block'>
     >>> check_block_size(DEFAULT_BLOCK_SIZE)
     32
+    >>> format_name("FP8"), format_name("e3m3"), format_bits("fp4")
+    ('e4m3', 'e3m3', (2, 1))
 """
 
 from __future__ import annotations
 
 import enum
 import operator
+import re
 
 __all__ = [
     "BLOCK_SIZES",
     "DEFAULT_BLOCK_SIZE",
+    "FORMAT_ALIASES",
+    "FORMAT_NAMES",
+    "MAX_EXP_BITS",
+    "MAX_MAN_BITS",
     "SCALINGS",
     "BlockExponents",
     "Choice",
+    "FormatName",
     "Scaling",
     "check_block_size",
+    "format_bits",
+    "format_name",
 ]
 
 
@@ -105,3 +118,129 @@ def check_block_size(block_size: int) -> int:
             f"block_size must be a power of two from 8 to 256 {BLOCK_SIZES}, got {block_size!r}"
         )
     return size
+
+
+class FormatName(Choice):
+    """The built-in number formats (:data:`aps_comm.formats.FORMATS` defines each one).
+
+    Any other ``e<E>m<M>`` is a format too (:func:`format_name` checks it):
+    IEEE-style specials where it has room for them, the default bias.
+    """
+
+    E4M3 = "e4m3"
+    E5M2 = "e5m2"
+    FP16 = "fp16"
+    BF16 = "bf16"
+    FP32 = "fp32"
+    E3M4 = "e3m4"
+    E2M3 = "e2m3"
+    E3M2 = "e3m2"
+    E2M1 = "e2m1"
+    E3M0 = "e3m0"
+
+
+FORMAT_NAMES: tuple[str, ...] = tuple(m.value for m in FormatName)
+
+FORMAT_ALIASES: dict[str, FormatName] = {
+    "fp8": FormatName.E4M3,
+    "fp8_e4m3": FormatName.E4M3,
+    "fp8_e4m3fn": FormatName.E4M3,
+    "e4m3fn": FormatName.E4M3,
+    "fp8_e5m2": FormatName.E5M2,
+    "fp4": FormatName.E2M1,
+    "float16": FormatName.FP16,
+    "half": FormatName.FP16,
+    "e5m10": FormatName.FP16,
+    "bfloat16": FormatName.BF16,
+    "e8m7": FormatName.BF16,
+    "float32": FormatName.FP32,
+    "float": FormatName.FP32,
+    "e8m23": FormatName.FP32,
+}
+"""Other names of the built-in formats, in lower case (names are case-insensitive)."""
+
+MAX_EXP_BITS = 8
+"""Exponent bits of a format at most: formats are simulated exactly inside float32."""
+
+MAX_MAN_BITS = 23
+"""Mantissa bits of a format at most (float32's)."""
+
+# "e3m2", or with its width in front as torch and ml_dtypes spell FP8: "fp8_e4m3".
+_EXMY = re.compile(r"(?:fp(\d+)_)?e(\d+)m(\d+)")
+_BUILTIN_BITS = {FormatName.FP16: (5, 10), FormatName.BF16: (8, 7), FormatName.FP32: (8, 23)}
+
+
+def format_name(name: str) -> str:
+    """The canonical name of the number format ``name`` (any case), else a ValueError naming it.
+
+    A built-in name (:class:`FormatName`) or an alias (:data:`FORMAT_ALIASES`)
+    gives the built-in's name; ``e<E>m<M>`` (or ``fp<N>_e<E>m<M>`` with
+    ``N = 1 + E + M``) gives ``"e<E>m<M>"`` when the format can exist: 1 to
+    :data:`MAX_EXP_BITS` exponent bits, at most :data:`MAX_MAN_BITS` mantissa
+    bits, and a largest value inside float32's range.
+
+    Example:
+        >>> format_name("Half"), format_name("fp8_e5m2"), format_name("fp6_e3m2")
+        ('fp16', 'e5m2', 'e3m2')
+        >>> format_name("e9m9")
+        Traceback (most recent call last):
+        ...
+        ValueError: number format 'e9m9' has 9 exponent bits; a format has 1 to 8
+    """
+    if not isinstance(name, str):
+        raise TypeError(f"a number format's name is a str, got {name!r}")
+    key = name.strip().lower()
+    if key in FORMAT_ALIASES:
+        return FORMAT_ALIASES[key].value
+    if key in FORMAT_NAMES:
+        return key
+    match = _EXMY.fullmatch(key)
+    if match is None:
+        aliases = ", ".join(sorted(FORMAT_ALIASES))
+        raise ValueError(
+            f"unknown number format {name!r}; the formats are {', '.join(FORMAT_NAMES)}, "
+            f"the aliases {aliases}, and any e<E>m<M> with 1 to {MAX_EXP_BITS} exponent and "
+            f"0 to {MAX_MAN_BITS} mantissa bits (e.g. e3m2)"
+        )
+    width, exp_bits, man_bits = (None if g is None else int(g) for g in match.groups())
+    if not 1 <= exp_bits <= MAX_EXP_BITS:
+        raise ValueError(
+            f"number format {name!r} has {exp_bits} exponent bits; a format has 1 to {MAX_EXP_BITS}"
+        )
+    if man_bits > MAX_MAN_BITS:
+        raise ValueError(
+            f"number format {name!r} has {man_bits} mantissa bits; a format has at most "
+            f"{MAX_MAN_BITS}"
+        )
+    if width is not None and width != 1 + exp_bits + man_bits:
+        raise ValueError(
+            f"number format {name!r} says {width} bits, but 1 sign + {exp_bits} exponent + "
+            f"{man_bits} mantissa bits are {1 + exp_bits + man_bits}"
+        )
+    # The largest finite exponent with the default bias; "ieee" formats (E >= 2
+    # and M >= 1) keep the top exponent for inf and NaN. Only e8m0 passes 127.
+    ieee = exp_bits >= 2 and man_bits >= 1
+    emax = 2**exp_bits - 1 - ieee - (2 ** (exp_bits - 1) - 1)
+    if emax > 127:
+        raise ValueError(
+            f"number format {name!r} does not fit inside float32: its largest value would be "
+            f"2**{emax}, and float32's is just under 2**128"
+        )
+    canonical = f"e{exp_bits}m{man_bits}"
+    # e5m10, e8m7 and e8m23 are fp16, bf16 and fp32 (whose specials are IEEE's too).
+    return FORMAT_ALIASES[canonical].value if canonical in FORMAT_ALIASES else canonical
+
+
+def format_bits(name: str) -> tuple[int, int]:
+    """Exponent and mantissa bits of the number format ``name`` (any name :func:`format_name` takes).
+
+    Example:
+        >>> format_bits("bf16"), format_bits("E3M2")
+        ((8, 7), (3, 2))
+    """
+    key = format_name(name)
+    if key in _BUILTIN_BITS:
+        return _BUILTIN_BITS[FormatName(key)]
+    match = _EXMY.fullmatch(key)
+    assert match is not None  # every other canonical name is e<E>m<M>
+    return int(match[2]), int(match[3])

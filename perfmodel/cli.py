@@ -26,11 +26,13 @@ from __future__ import annotations
 
 import argparse
 import json
+import math
+import re
 import sys
 import textwrap
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from dataclasses import replace
-from typing import Any
+from typing import Any, TypeVar
 
 from .api import FormatResult, Prediction, predict, sweep, write_csv
 from .choices import (
@@ -60,6 +62,8 @@ __all__ = ["build_parser", "main"]
 
 _NO_COMPUTE = ComputeTime(0.0, 0.0, 0.0)
 
+T = TypeVar("T")
+
 _WIRE_NOTE = (
     "wire/rank: bytes one rank sends per step for the gradients, inside its node and "
     "across nodes; across/rank: the part that leaves the node"
@@ -73,6 +77,83 @@ _EXPONENT_NOTES = {
     "(--block-exponents agreed)",
 }
 _ALL_REDUCE_ALGORITHMS = ("ring", "halving_doubling", "recursive_doubling", "auto")
+
+
+class _Parser(argparse.ArgumentParser):
+    """An ArgumentParser that reads ``--bandwidth -10Gbit`` as a value, not as an option.
+
+    argparse takes an argument that starts with "-" for an option unless it
+    looks like a plain negative number, and then says only "expected one
+    argument"; this parser has no option that starts with "-" and a digit,
+    so a value that does is handed to the option's type, whose error names it.
+    """
+
+    def __init__(self, *args: Any, **kwargs: Any) -> None:
+        super().__init__(*args, **kwargs)
+        self._negative_number_matcher = re.compile(r"^-\.?\d")
+
+
+def _arg_type(parse: Callable[[str], T], name: str) -> Callable[[str], T]:
+    """An argparse ``type`` from ``parse``: its ValueError becomes argparse's one-line error."""
+
+    def convert(text: str) -> T:
+        try:
+            return parse(text)
+        except ValueError as exc:
+            raise argparse.ArgumentTypeError(str(exc)) from None
+
+    convert.__name__ = name  # argparse names the type in some of its errors
+    return convert
+
+
+def _positive_time(text: str) -> float:
+    """A measured compute time: a duration with a unit, more than zero."""
+    seconds = parse_time(text)
+    if seconds <= 0:
+        raise ValueError(f"time must be positive, got {text!r}")
+    return seconds
+
+
+def _positive_int(text: str) -> int:
+    try:
+        value = int(text)
+    except ValueError:
+        raise ValueError(f"expected a positive integer, got {text!r}") from None
+    if value < 1:
+        raise ValueError(f"must be a positive integer, got {text!r}")
+    return value
+
+
+def _positive_float(text: str) -> float:
+    try:
+        value = float(text)
+    except ValueError:
+        raise ValueError(f"expected a positive number, got {text!r}") from None
+    if not (math.isfinite(value) and value > 0):
+        raise ValueError(f"must be a positive number, got {text!r}")
+    return value
+
+
+def _fraction(text: str) -> float:
+    value = _positive_float(text)
+    if value > 1:
+        raise ValueError(f"must be a fraction in (0, 1], got {text!r}")
+    return value
+
+
+def _listed(parse: Callable[[str], T]) -> Callable[[str], list[T]]:
+    """A comma-separated list of values ``parse`` reads (each error names its item)."""
+    return lambda text: [parse(item) for item in text.split(",")]
+
+
+_BANDWIDTH = _arg_type(parse_bandwidth, "bandwidth")
+_TIME = _arg_type(parse_time, "time")
+_POSITIVE_TIME = _arg_type(_positive_time, "time")
+_SIZE = _arg_type(parse_bytes, "size")
+_COUNT = _arg_type(parse_count, "count")
+_POSITIVE_INT = _arg_type(_positive_int, "positive integer")
+_POSITIVE_FLOAT = _arg_type(_positive_float, "positive number")
+_FRACTION = _arg_type(_fraction, "fraction")
 
 
 def _format_name(name: str) -> str:
@@ -100,18 +181,30 @@ def _block_size(text: str) -> int:
 def _add_model_cluster_args(ap: argparse.ArgumentParser) -> None:
     g = ap.add_argument_group("model")
     g.add_argument("--model", help=f"preset ({', '.join(MODEL_PRESETS)}) or a count like 25.6M")
-    g.add_argument("--params", help="parameter count (e.g. 25.6M), instead of --model")
-    g.add_argument("--bucket-cap-mb", type=float, default=25.0, help="DDP bucket_cap_mb (MiB)")
+    g.add_argument("--params", type=_COUNT, help="parameter count (e.g. 25.6M), instead of --model")
+    g.add_argument(
+        "--bucket-cap-mb", type=_POSITIVE_FLOAT, default=25.0, help="DDP bucket_cap_mb (MiB)"
+    )
 
     g = ap.add_argument_group("cluster")
     g.add_argument("--cluster", type=str.lower, choices=sorted(CLUSTERS), help="cluster preset")
     g.add_argument("--profile", help="calibrated profile JSON (from `aps-perfmodel calibrate`)")
-    g.add_argument("--bandwidth", help="inter-node bandwidth, e.g. 100Gbit, 12.5GB/s")
-    g.add_argument("--latency", help="inter-node latency per message, e.g. 10us")
-    g.add_argument("--intra-bandwidth", help="intra-node bandwidth (with --gpus-per-node > 1)")
-    g.add_argument("--intra-latency", help="intra-node latency")
-    g.add_argument("--nodes", type=int, help="number of nodes")
-    g.add_argument("--gpus-per-node", type=int, help="devices per node")
+    g.add_argument(
+        "--bandwidth", type=_BANDWIDTH, help="inter-node bandwidth, e.g. 100Gbit, 12.5GB/s"
+    )
+    g.add_argument(
+        "--latency",
+        type=_TIME,
+        help="inter-node latency per message, e.g. 10us (default 10us with --bandwidth)",
+    )
+    g.add_argument(
+        "--intra-bandwidth",
+        type=_BANDWIDTH,
+        help="intra-node bandwidth (with --gpus-per-node > 1)",
+    )
+    g.add_argument("--intra-latency", type=_TIME, help="intra-node latency")
+    g.add_argument("--nodes", type=_POSITIVE_INT, help="number of nodes")
+    g.add_argument("--gpus-per-node", type=_POSITIVE_INT, help="devices per node")
     g.add_argument(
         "--device",
         type=str.lower,
@@ -129,13 +222,17 @@ def _add_model_cluster_args(ap: argparse.ArgumentParser) -> None:
     g = ap.add_argument_group(
         "compute (one of: --step-time, --forward-time/--backward-time, FLOPs)"
     )
-    g.add_argument("--step-time", help="measured compute-only step time, split 1:2 fwd:bwd")
-    g.add_argument("--forward-time", help="forward time per step")
-    g.add_argument("--backward-time", help="backward time per step")
-    g.add_argument("--optimizer-time", default="0", help="optimizer time per step")
+    g.add_argument(
+        "--step-time",
+        type=_POSITIVE_TIME,
+        help="measured compute-only step time, split 1:2 fwd:bwd",
+    )
+    g.add_argument("--forward-time", type=_POSITIVE_TIME, help="forward time per step")
+    g.add_argument("--backward-time", type=_POSITIVE_TIME, help="backward time per step")
+    g.add_argument("--optimizer-time", type=_TIME, default="0", help="optimizer time per step")
     g.add_argument(
         "--batch-size",
-        type=int,
+        type=_POSITIVE_INT,
         default=32,
         help="per-rank batch of the FLOP estimate (sequences of the preset's length for "
         "language models)",
@@ -143,7 +240,9 @@ def _add_model_cluster_args(ap: argparse.ArgumentParser) -> None:
     g.add_argument(
         "--compute-dtype", type=str.lower, default="bf16", help="dtype of the FLOP estimate"
     )
-    g.add_argument("--mfu", type=float, default=0.4, help="model FLOPs utilisation of the estimate")
+    g.add_argument(
+        "--mfu", type=_FRACTION, default=0.4, help="model FLOPs utilisation of the estimate"
+    )
     g.add_argument(
         "--optimizer", type=str.lower, default="adam", choices=sorted(OPTIMIZER_BYTES_PER_PARAM)
     )
@@ -210,7 +309,7 @@ def _scaling(args: argparse.Namespace) -> tuple[Scaling, int, BlockExponents]:
 
 def _model(args: argparse.Namespace) -> ModelSpec:
     if args.params:
-        return ModelSpec.from_params(parse_count(args.params))
+        return ModelSpec.from_params(args.params)
     if not args.model:
         raise SystemExit("error: give --model or --params")
     return get_model(args.model)
@@ -233,13 +332,14 @@ def _cluster(args: argparse.Namespace, world_size: int) -> Cluster:
     elif args.cluster:
         cluster = get_cluster(args.cluster, gpus_per_node=args.gpus_per_node)
         cluster = cluster.with_world_size(world_size)
-    elif args.bandwidth:
+    elif args.bandwidth is not None:
         g = args.gpus_per_node or 1
         if world_size % g:
             raise SystemExit(f"error: world size {world_size} is not a multiple of {g}")
         cluster = custom_cluster(
-            parse_bandwidth(args.bandwidth),
-            parse_time(args.latency or "10us"),
+            args.bandwidth,
+            # Zero is a latency (an ideal link): only a missing one takes the default.
+            parse_time("10us") if args.latency is None else args.latency,
             nodes=world_size // g,
             gpus_per_node=g,
             device=args.device or "a100",
@@ -247,10 +347,11 @@ def _cluster(args: argparse.Namespace, world_size: int) -> Cluster:
     else:
         raise SystemExit("error: give --cluster, --profile or --bandwidth")
     cluster = cluster.with_links(
-        bandwidth=parse_bandwidth(args.bandwidth) if args.bandwidth else None,
-        latency=parse_time(args.latency) if args.latency else None,
-        intra_bandwidth=parse_bandwidth(args.intra_bandwidth) if args.intra_bandwidth else None,
-        intra_latency=parse_time(args.intra_latency) if args.intra_latency else None,
+        # The argument types parsed and checked these already.
+        bandwidth=args.bandwidth,
+        latency=args.latency,
+        intra_bandwidth=args.intra_bandwidth,
+        intra_latency=args.intra_latency,
     )
     if args.device and profile is None:
         cluster = replace(cluster, device=get_device(args.device))
@@ -259,13 +360,13 @@ def _cluster(args: argparse.Namespace, world_size: int) -> Cluster:
 
 def _compute(args: argparse.Namespace, model: ModelSpec, cluster: Cluster) -> ComputeTime | None:
     """The compute times given or estimated; None for communication only."""
-    opt = parse_time(args.optimizer_time)
+    opt = args.optimizer_time
     if args.forward_time or args.backward_time:
         if not (args.forward_time and args.backward_time):
             raise SystemExit("error: give both --forward-time and --backward-time")
-        return ComputeTime(parse_time(args.forward_time), parse_time(args.backward_time), opt)
+        return ComputeTime(args.forward_time, args.backward_time, opt)
     if args.step_time:
-        return ComputeTime.from_step_time(parse_time(args.step_time), opt)
+        return ComputeTime.from_step_time(args.step_time, opt)
     if model.forward_flops_per_sample <= 0:
         # A bare parameter count says nothing about compute; the communication
         # can still be predicted, and is what such a question is usually about.
@@ -576,7 +677,7 @@ def _cmd_predict(args: argparse.Namespace) -> int:
 def _cmd_sweep(args: argparse.Namespace) -> int:
     model = _model(args)
     scaling, block_size, exponents = _scaling(args)
-    world_sizes = [int(w) for w in args.world_sizes.split(",")]
+    world_sizes = args.world_sizes
     cluster = _cluster(args, world_sizes[0])
     compute = _compute(args, model, cluster)
     assumptions = _assumptions(args, model, cluster, compute)
@@ -589,11 +690,7 @@ def _cmd_sweep(args: argparse.Namespace) -> int:
         # The CSV has no room for them; the assumptions go to stderr, as the note above.
         print(f"aps-perfmodel: assumed {_assumption_text(assumptions)}", file=sys.stderr)
     print(f"aps-perfmodel: scaling {assumptions['scaling_note']}", file=sys.stderr)
-    bandwidths = (
-        [parse_bandwidth(b) for b in args.bandwidths.split(",")]
-        if args.bandwidths
-        else [cluster.topology.inter.bandwidth]
-    )
+    bandwidths = args.bandwidths or [cluster.topology.inter.bandwidth]
     rows = sweep(
         model,
         cluster,
@@ -701,9 +798,9 @@ def _cmd_calibrate(args: argparse.Namespace) -> int:
     from .calibrate import geometric_sizes
 
     sizes = (
-        [int(parse_bytes(s)) for s in args.sizes.split(",")]
+        [int(size) for size in args.sizes]
         if args.sizes
-        else geometric_sizes(parse_bytes(args.min_size), parse_bytes(args.max_size), args.steps)
+        else geometric_sizes(args.min_size, args.max_size, args.steps)
     )
     return calibrate_command(
         args.out, sizes, args.repeats, args.codec, args.backend, args.timeout, args.verbose
@@ -712,7 +809,7 @@ def _cmd_calibrate(args: argparse.Namespace) -> int:
 
 def build_parser() -> argparse.ArgumentParser:
     """The argument parser (exposed for documentation and tests)."""
-    ap = argparse.ArgumentParser(
+    ap = _Parser(
         prog="aps-perfmodel",
         description="Predict whether low-precision gradient communication pays.",
     )
@@ -720,41 +817,54 @@ def build_parser() -> argparse.ArgumentParser:
 
     p = sub.add_parser("predict", help="predict comm and step time for one configuration")
     _add_model_cluster_args(p)
-    p.add_argument("--world-size", type=int, help="total ranks")
+    p.add_argument("--world-size", type=_POSITIVE_INT, help="total ranks")
     p.add_argument("--json", action="store_true", help="print one JSON object")
     p.add_argument("--plot", metavar="PATH", help="write a speedup-vs-bandwidth PNG")
     p.set_defaults(func=_cmd_predict)
 
     s = sub.add_parser("sweep", help="sweep bandwidths and world sizes to CSV")
     _add_model_cluster_args(s)
-    s.add_argument("--world-sizes", required=True, help="comma-separated, e.g. 8,16,64")
-    s.add_argument("--bandwidths", help="comma-separated inter-node bandwidths, e.g. 1Gbit,10Gbit")
+    s.add_argument(
+        "--world-sizes",
+        type=_listed(_POSITIVE_INT),
+        required=True,
+        help="comma-separated, e.g. 8,16,64",
+    )
+    s.add_argument(
+        "--bandwidths",
+        type=_listed(_BANDWIDTH),
+        help="comma-separated inter-node bandwidths, e.g. 1Gbit,10Gbit",
+    )
     s.add_argument("--out", help="CSV path (default: stdout)")
     s.set_defaults(func=_cmd_sweep, world_size=None)
 
     f = sub.add_parser("fsdp", help="predict FSDP2's reduce-scatter: FP32, BF16 and APS")
     _add_model_cluster_args(f)
-    f.add_argument("--world-size", type=int, help="total ranks")
-    f.add_argument("--units", type=int, default=8, help="fully_shard units (equal sizes)")
+    f.add_argument("--world-size", type=_POSITIVE_INT, help="total ranks")
+    f.add_argument("--units", type=_POSITIVE_INT, default=8, help="fully_shard units (equal sizes)")
     f.add_argument("--backend", type=str.lower, default="nccl", choices=["nccl", "gloo"])
     f.add_argument(
-        "--param-bytes", type=float, default=4.0, help="bytes per parameter all-gathered"
+        "--param-bytes", type=_POSITIVE_FLOAT, default=4.0, help="bytes per parameter all-gathered"
     )
     f.add_argument("--json", action="store_true", help="print one JSON object")
     f.set_defaults(func=_cmd_fsdp)
 
     c = sub.add_parser("calibrate", help="measure this machine group and fit a profile")
     c.add_argument("--out", default="perfmodel_profile.json", help="profile JSON path")
-    c.add_argument("--sizes", help="comma-separated FP32 message sizes, e.g. 1MiB,16MiB")
-    c.add_argument("--min-size", default="64KiB", help="smallest message (FP32 bytes)")
-    c.add_argument("--max-size", default="64MiB", help="largest message (FP32 bytes)")
-    c.add_argument("--steps", type=int, default=8, help="sizes between min and max")
-    c.add_argument("--repeats", type=int, default=5, help="timed repeats per point")
+    c.add_argument(
+        "--sizes",
+        type=_listed(_SIZE),
+        help="comma-separated FP32 message sizes, e.g. 1MiB,16MiB",
+    )
+    c.add_argument("--min-size", type=_SIZE, default="64KiB", help="smallest message (FP32 bytes)")
+    c.add_argument("--max-size", type=_SIZE, default="64MiB", help="largest message (FP32 bytes)")
+    c.add_argument("--steps", type=_POSITIVE_INT, default=8, help="sizes between min and max")
+    c.add_argument("--repeats", type=_POSITIVE_INT, default=5, help="timed repeats per point")
     c.add_argument(
         "--codec", type=str.lower, default="aps", choices=["aps", "torch"], help="codec to time"
     )
     c.add_argument("--backend", default="gloo", help="torch.distributed backend")
-    c.add_argument("--timeout", type=float, default=300.0, help="collective timeout (s)")
+    c.add_argument("--timeout", type=_POSITIVE_FLOAT, default=300.0, help="collective timeout (s)")
     c.add_argument("--verbose", action="store_true", help="print every measurement")
     c.set_defaults(func=_cmd_calibrate)
     return ap

@@ -343,6 +343,8 @@ class Cluster:
 
 
 def _link(gbytes_per_s: float, latency_s: float, device: Device) -> LinkParams:
+    if not gbytes_per_s > 0:  # also NaN: a link time of 1/0 is no prediction
+        raise ValueError(f"bandwidth must be positive, got {gbytes_per_s * 1e9:g} bytes/s")
     # NCCL fuses the add into the copy kernel: about one extra pass of device memory per byte.
     return LinkParams(alpha=latency_s, beta=1.0 / (gbytes_per_s * 1e9), gamma=1.0 / device.mem_bw)
 

@@ -40,13 +40,27 @@ Example:
 from __future__ import annotations
 
 import math
-import re
 from collections.abc import Sequence
 from dataclasses import dataclass, replace
 
-from .choices import DEFAULT_BLOCK_SIZE, BlockExponents, Scaling, check_block_size
+from .choices import (
+    DEFAULT_BLOCK_SIZE,
+    BlockExponents,
+    Scaling,
+    check_block_size,
+    format_bits,
+    format_name,
+)
 
-__all__ = ["FORMATS", "PRICED_SCALINGS", "STRATEGIES", "FormatSpec", "check_scaling", "get_format"]
+__all__ = [
+    "FORMATS",
+    "MAX_PRICED_BITS",
+    "PRICED_SCALINGS",
+    "STRATEGIES",
+    "FormatSpec",
+    "check_scaling",
+    "get_format",
+]
 
 STRATEGIES = ("fp32", "native", "two_phase", "hierarchical", "grid", "auto")
 _STRATEGY_ALIASES = {"allreduce": "native"}
@@ -178,17 +192,8 @@ FORMATS: dict[str, FormatSpec] = {
     # 4-bit formats travel packed, two elements per byte.
     "e2m1": FormatSpec("e2m1", 0.5, "two_phase", True, "uint8"),
 }
-_ALIASES = {
-    "float32": "fp32",
-    "float16": "fp16",
-    "bfloat16": "bf16",
-    "fp8": "e4m3",
-    "fp4": "e2m1",
-    "fp8_e4m3": "e4m3",
-    "fp8_e5m2": "e5m2",
-}
-# Custom sign-exponent-mantissa formats (aps_comm.formats.FloatFormat names).
-_CUSTOM = re.compile(r"e(\d)m(\d+)")
+MAX_PRICED_BITS = 16
+"""Widest custom format the model prices: wider ones save nothing over FP16."""
 
 
 def get_format(
@@ -201,12 +206,15 @@ def get_format(
 ) -> FormatSpec:
     """Look up a format by name, optionally overriding its strategy, APS flag or scaling.
 
-    Any other ``e<E>m<M>`` name is an APS format of ``1 + E + M`` bits
+    Names and aliases are ``aps_comm``'s (:func:`aps_perfmodel.choices.format_name`:
+    ``"fp8"`` is e4m3, ``"fp4"`` e2m1). Any other ``e<E>m<M>`` name of at
+    most :data:`MAX_PRICED_BITS` bits is an APS format of ``1 + E + M`` bits
     (4-bit formats packed two per byte, as ``aps_comm`` sends them).
 
     Raises:
-        ValueError: an unknown format or strategy, a scaling the model does
-            not price, or a block size not in
+        ValueError: an unknown format or strategy, a format that cannot exist
+            or is wider than the model prices, a scaling the model does not
+            price, or a block size not in
             :data:`~aps_perfmodel.choices.BLOCK_SIZES` (the error names it).
 
     Example:
@@ -217,17 +225,16 @@ def get_format(
         >>> get_format("e4m3", scaling="BLOCK", block_size=64).scaling
         <Scaling.BLOCK: 'block'>
     """
-    key = _ALIASES.get(name.lower(), name.lower())
-    custom = _CUSTOM.fullmatch(key)
+    key = format_name(name)
     if key in FORMATS:
         spec = FORMATS[key]
-    elif custom and 1 + int(custom[1]) + int(custom[2]) <= 16:
-        bits = 1 + int(custom[1]) + int(custom[2])
-        spec = FormatSpec(key, 0.5 if bits == 4 else bits / 8, "two_phase", True, "uint8")
     else:
-        raise ValueError(
-            f"unknown format {name!r}; choose from {sorted(FORMATS)} or an e<E>m<M> name"
-        )
+        bits = 1 + sum(format_bits(key))
+        if bits > MAX_PRICED_BITS:
+            raise ValueError(
+                f"the model prices formats of at most {MAX_PRICED_BITS} bits; {name!r} has {bits}"
+            )
+        spec = FormatSpec(key, 0.5 if bits == 4 else bits / 8, "two_phase", True, "uint8")
     if strategy is not None:
         if key == "fp32" and strategy != "fp32":
             raise ValueError(f"fp32 is only reduced by the plain FP32 all-reduce, not {strategy!r}")

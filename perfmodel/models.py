@@ -109,9 +109,7 @@ class ModelSpec:
             >>> ModelSpec.from_params("2.5M").tensors[-1].numel
             402848
         """
-        total = parse_count(count)
-        if total < 1:
-            raise ValueError("parameter count must be positive")
+        total = parse_count(count)  # a ValueError unless positive
         sizes = [_SYNTHETIC_TENSOR] * (total // _SYNTHETIC_TENSOR)
         if total % _SYNTHETIC_TENSOR:
             sizes.append(total % _SYNTHETIC_TENSOR)
@@ -194,7 +192,10 @@ def get_model(name_or_params: str) -> ModelSpec:
         return _load_preset(key)
     try:
         return ModelSpec.from_params(name_or_params)
-    except ValueError:
+    except ValueError as exc:
+        if name_or_params.strip()[:1].isdigit() or name_or_params.strip()[:1] in ("-", "+", "."):
+            # Meant as a count ("-5M", "0"): say what is wrong with it, not "unknown model".
+            raise ValueError(f"model {name_or_params!r}: {exc}") from None
         raise ValueError(
             f"unknown model {name_or_params!r}: use one of {list(MODEL_PRESETS)} "
             "or a parameter count such as 25.6M"

@@ -312,3 +312,36 @@ def test_compile_notice_said_once(
     records = [r for r in caplog.records if r.name == "aps_comm.cpu_kernels"]
     assert len(records) == 1 and "compiling the CPU codec kernels" in records[0].getMessage()
     assert cpu_kernels.COMPILE_NOTICE.said
+
+
+@pytest.mark.parametrize(
+    ("env", "says"),
+    [
+        ({"LOCAL_RANK": "0", "RANK": "2"}, True),  # the second machine's first rank
+        ({"LOCAL_RANK": "1", "RANK": "1"}, False),
+        ({"RANK": "3"}, False),  # launched without LOCAL_RANK
+        ({}, True),  # not a job's rank: a script of its own
+    ],
+)
+def test_compile_notice_once_per_machine_of_a_job(
+    env: dict[str, str],
+    says: bool,
+    caplog: pytest.LogCaptureFixture,
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    monkeypatch.setattr(cpu_kernels.COMPILE_NOTICE, "said", False)
+    for key in ("LOCAL_RANK", "RANK"):
+        monkeypatch.delenv(key, raising=False)
+    for key, value in env.items():
+        monkeypatch.setenv(key, value)
+    ours = next(
+        v for v in vars(cpu_kernels).values() if isinstance(v, numba.core.dispatcher.Dispatcher)
+    )
+    caplog.set_level(logging.INFO, logger="aps_comm.cpu_kernels")
+    for _ in range(2):
+        with nbevent.trigger_event("numba:compile", data={"dispatcher": ours}):
+            pass
+    records = [r for r in caplog.records if r.name == "aps_comm.cpu_kernels"]
+    assert len(records) == int(says), [r.getMessage() for r in records]
+    # The other ranks compiled too: they only keep quiet about it.
+    assert cpu_kernels.COMPILE_NOTICE.said

@@ -255,6 +255,42 @@ def test_get_format_names() -> None:
         get_format("int8")
 
 
+def test_the_api_and_the_model_take_the_same_names() -> None:
+    from aps_comm.config import FORMAT_ALIASES, FORMAT_NAMES
+    from aps_perfmodel.formats import get_format as model_format
+
+    # The enum names every built-in format, once.
+    assert set(FORMAT_NAMES) == set(F.FORMATS)
+    assert get_format("fp8") is E4M3 and get_format("FP4") is F.E2M1
+    names = [*FORMAT_NAMES, *FORMAT_ALIASES, "e3m3", "E6M1", "fp6_e3m2", "e2m0"]
+    for name in names:
+        fmt = get_format(name)
+        # The model names the format as the API does (and prices it by its bits).
+        assert model_format(name).name == fmt.name, name
+        if fmt.name not in ("fp32", "fp16", "bf16"):
+            assert model_format(name).wire_bytes * 8 >= fmt.bits, name
+
+
+@pytest.mark.parametrize(
+    ("name", "limit"),
+    [
+        ("e9m9", "'e9m9' has 9 exponent bits; a format has 1 to 8"),
+        ("e0m3", "'e0m3' has 0 exponent bits; a format has 1 to 8"),
+        ("e4m24", "'e4m24' has 24 mantissa bits; a format has at most 23"),
+        ("e8m0", "'e8m0' does not fit inside float32: its largest value would be 2**128"),
+        ("fp16_e4m3", "'fp16_e4m3' says 16 bits, but 1 sign + 4 exponent + 3 mantissa bits are 8"),
+    ],
+)
+def test_a_format_that_cannot_exist_names_the_limit_it_breaks(name: str, limit: str) -> None:
+    from aps_perfmodel.formats import get_format as model_format
+
+    # The same one line from the API and from the model.
+    for lookup in (get_format, model_format):
+        with pytest.raises(ValueError) as caught:
+            lookup(name)
+        assert limit in str(caught.value) and "unknown" not in str(caught.value)
+
+
 def test_float_format_validation_and_hashing() -> None:
     assert FloatFormat(4, 3, specials="fn") == E4M3
     assert hash(FloatFormat(4, 3, specials="fn", name="x")) == hash(E4M3)

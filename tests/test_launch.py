@@ -301,6 +301,36 @@ def test_cli_rejects_bad_combinations(capsys: pytest.CaptureFixture[str]) -> Non
         cli_main(["--mpi", "--slurm", "t.py"])
 
 
+@pytest.mark.parametrize(
+    ("argv", "message"),
+    [
+        # 0 used to launch the default 2 ranks; -1 was torch.elastic's AssertionError.
+        (["--nproc-per-node", "0"], "argument --nproc-per-node: must be at least 1, got '0'"),
+        (["--nproc-per-node", "-1"], "argument --nproc-per-node: must be at least 1, got '-1'"),
+        (["--nnodes", "0"], "argument --nnodes: expected a node count N or MIN:MAX"),
+        (["--nnodes", "3:2"], "with 1 <= MIN <= MAX, got '3:2'"),
+        (["--node-rank", "-1"], "argument --node-rank: must be at least 0, got '-1'"),
+        (["--max-restarts", "-1"], "argument --max-restarts: must be at least 0, got '-1'"),
+        (["--master-port", "70000"], "argument --master-port: a port is at most 65535"),
+    ],
+)
+def test_cli_refuses_impossible_counts_before_launching(
+    argv: list[str],
+    message: str,
+    capsys: pytest.CaptureFixture[str],
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    import aps_launch.cli
+
+    # Nothing may start: an argument error comes from the parser, before any rank.
+    monkeypatch.setattr(aps_launch.cli, "launch_elastic", lambda argv: pytest.fail(str(argv)))
+    with pytest.raises(SystemExit) as info:
+        cli_main([*argv, "t.py"])
+    err = capsys.readouterr().err
+    assert info.value.code == 2 and message in err, err
+    assert "Traceback" not in err and err.strip().splitlines()[-1].startswith("aps-launch: error:")
+
+
 def test_loopback_rendezvous_gives_every_round_a_fresh_store() -> None:
     # A restarted worker group must not find the dead group's keys (its Gloo
     # addresses) in the store: each round gets its own server and port.

@@ -71,6 +71,9 @@ def test_burst_term_hand_values_and_fit() -> None:
 
 
 def _calibrate_rank(rank: int, world_size: int) -> dict:
+    import contextlib
+    import io
+
     from aps_comm import measure
     from aps_comm.calibrate import run_calibration
 
@@ -82,13 +85,20 @@ def _calibrate_rank(rank: int, world_size: int) -> dict:
         return timed(bench, *args, **kwargs)
 
     measure.HookBench.steps = counted
+    stderr = io.StringIO()
     try:
-        samples, label = run_calibration(
-            [4096, 65536], repeats=1, codec_kind="torch", layers=4, settle_s=0.0
-        )
+        with contextlib.redirect_stderr(stderr):
+            samples, label = run_calibration(
+                [4096, 65536], repeats=1, codec_kind="torch", layers=4, settle_s=0.0, progress=True
+            )
     finally:
         measure.HookBench.steps = timed
-    return {"samples": samples, "label": label, "hook_runs": hook_runs}
+    return {
+        "samples": samples,
+        "label": label,
+        "hook_runs": hook_runs,
+        "stderr": stderr.getvalue(),
+    }
 
 
 def test_calibration_end_to_end_two_ranks(tmp_path, capsys: pytest.CaptureFixture[str]) -> None:
@@ -97,6 +107,9 @@ def test_calibration_end_to_end_two_ranks(tmp_path, capsys: pytest.CaptureFixtur
 
     out = run_distributed(_calibrate_rank, 2, timeout=120)
     assert out[0]["samples"] == out[1]["samples"]  # every rank reports the group's timing
+    # A calibration takes minutes: rank 0 shows its progress through the sizes, once.
+    assert "calibrating" in out[0]["stderr"] and "2/2" in out[0]["stderr"], out[0]["stderr"]
+    assert out[1]["stderr"] == ""
     # The hook calls' repeats come in one share per calibrated size, spread over the sweep.
     assert out[0]["hook_runs"] == ["fp32", "fp16", "e4m3"] * 2
     ops = {s["op"] for s in out[0]["samples"]}

@@ -279,7 +279,13 @@ def test_cli_choices_are_case_insensitive_as_the_api(capsys: pytest.CaptureFixtu
     assert list(fp8["formats"]) == ["fp32", "fp16", "e4m3"]
     with pytest.raises(SystemExit):
         cli_main(["predict", "--model", "resnet50", "--cluster", "100gbe", "--fmt", "e9"])
-    assert "unknown format 'e9'" in capsys.readouterr().err
+    assert "unknown number format 'e9'" in capsys.readouterr().err
+    # An e<E>m<M> name that breaks a limit says which, in one line.
+    with pytest.raises(SystemExit):
+        cli_main(["predict", "--model", "resnet50", "--cluster", "100gbe", "--fmt", "e9m9"])
+    err = capsys.readouterr().err
+    assert "argument --fmt: number format 'e9m9' has 9 exponent bits; a format has 1 to 8" in err
+    assert "Traceback" not in err
 
 
 def test_cli_wire_per_rank_counts_in_node_bytes_and_says_so(
@@ -510,3 +516,79 @@ def test_fsdp_block_scaling_adds_only_the_exponents_all_reduce_and_codec(
     sizes = [-(-t.numel // 4) * 4 for t in get_model("resnet50").tensors]
     assert sum(u.blocks(fmt, 4) for u in units) == sum(4 * -(-(s // 4) // 16) for s in sizes)
     assert rows["fp32"]["exponent_bytes"] == rows["bf16"]["exponent_bytes"] == 0.0
+
+
+_COMM_ONLY = ["predict", "--params", "25.6M", "--nodes", "16"]
+
+
+@pytest.mark.parametrize(
+    ("argv", "message"),
+    [
+        # Each was a traceback (ZeroDivisionError), "cannot parse", or silently a
+        # different quantity (10 bytes/s, 20 s).
+        (["--bandwidth", "0Gbit"], "argument --bandwidth: bandwidth must be positive, got '0Gbit'"),
+        (
+            ["--bandwidth", "-10Gbit"],
+            "argument --bandwidth: bandwidth must be positive, got '-10Gbit'",
+        ),
+        (
+            ["--bandwidth=-10Gbit"],
+            "argument --bandwidth: bandwidth must be positive, got '-10Gbit'",
+        ),
+        (["--bandwidth", "10"], "argument --bandwidth: bandwidth '10' has no unit"),
+        (["--bandwidth", "10Gbit", "--latency", "20"], "argument --latency: time '20' has no unit"),
+        (["--bandwidth", "10Gbit", "--latency", "-20us"], "time must be zero or more, got '-20us'"),
+        (["--bandwidth", "10Gbit", "--params", "-25.6M"], "count must be positive, got '-25.6M'"),
+        (
+            ["--bandwidth", "10Gbit", "--step-time", "0s"],
+            "argument --step-time: time must be positive",
+        ),
+        (
+            ["--bandwidth", "10Gbit", "--world-size", "0"],
+            "argument --world-size: must be a positive",
+        ),
+        (["--bandwidth", "10Gbit", "--mfu", "40"], "argument --mfu: must be a fraction in (0, 1]"),
+        (["--bandwidth", "10Gbit", "--bucket-cap-mb", "-1"], "argument --bucket-cap-mb: must be a"),
+    ],
+)
+def test_cli_quantities_are_positive_with_units_in_one_line(
+    argv: list[str], message: str, capsys: pytest.CaptureFixture[str]
+) -> None:
+    with pytest.raises(SystemExit) as info:
+        cli_main([*_COMM_ONLY, *argv])
+    err = capsys.readouterr().err
+    assert info.value.code == 2 and message in err, err
+    assert "Traceback" not in err and err.strip().splitlines()[-1].startswith("aps-perfmodel")
+
+
+def test_cli_lists_and_calibration_sizes_are_checked_too(
+    capsys: pytest.CaptureFixture[str],
+) -> None:
+    sweep = ["sweep", "--params", "25.6M", "--bandwidth", "1Gbit"]
+    for argv, message in (
+        ([*sweep, "--world-sizes", "8,-1"], "argument --world-sizes: must be a positive integer"),
+        ([*sweep, "--world-sizes", "8", "--bandwidths", "1Gbit,0Gbit"], "got '0Gbit'"),
+        (["calibrate", "--sizes", "1MiB,-4KiB"], "argument --sizes: size must be positive"),
+        (["calibrate", "--repeats", "0"], "argument --repeats: must be a positive integer"),
+    ):
+        with pytest.raises(SystemExit):
+            cli_main(argv)
+        assert message in capsys.readouterr().err, argv
+
+
+def test_cli_zero_latency_is_an_ideal_link_not_the_default(
+    capsys: pytest.CaptureFixture[str],
+) -> None:
+    argv = [*_COMM_ONLY, "--bandwidth", "10Gbit", "--json"]
+    assert cli_main([*argv, "--latency", "0"]) == 0
+    ideal = json.loads(capsys.readouterr().out)["formats"]["fp32"]["comm_s"]
+    assert cli_main(argv) == 0  # the documented default, 10us
+    default = json.loads(capsys.readouterr().out)["formats"]["fp32"]["comm_s"]
+    assert ideal < default
+
+
+def test_a_model_given_as_a_count_says_what_is_wrong_with_it(
+    capsys: pytest.CaptureFixture[str],
+) -> None:
+    assert cli_main(["predict", "--model", "-5M", "--cluster", "100gbe", "--world-size", "8"]) == 2
+    assert "error: model '-5M': count must be positive, got '-5M'" in capsys.readouterr().err

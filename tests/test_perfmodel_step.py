@@ -289,6 +289,26 @@ def test_units() -> None:
     assert parse_bytes("1MiB") == 2**20
     with pytest.raises(ValueError):
         parse_bandwidth("fast")
+    # Strings carry a unit (numbers are bytes/s and seconds); only durations may be 0.
+    assert parse_bandwidth(12.5e9) == 12.5e9 and parse_time("0") == 0.0 and parse_time(0) == 0
+    assert parse_bytes("4096") == 4096.0  # sizes document bytes as the default unit
+    for parse, text, message in (
+        (parse_bandwidth, "10", "bandwidth '10' has no unit"),
+        (parse_bandwidth, "0Gbit", "bandwidth must be positive, got '0Gbit'"),
+        (parse_bandwidth, "-10Gbit", "bandwidth must be positive, got '-10Gbit'"),
+        (parse_bandwidth, "10Qbit", "unknown bandwidth unit 'Qbit' in '10Qbit'"),
+        (parse_bandwidth, "1e999Gbit", "bandwidth '1e999Gbit' is not a finite number"),
+        (parse_time, "20", "time '20' has no unit"),
+        (parse_time, "-20us", "time must be zero or more, got '-20us'"),
+        (parse_count, "-25.6M", "count must be positive, got '-25.6M'"),
+        (parse_count, "0.2", "count must be positive, got '0.2' (rounds to 0)"),
+        (parse_bytes, "0KiB", "size must be positive, got '0KiB'"),
+    ):
+        with pytest.raises(ValueError) as caught:
+            parse(text)
+        assert message in str(caught.value), (text, str(caught.value))
+    with pytest.raises(ValueError, match="bandwidth must be positive"):
+        custom_cluster(0.0, 1e-5, nodes=2)  # no ZeroDivisionError from the API either
 
 
 # --- literature -------------------------------------------------------------------

@@ -124,6 +124,24 @@ def test_policy_needs_the_model_and_valid_rules() -> None:
         APSState("e4m3", policy=["fp32"])  # type: ignore[list-item]
 
 
+@pytest.mark.parametrize(
+    ("policy", "named"),
+    [
+        # A string is iterable: it must not be read as rules "f", "p", "3", "2".
+        ("fp32", "got 'fp32'"),
+        (KeepLast("fp32"), "got the single rule KeepLast(fmt='fp32')"),
+        (["fp32"], "got 'fp32' in policy=['fp32']"),
+        (3, "got 3"),
+    ],
+)
+def test_a_bad_policy_names_the_value_passed_and_a_correct_one(policy: object, named: str) -> None:
+    with pytest.raises(TypeError) as caught:
+        APSState("e4m3", policy=policy)  # type: ignore[arg-type]
+    message = str(caught.value)
+    assert named in message and "\n" not in message, message
+    assert "policy=[KeepLast(" in message, message  # what a correct policy looks like
+
+
 class _Net(nn.Module):
     def __init__(self) -> None:
         super().__init__()

@@ -521,6 +521,20 @@ def _check_accelerate(proc: subprocess.CompletedProcess[str], cwd: Path) -> None
     assert not all(torch.equal(residuals[0][k], residuals[1][k]) for k in residuals[0])
 
 
+def _check_trainer(proc: subprocess.CompletedProcess[str], cwd: Path) -> None:
+    _check_ok(proc, cwd)
+    # Not anchored: the ranks share torchrun's stdout, and their lines may interleave.
+    done = re.findall(
+        r"rank (\d): (\d+) steps, loss ([.\d]+), (\d+) bytes in the last one", proc.stdout
+    )
+    assert sorted(rank for rank, *_ in done) == ["0", "1"], proc.stdout + proc.stderr
+    # Trainer went distributed (use_cpu=True on this CPU machine) and every one of its
+    # steps went through the hook: docs/integrations.md says how many.
+    assert {steps for _, steps, _, _ in done} == {"8"}, done
+    assert "Each rank prints `8 steps`" in (DOCS / "integrations.md").read_text()
+    assert all(int(nbytes) > 0 for *_, nbytes in done), done
+
+
 def _check_ddp_script(proc: subprocess.CompletedProcess[str], cwd: Path) -> None:
     _check_ok(proc, cwd)
     # Not anchored: the ranks share torchrun's stdout, and their lines may interleave.
@@ -605,6 +619,7 @@ RUN: dict[str, _Run] = {
     "ACCELERATE_USE_CPU=1 torchrun --standalone --nproc_per_node 2 train_accelerate.py": _Run(
         _check_accelerate, slow=True
     ),
+    "torchrun --standalone --nproc_per_node 2 train_trainer.py": _Run(_check_trainer, slow=True),
     "torchrun --standalone --nproc_per_node 2 train_tensorboard.py": _Run(
         _check_tensorboard, slow=True
     ),
@@ -688,6 +703,7 @@ def test_saved_scripts_are_found_and_run() -> None:
         "train_lightning.py",
         "train_accelerate.py",
         "train_tensorboard.py",
+        "train_trainer.py",
     } <= saved.keys()
     for name, body in saved.items():
         assert body in [b.body for b in _all_blocks() if b.lang == "python"], name

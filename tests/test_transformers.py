@@ -210,6 +210,47 @@ def test_one_process_is_refused_with_what_to_do(tmp_path: Path) -> None:
         os.environ.update(environ)
 
 
+def test_a_job_trainer_did_not_join_is_named_with_its_cause(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    pytest.importorskip("transformers")
+    from accelerate.state import AcceleratorState
+    from transformers import TrainerControl, TrainerState, TrainingArguments
+
+    from aps_comm import transformers as aps_transformers
+
+    environ = dict(os.environ)
+    try:
+        # What torchrun on a CPU machine gives a script whose TrainingArguments
+        # lack use_cpu=True: a process group of 2, and Trainer alone in it.
+        args = TrainingArguments(output_dir=str(tmp_path), report_to="none")
+        assert args.world_size == 1
+        monkeypatch.setattr(aps_transformers.dist, "is_initialized", lambda: True)
+        monkeypatch.setattr(aps_transformers.dist, "get_world_size", lambda group=None: 2)
+        monkeypatch.setattr(aps_transformers.torch.cuda, "is_available", lambda: False)
+
+        def begin(args: TrainingArguments) -> str:
+            with pytest.raises(ValueError) as caught:
+                aps_transformers.APSCallback().on_train_begin(
+                    args, TrainerState(), TrainerControl(), model=nn.Linear(2, 2)
+                )
+            return str(caught.value)
+
+        message = begin(args)
+        assert "torch.distributed has 2 processes, but Trainer runs this one alone" in message
+        assert "TrainingArguments(..., use_cpu=True)" in message
+        assert "launch one process per device" not in message  # the user did
+        # Where use_cpu is not the cause, the environment Trainer reads the job from is.
+        monkeypatch.setattr(args, "use_cpu", True)
+        monkeypatch.delenv("LOCAL_RANK", raising=False)
+        message = begin(args)
+        assert "use_cpu" not in message and "(LOCAL_RANK unset)" in message
+    finally:
+        AcceleratorState._reset_state(reset_partial_state=True)
+        os.environ.clear()
+        os.environ.update(environ)
+
+
 def test_bad_format_names_the_value() -> None:
     pytest.importorskip("transformers")
     from aps_comm.transformers import APSCallback
