@@ -109,7 +109,8 @@ def test_calibration_end_to_end_two_ranks(tmp_path, capsys: pytest.CaptureFixtur
     assert out[0]["samples"] == out[1]["samples"]  # every rank reports the group's timing
     # A calibration takes minutes: rank 0 shows its progress through the sizes, once.
     assert "calibrating" in out[0]["stderr"] and "2/2" in out[0]["stderr"], out[0]["stderr"]
-    assert out[1]["stderr"] == ""
+    # (Rank 1 may print numba's one-time compile notice where no cache exists yet.)
+    assert "calibrating" not in out[1]["stderr"], out[1]["stderr"]
     # The hook calls' repeats come in one share per calibrated size, spread over the sweep.
     assert out[0]["hook_runs"] == ["fp32", "fp16", "e4m3"] * 2
     ops = {s["op"] for s in out[0]["samples"]}
