@@ -28,7 +28,7 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
-from benchmarks import accuracy, exits, numerics
+from benchmarks import accuracy, exits, gpu, numerics
 from benchmarks import fsdp as fsdp_bench
 from benchmarks.perfmodel_validate import all_runs
 
@@ -957,6 +957,48 @@ def _block(found: _Found) -> list[str]:
     return [*lines, ""]
 
 
+def _hostcost_table(data: dict) -> list[str]:
+    lines = [
+        "| model | route | layers | ops per bucket | host us | in kernels us | collectives us "
+        "| total us |",
+        "|---|---|---|---|---|---|---|---|",
+    ]
+    for r in data["rows"]:
+        lines.append(
+            f"| {r['model']} | {r['route']} | {r['layers']} | {r['ops']} | {r['host_us']:.0f} "
+            f"| {r['kernel_us']:.0f} | {r['wire_us']:.0f} | {r['total_us']:.0f} |"
+        )
+    return lines
+
+
+def _gpu(found: _Found) -> list[str]:
+    """The GPU acceptance run (``benchmarks.gpu``) and the host cost per bucket."""
+    lines = ["## GPU: real-model step, codec and host cost per bucket", ""]
+    runs = found.of("benchmarks.gpu")
+    costs = found.of("benchmarks.hostcost")
+    if not runs and not costs:
+        return [
+            *lines,
+            "Not yet run (`python -m benchmarks.gpu`, `python -m benchmarks.hostcost`).",
+            "",
+        ]
+    for res in runs:
+        lines += [f"Source: {found.link(res.name)}, command {_command(res.data)}.", ""]
+        if res.data.get("note"):
+            lines += [res.data["note"], ""]
+        lines += [*_demote(gpu.render_markdown(res.data)), ""]
+    for res in costs:
+        lines += [
+            f"Host cost per settled bucket on {res.data['device']} (torch {res.data['torch']}): "
+            f"source {found.link(res.name)}, command {_command(res.data)}.",
+            "",
+        ]
+        if res.data.get("note"):
+            lines += [res.data["note"], ""]
+        lines += [*_hostcost_table(res.data), ""]
+    return lines
+
+
 SECTIONS: list[Callable[[_Found], list[str]]] = [
     _accuracy,
     _block,
@@ -970,6 +1012,7 @@ SECTIONS: list[Callable[[_Found], list[str]]] = [
     _perfmodel,
     _fsdp,
     _exits,
+    _gpu,
     _others,
 ]
 
