@@ -16,6 +16,7 @@ once per step when asked for.
 from __future__ import annotations
 
 import itertools
+import weakref
 from collections.abc import Callable, Iterator
 from contextlib import contextmanager
 from typing import Any
@@ -60,6 +61,9 @@ class HostTraffic(TorchDispatchMode):
         super().__init__()
         self.reads: list[str] = []
         self.copies: list[str] = []
+        # ``t[i] = value``: on a GPU the value becomes a host tensor copied into ``t``
+        # (a wait for the stream); on meta it is made on meta, so it is tracked here.
+        self._host_values: weakref.WeakSet[torch.Tensor] = weakref.WeakSet()
 
     def __torch_dispatch__(
         self, func: Any, types: Any, args: tuple = (), kwargs: dict | None = None
@@ -85,8 +89,14 @@ class HostTraffic(TorchDispatchMode):
                 return torch.zeros(args[0].shape, dtype=dtype)
             if src.type == "cpu" and torch.device(dst).type == "meta":
                 self.copies.append(f"{func} of {tuple(args[0].shape)} to the device")
+        if func is aten.scalar_tensor.default:
+            out = func(*args, **kwargs)
+            self._host_values.add(out)
+            return out
         if func is aten.copy_.default:
             dst, src = args[0], args[1]
+            if dst.device.type == "meta" and src in self._host_values:
+                self.copies.append(f"{func} of a host value into the device (t[i] = value)")
             # A 0-d source too: ``t[i] = value`` copies a host scalar and waits for
             # the stream on a GPU (``t[i:i + 1].fill_(value)`` does not).
             if dst.device.type == "meta" and src.device.type == "cpu":
