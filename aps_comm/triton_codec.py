@@ -1062,7 +1062,7 @@ class _Scaling:
 
 
 @functools.lru_cache(maxsize=16)
-def _placeholders(device: torch.device) -> tuple[torch.Tensor, torch.Tensor]:
+def _stand_ins(device: torch.device) -> tuple[torch.Tensor, torch.Tensor]:
     """Typed stand-ins (int64, float32) for pointers a kernel variant never reads.
 
     Each has the type the read would have, so every variant compiles whatever
@@ -1098,11 +1098,11 @@ def _scaling(
     first_block: torch.Tensor | None,
     rule: Rule | None = None,
 ) -> _Scaling:
-    """The kernels' view of a segmentation; typed placeholders fill pointers never read.
+    """The kernels' view of a segmentation; typed stand-ins fill pointers never read.
 
     ``rule``: ``factors`` are the segments' agreed maxima (float32), one per segment.
     """
-    no_int, no_float = _placeholders(device)
+    no_int, no_float = _stand_ins(device)
     if factors is None:
         if offsets is not None or block_size or first_block is not None or rule is not None:
             raise ValueError("offsets, block_size, first_block and maxima need factors")
