@@ -22,9 +22,11 @@ without reading their offsets. Measured on one thread, 64 MiB: e4m3
 encode + decode with blocks of 32 within 10% of per-layer scaling.
 
 Compiling them takes seconds, so they are cached on disk (numba's
-``cache=True``): in the package's ``__pycache__``, or where that is not
-writable (an installed package) in the user's cache directory, or in
-``NUMBA_CACHE_DIR`` when set. The first compile in a process logs one line
+``cache=True``): in ``NUMBA_CACHE_DIR`` when set, else in the user's cache
+directory (``aps_comm/numba`` under ``XDG_CACHE_HOME`` or ``~/.cache``),
+never inside the package: a cache left in an installed package's
+``__pycache__`` outlives ``pip uninstall`` and, as a namespace package,
+hides a later editable install of the checkout. The first compile in a process logs one line
 (logger ``aps_comm.cpu_kernels``); later processes load the cache silently.
 """
 
@@ -227,6 +229,10 @@ def _njit(fn: Callable[..., Any]) -> Any:
     ``__pycache__`` nor a user cache directory can be written; importing the
     package must not fail there, the kernels are then compiled per process.
     """
+    saved = numba.config.CACHE_DIR
+    # numba picks a function's cache location when it is decorated: ours, not the
+    # process's setting for everyone else's functions.
+    numba.config.CACHE_DIR = cache_dir()
     try:
         return numba.njit(nogil=True, cache=True)(fn)
     except RuntimeError as exc:
@@ -234,6 +240,19 @@ def _njit(fn: Callable[..., Any]) -> Any:
             raise
         _log.warning("aps_comm: numba cannot cache the CPU kernels (%s); set NUMBA_CACHE_DIR", exc)
         return numba.njit(nogil=True)(fn)
+    finally:
+        numba.config.CACHE_DIR = saved
+
+
+def cache_dir() -> str:
+    """Where the CPU kernels' numba cache lives (see the module's docstring).
+
+    Example:
+        >>> cache_dir().endswith(os.path.join("aps_comm", "numba")) or "NUMBA_CACHE_DIR" in os.environ
+        True
+    """
+    base = os.environ.get("XDG_CACHE_HOME") or os.path.join(os.path.expanduser("~"), ".cache")
+    return os.environ.get("NUMBA_CACHE_DIR") or os.path.join(base, "aps_comm", "numba")
 
 
 def _first_rank_here() -> bool:
