@@ -2,7 +2,6 @@
 
 from __future__ import annotations
 
-import json
 import os
 import subprocess
 import sys
@@ -40,43 +39,6 @@ def _run(args: list[str], cwd: Path) -> subprocess.CompletedProcess[str]:
         text=True,
         timeout=TIMEOUT,
     )
-
-
-@pytest.mark.slow
-def test_two_ranks_one_epoch_writes_json_and_plot(tmp_path: Path) -> None:
-    pytest.importorskip("sklearn")
-    pytest.importorskip("matplotlib")
-    out, png = tmp_path / "demo.json", tmp_path / "demo.png"
-    # Started in a checkout, the ranks (`python -m`, which puts the working
-    # folder on sys.path) must still import what is installed, not this one.
-    (tmp_path / "aps_comm").mkdir()
-    (tmp_path / "aps_comm" / "__init__.py").write_text(
-        "raise ImportError('the folder\\'s aps_comm')\n"
-    )
-    proc = _run(
-        ["--epochs", "1", "--hooks", "fp32,aps-e4m3", "--json", str(out), "--plot", str(png)],
-        tmp_path,
-    )
-    assert proc.returncode == 0, proc.stdout + proc.stderr
-    assert "the folder's aps_comm" not in proc.stdout + proc.stderr
-
-    runs = json.loads(out.read_text())["runs"]
-    assert [r["name"] for r in runs] == ["fp32", "aps-e4m3"]
-    for r in runs:
-        assert {"name", "test_accuracy", "loss", "bytes_per_step", "seconds"} <= r.keys()
-        assert 0.0 <= r["test_accuracy"] <= 1.0
-        assert 0.0 < r["loss"] < 10.0
-        assert r["seconds"] > 0
-        assert r["bytes_per_step"] > 0
-    fp32, aps = runs
-    # One byte instead of four per element, plus the per-layer maxima and the
-    # two-phase padding: a few dozen bytes on tens of kilobytes.
-    assert 0.25 <= aps["bytes_per_step"] / fp32["bytes_per_step"] <= 0.26
-    # One epoch is still on the initial plateau (the default run uses 20), so
-    # accuracy is only range-checked; both runs started from the same weights.
-    assert fp32["loss_curve"] and len(fp32["loss_curve"]) == len(aps["loss_curve"]) == 1
-    assert png.stat().st_size > 0 and png.read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
-    assert "fp32" in proc.stdout and "aps-e4m3" in proc.stdout and "bytes/step" in proc.stdout
 
 
 def test_unknown_hook_fails_before_launching(tmp_path: Path) -> None:

@@ -163,20 +163,22 @@ def test_bucket_above_2_20_elements_matches_reference() -> None:
 # the hook returns at once
 
 
-def _returns_at_once(rank: int, world_size: int, flag: str) -> list[bool]:
+def _returns_at_once(rank: int, world_size: int, flag: str) -> list[int | bool]:
     torch.manual_seed(0)
     model = Net()
     ddp = DDP(model, bucket_cap_mb=0.004)
     state = APSState("e4m3")
     state.bind_process_group()  # creates the group and agrees on the configuration
-    seen: list[bool] = []
+    calls: list[int | bool] = []
     step_flag = ""
 
     def hook(st, bucket):  # type: ignore[no-untyped-def]  # DDP rejects string annotations
         fut = aps_hook(st, bucket)
-        # Rank 1 has not started this backward yet: a hook that waited for any
-        # of its collectives could not have returned.
-        seen.append(not os.path.exists(step_flag))
+        if rank == 0:
+            calls.append(bucket.index())
+        if bucket.is_last():
+            # DDP calls the hooks one after another: every one of them has returned.
+            Path(step_flag).touch()
         return fut
 
     ddp.register_comm_hook(state, hook)
@@ -185,15 +187,21 @@ def _returns_at_once(rank: int, world_size: int, flag: str) -> list[bool]:
         dist.barrier()
         loss = ddp(torch.randn(8, 16)).pow(2).sum()  # DDP's forward may synchronise
         if rank == 1:
-            time.sleep(1.0)
-            Path(step_flag).touch()
+            # Rank 1 starts its backward only once every hook of rank 0 has
+            # returned: a hook that waited for any of its collectives never
+            # would (no timing involved: the wait ends on the flag, or fails).
+            deadline = time.monotonic() + 60
+            while not os.path.exists(step_flag) and time.monotonic() < deadline:
+                time.sleep(0.01)
+            calls.append(os.path.exists(step_flag))
         loss.backward()
-    return seen
+    return calls
 
 
 def test_hook_returns_before_any_peer_has_started(tmp_path: Path) -> None:
-    seen = run_distributed(_returns_at_once, 2, args=(str(tmp_path / "started"),))
-    assert len(seen[0]) >= 3 and all(seen[0]), seen[0]
+    calls = run_distributed(_returns_at_once, 2, args=(str(tmp_path / "started"),))
+    assert calls[1] == [True, True], calls[1]  # both steps
+    assert len(calls[0]) >= 3, calls[0]  # several buckets
 
 
 # ---------------------------------------------------------------------------

@@ -82,6 +82,8 @@ def test_speedup_never_above_byte_ratio(fmt: str, bound: float) -> None:
                     c = cluster.with_links(bandwidth=bw, latency=lat)
                     r = _ratio(fmt, c, n=10**7)
                     assert r <= bound * (1 + 1e-9)
+                    if bw == 1e8 or lat == 1e-5:
+                        continue  # whole steps (0.1-0.3 s each): the grid's corners and middle
                     pred = predict(model, c, [fmt], ComputeTime.from_step_time(0.5))
                     for res in pred.formats.values():
                         bound = 4.0 / get_format(res.format).wire_bytes

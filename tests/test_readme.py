@@ -383,8 +383,17 @@ def _rows(lines: list[str]) -> dict[str, list[str]]:
     return rows
 
 
+def _poisoned_folder(cwd: Path) -> None:
+    """An ``aps_comm`` in the working folder: the demo's ranks must import the installed one."""
+    (cwd / "aps_comm").mkdir()
+    (cwd / "aps_comm" / "__init__.py").write_text("raise ImportError('the folder\\'s aps_comm')\n")
+
+
 def _check_demo(proc: subprocess.CompletedProcess[str], cwd: Path) -> None:
     _check_ok(proc, cwd)
+    # Started in a folder holding an aps_comm (a checkout), the ranks (`python -m`,
+    # which puts the working folder on sys.path) still imported what is installed.
+    assert "the folder's aps_comm" not in proc.stdout + proc.stderr
     (shown,) = [b.body for b in _all_blocks() if b.body.startswith("2 ranks,")]
     shown_lines = shown.splitlines()
     printed = proc.stdout.splitlines()
@@ -405,6 +414,16 @@ def _check_demo(proc: subprocess.CompletedProcess[str], cwd: Path) -> None:
         assert abs(accuracy[name] - accuracy["fp32"]) <= 4.5, accuracy
     saved = json.loads((cwd / "results.json").read_text())
     assert [r["name"] for r in saved["runs"]] == list(readme)
+    epochs = saved["config"]["epochs"]
+    for r in saved["runs"]:
+        assert {"name", "test_accuracy", "loss", "bytes_per_step", "seconds"} <= r.keys()
+        assert 0.0 < r["loss"] < 10.0 and r["seconds"] > 0, r
+        assert len(r["loss_curve"]) == len(r["test_accuracy_curve"]) == epochs, r
+    by_name = {r["name"]: r for r in saved["runs"]}
+    fp32, aps = by_name["fp32"], by_name["aps-e4m3"]
+    # One byte instead of four per element, plus the per-layer maxima and the
+    # two-phase padding: a few dozen bytes on tens of kilobytes.
+    assert 0.25 <= aps["bytes_per_step"] / fp32["bytes_per_step"] <= 0.26
     assert (cwd / "loss.png").read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
 
 
@@ -597,7 +616,9 @@ class _Run:
 
 RUN: dict[str, _Run] = {
     "torchrun --standalone --nproc-per-node 2 train_ddp.py": _Run(_check_ddp_script, slow=True),
-    "aps-demo --json results.json --plot loss.png": _Run(_check_demo, slow=True, timeout=280),
+    "aps-demo --json results.json --plot loss.png": _Run(
+        _check_demo, _poisoned_folder, slow=True, timeout=280
+    ),
     "aps-launch train.py --epochs 1": _Run(
         _launched(torch.cuda.device_count() or 2), _write_scripts, slow=True
     ),
