@@ -72,7 +72,9 @@ from aps_comm.formats import (
 from aps_comm.hostcopy import to_device
 from aps_comm.scaling import (
     EXPONENT_LIMIT,
+    KEY_BAD,
     blocks_amax,
+    key_factors,
     layer_amax,
     mean_exponents,
 )
@@ -86,6 +88,7 @@ __all__ = [
     "Blocks",
     "Codec",
     "Layout",
+    "RankBlockCalls",
     "backend_for",
     "codec_for",
     "decode",
@@ -485,6 +488,32 @@ _TRITON_FAILED: dict[tuple, str] = {}
 _TRITON_RAN: set[tuple] = set()
 
 
+@functools.lru_cache(maxsize=2)
+def _key_table(unscale: bool) -> np.ndarray:
+    """:func:`aps_comm.scaling.key_factors` of every key, for the CPU kernels' lookups."""
+    keys = torch.arange(256, dtype=torch.int64).to(torch.uint8)
+    return key_factors(keys, unscale=unscale).numpy().copy()
+
+
+def _kernel(name: str, *args: object) -> object:
+    """Call the CPU kernel ``name`` (looked up per call, so tools can count the calls)."""
+    return getattr(cpu_kernels, name)(*args)
+
+
+def _block_keys(
+    fmt: FloatFormat,
+    x: torch.Tensor,
+    offsets: np.ndarray,
+    counts: torch.Tensor,
+    maxima: torch.Tensor,
+    keys: torch.Tensor,
+    flags: torch.Tensor,
+) -> None:
+    cpu_kernels.block_amax(x, offsets, maxima)
+    cpu_kernels.two_phase_keys(maxima, fmt, EXPONENT_LIMIT, keys)
+    cpu_kernels.layer_any(keys, counts, KEY_BAD, flags)
+
+
 def _triton_ran(variant: tuple, launch: Callable[[], None]) -> bool:
     """Launch a Triton kernel variant; False where it cannot compile or launch here.
 
@@ -577,6 +606,27 @@ class AgreedMaxima:
     def rule(self) -> object:
         """The Triton kernels' rule for these maxima (:class:`aps_comm.triton_codec.Rule`)."""
         return _triton().Rule(self.world_size, self.native)
+
+
+@dataclasses.dataclass(frozen=True)
+class RankBlockCalls:
+    """One chunk of two_phase with every rank's own block exponents, bound to its buffers.
+
+    Each is one kernel call (:meth:`Codec.bind_rank_blocks`), whatever the
+    number of ranks, layers or blocks.
+
+    Attributes:
+        send: ``send(log2)`` encodes every shard of the chunk into the exchange
+            with this rank's block keys (``log2``: this rank's preferred chunk,
+            sent with the first chunk).
+        owner: this rank's owner step; returns the ranks' largest preferred
+            chunk (log2) for the first chunk, else 0.
+        decode: every gathered shard decoded into the values with its owner's keys.
+    """
+
+    send: Callable[[int], None]
+    owner: Callable[[], int]
+    decode: Callable[[], None]
 
 
 @dataclasses.dataclass(frozen=True)
@@ -865,6 +915,154 @@ class Codec:
         fallback = functools.partial(self._torch().layer_maxima, x, layout, out)
         bound = functools.partial(_zero_then, out, launch)
         return functools.partial(_run_bound, ("layer_maxima",), bound, fallback)
+
+    def bind_block_keys(
+        self,
+        x: torch.Tensor,
+        layout: Layout,
+        counts: torch.Tensor,
+        maxima: torch.Tensor,
+        keys: torch.Tensor,
+        flags: torch.Tensor,
+        world_size: int,
+    ) -> Callable[[], None] | None:
+        """This rank's two_phase key of every block and non-finite flag of every layer, bound.
+
+        The returned call writes every block's max |x| into ``maxima``, its
+        key (:func:`aps_comm.scaling.exponent_keys`, route two_phase) into
+        ``keys`` and each layer's flag (:func:`aps_comm.scaling.bad_layers`)
+        into ``flags``: three kernel calls, whatever the number of blocks.
+        None off the "kernels" backend, or where ``fmt.max`` times N passes
+        float32's max (the keys' general rule then needs the FP32 sum's bound).
+
+        Args:
+            x: the group's float32 values.
+            layout: its blocks.
+            counts: blocks per layer (int64).
+            maxima: float32 scratch, one per block.
+            keys: uint8, one per block.
+            flags: uint8, one per layer.
+            world_size: N.
+
+        Example:
+            >>> call = codec.bind_block_keys(x, blocks, counts, maxima, keys, flags, 2)  # doctest: +SKIP
+            >>> call()  # doctest: +SKIP
+        """
+        if (
+            self.backend != "kernels"
+            or x.dtype != torch.float32
+            or self.fmt.max * world_size > torch.finfo(torch.float32).max
+        ):
+            return None
+        return functools.partial(
+            _block_keys, self.fmt, x, layout.offsets.numpy(), counts, maxima, keys, flags
+        )
+
+    def bind_rank_blocks(
+        self,
+        x: torch.Tensor,
+        keys: torch.Tensor,
+        flags: torch.Tensor,
+        union: torch.Tensor,
+        *,
+        offsets: np.ndarray,
+        firsts: np.ndarray,
+        layer_of: np.ndarray,
+        shard: np.ndarray,
+        send: torch.Tensor,
+        recv: torch.Tensor,
+        out: torch.Tensor,
+        gathered: torch.Tensor,
+        shard_bytes: int,
+        at: int,
+    ) -> RankBlockCalls | None:
+        """Bind one chunk's three steps of two_phase with every rank's own block exponents.
+
+        The fused form of what :func:`aps_comm.transports.two_phase_rank_blocks`
+        does shard by shard; the same bytes. None where this backend has no
+        fused kernels (only "kernels" has them, for 4- and 8-bit formats).
+
+        Args:
+            x: the group's float32 values (read, then overwritten by the decode).
+            keys: this rank's key of every block of the group (uint8).
+            flags: this rank's non-finite flag of every layer (uint8).
+            union: scratch: every rank's flags OR-ed (written by the first
+                chunk's owner step, read by every decode).
+            offsets: the group's block boundaries (int64, elements).
+            firsts: the chunk's N shards' first blocks, and the end (int64).
+            layer_of: each block's layer (int64).
+            shard: this rank's shard's block boundaries, from 0 (int64).
+            send: the chunk's exchange, N equal pieces.
+            recv: what the exchange brings, N equal pieces.
+            out: this rank's gathered shard (codes, then keys).
+            gathered: the chunk's N gathered shards, N equal rows.
+            shard_bytes: payload bytes every shard is padded to.
+            at: where the layer flags and the chunk's log2 lie in a piece; -1 for none.
+
+        Example:
+            >>> calls = codec.bind_rank_blocks(x, keys, flags, union, ...)  # doctest: +SKIP
+            >>> calls.send(0); calls.owner(); calls.decode()  # doctest: +SKIP
+        """
+        if (
+            self.backend != "kernels"
+            or self.fmt.wire_bits not in (4, 8)
+            or x.dtype != torch.float32
+            or x.device.type != "cpu"
+        ):
+            return None
+        n = firsts.size - 1
+        table = _key_table(unscale=False)
+        untable = _key_table(unscale=True)
+        union_np = union.numpy()
+        longest = int(np.diff(shard).max()) if shard.size > 1 else 0
+        d = np.empty(shard.size - 1, np.int32)
+        return RankBlockCalls(
+            functools.partial(
+                _kernel,
+                "send_rank_blocks",
+                self.fmt,
+                x.numpy(),
+                keys.numpy(),
+                table,
+                offsets,
+                firsts,
+                send.numpy(),
+                send.numel() // n,
+                shard_bytes,
+                flags.numpy(),
+                at,
+            ),
+            functools.partial(
+                _kernel,
+                "owner_rank_blocks",
+                self.fmt,
+                EXPONENT_LIMIT,
+                recv.numpy(),
+                n,
+                shard,
+                untable,
+                out.numpy(),
+                shard_bytes,
+                at,
+                union_np,
+                d,
+                longest,
+            ),
+            functools.partial(
+                _kernel,
+                "decode_rank_blocks",
+                self.fmt,
+                gathered.numpy(),
+                n,
+                offsets,
+                firsts,
+                untable,
+                layer_of,
+                union_np,
+                x.numpy(),
+                shard_bytes,
+            ),
+        )
 
     def _torch(self) -> Codec:
         """This format's codec with torch ops on the same device (a Triton variant's fallback)."""

@@ -64,14 +64,17 @@ __all__ = [
     "CompileNotice",
     "block_amax",
     "decode",
+    "decode_rank_blocks",
     "decoder_params",
     "encode",
     "encoder_params",
     "layer_any",
     "mean_limit",
+    "owner_rank_blocks",
     "reduce_blocks",
     "reduce_rank_blocks",
     "reduce_shards",
+    "send_rank_blocks",
     "supports",
     "two_phase_keys",
 ]
@@ -1237,6 +1240,251 @@ def reduce_rank_blocks(
 
 
 if AVAILABLE:
+    # two_phase with every rank's own block exponents, a chunk at a time: one
+    # call sends all N shards, one makes this rank's owner step, one decodes
+    # all N gathered shards. Each shard's blocks are segments of the group's
+    # block ``offsets`` (``firsts[s]`` to ``firsts[s + 1]``), the factors come
+    # from the one-byte keys through a 256-entry ``table``: no per-shard or
+    # per-block work on the host (see aps_comm.transports.bind_rank_blocks).
+
+    @_njit
+    def _most_blocks(firsts):
+        most = 0
+        for s in range(len(firsts) - 1):
+            most = max(most, firsts[s + 1] - firsts[s])
+        return most
+
+    @_njit
+    def _send_rank_blocks(
+        x, keys, table, offsets, firsts, send, piece, shard_bytes, flags, at, log2, p, bits, no_runs
+    ):
+        most = _most_blocks(firsts)
+        cut = np.empty(most + 1, np.int64)
+        fac = np.empty(most, np.float32)
+        for s in range(len(firsts) - 1):
+            b0, b1 = firsts[s], firsts[s + 1]
+            a, b = offsets[b0], offsets[b1]
+            k = b1 - b0
+            for j in range(k):
+                fac[j] = table[keys[b0 + j]]
+                cut[j] = offsets[b0 + j] - a
+            cut[k] = b - a
+            base = s * piece
+            used = ((b - a) * bits + 7) // 8
+            if b > a:
+                if bits == 4:
+                    _encode4(x[a:b], cut[: k + 1], fac[:k], send[base : base + used], p, 0, no_runs)
+                else:
+                    codes = send[base : base + used]
+                    _encode_codes(x[a:b], cut[: k + 1], fac[:k], codes, p, 0, no_runs)
+            for i in range(base + used, base + piece):  # padding: code 0 is +0
+                send[i] = 0
+            for j in range(k):
+                send[base + shard_bytes + j] = keys[b0 + j]
+            if at >= 0:
+                for i in range(len(flags)):
+                    send[base + at + i] = flags[i]
+                send[base + at + len(flags)] = log2
+
+    @_njit
+    def _owner_rank_blocks(
+        recv,
+        n_ranks,
+        piece,
+        offsets,
+        table,
+        out,
+        shard_bytes,
+        at,
+        union,
+        d,
+        cap,
+        q,
+        m,
+        p,
+        lim,
+        bits,
+    ):
+        k = len(offsets) - 1
+        fac = np.empty((n_ranks, k), np.float32)
+        for r in range(n_ranks):
+            for j in range(k):
+                fac[r, j] = table[recv[r * piece + shard_bytes + j]]
+        log2 = 0
+        if at >= 0:
+            for i in range(len(union)):
+                u = np.uint8(0)
+                for r in range(n_ranks):
+                    u |= recv[r * piece + at + i]
+                union[i] = u
+            for r in range(n_ranks):
+                log2 = max(log2, np.int64(recv[r * piece + at + len(union)]))
+        used = (offsets[k] * bits + 7) // 8
+        if k:
+            if bits == 4:
+                _reduce_rank_blocks4(
+                    recv, n_ranks, piece, out[:used], offsets, fac, d, cap, q, m, p, lim
+                )
+            else:
+                _reduce_rank_blocks(
+                    recv, n_ranks, piece, out[:used], offsets, fac, d, cap, q, m, p, lim
+                )
+        for i in range(used, shard_bytes):
+            out[i] = 0
+        for j in range(k):  # the mean's keys (zero and non-finite blocks: d = 0)
+            out[shard_bytes + j] = 127 - d[j]
+        for i in range(shard_bytes + k, len(out)):
+            out[i] = 0
+        return log2
+
+    @_njit
+    def _decode_rank_blocks(
+        gathered, row, offsets, firsts, table, layer_of, union, x, shard_bytes, q, m, bits, no_runs
+    ):
+        most = _most_blocks(firsts)
+        cut = np.empty(most + 1, np.int64)
+        fac = np.empty(most, np.float32)
+        nan = np.float32(np.nan)
+        for s in range(len(firsts) - 1):
+            b0, b1 = firsts[s], firsts[s + 1]
+            a, b = offsets[b0], offsets[b1]
+            k = b1 - b0
+            if a == b:
+                continue
+            for j in range(k):
+                f = table[gathered[s * row + shard_bytes + j]]
+                fac[j] = nan if union[layer_of[b0 + j]] != 0 else f
+                cut[j] = offsets[b0 + j] - a
+            cut[k] = b - a
+            payload = gathered[s * row : s * row + ((b - a) * bits + 7) // 8]
+            if bits == 4:
+                _decode4(payload, x[a:b], q, m, cut[: k + 1], fac[:k], 0, no_runs)
+            else:
+                _decode_segments(payload, x[a:b], q, m, cut[: k + 1], fac[:k], 0, no_runs)
+
+
+def send_rank_blocks(
+    fmt: FloatFormat,
+    x: np.ndarray,
+    keys: np.ndarray,
+    table: np.ndarray,
+    offsets: np.ndarray,
+    firsts: np.ndarray,
+    send: np.ndarray,
+    piece: int,
+    shard_bytes: int,
+    flags: np.ndarray,
+    at: int,
+    log2: int,
+) -> None:
+    """Encode every shard of a chunk into ``send`` with this rank's own block keys.
+
+    Shard s (blocks ``firsts[s]`` to ``firsts[s + 1]`` of ``offsets``) goes
+    to ``send[s * piece:]``: its codes times ``table[key]`` per block, zero
+    padding to ``shard_bytes``, the blocks' ``keys``, and where ``at >= 0``
+    (the first chunk) the layers' non-finite ``flags`` then ``log2`` (this
+    rank's preferred chunk) at ``at``. 4- and 8-bit formats.
+    """
+    _send_rank_blocks(
+        x,
+        keys,
+        table,
+        offsets,
+        firsts,
+        send,
+        piece,
+        shard_bytes,
+        flags,
+        at,
+        log2,
+        encoder_params(fmt),
+        fmt.wire_bits,
+        _NO_RUNS,
+    )
+
+
+def owner_rank_blocks(
+    fmt: FloatFormat,
+    limit: int,
+    recv: np.ndarray,
+    n_ranks: int,
+    offsets: np.ndarray,
+    table: np.ndarray,
+    out: np.ndarray,
+    shard_bytes: int,
+    at: int,
+    union: np.ndarray,
+    d: np.ndarray,
+    longest: int,
+) -> int:
+    """This rank's owner step of a chunk sent by :func:`send_rank_blocks`; returns the
+    ranks' largest preferred chunk (log2) where ``at >= 0``, else 0.
+
+    ``recv`` holds N equal pieces; ``offsets`` are this rank's shard's blocks
+    (from 0). Each piece's codes are decoded times ``table[key]`` of its
+    sender's keys, summed in rank order and divided by N, and each block of
+    the mean encoded with its own exponent ``d`` into ``out``: codes, zero
+    padding to ``shard_bytes``, then ``127 - d`` per block (a key), zeros.
+    Where ``at >= 0`` every rank's layer flags are OR-ed into ``union``.
+    """
+    q, m = decoder_params(fmt)
+    return _owner_rank_blocks(
+        recv,
+        n_ranks,
+        recv.size // n_ranks,
+        offsets,
+        table,
+        out,
+        shard_bytes,
+        at,
+        union,
+        d,
+        max(_BLOCK, longest),
+        q,
+        m,
+        encoder_params(fmt),
+        mean_limit(fmt, limit),
+        fmt.wire_bits,
+    )
+
+
+def decode_rank_blocks(
+    fmt: FloatFormat,
+    gathered: np.ndarray,
+    n_ranks: int,
+    offsets: np.ndarray,
+    firsts: np.ndarray,
+    table: np.ndarray,
+    layer_of: np.ndarray,
+    union: np.ndarray,
+    x: np.ndarray,
+    shard_bytes: int,
+) -> None:
+    """Decode every owner's gathered shard of a chunk into ``x`` with the keys it sent.
+
+    Row s of ``gathered`` (N equal rows) is shard s's codes, then at
+    ``shard_bytes`` its blocks' keys; a block whose layer (``layer_of``) is
+    flagged in ``union`` decodes to NaN.
+    """
+    q, m = decoder_params(fmt)
+    _decode_rank_blocks(
+        gathered,
+        gathered.size // n_ranks,
+        offsets,
+        firsts,
+        table,
+        layer_of,
+        union,
+        x,
+        shard_bytes,
+        q,
+        m,
+        fmt.wire_bits,
+        _NO_RUNS,
+    )
+
+
+if AVAILABLE:
 
     @_njit
     def _two_phase_keys(ab, out, lim):
@@ -1381,6 +1629,7 @@ def key_factors(keys: np.ndarray, unscale: bool, divisor: int = 1) -> np.ndarray
     return out
 
 
+@functools.lru_cache(maxsize=64)
 def mean_limit(fmt: FloatFormat, limit: int) -> tuple[int, int, int]:
     """The constants of the owner's extra exponents: (exponent, mantissa field) of the
     largest value a block may reach (``fmt.max``, at most float32's) as a float32,

@@ -41,7 +41,7 @@ import torch.distributed as dist
 
 from aps_comm import codec, transports
 from aps_comm.agreement import Layouts
-from aps_comm.codec import AgreedMaxima
+from aps_comm.codec import AgreedMaxima, RankBlockCalls
 from aps_comm.config import DEFAULT_BLOCK_SIZE, BlockExponents, Reduction, Route, Scaling
 from aps_comm.feedback import ErrorFeedback
 from aps_comm.formats import FP32, FloatFormat, pow2
@@ -59,7 +59,7 @@ from aps_comm.scaling import (
 )
 from aps_comm.telemetry import StepStats, layer_counts, per_layer
 
-__all__ = ["ONE_CHUNK", "Comm", "Reducer", "Settings", "Steady", "Traffic"]
+__all__ = ["ONE_CHUNK", "Comm", "Reducer", "Settings", "Steady", "SteadyBlocks", "Traffic"]
 
 ONE_CHUNK = 2**62
 """A chunk larger than any bucket: error feedback's owner step needs the whole shard."""
@@ -192,6 +192,67 @@ class Steady:
         self.calls, self.bound_ptr = calls, x.data_ptr()
 
 
+@dataclasses.dataclass
+class SteadyBlocks:
+    """:class:`Steady` for block scaling with every rank's own block exponents (two_phase).
+
+    Nothing is agreed before the first exchange: per step one bound call
+    writes this rank's key of every block and non-finite flag of every layer
+    (:meth:`aps_comm.codec.Codec.bind_block_keys`), and each chunk is three
+    bound calls (:func:`aps_comm.transports.bind_rank_blocks`) around the
+    exchange and the all-gather: the same collectives and bytes as
+    :meth:`Reducer.bucket`, with no per-layer, per-shard or per-block work
+    on the host.
+
+    Attributes:
+        numel: the bucket's elements.
+        ptr: the bucket buffer's address.
+        plan: the bucket's plan.
+        group: the one group plan (the whole bucket).
+        fmts: each layer's format (to plan another chunk size).
+        measured: chunks sized by this rank's timing, agreed on the first exchange.
+        chunk: elements per chunk of ``group``.
+        maxima: float32 scratch: this rank's max |x| of every block.
+        keys: uint8: this rank's key of every block.
+        flags: uint8: this rank's non-finite flag of every layer.
+        union: uint8: every rank's flags OR-ed (the layers made NaN).
+        keys_call: the keys' calls, bound to the bucket's float32 buffer.
+        calls: each chunk's bound calls.
+        bound_ptr: the address of the buffer they are bound to (0 for none).
+    """
+
+    numel: int
+    ptr: int
+    plan: BucketPlan
+    group: GroupPlan
+    fmts: list[FloatFormat]
+    measured: bool
+    chunk: int
+    maxima: torch.Tensor
+    keys: torch.Tensor
+    flags: torch.Tensor
+    union: torch.Tensor
+    keys_call: Callable[[], None] | None = None
+    calls: list[RankBlockCalls] | None = None
+    bound_ptr: int = 0
+
+    def bind(self, x: torch.Tensor, rank: int, world_size: int) -> bool:
+        """Bind the keys' and every chunk's calls to the float32 buffer ``x``; False where
+        the codec has no fused calls for them."""
+        g = self.group
+        assert g.blocks is not None
+        keys_call = g.codec.bind_block_keys(
+            x, g.layout, g.blocks.counts, self.maxima, self.keys, self.flags, world_size
+        )
+        if keys_call is None:
+            return False
+        calls = transports.bind_rank_blocks(g, x, self.keys, self.flags, self.union, rank)
+        if calls is None:
+            return False
+        self.keys_call, self.calls, self.bound_ptr = keys_call, calls, x.data_ptr()
+        return True
+
+
 class Reducer:
     """One rank's reducer: plans, the per-step path of buckets and units, and their records.
 
@@ -227,7 +288,7 @@ class Reducer:
         self._routes: dict[FloatFormat, Route] = {}
         self._fixed: dict[FloatFormat, Route] = {}
         # Per bucket index: its bound path once settled (:class:`Steady`).
-        self.steady: dict[int, Steady] = {}
+        self.steady: dict[int, Steady | SteadyBlocks] = {}
 
     # -- binding ---------------------------------------------------------------
 
@@ -404,7 +465,49 @@ class Reducer:
         if len(groups) == 1 and not blocked and fmts is not None:
             g = groups[0]
             self._settle(index, x, plan, fmts, g, Route(g.reduction), measured, chunk)
+        elif len(groups) == 1 and rank_exps and fmts is not None:
+            self._settle_blocks(index, x, plan, fmts, groups[0], measured, chunk)
         return tail
+
+    def _settle_blocks(
+        self,
+        index: int,
+        x: torch.Tensor,
+        plan: BucketPlan,
+        fmts: list[FloatFormat],
+        g: GroupPlan,
+        measured: bool,
+        chunk: int,
+    ) -> None:
+        """Bind the bucket's :class:`SteadyBlocks` path where nothing in it changes per step."""
+        assignment = self.assignment
+        sh = g.block_shards
+        if (
+            assignment.rules
+            or assignment.promoter is not None
+            or self.settings.stats
+            or not g.contiguous
+            or Route(g.reduction) != Route.TWO_PHASE
+            or sh is None
+            or not sh.rank_exponents
+        ):
+            return
+        n_blocks, n_layers = g.layout.n_segments, len(g.numels)
+        st = SteadyBlocks(
+            x.numel(),
+            x.data_ptr(),
+            plan,
+            g,
+            list(fmts),
+            measured,
+            chunk,
+            torch.empty(n_blocks, dtype=torch.float32),
+            torch.empty(n_blocks, dtype=torch.uint8),
+            torch.empty(n_layers, dtype=torch.uint8),
+            torch.zeros(n_layers, dtype=torch.uint8),
+        )
+        if st.bind(x, self.comm.rank, self.comm.world_size):
+            self.steady[index] = st
 
     def _settle(
         self,
@@ -445,7 +548,7 @@ class Reducer:
         )
         st.bind(x, self.comm.world_size)
 
-    def steady_for(self, index: int, buffer: torch.Tensor) -> Steady | None:
+    def steady_for(self, index: int, buffer: torch.Tensor) -> Steady | SteadyBlocks | None:
         """The bucket's :class:`Steady` path, if its layout is the one it was bound to."""
         st = self.steady.get(index)
         if st is not None and st.numel == buffer.numel() and st.ptr == buffer.data_ptr():
@@ -453,7 +556,7 @@ class Reducer:
         return None
 
     def run_steady(
-        self, index: int, st: Steady, x: torch.Tensor, defer: bool = False
+        self, index: int, st: Steady | SteadyBlocks, x: torch.Tensor, defer: bool = False
     ) -> Callable[[], None] | None:
         """Average one bucket along its :class:`Steady` path (the same bits as :meth:`bucket`).
 
@@ -462,6 +565,8 @@ class Reducer:
         the MAX all-reduce and the route's collectives; per further chunk three.
         """
         comm = self.comm
+        if isinstance(st, SteadyBlocks):
+            return self._run_steady_blocks(index, st, x, defer)
         if st.route == Route.FP32:
             transports.fp32_mean(x, comm.group, comm.world_size, self.traffic)
             return None
@@ -520,6 +625,55 @@ class Reducer:
             )
         if st.measured:
             st.plan.timed(time.perf_counter() - start)
+        return tail
+
+    def _run_steady_blocks(
+        self, index: int, st: SteadyBlocks, x: torch.Tensor, defer: bool
+    ) -> Callable[[], None] | None:
+        """:meth:`run_steady` with every rank's own block exponents: one call for the keys,
+        three per chunk."""
+        comm, plan, settings = self.comm, st.plan, self.settings
+        if st.bound_ptr != x.data_ptr():  # a bfloat16 bucket's float32 copy: new each step
+            st.bind(x, comm.rank, comm.world_size)
+        assert st.keys_call is not None
+        st.keys_call()
+        offer, on_chunk = 0, None
+        if st.measured:
+            route = Route.TWO_PHASE
+            if not plan.model_chunk:
+                plan.model_chunk = self.planner.chunk(settings.fmt, st.numel, route)
+            chunk = plan.agreed_chunk or plan.model_chunk
+            if chunk != st.chunk:
+                st.group = plan.group(
+                    st.fmts,
+                    self._routes_for(plan, st.fmts),
+                    comm.world_size,
+                    chunk,
+                    comm.node_layouts(),
+                    settings.block_size,
+                    owner_exponents=True,
+                    rank_exponents=True,
+                )[0]
+                st.chunk = chunk
+                st.bind(x, comm.rank, comm.world_size)
+            mine = self.planner.chunk(settings.fmt, st.numel, route, plan.exchange_s or None)
+            offer, on_chunk = int(math.log2(mine)), functools.partial(_agree_chunk, plan)
+        self.bucket_chunks[index] = st.chunk
+        assert st.calls is not None
+        start = time.perf_counter()
+        tail = transports.two_phase_rank_blocks_bound(
+            st.group,
+            st.calls,
+            comm.rank,
+            comm.group,
+            comm.world_size,
+            self.traffic,
+            defer,
+            offer,
+            on_chunk,
+        )
+        if st.measured:
+            plan.timed(time.perf_counter() - start)
         return tail
 
     def _agree_blocks(

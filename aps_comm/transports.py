@@ -35,10 +35,11 @@ import functools
 import itertools
 from collections.abc import Callable, Sequence
 
+import numpy as np
 import torch
 import torch.distributed as dist
 
-from aps_comm.codec import AgreedMaxima
+from aps_comm.codec import AgreedMaxima, RankBlockCalls
 from aps_comm.formats import payload_nbytes, pow2
 from aps_comm.plan import GroupPlan, RowRuns
 from aps_comm.scaling import (
@@ -52,6 +53,7 @@ __all__ = [
     "Counter",
     "all_gather_single",
     "all_reduce_max",
+    "bind_rank_blocks",
     "fp32_mean",
     "fp32_mean_async",
     "hierarchical",
@@ -60,6 +62,7 @@ __all__ = [
     "two_phase",
     "two_phase_blocks",
     "two_phase_rank_blocks",
+    "two_phase_rank_blocks_bound",
 ]
 
 
@@ -431,7 +434,17 @@ def two_phase_blocks(
         e = exponents[b0:b1] + d.to(torch.int32)
         return torch.where(finite[b0:b1], pow2(-e), float("nan"))
 
-    return _block_pipeline(g, x, send, owner, unscale, rank, group, world_size, count, defer)
+    return _block_pipeline(
+        g,
+        _shard_by_shard(g, send),
+        owner,
+        _decode_by_shard(g, x, unscale, n),
+        rank,
+        group,
+        world_size,
+        count,
+        defer,
+    )
 
 
 def two_phase_rank_blocks(
@@ -516,38 +529,139 @@ def two_phase_rank_blocks(
     def unscale(b0: int, b1: int, k: torch.Tensor) -> torch.Tensor:
         return torch.where(bad[0][b0:b1], float("nan"), key_factors(k, unscale=True))
 
-    return _block_pipeline(g, x, send, owner, unscale, rank, group, world_size, count, defer)
+    return _block_pipeline(
+        g,
+        _shard_by_shard(g, send),
+        owner,
+        _decode_by_shard(g, x, unscale, n),
+        rank,
+        group,
+        world_size,
+        count,
+        defer,
+    )
 
 
-def _block_pipeline(
+def two_phase_rank_blocks_bound(
     g: GroupPlan,
-    x: torch.Tensor,
-    send: Callable[[int, int, int, int, torch.Tensor], None],
-    owner: Callable[[int, torch.Tensor, int, int, torch.Tensor], None],
-    unscale: Callable[[int, int, torch.Tensor], torch.Tensor],
+    calls: Sequence[RankBlockCalls],
     rank: int,
     group: dist.ProcessGroup,
     world_size: int,
     count: Counter,
-    defer: bool,
+    defer: bool = False,
+    chunk_log2: int = 0,
+    on_chunk: Callable[[int], None] | None = None,
 ) -> Callable[[], None] | None:
-    """The chunk pipeline of the block-scaled two_phase variants (:func:`two_phase`'s order).
+    """:func:`two_phase_rank_blocks` through calls bound once (:func:`bind_rank_blocks`).
 
-    ``send(c, s, a, b, piece)`` fills shard s (elements ``[a, b)``) of chunk
-    c's exchange; ``owner(p, rows, a, b, out)`` turns the N received pieces
-    into this rank's gathered shard; ``unscale(b0, b1, sent)`` gives the
-    factors of the chunk's blocks ``[b0, b1)`` from the bytes their owners
-    sent (uint8).
+    The same collectives, in the same order, and the same bytes; each chunk
+    is three kernel calls (send, owner, decode), whatever the number of
+    ranks, layers or blocks. The keys and layer flags the calls read are
+    written before (:meth:`aps_comm.codec.Codec.bind_block_keys`).
+    """
+
+    def send(c: int, pieces: torch.Tensor) -> None:
+        calls[c].send(chunk_log2 if c == 0 else 0)
+
+    def owner(p: int, rows: torch.Tensor, a: int, b: int, out: torch.Tensor) -> None:
+        log2 = calls[p].owner()
+        if p == 0 and on_chunk is not None:
+            on_chunk(log2)
+
+    def decode(c: int) -> None:
+        calls[c].decode()
+
+    return _block_pipeline(g, send, owner, decode, rank, group, world_size, count, defer)
+
+
+def bind_rank_blocks(
+    g: GroupPlan,
+    x: torch.Tensor,
+    keys: torch.Tensor,
+    flags: torch.Tensor,
+    union: torch.Tensor,
+    rank: int,
+) -> list[RankBlockCalls] | None:
+    """Every chunk's fused calls of :func:`two_phase_rank_blocks`, bound to ``x`` and scratch.
+
+    Args:
+        g: the group's plan (``g.block_shards`` with ``rank_exponents``).
+        x: the group's float32 values.
+        keys: this rank's key of every block of the group (uint8), written each step.
+        flags: this rank's non-finite flag of every layer (uint8), written each step.
+        union: per layer, scratch for every rank's flags.
+        rank: this rank.
+
+    Returns:
+        One :class:`aps_comm.codec.RankBlockCalls` per chunk, or None where the
+        codec has no fused kernels for them.
     """
     sh = g.block_shards
-    assert sh is not None
-    fmt, k, n = g.fmt, len(g.chunks), world_size
-    exchanges: dict[int, dist.Work] = {}
-    gathers: dict[int, dist.Work] = {}
-    tail: list[tuple[int, dist.Work]] = []
+    assert sh is not None and sh.rank_exponents and g.blocks is not None
+    offsets = g.layout.offsets.numpy().astype(np.int64)
+    counts = g.blocks.counts.numpy()  # the host copy the plan keeps
+    layer_of = np.repeat(np.arange(counts.size, dtype=np.int64), counts)
+    calls = []
+    for c in range(len(g.chunks)):
+        wins = sh.windows[c]
+        # An empty window's ``first`` is 0: count from the first shard with blocks.
+        ends = [next((w.first for w in wins if w.n_segments), 0)]
+        for w in wins:
+            assert not w.n_segments or w.first == ends[-1], "shards of consecutive blocks"
+            ends.append(ends[-1] + w.n_segments)
+        r0, r1 = g.regions[c]
+        s0, s1 = g.shard_regions[c]
+        q0, q1 = sh.gather_regions[c]
+        call = g.codec.bind_rank_blocks(
+            x,
+            keys,
+            flags,
+            union,
+            offsets=offsets,
+            firsts=np.array(ends, dtype=np.int64),
+            layer_of=layer_of,
+            shard=sh.layouts[c][rank].offsets.numpy().astype(np.int64),
+            send=g.send[r0:r1],
+            recv=g.recv[r0:r1],
+            out=g.shards[s0:s1],
+            gathered=sh.gathered[q0:q1],
+            shard_bytes=sh.shard_bytes[c],
+            at=sh.shard_bytes[0] + sh.slots[0] if c == 0 else -1,
+        )
+        if call is None:
+            return None
+        calls.append(call)
+    return calls
 
-    def decode(c: int, work: dist.Work) -> None:
-        _wait(work, f"the all_gather of chunk {c + 1} of {k}")
+
+def _shard_by_shard(
+    g: GroupPlan, send: Callable[[int, int, int, int, torch.Tensor], None]
+) -> Callable[[int, torch.Tensor], None]:
+    """A chunk's exchange filled by ``send(c, s, a, b, piece)`` once per shard s (elements ``[a, b)``)."""
+    sh = g.block_shards
+    assert sh is not None
+
+    def send_chunk(c: int, pieces: torch.Tensor) -> None:
+        for s, (a, b) in enumerate(itertools.pairwise(sh.bounds[c])):
+            send(c, s, a, b, pieces[s])
+
+    return send_chunk
+
+
+def _decode_by_shard(
+    g: GroupPlan,
+    x: torch.Tensor,
+    unscale: Callable[[int, int, torch.Tensor], torch.Tensor],
+    n: int,
+) -> Callable[[int], None]:
+    """A chunk's gathered shards decoded one by one; ``unscale(b0, b1, sent)`` gives the
+    factors of the chunk's blocks ``[b0, b1)`` from the bytes their owners sent (uint8)."""
+    sh = g.block_shards
+    assert sh is not None
+    fmt = g.fmt
+
+    def decode(c: int) -> None:
         q0, q1 = sh.gather_regions[c]
         sb = sh.shard_bytes[c]
         gathered = sh.gathered[q0:q1]
@@ -568,12 +682,42 @@ def _block_pipeline(
                 layout=sh.layouts[c][s],
             )
 
+    return decode
+
+
+def _block_pipeline(
+    g: GroupPlan,
+    send: Callable[[int, torch.Tensor], None],
+    owner: Callable[[int, torch.Tensor, int, int, torch.Tensor], None],
+    decode: Callable[[int], None],
+    rank: int,
+    group: dist.ProcessGroup,
+    world_size: int,
+    count: Counter,
+    defer: bool,
+) -> Callable[[], None] | None:
+    """The chunk pipeline of the block-scaled two_phase variants (:func:`two_phase`'s order).
+
+    ``send(c, pieces)`` fills chunk c's exchange (N pieces); ``owner(p, rows,
+    a, b, out)`` turns the N received pieces into this rank's gathered shard
+    (elements ``[a, b)``); ``decode(c)`` decodes chunk c's gathered shards.
+    """
+    sh = g.block_shards
+    assert sh is not None
+    k, n = len(g.chunks), world_size
+    exchanges: dict[int, dist.Work] = {}
+    gathers: dict[int, dist.Work] = {}
+    tail: list[tuple[int, dist.Work]] = []
+
+    def finish(c: int, work: dist.Work) -> None:
+        _wait(work, f"the all_gather of chunk {c + 1} of {k}")
+        decode(c)
+
     for c in range(k + 2):
         if c < k:
             r0, r1 = g.regions[c]
             pieces = g.send[r0:r1].view(n, sh.pieces[c])
-            for s, (a, b) in enumerate(itertools.pairwise(sh.bounds[c])):
-                send(c, s, a, b, pieces[s])
+            send(c, pieces)
             count("all_to_all", pieces.numel())
             exchanges[c] = dist.all_to_all_single(
                 g.recv[r0:r1], g.send[r0:r1], group=group, async_op=True
@@ -592,8 +736,8 @@ def _block_pipeline(
         if c >= 2:
             tail.append((c - 2, gathers.pop(c - 2)))
             if c < k or not defer:
-                decode(*tail.pop())
-    return _finish(tail, decode, defer)
+                finish(*tail.pop())
+    return _finish(tail, finish, defer)
 
 
 def hierarchical(

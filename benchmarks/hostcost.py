@@ -76,6 +76,9 @@ _CPU_KERNELS = (
     "two_phase_keys",
     "block_amax",
     "layer_any",
+    "send_rank_blocks",
+    "owner_rank_blocks",
+    "decode_rank_blocks",
 )
 _TRITON_KERNELS = (
     "encode",

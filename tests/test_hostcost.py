@@ -14,6 +14,7 @@ import pytest
 import torch
 
 import aps_comm
+from aps_comm.engine import SteadyBlocks
 from benchmarks.hostcost import ROUTES, count_ops, world_of_one
 
 CPU = torch.device("cpu")
@@ -34,7 +35,7 @@ def world() -> None:
         yield
 
 
-@pytest.mark.parametrize("route", ["two_phase", "native"])
+@pytest.mark.parametrize("route", ["two_phase", "native", "block"])
 def test_ops_per_settled_bucket_do_not_grow_with_layers(world: None, route: str) -> None:
     counts = {}
     for layers in (2, 200):
@@ -72,5 +73,28 @@ def test_settled_path_gives_the_full_paths_bits(world: None, route: str, fmt: st
     want = fresh.run_bucket(0, x.clone(), params)  # the full path, never settled
     assert torch.equal(out.isnan(), want.isnan())
     assert out[:5].isnan().all()
+    same = torch.where(out.isnan(), 0.0, out).view(torch.int32)
+    assert torch.equal(same, torch.where(want.isnan(), 0.0, want).view(torch.int32))
+
+
+@pytest.mark.parametrize(("fmt", "block_size"), [("e2m1", 8), ("e2m1", 32), ("e4m3", 16)])
+def test_settled_block_path_gives_the_full_paths_bits(
+    world: None, fmt: str, block_size: int
+) -> None:
+    numels = [5, 0, 1, 700, 33, 2, 64]  # odd sizes: 4-bit codes split bytes between blocks
+    options = {**ROUTES["block"], "fmt": fmt, "block_size": block_size}
+    x, params = _bucket(numels, 11)
+    x[3] = float("nan")  # the first layer is non-finite: NaN everywhere in it
+    settled = aps_comm.APSState(**options)
+    buffer = x.clone()
+    for _ in range(3):
+        buffer.copy_(x)
+        out = settled.run_bucket(0, buffer, params)
+    reducer = settled.reducer
+    assert reducer is not None
+    assert isinstance(reducer.steady_for(0, buffer), SteadyBlocks)
+    fresh = aps_comm.APSState(**options)
+    want = fresh.run_bucket(0, x.clone(), params)  # the full path, never settled
+    assert out[:5].isnan().all() and not out[5:].isnan().any()
     same = torch.where(out.isnan(), 0.0, out).view(torch.int32)
     assert torch.equal(same, torch.where(want.isnan(), 0.0, want).view(torch.int32))
