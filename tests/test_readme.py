@@ -73,6 +73,9 @@ EXEMPT: dict[str, str] = {
         "the test suite itself (it would run this test again); .ci/run runs it, and "
         "test_quick_start_test_command_is_what_ci_runs checks that the line is CI's"
     ),
+    "pytest -n 0 tests/test_hook.py": (
+        "one file of the suite in one process: the suite runs it (this is that suite)"
+    ),
     "aps-demo": (
         "the same run as `aps-demo --json results.json --plot loss.png`, which runs here: "
         "the two flags only add the two files"
