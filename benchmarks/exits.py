@@ -340,7 +340,8 @@ def markdown(result: dict) -> str:
         + ("run one after another" if config.get("one_at_a_time") else "side by side")
         + ", on a machine shared with other work"
         + (f", no round started after {stopped:g} s" if stopped else "")
-        + f". Command: `{config['command']}`.",
+        + f". Command: `{config['command']}`."
+        + (f" {config['note']}" if config.get("note") else ""),
         "",
         "| style | runs | exit 0 | exit 0 with a warning at exit | aborts at exit (SIGABRT) "
         "| other failures |",
