@@ -394,8 +394,10 @@ def _stats_on_one_rank(rank: int, world_size: int, route: str) -> list[list[int]
         torch.manual_seed(0)
         model = Net()
         ddp = DDP(model, bucket_cap_mb=0.004)
-        fmt = "fp16" if route == "allreduce" else "e4m3"
-        register(ddp, fmt=fmt, reduction=route, stats=rank == stats_rank)
+        fmt = {"allreduce": "fp16", "two_phase": "e4m3", "block": "e2m1"}[route]
+        scaling = "block" if route == "block" else "layer"
+        reduction = "two_phase" if route == "block" else route
+        register(ddp, fmt=fmt, reduction=reduction, scaling=scaling, stats=rank == stats_rank)
         run = []
         for step in range(4):  # from the third step on, settled buckets take their bound path
             torch.manual_seed(100 * step + rank)
@@ -406,7 +408,7 @@ def _stats_on_one_rank(rank: int, world_size: int, route: str) -> list[list[int]
     return grads
 
 
-@pytest.mark.parametrize("route", ["two_phase", "allreduce"])
+@pytest.mark.parametrize("route", ["two_phase", "allreduce", "block"])
 def test_ranks_that_record_stats_and_ranks_that_do_not_agree(route: str) -> None:
     # Stats are a rank's own choice (a benchmark records on rank 0 only): a rank that
     # records takes the full path every step, the others settle, and the two paths'
