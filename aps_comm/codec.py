@@ -500,6 +500,12 @@ def _kernel(name: str, *args: object) -> object:
     return getattr(cpu_kernels, name)(*args)
 
 
+def _encode_kernels(pad: np.ndarray, *args: object) -> None:
+    """A bound CPU encode: the padding zeroed (code 0 is +0), then the kernel."""
+    pad.fill(0)
+    _kernel("encode", *args)
+
+
 def _block_keys(
     fmt: FloatFormat,
     x: torch.Tensor,
@@ -844,6 +850,25 @@ class Codec:
         elsewhere the call is :meth:`encode`'s.
         """
         call = functools.partial(self.encode, x, out=out, scale=scale, layout=layout, pad=pad)
+        if self.backend == "kernels" and isinstance(scale, torch.Tensor) and x.is_contiguous():
+            # Factors bound as a view of ``scale``: the caller refills it in place.
+            numel = x.numel()
+            _check_scaled(scale, layout, numel)
+            head = payload_nbytes(numel, self.fmt)
+            if x.dtype != torch.float32 or out.numel() != payload_nbytes(numel + pad, self.fmt):
+                return call
+            factors = _window_scale(scale, layout)
+            assert factors is not None
+            return functools.partial(
+                _encode_kernels,
+                out.numpy()[head:],
+                x,
+                out[:head],
+                self.fmt,
+                _host_offsets(layout, numel),
+                factors.numpy(),
+                *_host_runs(layout),
+            )
         if self.backend != "triton" or not isinstance(scale, AgreedMaxima):
             return call
         _check_scaled(scale.maxima, layout, x.numel())
@@ -873,6 +898,22 @@ class Codec:
         """One :meth:`decode` call into ``out`` checked once; the returned call repeats it."""
         numel = out.numel()
         call = functools.partial(self.decode, payload, numel, out=out, scale=scale, layout=layout)
+        if self.backend == "kernels" and isinstance(scale, torch.Tensor) and out.is_contiguous():
+            _check_scaled(scale, layout, numel)
+            factors = _window_scale(scale, layout)
+            assert factors is not None
+            if payload.numel() < payload_nbytes(numel, self.fmt) or out.dtype != torch.float32:
+                return call
+            return functools.partial(
+                _kernel,
+                "decode",
+                payload,
+                out,
+                self.fmt,
+                _host_offsets(layout, numel),
+                factors.numpy(),
+                *_host_runs(layout),
+            )
         if self.backend != "triton" or not isinstance(scale, AgreedMaxima):
             return call
         _check_scaled(scale.maxima, layout, numel)
@@ -896,6 +937,8 @@ class Codec:
     ) -> Callable[[], object]:
         """One :meth:`owner_reduce` call checked once; the returned call repeats it."""
         call = functools.partial(self.owner_reduce, recv, n_ranks, out=out)
+        if self.backend == "kernels" and out.numel() == self._shard_bytes(recv, n_ranks):
+            return functools.partial(_kernel, "reduce_shards", recv, n_ranks, self.fmt, out)
         if self.backend != "triton":
             return call
         if out.numel() != self._shard_bytes(recv, n_ranks):

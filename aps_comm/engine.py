@@ -168,26 +168,37 @@ class Steady:
     maxima_call: Callable[[], object] | None = None
     calls: list[transports.ChunkCalls] | None = None
     bound_ptr: int = 0
+    host_factors: tuple[torch.Tensor, torch.Tensor] | None = None
 
     def bind(self, x: torch.Tensor, world_size: int) -> None:
-        """Bind the maxima kernel and every chunk's codec work to the float32 buffer ``x``."""
+        """Bind the maxima kernel and every chunk's codec work to the float32 buffer ``x``.
+
+        The CPU kernels take factor arrays: they are bound as ``host_factors``
+        (scale, unscale), which :meth:`Reducer.run_steady` refills in place
+        from the agreed maxima once per bucket.
+        """
         g = self.group
         if g is None:
             return
         native = self.route == Route.ALLREDUCE
+        scale: torch.Tensor | AgreedMaxima = self.agreed
+        unscale: torch.Tensor | AgreedMaxima = self.agreed
+        if g.codec.backend == "kernels":
+            n = len(self.fmts)
+            self.host_factors = scale, unscale = torch.ones(n), torch.ones(n)
         self.maxima_call = g.codec.bind_layer_maxima(x, g.layout, self.agreed.maxima)
         calls = []
         for c, ((lo, hi), (r0, r1)) in enumerate(zip(g.chunks, g.regions, strict=True)):
             window, send = g.windows[c], g.send[r0:r1]
             owner = None
             if native:
-                encode = g.codec.bind_encode(x[lo:hi], send, self.agreed, window)
+                encode = g.codec.bind_encode(x[lo:hi], send, scale, window)
             else:
                 pad = (r1 - r0) * 8 // g.fmt.wire_bits - (hi - lo)
-                encode = g.codec.bind_encode(x[lo:hi], send, self.agreed, window, pad)
+                encode = g.codec.bind_encode(x[lo:hi], send, scale, window, pad)
                 s0, s1 = g.shard_regions[c]
                 owner = g.codec.bind_owner_reduce(g.recv[r0:r1], world_size, g.shards[s0:s1])
-            decode = g.codec.bind_decode(send, x[lo:hi], self.agreed, window)
+            decode = g.codec.bind_decode(send, x[lo:hi], unscale, window)
             calls.append(transports.ChunkCalls(encode, owner, decode))
         self.calls, self.bound_ptr = calls, x.data_ptr()
 
@@ -597,13 +608,17 @@ class Reducer:
                 if bound:
                     st.bind(x, comm.world_size)
         calls = st.calls if bound else None
-        scale = unscale = st.agreed
+        scale: torch.Tensor | AgreedMaxima = st.agreed
+        unscale: torch.Tensor | AgreedMaxima = st.agreed
         if g.codec.backend == "kernels":
-            # The CPU kernels take factor arrays: made once per bucket, not per chunk.
+            # The CPU kernels take factor arrays: made once per bucket, not per chunk,
+            # into the arrays the bound calls read.
             fmt = g.fmt
-            scale = torch.from_numpy(st.agreed.host_factors(fmt, unscale=False))
-            unscale = torch.from_numpy(st.agreed.host_factors(fmt, unscale=True))
-            calls = None
+            if st.host_factors is None:
+                st.host_factors = torch.ones(n), torch.ones(n)
+            scale, unscale = st.host_factors
+            scale.numpy()[:] = st.agreed.host_factors(fmt, unscale=False)
+            unscale.numpy()[:] = st.agreed.host_factors(fmt, unscale=True)
         start = time.perf_counter()
         if native:
             tail = transports.native(
