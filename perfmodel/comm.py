@@ -98,7 +98,8 @@ def bucket_comm(
     whole on a tiny bucket (``hook_call.<fmt>``), the bucket's fixed cost is
     that measured call rather than the sum of the parts' latencies:
     ``overhead_s`` = call - parts(tiny bucket), negative where the parts,
-    each timed alone after idling, pay a wake-up the hook pays once.
+    each timed alone after idling, pay a wake-up the hook pays once; never so
+    negative that the bucket costs less than the call itself.
 
     Args:
         n_elem: gradient elements in the bucket.
@@ -128,4 +129,7 @@ def bucket_comm(
     call, calibrated = timed
     timed_fmt = replace(fmt, scaling=Scaling.LAYER)
     tiny = bucket_breakdown(CALL_ELEMENTS, n_layers, timed_fmt, cluster, calibrated, chunk_elements)
-    return replace(parts, overhead_s=call.launch_s - tiny.total_s)
+    # A bucket never costs less than the measured call: noisy parts (each timed
+    # alone, on a busy machine) may add up to more than a tiny bucket's call.
+    overhead = max(call.launch_s - tiny.total_s, call.launch_s - parts.total_s)
+    return replace(parts, overhead_s=overhead)

@@ -129,6 +129,12 @@ def test_call_overhead_and_shared_cores() -> None:
         )
         cast = replace(other, aps=False)
         assert bucket_comm(n, 16, cast, timed) == bucket_comm(n, 16, cast, base)
+    # A call timed far below its parts (a noisy calibration on a busy machine): a
+    # bucket smaller than the timed one still costs at least the call, never < 0.
+    call = {"hook_call.e4m3": OpCost(launch_s=1e-6, s_per_elem=0.0)}
+    noisy = _fitted_cluster(2, codec=call, exchange=link)
+    assert bucket_comm(64, 16, fmt, noisy).total_s == pytest.approx(1e-6)
+    assert bucket_comm(n, 16, fmt, noisy).total_s > 1e-6
     # The torch hooks' calls too: FP32 all-reduce, 4 ms call against its parts.
     fp32 = get_format("fp32")
     parts = bucket_comm(CALL_ELEMENTS, 16, fp32, base).total_s
