@@ -612,7 +612,7 @@ class Reducer:
         unscale: torch.Tensor | AgreedMaxima = st.agreed
         if g.codec.backend == "kernels":
             # The CPU kernels take factor arrays: made once per bucket, not per chunk,
-            # into the arrays the bound calls read.
+            # into the arrays the bound calls read (CPU tensors: no device read).
             fmt = g.fmt
             if st.host_factors is None:
                 st.host_factors = torch.ones(n), torch.ones(n)
