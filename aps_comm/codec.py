@@ -609,6 +609,23 @@ class AgreedMaxima:
             self.maxima.numpy(), fmt, self.world_size, self.native, EXPONENT_LIMIT, unscale
         )
 
+    def host_factors_into(
+        self, fmt: FloatFormat, scale: np.ndarray, unscale: np.ndarray, keys: np.ndarray
+    ) -> None:
+        """:meth:`host_factors` of both kinds, written into float32 ``scale`` and ``unscale``
+        (int32 ``keys``: scratch) with no allocation: a settled bucket's bound kernels
+        read those arrays."""
+        cpu_kernels.maxima_factors_into(
+            self.maxima.numpy(),
+            fmt,
+            self.world_size,
+            self.native,
+            EXPONENT_LIMIT,
+            scale,
+            unscale,
+            keys,
+        )
+
     def rule(self) -> object:
         """The Triton kernels' rule for these maxima (:class:`aps_comm.triton_codec.Rule`)."""
         return _triton().Rule(self.world_size, self.native)
@@ -628,11 +645,15 @@ class RankBlockCalls:
         owner: this rank's owner step; returns the ranks' largest preferred
             chunk (log2) for the first chunk, else 0.
         decode: every gathered shard decoded into the values with its owner's keys.
+        exchange: the chunk's send and receive regions, this rank's gathered
+            shard and the chunk's gathered shards, as the collectives take
+            them (views made once: slicing costs host time), or None.
     """
 
     send: Callable[[int], None]
     owner: Callable[[], int]
     decode: Callable[[], None]
+    exchange: tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor] | None = None
 
 
 @dataclasses.dataclass(frozen=True)
@@ -952,7 +973,11 @@ class Codec:
     ) -> Callable[[], object]:
         """One :meth:`layer_maxima` call checked once; the returned call repeats it."""
         call = functools.partial(self.layer_maxima, x, layout, out)
-        if self.backend != "triton" or x.dtype != torch.float32:
+        if x.dtype != torch.float32 or out.dtype != torch.float32:
+            return call
+        if self.backend == "kernels" and x.is_contiguous() and out.numel() == layout.n_segments:
+            return functools.partial(_kernel, "block_amax", x, layout.offsets.numpy(), out)
+        if self.backend != "triton":
             return call
         launch = _triton().bind_layer_maxima(x, out, layout.device_offsets)
         fallback = functools.partial(self._torch().layer_maxima, x, layout, out)

@@ -68,7 +68,10 @@ __all__ = [
     "decoder_params",
     "encode",
     "encoder_params",
+    "key_factors",
     "layer_any",
+    "maxima_factors",
+    "maxima_factors_into",
     "mean_limit",
     "owner_rank_blocks",
     "reduce_blocks",
@@ -1597,6 +1600,43 @@ def maxima_factors(
     bits = np.ascontiguousarray(maxima, np.float32).view(np.uint32)
     _maxima_keys(bits, keys, world_size, native, float(fmt.max), limit, encoder_params(fmt), q, m)
     return key_factors(keys, unscale, world_size if native and unscale else 1)
+
+
+def maxima_factors_into(
+    maxima: np.ndarray,
+    fmt: FloatFormat,
+    world_size: int,
+    native: bool,
+    limit: int,
+    scale: np.ndarray,
+    unscale: np.ndarray,
+    keys: np.ndarray,
+) -> None:
+    """:func:`maxima_factors`' scale and unscale both, written into float32 ``scale`` and
+    ``unscale`` through int32 scratch ``keys`` (all as long as ``maxima``): a settled
+    bucket refills the arrays its bound kernels read, with no allocation.
+
+    Example:
+        >>> from aps_comm.formats import E4M3
+        >>> s, u, k = np.empty(2, np.float32), np.empty(2, np.float32), np.empty(2, np.int32)
+        >>> maxima_factors_into(np.array([3.0, 0.0], np.float32), E4M3, 4, False, 126, s, u, k)
+        >>> s, u
+        (array([128.,   1.], dtype=float32), array([0.0078125, 1.       ], dtype=float32))
+    """
+    q, m = decoder_params(fmt)
+    _maxima_keys(
+        maxima.view(np.uint32),
+        keys,
+        world_size,
+        native,
+        float(fmt.max),
+        limit,
+        encoder_params(fmt),
+        q,
+        m,
+    )
+    _key_factors(keys, scale, False, 1)
+    _key_factors(keys, unscale, True, world_size if native else 1)
 
 
 if AVAILABLE:

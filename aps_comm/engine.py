@@ -36,6 +36,7 @@ import time
 from collections.abc import Callable, Sequence
 from typing import Any
 
+import numpy as np
 import torch
 import torch.distributed as dist
 
@@ -153,6 +154,10 @@ class Steady:
         calls: each chunk's codec work, bound to that buffer
             (:class:`aps_comm.transports.ChunkCalls`).
         bound_ptr: the address of the buffer they are bound to (0 for none).
+        host_factors: the CPU kernels' factor arrays (scale, unscale) and their
+            int32 key scratch, refilled in place once per bucket.
+        offer: (the exchange time it was planned for, log2 of this rank's
+            preferred chunk): the model is asked again only when the time moves.
     """
 
     numel: int
@@ -168,7 +173,8 @@ class Steady:
     maxima_call: Callable[[], object] | None = None
     calls: list[transports.ChunkCalls] | None = None
     bound_ptr: int = 0
-    host_factors: tuple[torch.Tensor, torch.Tensor] | None = None
+    host_factors: tuple[np.ndarray, np.ndarray, np.ndarray] | None = None
+    offer: tuple[float | None, float] | None = None
 
     def bind(self, x: torch.Tensor, world_size: int) -> None:
         """Bind the maxima kernel and every chunk's codec work to the float32 buffer ``x``.
@@ -185,7 +191,8 @@ class Steady:
         unscale: torch.Tensor | AgreedMaxima = self.agreed
         if g.codec.backend == "kernels":
             n = len(self.fmts)
-            self.host_factors = scale, unscale = torch.ones(n), torch.ones(n)
+            scale, unscale = torch.ones(n), torch.ones(n)
+            self.host_factors = scale.numpy(), unscale.numpy(), np.empty(n, np.int32)
         self.maxima_call = g.codec.bind_layer_maxima(x, g.layout, self.agreed.maxima)
         calls = []
         for c, ((lo, hi), (r0, r1)) in enumerate(zip(g.chunks, g.regions, strict=True)):
@@ -199,7 +206,12 @@ class Steady:
                 s0, s1 = g.shard_regions[c]
                 owner = g.codec.bind_owner_reduce(g.recv[r0:r1], world_size, g.shards[s0:s1])
             decode = g.codec.bind_decode(send, x[lo:hi], unscale, window)
-            calls.append(transports.ChunkCalls(encode, owner, decode))
+            if native:
+                calls.append(transports.ChunkCalls(encode, owner, decode, send))
+            else:
+                s0, s1 = g.shard_regions[c]
+                recv, shard = g.recv[r0:r1], g.shards[s0:s1]
+                calls.append(transports.ChunkCalls(encode, owner, decode, send, recv, shard))
         self.calls, self.bound_ptr = calls, x.data_ptr()
 
 
@@ -230,6 +242,7 @@ class SteadyBlocks:
         keys_call: the keys' calls, bound to the bucket's float32 buffer.
         calls: each chunk's bound calls.
         bound_ptr: the address of the buffer they are bound to (0 for none).
+        offer: as :class:`Steady`'s (log2 of this rank's preferred chunk).
     """
 
     numel: int
@@ -246,6 +259,7 @@ class SteadyBlocks:
     keys_call: Callable[[], None] | None = None
     calls: list[RankBlockCalls] | None = None
     bound_ptr: int = 0
+    offer: tuple[float | None, int] | None = None
 
     def bind(self, x: torch.Tensor, rank: int, world_size: int) -> bool:
         """Bind the keys' and every chunk's calls to the float32 buffer ``x``; False where
@@ -584,9 +598,12 @@ class Reducer:
         g, native = st.group, st.route == Route.ALLREDUCE
         n = len(st.fmts)
         if st.measured:  # CPU only: the keys' numpy view, no tensor op
-            fmt = self.settings.fmt
-            mine = self.planner.chunk(fmt, st.numel, st.route, st.plan.exchange_s or None)
-            st.maxima.numpy()[n] = math.log2(mine)
+            exchange_s = st.plan.exchange_s or None
+            if st.offer is None or st.offer[0] != exchange_s:
+                fmt = self.settings.fmt
+                mine = self.planner.chunk(fmt, st.numel, st.route, exchange_s)
+                st.offer = exchange_s, math.log2(mine)
+            st.maxima.numpy()[n] = st.offer[1]
         # Bound to the bucket's buffer (a float32 bucket is its own values).
         bound = st.bound_ptr == x.data_ptr() and st.maxima_call is not None
         if bound:
@@ -613,14 +630,19 @@ class Reducer:
         if g.codec.backend == "kernels":
             # The CPU kernels take factor arrays: made once per bucket, not per chunk,
             # into the arrays the bound calls read (CPU tensors: no device read).
-            fmt = g.fmt
             if st.host_factors is None:
-                st.host_factors = torch.ones(n), torch.ones(n)
-            scale, unscale = st.host_factors
-            scale.numpy()[:] = st.agreed.host_factors(fmt, unscale=False)
-            unscale.numpy()[:] = st.agreed.host_factors(fmt, unscale=True)
+                st.host_factors = (
+                    np.ones(n, np.float32),
+                    np.ones(n, np.float32),
+                    np.empty(n, np.int32),
+                )
+            st.agreed.host_factors_into(g.fmt, *st.host_factors)
+            if calls is None:
+                scale, unscale = (torch.from_numpy(f) for f in st.host_factors[:2])
         start = time.perf_counter()
-        if native:
+        if calls is not None and not native:
+            tail = transports.two_phase_bound(calls, comm.group, self.traffic, defer)
+        elif native:
             tail = transports.native(
                 g, x, scale, unscale, comm.group, self.traffic, None, defer, calls
             )
@@ -671,21 +693,16 @@ class Reducer:
                 )[0]
                 st.chunk = chunk
                 st.bind(x, comm.rank, comm.world_size)
-            mine = self.planner.chunk(settings.fmt, st.numel, route, plan.exchange_s or None)
-            offer, on_chunk = int(math.log2(mine)), functools.partial(_agree_chunk, plan)
+            exchange_s = plan.exchange_s or None
+            if st.offer is None or st.offer[0] != exchange_s:
+                mine = self.planner.chunk(settings.fmt, st.numel, route, exchange_s)
+                st.offer = exchange_s, int(math.log2(mine))
+            offer, on_chunk = st.offer[1], functools.partial(_agree_chunk, plan)
         self.bucket_chunks[index] = st.chunk
         assert st.calls is not None
         start = time.perf_counter()
         tail = transports.two_phase_rank_blocks_bound(
-            st.group,
-            st.calls,
-            comm.rank,
-            comm.group,
-            comm.world_size,
-            self.traffic,
-            defer,
-            offer,
-            on_chunk,
+            st.calls, comm.group, self.traffic, defer, offer, on_chunk
         )
         if st.measured:
             plan.timed(time.perf_counter() - start)

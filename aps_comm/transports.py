@@ -61,6 +61,7 @@ __all__ = [
     "reduce_scatter",
     "two_phase",
     "two_phase_blocks",
+    "two_phase_bound",
     "two_phase_rank_blocks",
     "two_phase_rank_blocks_bound",
 ]
@@ -75,11 +76,17 @@ class ChunkCalls:
         encode: encodes the chunk into its send region (two_phase: with its padding).
         owner: two_phase: the owner's step into the chunk's shard (None for native sums).
         decode: decodes the chunk's result into the bucket.
+        send: the chunk's send region (views made once: slicing costs host time).
+        recv: two_phase: the chunk's receive region.
+        shard: two_phase: this rank's shard of the chunk.
     """
 
     encode: Callable[[], object]
     owner: Callable[[], object] | None
     decode: Callable[[], object]
+    send: torch.Tensor
+    recv: torch.Tensor | None = None
+    shard: torch.Tensor | None = None
 
 
 Counter = Callable[[str, int], None]
@@ -243,10 +250,11 @@ def native(
     dtype = g.fmt.torch_dtype
     pending: list[tuple[int, dist.Work]] = []
     for c, ((lo, hi), (r0, r1)) in enumerate(zip(g.chunks, g.regions, strict=True)):
-        payload = g.send[r0:r1]
         if calls is not None:
+            payload = calls[c].send
             calls[c].encode()
         else:
+            payload = g.send[r0:r1]
             g.codec.encode(x[lo:hi], out=payload, scale=scale, layout=g.windows[c])
         if after_encode is not None:
             after_encode(c, payload)
@@ -372,6 +380,83 @@ def two_phase(
             if c < k or not defer:
                 _decode(g, x, unscale, *tail.pop(), calls)
     return _finish(tail, functools.partial(_decode, g, x, unscale, calls=calls), defer)
+
+
+def two_phase_bound(
+    calls: Sequence[ChunkCalls],
+    group: dist.ProcessGroup,
+    count: Counter,
+    defer: bool = False,
+) -> Callable[[], None] | None:
+    """:func:`two_phase` of a settled bucket: every chunk's codec work and buffers bound.
+
+    The same collectives, in the same order, and the same bytes; per chunk
+    three bound calls and no slicing, lookups or checks on the host.
+
+    Args:
+        calls: each chunk's bound work, with its ``send``, ``recv`` and
+            ``shard`` views (:meth:`aps_comm.engine.Steady.bind`).
+        group: the process group.
+        count: byte counter.
+        defer: as :func:`two_phase`'s.
+
+    Returns:
+        With ``defer``, the function that finishes the bucket; else None.
+    """
+
+    def send(c: int) -> tuple[torch.Tensor, torch.Tensor]:
+        cc = calls[c]
+        cc.encode()
+        return cc.send, cc.recv  # type: ignore[return-value]  # two_phase: bound with recv
+
+    def owner(p: int) -> tuple[torch.Tensor, torch.Tensor]:
+        cc = calls[p]
+        cc.owner()  # type: ignore[misc]
+        # The chunk's send region is free once its all-to-all is done.
+        return cc.shard, cc.send  # type: ignore[return-value]
+
+    def decode(c: int) -> None:
+        calls[c].decode()
+
+    return _bound_pipeline(len(calls), send, owner, decode, group, count, defer)
+
+
+def _bound_pipeline(
+    k: int,
+    send: Callable[[int], tuple[torch.Tensor, torch.Tensor]],
+    owner: Callable[[int], tuple[torch.Tensor, torch.Tensor]],
+    decode: Callable[[int], None],
+    group: dist.ProcessGroup,
+    count: Counter,
+    defer: bool,
+) -> Callable[[], None] | None:
+    """:func:`two_phase`'s chunk order over bound steps: ``send(c)`` fills chunk c's
+    exchange and gives (send, recv); ``owner(p)`` makes this rank's shard and gives
+    (shard, gathered); ``decode(c)`` decodes chunk c's gathered shards."""
+    exchanges: list[dist.Work | None] = [None] * k
+    gathers: list[dist.Work | None] = [None] * k
+    tail: list[tuple[int, dist.Work]] = []
+
+    def finish(c: int, work: dist.Work) -> None:
+        _wait(work, f"the all_gather of chunk {c + 1} of {k}")
+        decode(c)
+
+    for c in range(k + 2):
+        if c < k:
+            out, into = send(c)
+            count("all_to_all", out.numel())
+            exchanges[c] = dist.all_to_all_single(into, out, group=group, async_op=True)
+        if 1 <= c <= k:
+            p = c - 1
+            _wait(exchanges[p], f"the all_to_all of chunk {c} of {k}")  # type: ignore[arg-type]
+            shard, gathered = owner(p)
+            count("all_gather", shard.numel())
+            gathers[p] = all_gather_single(gathered, shard, group=group, async_op=True)
+        if c >= 2:
+            tail.append((c - 2, gathers[c - 2]))  # type: ignore[arg-type]
+            if c < k or not defer:
+                finish(*tail.pop())
+    return _finish(tail, finish, defer)
 
 
 def two_phase_blocks(
@@ -543,11 +628,8 @@ def two_phase_rank_blocks(
 
 
 def two_phase_rank_blocks_bound(
-    g: GroupPlan,
     calls: Sequence[RankBlockCalls],
-    rank: int,
     group: dist.ProcessGroup,
-    world_size: int,
     count: Counter,
     defer: bool = False,
     chunk_log2: int = 0,
@@ -558,21 +640,35 @@ def two_phase_rank_blocks_bound(
     The same collectives, in the same order, and the same bytes; each chunk
     is three kernel calls (send, owner, decode), whatever the number of
     ranks, layers or blocks. The keys and layer flags the calls read are
-    written before (:meth:`aps_comm.codec.Codec.bind_block_keys`).
+    written before (:meth:`aps_comm.codec.Codec.bind_block_keys`). The
+    calls' ``exchange`` views (:func:`bind_rank_blocks`) spare the host
+    any slicing.
+
+    Args:
+        calls: each chunk's bound calls.
+        group: the process group.
+        count: byte counter.
+        defer: as :func:`two_phase`'s.
+        chunk_log2: this rank's preferred chunk, sent with the first chunk.
+        on_chunk: called with the ranks' largest preferred chunk (log2).
     """
 
-    def send(c: int, pieces: torch.Tensor) -> None:
-        calls[c].send(chunk_log2 if c == 0 else 0)
+    def send(c: int) -> tuple[torch.Tensor, torch.Tensor]:
+        cc = calls[c]
+        cc.send(chunk_log2 if c == 0 else 0)
+        return cc.exchange[0], cc.exchange[1]  # type: ignore[index]
 
-    def owner(p: int, rows: torch.Tensor, a: int, b: int, out: torch.Tensor) -> None:
-        log2 = calls[p].owner()
+    def owner(p: int) -> tuple[torch.Tensor, torch.Tensor]:
+        cc = calls[p]
+        log2 = cc.owner()
         if p == 0 and on_chunk is not None:
             on_chunk(log2)
+        return cc.exchange[2], cc.exchange[3]  # type: ignore[index]
 
     def decode(c: int) -> None:
         calls[c].decode()
 
-    return _block_pipeline(g, send, owner, decode, rank, group, world_size, count, defer)
+    return _bound_pipeline(len(calls), send, owner, decode, group, count, defer)
 
 
 def bind_rank_blocks(
@@ -631,7 +727,8 @@ def bind_rank_blocks(
         )
         if call is None:
             return None
-        calls.append(call)
+        exchange = g.send[r0:r1], g.recv[r0:r1], g.shards[s0:s1], sh.gathered[q0:q1]
+        calls.append(dataclasses.replace(call, exchange=exchange))
     return calls
 
 
