@@ -438,15 +438,50 @@ if AVAILABLE:
         return c
 
     @triton.jit
-    def _store_codes(dst_ptr, pid, c0, c1, m0, WIRE: tl.constexpr, BLOCK: tl.constexpr):
+    def _load_codes(src_ptr, first, WIRE: tl.constexpr, BLOCK: tl.constexpr):
+        """uint32 codes of the ``BLOCK`` elements from ``first`` (a full program): the
+        payload's bytes read contiguously (vectorised), the codes split in registers."""
+        if WIRE == 4:
+            b = tl.load(src_ptr + (first >> 1) + tl.arange(0, BLOCK // 2)).to(tl.uint32)
+            c = tl.reshape(tl.join(b & 0xF, b >> 4), [BLOCK])
+        elif WIRE == 8:
+            c = tl.load(src_ptr + first + tl.arange(0, BLOCK)).to(tl.uint32)
+        else:
+            b = tl.load(src_ptr + 2 * first + tl.arange(0, 2 * BLOCK)).to(tl.uint32)
+            lo, hi = tl.split(tl.reshape(b, [BLOCK, 2]))
+            c = lo | (hi << 8)
+        return c
+
+    @triton.jit
+    def _store_codes(
+        dst_ptr,
+        pid,
+        c0,
+        c1,
+        m0,
+        WIRE: tl.constexpr,
+        BLOCK: tl.constexpr,
+        FULL: tl.constexpr = False,
+    ):
         """Store a chunk's codes: for 4 bits ``c0``/``c1`` are the even/odd elements
-        (one byte each pair), else ``c0`` are all of them."""
+        (one byte each pair), else ``c0`` are all of them. ``FULL``: every element is
+        stored (``m0`` ignored), the bytes contiguously (vectorised)."""
         if WIRE == 4:
             j = tl.arange(0, BLOCK // 2)
-            tl.store(dst_ptr + pid * (BLOCK // 2) + j, (c0 | (c1 << 4)).to(tl.uint8), mask=m0)
+            byte = (c0 | (c1 << 4)).to(tl.uint8)
+            if FULL:
+                tl.store(dst_ptr + pid * (BLOCK // 2) + j, byte)
+            else:
+                tl.store(dst_ptr + pid * (BLOCK // 2) + j, byte, mask=m0)
         elif WIRE == 8:
             i = pid * BLOCK + tl.arange(0, BLOCK)
-            tl.store(dst_ptr + i, c0.to(tl.uint8), mask=m0)
+            if FULL:
+                tl.store(dst_ptr + i, c0.to(tl.uint8))
+            else:
+                tl.store(dst_ptr + i, c0.to(tl.uint8), mask=m0)
+        elif FULL:
+            b = tl.reshape(tl.join(c0 & 0xFF, c0 >> 8), [2 * BLOCK]).to(tl.uint8)
+            tl.store(dst_ptr + 2 * pid * BLOCK + tl.arange(0, 2 * BLOCK), b)
         else:
             i = pid * BLOCK + tl.arange(0, BLOCK)
             tl.store(dst_ptr + 2 * i, (c0 & 0xFF).to(tl.uint8), mask=m0)
@@ -519,67 +554,116 @@ if AVAILABLE:
         last = tl.maximum(tl.minimum(first + BLOCK, numel) - 1, 0)
         lo, hi, step = _chunk_segments(off_ptr, tl.minimum(first, last), last, top, n_last)
         if WIRE == 4:
-            i0 = first + 2 * tl.arange(0, BLOCK // 2)
-            m0 = i0 < numel
-            c0 = _scaled_codes(
-                x_ptr,
-                i0,
-                m0,
-                scale_ptr,
-                off_ptr,
-                first_ptr,
-                lo,
-                hi,
-                step,
-                n_ranks,
-                E,
-                SCALED,
-                SHIFT,
-                AMAX,
-                D,
-                K,
-            )
-            m1 = i0 + 1 < numel
-            c1 = _scaled_codes(
-                x_ptr,
-                i0 + 1,
-                m1,
-                scale_ptr,
-                off_ptr,
-                first_ptr,
-                lo,
-                hi,
-                step,
-                n_ranks,
-                E,
-                SCALED,
-                SHIFT,
-                AMAX,
-                D,
-                K,
-            )
+            if first + BLOCK <= numel:
+                # A full program: contiguous (vectorised) loads, the codes paired in registers.
+                i = first + tl.arange(0, BLOCK)
+                every = tl.full([BLOCK], 1, tl.int1)
+                c = _scaled_codes(
+                    x_ptr,
+                    i,
+                    every,
+                    scale_ptr,
+                    off_ptr,
+                    first_ptr,
+                    lo,
+                    hi,
+                    step,
+                    n_ranks,
+                    E,
+                    SCALED,
+                    SHIFT,
+                    AMAX,
+                    D,
+                    K,
+                )
+                c0, c1 = tl.split(tl.reshape(c, [BLOCK // 2, 2]))
+                _store_codes(out_ptr, pid, c0, c1, c0, WIRE, BLOCK, True)
+            else:
+                i0 = first + 2 * tl.arange(0, BLOCK // 2)
+                m0 = i0 < numel
+                c0 = _scaled_codes(
+                    x_ptr,
+                    i0,
+                    m0,
+                    scale_ptr,
+                    off_ptr,
+                    first_ptr,
+                    lo,
+                    hi,
+                    step,
+                    n_ranks,
+                    E,
+                    SCALED,
+                    SHIFT,
+                    AMAX,
+                    D,
+                    K,
+                )
+                m1 = i0 + 1 < numel
+                c1 = _scaled_codes(
+                    x_ptr,
+                    i0 + 1,
+                    m1,
+                    scale_ptr,
+                    off_ptr,
+                    first_ptr,
+                    lo,
+                    hi,
+                    step,
+                    n_ranks,
+                    E,
+                    SCALED,
+                    SHIFT,
+                    AMAX,
+                    D,
+                    K,
+                )
+                _store_codes(out_ptr, pid, c0, c1, i0 < total, WIRE, BLOCK)
         else:
             i0 = first + tl.arange(0, BLOCK)
-            c0 = _scaled_codes(
-                x_ptr,
-                i0,
-                i0 < numel,
-                scale_ptr,
-                off_ptr,
-                first_ptr,
-                lo,
-                hi,
-                step,
-                n_ranks,
-                E,
-                SCALED,
-                SHIFT,
-                AMAX,
-                D,
-                K,
-            )
-            c1 = c0
-        _store_codes(out_ptr, pid, c0, c1, i0 < total, WIRE, BLOCK)
+            # A full program's mask is a constant: its loads and stores vectorise (a mask
+            # computed from an unspecialised numel would split them into scalar ones).
+            if first + BLOCK <= numel:
+                every = tl.full([BLOCK], 1, tl.int1)
+                c0 = _scaled_codes(
+                    x_ptr,
+                    i0,
+                    every,
+                    scale_ptr,
+                    off_ptr,
+                    first_ptr,
+                    lo,
+                    hi,
+                    step,
+                    n_ranks,
+                    E,
+                    SCALED,
+                    SHIFT,
+                    AMAX,
+                    D,
+                    K,
+                )
+                _store_codes(out_ptr, pid, c0, c0, every, WIRE, BLOCK, True)
+            else:
+                c0 = _scaled_codes(
+                    x_ptr,
+                    i0,
+                    i0 < numel,
+                    scale_ptr,
+                    off_ptr,
+                    first_ptr,
+                    lo,
+                    hi,
+                    step,
+                    n_ranks,
+                    E,
+                    SCALED,
+                    SHIFT,
+                    AMAX,
+                    D,
+                    K,
+                )
+                _store_codes(out_ptr, pid, c0, c0, i0 < total, WIRE, BLOCK)
 
     @triton.jit(do_not_specialize=["numel", "top", "n_last", "divisor", "n_ranks"])
     def _decode_kernel(
@@ -606,8 +690,91 @@ if AVAILABLE:
         pid = tl.program_id(0).to(tl.int64)
         first = pid * BLOCK
         i = first + tl.arange(0, BLOCK)
-        mask = i < numel
-        v = _value(_load_code(src_ptr, i, mask, WIRE), D)
+        # A full program's mask is a constant: its loads and stores vectorise.
+        if first + BLOCK <= numel:
+            _decode_program(
+                src_ptr,
+                out_ptr,
+                off_ptr,
+                scale_ptr,
+                first_ptr,
+                first,
+                i,
+                tl.full([BLOCK], 1, tl.int1),
+                numel,
+                top,
+                n_last,
+                divisor,
+                n_ranks,
+                D,
+                E,
+                K,
+                WIRE,
+                SCALED,
+                SHIFT,
+                AMAX,
+                DIVIDE,
+                BLOCK,
+                True,
+            )
+        else:
+            _decode_program(
+                src_ptr,
+                out_ptr,
+                off_ptr,
+                scale_ptr,
+                first_ptr,
+                first,
+                i,
+                i < numel,
+                numel,
+                top,
+                n_last,
+                divisor,
+                n_ranks,
+                D,
+                E,
+                K,
+                WIRE,
+                SCALED,
+                SHIFT,
+                AMAX,
+                DIVIDE,
+                BLOCK,
+            )
+
+    @triton.jit
+    def _decode_program(
+        src_ptr,
+        out_ptr,
+        off_ptr,
+        scale_ptr,
+        first_ptr,
+        first,
+        i,
+        mask,
+        numel,
+        top,
+        n_last,
+        divisor,
+        n_ranks,
+        D: tl.constexpr,
+        E: tl.constexpr,
+        K: tl.constexpr,
+        WIRE: tl.constexpr,
+        SCALED: tl.constexpr,
+        SHIFT: tl.constexpr,
+        AMAX: tl.constexpr,
+        DIVIDE: tl.constexpr,
+        BLOCK: tl.constexpr,
+        FULL: tl.constexpr = False,
+    ):
+        """One program of :func:`_decode_kernel`: elements ``i`` where ``mask`` (``FULL``:
+        all ``BLOCK`` of them, the payload read contiguously)."""
+        if FULL:
+            v = _value(_load_codes(src_ptr, first, WIRE, BLOCK), D)
+        else:
+            v = _value(_load_code(src_ptr, i, mask, WIRE), D)
         if SCALED:
             lo, hi, step = _chunk_segments(
                 off_ptr, first, tl.minimum(first + BLOCK, numel) - 1, top, n_last
@@ -922,7 +1089,10 @@ if AVAILABLE:
         first = pid * BLOCK
         i = first + tl.arange(0, BLOCK)
         mask = i < numel
-        x = tl.load(x_ptr + i, mask=mask, other=0.0)
+        if first + BLOCK <= numel:
+            x = tl.load(x_ptr + i)  # unmasked: vectorised
+        else:
+            x = tl.load(x_ptr + i, mask=mask, other=0.0)
         # An integer max of |x|'s bits is a max that keeps NaN (above inf): to inf.
         mag = tl.minimum(x.to(tl.int32, bitcast=True) & 0x7FFFFFFF, 0x7F800000)
         lo, hi, step = _chunk_segments(

@@ -574,6 +574,8 @@ def test_owner_reduce_rank_blocks_matches_kernels(
         tc.reduce_rank_blocks(recv, 2, fmt, layout.device_offsets, cols, got, d, 126, 8)
 
 
+_VECTOR = re.compile(r"\b(?:ld|st)\.global\.v[24]\.b32\b")
+
 _KERNELS = (
     "_encode_kernel",
     "_decode_kernel",
@@ -659,6 +661,7 @@ def test_every_launched_variant_compiles_for_a_gpu(monkeypatch: pytest.MonkeyPat
     target = GPUTarget("cuda", 90, 32)
     backend = make_backend(target)
     compiled = set()
+    vectors: dict[tuple[str, int], set[str]] = {}
     with _loaded(interpret=False) as module:
         for name, args, kwargs in log:
             fn = getattr(module, name)
@@ -671,9 +674,21 @@ def test_every_launched_variant_compiles_for_a_gpu(monkeypatch: pytest.MonkeyPat
             if key in compiled:
                 continue
             src = ASTSource(fn, signature, constexprs, attrs)
-            triton.compile(src, target=target, options=options.__dict__)
+            ptx = triton.compile(src, target=target, options=options.__dict__).asm["ptx"]
             compiled.add(key)
+            if name == "_maxima_kernel":
+                assert "ld.global.v4.b32" in ptx
+            if name in ("_encode_kernel", "_decode_kernel"):
+                wire = constexprs[(fn.arg_names.index("WIRE"),)]
+                vectors.setdefault((name, wire), set()).update(_VECTOR.findall(ptx))
     assert len(compiled) >= 20, len(compiled)
+    # A full program moves whole vectors: float32 in four lanes, the codes' bytes in
+    # one or more 32-bit words (scalar loads and byte stores once made the encode and
+    # decode 2.5x a device copy on an H200).
+    for (name, wire), found in sorted(vectors.items()):
+        floats = "ld.global.v4.b32" if name == "_encode_kernel" else "st.global.v4.b32"
+        assert floats in found, (name, wire, found)
+    assert {wire for _, wire in vectors} == {4, 8, 16}
 
 
 def test_a_failing_kernel_variant_falls_back_to_torch_ops(
