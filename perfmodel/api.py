@@ -107,8 +107,8 @@ class Prediction:
         steps: the full timelines by format name.
         scaling: the requested formats' scaling ("layer" or "block").
         block_size: elements per exponent byte with block scaling, else None.
-        block_exponents: with block scaling, where two_phase's block exponents
-            come from (each rank's own, or agreed), else None.
+        block_exponents: with block scaling, where the block exponents come
+            from (each rank's own, or agreed), else None.
     """
 
     model: str
@@ -185,11 +185,12 @@ def predict(
             maximum per tensor) or "block" (one exponent byte per
             ``block_size`` elements of a tensor); the baselines scale nothing.
         block_size: elements per block with ``scaling="block"`` (8 to 256).
-        block_exponents: with ``scaling="block"``, two_phase's block
-            exponents: "rank" (the hook's default: each rank sends its own
-            with its shards, no collective first) or "agreed" (one MAX
-            all-reduce of one-byte exponents first); the other strategies
-            always agree them.
+        block_exponents: with ``scaling="block"``, where the block
+            exponents come from: "rank" (the hook's default: two_phase,
+            hierarchical and grid send each rank's own with its values and
+            each owner's with its mean, no collective first) or "agreed" (one
+            MAX all-reduce of one-byte exponents first; the owners still send
+            their means' own); native sums always agree them.
 
     Raises:
         ValueError: an unknown format or strategy, a scaling the model does not

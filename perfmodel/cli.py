@@ -69,12 +69,13 @@ _WIRE_NOTE = (
     "across nodes; across/rank: the part that leaves the node"
 )
 _EXPONENT_NOTES = {
-    BlockExponents.RANK: "one byte per block: two_phase sends each rank's own with its shards "
-    "and the owners' with the all-gather, the other strategies agree them by one MAX "
-    "all-reduce (--block-exponents rank)",
+    BlockExponents.RANK: "one byte per block: every level of two_phase, hierarchical and "
+    "grid carries its sender's own, each rank's with its values and each owner's with its "
+    "mean, so nothing is agreed first; native sums agree them by one MAX all-reduce "
+    "(--block-exponents rank)",
     BlockExponents.AGREED: "one byte per block: one MAX all-reduce agrees them before the "
-    "first chunk, and two_phase's owners send the mean's with the all-gather "
-    "(--block-exponents agreed)",
+    "first chunk, and every owner sends its mean's own with it (two_phase's all-gather, "
+    "every level of hierarchical and grid after the first) (--block-exponents agreed)",
 }
 _ALL_REDUCE_ALGORITHMS = ("ring", "halving_doubling", "recursive_doubling", "auto")
 
@@ -278,8 +279,9 @@ def _add_model_cluster_args(ap: argparse.ArgumentParser) -> None:
         "--block-exponents",
         type=str.lower,
         choices=[b.value for b in BlockExponents],
-        help="with --scaling block, two_phase's block exponents: rank (the hook's default: "
-        "each rank sends its own with its shards) or agreed (one MAX all-reduce first)",
+        help="with --scaling block, where the block exponents come from: rank (the hook's "
+        "default: each rank sends its own with its values, at every level of two_phase, "
+        "hierarchical and grid) or agreed (one MAX all-reduce first)",
     )
 
 
@@ -454,7 +456,7 @@ def _scaling_text(
     if scaling == Scaling.BLOCK:
         w = get_format(fmt).wire_bytes
         source = (
-            "two_phase's each rank's own"
+            "each rank's own at every level"
             if exponents == BlockExponents.RANK
             else "agreed across ranks"
         )

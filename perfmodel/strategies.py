@@ -52,6 +52,7 @@ from collections.abc import Sequence
 from dataclasses import dataclass, replace
 from typing import TYPE_CHECKING
 
+from .choices import Choice
 from .cluster import Cluster, custom_cluster, get_cluster, get_device
 from .collectives import (
     LinkParams,
@@ -75,12 +76,16 @@ __all__ = [
     "MIN_CHUNK",
     "STRATEGIES",
     "CommBreakdown",
+    "Level",
     "bucket_breakdown",
     "choose_strategy",
     "chunk_elements",
+    "flag_bytes",
     "grid_peers",
     "grid_rows",
     "hook_cluster",
+    "level_bytes",
+    "level_shares",
     "native_sum",
     "strategy_chunk",
     "strategy_times",
@@ -244,6 +249,133 @@ def grid_peers(world_size: int) -> int:
     return math.ceil(messages / ((g - 1) / g + (cols - 1) / world_size) - 1e-9)
 
 
+class Level(Choice):
+    """A level of a two_phase-style reduction: whose values a stage sends, and so its bytes.
+
+    - ``SLICE``: hierarchical's in-node all-to-all of FP32 slices (4 bytes,
+      nothing scaled).
+    - ``SEND``: each rank's own values, encoded, to their owners (two_phase's
+      all-to-all, hierarchical's across-node all-to-all, grid's row all-to-all).
+    - ``FORWARD``: an owner's partial mean, re-encoded, to the next level's
+      owners (grid's column all-to-all).
+    - ``GATHER``: an owner's mean, encoded, back to the ranks (every all-gather).
+
+    With block scaling every owner encodes what it forwards or gathers with
+    its own block exponents and sends them with the codes, one byte per
+    block; a rank's own values go with its own exponents too, unless they
+    were agreed first (``block_exponents="agreed"``): :func:`level_bytes`.
+    """
+
+    SLICE = "slice"
+    SEND = "send"
+    FORWARD = "forward"
+    GATHER = "gather"
+
+
+def level_bytes(fmt: FormatSpec, level: Level) -> float:
+    """Bytes per element that ``level`` sends of ``fmt``: its codes plus any block exponents.
+
+    The one place the model prices a level's bytes: :func:`bucket_breakdown`'s
+    bytes and its collectives' seconds both come from it, so what the
+    planner compares is what the model reports. ``SLICE`` is FP32 (4). The
+    encoded levels send ``wire_bytes`` and, with block scaling, the sender's
+    own exponents, ``1 / block_size``, except ``SEND`` with agreed exponents
+    (every rank knows them already).
+
+    Example:
+        >>> e2m1 = get_format("e2m1", aps=True, scaling="block", block_size=16)
+        >>> [level_bytes(e2m1, lv) for lv in Level]  # 0.5 + 1/16 where encoded
+        [4.0, 0.5625, 0.5625, 0.5625]
+        >>> level_bytes(replace(e2m1, block_exponents="agreed"), Level.SEND)
+        0.5
+    """
+    if level == Level.SLICE:
+        return _FP32_BYTES
+    return fmt.wire_bytes + _level_exponents(fmt, level)
+
+
+def _level_exponents(fmt: FormatSpec, level: Level) -> float:
+    """The block exponent bytes per element within :func:`level_bytes`."""
+    if level == Level.SLICE or (level == Level.SEND and not fmt.rank_exponents):
+        return 0.0
+    return fmt.exponent_bytes
+
+
+def level_shares(strategy: str, cluster: Cluster) -> tuple[tuple[Level, float], ...]:
+    """The levels of ``strategy`` in order, each with the share of a bucket one rank sends.
+
+    A rank sends ``share * numel`` elements at that level, so
+    ``sum(level_bytes(fmt, lv) * share) * numel`` are its bytes for the bucket.
+    On N = M nodes x L ranks, grid's g x C grid (:func:`grid_rows`):
+
+    - two_phase: SEND and GATHER, (N-1)/N each;
+    - hierarchical: SLICE (L-1)/L, SEND and GATHER across nodes (M-1)/(M L),
+      GATHER in the node (L-1)/L;
+    - grid: SEND in the row (g-1)/g, FORWARD and GATHER in the column
+      (C-1)/N, GATHER in the row (g-1)/g.
+
+    Raises:
+        ValueError: ``strategy`` is not a two_phase-style one, or grid without a grid.
+
+    Example:
+        >>> c = get_cluster("dgx-h100", world_size=16)  # 2 nodes of 8
+        >>> [(str(lv), share) for lv, share in level_shares("hierarchical", c)]
+        [('slice', 0.875), ('send', 0.0625), ('gather', 0.0625), ('gather', 0.875)]
+    """
+    p = cluster.world_size
+    if strategy == "two_phase":
+        return ((Level.SEND, (p - 1) / p), (Level.GATHER, (p - 1) / p))
+    if strategy == "hierarchical":
+        g, nodes = cluster.topology.gpus_per_node, cluster.topology.nodes
+        inter = (nodes - 1) / (nodes * g)
+        intra = (g - 1) / g
+        return (
+            (Level.SLICE, intra),
+            (Level.SEND, inter),
+            (Level.GATHER, inter),
+            (Level.GATHER, intra),
+        )
+    if strategy == "grid":
+        rows = grid_rows(p)
+        if rows < 2:
+            raise ValueError(
+                f"strategy 'grid' needs a world size with a divisor g, 2 <= g <= sqrt(N); got {p}"
+            )
+        row, column = (rows - 1) / rows, (p // rows - 1) / p
+        return (
+            (Level.SEND, row),
+            (Level.FORWARD, column),
+            (Level.GATHER, column),
+            (Level.GATHER, row),
+        )
+    raise ValueError(f"strategy {strategy!r} has no levels; two_phase, hierarchical and grid do")
+
+
+def flag_bytes(fmt: FormatSpec, n_layers: int) -> int:
+    """Bytes of layer flags in each message of a bucket's first ``SEND``, per peer.
+
+    With each rank's own block exponents nothing is agreed before the first
+    chunk, so its ``SEND`` messages also carry the layers' non-finite flags
+    (one byte each) and the rank's preferred chunk (one byte); 0 otherwise.
+
+    Example:
+        >>> flag_bytes(get_format("e4m3", aps=True, scaling="block"), 20)
+        21
+        >>> flag_bytes(get_format("e4m3", aps=True), 20)
+        0
+    """
+    return n_layers + 1 if fmt.rank_exponents else 0
+
+
+def _send_peers(strategy: str, cluster: Cluster) -> int:
+    """Peers a rank sends its ``SEND`` level to: N-1, M-1 across nodes, or g-1 in its row."""
+    if strategy == "hierarchical":
+        return cluster.topology.nodes - 1
+    if strategy == "grid":
+        return grid_rows(cluster.world_size) - 1
+    return cluster.world_size - 1
+
+
 @dataclass(frozen=True)
 class CommBreakdown:
     """Where the time of one bucket's reduction goes, on one rank.
@@ -265,8 +397,9 @@ class CommBreakdown:
         inter_node_bytes: the part of ``wire_bytes`` that leaves the node, per
             rank (averaged over the node's ranks); 0 on one node.
         exponent_bytes: the part of ``wire_bytes`` that is block exponents
-            (block scaling: their MAX all-reduce, and two_phase's all-gather);
-            0 with per-layer scaling, whose 4-byte maxima are not counted.
+            (block scaling: those every level carries, :func:`level_bytes`,
+            and any MAX all-reduce agreeing them); 0 with per-layer scaling,
+            whose 4-byte maxima are not counted.
 
     Example:
         >>> CommBreakdown("fp32", "fp32", 1.0, 0.0, 0.5, 8.0).total_s
@@ -455,9 +588,9 @@ def _nic_credit(cluster: Cluster, nic_bytes: float) -> float:
 
 
 def _group_stages(
-    cluster: Cluster, group: str, nbytes: float, size: int, stride: int
+    cluster: Cluster, group: str, nbytes: float, gathered: float, size: int, stride: int
 ) -> tuple[_Stage, _Stage]:
-    """An all-to-all of an ``nbytes`` send buffer and an all-gather of an ``nbytes`` output.
+    """An all-to-all of an ``nbytes`` send buffer and an all-gather of a ``gathered`` output.
 
     On groups of ``size`` ranks ``stride`` apart: with q members on a node,
     q - 1 peers over the node's link and the rest through its NIC, which
@@ -474,7 +607,7 @@ def _group_stages(
         intra_ag, _ = _stage_links(cluster, "all_gather")
         return (
             _Stage(group, all_to_all(nbytes, size, intra)),
-            _Stage(group, all_gather(nbytes, size, intra_ag)),
+            _Stage(group, all_gather(gathered, size, intra_ag)),
         )
     off = nbytes * (size - q) / size
     a2a = (
@@ -484,33 +617,38 @@ def _group_stages(
         + nic.wire_time(off)
     )
     intra, nic = _stage_links(cluster, "all_gather")
-    gathered = nbytes / q * (nodes - 1) / nodes
-    ag = all_gather(nbytes / q, nodes, nic) + all_gather(nbytes, q, intra)
-    return _Stage(group, a2a, off), _Stage(group, ag, gathered)
+    crossing = gathered / q * (nodes - 1) / nodes
+    ag = all_gather(gathered / q, nodes, nic) + all_gather(gathered, q, intra)
+    return _Stage(group, a2a, off), _Stage(group, ag, crossing)
 
 
-def _stages(strategy: str, cluster: Cluster, w: float, m: float) -> list[_Stage]:
-    """The four collectives of one hierarchical or grid chunk of ``m`` elements, in order."""
+def _stages(strategy: str, cluster: Cluster, fmt: FormatSpec, m: float) -> list[_Stage]:
+    """The four collectives of one hierarchical or grid chunk of ``m`` elements, in order.
+
+    Each sends its level's bytes (:func:`level_bytes`), block exponents included.
+    """
     topo = cluster.topology
+    send, gather = level_bytes(fmt, Level.SEND), level_bytes(fmt, Level.GATHER)
     if strategy == "hierarchical":
         g, nodes = topo.gpus_per_node, topo.nodes
         intra, nic = _stage_links(cluster, "all_to_all")
         intra_ag, nic_ag = _stage_links(cluster, "all_gather")
-        inter = w * m / g * (nodes - 1) / nodes
+        across = m / g * (nodes - 1) / nodes
         return [
-            _Stage("intra", all_to_all(_FP32_BYTES * m, g, intra)),
-            _Stage("inter", all_to_all(w * m / g, nodes, nic), inter),
-            _Stage("inter", all_gather(w * m / g, nodes, nic_ag), inter),
-            _Stage("intra", all_gather(w * m, g, intra_ag)),
+            _Stage("intra", all_to_all(level_bytes(fmt, Level.SLICE) * m, g, intra)),
+            _Stage("inter", all_to_all(send * m / g, nodes, nic), send * across),
+            _Stage("inter", all_gather(gather * m / g, nodes, nic_ag), gather * across),
+            _Stage("intra", all_gather(gather * m, g, intra_ag)),
         ]
     p = cluster.world_size
     g = grid_rows(p)
-    row_a2a, row_ag = _group_stages(cluster, "row", w * m, g, 1)
-    col_a2a, col_ag = _group_stages(cluster, "column", w * m / g, p // g, g)
+    forward = level_bytes(fmt, Level.FORWARD)
+    row_a2a, row_ag = _group_stages(cluster, "row", send * m, gather * m, g, 1)
+    col_a2a, col_ag = _group_stages(cluster, "column", forward * m / g, gather * m / g, p // g, g)
     return [row_a2a, col_a2a, col_ag, row_ag]
 
 
-def _inter_node_bytes(strategy: str, w: float, numel: float, cluster: Cluster) -> float:
+def _inter_node_bytes(strategy: str, fmt: FormatSpec, numel: float, cluster: Cluster) -> float:
     """Bytes per rank (averaged over a node's ranks) that leave the node for one bucket.
 
     As the collectives are modelled: NCCL's all-reduce is two-level (each of
@@ -518,19 +656,32 @@ def _inter_node_bytes(strategy: str, w: float, numel: float, cluster: Cluster) -
     calibrated profile's) one flat ring over node-major ranks (one rank in L
     sends to the next node);
     flat two_phase's all-to-all and all-gather send (N - L)/N of each rank's
-    bytes off the node; the staged strategies' stages say what crosses.
+    bytes off the node; the staged strategies' stages say what crosses. The
+    levels' bytes are :func:`level_bytes`'s, block exponents included.
     """
+    topo = cluster.topology
+    per_node, p = topo.gpus_per_node, cluster.world_size
+    if topo.nodes == 1:
+        return 0.0
+    if strategy in ("fp32", "native"):
+        w = _FP32_BYTES if strategy == "fp32" else fmt.wire_bytes
+        return _ring_across(w * numel, cluster)
+    if strategy == "two_phase":
+        both = level_bytes(fmt, Level.SEND) + level_bytes(fmt, Level.GATHER)
+        return both * numel * (p - per_node) / p
+    return sum(st.nic_bytes for st in _stages(strategy, cluster, fmt, numel))
+
+
+def _ring_across(nbytes: float, cluster: Cluster) -> float:
+    """Bytes per rank (averaged over a node's ranks) that an all-reduce of ``nbytes`` sends
+    off the node: one flat ring on Gloo and calibrated profiles, else two-level."""
     topo = cluster.topology
     nodes, per_node, p = topo.nodes, topo.gpus_per_node, cluster.world_size
     if nodes == 1:
         return 0.0
-    if strategy in ("fp32", "native"):
-        if cluster.backend == "gloo" or cluster.collective_fits:  # one flat ring
-            return 2.0 * w * numel * (p - 1) / p / per_node
-        return 2.0 * w * numel * (nodes - 1) / (nodes * per_node)
-    if strategy == "two_phase":
-        return 2.0 * w * numel * (p - per_node) / p
-    return sum(st.nic_bytes for st in _stages(strategy, cluster, w, numel))
+    if cluster.backend == "gloo" or cluster.collective_fits:  # one flat ring
+        return 2.0 * nbytes * (p - 1) / p / per_node
+    return 2.0 * nbytes * (nodes - 1) / (nodes * per_node)
 
 
 def _wire(strategy: str, fmt: FormatSpec, cluster: Cluster, m: float, k: int) -> float:
@@ -543,9 +694,9 @@ def _wire(strategy: str, fmt: FormatSpec, cluster: Cluster, m: float, k: int) ->
     if strategy == "two_phase":
         # The owners' shards of the mean go back with their block exponents
         # (and each rank's own go out with its shards).
-        out = (w + fmt.exponent_bytes) * m if fmt.rank_exponents else w * m
-        return _exchange(cluster, out, k, (w + fmt.exponent_bytes) * m)
-    stages = _stages(strategy, cluster, w, m)
+        out, back = level_bytes(fmt, Level.SEND) * m, level_bytes(fmt, Level.GATHER) * m
+        return _exchange(cluster, out, k, back)
+    stages = _stages(strategy, cluster, fmt, m)
     credit = _nic_credit(cluster, k * sum(st.nic_bytes for st in stages))
     return k * sum(st.seconds for st in stages) - credit
 
@@ -563,7 +714,7 @@ def _busiest(strategy: str, fmt: FormatSpec, cluster: Cluster, m: float, k: int)
     per: dict[str, float] = {}
     through: dict[str, float] = {}
     nic_bytes = 0.0
-    for st in _stages(strategy, cluster, fmt.wire_bytes, m):
+    for st in _stages(strategy, cluster, fmt, m):
         per[st.group] = per.get(st.group, 0.0) + st.seconds
         through[st.group] = through.get(st.group, 0.0) + st.nic_bytes
         nic_bytes += st.nic_bytes
@@ -709,14 +860,16 @@ def bucket_breakdown(
     ``W``: ``max(C, W) + min(C, W) / k``. ``"fp32"`` and torch's cast hooks
     (``aps=False``) are one piece.
 
-    With block scaling (``fmt.block_scaled``) the MAX all-reduce carries one
-    exponent byte per block instead of 4 bytes per layer, two_phase's
-    all-gather carries the owners' exponents too (``exponent_bytes`` per
-    element); with each rank's own exponents (``fmt.rank_exponents``)
-    two_phase has no MAX all-reduce and its exchange carries them. The passes
-    that apply the scales cost more per element
-    (:meth:`~aps_perfmodel.cluster.Cluster.codec_time`); the payload's bytes
-    are the same.
+    With block scaling (``fmt.block_scaled``) every encoded level of
+    two_phase, hierarchical and grid carries its sender's block exponents,
+    ``exponent_bytes`` per element (:func:`level_bytes`, :func:`level_shares`).
+    With each rank's own exponents (``fmt.rank_exponents``) nothing is
+    agreed first and the first chunk's ``SEND`` messages carry the layer
+    flags too (:func:`flag_bytes`, counted in ``wire_bytes``); agreed
+    exponents, and native's sums, cost one MAX all-reduce of a byte per
+    block instead of 4 bytes per layer. The passes that apply the scales
+    cost more per element (:meth:`~aps_perfmodel.cluster.Cluster.codec_time`);
+    the payload's bytes are the same.
 
     Args:
         numel: gradient elements in the bucket.
@@ -756,7 +909,7 @@ def bucket_breakdown(
     w = spec.wire_bytes
     if strategy == "fp32":
         collective = _wire("fp32", spec, cluster, float(numel), 1)
-        across = _inter_node_bytes("fp32", _FP32_BYTES, numel, cluster)
+        across = _inter_node_bytes("fp32", spec, numel, cluster)
         return CommBreakdown(
             spec.name,
             strategy,
@@ -766,20 +919,17 @@ def bucket_breakdown(
             2 * _FP32_BYTES * numel * (p - 1) / p,
             inter_node_bytes=across,
         )
-    if strategy == "hierarchical":
-        topo = cluster.topology
-        g, nodes = topo.gpus_per_node, topo.nodes
-        sent = numel * ((_FP32_BYTES + w) * (g - 1) / g + 2 * w * (nodes - 1) / (nodes * g))
-    elif strategy == "grid":
-        rows = grid_rows(p)
-        if rows < 2:
-            raise ValueError(
-                f"strategy 'grid' needs a world size with a divisor g, 2 <= g <= sqrt(N); got {p}"
-            )
-        sent = 2 * w * numel * ((rows - 1) / rows + (p // rows - 1) / p)
-    else:
+    exponents = 0.0
+    if strategy == "native":
         sent = 2 * w * numel * (p - 1) / p
-    across = _inter_node_bytes(strategy, w, numel, cluster)
+    else:
+        shares = level_shares(strategy, cluster)
+        sent = numel * sum(level_bytes(spec, lv) * share for lv, share in shares)
+        exponents = numel * sum(_level_exponents(spec, lv) * share for lv, share in shares)
+        # The layer flags ride in the first chunk's messages, which are sent
+        # anyway: counted in the bytes, below the model's resolution in time.
+        sent += flag_bytes(spec, n_layers) * _send_peers(strategy, cluster)
+    across = _inter_node_bytes(strategy, spec, numel, cluster)
     if not spec.aps:
         # torch's cast hooks (fp16_compress_hook): cast, all-reduce, cast back, one piece.
         collective = _wire(strategy, spec, cluster, float(numel), 1)
@@ -788,24 +938,19 @@ def bucket_breakdown(
             spec.name, strategy, collective, 0.0, codec_s, sent, inter_node_bytes=across
         )
     head = cluster.codec_time("amax", spec.name, w, numel)
-    exponents = 0.0
-    if spec.block_scaled and spec.rank_exponents and strategy == "two_phase":
-        # Each rank's own exponents go with its shards, the owners' with the
-        # all-gather: nothing is agreed first.
+    if spec.rank_exponents and strategy != "native":
+        # Every level carries its sender's own exponents (level_bytes):
+        # nothing is agreed first.
         maxima = 0.0
-        e = spec.exponent_bytes * numel
-        exponents = 2.0 * e * (p - 1) / p
-        across += 2.0 * e * (p - cluster.topology.gpus_per_node) / p
     elif spec.block_scaled:
         blocks = spec.block_bound(numel, n_layers) if n_blocks is None else n_blocks
-        # One MAX all-reduce of one-byte exponents agrees every block's.
+        # One MAX all-reduce of one-byte exponents agrees every block's (a
+        # native sum needs them all alike; agreed ones scale each SEND).
         maxima = _allreduce(cluster, float(blocks), "all_reduce_max", "auto")
-        exponents = 2.0 * blocks * (p - 1) / p
-        across += _inter_node_bytes("native", 1.0, blocks, cluster)
-        if strategy == "two_phase":
-            e = spec.exponent_bytes * numel
-            exponents += e * (p - 1) / p
-            across += e * (p - cluster.topology.gpus_per_node) / p
+        agreeing = 2.0 * blocks * (p - 1) / p
+        sent += agreeing
+        exponents += agreeing
+        across += _ring_across(float(blocks), cluster)
     else:
         maxima = _allreduce(cluster, n_layers * _FP32_BYTES, "all_reduce_max", "auto")
     if chunk == "auto":
@@ -827,7 +972,7 @@ def bucket_breakdown(
         collective,
         maxima,
         head + codec_s,
-        sent + exponents,
+        sent,
         overlap,
         k,
         inter_node_bytes=across,

@@ -11,6 +11,7 @@ import pytest
 from aps_perfmodel import (
     ComputeTime,
     ModelSpec,
+    assign_buckets,
     custom_cluster,
     get_cluster,
     get_format,
@@ -354,7 +355,11 @@ def test_cli_block_scaling_flags_round_trip_into_json(capsys: pytest.CaptureFixt
         "layer",
     )
     assert layer["formats"]["e2m1"]["exponent_bytes"] == 0.0
-    assert fmts["e2m1"]["wire_bytes"] - fmts["e2m1"]["exponent_bytes"] == pytest.approx(
+    # Beside the exponents, each bucket's first chunk carries its layers' flags
+    # and a chunk byte to each of the 3 peers.
+    numels = [t.numel for t in get_model("resnet50").tensors]
+    flags = sum(len(b) + 1 for b in assign_buckets(numels)) * 3
+    assert fmts["e2m1"]["wire_bytes"] - fmts["e2m1"]["exponent_bytes"] - flags == pytest.approx(
         layer["formats"]["e2m1"]["wire_bytes"]
     )
     assert fmts["e2m1"]["step_s"] > layer["formats"]["e2m1"]["step_s"]
@@ -405,11 +410,15 @@ def test_cli_block_exponents_price_rank_and_agreed_as_the_api_does(
         assert api.to_dict()["block_exponents"] == exponents
         assert out["formats"]["e2m1"]["exponent_bytes"] == api.formats["e2m1"].exponent_bytes
         assert out["formats"]["e2m1"]["step_s"] == api.formats["e2m1"].step_s
-    # Own exponents ride (N-1)/N of the blocks with the shards; agreeing them
-    # costs a ring all-reduce, 2(N-1)/N; both add the owners' with the all-gather.
+    # Own exponents ride (N-1)/N of the blocks with the shards, with the layer
+    # flags and a chunk byte to the 7 peers in each bucket's first chunk; agreeing
+    # them costs a ring all-reduce, 2(N-1)/N; both add the owners' with the all-gather.
     r, a = rank["formats"]["e2m1"], agreed["formats"]["e2m1"]
+    flags = sum(len(b) + 1 for b in assign_buckets([t.numel for t in model.tensors])) * 7
     assert a["exponent_bytes"] == pytest.approx(r["exponent_bytes"] * 3 / 2)
-    assert a["wire_bytes"] - r["wire_bytes"] == pytest.approx(r["exponent_bytes"] / 2, rel=1e-4)
+    assert a["wire_bytes"] - r["wire_bytes"] == pytest.approx(
+        r["exponent_bytes"] / 2 - flags, rel=1e-4
+    )
     assert a["step_s"] > r["step_s"]
     # The baselines scale nothing either way.
     assert agreed["formats"]["fp32"] == rank["formats"]["fp32"]

@@ -138,14 +138,16 @@ def test_block_scaling_sends_one_exponent_byte_per_block(fmt: str, w: float) -> 
     tp = bucket_comm(n, 3, agreed, c, n_blocks=blocks)
     assert tp.wire_bytes == n * (p - 1) / p * (w + (w + 1 / 32) + 2 / 32)
     assert tp.maxima_s > 0
-    # With each rank's own (the default): no all-reduce, w + 1/32 both ways.
+    # With each rank's own (the default): no all-reduce, w + 1/32 both ways, and
+    # the 3 layers' flags and the chunk byte to each of 3 peers in the first chunk.
     own = bucket_comm(n, 3, spec, c, n_blocks=blocks)
-    assert own.wire_bytes == n * (p - 1) / p * 2 * (w + 1 / 32)
+    assert own.wire_bytes == n * (p - 1) / p * 2 * (w + 1 / 32) + (3 + 1) * (p - 1)
     assert own.exponent_bytes == n * (p - 1) / p * 2 / 32 and own.maxima_s == 0.0
     assert own.total_s < tp.total_s
     # The payload is the per-layer model's.
-    for b in (tp, own):
-        assert b.wire_bytes - b.exponent_bytes == bucket_comm(n, 3, get_format(fmt), c).wire_bytes
+    for b, flags in ((tp, 0), (own, (3 + 1) * (p - 1))):
+        payload = b.wire_bytes - b.exponent_bytes - flags
+        assert payload == bucket_comm(n, 3, get_format(fmt), c).wire_bytes
     # A DDP step counts every bucket's blocks exactly, short ones included.
     model = ModelSpec("m", (TensorSpec("a", 33), TensorSpec("b", 64), TensorSpec("c", 1)))
     step = simulate_step(model, c, replace(spec, strategy="native"), ComputeTime(0, 0, 0))

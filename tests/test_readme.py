@@ -468,6 +468,18 @@ def _check_perfmodel_block(proc: subprocess.CompletedProcess[str], cwd: Path) ->
     assert f"includes {exponents} of block exponents" in text
 
 
+def _check_perfmodel_block_levels(proc: subprocess.CompletedProcess[str], cwd: Path) -> None:
+    _check_ok(proc, cwd)
+    # docs/performance-model.md: blocks of 8 tip the planner to hierarchical, of 256 to grid.
+    text = " ".join((DOCS / "performance-model.md").read_text().split())
+    assert "auto for e2m1: hierarchical for 18 buckets, fp32 for 1 bucket" in proc.stdout
+    assert "reduces 18 of its 19 buckets" in text
+    wide = _run(proc.args[-1].replace("--block-size 8", "--block-size 256"), cwd, 120.0)
+    _check_ok(wide, cwd)
+    assert "auto for e2m1: grid for 13 buckets, hierarchical for 5 buckets" in wide.stdout
+    assert "`--block-size 256` sends 13 of them by grid" in text
+
+
 def _check_perfmodel_scale(proc: subprocess.CompletedProcess[str], cwd: Path) -> None:
     _check_ok(proc, cwd)
     # The committed table is what the command computes (it is a model: no noise).
@@ -636,6 +648,11 @@ RUN: dict[str, _Run] = {
     ),
     "aps-perfmodel predict --model resnet50 --world-size 8 --cluster 1gbe --fmt e2m1 "
     "--scaling block": _Run(_check_perfmodel_block),
+    "aps-perfmodel predict --model resnet50 --nodes 2 --gpus-per-node 8 --device h100 "
+    "--bandwidth 400Gbit --latency 6us --intra-bandwidth 450GB/s --intra-latency 3us "
+    "--bucket-cap-mb 4 --fmt e2m1 --scaling block --block-size 8": _Run(
+        _check_perfmodel_block_levels
+    ),
     "python -m aps_perfmodel.scale --out benchmarks/results": _Run(_check_perfmodel_scale),
     "aps-perfmodel predict --params 25.6M --bandwidth 10Gbit --latency 20us --nodes 16 --json": (
         _Run(_check_comm_only)
