@@ -87,6 +87,7 @@ CASES = [
     ("e5m2", "bucket"),
     ("bf16", "layer"),
     ("e2m1", "block"),
+    ("e4m3", "block"),
 ]
 
 
@@ -125,7 +126,13 @@ def _hier_case(rank: int, world_size: int, chunk: int | None, via_env: bool, red
                 layers = list(torch.split(raws, numels, dim=1))
                 expected = torch.cat(
                     simulate.allreduce(
-                        layers, fmt, reduction=reduction, scaling=scaling, ranks_per_node=2
+                        layers,
+                        fmt,
+                        reduction=reduction,
+                        scaling=scaling,
+                        ranks_per_node=2,
+                        # Block scaling: every level's owner uses its own exponents.
+                        rank_exponents=scaling == "block",
                     )
                 )
                 assert torch.equal(out.nan_to_num(nan=7.0), expected.nan_to_num(nan=7.0)), (
