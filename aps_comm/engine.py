@@ -53,6 +53,7 @@ from aps_comm.scaling import (
     KEY_BAD,
     KEY_ZERO,
     Factors,
+    bad_layers,
     block_amax,
     exponent_keys,
     factors,
@@ -722,8 +723,9 @@ class Reducer:
         rule (:func:`aps_comm.scaling.exponent_keys`); the MAX over ranks of a
         key is the key of the ranks' largest maximum. ``mine`` (this rank's
         preferred chunk, 0 for none) rides along as its log2, one byte. With
-        ``rank_exps`` two_phase formats keep this rank's own keys (they travel
-        with the shards); with nothing left to agree there is no collective.
+        ``rank_exps`` two_phase, hierarchical and grid formats keep this
+        rank's own keys (they travel with the shards); with nothing left to
+        agree there is no collective.
 
         Returns:
             Per format sent scaled: (its blocks' agreed keys, or with
@@ -743,11 +745,15 @@ class Reducer:
                 continue
             local = maxima if picks is None else maxima[picks]
             per = node[route.value][0] if route.staged else 1
-            keys = exponent_keys(local, fmt, route, world_size=comm.world_size, ranks_per_node=per)
-            if rank_exps and route == Route.TWO_PHASE:
+            if rank_exps and route in (Route.TWO_PHASE, Route.HIERARCHICAL, Route.GRID):
+                # Each rank's own keys, under two_phase's rule for the sum they
+                # first enter: over N ranks, or over a node's L (grid).
+                own = comm.world_size if route == Route.TWO_PHASE else per
+                keys = exponent_keys(local, fmt, Route.TWO_PHASE, world_size=own)
                 out[fmt] = (keys, local)
-            else:
-                mine_keys.append((fmt, keys, local))
+                continue
+            keys = exponent_keys(local, fmt, route, world_size=comm.world_size, ranks_per_node=per)
+            mine_keys.append((fmt, keys, local))
         parts = [keys.reshape(-1) for _, keys, _ in mine_keys]
         if mine:
             parts.append(torch.tensor([int(math.log2(mine))], dtype=torch.uint8))
@@ -810,7 +816,7 @@ class Reducer:
             route == Route.TWO_PHASE
             and g.block_shards is not None
             and g.block_shards.rank_exponents
-        )
+        ) or g.node_blocks is not None
         records = self.settings.stats or self.assignment.promoter is not None
         # Each rank's own keys go out as they are: factors only for the records.
         f: Factors | None = None
@@ -825,8 +831,10 @@ class Reducer:
             )
         elif records or not rank_blocks:
             assert keyed is not None
+            # Each rank's own keys follow two_phase's rule, whatever the route.
+            key_route = Route.TWO_PHASE if rank_blocks else route
             f = factors_from_keys(
-                keyed[0], fmt, route, world_size=comm.world_size, counts=g.blocks.device_counts
+                keyed[0], fmt, key_route, world_size=comm.world_size, counts=g.blocks.device_counts
             )
         if records:
             assert f is not None
@@ -841,6 +849,22 @@ class Reducer:
                 rates = counts[:, 1].float() / counts[:, 0].clamp(min=1).float()
                 for name, rate in zip(gnames, rates.unbind(), strict=True):
                     self.rates[name or ""] = rate
+        if g.node_blocks is not None:
+            assert keyed is not None and self.feedback is None and g.blocks is not None
+            layouts = self.comm.layouts
+            groups = layouts.grid if route == Route.GRID else layouts.nodes
+            assert groups is not None
+            own = keyed[0][0]
+            return transports.hierarchical_rank_blocks(
+                g,
+                x,
+                own,
+                bad_layers(own, g.blocks.device_counts),
+                groups,
+                comm.world_size,
+                self.traffic,
+                defer,
+            )
         if rank_blocks:
             assert keyed is not None and self.feedback is None
             log2, on_chunk = offer or (0, None)

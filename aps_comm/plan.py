@@ -38,6 +38,7 @@ from aps_perfmodel.strategies import choose_strategy, strategy_chunk
 __all__ = [
     "BucketPlan",
     "GroupPlan",
+    "NodeBlocks",
     "NodePlan",
     "Planner",
     "chunk_bounds",
@@ -263,6 +264,88 @@ class BlockShards:
     rank_exponents: bool = False
 
 
+@dataclasses.dataclass(frozen=True)
+class NodeBlocks:
+    """hierarchical and grid with block scaling and every owner's own block exponents.
+
+    Each chunk (whole blocks) is cut into N shards of whole blocks, in element
+    order; shard ``l * M + j`` is owned by local rank l of node j, and local
+    rank l's slice is its M shards ``l * M ... l * M + M - 1``. Per chunk:
+    the node's mean of each slice reaches its local rank (FP32, or with
+    ``wire_first`` encoded with each sender's own block keys), goes across
+    nodes in M pieces encoded with its holder's own keys, the shard's owner
+    re-encodes the mean with its own keys, and the shards are gathered across
+    nodes, then in the node, each with its owner's keys. The first chunk's
+    pieces across nodes and gathered shards also carry every rank's layer
+    flags (one byte per layer), so every rank makes the same layers NaN.
+
+    Attributes:
+        ranks_per_node: L.
+        nodes: M.
+        local_rank: this rank's local rank.
+        node: this rank's node.
+        wire_first: the first level exchanges the wire format (grid).
+        bounds: per chunk, the N + 1 shard boundaries (elements of the group).
+        shard_layouts: per chunk, per shard, its blocks as a layout of their own.
+        slice_layout: per chunk, this rank's slice's blocks as a layout of their own.
+        slice_bytes: per chunk, the payload bytes every slice is padded to (grid).
+        slice_slots: per chunk, the most blocks of any slice (grid).
+        slice_pieces: per chunk, bytes per slice in the first exchange (grid:
+            payload, keys, 4-byte aligned; hierarchical: 0).
+        shard_bytes: per chunk, the payload bytes every shard is padded to.
+        slots: per chunk, the most blocks of any shard.
+        pieces: per chunk, bytes per shard piece across nodes (payload, keys,
+            in the first chunk the layer flags; 4-byte aligned).
+        rows: per chunk, bytes of an owner's gathered shard (payload, keys,
+            in the first chunk the layer flags).
+        flags: layers of the group (the flag bytes of the first chunk).
+        layer_of: each block's layer (int64, on the device).
+        first_send: per chunk, grid's first exchange (uint8; hierarchical: empty).
+        first_recv: per chunk, what the first exchange brings (float32 L x
+            the slice for hierarchical, uint8 L pieces for grid).
+        send: per chunk, the pieces across nodes (uint8).
+        recv: per chunk, the pieces received across nodes.
+        shard: per chunk, this rank's owned shard (codes, keys, flags).
+        across: per chunk, the M shards gathered across nodes.
+        gathered: per chunk, the N shards gathered in the node.
+    """
+
+    ranks_per_node: int
+    nodes: int
+    local_rank: int
+    node: int
+    wire_first: bool
+    bounds: list[list[int]]
+    shard_layouts: list[list[Layout]]
+    slice_layout: list[Layout]
+    slice_bytes: list[int]
+    slice_slots: list[int]
+    slice_pieces: list[int]
+    shard_bytes: list[int]
+    slots: list[int]
+    pieces: list[int]
+    rows: list[int]
+    flags: int
+    layer_of: torch.Tensor
+    first_send: list[torch.Tensor]
+    first_recv: list[torch.Tensor]
+    send: list[torch.Tensor]
+    recv: list[torch.Tensor]
+    shard: list[torch.Tensor]
+    across: list[torch.Tensor]
+    gathered: list[torch.Tensor]
+
+    def slice_bounds(self, c: int, local: int) -> tuple[int, int]:
+        """Elements ``[a, b)`` of the group in local rank ``local``'s slice of chunk ``c``."""
+        m = self.nodes
+        return self.bounds[c][local * m], self.bounds[c][(local + 1) * m]
+
+
+def _aligned(nbytes: int) -> int:
+    """``nbytes`` rounded up to 4: the owner kernels read 16-bit codes from every row."""
+    return -(-nbytes // 4) * 4
+
+
 def _snap(boundaries: torch.Tensor, at: int) -> int:
     """The first block boundary at or after ``at`` (the last one if none)."""
     i = int(torch.searchsorted(boundaries, at))
@@ -313,6 +396,9 @@ class GroupPlan:
             shards of whole blocks (:class:`BlockShards`); ``regions`` and
             ``shard_regions`` then hold N padded shards and one shard with its
             exponent bytes.
+        node_blocks: hierarchical and grid with block scaling and every
+            owner's own exponents (:class:`NodeBlocks`, which holds the
+            scratch; ``regions`` and ``shard_regions`` are then empty).
     """
 
     fmt: FloatFormat
@@ -333,6 +419,7 @@ class GroupPlan:
     node: NodePlan | None = None
     blocks: Blocks | None = None
     block_shards: BlockShards | None = None
+    node_blocks: NodeBlocks | None = None
 
     @property
     def numel(self) -> int:
@@ -692,7 +779,8 @@ class BucketPlan:
             and (owner_exponents or rank_exponents)
             and reduction == Route.TWO_PHASE
         )
-        if by_blocks:
+        staged_blocks = blocks is not None and rank_exponents and Route(reduction).staged
+        if by_blocks or staged_blocks:
             chunks = block_chunks(layout, chunk_elements)
         else:
             chunks = chunk_bounds(layout.numel, chunk_elements if reduction != "fp32" else 2**62)
@@ -704,10 +792,25 @@ class BucketPlan:
 
         node_plan = None
         block_shards = None
+        node_blocks = None
         regions: list[tuple[int, int]] = []
         shard_regions: list[tuple[int, int]] = []
         start = shard_start = 0
-        if reduction in ("hierarchical", "grid"):
+        if staged_blocks:
+            if not node or reduction not in node:
+                raise ValueError(f"{reduction} needs the node layout")
+            assert blocks is not None
+            node_blocks = self._node_blocks(
+                reduction == Route.GRID,
+                fmt,
+                layout,
+                blocks.counts,
+                chunks,
+                world_size,
+                node[reduction],
+                scratch,
+            )
+        elif reduction in ("hierarchical", "grid"):
             if not node or reduction not in node:
                 raise ValueError(f"{reduction} needs the node layout")
             node_plan = self._node_plan(
@@ -763,6 +866,98 @@ class BucketPlan:
             node=node_plan,
             blocks=blocks,
             block_shards=block_shards,
+            node_blocks=node_blocks,
+        )
+
+    @staticmethod
+    def _node_blocks(
+        wire_first: bool,
+        fmt: FloatFormat,
+        layout: Layout,
+        counts: torch.Tensor,
+        chunks: list[tuple[int, int]],
+        world_size: int,
+        node: tuple[int, int],
+        scratch: Callable[..., torch.Tensor],
+    ) -> NodeBlocks:
+        """Shards, slices and scratch of :class:`NodeBlocks` (``layout``'s segments are
+        the blocks, ``counts`` the blocks per layer)."""
+        per_node, rank = node
+        local, me = rank % per_node, rank // per_node
+        nodes = world_size // per_node
+        device = layout.lengths.device
+        n_layers = counts.numel()
+        cols: dict[str, list] = {
+            k: []
+            for k in [
+                "bounds",
+                "shard_layouts",
+                "slice_layout",
+                "slice_bytes",
+                "slice_slots",
+                "slice_pieces",
+                "shard_bytes",
+                "slots",
+                "pieces",
+                "rows",
+                "first_send",
+                "first_recv",
+                "send",
+                "recv",
+                "shard",
+                "across",
+                "gathered",
+            ]
+        }
+        for c, (lo, hi) in enumerate(chunks):
+            per = -(-(hi - lo) // world_size)
+            cut = [
+                lo,
+                *(min(_snap(layout.offsets, lo + k * per), hi) for k in range(1, world_size)),
+                hi,
+            ]
+            wins = [layout.window(a, b) for a, b in itertools.pairwise(cut)]
+            slices = [(cut[q * nodes], cut[(q + 1) * nodes]) for q in range(per_node)]
+            slice_wins = [layout.window(a, b) for a, b in slices]
+            a, b = slices[local]
+            sb = max(payload_nbytes(y - x, fmt) for x, y in itertools.pairwise(cut))
+            slot = max(w.n_segments for w in wins)
+            flags = n_layers if c == 0 else 0
+            piece = _aligned(sb + slot + flags)
+            row = sb + slot + flags
+            slice_sb = max(payload_nbytes(y - x, fmt) for x, y in slices)
+            slice_slot = max(w.n_segments for w in slice_wins)
+            slice_piece = _aligned(slice_sb + slice_slot) if wire_first else 0
+            cols["bounds"].append(cut)
+            cols["shard_layouts"].append([Layout.from_numels(w.sizes, device) for w in wins])
+            cols["slice_layout"].append(Layout.from_numels(slice_wins[local].sizes, device))
+            cols["slice_bytes"].append(slice_sb)
+            cols["slice_slots"].append(slice_slot)
+            cols["slice_pieces"].append(slice_piece)
+            cols["shard_bytes"].append(sb)
+            cols["slots"].append(slot)
+            cols["pieces"].append(piece)
+            cols["rows"].append(row)
+            cols["first_send"].append(scratch(per_node * slice_piece))
+            if wire_first:
+                cols["first_recv"].append(scratch(per_node * slice_piece))
+            else:
+                cols["first_recv"].append(scratch(per_node * (b - a), torch.float32))
+            cols["send"].append(scratch(nodes * piece))
+            cols["recv"].append(scratch(nodes * piece))
+            cols["shard"].append(scratch(row))
+            cols["across"].append(scratch(nodes * row))
+            cols["gathered"].append(scratch(world_size * row))
+        layer_of = torch.repeat_interleave(torch.arange(n_layers), counts.cpu())
+        return NodeBlocks(
+            ranks_per_node=per_node,
+            nodes=nodes,
+            local_rank=local,
+            node=me,
+            wire_first=wire_first,
+            flags=n_layers,
+            layer_of=to_device(layer_of, device),
+            **cols,
         )
 
     @staticmethod

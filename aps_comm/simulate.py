@@ -141,11 +141,12 @@ class SimConfig:
             (:func:`aps_comm.scaling.mean_exponents`, one more byte per block
             with the all-gather), as the hook does where shards hold whole
             blocks.
-        rank_exponents: two_phase with block scaling, no agreement before
-            the exchange: each worker encodes with its own block exponents
+        rank_exponents: block scaling, no agreement before the exchange.
+            two_phase: each worker encodes with its own block exponents
             (sent with its shard), the owner decodes every shard with its
             sender's, sums in FP32, and gives each block of the mean its own
-            exponent (sent with the all-gather).
+            exponent (sent with the all-gather). hierarchical and grid: every
+            level's owner does the same (see :func:`_staged_rank_blocks`).
 
     Example:
         >>> cfg = SimConfig("e5m2", reduction="ring", accumulator="fp16")
@@ -177,10 +178,13 @@ class SimConfig:
         if self.ranks_per_node < 1:
             raise ValueError(f"ranks_per_node must be >= 1, got {self.ranks_per_node}")
         check_block_size(self.block_size)
-        for name in ("owner_exponents", "rank_exponents"):
-            if getattr(self, name) and (self.scaling != "block" or self.reduction != "two_phase"):
+        for name, orders in (
+            ("owner_exponents", ("two_phase",)),
+            ("rank_exponents", ("two_phase", "hierarchical", "grid")),
+        ):
+            if getattr(self, name) and (self.scaling != "block" or self.reduction not in orders):
                 raise ValueError(
-                    f"{name} needs scaling='block' and reduction='two_phase', got "
+                    f"{name} needs scaling='block' and reduction in {orders}, got "
                     f"scaling={self.scaling!r}, reduction={self.reduction!r}"
                 )
         if self.reduction in ("hierarchical", "grid") and (
@@ -386,8 +390,9 @@ def allreduce(
         block_size: elements per block for ``scaling="block"``.
         owner_exponents: two_phase with block scaling: the owner re-chooses
             each block's exponent for the mean (see :class:`SimConfig`).
-        rank_exponents: two_phase with block scaling: every worker's own
-            block exponents, and the owner's for the mean (see :class:`SimConfig`).
+        rank_exponents: block scaling: every worker's own block exponents,
+            and every level's owner's for what it forwards (two_phase,
+            hierarchical, grid; see :class:`SimConfig`).
 
     Returns:
         One float32 tensor per layer, shape ``param_shape``: the averaged
@@ -494,15 +499,16 @@ def _spread(v: torch.Tensor, m: int, block_size: int) -> torch.Tensor:
 
 
 def _own_factors(
-    x: torch.Tensor, fmt: FloatFormat, n: int, block_size: int
+    x: torch.Tensor, fmt: FloatFormat, world_size: int, block_size: int
 ) -> tuple[torch.Tensor, torch.Tensor]:
-    """Every worker's own block scale and unscale, one per element of its ``(N, m)`` layer."""
-    m = x.shape[1]
+    """Every row's own block scale and unscale, one per element of its ``(rows, m)`` layer
+    (the two_phase rule for a sum over ``world_size`` senders)."""
+    n, m = x.shape
     blocks = _ceil_div(m, block_size)
     a = torch.zeros(n, blocks * block_size, dtype=torch.float32, device=x.device)
     a[:, :m] = x.abs()
     own = a.view(n, blocks, block_size).amax(dim=2).reshape(-1)
-    f = factors(own, fmt, "two_phase", world_size=n)
+    f = factors(own, fmt, "two_phase", world_size=world_size)
     return _spread(f.scale.view(n, blocks), m, block_size), _spread(
         f.unscale.view(n, blocks), m, block_size
     )
@@ -524,6 +530,8 @@ def _hierarchical(
         raise ValueError(f"ranks_per_node={per} must divide the number of workers {n}")
     nodes = n // per
     flat = [t.detach().reshape(n, -1) for t in layers]
+    if cfg.rank_exponents:
+        return _staged_rank_blocks(layers, flat, fmt, per, grid, cfg, generator)
     amax = layer_amax(flat)
     f = _factors(flat, amax, fmt, cfg.reduction, n, cfg, per)
     assert f.shift is not None and (f.first is not None or not grid)
@@ -551,6 +559,71 @@ def _hierarchical(
             for node in range(1, nodes):
                 acc += q[node]  # node order
             res[lo:hi] = rnd(acc / n, _cut(shift[i], lo, hi)) * _cut(unscale[i], lo, hi)
+        out.append(res.view(layers[i].shape[1:]))
+    return out
+
+
+def _staged_rank_blocks(
+    layers: list[torch.Tensor],
+    flat: list[torch.Tensor],
+    fmt: FloatFormat,
+    per: int,
+    grid: bool,
+    cfg: SimConfig,
+    generator: torch.Generator | None,
+) -> list[torch.Tensor]:
+    """Hierarchical or grid two_phase where every level's owner uses its own block exponents.
+
+    Per block of every layer, over L workers per node and M nodes (node-major):
+
+    1. the node's mean: its L workers' values (grid: each first rounded with
+       the worker's own block exponent, no headroom, and decoded with it)
+       summed in FP32 in local-rank order, divided by L;
+    2. two_phase of the M node means with each node's own block exponents:
+       each mean rounded with its own exponent, decoded with it, the M
+       values summed in FP32 in node order and divided by M;
+    3. that mean rounded with its own block exponent, decoded with it.
+
+    A layer non-finite on any worker is NaN everywhere. The result does not
+    depend on how the hook cuts chunks, slices or shards: they hold whole blocks.
+
+    Example:
+        >>> g = torch.randn(8, 64)
+        >>> cfg = SimConfig("e2m1", "grid", "block", block_size=16, rank_exponents=True)
+        >>> [out] = _staged_rank_blocks([g], [g], cfg.fmt, 2, True, cfg, None)
+        >>> out.shape
+        torch.Size([64])
+    """
+    n, bs = flat[0].shape[0], cfg.block_size
+    nodes = n // per
+    rnd = _wire_round(fmt, cfg.rounding, generator, overflow=False)
+    finite = torch.isfinite(layer_amax(flat)).tolist()
+    # Whole blocks at a time: the exponents of a range of blocks are its own.
+    step = max(bs, _BLOCK_ELEMENTS // n // bs * bs)
+    out: list[torch.Tensor] = []
+    for i, x in enumerate(flat):
+        m = x.shape[1]
+        res = torch.full((m,), float("nan"), dtype=torch.float32, device=x.device)
+        for lo in range(0 if finite[i] else m, m, step):
+            hi = min(m, lo + step)
+            part = x[:, lo:hi].float()
+            if grid:
+                scale, unscale = _own_factors(part, fmt, per, bs)
+                part = rnd(part, scale) * unscale
+            part = part.reshape(nodes, per, hi - lo)
+            sums = part[:, 0].clone()
+            for r in range(1, per):
+                sums += part[:, r]  # local-rank order
+            means = sums / per
+            scale, unscale = _own_factors(means, fmt, nodes, bs)
+            q = rnd(means, scale) * unscale
+            acc = q[0].clone()
+            for node in range(1, nodes):
+                acc += q[node]  # node order
+            mean = acc / nodes
+            e = factors(_block_maxima(mean.view(1, -1), bs), fmt, "two_phase", world_size=1)
+            spread = functools.partial(_spread, m=hi - lo, block_size=bs)
+            res[lo:hi] = rnd(mean, spread(e.scale)) * spread(e.unscale)
         out.append(res.view(layers[i].shape[1:]))
     return out
 

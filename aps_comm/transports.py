@@ -44,6 +44,8 @@ from aps_comm.formats import payload_nbytes, pow2
 from aps_comm.plan import GroupPlan, RowRuns
 from aps_comm.scaling import (
     bad_layers,
+    blocks_amax,
+    exponent_keys,
     key_factors,
 )
 from aps_comm.topology import NodeGroups
@@ -57,6 +59,7 @@ __all__ = [
     "fp32_mean",
     "fp32_mean_async",
     "hierarchical",
+    "hierarchical_rank_blocks",
     "native",
     "reduce_scatter",
     "two_phase",
@@ -971,6 +974,201 @@ def hierarchical(
         lo, hi = g.chunks[c]
         r0, _ = g.regions[c]
         g.codec.decode(g.send[r0:], hi - lo, out=x[lo:hi], scale=unscale, layout=g.windows[c])
+
+    stages = (exchange_in_node, exchange_across_nodes, reduce_shard, gather_in_node, decode)
+    last = len(stages) - 1
+    for step in range(k + last):
+        for s in range(last, -1, -1):
+            c = step - s
+            if 0 <= c < k and not (defer and s == last and c == k - 1):
+                stages[s](c)
+    return functools.partial(decode, k - 1) if defer else None
+
+
+def hierarchical_rank_blocks(
+    g: GroupPlan,
+    x: torch.Tensor,
+    keys: torch.Tensor,
+    flags: torch.Tensor,
+    groups: NodeGroups,
+    world_size: int,
+    count: Counter,
+    defer: bool = False,
+) -> Callable[[], None] | None:
+    """:func:`hierarchical` (and grid) where every owner at every level uses its own block
+    exponents: nothing is agreed first (:class:`aps_comm.plan.NodeBlocks`).
+
+    Per chunk, the four collectives of :func:`hierarchical`, in its order:
+    (1) in the node, local rank l receives slice l of the chunk from every
+    rank of its node: FP32 (hierarchical), or encoded with the sender's own
+    block keys (``keys``, sent after each slice: grid), and averages the L
+    copies in local-rank order (the float32 sum divided by L); (2) the
+    node's mean, encoded with its own block keys (sent with it), goes in M
+    pieces to the ranks of local rank l on every node, the first chunk's
+    pieces also carrying this rank's layer ``flags``; the piece's owner
+    decodes the M pieces with their senders' keys, sums them in node order,
+    divides by M and encodes the mean with its own keys
+    (:meth:`aps_comm.codec.Codec.owner_reduce_rank_blocks`), the flags OR-ed
+    after them; (3) ``all_gather`` of the shards across nodes, (4) in the
+    node; every rank decodes the N shards with their owners' keys, and the
+    layers flagged by any rank (OR of the first chunk's gathered flags) NaN.
+
+    Args:
+        g: the group's plan (``g.node_blocks`` set).
+        x: the group's float32 values; the result is written back into it.
+        keys: this rank's :func:`aps_comm.scaling.exponent_keys` of every block
+            of ``x`` (two_phase rule; grid's first level sends with them).
+        flags: this rank's non-finite flag of every layer (uint8).
+        groups: this rank's intra- and inter-node groups.
+        world_size: ranks N.
+        count: byte counter.
+        defer: leave the last chunk's in-node gather in flight and return a
+            function that waits for it and decodes.
+
+    Returns:
+        With ``defer``, the function that finishes the bucket; else None.
+
+    Example:
+        >>> transports.hierarchical_rank_blocks(g, x, keys, flags, groups, 8, count)  # doctest: +SKIP
+    """
+    nb = g.node_blocks
+    assert nb is not None and g.blocks is not None
+    fmt, codec, k = g.fmt, g.codec, len(g.chunks)
+    per_node, nodes, local = nb.ranks_per_node, nb.nodes, nb.local_rank
+    layout = g.layout
+    scale = key_factors(keys, unscale=False)
+    works: dict[tuple[int, int], dist.Work] = {}
+    bad: list[torch.Tensor] = []  # per block: its layer is non-finite on some rank
+
+    def wait(c: int, stage: int, what: str) -> None:
+        _wait(works.pop((c, stage)), f"the {what} of chunk {c + 1} of {k}")
+
+    def exchange_in_node(c: int) -> None:
+        lo, hi = g.chunks[c]
+        bounds = nb.bounds[c]
+        if not nb.wire_first:
+            split = [bounds[(q + 1) * nodes] - bounds[q * nodes] for q in range(per_node)]
+            count("node_all_to_all", (hi - lo) * 4)
+            works[c, 0] = dist.all_to_all_single(
+                nb.first_recv[c],
+                x[lo:hi],
+                output_split_sizes=[split[local]] * per_node,
+                input_split_sizes=split,
+                group=groups.intra,
+                async_op=True,
+            )
+            return
+        pieces = nb.first_send[c].view(per_node, nb.slice_pieces[c])
+        sb = nb.slice_bytes[c]
+        for q in range(per_node):
+            a, b = nb.slice_bounds(c, q)
+            win = layout.window(a, b)
+            used = payload_nbytes(b - a, fmt)
+            piece = pieces[q]
+            if b > a:
+                codec.encode(x[a:b], out=piece[:used], scale=scale, layout=win)
+                piece[sb : sb + win.n_segments] = keys[win.first : win.first + win.n_segments]
+            piece[used:sb].zero_()  # padding: code 0 is +0 in every format
+            piece[sb + win.n_segments :].zero_()
+        count("node_all_to_all", pieces.numel())
+        works[c, 0] = dist.all_to_all_single(
+            nb.first_recv[c], nb.first_send[c], group=groups.intra, async_op=True
+        )
+
+    def node_mean(c: int) -> torch.Tensor:
+        """This rank's slice of chunk c averaged over its node (float32)."""
+        a, b = nb.slice_bounds(c, local)
+        if not nb.wire_first:
+            parts = nb.first_recv[c].view(per_node, b - a)
+            acc = parts[0].clone()
+            for r in range(1, per_node):
+                acc += parts[r]  # local-rank order, as aps_comm.simulate sums
+            return acc.div_(per_node)
+        rows = nb.first_recv[c].view(per_node, nb.slice_pieces[c])
+        mine, sb, used = nb.slice_layout[c], nb.slice_bytes[c], payload_nbytes(b - a, fmt)
+        unscale = key_factors(rows[:, sb : sb + mine.n_segments], unscale=True)
+        acc = codec.decode(rows[0, :used], b - a, scale=unscale[0], layout=mine)
+        for r in range(1, per_node):
+            acc += codec.decode(rows[r, :used], b - a, scale=unscale[r], layout=mine)
+        return acc.div_(per_node)
+
+    def exchange_across_nodes(c: int) -> None:
+        wait(c, 0, "first-level all_to_all" if nb.wire_first else "in-node FP32 all_to_all")
+        mean = node_mean(c)
+        mine = nb.slice_layout[c]
+        own = exponent_keys(blocks_amax(mean, mine), fmt, "two_phase", world_size=nodes)[0]
+        own_scale = key_factors(own, unscale=False)
+        s0, _ = nb.slice_bounds(c, local)
+        bounds, sb, slot = nb.bounds[c], nb.shard_bytes[c], nb.slots[c]
+        pieces = nb.send[c].view(nodes, nb.pieces[c])
+        for j in range(nodes):
+            a, b = bounds[local * nodes + j] - s0, bounds[local * nodes + j + 1] - s0
+            win = mine.window(a, b)
+            used = payload_nbytes(b - a, fmt)
+            piece = pieces[j]
+            if b > a:
+                codec.encode(mean[a:b], out=piece[:used], scale=own_scale, layout=win)
+                piece[sb : sb + win.n_segments] = own[win.first : win.first + win.n_segments]
+            piece[used:sb].zero_()
+            piece[sb + win.n_segments :].zero_()
+            if c == 0:
+                piece[sb + slot : sb + slot + flags.numel()] = flags
+        count("all_to_all", pieces.numel())
+        works[c, 1] = dist.all_to_all_single(
+            nb.recv[c], nb.send[c], group=groups.inter, async_op=True
+        )
+
+    def reduce_shard(c: int) -> None:
+        wait(c, 1, "across-node all_to_all")
+        s = local * nodes + nb.node
+        mine = nb.shard_layouts[c][s]
+        a, b = nb.bounds[c][s], nb.bounds[c][s + 1]
+        sb, slot, blocks = nb.shard_bytes[c], nb.slots[c], mine.n_segments
+        rows = nb.recv[c].view(nodes, nb.pieces[c])
+        out = nb.shard[c]
+        used = payload_nbytes(b - a, fmt)
+        unscale = key_factors(rows[:, sb : sb + blocks], unscale=True)
+        _, d = codec.owner_reduce_rank_blocks(
+            nb.recv[c], nodes, mine, unscale.contiguous(), out=out[:used]
+        )
+        out[used:sb].zero_()
+        out[sb : sb + blocks] = 127 - d  # a key (zero and non-finite blocks: d = 0)
+        out[sb + blocks :].zero_()
+        if c == 0:  # the flags of the ranks of this local rank, OR-ed
+            out[sb + slot :] = rows[:, sb + slot : sb + slot + nb.flags].amax(0)
+        count("all_gather", out.numel())
+        works[c, 2] = all_gather_single(nb.across[c], out, group=groups.inter, async_op=True)
+
+    def gather_in_node(c: int) -> None:
+        wait(c, 2, "across-node all_gather")
+        count("node_all_gather", nb.across[c].numel())
+        works[c, 3] = all_gather_single(
+            nb.gathered[c], nb.across[c], group=groups.intra, async_op=True
+        )
+
+    def decode(c: int) -> None:
+        wait(c, 3, "in-node all_gather")
+        sb, slot = nb.shard_bytes[c], nb.slots[c]
+        rows = nb.gathered[c].view(world_size, nb.rows[c])
+        if c == 0:
+            union = rows[:, sb + slot : sb + slot + nb.flags].amax(0)
+            bad.append(torch.index_select(union, 0, nb.layer_of) != 0)
+        bounds = nb.bounds[c]
+        for s in range(world_size):
+            a, b = bounds[s], bounds[s + 1]
+            if a == b:
+                continue
+            mine = nb.shard_layouts[c][s]
+            b0 = layout.window(a, b).first
+            factors = key_factors(rows[s, sb : sb + mine.n_segments], unscale=True)
+            factors = torch.where(bad[0][b0 : b0 + mine.n_segments], float("nan"), factors)
+            codec.decode(
+                rows[s, : payload_nbytes(b - a, fmt)],
+                b - a,
+                out=x[a:b],
+                scale=factors,
+                layout=mine,
+            )
 
     stages = (exchange_in_node, exchange_across_nodes, reduce_shard, gather_in_node, decode)
     last = len(stages) - 1

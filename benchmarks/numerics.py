@@ -28,7 +28,9 @@ block size, simulated at every N (real and simulated columns alike): with
 the exponents agreed across ranks ("block32"), with the owner also picking
 each block's exponent for the mean ("block32+owner", what the hook's
 two_phase runs) and with each rank's own exponents ("block32+rank"); see
-:func:`aps_comm.simulate.allreduce`. Beside them, the floor of each format and
+:func:`aps_comm.simulate.allreduce`. Hierarchical (nodes of 8) and grid rows
+too, where N has that layout: agreed exponents, and "+rank" (every level's
+owner encodes what it forwards with its own block exponents, the hook's). Beside them, the floor of each format and
 block size ("exact mean", "block32 floor", :func:`block_floor`): the exact
 mean of the same gradients rounded to the format once, every block with its
 own exponent from the mean's block maximum and no headroom. It is what
@@ -64,6 +66,7 @@ from aps_comm.formats import FloatFormat, get_format, quantize
 from aps_comm.scaling import blocks_amax, factors
 from aps_comm.simulate import VirtualWorkers, allreduce
 from aps_comm.testing import run_distributed
+from aps_comm.topology import grid_rows
 from benchmarks._models import DigitsCNN, TinyLM, lm_loss, load_digits_tensors, markov_data
 
 __all__ = [
@@ -115,20 +118,46 @@ def configs(
 
 BLOCK_VARIANTS = {"": {}, "+owner": {"owner_exponents": True}, "+rank": {"rank_exponents": True}}
 
+BLOCK_REDUCTIONS = ("two_phase", "hierarchical", "grid")
+"""The block rows' reductions; the staged ones have no ``+owner`` variant."""
 
-def block_configs(formats: Sequence[str], block_sizes: Sequence[int]) -> list[dict[str, str]]:
-    """The block-scaling rows: two_phase, every block size and variant.
+NODE_RANKS = 8
+"""Ranks per node of the hierarchical block rows (a node of 8 GPUs)."""
+
+
+def block_configs(
+    formats: Sequence[str],
+    block_sizes: Sequence[int],
+    reductions: Sequence[str] = ("two_phase",),
+) -> list[dict[str, str]]:
+    """The block-scaling rows: every reduction, block size and variant.
 
     Example:
         >>> [c["scaling"] for c in block_configs(["e2m1"], [32])]
         ['block32', 'block32+owner', 'block32+rank']
+        >>> [c["scaling"] for c in block_configs(["e2m1"], [32], ["grid"])]
+        ['block32', 'block32+rank']
     """
     return [
-        {"hook": "aps", "format": fmt, "reduction": "two_phase", "scaling": f"block{b}{v}"}
+        {"hook": "aps", "format": fmt, "reduction": red, "scaling": f"block{b}{v}"}
         for fmt in formats
         for b in block_sizes
+        for red in reductions
         for v in BLOCK_VARIANTS
+        if red == "two_phase" or v != "+owner"
     ]
+
+
+def _staged_options(reduction: str, workers: int) -> dict | None:
+    """simulate.allreduce's keywords for a block row's reduction at ``workers``; None where
+    it has no such layout (hierarchical: nodes of :data:`NODE_RANKS`, at least two; grid:
+    a divisor between 2 and sqrt(N))."""
+    if reduction == "two_phase":
+        return {}
+    if reduction == "hierarchical":
+        ok = workers % NODE_RANKS == 0 and workers > NODE_RANKS
+        return {"reduction": reduction, "ranks_per_node": NODE_RANKS} if ok else None
+    return {"reduction": reduction} if grid_rows(workers) > 1 else None
 
 
 FLOOR = "exact mean"
@@ -428,7 +457,12 @@ def _simulated_blocks(name: str, snapshot: dict, settings: dict, workers: int) -
     model = _new_model(name)
     model.load_state_dict(snapshot)
     loss_fn = _loss_fn(name)
-    cfgs = block_configs(settings["block_formats"], settings["block_sizes"])
+    reductions = settings.get("block_reductions", ("two_phase",))
+    cfgs = [
+        cfg
+        for cfg in block_configs(settings["block_formats"], settings["block_sizes"], reductions)
+        if _staged_options(cfg["reduction"], workers) is not None
+    ]
     floors = [(f, b) for f in settings["block_formats"] for b in settings["block_sizes"]]
     per_cfg: dict[int, list[dict]] = {}
     for b in range(settings["batches"]):
@@ -436,7 +470,9 @@ def _simulated_blocks(name: str, snapshot: dict, settings: dict, workers: int) -
         grads, _ = VirtualWorkers(model, workers).worker_grads(loss_fn, x, y)
         exact = [g.double().mean(0) for g in grads]
         for i, cfg in enumerate(cfgs):
-            avg = allreduce(grads, cfg["format"], **_block_options(cfg["scaling"]))
+            staged = _staged_options(cfg["reduction"], workers)
+            assert staged is not None
+            avg = allreduce(grads, cfg["format"], **_block_options(cfg["scaling"]), **staged)
             per_cfg.setdefault(i, []).append(_errors(list(zip(avg, exact, strict=True))))
         for i, (fmt, size) in enumerate(floors, start=len(cfgs)):
             out = block_floor(exact, fmt, size)
@@ -473,6 +509,9 @@ def main(argv: list[str] | None = None) -> dict:
     parser.add_argument(
         "--block-formats", nargs="+", choices=FORMATS, default=["e4m3", "e3m2", "e2m1"]
     )
+    parser.add_argument(
+        "--block-reductions", nargs="+", choices=BLOCK_REDUCTIONS, default=list(BLOCK_REDUCTIONS)
+    )
     parser.add_argument("--timeout", type=float, default=1800.0)
     parser.add_argument(
         "--out",
@@ -497,6 +536,7 @@ def main(argv: list[str] | None = None) -> dict:
         "torch_hooks": args.torch_hooks,
         "block_sizes": args.block_sizes,
         "block_formats": args.block_formats,
+        "block_reductions": args.block_reductions,
         "loss_scale_digits": LOSS_SCALE,
         "lm": _LM,
     }
@@ -568,11 +608,14 @@ def markdown(result: dict) -> str:
     ]
     if s.get("block_sizes"):
         lines += [
-            "Block scaling rows (two_phase, simulated at every N): `blockB` agrees each "
+            "Block scaling rows (simulated at every N; hierarchical: nodes of "
+            f"{NODE_RANKS} ranks, from N = {2 * NODE_RANKS}; grid: `aps_comm.topology."
+            "grid_rows(N)` rows): `blockB` agrees each "
             "block's exponent across ranks and the owner re-encodes the mean with it; "
             "`+owner`: the owner picks each block's exponent for the mean (the hook's "
             '`block_exponents="agreed"`); `+rank`: each rank encodes with its own block '
-            "exponents and the owner picks the mean's (the hook's default). "
+            "exponents and the owner picks the mean's (the hook's default; in hierarchical "
+            "and grid every level's owner encodes what it forwards with its own exponents). "
             "`exact mean | blockB floor`: the exact mean of the same gradients rounded once "
             "to the format, each block with its own exponent from the mean's block maximum "
             "and no headroom (two_phase's rule for one worker). It is what encoding the true "
@@ -599,7 +642,10 @@ def markdown(result: dict) -> str:
             cfg
             for fmt in s.get("block_formats", ())
             for size in s.get("block_sizes", ())
-            for cfg in (*block_configs([fmt], [size]), floor_config(fmt, size))
+            for cfg in (
+                *block_configs([fmt], [size], s.get("block_reductions", ("two_phase",))),
+                floor_config(fmt, size),
+            )
         ]
         for cfg in _configs(s) + blocks:
             cells = []

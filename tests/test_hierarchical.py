@@ -87,6 +87,7 @@ CASES = [
     ("e5m2", "bucket"),
     ("bf16", "layer"),
     ("e2m1", "block"),
+    ("e4m3", "block"),
 ]
 
 
@@ -125,7 +126,13 @@ def _hier_case(rank: int, world_size: int, chunk: int | None, via_env: bool, red
                 layers = list(torch.split(raws, numels, dim=1))
                 expected = torch.cat(
                     simulate.allreduce(
-                        layers, fmt, reduction=reduction, scaling=scaling, ranks_per_node=2
+                        layers,
+                        fmt,
+                        reduction=reduction,
+                        scaling=scaling,
+                        ranks_per_node=2,
+                        # Block scaling: every level's owner uses its own exponents.
+                        rank_exponents=scaling == "block",
                     )
                 )
                 assert torch.equal(out.nan_to_num(nan=7.0), expected.nan_to_num(nan=7.0)), (
@@ -258,3 +265,76 @@ def test_bad_arguments_are_errors() -> None:
 def _bad_per_node(rank: int, world_size: int) -> None:
     APSState("e4m3", reduction="hierarchical", ranks_per_node=3).bind_process_group()
     dist.barrier()
+
+
+# ---------------------------------------------------------------------------
+# block scaling: every level's owner keeps its own exponents
+
+
+def _blocks_8(rank: int, world_size: int) -> int:
+    checked = 0
+    for reduction, fmt in [("hierarchical", "e2m1"), ("grid", "e4m3")]:
+        torch.manual_seed(0)
+        model = Net()
+        ddp = DDP(model, bucket_cap_mb=0.004)
+        state = APSState(fmt, reduction=reduction, scaling="block", block_size=16, ranks_per_node=4)
+        state.bind_process_group()
+        log: list = []
+        ddp.register_comm_hook(state, capture(state, log))
+        torch.manual_seed(rank)
+        if rank == 5:  # a NaN gradient in one layer of one rank
+            model.c.bias.register_hook(lambda g: torch.full_like(g, float("nan")))
+        ddp(torch.randn(8, 16) * (rank + 1)).pow(2).sum().backward()
+        for _, raw, numels, out in log:
+            layers = list(torch.split(gather(raw), numels, dim=1))
+            expected = torch.cat(
+                simulate.allreduce(
+                    layers,
+                    fmt,
+                    reduction=reduction,
+                    scaling="block",
+                    block_size=16,
+                    ranks_per_node=4,
+                    rank_exponents=True,
+                )
+            )
+            assert torch.equal(out.nan_to_num(7.0), expected.nan_to_num(7.0)), reduction
+            checked += 1
+        assert torch.isnan(model.c.bias.grad).all()
+        assert torch.isfinite(model.a.weight.grad).all()
+    return checked
+
+
+def test_block_owner_exponents_on_8_ranks_match_simulate() -> None:
+    # Two nodes of 4 (hierarchical) and grid_rows(8) = 2 rows of 4 (grid).
+    assert all(c >= 2 for c in run_distributed(_blocks_8, 8, timeout=300))
+
+
+@pytest.mark.parametrize("reduction", ["hierarchical", "grid"])
+def test_owner_exponents_beat_agreed_ones_at_every_level(reduction: str) -> None:
+    # Workers whose gradients differ in scale by 2**10: the agreed exponent
+    # follows the largest, so the node sums and means of the others flush.
+    gen = torch.Generator().manual_seed(0)
+    n = 32
+    g = torch.randn(n, 2048, generator=gen) * 2.0 ** -torch.randint(0, 10, (n, 1), generator=gen)
+    exact = g.double().mean(0)
+
+    def error(fmt: str, rank_exponents: bool) -> float:
+        [avg] = simulate.allreduce(
+            [g],
+            fmt,
+            reduction=reduction,
+            scaling="block",
+            block_size=32,
+            ranks_per_node=8,
+            rank_exponents=rank_exponents,
+        )
+        return float((avg.double() - exact).norm() / exact.norm())
+
+    [flat] = simulate.allreduce([g], "e2m1", scaling="block", block_size=32, rank_exponents=True)
+    two_phase = float((flat.double() - exact).norm() / exact.norm())
+    assert error("e2m1", True) < 0.5 * error("e2m1", False)
+    # Hierarchical rounds twice, as two_phase does; grid's first level once more.
+    assert error("e2m1", True) < (1.1 if reduction == "hierarchical" else 1.4) * two_phase
+    # e4m3's range holds the agreed variant's means too: no worse with the owners'.
+    assert error("e4m3", True) <= 1.01 * error("e4m3", False)
