@@ -737,3 +737,129 @@ def test_bound_calls_repeat_the_codec_calls(tc: types.ModuleType, fmt: FloatForm
         assert torch.equal(_bits(back), _bits(got))
         _quiet(bound_owner)
         assert torch.equal(mean, _quiet(c.owner_reduce, shards, 2))
+
+
+def _rank_block_case(fmt: FloatFormat, block_size: int, n: int) -> dict:
+    """A group of odd layers in blocks, one chunk of it (from its third block) cut into
+    ``n`` uneven shards, one of them empty where ``n`` > 1, and each rank's values
+    (the fourth layer non-finite on the last rank, far apart magnitudes)."""
+    cpu = torch.device("cpu")
+    numels = [5, 0, 37, 11, 70, 1, 13, 2100]  # the last: several programs per kernel
+    blocks = codec.Layout.from_numels(numels, cpu).grid(block_size)
+    offsets = blocks.layout.offsets.numpy().astype(np.int64)
+    counts = blocks.counts.numpy()
+    nb = offsets.size - 1
+    mid = (2 + nb) // 2
+    firsts = np.array({1: [2, nb], 2: [2, 2, nb], 3: [2, mid, mid, nb]}[n], np.int64)
+    sizes = np.diff(offsets[firsts])
+    shard_bytes = max(payload_nbytes(int(s), fmt) for s in sizes) + 1  # padded
+    slots = int(np.diff(firsts).max()) + 2
+    xs = []
+    gen = torch.Generator().manual_seed(n * 100 + block_size)
+    for r in range(n):
+        x = torch.randn(offsets[-1], generator=gen)
+        x *= 2.0 ** torch.randint(-30, 30, (x.numel(),), generator=gen).float()
+        x[offsets[4] : offsets[6]] = 0.0  # a zero block or two: key 0
+        if r == n - 1:
+            x[44] = float("nan") if r % 2 else float("inf")  # the fourth layer: [42, 53)
+        xs.append(x)
+    return {
+        "offsets": offsets,
+        "layer_of": np.repeat(np.arange(counts.size, dtype=np.int64), counts),
+        "counts": blocks.counts,
+        "firsts": firsts,
+        "shard_bytes": shard_bytes,
+        "slots": slots,
+        "xs": xs,
+    }
+
+
+@pytest.mark.parametrize(
+    ("fmt", "block_size"),
+    [(F.E2M1, 8), (F.E2M1, 32), (F.E4M3, 8), (F.E4M3, 32)],
+    ids=lambda v: getattr(v, "name", v),
+)
+def test_rank_block_kernels_match_kernels(
+    tc: types.ModuleType, fmt: FloatFormat, block_size: int
+) -> None:
+    # two_phase with every rank's own block exponents, the whole chain: the keys and
+    # flags, every rank's send (pieces of N ranks built by the send kernel on each
+    # rank's values), each owner's step and the decode of the gathered shards, byte
+    # for byte against the numba kernels; every byte of every buffer written.
+    from aps_comm import cpu_kernels
+    from aps_comm.scaling import EXPONENT_LIMIT
+
+    table, untable = codec._key_table(False), codec._key_table(True)
+    for n in (1, 2, 3):
+        case = _rank_block_case(fmt, block_size, n)
+        offsets, firsts, layer_of = case["offsets"], case["firsts"], case["layer_of"]
+        sb, slots, nb = case["shard_bytes"], case["slots"], offsets.size - 1
+        n_layers = case["counts"].numel()
+        for at in (sb + slots, -1) if n == 3 else (sb + slots,):  # -1: a later chunk
+            piece = sb + slots + (n_layers + 4 if at >= 0 else 1)
+            keys, flags = [], []
+            sends = []
+            for r, x in enumerate(case["xs"]):
+                k, f = (
+                    torch.empty(nb, dtype=torch.uint8),
+                    torch.full((n_layers,), 7, dtype=torch.uint8),
+                )
+                m = torch.empty(nb)
+                _quiet(tc.bind_block_keys(fmt, x, offsets, layer_of, m, k, f))
+                want_m, want_k, want_f = torch.empty(nb), torch.empty_like(k), torch.empty_like(f)
+                codec._block_keys(fmt, x, offsets, case["counts"], want_m, want_k, want_f)
+                assert torch.equal(m.view(torch.int32), want_m.view(torch.int32))
+                assert torch.equal(k, want_k) and torch.equal(f, want_f), (r, k, want_k)
+                assert bool(f[3]) == (r == n - 1) and f.sum() == (r == n - 1)
+                keys.append(k)
+                flags.append(f)
+                send = torch.full((n * piece,), 0xA5, dtype=torch.uint8)
+                call = tc.bind_send_rank_blocks(fmt, x, k, offsets, firsts, f, send, sb, at)
+                _quiet(call, 5 + r)
+                want = np.full(n * piece, 0x5A, np.uint8)
+                cpu_kernels.send_rank_blocks(
+                    fmt, x.numpy(), k.numpy(), table, offsets, firsts, want, piece, sb,
+                    f.numpy(), at, 5 + r,
+                )  # fmt: skip
+                assert np.array_equal(send.numpy(), want), (n, at, r)
+                sends.append(send.view(n, piece))
+            outs, union = [], torch.full((n_layers,), 9, dtype=torch.uint8)
+            for o in range(n):
+                recv = torch.cat([s[o] for s in sends])
+                shard = offsets[firsts[o] : firsts[o + 1] + 1] - offsets[firsts[o]]
+                longest = int(np.diff(shard).max()) if shard.size > 1 else 0
+                out = torch.full((sb + slots + 3,), 0xA5, dtype=torch.uint8)
+                d = torch.empty(max(shard.size - 1, 1), dtype=torch.int32)
+                call = tc.bind_owner_rank_blocks(
+                    fmt, recv, n, shard, out, union, d, sb, at, block_size
+                )
+                _quiet(call)
+                want_out = np.full(out.numel(), 0x5A, np.uint8)
+                want_union = np.full(n_layers, 9, np.uint8)
+                want_d = np.empty(shard.size - 1, np.int32)
+                log2 = cpu_kernels.owner_rank_blocks(
+                    fmt, EXPONENT_LIMIT, recv.numpy(), n, shard, untable, want_out, sb, at,
+                    want_union, want_d, longest,
+                )  # fmt: skip
+                assert np.array_equal(out.numpy(), want_out), (n, at, o)
+                assert np.array_equal(union.numpy(), want_union), (n, at, o)
+                assert np.array_equal(d.numpy()[: want_d.size], want_d)
+                assert log2 == (4 + n if at >= 0 else 0)
+                outs.append(out)
+            gathered = torch.cat(outs)
+            for r, x in enumerate(case["xs"]):
+                got, want = x.clone(), x.clone()
+                _quiet(
+                    tc.bind_decode_rank_blocks(
+                        fmt, gathered, n, offsets, firsts, layer_of, union, got, sb
+                    )
+                )
+                cpu_kernels.decode_rank_blocks(
+                    fmt, gathered.numpy(), n, offsets, firsts, untable, layer_of,
+                    union.numpy(), want.numpy(), sb,
+                )  # fmt: skip
+                assert torch.equal(_bits(got), _bits(want)), (n, at, r)
+                a = offsets[firsts[0]]
+                assert torch.equal(got[:a], x[:a])  # outside the chunk: untouched
+                if at >= 0:  # the fourth layer NaN on every rank, nothing else
+                    assert got[42:53].isnan().all() and not got[53:].isnan().any()
