@@ -863,3 +863,142 @@ def test_rank_block_kernels_match_kernels(
                 assert torch.equal(got[:a], x[:a])  # outside the chunk: untouched
                 if at >= 0:  # the fourth layer NaN on every rank, nothing else
                     assert got[42:53].isnan().all() and not got[53:].isnan().any()
+
+
+_RANK_BLOCK_KERNELS = (
+    "_block_keys_kernel",
+    "_send_rank_blocks_kernel",
+    "_reduce_blocks_kernel",
+    "_decode_rank_blocks_kernel",
+)
+
+
+@contextlib.contextmanager
+def _triton_plans() -> Iterator[None]:
+    """Buckets planned on the Triton backend (CPU tensors, the interpreter) for the formats
+    it takes, inside a default process group of one rank (Gloo)."""
+    from aps_comm import plan
+    from benchmarks.hostcost import world_of_one
+
+    def triton_codec_for(fmt, device, backend="auto"):  # type: ignore[no-untyped-def]
+        fmt = get_format(fmt)
+        return codec.codec_for(fmt, device, "triton" if fmt.wire_bits <= 16 else backend)
+
+    with world_of_one(torch.device("cpu")):
+        saved, plan.codec_for = plan.codec_for, triton_codec_for
+        try:
+            yield
+        finally:
+            plan.codec_for = saved
+
+
+def _reference(options: dict, x: torch.Tensor, params: list[torch.Tensor]) -> torch.Tensor:
+    """The bucket through the numba kernels' full path (a state that never settled)."""
+    import aps_comm
+    from benchmarks.hostcost import world_of_one
+
+    with world_of_one(torch.device("cpu")):
+        state = aps_comm.APSState(**options)
+        out = state.run_bucket(0, x.clone(), params).clone()
+        del state
+    return out
+
+
+def _block_bucket(numels: list[int], seed: int) -> tuple[torch.Tensor, list[torch.Tensor]]:
+    gen = torch.Generator().manual_seed(seed)
+    x = torch.randn(sum(numels), generator=gen) * 2.0 ** torch.randint(-20, 20, (1,), generator=gen)
+    x[:: max(1, x.numel() // 7)] *= 1000.0  # layers of very different maxima
+    x[3] = float("nan")  # the first layer is non-finite: NaN everywhere in it
+    return x, [torch.nn.Parameter(torch.empty(n)) for n in numels]
+
+
+@pytest.mark.parametrize(("fmt", "block_size"), [("e2m1", 8), ("e4m3", 32)])
+def test_settled_block_bucket_on_triton_gives_the_kernels_bits(
+    tc: types.ModuleType, monkeypatch: pytest.MonkeyPatch, fmt: str, block_size: int
+) -> None:
+    # The default block scaling (two_phase, every rank's own block exponents) settles on
+    # the Triton backend too: a settled bucket is the keys' one kernel (and the flags'
+    # zeroing) and three launches per chunk, the same for 2 layers as for 40, and its
+    # bits are those of the numba kernels' full path.
+    import aps_comm
+    from aps_comm.engine import SteadyBlocks
+
+    options = {"fmt": fmt, "reduction": "two_phase", "scaling": "block", "block_size": block_size}
+    launches = {}
+    for numels in ([5, 0, 1, 300, 33, 2, 64], [5, 0, 1, 300, *[7] * 33, 64]):
+        x, params = _block_bucket(numels, 11)
+        log: list = []
+        with _triton_plans():
+            # Recorded from the start: the settled path binds its launches once.
+            for name in _RANK_BLOCK_KERNELS:
+                monkeypatch.setattr(tc, name, _Recorder(name, getattr(tc, name), log))
+            settled = aps_comm.APSState(**options)
+            buffer = x.clone()
+            for _ in range(2):  # the plan, then the settled path bound
+                buffer.copy_(x)
+                _quiet(settled.run_bucket, 0, buffer, params)
+            reducer = settled.reducer
+            assert reducer is not None
+            st = reducer.steady_for(0, buffer)
+            assert isinstance(st, SteadyBlocks) and st.group.codec.backend == "triton"
+            assert st.keys.device == buffer.device
+            log.clear()
+            buffer.copy_(x)
+            out = _quiet(settled.run_bucket, 0, buffer, params)
+            del settled, reducer
+        chunks = len(st.calls or [])
+        names = [name for name, _, _ in log]
+        assert (
+            names
+            == ["_block_keys_kernel"]
+            + [
+                "_send_rank_blocks_kernel",
+                "_reduce_blocks_kernel",
+                "_decode_rank_blocks_kernel",
+            ]
+            * chunks
+        ), names
+        launches[len(numels)] = names
+        want = _reference(options, x, params)
+        assert out[:5].isnan().all() and not out[5:].isnan().any()
+        same = torch.where(out.isnan(), 0.0, out).view(torch.int32)
+        assert torch.equal(same, torch.where(want.isnan(), 0.0, want).view(torch.int32))
+    assert len(set(map(tuple, launches.values()))) == 1, launches
+
+
+def test_a_fused_block_variant_that_fails_keeps_the_full_path(
+    tc: types.ModuleType, monkeypatch: pytest.MonkeyPatch, caplog: pytest.LogCaptureFixture
+) -> None:
+    # The owner's fused variant cannot compile (injected): bind's probe logs it once and
+    # returns None, the bucket keeps its full path (never SteadyBlocks), the same bits.
+    import aps_comm
+
+    monkeypatch.setattr(codec, "_TRITON_FAILED", {})
+    monkeypatch.setattr(codec, "_TRITON_RAN", set())
+    real = tc._reduce_blocks_kernel
+
+    class Broken:
+        def __getitem__(self, grid: object):  # type: ignore[no-untyped-def]
+            def launch(*args: object, **kwargs: object) -> None:
+                if kwargs.get("FACTORS") == 2:
+                    raise RuntimeError("CompilationError: injected")
+                real[grid](*args, **kwargs)
+
+            return launch
+
+    monkeypatch.setattr(tc, "_reduce_blocks_kernel", Broken())
+    options = {"fmt": "e2m1", "reduction": "two_phase", "scaling": "block", "block_size": 8}
+    x, params = _block_bucket([5, 0, 1, 300, 33, 2, 64], 5)
+    with _triton_plans():
+        state = aps_comm.APSState(**options)
+        for _ in range(3):
+            out = _quiet(state.run_bucket, 0, x.clone(), params)
+        reducer = state.reducer
+        assert reducer is not None and not reducer.steady
+        del state, reducer
+    monkeypatch.setattr(tc, "_reduce_blocks_kernel", real)
+    assert [r.getMessage().count("injected") for r in caplog.records] == [1]
+    assert any(v[0] == "owner_rank_blocks" for v in codec._TRITON_FAILED)
+    want = _reference(options, x, params)
+    same = torch.where(out.isnan(), 0.0, out).view(torch.int32)
+    assert torch.equal(same, torch.where(want.isnan(), 0.0, want).view(torch.int32))
