@@ -580,6 +580,9 @@ _KERNELS = (
     "_reduce_kernel",
     "_reduce_blocks_kernel",
     "_maxima_kernel",
+    "_block_keys_kernel",
+    "_send_rank_blocks_kernel",
+    "_decode_rank_blocks_kernel",
 )
 
 
@@ -637,6 +640,45 @@ def _launch_everything(tc: types.ModuleType) -> None:
         tc.reduce_blocks(recv, 2, fmt, rows.device_offsets, exps, out, d, 126, 32)
         factors = torch.ones(2, rows.n_segments)
         tc.reduce_rank_blocks(recv, 2, fmt, rows.device_offsets, factors, out, d, 126, 32)
+        if fmt.wire_bits in (4, 8):  # every rank's own block exponents, through the codec
+            _bind_rank_blocks(c, x, blocks)
+
+
+def _bind_rank_blocks(c: codec.Codec, x: torch.Tensor, blocks: codec.Blocks) -> None:
+    """The fused calls of two_phase with rank block exponents, bound by the codec (which
+    probes each variant) and run: one chunk of 3 shards, the first one's flags."""
+    offsets = blocks.layout.offsets.numpy().astype(np.int64)
+    nb, n_layers = offsets.size - 1, blocks.counts.numel()
+    layer_of = np.repeat(np.arange(n_layers, dtype=np.int64), blocks.counts.numpy())
+    keys, flags = torch.empty(nb, dtype=torch.uint8), torch.empty(n_layers, dtype=torch.uint8)
+    union = torch.empty(n_layers, dtype=torch.uint8)
+    call = c.bind_block_keys(x, blocks.layout, blocks.counts, torch.empty(nb), keys, flags, 3)
+    assert call is not None
+    call()
+    firsts = np.array([0, nb // 3, nb // 3, nb], np.int64)
+    sb = max(payload_nbytes(int(n), c.fmt) for n in np.diff(offsets[firsts]))
+    piece = sb + nb + n_layers + 1
+    shard = offsets[firsts[2] : firsts[3] + 1] - offsets[firsts[2]]
+    calls = c.bind_rank_blocks(
+        x,
+        keys,
+        flags,
+        union,
+        offsets=offsets,
+        firsts=firsts,
+        layer_of=layer_of,
+        shard=shard,
+        send=torch.empty(3 * piece, dtype=torch.uint8),
+        recv=torch.zeros(3 * piece, dtype=torch.uint8),
+        out=torch.empty(piece, dtype=torch.uint8),
+        gathered=torch.zeros(3 * piece, dtype=torch.uint8),
+        shard_bytes=sb,
+        at=sb + nb,
+    )
+    assert calls is not None
+    calls.send(3)
+    calls.owner()
+    calls.decode()
 
 
 @needs_triton
