@@ -563,6 +563,38 @@ def _zero_then(maxima: torch.Tensor, launch: Callable[[], object]) -> None:
     launch()
 
 
+def _like(t: torch.Tensor, numel: int) -> torch.Tensor:
+    """Zeros of ``t``'s dtype and device, ``numel`` of them, at ``t``'s address modulo 16
+    (Triton compiles a variant per pointer alignment): a probe's private buffer."""
+    size = t.element_size()
+    shift = (t.data_ptr() % 16) // size
+    return torch.zeros(numel + 16 // size, dtype=t.dtype, device=t.device)[shift : shift + numel]
+
+
+def _probed(variant: tuple, probe: Callable[[], object]) -> bool:
+    """Whether a fused Triton variant runs here: launched once (on a probe's private
+    buffers) through :func:`_triton_ran`, which logs a failure once and remembers it."""
+    return variant in _TRITON_RAN or _triton_ran(variant, probe)
+
+
+def _owner_then_chunk(
+    launch: Callable[[], object], host: np.ndarray | None, at: int, piece: int
+) -> int:
+    """A bound Triton owner step; then the ranks' largest preferred chunk (log2) where
+    ``host`` (the received pieces, a CPU tensor's memory) is given, else 0.
+
+    Chunks sized by measured timings happen on CPU buckets only (the engine's
+    ``measured``), where the interpreter runs the kernels on CPU tensors and the
+    bytes are host memory. On a GPU the bucket's chunk is the model's, the value
+    is never used, and reading it would be a device-to-host copy that waits for
+    the stream: 0 instead.
+    """
+    launch()
+    if host is None:
+        return 0
+    return int(host[at::piece].max())
+
+
 @dataclasses.dataclass(frozen=True)
 class AgreedMaxima:
     """The layers' agreed maxima standing in for their factors: the kernels derive them.
@@ -999,8 +1031,11 @@ class Codec:
         The returned call writes every block's max |x| into ``maxima``, its
         key (:func:`aps_comm.scaling.exponent_keys`, route two_phase) into
         ``keys`` and each layer's flag (:func:`aps_comm.scaling.bad_layers`)
-        into ``flags``: three kernel calls, whatever the number of blocks.
-        None off the "kernels" backend, or where ``fmt.max`` times N passes
+        into ``flags``: three kernel calls on the "kernels" backend, two
+        launches on "triton" (the flags zeroed, one kernel), whatever the
+        number of blocks. None on the other backends, where a Triton variant
+        cannot compile here (launched once at bind time on private buffers,
+        the failure logged once), or where ``fmt.max`` times N passes
         float32's max (the keys' general rule then needs the FP32 sum's bound).
 
         Args:
@@ -1017,14 +1052,32 @@ class Codec:
             >>> call()  # doctest: +SKIP
         """
         if (
-            self.backend != "kernels"
+            self.backend not in ("kernels", "triton")
             or x.dtype != torch.float32
             or self.fmt.max * world_size > torch.finfo(torch.float32).max
         ):
             return None
-        return functools.partial(
-            _block_keys, self.fmt, x, layout.offsets.numpy(), counts, maxima, keys, flags
+        offsets = layout.offsets.numpy()
+        if self.backend == "kernels":
+            return functools.partial(_block_keys, self.fmt, x, offsets, counts, maxima, keys, flags)
+        host_counts = counts.cpu().numpy()  # the plan's host copy: no device read
+        layer_of = np.repeat(np.arange(host_counts.size, dtype=np.int64), host_counts)
+        longest = int(np.diff(offsets).max()) if offsets.size > 1 else 0
+        if longest > _triton().MAX_SEGMENT:
+            return None
+        width = max(2, 1 << max(longest - 1, 0).bit_length())
+        probe = _triton().bind_block_keys(
+            self.fmt,
+            _like(x, max(longest, 1)),
+            np.array([0, max(longest, 1)], np.int64),
+            np.zeros(1, np.int64),
+            _like(maxima, 1),
+            _like(keys, 1),
+            _like(flags, 1),
         )
+        if not _probed(("block_keys", self.fmt.name, width), probe):
+            return None
+        return _triton().bind_block_keys(self.fmt, x, offsets, layer_of, maxima, keys, flags)
 
     def bind_rank_blocks(
         self,
@@ -1048,7 +1101,12 @@ class Codec:
 
         The fused form of what :func:`aps_comm.transports.two_phase_rank_blocks`
         does shard by shard; the same bytes. None where this backend has no
-        fused kernels (only "kernels" has them, for 4- and 8-bit formats).
+        fused kernels ("kernels" and "triton" have them, for 4- and 8-bit
+        formats), or where a Triton variant cannot compile here (each launched
+        once at bind time on private buffers, a failure logged once): the
+        bucket then keeps its full path. On "triton" every index array goes to
+        the device here, once, and the owner step returns 0 on CUDA (see
+        :func:`_owner_then_chunk`).
 
         Args:
             x: the group's float32 values (read, then overwritten by the decode).
@@ -1071,12 +1129,26 @@ class Codec:
             >>> calls = codec.bind_rank_blocks(x, keys, flags, union, ...)  # doctest: +SKIP
             >>> calls.send(0); calls.owner(); calls.decode()  # doctest: +SKIP
         """
-        if (
-            self.backend != "kernels"
-            or self.fmt.wire_bits not in (4, 8)
-            or x.dtype != torch.float32
-            or x.device.type != "cpu"
-        ):
+        if self.fmt.wire_bits not in (4, 8) or x.dtype != torch.float32:
+            return None
+        if self.backend == "triton":
+            return self._bind_triton_rank_blocks(
+                x,
+                keys,
+                flags,
+                union,
+                offsets=offsets,
+                firsts=firsts,
+                layer_of=layer_of,
+                shard=shard,
+                send=send,
+                recv=recv,
+                out=out,
+                gathered=gathered,
+                shard_bytes=shard_bytes,
+                at=at,
+            )
+        if self.backend != "kernels" or x.device.type != "cpu":
             return None
         n = firsts.size - 1
         table = _key_table(unscale=False)
@@ -1131,6 +1203,90 @@ class Codec:
                 shard_bytes,
             ),
         )
+
+    def _bind_triton_rank_blocks(
+        self,
+        x: torch.Tensor,
+        keys: torch.Tensor,
+        flags: torch.Tensor,
+        union: torch.Tensor,
+        *,
+        offsets: np.ndarray,
+        firsts: np.ndarray,
+        layer_of: np.ndarray,
+        shard: np.ndarray,
+        send: torch.Tensor,
+        recv: torch.Tensor,
+        out: torch.Tensor,
+        gathered: torch.Tensor,
+        shard_bytes: int,
+        at: int,
+    ) -> RankBlockCalls | None:
+        """:meth:`bind_rank_blocks` on the Triton backend (its arguments)."""
+        t, fmt = _triton(), self.fmt
+        n = firsts.size - 1
+        longest = int(np.diff(shard).max()) if shard.size > 1 else 0
+        if longest > t.MAX_SEGMENT:
+            return None
+        if not self._triton_rank_blocks_run(n, longest, x, keys, flags, union, send, out):
+            return None
+        d = torch.empty(max(shard.size - 1, 1), dtype=torch.int32, device=x.device)
+        owner = t.bind_owner_rank_blocks(
+            fmt, recv, n, shard, out, union, d, shard_bytes, at, longest
+        )
+        piece = recv.numel() // n
+        host = recv.numpy() if at >= 0 and recv.device.type == "cpu" else None
+        return RankBlockCalls(
+            t.bind_send_rank_blocks(fmt, x, keys, offsets, firsts, flags, send, shard_bytes, at),
+            functools.partial(_owner_then_chunk, owner, host, at + union.numel(), piece),
+            t.bind_decode_rank_blocks(
+                fmt, gathered, n, offsets, firsts, layer_of, union, x, shard_bytes
+            ),
+        )
+
+    def _triton_rank_blocks_run(
+        self,
+        n: int,
+        longest: int,
+        x: torch.Tensor,
+        keys: torch.Tensor,
+        flags: torch.Tensor,
+        union: torch.Tensor,
+        send: torch.Tensor,
+        out: torch.Tensor,
+    ) -> bool:
+        """Whether the send, owner and decode variants of ``n`` ranks and blocks of at most
+        ``longest`` elements run here: each launched once on a tiny chunk of private
+        buffers (N shards of one one-element block; piece: code, key, flag, log2)."""
+        t, fmt = _triton(), self.fmt
+        one = np.arange(n + 1, dtype=np.int64)
+        px, pkeys = _like(x, n), _like(keys, n)
+        pflags, punion = _like(flags, 1), _like(union, 1)
+        psend, pout = _like(send, 4 * n), _like(out, 4)
+        d = torch.zeros(1, dtype=torch.int32, device=x.device)
+        lead, rows, width = t._tile(longest, fmt.wire_bits)
+        divide = 0 if n == 1 else 1 if n & (n - 1) == 0 else 2
+        probes = [
+            (
+                ("send_rank_blocks", fmt.name),
+                functools.partial(
+                    t.bind_send_rank_blocks(fmt, px, pkeys, one, one, pflags, psend, 1, 2), 0
+                ),
+            ),
+            (
+                ("owner_rank_blocks", fmt.name, divide, lead, rows, width),
+                t.bind_owner_rank_blocks(
+                    fmt, psend, n, one[:2], pout, punion, d, 1, 2, max(longest, 1)
+                ),
+            ),
+            (
+                ("decode_rank_blocks", fmt.name),
+                t.bind_decode_rank_blocks(
+                    fmt, psend, n, one, one, np.zeros(n, np.int64), punion, px, 1
+                ),
+            ),
+        ]
+        return all(_probed(variant, probe) for variant, probe in probes)
 
     def _torch(self) -> Codec:
         """This format's codec with torch ops on the same device (a Triton variant's fallback)."""

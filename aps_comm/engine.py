@@ -527,10 +527,11 @@ class Reducer:
             list(fmts),
             measured,
             chunk,
-            torch.empty(n_blocks, dtype=torch.float32),
-            torch.empty(n_blocks, dtype=torch.uint8),
-            torch.empty(n_layers, dtype=torch.uint8),
-            torch.zeros(n_layers, dtype=torch.uint8),
+            # On the bucket's device: the Triton kernels write and read them there.
+            torch.empty(n_blocks, dtype=torch.float32, device=x.device),
+            torch.empty(n_blocks, dtype=torch.uint8, device=x.device),
+            torch.empty(n_layers, dtype=torch.uint8, device=x.device),
+            torch.zeros(n_layers, dtype=torch.uint8, device=x.device),
         )
         if st.bind(x, self.comm.rank, self.comm.world_size):
             self.steady[index] = st

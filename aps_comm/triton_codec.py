@@ -49,10 +49,12 @@ import functools
 import logging
 from collections.abc import Callable
 
+import numpy as np
 import torch
 
 from aps_comm.cpu_kernels import encoder_params, mean_limit
 from aps_comm.formats import E4M3, FloatFormat
+from aps_comm.hostcopy import to_device
 from aps_comm.scaling import EXPONENT_LIMIT
 
 _log = logging.getLogger(__name__)
@@ -79,10 +81,14 @@ __all__ = [
     "TILE",
     "FormatConstants",
     "Rule",
+    "bind_block_keys",
     "bind_decode",
+    "bind_decode_rank_blocks",
     "bind_encode",
     "bind_layer_maxima",
+    "bind_owner_rank_blocks",
     "bind_reduce_shards",
+    "bind_send_rank_blocks",
     "block_segments",
     "decode",
     "encode",
@@ -825,28 +831,48 @@ if AVAILABLE:
         fac_ptr=None,
         fac_at=None,
         fac_stride=None,
-        FACTORS: tl.constexpr = False,
+        FACTORS: tl.constexpr = 0,
     ):
         """float32 sum over ranks (r0 + r1 + ... in order) of element ``idx`` of every shard
         (rank r's ``shard_bytes`` from rank r - 1's).
 
-        ``FACTORS``: rank r's values times ``fac_ptr[r * fac_stride + fac_at]``
-        (``fac_at`` broadcast against ``idx``), each product rounded once
-        before its add (the kernels compile without fused multiply-adds).
+        ``FACTORS``: rank r's values times the factor at ``fac_ptr[r * fac_stride +
+        fac_at]`` (``fac_at`` broadcast against ``idx``): float32 factors (1) or
+        one-byte keys read as their unscale (2, :func:`_key_scale`); each product
+        rounded once before its add (the kernels compile without fused multiply-adds).
         """
         acc = _value(_load_code(src_ptr, idx, mask, WIRE), D)  # rank 0 as is: -0 stays -0
         if FACTORS:
-            acc = acc * tl.load(fac_ptr + fac_at)
+            acc = acc * _load_factor(fac_ptr + fac_at, FACTORS)
         shard = shard_bytes.to(tl.int64)  # N shards may pass 2**31 bytes
         # A while loop: Triton 3.4's interpreter cannot iterate a range() to a tensor.
         r = shard * 0 + 1
         while r < n_ranks:
             v = _value(_load_code(src_ptr + r * shard, idx, mask, WIRE), D)
             if FACTORS:
-                v = v * tl.load(fac_ptr + r * fac_stride + fac_at)
+                v = v * _load_factor(fac_ptr + r * fac_stride + fac_at, FACTORS)
             acc += v
             r += 1
         return acc
+
+    @triton.jit
+    def _load_factor(ptr, FACTORS: tl.constexpr):
+        """The float32 factor at ``ptr``: a float32 (``FACTORS`` 1) or a key's unscale (2)."""
+        if FACTORS == 2:
+            f = _key_scale(tl.load(ptr).to(tl.int32), True)
+        else:
+            f = tl.load(ptr)
+        return f
+
+    @triton.jit
+    def _key_scale(k, UNSCALE: tl.constexpr):
+        """float32 factor of int32 exponent keys ``k``: ``2**e`` (``UNSCALE``: ``2**-e``) of
+        ``e = 127 - k``, 1 for the keys 0 and 255: the codec's 256-entry key table
+        (:func:`aps_comm.scaling.key_factors`) the CPU kernels look keys up in."""
+        e = tl.where((k == 0) | (k == 255), 0, 127 - k)
+        if UNSCALE:
+            e = -e
+        return _pow2(e)
 
     @triton.jit(do_not_specialize=["shard_bytes", "numel", "n_ranks"])
     def _reduce_kernel(
@@ -931,7 +957,20 @@ if AVAILABLE:
         own = (1 + seg - s0) * WIDTH + (el - tl.load(off_ptr + seg))
         return tl.where(el < e0, el - lead_start, own).to(tl.int32)
 
-    @triton.jit(do_not_specialize=["shard_bytes", "n_blocks", "n_ranks", "top"])
+    @triton.jit(
+        do_not_specialize=[
+            "shard_bytes",
+            "n_blocks",
+            "n_ranks",
+            "top",
+            "key_at",
+            "used",
+            "n_out",
+            "flag_at",
+            "n_flags",
+            "n_tiles",
+        ]
+    )
     def _reduce_blocks_kernel(
         src_ptr,
         out_ptr,
@@ -939,11 +978,18 @@ if AVAILABLE:
         off_ptr,
         exp_ptr,
         fac_ptr,
+        union_ptr,
         shard_bytes,
         n_blocks,
         n_ranks,
         divisor,
         top,
+        key_at,
+        used,
+        n_out,
+        flag_at,
+        n_flags,
+        n_tiles,
         E: tl.constexpr,
         D: tl.constexpr,
         M: tl.constexpr,
@@ -963,8 +1009,13 @@ if AVAILABLE:
         the agreed exponents at ``exp_ptr``), and the codes of ``mean * 2**d``
         are stored. ``FACTORS``: every rank encoded with its own block
         exponents: rank r's values of block b are multiplied by
-        ``fac_ptr[r * n_blocks + b]`` before they are added, and the agreed
-        exponents are 0 (``exp_ptr`` is not read).
+        ``fac_ptr[r * n_blocks + b]`` (``FACTORS`` 1) before they are added,
+        and the agreed exponents are 0 (``exp_ptr`` is not read). ``FACTORS`` 2:
+        the factors are the unscales (:func:`_key_scale`) of the one-byte keys
+        each rank sent in its piece (``shard_bytes`` bytes from the last's) at
+        ``key_at``, and the mean's keys ``127 - d`` are stored at ``out_ptr +
+        key_at``; programs from ``n_tiles`` on do the rest of the owner's
+        bytes (:func:`_owner_tail`).
         4-bit codes (``LEAD`` 1): a block may start at an odd element, sharing
         its first byte with the block before it, perhaps another program's.
         Each byte is written by the program owning its high nibble's element
@@ -974,6 +1025,100 @@ if AVAILABLE:
         each byte's two codes out of the flattened tile with ``tl.gather``.
         """
         pid = tl.program_id(0).to(tl.int64)
+        if FACTORS == 2:
+            if pid < n_tiles:
+                _owner_tile(
+                    pid,
+                    src_ptr,
+                    out_ptr,
+                    d_ptr,
+                    off_ptr,
+                    exp_ptr,
+                    fac_ptr,
+                    shard_bytes,
+                    n_blocks,
+                    n_ranks,
+                    divisor,
+                    top,
+                    key_at,
+                    E,
+                    D,
+                    M,
+                    WIRE,
+                    DIVIDE,
+                    LEAD,
+                    ROWS,
+                    WIDTH,
+                    FACTORS,
+                )
+            else:
+                _owner_tail(
+                    pid - n_tiles,
+                    src_ptr,
+                    out_ptr,
+                    union_ptr,
+                    shard_bytes,
+                    n_ranks,
+                    n_blocks,
+                    key_at,
+                    used,
+                    n_out,
+                    flag_at,
+                    n_flags,
+                    ROWS * WIDTH,
+                )
+        else:
+            _owner_tile(
+                pid,
+                src_ptr,
+                out_ptr,
+                d_ptr,
+                off_ptr,
+                exp_ptr,
+                fac_ptr,
+                shard_bytes,
+                n_blocks,
+                n_ranks,
+                divisor,
+                top,
+                key_at,
+                E,
+                D,
+                M,
+                WIRE,
+                DIVIDE,
+                LEAD,
+                ROWS,
+                WIDTH,
+                FACTORS,
+            )
+
+    @triton.jit
+    def _owner_tile(
+        pid,
+        src_ptr,
+        out_ptr,
+        d_ptr,
+        off_ptr,
+        exp_ptr,
+        fac_ptr,
+        shard_bytes,
+        n_blocks,
+        n_ranks,
+        divisor,
+        top,
+        key_at,
+        E: tl.constexpr,
+        D: tl.constexpr,
+        M: tl.constexpr,
+        WIRE: tl.constexpr,
+        DIVIDE: tl.constexpr,
+        LEAD: tl.constexpr,
+        ROWS: tl.constexpr,
+        WIDTH: tl.constexpr,
+        FACTORS: tl.constexpr,
+    ):
+        """Program ``pid``'s tile of :func:`_reduce_blocks_kernel`."""
         s0 = pid * (ROWS - LEAD)
         s1 = tl.minimum(s0 + ROWS - LEAD, n_blocks)
         e0 = tl.load(off_ptr + s0)
@@ -998,8 +1143,12 @@ if AVAILABLE:
         valid = owned | (r < LEAD)
         # A row past the last block reads block 0's factors (its elements are masked).
         fac_at = tl.where(valid, seg, 0)[:, None]
+        if FACTORS == 2:  # every rank's keys lie in its piece after its codes
+            fac, stride = src_ptr + key_at, shard_bytes.to(tl.int64)
+        else:
+            fac, stride = fac_ptr, n_blocks
         v = _rank_sum(
-            src_ptr, shard_bytes, n_ranks, idx, mask, D, WIRE, fac_ptr, fac_at, n_blocks, FACTORS
+            src_ptr, shard_bytes, n_ranks, idx, mask, D, WIRE, fac, fac_at, stride, FACTORS
         )
         if DIVIDE:
             v = _divide(v, divisor, DIVIDE)
@@ -1011,6 +1160,8 @@ if AVAILABLE:
         else:
             d = _mean_exponent(m, tl.load(exp_ptr + seg, mask=valid, other=0), M)
         tl.store(d_ptr + seg, d, mask=owned)
+        if FACTORS == 2:  # the mean's keys after its codes (zero and non-finite blocks: d = 0)
+            tl.store(out_ptr + key_at + seg, (127 - d).to(tl.uint8), mask=owned)
         c = tl.where(mask, _code(v * _pow2(d)[:, None], E), 0)
         if WIRE == 4:
             flat = tl.reshape(c, [ROWS * WIDTH])
@@ -1028,6 +1179,38 @@ if AVAILABLE:
         else:
             tl.store(out_ptr + 2 * idx, (c & 0xFF).to(tl.uint8), mask=mask)
             tl.store(out_ptr + 2 * idx + 1, (c >> 8).to(tl.uint8), mask=mask)
+
+    @triton.jit
+    def _owner_tail(
+        t,
+        src_ptr,
+        out_ptr,
+        union_ptr,
+        piece,
+        n_ranks,
+        n_blocks,
+        key_at,
+        used,
+        n_out,
+        flag_at,
+        n_flags,
+        TB: tl.constexpr,
+    ):
+        """Tile ``t`` of the owner's bytes outside its blocks' codes and keys: zeros from
+        ``used`` to ``n_out`` around the keys at ``key_at``, and the OR over ranks of
+        every rank's ``n_flags`` layer flags at ``flag_at`` of its piece into ``union``."""
+        i = t * TB + tl.arange(0, TB)
+        p = used + i
+        zero = (p < n_out) & ((p < key_at) | (p >= key_at + n_blocks))
+        tl.store(out_ptr + p, tl.full(i.shape, 0, tl.uint8), mask=zero)
+        has = i < n_flags
+        u = tl.load(src_ptr + flag_at + i, mask=has, other=0)
+        stride = piece.to(tl.int64)
+        r = stride * 0 + 1
+        while r < n_ranks:
+            u = u | tl.load(src_ptr + r * stride + flag_at + i, mask=has, other=0)
+            r += 1
+        tl.store(union_ptr + i, u, mask=has)
 
 
 if AVAILABLE:
@@ -1106,6 +1289,184 @@ if AVAILABLE:
             while s <= hi:
                 tl.atomic_max(amax_ptr + s, tl.reduce(tl.where(seg == s, mag, 0), 0, _larger))
                 s += 1
+
+
+if AVAILABLE:
+    # two_phase with every rank's own block exponents (the default block scaling):
+    # the keys, and per chunk the send, the owner's step (:func:`_reduce_blocks_kernel`
+    # with ``FACTORS`` 2) and the decode, each one launch whatever the number of
+    # ranks, layers or blocks; the bytes of :mod:`aps_comm.cpu_kernels`'
+    # ``send_rank_blocks``, ``owner_rank_blocks`` and ``decode_rank_blocks``.
+
+    @triton.jit
+    def _blocks_of(off_ptr, el, first, last, s, n_last, top):
+        """The segment in [s, n_last] (largest t with ``off[t] <= el``) of every element
+        ``el`` of a program whose elements run from ``first`` to ``last``: the two ends
+        searched over every segment, the elements only between the ends'."""
+        lo = _search(off_ptr, first, s, top, n_last)
+        hi = _search(off_ptr, last, lo, top, n_last)
+        seg = tl.full(el.shape, 0, tl.int64) + lo
+        if lo != hi:  # a program inside one segment (most of them) needs no search
+            step = lo * 0
+            nxt = step + 1
+            while nxt <= hi - lo:
+                step = nxt
+                nxt = nxt * 2
+            seg = _search(off_ptr, el, seg, step, hi)
+        return seg
+
+    @triton.jit(do_not_specialize=["n_blocks"])
+    def _block_keys_kernel(
+        x_ptr,
+        off_ptr,
+        layer_ptr,
+        amax_ptr,
+        key_ptr,
+        flag_ptr,
+        n_blocks,
+        M: tl.constexpr,
+        ROWS: tl.constexpr,
+        WIDTH: tl.constexpr,
+    ):
+        """Every block's max |x| (NaN as inf; int32 bits), its two_phase key (0 for a zero
+        max, 255 for inf, else ``127 - d`` of :func:`_mean_exponent`) and a 1 in
+        ``flag_ptr`` at the layer (``layer_ptr``) of each block keyed 255.
+
+        A tile of ``ROWS`` whole blocks per program, one per row (a block has
+        at most ``WIDTH`` elements); the flags are plain stores of the same
+        byte (zeroed before), so programs meeting at a layer need no atomics.
+        """
+        pid = tl.program_id(0).to(tl.int64)
+        seg = pid * ROWS + tl.arange(0, ROWS)
+        owned = seg < n_blocks
+        start = tl.load(off_ptr + seg, mask=owned, other=0)
+        end = tl.load(off_ptr + seg + 1, mask=owned, other=0)
+        j = tl.arange(0, WIDTH)
+        mask = j[None, :] < (end - start)[:, None]
+        x = tl.load(x_ptr + (start[:, None] + j[None, :]), mask=mask, other=0.0)
+        # An integer max of |x|'s bits is a max that keeps NaN (above inf): to inf.
+        mag = x.to(tl.int32, bitcast=True) & 0x7FFFFFFF
+        m = tl.minimum(tl.reduce(mag, 1, _larger), 0x7F800000)
+        key = 127 - _mean_exponent(m, 0, M)
+        key = tl.where(m == 0, 0, tl.where(m == 0x7F800000, 255, key))
+        tl.store(amax_ptr + seg, m, mask=owned)
+        tl.store(key_ptr + seg, key.to(tl.uint8), mask=owned)
+        layer = tl.load(layer_ptr + seg, mask=owned, other=0)
+        tl.store(flag_ptr + layer, tl.full(seg.shape, 1, tl.uint8), mask=owned & (key == 255))
+
+    @triton.jit
+    def _send_code(x_ptr, key_ptr, off_ptr, el, mask, first, last, b0, n_last, top, E):
+        """uint32 codes of elements ``el`` times ``2**e`` of their blocks' keys (0 masked)."""
+        blk = _blocks_of(off_ptr, el, first, last, b0, n_last, top)
+        k = tl.load(key_ptr + blk, mask=mask, other=0).to(tl.int32)
+        v = tl.load(x_ptr + el, mask=mask, other=0.0) * _key_scale(k, False)
+        return tl.where(mask, _code(v, E), 0)
+
+    @triton.jit(do_not_specialize=["piece", "shard_bytes", "at", "n_flags", "top", "log2"])
+    def _send_rank_blocks_kernel(
+        x_ptr,
+        key_ptr,
+        off_ptr,
+        first_ptr,
+        flag_ptr,
+        send_ptr,
+        piece,
+        shard_bytes,
+        at,
+        n_flags,
+        top,
+        log2,
+        E: tl.constexpr,
+        WIRE: tl.constexpr,
+        BYTES: tl.constexpr,
+    ):
+        """Bytes ``t * BYTES`` on of shard s's piece (program (s, t)): the codes of its
+        blocks ``first[s]`` to ``first[s + 1]`` times their keys' ``2**e``, zero
+        padding, the keys at ``shard_bytes``, and where ``at >= 0`` the ``n_flags``
+        layer flags then ``log2`` at ``at``; zeros elsewhere.
+
+        Whole bytes per program: a 4-bit byte's two codes come from one program.
+        """
+        s = tl.program_id(0)
+        t = tl.program_id(1).to(tl.int64)
+        b0 = tl.load(first_ptr + s)
+        b1 = tl.load(first_ptr + s + 1)
+        a = tl.load(off_ptr + b0)
+        n = tl.load(off_ptr + b1) - a
+        i = t * BYTES + tl.arange(0, BYTES)
+        per = 8 // WIRE  # elements per byte
+        first = a + tl.minimum(t * BYTES * per, tl.maximum(n - 1, 0))
+        last = a + tl.maximum(tl.minimum((t + 1) * BYTES * per, n) - 1, 0)
+        n_last = b1 - 1
+        el = a + per * i
+        c = _send_code(x_ptr, key_ptr, off_ptr, el, el < a + n, first, last, b0, n_last, top, E)
+        if WIRE == 4:
+            hi = _send_code(
+                x_ptr, key_ptr, off_ptr, el + 1, el + 1 < a + n, first, last, b0, n_last, top, E
+            )
+            c = c | (hi << 4)
+        kb = i - shard_bytes
+        in_keys = (kb >= 0) & (kb < b1 - b0)
+        c = tl.where(in_keys, tl.load(key_ptr + b0 + kb, mask=in_keys, other=0).to(tl.uint32), c)
+        # at is -1 for none (n_flags then 0): no byte has fi <= 0.
+        fi = i - at
+        in_flags = (fi >= 0) & (fi < n_flags)
+        c = tl.where(in_flags, tl.load(flag_ptr + fi, mask=in_flags, other=0).to(tl.uint32), c)
+        c = tl.where((fi == n_flags) & (at >= 0), log2.to(tl.uint32), c)
+        tl.store(send_ptr + s.to(tl.int64) * piece + i, c.to(tl.uint8), mask=i < piece)
+
+    @triton.jit(
+        do_not_specialize=[
+            "c0",
+            "numel",
+            "row",
+            "shard_bytes",
+            "n_last",
+            "top",
+            "n_shards",
+            "top_s",
+        ]
+    )
+    def _decode_rank_blocks_kernel(
+        src_ptr,
+        x_ptr,
+        off_ptr,
+        first_ptr,
+        start_ptr,
+        layer_ptr,
+        union_ptr,
+        c0,
+        numel,
+        row,
+        shard_bytes,
+        n_last,
+        top,
+        n_shards,
+        top_s,
+        D: tl.constexpr,
+        WIRE: tl.constexpr,
+        BLOCK: tl.constexpr,
+    ):
+        """Elements ``c0`` to ``c0 + numel`` of a chunk from its N gathered shards (row s
+        of ``src_ptr``: shard s's codes, its blocks' keys at ``shard_bytes``): each
+        code times its key's ``2**-e``, NaN where its block's layer is flagged in
+        ``union``. Shard s starts at element ``start[s]`` and block ``first[s]``.
+        """
+        pid = tl.program_id(0).to(tl.int64)
+        first = c0 + pid * BLOCK
+        last = tl.minimum(first + BLOCK, c0 + numel) - 1
+        el = first + tl.arange(0, BLOCK)
+        mask = el <= last
+        zero = first * 0
+        s = _blocks_of(start_ptr, el, first, last, zero, zero + n_shards - 1, top_s)
+        blk = _blocks_of(off_ptr, el, first, last, zero, zero + n_last, top)
+        base = src_ptr + s * row
+        c = _load_code(base, el - tl.load(start_ptr + s, mask=mask, other=0), mask, WIRE)
+        kb = blk - tl.load(first_ptr + s, mask=mask, other=0)
+        k = tl.load(base + shard_bytes + kb, mask=mask, other=0).to(tl.int32)
+        bad = tl.load(union_ptr + tl.load(layer_ptr + blk, mask=mask, other=0), mask=mask, other=0)
+        f = tl.where(bad != 0, float("nan"), _key_scale(k, True))
+        tl.store(x_ptr + el, _value(c, D) * f, mask=mask)
 
 
 @functools.lru_cache(maxsize=64)
@@ -1697,11 +2058,18 @@ def _reduce_blocks(
         offsets,
         d if exponents is None else exponents,  # not read with factors
         d if factors is None else factors,  # not read without
+        out,  # the union: not read without keys
         recv.numel() // n_ranks,
         n_blocks,
         n_ranks,
         1.0 / n_ranks if pow2 else float(n_ranks),
         _top(n_blocks),
+        0,
+        0,
+        0,
+        0,
+        0,
+        0,
         E=consts.encode,
         D=consts.decode,
         M=mean_limit(fmt, limit),
@@ -1710,7 +2078,310 @@ def _reduce_blocks(
         LEAD=lead,
         ROWS=rows,
         WIDTH=width,
-        FACTORS=factors is not None,
+        FACTORS=int(factors is not None),
+        **_options(),
+    )
+
+
+_BYTES = 1024
+"""Bytes of a piece per program of :func:`bind_send_rank_blocks`' kernel."""
+
+
+def _on(host: np.ndarray, device: torch.device, dtype: torch.dtype = torch.int64) -> torch.Tensor:
+    """A host index array on ``device``: copied once, when a call is bound."""
+    return to_device(torch.from_numpy(np.ascontiguousarray(host)).to(dtype), device)
+
+
+def _rank_blocks_consts(fmt: FloatFormat, *tensors: torch.Tensor) -> FormatConstants:
+    consts = _check(fmt, *tensors)
+    if consts.wire_bits not in (4, 8):
+        raise ValueError(f"the rank-block kernels take 4- and 8-bit formats, got {fmt.name}")
+    return consts
+
+
+def bind_block_keys(
+    fmt: FloatFormat,
+    x: torch.Tensor,
+    offsets: np.ndarray,
+    layer_of: np.ndarray,
+    maxima: torch.Tensor,
+    keys: torch.Tensor,
+    flags: torch.Tensor,
+) -> Callable[[], object]:
+    """This rank's two_phase key of every block and flag of every layer, bound: two launches.
+
+    As :func:`aps_comm.cpu_kernels.block_amax`, :func:`~aps_comm.cpu_kernels.two_phase_keys`
+    and :func:`~aps_comm.cpu_kernels.layer_any` (value 255) one after another:
+    ``flags`` zeroed, then one kernel writes every block's max |x| (NaN as inf)
+    into float32 ``maxima``, its key into uint8 ``keys`` and a 1 into uint8
+    ``flags`` at the layer of each block keyed 255. The index arrays are
+    copied to the device here, once.
+
+    Args:
+        fmt: the wire format (its largest value bounds the exponents).
+        x: contiguous float32 values.
+        offsets: int64 host array, the blocks' L + 1 offsets from 0 to ``x.numel()``
+            (blocks of at most :data:`MAX_SEGMENT` elements).
+        layer_of: host array, each block's layer (an index into ``flags``).
+        maxima, keys: one per block; flags: one per layer.
+
+    Example:
+        >>> call = bind_block_keys(E4M3, x, offsets, layer_of, maxima, keys, flags)  # doctest: +SKIP
+        >>> call()  # doctest: +SKIP
+    """
+    _check(fmt, x, maxima, keys, flags)
+    n = offsets.size - 1
+    if (
+        x.dtype != torch.float32
+        or maxima.dtype != torch.float32
+        or keys.dtype != torch.uint8
+        or flags.dtype != torch.uint8
+        or maxima.numel() != n
+        or keys.numel() != n
+        or layer_of.size != n
+    ):
+        raise ValueError(
+            f"block keys need float32 values, and {n} float32 maxima, uint8 keys and "
+            f"layers, got {x.dtype}, {maxima.numel()} {maxima.dtype}, {keys.numel()} "
+            f"{keys.dtype} and {layer_of.size}"
+        )
+    longest = int(np.diff(offsets).max()) if n else 0
+    if longest > MAX_SEGMENT:
+        raise ValueError(f"blocks of at most {MAX_SEGMENT} elements, got one of {longest}")
+    if not n:
+        return flags.zero_
+    width = max(2, 1 << max(longest - 1, 0).bit_length())
+    rows = max(2, TILE // width)
+    launch = functools.partial(
+        _block_keys_kernel[(triton.cdiv(n, rows),)],
+        x,
+        _on(offsets, x.device),
+        _on(layer_of, x.device, torch.int32),
+        maxima.view(torch.int32),
+        keys,
+        flags,
+        n,
+        M=mean_limit(fmt, EXPONENT_LIMIT),
+        ROWS=rows,
+        WIDTH=width,
+        **_options(),
+    )
+    return functools.partial(_zero_then, flags, launch)
+
+
+def _zero_then(t: torch.Tensor, launch: Callable[[], object]) -> None:
+    t.zero_()
+    launch()
+
+
+def bind_send_rank_blocks(
+    fmt: FloatFormat,
+    x: torch.Tensor,
+    keys: torch.Tensor,
+    offsets: np.ndarray,
+    firsts: np.ndarray,
+    flags: torch.Tensor,
+    send: torch.Tensor,
+    shard_bytes: int,
+    at: int,
+) -> Callable[[int], object]:
+    """Every shard of a chunk into the exchange with this rank's own block keys, bound:
+    the returned ``call(log2)`` is one launch.
+
+    As :func:`aps_comm.cpu_kernels.send_rank_blocks`: shard s (blocks
+    ``firsts[s]`` to ``firsts[s + 1]`` of ``offsets``) goes to piece s of
+    ``send`` (N equal pieces): its codes times ``2**e`` of its blocks' keys
+    (4-bit codes low nibble first), zero padding, the keys at
+    ``shard_bytes``, and where ``at >= 0`` the layers' ``flags`` then
+    ``log2`` at ``at``; every other byte 0. One program per shard and
+    :data:`_BYTES` bytes of its piece.
+
+    Args:
+        fmt: a 4- or 8-bit format.
+        x: the group's float32 values; keys: uint8, one per block of the group.
+        offsets, firsts: int64 host arrays (the group's block offsets; the
+            chunk's N shards' first blocks and its end).
+        flags: uint8, this rank's layer flags; send: uint8, N pieces.
+        shard_bytes: the payload bytes every shard is padded to.
+        at: where the flags lie in a piece (-1: none).
+
+    Example:
+        >>> send = bind_send_rank_blocks(E2M1, x, keys, offsets, firsts, flags, buf, 16, -1)  # doctest: +SKIP
+        >>> send(0)  # doctest: +SKIP
+    """
+    consts = _rank_blocks_consts(fmt, x, keys, flags, send)
+    n = firsts.size - 1
+    piece = send.numel() // n
+    f0, f1 = int(firsts[0]), int(firsts[-1])
+    if x.dtype != torch.float32 or send.numel() != n * piece or piece < shard_bytes:
+        raise ValueError(
+            f"send needs float32 values and {n} equal pieces of at least {shard_bytes} "
+            f"bytes, got {x.dtype} and {send.numel()} bytes"
+        )
+    return functools.partial(
+        _send_rank_blocks_kernel[(n, triton.cdiv(piece, _BYTES))],
+        x,
+        keys[f0:],
+        _on(offsets[f0 : f1 + 1], x.device),
+        _on(firsts - f0, x.device),
+        flags,
+        send,
+        piece,
+        shard_bytes,
+        at,
+        flags.numel() if at >= 0 else 0,
+        _top(f1 - f0),
+        E=consts.encode,
+        WIRE=consts.wire_bits,
+        BYTES=_BYTES,
+        **_options(),
+    )
+
+
+def bind_owner_rank_blocks(
+    fmt: FloatFormat,
+    recv: torch.Tensor,
+    n_ranks: int,
+    shard: np.ndarray,
+    out: torch.Tensor,
+    union: torch.Tensor,
+    d: torch.Tensor,
+    shard_bytes: int,
+    at: int,
+    longest: int,
+) -> Callable[[], object]:
+    """This rank's owner step of a chunk sent by :func:`bind_send_rank_blocks`, bound:
+    one launch of :func:`_reduce_blocks_kernel` (``FACTORS`` 2).
+
+    As :func:`aps_comm.cpu_kernels.owner_rank_blocks`: every piece of ``recv``
+    decoded times the unscales of its sender's keys (read in the kernel),
+    summed in rank order and divided by N; each block of the mean encoded
+    with its own exponent d (into int32 ``d``) into ``out``: codes, zero
+    padding to ``shard_bytes``, ``127 - d`` per block, zeros; where
+    ``at >= 0`` every rank's layer flags OR-ed into ``union``. The CPU
+    kernel also returns the ranks' largest preferred chunk: not read here
+    (that would be a device read; see :meth:`aps_comm.codec.Codec.bind_rank_blocks`).
+
+    Args:
+        shard: int64 host array, this rank's shard's block offsets from 0.
+        longest: its longest block (at most :data:`MAX_SEGMENT`).
+
+    Example:
+        >>> owner = bind_owner_rank_blocks(E2M1, recv, 2, shard, out, union, d, 16, -1, 8)  # doctest: +SKIP
+        >>> owner()  # doctest: +SKIP
+    """
+    consts = _rank_blocks_consts(fmt, recv, out, union, d)
+    k = shard.size - 1
+    piece = recv.numel() // n_ranks
+    used = (int(shard[-1]) * consts.wire_bits + 7) // 8
+    if not 0 <= longest <= MAX_SEGMENT or (k and int(np.diff(shard).max()) > longest):
+        raise ValueError(f"blocks of at most {min(longest, MAX_SEGMENT)} elements")
+    if (
+        recv.numel() != n_ranks * piece
+        or out.numel() < shard_bytes + k
+        or used > shard_bytes
+        or d.dtype != torch.int32
+        or d.numel() < k
+    ):
+        raise ValueError(
+            f"the owner needs {n_ranks} equal pieces, {shard_bytes + k} bytes out and {k} "
+            f"int32 exponents, got {recv.numel()}, {out.numel()} and {d.numel()} {d.dtype}"
+        )
+    lead, rows, width = _tile(longest, consts.wire_bits)
+    n_tiles = triton.cdiv(k, rows - lead)
+    n_flags = union.numel() if at >= 0 else 0
+    n_tail = triton.cdiv(max(out.numel() - used, n_flags, 1), rows * width)
+    pow2 = n_ranks & (n_ranks - 1) == 0
+    return functools.partial(
+        _reduce_blocks_kernel[(n_tiles + n_tail,)],
+        recv,
+        out,
+        d,
+        _on(shard, recv.device),
+        d,  # the agreed exponents: not read with keys
+        _stand_ins(recv.device)[1],  # nor the float32 factors
+        union,
+        piece,
+        k,
+        n_ranks,
+        1.0 / n_ranks if pow2 else float(n_ranks),
+        _top(k),
+        shard_bytes,
+        used,
+        out.numel(),
+        at,
+        n_flags,
+        n_tiles,
+        E=consts.encode,
+        D=consts.decode,
+        M=mean_limit(fmt, EXPONENT_LIMIT),
+        WIRE=consts.wire_bits,
+        DIVIDE=0 if n_ranks == 1 else 1 if pow2 else 2,
+        LEAD=lead,
+        ROWS=rows,
+        WIDTH=width,
+        FACTORS=2,
+        **_options(),
+    )
+
+
+def bind_decode_rank_blocks(
+    fmt: FloatFormat,
+    gathered: torch.Tensor,
+    n_ranks: int,
+    offsets: np.ndarray,
+    firsts: np.ndarray,
+    layer_of: np.ndarray,
+    union: torch.Tensor,
+    x: torch.Tensor,
+    shard_bytes: int,
+) -> Callable[[], object]:
+    """Every owner's gathered shard of a chunk decoded into ``x`` with the keys it sent,
+    bound: one launch over the chunk's elements.
+
+    As :func:`aps_comm.cpu_kernels.decode_rank_blocks`: row s of ``gathered``
+    (N equal rows) is shard s's codes, then at ``shard_bytes`` its blocks'
+    keys; each code times its key's ``2**-e``, NaN for a block whose layer
+    (``layer_of``, host array, one per block of the group) is flagged in ``union``.
+
+    Example:
+        >>> decode = bind_decode_rank_blocks(E2M1, rows, 2, offsets, firsts, layer_of, union, x, 16)  # doctest: +SKIP
+        >>> decode()  # doctest: +SKIP
+    """
+    consts = _rank_blocks_consts(fmt, gathered, union, x)
+    n = n_ranks
+    f0, f1 = int(firsts[0]), int(firsts[-1])
+    off = offsets[f0 : f1 + 1]
+    rel = firsts - f0
+    c0, numel = int(off[0]), int(off[-1] - off[0])
+    if x.dtype != torch.float32 or firsts.size != n + 1 or gathered.numel() % n:
+        raise ValueError(
+            f"decode needs float32 values, {n + 1} firsts and {n} equal rows, got "
+            f"{x.dtype}, {firsts.size} and {gathered.numel()} bytes"
+        )
+    if not numel:
+        return _NOTHING
+    device = x.device
+    return functools.partial(
+        _decode_rank_blocks_kernel[_grid(numel)],
+        gathered,
+        x,
+        _on(off, device),
+        _on(rel, device),
+        _on(off[rel], device),
+        _on(layer_of[f0:f1], device, torch.int32),
+        union,
+        c0,
+        numel,
+        gathered.numel() // n,
+        shard_bytes,
+        f1 - f0 - 1,
+        _top(f1 - f0),
+        n,
+        _top(n),
+        D=consts.decode,
+        WIRE=consts.wire_bits,
+        BLOCK=BLOCK,
         **_options(),
     )
 
@@ -1776,11 +2447,15 @@ def ptx(fmt: FloatFormat, arch: int = 90, block_size: int = 0) -> dict[str, str]
                 "off_ptr": "*i64",
                 "exp_ptr": "*i32",
                 "fac_ptr": "*fp32",
+                "union_ptr": "*u8",
                 "shard_bytes": "i32",
                 "n_blocks": "i32",
                 "n_ranks": "i32",
                 "divisor": "fp32",
                 "top": "i32",
+                **dict.fromkeys(
+                    ("key_at", "used", "n_out", "flag_at", "n_flags", "n_tiles"), "i32"
+                ),
             },
             {
                 "E": consts.encode,
@@ -1791,7 +2466,7 @@ def ptx(fmt: FloatFormat, arch: int = 90, block_size: int = 0) -> dict[str, str]
                 "LEAD": lead,
                 "ROWS": rows,
                 "WIDTH": width,
-                "FACTORS": rank_factors,
+                "FACTORS": int(rank_factors),
             },
         )
     out = {}

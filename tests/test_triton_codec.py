@@ -582,6 +582,9 @@ _KERNELS = (
     "_reduce_kernel",
     "_reduce_blocks_kernel",
     "_maxima_kernel",
+    "_block_keys_kernel",
+    "_send_rank_blocks_kernel",
+    "_decode_rank_blocks_kernel",
 )
 
 
@@ -639,6 +642,45 @@ def _launch_everything(tc: types.ModuleType) -> None:
         tc.reduce_blocks(recv, 2, fmt, rows.device_offsets, exps, out, d, 126, 32)
         factors = torch.ones(2, rows.n_segments)
         tc.reduce_rank_blocks(recv, 2, fmt, rows.device_offsets, factors, out, d, 126, 32)
+        if fmt.wire_bits in (4, 8):  # every rank's own block exponents, through the codec
+            _bind_rank_blocks(c, x, blocks)
+
+
+def _bind_rank_blocks(c: codec.Codec, x: torch.Tensor, blocks: codec.Blocks) -> None:
+    """The fused calls of two_phase with rank block exponents, bound by the codec (which
+    probes each variant) and run: one chunk of 3 shards, the first one's flags."""
+    offsets = blocks.layout.offsets.numpy().astype(np.int64)
+    nb, n_layers = offsets.size - 1, blocks.counts.numel()
+    layer_of = np.repeat(np.arange(n_layers, dtype=np.int64), blocks.counts.numpy())
+    keys, flags = torch.empty(nb, dtype=torch.uint8), torch.empty(n_layers, dtype=torch.uint8)
+    union = torch.empty(n_layers, dtype=torch.uint8)
+    call = c.bind_block_keys(x, blocks.layout, blocks.counts, torch.empty(nb), keys, flags, 3)
+    assert call is not None
+    call()
+    firsts = np.array([0, nb // 3, nb // 3, nb], np.int64)
+    sb = max(payload_nbytes(int(n), c.fmt) for n in np.diff(offsets[firsts]))
+    piece = sb + nb + n_layers + 1
+    shard = offsets[firsts[2] : firsts[3] + 1] - offsets[firsts[2]]
+    calls = c.bind_rank_blocks(
+        x,
+        keys,
+        flags,
+        union,
+        offsets=offsets,
+        firsts=firsts,
+        layer_of=layer_of,
+        shard=shard,
+        send=torch.empty(3 * piece, dtype=torch.uint8),
+        recv=torch.zeros(3 * piece, dtype=torch.uint8),
+        out=torch.empty(piece, dtype=torch.uint8),
+        gathered=torch.zeros(3 * piece, dtype=torch.uint8),
+        shard_bytes=sb,
+        at=sb + nb,
+    )
+    assert calls is not None
+    calls.send(3)
+    calls.owner()
+    calls.decode()
 
 
 @needs_triton
@@ -752,3 +794,268 @@ def test_bound_calls_repeat_the_codec_calls(tc: types.ModuleType, fmt: FloatForm
         assert torch.equal(_bits(back), _bits(got))
         _quiet(bound_owner)
         assert torch.equal(mean, _quiet(c.owner_reduce, shards, 2))
+
+
+def _rank_block_case(fmt: FloatFormat, block_size: int, n: int) -> dict:
+    """A group of odd layers in blocks, one chunk of it (from its third block) cut into
+    ``n`` uneven shards, one of them empty where ``n`` > 1, and each rank's values
+    (the fourth layer non-finite on the last rank, far apart magnitudes)."""
+    cpu = torch.device("cpu")
+    numels = [5, 0, 37, 11, 70, 1, 13, 2100]  # the last: several programs per kernel
+    blocks = codec.Layout.from_numels(numels, cpu).grid(block_size)
+    offsets = blocks.layout.offsets.numpy().astype(np.int64)
+    counts = blocks.counts.numpy()
+    nb = offsets.size - 1
+    mid = (2 + nb) // 2
+    firsts = np.array({1: [2, nb], 2: [2, 2, nb], 3: [2, mid, mid, nb]}[n], np.int64)
+    sizes = np.diff(offsets[firsts])
+    shard_bytes = max(payload_nbytes(int(s), fmt) for s in sizes) + 1  # padded
+    slots = int(np.diff(firsts).max()) + 2
+    xs = []
+    gen = torch.Generator().manual_seed(n * 100 + block_size)
+    for r in range(n):
+        x = torch.randn(offsets[-1], generator=gen)
+        x *= 2.0 ** torch.randint(-30, 30, (x.numel(),), generator=gen).float()
+        x[offsets[4] : offsets[6]] = 0.0  # a zero block or two: key 0
+        if r == n - 1:
+            x[44] = float("nan") if r % 2 else float("inf")  # the fourth layer: [42, 53)
+        xs.append(x)
+    return {
+        "offsets": offsets,
+        "layer_of": np.repeat(np.arange(counts.size, dtype=np.int64), counts),
+        "counts": blocks.counts,
+        "firsts": firsts,
+        "shard_bytes": shard_bytes,
+        "slots": slots,
+        "xs": xs,
+    }
+
+
+@pytest.mark.parametrize(
+    ("fmt", "block_size"),
+    [(F.E2M1, 8), (F.E2M1, 32), (F.E4M3, 8), (F.E4M3, 32)],
+    ids=lambda v: getattr(v, "name", v),
+)
+def test_rank_block_kernels_match_kernels(
+    tc: types.ModuleType, fmt: FloatFormat, block_size: int
+) -> None:
+    # two_phase with every rank's own block exponents, the whole chain: the keys and
+    # flags, every rank's send (pieces of N ranks built by the send kernel on each
+    # rank's values), each owner's step and the decode of the gathered shards, byte
+    # for byte against the numba kernels; every byte of every buffer written.
+    from aps_comm import cpu_kernels
+    from aps_comm.scaling import EXPONENT_LIMIT
+
+    table, untable = codec._key_table(False), codec._key_table(True)
+    for n in (1, 2, 3):
+        case = _rank_block_case(fmt, block_size, n)
+        offsets, firsts, layer_of = case["offsets"], case["firsts"], case["layer_of"]
+        sb, slots, nb = case["shard_bytes"], case["slots"], offsets.size - 1
+        n_layers = case["counts"].numel()
+        for at in (sb + slots, -1) if n == 3 else (sb + slots,):  # -1: a later chunk
+            piece = sb + slots + (n_layers + 4 if at >= 0 else 1)
+            keys, flags = [], []
+            sends = []
+            for r, x in enumerate(case["xs"]):
+                k, f = (
+                    torch.empty(nb, dtype=torch.uint8),
+                    torch.full((n_layers,), 7, dtype=torch.uint8),
+                )
+                m = torch.empty(nb)
+                _quiet(tc.bind_block_keys(fmt, x, offsets, layer_of, m, k, f))
+                want_m, want_k, want_f = torch.empty(nb), torch.empty_like(k), torch.empty_like(f)
+                codec._block_keys(fmt, x, offsets, case["counts"], want_m, want_k, want_f)
+                assert torch.equal(m.view(torch.int32), want_m.view(torch.int32))
+                assert torch.equal(k, want_k) and torch.equal(f, want_f), (r, k, want_k)
+                assert bool(f[3]) == (r == n - 1) and f.sum() == (r == n - 1)
+                keys.append(k)
+                flags.append(f)
+                send = torch.full((n * piece,), 0xA5, dtype=torch.uint8)
+                call = tc.bind_send_rank_blocks(fmt, x, k, offsets, firsts, f, send, sb, at)
+                _quiet(call, 5 + r)
+                want = np.full(n * piece, 0x5A, np.uint8)
+                cpu_kernels.send_rank_blocks(
+                    fmt, x.numpy(), k.numpy(), table, offsets, firsts, want, piece, sb,
+                    f.numpy(), at, 5 + r,
+                )  # fmt: skip
+                assert np.array_equal(send.numpy(), want), (n, at, r)
+                sends.append(send.view(n, piece))
+            outs, union = [], torch.full((n_layers,), 9, dtype=torch.uint8)
+            for o in range(n):
+                recv = torch.cat([s[o] for s in sends])
+                shard = offsets[firsts[o] : firsts[o + 1] + 1] - offsets[firsts[o]]
+                longest = int(np.diff(shard).max()) if shard.size > 1 else 0
+                out = torch.full((sb + slots + 3,), 0xA5, dtype=torch.uint8)
+                d = torch.empty(max(shard.size - 1, 1), dtype=torch.int32)
+                call = tc.bind_owner_rank_blocks(
+                    fmt, recv, n, shard, out, union, d, sb, at, block_size
+                )
+                _quiet(call)
+                want_out = np.full(out.numel(), 0x5A, np.uint8)
+                want_union = np.full(n_layers, 9, np.uint8)
+                want_d = np.empty(shard.size - 1, np.int32)
+                log2 = cpu_kernels.owner_rank_blocks(
+                    fmt, EXPONENT_LIMIT, recv.numpy(), n, shard, untable, want_out, sb, at,
+                    want_union, want_d, longest,
+                )  # fmt: skip
+                assert np.array_equal(out.numpy(), want_out), (n, at, o)
+                assert np.array_equal(union.numpy(), want_union), (n, at, o)
+                assert np.array_equal(d.numpy()[: want_d.size], want_d)
+                assert log2 == (4 + n if at >= 0 else 0)
+                outs.append(out)
+            gathered = torch.cat(outs)
+            for r, x in enumerate(case["xs"]):
+                got, want = x.clone(), x.clone()
+                _quiet(
+                    tc.bind_decode_rank_blocks(
+                        fmt, gathered, n, offsets, firsts, layer_of, union, got, sb
+                    )
+                )
+                cpu_kernels.decode_rank_blocks(
+                    fmt, gathered.numpy(), n, offsets, firsts, untable, layer_of,
+                    union.numpy(), want.numpy(), sb,
+                )  # fmt: skip
+                assert torch.equal(_bits(got), _bits(want)), (n, at, r)
+                a = offsets[firsts[0]]
+                assert torch.equal(got[:a], x[:a])  # outside the chunk: untouched
+                if at >= 0:  # the fourth layer NaN on every rank, nothing else
+                    assert got[42:53].isnan().all() and not got[53:].isnan().any()
+
+
+_RANK_BLOCK_KERNELS = (
+    "_block_keys_kernel",
+    "_send_rank_blocks_kernel",
+    "_reduce_blocks_kernel",
+    "_decode_rank_blocks_kernel",
+)
+
+
+@contextlib.contextmanager
+def _triton_plans() -> Iterator[None]:
+    """Buckets planned on the Triton backend (CPU tensors, the interpreter) for the formats
+    it takes, inside a default process group of one rank (Gloo)."""
+    from aps_comm import plan
+    from benchmarks.hostcost import world_of_one
+
+    def triton_codec_for(fmt, device, backend="auto"):  # type: ignore[no-untyped-def]
+        fmt = get_format(fmt)
+        return codec.codec_for(fmt, device, "triton" if fmt.wire_bits <= 16 else backend)
+
+    with world_of_one(torch.device("cpu")):
+        saved, plan.codec_for = plan.codec_for, triton_codec_for
+        try:
+            yield
+        finally:
+            plan.codec_for = saved
+
+
+def _reference(options: dict, x: torch.Tensor, params: list[torch.Tensor]) -> torch.Tensor:
+    """The bucket through the numba kernels' full path (a state that never settled)."""
+    import aps_comm
+    from benchmarks.hostcost import world_of_one
+
+    with world_of_one(torch.device("cpu")):
+        state = aps_comm.APSState(**options)
+        out = state.run_bucket(0, x.clone(), params).clone()
+        del state
+    return out
+
+
+def _block_bucket(numels: list[int], seed: int) -> tuple[torch.Tensor, list[torch.Tensor]]:
+    gen = torch.Generator().manual_seed(seed)
+    x = torch.randn(sum(numels), generator=gen) * 2.0 ** torch.randint(-20, 20, (1,), generator=gen)
+    x[:: max(1, x.numel() // 7)] *= 1000.0  # layers of very different maxima
+    x[3] = float("nan")  # the first layer is non-finite: NaN everywhere in it
+    return x, [torch.nn.Parameter(torch.empty(n)) for n in numels]
+
+
+@pytest.mark.parametrize(("fmt", "block_size"), [("e2m1", 8), ("e4m3", 32)])
+def test_settled_block_bucket_on_triton_gives_the_kernels_bits(
+    tc: types.ModuleType, monkeypatch: pytest.MonkeyPatch, fmt: str, block_size: int
+) -> None:
+    # The default block scaling (two_phase, every rank's own block exponents) settles on
+    # the Triton backend too: a settled bucket is the keys' one kernel (and the flags'
+    # zeroing) and three launches per chunk, the same for 2 layers as for 40, and its
+    # bits are those of the numba kernels' full path.
+    import aps_comm
+    from aps_comm.engine import SteadyBlocks
+
+    options = {"fmt": fmt, "reduction": "two_phase", "scaling": "block", "block_size": block_size}
+    launches = {}
+    for numels in ([5, 0, 1, 300, 33, 2, 64], [5, 0, 1, 300, *[7] * 33, 64]):
+        x, params = _block_bucket(numels, 11)
+        log: list = []
+        with _triton_plans():
+            # Recorded from the start: the settled path binds its launches once.
+            for name in _RANK_BLOCK_KERNELS:
+                monkeypatch.setattr(tc, name, _Recorder(name, getattr(tc, name), log))
+            settled = aps_comm.APSState(**options)
+            buffer = x.clone()
+            for _ in range(2):  # the plan, then the settled path bound
+                buffer.copy_(x)
+                _quiet(settled.run_bucket, 0, buffer, params)
+            reducer = settled.reducer
+            assert reducer is not None
+            st = reducer.steady_for(0, buffer)
+            assert isinstance(st, SteadyBlocks) and st.group.codec.backend == "triton"
+            assert st.keys.device == buffer.device
+            log.clear()
+            buffer.copy_(x)
+            out = _quiet(settled.run_bucket, 0, buffer, params)
+            del settled, reducer
+        chunks = len(st.calls or [])
+        names = [name for name, _, _ in log]
+        assert (
+            names
+            == ["_block_keys_kernel"]
+            + [
+                "_send_rank_blocks_kernel",
+                "_reduce_blocks_kernel",
+                "_decode_rank_blocks_kernel",
+            ]
+            * chunks
+        ), names
+        launches[len(numels)] = names
+        want = _reference(options, x, params)
+        assert out[:5].isnan().all() and not out[5:].isnan().any()
+        same = torch.where(out.isnan(), 0.0, out).view(torch.int32)
+        assert torch.equal(same, torch.where(want.isnan(), 0.0, want).view(torch.int32))
+    assert len(set(map(tuple, launches.values()))) == 1, launches
+
+
+def test_a_fused_block_variant_that_fails_keeps_the_full_path(
+    tc: types.ModuleType, monkeypatch: pytest.MonkeyPatch, caplog: pytest.LogCaptureFixture
+) -> None:
+    # The owner's fused variant cannot compile (injected): bind's probe logs it once and
+    # returns None, the bucket keeps its full path (never SteadyBlocks), the same bits.
+    import aps_comm
+
+    monkeypatch.setattr(codec, "_TRITON_FAILED", {})
+    monkeypatch.setattr(codec, "_TRITON_RAN", set())
+    real = tc._reduce_blocks_kernel
+
+    class Broken:
+        def __getitem__(self, grid: object):  # type: ignore[no-untyped-def]
+            def launch(*args: object, **kwargs: object) -> None:
+                if kwargs.get("FACTORS") == 2:
+                    raise RuntimeError("CompilationError: injected")
+                real[grid](*args, **kwargs)
+
+            return launch
+
+    monkeypatch.setattr(tc, "_reduce_blocks_kernel", Broken())
+    options = {"fmt": "e2m1", "reduction": "two_phase", "scaling": "block", "block_size": 8}
+    x, params = _block_bucket([5, 0, 1, 300, 33, 2, 64], 5)
+    with _triton_plans():
+        state = aps_comm.APSState(**options)
+        for _ in range(3):
+            out = _quiet(state.run_bucket, 0, x.clone(), params)
+        reducer = state.reducer
+        assert reducer is not None and not reducer.steady
+        del state, reducer
+    monkeypatch.setattr(tc, "_reduce_blocks_kernel", real)
+    assert [r.getMessage().count("injected") for r in caplog.records] == [1]
+    assert any(v[0] == "owner_rank_blocks" for v in codec._TRITON_FAILED)
+    want = _reference(options, x, params)
+    same = torch.where(out.isnan(), 0.0, out).view(torch.int32)
+    assert torch.equal(same, torch.where(want.isnan(), 0.0, want).view(torch.int32))
