@@ -57,6 +57,14 @@ did. Only public API is used (``aps_comm.register``, ``aps_comm.APSState``,
 Without a CUDA device every step is skipped with the reason and the command
 exits 0 (CI runs it so); with one it exits 1 when a step failed.
 
+The ``step`` and ``codec`` results are the performance model's GPU constants
+(:func:`device_constants`): ``--preset NAME`` writes them where the device
+preset ``NAME`` reads them (``perfmodel/data/devices/NAME.json``), after a
+run or, with ``--from``, from a report already made::
+
+    python -m benchmarks.gpu --out gpu --steps step,codec --preset h200
+    python -m benchmarks.gpu --preset h200 --from benchmarks/results/gpu_h200.json
+
 Example:
     >>> main(["--out", "gpu-results"])  # doctest: +SKIP
     0
@@ -93,11 +101,13 @@ import aps_comm
 from aps_comm import codec
 from aps_comm.formats import FloatFormat, get_format, payload_nbytes
 from aps_comm.testing import DistributedTestError, run_distributed
+from aps_perfmodel.cluster import DEVICE_DATA_KIND, device_data_path
 
 __all__ = [
     "BUCKET_CAP_MB",
     "BUCKET_PREFIX",
     "CHUNK_ELEMENTS",
+    "CODEC_FORMAT",
     "DEFAULT_BUDGET_S",
     "MIN_SECONDS",
     "SHAPES",
@@ -126,6 +136,7 @@ __all__ = [
     "classify_event",
     "count_mismatches",
     "ddp_grads",
+    "device_constants",
     "fsdp_grads",
     "hook_skip_reason",
     "judge_step_rows",
@@ -142,6 +153,7 @@ __all__ = [
     "reference_case",
     "render_markdown",
     "timed_hook",
+    "write_preset",
 ]
 
 _ROOT = Path(__file__).resolve().parents[1]
@@ -166,6 +178,7 @@ BUCKET_CAP_MB = 0.05
 CHUNK_ELEMENTS = 2500  # several pipelined chunks per bucket
 BUCKET_PREFIX = "aps_bucket_"  # the profiler range around each hook call
 _CODEC_TARGET = 1.5
+CODEC_FORMAT = "e4m3"  # the format the codec step times
 _MIB = 256  # the codec buffer: 64 Mi float32, several times any GPU's L2
 _BYTES_SLACK = 1.02  # chunk padding may add up to 2% to the wire bytes
 
@@ -1026,7 +1039,7 @@ def codec_triton_module() -> Any:
 
 def _step_codec(ctx: StepContext, repeats: int = 50) -> StepResult:
     dev = torch.device("cuda", 0)
-    fmt = get_format("e4m3")
+    fmt = get_format(CODEC_FORMAT)
     n = _MIB * 2**20 // 4
     x = torch.randn(n, device=dev)
     y = torch.empty_like(x)
@@ -1960,6 +1973,138 @@ def _run_step(name: str, ctx: StepContext) -> StepResult:
 
 
 # ---------------------------------------------------------------------------
+# The performance model's constants.
+
+# The codec step's variants that price the model's passes, with their key
+# suffixes: per-layer scaling from "keyed" (the settled hook's calls, factors
+# from the agreed maxima) where the run recorded it, else "scaled"; block
+# scaling from "block32". The first variant present wins.
+_CODEC_VARIANTS: tuple[tuple[str, str], ...] = (
+    ("keyed", ""),
+    ("scaled", ""),
+    ("block32", ".block32"),
+)
+
+
+def _hook_call_key(cfg: StepConfig) -> str | None:
+    """The model's ``hook_call.<fmt>`` that ``cfg``'s host time per bucket measures, or None.
+
+    The model prices ``hook_call.fp16`` as torch's ``fp16_compress_hook`` and
+    ``hook_call.<fmt>`` as the APS hook's per-layer-scaled two_phase call
+    (:func:`aps_perfmodel.comm.bucket_comm`); the other configurations have
+    no key of their own.
+    """
+    if cfg.hook == Hook.FP16:
+        return "hook_call.fp16"
+    if cfg.hook == Hook.APS and cfg.reduction == "two_phase" and cfg.scaling == "layer":
+        return f"hook_call.{cfg.fmt}"
+    return None
+
+
+def device_constants(report: dict[str, Any], device: str, note: str = "") -> dict[str, Any]:
+    """The measured constants of device preset ``device`` from a ``gpu.json`` report.
+
+    Codec passes (``encode.<fmt>``, ``decode.<fmt>``, ``<op>.<fmt>.block32``):
+    the ``codec`` step's median time over its buffer, per element, for the
+    backend "auto" chose (the hook's); no launch cost apart (one launch
+    inside a 256 MiB pass is below its resolution). Host cost per bucket
+    (``hook_call.<fmt>``): the ``step`` step's median host time of a hook
+    call, for the configurations the model has a key for. A step that did
+    not record results contributes nothing.
+
+    Args:
+        report: a ``gpu.json`` (its ``machine``, ``command``, ``commit``
+            where recorded, and ``steps``).
+        device: the preset's name.
+        note: what changed since the run, appended to the source.
+
+    Returns:
+        The file :func:`aps_perfmodel.cluster.measured_costs` reads.
+
+    Raises:
+        ValueError: the report has neither codec nor step results.
+
+    Example:
+        >>> report = {"machine": {"device": "GPU"}, "command": "python -m benchmarks.gpu",
+        ...     "steps": [{"name": "codec", "details": {"elements": 1000, "backend": "triton",
+        ...     "backends": {"triton": {"scaled": {"encode_ms": 0.001, "decode_ms": 0.002}}}}}]}
+        >>> costs = device_constants(report, "x")["costs"]
+        >>> sorted(costs), round(costs["decode.e4m3"]["s_per_elem"] * 1e12, 6)
+        (['decode.e4m3', 'encode.e4m3'], 2000.0)
+    """
+    costs: dict[str, dict[str, float]] = {}
+    steps = {s["name"]: s.get("details") or {} for s in report["steps"]}
+    codec_run = steps.get("codec", {})
+    timings = codec_run.get("backends", {}).get(codec_run.get("backend"), {})
+    done: set[str] = set()
+    for variant, suffix in _CODEC_VARIANTS:
+        if variant not in timings or suffix in done:
+            continue
+        done.add(suffix)
+        for op in ("encode", "decode"):
+            seconds = timings[variant][f"{op}_ms"] * 1e-3
+            per_elem = seconds / codec_run["elements"]
+            costs[f"{op}.{CODEC_FORMAT}{suffix}"] = {"launch_s": 0.0, "s_per_elem": per_elem}
+    configs = {cfg.name: cfg for cfg in STEP_CONFIGS}
+    for row in steps.get("step", {}).get("configs", []):
+        cfg = configs.get(row["config"])
+        key = None if cfg is None else _hook_call_key(cfg)
+        if key is not None and row.get("host_us_per_bucket") is not None:
+            costs[key] = {"launch_s": row["host_us_per_bucket"] * 1e-6, "s_per_elem": 0.0}
+    if not costs:
+        raise ValueError("the report has no codec or step results to take constants from")
+    machine = report.get("machine", {})
+    run = ", ".join(
+        part
+        for part in (
+            machine.get("device"),
+            machine.get("torch") and f"torch {machine['torch']}",
+            codec_run.get("backend") and f"{codec_run['backend']} codec",
+            report.get("commit") and f"commit {report['commit']}",
+        )
+        if part
+    )
+    return {
+        "kind": DEVICE_DATA_KIND,
+        "device": device,
+        "source": f"measured by `{report['command']}` ({run}): codec per element from its "
+        f"codec step ({CODEC_FORMAT}, {_MIB} MiB), host time per bucket of a hook call "
+        "from its step step",
+        "note": note,
+        "costs": costs,
+    }
+
+
+def write_preset(report: dict[str, Any], device: str, note: str = "") -> Path:
+    """Write :func:`device_constants` where the device preset ``device`` reads them.
+
+    Example:
+        >>> write_preset(json.loads(Path("gpu/gpu.json").read_text()), "h200")  # doctest: +SKIP
+        PosixPath('.../perfmodel/data/devices/h200.json')
+    """
+    path = device_data_path(device)
+    path.parent.mkdir(parents=True, exist_ok=True)
+    path.write_text(json.dumps(device_constants(report, device, note), indent=2) + "\n")
+    return path
+
+
+def _commit() -> str | None:
+    """The checkout's short commit, so a report names the code it measured."""
+    try:
+        proc = subprocess.run(
+            ["git", "rev-parse", "--short", "HEAD"],
+            cwd=_ROOT,
+            capture_output=True,
+            text=True,
+            timeout=10,
+            check=False,
+        )
+    except OSError:
+        return None
+    return proc.stdout.strip() or None
+
+
+# ---------------------------------------------------------------------------
 # The report.
 
 
@@ -2116,7 +2261,7 @@ def render_markdown(report: dict[str, Any]) -> str:
 
 def main(argv: Sequence[str] | None = None) -> int:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    parser.add_argument("--out", type=Path, required=True, help="folder for gpu.json and gpu.md")
+    parser.add_argument("--out", type=Path, help="folder for gpu.json and gpu.md")
     parser.add_argument(
         "--steps",
         default=",".join(STEPS),
@@ -2129,7 +2274,31 @@ def main(argv: Sequence[str] | None = None) -> int:
         help=f"wall-time budget, seconds (default {DEFAULT_BUDGET_S:.0f}: the command "
         "ends within 8 minutes); a step that does not fit in what is left is skipped",
     )
+    parser.add_argument(
+        "--preset",
+        metavar="DEVICE",
+        help="write the step and codec results as the performance model's constants of "
+        "device preset DEVICE (perfmodel/data/devices/DEVICE.json)",
+    )
+    parser.add_argument(
+        "--from",
+        dest="source",
+        type=Path,
+        metavar="GPU_JSON",
+        help="with --preset: take the results from this gpu.json instead of running",
+    )
+    parser.add_argument(
+        "--note", default="", help="with --preset: what changed since the run, for the source"
+    )
     args = parser.parse_args(argv)
+    if args.source is not None:
+        if args.preset is None:
+            parser.error("--from needs --preset")
+        path = write_preset(json.loads(args.source.read_text()), args.preset, args.note)
+        print(f"wrote {path}")
+        return 0
+    if args.out is None:
+        parser.error("give --out (or --preset with --from)")
     names = [s for s in args.steps.split(",") if s]
     unknown = [s for s in names if s not in STEPS]
     if unknown:
@@ -2155,11 +2324,17 @@ def main(argv: Sequence[str] | None = None) -> int:
     report = {
         "command": "python -m benchmarks.gpu " + " ".join(shown_args),
         "machine": env.to_json(),
+        "commit": _commit(),
         "seconds": round(time.monotonic() - started, 1),
         "steps": [r.to_json() for r in results],
     }
     (args.out / "gpu.json").write_text(json.dumps(report, indent=2) + "\n")
     (args.out / "gpu.md").write_text(render_markdown(report))
+    if args.preset is not None:
+        try:
+            print(f"wrote {write_preset(report, args.preset, args.note)}")
+        except ValueError as exc:  # no results (no GPU, or both steps failed to run)
+            print(f"--preset {args.preset}: not written, {exc}")
     return 1 if any(r.status == Status.FAILED for r in results) else 0
 
 

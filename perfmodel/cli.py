@@ -412,6 +412,9 @@ def _assumptions(
 ) -> dict[str, Any]:
     """What a prediction assumed beyond its inputs: compute, device, bucketing, byte counts."""
     out: dict[str, Any] = {"device": cluster.device.name}
+    if cluster.pass_costs and not cluster.codec_fits:
+        # The device's measured codec and hook costs price the passes, not its datasheet.
+        out["measured"] = cluster.pass_costs_source
     if compute is None:
         out["compute"] = "none: communication only"
     elif args.forward_time or args.backward_time:
@@ -483,6 +486,11 @@ def _assumption_text(a: dict[str, Any]) -> str:
 def _assumption_lines(a: dict[str, Any]) -> list[str]:
     first, *rest = _wrap(_assumption_text(a))
     lines = [f"assumed  {first}", *(f"         {line}" for line in rest)]
+    if "measured" in a:
+        first, *rest = _wrap(
+            f"codec and hook costs per bucket of the {a['device']} preset, {a['measured']}"
+        )
+        lines += [f"measured {first}", *(f"         {line}" for line in rest)]
     first, *rest = _wrap(a["scaling_note"])
     return [*lines, f"scaling  {first}", *(f"         {line}" for line in rest)]
 

@@ -6,7 +6,11 @@ estimates compute). A calibrated profile can attach measured per-collective
 link fits and codec costs, which then replace the analytic defaults.
 
 Preset link numbers are vendor peak figures (sources in each preset); latencies
-are typical per-message software+wire latencies, stated as such.
+are typical per-message software+wire latencies, stated as such. A device preset
+may also carry constants measured on that device (``python -m benchmarks.gpu``,
+shipped in ``perfmodel/data/devices/<name>.json``): its codec passes per element
+and the host cost of a hook call per bucket, which price what ``aps_comm``
+achieves there rather than what the datasheet allows.
 
 Example:
     >>> c = get_cluster("dgx-h100", world_size=64)
@@ -18,9 +22,12 @@ Example:
 
 from __future__ import annotations
 
+import json
 from collections.abc import Callable, Mapping
 from dataclasses import dataclass, field, replace
+from pathlib import Path
 from types import MappingProxyType
+from typing import Any
 
 from .collectives import LinkParams, Topology
 
@@ -29,15 +36,80 @@ __all__ = [
     "BLOCK_CODEC_RATIO_PACKED",
     "CLUSTERS",
     "DEVICES",
+    "DEVICE_DATA_KIND",
     "Cluster",
     "Device",
     "OpCost",
     "block_codec_ratio",
     "codec_bytes_per_elem",
     "custom_cluster",
+    "device_data_path",
     "get_cluster",
     "get_device",
+    "measured_costs",
 ]
+
+
+@dataclass(frozen=True)
+class OpCost:
+    """Measured cost of one local pass: ``launch_s + n * s_per_elem`` (0 for n = 0).
+
+    Example:
+        >>> round(OpCost(1e-5, 1e-9).time(1000), 9)
+        1.1e-05
+    """
+
+    launch_s: float
+    s_per_elem: float
+
+    def time(self, n_elem: float) -> float:
+        """Seconds for a pass over ``n_elem`` elements."""
+        return 0.0 if n_elem <= 0 else self.launch_s + n_elem * self.s_per_elem
+
+
+DEVICE_DATA_KIND = "aps-perfmodel-device"
+"""The ``kind`` of a device's measured constants file (``perfmodel/data/devices/<name>.json``)."""
+
+_DEVICE_DATA = Path(__file__).with_name("data") / "devices"
+
+
+def device_data_path(name: str) -> Path:
+    """Where the device preset ``name`` reads its measured constants (package data).
+
+    Example:
+        >>> device_data_path("h200").name
+        'h200.json'
+    """
+    return _DEVICE_DATA / f"{name}.json"
+
+
+def measured_costs(data: Mapping[str, Any]) -> tuple[dict[str, OpCost], str]:
+    """A measured constants file's pass costs and the source line naming its run.
+
+    The file (written by ``python -m benchmarks.gpu --preset``) holds
+    ``{"kind", "device", "source", "note", "costs": {key: {"launch_s",
+    "s_per_elem"}}}``; the note (what changed since the run) joins the source.
+
+    Raises:
+        ValueError: not a device constants file.
+
+    Example:
+        >>> costs, source = measured_costs({"kind": DEVICE_DATA_KIND, "source": "a run",
+        ...     "note": "", "costs": {"encode.e4m3": {"launch_s": 0.0, "s_per_elem": 4e-12}}})
+        >>> costs["encode.e4m3"].time(1e9), source
+        (0.004, 'a run')
+    """
+    if data.get("kind") != DEVICE_DATA_KIND:
+        raise ValueError(f"not a device constants file (kind {data.get('kind')!r})")
+    costs = {k: OpCost(**v) for k, v in data["costs"].items()}
+    source = data["source"] + (f"; {data['note']}" if data.get("note") else "")
+    return costs, source
+
+
+def _measured(name: str) -> dict[str, Any]:
+    """The ``measured`` and ``measured_source`` fields of preset ``name``, from its file."""
+    costs, source = measured_costs(json.loads(device_data_path(name).read_text()))
+    return {"measured": MappingProxyType(costs), "measured_source": source}
 
 
 @dataclass(frozen=True)
@@ -57,10 +129,19 @@ class Device:
             block-scaled passes cost :func:`block_codec_ratio` times the
             per-layer ones (measured); a GPU's memory-bound kernels pay only
             the exponents' bytes of extra traffic.
+        measured: pass costs measured on this device, keyed as a calibrated
+            profile's codec fits (``encode.<fmt>``, ``decode.<fmt>``,
+            ``<op>.<fmt>.block<size>`` for block scaling, and
+            ``hook_call.<fmt>``: the host time of one hook call per bucket);
+            a cluster without calibrated fits of its own prices those passes
+            with them (:attr:`Cluster.pass_costs`). Empty: datasheet only.
+        measured_source: the run they come from (device, commit, command).
 
     Example:
         >>> get_device("v100").peak_flops["fp32"]
         15700000000000.0
+        >>> sorted(get_device("h200").measured)[:2]
+        ['decode.e4m3', 'decode.e4m3.block32']
     """
 
     name: str
@@ -70,6 +151,8 @@ class Device:
     source: str
     fp8_sum: bool = False
     cpu_codec: bool = False
+    measured: Mapping[str, OpCost] = field(default_factory=lambda: MappingProxyType({}))
+    measured_source: str = ""
 
 
 DEVICES: dict[str, Device] = {
@@ -79,8 +162,19 @@ DEVICES: dict[str, Device] = {
         MappingProxyType({"fp32": 67e12, "tf32": 494.7e12, "fp16": 989.4e12, "bf16": 989.4e12}),
         5e-6,
         "NVIDIA H100 SXM5 datasheet (dense tensor-core peaks, HBM3 3.35 TB/s); "
+        "FP8 sums: NCCL 2.24 release notes (FP8 reductions on sm_90+); no measured "
+        "constants: python -m benchmarks.gpu has not run on an H100 yet",
+        fp8_sum=True,
+    ),
+    "h200": Device(
+        "h200",
+        4.8e12,
+        MappingProxyType({"fp32": 67e12, "tf32": 494.7e12, "fp16": 989.4e12, "bf16": 989.4e12}),
+        5e-6,
+        "NVIDIA H200 SXM datasheet (HBM3e 4.8 TB/s; dense peaks as the H100 SXM's); "
         "FP8 sums: NCCL 2.24 release notes (FP8 reductions on sm_90+)",
         fp8_sum=True,
+        **_measured("h200"),
     ),
     "a100": Device(
         "a100",
@@ -129,23 +223,6 @@ def get_device(name: str) -> Device:
         return DEVICES[name.lower()]
     except KeyError:
         raise ValueError(f"unknown device {name!r}; choose from {sorted(DEVICES)}") from None
-
-
-@dataclass(frozen=True)
-class OpCost:
-    """Measured cost of one local pass: ``launch_s + n * s_per_elem`` (0 for n = 0).
-
-    Example:
-        >>> round(OpCost(1e-5, 1e-9).time(1000), 9)
-        1.1e-05
-    """
-
-    launch_s: float
-    s_per_elem: float
-
-    def time(self, n_elem: float) -> float:
-        """Seconds for a pass over ``n_elem`` elements."""
-        return 0.0 if n_elem <= 0 else self.launch_s + n_elem * self.s_per_elem
 
 
 _FORMAT_FREE_OPS = ("amax", "scale", "unscale", "accumulate")
@@ -257,6 +334,33 @@ class Cluster:
         """Total number of ranks."""
         return self.topology.world_size
 
+    @property
+    def pass_costs(self) -> Mapping[str, OpCost]:
+        """Measured pass costs: the calibrated fits, else the device's measured constants.
+
+        A calibrated profile's fits replace the device's constants whole (one
+        machine's measurements, not a mix of two); with neither, empty, and
+        the passes are priced from the device's memory bandwidth.
+
+        Example:
+            >>> c = get_cluster("dgx-h100", world_size=8)
+            >>> len(c.pass_costs), "hook_call.e4m3" in replace(c, device=get_device("h200")).pass_costs
+            (0, True)
+        """
+        return self.codec_fits or self.device.measured
+
+    @property
+    def pass_costs_source(self) -> str:
+        """The run :attr:`pass_costs` come from; empty where there are none.
+
+        Example:
+            >>> get_cluster("dgx-h100", world_size=8).pass_costs_source
+            ''
+        """
+        if self.codec_fits:
+            return self.source
+        return self.device.measured_source
+
     def with_world_size(self, world_size: int) -> Cluster:
         """The same cluster scaled to ``world_size`` ranks, filling nodes first.
 
@@ -313,10 +417,12 @@ class Cluster:
         """Seconds for one codec pass of ``n_elem`` elements on one rank.
 
         With ``block_size`` (block scaling), the encode, decode and owner's
-        reduce passes cost more per element: calibrated fits and CPU devices
-        (which time ``aps_comm``'s CPU kernels) by :func:`block_codec_ratio`,
-        as measured; other devices by the exponents' bytes of memory traffic
-        (:func:`codec_bytes_per_elem`). Launch costs do not change.
+        reduce passes cost more per element: a measured block pass
+        (``<op>.<fmt>.block<size>`` in :attr:`pass_costs`) as measured;
+        calibrated fits and CPU devices (which time ``aps_comm``'s CPU
+        kernels) by :func:`block_codec_ratio`, as measured; other devices by
+        the exponents' bytes of memory traffic (:func:`codec_bytes_per_elem`).
+        Launch costs do not change.
 
         Example:
             >>> c = custom_cluster(125e6, 50e-6, nodes=2, device="cpu-numba")
@@ -324,21 +430,33 @@ class Cluster:
             >>> block = c.codec_time("encode", "e4m3", 1.0, 2**20, block_size=32)
             >>> round((block - c.device.launch_s) / (layer - c.device.launch_s), 2)
             1.07
+            >>> h200 = replace(c, device=get_device("h200"))  # measured on an H200
+            >>> round(h200.codec_time("encode", "e4m3", 1.0, 2**26) * 1e3, 4)
+            0.2828
         """
         key = op if op in _FORMAT_FREE_OPS else f"{op}.{fmt_name}"
-        blocked = block_size is not None and op in _BLOCK_SCALED_OPS
-        ratio = block_codec_ratio(wire_bytes) if blocked else 1.0
-        if key in self.codec_fits:
-            fit = self.codec_fits[key]
-            # Fits are calibrated on the CPU kernels (aps-perfmodel calibrate).
+        costs = self.pass_costs
+        if block_size is None or op not in _BLOCK_SCALED_OPS:
+            ratio, exponent_bytes = 1.0, 0.0
+        elif f"{key}.block{block_size}" in costs:
+            return costs[f"{key}.block{block_size}"].time(n_elem)
+        elif self.codec_fits or self.device.cpu_codec:
+            # Calibrated fits time the CPU kernels (aps-perfmodel calibrate).
+            ratio, exponent_bytes = block_codec_ratio(wire_bytes), 0.0
+        else:
+            # Memory-bound GPU kernels: the exponents' extra bytes of traffic.
+            ratio, exponent_bytes = 1.0, 1.0 / block_size
+        if key in costs:
+            fit = costs[key]
+            if exponent_bytes:  # a GPU's measured per-layer pass, read and written with them
+                ratio = codec_bytes_per_elem(op, wire_bytes, exponent_bytes) / codec_bytes_per_elem(
+                    op, wire_bytes
+                )
             return OpCost(fit.launch_s, fit.s_per_elem * ratio).time(n_elem)
         if n_elem <= 0 or op in ("scale", "unscale"):
             # On a GPU the power-of-two scaling is fused into the encode/decode kernels.
             return 0.0
-        if blocked and block_size is not None and not self.device.cpu_codec:
-            per_elem = codec_bytes_per_elem(op, wire_bytes, 1.0 / block_size)
-        else:
-            per_elem = codec_bytes_per_elem(op, wire_bytes) * ratio
+        per_elem = codec_bytes_per_elem(op, wire_bytes, exponent_bytes) * ratio
         return self.device.launch_s + n_elem * per_elem / self.device.mem_bw
 
 

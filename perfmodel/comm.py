@@ -6,8 +6,9 @@ modelled in :mod:`aps_perfmodel.strategies`, which ``aps_comm``'s hook imports
 to size its chunks and choose its strategy; this module applies them to a
 format spec: ``strategy="auto"`` is the hook's per-bucket choice
 (:func:`~aps_perfmodel.strategies.choose_strategy`), and a calibrated
-profile's whole-hook timings (``hook_call.<fmt>``) replace the parts' fixed
-cost.
+profile's whole-hook timings, or the host time of a hook call measured on the
+device (``hook_call.<fmt>`` in :attr:`~aps_perfmodel.cluster.Cluster.pass_costs`),
+replace the parts' fixed cost.
 
 Example:
     >>> from aps_perfmodel import bucket_comm, get_cluster, get_format
@@ -69,13 +70,17 @@ def resolve_strategy(n_elem: int, n_layers: int, fmt: FormatSpec, cluster: Clust
 
 
 def _hook_call(cluster: Cluster, fmt: FormatSpec) -> tuple[OpCost, str] | None:
-    """The calibrated whole call of a tiny bucket through ``fmt``'s hook, and its strategy.
+    """The measured call of ``fmt``'s hook per bucket, and the strategy it was timed with.
+
+    A calibrated profile times the whole call of a tiny bucket; a device's
+    measured constants, the host time of a call on a settled bucket (which
+    issues its kernels and collectives): either way the bucket's fixed cost.
 
     ``hook_call.fp16`` is torch's ``fp16_compress_hook``, ``hook_call.e4m3``
     the APS hook timed with two_phase: a path through the same hook (the same
     ``aps``), whatever its strategy, pays that hook's fixed cost.
     """
-    call = cluster.codec_fits.get(f"hook_call.{fmt.name}")
+    call = cluster.pass_costs.get(f"hook_call.{fmt.name}")
     default = FORMATS.get(fmt.name)
     if call is None or default is None or fmt.aps != default.aps:
         return None
@@ -95,8 +100,10 @@ def bucket_comm(
     The parts (collectives, maxima, codec passes) come from the cluster's
     links and fits (:func:`~aps_perfmodel.strategies.bucket_breakdown`).
     Where the cluster is a calibrated profile that timed the format's hook
-    whole on a tiny bucket (``hook_call.<fmt>``), the bucket's fixed cost is
-    that measured call rather than the sum of the parts' latencies:
+    whole on a tiny bucket, or its device carries the host time of the
+    hook's call measured on a GPU (``hook_call.<fmt>`` in
+    :attr:`~aps_perfmodel.cluster.Cluster.pass_costs`), the bucket's fixed
+    cost is that measured call rather than the sum of the parts' latencies:
     ``overhead_s`` = call - parts(tiny bucket), negative where the parts,
     each timed alone after idling, pay a wake-up the hook pays once; never so
     negative that the bucket costs less than the call itself.

@@ -300,8 +300,8 @@ def reduce_scatter_time(
     # amax and encode read the whole input; the owner decodes the N rows it
     # received (n elements in all), sums them and writes its n / N shard.
     codec_s = codec("amax", n) + codec("encode", n) + codec("decode", n)
-    if "accumulate" in cluster.codec_fits:
-        codec_s += cluster.codec_fits["accumulate"].time(n)
+    if "accumulate" in cluster.pass_costs:
+        codec_s += cluster.pass_costs["accumulate"].time(n)
     else:
         link = (
             cluster.topology.intra if cluster.topology.gpus_per_node > 1 else cluster.topology.inter

@@ -392,8 +392,9 @@ class CommBreakdown:
         overlap_s: codec and wire time hidden by chunk pipelining.
         chunks: pipelined chunks of the bucket (1: no pipelining).
         overhead_s: the bucket's fixed cost as the real hook pays it, less the
-            parts' own latencies (calibrated profiles only: ``hook_call.<fmt>``);
-            negative where the parts, timed alone, overcount it.
+            parts' own latencies (where measured: ``hook_call.<fmt>`` of a
+            calibrated profile or of the device's constants); negative where
+            the parts, timed alone, overcount it.
         inter_node_bytes: the part of ``wire_bytes`` that leaves the node, per
             rank (averaged over the node's ranks); 0 on one node.
         exponent_bytes: the part of ``wire_bytes`` that is block exponents
@@ -520,8 +521,8 @@ def _accumulate(cluster: Cluster, n_in: float, group: int) -> float:
     """FP32 sum on the owner of ``group`` slices, ``n_in`` elements in all."""
     if n_in <= 0 or group <= 1:
         return 0.0
-    if "accumulate" in cluster.codec_fits:
-        return cluster.codec_fits["accumulate"].time(n_in)
+    if "accumulate" in cluster.pass_costs:
+        return cluster.pass_costs["accumulate"].time(n_in)
     topo = cluster.topology
     gamma = topo.intra.gamma if topo.gpus_per_node > 1 else topo.inter.gamma
     return n_in * _FP32_BYTES * (group - 1) / group * gamma
@@ -739,7 +740,7 @@ def _codec(strategy: str, fmt: FormatSpec, cluster: Cluster, m: float) -> float:
         # (one fused pass where calibrated as "reduce.<fmt>").
         if group <= 1:
             return 0.0
-        if f"reduce.{fmt.name}" in cluster.codec_fits:
+        if f"reduce.{fmt.name}" in cluster.pass_costs:
             return codec("reduce", n)
         return codec("decode", n) + _accumulate(cluster, n, group) + codec("encode", n / group)
 

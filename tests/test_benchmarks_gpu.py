@@ -635,3 +635,79 @@ def test_profile_finds_every_bucket_of_the_step(harness: list) -> None:
     assert len(buckets) >= 2 and buckets == list(range(len(buckets)))
     # On Gloo/CPU the hook hands its buckets to a worker thread: no device work at all.
     assert prof0["step"] == {k.value: 0 for k in EventKind}
+
+
+# --- The performance model's constants ------------------------------------------------
+
+H200_RUN = ROOT / "benchmarks" / "results" / "gpu_h200.json"
+
+
+def test_the_h200_preset_is_what_device_constants_derives_from_the_h200_run() -> None:
+    from aps_perfmodel.cluster import device_data_path, get_device, measured_costs
+
+    shipped = json.loads(device_data_path("h200").read_text())
+    derived = gpu.device_constants(json.loads(H200_RUN.read_text()), "h200", shipped["note"])
+    assert shipped == derived
+    costs, source = measured_costs(derived)
+    assert dict(get_device("h200").measured) == costs
+    assert get_device("h200").measured_source == source
+    assert "NVIDIA H200" in source and "commit dec34b1" in source and "triton codec" in source
+
+
+def test_device_constants_per_element_and_per_bucket() -> None:
+    report = json.loads(H200_RUN.read_text())
+    codec = next(s for s in report["steps"] if s["name"] == "codec")["details"]
+    rows = {r["config"]: r for r in report["steps"][0]["details"]["configs"]}
+    costs = gpu.device_constants(report, "h200")["costs"]
+    timings = codec["backends"][codec["backend"]]
+    n = codec["elements"]
+    # This run recorded no "keyed" variant: per-layer scaling from "scaled".
+    assert "keyed" not in timings
+    assert costs["encode.e4m3"]["s_per_elem"] * n * 1e3 == pytest.approx(
+        timings["scaled"]["encode_ms"]
+    )
+    assert costs["decode.e4m3.block32"]["s_per_elem"] * n * 1e3 == pytest.approx(
+        timings["block32"]["decode_ms"]
+    )
+    assert costs["hook_call.e4m3"]["launch_s"] * 1e6 == pytest.approx(
+        rows["APS e4m3 two_phase"]["host_us_per_bucket"]
+    )
+    assert costs["hook_call.fp16"]["launch_s"] * 1e6 == pytest.approx(
+        rows["fp16_compress_hook"]["host_us_per_bucket"]
+    )
+    # Native, block and "auto" calls have no key of their own in the model.
+    assert set(costs) == {
+        "encode.e4m3",
+        "decode.e4m3",
+        "encode.e4m3.block32",
+        "decode.e4m3.block32",
+        "hook_call.e4m3",
+        "hook_call.fp16",
+    }
+    # A newer run's "keyed" timings (the settled hook's calls) win over "scaled".
+    keyed = copy.deepcopy(report)
+    k_codec = next(s for s in keyed["steps"] if s["name"] == "codec")["details"]
+    k_codec["backends"]["triton"]["keyed"] = {"encode_ms": 0.2, "decode_ms": 0.1}
+    k_costs = gpu.device_constants(keyed, "h200")["costs"]
+    assert k_costs["encode.e4m3"]["s_per_elem"] * n * 1e3 == pytest.approx(0.2)
+
+
+def test_device_constants_need_results() -> None:
+    skipped = {"command": "python -m benchmarks.gpu --out gpu", "machine": {}, "steps": []}
+    skipped["steps"] = [{"name": n, "status": "skipped", "details": {}} for n in ("step", "codec")]
+    with pytest.raises(ValueError, match="no codec or step results"):
+        gpu.device_constants(skipped, "h200")
+
+
+def test_preset_from_writes_where_the_device_preset_reads(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch, capsys: pytest.CaptureFixture[str]
+) -> None:
+    monkeypatch.setattr(gpu, "device_data_path", lambda name: tmp_path / "devices" / f"{name}.json")
+    argv = ["--preset", "h200x", "--from", str(H200_RUN), "--note", "a note"]
+    assert gpu.main(argv) == 0
+    written = json.loads((tmp_path / "devices" / "h200x.json").read_text())
+    assert written == gpu.device_constants(json.loads(H200_RUN.read_text()), "h200x", "a note")
+    assert "wrote" in capsys.readouterr().out
+    with pytest.raises(SystemExit):
+        gpu.main(["--from", str(H200_RUN)])
+    assert "--from needs --preset" in capsys.readouterr().err

@@ -121,7 +121,9 @@ def test_wheel_installs_exactly_the_packages_with_license_data_and_entry_points(
             in_wheel = {n[len(installed) + 1 :] for n in names if n.startswith(installed + "/")}
             missing = _source_files(directory) - in_wheel
             assert not missing, f"{directory}/ files not in the wheel's {installed}/: {missing}"
-        data = {p.name for p in (ROOT / "perfmodel" / "data").glob("*.json")}
+        data_dir = ROOT / "perfmodel" / "data"
+        data = {p.relative_to(data_dir).as_posix() for p in data_dir.rglob("*.json")}
+        assert "devices/h200.json" in data
         assert data and {f"aps_perfmodel/data/{n}" for n in data} <= set(names)
 
         metadata = zf.read(f"{dist_info}/METADATA").decode()

@@ -33,7 +33,8 @@ from pathlib import Path
 import pytest
 import torch
 
-from aps_perfmodel import get_cluster, get_model, predict
+from aps_perfmodel import get_cluster, get_device, get_model, predict
+from aps_perfmodel.units import format_time
 
 ROOT = Path(__file__).resolve().parents[1]
 README = ROOT / "README.md"
@@ -108,6 +109,15 @@ EXEMPT: dict[str, str] = {
         "op count and the settled path's bits"
     ),
     "python -m benchmarks.hostcost --device cuda": "needs a CUDA device",
+    "python -m benchmarks.gpu --out gpu --steps step,codec --preset h200": (
+        "needs a CUDA GPU for its measurements, and would rewrite the shipped h200 preset; "
+        "tests/test_benchmarks_gpu.py runs --preset with --from into a scratch folder"
+    ),
+    "python -m benchmarks.gpu --preset h200 --from gpu/gpu.json": (
+        "needs a report of a GPU run, and would rewrite the shipped h200 preset; "
+        "tests/test_benchmarks_gpu.py runs it on the H200 run into a scratch folder and "
+        "checks that the shipped preset is what it derives"
+    ),
     "python -m benchmarks.accuracy": (
         "the full benchmark, 4 ranks x 3 seeds x 9 hooks x 2 tasks (944 s for the committed "
         "benchmarks/results/accuracy.json); tests/test_benchmarks.py runs it with tiny "
@@ -490,6 +500,30 @@ def _check_perfmodel_scale(proc: subprocess.CompletedProcess[str], cwd: Path) ->
     assert (out / "perfmodel_scale.png").read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
 
 
+def _check_perfmodel_h200(proc: subprocess.CompletedProcess[str], cwd: Path) -> None:
+    _check_ok(proc, cwd)
+    comm = {
+        line.split()[0]: " ".join(line.split()[6:8])
+        for line in proc.stdout.splitlines()
+        if line.split() and line.split()[0] in ("fp32", "fp16", "e4m3")
+    }
+    flat = " ".join(proc.stdout.split())
+    assert "measured codec and hook costs per bucket of the h200 preset" in flat
+    assert "commit dec34b1" in flat
+    # docs/performance-model.md quotes these numbers, and the same device's ideal ones.
+    text = " ".join((DOCS / "performance-model.md").read_text().split())
+    assert f"spends {comm['e4m3']} per step in e4m3 two_phase" in text, comm
+    assert f"and {comm['fp16']} in FP16's" in text, comm
+    assert f"FP32's {comm['fp32']} runs no hook" in text, comm
+    # The same device from its datasheet alone: the preset without its measured constants.
+    h200 = get_device("h200")
+    datasheet = dataclasses.replace(h200, measured={})
+    cluster = dataclasses.replace(get_cluster("dgx-h100", world_size=16), device=datasheet)
+    ideal = predict(get_model("gpt2-xl"), cluster, ["e4m3"], strategy="two_phase").formats
+    e4m3, fp16 = (format_time(ideal[f].comm_s) for f in ("e4m3", "fp16"))
+    assert f"against {e4m3} and {fp16} for the same device from its datasheet" in text
+
+
 def _check_comm_only(proc: subprocess.CompletedProcess[str], cwd: Path) -> None:
     _check_ok(proc, cwd)
     out = json.loads(proc.stdout)
@@ -653,6 +687,8 @@ RUN: dict[str, _Run] = {
     "--bucket-cap-mb 4 --fmt e2m1 --scaling block --block-size 8": _Run(
         _check_perfmodel_block_levels
     ),
+    "aps-perfmodel predict --model gpt2-xl --cluster dgx-h100 --world-size 16 --device h200 "
+    "--fmt e4m3 --strategy two_phase": _Run(_check_perfmodel_h200),
     "python -m aps_perfmodel.scale --out benchmarks/results": _Run(_check_perfmodel_scale),
     "aps-perfmodel predict --params 25.6M --bandwidth 10Gbit --latency 20us --nodes 16 --json": (
         _Run(_check_comm_only)
