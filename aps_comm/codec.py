@@ -88,6 +88,7 @@ __all__ = [
     "Blocks",
     "Codec",
     "Layout",
+    "NodeBlockCalls",
     "RankBlockCalls",
     "backend_for",
     "codec_for",
@@ -520,6 +521,29 @@ def _block_keys(
     cpu_kernels.layer_any(keys, counts, KEY_BAD, flags)
 
 
+def _node_across(
+    fmt: FloatFormat,
+    mean_call: Callable[[], object],
+    mean: torch.Tensor,
+    offsets: np.ndarray,
+    maxima: torch.Tensor,
+    keys: torch.Tensor,
+    send_call: Callable[[], object],
+) -> None:
+    """The node's mean of this rank's slice, its blocks' own keys (two_phase's rule:
+    ``fmt.max`` times the nodes stays below float32's max), and its pieces encoded."""
+    mean_call()
+    _kernel("block_amax", mean, offsets, maxima)
+    _kernel("two_phase_keys", maxima, fmt, EXPONENT_LIMIT, keys)
+    send_call()
+
+
+def _calls_then(first: Callable[[], object], then: Callable[[], object] | None) -> None:
+    first()
+    if then is not None:
+        then()
+
+
 def _triton_ran(variant: tuple, launch: Callable[[], None]) -> bool:
     """Launch a Triton kernel variant; False where it cannot compile or launch here.
 
@@ -686,6 +710,36 @@ class RankBlockCalls:
     owner: Callable[[], int]
     decode: Callable[[], None]
     exchange: tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor] | None = None
+
+
+@dataclasses.dataclass(frozen=True)
+class NodeBlockCalls:
+    """One chunk of hierarchical (or grid) with every owner's own block exponents, bound.
+
+    Each is a fixed handful of kernel calls (:meth:`Codec.bind_node_blocks`),
+    whatever the number of ranks, layers or blocks.
+
+    Attributes:
+        first: grid: this rank's L slices of the chunk encoded with its own
+            block keys into the first exchange; None for hierarchical (FP32).
+        across: the node's mean of this rank's slice (from the first exchange),
+            its blocks' own keys, and its M pieces encoded with them (the
+            first chunk's with this rank's layer flags).
+        owner: this rank's owner step across nodes (the first chunk's flags
+            OR-ed into its shard).
+        decode: the N gathered shards decoded into the values with their
+            owners' keys (the first chunk's gathered flags OR-ed first).
+        first_in: what the first exchange sends: the chunk of the values
+            (hierarchical) or its encoded slices (grid), a view made once; or None.
+        splits: hierarchical: the first exchange's input and output split sizes.
+    """
+
+    first: Callable[[], object] | None
+    across: Callable[[], None]
+    owner: Callable[[], None]
+    decode: Callable[[], None]
+    first_in: torch.Tensor | None = None
+    splits: tuple[list[int], list[int]] | None = None
 
 
 @dataclasses.dataclass(frozen=True)
@@ -1287,6 +1341,186 @@ class Codec:
             ),
         ]
         return all(_probed(variant, probe) for variant, probe in probes)
+
+    def bind_node_blocks(
+        self,
+        x: torch.Tensor,
+        keys: torch.Tensor,
+        flags: torch.Tensor,
+        union: torch.Tensor,
+        *,
+        offsets: np.ndarray,
+        layer_of: np.ndarray,
+        firsts: np.ndarray,
+        ranks_per_node: int,
+        first: tuple[torch.Tensor, np.ndarray, int] | None,
+        received: torch.Tensor,
+        mean: torch.Tensor,
+        slice_offsets: np.ndarray,
+        maxima: torch.Tensor,
+        own: torch.Tensor,
+        piece_firsts: np.ndarray,
+        send: torch.Tensor,
+        recv: torch.Tensor,
+        shard: np.ndarray,
+        out: torch.Tensor,
+        gathered: torch.Tensor,
+        shard_bytes: int,
+        at: int,
+    ) -> NodeBlockCalls | None:
+        """Bind one chunk of hierarchical (or grid) with every owner's own block exponents.
+
+        The fused form of what :func:`aps_comm.transports.hierarchical_rank_blocks`
+        does slice by slice and shard by shard; the same bytes. Across nodes it
+        is two_phase's :meth:`bind_rank_blocks` applied to the node's mean of
+        this rank's slice among the M ranks of its local rank. None where this
+        backend has no fused kernels (only "kernels" has them, for 4- and
+        8-bit formats).
+
+        Args:
+            x: the group's float32 values (read, then overwritten by the decode).
+            keys: this rank's key of every block of the group (uint8; grid sends with them).
+            flags: this rank's non-finite flag of every layer (uint8).
+            union: scratch: every rank's flags OR-ed (written by the first
+                chunk's decode, read by every decode).
+            offsets: the group's block boundaries (int64, elements).
+            layer_of: each block's layer (int64).
+            firsts: the chunk's N shards' first blocks, and the end (int64).
+            ranks_per_node: L.
+            first: grid: the first exchange's send region (L equal pieces), the
+                L slices' first blocks and the end, and the bytes every slice's
+                payload is padded to; None for hierarchical.
+            received: what the first exchange brings: L float32 rows of this
+                rank's slice (hierarchical) or L pieces (grid).
+            mean: float32 scratch, the slice's elements: the node's mean.
+            slice_offsets: the slice's block boundaries, from 0 (int64).
+            maxima: float32 scratch, one per block of the slice.
+            own: uint8 scratch, one per block of the slice: the mean's keys.
+            piece_firsts: the slice's M shards' first blocks (of the slice), and the end.
+            send: the exchange across nodes, M equal pieces.
+            recv: what it brings, M equal pieces.
+            shard: this rank's shard's block boundaries, from 0 (int64).
+            out: this rank's shard as gathered (codes, keys, in the first chunk flags).
+            gathered: the chunk's N shards gathered, N equal rows.
+            shard_bytes: payload bytes every shard is padded to.
+            at: where the layer flags lie in a piece and a row; -1 for none.
+
+        Example:
+            >>> calls = codec.bind_node_blocks(x, keys, flags, union, ...)  # doctest: +SKIP
+            >>> calls.across(); calls.owner(); calls.decode()  # doctest: +SKIP
+        """
+        if (
+            self.backend != "kernels"
+            or self.fmt.wire_bits not in (4, 8)
+            or x.dtype != torch.float32
+            or x.device.type != "cpu"
+        ):
+            return None
+        fmt, n, nodes = self.fmt, firsts.size - 1, piece_firsts.size - 1
+        table, untable = _key_table(unscale=False), _key_table(unscale=True)
+        union_np, flags_np = union.numpy(), flags.numpy()
+        longest = int(np.diff(shard).max()) if shard.size > 1 else 0
+        slice_longest = int(np.diff(slice_offsets).max()) if slice_offsets.size > 1 else 0
+        send_first = None
+        if first is None:  # hierarchical: FP32 rows of the slice
+            rows = received.numpy().reshape(ranks_per_node, mean.numel())
+            mean_call = functools.partial(_kernel, "mean_rows", rows, mean.numpy())
+        else:
+            first_send, slice_firsts, slice_bytes = first
+            no_flags = np.empty(0, np.uint8)
+            send_first = functools.partial(
+                _kernel,
+                "send_rank_blocks",
+                fmt,
+                x.numpy(),
+                keys.numpy(),
+                table,
+                offsets,
+                slice_firsts,
+                first_send.numpy(),
+                first_send.numel() // ranks_per_node,
+                slice_bytes,
+                no_flags,
+                -1,
+                -1,
+            )
+            mean_call = functools.partial(
+                _kernel,
+                "mean_rank_blocks",
+                fmt,
+                received.numpy(),
+                ranks_per_node,
+                slice_offsets,
+                untable,
+                mean.numpy(),
+                slice_bytes,
+                slice_longest,
+            )
+        send_call = functools.partial(
+            _kernel,
+            "send_rank_blocks",
+            fmt,
+            mean.numpy(),
+            own.numpy(),
+            table,
+            slice_offsets,
+            piece_firsts,
+            send.numpy(),
+            send.numel() // nodes,
+            shard_bytes,
+            flags_np,
+            at,
+            -1,  # no chunk byte: hierarchical agrees no chunk size on the wire
+        )
+        across = functools.partial(
+            _node_across, fmt, mean_call, mean, slice_offsets, maxima, own, send_call
+        )
+        d = np.empty(shard.size - 1, np.int32)
+        owner = functools.partial(
+            _kernel,
+            "owner_rank_blocks",
+            fmt,
+            EXPONENT_LIMIT,
+            recv.numpy(),
+            nodes,
+            shard,
+            untable,
+            out.numpy(),
+            shard_bytes,
+            -1,  # the flags are OR-ed into the shard below, not read with a chunk byte
+            union_np,
+            d,
+            longest,
+        )
+        decode = functools.partial(
+            _kernel,
+            "decode_rank_blocks",
+            fmt,
+            gathered.numpy(),
+            n,
+            offsets,
+            firsts,
+            untable,
+            layer_of,
+            union_np,
+            x.numpy(),
+            shard_bytes,
+        )
+        owner_flags = union_flags = None
+        if at >= 0:
+            k = flags.numel()
+            pieces = recv.numpy().reshape(nodes, -1)[:, at : at + k]
+            owner_flags = functools.partial(_kernel, "or_rows", pieces, out.numpy()[at : at + k])
+            rows = gathered.numpy().reshape(n, -1)[:, at : at + k]
+            union_flags = functools.partial(_kernel, "or_rows", rows, union_np)
+        return NodeBlockCalls(
+            send_first,
+            across,
+            functools.partial(_calls_then, owner, owner_flags),
+            functools.partial(_calls_then, union_flags, decode)
+            if union_flags is not None
+            else decode,
+        )
 
     def _torch(self) -> Codec:
         """This format's codec with torch ops on the same device (a Triton variant's fallback)."""

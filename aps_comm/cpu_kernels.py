@@ -73,6 +73,9 @@ __all__ = [
     "maxima_factors",
     "maxima_factors_into",
     "mean_limit",
+    "mean_rank_blocks",
+    "mean_rows",
+    "or_rows",
     "owner_rank_blocks",
     "reduce_blocks",
     "reduce_rank_blocks",
@@ -1287,7 +1290,8 @@ if AVAILABLE:
             if at >= 0:
                 for i in range(len(flags)):
                     send[base + at + i] = flags[i]
-                send[base + at + len(flags)] = log2
+                if log2 >= 0:  # hierarchical's pieces carry no chunk byte
+                    send[base + at + len(flags)] = log2
 
     @_njit
     def _owner_rank_blocks(
@@ -1386,7 +1390,7 @@ def send_rank_blocks(
     to ``send[s * piece:]``: its codes times ``table[key]`` per block, zero
     padding to ``shard_bytes``, the blocks' ``keys``, and where ``at >= 0``
     (the first chunk) the layers' non-finite ``flags`` then ``log2`` (this
-    rank's preferred chunk) at ``at``. 4- and 8-bit formats.
+    rank's preferred chunk; none where negative) at ``at``. 4- and 8-bit formats.
     """
     _send_rank_blocks(
         x,
@@ -1485,6 +1489,126 @@ def decode_rank_blocks(
         fmt.wire_bits,
         _NO_RUNS,
     )
+
+
+if AVAILABLE:
+    # The first level of hierarchical and grid with every owner's own block
+    # exponents: the node's mean of this rank's slice, from its L copies (see
+    # aps_comm.transports.hierarchical_rank_blocks).
+
+    @_njit
+    def _mean_rank_blocks(recv, n_ranks, piece, offsets, table, out, shard_bytes, cap, q, m, bits):
+        k = len(offsets) - 1
+        fac = np.empty((n_ranks, k), np.float32)
+        for r in range(n_ranks):
+            for j in range(k):
+                fac[r, j] = table[recv[r * piece + shard_bytes + j]]
+        acc = np.empty(cap + 1, np.float32)
+        part = np.empty(cap + 1, np.float32)
+        div = np.float32(n_ranks)
+        s = 0
+        while s < k:
+            t = _group_end(offsets, s, cap)
+            g0, g1 = offsets[s], offsets[t]
+            lo = g0 & 1 if bits == 4 else 0  # 4-bit: a group may start at an odd nibble
+            hi = lo + g1 - g0
+            for r in range(n_ranks):
+                dst = acc if r == 0 else part
+                if bits == 4:
+                    payload = recv[r * piece + (g0 >> 1) : r * piece + ((g1 + 1) >> 1)]
+                    _decode_blocks4(payload, dst, q, m, offsets, s, t, g0 - lo, fac[r])
+                else:
+                    codes = recv[r * piece + g0 : r * piece + g1]
+                    _decode_blocks(codes, dst, q, m, offsets, s, t, g0, fac[r])
+                if r > 0:  # rank order, as aps_comm.simulate sums
+                    for j in range(lo, hi):
+                        acc[j] += part[j]
+            for j in range(lo, hi):
+                out[g0 - lo + j] = acc[j] / div
+            s = t
+
+    @_njit
+    def _mean_rows(rows, out):
+        n = rows.shape[0]
+        for j in range(rows.shape[1]):
+            out[j] = rows[0, j]
+        for r in range(1, n):
+            for j in range(rows.shape[1]):
+                out[j] += rows[r, j]
+        div = np.float32(n)
+        for j in range(rows.shape[1]):
+            out[j] = out[j] / div
+
+    @_njit
+    def _or_rows(rows, out):
+        for i in range(rows.shape[1]):
+            u = np.uint8(0)
+            for r in range(rows.shape[0]):
+                u |= rows[r, i]
+            out[i] = u
+
+
+def mean_rank_blocks(
+    fmt: FloatFormat,
+    recv: np.ndarray,
+    n_ranks: int,
+    offsets: np.ndarray,
+    table: np.ndarray,
+    out: np.ndarray,
+    shard_bytes: int,
+    longest: int,
+) -> None:
+    """The float32 mean of ``n_ranks`` pieces sent by :func:`send_rank_blocks`, into ``out``.
+
+    ``recv`` holds N equal pieces of the same elements (blocks at ``offsets``,
+    from 0): each piece's codes are decoded times ``table[key]`` of its
+    sender's keys (at ``shard_bytes``), summed in float32 in rank order and
+    divided by N: :func:`owner_rank_blocks`' mean, kept instead of encoded.
+    4- and 8-bit formats; ``longest``: the longest block's elements.
+
+    Example:
+        >>> mean_rank_blocks(E4M3, recv, 2, offsets, table, out, 64, 16)  # doctest: +SKIP
+    """
+    q, m = decoder_params(fmt)
+    _mean_rank_blocks(
+        recv,
+        n_ranks,
+        recv.size // n_ranks,
+        offsets,
+        table,
+        out,
+        shard_bytes,
+        max(_BLOCK, longest),
+        q,
+        m,
+        fmt.wire_bits,
+    )
+
+
+def mean_rows(rows: np.ndarray, out: np.ndarray) -> None:
+    """The mean of the rows of a 2-D float32 array into ``out``: summed in float32 in row
+    order, then divided by their number (the same bits as ``+=`` row by row, then ``/``).
+
+    Example:
+        >>> out = np.empty(2, np.float32)
+        >>> mean_rows(np.array([[1, 2], [2, 3]], np.float32), out)
+        >>> out
+        array([1.5, 2.5], dtype=float32)
+    """
+    _mean_rows(rows, out)
+
+
+def or_rows(rows: np.ndarray, out: np.ndarray) -> None:
+    """The bitwise OR of the rows of a 2-D uint8 array (a view of the rows' flag bytes)
+    into ``out``.
+
+    Example:
+        >>> out = np.empty(2, np.uint8)
+        >>> or_rows(np.array([[1, 0], [0, 2]], np.uint8), out)
+        >>> out
+        array([1, 2], dtype=uint8)
+    """
+    _or_rows(rows, out)
 
 
 if AVAILABLE:

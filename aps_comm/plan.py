@@ -308,6 +308,8 @@ class NodeBlocks:
         shard: per chunk, this rank's owned shard (codes, keys, flags).
         across: per chunk, the M shards gathered across nodes.
         gathered: per chunk, the N shards gathered in the node.
+        bound: the fused kernels' calls bound to a buffer
+            (:func:`aps_comm.transports.hierarchical_rank_blocks` keeps them here).
     """
 
     ranks_per_node: int
@@ -334,6 +336,7 @@ class NodeBlocks:
     shard: list[torch.Tensor]
     across: list[torch.Tensor]
     gathered: list[torch.Tensor]
+    bound: dict = dataclasses.field(default_factory=dict, compare=False, repr=False)
 
     def slice_bounds(self, c: int, local: int) -> tuple[int, int]:
         """Elements ``[a, b)`` of the group in local rank ``local``'s slice of chunk ``c``."""

@@ -39,7 +39,7 @@ import numpy as np
 import torch
 import torch.distributed as dist
 
-from aps_comm.codec import AgreedMaxima, RankBlockCalls
+from aps_comm.codec import AgreedMaxima, Layout, NodeBlockCalls, RankBlockCalls
 from aps_comm.formats import payload_nbytes, pow2
 from aps_comm.plan import GroupPlan, RowRuns
 from aps_comm.scaling import (
@@ -55,11 +55,13 @@ __all__ = [
     "Counter",
     "all_gather_single",
     "all_reduce_max",
+    "bind_node_blocks",
     "bind_rank_blocks",
     "fp32_mean",
     "fp32_mean_async",
     "hierarchical",
     "hierarchical_rank_blocks",
+    "hierarchical_rank_blocks_bound",
     "native",
     "reduce_scatter",
     "two_phase",
@@ -1013,6 +1015,11 @@ def hierarchical_rank_blocks(
     node; every rank decodes the N shards with their owners' keys, and the
     layers flagged by any rank (OR of the first chunk's gathered flags) NaN.
 
+    On the "kernels" codec (CPU, 4- and 8-bit formats) every chunk runs
+    through fused calls bound once per plan and buffer (:func:`bind_node_blocks`,
+    kept on the plan): a fixed handful of kernel calls per chunk. Elsewhere
+    the same bytes come slice by slice and shard by shard.
+
     Args:
         g: the group's plan (``g.node_blocks`` set).
         x: the group's float32 values; the result is written back into it.
@@ -1033,6 +1040,12 @@ def hierarchical_rank_blocks(
     """
     nb = g.node_blocks
     assert nb is not None and g.blocks is not None
+    bound = _node_bound(g, x)
+    if bound is not None:
+        # The bound calls read this rank's keys and flags from their own scratch.
+        bound.keys.copy_(keys)
+        bound.flags.copy_(flags)
+        return hierarchical_rank_blocks_bound(g, bound.calls, x, groups, count, defer)
     fmt, codec, k = g.fmt, g.codec, len(g.chunks)
     per_node, nodes, local = nb.ranks_per_node, nb.nodes, nb.local_rank
     layout = g.layout
@@ -1171,10 +1184,236 @@ def hierarchical_rank_blocks(
             )
 
     stages = (exchange_in_node, exchange_across_nodes, reduce_shard, gather_in_node, decode)
+    return _staged(k, stages, defer)
+
+
+def hierarchical_rank_blocks_bound(
+    g: GroupPlan,
+    calls: Sequence[NodeBlockCalls],
+    x: torch.Tensor,
+    groups: NodeGroups,
+    count: Counter,
+    defer: bool = False,
+) -> Callable[[], None] | None:
+    """:func:`hierarchical_rank_blocks` through calls bound once (:func:`bind_node_blocks`).
+
+    The same collectives, in the same order, and the same bytes; per chunk a
+    fixed handful of kernel calls (grid's first encode, the node's mean with
+    its keys and pieces, the owner's step, the decode), whatever the number
+    of ranks, layers or blocks, and no slicing on the host. The keys and
+    flags the calls read are written before.
+
+    Args:
+        g: the group's plan (``g.node_blocks`` set).
+        calls: each chunk's bound calls, with their ``first_in`` views.
+        x: the group's float32 values the calls are bound to (for the byte count).
+        groups: this rank's intra- and inter-node groups.
+        count: byte counter.
+        defer: as :func:`hierarchical_rank_blocks`'.
+
+    Returns:
+        With ``defer``, the function that finishes the bucket; else None.
+
+    Example:
+        >>> calls = transports.bind_node_blocks(g, x, keys, flags, union)  # doctest: +SKIP
+        >>> transports.hierarchical_rank_blocks_bound(g, calls, x, groups, count)  # doctest: +SKIP
+    """
+    nb = g.node_blocks
+    assert nb is not None
+    k, wire_first = len(calls), nb.wire_first
+    works: dict[tuple[int, int], dist.Work] = {}
+
+    def wait(c: int, stage: int, what: str) -> None:
+        _wait(works.pop((c, stage)), f"the {what} of chunk {c + 1} of {k}")
+
+    def exchange_in_node(c: int) -> None:
+        cc = calls[c]
+        source = cc.first_in
+        assert source is not None
+        if cc.first is not None:
+            cc.first()
+            count("node_all_to_all", source.numel())
+            works[c, 0] = dist.all_to_all_single(
+                nb.first_recv[c], source, group=groups.intra, async_op=True
+            )
+            return
+        assert cc.splits is not None
+        count("node_all_to_all", source.numel() * 4)
+        works[c, 0] = dist.all_to_all_single(
+            nb.first_recv[c],
+            source,
+            output_split_sizes=cc.splits[1],
+            input_split_sizes=cc.splits[0],
+            group=groups.intra,
+            async_op=True,
+        )
+
+    def exchange_across_nodes(c: int) -> None:
+        wait(c, 0, "first-level all_to_all" if wire_first else "in-node FP32 all_to_all")
+        calls[c].across()
+        count("all_to_all", nb.send[c].numel())
+        works[c, 1] = dist.all_to_all_single(
+            nb.recv[c], nb.send[c], group=groups.inter, async_op=True
+        )
+
+    def reduce_shard(c: int) -> None:
+        wait(c, 1, "across-node all_to_all")
+        calls[c].owner()
+        count("all_gather", nb.shard[c].numel())
+        works[c, 2] = all_gather_single(
+            nb.across[c], nb.shard[c], group=groups.inter, async_op=True
+        )
+
+    def gather_in_node(c: int) -> None:
+        wait(c, 2, "across-node all_gather")
+        count("node_all_gather", nb.across[c].numel())
+        works[c, 3] = all_gather_single(
+            nb.gathered[c], nb.across[c], group=groups.intra, async_op=True
+        )
+
+    def decode(c: int) -> None:
+        wait(c, 3, "in-node all_gather")
+        calls[c].decode()
+
+    stages = (exchange_in_node, exchange_across_nodes, reduce_shard, gather_in_node, decode)
+    return _staged(k, stages, defer)
+
+
+def _staged(
+    k: int, stages: Sequence[Callable[[int], None]], defer: bool
+) -> Callable[[], None] | None:
+    """Run stage s of chunk c at step c + s, later stages first (the same collective
+    order on every rank); with ``defer`` the last chunk's last stage is returned."""
     last = len(stages) - 1
     for step in range(k + last):
         for s in range(last, -1, -1):
             c = step - s
             if 0 <= c < k and not (defer and s == last and c == k - 1):
                 stages[s](c)
-    return functools.partial(decode, k - 1) if defer else None
+    return functools.partial(stages[last], k - 1) if defer else None
+
+
+def _block_firsts(layout: Layout, bounds: Sequence[int]) -> np.ndarray:
+    """The first block of each piece ``[bounds[i], bounds[i + 1])`` of whole blocks of
+    ``layout``, and the end (int64): what the fused kernels walk."""
+    wins = [layout.window(a, b) for a, b in itertools.pairwise(bounds)]
+    # An empty window's ``first`` is 0: count from the first piece with blocks.
+    ends = [next((w.first for w in wins if w.n_segments), 0)]
+    for w in wins:
+        assert not w.n_segments or w.first == ends[-1], "pieces of consecutive blocks"
+        ends.append(ends[-1] + w.n_segments)
+    return np.array(ends, dtype=np.int64)
+
+
+def bind_node_blocks(
+    g: GroupPlan,
+    x: torch.Tensor,
+    keys: torch.Tensor,
+    flags: torch.Tensor,
+    union: torch.Tensor,
+) -> list[NodeBlockCalls] | None:
+    """Every chunk's fused calls of :func:`hierarchical_rank_blocks`, bound to ``x`` and scratch.
+
+    Across nodes each chunk is :func:`bind_rank_blocks`' two_phase applied to
+    the node's mean of this rank's slice among the M ranks of its local rank;
+    the offsets, first blocks and scratch are made here, once per plan.
+
+    Args:
+        g: the group's plan (``g.node_blocks`` set).
+        x: the group's float32 values.
+        keys: this rank's key of every block of the group (uint8), written each step.
+        flags: this rank's non-finite flag of every layer (uint8), written each step.
+        union: per layer, scratch for every rank's flags.
+
+    Returns:
+        One :class:`aps_comm.codec.NodeBlockCalls` per chunk (with its
+        ``first_in`` and ``splits``), or None where the codec has no fused
+        kernels for them.
+
+    Example:
+        >>> calls = transports.bind_node_blocks(g, x, keys, flags, union)  # doctest: +SKIP
+    """
+    nb = g.node_blocks
+    assert nb is not None and g.blocks is not None
+    per_node, nodes, local = nb.ranks_per_node, nb.nodes, nb.local_rank
+    offsets = g.layout.offsets.numpy().astype(np.int64)
+    counts = g.blocks.counts.numpy()  # the host copy the plan keeps
+    layer_of = np.repeat(np.arange(counts.size, dtype=np.int64), counts)
+    calls = []
+    for c, (lo, hi) in enumerate(g.chunks):
+        bounds = nb.bounds[c]
+        s0, s1 = nb.slice_bounds(c, local)
+        mine = nb.slice_layout[c]
+        blocks = mine.n_segments
+        first = splits = None
+        if nb.wire_first:
+            slice_firsts = _block_firsts(g.layout, bounds[::nodes])
+            first = nb.first_send[c], slice_firsts, nb.slice_bytes[c]
+            first_in = nb.first_send[c]
+        else:
+            sizes = [bounds[(q + 1) * nodes] - bounds[q * nodes] for q in range(per_node)]
+            splits = sizes, [sizes[local]] * per_node
+            first_in = x[lo:hi]
+        piece_bounds = [b - s0 for b in bounds[local * nodes : (local + 1) * nodes + 1]]
+        owned = local * nodes + nb.node
+        call = g.codec.bind_node_blocks(
+            x,
+            keys,
+            flags,
+            union,
+            offsets=offsets,
+            layer_of=layer_of,
+            firsts=_block_firsts(g.layout, bounds),
+            ranks_per_node=per_node,
+            first=first,
+            received=nb.first_recv[c],
+            mean=torch.empty(s1 - s0, dtype=torch.float32),
+            slice_offsets=mine.offsets.numpy().astype(np.int64),
+            maxima=torch.empty(blocks, dtype=torch.float32),
+            own=torch.empty(blocks, dtype=torch.uint8),
+            piece_firsts=_block_firsts(mine, piece_bounds),
+            send=nb.send[c],
+            recv=nb.recv[c],
+            shard=nb.shard_layouts[c][owned].offsets.numpy().astype(np.int64),
+            out=nb.shard[c],
+            gathered=nb.gathered[c],
+            shard_bytes=nb.shard_bytes[c],
+            at=nb.shard_bytes[c] + nb.slots[c] if c == 0 else -1,
+        )
+        if call is None:
+            return None
+        calls.append(dataclasses.replace(call, first_in=first_in, splits=splits))
+    return calls
+
+
+@dataclasses.dataclass
+class _NodeBound:
+    """A plan's fused calls bound to one buffer, with the keys and flags they read."""
+
+    ptr: int
+    keys: torch.Tensor
+    flags: torch.Tensor
+    calls: list[NodeBlockCalls]
+
+
+def _node_bound(g: GroupPlan, x: torch.Tensor) -> _NodeBound | None:
+    """The plan's :func:`bind_node_blocks` calls for ``x``, bound once per plan and buffer
+    (kept on the plan); None where the codec has no fused kernels."""
+    nb = g.node_blocks
+    assert nb is not None and g.blocks is not None
+    if g.codec.backend != "kernels" or x.device.type != "cpu" or x.dtype != torch.float32:
+        return None
+    held = nb.bound.get("calls")
+    if held is not None and held.ptr == x.data_ptr():
+        return held
+    n_layers = g.blocks.counts.numel()
+    keys = torch.empty(g.layout.n_segments, dtype=torch.uint8)
+    flags = torch.empty(n_layers, dtype=torch.uint8)
+    union = torch.zeros(n_layers, dtype=torch.uint8)
+    calls = bind_node_blocks(g, x, keys, flags, union)
+    if calls is None:
+        nb.bound.clear()
+        return None
+    # One buffer at a time: a bucket's float32 copy is new each step.
+    nb.bound["calls"] = held = _NodeBound(x.data_ptr(), keys, flags, calls)
+    return held

@@ -79,6 +79,9 @@ _CPU_KERNELS = (
     "send_rank_blocks",
     "owner_rank_blocks",
     "decode_rank_blocks",
+    "mean_rank_blocks",
+    "mean_rows",
+    "or_rows",
 )
 _TRITON_KERNELS = (
     "encode",

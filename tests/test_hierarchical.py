@@ -8,6 +8,7 @@ identical on every rank.
 
 from __future__ import annotations
 
+import collections
 import os
 
 import pytest
@@ -21,6 +22,7 @@ from aps_comm import APSState, register, simulate
 from aps_comm.formats import get_format, payload_nbytes
 from aps_comm.testing import DistributedTestError, run_distributed
 from aps_comm.topology import Topology, check_topology, env_ranks_per_node
+from benchmarks.hostcost import count_ops
 
 # ---------------------------------------------------------------------------
 # topology
@@ -338,3 +340,46 @@ def test_owner_exponents_beat_agreed_ones_at_every_level(reduction: str) -> None
     assert error("e2m1", True) < (1.1 if reduction == "hierarchical" else 1.4) * two_phase
     # e4m3's range holds the agreed variant's means too: no worse with the owners'.
     assert error("e4m3", True) <= 1.01 * error("e4m3", False)
+
+
+# Per chunk: grid's first encode (send_rank_blocks), the node's mean (mean_rows or
+# mean_rank_blocks), its keys (block_amax, two_phase_keys), its pieces
+# (send_rank_blocks), the owner's step and the decode; no ATen op.
+PER_CHUNK = {"hierarchical": 6, "grid": 7}
+
+
+def _ops_case(rank: int, world_size: int) -> dict[tuple[str, int, int | None], list[str]]:
+    ops = {}
+    for reduction, fmt in [("hierarchical", "e2m1"), ("grid", "e4m3")]:
+        for numels in ([1000, 1000], [40] * 50):  # 2000 elements: 2 layers or 50
+            for chunk in (None, 512):  # one chunk or four
+                state = APSState(
+                    fmt, reduction=reduction, scaling="block", block_size=16, ranks_per_node=2
+                )
+                state.bind_process_group()
+                state.chunk_elements = chunk
+                x = torch.randn(sum(numels), generator=torch.Generator().manual_seed(rank))
+                params = [nn.Parameter(torch.empty(n)) for n in numels]
+                for _ in range(2):  # the plan, then its kernels bound
+                    state.run_bucket(0, x.clone(), params)
+                buffer = x.clone()
+                state.run_bucket(0, buffer, params)  # a new buffer: bound once more
+                aten, kernels = count_ops(state, buffer, params)
+                ops[reduction, len(numels), chunk] = aten + kernels
+    return ops
+
+
+def test_block_levels_cost_a_few_kernel_calls_per_chunk() -> None:
+    # Every owner's own block exponents at both levels, on the CPU kernels: per
+    # chunk a fixed handful of kernel calls (before: ~100 ATen ops and codec
+    # calls per slice and shard), the same for 2 layers or 50.
+    for ops in run_distributed(_ops_case, 4, timeout=240):
+        for reduction, per_chunk in PER_CHUNK.items():
+            one, four = ops[reduction, 2, None], ops[reduction, 2, 512]
+            assert ops[reduction, 50, None] == one and ops[reduction, 50, 512] == four
+            assert four.count("kernel::decode_rank_blocks") == 4
+            assert not any("_local_scalar_dense" in op for op in four), four  # no host read
+            extra = collections.Counter(four) - collections.Counter(one)
+            assert all(op.startswith("kernel::") for op in extra), extra
+            assert extra.total() == 3 * per_chunk, extra
+            assert len(one) <= 20, one
