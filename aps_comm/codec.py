@@ -1318,7 +1318,7 @@ class Codec:
         pflags, punion = _like(flags, 1), _like(union, 1)
         psend, pout = _like(send, 4 * n), _like(out, 4)
         d = torch.zeros(1, dtype=torch.int32, device=x.device)
-        lead, rows, width = t._tile(longest, fmt.wire_bits)
+        lead, rows, width = t.tile_shape(longest, fmt.wire_bits)
         divide = 0 if n == 1 else 1 if n & (n - 1) == 0 else 2
         probes = [
             (

@@ -103,6 +103,7 @@ __all__ = [
     "runs_on",
     "shard_mean",
     "supports",
+    "tile_shape",
 ]
 
 BLOCK = 1024
@@ -1939,8 +1940,14 @@ def shard_mean(
     _reduce(recv, n_ranks, fmt, out, divisor, False)()
 
 
-def _tile(longest: int, wire_bits: int) -> tuple[int, int, int]:
-    """(LEAD, ROWS, WIDTH) of :func:`reduce_blocks`' tile for blocks of at most ``longest``."""
+def tile_shape(longest: int, wire_bits: int) -> tuple[int, int, int]:
+    """(LEAD, ROWS, WIDTH) of :func:`reduce_blocks`' tile for blocks of at most ``longest``
+    elements (the codec's bind-time probes compile the same tile).
+
+    Example:
+        >>> tile_shape(32, 4)
+        (1, 64, 32)
+    """
     width = max(2, 1 << max(longest - 1, 0).bit_length())
     lead = 1 if wire_bits == 4 else 0
     return lead, max(2, TILE // width), width
@@ -2049,7 +2056,7 @@ def _reduce_blocks(
     _check_offsets(offsets, n_blocks, recv.device)
     if not n_blocks:
         return
-    lead, rows, width = _tile(longest, consts.wire_bits)
+    lead, rows, width = tile_shape(longest, consts.wire_bits)
     pow2 = n_ranks & (n_ranks - 1) == 0
     _reduce_blocks_kernel[(triton.cdiv(n_blocks, rows - lead),)](
         recv,
@@ -2287,7 +2294,7 @@ def bind_owner_rank_blocks(
             f"the owner needs {n_ranks} equal pieces, {shard_bytes + k} bytes out and {k} "
             f"int32 exponents, got {recv.numel()}, {out.numel()} and {d.numel()} {d.dtype}"
         )
-    lead, rows, width = _tile(longest, consts.wire_bits)
+    lead, rows, width = tile_shape(longest, consts.wire_bits)
     n_tiles = triton.cdiv(k, rows - lead)
     n_flags = union.numel() if at >= 0 else 0
     n_tail = triton.cdiv(max(out.numel() - used, n_flags, 1), rows * width)
@@ -2436,7 +2443,7 @@ def ptx(fmt: FloatFormat, arch: int = 90, block_size: int = 0) -> dict[str, str]
             {**pointers, **scalar_r},
             {"E": consts.encode, "D": consts.decode, "DIVIDE": 2, "ENCODE": encode},
         )
-    lead, rows, width = _tile(block_size or 32, consts.wire_bits)
+    lead, rows, width = tile_shape(block_size or 32, consts.wire_bits)
     for name, rank_factors in (("owner_blocks", False), ("owner_rank_blocks", True)):
         sources[name] = (
             _reduce_blocks_kernel,
