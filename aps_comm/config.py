@@ -32,6 +32,7 @@ from aps_perfmodel.choices import (
     FormatName,
     Scaling,
     check_block_size,
+    default_block_size,
     format_bits,
     format_name,
 )
@@ -50,6 +51,7 @@ __all__ = [
     "Route",
     "Scaling",
     "check_block_size",
+    "default_block_size",
     "format_bits",
     "format_name",
 ]

@@ -57,11 +57,11 @@ import torch.distributed as dist
 from aps_comm import agreement, teardown
 from aps_comm.agreement import Layouts
 from aps_comm.config import (
-    DEFAULT_BLOCK_SIZE,
     BlockExponents,
     Reduction,
     Scaling,
     check_block_size,
+    default_block_size,
 )
 from aps_comm.engine import Comm, Reducer, Settings
 from aps_comm.formats import FloatFormat, get_format
@@ -86,17 +86,21 @@ class APSFSDPConfig:
             unit and format), "block" (one per ``block_size`` elements of each
             parameter's chunk) or "none" (plain saturating cast, the naive
             baseline).
-        block_size: elements per block with ``scaling="block"``.
+        block_size: elements per block with ``scaling="block"``; None: the
+            format's default (:func:`aps_comm.config.default_block_size`).
     """
 
     fmt: FloatFormat
     scaling: Scaling = Scaling.LAYER
-    block_size: int = DEFAULT_BLOCK_SIZE
+    block_size: int | None = None
 
     def __post_init__(self) -> None:
         object.__setattr__(self, "fmt", get_format(self.fmt))
         object.__setattr__(self, "scaling", Scaling.parse(self.scaling, "scaling"))
-        object.__setattr__(self, "block_size", check_block_size(self.block_size))
+        size = self.block_size
+        if size is None:
+            size = default_block_size(self.fmt.bits)
+        object.__setattr__(self, "block_size", check_block_size(size))
 
     def describe(self) -> str:
         scaling = str(self.scaling)
@@ -161,7 +165,7 @@ class APSFSDPState:
         scaling: Scaling | str = "layer",
         policy: Sequence[Rule] | None = None,
         stats: bool = False,
-        block_size: int = DEFAULT_BLOCK_SIZE,
+        block_size: int | None = None,
     ) -> None:
         self.config = APSFSDPConfig(get_format(fmt), scaling, block_size)  # type: ignore[arg-type]
         self.policy: list[Rule] = policy_rules(policy)
@@ -352,7 +356,7 @@ def register(
     scaling: Scaling = "layer",
     policy: Sequence[Rule] | None = None,
     stats: bool = False,
-    block_size: int = DEFAULT_BLOCK_SIZE,
+    block_size: int | None = None,
 ) -> APSFSDPState:
     """Install the APS reduce-scatter on every ``fully_shard``-ed module of ``module``.
 
@@ -379,7 +383,7 @@ def register(
         stats: record per-parameter :class:`~aps_comm.telemetry.LayerStats`
             of the last step in ``state.stats`` (local passes, no collective).
         block_size: elements per block with ``scaling="block"`` (a power of
-            two from 8 to 256).
+            two from 8 to 256; default: 128 for 8-bit formats, 32 below).
 
     Returns:
         The :class:`APSFSDPState`.

@@ -37,11 +37,11 @@ from torch.nn.parallel import DistributedDataParallel
 
 from aps_comm import agreement, teardown, transports
 from aps_comm.config import (
-    DEFAULT_BLOCK_SIZE,
     BlockExponents,
     Reduction,
     Scaling,
     check_block_size,
+    default_block_size,
 )
 from aps_comm.engine import Comm, Reducer, Settings
 from aps_comm.executor import FifoWorker, raised_by_backward, run_on_side_stream
@@ -68,7 +68,9 @@ class APSConfig:
         reduction: a :class:`aps_comm.config.Reduction` (or its name).
         scaling: a :class:`aps_comm.config.Scaling` (or its name).
         block_size: elements per block with ``scaling="block"`` (a power of
-            two from 8 to 256).
+            two from 8 to 256); None: the format's default
+            (:func:`aps_comm.config.default_block_size`: 128 for 8-bit formats,
+            32 below).
         block_exponents: with ``scaling="block"``, where two_phase's block
             exponents come from (:class:`aps_comm.config.BlockExponents`).
 
@@ -79,16 +81,20 @@ class APSConfig:
         'fmt=e2m1(e2m1, bias=1, none), reduction=two_phase, scaling=block(64)'
         >>> APSConfig("e2m1", "two_phase", "block", 32, "agreed").describe()
         'fmt=e2m1(e2m1, bias=1, none), reduction=two_phase, scaling=block(32, agreed exponents)'
+        >>> APSConfig("e4m3", "two_phase", "block").block_size
+        128
     """
 
     fmt: FloatFormat
     reduction: Reduction = Reduction.AUTO
     scaling: Scaling = Scaling.LAYER
-    block_size: int = DEFAULT_BLOCK_SIZE
+    block_size: int | None = None
     block_exponents: BlockExponents = BlockExponents.RANK
 
     def __post_init__(self) -> None:
         object.__setattr__(self, "fmt", get_format(self.fmt))
+        if self.block_size is None:
+            object.__setattr__(self, "block_size", default_block_size(self.fmt.bits))
         object.__setattr__(self, "reduction", Reduction.parse(self.reduction, "reduction"))
         object.__setattr__(self, "scaling", Scaling.parse(self.scaling, "scaling"))
         object.__setattr__(self, "block_size", check_block_size(self.block_size))
@@ -147,7 +153,8 @@ class APSState:
             one-byte exponents; what makes 4-bit formats such as e2m1 train)
             or "none" (plain saturating cast).
         block_size: elements per block with ``scaling="block"``: a power of
-            two from 8 to 256 (default 32: one exponent byte per 32 elements).
+            two from 8 to 256; default: 128 for 8-bit formats, 32 below
+            (:func:`aps_comm.config.default_block_size`, measured).
         block_exponents: with ``scaling="block"`` and two_phase, "rank"
             (the default: no collective before the first chunk, each rank
             sends its own block exponents with its shards) or "agreed" (one
@@ -210,7 +217,7 @@ class APSState:
         error_feedback: bool = False,
         ranks_per_node: int | None = None,
         profile: Profile | str | os.PathLike | None = None,
-        block_size: int = DEFAULT_BLOCK_SIZE,
+        block_size: int | None = None,
         block_exponents: BlockExponents | str = BlockExponents.RANK,
     ) -> None:
         self.config = APSConfig(
@@ -779,7 +786,7 @@ def register(
     error_feedback: bool = False,
     ranks_per_node: int | None = None,
     profile: Profile | str | os.PathLike | None = None,
-    block_size: int = DEFAULT_BLOCK_SIZE,
+    block_size: int | None = None,
     block_exponents: BlockExponents | str = BlockExponents.RANK,
 ) -> APSState:
     """Build an :class:`APSState`, register :func:`aps_hook` on ``ddp``, return the state.

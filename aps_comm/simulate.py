@@ -93,7 +93,7 @@ import torch
 import torch.nn as nn
 
 from aps_comm import codec
-from aps_comm.config import DEFAULT_BLOCK_SIZE, SCALINGS, Scaling, check_block_size
+from aps_comm.config import SCALINGS, Scaling, check_block_size, default_block_size
 from aps_comm.formats import FP32, FloatFormat, Rounding, get_format, pow2, quantize
 from aps_comm.scaling import Factors, factors, layer_amax, mean_exponents
 from aps_comm.topology import grid_rows
@@ -135,7 +135,8 @@ class SimConfig:
         rounding: "nearest" (even) or "stochastic", for every rounding to a
             format narrower than float32.
         ranks_per_node: workers per node L, for "hierarchical" (must divide N).
-        block_size: elements per block for ``scaling="block"`` (8 to 256).
+        block_size: elements per block for ``scaling="block"`` (8 to 256); None: the
+            hook's default for ``fmt`` (:func:`aps_comm.config.default_block_size`).
         owner_exponents: two_phase with block scaling: the shard owner gives
             each block of the mean its own exponent on top of the agreed one
             (:func:`aps_comm.scaling.mean_exponents`, one more byte per block
@@ -161,12 +162,14 @@ class SimConfig:
     kahan: bool = False
     rounding: Rounding = "nearest"
     ranks_per_node: int = 1
-    block_size: int = DEFAULT_BLOCK_SIZE
+    block_size: int | None = None
     owner_exponents: bool = False
     rank_exponents: bool = False
 
     def __post_init__(self) -> None:
         object.__setattr__(self, "fmt", get_format(self.fmt))
+        if self.block_size is None:  # the hook's default for the format
+            object.__setattr__(self, "block_size", default_block_size(self.fmt.bits))
         if self.accumulator is not None:
             object.__setattr__(self, "accumulator", get_format(self.accumulator))
         if self.reduction not in ORDERS:
@@ -363,7 +366,7 @@ def allreduce(
     rounding: Rounding = "nearest",
     generator: torch.Generator | None = None,
     ranks_per_node: int = 1,
-    block_size: int = DEFAULT_BLOCK_SIZE,
+    block_size: int | None = None,
     owner_exponents: bool = False,
     rank_exponents: bool = False,
 ) -> list[torch.Tensor]:
@@ -387,7 +390,7 @@ def allreduce(
             narrower than float32 (contributions, partial sums, the result).
         generator: random generator for stochastic rounding.
         ranks_per_node: workers per node L, for "hierarchical"; must divide N.
-        block_size: elements per block for ``scaling="block"``.
+        block_size: elements per block for ``scaling="block"`` (None: the format's default).
         owner_exponents: two_phase with block scaling: the owner re-chooses
             each block's exponent for the mean (see :class:`SimConfig`).
         rank_exponents: block scaling: every worker's own block exponents,
@@ -417,7 +420,8 @@ def allreduce(
         rank_exponents,
     )
     fmt = cfg.fmt  # type: ignore[assignment]
-    assert isinstance(fmt, FloatFormat)
+    assert isinstance(fmt, FloatFormat) and cfg.block_size is not None
+    block_size = cfg.block_size
     layers = list(layers)
     if not layers:
         return []

@@ -96,6 +96,10 @@ HOOKS: dict[str, str] = {
         'register(ddp, fmt="e2m1", scaling="block", error_feedback=True)'
     ),
     "aps-e3m2-block": 'register(ddp, fmt="e3m2", scaling="block")',
+    "aps-e2m1-block16": 'register(ddp, fmt="e2m1", scaling="block", block_size=16)',
+    "aps-e2m1-block64": 'register(ddp, fmt="e2m1", scaling="block", block_size=64)',
+    "aps-e4m3-block32": 'register(ddp, fmt="e4m3", scaling="block", block_size=32)',
+    "aps-e4m3-block128": 'register(ddp, fmt="e4m3", scaling="block", block_size=128)',
 }
 """Hook name -> how it is set up."""
 BLOCK_HOOKS = (
@@ -107,6 +111,10 @@ BLOCK_HOOKS = (
     "aps-e2m1-block-agreed",
     "aps-e2m1-block+error-feedback",
     "aps-e3m2-block",
+    "aps-e2m1-block16",
+    "aps-e2m1-block64",
+    "aps-e4m3-block32",
+    "aps-e4m3-block128",
 )
 """``--block``: block scaling's formats beside FP32, APS e4m3 and naive casts."""
 
@@ -196,6 +204,10 @@ def attach_hook(
             "error_feedback": True,
         },
         "aps-e3m2-block": {"fmt": "e3m2", "scaling": "block"},
+        "aps-e2m1-block16": {"fmt": "e2m1", "scaling": "block", "block_size": 16},
+        "aps-e2m1-block64": {"fmt": "e2m1", "scaling": "block", "block_size": 64},
+        "aps-e4m3-block32": {"fmt": "e4m3", "scaling": "block", "block_size": 32},
+        "aps-e4m3-block128": {"fmt": "e4m3", "scaling": "block", "block_size": 128},
     }[hook]
     state = register(ddp, process_group=group, stats=stats, **options)
     return (lambda: state.bytes_sent), state

@@ -37,10 +37,13 @@ from typing import Any, TypeVar
 from .api import FormatResult, Prediction, predict, sweep, write_csv
 from .choices import (
     BLOCK_SIZES,
+    BYTE_BLOCK_SIZE,
     DEFAULT_BLOCK_SIZE,
     BlockExponents,
     Scaling,
     check_block_size,
+    default_block_size,
+    format_bits,
 )
 from .cluster import CLUSTERS, DEVICES, Cluster, custom_cluster, get_cluster, get_device
 from .compute import OPTIMIZER_BYTES_PER_PARAM, ComputeTime
@@ -273,7 +276,8 @@ def _add_model_cluster_args(ap: argparse.ArgumentParser) -> None:
     g.add_argument(
         "--block-size",
         type=_block_size,
-        help=f"elements per exponent with --scaling block (default {DEFAULT_BLOCK_SIZE})",
+        help=f"elements per exponent with --scaling block (default {BYTE_BLOCK_SIZE} for "
+        f"8-bit formats, {DEFAULT_BLOCK_SIZE} below)",
     )
     g.add_argument(
         "--block-exponents",
@@ -306,7 +310,12 @@ def _scaling(args: argparse.Namespace) -> tuple[Scaling, int, BlockExponents]:
             f"{args.fmt} is predicted as an unscaled hook"
         )
     exponents = BlockExponents(args.block_exponents or BlockExponents.RANK.value)
-    return scaling, args.block_size or DEFAULT_BLOCK_SIZE, exponents
+    size = args.block_size
+    if size is None:  # the hook's default for the format
+        size = DEFAULT_BLOCK_SIZE
+        if scaling == Scaling.BLOCK:
+            size = default_block_size(1 + sum(format_bits(args.fmt)))
+    return scaling, size, exponents
 
 
 def _model(args: argparse.Namespace) -> ModelSpec:

@@ -18,6 +18,7 @@ from aps_comm.formats import get_format
 from aps_comm.fsdp import APSFSDPState
 from aps_comm.plan import Planner
 from aps_comm.policy import Promote
+from aps_comm.simulate import SimConfig
 from aps_comm.testing import run_distributed
 from tests.conftest import Net, capture, gather
 
@@ -154,13 +155,14 @@ def _bytes_and_records(rank: int, world_size: int) -> dict:
 def test_block_bytes_per_element_and_per_layer_records() -> None:
     for rank, r in enumerate(run_distributed(_bytes_and_records, 2)):
         e4m3, e2m1, layer = r["e4m3/block"], r["e2m1/block"], r["e2m1/layer"]
-        # One exponent byte per 32 elements, agreed by one MAX all-reduce of bytes.
-        assert e4m3["bytes"]["all_reduce_max"] == 128, e4m3
-        assert e4m3["sent"] / 4096 == 1 + 1 / 32, e4m3  # FP8: 1.03 bytes per element
+        # FP8's default: one exponent byte per 128 elements, agreed by one MAX
+        # all-reduce of bytes; e2m1's: one per 32.
+        assert e4m3["bytes"]["all_reduce_max"] == 32, e4m3
+        assert e4m3["sent"] / 4096 == 1 + 1 / 128, e4m3  # FP8: 1.008 bytes per element
         assert e2m1["sent"] / 4096 == 0.5 + 1 / 32, e2m1  # e2m1: 0.53
-        # The owner's half of the mean and its 64 blocks' own exponents, one byte each.
-        assert e4m3["bytes"]["all_gather"] == 4096 // 2 + 64, e4m3
-        assert "scaling=block(32, agreed exponents)" in e4m3["describe"], e4m3
+        # The owner's half of the mean and its 16 blocks' own exponents, one byte each.
+        assert e4m3["bytes"]["all_gather"] == 4096 // 2 + 16, e4m3
+        assert "scaling=block(128, agreed exponents)" in e4m3["describe"], e4m3
         # The flushed fraction per layer: one exponent per layer loses the
         # small end of the layer in e2m1, one per block keeps nearly all of it.
         assert layer["underflow"] >= 0.5, layer
@@ -188,6 +190,19 @@ def test_block_configuration_errors() -> None:
     with pytest.raises(ValueError, match=r"block_size must be a power of two.*got 0"):
         APSFSDPState("e4m3", "block", block_size=0)
     assert "scaling=block(64)" in APSFSDPState("e2m1", "block", block_size=64).describe()
+
+
+def test_default_block_size_follows_the_format() -> None:
+    # What benchmarks/results/numerics_block_sizes.json and accuracy_block.json support:
+    # 8-bit formats lose nothing with blocks of 128, narrower ones keep 32.
+    assert APSState("e4m3", scaling="block").config.block_size == 128
+    assert APSState("e5m2", scaling="block").config.block_size == 128
+    assert APSState("e2m1", scaling="block").config.block_size == 32
+    assert APSState("e3m2", scaling="block").config.block_size == 32
+    assert APSState("e4m3", scaling="block", block_size=32).config.block_size == 32
+    assert APSFSDPState("e4m3", "block").config.block_size == 128
+    assert SimConfig("e4m3", scaling="block").block_size == 128
+    assert SimConfig("e2m1", scaling="block").block_size == 32
 
 
 def _rank_exponents_chunk(rank: int, world_size: int) -> list:
