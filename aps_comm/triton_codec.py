@@ -1026,48 +1026,26 @@ if AVAILABLE:
         each byte's two codes out of the flattened tile with ``tl.gather``.
         """
         pid = tl.program_id(0).to(tl.int64)
+        # FACTORS 2: the programs after the tiles write the tail bytes and the flags.
+        tail = False
         if FACTORS == 2:
-            if pid < n_tiles:
-                _owner_tile(
-                    pid,
-                    src_ptr,
-                    out_ptr,
-                    d_ptr,
-                    off_ptr,
-                    exp_ptr,
-                    fac_ptr,
-                    shard_bytes,
-                    n_blocks,
-                    n_ranks,
-                    divisor,
-                    top,
-                    key_at,
-                    E,
-                    D,
-                    M,
-                    WIRE,
-                    DIVIDE,
-                    LEAD,
-                    ROWS,
-                    WIDTH,
-                    FACTORS,
-                )
-            else:
-                _owner_tail(
-                    pid - n_tiles,
-                    src_ptr,
-                    out_ptr,
-                    union_ptr,
-                    shard_bytes,
-                    n_ranks,
-                    n_blocks,
-                    key_at,
-                    used,
-                    n_out,
-                    flag_at,
-                    n_flags,
-                    ROWS * WIDTH,
-                )
+            tail = pid >= n_tiles
+        if tail:
+            _owner_tail(
+                pid - n_tiles,
+                src_ptr,
+                out_ptr,
+                union_ptr,
+                shard_bytes,
+                n_ranks,
+                n_blocks,
+                key_at,
+                used,
+                n_out,
+                flag_at,
+                n_flags,
+                ROWS * WIDTH,
+            )
         else:
             _owner_tile(
                 pid,
