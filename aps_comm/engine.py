@@ -632,12 +632,7 @@ class Reducer:
         if g.codec.backend == "kernels":
             # The CPU kernels take factor arrays: made once per bucket, not per chunk,
             # into the arrays the bound calls read (CPU tensors: no device read).
-            if st.host_factors is None:
-                st.host_factors = (
-                    np.ones(n, np.float32),
-                    np.ones(n, np.float32),
-                    np.empty(n, np.int32),
-                )
+            assert st.host_factors is not None  # made by Steady.bind
             st.agreed.host_factors_into(g.fmt, *st.host_factors)
             if calls is None:
                 scale, unscale = (torch.from_numpy(f) for f in st.host_factors[:2])
