@@ -47,6 +47,7 @@ from aps_comm.engine import Comm, Reducer, Settings
 from aps_comm.executor import FifoWorker, raised_by_backward, run_on_side_stream
 from aps_comm.feedback import ErrorFeedback
 from aps_comm.formats import FP32, FloatFormat, get_format
+from aps_comm.graphs import BucketGraphs
 from aps_comm.plan import Planner
 from aps_comm.policy import Assignment, LayerInfo, Rule, policy_rules
 from aps_comm.policy import describe as describe_policy
@@ -179,6 +180,12 @@ class APSState:
             path of its JSON, from ``aps-perfmodel calibrate``): the links and
             codec the hook plans chunks and strategies with; default: the
             backend's defaults (:func:`aps_perfmodel.strategies.hook_cluster`).
+        cuda_graphs: on NCCL with CUDA tensors, capture each settled bucket's
+            device work (but the step's last bucket's) as a CUDA graph and
+            replay it every step: one launch instead of a few hundred
+            microseconds of host work per bucket, the same bits
+            (:mod:`aps_comm.graphs`). A failed capture is logged and the
+            buckets run eagerly.
 
     Attributes:
         stats: the last step's per-layer records (with ``stats=True``).
@@ -219,6 +226,7 @@ class APSState:
         profile: Profile | str | os.PathLike | None = None,
         block_size: int | None = None,
         block_exponents: BlockExponents | str = BlockExponents.RANK,
+        cuda_graphs: bool = True,
     ) -> None:
         self.config = APSConfig(
             get_format(fmt),
@@ -264,6 +272,9 @@ class APSState:
         self._last_stats = StepStats()
         self._worker: FifoWorker | None = None
         self._streams: dict[torch.device, torch.cuda.Stream] = {}
+        self.cuda_graphs = bool(cuda_graphs)
+        # Settled buckets' CUDA graphs (NCCL with CUDA tensors only).
+        self.graphs: BucketGraphs | None = None
         # The last bucket's finishing job and DDP's future for it, until the
         # next bucket has started.
         self._deferred: tuple[Callable[[], torch.Tensor], torch.futures.Future] | None = None
@@ -446,6 +457,8 @@ class APSState:
         reducer = self._reducer(comm, device)
         reducer.resolve(device)
         self.reducer = reducer
+        if self.cuda_graphs and device.type == "cuda" and backend == "nccl":
+            self.graphs = BucketGraphs()
 
     def _reducer(self, comm: Comm, device: torch.device) -> Reducer:
         assert self.layouts is not None
@@ -507,6 +520,10 @@ class APSState:
         device = bucket.buffer.device
         if device.type == "cuda" and self.reducer.comm.backend == "nccl":
             stream = self._stream(device)
+            if self.graphs is not None and not bucket.is_last:
+                fut = self._graphed(bucket, stream)
+                if fut is not None:
+                    return fut
             job = functools.partial(_run_now, self._run_bucket, bucket)
             return run_on_side_stream(job, stream)
         if self._worker is None:
@@ -538,6 +555,47 @@ class APSState:
         fut: torch.futures.Future = torch.futures.Future()
         self._deferred = (finish, fut)
         return fut
+
+    def _graphed(self, b: _Bucket, stream: torch.cuda.Stream) -> torch.futures.Future | None:
+        """The bucket's settled work as a CUDA graph: replayed, or captured then replayed.
+
+        None where it runs eagerly: not settled, a first settled run, not
+        float32 (its float32 copy is new each step), the caller's stream is
+        itself being captured, or capture failed.
+        """
+        graphs, reducer = self.graphs, self.reducer
+        assert graphs is not None and reducer is not None
+        buffer = b.buffer
+        entry = graphs.lookup(b.index, buffer)
+        producer = torch.cuda.current_stream(buffer.device)
+        if entry is None and (
+            buffer.dtype != torch.float32
+            or reducer.steady_for(b.index, buffer) is None
+            or torch.cuda.is_current_stream_capturing()
+            or not graphs.ready(b.index, buffer)
+        ):
+            return None
+        stream.wait_stream(producer)
+        with torch.cuda.stream(stream), torch.no_grad():
+            if entry is None:
+                work = functools.partial(self._steady_work, b)
+                entry = graphs.capture(b.index, buffer, work, reducer.traffic)
+                if entry is None:
+                    return None
+            graphs.replay(entry, reducer.traffic)
+            fut: torch.futures.Future = torch.futures.Future(devices=[buffer.device])
+            fut.set_result(buffer)
+        return fut
+
+    def _steady_work(self, b: _Bucket) -> None:
+        """A settled float32 bucket's device work, and nothing on the host besides."""
+        reducer = self.reducer
+        assert reducer is not None
+        steady = reducer.steady_for(b.index, b.buffer)
+        assert steady is not None
+        tail = reducer.run_steady(b.index, steady, b.buffer)
+        if tail is not None:
+            tail()
 
     def run_bucket(
         self,
@@ -617,6 +675,7 @@ class APSState:
             if nodes is not None:
                 groups += [nodes.intra, nodes.inter]
         self.process_group, self.layouts, self.reducer, self._deferred = None, None, None, None
+        self.graphs = None  # their NCCL work refers to the groups
         return [g for g in groups if g is not None]
 
     # -- checkpoints ---------------------------------------------------------------
@@ -788,6 +847,7 @@ def register(
     profile: Profile | str | os.PathLike | None = None,
     block_size: int | None = None,
     block_exponents: BlockExponents | str = BlockExponents.RANK,
+    cuda_graphs: bool = True,
 ) -> APSState:
     """Build an :class:`APSState`, register :func:`aps_hook` on ``ddp``, return the state.
 
@@ -830,6 +890,7 @@ def register(
         profile,
         block_size,
         block_exponents,
+        cuda_graphs,
     )
     state.bind_model(ddp.module)
     if dist.is_available() and dist.is_initialized():

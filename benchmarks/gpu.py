@@ -25,7 +25,7 @@ its :data:`MIN_SECONDS` left, and its timeouts end at the budget:
    <= 1.5x; the memory-bound ideal is 1.25x: 10 bytes moved per element
    against the copy's 8). The backend "auto" picks is judged; the torch
    casts and the Triton kernels (where Triton is installed) are timed beside it.
-3. ``profile``: ``torch.profiler`` over one step (after 3 warm-up steps) at
+3. ``profile``: ``torch.profiler`` over one step (after 4 warm-up steps; settled buckets are CUDA graphs from step 3) at
    world size 1 on NCCL, per bucket: kernels (NCCL's apart), host syncs
    (cudaStreamSynchronize, cudaDeviceSynchronize, cudaEventSynchronize,
    blocking cudaMemcpy) and copies between host and device; any sync or
@@ -231,20 +231,24 @@ class StepResult:
 
 @dataclasses.dataclass(frozen=True)
 class HookCase:
-    """One DDP hook configuration: wire format and forced reduction.
+    """One DDP hook configuration: wire format, forced reduction and scaling.
 
     Example:
         >>> HookCase("e4m3", "hierarchical", ranks_per_node=2).name
         'e4m3 hierarchical'
+        >>> HookCase("e2m1", "two_phase", scaling="block").name
+        'e2m1 two_phase block'
     """
 
     fmt: str
     reduction: str
     ranks_per_node: int | None = None
+    scaling: str = "layer"
 
     @property
     def name(self) -> str:
-        return f"{self.fmt} {self.reduction}"
+        tail = "" if self.scaling == "layer" else f" {self.scaling}"
+        return f"{self.fmt} {self.reduction}{tail}"
 
     def __str__(self) -> str:
         return self.name.replace(" ", "-")
@@ -611,6 +615,8 @@ def check_hook_case(case: HookCase, got: dict, want: dict) -> list[str]:
     if want["error"]:
         return [f"the reference run raised: {want['error']}"]
     problems = []
+    if got.get("graph_failure"):
+        problems.append(f"capturing a bucket as a CUDA graph failed: {got['graph_failure']}")
     if got["bucket_reductions"] != [case.reduction]:
         problems.append(
             f"the buckets used {got['bucket_reductions']}, not only {case.reduction!r}: "
@@ -618,7 +624,9 @@ def check_hook_case(case: HookCase, got: dict, want: dict) -> list[str]:
         )
     detail = got["bytes_detail"]
     expected = payload_nbytes(got["numel"], get_format(case.fmt))
-    if case.reduction in ("allreduce", "two_phase"):
+    # Block scaling adds a key byte per block to the format's bytes; the
+    # per-block byte accounting is pinned by the CPU tests.
+    if case.reduction in ("allreduce", "two_phase") and case.scaling != "block":
         key = "all_reduce" if case.reduction == "allreduce" else "all_to_all"
         problem = _wire_check(detail.get(key, 0), expected, f"bytes_detail[{key!r}]")
         if problem:
@@ -797,13 +805,19 @@ def ddp_grads(
             "bytes_detail": {},
             "numel": sum(math.prod(s) for s in SHAPES),
             "error": None,
+            "graphs": 0,
+            "graph_failure": None,
         }
         step = -1
         try:
             model = GradModel().to(dev)
             ddp = DDP(model, bucket_cap_mb=BUCKET_CAP_MB)
             state = aps_comm.register(
-                ddp, case.fmt, reduction=case.reduction, ranks_per_node=case.ranks_per_node
+                ddp,
+                case.fmt,
+                reduction=case.reduction,
+                ranks_per_node=case.ranks_per_node,
+                scaling=case.scaling,
             )
             state.chunk_elements = CHUNK_ELEMENTS
             for step in range(steps):
@@ -817,6 +831,9 @@ def ddp_grads(
                 out["grads"].append([p.grad.detach().cpu().clone() for p in model.parameters()])
             out["bucket_reductions"] = sorted(set(state.bucket_reductions.values()))
             out["bytes_detail"] = dict(state.bytes_detail)
+            if state.graphs is not None:
+                out["graphs"] = len(state.graphs.graphs)
+                out["graph_failure"] = state.graphs.failed
         except Exception as exc:  # recorded; the next case gets a fresh model and state
             out["error"] = _error(exc, f"{case.name}, step {step}")
         results.append(out)
@@ -869,7 +886,7 @@ def labelled_hook(
 
 
 def profile_step(
-    rank: int, world_size: int, device: str, cases: Sequence[HookCase], warm_steps: int = 3
+    rank: int, world_size: int, device: str, cases: Sequence[HookCase], warm_steps: int = 4
 ) -> list[dict[str, Any]]:
     """Per case, :func:`bucket_profile` of one DDP step after ``warm_steps`` unprofiled ones.
 
@@ -888,7 +905,10 @@ def profile_step(
             model = GradModel().to(dev)
             ddp = DDP(model, bucket_cap_mb=BUCKET_CAP_MB)
             state = aps_comm.APSState(
-                fmt=case.fmt, reduction=case.reduction, ranks_per_node=case.ranks_per_node
+                fmt=case.fmt,
+                reduction=case.reduction,
+                ranks_per_node=case.ranks_per_node,
+                scaling=case.scaling,
             )
             state.bind_model(model)
             ddp.register_comm_hook(state, labelled_hook)
@@ -1205,6 +1225,7 @@ def _compare_cases(
                 "reference": f"gloo/cpu {ref.name}",
                 "bucket_reductions": got[0][i]["bucket_reductions"],
                 "bytes_detail": got[0][i]["bytes_detail"],
+                "cuda_graphs": got[0][i].get("graphs", 0),
                 "elements": got[0][i]["numel"],
             }
         )
@@ -1232,11 +1253,13 @@ _NCCL_CASES = tuple(
     + [HookCase(f, r) for f in ("e4m3", "e5m2") for r in ("allreduce", "two_phase")]
     + [
         HookCase("e3m2", "two_phase"),
+        HookCase("e2m1", "two_phase", scaling="block"),
+        HookCase("e4m3", "two_phase", scaling="block"),
         HookCase("e4m3", "hierarchical", ranks_per_node=2),
         HookCase("e4m3", "grid"),
     ]
 )
-_STEPS_PER_CASE = 4
+_STEPS_PER_CASE = 5  # from step 3 settled buckets are CUDA graphs: captured, then replayed
 _SYNC_ERROR_FROM = 2
 
 
@@ -1276,12 +1299,16 @@ _GLOO_CASES: dict[int, tuple[HookCase, ...]] = {
         HookCase("e4m3", "two_phase"),
         HookCase("fp16", "allreduce"),
         HookCase("e3m2", "two_phase"),
+        HookCase("e2m1", "two_phase", scaling="block"),
     ),
     4: (
         HookCase("e4m3", "two_phase"),
         HookCase("e4m3", "hierarchical", ranks_per_node=2),
         HookCase("e4m3", "grid"),
         HookCase("bf16", "allreduce"),
+        HookCase("e2m1", "two_phase", scaling="block"),
+        HookCase("e2m1", "hierarchical", ranks_per_node=2, scaling="block"),
+        HookCase("e4m3", "grid", scaling="block"),
     ),
 }
 
@@ -1331,7 +1358,11 @@ _STALLS = (EventKind.HOST_SYNC, EventKind.D2H_COPY, EventKind.H2D_COPY)
 
 
 def _step_profile(ctx: StepContext) -> StepResult:
-    cases = [HookCase("e4m3", "two_phase"), HookCase("fp16", "allreduce")]
+    cases = [
+        HookCase("e4m3", "two_phase"),
+        HookCase("fp16", "allreduce"),
+        HookCase("e2m1", "two_phase", scaling="block"),
+    ]
     if ctx.env.native_fp8 is None:
         cases.append(HookCase("e4m3", "allreduce"))
     out = run_distributed(
@@ -1425,6 +1456,7 @@ class StepConfig:
     reduction: str = "auto"
     scaling: str = "layer"
     target: float | None = None
+    cuda_graphs: bool = True
 
     @property
     def code(self) -> str:
@@ -1438,6 +1470,8 @@ class StepConfig:
             args.append(f'reduction="{self.reduction}"')
         if self.scaling != "layer":
             args.append(f'scaling="{self.scaling}"')
+        if not self.cuda_graphs:
+            args.append("cuda_graphs=False")
         return f"aps_comm.register(ddp, {', '.join(args)})"
 
 
@@ -1449,6 +1483,15 @@ STEP_CONFIGS: tuple[StepConfig, ...] = (
     StepConfig("APS e2m1 block two_phase", Hook.APS, "e2m1", "two_phase", "block", 1.15),
     StepConfig("APS e4m3 block two_phase", Hook.APS, "e4m3", "two_phase", "block", 1.15),
     StepConfig("APS auto", Hook.APS, "e4m3", "auto", target=1.02),
+    StepConfig("APS e4m3 two_phase, no graphs", Hook.APS, "e4m3", "two_phase", cuda_graphs=False),
+    StepConfig(
+        "APS e2m1 block two_phase, no graphs",
+        Hook.APS,
+        "e2m1",
+        "two_phase",
+        "block",
+        cuda_graphs=False,
+    ),
     StepConfig("DDP default (again)"),
 )
 """The ``step`` step's configurations in the order they run: DDP default first and
@@ -1492,7 +1535,9 @@ def _aps_state(ddp: DDP, cfg: StepConfig, device: torch.device) -> aps_comm.APSS
         ValueError: the configuration cannot run here (native FP8 where NCCL
             cannot sum it), as :func:`aps_comm.register` raises it.
     """
-    state = aps_comm.APSState(cfg.fmt, reduction=cfg.reduction, scaling=cfg.scaling)
+    state = aps_comm.APSState(
+        cfg.fmt, reduction=cfg.reduction, scaling=cfg.scaling, cuda_graphs=cfg.cuda_graphs
+    )
     state.bind_model(ddp.module)
     state.bind(device)
     return state
@@ -1691,6 +1736,10 @@ class _ConfigRun:
                 if isinstance(timed.state, aps_comm.APSState):
                     reductions = timed.state.bucket_reductions.values()
                     row["bucket_reductions"] = sorted(set(reductions))
+                    graphs = timed.state.graphs
+                    if graphs is not None:
+                        row["cuda_graphs"] = len(graphs.graphs)
+                        row["graph_failure"] = graphs.failed
             if profile:
 
                 def profiled() -> None:
@@ -1991,12 +2040,19 @@ def _hook_call_key(cfg: StepConfig) -> str | None:
 
     The model prices ``hook_call.fp16`` as torch's ``fp16_compress_hook`` and
     ``hook_call.<fmt>`` as the APS hook's per-layer-scaled two_phase call
-    (:func:`aps_perfmodel.comm.bucket_comm`); the other configurations have
-    no key of their own.
+    (:func:`aps_perfmodel.comm.bucket_comm`), as the hook runs it by default
+    (settled buckets as CUDA graphs); the other configurations have no key
+    of their own.
     """
     if cfg.hook == Hook.FP16:
         return "hook_call.fp16"
-    if cfg.hook == Hook.APS and cfg.reduction == "two_phase" and cfg.scaling == "layer":
+    # The hook's default (CUDA graphs) only: a "no graphs" row is a comparison.
+    if (
+        cfg.hook == Hook.APS
+        and cfg.reduction == "two_phase"
+        and cfg.scaling == "layer"
+        and cfg.cuda_graphs
+    ):
         return f"hook_call.{cfg.fmt}"
     return None
 

@@ -125,6 +125,17 @@ def test_step_configs_are_the_issue_34_table() -> None:
             1.15,
         ),
         ("APS auto", 'aps_comm.register(ddp, fmt="e4m3")', 1.02),
+        (
+            "APS e4m3 two_phase, no graphs",
+            'aps_comm.register(ddp, fmt="e4m3", reduction="two_phase", cuda_graphs=False)',
+            None,
+        ),
+        (
+            "APS e2m1 block two_phase, no graphs",
+            'aps_comm.register(ddp, fmt="e2m1", reduction="two_phase", scaling="block", '
+            "cuda_graphs=False)",
+            None,
+        ),
         ("DDP default (again)", "DDP(model)", None),
     ]
     assert (gpu.STEP_WARMUP, gpu.STEP_TIMED) == (6, 20)
@@ -237,6 +248,8 @@ def test_step_step_judges_the_rows_and_keeps_the_finished_ones(
         "pass",
         "pass",
         "pass",
+        "reported",
+        "reported",
         "baseline",
     ]
 

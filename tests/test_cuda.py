@@ -96,6 +96,7 @@ NCCL_CASES = [
     HookCase("bf16", "two_phase"),
     HookCase("e4m3", "allreduce"),
     HookCase("e5m2", "allreduce"),
+    HookCase("e2m1", "two_phase", scaling="block"),
 ]
 
 
@@ -109,9 +110,10 @@ def nccl_runs() -> dict[HookCase, tuple[dict[str, Any], dict[str, Any]]]:
     if not dist.is_nccl_available():
         pytest.skip("needs the NCCL backend")
     cases = [c for c in NCCL_CASES if _nccl_skip(c) is None]
-    gpu = run_distributed(ddp_grads, 1, args=("cuda", cases, 4, 2), backend="nccl", timeout=300)[0]
+    # Five steps: settled buckets are captured as CUDA graphs at step 3 and replayed at 4.
+    gpu = run_distributed(ddp_grads, 1, args=("cuda", cases, 5, 2), backend="nccl", timeout=300)[0]
     cpu = run_distributed(
-        ddp_grads, 1, args=("cpu", [reference_case(c) for c in cases], 4, None), timeout=300
+        ddp_grads, 1, args=("cpu", [reference_case(c) for c in cases], 5, None), timeout=300
     )[0]
     return {c: (g, r) for c, g, r in zip(cases, gpu, cpu, strict=True)}
 
@@ -125,6 +127,17 @@ def test_hook_on_nccl_at_world_size_one_matches_gloo_cpu(
         pytest.skip(reason)
     got, want = nccl_runs[case]
     assert check_hook_case(case, got, want) == []
+
+
+def test_settled_buckets_run_as_cuda_graphs_on_nccl(
+    nccl_runs: dict[HookCase, tuple[dict[str, Any], dict[str, Any]]],
+) -> None:
+    # Every bucket but the step's last is captured once settled; the bits are
+    # checked against the Gloo/CPU run above, replays included.
+    for case, (got, _) in nccl_runs.items():
+        assert got["error"] is None, case
+        assert got["graph_failure"] is None, case
+        assert got["graphs"] >= 1, case
 
 
 GLOO_CASES = [HookCase("e4m3", "two_phase"), HookCase("fp16", "allreduce")]

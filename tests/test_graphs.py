@@ -1,0 +1,107 @@
+"""BucketGraphs' bookkeeping, on the CPU with a stand-in graph.
+
+The capture itself needs a GPU (``tests/test_cuda.py`` checks its bits on
+NCCL); here: when a bucket may be captured, that its bytes are counted once
+per replay and not at capture, that a graph belongs to one buffer, and that a
+failed capture turns graphs off without losing the step's bytes.
+"""
+
+from __future__ import annotations
+
+import logging
+
+import pytest
+import torch
+
+from aps_comm.engine import Traffic
+from aps_comm.graphs import BucketGraphs
+
+
+class FakeGraph:
+    """Records what BucketGraphs asks of a CUDA graph."""
+
+    def __init__(self, fail: bool = False) -> None:
+        self.calls: list[str] = []
+        self.fail = fail
+
+    def capture_begin(self, capture_error_mode: str = "global") -> None:
+        self.calls.append(f"begin:{capture_error_mode}")
+
+    def capture_end(self) -> None:
+        self.calls.append("end")
+        if self.fail:
+            raise RuntimeError("operation not permitted when stream is capturing")
+
+    def replay(self) -> None:
+        self.calls.append("replay")
+
+
+def _work(traffic: Traffic, log: list[str]) -> None:
+    log.append("work")
+    traffic("all_to_all", 100)
+    traffic("all_gather", 40)
+
+
+def test_a_bucket_is_captured_on_its_second_settled_run() -> None:
+    graphs = BucketGraphs(FakeGraph)
+    x = torch.zeros(8)
+    assert not graphs.ready(0, x)  # the first settled run is eager
+    assert graphs.ready(0, x)
+    assert not graphs.ready(1, x)  # per bucket
+    y = torch.zeros(8)
+    assert not graphs.ready(0, y)  # a new buffer (DDP rebuilt its buckets) starts over
+
+
+def test_bytes_are_counted_per_replay_not_at_capture() -> None:
+    graphs, traffic, log = BucketGraphs(FakeGraph), Traffic(), []
+    x = torch.zeros(8)
+    traffic("all_reduce_max", 4)  # an earlier bucket of the same step
+    entry = graphs.capture(0, x, lambda: _work(traffic, log), traffic)
+    assert entry is not None and log == ["work"]
+    assert entry.graph.calls == ["begin:thread_local", "end"]
+    assert traffic.bytes == {"all_reduce_max": 4}
+    assert entry.traffic == {"all_reduce_max": 0, "all_to_all": 100, "all_gather": 40}
+    for _ in range(3):
+        graphs.replay(entry, traffic)
+    assert traffic.take() == {"all_reduce_max": 4, "all_to_all": 300, "all_gather": 120}
+    assert entry.graph.calls[2:] == ["replay"] * 3
+
+
+def test_a_graph_belongs_to_its_buffer() -> None:
+    graphs, traffic = BucketGraphs(FakeGraph), Traffic()
+    x = torch.zeros(8)
+    graphs.capture(2, x, lambda: None, traffic)
+    assert graphs.lookup(2, x) is graphs.graphs[2]
+    assert graphs.lookup(2, torch.zeros(8)) is None  # another address
+    assert graphs.lookup(2, x[:4]) is None  # same address, other size
+    assert graphs.lookup(1, x) is None
+
+
+def test_a_failed_capture_turns_graphs_off(caplog: pytest.LogCaptureFixture) -> None:
+    graphs, traffic, log = BucketGraphs(lambda: FakeGraph(fail=True)), Traffic(), []
+    x = torch.zeros(8)
+    traffic("all_reduce_max", 4)
+    with caplog.at_level(logging.WARNING, logger="aps_comm.graphs"):
+        assert graphs.capture(1, x, lambda: _work(traffic, log), traffic) is None
+    assert "operation not permitted when stream is capturing" in (graphs.failed or "")
+    assert "bucket 1" in caplog.text and "without graphs" in caplog.text
+    assert traffic.bytes == {"all_reduce_max": 4}  # the eager run that follows counts its own
+    assert graphs.graphs == {}
+    graphs.ready(1, x)
+    assert not graphs.ready(1, x)  # never again
+
+
+def test_an_error_inside_the_work_ends_the_capture() -> None:
+    made: list[FakeGraph] = []
+
+    def factory() -> FakeGraph:
+        made.append(FakeGraph())
+        return made[-1]
+
+    def broken() -> None:
+        raise ValueError("no")
+
+    graphs = BucketGraphs(factory)
+    assert graphs.capture(0, torch.zeros(2), broken, Traffic()) is None
+    assert made[0].calls == ["begin:thread_local", "end"]
+    assert graphs.failed == "ValueError: no"
