@@ -1278,20 +1278,32 @@ if AVAILABLE:
     # ``send_rank_blocks``, ``owner_rank_blocks`` and ``decode_rank_blocks``.
 
     @triton.jit
-    def _blocks_of(off_ptr, el, first, last, s, n_last, top):
+    def _blocks_of(off_ptr, el, first, last, s, n_last, top, SHIFT: tl.constexpr = 0):
         """The segment in [s, n_last] (largest t with ``off[t] <= el``) of every element
         ``el`` of a program whose elements run from ``first`` to ``last``: the two ends
-        searched over every segment, the elements only between the ends'."""
+        searched over every segment, the elements only between the ends'.
+
+        ``SHIFT`` > 0: no segment is longer than ``2**SHIFT`` (blocks). Where the
+        end's segments but the last are all that long (a program inside one
+        layer), an element's segment is arithmetic, not a search per element.
+        """
         lo = _search(off_ptr, first, s, top, n_last)
         hi = _search(off_ptr, last, lo, top, n_last)
         seg = tl.full(el.shape, 0, tl.int64) + lo
-        if lo != hi:  # a program inside one segment (most of them) needs no search
-            step = lo * 0
-            nxt = step + 1
-            while nxt <= hi - lo:
-                step = nxt
-                nxt = nxt * 2
-            seg = _search(off_ptr, el, seg, step, hi)
+        if lo != hi:  # a program inside one segment needs no search
+            o_lo = tl.load(off_ptr + lo)
+            regular = False
+            if SHIFT > 0:
+                regular = tl.load(off_ptr + hi) - o_lo == (hi - lo) << SHIFT
+            if regular:
+                seg = seg + ((el - o_lo) >> SHIFT)
+            else:
+                step = lo * 0
+                nxt = step + 1
+                while nxt <= hi - lo:
+                    step = nxt
+                    nxt = nxt * 2
+                seg = _search(off_ptr, el, seg, step, hi)
         return seg
 
     @triton.jit(do_not_specialize=["n_blocks"])
@@ -1334,14 +1346,17 @@ if AVAILABLE:
         tl.store(flag_ptr + layer, tl.full(seg.shape, 1, tl.uint8), mask=owned & (key == 255))
 
     @triton.jit
-    def _send_code(x_ptr, key_ptr, off_ptr, el, mask, first, last, b0, n_last, top, E):
+    def _send_code(
+        x_ptr, key_ptr, off_ptr, el, mask, first, last, b0, n_last, top, E, SHIFT: tl.constexpr
+    ):
         """uint32 codes of elements ``el`` times ``2**e`` of their blocks' keys (0 masked)."""
-        blk = _blocks_of(off_ptr, el, first, last, b0, n_last, top)
+        blk = _blocks_of(off_ptr, el, first, last, b0, n_last, top, SHIFT)
         k = tl.load(key_ptr + blk, mask=mask, other=0).to(tl.int32)
         v = tl.load(x_ptr + el, mask=mask, other=0.0) * _key_scale(k, False)
         return tl.where(mask, _code(v, E), 0)
 
-    @triton.jit(do_not_specialize=["piece", "shard_bytes", "at", "n_flags", "top", "log2"])
+    # piece is specialised: a multiple of 16 lets a full program store whole vectors.
+    @triton.jit(do_not_specialize=["shard_bytes", "at", "n_flags", "top", "log2"])
     def _send_rank_blocks_kernel(
         x_ptr,
         key_ptr,
@@ -1358,11 +1373,13 @@ if AVAILABLE:
         E: tl.constexpr,
         WIRE: tl.constexpr,
         BYTES: tl.constexpr,
+        SHIFT: tl.constexpr,
     ):
         """Bytes ``t * BYTES`` on of shard s's piece (program (s, t)): the codes of its
         blocks ``first[s]`` to ``first[s + 1]`` times their keys' ``2**e``, zero
         padding, the keys at ``shard_bytes``, and where ``at >= 0`` the ``n_flags``
-        layer flags then ``log2`` at ``at``; zeros elsewhere.
+        layer flags then ``log2`` at ``at``; zeros elsewhere. No block is longer
+        than ``2**SHIFT`` elements (0: unknown).
 
         Whole bytes per program: a 4-bit byte's two codes come from one program.
         """
@@ -1377,13 +1394,44 @@ if AVAILABLE:
         first = a + tl.minimum(t * BYTES * per, tl.maximum(n - 1, 0))
         last = a + tl.maximum(tl.minimum((t + 1) * BYTES * per, n) - 1, 0)
         n_last = b1 - 1
-        el = a + per * i
-        c = _send_code(x_ptr, key_ptr, off_ptr, el, el < a + n, first, last, b0, n_last, top, E)
-        if WIRE == 4:
-            hi = _send_code(
-                x_ptr, key_ptr, off_ptr, el + 1, el + 1 < a + n, first, last, b0, n_last, top, E
+        if (t + 1) * BYTES * per <= n:
+            # Wholly inside the shard's codes: no mask, the values read contiguously
+            # and a 4-bit byte's two codes paired in registers.
+            if WIRE == 4:
+                pairs = tl.full([2 * BYTES], 1, tl.int1)
+                both = a + t * (2 * BYTES) + tl.arange(0, 2 * BYTES)
+                c2 = _send_code(
+                    x_ptr, key_ptr, off_ptr, both, pairs, first, last, b0, n_last, top, E, SHIFT
+                )
+                c_lo, c_hi = tl.split(tl.reshape(c2, [BYTES, 2]))
+                c = c_lo | (c_hi << 4)
+            else:
+                every = tl.full([BYTES], 1, tl.int1)
+                el = a + i
+                c = _send_code(
+                    x_ptr, key_ptr, off_ptr, el, every, first, last, b0, n_last, top, E, SHIFT
+                )
+        else:
+            el = a + per * i
+            c = _send_code(
+                x_ptr, key_ptr, off_ptr, el, el < a + n, first, last, b0, n_last, top, E, SHIFT
             )
-            c = c | (hi << 4)
+            if WIRE == 4:
+                hi = _send_code(
+                    x_ptr,
+                    key_ptr,
+                    off_ptr,
+                    el + 1,
+                    el + 1 < a + n,
+                    first,
+                    last,
+                    b0,
+                    n_last,
+                    top,
+                    E,
+                    SHIFT,
+                )
+                c = c | (hi << 4)
         kb = i - shard_bytes
         in_keys = (kb >= 0) & (kb < b1 - b0)
         c = tl.where(in_keys, tl.load(key_ptr + b0 + kb, mask=in_keys, other=0).to(tl.uint32), c)
@@ -1392,11 +1440,14 @@ if AVAILABLE:
         in_flags = (fi >= 0) & (fi < n_flags)
         c = tl.where(in_flags, tl.load(flag_ptr + fi, mask=in_flags, other=0).to(tl.uint32), c)
         c = tl.where((fi == n_flags) & (at >= 0), log2.to(tl.uint32), c)
-        tl.store(send_ptr + s.to(tl.int64) * piece + i, c.to(tl.uint8), mask=i < piece)
+        if (t + 1) * BYTES <= piece:
+            tl.store(send_ptr + s.to(tl.int64) * piece + i, c.to(tl.uint8))
+        else:
+            tl.store(send_ptr + s.to(tl.int64) * piece + i, c.to(tl.uint8), mask=i < piece)
 
+    # c0 is specialised: a multiple of 16 lets a full program store whole vectors.
     @triton.jit(
         do_not_specialize=[
-            "c0",
             "numel",
             "row",
             "shard_bytes",
@@ -1425,11 +1476,13 @@ if AVAILABLE:
         D: tl.constexpr,
         WIRE: tl.constexpr,
         BLOCK: tl.constexpr,
+        SHIFT: tl.constexpr,
     ):
         """Elements ``c0`` to ``c0 + numel`` of a chunk from its N gathered shards (row s
         of ``src_ptr``: shard s's codes, its blocks' keys at ``shard_bytes``): each
         code times its key's ``2**-e``, NaN where its block's layer is flagged in
-        ``union``. Shard s starts at element ``start[s]`` and block ``first[s]``.
+        ``union``. Shard s starts at element ``start[s]`` and block ``first[s]``; no
+        block is longer than ``2**SHIFT`` elements (0: unknown).
         """
         pid = tl.program_id(0).to(tl.int64)
         first = c0 + pid * BLOCK
@@ -1438,14 +1491,18 @@ if AVAILABLE:
         mask = el <= last
         zero = first * 0
         s = _blocks_of(start_ptr, el, first, last, zero, zero + n_shards - 1, top_s)
-        blk = _blocks_of(off_ptr, el, first, last, zero, zero + n_last, top)
+        blk = _blocks_of(off_ptr, el, first, last, zero, zero + n_last, top, SHIFT)
         base = src_ptr + s * row
         c = _load_code(base, el - tl.load(start_ptr + s, mask=mask, other=0), mask, WIRE)
         kb = blk - tl.load(first_ptr + s, mask=mask, other=0)
         k = tl.load(base + shard_bytes + kb, mask=mask, other=0).to(tl.int32)
         bad = tl.load(union_ptr + tl.load(layer_ptr + blk, mask=mask, other=0), mask=mask, other=0)
         f = tl.where(bad != 0, float("nan"), _key_scale(k, True))
-        tl.store(x_ptr + el, _value(c, D) * f, mask=mask)
+        # A full program stores without a mask: whole vectors.
+        if (pid + 1) * BLOCK <= numel:
+            tl.store(x_ptr + el, _value(c, D) * f)
+        else:
+            tl.store(x_ptr + el, _value(c, D) * f, mask=mask)
 
 
 @functools.lru_cache(maxsize=64)
@@ -2072,6 +2129,14 @@ _BYTES = 1024
 """Bytes of a piece per program of :func:`bind_send_rank_blocks`' kernel."""
 
 
+def _longest_log2(offsets: np.ndarray) -> int:
+    """``ceil(log2)`` of the longest segment of ``offsets`` (0 for none or 1 element):
+    the kernels' ``SHIFT``, under which a run of full blocks needs no search."""
+    if offsets.size < 2:
+        return 0
+    return (int(np.diff(offsets).max()) - 1).bit_length()
+
+
 def _on(host: np.ndarray, device: torch.device, dtype: torch.dtype = torch.int64) -> torch.Tensor:
     """A host index array on ``device``: copied once, when a call is bound."""
     return to_device(torch.from_numpy(np.ascontiguousarray(host)).to(dtype), device)
@@ -2219,6 +2284,7 @@ def bind_send_rank_blocks(
         E=consts.encode,
         WIRE=consts.wire_bits,
         BYTES=_BYTES,
+        SHIFT=_longest_log2(offsets[f0 : f1 + 1]),
         **_options(),
     )
 
@@ -2367,6 +2433,7 @@ def bind_decode_rank_blocks(
         D=consts.decode,
         WIRE=consts.wire_bits,
         BLOCK=BLOCK,
+        SHIFT=_longest_log2(off),
         **_options(),
     )
 

@@ -723,10 +723,16 @@ def test_every_launched_variant_compiles_for_a_gpu(monkeypatch: pytest.MonkeyPat
             if name in ("_encode_kernel", "_decode_kernel"):
                 wire = constexprs[(fn.arg_names.index("WIRE"),)]
                 vectors.setdefault((name, wire), set()).update(_VECTOR.findall(ptx))
+            if name in ("_send_rank_blocks_kernel", "_decode_rank_blocks_kernel"):
+                vectors.setdefault((name, 0), set()).update(_VECTOR.findall(ptx))
     assert len(compiled) >= 20, len(compiled)
     # A full program moves whole vectors: float32 in four lanes, the codes' bytes in
     # one or more 32-bit words (scalar loads and byte stores once made the encode and
     # decode 2.5x a device copy on an H200).
+    # The rank-block send and decode: a full program stores whole vectors (their
+    # values start at block offsets, so their float loads stay scalar).
+    assert vectors.pop(("_send_rank_blocks_kernel", 0)) & {"st.global.v2.b32", "st.global.v4.b32"}
+    assert "st.global.v4.b32" in vectors.pop(("_decode_rank_blocks_kernel", 0))
     for (name, wire), found in sorted(vectors.items()):
         floats = "ld.global.v4.b32" if name == "_encode_kernel" else "st.global.v4.b32"
         assert floats in found, (name, wire, found)
@@ -801,7 +807,8 @@ def _rank_block_case(fmt: FloatFormat, block_size: int, n: int) -> dict:
     ``n`` uneven shards, one of them empty where ``n`` > 1, and each rank's values
     (the fourth layer non-finite on the last rank, far apart magnitudes)."""
     cpu = torch.device("cpu")
-    numels = [5, 0, 37, 11, 70, 1, 13, 2100]  # the last: several programs per kernel
+    # The last: several programs per kernel, some wholly inside it (runs of full blocks).
+    numels = [5, 0, 37, 11, 70, 1, 13, 4500]
     blocks = codec.Layout.from_numels(numels, cpu).grid(block_size)
     offsets = blocks.layout.offsets.numpy().astype(np.int64)
     counts = blocks.counts.numpy()
