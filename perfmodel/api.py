@@ -19,7 +19,14 @@ from dataclasses import asdict, dataclass, field
 from pathlib import Path
 from typing import IO, Any
 
-from .choices import DEFAULT_BLOCK_SIZE, BlockExponents, Scaling, check_block_size
+from .choices import (
+    BlockExponents,
+    Scaling,
+    check_block_size,
+    default_block_size,
+    format_bits,
+    format_name,
+)
 from .cluster import Cluster
 from .compute import ComputeTime
 from .ddp import (
@@ -37,6 +44,7 @@ __all__ = [
     "Prediction",
     "SweepRow",
     "breakeven_bandwidth",
+    "format_block_size",
     "formats_with_baselines",
     "predict",
     "sweep",
@@ -106,7 +114,8 @@ class Prediction:
         formats: results by format name (always fp32 and fp16, plus the requested).
         steps: the full timelines by format name.
         scaling: the requested formats' scaling ("layer" or "block").
-        block_size: elements per exponent byte with block scaling, else None.
+        block_size: elements per exponent byte with block scaling (the first
+            requested format's where each took its default), else None.
         block_exponents: with block scaling, where the block exponents come
             from (each rank's own, or agreed), else None.
     """
@@ -165,7 +174,7 @@ def predict(
     bucket_cap_mb: float = DEFAULT_BUCKET_CAP_MB,
     first_bucket_bytes: int = DEFAULT_FIRST_BUCKET_BYTES,
     scaling: Scaling | str = Scaling.LAYER,
-    block_size: int = DEFAULT_BLOCK_SIZE,
+    block_size: int | None = None,
     block_exponents: BlockExponents | str = BlockExponents.RANK,
 ) -> Prediction:
     """Predict communication and step time for FP32, FP16 and the requested formats.
@@ -184,7 +193,10 @@ def predict(
         scaling: APS's scaling of the requested formats, "layer" (one
             maximum per tensor) or "block" (one exponent byte per
             ``block_size`` elements of a tensor); the baselines scale nothing.
-        block_size: elements per block with ``scaling="block"`` (8 to 256).
+        block_size: elements per block with ``scaling="block"`` (8 to 256);
+            None: each format's default, as the hook's
+            (:func:`~aps_perfmodel.choices.default_block_size`: 128 for 8-bit
+            formats, 32 below).
         block_exponents: with ``scaling="block"``, where the block
             exponents come from: "rank" (the hook's default: two_phase,
             hierarchical and grid send each rank's own with its values and
@@ -207,7 +219,8 @@ def predict(
         ('block', 32, True)
     """
     scaling = check_scaling(scaling)
-    check_block_size(block_size)
+    if block_size is not None:
+        check_block_size(block_size)
     block_exponents = BlockExponents.parse(block_exponents, "block_exponents")
     if scaling == Scaling.BLOCK:
         for name in formats:
@@ -229,7 +242,7 @@ def predict(
                 name,
                 strategy or "auto",
                 scaling=scaling,
-                block_size=block_size,
+                block_size=format_block_size(name, block_size),
                 block_exponents=block_exponents,
             )
         specs[name] = spec
@@ -266,9 +279,21 @@ def predict(
         results,
         steps,
         scaling,
-        block_size if scaling == Scaling.BLOCK else None,
+        format_block_size(formats[0], block_size) if scaling == Scaling.BLOCK and formats else None,
         block_exponents if scaling == Scaling.BLOCK else None,
     )
+
+
+def format_block_size(name: str, block_size: int | None = None) -> int:
+    """``block_size``, or where None the hook's default for format ``name``.
+
+    Example:
+        >>> format_block_size("e2m1"), format_block_size("fp8"), format_block_size("e4m3", 16)
+        (32, 128, 16)
+    """
+    if block_size is not None:
+        return block_size
+    return default_block_size(1 + sum(format_bits(format_name(name))))
 
 
 def _chosen(step: StepPrediction) -> dict[str, int]:
@@ -305,7 +330,7 @@ def sweep(
     strategy: str | None = None,
     bucket_cap_mb: float = DEFAULT_BUCKET_CAP_MB,
     scaling: Scaling | str = Scaling.LAYER,
-    block_size: int = DEFAULT_BLOCK_SIZE,
+    block_size: int | None = None,
     block_exponents: BlockExponents | str = BlockExponents.RANK,
 ) -> list[SweepRow]:
     """Predict over every (world size, inter-node bandwidth) pair.
@@ -382,7 +407,7 @@ def breakeven_bandwidth(
     tolerance: float = 0.01,
     strategy: str | None = None,
     scaling: Scaling | str = Scaling.LAYER,
-    block_size: int = DEFAULT_BLOCK_SIZE,
+    block_size: int | None = None,
     block_exponents: BlockExponents | str = BlockExponents.RANK,
 ) -> float | None:
     """The inter-node bandwidth (bytes/s) above which ``fmt`` stops paying.
