@@ -112,3 +112,20 @@ def test_planner_choice_with_blocks_is_the_models_argmin(block_size: int, route:
     # The exponent bytes are what tips it: the same cluster picks grid without blocks.
     layer = choose_strategy(n, layers, get_format("e2m1"), c, False, True, True)
     assert layer == "grid"
+
+
+def test_predict_takes_each_formats_default_block_size_as_the_hook_does() -> None:
+    from aps_comm.config import default_block_size
+    from aps_perfmodel import ComputeTime, get_model, predict
+
+    c, m = get_cluster("1gbe", world_size=4), get_model("resnet50")
+    compute = ComputeTime.from_step_time(0.1)
+    for name in ("e2m1", "e3m2", "e4m3", "e5m2"):
+        p = predict(m, c, [name], compute, scaling="block")
+        assert p.block_size == default_block_size(hook_format(name).bits), name
+        fixed = predict(m, c, [name], compute, scaling="block", block_size=p.block_size)
+        assert fixed.formats[name] == p.formats[name]
+    # e4m3 with blocks of 128 carries a quarter of the exponent bytes of blocks of 32.
+    e128 = predict(m, c, ["e4m3"], compute, scaling="block").formats["e4m3"]
+    e32 = predict(m, c, ["e4m3"], compute, scaling="block", block_size=32).formats["e4m3"]
+    assert e128.exponent_bytes == pytest.approx(e32.exponent_bytes / 4, rel=0.01)
