@@ -42,7 +42,7 @@ import torch.distributed as dist
 
 from aps_comm import codec, transports
 from aps_comm.agreement import Layouts
-from aps_comm.codec import AgreedMaxima, RankBlockCalls
+from aps_comm.codec import AgreedMaxima, NodeBlockCalls, RankBlockCalls
 from aps_comm.config import DEFAULT_BLOCK_SIZE, BlockExponents, Reduction, Route, Scaling
 from aps_comm.feedback import ErrorFeedback
 from aps_comm.formats import FP32, FloatFormat, pow2
@@ -279,6 +279,44 @@ class SteadyBlocks:
         return True
 
 
+@dataclasses.dataclass
+class SteadyNodeBlocks(SteadyBlocks):
+    """:class:`SteadyBlocks` for hierarchical and grid: every owner at every level sends
+    its own block exponents (:class:`aps_comm.plan.NodeBlocks`).
+
+    Per step the same bound call writes this rank's keys and flags, now
+    under two_phase's rule for the ``per_node`` ranks its first sum covers,
+    and each chunk is a fixed handful of bound calls
+    (:func:`aps_comm.transports.bind_node_blocks`) around the route's four
+    collectives: the full path's collectives, bytes and bits, without its
+    per-step block maxima, keys and flags as ATen ops. CPU kernels only
+    (no fused node kernels elsewhere).
+
+    Attributes:
+        groups: this rank's intra- and inter-node groups of the route.
+        per_node: the ranks of the first level's sum (a node's, or a grid row's).
+        node_calls: each chunk's bound calls.
+    """
+
+    groups: Any = None
+    per_node: int = 1
+    node_calls: list[NodeBlockCalls] | None = None
+
+    def bind(self, x: torch.Tensor, rank: int, world_size: int) -> bool:
+        g = self.group
+        assert g.blocks is not None
+        keys_call = g.codec.bind_block_keys(
+            x, g.layout, g.blocks.counts, self.maxima, self.keys, self.flags, self.per_node
+        )
+        if keys_call is None:
+            return False
+        calls = transports.bind_node_blocks(g, x, self.keys, self.flags, self.union)
+        if calls is None:
+            return False
+        self.keys_call, self.node_calls, self.bound_ptr = keys_call, calls, x.data_ptr()
+        return True
+
+
 class Reducer:
     """One rank's reducer: plans, the per-step path of buckets and units, and their records.
 
@@ -507,19 +545,28 @@ class Reducer:
     ) -> None:
         """Bind the bucket's :class:`SteadyBlocks` path where nothing in it changes per step."""
         assignment = self.assignment
-        sh = g.block_shards
+        sh, route = g.block_shards, Route(g.reduction)
+        two_phase = route == Route.TWO_PHASE and sh is not None and sh.rank_exponents
+        staged = route.staged and g.node_blocks is not None
         if (
             assignment.rules
             or assignment.promoter is not None
             or self.settings.stats
             or not g.contiguous
-            or Route(g.reduction) != Route.TWO_PHASE
-            or sh is None
-            or not sh.rank_exponents
+            or not (two_phase or staged)
         ):
             return
         n_blocks, n_layers = g.layout.n_segments, len(g.numels)
-        st = SteadyBlocks(
+        kind: type[SteadyBlocks] = SteadyBlocks
+        extra: dict[str, Any] = {}
+        if staged:
+            layouts = self.comm.layouts
+            kind = SteadyNodeBlocks
+            extra = {
+                "groups": layouts.grid if route == Route.GRID else layouts.nodes,
+                "per_node": self.comm.node_layouts()[route.value][0],
+            }
+        st = kind(
             x.numel(),
             x.data_ptr(),
             plan,
@@ -532,6 +579,7 @@ class Reducer:
             torch.empty(n_blocks, dtype=torch.uint8, device=x.device),
             torch.empty(n_layers, dtype=torch.uint8, device=x.device),
             torch.zeros(n_layers, dtype=torch.uint8, device=x.device),
+            **extra,
         )
         if st.bind(x, self.comm.rank, self.comm.world_size):
             self.steady[index] = st
@@ -671,6 +719,17 @@ class Reducer:
             st.bind(x, comm.rank, comm.world_size)
         assert st.keys_call is not None
         st.keys_call()
+        if isinstance(st, SteadyNodeBlocks):
+            # The chunk is the model's (the route offers none); only the timing is kept.
+            assert st.node_calls is not None and st.groups is not None
+            self.bucket_chunks[index] = st.chunk
+            start = time.perf_counter()
+            tail = transports.hierarchical_rank_blocks_bound(
+                st.group, st.node_calls, x, st.groups, self.traffic, defer
+            )
+            if st.measured:
+                plan.timed(time.perf_counter() - start)
+            return tail
         offer, on_chunk = 0, None
         if st.measured:
             route = Route.TWO_PHASE
