@@ -538,6 +538,31 @@ def _node_across(
     send_call()
 
 
+def _triton_node_across(
+    decode_rows: Sequence[Callable[[], object]],
+    rows: torch.Tensor,
+    mean: torch.Tensor,
+    mean_keys: Callable[[], object],
+    send_call: Callable[[], object],
+) -> None:
+    """:func:`_node_across` on the Triton backend: the L rows (decoded first where they
+    came encoded) summed in rank order and divided by L, the mean's own keys, its
+    pieces encoded."""
+    for decode in decode_rows:
+        decode()
+    mean.copy_(rows[0])
+    for r in range(1, rows.shape[0]):
+        mean.add_(rows[r])
+    mean.div_(rows.shape[0])
+    mean_keys()
+    send_call()
+
+
+def _or_rows(rows: torch.Tensor, out: torch.Tensor) -> None:
+    """The OR of rows of 0/1 flag bytes: their maximum."""
+    torch.amax(rows, dim=0, out=out)
+
+
 def _calls_then(first: Callable[[], object], then: Callable[[], object] | None) -> None:
     first()
     if then is not None:
@@ -1374,8 +1399,9 @@ class Codec:
         does slice by slice and shard by shard; the same bytes. Across nodes it
         is two_phase's :meth:`bind_rank_blocks` applied to the node's mean of
         this rank's slice among the M ranks of its local rank. None where this
-        backend has no fused kernels (only "kernels" has them, for 4- and
-        8-bit formats).
+        backend has no fused kernels ("kernels" and "triton" have them, for 4-
+        and 8-bit formats; on "triton" the node's mean and the flags' ORs are
+        a few torch ops over the L or N rows, in the same order).
 
         Args:
             x: the group's float32 values (read, then overwritten by the decode).
@@ -1409,6 +1435,31 @@ class Codec:
             >>> calls = codec.bind_node_blocks(x, keys, flags, union, ...)  # doctest: +SKIP
             >>> calls.across(); calls.owner(); calls.decode()  # doctest: +SKIP
         """
+        if self.backend == "triton" and self.fmt.wire_bits in (4, 8) and x.dtype == torch.float32:
+            return self._bind_triton_node_blocks(
+                x,
+                keys,
+                flags,
+                union,
+                offsets=offsets,
+                layer_of=layer_of,
+                firsts=firsts,
+                ranks_per_node=ranks_per_node,
+                first=first,
+                received=received,
+                mean=mean,
+                slice_offsets=slice_offsets,
+                maxima=maxima,
+                own=own,
+                piece_firsts=piece_firsts,
+                send=send,
+                recv=recv,
+                shard=shard,
+                out=out,
+                gathered=gathered,
+                shard_bytes=shard_bytes,
+                at=at,
+            )
         if (
             self.backend != "kernels"
             or self.fmt.wire_bits not in (4, 8)
@@ -1521,6 +1572,117 @@ class Codec:
             if union_flags is not None
             else decode,
         )
+
+    def _bind_triton_node_blocks(
+        self,
+        x: torch.Tensor,
+        keys: torch.Tensor,
+        flags: torch.Tensor,
+        union: torch.Tensor,
+        *,
+        offsets: np.ndarray,
+        layer_of: np.ndarray,
+        firsts: np.ndarray,
+        ranks_per_node: int,
+        first: tuple[torch.Tensor, np.ndarray, int] | None,
+        received: torch.Tensor,
+        mean: torch.Tensor,
+        slice_offsets: np.ndarray,
+        maxima: torch.Tensor,
+        own: torch.Tensor,
+        piece_firsts: np.ndarray,
+        send: torch.Tensor,
+        recv: torch.Tensor,
+        shard: np.ndarray,
+        out: torch.Tensor,
+        gathered: torch.Tensor,
+        shard_bytes: int,
+        at: int,
+    ) -> NodeBlockCalls | None:
+        """:meth:`bind_node_blocks` on the Triton backend (its arguments).
+
+        The rank-block kernels of two_phase do the encoding and decoding; the
+        node's mean adds the L rows (hierarchical: the received float32 rows;
+        grid: the L pieces, each decoded with its sender's keys) in rank
+        order and divides by L, as the CPU kernels do, and the flags' ORs are
+        the maxima of 0/1 bytes over the rows.
+        """
+        t, fmt = _triton(), self.fmt
+        n, nodes, per = firsts.size - 1, piece_firsts.size - 1, ranks_per_node
+        longest = int(np.diff(shard).max()) if shard.size > 1 else 0
+        slice_blocks = slice_offsets.size - 1
+        if longest > t.MAX_SEGMENT or not all(
+            self._triton_rank_blocks_run(m, longest, x, keys, flags, union, send, out)
+            for m in {n, nodes}
+        ):
+            return None
+        # The mean's own keys: the block keys' kernel over the slice as one layer.
+        blocks = Layout.from_numels(np.diff(slice_offsets).tolist(), x.device)
+        one_layer = torch.tensor([slice_blocks], dtype=torch.int64)
+        no_flag = torch.zeros(1, dtype=torch.uint8, device=x.device)
+        mean_keys = self.bind_block_keys(mean, blocks, one_layer, maxima, own, no_flag, nodes)
+        if mean_keys is None:
+            return None
+        send_first = None
+        if first is None:  # hierarchical: FP32 rows of the slice
+            rows = received.view(per, mean.numel())
+            decode_rows: list[Callable[[], object]] = []
+        else:
+            first_send, slice_firsts, slice_bytes = first
+            send_first = functools.partial(
+                t.bind_send_rank_blocks(
+                    fmt, x, keys, offsets, slice_firsts, no_flag[:0], first_send, slice_bytes, -1
+                ),
+                -1,
+            )
+            rows = torch.empty(per, mean.numel(), dtype=torch.float32, device=x.device)
+            pieces = received.view(per, -1)
+            whole = np.array([0, slice_blocks], np.int64)
+            zero_layers = np.zeros(slice_blocks, np.int64)
+            clean = torch.zeros(1, dtype=torch.uint8, device=x.device)
+            decode_rows = [
+                t.bind_decode_rank_blocks(
+                    fmt,
+                    pieces[r],
+                    1,
+                    slice_offsets,
+                    whole,
+                    zero_layers,
+                    clean,
+                    rows[r],
+                    slice_bytes,
+                )
+                for r in range(per)
+            ]
+        send_call = functools.partial(
+            t.bind_send_rank_blocks(
+                fmt, mean, own, slice_offsets, piece_firsts, flags, send, shard_bytes, at
+            ),
+            -1,  # no chunk byte: hierarchical agrees no chunk size on the wire
+        )
+        across = functools.partial(
+            _triton_node_across, decode_rows, rows, mean, mean_keys, send_call
+        )
+        d = torch.empty(max(shard.size - 1, 1), dtype=torch.int32, device=x.device)
+        owner = t.bind_owner_rank_blocks(
+            fmt, recv, nodes, shard, out, union, d, shard_bytes, -1, longest
+        )
+        decode = t.bind_decode_rank_blocks(
+            fmt, gathered, n, offsets, firsts, layer_of, union, x, shard_bytes
+        )
+        if at >= 0:
+            k = flags.numel()
+            owner = functools.partial(
+                _calls_then,
+                owner,
+                functools.partial(_or_rows, recv.view(nodes, -1)[:, at : at + k], out[at : at + k]),
+            )
+            decode = functools.partial(
+                _calls_then,
+                functools.partial(_or_rows, gathered.view(n, -1)[:, at : at + k], union),
+                decode,
+            )
+        return NodeBlockCalls(send_first, across, owner, decode)
 
     def _torch(self) -> Codec:
         """This format's codec with torch ops on the same device (a Triton variant's fallback)."""

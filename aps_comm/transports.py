@@ -1015,10 +1015,11 @@ def hierarchical_rank_blocks(
     node; every rank decodes the N shards with their owners' keys, and the
     layers flagged by any rank (OR of the first chunk's gathered flags) NaN.
 
-    On the "kernels" codec (CPU, 4- and 8-bit formats) every chunk runs
-    through fused calls bound once per plan and buffer (:func:`bind_node_blocks`,
-    kept on the plan): a fixed handful of kernel calls per chunk. Elsewhere
-    the same bytes come slice by slice and shard by shard.
+    On the "kernels" and "triton" codecs (4- and 8-bit formats) every chunk
+    runs through fused calls bound once per plan and buffer
+    (:func:`bind_node_blocks`, kept on the plan): a fixed handful of kernel
+    calls per chunk. Elsewhere the same bytes come slice by slice and shard
+    by shard.
 
     Args:
         g: the group's plan (``g.node_blocks`` set).
@@ -1367,10 +1368,10 @@ def bind_node_blocks(
             ranks_per_node=per_node,
             first=first,
             received=nb.first_recv[c],
-            mean=torch.empty(s1 - s0, dtype=torch.float32),
+            mean=torch.empty(s1 - s0, dtype=torch.float32, device=x.device),
             slice_offsets=mine.offsets.numpy().astype(np.int64),
-            maxima=torch.empty(blocks, dtype=torch.float32),
-            own=torch.empty(blocks, dtype=torch.uint8),
+            maxima=torch.empty(blocks, dtype=torch.float32, device=x.device),
+            own=torch.empty(blocks, dtype=torch.uint8, device=x.device),
             piece_firsts=_block_firsts(mine, piece_bounds),
             send=nb.send[c],
             recv=nb.recv[c],
@@ -1401,15 +1402,15 @@ def _node_bound(g: GroupPlan, x: torch.Tensor) -> _NodeBound | None:
     (kept on the plan); None where the codec has no fused kernels."""
     nb = g.node_blocks
     assert nb is not None and g.blocks is not None
-    if g.codec.backend != "kernels" or x.device.type != "cpu" or x.dtype != torch.float32:
+    if g.codec.backend not in ("kernels", "triton") or x.dtype != torch.float32:
         return None
     held = nb.bound.get("calls")
     if held is not None and held.ptr == x.data_ptr():
         return held
     n_layers = g.blocks.counts.numel()
-    keys = torch.empty(g.layout.n_segments, dtype=torch.uint8)
-    flags = torch.empty(n_layers, dtype=torch.uint8)
-    union = torch.zeros(n_layers, dtype=torch.uint8)
+    keys = torch.empty(g.layout.n_segments, dtype=torch.uint8, device=x.device)
+    flags = torch.empty(n_layers, dtype=torch.uint8, device=x.device)
+    union = torch.zeros(n_layers, dtype=torch.uint8, device=x.device)
     calls = bind_node_blocks(g, x, keys, flags, union)
     if calls is None:
         nb.bound.clear()

@@ -1378,7 +1378,7 @@ if AVAILABLE:
         """Bytes ``t * BYTES`` on of shard s's piece (program (s, t)): the codes of its
         blocks ``first[s]`` to ``first[s + 1]`` times their keys' ``2**e``, zero
         padding, the keys at ``shard_bytes``, and where ``at >= 0`` the ``n_flags``
-        layer flags then ``log2`` at ``at``; zeros elsewhere. No block is longer
+        layer flags then ``log2`` (none where negative) at ``at``; zeros elsewhere. No block is longer
         than ``2**SHIFT`` elements (0: unknown).
 
         Whole bytes per program: a 4-bit byte's two codes come from one program.
@@ -1439,7 +1439,8 @@ if AVAILABLE:
         fi = i - at
         in_flags = (fi >= 0) & (fi < n_flags)
         c = tl.where(in_flags, tl.load(flag_ptr + fi, mask=in_flags, other=0).to(tl.uint32), c)
-        c = tl.where((fi == n_flags) & (at >= 0), log2.to(tl.uint32), c)
+        # A negative log2: no chunk byte (hierarchical's pieces carry none).
+        c = tl.where((fi == n_flags) & (at >= 0) & (log2 >= 0), log2.to(tl.uint32), c)
         if (t + 1) * BYTES <= piece:
             tl.store(send_ptr + s.to(tl.int64) * piece + i, c.to(tl.uint8))
         else:

@@ -1066,3 +1066,69 @@ def test_a_fused_block_variant_that_fails_keeps_the_full_path(
     want = _reference(options, x, params)
     same = torch.where(out.isnan(), 0.0, out).view(torch.int32)
     assert torch.equal(same, torch.where(want.isnan(), 0.0, want).view(torch.int32))
+
+
+def _node_blocks_on_triton(rank: int, world_size: int, cases: list[tuple[str, str, int]]) -> list:
+    """Per case, a hierarchical or grid block bucket (2 nodes of 2) through the numba
+    kernels and through the Triton kernels under the interpreter: (whether the Triton
+    state settled into SteadyNodeBlocks, the Triton bits, the numba bits)."""
+    import aps_comm
+    from aps_comm import plan
+    from aps_comm.engine import SteadyNodeBlocks
+
+    def triton_codec_for(fmt, device, backend="auto"):  # type: ignore[no-untyped-def]
+        fmt = get_format(fmt)
+        return codec.codec_for(fmt, device, "triton" if fmt.wire_bits <= 16 else backend)
+
+    results = []
+    for reduction, fmt, block_size in cases:
+        options = {
+            "fmt": fmt,
+            "reduction": reduction,
+            "scaling": "block",
+            "block_size": block_size,
+            "ranks_per_node": 2,
+        }
+        x, params = _block_bucket([5, 0, 1, 300, 33, 2, 64], 20 + rank)
+        reference = aps_comm.APSState(**options)
+        reference.bind_process_group()
+        want = reference.run_bucket(0, x.clone(), params).clone()
+        with _loaded(interpret=True):
+            saved, plan.codec_for = plan.codec_for, triton_codec_for
+            try:
+                state = aps_comm.APSState(**options)
+                state.bind_process_group()
+                buffer = x.clone()
+                outs = []
+                for _ in range(3):  # the full path (fused calls), then the settled path
+                    buffer.copy_(x)
+                    outs.append(_quiet(state.run_bucket, 0, buffer, params).clone())
+                full, out = outs[0], outs[-1]
+                assert state.reducer is not None
+                st = state.reducer.steady_for(0, buffer)
+                settled = isinstance(st, SteadyNodeBlocks) and st.group.codec.backend == "triton"
+            finally:
+                plan.codec_for = saved
+        results.append((settled, full, out, want))
+    return results
+
+
+def test_hierarchical_and_grid_blocks_on_triton_give_the_kernels_bits() -> None:
+    # Every owner's own block exponents at both levels, through the Triton kernels
+    # (the rank-block send, owner and decode; the node's mean in rank order): the
+    # bucket settles (SteadyNodeBlocks) and its bits, full path and settled, are
+    # the numba kernels'.
+    from aps_comm.testing import run_distributed
+
+    if not HAVE_TRITON:
+        pytest.skip("triton is not installed (pip install triton; in the test extra)")
+    cases = [("hierarchical", "e2m1", 8), ("grid", "e4m3", 32), ("grid", "e2m1", 16)]
+    for rank, results in enumerate(
+        run_distributed(_node_blocks_on_triton, 4, args=(cases,), timeout=600)
+    ):
+        for case, (settled, full, out, want) in zip(cases, results, strict=True):
+            assert settled, (rank, case)
+            assert want[:5].isnan().all() and not want[5:].isnan().any()
+            expected = torch.where(want.isnan(), 0.0, want).view(torch.int32)
+            for got in (full, out):
+                assert torch.equal(torch.where(got.isnan(), 0.0, got).view(torch.int32), expected)
