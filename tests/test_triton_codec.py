@@ -808,7 +808,7 @@ def _rank_block_case(fmt: FloatFormat, block_size: int, n: int) -> dict:
     (the fourth layer non-finite on the last rank, far apart magnitudes)."""
     cpu = torch.device("cpu")
     # The last: several programs per kernel, some wholly inside it (runs of full blocks).
-    numels = [5, 0, 37, 11, 70, 1, 13, 4500]
+    numels = [5, 0, 37, 11, 70, 1, 13, 2100]
     blocks = codec.Layout.from_numels(numels, cpu).grid(block_size)
     offsets = blocks.layout.offsets.numpy().astype(np.int64)
     counts = blocks.counts.numpy()
@@ -1122,7 +1122,7 @@ def test_hierarchical_and_grid_blocks_on_triton_give_the_kernels_bits() -> None:
 
     if not HAVE_TRITON:
         pytest.skip("triton is not installed (pip install triton; in the test extra)")
-    cases = [("hierarchical", "e2m1", 8), ("grid", "e4m3", 32), ("grid", "e2m1", 16)]
+    cases = [("hierarchical", "e2m1", 8), ("grid", "e4m3", 32)]
     for rank, results in enumerate(
         run_distributed(_node_blocks_on_triton, 4, args=(cases,), timeout=600)
     ):
