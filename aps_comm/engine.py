@@ -60,6 +60,7 @@ from aps_comm.scaling import (
     factors_from_keys,
 )
 from aps_comm.telemetry import StepStats, layer_counts, per_layer
+from aps_comm.topology import NodeGroups
 
 __all__ = ["ONE_CHUNK", "Comm", "Reducer", "Settings", "Steady", "SteadyBlocks", "Traffic"]
 
@@ -298,7 +299,7 @@ class SteadyNodeBlocks(SteadyBlocks):
         node_calls: each chunk's bound calls.
     """
 
-    groups: Any = None
+    groups: NodeGroups | None = None
     per_node: int = 1
     node_calls: list[NodeBlockCalls] | None = None
 

@@ -567,7 +567,6 @@ class APSState:
         assert graphs is not None and reducer is not None
         buffer = b.buffer
         entry = graphs.lookup(b.index, buffer)
-        producer = torch.cuda.current_stream(buffer.device)
         if entry is None and (
             buffer.dtype != torch.float32
             or reducer.steady_for(b.index, buffer) is None
@@ -575,7 +574,7 @@ class APSState:
             or not graphs.ready(b.index, buffer)
         ):
             return None
-        stream.wait_stream(producer)
+        stream.wait_stream(torch.cuda.current_stream(buffer.device))
         with torch.cuda.stream(stream), torch.no_grad():
             if entry is None:
                 work = functools.partial(self._steady_work, b)
