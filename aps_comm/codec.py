@@ -521,6 +521,11 @@ def _block_keys(
     cpu_kernels.layer_any(keys, counts, KEY_BAD, flags)
 
 
+def _piece(offsets: np.ndarray, firsts: np.ndarray, j: int) -> slice:
+    """Elements of piece ``j`` (blocks ``firsts[j]`` to ``firsts[j + 1]`` of ``offsets``)."""
+    return slice(int(offsets[firsts[j]]), int(offsets[firsts[j + 1]]))
+
+
 def _node_across(
     fmt: FloatFormat,
     mean_call: Callable[[], object],
@@ -1392,6 +1397,7 @@ class Codec:
         gathered: torch.Tensor,
         shard_bytes: int,
         at: int,
+        own_rows: tuple[int, int],
     ) -> NodeBlockCalls | None:
         """Bind one chunk of hierarchical (or grid) with every owner's own block exponents.
 
@@ -1430,6 +1436,10 @@ class Codec:
             gathered: the chunk's N shards gathered, N equal rows.
             shard_bytes: payload bytes every shard is padded to.
             at: where the layer flags lie in a piece and a row; -1 for none.
+            own_rows: this rank's local rank and node: the row of the first
+                exchange and the piece across nodes that are its own. Owners add
+                their own values there (grid: its slice of ``x``; across nodes:
+                the node's mean of its shard), not the rounded copy they sent themselves.
 
         Example:
             >>> calls = codec.bind_node_blocks(x, keys, flags, union, ...)  # doctest: +SKIP
@@ -1459,6 +1469,7 @@ class Codec:
                 gathered=gathered,
                 shard_bytes=shard_bytes,
                 at=at,
+                own_rows=own_rows,
             )
         if (
             self.backend != "kernels"
@@ -1472,6 +1483,8 @@ class Codec:
         union_np, flags_np = union.numpy(), flags.numpy()
         longest = int(np.diff(shard).max()) if shard.size > 1 else 0
         slice_longest = int(np.diff(slice_offsets).max()) if slice_offsets.size > 1 else 0
+        local, node = own_rows
+        own_mean = mean.numpy()[_piece(slice_offsets, piece_firsts, node)]
         send_first = None
         if first is None:  # hierarchical: FP32 rows of the slice
             rows = received.numpy().reshape(ranks_per_node, mean.numel())
@@ -1506,6 +1519,8 @@ class Codec:
                 mean.numpy(),
                 slice_bytes,
                 slice_longest,
+                x.numpy()[_piece(offsets, slice_firsts, local)],
+                local,
             )
         send_call = functools.partial(
             _kernel,
@@ -1542,6 +1557,8 @@ class Codec:
             union_np,
             d,
             longest,
+            own_mean,
+            node,
         )
         decode = functools.partial(
             _kernel,
@@ -1598,6 +1615,7 @@ class Codec:
         gathered: torch.Tensor,
         shard_bytes: int,
         at: int,
+        own_rows: tuple[int, int],
     ) -> NodeBlockCalls | None:
         """:meth:`bind_node_blocks` on the Triton backend (its arguments).
 
@@ -1609,6 +1627,7 @@ class Codec:
         """
         t, fmt = _triton(), self.fmt
         n, nodes, per = firsts.size - 1, piece_firsts.size - 1, ranks_per_node
+        local, node = own_rows
         longest = int(np.diff(shard).max()) if shard.size > 1 else 0
         slice_blocks = slice_offsets.size - 1
         if longest > t.MAX_SEGMENT or not all(
@@ -1641,7 +1660,9 @@ class Codec:
             zero_layers = np.zeros(slice_blocks, np.int64)
             clean = torch.zeros(1, dtype=torch.uint8, device=x.device)
             decode_rows = [
-                t.bind_decode_rank_blocks(
+                functools.partial(rows[r].copy_, x[_piece(offsets, slice_firsts, r)])
+                if r == local  # its own slice: the values, not their rounded copy
+                else t.bind_decode_rank_blocks(
                     fmt,
                     pieces[r],
                     1,
@@ -1665,7 +1686,18 @@ class Codec:
         )
         d = torch.empty(max(shard.size - 1, 1), dtype=torch.int32, device=x.device)
         owner = t.bind_owner_rank_blocks(
-            fmt, recv, nodes, shard, out, union, d, shard_bytes, -1, longest
+            fmt,
+            recv,
+            nodes,
+            shard,
+            out,
+            union,
+            d,
+            shard_bytes,
+            -1,
+            longest,
+            own=mean[_piece(slice_offsets, piece_firsts, node)],
+            own_row=node,
         )
         decode = t.bind_decode_rank_blocks(
             fmt, gathered, n, offsets, firsts, layer_of, union, x, shard_bytes
@@ -1820,6 +1852,8 @@ class Codec:
         rank_scales: torch.Tensor,
         *,
         out: torch.Tensor | None = None,
+        own: torch.Tensor | None = None,
+        own_row: int = -1,
     ) -> tuple[torch.Tensor, torch.Tensor]:
         """:meth:`owner_reduce_blocks` where every rank encoded with its own block exponents.
 
@@ -1830,7 +1864,9 @@ class Codec:
         exponent ``d`` (:func:`aps_comm.scaling.mean_exponents` with agreed
         exponents 0) and is encoded times ``2**d``; receivers decode with
         ``2**-d``. One pass on the "kernels" and "triton" backends, the chain
-        of calls elsewhere, with the same bytes.
+        of calls elsewhere, with the same bytes. With ``own`` (float32, the
+        layout's elements), row ``own_row`` is not decoded: the owner adds its
+        own values in its place.
 
         Example:
             >>> c = Codec("e2m1", torch.device("cpu"))
@@ -1854,6 +1890,19 @@ class Codec:
                 f"{recv.device}, got {rank_scales.dtype} of shape {tuple(rank_scales.shape)} "
                 f"on {rank_scales.device}"
             )
+        if own is not None and (
+            own.dtype != torch.float32
+            or own.numel() != numel
+            or own.device != recv.device
+            or not 0 <= own_row < n_ranks
+        ):
+            raise ValueError(
+                f"own must be float32 with the layout's {numel} elements on {recv.device} and "
+                f"own_row a row of {n_ranks}, got {own.dtype} of {own.numel()} on "
+                f"{own.device} and own_row={own_row}"
+            )
+        if own is None:
+            own_row = -1
         if self.backend == "kernels":
             d = torch.empty(n_blocks, dtype=torch.int32)
             if n_blocks:
@@ -1867,6 +1916,8 @@ class Codec:
                     d.numpy(),
                     EXPONENT_LIMIT,
                     layout.longest,
+                    None if own is None else own.contiguous().numpy(),
+                    own_row,
                 )
             return out, d
         if self.backend == "triton" and layout.longest <= _triton().MAX_SEGMENT:
@@ -1881,14 +1932,23 @@ class Codec:
                 d,
                 EXPONENT_LIMIT,
                 layout.longest,
+                own=own,
+                own_row=own_row,
             )
             return out, d
         # The chain the kernels fuse (and Triton's, for segments longer than its tile).
         rows = recv.view(n_ranks, -1)
         used = payload_nbytes(numel, self.fmt)
-        mean = self.decode(rows[0, :used], numel, scale=rank_scales[0], layout=layout)
+
+        def row(r: int) -> torch.Tensor:
+            if r == own_row:
+                assert own is not None
+                return own.clone()
+            return self.decode(rows[r, :used], numel, scale=rank_scales[r], layout=layout)
+
+        mean = row(0)
         for r in range(1, n_ranks):  # rank order
-            mean += self.decode(rows[r, :used], numel, scale=rank_scales[r], layout=layout)
+            mean += row(r)
         if n_ranks > 1:
             mean.div_(n_ranks)
         zero = torch.zeros(n_blocks, dtype=torch.int32, device=recv.device)

@@ -89,6 +89,7 @@ _BLOCK = 2048  # elements per block of the owner reduction's float32 sum: fits L
 _TILE = 4096  # elements per tile of the 4-bit encoder's codes: fits L1
 _SHORT = 256  # segments of at most this many elements go through explicit vectors
 _NO_RUNS = np.zeros((0, 2), np.int64)
+_NO_OWN = np.zeros(0, np.float32)  # no row of the owner step is its own values
 
 
 def supports(fmt: FloatFormat) -> bool:
@@ -1136,7 +1137,7 @@ if AVAILABLE:
 
     @_njit
     def _reduce_rank_blocks(
-        recv, n_ranks, row, out_codes, offsets, factors, d_out, cap, q, m, p, lim
+        recv, n_ranks, row, out_codes, offsets, factors, d_out, cap, q, m, p, lim, own, own_row
     ):
         """:func:`_reduce_blocks` where rank r's codes of block b are decoded times
         ``factors[r, b]`` (every rank's own block exponents); ``row``: codes
@@ -1144,7 +1145,8 @@ if AVAILABLE:
 
         A code's value (exact) times its factor rounds once, as
         :func:`decode` with factors; rank 0's products are the sum's start,
-        the others' are added in rank order.
+        the others' are added in rank order. Row ``own_row`` (if not -1) is
+        the float32 ``own`` instead: the owner's own values, not rounded.
         """
         acc = np.empty(cap, np.float32)
         part = np.empty(cap, np.float32)
@@ -1156,8 +1158,13 @@ if AVAILABLE:
             g0, g1 = offsets[s], offsets[t]
             n = g1 - g0
             for r in range(n_ranks):
-                codes = recv[r * row + g0 : r * row + g1]
-                _decode_blocks(codes, acc if r == 0 else part, q, m, offsets, s, t, g0, factors[r])
+                dst = acc if r == 0 else part
+                if r == own_row:
+                    for j in range(n):
+                        dst[j] = own[g0 + j]
+                else:
+                    codes = recv[r * row + g0 : r * row + g1]
+                    _decode_blocks(codes, dst, q, m, offsets, s, t, g0, factors[r])
                 # Inline: as a call of its own this loop ran 3x slower (not vectorised).
                 if r > 0:
                     for j in range(n):
@@ -1169,7 +1176,9 @@ if AVAILABLE:
             s = t
 
     @_njit
-    def _reduce_rank_blocks4(recv, n_ranks, row, out, offsets, factors, d_out, cap, q, m, p, lim):
+    def _reduce_rank_blocks4(
+        recv, n_ranks, row, out, offsets, factors, d_out, cap, q, m, p, lim, own, own_row
+    ):
         """:func:`_reduce_rank_blocks` for packed 4-bit codes (the carry of
         :func:`_reduce_blocks4`); ``row`` in bytes."""
         acc = np.empty(cap + 1, np.float32)
@@ -1186,9 +1195,13 @@ if AVAILABLE:
             hi = lo + g1 - g0
             b0, b1 = g0 >> 1, (g1 + 1) >> 1
             for r in range(n_ranks):
-                payload = recv[r * row + b0 : r * row + b1]
                 dst = acc if r == 0 else part
-                _decode_blocks4(payload, dst, q, m, offsets, s, t, g0 - lo, factors[r])
+                if r == own_row:
+                    for j in range(g1 - g0):
+                        dst[lo + j] = own[g0 + j]
+                else:
+                    payload = recv[r * row + b0 : r * row + b1]
+                    _decode_blocks4(payload, dst, q, m, offsets, s, t, g0 - lo, factors[r])
                 if r > 0:
                     for j in range(lo, hi):
                         acc[j] += part[j]
@@ -1212,6 +1225,8 @@ def reduce_rank_blocks(
     d: np.ndarray,
     limit: int,
     longest: int | None = None,
+    own: np.ndarray | None = None,
+    own_row: int = -1,
 ) -> None:
     """:func:`reduce_blocks` with every rank's own block factors, exponents from none.
 
@@ -1220,7 +1235,8 @@ def reduce_rank_blocks(
     per block), the N values summed in float32 in rank order and divided by
     ``n_ranks``; each block of the mean gets the exponent of
     :func:`aps_comm.scaling.mean_exponents` with agreed exponents 0 (into
-    ``d``) and is encoded times ``2**d`` into ``out``.
+    ``d``) and is encoded times ``2**d`` into ``out``. Where ``own_row`` is
+    a row, the float32 ``own`` (the shard's elements) is added in its place.
     """
     row = recv.numel() // n_ranks
     q, m = decoder_params(fmt)
@@ -1235,6 +1251,8 @@ def reduce_rank_blocks(
         m,
         encoder_params(fmt),
         mean_limit(fmt, limit),
+        _NO_OWN if own is None else own,
+        own_row if own is not None else -1,
     )
     ra, oa = _np(recv), _np(out)
     if fmt.wire_bits == 4:
@@ -1311,6 +1329,8 @@ if AVAILABLE:
         p,
         lim,
         bits,
+        own,
+        own_row,
     ):
         k = len(offsets) - 1
         fac = np.empty((n_ranks, k), np.float32)
@@ -1330,11 +1350,37 @@ if AVAILABLE:
         if k:
             if bits == 4:
                 _reduce_rank_blocks4(
-                    recv, n_ranks, piece, out[:used], offsets, fac, d, cap, q, m, p, lim
+                    recv,
+                    n_ranks,
+                    piece,
+                    out[:used],
+                    offsets,
+                    fac,
+                    d,
+                    cap,
+                    q,
+                    m,
+                    p,
+                    lim,
+                    own,
+                    own_row,
                 )
             else:
                 _reduce_rank_blocks(
-                    recv, n_ranks, piece, out[:used], offsets, fac, d, cap, q, m, p, lim
+                    recv,
+                    n_ranks,
+                    piece,
+                    out[:used],
+                    offsets,
+                    fac,
+                    d,
+                    cap,
+                    q,
+                    m,
+                    p,
+                    lim,
+                    own,
+                    own_row,
                 )
         for i in range(used, shard_bytes):
             out[i] = 0
@@ -1423,6 +1469,8 @@ def owner_rank_blocks(
     union: np.ndarray,
     d: np.ndarray,
     longest: int,
+    own: np.ndarray | None = None,
+    own_row: int = -1,
 ) -> int:
     """This rank's owner step of a chunk sent by :func:`send_rank_blocks`; returns the
     ranks' largest preferred chunk (log2) where ``at >= 0``, else 0.
@@ -1433,6 +1481,8 @@ def owner_rank_blocks(
     the mean encoded with its own exponent ``d`` into ``out``: codes, zero
     padding to ``shard_bytes``, then ``127 - d`` per block (a key), zeros.
     Where ``at >= 0`` every rank's layer flags are OR-ed into ``union``.
+    Where ``own_row`` is a piece, the float32 ``own`` (this rank's own values
+    of the shard) is added in its place, not rounded.
     """
     q, m = decoder_params(fmt)
     return _owner_rank_blocks(
@@ -1452,6 +1502,8 @@ def owner_rank_blocks(
         encoder_params(fmt),
         mean_limit(fmt, limit),
         fmt.wire_bits,
+        _NO_OWN if own is None else own,
+        own_row if own is not None else -1,
     )
 
 
@@ -1497,7 +1549,9 @@ if AVAILABLE:
     # aps_comm.transports.hierarchical_rank_blocks).
 
     @_njit
-    def _mean_rank_blocks(recv, n_ranks, piece, offsets, table, out, shard_bytes, cap, q, m, bits):
+    def _mean_rank_blocks(
+        recv, n_ranks, piece, offsets, table, out, shard_bytes, cap, q, m, bits, own, own_row
+    ):
         k = len(offsets) - 1
         fac = np.empty((n_ranks, k), np.float32)
         for r in range(n_ranks):
@@ -1514,7 +1568,10 @@ if AVAILABLE:
             hi = lo + g1 - g0
             for r in range(n_ranks):
                 dst = acc if r == 0 else part
-                if bits == 4:
+                if r == own_row:
+                    for j in range(g1 - g0):
+                        dst[lo + j] = own[g0 + j]
+                elif bits == 4:
                     payload = recv[r * piece + (g0 >> 1) : r * piece + ((g1 + 1) >> 1)]
                     _decode_blocks4(payload, dst, q, m, offsets, s, t, g0 - lo, fac[r])
                 else:
@@ -1557,6 +1614,8 @@ def mean_rank_blocks(
     out: np.ndarray,
     shard_bytes: int,
     longest: int,
+    own: np.ndarray | None = None,
+    own_row: int = -1,
 ) -> None:
     """The float32 mean of ``n_ranks`` pieces sent by :func:`send_rank_blocks`, into ``out``.
 
@@ -1564,7 +1623,8 @@ def mean_rank_blocks(
     from 0): each piece's codes are decoded times ``table[key]`` of its
     sender's keys (at ``shard_bytes``), summed in float32 in rank order and
     divided by N: :func:`owner_rank_blocks`' mean, kept instead of encoded.
-    4- and 8-bit formats; ``longest``: the longest block's elements.
+    4- and 8-bit formats; ``longest``: the longest block's elements. Where
+    ``own_row`` is a piece, the float32 ``own`` is added in its place.
 
     Example:
         >>> mean_rank_blocks(E4M3, recv, 2, offsets, table, out, 64, 16)  # doctest: +SKIP
@@ -1582,6 +1642,8 @@ def mean_rank_blocks(
         q,
         m,
         fmt.wire_bits,
+        _NO_OWN if own is None else own,
+        own_row if own is not None else -1,
     )
 
 

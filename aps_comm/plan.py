@@ -41,6 +41,8 @@ __all__ = [
     "NodeBlocks",
     "NodePlan",
     "Planner",
+    "block_chunks",
+    "block_shard_cuts",
     "chunk_bounds",
     "model_format",
     "shard_layout",
@@ -274,7 +276,9 @@ class NodeBlocks:
     the node's mean of each slice reaches its local rank (FP32, or with
     ``wire_first`` encoded with each sender's own block keys), goes across
     nodes in M pieces encoded with its holder's own keys, the shard's owner
-    re-encodes the mean with its own keys, and the shards are gathered across
+    re-encodes the mean with its own keys (at both levels an owner adds its
+    own values, not the rounded copy it sent itself, so who owns what, and
+    with it the bits, follows the chunks), and the shards are gathered across
     nodes, then in the node, each with its owner's keys. The first chunk's
     pieces across nodes and gathered shards also carry every rank's layer
     flags (one byte per layer), so every rank makes the same layers NaN.
@@ -366,6 +370,22 @@ def block_chunks(layout: Layout, chunk_elements: int) -> list[tuple[int, int]]:
     cuts = [lo for lo, _ in chunk_bounds(layout.numel, chunk_elements)][1:]
     edges = sorted({0, layout.numel, *(_snap(layout.offsets, c) for c in cuts)})
     return list(itertools.pairwise(edges)) or [(0, 0)]
+
+
+def block_shard_cuts(offsets: torch.Tensor, lo: int, hi: int, world_size: int) -> list[int]:
+    """The N + 1 shard boundaries of chunk ``[lo, hi)`` with block scaling: N equal cuts
+    moved to the next block boundary of ``offsets`` (so shards hold whole blocks).
+
+    Shard s is owned by rank s (two_phase) or by local rank ``s // M`` of node
+    ``s % M`` (hierarchical and grid, M nodes): :class:`BlockShards`,
+    :class:`NodeBlocks` and :mod:`aps_comm.simulate` cut with this one rule.
+
+    Example:
+        >>> block_shard_cuts(torch.tensor([0, 8, 16, 17]), 0, 17, 2)
+        [0, 16, 17]
+    """
+    per = -(-(hi - lo) // world_size)
+    return [lo, *(min(_snap(offsets, lo + k * per), hi) for k in range(1, world_size)), hi]
 
 
 @dataclasses.dataclass
@@ -913,12 +933,7 @@ class BucketPlan:
             ]
         }
         for c, (lo, hi) in enumerate(chunks):
-            per = -(-(hi - lo) // world_size)
-            cut = [
-                lo,
-                *(min(_snap(layout.offsets, lo + k * per), hi) for k in range(1, world_size)),
-                hi,
-            ]
+            cut = block_shard_cuts(layout.offsets, lo, hi, world_size)
             wins = [layout.window(a, b) for a, b in itertools.pairwise(cut)]
             slices = [(cut[q * nodes], cut[(q + 1) * nodes]) for q in range(per_node)]
             slice_wins = [layout.window(a, b) for a, b in slices]
@@ -982,12 +997,7 @@ class BucketPlan:
         exponent_index, pieces = [], []
         start = shard_start = gather_start = 0
         for lo, hi in chunks:
-            per = -(-(hi - lo) // world_size)
-            cut = [
-                lo,
-                *(min(_snap(layout.offsets, lo + k * per), hi) for k in range(1, world_size)),
-                hi,
-            ]
+            cut = block_shard_cuts(layout.offsets, lo, hi, world_size)
             wins = [layout.window(a, b) for a, b in itertools.pairwise(cut)]
             own = [Layout.from_numels(w.sizes, layout.lengths.device) for w in wins]
             sb = max(payload_nbytes(b - a, fmt) for a, b in itertools.pairwise(cut))

@@ -95,6 +95,7 @@ import torch.nn as nn
 from aps_comm import codec
 from aps_comm.config import SCALINGS, Scaling, check_block_size, default_block_size
 from aps_comm.formats import FP32, FloatFormat, Rounding, get_format, pow2, quantize
+from aps_comm.plan import block_chunks, block_shard_cuts
 from aps_comm.scaling import Factors, factors, layer_amax, mean_exponents
 from aps_comm.topology import grid_rows
 
@@ -148,6 +149,10 @@ class SimConfig:
             sender's, sums in FP32, and gives each block of the mean its own
             exponent (sent with the all-gather). hierarchical and grid: every
             level's owner does the same (see :func:`_staged_rank_blocks`).
+        chunk_elements: hierarchical and grid with ``rank_exponents``: the
+            hook's chunk (elements, before it moves to block boundaries:
+            :attr:`aps_comm.APSState.bucket_chunks`), which decides who owns
+            what (None: the whole bucket is one chunk).
 
     Example:
         >>> cfg = SimConfig("e5m2", reduction="ring", accumulator="fp16")
@@ -165,6 +170,7 @@ class SimConfig:
     block_size: int | None = None
     owner_exponents: bool = False
     rank_exponents: bool = False
+    chunk_elements: int | None = None
 
     def __post_init__(self) -> None:
         object.__setattr__(self, "fmt", get_format(self.fmt))
@@ -190,6 +196,16 @@ class SimConfig:
                     f"{name} needs scaling='block' and reduction in {orders}, got "
                     f"scaling={self.scaling!r}, reduction={self.reduction!r}"
                 )
+        if self.chunk_elements is not None and not (
+            self.rank_exponents and self.reduction in ("hierarchical", "grid")
+        ):
+            raise ValueError(
+                "chunk_elements needs rank_exponents and reduction 'hierarchical' or "
+                f"'grid', got rank_exponents={self.rank_exponents}, "
+                f"reduction={self.reduction!r}"
+            )
+        if self.chunk_elements is not None and self.chunk_elements < 1:
+            raise ValueError(f"chunk_elements must be >= 1, got {self.chunk_elements}")
         if self.reduction in ("hierarchical", "grid") and (
             self.accumulator is not None or self.kahan
         ):
@@ -369,6 +385,7 @@ def allreduce(
     block_size: int | None = None,
     owner_exponents: bool = False,
     rank_exponents: bool = False,
+    chunk_elements: int | None = None,
 ) -> list[torch.Tensor]:
     """Average N virtual workers' gradients as the APS hook would, in any format and order.
 
@@ -396,6 +413,9 @@ def allreduce(
         rank_exponents: block scaling: every worker's own block exponents,
             and every level's owner's for what it forwards (two_phase,
             hierarchical, grid; see :class:`SimConfig`).
+        chunk_elements: hierarchical and grid with ``rank_exponents``: the
+            hook's chunk, which decides who owns what (None: one chunk; see
+            :class:`SimConfig`).
 
     Returns:
         One float32 tensor per layer, shape ``param_shape``: the averaged
@@ -418,6 +438,7 @@ def allreduce(
         block_size,
         owner_exponents,
         rank_exponents,
+        chunk_elements,
     )
     fmt = cfg.fmt  # type: ignore[assignment]
     assert isinstance(fmt, FloatFormat) and cfg.block_size is not None
@@ -581,15 +602,20 @@ def _staged_rank_blocks(
     Per block of every layer, over L workers per node and M nodes (node-major):
 
     1. the node's mean: its L workers' values (grid: each first rounded with
-       the worker's own block exponent, no headroom, and decoded with it)
-       summed in FP32 in local-rank order, divided by L;
+       the worker's own block exponent, no headroom, and decoded with it,
+       except the slice owner's own values) summed in FP32 in local-rank
+       order, divided by L;
     2. two_phase of the M node means with each node's own block exponents:
-       each mean rounded with its own exponent, decoded with it, the M
-       values summed in FP32 in node order and divided by M;
+       each mean rounded with its own exponent, decoded with it (except the
+       shard owner's node's: its own, not rounded), the M values summed in
+       FP32 in node order and divided by M;
     3. that mean rounded with its own block exponent, decoded with it.
 
-    A layer non-finite on any worker is NaN everywhere. The result does not
-    depend on how the hook cuts chunks, slices or shards: they hold whole blocks.
+    Shard ``l * M + j`` of each chunk (:func:`_shard_owners`) is owned by local
+    rank l of node j, whose slice is the shards ``l * M`` to ``l * M + M - 1``.
+    A layer non-finite on any worker is NaN everywhere. The exponents do not
+    depend on the chunks (shards hold whole blocks); which values an owner
+    keeps unrounded does, so ``cfg.chunk_elements`` is the hook's chunk.
 
     Example:
         >>> g = torch.randn(8, 64)
@@ -599,21 +625,29 @@ def _staged_rank_blocks(
         torch.Size([64])
     """
     n, bs = flat[0].shape[0], cfg.block_size
+    assert bs is not None
     nodes = n // per
     rnd = _wire_round(fmt, cfg.rounding, generator, overflow=False)
     finite = torch.isfinite(layer_amax(flat)).tolist()
+    shards = _shard_owners(flat, n, bs, cfg.chunk_elements)
+    local_of_row = (torch.arange(n, device=flat[0].device) % per)[:, None]
+    node_of_row = torch.arange(nodes, device=flat[0].device)[:, None]
     # Whole blocks at a time: the exponents of a range of blocks are its own.
     step = max(bs, _BLOCK_ELEMENTS // n // bs * bs)
     out: list[torch.Tensor] = []
+    start = 0
     for i, x in enumerate(flat):
         m = x.shape[1]
         res = torch.full((m,), float("nan"), dtype=torch.float32, device=x.device)
         for lo in range(0 if finite[i] else m, m, step):
             hi = min(m, lo + step)
             part = x[:, lo:hi].float()
+            owner = shards[start + lo : start + hi]
             if grid:
                 scale, unscale = _own_factors(part, fmt, per, bs)
-                part = rnd(part, scale) * unscale
+                q = rnd(part, scale) * unscale
+                # Shard l * M + j lies in local rank l's slice: l keeps its own values.
+                part = torch.where(local_of_row == owner // nodes, part, q)
             part = part.reshape(nodes, per, hi - lo)
             sums = part[:, 0].clone()
             for r in range(1, per):
@@ -621,6 +655,8 @@ def _staged_rank_blocks(
             means = sums / per
             scale, unscale = _own_factors(means, fmt, nodes, bs)
             q = rnd(means, scale) * unscale
+            # Shard l * M + j's owner, local rank l of node j, keeps its node's mean.
+            q = torch.where(node_of_row == owner % nodes, means, q)
             acc = q[0].clone()
             for node in range(1, nodes):
                 acc += q[node]  # node order
@@ -629,7 +665,23 @@ def _staged_rank_blocks(
             spread = functools.partial(_spread, m=hi - lo, block_size=bs)
             res[lo:hi] = rnd(mean, spread(e.scale)) * spread(e.unscale)
         out.append(res.view(layers[i].shape[1:]))
+        start += m
     return out
+
+
+def _shard_owners(
+    flat: list[torch.Tensor], n: int, block_size: int, chunk_elements: int | None
+) -> torch.Tensor:
+    """The shard (0 to N - 1) of every element of the bucket, as the hook cuts its chunks
+    (:func:`aps_comm.plan.block_chunks`) and their shards (:func:`aps_comm.plan.block_shard_cuts`)."""
+    numels = [x.shape[1] for x in flat]
+    blocks = codec.Layout.from_numels(numels, torch.device("cpu")).grid(block_size).layout
+    owner = torch.empty(blocks.numel, dtype=torch.int64)
+    for lo, hi in block_chunks(blocks, chunk_elements or max(blocks.numel, 1)):
+        cuts = block_shard_cuts(blocks.offsets, lo, hi, n)
+        for s in range(n):
+            owner[cuts[s] : cuts[s + 1]] = s
+    return owner.to(flat[0].device)
 
 
 def _factors(

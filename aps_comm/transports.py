@@ -1003,12 +1003,14 @@ def hierarchical_rank_blocks(
     Per chunk, the four collectives of :func:`hierarchical`, in its order:
     (1) in the node, local rank l receives slice l of the chunk from every
     rank of its node: FP32 (hierarchical), or encoded with the sender's own
-    block keys (``keys``, sent after each slice: grid), and averages the L
-    copies in local-rank order (the float32 sum divided by L); (2) the
+    block keys (``keys``, sent after each slice: grid; its own slice it adds
+    as it is), and averages the L copies in local-rank order (the float32
+    sum divided by L); (2) the
     node's mean, encoded with its own block keys (sent with it), goes in M
     pieces to the ranks of local rank l on every node, the first chunk's
     pieces also carrying this rank's layer ``flags``; the piece's owner
-    decodes the M pieces with their senders' keys, sums them in node order,
+    decodes the M pieces with their senders' keys (its own node's: the mean
+    itself, never rounded), sums them in node order,
     divides by M and encodes the mean with its own keys
     (:meth:`aps_comm.codec.Codec.owner_reduce_rank_blocks`), the flags OR-ed
     after them; (3) ``all_gather`` of the shards across nodes, (4) in the
@@ -1053,6 +1055,7 @@ def hierarchical_rank_blocks(
     scale = key_factors(keys, unscale=False)
     works: dict[tuple[int, int], dist.Work] = {}
     bad: list[torch.Tensor] = []  # per block: its layer is non-finite on some rank
+    means: dict[int, torch.Tensor] = {}  # per chunk: the node's mean of this rank's slice
 
     def wait(c: int, stage: int, what: str) -> None:
         _wait(works.pop((c, stage)), f"the {what} of chunk {c + 1} of {k}")
@@ -1101,14 +1104,20 @@ def hierarchical_rank_blocks(
         rows = nb.first_recv[c].view(per_node, nb.slice_pieces[c])
         mine, sb, used = nb.slice_layout[c], nb.slice_bytes[c], payload_nbytes(b - a, fmt)
         unscale = key_factors(rows[:, sb : sb + mine.n_segments], unscale=True)
-        acc = codec.decode(rows[0, :used], b - a, scale=unscale[0], layout=mine)
+
+        def row(r: int) -> torch.Tensor:
+            if r == local:  # its own slice: the values, not their rounded copy
+                return x[a:b].clone()
+            return codec.decode(rows[r, :used], b - a, scale=unscale[r], layout=mine)
+
+        acc = row(0)
         for r in range(1, per_node):
-            acc += codec.decode(rows[r, :used], b - a, scale=unscale[r], layout=mine)
+            acc += row(r)
         return acc.div_(per_node)
 
     def exchange_across_nodes(c: int) -> None:
         wait(c, 0, "first-level all_to_all" if nb.wire_first else "in-node FP32 all_to_all")
-        mean = node_mean(c)
+        mean = means[c] = node_mean(c)
         mine = nb.slice_layout[c]
         own = exponent_keys(blocks_amax(mean, mine), fmt, "two_phase", world_size=nodes)[0]
         own_scale = key_factors(own, unscale=False)
@@ -1142,8 +1151,15 @@ def hierarchical_rank_blocks(
         out = nb.shard[c]
         used = payload_nbytes(b - a, fmt)
         unscale = key_factors(rows[:, sb : sb + blocks], unscale=True)
+        s0, _ = nb.slice_bounds(c, local)
         _, d = codec.owner_reduce_rank_blocks(
-            nb.recv[c], nodes, mine, unscale.contiguous(), out=out[:used]
+            nb.recv[c],
+            nodes,
+            mine,
+            unscale.contiguous(),
+            out=out[:used],
+            own=means.pop(c)[a - s0 : b - s0],  # its node's mean of the shard, not rounded
+            own_row=nb.node,
         )
         out[used:sb].zero_()
         out[sb : sb + blocks] = 127 - d  # a key (zero and non-finite blocks: d = 0)
@@ -1380,6 +1396,7 @@ def bind_node_blocks(
             gathered=nb.gathered[c],
             shard_bytes=nb.shard_bytes[c],
             at=nb.shard_bytes[c] + nb.slots[c] if c == 0 else -1,
+            own_rows=(local, nb.node),
         )
         if call is None:
             return None

@@ -833,6 +833,9 @@ if AVAILABLE:
         fac_at=None,
         fac_stride=None,
         FACTORS: tl.constexpr = 0,
+        own_ptr=None,
+        own_row=None,
+        OWN: tl.constexpr = 0,
     ):
         """float32 sum over ranks (r0 + r1 + ... in order) of element ``idx`` of every shard
         (rank r's ``shard_bytes`` from rank r - 1's).
@@ -841,10 +844,16 @@ if AVAILABLE:
         fac_at]`` (``fac_at`` broadcast against ``idx``): float32 factors (1) or
         one-byte keys read as their unscale (2, :func:`_key_scale`); each product
         rounded once before its add (the kernels compile without fused multiply-adds).
+        ``OWN``: rank ``own_row``'s values are the float32 ``own_ptr[idx]`` (the
+        owner's own, not rounded); -1: none.
         """
         acc = _value(_load_code(src_ptr, idx, mask, WIRE), D)  # rank 0 as is: -0 stays -0
         if FACTORS:
             acc = acc * _load_factor(fac_ptr + fac_at, FACTORS)
+        # Nested: OWN is a constexpr, and no runtime test is built where it is 0.
+        if OWN:  # noqa: SIM102
+            if own_row == 0:
+                acc = tl.load(own_ptr + idx, mask=mask, other=0.0)
         shard = shard_bytes.to(tl.int64)  # N shards may pass 2**31 bytes
         # A while loop: Triton 3.4's interpreter cannot iterate a range() to a tensor.
         r = shard * 0 + 1
@@ -852,6 +861,9 @@ if AVAILABLE:
             v = _value(_load_code(src_ptr + r * shard, idx, mask, WIRE), D)
             if FACTORS:
                 v = v * _load_factor(fac_ptr + r * fac_stride + fac_at, FACTORS)
+            if OWN:  # noqa: SIM102
+                if r == own_row:
+                    v = tl.load(own_ptr + idx, mask=mask, other=0.0)
             acc += v
             r += 1
         return acc
@@ -970,6 +982,8 @@ if AVAILABLE:
             "flag_at",
             "n_flags",
             "n_tiles",
+            "own_ptr",
+            "own_row",
         ]
     )
     def _reduce_blocks_kernel(
@@ -980,6 +994,8 @@ if AVAILABLE:
         exp_ptr,
         fac_ptr,
         union_ptr,
+        own_ptr,
+        own_row,
         shard_bytes,
         n_blocks,
         n_ranks,
@@ -1016,7 +1032,9 @@ if AVAILABLE:
         each rank sent in its piece (``shard_bytes`` bytes from the last's) at
         ``key_at``, and the mean's keys ``127 - d`` are stored at ``out_ptr +
         key_at``; programs from ``n_tiles`` on do the rest of the owner's
-        bytes (:func:`_owner_tail`).
+        bytes (:func:`_owner_tail`). With factors, rank ``own_row``'s values
+        (if not -1) are the float32 ``own_ptr`` (the shard's elements from 0):
+        the owner's own, never rounded.
         4-bit codes (``LEAD`` 1): a block may start at an odd element, sharing
         its first byte with the block before it, perhaps another program's.
         Each byte is written by the program owning its high nibble's element
@@ -1055,6 +1073,8 @@ if AVAILABLE:
                 off_ptr,
                 exp_ptr,
                 fac_ptr,
+                own_ptr,
+                own_row,
                 shard_bytes,
                 n_blocks,
                 n_ranks,
@@ -1081,6 +1101,8 @@ if AVAILABLE:
         off_ptr,
         exp_ptr,
         fac_ptr,
+        own_ptr,
+        own_row,
         shard_bytes,
         n_blocks,
         n_ranks,
@@ -1127,7 +1149,20 @@ if AVAILABLE:
         else:
             fac, stride = fac_ptr, n_blocks
         v = _rank_sum(
-            src_ptr, shard_bytes, n_ranks, idx, mask, D, WIRE, fac, fac_at, stride, FACTORS
+            src_ptr,
+            shard_bytes,
+            n_ranks,
+            idx,
+            mask,
+            D,
+            WIRE,
+            fac,
+            fac_at,
+            stride,
+            FACTORS,
+            own_ptr,
+            own_row,
+            FACTORS > 0,
         )
         if DIVIDE:
             v = _divide(v, divisor, DIVIDE)
@@ -2027,6 +2062,9 @@ def reduce_rank_blocks(
     d: torch.Tensor,
     limit: int,
     longest: int,
+    *,
+    own: torch.Tensor | None = None,
+    own_row: int = -1,
 ) -> None:
     """:func:`reduce_blocks` where every rank encoded with its own block exponents.
 
@@ -2037,6 +2075,8 @@ def reduce_rank_blocks(
     in float32 in rank order and divided by ``n_ranks``; each block gets
     the exponent of :func:`aps_comm.scaling.mean_exponents` with agreed
     exponents 0 (into ``d``) and is encoded times ``2**d`` into ``out``.
+    With ``own`` (float32, the shard's elements), row ``own_row`` is not
+    decoded: its values are ``own``'s.
 
     Example:
         >>> from aps_comm.formats import E4M3
@@ -2061,7 +2101,20 @@ def reduce_rank_blocks(
             f"{recv.device}, got {factors.dtype} of shape {tuple(factors.shape)} on "
             f"{factors.device}"
         )
-    _reduce_blocks(recv, n_ranks, fmt, offsets, None, factors, out, d, limit, longest)
+    _reduce_blocks(
+        recv, n_ranks, fmt, offsets, None, factors, out, d, limit, longest, _own(recv, own, own_row)
+    )
+
+
+def _own(recv: torch.Tensor, own: torch.Tensor | None, own_row: int) -> tuple[torch.Tensor, int]:
+    """The owner kernel's ``own_ptr`` and ``own_row``: a stand-in and -1 for none."""
+    if own is None:
+        return _stand_ins(recv.device)[1], -1
+    if own.dtype != torch.float32 or own.device != recv.device or not own.is_contiguous():
+        raise ValueError(
+            f"own must be contiguous float32 on {recv.device}, got {own.dtype} on {own.device}"
+        )
+    return own, own_row
 
 
 def _reduce_blocks(
@@ -2075,8 +2128,10 @@ def _reduce_blocks(
     d: torch.Tensor,
     limit: int,
     longest: int,
+    own: tuple[torch.Tensor, int] | None = None,
 ) -> None:
-    """Launch :func:`_reduce_blocks_kernel` with agreed ``exponents`` or per-rank ``factors``."""
+    """Launch :func:`_reduce_blocks_kernel` with agreed ``exponents`` or per-rank ``factors``
+    (and the owner's own row, :func:`_own`)."""
     consts = _check(fmt, recv, out)
     n_blocks = offsets.numel() - 1
     if not 0 <= longest <= MAX_SEGMENT:
@@ -2102,6 +2157,7 @@ def _reduce_blocks(
         d if exponents is None else exponents,  # not read with factors
         d if factors is None else factors,  # not read without
         out,  # the union: not read without keys
+        *(own or _own(recv, None, -1)),
         recv.numel() // n_ranks,
         n_blocks,
         n_ranks,
@@ -2301,6 +2357,9 @@ def bind_owner_rank_blocks(
     shard_bytes: int,
     at: int,
     longest: int,
+    *,
+    own: torch.Tensor | None = None,
+    own_row: int = -1,
 ) -> Callable[[], object]:
     """This rank's owner step of a chunk sent by :func:`bind_send_rank_blocks`, bound:
     one launch of :func:`_reduce_blocks_kernel` (``FACTORS`` 2).
@@ -2317,6 +2376,8 @@ def bind_owner_rank_blocks(
     Args:
         shard: int64 host array, this rank's shard's block offsets from 0.
         longest: its longest block (at most :data:`MAX_SEGMENT`).
+        own, own_row: float32, the shard's elements: piece ``own_row`` is
+            not decoded, these values are added in its place (-1: none).
 
     Example:
         >>> owner = bind_owner_rank_blocks(E2M1, recv, 2, shard, out, union, d, 16, -1, 8)  # doctest: +SKIP
@@ -2339,6 +2400,8 @@ def bind_owner_rank_blocks(
             f"the owner needs {n_ranks} equal pieces, {shard_bytes + k} bytes out and {k} "
             f"int32 exponents, got {recv.numel()}, {out.numel()} and {d.numel()} {d.dtype}"
         )
+    if own is not None and own.numel() != int(shard[-1]):
+        raise ValueError(f"own must hold the shard's {int(shard[-1])} elements, got {own.numel()}")
     lead, rows, width = tile_shape(longest, consts.wire_bits)
     n_tiles = triton.cdiv(k, rows - lead)
     n_flags = union.numel() if at >= 0 else 0
@@ -2353,6 +2416,7 @@ def bind_owner_rank_blocks(
         d,  # the agreed exponents: not read with keys
         _stand_ins(recv.device)[1],  # nor the float32 factors
         union,
+        *_own(recv, own, own_row),
         piece,
         k,
         n_ranks,
@@ -2501,6 +2565,8 @@ def ptx(fmt: FloatFormat, arch: int = 90, block_size: int = 0) -> dict[str, str]
                 "exp_ptr": "*i32",
                 "fac_ptr": "*fp32",
                 "union_ptr": "*u8",
+                "own_ptr": "*fp32",
+                "own_row": "i32",
                 "shard_bytes": "i32",
                 "n_blocks": "i32",
                 "n_ranks": "i32",

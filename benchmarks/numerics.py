@@ -30,7 +30,8 @@ each block's exponent for the mean ("block32+owner", what the hook's
 two_phase runs) and with each rank's own exponents ("block32+rank"); see
 :func:`aps_comm.simulate.allreduce`. Hierarchical (nodes of 8) and grid rows
 too, where N has that layout: agreed exponents, and "+rank" (every level's
-owner encodes what it forwards with its own block exponents, the hook's). Beside them, the floor of each format and
+owner encodes what it forwards with its own block exponents and adds its own
+contribution unrounded, the hook's; one chunk per bucket). Beside them, the floor of each format and
 block size ("exact mean", "block32 floor", :func:`block_floor`): the exact
 mean of the same gradients rounded to the format once, every block with its
 own exponent from the mean's block maximum and no headroom. It is what
@@ -615,7 +616,9 @@ def markdown(result: dict) -> str:
             "`+owner`: the owner picks each block's exponent for the mean (the hook's "
             '`block_exponents="agreed"`); `+rank`: each rank encodes with its own block '
             "exponents and the owner picks the mean's (the hook's default; in hierarchical "
-            "and grid every level's owner encodes what it forwards with its own exponents). "
+            "and grid every level's owner encodes what it forwards with its own exponents "
+            "and adds its own contribution unrounded; one chunk per bucket, the hook's "
+            "shards). "
             "`exact mean | blockB floor`: the exact mean of the same gradients rounded once "
             "to the format, each block with its own exponent from the mean's block maximum "
             "and no headroom (two_phase's rule for one worker). It is what encoding the true "

@@ -581,13 +581,27 @@ def test_owner_reduce_blocks_rejects_bad_inputs() -> None:
 
 
 def _rank_owner_chain(
-    c: codec.Codec, recv: torch.Tensor, n: int, layout: codec.Layout, scales: torch.Tensor
+    c: codec.Codec,
+    recv: torch.Tensor,
+    n: int,
+    layout: codec.Layout,
+    scales: torch.Tensor,
+    own: torch.Tensor | None = None,
+    own_row: int = -1,
 ) -> tuple[torch.Tensor, torch.Tensor]:
-    """The owner's step with every rank's own block exponents, one call at a time."""
+    """The owner's step with every rank's own block exponents, one call at a time (row
+    ``own_row``: the float32 ``own`` instead)."""
     rows, used = recv.view(n, -1), payload_nbytes(layout.numel, c.fmt)
-    mean = c.decode(rows[0, :used], layout.numel, scale=scales[0], layout=layout)
+
+    def row(r: int) -> torch.Tensor:
+        if r == own_row:
+            assert own is not None
+            return own
+        return c.decode(rows[r, :used], layout.numel, scale=scales[r], layout=layout)
+
+    mean = row(0)
     for r in range(1, n):
-        mean = mean + c.decode(rows[r, :used], layout.numel, scale=scales[r], layout=layout)
+        mean = mean + row(r)
     mean = mean / n
     zero = torch.zeros(layout.n_segments, dtype=torch.int32)
     d = S.mean_exponents(S.blocks_amax(mean, layout), zero, c.fmt)
@@ -616,8 +630,20 @@ def test_owner_reduce_rank_blocks_matches_the_chain(fmt: FloatFormat) -> None:
                 got, d = c.owner_reduce_rank_blocks(recv, n, layout, scales)
                 assert torch.equal(d, ref_d), backend
                 assert _same_codes(got, ref, fmt, layout.numel), backend
+            # The owner's own row: its float32 values, never decoded.
+            own = torch.randn(layout.numel, generator=gen) * scales[-1].max().reciprocal()
+            ref, ref_d = _rank_owner_chain(kernels, recv, n, layout, scales, own, n - 1)
+            for backend in ["kernels", *torch_backends]:
+                c = codec.Codec(fmt, CPU, backend)
+                got, d = c.owner_reduce_rank_blocks(recv, n, layout, scales, own=own, own_row=n - 1)
+                assert torch.equal(d, ref_d), backend
+                assert _same_codes(got, ref, fmt, layout.numel), backend
     with pytest.raises(ValueError, match=r"rank_scales must be float32 of shape \(3, "):
         kernels.owner_reduce_rank_blocks(recv, 3, layout, scales[:1])
+    with pytest.raises(
+        ValueError, match=r"a row of 3, got torch\.float32 of 5 on cpu and own_row=3"
+    ):
+        kernels.owner_reduce_rank_blocks(recv, 3, layout, scales, own=own[:5], own_row=3)
 
 
 @pytest.mark.parametrize("fmt", OWNER_FORMATS, ids=lambda f: f.name)

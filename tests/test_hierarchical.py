@@ -22,6 +22,7 @@ from aps_comm import APSState, register, simulate
 from aps_comm.formats import get_format, payload_nbytes
 from aps_comm.testing import DistributedTestError, run_distributed
 from aps_comm.topology import Topology, check_topology, env_ranks_per_node
+from benchmarks import numerics
 from benchmarks.hostcost import count_ops
 
 # ---------------------------------------------------------------------------
@@ -90,6 +91,7 @@ CASES = [
     ("bf16", "layer"),
     ("e2m1", "block"),
     ("e4m3", "block"),
+    ("fp16", "block"),  # 16 bits: no fused kernels, slice by slice and shard by shard
 ]
 
 
@@ -123,7 +125,7 @@ def _hier_case(rank: int, world_size: int, chunk: int | None, via_env: bool, red
             ddp(torch.randn(8, 16) * (rank + 1)).pow(2).sum().backward()
             if poison and rank == 1:
                 handle.remove()
-            for _, raw, numels, out in sorted(log, key=lambda item: item[0]):
+            for index, raw, numels, out in sorted(log, key=lambda item: item[0]):
                 raws = gather(raw)
                 layers = list(torch.split(raws, numels, dim=1))
                 expected = torch.cat(
@@ -133,8 +135,10 @@ def _hier_case(rank: int, world_size: int, chunk: int | None, via_env: bool, red
                         reduction=reduction,
                         scaling=scaling,
                         ranks_per_node=2,
-                        # Block scaling: every level's owner uses its own exponents.
+                        # Block scaling: every level's owner uses its own exponents
+                        # and keeps its own values, on the hook's shards.
                         rank_exponents=scaling == "block",
+                        chunk_elements=state.bucket_chunks[index] if scaling == "block" else None,
                     )
                 )
                 assert torch.equal(out.nan_to_num(nan=7.0), expected.nan_to_num(nan=7.0)), (
@@ -305,7 +309,7 @@ def _blocks_8(rank: int, world_size: int) -> int:
             ddp(torch.randn(8, 16) * (rank + 1)).pow(2).sum().backward()
             if handle is not None:
                 handle.remove()
-            for _, raw, numels, out in log:
+            for index, raw, numels, out in log:
                 layers = list(torch.split(gather(raw), numels, dim=1))
                 expected = torch.cat(
                     simulate.allreduce(
@@ -316,6 +320,7 @@ def _blocks_8(rank: int, world_size: int) -> int:
                         block_size=16,
                         ranks_per_node=4,
                         rank_exponents=True,
+                        chunk_elements=state.bucket_chunks[index],
                     )
                 )
                 assert torch.equal(out.nan_to_num(7.0), expected.nan_to_num(7.0)), reduction
@@ -409,3 +414,71 @@ def test_block_levels_cost_a_few_kernel_calls_per_chunk() -> None:
             # three calls, the chunk's, and the first chunk's two ORs of the flags.
             assert all(op.startswith("kernel::") for op in one), one
             assert len(one) == 3 + per_chunk + 2, one
+
+
+def _node0_owned(chunk: int | None) -> torch.Tensor:
+    """Elements of a 64-element layer (blocks of 8) whose shard lies on node 0 of 2, N = 4,
+    by hand: each chunk's four shards of whole blocks are owned by (local 0, node 0),
+    (local 0, node 1), (local 1, node 0), (local 1, node 1)."""
+    mask = torch.zeros(64, dtype=torch.bool)
+    for lo, hi in [(0, 16), (32, 48)] if chunk is None else [(0, 8), (16, 24), (32, 40), (48, 56)]:
+        mask[lo:hi] = True
+    return mask
+
+
+@pytest.mark.parametrize("chunk", [None, 32])
+def test_owners_add_their_own_node_mean_unrounded(chunk: int | None) -> None:
+    # Two nodes of two. Where node 0 owns the shard, node 1's mean is rounded with
+    # its own block exponents and node 0's added as it is; then the mean is rounded
+    # once more. By hand: the float32 node means and block_floor's rounding.
+    g = torch.randn(4, 64, generator=torch.Generator().manual_seed(3))
+    [got] = simulate.allreduce(
+        [g],
+        "e2m1",
+        reduction="hierarchical",
+        ranks_per_node=2,
+        scaling="block",
+        block_size=8,
+        rank_exponents=True,
+        chunk_elements=chunk,
+    )
+
+    def rnd(v: torch.Tensor) -> torch.Tensor:
+        return numerics.block_floor([v], "e2m1", 8)[0]
+
+    m0, m1 = (g[0] + g[1]) / 2, (g[2] + g[3]) / 2
+    expected = torch.where(_node0_owned(chunk), rnd((m0 + rnd(m1)) / 2), rnd((rnd(m0) + m1) / 2))
+    assert torch.equal(got, expected)
+    assert not torch.equal(got, rnd((rnd(m0) + rnd(m1)) / 2))  # both rounded: before
+
+
+def test_grid_slice_owners_keep_their_own_values() -> None:
+    # A 2 x 2 grid where only local rank 0 of each node sends non-zeros: it owns
+    # the first half's first level, so there its node's mean is exact, as
+    # hierarchical's FP32 first level gives it.
+    g = torch.zeros(4, 64)
+    g[[0, 2]] = torch.randn(2, 64, generator=torch.Generator().manual_seed(4))
+    opts = dict(scaling="block", block_size=8, rank_exponents=True)
+    [grid] = simulate.allreduce([g], "e2m1", reduction="grid", **opts)
+    [nodes] = simulate.allreduce([g], "e2m1", reduction="hierarchical", ranks_per_node=2, **opts)
+    assert torch.equal(grid[:32], nodes[:32])
+    assert not torch.equal(grid[32:], nodes[32:])  # local rank 1's slice: rounded first
+
+
+def test_chunk_elements_needs_a_staged_route_with_rank_exponents() -> None:
+    g = torch.randn(4, 16)
+    with pytest.raises(ValueError, match="chunk_elements needs rank_exponents"):
+        simulate.allreduce([g], "e2m1", scaling="block", rank_exponents=True, chunk_elements=8)
+    with pytest.raises(ValueError, match="rank_exponents=False, reduction='hierarchical'"):
+        simulate.allreduce(
+            [g],
+            "e2m1",
+            reduction="hierarchical",
+            ranks_per_node=2,
+            scaling="block",
+            chunk_elements=8,
+        )
+    with pytest.raises(ValueError, match="chunk_elements must be >= 1, got 0"):
+        simulate.allreduce(
+            [g], "e2m1", reduction="grid", scaling="block", rank_exponents=True, chunk_elements=0
+        )

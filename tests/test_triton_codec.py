@@ -564,6 +564,16 @@ def test_owner_reduce_rank_blocks_matches_kernels(
                 )
             assert torch.equal(got, ref) and torch.equal(d, ref_d), (block_size, n_ranks, backwards)
             assert buf[0] == 0xA5 and torch.all(buf[need + 1 :] == 0xA5)
+    # The owner's own row: its float32 values in place of its decoded piece.
+    own = torch.randn(layout.numel, generator=gen)
+    mine, mine_d = kernels.owner_reduce_rank_blocks(
+        recv, n_ranks, layout, factors, own=own, own_row=n_ranks - 1
+    )
+    assert not torch.equal(mine, ref)
+    got, d = _quiet(
+        triton_.owner_reduce_rank_blocks, recv, n_ranks, layout, factors, own=own, own_row=1
+    )
+    assert torch.equal(got, mine) and torch.equal(d, mine_d)
     # Factors in a column (a transposed tensor) are read as their values.
     cols = factors.t().contiguous().t()
     assert torch.equal(
