@@ -1348,40 +1348,11 @@ if AVAILABLE:
                 log2 = max(log2, np.int64(recv[r * piece + at + len(union)]))
         used = (offsets[k] * bits + 7) // 8
         if k:
+            args = (recv, n_ranks, piece, out[:used], offsets, fac, d, cap, q, m, p, lim, own)
             if bits == 4:
-                _reduce_rank_blocks4(
-                    recv,
-                    n_ranks,
-                    piece,
-                    out[:used],
-                    offsets,
-                    fac,
-                    d,
-                    cap,
-                    q,
-                    m,
-                    p,
-                    lim,
-                    own,
-                    own_row,
-                )
+                _reduce_rank_blocks4(*args, own_row)
             else:
-                _reduce_rank_blocks(
-                    recv,
-                    n_ranks,
-                    piece,
-                    out[:used],
-                    offsets,
-                    fac,
-                    d,
-                    cap,
-                    q,
-                    m,
-                    p,
-                    lim,
-                    own,
-                    own_row,
-                )
+                _reduce_rank_blocks(*args, own_row)
         for i in range(used, shard_bytes):
             out[i] = 0
         for j in range(k):  # the mean's keys (zero and non-finite blocks: d = 0)
