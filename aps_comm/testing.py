@@ -76,6 +76,12 @@ def _child(
             world_size=world_size,
             timeout=datetime.timedelta(seconds=pg_timeout),
         )
+        # Gloo's init can return on one rank while a peer is still finishing its
+        # handshake; a rank whose fn makes no collective would then exit and
+        # reset that peer's connection ("Connection closed by peer"). Start fn
+        # only once every rank is initialised.
+        store.set(f"initialised/{rank}", "1")
+        store.wait([f"initialised/{r}" for r in range(world_size)])
         try:
             out = fn(rank, world_size, *args)
         finally:
