@@ -70,29 +70,41 @@ def test_fp8_speedup_tends_to_one_when_latency_bound() -> None:
     assert pred.formats["e4m3"].speedup_vs_fp32 == pytest.approx(1.0, abs=1e-4)
 
 
+_LINKS = [
+    (name, p, bw, lat)
+    for name in ("1gbe", "100gbe", "dgx-h100")
+    for p in (2, 8, 64)
+    for bw in (1e6, 1e8, 1e10, 1e12)
+    for lat in (0.0, 1e-5, 1e-3)
+]
+
+
 @pytest.mark.parametrize("fmt,bound", [("e4m3", 4.0), ("fp16", 2.0), ("bf16", 2.0), ("e2m1", 8.0)])
 def test_speedup_never_above_byte_ratio(fmt: str, bound: float) -> None:
+    for name, p, bw, lat in _LINKS:
+        c = get_cluster(name).with_world_size(p).with_links(bandwidth=bw, latency=lat)
+        assert _ratio(fmt, c, n=10**7) <= bound * (1 + 1e-9)
+
+
+def test_step_speedup_never_above_byte_ratio() -> None:
+    # Whole steps (0.1-0.4 s each, every format in one prediction): the grid's
+    # corners and middle.
     model = get_model("gpt2-xl")
-    for name in ("1gbe", "100gbe", "dgx-h100"):
-        base = get_cluster(name)
-        for p in (2, 8, 64):
-            cluster = base.with_world_size(p)
-            for bw in (1e6, 1e8, 1e10, 1e12):
-                for lat in (0.0, 1e-5, 1e-3):
-                    c = cluster.with_links(bandwidth=bw, latency=lat)
-                    r = _ratio(fmt, c, n=10**7)
-                    assert r <= bound * (1 + 1e-9)
-                    if bw == 1e8 or lat == 1e-5:
-                        continue  # whole steps (0.1-0.3 s each): the grid's corners and middle
-                    pred = predict(model, c, [fmt], ComputeTime.from_step_time(0.5))
-                    for res in pred.formats.values():
-                        bound = 4.0 / get_format(res.format).wire_bytes
-                        if "grid" in res.chosen:
-                            # Grid also cuts the messages: the FP32 ring's 2(p-1)
-                            # latencies against 2(g-1) + 2(p/g-1).
-                            g = grid_rows(p)
-                            bound = max(bound, (p - 1) / (g - 1 + p // g - 1))
-                        assert res.speedup_vs_fp32 <= bound * (1 + 1e-9)
+    formats = ["e4m3", "fp16", "bf16", "e2m1"]
+    for name, p, bw, lat in _LINKS:
+        if bw == 1e8 or lat == 1e-5:
+            continue
+        c = get_cluster(name).with_world_size(p).with_links(bandwidth=bw, latency=lat)
+        pred = predict(model, c, formats, ComputeTime.from_step_time(0.5))
+        assert set(formats) <= set(pred.formats)
+        for res in pred.formats.values():
+            bound = 4.0 / get_format(res.format).wire_bytes
+            if "grid" in res.chosen:
+                # Grid also cuts the messages: the FP32 ring's 2(p-1)
+                # latencies against 2(g-1) + 2(p/g-1).
+                g = grid_rows(p)
+                bound = max(bound, (p - 1) / (g - 1 + p // g - 1))
+            assert res.speedup_vs_fp32 <= bound * (1 + 1e-9)
 
 
 def test_aps_breakdown_counts_codec_maxima_and_wire_bytes() -> None:
