@@ -676,12 +676,12 @@ def _shard_owners(
     (:func:`aps_comm.plan.block_chunks`) and their shards (:func:`aps_comm.plan.block_shard_cuts`)."""
     numels = [x.shape[1] for x in flat]
     blocks = codec.Layout.from_numels(numels, torch.device("cpu")).grid(block_size).layout
-    owner = torch.empty(blocks.numel, dtype=torch.int64)
-    for lo, hi in block_chunks(blocks, chunk_elements or max(blocks.numel, 1)):
-        cuts = block_shard_cuts(blocks.offsets, lo, hi, n)
-        for s in range(n):
-            owner[cuts[s] : cuts[s + 1]] = s
-    return owner.to(flat[0].device)
+    sizes = [
+        torch.tensor(block_shard_cuts(blocks.offsets, lo, hi, n)).diff()
+        for lo, hi in block_chunks(blocks, chunk_elements or max(blocks.numel, 1))
+    ]
+    shard = torch.arange(n).repeat(len(sizes))
+    return torch.repeat_interleave(shard, torch.cat(sizes)).to(flat[0].device)
 
 
 def _factors(

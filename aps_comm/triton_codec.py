@@ -1665,12 +1665,14 @@ class _Scaling:
 
 
 @functools.lru_cache(maxsize=16)
+@functools.lru_cache(maxsize=16)
 def _stand_ins(device: torch.device) -> tuple[torch.Tensor, torch.Tensor]:
     """Typed stand-ins (int64, float32) for pointers a kernel variant never reads.
 
     Each has the type the read would have, so every variant compiles whatever
     a constexpr prunes (a float32 tensor passed for an int64 pointer once made
-    a variant fail to compile on GPUs).
+    a variant fail to compile on GPUs). Made once per device: unbound launches
+    pass them every call, and nothing writes them.
     """
     return (
         torch.zeros(1, dtype=torch.int64, device=device),
