@@ -159,12 +159,18 @@ def simulate_step(
 
     timeline: list[BucketTiming] = []
     free_at = 0.0
+    # A model's repeated blocks make many equal buckets; their cost is a pure
+    # function of (elements, tensors, blocks), so each shape is priced once.
+    costs: dict[tuple[int, int, int | None], CommBreakdown] = {}
     for bucket in assign_buckets(
         numels, bucket_cap_mb=bucket_cap_mb, first_bucket_bytes=first_bucket_bytes
     ):
         n = sum(numels[i] for i in bucket)
         blocks = fmt.block_count([numels[i] for i in bucket])
-        comm = bucket_comm(n, len(bucket), fmt, cluster, n_blocks=blocks)
+        shape = (n, len(bucket), blocks)
+        if shape not in costs:
+            costs[shape] = bucket_comm(n, len(bucket), fmt, cluster, n_blocks=blocks)
+        comm = costs[shape]
         ready_s = max(ready[i] for i in bucket)
         start = max(ready_s, free_at)
         free_at = start + comm.total_s

@@ -111,7 +111,12 @@ def _wire_bound_s(buckets: Sequence[BucketTiming], fmt: str, cluster: Cluster) -
     strategies += ["native"] if native_sum(fmt, cluster) else []
     strategies += ["hierarchical"] if cluster.topology.gpus_per_node > 1 else []
     strategies += ["grid"] if grid_rows(cluster.world_size) >= 2 else []
-    return sum(min(wire_bound(b.numel, fmt, cluster, s) for s in strategies) for b in buckets)
+    # Equal buckets (a model's repeated blocks) have equal bounds: each size once.
+    bound = {
+        n: min(wire_bound(n, fmt, cluster, s) for s in strategies)
+        for n in {b.numel for b in buckets}
+    }
+    return sum(bound[b.numel] for b in buckets)
 
 
 def scale_rows(
