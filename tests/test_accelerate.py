@@ -20,6 +20,10 @@ from torch.nn.parallel import DistributedDataParallel as DDP
 from aps_comm import register
 from aps_comm.testing import run_distributed
 
+# The tests that read the module-scoped `runs` fixture run on one xdist worker
+# (`--dist loadgroup`), so its ranks start once, not once per worker.
+SHARES_FIXTURE = pytest.mark.xdist_group("test_accelerate.runs")
+
 STEPS = 4
 BATCH = 8
 
@@ -132,6 +136,7 @@ def _same(a: list[torch.Tensor], b: list[torch.Tensor]) -> bool:
 
 
 @pytest.mark.slow
+@SHARES_FIXTURE
 def test_prepared_model_takes_the_hook_and_matches_plain_ddp(runs: list[dict]) -> None:
     for out in runs:
         assert out["multi_cpu"] and out["wrapped"] == "DistributedDataParallel"
@@ -144,6 +149,7 @@ def test_prepared_model_takes_the_hook_and_matches_plain_ddp(runs: list[dict]) -
 
 
 @pytest.mark.slow
+@SHARES_FIXTURE
 def test_save_state_and_load_state_carry_every_ranks_hook_state(runs: list[dict]) -> None:
     assert "custom_checkpoint_0.pkl" in runs[0]["saved"]
     for out in runs:
@@ -157,6 +163,7 @@ def test_save_state_and_load_state_carry_every_ranks_hook_state(runs: list[dict]
 
 
 @pytest.mark.slow
+@SHARES_FIXTURE
 def test_wrong_models_are_refused(runs: list[dict]) -> None:
     for out in runs:
         assert "got Sequential (distributed type" in out["unwrapped_error"]

@@ -29,6 +29,7 @@ def test_markov_data_and_oracle() -> None:
     assert logits.shape == (32, 16, 8) and math.isfinite(float(lm_loss(logits, data.y_test)))
 
 
+@pytest.mark.slow
 def test_numerics_smoke(tmp_path: Path) -> None:
     argv = ["--models", "digits_cnn", "--batches", "1", "--pretrain-steps", "2"]
     argv += ["--real-workers", "2", "--sim-workers", "4", "--formats", "e4m3", "fp16"]
@@ -106,6 +107,7 @@ def test_block_floor() -> None:
         assert all(torch.equal(s, g) for s, g in zip(sim, got, strict=True)), fmt
 
 
+@pytest.mark.slow
 def test_accuracy_and_report_smoke(tmp_path: Path) -> None:
     argv = ["--world-size", "2", "--seeds", "1", "--hooks", "fp32", "fp16_compress", "aps-e4m3"]
     argv += ["--digits-epochs", "1", "--lm-steps", "2", "--lm-evals", "1", "--out", str(tmp_path)]
@@ -533,6 +535,7 @@ def _validation_points_2x2(rank: int, world_size: int) -> list[dict]:
     )  # fmt: skip
 
 
+@pytest.mark.slow
 def test_perfmodel_validation_measures_the_hierarchical_path_on_2x2() -> None:
     from aps_comm.testing import run_distributed
     from benchmarks import perfmodel_validate as pv

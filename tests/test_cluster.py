@@ -272,6 +272,7 @@ def _bridge_links(c: cl.EmulatedCluster, kind: str) -> str:
     return out.stdout
 
 
+@pytest.mark.slow
 @pytest.mark.root
 def test_nodes_shape_only_between_nodes_add_delay_and_clean_up(netns: None) -> None:
     rate, delay = "50mbit", 0.005

@@ -135,6 +135,7 @@ def _chunked(rank: int, world_size: int, chunk_elements: int) -> int:
     return checked
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize(("world_size", "chunk"), [(2, 100), (4, 37)])
 def test_multi_chunk_buckets_match_reference(world_size: int, chunk: int) -> None:
     # Buckets of ~1000 elements in chunks of 100 or 37: many chunks, ragged ends.

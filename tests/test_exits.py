@@ -175,6 +175,7 @@ def _clean_env() -> dict[str, str]:
     return env
 
 
+@pytest.mark.slow
 def test_exit_order_and_failing_jobs_keep_their_exit_code() -> None:
     """A job that raises exits 1, one that calls sys.exit(3) exits 3; the teardown runs in order.
 

@@ -71,14 +71,14 @@ def _pids_with(token: str) -> list[int]:
     return found
 
 
-# Every fault, with one survivor; the two that leave no Python exit path (a
-# rank killed, a rank that stalls) with three.
+# Every fault with one survivor, but the two that leave no Python exit path (a
+# rank killed, a rank that stalls) with three: in the hook's all-to-all each of
+# them waits on the faulty rank directly, as a lone survivor would, so the
+# one-survivor runs of these two would test nothing more.
 CASES = [
     (2, "exit-before-backward", 0),
     (2, "exit-in-backward", 1),
     (2, "exit-in-hook", 1),
-    (2, "kill-in-hook", 1),
-    (2, "stall", 1),
     (4, "kill-in-hook", 1),
     (4, "stall", 1),
 ]

@@ -155,6 +155,7 @@ def _hier_case(rank: int, world_size: int, chunk: int | None, via_env: bool, red
     return checked
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize(
     ("chunk", "via_env", "reduction"),
     [

@@ -256,6 +256,7 @@ def _many_buckets(rank: int, world_size: int) -> tuple[int, int]:
     return n_buckets, step + 1
 
 
+@pytest.mark.slow
 def test_many_buckets_in_order() -> None:
     for n_buckets, steps in run_distributed(_many_buckets, 4, timeout=180):
         assert n_buckets >= 30 and steps == 10

@@ -72,6 +72,7 @@ def _ranks(output: str, world: int, sum_expected: float) -> dict[int, tuple[str,
     return found
 
 
+@pytest.mark.slow
 def test_elastic_two_ranks_allreduce_on_loopback() -> None:
     proc = _run(
         [*_aps_launch(), "--nproc-per-node", "2", "--backend", "gloo", SCRIPT, "--check-loopback"],
@@ -83,6 +84,7 @@ def test_elastic_two_ranks_allreduce_on_loopback() -> None:
     assert all(r[3] == "gloo" and r[4] == "gloo" for r in ranks.values())  # APS_BACKEND reached
 
 
+@pytest.mark.slow
 def test_elastic_module_form_propagates_exit_code() -> None:
     env = _clean_env(PYTHONPATH=os.pathsep.join([str(SCRIPTS), os.environ.get("PYTHONPATH", "")]))
     proc = _run(
@@ -103,6 +105,7 @@ def _mpi_missing() -> str | None:
     return None
 
 
+@pytest.mark.slow
 @pytest.mark.mpi
 @pytest.mark.parametrize("via_launcher", [True, False], ids=["aps-launch--mpi", "init-only"])
 def test_mpi_two_ranks(via_launcher: bool) -> None:
@@ -116,6 +119,7 @@ def test_mpi_two_ranks(via_launcher: bool) -> None:
     _ranks(proc.stdout, world=2, sum_expected=3.0)
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("via_launcher", [True, False], ids=["aps-launch--slurm", "init-only"])
 def test_slurm_faked_two_tasks(via_launcher: bool) -> None:
     port = str(_free_port())
@@ -154,6 +158,7 @@ def test_slurm_faked_two_tasks(via_launcher: bool) -> None:
     _ranks("\n".join(outputs), world=2, sum_expected=3.0)
 
 
+@pytest.mark.slow
 def test_single_process_world_of_one() -> None:
     proc = _run([sys.executable, SCRIPT, "--check-loopback", "--world", "1"], _clean_env())
     assert proc.returncode == 0, proc.stdout + proc.stderr

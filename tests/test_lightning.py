@@ -22,6 +22,10 @@ from torch.nn.parallel import DistributedDataParallel as DDP
 from aps_comm import register
 from aps_comm.testing import run_distributed
 
+# The tests that read the module-scoped `runs` fixture run on one xdist worker
+# (`--dist loadgroup`), so its ranks start once, not once per worker.
+SHARES_FIXTURE = pytest.mark.xdist_group("test_lightning.runs")
+
 STEPS = 4  # 2 epochs of 2 batches; the resumed run stops after the first epoch
 BATCH = 8
 # DDP rebuilds its buckets after the first iteration unless
@@ -184,6 +188,7 @@ def _same(a: list[torch.Tensor], b: list[torch.Tensor]) -> bool:
 
 
 @pytest.mark.slow
+@SHARES_FIXTURE
 def test_hook_runs_every_step_on_cpu_and_matches_plain_ddp(runs: list[dict]) -> None:
     for out in runs:
         assert out["whole_state"]["step"] == STEPS
@@ -199,6 +204,7 @@ def test_hook_runs_every_step_on_cpu_and_matches_plain_ddp(runs: list[dict]) -> 
 
 
 @pytest.mark.slow
+@SHARES_FIXTURE
 def test_checkpoint_resume_restores_every_ranks_state(runs: list[dict]) -> None:
     assert runs[0]["saved_world_size"] == 2 and runs[0]["saved_ranks_steps"] == [2, 2]
     for out in runs:
@@ -215,6 +221,7 @@ def test_checkpoint_resume_restores_every_ranks_state(runs: list[dict]) -> None:
 
 
 @pytest.mark.slow
+@SHARES_FIXTURE
 def test_stats_are_logged_every_step(runs: list[dict]) -> None:
     for out in runs:
         logged = [m for _, m in out["logged"] if "aps/bytes_sent" in m]
@@ -231,6 +238,7 @@ def test_stats_are_logged_every_step(runs: list[dict]) -> None:
 
 
 @pytest.mark.slow
+@SHARES_FIXTURE
 def test_one_node_run_gives_no_hierarchical_warning(runs: list[dict]) -> None:
     # LOCAL_RANK 1 on rank 1 without LOCAL_WORLD_SIZE once read as one rank per
     # node, numbered wrongly: "no hierarchical reduction: ranks [1] have a
@@ -257,6 +265,7 @@ def test_bad_format_names_the_value() -> None:
         APSStrategy("e9m9x")
 
 
+@pytest.mark.slow
 def test_lightning_is_optional() -> None:
     code = (
         "import sys\n"

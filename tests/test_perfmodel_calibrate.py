@@ -101,6 +101,7 @@ def _calibrate_rank(rank: int, world_size: int) -> dict:
     }
 
 
+@pytest.mark.slow
 def test_calibration_end_to_end_two_ranks(tmp_path, capsys: pytest.CaptureFixture[str]) -> None:
     from aps_comm.testing import run_distributed
     from aps_perfmodel.calibrate import fit_profile

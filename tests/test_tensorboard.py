@@ -77,6 +77,7 @@ def test_a_state_without_stats_is_refused() -> None:
         log_stats(object(), APSState("e4m3"))  # type: ignore[arg-type]
 
 
+@pytest.mark.slow
 def test_aps_comm_does_not_import_tensorboard() -> None:
     code = (
         "import sys\n"

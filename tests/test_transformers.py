@@ -21,6 +21,10 @@ import torch.nn as nn
 
 from aps_comm.testing import run_distributed
 
+# The tests that read the module-scoped `runs` fixture run on one xdist worker
+# (`--dist loadgroup`), so its ranks start once, not once per worker.
+SHARES_FIXTURE = pytest.mark.xdist_group("test_transformers.runs")
+
 EPOCHS = 2
 STEPS_PER_EPOCH = 2
 BATCH = 4
@@ -142,6 +146,7 @@ def _same(a: list[torch.Tensor], b: list[torch.Tensor]) -> bool:
 
 
 @pytest.mark.slow
+@SHARES_FIXTURE
 def test_checkpoints_carry_every_ranks_hook_state_across_a_resume(runs: list[dict]) -> None:
     assert runs[0]["saved_world_size"] == 2
     assert runs[0]["saved_steps"] == [STEPS_PER_EPOCH, STEPS_PER_EPOCH]
@@ -162,6 +167,7 @@ def test_checkpoints_carry_every_ranks_hook_state_across_a_resume(runs: list[dic
 
 
 @pytest.mark.slow
+@SHARES_FIXTURE
 def test_a_checkpoint_elsewhere_is_read_from_resume_from_or_named(runs: list[dict]) -> None:
     saved = runs[0]["saved_residuals"]
     assert any(not torch.equal(saved[0][k], saved[1][k]) for k in saved[0])
@@ -180,6 +186,7 @@ def test_a_checkpoint_elsewhere_is_read_from_resume_from_or_named(runs: list[dic
 
 
 @pytest.mark.slow
+@SHARES_FIXTURE
 def test_a_forward_outside_ddp_is_named(runs: list[dict]) -> None:
     for out in runs:
         assert (
@@ -260,6 +267,7 @@ def test_bad_format_names_the_value() -> None:
 
 
 @pytest.mark.slow
+@SHARES_FIXTURE
 def test_import_aps_comm_does_not_import_transformers(runs: list[dict]) -> None:
     assert not any(out["transformers_before"] for out in runs)
 

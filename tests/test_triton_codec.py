@@ -451,6 +451,7 @@ def _program_order(monkeypatch: pytest.MonkeyPatch, backwards: bool) -> Iterator
     assert dims, "the interpreter no longer sets its grid through set_grid_dim"
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("fmt", OWNER_FORMATS, ids=lambda f: f.name)
 def test_owner_reduce_blocks_matches_kernels(
     tc: types.ModuleType, fmt: FloatFormat, monkeypatch: pytest.MonkeyPatch
@@ -534,6 +535,7 @@ def _rank_rows(
     return recv, pow2(-(base + shift).clamp(-126, 126))
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("fmt", OWNER_FORMATS, ids=lambda f: f.name)
 def test_owner_reduce_rank_blocks_matches_kernels(
     tc: types.ModuleType, fmt: FloatFormat, monkeypatch: pytest.MonkeyPatch
@@ -693,6 +695,7 @@ def _bind_rank_blocks(c: codec.Codec, x: torch.Tensor, blocks: codec.Blocks) -> 
     calls.decode()
 
 
+@pytest.mark.slow
 @needs_triton
 def test_every_launched_variant_compiles_for_a_gpu(monkeypatch: pytest.MonkeyPatch) -> None:
     # What the launchers pass, not hand-written signatures: the launches are recorded
@@ -848,6 +851,7 @@ def _rank_block_case(fmt: FloatFormat, block_size: int, n: int) -> dict:
     }
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize(
     ("fmt", "block_size"),
     [(F.E2M1, 8), (F.E2M1, 32), (F.E4M3, 8), (F.E4M3, 32)],
@@ -1123,6 +1127,7 @@ def _node_blocks_on_triton(rank: int, world_size: int, cases: list[tuple[str, st
     return results
 
 
+@pytest.mark.slow
 def test_hierarchical_and_grid_blocks_on_triton_give_the_kernels_bits() -> None:
     # Every owner's own block exponents at both levels, through the Triton kernels
     # (the rank-block send, owner and decode; the node's mean in rank order): the
