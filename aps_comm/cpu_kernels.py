@@ -77,6 +77,7 @@ __all__ = [
     "mean_rows",
     "or_rows",
     "owner_rank_blocks",
+    "prepare",
     "reduce_blocks",
     "reduce_rank_blocks",
     "reduce_shards",
@@ -252,6 +253,24 @@ def _njit(fn: Callable[..., Any]) -> Any:
         return numba.njit(nogil=True)(fn)
     finally:
         numba.config.CACHE_DIR = saved
+
+
+def prepare() -> None:
+    """Set numba's CPU target up now rather than in the first kernel call.
+
+    numba builds its typing and lowering registries lazily, in the first call
+    that compiles or loads a kernel from its cache: about 0.8 s of CPU on a
+    small machine, in every process. A process that forks workers after this
+    call (:func:`aps_comm.testing.run_distributed`'s fork server) pays it once
+    for all of them. A no-op without numba.
+
+    Example:
+        >>> prepare()  # idempotent: later calls find the registries in place
+    """
+    if AVAILABLE:
+        from numba.core.registry import cpu_target
+
+        cpu_target.target_context.refresh()
 
 
 def cache_dir() -> str:

@@ -93,9 +93,9 @@ def _child(
         results.put((rank, False, f"{type(exc).__name__}: {exc}\n{traceback.format_exc()}"))
 
 
-# What every rank imports anyway, imported once by the fork server instead of
-# by each rank: several seconds of CPU per rank on a small machine.
-_PRELOAD = ["torch", "torch.distributed", "torch._dynamo", "aps_comm", "aps_comm.hook"]
+# What every rank imports and sets up anyway, done once by the fork server
+# instead of by each rank: several seconds of CPU per rank on a small machine.
+_PRELOAD = ["aps_comm.rank_preload"]
 
 
 def _context() -> mp.context.BaseContext:
