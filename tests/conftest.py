@@ -13,8 +13,12 @@ Example:
 
 # No `from __future__ import annotations`: DDP's register_comm_hook checks
 # the hook's `bucket` annotation is dist.GradBucket itself, not a string.
+import fcntl
 import itertools
 import math
+import pickle
+from collections.abc import Callable
+from typing import Any
 
 import pytest
 import torch
@@ -27,15 +31,40 @@ from aps_comm.plan import chunk_bounds
 from aps_comm.scaling import exponents, layer_amax, pow2
 from aps_comm.simulate import ring_chunks
 
-__all__ = ["Net", "capture", "check_log", "gather", "reference"]
+__all__ = ["Net", "capture", "check_log", "gather", "made_once", "reference"]
+
+
+def made_once(
+    tmp_path_factory: pytest.TempPathFactory, worker_id: str, name: str, make: Callable[[], Any]
+) -> Any:
+    """``make()``, made by the first xdist worker of this run that asks, read by the rest.
+
+    A module-scoped fixture is made once per worker that runs one of its tests,
+    and the suite is CPU-bound: a job of several ranks made three times costs
+    twice its CPU for nothing. The result (picklable) waits in the run's
+    shared temporary folder; the others block on a lock meanwhile, idle.
+    """
+    if worker_id == "master":  # not under xdist
+        return make()
+    path = tmp_path_factory.getbasetemp().parent / f"{name}.pickle"
+    with open(f"{path}.lock", "w") as lock:
+        fcntl.flock(lock, fcntl.LOCK_EX)
+        if path.is_file():
+            return pickle.loads(path.read_bytes())
+        out = make()
+        path.write_bytes(pickle.dumps(out))
+        return out
 
 
 def pytest_collection_modifyitems(items: list[pytest.Item]) -> None:
-    """Slow tests first: xdist hands tests out in this order, so the long ones
-    start while short ones can still fill the other workers, and the run does
-    not end on one worker finishing a 40 s test alone.
+    """Modules with slow tests first: xdist hands tests out in this order, so the
+    long ones start while short ones can still fill the other workers, and the
+    run does not end on one worker finishing a 40 s test alone. Whole modules
+    move, in their own order: a module-scoped fixture is torn down when its
+    worker goes on to another module's test, and made again when it comes back.
     """
-    items.sort(key=lambda item: item.get_closest_marker("slow") is None)
+    slow = {item.module for item in items if item.get_closest_marker("slow")}
+    items.sort(key=lambda item: item.module not in slow)
 
 
 class Net(nn.Module):

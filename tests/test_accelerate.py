@@ -15,14 +15,11 @@ from typing import Any
 import pytest
 import torch
 import torch.nn as nn
+from conftest import made_once
 from torch.nn.parallel import DistributedDataParallel as DDP
 
 from aps_comm import register
 from aps_comm.testing import run_distributed
-
-# The tests that read the module-scoped `runs` fixture run on one xdist worker
-# (`--dist loadgroup`), so its ranks start once, not once per worker.
-SHARES_FIXTURE = pytest.mark.xdist_group("test_accelerate.runs")
 
 STEPS = 4
 BATCH = 8
@@ -125,10 +122,15 @@ def _accelerate_runs(rank: int, world_size: int, tmp: str) -> dict:
 
 
 @pytest.fixture(scope="module")
-def runs(tmp_path_factory: pytest.TempPathFactory) -> list[dict]:
+def runs(tmp_path_factory: pytest.TempPathFactory, worker_id: str) -> list[dict]:
     pytest.importorskip("accelerate")
     tmp = str(tmp_path_factory.mktemp("accelerate"))
-    return run_distributed(_accelerate_runs, 2, args=(tmp,), timeout=180)
+    return made_once(
+        tmp_path_factory,
+        worker_id,
+        "test_accelerate.runs",
+        lambda: run_distributed(_accelerate_runs, 2, args=(tmp,), timeout=180),
+    )
 
 
 def _same(a: list[torch.Tensor], b: list[torch.Tensor]) -> bool:
@@ -136,7 +138,6 @@ def _same(a: list[torch.Tensor], b: list[torch.Tensor]) -> bool:
 
 
 @pytest.mark.slow
-@SHARES_FIXTURE
 def test_prepared_model_takes_the_hook_and_matches_plain_ddp(runs: list[dict]) -> None:
     for out in runs:
         assert out["multi_cpu"] and out["wrapped"] == "DistributedDataParallel"
@@ -149,7 +150,6 @@ def test_prepared_model_takes_the_hook_and_matches_plain_ddp(runs: list[dict]) -
 
 
 @pytest.mark.slow
-@SHARES_FIXTURE
 def test_save_state_and_load_state_carry_every_ranks_hook_state(runs: list[dict]) -> None:
     assert "custom_checkpoint_0.pkl" in runs[0]["saved"]
     for out in runs:
@@ -163,7 +163,6 @@ def test_save_state_and_load_state_carry_every_ranks_hook_state(runs: list[dict]
 
 
 @pytest.mark.slow
-@SHARES_FIXTURE
 def test_wrong_models_are_refused(runs: list[dict]) -> None:
     for out in runs:
         assert "got Sequential (distributed type" in out["unwrapped_error"]

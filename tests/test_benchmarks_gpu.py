@@ -18,10 +18,6 @@ from aps_comm.testing import run_distributed
 from benchmarks import gpu
 from benchmarks.gpu import EventKind, HookCase, ProfileEvent
 
-# The tests that read the module-scoped `harness` fixture run on one xdist worker
-# (`--dist loadgroup`), so its ranks start once, not once per worker.
-SHARES_FIXTURE = pytest.mark.xdist_group("test_benchmarks_gpu.harness")
-
 ROOT = Path(__file__).resolve().parents[1]
 
 
@@ -605,7 +601,6 @@ def harness() -> list[tuple[dict, dict, dict]]:
     return run_distributed(_harness, 2, timeout=180)
 
 
-@SHARES_FIXTURE
 def test_hook_check_passes_a_real_run_and_names_each_fault(harness: list) -> None:
     (ddp0, _, _), (ddp1, _, _) = harness
     assert ddp0["error"] is None, ddp0["error"]
@@ -636,7 +631,6 @@ def test_hook_check_passes_a_real_run_and_names_each_fault(harness: list) -> Non
     )
 
 
-@SHARES_FIXTURE
 def test_fsdp_check_passes_a_real_run_and_names_each_fault(harness: list) -> None:
     (_, fsdp0, _), (_, fsdp1, _) = harness
     assert gpu.check_fsdp(fsdp0, fsdp0, 2, "e4m3") == []
@@ -646,7 +640,6 @@ def test_fsdp_check_passes_a_real_run_and_names_each_fault(harness: list) -> Non
     assert gpu.check_fsdp({**fsdp0, "error": "x"}, fsdp0, 2, "e4m3") == ["raised: x"]
 
 
-@SHARES_FIXTURE
 def test_profile_finds_every_bucket_of_the_step(harness: list) -> None:
     (_, _, prof0), _ = harness
     assert prof0["error"] is None, prof0["error"]

@@ -17,14 +17,11 @@ from typing import Any
 import pytest
 import torch
 import torch.nn as nn
+from conftest import made_once
 from torch.nn.parallel import DistributedDataParallel as DDP
 
 from aps_comm import register
 from aps_comm.testing import run_distributed
-
-# The tests that read the module-scoped `runs` fixture run on one xdist worker
-# (`--dist loadgroup`), so its ranks start once, not once per worker.
-SHARES_FIXTURE = pytest.mark.xdist_group("test_lightning.runs")
 
 STEPS = 4  # 2 epochs of 2 batches; the resumed run stops after the first epoch
 BATCH = 8
@@ -177,10 +174,15 @@ def _lightning_runs(rank: int, world_size: int, tmp: str) -> dict:
 
 
 @pytest.fixture(scope="module")
-def runs(tmp_path_factory: pytest.TempPathFactory) -> list[dict]:
+def runs(tmp_path_factory: pytest.TempPathFactory, worker_id: str) -> list[dict]:
     pytest.importorskip("lightning")
     tmp = str(tmp_path_factory.mktemp("lightning"))
-    return run_distributed(_lightning_runs, 2, args=(tmp,), timeout=180)
+    return made_once(
+        tmp_path_factory,
+        worker_id,
+        "test_lightning.runs",
+        lambda: run_distributed(_lightning_runs, 2, args=(tmp,), timeout=180),
+    )
 
 
 def _same(a: list[torch.Tensor], b: list[torch.Tensor]) -> bool:
@@ -188,7 +190,6 @@ def _same(a: list[torch.Tensor], b: list[torch.Tensor]) -> bool:
 
 
 @pytest.mark.slow
-@SHARES_FIXTURE
 def test_hook_runs_every_step_on_cpu_and_matches_plain_ddp(runs: list[dict]) -> None:
     for out in runs:
         assert out["whole_state"]["step"] == STEPS
@@ -204,7 +205,6 @@ def test_hook_runs_every_step_on_cpu_and_matches_plain_ddp(runs: list[dict]) -> 
 
 
 @pytest.mark.slow
-@SHARES_FIXTURE
 def test_checkpoint_resume_restores_every_ranks_state(runs: list[dict]) -> None:
     assert runs[0]["saved_world_size"] == 2 and runs[0]["saved_ranks_steps"] == [2, 2]
     for out in runs:
@@ -221,7 +221,6 @@ def test_checkpoint_resume_restores_every_ranks_state(runs: list[dict]) -> None:
 
 
 @pytest.mark.slow
-@SHARES_FIXTURE
 def test_stats_are_logged_every_step(runs: list[dict]) -> None:
     for out in runs:
         logged = [m for _, m in out["logged"] if "aps/bytes_sent" in m]
@@ -238,7 +237,6 @@ def test_stats_are_logged_every_step(runs: list[dict]) -> None:
 
 
 @pytest.mark.slow
-@SHARES_FIXTURE
 def test_one_node_run_gives_no_hierarchical_warning(runs: list[dict]) -> None:
     # LOCAL_RANK 1 on rank 1 without LOCAL_WORLD_SIZE once read as one rank per
     # node, numbered wrongly: "no hierarchical reduction: ranks [1] have a

@@ -22,10 +22,6 @@ import pytest
 
 import aps_comm
 
-# The tests that read the module-scoped `built` fixture run on one xdist worker
-# (`--dist loadgroup`), so the wheel is built once, not once per worker.
-SHARES_FIXTURE = pytest.mark.xdist_group("test_packaging.built")
-
 ROOT = Path(__file__).resolve().parents[1]
 # Installed name -> directory in the checkout (setup.cfg's package_dir).
 PACKAGES = {"aps_comm": "aps_comm", "aps_launch": "launch", "aps_perfmodel": "perfmodel"}
@@ -111,7 +107,6 @@ def built(tmp_path_factory: pytest.TempPathFactory) -> dict[str, Path]:
 
 
 @pytest.mark.slow
-@SHARES_FIXTURE
 def test_wheel_installs_exactly_the_packages_with_license_data_and_entry_points(
     built: dict[str, Path],
 ) -> None:
@@ -150,7 +145,6 @@ def test_wheel_installs_exactly_the_packages_with_license_data_and_entry_points(
 
 
 @pytest.mark.slow
-@SHARES_FIXTURE
 def test_wheel_imports_from_outside_the_checkout(built: dict[str, Path]) -> None:
     site = built["tmp"] / "site"
     with zipfile.ZipFile(built["wheel"]) as zf:

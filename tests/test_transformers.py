@@ -18,12 +18,9 @@ from typing import Any
 import pytest
 import torch
 import torch.nn as nn
+from conftest import made_once
 
 from aps_comm.testing import run_distributed
-
-# The tests that read the module-scoped `runs` fixture run on one xdist worker
-# (`--dist loadgroup`), so its ranks start once, not once per worker.
-SHARES_FIXTURE = pytest.mark.xdist_group("test_transformers.runs")
 
 EPOCHS = 2
 STEPS_PER_EPOCH = 2
@@ -135,10 +132,15 @@ def _trainer_runs(rank: int, world_size: int, tmp: str) -> dict:
 
 
 @pytest.fixture(scope="module")
-def runs(tmp_path_factory: pytest.TempPathFactory) -> list[dict]:
+def runs(tmp_path_factory: pytest.TempPathFactory, worker_id: str) -> list[dict]:
     pytest.importorskip("transformers")
     tmp = str(tmp_path_factory.mktemp("transformers"))
-    return run_distributed(_trainer_runs, 2, args=(tmp,), timeout=240)
+    return made_once(
+        tmp_path_factory,
+        worker_id,
+        "test_transformers.runs",
+        lambda: run_distributed(_trainer_runs, 2, args=(tmp,), timeout=240),
+    )
 
 
 def _same(a: list[torch.Tensor], b: list[torch.Tensor]) -> bool:
@@ -146,7 +148,6 @@ def _same(a: list[torch.Tensor], b: list[torch.Tensor]) -> bool:
 
 
 @pytest.mark.slow
-@SHARES_FIXTURE
 def test_checkpoints_carry_every_ranks_hook_state_across_a_resume(runs: list[dict]) -> None:
     assert runs[0]["saved_world_size"] == 2
     assert runs[0]["saved_steps"] == [STEPS_PER_EPOCH, STEPS_PER_EPOCH]
@@ -167,7 +168,6 @@ def test_checkpoints_carry_every_ranks_hook_state_across_a_resume(runs: list[dic
 
 
 @pytest.mark.slow
-@SHARES_FIXTURE
 def test_a_checkpoint_elsewhere_is_read_from_resume_from_or_named(runs: list[dict]) -> None:
     saved = runs[0]["saved_residuals"]
     assert any(not torch.equal(saved[0][k], saved[1][k]) for k in saved[0])
@@ -186,7 +186,6 @@ def test_a_checkpoint_elsewhere_is_read_from_resume_from_or_named(runs: list[dic
 
 
 @pytest.mark.slow
-@SHARES_FIXTURE
 def test_a_forward_outside_ddp_is_named(runs: list[dict]) -> None:
     for out in runs:
         assert (
@@ -267,7 +266,6 @@ def test_bad_format_names_the_value() -> None:
 
 
 @pytest.mark.slow
-@SHARES_FIXTURE
 def test_import_aps_comm_does_not_import_transformers(runs: list[dict]) -> None:
     assert not any(out["transformers_before"] for out in runs)
 
