@@ -115,29 +115,35 @@ def _loop(q: queue.SimpleQueue, failed: list[BaseException]) -> None:
         item = q.get()
         if item is None:
             return
-        _run_one(*item, failed)
-        # The job's closure holds its owner (a hook state, its buffers): a
-        # reference left in this frame while it waits for the next job would
-        # keep the owner, and so this thread, alive for good.
+        job, fut = item
         del item
+        result, error = _run_one(job, failed)
+        # The job's closure holds its owner (a hook state, its buffers). It goes
+        # before the future completes: the caller may drop the owner as soon as
+        # it has the result, and a reference still held here would keep the
+        # owner, and so this thread, alive (for good, while it waits for a job).
+        del job
+        if error is None:
+            fut.set_result(result)
+        else:
+            fut.set_exception(error)
+        del fut, result, error
 
 
 def _run_one(
-    job: Callable[[], Any], fut: torch.futures.Future, failed: list[BaseException]
-) -> None:
+    job: Callable[[], Any], failed: list[BaseException]
+) -> tuple[Any, BaseException | None]:
+    """``job()``'s result and None, or None and the error to complete its future with."""
     if failed:
         refused = WorkerFailed(f"not run: an earlier bucket failed with {failed[0]!r}")
         refused.__cause__ = failed[0]
-        fut.set_exception(refused)
-        return
+        return None, refused
     try:
         with torch.no_grad():
-            result = job()
+            return job(), None
     except BaseException as exc:  # every error must reach the training loop
         failed.append(exc)
-        fut.set_exception(exc)
-        return
-    fut.set_result(result)
+        return None, exc
 
 
 def raised_by_backward(fut: torch.futures.Future, fallback: torch.Tensor) -> torch.futures.Future:

@@ -11,6 +11,7 @@ from __future__ import annotations
 import gc
 import os
 import re
+import threading
 import time
 import weakref
 from pathlib import Path
@@ -328,6 +329,28 @@ def test_fifo_worker_lets_its_owner_go_and_then_stops() -> None:
     assert owner_ref() is None and worker_ref() is None
     thread.join(10.0)
     assert not thread.is_alive()
+
+
+def test_fifo_worker_lets_a_job_go_before_its_future_completes() -> None:
+    # DDP's backward returns once the bucket's future completes, and a training
+    # loop may drop its model right then: the worker must hold no reference to
+    # the job by that point. A then-callback runs on the thread that completes
+    # the future, inside set_result, so it sees exactly what the worker still holds.
+    class Owner:
+        def job(self) -> int:
+            return 1
+
+    worker = FifoWorker("release")
+    gate = threading.Event()
+    worker.submit(gate.wait)  # holds the queue until the callback is in place
+    owner = Owner()
+    ref = weakref.ref(owner)
+    fut = worker.submit(owner.job)
+    del owner
+    released = fut.then(lambda _: ref() is None)
+    gate.set()
+    assert released.wait() is True
+    worker.close()
 
 
 def _state_collected(rank: int, world_size: int) -> bool:
