@@ -1665,7 +1665,6 @@ class _Scaling:
 
 
 @functools.lru_cache(maxsize=16)
-@functools.lru_cache(maxsize=16)
 def _stand_ins(device: torch.device) -> tuple[torch.Tensor, torch.Tensor]:
     """Typed stand-ins (int64, float32) for pointers a kernel variant never reads.
 
