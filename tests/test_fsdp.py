@@ -14,7 +14,7 @@ import pytest
 import torch
 import torch.nn as nn
 from torch.distributed.device_mesh import init_device_mesh
-from torch.distributed.fsdp import MixedPrecisionPolicy, fully_shard
+from torch.distributed.fsdp import FSDPModule, MixedPrecisionPolicy, fully_shard
 
 from aps_comm import codec
 from aps_comm.formats import get_format
@@ -238,6 +238,28 @@ def test_equals_exact_reference(world_size: int) -> None:
     chunks = [-(-s[0] // n) * (torch.Size(s).numel() // s[0]) for u in _SHAPES.values() for s in u]
     blocks = sum(n * -(-c // 32) for c in chunks)
     assert out[0][7]["bytes"][0]["all_reduce_max"] == blocks + 3
+
+
+def _avg_asked(rank: int, n: int) -> list[bool]:
+    torch.manual_seed(0)
+    net = _shard(_Net(), MixedPrecisionPolicy(), True)
+    register(net, "e4m3")
+    # A user who turns FSDP's plain sums back off: FSDP then asks the
+    # reduce-scatter for ReduceOp.AVG and divides nothing itself.
+    for module in net.modules():
+        if isinstance(module, FSDPModule):
+            module.set_force_sum_reduction_for_comms(False)
+    params = dict(net.named_parameters())
+    _backward(net, _grads(rank, 0))
+    got = [params[name].grad.full_tensor() for name in _ORDER]
+    f32 = torch.float32
+    want = _reference([_grads(r, 0) for r in range(n)], "e4m3", "layer", f32, f32)
+    return [_same(g, w) for g, w in zip(got, want, strict=True)]
+
+
+def test_reduce_op_avg_is_the_mean() -> None:
+    """FSDP's ReduceOp.AVG (asked when sums are not forced) averages, bit for bit."""
+    assert run_distributed(_avg_asked, 2, timeout=120) == [[True] * len(_ORDER)] * 2
 
 
 def _accumulate(rank: int, n: int) -> bool:
