@@ -177,7 +177,7 @@ class APSState:
             SLURM and MPI launchers), else 1. Ranks must be numbered node by
             node; every rank checks what the others see when it binds.
         profile: a calibrated :class:`aps_perfmodel.profile.Profile` (or the
-            path of its JSON, from ``aps-perfmodel calibrate``): the links and
+            path of its JSON, from ``python -m aps_comm calibrate``): the links and
             codec the hook plans chunks and strategies with; default: the
             backend's defaults (:func:`aps_perfmodel.strategies.hook_cluster`).
         cuda_graphs: on NCCL with CUDA tensors, capture each settled bucket's
