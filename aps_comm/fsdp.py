@@ -46,6 +46,7 @@ Example:
 
 from __future__ import annotations
 
+import collections
 import dataclasses
 import functools
 from collections.abc import Sequence
@@ -464,7 +465,8 @@ def _bind(
     # Named texts: a difference names the setting or the unit, not every unit.
     mine = {
         "configuration": state.describe(),
-        "formats": str([f.name for f in formats]),
+        # Parameters per format: the same names and configuration give the same list.
+        "formats": str(sorted(collections.Counter(f.name for f in formats).items())),
         "units": str(len(state._units)),
     }
     mine.update({f"unit {u.index}": u.describe() for u in state._units})
