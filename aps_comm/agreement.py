@@ -35,10 +35,12 @@ from aps_comm.config import Reduction
 from aps_comm.topology import (
     NodeGroups,
     Topology,
+    by_rank,
     check_topology,
     env_ranks_per_node,
     grid_rows,
     node_groups,
+    ranks_text,
 )
 
 __all__ = [
@@ -48,7 +50,6 @@ __all__ = [
     "agree",
     "backend_for",
     "bind_topology",
-    "by_rank",
     "check_backend",
     "gather",
     "group_timeout",
@@ -75,34 +76,6 @@ _GAVE_UP = 1 << 40
 _SHOWN = 3
 # Per process group name, how many register calls this process has made on it.
 _calls: collections.Counter[str] = collections.Counter()
-
-
-def by_rank(texts: Sequence[str]) -> str:
-    """Per-rank texts, the ranks with the same text said once ("ranks 0-2, 5: ...").
-
-    Ranks whose text is empty are left out.
-
-    Example:
-        >>> by_rank(["a", "a", "a", "b", ""])
-        'ranks 0-2: a; rank 3: b'
-    """
-    ranks: dict[str, list[int]] = {}
-    for rank, text in enumerate(texts):
-        if text:
-            ranks.setdefault(text, []).append(rank)
-    return "; ".join(f"{_ranks(r)}: {text}" for text, r in ranks.items())
-
-
-def _ranks(ranks: Sequence[int]) -> str:
-    """ "rank 3", "ranks 0-2, 5": consecutive ranks as ranges."""
-    runs: list[list[int]] = []
-    for r in ranks:
-        if runs and r == runs[-1][-1] + 1:
-            runs[-1].append(r)
-        else:
-            runs.append([r])
-    text = ", ".join(str(run[0]) if len(run) == 1 else f"{run[0]}-{run[-1]}" for run in runs)
-    return f"rank {text}" if len(ranks) == 1 else f"ranks {text}"
 
 
 def wait_for_ranks(what: str, group: dist.ProcessGroup | None = None) -> None:
@@ -160,7 +133,7 @@ def wait_for_ranks(what: str, group: dist.ProcessGroup | None = None) -> None:
         if count < len(members):
             missing = [r for r in members if not store.check([prefix + str(r)])]
             raise RuntimeError(
-                f"{rule}. {_ranks(missing).capitalize()} did not reach it within {wait_s:.0f} s "
+                f"{rule}. {ranks_text(missing).capitalize()} did not reach it within {wait_s:.0f} s "
                 f"of rank {dist.get_rank()} ({count} of {len(members)} ranks did). If a rank "
                 "is slower to get there on purpose, raise aps_comm.agreement.ARRIVAL_TIMEOUT_S."
             ) from None
@@ -170,7 +143,7 @@ def wait_for_ranks(what: str, group: dist.ProcessGroup | None = None) -> None:
         values = store.multi_get([prefix + str(r) for r in members])
         late = [r for r, v in zip(members, values, strict=True) if int(v) >= _GAVE_UP]
         raise RuntimeError(
-            f"{rule}. {_ranks(late).capitalize()} reached it more than {wait_s:.0f} s after "
+            f"{rule}. {ranks_text(late).capitalize()} reached it more than {wait_s:.0f} s after "
             "another rank, which stopped waiting (aps_comm.agreement.ARRIVAL_TIMEOUT_S)"
         )
 
@@ -274,8 +247,8 @@ def agree(
 
     ``mine`` is one text, or named texts (e.g. the configuration, then one per
     unit of a model): then only those that differ are listed, the first
-    :data:`_SHOWN` of them. Ranks with the same text are named together
-    (:func:`by_rank`), and a problem every rank has is said once.
+    three of them. Ranks with the same text are named together
+    (:func:`aps_comm.topology.by_rank`), and a problem every rank has is said once.
 
     Raises:
         ValueError: some rank has a problem, or ``mine`` differs across ranks.

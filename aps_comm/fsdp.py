@@ -480,7 +480,7 @@ def _bind(
 
 
 def _which_units(units: Sequence[str]) -> str:
-    """ "(units: a, b, c and 5 more, 8 in all)": the first few names and the count."""
+    """The first few unit names and the count: "(units: a, b, c and 5 more, 8 in all)"."""
     shown = ", ".join(units[:3])
     more = f" and {len(units) - 3} more, {len(units)} in all" if len(units) > 3 else ""
     return f"(units: {shown}{more})"

@@ -53,7 +53,7 @@ from aps_comm.policy import Assignment, LayerInfo, Rule, policy_rules
 from aps_comm.policy import describe as describe_policy
 from aps_comm.reduction import resolve_routes
 from aps_comm.telemetry import LayerStats, StepStats
-from aps_comm.topology import NodeGroups, Topology
+from aps_comm.topology import NodeGroups, Topology, by_rank
 from aps_perfmodel.profile import Profile
 from aps_perfmodel.strategies import hook_cluster
 
@@ -392,7 +392,7 @@ class APSState:
         )
         everyone = agreement.gather(group, mine)
         if any(c[0] != mine[0] for c in everyone):
-            listing = agreement.by_rank([c[0] for c in everyone])
+            listing = by_rank([c[0] for c in everyone])
             raise ValueError(f"APSState configuration differs across ranks: {listing}")
         self.layouts = agreement.bind_topology(
             [c[1] for c in everyone],
@@ -443,11 +443,9 @@ class APSState:
         seen = [c.get(device.type, (f"no {device.type} device", "")) for c in self._routes_agreed]
         problems = [p for p, _ in seen]
         if any(problems):
-            raise ValueError(
-                f"aps_comm cannot run this configuration: {agreement.by_rank(problems)}"
-            )
+            raise ValueError(f"aps_comm cannot run this configuration: {by_rank(problems)}")
         if any(text != seen[0][1] for _, text in seen):
-            listing = agreement.by_rank([t for _, t in seen])
+            listing = by_rank([t for _, t in seen])
             raise ValueError(f"aps_comm: the resolved reductions differ across ranks: {listing}")
         if (self.policy or self.error_feedback) and not self.assignment.bound:
             raise ValueError(

@@ -206,6 +206,8 @@ def _undo(owner: ExitResources, made: list[dist.ProcessGroup], exc: BaseExceptio
     for worker in owner.exit_workers():
         worker.close(JOIN_TIMEOUT_S)
     owner.exit_groups()
+    if not made:
+        return  # nothing of ours for the frames to hold: leave them to debuggers
     seen: set[int] = set()
     chained: BaseException | None = exc
     while chained is not None and id(chained) not in seen:
@@ -213,8 +215,6 @@ def _undo(owner: ExitResources, made: list[dist.ProcessGroup], exc: BaseExceptio
         # Skips the frames still running (the caller's): their locals are theirs.
         traceback.clear_frames(chained.__traceback__)
         chained = chained.__cause__ or chained.__context__
-    if not made:
-        return
     groups: dict[int, dist.ProcessGroup] = {}
     for group in made:
         _groups.discard(group)
