@@ -178,8 +178,9 @@ def _refused(rank: int, world_size: int) -> str:
 
 def test_fp8_allreduce_on_gloo_is_refused_at_register() -> None:
     for msg in run_distributed(_refused, 2, backend=None):
-        assert "cannot run this configuration" in msg and "rank 0:" in msg and "rank 1:" in msg
-        assert "reduction='allreduce' needs a backend that sums e4m3" in msg
+        # Every rank's problem, said once for the ranks that have it (issue 45).
+        assert "cannot run this configuration: ranks 0-1: " in msg, msg
+        assert msg.count("reduction='allreduce' needs a backend that sums e4m3") == 1, msg
 
 
 # ---------------------------------------------------------------------------
