@@ -6,8 +6,9 @@ data order, on ``--world-size`` real processes (Gloo, CPU, real
 run inside a single :func:`aps_comm.testing.run_distributed` call (one
 process start-up). Hooks: PyTorch's FP32 ``allreduce_hook``,
 ``fp16_compress_hook`` and ``bf16_compress_hook``; e4m3 without scaling
-(the naive cast); APS e4m3 and e5m2; and APS e4m3 with the last layer in
-FP32, with underflow-driven promotion, and with error feedback.
+(the naive cast); APS e4m3 and e5m2; APS e4m3 with the last layer in
+FP32, with underflow-driven promotion, and with error feedback; and
+PyTorch's PowerSGD at rank 1 and 4 (its defaults, ``start_powerSGD_iter=10``).
 
 Tasks:
 
@@ -24,7 +25,10 @@ Tasks:
 
 Bytes per step are the payload bytes each rank hands to collectives in one
 step: ``state.bytes_sent`` for the APS hook, and for PyTorch's hooks the
-bytes of the tensors they pass to ``dist.all_reduce`` (counted by a wrapper).
+bytes of the tensors they pass to ``dist.all_reduce`` (counted by a wrapper
+installed for the whole job: PowerSGD all-reduces from future callbacks).
+State bytes: the tensors the hook's state holds between steps (APS's
+buffers, PowerSGD's error, P and Q), each storage once, not the model's.
 
 Per-layer figures over training: the APS hooks run with ``stats=True``, and
 for the first seed rank 0 records every layer's exponent, underflow rate and
@@ -40,6 +44,7 @@ layer or block, then the root) instead of DDP, with the setups of
 
     python -m benchmarks.accuracy [--seeds 3] [--digits-epochs 15] [--lm-steps 300]
     python -m benchmarks.accuracy --fsdp [--seeds 3]
+    python -m benchmarks.accuracy --hooks powersgd-r1 powersgd-r4 --merge results/accuracy.json
 """
 
 # No `from __future__ import annotations`: DDP inspects the wrapper hook's
