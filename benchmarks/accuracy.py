@@ -6,8 +6,9 @@ data order, on ``--world-size`` real processes (Gloo, CPU, real
 run inside a single :func:`aps_comm.testing.run_distributed` call (one
 process start-up). Hooks: PyTorch's FP32 ``allreduce_hook``,
 ``fp16_compress_hook`` and ``bf16_compress_hook``; e4m3 without scaling
-(the naive cast); APS e4m3 and e5m2; and APS e4m3 with the last layer in
-FP32, with underflow-driven promotion, and with error feedback.
+(the naive cast); APS e4m3 and e5m2; APS e4m3 with the last layer in
+FP32, with underflow-driven promotion, and with error feedback; and
+PyTorch's PowerSGD at rank 1 and 4 (its defaults, ``start_powerSGD_iter=10``).
 
 Tasks:
 
@@ -24,7 +25,10 @@ Tasks:
 
 Bytes per step are the payload bytes each rank hands to collectives in one
 step: ``state.bytes_sent`` for the APS hook, and for PyTorch's hooks the
-bytes of the tensors they pass to ``dist.all_reduce`` (counted by a wrapper).
+bytes of the tensors they pass to ``dist.all_reduce`` (counted by a wrapper
+installed for the whole job: PowerSGD all-reduces from future callbacks).
+State bytes: the tensors the hook's state holds between steps (APS's
+buffers, PowerSGD's error, P and Q), each storage once, not the model's.
 
 Per-layer figures over training: the APS hooks run with ``stats=True``, and
 for the first seed rank 0 records every layer's exponent, underflow rate and
@@ -40,6 +44,7 @@ layer or block, then the root) instead of DDP, with the setups of
 
     python -m benchmarks.accuracy [--seeds 3] [--digits-epochs 15] [--lm-steps 300]
     python -m benchmarks.accuracy --fsdp [--seeds 3]
+    python -m benchmarks.accuracy --hooks powersgd-r1 powersgd-r4 --merge results/accuracy.json
 """
 
 # No `from __future__ import annotations`: DDP inspects the wrapper hook's
@@ -51,6 +56,7 @@ import math
 import platform
 import statistics
 import sys
+import threading
 import time
 from collections.abc import Callable
 from pathlib import Path
@@ -59,7 +65,7 @@ from typing import Any
 import torch
 import torch.distributed as dist
 import torch.nn as nn
-from torch.distributed.algorithms.ddp_comm_hooks import default_hooks
+from torch.distributed.algorithms.ddp_comm_hooks import default_hooks, powerSGD_hook
 from torch.nn.parallel import DistributedDataParallel as DDP
 
 from aps_comm import APSState, register
@@ -100,8 +106,20 @@ HOOKS: dict[str, str] = {
     "aps-e2m1-block64": 'register(ddp, fmt="e2m1", scaling="block", block_size=64)',
     "aps-e4m3-block32": 'register(ddp, fmt="e4m3", scaling="block", block_size=32)',
     "aps-e4m3-block128": 'register(ddp, fmt="e4m3", scaling="block", block_size=128)',
+    "powersgd-r1": (
+        "PyTorch powerSGD_hook, PowerSGDState(matrix_approximation_rank=1, "
+        "start_powerSGD_iter=10), its other defaults"
+    ),
+    "powersgd-r4": (
+        "PyTorch powerSGD_hook, PowerSGDState(matrix_approximation_rank=4, "
+        "start_powerSGD_iter=10), its other defaults"
+    ),
 }
 """Hook name -> how it is set up."""
+POWERSGD_START = 10
+"""PowerSGD's ``start_powerSGD_iter``: plain FP32 all-reduce for the first 10 steps."""
+POWERSGD_RANKS = {"powersgd-r1": 1, "powersgd-r4": 4}
+"""PowerSGD hook name -> ``matrix_approximation_rank``."""
 BLOCK_HOOKS = (
     "fp32",
     "naive-e4m3",
@@ -137,38 +155,90 @@ _TORCH_HOOKS = {
 }
 
 
-class _CountingState:
-    """State of :func:`_counting_hook`: a PyTorch hook and the bytes it hands to all_reduce."""
+class _AllReduceTally:
+    """Bytes of every tensor this process has handed to ``dist.all_reduce`` since it was installed.
 
-    def __init__(self, hook: Callable) -> None:
-        self.hook = hook
-        self.bytes_sent = 0
-        self._pending = 0
+    PowerSGD issues its second and third all-reduce from future callbacks,
+    on Gloo's threads after the hook has returned, so a patch in place only
+    while the hook runs would miss them; this one stays for the whole job.
+    """
+
+    def __init__(self) -> None:
+        self.total = 0
+        self._lock = threading.Lock()  # callbacks count from Gloo's threads
+        self._original = dist.all_reduce
+        dist.all_reduce = self._counted
+
+    def _counted(self, tensor: torch.Tensor, *args: Any, **kwargs: Any) -> Any:
+        with self._lock:
+            self.total += tensor.numel() * tensor.element_size()
+        return self._original(tensor, *args, **kwargs)
 
 
-def _counting_hook(
-    state: _CountingState, bucket: dist.GradBucket
-) -> torch.futures.Future[torch.Tensor]:
-    """Run a PyTorch DDP hook, counting the bytes of every tensor it passes to all_reduce."""
-    original = dist.all_reduce
+_TALLY: list[_AllReduceTally] = []
 
-    def counted(tensor: torch.Tensor, *args: Any, **kwargs: Any) -> Any:
-        state._pending += tensor.numel() * tensor.element_size()
-        return original(tensor, *args, **kwargs)
 
-    dist.all_reduce = counted
-    try:
-        fut = state.hook(None, bucket)
-    finally:
-        dist.all_reduce = original
-    if bucket.is_last():
-        state.bytes_sent, state._pending = state._pending, 0
-    return fut
+def _tally() -> _AllReduceTally:
+    """The process's one tally, installed on first use (in the rank processes only)."""
+    if not _TALLY:
+        _TALLY.append(_AllReduceTally())
+    return _TALLY[0]
+
+
+class _StepBytes:
+    """The bytes a PyTorch hook handed to all_reduce since the last call: call once per step."""
+
+    def __init__(self) -> None:
+        self._tally = _tally()
+        self._mark = self._tally.total
+
+    def __call__(self) -> int:
+        # Read after backward (and opt.step): every callback of the step has run.
+        now = self._tally.total
+        sent, self._mark = now - self._mark, now
+        return sent
+
+
+def _state_bytes(state: object, model: nn.Module) -> int:
+    """Bytes of the tensors a hook's state holds between steps, not counting the model's own.
+
+    Walks the state's attributes, dicts, lists and tuples (not into modules or
+    process groups) and sums each distinct storage once; storages that hold
+    the model's parameters or gradients (DDP's buckets) are the model's.
+
+    Example:
+        >>> _state_bytes({"error": torch.zeros(10)}, nn.Linear(2, 2))
+        40
+    """
+    own = {p.untyped_storage().data_ptr() for p in model.parameters()}
+    own |= {p.grad.untyped_storage().data_ptr() for p in model.parameters() if p.grad is not None}
+    seen_objects: set[int] = set()
+    storages: dict[int, int] = {}
+    stack: list[object] = [state]
+    while stack:
+        obj = stack.pop()
+        if id(obj) in seen_objects:
+            continue
+        seen_objects.add(id(obj))
+        if isinstance(obj, torch.Tensor):
+            storage = obj.untyped_storage()
+            if storage.data_ptr() not in own:
+                storages[storage.data_ptr()] = storage.nbytes()
+        elif isinstance(obj, dict):
+            stack += obj.values()
+        elif isinstance(obj, (list, tuple, set, frozenset)):
+            stack += obj
+        elif isinstance(obj, (nn.Module, dist.ProcessGroup, threading.Thread, type)):
+            continue
+        elif hasattr(obj, "__dict__") or hasattr(obj, "__slots__"):
+            stack += vars(obj).values() if hasattr(obj, "__dict__") else []
+            stack += [getattr(obj, k) for k in getattr(obj, "__slots__", ()) if hasattr(obj, k)]
+    return sum(storages.values())
 
 
 def attach_hook(
     ddp: DDP, hook: str, group: dist.ProcessGroup | None = None, stats: bool = False
-) -> tuple[Callable[[], int], APSState | None]:
+) -> tuple[Callable[[], int], APSState | None, object | None]:
     """Register the named hook of :data:`HOOKS` on ``ddp``.
 
     Args:
@@ -178,16 +248,27 @@ def attach_hook(
         stats: APS hooks collect per-layer stats (``state.stats``).
 
     Returns:
-        A function returning the bytes this rank handed to collectives in
-        the last step, and the APS hook's state (None for PyTorch's hooks).
+        A function to call once per step, after ``backward``: the bytes this
+        rank handed to collectives in that step; the APS hook's state (None
+        for PyTorch's hooks); and the state the hook keeps between steps
+        (APS's or PowerSGD's; None for the stateless hooks).
 
     Example:
-        >>> bytes_per_step, state = attach_hook(ddp, "aps-e4m3", stats=True)  # doctest: +SKIP
+        >>> bytes_per_step, state, kept = attach_hook(ddp, "aps-e4m3", stats=True)  # doctest: +SKIP
     """
     if hook in _TORCH_HOOKS:
-        counting = _CountingState(_TORCH_HOOKS[hook])
-        ddp.register_comm_hook(counting, _counting_hook)
-        return (lambda: counting.bytes_sent), None
+        sent = _StepBytes()
+        ddp.register_comm_hook(None, _TORCH_HOOKS[hook])
+        return sent, None, None
+    if hook in POWERSGD_RANKS:
+        sent = _StepBytes()
+        powersgd = powerSGD_hook.PowerSGDState(
+            process_group=None,
+            matrix_approximation_rank=POWERSGD_RANKS[hook],
+            start_powerSGD_iter=POWERSGD_START,
+        )
+        ddp.register_comm_hook(powersgd, powerSGD_hook.powerSGD_hook)
+        return sent, None, powersgd
     options: dict[str, Any] = {
         "naive-e4m3": {"fmt": "e4m3", "scaling": "none"},
         "aps-e4m3": {"fmt": "e4m3"},
@@ -210,7 +291,7 @@ def attach_hook(
         "aps-e4m3-block128": {"fmt": "e4m3", "scaling": "block", "block_size": 128},
     }[hook]
     state = register(ddp, process_group=group, stats=stats, **options)
-    return (lambda: state.bytes_sent), state
+    return (lambda: state.bytes_sent), state, state
 
 
 def _fsdp_units(model: nn.Module) -> list[nn.Module]:
@@ -232,22 +313,23 @@ def _padded_bytes(model: nn.Module, world_size: int, elem_bytes: int) -> int:
 
 def prepare(
     model: nn.Module, hook: str, group: dist.ProcessGroup | None = None, stats: bool = False
-) -> tuple[nn.Module, Callable[[], int], Any]:
+) -> tuple[nn.Module, Callable[[], int], Any, object | None]:
     """Wrap ``model`` for ``hook``: DDP with a hook of :data:`HOOKS`, or FSDP2 (:data:`FSDP_HOOKS`).
 
     Returns:
-        The module to train, a function returning the bytes this rank handed
-        to collectives in the last step, and the APS state (None otherwise).
-        For FSDP's own reduce-scatter the bytes are those of its input (every
-        padded gradient in the reduce dtype), what it hands to Gloo.
+        The module to train, a function to call once per step giving the
+        bytes this rank handed to collectives in it, the APS state (None
+        otherwise) and the state the hook keeps between steps (None if it
+        keeps none). For FSDP's own reduce-scatter the bytes are those of its
+        input (every padded gradient in the reduce dtype), what it hands to Gloo.
 
     Example:
-        >>> net, bytes_per_step, state = prepare(DigitsCNN(), "fsdp-aps-e4m3")  # doctest: +SKIP
+        >>> net, bytes_per_step, state, kept = prepare(DigitsCNN(), "fsdp-aps-e4m3")  # doctest: +SKIP
     """
     if hook not in FSDP_HOOKS:
         ddp = DDP(model)
-        sent, state = attach_hook(ddp, hook, group, stats)
-        return ddp, sent, state
+        sent, state, kept = attach_hook(ddp, hook, group, stats)
+        return ddp, sent, state, kept
     from torch.distributed.fsdp import MixedPrecisionPolicy, fully_shard
 
     world = dist.get_world_size()
@@ -258,10 +340,10 @@ def prepare(
         fully_shard(unit, mp_policy=mp)
     fully_shard(model, mp_policy=mp)
     if hook in ("fsdp-fp32", "fsdp-bf16"):
-        return model, (lambda: native), None
+        return model, (lambda: native), None, None
     scaling = "none" if hook == "fsdp-naive-e4m3" else "layer"
     state = aps_fsdp.register(model, "e4m3", scaling=scaling, stats=stats)
-    return model, (lambda: state.bytes_sent), state
+    return model, (lambda: state.bytes_sent), state, state
 
 
 class _LayerLog:
@@ -309,7 +391,7 @@ def _train_digits(
     torch.manual_seed(seed)
     model = DigitsCNN()
     record = rank == 0 and seed == 0
-    ddp, sent, state = prepare(model, hook, group, stats=record)
+    ddp, sent, state, kept = prepare(model, hook, group, stats=record)
     opt = torch.optim.SGD(ddp.parameters(), lr=cfg["digits_lr"] / LOSS_SCALE, momentum=0.9)
     shard_x, shard_y = x_tr[rank::world_size], y_tr[rank::world_size]
     batch = cfg["digits_batch"]
@@ -348,6 +430,7 @@ def _train_digits(
         "final": {"test_acc": final["test_acc"], "test_loss": final["test_loss"]},
         "curve": curve,
         "bytes_per_step": step_bytes,
+        "state_bytes": 0 if kept is None else _state_bytes(kept, model),
         "parameters": sum(p.numel() for p in model.parameters()),
         "layers": layers.result(),
     }
@@ -369,7 +452,7 @@ def _train_markov(
     torch.manual_seed(seed)
     model = TinyLM(cfg["lm_vocab"], cfg["lm_seq_len"], cfg["lm_dim"], cfg["lm_depth"])
     record = rank == 0 and seed == 0
-    ddp, sent, state = prepare(model, hook, group, stats=record)
+    ddp, sent, state, kept = prepare(model, hook, group, stats=record)
     steps = cfg["lm_steps"]
     layers = _LayerLog(state if record else None, model, steps)
     opt = torch.optim.AdamW(ddp.parameters(), lr=cfg["lm_lr"], weight_decay=0.01)
@@ -416,6 +499,7 @@ def _train_markov(
         },
         "curve": curve,
         "bytes_per_step": step_bytes,
+        "state_bytes": 0 if kept is None else _state_bytes(kept, model),
         "parameters": sum(p.numel() for p in model.parameters()),
         "layers": layers.result(),
         "oracle": {
@@ -471,6 +555,10 @@ def _summary(runs: list[dict], hooks: list[str], tasks: list[str]) -> list[dict]
                 }
             row["bytes_per_step"] = round(statistics.fmean(r["bytes_per_step"] for r in mine))
             row["bytes_vs_fp32"] = row["bytes_per_step"] / fp32_bytes if fp32_bytes else None
+            if all("state_bytes" in r for r in mine):  # runs from before it have none
+                grads = statistics.fmean(4 * r["parameters"] for r in mine)
+                row["state_bytes"] = round(statistics.fmean(r["state_bytes"] for r in mine))
+                row["state_vs_gradients"] = row["state_bytes"] / grads
             row["seconds_per_run"] = statistics.fmean(r["seconds"] for r in mine)
             rows.append(row)
     return rows
@@ -520,6 +608,13 @@ def main(argv: list[str] | None = None) -> dict:
         help="directory for the results (default: the working directory; the committed ones are in benchmarks/results)",
     )
     parser.add_argument(
+        "--merge",
+        type=Path,
+        default=None,
+        help="add this run's rows to an accuracy.json of the same settings (its other rows "
+        "kept; a row run again is replaced) and write the merged results",
+    )
+    parser.add_argument(
         "--render",
         type=Path,
         default=None,
@@ -538,7 +633,9 @@ def main(argv: list[str] | None = None) -> dict:
         result["rendered_by"] = command
         _write(result, args.out)
         return result
-    cfg = {k: v for k, v in vars(args).items() if k not in ("out", "timeout")}
+    cfg = {k: v for k, v in vars(args).items() if k not in ("out", "timeout", "merge")}
+    # Checked before training: a merge that cannot happen should not cost a run.
+    base = _mergeable(args.merge, cfg) if args.merge is not None else None
     start = time.perf_counter()
     runs: list[dict] = []
     for seed in range(args.seeds):
@@ -554,9 +651,82 @@ def main(argv: list[str] | None = None) -> dict:
         "summary": _summary(runs, args.hooks, args.tasks),
         "runs": runs,
     }
+    if base is not None:
+        result = _merged(base, result)
     _write(result, args.out)
     print(f"ran in {result['seconds']} s")
     return result
+
+
+# Settings that change what a run trains; a merge needs them equal.
+_TRAINING_SETTINGS = ("world_size", "seeds", "tasks", "fsdp", "block")
+
+
+def _training_settings(settings: dict) -> dict:
+    keys = [k for k in settings if k.startswith(("digits_", "lm_"))] + list(_TRAINING_SETTINGS)
+    # Runs from before --fsdp and --block existed recorded neither: they were False.
+    return {k: settings.get(k, False) for k in keys}
+
+
+def _mergeable(path: Path, cfg: dict) -> dict:
+    """The results at ``path``, if a run of ``cfg`` can be merged into them; else a ValueError."""
+    if not path.is_file():
+        raise ValueError(f"--merge {path}: no such file")
+    try:
+        base = json.loads(path.read_text())
+    except json.JSONDecodeError as exc:
+        raise ValueError(f"--merge {path}: not JSON ({exc})") from None
+    if not isinstance(base, dict) or not {"settings", "runs", "command"} <= set(base):
+        raise ValueError(f"--merge {path}: not the results of benchmarks.accuracy")
+    old, new = _training_settings(base["settings"]), _training_settings(cfg)
+    differ = [
+        f"{k}: {old.get(k)!r} there, {new.get(k)!r} here" for k in new if old.get(k) != new[k]
+    ]
+    if differ:
+        raise ValueError(f"--merge {path}: the settings differ ({'; '.join(differ)})")
+    return base
+
+
+def _merged(base: dict, new: dict) -> dict:
+    """``base`` with ``new``'s runs added (a (task, hook, seed) run again replaces the old one).
+
+    Each merge is recorded under ``merges``: its command, machine, time, the
+    hooks it ran, and for hooks that were there before whether every final
+    metric came out the same (the runs are deterministic on one machine).
+    """
+    key = ("task", "hook", "seed")
+    fresh = {tuple(r[k] for k in key): r for r in new["runs"]}
+    old = {tuple(r[k] for k in key): r for r in base["runs"]}
+    rerun = sorted({(t, h) for t, h, _ in fresh if (t, h, 0) in old})
+    same = {
+        f"{t}/{h}": all(
+            fresh[k]["final"] == old[k]["final"] for k in fresh if k[:2] == (t, h) and k in old
+        )
+        for t, h in rerun
+    }
+    hooks = list(base["settings"]["hooks"])
+    hooks += [h for h in new["settings"]["hooks"] if h not in hooks]
+    runs = [fresh.get(k, r) for k, r in old.items()]
+    runs += [r for k, r in fresh.items() if k not in old]
+    merges = [*base.get("merges", [])]
+    merges.append(
+        {
+            "command": new["command"],
+            "machine": new["machine"],
+            "seconds": new["seconds"],
+            "hooks": new["settings"]["hooks"],
+            "same_as_before": same,
+        }
+    )
+    settings = {**base["settings"], "hooks": hooks}
+    return {
+        **base,
+        "settings": settings,
+        "seconds": base["seconds"] + new["seconds"],
+        "summary": _summary(runs, hooks, settings["tasks"]),
+        "runs": runs,
+        "merges": merges,
+    }
 
 
 def _prefix(result: dict) -> str:
@@ -629,7 +799,44 @@ def markdown(result: dict) -> str:
         f"Total run time {result['seconds']:.0f} s.",
         "",
     ]
+    for merge in result.get("merges", []):
+        again = [
+            f"{k} {'the same' if v else 'NOT the same'}" for k, v in merge["same_as_before"].items()
+        ]
+        lines += [
+            f"Rows of {', '.join(f'`{h}`' for h in merge['hooks'])} from `{merge['command']}` "
+            f"({merge['seconds']:.0f} s), merged in"
+            + (f"; rows run again came out {', '.join(again)} as before." if again else ".")
+            + "",
+            "",
+        ]
     rows = result["summary"]
+    # State the hook keeps between steps (APS's buffers, PowerSGD's error and
+    # P/Q memory), per gradient byte; runs from before it was recorded have none.
+    state = any("state_vs_gradients" in r for r in rows)
+    state_head = " state / gradients |" if state else ""
+    state_rule = "---:|" if state else ""
+
+    def state_cell(r: dict) -> str:
+        return f" {_ratio(r.get('state_vs_gradients'))} |" if state else ""
+
+    if state:
+        lines += [
+            "State / gradients: bytes of the tensors the hook keeps between steps (APS's "
+            "buffers and error-feedback residuals; PowerSGD's error, P and Q memory), each "
+            "storage once, over the model's FP32 gradient bytes, after the last step; "
+            "PyTorch's cast hooks keep none.",
+            "",
+        ]
+    if any(r["hook"] in POWERSGD_RANKS for r in rows):
+        lines += [
+            f"PowerSGD sends plain FP32 for its first {POWERSGD_START} steps "
+            "(`start_powerSGD_iter`); its bytes per step are those of the last step, "
+            "compressed: P and Q of every matrix it compresses, and the vectors (biases, "
+            "norms) and matrices too small to gain, uncompressed.",
+            "",
+        ]
+
     if "digits" in s["tasks"]:
         lines += [
             "## digits CNN (sklearn digits, 1437 train / 360 test images)",
@@ -639,15 +846,15 @@ def markdown(result: dict) -> str:
             f"as in tests/test_training.py), batch {s['digits_batch']} per rank "
             f"({s['digits_batch'] * s['world_size']} global), {s['digits_epochs']} epochs.",
             "",
-            "| hook | test accuracy | [min, max] | test loss | bytes/step | vs FP32 |",
-            "|---|---:|---:|---:|---:|---:|",
+            "| hook | test accuracy | [min, max] | test loss | bytes/step | vs FP32 |" + state_head,
+            "|---|---:|---:|---:|---:|---:|" + state_rule,
         ]
         for r in (r for r in rows if r["task"] == "digits"):
             a = r["test_acc"]
             lines.append(
                 f"| {r['hook']} | {_fmt_stat(a)} | [{a['min']:.4f}, {a['max']:.4f}] | "
                 f"{_fmt_stat(r['test_loss'], 3)} | {r['bytes_per_step']:,} | "
-                f"{_ratio(r['bytes_vs_fp32'])} |"
+                f"{_ratio(r['bytes_vs_fp32'])} |" + state_cell(r)
             )
         lines += ["", f"![digits curves]({stem}_digits.png)", ""]
     if "markov" in s["tasks"]:
@@ -663,15 +870,16 @@ def markdown(result: dict) -> str:
             f"scores loss {oracle['test_loss']:.4f}, perplexity {oracle['test_ppl']:.3f}, "
             f"token accuracy {oracle['test_acc']:.4f}.",
             "",
-            "| hook | test loss | perplexity | token accuracy | [min, max] | bytes/step | vs FP32 |",
-            "|---|---:|---:|---:|---:|---:|---:|",
+            "| hook | test loss | perplexity | token accuracy | [min, max] | bytes/step | vs FP32 |"
+            + state_head,
+            "|---|---:|---:|---:|---:|---:|---:|" + state_rule,
         ]
         for r in (r for r in rows if r["task"] == "markov"):
             a = r["test_acc"]
             lines.append(
                 f"| {r['hook']} | {_fmt_stat(r['test_loss'])} | {_fmt_stat(r['test_ppl'], 3)} | "
                 f"{_fmt_stat(a)} | [{a['min']:.4f}, {a['max']:.4f}] | "
-                f"{r['bytes_per_step']:,} | {_ratio(r['bytes_vs_fp32'])} |"
+                f"{r['bytes_per_step']:,} | {_ratio(r['bytes_vs_fp32'])} |" + state_cell(r)
             )
         lines += ["", f"![markov curves]({stem}_markov.png)", ""]
     if _layer_runs(result):

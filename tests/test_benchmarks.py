@@ -652,3 +652,134 @@ def test_check_docs_catches_a_figure_of_another_run_and_an_unnamed_run(tmp_path:
     # The report's precision bounds the quote's: 0.19 (printed) does not back 0.190.
     assert report._quoted("0.19", ["0.19"]) and not report._quoted("0.190", ["0.19"])
     assert report._quoted("1.9e-3", ["1.90e-03"]) and report._quoted("3.4", ["3.36"])
+
+
+def _powersgd_job(rank: int, world_size: int) -> dict:
+    """PowerSGD in both benchmarks: the accuracy one's bytes and state, the comm one's order."""
+    import torch.distributed as dist
+    from torch.nn.parallel import DistributedDataParallel as DDP
+
+    from benchmarks import comm
+
+    torch.manual_seed(0)
+    net = torch.nn.Sequential(torch.nn.Linear(32, 16))
+    ddp = DDP(net)
+    sent, aps_state, kept = accuracy.attach_hook(ddp, "powersgd-r1")
+    x = torch.randn(4, 32)
+    per_step = []
+    for _ in range(accuracy.POWERSGD_START + 2):
+        ddp(x).sum().backward()
+        per_step.append(sent())
+    state_bytes = accuracy._state_bytes(kept, net)
+    # Four buckets, PowerSGD's collectives in one order: it runs, and agrees everywhere.
+    model = torch.nn.Sequential(*[torch.nn.Linear(128, 128, bias=False) for _ in range(4)])
+    ddp4 = DDP(model, bucket_cap_mb=128 * 128 * 4 / 2**20)
+    state, hook = comm._attach("powersgd-r4", ddp4)
+    ddp4.register_comm_hook(state, hook)
+    buckets: list[int] = []
+    for _ in range(comm.POWERSGD_START + 6):
+        ddp4.zero_grad()
+        ddp4(torch.randn(2, 128)).sum().backward()
+        buckets.append(len(state.powersgd.p_memory_dict))
+    grads = torch.cat([p.grad.flatten() for p in model.parameters()])
+    everyone = [torch.empty_like(grads) for _ in range(world_size)]
+    dist.all_gather(everyone, grads)
+    return {
+        "per_step": per_step,
+        "aps_state": aps_state,
+        "state_bytes": state_bytes,
+        "buckets": buckets[-1],
+        "same": all(torch.equal(g, everyone[0]) for g in everyone),
+    }
+
+
+def test_powersgd_bytes_state_and_ordered_buckets() -> None:
+    from aps_comm.testing import run_distributed
+
+    out = run_distributed(_powersgd_job, 2, timeout=120)
+    # Linear(32, 16): FP32 for the first 10 steps (16 x 32 + 16 floats), then P (16)
+    # and Q (32) of the weight, the bias as it is; P and Q go from then-callbacks.
+    fp32, compressed = (16 * 32 + 16) * 4, (16 + 32 + 16) * 4
+    assert out[0]["per_step"] == [fp32] * accuracy.POWERSGD_START + [compressed] * 2
+    assert out[0]["aps_state"] is None
+    # Its error memory (one gradient) and its P and Q.
+    assert out[0]["state_bytes"] == fp32 + (16 + 32) * 4
+    assert out[0]["buckets"] == 4 and all(o["same"] for o in out)
+
+
+def test_state_bytes_count_each_storage_once_and_not_the_models() -> None:
+    net = torch.nn.Linear(4, 2)
+    net(torch.ones(1, 4)).sum().backward()
+    kept = torch.zeros(8)
+    state = {"a": kept, "b": [kept[:4], (net.weight, net.weight.grad)], "c": torch.zeros(2)}
+    assert accuracy._state_bytes(state, net) == 8 * 4 + 2 * 4
+
+
+def _accuracy_run(hook: str, acc: float, **more: object) -> dict:
+    final = {"test_acc": acc, "test_loss": 0.1}
+    return {
+        "task": "digits",
+        "hook": hook,
+        "seed": 0,
+        "final": final,
+        "curve": [],
+        "bytes_per_step": 400,
+        "parameters": 10,
+        "seconds": 1.0,
+        "layers": None,
+        **more,
+    }
+
+
+def _accuracy_result(hooks: list[str], runs: list[dict], command: str) -> dict:
+    settings = {
+        "world_size": 4,
+        "seeds": 1,
+        "tasks": ["digits"],
+        "hooks": hooks,
+        "digits_epochs": 15,
+        "digits_batch": 32,
+        "digits_lr": 0.1,
+        "lm_steps": 300,
+    }
+    machine = {"cpus": 2, "torch": "2", "backend": "gloo"}
+    return {
+        "command": command,
+        "machine": machine,
+        "settings": settings,
+        "seconds": 10.0,
+        "summary": accuracy._summary(runs, hooks, ["digits"]),
+        "runs": runs,
+    }
+
+
+def test_accuracy_merge(tmp_path: Path) -> None:
+    base = _accuracy_result(
+        ["fp32", "aps-e4m3"],
+        [_accuracy_run("fp32", 0.98), _accuracy_run("aps-e4m3", 0.97)],
+        "python -m benchmarks.accuracy",
+    )
+    new = _accuracy_result(
+        ["fp32", "powersgd-r1"],
+        [
+            _accuracy_run("fp32", 0.98, state_bytes=0),
+            _accuracy_run("powersgd-r1", 0.9, state_bytes=44),
+        ],
+        "python -m benchmarks.accuracy --hooks fp32 powersgd-r1",
+    )
+    merged = accuracy._merged(base, new)
+    assert merged["settings"]["hooks"] == ["fp32", "aps-e4m3", "powersgd-r1"]
+    assert merged["merges"][0]["same_as_before"] == {"digits/fp32": True}
+    rows = {r["hook"]: r for r in merged["summary"]}
+    assert rows["powersgd-r1"]["state_vs_gradients"] == 44 / 40 and rows["aps-e4m3"]["test_acc"]
+    assert "state_vs_gradients" not in rows["aps-e4m3"]  # its run recorded none
+    text = accuracy.markdown(merged)
+    assert "from `python -m benchmarks.accuracy --hooks fp32 powersgd-r1` (10 s), merged in" in text
+    assert "| powersgd-r1 | 0.9000 ± 0.0000 |" in text and "| 1.100 |" in text
+    path = tmp_path / "accuracy.json"
+    path.write_text(json.dumps(base))
+    assert accuracy._mergeable(path, new["settings"]) == base
+    with pytest.raises(ValueError, match="lm_steps: 300 there, 400 here"):
+        accuracy._mergeable(path, {**new["settings"], "lm_steps": 400})
+    with pytest.raises(ValueError, match="no such file"):
+        accuracy._mergeable(tmp_path / "none.json", new["settings"])

@@ -170,6 +170,12 @@ EXEMPT: dict[str, str] = {
         "a timing benchmark on the emulated cluster (needs root for network namespaces); "
         "its results are benchmarks/results/fsdp_*.json"
     ),
+    "python -m benchmarks.accuracy --hooks fp32 aps-e4m3 aps-e2m1-block powersgd-r1 "
+    "powersgd-r4 --merge benchmarks/results/accuracy.json --out benchmarks/results": (
+        "5 hooks x 2 tasks x 3 seeds on 4 ranks (851 s for the rows merged into the "
+        "committed benchmarks/results/accuracy.json); tests/test_benchmarks.py checks the "
+        "PowerSGD hooks' bytes and state and the merge"
+    ),
     "python -m benchmarks.accuracy --fsdp": (
         "the FSDP2 accuracy benchmark, 4 ranks x 3 seeds x 4 setups x 2 tasks; its results "
         "are benchmarks/results/accuracy_fsdp.json"
