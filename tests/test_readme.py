@@ -18,6 +18,7 @@ not conflict). Relative links between the pages must resolve.
 from __future__ import annotations
 
 import ast
+import configparser
 import csv
 import dataclasses
 import inspect
@@ -841,6 +842,15 @@ def test_fsdp_register_signature_is_the_documented_one() -> None:
     parts.insert(first_kw, "*")
     text = (DOCS / "fsdp2.md").read_text()
     assert f"`register({', '.join(parts)})`" in text
+
+
+def test_readme_names_every_extra() -> None:
+    setup = configparser.ConfigParser()
+    setup.read(ROOT / "setup.cfg")
+    extras = set(setup["options.extras_require"])
+    (paragraph,) = [p for p in README.read_text().split("\n\n") if p.startswith("Optional extras:")]
+    named = set(_CODE.findall(paragraph))
+    assert extras and extras <= named, f"extras README does not name: {sorted(extras - named)}"
 
 
 def test_command_parser() -> None:
