@@ -107,3 +107,25 @@ def test_float64_gradients_are_reduced_in_float32_with_a_warning() -> None:
     for out in run_distributed(_float64, 2, args=("fp32",)):
         assert out["messages"] == [] and out["dtype"] == torch.float64, out
         assert not out["float32_values"] and out["error"] < 1e-15, out
+
+
+def _fsdp_float64(rank: int, world_size: int) -> dict:
+    torch.manual_seed(0)
+    net = nn.Sequential(nn.Linear(8, 16), nn.ReLU(), nn.Linear(16, 1)).double()
+    fully_shard(net)
+    fsdp.register(net, "e4m3")
+    torch.manual_seed(1 + rank)
+    messages = _warned(lambda: net(torch.randn(4, 8, dtype=torch.float64)).sum().backward())
+    grads = [p.grad.to_local() for p in net.parameters()]
+    return {
+        "messages": messages,
+        "dtypes": {g.dtype for g in grads},
+        "float32_values": all(torch.equal(g, g.float().double()) for g in grads),
+    }
+
+
+def test_fsdp_float64_gradients_are_reduced_in_float32_with_a_warning() -> None:
+    for out in run_distributed(_fsdp_float64, 2):
+        (message,) = out["messages"]
+        assert "float64 gradients are reduced in float32" in message, message
+        assert out["dtypes"] == {torch.float64} and out["float32_values"], out
