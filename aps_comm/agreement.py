@@ -5,7 +5,10 @@ group of their own (so their collectives never interleave with DDP's or
 FSDP's), the backend that group uses for the gradients' device, the
 configuration compared across ranks, and the node topology. Every check
 here gathers what every rank sees *before* any rank raises, so a problem on
-one rank is the same error on every rank, never a hang.
+one rank is the same error on every rank, never a hang. Before any of that,
+:func:`wait_for_ranks` makes sure every rank has reached the call at all: a
+rank that never does is named within :data:`ARRIVAL_TIMEOUT_S`, instead of
+the others waiting silently for the group's timeout.
 
 Example:
     >>> group = new_group()                                       # doctest: +SKIP
@@ -16,11 +19,12 @@ Example:
 
 from __future__ import annotations
 
+import collections
 import dataclasses
 import datetime
 import os
 import warnings
-from collections.abc import Sequence
+from collections.abc import Mapping, Sequence
 from typing import Any
 
 import torch
@@ -31,13 +35,16 @@ from aps_comm.config import Reduction
 from aps_comm.topology import (
     NodeGroups,
     Topology,
+    by_rank,
     check_topology,
     env_ranks_per_node,
     grid_rows,
     node_groups,
+    ranks_text,
 )
 
 __all__ = [
+    "ARRIVAL_TIMEOUT_S",
     "BACKENDS",
     "Layouts",
     "agree",
@@ -48,10 +55,97 @@ __all__ = [
     "group_timeout",
     "new_group",
     "seen_topology",
+    "wait_for_ranks",
 ]
 
 BACKENDS: tuple[str, ...] = ("gloo", "nccl", "mpi")
 """Backends the hook runs on (the group's backend for the gradients' device)."""
+
+ARRIVAL_TIMEOUT_S = 60.0
+"""Seconds ``register`` waits for every rank to reach it before naming those that did not.
+
+Never longer than the group's own timeout. Raise it (``aps_comm.agreement.ARRIVAL_TIMEOUT_S
+= 600``, before ``register``, on every rank) when ranks reach ``register`` far apart on
+purpose, e.g. one rank loads a checkpoint first.
+"""
+
+# Added to a call's arrival counter by a rank that stopped waiting: arrivals
+# stay countable below it, and a rank that arrives later sees that it is late.
+_GAVE_UP = 1 << 40
+# Differing texts agree() lists, at most.
+_SHOWN = 3
+# Per process group name, how many register calls this process has made on it.
+_calls: collections.Counter[str] = collections.Counter()
+
+
+def wait_for_ranks(what: str, group: dist.ProcessGroup | None = None) -> None:
+    """Announce that this rank reached ``what``; wait, bounded, until every rank of ``group`` has.
+
+    Call it first in a collective call such as ``register``, before any
+    collective: a rank that never gets there would otherwise leave the others
+    in the call's first collective, silently, for the group's whole timeout.
+    Uses the default group's store (no collective): each call on a group is
+    numbered per process, so every rank must make its calls on the group in
+    the same order. The wait is :data:`ARRIVAL_TIMEOUT_S`, or the group's
+    timeout if shorter. All ranks that arrived decide alike: they go on only
+    if every rank arrived before any of them stopped waiting.
+
+    Args:
+        what: the call, as the user wrote it ("aps_comm.register").
+        group: the ranks that must arrive; default: all ranks.
+
+    Raises:
+        RuntimeError: a rank of ``group`` did not arrive in time (the message
+            names the ranks), or this rank arrived after another had stopped
+            waiting for it.
+
+    Example:
+        >>> wait_for_ranks("aps_comm.register")  # doctest: +SKIP
+    """
+    group = group if group is not None else dist.group.WORLD
+    members = dist.get_process_group_ranks(group)
+    if len(members) < 2:
+        return
+    store = dist.distributed_c10d._get_default_store()
+    call = _calls[group.group_name]
+    _calls[group.group_name] += 1
+    prefix = f"aps_comm/arrival/{group.group_name}/{call}/"
+    counter, everyone = prefix + "arrived", prefix + "all"
+    wait_s = min(ARRIVAL_TIMEOUT_S, group_timeout(group).total_seconds())
+    timeout = datetime.timedelta(seconds=wait_s)
+    rule = (
+        f"{what} is collective: every rank must call it, in the same order as its other "
+        f"{what} calls"
+    )
+    arrived = store.add(counter, 1)
+    store.set(prefix + str(dist.get_rank()), str(arrived))
+    if arrived % _GAVE_UP == len(members):
+        store.set(everyone, str(arrived))  # the last to arrive says whether it was late
+    if arrived >= _GAVE_UP:
+        raise RuntimeError(
+            f"{rule}; this rank (rank {dist.get_rank()}) reached it after the others had "
+            f"stopped waiting for it ({wait_s:.0f} s, aps_comm.agreement.ARRIVAL_TIMEOUT_S)"
+        )
+    try:
+        store.wait([everyone], timeout)
+    except dist.DistStoreError:
+        count = store.add(counter, _GAVE_UP) % _GAVE_UP
+        if count < len(members):
+            missing = [r for r in members if not store.check([prefix + str(r)])]
+            raise RuntimeError(
+                f"{rule}. {ranks_text(missing).capitalize()} did not reach it within {wait_s:.0f} s "
+                f"of rank {dist.get_rank()} ({count} of {len(members)} ranks did). If a rank "
+                "is slower to get there on purpose, raise aps_comm.agreement.ARRIVAL_TIMEOUT_S."
+            ) from None
+        # Every rank had arrived before this one gave up: the last is setting `everyone`.
+        store.wait([everyone], timeout)
+    if int(store.get(everyone)) >= _GAVE_UP:
+        values = store.multi_get([prefix + str(r) for r in members])
+        late = [r for r, v in zip(members, values, strict=True) if int(v) >= _GAVE_UP]
+        raise RuntimeError(
+            f"{rule}. {ranks_text(late).capitalize()} reached it more than {wait_s:.0f} s after "
+            "another rank, which stopped waiting (aps_comm.agreement.ARRIVAL_TIMEOUT_S)"
+        )
 
 
 def group_timeout(group: dist.ProcessGroup | None = None) -> datetime.timedelta:
@@ -138,7 +232,7 @@ def gather(group: dist.ProcessGroup, mine: Any) -> list[Any]:
 
 def agree(
     group: dist.ProcessGroup,
-    mine: str,
+    mine: str | Mapping[str, str],
     *,
     what: str,
     problem: str = "",
@@ -151,17 +245,31 @@ def agree(
     rank that cannot proceed stops every rank instead of leaving them in a
     collective it will never join, under ``refused`` (default: ``what``).
 
+    ``mine`` is one text, or named texts (e.g. the configuration, then one per
+    unit of a model): then only those that differ are listed, the first
+    three of them. Ranks with the same text are named together
+    (:func:`aps_comm.topology.by_rank`), and a problem every rank has is said once.
+
     Raises:
-        ValueError: some rank has a problem, or ``mine`` differs across ranks
-            (the message lists every rank's text).
+        ValueError: some rank has a problem, or ``mine`` differs across ranks.
     """
-    everyone = gather(group, (problem, mine))
-    bad = [f"rank {r}: {p}" for r, (p, _) in enumerate(everyone) if p]
-    if bad:
-        raise ValueError(f"{refused or what}: " + "; ".join(bad))
-    if any(text != mine for _, text in everyone):
-        listing = "; ".join(f"rank {r}: {text}" for r, (_, text) in enumerate(everyone))
-        raise ValueError(f"{what} differs across ranks: {listing}")
+    fields = {"": mine} if isinstance(mine, str) else dict(mine)
+    everyone = gather(group, (problem, fields))
+    problems = [p for p, _ in everyone]
+    if any(problems):
+        same = all(p == problems[0] for p in problems)
+        raise ValueError(f"{refused or what}: {problems[0] if same else by_rank(problems)}")
+    names = list(dict.fromkeys(k for _, f in everyone for k in f))
+    differ = [k for k in names if any(f.get(k) != fields.get(k) for _, f in everyone)]
+    if not differ:
+        return
+    listed = [
+        f"{k + ': ' if k else ''}{by_rank([f.get(k, '(none)') for _, f in everyone])}"
+        for k in differ[:_SHOWN]
+    ]
+    if len(differ) > _SHOWN:
+        listed.append(f"and {len(differ) - _SHOWN} more of {len(names)}")
+    raise ValueError(f"{what} differs across ranks: " + " | ".join(listed))
 
 
 def seen_topology(ranks_per_node: int | None) -> tuple[int, int | None, bool]:

@@ -3,13 +3,14 @@
 The model (:mod:`aps_perfmodel.calibrate`) fits plain numbers: a list of
 ``{"op", "n", "seconds"}`` samples. Producing them means running this
 package's codec and hook, so the timing lives here, beside the code it times,
-and the model never imports ``aps_comm``. ``aps-perfmodel calibrate`` (run
+and the model never imports ``aps_comm``. ``python -m aps_comm calibrate`` (run
 under ``aps-launch`` or ``torchrun``) calls :func:`calibrate_command`; a
 script can call :func:`run_calibration` and fit the samples itself.
 
-Example (under ``aps-launch`` or ``torchrun``)::
+Example (2 ranks on this machine)::
 
-    aps-perfmodel calibrate --out profile.json --min-size 64KiB --max-size 64MiB
+    aps-launch --nproc-per-node 2 -m aps_comm calibrate --out profile.json \\
+        --min-size 64KiB --max-size 64MiB
 """
 
 from __future__ import annotations
@@ -226,7 +227,7 @@ def calibrate_command(
     timeout_s: float = 300.0,
     verbose: bool = False,
 ) -> int:
-    """``aps-perfmodel calibrate``: time this group, fit, and write the profile on rank 0.
+    """``python -m aps_comm calibrate``: time this group, fit, and write the profile on rank 0.
 
     Initialises the default group from the launcher's environment (and
     destroys it again) unless one is already initialised.

@@ -17,7 +17,7 @@ Block scaling makes a segment of every 8 to 256 elements. Such segments go
 through explicit 16- and 8-lane LLVM vectors (numba intrinsics repeating the
 scalar arithmetic) instead of the loop vectoriser, whose short-loop path
 costs more than the work; runs of whole blocks (``block_size`` and ``runs``,
-from :attr:`aps_comm.codec.Layout.block_runs`) are walked block by block
+from :attr:`aps_comm.layout.Layout.block_runs`) are walked block by block
 without reading their offsets. Measured on one thread, 64 MiB: e4m3
 encode + decode with blocks of 32 within 10% of per-layer scaling.
 
@@ -1939,7 +1939,7 @@ def encode(
     """Encode contiguous float32 ``x`` (times per-segment ``factors``) into uint8 ``out``.
 
     ``runs`` (int64, shape (R, 2): first segment, count) marks runs of
-    segments of exactly ``block_size`` elements (:attr:`aps_comm.codec.Layout.block_runs`),
+    segments of exactly ``block_size`` elements (:attr:`aps_comm.layout.Layout.block_runs`),
     which the binade encoder walks block by block without their offsets.
     """
     xa = _np(x.contiguous().float())

@@ -20,8 +20,9 @@ from collections.abc import Sequence
 
 import torch
 
-from aps_comm.codec import Codec, Layout
+from aps_comm.codec import Codec
 from aps_comm.formats import pow2
+from aps_comm.layout import Layout
 
 __all__ = ["ErrorFeedback"]
 

@@ -46,6 +46,7 @@ Example:
 
 from __future__ import annotations
 
+import collections
 import dataclasses
 import functools
 from collections.abc import Sequence
@@ -413,7 +414,8 @@ def register(
     api = _fsdp_api()
     state = APSFSDPState(fmt, scaling, policy, stats, block_size)
     names = {id(p): n for n, p in module.named_parameters()}
-    problems: list[str] = []
+    # Per problem, the units that have it: a problem is said once, its units after.
+    unfit: dict[str, list[str]] = {}
     found: list[tuple[Any, Any, _Unit]] = []
     world = dist.get_world_size()
     for mod_name, mod in module.named_modules():
@@ -422,13 +424,14 @@ def register(
         try:
             group = _one_param_group(mod, api, world)
         except ValueError as exc:
-            problems.append(f"{mod_name or '<root>'}: {exc}")
+            unfit.setdefault(str(exc), []).append(mod_name or "<root>")
             continue
         if group is None:
             continue
         unit = _unit_of(group, len(found), mod_name, names)
         if unit.chunks:
             found.append((mod, group, unit))
+    problems = [f"{problem} {_which_units(units)}" for problem, units in unfit.items()]
     if not found and not problems:
         problems.append(
             f"{type(module).__name__} has no fully_shard-ed module with trainable parameters"
@@ -446,27 +449,50 @@ def register(
 
     # Collective from here: every rank creates the group and compares notes
     # before any rank raises, so a problem on one rank is an error on all.
+    agreement.wait_for_ranks("aps_comm.fsdp.register")
+    with teardown.released_if_raises(state):
+        _bind(state, device, formats, problems)
+        comm_class = _comm_class()
+        for mod, group, unit in found:
+            mod.set_custom_reduce_scatter(comm_class(state, unit))
+            mod.set_force_sum_reduction_for_comms(True)
+            _reduce_scatter_unused_params(mod, group, api)
+    teardown.release_at_exit(state)
+    return state
+
+
+def _bind(
+    state: APSFSDPState, device: torch.device, formats: Sequence[FloatFormat], problems: list[str]
+) -> None:
+    """Create the state's group, bind to it, agree with every rank (collective)."""
     group = agreement.new_group()
     if not problems:
         try:
             state.bind(group, device)
         except ValueError as exc:
-            problems.append(str(exc))
+            problems = [str(exc)]
+    # Named texts: a difference names the setting or the unit, not every unit.
+    mine = {
+        "configuration": state.describe(),
+        # Parameters per format: the same names and configuration give the same list.
+        "formats": str(sorted(collections.Counter(f.name for f in formats).items())),
+        "units": str(len(state._units)),
+    }
+    mine.update({f"unit {u.index}": u.describe() for u in state._units})
     agreement.agree(
         group,
-        f"{state.describe()}, units=[{', '.join(u.describe() for u in state._units)}], "
-        f"formats={[f.name for f in formats]}",
+        mine,
         what="aps_comm.fsdp configuration",
         problem="; ".join(problems),
         refused="aps_comm.fsdp.register cannot install on this model",
     )
-    teardown.release_at_exit(state)
-    comm_class = _comm_class()
-    for mod, group, unit in found:
-        mod.set_custom_reduce_scatter(comm_class(state, unit))
-        mod.set_force_sum_reduction_for_comms(True)
-        _reduce_scatter_unused_params(mod, group, api)
-    return state
+
+
+def _which_units(units: Sequence[str]) -> str:
+    """The first few unit names and the count: "(units: a, b, c and 5 more, 8 in all)"."""
+    shown = ", ".join(units[:3])
+    more = f" and {len(units) - 3} more, {len(units)} in all" if len(units) > 3 else ""
+    return f"(units: {shown}{more})"
 
 
 # ---------------------------------------------------------------------------
@@ -580,30 +606,45 @@ def _param_groups(mod: Any) -> list[Any]:
 
 
 def _one_param_group(mod: Any, api: _API, world: int) -> Any | None:
-    """The module's single FSDP parameter group (None without parameters), or ValueError."""
+    """The module's single FSDP parameter group (None without parameters), or ValueError.
+
+    The error's text is the same for every unit with that problem (the
+    caller names the units once, after it).
+    """
     groups = _param_groups(mod)
     if not groups:
         return None
     if len(groups) > 1:
         raise ValueError(
-            f"{len(groups)} parameter groups (shard_placement_fn with per-parameter "
-            "meshes); aps_comm.fsdp supports one per module"
+            "some modules have several parameter groups (shard_placement_fn with "
+            "per-parameter meshes); aps_comm.fsdp supports one per module"
         )
     group = groups[0]
     mesh_info = group.mesh_info
     if isinstance(mesh_info, api.DDPMeshInfo) or not isinstance(mesh_info, api.FSDPMeshInfo):
         raise ValueError(
-            f"{type(mesh_info).__name__}: HSDP and replicated meshes are not supported; "
-            "aps_comm.fsdp needs a 1-D shard mesh over all ranks"
+            "the model is replicated across a mesh dimension (HSDP: fully_shard on a 2-D "
+            "mesh; or replicate()), which aps_comm.fsdp does not support yet (issue 44 will "
+            "add replicate=). What works today: fully_shard each unit on a 1-D mesh over all "
+            f"{world} ranks (fully_shard's default mesh, or "
+            f"init_device_mesh(device_type, ({world},))), or DDP with aps_comm.register"
         )
     ranks = dist.get_process_group_ranks(mesh_info.shard_process_group)
     if ranks != list(range(world)):
         raise ValueError(
-            f"the shard group holds ranks {ranks}; aps_comm.fsdp needs all {world} ranks in order"
+            f"the shard mesh is not all {world} ranks in order (e.g. ranks {ranks}); "
+            "aps_comm.fsdp needs a 1-D shard mesh over all ranks"
         )
-    if not isinstance(group._reduce_scatter_comm, api.DefaultReduceScatter):
+    custom = group._reduce_scatter_comm
+    if not isinstance(custom, api.DefaultReduceScatter):
+        if isinstance(custom, _comm_class()):
+            raise ValueError(
+                "aps_comm.fsdp.register was called on this model before: it already has "
+                "a custom reduce-scatter (APS's)"
+            )
         raise ValueError(
-            f"it already has a custom reduce-scatter ({type(group._reduce_scatter_comm).__name__})"
+            "it already has a custom reduce-scatter (set_custom_reduce_scatter, "
+            f"{type(custom).__name__}); aps_comm.fsdp replaces FSDP's default one only"
         )
     return group
 

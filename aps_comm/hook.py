@@ -53,7 +53,7 @@ from aps_comm.policy import Assignment, LayerInfo, Rule, policy_rules
 from aps_comm.policy import describe as describe_policy
 from aps_comm.reduction import resolve_routes
 from aps_comm.telemetry import LayerStats, StepStats
-from aps_comm.topology import NodeGroups, Topology
+from aps_comm.topology import NodeGroups, Topology, by_rank
 from aps_perfmodel.profile import Profile
 from aps_perfmodel.strategies import hook_cluster
 
@@ -177,7 +177,7 @@ class APSState:
             SLURM and MPI launchers), else 1. Ranks must be numbered node by
             node; every rank checks what the others see when it binds.
         profile: a calibrated :class:`aps_perfmodel.profile.Profile` (or the
-            path of its JSON, from ``aps-perfmodel calibrate``): the links and
+            path of its JSON, from ``python -m aps_comm calibrate``): the links and
             codec the hook plans chunks and strategies with; default: the
             backend's defaults (:func:`aps_perfmodel.strategies.hook_cluster`).
         cuda_graphs: on NCCL with CUDA tensors, capture each settled bucket's
@@ -403,7 +403,7 @@ class APSState:
         )
         everyone = agreement.gather(group, mine)
         if any(c[0] != mine[0] for c in everyone):
-            listing = "; ".join(f"rank {r}: {c[0]}" for r, c in enumerate(everyone))
+            listing = by_rank([c[0] for c in everyone])
             raise ValueError(f"APSState configuration differs across ranks: {listing}")
         self.layouts = agreement.bind_topology(
             [c[1] for c in everyone],
@@ -454,11 +454,11 @@ class APSState:
         group = self.process_group
         assert group is not None and self.layouts is not None
         seen = [c.get(device.type, (f"no {device.type} device", "")) for c in self._routes_agreed]
-        problems = [f"rank {r}: {p}" for r, (p, _) in enumerate(seen) if p]
-        if problems:
-            raise ValueError("aps_comm cannot run this configuration: " + "; ".join(problems))
+        problems = [p for p, _ in seen]
+        if any(problems):
+            raise ValueError(f"aps_comm cannot run this configuration: {by_rank(problems)}")
         if any(text != seen[0][1] for _, text in seen):
-            listing = "; ".join(f"rank {r}: {t}" for r, (_, t) in enumerate(seen))
+            listing = by_rank([t for _, t in seen])
             raise ValueError(f"aps_comm: the resolved reductions differ across ranks: {listing}")
         if (self.policy or self.error_feedback) and not self.assignment.bound:
             raise ValueError(
@@ -874,9 +874,17 @@ def register(
     cannot run (FP8 ``reduction="allreduce"`` on Gloo) is an error here, on
     every rank, not at the first backward.
 
+    Collective: every rank of the group must call it, in the same order as
+    its other ``register`` calls. A rank that has not reached it within
+    :data:`aps_comm.agreement.ARRIVAL_TIMEOUT_S` (60 s, or the group's
+    timeout if shorter) makes the others raise, naming it. A ``register``
+    that raises leaves nothing behind: the groups it made are destroyed
+    (:class:`aps_comm.teardown.released_if_raises`).
+
     Raises:
         TypeError: ``ddp`` is not a ``DistributedDataParallel``.
         ValueError: the configuration cannot run here or differs across ranks.
+        RuntimeError: a rank did not call ``register`` in time.
 
     Example:
         >>> state = register(ddp, fmt="e5m2", stats=True)  # doctest: +SKIP
@@ -908,13 +916,17 @@ def register(
         cuda_graphs,
     )
     state.bind_model(ddp.module)
-    if dist.is_available() and dist.is_initialized():
-        device = next((p.device for p in ddp.module.parameters() if p.requires_grad), None)
-        if device is None:
-            state.bind_process_group()
-        else:
-            state.bind(device)
-    ddp.register_comm_hook(state, aps_hook)
+    distributed = dist.is_available() and dist.is_initialized()
+    if distributed:
+        agreement.wait_for_ranks("aps_comm.register", process_group)
+    with teardown.released_if_raises(state):
+        if distributed:
+            device = next((p.device for p in ddp.module.parameters() if p.requires_grad), None)
+            if device is None:
+                state.bind_process_group()
+            else:
+                state.bind(device)
+        ddp.register_comm_hook(state, aps_hook)
     teardown.release_at_exit(state)
     return state
 

@@ -26,10 +26,11 @@ from collections.abc import Callable, Sequence
 
 import torch
 
-from aps_comm.codec import Blocks, Codec, Layout, codec_for
+from aps_comm.codec import Codec, codec_for
 from aps_comm.config import DEFAULT_BLOCK_SIZE, BlockExponents, Route, Scaling
 from aps_comm.formats import FP32, FloatFormat, get_format, payload_nbytes
 from aps_comm.hostcopy import to_device
+from aps_comm.layout import Blocks, Layout
 from aps_perfmodel.cluster import Cluster
 from aps_perfmodel.formats import FormatSpec
 from aps_perfmodel.formats import get_format as model_spec
@@ -413,7 +414,7 @@ class GroupPlan:
         shards: two_phase: scratch for the owner's reduced shards.
         node: hierarchical and grid: the slices and their scratch.
         codec: the format's codec on the bucket's device (backend resolved once).
-        blocks: block scaling: the layers' blocks (:meth:`aps_comm.codec.Layout.grid`;
+        blocks: block scaling: the layers' blocks (:meth:`aps_comm.layout.Layout.grid`;
             ``layout`` is their layout); None with one exponent per layer.
         block_shards: two_phase with block scaling and owner exponents: the
             shards of whole blocks (:class:`BlockShards`); ``regions`` and

@@ -17,7 +17,7 @@ a layer whose maximum is not finite gets ``e = 0`` and is reported through
 the ``finite`` mask so the caller can make it NaN on every rank.
 
 Block scaling (``scaling="block"``) applies the same rules to every block of
-``block_size`` elements of a layer (:meth:`aps_comm.codec.Layout.grid`):
+``block_size`` elements of a layer (:meth:`aps_comm.layout.Layout.grid`):
 :func:`block_amax` gives each block's maximum, one MAX all-reduce agrees on
 them, and :func:`factors` turns them into per-block factors; a block whose
 maximum is not finite makes its whole layer NaN. Exponents fit one signed
@@ -46,7 +46,7 @@ from aps_comm.config import SCALINGS, Scaling
 from aps_comm.formats import FloatFormat, get_format, pow2
 
 if TYPE_CHECKING:
-    from aps_comm.codec import Blocks, Layout
+    from aps_comm.layout import Blocks, Layout
 
 __all__ = [
     "EXPONENT_LIMIT",
@@ -102,10 +102,10 @@ def block_amax(x: torch.Tensor, blocks: Blocks) -> torch.Tensor:
 
     Args:
         x: 1-D floating-point tensor of ``blocks.layout.numel`` elements.
-        blocks: its blocks (:meth:`aps_comm.codec.Layout.grid`, or a window).
+        blocks: its blocks (:meth:`aps_comm.layout.Layout.grid`, or a window).
 
     Example:
-        >>> from aps_comm.codec import Layout
+        >>> from aps_comm.layout import Layout
         >>> x = torch.tensor([1.0, -3.0, 0.5, float("nan"), 2.0])
         >>> block_amax(x, Layout.from_numels([5], x.device).grid(8))
         tensor([inf])
@@ -120,7 +120,7 @@ def blocks_amax(x: torch.Tensor, layout: Layout) -> torch.Tensor:
     this one a segment per block.
 
     Example:
-        >>> from aps_comm.codec import Layout
+        >>> from aps_comm.layout import Layout
         >>> blocks_amax(torch.tensor([1.0, -3.0, 2.0]), Layout.from_numels([2, 1], "cpu"))
         tensor([3., 2.])
     """
@@ -280,7 +280,7 @@ def factors(
         divide: native sums: fold 1/N into ``unscale`` (the mean); two_phase
             owners divide before re-encoding, so they never need it.
         counts: block scaling only: how many of ``amax``'s blocks each layer
-            has (int64 on ``amax``'s device, :attr:`aps_comm.codec.Blocks.device_counts`);
+            has (int64 on ``amax``'s device, :attr:`aps_comm.layout.Blocks.device_counts`);
             every factor is then per block, and a block whose maximum is not
             finite makes ``unscale`` NaN for every block of its layer.
 

@@ -51,6 +51,14 @@ So :func:`join_at_exit` records (weakly) every group aps-comm creates, and
 The owner is unusable afterwards. The handler never raises and never changes
 the exit code: a job that failed keeps its own.
 
+A ``register`` that raises must leave nothing for that handler: the
+traceback of an uncaught exception stays referenced until exit
+(``sys.last_traceback``), and its frames hold the groups ``register`` had
+made, which the handler would then report as still referenced by the
+program. :class:`released_if_raises` undoes such a call at once: the
+groups made inside it are destroyed and joined before the error
+propagates, and its owner is forgotten.
+
 Example:
     >>> from aps_comm.teardown import release_at_exit
     >>> release_at_exit(state)  # doctest: +SKIP
@@ -63,6 +71,8 @@ import contextlib
 import gc
 import sys
 import threading
+import traceback
+import types
 import weakref
 from typing import Protocol
 
@@ -70,7 +80,13 @@ import torch.distributed as dist
 
 from aps_comm.executor import FifoWorker
 
-__all__ = ["JOIN_TIMEOUT_S", "ExitResources", "join_at_exit", "release_at_exit"]
+__all__ = [
+    "JOIN_TIMEOUT_S",
+    "ExitResources",
+    "join_at_exit",
+    "release_at_exit",
+    "released_if_raises",
+]
 
 JOIN_TIMEOUT_S = 10.0
 """Seconds the exit handler waits for a worker to finish, and for the groups to be joined."""
@@ -93,6 +109,8 @@ class ExitResources(Protocol):
 _owners: weakref.WeakSet = weakref.WeakSet()
 # Weak: a group destroyed and freed before exit has joined its threads then.
 _groups: weakref.WeakSet = weakref.WeakSet()
+# The groups made inside each open released_if_raises block (strong: undone if it raises).
+_scopes: list[list[dist.ProcessGroup]] = []
 
 
 def join_at_exit(group: dist.ProcessGroup) -> dist.ProcessGroup:
@@ -106,6 +124,8 @@ def join_at_exit(group: dist.ProcessGroup) -> dist.ProcessGroup:
     """
     if isinstance(group, dist.ProcessGroup):  # not NON_GROUP_MEMBER
         _groups.add(group)
+        for made in _scopes:
+            made.append(group)
         atexit.unregister(_release_all)
         atexit.register(_release_all)
     return group
@@ -131,6 +151,80 @@ def release_at_exit(owner: ExitResources) -> None:
     _owners.add(owner)
     atexit.unregister(_release_all)
     atexit.register(_release_all)
+
+
+class released_if_raises:  # lower case: used as a context manager, as contextlib.suppress is
+    """Undo a collective call that raises: destroy and join the groups it made, forget its owner.
+
+    Every group :func:`join_at_exit` records inside the block is destroyed
+    and its last reference dropped (its Gloo threads joined, bounded by
+    :data:`JOIN_TIMEOUT_S`) before the exception propagates, unchanged; the
+    owner forgets its groups (:meth:`ExitResources.exit_groups`: a group the
+    user handed it is forgotten, never destroyed) and the exit handler
+    forgets the owner. A block that does not raise changes nothing.
+
+    The frames the exception's traceback holds below the block's own lose
+    their local variables (``traceback.clear_frames``): they held the groups
+    too, and an uncaught exception keeps them until exit. File names and
+    line numbers remain.
+
+    Args:
+        owner: what the block builds (e.g. an :class:`~aps_comm.APSState`).
+
+    Example:
+        >>> with released_if_raises(state):  # doctest: +SKIP
+        ...     state.bind_process_group()
+    """
+
+    def __init__(self, owner: ExitResources) -> None:
+        self.owner = owner
+        self._made: list[dist.ProcessGroup] = []
+
+    def __enter__(self) -> released_if_raises:
+        _scopes.append(self._made)
+        return self
+
+    def __exit__(
+        self,
+        kind: type[BaseException] | None,
+        exc: BaseException | None,
+        tb: types.TracebackType | None,
+    ) -> None:
+        _scopes.remove(self._made)
+        made, self._made = self._made, []
+        if exc is None:
+            return
+        try:
+            _undo(self.owner, made, exc)
+        except Exception as failed:  # the caller's error is the one to see
+            print(f"aps_comm: releasing a failed call's groups failed: {failed!r}", file=sys.stderr)
+
+
+def _undo(owner: ExitResources, made: list[dist.ProcessGroup], exc: BaseException) -> None:
+    """Forget ``owner``, destroy and join ``made`` (whose only references are here)."""
+    _owners.discard(owner)
+    for worker in owner.exit_workers():
+        worker.close(JOIN_TIMEOUT_S)
+    owner.exit_groups()
+    if not made:
+        return  # nothing of ours for the frames to hold: leave them to debuggers
+    seen: set[int] = set()
+    chained: BaseException | None = exc
+    while chained is not None and id(chained) not in seen:
+        seen.add(id(chained))
+        # Skips the frames still running (the caller's): their locals are theirs.
+        traceback.clear_frames(chained.__traceback__)
+        chained = chained.__cause__ or chained.__context__
+    groups: dict[int, dist.ProcessGroup] = {}
+    for group in made:
+        _groups.discard(group)
+        groups[id(group)] = group
+        with contextlib.suppress(ValueError):  # gone with the default group already
+            dist.destroy_process_group(group)
+    # Only `groups` may refer to them now: the join waits for the last reference.
+    del group
+    made.clear()
+    _join(groups, warn=False)
 
 
 def _release_all() -> None:
@@ -174,19 +268,22 @@ def _take_groups() -> dict[int, dist.ProcessGroup]:
     return groups
 
 
-def _join(groups: dict[int, dist.ProcessGroup]) -> None:
+def _join(groups: dict[int, dist.ProcessGroup], warn: bool = True) -> None:
     """Drop the last references to ``groups`` on a helper thread; wait for it, bounded.
 
     ``groups`` must hold the only references left: the backend's destructor,
-    which joins Gloo's threads, runs when the helper clears it.
+    which joins Gloo's threads, runs when the helper clears it. ``warn``:
+    say so when something else still holds one (at exit: the program).
     """
-    helper = threading.Thread(target=_drop, args=(groups,), name="aps-comm-teardown", daemon=True)
+    helper = threading.Thread(
+        target=_drop, args=(groups, warn), name="aps-comm-teardown", daemon=True
+    )
     del groups
     helper.start()
     helper.join(JOIN_TIMEOUT_S)
 
 
-def _drop(groups: dict[int, dist.ProcessGroup]) -> None:
+def _drop(groups: dict[int, dist.ProcessGroup], warn: bool) -> None:
     alive = [weakref.ref(g) for g in groups.values()]
     groups.clear()
     if any(ref() is not None for ref in alive):
@@ -195,7 +292,7 @@ def _drop(groups: dict[int, dist.ProcessGroup]) -> None:
         # interpreter's shutdown, where the join would come too late.
         gc.collect()
     survivors = sum(ref() is not None for ref in alive)
-    if survivors:
+    if survivors and warn:
         # Something of the program's (a global, a module attribute) still holds
         # a group, so its threads outlive this handler: say what to change.
         print(

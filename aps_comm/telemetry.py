@@ -27,8 +27,8 @@ from collections.abc import Sequence
 
 import torch
 
-from aps_comm.codec import Blocks
 from aps_comm.formats import FloatFormat, pow2
+from aps_comm.layout import Blocks
 
 __all__ = ["LayerStats", "StepStats", "format_stats", "layer_counts", "layer_stats", "per_layer"]
 
@@ -100,7 +100,7 @@ def per_layer(
     """Block scaling's per-block records folded into one per layer (no host read).
 
     Args:
-        blocks: the layers' blocks (:meth:`aps_comm.codec.Layout.grid`).
+        blocks: the layers' blocks (:meth:`aps_comm.layout.Layout.grid`).
         counts: (blocks, 3) counts of :func:`layer_counts` over the blocks.
         exps: each block's exponent.
         amax: each block's max |g| on this rank.
@@ -110,7 +110,7 @@ def per_layer(
         largest block maximum (0 for layers without elements).
 
     Example:
-        >>> from aps_comm.codec import Layout
+        >>> from aps_comm.layout import Layout
         >>> b = Layout.from_numels([3, 2], torch.device("cpu")).grid(8)
         >>> per_layer(b, torch.tensor([[2, 1, 0], [1, 0, 0]]), torch.tensor([4, 6]),
         ...           torch.tensor([0.5, 0.1]))[1]

@@ -31,11 +31,46 @@ from aps_perfmodel.strategies import grid_rows
 __all__ = [
     "NodeGroups",
     "Topology",
+    "by_rank",
     "check_topology",
     "env_ranks_per_node",
     "grid_rows",
     "node_groups",
+    "ranks_text",
 ]
+
+
+def by_rank(texts: Sequence[str]) -> str:
+    """Per-rank texts, the ranks with the same text said once ("ranks 0-2, 5: ...").
+
+    Ranks whose text is empty are left out.
+
+    Example:
+        >>> by_rank(["a", "a", "a", "b", ""])
+        'ranks 0-2: a; rank 3: b'
+    """
+    ranks: dict[str, list[int]] = {}
+    for rank, text in enumerate(texts):
+        if text:
+            ranks.setdefault(text, []).append(rank)
+    return "; ".join(f"{ranks_text(r)}: {text}" for text, r in ranks.items())
+
+
+def ranks_text(ranks: Sequence[int]) -> str:
+    """Ranks as text, consecutive ones as a range.
+
+    Example:
+        >>> ranks_text([3]), ranks_text([0, 1, 2, 5])
+        ('rank 3', 'ranks 0-2, 5')
+    """
+    runs: list[list[int]] = []
+    for r in ranks:
+        if runs and r == runs[-1][-1] + 1:
+            runs[-1].append(r)
+        else:
+            runs.append([r])
+    text = ", ".join(str(run[0]) if len(run) == 1 else f"{run[0]}-{run[-1]}" for run in runs)
+    return f"rank {text}" if len(ranks) == 1 else f"ranks {text}"
 
 
 @dataclasses.dataclass(frozen=True)
@@ -103,30 +138,27 @@ def check_topology(seen: Sequence[tuple[int, int | None]], world_size: int) -> T
     Raises:
         ValueError: the ranks disagree on the ranks per node, it does not
             divide N, or a rank's local rank is not its rank modulo L (ranks
-            must be node-major). The message lists what every rank saw, so
-            every rank raises the same error.
+            must be node-major). The message says what the ranks saw (ranks
+            that saw the same named together), so every rank raises the same
+            error.
 
     Example:
         >>> check_topology([(2, 0), (2, 1), (2, 0), (2, 1)], 4).nodes
         2
     """
-    listing = "; ".join(
-        f"rank {r}: ranks_per_node={per}, LOCAL_RANK={local}" for r, (per, local) in enumerate(seen)
-    )
     sizes = {per for per, _ in seen}
     if len(sizes) != 1:
+        listing = by_rank([f"ranks_per_node={per}" for per, _ in seen])
         raise ValueError(f"the ranks disagree on the ranks per node: {listing}")
     per = sizes.pop()
-    try:
-        topology = Topology(world_size, per)
-    except ValueError as exc:
-        raise ValueError(f"{exc}: {listing}") from None
+    topology = Topology(world_size, per)  # every rank has the same ranks_per_node
     wrong = [r for r, (_, local) in enumerate(seen) if local is not None and local != r % per]
     if wrong:
+        shown = "; ".join(f"rank {r}: LOCAL_RANK={seen[r][1]}" for r in wrong[:3])
+        more = f" and {len(wrong) - 3} more" if len(wrong) > 3 else ""
         raise ValueError(
-            f"ranks {wrong} have a LOCAL_RANK that is not their rank modulo {per}: ranks "
-            f"must be numbered node by node (rank = node * ranks_per_node + local rank): "
-            f"{listing}"
+            f"LOCAL_RANK is not the rank modulo {per} on {ranks_text(wrong)} ({shown}{more}): "
+            "ranks must be numbered node by node (rank = node * ranks_per_node + local rank)"
         )
     return topology
 

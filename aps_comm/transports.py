@@ -39,8 +39,9 @@ import numpy as np
 import torch
 import torch.distributed as dist
 
-from aps_comm.codec import AgreedMaxima, Layout, NodeBlockCalls, RankBlockCalls
+from aps_comm.codec import AgreedMaxima, NodeBlockCalls, RankBlockCalls
 from aps_comm.formats import payload_nbytes, pow2
+from aps_comm.layout import Layout
 from aps_comm.plan import GroupPlan, RowRuns
 from aps_comm.scaling import (
     bad_layers,

@@ -4,7 +4,7 @@ On CUDA the torch backends of :mod:`aps_comm.codec` run a chain of ops per
 call (a repeat of the scales, a multiply, a clamp, a cast, a copy), each a
 pass over memory; these kernels read the input once and write the output
 once, the scale fused in: one float32 per segment (layer) of a
-:class:`~aps_comm.codec.Layout`, or one per block of ``block_size``
+:class:`~aps_comm.layout.Layout`, or one per block of ``block_size``
 elements of each layer (block scaling; :func:`block_segments`):
 
 - :func:`encode`: ``x * scale`` rounded to the format's codes;
@@ -257,7 +257,7 @@ def block_segments(
 
     Host work, once per plan: copy both to the device there. The window's
     factors are then ``block_factors[b0:]``, ``b0`` the block holding ``lo``
-    (the first block ending after it), as :meth:`aps_comm.codec.Layout.window`
+    (the first block ending after it), as :meth:`aps_comm.layout.Layout.window`
     cuts the per-block layout.
 
     Args:

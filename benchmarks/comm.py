@@ -25,7 +25,7 @@ default hooks are those that matter there: the FP32 hook,
 
 A hook name may end in ``:chunk=N`` to fix the APS chunk at N elements
 (``state.chunk_elements``) or in ``:profile=P`` to plan with a profile
-(``APSState(profile=...)``): ``P`` is the JSON of ``aps-perfmodel calibrate``,
+(``APSState(profile=...)``): ``P`` is the JSON of ``python -m aps_comm calibrate``,
 or ``link`` for one built from this run's measured inter-node link (its TCP
 goodput, half its round trip). ``--mb`` may list several sizes: the
 latency-bound sweep compares fixed and sized chunks over small gradients, with

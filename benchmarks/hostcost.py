@@ -14,15 +14,22 @@ are bound):
 - ``host_us``: the median wall time of one bucket on the host, less the
   time inside collectives (the wire's) and, on CPU, inside the codec's
   kernels (the device's work on a GPU, where launches return at once);
+- ``settled``: whether the bucket runs the settled path (a few bound calls)
+  or falls back to the general per-step one;
+- ``state_bytes``: the bytes of every tensor reachable from the state after
+  the bucket (plans, scratch, residuals, statistics; the bucket's buffer and
+  the parameters excluded), the memory the hook keeps;
 - for a model of many small layers and one of few large ones, for the
-  two_phase, native and block routes.
+  two_phase, native and block routes and, with ``--configs all``, for every
+  option a user turns on (:data:`CONFIGS`: statistics, error feedback,
+  bucket scaling, the policies, 16-bit two_phase, "auto").
 
 Target (issue #34): at most 15 ops, the same for 2 or 200 layers, and at
 most 300 us per bucket on a quiet 2-core machine (150 us on a GPU host).
 
 Usage::
 
-    python -m benchmarks.hostcost [--device cpu] [--repeats 50] [--out FILE]
+    python -m benchmarks.hostcost [--device cpu] [--repeats 50] [--configs routes|all] [--out FILE]
 
 Example:
     >>> rows = measure(torch.device("cpu"), repeats=3)  # doctest: +SKIP
@@ -33,12 +40,14 @@ from __future__ import annotations
 import argparse
 import contextlib
 import dataclasses
+import gc
 import json
 import os
 import statistics
 import sys
 import tempfile
 import time
+import types
 from collections.abc import Callable, Iterator
 from typing import Any
 
@@ -48,8 +57,19 @@ from torch.utils._python_dispatch import TorchDispatchMode
 
 import aps_comm
 from aps_comm import cpu_kernels
+from aps_comm.policy import KeepLast, Promote, Schedule
 
-__all__ = ["MODELS", "ROUTES", "OpCounter", "Row", "count_ops", "main", "measure"]
+__all__ = [
+    "CONFIGS",
+    "MODELS",
+    "ROUTES",
+    "OpCounter",
+    "Row",
+    "count_ops",
+    "main",
+    "measure",
+    "state_nbytes",
+]
 
 MODELS: dict[str, list[int]] = {
     "many-small": [2048] * 200,
@@ -63,6 +83,20 @@ ROUTES: dict[str, dict[str, Any]] = {
     "block": {"fmt": "e2m1", "reduction": "two_phase", "scaling": "block"},
 }
 """The routes measured: APS e4m3 two_phase, FP16 native sums, e2m1 block two_phase."""
+
+CONFIGS: dict[str, dict[str, Any]] = {
+    **ROUTES,
+    "two_phase+stats": {**ROUTES["two_phase"], "stats": True},
+    "two_phase+error_feedback": {**ROUTES["two_phase"], "error_feedback": True},
+    "block+error_feedback": {**ROUTES["block"], "error_feedback": True},
+    "bucket": {**ROUTES["two_phase"], "scaling": "bucket"},
+    "keep_last": {**ROUTES["two_phase"], "policy": [KeepLast("fp32")]},
+    "promote": {**ROUTES["two_phase"], "policy": [Promote()]},
+    "schedule": {**ROUTES["two_phase"], "policy": [Schedule(steps=1)]},
+    "fp16_two_phase": {"fmt": "fp16", "reduction": "two_phase"},
+    "auto": {"fmt": "e4m3", "reduction": "auto"},
+}
+"""Every option a user turns on, beside the three plain routes (``--configs all``)."""
 
 _UNCOUNTED = {"empty.memory_format", "empty_strided.default", "lift_fresh.default"}
 
@@ -203,6 +237,8 @@ class Row:
     wire_us: float
     total_us: float
     op_names: tuple[str, ...]
+    settled: bool = True
+    state_bytes: int = 0
 
 
 def _sync(device: torch.device) -> None:
@@ -249,6 +285,46 @@ def _bucket(
     return buffer, params
 
 
+class _Layer(torch.nn.Module):
+    def __init__(self, weight: torch.nn.Parameter) -> None:
+        super().__init__()
+        self.weight = weight
+
+
+# What a walk from the state must not enter: code, classes and modules hold
+# no tensor of the state's own, and lead to the whole interpreter.
+_OPAQUE = (type, types.ModuleType, types.FunctionType, types.BuiltinFunctionType, types.CodeType)
+
+
+def state_nbytes(state: object, exclude: list[torch.Tensor]) -> int:
+    """Bytes of the distinct tensor storages reachable from ``state``, less ``exclude``'s.
+
+    Follows every object the garbage collector sees ``state`` refer to
+    (attributes, containers, closures' cells), not modules, classes or code.
+    A storage shared by several views counts once.
+
+    Example:
+        >>> state_nbytes({"a": torch.zeros(4), "b": [torch.zeros(2)]}, [])
+        24
+    """
+    skip = {t.untyped_storage().data_ptr() for t in exclude}
+    storages: dict[int, int] = {}
+    seen: set[int] = set()
+    stack: list[object] = [state]
+    while stack:
+        obj = stack.pop()
+        if id(obj) in seen or isinstance(obj, _OPAQUE):
+            continue
+        seen.add(id(obj))
+        if isinstance(obj, torch.Tensor):
+            storage = obj.untyped_storage()
+            if storage.data_ptr() not in skip:
+                storages[storage.data_ptr()] = storage.nbytes()
+            continue
+        stack.extend(gc.get_referents(obj))
+    return sum(storages.values())
+
+
 def measure(
     device: torch.device,
     repeats: int = 50,
@@ -261,6 +337,8 @@ def measure(
         for route, options in (routes or ROUTES).items():
             state = aps_comm.APSState(**options)
             buffer, params = _bucket(numels, device, 0)
+            # Policies and error feedback key layers by parameter name, one module each.
+            state.bind_model(torch.nn.ModuleList(_Layer(p) for p in params))
             for _ in range(3):  # the plan, then the settled path, then one more
                 state.run_bucket(0, buffer, params)
             _sync(device)
@@ -297,6 +375,8 @@ def measure(
                     round(statistics.median(on_wire) * 1e6, 1),
                     round(statistics.median(total) * 1e6, 1),
                     tuple(aten + kernels),
+                    state.reducer is not None and state.reducer.steady_for(0, buffer) is not None,
+                    state_nbytes(state, [buffer, *params]),
                 )
             )
     return rows
@@ -320,14 +400,16 @@ def world_of_one(device: torch.device) -> Iterator[None]:
 def table(rows: list[Row]) -> str:
     """The rows as a Markdown table."""
     lines = [
-        "| model | route | layers | ops per bucket (ATen + kernels) | host us | "
-        "in kernels us | collectives us | total us |",
-        "|---|---|---|---|---|---|---|---|",
+        "| model | route | layers | settled | ops per bucket (ATen + kernels) | host us | "
+        "in kernels us | collectives us | total us | state / bucket bytes |",
+        "|---|---|---|---|---|---|---|---|---|---|",
     ]
     for r in rows:
         lines.append(
-            f"| {r.model} | {r.route} | {r.layers} | {r.ops} ({r.aten_ops} + {r.kernels}) "
-            f"| {r.host_us:.0f} | {r.kernel_us:.0f} | {r.wire_us:.0f} | {r.total_us:.0f} |"
+            f"| {r.model} | {r.route} | {r.layers} | {'yes' if r.settled else 'no'} "
+            f"| {r.ops} ({r.aten_ops} + {r.kernels}) "
+            f"| {r.host_us:.0f} | {r.kernel_us:.0f} | {r.wire_us:.0f} | {r.total_us:.0f} "
+            f"| {r.state_bytes / (4 * r.elements):.2f}x |"
         )
     return "\n".join(lines)
 
@@ -336,13 +418,19 @@ def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(prog="python -m benchmarks.hostcost", description=__doc__)
     parser.add_argument("--device", default="cpu", help="cpu, or cuda (NCCL)")
     parser.add_argument("--repeats", type=int, default=50)
+    parser.add_argument(
+        "--configs",
+        choices=("routes", "all"),
+        default="routes",
+        help="the three plain routes, or every option a user turns on (CONFIGS)",
+    )
     parser.add_argument("--out", default=None, help="write the rows as JSON here")
     args = parser.parse_args(argv)
     device = torch.device(args.device)
     if device.type == "cuda" and not torch.cuda.is_available():
         parser.error("--device cuda needs a CUDA device")
     with world_of_one(device):
-        rows = measure(device, args.repeats)
+        rows = measure(device, args.repeats, routes=CONFIGS if args.configs == "all" else ROUTES)
     print(table(rows))
     if args.out:
         doc = {

@@ -958,16 +958,23 @@ def _block(found: _Found) -> list[str]:
 
 
 def _hostcost_table(data: dict) -> list[str]:
+    # Runs before the settled flag and the state's bytes were recorded lack both columns.
+    full = all("state_bytes" in r for r in data["rows"])
+    extra = " settled | state / bucket bytes |" if full else ""
     lines = [
         "| model | route | layers | ops per bucket | host us | in kernels us | collectives us "
-        "| total us |",
-        "|---|---|---|---|---|---|---|---|",
+        "| total us |" + extra,
+        "|---|---|---|---|---|---|---|---|" + ("---|---|" if full else ""),
     ]
     for r in data["rows"]:
-        lines.append(
+        line = (
             f"| {r['model']} | {r['route']} | {r['layers']} | {r['ops']} | {r['host_us']:.0f} "
             f"| {r['kernel_us']:.0f} | {r['wire_us']:.0f} | {r['total_us']:.0f} |"
         )
+        if full:
+            ratio = r["state_bytes"] / (4 * r["elements"])
+            line += f" {'yes' if r['settled'] else 'no'} | {ratio:.2f}x |"
+        lines.append(line)
     return lines
 
 

@@ -22,9 +22,11 @@ Example:
 from __future__ import annotations
 
 import argparse
+import importlib.util
 import os
 import sys
 from collections.abc import Callable, Sequence
+from pathlib import Path
 
 import torch
 
@@ -141,6 +143,38 @@ def _config_error(exc: Exception) -> int:
     return 2
 
 
+def _missing_target(script: str, module: bool) -> str | None:
+    """Why ``script`` (a module with ``-m``) cannot run on the ranks; None if it can.
+
+    Checked once here rather than by every rank, each of which would fail in
+    its own traceback under the launcher's failure report.
+
+    Example:
+        >>> _missing_target("no_such_script.py", module=False)
+        "no script 'no_such_script.py' to run: no such file"
+    """
+    if not module:
+        path = Path(script)
+        if path.is_file():
+            return None
+        why = "it is a folder, not a file" if path.is_dir() else "no such file"
+        return f"no script {script!r} to run: {why}"
+    # The ranks run `python -m`, which puts the working folder first on the path.
+    sys.path.insert(0, os.getcwd())
+    try:
+        spec = importlib.util.find_spec(script)
+    except (ImportError, ValueError):  # a parent package that is missing; an empty name part
+        spec = None
+    finally:
+        sys.path.remove(os.getcwd())
+    if spec is None:
+        return (
+            f"no module {script!r} to run with -m: not importable from {os.getcwd()} or "
+            "sys.path (PYTHONPATH)"
+        )
+    return None
+
+
 def _run_elastic(opts: argparse.Namespace) -> int:
     # None only: 0 is refused by the parser, never read as "the default".
     nproc = default_nproc() if opts.nproc_per_node is None else opts.nproc_per_node
@@ -162,6 +196,9 @@ def _run_elastic(opts: argparse.Namespace) -> int:
         )
     except ValueError as exc:
         return _config_error(exc)
+    missing = _missing_target(opts.script, opts.module)
+    if missing:
+        return _config_error(ValueError(missing))
     # Workers inherit this process's environment.
     if opts.backend:
         os.environ[BACKEND_ENV] = opts.backend
@@ -176,6 +213,9 @@ def _run_elastic(opts: argparse.Namespace) -> int:
 def _run_mpi(opts: argparse.Namespace) -> int:
     from .mpi import mpi_rendezvous
 
+    missing = _missing_target(opts.script, opts.module)
+    if missing:
+        return _config_error(ValueError(missing))
     env, store = mpi_rendezvous(master_addr=opts.master_addr, master_port=opts.master_port)
     run_in_process(
         env, store, opts.script, opts.script_args, module=opts.module, backend=opts.backend
@@ -193,6 +233,9 @@ def _run_slurm(opts: argparse.Namespace) -> int:
         env = from_slurm(environ)
     except DistEnvError as exc:
         return _config_error(exc)
+    missing = _missing_target(opts.script, opts.module)
+    if missing:
+        return _config_error(ValueError(missing))
     if env.rank == 0:
         store = serve_store(env.master_addr, env.master_port, env.world_size)
     else:

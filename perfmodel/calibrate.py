@@ -24,9 +24,10 @@ large message. ``burst_bytes`` (known from the shaper's configuration, or
 ``max(0, B(p) n - burst)``, and the profile's links carry it
 (:attr:`~aps_perfmodel.collectives.LinkParams.burst_bytes`).
 
-Example (under ``aps-launch`` or ``torchrun``)::
+Example (the measuring is the plugin's command; 2 ranks on this machine)::
 
-    aps-perfmodel calibrate --out profile.json --min-size 64KiB --max-size 64MiB
+    aps-launch --nproc-per-node 2 -m aps_comm calibrate --out profile.json \\
+        --min-size 64KiB --max-size 64MiB
 """
 
 from __future__ import annotations

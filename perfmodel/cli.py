@@ -8,7 +8,7 @@ Example::
         --bandwidths 1Gbit,10Gbit,100Gbit --out sweep.csv
     aps-perfmodel predict --model resnet50 --world-size 8 --cluster 1gbe --fmt e2m1 \\
         --scaling block --block-size 32 --block-exponents agreed
-    aps-launch --nproc-per-node 4 -m aps_perfmodel.cli calibrate --out profile.json
+    aps-launch --nproc-per-node 4 -m aps_comm calibrate --out profile.json
 
 A bare parameter count (``--params 25.6M``) has no FLOP counts: without
 ``--step-time`` or ``--forward-time``/``--backward-time`` the prediction is
@@ -20,6 +20,10 @@ length, device, MFU; ``assumptions`` in JSON), the scaling of ``--fmt``
 or ``agreed``) and what ``wire/rank`` counts (with block scaling, the
 exponent bytes too). Choices are case-insensitive (``--fmt E4M3
 --cluster 100GbE --scaling BLOCK``), as in the Python API.
+
+Measuring a machine is the plugin's job, not the model's (which imports
+nothing of ``aps_comm``): ``python -m aps_comm calibrate`` writes the profile
+that ``--profile`` reads; ``aps-perfmodel calibrate`` only says so.
 """
 
 from __future__ import annotations
@@ -27,11 +31,13 @@ from __future__ import annotations
 import argparse
 import json
 import math
+import os
 import re
 import sys
 import textwrap
 from collections.abc import Callable, Sequence
 from dataclasses import replace
+from pathlib import Path
 from typing import Any, TypeVar
 
 from .api import FormatResult, Prediction, predict, sweep, write_csv
@@ -48,7 +54,7 @@ from .choices import (
 from .cluster import CLUSTERS, DEVICES, Cluster, custom_cluster, get_cluster, get_device
 from .compute import OPTIMIZER_BYTES_PER_PARAM, ComputeTime
 from .formats import FORMATS, PRICED_SCALINGS, STRATEGIES, get_format
-from .fsdp import FSDPUnit, fsdp_step
+from .fsdp import FSDPStepPrediction, FSDPUnit, fsdp_step
 from .models import MODEL_PRESETS, ModelSpec, get_model
 from .profile import Profile
 from .units import (
@@ -56,7 +62,6 @@ from .units import (
     format_bytes,
     format_time,
     parse_bandwidth,
-    parse_bytes,
     parse_count,
     parse_time,
 )
@@ -81,6 +86,10 @@ _EXPONENT_NOTES = {
     "every level of hierarchical and grid after the first) (--block-exponents agreed)",
 }
 _ALL_REDUCE_ALGORITHMS = ("ring", "halving_doubling", "recursive_doubling", "auto")
+# The measuring command, which lives in the plugin (the model imports no aps_comm).
+_CALIBRATE_COMMAND = "aps-launch --nproc-per-node N -m aps_comm calibrate"
+# What a shell reports for a process that SIGPIPE ended: 128 + 13.
+_EXIT_BROKEN_PIPE = 141
 
 
 class _Parser(argparse.ArgumentParser):
@@ -153,7 +162,6 @@ def _listed(parse: Callable[[str], T]) -> Callable[[str], list[T]]:
 _BANDWIDTH = _arg_type(parse_bandwidth, "bandwidth")
 _TIME = _arg_type(parse_time, "time")
 _POSITIVE_TIME = _arg_type(_positive_time, "time")
-_SIZE = _arg_type(parse_bytes, "size")
 _COUNT = _arg_type(parse_count, "count")
 _POSITIVE_INT = _arg_type(_positive_int, "positive integer")
 _POSITIVE_FLOAT = _arg_type(_positive_float, "positive number")
@@ -192,9 +200,14 @@ def _add_model_cluster_args(ap: argparse.ArgumentParser) -> None:
 
     g = ap.add_argument_group("cluster")
     g.add_argument("--cluster", type=str.lower, choices=sorted(CLUSTERS), help="cluster preset")
-    g.add_argument("--profile", help="calibrated profile JSON (from `aps-perfmodel calibrate`)")
     g.add_argument(
-        "--bandwidth", type=_BANDWIDTH, help="inter-node bandwidth, e.g. 100Gbit, 12.5GB/s"
+        "--profile", help="calibrated profile JSON (from `python -m aps_comm calibrate`)"
+    )
+    g.add_argument(
+        "--bandwidth",
+        type=_BANDWIDTH,
+        help="inter-node bandwidth of one node, shared by its --gpus-per-node devices, "
+        "e.g. 100Gbit, 12.5GB/s",
     )
     g.add_argument(
         "--latency",
@@ -204,9 +217,10 @@ def _add_model_cluster_args(ap: argparse.ArgumentParser) -> None:
     g.add_argument(
         "--intra-bandwidth",
         type=_BANDWIDTH,
-        help="intra-node bandwidth (with --gpus-per-node > 1)",
+        help="intra-node bandwidth per device (with --gpus-per-node > 1; default with "
+        "--bandwidth and the Ethernet presets 200Gbit, PCIe 4.0 x16)",
     )
-    g.add_argument("--intra-latency", type=_TIME, help="intra-node latency")
+    g.add_argument("--intra-latency", type=_TIME, help="intra-node latency (default as above: 5us)")
     g.add_argument("--nodes", type=_POSITIVE_INT, help="number of nodes")
     g.add_argument("--gpus-per-node", type=_POSITIVE_INT, help="devices per node")
     g.add_argument(
@@ -242,7 +256,10 @@ def _add_model_cluster_args(ap: argparse.ArgumentParser) -> None:
         "language models)",
     )
     g.add_argument(
-        "--compute-dtype", type=str.lower, default="bf16", help="dtype of the FLOP estimate"
+        "--compute-dtype",
+        type=str.lower,
+        help="dtype of the FLOP estimate (default: the device's mixed precision, bf16; "
+        "fp16 on v100, which has no BF16)",
     )
     g.add_argument(
         "--mfu", type=_FRACTION, default=0.4, help="model FLOPs utilisation of the estimate"
@@ -327,17 +344,70 @@ def _model(args: argparse.Namespace) -> ModelSpec:
 
 
 def _world_size(args: argparse.Namespace, profile: Profile | None) -> int:
+    """Ranks from ``--world-size`` or ``--nodes`` (which must agree when both are given).
+
+    Raises:
+        ValueError: ``--world-size`` is not ``--nodes`` times the devices per node.
+    """
+    if args.nodes is not None:
+        # A preset's devices per node unless --gpus-per-node says otherwise:
+        # "--cluster dgx-h100 --nodes 2" is 16 ranks, not 2.
+        per_node, source = args.gpus_per_node, "--gpus-per-node"
+        if per_node is None and args.cluster and profile is None:
+            per_node = get_cluster(args.cluster).topology.gpus_per_node
+            source = f"--cluster {args.cluster}'s devices per node"
+        if per_node is None:
+            per_node, source = 1, "one device per node (no --gpus-per-node)"
+        ranks = args.nodes * per_node
+        if args.world_size is not None and args.world_size != ranks:
+            raise ValueError(
+                f"--world-size {args.world_size} conflicts with --nodes {args.nodes} x "
+                f"{per_node} ({source}) = {ranks} ranks; give one, or make them agree"
+            )
+        return ranks
     if args.world_size is not None:
         return args.world_size
-    if args.nodes is not None:
-        return args.nodes * (args.gpus_per_node or 1)
     if profile is not None:
         return profile.world_size
     raise SystemExit("error: give --world-size (or --nodes)")
 
 
+def _load_profile(path: str | None) -> Profile | None:
+    """The ``--profile`` JSON; None without one.
+
+    Raises:
+        ValueError: the file cannot be read or is not a profile; names the file.
+    """
+    if path is None:
+        return None
+    try:
+        return Profile.load(path)
+    except OSError as exc:
+        raise ValueError(f"--profile {path}: {exc.strerror or exc}") from None
+    except (ValueError, KeyError, TypeError) as exc:
+        # json's JSONDecodeError is a ValueError; a JSON without a profile's
+        # fields fails in from_dict with a KeyError or TypeError.
+        raise ValueError(
+            f"--profile {path} is not a profile JSON ({type(exc).__name__}: {exc}); "
+            f"write one with `{_CALIBRATE_COMMAND} --out {path}`"
+        ) from None
+
+
+def _check_output(path: str | None, flag: str) -> None:
+    """Refuse an output path whose folder does not exist, before any work is done.
+
+    Raises:
+        ValueError: the folder is missing or not a folder; names the path.
+    """
+    if path is None:
+        return
+    folder = Path(path).parent
+    if not folder.is_dir():
+        raise ValueError(f"{flag} {path}: no folder {str(folder)!r} to write it in")
+
+
 def _cluster(args: argparse.Namespace, world_size: int) -> Cluster:
-    profile = Profile.load(args.profile) if args.profile else None
+    profile = _load_profile(args.profile)
     if profile is not None:
         cluster = profile.to_cluster(world_size, device=args.device or "cpu")
     elif args.cluster:
@@ -436,7 +506,7 @@ def _assumptions(
             batch_per_rank=args.batch_size,
             seq_len=model.config.get("seq_len"),
             sample=_sample(model),
-            compute_dtype=args.compute_dtype,
+            compute_dtype=args.compute_dtype or cluster.device.compute_dtype,
             mfu=args.mfu,
             optimizer=args.optimizer,
         )
@@ -458,7 +528,40 @@ def _assumptions(
     )
     if blocked:
         out["exponent_bytes"] = f"the part of wire_bytes that is block exponents ({note})"
+    out["links"] = _links_text(cluster)
+    caveat = _low_bit_caveat(args.fmt, scaling)
+    if caveat:
+        out["caveat"] = caveat
     return out
+
+
+def _links_text(cluster: Cluster) -> str:
+    """The links the prediction assumed, each with the flags that change it."""
+    topo = cluster.topology
+    inter = f"inter-node {format_bandwidth(topo.inter.bandwidth)}"
+    if topo.gpus_per_node > 1:
+        # Presets and --bandwidth give a node's network bandwidth (as DGX nodes are sold).
+        inter += f" per node, shared by its {topo.gpus_per_node} devices"
+    text = f"{inter}, {format_time(topo.inter.alpha)} per message (--bandwidth, --latency)"
+    if topo.gpus_per_node > 1:
+        text += (
+            f"; intra-node {format_bandwidth(topo.intra.bandwidth)}, "
+            f"{format_time(topo.intra.alpha)} per message (--intra-bandwidth, --intra-latency)"
+        )
+    return text
+
+
+def _low_bit_caveat(fmt: str, scaling: Scaling) -> str | None:
+    """Why a format below 8 bits with one exponent per tensor is priced but does not train."""
+    bits = 1 + sum(format_bits(fmt))
+    if not get_format(fmt).aps or bits >= 8 or scaling == Scaling.BLOCK:
+        return None
+    return (
+        f"{fmt} has {bits} bits: with one exponent per tensor (--scaling layer) most of its "
+        "gradients fall below its smallest value and flush to zero, so this speedup is not "
+        "one that trains; block scaling is what trains: --scaling block (default "
+        f"--block-size {default_block_size(bits)})"
+    )
 
 
 def _scaling_text(
@@ -500,8 +603,17 @@ def _assumption_lines(a: dict[str, Any]) -> list[str]:
             f"codec and hook costs per bucket of the {a['device']} preset, {a['measured']}"
         )
         lines += [f"measured {first}", *(f"         {line}" for line in rest)]
-    first, *rest = _wrap(a["scaling_note"])
-    return [*lines, f"scaling  {first}", *(f"         {line}" for line in rest)]
+    labels = (
+        ("gathers", "all_gathers"),
+        ("links", "links"),
+        ("scaling", "scaling_note"),
+        ("caveat", "caveat"),
+    )
+    for label, key in labels:
+        if key in a:
+            first, *rest = _wrap(a[key])
+            lines += [f"{label:8s} {first}", *(f"         {line}" for line in rest)]
+    return lines
 
 
 def _comm_only_dict(
@@ -645,8 +757,9 @@ def _chosen_notes(pred: Prediction) -> list[str]:
 
 
 def _cmd_predict(args: argparse.Namespace) -> int:
+    _check_output(args.plot, "--plot")
     model = _model(args)
-    profile = Profile.load(args.profile) if args.profile else None
+    profile = _load_profile(args.profile)
     cluster = _cluster(args, _world_size(args, profile))
     compute = _compute(args, model, cluster)
     if compute is None and args.plot:
@@ -677,23 +790,27 @@ def _cmd_predict(args: argparse.Namespace) -> int:
     if args.plot:
         from .plot import plot_speedup_vs_bandwidth
 
-        plot_speedup_vs_bandwidth(
-            model,
-            cluster,
-            [args.fmt],
-            compute,
-            args.plot,
-            strategy=args.strategy,
-            scaling=scaling,
-            block_size=block_size,
-            block_exponents=exponents,
-        )
+        try:
+            plot_speedup_vs_bandwidth(
+                model,
+                cluster,
+                [args.fmt],
+                compute,
+                args.plot,
+                strategy=args.strategy,
+                scaling=scaling,
+                block_size=block_size,
+                block_exponents=exponents,
+            )
+        except OSError as exc:
+            raise ValueError(f"--plot {args.plot}: {exc.strerror or exc}") from None
         if not args.json:
             print(f"\nwrote {args.plot}")
     return 0
 
 
 def _cmd_sweep(args: argparse.Namespace) -> int:
+    _check_output(args.out, "--out")
     model = _model(args)
     scaling, block_size, exponents = _scaling(args)
     world_sizes = args.world_sizes
@@ -709,6 +826,8 @@ def _cmd_sweep(args: argparse.Namespace) -> int:
         # The CSV has no room for them; the assumptions go to stderr, as the note above.
         print(f"aps-perfmodel: assumed {_assumption_text(assumptions)}", file=sys.stderr)
     print(f"aps-perfmodel: scaling {assumptions['scaling_note']}", file=sys.stderr)
+    if "caveat" in assumptions:
+        print(f"aps-perfmodel: caveat: {assumptions['caveat']}", file=sys.stderr)
     bandwidths = args.bandwidths or [cluster.topology.inter.bandwidth]
     rows = sweep(
         model,
@@ -723,7 +842,12 @@ def _cmd_sweep(args: argparse.Namespace) -> int:
         block_size=block_size,
         block_exponents=exponents,
     )
-    write_csv(rows, args.out if args.out else sys.stdout)
+    try:
+        write_csv(rows, args.out if args.out else sys.stdout)
+    except BrokenPipeError:
+        raise  # stdout's reader left: main ends quietly
+    except OSError as exc:
+        raise ValueError(f"--out {args.out}: {exc.strerror or exc}") from None
     return 0
 
 
@@ -759,7 +883,7 @@ def fsdp_units(model: ModelSpec, n_units: int, world_size: int) -> list[FSDPUnit
 
 def _cmd_fsdp(args: argparse.Namespace) -> int:
     model = _model(args)
-    profile = Profile.load(args.profile) if args.profile else None
+    profile = _load_profile(args.profile)
     cluster = _cluster(args, _world_size(args, profile))
     units = fsdp_units(model, args.units, cluster.world_size)
     scaling, block_size, _ = _scaling(args)
@@ -773,6 +897,8 @@ def _cmd_fsdp(args: argparse.Namespace) -> int:
         fmt = get_format(name, scaling=scaling, block_size=block_size)
         pred = fsdp_step(units, fmt, cluster, backend=args.backend, param_bytes=args.param_bytes)
         rows.append(pred)
+    assumptions = _fsdp_assumptions(args, cluster, scaling, block_size)
+    why = _fsdp_why(rows, cluster)
     base = rows[0].reduce_scatter_s
     if args.json:
         out = [
@@ -780,50 +906,131 @@ def _cmd_fsdp(args: argparse.Namespace) -> int:
                 "format": r.format,
                 "aps": r.aps,
                 "reduce_scatter_s": r.reduce_scatter_s,
+                "reduce_scatter_speedup_vs_fp32": base / r.reduce_scatter_s
+                if r.reduce_scatter_s
+                else 1.0,
                 "all_gather_s": r.all_gather_s,
                 "step_comm_s": r.step_s,
                 "wire_bytes": r.wire_bytes,
+                "inter_node_bytes": r.inter_node_bytes,
                 "exponent_bytes": r.exponent_bytes,
             }
             for r in rows
         ]
         head = {"units": len(units), "backend": args.backend, "scaling": scaling.value}
         head["block_size"] = block_size if scaling == Scaling.BLOCK else None
+        head["communication_only"] = True
+        head["assumptions"] = assumptions
+        head["why"] = why
         print(json.dumps({**head, "rows": out}, indent=2))
         return 0
-    print(
-        f"FSDP2, {model.name}, {len(units)} units, {cluster.world_size} ranks, {args.backend} "
-        "(communication only: no compute)"
-    )
-    print(f"scaling {_scaling_text(args.fmt, scaling, block_size)}")
+    topo = cluster.topology
+    nodes = topo.nodes > 1
+    lines = [
+        f"FSDP2    {model.name}: {model.total_params / 1e6:,.1f}M params in {len(units)} units "
+        f"(--units), {args.backend} (--backend)",
+        f"cluster  {cluster.name}: {topo.nodes} node(s) x {topo.gpus_per_node} device(s) = "
+        f"{cluster.world_size} ranks",
+        "compute  none: communication per step only",
+        *(
+            f"         {line}"
+            for line in _wrap(
+                "(the reduce-scatters and the parameter all-gathers, nothing overlapped)"
+            )
+        ),
+        *_assumption_lines(assumptions),
+        "",
+        f"{'format':6s} {'reduce-scatter':18s} {'wire/rank':>10s}"
+        + (f" {'across/rank':>11s}" if nodes else "")
+        + f" {'reduce-scatter':>14s} {'speedup':>8s} {'all-gathers':>11s} {'comm/step':>10s}",
+    ]
     for r in rows:
-        kind = "APS reduce-scatter" if r.aps else "reduce_dtype"
-        print(
-            f"{r.format:5s} {kind:18s} {format_bytes(r.wire_bytes):>10s}  "
-            f"reduce-scatter {format_time(r.reduce_scatter_s):>9s} "
-            f"({base / r.reduce_scatter_s if r.reduce_scatter_s else 1.0:.2f}x)  "
-            f"all-gathers {format_time(r.all_gather_s):>9s}  step {format_time(r.step_s):>9s}"
+        kind = "APS all-to-all" if r.aps else "reduce_dtype"
+        across = f" {format_bytes(r.inter_node_bytes):>11s}" if nodes else ""
+        speedup = base / r.reduce_scatter_s if r.reduce_scatter_s else 1.0
+        lines.append(
+            f"{r.format:6s} {kind:18s} {format_bytes(r.wire_bytes):>10s}{across} "
+            f"{format_time(r.reduce_scatter_s):>14s} {speedup:>7.2f}x "
+            f"{format_time(r.all_gather_s):>11s} {format_time(r.step_s):>10s}"
         )
+    lines += [
+        "",
+        *_wrap(
+            "wire/rank: bytes one rank sends per step for the gradients"
+            + ("; across/rank: the part that leaves the node" if nodes else "")
+            + "; comm/step: every reduce-scatter and parameter all-gather of one step, "
+            "communication only (give the compute to a DDP `predict` for step times)."
+        ),
+    ]
+    for text in why:
+        lines += ["", *_wrap(text)]
+    print("\n".join(lines))
     return 0
 
 
+def _fsdp_assumptions(
+    args: argparse.Namespace, cluster: Cluster, scaling: Scaling, block_size: int
+) -> dict[str, Any]:
+    """What ``fsdp`` assumed, in the keys :func:`_assumption_lines` prints."""
+    out: dict[str, Any] = {
+        "compute": "none: communication only",
+        "device": cluster.device.name,
+        "param_bytes": args.param_bytes,
+        "all_gathers": f"every unit's parameters at {args.param_bytes:g} bytes each "
+        "(--param-bytes), twice per step: for forward and again for backward (reshard "
+        "after forward); units of consecutive tensors of about equal size (--units)",
+        "links": _links_text(cluster),
+        "scaling_note": _scaling_text(args.fmt, scaling, block_size),
+    }
+    if cluster.pass_costs and not cluster.codec_fits:
+        out["measured"] = cluster.pass_costs_source
+    caveat = _low_bit_caveat(args.fmt, scaling)
+    if caveat:
+        out["caveat"] = caveat
+    return out
+
+
+def _fsdp_why(rows: Sequence[FSDPStepPrediction], cluster: Cluster) -> list[str]:
+    """Why each APS row is as fast as it is against FP32: its bytes across nodes, or on the wire."""
+    topo = cluster.topology
+    fp32 = rows[0]
+    notes = []
+    for r in rows[1:]:
+        if not r.aps or fp32.wire_bytes <= 0:
+            continue
+        if topo.nodes > 1 and topo.gpus_per_node > 1 and fp32.inter_node_bytes > 0:
+            ratio = r.inter_node_bytes / fp32.inter_node_bytes
+            notes.append(
+                f"{r.format}'s reduce-scatter is one all-to-all of unreduced rows "
+                "(aps_comm.fsdp): each rank sends its rows for every rank on another node "
+                f"across, while fp32's (node-aware) sums inside the node first and sends a "
+                f"1/{topo.gpus_per_node} shard. Through the node's one "
+                f"{format_bandwidth(topo.inter.bandwidth)} link, shared by its "
+                f"{topo.gpus_per_node} devices, {r.format} sends {ratio:.2f}x fp32's bytes "
+                f"({format_bytes(r.inter_node_bytes)} vs {format_bytes(fp32.inter_node_bytes)} "
+                "per rank). With one device per node link (--gpus-per-node 1, as the Ethernet "
+                "presets are) it would send "
+                f"{r.wire_bytes / fp32.wire_bytes:.2f}x."
+            )
+        else:
+            notes.append(
+                f"{r.format} sends {r.wire_bytes / fp32.wire_bytes:.2f}x fp32's bytes per rank; "
+                "its reduce-scatter also pays a MAX all-reduce of the maxima and the codec "
+                "passes (amax, encode, decode, sum), which is why its speedup is below "
+                f"{fp32.wire_bytes / r.wire_bytes:.2f}x."
+            )
+    return notes
+
+
 def _cmd_calibrate(args: argparse.Namespace) -> int:
-    # Measuring means running aps_comm's codec and hooks: that code times
-    # itself (aps_comm.calibrate) and hands back plain numbers, which
-    # calibrate.fit_profile fits. This command is the only place the model
-    # reaches aps_comm, and only when asked to measure.
-    from aps_comm.calibrate import calibrate_command
-
-    from .calibrate import geometric_sizes
-
-    sizes = (
-        [int(size) for size in args.sizes]
-        if args.sizes
-        else geometric_sizes(args.min_size, args.max_size, args.steps)
+    # Measuring runs aps_comm's codec and hooks, so it is aps_comm's command;
+    # the model imports nothing of aps_comm, even here.
+    command = " ".join([_CALIBRATE_COMMAND, *args.calibrate_args])
+    print(
+        f"aps-perfmodel calibrate moved to the plugin, with the same flags: {command}",
+        file=sys.stderr,
     )
-    return calibrate_command(
-        args.out, sizes, args.repeats, args.codec, args.backend, args.timeout, args.verbose
-    )
+    return 2
 
 
 def build_parser() -> argparse.ArgumentParser:
@@ -868,34 +1075,43 @@ def build_parser() -> argparse.ArgumentParser:
     f.add_argument("--json", action="store_true", help="print one JSON object")
     f.set_defaults(func=_cmd_fsdp)
 
-    c = sub.add_parser("calibrate", help="measure this machine group and fit a profile")
-    c.add_argument("--out", default="perfmodel_profile.json", help="profile JSON path")
-    c.add_argument(
-        "--sizes",
-        type=_listed(_SIZE),
-        help="comma-separated FP32 message sizes, e.g. 1MiB,16MiB",
+    c = sub.add_parser(
+        "calibrate",
+        help=f"moved: measure with `{_CALIBRATE_COMMAND}` (the plugin's; same flags)",
+        add_help=False,
     )
-    c.add_argument("--min-size", type=_SIZE, default="64KiB", help="smallest message (FP32 bytes)")
-    c.add_argument("--max-size", type=_SIZE, default="64MiB", help="largest message (FP32 bytes)")
-    c.add_argument("--steps", type=_POSITIVE_INT, default=8, help="sizes between min and max")
-    c.add_argument("--repeats", type=_POSITIVE_INT, default=5, help="timed repeats per point")
-    c.add_argument(
-        "--codec", type=str.lower, default="aps", choices=["aps", "torch"], help="codec to time"
-    )
-    c.add_argument("--backend", default="gloo", help="torch.distributed backend")
-    c.add_argument("--timeout", type=_POSITIVE_FLOAT, default=300.0, help="collective timeout (s)")
-    c.add_argument("--verbose", action="store_true", help="print every measurement")
-    c.set_defaults(func=_cmd_calibrate)
+    # Its flags are the new command's: main hands them on unread.
+    c.set_defaults(func=_cmd_calibrate, calibrate_args=[])
     return ap
 
 
 def main(argv: Sequence[str] | None = None) -> int:
-    """Entry point of ``aps-perfmodel``."""
-    args = build_parser().parse_args(argv)
+    """Entry point of ``aps-perfmodel``; returns the exit status.
+
+    A bad value or file is one line on stderr and status 2. A reader that
+    stops early (``aps-perfmodel sweep ... | head -2``) ends it quietly with
+    status 141, as SIGPIPE ends a Unix tool.
+    """
+    parser = build_parser()
+    args, extra = parser.parse_known_args(argv)
+    if args.func is _cmd_calibrate:
+        args.calibrate_args = extra
+    elif extra:
+        parser.error(f"unrecognized arguments: {' '.join(extra)}")
     try:
-        return args.func(args)
+        code = args.func(args)
+        # A closed pipe shows at this flush, not in the interpreter's own at exit.
+        sys.stdout.flush()
+        return code
+    except BrokenPipeError:
+        # Python ignores SIGPIPE, so the reader's going away is an exception
+        # here; stdout goes to devnull so that the flush at exit cannot fail again.
+        devnull = os.open(os.devnull, os.O_WRONLY)
+        os.dup2(devnull, sys.stdout.fileno())
+        os.close(devnull)
+        return _EXIT_BROKEN_PIPE
     except ValueError as exc:
-        print(f"error: {exc}", file=sys.stderr)
+        print(f"aps-perfmodel: error: {exc}", file=sys.stderr)
         return 2
 
 

@@ -136,10 +136,13 @@ class Device:
             a cluster without calibrated fits of its own prices those passes
             with them (:attr:`Cluster.pass_costs`). Empty: datasheet only.
         measured_source: the run they come from (device, commit, command).
+        compute_dtype: the dtype of mixed-precision training on it, which a
+            FLOP estimate assumes unless told otherwise: bf16, or fp16 where
+            the tensor cores have no BF16 (V100).
 
     Example:
-        >>> get_device("v100").peak_flops["fp32"]
-        15700000000000.0
+        >>> get_device("v100").peak_flops["fp32"], get_device("v100").compute_dtype
+        (15700000000000.0, 'fp16')
         >>> sorted(get_device("h200").measured)[:2]
         ['decode.e4m3', 'decode.e4m3.block32']
     """
@@ -153,6 +156,7 @@ class Device:
     cpu_codec: bool = False
     measured: Mapping[str, OpCost] = field(default_factory=lambda: MappingProxyType({}))
     measured_source: str = ""
+    compute_dtype: str = "bf16"
 
 
 DEVICES: dict[str, Device] = {
@@ -188,7 +192,10 @@ DEVICES: dict[str, Device] = {
         0.9e12,
         MappingProxyType({"fp32": 15.7e12, "tf32": 15.7e12, "fp16": 125e12, "bf16": 15.7e12}),
         5e-6,
-        "NVIDIA Tesla V100 SXM2 datasheet (15.7 TFLOP/s FP32, 125 tensor, 900 GB/s HBM2)",
+        "NVIDIA Tesla V100 SXM2 datasheet (15.7 TFLOP/s FP32, 125 tensor, 900 GB/s HBM2); "
+        "its tensor cores have no BF16 or TF32, so those run at the FP32 rate and mixed "
+        "precision is FP16",
+        compute_dtype="fp16",
     ),
     "cpu": Device(
         "cpu",
@@ -441,7 +448,7 @@ class Cluster:
         elif f"{key}.block{block_size}" in costs:
             return costs[f"{key}.block{block_size}"].time(n_elem)
         elif self.codec_fits or self.device.cpu_codec:
-            # Calibrated fits time the CPU kernels (aps-perfmodel calibrate).
+            # Calibrated fits time the CPU kernels (python -m aps_comm calibrate).
             ratio, exponent_bytes = block_codec_ratio(wire_bytes), 0.0
         else:
             # Memory-bound GPU kernels: the exponents' extra bytes of traffic.

@@ -72,14 +72,16 @@ class ComputeTime:
         device: Device,
         batch_size: int,
         *,
-        dtype: str = "bf16",
+        dtype: str | None = None,
         mfu: float = 0.4,
         optimizer: str = "adam",
     ) -> ComputeTime:
         """Estimate from FLOPs: forward = batch * FLOPs / (peak * mfu), backward = 2x.
 
         ``batch_size`` is per rank (sequences for language models, whose FLOPs
-        per sample are per sequence of the preset's ``seq_len``). The optimizer
+        per sample are per sequence of the preset's ``seq_len``). ``dtype``
+        defaults to the device's mixed-precision dtype
+        (:attr:`~aps_perfmodel.cluster.Device.compute_dtype`: bf16, V100's fp16). The optimizer
         is memory-bound: :data:`OPTIMIZER_BYTES_PER_PARAM` over memory bandwidth.
 
         Example:
@@ -99,6 +101,7 @@ class ComputeTime:
             raise ValueError(
                 f"model {model.name!r} has no FLOP counts; give the compute time instead"
             )
+        dtype = dtype or device.compute_dtype
         try:
             peak = device.peak_flops[dtype]
         except KeyError:

@@ -18,6 +18,16 @@ the gradients after backward. Three ways to reduce-scatter are modelled:
   chunk of every parameter is cut into blocks, and the MAX all-reduce
   carries one exponent byte per block (plus one) instead.
 
+Across nodes the two differ in kind, not only in bytes per element. FSDP's
+reduce-scatter is priced node-aware (:func:`hierarchical_reduce_scatter`):
+the node sums first, and each of its ``g`` devices sends a ``1/g`` shard
+across. APS's all-to-all sends every rank's unreduced rows for the other
+nodes' ranks, ``g`` times as many elements. Where ``g`` devices share one
+node link, APS sends ``g * w / w_native`` times FSDP's bytes across it:
+with e4m3 against FP32, fewer only below 4 devices per node link (8 A100s
+behind one 100 Gbit/s NIC: twice FP32's bytes, and slower); with one device
+per node link, a quarter.
+
 On CPU FSDP calls the reduce-scatter synchronously in the post-backward hook,
 so nothing overlaps: the step is compute plus every all-gather and every
 reduce-scatter (``overlap=False``, the default). With ``overlap=True`` (CUDA
@@ -149,6 +159,8 @@ class UnitTiming:
         wire_bytes: bytes this rank sends over the network for the data
             (with block scaling, the exponents' MAX all-reduce too).
         exponent_bytes: the part of ``wire_bytes`` that is block exponents.
+        inter_node_bytes: the part of ``wire_bytes`` that leaves the node
+            (the data only: the maxima are a few bytes).
 
     Example:
         >>> UnitTiming(1.0, 0.1, 0.2, 8.0).total_s
@@ -160,6 +172,7 @@ class UnitTiming:
     codec_s: float
     wire_bytes: float
     exponent_bytes: float = 0.0
+    inter_node_bytes: float = 0.0
 
     @property
     def total_s(self) -> float:
@@ -181,6 +194,7 @@ class FSDPStepPrediction:
         units: per unit, its reduce-scatter's :class:`UnitTiming`.
         wire_bytes: bytes one rank sends for the reduce-scatters.
         exponent_bytes: the part of ``wire_bytes`` that is block exponents.
+        inter_node_bytes: the part of ``wire_bytes`` that leaves the node.
 
     Example:
         >>> p = FSDPStepPrediction("e4m3", True, 0.0, 0.0, 1.0, 1.0, 1.0, (), 8.0)
@@ -198,6 +212,7 @@ class FSDPStepPrediction:
     units: tuple[UnitTiming, ...]
     wire_bytes: float
     exponent_bytes: float = 0.0
+    inter_node_bytes: float = 0.0
 
 
 def _check_backend(backend: str) -> None:
@@ -266,18 +281,24 @@ def reduce_scatter_time(
         return UnitTiming(0.0, 0.0, 0.0, 0.0)
     w = fmt.wire_bytes
     frac = (p - 1) / p
+    g, m = cluster.topology.gpus_per_node, cluster.topology.nodes
+    # The share of a rank's peers on other nodes: what leaves the node of a
+    # node-aware collective's shard, and of an all-to-all's rows.
+    away = (m - 1) / m
     if _native(fmt):
         key = f"all_reduce.{_TORCH_DTYPE[fmt.name]}"
+        # Node-aware (hierarchical_*): the node reduces first, and each of its
+        # g ranks sends its n/g shard across.
         if backend == "gloo":
             collective = _allreduce(cluster, n * w, key, cluster.algorithm)
-            return UnitTiming(collective, 0.0, 0.0, 2 * n * w * frac)
+            return UnitTiming(collective, 0.0, 0.0, 2 * n * w * frac, 0.0, 2 * n * w / g * away)
         fit = _flat(cluster, "reduce_scatter")
         collective = (
             reduce_scatter(n * w, p, fit)
             if fit is not None
             else hierarchical_reduce_scatter(n * w, cluster.topology)
         )
-        return UnitTiming(collective, 0.0, 0.0, n * w * frac)
+        return UnitTiming(collective, 0.0, 0.0, n * w * frac, 0.0, n * w / g * away)
     if not fmt.aps:
         raise ValueError(
             f"format {fmt.name!r} without APS has no FSDP reduce-scatter here; use "
@@ -308,7 +329,11 @@ def reduce_scatter_time(
         )
         codec_s += n * _FP32_BYTES * frac * link.gamma
     collective = _all_to_all(cluster, n * w)
-    return UnitTiming(collective, maxima, codec_s, n * w * frac + exponents, exponents)
+    # One flat all-to-all of unreduced rows: every row for a rank on another
+    # node leaves this one, g times what a node-aware reduce-scatter sends.
+    return UnitTiming(
+        collective, maxima, codec_s, n * w * frac + exponents, exponents, n * w * away
+    )
 
 
 def fsdp_step(
@@ -369,4 +394,5 @@ def fsdp_step(
         units=timings,
         wire_bytes=sum(t.wire_bytes for t in timings),
         exponent_bytes=sum(t.exponent_bytes for t in timings),
+        inter_node_bytes=sum(t.inter_node_bytes for t in timings),
     )

@@ -1,6 +1,6 @@
 """Calibrated profiles: fitted link and codec parameters saved as JSON.
 
-``aps-perfmodel calibrate`` writes one; ``predict --profile`` turns it into a
+``python -m aps_comm calibrate`` writes one; ``predict --profile`` turns it into a
 flat :class:`~aps_perfmodel.cluster.Cluster` whose collectives and codec passes use
 the measured fits instead of the analytic presets.
 

@@ -1094,7 +1094,7 @@ def hook_cluster(
 ) -> Cluster:
     """The cluster the hook plans with: the calibrated profile, else defaults per backend.
 
-    - A profile (``aps-perfmodel calibrate``): its fitted links and codec
+    - A profile (``python -m aps_comm calibrate``): its fitted links and codec
       passes, on ``world_size / ranks_per_node`` nodes.
     - NCCL: NVLink-class links inside a node (the dgx-h100 preset: 450 GB/s,
       3 us) and one 400 Gbit/s NIC per node (50 GB/s, 6 us) between nodes;

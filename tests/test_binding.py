@@ -178,8 +178,9 @@ def _refused(rank: int, world_size: int) -> str:
 
 def test_fp8_allreduce_on_gloo_is_refused_at_register() -> None:
     for msg in run_distributed(_refused, 2, backend=None):
-        assert "cannot run this configuration" in msg and "rank 0:" in msg and "rank 1:" in msg
-        assert "reduction='allreduce' needs a backend that sums e4m3" in msg
+        # Every rank's problem, said once for the ranks that have it (issue 45).
+        assert "cannot run this configuration: ranks 0-1: " in msg, msg
+        assert msg.count("reduction='allreduce' needs a backend that sums e4m3") == 1, msg
 
 
 # ---------------------------------------------------------------------------
@@ -289,3 +290,44 @@ def test_local_rank_without_local_world_size_is_not_a_layout() -> None:
     """Lightning sets LOCAL_RANK but not LOCAL_WORLD_SIZE: no hierarchical warning."""
     for r, msgs in enumerate(run_distributed(_no_layout_warning, 2, env={"LOCAL_RANK": "1"})):
         assert msgs == [], (r, msgs)
+
+
+# ---------------------------------------------------------------------------
+# register is collective: a rank that never calls it is named, not waited for
+
+
+def _rank_1_skips_register(rank: int, world_size: int, api: str) -> str:
+    """Rank 1 does not call register until rank 0 has given up on it (a store key says so)."""
+    from torch.distributed.fsdp import fully_shard
+
+    from aps_comm import agreement, fsdp
+
+    agreement.ARRIVAL_TIMEOUT_S = 1.0  # the group's timeout is 120 s
+    store = dist.distributed_c10d._get_default_store()
+    if api == "ddp":
+        model = DDP(nn.Linear(4, 4))
+    else:
+        model = nn.Linear(4, 4)
+        fully_shard(model)
+    if rank == 1:
+        store.wait(["test/rank 0 gave up"])  # no timing: rank 0 has finished waiting
+    try:
+        register(model) if api == "ddp" else fsdp.register(model)
+        result = "no error"
+    except RuntimeError as exc:
+        result = str(exc)
+    if rank == 0:
+        store.set("test/rank 0 gave up", "1")
+    return result
+
+
+@pytest.mark.parametrize("api", ["ddp", "fsdp"])
+def test_a_rank_that_does_not_call_register_is_named(api: str) -> None:
+    """Before, rank 0 waited silently in the group's creation for the whole timeout (issue 45)."""
+    what = "aps_comm.register" if api == "ddp" else "aps_comm.fsdp.register"
+    waited, late = run_distributed(_rank_1_skips_register, 2, args=(api,), timeout=60)
+    assert waited.startswith(f"{what} is collective: every rank must call it"), waited
+    assert "in the same order" in waited and "Rank 1 did not reach it within 1 s" in waited, waited
+    assert "ARRIVAL_TIMEOUT_S" in waited, waited
+    # Too late: the others stopped waiting, so it must not go on into a collective alone.
+    assert "this rank (rank 1) reached it after the others had stopped waiting" in late, late

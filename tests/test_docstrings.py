@@ -85,7 +85,7 @@ def test_every_module_is_searched() -> None:
         assert name in names
     assert not any(n.startswith(("launch", "perfmodel")) or n.endswith("__main__") for n in names)
     # cached_property docstrings are found too.
-    assert "aps_comm.codec.Layout.longest" in {t.name for t in DOCTESTS}
+    assert "aps_comm.layout.Layout.longest" in {t.name for t in DOCTESTS}
 
 
 @pytest.mark.parametrize("test", DOCTESTS, ids=[t.name for t in DOCTESTS])

@@ -18,6 +18,7 @@ import re
 import subprocess
 import sys
 import threading
+import traceback
 import weakref
 from pathlib import Path
 
@@ -201,3 +202,82 @@ def test_exit_order_and_failing_jobs_keep_their_exit_code() -> None:
         assert "terminate called" not in out, out
         if mode == "raise":
             assert "RuntimeError: the job failed after training" in out, out
+
+
+def _failed_register(rank: int, world_size: int, api: str) -> dict:
+    """Ranks ask for different formats, so ``register`` raises; then what is left, and at exit?
+
+    The ValueError is kept, as Python keeps an uncaught one (``sys.last_traceback``)
+    until the exit handler runs: its frames must not hold a group.
+    """
+    from torch.distributed.fsdp import fully_shard
+
+    from aps_comm import fsdp
+
+    handlers = []
+    real_register, real_new_group = atexit.register, dist.new_group
+    made: list[weakref.ref] = []
+
+    def capture(fn, *args, **kwargs):
+        handlers.append(fn)
+        return real_register(fn, *args, **kwargs)
+
+    def recorded(*args, **kwargs):
+        group = real_new_group(*args, **kwargs)
+        made.append(weakref.ref(group))
+        return group
+
+    torch.manual_seed(0)
+    fmt = "e4m3" if rank == 0 else "e5m2"
+    if api == "ddp":
+        model = DDP(nn.Sequential(nn.Linear(16, 32), nn.ReLU(), nn.Linear(32, 4)))
+    else:
+        model = nn.Sequential(nn.Linear(16, 32), nn.ReLU(), nn.Linear(32, 4))
+        fully_shard(model)
+    before = _gloo_threads()
+    atexit.register, dist.new_group = capture, recorded
+    kept: BaseException | None = None
+    try:
+        register(model, fmt=fmt) if api == "ddp" else fsdp.register(model, fmt)
+    except ValueError as exc:
+        kept = exc
+    finally:
+        atexit.register, dist.new_group = real_register, real_new_group
+    left = _gloo_threads() - before
+    installed = list(
+        dict.fromkeys(h for h in handlers if getattr(h, "__module__", "") == "aps_comm.teardown")
+    )
+    stderr, sys.stderr = sys.stderr, io.StringIO()
+    try:
+        for handler in installed:
+            handler()
+    finally:
+        said, sys.stderr = sys.stderr.getvalue(), stderr
+    return {
+        "error": f"{type(kept).__name__}: {kept}",
+        "frames": [f.name for f in traceback.extract_tb(kept.__traceback__)] if kept else [],
+        "made": len(made),
+        "alive": sum(ref() is not None for ref in made),
+        "gloo_threads_left": left,
+        "installed": len(installed),
+        "stderr": said,
+    }
+
+
+@pytest.mark.skipif(not os.path.isdir("/proc/self/task"), reason="counts threads in /proc")
+@pytest.mark.parametrize("api", ["ddp", "fsdp"])
+def test_a_failed_register_leaves_nothing_for_the_exit_handler(api: str) -> None:
+    """The group register made is destroyed and joined before its error propagates (issue 45).
+
+    Before, every rank printed at exit that the program still referenced a
+    group aps-comm created: the kept error's frames held it.
+    """
+    for rank, r in enumerate(run_distributed(_failed_register, 2, args=(api,))):
+        # The user's error, unchanged, with its traceback down to where it was raised.
+        assert r["error"].startswith("ValueError: ") and "differs across ranks" in r["error"], r
+        assert "e4m3" in r["error"] and "e5m2" in r["error"], (rank, r)
+        assert r["frames"][0] == "_failed_register" and len(r["frames"]) >= 3, (rank, r)
+        assert r["made"] == 1 and r["alive"] == 0, (rank, r)
+        assert r["gloo_threads_left"] == 0, (rank, r)
+        assert r["installed"] >= 1, (rank, r)  # the handler that would have printed it
+        assert r["stderr"] == "", (rank, r)

@@ -49,7 +49,7 @@ def test_check_topology_names_what_every_rank_saw() -> None:
         check_topology([(2, 0), (2, 1), (2, 0), (4, 3)], 4)
     with pytest.raises(ValueError, match=r"ranks_per_node=3 must .* divide the world size 4"):
         check_topology([(3, None)] * 4, 4)
-    with pytest.raises(ValueError, match=r"ranks \[1, 2\] have a LOCAL_RANK"):
+    with pytest.raises(ValueError, match=r"rank modulo 2 on ranks 1-2 \(rank 1: LOCAL_RANK=0; "):
         check_topology([(2, 0), (2, 0), (2, 1), (2, 1)], 4)
 
 
@@ -232,6 +232,8 @@ def test_mismatched_topology_is_an_error_on_every_rank() -> None:
     errors = run_distributed(_mismatched, 4, timeout=120)
     for msg in errors:
         assert "disagree on the ranks per node" in msg and "rank 3: ranks_per_node=4" in msg
+        # Ranks that saw the same are named once together, not one clause per rank (issue 45).
+        assert "ranks 0-2: ranks_per_node=2" in msg and msg.count("ranks_per_node=") == 2, msg
 
 
 def test_grid_rows_and_simulated_grid_errors() -> None:

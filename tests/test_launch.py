@@ -359,3 +359,52 @@ def test_loopback_rendezvous_gives_every_round_a_fresh_store() -> None:
         workers.set("default_pg/rank_0", "127.0.0.1:1")
         ports.append(port)
     assert ports[0] != ports[1]
+
+
+@pytest.mark.slow
+def test_a_missing_script_is_one_line_before_any_rank_starts(tmp_path: Path) -> None:
+    # Each rank used to fail in its own traceback under torchelastic's failure report.
+    proc = subprocess.run(
+        [*_aps_launch(), "--nproc-per-node", "2", "no_such_script.py"],
+        env=_clean_env(),
+        capture_output=True,
+        text=True,
+        timeout=TIMEOUT,
+        cwd=tmp_path,
+    )
+    assert proc.returncode == 2 and proc.stdout == "", proc.stdout + proc.stderr
+    assert proc.stderr.strip().splitlines() == [
+        "aps-launch: error: no script 'no_such_script.py' to run: no such file"
+    ], proc.stderr
+
+
+@pytest.mark.parametrize(
+    ("argv", "message"),
+    [
+        (["folder"], "no script 'folder' to run: it is a folder, not a file"),
+        (["-m", "no_such_module"], "no module 'no_such_module' to run with -m: not importable"),
+        (["-m", "no_such_package.train"], "no module 'no_such_package.train' to run with -m"),
+    ],
+)
+def test_a_missing_module_or_folder_is_refused_before_launching(
+    argv: list[str],
+    message: str,
+    tmp_path: Path,
+    capsys: pytest.CaptureFixture[str],
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    import aps_launch.cli
+
+    (tmp_path / "folder").mkdir()
+    monkeypatch.chdir(tmp_path)
+    monkeypatch.setattr(aps_launch.cli, "launch_elastic", lambda argv: pytest.fail(str(argv)))
+    assert cli_main(["--nproc-per-node", "2", *argv]) == 2
+    err = capsys.readouterr().err
+    lines = err.strip().splitlines()
+    assert len(lines) == 1 and lines[0].startswith(f"aps-launch: error: {message}"), err
+    # A module in the working folder is found, as `python -m` on the ranks finds it.
+    (tmp_path / "mytrain.py").write_text("")
+    started: list[list[str]] = []
+    monkeypatch.setattr(aps_launch.cli, "launch_elastic", lambda argv: started.append(argv) or 0)
+    monkeypatch.setattr(aps_launch.cli, "pin_loopback", lambda: None)
+    assert cli_main(["--nproc-per-node", "2", "-m", "mytrain"]) == 0 and started

@@ -213,3 +213,35 @@ def test_trimmed_mean_is_stable_where_the_median_jumps() -> None:
         trimmed_mean([1.0], 0.5)
     with pytest.raises(ValueError, match="at least one value"):
         trimmed_mean([])
+
+
+def _calibrate_command_rank(rank: int, world_size: int, out: str) -> int:
+    from aps_comm import measure
+    from aps_comm.__main__ import main
+
+    # One timed repeat per point: quick operations would otherwise repeat for a
+    # quarter second each (this rank's process only).
+    measure.BUDGET_S, measure.MAX_REPEATS = 0.0, 1
+    # The command as a launcher's rank runs it (the group is up already here).
+    return main(
+        ["calibrate", "--sizes", "4KiB,64KiB", "--repeats", "1", "--codec", "torch", "--out", out]
+    )
+
+
+@pytest.mark.slow
+def test_the_plugins_calibrate_command_writes_the_profile_the_model_reads(
+    tmp_path, capsys: pytest.CaptureFixture[str]
+) -> None:
+    from aps_comm.testing import run_distributed
+    from aps_perfmodel.cli import main as perfmodel_main
+    from aps_perfmodel.profile import Profile
+
+    out = tmp_path / "profile.json"
+    assert run_distributed(_calibrate_command_rank, 2, args=(str(out),), timeout=120) == [0, 0]
+    profile = Profile.load(out)
+    assert profile.world_size == 2 and profile.codec_source == "torch-cast"
+    assert {"all_to_all", "hook_call.e4m3"} <= {s["op"] for s in profile.samples}
+    capsys.readouterr()
+    argv = ["predict", "--params", "25.6M", "--profile", str(out), "--json"]
+    assert perfmodel_main(argv) == 0
+    assert json.loads(capsys.readouterr().out)["world_size"] == 2

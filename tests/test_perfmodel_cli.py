@@ -1,10 +1,15 @@
 """The Python API's predict and sweep, and the ``aps-perfmodel`` command line (invoked in-process
-through ``main(argv)``).
+through ``main(argv)``, and as a user runs it, in a subprocess, where what reaches the terminal
+is what the test reads).
 """
 
 from __future__ import annotations
 
 import json
+import os
+import subprocess
+import sys
+from pathlib import Path
 
 import pytest
 
@@ -176,11 +181,13 @@ def test_cli_predict_table_plot_and_sweep(tmp_path, capsys: pytest.CaptureFixtur
     assert "h100 at 40% MFU in bf16" in err
 
 
-def test_cli_calibrate_needs_launcher_env(monkeypatch: pytest.MonkeyPatch) -> None:
+def test_calibrate_needs_launcher_env(monkeypatch: pytest.MonkeyPatch) -> None:
+    from aps_comm.__main__ import main as aps_comm_main
+
     for key in ("RANK", "WORLD_SIZE", "MASTER_ADDR", "MASTER_PORT"):
         monkeypatch.delenv(key, raising=False)
     with pytest.raises(SystemExit, match="aps-launch or torchrun"):
-        cli_main(["calibrate", "--out", "unused.json"])
+        aps_comm_main(["calibrate", "--out", "unused.json"])
 
 
 def test_fsdp_cli_cuts_units_and_compares_reduce_scatters(capsys) -> None:
@@ -577,11 +584,18 @@ def test_cli_lists_and_calibration_sizes_are_checked_too(
     for argv, message in (
         ([*sweep, "--world-sizes", "8,-1"], "argument --world-sizes: must be a positive integer"),
         ([*sweep, "--world-sizes", "8", "--bandwidths", "1Gbit,0Gbit"], "got '0Gbit'"),
+    ):
+        with pytest.raises(SystemExit):
+            cli_main(argv)
+        assert message in capsys.readouterr().err, argv
+    from aps_comm.__main__ import main as aps_comm_main
+
+    for argv, message in (
         (["calibrate", "--sizes", "1MiB,-4KiB"], "argument --sizes: size must be positive"),
         (["calibrate", "--repeats", "0"], "argument --repeats: must be a positive integer"),
     ):
         with pytest.raises(SystemExit):
-            cli_main(argv)
+            aps_comm_main(argv)
         assert message in capsys.readouterr().err, argv
 
 
@@ -601,3 +615,230 @@ def test_a_model_given_as_a_count_says_what_is_wrong_with_it(
 ) -> None:
     assert cli_main(["predict", "--model", "-5M", "--cluster", "100gbe", "--world-size", "8"]) == 2
     assert "error: model '-5M': count must be positive, got '-5M'" in capsys.readouterr().err
+
+
+# --- the command as a user runs it: subprocesses ---------------------------------------
+
+_ROOT = Path(__file__).resolve().parents[1]
+
+
+def _perfmodel(*argv: str, cwd: Path = _ROOT) -> subprocess.CompletedProcess[str]:
+    """``aps-perfmodel ARGV`` in a fresh interpreter, as from the shell."""
+    return subprocess.run(
+        [sys.executable, "-m", "aps_perfmodel.cli", *argv],
+        capture_output=True,
+        text=True,
+        timeout=60,
+        cwd=cwd,
+    )
+
+
+def _one_line_error(proc: subprocess.CompletedProcess[str]) -> str:
+    """The error of a refused command: status 2, one line on stderr, nothing on stdout."""
+    assert proc.returncode == 2, (proc.returncode, proc.stdout, proc.stderr)
+    assert proc.stdout == "", proc.stdout
+    lines = proc.stderr.strip().splitlines()
+    assert len(lines) == 1 and lines[0].startswith("aps-perfmodel: error: "), proc.stderr
+    return lines[0]
+
+
+def test_conflicting_nodes_and_world_size_is_an_error_naming_both() -> None:
+    # It predicted for 2 nodes of 8 (--world-size won) and said nothing.
+    line = _one_line_error(
+        _perfmodel(
+            *("predict", "--model", "resnet50", "--cluster", "100gbe"),
+            *("--nodes", "4", "--gpus-per-node", "8", "--world-size", "16"),
+        )
+    )
+    assert "--world-size 16 conflicts with --nodes 4 x 8 (--gpus-per-node) = 32 ranks" in line
+
+
+def test_nodes_of_a_preset_count_its_devices_per_node(capsys: pytest.CaptureFixture[str]) -> None:
+    # "--cluster dgx-h100 --nodes 2" is 2 nodes of 8, not 2 ranks.
+    out = _predict_json(capsys, "--model", "resnet50", "--cluster", "dgx-h100", "--nodes", "2")
+    assert out["world_size"] == 16
+    assert (
+        _predict_json(
+            capsys,
+            "--model",
+            "resnet50",
+            "--cluster",
+            "dgx-h100",
+            "--nodes",
+            "2",
+            "--world-size",
+            "16",
+        )
+        == out
+    )
+
+
+def test_a_reader_that_stops_early_ends_the_command_quietly() -> None:
+    # `aps-perfmodel sweep ... | head -2`: the reader is gone before the CSV is written
+    # (here deterministically: the pipe has no reader at all).
+    read, write = os.pipe()
+    os.close(read)
+    try:
+        proc = subprocess.run(
+            [
+                *(sys.executable, "-m", "aps_perfmodel.cli", "sweep", "--model", "resnet50"),
+                *("--cluster", "1gbe", "--world-sizes", "8,16,32,64", "--bandwidths", "1Gbit"),
+            ],
+            stdout=write,
+            stderr=subprocess.PIPE,
+            text=True,
+            timeout=60,
+            cwd=_ROOT,
+        )
+    finally:
+        os.close(write)
+    # As SIGPIPE ends a Unix tool: status 128 + 13, and no traceback.
+    assert proc.returncode == 141, proc.stderr
+    assert "Traceback" not in proc.stderr and "BrokenPipe" not in proc.stderr, proc.stderr
+
+
+@pytest.mark.parametrize(
+    ("argv", "message"),
+    [
+        (
+            ["--profile", "missing.json"],
+            "--profile missing.json: No such file or directory",
+        ),
+        (
+            ["--profile", "notjson.json"],
+            "--profile notjson.json is not a profile JSON (JSONDecodeError: Expecting value",
+        ),
+        (["--plot", "no/such/dir/x.png"], "--plot no/such/dir/x.png: no folder 'no/such/dir'"),
+        (
+            ["sweep", "--world-sizes", "8", "--out", "no/such/dir/x.csv"],
+            "--out no/such/dir/x.csv: no folder 'no/such/dir'",
+        ),
+    ],
+    ids=["missing-profile", "profile-not-json", "plot-folder", "sweep-out-folder"],
+)
+def test_a_bad_file_is_one_line_naming_it(argv: list[str], message: str, tmp_path: Path) -> None:
+    (tmp_path / "notjson.json").write_text("not json\n")
+    command = argv[0] if argv[0] == "sweep" else "predict"
+    flags = argv[1:] if command == "sweep" else argv
+    base = ["--model", "resnet50", "--cluster", "1gbe"]
+    if command == "predict":
+        base += ["--world-size", "8"]
+    line = _one_line_error(_perfmodel(command, *base, *flags, cwd=tmp_path))
+    assert message in line, line
+    assert not (tmp_path / "no").exists()
+
+
+def test_predict_lists_the_intra_node_link_and_v100s_dtype() -> None:
+    proc = _perfmodel(
+        *("predict", "--model", "resnet50", "--nodes", "2", "--gpus-per-node", "4"),
+        *("--bandwidth", "10Gbit", "--device", "v100"),
+    )
+    assert proc.returncode == 0, proc.stderr
+    text = " ".join(proc.stdout.split())  # the lines are wrapped
+    assert (
+        "inter-node 10 Gbit/s per node, shared by its 4 devices, 10 us per message "
+        "(--bandwidth, --latency); intra-node 200 Gbit/s, 5 us per message "
+        "(--intra-bandwidth, --intra-latency)" in text
+    ), text
+    # V100 has no BF16: its mixed precision is FP16, and the estimate runs at that peak.
+    assert "v100 at 40% MFU in fp16" in text and "bf16" not in text.split("format")[0]
+
+
+def test_v100_estimates_compute_in_fp16(capsys: pytest.CaptureFixture[str]) -> None:
+    argv = ["--model", "resnet50", "--world-size", "8", "--cluster", "1gbe", "--device", "v100"]
+    default = _predict_json(capsys, *argv)
+    fp16 = _predict_json(capsys, *argv, "--compute-dtype", "fp16")
+    assert default["assumptions"]["compute_dtype"] == "fp16"
+    assert default["compute"] == fp16["compute"]
+    flops = get_model("resnet50").forward_flops_per_sample * 32
+    assert default["compute"]["forward_s"] == pytest.approx(flops / (125e12 * 0.4))
+
+
+def test_a_format_below_8_bits_without_blocks_says_it_does_not_train() -> None:
+    proc = _perfmodel(
+        "predict", "--model", "resnet50", "--world-size", "8", "--cluster", "1gbe", "--fmt", "e2m1"
+    )
+    assert proc.returncode == 0, proc.stderr
+    text = " ".join(proc.stdout.split())
+    assert (
+        "caveat e2m1 has 4 bits: with one exponent per tensor (--scaling layer) most of its "
+        "gradients fall below its smallest value and flush to zero" in text
+    ), text
+    assert "block scaling is what trains: --scaling block (default --block-size 32)" in text
+
+
+@pytest.mark.parametrize("fmt", ["e2m1", "e3m2"])
+def test_every_output_carries_the_low_bit_caveat_and_only_without_blocks(
+    fmt: str, capsys: pytest.CaptureFixture[str]
+) -> None:
+    argv = ["--model", "resnet50", "--world-size", "8", "--cluster", "1gbe", "--fmt", fmt]
+    assert "flush to zero" in _predict_json(capsys, *argv)["assumptions"]["caveat"]
+    assert "caveat" not in _predict_json(capsys, *argv, "--scaling", "block")["assumptions"]
+    assert "caveat" not in _predict_json(capsys, *argv[:-1], "e4m3")["assumptions"]
+    assert cli_main(["fsdp", *argv]) == 0
+    assert "caveat   " in capsys.readouterr().out
+    assert cli_main(["sweep", *argv[:2], *argv[4:], "--world-sizes", "8"]) == 0
+    assert "aps-perfmodel: caveat: " in capsys.readouterr().err
+
+
+def test_fsdp_states_its_assumptions_and_why_and_calls_the_total_communication() -> None:
+    proc = _perfmodel(
+        *("fsdp", "--model", "llama-7b", "--nodes", "2", "--gpus-per-node", "8"),
+        *("--bandwidth", "100Gbit", "--fmt", "e4m3"),
+    )
+    assert proc.returncode == 0, proc.stderr
+    text = " ".join(proc.stdout.split())
+    assert "compute none: communication per step only" in text
+    assert "intra-node 200 Gbit/s, 5 us per message (--intra-bandwidth, --intra-latency)" in text
+    assert "(--param-bytes), twice per step" in text and "(--units)" in text
+    # The total is communication, and named so.
+    header = next(line for line in proc.stdout.splitlines() if line.startswith("format"))
+    assert header.split()[-1] == "comm/step" and "step" not in header.split(), header
+    # Why e4m3 is slower here: the node's one link carries twice fp32's bytes.
+    assert "e4m3 sends 2.00x fp32's bytes" in text and "shared by its 8 devices" in text, text
+
+
+def _fsdp_rows(capsys: pytest.CaptureFixture[str], *argv: str) -> dict[str, dict]:
+    assert cli_main(["fsdp", "--model", "llama-7b", "--fmt", "e4m3", "--json", *argv]) == 0
+    return {r["format"]: r for r in json.loads(capsys.readouterr().out)["rows"]}
+
+
+def test_fsdp_two_spellings_of_one_cluster_agree_and_the_node_link_decides(
+    capsys: pytest.CaptureFixture[str],
+) -> None:
+    # The issue's two commands were two clusters: 16 hosts with a 100 Gbit/s NIC each
+    # (--cluster 100gbe --world-size 16), and 2 nodes of 8 behind one such NIC each.
+    # Each spelled both ways predicts the same.
+    hosts = _fsdp_rows(capsys, "--world-size", "16", "--cluster", "100gbe")
+    assert _fsdp_rows(capsys, "--nodes", "16", "--bandwidth", "100Gbit") == hosts
+    shared = _fsdp_rows(capsys, "--nodes", "2", "--gpus-per-node", "8", "--bandwidth", "100Gbit")
+    assert (
+        _fsdp_rows(capsys, "--nodes", "2", "--gpus-per-node", "8", "--cluster", "100gbe") == shared
+    )
+    # One device per link: e4m3 faster than bf16 and below its byte ratio to fp32 (4x),
+    # the maxima and codec passes being what it pays beyond its bytes.
+    speedup = {f: r["reduce_scatter_speedup_vs_fp32"] for f, r in hosts.items()}
+    assert speedup["bf16"] == pytest.approx(2.0, rel=0.01)
+    assert speedup["bf16"] < speedup["e4m3"] < 4.0
+    # g devices behind one link: APS's all-to-all sends its unreduced rows across, g x 1
+    # byte per element against the node-aware reduce-scatter's 4 bytes of one 1/g shard.
+    for g in (1, 2, 8):
+        nodes = str(16 // g)
+        rows = _fsdp_rows(
+            capsys, "--nodes", nodes, "--gpus-per-node", str(g), "--bandwidth", "100Gbit"
+        )
+        fp32, bf16, e4m3 = (rows[f]["inter_node_bytes"] for f in ("fp32", "bf16", "e4m3"))
+        assert bf16 / fp32 == pytest.approx(0.5)
+        assert e4m3 / fp32 == pytest.approx(g / 4)
+        faster = rows["e4m3"]["reduce_scatter_s"] < rows["fp32"]["reduce_scatter_s"]
+        assert faster == (g < 4), (g, rows)
+
+
+def test_perfmodel_calibrate_points_to_the_plugins_command() -> None:
+    proc = _perfmodel("calibrate", "--out", "p.json", "--steps", "3")
+    assert proc.returncode == 2 and proc.stdout == ""
+    lines = proc.stderr.strip().splitlines()
+    assert len(lines) == 1, proc.stderr
+    assert lines[0].endswith(
+        "aps-launch --nproc-per-node N -m aps_comm calibrate --out p.json --steps 3"
+    )

@@ -1,0 +1,291 @@
+"""Where a bucket's layers and blocks lie in its flat buffer: geometry, no arithmetic on values.
+
+A :class:`Layout` describes the segments (one per layer) of a flat buffer,
+and :meth:`Layout.grid` cuts them into the :class:`Blocks` of block
+scaling. Both are built once per bucket or unit, at plan time, and cut per
+chunk with their ``window`` methods; the codec, the scaling rules and the
+Triton kernels all read them, so they live below all three.
+
+Example:
+    >>> layout = Layout.from_numels([20, 0, 8], torch.device("cpu"))
+    >>> layout.offsets, layout.grid(8).counts
+    (tensor([ 0, 20, 20, 28]), tensor([3, 0, 1]))
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import functools
+from collections.abc import Sequence
+
+import numpy as np
+import torch
+
+from aps_comm.config import check_block_size
+from aps_comm.formats import FloatFormat, get_format, payload_nbytes
+from aps_comm.hostcopy import to_device
+
+__all__ = ["AMAX_BLOCK", "Blocks", "Layout"]
+
+AMAX_BLOCK = 4096
+"""Elements per block of :func:`segment_amax` off the CPU: every segment is cut
+into blocks of at most this many, so a few huge layers still fill the device."""
+
+
+@dataclasses.dataclass(frozen=True)
+class Layout:
+    """Segments (one per layer) of a flat buffer: where each starts and how long it is.
+
+    Build it once per bucket (:meth:`from_numels`) and cut it per chunk
+    (:meth:`window`); nothing in it changes from step to step.
+
+    Attributes:
+        offsets: int64 CPU tensor of L + 1 offsets, from 0 to ``numel``.
+        lengths: int64 tensor of the L segment lengths on the data's device.
+        sizes: the same lengths as Python ints (for splitting on the host).
+        numel: elements covered.
+        first: a window's first segment in the layout it was cut from (0 for
+            a whole layout); its scales are ``scale[first : first + n_segments]``
+            of that layout's (the codec picks them).
+        parent: a window's parent's segment count (the scales' length); None
+            for a whole layout.
+        block_size: set where every segment is a block of a :meth:`grid`
+            (or of a window of one): at most this many elements, most of them
+            exactly. The CPU kernels then walk runs of whole blocks
+            (:attr:`block_runs`) without reading each block's offsets.
+    """
+
+    offsets: torch.Tensor
+    lengths: torch.Tensor
+    sizes: tuple[int, ...]
+    numel: int
+    first: int = 0
+    parent: int | None = None
+    block_size: int | None = None
+
+    @classmethod
+    def from_numels(cls, numels: Sequence[int], device: torch.device) -> Layout:
+        """The layout of layers of ``numels`` elements laid end to end.
+
+        Off the CPU its :attr:`blocks` are built here too, at plan time.
+
+        Example:
+            >>> Layout.from_numels([3, 0, 2], torch.device("cpu")).offsets
+            tensor([0, 3, 3, 5])
+        """
+        if any(n < 0 for n in numels):
+            raise ValueError(f"layer sizes must be >= 0, got {list(numels)}")
+        offsets = torch.zeros(len(numels) + 1, dtype=torch.int64)
+        if numels:
+            torch.cumsum(torch.tensor(list(numels), dtype=torch.int64), 0, out=offsets[1:])
+        layout = cls._make(offsets, torch.device(device))
+        if layout.lengths.device.type != "cpu":
+            layout.blocks  # noqa: B018 - built now, not at the first step
+        return layout
+
+    @classmethod
+    def _make(
+        cls,
+        offsets: torch.Tensor,
+        device: torch.device,
+        first: int = 0,
+        parent: int | None = None,
+        block_size: int | None = None,
+    ) -> Layout:
+        sizes = offsets.diff()
+        layout = cls(
+            offsets,
+            to_device(sizes, device),
+            tuple(sizes.tolist()),
+            int(offsets[-1]),
+            first,
+            parent,
+            block_size,
+        )
+        if device.type == "cuda":
+            layout.device_offsets  # noqa: B018 - the Triton codec's, copied at plan time
+        return layout
+
+    def window(self, lo: int, hi: int) -> Layout:
+        """The layout seen by the slice ``[lo, hi)``: the segments that overlap it, clipped.
+
+        Only those segments are kept (a chunk of a bucket cut into thousands
+        of blocks costs its own blocks, not the bucket's); the codec takes the
+        whole layout's scales and picks the window's (:attr:`first`).
+
+        Example:
+            >>> w = Layout.from_numels([3, 2, 4], torch.device("cpu")).window(2, 4)
+            >>> w.offsets, w.first
+            (tensor([0, 1, 2]), 0)
+        """
+        if self.parent is not None or not 0 <= lo <= hi:
+            raise ValueError(f"window [{lo}, {hi}) of a whole layout: 0 <= lo <= hi")
+        # A window past the end (a padded slice of a chunk) is empty.
+        lo, hi = min(lo, self.numel), min(hi, self.numel)
+        ends = self.offsets[1:]
+        b0 = int(torch.searchsorted(ends, lo, right=True)) if hi > lo else 0
+        b1 = int(torch.searchsorted(self.offsets[:-1], hi)) if hi > lo else 0
+        b0 = min(b0, b1)
+        cut = (self.offsets[b0 : b1 + 1] - lo).clamp_(0, hi - lo)
+        return self._make(cut, self.lengths.device, b0, self.n_segments, self.block_size)
+
+    @property
+    def n_segments(self) -> int:
+        return self.offsets.numel() - 1
+
+    def grid(self, block_size: int) -> Blocks:
+        """Every segment cut into blocks of ``block_size`` elements from its start.
+
+        Block scaling gives each block its own exponent; blocks never cross
+        segments (layers), and a segment's last block may be short. Build it
+        once per bucket (it is host work proportional to the blocks) and
+        cut it per chunk with :meth:`Blocks.window`.
+
+        Example:
+            >>> b = Layout.from_numels([20, 0, 8], torch.device("cpu")).grid(8)
+            >>> b.layout.offsets, b.counts
+            (tensor([ 0,  8, 16, 20, 28]), tensor([3, 0, 1]))
+        """
+        block_size = check_block_size(block_size)
+        sizes = self.offsets.diff()
+        counts = (sizes + block_size - 1) // block_size
+        segment = torch.repeat_interleave(torch.arange(sizes.numel()), counts)
+        first = torch.cumsum(counts, 0) - counts  # each segment's first block
+        index = torch.arange(segment.numel()) - first[segment]
+        starts = self.offsets[segment] + index * block_size
+        offsets = torch.cat([starts, torch.tensor([self.numel], dtype=torch.int64)])
+        device = self.lengths.device
+        layout = Layout._make(offsets, device, block_size=block_size)
+        return Blocks(layout, block_size, counts, to_device(counts, device))
+
+    @functools.cached_property
+    def block_runs(self) -> np.ndarray:
+        """Runs of consecutive segments of exactly :attr:`block_size` elements.
+
+        Returns:
+            int64 array of shape (R, 2): each run's first segment and its
+            number of segments, in buffer order; empty without a block size.
+            Built on the host at the first use (once per layout).
+
+        Example:
+            >>> Layout.from_numels([20, 8], torch.device("cpu")).grid(8).layout.block_runs
+            array([[0, 2],
+                   [3, 1]])
+        """
+        if self.block_size is None:
+            return np.zeros((0, 2), np.int64)
+        whole = (self.offsets.diff() == self.block_size).numpy().astype(np.int8)
+        edges = np.diff(np.concatenate([[0], whole, [0]]))
+        starts, ends = np.flatnonzero(edges == 1), np.flatnonzero(edges == -1)
+        return np.stack([starts, ends - starts], axis=1).astype(np.int64)
+
+    @functools.cached_property
+    def longest(self) -> int:
+        """The longest segment's elements (0 for none); found once per layout.
+
+        Example:
+            >>> Layout.from_numels([3, 0, 5], torch.device("cpu")).longest
+            5
+        """
+        return max(self.sizes, default=0)
+
+    @functools.cached_property
+    def device_offsets(self) -> torch.Tensor:
+        """:attr:`offsets` on the layout's device (the Triton kernels search them).
+
+        Example:
+            >>> Layout.from_numels([3, 2], torch.device("cpu")).device_offsets
+            tensor([0, 3, 5])
+        """
+        return to_device(self.offsets, self.lengths.device)
+
+    @functools.cached_property
+    def blocks(self) -> tuple[torch.Tensor, torch.Tensor]:
+        """The segments cut into blocks of at most :data:`AMAX_BLOCK` elements.
+
+        Returns:
+            (lengths, segment): int64 tensors on the layout's device, one
+            entry per block in buffer order; empty segments have no block.
+            Built on the host once per layout (one copy to the device).
+
+        Example:
+            >>> Layout.from_numels([5000, 0, 3], torch.device("cpu")).blocks
+            (tensor([4096,  904,    3]), tensor([0, 0, 2]))
+        """
+        sizes = self.offsets.diff()
+        count = (sizes + AMAX_BLOCK - 1) // AMAX_BLOCK
+        segment = torch.repeat_interleave(torch.arange(sizes.numel()), count)
+        first = torch.cumsum(count, 0) - count  # each segment's first block
+        index = torch.arange(segment.numel()) - first[segment]
+        lengths = (sizes[segment] - index * AMAX_BLOCK).clamp_(max=AMAX_BLOCK)
+        both = to_device(torch.cat([lengths, segment]), self.lengths.device)
+        return both[: segment.numel()], both[segment.numel() :]
+
+
+@dataclasses.dataclass(frozen=True)
+class Blocks:
+    """The blocks of block scaling in a buffer (or a window of it), from :meth:`Layout.grid`.
+
+    The codec scales per segment of a :class:`Layout`; :attr:`layout` makes
+    each block one segment, so ``encode(x, fmt, scale=block_scale[b.first :
+    b.first + b.n_blocks], layout=b.layout)`` encodes with block scales.
+
+    Attributes:
+        layout: the blocks as segments (offsets relative to the buffer or window).
+        block_size: elements per whole block.
+        counts: int64 CPU tensor, blocks in each segment of the parent layout
+            (a layer's blocks, for spreading a block's NaN to its layer).
+        device_counts: the same on the data's device.
+        first: index of the first block in the whole buffer's blocks (a
+            window's scales are ``scale[first : first + n_blocks]``).
+
+    Example:
+        >>> b = Layout.from_numels([20, 8], torch.device("cpu")).grid(8).window(12, 24)
+        >>> b.layout.offsets, b.first, b.counts
+        (tensor([ 0,  4,  8, 12]), 1, tensor([2, 1]))
+    """
+
+    layout: Layout
+    block_size: int
+    counts: torch.Tensor
+    device_counts: torch.Tensor
+    first: int = 0
+
+    @property
+    def n_blocks(self) -> int:
+        return self.layout.n_segments
+
+    def wire_nbytes(self, fmt: FloatFormat | str) -> int:
+        """Bytes these blocks put on the wire: the format's payload plus one exponent byte each.
+
+        Example:
+            >>> Layout.from_numels([64], torch.device("cpu")).grid(32).wire_nbytes("e2m1")
+            34
+        """
+        return payload_nbytes(self.layout.numel, get_format(fmt)) + self.n_blocks
+
+    def window(self, lo: int, hi: int) -> Blocks:
+        """The blocks that overlap the slice ``[lo, hi)`` of the buffer, clipped to it.
+
+        ``lo`` and ``hi`` are offsets in the whole buffer (this must be a
+        whole buffer's blocks, ``first == 0``).
+        """
+        if self.first or not 0 <= lo <= hi <= self.layout.numel:
+            raise ValueError(
+                f"window [{lo}, {hi}) must lie in a whole buffer of {self.layout.numel} elements"
+            )
+        offsets = self.layout.offsets
+        b0 = int(torch.searchsorted(offsets[1:], lo, right=True))  # first block ending after lo
+        b1 = max(b0, int(torch.searchsorted(offsets[:-1], hi))) if hi > lo else b0
+        cut = (offsets[b0 : b1 + 1] - lo).clamp_(0, hi - lo) if b1 > b0 else offsets[:1] * 0
+        # Each layer's blocks inside [b0, b1): its block range cut by the window's.
+        end = torch.cumsum(self.counts, 0)
+        counts = (end.clamp(max=b1) - (end - self.counts).clamp(min=b0)).clamp_(min=0)
+        device = self.layout.lengths.device
+        return Blocks(
+            Layout._make(cut, device, block_size=self.block_size),
+            self.block_size,
+            counts,
+            to_device(counts, device),
+            b0,
+        )
