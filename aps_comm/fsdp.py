@@ -55,7 +55,7 @@ from typing import Any
 import torch
 import torch.distributed as dist
 
-from aps_comm import agreement, teardown
+from aps_comm import agreement, caveats, teardown
 from aps_comm.agreement import Layouts
 from aps_comm.config import (
     BlockExponents,
@@ -149,7 +149,12 @@ class APSFSDPState:
         bytes_sent: payload bytes this rank handed to collectives in the last
             step: per unit, the maxima (4 bytes per parameter plus 4) and the
             encoded reduce-scatter input (one byte per element for FP8,
-            padding included).
+            padding included). A reduce-scatter has no all-gather, so this is
+            every byte, the same as ``bytes_total``.
+        bytes_total: every payload byte this rank handed to a collective in
+            the last step (the sum of ``bytes_detail``; named as
+            :class:`aps_comm.APSState`'s, whose ``bytes_sent`` leaves out the
+            all-gather).
         bytes_detail: the same per collective: "all_reduce_max", "all_to_all".
         step: steps that reduced gradients (a ``set_requires_gradient_sync(False)``
             backward reduces nothing and does not count).
@@ -181,6 +186,7 @@ class APSFSDPState:
         self.process_group: dist.ProcessGroup | None = None
         self.reducer: Reducer | None = None
         self.bytes_sent = 0
+        self.bytes_total = 0
         self.bytes_detail: dict[str, int] = {}
         self.step = 0
         self._world_size = 0
@@ -215,6 +221,8 @@ class APSFSDPState:
 
     def bind(self, group: dist.ProcessGroup, device: torch.device) -> None:
         """Make the reducer: two_phase on ``group`` for gradients on ``device``."""
+        # Called by register (stacklevel 3: the user's call), the policy bound.
+        caveats.warn_unblocked(self.assignment.possible(), self.config.scaling, stacklevel=3)
         world, rank = group.size(), dist.get_rank(group)
         backend = agreement.backend_for(group, device)
         comm = Comm(group, world, rank, backend, Layouts(Topology(world, 1)))
@@ -274,6 +282,7 @@ class APSFSDPState:
         problem = _check_call(unit, output, input, op, n)
         rows = input.view(n, -1) if not problem else input.new_zeros(n, unit.row_numel)
         if rows.dtype != torch.float32:
+            caveats.warn_rounded_dtype(rows.dtype)
             rows = rows.float()
         flag = torch.full((), float(bool(problem)), device=rows.device)
         acc = reducer.unit(
@@ -318,7 +327,7 @@ class APSFSDPState:
     def _end_step(self) -> None:
         assert self.reducer is not None
         self.bytes_detail, self._last_stats = self.reducer.end_step()
-        self.bytes_sent = sum(self.bytes_detail.values())
+        self.bytes_sent = self.bytes_total = sum(self.bytes_detail.values())
         self._done = set()
         self.step += 1
         if self._flags is not None:

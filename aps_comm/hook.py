@@ -35,7 +35,7 @@ import torch
 import torch.distributed as dist
 from torch.nn.parallel import DistributedDataParallel
 
-from aps_comm import agreement, teardown, transports
+from aps_comm import agreement, caveats, teardown, transports
 from aps_comm.config import (
     BlockExponents,
     Reduction,
@@ -189,8 +189,18 @@ class APSState:
 
     Attributes:
         stats: the last step's per-layer records (with ``stats=True``).
-        bytes_sent: payload bytes this rank handed to collectives in the last
-            step: the maxima plus the encoded buckets (see ``bytes_detail``).
+        bytes_sent: payload bytes this rank handed to the collectives that
+            match an all-reduce in the last step: every entry of
+            ``bytes_detail`` but the all-gathers ("all_gather",
+            "node_all_gather"), i.e. the maxima, the encoded buckets in the
+            all-to-all (or native all-reduce) and the FP32 all-reduce. An
+            all-reduce's input is one copy of the bucket, which the two_phase
+            all-to-all's input also is; the all-gather that hands the averaged
+            shards back is the rest of the exchange, and ``bytes_total``
+            counts it.
+        bytes_total: every payload byte this rank handed to a collective in
+            the last step: the sum of ``bytes_detail``, all-gathers and the
+            maxima all-reduce included.
         bytes_detail: the same per collective: "all_reduce_max", "all_to_all",
             "all_gather", "all_reduce"; hierarchical adds the in-node
             "node_all_to_all" (FP32) and "node_all_gather" ("all_to_all" and
@@ -261,6 +271,7 @@ class APSState:
         self.error_feedback = bool(error_feedback)
         self.feedback = ErrorFeedback(0, 1) if self.error_feedback else None
         self.bytes_sent = 0
+        self.bytes_total = 0
         self.bytes_detail: dict[str, int] = {}
         self.step = 0
         self.param_names: dict[int, str] = {}
@@ -437,6 +448,8 @@ class APSState:
         """
         if self.reducer is not None:
             return
+        # From register (stacklevel 3: the user's call) or the first hook call.
+        caveats.warn_unblocked(self.assignment.possible(), self.config.scaling, stacklevel=3)
         self.bind_process_group()
         group = self.process_group
         assert group is not None and self.layouts is not None
@@ -504,6 +517,7 @@ class APSState:
         self.bytes_sent = sum(
             v for k, v in self.bytes_detail.items() if not k.endswith("all_gather")
         )
+        self.bytes_total = sum(self.bytes_detail.values())
         self.step += 1
 
     def _chunk(self) -> int | None:
@@ -795,6 +809,8 @@ def aps_hook(state: APSState, bucket: dist.GradBucket) -> torch.futures.Future[t
         if bucket.is_last():
             state._end_step()
         return fut
+    if params:
+        caveats.warn_rounded_dtype(buffer.dtype)  # the plain FP32 all-reduce above keeps it
     fut = state._submit(_Bucket(index, buffer, list(params), bucket.is_last()))
     if buffer.device.type == "cuda" and reducer.comm.backend == "nccl":
         return fut  # the side stream's, complete: a failure was raised in this call

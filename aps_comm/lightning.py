@@ -62,8 +62,10 @@ class APSStrategy(DDPStrategy):
         error_feedback: carry what rounding lost into the next step.
         stats: collect per-layer stats and log, every step, through the
             LightningModule (rank 0's figures reach the logger):
-            ``aps/bytes_sent`` (payload bytes this rank handed to
-            collectives), ``aps/underflowing_layers`` (layers with any
+            ``aps/bytes_sent`` (payload bytes this rank handed to the
+            collectives that match an all-reduce: ``APSState.bytes_sent``),
+            ``aps/bytes_total`` (every payload byte, the all-gathers
+            included: ``APSState.bytes_total``), ``aps/underflowing_layers`` (layers with any
             element flushed to zero), ``aps/max_underflow_rate``,
             ``aps/saturated`` (elements clamped to the format's maximum) and
             ``aps/mean_exponent`` (of the per-layer scales).
@@ -172,7 +174,10 @@ class APSStrategy(DDPStrategy):
 
 
 def _step_figures(state: APSState) -> dict[str, float]:
-    figures = {"aps/bytes_sent": float(state.bytes_sent)}
+    figures = {
+        "aps/bytes_sent": float(state.bytes_sent),
+        "aps/bytes_total": float(state.bytes_total),
+    }
     if state.stats:
         figures["aps/underflowing_layers"] = float(sum(s.underflow_rate > 0 for s in state.stats))
         figures["aps/max_underflow_rate"] = max(s.underflow_rate for s in state.stats)

@@ -6,7 +6,11 @@
 ``tensorboard`` package: ``pip install ".[tensorboard]"`` from the checkout),
 tensorboardX, or Lightning's ``TensorBoardLogger.experiment``. Tags:
 
-- ``aps/bytes_sent``: payload bytes this rank handed to collectives.
+- ``aps/bytes_sent``: payload bytes this rank handed to the collectives that
+  match an all-reduce (:attr:`aps_comm.APSState.bytes_sent`: the all-gathers
+  left out).
+- ``aps/bytes_total``: every payload byte this rank handed to a collective
+  (:attr:`aps_comm.APSState.bytes_total`).
 - ``aps/exponent/<layer>``: the power of two the layer was scaled by.
 - ``aps/amax/<layer>``: the all-reduced max |gradient|.
 - ``aps/underflow_rate/<layer>``: fraction of this rank's nonzero elements flushed to zero.
@@ -44,7 +48,7 @@ class ScalarWriter(Protocol):
 def log_stats(
     writer: ScalarWriter, state: APSState, step: int | None = None, *, prefix: str = "aps"
 ) -> None:
-    """Write the last step's per-layer figures and bytes sent as scalars.
+    """Write the last step's per-layer figures and bytes handed to collectives as scalars.
 
     Args:
         writer: a ``SummaryWriter`` (or anything with its ``add_scalar``).
@@ -62,6 +66,7 @@ def log_stats(
         raise ValueError("log_stats needs per-layer stats: build the state with stats=True")
     step = state.step if step is None else step
     writer.add_scalar(f"{prefix}/bytes_sent", float(state.bytes_sent), step)
+    writer.add_scalar(f"{prefix}/bytes_total", float(state.bytes_total), step)
     for i, s in enumerate(state.stats):
         # Unbound states know no names: number the layers in DDP's bucket order.
         layer = s.name if s.name is not None else f"layer{i}"

@@ -90,6 +90,7 @@ __all__ = [
     "bind_reduce_shards",
     "bind_send_rank_blocks",
     "block_segments",
+    "compile_options",
     "decode",
     "encode",
     "format_constants",
@@ -1601,7 +1602,7 @@ def bind_layer_maxima(
         _top(n),
         n - 1,
         BLOCK=BLOCK,
-        **_options(),
+        **compile_options(),
     )
 
 
@@ -1631,10 +1632,18 @@ NUM_WARPS: int | None = None
 """Warps per program of the compiled kernels (None: Triton's default)."""
 
 
-def _options() -> dict[str, int | bool]:
-    """Compile options: no fused multiply-add, whatever Triton's default (each float
-    operation rounds once, as on the CPU), and :data:`NUM_WARPS`; the interpreter
-    takes none."""
+def compile_options() -> dict[str, int | bool]:
+    """The options every kernel is launched and compiled with.
+
+    No fused multiply-add, whatever Triton's default (each float operation
+    rounds once, as on the CPU; set explicitly, so Triton 3.9 does not warn
+    that its default will change), and :data:`NUM_WARPS`; the interpreter
+    takes none.
+
+    Example:
+        >>> compile_options()  # doctest: +SKIP
+        {'enable_fp_fusion': False}
+    """
     if INTERPRETED:
         return {}
     return {"enable_fp_fusion": False, **({"num_warps": NUM_WARPS} if NUM_WARPS else {})}
@@ -1859,7 +1868,7 @@ def bind_encode(
         SHIFT=sc.shift,
         AMAX=int(sc.amax),
         BLOCK=BLOCK,
-        **_options(),
+        **compile_options(),
     )
 
 
@@ -1950,7 +1959,7 @@ def bind_decode(
         AMAX=2 * int(sc.amax),
         DIVIDE=0 if divisor == 1 else 1 if pow2 else 2,
         BLOCK=BLOCK,
-        **_options(),
+        **compile_options(),
     )
 
 
@@ -1984,7 +1993,7 @@ def _reduce(
         DIVIDE=0 if divisor == 1 and not encode else 1 if pow2 else 2,
         ENCODE=encode,
         BLOCK=BLOCK,
-        **_options(),
+        **compile_options(),
     )
 
 
@@ -2179,7 +2188,7 @@ def _reduce_blocks(
         ROWS=rows,
         WIDTH=width,
         FACTORS=int(factors is not None),
-        **_options(),
+        **compile_options(),
     )
 
 
@@ -2272,7 +2281,7 @@ def bind_block_keys(
         M=mean_limit(fmt, EXPONENT_LIMIT),
         ROWS=rows,
         WIDTH=width,
-        **_options(),
+        **compile_options(),
     )
     return functools.partial(_zero_then, flags, launch)
 
@@ -2343,7 +2352,7 @@ def bind_send_rank_blocks(
         WIRE=consts.wire_bits,
         BYTES=_BYTES,
         SHIFT=_longest_log2(offsets[f0 : f1 + 1]),
-        **_options(),
+        **compile_options(),
     )
 
 
@@ -2438,7 +2447,7 @@ def bind_owner_rank_blocks(
         ROWS=rows,
         WIDTH=width,
         FACTORS=2,
-        **_options(),
+        **compile_options(),
     )
 
 
@@ -2500,7 +2509,7 @@ def bind_decode_rank_blocks(
         WIRE=consts.wire_bits,
         BLOCK=BLOCK,
         SHIFT=_longest_log2(off),
-        **_options(),
+        **compile_options(),
     )
 
 
@@ -2632,5 +2641,5 @@ def ptx(fmt: FloatFormat, arch: int = 90, block_size: int = 0) -> dict[str, str]
             constexprs = {**constexprs, **common}
         signature = {**signature, **{k: "constexpr" for k in constexprs}}
         src = ASTSource(fn, signature=signature, constexprs=constexprs)
-        out[name] = triton.compile(src, target=target, options=_options()).asm["ptx"]
+        out[name] = triton.compile(src, target=target, options=compile_options()).asm["ptx"]
     return out

@@ -71,6 +71,7 @@ __all__ = [
     "build_parser",
     "format_table",
     "main",
+    "progress_bar",
     "resolve_hooks",
 ]
 
@@ -362,40 +363,30 @@ def _train_one(name: str, data: Sequence[torch.Tensor], opts: argparse.Namespace
         optimizer, T_max=opts.epochs * steps_per_epoch
     )
 
-    from tqdm import tqdm
-
-    bar = tqdm(
-        total=opts.epochs * steps_per_epoch,
-        desc=f"{name:>12}",
-        unit="step",
-        disable=rank != 0,
-        leave=True,
-        file=sys.stderr,
-    )
     # Per epoch: summed loss and batch count on this rank, reduced once at the end.
     epoch_loss = torch.zeros(opts.epochs, 2, dtype=torch.float64)
     accuracy_curve: list[float] = []
     bytes_total = steps = 0
     dist.barrier()
     start = time.perf_counter()
-    for epoch in range(opts.epochs):
-        ddp.train()
-        for idx in _batches(len(y_train), opts.batch_size, opts.seed, epoch):
-            optimizer.zero_grad(set_to_none=True)
-            loss = loss_fn(ddp(x_train[idx]), y_train[idx])
-            (loss * opts.grad_scale).backward()
-            optimizer.step()
-            schedule.step()
-            bytes_total += take_bytes()
-            steps += 1
-            epoch_loss[epoch, 0] += loss.item()
-            epoch_loss[epoch, 1] += 1
-            bar.update()
-            bar.set_postfix(loss=f"{loss.item():.3f}", refresh=False)
-        accuracy_curve.append(_evaluate(net, x_test, y_test)[0])
-    dist.barrier()
-    seconds = time.perf_counter() - start
-    bar.close()
+    with progress_bar(opts.epochs * steps_per_epoch, f"{name:>12}", disable=rank != 0) as bar:
+        for epoch in range(opts.epochs):
+            ddp.train()
+            for idx in _batches(len(y_train), opts.batch_size, opts.seed, epoch):
+                optimizer.zero_grad(set_to_none=True)
+                loss = loss_fn(ddp(x_train[idx]), y_train[idx])
+                (loss * opts.grad_scale).backward()
+                optimizer.step()
+                schedule.step()
+                bytes_total += take_bytes()
+                steps += 1
+                epoch_loss[epoch, 0] += loss.item()
+                epoch_loss[epoch, 1] += 1
+                bar.update()
+                bar.set_postfix(loss=f"{loss.item():.3f}", refresh=False)
+            accuracy_curve.append(_evaluate(net, x_test, y_test)[0])
+        dist.barrier()
+        seconds = time.perf_counter() - start
 
     dist.all_reduce(epoch_loss)
     loss_curve = (epoch_loss[:, 0] / epoch_loss[:, 1]).tolist()
@@ -411,6 +402,33 @@ def _train_one(name: str, data: Sequence[torch.Tensor], opts: argparse.Namespace
         "test_accuracy_curve": accuracy_curve,
         "steps": steps,
     }
+
+
+@contextlib.contextmanager
+def progress_bar(
+    total: int, desc: str, *, disable: bool = False, file: Any = None
+) -> Iterator[Any]:
+    """A tqdm bar on stderr (or ``file``), with log records printed above it, not into it.
+
+    The first quantised step compiles the CPU codec, and
+    :mod:`aps_comm.cpu_kernels` logs a line saying so; logged while the bar
+    is drawn, it would land in the middle of the bar's line. Inside this
+    context the root logger's console output goes through ``tqdm.write``,
+    which clears the bar, prints the line and draws the bar again below it.
+
+    Example:
+        >>> with progress_bar(10, "aps-e4m3", disable=True) as bar:
+        ...     bar.update()
+    """
+    from tqdm import tqdm
+    from tqdm.contrib.logging import logging_redirect_tqdm
+
+    out = sys.stderr if file is None else file
+    with (
+        logging_redirect_tqdm(),
+        tqdm(total=total, desc=desc, unit="step", disable=disable, leave=True, file=out) as bar,
+    ):
+        yield bar
 
 
 @torch.no_grad()

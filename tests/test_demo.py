@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import logging
 import os
 import subprocess
 import sys
@@ -10,7 +11,7 @@ from pathlib import Path
 
 import pytest
 
-from aps_launch.demo import DEFAULT_HOOKS, format_table, main, resolve_hooks
+from aps_launch.demo import DEFAULT_HOOKS, format_table, main, progress_bar, resolve_hooks
 
 TIMEOUT = 120
 _JOB_VARS = ("RANK", "WORLD_SIZE", "LOCAL_RANK", "MASTER_ADDR", "MASTER_PORT", "APS_BACKEND")
@@ -88,3 +89,18 @@ def test_format_table_relative_to_fp32() -> None:
     lines = format_table(runs).splitlines()
     assert lines[0].split()[:3] == ["hook", "test", "acc"]
     assert lines[2].split()[4] == "0.260"
+
+
+def test_a_log_line_prints_above_the_progress_bar(capsys: pytest.CaptureFixture[str]) -> None:
+    # What aps_comm.cpu_kernels logs at the first quantised step, while the bar is drawn.
+    notice = "aps_comm: compiling the CPU codec kernels with numba"
+    with progress_bar(2, "aps-e4m3") as bar:
+        bar.update()
+        logging.getLogger("aps_comm.cpu_kernels").warning(notice)
+        bar.update()
+    err = capsys.readouterr().err
+    (line,) = [line for line in err.split("\n") if notice in line]
+    # The bar was cleared (its last "\r") before the line: the line is the notice alone.
+    assert line.split("\r")[-1] == notice, repr(err)
+    # And drawn again below it, to the end.
+    assert err.rstrip("\n").split("\r")[-1].startswith("aps-e4m3: 100%"), repr(err)

@@ -302,6 +302,33 @@ def test_bytes_on_the_wire() -> None:
         assert sum(s.numel for s in stats) == sum(numel for numel, _ in sizes)
 
 
+def _totals(rank: int, world_size: int) -> tuple:
+    torch.manual_seed(0)
+    model = Net()
+    ddp = DDP(model)
+    buckets: list[int] = []
+
+    def hook(st, bucket):
+        buckets.append(bucket.buffer().numel())
+        return aps_hook(st, bucket)
+
+    state = APSState("e4m3", reduction="two_phase")
+    ddp.register_comm_hook(state, hook)
+    ddp(torch.randn(8, 16)).sum().backward()
+    layers = len(list(model.parameters()))
+    return buckets, layers, state.bytes_sent, state.bytes_total
+
+
+def test_bytes_total_counts_every_byte_handed_to_a_collective() -> None:
+    for buckets, layers, sent, total in run_distributed(_totals, 2):
+        assert len(buckets) == 1  # Net is one DDP bucket
+        padded = -(-buckets[0] // 2) * 2  # two_phase's 2 shards
+        maxima = 4 * (layers + 1)  # a float32 maximum per layer, and the chunk-size hint
+        # e4m3: one byte per element into the all-to-all, this rank's shard into the all-gather.
+        assert sent == maxima + padded
+        assert total == maxima + padded + padded // 2
+
+
 def _stats(rank: int, world_size: int) -> list:
     torch.manual_seed(0)
     model = Net()

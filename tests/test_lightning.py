@@ -116,6 +116,8 @@ def _lightning_runs(rank: int, world_size: int, tmp: str) -> dict:
             self.steps.append(
                 {
                     "bytes_sent": trainer.strategy.state.bytes_sent,
+                    "bytes_total": trainer.strategy.state.bytes_total,
+                    "bytes_detail": dict(trainer.strategy.state.bytes_detail),
                     "underflowing_layers": sum(s.underflow_rate > 0 for s in stats),
                     "saturated": sum(s.saturated for s in stats),
                     "exponents": [s.exponent for s in stats],
@@ -228,6 +230,7 @@ def test_stats_are_logged_every_step(runs: list[dict]) -> None:
         assert len(logged) == len(recorded) == STEPS
         for m, r in zip(logged, recorded, strict=True):
             assert m["aps/bytes_sent"] == r["bytes_sent"] > 0
+            assert m["aps/bytes_total"] == r["bytes_total"] == sum(r["bytes_detail"].values())
             assert m["aps/underflowing_layers"] == r["underflowing_layers"]
             assert m["aps/saturated"] == r["saturated"]
             assert m["aps/mean_exponent"] == pytest.approx(

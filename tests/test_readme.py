@@ -18,8 +18,10 @@ not conflict). Relative links between the pages must resolve.
 from __future__ import annotations
 
 import ast
+import configparser
 import csv
 import dataclasses
+import inspect
 import json
 import os
 import re
@@ -33,6 +35,8 @@ from pathlib import Path
 import pytest
 import torch
 
+from aps_comm import APSState, fsdp, register
+from aps_comm.config import BlockExponents, Reduction, Scaling, default_block_size
 from aps_perfmodel import get_cluster, get_device, get_model, predict
 from aps_perfmodel.units import format_time
 
@@ -788,6 +792,96 @@ def test_relative_links_resolve() -> None:
     assert _slug("The demo: `aps-demo`") == "the-demo-aps-demo"
     text = "See [a](b.md#c), `[x](y)`, [u](https://e.org/#z) and ![p](q.png).\n```\n[d](e)\n```\n"
     assert _links(text) == ["b.md#c", "q.png"]
+
+
+# The options whose values are an enum of aps_comm.config: a table lists every value.
+_OPTION_ENUMS = {"scaling": Scaling, "reduction": Reduction, "block_exponents": BlockExponents}
+_CODE = re.compile(r"`([^`]+)`")
+
+
+def _option_tables() -> dict[str, tuple[str, dict[str, list[str]]]]:
+    """Every table whose first column is "option", by page and line: (second header, rows).
+
+    Rows are keyed by the option's name; a row's cells follow it.
+    """
+    tables: dict[str, tuple[str, dict[str, list[str]]]] = {}
+    for path in _pages():
+        current: dict[str, list[str]] | None = None
+        for number, line in enumerate(path.read_text().splitlines(), 1):
+            if not line.startswith("|"):
+                current = None
+                continue
+            cells = [c.strip() for c in line.strip().strip("|").split(" | ")]
+            if current is None and cells[0] == "option":
+                current = {}
+                tables[f"{_page(path)}:{number}"] = (cells[1], current)
+            elif current is not None and not set(cells[0]) <= set("-:|"):
+                current[cells[0].strip("`")] = cells[1:]
+    return tables
+
+
+def _documented_default(column: str, cells: list[str]) -> str | None:
+    """The default a row states, as code: its "default" cell, or the value marked "(default)"."""
+    if column == "default":
+        code = _CODE.search(cells[0])
+    else:
+        assert column == "values", f"an options table with columns option, {column}"
+        code = re.search(r"`([^`]+)` \(default\)", cells[0])
+    return code.group(1) if code is not None else None
+
+
+def test_options_tables_match_register() -> None:
+    params = inspect.signature(register).parameters
+    options = {n: p.default for n, p in params.items() if p.default is not inspect.Parameter.empty}
+    assert next(iter(params)) == "ddp" and len(options) == len(params) - 1
+    # APSState(fmt, **options) takes the same options (README says so).
+    state_params = inspect.signature(APSState).parameters
+    assert {n: p.default for n, p in state_params.items()} == options
+    tables = _option_tables()
+    assert {t.split(":")[0] for t in tables} >= {"README.md", "docs/design-and-guarantees.md"}
+    wrong = []
+    for where, (column, rows) in tables.items():
+        if rows.keys() != options.keys():
+            wrong.append(
+                f"{where}: missing {sorted(options.keys() - rows.keys())}, "
+                f"not options of register {sorted(rows.keys() - options.keys())}"
+            )
+        for name, cells in rows.items():
+            if name not in options:
+                continue
+            stated = _documented_default(column, cells)
+            if stated is None or ast.literal_eval(stated) != options[name]:
+                wrong.append(f"{where}: {name} defaults to {options[name]!r}, not {stated}")
+            values = set(_CODE.findall(" ".join(cells)))
+            for value in _OPTION_ENUMS.get(name, ()):
+                if f'"{value}"' not in values:
+                    wrong.append(f'{where}: {name} does not list "{value}"')
+        # None: the format decides; the row says how.
+        resolved = f"{default_block_size(8)} for 8-bit formats, {default_block_size(4)} below"
+        if "block_size" in rows and resolved not in " ".join(rows["block_size"]):
+            wrong.append(f"{where}: block_size does not say {resolved!r}")
+    assert not wrong, wrong
+
+
+def test_fsdp_register_signature_is_the_documented_one() -> None:
+    def shown(value: object) -> str:
+        return f'"{value}"' if isinstance(value, str) else repr(value)
+
+    params = list(inspect.signature(fsdp.register).parameters.values())
+    parts = [p.name if p.default is p.empty else f"{p.name}={shown(p.default)}" for p in params]
+    first_kw = next(i for i, p in enumerate(params) if p.kind is p.KEYWORD_ONLY)
+    parts.insert(first_kw, "*")
+    text = (DOCS / "fsdp2.md").read_text()
+    assert f"`register({', '.join(parts)})`" in text
+
+
+def test_readme_names_every_extra() -> None:
+    setup = configparser.ConfigParser()
+    setup.read(ROOT / "setup.cfg")
+    extras = set(setup["options.extras_require"])
+    (paragraph,) = [p for p in README.read_text().split("\n\n") if p.startswith("Optional extras:")]
+    named = set(_CODE.findall(paragraph))
+    assert extras and extras <= named, f"extras README does not name: {sorted(extras - named)}"
 
 
 def test_command_parser() -> None:

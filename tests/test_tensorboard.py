@@ -42,6 +42,7 @@ def test_event_file_holds_the_state_stats(tmp_path: Path) -> None:
     with SummaryWriter(str(tmp_path)) as writer:
         for step, scale in ((1, 1.0), (2, 3.0)):
             state.stats, state.bytes_sent, state.step = _step_stats(scale), 1000 * step, step
+            state.bytes_total = 1500 * step
             log_stats(writer, state)
             written[step] = (state.stats, state.bytes_sent)
     first = written[1][0]
@@ -50,7 +51,7 @@ def test_event_file_holds_the_state_stats(tmp_path: Path) -> None:
     events = EventAccumulator(str(tmp_path))
     events.Reload()
     names = ["a.weight", "b.weight", "layer2"]
-    expected_tags = {"aps/bytes_sent"} | {
+    expected_tags = {"aps/bytes_sent", "aps/bytes_total"} | {
         f"aps/{figure}/{n}"
         for figure in ("exponent", "amax", "underflow_rate", "saturated")
         for n in names
@@ -61,6 +62,7 @@ def test_event_file_holds_the_state_stats(tmp_path: Path) -> None:
         return [(e.step, e.value) for e in events.Scalars(tag)]
 
     assert series("aps/bytes_sent") == [(1, 1000.0), (2, 2000.0)]
+    assert series("aps/bytes_total") == [(1, 1500.0), (2, 3000.0)]
     for i, name in enumerate(names):
         for figure in ("exponent", "amax", "underflow_rate", "saturated"):
             want = [

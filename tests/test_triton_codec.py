@@ -718,7 +718,9 @@ def test_every_launched_variant_compiles_for_a_gpu(monkeypatch: pytest.MonkeyPat
     compiled = set()
     vectors: dict[tuple[str, int], set[str]] = {}
     with _loaded(interpret=False) as module:
-        for name, args, kwargs in log:
+        for name, args, recorded in log:
+            # Launched on a GPU with the compile options the interpreter took none of.
+            kwargs = {**recorded, **module.compile_options()}
             fn = getattr(module, name)
             binder = create_function_from_signature(fn.signature, fn.params, backend)
             bound, spec, opts = binder(*args, **kwargs)
