@@ -73,6 +73,7 @@ from aps_comm import fsdp as aps_fsdp
 from aps_comm.policy import KeepLast, Promote
 from aps_comm.testing import run_distributed
 from benchmarks._models import DigitsCNN, TinyLM, lm_loss, load_digits_tensors, markov_data
+from benchmarks.hostcost import state_nbytes
 
 __all__ = ["BLOCK_HOOKS", "FSDP_HOOKS", "HOOKS", "TASKS", "attach_hook", "main", "prepare"]
 
@@ -202,38 +203,15 @@ class _StepBytes:
 def _state_bytes(state: object, model: nn.Module) -> int:
     """Bytes of the tensors a hook's state holds between steps, not counting the model's own.
 
-    Walks the state's attributes, dicts, lists and tuples (not into modules or
-    process groups) and sums each distinct storage once; storages that hold
-    the model's parameters or gradients (DDP's buckets) are the model's.
+    :func:`benchmarks.hostcost.state_nbytes`, less the storages that hold
+    the model's parameters or gradients (DDP's buckets): those are the model's.
 
     Example:
         >>> _state_bytes({"error": torch.zeros(10)}, nn.Linear(2, 2))
         40
     """
-    own = {p.untyped_storage().data_ptr() for p in model.parameters()}
-    own |= {p.grad.untyped_storage().data_ptr() for p in model.parameters() if p.grad is not None}
-    seen_objects: set[int] = set()
-    storages: dict[int, int] = {}
-    stack: list[object] = [state]
-    while stack:
-        obj = stack.pop()
-        if id(obj) in seen_objects:
-            continue
-        seen_objects.add(id(obj))
-        if isinstance(obj, torch.Tensor):
-            storage = obj.untyped_storage()
-            if storage.data_ptr() not in own:
-                storages[storage.data_ptr()] = storage.nbytes()
-        elif isinstance(obj, dict):
-            stack += obj.values()
-        elif isinstance(obj, (list, tuple, set, frozenset)):
-            stack += obj
-        elif isinstance(obj, (nn.Module, dist.ProcessGroup, threading.Thread, type)):
-            continue
-        elif hasattr(obj, "__dict__") or hasattr(obj, "__slots__"):
-            stack += vars(obj).values() if hasattr(obj, "__dict__") else []
-            stack += [getattr(obj, k) for k in getattr(obj, "__slots__", ()) if hasattr(obj, k)]
-    return sum(storages.values())
+    params = list(model.parameters())
+    return state_nbytes(state, params + [p.grad for p in params if p.grad is not None])
 
 
 def attach_hook(

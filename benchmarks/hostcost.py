@@ -46,6 +46,7 @@ import os
 import statistics
 import sys
 import tempfile
+import threading
 import time
 import types
 from collections.abc import Callable, Iterator
@@ -292,15 +293,26 @@ class _Layer(torch.nn.Module):
 
 
 # What a walk from the state must not enter: code, classes and modules hold
-# no tensor of the state's own, and lead to the whole interpreter.
-_OPAQUE = (type, types.ModuleType, types.FunctionType, types.BuiltinFunctionType, types.CodeType)
+# no tensor of the state's own, and lead to the whole interpreter; a model,
+# a process group and a thread are someone else's.
+_OPAQUE = (
+    type,
+    types.ModuleType,
+    types.FunctionType,
+    types.BuiltinFunctionType,
+    types.CodeType,
+    torch.nn.Module,
+    dist.ProcessGroup,
+    threading.Thread,
+)
 
 
 def state_nbytes(state: object, exclude: list[torch.Tensor]) -> int:
     """Bytes of the distinct tensor storages reachable from ``state``, less ``exclude``'s.
 
     Follows every object the garbage collector sees ``state`` refer to
-    (attributes, containers, closures' cells), not modules, classes or code.
+    (attributes, slots, containers, closures' cells), not into modules,
+    classes, code, models, process groups or threads.
     A storage shared by several views counts once.
 
     Example:
