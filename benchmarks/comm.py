@@ -895,7 +895,11 @@ def main(argv: Sequence[str] | None = None) -> int:
         >>> main(["--loopback", "--ranks", "2", "--mb", "4", "--repeats", "2"])  # doctest: +SKIP
         0
     """
+    from benchmarks.cluster import EmulatedCluster, cluster_topology
+
     args = _parser().parse_args(argv)
+    topology_args = cluster_topology(args, ranks_default=4)
+    args.ranks_per_node = topology_args["ranks_per_node"]
     if args.hooks is None:
         args.hooks = ",".join(NODE_HOOKS if args.ranks_per_node > 1 else DEFAULT_HOOKS)
     args.hooks = [h.strip() for h in args.hooks.split(",") if h.strip()]
@@ -908,7 +912,6 @@ def main(argv: Sequence[str] | None = None) -> int:
     if args.worker:
         _worker(args)
         return 0
-    from benchmarks.cluster import EmulatedCluster, cluster_topology
 
     with tempfile.TemporaryDirectory(prefix="aps-comm-") as tmp:
         out = Path(tmp) / "rank0.json"
@@ -925,7 +928,7 @@ def main(argv: Sequence[str] | None = None) -> int:
         with EmulatedCluster(
             bandwidth=args.bandwidth,
             loopback=args.loopback,
-            **cluster_topology(args, ranks_default=4),
+            **topology_args,
         ) as cluster:
             topology: dict[str, Any] = {
                 "nodes": cluster.nodes,

@@ -1,9 +1,10 @@
-"""FSDP2 step time on the emulated cluster: FSDP's FP32 and BF16 reduce-scatter against APS e4m3.
+"""FSDP2 step time on the emulated cluster: FSDP's own reduction against APS, flat and HSDP.
 
 Every setup trains the same model in the same job: a stack of
-``Linear(2048, 2048)`` layers (16 MiB of FP32 parameters each), each layer
-``fully_shard``-ed, then the root; FP32 parameters (the all-gathers are
-FP32 in every setup). Setups:
+``Linear(W, W)`` layers (``W`` = 2048: 16 MiB of FP32 parameters each),
+each layer ``fully_shard``-ed, then the root; FP32 parameters (the
+all-gathers are FP32 in every setup). Flat setups shard every unit over all
+ranks:
 
 - ``fp32``: FSDP2's own reduce-scatter, ``reduce_dtype`` FP32 (on Gloo an
   all-reduce of the whole input: twice a reduce-scatter's traffic);
@@ -11,14 +12,43 @@ FP32 in every setup). Setups:
 - ``aps-e4m3``: :func:`aps_comm.fsdp.register` (one byte per element, one
   ``all_to_all``).
 
+With nodes (``--nodes M``, ``M`` x ``L`` ranks, node-major) the HSDP setups
+shard each unit over a node's ``L`` ranks and replicate it across the ``M``
+nodes, so only the replicas' all-reduce of each unit's shard crosses nodes:
+
+- ``hsdp-fp32``, ``hsdp-bf16``: native HSDP, ``fully_shard`` on the 2-D
+  mesh ``init_device_mesh("cpu", (M, L), mesh_dim_names=("replicate",
+  "shard"))``, ``reduce_dtype`` FP32 or BF16;
+- ``hsdp-aps-e4m3``, ``hsdp-aps-e2m1-block``: ``fully_shard`` on
+  ``mesh["shard"]``, then ``aps_comm.fsdp.register(model, fmt,
+  replicate=mesh["replicate"])`` (e2m1 with ``scaling="block"``): FSDP's
+  FP32 reduce-scatter inside the node, the APS all-reduce across replicas.
+
 Per setup: the median step time (forward with its all-gathers, backward with
-its all-gathers and reduce-scatters; batch 1; the slowest rank's time each
-step) over repeats, rounds interleaving the setups, the speedup over ``fp32``
-and the reduce-scatter bytes per step; beside it, the perfmodel's
-prediction (:mod:`aps_perfmodel.fsdp`, Gloo, for the measured link, compute
-taken as zero, as the batch-1 compute is small).
+its all-gathers and reductions; batch 1; the slowest rank's time each step)
+over repeats, rounds interleaving the setups, the speedup over the baseline
+(``hsdp-fp32`` when it ran, else ``fp32``), and the bytes per step and rank:
+
+- ``cross_node_bytes_per_step``: measured on the wire, the transmit
+  counters (``/proc/net/dev``) of every node's link to the switch over the
+  timed steps, summed over nodes, divided by ranks and steps (frames:
+  payload plus TCP/IP headers and ACKs, plus the timing's barrier and
+  one-float MAX all-reduce; None on loopback, which has no such link);
+- ``collective_bytes_per_step``: from the payloads of every collective the
+  ranks called (``torch.distributed`` wrapped for the run), the bytes each
+  rank sends under Gloo's algorithms (ring all-reduce, ring all-gather,
+  reduce-scatter as an all-reduce of its input, pairwise all-to-all; see
+  :func:`sent_bytes`), split by where they go: to another node or inside
+  one. ``replica`` is the part on groups whose ranks are all on different
+  nodes (HSDP's replica all-reduce), every byte of which crosses nodes.
+
+Beside them the perfmodel's prediction (:mod:`aps_perfmodel.fsdp`, Gloo,
+for the measured links, compute taken as zero, as the batch-1 compute is
+small; HSDP rows through ``fsdp_step(..., replicate=M)``) and its ratio to
+the measured step.
 
     python -m benchmarks.fsdp --ranks 2 --bandwidth 1gbit --json benchmarks/results/fsdp_2ranks.json
+    python -m benchmarks.fsdp --nodes 2 --ranks 4 --bandwidth 250mbit --json benchmarks/results/fsdp_hsdp_250mbit.json
     python -m benchmarks.fsdp --loopback --ranks 2 --layers 1 --repeats 2   # no root, no shaping
 
 Example:
@@ -28,6 +58,9 @@ Example:
 from __future__ import annotations
 
 import argparse
+import dataclasses
+import functools
+import inspect
 import json
 import os
 import platform
@@ -35,39 +68,200 @@ import statistics
 import sys
 import tempfile
 import time
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from pathlib import Path
-from typing import Any
+from typing import Any, ClassVar
 
 import torch
 
-__all__ = ["SETUPS", "main", "markdown"]
+__all__ = ["FLAT_SETUPS", "NODE_SETUPS", "SETUPS", "main", "markdown", "sent_bytes"]
 
-SETUPS = ("fp32", "bf16", "aps-e4m3")
+
+@dataclasses.dataclass(frozen=True)
+class _Setup:
+    """How one setup shards and reduces (``fmt`` None: FSDP's own reduction)."""
+
+    hsdp: bool
+    reduce_dtype: torch.dtype
+    fmt: str | None
+    scaling: str
+    model_fmt: str  # the perfmodel's name of the format on the slow link
+
+
+_SETUPS: dict[str, _Setup] = {
+    "fp32": _Setup(False, torch.float32, None, "layer", "fp32"),
+    "bf16": _Setup(False, torch.bfloat16, None, "layer", "bf16"),
+    "aps-e4m3": _Setup(False, torch.float32, "e4m3", "layer", "e4m3"),
+    "hsdp-fp32": _Setup(True, torch.float32, None, "layer", "fp32"),
+    "hsdp-bf16": _Setup(True, torch.bfloat16, None, "layer", "bf16"),
+    "hsdp-aps-e4m3": _Setup(True, torch.float32, "e4m3", "layer", "e4m3"),
+    "hsdp-aps-e2m1-block": _Setup(True, torch.float32, "e2m1", "block", "e2m1"),
+}
+SETUPS = tuple(_SETUPS)
+# The defaults: one rank per node, and nodes of several ranks (issue 44's rows).
+FLAT_SETUPS = ("fp32", "bf16", "aps-e4m3")
+NODE_SETUPS = (
+    "fp32",
+    "aps-e4m3",
+    "hsdp-fp32",
+    "hsdp-bf16",
+    "hsdp-aps-e4m3",
+    "hsdp-aps-e2m1-block",
+)
 _WIDTH = 2048  # Linear(2048, 2048): 16 MiB of FP32 parameters per layer
-_PREDICTED = {"fp32": "fp32", "bf16": "bf16", "aps-e4m3": "e4m3"}
+# Where a collective's bytes go, by the nodes of its group's ranks.
+_CROSS, _INTRA, _REPLICA = "cross_node", "intra_node", "replica"
 
 
-def _model(layers: int) -> torch.nn.Module:
-    return torch.nn.Sequential(
-        *[torch.nn.Linear(_WIDTH, _WIDTH, bias=False) for _ in range(layers)]
-    )
+def _model(layers: int, width: int) -> torch.nn.Module:
+    return torch.nn.Sequential(*[torch.nn.Linear(width, width, bias=False) for _ in range(layers)])
 
 
-def _build(setup: str, layers: int) -> tuple[torch.nn.Module, Any]:
+def _build(setup: str, layers: int, width: int, mesh: Any) -> tuple[torch.nn.Module, Any]:
     from torch.distributed.fsdp import MixedPrecisionPolicy, fully_shard
 
     from aps_comm import fsdp
 
+    spec = _SETUPS[setup]
     torch.manual_seed(0)
-    model = _model(layers)
-    reduce_dtype = torch.bfloat16 if setup == "bf16" else torch.float32
-    mp = MixedPrecisionPolicy(reduce_dtype=reduce_dtype)
+    model = _model(layers, width)
+    mp = MixedPrecisionPolicy(reduce_dtype=spec.reduce_dtype)
+    # Native HSDP: the 2-D mesh; APS HSDP: the node's ranks, replicas via register.
+    on = None if not spec.hsdp else mesh["shard"] if spec.fmt else mesh
     for layer in model:
-        fully_shard(layer, mp_policy=mp)
-    fully_shard(model, mp_policy=mp)
-    state = fsdp.register(model, "e4m3") if setup == "aps-e4m3" else None
+        fully_shard(layer, mesh=on, mp_policy=mp)
+    fully_shard(model, mesh=on, mp_policy=mp)
+    state = None
+    if spec.fmt is not None:
+        extra = {"replicate": mesh["replicate"]} if spec.hsdp else {}
+        state = fsdp.register(model, spec.fmt, scaling=spec.scaling, **extra)  # type: ignore[arg-type]
     return model, state
+
+
+def sent_bytes(kind: str, nbytes: int, group_size: int) -> int:
+    """Bytes one rank of a Gloo group sends for a collective of ``nbytes`` of payload.
+
+    Gloo's algorithms: ``all_reduce`` is a ring (a reduce-scatter then an
+    all-gather, ``2 (R - 1) / R`` of the tensor to the next rank); FSDP's
+    ``reduce_scatter`` on Gloo is an all-reduce of its input, priced the same;
+    ``all_gather`` is a ring (``R - 1`` inputs to the next rank);
+    ``all_to_all`` sends every rank its part (``(R - 1) / R`` of the input,
+    equal splits). ``nbytes`` is the input's size (the tensor for
+    ``all_reduce``).
+
+    Args:
+        kind: "all_reduce", "reduce_scatter", "all_gather" or "all_to_all".
+        nbytes: the input's bytes.
+        group_size: ranks in the group, R.
+
+    Example:
+        >>> sent_bytes("all_reduce", 4096, 2), sent_bytes("all_gather", 512, 4)
+        (4096, 1536)
+    """
+    if group_size < 1:
+        raise ValueError(f"group_size must be >= 1, got {group_size}")
+    r = group_size
+    if kind in ("all_reduce", "reduce_scatter"):
+        return 2 * (r - 1) * nbytes // r
+    if kind == "all_gather":
+        return (r - 1) * nbytes
+    if kind == "all_to_all":
+        return (r - 1) * nbytes // r
+    raise ValueError(
+        f"unknown collective {kind!r}; choose from all_reduce, reduce_scatter, "
+        "all_gather, all_to_all"
+    )
+
+
+class _CollectiveBytes:
+    """Wraps ``torch.distributed``'s collectives to count what each call sends, by destination.
+
+    The collectives are looked up on the module at call time by FSDP2 and
+    by aps_comm, so patching the module's attributes sees them all.
+    """
+
+    # Each wrapped function: the collective it is, and its argument holding the input.
+    _KINDS: ClassVar[dict[str, tuple[str, str]]] = {
+        "all_reduce": ("all_reduce", "tensor"),
+        "reduce_scatter_single": ("reduce_scatter", "input"),
+        "reduce_scatter_tensor": ("reduce_scatter", "input"),
+        "all_gather_single": ("all_gather", "input_tensor"),
+        "all_gather_into_tensor": ("all_gather", "input_tensor"),
+        "all_to_all_single": ("all_to_all", "input"),
+    }
+
+    def __init__(self, ranks_per_node: int) -> None:
+        import torch.distributed as dist
+
+        self._dist = dist
+        self._per_node = ranks_per_node
+        self._originals: dict[str, Callable[..., Any]] = {}
+        self.counts: dict[str, int] = {}  # empty: not counting
+
+    def install(self) -> None:
+        for name, (kind, arg) in self._KINDS.items():
+            original = getattr(self._dist, name, None)
+            if original is None:
+                continue
+            self._originals[name] = original
+            setattr(self._dist, name, self._wrap(original, kind, arg))
+
+    def uninstall(self) -> None:
+        for name, original in self._originals.items():
+            setattr(self._dist, name, original)
+        self._originals.clear()
+
+    def reset(self) -> None:
+        self.counts = {_CROSS: 0, _INTRA: 0, _REPLICA: 0}
+
+    def _wrap(self, original: Callable[..., Any], kind: str, arg: str) -> Callable[..., Any]:
+        signature = inspect.signature(original)
+
+        @functools.wraps(original)
+        def counted(*args: Any, **kwargs: Any) -> Any:
+            if self.counts:
+                bound = signature.bind(*args, **kwargs).arguments
+                t = bound[arg]
+                splits = bound.get("input_split_sizes")
+                self._count(kind, t.numel() * t.element_size(), bound.get("group"), splits)
+            return original(*args, **kwargs)
+
+        return counted
+
+    def _count(self, kind: str, nbytes: int, group: Any, splits: Sequence[int] | None) -> None:
+        ranks = self._dist.get_process_group_ranks(group or self._dist.group.WORLD)
+        r = len(ranks)
+        if r < 2:
+            return
+        me = ranks.index(self._dist.get_rank())
+        nodes = [g // self._per_node for g in ranks]
+        if kind == "all_to_all":
+            # Pairwise: each rank gets its own part, straight from this one.
+            row = nbytes // max(1, sum(splits)) if splits else nbytes // r
+            parts = [s * row for s in splits] if splits else [row] * r
+            cross = sum(b for b, n in zip(parts, nodes, strict=True) if n != nodes[me])
+            intra = sum(parts) - parts[me] - cross
+        else:
+            # Rings: everything goes to the next rank of the group.
+            sent = sent_bytes(kind, nbytes, r)
+            cross = sent if nodes[(me + 1) % r] != nodes[me] else 0
+            intra = sent - cross
+        self.counts[_CROSS] += cross
+        self.counts[_INTRA] += intra
+        if len(set(nodes)) == r:
+            self.counts[_REPLICA] += cross
+
+
+def _link_tx_bytes() -> int | None:
+    """Bytes this namespace's node link has sent (``/proc/net/dev``); None on loopback."""
+    ifname = os.environ.get("GLOO_SOCKET_IFNAME", "lo")
+    if ifname == "lo":
+        return None
+    for line in Path("/proc/net/dev").read_text().splitlines():
+        name, sep, fields = line.partition(":")
+        if sep and name.strip() == ifname:
+            return int(fields.split()[8])  # 8 receive columns, then transmit bytes
+    raise RuntimeError(f"interface {ifname!r} (GLOO_SOCKET_IFNAME) not in /proc/net/dev")
 
 
 def _time_steps(model: torch.nn.Module, x: torch.Tensor, warmup: int, repeats: int) -> list[float]:
@@ -87,66 +281,151 @@ def _time_steps(model: torch.nn.Module, x: torch.Tensor, warmup: int, repeats: i
     return times
 
 
+def _measured(
+    model: torch.nn.Module, x: torch.Tensor, args: argparse.Namespace, counter: _CollectiveBytes
+) -> dict[str, Any]:
+    """Time the setup's steps; the bytes of its timed steps, per step and rank."""
+    import torch.distributed as dist
+
+    _time_steps(model, x, args.warmup, 0)
+    local_rank = int(os.environ.get("LOCAL_RANK", "0"))
+    dist.barrier()
+    tx0 = _link_tx_bytes()
+    counter.reset()
+    times = _time_steps(model, x, 0, args.repeats)
+    dist.barrier()
+    tx1 = _link_tx_bytes()
+    counts = dict(counter.counts)
+    counter.counts = {}
+    world = dist.get_world_size()
+    # One rank per node reads its node's link: the others see the same counter.
+    link = 0 if tx0 is None or tx1 is None or local_rank else tx1 - tx0
+    totals = torch.tensor(
+        [link, *(counts[k] for k in (_CROSS, _INTRA, _REPLICA))], dtype=torch.float64
+    )
+    dist.all_reduce(totals)
+    per = [float(v) / world / args.repeats for v in totals]
+    return {
+        "step_s": times,
+        "cross_node_bytes_per_step": None if tx0 is None else per[0],
+        "collective_bytes_per_step": {_CROSS: per[1], _INTRA: per[2], _REPLICA: per[3]},
+    }
+
+
 def _worker(args: argparse.Namespace) -> None:
     import torch.distributed as dist
 
     torch.set_num_threads(1)
     dist.init_process_group("gloo")
-    rank = dist.get_rank()
+    rank, world = dist.get_rank(), dist.get_world_size()
+    per_node = int(os.environ.get("LOCAL_WORLD_SIZE", "1"))
+    mesh = None
+    if any(_SETUPS[s].hsdp for s in args.setups):
+        from torch.distributed.device_mesh import init_device_mesh
+
+        mesh = init_device_mesh(
+            "cpu", (world // per_node, per_node), mesh_dim_names=("replicate", "shard")
+        )
+    counter = _CollectiveBytes(per_node)
+    counter.install()
     torch.manual_seed(1234 + rank)
-    x = torch.randn(1, _WIDTH)
+    x = torch.randn(1, args.width)
     results = []
     for rnd in range(args.rounds):
         for setup in args.setups:
-            model, state = _build(setup, args.layers)
-            times = _time_steps(model, x, args.warmup, args.repeats)
+            model, state = _build(setup, args.layers, args.width, mesh)
+            got = _measured(model, x, args, counter)
             results.append(
                 {
                     "setup": setup,
                     "round": rnd,
-                    "step_s": times,
+                    **got,
                     "aps_bytes_per_step": state.bytes_sent if state is not None else None,
+                    "aps_bytes_detail": dict(state.bytes_detail) if state is not None else None,
                 }
             )
             if rank == 0:
                 print(
-                    f"round {rnd} {setup:>9}: median {statistics.median(times):.3f} s", flush=True
+                    f"round {rnd} {setup:>19}: median {statistics.median(got['step_s']):.3f} s",
+                    flush=True,
                 )
             del model, state
+    counter.uninstall()
     if rank == 0:
         Path(args.worker_out).write_text(
-            json.dumps({"world": dist.get_world_size(), "results": results})
+            json.dumps({"world": world, "ranks_per_node": per_node, "results": results})
         )
     dist.destroy_process_group()
 
 
-def _predict(layers: int, world: int, link: dict[str, Any] | None) -> dict[str, dict[str, float]]:
-    """perfmodel's FSDP step (communication only) per setup, for the measured link."""
-    if not link or not link.get("bandwidth_bits_per_s"):
-        return {}
-    from aps_perfmodel.fsdp import FSDPUnit, fsdp_step, padded_numel
-    from benchmarks.comm import flat_link_cluster
+def _cluster(topology: dict[str, Any]) -> Any:
+    """The perfmodel cluster of the measured links: M nodes of L CPU ranks."""
+    from aps_perfmodel import custom_cluster
 
-    cluster = flat_link_cluster(link, world)
-    units = [FSDPUnit(padded_numel([(_WIDTH, _WIDTH)], world), 1)] * layers
+    link, intra = topology["link"], topology.get("link_intra_node") or {}
+    return custom_cluster(
+        link["bandwidth_bits_per_s"] / 8,
+        max(link.get("rtt_s") or 0.0, 1e-6) / 2,
+        nodes=topology["nodes"],
+        gpus_per_node=topology["ranks_per_node"],
+        # Unmeasured (one rank per node): never used.
+        intra_bandwidth=intra.get("bandwidth_bits_per_s", 40e9) / 8,
+        intra_latency=max(intra.get("rtt_s") or 2e-5, 1e-6) / 2,
+        device="cpu",
+    )
+
+
+def _predict(
+    setups: Sequence[str], layers: int, width: int, topology: dict[str, Any]
+) -> tuple[dict[str, dict[str, float]], str]:
+    """perfmodel's FSDP step (communication only) per setup, for the measured links."""
+    link = topology.get("link")
+    if not link or not link.get("bandwidth_bits_per_s"):
+        return {}, "no measured link (loopback)"
+    from aps_perfmodel.formats import get_format
+    from aps_perfmodel.fsdp import FSDPUnit, fsdp_step, padded_numel
+
+    cluster = _cluster(topology)
+    world = topology["nodes"] * topology["ranks_per_node"]
+    replicas = topology["nodes"]
+    hsdp_priced = "replicate" in inspect.signature(fsdp_step).parameters
     out = {}
-    for setup, fmt in _PREDICTED.items():
-        p = fsdp_step(units, fmt, cluster, backend="gloo")
+    for setup in setups:
+        spec = _SETUPS[setup]
+        if spec.hsdp and not hsdp_priced:
+            continue
+        shard = world // replicas if spec.hsdp else world
+        units = [FSDPUnit(padded_numel([(width, width)], shard), 1)] * layers
+        fmt: Any = spec.model_fmt
+        if spec.scaling == "block":
+            fmt = get_format(fmt, aps=True, scaling="block")
+        extra = {"replicate": replicas} if spec.hsdp else {}
+        p = fsdp_step(units, fmt, cluster, backend="gloo", **extra)
         out[setup] = {
             "step_s": p.step_s,
             "all_gather_s": p.all_gather_s,
             "reduce_scatter_s": p.reduce_scatter_s,
+            "inter_node_bytes": p.inter_node_bytes,
         }
-    return out
+    note = "aps_perfmodel.fsdp.fsdp_step, backend gloo, compute 0"
+    if not hsdp_priced and any(_SETUPS[s].hsdp for s in setups):
+        note += "; HSDP rows pending (fsdp_step has no replicate= yet)"
+    return out, note
 
 
-def _reduce_scatter_bytes(setup: str, layers: int, world: int) -> int:
+def _reduce_scatter_bytes(setup: str, layers: int, width: int, world: int) -> int:
     """Bytes FSDP hands its reduce-scatter per step: the padded input in the reduce dtype."""
     per_elem = {"fp32": 4, "bf16": 2}[setup]
-    return layers * -(-_WIDTH // world) * world * _WIDTH * per_elem
+    return layers * -(-width // world) * world * width * per_elem
 
 
-def _summarise(raw: dict[str, Any], link: dict[str, Any] | None, args: argparse.Namespace) -> dict:
+def _baseline(medians: dict[str, float]) -> str | None:
+    return next((s for s in ("hsdp-fp32", "fp32") if s in medians), None)
+
+
+def _summarise(
+    raw: dict[str, Any], topology: dict[str, Any], args: argparse.Namespace
+) -> dict[str, Any]:
     world = raw["world"]
     by_setup: dict[str, list[dict[str, Any]]] = {}
     for r in raw["results"]:
@@ -155,29 +434,56 @@ def _summarise(raw: dict[str, Any], link: dict[str, Any] | None, args: argparse.
         s: statistics.median(statistics.median(r["step_s"]) for r in rs)
         for s, rs in by_setup.items()
     }
-    predicted = _predict(args.layers, world, link)
+    base = _baseline(medians)
+    predicted, note = _predict(list(by_setup), args.layers, args.width, topology)
+    nodes = topology["nodes"] > 1 and topology["ranks_per_node"] > 1
+
+    def median_of(rs: list[dict[str, Any]], get: Callable[[dict[str, Any]], Any]) -> Any:
+        values = [get(r) for r in rs]
+        return None if any(v is None for v in values) else statistics.median(values)
+
     runs = []
     for setup, rs in by_setup.items():
         t = medians[setup]
         aps_bytes = rs[-1]["aps_bytes_per_step"]
         pred = predicted.get(setup, {})
-        runs.append(
-            {
-                "setup": setup,
-                "median_step_s": t,
-                "round_median_step_s": [statistics.median(r["step_s"]) for r in rs],
-                "step_s": [s for r in rs for s in r["step_s"]],
-                "speedup_vs_fp32": medians["fp32"] / t if "fp32" in medians else None,
-                "reduce_scatter_bytes_per_step": aps_bytes
+        run: dict[str, Any] = {
+            "setup": setup,
+            "median_step_s": t,
+            "round_median_step_s": [statistics.median(r["step_s"]) for r in rs],
+            "step_s": [s for r in rs for s in r["step_s"]],
+            "speedup_vs_fp32": medians["fp32"] / t if "fp32" in medians else None,
+        }
+        if nodes:
+            run["speedup_vs_baseline"] = medians[base] / t if base else None
+            run["cross_node_bytes_per_step"] = median_of(
+                rs, lambda r: r["cross_node_bytes_per_step"]
+            )
+            run["collective_bytes_per_step"] = {
+                k: median_of(rs, lambda r, k=k: r["collective_bytes_per_step"][k])
+                for k in (_CROSS, _INTRA, _REPLICA)
+            }
+            run["aps_bytes_per_step"] = aps_bytes
+            run["aps_bytes_detail"] = rs[-1]["aps_bytes_detail"]
+        else:
+            run["reduce_scatter_bytes_per_step"] = (
+                aps_bytes
                 if aps_bytes is not None
-                else _reduce_scatter_bytes(setup, args.layers, world),
+                else _reduce_scatter_bytes(setup, args.layers, args.width, world)
+            )
+        run.update(
+            {
                 "predicted_step_s": pred.get("step_s"),
                 "predicted_all_gather_s": pred.get("all_gather_s"),
                 "predicted_reduce_scatter_s": pred.get("reduce_scatter_s"),
                 "prediction_error": (pred["step_s"] - t) / t if pred else None,
             }
         )
-    return {
+        if nodes:
+            run["predicted_inter_node_bytes"] = pred.get("inter_node_bytes")
+            run["predicted_over_measured"] = pred["step_s"] / t if pred else None
+        runs.append(run)
+    result: dict[str, Any] = {
         "command": "python -m benchmarks.fsdp " + " ".join(sys.argv[1:]),
         "date": time.strftime("%Y-%m-%dT%H:%M:%S%z"),
         "machine": {
@@ -186,15 +492,76 @@ def _summarise(raw: dict[str, Any], link: dict[str, Any] | None, args: argparse.
             "torch": torch.__version__,
             "kernel": platform.release(),
         },
-        "link": link,
+        "link": topology.get("link"),
         "ranks": world,
         "layers": args.layers,
-        "parameter_mb": args.layers * _WIDTH * _WIDTH * 4 / 2**20,
+        "parameter_mb": args.layers * args.width * args.width * 4 / 2**20,
         "repeats": args.repeats,
         "warmup": args.warmup,
         "rounds": args.rounds,
         "runs": runs,
     }
+    if nodes:
+        result.update(
+            {
+                "nodes": topology["nodes"],
+                "ranks_per_node": topology["ranks_per_node"],
+                "link_intra_node": topology.get("link_intra_node"),
+                "width": args.width,
+                "baseline": base,
+                "prediction": note,
+            }
+        )
+    return result
+
+
+def _conditions(result: dict[str, Any]) -> str:
+    link = result.get("link") or {}
+    if not link.get("bandwidth_bits_per_s"):
+        return "loopback, unshaped"
+    return (
+        f"{link['bandwidth_bits_per_s'] / 1e6:.0f} Mbit/s measured goodput "
+        f"(tbf {link.get('configured_rate')}), rtt {link['rtt_s'] * 1e6:.0f} us"
+    )
+
+
+def _mib(value: float | None) -> str:
+    return "-" if value is None else f"{value / 2**20:.2f}"
+
+
+def _node_markdown(result: dict[str, Any]) -> str:
+    base = result.get("baseline") or "fp32"
+    lines = [
+        f"{result['nodes']} nodes x {result['ranks_per_node']} ranks, {_conditions(result)} "
+        f"between nodes, unshaped inside a node; {result['layers']} x "
+        f"Linear({result['width']}, {result['width']}) ({result['parameter_mb']:.0f} MiB of "
+        f"FP32 parameters), each layer a unit; medians of {result['repeats']} steps per round, "
+        f"median over {result['rounds']} rounds (setups interleaved); command "
+        f"`{result['command']}`.",
+        "",
+        "Cross-node MiB: per step and rank, measured on the nodes' links (interface "
+        "counters: payload, headers, ACKs); collectives: the same from the collectives' "
+        "payloads under Gloo's algorithms; prediction: `aps_perfmodel.fsdp.fsdp_step` "
+        "(communication only).",
+        "",
+        f"| setup | step s | vs {base} | cross-node MiB (links) | cross-node MiB "
+        f"(collectives) | vs {base} (links) | predicted step s | predicted / measured |",
+        "|---|---:|---:|---:|---:|---:|---:|---:|",
+    ]
+    runs = {r["setup"]: r for r in result["runs"]}
+    base_bytes = (runs.get(base) or {}).get("cross_node_bytes_per_step")
+    for r in result["runs"]:
+        cross = r.get("cross_node_bytes_per_step")
+        ratio = f"{cross / base_bytes:.3f}" if cross is not None and base_bytes else "-"
+        pred = r.get("predicted_step_s")
+        speed = r.get("speedup_vs_baseline")
+        lines.append(
+            f"| {r['setup']} | {r['median_step_s']:.3f} | "
+            f"{'-' if speed is None else f'{speed:.2f}'} | {_mib(cross)} | "
+            f"{_mib(r['collective_bytes_per_step']['cross_node'])} | {ratio} | "
+            + (f"{pred:.3f} | {r['predicted_over_measured']:.2f} |" if pred else "- | - |")
+        )
+    return "\n".join(lines) + "\n"
 
 
 def markdown(result: dict[str, Any]) -> str:
@@ -203,15 +570,10 @@ def markdown(result: dict[str, Any]) -> str:
     Example:
         >>> text = markdown(json.loads(Path("benchmarks/results/fsdp_2ranks.json").read_text()))  # doctest: +SKIP
     """
-    link = result.get("link") or {}
-    cond = (
-        f"{link['bandwidth_bits_per_s'] / 1e6:.0f} Mbit/s measured goodput "
-        f"(tbf {link.get('configured_rate')}), rtt {link['rtt_s'] * 1e6:.0f} us"
-        if link.get("bandwidth_bits_per_s")
-        else "loopback, unshaped"
-    )
+    if result.get("nodes"):
+        return _node_markdown(result)
     lines = [
-        f"{result['ranks']} ranks, {cond}; {result['layers']} x Linear(2048, 2048) "
+        f"{result['ranks']} ranks, {_conditions(result)}; {result['layers']} x Linear(2048, 2048) "
         f"({result['parameter_mb']:.0f} MiB of FP32 parameters), each layer fully_shard-ed; "
         f"medians of {result['repeats']} steps per round, median over {result['rounds']} "
         f"rounds (setups interleaved); command `{result['command']}`.",
@@ -236,16 +598,24 @@ def markdown(result: dict[str, Any]) -> str:
 
 
 def _parser() -> argparse.ArgumentParser:
+    from benchmarks.cluster import add_topology_arguments
+
     p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    p.add_argument("--ranks", type=int, default=2)
-    p.add_argument("--bandwidth", default="1gbit", help="per-rank link rate (tc syntax)")
+    add_topology_arguments(p, ranks_default=2)
+    p.add_argument("--bandwidth", default="1gbit", help="per-node link rate (tc syntax)")
     p.add_argument("--loopback", action="store_true", help="no namespaces, no shaping")
-    p.add_argument("--layers", type=int, default=2, help="Linear(2048, 2048) layers (16 MiB each)")
+    p.add_argument("--layers", type=int, default=2, help="Linear(W, W) layers, each a unit")
+    p.add_argument(
+        "--width", type=int, default=_WIDTH, help=f"W (default {_WIDTH}: 16 MiB per layer)"
+    )
     p.add_argument("--repeats", type=int, default=5)
     p.add_argument("--warmup", type=int, default=2)
     p.add_argument("--rounds", type=int, default=3)
     p.add_argument(
-        "--setups", default=",".join(SETUPS), help=f"comma-separated, from {', '.join(SETUPS)}"
+        "--setups",
+        default=None,
+        help=f"comma-separated, from {', '.join(SETUPS)} (default: {', '.join(FLAT_SETUPS)}; "
+        f"with nodes of several ranks: {', '.join(NODE_SETUPS)})",
     )
     p.add_argument("--timeout", type=float, default=1800.0)
     p.add_argument("--json", type=Path, default=None, help="write the results here")
@@ -255,32 +625,59 @@ def _parser() -> argparse.ArgumentParser:
 
 
 def main(argv: Sequence[str] | None = None) -> int:
+    """Command-line entry point; returns the exit status.
+
+    Example:
+        >>> main(["--loopback", "--ranks", "2", "--layers", "1", "--repeats", "2"])  # doctest: +SKIP
+        0
+    """
+    from benchmarks.cluster import EmulatedCluster, cluster_topology
+
     args = _parser().parse_args(argv)
+    topology_args = cluster_topology(args, ranks_default=2)
+    per_node = topology_args["ranks_per_node"]
+    nodes = topology_args["nodes"] or (topology_args["ranks"] or 0) // per_node
+    with_nodes = per_node > 1 and nodes > 1
+    if args.setups is None:
+        args.setups = ",".join(NODE_SETUPS if with_nodes else FLAT_SETUPS)
     args.setups = [s.strip() for s in args.setups.split(",") if s.strip()]
     unknown = [s for s in args.setups if s not in SETUPS]
     if unknown:
         raise SystemExit(f"unknown setups {unknown}; choose from {', '.join(SETUPS)}")
+    hsdp = [s for s in args.setups if _SETUPS[s].hsdp]
+    if hsdp and not with_nodes and not args.worker:
+        raise SystemExit(
+            f"setups {hsdp} need nodes of several ranks (e.g. --nodes 2 --ranks 4); "
+            f"got {nodes} node(s) of {per_node} rank(s)"
+        )
     if args.worker:
         _worker(args)
         return 0
-    from benchmarks.cluster import EmulatedCluster
 
     with tempfile.TemporaryDirectory(prefix="aps-fsdp-") as tmp:
         out = Path(tmp) / "rank0.json"
         worker = [
             sys.executable, "-m", "benchmarks.fsdp", "--worker", "--worker-out", str(out),
-            "--layers", str(args.layers), "--repeats", str(args.repeats),
-            "--warmup", str(args.warmup), "--rounds", str(args.rounds),
-            "--setups", ",".join(args.setups),
+            "--layers", str(args.layers), "--width", str(args.width),
+            "--repeats", str(args.repeats), "--warmup", str(args.warmup),
+            "--rounds", str(args.rounds), "--setups", ",".join(args.setups),
         ]  # fmt: skip
         with EmulatedCluster(
-            ranks=args.ranks, bandwidth=args.bandwidth, loopback=args.loopback
+            bandwidth=args.bandwidth, loopback=args.loopback, **topology_args
         ) as cluster:
-            link = None
+            topology: dict[str, Any] = {
+                "nodes": cluster.nodes,
+                "ranks_per_node": cluster.ranks_per_node,
+                "link": None,
+            }
             if not args.loopback:
                 stats = cluster.link_stats()
                 print(stats.summary(), flush=True)
-                link = stats.to_dict()
+                topology["link"] = stats.to_dict()
+                if cluster.ranks_per_node > 1:
+                    intra = cluster.link_stats(dst=1)
+                    print(intra.summary(), flush=True)
+                    topology["link_intra_node"] = intra.to_dict()
             ranks = cluster.run(
                 worker, timeout=args.timeout, env={"PYTHONPATH": os.getcwd()}, echo=True
             )
@@ -290,7 +687,7 @@ def main(argv: Sequence[str] | None = None) -> int:
                 print(r.output[-3000:], file=sys.stderr)
             return 1
         raw = json.loads(out.read_text())
-    result = _summarise(raw, link, args)
+    result = _summarise(raw, topology, args)
     print(markdown(result))
     if args.json:
         args.json.parent.mkdir(parents=True, exist_ok=True)

@@ -54,7 +54,8 @@ def add_topology_arguments(parser: argparse.ArgumentParser, *, ranks_default: in
     Their values go to :class:`EmulatedCluster` as ``ranks``, ``nodes``,
     ``ranks_per_node``, ``intra_node_bandwidth`` and ``delay``; with
     ``--nodes`` given, ``--ranks`` may be left out (``ranks_default`` applies
-    only when neither is given).
+    only when neither is given), and with both given ``--ranks-per-node``
+    may be (``--nodes 2 --ranks 4``: 2 ranks per node).
 
     Example:
         >>> p = argparse.ArgumentParser()
@@ -75,8 +76,11 @@ def add_topology_arguments(parser: argparse.ArgumentParser, *, ranks_default: in
     parser.add_argument(
         "--ranks-per-node",
         type=int,
-        default=1,
-        help="ranks per node (LOCAL_WORLD_SIZE); they share the node's link (default 1)",
+        default=None,
+        help=(
+            "ranks per node (LOCAL_WORLD_SIZE); they share the node's link "
+            "(default: ranks / nodes when both are given, else 1)"
+        ),
     )
     parser.add_argument(
         "--intra-node-bandwidth",
@@ -99,13 +103,18 @@ def cluster_topology(args: argparse.Namespace, *, ranks_default: int) -> dict[st
         >>> cluster_topology(p.parse_args([]), ranks_default=4)["ranks"]
         4
     """
-    ranks = args.ranks
+    ranks, per_node = args.ranks, args.ranks_per_node
+    if per_node is None:
+        # `--nodes 2 --ranks 4` says 2 per node; EmulatedCluster names a
+        # count that does not divide.
+        both = ranks is not None and args.nodes is not None and args.nodes > 0
+        per_node = max(1, ranks // args.nodes) if both else 1
     if ranks is None and args.nodes is None:
-        ranks = ranks_default * args.ranks_per_node
+        ranks = ranks_default * per_node
     return {
         "ranks": ranks,
         "nodes": args.nodes,
-        "ranks_per_node": args.ranks_per_node,
+        "ranks_per_node": per_node,
         "intra_node_bandwidth": args.intra_node_bandwidth,
         "delay": args.delay,
     }
