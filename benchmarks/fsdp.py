@@ -74,7 +74,7 @@ from typing import Any, ClassVar
 
 import torch
 
-__all__ = ["FLAT_SETUPS", "NODE_SETUPS", "SETUPS", "main", "markdown", "sent_bytes"]
+__all__ = ["FLAT_SETUPS", "NODE_SETUPS", "SETUPS", "main", "markdown", "run_setups", "sent_bytes"]
 
 
 @dataclasses.dataclass(frozen=True)
@@ -282,17 +282,17 @@ def _time_steps(model: torch.nn.Module, x: torch.Tensor, warmup: int, repeats: i
 
 
 def _measured(
-    model: torch.nn.Module, x: torch.Tensor, args: argparse.Namespace, counter: _CollectiveBytes
+    model: torch.nn.Module, x: torch.Tensor, warmup: int, repeats: int, counter: _CollectiveBytes
 ) -> dict[str, Any]:
     """Time the setup's steps; the bytes of its timed steps, per step and rank."""
     import torch.distributed as dist
 
-    _time_steps(model, x, args.warmup, 0)
+    _time_steps(model, x, warmup, 0)
     local_rank = int(os.environ.get("LOCAL_RANK", "0"))
     dist.barrier()
     tx0 = _link_tx_bytes()
     counter.reset()
-    times = _time_steps(model, x, 0, args.repeats)
+    times = _time_steps(model, x, 0, repeats)
     dist.barrier()
     tx1 = _link_tx_bytes()
     counts = dict(counter.counts)
@@ -304,7 +304,7 @@ def _measured(
         [link, *(counts[k] for k in (_CROSS, _INTRA, _REPLICA))], dtype=torch.float64
     )
     dist.all_reduce(totals)
-    per = [float(v) / world / args.repeats for v in totals]
+    per = [float(v) / world / repeats for v in totals]
     return {
         "step_s": times,
         "cross_node_bytes_per_step": None if tx0 is None else per[0],
@@ -312,15 +312,44 @@ def _measured(
     }
 
 
-def _worker(args: argparse.Namespace) -> None:
+def run_setups(
+    setups: Sequence[str],
+    *,
+    layers: int = 2,
+    width: int = _WIDTH,
+    warmup: int = 2,
+    repeats: int = 5,
+    rounds: int = 1,
+    log: bool = False,
+) -> list[dict[str, Any]]:
+    """Run and measure every setup in this process group, rounds interleaving them.
+
+    Collective: every rank calls it after ``init_process_group``; ranks are
+    node-major with ``LOCAL_WORLD_SIZE`` ranks per node (1 if unset).
+
+    Args:
+        setups: names from :data:`SETUPS`.
+        layers: ``Linear(width, width)`` units.
+        width: their width.
+        warmup: untimed steps per setup and round.
+        repeats: timed steps per setup and round.
+        rounds: times every setup is run.
+        log: rank 0 prints each setup's median step.
+
+    Returns:
+        One dict per setup and round: ``step_s``, ``cross_node_bytes_per_step``
+        (None off the emulated cluster's namespaces), ``collective_bytes_per_step``,
+        ``aps_bytes_per_step`` and ``aps_bytes_detail`` (None without APS).
+
+    Example:
+        >>> rows = run_setups(["hsdp-fp32", "hsdp-aps-e4m3"], width=64, repeats=1)  # doctest: +SKIP
+    """
     import torch.distributed as dist
 
-    torch.set_num_threads(1)
-    dist.init_process_group("gloo")
     rank, world = dist.get_rank(), dist.get_world_size()
     per_node = int(os.environ.get("LOCAL_WORLD_SIZE", "1"))
     mesh = None
-    if any(_SETUPS[s].hsdp for s in args.setups):
+    if any(_SETUPS[s].hsdp for s in setups):
         from torch.distributed.device_mesh import init_device_mesh
 
         mesh = init_device_mesh(
@@ -329,31 +358,48 @@ def _worker(args: argparse.Namespace) -> None:
     counter = _CollectiveBytes(per_node)
     counter.install()
     torch.manual_seed(1234 + rank)
-    x = torch.randn(1, args.width)
+    x = torch.randn(1, width)
     results = []
-    for rnd in range(args.rounds):
-        for setup in args.setups:
-            model, state = _build(setup, args.layers, args.width, mesh)
-            got = _measured(model, x, args, counter)
-            results.append(
-                {
-                    "setup": setup,
-                    "round": rnd,
-                    **got,
-                    "aps_bytes_per_step": state.bytes_sent if state is not None else None,
-                    "aps_bytes_detail": dict(state.bytes_detail) if state is not None else None,
-                }
-            )
-            if rank == 0:
-                print(
-                    f"round {rnd} {setup:>19}: median {statistics.median(got['step_s']):.3f} s",
-                    flush=True,
+    try:
+        for rnd in range(rounds):
+            for setup in setups:
+                model, state = _build(setup, layers, width, mesh)
+                got = _measured(model, x, warmup, repeats, counter)
+                results.append(
+                    {
+                        "setup": setup,
+                        "round": rnd,
+                        **got,
+                        "aps_bytes_per_step": None if state is None else state.bytes_sent,
+                        "aps_bytes_detail": None if state is None else dict(state.bytes_detail),
+                    }
                 )
-            del model, state
-    counter.uninstall()
-    if rank == 0:
+                if log and rank == 0:
+                    median = statistics.median(got["step_s"])
+                    print(f"round {rnd} {setup:>19}: median {median:.3f} s", flush=True)
+                del model, state
+    finally:
+        counter.uninstall()
+    return results
+
+
+def _worker(args: argparse.Namespace) -> None:
+    import torch.distributed as dist
+
+    torch.set_num_threads(1)
+    dist.init_process_group("gloo")
+    results = run_setups(
+        args.setups,
+        layers=args.layers,
+        width=args.width,
+        warmup=args.warmup,
+        repeats=args.repeats,
+        rounds=args.rounds,
+        log=True,
+    )
+    if dist.get_rank() == 0:
         Path(args.worker_out).write_text(
-            json.dumps({"world": world, "ranks_per_node": per_node, "results": results})
+            json.dumps({"world": dist.get_world_size(), "results": results})
         )
     dist.destroy_process_group()
 
@@ -405,7 +451,7 @@ def _predict(
             "step_s": p.step_s,
             "all_gather_s": p.all_gather_s,
             "reduce_scatter_s": p.reduce_scatter_s,
-            "inter_node_bytes": p.inter_node_bytes,
+            "cross_node_bytes": p.cross_node_bytes,
         }
     note = "aps_perfmodel.fsdp.fsdp_step, backend gloo, compute 0"
     if not hsdp_priced and any(_SETUPS[s].hsdp for s in setups):
@@ -480,7 +526,7 @@ def _summarise(
             }
         )
         if nodes:
-            run["predicted_inter_node_bytes"] = pred.get("inter_node_bytes")
+            run["predicted_cross_node_bytes_per_step"] = pred.get("cross_node_bytes")
             run["predicted_over_measured"] = pred["step_s"] / t if pred else None
         runs.append(run)
     result: dict[str, Any] = {
@@ -545,8 +591,9 @@ def _node_markdown(result: dict[str, Any]) -> str:
         "(communication only).",
         "",
         f"| setup | step s | vs {base} | cross-node MiB (links) | cross-node MiB "
-        f"(collectives) | vs {base} (links) | predicted step s | predicted / measured |",
-        "|---|---:|---:|---:|---:|---:|---:|---:|",
+        f"(collectives) | vs {base} (links) | predicted cross-node MiB | predicted step s | "
+        "predicted / measured |",
+        "|---|---:|---:|---:|---:|---:|---:|---:|---:|",
     ]
     runs = {r["setup"]: r for r in result["runs"]}
     base_bytes = (runs.get(base) or {}).get("cross_node_bytes_per_step")
@@ -559,7 +606,12 @@ def _node_markdown(result: dict[str, Any]) -> str:
             f"| {r['setup']} | {r['median_step_s']:.3f} | "
             f"{'-' if speed is None else f'{speed:.2f}'} | {_mib(cross)} | "
             f"{_mib(r['collective_bytes_per_step']['cross_node'])} | {ratio} | "
-            + (f"{pred:.3f} | {r['predicted_over_measured']:.2f} |" if pred else "- | - |")
+            + (
+                f"{_mib(r.get('predicted_cross_node_bytes_per_step'))} | {pred:.3f} | "
+                f"{r['predicted_over_measured']:.2f} |"
+                if pred
+                else "- | - | - |"
+            )
         )
     return "\n".join(lines) + "\n"
 

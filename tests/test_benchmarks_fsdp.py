@@ -1,0 +1,71 @@
+"""The FSDP2 step-time benchmark's HSDP setups and its byte counting, tiny settings, no namespaces."""
+
+import argparse
+from typing import Any
+
+import pytest
+
+from aps_comm.testing import run_distributed
+from benchmarks import fsdp
+from benchmarks.cluster import add_topology_arguments, cluster_topology
+
+_LAYERS, _WIDTH = 2, 64
+
+
+def test_sent_bytes_follows_gloos_algorithms() -> None:
+    assert fsdp.sent_bytes("all_reduce", 4096, 2) == 4096  # ring: half out, half back
+    assert fsdp.sent_bytes("all_reduce", 4096, 4) == 6144
+    assert fsdp.sent_bytes("reduce_scatter", 4096, 4) == 6144  # Gloo: an all-reduce
+    assert fsdp.sent_bytes("all_gather", 512, 4) == 1536
+    assert fsdp.sent_bytes("all_to_all", 4096, 4) == 3072
+    with pytest.raises(ValueError, match="'broadcast'"):
+        fsdp.sent_bytes("broadcast", 1, 2)
+    with pytest.raises(ValueError, match="group_size must be >= 1, got 0"):
+        fsdp.sent_bytes("all_reduce", 1, 0)
+
+
+def test_nodes_and_ranks_give_the_ranks_per_node() -> None:
+    p = argparse.ArgumentParser()
+    add_topology_arguments(p, ranks_default=2)
+    topo = cluster_topology(p.parse_args(["--nodes", "2", "--ranks", "4"]), ranks_default=2)
+    assert (topo["ranks"], topo["nodes"], topo["ranks_per_node"]) == (4, 2, 2)
+    alone = cluster_topology(p.parse_args(["--ranks", "4"]), ranks_default=2)
+    assert alone["ranks_per_node"] == 1
+
+
+def _hsdp_rows(rank: int, world_size: int) -> list[dict[str, Any]]:
+    return fsdp.run_setups(
+        ["fp32", "hsdp-fp32", "hsdp-bf16", "hsdp-aps-e4m3"],
+        layers=_LAYERS,
+        width=_WIDTH,
+        warmup=0,
+        repeats=1,
+    )
+
+
+def test_hsdp_setups_run_and_their_replica_bytes_are_the_formats() -> None:
+    rows = {r["setup"]: r for r in run_distributed(_hsdp_rows, 4, env={"LOCAL_WORLD_SIZE": "2"})[0]}
+    got = {s: r["collective_bytes_per_step"] for s, r in rows.items()}
+    shard = _LAYERS * _WIDTH * _WIDTH // 2  # elements of each rank's shards, per step
+    # Native HSDP: each replica pair all-reduces the shard (a 2-rank ring sends it once).
+    assert got["hsdp-fp32"]["replica"] == 4 * shard
+    assert got["hsdp-bf16"]["replica"] == 2 * shard
+    # APS e4m3: one byte per element out (all_to_all half, all_gather half), plus
+    # one FP32 maximum per parameter: a quarter of FP32's.
+    assert got["hsdp-aps-e4m3"]["replica"] == shard + 4 * _LAYERS
+    assert got["hsdp-aps-e4m3"]["replica"] / got["hsdp-fp32"]["replica"] == pytest.approx(
+        0.25, abs=0.005
+    )
+    # The timing's one-float MAX all-reduce over the world ring is all that
+    # crosses nodes outside the replica groups (ranks 1 and 3 send 6 bytes each).
+    for s in ("hsdp-fp32", "hsdp-bf16", "hsdp-aps-e4m3"):
+        assert got[s]["cross_node"] == got[s]["replica"] + 3
+    # Flat FSDP's world ring crosses nodes on half its hops, and no group is a replica group.
+    assert got["fp32"]["replica"] == 0 and got["fp32"]["cross_node"] == got["fp32"]["intra_node"]
+    assert all(r["cross_node_bytes_per_step"] is None for r in rows.values())  # no node links
+    assert rows["hsdp-aps-e4m3"]["aps_bytes_detail"]["all_to_all"] > 0
+
+
+def test_hsdp_setups_need_nodes_of_several_ranks() -> None:
+    with pytest.raises(SystemExit, match=r"need nodes of several ranks.*got 2 node\(s\) of 1"):
+        fsdp.main(["--loopback", "--ranks", "2", "--setups", "hsdp-fp32"])
