@@ -74,7 +74,16 @@ from typing import Any, ClassVar
 
 import torch
 
-__all__ = ["FLAT_SETUPS", "NODE_SETUPS", "SETUPS", "main", "markdown", "run_setups", "sent_bytes"]
+__all__ = [
+    "FLAT_SETUPS",
+    "NODE_SETUPS",
+    "SETUPS",
+    "main",
+    "markdown",
+    "run_setups",
+    "sent_bytes",
+    "targets",
+]
 
 
 @dataclasses.dataclass(frozen=True)
@@ -575,6 +584,67 @@ def _mib(value: float | None) -> str:
     return "-" if value is None else f"{value / 2**20:.2f}"
 
 
+# Issue 44's targets for HSDP APS e4m3 against native HSDP FP32.
+_BYTES_TARGET = 0.26  # cross-node bytes, at most this fraction
+_SPEEDUP_TARGET = 2.5  # step speedup, at least, where the link is this slow or slower:
+_SPEEDUP_TARGET_BITS_PER_S = 250e6
+_PREDICTION_TARGET = 0.15  # the model's step within this fraction of the measured
+
+
+def targets(result: dict[str, Any]) -> list[str]:
+    """Issue 44's targets for a run with nodes, each said as a hit or a miss.
+
+    HSDP APS e4m3 against HSDP FP32: cross-node bytes (measured on the links)
+    at most 0.26x; at 250 Mbit/s or slower a step at least 2.5x faster, and
+    faster than every flat-FSDP row; the model's step within 15% of every
+    measured row. Empty for a run without both rows.
+
+    Example:
+        >>> lines = targets(json.loads(Path("benchmarks/results/fsdp_hsdp_250mbit.json").read_text()))  # doctest: +SKIP
+    """
+    runs = {r["setup"]: r for r in result.get("runs", [])}
+    aps, base = runs.get("hsdp-aps-e4m3"), runs.get("hsdp-fp32")
+    if not aps or not base:
+        return []
+
+    def said(hit: bool) -> str:
+        return "hit" if hit else "miss"
+
+    lines = []
+    cross, base_cross = aps.get("cross_node_bytes_per_step"), base.get("cross_node_bytes_per_step")
+    if cross is not None and base_cross:
+        ratio = cross / base_cross
+        lines.append(
+            f"HSDP APS e4m3 crossed nodes with {ratio:.3f}x HSDP FP32's bytes "
+            f"(target <= {_BYTES_TARGET}x): {said(ratio <= _BYTES_TARGET)}."
+        )
+    speedup = base["median_step_s"] / aps["median_step_s"]
+    bits = (result.get("link") or {}).get("configured_bits_per_s")
+    if bits and bits <= _SPEEDUP_TARGET_BITS_PER_S:
+        lines.append(
+            f"HSDP APS e4m3 stepped {speedup:.2f}x faster than HSDP FP32 "
+            f"(target >= {_SPEEDUP_TARGET}x): {said(speedup >= _SPEEDUP_TARGET)}."
+        )
+    flat = [r for s, r in runs.items() if not _SETUPS[s].hsdp]
+    if flat:
+        fastest = min(r["median_step_s"] for r in flat)
+        lines.append(
+            f"HSDP APS e4m3 {aps['median_step_s']:.3f} s against the fastest flat-FSDP row's "
+            f"{fastest:.3f} s (target: faster than every flat row): "
+            f"{said(aps['median_step_s'] < fastest)}."
+        )
+    ratios = {s: r.get("predicted_over_measured") for s, r in runs.items()}
+    if all(v is not None for v in ratios.values()):
+        near = [s for s, v in ratios.items() if abs(v - 1) <= _PREDICTION_TARGET]
+        lines.append(
+            f"The model's step within {_PREDICTION_TARGET:.0%} of the measured in {len(near)} "
+            f"of {len(ratios)} rows (predicted / measured "
+            + ", ".join(f"{s} {v:.2f}" for s, v in ratios.items())
+            + f"): {said(len(near) == len(ratios))}."
+        )
+    return lines
+
+
 def _node_markdown(result: dict[str, Any]) -> str:
     base = result.get("baseline") or "fp32"
     lines = [
@@ -613,6 +683,7 @@ def _node_markdown(result: dict[str, Any]) -> str:
                 else "- | - | - |"
             )
         )
+    lines += ["", *(f"- Target: {line}" for line in targets(result))]
     return "\n".join(lines) + "\n"
 
 

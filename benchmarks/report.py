@@ -1118,6 +1118,10 @@ def _highlights(found: _Found) -> list[str]:
                 f"- With backward compute: APS e4m3 leaves {aps['exposed_fraction']:.0%} of its "
                 "communication exposed (target <= 50%)."
             )
+    for res in found.of("benchmarks.fsdp"):
+        said = fsdp_bench.targets(res.data)
+        if said:
+            lines.append(f"- fsdp, {found.link(res.name)}: " + " ".join(said))
     return lines
 
 
@@ -1283,7 +1287,7 @@ def check_docs(docs: Sequence[Path] = DOCS, results: Path = RESULTS) -> list[str
         []
     """
     figures: dict[str, list[str]] = {}
-    measured: dict[str, list[str]] = {}
+    measured: dict[str, dict[str, list[str]]] = {}
     for res in find_results(results):
         if res.module in ("benchmarks.comm", "benchmarks.fsdp") and isinstance(res.data, dict):
             measured[res.name] = _step_figures(res.data)
@@ -1312,7 +1316,7 @@ def check_docs(docs: Sequence[Path] = DOCS, results: Path = RESULTS) -> list[str
                 elif MODEL_MARK not in sentence:
                     # Speedups to 2 places and step times to 3, as the report prints them.
                     steps = [
-                        number
+                        (number, unit)
                         for q in quoted
                         for number, unit in [re.match(r"([\d.]+)\s?(.*)", q).groups()]
                         if (unit, len(number.split(".")[1])) in (("x", 2), ("s", 3))
@@ -1320,29 +1324,33 @@ def check_docs(docs: Sequence[Path] = DOCS, results: Path = RESULTS) -> list[str
                     runs = sorted(
                         name
                         for name, values in measured.items()
-                        if any(_quoted(number, values) for number in steps)
+                        if any(_quoted(number, values[unit]) for number, unit in steps)
                     )
                     if runs:
                         problems.append(f"{where} quotes a run's figures without naming it {runs}")
     return problems
 
 
-def _step_figures(data: dict) -> list[str]:
-    """A communication or FSDP run's step times and speedups, with and without compute."""
+def _step_figures(data: dict) -> dict[str, list[str]]:
+    """A communication or FSDP run's step times ("s") and speedups ("x"), with and without compute.
+
+    Kept apart so a quoted speedup is never matched to a step time that
+    rounds to it (1.52x against a 1.521 s step).
+    """
     runs = list(data.get("runs", [])) + [r for s in data.get("sweep", []) for r in s["runs"]]
     with_compute = {r.get("hook"): r.get("median_compute_step_s") for r in runs}
-    out = []
+    out: dict[str, list[str]] = {"s": [], "x": []}
     for r in runs:
         for key in ("median_step_s", "median_compute_step_s"):
             if isinstance(r.get(key), int | float):
-                out.append(f"{r[key]:.3f}")
-        for key in ("speedup_vs_fp32", "speedup_vs_fp16"):
+                out["s"].append(f"{r[key]:.3f}")
+        for key in ("speedup_vs_fp32", "speedup_vs_fp16", "speedup_vs_baseline"):
             if isinstance(r.get(key), int | float):
-                out.append(f"{r[key]:.2f}")
+                out["x"].append(f"{r[key]:.2f}")
         t = r.get("median_compute_step_s")
         for base in ("fp32", "fp16"):
             if t and with_compute.get(base):
-                out.append(f"{with_compute[base] / t:.2f}")
+                out["x"].append(f"{with_compute[base] / t:.2f}")
     return out
 
 

@@ -1,6 +1,8 @@
 """The FSDP2 step-time benchmark's HSDP setups and its byte counting, tiny settings, no namespaces."""
 
 import argparse
+import json
+from pathlib import Path
 from typing import Any
 
 import pytest
@@ -51,8 +53,10 @@ def test_hsdp_setups_run_and_their_replica_bytes_are_the_formats() -> None:
     assert got["hsdp-fp32"]["replica"] == 4 * shard
     assert got["hsdp-bf16"]["replica"] == 2 * shard
     # APS e4m3: one byte per element out (all_to_all half, all_gather half), plus
-    # one FP32 maximum per parameter: a quarter of FP32's.
-    assert got["hsdp-aps-e4m3"]["replica"] == shard + 4 * _LAYERS
+    # the maxima's MAX all-reduce (a few bytes per unit): a quarter of FP32's.
+    maxima = rows["hsdp-aps-e4m3"]["aps_bytes_detail"]["all_reduce_max"]
+    assert 0 < maxima <= 16 * _LAYERS
+    assert got["hsdp-aps-e4m3"]["replica"] == shard + maxima
     assert got["hsdp-aps-e4m3"]["replica"] / got["hsdp-fp32"]["replica"] == pytest.approx(
         0.25, abs=0.005
     )
@@ -69,3 +73,52 @@ def test_hsdp_setups_run_and_their_replica_bytes_are_the_formats() -> None:
 def test_hsdp_setups_need_nodes_of_several_ranks() -> None:
     with pytest.raises(SystemExit, match=r"need nodes of several ranks.*got 2 node\(s\) of 1"):
         fsdp.main(["--loopback", "--ranks", "2", "--setups", "hsdp-fp32"])
+
+
+def _run(setup: str, step: float, cross: float, predicted: float) -> dict[str, Any]:
+    return {
+        "setup": setup,
+        "median_step_s": step,
+        "cross_node_bytes_per_step": cross,
+        "predicted_over_measured": predicted,
+    }
+
+
+def test_targets_say_each_hit_and_miss() -> None:
+    result = {
+        "link": {"configured_bits_per_s": 250_000_000},
+        "runs": [
+            _run("fp32", 3.0, 48.0, 0.9),
+            _run("hsdp-fp32", 2.0, 16.0, 1.1),
+            _run("hsdp-aps-e4m3", 1.0, 4.0, 1.2),
+        ],
+    }
+    said = fsdp.targets(result)
+    assert (
+        said[0]
+        == "HSDP APS e4m3 crossed nodes with 0.250x HSDP FP32's bytes (target <= 0.26x): hit."
+    )
+    assert said[1] == "HSDP APS e4m3 stepped 2.00x faster than HSDP FP32 (target >= 2.5x): miss."
+    assert said[2].endswith(
+        "1.000 s against the fastest flat-FSDP row's 3.000 s (target: faster than every flat row): hit."
+    )
+    assert said[3].startswith("The model's step within 15% of the measured in 2 of 3 rows")
+    assert said[3].endswith("hsdp-aps-e4m3 1.20): miss.")
+    # Above 250 Mbit/s there is no speed target; without the HSDP rows, no targets.
+    result["link"]["configured_bits_per_s"] = 10**9
+    assert not any("stepped" in line for line in fsdp.targets(result))
+    assert fsdp.targets({"runs": result["runs"][:1]}) == []
+
+
+def test_check_docs_matches_a_quoted_speedup_to_speedups_not_step_times(tmp_path: Path) -> None:
+    from benchmarks import report
+
+    results = tmp_path / "results"
+    results.mkdir()
+    run = {"setup": "hsdp-fp32", "median_step_s": 1.521, "speedup_vs_baseline": 2.23}
+    data = {"command": "python -m benchmarks.fsdp --nodes 2", "runs": [run]}
+    (results / "fsdp_x.json").write_text(json.dumps(data))
+    doc = tmp_path / "doc.md"
+    doc.write_text("- Another run: 1.52x the step.\n- Unnamed: HSDP APS e4m3 2.23x.\n")
+    problems = report.check_docs([doc], results)
+    assert len(problems) == 1 and "2.23x" in problems[0] and "fsdp_x.json" in problems[0]

@@ -174,6 +174,11 @@ EXEMPT: dict[str, str] = {
         "a timing benchmark on the emulated cluster (needs root for network namespaces); "
         "its results are benchmarks/results/fsdp_*.json"
     ),
+    "python -m benchmarks.fsdp --nodes 2 --ranks 4 --bandwidth 250mbit --repeats 3 --warmup 1 "
+    "--rounds 3 --json benchmarks/results/fsdp_hsdp_250mbit.json": (
+        "a timing benchmark on the emulated cluster with nodes (needs root for network "
+        "namespaces); tests/test_benchmarks_fsdp.py runs its setups on 4 loopback ranks"
+    ),
     "python -m benchmarks.accuracy --hooks fp32 aps-e4m3 aps-e2m1-block powersgd-r1 "
     "powersgd-r4 --merge benchmarks/results/accuracy.json --out benchmarks/results": (
         "5 hooks x 2 tasks x 3 seeds on 4 ranks (851 s for the rows merged into the "
