@@ -973,7 +973,7 @@ def _one_param_group(mod: Any, api: _API, world: int, replicated: bool) -> Any |
     if isinstance(mesh_info, api.DDPMeshInfo) or not isinstance(mesh_info, api.FSDPMeshInfo):
         raise ValueError(
             "the model is sharded on a 2-D mesh (native HSDP) or replicated with replicate(), "
-            "whose all-reduce across replicas aps_comm.fsdp cannot replace. For HSDP, shard "
+            "whose all-reduce across replicas aps_comm.fsdp cannot replace. Instead, shard "
             "each unit on the 1-D shard mesh and pass the replicate mesh to register: "
             'fully_shard(unit, mesh=mesh["shard"]), then aps_comm.fsdp.register(model, fmt, '
             'replicate=mesh["replicate"]). Without sharding, use DDP with aps_comm.register'
