@@ -49,7 +49,7 @@ from __future__ import annotations
 import collections
 import dataclasses
 import functools
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from typing import Any
 
 import torch
@@ -204,6 +204,9 @@ class APSFSDPState:
         replica_group: with HSDP (``replicate=``), the state's own group over
             the ranks that hold this rank's shard (one per node): each unit's
             reduce-scattered shard is reduced across it by the APS engine.
+        all_reduce_hooks: with HSDP, the hook :func:`register` set on each
+            unit (``FSDPModule.set_all_reduce_hook``), in unit order: to wrap
+            one in a hook of your own, call it on the shard FSDP hands yours.
         replica_bytes: payload bytes this rank handed to the all-reduce
             across replicas in the last step (what crosses nodes in HSDP);
             part of ``bytes_total``.
@@ -246,6 +249,9 @@ class APSFSDPState:
         self.replica_group: dist.ProcessGroup | None = None
         self.reducer: Reducer | None = None
         self.replica_reducer: Reducer | None = None
+        self.all_reduce_hooks: list[Callable[[torch.Tensor], None]] = []
+        # Per unit, the FP32 buffer its shard is reduced across replicas in.
+        self._shards: dict[int, torch.Tensor] = {}
         # Groups made for register's checks only, released with the others.
         self._other_groups: list[dist.ProcessGroup] = []
         self.bytes_sent = 0
@@ -413,9 +419,9 @@ class APSFSDPState:
 
     # -- the all-reduce across replicas (HSDP) -----------------------------------
 
-    def _all_reduce(self, unit: _Unit, param_group: Any, output: torch.Tensor) -> None:
+    def _all_reduce(self, unit: _Unit, module: Any, output: torch.Tensor) -> None:
         try:
-            self._reduce_replicas(unit, param_group, output)
+            self._reduce_replicas(unit, _param_groups(module)[0], output)
         except RuntimeError as exc:
             raise RuntimeError(
                 f"aps_comm.fsdp, unit {unit.index} ({unit.module or '<root>'}), all-reduce "
@@ -448,13 +454,25 @@ class APSFSDPState:
             )
         if output.dtype == torch.float64:
             caveats.warn_rounded_dtype(output.dtype)
-        # A copy unless FSDP reduced in FP32: the replicas' shards sum in FP32.
-        x = output if output.dtype == torch.float32 else output.float()
-        reducer.bucket(unit.index, x, unit.names, list(unit.chunks), unit.names, step=self.step)
+        # FSDP hands a new tensor every step: the unit's own FP32 buffer keeps
+        # the settled path bound (and the replicas' shards sum in FP32 whatever
+        # the reduce dtype).
+        x = self._shards.get(unit.index)
+        if x is None or x.device != output.device:
+            x = self._shards[unit.index] = torch.empty(
+                unit.row_numel, dtype=torch.float32, device=output.device
+            )
+        x.copy_(output.reshape(-1))
+        steady = reducer.steady_for(unit.index, x)
+        if steady is not None:
+            reducer.run_steady(unit.index, steady, x)
+        else:
+            reducer.bucket(unit.index, x, unit.names, list(unit.chunks), unit.names, step=self.step)
         if param_group.gradient_divide_factor is not None:
+            # set_gradient_divide_factor: FSDP divides by the whole factor,
+            # so native HSDP sums across replicas (exact: a power of two).
             x.mul_(reducer.comm.world_size)
-        if x is not output:
-            output.copy_(x)
+        output.copy_(x.view_as(output))
         self._end_unit(unit)
 
     # -- steps --------------------------------------------------------------------
@@ -677,7 +695,10 @@ def register(
                 mod.set_custom_reduce_scatter(comm_class(state, unit))
                 mod.set_force_sum_reduction_for_comms(True)
             if state.replica_reducer is not None:
-                mod.set_all_reduce_hook(functools.partial(state._all_reduce, unit, group))
+                # The module, not its parameter group: the hook holds no FSDP buffers.
+                hook = functools.partial(state._all_reduce, unit, mod)
+                mod.set_all_reduce_hook(hook)
+                state.all_reduce_hooks.append(hook)
             _reduce_scatter_unused_params(mod, group, api)
     teardown.release_at_exit(state)
     return state
