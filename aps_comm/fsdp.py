@@ -75,7 +75,7 @@ from aps_comm.telemetry import LayerStats, StepStats
 from aps_comm.topology import Topology, by_rank
 from aps_perfmodel.strategies import hook_cluster
 
-__all__ = ["APSFSDPConfig", "APSFSDPState", "register", "tiling_problem"]
+__all__ = ["APSFSDPConfig", "APSFSDPState", "reduce_shard", "register", "tiling_problem"]
 
 
 @dataclasses.dataclass(frozen=True)
@@ -462,17 +462,10 @@ class APSFSDPState:
             x = self._shards[unit.index] = torch.empty(
                 unit.row_numel, dtype=torch.float32, device=output.device
             )
-        x.copy_(output.reshape(-1))
-        steady = reducer.steady_for(unit.index, x)
-        if steady is not None:
-            reducer.run_steady(unit.index, steady, x)
-        else:
-            reducer.bucket(unit.index, x, unit.names, list(unit.chunks), unit.names, step=self.step)
-        if param_group.gradient_divide_factor is not None:
-            # set_gradient_divide_factor: FSDP divides by the whole factor,
-            # so native HSDP sums across replicas (exact: a power of two).
-            x.mul_(reducer.comm.world_size)
-        output.copy_(x.view_as(output))
+        # set_gradient_divide_factor: FSDP divides by the whole factor, so
+        # native HSDP sums across replicas instead of averaging.
+        summed = param_group.gradient_divide_factor is not None
+        reduce_shard(reducer, unit.index, x, output, unit.names, unit.chunks, self.step, summed)
         self._end_unit(unit)
 
     # -- steps --------------------------------------------------------------------
@@ -521,6 +514,49 @@ class APSFSDPState:
         self.step += 1
         if self._flags is not None:
             self._flags_host, self._flags = HostValue(self._flags), None
+
+
+def reduce_shard(
+    reducer: Reducer,
+    index: int,
+    buffer: torch.Tensor,
+    shard: torch.Tensor,
+    names: Sequence[str],
+    chunks: Sequence[int],
+    step: int,
+    summed: bool = False,
+) -> None:
+    """Reduce one unit's reduce-scattered ``shard`` across the replicas, in place.
+
+    The shard goes through ``buffer`` (the unit's own FP32 tensor, kept
+    across steps: FSDP hands a new shard every step) so that the unit
+    settles like a DDP bucket: once bound, a fixed handful of calls whatever
+    the parameter count, and no host read. The replicas' shards sum in FP32
+    whatever ``shard``'s dtype.
+
+    Args:
+        reducer: the engine over the replica group.
+        index: the unit's index (its bucket in the engine).
+        buffer: float32, one element per element of ``shard``.
+        shard: FSDP's reduce-scatter output, in its reduce dtype.
+        names: each parameter's name (its key in the policy).
+        chunks: each parameter's padded chunk, in ``shard``'s order.
+        step: the step number (Schedule).
+        summed: sum across replicas instead of averaging (exact for a
+            power-of-two replica count).
+
+    Example:
+        >>> reduce_shard(state.replica_reducer, 0, buf, out, names, chunks, 0)  # doctest: +SKIP
+    """
+    buffer.copy_(shard.reshape(-1))
+    steady = reducer.steady_for(index, buffer)
+    if steady is not None:
+        reducer.run_steady(index, steady, buffer)
+    else:
+        reducer.bucket(index, buffer, names, list(chunks), names, step=step)
+    if summed:
+        buffer.mul_(reducer.comm.world_size)
+    shard.copy_(buffer.view_as(shard))
 
 
 def _check_call(unit: _Unit, output: torch.Tensor, input: torch.Tensor, op: Any, n: int) -> str:
