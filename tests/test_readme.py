@@ -121,6 +121,10 @@ EXEMPT: dict[str, str] = {
         "op count and the settled path's bits"
     ),
     "python -m benchmarks.hostcost --device cuda": "needs a CUDA device",
+    "python -m benchmarks.hostcost --configs fsdp": (
+        "a benchmark (timing belongs in benchmarks); tests/test_hostcost.py runs its HSDP "
+        "op count; its results are benchmarks/results/hostcost_cpu_fsdp.json"
+    ),
     "python -m benchmarks.gpu --out gpu --steps step,codec --preset h200": (
         "needs a CUDA GPU for its measurements, and would rewrite the shipped h200 preset; "
         "tests/test_benchmarks_gpu.py runs --preset with --from into a scratch folder"
@@ -653,6 +657,17 @@ def _check_fsdp(proc: subprocess.CompletedProcess[str], cwd: Path) -> None:
     assert float(line[0]) < 2.0 and int(line[1]) == 4902, proc.stdout
 
 
+def _check_hsdp(proc: subprocess.CompletedProcess[str], cwd: Path) -> None:
+    _check_ok(proc, cwd)
+    (line,) = re.findall(
+        r"^30 steps, loss ([.\d]+), (\d+) bytes across nodes in the last one$", proc.stdout, re.M
+    )
+    # docs/fsdp2.md accounts for these bytes: e4m3's all_to_all of the shard (2433),
+    # the all_gather of this rank's half (1218), 4 per parameter and unit (36).
+    assert float(line[0]) < 2.0 and int(line[1]) == 2433 + 1218 + 36, proc.stdout
+    assert f"{line[0]}, {line[1]} bytes across nodes" in (DOCS / "fsdp2.md").read_text()
+
+
 def _check_tensorboard(proc: subprocess.CompletedProcess[str], cwd: Path) -> None:
     _check_ok(proc, cwd)
     scalars = _scalars(cwd / "runs" / "aps")  # written by rank 0 only: one event file
@@ -743,6 +758,9 @@ RUN: dict[str, _Run] = {
         _check_tensorboard, slow=True
     ),
     "torchrun --standalone --nproc_per_node 2 train_fsdp.py": _Run(_check_fsdp, slow=True),
+    "torchrun --standalone --nproc_per_node 4 train_hsdp.py": _Run(
+        _check_hsdp, slow=True, timeout=240
+    ),
     "ruff check .": _Run(_check_ok, in_checkout=True),
     "ruff format --check .": _Run(_check_ok, in_checkout=True),
 }
