@@ -40,13 +40,17 @@ world / R shard ranks, a shard group being S consecutive ranks of one node
 among the S ranks on the intra-node link; then the S ranks of a shard group
 each all-reduce their shard of the unit (``numel / S`` elements) with the
 R - 1 ranks holding the same shard, through the node's link, which the
-node's shard groups share. That all-reduce is priced as a DDP bucket of the
-shard (:func:`~aps_perfmodel.comm.bucket_comm`): FP32 or BF16 native HSDP's
-all-reduce in ``reduce_dtype``, or APS's two_phase (a MAX all-reduce of the
+node's ranks share. That all-reduce is priced as a DDP bucket of the shard
+(:mod:`aps_perfmodel.strategies`): FP32 or BF16 as native HSDP's all-reduce
+in ``reduce_dtype`` (the collective alone: the reduce-scatter's output is
+already in that dtype and no hook runs), an APS format as the hook's
+two_phase (:func:`~aps_perfmodel.comm.bucket_comm`: a MAX all-reduce of the
 maxima, an all-to-all and an all-gather of encoded shards, block exponents
 as DDP's block route sends them). The reduce-scatter of an APS row stays
 FSDP's own in FP32 unless ``reduce_scatter=True``, as
-``aps_comm.fsdp.register``'s ``reduce_scatter=``.
+``aps_comm.fsdp.register``'s ``reduce_scatter=``. Each of HSDP's groups is
+priced from the topology's links, not from a calibrated profile's
+per-collective fits (measured on the whole world's groups).
 
 Example:
     >>> from aps_perfmodel.cluster import custom_cluster
