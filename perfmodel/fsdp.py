@@ -72,6 +72,7 @@ from __future__ import annotations
 from collections.abc import Sequence
 from dataclasses import dataclass, replace
 
+from .choices import BlockExponents
 from .cluster import Cluster
 from .collectives import (
     LinkParams,
@@ -101,6 +102,9 @@ __all__ = [
 ]
 
 BACKENDS = ("nccl", "gloo")
+# register(..., reduction=)'s ways across replicas, as the model names them
+# ("native" is "allreduce"; "auto" the hook's per-bucket choice).
+_REPLICA_STRATEGIES = ("two_phase", "native", "auto")
 _FP32_BYTES = 4.0
 _TORCH_DTYPE = {"fp32": "float32", "bf16": "bfloat16", "fp16": "float16"}
 
@@ -459,8 +463,10 @@ def _replica_reduction(
 ) -> tuple[CommBreakdown, float]:
     """One unit's replica all-reduce of its shard, and its seconds.
 
-    APS formats: DDP's two_phase on a bucket of the shard's parameters,
-    hook costs included (:func:`~aps_perfmodel.comm.bucket_comm`). FSDP's own
+    APS formats: a DDP bucket of the shard's parameters in ``fmt.strategy``
+    (two_phase by default), hook costs included
+    (:func:`~aps_perfmodel.comm.bucket_comm`), with each rank's own block
+    exponents as ``aps_comm.fsdp`` sends them across replicas. FSDP's own
     (fp32/bf16/fp16): the all-reduce alone, in ``reduce_dtype``: the
     reduce-scatter's output is already in it and no hook runs.
     """
@@ -472,9 +478,8 @@ def _replica_reduction(
     blocks = None
     if fmt.block_scaled and unit.param_numels:
         blocks = fmt.block_count([-(-n // shard) for n in unit.param_numels])
-    b = bucket_comm(
-        numel, unit.n_params, replace(fmt, strategy="two_phase"), replicas, n_blocks=blocks
-    )
+    spec = replace(fmt, block_exponents=BlockExponents.RANK)
+    b = bucket_comm(numel, unit.n_params, spec, replicas, n_blocks=blocks)
     return b, b.total_s
 
 
@@ -509,7 +514,10 @@ def fsdp_step(
             padded to a multiple of the shard group's S ranks, not the world's).
         fmt: the gradients' format (see :func:`reduce_scatter_time`): with
             ``replicate``, the replica all-reduce's too: "fp32"/"bf16"/"fp16"
-            native HSDP in that ``reduce_dtype``, an APS format APS's two_phase.
+            native HSDP in that ``reduce_dtype``; an APS format by its
+            ``strategy`` ("two_phase", the default; "native", register's
+            ``reduction="allreduce"``; or "auto"), block exponents each rank's
+            own as ``aps_comm.fsdp`` sends them.
         cluster: links, device and fits.
         backend: "nccl" or "gloo".
         compute_s: forward + backward + optimizer time of one rank.
@@ -535,8 +543,9 @@ def fsdp_step(
         The :class:`FSDPStepPrediction`.
 
     Raises:
-        ValueError: an unknown backend, a bad ``replicate`` (named), or a
-            format FSDP cannot reduce-scatter.
+        ValueError: an unknown backend, a bad ``replicate`` (named), a
+            format FSDP cannot reduce-scatter, or (with ``replicate``) a
+            strategy the all-reduce across replicas does not run.
 
     Example:
         >>> from aps_perfmodel.cluster import get_cluster
@@ -554,6 +563,11 @@ def fsdp_step(
     spec = get_format(fmt) if isinstance(fmt, str) else fmt
     _check_format(spec)
     shard = shard_group_size(cluster, replicate)
+    if replicate > 1 and not _native(spec) and spec.strategy not in _REPLICA_STRATEGIES:
+        raise ValueError(
+            f"the all-reduce across replicas runs {', '.join(_REPLICA_STRATEGIES)} "
+            f"(register's reduction=), not {spec.strategy!r}"
+        )
     aps_rs = not _native(spec) and (replicate == 1 if reduce_scatter is None else reduce_scatter)
     rs_spec = spec if aps_rs or _native(spec) else get_format("fp32")
     gathers = 2 if reshard_after_forward else 1

@@ -79,11 +79,16 @@ def test_hsdp_aps_sends_a_quarter_of_fp32s_bytes_across_and_blocks_add_their_exp
     # Each rank's own exponents go with its shards and with the owners' gathered ones.
     assert block.cross_node_bytes / fp32.cross_node_bytes == pytest.approx((0.5 + 1 / 32) / 4)
     assert block.exponent_bytes > 0 and e4m3.exponent_bytes == 0
-    # Agreed exponents: one MAX all-reduce of a byte per block of every parameter's shard.
-    agreed = fsdp_step(UNITS[:1], replace(e2m1, block_exponents="agreed"), cluster, replicate=4)
-    shard, blocks = 2**22 // 8, 2 * (2**21 // 8 // 32)
-    gathered = shard / 32 * 3 / 4  # the owners' exponents, with their shards
-    assert agreed.exponent_bytes == pytest.approx(gathered + 2 * blocks * 3 / 4)
+    # Across replicas aps_comm.fsdp sends each rank's own exponents, whatever was asked.
+    agreed = replace(e2m1, block_exponents="agreed")
+    assert fsdp_step(UNITS, agreed, cluster, replicate=4) == block
+    # reduction="allreduce" (native): one MAX all-reduce agrees a byte per block of
+    # every parameter's shard first.
+    native = fsdp_step(UNITS[:1], replace(e2m1, strategy="native"), cluster, replicate=4)
+    assert native.replicas[0].strategy == "native"
+    assert native.exponent_bytes == pytest.approx(2 * (2 * (2**21 // 8 // 32)) * 3 / 4)
+    with pytest.raises(ValueError, match=r"two_phase, native, auto .* not 'grid'"):
+        fsdp_step(UNITS, replace(e2m1, strategy="grid"), cluster, replicate=4)
 
 
 def test_hsdp_all_gathers_and_reduce_scatter_use_the_intra_node_link() -> None:
