@@ -40,13 +40,17 @@ world / R shard ranks, a shard group being S consecutive ranks of one node
 among the S ranks on the intra-node link; then the S ranks of a shard group
 each all-reduce their shard of the unit (``numel / S`` elements) with the
 R - 1 ranks holding the same shard, through the node's link, which the
-node's shard groups share. That all-reduce is priced as a DDP bucket of the
-shard (:func:`~aps_perfmodel.comm.bucket_comm`): FP32 or BF16 native HSDP's
-all-reduce in ``reduce_dtype``, or APS's two_phase (a MAX all-reduce of the
+node's ranks share. That all-reduce is priced as a DDP bucket of the shard
+(:mod:`aps_perfmodel.strategies`): FP32 or BF16 as native HSDP's all-reduce
+in ``reduce_dtype`` (the collective alone: the reduce-scatter's output is
+already in that dtype and no hook runs), an APS format as the hook's
+two_phase (:func:`~aps_perfmodel.comm.bucket_comm`: a MAX all-reduce of the
 maxima, an all-to-all and an all-gather of encoded shards, block exponents
 as DDP's block route sends them). The reduce-scatter of an APS row stays
 FSDP's own in FP32 unless ``reduce_scatter=True``, as
-``aps_comm.fsdp.register``'s ``reduce_scatter=``.
+``aps_comm.fsdp.register``'s ``reduce_scatter=``. Each of HSDP's groups is
+priced from the topology's links, not from a calibrated profile's
+per-collective fits (measured on the whole world's groups).
 
 Example:
     >>> from aps_perfmodel.cluster import custom_cluster
@@ -68,6 +72,7 @@ from __future__ import annotations
 from collections.abc import Sequence
 from dataclasses import dataclass, replace
 
+from .choices import BlockExponents
 from .cluster import Cluster
 from .collectives import (
     LinkParams,
@@ -97,6 +102,9 @@ __all__ = [
 ]
 
 BACKENDS = ("nccl", "gloo")
+# register(..., reduction=)'s ways across replicas, as the model names them
+# ("native" is "allreduce"; "auto" the hook's per-bucket choice).
+_REPLICA_STRATEGIES = ("two_phase", "native", "auto")
 _FP32_BYTES = 4.0
 _TORCH_DTYPE = {"fp32": "float32", "bf16": "bfloat16", "fp16": "float16"}
 
@@ -455,8 +463,10 @@ def _replica_reduction(
 ) -> tuple[CommBreakdown, float]:
     """One unit's replica all-reduce of its shard, and its seconds.
 
-    APS formats: DDP's two_phase on a bucket of the shard's parameters,
-    hook costs included (:func:`~aps_perfmodel.comm.bucket_comm`). FSDP's own
+    APS formats: a DDP bucket of the shard's parameters in ``fmt.strategy``
+    (two_phase by default), hook costs included
+    (:func:`~aps_perfmodel.comm.bucket_comm`), with each rank's own block
+    exponents as ``aps_comm.fsdp`` sends them across replicas. FSDP's own
     (fp32/bf16/fp16): the all-reduce alone, in ``reduce_dtype``: the
     reduce-scatter's output is already in it and no hook runs.
     """
@@ -468,9 +478,8 @@ def _replica_reduction(
     blocks = None
     if fmt.block_scaled and unit.param_numels:
         blocks = fmt.block_count([-(-n // shard) for n in unit.param_numels])
-    b = bucket_comm(
-        numel, unit.n_params, replace(fmt, strategy="two_phase"), replicas, n_blocks=blocks
-    )
+    spec = replace(fmt, block_exponents=BlockExponents.RANK)
+    b = bucket_comm(numel, unit.n_params, spec, replicas, n_blocks=blocks)
     return b, b.total_s
 
 
@@ -505,7 +514,10 @@ def fsdp_step(
             padded to a multiple of the shard group's S ranks, not the world's).
         fmt: the gradients' format (see :func:`reduce_scatter_time`): with
             ``replicate``, the replica all-reduce's too: "fp32"/"bf16"/"fp16"
-            native HSDP in that ``reduce_dtype``, an APS format APS's two_phase.
+            native HSDP in that ``reduce_dtype``; an APS format by its
+            ``strategy`` ("two_phase", the default; "native", register's
+            ``reduction="allreduce"``; or "auto"), block exponents each rank's
+            own as ``aps_comm.fsdp`` sends them.
         cluster: links, device and fits.
         backend: "nccl" or "gloo".
         compute_s: forward + backward + optimizer time of one rank.
@@ -531,8 +543,9 @@ def fsdp_step(
         The :class:`FSDPStepPrediction`.
 
     Raises:
-        ValueError: an unknown backend, a bad ``replicate`` (named), or a
-            format FSDP cannot reduce-scatter.
+        ValueError: an unknown backend, a bad ``replicate`` (named), a
+            format FSDP cannot reduce-scatter, or (with ``replicate``) a
+            strategy the all-reduce across replicas does not run.
 
     Example:
         >>> from aps_perfmodel.cluster import get_cluster
@@ -550,6 +563,11 @@ def fsdp_step(
     spec = get_format(fmt) if isinstance(fmt, str) else fmt
     _check_format(spec)
     shard = shard_group_size(cluster, replicate)
+    if replicate > 1 and not _native(spec) and spec.strategy not in _REPLICA_STRATEGIES:
+        raise ValueError(
+            f"the all-reduce across replicas runs {', '.join(_REPLICA_STRATEGIES)} "
+            f"(register's reduction=), not {spec.strategy!r}"
+        )
     aps_rs = not _native(spec) and (replicate == 1 if reduce_scatter is None else reduce_scatter)
     rs_spec = spec if aps_rs or _native(spec) else get_format("fp32")
     gathers = 2 if reshard_after_forward else 1
