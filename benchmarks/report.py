@@ -1064,8 +1064,7 @@ def _hsdp_highlights(found: _Found) -> list[str]:
             metric = accuracy.SPREAD_METRIC[task]
             base = rows["hsdp-fp32"][metric]
             parts = [
-                f"{h} {rows[h][metric]['mean']:.4f} "
-                + ("within" if offs[h] == 0.0 else f"outside by {abs(offs[h]):.4f}")
+                f"{h} {rows[h][metric]['mean']:.4f} " + _outside(offs[h], metric)
                 for h in rows
                 if h != "hsdp-fp32"
             ]
@@ -1076,10 +1075,20 @@ def _hsdp_highlights(found: _Found) -> list[str]:
             )
             if offs.get(_HSDP_TARGET, 0.0) != 0.0:
                 lines.append(
-                    f"- Miss: {layout}, {task}: {_HSDP_TARGET}'s mean {accuracy.METRIC_WORDS[metric]} "
-                    f"is outside FP32's spread (target: within it)."
+                    f"- Miss: {layout}, {task}: {_HSDP_TARGET}'s mean "
+                    f"{accuracy.METRIC_WORDS[metric]} {rows[_HSDP_TARGET][metric]['mean']:.4f} is "
+                    f"not within FP32's [{base['min']:.4f}, {base['max']:.4f}]: "
+                    f"{_outside(offs[_HSDP_TARGET], metric)}; the target is within it."
                 )
     return lines
+
+
+def _outside(off: float, metric: str) -> str:
+    """A distance from FP32's spread in words, and whether that side is the better one."""
+    if off == 0.0:
+        return "within"
+    better = (off > 0) == accuracy.HIGHER_IS_BETTER[metric]
+    return f"outside by {abs(off):.2g} ({'better' if better else 'worse'} than every FP32 seed)"
 
 
 def _highlights(found: _Found) -> list[str]:

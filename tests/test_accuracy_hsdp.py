@@ -1,6 +1,7 @@
 """benchmarks.accuracy --hsdp: its layout and setups, its rows, FP32's spread beside them."""
 
 import json
+import math
 from pathlib import Path
 
 import pytest
@@ -9,6 +10,7 @@ pytest.importorskip("sklearn.datasets")
 pytest.importorskip("matplotlib")
 
 from benchmarks import accuracy, report
+from benchmarks._models import TinyLM
 
 
 @pytest.mark.parametrize(
@@ -30,6 +32,38 @@ def test_a_bad_hsdp_layout_or_setup_is_an_error_before_any_training(
     assert exit_.value.code == 2
     assert message in capsys.readouterr().err
     assert not list(tmp_path.iterdir())
+
+
+def _padded_shard_bytes(shards: int) -> int:
+    """FP32 bytes of one rank's shard of TinyLM(8, 16, 32, 2): dim 0 padded to ``shards``."""
+    total = 0
+    for p in TinyLM(8, 16, 32, 2).parameters():
+        rows = p.shape[0] if p.dim() else 1
+        total += math.ceil(rows / shards) * (p.numel() // rows)
+    return 4 * total
+
+
+@pytest.mark.slow
+def test_hsdp_mode_trains_every_setup_on_a_2x2_mesh_and_reports_it(tmp_path: Path) -> None:
+    argv = ["--hsdp", "--world-size", "4", "--seeds", "1", "--tasks", "markov"]
+    argv += ["--lm-steps", "2", "--lm-evals", "1", "--lm-train", "256", "--lm-test", "64"]
+    result = accuracy.main([*argv, "--out", str(tmp_path)])
+    assert result["settings"]["replicas"] == 2
+    rows = {r["hook"]: r for r in result["summary"]}
+    assert list(rows) == list(accuracy.HSDP_HOOKS)
+    # Native HSDP all-reduces each rank's padded shard of every unit in FP32.
+    assert rows["hsdp-fp32"]["bytes_per_step"] == _padded_shard_bytes(2)
+    for hook in ("hsdp-aps-e4m3", "hsdp-aps-e2m1-block"):
+        assert rows[hook]["test_loss"]["per_seed"][0] < 2.5  # it trained, not diverged
+    # One byte per element plus 4 bytes per parameter for the maxima, as in the DDP tables.
+    assert 0.25 <= rows["hsdp-aps-e4m3"]["bytes_vs_fp32"] < 0.27
+    assert rows["hsdp-aps-e2m1-block"]["bytes_vs_fp32"] < rows["hsdp-aps-e4m3"]["bytes_vs_fp32"]
+    saved = json.loads((tmp_path / "accuracy_hsdp_2x2.json").read_text())
+    assert saved["command"].startswith("python -m benchmarks.accuracy --hsdp")
+    text = report.build(tmp_path, tmp_path / "RESULTS.md")
+    hsdp = text.split("## HSDP: APS replica all-reduce, accuracy")[1]
+    assert "vs FP32's [min, max]" in hsdp and "| hsdp-aps-e2m1-block |" in hsdp
+    assert "](./accuracy_hsdp_2x2_markov.png)" in hsdp
 
 
 def _run(hook: str, seed: int, acc: float) -> dict:
@@ -73,18 +107,27 @@ def test_each_hsdp_row_is_held_to_fp32s_spread(tmp_path: Path) -> None:
     }
     text = accuracy.markdown(result)
     assert "| hsdp-aps-e4m3 | 0.9800 ± 0.0000 |" in text
-    assert text.count("| within |") == 2 and "| 0.0200 below |" in text
+    assert "| hsdp-fp32 | 0.9800 ± 0.0141 |" in text
+    assert "| 400 | 1.000 | [0.9700, 0.9900] |" in text  # FP32's row shows its spread
+    assert text.count("| within |") == 1 and "| 0.02 below |" in text
     assert (
         "FP32's spread, test accuracy over 2 seeds: [0.9700, 0.9900]. Within it: "
-        "`hsdp-aps-e4m3`. Outside it: `hsdp-aps-e2m1-block` (0.0200 below)." in text
+        "`hsdp-aps-e4m3`. Outside it: `hsdp-aps-e2m1-block` (0.02 below)." in text
     )
     with pytest.raises(ValueError, match="task 'mnist'"):
         accuracy.fp32_spread(result["summary"], "mnist")
 
     (tmp_path / "accuracy_hsdp_2x2.json").write_text(json.dumps(result))
     head = report.build(tmp_path, tmp_path / "RESULTS.md").split("## Accuracy")[0]
-    assert "hsdp-aps-e4m3 0.9800 within, hsdp-aps-e2m1-block 0.9500 outside by 0.0200" in head
+    assert (
+        "hsdp-aps-e4m3 0.9800 within, hsdp-aps-e2m1-block 0.9500 outside by 0.02 (worse than every FP32 seed)"
+        in head
+    )
     assert "Miss: HSDP 2 x 2" not in head
     (tmp_path / "accuracy_hsdp_2x2.json").write_text(json.dumps(_hsdp_result(0.995, 0.98)))
     head = report.build(tmp_path, tmp_path / "RESULTS.md").split("## Accuracy")[0]
-    assert "- Miss: HSDP 2 x 2, digits: hsdp-aps-e4m3's mean test accuracy" in head
+    assert (
+        "- Miss: HSDP 2 x 2, digits: hsdp-aps-e4m3's mean test accuracy 0.9950 is not within "
+        "FP32's [0.9700, 0.9900]: outside by 0.005 (better than every FP32 seed); the target "
+        "is within it." in head
+    )
