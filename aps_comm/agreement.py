@@ -54,6 +54,7 @@ __all__ = [
     "gather",
     "group_timeout",
     "new_group",
+    "new_subgroup",
     "seen_topology",
     "wait_for_ranks",
 ]
@@ -174,6 +175,29 @@ def new_group(timeout: datetime.timedelta | None = None) -> dist.ProcessGroup:
     # Recorded for the exit handler: its Gloo threads must be joined before
     # Python shuts down, even after the state that made it is gone.
     return teardown.join_at_exit(dist.new_group(timeout=timeout or group_timeout()))
+
+
+def new_subgroup(
+    ranks: Sequence[Sequence[int]], timeout: datetime.timedelta | None = None
+) -> dist.ProcessGroup:
+    """New groups over each list of ``ranks``; the one holding this rank.
+
+    Collective: every rank must call it with the same lists in the same
+    order (each ``dist.new_group`` is), and the lists must cover this rank.
+    Each group has the default group's timeout unless one is given.
+
+    Example:
+        >>> replicas = new_subgroup([[0, 2], [1, 3]])  # doctest: +SKIP
+    """
+    me = dist.get_rank()
+    mine: dist.ProcessGroup | None = None
+    for members in ranks:
+        group = dist.new_group(list(members), timeout=timeout or group_timeout())
+        if me in members:
+            mine = teardown.join_at_exit(group)
+    if mine is None:
+        raise ValueError(f"rank {me} is in none of the groups {[list(r) for r in ranks]}")
+    return mine
 
 
 def backend_for(group: dist.ProcessGroup, device: torch.device) -> str:

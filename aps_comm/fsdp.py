@@ -49,11 +49,12 @@ from __future__ import annotations
 import collections
 import dataclasses
 import functools
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from typing import Any
 
 import torch
 import torch.distributed as dist
+from torch.distributed.device_mesh import DeviceMesh
 
 from aps_comm import agreement, caveats, teardown
 from aps_comm.agreement import Layouts
@@ -71,10 +72,10 @@ from aps_comm.plan import Planner
 from aps_comm.policy import Assignment, LayerInfo, Rule, policy_rules
 from aps_comm.policy import describe as describe_policy
 from aps_comm.telemetry import LayerStats, StepStats
-from aps_comm.topology import Topology
+from aps_comm.topology import Topology, by_rank
 from aps_perfmodel.strategies import hook_cluster
 
-__all__ = ["APSFSDPConfig", "APSFSDPState", "register"]
+__all__ = ["APSFSDPConfig", "APSFSDPState", "reduce_shard", "register", "tiling_problem"]
 
 
 @dataclasses.dataclass(frozen=True)
@@ -89,11 +90,24 @@ class APSFSDPConfig:
             baseline).
         block_size: elements per block with ``scaling="block"``; None: the
             format's default (:func:`aps_comm.config.default_block_size`).
+        replicas: HSDP's replica count R; None: plain FSDP, no all-reduce
+            across replicas (a replicate group of one rank is HSDP with R = 1).
+        reduction: how the all-reduce across replicas sends the format:
+            "two_phase" (FP32 sums), "allreduce" (the backend sums the
+            format: FP16/BF16, FP8 on NCCL) or "auto" (per unit, the
+            performance model's choice). Plain FSDP has no such all-reduce:
+            only "two_phase" (the default) is accepted there.
+        reduce_scatter: the reduce-scatter inside the shard group is APS's
+            (True) or FSDP's own in ``reduce_dtype`` (False, only with
+            replicas).
     """
 
     fmt: FloatFormat
     scaling: Scaling = Scaling.LAYER
     block_size: int | None = None
+    replicas: int | None = None
+    reduction: Reduction = Reduction.TWO_PHASE
+    reduce_scatter: bool = True
 
     def __post_init__(self) -> None:
         object.__setattr__(self, "fmt", get_format(self.fmt))
@@ -102,12 +116,40 @@ class APSFSDPConfig:
         if size is None:
             size = default_block_size(self.fmt.bits)
         object.__setattr__(self, "block_size", check_block_size(size))
+        reduction = Reduction.parse(self.reduction, "reduction")
+        object.__setattr__(self, "reduction", reduction)
+        if self.replicas is not None and self.replicas < 1:
+            raise ValueError(f"replicas must be at least 1, got {self.replicas}")
+        if reduction not in _REPLICA_REDUCTIONS:
+            raise ValueError(
+                f"reduction={reduction.value!r} is not one FSDP's all-reduce across replicas "
+                f"can take: use one of {', '.join(repr(r.value) for r in _REPLICA_REDUCTIONS)}"
+            )
+        if self.replicas is None and reduction != Reduction.TWO_PHASE:
+            raise ValueError(
+                f"reduction={reduction.value!r} chooses the all-reduce across replicas, which "
+                "plain FSDP does not have: pass replicate= (HSDP), or leave reduction out"
+            )
+        if self.replicas is None and not self.reduce_scatter:
+            raise ValueError(
+                "reduce_scatter=False without replicate= leaves nothing for APS to "
+                "reduce: FSDP's own reduce-scatter is all there is"
+            )
 
     def describe(self) -> str:
         scaling = str(self.scaling)
         if self.scaling == Scaling.BLOCK:
             scaling += f"({self.block_size})"
-        return f"fmt={self.fmt.describe()}, scaling={scaling}"
+        text = f"fmt={self.fmt.describe()}, scaling={scaling}"
+        if self.replicas is not None:
+            rs = "aps" if self.reduce_scatter else "fsdp"
+            text += f", replicas={self.replicas}, reduction={self.reduction}, reduce_scatter={rs}"
+        return text
+
+
+# What the all-reduce across HSDP's replicas can send by: the staged routes
+# need nodes inside the replica group, which holds one rank per node.
+_REPLICA_REDUCTIONS = (Reduction.TWO_PHASE, Reduction.ALLREDUCE, Reduction.AUTO)
 
 
 @dataclasses.dataclass(frozen=True)
@@ -147,10 +189,10 @@ class APSFSDPState:
         stats: with ``stats=True``, the last step's :class:`~aps_comm.telemetry.LayerStats`
             per parameter (``bucket`` is the FSDP unit's index).
         bytes_sent: payload bytes this rank handed to collectives in the last
-            step: per unit, the maxima (4 bytes per parameter plus 4) and the
-            encoded reduce-scatter input (one byte per element for FP8,
-            padding included). A reduce-scatter has no all-gather, so this is
-            every byte, the same as ``bytes_total``.
+            step, all-gathers left out: per unit, the maxima (4 bytes per
+            parameter plus 4) and the encoded reduce-scatter input (one byte
+            per element for FP8, padding included). A reduce-scatter has no
+            all-gather: without HSDP this is every byte, ``bytes_total``.
         bytes_total: every payload byte this rank handed to a collective in
             the last step (the sum of ``bytes_detail``; named as
             :class:`aps_comm.APSState`'s, whose ``bytes_sent`` leaves out the
@@ -159,6 +201,15 @@ class APSFSDPState:
         step: steps that reduced gradients (a ``set_requires_gradient_sync(False)``
             backward reduces nothing and does not count).
         units: the module names of the FSDP units with trainable parameters.
+        replica_group: with HSDP (``replicate=``), the state's own group over
+            the ranks that hold this rank's shard (one per node): each unit's
+            reduce-scattered shard is reduced across it by the APS engine.
+        all_reduce_hooks: with HSDP, the hook :func:`register` set on each
+            unit (``FSDPModule.set_all_reduce_hook``), in unit order: to wrap
+            one in a hook of your own, call it on the shard FSDP hands yours.
+        replica_bytes: payload bytes this rank handed to the all-reduce
+            across replicas in the last step (what crosses nodes in HSDP);
+            part of ``bytes_total``.
 
     Example:
         >>> state = register(model, "e4m3", stats=True)  # doctest: +SKIP
@@ -172,8 +223,19 @@ class APSFSDPState:
         policy: Sequence[Rule] | None = None,
         stats: bool = False,
         block_size: int | None = None,
+        *,
+        replicas: int | None = None,
+        reduction: Reduction | str | None = None,
+        reduce_scatter: bool | None = None,
     ) -> None:
-        self.config = APSFSDPConfig(get_format(fmt), scaling, block_size)  # type: ignore[arg-type]
+        self.config = APSFSDPConfig(
+            get_format(fmt),
+            scaling,  # type: ignore[arg-type]
+            block_size,
+            replicas,
+            reduction or Reduction.TWO_PHASE,  # type: ignore[arg-type]
+            replicas is None if reduce_scatter is None else bool(reduce_scatter),
+        )
         self.policy: list[Rule] = policy_rules(policy)
         self.assignment = Assignment(self.policy, self.config.fmt)
         if self.assignment.promoter is not None:
@@ -184,8 +246,16 @@ class APSFSDPState:
             )
         self.collect_stats = bool(stats)
         self.process_group: dist.ProcessGroup | None = None
+        self.replica_group: dist.ProcessGroup | None = None
         self.reducer: Reducer | None = None
+        self.replica_reducer: Reducer | None = None
+        self.all_reduce_hooks: list[Callable[[torch.Tensor], None]] = []
+        # Per unit, the FP32 buffer its shard is reduced across replicas in.
+        self._shards: dict[int, torch.Tensor] = {}
+        # Groups made for register's checks only, released with the others.
+        self._other_groups: list[dist.ProcessGroup] = []
         self.bytes_sent = 0
+        self.replica_bytes = 0
         self.bytes_total = 0
         self.bytes_detail: dict[str, int] = {}
         self.step = 0
@@ -219,43 +289,86 @@ class APSFSDPState:
         """Everything every rank must agree on, as text."""
         return f"{self.config.describe()}, policy={describe_policy(self.policy)}"
 
-    def bind(self, group: dist.ProcessGroup, device: torch.device) -> None:
-        """Make the reducer: two_phase on ``group`` for gradients on ``device``."""
+    def bind(
+        self,
+        group: dist.ProcessGroup | None,
+        device: torch.device,
+        replica_group: dist.ProcessGroup | None = None,
+    ) -> None:
+        """Make the reducers: the reduce-scatter's on ``group``, the replicas' on ``replica_group``.
+
+        Args:
+            group: the state's own group over the shard's ranks, for the APS
+                reduce-scatter (None when FSDP keeps its own).
+            device: where the gradients are.
+            replica_group: with HSDP, the state's own group over the ranks
+                holding this rank's shard.
+
+        Raises:
+            ValueError: the replica all-reduce cannot run the format as asked
+                on this backend (e.g. ``reduction="allreduce"`` of FP8 on Gloo).
+        """
         # Called by register (stacklevel 3: the user's call), the policy bound.
         caveats.warn_unblocked(self.assignment.possible(), self.config.scaling, stacklevel=3)
+        replicated = replica_group is not None
+        if group is not None:
+            # With HSDP the records come from the all-reduce across replicas,
+            # the collective that crosses nodes.
+            self.reducer = self._reducer(group, device, Reduction.TWO_PHASE, not replicated)
+            self._world_size = group.size()
+        self.process_group = group
+        if replica_group is not None:
+            self.replica_reducer = self._reducer(
+                replica_group, device, self.config.reduction, self.collect_stats, True
+            )
+            self.replica_reducer.resolve(device)
+            self.replica_group = replica_group
+
+    def _reducer(
+        self,
+        group: dist.ProcessGroup,
+        device: torch.device,
+        reduction: Reduction,
+        stats: bool,
+        across_replicas: bool = False,
+    ) -> Reducer:
+        """The engine on ``group``: the reduce-scatter's, or the all-reduce across replicas'."""
         world, rank = group.size(), dist.get_rank(group)
         backend = agreement.backend_for(group, device)
         comm = Comm(group, world, rank, backend, Layouts(Topology(world, 1)))
+        # FSDP's reduce-scatter owners keep FP32 sums, so its blocks' exponents
+        # are agreed; across replicas it is DDP's two_phase: each owner's own.
+        exponents = BlockExponents.RANK if across_replicas else BlockExponents.AGREED
         planner = Planner(
             hook_cluster(backend, device.type, world, 1),
             False,
-            False,
+            # As for DDP: on NCCL "auto" may pick the plain FP32 all-reduce.
+            across_replicas and backend == "nccl",
             scaling=self.config.scaling,
             block_size=self.config.block_size,
-            # FSDP's owners keep FP32 sums: the blocks' exponents are agreed.
-            block_exponents=BlockExponents.AGREED,
+            block_exponents=exponents,
         )
         settings = Settings(
             self.fmt,
-            Reduction.TWO_PHASE,
+            reduction,
             self.config.scaling,
-            self.collect_stats,
+            stats,
             False,
             self.config.block_size,
-            BlockExponents.AGREED,
+            exponents,
         )
-        self.process_group, self._world_size = group, world
-        self.reducer = Reducer(settings, comm, planner, self.assignment)
+        return Reducer(settings, comm, planner, self.assignment)
 
     def exit_workers(self) -> list:
         """No threads of its own: the reduce-scatter runs on FSDP's."""
         return []
 
     def exit_groups(self) -> list[dist.ProcessGroup]:
-        """Hand over the state's process group and forget it (see :mod:`aps_comm.teardown`)."""
-        groups = [self.process_group] if self.process_group is not None else []
+        """Hand over the state's process groups and forget them (see :mod:`aps_comm.teardown`)."""
+        groups = [self.process_group, self.replica_group, *self._other_groups]
         self.process_group, self.reducer = None, None
-        return groups
+        self.replica_group, self.replica_reducer, self._other_groups = None, None, []
+        return [g for g in groups if g is not None]
 
     # -- the reduce-scatter --------------------------------------------------
 
@@ -273,12 +386,7 @@ class APSFSDPState:
         reducer = self.reducer
         assert reducer is not None
         n = self._world_size
-        if unit.index in self._done:
-            # A unit reduced twice before every unit did: the previous step
-            # left some unit out (it cannot, with reduce_scatter_unused_params).
-            self._end_step()
-        if not self._done:
-            self._check_last_step()
+        self._begin_unit(unit)
         problem = _check_call(unit, output, input, op, n)
         rows = input.view(n, -1) if not problem else input.new_zeros(n, unit.row_numel)
         if rows.dtype != torch.float32:
@@ -306,6 +414,71 @@ class APSFSDPState:
         if _is_avg(op):
             acc.div_(n)
         output.copy_(acc)
+        if self.replica_reducer is None:
+            self._end_unit(unit)
+
+    # -- the all-reduce across replicas (HSDP) -----------------------------------
+
+    def _all_reduce(self, unit: _Unit, module: Any, output: torch.Tensor) -> None:
+        try:
+            self._reduce_replicas(unit, _param_groups(module)[0], output)
+        except RuntimeError as exc:
+            raise RuntimeError(
+                f"aps_comm.fsdp, unit {unit.index} ({unit.module or '<root>'}), all-reduce "
+                f"across replicas: {exc}"
+            ) from exc
+
+    def _reduce_replicas(self, unit: _Unit, param_group: Any, output: torch.Tensor) -> None:
+        """Reduce the unit's reduce-scattered shard across the replicas, as native HSDP does.
+
+        FSDP calls this (its all-reduce hook) after the reduce-scatter and
+        before its own division: native HSDP averages across replicas, or
+        sums where ``set_gradient_divide_factor`` set the whole divisor.
+        """
+        reducer = self.replica_reducer
+        assert reducer is not None
+        if not param_group.all_reduce_grads:
+            # FSDP, seeing a 1-D mesh, would keep this unreduced part in the
+            # gradient and never hand it to the hook again.
+            raise ValueError(
+                "set_requires_all_reduce(False) is not supported with replicate=: the "
+                "skipped part would never be reduced across replicas; use "
+                "set_requires_gradient_sync(False) to accumulate without communication"
+            )
+        if self.reducer is None:
+            self._begin_unit(unit)
+        if output.numel() != unit.row_numel:
+            raise ValueError(
+                f"FSDP handed the all-reduce {output.numel()} elements; the unit's shard has "
+                f"{unit.row_numel}"
+            )
+        if output.dtype == torch.float64:
+            caveats.warn_rounded_dtype(output.dtype)
+        # FSDP hands a new tensor every step: the unit's own FP32 buffer keeps
+        # the settled path bound (and the replicas' shards sum in FP32 whatever
+        # the reduce dtype).
+        x = self._shards.get(unit.index)
+        if x is None or x.device != output.device:
+            x = self._shards[unit.index] = torch.empty(
+                unit.row_numel, dtype=torch.float32, device=output.device
+            )
+        # set_gradient_divide_factor: FSDP divides by the whole factor, so
+        # native HSDP sums across replicas instead of averaging.
+        summed = param_group.gradient_divide_factor is not None
+        reduce_shard(reducer, unit.index, x, output, unit.names, unit.chunks, self.step, summed)
+        self._end_unit(unit)
+
+    # -- steps --------------------------------------------------------------------
+
+    def _begin_unit(self, unit: _Unit) -> None:
+        if unit.index in self._done:
+            # A unit reduced twice before every unit did: the previous step
+            # left some unit out (it cannot, with reduce_scatter_unused_params).
+            self._end_step()
+        if not self._done:
+            self._check_last_step()
+
+    def _end_unit(self, unit: _Unit) -> None:
         self._done.add(unit.index)
         if len(self._done) == len(self._units):
             self._end_step()
@@ -325,13 +498,65 @@ class APSFSDPState:
             )
 
     def _end_step(self) -> None:
-        assert self.reducer is not None
-        self.bytes_detail, self._last_stats = self.reducer.end_step()
-        self.bytes_sent = self.bytes_total = sum(self.bytes_detail.values())
+        detail: dict[str, int] = {}
+        replica: dict[str, int] = {}
+        if self.reducer is not None:
+            detail, self._last_stats = self.reducer.end_step()
+        if self.replica_reducer is not None:
+            replica, self._last_stats = self.replica_reducer.end_step()
+        self.bytes_detail = {k: detail.get(k, 0) + replica.get(k, 0) for k in {**detail, **replica}}
+        self.replica_bytes = sum(replica.values())
+        self.bytes_total = sum(self.bytes_detail.values())
+        self.bytes_sent = sum(
+            v for k, v in self.bytes_detail.items() if not k.endswith("all_gather")
+        )
         self._done = set()
         self.step += 1
         if self._flags is not None:
             self._flags_host, self._flags = HostValue(self._flags), None
+
+
+def reduce_shard(
+    reducer: Reducer,
+    index: int,
+    buffer: torch.Tensor,
+    shard: torch.Tensor,
+    names: Sequence[str],
+    chunks: Sequence[int],
+    step: int,
+    summed: bool = False,
+) -> None:
+    """Reduce one unit's reduce-scattered ``shard`` across the replicas, in place.
+
+    The shard goes through ``buffer`` (the unit's own FP32 tensor, kept
+    across steps: FSDP hands a new shard every step) so that the unit
+    settles like a DDP bucket: once bound, a fixed handful of calls whatever
+    the parameter count, and no host read. The replicas' shards sum in FP32
+    whatever ``shard``'s dtype.
+
+    Args:
+        reducer: the engine over the replica group.
+        index: the unit's index (its bucket in the engine).
+        buffer: float32, one element per element of ``shard``.
+        shard: FSDP's reduce-scatter output, in its reduce dtype.
+        names: each parameter's name (its key in the policy).
+        chunks: each parameter's padded chunk, in ``shard``'s order.
+        step: the step number (Schedule).
+        summed: sum across replicas instead of averaging (exact for a
+            power-of-two replica count).
+
+    Example:
+        >>> reduce_shard(state.replica_reducer, 0, buf, out, names, chunks, 0)  # doctest: +SKIP
+    """
+    buffer.copy_(shard.reshape(-1))
+    steady = reducer.steady_for(index, buffer)
+    if steady is not None:
+        reducer.run_steady(index, steady, buffer)
+    else:
+        reducer.bucket(index, buffer, names, list(chunks), names, step=step)
+    if summed:
+        buffer.mul_(reducer.comm.world_size)
+    shard.copy_(buffer.view_as(shard))
 
 
 def _check_call(unit: _Unit, output: torch.Tensor, input: torch.Tensor, op: Any, n: int) -> str:
@@ -367,33 +592,56 @@ def register(
     policy: Sequence[Rule] | None = None,
     stats: bool = False,
     block_size: int | None = None,
+    replicate: dist.ProcessGroup | DeviceMesh | None = None,
+    reduction: Reduction | str | None = None,
+    reduce_scatter: bool | None = None,
 ) -> APSFSDPState:
-    """Install the APS reduce-scatter on every ``fully_shard``-ed module of ``module``.
+    """Install APS gradient reduction on every ``fully_shard``-ed module of ``module``.
 
     Collective: call it on every rank, after ``fully_shard`` and before the
-    first backward. It creates the state's process group, checks that every
+    first backward. It creates the state's process groups, checks that every
     rank has the same configuration and units, and on each unit sets the
     custom reduce-scatter, ``set_force_sum_reduction_for_comms(True)`` (plain
     sums; FSDP divides afterwards) and ``set_reduce_scatter_unused_params(True)``
     (a parameter without a gradient sends zeros, so every rank's layout is the
     same).
 
+    With ``replicate`` (HSDP: each unit sharded inside a node, replicated
+    across nodes) it also sets each unit's all-reduce hook
+    (``FSDPModule.set_all_reduce_hook``): the unit's reduce-scattered shard
+    is reduced across the replicas by the APS engine, as DDP's buckets are
+    (per-parameter exponents agreed by one MAX all-reduce, two_phase sums in
+    FP32), giving native HSDP's mean. The reduce-scatter inside the node
+    then stays FSDP's own, in ``reduce_dtype``, unless ``reduce_scatter=True``.
+
     Args:
         module: the model; it or its submodules are ``fully_shard``-ed
-            (FSDP2) over one mesh dimension spanning all ranks.
+            (FSDP2) on one 1-D mesh: over all ranks, or with ``replicate``
+            over the ranks of this rank's shard group (``mesh["shard"]``).
         fmt: the wire format ("e4m3", "e5m2", "fp16", "bf16", "fp32", any
             "eXmY", or a FloatFormat).
         scaling: "layer" (APS, one exponent per parameter), "bucket" (one per
             unit and format), "block" (one per ``block_size`` elements of each
-            parameter's chunk, agreed by one MAX all-reduce of one-byte
-            exponents) or "none" (plain saturating cast).
+            parameter's chunk; the reduce-scatter agrees them by one MAX
+            all-reduce of one-byte exponents, the all-reduce across replicas
+            uses each owner's own as DDP does) or "none" (plain saturating cast).
         policy: static rules of :mod:`aps_comm.policy` (``ByName``,
             ``KeepLast``, ``MinNumel``, ``LowRatio``) and ``Schedule``;
             ``Promote`` is not supported.
         stats: record per-parameter :class:`~aps_comm.telemetry.LayerStats`
-            of the last step in ``state.stats`` (local passes, no collective).
+            of the last step in ``state.stats`` (local passes, no collective);
+            with ``replicate``, those of the all-reduce across replicas.
         block_size: elements per block with ``scaling="block"`` (a power of
             two from 8 to 256; default: 128 for 8-bit formats, 32 below).
+        replicate: HSDP: a process group, or a 1-D ``DeviceMesh``
+            (``mesh["replicate"]``), of the ranks that hold the same shard as
+            this one; with the shard groups it must tile the world.
+        reduction: with ``replicate``, how the all-reduce across replicas
+            sends the format: "two_phase" (default; FP32 sums), "allreduce"
+            (the backend sums the format: FP16/BF16, FP8 on NCCL) or "auto".
+        reduce_scatter: the reduce-scatter inside the shard group is APS's
+            (True) or FSDP's own in ``reduce_dtype`` (False). Default: APS's
+            without ``replicate``, FSDP's own with it.
 
     Returns:
         The :class:`APSFSDPState`.
@@ -401,18 +649,36 @@ def register(
     Raises:
         RuntimeError: torch.distributed is not initialised, or this torch
             lacks FSDP2's custom reduce-scatter API.
-        ValueError: no ``fully_shard``-ed module, an unsupported layout (HSDP,
-            a sub-mesh, several parameter groups, an existing custom
+        ValueError: no ``fully_shard``-ed module, an unsupported layout (a
+            2-D mesh, a shard mesh that is not all ranks without
+            ``replicate``, replica groups that do not tile the world with
+            the shard groups, several parameter groups, an existing custom
             reduce-scatter), or a configuration that differs across ranks;
             raised on every rank.
 
     Example:
         >>> state = register(model, "e4m3", stats=True)  # doctest: +SKIP
+        >>> mesh = init_device_mesh("cuda", (nodes, 8), mesh_dim_names=("replicate", "shard"))
+        >>> for block in model.blocks:                   # doctest: +SKIP
+        ...     fully_shard(block, mesh=mesh["shard"])
+        >>> fully_shard(model, mesh=mesh["shard"])       # doctest: +SKIP
+        >>> state = register(model, "e4m3", replicate=mesh["replicate"])  # doctest: +SKIP
     """
     if not dist.is_available() or not dist.is_initialized():
         raise RuntimeError("aps_comm.fsdp.register needs torch.distributed initialised")
     api = _fsdp_api()
-    state = APSFSDPState(fmt, scaling, policy, stats, block_size)
+    replicas, bad_replicate = _replica_ranks(replicate)
+    state = APSFSDPState(
+        fmt,
+        scaling,
+        policy,
+        stats,
+        block_size,
+        replicas=None if replicas is None else len(replicas),
+        reduction=reduction,
+        reduce_scatter=reduce_scatter,
+    )
+    replicated = state.config.replicas is not None
     names = {id(p): n for n, p in module.named_parameters()}
     # Per problem, the units that have it: a problem is said once, its units after.
     unfit: dict[str, list[str]] = {}
@@ -422,7 +688,7 @@ def register(
         if not isinstance(mod, api.FSDPModule):
             continue
         try:
-            group = _one_param_group(mod, api, world)
+            group = _one_param_group(mod, api, world, replicated)
         except ValueError as exc:
             unfit.setdefault(str(exc), []).append(mod_name or "<root>")
             continue
@@ -432,10 +698,16 @@ def register(
         if unit.chunks:
             found.append((mod, group, unit))
     problems = [f"{problem} {_which_units(units)}" for problem, units in unfit.items()]
+    problems += [bad_replicate] if bad_replicate else []
     if not found and not problems:
         problems.append(
             f"{type(module).__name__} has no fully_shard-ed module with trainable parameters"
         )
+    shards = {
+        tuple(dist.get_process_group_ranks(g.mesh_info.shard_process_group)) for _, g, _ in found
+    }
+    if len(shards) > 1:
+        problems.append(f"the units are sharded over different ranks: {sorted(shards)}")
     state._units = [u for _, _, u in found]
     trainable = [(n, p) for n, p in module.named_parameters() if p.requires_grad]
     state.assignment.bind(
@@ -446,29 +718,89 @@ def register(
     )
     formats = state.assignment.static([n for n, _ in trainable])
     device = next((p.device for _, p in trainable), torch.device("cpu"))
+    layout = _Layout(min(shards) if shards else (), replicas)
 
-    # Collective from here: every rank creates the group and compares notes
+    # Collective from here: every rank creates the groups and compares notes
     # before any rank raises, so a problem on one rank is an error on all.
     agreement.wait_for_ranks("aps_comm.fsdp.register")
     with teardown.released_if_raises(state):
-        _bind(state, device, formats, problems)
+        _bind(state, device, formats, problems, layout)
         comm_class = _comm_class()
         for mod, group, unit in found:
-            mod.set_custom_reduce_scatter(comm_class(state, unit))
-            mod.set_force_sum_reduction_for_comms(True)
+            if state.reducer is not None:
+                mod.set_custom_reduce_scatter(comm_class(state, unit))
+                mod.set_force_sum_reduction_for_comms(True)
+            if state.replica_reducer is not None:
+                # The module, not its parameter group: the hook holds no FSDP buffers.
+                hook = functools.partial(state._all_reduce, unit, mod)
+                mod.set_all_reduce_hook(hook)
+                state.all_reduce_hooks.append(hook)
             _reduce_scatter_unused_params(mod, group, api)
     teardown.release_at_exit(state)
     return state
 
 
+@dataclasses.dataclass(frozen=True)
+class _Layout:
+    """One rank's view of the mesh: its shard group's ranks and its replicas (or None)."""
+
+    shard: tuple[int, ...]
+    replicas: tuple[int, ...] | None
+
+
+def _replica_ranks(replicate: Any) -> tuple[tuple[int, ...] | None, str]:
+    """The ranks of ``replicate`` (None without HSDP), and what is wrong with it ("" if nothing)."""
+    if replicate is None:
+        return None, ""
+    group = replicate
+    if isinstance(replicate, DeviceMesh):
+        if replicate.ndim != 1:
+            return None, (
+                f'replicate= takes a 1-D DeviceMesh (mesh["replicate"]), got a '
+                f"{replicate.ndim}-D mesh of shape {tuple(replicate.shape)}"
+            )
+        group = replicate.get_group()
+    if not isinstance(group, dist.ProcessGroup):
+        return None, (
+            f"replicate= takes a process group or a 1-D DeviceMesh, got {type(replicate).__name__}"
+        )
+    return tuple(dist.get_process_group_ranks(group)), ""
+
+
 def _bind(
-    state: APSFSDPState, device: torch.device, formats: Sequence[FloatFormat], problems: list[str]
+    state: APSFSDPState,
+    device: torch.device,
+    formats: Sequence[FloatFormat],
+    problems: list[str],
+    layout: _Layout,
 ) -> None:
-    """Create the state's group, bind to it, agree with every rank (collective)."""
-    group = agreement.new_group()
-    if not problems:
+    """Create the state's groups, bind to them, agree with every rank (collective)."""
+    world = agreement.new_group()
+    seen = agreement.gather(world, ("; ".join(problems), state.describe(), layout))
+    replicated = any(lay.replicas is not None for _, _, lay in seen)
+    ready = not any(p for p, _, _ in seen) and all(d == seen[0][1] for _, d, _ in seen)
+    if replicated and ready:
+        tiling = tiling_problem([lay for _, _, lay in seen])
+        problems = [*problems, tiling] if tiling else problems
+        ready = not tiling
+    if replicated:
+        state._other_groups.append(world)
+    else:
+        state.process_group = world
+    if ready and not problems:
         try:
-            state.bind(group, device)
+            if replicated:
+                shard = (
+                    agreement.new_subgroup(sorted({lay.shard for _, _, lay in seen}))
+                    if state.config.reduce_scatter
+                    else None
+                )
+                replicas = agreement.new_subgroup(
+                    sorted({lay.replicas for _, _, lay in seen})  # type: ignore[type-var]
+                )
+                state.bind(shard, device, replicas)
+            else:
+                state.bind(world, device)
         except ValueError as exc:
             problems = [str(exc)]
     # Named texts: a difference names the setting or the unit, not every unit.
@@ -480,12 +812,86 @@ def _bind(
     }
     mine.update({f"unit {u.index}": u.describe() for u in state._units})
     agreement.agree(
-        group,
+        world,
         mine,
         what="aps_comm.fsdp configuration",
         problem="; ".join(problems),
         refused="aps_comm.fsdp.register cannot install on this model",
     )
+
+
+def tiling_problem(layouts: Sequence[Any]) -> str:
+    """Why the ranks' shard and replica groups are not HSDP's grid ("" when they are).
+
+    Args:
+        layouts: per rank (indexed by global rank), its shard group's ranks
+            (``.shard``) and its replica group's ranks (``.replicas``; None
+            where ``replicate=`` was not passed).
+
+    Returns:
+        The problem, for the error every rank raises: ranks of one shard
+        group hold different parts of the model, and ranks of one replica
+        group must hold the same part, so the replica groups cut across the
+        shard groups, one rank from each, at the same position.
+
+    Example:
+        >>> from types import SimpleNamespace as L
+        >>> tiling_problem([L(shard=(0, 1), replicas=(0, 2)), L(shard=(0, 1), replicas=(1, 3)),
+        ...                 L(shard=(2, 3), replicas=(0, 2)), L(shard=(2, 3), replicas=(1, 3))])
+        ''
+    """
+    world = len(layouts)
+    missing = [r for r, lay in enumerate(layouts) if lay.replicas is None]
+    recipe = (
+        'e.g. mesh = init_device_mesh(device, (nodes, ranks_per_node), mesh_dim_names=("replicate", '
+        '"shard")); fully_shard(unit, mesh=mesh["shard"]); register(..., replicate=mesh["replicate"])'
+    )
+    if missing:
+        given = by_rank(["not given" if r in missing else "" for r in range(world)])
+        return f"replicate= must be given on every rank ({given}), {recipe}"
+    for r, lay in enumerate(layouts):
+        shard, reps = tuple(lay.shard), tuple(lay.replicas)
+        problem = ""
+        if r not in shard or r not in reps:
+            problem = f"rank {r} is not in its own shard group {list(shard)} or replica group {list(reps)}"
+        elif set(shard) & set(reps) != {r}:
+            problem = (
+                f"rank {r}'s shard group {list(shard)} and replica group {list(reps)} share "
+                f"ranks {sorted((set(shard) & set(reps)) - {r})}: a replica group holds one "
+                "rank of each shard group"
+            )
+        elif len(shard) * len(reps) != world:
+            problem = (
+                f"{len(reps)} replicas of shard groups of {len(shard)} ranks do not make the "
+                f"world of {world} ranks (rank {r}: shard {list(shard)}, replicas {list(reps)})"
+            )
+        elif list(shard) != sorted(shard):
+            problem = f"rank {r}'s shard group {list(shard)} is not in ascending rank order"
+        else:
+            for m in reps:
+                other = layouts[m]
+                if tuple(other.replicas) != reps:
+                    problem = (
+                        f"the replica groups differ across ranks: rank {r} has {list(reps)}, "
+                        f"rank {m} has {list(other.replicas)}"
+                    )
+                elif tuple(other.shard).index(m) != shard.index(r):
+                    problem = (
+                        f"ranks {r} and {m} are replicas but hold different shards (positions "
+                        f"{shard.index(r)} of {list(shard)} and {tuple(other.shard).index(m)} of "
+                        f"{list(other.shard)})"
+                    )
+                if problem:
+                    break
+            for m in shard:
+                if not problem and tuple(layouts[m].shard) != shard:
+                    problem = (
+                        f"the shard groups differ across ranks: rank {r} has {list(shard)}, "
+                        f"rank {m} has {list(layouts[m].shard)}"
+                    )
+        if problem:
+            return f"the replica groups do not tile the world with the shard groups: {problem}; {recipe}"
+    return ""
 
 
 def _which_units(units: Sequence[str]) -> str:
@@ -605,7 +1011,7 @@ def _param_groups(mod: Any) -> list[Any]:
     return [] if group is None else [group]
 
 
-def _one_param_group(mod: Any, api: _API, world: int) -> Any | None:
+def _one_param_group(mod: Any, api: _API, world: int, replicated: bool) -> Any | None:
     """The module's single FSDP parameter group (None without parameters), or ValueError.
 
     The error's text is the same for every unit with that problem (the
@@ -623,17 +1029,22 @@ def _one_param_group(mod: Any, api: _API, world: int) -> Any | None:
     mesh_info = group.mesh_info
     if isinstance(mesh_info, api.DDPMeshInfo) or not isinstance(mesh_info, api.FSDPMeshInfo):
         raise ValueError(
-            "the model is replicated across a mesh dimension (HSDP: fully_shard on a 2-D "
-            "mesh; or replicate()), which aps_comm.fsdp does not support yet (issue 44 will "
-            "add replicate=). What works today: fully_shard each unit on a 1-D mesh over all "
-            f"{world} ranks (fully_shard's default mesh, or "
-            f"init_device_mesh(device_type, ({world},))), or DDP with aps_comm.register"
+            "the model is sharded on a 2-D mesh (native HSDP) or replicated with replicate(), "
+            "whose all-reduce across replicas aps_comm.fsdp cannot replace. Instead, shard "
+            "each unit on the 1-D shard mesh and pass the replicate mesh to register: "
+            'fully_shard(unit, mesh=mesh["shard"]), then aps_comm.fsdp.register(model, fmt, '
+            'replicate=mesh["replicate"]). Without sharding, use DDP with aps_comm.register'
         )
     ranks = dist.get_process_group_ranks(mesh_info.shard_process_group)
-    if ranks != list(range(world)):
+    if not replicated and ranks != list(range(world)):
         raise ValueError(
             f"the shard mesh is not all {world} ranks in order (e.g. ranks {ranks}); "
-            "aps_comm.fsdp needs a 1-D shard mesh over all ranks"
+            "aps_comm.fsdp needs a 1-D shard mesh over all ranks, or replicate= with the "
+            "ranks that hold the same shard (HSDP)"
+        )
+    if replicated and getattr(group, "_all_reduce_hook", None) is not None:
+        raise ValueError(
+            "it already has an all-reduce hook (set_all_reduce_hook), which replicate= replaces"
         )
     custom = group._reduce_scatter_comm
     if not isinstance(custom, api.DefaultReduceScatter):

@@ -40,6 +40,7 @@ from __future__ import annotations
 import argparse
 import contextlib
 import dataclasses
+import functools
 import gc
 import json
 import os
@@ -54,7 +55,7 @@ from typing import Any
 
 import torch
 import torch.distributed as dist
-from torch.utils._python_dispatch import TorchDispatchMode
+from torch.utils._python_dispatch import TorchDispatchMode, is_traceable_wrapper_subclass
 
 import aps_comm
 from aps_comm import cpu_kernels
@@ -62,13 +63,17 @@ from aps_comm.policy import KeepLast, Promote, Schedule
 
 __all__ = [
     "CONFIGS",
+    "FSDP_ROUTES",
     "MODELS",
     "ROUTES",
     "OpCounter",
     "Row",
+    "count_calls",
     "count_ops",
+    "fsdp_unit",
     "main",
     "measure",
+    "measure_fsdp",
     "state_nbytes",
 ]
 
@@ -98,6 +103,17 @@ CONFIGS: dict[str, dict[str, Any]] = {
     "auto": {"fmt": "e4m3", "reduction": "auto"},
 }
 """Every option a user turns on, beside the three plain routes (``--configs all``)."""
+
+FSDP_ROUTES: dict[str, dict[str, Any]] = {
+    "fsdp/e4m3": {"fmt": "e4m3"},
+    "fsdp/e2m1-block": {"fmt": "e2m1", "scaling": "block"},
+    "hsdp/fp32": {"fmt": "fp32"},
+    "hsdp/e4m3": {"fmt": "e4m3"},
+    "hsdp/e2m1-block": {"fmt": "e2m1", "scaling": "block"},
+    "hsdp/e4m3+stats": {"fmt": "e4m3", "stats": True},
+}
+"""FSDP2 (``--configs fsdp``): a unit's APS reduce-scatter ("fsdp/"), and its shard's
+all-reduce across HSDP replicas ("hsdp/": :func:`aps_comm.fsdp.register` with ``replicate=``)."""
 
 _UNCOUNTED = {"empty.memory_format", "empty_strided.default", "lift_fresh.default"}
 
@@ -256,10 +272,8 @@ def count_ops(
     left out): the ATen ops that launched some of them are listed apart, not
     added (see :func:`measure`).
     """
-    calls: list[str] = []
-    seconds: list[float] = []
-    counter = OpCounter()
     if buffer.device.type == "cuda":
+        counter = OpCounter()
         activities = [torch.profiler.ProfilerActivity.CPU, torch.profiler.ProfilerActivity.CUDA]
         with torch.profiler.profile(activities=activities) as prof, counter:
             state.run_bucket(0, buffer, params)
@@ -272,8 +286,21 @@ def count_ops(
             and not getattr(e, "is_user_annotation", False)
         ]
         return counter.ops, kernels
-    with _kernels(buffer.device, calls, seconds), counter:
-        state.run_bucket(0, buffer, params)
+    return count_calls(lambda: state.run_bucket(0, buffer, params), buffer.device)
+
+
+def count_calls(call: Callable[[], Any], device: torch.device) -> tuple[list[str], list[str]]:
+    """(ATen ops, codec kernel calls) of ``call()`` on the CPU.
+
+    Example:
+        >>> aten, kernels = count_calls(lambda: torch.ones(3).add_(1), torch.device("cpu"))
+        >>> aten
+        ['aten::ones.default', 'aten::add_.Tensor']
+    """
+    calls: list[str] = []
+    counter = OpCounter()
+    with _kernels(device, calls, []), counter:
+        call()
     return counter.ops, calls
 
 
@@ -329,6 +356,11 @@ def state_nbytes(state: object, exclude: list[torch.Tensor]) -> int:
             continue
         seen.add(id(obj))
         if isinstance(obj, torch.Tensor):
+            if is_traceable_wrapper_subclass(obj):
+                # A tensor subclass (a DTensor: a model's parameter) holds
+                # its storage in a plain tensor the walk reaches, if any.
+                stack.extend(gc.get_referents(obj))
+                continue
             storage = obj.untyped_storage()
             if storage.data_ptr() not in skip:
                 storages[storage.data_ptr()] = storage.nbytes()
@@ -394,6 +426,99 @@ def measure(
     return rows
 
 
+class _Unit(torch.nn.Module):
+    def __init__(self, numels: list[int], device: torch.device) -> None:
+        super().__init__()
+        self.ps = torch.nn.ParameterList(
+            torch.nn.Parameter(torch.empty(n, device=device)) for n in numels
+        )
+
+
+def fsdp_unit(
+    numels: list[int], device: torch.device, options: dict[str, Any], replicated: bool
+) -> tuple[Any, Callable[[torch.Tensor], None], list[torch.Tensor]]:
+    """One ``fully_shard``-ed unit of ``numels`` parameters with APS registered (world of one).
+
+    Returns:
+        The :class:`~aps_comm.fsdp.APSFSDPState`, the call that reduces one
+        step's gradients of the unit as FSDP makes it (the all-reduce hook
+        across replicas; or the APS reduce-scatter, which FSDP itself skips
+        on one rank), and the unit's parameters (their local shards).
+    """
+    from torch.distributed.fsdp import fully_shard
+
+    from aps_comm import fsdp
+
+    unit = _Unit(numels, device)
+    fully_shard(unit)
+    params = [p.to_local() for p in unit.parameters()]
+    if replicated:
+        state = fsdp.register(unit, replicate=dist.new_group([0]), **options)
+        return state, state.all_reduce_hooks[0], params
+    state = fsdp.register(unit, **options)
+    reducer, names = state.reducer, [f"ps.{i}" for i in range(len(numels))]
+    flag = torch.zeros((), device=device)
+
+    def reduce_scatter(rows: torch.Tensor) -> None:
+        reducer.unit(0, rows.view(1, -1), numels, numels, names, step=0, problem=flag)
+
+    return state, reduce_scatter, params
+
+
+def measure_fsdp(
+    device: torch.device,
+    repeats: int = 50,
+    models: dict[str, list[int]] | None = None,
+    routes: dict[str, dict[str, Any]] | None = None,
+) -> list[Row]:
+    """:data:`FSDP_ROUTES`' rows: one FSDP unit per bucket, in a world of one rank."""
+    rows = []
+    for model, numels in (models or MODELS).items():
+        for route, options in (routes or FSDP_ROUTES).items():
+            state, reduce, params = fsdp_unit(numels, device, options, route.startswith("hsdp/"))
+            n = sum(numels)
+            shard = torch.randn(n, generator=torch.Generator().manual_seed(0)).to(device)
+            for _ in range(3):  # the plan, then the settled path, then one more
+                reduce(shard)
+            _sync(device)
+            aten, calls = count_calls(functools.partial(reduce, shard), device)
+            total, host, in_kernels, on_wire = [], [], [], []
+            for _ in range(repeats):
+                seconds: list[float] = []
+                wire: list[float] = []
+                _sync(device)
+                with _kernels(device, [], seconds), _collectives(wire):
+                    start = time.perf_counter()
+                    reduce(shard)
+                    elapsed = time.perf_counter() - start
+                _sync(device)
+                kernel_s = sum(seconds) if device.type == "cpu" else 0.0
+                total.append(elapsed)
+                in_kernels.append(kernel_s)
+                on_wire.append(sum(wire))
+                host.append(elapsed - kernel_s - sum(wire))
+            replicas = state.replica_reducer
+            rows.append(
+                Row(
+                    model,
+                    route,
+                    len(numels),
+                    n,
+                    len(aten) + len(calls),
+                    len(aten),
+                    len(calls),
+                    round(statistics.median(host) * 1e6, 1),
+                    round(statistics.median(in_kernels) * 1e6, 1),
+                    round(statistics.median(on_wire) * 1e6, 1),
+                    round(statistics.median(total) * 1e6, 1),
+                    tuple(aten + calls),
+                    replicas is not None and replicas.steady.get(0) is not None,
+                    state_nbytes(state, [shard, *params]),
+                )
+            )
+    return rows
+
+
 @contextlib.contextmanager
 def world_of_one(device: torch.device) -> Iterator[None]:
     """A default process group of one rank: Gloo for CPU, NCCL for CUDA."""
@@ -432,9 +557,10 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--repeats", type=int, default=50)
     parser.add_argument(
         "--configs",
-        choices=("routes", "all"),
+        choices=("routes", "all", "fsdp"),
         default="routes",
-        help="the three plain routes, or every option a user turns on (CONFIGS)",
+        help="the three plain routes, every option a user turns on (CONFIGS), or FSDP2's "
+        "reduce-scatter and HSDP's all-reduce across replicas (FSDP_ROUTES)",
     )
     parser.add_argument("--out", default=None, help="write the rows as JSON here")
     args = parser.parse_args(argv)
@@ -442,7 +568,11 @@ def main(argv: list[str] | None = None) -> int:
     if device.type == "cuda" and not torch.cuda.is_available():
         parser.error("--device cuda needs a CUDA device")
     with world_of_one(device):
-        rows = measure(device, args.repeats, routes=CONFIGS if args.configs == "all" else ROUTES)
+        if args.configs == "fsdp":
+            rows = measure_fsdp(device, args.repeats)
+        else:
+            routes = CONFIGS if args.configs == "all" else ROUTES
+            rows = measure(device, args.repeats, routes=routes)
     print(table(rows))
     if args.out:
         doc = {

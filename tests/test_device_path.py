@@ -32,6 +32,7 @@ from aps_comm.config import BlockExponents, Reduction, Route, Scaling
 from aps_comm.engine import Comm, Reducer, Settings
 from aps_comm.feedback import ErrorFeedback
 from aps_comm.formats import FORMATS, FloatFormat, get_format
+from aps_comm.fsdp import reduce_shard
 from aps_comm.plan import Planner
 from aps_comm.policy import Assignment, KeepLast, LayerInfo, Promote, Rule, Schedule
 from aps_comm.telemetry import StepStats
@@ -393,3 +394,42 @@ def test_fsdp_reduce_scatter_makes_no_host_traffic(
         assert mode.reads == [] and mode.copies == [], (mode.reads, mode.copies)
     # Per step: the maxima and one all-to-all; no all-gather (FSDP keeps shards).
     assert issued == ["all_reduce", "all_to_all_single"] * 3
+
+
+@pytest.mark.parametrize(
+    ("name", "reduction", "scaling", "dtype"),
+    [
+        ("e4m3", "two_phase", "layer", torch.float32),
+        ("e4m3", "two_phase", "layer", torch.bfloat16),
+        ("e2m1", "two_phase", "block", torch.float32),
+        ("fp16", "allreduce", "layer", torch.bfloat16),
+        ("e4m3", "auto", "layer", torch.float32),
+    ],
+)
+def test_hsdp_replica_all_reduce_makes_no_host_traffic(
+    monkeypatch: pytest.MonkeyPatch, name: str, reduction: str, scaling: str, dtype: torch.dtype
+) -> None:
+    """Issue 44: a unit's shard, new every step as FSDP hands it, reduced across 3 replicas.
+
+    Three ranks: one per node, no staged routes, as the replica group binds the engine.
+    """
+    exponents = "rank" if scaling == "block" else "agreed"  # as aps_comm.fsdp binds it
+    with stubbed_collectives(monkeypatch) as issued:
+        reducer, names = _reducer(
+            get_format(name), reduction, scaling, 3, 1, [], block_exponents=exponents
+        )
+        buffer = torch.empty(sum(NUMELS), device=META)
+        seen = []
+        for step in range(4):
+            mode = HostTraffic()
+            with mode:
+                shard = torch.empty(sum(NUMELS), dtype=dtype, device=META)  # FSDP's, new
+                reduce_shard(reducer, 0, buffer, shard, names, NUMELS, step, summed=step == 3)
+                reducer.end_step()
+            if step >= 2:
+                seen.append(mode)
+        if scaling != "block":  # meta has no fused block calls to bind (CPU: test_hostcost)
+            assert reducer.steady_for(0, buffer) is not None  # settled, not the per-step path
+    for mode in seen:
+        assert mode.reads == [] and mode.copies == [], (mode.reads, mode.copies)
+    assert issued  # the collectives ran (stubbed)

@@ -378,8 +378,10 @@ def test_unsupported_is_an_error_on_every_rank(world_size: int) -> None:
             hsdp = rank_out["hsdp"]
             assert len(hsdp) < 600, hsdp
             assert "MeshInfo" not in hsdp and "rank " not in hsdp, hsdp
-            assert hsdp.count("HSDP") == 1 and hsdp.count("does not support") == 1, hsdp
-            assert "issue 44" in hsdp and "1-D mesh over all 4 ranks" in hsdp, hsdp
+            assert hsdp.count("HSDP") == 1 and hsdp.count("cannot replace") == 1, hsdp
+            # The recipe (issue 44): the 1-D shard mesh and replicate=.
+            assert 'fully_shard(unit, mesh=mesh["shard"])' in hsdp, hsdp
+            assert 'replicate=mesh["replicate"]' in hsdp, hsdp
             assert hsdp.endswith("(units: <root>, a)"), hsdp
 
 

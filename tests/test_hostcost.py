@@ -15,7 +15,7 @@ import torch
 
 import aps_comm
 from aps_comm.engine import SteadyBlocks
-from benchmarks.hostcost import ROUTES, count_ops, world_of_one
+from benchmarks.hostcost import FSDP_ROUTES, ROUTES, count_calls, count_ops, fsdp_unit, world_of_one
 
 CPU = torch.device("cpu")
 BUDGET = 15
@@ -52,6 +52,26 @@ def test_ops_per_settled_bucket_do_not_grow_with_layers(world: None, route: str)
     aten, kernels = counts[200]
     assert len(aten) + len(kernels) <= BUDGET, counts[200]
     assert "kernel::block_amax" in kernels  # one pass writes every layer's maximum
+
+
+@pytest.mark.filterwarnings(r"ignore:aps_comm. e2m1 \(4 bits\) with scaling='layer':UserWarning")
+@pytest.mark.parametrize("route", ["hsdp/fp32", "hsdp/e4m3", "hsdp/e2m1-block"])
+def test_ops_per_hsdp_unit_do_not_grow_with_parameters(world: None, route: str) -> None:
+    """Issue 44: a unit's all-reduce across replicas settles like a DDP bucket."""
+    counts = {}
+    for layers in (2, 200):
+        state, hook, _ = fsdp_unit([300 + i for i in range(layers)], CPU, FSDP_ROUTES[route], True)
+        x, _ = _bucket([300 + i for i in range(layers)], layers)
+        for _ in range(2):  # the plan, then the settled path bound
+            hook(x.clone())
+        aten, kernels = count_calls(lambda: hook(x.clone()), CPU)  # noqa: B023
+        assert not any("_local_scalar_dense" in op for op in aten), aten  # no host read
+        assert state.replica_reducer.steady.get(0) is not None
+        counts[layers] = (aten, kernels)
+    assert counts[2] == counts[200], counts
+    aten, kernels = counts[200]
+    # The clone is the test's, standing in for FSDP's new tensor every step.
+    assert len(aten) - 1 + len(kernels) <= BUDGET, counts[200]
 
 
 # e2m1 with one exponent per layer is this test's choice (the bits of every path),
