@@ -30,11 +30,20 @@ All use of FSDP2's private API (the ``ReduceScatter`` interface of
 behind an ``FSDPModule``) is in one section at the end of this module; on a
 torch without it, :func:`register` raises a clear error.
 
-Not supported (a ``ValueError`` on every rank at :func:`register`): HSDP and
-other meshes with a replicate dimension, a shard group other than all ranks
-in order, several parameter groups per module (``shard_placement_fn`` with
-per-parameter meshes), a module that already has a custom reduce-scatter,
-and the :class:`~aps_comm.policy.Promote` policy.
+HSDP (each unit sharded over a node's ranks, replicated across nodes):
+``register(..., replicate=mesh["replicate"])`` on units ``fully_shard``-ed
+on ``mesh["shard"]`` sets each unit's all-reduce hook
+(``FSDPModule.set_all_reduce_hook``): after FSDP's reduce-scatter inside the
+node, :func:`reduce_shard` reduces the unit's shard across the replicas with
+the DDP engine (agreed per-parameter exponents, two_phase FP32 sums), so
+only the wire format crosses nodes; the result is native HSDP's mean.
+
+Not supported (a ``ValueError`` on every rank at :func:`register`): a 2-D
+mesh (native HSDP: use ``replicate=``), a shard group other than all ranks
+in order without ``replicate=``, replica groups that do not tile the world
+with the shard groups, several parameter groups per module
+(``shard_placement_fn`` with per-parameter meshes), a module that already
+has a custom reduce-scatter, and the :class:`~aps_comm.policy.Promote` policy.
 
 Example:
     >>> from torch.distributed.fsdp import fully_shard
@@ -658,7 +667,7 @@ def register(
 
     Example:
         >>> state = register(model, "e4m3", stats=True)  # doctest: +SKIP
-        >>> mesh = init_device_mesh("cuda", (nodes, 8), mesh_dim_names=("replicate", "shard"))
+        >>> mesh = init_device_mesh("cuda", (nodes, 8), mesh_dim_names=("replicate", "shard"))  # doctest: +SKIP
         >>> for block in model.blocks:                   # doctest: +SKIP
         ...     fully_shard(block, mesh=mesh["shard"])
         >>> fully_shard(model, mesh=mesh["shard"])       # doctest: +SKIP

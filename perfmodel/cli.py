@@ -606,6 +606,7 @@ def _assumption_lines(a: dict[str, Any]) -> list[str]:
     labels = (
         ("gathers", "all_gathers"),
         ("links", "links"),
+        ("hsdp", "hsdp"),
         ("scaling", "scaling_note"),
         ("caveat", "caveat"),
     )
@@ -881,11 +882,34 @@ def fsdp_units(model: ModelSpec, n_units: int, world_size: int) -> list[FSDPUnit
     return units
 
 
+def _shard_group(args: argparse.Namespace, cluster: Cluster) -> int:
+    """``--replicate``'s shard group S = world / R, which must lie within a node.
+
+    Raises:
+        ValueError: R does not divide the world, or S does not divide the
+            ranks per node; names R, the world and the node.
+    """
+    r, world = args.replicate, cluster.world_size
+    per_node = cluster.topology.gpus_per_node
+    if world % r:
+        raise ValueError(f"--replicate {r} does not divide the world of {world} ranks")
+    shard = world // r
+    if r > 1 and per_node % shard:
+        raise ValueError(
+            f"--replicate {r} makes shard groups of {shard} ranks ({world} / {r}), which must "
+            f"lie within a node: {shard} does not divide the {per_node} ranks per node"
+        )
+    return shard
+
+
 def _cmd_fsdp(args: argparse.Namespace) -> int:
     model = _model(args)
     profile = _load_profile(args.profile)
     cluster = _cluster(args, _world_size(args, profile))
-    units = fsdp_units(model, args.units, cluster.world_size)
+    shard = _shard_group(args, cluster)
+    hsdp = args.replicate > 1
+    # FSDP pads each parameter to a multiple of the ranks it is sharded over.
+    units = fsdp_units(model, args.units, shard)
     scaling, block_size, _ = _scaling(args)
     if args.block_exponents == BlockExponents.RANK.value:
         raise SystemExit(
@@ -895,34 +919,47 @@ def _cmd_fsdp(args: argparse.Namespace) -> int:
     rows = []
     for name in dict.fromkeys(["fp32", "bf16", args.fmt]):
         fmt = get_format(name, scaling=scaling, block_size=block_size)
-        pred = fsdp_step(units, fmt, cluster, backend=args.backend, param_bytes=args.param_bytes)
+        pred = fsdp_step(
+            units,
+            fmt,
+            cluster,
+            backend=args.backend,
+            param_bytes=args.param_bytes,
+            replicate=args.replicate,
+        )
         rows.append(pred)
     assumptions = _fsdp_assumptions(args, cluster, scaling, block_size)
-    why = _fsdp_why(rows, cluster)
-    base = rows[0].reduce_scatter_s
+    why = _hsdp_why(rows, cluster) if hsdp else _fsdp_why(rows, cluster)
+    base = rows[0].gradient_s
     if args.json:
         out = [
             {
                 "format": r.format,
                 "aps": r.aps,
+                "reduce_scatter_format": r.reduce_scatter_format,
                 "reduce_scatter_s": r.reduce_scatter_s,
-                "reduce_scatter_speedup_vs_fp32": base / r.reduce_scatter_s
-                if r.reduce_scatter_s
-                else 1.0,
+                "all_reduce_s": r.all_reduce_s,
+                "reduce_scatter_speedup_vs_fp32": base / r.gradient_s if r.gradient_s else 1.0,
                 "all_gather_s": r.all_gather_s,
                 "step_comm_s": r.step_s,
                 "wire_bytes": r.wire_bytes,
                 "inter_node_bytes": r.inter_node_bytes,
+                "cross_node_bytes": r.cross_node_bytes,
                 "exponent_bytes": r.exponent_bytes,
             }
             for r in rows
         ]
         head = {"units": len(units), "backend": args.backend, "scaling": scaling.value}
+        head["replicate"] = args.replicate
+        head["shard_group"] = shard
         head["block_size"] = block_size if scaling == Scaling.BLOCK else None
         head["communication_only"] = True
         head["assumptions"] = assumptions
         head["why"] = why
         print(json.dumps({**head, "rows": out}, indent=2))
+        return 0
+    if hsdp:
+        print("\n".join(_hsdp_lines(args, model, cluster, rows, len(units), assumptions, why)))
         return 0
     topo = cluster.topology
     nodes = topo.nodes > 1
@@ -968,6 +1005,93 @@ def _cmd_fsdp(args: argparse.Namespace) -> int:
     return 0
 
 
+def _hsdp_lines(
+    args: argparse.Namespace,
+    model: ModelSpec,
+    cluster: Cluster,
+    rows: Sequence[FSDPStepPrediction],
+    n_units: int,
+    assumptions: dict[str, Any],
+    why: Sequence[str],
+) -> list[str]:
+    """``fsdp --replicate``'s text: the assumptions, then a row per format."""
+    topo = cluster.topology
+    shard = cluster.world_size // args.replicate
+    base = rows[0].gradient_s
+    lines = [
+        f"HSDP     {model.name}: {model.total_params / 1e6:,.1f}M params in {n_units} units "
+        f"(--units), {args.backend} (--backend)",
+        f"cluster  {cluster.name}: {topo.nodes} node(s) x {topo.gpus_per_node} device(s) = "
+        f"{cluster.world_size} ranks, {args.replicate} replicas x {shard} (--replicate)",
+        "compute  none: communication per step only",
+        *(
+            f"         {line}"
+            for line in _wrap(
+                "(the reduce-scatters, the replica all-reduces and the parameter all-gathers, "
+                "nothing overlapped)"
+            )
+        ),
+        *_assumption_lines(assumptions),
+        "",
+        f"{'format':6s} {'rs+ar':9s} {'wire/rank':>10s} {'across/rank':>11s} "
+        f"{'reduce-scatter':>14s} {'all-reduce':>10s} {'speedup':>8s} {'all-gathers':>11s} "
+        f"{'comm/step':>10s}",
+    ]
+    for r in rows:
+        kinds = f"{r.reduce_scatter_format}+{'APS' if r.aps else r.format}"
+        speedup = base / r.gradient_s if r.gradient_s else 1.0
+        lines.append(
+            f"{r.format:6s} {kinds:9s} {format_bytes(r.wire_bytes):>10s} "
+            f"{format_bytes(r.cross_node_bytes):>11s} {format_time(r.reduce_scatter_s):>14s} "
+            f"{format_time(r.all_reduce_s):>10s} {speedup:>7.2f}x "
+            f"{format_time(r.all_gather_s):>11s} {format_time(r.step_s):>10s}"
+        )
+    lines += [
+        "",
+        *_wrap(
+            "rs+ar: the reduce-scatter's format (FSDP's own, or APS) + the replica "
+            "all-reduce's (a ring in that reduce_dtype, or APS two_phase); wire/rank: bytes "
+            "one rank sends per step for the gradients; across/rank: bytes one rank sends "
+            "across nodes per step, all-gathers included; speedup: of the reduce-scatters and "
+            "all-reduces against fp32's; comm/step: every reduce-scatter, replica all-reduce "
+            "and parameter all-gather of one step, communication only."
+        ),
+    ]
+    for text in why:
+        lines += ["", *_wrap(text)]
+    return lines
+
+
+def _hsdp_text(args: argparse.Namespace, cluster: Cluster) -> str:
+    """Which link each of HSDP's collectives uses, in words."""
+    topo = cluster.topology
+    r = args.replicate
+    shard = cluster.world_size // r
+    intra = format_bandwidth(topo.intra.bandwidth)
+    if topo.nodes == 1:
+        where = (
+            "inside the one node (a single node: nothing crosses nodes, and this "
+            f"all-reduce too runs on the intra-node link, {intra} per device)"
+        )
+    else:
+        per_node = topo.gpus_per_node // shard
+        where = (
+            f"on the inter-node link ({format_bandwidth(topo.inter.bandwidth)} per node, "
+            f"shared by the node's {topo.gpus_per_node} ranks"
+            + (f"; {per_node} of the {r} replicas on each node" if per_node > 1 else "")
+            + ")"
+        )
+    return (
+        f"each unit sharded over {shard} ranks of a node (world / --replicate): its "
+        f"all-gathers and reduce-scatter among them on the intra-node link ({intra} per "
+        f"device); each unit's 1/{shard} shard all-reduced among the {r} replicas {where}. "
+        "fp32 and bf16: FSDP's own reduce-scatter and all-reduce in that reduce_dtype (ring); "
+        f"{args.fmt}: FSDP's own reduce-scatter in FP32 and the replicas' all-reduce by APS "
+        "(two_phase: a MAX all-reduce of the maxima, an all-to-all and an all-gather of "
+        f"{args.fmt} shards, FP32 sums), as aps_comm.fsdp.register(..., replicate=) runs it"
+    )
+
+
 def _fsdp_assumptions(
     args: argparse.Namespace, cluster: Cluster, scaling: Scaling, block_size: int
 ) -> dict[str, Any]:
@@ -982,6 +1106,8 @@ def _fsdp_assumptions(
         "links": _links_text(cluster),
         "scaling_note": _scaling_text(args.fmt, scaling, block_size),
     }
+    if args.replicate > 1:
+        out["hsdp"] = _hsdp_text(args, cluster)
     if cluster.pass_costs and not cluster.codec_fits:
         out["measured"] = cluster.pass_costs_source
     caveat = _low_bit_caveat(args.fmt, scaling)
@@ -1019,6 +1145,24 @@ def _fsdp_why(rows: Sequence[FSDPStepPrediction], cluster: Cluster) -> list[str]
                 "passes (amax, encode, decode, sum), which is why its speedup is below "
                 f"{fp32.wire_bytes / r.wire_bytes:.2f}x."
             )
+    return notes
+
+
+def _hsdp_why(rows: Sequence[FSDPStepPrediction], cluster: Cluster) -> list[str]:
+    """Why each APS row of HSDP is as fast as it is: its bytes across nodes against fp32's."""
+    fp32 = rows[0]
+    notes = []
+    for r in rows[1:]:
+        if not r.aps or fp32.cross_node_bytes <= 0:
+            continue
+        notes.append(
+            f"{r.format}'s replica all-reduce sends "
+            f"{r.cross_node_bytes / fp32.cross_node_bytes:.2f}x fp32's bytes across nodes "
+            f"({format_bytes(r.cross_node_bytes)} vs {format_bytes(fp32.cross_node_bytes)} "
+            f"per rank): APS's two_phase sends {r.format} elements where fp32's ring sends 4 "
+            "bytes each; it also pays a MAX all-reduce of the maxima and the codec passes. "
+            "Its reduce-scatter and the all-gathers stay inside the node."
+        )
     return notes
 
 
@@ -1071,6 +1215,14 @@ def build_parser() -> argparse.ArgumentParser:
     f.add_argument("--backend", type=str.lower, default="nccl", choices=["nccl", "gloo"])
     f.add_argument(
         "--param-bytes", type=_POSITIVE_FLOAT, default=4.0, help="bytes per parameter all-gathered"
+    )
+    f.add_argument(
+        "--replicate",
+        type=_POSITIVE_INT,
+        default=1,
+        help="HSDP: replicas R of each shard; each unit sharded over the S = world / R ranks "
+        "of a node (S must divide the devices per node), its shard all-reduced among the R "
+        "replicas (default 1: flat FSDP over the world)",
     )
     f.add_argument("--json", action="store_true", help="print one JSON object")
     f.set_defaults(func=_cmd_fsdp)

@@ -34,6 +34,24 @@ reduce-scatter (``overlap=False``, the default). With ``overlap=True`` (CUDA
 streams) the reduce-scatters run beside the rest of backward as DDP buckets
 do, and only what outlasts backward is exposed.
 
+HSDP (``replicate=R``, :func:`fsdp_step`): the world is R replicas of S =
+world / R shard ranks, a shard group being S consecutive ranks of one node
+(S divides the ranks per node). The all-gathers and the reduce-scatter run
+among the S ranks on the intra-node link; then the S ranks of a shard group
+each all-reduce their shard of the unit (``numel / S`` elements) with the
+R - 1 ranks holding the same shard, through the node's link, which the
+node's ranks share. That all-reduce is priced as a DDP bucket of the shard
+(:mod:`aps_perfmodel.strategies`): FP32 or BF16 as native HSDP's all-reduce
+in ``reduce_dtype`` (the collective alone: the reduce-scatter's output is
+already in that dtype and no hook runs), an APS format as the hook's
+two_phase (:func:`~aps_perfmodel.comm.bucket_comm`: a MAX all-reduce of the
+maxima, an all-to-all and an all-gather of encoded shards, block exponents
+as DDP's block route sends them). The reduce-scatter of an APS row stays
+FSDP's own in FP32 unless ``reduce_scatter=True``, as
+``aps_comm.fsdp.register``'s ``reduce_scatter=``. Each of HSDP's groups is
+priced from the topology's links, not from a calibrated profile's
+per-collective fits (measured on the whole world's groups).
+
 Example:
     >>> from aps_perfmodel.cluster import custom_cluster
     >>> c = custom_cluster(125e6, 50e-6, nodes=4, device="cpu")
@@ -42,16 +60,23 @@ Example:
     >>> e4m3 = fsdp_step(units, "e4m3", c, backend="gloo")
     >>> 6.0 < fp32.reduce_scatter_s / e4m3.reduce_scatter_s < 8.0
     True
+    >>> hsdp = custom_cluster(125e6, 50e-6, nodes=2, gpus_per_node=2, device="cpu")
+    >>> fp32 = fsdp_step(units, "fp32", hsdp, backend="gloo", replicate=2)
+    >>> e4m3 = fsdp_step(units, "e4m3", hsdp, backend="gloo", replicate=2)
+    >>> e4m3.cross_node_bytes / fp32.cross_node_bytes
+    0.25
 """
 
 from __future__ import annotations
 
 from collections.abc import Sequence
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 
+from .choices import BlockExponents
 from .cluster import Cluster
 from .collectives import (
     LinkParams,
+    Topology,
     all_gather,
     all_to_all,
     allreduce,
@@ -61,7 +86,9 @@ from .collectives import (
     hierarchical_reduce_scatter,
     reduce_scatter,
 )
+from .comm import bucket_comm
 from .formats import FormatSpec, get_format
+from .strategies import CommBreakdown, bucket_breakdown
 
 __all__ = [
     "BACKENDS",
@@ -71,9 +98,13 @@ __all__ = [
     "fsdp_step",
     "padded_numel",
     "reduce_scatter_time",
+    "shard_group_size",
 ]
 
 BACKENDS = ("nccl", "gloo")
+# register(..., reduction=)'s ways across replicas, as the model names them
+# ("native" is "allreduce"; "auto" the hook's per-bucket choice).
+_REPLICA_STRATEGIES = ("two_phase", "native", "auto")
 _FP32_BYTES = 4.0
 _TORCH_DTYPE = {"fp32": "float32", "bf16": "bfloat16", "fp16": "float16"}
 
@@ -185,21 +216,33 @@ class FSDPStepPrediction:
 
     Attributes:
         format: the reduce-scatter's format ("fp32", "bf16", "e4m3", ...).
-        aps: whether the APS reduce-scatter is modelled.
+        aps: whether APS is modelled: the reduce-scatter, or HSDP's replica all-reduce.
         compute_s: forward + backward + optimizer, as given.
         all_gather_s: every parameter all-gather of the step.
         reduce_scatter_s: every unit's reduce-scatter.
         exposed_s: the part of the reduce-scatters on the step's critical path.
         step_s: ``compute_s + all_gather_s + exposed_s``.
         units: per unit, its reduce-scatter's :class:`UnitTiming`.
-        wire_bytes: bytes one rank sends for the reduce-scatters.
+        wire_bytes: bytes one rank sends for the gradients: the
+            reduce-scatters and, with HSDP, the replica all-reduces.
         exponent_bytes: the part of ``wire_bytes`` that is block exponents.
         inter_node_bytes: the part of ``wire_bytes`` that leaves the node.
+        replicate: HSDP's replicas R (1: flat FSDP over the whole world).
+        all_reduce_s: every unit's replica all-reduce (HSDP; 0 otherwise),
+            included in ``exposed_s`` as the reduce-scatters are.
+        replicas: per unit, its replica all-reduce as a DDP bucket's
+            :class:`~aps_perfmodel.strategies.CommBreakdown` (HSDP; empty otherwise).
+        cross_node_bytes: bytes one rank sends across nodes per step: the
+            gradients' ``inter_node_bytes`` and the parameter all-gathers'
+            (node-aware, as the model prices them); 0 on one node.
+        reduce_scatter_format: the reduce-scatter's format: ``format`` where
+            APS reduce-scatters, else FSDP's own ``reduce_dtype`` (an APS
+            HSDP row's is "fp32" unless ``reduce_scatter=True``).
 
     Example:
         >>> p = FSDPStepPrediction("e4m3", True, 0.0, 0.0, 1.0, 1.0, 1.0, (), 8.0)
-        >>> p.step_s
-        1.0
+        >>> p.step_s, p.gradient_s
+        (1.0, 1.0)
     """
 
     format: str
@@ -213,6 +256,16 @@ class FSDPStepPrediction:
     wire_bytes: float
     exponent_bytes: float = 0.0
     inter_node_bytes: float = 0.0
+    replicate: int = 1
+    all_reduce_s: float = 0.0
+    replicas: tuple[CommBreakdown, ...] = ()
+    cross_node_bytes: float = 0.0
+    reduce_scatter_format: str = ""
+
+    @property
+    def gradient_s(self) -> float:
+        """Every reduce-scatter and replica all-reduce of the step, overlapped or not."""
+        return self.reduce_scatter_s + self.all_reduce_s
 
 
 def _check_backend(backend: str) -> None:
@@ -249,6 +302,14 @@ def _all_gather(cluster: Cluster, nbytes: float) -> float:
 def _native(fmt: FormatSpec) -> bool:
     """FSDP's own reduce-scatter in a reduce dtype, not the APS one."""
     return not fmt.aps and fmt.name in _TORCH_DTYPE
+
+
+def _check_format(fmt: FormatSpec) -> None:
+    if not _native(fmt) and not fmt.aps:
+        raise ValueError(
+            f"format {fmt.name!r} without APS has no FSDP reduce-scatter here; use "
+            "fp32/bf16/fp16 (FSDP's own) or an APS format"
+        )
 
 
 def reduce_scatter_time(
@@ -299,11 +360,7 @@ def reduce_scatter_time(
             else hierarchical_reduce_scatter(n * w, cluster.topology)
         )
         return UnitTiming(collective, 0.0, 0.0, n * w * frac, 0.0, n * w / g * away)
-    if not fmt.aps:
-        raise ValueError(
-            f"format {fmt.name!r} without APS has no FSDP reduce-scatter here; use "
-            "fp32/bf16/fp16 (FSDP's own) or an APS format"
-        )
+    _check_format(fmt)
 
     block = fmt.block_size if fmt.block_scaled else None
 
@@ -336,6 +393,106 @@ def reduce_scatter_time(
     )
 
 
+def shard_group_size(cluster: Cluster, replicate: int) -> int:
+    """HSDP's shard group S = world / ``replicate``, checked to tile the cluster's nodes.
+
+    ``replicate=1`` is flat FSDP: one group of the whole world, across nodes.
+
+    A shard group is S consecutive ranks (``init_device_mesh(dev, (R, S))`` on
+    node-major ranks), so it lies within one node when S divides the ranks
+    per node; the replicas of a shard are then R ranks, world / (S x nodes)
+    of them on each node.
+
+    Raises:
+        ValueError: ``replicate`` is below 1 or does not divide the world, or
+            its shard groups do not fit the nodes (the message names the values).
+
+    Example:
+        >>> from aps_perfmodel.cluster import get_cluster
+        >>> shard_group_size(get_cluster("dgx-h100", world_size=32), 4)
+        8
+    """
+    world, per_node = cluster.world_size, cluster.topology.gpus_per_node
+    if isinstance(replicate, bool) or not isinstance(replicate, int) or replicate < 1:
+        raise ValueError(f"replicate must be an int >= 1, got {replicate!r}")
+    if world % replicate:
+        raise ValueError(f"replicate={replicate} does not divide the world of {world} ranks")
+    shard = world // replicate
+    if replicate > 1 and per_node % shard:
+        raise ValueError(
+            f"replicate={replicate} makes shard groups of {shard} ranks (world {world} / "
+            f"{replicate}), which must lie within a node: {shard} does not divide the "
+            f"{per_node} ranks per node"
+        )
+    return shard
+
+
+def _shard_cluster(cluster: Cluster, shard: int) -> Cluster:
+    """The S ranks of one shard group: one node of S ranks on the intra-node link.
+
+    Calibrated per-collective fits were measured on the whole world's groups,
+    so the groups' collectives are priced from the topology's links.
+    """
+    topo = cluster.topology
+    return replace(
+        cluster,
+        topology=Topology(1, shard, topo.intra, topo.inter),
+        collective_fits={},
+    )
+
+
+def _replica_cluster(cluster: Cluster, shard: int, backend: str) -> Cluster:
+    """The R ranks holding one shard: world / (S x nodes) per node, on every node.
+
+    The node's S shard groups all-reduce at once, so each group's flows see
+    the node's link shared S ways (and within the group, by its ranks on the node).
+    """
+    topo = cluster.topology
+    return replace(
+        cluster,
+        topology=Topology(
+            topo.nodes, topo.gpus_per_node // shard, topo.intra, topo.inter.shared_by(shard)
+        ),
+        collective_fits={},
+        backend=backend,
+    )
+
+
+def _replica_reduction(
+    unit: FSDPUnit, fmt: FormatSpec, shard: int, replicas: Cluster
+) -> tuple[CommBreakdown, float]:
+    """One unit's replica all-reduce of its shard, and its seconds.
+
+    APS formats: a DDP bucket of the shard's parameters in ``fmt.strategy``
+    (two_phase by default), hook costs included
+    (:func:`~aps_perfmodel.comm.bucket_comm`), with each rank's own block
+    exponents as ``aps_comm.fsdp`` sends them across replicas. FSDP's own
+    (fp32/bf16/fp16): the all-reduce alone, in ``reduce_dtype``: the
+    reduce-scatter's output is already in it and no hook runs.
+    """
+    numel = -(-unit.numel // shard)
+    if _native(fmt):
+        strategy = "fp32" if fmt.name == "fp32" else "native"
+        b = bucket_breakdown(numel, unit.n_params, fmt, replicas, strategy)
+        return b, b.collective_s
+    blocks = None
+    if fmt.block_scaled and unit.param_numels:
+        blocks = fmt.block_count([-(-n // shard) for n in unit.param_numels])
+    spec = replace(fmt, block_exponents=BlockExponents.RANK)
+    b = bucket_comm(numel, unit.n_params, spec, replicas, n_blocks=blocks)
+    return b, b.total_s
+
+
+def _gather_across(cluster: Cluster, nbytes: float) -> float:
+    """Bytes per rank one node-aware all-gather of ``nbytes`` sends across nodes.
+
+    Each of a node's g ranks all-gathers its ``1 / g`` part among the M nodes
+    (:func:`~aps_perfmodel.collectives.hierarchical_all_gather`).
+    """
+    g, m = cluster.topology.gpus_per_node, cluster.topology.nodes
+    return nbytes / g * (m - 1) / m
+
+
 def fsdp_step(
     units: Sequence[FSDPUnit],
     fmt: FormatSpec | str,
@@ -347,12 +504,20 @@ def fsdp_step(
     reshard_after_forward: bool = True,
     overlap: bool = False,
     backward_s: float = 0.0,
+    replicate: int = 1,
+    reduce_scatter: bool | None = None,
 ) -> FSDPStepPrediction:
-    """One FSDP2 training step: all-gathers, compute and reduce-scatters.
+    """One FSDP2 (or HSDP) training step: all-gathers, compute and gradient reductions.
 
     Args:
-        units: the model's FSDP units.
-        fmt: the reduce-scatter's format (see :func:`reduce_scatter_time`).
+        units: the model's FSDP units (with ``replicate``, each parameter
+            padded to a multiple of the shard group's S ranks, not the world's).
+        fmt: the gradients' format (see :func:`reduce_scatter_time`): with
+            ``replicate``, the replica all-reduce's too: "fp32"/"bf16"/"fp16"
+            native HSDP in that ``reduce_dtype``; an APS format by its
+            ``strategy`` ("two_phase", the default; "native", register's
+            ``reduction="allreduce"``; or "auto"), block exponents each rank's
+            own as ``aps_comm.fsdp`` sends them.
         cluster: links, device and fits.
         backend: "nccl" or "gloo".
         compute_s: forward + backward + optimizer time of one rank.
@@ -360,12 +525,27 @@ def fsdp_step(
             (``param_dtype``: 4 for FP32, 2 for BF16).
         reshard_after_forward: the parameters are all-gathered again for
             backward (FSDP's default for every unit but the root; here for all).
-        overlap: the reduce-scatters run beside backward (CUDA streams);
-            False on CPU, where FSDP runs them synchronously.
+        overlap: the reduce-scatters (and replica all-reduces) run beside
+            backward (CUDA streams); False on CPU, where FSDP runs them synchronously.
         backward_s: with ``overlap``, the backward time they can hide behind.
+        replicate: HSDP's replicas R: each unit is sharded over S = world / R
+            ranks of a node (S must divide the ranks per node,
+            :func:`shard_group_size`), whose all-gathers and reduce-scatter use
+            the intra-node link, and each shard is all-reduced among its R
+            replicas across nodes. 1: flat FSDP over the whole world.
+            Calibrated per-collective fits are not used for HSDP's groups.
+        reduce_scatter: APS reduce-scatters an APS format: None (default) where
+            not replicated, FSDP's own in FP32 where replicated; True/False
+            force it (as ``aps_comm.fsdp.register``'s ``reduce_scatter=``).
+            fp32/bf16/fp16 are always FSDP's own.
 
     Returns:
         The :class:`FSDPStepPrediction`.
+
+    Raises:
+        ValueError: an unknown backend, a bad ``replicate`` (named), a
+            format FSDP cannot reduce-scatter, or (with ``replicate``) a
+            strategy the all-reduce across replicas does not run.
 
     Example:
         >>> from aps_perfmodel.cluster import get_cluster
@@ -373,26 +553,62 @@ def fsdp_step(
         >>> p = fsdp_step([FSDPUnit(2**24, 4)], "e4m3", c, compute_s=0.1)
         >>> round(p.step_s, 3) > 0.1
         True
+        >>> h = get_cluster("dgx-h100", world_size=32)  # 4 nodes of 8
+        >>> flat = fsdp_step([FSDPUnit(2**24, 4)], "e4m3", h)
+        >>> hsdp = fsdp_step([FSDPUnit(2**24, 4)], "e4m3", h, replicate=4)
+        >>> hsdp.reduce_scatter_format, hsdp.all_gather_s < flat.all_gather_s
+        ('fp32', True)
     """
     _check_backend(backend)
-    timings = tuple(reduce_scatter_time(u, fmt, cluster, backend) for u in units)
+    spec = get_format(fmt) if isinstance(fmt, str) else fmt
+    _check_format(spec)
+    shard = shard_group_size(cluster, replicate)
+    if replicate > 1 and not _native(spec) and spec.strategy not in _REPLICA_STRATEGIES:
+        raise ValueError(
+            f"the all-reduce across replicas runs {', '.join(_REPLICA_STRATEGIES)} "
+            f"(register's reduction=), not {spec.strategy!r}"
+        )
+    aps_rs = not _native(spec) and (replicate == 1 if reduce_scatter is None else reduce_scatter)
+    rs_spec = spec if aps_rs or _native(spec) else get_format("fp32")
     gathers = 2 if reshard_after_forward else 1
-    all_gather_s = gathers * sum(_all_gather(cluster, u.numel * param_bytes) for u in units)
-    if cluster.world_size == 1:
+    replicas: tuple[CommBreakdown, ...] = ()
+    all_reduce_s = 0.0
+    if replicate == 1:
+        group = cluster
+    else:
+        group = _shard_cluster(cluster, shard)
+        across = _replica_cluster(cluster, shard, backend)
+        priced = [_replica_reduction(u, spec, shard, across) for u in units]
+        replicas = tuple(b for b, _ in priced)
+        all_reduce_s = sum(t for _, t in priced)
+    timings = tuple(reduce_scatter_time(u, rs_spec, group, backend) for u in units)
+    all_gather_s = gathers * sum(_all_gather(group, u.numel * param_bytes) for u in units)
+    if group.world_size == 1:
         all_gather_s = 0.0
     rs = sum(t.total_s for t in timings)
-    exposed = max(0.0, rs - backward_s) if overlap else rs
-    spec = get_format(fmt) if isinstance(fmt, str) else fmt
+    exposed = max(0.0, rs + all_reduce_s - backward_s) if overlap else rs + all_reduce_s
+    inter_node = sum(t.inter_node_bytes for t in timings) + sum(
+        b.inter_node_bytes for b in replicas
+    )
+    gathered = 0.0
+    if group.world_size > 1:
+        gathered = gathers * sum(_gather_across(group, u.numel * param_bytes) for u in units)
     return FSDPStepPrediction(
         format=spec.name,
-        aps=not _native(spec),
+        aps=not _native(spec) and (aps_rs or replicate > 1),
         compute_s=compute_s,
         all_gather_s=all_gather_s,
         reduce_scatter_s=rs,
         exposed_s=exposed,
         step_s=compute_s + all_gather_s + exposed,
         units=timings,
-        wire_bytes=sum(t.wire_bytes for t in timings),
-        exponent_bytes=sum(t.exponent_bytes for t in timings),
-        inter_node_bytes=sum(t.inter_node_bytes for t in timings),
+        wire_bytes=sum(t.wire_bytes for t in timings) + sum(b.wire_bytes for b in replicas),
+        exponent_bytes=sum(t.exponent_bytes for t in timings)
+        + sum(b.exponent_bytes for b in replicas),
+        inter_node_bytes=inter_node,
+        replicate=replicate,
+        all_reduce_s=all_reduce_s,
+        replicas=replicas,
+        cross_node_bytes=inter_node + gathered,
+        reduce_scatter_format=rs_spec.name,
     )

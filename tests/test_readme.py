@@ -121,6 +121,10 @@ EXEMPT: dict[str, str] = {
         "op count and the settled path's bits"
     ),
     "python -m benchmarks.hostcost --device cuda": "needs a CUDA device",
+    "python -m benchmarks.hostcost --configs fsdp": (
+        "a benchmark (timing belongs in benchmarks); tests/test_hostcost.py runs its HSDP "
+        "op count; its results are benchmarks/results/hostcost_cpu_fsdp.json"
+    ),
     "python -m benchmarks.gpu --out gpu --steps step,codec --preset h200": (
         "needs a CUDA GPU for its measurements, and would rewrite the shipped h200 preset; "
         "tests/test_benchmarks_gpu.py runs --preset with --from into a scratch folder"
@@ -653,6 +657,17 @@ def _check_fsdp(proc: subprocess.CompletedProcess[str], cwd: Path) -> None:
     assert float(line[0]) < 2.0 and int(line[1]) == 4902, proc.stdout
 
 
+def _check_hsdp(proc: subprocess.CompletedProcess[str], cwd: Path) -> None:
+    _check_ok(proc, cwd)
+    (line,) = re.findall(
+        r"^30 steps, loss ([.\d]+), (\d+) bytes across nodes in the last one$", proc.stdout, re.M
+    )
+    # docs/fsdp2.md accounts for these bytes: e4m3's all_to_all of the shard (2433),
+    # the all_gather of this rank's half (1218), 4 per parameter and unit (36).
+    assert float(line[0]) < 2.0 and int(line[1]) == 2433 + 1218 + 36, proc.stdout
+    assert f"{line[0]}, {line[1]} bytes across nodes" in (DOCS / "fsdp2.md").read_text()
+
+
 def _check_tensorboard(proc: subprocess.CompletedProcess[str], cwd: Path) -> None:
     _check_ok(proc, cwd)
     scalars = _scalars(cwd / "runs" / "aps")  # written by rank 0 only: one event file
@@ -667,8 +682,16 @@ def _fsdp_table(proc: subprocess.CompletedProcess[str], cwd: Path) -> dict[str, 
     """The rows of ``aps-perfmodel fsdp``'s table, by format, spaces collapsed."""
     _check_ok(proc, cwd)
     rows = [" ".join(line.split()) for line in proc.stdout.splitlines()]
-    # A row is a format and its reduce-scatter's kind; the notes below name formats too.
-    return {row.split()[0]: row for row in rows if row.split()[1:2] in (["reduce_dtype"], ["APS"])}
+    # A row is a format and its reduce-scatter's kind (HSDP's: "fp32+APS", the
+    # reduce-scatter's and the replica all-reduce's); the notes below name formats too.
+    table = {}
+    for row in rows:
+        words = row.split()
+        if len(words) < 2 or words[0] == "format":
+            continue
+        if words[1] in ("reduce_dtype", "APS") or re.fullmatch(r"\w+\+\w+", words[1]):
+            table[words[0]] = row
+    return table
 
 
 def _check_fsdp_model(proc: subprocess.CompletedProcess[str], cwd: Path) -> None:
@@ -684,6 +707,23 @@ def _check_fsdp_shared_link(proc: subprocess.CompletedProcess[str], cwd: Path) -
     # docs/fsdp2.md quotes these figures, and why e4m3 is slower here.
     assert "2.00x" in lines["bf16"] and "0.87x" in lines["e4m3"], proc.stdout
     assert "e4m3 sends 2.00x fp32's bytes" in " ".join(proc.stdout.split()), proc.stdout
+
+
+def _fsdp_quoted(
+    quoted: dict[str, str],
+) -> Callable[[subprocess.CompletedProcess[str], Path], None]:
+    """A check that each format's row of ``aps-perfmodel fsdp`` shows what the docs quote."""
+
+    def check(proc: subprocess.CompletedProcess[str], cwd: Path) -> None:
+        lines = _fsdp_table(proc, cwd)
+        # docs/fsdp2.md's HSDP table quotes these rows.
+        for fmt, figures in quoted.items():
+            assert figures in lines[fmt], (fmt, proc.stdout)
+
+    return check
+
+
+_HSDP_7B = "aps-perfmodel fsdp --model llama-7b --units 32 --cluster dgx-h100 --nodes 4"
 
 
 @dataclasses.dataclass(frozen=True)
@@ -734,6 +774,42 @@ RUN: dict[str, _Run] = {
     "aps-perfmodel fsdp --model llama-7b --nodes 2 --gpus-per-node 8 --bandwidth 100Gbit": _Run(
         _check_fsdp_shared_link
     ),
+    f"{_HSDP_7B} --bandwidth 100Gbit": _Run(
+        _fsdp_quoted(
+            {
+                "fp32": "2.35 GiB 1.68 s 1.00x 3.34 s 5.02 s",
+                "bf16": "1.18 GiB 840 ms 2.00x 3.34 s 4.18 s",
+                "e4m3": "4.71 GiB 3.28 s 0.51x 3.34 s 6.62 s",
+            }
+        )
+    ),
+    f"{_HSDP_7B} --bandwidth 100Gbit --replicate 4": _Run(
+        _fsdp_quoted(
+            {
+                "fp32": "4.71 GiB 60.1 ms 3.24 s 1.00x 106 ms 3.4 s",
+                "bf16": "2.35 GiB 30.4 ms 1.62 s 2.00x 106 ms 1.76 s",
+                "e4m3": "1.18 GiB 60.1 ms 841 ms 3.66x 106 ms 1.01 s",
+            }
+        )
+    ),
+    f"{_HSDP_7B} --bandwidth 400Gbit": _Run(
+        _fsdp_quoted(
+            {
+                "fp32": "2.35 GiB 466 ms 1.00x 916 ms 1.38 s",
+                "bf16": "1.18 GiB 234 ms 1.99x 916 ms 1.15 s",
+                "e4m3": "4.71 GiB 855 ms 0.54x 916 ms 1.77 s",
+            }
+        )
+    ),
+    f"{_HSDP_7B} --bandwidth 400Gbit --replicate 4": _Run(
+        _fsdp_quoted(
+            {
+                "fp32": "4.71 GiB 60.1 ms 811 ms 1.00x 106 ms 977 ms",
+                "bf16": "2.35 GiB 30.4 ms 406 ms 2.00x 106 ms 542 ms",
+                "e4m3": "1.18 GiB 60.1 ms 220 ms 3.11x 106 ms 386 ms",
+            }
+        )
+    ),
     "python train_lightning.py": _Run(_check_lightning, slow=True),
     "ACCELERATE_USE_CPU=1 torchrun --standalone --nproc_per_node 2 train_accelerate.py": _Run(
         _check_accelerate, slow=True
@@ -743,6 +819,9 @@ RUN: dict[str, _Run] = {
         _check_tensorboard, slow=True
     ),
     "torchrun --standalone --nproc_per_node 2 train_fsdp.py": _Run(_check_fsdp, slow=True),
+    "torchrun --standalone --nproc_per_node 4 train_hsdp.py": _Run(
+        _check_hsdp, slow=True, timeout=240
+    ),
     "ruff check .": _Run(_check_ok, in_checkout=True),
     "ruff format --check .": _Run(_check_ok, in_checkout=True),
 }
