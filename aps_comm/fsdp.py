@@ -615,13 +615,9 @@ def register(
     (a parameter without a gradient sends zeros, so every rank's layout is the
     same).
 
-    With ``replicate`` (HSDP: each unit sharded inside a node, replicated
-    across nodes) it also sets each unit's all-reduce hook
-    (``FSDPModule.set_all_reduce_hook``): the unit's reduce-scattered shard
-    is reduced across the replicas by the APS engine, as DDP's buckets are
-    (per-parameter exponents agreed by one MAX all-reduce, two_phase sums in
-    FP32), giving native HSDP's mean. The reduce-scatter inside the node
-    then stays FSDP's own, in ``reduce_dtype``, unless ``reduce_scatter=True``.
+    With ``replicate`` (HSDP) it sets each unit's all-reduce hook instead
+    (:func:`reduce_shard`: the shard across the replicas, as a DDP bucket),
+    and the reduce-scatter stays FSDP's own unless ``reduce_scatter=True``.
 
     Args:
         module: the model; it or its submodules are ``fully_shard``-ed
@@ -658,12 +654,9 @@ def register(
     Raises:
         RuntimeError: torch.distributed is not initialised, or this torch
             lacks FSDP2's custom reduce-scatter API.
-        ValueError: no ``fully_shard``-ed module, an unsupported layout (a
-            2-D mesh, a shard mesh that is not all ranks without
-            ``replicate``, replica groups that do not tile the world with
-            the shard groups, several parameter groups, an existing custom
-            reduce-scatter), or a configuration that differs across ranks;
-            raised on every rank.
+        ValueError: no ``fully_shard``-ed module, an unsupported layout (see
+            the module's docstring), or a configuration that differs across
+            ranks; raised on every rank.
 
     Example:
         >>> state = register(model, "e4m3", stats=True)  # doctest: +SKIP
@@ -687,36 +680,8 @@ def register(
         reduction=reduction,
         reduce_scatter=reduce_scatter,
     )
-    replicated = state.config.replicas is not None
-    names = {id(p): n for n, p in module.named_parameters()}
-    # Per problem, the units that have it: a problem is said once, its units after.
-    unfit: dict[str, list[str]] = {}
-    found: list[tuple[Any, Any, _Unit]] = []
-    world = dist.get_world_size()
-    for mod_name, mod in module.named_modules():
-        if not isinstance(mod, api.FSDPModule):
-            continue
-        try:
-            group = _one_param_group(mod, api, world, replicated)
-        except ValueError as exc:
-            unfit.setdefault(str(exc), []).append(mod_name or "<root>")
-            continue
-        if group is None:
-            continue
-        unit = _unit_of(group, len(found), mod_name, names)
-        if unit.chunks:
-            found.append((mod, group, unit))
-    problems = [f"{problem} {_which_units(units)}" for problem, units in unfit.items()]
+    found, problems, shards = _find_units(module, api, state.config.replicas is not None)
     problems += [bad_replicate] if bad_replicate else []
-    if not found and not problems:
-        problems.append(
-            f"{type(module).__name__} has no fully_shard-ed module with trainable parameters"
-        )
-    shards = {
-        tuple(dist.get_process_group_ranks(g.mesh_info.shard_process_group)) for _, g, _ in found
-    }
-    if len(shards) > 1:
-        problems.append(f"the units are sharded over different ranks: {sorted(shards)}")
     state._units = [u for _, _, u in found]
     trainable = [(n, p) for n, p in module.named_parameters() if p.requires_grad]
     state.assignment.bind(
@@ -747,6 +712,41 @@ def register(
             _reduce_scatter_unused_params(mod, group, api)
     teardown.release_at_exit(state)
     return state
+
+
+def _find_units(
+    module: torch.nn.Module, api: _API, replicated: bool
+) -> tuple[list[tuple[Any, Any, _Unit]], list[str], set[tuple[int, ...]]]:
+    """The model's units (module, parameter group, unit), what is wrong, their shard ranks."""
+    names = {id(p): n for n, p in module.named_parameters()}
+    # Per problem, the units that have it: a problem is said once, its units after.
+    unfit: dict[str, list[str]] = {}
+    found: list[tuple[Any, Any, _Unit]] = []
+    world = dist.get_world_size()
+    for mod_name, mod in module.named_modules():
+        if not isinstance(mod, api.FSDPModule):
+            continue
+        try:
+            group = _one_param_group(mod, api, world, replicated)
+        except ValueError as exc:
+            unfit.setdefault(str(exc), []).append(mod_name or "<root>")
+            continue
+        if group is None:
+            continue
+        unit = _unit_of(group, len(found), mod_name, names)
+        if unit.chunks:
+            found.append((mod, group, unit))
+    problems = [f"{problem} {_which_units(units)}" for problem, units in unfit.items()]
+    if not found and not problems:
+        problems.append(
+            f"{type(module).__name__} has no fully_shard-ed module with trainable parameters"
+        )
+    shards = {
+        tuple(dist.get_process_group_ranks(g.mesh_info.shard_process_group)) for _, g, _ in found
+    }
+    if len(shards) > 1:
+        problems.append(f"the units are sharded over different ranks: {sorted(shards)}")
+    return found, problems, shards
 
 
 @dataclasses.dataclass(frozen=True)

@@ -42,8 +42,19 @@ layer or block, then the root) instead of DDP, with the setups of
 (naive) and APS. Results go to ``accuracy_fsdp.{json,md}`` and
 ``accuracy_fsdp_<task>.png``.
 
+With ``--hsdp`` they train under HSDP: ``--replicas`` R replicas of
+S = world size / R shard ranks (``init_device_mesh(("replicate", "shard"))``),
+with the setups of :data:`HSDP_HOOKS`: native HSDP in FP32 (``fully_shard``
+on the 2-D mesh), and APS e4m3 and e2m1 block on the replica all-reduce
+(``fully_shard`` on ``mesh["shard"]``, then :func:`aps_comm.fsdp.register`
+with ``replicate=mesh["replicate"]``). Bytes per step are then those of the
+replica all-reduce, the traffic that crosses nodes; each table says whether
+each row's final metric lies within FP32's spread (its [min, max] over
+seeds). Results go to ``accuracy_hsdp_<R>x<S>.{json,md}``.
+
     python -m benchmarks.accuracy [--seeds 3] [--digits-epochs 15] [--lm-steps 300]
     python -m benchmarks.accuracy --fsdp [--seeds 3]
+    python -m benchmarks.accuracy --hsdp --replicas 2 --world-size 4 [--seeds 3]
     python -m benchmarks.accuracy --hooks powersgd-r1 powersgd-r4 --merge results/accuracy.json
 """
 
@@ -66,6 +77,8 @@ import torch
 import torch.distributed as dist
 import torch.nn as nn
 from torch.distributed.algorithms.ddp_comm_hooks import default_hooks, powerSGD_hook
+from torch.distributed.device_mesh import DeviceMesh, init_device_mesh
+from torch.distributed.tensor import DTensor
 from torch.nn.parallel import DistributedDataParallel as DDP
 
 from aps_comm import APSState, register
@@ -75,7 +88,20 @@ from aps_comm.testing import run_distributed
 from benchmarks._models import DigitsCNN, TinyLM, lm_loss, load_digits_tensors, markov_data
 from benchmarks.hostcost import state_nbytes
 
-__all__ = ["BLOCK_HOOKS", "FSDP_HOOKS", "HOOKS", "TASKS", "attach_hook", "main", "prepare"]
+__all__ = [
+    "BLOCK_HOOKS",
+    "FSDP_HOOKS",
+    "HIGHER_IS_BETTER",
+    "HOOKS",
+    "HSDP_HOOKS",
+    "METRIC_WORDS",
+    "SPREAD_METRIC",
+    "TASKS",
+    "attach_hook",
+    "fp32_spread",
+    "main",
+    "prepare",
+]
 
 LOSS_SCALE = 2.0**-10
 """Digits task: loss multiplier (and 1 / learning-rate multiplier) giving large-network gradients."""
@@ -145,7 +171,31 @@ FSDP_HOOKS: dict[str, str] = {
 }
 """FSDP2 setup name (``--fsdp``) -> how it is set up."""
 
-_SETUPS = {**HOOKS, **FSDP_HOOKS}
+HSDP_HOOKS: dict[str, str] = {
+    "hsdp-fp32": (
+        'fully_shard(unit, mesh=init_device_mesh("cpu", (R, S), '
+        'mesh_dim_names=("replicate", "shard"))): native HSDP, FP32'
+    ),
+    "hsdp-aps-e4m3": (
+        'fully_shard(unit, mesh=mesh["shard"]); '
+        'aps_comm.fsdp.register(model, "e4m3", replicate=mesh["replicate"])'
+    ),
+    "hsdp-aps-e2m1-block": (
+        'fully_shard(unit, mesh=mesh["shard"]); aps_comm.fsdp.register(model, "e2m1", '
+        'scaling="block", replicate=mesh["replicate"])'
+    ),
+}
+"""HSDP setup name (``--hsdp``) -> how it is set up (R replicas of S shard ranks)."""
+
+_HSDP_APS: dict[str, dict[str, str]] = {
+    "hsdp-aps-e4m3": {"fmt": "e4m3"},
+    "hsdp-aps-e2m1-block": {"fmt": "e2m1", "scaling": "block"},
+}
+
+_SETUPS = {**HOOKS, **FSDP_HOOKS, **HSDP_HOOKS}
+
+_BASELINES = ("fp32", "fsdp-fp32", "hsdp-fp32")
+"""Each mode's FP32 setup: the row the others are compared with."""
 
 TASKS = ("digits", "markov")
 
@@ -211,7 +261,9 @@ def _state_bytes(state: object, model: nn.Module) -> int:
         40
     """
     params = list(model.parameters())
-    return state_nbytes(state, params + [p.grad for p in params if p.grad is not None])
+    tensors = params + [p.grad for p in params if p.grad is not None]
+    # FSDP2's parameters and gradients are DTensors: their storage is their local shard's.
+    return state_nbytes(state, [t.to_local() if isinstance(t, DTensor) else t for t in tensors])
 
 
 def attach_hook(
@@ -290,20 +342,40 @@ def _padded_bytes(model: nn.Module, world_size: int, elem_bytes: int) -> int:
 
 
 def prepare(
-    model: nn.Module, hook: str, group: dist.ProcessGroup | None = None, stats: bool = False
+    model: nn.Module,
+    hook: str,
+    group: dist.ProcessGroup | None = None,
+    stats: bool = False,
+    mesh: DeviceMesh | None = None,
 ) -> tuple[nn.Module, Callable[[], int], Any, object | None]:
-    """Wrap ``model`` for ``hook``: DDP with a hook of :data:`HOOKS`, or FSDP2 (:data:`FSDP_HOOKS`).
+    """Wrap ``model`` for ``hook``: DDP (:data:`HOOKS`), FSDP2 (:data:`FSDP_HOOKS`) or HSDP.
+
+    Args:
+        model: the model, on every rank from the same initialisation.
+        hook: a key of :data:`HOOKS`, :data:`FSDP_HOOKS` or :data:`HSDP_HOOKS`.
+        group: process group of the DDP APS hooks (default: a new one each).
+        stats: APS hooks collect per-layer stats (``state.stats``).
+        mesh: for :data:`HSDP_HOOKS` (and only them), the 2-D mesh with
+            dimensions ("replicate", "shard").
 
     Returns:
         The module to train, a function to call once per step giving the
         bytes this rank handed to collectives in it, the APS state (None
         otherwise) and the state the hook keeps between steps (None if it
         keeps none). For FSDP's own reduce-scatter the bytes are those of its
-        input (every padded gradient in the reduce dtype), what it hands to Gloo.
+        input (every padded gradient in the reduce dtype), what it hands to
+        Gloo; for HSDP they are those of the replica all-reduce (the
+        traffic between nodes).
 
     Example:
         >>> net, bytes_per_step, state, kept = prepare(DigitsCNN(), "fsdp-aps-e4m3")  # doctest: +SKIP
     """
+    if (hook in HSDP_HOOKS) != (mesh is not None):
+        raise ValueError(
+            f"prepare({hook!r}): a 2-D mesh is needed by, and only by, the setups of HSDP_HOOKS"
+        )
+    if hook in HSDP_HOOKS:
+        return _prepare_hsdp(model, hook, stats, mesh)
     if hook not in FSDP_HOOKS:
         ddp = DDP(model)
         sent, state, kept = attach_hook(ddp, hook, group, stats)
@@ -321,6 +393,29 @@ def prepare(
         return model, (lambda: native), None, None
     scaling = "none" if hook == "fsdp-naive-e4m3" else "layer"
     state = aps_fsdp.register(model, "e4m3", scaling=scaling, stats=stats)
+    return model, (lambda: state.bytes_sent), state, state
+
+
+def _prepare_hsdp(
+    model: nn.Module, hook: str, stats: bool, mesh: DeviceMesh
+) -> tuple[nn.Module, Callable[[], int], Any, object | None]:
+    """:func:`prepare` for a setup of :data:`HSDP_HOOKS` on the ("replicate", "shard") ``mesh``."""
+    from torch.distributed.fsdp import MixedPrecisionPolicy, fully_shard
+
+    mp = MixedPrecisionPolicy(reduce_dtype=torch.float32)
+    shards = mesh["shard"].size()
+    if hook == "hsdp-fp32":
+        # FSDP's own reduce-scatter among the shards, then its FP32 all-reduce
+        # of each rank's shard among the replicas.
+        for unit in _fsdp_units(model):
+            fully_shard(unit, mesh=mesh, mp_policy=mp)
+        fully_shard(model, mesh=mesh, mp_policy=mp)
+        replica = _padded_bytes(model, shards, 4) // shards
+        return model, (lambda: replica), None, None
+    for unit in _fsdp_units(model):
+        fully_shard(unit, mesh=mesh["shard"], mp_policy=mp)
+    fully_shard(model, mesh=mesh["shard"], mp_policy=mp)
+    state = aps_fsdp.register(model, **_HSDP_APS[hook], stats=stats, replicate=mesh["replicate"])
     return model, (lambda: state.bytes_sent), state, state
 
 
@@ -363,13 +458,19 @@ def _same_everywhere(model: nn.Module, world_size: int) -> None:
 
 
 def _train_digits(
-    rank: int, world_size: int, hook: str, seed: int, cfg: dict, group: dist.ProcessGroup
+    rank: int,
+    world_size: int,
+    hook: str,
+    seed: int,
+    cfg: dict,
+    group: dist.ProcessGroup,
+    mesh: DeviceMesh | None = None,
 ) -> dict:
     x_tr, y_tr, x_te, y_te = load_digits_tensors()
     torch.manual_seed(seed)
     model = DigitsCNN()
     record = rank == 0 and seed == 0
-    ddp, sent, state, kept = prepare(model, hook, group, stats=record)
+    ddp, sent, state, kept = prepare(model, hook, group, stats=record, mesh=mesh)
     opt = torch.optim.SGD(ddp.parameters(), lr=cfg["digits_lr"] / LOSS_SCALE, momentum=0.9)
     shard_x, shard_y = x_tr[rank::world_size], y_tr[rank::world_size]
     batch = cfg["digits_batch"]
@@ -424,13 +525,19 @@ def _lm_eval(model: nn.Module, x: torch.Tensor, y: torch.Tensor) -> tuple[float,
 
 
 def _train_markov(
-    rank: int, world_size: int, hook: str, seed: int, cfg: dict, group: dist.ProcessGroup
+    rank: int,
+    world_size: int,
+    hook: str,
+    seed: int,
+    cfg: dict,
+    group: dist.ProcessGroup,
+    mesh: DeviceMesh | None = None,
 ) -> dict:
     data = markov_data(cfg["lm_vocab"], cfg["lm_seq_len"], cfg["lm_train"], cfg["lm_test"])
     torch.manual_seed(seed)
     model = TinyLM(cfg["lm_vocab"], cfg["lm_seq_len"], cfg["lm_dim"], cfg["lm_depth"])
     record = rank == 0 and seed == 0
-    ddp, sent, state, kept = prepare(model, hook, group, stats=record)
+    ddp, sent, state, kept = prepare(model, hook, group, stats=record, mesh=mesh)
     steps = cfg["lm_steps"]
     layers = _LayerLog(state if record else None, model, steps)
     opt = torch.optim.AdamW(ddp.parameters(), lr=cfg["lm_lr"], weight_decay=0.01)
@@ -492,12 +599,18 @@ def _one_seed(rank: int, world_size: int, seed: int, cfg: dict) -> list[dict]:
     """Every (task, hook) of one seed, in one job. Rank 0 returns the records."""
     torch.set_num_threads(1)
     group = dist.new_group()  # one group for all APS states (used one after another)
+    mesh = None
+    if cfg.get("hsdp"):
+        replicas = cfg["replicas"]
+        mesh = init_device_mesh(
+            "cpu", (replicas, world_size // replicas), mesh_dim_names=("replicate", "shard")
+        )
     trainers = {"digits": _train_digits, "markov": _train_markov}
     records = []
     for task in cfg["tasks"]:
         for hook in cfg["hooks"]:
             start = time.perf_counter()
-            out = trainers[task](rank, world_size, hook, seed, cfg, group)
+            out = trainers[task](rank, world_size, hook, seed, cfg, group, mesh)
             out.update(task=task, hook=hook, seed=seed, seconds=time.perf_counter() - start)
             records.append(out)
             if rank == 0:
@@ -514,7 +627,7 @@ def _one_seed(rank: int, world_size: int, seed: int, cfg: dict) -> list[dict]:
 def _summary(runs: list[dict], hooks: list[str], tasks: list[str]) -> list[dict]:
     rows = []
     for task in tasks:
-        base = "fp32" if "fp32" in hooks else "fsdp-fp32"
+        base = next((h for h in _BASELINES if h in hooks), None)
         fp32 = [r["bytes_per_step"] for r in runs if r["task"] == task and r["hook"] == base]
         fp32_bytes = statistics.fmean(fp32) if fp32 else None
         for hook in hooks:
@@ -542,6 +655,48 @@ def _summary(runs: list[dict], hooks: list[str], tasks: list[str]) -> list[dict]
     return rows
 
 
+SPREAD_METRIC = {"digits": "test_acc", "markov": "test_loss"}
+"""Per task, the final metric whose spread over FP32's seeds the other rows are held to."""
+METRIC_WORDS = {"test_acc": "test accuracy", "test_loss": "test loss"}
+"""The spread metrics as the tables name them."""
+HIGHER_IS_BETTER = {"test_acc": True, "test_loss": False}
+"""The spread metrics: which way is better."""
+
+
+def fp32_spread(rows: list[dict], task: str) -> dict[str, float]:
+    """How far each row's mean lies outside FP32's [min, max] over seeds, in :data:`SPREAD_METRIC`.
+
+    FP32's row is the mode's baseline ("fp32", "fsdp-fp32" or "hsdp-fp32").
+
+    Args:
+        rows: summary rows (``result["summary"]``).
+        task: a key of :data:`SPREAD_METRIC`.
+
+    Returns:
+        Setup name -> 0.0 where its mean lies within FP32's [min, max] (ends
+        included), else the signed distance to the nearer end (negative
+        below the min, positive above the max); empty without an FP32 row.
+
+    Example:
+        >>> rows = [
+        ...     {"task": "digits", "hook": "hsdp-fp32", "test_acc": {"mean": 0.5, "min": 0.25, "max": 0.75}},
+        ...     {"task": "digits", "hook": "hsdp-aps-e4m3", "test_acc": {"mean": 0.625}},
+        ...     {"task": "digits", "hook": "hsdp-aps-e2m1-block", "test_acc": {"mean": 0.125}},
+        ... ]
+        >>> fp32_spread(rows, "digits")
+        {'hsdp-fp32': 0.0, 'hsdp-aps-e4m3': 0.0, 'hsdp-aps-e2m1-block': -0.125}
+    """
+    if task not in SPREAD_METRIC:
+        raise ValueError(f"fp32_spread: task {task!r} is none of {sorted(SPREAD_METRIC)}")
+    metric = SPREAD_METRIC[task]
+    mine = {r["hook"]: r[metric] for r in rows if r["task"] == task}
+    base = next((mine[h] for h in _BASELINES if h in mine), None)
+    if base is None:
+        return {}
+    low, high = base["min"], base["max"]
+    return {h: min(0.0, m["mean"] - low) + max(0.0, m["mean"] - high) for h, m in mine.items()}
+
+
 def main(argv: list[str] | None = None) -> dict:
     """Run the benchmark; write ``accuracy.{json,md}``, ``accuracy_<task>.png`` and ``accuracy_layers.png``.
 
@@ -555,15 +710,29 @@ def main(argv: list[str] | None = None) -> dict:
     parser.add_argument(
         "--hooks", nargs="+", choices=list(_SETUPS), default=None, help="default: all of the mode's"
     )
-    parser.add_argument(
+    mode = parser.add_mutually_exclusive_group()
+    mode.add_argument(
         "--fsdp",
         action="store_true",
         help="train with FSDP2 (fully_shard) and the setups of FSDP_HOOKS; writes accuracy_fsdp.*",
     )
-    parser.add_argument(
+    mode.add_argument(
         "--block",
         action="store_true",
         help="the setups of BLOCK_HOOKS (block scaling beside FP32 and APS e4m3); writes accuracy_block.*",
+    )
+    mode.add_argument(
+        "--hsdp",
+        action="store_true",
+        help="train with HSDP (--replicas x world-size/replicas) and the setups of HSDP_HOOKS; "
+        "writes accuracy_hsdp_<R>x<S>.*",
+    )
+    parser.add_argument(
+        "--replicas",
+        type=int,
+        default=None,
+        help="with --hsdp: replicas R of the model's shards (default 2); the world size / R "
+        "ranks of a replica shard it",
     )
     parser.add_argument("--digits-epochs", type=int, default=15)
     parser.add_argument("--digits-batch", type=int, default=32, help="per rank")
@@ -599,8 +768,17 @@ def main(argv: list[str] | None = None) -> dict:
         help="no training: recompute the summary, markdown and plots of this accuracy.json",
     )
     args = parser.parse_args(argv)
+    _check_hsdp(parser, args)
     if args.hooks is None:
-        args.hooks = list(FSDP_HOOKS if args.fsdp else BLOCK_HOOKS if args.block else HOOKS)
+        args.hooks = list(
+            HSDP_HOOKS
+            if args.hsdp
+            else FSDP_HOOKS
+            if args.fsdp
+            else BLOCK_HOOKS
+            if args.block
+            else HOOKS
+        )
     command = "python -m benchmarks.accuracy " + " ".join(sys.argv[1:] if argv is None else argv)
     print(command, flush=True)
     if args.render is not None:
@@ -636,14 +814,48 @@ def main(argv: list[str] | None = None) -> dict:
     return result
 
 
-# Settings that change what a run trains; a merge needs them equal.
-_TRAINING_SETTINGS = ("world_size", "seeds", "tasks", "fsdp", "block")
+# Settings that change what a run trains, with the value of runs from before
+# the setting existed (no --fsdp, --block or --hsdp was False; no replicas,
+# None); a merge needs them equal.
+_TRAINING_SETTINGS = {
+    "world_size": None,
+    "seeds": None,
+    "tasks": None,
+    "fsdp": False,
+    "block": False,
+    "hsdp": False,
+    "replicas": None,
+}
 
 
 def _training_settings(settings: dict) -> dict:
-    keys = [k for k in settings if k.startswith(("digits_", "lm_"))] + list(_TRAINING_SETTINGS)
-    # Runs from before --fsdp and --block existed recorded neither: they were False.
-    return {k: settings.get(k, False) for k in keys}
+    defaults = {k: None for k in settings if k.startswith(("digits_", "lm_"))}
+    return {k: settings.get(k, v) for k, v in {**defaults, **_TRAINING_SETTINGS}.items()}
+
+
+def _check_hsdp(parser: argparse.ArgumentParser, args: argparse.Namespace) -> None:
+    """``--hsdp``'s layout and setups: R >= 2 replicas dividing the world; HSDP setups only with it."""
+    if not args.hsdp:
+        if args.replicas is not None:
+            parser.error(f"--replicas {args.replicas}: only with --hsdp")
+        hsdp = [h for h in args.hooks or () if h in HSDP_HOOKS]
+        if hsdp:
+            parser.error(f"--hooks {' '.join(hsdp)}: HSDP setups, only with --hsdp")
+        return
+    if args.replicas is None:
+        args.replicas = 2
+    if args.replicas < 2:
+        parser.error(f"--replicas {args.replicas}: HSDP needs at least 2 replicas")
+    if args.world_size % args.replicas:
+        parser.error(
+            f"--replicas {args.replicas} does not divide --world-size {args.world_size}: "
+            "every replica holds world-size / replicas shards"
+        )
+    other = [h for h in args.hooks or () if h not in HSDP_HOOKS]
+    if other:
+        parser.error(
+            f"--hooks {' '.join(other)}: not HSDP setups; --hsdp runs {', '.join(HSDP_HOOKS)}"
+        )
 
 
 def _mergeable(path: Path, cfg: dict) -> dict:
@@ -708,8 +920,11 @@ def _merged(base: dict, new: dict) -> dict:
 
 
 def _prefix(result: dict) -> str:
-    """File name stem: ``accuracy`` (DDP), ``accuracy_fsdp`` (``--fsdp``) or ``accuracy_block`` (``--block``)."""
+    """File name stem: ``accuracy`` (DDP), ``accuracy_fsdp`` (``--fsdp``), ``accuracy_block`` (``--block``) or ``accuracy_hsdp_<R>x<S>`` (``--hsdp``)."""
     settings = result["settings"]
+    if settings.get("hsdp"):
+        replicas = settings["replicas"]
+        return f"accuracy_hsdp_{replicas}x{settings['world_size'] // replicas}"
     if settings.get("fsdp"):
         return "accuracy_fsdp"
     return "accuracy_block" if settings.get("block") else "accuracy"
@@ -755,16 +970,32 @@ def markdown(result: dict) -> str:
     m = result["machine"]
     stem = _prefix(result)
     fsdp = bool(s.get("fsdp"))
-    wrapper = (
-        "FSDP2 (fully_shard on every layer or transformer block, then the root; bytes per "
-        "step of FSDP's own reduce-scatter: its input, every padded gradient in the reduce "
-        "dtype)"
-        if fsdp
-        else "real DDP"
-    )
+    hsdp = bool(s.get("hsdp"))
+    wrapper = "real DDP"
+    if fsdp:
+        wrapper = (
+            "FSDP2 (fully_shard on every layer or transformer block, then the root; bytes per "
+            "step of FSDP's own reduce-scatter: its input, every padded gradient in the reduce "
+            "dtype)"
+        )
+    if hsdp:
+        replicas = s["replicas"]
+        wrapper = (
+            f"HSDP, {replicas} replicas x {s['world_size'] // replicas} shard ranks (a "
+            '("replicate", "shard") device mesh; fully_shard on every layer or transformer '
+            "block, then the root; FSDP's own reduce-scatter in FP32 among a replica's shard "
+            "ranks; bytes per step of the replica all-reduce only, the traffic that crosses "
+            "nodes: for native HSDP every unit's padded shard in FP32, for APS the state's "
+            "bytes_sent, its maxima and all_to_all, the all-gather of the reduced chunks left "
+            "out as in the DDP tables)"
+        )
+    kind = "communication hook"
+    if fsdp:
+        kind = "FSDP2 gradient reduce-scatter"
+    if hsdp:
+        kind = "HSDP replica all-reduce"
     lines = [
-        "# Accuracy of full training runs, per "
-        + ("FSDP2 gradient reduce-scatter" if fsdp else "communication hook"),
+        "# Accuracy of full training runs, per " + kind,
         "",
         f"`{result['command']}`",
         "",
@@ -798,6 +1029,28 @@ def markdown(result: dict) -> str:
     def state_cell(r: dict) -> str:
         return f" {_ratio(r.get('state_vs_gradients'))} |" if state else ""
 
+    # HSDP: each row's final metric against FP32's spread over seeds.
+    spread_head = " vs FP32's [min, max] |" if hsdp else ""
+    spread_rule = "---:|" if hsdp else ""
+
+    def spread_cell(r: dict) -> str:
+        if not hsdp:
+            return ""
+        if r["hook"] in _BASELINES:  # FP32's own row shows the spread itself
+            m = r[SPREAD_METRIC[r["task"]]]
+            return f" [{m['min']:.4f}, {m['max']:.4f}] |"
+        off = fp32_spread(rows, r["task"]).get(r["hook"])
+        return " - |" if off is None else f" {_spread_word(off)} |"
+
+    if hsdp:
+        lines += [
+            "vs FP32's [min, max]: on FP32's row, native HSDP FP32's [min, max] over its "
+            "seeds of the final metric (digits: test accuracy; TinyLM: test loss); on the "
+            "others, whether the row's mean lies within it, and if not by how much it falls "
+            "outside.",
+            "",
+        ]
+
     if state:
         lines += [
             "State / gradients: bytes of the tensors the hook keeps between steps (APS's "
@@ -824,17 +1077,20 @@ def markdown(result: dict) -> str:
             f"as in tests/test_training.py), batch {s['digits_batch']} per rank "
             f"({s['digits_batch'] * s['world_size']} global), {s['digits_epochs']} epochs.",
             "",
-            "| hook | test accuracy | [min, max] | test loss | bytes/step | vs FP32 |" + state_head,
-            "|---|---:|---:|---:|---:|---:|" + state_rule,
+            "| hook | test accuracy | [min, max] | test loss | bytes/step | vs FP32 |"
+            + state_head
+            + spread_head,
+            "|---|---:|---:|---:|---:|---:|" + state_rule + spread_rule,
         ]
         for r in (r for r in rows if r["task"] == "digits"):
             a = r["test_acc"]
             lines.append(
                 f"| {r['hook']} | {_fmt_stat(a)} | [{a['min']:.4f}, {a['max']:.4f}] | "
                 f"{_fmt_stat(r['test_loss'], 3)} | {r['bytes_per_step']:,} | "
-                f"{_ratio(r['bytes_vs_fp32'])} |" + state_cell(r)
+                f"{_ratio(r['bytes_vs_fp32'])} |" + state_cell(r) + spread_cell(r)
             )
-        lines += ["", f"![digits curves]({stem}_digits.png)", ""]
+        lines += ["", *_spread_verdict(rows, "digits", hsdp)]
+        lines += [f"![digits curves]({stem}_digits.png)", ""]
     if "markov" in s["tasks"]:
         oracle = next(r["oracle"] for r in result["runs"] if r["task"] == "markov")
         lines += [
@@ -849,17 +1105,21 @@ def markdown(result: dict) -> str:
             f"token accuracy {oracle['test_acc']:.4f}.",
             "",
             "| hook | test loss | perplexity | token accuracy | [min, max] | bytes/step | vs FP32 |"
-            + state_head,
-            "|---|---:|---:|---:|---:|---:|---:|" + state_rule,
+            + state_head
+            + spread_head,
+            "|---|---:|---:|---:|---:|---:|---:|" + state_rule + spread_rule,
         ]
         for r in (r for r in rows if r["task"] == "markov"):
             a = r["test_acc"]
             lines.append(
                 f"| {r['hook']} | {_fmt_stat(r['test_loss'])} | {_fmt_stat(r['test_ppl'], 3)} | "
                 f"{_fmt_stat(a)} | [{a['min']:.4f}, {a['max']:.4f}] | "
-                f"{r['bytes_per_step']:,} | {_ratio(r['bytes_vs_fp32'])} |" + state_cell(r)
+                f"{r['bytes_per_step']:,} | {_ratio(r['bytes_vs_fp32'])} |"
+                + state_cell(r)
+                + spread_cell(r)
             )
-        lines += ["", f"![markov curves]({stem}_markov.png)", ""]
+        lines += ["", *_spread_verdict(rows, "markov", hsdp)]
+        lines += [f"![markov curves]({stem}_markov.png)", ""]
     if _layer_runs(result):
         lines += [
             "## Per-layer figures over training",
@@ -875,6 +1135,32 @@ def markdown(result: dict) -> str:
     lines += ["Hook set-ups:", ""]
     lines += [f"- `{h}`: `{_SETUPS[h]}`" for h in s["hooks"]]
     return "\n".join(lines) + "\n"
+
+
+def _spread_word(off: float) -> str:
+    """A :func:`fp32_spread` distance in words: "within", or how far below or above."""
+    if off == 0.0:
+        return "within"
+    return f"{abs(off):.2g} {'below' if off < 0 else 'above'}"
+
+
+def _spread_verdict(rows: list[dict], task: str, hsdp: bool) -> list[str]:
+    """HSDP: one sentence per task naming FP32's spread and the rows within and outside it."""
+    offs = fp32_spread(rows, task) if hsdp else {}
+    base = next((r for r in rows if r["task"] == task and r["hook"] in _BASELINES), None)
+    if not offs or base is None:
+        return []
+    metric = SPREAD_METRIC[task]
+    spread = base[metric]
+    others = [h for h in offs if h != base["hook"]]
+    inside = [f"`{h}`" for h in others if offs[h] == 0.0]
+    outside = [f"`{h}` ({_spread_word(offs[h])})" for h in others if offs[h] != 0.0]
+    return [
+        f"FP32's spread, {METRIC_WORDS[metric]} over {len(spread['per_seed'])} seeds: "
+        f"[{spread['min']:.4f}, {spread['max']:.4f}]. Within it: "
+        f"{', '.join(inside) or 'none'}. Outside it: {', '.join(outside) or 'none'}.",
+        "",
+    ]
 
 
 def _ratio(x: float | None) -> str:
@@ -900,7 +1186,8 @@ def _plot(result: dict, task: str, path: Path) -> None:
         xs = [p[xkey] for p in mine[0]]
         for ax, metric in zip(axes, metrics, strict=True):
             ys = [statistics.fmean(c[j][metric] for c in mine) for j in range(len(xs))]
-            style = "--" if hook in _TORCH_HOOKS or hook in ("fsdp-fp32", "fsdp-bf16") else "-"
+            native = hook in _TORCH_HOOKS or hook in ("fsdp-fp32", "fsdp-bf16", "hsdp-fp32")
+            style = "--" if native else "-"
             ax.plot(xs, ys, style, color=f"C{i}", label=hook)
     if task == "markov":
         oracle = runs[0]["oracle"]

@@ -180,8 +180,12 @@ def _is_block(data: dict) -> bool:
     return "--block" in (_recorded_command(data) or "").split()
 
 
+def _is_hsdp(data: dict) -> bool:
+    return "--hsdp" in (_recorded_command(data) or "").split()
+
+
 def _is_main_accuracy(data: dict) -> bool:
-    return not _is_fsdp(data) and not _is_block(data)
+    return not _is_fsdp(data) and not _is_block(data) and not _is_hsdp(data)
 
 
 def _accuracy(found: _Found) -> list[str]:
@@ -915,6 +919,23 @@ def _fsdp(found: _Found) -> list[str]:
     return lines
 
 
+def _hsdp(found: _Found) -> list[str]:
+    """HSDP: the accuracy benchmark's --hsdp runs (one per replicas x shards layout)."""
+    lines = ["## HSDP: APS replica all-reduce, accuracy", ""]
+    runs = found.of("benchmarks.accuracy", _is_hsdp)
+    if not runs:
+        return [*lines, "Not yet run (`python -m benchmarks.accuracy --hsdp`).", ""]
+    rel = Path(os.path.relpath(found.results.resolve(), found.out.resolve())).as_posix()
+    for res in runs:
+        lines += [f"Source: {found.link(res.name)}, command {_command(res.data)}.", ""]
+        lines += [
+            re.sub(r"\]\((accuracy_hsdp_[0-9x]+_[a-z]+\.png)\)", rf"]({rel}/\1)", line)
+            for line in _demote(accuracy.markdown(res.data))[3:]
+        ]
+        lines.append("")
+    return lines
+
+
 def _others(found: _Found) -> list[str]:
     """Every JSON no section showed (run last), with its command."""
     extra = [r for r in found.files if r.name.endswith(".json") and r.name not in found.shown]
@@ -1018,10 +1039,56 @@ SECTIONS: list[Callable[[_Found], list[str]]] = [
     _simulator,
     _perfmodel,
     _fsdp,
+    _hsdp,
     _exits,
     _gpu,
     _others,
 ]
+
+
+# The HSDP setup issue 44 holds to FP32's spread on every task.
+_HSDP_TARGET = "hsdp-aps-e4m3"
+
+
+def _hsdp_highlights(found: _Found) -> list[str]:
+    """Per --hsdp run and task: each APS row within FP32's spread or not; a miss for e4m3."""
+    lines = []
+    for res in found.of("benchmarks.accuracy", _is_hsdp):
+        s = res.data["settings"]
+        layout = f"HSDP {s['replicas']} x {s['world_size'] // s['replicas']}"
+        for task in s["tasks"]:
+            offs = accuracy.fp32_spread(res.data["summary"], task)
+            rows = {r["hook"]: r for r in res.data["summary"] if r["task"] == task}
+            if "hsdp-fp32" not in rows:
+                continue
+            metric = accuracy.SPREAD_METRIC[task]
+            base = rows["hsdp-fp32"][metric]
+            parts = [
+                f"{h} {rows[h][metric]['mean']:.4f} " + _outside(offs[h], metric)
+                for h in rows
+                if h != "hsdp-fp32"
+            ]
+            lines.append(
+                f"- accuracy, {layout} ({found.link(res.name)}), {task}, "
+                f"{accuracy.METRIC_WORDS[metric]}, mean of {len(base['per_seed'])} seeds against FP32's "
+                f"[{base['min']:.4f}, {base['max']:.4f}]: " + ", ".join(parts) + "."
+            )
+            if offs.get(_HSDP_TARGET, 0.0) != 0.0:
+                lines.append(
+                    f"- Miss: {layout}, {task}: {_HSDP_TARGET}'s mean "
+                    f"{accuracy.METRIC_WORDS[metric]} {rows[_HSDP_TARGET][metric]['mean']:.4f} is "
+                    f"not within FP32's [{base['min']:.4f}, {base['max']:.4f}]: "
+                    f"{_outside(offs[_HSDP_TARGET], metric)}; the target is within it."
+                )
+    return lines
+
+
+def _outside(off: float, metric: str) -> str:
+    """A distance from FP32's spread in words, and whether that side is the better one."""
+    if off == 0.0:
+        return "within"
+    better = (off > 0) == accuracy.HIGHER_IS_BETTER[metric]
+    return f"outside by {abs(off):.2g} ({'better' if better else 'worse'} than every FP32 seed)"
 
 
 def _highlights(found: _Found) -> list[str]:
@@ -1056,6 +1123,7 @@ def _highlights(found: _Found) -> list[str]:
                     "moves a layer up while its underflow rate exceeds gamma = 1e-3, which "
                     "e4m3 and e5m2 exceed on these gradients even with APS scaling)."
                 )
+    lines += _hsdp_highlights(found)
     num_res = found.one("benchmarks.numerics")
     num = num_res.data if num_res else None
     if num:

@@ -715,6 +715,37 @@ def test_state_bytes_count_each_storage_once_and_not_the_models() -> None:
     assert accuracy._state_bytes(state, net) == 8 * 4 + 2 * 4
 
 
+def _fsdp_state_bytes_job(rank: int, world_size: int) -> dict:
+    from torch.distributed.fsdp import fully_shard
+
+    from aps_comm import fsdp as aps_fsdp
+
+    torch.manual_seed(0)
+    net = torch.nn.Sequential(torch.nn.Linear(8, 8), torch.nn.Linear(8, 2))
+    for layer in net:
+        fully_shard(layer)
+    fully_shard(net)
+    state = aps_fsdp.register(net, "e4m3")
+    net(torch.ones(4, 8)).sum().backward()
+    params = list(net.parameters())
+    grads = [p.grad for p in params]
+    return {
+        "dtensors": all(type(t).__name__ == "DTensor" for t in params + grads),
+        "aps_state": accuracy._state_bytes(state, net),
+        "model_only": accuracy._state_bytes({"p": [p.to_local() for p in params]}, net),
+        "kept": accuracy._state_bytes({"p": torch.zeros(3)}, net),
+    }
+
+
+def test_state_bytes_of_an_fsdp2_state_leave_out_the_models_dtensors() -> None:
+    """FSDP2's parameters and gradients are DTensors, which have no storage of their own."""
+    from aps_comm.testing import run_distributed
+
+    for out in run_distributed(_fsdp_state_bytes_job, 2, timeout=120):
+        assert out["dtensors"] and out["aps_state"] > 0
+        assert out["model_only"] == 0 and out["kept"] == 12
+
+
 def _accuracy_run(hook: str, acc: float, **more: object) -> dict:
     final = {"test_acc": acc, "test_loss": 0.1}
     return {

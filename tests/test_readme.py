@@ -193,6 +193,11 @@ EXEMPT: dict[str, str] = {
         "the FSDP2 accuracy benchmark, 4 ranks x 3 seeds x 4 setups x 2 tasks; its results "
         "are benchmarks/results/accuracy_fsdp.json"
     ),
+    "python -m benchmarks.accuracy --hsdp": (
+        "the HSDP accuracy benchmark, 2 x 2 ranks x 3 seeds x 3 setups x 2 tasks (403 s at "
+        "8 digits epochs and 200 TinyLM steps for benchmarks/results/accuracy_hsdp_2x2.json); "
+        "tests/test_accuracy_hsdp.py runs every setup on a 2 x 2 mesh with tiny settings"
+    ),
 }
 
 
