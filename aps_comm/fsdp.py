@@ -58,6 +58,7 @@ from __future__ import annotations
 import collections
 import dataclasses
 import functools
+import math
 from collections.abc import Callable, Sequence
 from typing import Any
 
@@ -65,7 +66,7 @@ import torch
 import torch.distributed as dist
 from torch.distributed.device_mesh import DeviceMesh
 
-from aps_comm import agreement, caveats, teardown
+from aps_comm import agreement, caveats, codec, teardown, transports
 from aps_comm.agreement import Layouts
 from aps_comm.config import (
     BlockExponents,
@@ -74,7 +75,7 @@ from aps_comm.config import (
     check_block_size,
     default_block_size,
 )
-from aps_comm.engine import Comm, Reducer, Settings
+from aps_comm.engine import Comm, Reducer, Settings, Traffic
 from aps_comm.formats import FloatFormat, get_format
 from aps_comm.hostcopy import HostValue
 from aps_comm.plan import Planner
@@ -84,7 +85,14 @@ from aps_comm.telemetry import LayerStats, StepStats
 from aps_comm.topology import Topology, by_rank
 from aps_perfmodel.strategies import hook_cluster
 
-__all__ = ["APSFSDPConfig", "APSFSDPState", "reduce_shard", "register", "tiling_problem"]
+__all__ = [
+    "APSFSDPConfig",
+    "APSFSDPState",
+    "reduce_shard",
+    "register",
+    "spread_nonfinite",
+    "tiling_problem",
+]
 
 
 @dataclasses.dataclass(frozen=True)
@@ -259,6 +267,8 @@ class APSFSDPState:
         self.reducer: Reducer | None = None
         self.replica_reducer: Reducer | None = None
         self.all_reduce_hooks: list[Callable[[torch.Tensor], None]] = []
+        # Intra-node collectives of the replica path (the non-finite flags).
+        self._shard_traffic = Traffic()
         # Per unit, the FP32 buffer its shard is reduced across replicas in.
         self._shards: dict[int, torch.Tensor] = {}
         # Groups made for register's checks only, released with the others.
@@ -307,8 +317,9 @@ class APSFSDPState:
         """Make the reducers: the reduce-scatter's on ``group``, the replicas' on ``replica_group``.
 
         Args:
-            group: the state's own group over the shard's ranks, for the APS
-                reduce-scatter (None when FSDP keeps its own).
+            group: the state's own group over the shard group's ranks: the
+                APS reduce-scatter's (with ``config.reduce_scatter``); with
+                HSDP it also spreads a non-finite parameter to every shard.
             device: where the gradients are.
             replica_group: with HSDP, the state's own group over the ranks
                 holding this rank's shard.
@@ -320,10 +331,11 @@ class APSFSDPState:
         # Called by register (stacklevel 3: the user's call), the policy bound.
         caveats.warn_unblocked(self.assignment.possible(), self.config.scaling, stacklevel=3)
         replicated = replica_group is not None
-        if group is not None:
+        if group is not None and self.config.reduce_scatter:
             # With HSDP the records come from the all-reduce across replicas,
             # the collective that crosses nodes.
             self.reducer = self._reducer(group, device, Reduction.TWO_PHASE, not replicated)
+        if group is not None:
             self._world_size = group.size()
         self.process_group = group
         if replica_group is not None:
@@ -475,6 +487,11 @@ class APSFSDPState:
         # native HSDP sums across replicas instead of averaging.
         summed = param_group.gradient_divide_factor is not None
         reduce_shard(reducer, unit.index, x, output, unit.names, unit.chunks, self.step, summed)
+        if self.reducer is None and self._world_size > 1:
+            assert self.process_group is not None
+            spread_nonfinite(
+                reducer, unit.index, unit.chunks, x, output, self.process_group, self._shard_traffic
+            )
         self._end_unit(unit)
 
     # -- steps --------------------------------------------------------------------
@@ -513,7 +530,11 @@ class APSFSDPState:
             detail, self._last_stats = self.reducer.end_step()
         if self.replica_reducer is not None:
             replica, self._last_stats = self.replica_reducer.end_step()
-        self.bytes_detail = {k: detail.get(k, 0) + replica.get(k, 0) for k in {**detail, **replica}}
+        inside = self._shard_traffic.take()
+        self.bytes_detail = {
+            k: detail.get(k, 0) + replica.get(k, 0) + inside.get(k, 0)
+            for k in {**detail, **replica, **inside}
+        }
         self.replica_bytes = sum(replica.values())
         self.bytes_total = sum(self.bytes_detail.values())
         self.bytes_sent = sum(
@@ -566,6 +587,43 @@ def reduce_shard(
     if summed:
         buffer.mul_(reducer.comm.world_size)
     shard.copy_(buffer.view_as(shard))
+
+
+def spread_nonfinite(
+    reducer: Reducer,
+    index: int,
+    chunks: Sequence[int],
+    result: torch.Tensor,
+    shard: torch.Tensor,
+    group: dist.ProcessGroup,
+    count: Callable[[str, int], None],
+) -> None:
+    """Make a parameter NaN on every shard where one shard of it came back non-finite.
+
+    FSDP's own reduce-scatter leaves a NaN in the shard that holds it; the
+    replicas then make that shard NaN on each of them. One MAX all-reduce of
+    a flag per parameter over the shard group (inside the node, 4 bytes
+    each) spreads it to the parameter's other shards, as DDP makes a layer
+    NaN on every rank. (APS's reduce-scatter agrees on it already.)
+
+    Args:
+        reducer: the engine over the replica group (its plan gives the layout).
+        index: the unit's index.
+        chunks: each parameter's padded chunk, in the shard's order.
+        result: the reduced shard, float32 (:func:`reduce_shard`'s buffer).
+        shard: FSDP's tensor, the same values in its dtype: NaN is written here.
+        group: the shard group.
+        count: the byte counter (``count(collective, nbytes)``).
+
+    Example:
+        >>> spread_nonfinite(reducer, 0, chunks, buf, out, shard_group, traffic)  # doctest: +SKIP
+    """
+    layout = reducer.plan(index, list(chunks), result.device).layout
+    # Maxima map NaN to inf: inf marks a parameter's non-finite shard.
+    bad = (codec.segment_amax(result, layout, blocked=True) == math.inf).float()
+    transports.all_reduce_max(bad, group, count)
+    whole = torch.repeat_interleave(bad, layout.lengths, output_size=result.numel())
+    shard.masked_fill_(whole.view_as(shard) > 0, math.nan)
 
 
 def _check_call(unit: _Unit, output: torch.Tensor, input: torch.Tensor, op: Any, n: int) -> str:
@@ -799,11 +857,7 @@ def _bind(
     if ready and not problems:
         try:
             if replicated:
-                shard = (
-                    agreement.new_subgroup(sorted({lay.shard for _, _, lay in seen}))
-                    if state.config.reduce_scatter
-                    else None
-                )
+                shard = agreement.new_subgroup(sorted({lay.shard for _, _, lay in seen}))
                 replicas = agreement.new_subgroup(
                     sorted({lay.replicas for _, _, lay in seen})  # type: ignore[type-var]
                 )

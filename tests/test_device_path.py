@@ -32,7 +32,7 @@ from aps_comm.config import BlockExponents, Reduction, Route, Scaling
 from aps_comm.engine import Comm, Reducer, Settings
 from aps_comm.feedback import ErrorFeedback
 from aps_comm.formats import FORMATS, FloatFormat, get_format
-from aps_comm.fsdp import reduce_shard
+from aps_comm.fsdp import reduce_shard, spread_nonfinite
 from aps_comm.plan import Planner
 from aps_comm.policy import Assignment, KeepLast, LayerInfo, Promote, Rule, Schedule
 from aps_comm.telemetry import StepStats
@@ -425,6 +425,8 @@ def test_hsdp_replica_all_reduce_makes_no_host_traffic(
             with mode:
                 shard = torch.empty(sum(NUMELS), dtype=dtype, device=META)  # FSDP's, new
                 reduce_shard(reducer, 0, buffer, shard, names, NUMELS, step, summed=step == 3)
+                # FSDP's own reduce-scatter inside the node: a NaN spreads over the shards.
+                spread_nonfinite(reducer, 0, NUMELS, buffer, shard, _Group(2), lambda *_: None)  # type: ignore[arg-type]
                 reducer.end_step()
             if step >= 2:
                 seen.append(mode)

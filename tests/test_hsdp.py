@@ -139,11 +139,13 @@ def _simulated(rank: int, n: int, replicas: int, cases: list[dict]) -> list[list
                 for i, g in enumerate(shards[rank])
             ]
             got = _local(aps)
-            ok.append(_same(got, want))
-            if step == 2:
-                # The NaN's shard of b.ps.0 is NaN on every replica, whole; the rest finite.
-                nan_here = bool(torch.isnan(want[2]).any())
-                ok.append(bool(torch.isnan(got[2]).all()) == nan_here)
+            if step < 2:
+                ok.append(_same(got, want))
+            else:
+                # One rank's NaN in b.ps.0 makes all of b.ps.0 NaN on every rank, as DDP
+                # makes a layer NaN everywhere; the other parameters keep their bits.
+                ok.append(_same(got[:2] + got[3:], want[:2] + want[3:]))
+                ok.append(bool(torch.isnan(got[2]).all()))
                 ok.append(all(bool(torch.isfinite(g).all()) for i, g in enumerate(got) if i != 2))
         ok.append(state.step == 3 and state.replica_bytes > 0)
         out.append(ok)
