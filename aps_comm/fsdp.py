@@ -214,7 +214,9 @@ class APSFSDPState:
             the last step (the sum of ``bytes_detail``; named as
             :class:`aps_comm.APSState`'s, whose ``bytes_sent`` leaves out the
             all-gather).
-        bytes_detail: the same per collective: "all_reduce_max", "all_to_all".
+        bytes_detail: the same per collective: "all_reduce_max", "all_to_all";
+            with HSDP also the replicas' "all_gather" (or "all_reduce") and
+            "all_reduce_max inside the node" (the non-finite flags).
         step: steps that reduced gradients (a ``set_requires_gradient_sync(False)``
             backward reduces nothing and does not count).
         units: the module names of the FSDP units with trainable parameters.
@@ -490,9 +492,13 @@ class APSFSDPState:
         if self.reducer is None and self._world_size > 1:
             assert self.process_group is not None
             spread_nonfinite(
-                reducer, unit.index, unit.chunks, x, output, self.process_group, self._shard_traffic
+                reducer, unit.index, unit.chunks, x, output, self.process_group, self._count_inside
             )
         self._end_unit(unit)
+
+    def _count_inside(self, collective: str, nbytes: int) -> None:
+        # Named apart in bytes_detail: these bytes stay inside the node.
+        self._shard_traffic(f"{collective} inside the node", nbytes)
 
     # -- steps --------------------------------------------------------------------
 
