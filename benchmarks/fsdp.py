@@ -78,6 +78,7 @@ __all__ = [
     "FLAT_SETUPS",
     "NODE_SETUPS",
     "SETUPS",
+    "floor",
     "main",
     "markdown",
     "run_setups",
@@ -126,7 +127,9 @@ def _model(layers: int, width: int) -> torch.nn.Module:
     return torch.nn.Sequential(*[torch.nn.Linear(width, width, bias=False) for _ in range(layers)])
 
 
-def _build(setup: str, layers: int, width: int, mesh: Any) -> tuple[torch.nn.Module, Any]:
+def _build(
+    setup: str, layers: int, width: int, mesh: Any, reshard_after_forward: bool = True
+) -> tuple[torch.nn.Module, Any]:
     from torch.distributed.fsdp import MixedPrecisionPolicy, fully_shard
 
     from aps_comm import fsdp
@@ -137,9 +140,10 @@ def _build(setup: str, layers: int, width: int, mesh: Any) -> tuple[torch.nn.Mod
     mp = MixedPrecisionPolicy(reduce_dtype=spec.reduce_dtype)
     # Native HSDP: the 2-D mesh; APS HSDP: the node's ranks, replicas via register.
     on = None if not spec.hsdp else mesh["shard"] if spec.fmt else mesh
+    reshard = reshard_after_forward
     for layer in model:
-        fully_shard(layer, mesh=on, mp_policy=mp)
-    fully_shard(model, mesh=on, mp_policy=mp)
+        fully_shard(layer, mesh=on, mp_policy=mp, reshard_after_forward=reshard)
+    fully_shard(model, mesh=on, mp_policy=mp, reshard_after_forward=reshard)
     state = None
     if spec.fmt is not None:
         extra = {"replicate": mesh["replicate"]} if spec.hsdp else {}
@@ -330,6 +334,7 @@ def run_setups(
     repeats: int = 5,
     rounds: int = 1,
     log: bool = False,
+    reshard_after_forward: bool = True,
 ) -> list[dict[str, Any]]:
     """Run and measure every setup in this process group, rounds interleaving them.
 
@@ -344,6 +349,9 @@ def run_setups(
         repeats: timed steps per setup and round.
         rounds: times every setup is run.
         log: rank 0 prints each setup's median step.
+        reshard_after_forward: ``fully_shard``'s: False keeps each unit's
+            parameters gathered from forward to backward (one all-gather per
+            unit and step, not two).
 
     Returns:
         One dict per setup and round: ``step_s``, ``cross_node_bytes_per_step``
@@ -372,7 +380,7 @@ def run_setups(
     try:
         for rnd in range(rounds):
             for setup in setups:
-                model, state = _build(setup, layers, width, mesh)
+                model, state = _build(setup, layers, width, mesh, reshard_after_forward)
                 got = _measured(model, x, warmup, repeats, counter)
                 results.append(
                     {
@@ -405,6 +413,7 @@ def _worker(args: argparse.Namespace) -> None:
         repeats=args.repeats,
         rounds=args.rounds,
         log=True,
+        reshard_after_forward=args.reshard_after_forward,
     )
     if dist.get_rank() == 0:
         Path(args.worker_out).write_text(
@@ -413,11 +422,11 @@ def _worker(args: argparse.Namespace) -> None:
     dist.destroy_process_group()
 
 
-def _cluster(topology: dict[str, Any]) -> Any:
-    """The perfmodel cluster of the measured links: M nodes of L CPU ranks."""
+def _cluster(topology: dict[str, Any], link: dict[str, Any]) -> Any:
+    """The perfmodel cluster of the measured ``link`` between nodes: M nodes of L CPU ranks."""
     from aps_perfmodel import custom_cluster
 
-    link, intra = topology["link"], topology.get("link_intra_node") or {}
+    intra = topology.get("link_intra_node") or {}
     return custom_cluster(
         link["bandwidth_bits_per_s"] / 8,
         max(link.get("rtt_s") or 0.0, 1e-6) / 2,
@@ -430,42 +439,79 @@ def _cluster(topology: dict[str, Any]) -> Any:
     )
 
 
+# How the benchmark's "predicted_step_s" is made, for the JSON and the docs.
+_PREDICTION_NOTE = (
+    "predicted step = the setup's step measured with the node links unshaped (same "
+    "namespaces, ranks and CPUs, no tc rate: the CPU work, compute and in-node "
+    "collectives the model does not price) + the model's link time at the shaped rate "
+    "- its link time at the unshaped veth's measured rate (aps_perfmodel.fsdp.fsdp_step, "
+    "backend gloo, compute 0, both from the measured goodput and RTT)"
+)
+_LINK_ONLY_NOTE = "aps_perfmodel.fsdp.fsdp_step, backend gloo, compute 0 (links only)"
+
+
 def _predict(
-    setups: Sequence[str], layers: int, width: int, topology: dict[str, Any]
+    setups: Sequence[str],
+    layers: int,
+    width: int,
+    topology: dict[str, Any],
+    reshard_after_forward: bool = True,
+    unshaped: dict[str, float] | None = None,
 ) -> tuple[dict[str, dict[str, float]], str]:
-    """perfmodel's FSDP step (communication only) per setup, for the measured links."""
+    """perfmodel's FSDP step per setup for the measured links, and how it is made.
+
+    With ``unshaped`` (each setup's median step with the node links
+    unshaped) and the unshaped veth's measured link in ``topology``
+    (``link_unshaped``), the prediction is that step plus the model's
+    difference between the shaped and the unshaped links; otherwise the
+    model's communication alone.
+    """
     link = topology.get("link")
     if not link or not link.get("bandwidth_bits_per_s"):
         return {}, "no measured link (loopback)"
     from aps_perfmodel.formats import get_format
     from aps_perfmodel.fsdp import FSDPUnit, fsdp_step, padded_numel
 
-    cluster = _cluster(topology)
+    fast = topology.get("link_unshaped")
+    clusters = {"shaped": _cluster(topology, link)}
+    if fast and unshaped:
+        clusters["unshaped"] = _cluster(topology, fast)
     world = topology["nodes"] * topology["ranks_per_node"]
     replicas = topology["nodes"]
-    hsdp_priced = "replicate" in inspect.signature(fsdp_step).parameters
     out = {}
     for setup in setups:
         spec = _SETUPS[setup]
-        if spec.hsdp and not hsdp_priced:
-            continue
         shard = world // replicas if spec.hsdp else world
         units = [FSDPUnit(padded_numel([(width, width)], shard), 1)] * layers
         fmt: Any = spec.model_fmt
         if spec.scaling == "block":
             fmt = get_format(fmt, aps=True, scaling="block")
         extra = {"replicate": replicas} if spec.hsdp else {}
-        p = fsdp_step(units, fmt, cluster, backend="gloo", **extra)
-        out[setup] = {
+        priced = {
+            k: fsdp_step(
+                units,
+                fmt,
+                c,
+                backend="gloo",
+                reshard_after_forward=reshard_after_forward,
+                **extra,
+            )
+            for k, c in clusters.items()
+        }
+        p = priced["shaped"]
+        row = {
             "step_s": p.step_s,
+            "link_step_s": p.step_s,
             "all_gather_s": p.all_gather_s,
             "reduce_scatter_s": p.reduce_scatter_s,
             "cross_node_bytes": p.cross_node_bytes,
         }
-    note = "aps_perfmodel.fsdp.fsdp_step, backend gloo, compute 0"
-    if not hsdp_priced and any(_SETUPS[s].hsdp for s in setups):
-        note += "; HSDP rows pending (fsdp_step has no replicate= yet)"
-    return out, note
+        if "unshaped" in priced and setup in (unshaped or {}):
+            row["unshaped_link_step_s"] = priced["unshaped"].step_s
+            row["step_s"] = unshaped[setup] + p.step_s - priced["unshaped"].step_s  # type: ignore[index]
+        out[setup] = row
+    made = all("unshaped_link_step_s" in r for r in out.values())
+    return out, _PREDICTION_NOTE if made and out else _LINK_ONLY_NOTE
 
 
 def _reduce_scatter_bytes(setup: str, layers: int, width: int, world: int) -> int:
@@ -478,19 +524,38 @@ def _baseline(medians: dict[str, float]) -> str | None:
     return next((s for s in ("hsdp-fp32", "fp32") if s in medians), None)
 
 
+def _by_setup(results: list[dict[str, Any]]) -> dict[str, list[dict[str, Any]]]:
+    by_setup: dict[str, list[dict[str, Any]]] = {}
+    for r in results:
+        by_setup.setdefault(r["setup"], []).append(r)
+    return by_setup
+
+
 def _summarise(
-    raw: dict[str, Any], topology: dict[str, Any], args: argparse.Namespace
+    raw: dict[str, Any],
+    topology: dict[str, Any],
+    args: argparse.Namespace,
+    unshaped_raw: dict[str, Any] | None = None,
 ) -> dict[str, Any]:
     world = raw["world"]
-    by_setup: dict[str, list[dict[str, Any]]] = {}
-    for r in raw["results"]:
-        by_setup.setdefault(r["setup"], []).append(r)
+    by_setup = _by_setup(raw["results"])
     medians = {
         s: statistics.median(statistics.median(r["step_s"]) for r in rs)
         for s, rs in by_setup.items()
     }
+    fast = _by_setup(unshaped_raw["results"]) if unshaped_raw else {}
+    fast_medians = {
+        s: statistics.median(statistics.median(r["step_s"]) for r in rs) for s, rs in fast.items()
+    }
     base = _baseline(medians)
-    predicted, note = _predict(list(by_setup), args.layers, args.width, topology)
+    predicted, note = _predict(
+        list(by_setup),
+        args.layers,
+        args.width,
+        topology,
+        args.reshard_after_forward,
+        fast_medians or None,
+    )
     nodes = topology["nodes"] > 1 and topology["ranks_per_node"] > 1
 
     def median_of(rs: list[dict[str, Any]], get: Callable[[dict[str, Any]], Any]) -> Any:
@@ -520,6 +585,14 @@ def _summarise(
             }
             run["aps_bytes_per_step"] = aps_bytes
             run["aps_bytes_detail"] = rs[-1]["aps_bytes_detail"]
+            if setup in fast_medians:
+                run["unshaped_median_step_s"] = fast_medians[setup]
+                run["unshaped_round_median_step_s"] = [
+                    statistics.median(r["step_s"]) for r in fast[setup]
+                ]
+                run["unshaped_step_s"] = [x for r in fast[setup] for x in r["step_s"]]
+                # What the shaped link adds to the step, measured.
+                run["link_part_s"] = t - fast_medians[setup]
         else:
             run["reduce_scatter_bytes_per_step"] = (
                 aps_bytes
@@ -536,6 +609,10 @@ def _summarise(
         )
         if nodes:
             run["predicted_cross_node_bytes_per_step"] = pred.get("cross_node_bytes")
+            run["predicted_link_step_s"] = pred.get("link_step_s")
+            run["predicted_unshaped_link_step_s"] = pred.get("unshaped_link_step_s")
+            if "unshaped_link_step_s" in pred:
+                run["predicted_link_part_s"] = pred["link_step_s"] - pred["unshaped_link_step_s"]
             run["predicted_over_measured"] = pred["step_s"] / t if pred else None
         runs.append(run)
     result: dict[str, Any] = {
@@ -565,6 +642,9 @@ def _summarise(
                 "width": args.width,
                 "baseline": base,
                 "prediction": note,
+                "reshard_after_forward": args.reshard_after_forward,
+                "unshaped_rounds": args.unshaped_rounds,
+                "link_unshaped": topology.get("link_unshaped"),
             }
         )
     return result
@@ -645,6 +725,32 @@ def targets(result: dict[str, Any]) -> list[str]:
     return lines
 
 
+def floor(result: dict[str, Any]) -> str | None:
+    """What the unshaped rounds say: the HSDP rows' step without the slow link, and the link's part.
+
+    None without the unshaped steps of HSDP FP32 and HSDP APS e4m3.
+
+    Example:
+        >>> line = floor(json.loads(Path("benchmarks/results/fsdp_hsdp_250mbit.json").read_text()))  # doctest: +SKIP
+    """
+    runs = {r["setup"]: r for r in result.get("runs", [])}
+    aps, base = runs.get("hsdp-aps-e4m3"), runs.get("hsdp-fp32")
+    if not aps or not base:
+        return None
+    fp32_link, aps_link = base.get("link_part_s"), aps.get("link_part_s")
+    if fp32_link is None or aps_link is None:
+        return None
+    steps = [r["unshaped_median_step_s"] for r in runs.values() if _SETUPS[r["setup"]].hsdp]
+    wire = f"{fp32_link / aps_link:.2f}x" if aps_link > 0 else "unbounded"
+    return (
+        f"Unshaped (node links at the veths' rate), the HSDP rows took "
+        f"{min(steps):.3f}-{max(steps):.3f} s a step (HSDP FP32 "
+        f"{base['unshaped_median_step_s']:.3f} s, APS e4m3 {aps['unshaped_median_step_s']:.3f} s): "
+        f"a floor the link does not set. The shaped link added {fp32_link:.3f} s to HSDP "
+        f"FP32's step and {aps_link:.3f} s to HSDP APS e4m3's: {wire} on the link's part alone."
+    )
+
+
 def _node_markdown(result: dict[str, Any]) -> str:
     base = result.get("baseline") or "fp32"
     lines = [
@@ -657,13 +763,15 @@ def _node_markdown(result: dict[str, Any]) -> str:
         "",
         "Cross-node MiB: per step and rank, measured on the nodes' links (interface "
         "counters: payload, headers, ACKs); collectives: the same from the collectives' "
-        "payloads under Gloo's algorithms; prediction: `aps_perfmodel.fsdp.fsdp_step` "
-        "(communication only).",
+        "payloads under Gloo's algorithms. Unshaped: the same setup's step with the node "
+        "links' rate limit removed (same namespaces, ranks and CPUs); link part: step - "
+        f"unshaped step. Prediction: {result.get('prediction') or _LINK_ONLY_NOTE}"
+        f"{'' if result.get('reshard_after_forward', True) else '; reshard_after_forward=False'}.",
         "",
         f"| setup | step s | vs {base} | cross-node MiB (links) | cross-node MiB "
-        f"(collectives) | vs {base} (links) | predicted cross-node MiB | predicted step s | "
-        "predicted / measured |",
-        "|---|---:|---:|---:|---:|---:|---:|---:|---:|",
+        f"(collectives) | vs {base} (links) | predicted cross-node MiB | unshaped step s | "
+        "link part s (measured / predicted) | predicted step s | predicted / measured |",
+        "|---|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|",
     ]
     runs = {r["setup"]: r for r in result["runs"]}
     base_bytes = (runs.get(base) or {}).get("cross_node_bytes_per_step")
@@ -672,18 +780,29 @@ def _node_markdown(result: dict[str, Any]) -> str:
         ratio = f"{cross / base_bytes:.3f}" if cross is not None and base_bytes else "-"
         pred = r.get("predicted_step_s")
         speed = r.get("speedup_vs_baseline")
+        fast, part = r.get("unshaped_median_step_s"), r.get("link_part_s")
+        model_part = r.get("predicted_link_part_s")
+        parts = (
+            "-"
+            if part is None
+            else f"{part:.3f} / " + ("-" if model_part is None else f"{model_part:.3f}")
+        )
         lines.append(
             f"| {r['setup']} | {r['median_step_s']:.3f} | "
             f"{'-' if speed is None else f'{speed:.2f}'} | {_mib(cross)} | "
             f"{_mib(r['collective_bytes_per_step']['cross_node'])} | {ratio} | "
             + (
-                f"{_mib(r.get('predicted_cross_node_bytes_per_step'))} | {pred:.3f} | "
+                f"{_mib(r.get('predicted_cross_node_bytes_per_step'))} | "
+                f"{'-' if fast is None else f'{fast:.3f}'} | {parts} | {pred:.3f} | "
                 f"{r['predicted_over_measured']:.2f} |"
                 if pred
-                else "- | - | - |"
+                else "- | - | - | - | - |"
             )
         )
     lines += ["", *(f"- Target: {line}" for line in targets(result))]
+    said = floor(result)
+    if said:
+        lines.append(f"- Floor: {said}")
     return "\n".join(lines) + "\n"
 
 
@@ -735,6 +854,21 @@ def _parser() -> argparse.ArgumentParser:
     p.add_argument("--warmup", type=int, default=2)
     p.add_argument("--rounds", type=int, default=3)
     p.add_argument(
+        "--unshaped-rounds",
+        type=int,
+        default=None,
+        help="after the shaped rounds, rounds with the node links unshaped (same namespaces "
+        "and ranks, no tc rate), whose steps the prediction starts from (default: 1 with "
+        "nodes of several ranks, else 0)",
+    )
+    p.add_argument(
+        "--reshard-after-forward",
+        action=argparse.BooleanOptionalAction,
+        default=True,
+        help="fully_shard's reshard_after_forward for every unit (default: on, FSDP2's "
+        "default; --no-reshard-after-forward keeps the parameters gathered for backward)",
+    )
+    p.add_argument(
         "--setups",
         default=None,
         help=f"comma-separated, from {', '.join(SETUPS)} (default: {', '.join(FLAT_SETUPS)}; "
@@ -773,17 +907,25 @@ def main(argv: Sequence[str] | None = None) -> int:
             f"setups {hsdp} need nodes of several ranks (e.g. --nodes 2 --ranks 4); "
             f"got {nodes} node(s) of {per_node} rank(s)"
         )
+    if args.unshaped_rounds is None:
+        args.unshaped_rounds = 1 if with_nodes and not args.loopback else 0
+    if args.unshaped_rounds < 0:
+        raise SystemExit(f"--unshaped-rounds must be >= 0, got {args.unshaped_rounds}")
+    if args.unshaped_rounds and args.loopback:
+        raise SystemExit("--unshaped-rounds needs shaped links; --loopback has none")
     if args.worker:
         _worker(args)
         return 0
 
     with tempfile.TemporaryDirectory(prefix="aps-fsdp-") as tmp:
-        out = Path(tmp) / "rank0.json"
+        out, out_unshaped = Path(tmp) / "rank0.json", Path(tmp) / "rank0_unshaped.json"
         worker = [
-            sys.executable, "-m", "benchmarks.fsdp", "--worker", "--worker-out", str(out),
+            sys.executable, "-m", "benchmarks.fsdp", "--worker",
             "--layers", str(args.layers), "--width", str(args.width),
             "--repeats", str(args.repeats), "--warmup", str(args.warmup),
-            "--rounds", str(args.rounds), "--setups", ",".join(args.setups),
+            "--setups", ",".join(args.setups),
+            "--reshard-after-forward" if args.reshard_after_forward
+            else "--no-reshard-after-forward",
         ]  # fmt: skip
         with EmulatedCluster(
             bandwidth=args.bandwidth, loopback=args.loopback, **topology_args
@@ -801,16 +943,27 @@ def main(argv: Sequence[str] | None = None) -> int:
                     intra = cluster.link_stats(dst=1)
                     print(intra.summary(), flush=True)
                     topology["link_intra_node"] = intra.to_dict()
-            ranks = cluster.run(
-                worker, timeout=args.timeout, env={"PYTHONPATH": os.getcwd()}, echo=True
-            )
-        failed = [r for r in ranks if not r.ok]
-        if failed:
-            for r in failed:
-                print(r.output[-3000:], file=sys.stderr)
-            return 1
+            env = {"PYTHONPATH": os.getcwd()}
+            jobs = [(out, args.rounds)]
+            if args.unshaped_rounds:
+                jobs.append((out_unshaped, args.unshaped_rounds))
+            for i, (path, rounds) in enumerate(jobs):
+                if i:
+                    # The same ranks on the same CPUs, the node links at the veths' rate.
+                    cluster.unshape()
+                    fast = cluster.link_stats()
+                    print("unshaped", fast.summary(), flush=True)
+                    topology["link_unshaped"] = fast.to_dict()
+                argv = [*worker, "--worker-out", str(path), "--rounds", str(rounds)]
+                ranks = cluster.run(argv, timeout=args.timeout, env=env, echo=True)
+                failed = [r for r in ranks if not r.ok]
+                if failed:
+                    for r in failed:
+                        print(r.output[-3000:], file=sys.stderr)
+                    return 1
         raw = json.loads(out.read_text())
-    result = _summarise(raw, topology, args)
+        unshaped_raw = json.loads(out_unshaped.read_text()) if args.unshaped_rounds else None
+    result = _summarise(raw, topology, args, unshaped_raw)
     print(markdown(result))
     if args.json:
         args.json.parent.mkdir(parents=True, exist_ok=True)
