@@ -81,6 +81,8 @@ __all__ = [
     "floor",
     "main",
     "markdown",
+    "misses",
+    "predict",
     "run_setups",
     "sent_bytes",
     "targets",
@@ -277,21 +279,29 @@ def _link_tx_bytes() -> int | None:
     raise RuntimeError(f"interface {ifname!r} (GLOO_SOCKET_IFNAME) not in /proc/net/dev")
 
 
-def _time_steps(model: torch.nn.Module, x: torch.Tensor, warmup: int, repeats: int) -> list[float]:
-    """Step times (forward + backward), the slowest rank's each step."""
+def _time_steps(
+    model: torch.nn.Module, x: torch.Tensor, warmup: int, repeats: int
+) -> tuple[list[float], list[float]]:
+    """Step times (forward + backward), the slowest rank's each step; this rank's CPU seconds.
+
+    CPU seconds: the process's (its Gloo threads too) over each step, so the
+    ranks' sum against the cores says how much of a step the CPUs set.
+    """
     import torch.distributed as dist
 
-    times = []
+    times, cpus = [], []
     for step in range(warmup + repeats):
         model.zero_grad()
         dist.barrier()
-        start = time.perf_counter()
+        start, cpu = time.perf_counter(), time.process_time()
         model(x).sum().backward()
+        cpu = time.process_time() - cpu
         elapsed = torch.tensor([time.perf_counter() - start])
         dist.all_reduce(elapsed, op=dist.ReduceOp.MAX)
         if step >= warmup:
             times.append(float(elapsed))
-    return times
+            cpus.append(cpu)
+    return times, cpus
 
 
 def _measured(
@@ -305,7 +315,7 @@ def _measured(
     dist.barrier()
     tx0 = _link_tx_bytes()
     counter.reset()
-    times = _time_steps(model, x, 0, repeats)
+    times, cpus = _time_steps(model, x, 0, repeats)
     dist.barrier()
     tx1 = _link_tx_bytes()
     counts = dict(counter.counts)
@@ -318,8 +328,11 @@ def _measured(
     )
     dist.all_reduce(totals)
     per = [float(v) / world / repeats for v in totals]
+    cpu = torch.tensor(cpus, dtype=torch.float64)
+    dist.all_reduce(cpu)
     return {
         "step_s": times,
+        "cpu_s": cpu.tolist(),
         "cross_node_bytes_per_step": None if tx0 is None else per[0],
         "collective_bytes_per_step": {_CROSS: per[1], _INTRA: per[2], _REPLICA: per[3]},
     }
@@ -450,7 +463,7 @@ _PREDICTION_NOTE = (
 _LINK_ONLY_NOTE = "aps_perfmodel.fsdp.fsdp_step, backend gloo, compute 0 (links only)"
 
 
-def _predict(
+def predict(
     setups: Sequence[str],
     layers: int,
     width: int,
@@ -465,6 +478,27 @@ def _predict(
     (``link_unshaped``), the prediction is that step plus the model's
     difference between the shaped and the unshaped links; otherwise the
     model's communication alone.
+
+    Args:
+        setups: names from :data:`SETUPS`.
+        layers: ``Linear(width, width)`` units.
+        width: their width.
+        topology: ``nodes``, ``ranks_per_node`` and the measured links
+            (``link``, ``link_intra_node``, ``link_unshaped``: :class:`LinkStats` dicts).
+        reshard_after_forward: as the run's ``fully_shard``.
+        unshaped: each setup's measured median step with the node links unshaped.
+
+    Returns:
+        Per setup ``step_s`` (the prediction), ``link_step_s`` (the model at
+        the shaped link), ``unshaped_link_step_s`` (at the unshaped one, where
+        priced), ``all_gather_s``, ``reduce_scatter_s``, ``cross_node_bytes``;
+        and the sentence saying how ``step_s`` is made.
+
+    Example:
+        >>> topo = {"nodes": 2, "ranks_per_node": 2, "link": {"bandwidth_bits_per_s": 2.4e8, "rtt_s": 4e-5}}
+        >>> rows, note = predict(["hsdp-fp32"], 2, 2048, topo)
+        >>> round(rows["hsdp-fp32"]["cross_node_bytes"] / 2**20), note.endswith("(links only)")
+        (16, True)
     """
     link = topology.get("link")
     if not link or not link.get("bandwidth_bits_per_s"):
@@ -524,6 +558,12 @@ def _baseline(medians: dict[str, float]) -> str | None:
     return next((s for s in ("hsdp-fp32", "fp32") if s in medians), None)
 
 
+def _cpu_per_step(rounds: list[dict[str, Any]]) -> float | None:
+    """Median over steps of the CPU seconds all ranks spent in the step (None if not recorded)."""
+    cpus = [c for r in rounds for c in r.get("cpu_s", [])]
+    return statistics.median(cpus) if cpus else None
+
+
 def _by_setup(results: list[dict[str, Any]]) -> dict[str, list[dict[str, Any]]]:
     by_setup: dict[str, list[dict[str, Any]]] = {}
     for r in results:
@@ -548,7 +588,7 @@ def _summarise(
         s: statistics.median(statistics.median(r["step_s"]) for r in rs) for s, rs in fast.items()
     }
     base = _baseline(medians)
-    predicted, note = _predict(
+    predicted, note = predict(
         list(by_setup),
         args.layers,
         args.width,
@@ -573,6 +613,7 @@ def _summarise(
             "round_median_step_s": [statistics.median(r["step_s"]) for r in rs],
             "step_s": [s for r in rs for s in r["step_s"]],
             "speedup_vs_fp32": medians["fp32"] / t if "fp32" in medians else None,
+            "cpu_s_per_step": _cpu_per_step(rs),
         }
         if nodes:
             run["speedup_vs_baseline"] = medians[base] / t if base else None
@@ -591,6 +632,7 @@ def _summarise(
                     statistics.median(r["step_s"]) for r in fast[setup]
                 ]
                 run["unshaped_step_s"] = [x for r in fast[setup] for x in r["step_s"]]
+                run["unshaped_cpu_s_per_step"] = _cpu_per_step(fast[setup])
                 # What the shaped link adds to the step, measured.
                 run["link_part_s"] = t - fast_medians[setup]
         else:
@@ -620,6 +662,7 @@ def _summarise(
         "date": time.strftime("%Y-%m-%dT%H:%M:%S%z"),
         "machine": {
             "cpus": os.cpu_count(),
+            "cores_available": len(os.sched_getaffinity(0)),
             "python": platform.python_version(),
             "torch": torch.__version__,
             "kernel": platform.release(),
@@ -742,13 +785,64 @@ def floor(result: dict[str, Any]) -> str | None:
         return None
     steps = [r["unshaped_median_step_s"] for r in runs.values() if _SETUPS[r["setup"]].hsdp]
     wire = f"{fp32_link / aps_link:.2f}x" if aps_link > 0 else "unbounded"
+    cpu = [base.get("unshaped_cpu_s_per_step"), aps.get("unshaped_cpu_s_per_step")]
+    cores = (result.get("machine") or {}).get("cores_available")
+    spent = (
+        f"; the ranks' CPU seconds per step, summed, {cpu[0]:.3f} and {cpu[1]:.3f} s, "
+        f"{cpu[0] / cores:.3f} and {cpu[1] / cores:.3f} s on {cores} cores"
+        if None not in cpu and cores
+        else ""
+    )
     return (
         f"Unshaped (node links at the veths' rate), the HSDP rows took "
         f"{min(steps):.3f}-{max(steps):.3f} s a step (HSDP FP32 "
-        f"{base['unshaped_median_step_s']:.3f} s, APS e4m3 {aps['unshaped_median_step_s']:.3f} s): "
-        f"a floor the link does not set. The shaped link added {fp32_link:.3f} s to HSDP "
-        f"FP32's step and {aps_link:.3f} s to HSDP APS e4m3's: {wire} on the link's part alone."
+        f"{base['unshaped_median_step_s']:.3f} s, APS e4m3 {aps['unshaped_median_step_s']:.3f} s"
+        f"{spent}): a floor the link does not set. The shaped link added {fp32_link:.3f} s "
+        f"to HSDP FP32's step and {aps_link:.3f} s to HSDP APS e4m3's: {wire} on the link's "
+        "part alone."
     )
+
+
+def misses(result: dict[str, Any]) -> list[str]:
+    """Why each row whose prediction missed by more than 15% missed, from its measurements.
+
+    The prediction adds the model's link time (shaped minus unshaped) to the
+    unshaped step; a row misses where the step grew by more or less than
+    that. Said from the measured link part, the model's, and the CPU seconds
+    the ranks spent per step shaped and unshaped against the cores.
+
+    Example:
+        >>> lines = misses(json.loads(Path("benchmarks/results/fsdp_hsdp_250mbit.json").read_text()))  # doctest: +SKIP
+    """
+    cores = (result.get("machine") or {}).get("cores_available")
+    lines = []
+    for r in result.get("runs", []):
+        ratio, part = r.get("predicted_over_measured"), r.get("link_part_s")
+        model, cpu = r.get("predicted_link_part_s"), r.get("cpu_s_per_step")
+        fast_cpu = r.get("unshaped_cpu_s_per_step")
+        if ratio is None or abs(ratio - 1) <= _PREDICTION_TARGET or None in (part, model):
+            continue
+        line = (
+            f"{r['setup']} (predicted / measured {ratio:.2f}): the shaped link added "
+            f"{part:.3f} s to the step, the model's link time {model:.3f} s"
+        )
+        if cpu is not None and fast_cpu is not None and cores:
+            line += (
+                f"; the ranks spent {cpu:.3f} s of CPU per step shaped and {fast_cpu:.3f} s "
+                f"unshaped ({fast_cpu / cores:.3f} s on {cores} cores, against the unshaped "
+                f"step's {r['unshaped_median_step_s']:.3f} s)"
+            )
+        if part < model:
+            line += (
+                f". {model - part:.3f} s of the link's time overlapped CPU work: with "
+                f"{result.get('ranks')} ranks on {cores} cores a rank waiting on the link "
+                "leaves its core to another, where the prediction adds the link to the "
+                "unshaped (CPU-bound) step."
+            )
+        else:
+            line += f". The link cost {part - model:.3f} s more than the model prices."
+        lines.append(line)
+    return lines
 
 
 def _node_markdown(result: dict[str, Any]) -> str:
@@ -803,6 +897,7 @@ def _node_markdown(result: dict[str, Any]) -> str:
     said = floor(result)
     if said:
         lines.append(f"- Floor: {said}")
+    lines += [f"- Miss: {line}" for line in misses(result)]
     return "\n".join(lines) + "\n"
 
 
@@ -858,8 +953,8 @@ def _parser() -> argparse.ArgumentParser:
         type=int,
         default=None,
         help="after the shaped rounds, rounds with the node links unshaped (same namespaces "
-        "and ranks, no tc rate), whose steps the prediction starts from (default: 1 with "
-        "nodes of several ranks, else 0)",
+        "and ranks, no tc rate), whose steps the prediction starts from (default: --rounds "
+        "with nodes of several ranks, else 0)",
     )
     p.add_argument(
         "--reshard-after-forward",
@@ -908,7 +1003,7 @@ def main(argv: Sequence[str] | None = None) -> int:
             f"got {nodes} node(s) of {per_node} rank(s)"
         )
     if args.unshaped_rounds is None:
-        args.unshaped_rounds = 1 if with_nodes and not args.loopback else 0
+        args.unshaped_rounds = args.rounds if with_nodes and not args.loopback else 0
     if args.unshaped_rounds < 0:
         raise SystemExit(f"--unshaped-rounds must be >= 0, got {args.unshaped_rounds}")
     if args.unshaped_rounds and args.loopback:
