@@ -834,10 +834,11 @@ def misses(result: dict[str, Any]) -> list[str]:
             )
         if part < model:
             line += (
-                f". {model - part:.3f} s of the link's time overlapped CPU work: with "
-                f"{result.get('ranks')} ranks on {cores} cores a rank waiting on the link "
-                "leaves its core to another, where the prediction adds the link to the "
-                "unshaped (CPU-bound) step."
+                f". {model - part:.3f} s of the model's link time did not lengthen the step: "
+                f"with {result.get('ranks')} ranks on {cores} cores the unshaped step already "
+                "waits beside its CPU work, and a rank waiting on the link leaves its core to "
+                "another rank's work; the prediction adds the link time to the unshaped step "
+                "in full."
             )
         else:
             line += f". The link cost {part - model:.3f} s more than the model prices."

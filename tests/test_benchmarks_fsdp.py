@@ -209,9 +209,10 @@ def test_misses_say_how_the_step_grew_against_the_models_link_time() -> None:
         "hsdp-aps-e4m3 (predicted / measured 1.20): the shaped link added 0.200 s to the "
         "step, the model's link time 0.300 s; the ranks spent 0.900 s of CPU per step shaped "
         "and 0.800 s unshaped (0.400 s on 2 cores, against the unshaped step's 0.450 s). "
-        "0.100 s of the link's time overlapped CPU work: with 4 ranks on 2 cores a rank "
-        "waiting on the link leaves its core to another, where the prediction adds the link "
-        "to the unshaped (CPU-bound) step.",
+        "0.100 s of the model's link time did not lengthen the step: with 4 ranks on 2 cores "
+        "the unshaped step already waits beside its CPU work, and a rank waiting on the link "
+        "leaves its core to another rank's work; the prediction adds the link time to the "
+        "unshaped step in full.",
         "fp32 (predicted / measured 0.80): the shaped link added 3.500 s to the step, the "
         "model's link time 3.000 s; the ranks spent 0.900 s of CPU per step shaped and "
         "0.800 s unshaped (0.400 s on 2 cores, against the unshaped step's 0.450 s). The "
