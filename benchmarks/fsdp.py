@@ -43,9 +43,20 @@ over repeats, rounds interleaving the setups, the speedup over the baseline
   nodes (HSDP's replica all-reduce), every byte of which crosses nodes.
 
 Beside them the perfmodel's prediction (:mod:`aps_perfmodel.fsdp`, Gloo,
-for the measured links, compute taken as zero, as the batch-1 compute is
-small; HSDP rows through ``fsdp_step(..., replicate=M)``) and its ratio to
-the measured step.
+compute taken as zero; HSDP rows through ``fsdp_step(..., replicate=M)``)
+and its ratio to the measured step. With nodes every setup also runs
+``--unshaped-rounds`` rounds (default ``--rounds``) with the node links
+unshaped (:meth:`EmulatedCluster.unshape`: the same namespaces, ranks and
+CPUs, no tc rate), and the prediction is that unshaped step plus the
+model's link time at the shaped rate less its link time at the unshaped
+veth's measured rate (:func:`predict`): the model prices the links, the
+unshaped step measures what is not links (forward, backward, the codec and
+the collectives inside a node, on shared cores). Each row also records the
+ranks' CPU seconds per step; :func:`floor` and :func:`misses` say what the
+unshaped steps and the rows that miss 15% show. Without the unshaped
+rounds (one rank per node, loopback) the prediction is the model's
+communication alone. ``--no-reshard-after-forward`` runs every unit with
+``fully_shard(..., reshard_after_forward=False)``, recorded in the JSON.
 
     python -m benchmarks.fsdp --ranks 2 --bandwidth 1gbit --json benchmarks/results/fsdp_2ranks.json
     python -m benchmarks.fsdp --nodes 2 --ranks 4 --bandwidth 250mbit --json benchmarks/results/fsdp_hsdp_250mbit.json
