@@ -290,43 +290,91 @@ def _link_tx_bytes() -> int | None:
     raise RuntimeError(f"interface {ifname!r} (GLOO_SOCKET_IFNAME) not in /proc/net/dev")
 
 
-def _time_steps(
-    model: torch.nn.Module, x: torch.Tensor, warmup: int, repeats: int
-) -> tuple[list[float], list[float]]:
-    """Step times (forward + backward), the slowest rank's each step; this rank's CPU seconds.
+class _HookClock:
+    """Wall seconds this rank spends in ``aps_comm.fsdp.reduce_shard`` (APS HSDP's replica hook).
 
-    CPU seconds: the process's (its Gloo threads too) over each step, so the
-    ranks' sum against the cores says how much of a step the CPUs set.
+    FSDP's hook calls the module's function by name, so patching the
+    module's attribute times every call.
+    """
+
+    def __init__(self) -> None:
+        from aps_comm import fsdp
+
+        self._module = fsdp
+        self._original = fsdp.reduce_shard
+        self.seconds = 0.0
+
+    def install(self) -> None:
+        original = self._original
+
+        @functools.wraps(original)
+        def timed(*args: Any, **kwargs: Any) -> Any:
+            start = time.perf_counter()
+            try:
+                return original(*args, **kwargs)
+            finally:
+                self.seconds += time.perf_counter() - start
+
+        self._module.reduce_shard = timed  # type: ignore[assignment]
+
+    def uninstall(self) -> None:
+        self._module.reduce_shard = self._original  # type: ignore[assignment]
+
+
+def _time_steps(
+    model: torch.nn.Module,
+    x: torch.Tensor,
+    warmup: int,
+    repeats: int,
+    hooks: _HookClock | None = None,
+) -> tuple[list[float], list[list[float]]]:
+    """Step times (forward + backward), the slowest rank's each step; this rank's phases.
+
+    Per step this rank's CPU seconds (the process's, its Gloo threads too,
+    so the ranks' sum against the cores says how much of a step the CPUs
+    set), forward and backward wall seconds (the all-gathers are in both,
+    the reductions in backward) and the wall seconds in APS's replica hook.
     """
     import torch.distributed as dist
 
-    times, cpus = [], []
+    times, phases = [], []
     for step in range(warmup + repeats):
         model.zero_grad()
         dist.barrier()
+        if hooks is not None:
+            hooks.seconds = 0.0
         start, cpu = time.perf_counter(), time.process_time()
-        model(x).sum().backward()
+        loss = model(x).sum()
+        forward = time.perf_counter() - start
+        loss.backward()
         cpu = time.process_time() - cpu
-        elapsed = torch.tensor([time.perf_counter() - start])
+        now = time.perf_counter()
+        elapsed = torch.tensor([now - start])
         dist.all_reduce(elapsed, op=dist.ReduceOp.MAX)
         if step >= warmup:
             times.append(float(elapsed))
-            cpus.append(cpu)
-    return times, cpus
+            hook = 0.0 if hooks is None else hooks.seconds
+            phases.append([cpu, forward, now - start - forward, hook])
+    return times, phases
 
 
 def _measured(
-    model: torch.nn.Module, x: torch.Tensor, warmup: int, repeats: int, counter: _CollectiveBytes
+    model: torch.nn.Module,
+    x: torch.Tensor,
+    warmup: int,
+    repeats: int,
+    counter: _CollectiveBytes,
+    hooks: _HookClock | None = None,
 ) -> dict[str, Any]:
     """Time the setup's steps; the bytes of its timed steps, per step and rank."""
     import torch.distributed as dist
 
-    _time_steps(model, x, warmup, 0)
+    _time_steps(model, x, warmup, 0, hooks)
     local_rank = int(os.environ.get("LOCAL_RANK", "0"))
     dist.barrier()
     tx0 = _link_tx_bytes()
     counter.reset()
-    times, cpus = _time_steps(model, x, 0, repeats)
+    times, phases = _time_steps(model, x, 0, repeats, hooks)
     dist.barrier()
     tx1 = _link_tx_bytes()
     counts = dict(counter.counts)
@@ -339,11 +387,15 @@ def _measured(
     )
     dist.all_reduce(totals)
     per = [float(v) / world / repeats for v in totals]
-    cpu = torch.tensor(cpus, dtype=torch.float64)
-    dist.all_reduce(cpu)
+    # Summed over ranks: the CPU seconds as they are, the phases to a mean rank's.
+    summed = torch.tensor(phases, dtype=torch.float64).reshape(len(phases), 4)
+    dist.all_reduce(summed)
     return {
         "step_s": times,
-        "cpu_s": cpu.tolist(),
+        "cpu_s": summed[:, 0].tolist(),
+        "forward_s": (summed[:, 1] / world).tolist(),
+        "backward_s": (summed[:, 2] / world).tolist(),
+        "replica_hook_s": (summed[:, 3] / world).tolist(),
         "cross_node_bytes_per_step": None if tx0 is None else per[0],
         "collective_bytes_per_step": {_CROSS: per[1], _INTRA: per[2], _REPLICA: per[3]},
     }
@@ -398,6 +450,8 @@ def run_setups(
         )
     counter = _CollectiveBytes(per_node)
     counter.install()
+    hooks = _HookClock()
+    hooks.install()
     torch.manual_seed(1234 + rank)
     x = torch.randn(1, width)
     results = []
@@ -405,7 +459,7 @@ def run_setups(
         for rnd in range(rounds):
             for setup in setups:
                 model, state = _build(setup, layers, width, mesh, reshard_after_forward)
-                got = _measured(model, x, warmup, repeats, counter)
+                got = _measured(model, x, warmup, repeats, counter, hooks)
                 results.append(
                     {
                         "setup": setup,
@@ -421,6 +475,7 @@ def run_setups(
                 del model, state
     finally:
         counter.uninstall()
+        hooks.uninstall()
     return results
 
 
@@ -569,10 +624,14 @@ def _baseline(medians: dict[str, float]) -> str | None:
     return next((s for s in ("hsdp-fp32", "fp32") if s in medians), None)
 
 
-def _cpu_per_step(rounds: list[dict[str, Any]]) -> float | None:
-    """Median over steps of the CPU seconds all ranks spent in the step (None if not recorded)."""
-    cpus = [c for r in rounds for c in r.get("cpu_s", [])]
-    return statistics.median(cpus) if cpus else None
+def _cpu_per_step(rounds: list[dict[str, Any]], key: str = "cpu_s") -> float | None:
+    """Median over steps of ``key``: the CPU seconds all ranks spent in the step, or a mean
+    rank's phase (None if not recorded)."""
+    values = [c for r in rounds for c in r.get(key, [])]
+    return statistics.median(values) if values else None
+
+
+_PHASES = ("forward_s", "backward_s", "replica_hook_s")
 
 
 def _by_setup(results: list[dict[str, Any]]) -> dict[str, list[dict[str, Any]]]:
@@ -625,6 +684,7 @@ def _summarise(
             "step_s": [s for r in rs for s in r["step_s"]],
             "speedup_vs_fp32": medians["fp32"] / t if "fp32" in medians else None,
             "cpu_s_per_step": _cpu_per_step(rs),
+            **{k: _cpu_per_step(rs, k) for k in _PHASES},
         }
         if nodes:
             run["speedup_vs_baseline"] = medians[base] / t if base else None
@@ -644,6 +704,8 @@ def _summarise(
                 ]
                 run["unshaped_step_s"] = [x for r in fast[setup] for x in r["step_s"]]
                 run["unshaped_cpu_s_per_step"] = _cpu_per_step(fast[setup])
+                for k in _PHASES:
+                    run[f"unshaped_{k}"] = _cpu_per_step(fast[setup], k)
                 # What the shaped link adds to the step, measured.
                 run["link_part_s"] = t - fast_medians[setup]
         else:
@@ -843,6 +905,14 @@ def misses(result: dict[str, Any]) -> list[str]:
                 f"unshaped ({fast_cpu / cores:.3f} s on {cores} cores, against the unshaped "
                 f"step's {r['unshaped_median_step_s']:.3f} s)"
             )
+        phases = [(k, r.get(k), r.get(f"unshaped_{k}")) for k in _PHASES]
+        grew = [
+            f"{k.removesuffix('_s').replace('_', ' ')} {a:.3f} s ({b:.3f} s unshaped)"
+            for k, a, b in phases
+            if a is not None and b is not None and (a or b)
+        ]
+        if grew:
+            line += "; a mean rank's " + ", ".join(grew)
         if part < model:
             line += (
                 f". {model - part:.3f} s of the model's link time did not lengthen the step: "

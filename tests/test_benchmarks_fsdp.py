@@ -68,6 +68,12 @@ def test_hsdp_setups_run_and_their_replica_bytes_are_the_formats() -> None:
     assert got["fp32"]["replica"] == 0 and got["fp32"]["cross_node"] == got["fp32"]["intra_node"]
     assert all(r["cross_node_bytes_per_step"] is None for r in rows.values())  # no node links
     assert rows["hsdp-aps-e4m3"]["aps_bytes_detail"]["all_to_all"] > 0
+    # Phases: only APS HSDP runs the replica hook (aps_comm.fsdp.reduce_shard).
+    assert all(v > 0 for v in rows["hsdp-aps-e4m3"]["replica_hook_s"])
+    assert all(v == 0 for s in ("fp32", "hsdp-fp32") for v in rows[s]["replica_hook_s"])
+    assert all(
+        v > 0 for r in rows.values() for k in ("forward_s", "backward_s", "cpu_s") for v in r[k]
+    )
 
 
 def test_hsdp_setups_need_nodes_of_several_ranks() -> None:
