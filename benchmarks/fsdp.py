@@ -913,16 +913,21 @@ def misses(result: dict[str, Any]) -> list[str]:
         ]
         if grew:
             line += "; a mean rank's " + ", ".join(grew)
+        rounds = r.get("unshaped_round_median_step_s") or []
+        spread = (
+            f"; the unshaped rounds' medians spread over {min(rounds):.3f}-{max(rounds):.3f} s"
+            if len(rounds) > 1
+            else ""
+        )
         if part < model:
             line += (
-                f". {model - part:.3f} s of the model's link time did not lengthen the step: "
-                f"with {result.get('ranks')} ranks on {cores} cores the unshaped step already "
+                f". The step grew {model - part:.3f} s less than the model's link time{spread}. "
+                f"With {result.get('ranks')} ranks on {cores} cores the unshaped step already "
                 "waits beside its CPU work, and a rank waiting on the link leaves its core to "
-                "another rank's work; the prediction adds the link time to the unshaped step "
-                "in full."
+                "another rank's work, which the prediction does not credit."
             )
         else:
-            line += f". The link cost {part - model:.3f} s more than the model prices."
+            line += f". The link cost {part - model:.3f} s more than the model prices{spread}."
         lines.append(line)
     return lines
 
@@ -980,6 +985,16 @@ def _node_markdown(result: dict[str, Any]) -> str:
     if said:
         lines.append(f"- Floor: {said}")
     lines += [f"- Miss: {line}" for line in misses(result)]
+    for r in result["runs"]:
+        said = [
+            f"{k.removesuffix('_s').replace('_', ' ')} {r[k]:.3f} / {r[f'unshaped_{k}']:.3f} s"
+            for k in _PHASES
+            if r.get(k) is not None and r.get(f"unshaped_{k}") is not None
+        ]
+        if said:
+            lines.append(
+                f"- Phases, {r['setup']} (a mean rank's, shaped / unshaped): " + ", ".join(said)
+            )
     return "\n".join(lines) + "\n"
 
 

@@ -1415,6 +1415,9 @@ def _step_figures(data: dict) -> dict[str, list[str]]:
             "unshaped_median_step_s",
             "link_part_s",
             "predicted_link_part_s",
+            *(f"{pre}{k}" for pre in ("", "unshaped_") for k in ("forward_s", "backward_s")),
+            "replica_hook_s",
+            "unshaped_replica_hook_s",
         ):
             if isinstance(r.get(key), int | float):
                 out["s"].append(f"{r[key]:.3f}")
