@@ -43,9 +43,20 @@ over repeats, rounds interleaving the setups, the speedup over the baseline
   nodes (HSDP's replica all-reduce), every byte of which crosses nodes.
 
 Beside them the perfmodel's prediction (:mod:`aps_perfmodel.fsdp`, Gloo,
-for the measured links, compute taken as zero, as the batch-1 compute is
-small; HSDP rows through ``fsdp_step(..., replicate=M)``) and its ratio to
-the measured step.
+compute taken as zero; HSDP rows through ``fsdp_step(..., replicate=M)``)
+and its ratio to the measured step. With nodes every setup also runs
+``--unshaped-rounds`` rounds (default ``--rounds``) with the node links
+unshaped (:meth:`EmulatedCluster.unshape`: the same namespaces, ranks and
+CPUs, no tc rate), and the prediction is that unshaped step plus the
+model's link time at the shaped rate less its link time at the unshaped
+veth's measured rate (:func:`predict`): the model prices the links, the
+unshaped step measures what is not links (forward, backward, the codec and
+the collectives inside a node, on shared cores). Each row also records the
+ranks' CPU seconds per step; :func:`floor` and :func:`misses` say what the
+unshaped steps and the rows that miss 15% show. Without the unshaped
+rounds (one rank per node, loopback) the prediction is the model's
+communication alone. ``--no-reshard-after-forward`` runs every unit with
+``fully_shard(..., reshard_after_forward=False)``, recorded in the JSON.
 
     python -m benchmarks.fsdp --ranks 2 --bandwidth 1gbit --json benchmarks/results/fsdp_2ranks.json
     python -m benchmarks.fsdp --nodes 2 --ranks 4 --bandwidth 250mbit --json benchmarks/results/fsdp_hsdp_250mbit.json
@@ -78,8 +89,11 @@ __all__ = [
     "FLAT_SETUPS",
     "NODE_SETUPS",
     "SETUPS",
+    "floor",
     "main",
     "markdown",
+    "misses",
+    "predict",
     "run_setups",
     "sent_bytes",
     "targets",
@@ -126,7 +140,9 @@ def _model(layers: int, width: int) -> torch.nn.Module:
     return torch.nn.Sequential(*[torch.nn.Linear(width, width, bias=False) for _ in range(layers)])
 
 
-def _build(setup: str, layers: int, width: int, mesh: Any) -> tuple[torch.nn.Module, Any]:
+def _build(
+    setup: str, layers: int, width: int, mesh: Any, reshard_after_forward: bool = True
+) -> tuple[torch.nn.Module, Any]:
     from torch.distributed.fsdp import MixedPrecisionPolicy, fully_shard
 
     from aps_comm import fsdp
@@ -137,9 +153,10 @@ def _build(setup: str, layers: int, width: int, mesh: Any) -> tuple[torch.nn.Mod
     mp = MixedPrecisionPolicy(reduce_dtype=spec.reduce_dtype)
     # Native HSDP: the 2-D mesh; APS HSDP: the node's ranks, replicas via register.
     on = None if not spec.hsdp else mesh["shard"] if spec.fmt else mesh
+    reshard = reshard_after_forward
     for layer in model:
-        fully_shard(layer, mesh=on, mp_policy=mp)
-    fully_shard(model, mesh=on, mp_policy=mp)
+        fully_shard(layer, mesh=on, mp_policy=mp, reshard_after_forward=reshard)
+    fully_shard(model, mesh=on, mp_policy=mp, reshard_after_forward=reshard)
     state = None
     if spec.fmt is not None:
         extra = {"replicate": mesh["replicate"]} if spec.hsdp else {}
@@ -273,35 +290,91 @@ def _link_tx_bytes() -> int | None:
     raise RuntimeError(f"interface {ifname!r} (GLOO_SOCKET_IFNAME) not in /proc/net/dev")
 
 
-def _time_steps(model: torch.nn.Module, x: torch.Tensor, warmup: int, repeats: int) -> list[float]:
-    """Step times (forward + backward), the slowest rank's each step."""
+class _HookClock:
+    """Wall seconds this rank spends in ``aps_comm.fsdp.reduce_shard`` (APS HSDP's replica hook).
+
+    FSDP's hook calls the module's function by name, so patching the
+    module's attribute times every call.
+    """
+
+    def __init__(self) -> None:
+        from aps_comm import fsdp
+
+        self._module = fsdp
+        self._original = fsdp.reduce_shard
+        self.seconds = 0.0
+
+    def install(self) -> None:
+        original = self._original
+
+        @functools.wraps(original)
+        def timed(*args: Any, **kwargs: Any) -> Any:
+            start = time.perf_counter()
+            try:
+                return original(*args, **kwargs)
+            finally:
+                self.seconds += time.perf_counter() - start
+
+        self._module.reduce_shard = timed  # type: ignore[assignment]
+
+    def uninstall(self) -> None:
+        self._module.reduce_shard = self._original  # type: ignore[assignment]
+
+
+def _time_steps(
+    model: torch.nn.Module,
+    x: torch.Tensor,
+    warmup: int,
+    repeats: int,
+    hooks: _HookClock | None = None,
+) -> tuple[list[float], list[list[float]]]:
+    """Step times (forward + backward), the slowest rank's each step; this rank's phases.
+
+    Per step this rank's CPU seconds (the process's, its Gloo threads too,
+    so the ranks' sum against the cores says how much of a step the CPUs
+    set), forward and backward wall seconds (the all-gathers are in both,
+    the reductions in backward) and the wall seconds in APS's replica hook.
+    """
     import torch.distributed as dist
 
-    times = []
+    times, phases = [], []
     for step in range(warmup + repeats):
         model.zero_grad()
         dist.barrier()
-        start = time.perf_counter()
-        model(x).sum().backward()
-        elapsed = torch.tensor([time.perf_counter() - start])
+        if hooks is not None:
+            hooks.seconds = 0.0
+        start, cpu = time.perf_counter(), time.process_time()
+        loss = model(x).sum()
+        forward = time.perf_counter() - start
+        loss.backward()
+        cpu = time.process_time() - cpu
+        now = time.perf_counter()
+        elapsed = torch.tensor([now - start])
         dist.all_reduce(elapsed, op=dist.ReduceOp.MAX)
         if step >= warmup:
             times.append(float(elapsed))
-    return times
+            hook = 0.0 if hooks is None else hooks.seconds
+            phases.append([cpu, forward, now - start - forward, hook])
+    return times, phases
 
 
 def _measured(
-    model: torch.nn.Module, x: torch.Tensor, warmup: int, repeats: int, counter: _CollectiveBytes
+    model: torch.nn.Module,
+    x: torch.Tensor,
+    warmup: int,
+    repeats: int,
+    counter: _CollectiveBytes,
+    hooks: _HookClock | None = None,
 ) -> dict[str, Any]:
     """Time the setup's steps; the bytes of its timed steps, per step and rank."""
     import torch.distributed as dist
 
-    _time_steps(model, x, warmup, 0)
+    _time_steps(model, x, warmup, 0, hooks)
     local_rank = int(os.environ.get("LOCAL_RANK", "0"))
     dist.barrier()
     tx0 = _link_tx_bytes()
     counter.reset()
-    times = _time_steps(model, x, 0, repeats)
+    times, phases = _time_steps(model, x, 0, repeats, hooks)
     dist.barrier()
     tx1 = _link_tx_bytes()
     counts = dict(counter.counts)
@@ -314,8 +387,15 @@ def _measured(
     )
     dist.all_reduce(totals)
     per = [float(v) / world / repeats for v in totals]
+    # Summed over ranks: the CPU seconds as they are, the phases to a mean rank's.
+    summed = torch.tensor(phases, dtype=torch.float64).reshape(len(phases), 4)
+    dist.all_reduce(summed)
     return {
         "step_s": times,
+        "cpu_s": summed[:, 0].tolist(),
+        "forward_s": (summed[:, 1] / world).tolist(),
+        "backward_s": (summed[:, 2] / world).tolist(),
+        "replica_hook_s": (summed[:, 3] / world).tolist(),
         "cross_node_bytes_per_step": None if tx0 is None else per[0],
         "collective_bytes_per_step": {_CROSS: per[1], _INTRA: per[2], _REPLICA: per[3]},
     }
@@ -330,6 +410,7 @@ def run_setups(
     repeats: int = 5,
     rounds: int = 1,
     log: bool = False,
+    reshard_after_forward: bool = True,
 ) -> list[dict[str, Any]]:
     """Run and measure every setup in this process group, rounds interleaving them.
 
@@ -344,6 +425,9 @@ def run_setups(
         repeats: timed steps per setup and round.
         rounds: times every setup is run.
         log: rank 0 prints each setup's median step.
+        reshard_after_forward: ``fully_shard``'s: False keeps each unit's
+            parameters gathered from forward to backward (one all-gather per
+            unit and step, not two).
 
     Returns:
         One dict per setup and round: ``step_s``, ``cross_node_bytes_per_step``
@@ -366,14 +450,16 @@ def run_setups(
         )
     counter = _CollectiveBytes(per_node)
     counter.install()
+    hooks = _HookClock()
+    hooks.install()
     torch.manual_seed(1234 + rank)
     x = torch.randn(1, width)
     results = []
     try:
         for rnd in range(rounds):
             for setup in setups:
-                model, state = _build(setup, layers, width, mesh)
-                got = _measured(model, x, warmup, repeats, counter)
+                model, state = _build(setup, layers, width, mesh, reshard_after_forward)
+                got = _measured(model, x, warmup, repeats, counter, hooks)
                 results.append(
                     {
                         "setup": setup,
@@ -389,6 +475,7 @@ def run_setups(
                 del model, state
     finally:
         counter.uninstall()
+        hooks.uninstall()
     return results
 
 
@@ -405,6 +492,7 @@ def _worker(args: argparse.Namespace) -> None:
         repeats=args.repeats,
         rounds=args.rounds,
         log=True,
+        reshard_after_forward=args.reshard_after_forward,
     )
     if dist.get_rank() == 0:
         Path(args.worker_out).write_text(
@@ -413,11 +501,11 @@ def _worker(args: argparse.Namespace) -> None:
     dist.destroy_process_group()
 
 
-def _cluster(topology: dict[str, Any]) -> Any:
-    """The perfmodel cluster of the measured links: M nodes of L CPU ranks."""
+def _cluster(topology: dict[str, Any], link: dict[str, Any]) -> Any:
+    """The perfmodel cluster of the measured ``link`` between nodes: M nodes of L CPU ranks."""
     from aps_perfmodel import custom_cluster
 
-    link, intra = topology["link"], topology.get("link_intra_node") or {}
+    intra = topology.get("link_intra_node") or {}
     return custom_cluster(
         link["bandwidth_bits_per_s"] / 8,
         max(link.get("rtt_s") or 0.0, 1e-6) / 2,
@@ -430,42 +518,100 @@ def _cluster(topology: dict[str, Any]) -> Any:
     )
 
 
-def _predict(
-    setups: Sequence[str], layers: int, width: int, topology: dict[str, Any]
+# How the benchmark's "predicted_step_s" is made, for the JSON and the docs.
+_PREDICTION_NOTE = (
+    "predicted step = the setup's step measured with the node links unshaped (same "
+    "namespaces, ranks and CPUs, no tc rate: the CPU work, compute and in-node "
+    "collectives the model does not price) + the model's link time at the shaped rate "
+    "- its link time at the unshaped veth's measured rate (aps_perfmodel.fsdp.fsdp_step, "
+    "backend gloo, compute 0, both from the measured goodput and RTT)"
+)
+_LINK_ONLY_NOTE = "aps_perfmodel.fsdp.fsdp_step, backend gloo, compute 0 (links only)"
+
+
+def predict(
+    setups: Sequence[str],
+    layers: int,
+    width: int,
+    topology: dict[str, Any],
+    reshard_after_forward: bool = True,
+    unshaped: dict[str, float] | None = None,
 ) -> tuple[dict[str, dict[str, float]], str]:
-    """perfmodel's FSDP step (communication only) per setup, for the measured links."""
+    """perfmodel's FSDP step per setup for the measured links, and how it is made.
+
+    With ``unshaped`` (each setup's median step with the node links
+    unshaped) and the unshaped veth's measured link in ``topology``
+    (``link_unshaped``), the prediction is that step plus the model's
+    difference between the shaped and the unshaped links; otherwise the
+    model's communication alone.
+
+    Args:
+        setups: names from :data:`SETUPS`.
+        layers: ``Linear(width, width)`` units.
+        width: their width.
+        topology: ``nodes``, ``ranks_per_node`` and the measured links
+            (``link``, ``link_intra_node``, ``link_unshaped``: :class:`LinkStats` dicts).
+        reshard_after_forward: as the run's ``fully_shard``.
+        unshaped: each setup's measured median step with the node links unshaped.
+
+    Returns:
+        Per setup ``step_s`` (the prediction), ``link_step_s`` (the model at
+        the shaped link), ``unshaped_link_step_s`` (at the unshaped one, where
+        priced), ``all_gather_s``, ``reduce_scatter_s``, ``cross_node_bytes``;
+        and the sentence saying how ``step_s`` is made.
+
+    Example:
+        >>> topo = {"nodes": 2, "ranks_per_node": 2, "link": {"bandwidth_bits_per_s": 2.4e8, "rtt_s": 4e-5}}
+        >>> rows, note = predict(["hsdp-fp32"], 2, 2048, topo)
+        >>> round(rows["hsdp-fp32"]["cross_node_bytes"] / 2**20), note.endswith("(links only)")
+        (16, True)
+    """
     link = topology.get("link")
     if not link or not link.get("bandwidth_bits_per_s"):
         return {}, "no measured link (loopback)"
     from aps_perfmodel.formats import get_format
     from aps_perfmodel.fsdp import FSDPUnit, fsdp_step, padded_numel
 
-    cluster = _cluster(topology)
+    fast = topology.get("link_unshaped")
+    clusters = {"shaped": _cluster(topology, link)}
+    if fast and unshaped:
+        clusters["unshaped"] = _cluster(topology, fast)
     world = topology["nodes"] * topology["ranks_per_node"]
     replicas = topology["nodes"]
-    hsdp_priced = "replicate" in inspect.signature(fsdp_step).parameters
     out = {}
     for setup in setups:
         spec = _SETUPS[setup]
-        if spec.hsdp and not hsdp_priced:
-            continue
         shard = world // replicas if spec.hsdp else world
         units = [FSDPUnit(padded_numel([(width, width)], shard), 1)] * layers
         fmt: Any = spec.model_fmt
         if spec.scaling == "block":
             fmt = get_format(fmt, aps=True, scaling="block")
         extra = {"replicate": replicas} if spec.hsdp else {}
-        p = fsdp_step(units, fmt, cluster, backend="gloo", **extra)
-        out[setup] = {
+        priced = {
+            k: fsdp_step(
+                units,
+                fmt,
+                c,
+                backend="gloo",
+                reshard_after_forward=reshard_after_forward,
+                **extra,
+            )
+            for k, c in clusters.items()
+        }
+        p = priced["shaped"]
+        row = {
             "step_s": p.step_s,
+            "link_step_s": p.step_s,
             "all_gather_s": p.all_gather_s,
             "reduce_scatter_s": p.reduce_scatter_s,
             "cross_node_bytes": p.cross_node_bytes,
         }
-    note = "aps_perfmodel.fsdp.fsdp_step, backend gloo, compute 0"
-    if not hsdp_priced and any(_SETUPS[s].hsdp for s in setups):
-        note += "; HSDP rows pending (fsdp_step has no replicate= yet)"
-    return out, note
+        if "unshaped" in priced and setup in (unshaped or {}):
+            row["unshaped_link_step_s"] = priced["unshaped"].step_s
+            row["step_s"] = unshaped[setup] + p.step_s - priced["unshaped"].step_s  # type: ignore[index]
+        out[setup] = row
+    made = all("unshaped_link_step_s" in r for r in out.values())
+    return out, _PREDICTION_NOTE if made and out else _LINK_ONLY_NOTE
 
 
 def _reduce_scatter_bytes(setup: str, layers: int, width: int, world: int) -> int:
@@ -478,19 +624,48 @@ def _baseline(medians: dict[str, float]) -> str | None:
     return next((s for s in ("hsdp-fp32", "fp32") if s in medians), None)
 
 
+def _cpu_per_step(rounds: list[dict[str, Any]], key: str = "cpu_s") -> float | None:
+    """Median over steps of ``key``: the CPU seconds all ranks spent in the step, or a mean
+    rank's phase (None if not recorded)."""
+    values = [c for r in rounds for c in r.get(key, [])]
+    return statistics.median(values) if values else None
+
+
+_PHASES = ("forward_s", "backward_s", "replica_hook_s")
+
+
+def _by_setup(results: list[dict[str, Any]]) -> dict[str, list[dict[str, Any]]]:
+    by_setup: dict[str, list[dict[str, Any]]] = {}
+    for r in results:
+        by_setup.setdefault(r["setup"], []).append(r)
+    return by_setup
+
+
 def _summarise(
-    raw: dict[str, Any], topology: dict[str, Any], args: argparse.Namespace
+    raw: dict[str, Any],
+    topology: dict[str, Any],
+    args: argparse.Namespace,
+    unshaped_raw: dict[str, Any] | None = None,
 ) -> dict[str, Any]:
     world = raw["world"]
-    by_setup: dict[str, list[dict[str, Any]]] = {}
-    for r in raw["results"]:
-        by_setup.setdefault(r["setup"], []).append(r)
+    by_setup = _by_setup(raw["results"])
     medians = {
         s: statistics.median(statistics.median(r["step_s"]) for r in rs)
         for s, rs in by_setup.items()
     }
+    fast = _by_setup(unshaped_raw["results"]) if unshaped_raw else {}
+    fast_medians = {
+        s: statistics.median(statistics.median(r["step_s"]) for r in rs) for s, rs in fast.items()
+    }
     base = _baseline(medians)
-    predicted, note = _predict(list(by_setup), args.layers, args.width, topology)
+    predicted, note = predict(
+        list(by_setup),
+        args.layers,
+        args.width,
+        topology,
+        args.reshard_after_forward,
+        fast_medians or None,
+    )
     nodes = topology["nodes"] > 1 and topology["ranks_per_node"] > 1
 
     def median_of(rs: list[dict[str, Any]], get: Callable[[dict[str, Any]], Any]) -> Any:
@@ -508,6 +683,8 @@ def _summarise(
             "round_median_step_s": [statistics.median(r["step_s"]) for r in rs],
             "step_s": [s for r in rs for s in r["step_s"]],
             "speedup_vs_fp32": medians["fp32"] / t if "fp32" in medians else None,
+            "cpu_s_per_step": _cpu_per_step(rs),
+            **{k: _cpu_per_step(rs, k) for k in _PHASES},
         }
         if nodes:
             run["speedup_vs_baseline"] = medians[base] / t if base else None
@@ -520,6 +697,17 @@ def _summarise(
             }
             run["aps_bytes_per_step"] = aps_bytes
             run["aps_bytes_detail"] = rs[-1]["aps_bytes_detail"]
+            if setup in fast_medians:
+                run["unshaped_median_step_s"] = fast_medians[setup]
+                run["unshaped_round_median_step_s"] = [
+                    statistics.median(r["step_s"]) for r in fast[setup]
+                ]
+                run["unshaped_step_s"] = [x for r in fast[setup] for x in r["step_s"]]
+                run["unshaped_cpu_s_per_step"] = _cpu_per_step(fast[setup])
+                for k in _PHASES:
+                    run[f"unshaped_{k}"] = _cpu_per_step(fast[setup], k)
+                # What the shaped link adds to the step, measured.
+                run["link_part_s"] = t - fast_medians[setup]
         else:
             run["reduce_scatter_bytes_per_step"] = (
                 aps_bytes
@@ -536,6 +724,10 @@ def _summarise(
         )
         if nodes:
             run["predicted_cross_node_bytes_per_step"] = pred.get("cross_node_bytes")
+            run["predicted_link_step_s"] = pred.get("link_step_s")
+            run["predicted_unshaped_link_step_s"] = pred.get("unshaped_link_step_s")
+            if "unshaped_link_step_s" in pred:
+                run["predicted_link_part_s"] = pred["link_step_s"] - pred["unshaped_link_step_s"]
             run["predicted_over_measured"] = pred["step_s"] / t if pred else None
         runs.append(run)
     result: dict[str, Any] = {
@@ -543,6 +735,7 @@ def _summarise(
         "date": time.strftime("%Y-%m-%dT%H:%M:%S%z"),
         "machine": {
             "cpus": os.cpu_count(),
+            "cores_available": len(os.sched_getaffinity(0)),
             "python": platform.python_version(),
             "torch": torch.__version__,
             "kernel": platform.release(),
@@ -565,6 +758,9 @@ def _summarise(
                 "width": args.width,
                 "baseline": base,
                 "prediction": note,
+                "reshard_after_forward": args.reshard_after_forward,
+                "unshaped_rounds": args.unshaped_rounds,
+                "link_unshaped": topology.get("link_unshaped"),
             }
         )
     return result
@@ -645,6 +841,97 @@ def targets(result: dict[str, Any]) -> list[str]:
     return lines
 
 
+def floor(result: dict[str, Any]) -> str | None:
+    """What the unshaped rounds say: the HSDP rows' step without the slow link, and the link's part.
+
+    None without the unshaped steps of HSDP FP32 and HSDP APS e4m3.
+
+    Example:
+        >>> line = floor(json.loads(Path("benchmarks/results/fsdp_hsdp_250mbit.json").read_text()))  # doctest: +SKIP
+    """
+    runs = {r["setup"]: r for r in result.get("runs", [])}
+    aps, base = runs.get("hsdp-aps-e4m3"), runs.get("hsdp-fp32")
+    if not aps or not base:
+        return None
+    fp32_link, aps_link = base.get("link_part_s"), aps.get("link_part_s")
+    if fp32_link is None or aps_link is None:
+        return None
+    steps = [r["unshaped_median_step_s"] for r in runs.values() if _SETUPS[r["setup"]].hsdp]
+    wire = f"{fp32_link / aps_link:.2f}x" if aps_link > 0 else "unbounded"
+    cpu = [base.get("unshaped_cpu_s_per_step"), aps.get("unshaped_cpu_s_per_step")]
+    cores = (result.get("machine") or {}).get("cores_available")
+    spent = (
+        f"; the ranks' CPU seconds per step, summed, {cpu[0]:.3f} and {cpu[1]:.3f} s, "
+        f"{cpu[0] / cores:.3f} and {cpu[1] / cores:.3f} s on {cores} cores"
+        if None not in cpu and cores
+        else ""
+    )
+    return (
+        f"Unshaped (node links at the veths' rate), the HSDP rows took "
+        f"{min(steps):.3f}-{max(steps):.3f} s a step (HSDP FP32 "
+        f"{base['unshaped_median_step_s']:.3f} s, APS e4m3 {aps['unshaped_median_step_s']:.3f} s"
+        f"{spent}): a floor the link does not set. The shaped link added {fp32_link:.3f} s "
+        f"to HSDP FP32's step and {aps_link:.3f} s to HSDP APS e4m3's: {wire} on the link's "
+        "part alone."
+    )
+
+
+def misses(result: dict[str, Any]) -> list[str]:
+    """Why each row whose prediction missed by more than 15% missed, from its measurements.
+
+    The prediction adds the model's link time (shaped minus unshaped) to the
+    unshaped step; a row misses where the step grew by more or less than
+    that. Said from the measured link part, the model's, and the CPU seconds
+    the ranks spent per step shaped and unshaped against the cores.
+
+    Example:
+        >>> lines = misses(json.loads(Path("benchmarks/results/fsdp_hsdp_250mbit.json").read_text()))  # doctest: +SKIP
+    """
+    cores = (result.get("machine") or {}).get("cores_available")
+    lines = []
+    for r in result.get("runs", []):
+        ratio, part = r.get("predicted_over_measured"), r.get("link_part_s")
+        model, cpu = r.get("predicted_link_part_s"), r.get("cpu_s_per_step")
+        fast_cpu = r.get("unshaped_cpu_s_per_step")
+        if ratio is None or abs(ratio - 1) <= _PREDICTION_TARGET or None in (part, model):
+            continue
+        line = (
+            f"{r['setup']} (predicted / measured {ratio:.2f}): the shaped link added "
+            f"{part:.3f} s to the step, the model's link time {model:.3f} s"
+        )
+        if cpu is not None and fast_cpu is not None and cores:
+            line += (
+                f"; the ranks spent {cpu:.3f} s of CPU per step shaped and {fast_cpu:.3f} s "
+                f"unshaped ({fast_cpu / cores:.3f} s on {cores} cores, against the unshaped "
+                f"step's {r['unshaped_median_step_s']:.3f} s)"
+            )
+        phases = [(k, r.get(k), r.get(f"unshaped_{k}")) for k in _PHASES]
+        grew = [
+            f"{k.removesuffix('_s').replace('_', ' ')} {a:.3f} s ({b:.3f} s unshaped)"
+            for k, a, b in phases
+            if a is not None and b is not None and (a or b)
+        ]
+        if grew:
+            line += "; a mean rank's " + ", ".join(grew)
+        rounds = r.get("unshaped_round_median_step_s") or []
+        spread = (
+            f"; the unshaped rounds' medians spread over {min(rounds):.3f}-{max(rounds):.3f} s"
+            if len(rounds) > 1
+            else ""
+        )
+        if part < model:
+            line += (
+                f". The step grew {model - part:.3f} s less than the model's link time{spread}. "
+                f"With {result.get('ranks')} ranks on {cores} cores the unshaped step already "
+                "waits beside its CPU work, and a rank waiting on the link leaves its core to "
+                "another rank's work, which the prediction does not credit."
+            )
+        else:
+            line += f". The link cost {part - model:.3f} s more than the model prices{spread}."
+        lines.append(line)
+    return lines
+
+
 def _node_markdown(result: dict[str, Any]) -> str:
     base = result.get("baseline") or "fp32"
     lines = [
@@ -657,13 +944,15 @@ def _node_markdown(result: dict[str, Any]) -> str:
         "",
         "Cross-node MiB: per step and rank, measured on the nodes' links (interface "
         "counters: payload, headers, ACKs); collectives: the same from the collectives' "
-        "payloads under Gloo's algorithms; prediction: `aps_perfmodel.fsdp.fsdp_step` "
-        "(communication only).",
+        "payloads under Gloo's algorithms. Unshaped: the same setup's step with the node "
+        "links' rate limit removed (same namespaces, ranks and CPUs); link part: step - "
+        f"unshaped step. Prediction: {result.get('prediction') or _LINK_ONLY_NOTE}"
+        f"{'' if result.get('reshard_after_forward', True) else '; reshard_after_forward=False'}.",
         "",
         f"| setup | step s | vs {base} | cross-node MiB (links) | cross-node MiB "
-        f"(collectives) | vs {base} (links) | predicted cross-node MiB | predicted step s | "
-        "predicted / measured |",
-        "|---|---:|---:|---:|---:|---:|---:|---:|---:|",
+        f"(collectives) | vs {base} (links) | predicted cross-node MiB | unshaped step s | "
+        "link part s (measured / predicted) | predicted step s | predicted / measured |",
+        "|---|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|",
     ]
     runs = {r["setup"]: r for r in result["runs"]}
     base_bytes = (runs.get(base) or {}).get("cross_node_bytes_per_step")
@@ -672,18 +961,40 @@ def _node_markdown(result: dict[str, Any]) -> str:
         ratio = f"{cross / base_bytes:.3f}" if cross is not None and base_bytes else "-"
         pred = r.get("predicted_step_s")
         speed = r.get("speedup_vs_baseline")
+        fast, part = r.get("unshaped_median_step_s"), r.get("link_part_s")
+        model_part = r.get("predicted_link_part_s")
+        parts = (
+            "-"
+            if part is None
+            else f"{part:.3f} / " + ("-" if model_part is None else f"{model_part:.3f}")
+        )
         lines.append(
             f"| {r['setup']} | {r['median_step_s']:.3f} | "
             f"{'-' if speed is None else f'{speed:.2f}'} | {_mib(cross)} | "
             f"{_mib(r['collective_bytes_per_step']['cross_node'])} | {ratio} | "
             + (
-                f"{_mib(r.get('predicted_cross_node_bytes_per_step'))} | {pred:.3f} | "
+                f"{_mib(r.get('predicted_cross_node_bytes_per_step'))} | "
+                f"{'-' if fast is None else f'{fast:.3f}'} | {parts} | {pred:.3f} | "
                 f"{r['predicted_over_measured']:.2f} |"
                 if pred
-                else "- | - | - |"
+                else "- | - | - | - | - |"
             )
         )
     lines += ["", *(f"- Target: {line}" for line in targets(result))]
+    said = floor(result)
+    if said:
+        lines.append(f"- Floor: {said}")
+    lines += [f"- Miss: {line}" for line in misses(result)]
+    for r in result["runs"]:
+        said = [
+            f"{k.removesuffix('_s').replace('_', ' ')} {r[k]:.3f} / {r[f'unshaped_{k}']:.3f} s"
+            for k in _PHASES
+            if r.get(k) is not None and r.get(f"unshaped_{k}") is not None
+        ]
+        if said:
+            lines.append(
+                f"- Phases, {r['setup']} (a mean rank's, shaped / unshaped): " + ", ".join(said)
+            )
     return "\n".join(lines) + "\n"
 
 
@@ -735,6 +1046,21 @@ def _parser() -> argparse.ArgumentParser:
     p.add_argument("--warmup", type=int, default=2)
     p.add_argument("--rounds", type=int, default=3)
     p.add_argument(
+        "--unshaped-rounds",
+        type=int,
+        default=None,
+        help="after the shaped rounds, rounds with the node links unshaped (same namespaces "
+        "and ranks, no tc rate), whose steps the prediction starts from (default: --rounds "
+        "with nodes of several ranks, else 0)",
+    )
+    p.add_argument(
+        "--reshard-after-forward",
+        action=argparse.BooleanOptionalAction,
+        default=True,
+        help="fully_shard's reshard_after_forward for every unit (default: on, FSDP2's "
+        "default; --no-reshard-after-forward keeps the parameters gathered for backward)",
+    )
+    p.add_argument(
         "--setups",
         default=None,
         help=f"comma-separated, from {', '.join(SETUPS)} (default: {', '.join(FLAT_SETUPS)}; "
@@ -773,17 +1099,25 @@ def main(argv: Sequence[str] | None = None) -> int:
             f"setups {hsdp} need nodes of several ranks (e.g. --nodes 2 --ranks 4); "
             f"got {nodes} node(s) of {per_node} rank(s)"
         )
+    if args.unshaped_rounds is None:
+        args.unshaped_rounds = args.rounds if with_nodes and not args.loopback else 0
+    if args.unshaped_rounds < 0:
+        raise SystemExit(f"--unshaped-rounds must be >= 0, got {args.unshaped_rounds}")
+    if args.unshaped_rounds and args.loopback:
+        raise SystemExit("--unshaped-rounds needs shaped links; --loopback has none")
     if args.worker:
         _worker(args)
         return 0
 
     with tempfile.TemporaryDirectory(prefix="aps-fsdp-") as tmp:
-        out = Path(tmp) / "rank0.json"
+        out, out_unshaped = Path(tmp) / "rank0.json", Path(tmp) / "rank0_unshaped.json"
         worker = [
-            sys.executable, "-m", "benchmarks.fsdp", "--worker", "--worker-out", str(out),
+            sys.executable, "-m", "benchmarks.fsdp", "--worker",
             "--layers", str(args.layers), "--width", str(args.width),
             "--repeats", str(args.repeats), "--warmup", str(args.warmup),
-            "--rounds", str(args.rounds), "--setups", ",".join(args.setups),
+            "--setups", ",".join(args.setups),
+            "--reshard-after-forward" if args.reshard_after_forward
+            else "--no-reshard-after-forward",
         ]  # fmt: skip
         with EmulatedCluster(
             bandwidth=args.bandwidth, loopback=args.loopback, **topology_args
@@ -801,16 +1135,27 @@ def main(argv: Sequence[str] | None = None) -> int:
                     intra = cluster.link_stats(dst=1)
                     print(intra.summary(), flush=True)
                     topology["link_intra_node"] = intra.to_dict()
-            ranks = cluster.run(
-                worker, timeout=args.timeout, env={"PYTHONPATH": os.getcwd()}, echo=True
-            )
-        failed = [r for r in ranks if not r.ok]
-        if failed:
-            for r in failed:
-                print(r.output[-3000:], file=sys.stderr)
-            return 1
+            env = {"PYTHONPATH": os.getcwd()}
+            jobs = [(out, args.rounds)]
+            if args.unshaped_rounds:
+                jobs.append((out_unshaped, args.unshaped_rounds))
+            for i, (path, rounds) in enumerate(jobs):
+                if i:
+                    # The same ranks on the same CPUs, the node links at the veths' rate.
+                    cluster.unshape()
+                    fast = cluster.link_stats()
+                    print("unshaped", fast.summary(), flush=True)
+                    topology["link_unshaped"] = fast.to_dict()
+                argv = [*worker, "--worker-out", str(path), "--rounds", str(rounds)]
+                ranks = cluster.run(argv, timeout=args.timeout, env=env, echo=True)
+                failed = [r for r in ranks if not r.ok]
+                if failed:
+                    for r in failed:
+                        print(r.output[-3000:], file=sys.stderr)
+                    return 1
         raw = json.loads(out.read_text())
-    result = _summarise(raw, topology, args)
+        unshaped_raw = json.loads(out_unshaped.read_text()) if args.unshaped_rounds else None
+    result = _summarise(raw, topology, args, unshaped_raw)
     print(markdown(result))
     if args.json:
         args.json.parent.mkdir(parents=True, exist_ok=True)

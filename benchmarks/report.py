@@ -1409,7 +1409,16 @@ def _step_figures(data: dict) -> dict[str, list[str]]:
     with_compute = {r.get("hook"): r.get("median_compute_step_s") for r in runs}
     out: dict[str, list[str]] = {"s": [], "x": []}
     for r in runs:
-        for key in ("median_step_s", "median_compute_step_s"):
+        for key in (
+            "median_step_s",
+            "median_compute_step_s",
+            "unshaped_median_step_s",
+            "link_part_s",
+            "predicted_link_part_s",
+            *(f"{pre}{k}" for pre in ("", "unshaped_") for k in ("forward_s", "backward_s")),
+            "replica_hook_s",
+            "unshaped_replica_hook_s",
+        ):
             if isinstance(r.get(key), int | float):
                 out["s"].append(f"{r[key]:.3f}")
         for key in ("speedup_vs_fp32", "speedup_vs_fp16", "speedup_vs_baseline"):

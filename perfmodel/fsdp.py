@@ -21,7 +21,12 @@ the gradients after backward. Three ways to reduce-scatter are modelled:
 Across nodes the two differ in kind, not only in bytes per element. FSDP's
 reduce-scatter is priced node-aware (:func:`hierarchical_reduce_scatter`):
 the node sums first, and each of its ``g`` devices sends a ``1/g`` shard
-across. APS's all-to-all sends every rank's unreduced rows for the other
+across. Gloo is not node-aware: its all-reduce and all-gather are one ring
+over the node-major ranks, the node's last rank sending each step's chunk
+across, so flat FSDP on Gloo sends ``2 (N - 1) / N / g`` of the
+reduce-scatter's input and ``(N - 1) / N / g`` of each all-gather's output
+across per rank (2 nodes x 2 ranks: 3/8 and 3/16, where node-aware sends
+1/4 and 1/8), at the node link's rate, one flow on it. APS's all-to-all sends every rank's unreduced rows for the other
 nodes' ranks, ``g`` times as many elements. Where ``g`` devices share one
 node link, APS sends ``g * w / w_native`` times FSDP's bytes across it:
 with e4m3 against FP32, fewer only below 4 devices per node link (8 A100s
@@ -234,7 +239,8 @@ class FSDPStepPrediction:
             :class:`~aps_perfmodel.strategies.CommBreakdown` (HSDP; empty otherwise).
         cross_node_bytes: bytes one rank sends across nodes per step: the
             gradients' ``inter_node_bytes`` and the parameter all-gathers'
-            (node-aware, as the model prices them); 0 on one node.
+            (as the model prices them: node-aware, or on Gloo one ring over
+            all ranks); 0 on one node.
         reduce_scatter_format: the reduce-scatter's format: ``format`` where
             APS reduce-scatters, else FSDP's own ``reduce_dtype`` (an APS
             HSDP row's is "fp32" unless ``reduce_scatter=True``).
@@ -278,10 +284,51 @@ def _flat(cluster: Cluster, key: str) -> LinkParams | None:
     return cluster.collective_fits.get(key)
 
 
-def _allreduce(cluster: Cluster, nbytes: float, key: str, algorithm: str) -> float:
+def _gloo_ring(cluster: Cluster, backend: str) -> LinkParams | None:
+    """The link a Gloo ring over the cluster's ranks runs at, where it spans nodes of several ranks.
+
+    Gloo is not node-aware: its all-reduce (FSDP's reduce-scatter there) and
+    all-gather are one ring over the node-major ranks, each step every rank
+    passing a chunk to the next; one rank per node sends over the node's
+    link (one flow, not shared), the others in the node, and a step waits for
+    the slower. None where the node-aware price holds (NCCL, one node, one
+    rank per node) or a calibrated fit prices the collective.
+    """
+    topo = cluster.topology
+    if backend != "gloo" or cluster.collective_fits or topo.nodes == 1 or topo.gpus_per_node == 1:
+        return None
+    intra, inter = topo.intra, topo.inter
+    return replace(
+        inter if inter.beta >= intra.beta else intra,
+        alpha=max(intra.alpha, inter.alpha),
+        gamma=intra.gamma,
+    )
+
+
+def _ring_share(cluster: Cluster, backend: str) -> float:
+    """The part of a ring collective's bytes per rank that leaves the node.
+
+    Gloo's one ring over node-major ranks: one rank in L sends to the next
+    node. Node-aware (NCCL): each of a node's L ranks sends its ``1 / L``
+    part to the other nodes, ``(M - 1) / M`` of it across.
+    """
+    g, m = cluster.topology.gpus_per_node, cluster.topology.nodes
+    if m == 1:
+        return 0.0
+    if _gloo_ring(cluster, backend) is not None:
+        return 1.0 / g
+    return (m - 1) / m / g * cluster.world_size / (cluster.world_size - 1)
+
+
+def _allreduce(
+    cluster: Cluster, nbytes: float, key: str, algorithm: str, backend: str = "nccl"
+) -> float:
     fit = _flat(cluster, key)
     if fit is not None:
         return allreduce(nbytes, cluster.world_size, fit, algorithm)
+    ring = _gloo_ring(cluster, backend)
+    if ring is not None:
+        return allreduce(nbytes, cluster.world_size, ring, algorithm)
     return hierarchical_allreduce(nbytes, cluster.topology, algorithm)
 
 
@@ -292,10 +339,13 @@ def _all_to_all(cluster: Cluster, nbytes: float) -> float:
     return hierarchical_all_to_all(nbytes, cluster.topology)
 
 
-def _all_gather(cluster: Cluster, nbytes: float) -> float:
+def _all_gather(cluster: Cluster, nbytes: float, backend: str = "nccl") -> float:
     fit = _flat(cluster, "all_gather")
     if fit is not None:
         return all_gather(nbytes, cluster.world_size, fit)
+    ring = _gloo_ring(cluster, backend)
+    if ring is not None:
+        return all_gather(nbytes, cluster.world_size, ring)
     return hierarchical_all_gather(nbytes, cluster.topology)
 
 
@@ -349,10 +399,11 @@ def reduce_scatter_time(
     if _native(fmt):
         key = f"all_reduce.{_TORCH_DTYPE[fmt.name]}"
         # Node-aware (hierarchical_*): the node reduces first, and each of its
-        # g ranks sends its n/g shard across.
+        # g ranks sends its n/g shard across; Gloo: one flat ring (_gloo_ring).
         if backend == "gloo":
-            collective = _allreduce(cluster, n * w, key, cluster.algorithm)
-            return UnitTiming(collective, 0.0, 0.0, 2 * n * w * frac, 0.0, 2 * n * w / g * away)
+            collective = _allreduce(cluster, n * w, key, cluster.algorithm, backend)
+            sent = 2 * n * w * frac
+            return UnitTiming(collective, 0.0, 0.0, sent, 0.0, sent * _ring_share(cluster, backend))
         fit = _flat(cluster, "reduce_scatter")
         collective = (
             reduce_scatter(n * w, p, fit)
@@ -483,14 +534,16 @@ def _replica_reduction(
     return b, b.total_s
 
 
-def _gather_across(cluster: Cluster, nbytes: float) -> float:
-    """Bytes per rank one node-aware all-gather of ``nbytes`` sends across nodes.
+def _gather_across(cluster: Cluster, nbytes: float, backend: str) -> float:
+    """Bytes per rank one all-gather of ``nbytes`` sends across nodes.
 
-    Each of a node's g ranks all-gathers its ``1 / g`` part among the M nodes
-    (:func:`~aps_perfmodel.collectives.hierarchical_all_gather`).
+    Node-aware: each of a node's g ranks all-gathers its ``1 / g`` part among
+    the M nodes (:func:`~aps_perfmodel.collectives.hierarchical_all_gather`).
+    Gloo: one ring over all ranks, ``(N - 1) / N`` of ``nbytes`` per rank, of
+    which the node's last rank's leaves it (:func:`_ring_share`).
     """
-    g, m = cluster.topology.gpus_per_node, cluster.topology.nodes
-    return nbytes / g * (m - 1) / m
+    p = cluster.world_size
+    return nbytes * (p - 1) / p * _ring_share(cluster, backend)
 
 
 def fsdp_step(
@@ -582,7 +635,7 @@ def fsdp_step(
         replicas = tuple(b for b, _ in priced)
         all_reduce_s = sum(t for _, t in priced)
     timings = tuple(reduce_scatter_time(u, rs_spec, group, backend) for u in units)
-    all_gather_s = gathers * sum(_all_gather(group, u.numel * param_bytes) for u in units)
+    all_gather_s = gathers * sum(_all_gather(group, u.numel * param_bytes, backend) for u in units)
     if group.world_size == 1:
         all_gather_s = 0.0
     rs = sum(t.total_s for t in timings)
@@ -592,7 +645,9 @@ def fsdp_step(
     )
     gathered = 0.0
     if group.world_size > 1:
-        gathered = gathers * sum(_gather_across(group, u.numel * param_bytes) for u in units)
+        gathered = gathers * sum(
+            _gather_across(group, u.numel * param_bytes, backend) for u in units
+        )
     return FSDPStepPrediction(
         format=spec.name,
         aps=not _native(spec) and (aps_rs or replicate > 1),

@@ -68,6 +68,12 @@ def test_hsdp_setups_run_and_their_replica_bytes_are_the_formats() -> None:
     assert got["fp32"]["replica"] == 0 and got["fp32"]["cross_node"] == got["fp32"]["intra_node"]
     assert all(r["cross_node_bytes_per_step"] is None for r in rows.values())  # no node links
     assert rows["hsdp-aps-e4m3"]["aps_bytes_detail"]["all_to_all"] > 0
+    # Phases: only APS HSDP runs the replica hook (aps_comm.fsdp.reduce_shard).
+    assert all(v > 0 for v in rows["hsdp-aps-e4m3"]["replica_hook_s"])
+    assert all(v == 0 for s in ("fp32", "hsdp-fp32") for v in rows[s]["replica_hook_s"])
+    assert all(
+        v > 0 for r in rows.values() for k in ("forward_s", "backward_s", "cpu_s") for v in r[k]
+    )
 
 
 def test_hsdp_setups_need_nodes_of_several_ranks() -> None:
@@ -122,3 +128,101 @@ def test_check_docs_matches_a_quoted_speedup_to_speedups_not_step_times(tmp_path
     doc.write_text("- Another run: 1.52x the step.\n- Unnamed: HSDP APS e4m3 2.23x.\n")
     problems = report.check_docs([doc], results)
     assert len(problems) == 1 and "2.23x" in problems[0] and "fsdp_x.json" in problems[0]
+
+
+def _topology(unshaped_bits: float | None) -> dict[str, Any]:
+    def link(bits: float | None, rtt: float) -> dict[str, Any]:
+        return {"bandwidth_bits_per_s": bits, "rtt_s": rtt}
+
+    topo = {
+        "nodes": 2,
+        "ranks_per_node": 2,
+        "link": link(2.4e8, 4e-5),
+        "link_intra_node": link(1.28e10, 3.5e-5),
+    }
+    if unshaped_bits:
+        topo["link_unshaped"] = link(unshaped_bits, 3e-5)
+    return topo
+
+
+def test_prediction_is_the_unshaped_step_plus_the_models_link_difference() -> None:
+    from aps_perfmodel.cluster import custom_cluster
+    from aps_perfmodel.fsdp import FSDPUnit, fsdp_step
+
+    setups, unshaped = ["fp32", "hsdp-fp32", "hsdp-aps-e4m3"], {"fp32": 0.5, "hsdp-fp32": 0.3}
+    unshaped["hsdp-aps-e4m3"] = 0.35
+    rows, note = fsdp.predict(setups, 2, 2048, _topology(1.2e10), True, unshaped)
+    assert note.startswith("predicted step = the setup's step measured with the node links")
+
+    def model(bits: float, rtt: float, setup: str) -> float:
+        c = custom_cluster(
+            bits / 8, rtt / 2, nodes=2, gpus_per_node=2, intra_bandwidth=1.6e9,
+            intra_latency=1.75e-5, device="cpu",
+        )  # fmt: skip
+        extra = {"replicate": 2} if setup.startswith("hsdp") else {}
+        fmt = setup.removeprefix("hsdp-").removeprefix("aps-")
+        return fsdp_step([FSDPUnit(2048 * 2048, 1)] * 2, fmt, c, backend="gloo", **extra).step_s
+
+    for s in setups:
+        shaped, fast = model(2.4e8, 4e-5, s), model(1.2e10, 3e-5, s)
+        assert rows[s]["link_step_s"] == pytest.approx(shaped)
+        assert rows[s]["unshaped_link_step_s"] == pytest.approx(fast)
+        assert rows[s]["step_s"] == pytest.approx(unshaped[s] + shaped - fast)
+    # Without the unshaped steps (or link): the model's link time alone, said so.
+    alone, note = fsdp.predict(setups, 2, 2048, _topology(None), True, unshaped)
+    assert note.endswith("(links only)") and alone["fp32"]["step_s"] == alone["fp32"]["link_step_s"]
+    # reshard_after_forward=False: one all-gather per unit and step, not two.
+    kept, _ = fsdp.predict(["fp32"], 2, 2048, _topology(None), False)
+    assert kept["fp32"]["all_gather_s"] == pytest.approx(alone["fp32"]["all_gather_s"] / 2)
+
+
+def test_floor_says_the_unshaped_steps_and_the_links_part() -> None:
+    def run(setup: str, step: float, fast: float) -> dict[str, Any]:
+        return {"setup": setup, "unshaped_median_step_s": fast, "link_part_s": step - fast}
+
+    result = {
+        "runs": [run("fp32", 3.0, 0.5), run("hsdp-fp32", 1.5, 0.3), run("hsdp-aps-e4m3", 0.9, 0.6)]
+    }
+    assert fsdp.floor(result) == (
+        "Unshaped (node links at the veths' rate), the HSDP rows took 0.300-0.600 s a step "
+        "(HSDP FP32 0.300 s, APS e4m3 0.600 s): a floor the link does not set. The shaped "
+        "link added 1.200 s to HSDP FP32's step and 0.300 s to HSDP APS e4m3's: 4.00x on "
+        "the link's part alone."
+    )
+    del result["runs"][2]["link_part_s"]
+    assert fsdp.floor(result) is None
+
+
+def test_misses_say_how_the_step_grew_against_the_models_link_time() -> None:
+    def run(setup: str, ratio: float, part: float, model: float) -> dict[str, Any]:
+        return {
+            "setup": setup,
+            "predicted_over_measured": ratio,
+            "link_part_s": part,
+            "predicted_link_part_s": model,
+            "cpu_s_per_step": 0.9,
+            "unshaped_cpu_s_per_step": 0.8,
+            "unshaped_median_step_s": 0.45,
+            "unshaped_round_median_step_s": [0.4, 0.45, 0.5],
+        }
+
+    result = {
+        "ranks": 4,
+        "machine": {"cores_available": 2},
+        "runs": [run("hsdp-fp32", 1.04, 1.0, 1.1), run("hsdp-aps-e4m3", 1.2, 0.2, 0.3)],
+    }
+    result["runs"].append(run("fp32", 0.8, 3.5, 3.0))
+    assert fsdp.misses(result) == [
+        "hsdp-aps-e4m3 (predicted / measured 1.20): the shaped link added 0.200 s to the "
+        "step, the model's link time 0.300 s; the ranks spent 0.900 s of CPU per step shaped "
+        "and 0.800 s unshaped (0.400 s on 2 cores, against the unshaped step's 0.450 s). "
+        "The step grew 0.100 s less than the model's link time; the unshaped rounds' medians "
+        "spread over 0.400-0.500 s. With 4 ranks on 2 cores the unshaped step already waits "
+        "beside its CPU work, and a rank waiting on the link leaves its core to another "
+        "rank's work, which the prediction does not credit.",
+        "fp32 (predicted / measured 0.80): the shaped link added 3.500 s to the step, the "
+        "model's link time 3.000 s; the ranks spent 0.900 s of CPU per step shaped and "
+        "0.800 s unshaped (0.400 s on 2 cores, against the unshaped step's 0.450 s). The "
+        "link cost 0.500 s more than the model prices; the unshaped rounds' medians spread "
+        "over 0.400-0.500 s.",
+    ]

@@ -43,12 +43,40 @@ def test_replicate_1_is_flat_fsdp(fmt: str, backend: str) -> None:
         assert flat.units == tuple(reduce_scatter_time(u, spec, cluster, backend) for u in UNITS)
         assert flat.replicate == 1 and flat.all_reduce_s == 0.0 and flat.replicas == ()
         assert flat.reduce_scatter_format == spec.name
-        # Across nodes: the gradients' bytes and the node-aware all-gathers' (forward and
-        # backward), each of a node's g ranks sending its 1/g part to the other nodes.
-        topo = cluster.topology
+        # Across nodes: the gradients' bytes and the all-gathers' (forward and backward):
+        # node-aware, each of a node's g ranks sends its 1/g part to the other nodes;
+        # Gloo's one ring over nodes of several ranks, the node's last rank sends
+        # (N - 1) / N of the output to the next node.
+        topo, p = cluster.topology, cluster.world_size
         gathers = 2 * sum(u.numel * 2.0 for u in UNITS) / topo.gpus_per_node
-        gathers *= (topo.nodes - 1) / topo.nodes
+        if backend == "gloo" and topo.nodes > 1 and topo.gpus_per_node > 1:
+            gathers *= (p - 1) / p
+        else:
+            gathers *= (topo.nodes - 1) / topo.nodes
         assert flat.cross_node_bytes == pytest.approx(flat.inter_node_bytes + gathers)
+
+
+def test_flat_fsdp_on_gloo_crosses_nodes_as_its_ring() -> None:
+    # benchmarks.fsdp's model: 2 x Linear(2048, 2048), 32 MiB of FP32, on 2 nodes x 2 ranks.
+    units = [FSDPUnit(2048 * 2048, 1)] * 2
+    cluster, mib = _emulated(), 2**20
+    fp32 = fsdp_step(units, "fp32", cluster, backend="gloo")
+    # Gloo's ring over ranks 0-1-2-3: ranks 1 and 3 send to the other node. The
+    # reduce-scatter is an all-reduce (2 x 3/4 x 32 MiB per rank, half of it across)
+    # and 4 all-gathers of 16 MiB (3/4 each, half across): 24 + 24 MiB, as the
+    # benchmark's link counters measure (the node-aware price: 16 + 16).
+    assert fp32.cross_node_bytes == pytest.approx(48 * mib)
+    e4m3 = fsdp_step(units, "e4m3", cluster, backend="gloo")
+    assert e4m3.cross_node_bytes == pytest.approx((4 + 24) * mib)
+    # One flow of the ring on each node link: 2 x 3 steps of 8 MiB at its rate.
+    link = cluster.topology.inter
+    assert fp32.reduce_scatter_s == pytest.approx(
+        2 * ring_allreduce(32 * mib / 2, 4, replace(link, gamma=cluster.topology.intra.gamma))
+    )
+    assert fp32.all_gather_s == pytest.approx(4 * (3 * link.alpha + 0.75 * 16 * mib * link.beta))
+    # NCCL keeps the node-aware price.
+    nccl = fsdp_step(units, "fp32", cluster, backend="nccl")
+    assert nccl.cross_node_bytes == pytest.approx((8 + 16) * mib)
 
 
 @pytest.mark.parametrize("backend", ["nccl", "gloo"])

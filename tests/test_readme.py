@@ -183,6 +183,12 @@ EXEMPT: dict[str, str] = {
         "a timing benchmark on the emulated cluster with nodes (needs root for network "
         "namespaces); tests/test_benchmarks_fsdp.py runs its setups on 4 loopback ranks"
     ),
+    "python -m benchmarks.fsdp --nodes 2 --ranks 4 --bandwidth 250mbit --repeats 3 --warmup 1 "
+    "--rounds 3 --setups hsdp-fp32,hsdp-bf16,hsdp-aps-e4m3,hsdp-aps-e2m1-block "
+    "--no-reshard-after-forward --json benchmarks/results/fsdp_hsdp_250mbit_keep.json": (
+        "a timing benchmark on the emulated cluster with nodes (needs root for network "
+        "namespaces); tests/test_benchmarks_fsdp.py prices its --no-reshard-after-forward"
+    ),
     "python -m benchmarks.accuracy --hooks fp32 aps-e4m3 aps-e2m1-block powersgd-r1 "
     "powersgd-r4 --merge benchmarks/results/accuracy.json --out benchmarks/results": (
         "5 hooks x 2 tasks x 3 seeds on 4 ranks (851 s for the rows merged into the "

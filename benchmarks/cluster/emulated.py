@@ -357,6 +357,7 @@ class EmulatedCluster:
         self.congestion_control = congestion_control
         self.master_port = master_port
         self.name = f"{netns.NS_PREFIX}{os.getpid()}-{secrets.token_hex(2)}"
+        self.shaped = not loopback  # the node links' tbf qdiscs are in place
         self._started = False
         self._created: list[str] = []
         self._procs: list[subprocess.Popen[Any]] = []
@@ -510,6 +511,39 @@ class EmulatedCluster:
                 netns.run_command(["tc", "-n", nns, "qdisc", "replace", "dev", "lo", *lo_tbf])
         if self.delay_s:
             self._start_switch([f"apsb{node}" for node in range(self.nodes)])
+
+    def unshape(self) -> None:
+        """Remove the node links' rate limits: the same namespaces and veths, no tbf on them.
+
+        Runs after it see the links at the veths' own rate (``link_stats``
+        measures it): what a step costs without the slow link, on the same
+        ranks, CPUs and TCP stack. The intra-node shaping and the delaying
+        switch, if any, stay. Idempotent.
+
+        Raises:
+            ClusterError: the cluster is not started, or is in loopback mode
+                (nothing is shaped there).
+
+        Example:
+            >>> with EmulatedCluster(nodes=2, ranks_per_node=2, bandwidth="250mbit") as c:  # doctest: +SKIP
+            ...     c.unshape()
+            ...     print(c.link_stats().summary())
+        """
+        if not self._started:
+            raise ClusterError("cluster is not started; use `with EmulatedCluster(...)`")
+        if self.loopback:
+            raise ClusterError("a loopback cluster has no shaped links to unshape")
+        if not self.shaped:
+            return
+        for node in range(self.nodes):
+            nif, bif = self.interface(node * self.ranks_per_node), f"apsb{node}"
+            netns.run_command(
+                ["tc", "-n", self.node_namespace(node), "qdisc", "del", "dev", nif, "root"]
+            )
+            netns.run_command(
+                ["tc", "-n", self.bridge_namespace, "qdisc", "del", "dev", bif, "root"]
+            )
+        self.shaped = False
 
     def _start_switch(self, ports: list[str]) -> None:
         """Start the delaying switch in the bridge namespace; return once it forwards."""
@@ -778,7 +812,7 @@ class EmulatedCluster:
         intra = not self.loopback and self.node(src) == self.node(dst)
         rate: int | None = None
         if not self.loopback:
-            rate = self.intra_node_bits_per_s if intra else self.bits_per_s
+            rate = self.intra_node_bits_per_s if intra else self.bits_per_s if self.shaped else None
         if transfer_bytes is None:
             transfer_bytes = 64 << 20 if rate is None else min(max(rate // 16, 2 << 20), 64 << 20)
         if timeout is None:
