@@ -47,8 +47,10 @@ compute taken as zero; HSDP rows through ``fsdp_step(..., replicate=M)``)
 and its ratio to the measured step. With nodes every setup also runs
 ``--unshaped-rounds`` rounds (default ``--rounds``) with the node links
 unshaped (:meth:`EmulatedCluster.unshape`: the same namespaces, ranks and
-CPUs, no tc rate), and the prediction is that unshaped step plus the
-model's link time at the shaped rate less its link time at the unshaped
+CPUs, no tc rate), interleaved with the shaped rounds (round r: every
+setup shaped, then every setup unshaped, then
+:meth:`EmulatedCluster.shape` again, so drift over the run lands on
+both), and the prediction is that unshaped step plus the model's link time at the shaped rate less its link time at the unshaped
 veth's measured rate (:func:`predict`): the model prices the links, the
 unshaped step measures what is not links (forward, backward, the codec and
 the collectives inside a node, on shared cores). Each row also records the
@@ -760,6 +762,8 @@ def _summarise(
                 "prediction": note,
                 "reshard_after_forward": args.reshard_after_forward,
                 "unshaped_rounds": args.unshaped_rounds,
+                # main() runs round r shaped, then unshaped, then shapes again.
+                "rounds_interleaved": bool(args.unshaped_rounds),
                 "link_unshaped": topology.get("link_unshaped"),
             }
         )
@@ -939,8 +943,9 @@ def _node_markdown(result: dict[str, Any]) -> str:
         f"between nodes, unshaped inside a node; {result['layers']} x "
         f"Linear({result['width']}, {result['width']}) ({result['parameter_mb']:.0f} MiB of "
         f"FP32 parameters), each layer a unit; medians of {result['repeats']} steps per round, "
-        f"median over {result['rounds']} rounds (setups interleaved); command "
-        f"`{result['command']}`.",
+        f"median over {result['rounds']} rounds (setups interleaved"
+        f"{', each shaped round followed by its unshaped one' if result.get('rounds_interleaved') else ''}"
+        f"); command `{result['command']}`.",
         "",
         "Cross-node MiB: per step and rank, measured on the nodes' links (interface "
         "counters: payload, headers, ACKs); collectives: the same from the collectives' "
@@ -1049,9 +1054,9 @@ def _parser() -> argparse.ArgumentParser:
         "--unshaped-rounds",
         type=int,
         default=None,
-        help="after the shaped rounds, rounds with the node links unshaped (same namespaces "
-        "and ranks, no tc rate), whose steps the prediction starts from (default: --rounds "
-        "with nodes of several ranks, else 0)",
+        help="rounds with the node links unshaped (same namespaces and ranks, no tc rate), "
+        "each after the shaped round of the same number, whose steps the prediction starts "
+        "from (default: --rounds with nodes of several ranks, else 0)",
     )
     p.add_argument(
         "--reshard-after-forward",
@@ -1136,25 +1141,37 @@ def main(argv: Sequence[str] | None = None) -> int:
                     print(intra.summary(), flush=True)
                     topology["link_intra_node"] = intra.to_dict()
             env = {"PYTHONPATH": os.getcwd()}
-            jobs = [(out, args.rounds)]
-            if args.unshaped_rounds:
-                jobs.append((out_unshaped, args.unshaped_rounds))
-            for i, (path, rounds) in enumerate(jobs):
-                if i:
-                    # The same ranks on the same CPUs, the node links at the veths' rate.
-                    cluster.unshape()
-                    fast = cluster.link_stats()
-                    print("unshaped", fast.summary(), flush=True)
-                    topology["link_unshaped"] = fast.to_dict()
-                argv = [*worker, "--worker-out", str(path), "--rounds", str(rounds)]
-                ranks = cluster.run(argv, timeout=args.timeout, env=env, echo=True)
-                failed = [r for r in ranks if not r.ok]
-                if failed:
-                    for r in failed:
-                        print(r.output[-3000:], file=sys.stderr)
-                    return 1
-        raw = json.loads(out.read_text())
-        unshaped_raw = json.loads(out_unshaped.read_text()) if args.unshaped_rounds else None
+            raw: dict[str, Any] = {"results": []}
+            unshaped_raw: dict[str, Any] | None = {"results": []} if args.unshaped_rounds else None
+            # Round r runs every setup shaped, then (while r < --unshaped-rounds)
+            # every setup unshaped, then shapes the links again: drift over the
+            # run (load, the shared cores' clocks) lands on both sides alike.
+            for rnd in range(max(args.rounds, args.unshaped_rounds)):
+                jobs = []
+                if rnd < args.rounds:
+                    jobs.append((raw, out))
+                if unshaped_raw is not None and rnd < args.unshaped_rounds:
+                    jobs.append((unshaped_raw, out_unshaped))
+                for into, path in jobs:
+                    if into is unshaped_raw:
+                        # The same ranks on the same CPUs, the node links at the veths' rate.
+                        cluster.unshape()
+                        if "link_unshaped" not in topology:
+                            fast = cluster.link_stats()
+                            print("unshaped", fast.summary(), flush=True)
+                            topology["link_unshaped"] = fast.to_dict()
+                    argv = [*worker, "--worker-out", str(path), "--rounds", "1"]
+                    ranks = cluster.run(argv, timeout=args.timeout, env=env, echo=True)
+                    failed = [r for r in ranks if not r.ok]
+                    if failed:
+                        for r in failed:
+                            print(r.output[-3000:], file=sys.stderr)
+                        return 1
+                    got = json.loads(path.read_text())
+                    into["world"] = got["world"]
+                    into["results"] += [{**r, "round": rnd} for r in got["results"]]
+                    if into is unshaped_raw:
+                        cluster.shape()
     result = _summarise(raw, topology, args, unshaped_raw)
     print(markdown(result))
     if args.json:

@@ -334,7 +334,7 @@ def test_nodes_intra_node_bandwidth_shapes_the_loopback(netns: None) -> None:
     assert _ours(c.name) == []
 
 
-def test_unshape_lifts_only_the_node_links_rate(netns: None) -> None:
+def test_unshape_lifts_only_the_node_links_rate_and_shape_puts_it_back(netns: None) -> None:
     with cl.EmulatedCluster(
         nodes=2, ranks_per_node=2, bandwidth="20mbit", intra_node_bandwidth="100mbit"
     ) as c:
@@ -343,13 +343,17 @@ def test_unshape_lifts_only_the_node_links_rate(netns: None) -> None:
         qdiscs = c.qdiscs()
         assert qdiscs.count("rate 20Mbit") == 0 and qdiscs.count("rate 100Mbit") == 2, qdiscs
         link = c.link_stats(transfer_bytes=4 << 20, pings=10)
+        c.shape()
+        c.shape()  # idempotent
+        qdiscs = c.qdiscs()  # the tbf back on both ends of both links, lo's untouched
+        assert qdiscs.count("rate 20Mbit") == 4 and qdiscs.count("rate 100Mbit") == 2, qdiscs
     assert link.configured_bits_per_s is None and link.configured_rate is None
     assert link.bandwidth_bits_per_s > 10 * 20e6, link.summary()  # the veth's own rate
-    with (
-        pytest.raises(cl.ClusterError, match="loopback"),
-        cl.EmulatedCluster(ranks=2, loopback=True) as lo,
-    ):
-        lo.unshape()
+    with cl.EmulatedCluster(ranks=2, loopback=True) as lo:
+        with pytest.raises(cl.ClusterError, match="loopback"):
+            lo.unshape()
+        with pytest.raises(cl.ClusterError, match="loopback"):
+            lo.shape()
 
 
 def _host_congestion_control() -> str:

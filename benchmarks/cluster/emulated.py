@@ -463,7 +463,6 @@ class EmulatedCluster:
 
     def _build(self) -> None:
         bns = self.bridge_namespace
-        tbf = netns.tbf_args(self.bits_per_s)
         self._add_netns(bns)
         if not self.delay_s:
             netns.run_command(["ip", "-n", bns, "link", "add", netns.BRIDGE_IF, "type", "bridge"])
@@ -499,10 +498,7 @@ class EmulatedCluster:
             netns.run_command(["ip", "-n", nns, "link", "set", "lo", "up"])
             if self.congestion_control is not None:
                 netns.set_congestion_control(nns, self.congestion_control)
-            # Egress on each end: node -> bridge on the node side, bridge ->
-            # node on the bridge side, i.e. a full-duplex link of this rate.
-            netns.run_command(["tc", "-n", nns, "qdisc", "replace", "dev", nif, *tbf])
-            netns.run_command(["tc", "-n", bns, "qdisc", "replace", "dev", bif, *tbf])
+            self._shape_link(node)
             if self.intra_node_bits_per_s is not None:
                 # lo carries 64 KiB packets: the bucket must hold one whole.
                 lo_tbf = netns.tbf_args(
@@ -544,6 +540,43 @@ class EmulatedCluster:
                 ["tc", "-n", self.bridge_namespace, "qdisc", "del", "dev", bif, "root"]
             )
         self.shaped = False
+
+    def shape(self) -> None:
+        """Put the node links' rate limits back after :meth:`unshape`: the tbf qdiscs of start.
+
+        Lets a run alternate shaped and unshaped rounds on the same ranks,
+        so that drift over the run lands on both alike. Idempotent.
+
+        Raises:
+            ClusterError: the cluster is not started, or is in loopback mode
+                (it has no links to shape).
+
+        Example:
+            >>> with EmulatedCluster(nodes=2, ranks_per_node=2, bandwidth="250mbit") as c:  # doctest: +SKIP
+            ...     c.unshape()
+            ...     c.shape()
+            ...     print(c.link_stats().summary())
+        """
+        if not self._started:
+            raise ClusterError("cluster is not started; use `with EmulatedCluster(...)`")
+        if self.loopback:
+            raise ClusterError("a loopback cluster has no links to shape")
+        if self.shaped:
+            return
+        for node in range(self.nodes):
+            self._shape_link(node)
+        self.shaped = True
+
+    def _shape_link(self, node: int) -> None:
+        """Put the configured rate's tbf on ``node``'s link (at start and by :meth:`shape`)."""
+        # Egress on each end: node -> bridge on the node side, bridge ->
+        # node on the bridge side, i.e. a full-duplex link of this rate.
+        tbf = netns.tbf_args(self.bits_per_s)
+        nif, bif = self.interface(node * self.ranks_per_node), f"apsb{node}"
+        netns.run_command(
+            ["tc", "-n", self.node_namespace(node), "qdisc", "replace", "dev", nif, *tbf]
+        )
+        netns.run_command(["tc", "-n", self.bridge_namespace, "qdisc", "replace", "dev", bif, *tbf])
 
     def _start_switch(self, ports: list[str]) -> None:
         """Start the delaying switch in the bridge namespace; return once it forwards."""
