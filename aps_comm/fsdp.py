@@ -78,6 +78,7 @@ from aps_comm.config import (
 from aps_comm.engine import Comm, Reducer, Settings, Traffic
 from aps_comm.formats import FloatFormat, get_format
 from aps_comm.hostcopy import HostValue
+from aps_comm.layout import Layout
 from aps_comm.plan import Planner
 from aps_comm.policy import Assignment, LayerInfo, Rule, policy_rules
 from aps_comm.policy import describe as describe_policy
@@ -271,8 +272,8 @@ class APSFSDPState:
         self.all_reduce_hooks: list[Callable[[torch.Tensor], None]] = []
         # Intra-node collectives of the replica path (the non-finite flags).
         self._shard_traffic = Traffic()
-        # Per unit, the FP32 buffer its shard is reduced across replicas in.
-        self._shards: dict[int, torch.Tensor] = {}
+        # Per unit, the FP32 buffer its shard is reduced across replicas in, and its layout.
+        self._shards: dict[int, tuple[torch.Tensor, Layout]] = {}
         # Groups made for register's checks only, released with the others.
         self._other_groups: list[dist.ProcessGroup] = []
         self.bytes_sent = 0
@@ -480,20 +481,19 @@ class APSFSDPState:
         # FSDP hands a new tensor every step: the unit's own FP32 buffer keeps
         # the settled path bound (and the replicas' shards sum in FP32 whatever
         # the reduce dtype).
-        x = self._shards.get(unit.index)
-        if x is None or x.device != output.device:
-            x = self._shards[unit.index] = torch.empty(
-                unit.row_numel, dtype=torch.float32, device=output.device
-            )
+        bound = self._shards.get(unit.index)
+        if bound is None or bound[0].device != output.device:
+            # Once per unit: its FP32 buffer and its parameters' layout.
+            x = torch.empty(unit.row_numel, dtype=torch.float32, device=output.device)
+            bound = self._shards[unit.index] = (x, Layout.from_numels(unit.chunks, x.device))
+        x, layout = bound
         # set_gradient_divide_factor: FSDP divides by the whole factor, so
         # native HSDP sums across replicas instead of averaging.
         summed = param_group.gradient_divide_factor is not None
         reduce_shard(reducer, unit.index, x, output, unit.names, unit.chunks, self.step, summed)
         if self.reducer is None and self._world_size > 1:
             assert self.process_group is not None
-            spread_nonfinite(
-                reducer, unit.index, unit.chunks, x, output, self.process_group, self._count_inside
-            )
+            spread_nonfinite(layout, x, output, self.process_group, self._count_inside)
         self._end_unit(unit)
 
     def _count_inside(self, collective: str, nbytes: int) -> None:
@@ -596,9 +596,7 @@ def reduce_shard(
 
 
 def spread_nonfinite(
-    reducer: Reducer,
-    index: int,
-    chunks: Sequence[int],
+    layout: Layout,
     result: torch.Tensor,
     shard: torch.Tensor,
     group: dist.ProcessGroup,
@@ -613,18 +611,15 @@ def spread_nonfinite(
     NaN on every rank. (APS's reduce-scatter agrees on it already.)
 
     Args:
-        reducer: the engine over the replica group (its plan gives the layout).
-        index: the unit's index.
-        chunks: each parameter's padded chunk, in the shard's order.
+        layout: the shard's parameters (their padded chunks), on its device.
         result: the reduced shard, float32 (:func:`reduce_shard`'s buffer).
         shard: FSDP's tensor, the same values in its dtype: NaN is written here.
         group: the shard group.
         count: the byte counter (``count(collective, nbytes)``).
 
     Example:
-        >>> spread_nonfinite(reducer, 0, chunks, buf, out, shard_group, traffic)  # doctest: +SKIP
+        >>> spread_nonfinite(layout, buf, out, shard_group, traffic)  # doctest: +SKIP
     """
-    layout = reducer.plan(index, list(chunks), result.device).layout
     # Maxima map NaN to inf: inf marks a parameter's non-finite shard.
     bad = (codec.segment_amax(result, layout, blocked=True) == math.inf).float()
     transports.all_reduce_max(bad, group, count)

@@ -369,6 +369,29 @@ def state_nbytes(state: object, exclude: list[torch.Tensor]) -> int:
     return sum(storages.values())
 
 
+def _timed(
+    call: Callable[[], Any], device: torch.device, repeats: int
+) -> tuple[float, float, float, float]:
+    """Medians over ``repeats`` calls, in us: host, in the codec's kernels, in collectives, total."""
+    total, host, in_kernels, on_wire = [], [], [], []
+    for _ in range(repeats):
+        seconds: list[float] = []
+        wire: list[float] = []
+        _sync(device)
+        with _kernels(device, [], seconds), _collectives(wire):
+            start = time.perf_counter()
+            call()
+            elapsed = time.perf_counter() - start
+        _sync(device)
+        kernel_s = sum(seconds) if device.type == "cpu" else 0.0
+        total.append(elapsed)
+        in_kernels.append(kernel_s)
+        on_wire.append(sum(wire))
+        host.append(elapsed - kernel_s - sum(wire))
+    med = [round(statistics.median(v) * 1e6, 1) for v in (host, in_kernels, on_wire, total)]
+    return med[0], med[1], med[2], med[3]
+
+
 def measure(
     device: torch.device,
     repeats: int = 50,
@@ -387,22 +410,9 @@ def measure(
                 state.run_bucket(0, buffer, params)
             _sync(device)
             aten, kernels = count_ops(state, buffer, params)
-            total, host, in_kernels, on_wire = [], [], [], []
-            for _ in range(repeats):
-                calls: list[str] = []
-                seconds: list[float] = []
-                wire: list[float] = []
-                _sync(device)
-                with _kernels(device, calls, seconds), _collectives(wire):
-                    start = time.perf_counter()
-                    state.run_bucket(0, buffer, params)
-                    elapsed = time.perf_counter() - start
-                _sync(device)
-                kernel_s = sum(seconds) if device.type == "cpu" else 0.0
-                total.append(elapsed)
-                in_kernels.append(kernel_s)
-                on_wire.append(sum(wire))
-                host.append(elapsed - kernel_s - sum(wire))
+            host, in_kernels, on_wire, total = _timed(
+                functools.partial(state.run_bucket, 0, buffer, params), device, repeats
+            )
             # On CUDA every launch is a kernel the device ran: the ATen ops are among them.
             ops = len(kernels) if device.type == "cuda" else len(aten) + len(kernels)
             rows.append(
@@ -414,10 +424,10 @@ def measure(
                     ops,
                     len(aten),
                     len(kernels),
-                    round(statistics.median(host) * 1e6, 1),
-                    round(statistics.median(in_kernels) * 1e6, 1),
-                    round(statistics.median(on_wire) * 1e6, 1),
-                    round(statistics.median(total) * 1e6, 1),
+                    host,
+                    in_kernels,
+                    on_wire,
+                    total,
                     tuple(aten + kernels),
                     state.reducer is not None and state.reducer.steady_for(0, buffer) is not None,
                     state_nbytes(state, [buffer, *params]),
@@ -482,21 +492,9 @@ def measure_fsdp(
                 reduce(shard)
             _sync(device)
             aten, calls = count_calls(functools.partial(reduce, shard), device)
-            total, host, in_kernels, on_wire = [], [], [], []
-            for _ in range(repeats):
-                seconds: list[float] = []
-                wire: list[float] = []
-                _sync(device)
-                with _kernels(device, [], seconds), _collectives(wire):
-                    start = time.perf_counter()
-                    reduce(shard)
-                    elapsed = time.perf_counter() - start
-                _sync(device)
-                kernel_s = sum(seconds) if device.type == "cpu" else 0.0
-                total.append(elapsed)
-                in_kernels.append(kernel_s)
-                on_wire.append(sum(wire))
-                host.append(elapsed - kernel_s - sum(wire))
+            host, in_kernels, on_wire, total = _timed(
+                functools.partial(reduce, shard), device, repeats
+            )
             replicas = state.replica_reducer
             rows.append(
                 Row(
@@ -507,10 +505,10 @@ def measure_fsdp(
                     len(aten) + len(calls),
                     len(aten),
                     len(calls),
-                    round(statistics.median(host) * 1e6, 1),
-                    round(statistics.median(in_kernels) * 1e6, 1),
-                    round(statistics.median(on_wire) * 1e6, 1),
-                    round(statistics.median(total) * 1e6, 1),
+                    host,
+                    in_kernels,
+                    on_wire,
+                    total,
                     tuple(aten + calls),
                     replicas is not None and replicas.steady.get(0) is not None,
                     state_nbytes(state, [shard, *params]),

@@ -33,6 +33,7 @@ from aps_comm.engine import Comm, Reducer, Settings
 from aps_comm.feedback import ErrorFeedback
 from aps_comm.formats import FORMATS, FloatFormat, get_format
 from aps_comm.fsdp import reduce_shard, spread_nonfinite
+from aps_comm.layout import Layout
 from aps_comm.plan import Planner
 from aps_comm.policy import Assignment, KeepLast, LayerInfo, Promote, Rule, Schedule
 from aps_comm.telemetry import StepStats
@@ -419,6 +420,7 @@ def test_hsdp_replica_all_reduce_makes_no_host_traffic(
             get_format(name), reduction, scaling, 3, 1, [], block_exponents=exponents
         )
         buffer = torch.empty(sum(NUMELS), device=META)
+        layout = Layout.from_numels(NUMELS, META)
         seen = []
         for step in range(4):
             mode = HostTraffic()
@@ -426,7 +428,7 @@ def test_hsdp_replica_all_reduce_makes_no_host_traffic(
                 shard = torch.empty(sum(NUMELS), dtype=dtype, device=META)  # FSDP's, new
                 reduce_shard(reducer, 0, buffer, shard, names, NUMELS, step, summed=step == 3)
                 # FSDP's own reduce-scatter inside the node: a NaN spreads over the shards.
-                spread_nonfinite(reducer, 0, NUMELS, buffer, shard, _Group(2), lambda *_: None)  # type: ignore[arg-type]
+                spread_nonfinite(layout, buffer, shard, _Group(2), lambda *_: None)  # type: ignore[arg-type]
                 reducer.end_step()
             if step >= 2:
                 seen.append(mode)
