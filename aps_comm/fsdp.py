@@ -76,6 +76,7 @@ from aps_comm.config import (
     default_block_size,
 )
 from aps_comm.engine import Comm, Reducer, Settings, Traffic
+from aps_comm.executor import FifoWorker, WorkerFailed
 from aps_comm.formats import FloatFormat, get_format
 from aps_comm.hostcopy import HostValue
 from aps_comm.layout import Layout
@@ -227,6 +228,10 @@ class APSFSDPState:
         all_reduce_hooks: with HSDP, the hook :func:`register` set on each
             unit (``FSDPModule.set_all_reduce_hook``), in unit order: to wrap
             one in a hook of your own, call it on the shard FSDP hands yours.
+            On CPU tensors it may return before the shard is reduced (a
+            worker thread reduces it beside the rest of backward, and
+            ``backward()`` returns once it has): a wrapper must not read or
+            change the shard after calling it.
         replica_bytes: payload bytes this rank handed to the all-reduce
             across replicas in the last step (what crosses nodes in HSDP);
             part of ``bytes_total``.
@@ -289,6 +294,11 @@ class APSFSDPState:
         # read on the host once, when the next step starts.
         self._flags: torch.Tensor | None = None
         self._flags_host: HostValue | None = None
+        # HSDP on CPU: the worker reducing units across replicas during
+        # backward, the last unit's future, whether this backward waits for it.
+        self._worker: FifoWorker | None = None
+        self._pending: torch.futures.Future | None = None
+        self._drain_queued = False
 
     @property
     def fmt(self) -> FloatFormat:
@@ -383,9 +393,14 @@ class APSFSDPState:
         )
         return Reducer(settings, comm, planner, self.assignment)
 
-    def exit_workers(self) -> list:
-        """No threads of its own: the reduce-scatter runs on FSDP's."""
-        return []
+    def exit_workers(self) -> list[FifoWorker]:
+        """Hand over the worker of the replicas' all-reduce (see :mod:`aps_comm.teardown`).
+
+        The reduce-scatter runs on FSDP's thread; only HSDP on CPU tensors
+        has a worker.
+        """
+        worker, self._worker = self._worker, None
+        return [worker] if worker is not None else []
 
     def exit_groups(self) -> list[dist.ProcessGroup]:
         """Hand over the state's process groups and forget them (see :mod:`aps_comm.teardown`)."""
@@ -444,8 +459,55 @@ class APSFSDPState:
     # -- the all-reduce across replicas (HSDP) -----------------------------------
 
     def _all_reduce(self, unit: _Unit, module: Any, output: torch.Tensor) -> None:
+        param_group = _param_groups(module)[0]
+        _check_replica_call(param_group, unit, output)
+        job = functools.partial(self._reduce_replicas_named, unit, param_group, output)
+        if self._overlap_pending(param_group, output, job):
+            return
+        job()
+
+    def _overlap_pending(self, param_group: Any, output: torch.Tensor, job: Callable) -> bool:
+        """Run ``job`` on the state's worker, finished before backward returns, where it may.
+
+        On Gloo with CPU tensors a collective blocks the thread that waits
+        for it, so the replicas' all-reduce, done in place, would stall
+        backward for the whole slow link. Where FSDP leaves ``output`` as the
+        unit's gradients untouched after the hook (:func:`_grads_view_output`),
+        the worker fills it while backward goes on, and a final callback of
+        the backward pass waits for it (and raises its error). The worker
+        runs the units in the order FSDP hands them over, on the state's own
+        groups, so every rank issues the same collectives in the same order.
+        On CUDA the engine only enqueues work on FSDP's stream: no worker.
+        """
+        if output.device.type != "cpu" or self.reducer is not None:
+            return False
+        if not _grads_view_output(param_group, output):
+            return False
+        if not self._drain_queued:
+            try:
+                torch.autograd.Variable._execution_engine.queue_callback(self._drain)
+            except RuntimeError:  # not inside backward(): nothing would wait
+                return False
+            self._drain_queued = True
+        if self._worker is None:
+            self._worker = FifoWorker(f"aps-comm-hsdp-{id(self):x}")
+        self._pending = self._worker.submit(job)
+        return True
+
+    def _drain(self) -> None:
+        """Wait for the units handed to the worker in this backward; raise the first error."""
+        self._drain_queued = False
+        pending, self._pending = self._pending, None
+        if pending is None:
+            return
         try:
-            self._reduce_replicas(unit, _param_groups(module)[0], output)
+            pending.wait()
+        except WorkerFailed as exc:
+            raise (exc.__cause__ or exc) from None
+
+    def _reduce_replicas_named(self, unit: _Unit, param_group: Any, output: torch.Tensor) -> None:
+        try:
+            self._reduce_replicas(unit, param_group, output)
         except RuntimeError as exc:
             raise RuntimeError(
                 f"aps_comm.fsdp, unit {unit.index} ({unit.module or '<root>'}), all-reduce "
@@ -461,23 +523,8 @@ class APSFSDPState:
         """
         reducer = self.replica_reducer
         assert reducer is not None
-        if not param_group.all_reduce_grads:
-            # FSDP, seeing a 1-D mesh, would keep this unreduced part in the
-            # gradient and never hand it to the hook again.
-            raise ValueError(
-                "set_requires_all_reduce(False) is not supported with replicate=: the "
-                "skipped part would never be reduced across replicas; use "
-                "set_requires_gradient_sync(False) to accumulate without communication"
-            )
         if self.reducer is None:
             self._begin_unit(unit)
-        if output.numel() != unit.row_numel:
-            raise ValueError(
-                f"FSDP handed the all-reduce {output.numel()} elements; the unit's shard has "
-                f"{unit.row_numel}"
-            )
-        if output.dtype == torch.float64:
-            caveats.warn_rounded_dtype(output.dtype)
         # FSDP hands a new tensor every step: the unit's own FP32 buffer keeps
         # the settled path bound (and the replicas' shards sum in FP32 whatever
         # the reduce dtype).
@@ -620,11 +667,38 @@ def spread_nonfinite(
     Example:
         >>> spread_nonfinite(layout, buf, out, shard_group, traffic)  # doctest: +SKIP
     """
-    # Maxima map NaN to inf: inf marks a parameter's non-finite shard.
-    bad = (codec.segment_amax(result, layout, blocked=True) == math.inf).float()
+    on_host = result.device.type == "cpu"
+    if on_host and math.isfinite(result.sum().item()):
+        # On the CPU a read costs no device sync, and one sum is a fraction of
+        # the per-parameter pass below (a finite sum means every value is).
+        bad = torch.zeros(len(layout.lengths), dtype=torch.float32)
+    else:
+        # Maxima map NaN to inf: inf marks a parameter's non-finite shard.
+        bad = (codec.segment_amax(result, layout, blocked=True) == math.inf).float()
     transports.all_reduce_max(bad, group, count)
+    if on_host and not bad.any().item():
+        return
     whole = torch.repeat_interleave(bad, layout.lengths, output_size=result.numel())
     shard.masked_fill_(whole.view_as(shard) > 0, math.nan)
+
+
+def _check_replica_call(param_group: Any, unit: _Unit, output: torch.Tensor) -> None:
+    """Raise on this call, on the calling thread, if FSDP's call does not fit the unit."""
+    if not param_group.all_reduce_grads:
+        # FSDP, seeing a 1-D mesh, would keep this unreduced part in the
+        # gradient and never hand it to the hook again.
+        raise ValueError(
+            "set_requires_all_reduce(False) is not supported with replicate=: the "
+            "skipped part would never be reduced across replicas; use "
+            "set_requires_gradient_sync(False) to accumulate without communication"
+        )
+    if output.numel() != unit.row_numel:
+        raise ValueError(
+            f"FSDP handed the all-reduce {output.numel()} elements; the unit's shard has "
+            f"{unit.row_numel}"
+        )
+    if output.dtype == torch.float64:
+        caveats.warn_rounded_dtype(output.dtype)
 
 
 def _check_call(unit: _Unit, output: torch.Tensor, input: torch.Tensor, op: Any, n: int) -> str:
@@ -1122,6 +1196,48 @@ def _one_param_group(mod: Any, api: _API, world: int, replicated: bool) -> Any |
             f"{type(custom).__name__}); aps_comm.fsdp replaces FSDP's default one only"
         )
     return group
+
+
+def _grads_view_output(group: Any, output: torch.Tensor) -> bool:
+    """Whether FSDP keeps ``output`` itself as the unit's new gradients, untouched after the hook.
+
+    Only then may the all-reduce hook fill ``output`` after it returns. After
+    the hook, ``foreach_reduce`` divides in place only for FP16 reduce dtypes
+    or forced sums, casts to a copy where the reduce dtype is not the
+    parameters', adds into gradients that exist, copies to the CPU where
+    offloading, and runs post-accumulate-grad hooks on the values.
+    """
+    params = getattr(group, "fsdp_params", None)
+    if not params or output.dtype not in (torch.float32, torch.bfloat16):
+        return False
+    if getattr(group, "_orig_dtype", None) != output.dtype:
+        return False
+    try:
+        from torch.distributed.fsdp._fully_shard._fsdp_collectives import (
+            _get_gradient_divide_factors,
+        )
+
+        _, postdivide, _, _ = _get_gradient_divide_factors(
+            group._reduce_scatter_process_group,
+            None,
+            output.dtype,
+            output.device.type,
+            group.gradient_divide_factor,
+            group.force_sum_reduction_for_comms,
+        )
+    except (ImportError, AttributeError, TypeError, ValueError):  # another torch: keep it safe
+        return False
+    if postdivide is not None:
+        return False
+    for fsdp_param in params:
+        param = fsdp_param.sharded_param
+        if param.requires_grad and (
+            param.grad is not None
+            or getattr(fsdp_param, "offload_to_cpu", True)
+            or getattr(param, "_post_accumulate_grad_hooks", None)
+        ):
+            return False
+    return True
 
 
 def _unit_of(group: Any, index: int, module: str, names: dict[int, str]) -> _Unit:

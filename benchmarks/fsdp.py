@@ -526,7 +526,9 @@ _PREDICTION_NOTE = (
     "namespaces, ranks and CPUs, no tc rate: the CPU work, compute and in-node "
     "collectives the model does not price) + the model's link time at the shaped rate "
     "- its link time at the unshaped veth's measured rate (aps_perfmodel.fsdp.fsdp_step, "
-    "backend gloo, compute 0, both from the measured goodput and RTT)"
+    "backend gloo, compute 0, both from the measured goodput and RTT; APS HSDP's replica "
+    "all-reduces beside backward, which hides them up to the setup's unshaped backward "
+    "phase: replicas_beside_backward)"
 )
 _LINK_ONLY_NOTE = "aps_perfmodel.fsdp.fsdp_step, backend gloo, compute 0 (links only)"
 
@@ -538,6 +540,7 @@ def predict(
     topology: dict[str, Any],
     reshard_after_forward: bool = True,
     unshaped: dict[str, float] | None = None,
+    unshaped_backward: dict[str, float] | None = None,
 ) -> tuple[dict[str, dict[str, float]], str]:
     """perfmodel's FSDP step per setup for the measured links, and how it is made.
 
@@ -555,6 +558,10 @@ def predict(
             (``link``, ``link_intra_node``, ``link_unshaped``: :class:`LinkStats` dicts).
         reshard_after_forward: as the run's ``fully_shard``.
         unshaped: each setup's measured median step with the node links unshaped.
+        unshaped_backward: each setup's measured backward phase with the node
+            links unshaped: the time APS HSDP's replica all-reduces can hide
+            behind (they run beside backward on CPU tensors), priced by
+            ``fsdp_step(..., replicas_beside_backward=True)``.
 
     Returns:
         Per setup ``step_s`` (the prediction), ``link_step_s`` (the model at
@@ -588,7 +595,9 @@ def predict(
         fmt: Any = spec.model_fmt
         if spec.scaling == "block":
             fmt = get_format(fmt, aps=True, scaling="block")
-        extra = {"replicate": replicas} if spec.hsdp else {}
+        extra: dict[str, Any] = {"replicate": replicas} if spec.hsdp else {}
+        if spec.hsdp and spec.fmt and unshaped_backward and setup in unshaped_backward:
+            extra.update(replicas_beside_backward=True, backward_s=unshaped_backward[setup])
         priced = {
             k: fsdp_step(
                 units,
@@ -667,6 +676,7 @@ def _summarise(
         topology,
         args.reshard_after_forward,
         fast_medians or None,
+        {s: b for s, rs in fast.items() if (b := _cpu_per_step(rs, "backward_s")) is not None},
     )
     nodes = topology["nodes"] > 1 and topology["ranks_per_node"] > 1
 

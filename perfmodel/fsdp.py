@@ -37,7 +37,11 @@ On CPU FSDP calls the reduce-scatter synchronously in the post-backward hook,
 so nothing overlaps: the step is compute plus every all-gather and every
 reduce-scatter (``overlap=False``, the default). With ``overlap=True`` (CUDA
 streams) the reduce-scatters run beside the rest of backward as DDP buckets
-do, and only what outlasts backward is exposed.
+do, and only what outlasts backward is exposed. ``aps_comm.fsdp``'s HSDP
+all-reduce across replicas runs on a worker thread on CPU tensors: with
+``replicas_beside_backward=True`` the reduce-scatters block and each unit's
+replica all-reduce runs beside the rest of backward
+(:func:`replicas_exposed_s`).
 
 HSDP (``replicate=R``, :func:`fsdp_step`): the world is R replicas of S =
 world / R shard ranks, a shard group being S consecutive ranks of one node
@@ -103,6 +107,7 @@ __all__ = [
     "fsdp_step",
     "padded_numel",
     "reduce_scatter_time",
+    "replicas_exposed_s",
     "shard_group_size",
 ]
 
@@ -546,6 +551,42 @@ def _gather_across(cluster: Cluster, nbytes: float, backend: str) -> float:
     return nbytes * (p - 1) / p * _ring_share(cluster, backend)
 
 
+def replicas_exposed_s(
+    backward_s: Sequence[float], reduce_scatter_s: Sequence[float], all_reduce_s: Sequence[float]
+) -> float:
+    """The replica all-reduces' time past the end of backward, when they run beside it.
+
+    Backward reaches the units last to first; each unit's backward compute
+    and then its reduce-scatter block the backward thread, and its
+    all-reduce across replicas starts once that reduce-scatter is done and
+    the previous unit's all-reduce has finished (one worker, in order). What
+    the last all-reduce runs past the last reduce-scatter is exposed: at
+    least the first unit's own all-reduce, nothing of the others' where
+    backward is long enough.
+
+    Args:
+        backward_s: per unit, in model order, its backward compute.
+        reduce_scatter_s: per unit, its reduce-scatter.
+        all_reduce_s: per unit, its all-reduce across replicas.
+
+    Returns:
+        Seconds the step waits for the all-reduces after backward.
+
+    Example:
+        >>> round(replicas_exposed_s([0.2, 0.2], [0.0, 0.0], [0.1, 0.1]), 6)  # the first unit's only
+        0.1
+        >>> round(replicas_exposed_s([0.0, 0.0], [0.0, 0.0], [0.1, 0.1]), 6)  # nothing to hide behind
+        0.2
+    """
+    thread = worker = 0.0
+    for b, rs, ar in zip(
+        reversed(backward_s), reversed(reduce_scatter_s), reversed(all_reduce_s), strict=True
+    ):
+        thread += b + rs
+        worker = max(worker, thread) + ar
+    return max(0.0, worker - thread)
+
+
 def fsdp_step(
     units: Sequence[FSDPUnit],
     fmt: FormatSpec | str,
@@ -559,6 +600,7 @@ def fsdp_step(
     backward_s: float = 0.0,
     replicate: int = 1,
     reduce_scatter: bool | None = None,
+    replicas_beside_backward: bool = False,
 ) -> FSDPStepPrediction:
     """One FSDP2 (or HSDP) training step: all-gathers, compute and gradient reductions.
 
@@ -580,7 +622,8 @@ def fsdp_step(
             backward (FSDP's default for every unit but the root; here for all).
         overlap: the reduce-scatters (and replica all-reduces) run beside
             backward (CUDA streams); False on CPU, where FSDP runs them synchronously.
-        backward_s: with ``overlap``, the backward time they can hide behind.
+        backward_s: with ``overlap`` or ``replicas_beside_backward``, the
+            backward time they can hide behind.
         replicate: HSDP's replicas R: each unit is sharded over S = world / R
             ranks of a node (S must divide the ranks per node,
             :func:`shard_group_size`), whose all-gathers and reduce-scatter use
@@ -591,6 +634,11 @@ def fsdp_step(
             not replicated, FSDP's own in FP32 where replicated; True/False
             force it (as ``aps_comm.fsdp.register``'s ``reduce_scatter=``).
             fp32/bf16/fp16 are always FSDP's own.
+        replicas_beside_backward: with ``replicate``, the reduce-scatters
+            block backward but the replica all-reduces run beside it, one
+            after another (``aps_comm.fsdp`` on CPU tensors, whose worker
+            thread reduces each unit across replicas while backward goes
+            on): see :func:`replicas_exposed_s`.
 
     Returns:
         The :class:`FSDPStepPrediction`.
@@ -624,22 +672,28 @@ def fsdp_step(
     aps_rs = not _native(spec) and (replicate == 1 if reduce_scatter is None else reduce_scatter)
     rs_spec = spec if aps_rs or _native(spec) else get_format("fp32")
     gathers = 2 if reshard_after_forward else 1
-    replicas: tuple[CommBreakdown, ...] = ()
-    all_reduce_s = 0.0
+    priced: list[tuple[CommBreakdown, float]] = []
     if replicate == 1:
         group = cluster
     else:
         group = _shard_cluster(cluster, shard)
         across = _replica_cluster(cluster, shard, backend)
         priced = [_replica_reduction(u, spec, shard, across) for u in units]
-        replicas = tuple(b for b, _ in priced)
-        all_reduce_s = sum(t for _, t in priced)
+    replicas = tuple(b for b, _ in priced)
+    all_reduce_s = sum(t for _, t in priced)
     timings = tuple(reduce_scatter_time(u, rs_spec, group, backend) for u in units)
     all_gather_s = gathers * sum(_all_gather(group, u.numel * param_bytes, backend) for u in units)
     if group.world_size == 1:
         all_gather_s = 0.0
     rs = sum(t.total_s for t in timings)
-    exposed = max(0.0, rs + all_reduce_s - backward_s) if overlap else rs + all_reduce_s
+    if overlap:
+        exposed = max(0.0, rs + all_reduce_s - backward_s)
+    elif replicas_beside_backward and priced:
+        share = [backward_s * u.numel / max(1, sum(v.numel for v in units)) for u in units]
+        rs_each = [t.total_s for t in timings]
+        exposed = rs + replicas_exposed_s(share, rs_each, [t for _, t in priced])
+    else:
+        exposed = rs + all_reduce_s
     inter_node = sum(t.inter_node_bytes for t in timings) + sum(
         b.inter_node_bytes for b in replicas
     )

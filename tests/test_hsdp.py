@@ -107,6 +107,60 @@ def test_fp32_is_native_hsdp_bit_for_bit() -> None:
         assert set(rank_out) == expected and all(rank_out.values()), rank_out
 
 
+def _overlapped(rank: int, n: int) -> dict[str, object]:
+    """Where the reduction runs, and its bits against native HSDP's, per way of stepping."""
+    import threading
+
+    import aps_comm.fsdp as apsfsdp
+
+    on_main: list[bool] = []
+    reduce_shard = apsfsdp.reduce_shard
+
+    def spy(*args: object, **kwargs: object) -> None:
+        on_main.append(threading.current_thread() is threading.main_thread())
+        reduce_shard(*args, **kwargs)  # type: ignore[arg-type]
+
+    apsfsdp.reduce_shard = spy  # type: ignore[assignment]
+    mesh = init_device_mesh("cpu", (2, 2), mesh_dim_names=("replicate", "shard"))
+    native, aps = _sharded(mesh), _sharded(mesh["shard"])
+    register(aps, "fp32", replicate=mesh["replicate"])
+    out: dict[str, object] = {}
+    # Steps 0-1: fresh gradients (FSDP's output is the gradient: the worker
+    # fills it beside backward); step 2 adds into step 1's (the hook must
+    # finish first, on backward's thread).
+    for step in range(3):
+        on_main.clear()
+        for net in (native, aps):
+            if step < 2:
+                net.zero_grad()
+            net(_grads(rank, step)).backward()
+        out[f"step {step} same"] = _same(_local(native), _local(aps))
+        out[f"step {step} on main"] = list(on_main)
+
+    # A failure on the worker is raised by backward() itself, naming the unit.
+    def boom(*args: object, **kwargs: object) -> None:
+        raise RuntimeError("boom")
+
+    apsfsdp.reduce_shard = boom  # type: ignore[assignment]
+    aps.zero_grad()
+    try:
+        aps(_grads(rank, 3)).backward()
+        out["error"] = ""
+    except RuntimeError as exc:
+        out["error"] = str(exc)
+    return out
+
+
+def test_replica_reduction_runs_beside_backward_on_cpu() -> None:
+    for out in run_distributed(_overlapped, 4, timeout=240):
+        assert out["step 0 same"] and out["step 1 same"] and out["step 2 same"], out
+        assert out["step 0 on main"] == out["step 1 on main"] == [False, False], out
+        assert out["step 2 on main"] == [True, True], out
+        assert out["error"] == "aps_comm.fsdp, unit 0 (<root>), all-reduce across replicas: boom", (
+            out
+        )
+
+
 def _simulated(rank: int, n: int, replicas: int, cases: list[dict]) -> list[list[bool]]:
     """Each case's replica all-reduce bits are simulate's, from every replica's shard."""
     mesh = init_device_mesh("cpu", (replicas, n // replicas), mesh_dim_names=("replicate", "shard"))

@@ -13,7 +13,13 @@ from aps_perfmodel.cluster import Cluster, custom_cluster, get_cluster
 from aps_perfmodel.collectives import hierarchical_all_gather, ring_allreduce
 from aps_perfmodel.comm import bucket_comm
 from aps_perfmodel.formats import get_format
-from aps_perfmodel.fsdp import FSDPUnit, fsdp_step, reduce_scatter_time, shard_group_size
+from aps_perfmodel.fsdp import (
+    FSDPUnit,
+    fsdp_step,
+    reduce_scatter_time,
+    replicas_exposed_s,
+    shard_group_size,
+)
 from aps_perfmodel.models import get_model
 
 # Two units whose parameters pad evenly to 8 and to 4 ranks.
@@ -267,3 +273,35 @@ def test_replicate_on_one_node_prices_hsdp_inside_it(capsys: pytest.CaptureFixtu
     assert all(r["cross_node_bytes"] == 0 and r["all_reduce_s"] > 0 for r in out["rows"])
     inside = fsdp_step(UNITS, "e4m3", _dgx(1), replicate=2)
     assert inside.cross_node_bytes == 0 and inside.all_reduce_s > 0
+
+
+def test_replica_all_reduces_beside_backward_run_one_after_another() -> None:
+    # Model order; backward reaches unit 1 first: its all-reduce runs from
+    # 0.31 to 0.41, unit 0's from 0.41 (its reduce-scatter ended at 0.37) to
+    # 0.61, 0.24 s after backward's end.
+    got = replicas_exposed_s([0.05, 0.3], [0.01, 0.01], [0.2, 0.1])
+    assert got == pytest.approx(0.24)
+    # Backward long enough: only the unit reduced last waits; none: all of them.
+    assert replicas_exposed_s([1.0, 1.0], [0.0, 0.0], [0.2, 0.1]) == pytest.approx(0.2)
+    assert replicas_exposed_s([0.0, 0.0], [0.0, 0.0], [0.2, 0.1]) == pytest.approx(0.3)
+
+
+def test_hsdp_step_with_replicas_beside_backward_hides_all_but_the_unit_reduced_last() -> None:
+    cluster = custom_cluster(31.25e6, 50e-6, nodes=2, gpus_per_node=2, device="cpu")
+    units = [FSDPUnit(2**22, 1)] * 4
+    kw = {"backend": "gloo", "replicate": 2}
+    serial = fsdp_step(units, "e4m3", cluster, **kw)
+    hidden = fsdp_step(
+        units, "e4m3", cluster, replicas_beside_backward=True, backward_s=100.0, **kw
+    )
+    bare = fsdp_step(units, "e4m3", cluster, replicas_beside_backward=True, **kw)
+    each = serial.all_reduce_s / 4
+    assert serial.exposed_s == pytest.approx(serial.reduce_scatter_s + serial.all_reduce_s)
+    assert hidden.exposed_s == pytest.approx(serial.reduce_scatter_s + each)
+    # Without backward to hide behind, each all-reduce still runs beside the
+    # later units' reduce-scatters: the worker starts after the first one and
+    # is busy from then on (its all-reduce outlasts a reduce-scatter).
+    rs_each = serial.reduce_scatter_s / 4
+    assert each > rs_each
+    assert bare.exposed_s == pytest.approx(rs_each + serial.all_reduce_s)
+    assert hidden.all_reduce_s == serial.all_reduce_s and hidden.wire_bytes == serial.wire_bytes
