@@ -1487,6 +1487,45 @@ class Codec:
             out.copy_(segment_amax(x, layout))
         return out
 
+    def layer_records(
+        self,
+        x: torch.Tensor,
+        layout: Layout,
+        maxima: torch.Tensor,
+        keys: np.ndarray,
+        out: torch.Tensor,
+    ) -> None:
+        """Each segment's statistics row into float64 ``out`` (L, 5) in one kernel call.
+
+        Row s: the exponent behind int32 exponent key ``keys[s]`` (what
+        :meth:`AgreedMaxima.host_factors_into` left in its scratch), the
+        agreed maximum ``maxima[s]``, and the counts of
+        :func:`aps_comm.telemetry.layer_counts` over float32 ``x`` (nonzero,
+        underflowing and saturating elements once scaled): a settled bucket's
+        records with no per-layer work on the host. CPU kernels only.
+
+        Raises:
+            ValueError: the codec's backend is not "kernels", or ``x`` is not
+                contiguous float32 of ``layout.numel`` elements.
+
+        Example:
+            >>> c = Codec("e4m3", torch.device("cpu"), backend="kernels")
+            >>> out = torch.empty(1, 5, dtype=torch.float64)
+            >>> layout = Layout.from_numels([3], torch.device("cpu"))
+            >>> c.layer_records(torch.tensor([1.0, 1e-9, 0.0]), layout, torch.tensor([1.0]),
+            ...                 np.array([127], np.int32), out)
+            >>> out.tolist()
+            [[0.0, 1.0, 2.0, 1.0, 0.0]]
+        """
+        if self.backend != "kernels":
+            raise ValueError(f"layer_records runs on the 'kernels' backend, not {self.backend!r}")
+        if x.dtype != torch.float32 or not x.is_contiguous() or x.numel() != layout.numel:
+            raise ValueError(
+                f"x must be contiguous float32 of {layout.numel} elements, got "
+                f"{tuple(x.shape)} {x.dtype}"
+            )
+        _kernel("layer_records", x, layout.offsets.numpy(), maxima, keys, self.fmt, out)
+
     def owner_reduce(
         self, recv: torch.Tensor, n_ranks: int, *, out: torch.Tensor | None = None
     ) -> torch.Tensor:

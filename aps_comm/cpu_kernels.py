@@ -70,6 +70,7 @@ __all__ = [
     "encoder_params",
     "key_factors",
     "layer_any",
+    "layer_records",
     "maxima_factors",
     "maxima_factors_into",
     "mean_limit",
@@ -1843,6 +1844,57 @@ def key_factors(keys: np.ndarray, unscale: bool, divisor: int = 1) -> np.ndarray
     out = np.empty(len(keys), np.float32)
     _key_factors(keys, out, unscale, divisor)
     return out
+
+
+def layer_records(
+    x: torch.Tensor,
+    offsets: np.ndarray,
+    maxima: torch.Tensor,
+    keys: np.ndarray,
+    fmt: FloatFormat,
+    out: torch.Tensor,
+) -> None:
+    """Every segment's record row into float64 ``out`` (L, 5), in one pass over ``x``.
+
+    Row s: the exponent of int32 key ``keys[s]`` (:func:`maxima_factors_into`'s
+    scratch: 0 for a zero or non-finite maximum), ``maxima[s]``, and of the
+    float32 ``x``'s elements of segment s scaled by ``2**e``, how many are
+    nonzero, how many of those are at most half ``fmt``'s smallest subnormal
+    (they flush to zero), how many pass ``fmt.max``: the counts of
+    :func:`aps_comm.telemetry.layer_counts`, the same float32 products.
+
+    Example:
+        >>> from aps_comm.formats import E4M3
+        >>> out = torch.empty(1, 5, dtype=torch.float64)
+        >>> x = torch.tensor([1.0, 1e-9, 0.0, 500.0])
+        >>> layer_records(x, np.array([0, 4]), torch.tensor([500.0]), np.array([127], np.int32),
+        ...               E4M3, out)
+        >>> out.tolist()
+        [[0.0, 500.0, 3.0, 1.0, 1.0]]
+    """
+    tiny = np.float32(fmt.min_subnormal / 2)
+    _layer_records(_np(x), offsets, _np(maxima), keys, tiny, np.float32(fmt.max), _np(out))
+
+
+if AVAILABLE:
+
+    @_njit
+    def _layer_records(x, offsets, maxima, keys, tiny, fmax, out):
+        for s in range(len(offsets) - 1):
+            k = keys[s]
+            e = 0 if k == 0 or k == 255 else 127 - k
+            f = np.float32(math.ldexp(1.0, e))
+            nonzero = under = saturated = 0
+            for i in range(offsets[s], offsets[s + 1]):
+                m = np.float32(abs(x[i]) * f)  # float32 products, as the torch counts'
+                nonzero += m > 0
+                under += (m > 0) & (m <= tiny)
+                saturated += m > fmax
+            out[s, 0] = e
+            out[s, 1] = maxima[s]
+            out[s, 2] = nonzero
+            out[s, 3] = under
+            out[s, 4] = saturated
 
 
 @functools.lru_cache(maxsize=64)

@@ -160,6 +160,8 @@ class Steady:
             int32 key scratch, refilled in place once per bucket.
         offer: (the exchange time it was planned for, log2 of this rank's
             preferred chunk): the model is asked again only when the time moves.
+        names: with ``stats=True``, each layer's name for its records (the
+            rows of :meth:`Reducer.record_steady`); None records nothing.
     """
 
     numel: int
@@ -177,6 +179,7 @@ class Steady:
     bound_ptr: int = 0
     host_factors: tuple[np.ndarray, np.ndarray, np.ndarray] | None = None
     offer: tuple[float | None, float] | None = None
+    names: list[str | None] | None = None
 
     def bind(self, x: torch.Tensor, world_size: int) -> None:
         """Bind the maxima kernel and every chunk's codec work to the float32 buffer ``x``.
@@ -529,7 +532,7 @@ class Reducer:
             plan.timed(time.perf_counter() - start)
         if len(groups) == 1 and not blocked and fmts is not None:
             g = groups[0]
-            self._settle(index, x, plan, fmts, g, Route(g.reduction), measured, chunk)
+            self._settle(index, x, plan, fmts, g, Route(g.reduction), measured, chunk, names)
         elif len(groups) == 1 and rank_exps and fmts is not None:
             self._settle_blocks(index, x, plan, fmts, groups[0], measured, chunk)
         return tail
@@ -595,13 +598,17 @@ class Reducer:
         route: Route,
         measured: bool,
         chunk: int,
+        names: Sequence[str | None] = (),
     ) -> None:
-        """Bind the bucket's :class:`Steady` path where nothing in it changes per step."""
+        """Bind the bucket's :class:`Steady` path where nothing in it changes per step.
+
+        With ``stats=True`` the bound path records too (:meth:`record_steady`):
+        ``names`` label the layers' records.
+        """
         assignment, settings = self.assignment, self.settings
         if (
             self.feedback is not None
             or assignment.rules
-            or settings.stats
             or settings.scaling != Scaling.LAYER
             or not (route == Route.FP32 or (g is not None and g.contiguous))
             or route not in (Route.FP32, Route.TWO_PHASE, Route.ALLREDUCE)
@@ -622,6 +629,8 @@ class Reducer:
             measured,
             chunk,
         )
+        if settings.stats and g is not None:  # an FP32 bucket records nothing
+            st.names = list(names)
         st.bind(x, self.comm.world_size)
 
     def steady_for(self, index: int, buffer: torch.Tensor) -> Steady | SteadyBlocks | None:
@@ -685,6 +694,8 @@ class Reducer:
             st.agreed.host_factors_into(g.fmt, *st.host_factors)
             if calls is None:
                 scale, unscale = (torch.from_numpy(f) for f in st.host_factors[:2])
+        if st.names is not None:  # before the decode overwrites this rank's values
+            self.record_steady(index, st, x)
         start = time.perf_counter()
         if calls is not None and not native:
             tail = transports.two_phase_bound(calls, comm.group, self.traffic, defer)
@@ -709,6 +720,28 @@ class Reducer:
         if st.measured:
             st.plan.timed(time.perf_counter() - start)
         return tail
+
+    def record_steady(self, index: int, st: Steady, x: torch.Tensor) -> None:
+        """Queue a settled bucket's records (``stats=True``): the full path's values.
+
+        Once the maxima are agreed, every layer's exponent, agreed maximum
+        and counts (:func:`aps_comm.telemetry.layer_counts`) over this rank's
+        values ``x``: on the CPU kernels one kernel call from the factors'
+        exponent keys; elsewhere a fixed handful of device ops over the whole
+        bucket (the exponent rule, then the counts' segment sums), whatever
+        the layer count. Nothing is read on the host.
+        """
+        g = st.group
+        assert st.names is not None
+        if st.host_factors is not None and x.is_contiguous():
+            rows = torch.empty(len(st.names), 5, dtype=torch.float64, device=x.device)
+            g.codec.layer_records(x, g.layout, st.agreed.maxima, st.host_factors[2], rows)
+            self.stats.add_rows(index, st.names, g.numels, g.fmt, rows)
+            return
+        amax = st.agreed.maxima
+        f = factors(amax, g.fmt, st.route, world_size=self.comm.world_size)
+        counts = layer_counts(x, g.layout.lengths, f.exponents, g.fmt)
+        self.stats.add(index, st.names, g.numels, g.fmt, f.exponents, amax, counts)
 
     def _run_steady_blocks(
         self, index: int, st: SteadyBlocks, x: torch.Tensor, defer: bool

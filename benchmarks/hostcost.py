@@ -127,6 +127,7 @@ _CPU_KERNELS = (
     "two_phase_keys",
     "block_amax",
     "layer_any",
+    "layer_records",
     "send_rank_blocks",
     "owner_rank_blocks",
     "decode_rank_blocks",
