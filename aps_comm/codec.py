@@ -1517,14 +1517,55 @@ class Codec:
             >>> out.tolist()
             [[0.0, 1.0, 2.0, 1.0, 0.0]]
         """
+        self._check_records(x, layout)
+        _kernel("layer_records", x, layout.offsets.numpy(), maxima, keys, self.fmt, out)
+
+    def block_records(
+        self,
+        x: torch.Tensor,
+        blocks: Blocks,
+        keys: torch.Tensor,
+        maxima: torch.Tensor,
+        out: torch.Tensor,
+    ) -> None:
+        """:meth:`layer_records` of block scaling, per layer in one kernel call: the
+        smallest exponent of its blocks (uint8 ``keys``), the largest of their
+        float32 ``maxima`` and their summed counts (:func:`aps_comm.telemetry.per_layer`).
+
+        Raises:
+            ValueError: the codec's backend is not "kernels", or ``x`` is not
+                contiguous float32 of the blocks' elements.
+
+        Example:
+            >>> c = Codec("e4m3", torch.device("cpu"), backend="kernels")
+            >>> out = torch.empty(1, 5, dtype=torch.float64)
+            >>> b = Layout.from_numels([3], torch.device("cpu")).grid(2)
+            >>> keys = torch.tensor([127, 0], dtype=torch.uint8)
+            >>> c.block_records(torch.tensor([1.0, 1e-9, 0.0]), b, keys, torch.tensor([1.0, 0.0]),
+            ...                 out)
+            >>> out.tolist()
+            [[0.0, 1.0, 2.0, 1.0, 0.0]]
+        """
+        self._check_records(x, blocks.layout)
+        _kernel(
+            "block_records",
+            x,
+            blocks.layout.offsets.numpy(),
+            blocks.counts.numpy(),
+            keys,
+            maxima,
+            self.fmt,
+            out,
+        )
+
+    def _check_records(self, x: torch.Tensor, layout: Layout) -> None:
         if self.backend != "kernels":
-            raise ValueError(f"layer_records runs on the 'kernels' backend, not {self.backend!r}")
+            raise ValueError(f"the records' kernels run on 'kernels', not {self.backend!r}")
         if x.dtype != torch.float32 or not x.is_contiguous() or x.numel() != layout.numel:
             raise ValueError(
                 f"x must be contiguous float32 of {layout.numel} elements, got "
                 f"{tuple(x.shape)} {x.dtype}"
             )
-        _kernel("layer_records", x, layout.offsets.numpy(), maxima, keys, self.fmt, out)
 
     def owner_reduce(
         self, recv: torch.Tensor, n_ranks: int, *, out: torch.Tensor | None = None

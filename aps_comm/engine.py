@@ -55,9 +55,11 @@ from aps_comm.scaling import (
     Factors,
     bad_layers,
     block_amax,
+    blocks_amax,
     exponent_keys,
     factors,
     factors_from_keys,
+    key_exponents,
 )
 from aps_comm.telemetry import StepStats, layer_counts, per_layer
 from aps_comm.topology import NodeGroups
@@ -248,6 +250,7 @@ class SteadyBlocks:
         calls: each chunk's bound calls.
         bound_ptr: the address of the buffer they are bound to (0 for none).
         offer: as :class:`Steady`'s (log2 of this rank's preferred chunk).
+        names: as :class:`Steady`'s (:meth:`Reducer.record_steady_blocks`).
     """
 
     numel: int
@@ -265,6 +268,7 @@ class SteadyBlocks:
     calls: list[RankBlockCalls] | None = None
     bound_ptr: int = 0
     offer: tuple[float | None, int] | None = None
+    names: list[str | None] | None = None
 
     def bind(self, x: torch.Tensor, rank: int, world_size: int) -> bool:
         """Bind the keys' and every chunk's calls to the float32 buffer ``x``; False where
@@ -534,7 +538,7 @@ class Reducer:
             g = groups[0]
             self._settle(index, x, plan, fmts, g, Route(g.reduction), measured, chunk, names)
         elif len(groups) == 1 and rank_exps and fmts is not None:
-            self._settle_blocks(index, x, plan, fmts, groups[0], measured, chunk)
+            self._settle_blocks(index, x, plan, fmts, groups[0], measured, chunk, names)
         return tail
 
     def _settle_blocks(
@@ -546,8 +550,10 @@ class Reducer:
         g: GroupPlan,
         measured: bool,
         chunk: int,
+        names: Sequence[str | None] = (),
     ) -> None:
-        """Bind the bucket's :class:`SteadyBlocks` path where nothing in it changes per step."""
+        """Bind the bucket's :class:`SteadyBlocks` path where nothing in it changes per step
+        (with ``stats=True`` recording too, its layers labelled by ``names``)."""
         assignment = self.assignment
         sh, route = g.block_shards, Route(g.reduction)
         two_phase = route == Route.TWO_PHASE and sh is not None and sh.rank_exponents
@@ -555,7 +561,6 @@ class Reducer:
         if (
             assignment.rules
             or assignment.promoter is not None
-            or self.settings.stats
             or not g.contiguous
             or not (two_phase or staged)
         ):
@@ -585,6 +590,8 @@ class Reducer:
             torch.zeros(n_layers, dtype=torch.uint8, device=x.device),
             **extra,
         )
+        if self.settings.stats:
+            st.names = list(names)
         if st.bind(x, self.comm.rank, self.comm.world_size):
             self.steady[index] = st
 
@@ -743,6 +750,21 @@ class Reducer:
         counts = layer_counts(x, g.layout.lengths, f.exponents, g.fmt)
         self.stats.add(index, st.names, g.numels, g.fmt, f.exponents, amax, counts)
 
+    def record_steady_blocks(self, index: int, st: SteadyBlocks, x: torch.Tensor) -> None:
+        """:meth:`record_steady` with every rank's own block exponents: each block's
+        counts under its own key, folded per layer (:func:`aps_comm.telemetry.per_layer`)."""
+        g = st.group
+        assert st.names is not None and g.blocks is not None
+        if g.codec.backend == "kernels" and x.is_contiguous():
+            rows = torch.empty(len(st.names), 5, dtype=torch.float64, device=x.device)
+            g.codec.block_records(x, g.blocks, st.keys, st.maxima, rows)
+            self.stats.add_rows(index, st.names, g.numels, g.fmt, rows)
+            return
+        exps = key_exponents(st.keys)
+        counts = layer_counts(x, g.layout.lengths, exps, g.fmt)
+        counts, smallest, largest = per_layer(g.blocks, counts, exps, blocks_amax(x, g.layout))
+        self.stats.add(index, st.names, g.numels, g.fmt, smallest, largest, counts)
+
     def _run_steady_blocks(
         self, index: int, st: SteadyBlocks, x: torch.Tensor, defer: bool
     ) -> Callable[[], None] | None:
@@ -753,6 +775,8 @@ class Reducer:
             st.bind(x, comm.rank, comm.world_size)
         assert st.keys_call is not None
         st.keys_call()
+        if st.names is not None:  # this rank's own keys: before anything is sent
+            self.record_steady_blocks(index, st, x)
         if isinstance(st, SteadyNodeBlocks):
             # The chunk is the model's (the route offers none); only the timing is kept.
             assert st.node_calls is not None and st.groups is not None

@@ -145,15 +145,21 @@ def _settled_ops(options: dict, layers: int) -> tuple[list[str], list[str]]:
     return aten, kernels
 
 
-def test_a_bucket_with_stats_settles_within_the_budget(world: None) -> None:
+@pytest.mark.parametrize(
+    ("config", "kernel"),
+    [("two_phase+stats", "kernel::layer_records"), ("block+stats", "kernel::block_records")],
+)
+def test_a_bucket_with_stats_settles_within_the_budget(
+    world: None, config: str, kernel: str
+) -> None:
     """Issue 46: ``stats=True`` costs one kernel call more than the plain route, not a
-    per-step path of ~100 ops that grows with the layers (297 at 200 layers before)."""
-    counts = {layers: _settled_ops(CONFIGS["two_phase+stats"], layers) for layers in (2, 200)}
+    per-step path that grows with the layers (two_phase: 297 ops at 200 layers before)."""
+    counts = {layers: _settled_ops(CONFIGS[config], layers) for layers in (2, 200)}
     assert counts[2] == counts[200], counts
     aten, kernels = counts[200]
     assert not any("_local_scalar_dense" in op for op in aten), aten  # no host read
     assert len(aten) + len(kernels) <= BUDGET, counts[200]
-    assert kernels.count("kernel::layer_records") == 1  # every layer's records in one call
+    assert kernels.count(kernel) == 1  # every layer's records in one call
 
 
 def test_an_hsdp_unit_with_stats_settles_within_the_budget(world: None) -> None:

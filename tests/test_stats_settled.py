@@ -2,10 +2,12 @@
 
 Issue 46: with ``stats=True`` a bucket settles like a plain one (its records
 made by one kernel call on the CPU, a fixed handful of device ops elsewhere).
-On 2 ranks, one state runs its bucket settled from the second step on, another
-is sent down the full per-step path every step; their records must be equal,
-through a layer of zeros, an empty layer, layers that underflow, and steps
-where one rank's layer holds inf or NaN.
+On 2 ranks (4 for hierarchical), one state runs its bucket settled from the
+second step on, another is sent down the full per-step path every step;
+their records must be equal, through a layer of zeros, an empty layer,
+layers that underflow, and steps where one rank's layer holds inf or NaN.
+Per layer and per block (each rank's own block exponents, as the hook sends
+them), two_phase, native sums and hierarchical, CPU kernels and torch ops.
 """
 
 from __future__ import annotations
@@ -34,18 +36,23 @@ def _grads(step: int, rank: int) -> torch.Tensor:
         one.fill_(math.nan)
     big.copy_(torch.randn(300, generator=gen) * 2.0 ** (7 * step - 10))
     big[::5] = 0.0
-    if rank == 1:  # zero on rank 0 only
+    if rank != 0:  # zero on rank 0 only
         half.copy_(torch.randn(17, generator=gen))
     return torch.cat([zeros, wide.new_empty(0), wide, one, big, half])
 
 
-def _records(rank: int, world_size: int, fmt: str, reduction: str, kernels: bool) -> list:
+def _records(
+    rank: int, world_size: int, fmt: str, reduction: str, scaling: str, kernels: bool
+) -> list:
     if not kernels:
         cpu_kernels.AVAILABLE = False  # this process's codecs: the torch ops (the GPU's path)
     params = [torch.nn.Parameter(torch.empty(n)) for n in NUMELS]
     model = torch.nn.ParameterList(params)
-    settled = APSState(fmt, reduction=reduction, stats=True)
-    full = APSState(fmt, reduction=reduction, stats=True)
+    # Staged routes: nodes of 2 ranks.
+    per_node = 2 if reduction == "hierarchical" else None
+    options = {"reduction": reduction, "scaling": scaling, "ranks_per_node": per_node}
+    settled = APSState(fmt, stats=True, **options)
+    full = APSState(fmt, stats=True, **options)
     for state in (settled, full):
         state.bind_model(model)
     buffer = torch.empty(sum(NUMELS))  # DDP's bucket buffer: the same every step
@@ -65,11 +72,21 @@ def _records(rank: int, world_size: int, fmt: str, reduction: str, kernels: bool
 
 
 @pytest.mark.parametrize(
-    ("fmt", "reduction", "kernels"),
-    [("e4m3", "two_phase", True), ("fp16", "allreduce", True), ("e4m3", "two_phase", False)],
+    ("fmt", "reduction", "scaling", "kernels", "world"),
+    [
+        ("e4m3", "two_phase", "layer", True, 2),
+        ("fp16", "allreduce", "layer", True, 2),
+        ("e4m3", "two_phase", "layer", False, 2),
+        ("e2m1", "two_phase", "block", True, 2),
+        ("e2m1", "hierarchical", "block", True, 4),  # 2 nodes of 2
+    ],
 )
-def test_settled_records_equal_the_full_paths(fmt: str, reduction: str, kernels: bool) -> None:
-    runs = run_distributed(_records, 2, args=(fmt, reduction, kernels), timeout=180)
+def test_settled_records_equal_the_full_paths(
+    fmt: str, reduction: str, scaling: str, kernels: bool, world: int
+) -> None:
+    args = (fmt, reduction, scaling, kernels)
+    runs = run_distributed(_records, world, args=args, timeout=180)
+    blocks = scaling == "block"  # each rank's own block exponents: its own maxima
     for rank, steps in enumerate(runs):
         for step, (on_path, backend, settled, full) in enumerate(steps):
             assert on_path == (step > 0), (rank, step)  # settled from the second step on
@@ -81,10 +98,10 @@ def test_settled_records_equal_the_full_paths(fmt: str, reduction: str, kernels:
             assert zeros.amax == 0.0 and zeros.exponent == 0 and zeros.underflow_rate == 0.0
             assert empty.amax == 0.0 and empty.underflow_rate == 0.0
             assert wide.underflow_rate > 0.0  # some of its 24 decades flush
-            assert half.amax > 0.0 and half.exponent != 0
-            if step in (2, 3):  # inf on rank 1, then NaN on rank 0: inf everywhere
-                assert one.amax == math.inf and one.exponent == 0
+            assert (half.amax > 0.0) == (rank != 0 or not blocks)
+            if (step, rank) in ((2, 1), (3, 0)) or (step in (2, 3) and not blocks):
+                assert one.amax == math.inf and one.exponent == 0  # NaN or inf: inf
             else:
-                assert one.amax == 1.0
+                assert one.amax == (rank + 1 if blocks else world) * 0.5
         # Rank 1's inf passes the format's max once scaled: counted saturated.
-        assert steps[2][2][3].saturated == rank
+        assert steps[2][2][3].saturated == (rank == 1)
