@@ -1539,10 +1539,10 @@ class Codec:
         Example:
             >>> c = Codec("e4m3", torch.device("cpu"), backend="kernels")
             >>> out = torch.empty(1, 5, dtype=torch.float64)
-            >>> b = Layout.from_numels([3], torch.device("cpu")).grid(2)
+            >>> b = Layout.from_numels([10], torch.device("cpu")).grid(8)  # blocks of 8 and 2
+            >>> x = torch.tensor([1.0, 1e-9, 0, 0, 0, 0, 0, 0, 0, 0])
             >>> keys = torch.tensor([127, 0], dtype=torch.uint8)
-            >>> c.block_records(torch.tensor([1.0, 1e-9, 0.0]), b, keys, torch.tensor([1.0, 0.0]),
-            ...                 out)
+            >>> c.block_records(x, b, keys, torch.tensor([1.0, 0.0]), out)
             >>> out.tolist()
             [[0.0, 1.0, 2.0, 1.0, 0.0]]
         """
