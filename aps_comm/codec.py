@@ -1487,6 +1487,86 @@ class Codec:
             out.copy_(segment_amax(x, layout))
         return out
 
+    def layer_records(
+        self,
+        x: torch.Tensor,
+        layout: Layout,
+        maxima: torch.Tensor,
+        keys: np.ndarray,
+        out: torch.Tensor,
+    ) -> None:
+        """Each segment's statistics row into float64 ``out`` (L, 5) in one kernel call.
+
+        Row s: the exponent behind int32 exponent key ``keys[s]`` (what
+        :meth:`AgreedMaxima.host_factors_into` left in its scratch), the
+        agreed maximum ``maxima[s]``, and the counts of
+        :func:`aps_comm.telemetry.layer_counts` over float32 ``x`` (nonzero,
+        underflowing and saturating elements once scaled): a settled bucket's
+        records with no per-layer work on the host. CPU kernels only.
+
+        Raises:
+            ValueError: the codec's backend is not "kernels", or ``x`` is not
+                contiguous float32 of ``layout.numel`` elements.
+
+        Example:
+            >>> c = Codec("e4m3", torch.device("cpu"), backend="kernels")
+            >>> out = torch.empty(1, 5, dtype=torch.float64)
+            >>> layout = Layout.from_numels([3], torch.device("cpu"))
+            >>> c.layer_records(torch.tensor([1.0, 1e-9, 0.0]), layout, torch.tensor([1.0]),
+            ...                 np.array([127], np.int32), out)
+            >>> out.tolist()
+            [[0.0, 1.0, 2.0, 1.0, 0.0]]
+        """
+        self._check_records(x, layout)
+        _kernel("layer_records", x, layout.offsets.numpy(), maxima, keys, self.fmt, out)
+
+    def block_records(
+        self,
+        x: torch.Tensor,
+        blocks: Blocks,
+        keys: torch.Tensor,
+        maxima: torch.Tensor,
+        out: torch.Tensor,
+    ) -> None:
+        """:meth:`layer_records` of block scaling, per layer in one kernel call: the
+        smallest exponent of its blocks (uint8 ``keys``), the largest of their
+        float32 ``maxima`` and their summed counts (:func:`aps_comm.telemetry.per_layer`).
+
+        Raises:
+            ValueError: the codec's backend is not "kernels", or ``x`` is not
+                contiguous float32 of the blocks' elements.
+
+        Example:
+            >>> c = Codec("e4m3", torch.device("cpu"), backend="kernels")
+            >>> out = torch.empty(1, 5, dtype=torch.float64)
+            >>> b = Layout.from_numels([10], torch.device("cpu")).grid(8)  # blocks of 8 and 2
+            >>> x = torch.tensor([1.0, 1e-9, 0, 0, 0, 0, 0, 0, 0, 0])
+            >>> keys = torch.tensor([127, 0], dtype=torch.uint8)
+            >>> c.block_records(x, b, keys, torch.tensor([1.0, 0.0]), out)
+            >>> out.tolist()
+            [[0.0, 1.0, 2.0, 1.0, 0.0]]
+        """
+        self._check_records(x, blocks.layout)
+        _kernel(
+            "block_records",
+            x,
+            blocks.layout.offsets.numpy(),
+            blocks.counts.numpy(),
+            keys,
+            maxima,
+            self.fmt,
+            out,
+        )
+
+    def _check_records(self, x: torch.Tensor, layout: Layout) -> None:
+        if self.backend != "kernels":
+            raise ValueError(f"the records' kernels run on 'kernels', not {self.backend!r}")
+        if x.dtype != torch.float32 or not x.is_contiguous() or x.numel() != layout.numel:
+            raise ValueError(
+                f"x must be contiguous float32 of {layout.numel} elements, got "
+                f"{tuple(x.shape)} {x.dtype}"
+            )
+
     def owner_reduce(
         self, recv: torch.Tensor, n_ranks: int, *, out: torch.Tensor | None = None
     ) -> torch.Tensor:

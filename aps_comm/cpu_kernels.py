@@ -63,6 +63,7 @@ __all__ = [
     "COMPILE_NOTICE",
     "CompileNotice",
     "block_amax",
+    "block_records",
     "decode",
     "decode_rank_blocks",
     "decoder_params",
@@ -70,6 +71,7 @@ __all__ = [
     "encoder_params",
     "key_factors",
     "layer_any",
+    "layer_records",
     "maxima_factors",
     "maxima_factors_into",
     "mean_limit",
@@ -1843,6 +1845,130 @@ def key_factors(keys: np.ndarray, unscale: bool, divisor: int = 1) -> np.ndarray
     out = np.empty(len(keys), np.float32)
     _key_factors(keys, out, unscale, divisor)
     return out
+
+
+def layer_records(
+    x: torch.Tensor,
+    offsets: np.ndarray,
+    maxima: torch.Tensor,
+    keys: np.ndarray,
+    fmt: FloatFormat,
+    out: torch.Tensor,
+) -> None:
+    """Every segment's record row into float64 ``out`` (L, 5), in one pass over ``x``.
+
+    Row s: the exponent of int32 key ``keys[s]`` (:func:`maxima_factors_into`'s
+    scratch: 0 for a zero or non-finite maximum), ``maxima[s]``, and of the
+    float32 ``x``'s elements of segment s scaled by ``2**e``, how many are
+    nonzero, how many of those are at most half ``fmt``'s smallest subnormal
+    (they flush to zero), how many pass ``fmt.max``: the counts of
+    :func:`aps_comm.telemetry.layer_counts`, the same float32 products.
+
+    Example:
+        >>> from aps_comm.formats import E4M3
+        >>> out = torch.empty(1, 5, dtype=torch.float64)
+        >>> x = torch.tensor([1.0, 1e-9, 0.0, 500.0])
+        >>> layer_records(x, np.array([0, 4]), torch.tensor([500.0]), np.array([127], np.int32),
+        ...               E4M3, out)
+        >>> out.tolist()
+        [[0.0, 500.0, 3.0, 1.0, 1.0]]
+    """
+    tiny = np.float32(fmt.min_subnormal / 2)
+    _layer_records(_np(x), offsets, _np(maxima), keys, tiny, np.float32(fmt.max), _np(out))
+
+
+def block_records(
+    x: torch.Tensor,
+    offsets: np.ndarray,
+    counts: np.ndarray,
+    keys: torch.Tensor,
+    maxima: torch.Tensor,
+    fmt: FloatFormat,
+    out: torch.Tensor,
+) -> None:
+    """:func:`layer_records` of block scaling: every block scaled by its own key's
+    exponent, the rows folded per layer as :func:`aps_comm.telemetry.per_layer` does.
+
+    Row l: the smallest exponent of layer l's blocks (uint8 ``keys``, one per
+    block: 0 for a zero or non-finite block), the largest of their ``maxima``
+    (float32, one per block), and the summed counts of their elements; 0
+    for a layer without blocks.
+
+    Args:
+        x: contiguous float32 values.
+        offsets: int64, the blocks' bounds in ``x`` (blocks + 1 entries).
+        counts: int64, blocks per layer.
+        keys: uint8, one exponent key per block.
+        maxima: float32, one maximum per block.
+        fmt: the wire format.
+        out: float64 (layers, 5).
+
+    Example:
+        >>> from aps_comm.formats import E4M3
+        >>> out = torch.empty(2, 5, dtype=torch.float64)
+        >>> x = torch.tensor([1.0, 1e-9, 0.0, 500.0])
+        >>> block_records(x, np.array([0, 2, 4]), np.array([2, 0]),
+        ...               torch.tensor([120, 127], dtype=torch.uint8), torch.tensor([1.0, 500.0]),
+        ...               E4M3, out)
+        >>> out.tolist()
+        [[0.0, 500.0, 3.0, 1.0, 1.0], [0.0, 0.0, 0.0, 0.0, 0.0]]
+    """
+    tiny = np.float32(fmt.min_subnormal / 2)
+    _block_records(
+        _np(x), offsets, counts, _np(keys), _np(maxima), tiny, np.float32(fmt.max), _np(out)
+    )
+
+
+if AVAILABLE:
+
+    @_njit
+    def _key_exponent(k):
+        return 0 if k == 0 or k == 255 else 127 - np.int64(k)
+
+    @_njit
+    def _scaled_counts(x, lo, hi, e, tiny, fmax):
+        """Of ``x[lo:hi]`` times ``2**e``: nonzero, underflowing and saturating elements."""
+        f = np.float32(math.ldexp(1.0, e))
+        nonzero = under = saturated = 0
+        for i in range(lo, hi):
+            m = np.float32(abs(x[i]) * f)  # float32 products, as the torch counts'
+            nonzero += m > 0
+            under += (m > 0) & (m <= tiny)
+            saturated += m > fmax
+        return nonzero, under, saturated
+
+    @_njit
+    def _layer_records(x, offsets, maxima, keys, tiny, fmax, out):
+        for s in range(len(offsets) - 1):
+            e = _key_exponent(keys[s])
+            nonzero, under, saturated = _scaled_counts(x, offsets[s], offsets[s + 1], e, tiny, fmax)
+            out[s, 0] = e
+            out[s, 1] = maxima[s]
+            out[s, 2] = nonzero
+            out[s, 3] = under
+            out[s, 4] = saturated
+
+    @_njit
+    def _block_records(x, offsets, counts, keys, maxima, tiny, fmax, out):
+        b = 0
+        for layer in range(len(counts)):
+            smallest = 0
+            largest = np.float32(0.0)
+            nonzero = under = saturated = 0
+            for j in range(counts[layer]):
+                e = _key_exponent(keys[b])
+                smallest = e if j == 0 else min(smallest, e)
+                largest = max(largest, maxima[b])
+                n, u, s = _scaled_counts(x, offsets[b], offsets[b + 1], e, tiny, fmax)
+                nonzero += n
+                under += u
+                saturated += s
+                b += 1
+            out[layer, 0] = smallest
+            out[layer, 1] = largest
+            out[layer, 2] = nonzero
+            out[layer, 3] = under
+            out[layer, 4] = saturated
 
 
 @functools.lru_cache(maxsize=64)

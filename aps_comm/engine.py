@@ -55,9 +55,11 @@ from aps_comm.scaling import (
     Factors,
     bad_layers,
     block_amax,
+    blocks_amax,
     exponent_keys,
     factors,
     factors_from_keys,
+    key_exponents,
 )
 from aps_comm.telemetry import StepStats, layer_counts, per_layer
 from aps_comm.topology import NodeGroups
@@ -160,6 +162,8 @@ class Steady:
             int32 key scratch, refilled in place once per bucket.
         offer: (the exchange time it was planned for, log2 of this rank's
             preferred chunk): the model is asked again only when the time moves.
+        names: with ``stats=True``, each layer's name for its records (the
+            rows of :meth:`Reducer.record_steady`); None records nothing.
     """
 
     numel: int
@@ -177,6 +181,7 @@ class Steady:
     bound_ptr: int = 0
     host_factors: tuple[np.ndarray, np.ndarray, np.ndarray] | None = None
     offer: tuple[float | None, float] | None = None
+    names: list[str | None] | None = None
 
     def bind(self, x: torch.Tensor, world_size: int) -> None:
         """Bind the maxima kernel and every chunk's codec work to the float32 buffer ``x``.
@@ -245,6 +250,7 @@ class SteadyBlocks:
         calls: each chunk's bound calls.
         bound_ptr: the address of the buffer they are bound to (0 for none).
         offer: as :class:`Steady`'s (log2 of this rank's preferred chunk).
+        names: as :class:`Steady`'s (:meth:`Reducer.record_steady_blocks`).
     """
 
     numel: int
@@ -262,6 +268,7 @@ class SteadyBlocks:
     calls: list[RankBlockCalls] | None = None
     bound_ptr: int = 0
     offer: tuple[float | None, int] | None = None
+    names: list[str | None] | None = None
 
     def bind(self, x: torch.Tensor, rank: int, world_size: int) -> bool:
         """Bind the keys' and every chunk's calls to the float32 buffer ``x``; False where
@@ -529,9 +536,9 @@ class Reducer:
             plan.timed(time.perf_counter() - start)
         if len(groups) == 1 and not blocked and fmts is not None:
             g = groups[0]
-            self._settle(index, x, plan, fmts, g, Route(g.reduction), measured, chunk)
+            self._settle(index, x, plan, fmts, g, Route(g.reduction), measured, chunk, names)
         elif len(groups) == 1 and rank_exps and fmts is not None:
-            self._settle_blocks(index, x, plan, fmts, groups[0], measured, chunk)
+            self._settle_blocks(index, x, plan, fmts, groups[0], measured, chunk, names)
         return tail
 
     def _settle_blocks(
@@ -543,8 +550,10 @@ class Reducer:
         g: GroupPlan,
         measured: bool,
         chunk: int,
+        names: Sequence[str | None] = (),
     ) -> None:
-        """Bind the bucket's :class:`SteadyBlocks` path where nothing in it changes per step."""
+        """Bind the bucket's :class:`SteadyBlocks` path where nothing in it changes per step
+        (with ``stats=True`` recording too, its layers labelled by ``names``)."""
         assignment = self.assignment
         sh, route = g.block_shards, Route(g.reduction)
         two_phase = route == Route.TWO_PHASE and sh is not None and sh.rank_exponents
@@ -552,7 +561,6 @@ class Reducer:
         if (
             assignment.rules
             or assignment.promoter is not None
-            or self.settings.stats
             or not g.contiguous
             or not (two_phase or staged)
         ):
@@ -582,6 +590,8 @@ class Reducer:
             torch.zeros(n_layers, dtype=torch.uint8, device=x.device),
             **extra,
         )
+        if self.settings.stats:
+            st.names = list(names)
         if st.bind(x, self.comm.rank, self.comm.world_size):
             self.steady[index] = st
 
@@ -595,13 +605,17 @@ class Reducer:
         route: Route,
         measured: bool,
         chunk: int,
+        names: Sequence[str | None] = (),
     ) -> None:
-        """Bind the bucket's :class:`Steady` path where nothing in it changes per step."""
+        """Bind the bucket's :class:`Steady` path where nothing in it changes per step.
+
+        With ``stats=True`` the bound path records too (:meth:`record_steady`):
+        ``names`` label the layers' records.
+        """
         assignment, settings = self.assignment, self.settings
         if (
             self.feedback is not None
             or assignment.rules
-            or settings.stats
             or settings.scaling != Scaling.LAYER
             or not (route == Route.FP32 or (g is not None and g.contiguous))
             or route not in (Route.FP32, Route.TWO_PHASE, Route.ALLREDUCE)
@@ -622,6 +636,8 @@ class Reducer:
             measured,
             chunk,
         )
+        if settings.stats and g is not None:  # an FP32 bucket records nothing
+            st.names = list(names)
         st.bind(x, self.comm.world_size)
 
     def steady_for(self, index: int, buffer: torch.Tensor) -> Steady | SteadyBlocks | None:
@@ -685,6 +701,8 @@ class Reducer:
             st.agreed.host_factors_into(g.fmt, *st.host_factors)
             if calls is None:
                 scale, unscale = (torch.from_numpy(f) for f in st.host_factors[:2])
+        if st.names is not None:  # before the decode overwrites this rank's values
+            self.record_steady(index, st, x)
         start = time.perf_counter()
         if calls is not None and not native:
             tail = transports.two_phase_bound(calls, comm.group, self.traffic, defer)
@@ -710,6 +728,43 @@ class Reducer:
             st.plan.timed(time.perf_counter() - start)
         return tail
 
+    def record_steady(self, index: int, st: Steady, x: torch.Tensor) -> None:
+        """Queue a settled bucket's records (``stats=True``): the full path's values.
+
+        Once the maxima are agreed, every layer's exponent, agreed maximum
+        and counts (:func:`aps_comm.telemetry.layer_counts`) over this rank's
+        values ``x``: on the CPU kernels one kernel call from the factors'
+        exponent keys; elsewhere a fixed handful of device ops over the whole
+        bucket (the exponent rule, then the counts' segment sums), whatever
+        the layer count. Nothing is read on the host.
+        """
+        g = st.group
+        assert st.names is not None
+        if st.host_factors is not None and x.is_contiguous():
+            rows = torch.empty(len(st.names), 5, dtype=torch.float64, device=x.device)
+            g.codec.layer_records(x, g.layout, st.agreed.maxima, st.host_factors[2], rows)
+            self.stats.add_rows(index, st.names, g.numels, g.fmt, rows)
+            return
+        amax = st.agreed.maxima
+        f = factors(amax, g.fmt, st.route, world_size=self.comm.world_size)
+        counts = layer_counts(x, g.layout.lengths, f.exponents, g.fmt)
+        self.stats.add(index, st.names, g.numels, g.fmt, f.exponents, amax, counts)
+
+    def record_steady_blocks(self, index: int, st: SteadyBlocks, x: torch.Tensor) -> None:
+        """:meth:`record_steady` with every rank's own block exponents: each block's
+        counts under its own key, folded per layer (:func:`aps_comm.telemetry.per_layer`)."""
+        g = st.group
+        assert st.names is not None and g.blocks is not None
+        if g.codec.backend == "kernels" and x.is_contiguous():
+            rows = torch.empty(len(st.names), 5, dtype=torch.float64, device=x.device)
+            g.codec.block_records(x, g.blocks, st.keys, st.maxima, rows)
+            self.stats.add_rows(index, st.names, g.numels, g.fmt, rows)
+            return
+        exps = key_exponents(st.keys)
+        counts = layer_counts(x, g.layout.lengths, exps, g.fmt)
+        counts, smallest, largest = per_layer(g.blocks, counts, exps, blocks_amax(x, g.layout))
+        self.stats.add(index, st.names, g.numels, g.fmt, smallest, largest, counts)
+
     def _run_steady_blocks(
         self, index: int, st: SteadyBlocks, x: torch.Tensor, defer: bool
     ) -> Callable[[], None] | None:
@@ -720,6 +775,8 @@ class Reducer:
             st.bind(x, comm.rank, comm.world_size)
         assert st.keys_call is not None
         st.keys_call()
+        if st.names is not None:  # this rank's own keys: before anything is sent
+            self.record_steady_blocks(index, st, x)
         if isinstance(st, SteadyNodeBlocks):
             # The chunk is the model's (the route offers none); only the timing is kept.
             assert st.node_calls is not None and st.groups is not None

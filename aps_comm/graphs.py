@@ -17,6 +17,9 @@ the same work is one launch. The rules:
   peer still fails the job within the group's timeout.
 - The bytes a bucket hands each collective are counted at capture and added
   per replay (``bytes_detail`` stays true).
+- So are its statistics (``stats=True``): the rows the capture queued are the
+  graph's own memory, which every replay rewrites; each replay queues a copy
+  of them, made on the stream after the replay, as that step's records.
 - A capture that fails is logged once; from then on the state's buckets run
   eagerly, as without graphs.
 
@@ -36,6 +39,7 @@ from typing import Any
 import torch
 
 from aps_comm.engine import Traffic
+from aps_comm.telemetry import StepStats
 
 __all__ = ["BucketGraph", "BucketGraphs"]
 
@@ -51,12 +55,15 @@ class BucketGraph:
         ptr: the address of the bucket buffer it reads and writes.
         numel: the buffer's elements.
         traffic: bytes per collective that one run hands the wire.
+        records: the statistics rows one run writes (``stats=True``), with
+            what labels them (:meth:`aps_comm.telemetry.StepStats.take_since`).
     """
 
     graph: Any
     ptr: int
     numel: int
     traffic: dict[str, int]
+    records: list[tuple[tuple, torch.Tensor]] = dataclasses.field(default_factory=list)
 
 
 class BucketGraphs:
@@ -100,14 +107,21 @@ class BucketGraphs:
         return False
 
     def capture(
-        self, index: int, buffer: torch.Tensor, work: Callable[[], None], traffic: Traffic
+        self,
+        index: int,
+        buffer: torch.Tensor,
+        work: Callable[[], None],
+        traffic: Traffic,
+        stats: StepStats | None = None,
     ) -> BucketGraph | None:
         """Capture ``work`` on the current stream; None (graphs off, logged) if it fails.
 
         ``work`` is recorded, not run: :meth:`replay` runs it. The bytes it
-        counts into ``traffic`` are taken out and kept for the replays.
+        counts into ``traffic`` and the records it queues in ``stats`` are
+        taken out and kept for the replays.
         """
         before = dict(traffic.bytes)
+        mark = stats.queued if stats is not None else 0
         graph = self.factory()
         try:
             # thread_local: the autograd engine's other threads keep running.
@@ -118,6 +132,8 @@ class BucketGraphs:
                 graph.capture_end()
         except Exception as exc:  # any failure: the buckets run eagerly
             traffic.bytes = before
+            if stats is not None:
+                stats.take_since(mark)  # never written: the eager run records its own
             self.failed = f"{type(exc).__name__}: {exc}"
             self.graphs.clear()
             _log.warning(
@@ -129,14 +145,19 @@ class BucketGraphs:
             return None
         delta = {k: v - before.get(k, 0) for k, v in traffic.bytes.items()}
         traffic.bytes = before
-        entry = BucketGraph(graph, buffer.data_ptr(), buffer.numel(), delta)
+        records = stats.take_since(mark) if stats is not None else []
+        entry = BucketGraph(graph, buffer.data_ptr(), buffer.numel(), delta, records)
         self.graphs[index] = entry
         return entry
 
     @staticmethod
-    def replay(entry: BucketGraph, traffic: Traffic) -> None:
-        """Run the bucket's graph on the current stream and count its bytes."""
+    def replay(entry: BucketGraph, traffic: Traffic, stats: StepStats | None = None) -> None:
+        """Run the bucket's graph on the current stream, count its bytes and queue a copy
+        of its records into ``stats`` (the next replay rewrites the graph's own)."""
         entry.graph.replay()
         for collective, nbytes in entry.traffic.items():
             if nbytes:
                 traffic(collective, nbytes)
+        if stats is not None:
+            for part, rows in entry.records:
+                stats.add_rows(*part, rows.clone())

@@ -592,10 +592,10 @@ class APSState:
         with torch.cuda.stream(stream), torch.no_grad():
             if entry is None:
                 work = functools.partial(self._steady_work, b)
-                entry = graphs.capture(b.index, buffer, work, reducer.traffic)
+                entry = graphs.capture(b.index, buffer, work, reducer.traffic, reducer.stats)
                 if entry is None:
                     return None
-            graphs.replay(entry, reducer.traffic)
+            graphs.replay(entry, reducer.traffic, reducer.stats)
             fut: torch.futures.Future = torch.futures.Future(devices=[buffer.device])
             fut.set_result(buffer)
         return fut

@@ -171,6 +171,49 @@ class StepStats:
             torch.cat([exps.double()[:, None], amax.double()[:, None], counts.double()], dim=1)
         )
 
+    def add_rows(
+        self,
+        bucket: int,
+        names: Sequence[str | None],
+        numels: Sequence[int],
+        fmt: FloatFormat,
+        rows: torch.Tensor,
+    ) -> None:
+        """Queue one format group's records made as rows already (no device op).
+
+        Args:
+            bucket: the bucket (or unit) index.
+            names: each layer's name.
+            numels: each layer's size.
+            fmt: the group's wire format.
+            rows: float64 (L, 5): exponent, amax, nonzero, underflowing and
+                saturated counts per layer (what :meth:`add` stacks); kept
+                as it is, so the caller hands a tensor no later step writes.
+
+        Raises:
+            ValueError: ``rows`` is not float64 with one row of 5 per layer.
+        """
+        if rows.dtype != torch.float64 or tuple(rows.shape) != (len(names), 5):
+            raise ValueError(
+                f"rows must be float64 of shape ({len(names)}, 5), got "
+                f"{tuple(rows.shape)} {rows.dtype}"
+            )
+        self._parts.append((bucket, list(names), list(numels), fmt))
+        self._values.append(rows)
+
+    @property
+    def queued(self) -> int:
+        """How many groups are queued (a mark for :meth:`take_since`)."""
+        return len(self._parts)
+
+    def take_since(self, mark: int) -> list[tuple[tuple, torch.Tensor]]:
+        """Take out the groups queued since :attr:`queued` was ``mark``: (their
+        :meth:`add_rows` arguments but the rows, the rows). A CUDA graph's capture
+        queues rows the graph writes; each replay adds a copy of them."""
+        parts, values = self._parts[mark:], self._values[mark:]
+        del self._parts[mark:], self._values[mark:]
+        return list(zip(parts, values, strict=True))
+
     def records(self) -> list[LayerStats]:
         """The records, read to the host in one copy on first use."""
         if self._records is None:

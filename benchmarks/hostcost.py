@@ -93,6 +93,7 @@ ROUTES: dict[str, dict[str, Any]] = {
 CONFIGS: dict[str, dict[str, Any]] = {
     **ROUTES,
     "two_phase+stats": {**ROUTES["two_phase"], "stats": True},
+    "block+stats": {**ROUTES["block"], "stats": True},
     "two_phase+error_feedback": {**ROUTES["two_phase"], "error_feedback": True},
     "block+error_feedback": {**ROUTES["block"], "error_feedback": True},
     "bucket": {**ROUTES["two_phase"], "scaling": "bucket"},
@@ -126,7 +127,9 @@ _CPU_KERNELS = (
     "reduce_rank_blocks",
     "two_phase_keys",
     "block_amax",
+    "block_records",
     "layer_any",
+    "layer_records",
     "send_rank_blocks",
     "owner_rank_blocks",
     "decode_rank_blocks",

@@ -354,6 +354,28 @@ def test_error_feedback_and_stats_make_no_host_traffic(
         assert len(mode.reads) == 1 and [r.name for r in records] == names
 
 
+@pytest.mark.parametrize("name", ["e4m3", "e2m1", "fp16", "e5m3"])
+@pytest.mark.parametrize("reduction", ["two_phase", "allreduce"])
+def test_settled_buckets_with_stats_make_no_host_traffic(
+    monkeypatch: pytest.MonkeyPatch, fp8_sums: None, name: str, reduction: str
+) -> None:
+    """Issue 46: with ``stats=True`` a bucket settles, and its records (the device
+    ops a GPU runs instead of the CPU kernel) read nothing on the host."""
+    fmt = get_format(name)
+    if reduction == "allreduce" and fmt.torch_dtype is None:
+        pytest.skip(f"{name} has no native sum")
+    with stubbed_collectives(monkeypatch):
+        reducer, names = _reducer(fmt, reduction, "layer", 6, 1, [], stats=True)
+        steady, stats = _bucket_steps(reducer, names, 3, chunk=512)
+        assert set(reducer.steady) == {0, 1}  # both buckets took their bound path
+    for mode in steady:
+        assert mode.reads == [] and mode.copies == [], (mode.reads, mode.copies)
+    mode = HostTraffic()
+    with mode:
+        records = stats.records()
+    assert len(mode.reads) == 1 and [r.name for r in records] == names
+
+
 def _unit_steps(reducer: Reducer, names: list[str], world: int, steps: int) -> list[HostTraffic]:
     chunks = [-(-n // world) for n in NUMELS]
     seen = []

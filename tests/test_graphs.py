@@ -8,13 +8,16 @@ failed capture turns graphs off without losing the step's bytes.
 
 from __future__ import annotations
 
+import functools
 import logging
 
 import pytest
 import torch
 
 from aps_comm.engine import Traffic
+from aps_comm.formats import E4M3
 from aps_comm.graphs import BucketGraphs
+from aps_comm.telemetry import StepStats
 
 
 class FakeGraph:
@@ -105,3 +108,37 @@ def test_an_error_inside_the_work_ends_the_capture() -> None:
     assert graphs.capture(0, torch.zeros(2), broken, Traffic()) is None
     assert made[0].calls == ["begin:thread_local", "end"]
     assert graphs.failed == "ValueError: no"
+
+
+def test_records_are_queued_per_replay_as_copies_not_at_capture() -> None:
+    """Issue 46: a settled bucket with ``stats=True`` is captured too; the rows its
+    capture queued are the graph's own memory, so each replay queues a copy."""
+    graphs, traffic, stats = BucketGraphs(FakeGraph), Traffic(), StepStats()
+    static = torch.zeros(2, 5, dtype=torch.float64)  # what the graph writes every replay
+    stats.add_rows(0, ["earlier"], [3], E4M3, torch.ones(1, 5, dtype=torch.float64))
+    entry = graphs.capture(
+        1,
+        torch.zeros(8),
+        lambda: stats.add_rows(1, ["a", "b"], [4, 4], E4M3, static),
+        traffic,
+        stats,
+    )
+    assert entry is not None and stats.queued == 1  # the capture ran nothing
+    replays = []
+    for step in range(2):
+        static.fill_(step)  # the graph's replay rewrites its rows
+        graphs.replay(entry, traffic, stats)
+        replays.append(stats.take_since(1))
+    for step, [(part, rows)] in enumerate(replays):
+        assert part == (1, ["a", "b"], [4, 4], E4M3)
+        assert rows.untyped_storage().data_ptr() != static.untyped_storage().data_ptr()
+        assert rows.eq(step).all()  # each step's own values, kept after the next replay
+    assert [r.name for r in stats.records()] == ["earlier"]
+
+
+def test_a_failed_capture_drops_its_records() -> None:
+    graphs, stats = BucketGraphs(lambda: FakeGraph(fail=True)), StepStats()
+    rows = torch.zeros(1, 5, dtype=torch.float64)
+    work = functools.partial(stats.add_rows, 0, ["a"], [2], E4M3, rows)
+    assert graphs.capture(0, torch.zeros(2), work, Traffic(), stats) is None
+    assert stats.records() == []  # the eager run that follows records the step

@@ -439,8 +439,8 @@ def _stats_on_one_rank(rank: int, world_size: int, route: str) -> list[list[int]
 @pytest.mark.parametrize("route", ["two_phase", "allreduce", "block"])
 def test_ranks_that_record_stats_and_ranks_that_do_not_agree(route: str) -> None:
     # Stats are a rank's own choice (a benchmark records on rank 0 only): a rank that
-    # records takes the full path every step, the others settle, and the two paths'
-    # collectives must match, or the MAX all-reduce mixes maxima with something else.
+    # records and the others must issue the same collectives, on the full path and
+    # settled, or the MAX all-reduce mixes maxima with something else.
     out = run_distributed(_stats_on_one_rank, 2, args=(route,), timeout=180)
     for grads in out:
         assert grads[0] == grads[1]  # stats on one rank change nothing

@@ -15,7 +15,15 @@ import torch
 
 import aps_comm
 from aps_comm.engine import SteadyBlocks
-from benchmarks.hostcost import FSDP_ROUTES, ROUTES, count_calls, count_ops, fsdp_unit, world_of_one
+from benchmarks.hostcost import (
+    CONFIGS,
+    FSDP_ROUTES,
+    ROUTES,
+    count_calls,
+    count_ops,
+    fsdp_unit,
+    world_of_one,
+)
 
 CPU = torch.device("cpu")
 BUDGET = 15
@@ -121,3 +129,56 @@ def test_settled_block_path_gives_the_full_paths_bits(
     assert out[:5].isnan().all() and not out[5:].isnan().any()
     same = torch.where(out.isnan(), 0.0, out).view(torch.int32)
     assert torch.equal(same, torch.where(want.isnan(), 0.0, want).view(torch.int32))
+
+
+def _settled_ops(options: dict, layers: int) -> tuple[list[str], list[str]]:
+    """One settled bucket's (ATen ops, kernel calls) of ``layers`` layers, its third step."""
+    state = aps_comm.APSState(**options)
+    x, params = _bucket([300 + i for i in range(layers)], layers)
+    for _ in range(2):  # the plan, then the settled path bound
+        state.run_bucket(0, x.clone(), params)
+    buffer = x.clone()
+    state.run_bucket(0, buffer, params)  # a new buffer: planned once more
+    aten, kernels = count_ops(state, buffer, params)
+    assert state.reducer is not None and state.reducer.steady_for(0, buffer) is not None
+    assert state.stats and len(state.stats) == layers  # the step's records, one per layer
+    return aten, kernels
+
+
+@pytest.mark.parametrize(
+    ("config", "kernel"),
+    [("two_phase+stats", "kernel::layer_records"), ("block+stats", "kernel::block_records")],
+)
+def test_a_bucket_with_stats_settles_within_the_budget(
+    world: None, config: str, kernel: str
+) -> None:
+    """Issue 46: ``stats=True`` costs one kernel call more than the plain route, not a
+    per-step path that grows with the layers (two_phase: 297 ops at 200 layers before)."""
+    counts = {layers: _settled_ops(CONFIGS[config], layers) for layers in (2, 200)}
+    assert counts[2] == counts[200], counts
+    aten, kernels = counts[200]
+    assert not any("_local_scalar_dense" in op for op in aten), aten  # no host read
+    assert len(aten) + len(kernels) <= BUDGET, counts[200]
+    assert kernels.count(kernel) == 1  # every layer's records in one call
+
+
+def test_an_hsdp_unit_with_stats_settles_within_the_budget(world: None) -> None:
+    """Issue 46: HSDP's all-reduce across replicas with ``stats=True`` settles too
+    (299 ops per unit of 200 parameters before, 103 of 4)."""
+    counts = {}
+    for layers in (2, 200):
+        numels = [300 + i for i in range(layers)]
+        state, hook, _ = fsdp_unit(numels, CPU, FSDP_ROUTES["hsdp/e4m3+stats"], True)
+        x, _ = _bucket(numels, layers)
+        for _ in range(2):  # the plan, then the settled path bound
+            hook(x.clone())
+        aten, kernels = count_calls(lambda: hook(x.clone()), CPU)  # noqa: B023
+        assert not any("_local_scalar_dense" in op for op in aten), aten  # no host read
+        assert state.replica_reducer.steady.get(0) is not None
+        assert len(state.stats) == layers  # the step's records, one per parameter
+        counts[layers] = (aten, kernels)
+    assert counts[2] == counts[200], counts
+    aten, kernels = counts[200]
+    # The clone is the test's, standing in for FSDP's new tensor every step.
+    assert len(aten) - 1 + len(kernels) <= BUDGET, counts[200]
+    assert kernels.count("kernel::layer_records") == 1
