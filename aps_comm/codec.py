@@ -452,6 +452,29 @@ class AgreedMaxima:
         """The Triton kernels' rule for these maxima (:class:`aps_comm.triton_codec.Rule`)."""
         return _triton().Rule(self.world_size, self.native)
 
+    def spread(self) -> None:
+        """Every finite, nonzero maximum replaced by the largest of them, in place.
+
+        ``scaling="bucket"``'s rule (:func:`aps_comm.scaling.exponents`) is the
+        layer rule of these maxima: one exponent for every layer with values,
+        zero and non-finite layers left as they are. Done once on the whole
+        bucket's agreed maxima, before any window of them is taken.
+
+        Example:
+            >>> agreed = AgreedMaxima(torch.tensor([3.0, 0.0, 5.0, float("inf")]), world_size=2)
+            >>> agreed.spread()
+            >>> agreed.maxima
+            tensor([5., 0., 5., inf])
+        """
+        m = self.maxima
+        if not m.numel():
+            return
+        if m.device.type == "cpu" and cpu_kernels.AVAILABLE:
+            cpu_kernels.spread_maximum(m.numpy())
+            return
+        usable = torch.isfinite(m) & (m > 0)
+        torch.where(usable, torch.where(usable, m, 0.0).amax(), m, out=m)
+
 
 @dataclasses.dataclass(frozen=True)
 class RankBlockCalls:

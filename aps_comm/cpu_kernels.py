@@ -82,6 +82,7 @@ __all__ = [
     "reduce_rank_blocks",
     "reduce_shards",
     "send_rank_blocks",
+    "spread_maximum",
     "supports",
     "two_phase_keys",
 ]
@@ -1776,6 +1777,34 @@ def maxima_factors(
     bits = np.ascontiguousarray(maxima, np.float32).view(np.uint32)
     _maxima_keys(bits, keys, world_size, native, float(fmt.max), limit, encoder_params(fmt), q, m)
     return key_factors(keys, unscale, world_size if native and unscale else 1)
+
+
+def spread_maximum(maxima: np.ndarray) -> None:
+    """Every finite, nonzero float32 maximum (all non-negative) replaced by the largest
+    of them, in place: ``scaling="bucket"``'s maxima, for the layer rule.
+
+    Example:
+        >>> m = np.array([3.0, 0.0, 5.0, np.inf], np.float32)
+        >>> spread_maximum(m)
+        >>> m
+        array([ 5.,  0.,  5., inf], dtype=float32)
+    """
+    _spread_maximum(maxima.view(np.uint32))
+
+
+if AVAILABLE:
+
+    @_njit
+    def _spread_maximum(ab):
+        """:func:`spread_maximum` on the maxima's bits (non-negative: bits order as values)."""
+        inf_bits = np.uint32(0x7F800000)
+        top = np.uint32(0)
+        for s in range(len(ab)):
+            if top < ab[s] < inf_bits:
+                top = ab[s]
+        for s in range(len(ab)):
+            if 0 < ab[s] < inf_bits:
+                ab[s] = top
 
 
 def maxima_factors_into(

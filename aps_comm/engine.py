@@ -160,6 +160,10 @@ class Steady:
             int32 key scratch, refilled in place once per bucket.
         offer: (the exchange time it was planned for, log2 of this rank's
             preferred chunk): the model is asked again only when the time moves.
+        bucket: ``scaling="bucket"``: the agreed maxima are spread
+            (:meth:`aps_comm.codec.AgreedMaxima.spread`) before the codec reads them.
+        epoch: the policy's epoch whose formats it was bound to
+            (:meth:`aps_comm.policy.Assignment.epoch`): another one binds it again.
     """
 
     numel: int
@@ -177,6 +181,8 @@ class Steady:
     bound_ptr: int = 0
     host_factors: tuple[np.ndarray, np.ndarray, np.ndarray] | None = None
     offer: tuple[float | None, float] | None = None
+    bucket: bool = False
+    epoch: tuple[int, ...] = ()
 
     def bind(self, x: torch.Tensor, world_size: int) -> None:
         """Bind the maxima kernel and every chunk's codec work to the float32 buffer ``x``.
@@ -245,6 +251,7 @@ class SteadyBlocks:
         calls: each chunk's bound calls.
         bound_ptr: the address of the buffer they are bound to (0 for none).
         offer: as :class:`Steady`'s (log2 of this rank's preferred chunk).
+        epoch: as :class:`Steady`'s.
     """
 
     numel: int
@@ -262,6 +269,7 @@ class SteadyBlocks:
     calls: list[RankBlockCalls] | None = None
     bound_ptr: int = 0
     offer: tuple[float | None, int] | None = None
+    epoch: tuple[int, ...] = ()
 
     def bind(self, x: torch.Tensor, rank: int, world_size: int) -> bool:
         """Bind the keys' and every chunk's calls to the float32 buffer ``x``; False where
@@ -354,6 +362,9 @@ class Reducer:
         self._fixed: dict[FloatFormat, Route] = {}
         # Per bucket index: its bound path once settled (:class:`Steady`).
         self.steady: dict[int, Steady | SteadyBlocks] = {}
+        # The current step's number (Schedule's): the last one :meth:`bucket` was
+        # given, advanced by :meth:`end_step`, so settled buckets know it too.
+        self.step = 0
 
     # -- binding ---------------------------------------------------------------
 
@@ -419,6 +430,7 @@ class Reducer:
             finishes the bucket; else None.
         """
         comm, settings, assignment = self.comm, self.settings, self.assignment
+        self.step = step
         plan = self.plan(index, numels, x.device)
         if self.feedback is not None:
             self.feedback.add(x, numels, names)
@@ -550,8 +562,7 @@ class Reducer:
         two_phase = route == Route.TWO_PHASE and sh is not None and sh.rank_exponents
         staged = route.staged and g.node_blocks is not None
         if (
-            assignment.rules
-            or assignment.promoter is not None
+            assignment.promoter is not None
             or self.settings.stats
             or not g.contiguous
             or not (two_phase or staged)
@@ -582,6 +593,7 @@ class Reducer:
             torch.zeros(n_layers, dtype=torch.uint8, device=x.device),
             **extra,
         )
+        st.epoch = assignment.epoch(self.step)
         if st.bind(x, self.comm.rank, self.comm.world_size):
             self.steady[index] = st
 
@@ -600,9 +612,9 @@ class Reducer:
         assignment, settings = self.assignment, self.settings
         if (
             self.feedback is not None
-            or assignment.rules
+            or assignment.promoter is not None
             or settings.stats
-            or settings.scaling != Scaling.LAYER
+            or settings.scaling not in (Scaling.LAYER, Scaling.BUCKET)
             or not (route == Route.FP32 or (g is not None and g.contiguous))
             or route not in (Route.FP32, Route.TWO_PHASE, Route.ALLREDUCE)
         ):
@@ -621,13 +633,22 @@ class Reducer:
             AgreedMaxima(maxima[:n], self.comm.world_size, native),
             measured,
             chunk,
+            bucket=settings.scaling == Scaling.BUCKET,
+            # Static rules fix each layer's format for good, Schedule for an epoch.
+            epoch=assignment.epoch(self.step),
         )
         st.bind(x, self.comm.world_size)
 
     def steady_for(self, index: int, buffer: torch.Tensor) -> Steady | SteadyBlocks | None:
-        """The bucket's :class:`Steady` path, if its layout is the one it was bound to."""
+        """The bucket's :class:`Steady` path, if its layout and the policy's epoch are the ones
+        it was bound to (a new epoch's formats bind it again, through :meth:`bucket`)."""
         st = self.steady.get(index)
-        if st is not None and st.numel == buffer.numel() and st.ptr == buffer.data_ptr():
+        if (
+            st is not None
+            and st.numel == buffer.numel()
+            and st.ptr == buffer.data_ptr()
+            and st.epoch == self.assignment.epoch(self.step)
+        ):
             return st
         return None
 
@@ -662,6 +683,8 @@ class Reducer:
         else:
             g.codec.layer_maxima(x, g.layout, st.agreed.maxima)
         transports.all_reduce_max(st.maxima, comm.group, self.traffic)
+        if st.bucket:
+            st.agreed.spread()
         if st.measured:
             chunk = 2 ** int(st.maxima.numpy()[n])
             if chunk != st.chunk:
@@ -1158,6 +1181,7 @@ class Reducer:
     def end_step(self) -> tuple[dict[str, int], StepStats]:
         """The step's bytes per collective and records; the next step starts empty."""
         stats, self.stats = self.stats, StepStats()
+        self.step += 1
         return self.traffic.take(), stats
 
 

@@ -303,6 +303,9 @@ class Assignment:
         self.layers: dict[Any, tuple[LayerInfo, FloatFormat]] = {}
         # Per parameter name: Promote's (level, calm steps).
         self.promote: dict[str, tuple[int, int]] = {}
+        # Bumped whenever Promote's levels move: a settled bucket bound to the
+        # old formats is bound again (see :meth:`epoch`).
+        self.revision = 0
 
     def bind(self, layers: Mapping[Any, LayerInfo]) -> None:
         """Apply the static rules to the model's layers (keyed as the caller keys them)."""
@@ -354,6 +357,20 @@ class Assignment:
             info, static = self.layers[key]
             if info.name in self.promote and static in ladder:
                 level, calm = self.promote[info.name]
-                self.promote[info.name] = self.promoter.step(
+                self.promote[info.name] = moved = self.promoter.step(
                     level, calm, rate, ladder.index(static)
                 )
+                if moved[0] != level:
+                    self.revision += 1
+
+    def epoch(self, step: int) -> tuple[int, ...]:
+        """What ``step``'s formats depend on besides the layers: Promote's revision and
+        which Schedule rules still hold. Two steps of the same epoch give every layer
+        the same format, so a bucket bound to one epoch's formats runs bound through it.
+
+        Example:
+            >>> a = Assignment([Schedule(2, "fp16")], get_format("e4m3"))
+            >>> a.epoch(1) == a.epoch(0), a.epoch(2) == a.epoch(1)
+            (True, False)
+        """
+        return (self.revision, *(int(step < rule.steps) for rule in self.schedule))

@@ -125,6 +125,7 @@ _CPU_KERNELS = (
     "reduce_blocks",
     "reduce_rank_blocks",
     "two_phase_keys",
+    "spread_maximum",
     "block_amax",
     "layer_any",
     "send_rank_blocks",
