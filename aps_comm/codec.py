@@ -1510,6 +1510,29 @@ class Codec:
             out.copy_(segment_amax(x, layout))
         return out
 
+    def underflow_rates(
+        self, x: torch.Tensor, layout: Layout, scale: np.ndarray, out: torch.Tensor
+    ) -> None:
+        """Each segment's underflow rate under the host factors ``scale``, into float32
+        ``out`` in one pass (the CPU kernels only): what :class:`aps_comm.policy.Promote`
+        all-reduces, the bits of :func:`aps_comm.telemetry.layer_counts`' rate.
+
+        Example:
+            >>> c = Codec("e4m3", torch.device("cpu"))
+            >>> out = torch.empty(1)
+            >>> layout = Layout.from_numels([2], torch.device("cpu"))
+            >>> c.underflow_rates(torch.tensor([1.0, 1e-9]), layout, np.ones(1, np.float32), out)
+            >>> out
+            tensor([0.5000])
+        """
+        if self.backend != "kernels" or x.dtype != torch.float32:
+            raise ValueError(
+                f"underflow_rates runs the CPU kernels on float32, got backend "
+                f"{self.backend!r} and {x.dtype}"
+            )
+        half = self.fmt.min_subnormal / 2
+        cpu_kernels.underflow_rates(x, layout.offsets.numpy(), scale, half, out.numpy())
+
     def owner_reduce(
         self, recv: torch.Tensor, n_ranks: int, *, out: torch.Tensor | None = None
     ) -> torch.Tensor:

@@ -164,6 +164,8 @@ class Steady:
             (:meth:`aps_comm.codec.AgreedMaxima.spread`) before the codec reads them.
         epoch: the policy's epoch whose formats it was bound to
             (:meth:`aps_comm.policy.Assignment.epoch`): another one binds it again.
+        promote: with Promote, the layers' keys, sizes and names; ``maxima``
+            then holds each layer's local underflow rate after the maxima.
     """
 
     numel: int
@@ -183,6 +185,7 @@ class Steady:
     offer: tuple[float | None, float] | None = None
     bucket: bool = False
     epoch: tuple[int, ...] = ()
+    promote: tuple[list[Any], list[int], list[str | None]] | None = None
 
     def bind(self, x: torch.Tensor, world_size: int) -> None:
         """Bind the maxima kernel and every chunk's codec work to the float32 buffer ``x``.
@@ -410,6 +413,7 @@ class Reducer:
         step: int,
         chunk: int | None = None,
         defer: bool = False,
+        shared_maxima: torch.Tensor | None = None,
     ) -> Callable[[], None] | None:
         """Average one bucket's float32 values ``x`` over the ranks, in place.
 
@@ -424,6 +428,10 @@ class Reducer:
                 on CPU by the bucket's measured exchange).
             defer: leave the last chunks on the wire and return the function
                 that finishes them.
+            shared_maxima: the maxima's MAX all-reduce already made this step
+                (Promote's rates and the chunk on it), by the settled path
+                whose formats Promote has just moved: no collective, no
+                Promote step here (:meth:`run_steady`).
 
         Returns:
             With ``defer`` and chunks left in flight, the function that
@@ -472,6 +480,9 @@ class Reducer:
             # Rank exponents: each rank's chunk rides on the first exchange
             # instead, for the next step.
             agreed, wanted = self._agree_blocks(plan, x, fmts, 0 if rank_exps else mine, rank_exps)
+        elif shared_maxima is not None:
+            amax = shared_maxima[:n_layers]
+            wanted = shared_maxima[-1] if measured else None
         else:
             amax = codec.segment_amax(x, plan.layout)
             extra: list[torch.Tensor] = []
@@ -541,7 +552,8 @@ class Reducer:
             plan.timed(time.perf_counter() - start)
         if len(groups) == 1 and not blocked and fmts is not None:
             g = groups[0]
-            self._settle(index, x, plan, fmts, g, Route(g.reduction), measured, chunk)
+            layers_of = (list(keys), list(numels), list(names)) if promoter is not None else None
+            self._settle(index, x, plan, fmts, g, Route(g.reduction), measured, chunk, layers_of)
         elif len(groups) == 1 and rank_exps and fmts is not None:
             self._settle_blocks(index, x, plan, fmts, groups[0], measured, chunk)
         return tail
@@ -607,12 +619,17 @@ class Reducer:
         route: Route,
         measured: bool,
         chunk: int,
+        promote: tuple[list[Any], list[int], list[str | None]] | None = None,
     ) -> None:
-        """Bind the bucket's :class:`Steady` path where nothing in it changes per step."""
+        """Bind the bucket's :class:`Steady` path where nothing in it changes per step.
+
+        ``promote``: with Promote, the layers' keys, sizes and names.
+        """
         assignment, settings = self.assignment, self.settings
         if (
             self.feedback is not None
-            or assignment.promoter is not None
+            # Promote's rates ride on the maxima all-reduce, which FP32 buckets skip.
+            or (assignment.promoter is not None and (promote is None or route == Route.FP32))
             or settings.stats
             or settings.scaling not in (Scaling.LAYER, Scaling.BUCKET)
             or not (route == Route.FP32 or (g is not None and g.contiguous))
@@ -620,7 +637,15 @@ class Reducer:
         ):
             return
         n = len(fmts)
-        maxima = torch.zeros(n + int(measured), dtype=torch.float32, device=x.device)
+        rates = n if promote is not None else 0
+        maxima = torch.zeros(n + rates + int(measured), dtype=torch.float32, device=x.device)
+        if promote is not None:
+            # This step's local rates go out with the next step's maxima; the
+            # reducer's rates become views of them (checkpoints read those).
+            names = promote[2]
+            zero = torch.zeros((), device=x.device)
+            maxima[n : 2 * n] = torch.stack([self.rates.get(m or "", zero) for m in names])
+            self.rates.update({m or "": maxima[n + i] for i, m in enumerate(names)})
         native = route == Route.ALLREDUCE
         self.steady[index] = st = Steady(
             x.numel(),
@@ -636,6 +661,7 @@ class Reducer:
             bucket=settings.scaling == Scaling.BUCKET,
             # Static rules fix each layer's format for good, Schedule for an epoch.
             epoch=assignment.epoch(self.step),
+            promote=promote,
         )
         st.bind(x, self.comm.world_size)
 
@@ -669,13 +695,15 @@ class Reducer:
             return None
         g, native = st.group, st.route == Route.ALLREDUCE
         n = len(st.fmts)
+        # The chunk's slot, after the maxima (and Promote's rates).
+        slot = 2 * n if st.promote is not None else n
         if st.measured:  # CPU only: the keys' numpy view, no tensor op
             exchange_s = st.plan.exchange_s or None
             if st.offer is None or st.offer[0] != exchange_s:
                 fmt = self.settings.fmt
                 mine = self.planner.chunk(fmt, st.numel, st.route, exchange_s)
                 st.offer = exchange_s, math.log2(mine)
-            st.maxima.numpy()[n] = st.offer[1]
+            st.maxima.numpy()[slot] = st.offer[1]
         # Bound to the bucket's buffer (a float32 bucket is its own values).
         bound = st.bound_ptr == x.data_ptr() and st.maxima_call is not None
         if bound:
@@ -683,10 +711,25 @@ class Reducer:
         else:
             g.codec.layer_maxima(x, g.layout, st.agreed.maxima)
         transports.all_reduce_max(st.maxima, comm.group, self.traffic)
+        if st.promote is not None and self._promoted(st):
+            # A layer's format moved: this step sends the new formats, on the
+            # maxima just agreed, and binds the bucket again.
+            keys, numels, names = st.promote
+            return self.bucket(
+                index,
+                x,
+                keys,
+                numels,
+                names,
+                step=self.step,
+                chunk=None if st.measured else st.chunk,
+                defer=defer,
+                shared_maxima=st.maxima,
+            )
         if st.bucket:
             st.agreed.spread()
         if st.measured:
-            chunk = 2 ** int(st.maxima.numpy()[n])
+            chunk = 2 ** int(st.maxima.numpy()[slot])
             if chunk != st.chunk:
                 st.group = g = st.plan.group(
                     st.fmts,
@@ -708,6 +751,8 @@ class Reducer:
             st.agreed.host_factors_into(g.fmt, *st.host_factors)
             if calls is None:
                 scale, unscale = (torch.from_numpy(f) for f in st.host_factors[:2])
+        if st.promote is not None:
+            self._settled_rates(st, x)
         start = time.perf_counter()
         if calls is not None and not native:
             tail = transports.two_phase_bound(calls, comm.group, self.traffic, defer)
@@ -732,6 +777,32 @@ class Reducer:
         if st.measured:
             st.plan.timed(time.perf_counter() - start)
         return tail
+
+    def _promoted(self, st: Steady) -> bool:
+        """Promote's step from the rates just agreed on the maxima; whether a format moved.
+
+        Promote picks formats on the host: one read of the agreed rates per
+        bucket (none on the CPU, where they are host memory already).
+        """
+        assert st.promote is not None
+        n = len(st.fmts)
+        rates = st.maxima[n : 2 * n]
+        agreed = rates.numpy() if rates.device.type == "cpu" else rates
+        self.assignment.promote_step(st.promote[0], agreed.tolist())
+        return st.epoch != self.assignment.epoch(self.step)
+
+    def _settled_rates(self, st: Steady, x: torch.Tensor) -> None:
+        """Promote: this rank's underflow rate of every layer under this step's factors,
+        into the slots the next step's maxima all-reduce sends (the full path's bits)."""
+        g, n = st.group, len(st.fmts)
+        out = st.maxima[n : 2 * n]
+        if g.codec.backend == "kernels" and x.dtype == torch.float32:
+            assert st.host_factors is not None  # this step's, from the agreed maxima
+            g.codec.underflow_rates(x, g.layout, st.host_factors[0], out)
+            return
+        f = factors(st.agreed.maxima, g.fmt, st.route, world_size=self.comm.world_size)
+        counts = layer_counts(x, g.layout.lengths, f.exponents, g.fmt)
+        out.copy_(counts[:, 1].float() / counts[:, 0].clamp(min=1).float())
 
     def _run_steady_blocks(
         self, index: int, st: SteadyBlocks, x: torch.Tensor, defer: bool

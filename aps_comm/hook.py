@@ -588,6 +588,8 @@ class APSState:
             entry = None
         if entry is None and (
             buffer.dtype != torch.float32
+            # Promote reads its agreed rates on the host in the middle of the bucket.
+            or reducer.assignment.promoter is not None
             or reducer.steady_for(b.index, buffer) is None
             or torch.cuda.is_current_stream_capturing()
             or not graphs.ready(b.index, buffer)

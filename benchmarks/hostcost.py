@@ -126,6 +126,7 @@ _CPU_KERNELS = (
     "reduce_rank_blocks",
     "two_phase_keys",
     "spread_maximum",
+    "underflow_rates",
     "block_amax",
     "layer_any",
     "send_rank_blocks",

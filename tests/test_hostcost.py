@@ -18,7 +18,7 @@ from aps_comm import cpu_kernels
 from aps_comm.codec import AgreedMaxima
 from aps_comm.engine import SteadyBlocks
 from aps_comm.formats import get_format
-from aps_comm.policy import Schedule
+from aps_comm.policy import Promote, Schedule
 from aps_comm.scaling import exponents
 from benchmarks.hostcost import (
     CONFIGS,
@@ -152,7 +152,13 @@ def test_ops_per_settled_bucket_with_options_do_not_grow_with_layers(
     layer's format changes (Schedule(steps=1): from its second step on)."""
     counts = {}
     for layers in (2, 200):
-        x, params = _bucket([300 + i for i in range(layers)], layers)
+        numels = [300 + i for i in range(layers)]
+        # Magnitudes in [0.5, 1.5): no element underflows, so Promote moves no layer.
+        gen = torch.Generator().manual_seed(layers)
+        x = (torch.rand(sum(numels), generator=gen) + 0.5) * torch.randn(
+            sum(numels), generator=gen
+        ).sign()
+        params = [torch.nn.Parameter(torch.empty(n)) for n in numels]
         state = _bound_state(CONFIGS[config], params)
         buffer = x.clone()
         for _ in range(3):  # the plan, the settled path bound, Schedule's next epoch bound
@@ -234,3 +240,36 @@ def test_schedule_binds_the_bucket_again_when_formats_change(world: None, early:
     assert bound[1] is not bound[2]
     assert settled.reducer.steady_for(0, buffer) is bound[4]
     assert settled.bucket_reductions[0] == "two_phase"
+
+
+def test_promote_binds_the_bucket_again_and_keeps_the_full_paths_bits(world: None) -> None:
+    """Promote moves the whole bucket up its ladder and back: the settled bucket reads the
+    agreed rates, sends the step in the new format on the maxima it agreed, binds again,
+    and every step gives the bits (and Promote's levels) of a bucket that never settles."""
+    numels = [300, 700, 33]
+    options = {**ROUTES["two_phase"], "policy": [Promote(gamma=0.05, patience=2)]}
+    params = [torch.nn.Parameter(torch.empty(n)) for n in numels]
+    settled, full = _bound_state(options, params), _bound_state(options, params)
+    gen = torch.Generator().manual_seed(17)
+    buffer = torch.empty(sum(numels))
+    bound, formats = [], []
+    for step in range(9):
+        x = torch.randn(sum(numels), generator=gen)
+        if step in (3, 4):  # e4m3 flushes all but each layer's largest value: promoted
+            x *= 1e-7
+            x[[0, 300, 1000]] = 1.0
+        buffer.copy_(x)
+        out = settled.run_bucket(0, buffer, params)
+        if full.reducer is not None:
+            full.reducer.steady.clear()  # the general path every step
+        want = full.run_bucket(0, x.clone(), params)
+        assert torch.equal(out.view(torch.int32), want.view(torch.int32)), step
+        assert settled.assignment.promote == full.assignment.promote, step
+        assert settled.reducer is not None
+        bound.append(settled.reducer.steady.get(0))
+        formats.append(settled.assignment.formats([id(p) for p in params], step)[0].name)
+    # Step 3's rates promote at step 4 (e5m2, bound again); calm from then: back at step 6.
+    assert formats == ["e4m3"] * 4 + ["e5m2"] * 2 + ["e4m3"] * 3, formats
+    assert bound[0] is bound[3] and bound[4] is bound[5] and bound[6] is bound[8]
+    assert bound[3] is not bound[4] and bound[5] is not bound[6]
+    assert settled.reducer.steady_for(0, buffer) is bound[8]
