@@ -713,7 +713,9 @@ class Reducer:
         transports.all_reduce_max(st.maxima, comm.group, self.traffic)
         if st.promote is not None and self._promoted(st):
             # A layer's format moved: this step sends the new formats, on the
-            # maxima just agreed, and binds the bucket again.
+            # maxima just agreed, and binds the bucket again where it settles
+            # (mixed formats do not: the old binding's rates would go stale).
+            del self.steady[index]
             keys, numels, names = st.promote
             return self.bucket(
                 index,
@@ -779,7 +781,8 @@ class Reducer:
         return tail
 
     def _promoted(self, st: Steady) -> bool:
-        """Promote's step from the rates just agreed on the maxima; whether a format moved.
+        """Promote's step from the rates just agreed on the maxima; whether a format of the
+        bucket moved (only this bucket's layers move here).
 
         Promote picks formats on the host: one read of the agreed rates per
         bucket (none on the CPU, where they are host memory already).
@@ -789,7 +792,7 @@ class Reducer:
         rates = st.maxima[n : 2 * n]
         agreed = rates.numpy() if rates.device.type == "cpu" else rates
         self.assignment.promote_step(st.promote[0], agreed.tolist())
-        return st.epoch != self.assignment.epoch(self.step)
+        return self.assignment.formats(st.promote[0], self.step) != st.fmts
 
     def _settled_rates(self, st: Steady, x: torch.Tensor) -> None:
         """Promote: this rank's underflow rate of every layer under this step's factors,

@@ -303,8 +303,9 @@ class Assignment:
         self.layers: dict[Any, tuple[LayerInfo, FloatFormat]] = {}
         # Per parameter name: Promote's (level, calm steps).
         self.promote: dict[str, tuple[int, int]] = {}
-        # Bumped whenever Promote's levels move: a settled bucket bound to the
-        # old formats is bound again (see :meth:`epoch`).
+        # Bumped where Promote's levels are replaced (a checkpoint loaded): every
+        # settled bucket is bound again (see :meth:`epoch`). A level that Promote
+        # moves is seen by its own bucket, which then binds again by itself.
         self.revision = 0
 
     def bind(self, layers: Mapping[Any, LayerInfo]) -> None:
@@ -357,16 +358,15 @@ class Assignment:
             info, static = self.layers[key]
             if info.name in self.promote and static in ladder:
                 level, calm = self.promote[info.name]
-                self.promote[info.name] = moved = self.promoter.step(
+                self.promote[info.name] = self.promoter.step(
                     level, calm, rate, ladder.index(static)
                 )
-                if moved[0] != level:
-                    self.revision += 1
 
     def epoch(self, step: int) -> tuple[int, ...]:
-        """What ``step``'s formats depend on besides the layers: Promote's revision and
-        which Schedule rules still hold. Two steps of the same epoch give every layer
-        the same format, so a bucket bound to one epoch's formats runs bound through it.
+        """What ``step``'s formats depend on besides the layers and Promote's steps: the
+        revision and which Schedule rules still hold. Two steps of the same epoch give
+        every layer the same format but for Promote's moves (which the layer's own
+        bucket sees), so a bucket bound to one epoch's formats runs bound through it.
 
         Example:
             >>> a = Assignment([Schedule(2, "fp16")], get_format("e4m3"))

@@ -243,33 +243,42 @@ def test_schedule_binds_the_bucket_again_when_formats_change(world: None, early:
 
 
 def test_promote_binds_the_bucket_again_and_keeps_the_full_paths_bits(world: None) -> None:
-    """Promote moves the whole bucket up its ladder and back: the settled bucket reads the
+    """Promote moves a whole bucket up its ladder and back: the settled bucket reads the
     agreed rates, sends the step in the new format on the maxima it agreed, binds again,
-    and every step gives the bits (and Promote's levels) of a bucket that never settles."""
-    numels = [300, 700, 33]
+    and every step gives the bits (and Promote's levels) of buckets that never settle.
+    A second bucket whose layers never move stays bound all along."""
+    numels, others = [300, 700, 33], [50, 60]
     options = {**ROUTES["two_phase"], "policy": [Promote(gamma=0.05, patience=2)]}
     params = [torch.nn.Parameter(torch.empty(n)) for n in numels]
-    settled, full = _bound_state(options, params), _bound_state(options, params)
+    params2 = [torch.nn.Parameter(torch.empty(n)) for n in others]
+    settled, full = _bound_state(options, params + params2), _bound_state(options, params + params2)
     gen = torch.Generator().manual_seed(17)
-    buffer = torch.empty(sum(numels))
-    bound, formats = [], []
+    buffer, buffer2 = torch.empty(sum(numels)), torch.empty(sum(others))
+    bound, bound2, formats = [], [], []
     for step in range(9):
-        x = torch.randn(sum(numels), generator=gen)
+        x, x2 = torch.randn(sum(numels), generator=gen), torch.randn(sum(others), generator=gen)
         if step in (3, 4):  # e4m3 flushes all but each layer's largest value: promoted
             x *= 1e-7
             x[[0, 300, 1000]] = 1.0
         buffer.copy_(x)
-        out = settled.run_bucket(0, buffer, params)
+        buffer2.copy_(x2)
+        out = settled.run_bucket(0, buffer, params, is_last=False).clone()
+        out2 = settled.run_bucket(1, buffer2, params2)
         if full.reducer is not None:
             full.reducer.steady.clear()  # the general path every step
-        want = full.run_bucket(0, x.clone(), params)
+        want = full.run_bucket(0, x.clone(), params, is_last=False)
+        want2 = full.run_bucket(1, x2.clone(), params2)
         assert torch.equal(out.view(torch.int32), want.view(torch.int32)), step
+        assert torch.equal(out2.view(torch.int32), want2.view(torch.int32)), step
         assert settled.assignment.promote == full.assignment.promote, step
         assert settled.reducer is not None
         bound.append(settled.reducer.steady.get(0))
+        bound2.append(settled.reducer.steady.get(1))
         formats.append(settled.assignment.formats([id(p) for p in params], step)[0].name)
     # Step 3's rates promote at step 4 (e5m2, bound again); calm from then: back at step 6.
     assert formats == ["e4m3"] * 4 + ["e5m2"] * 2 + ["e4m3"] * 3, formats
     assert bound[0] is bound[3] and bound[4] is bound[5] and bound[6] is bound[8]
     assert bound[3] is not bound[4] and bound[5] is not bound[6]
     assert settled.reducer.steady_for(0, buffer) is bound[8]
+    assert bound2[0] is not None and all(b is bound2[0] for b in bound2)
+    assert settled.reducer.steady_for(1, buffer2) is bound2[0]
