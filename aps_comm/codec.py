@@ -452,6 +452,29 @@ class AgreedMaxima:
         """The Triton kernels' rule for these maxima (:class:`aps_comm.triton_codec.Rule`)."""
         return _triton().Rule(self.world_size, self.native)
 
+    def spread(self) -> None:
+        """Every finite, nonzero maximum replaced by the largest of them, in place.
+
+        ``scaling="bucket"``'s rule (:func:`aps_comm.scaling.exponents`) is the
+        layer rule of these maxima: one exponent for every layer with values,
+        zero and non-finite layers left as they are. Done once on the whole
+        bucket's agreed maxima, before any window of them is taken.
+
+        Example:
+            >>> agreed = AgreedMaxima(torch.tensor([3.0, 0.0, 5.0, float("inf")]), world_size=2)
+            >>> agreed.spread()
+            >>> agreed.maxima
+            tensor([5., 0., 5., inf])
+        """
+        m = self.maxima
+        if not m.numel():
+            return
+        if m.device.type == "cpu" and cpu_kernels.AVAILABLE:
+            cpu_kernels.spread_maximum(m.numpy())
+            return
+        usable = torch.isfinite(m) & (m > 0)
+        torch.where(usable, torch.where(usable, m, 0.0).amax(), m, out=m)
+
 
 @dataclasses.dataclass(frozen=True)
 class RankBlockCalls:
@@ -1566,6 +1589,29 @@ class Codec:
                 f"x must be contiguous float32 of {layout.numel} elements, got "
                 f"{tuple(x.shape)} {x.dtype}"
             )
+
+    def underflow_rates(
+        self, x: torch.Tensor, layout: Layout, scale: np.ndarray, out: torch.Tensor
+    ) -> None:
+        """Each segment's underflow rate under the host factors ``scale``, into float32
+        ``out`` in one pass (the CPU kernels only): what :class:`aps_comm.policy.Promote`
+        all-reduces, the bits of :func:`aps_comm.telemetry.layer_counts`' rate.
+
+        Example:
+            >>> c = Codec("e4m3", torch.device("cpu"))
+            >>> out = torch.empty(1)
+            >>> layout = Layout.from_numels([2], torch.device("cpu"))
+            >>> c.underflow_rates(torch.tensor([1.0, 1e-9]), layout, np.ones(1, np.float32), out)
+            >>> out
+            tensor([0.5000])
+        """
+        if self.backend != "kernels" or x.dtype != torch.float32:
+            raise ValueError(
+                f"underflow_rates runs the CPU kernels on float32, got backend "
+                f"{self.backend!r} and {x.dtype}"
+            )
+        half = self.fmt.min_subnormal / 2
+        cpu_kernels.underflow_rates(x, layout.offsets.numpy(), scale, half, out.numpy())
 
     def owner_reduce(
         self, recv: torch.Tensor, n_ranks: int, *, out: torch.Tensor | None = None

@@ -84,8 +84,10 @@ __all__ = [
     "reduce_rank_blocks",
     "reduce_shards",
     "send_rank_blocks",
+    "spread_maximum",
     "supports",
     "two_phase_keys",
+    "underflow_rates",
 ]
 
 _BLOCK = 2048  # elements per block of the owner reduction's float32 sum: fits L1
@@ -1778,6 +1780,68 @@ def maxima_factors(
     bits = np.ascontiguousarray(maxima, np.float32).view(np.uint32)
     _maxima_keys(bits, keys, world_size, native, float(fmt.max), limit, encoder_params(fmt), q, m)
     return key_factors(keys, unscale, world_size if native and unscale else 1)
+
+
+def underflow_rates(
+    x: torch.Tensor, offsets: np.ndarray, factors: np.ndarray, half: float, out: np.ndarray
+) -> None:
+    """Each segment's underflowing over nonzero elements of float32 ``x`` times its
+    ``factors``, as float32 into ``out``: :func:`aps_comm.telemetry.layer_counts`' rate
+    (scaled magnitude nonzero and at most ``half``, half the smallest subnormal).
+
+    Example:
+        >>> out = np.empty(2, np.float32)
+        >>> underflow_rates(torch.tensor([1.0, 1e-9, 0.0, 4.0]), np.array([0, 3, 4]),
+        ...                 np.ones(2, np.float32), 2.0**-10, out)
+        >>> out
+        array([0.5, 0. ], dtype=float32)
+    """
+    _underflow_rates(_np(x), offsets, factors, np.float32(half), out)
+
+
+if AVAILABLE:
+
+    @_njit
+    def _underflow_rates(x, offsets, factors, half, out):
+        for s in range(len(offsets) - 1):
+            f = factors[s]
+            nonzero = 0
+            under = 0
+            for i in range(offsets[s], offsets[s + 1]):
+                mag = abs(x[i]) * f  # float32, as torch multiplies
+                if mag > 0:
+                    nonzero += 1
+                    if mag <= half:
+                        under += 1
+            out[s] = np.float32(under) / np.float32(max(nonzero, 1))
+
+
+def spread_maximum(maxima: np.ndarray) -> None:
+    """Every finite, nonzero float32 maximum (all non-negative) replaced by the largest
+    of them, in place: ``scaling="bucket"``'s maxima, for the layer rule.
+
+    Example:
+        >>> m = np.array([3.0, 0.0, 5.0, np.inf], np.float32)
+        >>> spread_maximum(m)
+        >>> m
+        array([ 5.,  0.,  5., inf], dtype=float32)
+    """
+    _spread_maximum(maxima.view(np.uint32))
+
+
+if AVAILABLE:
+
+    @_njit
+    def _spread_maximum(ab):
+        """:func:`spread_maximum` on the maxima's bits (non-negative: bits order as values)."""
+        inf_bits = np.uint32(0x7F800000)
+        top = np.uint32(0)
+        for s in range(len(ab)):
+            if top < ab[s] < inf_bits:
+                top = ab[s]
+        for s in range(len(ab)):
+            if 0 < ab[s] < inf_bits:
+                ab[s] = top
 
 
 def maxima_factors_into(

@@ -164,6 +164,12 @@ class Steady:
             preferred chunk): the model is asked again only when the time moves.
         names: with ``stats=True``, each layer's name for its records (the
             rows of :meth:`Reducer.record_steady`); None records nothing.
+        bucket: ``scaling="bucket"``: the agreed maxima are spread
+            (:meth:`aps_comm.codec.AgreedMaxima.spread`) before the codec reads them.
+        epoch: the policy's epoch whose formats it was bound to
+            (:meth:`aps_comm.policy.Assignment.epoch`): another one binds it again.
+        promote: with Promote, the layers' keys, sizes and names; ``maxima``
+            then holds each layer's local underflow rate after the maxima.
     """
 
     numel: int
@@ -182,6 +188,9 @@ class Steady:
     host_factors: tuple[np.ndarray, np.ndarray, np.ndarray] | None = None
     offer: tuple[float | None, float] | None = None
     names: list[str | None] | None = None
+    bucket: bool = False
+    epoch: tuple[int, ...] = ()
+    promote: tuple[list[Any], list[int], list[str | None]] | None = None
 
     def bind(self, x: torch.Tensor, world_size: int) -> None:
         """Bind the maxima kernel and every chunk's codec work to the float32 buffer ``x``.
@@ -251,6 +260,7 @@ class SteadyBlocks:
         bound_ptr: the address of the buffer they are bound to (0 for none).
         offer: as :class:`Steady`'s (log2 of this rank's preferred chunk).
         names: as :class:`Steady`'s (:meth:`Reducer.record_steady_blocks`).
+        epoch: as :class:`Steady`'s.
     """
 
     numel: int
@@ -269,6 +279,7 @@ class SteadyBlocks:
     bound_ptr: int = 0
     offer: tuple[float | None, int] | None = None
     names: list[str | None] | None = None
+    epoch: tuple[int, ...] = ()
 
     def bind(self, x: torch.Tensor, rank: int, world_size: int) -> bool:
         """Bind the keys' and every chunk's calls to the float32 buffer ``x``; False where
@@ -361,6 +372,9 @@ class Reducer:
         self._fixed: dict[FloatFormat, Route] = {}
         # Per bucket index: its bound path once settled (:class:`Steady`).
         self.steady: dict[int, Steady | SteadyBlocks] = {}
+        # The current step's number (Schedule's): the last one :meth:`bucket` was
+        # given, advanced by :meth:`end_step`, so settled buckets know it too.
+        self.step = 0
 
     # -- binding ---------------------------------------------------------------
 
@@ -406,6 +420,7 @@ class Reducer:
         step: int,
         chunk: int | None = None,
         defer: bool = False,
+        shared_maxima: torch.Tensor | None = None,
     ) -> Callable[[], None] | None:
         """Average one bucket's float32 values ``x`` over the ranks, in place.
 
@@ -420,12 +435,17 @@ class Reducer:
                 on CPU by the bucket's measured exchange).
             defer: leave the last chunks on the wire and return the function
                 that finishes them.
+            shared_maxima: the maxima's MAX all-reduce already made this step
+                (Promote's rates and the chunk on it), by the settled path
+                whose formats Promote has just moved: no collective, no
+                Promote step here (:meth:`run_steady`).
 
         Returns:
             With ``defer`` and chunks left in flight, the function that
             finishes the bucket; else None.
         """
         comm, settings, assignment = self.comm, self.settings, self.assignment
+        self.step = step
         plan = self.plan(index, numels, x.device)
         if self.feedback is not None:
             self.feedback.add(x, numels, names)
@@ -467,6 +487,9 @@ class Reducer:
             # Rank exponents: each rank's chunk rides on the first exchange
             # instead, for the next step.
             agreed, wanted = self._agree_blocks(plan, x, fmts, 0 if rank_exps else mine, rank_exps)
+        elif shared_maxima is not None:
+            amax = shared_maxima[:n_layers]
+            wanted = shared_maxima[-1] if measured else None
         else:
             amax = codec.segment_amax(x, plan.layout)
             extra: list[torch.Tensor] = []
@@ -536,7 +559,10 @@ class Reducer:
             plan.timed(time.perf_counter() - start)
         if len(groups) == 1 and not blocked and fmts is not None:
             g = groups[0]
-            self._settle(index, x, plan, fmts, g, Route(g.reduction), measured, chunk, names)
+            layers_of = (list(keys), list(numels), list(names)) if promoter is not None else None
+            self._settle(
+                index, x, plan, fmts, g, Route(g.reduction), measured, chunk, names, layers_of
+            )
         elif len(groups) == 1 and rank_exps and fmts is not None:
             self._settle_blocks(index, x, plan, fmts, groups[0], measured, chunk, names)
         return tail
@@ -559,8 +585,9 @@ class Reducer:
         two_phase = route == Route.TWO_PHASE and sh is not None and sh.rank_exponents
         staged = route.staged and g.node_blocks is not None
         if (
-            assignment.rules
-            or assignment.promoter is not None
+            assignment.promoter is not None
+            # Records of blocks under rules are not the full path's tested ones.
+            or (self.settings.stats and assignment.rules)
             or not g.contiguous
             or not (two_phase or staged)
         ):
@@ -592,6 +619,7 @@ class Reducer:
         )
         if self.settings.stats:
             st.names = list(names)
+        st.epoch = assignment.epoch(self.step)
         if st.bind(x, self.comm.rank, self.comm.world_size):
             self.steady[index] = st
 
@@ -606,23 +634,43 @@ class Reducer:
         measured: bool,
         chunk: int,
         names: Sequence[str | None] = (),
+        promote: tuple[list[Any], list[int], list[str | None]] | None = None,
     ) -> None:
         """Bind the bucket's :class:`Steady` path where nothing in it changes per step.
 
         With ``stats=True`` the bound path records too (:meth:`record_steady`):
-        ``names`` label the layers' records.
+        ``names`` label the layers' records. ``promote``: with Promote, the
+        layers' keys, sizes and names.
         """
         assignment, settings = self.assignment, self.settings
         if (
             self.feedback is not None
-            or assignment.rules
-            or settings.scaling != Scaling.LAYER
+            # Promote's rates ride on the maxima all-reduce, which FP32 buckets skip.
+            or (assignment.promoter is not None and (promote is None or route == Route.FP32))
+            # Records are bound for one exponent per layer and fixed formats.
+            or (
+                settings.stats
+                and (
+                    assignment.rules
+                    or assignment.promoter is not None
+                    or settings.scaling != Scaling.LAYER
+                )
+            )
+            or settings.scaling not in (Scaling.LAYER, Scaling.BUCKET)
             or not (route == Route.FP32 or (g is not None and g.contiguous))
             or route not in (Route.FP32, Route.TWO_PHASE, Route.ALLREDUCE)
         ):
             return
         n = len(fmts)
-        maxima = torch.zeros(n + int(measured), dtype=torch.float32, device=x.device)
+        rates = n if promote is not None else 0
+        maxima = torch.zeros(n + rates + int(measured), dtype=torch.float32, device=x.device)
+        if promote is not None:
+            # This step's local rates go out with the next step's maxima; the
+            # reducer's rates become views of them (checkpoints read those).
+            layer_names = promote[2]
+            zero = torch.zeros((), device=x.device)
+            maxima[n : 2 * n] = torch.stack([self.rates.get(m or "", zero) for m in layer_names])
+            self.rates.update({m or "": maxima[n + i] for i, m in enumerate(layer_names)})
         native = route == Route.ALLREDUCE
         self.steady[index] = st = Steady(
             x.numel(),
@@ -635,15 +683,25 @@ class Reducer:
             AgreedMaxima(maxima[:n], self.comm.world_size, native),
             measured,
             chunk,
+            bucket=settings.scaling == Scaling.BUCKET,
+            # Static rules fix each layer's format for good, Schedule for an epoch.
+            epoch=assignment.epoch(self.step),
+            promote=promote,
         )
         if settings.stats and g is not None:  # an FP32 bucket records nothing
             st.names = list(names)
         st.bind(x, self.comm.world_size)
 
     def steady_for(self, index: int, buffer: torch.Tensor) -> Steady | SteadyBlocks | None:
-        """The bucket's :class:`Steady` path, if its layout is the one it was bound to."""
+        """The bucket's :class:`Steady` path, if its layout and the policy's epoch are the ones
+        it was bound to (a new epoch's formats bind it again, through :meth:`bucket`)."""
         st = self.steady.get(index)
-        if st is not None and st.numel == buffer.numel() and st.ptr == buffer.data_ptr():
+        if (
+            st is not None
+            and st.numel == buffer.numel()
+            and st.ptr == buffer.data_ptr()
+            and st.epoch == self.assignment.epoch(self.step)
+        ):
             return st
         return None
 
@@ -664,13 +722,15 @@ class Reducer:
             return None
         g, native = st.group, st.route == Route.ALLREDUCE
         n = len(st.fmts)
+        # The chunk's slot, after the maxima (and Promote's rates).
+        slot = 2 * n if st.promote is not None else n
         if st.measured:  # CPU only: the keys' numpy view, no tensor op
             exchange_s = st.plan.exchange_s or None
             if st.offer is None or st.offer[0] != exchange_s:
                 fmt = self.settings.fmt
                 mine = self.planner.chunk(fmt, st.numel, st.route, exchange_s)
                 st.offer = exchange_s, math.log2(mine)
-            st.maxima.numpy()[n] = st.offer[1]
+            st.maxima.numpy()[slot] = st.offer[1]
         # Bound to the bucket's buffer (a float32 bucket is its own values).
         bound = st.bound_ptr == x.data_ptr() and st.maxima_call is not None
         if bound:
@@ -678,8 +738,27 @@ class Reducer:
         else:
             g.codec.layer_maxima(x, g.layout, st.agreed.maxima)
         transports.all_reduce_max(st.maxima, comm.group, self.traffic)
+        if st.promote is not None and self._promoted(st):
+            # A layer's format moved: this step sends the new formats, on the
+            # maxima just agreed, and binds the bucket again where it settles
+            # (mixed formats do not: the old binding's rates would go stale).
+            del self.steady[index]
+            keys, numels, names = st.promote
+            return self.bucket(
+                index,
+                x,
+                keys,
+                numels,
+                names,
+                step=self.step,
+                chunk=None if st.measured else st.chunk,
+                defer=defer,
+                shared_maxima=st.maxima,
+            )
+        if st.bucket:
+            st.agreed.spread()
         if st.measured:
-            chunk = 2 ** int(st.maxima.numpy()[n])
+            chunk = 2 ** int(st.maxima.numpy()[slot])
             if chunk != st.chunk:
                 st.group = g = st.plan.group(
                     st.fmts,
@@ -703,6 +782,8 @@ class Reducer:
                 scale, unscale = (torch.from_numpy(f) for f in st.host_factors[:2])
         if st.names is not None:  # before the decode overwrites this rank's values
             self.record_steady(index, st, x)
+        if st.promote is not None:
+            self._settled_rates(st, x)
         start = time.perf_counter()
         if calls is not None and not native:
             tail = transports.two_phase_bound(calls, comm.group, self.traffic, defer)
@@ -764,6 +845,33 @@ class Reducer:
         counts = layer_counts(x, g.layout.lengths, exps, g.fmt)
         counts, smallest, largest = per_layer(g.blocks, counts, exps, blocks_amax(x, g.layout))
         self.stats.add(index, st.names, g.numels, g.fmt, smallest, largest, counts)
+
+    def _promoted(self, st: Steady) -> bool:
+        """Promote's step from the rates just agreed on the maxima; whether a format of the
+        bucket moved (only this bucket's layers move here).
+
+        Promote picks formats on the host: one read of the agreed rates per
+        bucket (none on the CPU, where they are host memory already).
+        """
+        assert st.promote is not None
+        n = len(st.fmts)
+        rates = st.maxima[n : 2 * n]
+        agreed = rates.numpy() if rates.device.type == "cpu" else rates
+        self.assignment.promote_step(st.promote[0], agreed.tolist())
+        return self.assignment.formats(st.promote[0], self.step) != st.fmts
+
+    def _settled_rates(self, st: Steady, x: torch.Tensor) -> None:
+        """Promote: this rank's underflow rate of every layer under this step's factors,
+        into the slots the next step's maxima all-reduce sends (the full path's bits)."""
+        g, n = st.group, len(st.fmts)
+        out = st.maxima[n : 2 * n]
+        if g.codec.backend == "kernels" and x.dtype == torch.float32:
+            assert st.host_factors is not None  # this step's, from the agreed maxima
+            g.codec.underflow_rates(x, g.layout, st.host_factors[0], out)
+            return
+        f = factors(st.agreed.maxima, g.fmt, st.route, world_size=self.comm.world_size)
+        counts = layer_counts(x, g.layout.lengths, f.exponents, g.fmt)
+        out.copy_(counts[:, 1].float() / counts[:, 0].clamp(min=1).float())
 
     def _run_steady_blocks(
         self, index: int, st: SteadyBlocks, x: torch.Tensor, defer: bool
@@ -1215,6 +1323,7 @@ class Reducer:
     def end_step(self) -> tuple[dict[str, int], StepStats]:
         """The step's bytes per collective and records; the next step starts empty."""
         stats, self.stats = self.stats, StepStats()
+        self.step += 1
         return self.traffic.take(), stats
 
 

@@ -92,6 +92,12 @@ class BucketGraphs:
             return entry
         return None
 
+    def drop(self, index: int) -> None:
+        """Forget the bucket's graph: its settled path is bound again, and captured again
+        after it has run eagerly once more."""
+        self.graphs.pop(index, None)
+        self._eager.pop(index, None)
+
     def ready(self, index: int, buffer: torch.Tensor) -> bool:
         """Whether a settled bucket may be captured now.
 

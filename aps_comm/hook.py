@@ -581,8 +581,15 @@ class APSState:
         assert graphs is not None and reducer is not None
         buffer = b.buffer
         entry = graphs.lookup(b.index, buffer)
+        if entry is not None and reducer.steady_for(b.index, buffer) is None:
+            # A new epoch of the policy (Schedule, Promote): the bucket is bound
+            # again to its new formats, then captured again.
+            graphs.drop(b.index)
+            entry = None
         if entry is None and (
             buffer.dtype != torch.float32
+            # Promote reads its agreed rates on the host in the middle of the bucket.
+            or reducer.assignment.promoter is not None
             or reducer.steady_for(b.index, buffer) is None
             or torch.cuda.is_current_stream_capturing()
             or not graphs.ready(b.index, buffer)
@@ -730,8 +737,11 @@ class APSState:
             )
         self.step = int(state["step"])
         self.assignment.promote = {k: tuple(v) for k, v in state["promote"].items()}  # type: ignore[misc]
+        # Settled buckets were bound to the old step's and levels' formats: bind them again.
+        self.assignment.revision += 1
         self._rates = dict(state["rates"])
         if self.reducer is not None:
+            self.reducer.step = self.step
             device = next(iter(self.reducer.plans.values())).device if self.reducer.plans else None
             zero = torch.zeros((), device=device)
             self.reducer.rates = {k: zero + v for k, v in self._rates.items()}

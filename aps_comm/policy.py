@@ -303,6 +303,10 @@ class Assignment:
         self.layers: dict[Any, tuple[LayerInfo, FloatFormat]] = {}
         # Per parameter name: Promote's (level, calm steps).
         self.promote: dict[str, tuple[int, int]] = {}
+        # Bumped where Promote's levels are replaced (a checkpoint loaded): every
+        # settled bucket is bound again (see :meth:`epoch`). A level that Promote
+        # moves is seen by its own bucket, which then binds again by itself.
+        self.revision = 0
 
     def bind(self, layers: Mapping[Any, LayerInfo]) -> None:
         """Apply the static rules to the model's layers (keyed as the caller keys them)."""
@@ -357,3 +361,16 @@ class Assignment:
                 self.promote[info.name] = self.promoter.step(
                     level, calm, rate, ladder.index(static)
                 )
+
+    def epoch(self, step: int) -> tuple[int, ...]:
+        """What ``step``'s formats depend on besides the layers and Promote's steps: the
+        revision and which Schedule rules still hold. Two steps of the same epoch give
+        every layer the same format but for Promote's moves (which the layer's own
+        bucket sees), so a bucket bound to one epoch's formats runs bound through it.
+
+        Example:
+            >>> a = Assignment([Schedule(2, "fp16")], get_format("e4m3"))
+            >>> a.epoch(1) == a.epoch(0), a.epoch(2) == a.epoch(1)
+            (True, False)
+        """
+        return (self.revision, *(int(step < rule.steps) for rule in self.schedule))

@@ -126,6 +126,8 @@ _CPU_KERNELS = (
     "reduce_blocks",
     "reduce_rank_blocks",
     "two_phase_keys",
+    "spread_maximum",
+    "underflow_rates",
     "block_amax",
     "block_records",
     "layer_any",

@@ -459,3 +459,22 @@ def test_hsdp_replica_all_reduce_makes_no_host_traffic(
     for mode in seen:
         assert mode.reads == [] and mode.copies == [], (mode.reads, mode.copies)
     assert issued  # the collectives ran (stubbed)
+
+
+@pytest.mark.parametrize("policy", ["promote", "schedule"])
+@pytest.mark.parametrize("reduction", ["two_phase", "allreduce"])
+def test_settled_policies_make_no_host_traffic_but_promotes_read(
+    monkeypatch: pytest.MonkeyPatch, fp8_sums: None, policy: str, reduction: str
+) -> None:
+    """Issue 46: without stats the policies' buckets settle (torch ops for Promote's rates
+    off the CPU kernels); Promote still reads its agreed rates, once per bucket."""
+    with stubbed_collectives(monkeypatch):
+        reducer, names = _reducer(get_format("e4m3"), reduction, "layer", 3, 1, POLICIES[policy])
+        steady, _ = _bucket_steps(reducer, names, 4, chunk=None)
+        assert len(reducer.steady) == 2
+        for st in reducer.steady.values():
+            assert st.epoch == reducer.assignment.epoch(reducer.step)
+            assert st.fmts == [get_format("e4m3")] * len(st.fmts)
+    for mode in steady:
+        assert len(mode.reads) == (2 if policy == "promote" else 0), mode.reads
+        assert mode.copies == [], mode.copies

@@ -142,3 +142,16 @@ def test_a_failed_capture_drops_its_records() -> None:
     work = functools.partial(stats.add_rows, 0, ["a"], [2], E4M3, rows)
     assert graphs.capture(0, torch.zeros(2), work, Traffic(), stats) is None
     assert stats.records() == []  # the eager run that follows records the step
+
+
+def test_a_dropped_graph_is_captured_again_after_one_more_eager_run() -> None:
+    """A bucket bound again (a new epoch of its policy) drops its graph; the new binding
+    runs eagerly once before it is captured (its kernels may be new)."""
+    graphs, traffic = BucketGraphs(FakeGraph), Traffic()
+    x = torch.zeros(8)
+    assert not graphs.ready(0, x) and graphs.ready(0, x)
+    graphs.capture(0, x, lambda: None, traffic)
+    graphs.capture(1, x, lambda: None, traffic)
+    graphs.drop(0)
+    assert graphs.lookup(0, x) is None and graphs.lookup(1, x) is not None
+    assert not graphs.ready(0, x) and graphs.ready(0, x)

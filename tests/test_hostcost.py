@@ -14,11 +14,17 @@ import pytest
 import torch
 
 import aps_comm
+from aps_comm import cpu_kernels
+from aps_comm.codec import AgreedMaxima
 from aps_comm.engine import SteadyBlocks
+from aps_comm.formats import get_format
+from aps_comm.policy import Promote, Schedule
+from aps_comm.scaling import exponents
 from benchmarks.hostcost import (
     CONFIGS,
     FSDP_ROUTES,
     ROUTES,
+    _Layer,
     count_calls,
     count_ops,
     fsdp_unit,
@@ -182,3 +188,150 @@ def test_an_hsdp_unit_with_stats_settles_within_the_budget(world: None) -> None:
     # The clone is the test's, standing in for FSDP's new tensor every step.
     assert len(aten) - 1 + len(kernels) <= BUDGET, counts[200]
     assert kernels.count("kernel::layer_records") == 1
+
+
+def _bound_state(options: dict, params: list[torch.Tensor]) -> aps_comm.APSState:
+    state = aps_comm.APSState(**options)
+    # Policies key layers by parameter name: one module each, as benchmarks.hostcost binds them.
+    state.bind_model(torch.nn.ModuleList(_Layer(p) for p in params))
+    return state
+
+
+@pytest.mark.parametrize("config", ["bucket", "schedule", "promote"])
+def test_ops_per_settled_bucket_with_options_do_not_grow_with_layers(
+    world: None, config: str
+) -> None:
+    """Issue 46: bucket scaling and the policies settle; the policies on steps where no
+    layer's format changes (Schedule(steps=1): from its second step on)."""
+    counts = {}
+    for layers in (2, 200):
+        numels = [300 + i for i in range(layers)]
+        # Magnitudes in [0.5, 1.5): no element underflows, so Promote moves no layer.
+        gen = torch.Generator().manual_seed(layers)
+        x = (torch.rand(sum(numels), generator=gen) + 0.5) * torch.randn(
+            sum(numels), generator=gen
+        ).sign()
+        params = [torch.nn.Parameter(torch.empty(n)) for n in numels]
+        state = _bound_state(CONFIGS[config], params)
+        buffer = x.clone()
+        for _ in range(3):  # the plan, the settled path bound, Schedule's next epoch bound
+            buffer.copy_(x)
+            state.run_bucket(0, buffer, params)
+        assert state.reducer is not None and state.reducer.steady_for(0, buffer) is not None
+        aten, kernels = count_ops(state, buffer, params)
+        assert not any("_local_scalar_dense" in op for op in aten), aten  # no host read
+        counts[layers] = (aten, kernels)
+    assert counts[2] == counts[200], counts
+    aten, kernels = counts[200]
+    assert len(aten) + len(kernels) <= BUDGET, counts[200]
+
+
+@pytest.mark.parametrize("route", ["two_phase", "native"])
+@pytest.mark.parametrize("fmt", ["e4m3", "fp16"])
+def test_settled_bucket_scaling_gives_the_full_paths_bits(
+    world: None, route: str, fmt: str
+) -> None:
+    if route == "native" and fmt == "e4m3":
+        pytest.skip("Gloo sums no 8-bit format natively")
+    numels = [5, 0, 1, 700, 33, 2, 64]
+    options = {**ROUTES[route], "fmt": fmt, "scaling": "bucket"}
+    x, params = _bucket(numels, 5)
+    x[6:39] = 0.0  # a layer of zeros keeps its own exponent
+    x[3] = float("nan")  # the first layer is non-finite: NaN everywhere in it, only there
+    settled = aps_comm.APSState(**options)
+    buffer = x.clone()
+    for _ in range(3):
+        buffer.copy_(x)
+        out = settled.run_bucket(0, buffer, params)
+    assert settled.reducer is not None and settled.reducer.steady_for(0, buffer) is not None
+    want = aps_comm.APSState(**options).run_bucket(0, x.clone(), params)  # never settled
+    assert out[:5].isnan().all() and not out[5:].isnan().any()
+    same = torch.where(out.isnan(), 0.0, out).view(torch.int32)
+    assert torch.equal(same, torch.where(want.isnan(), 0.0, want).view(torch.int32))
+
+
+@pytest.mark.parametrize("kernels", [True, False])
+def test_spread_maxima_follow_the_bucket_rule(
+    monkeypatch: pytest.MonkeyPatch, kernels: bool
+) -> None:
+    """Spread maxima under the layer rule are the bucket rule, on the kernels and in torch."""
+    monkeypatch.setattr(cpu_kernels, "AVAILABLE", kernels and cpu_kernels.AVAILABLE)
+    gen = torch.Generator().manual_seed(3)
+    maxima = torch.rand(50, generator=gen) * 2.0 ** torch.randint(-30, 30, (50,), generator=gen)
+    maxima[::7] = 0.0
+    maxima[5] = float("inf")
+    fmt = get_format("e4m3")
+    want = exponents(maxima, fmt, world_size=3, reduction="allreduce", scaling="bucket")
+    agreed = AgreedMaxima(maxima.clone(), 3, native=True)
+    agreed.spread()
+    got = exponents(agreed.maxima, fmt, world_size=3, reduction="allreduce", scaling="layer")
+    assert torch.equal(got, want)
+    assert agreed.maxima[5] == float("inf") and (agreed.maxima[::7][1:] == 0).all()
+
+
+@pytest.mark.parametrize("early", ["fp32", "fp16"])
+def test_schedule_binds_the_bucket_again_when_formats_change(world: None, early: str) -> None:
+    """A settled bucket is bound again when Schedule's formats change (not every step),
+    and every step gives the bits of the full path at that step."""
+    numels = [5, 1, 700, 33, 2]
+    options = {**ROUTES["two_phase"], "policy": [Schedule(steps=2, fmt=early)]}
+    x, params = _bucket(numels, 13)
+    settled = _bound_state(options, params)
+    buffer = x.clone()
+    bound = []
+    for step in range(5):
+        buffer.copy_(x)
+        out = settled.run_bucket(0, buffer, params)
+        assert settled.reducer is not None
+        bound.append(settled.reducer.steady.get(0))
+        fresh = _bound_state(options, params)
+        fresh.step = step
+        want = fresh.run_bucket(0, x.clone(), params)  # the full path at this step
+        assert torch.equal(out.view(torch.int32), want.view(torch.int32)), step
+    # Bound in step 0 (the early format) and again in step 2 (e4m3), then kept.
+    assert bound[0] is bound[1] and bound[2] is bound[3] is bound[4]
+    assert bound[1] is not bound[2]
+    assert settled.reducer.steady_for(0, buffer) is bound[4]
+    assert settled.bucket_reductions[0] == "two_phase"
+
+
+def test_promote_binds_the_bucket_again_and_keeps_the_full_paths_bits(world: None) -> None:
+    """Promote moves a whole bucket up its ladder and back: the settled bucket reads the
+    agreed rates, sends the step in the new format on the maxima it agreed, binds again,
+    and every step gives the bits (and Promote's levels) of buckets that never settle.
+    A second bucket whose layers never move stays bound all along."""
+    numels, others = [300, 700, 33], [50, 60]
+    options = {**ROUTES["two_phase"], "policy": [Promote(gamma=0.05, patience=2)]}
+    params = [torch.nn.Parameter(torch.empty(n)) for n in numels]
+    params2 = [torch.nn.Parameter(torch.empty(n)) for n in others]
+    settled, full = _bound_state(options, params + params2), _bound_state(options, params + params2)
+    gen = torch.Generator().manual_seed(17)
+    buffer, buffer2 = torch.empty(sum(numels)), torch.empty(sum(others))
+    bound, bound2, formats = [], [], []
+    for step in range(9):
+        x, x2 = torch.randn(sum(numels), generator=gen), torch.randn(sum(others), generator=gen)
+        if step in (3, 4):  # e4m3 flushes all but each layer's largest value: promoted
+            x *= 1e-7
+            x[[0, 300, 1000]] = 1.0
+        buffer.copy_(x)
+        buffer2.copy_(x2)
+        out = settled.run_bucket(0, buffer, params, is_last=False).clone()
+        out2 = settled.run_bucket(1, buffer2, params2)
+        if full.reducer is not None:
+            full.reducer.steady.clear()  # the general path every step
+        want = full.run_bucket(0, x.clone(), params, is_last=False)
+        want2 = full.run_bucket(1, x2.clone(), params2)
+        assert torch.equal(out.view(torch.int32), want.view(torch.int32)), step
+        assert torch.equal(out2.view(torch.int32), want2.view(torch.int32)), step
+        assert settled.assignment.promote == full.assignment.promote, step
+        assert settled.reducer is not None
+        bound.append(settled.reducer.steady.get(0))
+        bound2.append(settled.reducer.steady.get(1))
+        formats.append(settled.assignment.formats([id(p) for p in params], step)[0].name)
+    # Step 3's rates promote at step 4 (e5m2, bound again); calm from then: back at step 6.
+    assert formats == ["e4m3"] * 4 + ["e5m2"] * 2 + ["e4m3"] * 3, formats
+    assert bound[0] is bound[3] and bound[4] is bound[5] and bound[6] is bound[8]
+    assert bound[3] is not bound[4] and bound[5] is not bound[6]
+    assert settled.reducer.steady_for(0, buffer) is bound[8]
+    assert bound2[0] is not None and all(b is bound2[0] for b in bound2)
+    assert settled.reducer.steady_for(1, buffer2) is bound2[0]
