@@ -133,6 +133,8 @@ _CPU_KERNELS = (
     "mean_rank_blocks",
     "mean_rows",
     "or_rows",
+    "keep_lost",
+    "owner_lost",
 )
 _TRITON_KERNELS = (
     "encode",
