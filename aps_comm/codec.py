@@ -983,6 +983,7 @@ class Codec:
         factors: tuple[torch.Tensor, torch.Tensor],
         rank: int,
         residual: torch.Tensor,
+        scratch: torch.Tensor | None = None,
     ) -> Callable[[], None]:
         """Two_phase's owner step with error feedback (one chunk: the whole bucket), bound.
 
@@ -990,8 +991,9 @@ class Codec:
         in rank order, encodes the mean into ``out`` as it is and adds what
         that lost, divided by the segment's scale and times N, to this rank's
         elements of ``residual``: :meth:`aps_comm.feedback.ErrorFeedback.owner_reduce`'s
-        arithmetic and bits, in five kernel calls on "kernels" (scratch bound
-        here), a fixed handful of tensor ops elsewhere.
+        arithmetic and bits, in five kernel calls on "kernels" (into
+        ``scratch`` and a shard's mean kept here), a fixed handful of tensor
+        ops elsewhere.
 
         Args:
             recv: the N encoded shards.
@@ -1001,6 +1003,8 @@ class Codec:
             factors: (scale, unscale), one per segment, refilled in place per step.
             rank: this rank: it owns shard ``rank``.
             residual: the bucket's float32 residuals.
+            scratch: float32 of at least N shards' elements, free during the call
+                (the bucket's other scratch); None: made here.
 
         Example:
             >>> call = codec.bind_owner_feedback(recv, 2, out, layout, (s, u), 0, res)  # doctest: +SKIP
@@ -1014,6 +1018,12 @@ class Codec:
         hi = max(lo, min(lo + per, layout.numel))
         kernels = self.backend == "kernels" and recv.device.type == "cpu"
         size = per if kernels else 0
+        if scratch is None or not kernels:
+            scratch = torch.empty(n_ranks * size)
+        elif scratch.dtype != torch.float32 or scratch.numel() < n_ranks * size:
+            raise ValueError(f"scratch must hold {n_ranks * size} float32, got {scratch.numel()}")
+        values = scratch[: n_ranks * size]
+        # The mean re-decoded goes where the shards were: they are summed by then.
         return _OwnerFeedback(
             self,
             recv,
@@ -1024,9 +1034,9 @@ class Codec:
             lo,
             hi,
             residual,
-            torch.empty(n_ranks * size),
+            values,
             torch.empty(size),
-            torch.empty(size),
+            values[:size],
         )
 
     def bind_layer_maxima(

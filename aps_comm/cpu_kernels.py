@@ -1876,16 +1876,19 @@ if AVAILABLE:
     @_njit
     def _owner_lost(acc, part, offsets, scale, unscale, lo, hi, n_ranks, out):
         n = np.float32(n_ranks)
-        seg = 0
-        for j in range(lo, hi):
-            while offsets[seg + 1] <= j:
-                seg += 1
-            m = scale[seg] if np.isfinite(unscale[seg]) else np.float32(0.0)
-            t = np.float32(0.0)
+        zero = np.float32(0.0)
+        for seg in range(len(offsets) - 1):
+            a, b = max(offsets[seg], lo), min(offsets[seg + 1], hi)
+            if a >= b:
+                continue
+            m = scale[seg] if np.isfinite(unscale[seg]) else zero
             if m > 0:
-                t = (acc[j - lo] - part[j - lo]) / m
-            # Added even where it is zero: -0 + 0 is +0, as the tensor ops give.
-            out[j] = out[j] + t * n
+                for j in range(a, b):
+                    out[j] = out[j] + ((acc[j - lo] - part[j - lo]) / m) * n
+            else:
+                for j in range(a, b):
+                    # Added even so: -0 + 0 is +0, as the tensor ops give.
+                    out[j] = out[j] + zero * n
 
 
 def block_factors_into(

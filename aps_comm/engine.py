@@ -629,7 +629,9 @@ class Reducer:
         (r0, r1), (s0, s1), numel = g.regions[0], g.shard_regions[0], x.numel()
         send, recv, shard = g.send[r0:r1], g.recv[r0:r1], g.shards[s0:s1]
         pad = (r1 - r0) * 8 // fmt.wire_bits - numel
-        sent = torch.empty(numel, dtype=torch.float32, device=device)
+        # One float32 scratch: this rank's payload decoded, later the owner's N shards.
+        scratch = torch.empty(numel + pad, dtype=torch.float32, device=device)
+        sent = scratch[:numel]
         head = send[: payload_nbytes(numel, fmt)]
         encode = functools.partial(
             _encode_and_keep,
@@ -637,7 +639,7 @@ class Reducer:
             g.codec.bind_keep_lost(head, x, sent, unscale, g.layout, residual),
         )
         owner = g.codec.bind_owner_feedback(
-            recv, comm.world_size, shard, g.layout, (scale, unscale), comm.rank, residual
+            recv, comm.world_size, shard, g.layout, (scale, unscale), comm.rank, residual, scratch
         )
         decode = g.codec.bind_decode(send, x, unscale, g.windows[0])
         calls = [transports.ChunkCalls(encode, owner, decode, send, recv, shard)]

@@ -51,12 +51,14 @@ class BucketGraph:
         ptr: the address of the bucket buffer it reads and writes.
         numel: the buffer's elements.
         traffic: bytes per collective that one run hands the wire.
+        bound: the settled path captured (None: not given).
     """
 
     graph: Any
     ptr: int
     numel: int
     traffic: dict[str, int]
+    bound: object = None
 
 
 class BucketGraphs:
@@ -78,10 +80,17 @@ class BucketGraphs:
         # Per bucket: the buffer address whose settled path ran eagerly once.
         self._eager: dict[int, int] = {}
 
-    def lookup(self, index: int, buffer: torch.Tensor) -> BucketGraph | None:
-        """The bucket's graph, if it was captured for this very buffer."""
+    def lookup(self, index: int, buffer: torch.Tensor, bound: object = None) -> BucketGraph | None:
+        """The bucket's graph, if it was captured for this very buffer (and where ``bound``
+        is given, for that settled path: one bound again on the same buffer, as error
+        feedback's is after restored residuals, holds other scratch and is captured again)."""
         entry = self.graphs.get(index)
-        if entry is not None and entry.ptr == buffer.data_ptr() and entry.numel == buffer.numel():
+        if (
+            entry is not None
+            and entry.ptr == buffer.data_ptr()
+            and entry.numel == buffer.numel()
+            and (bound is None or entry.bound is bound)
+        ):
             return entry
         return None
 
@@ -100,9 +109,15 @@ class BucketGraphs:
         return False
 
     def capture(
-        self, index: int, buffer: torch.Tensor, work: Callable[[], None], traffic: Traffic
+        self,
+        index: int,
+        buffer: torch.Tensor,
+        work: Callable[[], None],
+        traffic: Traffic,
+        bound: object = None,
     ) -> BucketGraph | None:
-        """Capture ``work`` on the current stream; None (graphs off, logged) if it fails.
+        """Capture ``work`` (the settled path ``bound``) on the current stream; None (graphs
+        off, logged) if it fails.
 
         ``work`` is recorded, not run: :meth:`replay` runs it. The bytes it
         counts into ``traffic`` are taken out and kept for the replays.
@@ -129,7 +144,7 @@ class BucketGraphs:
             return None
         delta = {k: v - before.get(k, 0) for k, v in traffic.bytes.items()}
         traffic.bytes = before
-        entry = BucketGraph(graph, buffer.data_ptr(), buffer.numel(), delta)
+        entry = BucketGraph(graph, buffer.data_ptr(), buffer.numel(), delta, bound)
         self.graphs[index] = entry
         return entry
 

@@ -580,10 +580,14 @@ class APSState:
         graphs, reducer = self.graphs, self.reducer
         assert graphs is not None and reducer is not None
         buffer = b.buffer
-        entry = graphs.lookup(b.index, buffer)
+        steady = reducer.steady_for(b.index, buffer)
+        # A graph replays the settled path it captured: none where the bucket is not
+        # settled now, none of an earlier binding (error feedback binds again after
+        # restored residuals).
+        entry = graphs.lookup(b.index, buffer, steady) if steady is not None else None
         if entry is None and (
             buffer.dtype != torch.float32
-            or reducer.steady_for(b.index, buffer) is None
+            or steady is None
             or torch.cuda.is_current_stream_capturing()
             or not graphs.ready(b.index, buffer)
         ):
@@ -592,7 +596,7 @@ class APSState:
         with torch.cuda.stream(stream), torch.no_grad():
             if entry is None:
                 work = functools.partial(self._steady_work, b)
-                entry = graphs.capture(b.index, buffer, work, reducer.traffic)
+                entry = graphs.capture(b.index, buffer, work, reducer.traffic, steady)
                 if entry is None:
                     return None
             graphs.replay(entry, reducer.traffic)
