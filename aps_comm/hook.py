@@ -169,9 +169,15 @@ class APSState:
             (needs the model: use :func:`register` or :meth:`bind_model`).
         error_feedback: keep what rounding lost (this rank's encoding, and
             for two_phase its re-encoding as shard owner) and add it back next
-            step. Memory: one float32 copy of the gradients per rank. The
-            rounding of native low-precision sums inside the backend is not
-            compensated. Not with ``reduction="hierarchical"``.
+            step. Memory: one float32 copy of the gradients per rank (and a
+            settled bucket's scratch). The rounding of native low-precision
+            sums inside the backend is not compensated. Not with
+            ``reduction="hierarchical"``. With ``scaling="block"`` the block
+            exponents are agreed (``block_exponents`` is ignored): owners
+            re-encode their means with the agreed exponents and keep the loss
+            in their residuals, because the residual updates are not part of
+            the fused kernels that send each rank's and owner's own exponents
+            (docs/precision-policies.md, "Error feedback").
         ranks_per_node: ranks on each node, for hierarchical reductions; None
             reads ``LOCAL_WORLD_SIZE`` (set by torchrun, aps-launch and the
             SLURM and MPI launchers), else 1. Ranks must be numbered node by
