@@ -412,17 +412,15 @@ class _OwnerFeedback:
     n_ranks: int
     out: torch.Tensor
     layout: Layout
-    scale: torch.Tensor
-    unscale: torch.Tensor
-    lo: int
-    hi: int
+    factors: tuple[torch.Tensor, torch.Tensor]  # (scale, unscale), refilled in place
+    span: tuple[int, int]  # the elements this rank owns
     residual: torch.Tensor
     values: torch.Tensor  # kernels: float32 scratch of the N decoded shards
     acc: torch.Tensor  # kernels: float32 scratch of the mean
     part: torch.Tensor  # kernels: float32 scratch of the mean re-encoded and decoded
 
     def __call__(self) -> None:
-        c, n, lo, hi = self.codec, self.n_ranks, self.lo, self.hi
+        c, n, (lo, hi), (scale, unscale) = self.codec, self.n_ranks, self.span, self.factors
         if c.backend == "kernels":
             # The calls of ErrorFeedback.owner_reduce, into scratch kept for the bucket.
             _kernel("decode", self.recv, self.values, c.fmt)
@@ -430,15 +428,13 @@ class _OwnerFeedback:
             _kernel("encode", self.acc, self.out, c.fmt)
             _kernel("decode", self.out, self.part, c.fmt)
             if hi > lo:
-                offsets = self.layout.offsets.numpy()
-                scale, unscale = self.scale.numpy(), self.unscale.numpy()
                 _kernel(
                     "owner_lost",
                     self.acc,
                     self.part,
-                    offsets,
-                    scale,
-                    unscale,
+                    self.layout.offsets.numpy(),
+                    scale.numpy(),
+                    unscale.numpy(),
                     lo,
                     hi,
                     n,
@@ -450,7 +446,7 @@ class _OwnerFeedback:
         part = c.decode(self.out, acc.numel())
         if hi <= lo:
             return
-        mine = torch.where(torch.isfinite(self.unscale), self.scale, 0.0)
+        mine = torch.where(torch.isfinite(unscale), scale, 0.0)
         mine = torch.repeat_interleave(mine, self.layout.lengths, output_size=self.layout.numel)[
             lo:hi
         ]
@@ -1030,9 +1026,8 @@ class Codec:
             n_ranks,
             out,
             layout,
-            *factors,
-            lo,
-            hi,
+            factors,
+            (lo, hi),
             residual,
             values,
             torch.empty(size),
