@@ -73,6 +73,7 @@ from aps_comm.scaling import (
     EXPONENT_LIMIT,
     KEY_BAD,
     blocks_amax,
+    factors_from_keys,
     key_factors,
     layer_amax,
     mean_exponents,
@@ -383,6 +384,74 @@ def _owner_then_chunk(
     if host is None:
         return 0
     return int(host[at::piece].max())
+
+
+def _keep_lost_torch(x: torch.Tensor, sent: torch.Tensor, residual: torch.Tensor) -> None:
+    residual.copy_(torch.where(torch.isfinite(sent), x - sent, 0.0))
+
+
+def _factors_into(made: Callable[[], object], scale: torch.Tensor, unscale: torch.Tensor) -> None:
+    """Factors made by tensor ops (the backends without kernels), copied into the bound ones."""
+    f = made()
+    scale.copy_(f.scale)  # type: ignore[attr-defined]
+    unscale.copy_(f.unscale)  # type: ignore[attr-defined]
+
+
+@dataclasses.dataclass(frozen=True)
+class _OwnerFeedback:
+    """A two_phase owner's step with error feedback, bound (:meth:`Codec.bind_owner_feedback`).
+
+    The mean of the N received shards is re-encoded as it is (the ranks'
+    agreed factors), and what that loses, unscaled and times N, is added to
+    the residuals of the elements this rank owns: next step they are sent
+    again and averaged, so the mean gets the loss back.
+    """
+
+    codec: Codec
+    recv: torch.Tensor
+    n_ranks: int
+    out: torch.Tensor
+    layout: Layout
+    factors: tuple[torch.Tensor, torch.Tensor]  # (scale, unscale), refilled in place
+    span: tuple[int, int]  # the elements this rank owns
+    residual: torch.Tensor
+    values: torch.Tensor  # kernels: float32 scratch of the N decoded shards
+    acc: torch.Tensor  # kernels: float32 scratch of the mean
+    part: torch.Tensor  # kernels: float32 scratch of the mean re-encoded and decoded
+
+    def __call__(self) -> None:
+        c, n, (lo, hi), (scale, unscale) = self.codec, self.n_ranks, self.span, self.factors
+        if c.backend == "kernels":
+            # The calls of ErrorFeedback.owner_reduce, into scratch kept for the bucket.
+            _kernel("decode", self.recv, self.values, c.fmt)
+            _kernel("mean_rows", self.values.numpy().reshape(n, -1), self.acc.numpy())
+            _kernel("encode", self.acc, self.out, c.fmt)
+            _kernel("decode", self.out, self.part, c.fmt)
+            if hi > lo:
+                _kernel(
+                    "owner_lost",
+                    self.acc,
+                    self.part,
+                    self.layout.offsets.numpy(),
+                    scale.numpy(),
+                    unscale.numpy(),
+                    lo,
+                    hi,
+                    n,
+                    self.residual,
+                )
+            return
+        acc = c.shard_mean(self.recv, n)
+        c.encode(acc, out=self.out)
+        part = c.decode(self.out, acc.numel())
+        if hi <= lo:
+            return
+        mine = torch.where(torch.isfinite(unscale), scale, 0.0)
+        mine = torch.repeat_interleave(mine, self.layout.lengths, output_size=self.layout.numel)[
+            lo:hi
+        ]
+        lost = torch.where(mine > 0, (acc[: hi - lo] - part[: hi - lo]) / mine, 0.0)
+        self.residual[lo:hi] += lost * n
 
 
 @dataclasses.dataclass(frozen=True)
@@ -842,6 +911,151 @@ class Codec:
         launch = _triton().bind_reduce_shards(recv, n_ranks, self.fmt, out)
         fallback = functools.partial(self._torch().owner_reduce, recv, n_ranks, out=out)
         return functools.partial(_run_bound, ("owner_reduce", self.fmt.name), launch, fallback)
+
+    def bind_feedback_factors(
+        self,
+        agreed: torch.Tensor,
+        world_size: int,
+        scale: torch.Tensor,
+        unscale: torch.Tensor,
+        counts: torch.Tensor | None = None,
+    ) -> Callable[[], None]:
+        """Two_phase's factors of the agreed maxima or block keys, written into ``scale``
+        and ``unscale`` in place: error feedback's settled bucket binds its calls to those.
+
+        Args:
+            agreed: float32 maxima, one per layer; or with ``counts`` uint8 block
+                keys (:func:`aps_comm.scaling.exponent_keys`), both MAX-all-reduced.
+            world_size: N.
+            scale: float32, one per segment: ``2**e``.
+            unscale: float32, one per segment: ``2**-e``, NaN for a non-finite layer.
+            counts: blocks per layer (int64), with block keys.
+
+        Example:
+            >>> c = Codec("e4m3", torch.device("cpu"))
+            >>> s, u = torch.empty(1), torch.empty(1)
+            >>> c.bind_feedback_factors(torch.tensor([3.0]), 2, s, u)()
+            >>> s, u
+            (tensor([128.]), tensor([0.0078]))
+        """
+        fmt, kernels = self.fmt, self.backend == "kernels" and scale.device.type == "cpu"
+        if counts is None:
+            agreed_maxima = AgreedMaxima(agreed, world_size)
+            if kernels:
+                keys = np.empty(agreed.numel(), np.int32)
+                return functools.partial(
+                    agreed_maxima.host_factors_into, fmt, scale.numpy(), unscale.numpy(), keys
+                )
+            made = functools.partial(scale_factors, agreed, fmt, "two_phase", world_size=world_size)
+        else:
+            if kernels:
+                return functools.partial(
+                    cpu_kernels.block_factors_into,
+                    agreed,
+                    counts.cpu().numpy(),
+                    scale.numpy(),
+                    unscale.numpy(),
+                )
+            made = functools.partial(
+                factors_from_keys,
+                agreed[None],
+                fmt,
+                "two_phase",
+                world_size=world_size,
+                counts=counts,
+            )
+        return functools.partial(_factors_into, made, scale, unscale)
+
+    def bind_keep_lost(
+        self,
+        payload: torch.Tensor,
+        x: torch.Tensor,
+        sent: torch.Tensor,
+        unscale: torch.Tensor,
+        layout: Layout,
+        residual: torch.Tensor,
+    ) -> Callable[[], None]:
+        """What this rank's encoding lost, bound: error feedback's residual, whole-bucket.
+
+        The returned call decodes ``payload`` (``x`` encoded) times ``unscale``
+        into float32 scratch ``sent``, then writes ``residual = x - sent``
+        where ``sent`` is finite, else 0 (a non-finite layer, NaN ``unscale``,
+        keeps nothing): two kernel calls on "kernels", a fixed handful of
+        tensor ops elsewhere, whatever the number of layers.
+
+        Example:
+            >>> call = codec.bind_keep_lost(payload, x, sent, unscale, layout, res)  # doctest: +SKIP
+        """
+        decode = self.bind_decode(payload, sent, unscale, layout)
+        if self.backend == "kernels" and x.device.type == "cpu":
+            lost = functools.partial(_kernel, "keep_lost", x, sent, residual)
+        else:
+            lost = functools.partial(_keep_lost_torch, x, sent, residual)
+        return functools.partial(_calls_then, decode, lost)
+
+    def bind_owner_feedback(
+        self,
+        recv: torch.Tensor,
+        n_ranks: int,
+        out: torch.Tensor,
+        layout: Layout,
+        factors: tuple[torch.Tensor, torch.Tensor],
+        rank: int,
+        residual: torch.Tensor,
+        scratch: torch.Tensor | None = None,
+    ) -> Callable[[], None]:
+        """Two_phase's owner step with error feedback (one chunk: the whole bucket), bound.
+
+        The call decodes the N shards of ``recv``, averages them in float32
+        in rank order, encodes the mean into ``out`` as it is and adds what
+        that lost, divided by the segment's scale and times N, to this rank's
+        elements of ``residual``: :meth:`aps_comm.feedback.ErrorFeedback.owner_reduce`'s
+        arithmetic and bits, in five kernel calls on "kernels" (into
+        ``scratch`` and a shard's mean kept here), a fixed handful of tensor
+        ops elsewhere.
+
+        Args:
+            recv: the N encoded shards.
+            n_ranks: N.
+            out: this rank's shard of the encoded mean.
+            layout: the segments (layers or blocks) of the whole bucket.
+            factors: (scale, unscale), one per segment, refilled in place per step.
+            rank: this rank: it owns shard ``rank``.
+            residual: the bucket's float32 residuals.
+            scratch: float32 of at least N shards' elements, free during the call
+                (the bucket's other scratch); None: made here.
+
+        Example:
+            >>> call = codec.bind_owner_feedback(recv, 2, out, layout, (s, u), 0, res)  # doctest: +SKIP
+        """
+        per = self._shard_bytes(recv, n_ranks) * 8 // self.fmt.wire_bits
+        if payload_nbytes(per, self.fmt) != out.numel():
+            raise ValueError(
+                f"out must hold {payload_nbytes(per, self.fmt)} bytes, got {out.numel()}"
+            )
+        lo = rank * per
+        hi = max(lo, min(lo + per, layout.numel))
+        kernels = self.backend == "kernels" and recv.device.type == "cpu"
+        size = per if kernels else 0
+        if scratch is None or not kernels:
+            scratch = torch.empty(n_ranks * size)
+        elif scratch.dtype != torch.float32 or scratch.numel() < n_ranks * size:
+            raise ValueError(f"scratch must hold {n_ranks * size} float32, got {scratch.numel()}")
+        values = scratch[: n_ranks * size]
+        # The mean re-decoded goes where the shards were: they are summed by then.
+        return _OwnerFeedback(
+            self,
+            recv,
+            n_ranks,
+            out,
+            layout,
+            factors,
+            (lo, hi),
+            residual,
+            values,
+            torch.empty(size),
+            values[:size],
+        )
 
     def bind_layer_maxima(
         self, x: torch.Tensor, layout: Layout, out: torch.Tensor

@@ -63,12 +63,14 @@ __all__ = [
     "COMPILE_NOTICE",
     "CompileNotice",
     "block_amax",
+    "block_factors_into",
     "block_records",
     "decode",
     "decode_rank_blocks",
     "decoder_params",
     "encode",
     "encoder_params",
+    "keep_lost",
     "key_factors",
     "layer_any",
     "layer_records",
@@ -78,6 +80,7 @@ __all__ = [
     "mean_rank_blocks",
     "mean_rows",
     "or_rows",
+    "owner_lost",
     "owner_rank_blocks",
     "prepare",
     "reduce_blocks",
@@ -2033,6 +2036,112 @@ if AVAILABLE:
             out[layer, 2] = nonzero
             out[layer, 3] = under
             out[layer, 4] = saturated
+
+
+if AVAILABLE:
+
+    @_njit
+    def _block_factors(keys, counts, scale, unscale):
+        """Per block, ``2**e`` and ``2**-e`` of its agreed key; NaN unscale for every block of
+        a layer with a non-finite (255) key."""
+        start = 0
+        for layer in range(len(counts)):
+            stop = start + counts[layer]
+            bad = False
+            for i in range(start, stop):
+                bad |= keys[i] == 255
+            for i in range(start, stop):
+                k = keys[i]
+                e = 0 if k == 0 or k == 255 else 127 - np.int32(k)
+                scale[i] = np.float32(math.ldexp(1.0, e))
+                unscale[i] = np.float32(np.nan) if bad else np.float32(math.ldexp(1.0, -e))
+            start = stop
+
+    @_njit
+    def _keep_lost(x, sent, out):
+        for i in range(len(x)):
+            s = sent[i]
+            out[i] = x[i] - s if np.isfinite(s) else np.float32(0.0)
+
+    @_njit
+    def _owner_lost(acc, part, offsets, scale, unscale, lo, hi, n_ranks, out):
+        n = np.float32(n_ranks)
+        zero = np.float32(0.0)
+        for seg in range(len(offsets) - 1):
+            a, b = max(offsets[seg], lo), min(offsets[seg + 1], hi)
+            if a >= b:
+                continue
+            m = scale[seg] if np.isfinite(unscale[seg]) else zero
+            if m > 0:
+                for j in range(a, b):
+                    out[j] = out[j] + ((acc[j - lo] - part[j - lo]) / m) * n
+            else:
+                for j in range(a, b):
+                    # Added even so: -0 + 0 is +0, as the tensor ops give.
+                    out[j] = out[j] + zero * n
+
+
+def block_factors_into(
+    keys: torch.Tensor, counts: np.ndarray, scale: np.ndarray, unscale: np.ndarray
+) -> None:
+    """:func:`aps_comm.scaling.factors_from_keys`' scale and unscale (route two_phase) of
+    agreed uint8 block ``keys``, written into float32 ``scale`` and ``unscale``: ``2**e``
+    and ``2**-e`` per block, NaN unscale for every block of a layer with a key of 255.
+
+    ``counts``: int64 blocks per layer (summing to ``keys.numel()``).
+
+    Example:
+        >>> s, u = np.empty(3, np.float32), np.empty(3, np.float32)
+        >>> block_factors_into(torch.tensor([120, 0, 255], dtype=torch.uint8),
+        ...                    np.array([1, 2]), s, u)
+        >>> s, u
+        (array([128.,   1.,   1.], dtype=float32), array([0.0078125,       nan,       nan], dtype=float32))
+    """
+    _block_factors(_np(keys), counts, scale, unscale)
+
+
+def keep_lost(x: torch.Tensor, sent: torch.Tensor, out: torch.Tensor) -> None:
+    """What this rank's encoding lost: ``x - sent`` where ``sent`` is finite, else 0, into
+    ``out`` (contiguous float32, all as long): error feedback's residual.
+
+    Example:
+        >>> out = torch.empty(2)
+        >>> keep_lost(torch.tensor([1.0, 2.0]), torch.tensor([0.75, float("nan")]), out)
+        >>> out
+        tensor([0.2500, 0.0000])
+    """
+    _keep_lost(_np(x), _np(sent), _np(out))
+
+
+def owner_lost(
+    acc: torch.Tensor,
+    part: torch.Tensor,
+    offsets: np.ndarray,
+    scale: np.ndarray,
+    unscale: np.ndarray,
+    lo: int,
+    hi: int,
+    n_ranks: int,
+    out: torch.Tensor,
+) -> None:
+    """What a two_phase owner's re-encoding of its mean lost, unscaled and times N, added
+    to elements ``lo`` to ``hi`` of the float32 residuals ``out``.
+
+    ``acc``: the owner's float32 mean of its shard (element ``lo`` first); ``part``: that
+    mean encoded and decoded again; ``offsets``: the segments of ``out`` (layers or
+    blocks) with their ``scale`` and ``unscale`` (NaN: a non-finite segment, which loses
+    nothing). Per element ``out += where(m > 0, (acc - part) / m, 0) * N`` with ``m``
+    the segment's scale, in float32, as the tensor ops do it.
+
+    Example:
+        >>> out = torch.zeros(2)
+        >>> one = np.ones(1, np.float32)
+        >>> owner_lost(torch.tensor([1.5]), torch.tensor([1.0]), np.array([0, 2]), 2 * one,
+        ...            one, 1, 2, 2, out)
+        >>> out
+        tensor([0.0000, 0.5000])
+    """
+    _owner_lost(_np(acc), _np(part), offsets, scale, unscale, lo, hi, n_ranks, _np(out))
 
 
 @functools.lru_cache(maxsize=64)

@@ -45,7 +45,7 @@ from aps_comm.agreement import Layouts
 from aps_comm.codec import AgreedMaxima, NodeBlockCalls, RankBlockCalls
 from aps_comm.config import DEFAULT_BLOCK_SIZE, BlockExponents, Reduction, Route, Scaling
 from aps_comm.feedback import ErrorFeedback
-from aps_comm.formats import FP32, FloatFormat, pow2
+from aps_comm.formats import FP32, FloatFormat, payload_nbytes, pow2
 from aps_comm.plan import BucketPlan, GroupPlan, Planner
 from aps_comm.policy import Assignment
 from aps_comm.reduction import native_sum_supported, resolve_routes
@@ -64,7 +64,16 @@ from aps_comm.scaling import (
 from aps_comm.telemetry import StepStats, layer_counts, per_layer
 from aps_comm.topology import NodeGroups
 
-__all__ = ["ONE_CHUNK", "Comm", "Reducer", "Settings", "Steady", "SteadyBlocks", "Traffic"]
+__all__ = [
+    "ONE_CHUNK",
+    "Comm",
+    "Reducer",
+    "Settings",
+    "Steady",
+    "SteadyBlocks",
+    "SteadyFeedback",
+    "Traffic",
+]
 
 ONE_CHUNK = 2**62
 """A chunk larger than any bucket: error feedback's owner step needs the whole shard."""
@@ -336,6 +345,42 @@ class SteadyNodeBlocks(SteadyBlocks):
         return True
 
 
+@dataclasses.dataclass
+class SteadyFeedback:
+    """:class:`Steady` with error feedback: two_phase with agreed exponents per layer or block.
+
+    The bucket's residuals live in one flat buffer whose views are the
+    feedback's per-name residuals (:meth:`aps_comm.feedback.ErrorFeedback.share`),
+    so per step, whatever the number of layers: one add of the residuals,
+    the maxima (or block keys) and their MAX all-reduce, the factors written
+    in place, and one chunk of bound calls around two_phase's collectives,
+    each residual update whole-bucket: the encode followed by what it lost
+    (:meth:`aps_comm.codec.Codec.bind_keep_lost`), the owner's step with its
+    loss (:meth:`aps_comm.codec.Codec.bind_owner_feedback`), the decode. The
+    same collectives, bytes and bits as :meth:`Reducer.bucket`'s error
+    feedback, residuals included.
+
+    Attributes:
+        numel: the bucket's elements.
+        ptr: the bucket buffer's address.
+        residual: float32, the bucket's residuals (the feedback's entries are views).
+        token: the feedback's token for them (:meth:`aps_comm.feedback.ErrorFeedback.shared`).
+        shared: the MAX all-reduce's vector: float32 layer maxima, or uint8 block keys.
+        agree: writes this rank's maxima or keys of the buffer into ``shared``.
+        factors: writes the agreed factors into the bound calls' scale and unscale.
+        calls: the one chunk's bound calls.
+    """
+
+    numel: int
+    ptr: int
+    residual: torch.Tensor
+    token: int
+    shared: torch.Tensor
+    agree: Callable[[], object]
+    factors: Callable[[], object]
+    calls: list[transports.ChunkCalls]
+
+
 class Reducer:
     """One rank's reducer: plans, the per-step path of buckets and units, and their records.
 
@@ -371,7 +416,7 @@ class Reducer:
         self._routes: dict[FloatFormat, Route] = {}
         self._fixed: dict[FloatFormat, Route] = {}
         # Per bucket index: its bound path once settled (:class:`Steady`).
-        self.steady: dict[int, Steady | SteadyBlocks] = {}
+        self.steady: dict[int, Steady | SteadyBlocks | SteadyFeedback] = {}
         # The current step's number (Schedule's): the last one :meth:`bucket` was
         # given, advanced by :meth:`end_step`, so settled buckets know it too.
         self.step = 0
@@ -565,7 +610,88 @@ class Reducer:
             )
         elif len(groups) == 1 and rank_exps and fmts is not None:
             self._settle_blocks(index, x, plan, fmts, groups[0], measured, chunk, names)
+        if self.feedback is not None and len(groups) == 1:
+            self._settle_feedback(index, x, groups[0], names)
         return tail
+
+    def _settle_feedback(
+        self, index: int, x: torch.Tensor, g: GroupPlan, names: Sequence[str | None]
+    ) -> None:
+        """Bind the bucket's :class:`SteadyFeedback` path where nothing in it changes per step."""
+        fb, assignment, settings, comm = self.feedback, self.assignment, self.settings, self.comm
+        assert fb is not None
+        self.steady.pop(index, None)
+        if (
+            assignment.rules
+            or assignment.promoter is not None
+            or settings.stats
+            or settings.scaling not in (Scaling.LAYER, Scaling.BLOCK)
+            or not g.contiguous
+            or g.reduction != Route.TWO_PHASE
+            or g.block_shards is not None
+            or len(g.chunks) != 1
+            or x.dtype != torch.float32
+            or g.codec.backend not in ("kernels", "triton")
+            or len(set(names)) != len(names)
+            or not all(n in fb.residuals for n in names)
+        ):
+            return
+        n_seg, device, fmt = g.layout.n_segments, x.device, g.fmt
+        scale = torch.empty(n_seg, dtype=torch.float32, device=device)
+        unscale = torch.empty(n_seg, dtype=torch.float32, device=device)
+        counts = None
+        if g.blocks is not None:
+            counts = g.blocks.device_counts
+            shared = torch.empty(n_seg, dtype=torch.uint8, device=device)
+            agree = g.codec.bind_block_keys(
+                x,
+                g.layout,
+                g.blocks.counts,
+                torch.empty(n_seg, dtype=torch.float32, device=device),
+                shared,
+                torch.empty(len(g.numels), dtype=torch.uint8, device=device),
+                comm.world_size,
+            )
+            if agree is None:
+                return
+        else:
+            shared = torch.zeros(n_seg, dtype=torch.float32, device=device)
+            agree = g.codec.bind_layer_maxima(x, g.layout, shared)
+        factors = g.codec.bind_feedback_factors(shared, comm.world_size, scale, unscale, counts)
+        residual = torch.empty(x.numel(), dtype=torch.float32, device=device)
+        (r0, r1), (s0, s1), numel = g.regions[0], g.shard_regions[0], x.numel()
+        send, recv, shard = g.send[r0:r1], g.recv[r0:r1], g.shards[s0:s1]
+        pad = (r1 - r0) * 8 // fmt.wire_bits - numel
+        # One float32 scratch: this rank's payload decoded, later the owner's N shards.
+        scratch = torch.empty(numel + pad, dtype=torch.float32, device=device)
+        sent = scratch[:numel]
+        head = send[: payload_nbytes(numel, fmt)]
+        encode = functools.partial(
+            _encode_and_keep,
+            g.codec.bind_encode(x, send, scale, g.windows[0], pad),
+            g.codec.bind_keep_lost(head, x, sent, unscale, g.layout, residual),
+        )
+        owner = g.codec.bind_owner_feedback(
+            recv, comm.world_size, shard, g.layout, (scale, unscale), comm.rank, residual, scratch
+        )
+        decode = g.codec.bind_decode(send, x, unscale, g.windows[0])
+        calls = [transports.ChunkCalls(encode, owner, decode, send, recv, shard)]
+        token = fb.share(names, g.numels, residual)  # type: ignore[arg-type]  # checked above
+        self.steady[index] = SteadyFeedback(
+            numel, x.data_ptr(), residual, token, shared, agree, factors, calls
+        )
+
+    def _run_feedback(
+        self, st: SteadyFeedback, x: torch.Tensor, defer: bool
+    ) -> Callable[[], None] | None:
+        """:meth:`run_steady` with error feedback: the residuals added, the maxima agreed,
+        the factors written, then two_phase's bound chunk."""
+        comm = self.comm
+        x.add_(st.residual)
+        st.agree()
+        transports.all_reduce_max(st.shared, comm.group, self.traffic)
+        st.factors()
+        return transports.two_phase_bound(st.calls, comm.group, self.traffic, defer)
 
     def _settle_blocks(
         self,
@@ -692,21 +818,29 @@ class Reducer:
             st.names = list(names)
         st.bind(x, self.comm.world_size)
 
-    def steady_for(self, index: int, buffer: torch.Tensor) -> Steady | SteadyBlocks | None:
+    def steady_for(
+        self, index: int, buffer: torch.Tensor
+    ) -> Steady | SteadyBlocks | SteadyFeedback | None:
         """The bucket's :class:`Steady` path, if its layout and the policy's epoch are the ones
-        it was bound to (a new epoch's formats bind it again, through :meth:`bucket`)."""
+        it was bound to (a new epoch's formats bind it again, through :meth:`bucket`), and
+        with error feedback, its residuals are still the feedback's."""
         st = self.steady.get(index)
-        if (
-            st is not None
-            and st.numel == buffer.numel()
-            and st.ptr == buffer.data_ptr()
-            and st.epoch == self.assignment.epoch(self.step)
-        ):
-            return st
-        return None
+        if st is None or st.numel != buffer.numel() or st.ptr != buffer.data_ptr():
+            return None
+        if isinstance(st, SteadyFeedback):
+            # Error feedback settles only without Schedule or Promote: no epoch to follow.
+            if self.feedback is None or not self.feedback.shared(st.token):
+                return None
+        elif st.epoch != self.assignment.epoch(self.step):
+            return None
+        return st
 
     def run_steady(
-        self, index: int, st: Steady | SteadyBlocks, x: torch.Tensor, defer: bool = False
+        self,
+        index: int,
+        st: Steady | SteadyBlocks | SteadyFeedback,
+        x: torch.Tensor,
+        defer: bool = False,
     ) -> Callable[[], None] | None:
         """Average one bucket along its :class:`Steady` path (the same bits as :meth:`bucket`).
 
@@ -715,6 +849,8 @@ class Reducer:
         the MAX all-reduce and the route's collectives; per further chunk three.
         """
         comm = self.comm
+        if isinstance(st, SteadyFeedback):
+            return self._run_feedback(st, x, defer)
         if isinstance(st, SteadyBlocks):
             return self._run_steady_blocks(index, st, x, defer)
         if st.route == Route.FP32:
@@ -1325,6 +1461,12 @@ class Reducer:
         stats, self.stats = self.stats, StepStats()
         self.step += 1
         return self.traffic.take(), stats
+
+
+def _encode_and_keep(encode: Callable[[], object], keep: Callable[[], object]) -> None:
+    """Error feedback's bound encode: the chunk encoded, then what that lost kept."""
+    encode()
+    keep()
 
 
 def _agree_chunk(plan: BucketPlan, log2: int) -> None:

@@ -16,6 +16,7 @@ Example:
 
 from __future__ import annotations
 
+import itertools
 from collections.abc import Sequence
 
 import torch
@@ -38,7 +39,58 @@ class ErrorFeedback:
     def __init__(self, rank: int, world_size: int) -> None:
         self.rank = rank
         self.world_size = world_size
-        self.residuals: dict[str, torch.Tensor] = {}
+        self._residuals: dict[str, torch.Tensor] = {}
+        # Settled buckets' flat residuals (:meth:`share`): each name's token, and
+        # the tokens whose views are still every one of their names' residuals.
+        self._owner: dict[str, int] = {}
+        self._live: set[int] = set()
+        self._tokens = itertools.count(1)
+
+    @property
+    def residuals(self) -> dict[str, torch.Tensor]:
+        """The residuals per parameter name (unscaled float32)."""
+        return self._residuals
+
+    @residuals.setter
+    def residuals(self, value: dict[str, torch.Tensor]) -> None:
+        # A restored checkpoint: no settled bucket's buffer holds these.
+        self._residuals = value
+        self._owner.clear()
+        self._live.clear()
+
+    def share(self, names: Sequence[str], numels: Sequence[int], flat: torch.Tensor) -> int:
+        """Make views of ``flat`` (float32, the layers end to end) the residuals of ``names``.
+
+        ``flat`` takes their current residuals (every name must have one). A
+        settled bucket then updates ``flat`` in place with whole-bucket
+        kernels, no per-layer work; the views keep :attr:`residuals` (and
+        checkpoints) current. Any other change to those names' residuals
+        (:meth:`keep_sent`, :meth:`owner_reduce`, :meth:`drop`, a restored
+        :attr:`residuals`) ends the sharing: :meth:`shared` then says False.
+
+        Returns:
+            The token :meth:`shared` takes.
+        """
+        torch.cat([self._residuals[n] for n in names], out=flat)
+        token = next(self._tokens)
+        for name, part in zip(names, torch.split(flat, list(numels)), strict=True):
+            self._residuals[name] = part
+            old = self._owner.get(name)
+            if old is not None:
+                self._live.discard(old)
+            self._owner[name] = token
+        self._live.add(token)
+        return token
+
+    def shared(self, token: int) -> bool:
+        """Whether the views :meth:`share` gave ``token`` are still their names' residuals."""
+        return token in self._live
+
+    def _release(self, names: Sequence[str | None]) -> None:
+        for name in names:
+            token = self._owner.pop(name or "", None)
+            if token is not None:
+                self._live.discard(token)
 
     def add(self, x: torch.Tensor, numels: Sequence[int], names: Sequence[str | None]) -> None:
         """Add the kept residuals to the layers of ``x`` (in place)."""
@@ -52,6 +104,7 @@ class ErrorFeedback:
 
     def drop(self, names: Sequence[str | None]) -> None:
         """Forget the residuals of layers sent exactly (FP32)."""
+        self._release(names)
         for name in names:
             self.residuals.pop(name or "", None)
 
@@ -67,6 +120,7 @@ class ErrorFeedback:
         payload: torch.Tensor,
     ) -> None:
         """Residual = what this rank meant to send minus what its payload says (unscaled)."""
+        self._release(names)
         inverse = torch.where(finite, pow2(-exps), 0.0)
         sent = coder.decode(payload, x.numel(), scale=inverse, layout=layout)
         # A non-finite layer keeps no residual: its inverse scale zeroed ``sent``.
@@ -92,6 +146,7 @@ class ErrorFeedback:
         The loss goes into this rank's per-parameter residuals times N: next
         step it is sent again and averaged, so the mean gets it back.
         """
+        self._release(names)
         n_ranks, numel = self.world_size, layout.numel
         per = out.numel() * 8 // coder.fmt.wire_bits
         acc = coder.shard_mean(recv, n_ranks)

@@ -57,6 +57,7 @@ class BucketGraph:
         traffic: bytes per collective that one run hands the wire.
         records: the statistics rows one run writes (``stats=True``), with
             what labels them (:meth:`aps_comm.telemetry.StepStats.take_since`).
+        bound: the settled path captured (None: not given).
     """
 
     graph: Any
@@ -64,6 +65,7 @@ class BucketGraph:
     numel: int
     traffic: dict[str, int]
     records: list[tuple[tuple, torch.Tensor]] = dataclasses.field(default_factory=list)
+    bound: object = None
 
 
 class BucketGraphs:
@@ -85,10 +87,17 @@ class BucketGraphs:
         # Per bucket: the buffer address whose settled path ran eagerly once.
         self._eager: dict[int, int] = {}
 
-    def lookup(self, index: int, buffer: torch.Tensor) -> BucketGraph | None:
-        """The bucket's graph, if it was captured for this very buffer."""
+    def lookup(self, index: int, buffer: torch.Tensor, bound: object = None) -> BucketGraph | None:
+        """The bucket's graph, if it was captured for this very buffer (and where ``bound``
+        is given, for that settled path: one bound again on the same buffer, as error
+        feedback's is after restored residuals, holds other scratch and is captured again)."""
         entry = self.graphs.get(index)
-        if entry is not None and entry.ptr == buffer.data_ptr() and entry.numel == buffer.numel():
+        if (
+            entry is not None
+            and entry.ptr == buffer.data_ptr()
+            and entry.numel == buffer.numel()
+            and (bound is None or entry.bound is bound)
+        ):
             return entry
         return None
 
@@ -119,8 +128,10 @@ class BucketGraphs:
         work: Callable[[], None],
         traffic: Traffic,
         stats: StepStats | None = None,
+        bound: object = None,
     ) -> BucketGraph | None:
-        """Capture ``work`` on the current stream; None (graphs off, logged) if it fails.
+        """Capture ``work`` (the settled path ``bound``) on the current stream; None (graphs
+        off, logged) if it fails.
 
         ``work`` is recorded, not run: :meth:`replay` runs it. The bytes it
         counts into ``traffic`` and the records it queues in ``stats`` are
@@ -152,7 +163,7 @@ class BucketGraphs:
         delta = {k: v - before.get(k, 0) for k, v in traffic.bytes.items()}
         traffic.bytes = before
         records = stats.take_since(mark) if stats is not None else []
-        entry = BucketGraph(graph, buffer.data_ptr(), buffer.numel(), delta, records)
+        entry = BucketGraph(graph, buffer.data_ptr(), buffer.numel(), delta, records, bound)
         self.graphs[index] = entry
         return entry
 

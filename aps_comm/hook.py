@@ -169,9 +169,15 @@ class APSState:
             (needs the model: use :func:`register` or :meth:`bind_model`).
         error_feedback: keep what rounding lost (this rank's encoding, and
             for two_phase its re-encoding as shard owner) and add it back next
-            step. Memory: one float32 copy of the gradients per rank. The
-            rounding of native low-precision sums inside the backend is not
-            compensated. Not with ``reduction="hierarchical"``.
+            step. Memory: one float32 copy of the gradients per rank (and a
+            settled bucket's scratch). The rounding of native low-precision
+            sums inside the backend is not compensated. Not with
+            ``reduction="hierarchical"``. With ``scaling="block"`` the block
+            exponents are agreed (``block_exponents`` is ignored): owners
+            re-encode their means with the agreed exponents and keep the loss
+            in their residuals, because the residual updates are not part of
+            the fused kernels that send each rank's and owner's own exponents
+            (docs/precision-policies.md, "Error feedback").
         ranks_per_node: ranks on each node, for hierarchical reductions; None
             reads ``LOCAL_WORLD_SIZE`` (set by torchrun, aps-launch and the
             SLURM and MPI launchers), else 1. Ranks must be numbered node by
@@ -580,17 +586,19 @@ class APSState:
         graphs, reducer = self.graphs, self.reducer
         assert graphs is not None and reducer is not None
         buffer = b.buffer
-        entry = graphs.lookup(b.index, buffer)
-        if entry is not None and reducer.steady_for(b.index, buffer) is None:
+        steady = reducer.steady_for(b.index, buffer)
+        if steady is None and graphs.lookup(b.index, buffer) is not None:
             # A new epoch of the policy (Schedule, Promote): the bucket is bound
             # again to its new formats, then captured again.
             graphs.drop(b.index)
-            entry = None
+        # A graph replays the settled path it captured: none of an earlier binding
+        # (error feedback binds again after restored residuals).
+        entry = graphs.lookup(b.index, buffer, steady) if steady is not None else None
         if entry is None and (
             buffer.dtype != torch.float32
             # Promote reads its agreed rates on the host in the middle of the bucket.
             or reducer.assignment.promoter is not None
-            or reducer.steady_for(b.index, buffer) is None
+            or steady is None
             or torch.cuda.is_current_stream_capturing()
             or not graphs.ready(b.index, buffer)
         ):
@@ -599,7 +607,9 @@ class APSState:
         with torch.cuda.stream(stream), torch.no_grad():
             if entry is None:
                 work = functools.partial(self._steady_work, b)
-                entry = graphs.capture(b.index, buffer, work, reducer.traffic, reducer.stats)
+                entry = graphs.capture(
+                    b.index, buffer, work, reducer.traffic, reducer.stats, steady
+                )
                 if entry is None:
                     return None
             graphs.replay(entry, reducer.traffic, reducer.stats)

@@ -67,6 +67,7 @@ __all__ = [
     "MODELS",
     "ROUTES",
     "OpCounter",
+    "ParamLayer",
     "Row",
     "count_calls",
     "count_ops",
@@ -138,6 +139,8 @@ _CPU_KERNELS = (
     "mean_rank_blocks",
     "mean_rows",
     "or_rows",
+    "keep_lost",
+    "owner_lost",
 )
 _TRITON_KERNELS = (
     "encode",
@@ -318,7 +321,9 @@ def _bucket(
     return buffer, params
 
 
-class _Layer(torch.nn.Module):
+class ParamLayer(torch.nn.Module):
+    """One parameter as a module of its own: policies key layers by module name."""
+
     def __init__(self, weight: torch.nn.Parameter) -> None:
         super().__init__()
         self.weight = weight
@@ -410,7 +415,7 @@ def measure(
             state = aps_comm.APSState(**options)
             buffer, params = _bucket(numels, device, 0)
             # Policies and error feedback key layers by parameter name, one module each.
-            state.bind_model(torch.nn.ModuleList(_Layer(p) for p in params))
+            state.bind_model(torch.nn.ModuleList(ParamLayer(p) for p in params))
             for _ in range(3):  # the plan, then the settled path, then one more
                 state.run_bucket(0, buffer, params)
             _sync(device)

@@ -80,6 +80,18 @@ def test_a_graph_belongs_to_its_buffer() -> None:
     assert graphs.lookup(1, x) is None
 
 
+def test_a_graph_belongs_to_its_settled_path() -> None:
+    # Error feedback binds its settled path again on the same buffer (after restored
+    # residuals, with new scratch): the graph of the old binding must not replay.
+    graphs, traffic = BucketGraphs(FakeGraph), Traffic()
+    x = torch.zeros(8)
+    first, again = object(), object()
+    entry = graphs.capture(0, x, lambda: None, traffic, bound=first)
+    assert graphs.lookup(0, x, first) is entry
+    assert graphs.lookup(0, x, again) is None
+    assert graphs.lookup(0, x) is entry  # no path given: the buffer decides
+
+
 def test_a_failed_capture_turns_graphs_off(caplog: pytest.LogCaptureFixture) -> None:
     graphs, traffic, log = BucketGraphs(lambda: FakeGraph(fail=True)), Traffic(), []
     x = torch.zeros(8)

@@ -20,11 +20,12 @@ from aps_comm.engine import SteadyBlocks
 from aps_comm.formats import get_format
 from aps_comm.policy import Promote, Schedule
 from aps_comm.scaling import exponents
+from aps_comm.testing import run_distributed
 from benchmarks.hostcost import (
     CONFIGS,
     FSDP_ROUTES,
     ROUTES,
-    _Layer,
+    ParamLayer,
     count_calls,
     count_ops,
     fsdp_unit,
@@ -193,7 +194,7 @@ def test_an_hsdp_unit_with_stats_settles_within_the_budget(world: None) -> None:
 def _bound_state(options: dict, params: list[torch.Tensor]) -> aps_comm.APSState:
     state = aps_comm.APSState(**options)
     # Policies key layers by parameter name: one module each, as benchmarks.hostcost binds them.
-    state.bind_model(torch.nn.ModuleList(_Layer(p) for p in params))
+    state.bind_model(torch.nn.ModuleList(ParamLayer(p) for p in params))
     return state
 
 
@@ -335,3 +336,96 @@ def test_promote_binds_the_bucket_again_and_keeps_the_full_paths_bits(world: Non
     assert settled.reducer.steady_for(0, buffer) is bound[8]
     assert bound2[0] is not None and all(b is bound2[0] for b in bound2)
     assert settled.reducer.steady_for(1, buffer2) is bound2[0]
+
+
+def _named_state(options: dict, params: list[torch.Tensor]) -> aps_comm.APSState:
+    """A state that knows the parameters' names (error feedback keeps residuals by name)."""
+    state = aps_comm.APSState(**options)
+    state.bind_model(torch.nn.ParameterList(params))
+    return state
+
+
+@pytest.mark.parametrize("config", ["two_phase+error_feedback", "block+error_feedback"])
+def test_error_feedback_buckets_settle_in_a_fixed_handful_of_ops(world: None, config: str) -> None:
+    """Issue 46: error feedback settles too, its residual updates whole-bucket kernels."""
+    counts, settled = {}, []
+    for layers in (2, 200):
+        x, params = _bucket([300 + i for i in range(layers)], layers)
+        state = _named_state(CONFIGS[config], params)
+        for _ in range(2):  # the plan, then the settled path bound
+            state.run_bucket(0, x.clone(), params)
+        buffer = x.clone()
+        state.run_bucket(0, buffer, params)  # a new buffer: planned once more
+        assert state.reducer is not None
+        settled.append(state.reducer.steady_for(0, buffer) is not None)
+        aten, kernels = count_ops(state, buffer, params)
+        assert not any("_local_scalar_dense" in op for op in aten), aten  # no host read
+        counts[layers] = (aten, kernels)
+    assert counts[2] == counts[200], counts
+    aten, kernels = counts[200]
+    assert len(aten) + len(kernels) <= BUDGET, counts[200]
+    assert settled == [True, True]
+    # The residuals' updates are whole-bucket kernels: this rank's encode, the owner's.
+    assert {"kernel::keep_lost", "kernel::owner_lost"} <= set(kernels), kernels
+
+
+def _feedback_steps(rank: int, world_size: int, options: dict) -> list[str]:
+    """Error feedback over several steps, settled against the full path: gradients and
+    residuals bit for bit, a NaN in one step and restored residuals included."""
+    numels = [5, 0, 1, 700, 33, 2, 64]  # odd sizes: 4-bit codes split bytes between blocks
+    params = [torch.nn.Parameter(torch.empty(n)) for n in numels]
+    settled, full = (_named_state(options, params) for _ in range(2))
+    buffer = torch.empty(sum(numels))
+    problems = []
+    for step in range(7):
+        x, _ = _bucket(numels, 100 * step + rank)
+        if step == 3 and rank == 1:
+            x[7] = float("nan")  # layer 3 on one rank: NaN in it on every rank, this step
+        if step == 5:  # residuals restored from a checkpoint: the settled path takes them
+            for state in (settled, full):
+                saved = state.state_dict()
+                saved["residuals"] = {k: v * 0.5 for k, v in saved["residuals"].items()}
+                state.load_state_dict(saved)
+        buffer.copy_(x)
+        out = settled.run_bucket(0, buffer, params)
+        assert full.reducer is not None or step == 0
+        if full.reducer is not None:
+            full.reducer.steady.clear()  # never settled: the full path every step
+        want = full.run_bucket(0, x.clone(), params)
+        assert settled.reducer is not None
+        on_steady = settled.reducer.steady_for(0, buffer) is not None
+        if step >= 2 and step != 5 and not on_steady:
+            problems.append(f"step {step}: not settled")
+        bits = torch.where(out.isnan(), 0.0, out).view(torch.int32)
+        if not torch.equal(out.isnan(), want.isnan()) or not torch.equal(
+            bits, torch.where(want.isnan(), 0.0, want).view(torch.int32)
+        ):
+            problems.append(f"step {step}: gradients differ")
+        if step == 3 and not out[6:706].isnan().all():
+            problems.append("step 3: the non-finite layer is not NaN")
+        mine, ref = settled.state_dict()["residuals"], full.state_dict()["residuals"]
+        if mine.keys() != ref.keys() or not all(
+            torch.equal(mine[k].view(torch.int32), ref[k].view(torch.int32)) for k in ref
+        ):
+            problems.append(f"step {step}: residuals differ")
+    return problems
+
+
+@pytest.mark.parametrize(
+    "options",
+    [
+        {"fmt": "e4m3", "reduction": "two_phase", "error_feedback": True},
+        {"fmt": "e2m1", "reduction": "two_phase", "scaling": "block", "error_feedback": True},
+        {
+            "fmt": "e4m3",
+            "reduction": "two_phase",
+            "scaling": "block",
+            "block_size": 16,
+            "error_feedback": True,
+        },
+    ],
+    ids=["e4m3", "e2m1-block", "e4m3-block16"],
+)
+def test_settled_error_feedback_gives_the_full_paths_bits_and_residuals(options: dict) -> None:
+    for problems in run_distributed(_feedback_steps, 2, args=(options,)):
+        assert problems == []

@@ -1149,3 +1149,106 @@ def test_hierarchical_and_grid_blocks_on_triton_give_the_kernels_bits() -> None:
             expected = torch.where(want.isnan(), 0.0, want).view(torch.int32)
             for got in (full, out):
                 assert torch.equal(torch.where(got.isnan(), 0.0, got).view(torch.int32), expected)
+
+
+def _feedback_run(
+    options: dict, xs: list[torch.Tensor], params: list[torch.Tensor], settle: bool
+) -> list[tuple[torch.Tensor, dict[str, torch.Tensor]]]:
+    """Each step's result and residuals of error feedback, settled (one buffer) or along
+    the full path every step."""
+    import aps_comm
+
+    state = aps_comm.APSState(**options)
+    state.bind_model(torch.nn.ParameterList(params))
+    buffer = torch.empty_like(xs[0])
+    steps = []
+    for x in xs:
+        if not settle and state.reducer is not None:
+            state.reducer.steady.clear()
+        buffer.copy_(x)
+        out = _quiet(state.run_bucket, 0, buffer, params).clone()
+        steps.append((out, state.state_dict()["residuals"]))
+    if settle:
+        assert state.reducer is not None
+        assert state.reducer.steady_for(0, buffer) is not None
+        groups = [g for p in state.reducer.plans.values() for gs in p.groups.values() for g in gs]
+        assert {g.codec.backend for g in groups} == {"triton"}
+    del state
+    return steps
+
+
+@pytest.mark.parametrize(
+    "options",
+    [
+        {"fmt": "e4m3", "reduction": "two_phase"},
+        {"fmt": "e2m1", "reduction": "two_phase", "scaling": "block", "block_size": 8},
+    ],
+    ids=["e4m3", "e2m1-block"],
+)
+def test_settled_error_feedback_on_triton_gives_the_kernels_bits(
+    tc: types.ModuleType, options: dict
+) -> None:
+    # Error feedback settles on the Triton backend too (its residual updates whole-bucket
+    # tensor ops there): each step's gradients and residuals are the numba kernels' full
+    # path's, a non-finite layer in one step included.
+    from benchmarks.hostcost import world_of_one
+
+    options = {**options, "error_feedback": True}
+    numels = [5, 0, 1, 300, 33, 2, 64]
+    xs = [_block_bucket(numels, 20 + step)[0] for step in range(4)]
+    for x in xs[:2] + xs[3:]:
+        x[3] = 0.5  # the NaN only in step 2
+    params = [torch.nn.Parameter(torch.empty(n)) for n in numels]
+    with world_of_one(torch.device("cpu")):
+        want = _feedback_run(options, xs, params, settle=False)
+    with _triton_plans():
+        got = _feedback_run(options, xs, params, settle=True)
+    for (out, res), (ref, ref_res) in zip(got, want, strict=True):
+        assert torch.equal(out.isnan(), ref.isnan())
+        same = torch.where(out.isnan(), 0.0, out).view(torch.int32)
+        assert torch.equal(same, torch.where(ref.isnan(), 0.0, ref).view(torch.int32))
+        assert res.keys() == ref_res.keys()
+        assert all(torch.equal(res[k].view(torch.int32), ref_res[k].view(torch.int32)) for k in res)
+    assert got[2][0][:5].isnan().all()
+
+
+def _feedback_calls(c: codec.Codec, fmt: FloatFormat, rank: int) -> list[torch.Tensor]:
+    """Error feedback's bound residual updates on codec ``c``, two ranks: this rank's
+    residual after its encode, then after its owner step, and the owner's encoded mean."""
+    from aps_comm.layout import Layout
+    from aps_comm.plan import shard_layout
+
+    numels = [5, 0, 1, 300, 33, 2, 64]
+    layout = Layout.from_numels(numels, torch.device("cpu"))
+    n = layout.numel
+    gen = torch.Generator().manual_seed(5)
+    x = torch.randn(n, generator=gen) * 2.0 ** torch.randint(-30, 30, (n,), generator=gen)
+    e = torch.randint(-20, 20, (len(numels),), generator=gen, dtype=torch.int32)
+    scale = pow2(e)
+    unscale = torch.where(torch.arange(len(numels)) == 3, float("nan"), pow2(-e))
+    ref = codec.codec_for(fmt, torch.device("cpu"))
+    payload = ref.encode(x, scale=scale, layout=layout)
+    per, shard_bytes = shard_layout(n, fmt, 2)
+    rows = torch.randn(2 * per, generator=gen) * 100  # finite shards: NaN bits may differ
+    recv = ref.encode(rows)
+    residual = torch.randn(n, generator=gen)
+    c.bind_keep_lost(payload, x, torch.empty(n), unscale, layout, residual)()
+    kept = residual.clone()
+    out = torch.empty(shard_bytes, dtype=torch.uint8)
+    c.bind_owner_feedback(recv, 2, out, layout, (scale, unscale), rank, residual)()
+    return [kept, residual, out]
+
+
+@pytest.mark.parametrize("fmt", [F.E4M3, F.E2M1], ids=lambda f: f.name)
+@pytest.mark.parametrize("rank", [0, 1])
+def test_error_feedback_calls_match_kernels(
+    tc: types.ModuleType, fmt: FloatFormat, rank: int
+) -> None:
+    # The whole-bucket residual updates of a settled error-feedback bucket: the numba
+    # kernels, the Triton backend's tensor ops and the reference bit path agree bit for
+    # bit, a non-finite layer (NaN unscale) included.
+    want = _feedback_calls(codec.Codec(fmt, torch.device("cpu"), "kernels"), fmt, rank)
+    for backend in ("triton", "bits"):
+        got = _feedback_calls(codec.Codec(fmt, torch.device("cpu"), backend), fmt, rank)
+        for a, b in zip(got, want, strict=True):
+            assert torch.equal(a.view(torch.uint8), b.view(torch.uint8)), backend
