@@ -30,10 +30,12 @@ import datetime
 import functools
 import os
 from collections.abc import Callable, Sequence
+from typing import TypedDict
 
 import torch
 import torch.distributed as dist
 from torch.nn.parallel import DistributedDataParallel
+from typing_extensions import Unpack
 
 from aps_comm import agreement, caveats, teardown, transports
 from aps_comm.config import (
@@ -57,7 +59,7 @@ from aps_comm.topology import NodeGroups, Topology, by_rank
 from aps_perfmodel.profile import Profile
 from aps_perfmodel.strategies import hook_cluster
 
-__all__ = ["APSConfig", "APSState", "aps_hook", "register"]
+__all__ = ["APSConfig", "APSState", "StateOptions", "aps_hook", "register"]
 
 
 @dataclasses.dataclass(frozen=True)
@@ -868,26 +870,38 @@ def _on_worker_stream(
     return out
 
 
+class StateOptions(TypedDict, total=False):
+    """:class:`APSState`'s arguments besides ``fmt``, as :func:`register` takes them by keyword.
+
+    Example:
+        >>> options: StateOptions = {"reduction": "two_phase", "stats": True}
+        >>> APSState("e4m3", **options).config.reduction
+        <Reduction.TWO_PHASE: 'two_phase'>
+    """
+
+    reduction: Reduction | str
+    scaling: Scaling | str
+    process_group: dist.ProcessGroup | None
+    stats: bool
+    policy: Sequence[Rule] | None
+    error_feedback: bool
+    ranks_per_node: int | None
+    profile: Profile | str | os.PathLike | None
+    block_size: int | None
+    block_exponents: BlockExponents | str
+    cuda_graphs: bool
+
+
 def register(
     ddp: DistributedDataParallel,
     fmt: FloatFormat | str = "e4m3",
-    *,
-    reduction: Reduction | str = "auto",
-    scaling: Scaling | str = "layer",
-    process_group: dist.ProcessGroup | None = None,
-    stats: bool = False,
-    policy: Sequence[Rule] | None = None,
-    error_feedback: bool = False,
-    ranks_per_node: int | None = None,
-    profile: Profile | str | os.PathLike | None = None,
-    block_size: int | None = None,
-    block_exponents: BlockExponents | str = BlockExponents.RANK,
-    cuda_graphs: bool = True,
+    **options: Unpack[StateOptions],
 ) -> APSState:
     """Build an :class:`APSState`, register :func:`aps_hook` on ``ddp``, return the state.
 
-    Parameter names from ``ddp.module`` label the per-layer stats and drive
-    the policy. When ``torch.distributed`` is initialised, the state's own
+    ``options`` are :class:`APSState`'s other arguments, by keyword
+    (:class:`StateOptions`). Parameter names from ``ddp.module`` label the
+    per-layer stats and drive the policy. When ``torch.distributed`` is initialised, the state's own
     process group is created here, where every rank is known to be alive,
     with the default group's timeout (see :meth:`APSState.bind_process_group`),
     and the state binds to the model's device: a configuration the backend
@@ -915,26 +929,14 @@ def register(
             f"{type(ddp).__name__}: wrap it first, ddp = DistributedDataParallel(model), "
             "or use aps_comm.fsdp.register for FSDP2 (fully_shard) models"
         )
+    process_group = options.get("process_group")
     if process_group is None and ddp.process_group is not _world():
         raise ValueError(
             "this DDP model uses a process group other than the default one; pass "
             "process_group= (a group over the same ranks, separate from DDP's) so the "
             "hook's collectives stay among those ranks"
         )
-    state = APSState(
-        fmt,
-        reduction,
-        scaling,
-        process_group,
-        stats,
-        policy,
-        error_feedback,
-        ranks_per_node,
-        profile,
-        block_size,
-        block_exponents,
-        cuda_graphs,
-    )
+    state = APSState(fmt, **options)
     state.bind_model(ddp.module)
     distributed = dist.is_available() and dist.is_initialized()
     if distributed:

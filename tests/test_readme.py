@@ -37,6 +37,7 @@ import torch
 
 from aps_comm import APSState, fsdp, register
 from aps_comm.config import BlockExponents, Reduction, Scaling, default_block_size
+from aps_comm.hook import StateOptions
 from aps_perfmodel import get_cluster, get_device, get_model, predict
 from aps_perfmodel.units import format_time
 
@@ -927,11 +928,16 @@ def _documented_default(column: str, cells: list[str]) -> str | None:
 
 def test_options_tables_match_register() -> None:
     params = inspect.signature(register).parameters
-    options = {n: p.default for n, p in params.items() if p.default is not inspect.Parameter.empty}
-    assert next(iter(params)) == "ddp" and len(options) == len(params) - 1
-    # APSState(fmt, **options) takes the same options (README says so).
-    state_params = inspect.signature(APSState).parameters
-    assert {n: p.default for n, p in state_params.items()} == options
+    assert [(n, p.kind) for n, p in params.items()] == [
+        ("ddp", inspect.Parameter.POSITIONAL_OR_KEYWORD),
+        ("fmt", inspect.Parameter.POSITIONAL_OR_KEYWORD),
+        ("options", inspect.Parameter.VAR_KEYWORD),
+    ]
+    # register(ddp, fmt, **options) passes APSState(fmt, **options) the same options (README
+    # says so), every one of them typed in StateOptions.
+    options = {n: p.default for n, p in inspect.signature(APSState).parameters.items()}
+    assert options["fmt"] == params["fmt"].default
+    assert set(StateOptions.__annotations__) == set(options) - {"fmt"}
     tables = _option_tables()
     assert {t.split(":")[0] for t in tables} >= {"README.md", "docs/design-and-guarantees.md"}
     wrong = []
