@@ -87,10 +87,11 @@ from __future__ import annotations
 import dataclasses
 import functools
 from collections.abc import Callable, Sequence
-from typing import Literal
+from typing import Literal, TypedDict
 
 import torch
 import torch.nn as nn
+from typing_extensions import Unpack
 
 from aps_comm import codec
 from aps_comm.config import SCALINGS, Scaling, check_block_size, default_block_size
@@ -104,6 +105,7 @@ __all__ = [
     "ORDERS",
     "Order",
     "SimConfig",
+    "SimOptions",
     "VirtualWorkers",
     "allreduce",
     "ring_chunks",
@@ -371,21 +373,33 @@ def _sum_ring(q: torch.Tensor, owner: torch.Tensor, rnd: Callable, kahan: bool) 
 # allreduce
 
 
+class SimOptions(TypedDict, total=False):
+    """:class:`SimConfig`'s fields besides ``fmt``, as :func:`allreduce` takes them by keyword.
+
+    Example:
+        >>> options: SimOptions = {"reduction": "ring", "accumulator": "fp16"}
+        >>> SimConfig("e5m2", **options).accumulator.name
+        'fp16'
+    """
+
+    reduction: Order
+    scaling: Scaling
+    accumulator: FloatFormat | str | None
+    kahan: bool
+    rounding: Rounding
+    ranks_per_node: int
+    block_size: int | None
+    owner_exponents: bool
+    rank_exponents: bool
+    chunk_elements: int | None
+
+
 def allreduce(
     layers: Sequence[torch.Tensor],
     fmt: FloatFormat | str,
     *,
-    reduction: Order = "two_phase",
-    scaling: Scaling = "layer",
-    accumulator: FloatFormat | str | None = None,
-    kahan: bool = False,
-    rounding: Rounding = "nearest",
     generator: torch.Generator | None = None,
-    ranks_per_node: int = 1,
-    block_size: int | None = None,
-    owner_exponents: bool = False,
-    rank_exponents: bool = False,
-    chunk_elements: int | None = None,
+    **options: Unpack[SimOptions],
 ) -> list[torch.Tensor]:
     """Average N virtual workers' gradients as the APS hook would, in any format and order.
 
@@ -427,38 +441,33 @@ def allreduce(
         >>> torch.allclose(avg, g.mean(0))
         True
     """
-    cfg = SimConfig(
-        fmt,
-        reduction,
-        scaling,
-        accumulator,
-        kahan,
-        rounding,
-        ranks_per_node,
-        block_size,
-        owner_exponents,
-        rank_exponents,
-        chunk_elements,
-    )
-    fmt = cfg.fmt  # type: ignore[assignment]
-    assert isinstance(fmt, FloatFormat) and cfg.block_size is not None
-    block_size = cfg.block_size
+    cfg = SimConfig(fmt, **options)
     layers = list(layers)
     if not layers:
         return []
     n = _check_layers(layers)
-    if reduction in ("hierarchical", "grid"):
-        return _hierarchical(layers, fmt, n, cfg, generator)
+    if cfg.reduction in ("hierarchical", "grid"):
+        return _hierarchical(layers, cfg.fmt, n, cfg, generator)  # type: ignore[arg-type]
+    flat = [t.detach().reshape(n, -1) for t in layers]
+    return [
+        r.view(t.shape[1:]) for r, t in zip(_flat(flat, n, cfg, generator), layers, strict=True)
+    ]
+
+
+def _flat(
+    flat: list[torch.Tensor], n: int, cfg: SimConfig, generator: torch.Generator | None
+) -> list[torch.Tensor]:
+    """:func:`allreduce` of one flat ``(N, numel)`` tensor per layer, by a one-level order."""
+    fmt, reduction, rounding = cfg.fmt, cfg.reduction, cfg.rounding
+    assert isinstance(fmt, FloatFormat) and cfg.block_size is not None
+    block_size, rank_exponents = cfg.block_size, cfg.rank_exponents
     two_phase = reduction == "two_phase"
     acc_fmt = cfg.accumulator or (FP32 if two_phase else fmt)
     assert isinstance(acc_fmt, FloatFormat)
-    flat = [t.detach().reshape(n, -1) for t in layers]
-
     amax = layer_amax(flat)
     # The hook's factors (one rule for both): unscaling is exact for two_phase,
     # one float32 rounding (the division by N) for the native sums.
-    route = "two_phase" if two_phase else "allreduce"
-    f = _factors(flat, amax, fmt, route, n, cfg)
+    f = _factors(flat, amax, fmt, "two_phase" if two_phase else "allreduce", n, cfg)
     scale, unscale = _per_layer(f.scale, flat, cfg), _per_layer(f.unscale, flat, cfg)
     finite = torch.isfinite(amax).tolist()
 
@@ -488,34 +497,48 @@ def allreduce(
             else:  # each worker's own block scale; the owner decodes with it
                 q = encode(x[:, lo:hi].float(), own[0][:, lo:hi]) * own[1][:, lo:hi]
             if reduction == "sequential" or two_phase:
-                s = _sum_sequential(q, hop, kahan)
+                s = _sum_sequential(q, hop, cfg.kahan)
             elif reduction == "tree":
-                s = _sum_tree(q, hop, kahan)
+                s = _sum_tree(q, hop, cfg.kahan)
             else:
                 idx = torch.arange(offset + lo, offset + hi, device=x.device)
                 owner = torch.bucketize(idx, chunk_starts.to(x.device), right=True)
-                s = _sum_ring(q, owner, hop, kahan)
+                s = _sum_ring(q, owner, hop, cfg.kahan)
             if cfg.owner_exponents or rank_exponents:
                 res[lo:hi] = s / n  # the owner's mean, rounded once all of it is known
             elif two_phase:
                 res[lo:hi] = final(s / n) * _cut(unscale[i], lo, hi)
             else:
                 res[lo:hi] = final(s) * _cut(unscale[i], lo, hi)
-        blocks = _ceil_div(m, block_size) if scaling == "block" else 0
-        if rank_exponents and finite[i] and m:
-            # The mean is in the true domain: its exponents are absolute.
-            e = factors(_block_maxima(res.view(1, m), block_size), fmt, "two_phase", world_size=1)
-            spread = functools.partial(_spread, m=m, block_size=block_size)
-            res = final(res, spread(e.scale)) * spread(e.unscale)
-        elif cfg.owner_exponents and finite[i] and m:
-            exps = f.exponents[first_block : first_block + blocks]
-            d = mean_exponents(_block_maxima(res.view(1, m), block_size), exps, fmt)
-            spread = functools.partial(_spread, m=m, block_size=block_size)
-            res = final(res, spread(pow2(d))) * spread(pow2(-(exps + d)))
+        blocks = _ceil_div(m, block_size) if cfg.scaling == "block" else 0
+        if finite[i] and m and (rank_exponents or cfg.owner_exponents):
+            exps = None if rank_exponents else f.exponents[first_block : first_block + blocks]
+            res = _owner_round(res, exps, fmt, block_size, final)
         first_block += blocks
-        out.append(res.view(layers[i].shape[1:]))
+        out.append(res)
         offset += m
     return out
+
+
+def _owner_round(
+    mean: torch.Tensor,
+    agreed: torch.Tensor | None,
+    fmt: FloatFormat,
+    block_size: int,
+    final: Callable[..., torch.Tensor],
+) -> torch.Tensor:
+    """The owner's float32 ``mean`` of one layer, rounded to ``fmt`` block by block: with
+    its own exponents (``agreed`` None, each worker's own exponents) or with its own on top
+    of the ``agreed`` ones."""
+    m = mean.numel()
+    spread = functools.partial(_spread, m=m, block_size=block_size)
+    maxima = _block_maxima(mean.view(1, m), block_size)
+    if agreed is None:
+        # The mean is in the true domain: its exponents are absolute.
+        e = factors(maxima, fmt, "two_phase", world_size=1)
+        return final(mean, spread(e.scale)) * spread(e.unscale)
+    d = mean_exponents(maxima, agreed, fmt)
+    return final(mean, spread(pow2(d))) * spread(pow2(-(agreed + d)))
 
 
 def _spread(v: torch.Tensor, m: int, block_size: int) -> torch.Tensor:
