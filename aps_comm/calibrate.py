@@ -15,11 +15,12 @@ Example (2 ranks on this machine)::
 
 from __future__ import annotations
 
+import dataclasses
 import datetime
 import os
 import socket
 import sys
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from pathlib import Path
 from typing import Any
 
@@ -78,26 +79,11 @@ def run_calibration(
     """
     p = dist.get_world_size()
     codec = measure.load_codec(codec_kind)
-    codec_label = measure.codec_name(codec)
-    samples: list[dict[str, Any]] = []
-    # Collectives are timed from the last rank's start where the ranks share a
-    # clock, as the validation times DDP's hooks; local passes by the slowest rank.
-    aligned = measure.shared_clock()
     budget = measure.BUDGET_S if budget_s is None else budget_s
     cap = measure.MAX_REPEATS if max_repeats is None else max_repeats
-
-    def record(op: str, n: float, fn: Any) -> None:
-        collective = op.split(".")[0] in COLLECTIVE_COEFFS or op.startswith("all_reduce")
-        span = collective and aligned
-        sec = measure.time_op(
-            fn, repeats, settle_s=settle_s, from_last_start=span, budget_s=budget, max_repeats=cap
-        )
-        samples.append(
-            {"op": op, "n": n, "seconds": sec, "timed": "last_start" if span else "slowest_rank"}
-        )
-        if verbose and dist.get_rank() == 0:
-            print(f"  {op:22s} n={int(n):>11d}  {sec * 1e3:9.3f} ms", flush=True)
-
+    # Collectives are timed from the last rank's start where the ranks share a
+    # clock, as the validation times DDP's hooks; local passes by the slowest rank.
+    record = _Recorder(repeats, settle_s, budget, cap, measure.shared_clock(), verbose)
     for count in _MAXIMA_COUNTS:
         m = torch.rand(count)
         record("all_reduce_max", 4 * count, lambda m=m: dist.all_reduce(m, op=dist.ReduceOp.MAX))
@@ -107,9 +93,8 @@ def run_calibration(
     # back to back) that a bucket's later collectives do not; and DDP calls its
     # hook on a busy rank. So the fixed cost of a bucket is timed whole, through
     # the real hook, as a tiny bucket inside DDP's backward.
-    hook_fmts = HOOK_CALL_FORMATS
-    benches = [measure.HookBench(CALL_ELEMENTS, fmt, layers) for fmt in hook_fmts]
-    hook_steps: dict[str, list[float]] = {fmt: [] for fmt in hook_fmts}
+    benches = [measure.HookBench(CALL_ELEMENTS, fmt, layers) for fmt in HOOK_CALL_FORMATS]
+    hook_steps: dict[str, list[float]] = {fmt: [] for fmt in HOOK_CALL_FORMATS}
     bar = tqdm(sizes, desc="calibrating", unit="size", disable=not progress or dist.get_rank() != 0)
     for size in bar:
         for bench in benches:
@@ -117,81 +102,112 @@ def run_calibration(
                 1,
                 settle_s,
                 lambda first: measure.repeats_for(first, repeats, budget, cap),
-                from_last_start=aligned,
+                from_last_start=record.aligned,
             )
         n = max(p, int(size) // 4 // p * p)
         x = torch.randn(n)
-        record("all_reduce.float32", 4 * n, lambda x=x: dist.all_reduce(x))
-        h = x.to(torch.float16)
-        record("all_reduce.float16", 2 * n, lambda h=h: dist.all_reduce(h))
-        u8 = torch.randint(0, 255, (n,), dtype=torch.uint8)
-        out8 = torch.empty_like(u8)
-        record("all_to_all", n, lambda u8=u8, out8=out8: dist.all_to_all_single(out8, u8))
-        shard = u8[: n // p].clone()
-        record("all_gather", n, lambda s=shard, o=out8: measure.all_gather_single(o, s))
-        gathered = torch.empty_like(u8)
-        record(
-            "exchange",
-            n,
-            lambda u8=u8, o=out8, g=gathered: measure.pipelined_exchange(
-                u8, o, g, EXCHANGE_CHUNK_BYTES
-            ),
-        )
-        record("encode.fp16", n, lambda x=x: measure.fp16_cast_down(x, p))
-        # fp16_compress_hook copies the result back into the existing bucket.
-        back = torch.empty_like(x)
-        record("decode.fp16", n, lambda b=back, h=h: b.copy_(h))
-        sizes_l = [s.numel() for s in torch.tensor_split(x, layers)]
-        segs = torch.split(x, sizes_l)
-        scaled = torch.empty_like(x)
-        # Outputs are allocated once, as the hook's are (its scratch buffers and
-        # the bucket itself): a fresh output per call would time page faults.
-        payload = codec.encode(x, _FMT)
-        decoded = torch.empty_like(x)
-        shards = codec.encode(torch.randn(n), _FMT)
-        reduced = torch.empty(n // p, dtype=torch.uint8)
-        record("amax", n, lambda x=x, sl=sizes_l: codec.amax(x, sl))
-        record(
-            "scale",
-            n,
-            lambda s=segs, o=scaled, sl=sizes_l: [
-                torch.mul(a, 2.0, out=b) for a, b in zip(s, torch.split(o, sl), strict=True)
-            ],
-        )
-        record(f"encode.{_FMT}", n, lambda x=x, o=payload: codec.encode(x, _FMT, out=o))
-        record(
-            f"decode.{_FMT}",
-            n,
-            lambda pl=payload, o=decoded: codec.decode(pl, _FMT, o.numel(), out=o),
-        )
-        record(
-            "unscale",
-            n,
-            lambda s=segs, o=scaled, sl=sizes_l: [
-                torch.mul(a, 0.5, out=b) for a, b in zip(s, torch.split(o, sl), strict=True)
-            ],
-        )
-        # The shard owner's whole step on n received elements: decode the p
-        # shards, FP32 sum, divide, re-encode n/p.
-        record(f"reduce.{_FMT}", n, lambda sh=shards, o=reduced: codec.reduce(sh, p, _FMT, out=o))
-        record("accumulate", n, lambda d=decoded: d.view(p, -1).sum(0).div_(p))
+        _record_collectives(record, x, p)
+        _record_codec(record, codec, x, p, layers)
     # The hook calls' repeats are spread over the sweep, a share after each size:
     # on a shared machine slow spells last seconds, and the fixed cost that every
     # bucket pays should not be decided by one of them.
     for fmt, steps in hook_steps.items():
-        samples.append(
+        record.samples.append(
             {
                 "op": f"hook_call.{fmt}",
                 "n": CALL_ELEMENTS,
                 "seconds": measure.trimmed_mean(steps),
-                "timed": "last_start" if aligned else "slowest_rank",
+                "timed": "last_start" if record.aligned else "slowest_rank",
             }
         )
         if verbose and dist.get_rank() == 0:
-            print(
-                f"  hook_call.{fmt:12s} n={CALL_ELEMENTS:>11d}  {samples[-1]['seconds'] * 1e3:9.3f} ms"
-            )
-    return samples, codec_label
+            sec = record.samples[-1]["seconds"]
+            print(f"  hook_call.{fmt:12s} n={CALL_ELEMENTS:>11d}  {sec * 1e3:9.3f} ms")
+    return record.samples, measure.codec_name(codec)
+
+
+@dataclasses.dataclass
+class _Recorder:
+    """Times one operation and keeps its sample (see :func:`run_calibration`)."""
+
+    repeats: int
+    settle_s: float
+    budget_s: float
+    max_repeats: int
+    aligned: bool
+    verbose: bool
+    samples: list[dict[str, Any]] = dataclasses.field(default_factory=list)
+
+    def __call__(self, op: str, n: float, fn: Callable[[], object]) -> None:
+        collective = op.split(".")[0] in COLLECTIVE_COEFFS or op.startswith("all_reduce")
+        span = collective and self.aligned
+        sec = measure.time_op(
+            fn,
+            self.repeats,
+            settle_s=self.settle_s,
+            from_last_start=span,
+            budget_s=self.budget_s,
+            max_repeats=self.max_repeats,
+        )
+        self.samples.append(
+            {"op": op, "n": n, "seconds": sec, "timed": "last_start" if span else "slowest_rank"}
+        )
+        if self.verbose and dist.get_rank() == 0:
+            print(f"  {op:22s} n={int(n):>11d}  {sec * 1e3:9.3f} ms", flush=True)
+
+
+def _record_collectives(record: _Recorder, x: torch.Tensor, p: int) -> None:
+    """The collectives and FP16 casts on ``x``'s n elements (n/p per shard)."""
+    n = x.numel()
+    record("all_reduce.float32", 4 * n, lambda: dist.all_reduce(x))
+    h = x.to(torch.float16)
+    record("all_reduce.float16", 2 * n, lambda: dist.all_reduce(h))
+    u8 = torch.randint(0, 255, (n,), dtype=torch.uint8)
+    out8 = torch.empty_like(u8)
+    record("all_to_all", n, lambda: dist.all_to_all_single(out8, u8))
+    shard = u8[: n // p].clone()
+    record("all_gather", n, lambda: measure.all_gather_single(out8, shard))
+    gathered = torch.empty_like(u8)
+    record(
+        "exchange",
+        n,
+        lambda: measure.pipelined_exchange(u8, out8, gathered, EXCHANGE_CHUNK_BYTES),
+    )
+    record("encode.fp16", n, lambda: measure.fp16_cast_down(x, p))
+    # fp16_compress_hook copies the result back into the existing bucket.
+    back = torch.empty_like(x)
+    record("decode.fp16", n, lambda: back.copy_(h))
+
+
+def _times(
+    segs: Sequence[torch.Tensor], out: torch.Tensor, sizes: list[int], factor: float
+) -> None:
+    """Every layer times its factor, as the per-layer codec scales (split on every call)."""
+    for a, b in zip(segs, torch.split(out, sizes), strict=True):
+        torch.mul(a, factor, out=b)
+
+
+def _record_codec(record: _Recorder, codec: Any, x: torch.Tensor, p: int, layers: int) -> None:
+    """The APS codec's passes on ``x``'s n elements, in ``layers`` layers."""
+    n = x.numel()
+    sizes_l = [s.numel() for s in torch.tensor_split(x, layers)]
+    segs = torch.split(x, sizes_l)
+    scaled = torch.empty_like(x)
+    # Outputs are allocated once, as the hook's are (its scratch buffers and
+    # the bucket itself): a fresh output per call would time page faults.
+    payload = codec.encode(x, _FMT)
+    decoded = torch.empty_like(x)
+    shards = codec.encode(torch.randn(n), _FMT)
+    reduced = torch.empty(n // p, dtype=torch.uint8)
+    record("amax", n, lambda: codec.amax(x, sizes_l))
+    record("scale", n, lambda: _times(segs, scaled, sizes_l, 2.0))
+    record(f"encode.{_FMT}", n, lambda: codec.encode(x, _FMT, out=payload))
+    record(f"decode.{_FMT}", n, lambda: codec.decode(payload, _FMT, n, out=decoded))
+    record("unscale", n, lambda: _times(segs, scaled, sizes_l, 0.5))
+    # The shard owner's whole step on n received elements: decode the p
+    # shards, FP32 sum, divide, re-encode n/p.
+    record(f"reduce.{_FMT}", n, lambda: codec.reduce(shards, p, _FMT, out=reduced))
+    record("accumulate", n, lambda: decoded.view(p, -1).sum(0).div_(p))
 
 
 def calibrate_here(
