@@ -42,7 +42,7 @@ import torch.distributed as dist
 from aps_comm.codec import AgreedMaxima, NodeBlockCalls, RankBlockCalls
 from aps_comm.formats import payload_nbytes, pow2
 from aps_comm.layout import Layout
-from aps_comm.plan import GroupPlan, RowRuns
+from aps_comm.plan import GroupPlan, NodeBlocks, NodePlan, RowRuns
 from aps_comm.scaling import (
     bad_layers,
     blocks_amax,
@@ -892,44 +892,71 @@ def hierarchical(
     Returns:
         With ``defer``, the function that finishes the bucket; else None.
     """
-    node = g.node
-    assert node is not None
-    fmt, per_node, k = g.fmt, node.ranks_per_node, len(g.chunks)
-    local = node.local_rank
-    works: dict[tuple[int, int], dist.Work] = {}
+    stages = _Hierarchical(g, x, (scale, shift, unscale, first), groups, world_size, count)
+    return _staged(len(g.chunks), stages.stages(), defer)
 
-    def wait(c: int, stage: int, what: str) -> None:
-        _wait(works.pop((c, stage)), f"the {what} of chunk {c + 1} of {k}")
 
-    def exchange_in_node(c: int) -> None:
+@dataclasses.dataclass
+class _Hierarchical:
+    """:func:`hierarchical`'s five stages of one bucket; ``factors`` are its scale, shift,
+    unscale and first."""
+
+    g: GroupPlan
+    x: torch.Tensor
+    factors: tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor | None]
+    groups: NodeGroups
+    world_size: int
+    count: Counter
+    works: dict[tuple[int, int], dist.Work] = dataclasses.field(default_factory=dict)
+
+    def stages(self) -> tuple[Callable[[int], None], ...]:
+        return (
+            self.exchange_in_node,
+            self.exchange_across_nodes,
+            self.reduce_shard,
+            self.gather_in_node,
+            self.decode,
+        )
+
+    @property
+    def node(self) -> NodePlan:
+        assert self.g.node is not None
+        return self.g.node
+
+    def wait(self, c: int, stage: int, what: str) -> None:
+        _wait(self.works.pop((c, stage)), f"the {what} of chunk {c + 1} of {len(self.g.chunks)}")
+
+    def exchange_in_node(self, c: int) -> None:
+        g, node, x = self.g, self.node, self.x
         lo, hi = g.chunks[c]
         split = node.splits[c]
         s0, s1 = node.sum_regions[c]
         if node.wire_first:
             r0, r1 = g.regions[c]
             send = g.send[r0:r1]  # free until the last stage gathers into it
-            payload = send[: payload_nbytes(hi - lo, fmt)]
-            g.codec.encode(x[lo:hi], out=payload, scale=first, layout=g.windows[c])
+            payload = send[: payload_nbytes(hi - lo, g.fmt)]
+            g.codec.encode(x[lo:hi], out=payload, scale=self.factors[3], layout=g.windows[c])
             send[payload.numel() :].zero_()
-            count("node_all_to_all", send.numel())
-            works[c, 0] = dist.all_to_all_single(
-                node.sums[s0:s1], send, group=groups.intra, async_op=True
+            self.count("node_all_to_all", send.numel())
+            self.works[c, 0] = dist.all_to_all_single(
+                node.sums[s0:s1], send, group=self.groups.intra, async_op=True
             )
             return
-        count("node_all_to_all", (hi - lo) * 4)
-        works[c, 0] = dist.all_to_all_single(
+        self.count("node_all_to_all", (hi - lo) * 4)
+        self.works[c, 0] = dist.all_to_all_single(
             node.sums[s0:s1],
             x[lo:hi],
-            output_split_sizes=[split[local]] * per_node,
+            output_split_sizes=[split[node.local_rank]] * node.ranks_per_node,
             input_split_sizes=split,
-            group=groups.intra,
+            group=self.groups.intra,
             async_op=True,
         )
 
-    def exchange_across_nodes(c: int) -> None:
-        wait(c, 0, "first-level all_to_all" if node.wire_first else "in-node FP32 all_to_all")
+    def exchange_across_nodes(self, c: int) -> None:
+        g, node = self.g, self.node
+        self.wait(c, 0, "first-level all_to_all" if node.wire_first else "in-node FP32 all_to_all")
         s0, s1 = node.sum_regions[c]
-        valid = node.splits[c][local]
+        valid, per_node = node.splits[c][node.local_rank], node.ranks_per_node
         if node.wire_first:
             acc = g.codec.shard_mean(node.sums[s0:s1], per_node, divisor=1)[:valid]
         else:
@@ -939,53 +966,51 @@ def hierarchical(
                 acc += parts[r]  # local-rank order, as aps_comm.simulate sums
         e0, e1 = node.slice_regions[c]
         encoded = node.encoded[e0:e1]
-        payload = encoded[: payload_nbytes(valid, fmt)]
-        g.codec.encode(acc, out=payload, scale=scale, layout=node.slice_windows[c])
+        payload = encoded[: payload_nbytes(valid, g.fmt)]
+        g.codec.encode(acc, out=payload, scale=self.factors[0], layout=node.slice_windows[c])
         encoded[payload.numel() :].zero_()  # padding: code 0 is +0 in every format
-        count("all_to_all", encoded.numel())
-        works[c, 1] = dist.all_to_all_single(
-            g.recv[e0:e1], encoded, group=groups.inter, async_op=True
+        self.count("all_to_all", encoded.numel())
+        self.works[c, 1] = dist.all_to_all_single(
+            g.recv[e0:e1], encoded, group=self.groups.inter, async_op=True
         )
 
-    def reduce_shard(c: int) -> None:
-        wait(c, 1, "across-node all_to_all")
+    def reduce_shard(self, c: int) -> None:
+        g, node = self.g, self.node
+        self.wait(c, 1, "across-node all_to_all")
         e0, e1 = node.slice_regions[c]
         h0, h1 = g.shard_regions[c]
         shard = g.shards[h0:h1]
-        mean = g.codec.shard_mean(g.recv[e0:e1], node.nodes, divisor=world_size)
+        mean = g.codec.shard_mean(g.recv[e0:e1], node.nodes, divisor=self.world_size)
         valid = node.shard_valid[c]
-        payload = shard[: payload_nbytes(valid, fmt)]
-        g.codec.encode(mean[:valid], out=payload, scale=shift, layout=node.shard_windows[c])
+        payload = shard[: payload_nbytes(valid, g.fmt)]
+        g.codec.encode(
+            mean[:valid], out=payload, scale=self.factors[1], layout=node.shard_windows[c]
+        )
         shard[payload.numel() :].zero_()
-        count("all_gather", shard.numel())
+        self.count("all_gather", shard.numel())
         # The slice's bytes are free once its all-to-all is done.
-        works[c, 2] = all_gather_single(
-            node.encoded[e0:e1], shard, group=groups.inter, async_op=True
+        self.works[c, 2] = all_gather_single(
+            node.encoded[e0:e1], shard, group=self.groups.inter, async_op=True
         )
 
-    def gather_in_node(c: int) -> None:
-        wait(c, 2, "across-node all_gather")
+    def gather_in_node(self, c: int) -> None:
+        g, node = self.g, self.node
+        self.wait(c, 2, "across-node all_gather")
         e0, e1 = node.slice_regions[c]
         r0, r1 = g.regions[c]
-        count("node_all_gather", e1 - e0)
-        works[c, 3] = all_gather_single(
-            g.send[r0:r1], node.encoded[e0:e1], group=groups.intra, async_op=True
+        self.count("node_all_gather", e1 - e0)
+        self.works[c, 3] = all_gather_single(
+            g.send[r0:r1], node.encoded[e0:e1], group=self.groups.intra, async_op=True
         )
 
-    def decode(c: int) -> None:
-        wait(c, 3, "in-node all_gather")
+    def decode(self, c: int) -> None:
+        g = self.g
+        self.wait(c, 3, "in-node all_gather")
         lo, hi = g.chunks[c]
         r0, _ = g.regions[c]
-        g.codec.decode(g.send[r0:], hi - lo, out=x[lo:hi], scale=unscale, layout=g.windows[c])
-
-    stages = (exchange_in_node, exchange_across_nodes, reduce_shard, gather_in_node, decode)
-    last = len(stages) - 1
-    for step in range(k + last):
-        for s in range(last, -1, -1):
-            c = step - s
-            if 0 <= c < k and not (defer and s == last and c == k - 1):
-                stages[s](c)
-    return functools.partial(decode, k - 1) if defer else None
+        g.codec.decode(
+            g.send[r0:], hi - lo, out=self.x[lo:hi], scale=self.factors[2], layout=g.windows[c]
+        )
 
 
 def hierarchical_rank_blocks(
@@ -1050,51 +1075,86 @@ def hierarchical_rank_blocks(
         bound.keys.copy_(keys)
         bound.flags.copy_(flags)
         return hierarchical_rank_blocks_bound(g, bound.calls, x, groups, count, defer)
-    fmt, codec, k = g.fmt, g.codec, len(g.chunks)
-    per_node, nodes, local = nb.ranks_per_node, nb.nodes, nb.local_rank
-    layout = g.layout
-    scale = key_factors(keys, unscale=False)
-    works: dict[tuple[int, int], dist.Work] = {}
-    bad: list[torch.Tensor] = []  # per block: its layer is non-finite on some rank
-    means: dict[int, torch.Tensor] = {}  # per chunk: the node's mean of this rank's slice
+    stages = _NodeBlockStages(g, x, keys, flags, groups, world_size, count)
+    return _staged(len(g.chunks), stages.stages(), defer)
 
-    def wait(c: int, stage: int, what: str) -> None:
-        _wait(works.pop((c, stage)), f"the {what} of chunk {c + 1} of {k}")
 
-    def exchange_in_node(c: int) -> None:
+@dataclasses.dataclass
+class _NodeBlockStages:
+    """:func:`hierarchical_rank_blocks`' five stages of one bucket, slice by slice and shard
+    by shard (codecs with no fused calls)."""
+
+    g: GroupPlan
+    x: torch.Tensor
+    keys: torch.Tensor
+    flags: torch.Tensor
+    groups: NodeGroups
+    world_size: int
+    count: Counter
+    works: dict[tuple[int, int], dist.Work] = dataclasses.field(default_factory=dict)
+    bad: list[torch.Tensor] = dataclasses.field(default_factory=list)  # per block: non-finite
+    means: dict[int, torch.Tensor] = dataclasses.field(default_factory=dict)  # per chunk
+
+    def stages(self) -> tuple[Callable[[int], None], ...]:
+        return (
+            self.exchange_in_node,
+            self.exchange_across_nodes,
+            self.reduce_shard,
+            self.gather_in_node,
+            self.decode,
+        )
+
+    @functools.cached_property
+    def scale(self) -> torch.Tensor:
+        """This rank's factors of its own block keys (grid's first level)."""
+        return key_factors(self.keys, unscale=False)
+
+    @property
+    def nb(self) -> NodeBlocks:
+        assert self.g.node_blocks is not None
+        return self.g.node_blocks
+
+    def wait(self, c: int, stage: int, what: str) -> None:
+        _wait(self.works.pop((c, stage)), f"the {what} of chunk {c + 1} of {len(self.g.chunks)}")
+
+    def exchange_in_node(self, c: int) -> None:
+        g, nb, x, fmt = self.g, self.nb, self.x, self.g.fmt
+        per_node, nodes, local = nb.ranks_per_node, nb.nodes, nb.local_rank
         lo, hi = g.chunks[c]
         bounds = nb.bounds[c]
         if not nb.wire_first:
             split = [bounds[(q + 1) * nodes] - bounds[q * nodes] for q in range(per_node)]
-            count("node_all_to_all", (hi - lo) * 4)
-            works[c, 0] = dist.all_to_all_single(
+            self.count("node_all_to_all", (hi - lo) * 4)
+            self.works[c, 0] = dist.all_to_all_single(
                 nb.first_recv[c],
                 x[lo:hi],
                 output_split_sizes=[split[local]] * per_node,
                 input_split_sizes=split,
-                group=groups.intra,
+                group=self.groups.intra,
                 async_op=True,
             )
             return
         pieces = nb.first_send[c].view(per_node, nb.slice_pieces[c])
-        sb = nb.slice_bytes[c]
+        sb, keys, scale = nb.slice_bytes[c], self.keys, self.scale
         for q in range(per_node):
             a, b = nb.slice_bounds(c, q)
-            win = layout.window(a, b)
+            win = g.layout.window(a, b)
             used = payload_nbytes(b - a, fmt)
             piece = pieces[q]
             if b > a:
-                codec.encode(x[a:b], out=piece[:used], scale=scale, layout=win)
+                g.codec.encode(x[a:b], out=piece[:used], scale=scale, layout=win)
                 piece[sb : sb + win.n_segments] = keys[win.first : win.first + win.n_segments]
             piece[used:sb].zero_()  # padding: code 0 is +0 in every format
             piece[sb + win.n_segments :].zero_()
-        count("node_all_to_all", pieces.numel())
-        works[c, 0] = dist.all_to_all_single(
-            nb.first_recv[c], nb.first_send[c], group=groups.intra, async_op=True
+        self.count("node_all_to_all", pieces.numel())
+        self.works[c, 0] = dist.all_to_all_single(
+            nb.first_recv[c], nb.first_send[c], group=self.groups.intra, async_op=True
         )
 
-    def node_mean(c: int) -> torch.Tensor:
+    def node_mean(self, c: int) -> torch.Tensor:
         """This rank's slice of chunk c averaged over its node (float32)."""
+        nb, fmt = self.nb, self.g.fmt
+        per_node, local = nb.ranks_per_node, nb.local_rank
         a, b = nb.slice_bounds(c, local)
         if not nb.wire_first:
             parts = nb.first_recv[c].view(per_node, b - a)
@@ -1108,17 +1168,19 @@ def hierarchical_rank_blocks(
 
         def row(r: int) -> torch.Tensor:
             if r == local:  # its own slice: the values, not their rounded copy
-                return x[a:b].clone()
-            return codec.decode(rows[r, :used], b - a, scale=unscale[r], layout=mine)
+                return self.x[a:b].clone()
+            return self.g.codec.decode(rows[r, :used], b - a, scale=unscale[r], layout=mine)
 
         acc = row(0)
         for r in range(1, per_node):
             acc += row(r)
         return acc.div_(per_node)
 
-    def exchange_across_nodes(c: int) -> None:
-        wait(c, 0, "first-level all_to_all" if nb.wire_first else "in-node FP32 all_to_all")
-        mean = means[c] = node_mean(c)
+    def exchange_across_nodes(self, c: int) -> None:
+        nb, fmt, codec = self.nb, self.g.fmt, self.g.codec
+        nodes, local = nb.nodes, nb.local_rank
+        self.wait(c, 0, "first-level all_to_all" if nb.wire_first else "in-node FP32 all_to_all")
+        mean = self.means[c] = self.node_mean(c)
         mine = nb.slice_layout[c]
         own = exponent_keys(blocks_amax(mean, mine), fmt, "two_phase", world_size=nodes)[0]
         own_scale = key_factors(own, unscale=False)
@@ -1136,14 +1198,16 @@ def hierarchical_rank_blocks(
             piece[used:sb].zero_()
             piece[sb + win.n_segments :].zero_()
             if c == 0:
-                piece[sb + slot : sb + slot + flags.numel()] = flags
-        count("all_to_all", pieces.numel())
-        works[c, 1] = dist.all_to_all_single(
-            nb.recv[c], nb.send[c], group=groups.inter, async_op=True
+                piece[sb + slot : sb + slot + self.flags.numel()] = self.flags
+        self.count("all_to_all", pieces.numel())
+        self.works[c, 1] = dist.all_to_all_single(
+            nb.recv[c], nb.send[c], group=self.groups.inter, async_op=True
         )
 
-    def reduce_shard(c: int) -> None:
-        wait(c, 1, "across-node all_to_all")
+    def reduce_shard(self, c: int) -> None:
+        nb, fmt = self.nb, self.g.fmt
+        nodes, local = nb.nodes, nb.local_rank
+        self.wait(c, 1, "across-node all_to_all")
         s = local * nodes + nb.node
         mine = nb.shard_layouts[c][s]
         a, b = nb.bounds[c][s], nb.bounds[c][s + 1]
@@ -1153,13 +1217,13 @@ def hierarchical_rank_blocks(
         used = payload_nbytes(b - a, fmt)
         unscale = key_factors(rows[:, sb : sb + blocks], unscale=True)
         s0, _ = nb.slice_bounds(c, local)
-        _, d = codec.owner_reduce_rank_blocks(
+        _, d = self.g.codec.owner_reduce_rank_blocks(
             nb.recv[c],
             nodes,
             mine,
             unscale.contiguous(),
             out=out[:used],
-            own=means.pop(c)[a - s0 : b - s0],  # its node's mean of the shard, not rounded
+            own=self.means.pop(c)[a - s0 : b - s0],  # its node's mean of the shard, not rounded
             own_row=nb.node,
         )
         out[used:sb].zero_()
@@ -1167,42 +1231,43 @@ def hierarchical_rank_blocks(
         out[sb + blocks :].zero_()
         if c == 0:  # the flags of the ranks of this local rank, OR-ed
             out[sb + slot :] = rows[:, sb + slot : sb + slot + nb.flags].amax(0)
-        count("all_gather", out.numel())
-        works[c, 2] = all_gather_single(nb.across[c], out, group=groups.inter, async_op=True)
-
-    def gather_in_node(c: int) -> None:
-        wait(c, 2, "across-node all_gather")
-        count("node_all_gather", nb.across[c].numel())
-        works[c, 3] = all_gather_single(
-            nb.gathered[c], nb.across[c], group=groups.intra, async_op=True
+        self.count("all_gather", out.numel())
+        self.works[c, 2] = all_gather_single(
+            nb.across[c], out, group=self.groups.inter, async_op=True
         )
 
-    def decode(c: int) -> None:
-        wait(c, 3, "in-node all_gather")
+    def gather_in_node(self, c: int) -> None:
+        nb = self.nb
+        self.wait(c, 2, "across-node all_gather")
+        self.count("node_all_gather", nb.across[c].numel())
+        self.works[c, 3] = all_gather_single(
+            nb.gathered[c], nb.across[c], group=self.groups.intra, async_op=True
+        )
+
+    def decode(self, c: int) -> None:
+        nb, fmt, layout = self.nb, self.g.fmt, self.g.layout
+        self.wait(c, 3, "in-node all_gather")
         sb, slot = nb.shard_bytes[c], nb.slots[c]
-        rows = nb.gathered[c].view(world_size, nb.rows[c])
+        rows = nb.gathered[c].view(self.world_size, nb.rows[c])
         if c == 0:
             union = rows[:, sb + slot : sb + slot + nb.flags].amax(0)
-            bad.append(torch.index_select(union, 0, nb.layer_of) != 0)
+            self.bad.append(torch.index_select(union, 0, nb.layer_of) != 0)
         bounds = nb.bounds[c]
-        for s in range(world_size):
+        for s in range(self.world_size):
             a, b = bounds[s], bounds[s + 1]
             if a == b:
                 continue
             mine = nb.shard_layouts[c][s]
             b0 = layout.window(a, b).first
             factors = key_factors(rows[s, sb : sb + mine.n_segments], unscale=True)
-            factors = torch.where(bad[0][b0 : b0 + mine.n_segments], float("nan"), factors)
-            codec.decode(
+            factors = torch.where(self.bad[0][b0 : b0 + mine.n_segments], float("nan"), factors)
+            self.g.codec.decode(
                 rows[s, : payload_nbytes(b - a, fmt)],
                 b - a,
-                out=x[a:b],
+                out=self.x[a:b],
                 scale=factors,
                 layout=mine,
             )
-
-    stages = (exchange_in_node, exchange_across_nodes, reduce_shard, gather_in_node, decode)
-    return _staged(k, stages, defer)
 
 
 def hierarchical_rank_blocks_bound(
