@@ -2534,16 +2534,34 @@ def ptx(fmt: FloatFormat, arch: int = 90, block_size: int = 0) -> dict[str, str]
     from triton.backends.compiler import GPUTarget
     from triton.compiler import ASTSource
 
-    consts = format_constants(fmt)
     target = GPUTarget("cuda", arch, 32)
+    common = {"WIRE": format_constants(fmt).wire_bits, "BLOCK": BLOCK}
+    sources = {**_ptx_codec_sources(fmt, block_size), **_ptx_owner_sources(fmt, block_size)}
+    out = {}
+    for name, (fn, signature, constexprs) in sources.items():
+        if fn not in (_reduce_blocks_kernel, _maxima_kernel):
+            constexprs = {**constexprs, **common}
+        signature = {**signature, **{k: "constexpr" for k in constexprs}}
+        src = ASTSource(fn, signature=signature, constexprs=constexprs)
+        out[name] = triton.compile(src, target=target, options=compile_options()).asm["ptx"]
+    return out
+
+
+# The scalar arguments the encode and decode kernels take, as their launchers pass them.
+_PTX_SCALARS = {"numel": "i32", "top": "i32", "n_last": "i32"}
+_PTX_ENCODE_REST = {"total": "i32", "n_ranks": "i32"}
+_PTX_DECODE_REST = {"divisor": "fp32", "n_ranks": "i32"}
+_PtxSources = dict[str, tuple[Callable[..., object], dict[str, str], dict[str, object]]]
+
+
+def _ptx_codec_sources(fmt: FloatFormat, block_size: int) -> _PtxSources:
+    """:func:`ptx`'s encode and decode kernels, with factors or with agreed maxima."""
+    consts = format_constants(fmt)
     factors = {"off_ptr": "*i64", "scale_ptr": "*fp32", "first_ptr": "*i64"}
     shift = block_size.bit_length() - 1 if block_size else 0
-    scalar = {"numel": "i32", "top": "i32", "n_last": "i32"}
-    common = {"WIRE": consts.wire_bits, "BLOCK": BLOCK}
-    rest = {"total": "i32", "n_ranks": "i32"}
-    rest_d = {"divisor": "fp32", "n_ranks": "i32"}
+    scalar, rest, rest_d = _PTX_SCALARS, _PTX_ENCODE_REST, _PTX_DECODE_REST
     plain = {"E": consts.encode, "D": consts.decode, "K": (0, 0, 0, 0, 0)}
-    sources = {
+    sources: _PtxSources = {
         "encode": (
             _encode_kernel,
             {"x_ptr": "*fp32", "out_ptr": "*u8", **factors, **scalar, **rest},
@@ -2555,6 +2573,50 @@ def ptx(fmt: FloatFormat, arch: int = 90, block_size: int = 0) -> dict[str, str]
             {**plain, "SCALED": True, "SHIFT": shift, "AMAX": 0, "DIVIDE": 0},
         ),
     }
+    agreed = {"off_ptr": "*i64", "scale_ptr": "*i32", "first_ptr": "*i64"}
+    for name, native in (("encode_maxima", False), ("encode_maxima_native", True)):
+        sources[name] = (
+            _encode_kernel,
+            {"x_ptr": "*fp32", "out_ptr": "*u8", **agreed, **scalar, **rest},
+            {
+                "E": consts.encode,
+                "D": consts.decode,
+                "K": key_constants(fmt, native),
+                "SCALED": True,
+                "SHIFT": 0,
+                "AMAX": 1,
+            },
+        )
+    for name, native, divide in (
+        ("decode_maxima", False, 0),
+        ("decode_maxima_pow2", True, 1),
+        ("decode_maxima_n", True, 2),
+    ):
+        sources[name] = (
+            _decode_kernel,
+            {"src_ptr": "*u8", "out_ptr": "*fp32", **agreed, **scalar, **rest_d},
+            {
+                "D": consts.decode,
+                "E": consts.encode,
+                "K": key_constants(fmt, native),
+                "SCALED": True,
+                "SHIFT": 0,
+                "AMAX": 2,
+                "DIVIDE": divide,
+            },
+        )
+    sources["maxima"] = (
+        _maxima_kernel,
+        {"x_ptr": "*fp32", "amax_ptr": "*i32", "off_ptr": "*i64", **scalar},
+        {"BLOCK": BLOCK},
+    )
+    return sources
+
+
+def _ptx_owner_sources(fmt: FloatFormat, block_size: int) -> _PtxSources:
+    """:func:`ptx`'s owner kernels: the reduction, the shard mean and the block steps."""
+    consts = format_constants(fmt)
+    sources: _PtxSources = {}
     scalar_r = {"shard_bytes": "i32", "numel": "i32", "n_ranks": "i32", "divisor": "fp32"}
     for name, encode in (("owner_reduce", True), ("shard_mean", False)):
         pointers = {"src_ptr": "*u8", "out_ptr": "*u8" if encode else "*fp32"}
@@ -2598,48 +2660,4 @@ def ptx(fmt: FloatFormat, arch: int = 90, block_size: int = 0) -> dict[str, str]
                 "FACTORS": int(rank_factors),
             },
         )
-    out = {}
-    agreed = {"off_ptr": "*i64", "scale_ptr": "*i32", "first_ptr": "*i64"}
-    for name, native in (("encode_maxima", False), ("encode_maxima_native", True)):
-        sources[name] = (
-            _encode_kernel,
-            {"x_ptr": "*fp32", "out_ptr": "*u8", **agreed, **scalar, **rest},
-            {
-                "E": consts.encode,
-                "D": consts.decode,
-                "K": key_constants(fmt, native),
-                "SCALED": True,
-                "SHIFT": 0,
-                "AMAX": 1,
-            },
-        )
-    for name, native, divide in (
-        ("decode_maxima", False, 0),
-        ("decode_maxima_pow2", True, 1),
-        ("decode_maxima_n", True, 2),
-    ):
-        sources[name] = (
-            _decode_kernel,
-            {"src_ptr": "*u8", "out_ptr": "*fp32", **agreed, **scalar, **rest_d},
-            {
-                "D": consts.decode,
-                "E": consts.encode,
-                "K": key_constants(fmt, native),
-                "SCALED": True,
-                "SHIFT": 0,
-                "AMAX": 2,
-                "DIVIDE": divide,
-            },
-        )
-    sources["maxima"] = (
-        _maxima_kernel,
-        {"x_ptr": "*fp32", "amax_ptr": "*i32", "off_ptr": "*i64", **scalar},
-        {"BLOCK": BLOCK},
-    )
-    for name, (fn, signature, constexprs) in sources.items():
-        if fn not in (_reduce_blocks_kernel, _maxima_kernel):
-            constexprs = {**constexprs, **common}
-        signature = {**signature, **{k: "constexpr" for k in constexprs}}
-        src = ASTSource(fn, signature=signature, constexprs=constexprs)
-        out[name] = triton.compile(src, target=target, options=compile_options()).asm["ptx"]
-    return out
+    return sources
