@@ -1557,6 +1557,8 @@ def _step_row(cfg: StepConfig) -> dict[str, Any]:
         "launches_per_bucket": None,
         "bucket_reductions": [],
         "peak_gib": None,
+        "resident_gib": None,
+        "step_extra_gib": None,
         "skipped": None,
         "error": None,
         "seconds": 0.0,
@@ -1636,6 +1638,35 @@ def _profiled_launches(
     return per_step, (per_bucket if timed is not None else None)
 
 
+class DeviceMemory:
+    """The device's allocator counters (CUDA's caching allocator); on the CPU it counts
+    nothing (``counts`` False) and the memory columns stay None.
+
+    Example:
+        >>> DeviceMemory(torch.device("cpu")).allocated()
+        0
+    """
+
+    def __init__(self, device: torch.device) -> None:
+        self.device = device
+        self.counts = device.type == "cuda"
+
+    def allocated(self) -> int:
+        return torch.cuda.memory_allocated(self.device) if self.counts else 0
+
+    def reset_peak(self) -> None:
+        if self.counts:
+            torch.cuda.reset_peak_memory_stats(self.device)
+
+    def peak(self) -> int:
+        return torch.cuda.max_memory_allocated(self.device) if self.counts else 0
+
+
+def device_memory(device: torch.device) -> DeviceMemory:
+    """The counters :func:`real_model_steps` reads for ``device`` (tests replace it)."""
+    return DeviceMemory(device)
+
+
 class _ConfigRun:
     """One configuration's model, DDP, hook and batch, built and warmed up, ready to step.
 
@@ -1652,13 +1683,21 @@ class _ConfigRun:
         self.calls: list[int] = []
         cuda = dev.type == "cuda"
         self.sync = torch.cuda.synchronize if cuda else (lambda: None)
+        # Device bytes: what this configuration keeps (model, gradients, optimizer,
+        # DDP's buckets, the hook's state) and the most a step adds on top. Every
+        # configuration lives beside the others, so the device's own peak is not one's.
+        self.memory = device_memory(dev)
+        self.resident = 0
+        self.step_extra = 0
         try:
+            before = self.memory.allocated()
             self._build()
             if self.row["skipped"]:
                 return
             for _ in range(warm):
                 self.one_step()
             self.sync()
+            self.resident = self.memory.allocated() - before
             self.ready = True
         except Exception as exc:
             self.fail(exc)
@@ -1713,10 +1752,13 @@ class _ConfigRun:
         try:
             before = len(self.timed.host_us) if self.timed else 0
             self.sync()
+            resident = self.memory.allocated()
+            self.memory.reset_peak()
             start = time.perf_counter()
             self.one_step()
             self.sync()
             self.row["times_ms"].append((time.perf_counter() - start) * 1e3)
+            self.step_extra = max(self.step_extra, self.memory.peak() - resident)
             self.calls.append((len(self.timed.host_us) if self.timed else 0) - before)
         except Exception as exc:
             self.fail(exc)
@@ -1728,6 +1770,11 @@ class _ConfigRun:
             return row
         try:
             row["step_ms"] = statistics.median(row["times_ms"])
+            if self.memory.counts:
+                gib = 2**30
+                row["resident_gib"] = round(self.resident / gib, 3)
+                row["step_extra_gib"] = round(self.step_extra / gib, 3)
+                row["peak_gib"] = round((self.resident + self.step_extra) / gib, 3)
             calls = sum(self.calls)
             if timed is not None:
                 row["buckets"] = self.calls[-1]
@@ -1806,13 +1853,14 @@ def real_model_steps(
         "host_us_per_bucket" (median host time of a hook call, microseconds),
         "launches_per_step" (non-NCCL kernels in the profiled step),
         "launches_per_bucket" (non-NCCL kernels launched inside a hook call,
-        mean over the buckets), "bucket_reductions", "peak_gib", "skipped"
+        mean over the buckets), "bucket_reductions", "resident_gib" (device
+        bytes the configuration keeps: model, gradients, optimizer, DDP's buckets,
+        the hook's state), "step_extra_gib" (the most a timed step allocates on
+        top), "peak_gib" (their sum: the configuration's own peak), "skipped"
         (None or why), "error" (None or what raised), "seconds".
     """
     dev = _device(device)
     started = time.monotonic()
-    if dev.type == "cuda":
-        torch.cuda.reset_peak_memory_stats()
     runs = []
     for cfg in configs:
         t0 = time.monotonic()
@@ -1833,8 +1881,6 @@ def real_model_steps(
         t0 = time.monotonic()
         row = run.finish(profile)
         row["seconds"] = round(row["seconds"] + time.monotonic() - t0, 2)
-        if dev.type == "cuda":
-            row["peak_gib"] = round(torch.cuda.max_memory_allocated() / 2**30, 2)
         rows.append(row)
         if partial:
             with open(partial, "a") as f:
@@ -2188,11 +2234,12 @@ def _step_markdown(d: dict[str, Any]) -> list[str]:
         f"(runs first and last: {first_last or 'none'}"
         + (f"; drift {drift:+.1%}" if drift is not None else "")
         + "); ratios are against it. Launches: non-NCCL kernels in the profiled step, and "
-        "inside each comm hook call (mean per bucket); host µs: median host time of a hook call.",
+        "inside each comm hook call (mean per bucket); host µs: median host time of a hook call; "
+        "peak GiB: the device memory the configuration keeps plus the most a step adds.",
         "",
         "| config | step ms | ratio | target | result | launches/step | launches/bucket "
-        "| host µs/bucket | buckets | reductions | note |",
-        "| --- | --- | --- | --- | --- | --- | --- | --- | --- | --- | --- |",
+        "| host µs/bucket | buckets | reductions | peak GiB | note |",
+        "| --- | --- | --- | --- | --- | --- | --- | --- | --- | --- | --- | --- |",
     ]
     for r in d["configs"]:
         note = r.get("error") or r.get("skipped") or ""
@@ -2203,7 +2250,8 @@ def _step_markdown(d: dict[str, Any]) -> list[str]:
             f"{target} | {r['result']} | {_num(r.get('launches_per_step'), 'd')} | "
             f"{_num(r.get('launches_per_bucket'), '.1f')} | "
             f"{_num(r.get('host_us_per_bucket'), '.0f')} | {_num(r.get('buckets'), 'd')} | "
-            f"{', '.join(r.get('bucket_reductions') or [])} | {_cell(_short(note, 200))} |"
+            f"{', '.join(r.get('bucket_reductions') or [])} | {_num(r.get('peak_gib'), '.2f')} | "
+            f"{_cell(_short(note, 200))} |"
         )
     return lines
 

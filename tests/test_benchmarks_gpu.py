@@ -728,3 +728,57 @@ def test_preset_from_writes_where_the_device_preset_reads(
     with pytest.raises(SystemExit):
         gpu.main(["--from", str(H200_RUN)])
     assert "--from needs --preset" in capsys.readouterr().err
+
+
+class _FakeMemory:
+    """A device allocator's counters, driven by the test: each configuration's build keeps
+    ``resident`` bytes and each of its steps allocates ``transient`` more for a while."""
+
+    level = 0
+    top = 0
+
+    def __init__(self, device: torch.device) -> None:
+        self.counts = True
+
+    def allocated(self) -> int:
+        return _FakeMemory.level
+
+    def reset_peak(self) -> None:
+        _FakeMemory.top = _FakeMemory.level
+
+    def peak(self) -> int:
+        return _FakeMemory.top
+
+
+def _steps_with_memory(rank: int, world_size: int) -> list[dict[str, Any]]:
+    spec = gpu.LMSpec(vocab=64, d_model=32, heads=2, ff=64, layers=2, batch=2, seq=8)
+    configs = [c for c in gpu.STEP_CONFIGS if c.name in ("DDP default", "APS e4m3 two_phase")]
+    sizes = {c.name: (i + 1) * 2**30 for i, c in enumerate(configs)}  # 1 GiB, 2 GiB kept
+    build, step = gpu._ConfigRun._build, gpu._ConfigRun.one_step
+
+    def kept(self: Any) -> None:
+        build(self)
+        _FakeMemory.level += sizes[self.cfg.name]
+
+    def transient(self: Any) -> None:
+        step(self)
+        extra = sizes[self.cfg.name] // 4
+        _FakeMemory.top = max(_FakeMemory.top, _FakeMemory.level + extra)
+
+    gpu.device_memory = _FakeMemory  # type: ignore[assignment]
+    gpu._ConfigRun._build = kept  # type: ignore[method-assign]
+    gpu._ConfigRun.one_step = transient  # type: ignore[method-assign]
+    return gpu.real_model_steps(rank, world_size, "cpu", configs, spec, warm=1, timed=2)
+
+
+def test_each_configuration_reports_its_own_memory() -> None:
+    """Issue 46, item 5: all configurations live side by side, so the device's peak is
+    not one configuration's; each row gets what it keeps and what its steps add."""
+    rows = run_distributed(_steps_with_memory, 1, timeout=180)[0]
+    by = {r["config"]: r for r in rows}
+    assert by["DDP default"]["resident_gib"] == 1.0
+    assert by["DDP default"]["step_extra_gib"] == 0.25
+    assert by["DDP default"]["peak_gib"] == 1.25
+    assert by["APS e4m3 two_phase"]["resident_gib"] == 2.0
+    assert by["APS e4m3 two_phase"]["step_extra_gib"] == 0.5
+    assert by["APS e4m3 two_phase"]["peak_gib"] == 2.5
