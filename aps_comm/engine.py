@@ -929,17 +929,7 @@ class Reducer:
             )
         else:
             tail = transports.two_phase(
-                g,
-                x,
-                scale,
-                unscale,
-                comm.group,
-                comm.world_size,
-                self.traffic,
-                None,
-                None,
-                defer,
-                calls,
+                g, x, scale, unscale, comm.group, comm.world_size, self.traffic, defer=defer
             )
         if st.measured:
             st.plan.timed(time.perf_counter() - start)

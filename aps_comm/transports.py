@@ -58,6 +58,7 @@ __all__ = [
     "all_reduce_max",
     "bind_node_blocks",
     "bind_rank_blocks",
+    "chunk_calls",
     "fp32_mean",
     "fp32_mean_async",
     "hierarchical",
@@ -317,14 +318,14 @@ def two_phase(
     after_encode: Callable[[int, torch.Tensor], None] | None = None,
     owner: Callable[[int, torch.Tensor, torch.Tensor], None] | None = None,
     defer: bool = False,
-    calls: Sequence[ChunkCalls] | None = None,
 ) -> Callable[[], None] | None:
     """Average ``x``: all-to-all of encoded shards, FP32 sum on the owner, all-gather.
 
     Chunk c's collectives are issued in the order all_to_all(c),
     all_to_all(c+1), all_gather(c): chunk c+1 encodes while chunk c's shards
     travel, chunk c reduces while c+1's travel, and chunk c-1 decodes while
-    chunk c's reduced shards are gathered.
+    chunk c's reduced shards are gathered. It is :func:`two_phase_bound`'s
+    pipeline over this step's codec calls (:func:`chunk_calls`).
 
     Args:
         g: the group's plan (``reduction == "two_phase"``).
@@ -340,52 +341,58 @@ def two_phase(
         defer: leave the last all-gathers in flight and return a function that
             waits for them and decodes: the caller can start the next bucket
             while they are on the wire.
-        calls: the chunks' codec work bound once (a settled bucket), in place
-            of the codec calls with ``scale`` and ``unscale``.
 
     Returns:
         With ``defer``, the function that finishes the bucket; else None.
     """
-    fmt = g.fmt
-    k = len(g.chunks)
-    exchanges: dict[int, dist.Work] = {}
-    gathers: dict[int, dist.Work] = {}
-    tail: list[tuple[int, dist.Work]] = []
-    for c in range(k + 2):
-        if c < k:
-            lo, hi = g.chunks[c]
-            r0, r1 = g.regions[c]
-            send = g.send[r0:r1]
-            # The shards' padding is encoded as zeros (code 0 is +0 in every format).
-            if calls is not None:
-                calls[c].encode()
-            else:
-                pad = (r1 - r0) * 8 // fmt.wire_bits - (hi - lo)
-                g.codec.encode(x[lo:hi], out=send, scale=scale, layout=g.windows[c], pad=pad)
-            if after_encode is not None:
-                after_encode(c, send[: payload_nbytes(hi - lo, fmt)])
-            count("all_to_all", send.numel())
-            exchanges[c] = dist.all_to_all_single(g.recv[r0:r1], send, group=group, async_op=True)
-        if 1 <= c <= k:
-            p = c - 1
-            _wait(exchanges.pop(p), f"the all_to_all of chunk {p + 1} of {k}")
-            r0, r1 = g.regions[p]
-            s0, s1 = g.shard_regions[p]
-            shard = g.shards[s0:s1]
-            if calls is not None:
-                calls[p].owner()  # type: ignore[misc]
-            elif owner is None:
-                g.codec.owner_reduce(g.recv[r0:r1], world_size, out=shard)
-            else:
-                owner(p, g.recv[r0:r1], shard)
-            count("all_gather", shard.numel())
-            # The chunk's send region is free once its all-to-all is done.
-            gathers[p] = all_gather_single(g.send[r0:r1], shard, group=group, async_op=True)
-        if c >= 2:
-            tail.append((c - 2, gathers.pop(c - 2)))
-            if c < k or not defer:
-                _decode(g, x, unscale, *tail.pop(), calls)
-    return _finish(tail, functools.partial(_decode, g, x, unscale, calls=calls), defer)
+    calls = [
+        chunk_calls(g, x, c, (scale, unscale), world_size, after_encode, owner)
+        for c in range(len(g.chunks))
+    ]
+    return two_phase_bound(calls, group, count, defer)
+
+
+def chunk_calls(
+    g: GroupPlan,
+    x: torch.Tensor,
+    c: int,
+    factors: tuple[torch.Tensor | AgreedMaxima, torch.Tensor | AgreedMaxima],
+    world_size: int,
+    after_encode: Callable[[int, torch.Tensor], None] | None = None,
+    owner: Callable[[int, torch.Tensor, torch.Tensor], None] | None = None,
+) -> ChunkCalls:
+    """Chunk ``c`` of a two_phase group's codec work for one step: the general codec calls
+    with ``factors`` (scale, unscale), read when each call runs.
+
+    ``after_encode(c, payload)`` runs after the encode; ``owner(c, recv, out)``
+    replaces the owner's reduction (error feedback).
+
+    Example:
+        >>> calls = transports.chunk_calls(g, x, 0, (scale, unscale), 4)  # doctest: +SKIP
+    """
+    scale, unscale = factors
+    lo, hi = g.chunks[c]
+    r0, r1 = g.regions[c]
+    s0, s1 = g.shard_regions[c]
+    send, recv, shard = g.send[r0:r1], g.recv[r0:r1], g.shards[s0:s1]
+    # The shards' padding is encoded as zeros (code 0 is +0 in every format).
+    pad = (r1 - r0) * 8 // g.fmt.wire_bits - (hi - lo)
+
+    def encode() -> None:
+        g.codec.encode(x[lo:hi], out=send, scale=scale, layout=g.windows[c], pad=pad)
+        if after_encode is not None:
+            after_encode(c, send[: payload_nbytes(hi - lo, g.fmt)])
+
+    def reduce() -> None:
+        if owner is None:
+            g.codec.owner_reduce(recv, world_size, out=shard)
+        else:
+            owner(c, recv, shard)
+
+    def decode() -> None:
+        g.codec.decode(send, hi - lo, out=x[lo:hi], scale=unscale, layout=g.windows[c])
+
+    return ChunkCalls(encode, reduce, decode, send, recv, shard)
 
 
 def two_phase_bound(
