@@ -814,40 +814,22 @@ def _block_pipeline(
     """
     sh = g.block_shards
     assert sh is not None
-    k, n = len(g.chunks), world_size
-    exchanges: dict[int, dist.Work] = {}
-    gathers: dict[int, dist.Work] = {}
-    tail: list[tuple[int, dist.Work]] = []
+    n = world_size
 
-    def finish(c: int, work: dist.Work) -> None:
-        _wait(work, f"the all_gather of chunk {c + 1} of {k}")
-        decode(c)
+    def send_chunk(c: int) -> tuple[torch.Tensor, torch.Tensor]:
+        r0, r1 = g.regions[c]
+        send(c, g.send[r0:r1].view(n, sh.pieces[c]))
+        return g.send[r0:r1], g.recv[r0:r1]
 
-    for c in range(k + 2):
-        if c < k:
-            r0, r1 = g.regions[c]
-            pieces = g.send[r0:r1].view(n, sh.pieces[c])
-            send(c, pieces)
-            count("all_to_all", pieces.numel())
-            exchanges[c] = dist.all_to_all_single(
-                g.recv[r0:r1], g.send[r0:r1], group=group, async_op=True
-            )
-        if 1 <= c <= k:
-            p = c - 1
-            _wait(exchanges.pop(p), f"the all_to_all of chunk {p + 1} of {k}")
-            r0, r1 = g.regions[p]
-            s0, s1 = g.shard_regions[p]
-            a, b = sh.bounds[p][rank], sh.bounds[p][rank + 1]
-            out = g.shards[s0:s1]
-            owner(p, g.recv[r0:r1].view(n, sh.pieces[p]), a, b, out)
-            count("all_gather", out.numel())
-            q0, q1 = sh.gather_regions[p]
-            gathers[p] = all_gather_single(sh.gathered[q0:q1], out, group=group, async_op=True)
-        if c >= 2:
-            tail.append((c - 2, gathers.pop(c - 2)))
-            if c < k or not defer:
-                finish(*tail.pop())
-    return _finish(tail, finish, defer)
+    def owner_chunk(p: int) -> tuple[torch.Tensor, torch.Tensor]:
+        r0, r1 = g.regions[p]
+        s0, s1 = g.shard_regions[p]
+        out = g.shards[s0:s1]
+        owner(p, g.recv[r0:r1].view(n, sh.pieces[p]), *sh.bounds[p][rank : rank + 2], out)
+        q0, q1 = sh.gather_regions[p]
+        return out, sh.gathered[q0:q1]
+
+    return _bound_pipeline(len(g.chunks), send_chunk, owner_chunk, decode, group, count, defer)
 
 
 def hierarchical(
