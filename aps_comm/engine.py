@@ -421,6 +421,8 @@ class SteadyGroups:
             (None where the groups are consecutive in the bucket).
         pick: the agreed maxima copied in the same order, one call (or None).
         scatter: the scratch copied back into the layers, one call (or None).
+        order: the layers' positions in group order, on the bucket's device (made
+            once: a bfloat16 bucket's float32 copy is bound again every step).
         bound_ptr: the address of the buffer they are bound to (0 for none).
         offer: as :class:`Steady`'s.
         bucket: ``scaling="bucket"``: each group spreads its own agreed maxima, as
@@ -442,6 +444,7 @@ class SteadyGroups:
     gather: Callable[[], object] | None = None
     pick: Callable[[], object] | None = None
     scatter: Callable[[], object] | None = None
+    order: torch.Tensor | None = None
     bound_ptr: int = 0
     offer: tuple[float | None, float] | None = None
     bucket: bool = False
@@ -462,9 +465,10 @@ class SteadyGroups:
             maxima = torch.empty(n, dtype=torch.float32, device=x.device)
             layers = torch.split(x, self.plan.numels)
             mine = [layers[i] for i in order]
-            picks = to_device(torch.tensor(order, dtype=torch.int64), x.device)
+            if self.order is None or self.order.device != x.device:
+                self.order = to_device(torch.tensor(order, dtype=torch.int64), x.device)
             self.gather = functools.partial(torch.cat, mine, out=values)
-            self.pick = functools.partial(torch.index_select, agreed, 0, picks, out=maxima)
+            self.pick = functools.partial(torch.index_select, agreed, 0, self.order, out=maxima)
             # One multi-tensor copy back, not one copy per layer.
             pieces = list(torch.split(values, [self.plan.numels[i] for i in order]))
             self.scatter = functools.partial(torch._foreach_copy_, mine, pieces)
