@@ -46,6 +46,7 @@ from aps_comm.codec import AgreedMaxima, NodeBlockCalls, RankBlockCalls
 from aps_comm.config import DEFAULT_BLOCK_SIZE, BlockExponents, Reduction, Route, Scaling
 from aps_comm.feedback import ErrorFeedback
 from aps_comm.formats import FP32, FloatFormat, payload_nbytes, pow2
+from aps_comm.hostcopy import to_device
 from aps_comm.plan import BucketPlan, GroupPlan, Planner
 from aps_comm.policy import Assignment
 from aps_comm.reduction import native_sum_supported, resolve_routes
@@ -72,6 +73,7 @@ __all__ = [
     "Steady",
     "SteadyBlocks",
     "SteadyFeedback",
+    "SteadyGroups",
     "Traffic",
 ]
 
@@ -381,6 +383,123 @@ class SteadyFeedback:
     calls: list[transports.ChunkCalls]
 
 
+@dataclasses.dataclass
+class SteadyGroups:
+    """:class:`Steady` for a bucket whose layers travel in several formats (``KeepLast``,
+    per-layer rules, a Schedule epoch that mixes them): every format group bound once
+    per policy epoch, run every step.
+
+    :meth:`Reducer.bucket`'s general path gathers each group's layers with
+    ``torch.cat``, picks its maxima and copies every layer back, per step
+    and per layer. Settled, per step: one kernel writes every layer's
+    maximum, the one MAX all-reduce agrees on them (the general path's
+    collective, with the same contents), then each group in the plan's
+    order runs its own bound :class:`Steady` calls (a group sent in FP32:
+    its all-reduce) on a view of its values and of its agreed maxima. Where
+    the groups are consecutive in the bucket (``KeepLast``'s two) the views
+    are the bucket's own; otherwise the bucket's layers are gathered in
+    group order into bound scratch, the maxima picked in that order and
+    the layers scattered back: one call each, whatever the number of layers
+    or groups. The same collectives, in the same order, bytes and bits as
+    the general path.
+
+    Attributes:
+        numel: the bucket's elements.
+        ptr: the bucket buffer's address.
+        plan: the bucket's plan.
+        groups: the group plans (the plan's, for ``chunk``).
+        fmts: each layer's format (to plan another chunk size).
+        main: the route of the state's format (what chunks are sized for).
+        measured: chunks sized by this rank's timing, agreed on the maxima (CPU).
+        chunk: elements per chunk of every group.
+        maxima: float32 scratch of the MAX all-reduce: every layer's maximum in
+            bucket order, then this rank's preferred chunk (log2) where measured.
+        maxima_call: the maxima kernel, bound to the bucket's float32 buffer.
+        parts: per group, in the plan's order: its values and its bound path
+            (None for a group sent as the FP32 mean).
+        gather: the layers copied in group order into bound scratch, one call
+            (None where the groups are consecutive in the bucket).
+        pick: the agreed maxima copied in the same order, one call (or None).
+        scatter: the scratch copied back into the layers, one call (or None).
+        order: the layers' positions in group order, on the bucket's device (made
+            once: a bfloat16 bucket's float32 copy is bound again every step).
+        bound_ptr: the address of the buffer they are bound to (0 for none).
+        offer: as :class:`Steady`'s.
+        bucket: ``scaling="bucket"``: each group spreads its own agreed maxima, as
+            the general path's factors do per group.
+        epoch: as :class:`Steady`'s.
+    """
+
+    numel: int
+    ptr: int
+    plan: BucketPlan
+    groups: list[GroupPlan]
+    fmts: list[FloatFormat]
+    main: Route
+    measured: bool
+    chunk: int
+    maxima: torch.Tensor
+    maxima_call: Callable[[], object] | None = None
+    parts: list[tuple[torch.Tensor, Steady | None]] | None = None
+    gather: Callable[[], object] | None = None
+    pick: Callable[[], object] | None = None
+    scatter: Callable[[], object] | None = None
+    order: torch.Tensor | None = None
+    bound_ptr: int = 0
+    offer: tuple[float | None, float] | None = None
+    bucket: bool = False
+    epoch: tuple[int, ...] = ()
+
+    def bind(self, x: torch.Tensor, world_size: int) -> None:
+        """Bind the maxima kernel, the gather and every group's path to the float32
+        buffer ``x``."""
+        n = len(self.fmts)
+        agreed = self.maxima[:n]
+        sent = next(g for g in self.groups if g.reduction != Route.FP32)
+        self.maxima_call = sent.codec.bind_layer_maxima(x, self.plan.layout, agreed)
+        order = [i for g in self.groups for i in g.index]
+        values, maxima = x, agreed
+        self.gather = self.pick = self.scatter = None
+        if order != list(range(n)):
+            values = torch.empty_like(x)
+            maxima = torch.empty(n, dtype=torch.float32, device=x.device)
+            layers = torch.split(x, self.plan.numels)
+            mine = [layers[i] for i in order]
+            if self.order is None or self.order.device != x.device:
+                self.order = to_device(torch.tensor(order, dtype=torch.int64), x.device)
+            self.gather = functools.partial(torch.cat, mine, out=values)
+            self.pick = functools.partial(torch.index_select, agreed, 0, self.order, out=maxima)
+            # One multi-tensor copy back, not one copy per layer.
+            pieces = list(torch.split(values, [self.plan.numels[i] for i in order]))
+            self.scatter = functools.partial(torch._foreach_copy_, mine, pieces)
+        parts: list[tuple[torch.Tensor, Steady | None]] = []
+        lo = first = 0
+        for g in self.groups:
+            hi, last = lo + g.numel, first + len(g.index)
+            gx, gmax = values[lo:hi], maxima[first:last]
+            steady = None
+            if g.reduction != Route.FP32:
+                route = Route(g.reduction)
+                steady = Steady(
+                    g.numel,
+                    gx.data_ptr(),
+                    self.plan,
+                    g,
+                    route,
+                    [g.fmt] * len(g.index),
+                    gmax,
+                    AgreedMaxima(gmax, world_size, route == Route.ALLREDUCE),
+                    False,
+                    self.chunk,
+                    bucket=self.bucket,
+                    epoch=self.epoch,
+                )
+                steady.bind(gx, world_size)
+            parts.append((gx, steady))
+            lo, first = hi, last
+        self.parts, self.bound_ptr = parts, x.data_ptr()
+
+
 class Reducer:
     """One rank's reducer: plans, the per-step path of buckets and units, and their records.
 
@@ -416,7 +535,7 @@ class Reducer:
         self._routes: dict[FloatFormat, Route] = {}
         self._fixed: dict[FloatFormat, Route] = {}
         # Per bucket index: its bound path once settled (:class:`Steady`).
-        self.steady: dict[int, Steady | SteadyBlocks | SteadyFeedback] = {}
+        self.steady: dict[int, Steady | SteadyBlocks | SteadyFeedback | SteadyGroups] = {}
         # The current step's number (Schedule's): the last one :meth:`bucket` was
         # given, advanced by :meth:`end_step`, so settled buckets know it too.
         self.step = 0
@@ -612,7 +731,100 @@ class Reducer:
             self._settle_blocks(index, x, plan, fmts, groups[0], measured, chunk, names)
         if self.feedback is not None and len(groups) == 1:
             self._settle_feedback(index, x, groups[0], names)
+        if len(groups) > 1:
+            self._settle_groups(index, x, plan, fmts, groups, main, measured, chunk)
         return tail
+
+    def _settle_groups(
+        self,
+        index: int,
+        x: torch.Tensor,
+        plan: BucketPlan,
+        fmts: list[FloatFormat],
+        groups: list[GroupPlan],
+        main: Route,
+        measured: bool,
+        chunk: int,
+    ) -> None:
+        """Bind the bucket's :class:`SteadyGroups` path where nothing in it changes per step
+        but the policy's epoch."""
+        settings, assignment = self.settings, self.assignment
+        routes = (Route.FP32, Route.TWO_PHASE, Route.ALLREDUCE)
+        if (
+            self.feedback is not None
+            # Promote's rates and the records are the general path's, per group.
+            or assignment.promoter is not None
+            or settings.stats
+            or settings.scaling not in (Scaling.LAYER, Scaling.BUCKET)
+            or x.dtype != torch.float32
+            # An empty group's collectives are not the bound ones'.
+            or any(g.reduction not in routes or not g.numel for g in groups)
+            or all(g.reduction == Route.FP32 for g in groups)
+        ):
+            return
+        st = SteadyGroups(
+            x.numel(),
+            x.data_ptr(),
+            plan,
+            groups,
+            list(fmts),
+            Route(main),
+            measured,
+            chunk,
+            torch.zeros(len(fmts) + int(measured), dtype=torch.float32, device=x.device),
+            bucket=settings.scaling == Scaling.BUCKET,
+            epoch=assignment.epoch(self.step),
+        )
+        st.bind(x, self.comm.world_size)
+        self.steady[index] = st
+
+    def _run_groups(self, index: int, st: SteadyGroups, x: torch.Tensor) -> None:
+        """:meth:`run_steady` of a bucket of several formats: the maxima agreed once, then
+        each group's bound path in the plan's order (nothing deferred, as in the general
+        path)."""
+        comm = self.comm
+        if st.bound_ptr != x.data_ptr():  # a bfloat16 bucket's float32 copy: new each step
+            st.bind(x, comm.world_size)
+        n = len(st.fmts)
+        if st.measured:  # CPU only: the numpy view, no tensor op
+            exchange_s = st.plan.exchange_s or None
+            if st.offer is None or st.offer[0] != exchange_s:
+                mine = self.planner.chunk(self.settings.fmt, st.numel, st.main, exchange_s)
+                st.offer = exchange_s, math.log2(mine)
+            st.maxima.numpy()[n] = st.offer[1]
+        assert st.maxima_call is not None and st.parts is not None  # made by bind
+        st.maxima_call()
+        transports.all_reduce_max(st.maxima, comm.group, self.traffic)
+        if st.measured:
+            chunk = 2 ** int(st.maxima.numpy()[n])
+            if chunk != st.chunk:
+                routes = self._routes_for(st.plan, st.fmts)
+                st.groups = st.plan.group(
+                    st.fmts, routes, comm.world_size, chunk, comm.node_layouts()
+                )
+                st.chunk = chunk
+                st.bind(x, comm.world_size)
+        self.bucket_chunks[index] = st.chunk
+        if st.gather is not None and st.pick is not None:
+            st.gather()
+            st.pick()
+        for values, s in st.parts:
+            if s is None:
+                transports.fp32_mean(values, comm.group, comm.world_size, self.traffic)
+                continue
+            if s.bucket:
+                s.agreed.spread()
+            if s.host_factors is not None:  # the CPU kernels' factor arrays
+                s.agreed.host_factors_into(s.group.fmt, *s.host_factors)
+            assert s.calls is not None  # made by Steady.bind
+            if s.route == Route.ALLREDUCE:
+                transports.native(
+                    s.group, values, s.agreed, s.agreed, comm.group, self.traffic, calls=s.calls
+                )
+            else:
+                transports.two_phase_bound(s.calls, comm.group, self.traffic)
+        if st.scatter is not None:
+            st.scatter()
 
     def _settle_feedback(
         self, index: int, x: torch.Tensor, g: GroupPlan, names: Sequence[str | None]
@@ -820,7 +1032,7 @@ class Reducer:
 
     def steady_for(
         self, index: int, buffer: torch.Tensor
-    ) -> Steady | SteadyBlocks | SteadyFeedback | None:
+    ) -> Steady | SteadyBlocks | SteadyFeedback | SteadyGroups | None:
         """The bucket's :class:`Steady` path, if its layout and the policy's epoch are the ones
         it was bound to (a new epoch's formats bind it again, through :meth:`bucket`), and
         with error feedback, its residuals are still the feedback's."""
@@ -838,7 +1050,7 @@ class Reducer:
     def run_steady(
         self,
         index: int,
-        st: Steady | SteadyBlocks | SteadyFeedback,
+        st: Steady | SteadyBlocks | SteadyFeedback | SteadyGroups,
         x: torch.Tensor,
         defer: bool = False,
     ) -> Callable[[], None] | None:
@@ -853,6 +1065,9 @@ class Reducer:
             return self._run_feedback(st, x, defer)
         if isinstance(st, SteadyBlocks):
             return self._run_steady_blocks(index, st, x, defer)
+        if isinstance(st, SteadyGroups):
+            self._run_groups(index, st, x)
+            return None
         if st.route == Route.FP32:
             transports.fp32_mean(x, comm.group, comm.world_size, self.traffic)
             return None

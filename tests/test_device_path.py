@@ -29,13 +29,13 @@ from torch.utils._python_dispatch import TorchDispatchMode
 import aps_comm.reduction as reduction_mod
 from aps_comm.agreement import Layouts
 from aps_comm.config import BlockExponents, Reduction, Route, Scaling
-from aps_comm.engine import Comm, Reducer, Settings
+from aps_comm.engine import Comm, Reducer, Settings, SteadyGroups
 from aps_comm.feedback import ErrorFeedback
 from aps_comm.formats import FORMATS, FloatFormat, get_format
 from aps_comm.fsdp import reduce_shard, spread_nonfinite
 from aps_comm.layout import Layout
 from aps_comm.plan import Planner
-from aps_comm.policy import Assignment, KeepLast, LayerInfo, Promote, Rule, Schedule
+from aps_comm.policy import Assignment, ByName, KeepLast, LayerInfo, Promote, Rule, Schedule
 from aps_comm.telemetry import StepStats
 from aps_comm.topology import NodeGroups, Topology, grid_rows
 from aps_perfmodel.strategies import hook_cluster
@@ -374,6 +374,27 @@ def test_settled_buckets_with_stats_make_no_host_traffic(
     with mode:
         records = stats.records()
     assert len(mode.reads) == 1 and [r.name for r in records] == names
+
+
+MIXED: dict[str, list[Rule]] = {
+    "keep_last": [KeepLast("fp16")],  # two groups, consecutive: views of the bucket
+    "interleaved": [ByName({"layer[35].weight": "fp16"})],  # gathered into scratch
+}
+
+
+@pytest.mark.parametrize("policy", MIXED)
+@pytest.mark.parametrize("reduction", ["two_phase", "allreduce"])
+def test_settled_mixed_format_buckets_make_no_host_traffic(
+    monkeypatch: pytest.MonkeyPatch, fp8_sums: None, policy: str, reduction: str
+) -> None:
+    """Issue 46: a bucket of several formats settles, and its bound path (what a CUDA
+    graph captures) reads nothing on the host and copies nothing to the device."""
+    with stubbed_collectives(monkeypatch):
+        reducer, names = _reducer(get_format("e4m3"), reduction, "layer", 6, 1, MIXED[policy])
+        steady, _ = _bucket_steps(reducer, names, 3, chunk=512)
+        assert isinstance(reducer.steady.get(1), SteadyGroups)
+    for mode in steady:
+        assert mode.reads == [] and mode.copies == [], (mode.reads, mode.copies)
 
 
 def _unit_steps(reducer: Reducer, names: list[str], world: int, steps: int) -> list[HostTraffic]:

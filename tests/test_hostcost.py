@@ -16,9 +16,9 @@ import torch
 import aps_comm
 from aps_comm import cpu_kernels
 from aps_comm.codec import AgreedMaxima
-from aps_comm.engine import SteadyBlocks
+from aps_comm.engine import SteadyBlocks, SteadyGroups
 from aps_comm.formats import get_format
-from aps_comm.policy import Promote, Schedule
+from aps_comm.policy import ByName, KeepLast, Promote, Schedule
 from aps_comm.scaling import exponents
 from aps_comm.testing import run_distributed
 from benchmarks.hostcost import (
@@ -428,4 +428,87 @@ def _feedback_steps(rank: int, world_size: int, options: dict) -> list[str]:
 )
 def test_settled_error_feedback_gives_the_full_paths_bits_and_residuals(options: dict) -> None:
     for problems in run_distributed(_feedback_steps, 2, args=(options,)):
+        assert problems == []
+
+
+# Every odd layer in fp16 (ParamLayer's names): groups that are not consecutive in the bucket.
+_ODD_FP16 = ByName({"*[13579].weight": "fp16"})
+
+_MIXED: dict[str, dict] = {
+    "keep_last": CONFIGS["keep_last"],
+    "interleaved": {**ROUTES["two_phase"], "policy": [_ODD_FP16, KeepLast("fp32")]},
+}
+"""Buckets of several formats: KeepLast's two consecutive groups; three interleaved ones."""
+
+
+@pytest.mark.parametrize(("config", "fewest"), [("keep_last", 2), ("interleaved", 4)])
+def test_ops_per_settled_mixed_format_bucket_do_not_grow_with_layers(
+    world: None, config: str, fewest: int
+) -> None:
+    """Issue 46: a bucket whose layers travel in several formats settles (keep_last: 478
+    ops per bucket at 200 layers before, 86 at 4). ``fewest``: the fewest layers that
+    interleave the formats as 200 do."""
+    counts = {}
+    for layers in (fewest, 200):
+        x, params = _bucket([300 + i for i in range(layers)], layers)
+        state = _bound_state(_MIXED[config], params)
+        for _ in range(2):  # the plan, then the settled path bound
+            state.run_bucket(0, x.clone(), params)
+        buffer = x.clone()
+        state.run_bucket(0, buffer, params)  # a new buffer: bound once more
+        assert state.reducer is not None
+        assert isinstance(state.reducer.steady_for(0, buffer), SteadyGroups)
+        aten, kernels = count_ops(state, buffer, params)
+        assert not any("_local_scalar_dense" in op for op in aten), aten  # no host read
+        counts[layers] = (aten, kernels)
+    assert counts[fewest] == counts[200], counts
+    aten, kernels = counts[200]
+    assert len(aten) + len(kernels) <= BUDGET, counts[200]
+    assert kernels.count("kernel::block_amax") == 1  # every layer's maximum in one pass
+
+
+def _mixed_steps(rank: int, world_size: int, configs: list[dict]) -> list[str]:
+    """Mixed-format buckets over several steps, settled against the general path: the
+    gradients bit for bit and the bytes per collective, a NaN in one step included."""
+    numels = [5, 0, 1, 700, 33, 2, 64]
+    params = [torch.nn.Parameter(torch.empty(n)) for n in numels]
+    problems = []
+    for c, options in enumerate(configs):
+        settled, full = (_bound_state(options, params) for _ in range(2))
+        buffer = torch.empty(sum(numels))
+        for step in range(5):
+            x, _ = _bucket(numels, 100 * step + 10 * c + rank)
+            if step == 3 and rank == world_size - 1:
+                x[7] = float("nan")  # layer 3 on one rank: NaN in it on every rank, this step
+            buffer.copy_(x)
+            # Steps 3 (the NaN) and 4 run the settled path (2 may bind a new epoch).
+            ahead = settled.reducer.steady_for(0, buffer) if settled.reducer else None
+            if step >= 3 and not isinstance(ahead, SteadyGroups):
+                problems.append(f"config {c} step {step}: not settled")
+            out = settled.run_bucket(0, buffer, params)
+            if full.reducer is not None:
+                full.reducer.steady.clear()  # never settled: the general path every step
+            want = full.run_bucket(0, x.clone(), params)
+            bits = torch.where(out.isnan(), 0.0, out).view(torch.int32)
+            if not torch.equal(out.isnan(), want.isnan()) or not torch.equal(
+                bits, torch.where(want.isnan(), 0.0, want).view(torch.int32)
+            ):
+                problems.append(f"config {c} step {step}: gradients differ")
+            if out[6:706].isnan().all() != (step == 3) or out[706:].isnan().any():
+                problems.append(f"config {c} step {step}: NaN where it should not be, or not")
+            if settled.bytes_detail != full.bytes_detail:
+                problems.append(f"config {c} step {step}: {settled.bytes_detail} on the wire")
+    return problems
+
+
+@pytest.mark.parametrize("world_size", [1, 2])
+def test_settled_mixed_format_buckets_give_the_general_paths_bits(world_size: int) -> None:
+    configs = [
+        *_MIXED.values(),
+        {"fmt": "fp16", "reduction": "allreduce", "policy": [KeepLast("fp32")]},
+        {**ROUTES["two_phase"], "scaling": "bucket", "policy": [_ODD_FP16]},
+        # Schedule's fp16 for every layer, then e4m3 beside FP32: bound again at step 2.
+        {**ROUTES["two_phase"], "policy": [Schedule(steps=2, fmt="fp16"), KeepLast("fp32")]},
+    ]
+    for problems in run_distributed(_mixed_steps, world_size, args=(configs,)):
         assert problems == []

@@ -1252,3 +1252,45 @@ def test_error_feedback_calls_match_kernels(
         got = _feedback_calls(codec.Codec(fmt, torch.device("cpu"), backend), fmt, rank)
         for a, b in zip(got, want, strict=True):
             assert torch.equal(a.view(torch.uint8), b.view(torch.uint8)), backend
+
+
+@pytest.mark.parametrize("policy", ["keep_last", "interleaved"])
+def test_settled_mixed_format_bucket_on_triton_gives_the_kernels_bits(
+    tc: types.ModuleType, policy: str
+) -> None:
+    # A bucket of several formats settles on the Triton backend too (SteadyGroups): its
+    # groups' bound launches read views of the bucket at odd offsets (KeepLast) or one
+    # gathered scratch (interleaved formats), and give the numba kernels' full path's bits.
+    import aps_comm
+    from aps_comm.engine import SteadyGroups
+    from aps_comm.policy import ByName, KeepLast
+    from benchmarks.hostcost import ParamLayer, world_of_one
+
+    rules = {
+        "keep_last": [KeepLast("fp16")],
+        "interleaved": [ByName({"*[13579].weight": "fp16"}), KeepLast("fp32")],
+    }
+    options = {"fmt": "e4m3", "reduction": "two_phase", "policy": rules[policy]}
+    x, params = _block_bucket([5, 0, 1, 300, 33, 2, 64], 11)
+
+    def bound() -> aps_comm.APSState:
+        state = aps_comm.APSState(**options)
+        state.bind_model(torch.nn.ModuleList(ParamLayer(p) for p in params))
+        return state
+
+    with _triton_plans():
+        settled = bound()
+        buffer = x.clone()
+        for _ in range(3):  # the plan, the settled path bound, then run
+            buffer.copy_(x)
+            out = _quiet(settled.run_bucket, 0, buffer, params).clone()
+        assert settled.reducer is not None
+        st = settled.reducer.steady_for(0, buffer)
+        assert isinstance(st, SteadyGroups) and st.parts is not None
+        assert {s.group.codec.backend for _, s in st.parts if s is not None} == {"triton"}
+        del settled, st
+    with world_of_one(torch.device("cpu")):
+        want = bound().run_bucket(0, x.clone(), params)  # the numba kernels' full path
+    assert out[:5].isnan().all() and not out[5:].isnan().any()
+    same = torch.where(out.isnan(), 0.0, out).view(torch.int32)
+    assert torch.equal(same, torch.where(want.isnan(), 0.0, want).view(torch.int32))
