@@ -933,10 +933,11 @@ if AVAILABLE:
 
 
 if AVAILABLE:
-
-    @triton.jit
-    def _larger(a, b):
-        return tl.maximum(a, b)
+    # The combine function of tl.max itself: compiled, the same reduction as a
+    # function of our own returning tl.maximum(a, b); interpreted, numpy's max
+    # over the whole axis instead of one Python call per element (the
+    # interpreter recognises this function, not a copy of it).
+    _larger = tl.standard._elementwise_max
 
     @triton.jit
     def _mean_exponent(m, e, M: tl.constexpr):

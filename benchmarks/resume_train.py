@@ -32,7 +32,7 @@ from torch.nn.parallel import DistributedDataParallel as DDP
 from aps_comm import register
 from aps_launch import init_distributed
 
-__all__ = ["main"]
+__all__ = ["main", "train"]
 
 CRASH_CODE = 17
 
@@ -71,6 +71,22 @@ def digest(module: nn.Module) -> str:
 
 def main(argv: list[str] | None = None) -> None:
     """Train ``--steps`` steps, checkpointing each, resuming from ``--ckpt``."""
+    final = train(argv)
+    if dist.get_rank() == 0:
+        print(f"RESUME-DIGEST {final}", flush=True)
+    dist.destroy_process_group()
+
+
+def train(argv: list[str] | None = None) -> str:
+    """:func:`main`'s job without the report and the teardown: the final weights' digest.
+
+    A process group already initialised (a test's ranks) is used as it is; the
+    caller destroys it.
+
+    Example:
+        >>> train(["--ckpt", "ck", "--steps", "2"])  # on every rank of a job  # doctest: +SKIP
+        '8784fe74...'
+    """
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--ckpt", type=Path, required=True, help="checkpoint directory")
     parser.add_argument("--steps", type=int, default=10)
@@ -135,9 +151,7 @@ def main(argv: list[str] | None = None) -> None:
         # Every rank's checkpoint of this step exists before any rank moves
         # on, so a crash in the next step finds them all at the same step.
         dist.barrier()
-    if info.rank == 0:
-        print(f"RESUME-DIGEST {digest(ddp.module)}", flush=True)
-    dist.destroy_process_group()
+    return digest(ddp.module)
 
 
 if __name__ == "__main__":

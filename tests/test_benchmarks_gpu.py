@@ -13,6 +13,7 @@ from typing import Any
 
 import pytest
 import torch
+from conftest import made_once
 
 from aps_comm.testing import run_distributed
 from benchmarks import gpu
@@ -597,8 +598,16 @@ def _harness(rank: int, world_size: int) -> tuple[dict, dict, dict]:
 
 
 @pytest.fixture(scope="module")
-def harness() -> list[tuple[dict, dict, dict]]:
-    return run_distributed(_harness, 2, timeout=180)
+def harness(
+    tmp_path_factory: pytest.TempPathFactory, worker_id: str
+) -> list[tuple[dict, dict, dict]]:
+    # Three tests read it, and xdist hands a module's tests to different workers.
+    return made_once(
+        tmp_path_factory,
+        worker_id,
+        "test_benchmarks_gpu.harness",
+        lambda: run_distributed(_harness, 2, timeout=180),
+    )
 
 
 def test_hook_check_passes_a_real_run_and_names_each_fault(harness: list) -> None:

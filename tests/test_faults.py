@@ -23,6 +23,9 @@ from pathlib import Path
 
 import pytest
 
+from aps_comm.testing import run_distributed
+from benchmarks import resume_train
+
 SCRIPTS = Path(__file__).parent / "launch_scripts"
 PG_TIMEOUT = 5.0
 # Python and torch start in ~5 s per process on 2 busy cores; the survivors'
@@ -156,6 +159,10 @@ def test_peer_failure_fails_survivors_within_timeout(
     assert not left, f"left in /dev/shm: {left}"
 
 
+def _uninterrupted(rank: int, world_size: int, ckpt: str) -> str:
+    return resume_train.train(["--fixed-buckets", "--steps=6", f"--ckpt={ckpt}"])
+
+
 @pytest.mark.slow
 def test_crash_and_resume_is_bitwise_the_uninterrupted_run(tmp_path: Path) -> None:
     """aps-launch --max-restarts recovers from a kill -9 and the resumed run is exact.
@@ -163,24 +170,33 @@ def test_crash_and_resume_is_bitwise_the_uninterrupted_run(tmp_path: Path) -> No
     benchmarks/resume_train.py is the README's recipe (per-rank checkpoints of
     model, optimizer and APS state, error feedback on); with DDP's bucket
     layout fixed the resumed weights equal the uninterrupted run's bit for bit.
+    The uninterrupted run is the same training on ranks forked from the test's
+    fork server (torch imported once, not by a launcher and two ranks): only
+    the crashing run needs the launcher.
     """
+    ref = run_distributed(_uninterrupted, 2, args=(str(tmp_path / "ref"),), timeout=180)
+    assert ref[0] == ref[1], ref
     root = Path(__file__).resolve().parents[1]
-    launch = [sys.executable, "-m", "aps_launch.cli", "--nproc-per-node=2"]
-    train = ["-m", "benchmarks.resume_train", "--fixed-buckets", "--steps=6"]
-    digests = []
-    for name, extra, crash in (
-        ("ref", [], []),
-        ("crash", ["--max-restarts=1"], ["--crash-at=3", "--crash-kill"]),
-    ):
-        cmd = [*launch, *extra, *train, f"--ckpt={tmp_path / name}", *crash]
-        out = subprocess.run(
-            cmd, cwd=root, env=_clean_env(), capture_output=True, text=True, timeout=180
-        )
-        log = out.stdout + out.stderr
-        assert out.returncode == 0, log
-        found = re.search(r"RESUME-DIGEST ([0-9a-f]{64})", log)
-        assert found, log
-        digests.append(found.group(1))
-        if crash:
-            assert "rank 1: crashing at step 3" in log and "resumed at step 3" in log, log
-    assert digests[0] == digests[1]
+    cmd = [
+        sys.executable,
+        "-m",
+        "aps_launch.cli",
+        "--nproc-per-node=2",
+        "--max-restarts=1",
+        "-m",
+        "benchmarks.resume_train",
+        "--fixed-buckets",
+        "--steps=6",
+        f"--ckpt={tmp_path / 'crash'}",
+        "--crash-at=3",
+        "--crash-kill",
+    ]
+    out = subprocess.run(
+        cmd, cwd=root, env=_clean_env(), capture_output=True, text=True, timeout=180
+    )
+    log = out.stdout + out.stderr
+    assert out.returncode == 0, log
+    assert "rank 1: crashing at step 3" in log and "resumed at step 3" in log, log
+    found = re.search(r"RESUME-DIGEST ([0-9a-f]{64})", log)
+    assert found, log
+    assert found.group(1) == ref[0]

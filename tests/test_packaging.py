@@ -19,6 +19,7 @@ import zipfile
 from pathlib import Path
 
 import pytest
+from conftest import made_once
 
 import aps_comm
 
@@ -81,7 +82,15 @@ def _source_files(directory: str) -> set[str]:
 
 
 @pytest.fixture(scope="module")
-def built(tmp_path_factory: pytest.TempPathFactory) -> dict[str, Path]:
+def built(tmp_path_factory: pytest.TempPathFactory, worker_id: str) -> dict[str, Path]:
+    # Two tests read it, and xdist hands a module's tests to different workers.
+    return made_once(
+        tmp_path_factory, worker_id, "test_packaging.built", lambda: _build(tmp_path_factory)
+    )
+
+
+def _build(tmp_path_factory: pytest.TempPathFactory) -> dict[str, Path]:
+    """The sdist and the wheel built from a copy of the checkout, in a scratch folder."""
     tmp = tmp_path_factory.mktemp("packaging")
     # A copy, so that the build's egg-info and build/ stay out of the checkout.
     src = tmp / "src"
