@@ -26,6 +26,7 @@ import json
 import os
 import re
 import shutil
+import signal
 import socket
 import subprocess
 import sys
@@ -340,14 +341,24 @@ def _env() -> dict[str, str]:
 
 
 def _run(command: str, cwd: Path, timeout: float) -> subprocess.CompletedProcess[str]:
-    return subprocess.run(
+    # Its own session: a command that runs past the timeout is killed with every
+    # process it started (ranks, launchers), not only the shell.
+    with subprocess.Popen(
         ["bash", "-c", command],
         cwd=cwd,
         env=_env(),
-        capture_output=True,
+        stdout=subprocess.PIPE,
+        stderr=subprocess.PIPE,
         text=True,
-        timeout=timeout,
-    )
+        start_new_session=True,
+    ) as proc:
+        try:
+            out, err = proc.communicate(timeout=timeout)
+        except subprocess.TimeoutExpired:
+            os.killpg(proc.pid, signal.SIGKILL)
+            proc.communicate()
+            raise
+    return subprocess.CompletedProcess(proc.args, proc.returncode, out, err)
 
 
 def _train_script() -> str:
