@@ -28,6 +28,8 @@ Example:
 import dataclasses
 import datetime
 import functools
+import hashlib
+import json
 import os
 from collections.abc import Callable, Sequence
 from typing import TypedDict
@@ -372,11 +374,37 @@ class APSState:
         )
 
     def describe(self) -> str:
-        """Everything every rank must agree on, as text."""
+        """The configuration a checkpoint is saved with and loads into, as text."""
         return (
             f"{self.config.describe()}, policy={describe_policy(self.policy)}, "
             f"error_feedback={self.error_feedback}"
         )
+
+    def agreed_settings(self) -> dict[str, str]:
+        """Every setting the ranks compare when they bind, as text, named as the argument is.
+
+        What :meth:`describe` holds, one entry per argument (a difference is
+        reported by name), and the profile: ranks planning with different
+        profiles would choose different routes and chunks. A checkpoint does
+        not record the profile (a resumed run may recalibrate).
+
+        Example:
+            >>> APSState("e2m1", "two_phase", "block", block_size=64).agreed_settings()["block_size"]
+            '64'
+        """
+        config = self.config
+        settings = {
+            "fmt": config.fmt.describe(),
+            "reduction": str(config.reduction),
+            "scaling": str(config.scaling),
+        }
+        if config.scaling == Scaling.BLOCK:  # unused otherwise
+            settings["block_size"] = str(config.block_size)
+            settings["block_exponents"] = str(config.block_exponents)
+        settings["policy"] = describe_policy(self.policy)
+        settings["error_feedback"] = str(self.error_feedback)
+        settings["profile"] = _profile_text(self.profile)
+        return settings
 
     def bind_process_group(self, timeout: datetime.timedelta | None = None) -> None:
         """Create the state's process group (unless one was given) and agree on the configuration.
@@ -404,24 +432,23 @@ class APSState:
         # What each rank would run on each device type is agreed here too, so
         # that binding to the gradients' device at the first hook call needs no
         # collective (the hook must never wait for a peer).
+        agreement.agree(group, self.agreed_settings(), what="APSState configuration")
         mine = (
-            self.describe(),
             agreement.seen_topology(self.ranks_per_node),
             self._routes_seen(group),
+            self.ranks_per_node is not None,
         )
         everyone = agreement.gather(group, mine)
-        if any(c[0] != mine[0] for c in everyone):
-            listing = by_rank([c[0] for c in everyone])
-            raise ValueError(f"APSState configuration differs across ranks: {listing}")
         self.layouts = agreement.bind_topology(
-            [c[1] for c in everyone],
+            [c[0] for c in everyone],
             group,
             self.config.reduction,
             grid_ok=not self.error_feedback,
-            explicit=self.ranks_per_node is not None,
+            # One rank's ranks_per_node= makes a layout error every rank's.
+            explicit=any(c[2] for c in everyone),
             timeout=timeout,
         )
-        self._routes_agreed = [c[2] for c in everyone]
+        self._routes_agreed = [c[1] for c in everyone]
         self._world_size = group.size()
 
     def _routes_seen(self, group: dist.ProcessGroup) -> dict[str, tuple[str, str]]:
@@ -770,6 +797,15 @@ class APSState:
             if info.param is not None:
                 return info.param.device
         return None
+
+
+def _profile_text(profile: Profile | None) -> str:
+    """The profile as the ranks compare it: its backend, world size and a digest of its file."""
+    if profile is None:
+        return "none (the backend's defaults)"
+    text = json.dumps(profile.to_dict(), sort_keys=True)
+    digest = hashlib.sha256(text.encode()).hexdigest()[:12]
+    return f"{profile.backend}, {profile.world_size} ranks, sha256 {digest}"
 
 
 def _check_bucket(buffer: torch.Tensor, params: Sequence[torch.Tensor]) -> None:

@@ -55,25 +55,31 @@ from typing import Any
 
 import torch
 import torch.distributed as dist
+from torch.distributed.algorithms.ddp_comm_hooks import default_hooks
 from torch.utils._python_dispatch import TorchDispatchMode, is_traceable_wrapper_subclass
 
 import aps_comm
 from aps_comm import cpu_kernels
 from aps_comm.policy import KeepLast, Promote, Schedule
+from aps_perfmodel.collectives import LinkParams
+from aps_perfmodel.profile import Profile
 
 __all__ = [
     "CONFIGS",
+    "FAST_LINK",
     "FSDP_ROUTES",
     "MODELS",
     "ROUTES",
     "OpCounter",
     "ParamLayer",
     "Row",
+    "allreduce_hook_bucket",
     "count_calls",
     "count_ops",
     "fsdp_unit",
     "main",
     "measure",
+    "measure_allreduce_hook",
     "measure_fsdp",
     "state_nbytes",
 ]
@@ -91,6 +97,9 @@ ROUTES: dict[str, dict[str, Any]] = {
 }
 """The routes measured: APS e4m3 two_phase, FP16 native sums, e2m1 block two_phase."""
 
+FAST_LINK = Profile(world_size=1, backend="gloo", link=LinkParams(alpha=5e-6, beta=5e-12))
+"""A calibrated profile of a link of 5 us and 200 GB/s: "auto" sends every bucket in FP32."""
+
 CONFIGS: dict[str, dict[str, Any]] = {
     **ROUTES,
     "two_phase+stats": {**ROUTES["two_phase"], "stats": True},
@@ -103,8 +112,13 @@ CONFIGS: dict[str, dict[str, Any]] = {
     "schedule": {**ROUTES["two_phase"], "policy": [Schedule(steps=1)]},
     "fp16_two_phase": {"fmt": "fp16", "reduction": "two_phase"},
     "auto": {"fmt": "e4m3", "reduction": "auto"},
+    "auto/fp32": {"fmt": "e4m3", "reduction": "auto", "profile": FAST_LINK},
 }
-"""Every option a user turns on, beside the three plain routes (``--configs all``)."""
+"""Every option a user turns on, beside the three plain routes (``--configs all``).
+
+"auto/fp32" is "auto" on a link fast enough that it sends every bucket as
+the plain FP32 all-reduce (what it picks on NVLink), beside which ``--configs all``
+measures PyTorch's ``allreduce_hook`` (:func:`measure_allreduce_hook`)."""
 
 FSDP_ROUTES: dict[str, dict[str, Any]] = {
     "fsdp/e4m3": {"fmt": "e4m3"},
@@ -446,6 +460,104 @@ def measure(
     return rows
 
 
+class _TorchBucket:
+    """What ``allreduce_hook`` reads of DDP's ``GradBucket`` (which Python cannot construct)."""
+
+    def __init__(self, buffer: torch.Tensor) -> None:
+        self._buffer = buffer
+
+    def buffer(self) -> torch.Tensor:
+        return self._buffer
+
+
+def allreduce_hook_bucket(buffer: torch.Tensor) -> torch.Tensor:
+    """PyTorch's ``allreduce_hook`` on one bucket, waited for (the default group's average).
+
+    Example:
+        >>> allreduce_hook_bucket(torch.ones(4))  # doctest: +SKIP
+        tensor([1., 1., 1., 1.])
+    """
+    return default_hooks.allreduce_hook(None, _TorchBucket(buffer)).wait()  # type: ignore[arg-type]
+
+
+def measure_allreduce_hook(
+    device: torch.device, repeats: int = 50, models: dict[str, list[int]] | None = None
+) -> list[Row]:
+    """PyTorch's ``default_hooks.allreduce_hook`` per bucket, as :func:`measure` measures APS's.
+
+    What the FP32 route ("auto" on fast links) must not exceed.
+
+    Example:
+        >>> measure_allreduce_hook(torch.device("cpu"), 3)[0].ops  # doctest: +SKIP
+        1
+    """
+    rows = []
+    for model, numels in (models or MODELS).items():
+        buffer, _ = _bucket(numels, device, 0)
+        allreduce_hook_bucket(buffer)
+        _sync(device)
+        if device.type == "cuda":
+            counter = OpCounter()
+            activities = [
+                torch.profiler.ProfilerActivity.CPU,
+                torch.profiler.ProfilerActivity.CUDA,
+            ]
+            with torch.profiler.profile(activities=activities) as prof, counter:
+                allreduce_hook_bucket(buffer)
+                torch.cuda.synchronize(device)
+            aten = counter.ops
+            kernels = [
+                f"cuda::{e.name}"
+                for e in prof.events()
+                if e.device_type == torch.autograd.DeviceType.CUDA
+                and not e.name.lower().startswith("nccl")
+            ]
+        else:
+            aten, kernels = count_calls(functools.partial(allreduce_hook_bucket, buffer), device)
+        host, on_wire, total = _hook_timed(buffer, device, repeats)
+        ops = len(kernels) if device.type == "cuda" else len(aten) + len(kernels)
+        rows.append(
+            Row(
+                model,
+                "allreduce_hook",
+                len(numels),
+                sum(numels),
+                ops,
+                len(aten),
+                len(kernels),
+                host,
+                0.0,
+                on_wire,
+                total,
+                tuple(aten + kernels),
+            )
+        )
+    return rows
+
+
+def _hook_timed(buffer: torch.Tensor, device: torch.device, repeats: int) -> tuple[float, ...]:
+    """As :func:`_timed` for ``allreduce_hook``: waiting for its future is the wire's time too.
+
+    Returns (host, collectives, total) medians in us.
+    """
+    host, on_wire, total = [], [], []
+    for _ in range(repeats):
+        wire: list[float] = []
+        _sync(device)
+        with _collectives(wire):
+            start = time.perf_counter()
+            fut = default_hooks.allreduce_hook(None, _TorchBucket(buffer))  # type: ignore[arg-type]
+            waited = time.perf_counter()
+            fut.wait()
+            wire.append(time.perf_counter() - waited)
+            elapsed = time.perf_counter() - start
+        _sync(device)
+        total.append(elapsed)
+        on_wire.append(sum(wire))
+        host.append(elapsed - sum(wire))
+    return tuple(round(statistics.median(v) * 1e6, 1) for v in (host, on_wire, total))
+
+
 class _Unit(torch.nn.Module):
     def __init__(self, numels: list[int], device: torch.device) -> None:
         super().__init__()
@@ -581,6 +693,8 @@ def main(argv: list[str] | None = None) -> int:
         else:
             routes = CONFIGS if args.configs == "all" else ROUTES
             rows = measure(device, args.repeats, routes=routes)
+            if args.configs == "all":
+                rows += measure_allreduce_hook(device, args.repeats)
     print(table(rows))
     if args.out:
         doc = {

@@ -1,65 +1,146 @@
-"""Every field of the hook's configuration is one the ranks and checkpoints compare.
+"""Every argument of the hook's configuration is one the ranks and checkpoints compare.
 
-A field left out of :meth:`aps_comm.APSState.describe` would let ranks with
-different settings run different collectives (a Gloo size mismatch or a
-silently wrong gradient) and a checkpoint load into a state it was not made
-for. Each field is changed alone, against a base configuration that makes it
-matter (block sizes and exponents only exist with block scaling).
+An argument left out of :meth:`aps_comm.APSState.agreed_settings` would let
+ranks with different settings run different collectives (a Gloo size
+mismatch or a silently wrong gradient); one left out of
+:meth:`aps_comm.APSState.describe`, a checkpoint load into a state it was not
+made for. The arguments are read from ``APSState``, ``APSConfig`` and
+``register`` themselves: a new one fails :func:`test_every_argument_is_classified`
+until it is listed here, as compared or as free to differ per rank, with why.
+Each compared argument is changed alone, against a base configuration that
+makes it matter (block sizes and exponents only exist with block scaling).
 """
+
+import dataclasses
+import inspect
 
 import pytest
 import torch
+import torch.nn as nn
 from conftest import Net, capture, check_log
+from torch.distributed.device_mesh import init_device_mesh
+from torch.distributed.fsdp import fully_shard
 from torch.nn.parallel import DistributedDataParallel as DDP
 
-from aps_comm import APSState, register
+from aps_comm import APSState, fsdp, register
+from aps_comm.fsdp import APSFSDPConfig, APSFSDPState
+from aps_comm.hook import APSConfig
 from aps_comm.policy import KeepLast
 from aps_comm.testing import run_distributed
+from aps_perfmodel.collectives import LinkParams
+from aps_perfmodel.profile import Profile
 
 _LAYER = {"fmt": "e4m3", "reduction": "two_phase", "scaling": "layer"}
 _BLOCK = {"fmt": "e2m1", "reduction": "two_phase", "scaling": "block"}
-# (field, base configuration, the field's other value)
-FIELDS = [
-    ("fmt", _LAYER, "e5m2"),
-    ("reduction", _LAYER, "allreduce"),
-    ("scaling", _LAYER, "bucket"),
-    ("block_size", _BLOCK, 64),
-    ("block_exponents", _BLOCK, "agreed"),
-    ("policy", _LAYER, [KeepLast("fp32")]),
-    ("error_feedback", _LAYER, True),
-]
+# A calibrated profile: with it "auto" may send small buckets in FP32 on Gloo.
+_PROFILE = Profile(world_size=2, backend="gloo", link=LinkParams(alpha=1e-3, beta=8e-9))
+# Per argument the ranks must agree on: (base configuration, the argument's other value).
+AGREED: dict[str, tuple[dict, object]] = {
+    "fmt": (_LAYER, "e5m2"),
+    "reduction": (_LAYER, "allreduce"),
+    "scaling": (_LAYER, "bucket"),
+    "block_size": (_BLOCK, 64),
+    "block_exponents": (_BLOCK, "agreed"),
+    "policy": (_LAYER, [KeepLast("fp32")]),
+    "error_feedback": (_LAYER, True),
+    "profile": (_LAYER, _PROFILE),
+    "ranks_per_node": (_LAYER, 2),
+}
+# Arguments free to differ per rank, and why.
+PER_RANK = {
+    "process_group": "not a setting: the group the ranks communicate on, one group",
+    "stats": "records what this rank sent and received, with no collective of its own "
+    "(test_ranks_may_differ_in_stats)",
+    "cuda_graphs": "how a rank launches its settled buckets' device work: the same "
+    "collectives, in the same order, captured or not (CPU buckets never are)",
+}
+# Compared across ranks but not recorded in checkpoints, and why.
+NOT_CHECKPOINTED = {
+    "profile": "a resumed run may calibrate again, on another cluster",
+    "ranks_per_node": "a resumed run may run on another layout of nodes",
+}
 
 
-@pytest.mark.parametrize(("field", "base", "other"), FIELDS, ids=[f[0] for f in FIELDS])
-def test_a_checkpoint_names_every_field_it_was_saved_with(
-    field: str, base: dict, other: object
-) -> None:
+def _arguments() -> set[str]:
+    """Every configuration argument a user can pass, as the code declares them."""
+    state = set(inspect.signature(APSState.__init__).parameters) - {"self"}
+    config = {f.name for f in dataclasses.fields(APSConfig)}
+    reg = set(inspect.signature(register).parameters) - {"ddp"}
+    return state | config | reg
+
+
+def test_every_argument_is_classified() -> None:
+    """A new argument must be compared (and checkpointed) or said to be free per rank."""
+    assert _arguments() == set(AGREED) | set(PER_RANK), "classify the new argument here"
+    assert not set(AGREED) & set(PER_RANK)
+    assert set(NOT_CHECKPOINTED) <= set(AGREED)
+
+
+CHECKPOINTED = [f for f in AGREED if f not in NOT_CHECKPOINTED]
+
+
+@pytest.mark.parametrize("field", CHECKPOINTED)
+def test_a_checkpoint_names_every_field_it_was_saved_with(field: str) -> None:
+    base, other = AGREED[field]
     saved = APSState(**base).state_dict()
     with pytest.raises(ValueError, match="checkpoint was saved with"):
         APSState(**{**base, field: other}).load_state_dict(saved)
     APSState(**base).load_state_dict(saved)  # the same configuration loads
 
 
-def _every_field_differs(rank: int, world_size: int) -> list[str]:
-    messages = []
-    for field, base, other in FIELDS:
-        torch.manual_seed(0)
-        ddp = DDP(Net())
-        options = {**base, field: other} if rank == 1 else base
+@pytest.mark.parametrize("field", list(NOT_CHECKPOINTED))
+def test_a_checkpoint_loads_where_the_run_may_change(field: str) -> None:
+    base, other = AGREED[field]
+    saved = APSState(**base).state_dict()
+    APSState(**{**base, field: other}).load_state_dict(saved)
+
+
+def _every_field_differs(rank: int, world_size: int) -> dict[str, str]:
+    """Per field, the error binding raised on this rank with rank 1's field changed alone."""
+    messages = {}
+    for field, (base, other) in AGREED.items():
+        state = APSState(**({**base, field: other} if rank == 1 else base))
         try:
-            register(ddp, **options)
+            # What register and the first hook call do before any gradient moves.
+            state.bind_process_group()
         except ValueError as exc:
-            messages.append(str(exc))
+            messages[field] = str(exc)
         else:
-            messages.append("")
+            messages[field] = ""
     return messages
 
 
 def test_ranks_with_any_field_different_refuse_to_run() -> None:
-    """``register`` raises on every rank, whichever field differs."""
+    """Binding raises on every rank, whichever field differs, and names the field."""
     for messages in run_distributed(_every_field_differs, 2, timeout=120):
-        for (field, _, _), msg in zip(FIELDS, messages, strict=True):
-            assert "configuration differs across ranks" in msg, (field, msg)
+        for field, msg in messages.items():
+            assert "differs across ranks" in msg or "ranks disagree" in msg, (field, msg)
+            assert field in msg, (field, msg)
+
+
+def _stats_on_one_rank(rank: int, world_size: int) -> list[bool]:
+    """Rank 0 records stats, rank 1 does not: the same bits as when neither does."""
+    same = []
+    for options in (_LAYER, _BLOCK, {**_BLOCK, "policy": [KeepLast("fp32")]}):
+        grads = []
+        for stats in (rank == 0, False):
+            torch.manual_seed(0)
+            ddp = DDP(Net())
+            state = register(ddp, **options, stats=stats)
+            out = []
+            for step in range(3):  # the first step plans, the later ones run settled
+                torch.manual_seed(1000 * step + rank)
+                ddp.zero_grad()
+                ddp(torch.randn(8, 16) * (rank + 1)).pow(2).sum().backward()
+                out += [p.grad.clone() for p in ddp.parameters()]
+            assert bool(state.stats) == stats
+            grads.append(out)
+        same.append(all(torch.equal(a, b) for a, b in zip(*grads, strict=True)))
+    return same
+
+
+def test_ranks_may_differ_in_stats() -> None:
+    assert run_distributed(_stats_on_one_rank, 2, timeout=120) == [[True] * 3] * 2
 
 
 class _Prefers:
@@ -101,3 +182,63 @@ def test_ranks_preferring_different_chunks_run_the_agreed_one() -> None:
     for chunks, checked in run_distributed(_own_chunk_preferences, 2, timeout=120):
         assert chunks == [1024]
         assert checked == 4
+
+
+# aps_comm.fsdp: per argument the ranks must agree on, (base options, the other value).
+# "hsdp": the model sharded over mesh["shard"] of a 2 x 1 mesh, replicate=mesh["replicate"].
+_HSDP = {"fmt": "fp16", "hsdp": True}
+FSDP_AGREED: dict[str, tuple[dict, object]] = {
+    "fmt": ({}, "e5m2"),
+    "scaling": ({}, "bucket"),
+    "block_size": ({"fmt": "e2m1", "scaling": "block"}, 64),
+    "policy": ({}, [KeepLast("fp32")]),
+    "reduction": (_HSDP, "allreduce"),
+    "reduce_scatter": (_HSDP, True),
+}
+FSDP_PER_RANK = {
+    "module": "the model: its units are compared one by one (test_fsdp.py's layout tests)",
+    "stats": "local passes over what this rank sent and received, no collective",
+    "replicate": "compared as the replicas' layout, with its own errors "
+    "(test_hsdp.py::test_unsupported_meshes_are_an_error_on_every_rank)",
+    "replicas": "replicate='s size, compared with it",
+}
+
+
+def _fsdp_arguments() -> set[str]:
+    state = set(inspect.signature(APSFSDPState.__init__).parameters) - {"self"}
+    config = {f.name for f in dataclasses.fields(APSFSDPConfig)}
+    return state | config | set(inspect.signature(fsdp.register).parameters)
+
+
+def test_every_fsdp_argument_is_classified() -> None:
+    assert _fsdp_arguments() == set(FSDP_AGREED) | set(FSDP_PER_RANK), "classify it here"
+    assert not set(FSDP_AGREED) & set(FSDP_PER_RANK)
+
+
+def _every_fsdp_field_differs(rank: int, world_size: int) -> dict[str, str]:
+    mesh = init_device_mesh("cpu", (2, 1), mesh_dim_names=("replicate", "shard"))
+    messages = {}
+    for field, (base, other) in FSDP_AGREED.items():
+        options = dict({**base, field: other} if rank == 1 else base)
+        net = nn.Sequential(nn.Linear(8, 8), nn.Linear(8, 4))
+        shard = mesh["shard"] if options.pop("hsdp", False) else None
+        fully_shard(net[0], mesh=shard)
+        fully_shard(net, mesh=shard)
+        if shard is not None:
+            options["replicate"] = mesh["replicate"]
+        try:
+            fsdp.register(net, **options)
+        except ValueError as exc:
+            messages[field] = str(exc)
+        else:
+            messages[field] = ""
+    return messages
+
+
+def test_fsdp_ranks_with_any_field_different_refuse_to_run() -> None:
+    """aps_comm.fsdp.register raises on every rank, whichever field differs, naming it."""
+    for messages in run_distributed(_every_fsdp_field_differs, 2, timeout=120):
+        for field, msg in messages.items():
+            assert "configuration differs across ranks" in msg, (field, msg)
+            # The configuration's text names the field, or block_size's scaling=block(64).
+            assert f"{field}=" in msg or (field == "block_size" and "block(64)" in msg), msg
