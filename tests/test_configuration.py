@@ -24,7 +24,7 @@ from torch.nn.parallel import DistributedDataParallel as DDP
 
 from aps_comm import APSState, fsdp, register
 from aps_comm.fsdp import APSFSDPConfig, APSFSDPState
-from aps_comm.hook import APSConfig
+from aps_comm.hook import APSConfig, StateOptions
 from aps_comm.policy import KeepLast
 from aps_comm.testing import run_distributed
 from aps_perfmodel.collectives import LinkParams
@@ -65,8 +65,9 @@ def _arguments() -> set[str]:
     """Every configuration argument a user can pass, as the code declares them."""
     state = set(inspect.signature(APSState.__init__).parameters) - {"self"}
     config = {f.name for f in dataclasses.fields(APSConfig)}
-    reg = set(inspect.signature(register).parameters) - {"ddp"}
-    return state | config | reg
+    # register(ddp, fmt, **options): its options are StateOptions' keys.
+    reg = set(inspect.signature(register).parameters) - {"ddp", "options"}
+    return state | config | reg | set(StateOptions.__annotations__)
 
 
 def test_every_argument_is_classified() -> None:

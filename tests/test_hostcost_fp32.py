@@ -13,7 +13,7 @@ import torch
 import aps_comm
 from benchmarks.hostcost import (
     CONFIGS,
-    _Layer,
+    ParamLayer,
     allreduce_hook_bucket,
     count_calls,
     count_ops,
@@ -35,7 +35,7 @@ def test_the_fp32_route_costs_no_more_ops_than_allreduce_hook(world: None, layer
     buffer = torch.randn(sum(numels))
     params = [torch.nn.Parameter(torch.empty(n)) for n in numels]
     state = aps_comm.APSState(**CONFIGS["auto/fp32"])
-    state.bind_model(torch.nn.ModuleList(_Layer(p) for p in params))
+    state.bind_model(torch.nn.ModuleList(ParamLayer(p) for p in params))
     for _ in range(3):  # the plan, then the settled path, then one more
         state.run_bucket(0, buffer, params)
     assert state.bucket_reductions == {0: "fp32"}
