@@ -18,7 +18,10 @@ are bound):
   or falls back to the general per-step one;
 - ``state_bytes``: the bytes of every tensor reachable from the state after
   the bucket (plans, scratch, residuals, statistics; the bucket's buffer and
-  the parameters excluded), the memory the hook keeps;
+  the parameters excluded), the memory the hook keeps; ``residual_bytes``:
+  error feedback's residuals among them; the table gives what is kept beyond
+  the residuals over the bucket's FP32 bytes (the bucket is the largest: the
+  state's scratch is one workspace sized by it, :mod:`aps_comm.workspace`);
 - for a model of many small layers and one of few large ones, for the
   two_phase, native and block routes and, with ``--configs all``, for every
   option a user turns on (:data:`CONFIGS`: statistics, error feedback,
@@ -75,6 +78,7 @@ __all__ = [
     "main",
     "measure",
     "measure_fsdp",
+    "residual_nbytes",
     "state_nbytes",
 ]
 
@@ -264,6 +268,12 @@ class Row:
     op_names: tuple[str, ...]
     settled: bool = True
     state_bytes: int = 0
+    residual_bytes: int = 0
+
+    @property
+    def kept_ratio(self) -> float:
+        """What the state keeps beyond residuals over the (largest) bucket's FP32 bytes."""
+        return (self.state_bytes - self.residual_bytes) / max(4 * self.elements, 1)
 
 
 def _sync(device: torch.device) -> None:
@@ -379,6 +389,12 @@ def state_nbytes(state: object, exclude: list[torch.Tensor]) -> int:
     return sum(storages.values())
 
 
+def residual_nbytes(state: aps_comm.APSState) -> int:
+    """Bytes of error feedback's residuals in ``state`` (0 without error feedback)."""
+    feedback = state.reducer.feedback if state.reducer is not None else None
+    return state_nbytes(feedback.residuals, []) if feedback is not None else 0
+
+
 def _timed(
     call: Callable[[], Any], device: torch.device, repeats: int
 ) -> tuple[float, float, float, float]:
@@ -441,6 +457,7 @@ def measure(
                     tuple(aten + kernels),
                     state.reducer is not None and state.reducer.steady_for(0, buffer) is not None,
                     state_nbytes(state, [buffer, *params]),
+                    residual_nbytes(state),
                 )
             )
     return rows
@@ -546,15 +563,16 @@ def table(rows: list[Row]) -> str:
     """The rows as a Markdown table."""
     lines = [
         "| model | route | layers | settled | ops per bucket (ATen + kernels) | host us | "
-        "in kernels us | collectives us | total us | state / bucket bytes |",
-        "|---|---|---|---|---|---|---|---|---|---|",
+        "in kernels us | collectives us | total us | state / bucket bytes "
+        "| beyond residuals / bucket |",
+        "|---|---|---|---|---|---|---|---|---|---|---|",
     ]
     for r in rows:
         lines.append(
             f"| {r.model} | {r.route} | {r.layers} | {'yes' if r.settled else 'no'} "
             f"| {r.ops} ({r.aten_ops} + {r.kernels}) "
             f"| {r.host_us:.0f} | {r.kernel_us:.0f} | {r.wire_us:.0f} | {r.total_us:.0f} "
-            f"| {r.state_bytes / (4 * r.elements):.2f}x |"
+            f"| {r.state_bytes / (4 * r.elements):.2f}x | {r.kept_ratio:.2f}x |"
         )
     return "\n".join(lines)
 
