@@ -203,7 +203,7 @@ class Steady:
     bucket: bool = False
     epoch: tuple[int, ...] = ()
     promote: tuple[list[Any], list[int], list[str | None]] | None = None
-    workspace: tuple[int, int] = ()
+    workspace: tuple[int, ...] = ()
 
     def bind(self, x: torch.Tensor, world_size: int) -> None:
         """Bind the maxima kernel and every chunk's codec work to the float32 buffer ``x``.
@@ -294,7 +294,7 @@ class SteadyBlocks:
     offer: tuple[float | None, int] | None = None
     names: list[str | None] | None = None
     epoch: tuple[int, ...] = ()
-    workspace: tuple[int, int] = ()
+    workspace: tuple[int, ...] = ()
 
     def bind(self, x: torch.Tensor, rank: int, world_size: int) -> bool:
         """Bind the keys' and every chunk's calls to the float32 buffer ``x``; False where
@@ -386,7 +386,7 @@ class SteadyFeedback:
     agree: Callable[[], object]
     factors: Callable[[], object]
     calls: list[transports.ChunkCalls]
-    workspace: tuple[int, int] = ()
+    workspace: tuple[int, ...] = ()
 
 
 class Reducer:
@@ -476,7 +476,7 @@ class Reducer:
         (:meth:`bucket` does not defer them), the others alternate."""
         return Slot.EVEN if self.feedback is not None else Slot.of(index)
 
-    def _epoch(self, index: int, device: torch.device) -> tuple[int, int]:
+    def _epoch(self, index: int, device: torch.device) -> tuple[int, ...]:
         """The workspace epoch bucket ``index``'s buffers are cut from now."""
         return self.workspace(device).epoch(self._slot(index))
 
@@ -668,17 +668,30 @@ class Reducer:
         ):
             return
         n_seg, device, fmt = g.layout.n_segments, x.device, g.fmt
-        scale = torch.empty(n_seg, dtype=torch.float32, device=device)
-        unscale = torch.empty(n_seg, dtype=torch.float32, device=device)
+        (r0, r1), (s0, s1), numel = g.regions[0], g.shard_regions[0], x.numel()
+        send, recv, shard = g.send[r0:r1], g.recv[r0:r1], g.shards[s0:s1]
+        pad = (r1 - r0) * 8 // fmt.wire_bits - numel
+        per = (numel + pad) // comm.world_size
+        # One float32 scratch: this rank's payload decoded, later the owner's N
+        # shards, then their mean; with blocks, the factors and keys too. Used
+        # only while the hook runs (the bucket is not deferred): every bucket's.
+        workspace = self.workspace(device)
+        for _ in range(2):  # twice only where the workspace had to grow
+            arena = workspace.arena(Slot.STEP)
+            scratch = arena.take(numel + pad + per, torch.float32)
+            if g.blocks is not None:
+                scale, unscale = arena.take(n_seg, torch.float32), arena.take(n_seg, torch.float32)
+                maxima, shared = arena.take(n_seg, torch.float32), arena.take(n_seg)
+            if arena.close():
+                break
         counts = None
         if g.blocks is not None:
             counts = g.blocks.device_counts
-            shared = torch.empty(n_seg, dtype=torch.uint8, device=device)
             agree = g.codec.bind_block_keys(
                 x,
                 g.layout,
                 g.blocks.counts,
-                torch.empty(n_seg, dtype=torch.float32, device=device),
+                maxima,
                 shared,
                 torch.empty(len(g.numels), dtype=torch.uint8, device=device),
                 comm.world_size,
@@ -686,22 +699,12 @@ class Reducer:
             if agree is None:
                 return
         else:
+            scale = torch.empty(n_seg, dtype=torch.float32, device=device)
+            unscale = torch.empty(n_seg, dtype=torch.float32, device=device)
             shared = torch.zeros(n_seg, dtype=torch.float32, device=device)
             agree = g.codec.bind_layer_maxima(x, g.layout, shared)
         factors = g.codec.bind_feedback_factors(shared, comm.world_size, scale, unscale, counts)
         residual = torch.empty(x.numel(), dtype=torch.float32, device=device)
-        (r0, r1), (s0, s1), numel = g.regions[0], g.shard_regions[0], x.numel()
-        send, recv, shard = g.send[r0:r1], g.recv[r0:r1], g.shards[s0:s1]
-        pad = (r1 - r0) * 8 // fmt.wire_bits - numel
-        # One float32 scratch: this rank's payload decoded, later the owner's N
-        # shards, then their mean; used only while the hook runs: every bucket's.
-        per = (numel + pad) // comm.world_size
-        workspace = self.workspace(device)
-        for _ in range(2):  # twice only where the workspace had to grow
-            arena = workspace.arena(Slot.STEP)
-            scratch = arena.take(numel + pad + per, torch.float32)
-            if arena.close():
-                break
         sent = scratch[:numel]
         head = send[: payload_nbytes(numel, fmt)]
         encode = functools.partial(

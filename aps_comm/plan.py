@@ -591,7 +591,7 @@ class BucketPlan:
     block_indices: dict[tuple, dict] = dataclasses.field(default_factory=dict)
     workspace: Workspace | None = None
     slot: Slot = Slot.EVEN
-    group_epochs: dict[tuple, tuple[int, int]] = dataclasses.field(default_factory=dict)
+    group_epochs: dict[tuple, tuple[int, ...]] = dataclasses.field(default_factory=dict)
 
     def grid(self, block_size: int) -> Blocks:
         """The bucket's layers cut into blocks of ``block_size`` (built on first use)."""
@@ -796,7 +796,9 @@ class BucketPlan:
             for i, f in enumerate(formats):
                 order.setdefault(f, []).append(i)
             for _ in range(2):  # twice only where the workspace had to grow
-                arena = self.workspace.arena(self.slot) if self.workspace is not None else None
+                arenas = None
+                if self.workspace is not None:
+                    arenas = self.workspace.arena(self.slot), self.workspace.arena(Slot.EXCHANGE)
                 cached = [
                     self._group_plan(
                         f,
@@ -809,11 +811,11 @@ class BucketPlan:
                         block_size,
                         owner_exponents,
                         rank_exponents,
-                        arena,
+                        arenas,
                     )
                     for f, idx in order.items()
                 ]
-                if arena is None or arena.close():
+                if arenas is None or all([a.close() for a in arenas]):
                     break
             self.groups[key] = cached
             if self.workspace is not None:
@@ -834,7 +836,7 @@ class BucketPlan:
         block_size: int | None = None,
         owner_exponents: bool = False,
         rank_exponents: bool = False,
-        arena: Arena | None = None,
+        arenas: tuple[Arena, Arena] | None = None,
     ) -> GroupPlan:
         numels = [self.numels[i] for i in index]
         whole = len(index) == len(self.numels)
@@ -861,10 +863,11 @@ class BucketPlan:
             chunks = chunk_bounds(layout.numel, chunk_elements if reduction != "fp32" else 2**62)
         windows = [layout.window(lo, hi) for lo, hi in chunks]
 
-        def scratch(n: int, dtype: torch.dtype = torch.uint8) -> torch.Tensor:
+        def scratch(n: int, dtype: torch.dtype = torch.uint8, tail: bool = True) -> torch.Tensor:
             # Kept across steps: fresh large allocations pay page faults every step.
-            if arena is not None:  # shared with the state's other buckets
-                return arena.take(n, dtype)
+            if arenas is not None:  # shared with the state's other buckets
+                # What no deferred tail reads is shared by both slots' buckets too.
+                return arenas[0 if tail else 1].take(n, dtype)
             return torch.empty(n, dtype=dtype, device=self.device)
 
         node_plan = None
@@ -937,7 +940,8 @@ class BucketPlan:
             regions=regions,
             shard_regions=shard_regions,
             send=scratch(start),
-            recv=scratch(received),
+            # Read by the owner's step, done before the bucket's tail (not hierarchical's).
+            recv=scratch(received, tail=node_plan is not None),
             shards=scratch(shard_start),
             codec=codec_for(fmt, self.device),
             node=node_plan,

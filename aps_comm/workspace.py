@@ -10,8 +10,10 @@ Buckets overlap on the wire in one way only: the hook's worker starts bucket
 k + 1 before it finishes bucket k's deferred tail (its last all-gather and
 decode), and DDP hands buckets over in index order. So buffers a tail uses
 come from one of two :class:`Slot`\\ s, alternating with the bucket index;
-what no tail reads (error feedback's float32 scratch) comes from
-:attr:`Slot.STEP`, shared by every bucket.
+what no tail reads comes from regions every bucket shares: what the
+exchange brings (:attr:`Slot.EXCHANGE`, read by the owner's step) and the
+settled paths' scratch (:attr:`Slot.STEP`: error feedback's float32 scratch
+and factors, the block keys).
 
 The workspace grows (to the largest request) until every bucket has been
 seen; a growth frees nothing that is bound, it only moves the region on:
@@ -50,8 +52,10 @@ class Slot(enum.Enum):
     """Buckets of even index: buffers a deferred tail may still use."""
     ODD = "odd"
     """Buckets of odd index: the same, for the bucket on the wire beside an even one."""
+    EXCHANGE = "exchange"
+    """Plans' receive buffers: read by the owner's step, never by a tail."""
     STEP = "step"
-    """Buffers used only while the bucket's hook runs, never by its tail."""
+    """Settled paths' scratch used only while the bucket's hook runs, never by its tail."""
 
     @classmethod
     def of(cls, index: int) -> Slot:
@@ -80,10 +84,10 @@ class Workspace:
         """A bump allocator over ``slot``'s region, from its start (one per plan or binding)."""
         return Arena(self, slot)
 
-    def epoch(self, slot: Slot) -> tuple[int, int]:
-        """Moves whenever ``slot``'s region (or the shared :attr:`Slot.STEP`) is reallocated:
+    def epoch(self, slot: Slot) -> tuple[int, ...]:
+        """Moves whenever ``slot``'s region, or one every bucket shares, is reallocated:
         whatever holds views made before is stale."""
-        return self._epochs[slot], self._epochs[Slot.STEP]
+        return self._epochs[slot], self._epochs[Slot.EXCHANGE], self._epochs[Slot.STEP]
 
     def nbytes(self) -> int:
         """The bytes the regions hold."""
