@@ -478,7 +478,7 @@ class Reducer:
 
     def _epoch(self, index: int, device: torch.device) -> tuple[int, ...]:
         """The workspace epoch bucket ``index``'s buffers are cut from now."""
-        return self.workspace(device).epoch(self._slot(index))
+        return self.workspace(device).epoch(self._slot(index), Slot.EXCHANGE, Slot.STEP)
 
     # -- one DDP bucket -----------------------------------------------------------
 

@@ -786,7 +786,9 @@ class BucketPlan:
             rank_exponents,
         )
         cached = self.groups.get(key)
-        epoch = self.workspace.epoch(self.slot) if self.workspace is not None else None
+        epoch = (
+            self.workspace.epoch(self.slot, Slot.EXCHANGE) if self.workspace is not None else None
+        )
         if cached is not None and epoch is not None and self.group_epochs.get(key) != epoch:
             cached = None  # cut from a region the workspace has since outgrown
         if cached is None:
@@ -820,7 +822,7 @@ class BucketPlan:
             self.groups[key] = cached
             if self.workspace is not None:
                 self.group_epochs = {k: v for k, v in self.group_epochs.items() if k in self.groups}
-                self.group_epochs[key] = self.workspace.epoch(self.slot)
+                self.group_epochs[key] = self.workspace.epoch(self.slot, Slot.EXCHANGE)
             self.group_builds += 1
         return cached
 

@@ -84,10 +84,10 @@ class Workspace:
         """A bump allocator over ``slot``'s region, from its start (one per plan or binding)."""
         return Arena(self, slot)
 
-    def epoch(self, slot: Slot) -> tuple[int, ...]:
-        """Moves whenever ``slot``'s region, or one every bucket shares, is reallocated:
-        whatever holds views made before is stale."""
-        return self._epochs[slot], self._epochs[Slot.EXCHANGE], self._epochs[Slot.STEP]
+    def epoch(self, *slots: Slot) -> tuple[int, ...]:
+        """Moves whenever one of ``slots``' regions is reallocated: whatever holds views
+        of them made before is stale."""
+        return tuple(self._epochs[s] for s in slots)
 
     def nbytes(self) -> int:
         """The bytes the regions hold."""

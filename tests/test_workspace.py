@@ -92,7 +92,7 @@ def test_arena_views_are_disjoint_and_aligned() -> None:
         arena = ws.arena(Slot.ODD)
         views = [arena.take(5), arena.take(3, torch.float32), arena.take(0), arena.take(7)]
         fits = arena.close()
-    assert fits and ws.epoch(Slot.ODD) == (1, 0) and ws.epoch(Slot.EVEN) == (0, 0)
+    assert fits and ws.epoch(Slot.ODD, Slot.STEP) == (1, 0) and ws.epoch(Slot.EVEN) == (0,)
     base = ws.regions[Slot.ODD].data_ptr()
     assert [v.data_ptr() - base for v in views if v.numel()] == [0, 64, 128]
     assert [v.numel() for v in views] == [5, 3, 0, 7] and ws.nbytes() == 135
