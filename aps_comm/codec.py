@@ -1023,7 +1023,8 @@ class Codec:
             rank: this rank: it owns shard ``rank``.
             residual: the bucket's float32 residuals.
             scratch: float32 of at least N shards' elements, free during the call
-                (the bucket's other scratch); None: made here.
+                (the bucket's other scratch), with one shard's more for their
+                mean if it has room; None: made here.
 
         Example:
             >>> call = codec.bind_owner_feedback(recv, 2, out, layout, (s, u), 0, res)  # doctest: +SKIP
@@ -1042,6 +1043,10 @@ class Codec:
         elif scratch.dtype != torch.float32 or scratch.numel() < n_ranks * size:
             raise ValueError(f"scratch must hold {n_ranks * size} float32, got {scratch.numel()}")
         values = scratch[: n_ranks * size]
+        # The mean after the shards where the scratch holds it, else its own.
+        acc = scratch[n_ranks * size : (n_ranks + 1) * size]
+        if acc.numel() < size:
+            acc = torch.empty(size)
         # The mean re-decoded goes where the shards were: they are summed by then.
         return _OwnerFeedback(
             self,
@@ -1053,7 +1058,7 @@ class Codec:
             (lo, hi),
             residual,
             values,
-            torch.empty(size),
+            acc,
             values[:size],
         )
 

@@ -64,6 +64,7 @@ from aps_comm.scaling import (
 )
 from aps_comm.telemetry import StepStats, layer_counts, per_layer
 from aps_comm.topology import NodeGroups
+from aps_comm.workspace import Slot, Workspace
 
 __all__ = [
     "ONE_CHUNK",
@@ -181,6 +182,8 @@ class Steady:
             (:meth:`aps_comm.policy.Assignment.epoch`): another one binds it again.
         promote: with Promote, the layers' keys, sizes and names; ``maxima``
             then holds each layer's local underflow rate after the maxima.
+        workspace: the state's workspace epoch its buffers were cut from
+            (:meth:`aps_comm.workspace.Workspace.epoch`): another one binds it again.
     """
 
     numel: int
@@ -202,6 +205,7 @@ class Steady:
     bucket: bool = False
     epoch: tuple[int, ...] = ()
     promote: tuple[list[Any], list[int], list[str | None]] | None = None
+    workspace: tuple[int, ...] = ()
 
     def bind(self, x: torch.Tensor, world_size: int) -> None:
         """Bind the maxima kernel and every chunk's codec work to the float32 buffer ``x``.
@@ -272,6 +276,7 @@ class SteadyBlocks:
         offer: as :class:`Steady`'s (log2 of this rank's preferred chunk).
         names: as :class:`Steady`'s (:meth:`Reducer.record_steady_blocks`).
         epoch: as :class:`Steady`'s.
+        workspace: as :class:`Steady`'s.
     """
 
     numel: int
@@ -291,6 +296,7 @@ class SteadyBlocks:
     offer: tuple[float | None, int] | None = None
     names: list[str | None] | None = None
     epoch: tuple[int, ...] = ()
+    workspace: tuple[int, ...] = ()
 
     def bind(self, x: torch.Tensor, rank: int, world_size: int) -> bool:
         """Bind the keys' and every chunk's calls to the float32 buffer ``x``; False where
@@ -371,6 +377,7 @@ class SteadyFeedback:
         agree: writes this rank's maxima or keys of the buffer into ``shared``.
         factors: writes the agreed factors into the bound calls' scale and unscale.
         calls: the one chunk's bound calls.
+        workspace: as :class:`Steady`'s.
     """
 
     numel: int
@@ -381,6 +388,7 @@ class SteadyFeedback:
     agree: Callable[[], object]
     factors: Callable[[], object]
     calls: list[transports.ChunkCalls]
+    workspace: tuple[int, ...] = ()
 
 
 @dataclasses.dataclass
@@ -428,6 +436,7 @@ class SteadyGroups:
         bucket: ``scaling="bucket"``: each group spreads its own agreed maxima, as
             the general path's factors do per group.
         epoch: as :class:`Steady`'s.
+        workspace: as :class:`Steady`'s.
     """
 
     numel: int
@@ -449,6 +458,7 @@ class SteadyGroups:
     offer: tuple[float | None, float] | None = None
     bucket: bool = False
     epoch: tuple[int, ...] = ()
+    workspace: tuple[int, ...] = ()
 
     def bind(self, x: torch.Tensor, world_size: int) -> None:
         """Bind the maxima kernel, the gather and every group's path to the float32
@@ -536,6 +546,8 @@ class Reducer:
         self._fixed: dict[FloatFormat, Route] = {}
         # Per bucket index: its bound path once settled (:class:`Steady`).
         self.steady: dict[int, Steady | SteadyBlocks | SteadyFeedback | SteadyGroups] = {}
+        # Per device: the buckets' scratch, shared (:mod:`aps_comm.workspace`).
+        self.workspaces: dict[str, Workspace] = {}
         # The current step's number (Schedule's): the last one :meth:`bucket` was
         # given, advanced by :meth:`end_step`, so settled buckets know it too.
         self.step = 0
@@ -567,9 +579,27 @@ class Reducer:
         plan = self.plans.get(key)
         if plan is None:
             self.plans = {k: v for k, v in self.plans.items() if k[0] != index}
-            plan = self.plans[key] = BucketPlan.build(index, numels, device)
+            workspace = self.workspace(device)
+            plan = BucketPlan.build(index, numels, device, workspace, self._slot(index))
+            self.plans[key] = plan
             self.plan_builds += 1
         return plan
+
+    def workspace(self, device: torch.device) -> Workspace:
+        """The buckets' shared scratch on ``device`` (made on first use)."""
+        ws = self.workspaces.get(str(device))
+        if ws is None:
+            ws = self.workspaces[str(device)] = Workspace(device)
+        return ws
+
+    def _slot(self, index: int) -> Slot:
+        """Bucket ``index``'s region: error feedback's buckets never overlap on the wire
+        (:meth:`bucket` does not defer them), the others alternate."""
+        return Slot.EVEN if self.feedback is not None else Slot.of(index)
+
+    def _epoch(self, index: int, device: torch.device) -> tuple[int, ...]:
+        """The workspace epoch bucket ``index``'s buffers are cut from now."""
+        return self.workspace(device).epoch(self._slot(index), Slot.EXCHANGE, Slot.STEP)
 
     # -- one DDP bucket -----------------------------------------------------------
 
@@ -613,6 +643,9 @@ class Reducer:
         plan = self.plan(index, numels, x.device)
         if self.feedback is not None:
             self.feedback.add(x, numels, names)
+            # Its float32 scratch (two buckets' worth at N = 1) leaves no room for
+            # a second bucket's buffers within the workspace's bound: no overlap.
+            defer = False
         promoter = assignment.promoter
         fmts = None
         if promoter is None and self.feedback is None:
@@ -774,6 +807,7 @@ class Reducer:
             torch.zeros(len(fmts) + int(measured), dtype=torch.float32, device=x.device),
             bucket=settings.scaling == Scaling.BUCKET,
             epoch=assignment.epoch(self.step),
+            workspace=self._epoch(index, x.device),
         )
         st.bind(x, self.comm.world_size)
         self.steady[index] = st
@@ -804,6 +838,7 @@ class Reducer:
                 )
                 st.chunk = chunk
                 st.bind(x, comm.world_size)
+                st.workspace = self._epoch(index, x.device)
         self.bucket_chunks[index] = st.chunk
         if st.gather is not None and st.pick is not None:
             st.gather()
@@ -849,17 +884,30 @@ class Reducer:
         ):
             return
         n_seg, device, fmt = g.layout.n_segments, x.device, g.fmt
-        scale = torch.empty(n_seg, dtype=torch.float32, device=device)
-        unscale = torch.empty(n_seg, dtype=torch.float32, device=device)
+        (r0, r1), (s0, s1), numel = g.regions[0], g.shard_regions[0], x.numel()
+        send, recv, shard = g.send[r0:r1], g.recv[r0:r1], g.shards[s0:s1]
+        pad = (r1 - r0) * 8 // fmt.wire_bits - numel
+        per = (numel + pad) // comm.world_size
+        # One float32 scratch: this rank's payload decoded, later the owner's N
+        # shards, then their mean; with blocks, the factors and keys too. Used
+        # only while the hook runs (the bucket is not deferred): every bucket's.
+        workspace = self.workspace(device)
+        for _ in range(2):  # twice only where the workspace had to grow
+            arena = workspace.arena(Slot.STEP)
+            scratch = arena.take(numel + pad + per, torch.float32)
+            if g.blocks is not None:
+                scale, unscale = arena.take(n_seg, torch.float32), arena.take(n_seg, torch.float32)
+                maxima, shared = arena.take(n_seg, torch.float32), arena.take(n_seg)
+            if arena.close():
+                break
         counts = None
         if g.blocks is not None:
             counts = g.blocks.device_counts
-            shared = torch.empty(n_seg, dtype=torch.uint8, device=device)
             agree = g.codec.bind_block_keys(
                 x,
                 g.layout,
                 g.blocks.counts,
-                torch.empty(n_seg, dtype=torch.float32, device=device),
+                maxima,
                 shared,
                 torch.empty(len(g.numels), dtype=torch.uint8, device=device),
                 comm.world_size,
@@ -867,15 +915,12 @@ class Reducer:
             if agree is None:
                 return
         else:
+            scale = torch.empty(n_seg, dtype=torch.float32, device=device)
+            unscale = torch.empty(n_seg, dtype=torch.float32, device=device)
             shared = torch.zeros(n_seg, dtype=torch.float32, device=device)
             agree = g.codec.bind_layer_maxima(x, g.layout, shared)
         factors = g.codec.bind_feedback_factors(shared, comm.world_size, scale, unscale, counts)
         residual = torch.empty(x.numel(), dtype=torch.float32, device=device)
-        (r0, r1), (s0, s1), numel = g.regions[0], g.shard_regions[0], x.numel()
-        send, recv, shard = g.send[r0:r1], g.recv[r0:r1], g.shards[s0:s1]
-        pad = (r1 - r0) * 8 // fmt.wire_bits - numel
-        # One float32 scratch: this rank's payload decoded, later the owner's N shards.
-        scratch = torch.empty(numel + pad, dtype=torch.float32, device=device)
         sent = scratch[:numel]
         head = send[: payload_nbytes(numel, fmt)]
         encode = functools.partial(
@@ -890,7 +935,15 @@ class Reducer:
         calls = [transports.ChunkCalls(encode, owner, decode, send, recv, shard)]
         token = fb.share(names, g.numels, residual)  # type: ignore[arg-type]  # checked above
         self.steady[index] = SteadyFeedback(
-            numel, x.data_ptr(), residual, token, shared, agree, factors, calls
+            numel,
+            x.data_ptr(),
+            residual,
+            token,
+            shared,
+            agree,
+            factors,
+            calls,
+            self._epoch(index, device),
         )
 
     def _run_feedback(
@@ -903,7 +956,8 @@ class Reducer:
         st.agree()
         transports.all_reduce_max(st.shared, comm.group, self.traffic)
         st.factors()
-        return transports.two_phase_bound(st.calls, comm.group, self.traffic, defer)
+        # Not deferred: one workspace slot serves every bucket (:meth:`bucket`).
+        return transports.two_phase_bound(st.calls, comm.group, self.traffic, False)
 
     def _settle_blocks(
         self,
@@ -940,6 +994,18 @@ class Reducer:
                 "groups": layouts.grid if route == Route.GRID else layouts.nodes,
                 "per_node": self.comm.node_layouts()[route.value][0],
             }
+        # On the bucket's device: the Triton kernels write and read them there.
+        maxima = torch.empty(n_blocks, dtype=torch.float32, device=x.device)
+        keys = torch.empty(n_blocks, dtype=torch.uint8, device=x.device)
+        if not staged:
+            # Written and read before the exchange, never by a deferred tail:
+            # every bucket's, from the workspace.
+            workspace = self.workspace(x.device)
+            for _ in range(2):  # twice only where the workspace had to grow
+                arena = workspace.arena(Slot.STEP)
+                maxima, keys = arena.take(n_blocks, torch.float32), arena.take(n_blocks)
+                if arena.close():
+                    break
         st = kind(
             x.numel(),
             x.data_ptr(),
@@ -948,9 +1014,8 @@ class Reducer:
             list(fmts),
             measured,
             chunk,
-            # On the bucket's device: the Triton kernels write and read them there.
-            torch.empty(n_blocks, dtype=torch.float32, device=x.device),
-            torch.empty(n_blocks, dtype=torch.uint8, device=x.device),
+            maxima,
+            keys,
             torch.empty(n_layers, dtype=torch.uint8, device=x.device),
             torch.zeros(n_layers, dtype=torch.uint8, device=x.device),
             **extra,
@@ -958,6 +1023,7 @@ class Reducer:
         if self.settings.stats:
             st.names = list(names)
         st.epoch = assignment.epoch(self.step)
+        st.workspace = self._epoch(index, x.device)
         if st.bind(x, self.comm.rank, self.comm.world_size):
             self.steady[index] = st
 
@@ -1025,6 +1091,7 @@ class Reducer:
             # Static rules fix each layer's format for good, Schedule for an epoch.
             epoch=assignment.epoch(self.step),
             promote=promote,
+            workspace=self._epoch(index, x.device),
         )
         if settings.stats and g is not None:  # an FP32 bucket records nothing
             st.names = list(names)
@@ -1038,6 +1105,10 @@ class Reducer:
         with error feedback, its residuals are still the feedback's."""
         st = self.steady.get(index)
         if st is None or st.numel != buffer.numel() or st.ptr != buffer.data_ptr():
+            return None
+        if st.workspace != self._epoch(index, buffer.device):
+            # Bound to a workspace region since outgrown: bound again, on the new one.
+            del self.steady[index]
             return None
         if isinstance(st, SteadyFeedback):
             # Error feedback settles only without Schedule or Promote: no epoch to follow.
@@ -1121,6 +1192,7 @@ class Reducer:
                 st.chunk = self.bucket_chunks[index] = chunk
                 if bound:
                     st.bind(x, comm.world_size)
+                st.workspace = self._epoch(index, x.device)
         calls = st.calls if bound else None
         scale: torch.Tensor | AgreedMaxima = st.agreed
         unscale: torch.Tensor | AgreedMaxima = st.agreed
@@ -1256,6 +1328,7 @@ class Reducer:
                 )[0]
                 st.chunk = chunk
                 st.bind(x, comm.rank, comm.world_size)
+                st.workspace = self._epoch(index, x.device)
             exchange_s = plan.exchange_s or None
             if st.offer is None or st.offer[0] != exchange_s:
                 mine = self.planner.chunk(settings.fmt, st.numel, route, exchange_s)

@@ -120,6 +120,11 @@ class Layout:
         """
         if self.parent is not None or not 0 <= lo <= hi:
             raise ValueError(f"window [{lo}, {hi}) of a whole layout: 0 <= lo <= hi")
+        sizes = self.sizes
+        whole = lo == 0 and hi >= self.numel and sizes and sizes[0] and sizes[-1]
+        if whole and self.lengths.device.type == "cpu":
+            # Every segment, unclipped: the layout's own offsets and lengths, not a copy.
+            return dataclasses.replace(self, first=0, parent=self.n_segments)
         # A window past the end (a padded slice of a chunk) is empty.
         lo, hi = min(lo, self.numel), min(hi, self.numel)
         ends = self.offsets[1:]

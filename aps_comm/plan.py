@@ -31,6 +31,7 @@ from aps_comm.config import DEFAULT_BLOCK_SIZE, BlockExponents, Route, Scaling
 from aps_comm.formats import FP32, FloatFormat, get_format, payload_nbytes
 from aps_comm.hostcopy import to_device
 from aps_comm.layout import Blocks, Layout
+from aps_comm.workspace import Arena, Slot, Workspace
 from aps_perfmodel.cluster import Cluster
 from aps_perfmodel.formats import FormatSpec
 from aps_perfmodel.formats import get_format as model_spec
@@ -349,6 +350,24 @@ class NodeBlocks:
         return self.bounds[c][local * m], self.bounds[c][(local + 1) * m]
 
 
+def _index_dtype(bound: int) -> torch.dtype:
+    """The narrowest dtype torch indexes with that holds indexes below ``bound``.
+
+    Example:
+        >>> _index_dtype(2**20)
+        torch.int32
+    """
+    return torch.int32 if bound < 2**31 else torch.int64
+
+
+def _own_layout(window: Layout) -> Layout:
+    """A window's segments as a layout of their own (from 0, as :meth:`Layout.from_numels`
+    builds it): on the CPU the window's offsets and lengths themselves, not a copy."""
+    if window.lengths.device.type != "cpu":
+        return Layout.from_numels(window.sizes, window.lengths.device)
+    return Layout(window.offsets, window.lengths, window.sizes, window.numel)
+
+
 def _aligned(nbytes: int) -> int:
     """``nbytes`` rounded up to 4: the owner kernels read 16-bit codes from every row."""
     return -(-nbytes // 4) * 4
@@ -548,6 +567,12 @@ class BucketPlan:
         grids: block scaling: the bucket's blocks per block size (:meth:`grid`).
         block_indices: per format mix and block size, each format's blocks in
             the bucket (:meth:`block_index`).
+        workspace: the state's scratch (:class:`aps_comm.workspace.Workspace`):
+            the group plans' buffers are views of its region ``slot``; None:
+            each group plan allocates its own.
+        slot: the region of ``workspace`` this bucket's buffers come from.
+        group_epochs: per group plans' key, the workspace's epoch they were
+            cut from (another one builds them again).
     """
 
     key: tuple
@@ -564,6 +589,9 @@ class BucketPlan:
     group_builds: int = 0
     grids: dict[int, Blocks] = dataclasses.field(default_factory=dict)
     block_indices: dict[tuple, dict] = dataclasses.field(default_factory=dict)
+    workspace: Workspace | None = None
+    slot: Slot = Slot.EVEN
+    group_epochs: dict[tuple, tuple[int, ...]] = dataclasses.field(default_factory=dict)
 
     def grid(self, block_size: int) -> Blocks:
         """The bucket's layers cut into blocks of ``block_size`` (built on first use)."""
@@ -695,11 +723,20 @@ class BucketPlan:
         self.exchanges += 1
 
     @classmethod
-    def build(cls, bucket_index: int, numels: Sequence[int], device: torch.device) -> BucketPlan:
-        """The plan of a bucket of layers of ``numels`` elements on ``device``."""
+    def build(
+        cls,
+        bucket_index: int,
+        numels: Sequence[int],
+        device: torch.device,
+        workspace: Workspace | None = None,
+        slot: Slot = Slot.EVEN,
+    ) -> BucketPlan:
+        """The plan of a bucket of layers of ``numels`` elements on ``device`` (its
+        buffers cut from ``workspace``'s region ``slot`` if given)."""
         numels = [int(n) for n in numels]
         key = (bucket_index, tuple(numels), str(device))
-        return cls(key, numels, Layout.from_numels(numels, device), device)
+        layout = Layout.from_numels(numels, device)
+        return cls(key, numels, layout, device, workspace=workspace, slot=slot)
 
     def group(
         self,
@@ -749,28 +786,43 @@ class BucketPlan:
             rank_exponents,
         )
         cached = self.groups.get(key)
+        epoch = (
+            self.workspace.epoch(self.slot, Slot.EXCHANGE) if self.workspace is not None else None
+        )
+        if cached is not None and epoch is not None and self.group_epochs.get(key) != epoch:
+            cached = None  # cut from a region the workspace has since outgrown
         if cached is None:
             # One chunking per format mix: a new chunk size frees the old scratch.
             self.groups = {k: v for k, v in self.groups.items() if k[0] != key[0]}
             order: dict[FloatFormat, list[int]] = {}
             for i, f in enumerate(formats):
                 order.setdefault(f, []).append(i)
-            cached = [
-                self._group_plan(
-                    f,
-                    idx,
-                    len(order) == 1,
-                    reductions,
-                    world_size,
-                    chunk_elements,
-                    node,
-                    block_size,
-                    owner_exponents,
-                    rank_exponents,
-                )
-                for f, idx in order.items()
-            ]
+            for _ in range(2):  # twice only where the workspace had to grow
+                arenas = None
+                if self.workspace is not None:
+                    arenas = self.workspace.arena(self.slot), self.workspace.arena(Slot.EXCHANGE)
+                cached = [
+                    self._group_plan(
+                        f,
+                        idx,
+                        len(order) == 1,
+                        reductions,
+                        world_size,
+                        chunk_elements,
+                        node,
+                        block_size,
+                        owner_exponents,
+                        rank_exponents,
+                        arenas,
+                    )
+                    for f, idx in order.items()
+                ]
+                if arenas is None or all([a.close() for a in arenas]):
+                    break
             self.groups[key] = cached
+            if self.workspace is not None:
+                self.group_epochs = {k: v for k, v in self.group_epochs.items() if k in self.groups}
+                self.group_epochs[key] = self.workspace.epoch(self.slot, Slot.EXCHANGE)
             self.group_builds += 1
         return cached
 
@@ -786,13 +838,16 @@ class BucketPlan:
         block_size: int | None = None,
         owner_exponents: bool = False,
         rank_exponents: bool = False,
+        arenas: tuple[Arena, Arena] | None = None,
     ) -> GroupPlan:
         numels = [self.numels[i] for i in index]
-        layout = Layout.from_numels(numels, self.device)
+        whole = len(index) == len(self.numels)
+        # The whole bucket's layout and blocks are the plan's: not a copy per group plan.
+        layout = self.layout if whole else Layout.from_numels(numels, self.device)
         blocks = None
         if block_size is not None and fmt != FP32:
             # The codec scales per segment: with block scaling a segment is a block.
-            blocks = layout.grid(block_size)
+            blocks = self.grid(block_size) if whole else layout.grid(block_size)
             layout = blocks.layout
         chosen = Route.FP32 if fmt == FP32 else reductions.get(fmt, reductions.get(fmt.name))
         if chosen not in tuple(Route):
@@ -810,8 +865,11 @@ class BucketPlan:
             chunks = chunk_bounds(layout.numel, chunk_elements if reduction != "fp32" else 2**62)
         windows = [layout.window(lo, hi) for lo, hi in chunks]
 
-        def scratch(n: int, dtype: torch.dtype = torch.uint8) -> torch.Tensor:
+        def scratch(n: int, dtype: torch.dtype = torch.uint8, tail: bool = True) -> torch.Tensor:
             # Kept across steps: fresh large allocations pay page faults every step.
+            if arenas is not None:  # shared with the state's other buckets
+                # What no deferred tail reads is shared by both slots' buckets too.
+                return arenas[0 if tail else 1].take(n, dtype)
             return torch.empty(n, dtype=dtype, device=self.device)
 
         node_plan = None
@@ -884,7 +942,8 @@ class BucketPlan:
             regions=regions,
             shard_regions=shard_regions,
             send=scratch(start),
-            recv=scratch(received),
+            # Read by the owner's step, done before the bucket's tail (not hierarchical's).
+            recv=scratch(received, tail=node_plan is not None),
             shards=scratch(shard_start),
             codec=codec_for(fmt, self.device),
             node=node_plan,
@@ -1000,7 +1059,7 @@ class BucketPlan:
         for lo, hi in chunks:
             cut = block_shard_cuts(layout.offsets, lo, hi, world_size)
             wins = [layout.window(a, b) for a, b in itertools.pairwise(cut)]
-            own = [Layout.from_numels(w.sizes, layout.lengths.device) for w in wins]
+            own = [_own_layout(w) for w in wins]
             sb = max(payload_nbytes(b - a, fmt) for a, b in itertools.pairwise(cut))
             slot = max(w.n_segments for w in wins)
             bounds.append(cut)
@@ -1023,7 +1082,9 @@ class BucketPlan:
                 s * (sb + slot) + sb + j for s, w in enumerate(wins) for j in range(w.n_segments)
             ]
             exponent_index.append(
-                to_device(torch.tensor(where, dtype=torch.int64), layout.lengths.device)
+                to_device(
+                    torch.tensor(where, dtype=_index_dtype(gather_start)), layout.lengths.device
+                )
             )
         return BlockShards(
             bounds,

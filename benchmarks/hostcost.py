@@ -18,7 +18,14 @@ are bound):
   or falls back to the general per-step one;
 - ``state_bytes``: the bytes of every tensor reachable from the state after
   the bucket (plans, scratch, residuals, statistics; the bucket's buffer and
-  the parameters excluded), the memory the hook keeps;
+  the parameters excluded), the memory the hook keeps; ``residual_bytes``:
+  error feedback's residuals among them; the table gives what is kept beyond
+  the residuals over the bucket's FP32 bytes (the bucket is the largest: the
+  state's scratch is one workspace sized by it, :mod:`aps_comm.workspace`);
+- with ``--memory B``, instead, the state's bytes for a model of B buckets
+  of :data:`MEMORY_BUCKET` (the issue's 8.4M parameters for B = 8): what the
+  state keeps beyond residuals must stay within 3x one bucket's FP32 bytes
+  whatever B (:func:`measure_memory`);
 - for a model of many small layers and one of few large ones, for the
   two_phase, native and block routes and, with ``--configs all``, for every
   option a user turns on (:data:`CONFIGS`: statistics, error feedback,
@@ -30,6 +37,7 @@ most 300 us per bucket on a quiet 2-core machine (150 us on a GPU host).
 Usage::
 
     python -m benchmarks.hostcost [--device cpu] [--repeats 50] [--configs routes|all] [--out FILE]
+    python -m benchmarks.hostcost --memory 8 [--configs routes|all]
 
 Example:
     >>> rows = measure(torch.device("cpu"), repeats=3)  # doctest: +SKIP
@@ -68,8 +76,10 @@ __all__ = [
     "CONFIGS",
     "FAST_LINK",
     "FSDP_ROUTES",
+    "MEMORY_BUCKET",
     "MODELS",
     "ROUTES",
+    "MemoryRow",
     "OpCounter",
     "ParamLayer",
     "Row",
@@ -81,6 +91,9 @@ __all__ = [
     "measure",
     "measure_allreduce_hook",
     "measure_fsdp",
+    "measure_memory",
+    "memory_table",
+    "residual_nbytes",
     "state_nbytes",
 ]
 
@@ -89,6 +102,9 @@ MODELS: dict[str, list[int]] = {
     "few-large": [131072] * 4,
 }
 """Layer sizes of one bucket: 200 layers of 2k elements, or 4 of 128k."""
+
+MEMORY_BUCKET: list[int] = [131072] * 8
+"""One bucket of ``--memory``'s model: 8 layers of 128k elements (8 buckets: 8.4M parameters)."""
 
 ROUTES: dict[str, dict[str, Any]] = {
     "two_phase": {"fmt": "e4m3", "reduction": "two_phase"},
@@ -278,6 +294,12 @@ class Row:
     op_names: tuple[str, ...]
     settled: bool = True
     state_bytes: int = 0
+    residual_bytes: int = 0
+
+    @property
+    def kept_ratio(self) -> float:
+        """What the state keeps beyond residuals over the (largest) bucket's FP32 bytes."""
+        return (self.state_bytes - self.residual_bytes) / max(4 * self.elements, 1)
 
 
 def _sync(device: torch.device) -> None:
@@ -393,6 +415,12 @@ def state_nbytes(state: object, exclude: list[torch.Tensor]) -> int:
     return sum(storages.values())
 
 
+def residual_nbytes(state: aps_comm.APSState) -> int:
+    """Bytes of error feedback's residuals in ``state`` (0 without error feedback)."""
+    feedback = state.reducer.feedback if state.reducer is not None else None
+    return state_nbytes(feedback.residuals, []) if feedback is not None else 0
+
+
 def _timed(
     call: Callable[[], Any], device: torch.device, repeats: int
 ) -> tuple[float, float, float, float]:
@@ -455,6 +483,7 @@ def measure(
                     tuple(aten + kernels),
                     state.reducer is not None and state.reducer.steady_for(0, buffer) is not None,
                     state_nbytes(state, [buffer, *params]),
+                    residual_nbytes(state),
                 )
             )
     return rows
@@ -558,6 +587,75 @@ def _hook_timed(buffer: torch.Tensor, device: torch.device, repeats: int) -> tup
     return tuple(round(statistics.median(v) * 1e6, 1) for v in (host, on_wire, total))
 
 
+@dataclasses.dataclass(frozen=True)
+class MemoryRow:
+    """What a state keeps for a model of ``buckets`` buckets of ``bucket_elements`` each."""
+
+    route: str
+    buckets: int
+    bucket_elements: int
+    state_bytes: int
+    residual_bytes: int
+
+    @property
+    def kept_ratio(self) -> float:
+        """Bytes beyond residuals over one (the largest) bucket's FP32 bytes."""
+        return (self.state_bytes - self.residual_bytes) / (4 * self.bucket_elements)
+
+    @property
+    def model_ratio(self) -> float:
+        """Every byte kept, residuals included, over the model's FP32 gradient bytes."""
+        return self.state_bytes / (4 * self.bucket_elements * self.buckets)
+
+
+def measure_memory(
+    device: torch.device,
+    routes: dict[str, dict[str, Any]],
+    buckets: int = 8,
+    layers: list[int] | None = None,
+    seed: int = 0,
+) -> list[MemoryRow]:
+    """Per route, the bytes a state keeps after 3 steps of ``buckets`` buckets of ``layers``.
+
+    Every bucket runs the state's own path (:meth:`aps_comm.APSState.run_bucket`)
+    in DDP's order, each step ending at the last; the buckets' buffers and the
+    parameters are not counted (:func:`state_nbytes`). In a process group
+    already initialised (any world size).
+
+    Example:
+        >>> [row] = measure_memory(torch.device("cpu"), {"two_phase": ROUTES["two_phase"]})  # doctest: +SKIP
+    """
+    layers = layers or MEMORY_BUCKET
+    rows = []
+    for route, options in routes.items():
+        state = aps_comm.APSState(**options)
+        model = [_bucket(layers, device, seed + b) for b in range(buckets)]
+        params = [p for _, ps in model for p in ps]
+        state.bind_model(torch.nn.ModuleList(ParamLayer(p) for p in params))
+        for _ in range(3):  # the plans, then the settled paths, then one more
+            for i, (buffer, ps) in enumerate(model):
+                state.run_bucket(i, buffer, ps, is_last=i == buckets - 1)
+        _sync(device)
+        kept = state_nbytes(state, [b for b, _ in model] + params)
+        rows.append(MemoryRow(route, buckets, sum(layers), kept, residual_nbytes(state)))
+    return rows
+
+
+def memory_table(rows: list[MemoryRow]) -> str:
+    """The rows of :func:`measure_memory` as a Markdown table."""
+    lines = [
+        "| route | buckets | elements per bucket | state bytes | of which residuals "
+        "| state / model FP32 | beyond residuals / bucket FP32 |",
+        "|---|---|---|---|---|---|---|",
+    ]
+    for r in rows:
+        lines.append(
+            f"| {r.route} | {r.buckets} | {r.bucket_elements} | {r.state_bytes} "
+            f"| {r.residual_bytes} | {r.model_ratio:.2f}x | {r.kept_ratio:.2f}x |"
+        )
+    return "\n".join(lines)
+
+
 class _Unit(torch.nn.Module):
     def __init__(self, numels: list[int], device: torch.device) -> None:
         super().__init__()
@@ -658,15 +756,16 @@ def table(rows: list[Row]) -> str:
     """The rows as a Markdown table."""
     lines = [
         "| model | route | layers | settled | ops per bucket (ATen + kernels) | host us | "
-        "in kernels us | collectives us | total us | state / bucket bytes |",
-        "|---|---|---|---|---|---|---|---|---|---|",
+        "in kernels us | collectives us | total us | state / bucket bytes "
+        "| beyond residuals / bucket |",
+        "|---|---|---|---|---|---|---|---|---|---|---|",
     ]
     for r in rows:
         lines.append(
             f"| {r.model} | {r.route} | {r.layers} | {'yes' if r.settled else 'no'} "
             f"| {r.ops} ({r.aten_ops} + {r.kernels}) "
             f"| {r.host_us:.0f} | {r.kernel_us:.0f} | {r.wire_us:.0f} | {r.total_us:.0f} "
-            f"| {r.state_bytes / (4 * r.elements):.2f}x |"
+            f"| {r.state_bytes / (4 * r.elements):.2f}x | {r.kept_ratio:.2f}x |"
         )
     return "\n".join(lines)
 
@@ -683,10 +782,24 @@ def main(argv: list[str] | None = None) -> int:
         "reduce-scatter and HSDP's all-reduce across replicas (FSDP_ROUTES)",
     )
     parser.add_argument("--out", default=None, help="write the rows as JSON here")
+    parser.add_argument(
+        "--memory",
+        type=int,
+        default=0,
+        metavar="BUCKETS",
+        help="instead, the state's bytes for a model of BUCKETS buckets of MEMORY_BUCKET",
+    )
     args = parser.parse_args(argv)
     device = torch.device(args.device)
     if device.type == "cuda" and not torch.cuda.is_available():
         parser.error("--device cuda needs a CUDA device")
+    if args.memory:
+        if args.memory < 0 or args.out or args.configs == "fsdp":
+            parser.error(f"--memory takes a bucket count > 0, routes or all, and no --out: {args}")
+        with world_of_one(device):
+            routes = CONFIGS if args.configs == "all" else ROUTES
+            print(memory_table(measure_memory(device, routes, args.memory)))
+        return 0
     with world_of_one(device):
         if args.configs == "fsdp":
             rows = measure_fsdp(device, args.repeats)

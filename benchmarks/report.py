@@ -981,11 +981,15 @@ def _block(found: _Found) -> list[str]:
 def _hostcost_table(data: dict) -> list[str]:
     # Runs before the settled flag and the state's bytes were recorded lack both columns.
     full = all("state_bytes" in r for r in data["rows"])
+    kept = full and all("residual_bytes" in r for r in data["rows"])
     extra = " settled | state / bucket bytes |" if full else ""
+    extra += " beyond residuals / bucket |" if kept else ""
     lines = [
         "| model | route | layers | ops per bucket | host us | in kernels us | collectives us "
         "| total us |" + extra,
-        "|---|---|---|---|---|---|---|---|" + ("---|---|" if full else ""),
+        "|---|---|---|---|---|---|---|---|"
+        + ("---|---|" if full else "")
+        + ("---|" if kept else ""),
     ]
     for r in data["rows"]:
         line = (
@@ -995,6 +999,9 @@ def _hostcost_table(data: dict) -> list[str]:
         if full:
             ratio = r["state_bytes"] / (4 * r["elements"])
             line += f" {'yes' if r['settled'] else 'no'} | {ratio:.2f}x |"
+        if kept:
+            beyond = (r["state_bytes"] - r["residual_bytes"]) / (4 * r["elements"])
+            line += f" {beyond:.2f}x |"
         lines.append(line)
     return lines
 

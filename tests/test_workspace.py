@@ -1,0 +1,100 @@
+"""The hook's memory is bounded by its largest bucket, not by the model.
+
+Every bucket's wire buffers (send, receive, shard) and the settled paths'
+scratch are views of one :class:`aps_comm.workspace.Workspace` per state:
+what a state keeps beyond error feedback's residuals must stay within 3x
+the largest bucket's FP32 bytes for a model of 8 buckets and one of 32 of
+the same size (issue 46, item 5). Measured as ``benchmarks.hostcost``
+measures it: every tensor reachable from the state, gradients excluded.
+"""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+import aps_comm
+from aps_comm.testing import run_distributed
+from aps_comm.workspace import Slot, Workspace
+from benchmarks.hostcost import CONFIGS, measure_memory
+
+BOUND = 3.0
+LAYERS = [8192] * 4
+"""One bucket: 4 layers, 32k elements (128 KiB in FP32)."""
+
+
+def _kept_per_bucket(
+    rank: int, world_size: int, configs: list[str], counts: list[int]
+) -> dict[str, float]:
+    """Per config and bucket count, what the state keeps beyond residuals over a bucket's FP32."""
+    out = {}
+    for n_buckets in counts:
+        routes = {name: CONFIGS[name] for name in configs}
+        for row in measure_memory(torch.device("cpu"), routes, n_buckets, LAYERS, seed=rank):
+            out[f"{row.route}/{n_buckets}"] = row.kept_ratio
+    return out
+
+
+@pytest.mark.parametrize("world_size", [1, 2])
+def test_state_bytes_are_bounded_by_the_largest_bucket(world_size: int) -> None:
+    configs = ["two_phase", "two_phase+error_feedback"]
+    [kept, *_] = run_distributed(_kept_per_bucket, world_size, args=(configs, [8, 32]))
+    for name in configs:
+        assert kept[f"{name}/8"] <= BOUND, kept
+        assert kept[f"{name}/32"] <= BOUND, kept
+
+
+def test_block_state_bytes_of_eight_buckets_are_bounded() -> None:
+    # Block scaling's per-block offsets and lengths (16 bytes per 32 elements)
+    # stay per bucket: 32 buckets keep about 6x (docs/design-and-guarantees.md).
+    [kept] = run_distributed(_kept_per_bucket, 1, args=(["block"], [8]))
+    assert kept["block/8"] <= BOUND, kept
+
+
+def _grown(rank: int, world_size: int) -> dict[str, object]:
+    """Bucket 0 settles, then bucket 2 (the same slot, four times larger) grows the slot."""
+    sizes = {0: [4096, 1000], 1: [300], 2: [16384, 5000]}
+    gen = torch.Generator().manual_seed(rank)
+    data = {i: torch.randn(sum(n), generator=gen) for i, n in sizes.items()}
+    alone = aps_comm.APSState("e4m3", reduction="two_phase")
+    state = aps_comm.APSState("e4m3", reduction="two_phase")
+    params = {i: [torch.nn.Parameter(torch.empty(k)) for k in n] for i, n in sizes.items()}
+    out: dict[str, object] = {"same": []}
+    for step in range(5):
+        x = data[0] * (step + 1)
+        want = alone.run_bucket(0, x.clone(), params[0])
+        for i in sizes:
+            order = [0, 1] if step < 2 else [0, 1, 2]  # bucket 2 joins at step 2
+            if i not in order:
+                continue
+            got = state.run_bucket(i, (x if i == 0 else data[i]).clone(), params[i], i == order[-1])
+            if i == 0:
+                out["same"].append(torch.equal(got, want))
+    reducer = state.reducer
+    assert reducer is not None
+    ws = reducer.workspace(torch.device("cpu"))
+    out["even"] = ws.regions[Slot.EVEN].numel()
+    out["odd"] = ws.regions[Slot.ODD].numel()
+    return out
+
+
+def test_a_growing_workspace_binds_earlier_buckets_again_with_the_same_bits() -> None:
+    for out in run_distributed(_grown, 2):
+        # Bucket 0's buffers moved to the grown region: it bound again, same bits.
+        assert out["same"] == [True] * 5, out
+        # The even slot is bucket 2's size, shared with bucket 0; the odd one bucket 1's.
+        assert out["even"] > 4 * out["odd"], out
+
+
+def test_arena_views_are_disjoint_and_aligned() -> None:
+    ws = Workspace(torch.device("cpu"))
+    for _ in range(2):
+        arena = ws.arena(Slot.ODD)
+        views = [arena.take(5), arena.take(3, torch.float32), arena.take(0), arena.take(7)]
+        fits = arena.close()
+    assert fits and ws.epoch(Slot.ODD, Slot.STEP) == (1, 0) and ws.epoch(Slot.EVEN) == (0,)
+    base = ws.regions[Slot.ODD].data_ptr()
+    assert [v.data_ptr() - base for v in views if v.numel()] == [0, 64, 128]
+    assert [v.numel() for v in views] == [5, 3, 0, 7] and ws.nbytes() == 135
+    with pytest.raises(ValueError, match="-1 elements"):
+        ws.arena(Slot.STEP).take(-1)
