@@ -597,7 +597,7 @@ def _settled_fsdp_steps(rank: int, world_size: int, options: dict) -> list[str]:
     settled, full = _fsdp_net(), _fsdp_net()
     s_state, f_state = fsdp.register(settled, **options), fsdp.register(full, **options)
     problems, bound = [], None
-    for step in range(5):
+    for step in range(4):  # bound, settled, a NaN, settled
         gs = _unit_grads(rank, step)
         f_state.reducer.steady_units.clear()  # never settled: the general path every step
         for net in (settled, full):
@@ -627,22 +627,28 @@ def _settled_fsdp_steps(rank: int, world_size: int, options: dict) -> list[str]:
     return problems
 
 
-@pytest.mark.filterwarnings(r"ignore:aps_comm. e2m1 \(4 bits\) with scaling='layer':UserWarning")
-@pytest.mark.parametrize(
-    "options",
-    [
-        {"fmt": "e4m3"},
-        {"fmt": "e2m1", "scaling": "block"},
-        {"fmt": "e4m3", "scaling": "block", "block_size": 16},
-        {"fmt": "e5m2", "scaling": "bucket"},
-    ],
-    ids=["e4m3", "e2m1-block", "e4m3-block16", "e5m2-bucket"],
-)
-def test_a_settled_fsdp_unit_gives_the_general_paths_shards(options: dict) -> None:
+# Layer, block (4 and 8 bits, two block sizes) and bucket scaling.
+_SETTLED_UNITS = [
+    {"fmt": "e4m3"},
+    {"fmt": "e2m1", "scaling": "block"},
+    {"fmt": "e4m3", "scaling": "block", "block_size": 16},
+    {"fmt": "e5m2", "scaling": "bucket"},
+]
+
+
+def _settled_fsdp_all(rank: int, world_size: int) -> list[str]:
+    return [
+        f"{options}: {problem}"
+        for options in _SETTLED_UNITS
+        for problem in _settled_fsdp_steps(rank, world_size, options)
+    ]
+
+
+def test_a_settled_fsdp_unit_gives_the_general_paths_shards() -> None:
     """Issue 46: over several steps of real FSDP2 on two ranks, the settled reduce-scatter's
     shards are the never-settled path's bit for bit, a NaN in one parameter on one rank
     included, with the same bytes."""
-    for problems in run_distributed(_settled_fsdp_steps, 2, args=(options,), timeout=120):
+    for problems in run_distributed(_settled_fsdp_all, 2, timeout=120):
         assert problems == []
 
 
@@ -671,13 +677,18 @@ def _settled_mismatch(rank: int, world_size: int, scaling: str) -> dict:
     return out
 
 
-@pytest.mark.parametrize("scaling", ["layer", "block"])
-def test_a_layout_mismatch_on_a_settled_unit_is_nan_on_every_rank(scaling: str) -> None:
+def _settled_mismatches(rank: int, world_size: int) -> dict:
+    return {s: _settled_mismatch(rank, world_size, s) for s in ("layer", "block")}
+
+
+def test_a_layout_mismatch_on_a_settled_unit_is_nan_on_every_rank() -> None:
     """The layout flag rides on the settled unit's maxima (or keys): the rank whose input
     does not fit raises, the other's unit comes back NaN, and it raises at the next step."""
-    good, bad = run_distributed(_settled_mismatch, 2, args=(scaling,))
-    assert good["settled 0"] and good["settled 1"]
-    assert torch.equal(good[1], torch.full_like(good[1], 2.0))
-    assert "does not match the unit's parameters on this rank" in bad[2]
-    assert torch.isnan(good[2]).all()
-    assert "another rank's reduce-scatter input did not match" in good[3]
+    out = run_distributed(_settled_mismatches, 2)
+    for scaling in ("layer", "block"):
+        good, bad = out[0][scaling], out[1][scaling]
+        assert good["settled 0"] and good["settled 1"], scaling
+        assert torch.equal(good[1], torch.full_like(good[1], 2.0)), scaling
+        assert "does not match the unit's parameters on this rank" in bad[2], scaling
+        assert torch.isnan(good[2]).all(), scaling
+        assert "another rank's reduce-scatter input did not match" in good[3], scaling
