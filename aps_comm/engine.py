@@ -1566,6 +1566,11 @@ class Reducer:
     ) -> torch.Tensor:
         """Reduce-scatter one FSDP unit: the sum over ranks of this rank's row (float32).
 
+        The first call binds the unit's layout (:class:`SteadyUnit`, where one
+        scaled format covers every parameter and no records are kept); later
+        calls of that layout and policy epoch run bound, whatever buffer
+        ``rows`` is: a fixed handful of calls, the same bits.
+
         Args:
             index: the unit's index.
             rows: the reduce-scatter input as N rows (float32); row r holds
