@@ -1729,6 +1729,31 @@ class Codec:
             out.copy_(segment_amax(x, layout))
         return out
 
+    def sum_rows(self, rows: torch.Tensor, out: torch.Tensor) -> torch.Tensor:
+        """The sum of float32 ``rows`` (N, S) into ``out`` (S), in float32 in row order.
+
+        The same bits as ``out = rows[0]; out += rows[r]`` row by row (an FSDP
+        unit's reduce-scatter sum): one kernel call on "kernels", N torch ops
+        elsewhere.
+
+        Example:
+            >>> c = Codec("e4m3", torch.device("cpu"))
+            >>> c.sum_rows(torch.tensor([[1.0, 2.0], [2.0, 3.0]]), torch.empty(2))
+            tensor([3., 5.])
+        """
+        if rows.dim() != 2 or out.shape != rows.shape[1:] or rows.dtype != torch.float32:
+            raise ValueError(
+                f"rows must be 2-D float32 and out one row, got {rows.dtype} "
+                f"{tuple(rows.shape)} and {tuple(out.shape)}"
+            )
+        if self.backend == "kernels" and rows.is_contiguous() and out.is_contiguous():
+            cpu_kernels.sum_rows(rows.numpy(), out.numpy())
+            return out
+        out.copy_(rows[0])
+        for r in range(1, rows.shape[0]):
+            out += rows[r]  # FP32, in rank order
+        return out
+
     def layer_records(
         self,
         x: torch.Tensor,

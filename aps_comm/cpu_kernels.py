@@ -88,6 +88,7 @@ __all__ = [
     "reduce_shards",
     "send_rank_blocks",
     "spread_maximum",
+    "sum_rows",
     "supports",
     "two_phase_keys",
     "underflow_rates",
@@ -1594,6 +1595,15 @@ if AVAILABLE:
             out[j] = out[j] / div
 
     @_njit
+    def _sum_rows(rows, out):
+        n = rows.shape[0]
+        for j in range(rows.shape[1]):
+            out[j] = rows[0, j]
+        for r in range(1, n):
+            for j in range(rows.shape[1]):
+                out[j] += rows[r, j]
+
+    @_njit
     def _or_rows(rows, out):
         for i in range(rows.shape[1]):
             u = np.uint8(0)
@@ -1655,6 +1665,19 @@ def mean_rows(rows: np.ndarray, out: np.ndarray) -> None:
         array([1.5, 2.5], dtype=float32)
     """
     _mean_rows(rows, out)
+
+
+def sum_rows(rows: np.ndarray, out: np.ndarray) -> None:
+    """The sum of the rows of a 2-D float32 array into ``out``, in float32 in row order
+    (the same bits as ``+=`` row by row): an FSDP unit's reduce-scatter result.
+
+    Example:
+        >>> out = np.empty(2, np.float32)
+        >>> sum_rows(np.array([[1, 2], [2, 3]], np.float32), out)
+        >>> out
+        array([3., 5.], dtype=float32)
+    """
+    _sum_rows(rows, out)
 
 
 def or_rows(rows: np.ndarray, out: np.ndarray) -> None:

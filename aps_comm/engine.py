@@ -47,7 +47,7 @@ from aps_comm.config import DEFAULT_BLOCK_SIZE, BlockExponents, Reduction, Route
 from aps_comm.feedback import ErrorFeedback
 from aps_comm.formats import FP32, FloatFormat, payload_nbytes, pow2
 from aps_comm.hostcopy import to_device
-from aps_comm.plan import BucketPlan, GroupPlan, Planner
+from aps_comm.plan import BucketPlan, GroupPlan, Planner, RowRuns
 from aps_comm.policy import Assignment
 from aps_comm.reduction import native_sum_supported, resolve_routes
 from aps_comm.scaling import (
@@ -75,6 +75,7 @@ __all__ = [
     "SteadyBlocks",
     "SteadyFeedback",
     "SteadyGroups",
+    "SteadyUnit",
     "Traffic",
 ]
 
@@ -510,6 +511,58 @@ class SteadyGroups:
         self.parts, self.bound_ptr = parts, x.data_ptr()
 
 
+@dataclasses.dataclass
+class SteadyUnit:
+    """An FSDP2 unit's reduce-scatter once its layout and format are settled (:meth:`Reducer.unit`).
+
+    Bound to the unit's layout, not to a buffer: FSDP hands a new input
+    every step, so the calls that read it take it per step and everything
+    else (factors, keys, the exchange's and the sum's scratch) is the
+    unit's for good. Per step, whatever the number of parameters: the
+    maxima (layer scaling: each row's maximum of every chunk, then the max
+    over the rows; block scaling: every block's key), the layout flag in
+    and out of the MAX all-reduce, the factors written in place (a
+    non-finite parameter, or the flag, NaN on the decode), one encode of
+    the N rows, the ``all_to_all_single``, one decode and the FP32 sum in
+    rank order: the collectives, bytes and bits of the general path.
+
+    Attributes:
+        chunks: the parameters' padded chunks (the layout it is bound to).
+        numel: elements of the N rows.
+        device: the rows' device.
+        epoch: the policy's epoch of its formats (:meth:`aps_comm.policy.Assignment.epoch`).
+        runs: the unit's one run and its exchange scratch (:meth:`aps_comm.plan.BucketPlan.runs`).
+        shared: the MAX all-reduce's vector: float32 parameter maxima (layer) or uint8
+            block keys (block), then the layout flag.
+        local: layer: float32, each row's maximum of every chunk (N x P); block: every
+            block's max |x|.
+        flags: block: uint8 scratch, this rank's non-finite flag per row and parameter.
+        agreed: layer: float32, the agreed maxima for every row (N x P); the flag makes them inf.
+        scale: float32, the encode's factor of every segment of the N rows.
+        unscale: float32, the factors the agreed maxima or keys give every segment.
+        decode: float32, the decode's factor of every segment of the N received rows
+            (block: this rank's row's blocks N times; layer: ``unscale`` itself).
+        factors: writes ``scale`` and ``unscale`` from the agreed maxima or keys.
+        poison: 0-d float32, what a non-finite parameter or the flag writes: inf into the
+            agreed maxima (layer), NaN into ``decode`` (block).
+    """
+
+    chunks: tuple[int, ...]
+    numel: int
+    device: torch.device
+    epoch: tuple[int, ...]
+    runs: RowRuns
+    shared: torch.Tensor
+    local: torch.Tensor
+    flags: torch.Tensor | None
+    agreed: torch.Tensor | None
+    scale: torch.Tensor
+    unscale: torch.Tensor
+    decode: torch.Tensor
+    factors: Callable[[], object]
+    poison: torch.Tensor
+
+
 class Reducer:
     """One rank's reducer: plans, the per-step path of buckets and units, and their records.
 
@@ -548,6 +601,8 @@ class Reducer:
         self.steady: dict[int, Steady | SteadyBlocks | SteadyFeedback | SteadyGroups] = {}
         # Per device: the buckets' scratch, shared (:mod:`aps_comm.workspace`).
         self.workspaces: dict[str, Workspace] = {}
+        # Per FSDP unit index: its bound reduce-scatter once settled (:class:`SteadyUnit`).
+        self.steady_units: dict[int, SteadyUnit] = {}
         # The current step's number (Schedule's): the last one :meth:`bucket` was
         # given, advanced by :meth:`end_step`, so settled buckets know it too.
         self.step = 0
@@ -1584,6 +1639,11 @@ class Reducer:
     ) -> torch.Tensor:
         """Reduce-scatter one FSDP unit: the sum over ranks of this rank's row (float32).
 
+        The first call binds the unit's layout (:class:`SteadyUnit`, where one
+        scaled format covers every parameter and no records are kept); later
+        calls of that layout and policy epoch run bound, whatever buffer
+        ``rows`` is: a fixed handful of calls, the same bits.
+
         Args:
             index: the unit's index.
             rows: the reduce-scatter input as N rows (float32); row r holds
@@ -1602,6 +1662,9 @@ class Reducer:
         """
         comm, settings = self.comm, self.settings
         n, p = comm.world_size, len(chunks)
+        st = self._steady_unit(index, rows, chunks, step)
+        if st is not None:
+            return self._run_unit(st, rows, problem)
         plan = self.plan(index, list(chunks) * n, rows.device)
         if settings.scaling == Scaling.BLOCK:
             return self._unit_blocks(plan, index, rows, numels, names, step, problem)
@@ -1649,6 +1712,7 @@ class Reducer:
                     amax[run.index_tensor],
                     counts,
                 )
+        self._settle_unit(index, runs, rows, chunks, step)
         return out
 
     def _unit_blocks(
@@ -1730,7 +1794,133 @@ class Reducer:
                     largest.view(n, -1).amax(0),
                     counts.view(n, -1, 3).sum(0),
                 )
+        self._settle_unit(index, runs, rows, plan.numels[: len(numels)], step)
         return out
+
+    def _steady_unit(
+        self, index: int, rows: torch.Tensor, chunks: Sequence[int], step: int
+    ) -> SteadyUnit | None:
+        """The unit's :class:`SteadyUnit` where this call fits the layout and formats it
+        was bound to (any buffer of that layout: FSDP allocates a new one every step)."""
+        st = self.steady_units.get(index)
+        if (
+            st is None
+            or st.numel != rows.numel()
+            or st.device != rows.device
+            or rows.dtype != torch.float32
+            or not rows.is_contiguous()
+            or st.chunks != tuple(chunks)
+            or st.epoch != self.assignment.epoch(step)
+        ):
+            return None
+        return st
+
+    def _settle_unit(
+        self,
+        index: int,
+        runs: RowRuns,
+        rows: torch.Tensor,
+        chunks: Sequence[int],
+        step: int,
+    ) -> None:
+        """Bind the unit's :class:`SteadyUnit` where nothing in it changes per step: one
+        scaled format for every parameter, layer, bucket or block scaling, no records."""
+        self.steady_units.pop(index, None)
+        settings, n = self.settings, self.comm.world_size
+        if (
+            settings.stats
+            or settings.scaling not in (Scaling.LAYER, Scaling.BUCKET, Scaling.BLOCK)
+            or len(runs.runs) != 1
+            or rows.dtype != torch.float32
+            or not rows.is_contiguous()
+            or not all(chunks)
+        ):
+            return
+        run, device = runs.runs[0], rows.device
+        c, layout = run.codec, run.rows_layout
+        if run.fmt == FP32 or not run.packed_rows:
+            return
+        segments = layout.n_segments
+        f32 = {"dtype": torch.float32, "device": device}
+        scale, unscale = torch.empty(segments, **f32), torch.empty(segments, **f32)
+        flags = agreed = None
+        if settings.scaling == Scaling.BLOCK:
+            blocks = run.rows_blocks
+            assert blocks is not None
+            shared = torch.zeros(segments + 1, dtype=torch.uint8, device=device)
+            local = torch.empty(segments, **f32)
+            flags = torch.empty(len(blocks.counts), dtype=torch.uint8, device=device)
+            keys = c.bind_block_keys(
+                rows.reshape(-1), layout, blocks.counts, local, shared[:-1], flags, n
+            )
+            if keys is None:  # no fused keys for this backend or format
+                return
+            made = c.bind_feedback_factors(shared[:-1], n, scale, unscale, blocks.device_counts)
+            decode = torch.empty(segments, **f32)
+            poison = torch.tensor(math.nan, **f32)
+        else:
+            shared = torch.zeros(len(chunks) + 1, **f32)
+            local, agreed = torch.empty(segments, **f32), torch.empty(segments, **f32)
+            made = c.bind_feedback_factors(agreed, n, scale, unscale)
+            decode = unscale  # every row's parameters have the same factors
+            poison = torch.tensor(math.inf, **f32)
+        self.steady_units[index] = SteadyUnit(
+            tuple(chunks),
+            rows.numel(),
+            device,
+            self.assignment.epoch(step),
+            runs,
+            shared,
+            local,
+            flags,
+            agreed,
+            scale,
+            unscale,
+            decode,
+            made,
+            poison,
+        )
+
+    def _run_unit(self, st: SteadyUnit, rows: torch.Tensor, problem: torch.Tensor) -> torch.Tensor:
+        """:meth:`unit` along its :class:`SteadyUnit`: the same collectives, bytes and bits."""
+        comm, run = self.comm, st.runs.runs[0]
+        n, c, layout, x = comm.world_size, run.codec, run.rows_layout, rows.reshape(-1)
+        shared, k = st.shared, st.shared.numel() - 1
+        if st.flags is not None:  # block scaling: this rank's key of every block
+            blocks = run.rows_blocks
+            assert blocks is not None
+            keys = c.bind_block_keys(x, layout, blocks.counts, st.local, shared[:k], st.flags, n)
+            assert keys is not None  # as when it was bound
+            keys()
+        else:
+            c.layer_maxima(x, layout, st.local)
+            torch.amax(st.local.view(n, k), 0, out=shared[:k])
+        # The flag rides on the maxima, so no rank needs a host read to learn it.
+        shared[k:].copy_(problem.reshape(1))
+        transports.all_reduce_max(shared, comm.group, self.traffic)
+        problem.copy_(shared[k])
+        flagged = shared[k] > 0
+        if st.agreed is not None:
+            if self.settings.scaling == Scaling.BUCKET:
+                AgreedMaxima(shared[:k], n).spread()
+            # A flagged unit is NaN on every rank: its maxima all non-finite.
+            torch.where(flagged, st.poison, shared[:k].expand(n, k), out=st.agreed.view(n, k))
+            st.factors()
+        else:
+            st.factors()
+            # A parameter with a non-finite block in any row is NaN in every row (its
+            # blocks' unscale in that row is NaN); every rank sends this rank its row.
+            per_row = st.unscale.view(n, -1)
+            bad = torch.any(per_row.isnan(), 0) | flagged
+            torch.where(
+                bad.expand_as(per_row),
+                st.poison,
+                per_row[comm.rank].expand_as(per_row),
+                out=st.decode.view_as(per_row),
+            )
+        return transports.reduce_scatter(
+            st.runs, rows, [st.scale], [st.decode], comm.group, self.traffic
+        )
 
     # -- the step ---------------------------------------------------------------------
 

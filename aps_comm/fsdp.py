@@ -347,7 +347,8 @@ class APSFSDPState:
         if group is not None and self.config.reduce_scatter:
             # With HSDP the records come from the all-reduce across replicas,
             # the collective that crosses nodes.
-            self.reducer = self._reducer(group, device, Reduction.TWO_PHASE, not replicated)
+            stats = self.collect_stats and not replicated
+            self.reducer = self._reducer(group, device, Reduction.TWO_PHASE, stats)
         if group is not None:
             self._world_size = group.size()
         self.process_group = group

@@ -183,7 +183,14 @@ def reduce_scatter(
     """
     n = rows.shape[0]
     send, recv, values = runs.send, runs.recv, runs.values
+    # One run of packed rows: the N rows' codes are the send buffer end to end.
+    whole = len(runs.runs) == 1 and runs.runs[0].packed_rows and rows.is_contiguous()
     for run, factors in zip(runs.runs, scales, strict=True):
+        if whole:
+            run.codec.encode(
+                rows.view(-1), out=send.view(-1), scale=factors, layout=run.rows_layout
+            )
+            continue
         if run.packed_rows:
             encoded = run.codec.encode(
                 rows[:, run.lo : run.hi].contiguous().view(-1),
@@ -204,6 +211,15 @@ def reduce_scatter(
     work = dist.all_to_all_single(recv, send, group=group, async_op=True)
     _wait(work, f"the all_to_all of {send.numel()} encoded bytes")
     for run, factors in zip(runs.runs, unscales, strict=True):
+        if whole:
+            run.codec.decode(
+                recv.view(-1),
+                values.numel(),
+                out=values.view(-1),
+                scale=factors,
+                layout=run.rows_layout,
+            )
+            continue
         if run.packed_rows:
             decoded = run.codec.decode(
                 recv[:, run.b0 : run.b1].contiguous().view(-1),
@@ -218,10 +234,10 @@ def reduce_scatter(
             values[r, run.lo : run.hi] = run.codec.decode(
                 recv[r, run.b0 : run.b1], run.hi - run.lo, scale=per_row[r], layout=run.layout
             )
-    acc = values[0].clone()
-    for r in range(1, n):
-        acc += values[r]  # FP32, in rank order
-    return acc
+    acc = torch.empty(runs.row_numel, dtype=torch.float32, device=values.device)
+    if not runs.runs:  # no parameters: nothing to sum
+        return acc
+    return runs.runs[0].codec.sum_rows(values, acc)  # FP32, in rank order
 
 
 def native(

@@ -168,6 +168,7 @@ _CPU_KERNELS = (
     "decode_rank_blocks",
     "mean_rank_blocks",
     "mean_rows",
+    "sum_rows",
     "or_rows",
     "keep_lost",
     "owner_lost",
@@ -730,7 +731,8 @@ def measure_fsdp(
                     on_wire,
                     total,
                     tuple(aten + calls),
-                    replicas is not None and replicas.steady.get(0) is not None,
+                    (replicas is not None and replicas.steady.get(0) is not None)
+                    or (replicas is None and state.reducer.steady_units.get(0) is not None),
                     state_nbytes(state, [shard, *params]),
                 )
             )

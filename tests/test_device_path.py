@@ -499,3 +499,36 @@ def test_settled_policies_make_no_host_traffic_but_promotes_read(
     for mode in steady:
         assert len(mode.reads) == (2 if policy == "promote" else 0), mode.reads
         assert mode.copies == [], mode.copies
+
+
+# A unit with no empty parameter and an even row at 6 ranks: 4-bit rows pack too.
+UNIT_NUMELS = [7, 1000, 33, 1, 517, 6]
+
+
+@pytest.mark.parametrize("name", ["e4m3", "e2m1", "bf16"])
+@pytest.mark.parametrize("scaling", ["layer", "bucket"])
+def test_a_settled_fsdp_unit_makes_no_host_traffic(
+    monkeypatch: pytest.MonkeyPatch, name: str, scaling: str
+) -> None:
+    """Issue 46: a flat FSDP unit without records settles on the device path too (its
+    torch-op factors and sum), and its bound steps, each on a new input, read nothing."""
+    world = 6
+    chunks = [-(-n // world) for n in UNIT_NUMELS]
+    with stubbed_collectives(monkeypatch) as issued:
+        reducer, names = _reducer(get_format(name), "two_phase", scaling, world, 2, [])
+        seen, bound = [], []
+        for step in range(4):
+            mode = HostTraffic()
+            with mode:
+                rows = torch.empty(world, sum(chunks), device=META)
+                problem = torch.zeros((), device=META)
+                out = reducer.unit(0, rows, chunks, UNIT_NUMELS, names, step=step, problem=problem)
+                assert out.shape == (sum(chunks),)
+                reducer.end_step()
+            bound.append(reducer.steady_units.get(0))
+            if step >= 1:
+                seen.append(mode)
+    assert bound[0] is not None and all(b is bound[0] for b in bound)
+    for mode in seen:
+        assert mode.reads == [] and mode.copies == [], (mode.reads, mode.copies)
+    assert issued == ["all_reduce", "all_to_all_single"] * 4
