@@ -743,34 +743,8 @@ class Reducer:
             amax = shared_maxima[:n_layers]
             wanted = shared_maxima[-1] if measured else None
         else:
-            amax = codec.segment_amax(x, plan.layout)
-            extra: list[torch.Tensor] = []
-            if promoter is not None:
-                zero = torch.zeros((), device=x.device)
-                extra.append(torch.stack([self.rates.get(n or "", zero) for n in names]))
-            if measured:
-                extra.append(torch.tensor([math.log2(mine)], dtype=torch.float32))
-            shared = torch.cat([amax, *extra]) if extra else amax
-            transports.all_reduce_max(shared, comm.group, self.traffic)
-            amax = shared[:n_layers]
-            wanted = shared[-1] if measured else None
-            if promoter is not None:
-                # Promote picks formats on the host: one device read per bucket,
-                # only with this policy.
-                assignment.promote_step(keys, shared[n_layers : 2 * n_layers].tolist())
-        if self.feedback is not None:
-            chunk = ONE_CHUNK
-        elif measured and rank_exps:
-            if not plan.model_chunk:
-                plan.model_chunk = self.planner.chunk(settings.fmt, x.numel(), main)
-            chunk = plan.agreed_chunk or plan.model_chunk
-        elif measured:
-            assert wanted is not None
-            chunk = 2 ** int(wanted)
-        elif chunk is None:
-            if not plan.model_chunk:  # the same on every rank, and every step
-                plan.model_chunk = self.planner.chunk(settings.fmt, x.numel(), main)
-            chunk = plan.model_chunk
+            amax, wanted = self._agree_maxima(plan, x, keys, names, mine if measured else None)
+        chunk = self._bucket_chunk(plan, x.numel(), main, chunk, wanted, measured and rank_exps)
         self.bucket_chunks[index] = chunk
 
         if fmts is None:  # Promote has just updated them
@@ -791,14 +765,68 @@ class Reducer:
         if sent:
             self.bucket_routes[index] = str(max(sent, key=lambda g: g.numel).reduction)
         start = time.perf_counter()
+        offer = None
+        if measured and rank_exps:
+            offer = (int(math.log2(mine)), functools.partial(_agree_chunk, plan))
+        tail = self._groups(index, x, numels, groups, amax, names, agreed, defer, offer)
+        if measured and len(groups) == 1:
+            plan.timed(time.perf_counter() - start)
+        self._settle_bucket(
+            index, x, plan, fmts, groups, (keys, numels, names), main, measured, chunk, rank_exps
+        )
+        return tail
+
+    def _settle_bucket(
+        self,
+        index: int,
+        x: torch.Tensor,
+        plan: BucketPlan,
+        fmts: list[FloatFormat],
+        groups: list[GroupPlan],
+        layers: tuple[Sequence[Any], list[int], Sequence[str | None]],
+        main: Route,
+        measured: bool,
+        chunk: int,
+        rank_exps: bool,
+    ) -> None:
+        """Bind bucket ``index``'s settled path, after its general step, where its
+        configuration has one (``layers``: the layers' keys, sizes and names)."""
+        keys, numels, names = layers
+        if len(groups) > 1:
+            self._settle_groups(index, x, plan, fmts, groups, main, measured, chunk)
+            return
+        g = groups[0]
+        if self.settings.scaling != Scaling.BLOCK:
+            promoted = self.assignment.promoter is not None
+            layers_of = (list(keys), list(numels), list(names)) if promoted else None
+            self._settle(
+                index, x, plan, fmts, g, Route(g.reduction), measured, chunk, names, layers_of
+            )
+        elif rank_exps:
+            self._settle_blocks(index, x, plan, fmts, g, measured, chunk, names)
+        if self.feedback is not None:
+            self._settle_feedback(index, x, g, names)
+
+    def _groups(
+        self,
+        index: int,
+        x: torch.Tensor,
+        numels: list[int],
+        groups: list[GroupPlan],
+        amax: torch.Tensor,
+        names: Sequence[str | None],
+        agreed: dict[FloatFormat, tuple[torch.Tensor, torch.Tensor]],
+        defer: bool,
+        offer: tuple[int, Callable[[int], None]] | None,
+    ) -> Callable[[], None] | None:
+        """Every format group of bucket ``index`` through :meth:`_group`, the contiguous
+        one's tail deferred if asked (``offer``: as :meth:`_group`'s)."""
+        blocked = self.settings.scaling == Scaling.BLOCK
         layers = torch.split(x, numels) if len(groups) > 1 else [x]
         tail = None
         for g in groups:
             keyed = agreed.get(g.fmt)
             if g.contiguous:
-                offer = None
-                if measured and rank_exps:
-                    offer = (int(math.log2(mine)), functools.partial(_agree_chunk, plan))
                 tail = self._group(g, x, amax, names, index, defer, keyed, offer)
                 continue
             # Mixing formats costs a gather copy and one set of collectives per format.
@@ -807,21 +835,64 @@ class Reducer:
             self._group(g, gx, g_amax, names, index, keyed=keyed)
             for i, t in zip(g.index, torch.split(gx, g.numels), strict=True):
                 layers[i].copy_(t)
-        if measured and len(groups) == 1:
-            plan.timed(time.perf_counter() - start)
-        if len(groups) == 1 and not blocked and fmts is not None:
-            g = groups[0]
-            layers_of = (list(keys), list(numels), list(names)) if promoter is not None else None
-            self._settle(
-                index, x, plan, fmts, g, Route(g.reduction), measured, chunk, names, layers_of
-            )
-        elif len(groups) == 1 and rank_exps and fmts is not None:
-            self._settle_blocks(index, x, plan, fmts, groups[0], measured, chunk, names)
-        if self.feedback is not None and len(groups) == 1:
-            self._settle_feedback(index, x, groups[0], names)
-        if len(groups) > 1:
-            self._settle_groups(index, x, plan, fmts, groups, main, measured, chunk)
         return tail
+
+    def _agree_maxima(
+        self,
+        plan: BucketPlan,
+        x: torch.Tensor,
+        keys: Sequence[Any],
+        names: Sequence[str | None],
+        mine: int | None,
+    ) -> tuple[torch.Tensor, torch.Tensor | None]:
+        """The layers' maxima agreed by one MAX all-reduce, with Promote's rates and this
+        rank's preferred chunk ``mine`` (where measured) riding on it; Promote's step taken.
+
+        Returns the agreed maxima and the ranks' largest preferred chunk (log2; None
+        where not measured).
+        """
+        n_layers, promoter = len(keys), self.assignment.promoter
+        amax = codec.segment_amax(x, plan.layout)
+        extra: list[torch.Tensor] = []
+        if promoter is not None:
+            zero = torch.zeros((), device=x.device)
+            extra.append(torch.stack([self.rates.get(n or "", zero) for n in names]))
+        if mine is not None:
+            extra.append(torch.tensor([math.log2(mine)], dtype=torch.float32))
+        shared = torch.cat([amax, *extra]) if extra else amax
+        transports.all_reduce_max(shared, self.comm.group, self.traffic)
+        if promoter is not None:
+            # Promote picks formats on the host: one device read per bucket,
+            # only with this policy.
+            self.assignment.promote_step(keys, shared[n_layers : 2 * n_layers].tolist())
+        return shared[:n_layers], shared[-1] if mine is not None else None
+
+    def _bucket_chunk(
+        self,
+        plan: BucketPlan,
+        numel: int,
+        main: Route,
+        chunk: int | None,
+        wanted: torch.Tensor | None,
+        rank_exps: bool,
+    ) -> int:
+        """Elements per chunk this step: error feedback's one chunk; each rank's own block
+        exponents: the chunk the ranks agreed on their first exchange; measured: the
+        ranks' largest preference (``wanted``); else ``chunk`` or the model's."""
+        fmt = self.settings.fmt
+        if self.feedback is not None:
+            return ONE_CHUNK
+        if rank_exps:
+            if not plan.model_chunk:
+                plan.model_chunk = self.planner.chunk(fmt, numel, main)
+            return plan.agreed_chunk or plan.model_chunk
+        if wanted is not None:
+            return 2 ** int(wanted)
+        if chunk is None:
+            if not plan.model_chunk:  # the same on every rank, and every step
+                plan.model_chunk = self.planner.chunk(fmt, numel, main)
+            chunk = plan.model_chunk
+        return chunk
 
     def _settle_groups(
         self,
@@ -1494,51 +1565,19 @@ class Reducer:
         ``amax`` holds the layers' agreed maxima; with block scaling ``keyed``
         holds the blocks' agreed exponent keys and this rank's block maxima.
         """
-        comm, fmt, route = self.comm, g.fmt, Route(g.reduction)
+        comm, route = self.comm, Route(g.reduction)
         gnames = [names[i] for i in g.index]
         if route == Route.FP32:
             transports.fp32_mean(x, comm.group, comm.world_size, self.traffic)
             if self.feedback is not None:
                 self.feedback.drop(gnames)
             return None
-        per_node = g.node.ranks_per_node if g.node is not None else 1
         rank_blocks = (
             route == Route.TWO_PHASE
             and g.block_shards is not None
             and g.block_shards.rank_exponents
         ) or g.node_blocks is not None
-        records = self.settings.stats or self.assignment.promoter is not None
-        # Each rank's own keys go out as they are: factors only for the records.
-        f: Factors | None = None
-        if g.blocks is None:
-            f = factors(
-                amax,
-                fmt,
-                route,
-                world_size=comm.world_size,
-                scaling=self.settings.scaling,
-                ranks_per_node=per_node,
-            )
-        elif records or not rank_blocks:
-            assert keyed is not None
-            # Each rank's own keys follow two_phase's rule, whatever the route.
-            key_route = Route.TWO_PHASE if rank_blocks else route
-            f = factors_from_keys(
-                keyed[0], fmt, key_route, world_size=comm.world_size, counts=g.blocks.device_counts
-            )
-        if records:
-            assert f is not None
-            counts = layer_counts(x, g.layout.lengths, f.exponents, fmt)
-            if self.settings.stats:
-                exps, maxima = f.exponents, amax
-                if g.blocks is not None:
-                    assert keyed is not None
-                    counts, exps, maxima = per_layer(g.blocks, counts, f.exponents, keyed[1])
-                self.stats.add(bucket, gnames, g.numels, fmt, exps, maxima, counts)
-            if self.assignment.promoter is not None and not route.staged:
-                rates = counts[:, 1].float() / counts[:, 0].clamp(min=1).float()
-                for name, rate in zip(gnames, rates.unbind(), strict=True):
-                    self.rates[name or ""] = rate
+        f = self._group_factors(g, x, amax, gnames, bucket, keyed, rank_blocks)
         if g.node_blocks is not None:
             assert keyed is not None and self.feedback is None and g.blocks is not None
             layouts = self.comm.layouts
@@ -1623,6 +1662,55 @@ class Reducer:
         return transports.native(
             g, x, f.scale, f.unscale, comm.group, self.traffic, after_encode, defer
         )
+
+    def _group_factors(
+        self,
+        g: GroupPlan,
+        x: torch.Tensor,
+        amax: torch.Tensor,
+        gnames: list[str | None],
+        bucket: int,
+        keyed: tuple[torch.Tensor, torch.Tensor] | None,
+        rank_blocks: bool,
+    ) -> Factors | None:
+        """:meth:`_group`'s factors from the agreed maxima or block keys (None where each
+        rank's own block keys go out as they are and nothing is recorded), and the
+        group's records (stats, Promote's rates)."""
+        comm, fmt, route = self.comm, g.fmt, Route(g.reduction)
+        per_node = g.node.ranks_per_node if g.node is not None else 1
+        records = self.settings.stats or self.assignment.promoter is not None
+        # Each rank's own keys go out as they are: factors only for the records.
+        f: Factors | None = None
+        if g.blocks is None:
+            f = factors(
+                amax,
+                fmt,
+                route,
+                world_size=comm.world_size,
+                scaling=self.settings.scaling,
+                ranks_per_node=per_node,
+            )
+        elif records or not rank_blocks:
+            assert keyed is not None
+            # Each rank's own keys follow two_phase's rule, whatever the route.
+            key_route = Route.TWO_PHASE if rank_blocks else route
+            f = factors_from_keys(
+                keyed[0], fmt, key_route, world_size=comm.world_size, counts=g.blocks.device_counts
+            )
+        if records:
+            assert f is not None
+            counts = layer_counts(x, g.layout.lengths, f.exponents, fmt)
+            if self.settings.stats:
+                exps, maxima = f.exponents, amax
+                if g.blocks is not None:
+                    assert keyed is not None
+                    counts, exps, maxima = per_layer(g.blocks, counts, f.exponents, keyed[1])
+                self.stats.add(bucket, gnames, g.numels, fmt, exps, maxima, counts)
+            if self.assignment.promoter is not None and not route.staged:
+                rates = counts[:, 1].float() / counts[:, 0].clamp(min=1).float()
+                for name, rate in zip(gnames, rates.unbind(), strict=True):
+                    self.rates[name or ""] = rate
+        return f
 
     # -- one FSDP2 unit ----------------------------------------------------------
 

@@ -915,16 +915,9 @@ class BucketPlan:
             )
             start, shard_start = regions[-1][1], shard_regions[-1][1]
         else:
-            for lo, hi in chunks:
-                if reduction == "two_phase":
-                    _, shard_bytes = shard_layout(hi - lo, fmt, world_size)
-                    size = shard_bytes * world_size
-                    shard_regions.append((shard_start, shard_start + shard_bytes))
-                    shard_start += shard_bytes
-                else:
-                    size = payload_nbytes(hi - lo, fmt) if reduction == "allreduce" else 0
-                regions.append((start, start + size))
-                start += size
+            start, shard_start = _chunk_regions(
+                fmt, reduction, chunks, world_size, regions, shard_regions
+            )
         if node_plan is not None:
             received = node_plan.encoded.numel()  # one encoded slice per chunk
         else:
@@ -1157,3 +1150,27 @@ class BucketPlan:
             encoded=scratch(slice_start),
             wire_first=wire_first,
         )
+
+
+def _chunk_regions(
+    fmt: FloatFormat,
+    reduction: Route,
+    chunks: list[tuple[int, int]],
+    world_size: int,
+    regions: list[tuple[int, int]],
+    shard_regions: list[tuple[int, int]],
+) -> tuple[int, int]:
+    """Each chunk's send region (two_phase: its N shards; native: its payload; FP32:
+    none) and two_phase's shard region, appended; returns the bytes of each buffer."""
+    start = shard_start = 0
+    for lo, hi in chunks:
+        if reduction == "two_phase":
+            _, shard_bytes = shard_layout(hi - lo, fmt, world_size)
+            size = shard_bytes * world_size
+            shard_regions.append((shard_start, shard_start + shard_bytes))
+            shard_start += shard_bytes
+        else:
+            size = payload_nbytes(hi - lo, fmt) if reduction == "allreduce" else 0
+        regions.append((start, start + size))
+        start += size
+    return start, shard_start

@@ -29,8 +29,6 @@ KNOWN: dict[tuple[str, str], tuple[int, int]] = {
     ("cpu_kernels", "_owner_rank_blocks"): (48, 18),
     ("cpu_kernels", "_decode_rank_blocks"): (23, 13),
     ("cpu_kernels", "_mean_rank_blocks"): (34, 13),
-    ("engine", "bucket"): (159, 9),
-    ("engine", "_group"): (147, 8),
 }
 
 
