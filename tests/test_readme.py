@@ -123,6 +123,10 @@ EXEMPT: dict[str, str] = {
         "op count and the settled path's bits"
     ),
     "python -m benchmarks.hostcost --device cuda": "needs a CUDA device",
+    "python -m benchmarks.hostcost --memory 8 --configs all": (
+        "a benchmark of the state's bytes over a model of 8.4M parameters (minutes of CPU); "
+        "tests/test_workspace.py runs measure_memory and pins its bound"
+    ),
     "python -m benchmarks.hostcost --configs fsdp": (
         "a benchmark (timing belongs in benchmarks); tests/test_hostcost.py runs its HSDP "
         "op count; its results are benchmarks/results/hostcost_cpu_fsdp.json"
