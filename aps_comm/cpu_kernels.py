@@ -1583,18 +1583,6 @@ if AVAILABLE:
             s = t
 
     @_njit
-    def _mean_rows(rows, out):
-        n = rows.shape[0]
-        for j in range(rows.shape[1]):
-            out[j] = rows[0, j]
-        for r in range(1, n):
-            for j in range(rows.shape[1]):
-                out[j] += rows[r, j]
-        div = np.float32(n)
-        for j in range(rows.shape[1]):
-            out[j] = out[j] / div
-
-    @_njit
     def _sum_rows(rows, out):
         n = rows.shape[0]
         for j in range(rows.shape[1]):
@@ -1602,6 +1590,13 @@ if AVAILABLE:
         for r in range(1, n):
             for j in range(rows.shape[1]):
                 out[j] += rows[r, j]
+
+    @_njit
+    def _mean_rows(rows, out):
+        _sum_rows(rows, out)  # rows in order, as simulate sums
+        div = np.float32(rows.shape[0])
+        for j in range(rows.shape[1]):
+            out[j] = out[j] / div
 
     @_njit
     def _or_rows(rows, out):

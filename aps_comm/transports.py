@@ -901,8 +901,32 @@ def hierarchical(
     return _staged(len(g.chunks), stages.stages(), defer)
 
 
+# The staged routes' stages of a chunk, in order (the methods of each stages class).
+_NODE_STAGES = (
+    "exchange_in_node",
+    "exchange_across_nodes",
+    "reduce_shard",
+    "gather_in_node",
+    "decode",
+)
+
+
+class _NodeStages:
+    """What :class:`_Hierarchical` and :class:`_NodeBlockStages` share: the staged
+    routes' five stages in order, and the wait for a chunk's stage."""
+
+    g: GroupPlan
+    works: dict[tuple[int, int], dist.Work]
+
+    def stages(self) -> tuple[Callable[[int], None], ...]:
+        return tuple(getattr(self, name) for name in _NODE_STAGES)
+
+    def wait(self, c: int, stage: int, what: str) -> None:
+        _wait(self.works.pop((c, stage)), f"the {what} of chunk {c + 1} of {len(self.g.chunks)}")
+
+
 @dataclasses.dataclass
-class _Hierarchical:
+class _Hierarchical(_NodeStages):
     """:func:`hierarchical`'s five stages of one bucket; ``factors`` are its scale, shift,
     unscale and first."""
 
@@ -914,22 +938,10 @@ class _Hierarchical:
     count: Counter
     works: dict[tuple[int, int], dist.Work] = dataclasses.field(default_factory=dict)
 
-    def stages(self) -> tuple[Callable[[int], None], ...]:
-        return (
-            self.exchange_in_node,
-            self.exchange_across_nodes,
-            self.reduce_shard,
-            self.gather_in_node,
-            self.decode,
-        )
-
     @property
     def node(self) -> NodePlan:
         assert self.g.node is not None
         return self.g.node
-
-    def wait(self, c: int, stage: int, what: str) -> None:
-        _wait(self.works.pop((c, stage)), f"the {what} of chunk {c + 1} of {len(self.g.chunks)}")
 
     def exchange_in_node(self, c: int) -> None:
         g, node, x = self.g, self.node, self.x
@@ -1085,7 +1097,7 @@ def hierarchical_rank_blocks(
 
 
 @dataclasses.dataclass
-class _NodeBlockStages:
+class _NodeBlockStages(_NodeStages):
     """:func:`hierarchical_rank_blocks`' five stages of one bucket, slice by slice and shard
     by shard (codecs with no fused calls)."""
 
@@ -1100,15 +1112,6 @@ class _NodeBlockStages:
     bad: list[torch.Tensor] = dataclasses.field(default_factory=list)  # per block: non-finite
     means: dict[int, torch.Tensor] = dataclasses.field(default_factory=dict)  # per chunk
 
-    def stages(self) -> tuple[Callable[[int], None], ...]:
-        return (
-            self.exchange_in_node,
-            self.exchange_across_nodes,
-            self.reduce_shard,
-            self.gather_in_node,
-            self.decode,
-        )
-
     @functools.cached_property
     def scale(self) -> torch.Tensor:
         """This rank's factors of its own block keys (grid's first level)."""
@@ -1118,9 +1121,6 @@ class _NodeBlockStages:
     def nb(self) -> NodeBlocks:
         assert self.g.node_blocks is not None
         return self.g.node_blocks
-
-    def wait(self, c: int, stage: int, what: str) -> None:
-        _wait(self.works.pop((c, stage)), f"the {what} of chunk {c + 1} of {len(self.g.chunks)}")
 
     def exchange_in_node(self, c: int) -> None:
         g, nb, x, fmt = self.g, self.nb, self.x, self.g.fmt
