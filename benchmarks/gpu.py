@@ -1457,6 +1457,9 @@ class StepConfig:
     scaling: str = "layer"
     target: float | None = None
     cuda_graphs: bool = True
+    stats: bool = False
+    error_feedback: bool = False
+    beside: str | None = None
 
     @property
     def code(self) -> str:
@@ -1470,6 +1473,10 @@ class StepConfig:
             args.append(f'reduction="{self.reduction}"')
         if self.scaling != "layer":
             args.append(f'scaling="{self.scaling}"')
+        if self.stats:
+            args.append("stats=True")
+        if self.error_feedback:
+            args.append("error_feedback=True")
         if not self.cuda_graphs:
             args.append("cuda_graphs=False")
         return f"aps_comm.register(ddp, {', '.join(args)})"
@@ -1483,6 +1490,24 @@ STEP_CONFIGS: tuple[StepConfig, ...] = (
     StepConfig("APS e2m1 block two_phase", Hook.APS, "e2m1", "two_phase", "block", 1.15),
     StepConfig("APS e4m3 block two_phase", Hook.APS, "e4m3", "two_phase", "block", 1.15),
     StepConfig("APS auto", Hook.APS, "e4m3", "auto", target=1.02),
+    # Options beside their plain rows: each within BESIDE_MARGIN of it (issue 46).
+    StepConfig(
+        "APS e4m3 two_phase + stats",
+        Hook.APS,
+        "e4m3",
+        "two_phase",
+        stats=True,
+        beside="APS e4m3 two_phase",
+    ),
+    StepConfig(
+        "APS e2m1 block two_phase + error feedback",
+        Hook.APS,
+        "e2m1",
+        "two_phase",
+        "block",
+        error_feedback=True,
+        beside="APS e2m1 block two_phase",
+    ),
     StepConfig("APS e4m3 two_phase, no graphs", Hook.APS, "e4m3", "two_phase", cuda_graphs=False),
     StepConfig(
         "APS e2m1 block two_phase, no graphs",
@@ -1496,6 +1521,9 @@ STEP_CONFIGS: tuple[StepConfig, ...] = (
 )
 """The ``step`` step's configurations in the order they run: DDP default first and
 last, so drift over the run shows (the ratios are against the mean of the two)."""
+
+BESIDE_MARGIN = 0.05
+"""How far a row with ``beside`` may sit above its plain row's ratio (its target)."""
 
 STEP_WARMUP = 6
 STEP_TIMED = 20
@@ -1536,7 +1564,12 @@ def _aps_state(ddp: DDP, cfg: StepConfig, device: torch.device) -> aps_comm.APSS
             cannot sum it), as :func:`aps_comm.register` raises it.
     """
     state = aps_comm.APSState(
-        cfg.fmt, reduction=cfg.reduction, scaling=cfg.scaling, cuda_graphs=cfg.cuda_graphs
+        cfg.fmt,
+        reduction=cfg.reduction,
+        scaling=cfg.scaling,
+        cuda_graphs=cfg.cuda_graphs,
+        stats=cfg.stats,
+        error_feedback=cfg.error_feedback,
     )
     state.bind_model(ddp.module)
     state.bind(device)
@@ -1549,6 +1582,7 @@ def _step_row(cfg: StepConfig) -> dict[str, Any]:
         "code": cfg.code,
         "hook": cfg.hook.value,
         "target": cfg.target,
+        "beside": cfg.beside,
         "step_ms": None,
         "times_ms": [],
         "buckets": None,
@@ -1895,7 +1929,9 @@ def judge_step_rows(rows: Sequence[dict[str, Any]]) -> tuple[list[dict[str, Any]
     (first and last in :data:`STEP_CONFIGS`); "drift" is last / first - 1.
     A row's "result": "baseline" (a DDP-default row), "pass" or "fail"
     (ratio against its target), "reported" (no target), "skipped", "error",
-    or "no baseline".
+    or "no baseline". A row naming another in "beside" (an option beside its
+    plain configuration) gets that row's ratio plus :data:`BESIDE_MARGIN` as
+    its target, where that row has a ratio.
 
     Example:
         >>> rows, base = judge_step_rows([
@@ -1912,8 +1948,11 @@ def judge_step_rows(rows: Sequence[dict[str, Any]]) -> tuple[list[dict[str, Any]
         "baseline_runs_ms": [round(t, 3) for t in ran],
         "drift": round(ran[-1] / ran[0] - 1, 4) if len(ran) > 1 else None,
     }
-    out = []
+    out: list[dict[str, Any]] = []
+    ratios: dict[str, float] = {}
     for r in rows:
+        if r.get("beside") and r.get("target") is None and r["beside"] in ratios:
+            r = {**r, "target": round(ratios[r["beside"]] + BESIDE_MARGIN, 4)}
         ratio = None
         if r.get("error"):
             result = "error"
@@ -1929,6 +1968,7 @@ def judge_step_rows(rows: Sequence[dict[str, Any]]) -> tuple[list[dict[str, Any]
                 result = "reported"
             else:
                 result = "pass" if ratio <= r["target"] else "fail"
+            ratios[r["config"]] = ratio
         out.append({**r, "ratio": ratio, "result": result})
     return out, baseline
 

@@ -127,6 +127,17 @@ def test_step_configs_are_the_issue_34_table() -> None:
         ),
         ("APS auto", 'aps_comm.register(ddp, fmt="e4m3")', 1.02),
         (
+            "APS e4m3 two_phase + stats",
+            'aps_comm.register(ddp, fmt="e4m3", reduction="two_phase", stats=True)',
+            None,
+        ),
+        (
+            "APS e2m1 block two_phase + error feedback",
+            'aps_comm.register(ddp, fmt="e2m1", reduction="two_phase", scaling="block", '
+            "error_feedback=True)",
+            None,
+        ),
+        (
             "APS e4m3 two_phase, no graphs",
             'aps_comm.register(ddp, fmt="e4m3", reduction="two_phase", cuda_graphs=False)',
             None,
@@ -210,6 +221,30 @@ def test_judge_step_rows_against_the_mean_of_first_and_last_ddp_default() -> Non
     assert [r["result"] for r in rows] == ["error", "no baseline"]
 
 
+def test_an_option_is_judged_against_its_plain_row() -> None:
+    """Issue 46: e4m3 + stats and e2m1 block + error feedback within 0.05x of their plain rows."""
+    plain = _row("aps", 46.2, 1.10, config="plain")  # 1.10
+    rows, _ = gpu.judge_step_rows(
+        [
+            _row("ddp", 42.0),
+            plain,
+            _row("aps", 48.3, config="ok", beside="plain"),  # 1.15 <= 1.10 + 0.05
+            _row("aps", 48.4, config="slow", beside="plain"),  # 1.1524
+            _row("aps", 60.0, config="orphan", beside="missing"),
+        ]
+    )
+    assert [(r["target"], r["result"]) for r in rows[2:]] == [
+        (1.15, "pass"),
+        (1.15, "fail"),
+        (None, "reported"),
+    ]
+    names = {c.name: c for c in gpu.STEP_CONFIGS}
+    for cfg in names.values():
+        assert cfg.beside is None or names[cfg.beside].target is not None
+    assert names["APS e4m3 two_phase + stats"].code.endswith("stats=True)")
+    assert "error_feedback=True" in names["APS e2m1 block two_phase + error feedback"].code
+
+
 def _fake_rows(step_ms: dict[str, float]) -> list[dict[str, Any]]:
     rows = []
     for cfg in gpu.STEP_CONFIGS:
@@ -246,6 +281,8 @@ def test_step_step_judges_the_rows_and_keeps_the_finished_ones(
         "reported",
         "pass",
         "skipped",
+        "pass",
+        "pass",
         "pass",
         "pass",
         "pass",
