@@ -26,7 +26,13 @@ from typing import Any
 
 import torch
 
-__all__ = ["FifoWorker", "WorkerFailed", "raised_by_backward", "run_on_side_stream"]
+__all__ = [
+    "FifoWorker",
+    "WorkerFailed",
+    "first_failure",
+    "raised_by_backward",
+    "run_on_side_stream",
+]
 
 
 class WorkerFailed(RuntimeError):
@@ -146,6 +152,20 @@ def _run_one(
         return None, exc
 
 
+def first_failure(exc: BaseException) -> BaseException:
+    """The error to raise for ``exc``: a job refused after an earlier failure
+    (:class:`WorkerFailed`) stands for that earlier failure.
+
+    Example:
+        >>> first = ValueError("bucket 3")
+        >>> refused = WorkerFailed("not run")
+        >>> refused.__cause__ = first
+        >>> first_failure(refused) is first, first_failure(first) is first
+        (True, True)
+    """
+    return exc.__cause__ if isinstance(exc, WorkerFailed) and exc.__cause__ else exc
+
+
 def raised_by_backward(fut: torch.futures.Future, fallback: torch.Tensor) -> torch.futures.Future:
     """The future to hand DDP for ``fut``: its failure is raised by ``backward()`` itself.
 
@@ -183,8 +203,7 @@ def raised_by_backward(fut: torch.futures.Future, fallback: torch.Tensor) -> tor
     def after_ddp() -> None:
         out.wait()
         if failed:
-            exc = failed[0]
-            raise exc.__cause__ if isinstance(exc, WorkerFailed) and exc.__cause__ else exc
+            raise first_failure(failed[0])
 
     try:
         # Queued now, this would run before DDP's callback (queued once every

@@ -76,7 +76,7 @@ from aps_comm.config import (
     default_block_size,
 )
 from aps_comm.engine import Comm, Reducer, Settings, Traffic
-from aps_comm.executor import FifoWorker, WorkerFailed
+from aps_comm.executor import FifoWorker, WorkerFailed, first_failure
 from aps_comm.formats import FloatFormat, get_format
 from aps_comm.hostcopy import HostValue
 from aps_comm.layout import Layout
@@ -504,7 +504,7 @@ class APSFSDPState:
         try:
             pending.wait()
         except WorkerFailed as exc:
-            raise (exc.__cause__ or exc) from None
+            raise first_failure(exc) from None
 
     def _reduce_replicas_named(self, unit: _Unit, param_group: Any, output: torch.Tensor) -> None:
         try:
