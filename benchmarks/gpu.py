@@ -1968,7 +1968,7 @@ def judge_step_rows(rows: Sequence[dict[str, Any]]) -> tuple[list[dict[str, Any]
                 result = "reported"
             else:
                 result = "pass" if ratio <= r["target"] else "fail"
-            ratios[r["config"]] = ratio
+            ratios[r.get("config", "")] = ratio
         out.append({**r, "ratio": ratio, "result": result})
     return out, baseline
 
