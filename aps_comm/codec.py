@@ -1194,8 +1194,7 @@ class Codec:
                 chunk's owner step, read by every decode).
             offsets: the group's block boundaries (elements; int32 or int64).
             firsts: the chunk's N shards' first blocks, and the end (int64).
-            layer_ends: each layer's end in the group's blocks (the cumulative
-                blocks per layer): the kernels walk it, no per-block index.
+            layer_ends: the cumulative blocks per layer (walked: no index per block).
             shard: this rank's shard's block boundaries, from 0 (as ``offsets``).
             send: the chunk's exchange, N equal pieces.
             recv: what the exchange brings, N equal pieces.

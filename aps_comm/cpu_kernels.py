@@ -1390,33 +1390,18 @@ if AVAILABLE:
 
     @_njit
     def _decode_rank_blocks(
-        gathered,
-        row,
-        offsets,
-        firsts,
-        table,
-        layer_ends,
-        union,
-        x,
-        shard_bytes,
-        q,
-        m,
-        bits,
-        no_runs,
+        gathered, row, offsets, firsts, table, ends, union, x, shard_bytes, q, m, bits, no_runs
     ):
         most = _most_blocks(firsts)
-        cut = np.empty(most + 1, np.int64)
-        fac = np.empty(most, np.float32)
-        nan = np.float32(np.nan)
-        layer = 0  # the blocks come in order: each one's layer found by walking the ends
+        cut, fac = np.empty(most + 1, np.int64), np.empty(most, np.float32)
+        nan, layer = np.float32(np.nan), 0  # blocks in order: walk the layers' ends
         for s in range(len(firsts) - 1):
             b0, b1 = firsts[s], firsts[s + 1]
-            a, b = offsets[b0], offsets[b1]
-            k = b1 - b0
+            a, b, k = offsets[b0], offsets[b1], b1 - b0
             if a == b:
                 continue
             for j in range(k):
-                while layer_ends[layer] <= b0 + j:
+                while ends[layer] <= b0 + j:
                     layer += 1
                 f = table[gathered[s * row + shard_bytes + j]]
                 fac[j] = nan if union[layer] != 0 else f

@@ -185,7 +185,7 @@ class Layout:
         Example:
             >>> b = Layout.from_numels([20, 0, 8], torch.device("cpu")).grid(8)
             >>> b.layout.offsets, b.counts
-            (tensor([ 0,  8, 16, 20, 28]), tensor([3, 0, 1]))
+            (tensor([ 0,  8, 16, 20, 28], dtype=torch.int32), tensor([3, 0, 1]))
         """
         block_size = check_block_size(block_size)
         sizes = self.offsets.diff()
@@ -284,7 +284,7 @@ class Blocks:
     Example:
         >>> b = Layout.from_numels([20, 8], torch.device("cpu")).grid(8).window(12, 24)
         >>> b.layout.offsets, b.first, b.counts
-        (tensor([ 0,  4,  8, 12]), 1, tensor([2, 1]))
+        (tensor([ 0,  4,  8, 12], dtype=torch.int32), 1, tensor([2, 1]))
     """
 
     layout: Layout

@@ -605,7 +605,7 @@ class BucketPlan:
             >>> plan = BucketPlan.build(0, [20, 8], torch.device("cpu"))
             >>> e4m3, e5m2 = get_format("e4m3"), get_format("e5m2")
             >>> plan.block_index([e4m3, e5m2], 8)[e5m2]
-            tensor([3])
+            tensor([3], dtype=torch.int32)
         """
         key = (tuple(formats), block_size)
         cached = self.block_indices.get(key)
