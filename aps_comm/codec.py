@@ -258,6 +258,13 @@ def _block_keys(
     cpu_kernels.layer_any(keys, counts, KEY_BAD, flags)
 
 
+def _layer_of(layer_ends: np.ndarray) -> np.ndarray:
+    """Each block's layer from the layers' ends in the blocks (what the Triton decode
+    indexes with; made while binding, its device copy is the binding's)."""
+    counts = np.diff(layer_ends, prepend=0)
+    return np.repeat(np.arange(counts.size, dtype=np.int32), counts)
+
+
 def _piece(offsets: np.ndarray, firsts: np.ndarray, j: int) -> slice:
     """Elements of piece ``j`` (blocks ``firsts[j]`` to ``firsts[j + 1]`` of ``offsets``)."""
     return slice(int(offsets[firsts[j]]), int(offsets[firsts[j + 1]]))
@@ -1003,6 +1010,7 @@ class Codec:
         rank: int,
         residual: torch.Tensor,
         scratch: torch.Tensor | None = None,
+        mean: torch.Tensor | None = None,
     ) -> Callable[[], None]:
         """Two_phase's owner step with error feedback (one chunk: the whole bucket), bound.
 
@@ -1024,7 +1032,10 @@ class Codec:
             residual: the bucket's float32 residuals.
             scratch: float32 of at least N shards' elements, free during the call
                 (the bucket's other scratch), with one shard's more for their
-                mean if it has room; None: made here.
+                mean if it has room and ``mean`` is None; None: made here.
+            mean: float32 of at least one shard's elements, free during the call,
+                for the shards' mean (the bucket's own values, written by the
+                decode after: no scratch of its own); None: after the shards.
 
         Example:
             >>> call = codec.bind_owner_feedback(recv, 2, out, layout, (s, u), 0, res)  # doctest: +SKIP
@@ -1043,8 +1054,13 @@ class Codec:
         elif scratch.dtype != torch.float32 or scratch.numel() < n_ranks * size:
             raise ValueError(f"scratch must hold {n_ranks * size} float32, got {scratch.numel()}")
         values = scratch[: n_ranks * size]
-        # The mean after the shards where the scratch holds it, else its own.
-        acc = scratch[n_ranks * size : (n_ranks + 1) * size]
+        # The mean where the caller has room for it, else after the shards, else its own.
+        if mean is not None and kernels:
+            if mean.dtype != torch.float32 or mean.numel() < size:
+                raise ValueError(f"mean must hold {size} float32, got {mean.numel()}")
+            acc = mean[:size]
+        else:
+            acc = scratch[n_ranks * size : (n_ranks + 1) * size]
         if acc.numel() < size:
             acc = torch.empty(size)
         # The mean re-decoded goes where the shards were: they are summed by then.
@@ -1150,7 +1166,7 @@ class Codec:
         *,
         offsets: np.ndarray,
         firsts: np.ndarray,
-        layer_of: np.ndarray,
+        layer_ends: np.ndarray,
         shard: np.ndarray,
         send: torch.Tensor,
         recv: torch.Tensor,
@@ -1176,10 +1192,10 @@ class Codec:
             flags: this rank's non-finite flag of every layer (uint8).
             union: scratch: every rank's flags OR-ed (written by the first
                 chunk's owner step, read by every decode).
-            offsets: the group's block boundaries (int64, elements).
+            offsets: the group's block boundaries (elements; int32 or int64).
             firsts: the chunk's N shards' first blocks, and the end (int64).
-            layer_of: each block's layer (int64).
-            shard: this rank's shard's block boundaries, from 0 (int64).
+            layer_ends: the cumulative blocks per layer (walked: no index per block).
+            shard: this rank's shard's block boundaries, from 0 (as ``offsets``).
             send: the chunk's exchange, N equal pieces.
             recv: what the exchange brings, N equal pieces.
             out: this rank's gathered shard (codes, then keys).
@@ -1201,7 +1217,7 @@ class Codec:
                 union,
                 offsets=offsets,
                 firsts=firsts,
-                layer_of=layer_of,
+                layer_ends=layer_ends,
                 shard=shard,
                 send=send,
                 recv=recv,
@@ -1259,7 +1275,7 @@ class Codec:
                 offsets,
                 firsts,
                 untable,
-                layer_of,
+                layer_ends,
                 union_np,
                 x.numpy(),
                 shard_bytes,
@@ -1275,7 +1291,7 @@ class Codec:
         *,
         offsets: np.ndarray,
         firsts: np.ndarray,
-        layer_of: np.ndarray,
+        layer_ends: np.ndarray,
         shard: np.ndarray,
         send: torch.Tensor,
         recv: torch.Tensor,
@@ -1302,7 +1318,7 @@ class Codec:
             t.bind_send_rank_blocks(fmt, x, keys, offsets, firsts, flags, send, shard_bytes, at),
             functools.partial(_owner_then_chunk, owner, host, at + union.numel(), piece),
             t.bind_decode_rank_blocks(
-                fmt, gathered, n, offsets, firsts, layer_of, union, x, shard_bytes
+                fmt, gathered, n, offsets, firsts, _layer_of(layer_ends), union, x, shard_bytes
             ),
         )
 
@@ -1358,7 +1374,7 @@ class Codec:
         union: torch.Tensor,
         *,
         offsets: np.ndarray,
-        layer_of: np.ndarray,
+        layer_ends: np.ndarray,
         firsts: np.ndarray,
         ranks_per_node: int,
         first: tuple[torch.Tensor, np.ndarray, int] | None,
@@ -1393,8 +1409,8 @@ class Codec:
             flags: this rank's non-finite flag of every layer (uint8).
             union: scratch: every rank's flags OR-ed (written by the first
                 chunk's decode, read by every decode).
-            offsets: the group's block boundaries (int64, elements).
-            layer_of: each block's layer (int64).
+            offsets: the group's block boundaries (elements; int32 or int64).
+            layer_ends: each layer's end in the group's blocks (as :meth:`bind_rank_blocks`').
             firsts: the chunk's N shards' first blocks, and the end (int64).
             ranks_per_node: L.
             first: grid: the first exchange's send region (L equal pieces), the
@@ -1430,7 +1446,7 @@ class Codec:
                 flags,
                 union,
                 offsets=offsets,
-                layer_of=layer_of,
+                layer_ends=layer_ends,
                 firsts=firsts,
                 ranks_per_node=ranks_per_node,
                 first=first,
@@ -1547,7 +1563,7 @@ class Codec:
             offsets,
             firsts,
             untable,
-            layer_of,
+            layer_ends,
             union_np,
             x.numpy(),
             shard_bytes,
@@ -1576,7 +1592,7 @@ class Codec:
         union: torch.Tensor,
         *,
         offsets: np.ndarray,
-        layer_of: np.ndarray,
+        layer_ends: np.ndarray,
         firsts: np.ndarray,
         ranks_per_node: int,
         first: tuple[torch.Tensor, np.ndarray, int] | None,
@@ -1678,7 +1694,7 @@ class Codec:
             own_row=node,
         )
         decode = t.bind_decode_rank_blocks(
-            fmt, gathered, n, offsets, firsts, layer_of, union, x, shard_bytes
+            fmt, gathered, n, offsets, firsts, _layer_of(layer_ends), union, x, shard_bytes
         )
         if at >= 0:
             k = flags.numel()

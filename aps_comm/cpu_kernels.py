@@ -1390,21 +1390,21 @@ if AVAILABLE:
 
     @_njit
     def _decode_rank_blocks(
-        gathered, row, offsets, firsts, table, layer_of, union, x, shard_bytes, q, m, bits, no_runs
+        gathered, row, offsets, firsts, table, ends, union, x, shard_bytes, q, m, bits, no_runs
     ):
         most = _most_blocks(firsts)
-        cut = np.empty(most + 1, np.int64)
-        fac = np.empty(most, np.float32)
-        nan = np.float32(np.nan)
+        cut, fac = np.empty(most + 1, np.int64), np.empty(most, np.float32)
+        nan, layer = np.float32(np.nan), 0  # blocks in order: walk the layers' ends
         for s in range(len(firsts) - 1):
             b0, b1 = firsts[s], firsts[s + 1]
-            a, b = offsets[b0], offsets[b1]
-            k = b1 - b0
+            a, b, k = offsets[b0], offsets[b1], b1 - b0
             if a == b:
                 continue
             for j in range(k):
+                while ends[layer] <= b0 + j:
+                    layer += 1
                 f = table[gathered[s * row + shard_bytes + j]]
-                fac[j] = nan if union[layer_of[b0 + j]] != 0 else f
+                fac[j] = nan if union[layer] != 0 else f
                 cut[j] = offsets[b0 + j] - a
             cut[k] = b - a
             payload = gathered[s * row : s * row + ((b - a) * bits + 7) // 8]
@@ -1512,7 +1512,7 @@ def decode_rank_blocks(
     offsets: np.ndarray,
     firsts: np.ndarray,
     table: np.ndarray,
-    layer_of: np.ndarray,
+    layer_ends: np.ndarray,
     union: np.ndarray,
     x: np.ndarray,
     shard_bytes: int,
@@ -1520,8 +1520,10 @@ def decode_rank_blocks(
     """Decode every owner's gathered shard of a chunk into ``x`` with the keys it sent.
 
     Row s of ``gathered`` (N equal rows) is shard s's codes, then at
-    ``shard_bytes`` its blocks' keys; a block whose layer (``layer_of``) is
-    flagged in ``union`` decodes to NaN.
+    ``shard_bytes`` its blocks' keys; a block whose layer is flagged in
+    ``union`` decodes to NaN. ``layer_ends`` (one per layer: the cumulative
+    blocks per layer) finds each block's layer as the blocks are walked, so
+    no per-block index of layers is kept.
     """
     q, m = decoder_params(fmt)
     _decode_rank_blocks(
@@ -1530,7 +1532,7 @@ def decode_rank_blocks(
         offsets,
         firsts,
         table,
-        layer_of,
+        layer_ends,
         union,
         x,
         shard_bytes,

@@ -1015,12 +1015,14 @@ class Reducer:
         pad = (r1 - r0) * 8 // fmt.wire_bits - numel
         per = (numel + pad) // comm.world_size
         # One float32 scratch: this rank's payload decoded, later the owner's N
-        # shards, then their mean; with blocks, the factors and keys too. Used
-        # only while the hook runs (the bucket is not deferred): every bucket's.
+        # shards; with blocks, the factors and keys too. Used only while the hook
+        # runs (the bucket is not deferred): every bucket's. The shards' mean goes
+        # in the bucket's own values, free from the encode until the decode.
         workspace = self.workspace(device)
+        mean = x[:per] if per <= numel else None
         for _ in range(2):  # twice only where the workspace had to grow
             arena = workspace.arena(Slot.STEP)
-            scratch = arena.take(numel + pad + per, torch.float32)
+            scratch = arena.take(numel + pad + (0 if mean is not None else per), torch.float32)
             if g.blocks is not None:
                 scale, unscale = arena.take(n_seg, torch.float32), arena.take(n_seg, torch.float32)
                 maxima, shared = arena.take(n_seg, torch.float32), arena.take(n_seg)
@@ -1055,7 +1057,15 @@ class Reducer:
             g.codec.bind_keep_lost(head, x, sent, unscale, g.layout, residual),
         )
         owner = g.codec.bind_owner_feedback(
-            recv, comm.world_size, shard, g.layout, (scale, unscale), comm.rank, residual, scratch
+            recv,
+            comm.world_size,
+            shard,
+            g.layout,
+            (scale, unscale),
+            comm.rank,
+            residual,
+            scratch,
+            mean,
         )
         decode = g.codec.bind_decode(send, x, unscale, g.windows[0])
         calls = [transports.ChunkCalls(encode, owner, decode, send, recv, shard)]

@@ -25,11 +25,21 @@ from aps_comm.config import check_block_size
 from aps_comm.formats import FloatFormat, get_format, payload_nbytes
 from aps_comm.hostcopy import to_device
 
-__all__ = ["AMAX_BLOCK", "Blocks", "Layout"]
+__all__ = ["AMAX_BLOCK", "Blocks", "Layout", "index_dtype"]
 
 AMAX_BLOCK = 4096
 """Elements per block of :func:`segment_amax` off the CPU: every segment is cut
 into blocks of at most this many, so a few huge layers still fill the device."""
+
+
+def index_dtype(bound: int) -> torch.dtype:
+    """The narrowest dtype torch and the kernels index with that holds indexes up to ``bound``.
+
+    Example:
+        >>> index_dtype(2**20), index_dtype(2**31)
+        (torch.int32, torch.int64)
+    """
+    return torch.int32 if bound < 2**31 else torch.int64
 
 
 @dataclasses.dataclass(frozen=True)
@@ -40,8 +50,14 @@ class Layout:
     (:meth:`window`); nothing in it changes from step to step.
 
     Attributes:
-        offsets: int64 CPU tensor of L + 1 offsets, from 0 to ``numel``.
-        lengths: int64 tensor of the L segment lengths on the data's device.
+        offsets: CPU tensor of L + 1 offsets, from 0 to ``numel``: int64, or
+            for a :meth:`grid`'s blocks the narrowest dtype that holds them
+            (:func:`index_dtype`: int32 below 2**31 elements): a block plan
+            keeps one index per block, 4 bytes per 32 elements.
+        device_lengths: the L segment lengths on the data's device (int64),
+            or None on the CPU for a :meth:`grid`'s blocks: :attr:`lengths`
+            derives them from the offsets when asked (the CPU kernels read
+            the offsets only), so a block plan keeps no second index.
         sizes: the same lengths as Python ints (for splitting on the host).
         numel: elements covered.
         first: a window's first segment in the layout it was cut from (0 for
@@ -56,7 +72,7 @@ class Layout:
     """
 
     offsets: torch.Tensor
-    lengths: torch.Tensor
+    device_lengths: torch.Tensor | None
     sizes: tuple[int, ...]
     numel: int
     first: int = 0
@@ -79,7 +95,7 @@ class Layout:
         if numels:
             torch.cumsum(torch.tensor(list(numels), dtype=torch.int64), 0, out=offsets[1:])
         layout = cls._make(offsets, torch.device(device))
-        if layout.lengths.device.type != "cpu":
+        if layout.device.type != "cpu":
             layout.blocks  # noqa: B018 - built now, not at the first step
         return layout
 
@@ -93,9 +109,11 @@ class Layout:
         block_size: int | None = None,
     ) -> Layout:
         sizes = offsets.diff()
+        # A CPU block grid derives its lengths when asked: no second per-block index.
+        derived = device.type == "cpu" and block_size is not None
         layout = cls(
             offsets,
-            to_device(sizes, device),
+            None if derived else to_device(sizes.to(torch.int64), device),
             tuple(sizes.tolist()),
             int(offsets[-1]),
             first,
@@ -122,7 +140,7 @@ class Layout:
             raise ValueError(f"window [{lo}, {hi}) of a whole layout: 0 <= lo <= hi")
         sizes = self.sizes
         whole = lo == 0 and hi >= self.numel and sizes and sizes[0] and sizes[-1]
-        if whole and self.lengths.device.type == "cpu":
+        if whole and self.device.type == "cpu":
             # Every segment, unclipped: the layout's own offsets and lengths, not a copy.
             return dataclasses.replace(self, first=0, parent=self.n_segments)
         # A window past the end (a padded slice of a chunk) is empty.
@@ -132,11 +150,29 @@ class Layout:
         b1 = int(torch.searchsorted(self.offsets[:-1], hi)) if hi > lo else 0
         b0 = min(b0, b1)
         cut = (self.offsets[b0 : b1 + 1] - lo).clamp_(0, hi - lo)
-        return self._make(cut, self.lengths.device, b0, self.n_segments, self.block_size)
+        return self._make(cut, self.device, b0, self.n_segments, self.block_size)
 
     @property
     def n_segments(self) -> int:
         return self.offsets.numel() - 1
+
+    @property
+    def device(self) -> torch.device:
+        """The data's device (where :attr:`lengths` lie)."""
+        return self.offsets.device if self.device_lengths is None else self.device_lengths.device
+
+    @property
+    def lengths(self) -> torch.Tensor:
+        """The L segment lengths on the data's device (derived from the offsets, in
+        their dtype, where they are not kept: a CPU block grid).
+
+        Example:
+            >>> Layout.from_numels([20], torch.device("cpu")).grid(8).layout.lengths
+            tensor([8, 8, 4], dtype=torch.int32)
+        """
+        if self.device_lengths is None:
+            return self.offsets.diff()
+        return self.device_lengths
 
     def grid(self, block_size: int) -> Blocks:
         """Every segment cut into blocks of ``block_size`` elements from its start.
@@ -149,7 +185,7 @@ class Layout:
         Example:
             >>> b = Layout.from_numels([20, 0, 8], torch.device("cpu")).grid(8)
             >>> b.layout.offsets, b.counts
-            (tensor([ 0,  8, 16, 20, 28]), tensor([3, 0, 1]))
+            (tensor([ 0,  8, 16, 20, 28], dtype=torch.int32), tensor([3, 0, 1]))
         """
         block_size = check_block_size(block_size)
         sizes = self.offsets.diff()
@@ -159,7 +195,8 @@ class Layout:
         index = torch.arange(segment.numel()) - first[segment]
         starts = self.offsets[segment] + index * block_size
         offsets = torch.cat([starts, torch.tensor([self.numel], dtype=torch.int64)])
-        device = self.lengths.device
+        device = self.device
+        offsets = offsets.to(index_dtype(self.numel))
         layout = Layout._make(offsets, device, block_size=block_size)
         return Blocks(layout, block_size, counts, to_device(counts, device))
 
@@ -202,7 +239,7 @@ class Layout:
             >>> Layout.from_numels([3, 2], torch.device("cpu")).device_offsets
             tensor([0, 3, 5])
         """
-        return to_device(self.offsets, self.lengths.device)
+        return to_device(self.offsets.to(torch.int64), self.device)
 
     @functools.cached_property
     def blocks(self) -> tuple[torch.Tensor, torch.Tensor]:
@@ -223,7 +260,7 @@ class Layout:
         first = torch.cumsum(count, 0) - count  # each segment's first block
         index = torch.arange(segment.numel()) - first[segment]
         lengths = (sizes[segment] - index * AMAX_BLOCK).clamp_(max=AMAX_BLOCK)
-        both = to_device(torch.cat([lengths, segment]), self.lengths.device)
+        both = to_device(torch.cat([lengths, segment]).to(torch.int64), self.device)
         return both[: segment.numel()], both[segment.numel() :]
 
 
@@ -247,7 +284,7 @@ class Blocks:
     Example:
         >>> b = Layout.from_numels([20, 8], torch.device("cpu")).grid(8).window(12, 24)
         >>> b.layout.offsets, b.first, b.counts
-        (tensor([ 0,  4,  8, 12]), 1, tensor([2, 1]))
+        (tensor([ 0,  4,  8, 12], dtype=torch.int32), 1, tensor([2, 1]))
     """
 
     layout: Layout
@@ -286,7 +323,7 @@ class Blocks:
         # Each layer's blocks inside [b0, b1): its block range cut by the window's.
         end = torch.cumsum(self.counts, 0)
         counts = (end.clamp(max=b1) - (end - self.counts).clamp(min=b0)).clamp_(min=0)
-        device = self.layout.lengths.device
+        device = self.layout.device
         return Blocks(
             Layout._make(cut, device, block_size=self.block_size),
             self.block_size,

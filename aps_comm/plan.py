@@ -30,7 +30,7 @@ from aps_comm.codec import Codec, codec_for
 from aps_comm.config import DEFAULT_BLOCK_SIZE, BlockExponents, Route, Scaling
 from aps_comm.formats import FP32, FloatFormat, get_format, payload_nbytes
 from aps_comm.hostcopy import to_device
-from aps_comm.layout import Blocks, Layout
+from aps_comm.layout import Blocks, Layout, index_dtype
 from aps_comm.workspace import Arena, Slot, Workspace
 from aps_perfmodel.cluster import Cluster
 from aps_perfmodel.formats import FormatSpec
@@ -238,10 +238,9 @@ class BlockShards:
         slots: per chunk, exponent bytes after each shard's payload (the most
             blocks any shard of the chunk has).
         gather_regions: per chunk, its N gathered shards in ``gathered``.
-        gathered: uint8 scratch for the all-gathered shards and exponents.
-        exponent_index: per chunk, where each of its blocks' owner exponent
-            lies in its gathered region (on the device), in block order: the
-            chunk's factors are built in one gather, not one per shard.
+        gathered: uint8 scratch for the all-gathered shards and exponents
+            (shard s's j-th block's exponent is byte ``shard_bytes + j`` of
+            row s: no index of them is kept).
         pieces: per chunk, the bytes each shard takes in the all-to-all:
             ``shard_bytes``, and with each rank's own exponents
             (:attr:`aps_comm.config.BlockExponents.RANK`) its ``slots``
@@ -262,7 +261,6 @@ class BlockShards:
     slots: list[int]
     gather_regions: list[tuple[int, int]]
     gathered: torch.Tensor
-    exponent_index: list[torch.Tensor]
     pieces: list[int]
     flags: int = 0
     rank_exponents: bool = False
@@ -305,7 +303,6 @@ class NodeBlocks:
         rows: per chunk, bytes of an owner's gathered shard (payload, keys,
             in the first chunk the layer flags).
         flags: layers of the group (the flag bytes of the first chunk).
-        layer_of: each block's layer (int64, on the device).
         first_send: per chunk, grid's first exchange (uint8; hierarchical: empty).
         first_recv: per chunk, what the first exchange brings (float32 L x
             the slice for hierarchical, uint8 L pieces for grid).
@@ -334,7 +331,6 @@ class NodeBlocks:
     pieces: list[int]
     rows: list[int]
     flags: int
-    layer_of: torch.Tensor
     first_send: list[torch.Tensor]
     first_recv: list[torch.Tensor]
     send: list[torch.Tensor]
@@ -350,22 +346,20 @@ class NodeBlocks:
         return self.bounds[c][local * m], self.bounds[c][(local + 1) * m]
 
 
-def _index_dtype(bound: int) -> torch.dtype:
-    """The narrowest dtype torch indexes with that holds indexes below ``bound``.
-
-    Example:
-        >>> _index_dtype(2**20)
-        torch.int32
-    """
-    return torch.int32 if bound < 2**31 else torch.int64
-
-
 def _own_layout(window: Layout) -> Layout:
     """A window's segments as a layout of their own (from 0, as :meth:`Layout.from_numels`
     builds it): on the CPU the window's offsets and lengths themselves, not a copy."""
-    if window.lengths.device.type != "cpu":
-        return Layout.from_numels(window.sizes, window.lengths.device)
-    return Layout(window.offsets, window.lengths, window.sizes, window.numel)
+    if window.device.type != "cpu":
+        return Layout.from_numels(window.sizes, window.device)
+    return Layout(
+        window.offsets,
+        window.device_lengths,
+        window.sizes,
+        window.numel,
+        0,
+        None,
+        window.block_size,
+    )
 
 
 def _aligned(nbytes: int) -> int:
@@ -611,7 +605,7 @@ class BucketPlan:
             >>> plan = BucketPlan.build(0, [20, 8], torch.device("cpu"))
             >>> e4m3, e5m2 = get_format("e4m3"), get_format("e5m2")
             >>> plan.block_index([e4m3, e5m2], 8)[e5m2]
-            tensor([3])
+            tensor([3], dtype=torch.int32)
         """
         key = (tuple(formats), block_size)
         cached = self.block_indices.get(key)
@@ -630,7 +624,8 @@ class BucketPlan:
                     for i, f in enumerate(formats)
                     if f == fmt
                 ]
-                cached[fmt] = to_device(torch.cat(picks), self.device)
+                index = torch.cat(picks).to(index_dtype(int(counts.sum())))
+                cached[fmt] = to_device(index, self.device)
             self.block_indices[key] = cached
         return cached
 
@@ -679,7 +674,7 @@ class BucketPlan:
                 rows_layout = rows_blocks.layout
                 p = len(formats)
                 picks = [torch.arange(first[r * p + i], first[r * p + j]) for r in range(n_rows)]
-                block_index = to_device(torch.cat(picks), self.device)
+                block_index = to_device(torch.cat(picks).to(index_dtype(first[-1])), self.device)
             runs.append(
                 Run(
                     formats[i],
@@ -961,7 +956,7 @@ class BucketPlan:
         per_node, rank = node
         local, me = rank % per_node, rank // per_node
         nodes = world_size // per_node
-        device = layout.lengths.device
+        device = layout.device
         n_layers = counts.numel()
         cols: dict[str, list] = {
             k: []
@@ -1019,7 +1014,6 @@ class BucketPlan:
             cols["shard"].append(scratch(row))
             cols["across"].append(scratch(nodes * row))
             cols["gathered"].append(scratch(world_size * row))
-        layer_of = torch.repeat_interleave(torch.arange(n_layers), counts.cpu())
         return NodeBlocks(
             ranks_per_node=per_node,
             nodes=nodes,
@@ -1027,7 +1021,6 @@ class BucketPlan:
             node=me,
             wire_first=wire_first,
             flags=n_layers,
-            layer_of=to_device(layer_of, device),
             **cols,
         )
 
@@ -1047,7 +1040,7 @@ class BucketPlan:
         theirs too and ``flags`` bytes in the first chunk) and ``shard_regions``
         (one shard and its exponent bytes)."""
         bounds, windows, layouts, shard_bytes, slots, gather_regions = [], [], [], [], [], []
-        exponent_index, pieces = [], []
+        pieces = []
         start = shard_start = gather_start = 0
         for lo, hi in chunks:
             cut = block_shard_cuts(layout.offsets, lo, hi, world_size)
@@ -1070,15 +1063,6 @@ class BucketPlan:
             shard_start = shard_regions[-1][1]
             gather_regions.append((gather_start, gather_start + world_size * (sb + slot)))
             gather_start = gather_regions[-1][1]
-            # Shard s's j-th block: byte sb + j of the s-th gathered row.
-            where = [
-                s * (sb + slot) + sb + j for s, w in enumerate(wins) for j in range(w.n_segments)
-            ]
-            exponent_index.append(
-                to_device(
-                    torch.tensor(where, dtype=_index_dtype(gather_start)), layout.lengths.device
-                )
-            )
         return BlockShards(
             bounds,
             windows,
@@ -1087,7 +1071,6 @@ class BucketPlan:
             slots,
             gather_regions,
             scratch(gather_start),
-            exponent_index,
             pieces,
             flags,
             bool(flags),

@@ -724,9 +724,9 @@ def bind_rank_blocks(
     """
     sh = g.block_shards
     assert sh is not None and sh.rank_exponents and g.blocks is not None
-    offsets = g.layout.offsets.numpy().astype(np.int64)
-    counts = g.blocks.counts.numpy()  # the host copy the plan keeps
-    layer_of = np.repeat(np.arange(counts.size, dtype=np.int64), counts)
+    offsets = g.layout.offsets.numpy()
+    # Each layer's end in the blocks (per layer, not per block), in the offsets' dtype.
+    layer_ends = np.cumsum(g.blocks.counts.numpy()).astype(offsets.dtype)
     calls = []
     for c in range(len(g.chunks)):
         wins = sh.windows[c]
@@ -745,8 +745,8 @@ def bind_rank_blocks(
             union,
             offsets=offsets,
             firsts=np.array(ends, dtype=np.int64),
-            layer_of=layer_of,
-            shard=sh.layouts[c][rank].offsets.numpy().astype(np.int64),
+            layer_ends=layer_ends,
+            shard=sh.layouts[c][rank].offsets.numpy(),
             send=g.send[r0:r1],
             recv=g.recv[r0:r1],
             out=g.shards[s0:s1],
@@ -791,20 +791,18 @@ def _decode_by_shard(
         q0, q1 = sh.gather_regions[c]
         sb = sh.shard_bytes[c]
         gathered = sh.gathered[q0:q1]
-        # The chunk's blocks, every shard's, unscaled by what their owners sent.
-        b0 = g.windows[c].first
-        sent = gathered[sh.exponent_index[c]]
-        factors = unscale(b0, b0 + g.windows[c].n_segments, sent)
         rows = gathered.view(n, sb + sh.slots[c])
         for s, (a, b) in enumerate(itertools.pairwise(sh.bounds[c])):
             if a == b:
                 continue
-            first = sh.windows[c][s].first - b0
+            # The shard's blocks, unscaled by what its owner sent after its payload
+            # (read in place: no index of the exponents is kept per bucket).
+            first, blocks = sh.windows[c][s].first, sh.layouts[c][s].n_segments
             g.codec.decode(
                 rows[s, : payload_nbytes(b - a, fmt)],
                 b - a,
                 out=x[a:b],
-                scale=factors[first : first + sh.layouts[c][s].n_segments],
+                scale=unscale(first, first + blocks, rows[s, sb : sb + blocks]),
                 layout=sh.layouts[c][s],
             )
 
@@ -1256,7 +1254,11 @@ class _NodeBlockStages(_NodeStages):
         rows = nb.gathered[c].view(self.world_size, nb.rows[c])
         if c == 0:
             union = rows[:, sb + slot : sb + slot + nb.flags].amax(0)
-            self.bad.append(torch.index_select(union, 0, nb.layer_of) != 0)
+            # Per block, from the layers' block counts: no per-block index is kept.
+            counts = self.g.blocks.device_counts  # type: ignore[union-attr]  # node_blocks has blocks
+            self.bad.append(
+                torch.repeat_interleave(union != 0, counts, output_size=layout.n_segments)
+            )
         bounds = nb.bounds[c]
         for s in range(self.world_size):
             a, b = bounds[s], bounds[s + 1]
@@ -1424,9 +1426,9 @@ def bind_node_blocks(
     nb = g.node_blocks
     assert nb is not None and g.blocks is not None
     per_node, nodes, local = nb.ranks_per_node, nb.nodes, nb.local_rank
-    offsets = g.layout.offsets.numpy().astype(np.int64)
-    counts = g.blocks.counts.numpy()  # the host copy the plan keeps
-    layer_of = np.repeat(np.arange(counts.size, dtype=np.int64), counts)
+    offsets = g.layout.offsets.numpy()
+    # Each layer's end in the blocks (per layer, not per block), in the offsets' dtype.
+    layer_ends = np.cumsum(g.blocks.counts.numpy()).astype(offsets.dtype)
     calls = []
     for c, (lo, hi) in enumerate(g.chunks):
         bounds = nb.bounds[c]
@@ -1450,19 +1452,19 @@ def bind_node_blocks(
             flags,
             union,
             offsets=offsets,
-            layer_of=layer_of,
+            layer_ends=layer_ends,
             firsts=_block_firsts(g.layout, bounds),
             ranks_per_node=per_node,
             first=first,
             received=nb.first_recv[c],
             mean=torch.empty(s1 - s0, dtype=torch.float32, device=x.device),
-            slice_offsets=mine.offsets.numpy().astype(np.int64),
+            slice_offsets=mine.offsets.numpy(),
             maxima=torch.empty(blocks, dtype=torch.float32, device=x.device),
             own=torch.empty(blocks, dtype=torch.uint8, device=x.device),
             piece_firsts=_block_firsts(mine, piece_bounds),
             send=nb.send[c],
             recv=nb.recv[c],
-            shard=nb.shard_layouts[c][owned].offsets.numpy().astype(np.int64),
+            shard=nb.shard_layouts[c][owned].offsets.numpy(),
             out=nb.shard[c],
             gathered=nb.gathered[c],
             shard_bytes=nb.shard_bytes[c],

@@ -663,7 +663,7 @@ def _bind_rank_blocks(c: codec.Codec, x: torch.Tensor, blocks: codec.Blocks) -> 
     probes each variant) and run: one chunk of 3 shards, the first one's flags."""
     offsets = blocks.layout.offsets.numpy().astype(np.int64)
     nb, n_layers = offsets.size - 1, blocks.counts.numel()
-    layer_of = np.repeat(np.arange(n_layers, dtype=np.int64), blocks.counts.numpy())
+    layer_ends = np.cumsum(blocks.counts.numpy())
     keys, flags = torch.empty(nb, dtype=torch.uint8), torch.empty(n_layers, dtype=torch.uint8)
     union = torch.empty(n_layers, dtype=torch.uint8)
     call = c.bind_block_keys(x, blocks.layout, blocks.counts, torch.empty(nb), keys, flags, 3)
@@ -680,7 +680,7 @@ def _bind_rank_blocks(c: codec.Codec, x: torch.Tensor, blocks: codec.Blocks) -> 
         union,
         offsets=offsets,
         firsts=firsts,
-        layer_of=layer_of,
+        layer_ends=layer_ends,
         shard=shard,
         send=torch.empty(3 * piece, dtype=torch.uint8),
         recv=torch.zeros(3 * piece, dtype=torch.uint8),
@@ -845,6 +845,7 @@ def _rank_block_case(fmt: FloatFormat, block_size: int, n: int) -> dict:
     return {
         "offsets": offsets,
         "layer_of": np.repeat(np.arange(counts.size, dtype=np.int64), counts),
+        "layer_ends": np.cumsum(counts),
         "counts": blocks.counts,
         "firsts": firsts,
         "shard_bytes": shard_bytes,
@@ -935,7 +936,7 @@ def test_rank_block_kernels_match_kernels(
                     )
                 )
                 cpu_kernels.decode_rank_blocks(
-                    fmt, gathered.numpy(), n, offsets, firsts, untable, layer_of,
+                    fmt, gathered.numpy(), n, offsets, firsts, untable, case["layer_ends"],
                     union.numpy(), want.numpy(), sb,
                 )  # fmt: skip
                 assert torch.equal(_bits(got), _bits(want)), (n, at, r)
