@@ -1407,63 +1407,25 @@ def hierarchical_rank_blocks_bound(
     """
     nb = g.node_blocks
     assert nb is not None
-    k, wire_first = len(calls), nb.wire_first
-    works: dict[tuple[int, int], dist.Work] = {}
-
-    def wait(c: int, stage: int, what: str) -> None:
-        _wait(works.pop((c, stage)), f"the {what} of chunk {c + 1} of {k}")
-
-    def exchange_in_node(c: int) -> None:
-        cc = calls[c]
-        source = cc.first_in
-        assert source is not None
-        if cc.first is not None:
-            cc.first()
-            count("node_all_to_all", source.numel())
-            works[c, 0] = dist.all_to_all_single(
-                nb.first_recv[c], source, group=groups.intra, async_op=True
-            )
-            return
-        assert cc.splits is not None
-        count("node_all_to_all", source.numel() * 4)
-        works[c, 0] = dist.all_to_all_single(
+    # The route's one pipeline (:func:`hierarchical_bound`), over the plan's buffers.
+    chunks = [
+        NodeChunkCalls(
+            cc.first,
+            cc.across,
+            cc.owner,
+            cc.decode,
+            cc.first_in,  # type: ignore[arg-type]  # bound with it (bind_node_blocks)
             nb.first_recv[c],
-            source,
-            output_split_sizes=cc.splits[1],
-            input_split_sizes=cc.splits[0],
-            group=groups.intra,
-            async_op=True,
+            nb.send[c],
+            nb.recv[c],
+            nb.shard[c],
+            nb.across[c],
+            nb.gathered[c],
+            cc.splits,
         )
-
-    def exchange_across_nodes(c: int) -> None:
-        wait(c, 0, "first-level all_to_all" if wire_first else "in-node FP32 all_to_all")
-        calls[c].across()
-        count("all_to_all", nb.send[c].numel())
-        works[c, 1] = dist.all_to_all_single(
-            nb.recv[c], nb.send[c], group=groups.inter, async_op=True
-        )
-
-    def reduce_shard(c: int) -> None:
-        wait(c, 1, "across-node all_to_all")
-        calls[c].owner()
-        count("all_gather", nb.shard[c].numel())
-        works[c, 2] = all_gather_single(
-            nb.across[c], nb.shard[c], group=groups.inter, async_op=True
-        )
-
-    def gather_in_node(c: int) -> None:
-        wait(c, 2, "across-node all_gather")
-        count("node_all_gather", nb.across[c].numel())
-        works[c, 3] = all_gather_single(
-            nb.gathered[c], nb.across[c], group=groups.intra, async_op=True
-        )
-
-    def decode(c: int) -> None:
-        wait(c, 3, "in-node all_gather")
-        calls[c].decode()
-
-    stages = (exchange_in_node, exchange_across_nodes, reduce_shard, gather_in_node, decode)
-    return _staged(k, stages, defer)
+        for c, cc in enumerate(calls)
+    ]
+    return hierarchical_bound(chunks, groups, count, defer)
 
 
 def _staged(
