@@ -1947,10 +1947,10 @@ def staged_factors_into(
         >>> out = np.empty((4, 2), np.float32)
         >>> staged_factors_into(np.array([3.0, np.inf], np.float32), E4M3, 4, 2, False, 126, out)
         >>> out
-        array([[6.4000000e+01, 1.0000000e+00],
-               [2.0000000e+00, 1.0000000e+00],
-               [7.8125000e-03,           nan],
-               [1.0000000e+00, 1.0000000e+00]], dtype=float32)
+        array([[6.4000e+01, 1.0000e+00],
+               [2.0000e+00, 1.0000e+00],
+               [7.8125e-03,        nan],
+               [1.0000e+00, 1.0000e+00]], dtype=float32)
     """
     bits = maxima.view(np.uint32)
     _staged_factors(bits, world_size, ranks_per_node, grid, float(fmt.max), limit, out)
