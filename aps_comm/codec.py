@@ -404,6 +404,19 @@ def _factors_into(made: Callable[[], object], scale: torch.Tensor, unscale: torc
     unscale.copy_(f.unscale)  # type: ignore[attr-defined]
 
 
+def _copy_made(made: Callable[[], torch.Tensor], out: torch.Tensor) -> None:
+    out.copy_(made())
+
+
+def _stack_factors(made: Callable[[], object], out: torch.Tensor) -> None:
+    """A staged route's factors made by tensor ops, stacked into the bound rows."""
+    f = made()
+    rows = [f.scale, f.shift, f.unscale]  # type: ignore[attr-defined]
+    if f.first is not None:  # type: ignore[attr-defined]
+        rows.append(f.first)  # type: ignore[attr-defined]
+    torch.stack(rows, out=out[: len(rows)])
+
+
 @dataclasses.dataclass(frozen=True)
 class _OwnerFeedback:
     """A two_phase owner's step with error feedback, bound (:meth:`Codec.bind_owner_feedback`).
@@ -1093,6 +1106,107 @@ class Codec:
         fallback = functools.partial(self._torch().layer_maxima, x, layout, out)
         bound = functools.partial(_zero_then, out, launch)
         return functools.partial(_run_bound, ("layer_maxima",), bound, fallback)
+
+    def bind_shard_mean(
+        self,
+        recv: torch.Tensor,
+        n_ranks: int,
+        out: torch.Tensor,
+        divisor: int,
+        scratch: torch.Tensor | None = None,
+    ) -> Callable[[], object]:
+        """:meth:`shard_mean` of ``recv`` into float32 ``out``, bound: the staged routes'
+        sums of encoded slices and means of encoded shards.
+
+        Two kernel calls on "kernels" (every shard decoded into float32
+        ``scratch``, N times ``out``'s elements, then summed in rank order and
+        divided), one launch on "triton", :meth:`shard_mean` and a copy elsewhere:
+        the same bits on every backend.
+
+        Example:
+            >>> c = Codec("e4m3", torch.device("cpu"))
+            >>> out = torch.empty(1)
+            >>> c.bind_shard_mean(c.encode(torch.tensor([1.0, 2.0])), 2, out, 2)()
+            >>> out
+            tensor([1.5000])
+        """
+        numel = self._shard_bytes(recv, n_ranks) * 8 // self.fmt.wire_bits
+        if out.dtype != torch.float32 or out.numel() != numel or not out.is_contiguous():
+            raise ValueError(
+                f"out must be {numel} contiguous float32, got {out.numel()} {out.dtype}"
+            )
+        if self.backend == "kernels" and recv.device.type == "cpu":
+            if scratch is None:
+                scratch = torch.empty(n_ranks * numel)
+            values = scratch[: n_ranks * numel]
+            offsets = np.array([0, n_ranks * numel], np.int64)
+            decode = functools.partial(
+                _kernel, "decode", recv, values, self.fmt, offsets, None, None, None
+            )
+            rows = values.numpy().reshape(n_ranks, numel)
+            mean = functools.partial(_kernel, "rows_mean", rows, out.numpy(), divisor)
+            return functools.partial(_calls_then, decode, mean)
+        if self.backend == "triton":
+            return functools.partial(_triton().shard_mean, recv, n_ranks, self.fmt, out, divisor)
+        made = functools.partial(self.shard_mean, recv, n_ranks, divisor=divisor)
+        return functools.partial(_copy_made, made, out)
+
+    def bind_staged_factors(
+        self,
+        maxima: torch.Tensor,
+        world_size: int,
+        ranks_per_node: int,
+        grid: bool,
+        out: torch.Tensor,
+    ) -> Callable[[], None]:
+        """Hierarchical's (or with ``grid`` the grid's) factors of the agreed maxima, written
+        into the rows of float32 ``out`` (4 x segments: scale, shift, unscale, first) in
+        place: a settled staged bucket binds its calls to those rows.
+
+        One kernel call on "kernels" (:func:`aps_comm.cpu_kernels.staged_factors_into`),
+        :func:`aps_comm.scaling.factors` and one stack elsewhere, whatever the number of
+        layers; the same bits. ``first`` is 1 for hierarchical.
+
+        Example:
+            >>> c = Codec("e4m3", torch.device("cpu"))
+            >>> out = torch.empty(4, 1)
+            >>> c.bind_staged_factors(torch.tensor([3.0]), 4, 2, False, out)()
+            >>> out[:, 0]
+            tensor([6.4000e+01, 2.0000e+00, 7.8125e-03, 1.0000e+00])
+        """
+        if (
+            out.dtype != torch.float32
+            or out.shape != (4, maxima.numel())
+            or not out.is_contiguous()
+        ):
+            raise ValueError(
+                f"out must be contiguous float32 of shape (4, {maxima.numel()}), got "
+                f"{out.dtype} {tuple(out.shape)}"
+            )
+        if self.backend == "kernels" and maxima.device.type == "cpu":
+            return functools.partial(
+                _kernel,
+                "staged_factors_into",
+                maxima.numpy(),
+                self.fmt,
+                world_size,
+                ranks_per_node,
+                grid,
+                EXPONENT_LIMIT,
+                out.numpy(),
+            )
+        if not grid:
+            out[3].fill_(1.0)  # hierarchical has no first level of its own: never read
+        route = "grid" if grid else "hierarchical"
+        made = functools.partial(
+            scale_factors,
+            maxima,
+            self.fmt,
+            route,
+            world_size=world_size,
+            ranks_per_node=ranks_per_node,
+        )
+        return functools.partial(_stack_factors, made, out)
 
     def bind_block_keys(
         self,

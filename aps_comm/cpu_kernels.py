@@ -1677,6 +1677,29 @@ def sum_rows(rows: np.ndarray, out: np.ndarray) -> None:
     _sum_rows(rows, out)
 
 
+def rows_mean(rows: np.ndarray, out: np.ndarray, divisor: int) -> None:
+    """The sum of the rows of a 2-D float32 array into ``out``, in float32 in row order,
+    divided by ``divisor`` (the same bits as ``+=`` row by row, then ``/``): the staged
+    routes' owner, whose M node sums are divided by N.
+
+    Example:
+        >>> out = np.empty(2, np.float32)
+        >>> rows_mean(np.array([[1, 2], [2, 3]], np.float32), out, 4)
+        >>> out
+        array([0.75, 1.25], dtype=float32)
+    """
+    _rows_mean(rows, out, np.float32(divisor))
+
+
+if AVAILABLE:
+
+    @_njit
+    def _rows_mean(rows, out, div):
+        _sum_rows(rows, out)
+        for j in range(rows.shape[1]):
+            out[j] = out[j] / div
+
+
 def or_rows(rows: np.ndarray, out: np.ndarray) -> None:
     """The bitwise OR of the rows of a 2-D uint8 array (a view of the rows' flag bytes)
     into ``out``.
@@ -1902,6 +1925,73 @@ def maxima_factors_into(
     )
     _key_factors(keys, scale, False, 1)
     _key_factors(keys, unscale, True, world_size if native else 1)
+
+
+def staged_factors_into(
+    maxima: np.ndarray,
+    fmt: FloatFormat,
+    world_size: int,
+    ranks_per_node: int,
+    grid: bool,
+    limit: int,
+    out: np.ndarray,
+) -> None:
+    """The staged routes' factors of agreed float32 maxima, written into the rows of
+    float32 ``out`` (4 x segments): :func:`aps_comm.scaling.factors`' ``scale``,
+    ``shift``, ``unscale`` and ``first`` (1 for hierarchical) for route "grid" where
+    ``grid``, else "hierarchical", with ``ranks_per_node`` L of ``world_size`` N.
+
+    Exponents as :func:`maxima_factors_into`'s: exact float64 products and frexp
+    fields; a non-finite maximum unscales to NaN.
+
+    Example:
+        >>> from aps_comm.formats import E4M3
+        >>> out = np.empty((4, 2), np.float32)
+        >>> staged_factors_into(np.array([3.0, np.inf], np.float32), E4M3, 4, 2, False, 126, out)
+        >>> out
+        array([[6.4000e+01, 1.0000e+00],
+               [2.0000e+00, 1.0000e+00],
+               [7.8125e-03,        nan],
+               [1.0000e+00, 1.0000e+00]], dtype=float32)
+    """
+    bits = maxima.view(np.uint32)
+    _staged_factors(bits, world_size, ranks_per_node, grid, float(fmt.max), limit, out)
+
+
+if AVAILABLE:
+
+    @_njit
+    def _pow2_f32(d):
+        """float32 2**d for an integer d, clamped to [-149, 127] as :func:`aps_comm.formats.pow2`."""
+        return _u2f(_pow2_bits(min(max(d, -149), 127)))
+
+    @_njit
+    def _staged_factors(ab, n_ranks, per_node, grid, fmax, limit, out):
+        inf_bits = np.uint32(0x7F800000)
+        f32max = 3.4028234663852886e38
+        nodes = np.float64(n_ranks // per_node)
+        n = np.float64(n_ranks)
+        for s in range(len(ab)):
+            a_bits = ab[s]
+            inner = 0
+            outer = 0
+            if 0 < a_bits < inf_bits:
+                a = np.float64(_u2f(np.uint32(a_bits)))
+                # The node sums add L gradients (headroom L, M of them summed in FP32);
+                # the mean sent back needs none (N summed).
+                h = a * np.float64(per_node)
+                inner = min(_largest_exponent(h, fmax), _largest_exponent(h * nodes, f32max))
+                outer = min(_largest_exponent(a, fmax), _largest_exponent(a * n, f32max))
+                inner = min(max(inner, -limit), limit)
+                outer = min(max(outer, -limit), limit)
+            if grid:
+                out[0, s] = _pow2_f32(inner - outer)
+                out[3, s] = _pow2_f32(outer)
+            else:
+                out[0, s] = _pow2_f32(inner)
+                out[3, s] = np.float32(1.0)
+            out[1, s] = _pow2_f32(outer - inner)
+            out[2, s] = np.float32(np.nan) if a_bits >= inf_bits else _pow2_f32(-outer)
 
 
 if AVAILABLE:

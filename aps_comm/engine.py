@@ -75,6 +75,7 @@ __all__ = [
     "SteadyBlocks",
     "SteadyFeedback",
     "SteadyGroups",
+    "SteadyStaged",
     "SteadyUnit",
     "Traffic",
 ]
@@ -352,6 +353,51 @@ class SteadyNodeBlocks(SteadyBlocks):
             return False
         self.keys_call, self.node_calls, self.bound_ptr = keys_call, calls, x.data_ptr()
         return True
+
+
+@dataclasses.dataclass
+class SteadyStaged(Steady):
+    """:class:`Steady` for hierarchical and grid with one exponent per layer (or per bucket).
+
+    Per step, whatever the number of layers: the maxima kernel, the one MAX
+    all-reduce of :meth:`Reducer.bucket` (the same contents: the maxima,
+    then this rank's preferred chunk where measured), the route's factors
+    (scale, shift, unscale, grid's first) written in place from the agreed
+    maxima (:meth:`aps_comm.codec.Codec.bind_staged_factors`), and per chunk
+    a fixed handful of bound codec calls around the route's four collectives
+    (:func:`aps_comm.transports.bind_hierarchical`, the general path's own
+    calls, bound once here instead of every step): the same collectives,
+    bytes and bits.
+
+    Attributes:
+        groups: this rank's intra- and inter-node groups of the route.
+        per_node: the ranks of the first level's sum (a node's, or a grid row's).
+        factors: float32 (4, layers): scale, shift, unscale and first, refilled in place.
+        factors_call: writes ``factors`` from the agreed maxima.
+        node_calls: each chunk's bound calls.
+    """
+
+    groups: NodeGroups | None = None
+    per_node: int = 1
+    factors: torch.Tensor | None = None
+    factors_call: Callable[[], object] | None = None
+    node_calls: list[transports.NodeChunkCalls] | None = None
+
+    def bind(self, x: torch.Tensor, world_size: int) -> None:
+        """Bind the maxima kernel, the factors and every chunk's calls to the float32
+        buffer ``x``."""
+        g, grid = self.group, self.route == Route.GRID
+        n = len(self.fmts)
+        if self.factors is None or self.factors.device != x.device:
+            self.factors = torch.ones(4, n, dtype=torch.float32, device=x.device)
+        f = self.factors
+        self.maxima_call = g.codec.bind_layer_maxima(x, g.layout, self.agreed.maxima)
+        self.factors_call = g.codec.bind_staged_factors(
+            self.agreed.maxima, world_size, self.per_node, grid, f
+        )
+        factors = (f[0], f[1], f[2], f[3] if grid else None)
+        self.node_calls = transports.bind_hierarchical(g, x, factors, world_size)
+        self.bound_ptr = x.data_ptr()
 
 
 @dataclasses.dataclass
@@ -796,7 +842,9 @@ class Reducer:
             self._settle_groups(index, x, plan, fmts, groups, main, measured, chunk)
             return
         g = groups[0]
-        if self.settings.scaling != Scaling.BLOCK:
+        if self.settings.scaling != Scaling.BLOCK and Route(g.reduction).staged:
+            self._settle_staged(index, x, plan, fmts, g, measured, chunk)
+        elif self.settings.scaling != Scaling.BLOCK:
             promoted = self.assignment.promoter is not None
             layers_of = (list(keys), list(numels), list(names)) if promoted else None
             self._settle(
@@ -1275,6 +1323,8 @@ class Reducer:
         if isinstance(st, SteadyGroups):
             self._run_groups(index, st, x)
             return None
+        if isinstance(st, SteadyStaged):
+            return self._run_staged(index, st, x, defer)
         if st.route == Route.FP32:
             transports.fp32_mean(x, comm.group, comm.world_size, self.traffic)
             return None
@@ -1354,6 +1404,88 @@ class Reducer:
             tail = transports.two_phase(
                 g, x, scale, unscale, comm.group, comm.world_size, self.traffic, defer=defer
             )
+        if st.measured:
+            st.plan.timed(time.perf_counter() - start)
+        return tail
+
+    def _settle_staged(
+        self,
+        index: int,
+        x: torch.Tensor,
+        plan: BucketPlan,
+        fmts: list[FloatFormat],
+        g: GroupPlan,
+        measured: bool,
+        chunk: int,
+    ) -> None:
+        """Bind the bucket's :class:`SteadyStaged` path (hierarchical or grid, layer or
+        bucket scaling) where nothing in it changes per step but the policy's epoch."""
+        settings, assignment = self.settings, self.assignment
+        if (
+            self.feedback is not None
+            # Promote's rates and the records are the general path's.
+            or assignment.promoter is not None
+            or settings.stats
+            or not g.contiguous
+            or g.node is None
+        ):
+            return
+        route, layouts, n = Route(g.reduction), self.comm.layouts, len(fmts)
+        maxima = torch.zeros(n + int(measured), dtype=torch.float32, device=x.device)
+        st = SteadyStaged(
+            x.numel(),
+            x.data_ptr(),
+            plan,
+            g,
+            route,
+            list(fmts),
+            maxima,
+            AgreedMaxima(maxima[:n], self.comm.world_size),
+            measured,
+            chunk,
+            bucket=settings.scaling == Scaling.BUCKET,
+            epoch=assignment.epoch(self.step),
+            workspace=self._epoch(index, x.device),
+            groups=layouts.grid if route == Route.GRID else layouts.nodes,
+            per_node=g.node.ranks_per_node,
+        )
+        st.bind(x, self.comm.world_size)
+        self.steady[index] = st
+
+    def _run_staged(
+        self, index: int, st: SteadyStaged, x: torch.Tensor, defer: bool
+    ) -> Callable[[], None] | None:
+        """:meth:`run_steady` of hierarchical or grid: the maxima agreed (with the chunk
+        where measured), the factors written in place, the route's bound chunks."""
+        comm, n = self.comm, len(st.fmts)
+        if st.bound_ptr != x.data_ptr():  # a bfloat16 bucket's float32 copy: new each step
+            st.bind(x, comm.world_size)
+        if st.measured:  # CPU only: the numpy view, no tensor op
+            exchange_s = st.plan.exchange_s or None
+            if st.offer is None or st.offer[0] != exchange_s:
+                mine = self.planner.chunk(self.settings.fmt, st.numel, st.route, exchange_s)
+                st.offer = exchange_s, math.log2(mine)
+            st.maxima.numpy()[n] = st.offer[1]
+        assert st.maxima_call is not None and st.factors_call is not None  # made by bind
+        st.maxima_call()
+        transports.all_reduce_max(st.maxima, comm.group, self.traffic)
+        if st.bucket:
+            st.agreed.spread()
+        if st.measured:
+            chunk = 2 ** int(st.maxima.numpy()[n])  # the ranks' largest preference
+            if chunk != st.chunk:
+                routes = self._routes_for(st.plan, st.fmts)
+                st.group = st.plan.group(
+                    st.fmts, routes, comm.world_size, chunk, comm.node_layouts()
+                )[0]
+                st.chunk = chunk
+                st.bind(x, comm.world_size)
+                st.workspace = self._epoch(index, x.device)
+        self.bucket_chunks[index] = st.chunk
+        st.factors_call()
+        assert st.node_calls is not None and st.groups is not None
+        start = time.perf_counter()
+        tail = transports.hierarchical_bound(st.node_calls, st.groups, self.traffic, defer)
         if st.measured:
             st.plan.timed(time.perf_counter() - start)
         return tail

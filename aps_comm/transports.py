@@ -42,7 +42,7 @@ import torch.distributed as dist
 from aps_comm.codec import AgreedMaxima, NodeBlockCalls, RankBlockCalls
 from aps_comm.formats import payload_nbytes, pow2
 from aps_comm.layout import Layout
-from aps_comm.plan import GroupPlan, NodeBlocks, NodePlan, RowRuns
+from aps_comm.plan import GroupPlan, NodeBlocks, RowRuns
 from aps_comm.scaling import (
     bad_layers,
     blocks_amax,
@@ -54,14 +54,17 @@ from aps_comm.topology import NodeGroups
 __all__ = [
     "ChunkCalls",
     "Counter",
+    "NodeChunkCalls",
     "all_gather_single",
     "all_reduce_max",
+    "bind_hierarchical",
     "bind_node_blocks",
     "bind_rank_blocks",
     "chunk_calls",
     "fp32_mean",
     "fp32_mean_async",
     "hierarchical",
+    "hierarchical_bound",
     "hierarchical_rank_blocks",
     "hierarchical_rank_blocks_bound",
     "native",
@@ -895,8 +898,209 @@ def hierarchical(
     Returns:
         With ``defer``, the function that finishes the bucket; else None.
     """
-    stages = _Hierarchical(g, x, (scale, shift, unscale, first), groups, world_size, count)
-    return _staged(len(g.chunks), stages.stages(), defer)
+    calls = bind_hierarchical(g, x, (scale, shift, unscale, first), world_size)
+    return hierarchical_bound(calls, groups, count, defer)
+
+
+@dataclasses.dataclass(frozen=True)
+class NodeChunkCalls:
+    """One chunk of a staged route (hierarchical or grid), bound: its codec work around the
+    route's four collectives and the buffers they move (views made once).
+
+    Attributes:
+        first: grid: the chunk encoded with the first level's factors into
+            ``first_in``; None for hierarchical (the first level is FP32).
+        across: the node's sum of this rank's slice (from ``first_out``) encoded into ``send``.
+        owner: the mean of the M received node sums (``recv``) encoded into ``shard``.
+        decode: the gathered chunk (``gathered``) decoded into the values.
+        first_in: what the first exchange sends (the values' chunk, or grid's encoded chunk).
+        first_out: what it receives: the node's L slices of this rank's.
+        send: this rank's encoded slice, exchanged across nodes into ``recv``.
+        recv: the M encoded node sums of this rank's shard.
+        shard: this rank's encoded shard of the mean, gathered across nodes into
+            ``across_out``.
+        across_out: the encoded slice of the mean, gathered in the node into ``gathered``.
+        gathered: the chunk's encoded mean.
+        splits: hierarchical: the first exchange's input and output split sizes.
+    """
+
+    first: Callable[[], object] | None
+    across: Callable[[], object]
+    owner: Callable[[], object]
+    decode: Callable[[], object]
+    first_in: torch.Tensor
+    first_out: torch.Tensor
+    send: torch.Tensor
+    recv: torch.Tensor
+    shard: torch.Tensor
+    across_out: torch.Tensor
+    gathered: torch.Tensor
+    splits: tuple[list[int], list[int]] | None = None
+
+
+def _in_order(*calls: Callable[[], object]) -> None:
+    for call in calls:
+        call()
+
+
+def bind_hierarchical(
+    g: GroupPlan,
+    x: torch.Tensor,
+    factors: tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor | None],
+    world_size: int,
+) -> list[NodeChunkCalls]:
+    """Every chunk's codec work of :func:`hierarchical`, bound to ``x``, the plan's buffers
+    and the factor tensors (scale, shift, unscale, first), which are read when the calls
+    run: a settled bucket refills them in place every step.
+
+    Per chunk, on the CPU kernels: grid's first encode; the node's sum (one
+    kernel; grid: decode and sum, two) and its encode; the owner's decode,
+    mean and encode; the decode: a fixed handful of kernel calls whatever
+    the number of layers. Elsewhere the codec's calls, with the same bits.
+
+    Example:
+        >>> calls = transports.bind_hierarchical(g, x, (s, sh, u, None), 4)  # doctest: +SKIP
+        >>> transports.hierarchical_bound(calls, groups, count)  # doctest: +SKIP
+    """
+    node, codec, bits = g.node, g.codec, g.fmt.wire_bits
+    assert node is not None
+    scale, shift, unscale, first = factors
+    per_node, local = node.ranks_per_node, node.local_rank
+    calls = []
+    for c, (lo, hi) in enumerate(g.chunks):
+        (r0, r1), (s0, s1) = g.regions[c], node.sum_regions[c]
+        (e0, e1), (h0, h1) = node.slice_regions[c], g.shard_regions[c]
+        valid, kept = node.splits[c][local], node.shard_valid[c]
+        sums, send, shard, gathered = (
+            node.sums[s0:s1],
+            node.encoded[e0:e1],
+            g.shards[h0:h1],
+            g.send[r0:r1],
+        )
+        recv = g.recv[e0:e1]
+        send_first = splits = None
+        if node.wire_first:
+            assert first is not None
+            # The chunk's send region is free until the last stage gathers into it;
+            # the shards' padding is encoded as zeros (code 0 is +0 in every format).
+            pad = (r1 - r0) * 8 // bits - (hi - lo)
+            send_first = codec.bind_encode(x[lo:hi], gathered, first, g.windows[c], pad)
+            first_in = gathered
+            total = sums.numel() * 8 // bits  # L encoded slices, padded
+            acc = torch.empty(total // per_node, dtype=torch.float32, device=x.device)
+            node_sum = codec.bind_shard_mean(sums, per_node, acc, 1)
+        else:
+            first_in = x[lo:hi]
+            splits = node.splits[c], [valid] * per_node
+            acc = torch.empty(valid, dtype=torch.float32, device=x.device)
+            # Local-rank order, as aps_comm.simulate sums.
+            node_sum = functools.partial(codec.sum_rows, sums.view(per_node, valid), acc)
+        pad = (e1 - e0) * 8 // bits - valid
+        across = functools.partial(
+            _in_order,
+            node_sum,
+            codec.bind_encode(acc[:valid], send, scale, node.slice_windows[c], pad),
+        )
+        per_shard = (e1 - e0) // node.nodes * 8 // bits
+        mean = torch.empty(per_shard, dtype=torch.float32, device=x.device)
+        pad = (h1 - h0) * 8 // bits - kept
+        owner = functools.partial(
+            _in_order,
+            codec.bind_shard_mean(recv, node.nodes, mean, world_size),
+            codec.bind_encode(mean[:kept], shard, shift, node.shard_windows[c], pad),
+        )
+        decode = codec.bind_decode(g.send[r0:], x[lo:hi], unscale, g.windows[c])
+        calls.append(
+            NodeChunkCalls(
+                send_first,
+                across,
+                owner,
+                decode,
+                first_in,
+                sums,
+                send,
+                recv,
+                shard,
+                node.encoded[e0:e1],
+                gathered,
+                splits,
+            )
+        )
+    return calls
+
+
+def hierarchical_bound(
+    calls: Sequence[NodeChunkCalls],
+    groups: NodeGroups,
+    count: Counter,
+    defer: bool = False,
+) -> Callable[[], None] | None:
+    """:func:`hierarchical` over every chunk's bound calls (:func:`bind_hierarchical`).
+
+    Stage s of chunk c runs at step c + s, later stages first (:func:`_staged`):
+    the same collectives, in the same order, and the same bytes, whatever
+    bound the calls.
+
+    Args:
+        calls: each chunk's calls and buffers.
+        groups: this rank's intra- and inter-node groups.
+        count: byte counter.
+        defer: as :func:`hierarchical`'s.
+
+    Returns:
+        With ``defer``, the function that finishes the bucket; else None.
+    """
+    k = len(calls)
+    works: dict[tuple[int, int], dist.Work] = {}
+
+    def wait(c: int, stage: int, what: str) -> None:
+        _wait(works.pop((c, stage)), f"the {what} of chunk {c + 1} of {k}")
+
+    def exchange_in_node(c: int) -> None:
+        cc = calls[c]
+        source = cc.first_in
+        count("node_all_to_all", source.numel() * source.element_size())
+        if cc.first is not None:
+            cc.first()
+        sizes = cc.splits or (None, None)
+        works[c, 0] = dist.all_to_all_single(
+            cc.first_out,
+            source,
+            output_split_sizes=sizes[1],
+            input_split_sizes=sizes[0],
+            group=groups.intra,
+            async_op=True,
+        )
+
+    def exchange_across_nodes(c: int) -> None:
+        cc = calls[c]
+        wait(c, 0, "first-level all_to_all" if cc.first else "in-node FP32 all_to_all")
+        cc.across()
+        count("all_to_all", cc.send.numel())
+        works[c, 1] = dist.all_to_all_single(cc.recv, cc.send, group=groups.inter, async_op=True)
+
+    def reduce_shard(c: int) -> None:
+        cc = calls[c]
+        wait(c, 1, "across-node all_to_all")
+        cc.owner()
+        count("all_gather", cc.shard.numel())
+        # The slice's bytes are free once its all-to-all is done.
+        works[c, 2] = all_gather_single(cc.across_out, cc.shard, group=groups.inter, async_op=True)
+
+    def gather_in_node(c: int) -> None:
+        cc = calls[c]
+        wait(c, 2, "across-node all_gather")
+        count("node_all_gather", cc.across_out.numel())
+        works[c, 3] = all_gather_single(
+            cc.gathered, cc.across_out, group=groups.intra, async_op=True
+        )
+
+    def decode(c: int) -> None:
+        wait(c, 3, "in-node all_gather")
+        calls[c].decode()
+
+    stages = (exchange_in_node, exchange_across_nodes, reduce_shard, gather_in_node, decode)
+    return _staged(k, stages, defer)
 
 
 # The staged routes' stages of a chunk, in order (the methods of each stages class).
@@ -921,111 +1125,6 @@ class _NodeStages:
 
     def wait(self, c: int, stage: int, what: str) -> None:
         _wait(self.works.pop((c, stage)), f"the {what} of chunk {c + 1} of {len(self.g.chunks)}")
-
-
-@dataclasses.dataclass
-class _Hierarchical(_NodeStages):
-    """:func:`hierarchical`'s five stages of one bucket; ``factors`` are its scale, shift,
-    unscale and first."""
-
-    g: GroupPlan
-    x: torch.Tensor
-    factors: tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor | None]
-    groups: NodeGroups
-    world_size: int
-    count: Counter
-    works: dict[tuple[int, int], dist.Work] = dataclasses.field(default_factory=dict)
-
-    @property
-    def node(self) -> NodePlan:
-        assert self.g.node is not None
-        return self.g.node
-
-    def exchange_in_node(self, c: int) -> None:
-        g, node, x = self.g, self.node, self.x
-        lo, hi = g.chunks[c]
-        split = node.splits[c]
-        s0, s1 = node.sum_regions[c]
-        if node.wire_first:
-            r0, r1 = g.regions[c]
-            send = g.send[r0:r1]  # free until the last stage gathers into it
-            payload = send[: payload_nbytes(hi - lo, g.fmt)]
-            g.codec.encode(x[lo:hi], out=payload, scale=self.factors[3], layout=g.windows[c])
-            send[payload.numel() :].zero_()
-            self.count("node_all_to_all", send.numel())
-            self.works[c, 0] = dist.all_to_all_single(
-                node.sums[s0:s1], send, group=self.groups.intra, async_op=True
-            )
-            return
-        self.count("node_all_to_all", (hi - lo) * 4)
-        self.works[c, 0] = dist.all_to_all_single(
-            node.sums[s0:s1],
-            x[lo:hi],
-            output_split_sizes=[split[node.local_rank]] * node.ranks_per_node,
-            input_split_sizes=split,
-            group=self.groups.intra,
-            async_op=True,
-        )
-
-    def exchange_across_nodes(self, c: int) -> None:
-        g, node = self.g, self.node
-        self.wait(c, 0, "first-level all_to_all" if node.wire_first else "in-node FP32 all_to_all")
-        s0, s1 = node.sum_regions[c]
-        valid, per_node = node.splits[c][node.local_rank], node.ranks_per_node
-        if node.wire_first:
-            acc = g.codec.shard_mean(node.sums[s0:s1], per_node, divisor=1)[:valid]
-        else:
-            parts = node.sums[s0:s1].view(per_node, valid)
-            acc = parts[0].clone()
-            for r in range(1, per_node):
-                acc += parts[r]  # local-rank order, as aps_comm.simulate sums
-        e0, e1 = node.slice_regions[c]
-        encoded = node.encoded[e0:e1]
-        payload = encoded[: payload_nbytes(valid, g.fmt)]
-        g.codec.encode(acc, out=payload, scale=self.factors[0], layout=node.slice_windows[c])
-        encoded[payload.numel() :].zero_()  # padding: code 0 is +0 in every format
-        self.count("all_to_all", encoded.numel())
-        self.works[c, 1] = dist.all_to_all_single(
-            g.recv[e0:e1], encoded, group=self.groups.inter, async_op=True
-        )
-
-    def reduce_shard(self, c: int) -> None:
-        g, node = self.g, self.node
-        self.wait(c, 1, "across-node all_to_all")
-        e0, e1 = node.slice_regions[c]
-        h0, h1 = g.shard_regions[c]
-        shard = g.shards[h0:h1]
-        mean = g.codec.shard_mean(g.recv[e0:e1], node.nodes, divisor=self.world_size)
-        valid = node.shard_valid[c]
-        payload = shard[: payload_nbytes(valid, g.fmt)]
-        g.codec.encode(
-            mean[:valid], out=payload, scale=self.factors[1], layout=node.shard_windows[c]
-        )
-        shard[payload.numel() :].zero_()
-        self.count("all_gather", shard.numel())
-        # The slice's bytes are free once its all-to-all is done.
-        self.works[c, 2] = all_gather_single(
-            node.encoded[e0:e1], shard, group=self.groups.inter, async_op=True
-        )
-
-    def gather_in_node(self, c: int) -> None:
-        g, node = self.g, self.node
-        self.wait(c, 2, "across-node all_gather")
-        e0, e1 = node.slice_regions[c]
-        r0, r1 = g.regions[c]
-        self.count("node_all_gather", e1 - e0)
-        self.works[c, 3] = all_gather_single(
-            g.send[r0:r1], node.encoded[e0:e1], group=self.groups.intra, async_op=True
-        )
-
-    def decode(self, c: int) -> None:
-        g = self.g
-        self.wait(c, 3, "in-node all_gather")
-        lo, hi = g.chunks[c]
-        r0, _ = g.regions[c]
-        g.codec.decode(
-            g.send[r0:], hi - lo, out=self.x[lo:hi], scale=self.factors[2], layout=g.windows[c]
-        )
 
 
 def hierarchical_rank_blocks(
@@ -1310,63 +1409,25 @@ def hierarchical_rank_blocks_bound(
     """
     nb = g.node_blocks
     assert nb is not None
-    k, wire_first = len(calls), nb.wire_first
-    works: dict[tuple[int, int], dist.Work] = {}
-
-    def wait(c: int, stage: int, what: str) -> None:
-        _wait(works.pop((c, stage)), f"the {what} of chunk {c + 1} of {k}")
-
-    def exchange_in_node(c: int) -> None:
-        cc = calls[c]
-        source = cc.first_in
-        assert source is not None
-        if cc.first is not None:
-            cc.first()
-            count("node_all_to_all", source.numel())
-            works[c, 0] = dist.all_to_all_single(
-                nb.first_recv[c], source, group=groups.intra, async_op=True
-            )
-            return
-        assert cc.splits is not None
-        count("node_all_to_all", source.numel() * 4)
-        works[c, 0] = dist.all_to_all_single(
+    # The route's one pipeline (:func:`hierarchical_bound`), over the plan's buffers.
+    chunks = [
+        NodeChunkCalls(
+            cc.first,
+            cc.across,
+            cc.owner,
+            cc.decode,
+            cc.first_in,  # type: ignore[arg-type]  # bound with it (bind_node_blocks)
             nb.first_recv[c],
-            source,
-            output_split_sizes=cc.splits[1],
-            input_split_sizes=cc.splits[0],
-            group=groups.intra,
-            async_op=True,
+            nb.send[c],
+            nb.recv[c],
+            nb.shard[c],
+            nb.across[c],
+            nb.gathered[c],
+            cc.splits,
         )
-
-    def exchange_across_nodes(c: int) -> None:
-        wait(c, 0, "first-level all_to_all" if wire_first else "in-node FP32 all_to_all")
-        calls[c].across()
-        count("all_to_all", nb.send[c].numel())
-        works[c, 1] = dist.all_to_all_single(
-            nb.recv[c], nb.send[c], group=groups.inter, async_op=True
-        )
-
-    def reduce_shard(c: int) -> None:
-        wait(c, 1, "across-node all_to_all")
-        calls[c].owner()
-        count("all_gather", nb.shard[c].numel())
-        works[c, 2] = all_gather_single(
-            nb.across[c], nb.shard[c], group=groups.inter, async_op=True
-        )
-
-    def gather_in_node(c: int) -> None:
-        wait(c, 2, "across-node all_gather")
-        count("node_all_gather", nb.across[c].numel())
-        works[c, 3] = all_gather_single(
-            nb.gathered[c], nb.across[c], group=groups.intra, async_op=True
-        )
-
-    def decode(c: int) -> None:
-        wait(c, 3, "in-node all_gather")
-        calls[c].decode()
-
-    stages = (exchange_in_node, exchange_across_nodes, reduce_shard, gather_in_node, decode)
-    return _staged(k, stages, defer)
+        for c, cc in enumerate(calls)
+    ]
+    return hierarchical_bound(chunks, groups, count, defer)
 
 
 def _staged(

@@ -170,6 +170,8 @@ _CPU_KERNELS = (
     "mean_rows",
     "sum_rows",
     "or_rows",
+    "rows_mean",
+    "staged_factors_into",
     "keep_lost",
     "owner_lost",
 )

@@ -29,7 +29,7 @@ from torch.utils._python_dispatch import TorchDispatchMode
 import aps_comm.reduction as reduction_mod
 from aps_comm.agreement import Layouts
 from aps_comm.config import BlockExponents, Reduction, Route, Scaling
-from aps_comm.engine import Comm, Reducer, Settings, SteadyGroups
+from aps_comm.engine import Comm, Reducer, Settings, SteadyGroups, SteadyStaged
 from aps_comm.feedback import ErrorFeedback
 from aps_comm.formats import FORMATS, FloatFormat, get_format
 from aps_comm.fsdp import reduce_shard, spread_nonfinite
@@ -532,3 +532,22 @@ def test_a_settled_fsdp_unit_makes_no_host_traffic(
     for mode in seen:
         assert mode.reads == [] and mode.copies == [], (mode.reads, mode.copies)
     assert issued == ["all_reduce", "all_to_all_single"] * 4
+
+
+@pytest.mark.parametrize("name", ["e4m3", "e2m1", "fp16", "e5m3"])
+@pytest.mark.parametrize("reduction", ["hierarchical", "grid"])
+@pytest.mark.parametrize("scaling", ["layer", "bucket"])
+def test_settled_staged_buckets_make_no_host_traffic(
+    monkeypatch: pytest.MonkeyPatch, name: str, reduction: str, scaling: str
+) -> None:
+    """Issue 46: hierarchical and grid with one exponent per layer (or bucket) settle, and
+    their bound path (the factors written in place from the agreed maxima) reads nothing
+    on the host and copies nothing to the device."""
+    with stubbed_collectives(monkeypatch) as issued:
+        reducer, names = _reducer(get_format(name), reduction, scaling, 6, 3, [])
+        steady, _ = _bucket_steps(reducer, names, 4, chunk=512)
+        assert {type(st) for st in reducer.steady.values()} == {SteadyStaged}
+        assert set(reducer.steady) == {0, 1}  # both buckets took their bound path
+    for mode in steady:
+        assert mode.reads == [] and mode.copies == [], (mode.reads, mode.copies)
+    assert {"all_reduce", "all_to_all_single", "all_gather_into_tensor"} <= set(issued)

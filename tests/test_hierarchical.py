@@ -485,3 +485,138 @@ def test_chunk_elements_needs_a_staged_route_with_rank_exponents() -> None:
         simulate.allreduce(
             [g], "e2m1", reduction="grid", scaling="block", rank_exponents=True, chunk_elements=0
         )
+
+
+# ---------------------------------------------------------------------------
+# layer and bucket scaling: the settled path (SteadyStaged)
+
+# (reduction, scaling, format, chunk_elements): None sizes chunks by each rank's timing,
+# agreed on the maxima; 4-bit codes split bytes between layers of odd sizes.
+STAGED = [
+    ("hierarchical", "layer", "e4m3", None),
+    ("hierarchical", "bucket", "e2m1", 96),
+    ("grid", "layer", "e2m1", None),
+    ("grid", "bucket", "e4m3", 96),
+]
+
+
+def _staged_state(fmt: str, reduction: str, scaling: str, chunk: int | None) -> APSState:
+    state = APSState(fmt, reduction=reduction, scaling=scaling, ranks_per_node=2)
+    state.bind_process_group()
+    state.chunk_elements = chunk
+    return state
+
+
+def _staged_steps(rank: int, world_size: int) -> list[str]:
+    """Hierarchical and grid with one exponent per layer (or bucket), settled against the
+    general path over several steps: the gradients bit for bit and the bytes per
+    collective, a NaN in one layer of one rank included."""
+    from aps_comm.engine import SteadyStaged
+
+    numels = [5, 0, 1, 700, 33, 2, 64]
+    params = [nn.Parameter(torch.empty(n)) for n in numels]
+    problems = []
+    for c, (reduction, scaling, fmt, chunk) in enumerate(STAGED):
+        settled, full = (_staged_state(fmt, reduction, scaling, chunk) for _ in range(2))
+        buffer = torch.empty(sum(numels))
+        for step in range(5):
+            gen = torch.Generator().manual_seed(100 * step + 10 * c + rank)
+            x = (
+                torch.randn(sum(numels), generator=gen)
+                * 2.0
+                ** torch.randint(-9, 9, (7,))[
+                    torch.arange(7).repeat_interleave(torch.tensor(numels))
+                ]
+            )
+            if step == 3 and rank == 1:
+                x[7] = float("nan")  # layer 3 on one rank: NaN in it on every rank, this step
+            buffer.copy_(x)
+            ahead = settled.reducer.steady_for(0, buffer) if settled.reducer else None
+            if step >= 2 and not isinstance(ahead, SteadyStaged):
+                problems.append(f"{c} step {step}: not settled")
+            out = settled.run_bucket(0, buffer, params)
+            if full.reducer is not None:
+                full.reducer.steady.clear()  # never settled: the general path every step
+            want = full.run_bucket(0, x.clone(), params)
+            bits = torch.where(out.isnan(), 0.0, out).view(torch.int32)
+            if not torch.equal(out.isnan(), want.isnan()) or not torch.equal(
+                bits, torch.where(want.isnan(), 0.0, want).view(torch.int32)
+            ):
+                problems.append(f"{c} step {step}: gradients differ")
+            if out[6:706].isnan().all() != (step == 3) or out[706:].isnan().any():
+                problems.append(f"{c} step {step}: NaN where it should not be, or not")
+            # Measured chunks differ between the two states; fixed ones do not.
+            if chunk is not None and settled.bytes_detail != full.bytes_detail:
+                problems.append(f"{c} step {step}: {settled.bytes_detail} on the wire")
+            outs = gather(out.nan_to_num(7.0))
+            if not torch.equal(outs, outs[:1].expand_as(outs)):
+                problems.append(f"{c} step {step}: ranks differ")
+    return problems
+
+
+@pytest.mark.parametrize("world_size", [4])
+def test_settled_layer_and_bucket_scaling_give_the_general_paths_bits(world_size: int) -> None:
+    # Four ranks as two nodes of two (hierarchical) and a 2 x 2 grid.
+    for problems in run_distributed(_staged_steps, world_size, timeout=240):
+        assert problems == []
+
+
+def _differing_chunks(rank: int, world_size: int) -> list[int]:
+    """Each rank prefers its own chunk (as ranks whose measured exchanges differ do): the
+    settled path must send with the ranks' largest, as the general path does."""
+    chunks = []
+    for reduction in ("hierarchical", "grid"):
+        state = _staged_state("e4m3", reduction, "layer", None)
+        state.bind(torch.device("cpu"))
+        assert state.reducer is not None
+        prefer = lambda *args, **kw: 128 if rank == 0 else 256  # noqa: E731
+        object.__setattr__(state.reducer.planner, "chunk", prefer)  # a frozen dataclass
+        params = [nn.Parameter(torch.empty(n)) for n in (300, 700)]
+        buffer = torch.randn(1000, generator=torch.Generator().manual_seed(rank))
+        for _ in range(3):  # the general path, then twice settled
+            state.run_bucket(0, buffer, params)
+        assert type(state.reducer.steady_for(0, buffer)).__name__ == "SteadyStaged"
+        chunks.append(state.reducer.bucket_chunks[0])
+    return chunks
+
+
+def test_settled_staged_buckets_send_the_agreed_chunk() -> None:
+    assert run_distributed(_differing_chunks, 4, timeout=120) == [[256, 256]] * 4
+
+
+# Per chunk on the CPU kernels: grid's first encode; the node's sum (grid: decode and
+# sum) and its encode; the owner's decode, mean and encode; the decode. No ATen op.
+STAGED_PER_CHUNK = {"hierarchical": 6, "grid": 8}
+
+
+def _staged_ops_case(rank: int, world_size: int) -> dict[tuple, list[str]]:
+    ops = {}
+    for reduction in STAGED_PER_CHUNK:
+        for scaling in ("layer", "bucket"):
+            for numels in ([1000, 1000], [10] * 200):  # 2000 elements: 2 layers or 200
+                for chunk in (4096, 512):  # one chunk or four
+                    state = _staged_state("e4m3", reduction, scaling, chunk)
+                    x = torch.randn(sum(numels), generator=torch.Generator().manual_seed(rank))
+                    params = [nn.Parameter(torch.empty(n)) for n in numels]
+                    buffer = x.clone()
+                    for _ in range(2):  # the plan, then the settled path bound
+                        state.run_bucket(0, buffer, params)
+                    aten, kernels = count_ops(state, buffer, params)
+                    ops[reduction, scaling, len(numels), chunk] = aten + kernels
+    return ops
+
+
+def test_settled_layer_scaling_levels_cost_a_fixed_handful_of_kernel_calls() -> None:
+    # Issue 46: hierarchical and grid with one exponent per layer (or bucket) settle.
+    # Before, every chunk ran its codec calls and a Python loop of FP32 adds per rank
+    # of the node, and every bucket the factors' ~40 ATen ops per route.
+    for ops in run_distributed(_staged_ops_case, 4, timeout=240):
+        for (reduction, scaling, layers, chunk), calls in ops.items():
+            assert calls == ops[reduction, scaling, 2, chunk], (reduction, scaling, layers)
+            assert all(op.startswith("kernel::") for op in calls), calls  # no ATen op at all
+            # The maxima, the factors (and bucket scaling's spread), then the chunks'.
+            per_bucket = 2 + (scaling == "bucket")
+            k = 1 if chunk == 4096 else 4
+            assert len(calls) == per_bucket + k * STAGED_PER_CHUNK[reduction], calls
+            if k == 1:
+                assert len(calls) <= 15, calls

@@ -1152,6 +1152,71 @@ def test_hierarchical_and_grid_blocks_on_triton_give_the_kernels_bits() -> None:
                 assert torch.equal(torch.where(got.isnan(), 0.0, got).view(torch.int32), expected)
 
 
+def _staged_on_backends(rank: int, world_size: int, cases: list[tuple[str, str, str]]) -> list:
+    """Per case, a hierarchical or grid bucket with layer or bucket scaling (2 nodes of 2)
+    through the numba kernels' general path, and through the Triton kernels under the
+    interpreter and the torch bit path, each settled: (the backends the settled buckets
+    ran on, their first (general) and third (settled) steps' bits, the numba bits)."""
+    import aps_comm
+    from aps_comm import plan
+    from aps_comm.engine import SteadyStaged
+
+    results = []
+    for reduction, fmt, scaling in cases:
+        options = {"fmt": fmt, "reduction": reduction, "scaling": scaling, "ranks_per_node": 2}
+        x, params = _block_bucket([5, 0, 1, 300, 33, 2, 64], 20 + rank)
+        reference = aps_comm.APSState(**options)
+        reference.bind_process_group()
+        want = reference.run_bucket(0, x.clone(), params).clone()
+        ran, got = [], []
+        for backend in ("triton", "bits"):
+
+            def codec_for(fmt, device, b="auto", backend=backend):  # type: ignore[no-untyped-def]
+                return codec.codec_for(fmt, device, backend)
+
+            with _loaded(interpret=True):
+                saved, plan.codec_for = plan.codec_for, codec_for
+                try:
+                    state = aps_comm.APSState(**options)
+                    state.bind_process_group()
+                    buffer = x.clone()
+                    outs = []
+                    for _ in range(3):  # the general path, then the settled path
+                        buffer.copy_(x)
+                        outs.append(_quiet(state.run_bucket, 0, buffer, params).clone())
+                    assert state.reducer is not None
+                    st = state.reducer.steady_for(0, buffer)
+                    if isinstance(st, SteadyStaged):
+                        ran.append(st.group.codec.backend)
+                finally:
+                    plan.codec_for = saved
+            got += [outs[0], outs[-1]]
+        results.append((ran, got, want))
+    return results
+
+
+@pytest.mark.slow
+def test_settled_staged_buckets_on_triton_and_bits_give_the_kernels_bits() -> None:
+    # Hierarchical and grid with one exponent per layer (or bucket) settle on every
+    # backend (SteadyStaged): on Triton the maxima and the shards' means are bound
+    # launches, the encodes and decodes read the factors written in place. Their bits,
+    # general path and settled, are the numba kernels'.
+    from aps_comm.testing import run_distributed
+
+    if not HAVE_TRITON:
+        pytest.skip("triton is not installed (pip install triton; in the test extra)")
+    cases = [("hierarchical", "e2m1", "layer"), ("grid", "e4m3", "bucket")]
+    for rank, results in enumerate(
+        run_distributed(_staged_on_backends, 4, args=(cases,), timeout=600)
+    ):
+        for case, (ran, got, want) in zip(cases, results, strict=True):
+            assert ran == ["triton", "bits"], (rank, case)
+            assert want[:5].isnan().all() and not want[5:].isnan().any()
+            expected = torch.where(want.isnan(), 0.0, want).view(torch.int32)
+            for out in got:
+                assert torch.equal(torch.where(out.isnan(), 0.0, out).view(torch.int32), expected)
+
+
 def _feedback_run(
     options: dict, xs: list[torch.Tensor], params: list[torch.Tensor], settle: bool
 ) -> list[tuple[torch.Tensor, dict[str, torch.Tensor]]]:
