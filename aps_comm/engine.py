@@ -436,6 +436,9 @@ class SteadyGroups:
         offer: as :class:`Steady`'s.
         bucket: ``scaling="bucket"``: each group spreads its own agreed maxima, as
             the general path's factors do per group.
+        names: with ``stats=True``, each layer's name in bucket order: every group's
+            :class:`Steady` records its own layers (:meth:`Reducer.record_steady`), in the
+            plan's order as the general path does; None records nothing.
         epoch: as :class:`Steady`'s.
         workspace: as :class:`Steady`'s.
     """
@@ -458,6 +461,7 @@ class SteadyGroups:
     bound_ptr: int = 0
     offer: tuple[float | None, float] | None = None
     bucket: bool = False
+    names: list[str | None] | None = None
     epoch: tuple[int, ...] = ()
     workspace: tuple[int, ...] = ()
 
@@ -505,6 +509,8 @@ class SteadyGroups:
                     bucket=self.bucket,
                     epoch=self.epoch,
                 )
+                if self.names is not None:
+                    steady.names = [self.names[i] for i in g.index]
                 steady.bind(gx, world_size)
             parts.append((gx, steady))
             lo, first = hi, last
@@ -793,7 +799,7 @@ class Reducer:
         configuration has one (``layers``: the layers' keys, sizes and names)."""
         keys, numels, names = layers
         if len(groups) > 1:
-            self._settle_groups(index, x, plan, fmts, groups, main, measured, chunk)
+            self._settle_groups(index, x, plan, fmts, groups, main, measured, chunk, names)
             return
         g = groups[0]
         if self.settings.scaling != Scaling.BLOCK:
@@ -904,16 +910,19 @@ class Reducer:
         main: Route,
         measured: bool,
         chunk: int,
+        names: Sequence[str | None] = (),
     ) -> None:
         """Bind the bucket's :class:`SteadyGroups` path where nothing in it changes per step
-        but the policy's epoch."""
+        but the policy's epoch (with ``stats=True`` recording too, its layers labelled by
+        ``names``)."""
         settings, assignment = self.settings, self.assignment
         routes = (Route.FP32, Route.TWO_PHASE, Route.ALLREDUCE)
         if (
             self.feedback is not None
-            # Promote's rates and the records are the general path's, per group.
+            # Promote's rates are the general path's, per group.
             or assignment.promoter is not None
-            or settings.stats
+            # The records keep the agreed maxima, which bucket scaling spreads.
+            or (settings.stats and settings.scaling != Scaling.LAYER)
             or settings.scaling not in (Scaling.LAYER, Scaling.BUCKET)
             or x.dtype != torch.float32
             # An empty group's collectives are not the bound ones'.
@@ -932,6 +941,7 @@ class Reducer:
             chunk,
             torch.zeros(len(fmts) + int(measured), dtype=torch.float32, device=x.device),
             bucket=settings.scaling == Scaling.BUCKET,
+            names=list(names) if settings.stats else None,
             epoch=assignment.epoch(self.step),
             workspace=self._epoch(index, x.device),
         )
@@ -977,6 +987,8 @@ class Reducer:
                 s.agreed.spread()
             if s.host_factors is not None:  # the CPU kernels' factor arrays
                 s.agreed.host_factors_into(s.group.fmt, *s.host_factors)
+            if s.names is not None:  # before the decode overwrites this rank's values
+                self.record_steady(index, s, values)
             assert s.calls is not None  # made by Steady.bind
             if s.route == Route.ALLREDUCE:
                 transports.native(

@@ -124,6 +124,7 @@ CONFIGS: dict[str, dict[str, Any]] = {
     "block+error_feedback": {**ROUTES["block"], "error_feedback": True},
     "bucket": {**ROUTES["two_phase"], "scaling": "bucket"},
     "keep_last": {**ROUTES["two_phase"], "policy": [KeepLast("fp32")]},
+    "keep_last+stats": {**ROUTES["two_phase"], "stats": True, "policy": [KeepLast("fp32")]},
     "promote": {**ROUTES["two_phase"], "policy": [Promote()]},
     "schedule": {**ROUTES["two_phase"], "policy": [Schedule(steps=1)]},
     "fp16_two_phase": {"fmt": "fp16", "reduction": "two_phase"},

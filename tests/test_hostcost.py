@@ -440,8 +440,17 @@ _MIXED: dict[str, dict] = {
 }
 """Buckets of several formats: KeepLast's two consecutive groups; three interleaved ones."""
 
+_MIXED_OPTIONS: dict[str, dict] = {
+    "keep_last+stats": CONFIGS["keep_last+stats"],
+    "interleaved+stats": {**_MIXED["interleaved"], "stats": True},
+}
+"""Mixed-format buckets with the options a user turns on beside the policy."""
 
-@pytest.mark.parametrize(("config", "fewest"), [("keep_last", 2), ("interleaved", 4)])
+
+@pytest.mark.parametrize(
+    ("config", "fewest"),
+    [("keep_last", 2), ("interleaved", 4), ("keep_last+stats", 2), ("interleaved+stats", 4)],
+)
 def test_ops_per_settled_mixed_format_bucket_do_not_grow_with_layers(
     world: None, config: str, fewest: int
 ) -> None:
@@ -451,7 +460,7 @@ def test_ops_per_settled_mixed_format_bucket_do_not_grow_with_layers(
     counts = {}
     for layers in (fewest, 200):
         x, params = _bucket([300 + i for i in range(layers)], layers)
-        state = _bound_state(_MIXED[config], params)
+        state = _bound_state({**_MIXED, **_MIXED_OPTIONS}[config], params)
         for _ in range(2):  # the plan, then the settled path bound
             state.run_bucket(0, x.clone(), params)
         buffer = x.clone()
@@ -465,6 +474,9 @@ def test_ops_per_settled_mixed_format_bucket_do_not_grow_with_layers(
     aten, kernels = counts[200]
     assert len(aten) + len(kernels) <= BUDGET, counts[200]
     assert kernels.count("kernel::block_amax") == 1  # every layer's maximum in one pass
+    if state.collect_stats:  # one records call per group sent scaled, none per layer
+        assert kernels.count("kernel::layer_records") == len(state.reducer.steady[0].parts) - 1
+        assert len(state.stats) == layers - 1  # the FP32 layer has none, as on the general path
 
 
 def _mixed_steps(rank: int, world_size: int, configs: list[dict]) -> list[str]:
@@ -498,6 +510,9 @@ def _mixed_steps(rank: int, world_size: int, configs: list[dict]) -> list[str]:
                 problems.append(f"config {c} step {step}: NaN where it should not be, or not")
             if settled.bytes_detail != full.bytes_detail:
                 problems.append(f"config {c} step {step}: {settled.bytes_detail} on the wire")
+            # The records (NaN-aware through repr), in the same order as the general path's.
+            if repr(settled.stats) != repr(full.stats):
+                problems.append(f"config {c} step {step}: records differ")
     return problems
 
 
@@ -510,6 +525,17 @@ def test_settled_mixed_format_buckets_give_the_general_paths_bits(world_size: in
         # Schedule's fp16 for every layer, then e4m3 beside FP32: bound again at step 2.
         {**ROUTES["two_phase"], "policy": [Schedule(steps=2, fmt="fp16"), KeepLast("fp32")]},
     ]
+    for problems in run_distributed(_mixed_steps, world_size, args=(configs,)):
+        assert problems == []
+
+
+@pytest.mark.parametrize("world_size", [1, 2])
+def test_settled_mixed_format_buckets_with_options_give_the_general_paths_bits(
+    world_size: int,
+) -> None:
+    """Issue 46: mixed formats with the options beside them settle, with the general
+    path's gradients, bytes and records (stats)."""
+    configs = list(_MIXED_OPTIONS.values())
     for problems in run_distributed(_mixed_steps, world_size, args=(configs,)):
         assert problems == []
 
