@@ -422,10 +422,16 @@ class SteadyGroups:
         measured: chunks sized by this rank's timing, agreed on the maxima (CPU).
         chunk: elements per chunk of every group.
         maxima: float32 scratch of the MAX all-reduce: every layer's maximum in
-            bucket order, then this rank's preferred chunk (log2) where measured.
+            bucket order, with Promote every layer's local underflow rate in bucket
+            order, then this rank's preferred chunk (log2) where measured: the general
+            path's vector.
         maxima_call: the maxima kernel, bound to the bucket's float32 buffer.
         parts: per group, in the plan's order: its values and its bound path
             (None for a group sent as the FP32 mean).
+        rates: with Promote, per group in the plan's order: where its layers' rates go
+            (None for the FP32 group, whose rates, as in the general path, stay).
+        put_rates: the rates copied from group order into ``maxima``'s bucket order, one
+            call (None where the groups are consecutive in the bucket).
         gather: the layers copied in group order into bound scratch, one call
             (None where the groups are consecutive in the bucket).
         pick: the agreed maxima copied in the same order, one call (or None).
@@ -454,6 +460,8 @@ class SteadyGroups:
     maxima: torch.Tensor
     maxima_call: Callable[[], object] | None = None
     parts: list[tuple[torch.Tensor, Steady | None]] | None = None
+    rates: list[torch.Tensor | None] | None = None
+    put_rates: Callable[[], object] | None = None
     gather: Callable[[], object] | None = None
     pick: Callable[[], object] | None = None
     scatter: Callable[[], object] | None = None
@@ -462,6 +470,7 @@ class SteadyGroups:
     offer: tuple[float | None, float] | None = None
     bucket: bool = False
     names: list[str | None] | None = None
+    promote: tuple[list[Any], list[int], list[str | None]] | None = None
     epoch: tuple[int, ...] = ()
     workspace: tuple[int, ...] = ()
 
@@ -470,11 +479,13 @@ class SteadyGroups:
         buffer ``x``."""
         n = len(self.fmts)
         agreed = self.maxima[:n]
+        bucket_rates = self.maxima[n : 2 * n] if self.promote is not None else None
+        rates = bucket_rates
         sent = next(g for g in self.groups if g.reduction != Route.FP32)
         self.maxima_call = sent.codec.bind_layer_maxima(x, self.plan.layout, agreed)
         order = [i for g in self.groups for i in g.index]
         values, maxima = x, agreed
-        self.gather = self.pick = self.scatter = None
+        self.gather = self.pick = self.scatter = self.put_rates = None
         if order != list(range(n)):
             values = torch.empty_like(x)
             maxima = torch.empty(n, dtype=torch.float32, device=x.device)
@@ -487,7 +498,13 @@ class SteadyGroups:
             # One multi-tensor copy back, not one copy per layer.
             pieces = list(torch.split(values, [self.plan.numels[i] for i in order]))
             self.scatter = functools.partial(torch._foreach_copy_, mine, pieces)
+            if bucket_rates is not None:
+                # Every layer's current rate in group order: the FP32 group's are never
+                # written again, and go back as they are.
+                rates = torch.index_select(bucket_rates, 0, self.order)
+                self.put_rates = functools.partial(bucket_rates.index_copy_, 0, self.order, rates)
         parts: list[tuple[torch.Tensor, Steady | None]] = []
+        group_rates: list[torch.Tensor | None] = []
         lo = first = 0
         for g in self.groups:
             hi, last = lo + g.numel, first + len(g.index)
@@ -513,8 +530,11 @@ class SteadyGroups:
                     steady.names = [self.names[i] for i in g.index]
                 steady.bind(gx, world_size)
             parts.append((gx, steady))
+            sent_rates = rates is not None and steady is not None
+            group_rates.append(rates[first:last] if sent_rates else None)  # type: ignore[index]
             lo, first = hi, last
         self.parts, self.bound_ptr = parts, x.data_ptr()
+        self.rates = group_rates if bucket_rates is not None else None
 
 
 @dataclasses.dataclass
@@ -799,7 +819,7 @@ class Reducer:
         configuration has one (``layers``: the layers' keys, sizes and names)."""
         keys, numels, names = layers
         if len(groups) > 1:
-            self._settle_groups(index, x, plan, fmts, groups, main, measured, chunk, names)
+            self._settle_groups(index, x, plan, fmts, groups, main, measured, chunk, layers)
             return
         g = groups[0]
         if self.settings.scaling != Scaling.BLOCK:
@@ -910,17 +930,16 @@ class Reducer:
         main: Route,
         measured: bool,
         chunk: int,
-        names: Sequence[str | None] = (),
+        layers: tuple[Sequence[Any], list[int], Sequence[str | None]],
     ) -> None:
         """Bind the bucket's :class:`SteadyGroups` path where nothing in it changes per step
-        but the policy's epoch (with ``stats=True`` recording too, its layers labelled by
-        ``names``)."""
+        but the policy's epoch (``layers``: the layers' keys, sizes and names, which label
+        the records with ``stats=True`` and key Promote's levels)."""
         settings, assignment = self.settings, self.assignment
         routes = (Route.FP32, Route.TWO_PHASE, Route.ALLREDUCE)
+        keys, numels, names = layers
         if (
             self.feedback is not None
-            # Promote's rates are the general path's, per group.
-            or assignment.promoter is not None
             # The records keep the agreed maxima, which bucket scaling spreads.
             or (settings.stats and settings.scaling != Scaling.LAYER)
             or settings.scaling not in (Scaling.LAYER, Scaling.BUCKET)
@@ -930,6 +949,13 @@ class Reducer:
             or all(g.reduction == Route.FP32 for g in groups)
         ):
             return
+        n, promoted = len(fmts), assignment.promoter is not None
+        size = n * (1 + int(promoted)) + int(measured)
+        maxima = torch.zeros(size, dtype=torch.float32, device=x.device)
+        if promoted:
+            # The FP32 group's layers keep their rates, as in the general path.
+            kept = {i for g in groups if g.reduction == Route.FP32 for i in g.index}
+            self._rates_into(maxima[n : 2 * n], names, kept)
         st = SteadyGroups(
             x.numel(),
             x.data_ptr(),
@@ -939,14 +965,23 @@ class Reducer:
             Route(main),
             measured,
             chunk,
-            torch.zeros(len(fmts) + int(measured), dtype=torch.float32, device=x.device),
+            maxima,
             bucket=settings.scaling == Scaling.BUCKET,
             names=list(names) if settings.stats else None,
+            promote=(list(keys), list(numels), list(names)) if promoted else None,
             epoch=assignment.epoch(self.step),
             workspace=self._epoch(index, x.device),
         )
         st.bind(x, self.comm.world_size)
         self.steady[index] = st
+
+    def _rates_into(self, slots: torch.Tensor, names: Sequence[str | None], kept: set[int]) -> None:
+        """Promote: every layer's last local rate into ``slots`` of a settled bucket's maxima
+        vector, which the next step's MAX all-reduce sends; the reducer's rates of the
+        layers not ``kept`` become views of them (checkpoints read those)."""
+        zero = torch.zeros((), device=slots.device)
+        slots.copy_(torch.stack([self.rates.get(m or "", zero) for m in names]))
+        self.rates.update({m or "": slots[i] for i, m in enumerate(names) if i not in kept})
 
     def _run_groups(self, index: int, st: SteadyGroups, x: torch.Tensor) -> None:
         """:meth:`run_steady` of a bucket of several formats: the maxima agreed once, then
@@ -955,18 +990,28 @@ class Reducer:
         comm = self.comm
         if st.bound_ptr != x.data_ptr():  # a bfloat16 bucket's float32 copy: new each step
             st.bind(x, comm.world_size)
-        n = len(st.fmts)
+        slot = st.maxima.numel() - 1  # the chunk's, after the maxima (and Promote's rates)
         if st.measured:  # CPU only: the numpy view, no tensor op
             exchange_s = st.plan.exchange_s or None
             if st.offer is None or st.offer[0] != exchange_s:
                 mine = self.planner.chunk(self.settings.fmt, st.numel, st.main, exchange_s)
                 st.offer = exchange_s, math.log2(mine)
-            st.maxima.numpy()[n] = st.offer[1]
+            st.maxima.numpy()[slot] = st.offer[1]
         assert st.maxima_call is not None and st.parts is not None  # made by bind
         st.maxima_call()
         transports.all_reduce_max(st.maxima, comm.group, self.traffic)
+        if st.promote is not None and self._promoted(st):
+            # A layer's format moved: this step goes by the general path in the new
+            # formats, on the maxima just agreed, which binds the bucket again.
+            del self.steady[index]
+            keys, numels, names = st.promote
+            chunk = None if st.measured else st.chunk
+            self.bucket(
+                index, x, keys, numels, names, step=self.step, chunk=chunk, shared_maxima=st.maxima
+            )
+            return
         if st.measured:
-            chunk = 2 ** int(st.maxima.numpy()[n])
+            chunk = 2 ** int(st.maxima.numpy()[slot])
             if chunk != st.chunk:
                 routes = self._routes_for(st.plan, st.fmts)
                 st.groups = st.plan.group(
@@ -979,7 +1024,8 @@ class Reducer:
         if st.gather is not None and st.pick is not None:
             st.gather()
             st.pick()
-        for values, s in st.parts:
+        rates = st.rates or [None] * len(st.parts)
+        for (values, s), out in zip(st.parts, rates, strict=True):
             if s is None:
                 transports.fp32_mean(values, comm.group, comm.world_size, self.traffic)
                 continue
@@ -989,6 +1035,8 @@ class Reducer:
                 s.agreed.host_factors_into(s.group.fmt, *s.host_factors)
             if s.names is not None:  # before the decode overwrites this rank's values
                 self.record_steady(index, s, values)
+            if out is not None:
+                self._settled_rates(s, values, out)
             assert s.calls is not None  # made by Steady.bind
             if s.route == Route.ALLREDUCE:
                 transports.native(
@@ -996,6 +1044,8 @@ class Reducer:
                 )
             else:
                 transports.two_phase_bound(s.calls, comm.group, self.traffic)
+        if st.put_rates is not None:
+            st.put_rates()
         if st.scatter is not None:
             st.scatter()
 
@@ -1397,7 +1447,7 @@ class Reducer:
         counts, smallest, largest = per_layer(g.blocks, counts, exps, blocks_amax(x, g.layout))
         self.stats.add(index, st.names, g.numels, g.fmt, smallest, largest, counts)
 
-    def _promoted(self, st: Steady) -> bool:
+    def _promoted(self, st: Steady | SteadyGroups) -> bool:
         """Promote's step from the rates just agreed on the maxima; whether a format of the
         bucket moved (only this bucket's layers move here).
 
@@ -1411,11 +1461,12 @@ class Reducer:
         self.assignment.promote_step(st.promote[0], agreed.tolist())
         return self.assignment.formats(st.promote[0], self.step) != st.fmts
 
-    def _settled_rates(self, st: Steady, x: torch.Tensor) -> None:
+    def _settled_rates(self, st: Steady, x: torch.Tensor, out: torch.Tensor | None = None) -> None:
         """Promote: this rank's underflow rate of every layer under this step's factors,
-        into the slots the next step's maxima all-reduce sends (the full path's bits)."""
+        into the slots the next step's maxima all-reduce sends (the full path's bits;
+        ``out``: elsewhere than ``st``'s own slots, a format group's)."""
         g, n = st.group, len(st.fmts)
-        out = st.maxima[n : 2 * n]
+        out = st.maxima[n : 2 * n] if out is None else out
         if g.codec.backend == "kernels" and x.dtype == torch.float32:
             assert st.host_factors is not None  # this step's, from the agreed maxima
             g.codec.underflow_rates(x, g.layout, st.host_factors[0], out)
