@@ -448,6 +448,12 @@ _MIXED_OPTIONS: dict[str, dict] = {
         **ROUTES["two_phase"],
         "policy": [Promote(), _ODD_FP16, KeepLast("fp32")],
     },
+    "keep_last+block": CONFIGS["keep_last+block"],
+    # 16-bit block groups have no fused calls (they keep the per-shard path): e4m3 here.
+    "interleaved+block": {
+        **ROUTES["block"],
+        "policy": [ByName({"*[13579].weight": "e4m3"}), KeepLast("fp32")],
+    },
 }
 """Mixed-format buckets with the options a user turns on beside the policy."""
 
@@ -461,6 +467,8 @@ _MIXED_OPTIONS: dict[str, dict] = {
         ("interleaved+stats", 4),
         ("keep_last+promote", 2),
         ("interleaved+promote", 4),
+        ("keep_last+block", 2),
+        ("interleaved+block", 4),
     ],
 )
 def test_ops_per_settled_mixed_format_bucket_do_not_grow_with_layers(
@@ -488,10 +496,12 @@ def test_ops_per_settled_mixed_format_bucket_do_not_grow_with_layers(
     assert counts[fewest] == counts[200], counts
     aten, kernels = counts[200]
     assert len(aten) + len(kernels) <= BUDGET, counts[200]
-    assert kernels.count("kernel::block_amax") == 1  # every layer's maximum in one pass
     sent = len(state.reducer.steady[0].parts) - 1  # the groups sent scaled
+    # Every layer's maximum in one pass; with blocks every block's, one pass per group.
+    assert kernels.count("kernel::block_amax") == (sent if "block" in config else 1)
     if state.collect_stats:  # one records call per group, none per layer
-        assert kernels.count("kernel::layer_records") == sent
+        records = "kernel::block_records" if "block" in config else "kernel::layer_records"
+        assert kernels.count(records) == sent
         assert len(state.stats) == layers - 1  # the FP32 layer has none, as on the general path
     if "promote" in config:  # the rates: one call per group
         assert kernels.count("kernel::underflow_rates") == sent
@@ -553,7 +563,13 @@ def test_settled_mixed_format_buckets_with_options_give_the_general_paths_bits(
 ) -> None:
     """Issue 46: mixed formats with the options beside them settle, with the general
     path's gradients, bytes and records (stats)."""
-    configs = [_MIXED_OPTIONS["keep_last+stats"], _MIXED_OPTIONS["interleaved+stats"]]
+    configs = [
+        _MIXED_OPTIONS["keep_last+stats"],
+        _MIXED_OPTIONS["interleaved+stats"],
+        _MIXED_OPTIONS["keep_last+block"],
+        {**_MIXED_OPTIONS["interleaved+block"], "stats": True},
+        {**ROUTES["block"], "block_size": 16, "fmt": "e4m3", "policy": [KeepLast("e2m1")]},
+    ]
     for problems in run_distributed(_mixed_steps, world_size, args=(configs,)):
         assert problems == []
 
