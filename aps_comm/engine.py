@@ -1452,7 +1452,7 @@ class Reducer:
         if st.promote is not None and self._promoted(st):
             # A layer's format moved: this step sends the new formats, on the
             # maxima just agreed, and binds the bucket again where it settles
-            # (mixed formats do not: the old binding's rates would go stale).
+            # (mixed formats too: :class:`SteadyGroups`).
             del self.steady[index]
             keys, numels, names = st.promote
             return self.bucket(
