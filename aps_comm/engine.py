@@ -458,6 +458,11 @@ class SteadyGroups:
     or groups. The same collectives, in the same order, bytes and bits as
     the general path.
 
+    With block scaling (every rank's own block exponents), nothing is
+    agreed before the exchanges: each group sent scaled runs its own bound
+    :class:`SteadyBlocks` calls on its view (its blocks' keys, then
+    two_phase's exchange), the FP32 group its all-reduce.
+
     Attributes:
         numel: the bucket's elements.
         ptr: the bucket buffer's address.
@@ -468,10 +473,16 @@ class SteadyGroups:
         measured: chunks sized by this rank's timing, agreed on the maxima (CPU).
         chunk: elements per chunk of every group.
         maxima: float32 scratch of the MAX all-reduce: every layer's maximum in
-            bucket order, then this rank's preferred chunk (log2) where measured.
+            bucket order, with Promote every layer's local underflow rate in bucket
+            order, then this rank's preferred chunk (log2) where measured: the general
+            path's vector (empty with ``blocks``: nothing is agreed).
         maxima_call: the maxima kernel, bound to the bucket's float32 buffer.
         parts: per group, in the plan's order: its values and its bound path
-            (None for a group sent as the FP32 mean).
+            (None for a group sent as the FP32 mean; :class:`SteadyBlocks` with ``blocks``).
+        rates: with Promote, per group in the plan's order: where its layers' rates go
+            (None for the FP32 group, whose rates, as in the general path, stay).
+        put_rates: the rates copied from group order into ``maxima``'s bucket order, one
+            call (None where the groups are consecutive in the bucket).
         gather: the layers copied in group order into bound scratch, one call
             (None where the groups are consecutive in the bucket).
         pick: the agreed maxima copied in the same order, one call (or None).
@@ -482,6 +493,10 @@ class SteadyGroups:
         offer: as :class:`Steady`'s.
         bucket: ``scaling="bucket"``: each group spreads its own agreed maxima, as
             the general path's factors do per group.
+        names: with ``stats=True``, each layer's name in bucket order: every group's
+            :class:`Steady` records its own layers (:meth:`Reducer.record_steady`), in the
+            plan's order as the general path does; None records nothing.
+        blocks: block scaling with every rank's own block exponents.
         epoch: as :class:`Steady`'s.
         workspace: as :class:`Steady`'s.
     """
@@ -496,7 +511,9 @@ class SteadyGroups:
     chunk: int
     maxima: torch.Tensor
     maxima_call: Callable[[], object] | None = None
-    parts: list[tuple[torch.Tensor, Steady | None]] | None = None
+    parts: list[tuple[torch.Tensor, Steady | SteadyBlocks | None]] | None = None
+    rates: list[torch.Tensor | None] | None = None
+    put_rates: Callable[[], object] | None = None
     gather: Callable[[], object] | None = None
     pick: Callable[[], object] | None = None
     scatter: Callable[[], object] | None = None
@@ -504,57 +521,121 @@ class SteadyGroups:
     bound_ptr: int = 0
     offer: tuple[float | None, float] | None = None
     bucket: bool = False
+    names: list[str | None] | None = None
+    promote: tuple[list[Any], list[int], list[str | None]] | None = None
+    blocks: bool = False
     epoch: tuple[int, ...] = ()
     workspace: tuple[int, ...] = ()
 
-    def bind(self, x: torch.Tensor, world_size: int) -> None:
+    def bind(self, x: torch.Tensor, world_size: int, rank: int = 0) -> bool:
         """Bind the maxima kernel, the gather and every group's path to the float32
-        buffer ``x``."""
+        buffer ``x``; False where the codec has no fused calls for a group's blocks."""
         n = len(self.fmts)
         agreed = self.maxima[:n]
-        sent = next(g for g in self.groups if g.reduction != Route.FP32)
-        self.maxima_call = sent.codec.bind_layer_maxima(x, self.plan.layout, agreed)
+        bucket_rates = self.maxima[n : 2 * n] if self.promote is not None else None
+        rates = bucket_rates
+        if not self.blocks:
+            sent = next(g for g in self.groups if g.reduction != Route.FP32)
+            self.maxima_call = sent.codec.bind_layer_maxima(x, self.plan.layout, agreed)
         order = [i for g in self.groups for i in g.index]
         values, maxima = x, agreed
-        self.gather = self.pick = self.scatter = None
+        self.gather = self.pick = self.scatter = self.put_rates = None
         if order != list(range(n)):
             values = torch.empty_like(x)
-            maxima = torch.empty(n, dtype=torch.float32, device=x.device)
             layers = torch.split(x, self.plan.numels)
             mine = [layers[i] for i in order]
             if self.order is None or self.order.device != x.device:
                 self.order = to_device(torch.tensor(order, dtype=torch.int64), x.device)
             self.gather = functools.partial(torch.cat, mine, out=values)
-            self.pick = functools.partial(torch.index_select, agreed, 0, self.order, out=maxima)
+            if not self.blocks:
+                maxima = torch.empty(n, dtype=torch.float32, device=x.device)
+                self.pick = functools.partial(torch.index_select, agreed, 0, self.order, out=maxima)
             # One multi-tensor copy back, not one copy per layer.
             pieces = list(torch.split(values, [self.plan.numels[i] for i in order]))
             self.scatter = functools.partial(torch._foreach_copy_, mine, pieces)
-        parts: list[tuple[torch.Tensor, Steady | None]] = []
+            if bucket_rates is not None:
+                # Every layer's current rate in group order: the FP32 group's are never
+                # written again, and go back as they are.
+                rates = torch.index_select(bucket_rates, 0, self.order)
+                self.put_rates = functools.partial(bucket_rates.index_copy_, 0, self.order, rates)
+        parts: list[tuple[torch.Tensor, Steady | SteadyBlocks | None]] = []
+        group_rates: list[torch.Tensor | None] = []
         lo = first = 0
         for g in self.groups:
             hi, last = lo + g.numel, first + len(g.index)
-            gx, gmax = values[lo:hi], maxima[first:last]
-            steady = None
+            gx = values[lo:hi]
+            steady: Steady | SteadyBlocks | None = None
             if g.reduction != Route.FP32:
-                route = Route(g.reduction)
-                steady = Steady(
-                    g.numel,
-                    gx.data_ptr(),
-                    self.plan,
-                    g,
-                    route,
-                    [g.fmt] * len(g.index),
-                    gmax,
-                    AgreedMaxima(gmax, world_size, route == Route.ALLREDUCE),
-                    False,
-                    self.chunk,
-                    bucket=self.bucket,
-                    epoch=self.epoch,
-                )
-                steady.bind(gx, world_size)
+                names = [self.names[i] for i in g.index] if self.names is not None else None
+                if self.blocks:
+                    steady = self._blocks(g, gx, names, world_size, rank)
+                    if steady is None:
+                        return False
+                else:
+                    steady = self._steady(g, gx, maxima[first:last], names, world_size)
             parts.append((gx, steady))
+            sent_rates = rates is not None and steady is not None
+            group_rates.append(rates[first:last] if sent_rates else None)  # type: ignore[index]
             lo, first = hi, last
         self.parts, self.bound_ptr = parts, x.data_ptr()
+        self.rates = group_rates if bucket_rates is not None else None
+        return True
+
+    def _steady(
+        self,
+        g: GroupPlan,
+        gx: torch.Tensor,
+        gmax: torch.Tensor,
+        names: list[str | None] | None,
+        world_size: int,
+    ) -> Steady:
+        """Group ``g``'s :class:`Steady`, bound to its values ``gx`` and agreed maxima ``gmax``."""
+        route = Route(g.reduction)
+        steady = Steady(
+            g.numel,
+            gx.data_ptr(),
+            self.plan,
+            g,
+            route,
+            [g.fmt] * len(g.index),
+            gmax,
+            AgreedMaxima(gmax, world_size, route == Route.ALLREDUCE),
+            False,
+            self.chunk,
+            names=names,
+            bucket=self.bucket,
+            epoch=self.epoch,
+        )
+        steady.bind(gx, world_size)
+        return steady
+
+    def _blocks(
+        self,
+        g: GroupPlan,
+        gx: torch.Tensor,
+        names: list[str | None] | None,
+        world_size: int,
+        rank: int,
+    ) -> SteadyBlocks | None:
+        """Group ``g``'s :class:`SteadyBlocks`, bound to its values ``gx`` (None where the
+        codec has no fused calls for them)."""
+        n_blocks, n_layers, device = g.layout.n_segments, len(g.index), gx.device
+        steady = SteadyBlocks(
+            g.numel,
+            gx.data_ptr(),
+            self.plan,
+            g,
+            [g.fmt] * n_layers,
+            False,
+            self.chunk,
+            torch.empty(n_blocks, dtype=torch.float32, device=device),
+            torch.empty(n_blocks, dtype=torch.uint8, device=device),
+            torch.empty(n_layers, dtype=torch.uint8, device=device),
+            torch.zeros(n_layers, dtype=torch.uint8, device=device),
+            names=names,
+            epoch=self.epoch,
+        )
+        return steady if steady.bind(gx, rank, world_size) else None
 
 
 @dataclasses.dataclass
@@ -839,7 +920,7 @@ class Reducer:
         configuration has one (``layers``: the layers' keys, sizes and names)."""
         keys, numels, names = layers
         if len(groups) > 1:
-            self._settle_groups(index, x, plan, fmts, groups, main, measured, chunk)
+            self._settle_groups(index, x, plan, fmts, groups, main, measured, chunk, layers)
             return
         g = groups[0]
         if self.settings.scaling != Scaling.BLOCK and Route(g.reduction).staged:
@@ -952,23 +1033,35 @@ class Reducer:
         main: Route,
         measured: bool,
         chunk: int,
+        layers: tuple[Sequence[Any], list[int], Sequence[str | None]],
     ) -> None:
         """Bind the bucket's :class:`SteadyGroups` path where nothing in it changes per step
-        but the policy's epoch."""
+        but the policy's epoch (``layers``: the layers' keys, sizes and names, which label
+        the records with ``stats=True`` and key Promote's levels)."""
         settings, assignment = self.settings, self.assignment
         routes = (Route.FP32, Route.TWO_PHASE, Route.ALLREDUCE)
+        keys, numels, names = layers
+        blocks = settings.scaling == Scaling.BLOCK
+        promoted = assignment.promoter is not None
         if (
             self.feedback is not None
-            # Promote's rates and the records are the general path's, per group.
-            or assignment.promoter is not None
-            or settings.stats
-            or settings.scaling not in (Scaling.LAYER, Scaling.BUCKET)
+            # The records keep the agreed maxima, which bucket scaling spreads.
+            or (settings.stats and settings.scaling == Scaling.BUCKET)
+            # Blocks: each rank's own exponents (nothing agreed, Promote takes no step).
+            or (blocks and (promoted or not all(_own_blocks(g) for g in groups)))
             or x.dtype != torch.float32
             # An empty group's collectives are not the bound ones'.
             or any(g.reduction not in routes or not g.numel for g in groups)
             or all(g.reduction == Route.FP32 for g in groups)
         ):
             return
+        n = len(fmts)
+        size = 0 if blocks else n * (1 + int(promoted)) + int(measured)
+        maxima = torch.zeros(size, dtype=torch.float32, device=x.device)
+        if promoted:
+            # The FP32 group's layers keep their rates, as in the general path.
+            kept = {i for g in groups if g.reduction == Route.FP32 for i in g.index}
+            self._rates_into(maxima[n : 2 * n], names, kept)
         st = SteadyGroups(
             x.numel(),
             x.data_ptr(),
@@ -978,62 +1071,132 @@ class Reducer:
             Route(main),
             measured,
             chunk,
-            torch.zeros(len(fmts) + int(measured), dtype=torch.float32, device=x.device),
+            maxima,
             bucket=settings.scaling == Scaling.BUCKET,
+            names=list(names) if settings.stats else None,
+            promote=(list(keys), list(numels), list(names)) if promoted else None,
+            blocks=blocks,
             epoch=assignment.epoch(self.step),
             workspace=self._epoch(index, x.device),
         )
-        st.bind(x, self.comm.world_size)
-        self.steady[index] = st
+        if st.bind(x, self.comm.world_size, self.comm.rank):
+            self.steady[index] = st
+
+    def _rates_into(self, slots: torch.Tensor, names: Sequence[str | None], kept: set[int]) -> None:
+        """Promote: every layer's last local rate into ``slots`` of a settled bucket's maxima
+        vector, which the next step's MAX all-reduce sends; the reducer's rates of the
+        layers not ``kept`` become views of them (checkpoints read those)."""
+        zero = torch.zeros((), device=slots.device)
+        slots.copy_(torch.stack([self.rates.get(m or "", zero) for m in names]))
+        self.rates.update({m or "": slots[i] for i, m in enumerate(names) if i not in kept})
 
     def _run_groups(self, index: int, st: SteadyGroups, x: torch.Tensor) -> None:
-        """:meth:`run_steady` of a bucket of several formats: the maxima agreed once, then
-        each group's bound path in the plan's order (nothing deferred, as in the general
-        path)."""
-        comm = self.comm
+        """:meth:`run_steady` of a bucket of several formats: the maxima agreed once (none
+        with blocks), then each group's bound path in the plan's order (nothing deferred,
+        as in the general path)."""
+        comm, plan = self.comm, st.plan
         if st.bound_ptr != x.data_ptr():  # a bfloat16 bucket's float32 copy: new each step
-            st.bind(x, comm.world_size)
-        n = len(st.fmts)
+            st.bind(x, comm.world_size, comm.rank)
+        if st.blocks:
+            # The general path's chunk: the one its ranks agreed on, or the model's.
+            chunk = (plan.agreed_chunk or plan.model_chunk) if st.measured else st.chunk
+        else:
+            agreed = self._agree_groups(index, st, x)
+            if agreed is None:  # Promote moved a layer: the general path took the step
+                return
+            chunk = agreed
+        if chunk != st.chunk:
+            block_size = self.settings.block_size if st.blocks else None
+            st.groups = plan.group(
+                st.fmts,
+                self._routes_for(plan, st.fmts),
+                comm.world_size,
+                chunk,
+                comm.node_layouts(),
+                block_size,
+                owner_exponents=st.blocks,
+                rank_exponents=st.blocks,
+            )
+            st.chunk = chunk
+            st.bind(x, comm.world_size, comm.rank)
+            st.workspace = self._epoch(index, x.device)
+        self.bucket_chunks[index] = st.chunk
+        self._run_parts(index, st)
+
+    def _agree_groups(self, index: int, st: SteadyGroups, x: torch.Tensor) -> int | None:
+        """:meth:`_run_groups`' maxima and their MAX all-reduce (Promote's rates and this
+        rank's preferred chunk on it); the chunk, or None where Promote moved a layer and
+        the general path took the step on the maxima agreed."""
+        comm = self.comm
+        slot = st.maxima.numel() - 1  # the chunk's, after the maxima (and Promote's rates)
         if st.measured:  # CPU only: the numpy view, no tensor op
             exchange_s = st.plan.exchange_s or None
             if st.offer is None or st.offer[0] != exchange_s:
                 mine = self.planner.chunk(self.settings.fmt, st.numel, st.main, exchange_s)
                 st.offer = exchange_s, math.log2(mine)
-            st.maxima.numpy()[n] = st.offer[1]
-        assert st.maxima_call is not None and st.parts is not None  # made by bind
+            st.maxima.numpy()[slot] = st.offer[1]
+        assert st.maxima_call is not None  # made by bind
         st.maxima_call()
         transports.all_reduce_max(st.maxima, comm.group, self.traffic)
-        if st.measured:
-            chunk = 2 ** int(st.maxima.numpy()[n])
-            if chunk != st.chunk:
-                routes = self._routes_for(st.plan, st.fmts)
-                st.groups = st.plan.group(
-                    st.fmts, routes, comm.world_size, chunk, comm.node_layouts()
-                )
-                st.chunk = chunk
-                st.bind(x, comm.world_size)
-                st.workspace = self._epoch(index, x.device)
-        self.bucket_chunks[index] = st.chunk
-        if st.gather is not None and st.pick is not None:
+        if st.promote is not None and self._promoted(st):
+            # A layer's format moved: this step goes by the general path in the new
+            # formats, on the maxima just agreed, which binds the bucket again.
+            del self.steady[index]
+            keys, numels, names = st.promote
+            chunk = None if st.measured else st.chunk
+            self.bucket(
+                index, x, keys, numels, names, step=self.step, chunk=chunk, shared_maxima=st.maxima
+            )
+            return None
+        return 2 ** int(st.maxima.numpy()[slot]) if st.measured else st.chunk
+
+    def _run_parts(self, index: int, st: SteadyGroups) -> None:
+        """Every group's bound path of a settled bucket of several formats, in the plan's
+        order, between the gather and the scatter."""
+        comm = self.comm
+        assert st.parts is not None  # made by bind
+        if st.gather is not None:
             st.gather()
+        if st.pick is not None:
             st.pick()
-        for values, s in st.parts:
+        rates = st.rates or [None] * len(st.parts)
+        for (values, s), out in zip(st.parts, rates, strict=True):
             if s is None:
                 transports.fp32_mean(values, comm.group, comm.world_size, self.traffic)
-                continue
-            if s.bucket:
-                s.agreed.spread()
-            if s.host_factors is not None:  # the CPU kernels' factor arrays
-                s.agreed.host_factors_into(s.group.fmt, *s.host_factors)
-            assert s.calls is not None  # made by Steady.bind
-            if s.route == Route.ALLREDUCE:
-                transports.native(
-                    s.group, values, s.agreed, s.agreed, comm.group, self.traffic, calls=s.calls
-                )
+            elif isinstance(s, SteadyBlocks):
+                assert s.keys_call is not None and s.calls is not None  # made by bind
+                s.keys_call()
+                if s.names is not None:  # this rank's own keys: before anything is sent
+                    self.record_steady_blocks(index, s, values)
+                transports.two_phase_rank_blocks_bound(s.calls, comm.group, self.traffic)
             else:
-                transports.two_phase_bound(s.calls, comm.group, self.traffic)
+                self._run_part(index, s, values, out)
+        if st.put_rates is not None:
+            st.put_rates()
         if st.scatter is not None:
             st.scatter()
+
+    def _run_part(
+        self, index: int, s: Steady, values: torch.Tensor, rates: torch.Tensor | None
+    ) -> None:
+        """One format group's bound :class:`Steady` path on its agreed maxima (``rates``:
+        where Promote's rates of its layers go)."""
+        comm = self.comm
+        if s.bucket:
+            s.agreed.spread()
+        if s.host_factors is not None:  # the CPU kernels' factor arrays
+            s.agreed.host_factors_into(s.group.fmt, *s.host_factors)
+        if s.names is not None:  # before the decode overwrites this rank's values
+            self.record_steady(index, s, values)
+        if rates is not None:
+            self._settled_rates(s, values, rates)
+        assert s.calls is not None  # made by Steady.bind
+        if s.route == Route.ALLREDUCE:
+            transports.native(
+                s.group, values, s.agreed, s.agreed, comm.group, self.traffic, calls=s.calls
+            )
+        else:
+            transports.two_phase_bound(s.calls, comm.group, self.traffic)
 
     def _settle_feedback(
         self, index: int, x: torch.Tensor, g: GroupPlan, names: Sequence[str | None]
@@ -1349,7 +1512,7 @@ class Reducer:
         if st.promote is not None and self._promoted(st):
             # A layer's format moved: this step sends the new formats, on the
             # maxima just agreed, and binds the bucket again where it settles
-            # (mixed formats do not: the old binding's rates would go stale).
+            # (mixed formats too: :class:`SteadyGroups`).
             del self.steady[index]
             keys, numels, names = st.promote
             return self.bucket(
@@ -1527,7 +1690,7 @@ class Reducer:
         counts, smallest, largest = per_layer(g.blocks, counts, exps, blocks_amax(x, g.layout))
         self.stats.add(index, st.names, g.numels, g.fmt, smallest, largest, counts)
 
-    def _promoted(self, st: Steady) -> bool:
+    def _promoted(self, st: Steady | SteadyGroups) -> bool:
         """Promote's step from the rates just agreed on the maxima; whether a format of the
         bucket moved (only this bucket's layers move here).
 
@@ -1541,11 +1704,12 @@ class Reducer:
         self.assignment.promote_step(st.promote[0], agreed.tolist())
         return self.assignment.formats(st.promote[0], self.step) != st.fmts
 
-    def _settled_rates(self, st: Steady, x: torch.Tensor) -> None:
+    def _settled_rates(self, st: Steady, x: torch.Tensor, out: torch.Tensor | None = None) -> None:
         """Promote: this rank's underflow rate of every layer under this step's factors,
-        into the slots the next step's maxima all-reduce sends (the full path's bits)."""
+        into the slots the next step's maxima all-reduce sends (the full path's bits;
+        ``out``: elsewhere than ``st``'s own slots, a format group's)."""
         g, n = st.group, len(st.fmts)
-        out = st.maxima[n : 2 * n]
+        out = st.maxima[n : 2 * n] if out is None else out
         if g.codec.backend == "kernels" and x.dtype == torch.float32:
             assert st.host_factors is not None  # this step's, from the agreed maxima
             g.codec.underflow_rates(x, g.layout, st.host_factors[0], out)
@@ -2165,6 +2329,15 @@ def _encode_and_keep(encode: Callable[[], object], keep: Callable[[], object]) -
     """Error feedback's bound encode: the chunk encoded, then what that lost kept."""
     encode()
     keep()
+
+
+def _own_blocks(g: GroupPlan) -> bool:
+    """Whether group ``g`` goes in FP32, or by two_phase with every rank's own block
+    exponents (what a settled bucket of several formats binds with blocks)."""
+    if g.reduction == Route.FP32:
+        return True
+    sh = g.block_shards
+    return g.reduction == Route.TWO_PHASE and sh is not None and sh.rank_exponents
 
 
 def _agree_chunk(plan: BucketPlan, log2: int) -> None:

@@ -440,8 +440,37 @@ _MIXED: dict[str, dict] = {
 }
 """Buckets of several formats: KeepLast's two consecutive groups; three interleaved ones."""
 
+_MIXED_OPTIONS: dict[str, dict] = {
+    "keep_last+stats": CONFIGS["keep_last+stats"],
+    "interleaved+stats": {**_MIXED["interleaved"], "stats": True},
+    "keep_last+promote": CONFIGS["keep_last+promote"],
+    "interleaved+promote": {
+        **ROUTES["two_phase"],
+        "policy": [Promote(), _ODD_FP16, KeepLast("fp32")],
+    },
+    "keep_last+block": CONFIGS["keep_last+block"],
+    # 16-bit block groups have no fused calls (they keep the per-shard path): e4m3 here.
+    "interleaved+block": {
+        **ROUTES["block"],
+        "policy": [ByName({"*[13579].weight": "e4m3"}), KeepLast("fp32")],
+    },
+}
+"""Mixed-format buckets with the options a user turns on beside the policy."""
 
-@pytest.mark.parametrize(("config", "fewest"), [("keep_last", 2), ("interleaved", 4)])
+
+@pytest.mark.parametrize(
+    ("config", "fewest"),
+    [
+        ("keep_last", 2),
+        ("interleaved", 4),
+        ("keep_last+stats", 2),
+        ("interleaved+stats", 4),
+        ("keep_last+promote", 2),
+        ("interleaved+promote", 4),
+        ("keep_last+block", 2),
+        ("interleaved+block", 4),
+    ],
+)
 def test_ops_per_settled_mixed_format_bucket_do_not_grow_with_layers(
     world: None, config: str, fewest: int
 ) -> None:
@@ -451,7 +480,10 @@ def test_ops_per_settled_mixed_format_bucket_do_not_grow_with_layers(
     counts = {}
     for layers in (fewest, 200):
         x, params = _bucket([300 + i for i in range(layers)], layers)
-        state = _bound_state(_MIXED[config], params)
+        if "promote" in config:  # magnitudes in [0.5, 1.5): Promote moves no layer
+            gen = torch.Generator().manual_seed(layers)
+            x = (torch.rand(x.numel(), generator=gen) + 0.5) * x.sign()
+        state = _bound_state({**_MIXED, **_MIXED_OPTIONS}[config], params)
         for _ in range(2):  # the plan, then the settled path bound
             state.run_bucket(0, x.clone(), params)
         buffer = x.clone()
@@ -464,7 +496,15 @@ def test_ops_per_settled_mixed_format_bucket_do_not_grow_with_layers(
     assert counts[fewest] == counts[200], counts
     aten, kernels = counts[200]
     assert len(aten) + len(kernels) <= BUDGET, counts[200]
-    assert kernels.count("kernel::block_amax") == 1  # every layer's maximum in one pass
+    sent = len(state.reducer.steady[0].parts) - 1  # the groups sent scaled
+    # Every layer's maximum in one pass; with blocks every block's, one pass per group.
+    assert kernels.count("kernel::block_amax") == (sent if "block" in config else 1)
+    if state.collect_stats:  # one records call per group, none per layer
+        records = "kernel::block_records" if "block" in config else "kernel::layer_records"
+        assert kernels.count(records) == sent
+        assert len(state.stats) == layers - 1  # the FP32 layer has none, as on the general path
+    if "promote" in config:  # the rates: one call per group
+        assert kernels.count("kernel::underflow_rates") == sent
 
 
 def _mixed_steps(rank: int, world_size: int, configs: list[dict]) -> list[str]:
@@ -498,6 +538,9 @@ def _mixed_steps(rank: int, world_size: int, configs: list[dict]) -> list[str]:
                 problems.append(f"config {c} step {step}: NaN where it should not be, or not")
             if settled.bytes_detail != full.bytes_detail:
                 problems.append(f"config {c} step {step}: {settled.bytes_detail} on the wire")
+            # The records (NaN-aware through repr), in the same order as the general path's.
+            if repr(settled.stats) != repr(full.stats):
+                problems.append(f"config {c} step {step}: records differ")
     return problems
 
 
@@ -511,6 +554,91 @@ def test_settled_mixed_format_buckets_give_the_general_paths_bits(world_size: in
         {**ROUTES["two_phase"], "policy": [Schedule(steps=2, fmt="fp16"), KeepLast("fp32")]},
     ]
     for problems in run_distributed(_mixed_steps, world_size, args=(configs,)):
+        assert problems == []
+
+
+@pytest.mark.parametrize("world_size", [1, 2])
+def test_settled_mixed_format_buckets_with_options_give_the_general_paths_bits(
+    world_size: int,
+) -> None:
+    """Issue 46: mixed formats with the options beside them settle, with the general
+    path's gradients, bytes and records (stats)."""
+    configs = [
+        _MIXED_OPTIONS["keep_last+stats"],
+        _MIXED_OPTIONS["interleaved+stats"],
+        _MIXED_OPTIONS["keep_last+block"],
+        {**_MIXED_OPTIONS["interleaved+block"], "stats": True},
+        {**ROUTES["block"], "block_size": 16, "fmt": "e4m3", "policy": [KeepLast("e2m1")]},
+    ]
+    for problems in run_distributed(_mixed_steps, world_size, args=(configs,)):
+        assert problems == []
+
+
+def _mixed_promote_steps(rank: int, world_size: int, options: dict) -> list[str]:
+    """Promote over a mixed-format bucket: its layers move up and back, the settled bucket
+    is bound again at each move (not every step), and every step gives the general
+    path's gradients, records, bytes and Promote's levels; a NaN in one step included."""
+    numels = [300, 700, 33, 50]
+    params = [torch.nn.Parameter(torch.empty(n)) for n in numels]
+    settled, full = _bound_state(options, params), _bound_state(options, params)
+    gen = torch.Generator().manual_seed(17 + rank)
+    buffer = torch.empty(sum(numels))
+    problems, bound, formats = [], [], []
+    for step in range(9):
+        x = torch.randn(sum(numels), generator=gen)
+        if step in (3, 4):  # e4m3 flushes all but each layer's largest value: promoted
+            x *= 1e-7
+            x[[0, 300, 1000, 1033]] = 1.0
+        if step == 8 and rank == world_size - 1:
+            x[7] = float("nan")  # layer 0 on one rank: NaN in it on every rank
+        buffer.copy_(x)
+        out = settled.run_bucket(0, buffer, params)
+        if full.reducer is not None:
+            full.reducer.steady.clear()  # the general path every step
+        want = full.run_bucket(0, x.clone(), params)
+        bits = torch.where(out.isnan(), 0.0, out).view(torch.int32)
+        if not torch.equal(out.isnan(), want.isnan()) or not torch.equal(
+            bits, torch.where(want.isnan(), 0.0, want).view(torch.int32)
+        ):
+            problems.append(f"step {step}: gradients differ")
+        if settled.assignment.promote != full.assignment.promote:
+            problems.append(f"step {step}: Promote's levels differ")
+        if repr(settled.stats) != repr(full.stats) or settled.bytes_detail != full.bytes_detail:
+            problems.append(f"step {step}: records or bytes differ")
+        if out[:300].isnan().all() != (step == 8) or out[300:].isnan().any():
+            problems.append(f"step {step}: NaN where it should not be, or not")
+        assert settled.reducer is not None
+        bound.append(settled.reducer.steady.get(0))
+        formats.append(settled.assignment.formats([id(p) for p in params], step)[0].name)
+    # Step 3's rates promote at step 4 (bound again); calm from then: back at step 6.
+    if formats != ["e4m3"] * 4 + ["e5m2"] * 2 + ["e4m3"] * 3:
+        problems.append(f"formats {formats}")
+    if not all(isinstance(b, SteadyGroups) for b in bound):
+        problems.append(f"not settled: {bound}")
+    elif not (bound[0] is bound[3] and bound[4] is bound[5] and bound[6] is bound[8]):
+        problems.append("bound again where no format moved")
+    elif bound[3] is bound[4] or bound[5] is bound[6]:
+        problems.append("not bound again where formats moved")
+    return problems
+
+
+@pytest.mark.parametrize("world_size", [1, 2])
+@pytest.mark.parametrize(
+    "options",
+    [
+        {**ROUTES["two_phase"], "policy": [Promote(gamma=0.05, patience=2), KeepLast("fp32")]},
+        {
+            **ROUTES["two_phase"],
+            "stats": True,
+            "policy": [Promote(gamma=0.05, patience=2), _ODD_FP16, KeepLast("fp32")],
+        },
+    ],
+    ids=["keep_last", "interleaved+stats"],
+)
+def test_promote_binds_a_mixed_format_bucket_again_with_the_general_paths_bits(
+    world_size: int, options: dict
+) -> None:
+    for problems in run_distributed(_mixed_promote_steps, world_size, args=(options,)):
         assert problems == []
 
 
