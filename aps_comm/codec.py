@@ -57,6 +57,7 @@ import numpy as np
 import torch
 
 from aps_comm import cpu_kernels
+from aps_comm.config import Scaling
 from aps_comm.formats import (
     FloatFormat,
     cast_into,
@@ -83,6 +84,7 @@ from aps_comm.scaling import factors as scale_factors
 __all__ = [
     "AMAX_BLOCK",
     "BACKENDS",
+    "AgreedBlockChunk",
     "AgreedMaxima",
     "Backend",
     "Blocks",
@@ -489,6 +491,8 @@ class AgreedMaxima:
         world_size: N, the ranks whose values are summed.
         native: the sum happens in the wire format (route "allreduce"), else
             two_phase's FP32 sum.
+        none: ``scaling="none"``: every exponent 0 (the layer rule clamped to
+            0), a non-finite maximum still unscaling to NaN: the naive cast.
 
     Example:
         >>> c = Codec("e4m3", torch.device("cpu"))
@@ -500,24 +504,31 @@ class AgreedMaxima:
     maxima: torch.Tensor
     world_size: int
     native: bool = False
+    none: bool = False
+
+    @property
+    def limit(self) -> int:
+        """The exponents' clamp: 0 under ``none`` (the layer rule then gives 0 everywhere)."""
+        return 0 if self.none else EXPONENT_LIMIT
 
     def window(self, layout: Layout | None) -> AgreedMaxima:
         """The maxima of a window's segments (no copy)."""
         if layout is None or layout.parent is None:
             return self
         at = slice(layout.first, layout.first + layout.n_segments)
-        return AgreedMaxima(self.maxima[at], self.world_size, self.native)
+        return AgreedMaxima(self.maxima[at], self.world_size, self.native, self.none)
 
     def factors(self, fmt: FloatFormat, unscale: bool) -> torch.Tensor:
         """The float32 factors the maxima stand for (the backends without kernels)."""
         route = "allreduce" if self.native else "two_phase"
-        f = scale_factors(self.maxima, fmt, route, world_size=self.world_size)
+        scaling = Scaling.NONE if self.none else Scaling.LAYER
+        f = scale_factors(self.maxima, fmt, route, world_size=self.world_size, scaling=scaling)
         return f.unscale if unscale else f.scale
 
     def host_factors(self, fmt: FloatFormat, unscale: bool) -> np.ndarray:
         """The same factors for the CPU kernels, in one numba pass."""
         return cpu_kernels.maxima_factors(
-            self.maxima.numpy(), fmt, self.world_size, self.native, EXPONENT_LIMIT, unscale
+            self.maxima.numpy(), fmt, self.world_size, self.native, self.limit, unscale
         )
 
     def host_factors_into(
@@ -531,7 +542,7 @@ class AgreedMaxima:
             fmt,
             self.world_size,
             self.native,
-            EXPONENT_LIMIT,
+            self.limit,
             scale,
             unscale,
             keys,
@@ -539,7 +550,7 @@ class AgreedMaxima:
 
     def rule(self) -> object:
         """The Triton kernels' rule for these maxima (:class:`aps_comm.triton_codec.Rule`)."""
-        return _triton().Rule(self.world_size, self.native)
+        return _triton().Rule(self.world_size, self.native, self.limit)
 
     def spread(self) -> None:
         """Every finite, nonzero maximum replaced by the largest of them, in place.
@@ -588,6 +599,38 @@ class RankBlockCalls:
     owner: Callable[[], int]
     decode: Callable[[], None]
     exchange: tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor] | None = None
+
+
+@dataclasses.dataclass(frozen=True)
+class AgreedBlockChunk:
+    """One chunk of two_phase with agreed block exponents: its blocks and buffers
+    (:meth:`Codec.bind_agreed_blocks`).
+
+    Attributes:
+        offsets: the group's block boundaries (int64, elements).
+        firsts: the chunk's N shards' first blocks, and the end (int64).
+        layer_of: each block's layer (int64).
+        shard: this rank's shard's block boundaries, from 0 (int64).
+        first: this rank's shard's first block in the group.
+        send: the chunk's exchange, N equal pieces.
+        recv: what the exchange brings, N equal pieces.
+        out: this rank's gathered shard (codes, then a byte ``d`` per block).
+        gathered: the chunk's N gathered shards, N equal rows.
+        shard_bytes: payload bytes every shard is padded to.
+        counts: the first chunk: blocks per layer of the group (int64); else None.
+    """
+
+    offsets: np.ndarray
+    firsts: np.ndarray
+    layer_of: np.ndarray
+    shard: np.ndarray
+    first: int
+    send: torch.Tensor
+    recv: torch.Tensor
+    out: torch.Tensor
+    gathered: torch.Tensor
+    shard_bytes: int
+    counts: np.ndarray | None = None
 
 
 @dataclasses.dataclass(frozen=True)
@@ -1393,6 +1436,83 @@ class Codec:
                 union_np,
                 x.numpy(),
                 shard_bytes,
+            ),
+        )
+
+    def bind_agreed_blocks(
+        self, x: torch.Tensor, keys: torch.Tensor, union: torch.Tensor, chunk: AgreedBlockChunk
+    ) -> tuple[Callable[[], None], Callable[[], None], Callable[[], None]] | None:
+        """Bind one chunk's three steps of two_phase with agreed block exponents.
+
+        The fused form of what :func:`aps_comm.transports.two_phase_blocks`
+        does shard by shard, with the same bytes: (send, owner, decode), one
+        kernel call each. None where this backend has none ("kernels" has
+        them, for 4- and 8-bit formats): the bucket then keeps its full path.
+
+        Args:
+            x: the group's float32 values (read, then overwritten by the decode).
+            keys: the agreed key of every block of the group (uint8), written each step.
+            union: per layer, 1 where a block of it has a non-finite key
+                (uint8): written by the first chunk's owner step.
+            chunk: the chunk's blocks and buffers.
+
+        Example:
+            >>> send, owner, decode = codec.bind_agreed_blocks(x, keys, union, chunk)  # doctest: +SKIP
+        """
+        if (
+            self.fmt.wire_bits not in (4, 8)
+            or x.dtype != torch.float32
+            or self.backend != "kernels"
+            or x.device.type != "cpu"
+        ):
+            return None
+        c, n = chunk, chunk.firsts.size - 1
+        k = max(c.shard.size - 1, 1)
+        longest = int(np.diff(c.shard).max()) if c.shard.size > 1 else 0
+        counts = np.zeros(0, np.int64) if c.counts is None else c.counts
+        xa, ka = x.numpy(), keys.numpy()
+        return (
+            functools.partial(
+                _kernel,
+                "send_agreed_blocks",
+                self.fmt,
+                xa,
+                ka,
+                _key_table(unscale=False),
+                c.offsets,
+                c.firsts,
+                c.send.numpy(),
+                c.send.numel() // n,
+            ),
+            functools.partial(
+                _kernel,
+                "owner_agreed_blocks",
+                self.fmt,
+                EXPONENT_LIMIT,
+                c.recv.numpy(),
+                n,
+                c.shard,
+                ka,
+                c.first,
+                c.out.numpy(),
+                c.shard_bytes,
+                (np.empty(k, np.int32), np.empty(k, np.int32)),
+                (counts, union.numpy()),
+                longest,
+            ),
+            functools.partial(
+                _kernel,
+                "decode_agreed_blocks",
+                self.fmt,
+                c.gathered.numpy(),
+                n,
+                c.offsets,
+                c.firsts,
+                ka,
+                c.layer_of,
+                union.numpy(),
+                xa,
+                c.shard_bytes,
             ),
         )
 

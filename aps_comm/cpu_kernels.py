@@ -66,6 +66,7 @@ __all__ = [
     "block_factors_into",
     "block_records",
     "decode",
+    "decode_agreed_blocks",
     "decode_rank_blocks",
     "decoder_params",
     "encode",
@@ -80,12 +81,14 @@ __all__ = [
     "mean_rank_blocks",
     "mean_rows",
     "or_rows",
+    "owner_agreed_blocks",
     "owner_lost",
     "owner_rank_blocks",
     "prepare",
     "reduce_blocks",
     "reduce_rank_blocks",
     "reduce_shards",
+    "send_agreed_blocks",
     "send_rank_blocks",
     "spread_maximum",
     "sum_rows",
@@ -2403,3 +2406,213 @@ def reduce_shards(recv: torch.Tensor, n_ranks: int, fmt: FloatFormat, out: torch
     if fmt.wire_bits == 16:
         ra, oa = ra.view(np.uint16), oa.view(np.uint16)
     _reduce(ra, n_ranks, ra.size // n_ranks, oa, q, m, encoder_params(fmt))
+
+
+if AVAILABLE:
+    # two_phase with agreed block exponents (BlockExponents.AGREED, no error
+    # feedback), a chunk at a time: one call sends all N shards with the agreed
+    # keys, one makes this rank's owner step (the mean's extra exponent d per
+    # block, sent after the shard's codes), one decodes all N gathered shards
+    # with 2**-(e + d). The factors come from the one-byte keys: no per-shard
+    # or per-block work on the host (see aps_comm.transports.bind_agreed_blocks).
+
+    @_njit
+    def _key_exponent_of(k):
+        """The exponent of a key (:func:`aps_comm.scaling.key_exponents`)."""
+        return 0 if k == 0 or k == 255 else 127 - np.int64(k)
+
+    @_njit
+    def _send_agreed_blocks(x, keys, table, offsets, firsts, send, piece, p, bits, no_runs):
+        most = _most_blocks(firsts)
+        cut = np.empty(most + 1, np.int64)
+        fac = np.empty(most, np.float32)
+        for s in range(len(firsts) - 1):
+            b0, b1 = firsts[s], firsts[s + 1]
+            a, b = offsets[b0], offsets[b1]
+            k = b1 - b0
+            for j in range(k):
+                fac[j] = table[keys[b0 + j]]
+                cut[j] = offsets[b0 + j] - a
+            cut[k] = b - a
+            base = s * piece
+            used = ((b - a) * bits + 7) // 8
+            if b > a:
+                if bits == 4:
+                    _encode4(x[a:b], cut[: k + 1], fac[:k], send[base : base + used], p, 0, no_runs)
+                else:
+                    codes = send[base : base + used]
+                    _encode_codes(x[a:b], cut[: k + 1], fac[:k], codes, p, 0, no_runs)
+            for i in range(base + used, base + piece):  # padding: code 0 is +0
+                send[i] = 0
+
+    @_njit
+    def _owner_agreed_blocks(
+        recv, n_ranks, out, shard_bytes, offsets, keys, first, scratch, flags, cap, params, bits
+    ):
+        exps, d = scratch
+        counts, union = flags
+        q, m, p, lim = params
+        if len(counts):  # the first chunk: every layer's flag, before any decode
+            b = 0
+            for i in range(len(counts)):
+                u = np.uint8(0)
+                for j in range(b, b + counts[i]):
+                    if keys[j] == 255:
+                        u = np.uint8(1)
+                union[i] = u
+                b += counts[i]
+        piece = len(recv) // n_ranks
+        k = len(offsets) - 1
+        for j in range(k):
+            exps[j] = _key_exponent_of(keys[first + j])
+        used = (offsets[k] * bits + 7) // 8
+        if k:
+            args = (recv, n_ranks, piece, out[:used], offsets, exps[:k], d[:k], cap, q, m, p, lim)
+            if bits == 4:
+                _reduce_blocks4(*args)
+            else:
+                _reduce_blocks(*args)
+        for i in range(used, shard_bytes):
+            out[i] = 0
+        for j in range(k):  # the mean's extra exponents, one byte each
+            out[shard_bytes + j] = min(max(d[j], 0), 255)
+        for i in range(shard_bytes + k, len(out)):
+            out[i] = 0
+
+    @_njit
+    def _decode_agreed_blocks(
+        gathered, row, offsets, firsts, keys, layer_of, union, x, shard_bytes, dec, bits, no_runs
+    ):
+        q, m = dec
+        most = _most_blocks(firsts)
+        cut = np.empty(most + 1, np.int64)
+        fac = np.empty(most, np.float32)
+        nan = np.float32(np.nan)
+        for s in range(len(firsts) - 1):
+            b0, b1 = firsts[s], firsts[s + 1]
+            a, b = offsets[b0], offsets[b1]
+            k = b1 - b0
+            if a == b:
+                continue
+            for j in range(k):
+                e = _key_exponent_of(keys[b0 + j]) + np.int64(gathered[s * row + shard_bytes + j])
+                f = _u2f(_pow2_bits(-e))
+                fac[j] = nan if union[layer_of[b0 + j]] != 0 else f
+                cut[j] = offsets[b0 + j] - a
+            cut[k] = b - a
+            payload = gathered[s * row : s * row + ((b - a) * bits + 7) // 8]
+            if bits == 4:
+                _decode4(payload, x[a:b], q, m, cut[: k + 1], fac[:k], 0, no_runs)
+            else:
+                _decode_segments(payload, x[a:b], q, m, cut[: k + 1], fac[:k], 0, no_runs)
+
+
+def send_agreed_blocks(
+    fmt: FloatFormat,
+    x: np.ndarray,
+    keys: np.ndarray,
+    table: np.ndarray,
+    offsets: np.ndarray,
+    firsts: np.ndarray,
+    send: np.ndarray,
+    piece: int,
+) -> None:
+    """Encode every shard of a chunk into ``send`` with the blocks' agreed keys.
+
+    Shard s (blocks ``firsts[s]`` to ``firsts[s + 1]`` of ``offsets``) goes
+    to ``send[s * piece:]``: its codes times ``table[key]`` per block, then
+    zero padding to ``piece``: the bytes of
+    :func:`aps_comm.transports.two_phase_blocks`' send. 4- and 8-bit formats.
+
+    Example:
+        >>> from aps_comm.formats import E4M3
+        >>> send = np.empty(4, np.uint8)
+        >>> table = np.ones(256, np.float32)
+        >>> send_agreed_blocks(E4M3, np.array([1.0, 2.0], np.float32), np.zeros(2, np.uint8),
+        ...                    table, np.array([0, 1, 2]), np.array([0, 1, 2]), send, 2)
+        >>> send
+        array([56,  0, 64,  0], dtype=uint8)
+    """
+    _send_agreed_blocks(
+        x, keys, table, offsets, firsts, send, piece, encoder_params(fmt), fmt.wire_bits, _NO_RUNS
+    )
+
+
+def owner_agreed_blocks(
+    fmt: FloatFormat,
+    limit: int,
+    recv: np.ndarray,
+    n_ranks: int,
+    offsets: np.ndarray,
+    keys: np.ndarray,
+    first: int,
+    out: np.ndarray,
+    shard_bytes: int,
+    scratch: tuple[np.ndarray, np.ndarray],
+    flags: tuple[np.ndarray, np.ndarray],
+    longest: int,
+) -> None:
+    """This rank's owner step of a chunk sent by :func:`send_agreed_blocks`.
+
+    ``recv`` holds N equal pieces; ``offsets`` are this rank's shard's blocks
+    (from 0), whose agreed keys are ``keys[first:]``. The N copies are
+    decoded, summed in rank order and divided by N (:func:`reduce_blocks`,
+    with the keys' exponents written into the int32 ``scratch``'s first
+    array); each block of the mean is encoded with its extra exponent ``d``
+    (the second) into ``out``: codes, zero padding to ``shard_bytes``, ``d``
+    clamped to a byte per block, zeros: the bytes of
+    :func:`aps_comm.transports.two_phase_blocks`' owner. ``flags``: (blocks per
+    layer of the whole group, uint8 per layer): where the first is not empty
+    (the first chunk's owner step, before any decode), each layer's flag is
+    written into the second, 1 where any of its agreed keys is non-finite (255).
+    ``longest``: the longest block's elements.
+    """
+    q, m = decoder_params(fmt)
+    _owner_agreed_blocks(
+        recv,
+        n_ranks,
+        out,
+        shard_bytes,
+        offsets,
+        keys,
+        first,
+        scratch,
+        flags,
+        max(_BLOCK, longest),
+        (q, m, encoder_params(fmt), mean_limit(fmt, limit)),
+        fmt.wire_bits,
+    )
+
+
+def decode_agreed_blocks(
+    fmt: FloatFormat,
+    gathered: np.ndarray,
+    n_ranks: int,
+    offsets: np.ndarray,
+    firsts: np.ndarray,
+    keys: np.ndarray,
+    layer_of: np.ndarray,
+    union: np.ndarray,
+    x: np.ndarray,
+    shard_bytes: int,
+) -> None:
+    """Decode every owner's gathered shard of a chunk into ``x``: block b of shard s
+    times ``2**-(e_b + d_b)``, ``e_b`` its agreed key's exponent and ``d_b`` the byte
+    its owner sent after the shard's codes (row s of ``gathered``, N equal rows, at
+    ``shard_bytes``); a block whose layer (``layer_of``) is flagged in ``union``
+    decodes to NaN."""
+    q, m = decoder_params(fmt)
+    _decode_agreed_blocks(
+        gathered,
+        gathered.size // n_ranks,
+        offsets,
+        firsts,
+        keys,
+        layer_of,
+        union,
+        x,
+        shard_bytes,
+        (q, m),
+        fmt.wire_bits,
+        _NO_RUNS,
+    )

@@ -72,6 +72,7 @@ __all__ = [
     "Reducer",
     "Settings",
     "Steady",
+    "SteadyAgreedBlocks",
     "SteadyBlocks",
     "SteadyFeedback",
     "SteadyGroups",
@@ -439,6 +440,82 @@ class SteadyFeedback:
 
 
 @dataclasses.dataclass
+class SteadyAgreedBlocks:
+    """:class:`Steady` for block scaling with agreed block exponents (two_phase, no error
+    feedback: ``block_exponents="agreed"``).
+
+    Per step, whatever the number of layers or blocks: one bound call
+    writes this rank's key of every block (:meth:`aps_comm.codec.Codec.bind_block_keys`,
+    as error feedback's settled bucket does), the one MAX all-reduce agrees
+    on them (this rank's preferred chunk riding on it where measured, as in
+    :meth:`Reducer.bucket`), and each chunk is three bound calls
+    (:func:`aps_comm.transports.bind_agreed_blocks`) around two_phase's
+    exchange and all-gather: every shard encoded with the agreed keys, the
+    owner's mean re-encoded with its own extra exponent ``d`` per block (the
+    first chunk's owner also flags the layers with a non-finite key), the
+    decode with ``2**-(e + d)``. The collectives, bytes and bits of
+    :func:`aps_comm.transports.two_phase_blocks`.
+
+    Attributes:
+        numel: the bucket's elements.
+        ptr: the bucket buffer's address.
+        plan: the bucket's plan.
+        group: the one group plan (the whole bucket).
+        fmts: each layer's format (to plan another chunk size).
+        main: the route of the state's format (what chunks are sized for).
+        measured: chunks sized by this rank's timing, agreed on the keys.
+        chunk: elements per chunk of ``group``.
+        maxima: float32 scratch: this rank's max |x| of every block.
+        shared: uint8, the MAX all-reduce's vector: every block's key, then where
+            measured this rank's preferred chunk (log2).
+        flags: uint8 scratch: this rank's non-finite flag of every layer.
+        union: uint8: per layer, whether an agreed key of it is non-finite.
+        keys_call: the keys' calls, bound to the bucket's float32 buffer.
+        calls: each chunk's bound calls.
+        bound_ptr: the address of the buffer they are bound to (0 for none).
+        offer: as :class:`Steady`'s (log2 of this rank's preferred chunk).
+        epoch: as :class:`Steady`'s.
+        workspace: as :class:`Steady`'s.
+    """
+
+    numel: int
+    ptr: int
+    plan: BucketPlan
+    group: GroupPlan
+    fmts: list[FloatFormat]
+    main: Route
+    measured: bool
+    chunk: int
+    maxima: torch.Tensor
+    shared: torch.Tensor
+    flags: torch.Tensor
+    union: torch.Tensor
+    keys_call: Callable[[], None] | None = None
+    calls: list[transports.ChunkCalls] | None = None
+    bound_ptr: int = 0
+    offer: tuple[float | None, int] | None = None
+    epoch: tuple[int, ...] = ()
+    workspace: tuple[int, ...] = ()
+
+    def bind(self, x: torch.Tensor, rank: int, world_size: int) -> bool:
+        """Bind the keys' and every chunk's calls to the float32 buffer ``x``; False where
+        the codec has no fused calls for them."""
+        g = self.group
+        assert g.blocks is not None
+        keys = self.shared[: g.layout.n_segments]
+        keys_call = g.codec.bind_block_keys(
+            x, g.layout, g.blocks.counts, self.maxima, keys, self.flags, world_size
+        )
+        if keys_call is None:
+            return False
+        calls = transports.bind_agreed_blocks(g, x, keys, self.union, rank)
+        if calls is None:
+            return False
+        self.keys_call, self.calls, self.bound_ptr = keys_call, calls, x.data_ptr()
+        return True
+
+
+@dataclasses.dataclass
 class SteadyGroups:
     """:class:`Steady` for a bucket whose layers travel in several formats (``KeepLast``,
     per-layer rules, a Schedule epoch that mixes them): every format group bound once
@@ -725,7 +802,9 @@ class Reducer:
         self._routes: dict[FloatFormat, Route] = {}
         self._fixed: dict[FloatFormat, Route] = {}
         # Per bucket index: its bound path once settled (:class:`Steady`).
-        self.steady: dict[int, Steady | SteadyBlocks | SteadyFeedback | SteadyGroups] = {}
+        self.steady: dict[
+            int, Steady | SteadyBlocks | SteadyAgreedBlocks | SteadyFeedback | SteadyGroups
+        ] = {}
         # Per device: the buckets' scratch, shared (:mod:`aps_comm.workspace`).
         self.workspaces: dict[str, Workspace] = {}
         # Per FSDP unit index: its bound reduce-scatter once settled (:class:`SteadyUnit`).
@@ -933,6 +1012,8 @@ class Reducer:
             )
         elif rank_exps:
             self._settle_blocks(index, x, plan, fmts, g, measured, chunk, names)
+        elif self.feedback is None:
+            self._settle_agreed_blocks(index, x, plan, fmts, g, main, measured, chunk)
         if self.feedback is not None:
             self._settle_feedback(index, x, g, names)
 
@@ -1306,6 +1387,97 @@ class Reducer:
         # Not deferred: one workspace slot serves every bucket (:meth:`bucket`).
         return transports.two_phase_bound(st.calls, comm.group, self.traffic, False)
 
+    def _settle_agreed_blocks(
+        self,
+        index: int,
+        x: torch.Tensor,
+        plan: BucketPlan,
+        fmts: list[FloatFormat],
+        g: GroupPlan,
+        main: Route,
+        measured: bool,
+        chunk: int,
+    ) -> None:
+        """Bind the bucket's :class:`SteadyAgreedBlocks` path where nothing in it changes
+        per step."""
+        assignment, sh = self.assignment, g.block_shards
+        if (
+            assignment.promoter is not None
+            # Records of agreed blocks are the general path's.
+            or self.settings.stats
+            or not g.contiguous
+            or g.reduction != Route.TWO_PHASE
+            or sh is None
+            or sh.rank_exponents
+        ):
+            return
+        n_blocks, n_layers, device = g.layout.n_segments, len(g.numels), x.device
+        # Written and read before the exchange, never by a deferred tail: every bucket's.
+        workspace = self.workspace(device)
+        for _ in range(2):  # twice only where the workspace had to grow
+            arena = workspace.arena(Slot.STEP)
+            maxima = arena.take(n_blocks, torch.float32)
+            if arena.close():
+                break
+        st = SteadyAgreedBlocks(
+            x.numel(),
+            x.data_ptr(),
+            plan,
+            g,
+            list(fmts),
+            Route(main),
+            measured,
+            chunk,
+            maxima,
+            torch.zeros(n_blocks + int(measured), dtype=torch.uint8, device=device),
+            torch.empty(n_layers, dtype=torch.uint8, device=device),
+            torch.zeros(n_layers, dtype=torch.uint8, device=device),
+            epoch=assignment.epoch(self.step),
+            workspace=self._epoch(index, device),
+        )
+        if st.bind(x, self.comm.rank, self.comm.world_size):
+            self.steady[index] = st
+
+    def _run_agreed_blocks(
+        self, index: int, st: SteadyAgreedBlocks, x: torch.Tensor, defer: bool
+    ) -> Callable[[], None] | None:
+        """:meth:`run_steady` with agreed block exponents: the keys, their MAX all-reduce,
+        three bound calls per chunk."""
+        comm, plan, settings = self.comm, st.plan, self.settings
+        if st.bound_ptr != x.data_ptr():  # a bfloat16 bucket's float32 copy: new each step
+            st.bind(x, comm.rank, comm.world_size)
+        if st.measured:  # CPU only: the keys' numpy view, no tensor op
+            exchange_s = plan.exchange_s or None
+            if st.offer is None or st.offer[0] != exchange_s:
+                mine = self.planner.chunk(settings.fmt, st.numel, st.main, exchange_s)
+                st.offer = exchange_s, int(math.log2(mine))
+            st.shared.numpy()[-1] = st.offer[1]
+        assert st.keys_call is not None
+        st.keys_call()
+        transports.all_reduce_max(st.shared, comm.group, self.traffic)
+        if st.measured:
+            chunk = 2 ** int(st.shared.numpy()[-1])
+            if chunk != st.chunk:
+                st.group = plan.group(
+                    st.fmts,
+                    self._routes_for(plan, st.fmts),
+                    comm.world_size,
+                    chunk,
+                    comm.node_layouts(),
+                    settings.block_size,
+                    owner_exponents=True,
+                )[0]
+                st.chunk = chunk
+                st.bind(x, comm.rank, comm.world_size)
+                st.workspace = self._epoch(index, x.device)
+        self.bucket_chunks[index] = st.chunk
+        assert st.calls is not None
+        start = time.perf_counter()
+        tail = transports.two_phase_blocks_bound(st.calls, comm.group, self.traffic, defer)
+        if st.measured:
+            plan.timed(time.perf_counter() - start)
+        return tail
+
     def _settle_blocks(
         self,
         index: int,
@@ -1407,7 +1579,7 @@ class Reducer:
                     or settings.scaling != Scaling.LAYER
                 )
             )
-            or settings.scaling not in (Scaling.LAYER, Scaling.BUCKET)
+            or settings.scaling not in (Scaling.LAYER, Scaling.BUCKET, Scaling.NONE)
             or not (route == Route.FP32 or (g is not None and g.contiguous))
             or route not in (Route.FP32, Route.TWO_PHASE, Route.ALLREDUCE)
         ):
@@ -1431,7 +1603,9 @@ class Reducer:
             route,
             list(fmts),
             maxima,
-            AgreedMaxima(maxima[:n], self.comm.world_size, native),
+            AgreedMaxima(
+                maxima[:n], self.comm.world_size, native, settings.scaling == Scaling.NONE
+            ),
             measured,
             chunk,
             bucket=settings.scaling == Scaling.BUCKET,
@@ -1446,7 +1620,7 @@ class Reducer:
 
     def steady_for(
         self, index: int, buffer: torch.Tensor
-    ) -> Steady | SteadyBlocks | SteadyFeedback | SteadyGroups | None:
+    ) -> Steady | SteadyBlocks | SteadyAgreedBlocks | SteadyFeedback | SteadyGroups | None:
         """The bucket's :class:`Steady` path, if its layout and the policy's epoch are the ones
         it was bound to (a new epoch's formats bind it again, through :meth:`bucket`), and
         with error feedback, its residuals are still the feedback's."""
@@ -1468,7 +1642,7 @@ class Reducer:
     def run_steady(
         self,
         index: int,
-        st: Steady | SteadyBlocks | SteadyFeedback | SteadyGroups,
+        st: Steady | SteadyBlocks | SteadyAgreedBlocks | SteadyFeedback | SteadyGroups,
         x: torch.Tensor,
         defer: bool = False,
     ) -> Callable[[], None] | None:
@@ -1483,6 +1657,8 @@ class Reducer:
             return self._run_feedback(st, x, defer)
         if isinstance(st, SteadyBlocks):
             return self._run_steady_blocks(index, st, x, defer)
+        if isinstance(st, SteadyAgreedBlocks):
+            return self._run_agreed_blocks(index, st, x, defer)
         if isinstance(st, SteadyGroups):
             self._run_groups(index, st, x)
             return None
@@ -1714,7 +1890,10 @@ class Reducer:
             assert st.host_factors is not None  # this step's, from the agreed maxima
             g.codec.underflow_rates(x, g.layout, st.host_factors[0], out)
             return
-        f = factors(st.agreed.maxima, g.fmt, st.route, world_size=self.comm.world_size)
+        scaling = Scaling.NONE if st.agreed.none else Scaling.LAYER
+        f = factors(
+            st.agreed.maxima, g.fmt, st.route, world_size=self.comm.world_size, scaling=scaling
+        )
         counts = layer_counts(x, g.layout.lengths, f.exponents, g.fmt)
         out.copy_(counts[:, 1].float() / counts[:, 0].clamp(min=1).float())
 

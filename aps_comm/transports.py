@@ -39,7 +39,7 @@ import numpy as np
 import torch
 import torch.distributed as dist
 
-from aps_comm.codec import AgreedMaxima, NodeBlockCalls, RankBlockCalls
+from aps_comm.codec import AgreedBlockChunk, AgreedMaxima, NodeBlockCalls, RankBlockCalls
 from aps_comm.formats import payload_nbytes, pow2
 from aps_comm.layout import Layout
 from aps_comm.plan import GroupPlan, NodeBlocks, RowRuns
@@ -57,6 +57,7 @@ __all__ = [
     "NodeChunkCalls",
     "all_gather_single",
     "all_reduce_max",
+    "bind_agreed_blocks",
     "bind_hierarchical",
     "bind_node_blocks",
     "bind_rank_blocks",
@@ -71,6 +72,7 @@ __all__ = [
     "reduce_scatter",
     "two_phase",
     "two_phase_blocks",
+    "two_phase_blocks_bound",
     "two_phase_bound",
     "two_phase_rank_blocks",
     "two_phase_rank_blocks_bound",
@@ -89,6 +91,8 @@ class ChunkCalls:
         send: the chunk's send region (views made once: slicing costs host time).
         recv: two_phase: the chunk's receive region.
         shard: two_phase: this rank's shard of the chunk.
+        gathered: two_phase with block exponents: where the chunk's N shards are
+            gathered (else into ``send``).
     """
 
     encode: Callable[[], object]
@@ -97,6 +101,7 @@ class ChunkCalls:
     send: torch.Tensor
     recv: torch.Tensor | None = None
     shard: torch.Tensor | None = None
+    gathered: torch.Tensor | None = None
 
 
 Counter = Callable[[str, int], None]
@@ -562,6 +567,103 @@ def two_phase_blocks(
         count,
         defer,
     )
+
+
+def two_phase_blocks_bound(
+    calls: Sequence[ChunkCalls],
+    group: dist.ProcessGroup,
+    count: Counter,
+    defer: bool = False,
+) -> Callable[[], None] | None:
+    """:func:`two_phase_blocks` through calls bound once (:func:`bind_agreed_blocks`).
+
+    The same collectives, in the same order, and the same bytes; each chunk
+    is three kernel calls (send, owner, decode), whatever the number of
+    ranks, layers or blocks. The agreed keys and the layers' non-finite
+    flags the calls read are written before.
+
+    Args:
+        calls: each chunk's bound calls, with its ``send``, ``recv``, ``shard``
+            and ``gathered`` views.
+        group: the process group.
+        count: byte counter.
+        defer: as :func:`two_phase`'s.
+
+    Returns:
+        With ``defer``, the function that finishes the bucket; else None.
+    """
+
+    def send(c: int) -> tuple[torch.Tensor, torch.Tensor]:
+        cc = calls[c]
+        cc.encode()
+        return cc.send, cc.recv  # type: ignore[return-value]  # bound with recv
+
+    def owner(p: int) -> tuple[torch.Tensor, torch.Tensor]:
+        cc = calls[p]
+        cc.owner()  # type: ignore[misc]
+        return cc.shard, cc.gathered  # type: ignore[return-value]  # bound with both
+
+    def decode(c: int) -> None:
+        calls[c].decode()
+
+    return _bound_pipeline(len(calls), send, owner, decode, group, count, defer)
+
+
+def bind_agreed_blocks(
+    g: GroupPlan, x: torch.Tensor, keys: torch.Tensor, union: torch.Tensor, rank: int
+) -> list[ChunkCalls] | None:
+    """Every chunk's fused calls of :func:`two_phase_blocks`, bound to ``x`` and scratch.
+
+    Args:
+        g: the group's plan (``g.block_shards`` with agreed exponents).
+        x: the group's float32 values.
+        keys: the agreed key of every block of the group (uint8), written each step.
+        union: per layer, scratch: whether any of its agreed keys is non-finite
+            (written by the first chunk's owner step, read by every decode).
+        rank: this rank.
+
+    Returns:
+        One :class:`ChunkCalls` per chunk, or None where the codec has no fused
+        kernels for them.
+    """
+    sh = g.block_shards
+    assert sh is not None and not sh.rank_exponents and g.blocks is not None
+    offsets = g.layout.offsets.numpy().astype(np.int64)
+    counts = g.blocks.counts.numpy()  # the host copy the plan keeps
+    layer_of = np.repeat(np.arange(counts.size, dtype=np.int64), counts)
+    calls = []
+    for c in range(len(g.chunks)):
+        wins = sh.windows[c]
+        # An empty window's ``first`` is 0: count from the first shard with blocks.
+        ends = [next((w.first for w in wins if w.n_segments), 0)]
+        for w in wins:
+            assert not w.n_segments or w.first == ends[-1], "shards of consecutive blocks"
+            ends.append(ends[-1] + w.n_segments)
+        (r0, r1), (s0, s1), (q0, q1) = g.regions[c], g.shard_regions[c], sh.gather_regions[c]
+        send, recv, out, gathered = (
+            g.send[r0:r1],
+            g.recv[r0:r1],
+            g.shards[s0:s1],
+            sh.gathered[q0:q1],
+        )
+        chunk = AgreedBlockChunk(
+            offsets,
+            np.array(ends, dtype=np.int64),
+            layer_of,
+            sh.layouts[c][rank].offsets.numpy().astype(np.int64),
+            ends[rank],
+            send,
+            recv,
+            out,
+            gathered,
+            sh.shard_bytes[c],
+            counts.astype(np.int64) if c == 0 else None,
+        )
+        bound = g.codec.bind_agreed_blocks(x, keys, union, chunk)
+        if bound is None:
+            return None
+        calls.append(ChunkCalls(*bound, send, recv, out, gathered))
+    return calls
 
 
 def two_phase_rank_blocks(

@@ -1544,11 +1544,13 @@ if AVAILABLE:
 
 
 @functools.lru_cache(maxsize=64)
-def key_constants(fmt: FloatFormat, native: bool) -> tuple[int, int, int, int, int]:
+def key_constants(
+    fmt: FloatFormat, native: bool, limit: int = EXPONENT_LIMIT
+) -> tuple[int, int, int, int, int]:
     """The constants of the exponent rule the kernels apply to agreed maxima for ``fmt``
     (:func:`encode`'s and :func:`decode`'s ``maxima``): (1 for a native
     sum else 0, ``fmt.max``'s float64 exponent and mantissa field, its float32 bits,
-    the exponent limit).
+    the exponent limit: ``limit``, 0 for ``scaling="none"``).
 
     Example:
         >>> from aps_comm.formats import E4M3
@@ -1559,7 +1561,7 @@ def key_constants(fmt: FloatFormat, native: bool) -> tuple[int, int, int, int, i
 
     b64 = struct.unpack("<q", struct.pack("<d", float(fmt.max)))[0]
     b32 = struct.unpack("<i", struct.pack("<f", float(fmt.max)))[0]
-    return (int(native), (b64 >> 52) - 1023, b64 & ((1 << 52) - 1), b32, EXPONENT_LIMIT)
+    return (int(native), (b64 >> 52) - 1023, b64 & ((1 << 52) - 1), b32, limit)
 
 
 def layer_maxima(x: torch.Tensor, maxima: torch.Tensor, offsets: torch.Tensor) -> None:
@@ -1697,10 +1699,12 @@ class Rule:
         world_size: N, the ranks whose values are summed.
         native: the sum happens in the wire format (headroom for N, and the
             decoder divides by N), else two_phase's FP32 sum.
+        limit: the exponents' clamp; 0 is ``scaling="none"`` (every exponent 0).
     """
 
     world_size: int
     native: bool = False
+    limit: int = EXPONENT_LIMIT
 
 
 def _scaling(
@@ -1734,7 +1738,7 @@ def _scaling(
             raise ValueError(f"world_size must be an int from 1 to 2**24, got {rule.world_size!r}")
         extra = {
             "amax": True,
-            "rule": key_constants(fmt, rule.native),
+            "rule": key_constants(fmt, rule.native, rule.limit),
             "n_ranks": rule.world_size,
         }
         factors = factors.view(torch.int32)  # the kernels read the maxima's bits

@@ -29,7 +29,8 @@ are bound):
 - for a model of many small layers and one of few large ones, for the
   two_phase, native and block routes and, with ``--configs all``, for every
   option a user turns on (:data:`CONFIGS`: statistics, error feedback,
-  bucket scaling, the policies, 16-bit two_phase, "auto").
+  bucket scaling, no scaling (the naive cast), agreed block exponents, the
+  policies, 16-bit two_phase, "auto").
 
 Target (issue #34): at most 15 ops, the same for 2 or 200 layers, and at
 most 300 us per bucket on a quiet 2-core machine (150 us on a GPU host).
@@ -123,6 +124,8 @@ CONFIGS: dict[str, dict[str, Any]] = {
     "two_phase+error_feedback": {**ROUTES["two_phase"], "error_feedback": True},
     "block+error_feedback": {**ROUTES["block"], "error_feedback": True},
     "bucket": {**ROUTES["two_phase"], "scaling": "bucket"},
+    "none": {**ROUTES["two_phase"], "scaling": "none"},
+    "block_agreed": {**ROUTES["block"], "block_exponents": "agreed"},
     "keep_last": {**ROUTES["two_phase"], "policy": [KeepLast("fp32")]},
     "keep_last+stats": {**ROUTES["two_phase"], "stats": True, "policy": [KeepLast("fp32")]},
     "keep_last+promote": {**ROUTES["two_phase"], "policy": [Promote(), KeepLast("fp32")]},
@@ -169,6 +172,9 @@ _CPU_KERNELS = (
     "send_rank_blocks",
     "owner_rank_blocks",
     "decode_rank_blocks",
+    "send_agreed_blocks",
+    "owner_agreed_blocks",
+    "decode_agreed_blocks",
     "mean_rank_blocks",
     "mean_rows",
     "sum_rows",

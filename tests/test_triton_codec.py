@@ -32,7 +32,7 @@ import numpy as np
 import pytest
 import torch
 
-from aps_comm import codec
+from aps_comm import codec, scaling
 from aps_comm import formats as F
 from aps_comm.formats import FloatFormat, code_table, get_format, payload_nbytes, pow2
 
@@ -815,6 +815,37 @@ def test_bound_calls_repeat_the_codec_calls(tc: types.ModuleType, fmt: FloatForm
         assert torch.equal(_bits(back), _bits(got))
         _quiet(bound_owner)
         assert torch.equal(mean, _quiet(c.owner_reduce, shards, 2))
+
+
+@pytest.mark.parametrize("native", [False, True])
+@pytest.mark.parametrize("fmt", [F.E4M3, F.E2M1, F.BF16], ids=lambda f: f.name)
+def test_the_none_rule_gives_the_naive_casts_factors(
+    tc: types.ModuleType, fmt: FloatFormat, native: bool
+) -> None:
+    """Issue 46: ``scaling="none"``'s agreed maxima (:class:`aps_comm.codec.AgreedMaxima`
+    ``none``) give :func:`aps_comm.scaling.factors`' "none" factors (exponent 0, NaN for
+    a non-finite layer, 1/N for a native sum) on Triton, the CPU kernels and in torch."""
+    cpu = torch.device("cpu")
+    layout = codec.Layout.from_numels([5, 0, 300, 33, 2], cpu)
+    n = layout.numel
+    x = torch.randn(n, generator=torch.Generator().manual_seed(4)) * 1e5  # saturates e4m3
+    x[40] = float("nan")  # the third layer non-finite
+    maxima = codec.segment_amax(x, layout)
+    agreed = codec.AgreedMaxima(maxima, 3, native=native, none=True)
+    route = "allreduce" if native else "two_phase"
+    want = scaling.factors(maxima, fmt, route, world_size=3, scaling="none")
+    assert torch.equal(want.scale, torch.ones(len(maxima)))
+    kernels = codec.Codec(fmt, cpu)
+    payload = kernels.encode(x, scale=want.scale, layout=layout)
+    back = kernels.decode(payload, n, scale=want.unscale, layout=layout)
+    assert back[5:305].isnan().all() and not back[305:].isnan().any()
+    # Triton and the kernels write the same bytes; "bits" (torch) its own, from the factors.
+    for c in (codec.Codec(fmt, cpu, "triton"), kernels, codec.Codec(fmt, cpu, "bits")):
+        sent = payload if c.backend != "bits" else c.encode(x, scale=want.scale, layout=layout)
+        got = _quiet(c.encode, x, scale=agreed, layout=layout)
+        assert torch.equal(got, sent), c.backend
+        out = _quiet(c.decode, payload, n, out=torch.empty(n), scale=agreed, layout=layout)
+        assert torch.equal(_bits(out), _bits(back)), c.backend
 
 
 def _rank_block_case(fmt: FloatFormat, block_size: int, n: int) -> dict:
