@@ -17,7 +17,10 @@ import fcntl
 import itertools
 import math
 import pickle
+import subprocess
+import sys
 from collections.abc import Callable
+from pathlib import Path
 from typing import Any
 
 import pytest
@@ -54,6 +57,61 @@ def made_once(
         out = make()
         path.write_bytes(pickle.dumps(out))
         return out
+
+
+# Drives every route and option of the hook (benchmarks.hostcost's configurations, DDP
+# and FSDP2) once through a world of one rank: one bucket each, so every numba kernel
+# the suite's ranks call is compiled and written to the on-disk cache.
+_WARM_KERNELS = """
+import torch
+from benchmarks import hostcost
+cpu = torch.device("cpu")
+with hostcost.world_of_one(cpu):
+    hostcost.measure(cpu, 1, routes=hostcost.CONFIGS)
+    hostcost.measure_fsdp(cpu, 1)
+"""
+_warming: list[subprocess.Popen] = []
+
+
+def pytest_configure(config: pytest.Config) -> None:
+    """Under xdist, compile the CPU kernels once in one process while the workers start.
+
+    The kernels are cached on disk (numba ``cache=True``), but a fresh checkout
+    starts cold, and a cold kernel is compiled by every process that meets it
+    before the first one has written it: the 4-rank jobs and launched scripts of
+    the first minutes compiled the same kernels side by side (all of them take
+    ~63 s of CPU in one process, loading them ~1 s; one 4-rank HSDP test spent
+    ~115 s of its ~130 s compiling). The workers' start (torch import,
+    collection) overlaps the compile; tests are handed out once it is done
+    (:func:`pytest_xdist_node_collection_finished`). ``-n 0`` compiles in its
+    one process as it goes, as before.
+    """
+    if hasattr(config, "workerinput") or not getattr(config.option, "numprocesses", None):
+        return
+    root = Path(__file__).resolve().parents[1]
+    _warming.append(
+        subprocess.Popen(
+            [sys.executable, "-c", _WARM_KERNELS],
+            cwd=root,
+            stdout=subprocess.DEVNULL,
+            stderr=subprocess.DEVNULL,
+        )
+    )
+
+
+def pytest_xdist_node_collection_finished(node: Any, ids: list[str]) -> None:
+    """Hold the first tests back until :func:`pytest_configure`'s compile has finished.
+
+    A warm-up that fails or hangs only costs its time: the kernels then compile
+    lazily, as without it.
+    """
+    while _warming:
+        proc = _warming.pop()
+        try:
+            proc.wait(timeout=300)
+        except subprocess.TimeoutExpired:
+            proc.kill()
+            proc.wait()
 
 
 def pytest_collection_modifyitems(items: list[pytest.Item]) -> None:
