@@ -1825,6 +1825,49 @@ class Codec:
             out,
         )
 
+    def unit_records(
+        self,
+        x: torch.Tensor,
+        layout: Layout,
+        counts: np.ndarray,
+        keys: torch.Tensor | np.ndarray,
+        maxima: torch.Tensor,
+        n_rows: int,
+        out: torch.Tensor,
+    ) -> None:
+        """:meth:`block_records` of an FSDP unit's N rows, one row of float64 ``out`` (P, 5)
+        per parameter over every row's chunk, in one kernel call: a settled unit's records.
+
+        Args:
+            x: the N rows, contiguous float32, row r every parameter's r-th chunk.
+            layout: its segments: ``counts[p]`` per chunk (one with layer scaling,
+                its blocks with block scaling), row after row.
+            counts: int64, segments per chunk (P).
+            keys: one exponent key per segment: int32 (:meth:`AgreedMaxima.host_factors_into`'s
+                scratch) or uint8 block keys.
+            maxima: float32, one per segment.
+            n_rows: N.
+            out: float64 (P, 5): the smallest exponent, the largest maximum and the
+                summed counts of each parameter's segments.
+
+        Raises:
+            ValueError: the codec's backend is not "kernels", or ``x`` is not
+                contiguous float32 of ``layout.numel`` elements.
+
+        Example:
+            >>> c = Codec("e4m3", torch.device("cpu"), backend="kernels")
+            >>> out = torch.empty(1, 5, dtype=torch.float64)
+            >>> layout = Layout.from_numels([2, 2], torch.device("cpu"))  # 2 rows of 1 chunk
+            >>> c.unit_records(torch.tensor([1.0, 1e-9, 0.0, 500.0]), layout, np.array([1]),
+            ...                np.array([127, 127], np.int32), torch.tensor([500.0, 500.0]), 2, out)
+            >>> out.tolist()
+            [[0.0, 500.0, 3.0, 1.0, 1.0]]
+        """
+        self._check_records(x, layout)
+        _kernel(
+            "unit_records", x, layout.offsets.numpy(), counts, keys, maxima, n_rows, self.fmt, out
+        )
+
     def _check_records(self, x: torch.Tensor, layout: Layout) -> None:
         if self.backend != "kernels":
             raise ValueError(f"the records' kernels run on 'kernels', not {self.backend!r}")

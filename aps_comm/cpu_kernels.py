@@ -92,6 +92,7 @@ __all__ = [
     "supports",
     "two_phase_keys",
     "underflow_rates",
+    "unit_records",
 ]
 
 _BLOCK = 2048  # elements per block of the owner reduction's float32 sum: fits L1
@@ -2311,3 +2312,69 @@ def reduce_shards(recv: torch.Tensor, n_ranks: int, fmt: FloatFormat, out: torch
     if fmt.wire_bits == 16:
         ra, oa = ra.view(np.uint16), oa.view(np.uint16)
     _reduce(ra, n_ranks, ra.size // n_ranks, oa, q, m, encoder_params(fmt))
+
+
+def unit_records(
+    x: torch.Tensor,
+    offsets: np.ndarray,
+    counts: np.ndarray,
+    keys: torch.Tensor | np.ndarray,
+    maxima: torch.Tensor,
+    n_rows: int,
+    fmt: FloatFormat,
+    out: torch.Tensor,
+) -> None:
+    """:func:`block_records` of an FSDP unit's N rows, folded per parameter over the rows.
+
+    ``x`` holds N rows, row r every parameter's r-th chunk in order, each
+    chunk cut into ``counts[p]`` segments (one with layer scaling, its blocks
+    with block scaling); segment b's bounds are ``offsets[b:b + 2]``. Row p of
+    ``out``: the smallest exponent of parameter p's segments in every row (the
+    exponent keys ``keys``: int32 of :func:`maxima_factors_into`, or uint8
+    block keys), the largest of their ``maxima`` and their summed counts: what
+    the unit's general path records, with no per-parameter work on the host.
+
+    Example:
+        >>> from aps_comm.formats import E4M3
+        >>> out = torch.empty(1, 5, dtype=torch.float64)
+        >>> x = torch.tensor([1.0, 1e-9, 0.0, 500.0])  # 2 rows of one 2-element chunk
+        >>> unit_records(x, np.array([0, 2, 4]), np.array([1]), np.array([127, 127], np.int32),
+        ...              torch.tensor([500.0, 500.0]), 2, E4M3, out)
+        >>> out.tolist()
+        [[0.0, 500.0, 3.0, 1.0, 1.0]]
+    """
+    tiny, fmax = np.float32(fmt.min_subnormal / 2), np.float32(fmt.max)
+    ka = keys if isinstance(keys, np.ndarray) else _np(keys)
+    _unit_records(_np(x), offsets, counts, ka, _np(maxima), n_rows, tiny, fmax, _np(out))
+
+
+if AVAILABLE:
+
+    @_njit
+    def _unit_records(x, offsets, counts, keys, maxima, n_rows, tiny, fmax, out):
+        per_row = 0
+        for p in range(len(counts)):
+            per_row += counts[p]
+        first = 0
+        for p in range(len(counts)):
+            smallest = 0
+            largest = np.float32(0.0)
+            nonzero = under = saturated = 0
+            j = 0
+            for r in range(n_rows):
+                for i in range(counts[p]):
+                    b = r * per_row + first + i
+                    e = _key_exponent(keys[b])
+                    smallest = e if j == 0 else min(smallest, e)
+                    largest = max(largest, maxima[b])
+                    n, u, s = _scaled_counts(x, offsets[b], offsets[b + 1], e, tiny, fmax)
+                    nonzero += n
+                    under += u
+                    saturated += s
+                    j += 1
+            out[p, 0] = smallest
+            out[p, 1] = largest
+            out[p, 2] = nonzero
+            out[p, 3] = under
+            out[p, 4] = saturated
+            first += counts[p]

@@ -47,6 +47,7 @@ from aps_comm.config import DEFAULT_BLOCK_SIZE, BlockExponents, Reduction, Route
 from aps_comm.feedback import ErrorFeedback
 from aps_comm.formats import FP32, FloatFormat, payload_nbytes, pow2
 from aps_comm.hostcopy import to_device
+from aps_comm.layout import Blocks, Layout
 from aps_comm.plan import BucketPlan, GroupPlan, Planner, RowRuns
 from aps_comm.policy import Assignment
 from aps_comm.reduction import native_sum_supported, resolve_routes
@@ -544,7 +545,15 @@ class SteadyUnit:
             (block: this rank's row's blocks N times; layer: ``unscale`` itself).
         factors: writes ``scale`` and ``unscale`` from the agreed maxima or keys.
         poison: 0-d float32, what a non-finite parameter or the flag writes: inf into the
-            agreed maxima (layer), NaN into ``decode`` (block).
+            agreed maxima (layer), NaN into ``decode`` (block, and layer with records: the
+            records' exponents are those of the agreed maxima, as the general path's).
+        record: with ``stats=True``, the step's records from the N rows: float64 (P, 5),
+            one row per parameter (:meth:`aps_comm.telemetry.StepStats.add_rows`), the
+            general path's values (one kernel call on the CPU kernels).
+        names: with ``stats=True``, each parameter's name.
+        numels: with ``stats=True``, each parameter's size.
+        premax: ``scaling="bucket"`` with records: float32 scratch, the agreed maxima of
+            every row before the spread (what the records show, as the general path's).
     """
 
     chunks: tuple[int, ...]
@@ -561,6 +570,10 @@ class SteadyUnit:
     decode: torch.Tensor
     factors: Callable[[], object]
     poison: torch.Tensor
+    record: Callable[[torch.Tensor], torch.Tensor] | None = None
+    names: list[str] = dataclasses.field(default_factory=list)
+    numels: list[int] = dataclasses.field(default_factory=list)
+    premax: torch.Tensor | None = None
 
 
 class Reducer:
@@ -1752,7 +1765,7 @@ class Reducer:
         n, p = comm.world_size, len(chunks)
         st = self._steady_unit(index, rows, chunks, step)
         if st is not None:
-            return self._run_unit(st, rows, problem)
+            return self._run_unit(index, st, rows, problem)
         plan = self.plan(index, list(chunks) * n, rows.device)
         if settings.scaling == Scaling.BLOCK:
             return self._unit_blocks(plan, index, rows, numels, names, step, problem)
@@ -1800,7 +1813,7 @@ class Reducer:
                     amax[run.index_tensor],
                     counts,
                 )
-        self._settle_unit(index, runs, rows, chunks, step)
+        self._settle_unit(index, runs, rows, chunks, step, (names, numels))
         return out
 
     def _unit_blocks(
@@ -1882,7 +1895,7 @@ class Reducer:
                     largest.view(n, -1).amax(0),
                     counts.view(n, -1, 3).sum(0),
                 )
-        self._settle_unit(index, runs, rows, plan.numels[: len(numels)], step)
+        self._settle_unit(index, runs, rows, plan.numels[: len(numels)], step, (names, numels))
         return out
 
     def _steady_unit(
@@ -1910,14 +1923,15 @@ class Reducer:
         rows: torch.Tensor,
         chunks: Sequence[int],
         step: int,
+        params: tuple[Sequence[str], Sequence[int]],
     ) -> None:
         """Bind the unit's :class:`SteadyUnit` where nothing in it changes per step: one
-        scaled format for every parameter, layer, bucket or block scaling, no records."""
+        scaled format for every parameter, layer, bucket or block scaling; with
+        ``stats=True`` its records bound too (``params``: each parameter's name and size)."""
         self.steady_units.pop(index, None)
         settings, n = self.settings, self.comm.world_size
         if (
-            settings.stats
-            or settings.scaling not in (Scaling.LAYER, Scaling.BUCKET, Scaling.BLOCK)
+            settings.scaling not in (Scaling.LAYER, Scaling.BUCKET, Scaling.BLOCK)
             or len(runs.runs) != 1
             or rows.dtype != torch.float32
             or not rows.is_contiguous()
@@ -1928,10 +1942,11 @@ class Reducer:
         c, layout = run.codec, run.rows_layout
         if run.fmt == FP32 or not run.packed_rows:
             return
-        segments = layout.n_segments
+        segments, p = layout.n_segments, len(chunks)
         f32 = {"dtype": torch.float32, "device": device}
+        kernels = c.backend == "kernels" and device.type == "cpu"
         scale, unscale = torch.empty(segments, **f32), torch.empty(segments, **f32)
-        flags = agreed = None
+        flags = agreed = premax = record = None
         if settings.scaling == Scaling.BLOCK:
             blocks = run.rows_blocks
             assert blocks is not None
@@ -1946,12 +1961,34 @@ class Reducer:
             made = c.bind_feedback_factors(shared[:-1], n, scale, unscale, blocks.device_counts)
             decode = torch.empty(segments, **f32)
             poison = torch.tensor(math.nan, **f32)
+            if settings.stats:
+                record = functools.partial(
+                    _unit_block_records, c, blocks, shared[:-1], local, n, p, kernels
+                )
         else:
-            shared = torch.zeros(len(chunks) + 1, **f32)
+            shared = torch.zeros(p + 1, **f32)
             local, agreed = torch.empty(segments, **f32), torch.empty(segments, **f32)
-            made = c.bind_feedback_factors(agreed, n, scale, unscale)
             decode = unscale  # every row's parameters have the same factors
-            poison = torch.tensor(math.inf, **f32)
+            if settings.stats:
+                # The records read the exponent keys the factors leave behind, and the
+                # maxima as agreed: a flagged unit is poisoned in its unscale instead.
+                premax = (
+                    torch.empty(segments, **f32) if settings.scaling == Scaling.BUCKET else None
+                )
+                keys_of = np.empty(segments, np.int32) if kernels else None
+                made = _unit_factors(c, agreed, n, scale, unscale, keys_of)
+                record = functools.partial(
+                    _unit_layer_records,
+                    c,
+                    layout,
+                    keys_of,
+                    agreed if premax is None else premax,
+                    (n, p, settings.scaling),
+                )
+                poison = torch.tensor(math.nan, **f32)
+            else:
+                made = c.bind_feedback_factors(agreed, n, scale, unscale)
+                poison = torch.tensor(math.inf, **f32)
         self.steady_units[index] = SteadyUnit(
             tuple(chunks),
             rows.numel(),
@@ -1967,10 +2004,17 @@ class Reducer:
             decode,
             made,
             poison,
+            record,
+            list(params[0]),
+            list(params[1]),
+            premax,
         )
 
-    def _run_unit(self, st: SteadyUnit, rows: torch.Tensor, problem: torch.Tensor) -> torch.Tensor:
-        """:meth:`unit` along its :class:`SteadyUnit`: the same collectives, bytes and bits."""
+    def _run_unit(
+        self, index: int, st: SteadyUnit, rows: torch.Tensor, problem: torch.Tensor
+    ) -> torch.Tensor:
+        """:meth:`unit` along its :class:`SteadyUnit`: the same collectives, bytes, bits and
+        records."""
         comm, run = self.comm, st.runs.runs[0]
         n, c, layout, x = comm.world_size, run.codec, run.rows_layout, rows.reshape(-1)
         shared, k = st.shared, st.shared.numel() - 1
@@ -1988,7 +2032,17 @@ class Reducer:
         transports.all_reduce_max(shared, comm.group, self.traffic)
         problem.copy_(shared[k])
         flagged = shared[k] > 0
-        if st.agreed is not None:
+        if st.agreed is not None and st.record is not None:
+            if st.premax is not None:  # the records show the maxima before the spread
+                st.premax.view(n, k).copy_(shared[:k].expand(n, k))
+            if self.settings.scaling == Scaling.BUCKET:
+                AgreedMaxima(shared[:k], n).spread()
+            st.agreed.view(n, k).copy_(shared[:k].expand(n, k))
+            st.factors()
+            self.stats.add_rows(index, st.names, st.numels, run.fmt, st.record(x))
+            # A flagged unit is NaN on every rank (its parameters' unscale NaN).
+            torch.where(flagged, st.poison, st.unscale, out=st.unscale)
+        elif st.agreed is not None:
             if self.settings.scaling == Scaling.BUCKET:
                 AgreedMaxima(shared[:k], n).spread()
             # A flagged unit is NaN on every rank: its maxima all non-finite.
@@ -1996,6 +2050,8 @@ class Reducer:
             st.factors()
         else:
             st.factors()
+            if st.record is not None:
+                self.stats.add_rows(index, st.names, st.numels, run.fmt, st.record(x))
             # A parameter with a non-finite block in any row is NaN in every row (its
             # blocks' unscale in that row is NaN); every rank sends this rank its row.
             per_row = st.unscale.view(n, -1)
@@ -2055,3 +2111,75 @@ def _owner_with_feedback(
     out: torch.Tensor,
 ) -> None:
     fb.owner_reduce(g.codec, g.layout, g.numels, names, scale, finite, recv, out)
+
+
+def _unit_factors(
+    c: codec.Codec,
+    agreed: torch.Tensor,
+    world_size: int,
+    scale: torch.Tensor,
+    unscale: torch.Tensor,
+    keys: np.ndarray | None,
+) -> Callable[[], object]:
+    """A settled unit's factors of its agreed maxima, written into ``scale`` and ``unscale``;
+    on the CPU kernels through int32 ``keys``, which its records then read."""
+    if keys is None:
+        return c.bind_feedback_factors(agreed, world_size, scale, unscale)
+    return functools.partial(
+        AgreedMaxima(agreed, world_size).host_factors_into,
+        c.fmt,
+        scale.numpy(),
+        unscale.numpy(),
+        keys,
+    )
+
+
+def _unit_layer_records(
+    c: codec.Codec,
+    layout: Layout,
+    keys: np.ndarray | None,
+    maxima: torch.Tensor,
+    shape: tuple[int, int, Scaling],
+    x: torch.Tensor,
+) -> torch.Tensor:
+    """A settled unit's records with one exponent per parameter: float64 (P, 5) from the N
+    rows ``x``, the agreed ``maxima`` of every row and the factors' exponent ``keys``
+    (one kernel call); without the CPU kernels, a fixed handful of device ops."""
+    n, p, scaling = shape
+    if keys is not None:
+        out = torch.empty(p, 5, dtype=torch.float64, device=x.device)
+        c.unit_records(x, layout, np.ones(p, np.int64), keys, maxima, n, out)
+        return out
+    amax = maxima[:p]
+    exps = factors(amax, c.fmt, Route.TWO_PHASE, world_size=n, scaling=scaling).exponents
+    counts = layer_counts(x, layout.lengths, exps.repeat(n), c.fmt).view(n, p, 3).sum(0)
+    return torch.cat([exps.double()[:, None], amax.double()[:, None], counts.double()], 1)
+
+
+def _unit_block_records(
+    c: codec.Codec,
+    blocks: Blocks,
+    keys: torch.Tensor,
+    maxima: torch.Tensor,
+    n: int,
+    p: int,
+    kernels: bool,
+    x: torch.Tensor,
+) -> torch.Tensor:
+    """:func:`_unit_layer_records` with block scaling: every block under its agreed key,
+    the largest of this rank's block ``maxima``, folded per parameter over the N rows."""
+    if kernels:
+        out = torch.empty(p, 5, dtype=torch.float64, device=x.device)
+        c.unit_records(x, blocks.layout, blocks.counts[:p].numpy(), keys, maxima, n, out)
+        return out
+    exps = key_exponents(keys)
+    counts = layer_counts(x, blocks.layout.lengths, exps, c.fmt)
+    counts, first, largest = per_layer(blocks, counts, exps, maxima)
+    return torch.cat(
+        [
+            first.view(n, p).amin(0).double()[:, None],
+            largest.view(n, p).amax(0).double()[:, None],
+            counts.view(n, p, 3).sum(0).double(),
+        ],
+        1,
+    )

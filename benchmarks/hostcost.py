@@ -139,6 +139,8 @@ measures PyTorch's ``allreduce_hook`` (:func:`measure_allreduce_hook`)."""
 FSDP_ROUTES: dict[str, dict[str, Any]] = {
     "fsdp/e4m3": {"fmt": "e4m3"},
     "fsdp/e2m1-block": {"fmt": "e2m1", "scaling": "block"},
+    "fsdp/e4m3+stats": {"fmt": "e4m3", "stats": True},
+    "fsdp/e2m1-block+stats": {"fmt": "e2m1", "scaling": "block", "stats": True},
     "hsdp/fp32": {"fmt": "fp32"},
     "hsdp/e4m3": {"fmt": "e4m3"},
     "hsdp/e2m1-block": {"fmt": "e2m1", "scaling": "block"},
@@ -172,6 +174,7 @@ _CPU_KERNELS = (
     "or_rows",
     "keep_lost",
     "owner_lost",
+    "unit_records",
 )
 _TRITON_KERNELS = (
     "encode",
