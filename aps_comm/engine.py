@@ -76,6 +76,7 @@ __all__ = [
     "SteadyBlocks",
     "SteadyFeedback",
     "SteadyGroups",
+    "SteadyMixedUnit",
     "SteadyUnit",
     "Traffic",
 ]
@@ -576,6 +577,70 @@ class SteadyUnit:
     premax: torch.Tensor | None = None
 
 
+@dataclasses.dataclass
+class SteadyMixedUnit:
+    """:class:`SteadyUnit` for a unit of several formats (a policy keeping some parameters
+    in FP32, or two wire formats), layer or bucket scaling, on the CPU kernels.
+
+    The general path codes each run of one format apart, with a gather and a
+    scatter per run; bound, one kernel call gathers every run's N rows out of
+    FSDP's input (the FP32 runs straight into the send buffer, as the general
+    path's exact FP32 encode leaves them), each scaled format is encoded and
+    decoded once for all its runs, one call scatters the codes into the rows
+    and one gathers the received rows back, and one sums every run's rows
+    (an FP32 parameter NaN where its agreed maximum is not finite, as the
+    general path's unscale makes it): a fixed handful of calls per unit for
+    any number of parameters and runs, the general path's bytes and bits.
+
+    Attributes:
+        chunks: the parameters' padded chunks (the layout it is bound to).
+        numel: elements of the N rows.
+        device: the rows' device (CPU).
+        epoch: the policy's epoch of its formats.
+        codec: a scaled format's codec (the shared kernels: maxima, spans, sums).
+        layout: the N rows' chunks (the maxima's segments).
+        shared: float32, the MAX all-reduce's vector: the parameters' maxima, then the flag.
+        local: float32, each row's maximum of every chunk (N x P).
+        maxima: float32, the agreed maxima (inf for every parameter of a flagged unit).
+        perm: int64, for each scaled format's segments in turn, its parameter.
+        agreed: float32, ``maxima[perm]``: each scaled format's maxima, run by run, row by row.
+        poison: 0-d float32 inf (what the flag writes into ``maxima``).
+        spreads: ``scaling="bucket"``: each format's agreed maxima, spread in place.
+        calls: per scaled format its factors, encode and decode, bound.
+        spans: the gather out of the rows, the scatter of the codes into the send
+            buffer, and the gather out of the received rows (:meth:`aps_comm.codec.Codec.copy_spans`).
+        buffers: the gather's arena (send buffer, then the scaled runs' values), the
+            codes, the received rows, the landing arena (codes, then every run's values).
+        send: the send buffer (N encoded rows).
+        values: float32, every run's N decoded rows end to end.
+        sums: int64 (R, 6), each run's place in ``values``, row and parameters (:meth:`aps_comm.codec.Codec.sum_runs`).
+        offsets: int64, the chunks' bounds in a row (P + 1).
+        row_numel: elements per row.
+    """
+
+    chunks: tuple[int, ...]
+    numel: int
+    device: torch.device
+    epoch: tuple[int, ...]
+    codec: codec.Codec
+    layout: Layout
+    shared: torch.Tensor
+    local: torch.Tensor
+    maxima: torch.Tensor
+    perm: torch.Tensor
+    agreed: torch.Tensor
+    poison: torch.Tensor
+    spreads: list[AgreedMaxima]
+    calls: list[tuple[Callable[[], object], Callable[[], object], Callable[[], object]]]
+    spans: tuple[np.ndarray, np.ndarray, np.ndarray]
+    buffers: tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]
+    send: torch.Tensor
+    values: torch.Tensor
+    sums: np.ndarray
+    offsets: np.ndarray
+    row_numel: int
+
+
 class Reducer:
     """One rank's reducer: plans, the per-step path of buckets and units, and their records.
 
@@ -615,7 +680,7 @@ class Reducer:
         # Per device: the buckets' scratch, shared (:mod:`aps_comm.workspace`).
         self.workspaces: dict[str, Workspace] = {}
         # Per FSDP unit index: its bound reduce-scatter once settled (:class:`SteadyUnit`).
-        self.steady_units: dict[int, SteadyUnit] = {}
+        self.steady_units: dict[int, SteadyUnit | SteadyMixedUnit] = {}
         # The current step's number (Schedule's): the last one :meth:`bucket` was
         # given, advanced by :meth:`end_step`, so settled buckets know it too.
         self.step = 0
@@ -1764,6 +1829,8 @@ class Reducer:
         comm, settings = self.comm, self.settings
         n, p = comm.world_size, len(chunks)
         st = self._steady_unit(index, rows, chunks, step)
+        if isinstance(st, SteadyMixedUnit):
+            return self._run_mixed_unit(st, rows, problem)
         if st is not None:
             return self._run_unit(index, st, rows, problem)
         plan = self.plan(index, list(chunks) * n, rows.device)
@@ -1900,8 +1967,8 @@ class Reducer:
 
     def _steady_unit(
         self, index: int, rows: torch.Tensor, chunks: Sequence[int], step: int
-    ) -> SteadyUnit | None:
-        """The unit's :class:`SteadyUnit` where this call fits the layout and formats it
+    ) -> SteadyUnit | SteadyMixedUnit | None:
+        """The unit's :class:`SteadyUnit` (or :class:`SteadyMixedUnit`) where this call fits the layout and formats it
         was bound to (any buffer of that layout: FSDP allocates a new one every step)."""
         st = self.steady_units.get(index)
         if (
@@ -1932,11 +1999,13 @@ class Reducer:
         settings, n = self.settings, self.comm.world_size
         if (
             settings.scaling not in (Scaling.LAYER, Scaling.BUCKET, Scaling.BLOCK)
-            or len(runs.runs) != 1
             or rows.dtype != torch.float32
             or not rows.is_contiguous()
             or not all(chunks)
         ):
+            return
+        if len(runs.runs) != 1:
+            self._settle_mixed_unit(index, runs, rows, chunks, step)
             return
         run, device = runs.runs[0], rows.device
         c, layout = run.codec, run.rows_layout
@@ -2009,6 +2078,119 @@ class Reducer:
             list(params[1]),
             premax,
         )
+
+    def _settle_mixed_unit(
+        self, index: int, runs: RowRuns, rows: torch.Tensor, chunks: Sequence[int], step: int
+    ) -> None:
+        """Bind the unit's :class:`SteadyMixedUnit` (several formats; layer or bucket
+        scaling, no records, every run's rows whole bytes, the CPU kernels)."""
+        settings, n, device = self.settings, self.comm.world_size, rows.device
+        scaled = list(dict.fromkeys(r.fmt for r in runs.runs if r.fmt != FP32))
+        codecs = [codec.codec_for(f, device) for f in scaled]
+        if (
+            settings.stats
+            or settings.scaling == Scaling.BLOCK
+            or not scaled
+            or not all(r.packed_rows for r in runs.runs)
+            or any(c.backend != "kernels" for c in codecs)
+        ):
+            return
+        p, row, row_bytes = len(chunks), runs.row_numel, runs.row_bytes
+        lay = _mixed_layout(runs, chunks, scaled, n)
+        send_end = -(-n * row_bytes // 4) * 4  # the scaled runs' float32 values follow
+        codes_end = -(-lay.coded // 4) * 4
+        gather, scatter, receive = [], [], []
+        for k, run in enumerate(runs.runs):
+            w, wb, start = run.hi - run.lo, run.b1 - run.b0, lay.starts[k]
+            for r in range(n):
+                src, wire = 4 * (r * row + run.lo), r * row_bytes + run.b0
+                if run.fmt == FP32:  # sent exactly: its float32 bytes are its codes
+                    gather.append((src, wire, 4 * w))
+                    receive.append((wire, codes_end + 4 * (start + r * w), 4 * w))
+                else:
+                    gather.append((src, send_end + 4 * (start + r * w), 4 * w))
+                    scatter.append((lay.code_starts[k] + r * wb, wire, wb))
+                    receive.append((wire, lay.code_starts[k] + r * wb, wb))
+        u8 = {"dtype": torch.uint8, "device": device}
+        arena = torch.empty(send_end + 4 * lay.scaled_numel, **u8)
+        coded, recv = torch.empty(lay.coded, **u8), torch.empty(n * row_bytes, **u8)
+        landing = torch.empty(codes_end + 4 * n * row, **u8)
+        staged, values = (
+            arena[send_end:].view(torch.float32),
+            landing[codes_end:].view(torch.float32),
+        )
+        f32 = {"dtype": torch.float32, "device": device}
+        agreed = torch.empty(len(lay.perm), **f32)
+        calls, spreads = [], []
+        for c, (e0, e1), (s0, s1), (c0, c1), numels in zip(
+            codecs, lay.elements, lay.segments, lay.codes, lay.numels, strict=True
+        ):
+            layout = Layout.from_numels(numels, device)
+            scale, unscale = torch.empty(s1 - s0, **f32), torch.empty(s1 - s0, **f32)
+            calls.append(
+                (
+                    c.bind_feedback_factors(agreed[s0:s1], n, scale, unscale),
+                    c.bind_encode(staged[e0:e1], coded[c0:c1], scale, layout),
+                    c.bind_decode(landing[c0:c1], values[e0:e1], unscale, layout),
+                )
+            )
+            if settings.scaling == Scaling.BUCKET:
+                spreads.append(AgreedMaxima(agreed[s0:s1], n))
+        self.steady_units[index] = SteadyMixedUnit(
+            tuple(chunks),
+            rows.numel(),
+            device,
+            self.assignment.epoch(step),
+            codecs[0],
+            self.plan(index, list(chunks) * n, device).layout,
+            torch.zeros(p + 1, **f32),
+            torch.empty(n * p, **f32),
+            torch.empty(p, **f32),
+            to_device(torch.tensor(lay.perm, dtype=torch.long), device),
+            agreed,
+            torch.tensor(math.inf, **f32),
+            spreads,
+            calls,
+            tuple(np.array(sp, np.int64).reshape(-1, 3) for sp in (gather, scatter, receive)),
+            (arena, coded, recv, landing),
+            arena[: n * row_bytes],
+            values,
+            np.array(lay.sums, np.int64).reshape(-1, 6),
+            np.concatenate([[0], np.cumsum(chunks)]).astype(np.int64),
+            row,
+        )
+
+    def _run_mixed_unit(
+        self, st: SteadyMixedUnit, rows: torch.Tensor, problem: torch.Tensor
+    ) -> torch.Tensor:
+        """:meth:`unit` along its :class:`SteadyMixedUnit`: the general path's collectives,
+        bytes and bits."""
+        comm, c, x = self.comm, st.codec, rows.reshape(-1)
+        n, shared, k = comm.world_size, st.shared, st.shared.numel() - 1
+        arena, coded, recv, landing = st.buffers
+        gather, scatter, receive = st.spans
+        c.layer_maxima(x, st.layout, st.local)
+        torch.amax(st.local.view(n, k), 0, out=shared[:k])
+        # The flag rides on the maxima, so no rank needs a host read to learn it.
+        shared[k:].copy_(problem.reshape(1))
+        transports.all_reduce_max(shared, comm.group, self.traffic)
+        problem.copy_(shared[k])
+        # A flagged unit is NaN on every rank: its maxima all non-finite.
+        torch.where(shared[k] > 0, st.poison, shared[:k], out=st.maxima)
+        torch.index_select(st.maxima, 0, st.perm, out=st.agreed)
+        for spread in st.spreads:
+            spread.spread()
+        c.copy_spans(rows, arena, gather)
+        for made, encode, _ in st.calls:
+            made()
+            encode()
+        c.copy_spans(coded, arena, scatter)
+        transports.rows_exchange(st.send, recv, comm.group, self.traffic)
+        c.copy_spans(recv, landing, receive)
+        for _, _, decode in st.calls:
+            decode()
+        out = torch.empty(st.row_numel, dtype=torch.float32, device=rows.device)
+        return c.sum_runs(st.values, out, st.sums, n, st.offsets, st.maxima)
 
     def _run_unit(
         self, index: int, st: SteadyUnit, rows: torch.Tensor, problem: torch.Tensor
@@ -2183,3 +2365,65 @@ def _unit_block_records(
         ],
         1,
     )
+
+
+@dataclasses.dataclass
+class _MixedLayout:
+    """Where a unit of several formats puts each run's N rows (:meth:`Reducer._settle_mixed_unit`).
+
+    Attributes:
+        starts: per run, its first element in the values (each scaled format's runs in
+            turn, then the FP32 runs; a run's N rows end to end).
+        code_starts: per scaled run, its first byte in the codes.
+        scaled_numel: elements of the scaled runs.
+        coded: bytes of their codes.
+        perm: for each scaled format's segments in turn (run by run, row by row), its parameter.
+        elements: per scaled format, its values' bounds.
+        segments: per scaled format, its segments' bounds in ``perm``.
+        codes: per scaled format, its codes' bounds.
+        numels: per scaled format, its segments' sizes.
+        sums: per run: start, lo, hi, first and last parameter, 1 if FP32.
+    """
+
+    starts: dict[int, int]
+    code_starts: dict[int, int]
+    scaled_numel: int
+    coded: int
+    perm: list[int]
+    elements: list[tuple[int, int]]
+    segments: list[tuple[int, int]]
+    codes: list[tuple[int, int]]
+    numels: list[list[int]]
+    sums: list[tuple[int, ...]]
+
+
+def _mixed_layout(
+    runs: RowRuns, chunks: Sequence[int], scaled: list[FloatFormat], n: int
+) -> _MixedLayout:
+    """A unit's :class:`_MixedLayout`: computed once, when it settles."""
+    lay = _MixedLayout({}, {}, 0, 0, [], [], [], [], [], [])
+    at = byte = 0
+    for fmt in scaled:
+        e0, s0, c0, numels = at, len(lay.perm), byte, []
+        for k, run in enumerate(runs.runs):
+            if run.fmt != fmt:
+                continue
+            lay.starts[k], lay.code_starts[k] = at, byte
+            at += n * (run.hi - run.lo)
+            byte += n * (run.b1 - run.b0)
+            for _ in range(n):
+                numels += [chunks[i] for i in run.index]
+                lay.perm += list(run.index)
+        lay.elements.append((e0, at))
+        lay.segments.append((s0, len(lay.perm)))
+        lay.codes.append((c0, byte))
+        lay.numels.append(numels)
+    lay.scaled_numel, lay.coded = at, byte
+    for k, run in enumerate(runs.runs):
+        if run.fmt == FP32:
+            lay.starts[k] = at
+            at += n * (run.hi - run.lo)
+    for k, run in enumerate(runs.runs):
+        first, last = run.index[0], run.index[-1] + 1
+        lay.sums.append((lay.starts[k], run.lo, run.hi, first, last, int(run.fmt == FP32)))
+    return lay

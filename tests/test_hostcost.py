@@ -18,7 +18,7 @@ from aps_comm import cpu_kernels
 from aps_comm.codec import AgreedMaxima
 from aps_comm.engine import SteadyBlocks, SteadyGroups
 from aps_comm.formats import get_format
-from aps_comm.policy import ByName, KeepLast, Promote, Schedule
+from aps_comm.policy import ByName, KeepLast, MinNumel, Promote, Schedule
 from aps_comm.scaling import exponents
 from aps_comm.testing import run_distributed
 from benchmarks.hostcost import (
@@ -515,14 +515,16 @@ def test_settled_mixed_format_buckets_give_the_general_paths_bits(world_size: in
 
 
 @pytest.mark.parametrize(
-    "route", ["fsdp/e4m3", "fsdp/e2m1-block", "fsdp/e4m3+stats", "fsdp/e2m1-block+stats"]
+    "route",
+    ["fsdp/e4m3", "fsdp/e2m1-block", "fsdp/e4m3+stats", "fsdp/e2m1-block+stats", "fsdp/e4m3+fp32"],
 )
 def test_a_flat_fsdp_unit_settles_within_the_budget(world: None, route: str) -> None:
     """Issue 46: FSDP2's APS reduce-scatter settles on the unit's layout, not its buffer
     (FSDP allocates a new one every step): 328 ops per unit of 200 parameters before
     (e4m3), 132 of 4; 88 for e2m1 blocks. With ``stats=True`` the records are one kernel
     call (the general path every step before: 326 ops of 200 parameters for e4m3, 86 for
-    e2m1 blocks)."""
+    e2m1 blocks). A unit of several formats (every other parameter in FP32: as many runs
+    as parameters) too (240 ops of 200 parameters before, 44 of 4)."""
     counts = {}
     for layers in (2, 200):
         numels = [300 + 2 * i for i in range(layers)]
@@ -676,6 +678,32 @@ def test_a_settled_fsdp_unit_with_stats_gives_the_general_paths_shards_and_recor
     """Issue 46: ``stats=True`` units settle too; over steps of real FSDP2 on two ranks
     (a NaN included) their shards, bytes and per-parameter records are the general path's."""
     for problems in run_distributed(_settled_fsdp_stats, 2, timeout=120):
+        assert problems == []
+
+
+# Several formats per unit: FP32 beside e4m3 (by name, and small tensors as norms), two
+# wire formats and FP32 with bucket scaling, and the NaN's parameter itself in FP32.
+_SETTLED_MIXED_UNITS = [
+    {"fmt": "e4m3", "policy": [ByName({"*.ps.1": "fp32"})]},
+    {"fmt": "e4m3", "policy": [MinNumel(8, "fp32")]},
+    {"fmt": "e5m2", "scaling": "bucket", "policy": [ByName({"*.ps.0": "fp16", "*.ps.2": "fp32"})]},
+    {"fmt": "e4m3", "policy": [ByName({"units.0.ps.3": "fp32", "*.ps.0": "fp32"})]},
+]
+
+
+def _settled_fsdp_mixed(rank: int, world_size: int) -> list[str]:
+    return [
+        f"{options}: {problem}"
+        for options in _SETTLED_MIXED_UNITS
+        for problem in _settled_fsdp_steps(rank, world_size, options)
+    ]
+
+
+def test_a_settled_fsdp_unit_of_several_formats_gives_the_general_paths_shards() -> None:
+    """Issue 46: units of several formats settle; over steps of real FSDP2 on two ranks
+    their shards and bytes are the general path's, a NaN (in an e4m3 or an FP32
+    parameter) included."""
+    for problems in run_distributed(_settled_fsdp_mixed, 2, timeout=120):
         assert problems == []
 
 
