@@ -580,7 +580,7 @@ class SteadyUnit:
 @dataclasses.dataclass
 class SteadyMixedUnit:
     """:class:`SteadyUnit` for a unit of several formats (a policy keeping some parameters
-    in FP32, or two wire formats), layer or bucket scaling, on the CPU kernels.
+    in FP32, or two wire formats), layer, bucket or no scaling, on the CPU kernels.
 
     The general path codes each run of one format apart, with a gather and a
     scatter per run; bound, one kernel call gathers every run's N rows out of
@@ -1993,16 +1993,12 @@ class Reducer:
         params: tuple[Sequence[str], Sequence[int]],
     ) -> None:
         """Bind the unit's :class:`SteadyUnit` where nothing in it changes per step: one
-        scaled format for every parameter, layer, bucket or block scaling; with
+        scaled format for every parameter, any scaling (several formats:
+        :meth:`_settle_mixed_unit`); with
         ``stats=True`` its records bound too (``params``: each parameter's name and size)."""
         self.steady_units.pop(index, None)
         settings, n = self.settings, self.comm.world_size
-        if (
-            settings.scaling not in (Scaling.LAYER, Scaling.BUCKET, Scaling.BLOCK)
-            or rows.dtype != torch.float32
-            or not rows.is_contiguous()
-            or not all(chunks)
-        ):
+        if rows.dtype != torch.float32 or not rows.is_contiguous() or not all(chunks):
             return
         if len(runs.runs) != 1:
             self._settle_mixed_unit(index, runs, rows, chunks, step)
@@ -2044,8 +2040,8 @@ class Reducer:
                 premax = (
                     torch.empty(segments, **f32) if settings.scaling == Scaling.BUCKET else None
                 )
-                keys_of = np.empty(segments, np.int32) if kernels else None
-                made = _unit_factors(c, agreed, n, scale, unscale, keys_of)
+                keys_of = np.zeros(segments, np.int32) if kernels else None
+                made = _unit_factors(c, agreed, n, scale, unscale, keys_of, settings.scaling)
                 record = functools.partial(
                     _unit_layer_records,
                     c,
@@ -2056,7 +2052,7 @@ class Reducer:
                 )
                 poison = torch.tensor(math.nan, **f32)
             else:
-                made = c.bind_feedback_factors(agreed, n, scale, unscale)
+                made = _unit_factors(c, agreed, n, scale, unscale, None, settings.scaling)
                 poison = torch.tensor(math.inf, **f32)
         self.steady_units[index] = SteadyUnit(
             tuple(chunks),
@@ -2082,7 +2078,7 @@ class Reducer:
     def _settle_mixed_unit(
         self, index: int, runs: RowRuns, rows: torch.Tensor, chunks: Sequence[int], step: int
     ) -> None:
-        """Bind the unit's :class:`SteadyMixedUnit` (several formats; layer or bucket
+        """Bind the unit's :class:`SteadyMixedUnit` (several formats; layer, bucket or no
         scaling, no records, every run's rows whole bytes, the CPU kernels)."""
         settings, n, device = self.settings, self.comm.world_size, rows.device
         scaled = list(dict.fromkeys(r.fmt for r in runs.runs if r.fmt != FP32))
@@ -2129,7 +2125,7 @@ class Reducer:
             scale, unscale = torch.empty(s1 - s0, **f32), torch.empty(s1 - s0, **f32)
             calls.append(
                 (
-                    c.bind_feedback_factors(agreed[s0:s1], n, scale, unscale),
+                    _unit_factors(c, agreed[s0:s1], n, scale, unscale, None, settings.scaling),
                     c.bind_encode(staged[e0:e1], coded[c0:c1], scale, layout),
                     c.bind_decode(landing[c0:c1], values[e0:e1], unscale, layout),
                 )
@@ -2302,9 +2298,16 @@ def _unit_factors(
     scale: torch.Tensor,
     unscale: torch.Tensor,
     keys: np.ndarray | None,
+    scaling: Scaling,
 ) -> Callable[[], object]:
     """A settled unit's factors of its agreed maxima, written into ``scale`` and ``unscale``;
-    on the CPU kernels through int32 ``keys``, which its records then read."""
+    on the CPU kernels through int32 ``keys``, which its records then read.
+    ``scaling="none"``: every exponent 0 (``scale`` 1 for good, ``keys`` left 0), the
+    unscale 1, NaN for a non-finite maximum."""
+    if scaling == Scaling.NONE:
+        scale.fill_(1.0)
+        one, nan = torch.ones_like(agreed[:1]), torch.full_like(agreed[:1], math.nan)
+        return functools.partial(_finite_unscale, agreed, one, nan, unscale)
     if keys is None:
         return c.bind_feedback_factors(agreed, world_size, scale, unscale)
     return functools.partial(
@@ -2314,6 +2317,13 @@ def _unit_factors(
         unscale.numpy(),
         keys,
     )
+
+
+def _finite_unscale(
+    agreed: torch.Tensor, one: torch.Tensor, nan: torch.Tensor, unscale: torch.Tensor
+) -> None:
+    """``scaling="none"``'s unscale: 1 for a finite agreed maximum, else NaN."""
+    torch.where(torch.isfinite(agreed), one, nan, out=unscale)
 
 
 def _unit_layer_records(

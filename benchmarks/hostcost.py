@@ -155,6 +155,7 @@ FSDP_ROUTES: dict[str, dict[str, Any]] = {
     "fsdp/e4m3+stats": {"fmt": "e4m3", "stats": True},
     "fsdp/e2m1-block+stats": {"fmt": "e2m1", "scaling": "block", "stats": True},
     "fsdp/e4m3+fp32": {"fmt": "e4m3", "policy": [ByName(every_other_fp32)]},
+    "fsdp/e4m3+none": {"fmt": "e4m3", "scaling": "none"},
     "hsdp/fp32": {"fmt": "fp32"},
     "hsdp/e4m3": {"fmt": "e4m3"},
     "hsdp/e2m1-block": {"fmt": "e2m1", "scaling": "block"},

@@ -507,7 +507,7 @@ UNIT_NUMELS = [7, 1000, 33, 1, 517, 6]
 
 @pytest.mark.parametrize("stats", [False, True])
 @pytest.mark.parametrize("name", ["e4m3", "e2m1", "bf16"])
-@pytest.mark.parametrize("scaling", ["layer", "bucket"])
+@pytest.mark.parametrize("scaling", ["layer", "bucket", "none"])
 def test_a_settled_fsdp_unit_makes_no_host_traffic(
     monkeypatch: pytest.MonkeyPatch, name: str, scaling: str, stats: bool
 ) -> None:

@@ -516,7 +516,14 @@ def test_settled_mixed_format_buckets_give_the_general_paths_bits(world_size: in
 
 @pytest.mark.parametrize(
     "route",
-    ["fsdp/e4m3", "fsdp/e2m1-block", "fsdp/e4m3+stats", "fsdp/e2m1-block+stats", "fsdp/e4m3+fp32"],
+    [
+        "fsdp/e4m3",
+        "fsdp/e2m1-block",
+        "fsdp/e4m3+stats",
+        "fsdp/e2m1-block+stats",
+        "fsdp/e4m3+fp32",
+        "fsdp/e4m3+none",
+    ],
 )
 def test_a_flat_fsdp_unit_settles_within_the_budget(world: None, route: str) -> None:
     """Issue 46: FSDP2's APS reduce-scatter settles on the unit's layout, not its buffer
@@ -524,7 +531,7 @@ def test_a_flat_fsdp_unit_settles_within_the_budget(world: None, route: str) -> 
     (e4m3), 132 of 4; 88 for e2m1 blocks. With ``stats=True`` the records are one kernel
     call (the general path every step before: 326 ops of 200 parameters for e4m3, 86 for
     e2m1 blocks). A unit of several formats (every other parameter in FP32: as many runs
-    as parameters) too (240 ops of 200 parameters before, 44 of 4)."""
+    as parameters) too (240 ops of 200 parameters before, 44 of 4), and ``scaling="none"``."""
     counts = {}
     for layers in (2, 200):
         numels = [300 + 2 * i for i in range(layers)]
@@ -704,6 +711,29 @@ def test_a_settled_fsdp_unit_of_several_formats_gives_the_general_paths_shards()
     their shards and bytes are the general path's, a NaN (in an e4m3 or an FP32
     parameter) included."""
     for problems in run_distributed(_settled_fsdp_mixed, 2, timeout=120):
+        assert problems == []
+
+
+# No scaling: alone, with records, and beside FP32 parameters.
+_SETTLED_UNSCALED_UNITS = [
+    {"fmt": "e4m3", "scaling": "none"},
+    {"fmt": "e5m2", "scaling": "none", "stats": True},
+    {"fmt": "e4m3", "scaling": "none", "policy": [ByName({"*.ps.1": "fp32"})]},
+]
+
+
+def _settled_fsdp_unscaled(rank: int, world_size: int) -> list[str]:
+    return [
+        f"{options}: {problem}"
+        for options in _SETTLED_UNSCALED_UNITS
+        for problem in _settled_fsdp_steps(rank, world_size, options)
+    ]
+
+
+def test_a_settled_fsdp_unit_without_scaling_gives_the_general_paths_shards() -> None:
+    """Issue 46: ``scaling="none"`` units settle; over steps of real FSDP2 on two ranks
+    their shards, bytes and records are the general path's, a NaN included."""
+    for problems in run_distributed(_settled_fsdp_unscaled, 2, timeout=120):
         assert problems == []
 
 
