@@ -65,7 +65,7 @@ from aps_comm.scaling import (
 )
 from aps_comm.telemetry import StepStats, layer_counts, per_layer
 from aps_comm.topology import NodeGroups
-from aps_comm.workspace import Slot, Workspace
+from aps_comm.workspace import Arena, Slot, Workspace
 
 __all__ = [
     "ONE_CHUNK",
@@ -555,6 +555,8 @@ class SteadyUnit:
         numels: with ``stats=True``, each parameter's size.
         premax: ``scaling="bucket"`` with records: float32 scratch, the agreed maxima of
             every row before the spread (what the records show, as the general path's).
+        workspace: the state's workspace epoch of the unit's slot, which the exchange's,
+            the sum's and the factors' scratch are views of (another one binds it again).
     """
 
     chunks: tuple[int, ...]
@@ -575,6 +577,7 @@ class SteadyUnit:
     names: list[str] = dataclasses.field(default_factory=list)
     numels: list[int] = dataclasses.field(default_factory=list)
     premax: torch.Tensor | None = None
+    workspace: tuple[int, ...] = ()
 
 
 @dataclasses.dataclass
@@ -1979,6 +1982,10 @@ class Reducer:
             or not rows.is_contiguous()
             or st.chunks != tuple(chunks)
             or st.epoch != self.assignment.epoch(step)
+            or (
+                isinstance(st, SteadyUnit)
+                and st.workspace != self.workspace(st.device).epoch(Slot.of(index))
+            )
         ):
             return None
         return st
@@ -2010,13 +2017,21 @@ class Reducer:
         segments, p = layout.n_segments, len(chunks)
         f32 = {"dtype": torch.float32, "device": device}
         kernels = c.backend == "kernels" and device.type == "cpu"
-        scale, unscale = torch.empty(segments, **f32), torch.empty(segments, **f32)
+        # Everything rewritten every step comes from the state's workspace, the slot
+        # alternating with the unit's index (a unit may be on the wire beside the next).
+        ws, slot = self.workspace(device), Slot.of(index)
+        arena = ws.arena(slot)
+        runs = _unit_scratch(runs, arena, n)
+        unscale = arena.take(segments, torch.float32)
+        # No scaling: a scale of 1 written once, so kept out of the shared region.
+        none = settings.scaling == Scaling.NONE
+        scale = torch.empty(segments, **f32) if none else arena.take(segments, torch.float32)
         flags = agreed = premax = record = None
         if settings.scaling == Scaling.BLOCK:
             blocks = run.rows_blocks
             assert blocks is not None
             shared = torch.zeros(segments + 1, dtype=torch.uint8, device=device)
-            local = torch.empty(segments, **f32)
+            local = arena.take(segments, torch.float32)
             flags = torch.empty(len(blocks.counts), dtype=torch.uint8, device=device)
             keys = c.bind_block_keys(
                 rows.reshape(-1), layout, blocks.counts, local, shared[:-1], flags, n
@@ -2024,7 +2039,7 @@ class Reducer:
             if keys is None:  # no fused keys for this backend or format
                 return
             made = c.bind_feedback_factors(shared[:-1], n, scale, unscale, blocks.device_counts)
-            decode = torch.empty(segments, **f32)
+            decode = arena.take(segments, torch.float32)
             poison = torch.tensor(math.nan, **f32)
             if settings.stats:
                 record = functools.partial(
@@ -2032,14 +2047,14 @@ class Reducer:
                 )
         else:
             shared = torch.zeros(p + 1, **f32)
-            local, agreed = torch.empty(segments, **f32), torch.empty(segments, **f32)
+            local = arena.take(segments, torch.float32)
+            agreed = arena.take(segments, torch.float32)
             decode = unscale  # every row's parameters have the same factors
             if settings.stats:
                 # The records read the exponent keys the factors leave behind, and the
                 # maxima as agreed: a flagged unit is poisoned in its unscale instead.
-                premax = (
-                    torch.empty(segments, **f32) if settings.scaling == Scaling.BUCKET else None
-                )
+                bucket = settings.scaling == Scaling.BUCKET
+                premax = arena.take(segments, torch.float32) if bucket else None
                 keys_of = np.zeros(segments, np.int32) if kernels else None
                 made = _unit_factors(c, agreed, n, scale, unscale, keys_of, settings.scaling)
                 record = functools.partial(
@@ -2073,7 +2088,13 @@ class Reducer:
             list(params[0]),
             list(params[1]),
             premax,
+            ws.epoch(slot),
         )
+        if not arena.close():  # the slot grew: cut every view again from its new region
+            self._settle_unit(index, runs, rows, chunks, step, params)
+            return
+        # The general path's own scratch of this layout is no longer needed.
+        self.plan(index, list(chunks) * n, device).row_runs = {}
 
     def _settle_mixed_unit(
         self, index: int, runs: RowRuns, rows: torch.Tensor, chunks: Sequence[int], step: int
@@ -2437,3 +2458,16 @@ def _mixed_layout(
         first, last = run.index[0], run.index[-1] + 1
         lay.sums.append((lay.starts[k], run.lo, run.hi, first, last, int(run.fmt == FP32)))
     return lay
+
+
+def _unit_scratch(runs: RowRuns, arena: Arena, n: int) -> RowRuns:
+    """A settled unit's :class:`aps_comm.plan.RowRuns` with its exchange's and sum's scratch
+    cut from ``arena``: the decoded rows over the send buffer (sent before they are
+    written), the received rows beside them."""
+    send_bytes, values = n * runs.row_bytes, n * runs.row_numel
+    scratch = arena.take(-(-max(send_bytes, 4 * values) // 4), torch.float32)
+    send = scratch.view(torch.uint8)[:send_bytes].view(n, runs.row_bytes)
+    recv = arena.take(send_bytes).view(n, runs.row_bytes)
+    return dataclasses.replace(
+        runs, send=send, recv=recv, values=scratch[:values].view(n, runs.row_numel)
+    )
