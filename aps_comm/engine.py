@@ -2176,6 +2176,8 @@ class Reducer:
             np.concatenate([[0], np.cumsum(chunks)]).astype(np.int64),
             row,
         )
+        # The general path's own scratch of this layout is no longer needed.
+        self.plan(index, list(chunks) * n, device).row_runs = {}
 
     def _run_mixed_unit(
         self, st: SteadyMixedUnit, rows: torch.Tensor, problem: torch.Tensor
@@ -2343,8 +2345,9 @@ def _unit_factors(
 def _finite_unscale(
     agreed: torch.Tensor, one: torch.Tensor, nan: torch.Tensor, unscale: torch.Tensor
 ) -> None:
-    """``scaling="none"``'s unscale: 1 for a finite agreed maximum, else NaN."""
-    torch.where(torch.isfinite(agreed), one, nan, out=unscale)
+    """``scaling="none"``'s unscale: 1 for a finite agreed maximum, else NaN (maxima are
+    never negative, and NaN is not below inf: one comparison, not ``torch.isfinite``'s four)."""
+    torch.where(agreed < math.inf, one, nan, out=unscale)
 
 
 def _unit_layer_records(
