@@ -2075,6 +2075,98 @@ class Codec:
             out,
         )
 
+    def unit_records(
+        self,
+        x: torch.Tensor,
+        layout: Layout,
+        counts: np.ndarray,
+        keys: torch.Tensor | np.ndarray,
+        maxima: torch.Tensor,
+        n_rows: int,
+        out: torch.Tensor,
+    ) -> None:
+        """:meth:`block_records` of an FSDP unit's N rows, one row of float64 ``out`` (P, 5)
+        per parameter over every row's chunk, in one kernel call: a settled unit's records.
+
+        Args:
+            x: the N rows, contiguous float32, row r every parameter's r-th chunk.
+            layout: its segments: ``counts[p]`` per chunk (one with layer scaling,
+                its blocks with block scaling), row after row.
+            counts: int64, segments per chunk (P).
+            keys: one exponent key per segment: int32 (:meth:`AgreedMaxima.host_factors_into`'s
+                scratch) or uint8 block keys.
+            maxima: float32, one per segment.
+            n_rows: N.
+            out: float64 (P, 5): the smallest exponent, the largest maximum and the
+                summed counts of each parameter's segments.
+
+        Raises:
+            ValueError: the codec's backend is not "kernels", or ``x`` is not
+                contiguous float32 of ``layout.numel`` elements.
+
+        Example:
+            >>> c = Codec("e4m3", torch.device("cpu"), backend="kernels")
+            >>> out = torch.empty(1, 5, dtype=torch.float64)
+            >>> layout = Layout.from_numels([2, 2], torch.device("cpu"))  # 2 rows of 1 chunk
+            >>> c.unit_records(torch.tensor([1.0, 1e-9, 0.0, 500.0]), layout, np.array([1]),
+            ...                np.array([127, 127], np.int32), torch.tensor([500.0, 500.0]), 2, out)
+            >>> out.tolist()
+            [[0.0, 500.0, 3.0, 1.0, 1.0]]
+        """
+        self._check_records(x, layout)
+        _kernel(
+            "unit_records", x, layout.offsets.numpy(), counts, keys, maxima, n_rows, self.fmt, out
+        )
+
+    def copy_spans(self, src: torch.Tensor, dst: torch.Tensor, spans: np.ndarray) -> None:
+        """Byte spans of contiguous CPU ``src`` copied into ``dst`` in one kernel call
+        (int64 ``spans`` (K, 3): source offset, destination offset, length, in bytes):
+        a settled FSDP unit of several formats gathers and scatters its runs' rows so.
+
+        Raises:
+            ValueError: the codec's backend is not "kernels", or a tensor is not contiguous.
+
+        Example:
+            >>> c = Codec("e4m3", torch.device("cpu"), backend="kernels")
+            >>> dst = torch.zeros(2, dtype=torch.uint8)
+            >>> c.copy_spans(torch.tensor([5, 6, 7], dtype=torch.uint8), dst, np.array([[2, 0, 1]]))
+            >>> dst.tolist()
+            [7, 0]
+        """
+        if self.backend != "kernels" or not (src.is_contiguous() and dst.is_contiguous()):
+            raise ValueError(
+                f"copy_spans runs the CPU kernels on contiguous tensors, got backend "
+                f"{self.backend!r}"
+            )
+        _kernel("copy_spans", src, dst, spans)
+
+    def sum_runs(
+        self,
+        values: torch.Tensor,
+        out: torch.Tensor,
+        runs: np.ndarray,
+        n_rows: int,
+        offsets: np.ndarray,
+        maxima: torch.Tensor,
+    ) -> torch.Tensor:
+        """An FSDP unit's N decoded rows summed run by run into ``out``, in one kernel call:
+        the bits of :meth:`sum_rows`, and each FP32 run's parameters NaN where their agreed
+        maximum is not (:func:`aps_comm.cpu_kernels.sum_runs` says how ``runs`` lays them out).
+
+        Raises:
+            ValueError: the codec's backend is not "kernels".
+
+        Example:
+            >>> c = Codec("e4m3", torch.device("cpu"), backend="kernels")
+            >>> c.sum_runs(torch.tensor([1.0, 2.0]), torch.empty(1), np.array([[0, 0, 1, 0, 1, 1]]),
+            ...            2, np.array([0, 1]), torch.tensor([2.0]))
+            tensor([3.])
+        """
+        if self.backend != "kernels":
+            raise ValueError(f"sum_runs runs the CPU kernels, not {self.backend!r}")
+        _kernel("sum_runs", values, out, runs, n_rows, offsets, maxima)
+        return out
+
     def _check_records(self, x: torch.Tensor, layout: Layout) -> None:
         if self.backend != "kernels":
             raise ValueError(f"the records' kernels run on 'kernels', not {self.backend!r}")

@@ -65,6 +65,7 @@ __all__ = [
     "block_amax",
     "block_factors_into",
     "block_records",
+    "copy_spans",
     "decode",
     "decode_agreed_blocks",
     "decode_rank_blocks",
@@ -92,9 +93,11 @@ __all__ = [
     "send_rank_blocks",
     "spread_maximum",
     "sum_rows",
+    "sum_runs",
     "supports",
     "two_phase_keys",
     "underflow_rates",
+    "unit_records",
 ]
 
 _BLOCK = 2048  # elements per block of the owner reduction's float32 sum: fits L1
@@ -2616,3 +2619,136 @@ def decode_agreed_blocks(
         fmt.wire_bits,
         _NO_RUNS,
     )
+def unit_records(
+    x: torch.Tensor,
+    offsets: np.ndarray,
+    counts: np.ndarray,
+    keys: torch.Tensor | np.ndarray,
+    maxima: torch.Tensor,
+    n_rows: int,
+    fmt: FloatFormat,
+    out: torch.Tensor,
+) -> None:
+    """:func:`block_records` of an FSDP unit's N rows, folded per parameter over the rows.
+
+    ``x`` holds N rows, row r every parameter's r-th chunk in order, each
+    chunk cut into ``counts[p]`` segments (one with layer scaling, its blocks
+    with block scaling); segment b's bounds are ``offsets[b:b + 2]``. Row p of
+    ``out``: the smallest exponent of parameter p's segments in every row (the
+    exponent keys ``keys``: int32 of :func:`maxima_factors_into`, or uint8
+    block keys), the largest of their ``maxima`` and their summed counts: what
+    the unit's general path records, with no per-parameter work on the host.
+
+    Example:
+        >>> from aps_comm.formats import E4M3
+        >>> out = torch.empty(1, 5, dtype=torch.float64)
+        >>> x = torch.tensor([1.0, 1e-9, 0.0, 500.0])  # 2 rows of one 2-element chunk
+        >>> unit_records(x, np.array([0, 2, 4]), np.array([1]), np.array([127, 127], np.int32),
+        ...              torch.tensor([500.0, 500.0]), 2, E4M3, out)
+        >>> out.tolist()
+        [[0.0, 500.0, 3.0, 1.0, 1.0]]
+    """
+    tiny, fmax = np.float32(fmt.min_subnormal / 2), np.float32(fmt.max)
+    ka = keys if isinstance(keys, np.ndarray) else _np(keys)
+    _unit_records(_np(x), offsets, counts, ka, _np(maxima), n_rows, tiny, fmax, _np(out))
+
+
+if AVAILABLE:
+
+    @_njit
+    def _unit_records(x, offsets, counts, keys, maxima, n_rows, tiny, fmax, out):
+        per_row = 0
+        for p in range(len(counts)):
+            per_row += counts[p]
+        first = 0
+        for p in range(len(counts)):
+            smallest = 0
+            largest = np.float32(0.0)
+            nonzero = under = saturated = 0
+            j = 0
+            for r in range(n_rows):
+                for i in range(counts[p]):
+                    b = r * per_row + first + i
+                    e = _key_exponent(keys[b])
+                    smallest = e if j == 0 else min(smallest, e)
+                    largest = max(largest, maxima[b])
+                    n, u, s = _scaled_counts(x, offsets[b], offsets[b + 1], e, tiny, fmax)
+                    nonzero += n
+                    under += u
+                    saturated += s
+                    j += 1
+            out[p, 0] = smallest
+            out[p, 1] = largest
+            out[p, 2] = nonzero
+            out[p, 3] = under
+            out[p, 4] = saturated
+            first += counts[p]
+
+
+def copy_spans(src: torch.Tensor, dst: torch.Tensor, spans: np.ndarray) -> None:
+    """Copy byte spans of contiguous ``src`` into contiguous ``dst``, in one call.
+
+    ``spans`` is int64 (K, 3): each row's source offset, destination offset
+    and length, in bytes of the two tensors (any dtypes). An FSDP unit of
+    several formats gathers every run's rows with it, and scatters them back.
+
+    Example:
+        >>> dst = torch.zeros(4, dtype=torch.uint8)
+        >>> copy_spans(torch.arange(4, dtype=torch.uint8), dst, np.array([[0, 2, 2], [3, 0, 1]]))
+        >>> dst.tolist()
+        [3, 0, 0, 1]
+    """
+    _copy_spans(_np(src.view(-1)).view(np.uint8), _np(dst.view(-1)).view(np.uint8), spans)
+
+
+def sum_runs(
+    values: torch.Tensor,
+    out: torch.Tensor,
+    runs: np.ndarray,
+    n_rows: int,
+    offsets: np.ndarray,
+    maxima: torch.Tensor,
+) -> None:
+    """Every run's N decoded rows summed into ``out``, in float32 in row order (the bits
+    of :func:`sum_rows`), and the runs sent exactly made NaN where their maxima are not finite.
+
+    Args:
+        values: float32, each run's N rows of ``hi - lo`` elements end to end from ``start``.
+        out: float32, one row (the unit's reduce-scatter result).
+        runs: int64 (R, 6): start in ``values``, the run's ``lo`` and ``hi`` in the row,
+            its first and last parameter (exclusive), and 1 where it travels in FP32.
+        n_rows: N.
+        offsets: int64, the parameters' chunk bounds in the row (P + 1).
+        maxima: float32, every parameter's agreed maximum (inf: non-finite on some rank).
+
+    Example:
+        >>> out = torch.empty(3)
+        >>> sum_runs(torch.tensor([1.0, 2.0, 3.0, 4.0, 5.0, 6.0]), out,
+        ...          np.array([[0, 0, 2, 0, 1, 0], [4, 2, 3, 1, 2, 1]]), 2,
+        ...          np.array([0, 2, 3]), torch.tensor([1.0, float("inf")]))
+        >>> out.tolist()
+        [4.0, 6.0, nan]
+    """
+    _sum_runs(_np(values), _np(out), runs, n_rows, offsets, _np(maxima))
+
+
+if AVAILABLE:
+
+    @_njit
+    def _copy_spans(src, dst, spans):
+        for k in range(spans.shape[0]):
+            a, b, m = spans[k, 0], spans[k, 1], spans[k, 2]
+            for i in range(m):
+                dst[b + i] = src[a + i]
+
+    @_njit
+    def _sum_runs(values, out, runs, n_rows, offsets, maxima):
+        for k in range(runs.shape[0]):
+            start, lo, hi = runs[k, 0], runs[k, 1], runs[k, 2]
+            width = hi - lo
+            _sum_rows(values[start : start + n_rows * width].reshape((n_rows, width)), out[lo:hi])
+            if runs[k, 5]:
+                for p in range(runs[k, 3], runs[k, 4]):
+                    if not np.isfinite(maxima[p]):
+                        for i in range(offsets[p], offsets[p + 1]):
+                            out[i] = np.float32(np.nan)

@@ -47,6 +47,7 @@ from aps_comm.config import DEFAULT_BLOCK_SIZE, BlockExponents, Reduction, Route
 from aps_comm.feedback import ErrorFeedback
 from aps_comm.formats import FP32, FloatFormat, payload_nbytes, pow2
 from aps_comm.hostcopy import to_device
+from aps_comm.layout import Blocks, Layout
 from aps_comm.plan import BucketPlan, GroupPlan, Planner, RowRuns
 from aps_comm.policy import Assignment
 from aps_comm.reduction import native_sum_supported, resolve_routes
@@ -64,7 +65,7 @@ from aps_comm.scaling import (
 )
 from aps_comm.telemetry import StepStats, layer_counts, per_layer
 from aps_comm.topology import NodeGroups
-from aps_comm.workspace import Slot, Workspace
+from aps_comm.workspace import Arena, Slot, Workspace
 
 __all__ = [
     "ONE_CHUNK",
@@ -76,6 +77,7 @@ __all__ = [
     "SteadyBlocks",
     "SteadyFeedback",
     "SteadyGroups",
+    "SteadyMixedUnit",
     "SteadyStaged",
     "SteadyUnit",
     "Traffic",
@@ -748,7 +750,17 @@ class SteadyUnit:
             (block: this rank's row's blocks N times; layer: ``unscale`` itself).
         factors: writes ``scale`` and ``unscale`` from the agreed maxima or keys.
         poison: 0-d float32, what a non-finite parameter or the flag writes: inf into the
-            agreed maxima (layer), NaN into ``decode`` (block).
+            agreed maxima (layer), NaN into ``decode`` (block, and layer with records: the
+            records' exponents are those of the agreed maxima, as the general path's).
+        record: with ``stats=True``, the step's records from the N rows: float64 (P, 5),
+            one row per parameter (:meth:`aps_comm.telemetry.StepStats.add_rows`), the
+            general path's values (one kernel call on the CPU kernels).
+        names: with ``stats=True``, each parameter's name.
+        numels: with ``stats=True``, each parameter's size.
+        premax: ``scaling="bucket"`` with records: float32 scratch, the agreed maxima of
+            every row before the spread (what the records show, as the general path's).
+        workspace: the state's workspace epoch of the unit's slot, which the exchange's,
+            the sum's and the factors' scratch are views of (another one binds it again).
     """
 
     chunks: tuple[int, ...]
@@ -765,6 +777,75 @@ class SteadyUnit:
     decode: torch.Tensor
     factors: Callable[[], object]
     poison: torch.Tensor
+    record: Callable[[torch.Tensor], torch.Tensor] | None = None
+    names: list[str] = dataclasses.field(default_factory=list)
+    numels: list[int] = dataclasses.field(default_factory=list)
+    premax: torch.Tensor | None = None
+    workspace: tuple[int, ...] = ()
+
+
+@dataclasses.dataclass
+class SteadyMixedUnit:
+    """:class:`SteadyUnit` for a unit of several formats (a policy keeping some parameters
+    in FP32, or two wire formats), layer, bucket or no scaling, on the CPU kernels.
+
+    The general path codes each run of one format apart, with a gather and a
+    scatter per run; bound, one kernel call gathers every run's N rows out of
+    FSDP's input (the FP32 runs straight into the send buffer, as the general
+    path's exact FP32 encode leaves them), each scaled format is encoded and
+    decoded once for all its runs, one call scatters the codes into the rows
+    and one gathers the received rows back, and one sums every run's rows
+    (an FP32 parameter NaN where its agreed maximum is not finite, as the
+    general path's unscale makes it): a fixed handful of calls per unit for
+    any number of parameters and runs, the general path's bytes and bits.
+
+    Attributes:
+        chunks: the parameters' padded chunks (the layout it is bound to).
+        numel: elements of the N rows.
+        device: the rows' device (CPU).
+        epoch: the policy's epoch of its formats.
+        codec: a scaled format's codec (the shared kernels: maxima, spans, sums).
+        layout: the N rows' chunks (the maxima's segments).
+        shared: float32, the MAX all-reduce's vector: the parameters' maxima, then the flag.
+        local: float32, each row's maximum of every chunk (N x P).
+        maxima: float32, the agreed maxima (inf for every parameter of a flagged unit).
+        perm: int64, for each scaled format's segments in turn, its parameter.
+        agreed: float32, ``maxima[perm]``: each scaled format's maxima, run by run, row by row.
+        poison: 0-d float32 inf (what the flag writes into ``maxima``).
+        spreads: ``scaling="bucket"``: each format's agreed maxima, spread in place.
+        calls: per scaled format its factors, encode and decode, bound.
+        spans: the gather out of the rows, the scatter of the codes into the send
+            buffer, and the gather out of the received rows (:meth:`aps_comm.codec.Codec.copy_spans`).
+        buffers: the gather's arena (send buffer, then the scaled runs' values), the
+            codes, the received rows, the landing arena (codes, then every run's values).
+        send: the send buffer (N encoded rows).
+        values: float32, every run's N decoded rows end to end.
+        sums: int64 (R, 6), each run's place in ``values``, row and parameters (:meth:`aps_comm.codec.Codec.sum_runs`).
+        offsets: int64, the chunks' bounds in a row (P + 1).
+        row_numel: elements per row.
+    """
+
+    chunks: tuple[int, ...]
+    numel: int
+    device: torch.device
+    epoch: tuple[int, ...]
+    codec: codec.Codec
+    layout: Layout
+    shared: torch.Tensor
+    local: torch.Tensor
+    maxima: torch.Tensor
+    perm: torch.Tensor
+    agreed: torch.Tensor
+    poison: torch.Tensor
+    spreads: list[AgreedMaxima]
+    calls: list[tuple[Callable[[], object], Callable[[], object], Callable[[], object]]]
+    spans: tuple[np.ndarray, np.ndarray, np.ndarray]
+    buffers: tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]
+    send: torch.Tensor
+    values: torch.Tensor
+    sums: np.ndarray
+    offsets: np.ndarray
+    row_numel: int
 
 
 class Reducer:
@@ -808,7 +889,7 @@ class Reducer:
         # Per device: the buckets' scratch, shared (:mod:`aps_comm.workspace`).
         self.workspaces: dict[str, Workspace] = {}
         # Per FSDP unit index: its bound reduce-scatter once settled (:class:`SteadyUnit`).
-        self.steady_units: dict[int, SteadyUnit] = {}
+        self.steady_units: dict[int, SteadyUnit | SteadyMixedUnit] = {}
         # The current step's number (Schedule's): the last one :meth:`bucket` was
         # given, advanced by :meth:`end_step`, so settled buckets know it too.
         self.step = 0
@@ -2236,8 +2317,10 @@ class Reducer:
         comm, settings = self.comm, self.settings
         n, p = comm.world_size, len(chunks)
         st = self._steady_unit(index, rows, chunks, step)
+        if isinstance(st, SteadyMixedUnit):
+            return self._run_mixed_unit(st, rows, problem)
         if st is not None:
-            return self._run_unit(st, rows, problem)
+            return self._run_unit(index, st, rows, problem)
         plan = self.plan(index, list(chunks) * n, rows.device)
         if settings.scaling == Scaling.BLOCK:
             return self._unit_blocks(plan, index, rows, numels, names, step, problem)
@@ -2285,7 +2368,7 @@ class Reducer:
                     amax[run.index_tensor],
                     counts,
                 )
-        self._settle_unit(index, runs, rows, chunks, step)
+        self._settle_unit(index, runs, rows, chunks, step, (names, numels))
         return out
 
     def _unit_blocks(
@@ -2367,13 +2450,13 @@ class Reducer:
                     largest.view(n, -1).amax(0),
                     counts.view(n, -1, 3).sum(0),
                 )
-        self._settle_unit(index, runs, rows, plan.numels[: len(numels)], step)
+        self._settle_unit(index, runs, rows, plan.numels[: len(numels)], step, (names, numels))
         return out
 
     def _steady_unit(
         self, index: int, rows: torch.Tensor, chunks: Sequence[int], step: int
-    ) -> SteadyUnit | None:
-        """The unit's :class:`SteadyUnit` where this call fits the layout and formats it
+    ) -> SteadyUnit | SteadyMixedUnit | None:
+        """The unit's :class:`SteadyUnit` (or :class:`SteadyMixedUnit`) where this call fits the layout and formats it
         was bound to (any buffer of that layout: FSDP allocates a new one every step)."""
         st = self.steady_units.get(index)
         if (
@@ -2384,6 +2467,10 @@ class Reducer:
             or not rows.is_contiguous()
             or st.chunks != tuple(chunks)
             or st.epoch != self.assignment.epoch(step)
+            or (
+                isinstance(st, SteadyUnit)
+                and st.workspace != self.workspace(st.device).epoch(Slot.of(index))
+            )
         ):
             return None
         return st
@@ -2395,33 +2482,41 @@ class Reducer:
         rows: torch.Tensor,
         chunks: Sequence[int],
         step: int,
+        params: tuple[Sequence[str], Sequence[int]],
     ) -> None:
         """Bind the unit's :class:`SteadyUnit` where nothing in it changes per step: one
-        scaled format for every parameter, layer, bucket or block scaling, no records."""
+        scaled format for every parameter, any scaling (several formats:
+        :meth:`_settle_mixed_unit`); with
+        ``stats=True`` its records bound too (``params``: each parameter's name and size)."""
         self.steady_units.pop(index, None)
         settings, n = self.settings, self.comm.world_size
-        if (
-            settings.stats
-            or settings.scaling not in (Scaling.LAYER, Scaling.BUCKET, Scaling.BLOCK)
-            or len(runs.runs) != 1
-            or rows.dtype != torch.float32
-            or not rows.is_contiguous()
-            or not all(chunks)
-        ):
+        if rows.dtype != torch.float32 or not rows.is_contiguous() or not all(chunks):
+            return
+        if len(runs.runs) != 1:
+            self._settle_mixed_unit(index, runs, rows, chunks, step)
             return
         run, device = runs.runs[0], rows.device
         c, layout = run.codec, run.rows_layout
         if run.fmt == FP32 or not run.packed_rows:
             return
-        segments = layout.n_segments
+        segments, p = layout.n_segments, len(chunks)
         f32 = {"dtype": torch.float32, "device": device}
-        scale, unscale = torch.empty(segments, **f32), torch.empty(segments, **f32)
-        flags = agreed = None
+        kernels = c.backend == "kernels" and device.type == "cpu"
+        # Everything rewritten every step comes from the state's workspace, the slot
+        # alternating with the unit's index (a unit may be on the wire beside the next).
+        ws, slot = self.workspace(device), Slot.of(index)
+        arena = ws.arena(slot)
+        runs = _unit_scratch(runs, arena, n)
+        unscale = arena.take(segments, torch.float32)
+        # No scaling: a scale of 1 written once, so kept out of the shared region.
+        none = settings.scaling == Scaling.NONE
+        scale = torch.empty(segments, **f32) if none else arena.take(segments, torch.float32)
+        flags = agreed = premax = record = None
         if settings.scaling == Scaling.BLOCK:
             blocks = run.rows_blocks
             assert blocks is not None
             shared = torch.zeros(segments + 1, dtype=torch.uint8, device=device)
-            local = torch.empty(segments, **f32)
+            local = arena.take(segments, torch.float32)
             flags = torch.empty(len(blocks.counts), dtype=torch.uint8, device=device)
             keys = c.bind_block_keys(
                 rows.reshape(-1), layout, blocks.counts, local, shared[:-1], flags, n
@@ -2429,14 +2524,36 @@ class Reducer:
             if keys is None:  # no fused keys for this backend or format
                 return
             made = c.bind_feedback_factors(shared[:-1], n, scale, unscale, blocks.device_counts)
-            decode = torch.empty(segments, **f32)
+            decode = arena.take(segments, torch.float32)
             poison = torch.tensor(math.nan, **f32)
+            if settings.stats:
+                record = functools.partial(
+                    _unit_block_records, c, blocks, shared[:-1], local, n, p, kernels
+                )
         else:
-            shared = torch.zeros(len(chunks) + 1, **f32)
-            local, agreed = torch.empty(segments, **f32), torch.empty(segments, **f32)
-            made = c.bind_feedback_factors(agreed, n, scale, unscale)
+            shared = torch.zeros(p + 1, **f32)
+            local = arena.take(segments, torch.float32)
+            agreed = arena.take(segments, torch.float32)
             decode = unscale  # every row's parameters have the same factors
-            poison = torch.tensor(math.inf, **f32)
+            if settings.stats:
+                # The records read the exponent keys the factors leave behind, and the
+                # maxima as agreed: a flagged unit is poisoned in its unscale instead.
+                bucket = settings.scaling == Scaling.BUCKET
+                premax = arena.take(segments, torch.float32) if bucket else None
+                keys_of = np.zeros(segments, np.int32) if kernels else None
+                made = _unit_factors(c, agreed, n, scale, unscale, keys_of, settings.scaling)
+                record = functools.partial(
+                    _unit_layer_records,
+                    c,
+                    layout,
+                    keys_of,
+                    agreed if premax is None else premax,
+                    (n, p, settings.scaling),
+                )
+                poison = torch.tensor(math.nan, **f32)
+            else:
+                made = _unit_factors(c, agreed, n, scale, unscale, None, settings.scaling)
+                poison = torch.tensor(math.inf, **f32)
         self.steady_units[index] = SteadyUnit(
             tuple(chunks),
             rows.numel(),
@@ -2452,10 +2569,138 @@ class Reducer:
             decode,
             made,
             poison,
+            record,
+            list(params[0]),
+            list(params[1]),
+            premax,
+            ws.epoch(slot),
         )
+        if not arena.close():  # the slot grew: cut every view again from its new region
+            self._settle_unit(index, runs, rows, chunks, step, params)
+            return
+        # The general path's own scratch of this layout is no longer needed.
+        self.plan(index, list(chunks) * n, device).row_runs = {}
 
-    def _run_unit(self, st: SteadyUnit, rows: torch.Tensor, problem: torch.Tensor) -> torch.Tensor:
-        """:meth:`unit` along its :class:`SteadyUnit`: the same collectives, bytes and bits."""
+    def _settle_mixed_unit(
+        self, index: int, runs: RowRuns, rows: torch.Tensor, chunks: Sequence[int], step: int
+    ) -> None:
+        """Bind the unit's :class:`SteadyMixedUnit` (several formats; layer, bucket or no
+        scaling, no records, every run's rows whole bytes, the CPU kernels)."""
+        settings, n, device = self.settings, self.comm.world_size, rows.device
+        scaled = list(dict.fromkeys(r.fmt for r in runs.runs if r.fmt != FP32))
+        codecs = [codec.codec_for(f, device) for f in scaled]
+        if (
+            settings.stats
+            or settings.scaling == Scaling.BLOCK
+            or not scaled
+            or not all(r.packed_rows for r in runs.runs)
+            or any(c.backend != "kernels" for c in codecs)
+        ):
+            return
+        p, row, row_bytes = len(chunks), runs.row_numel, runs.row_bytes
+        lay = _mixed_layout(runs, chunks, scaled, n)
+        send_end = -(-n * row_bytes // 4) * 4  # the scaled runs' float32 values follow
+        codes_end = -(-lay.coded // 4) * 4
+        gather, scatter, receive = [], [], []
+        for k, run in enumerate(runs.runs):
+            w, wb, start = run.hi - run.lo, run.b1 - run.b0, lay.starts[k]
+            for r in range(n):
+                src, wire = 4 * (r * row + run.lo), r * row_bytes + run.b0
+                if run.fmt == FP32:  # sent exactly: its float32 bytes are its codes
+                    gather.append((src, wire, 4 * w))
+                    receive.append((wire, codes_end + 4 * (start + r * w), 4 * w))
+                else:
+                    gather.append((src, send_end + 4 * (start + r * w), 4 * w))
+                    scatter.append((lay.code_starts[k] + r * wb, wire, wb))
+                    receive.append((wire, lay.code_starts[k] + r * wb, wb))
+        u8 = {"dtype": torch.uint8, "device": device}
+        arena = torch.empty(send_end + 4 * lay.scaled_numel, **u8)
+        coded, recv = torch.empty(lay.coded, **u8), torch.empty(n * row_bytes, **u8)
+        landing = torch.empty(codes_end + 4 * n * row, **u8)
+        staged, values = (
+            arena[send_end:].view(torch.float32),
+            landing[codes_end:].view(torch.float32),
+        )
+        f32 = {"dtype": torch.float32, "device": device}
+        agreed = torch.empty(len(lay.perm), **f32)
+        calls, spreads = [], []
+        for c, (e0, e1), (s0, s1), (c0, c1), numels in zip(
+            codecs, lay.elements, lay.segments, lay.codes, lay.numels, strict=True
+        ):
+            layout = Layout.from_numels(numels, device)
+            scale, unscale = torch.empty(s1 - s0, **f32), torch.empty(s1 - s0, **f32)
+            calls.append(
+                (
+                    _unit_factors(c, agreed[s0:s1], n, scale, unscale, None, settings.scaling),
+                    c.bind_encode(staged[e0:e1], coded[c0:c1], scale, layout),
+                    c.bind_decode(landing[c0:c1], values[e0:e1], unscale, layout),
+                )
+            )
+            if settings.scaling == Scaling.BUCKET:
+                spreads.append(AgreedMaxima(agreed[s0:s1], n))
+        self.steady_units[index] = SteadyMixedUnit(
+            tuple(chunks),
+            rows.numel(),
+            device,
+            self.assignment.epoch(step),
+            codecs[0],
+            self.plan(index, list(chunks) * n, device).layout,
+            torch.zeros(p + 1, **f32),
+            torch.empty(n * p, **f32),
+            torch.empty(p, **f32),
+            to_device(torch.tensor(lay.perm, dtype=torch.long), device),
+            agreed,
+            torch.tensor(math.inf, **f32),
+            spreads,
+            calls,
+            tuple(np.array(sp, np.int64).reshape(-1, 3) for sp in (gather, scatter, receive)),
+            (arena, coded, recv, landing),
+            arena[: n * row_bytes],
+            values,
+            np.array(lay.sums, np.int64).reshape(-1, 6),
+            np.concatenate([[0], np.cumsum(chunks)]).astype(np.int64),
+            row,
+        )
+        # The general path's own scratch of this layout is no longer needed.
+        self.plan(index, list(chunks) * n, device).row_runs = {}
+
+    def _run_mixed_unit(
+        self, st: SteadyMixedUnit, rows: torch.Tensor, problem: torch.Tensor
+    ) -> torch.Tensor:
+        """:meth:`unit` along its :class:`SteadyMixedUnit`: the general path's collectives,
+        bytes and bits."""
+        comm, c, x = self.comm, st.codec, rows.reshape(-1)
+        n, shared, k = comm.world_size, st.shared, st.shared.numel() - 1
+        arena, coded, recv, landing = st.buffers
+        gather, scatter, receive = st.spans
+        c.layer_maxima(x, st.layout, st.local)
+        torch.amax(st.local.view(n, k), 0, out=shared[:k])
+        # The flag rides on the maxima, so no rank needs a host read to learn it.
+        shared[k:].copy_(problem.reshape(1))
+        transports.all_reduce_max(shared, comm.group, self.traffic)
+        problem.copy_(shared[k])
+        # A flagged unit is NaN on every rank: its maxima all non-finite.
+        torch.where(shared[k] > 0, st.poison, shared[:k], out=st.maxima)
+        torch.index_select(st.maxima, 0, st.perm, out=st.agreed)
+        for spread in st.spreads:
+            spread.spread()
+        c.copy_spans(rows, arena, gather)
+        for made, encode, _ in st.calls:
+            made()
+            encode()
+        c.copy_spans(coded, arena, scatter)
+        transports.rows_exchange(st.send, recv, comm.group, self.traffic)
+        c.copy_spans(recv, landing, receive)
+        for _, _, decode in st.calls:
+            decode()
+        out = torch.empty(st.row_numel, dtype=torch.float32, device=rows.device)
+        return c.sum_runs(st.values, out, st.sums, n, st.offsets, st.maxima)
+
+    def _run_unit(
+        self, index: int, st: SteadyUnit, rows: torch.Tensor, problem: torch.Tensor
+    ) -> torch.Tensor:
+        """:meth:`unit` along its :class:`SteadyUnit`: the same collectives, bytes, bits and
+        records."""
         comm, run = self.comm, st.runs.runs[0]
         n, c, layout, x = comm.world_size, run.codec, run.rows_layout, rows.reshape(-1)
         shared, k = st.shared, st.shared.numel() - 1
@@ -2473,7 +2718,17 @@ class Reducer:
         transports.all_reduce_max(shared, comm.group, self.traffic)
         problem.copy_(shared[k])
         flagged = shared[k] > 0
-        if st.agreed is not None:
+        if st.agreed is not None and st.record is not None:
+            if st.premax is not None:  # the records show the maxima before the spread
+                st.premax.view(n, k).copy_(shared[:k].expand(n, k))
+            if self.settings.scaling == Scaling.BUCKET:
+                AgreedMaxima(shared[:k], n).spread()
+            st.agreed.view(n, k).copy_(shared[:k].expand(n, k))
+            st.factors()
+            self.stats.add_rows(index, st.names, st.numels, run.fmt, st.record(x))
+            # A flagged unit is NaN on every rank (its parameters' unscale NaN).
+            torch.where(flagged, st.poison, st.unscale, out=st.unscale)
+        elif st.agreed is not None:
             if self.settings.scaling == Scaling.BUCKET:
                 AgreedMaxima(shared[:k], n).spread()
             # A flagged unit is NaN on every rank: its maxima all non-finite.
@@ -2481,6 +2736,8 @@ class Reducer:
             st.factors()
         else:
             st.factors()
+            if st.record is not None:
+                self.stats.add_rows(index, st.names, st.numels, run.fmt, st.record(x))
             # A parameter with a non-finite block in any row is NaN in every row (its
             # blocks' unscale in that row is NaN); every rank sends this rank its row.
             per_row = st.unscale.view(n, -1)
@@ -2549,3 +2806,165 @@ def _owner_with_feedback(
     out: torch.Tensor,
 ) -> None:
     fb.owner_reduce(g.codec, g.layout, g.numels, names, scale, finite, recv, out)
+
+
+def _unit_factors(
+    c: codec.Codec,
+    agreed: torch.Tensor,
+    world_size: int,
+    scale: torch.Tensor,
+    unscale: torch.Tensor,
+    keys: np.ndarray | None,
+    scaling: Scaling,
+) -> Callable[[], object]:
+    """A settled unit's factors of its agreed maxima, written into ``scale`` and ``unscale``;
+    on the CPU kernels through int32 ``keys``, which its records then read.
+    ``scaling="none"``: every exponent 0 (``scale`` 1 for good, ``keys`` left 0), the
+    unscale 1, NaN for a non-finite maximum."""
+    if scaling == Scaling.NONE:
+        scale.fill_(1.0)
+        one, nan = torch.ones_like(agreed[:1]), torch.full_like(agreed[:1], math.nan)
+        return functools.partial(_finite_unscale, agreed, one, nan, unscale)
+    if keys is None:
+        return c.bind_feedback_factors(agreed, world_size, scale, unscale)
+    return functools.partial(
+        AgreedMaxima(agreed, world_size).host_factors_into,
+        c.fmt,
+        scale.numpy(),
+        unscale.numpy(),
+        keys,
+    )
+
+
+def _finite_unscale(
+    agreed: torch.Tensor, one: torch.Tensor, nan: torch.Tensor, unscale: torch.Tensor
+) -> None:
+    """``scaling="none"``'s unscale: 1 for a finite agreed maximum, else NaN (maxima are
+    never negative, and NaN is not below inf: one comparison, not ``torch.isfinite``'s four)."""
+    torch.where(agreed < math.inf, one, nan, out=unscale)
+
+
+def _unit_layer_records(
+    c: codec.Codec,
+    layout: Layout,
+    keys: np.ndarray | None,
+    maxima: torch.Tensor,
+    shape: tuple[int, int, Scaling],
+    x: torch.Tensor,
+) -> torch.Tensor:
+    """A settled unit's records with one exponent per parameter: float64 (P, 5) from the N
+    rows ``x``, the agreed ``maxima`` of every row and the factors' exponent ``keys``
+    (one kernel call); without the CPU kernels, a fixed handful of device ops."""
+    n, p, scaling = shape
+    if keys is not None:
+        out = torch.empty(p, 5, dtype=torch.float64, device=x.device)
+        c.unit_records(x, layout, np.ones(p, np.int64), keys, maxima, n, out)
+        return out
+    amax = maxima[:p]
+    exps = factors(amax, c.fmt, Route.TWO_PHASE, world_size=n, scaling=scaling).exponents
+    counts = layer_counts(x, layout.lengths, exps.repeat(n), c.fmt).view(n, p, 3).sum(0)
+    return torch.cat([exps.double()[:, None], amax.double()[:, None], counts.double()], 1)
+
+
+def _unit_block_records(
+    c: codec.Codec,
+    blocks: Blocks,
+    keys: torch.Tensor,
+    maxima: torch.Tensor,
+    n: int,
+    p: int,
+    kernels: bool,
+    x: torch.Tensor,
+) -> torch.Tensor:
+    """:func:`_unit_layer_records` with block scaling: every block under its agreed key,
+    the largest of this rank's block ``maxima``, folded per parameter over the N rows."""
+    if kernels:
+        out = torch.empty(p, 5, dtype=torch.float64, device=x.device)
+        c.unit_records(x, blocks.layout, blocks.counts[:p].numpy(), keys, maxima, n, out)
+        return out
+    exps = key_exponents(keys)
+    counts = layer_counts(x, blocks.layout.lengths, exps, c.fmt)
+    counts, first, largest = per_layer(blocks, counts, exps, maxima)
+    return torch.cat(
+        [
+            first.view(n, p).amin(0).double()[:, None],
+            largest.view(n, p).amax(0).double()[:, None],
+            counts.view(n, p, 3).sum(0).double(),
+        ],
+        1,
+    )
+
+
+@dataclasses.dataclass
+class _MixedLayout:
+    """Where a unit of several formats puts each run's N rows (:meth:`Reducer._settle_mixed_unit`).
+
+    Attributes:
+        starts: per run, its first element in the values (each scaled format's runs in
+            turn, then the FP32 runs; a run's N rows end to end).
+        code_starts: per scaled run, its first byte in the codes.
+        scaled_numel: elements of the scaled runs.
+        coded: bytes of their codes.
+        perm: for each scaled format's segments in turn (run by run, row by row), its parameter.
+        elements: per scaled format, its values' bounds.
+        segments: per scaled format, its segments' bounds in ``perm``.
+        codes: per scaled format, its codes' bounds.
+        numels: per scaled format, its segments' sizes.
+        sums: per run: start, lo, hi, first and last parameter, 1 if FP32.
+    """
+
+    starts: dict[int, int]
+    code_starts: dict[int, int]
+    scaled_numel: int
+    coded: int
+    perm: list[int]
+    elements: list[tuple[int, int]]
+    segments: list[tuple[int, int]]
+    codes: list[tuple[int, int]]
+    numels: list[list[int]]
+    sums: list[tuple[int, ...]]
+
+
+def _mixed_layout(
+    runs: RowRuns, chunks: Sequence[int], scaled: list[FloatFormat], n: int
+) -> _MixedLayout:
+    """A unit's :class:`_MixedLayout`: computed once, when it settles."""
+    lay = _MixedLayout({}, {}, 0, 0, [], [], [], [], [], [])
+    at = byte = 0
+    for fmt in scaled:
+        e0, s0, c0, numels = at, len(lay.perm), byte, []
+        for k, run in enumerate(runs.runs):
+            if run.fmt != fmt:
+                continue
+            lay.starts[k], lay.code_starts[k] = at, byte
+            at += n * (run.hi - run.lo)
+            byte += n * (run.b1 - run.b0)
+            for _ in range(n):
+                numels += [chunks[i] for i in run.index]
+                lay.perm += list(run.index)
+        lay.elements.append((e0, at))
+        lay.segments.append((s0, len(lay.perm)))
+        lay.codes.append((c0, byte))
+        lay.numels.append(numels)
+    lay.scaled_numel, lay.coded = at, byte
+    for k, run in enumerate(runs.runs):
+        if run.fmt == FP32:
+            lay.starts[k] = at
+            at += n * (run.hi - run.lo)
+    for k, run in enumerate(runs.runs):
+        first, last = run.index[0], run.index[-1] + 1
+        lay.sums.append((lay.starts[k], run.lo, run.hi, first, last, int(run.fmt == FP32)))
+    return lay
+
+
+def _unit_scratch(runs: RowRuns, arena: Arena, n: int) -> RowRuns:
+    """A settled unit's :class:`aps_comm.plan.RowRuns` with its exchange's and sum's scratch
+    cut from ``arena``: the decoded rows over the send buffer (sent before they are
+    written), the received rows beside them."""
+    send_bytes, values = n * runs.row_bytes, n * runs.row_numel
+    scratch = arena.take(-(-max(send_bytes, 4 * values) // 4), torch.float32)
+    send = scratch.view(torch.uint8)[:send_bytes].view(n, runs.row_bytes)
+    recv = arena.take(send_bytes).view(n, runs.row_bytes)
+    return dataclasses.replace(
+        runs, send=send, recv=recv, values=scratch[:values].view(n, runs.row_numel)
+    )

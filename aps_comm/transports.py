@@ -70,6 +70,7 @@ __all__ = [
     "hierarchical_rank_blocks_bound",
     "native",
     "reduce_scatter",
+    "rows_exchange",
     "two_phase",
     "two_phase_blocks",
     "two_phase_blocks_bound",
@@ -246,6 +247,21 @@ def reduce_scatter(
     if not runs.runs:  # no parameters: nothing to sum
         return acc
     return runs.runs[0].codec.sum_rows(values, acc)  # FP32, in rank order
+
+
+def rows_exchange(
+    send: torch.Tensor, recv: torch.Tensor, group: dist.ProcessGroup, count: Counter
+) -> None:
+    """:func:`reduce_scatter`'s exchange alone: row r of the encoded rows ``send`` to rank
+    r, every rank's row for this one into ``recv`` (a settled unit of several formats
+    codes its rows around it).
+
+    Example:
+        >>> rows_exchange(send, recv, group, traffic)  # doctest: +SKIP
+    """
+    count("all_to_all", send.numel())
+    work = dist.all_to_all_single(recv, send, group=group, async_op=True)
+    _wait(work, f"the all_to_all of {send.numel()} encoded bytes")
 
 
 def native(

@@ -69,7 +69,7 @@ from torch.utils._python_dispatch import TorchDispatchMode, is_traceable_wrapper
 
 import aps_comm
 from aps_comm import cpu_kernels
-from aps_comm.policy import KeepLast, Promote, Schedule
+from aps_comm.policy import ByName, KeepLast, Promote, Schedule
 from aps_perfmodel.collectives import LinkParams
 from aps_perfmodel.profile import Profile
 
@@ -87,6 +87,7 @@ __all__ = [
     "allreduce_hook_bucket",
     "count_calls",
     "count_ops",
+    "every_other_fp32",
     "fsdp_unit",
     "main",
     "measure",
@@ -142,9 +143,25 @@ CONFIGS: dict[str, dict[str, Any]] = {
 the plain FP32 all-reduce (what it picks on NVLink), beside which ``--configs all``
 measures PyTorch's ``allreduce_hook`` (:func:`measure_allreduce_hook`)."""
 
+
+def every_other_fp32(name: str, param: torch.nn.Parameter) -> str | None:
+    """A :class:`~aps_comm.policy.ByName` rule: every other parameter (odd index) kept in
+    FP32, as a model's norms between its weights: a unit of as many runs as parameters.
+
+    Example:
+        >>> every_other_fp32("ps.3", None), every_other_fp32("ps.4", None)
+        ('fp32', None)
+    """
+    return "fp32" if int(name.rpartition(".")[2]) % 2 else None
+
+
 FSDP_ROUTES: dict[str, dict[str, Any]] = {
     "fsdp/e4m3": {"fmt": "e4m3"},
     "fsdp/e2m1-block": {"fmt": "e2m1", "scaling": "block"},
+    "fsdp/e4m3+stats": {"fmt": "e4m3", "stats": True},
+    "fsdp/e2m1-block+stats": {"fmt": "e2m1", "scaling": "block", "stats": True},
+    "fsdp/e4m3+fp32": {"fmt": "e4m3", "policy": [ByName(every_other_fp32)]},
+    "fsdp/e4m3+none": {"fmt": "e4m3", "scaling": "none"},
     "hsdp/fp32": {"fmt": "fp32"},
     "hsdp/e4m3": {"fmt": "e4m3"},
     "hsdp/e2m1-block": {"fmt": "e2m1", "scaling": "block"},
@@ -183,6 +200,9 @@ _CPU_KERNELS = (
     "staged_factors_into",
     "keep_lost",
     "owner_lost",
+    "unit_records",
+    "copy_spans",
+    "sum_runs",
 )
 _TRITON_KERNELS = (
     "encode",

@@ -505,17 +505,18 @@ def test_settled_policies_make_no_host_traffic_but_promotes_read(
 UNIT_NUMELS = [7, 1000, 33, 1, 517, 6]
 
 
+@pytest.mark.parametrize("stats", [False, True])
 @pytest.mark.parametrize("name", ["e4m3", "e2m1", "bf16"])
-@pytest.mark.parametrize("scaling", ["layer", "bucket"])
+@pytest.mark.parametrize("scaling", ["layer", "bucket", "none"])
 def test_a_settled_fsdp_unit_makes_no_host_traffic(
-    monkeypatch: pytest.MonkeyPatch, name: str, scaling: str
+    monkeypatch: pytest.MonkeyPatch, name: str, scaling: str, stats: bool
 ) -> None:
-    """Issue 46: a flat FSDP unit without records settles on the device path too (its
-    torch-op factors and sum), and its bound steps, each on a new input, read nothing."""
+    """Issue 46: a flat FSDP unit settles on the device path too (its torch-op factors,
+    records and sum), and its bound steps, each on a new input, read nothing."""
     world = 6
     chunks = [-(-n // world) for n in UNIT_NUMELS]
     with stubbed_collectives(monkeypatch) as issued:
-        reducer, names = _reducer(get_format(name), "two_phase", scaling, world, 2, [])
+        reducer, names = _reducer(get_format(name), "two_phase", scaling, world, 2, [], stats=stats)
         seen, bound = [], []
         for step in range(4):
             mode = HostTraffic()
@@ -524,6 +525,7 @@ def test_a_settled_fsdp_unit_makes_no_host_traffic(
                 problem = torch.zeros((), device=META)
                 out = reducer.unit(0, rows, chunks, UNIT_NUMELS, names, step=step, problem=problem)
                 assert out.shape == (sum(chunks),)
+                assert reducer.stats.queued == int(stats)  # one unit's records, queued
                 reducer.end_step()
             bound.append(reducer.steady_units.get(0))
             if step >= 1:

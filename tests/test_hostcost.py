@@ -18,7 +18,7 @@ from aps_comm import cpu_kernels
 from aps_comm.codec import AgreedMaxima
 from aps_comm.engine import SteadyBlocks, SteadyGroups
 from aps_comm.formats import get_format
-from aps_comm.policy import ByName, KeepLast, Promote, Schedule
+from aps_comm.policy import ByName, KeepLast, MinNumel, Promote, Schedule
 from aps_comm.scaling import exponents
 from aps_comm.testing import run_distributed
 from benchmarks.hostcost import (
@@ -717,11 +717,24 @@ def test_promote_binds_a_mixed_format_bucket_again_with_the_general_paths_bits(
         assert problems == []
 
 
-@pytest.mark.parametrize("route", ["fsdp/e4m3", "fsdp/e2m1-block"])
+@pytest.mark.parametrize(
+    "route",
+    [
+        "fsdp/e4m3",
+        "fsdp/e2m1-block",
+        "fsdp/e4m3+stats",
+        "fsdp/e2m1-block+stats",
+        "fsdp/e4m3+fp32",
+        "fsdp/e4m3+none",
+    ],
+)
 def test_a_flat_fsdp_unit_settles_within_the_budget(world: None, route: str) -> None:
     """Issue 46: FSDP2's APS reduce-scatter settles on the unit's layout, not its buffer
     (FSDP allocates a new one every step): 328 ops per unit of 200 parameters before
-    (e4m3), 132 of 4; 88 for e2m1 blocks."""
+    (e4m3), 132 of 4; 88 for e2m1 blocks. With ``stats=True`` the records are one kernel
+    call (the general path every step before: 326 ops of 200 parameters for e4m3, 86 for
+    e2m1 blocks). A unit of several formats (every other parameter in FP32: as many runs
+    as parameters) too (240 ops of 200 parameters before, 44 of 4), and ``scaling="none"``."""
     counts = {}
     for layers in (2, 200):
         numels = [300 + 2 * i for i in range(layers)]
@@ -739,6 +752,8 @@ def test_a_flat_fsdp_unit_settles_within_the_budget(world: None, route: str) -> 
     # The clone is the test's, standing in for FSDP's new tensor every step.
     assert len(aten) - 1 + len(kernels) <= BUDGET, counts[200]
     assert kernels.count("kernel::encode") == kernels.count("kernel::decode") == 1, kernels
+    stats = FSDP_ROUTES[route].get("stats", False)
+    assert kernels.count("kernel::unit_records") == int(stats), kernels
 
 
 class _Leaf(torch.nn.Module):
@@ -823,8 +838,10 @@ def _settled_fsdp_steps(rank: int, world_size: int, options: dict) -> list[str]:
             bound = units
         elif len(units) != 2 or any(units[u] is not bound[u] for u in units):
             problems.append(f"step {step}: not on the settled path bound at step 0")
-        if s_state.stats:
+        if not options.get("stats") and s_state.stats:
             problems.append(f"step {step}: records kept without stats=True")
+        if options.get("stats") and (not s_state.stats or s_state.stats != f_state.stats):
+            problems.append(f"step {step}: records {s_state.stats} != {f_state.stats}")
         if s_state.bytes_detail != f_state.bytes_detail:
             problems.append(f"step {step}: bytes {s_state.bytes_detail} != {f_state.bytes_detail}")
     return problems
@@ -852,6 +869,74 @@ def test_a_settled_fsdp_unit_gives_the_general_paths_shards() -> None:
     shards are the never-settled path's bit for bit, a NaN in one parameter on one rank
     included, with the same bytes."""
     for problems in run_distributed(_settled_fsdp_all, 2, timeout=120):
+        assert problems == []
+
+
+# Records kept (``stats=True``): layer, block (4 and 8 bits) and bucket scaling.
+_SETTLED_STATS_UNITS = [{**options, "stats": True} for options in _SETTLED_UNITS]
+
+
+def _settled_fsdp_stats(rank: int, world_size: int) -> list[str]:
+    return [
+        f"{options}: {problem}"
+        for options in _SETTLED_STATS_UNITS
+        for problem in _settled_fsdp_steps(rank, world_size, options)
+    ]
+
+
+def test_a_settled_fsdp_unit_with_stats_gives_the_general_paths_shards_and_records() -> None:
+    """Issue 46: ``stats=True`` units settle too; over steps of real FSDP2 on two ranks
+    (a NaN included) their shards, bytes and per-parameter records are the general path's."""
+    for problems in run_distributed(_settled_fsdp_stats, 2, timeout=120):
+        assert problems == []
+
+
+# Several formats per unit: FP32 beside e4m3 (by name, and small tensors as norms), two
+# wire formats and FP32 with bucket scaling, and the NaN's parameter itself in FP32.
+_SETTLED_MIXED_UNITS = [
+    {"fmt": "e4m3", "policy": [ByName({"*.ps.1": "fp32"})]},
+    {"fmt": "e4m3", "policy": [MinNumel(8, "fp32")]},
+    {"fmt": "e5m2", "scaling": "bucket", "policy": [ByName({"*.ps.0": "fp16", "*.ps.2": "fp32"})]},
+    {"fmt": "e4m3", "policy": [ByName({"units.0.ps.3": "fp32", "*.ps.0": "fp32"})]},
+]
+
+
+def _settled_fsdp_mixed(rank: int, world_size: int) -> list[str]:
+    return [
+        f"{options}: {problem}"
+        for options in _SETTLED_MIXED_UNITS
+        for problem in _settled_fsdp_steps(rank, world_size, options)
+    ]
+
+
+def test_a_settled_fsdp_unit_of_several_formats_gives_the_general_paths_shards() -> None:
+    """Issue 46: units of several formats settle; over steps of real FSDP2 on two ranks
+    their shards and bytes are the general path's, a NaN (in an e4m3 or an FP32
+    parameter) included."""
+    for problems in run_distributed(_settled_fsdp_mixed, 2, timeout=120):
+        assert problems == []
+
+
+# No scaling: alone, with records, and beside FP32 parameters.
+_SETTLED_UNSCALED_UNITS = [
+    {"fmt": "e4m3", "scaling": "none"},
+    {"fmt": "e5m2", "scaling": "none", "stats": True},
+    {"fmt": "e4m3", "scaling": "none", "policy": [ByName({"*.ps.1": "fp32"})]},
+]
+
+
+def _settled_fsdp_unscaled(rank: int, world_size: int) -> list[str]:
+    return [
+        f"{options}: {problem}"
+        for options in _SETTLED_UNSCALED_UNITS
+        for problem in _settled_fsdp_steps(rank, world_size, options)
+    ]
+
+
+def test_a_settled_fsdp_unit_without_scaling_gives_the_general_paths_shards() -> None:
+    """Issue 46: ``scaling="none"`` units settle; over steps of real FSDP2 on two ranks
+    their shards, bytes and records are the general path's, a NaN included."""
+    for problems in run_distributed(_settled_fsdp_unscaled, 2, timeout=120):
         assert problems == []
 
 

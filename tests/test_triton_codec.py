@@ -1193,8 +1193,8 @@ def _staged_on_backends(rank: int, world_size: int, cases: list[tuple[str, str, 
     from aps_comm.engine import SteadyStaged
 
     results = []
-    for reduction, fmt, scaling in cases:
-        options = {"fmt": fmt, "reduction": reduction, "scaling": scaling, "ranks_per_node": 2}
+    for reduction, fmt, scale_by in cases:
+        options = {"fmt": fmt, "reduction": reduction, "scaling": scale_by, "ranks_per_node": 2}
         x, params = _block_bucket([5, 0, 1, 300, 33, 2, 64], 20 + rank)
         reference = aps_comm.APSState(**options)
         reference.bind_process_group()
