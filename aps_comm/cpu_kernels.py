@@ -2619,6 +2619,8 @@ def decode_agreed_blocks(
         fmt.wire_bits,
         _NO_RUNS,
     )
+
+
 def unit_records(
     x: torch.Tensor,
     offsets: np.ndarray,

@@ -1576,13 +1576,7 @@ class Reducer:
         sh, route = g.block_shards, Route(g.reduction)
         two_phase = route == Route.TWO_PHASE and sh is not None and sh.rank_exponents
         staged = route.staged and g.node_blocks is not None
-        if (
-            assignment.promoter is not None
-            # Records of blocks under rules are not the full path's tested ones.
-            or (self.settings.stats and assignment.rules)
-            or not g.contiguous
-            or not (two_phase or staged)
-        ):
+        if assignment.promoter is not None or not g.contiguous or not (two_phase or staged):
             return
         n_blocks, n_layers = g.layout.n_segments, len(g.numels)
         kind: type[SteadyBlocks] = SteadyBlocks
@@ -1651,14 +1645,11 @@ class Reducer:
             self.feedback is not None
             # Promote's rates ride on the maxima all-reduce, which FP32 buckets skip.
             or (assignment.promoter is not None and (promote is None or route == Route.FP32))
-            # Records are bound for one exponent per layer and fixed formats.
+            # Records are bound for one exponent per layer and fixed formats (a bucket
+            # of one format under rules for other layers records as any other).
             or (
                 settings.stats
-                and (
-                    assignment.rules
-                    or assignment.promoter is not None
-                    or settings.scaling != Scaling.LAYER
-                )
+                and (assignment.promoter is not None or settings.scaling != Scaling.LAYER)
             )
             or settings.scaling not in (Scaling.LAYER, Scaling.BUCKET, Scaling.NONE)
             or not (route == Route.FP32 or (g is not None and g.contiguous))
