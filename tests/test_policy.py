@@ -370,14 +370,16 @@ def test_load_state_dict_rejects_another_configuration() -> None:
         b.load_state_dict(a.state_dict())
 
 
-def _promote_grads(rank: int, world_size: int, stats: bool) -> list:
+def _promote_grads(rank: int, world_size: int, settle: bool) -> list:
     torch.manual_seed(0)
     model = nn.Linear(64, 4)
     ddp = DDP(model)
     policy = [Promote(gamma=1e-3, patience=2)]
-    state = register(ddp, fmt="e4m3", reduction="two_phase", stats=stats, policy=policy)
+    state = register(ddp, fmt="e4m3", reduction="two_phase", policy=policy)
     seen = []
     for step in range(10):
+        if not settle and state.reducer is not None:
+            state.reducer.steady.clear()  # never settled: the general path every step
         ddp.zero_grad()
         x = torch.ones(1, 64) * (1.0 + rank)
         if rank == 1 and step in (3, 4):
@@ -394,16 +396,16 @@ def _promote_grads(rank: int, world_size: int, stats: bool) -> list:
 def test_promote_settles_with_the_bits_of_the_path_that_never_settles() -> None:
     """Issue 46: without stats a Promote bucket settles, is bound again as a level moves
     (only rank 1's rates move it), and gives the bits of a run that never settles
-    (stats=True keeps the general path every step)."""
-    settling = run_distributed(_promote_grads, 2, args=(False,))
-    general = run_distributed(_promote_grads, 2, args=(True,))
+    (its bound paths dropped before every step)."""
+    settling = run_distributed(_promote_grads, 2, args=(True,))
+    general = run_distributed(_promote_grads, 2, args=(False,))
     for rank in range(2):
         for step, (mine, full) in enumerate(zip(settling[rank], general[rank], strict=True)):
             assert mine[:2] == full[:2], (rank, step)  # gradients and Promote's levels
     bound = [seen[2] for seen in settling[0]]
     # Settled from step 1 (DDP re-buckets after step 0); step 3's rates move the weight
-    # at step 4 on the settled path (the bias stays: mixed, the general path) until
-    # the weight is back (step 8), where the bucket is bound again.
-    assert bound[1:4] == [["Steady"]] * 3 and bound[4] == [] and bound[-1] == ["Steady"], bound
-    assert all(seen[2] == [] for seen in general[0])
+    # at step 4 on the settled path (the bias stays: mixed formats, bound again as
+    # SteadyGroups) until the weight is back (step 8), where the bucket is bound again.
+    assert bound[1:4] == [["Steady"]] * 3 and bound[4] == ["SteadyGroups"], bound
+    assert bound[-1] == ["Steady"], bound
     assert max(seen[1]["weight"][0] for seen in settling[0]) == 2  # e4m3 -> e5m2 -> fp16
