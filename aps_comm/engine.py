@@ -86,6 +86,11 @@ __all__ = [
 ONE_CHUNK = 2**62
 """A chunk larger than any bucket: error feedback's owner step needs the whole shard."""
 
+# The codecs whose bound residual updates are checked bit for bit against the general
+# path's (numba kernels; Triton, whose updates are whole-bucket tensor ops): elsewhere
+# error feedback keeps the general path.
+_FEEDBACK_BACKENDS = ("kernels", "triton")
+
 
 @dataclasses.dataclass(frozen=True)
 class Settings:
@@ -1509,7 +1514,7 @@ class Reducer:
             g.reduction != Route.TWO_PHASE
             or g.block_shards is not None
             or len(g.chunks) != 1
-            or g.codec.backend not in ("kernels", "triton")
+            or g.codec.backend not in _FEEDBACK_BACKENDS
             or len(set(names)) != len(names)
             or not all(n in fb.residuals for n in names)
         ):
