@@ -86,6 +86,11 @@ __all__ = [
 ONE_CHUNK = 2**62
 """A chunk larger than any bucket: error feedback's owner step needs the whole shard."""
 
+# The codecs whose bound residual updates are checked bit for bit against the general
+# path's (numba kernels; Triton, whose updates are whole-bucket tensor ops): elsewhere
+# error feedback keeps the general path.
+_FEEDBACK_BACKENDS = ("kernels", "triton")
+
 
 @dataclasses.dataclass(frozen=True)
 class Settings:
@@ -449,6 +454,7 @@ class SteadyFeedback:
         factors: writes the agreed factors into the bound calls' scale and unscale.
         calls: the one chunk's bound calls.
         workspace: as :class:`Steady`'s.
+        epoch: as :class:`Steady`'s (a Schedule epoch moves a layer's format).
     """
 
     numel: int
@@ -460,6 +466,7 @@ class SteadyFeedback:
     factors: Callable[[], object]
     calls: list[transports.ChunkCalls]
     workspace: tuple[int, ...] = ()
+    epoch: tuple[int, ...] = ()
 
 
 @dataclasses.dataclass
@@ -563,6 +570,14 @@ class SteadyGroups:
     :class:`SteadyBlocks` calls on its view (its blocks' keys, then
     two_phase's exchange), the FP32 group its all-reduce.
 
+    With error feedback (groups consecutive in the bucket), each group sent
+    scaled is a :class:`SteadyFeedback` on its view, its residuals one flat
+    buffer of its own: every group's residuals added, the agreed vector
+    written (every layer's maximum, or each group's block keys) and
+    MAX-all-reduced once, then each group's factors and two_phase's bound
+    chunk, the FP32 group its all-reduce, in the plan's order: the general
+    path's collectives, bytes, gradients and residuals.
+
     Attributes:
         numel: the bucket's elements.
         ptr: the bucket buffer's address.
@@ -596,7 +611,9 @@ class SteadyGroups:
         names: with ``stats=True``, each layer's name in bucket order: every group's
             :class:`Steady` records its own layers (:meth:`Reducer.record_steady`), in the
             plan's order as the general path does; None records nothing.
-        blocks: block scaling with every rank's own block exponents.
+        blocks: block scaling with every rank's own block exponents (with ``feedback``:
+            agreed ones, ``maxima`` then the groups' uint8 block keys in the plan's order).
+        feedback: error feedback: the parts sent scaled are :class:`SteadyFeedback`.
         epoch: as :class:`Steady`'s.
         workspace: as :class:`Steady`'s.
     """
@@ -611,7 +628,7 @@ class SteadyGroups:
     chunk: int
     maxima: torch.Tensor
     maxima_call: Callable[[], object] | None = None
-    parts: list[tuple[torch.Tensor, Steady | SteadyBlocks | None]] | None = None
+    parts: list[tuple[torch.Tensor, Steady | SteadyBlocks | SteadyFeedback | None]] | None = None
     rates: list[torch.Tensor | None] | None = None
     put_rates: Callable[[], object] | None = None
     gather: Callable[[], object] | None = None
@@ -624,6 +641,7 @@ class SteadyGroups:
     names: list[str | None] | None = None
     promote: tuple[list[Any], list[int], list[str | None]] | None = None
     blocks: bool = False
+    feedback: bool = False
     epoch: tuple[int, ...] = ()
     workspace: tuple[int, ...] = ()
 
@@ -658,7 +676,7 @@ class SteadyGroups:
                 # written again, and go back as they are.
                 rates = torch.index_select(bucket_rates, 0, self.order)
                 self.put_rates = functools.partial(bucket_rates.index_copy_, 0, self.order, rates)
-        parts: list[tuple[torch.Tensor, Steady | SteadyBlocks | None]] = []
+        parts: list[tuple[torch.Tensor, Steady | SteadyBlocks | SteadyFeedback | None]] = []
         group_rates: list[torch.Tensor | None] = []
         lo = first = 0
         for g in self.groups:
@@ -1226,10 +1244,12 @@ class Reducer:
         keys, numels, names = layers
         blocks = settings.scaling == Scaling.BLOCK
         promoted = assignment.promoter is not None
+        if self.feedback is not None:
+            self._settle_feedback_groups(index, x, plan, fmts, groups, main, names)
+            return
         if (
-            self.feedback is not None
             # The records keep the agreed maxima, which bucket scaling spreads.
-            or (settings.stats and settings.scaling == Scaling.BUCKET)
+            (settings.stats and settings.scaling == Scaling.BUCKET)
             # Blocks: each rank's own exponents (nothing agreed, Promote takes no step).
             or (blocks and (promoted or not all(_own_blocks(g) for g in groups)))
             or x.dtype != torch.float32
@@ -1265,6 +1285,96 @@ class Reducer:
         if st.bind(x, self.comm.world_size, self.comm.rank):
             self.steady[index] = st
 
+    def _settle_feedback_groups(
+        self,
+        index: int,
+        x: torch.Tensor,
+        plan: BucketPlan,
+        fmts: list[FloatFormat],
+        groups: list[GroupPlan],
+        main: Route,
+        names: Sequence[str | None],
+    ) -> None:
+        """Bind the :class:`SteadyGroups` path of a bucket of several formats with error
+        feedback: each group sent scaled a :class:`SteadyFeedback` on its view, its agreed
+        maxima (or block keys) a view of the one vector the bucket MAX-all-reduces."""
+        settings, sent = self.settings, [g for g in groups if g.reduction != Route.FP32]
+        self.steady.pop(index, None)
+        blocks = settings.scaling == Scaling.BLOCK
+        if (
+            self.assignment.promoter is not None
+            or settings.stats
+            or settings.scaling not in (Scaling.LAYER, Scaling.BLOCK)
+            or x.dtype != torch.float32
+            or not sent
+            # The groups' views and residuals are the bucket's layers in order.
+            or [i for g in groups for i in g.index] != list(range(len(fmts)))
+            # An empty group's collectives are not the bound ones'.
+            or any(g.reduction not in (Route.FP32, Route.TWO_PHASE) or not g.numel for g in groups)
+        ):
+            return
+        # The general path's one MAX all-reduce: every layer's maximum, or each sent
+        # format's block keys in the plan's order (:meth:`_agree_blocks`).
+        size = sum(g.layout.n_segments for g in sent) if blocks else len(fmts)
+        dtype = torch.uint8 if blocks else torch.float32
+        shared = torch.zeros(size, dtype=dtype, device=x.device)
+        st = SteadyGroups(
+            x.numel(),
+            x.data_ptr(),
+            plan,
+            groups,
+            list(fmts),
+            main,
+            False,
+            ONE_CHUNK,
+            shared,
+            blocks=blocks,
+            feedback=True,
+            epoch=self.assignment.epoch(self.step),
+        )
+        if not blocks:
+            st.maxima_call = sent[0].codec.bind_layer_maxima(x, plan.layout, shared)
+        parts: list[tuple[torch.Tensor, Steady | SteadyBlocks | SteadyFeedback | None]] = []
+        lo = at = 0
+        for g in groups:
+            gx, part = x[lo : lo + g.numel], None
+            if g.reduction != Route.FP32:
+                n = g.layout.n_segments if blocks else len(g.index)
+                at = at if blocks else g.index[0]
+                gnames = [names[i] for i in g.index]
+                part = self._bind_feedback(index, gx, g, gnames, shared[at : at + n])
+                if part is None:
+                    return
+                at += n
+            parts.append((gx, part))
+            lo += g.numel
+        st.parts, st.bound_ptr = parts, x.data_ptr()
+        st.workspace = self._epoch(index, x.device)
+        self.steady[index] = st
+
+    def _run_feedback_groups(self, st: SteadyGroups) -> None:
+        """:meth:`_run_groups` with error feedback: every group's residuals added, the
+        bucket's maxima (or each group's block keys) agreed at once, then each group's
+        factors and bound chunk (the FP32 group: its all-reduce) in the plan's order."""
+        comm = self.comm
+        assert st.parts is not None  # made by _settle_feedback_groups
+        fed = [(values, s) for values, s in st.parts if isinstance(s, SteadyFeedback)]
+        for values, s in fed:
+            values.add_(s.residual)
+        if st.maxima_call is not None:  # every layer's, as the general path's vector
+            st.maxima_call()
+        else:
+            for _, s in fed:
+                s.agree()
+        transports.all_reduce_max(st.maxima, comm.group, self.traffic)
+        for values, s in st.parts:
+            if isinstance(s, SteadyFeedback):
+                # Factors and scratch of one group at a time: the groups share the STEP slot.
+                s.factors()
+                transports.two_phase_bound(s.calls, comm.group, self.traffic, False)
+            else:
+                transports.fp32_mean(values, comm.group, comm.world_size, self.traffic)
+
     def _rates_into(self, slots: torch.Tensor, names: Sequence[str | None], kept: set[int]) -> None:
         """Promote: every layer's last local rate into ``slots`` of a settled bucket's maxima
         vector, which the next step's MAX all-reduce sends; the reducer's rates of the
@@ -1278,6 +1388,9 @@ class Reducer:
         with blocks), then each group's bound path in the plan's order (nothing deferred,
         as in the general path)."""
         comm, plan = self.comm, st.plan
+        if st.feedback:  # float32 buckets only: bound to ``x`` for good
+            self._run_feedback_groups(st)
+            return
         if st.bound_ptr != x.data_ptr():  # a bfloat16 bucket's float32 copy: new each step
             st.bind(x, comm.world_size, comm.rank)
         if st.blocks:
@@ -1384,25 +1497,49 @@ class Reducer:
     def _settle_feedback(
         self, index: int, x: torch.Tensor, g: GroupPlan, names: Sequence[str | None]
     ) -> None:
-        """Bind the bucket's :class:`SteadyFeedback` path where nothing in it changes per step."""
-        fb, assignment, settings, comm = self.feedback, self.assignment, self.settings, self.comm
-        assert fb is not None
+        """Bind the bucket's :class:`SteadyFeedback` path where nothing in it changes per step
+        but the policy's epoch."""
+        settings = self.settings
         self.steady.pop(index, None)
         if (
-            assignment.rules
-            or assignment.promoter is not None
+            self.assignment.promoter is not None
             or settings.stats
             or settings.scaling not in (Scaling.LAYER, Scaling.BLOCK)
             or not g.contiguous
-            or g.reduction != Route.TWO_PHASE
+            or x.dtype != torch.float32
+        ):
+            return
+        st = self._bind_feedback(index, x, g, names)
+        if st is not None:
+            self.steady[index] = st
+
+    def _bind_feedback(
+        self,
+        index: int,
+        x: torch.Tensor,
+        g: GroupPlan,
+        names: Sequence[str | None],
+        shared: torch.Tensor | None = None,
+    ) -> SteadyFeedback | None:
+        """Group ``g``'s :class:`SteadyFeedback`, bound to its values ``x`` (the bucket, or
+        a group's view of it); None where it has no bound path: not two_phase in one chunk,
+        a codec without the fused calls, a layer without a residual of its own.
+
+        ``shared``: where its agreed maxima or block keys go, a view of the vector that a
+        bucket of several formats agrees on at once (:meth:`_settle_feedback_groups`);
+        None: its own.
+        """
+        fb, comm = self.feedback, self.comm
+        assert fb is not None
+        if (
+            g.reduction != Route.TWO_PHASE
             or g.block_shards is not None
             or len(g.chunks) != 1
-            or x.dtype != torch.float32
-            or g.codec.backend not in ("kernels", "triton")
+            or g.codec.backend not in _FEEDBACK_BACKENDS
             or len(set(names)) != len(names)
             or not all(n in fb.residuals for n in names)
         ):
-            return
+            return None
         n_seg, device, fmt = g.layout.n_segments, x.device, g.fmt
         (r0, r1), (s0, s1), numel = g.regions[0], g.shard_regions[0], x.numel()
         send, recv, shard = g.send[r0:r1], g.recv[r0:r1], g.shards[s0:s1]
@@ -1419,12 +1556,13 @@ class Reducer:
             scratch = arena.take(numel + pad + (0 if mean is not None else per), torch.float32)
             if g.blocks is not None:
                 scale, unscale = arena.take(n_seg, torch.float32), arena.take(n_seg, torch.float32)
-                maxima, shared = arena.take(n_seg, torch.float32), arena.take(n_seg)
+                maxima, keys = arena.take(n_seg, torch.float32), arena.take(n_seg)
             if arena.close():
                 break
         counts = None
         if g.blocks is not None:
             counts = g.blocks.device_counts
+            shared = keys if shared is None else shared
             agree = g.codec.bind_block_keys(
                 x,
                 g.layout,
@@ -1435,11 +1573,12 @@ class Reducer:
                 comm.world_size,
             )
             if agree is None:
-                return
+                return None
         else:
             scale = torch.empty(n_seg, dtype=torch.float32, device=device)
             unscale = torch.empty(n_seg, dtype=torch.float32, device=device)
-            shared = torch.zeros(n_seg, dtype=torch.float32, device=device)
+            if shared is None:
+                shared = torch.zeros(n_seg, dtype=torch.float32, device=device)
             agree = g.codec.bind_layer_maxima(x, g.layout, shared)
         factors = g.codec.bind_feedback_factors(shared, comm.world_size, scale, unscale, counts)
         residual = torch.empty(x.numel(), dtype=torch.float32, device=device)
@@ -1464,7 +1603,7 @@ class Reducer:
         decode = g.codec.bind_decode(send, x, unscale, g.windows[0])
         calls = [transports.ChunkCalls(encode, owner, decode, send, recv, shard)]
         token = fb.share(names, g.numels, residual)  # type: ignore[arg-type]  # checked above
-        self.steady[index] = SteadyFeedback(
+        return SteadyFeedback(
             numel,
             x.data_ptr(),
             residual,
@@ -1474,6 +1613,7 @@ class Reducer:
             factors,
             calls,
             self._epoch(index, device),
+            self.assignment.epoch(self.step),
         )
 
     def _run_feedback(
@@ -1721,11 +1861,13 @@ class Reducer:
             # Bound to a workspace region since outgrown: bound again, on the new one.
             del self.steady[index]
             return None
-        if isinstance(st, SteadyFeedback):
-            # Error feedback settles only without Schedule or Promote: no epoch to follow.
-            if self.feedback is None or not self.feedback.shared(st.token):
-                return None
-        elif st.epoch != self.assignment.epoch(self.step):
+        fed = [st] if isinstance(st, SteadyFeedback) else []
+        if isinstance(st, SteadyGroups) and st.feedback and st.parts is not None:
+            fed = [s for _, s in st.parts if isinstance(s, SteadyFeedback)]
+        # Error feedback: the residuals are still the views it updates.
+        if fed and (self.feedback is None or not all(self.feedback.shared(s.token) for s in fed)):
+            return None
+        if st.epoch != self.assignment.epoch(self.step):
             return None
         return st
 

@@ -133,6 +133,16 @@ CONFIGS: dict[str, dict[str, Any]] = {
     "keep_last+stats": {**ROUTES["two_phase"], "stats": True, "policy": [KeepLast("fp32")]},
     "keep_last+promote": {**ROUTES["two_phase"], "policy": [Promote(), KeepLast("fp32")]},
     "keep_last+block": {**ROUTES["block"], "policy": [KeepLast("fp32")]},
+    "keep_last+error_feedback": {
+        **ROUTES["two_phase"],
+        "error_feedback": True,
+        "policy": [KeepLast("fp32")],
+    },
+    "keep_last+block+error_feedback": {
+        **ROUTES["block"],
+        "error_feedback": True,
+        "policy": [KeepLast("fp32")],
+    },
     "promote": {**ROUTES["two_phase"], "policy": [Promote()]},
     "schedule": {**ROUTES["two_phase"], "policy": [Schedule(steps=1)]},
     "fp16_two_phase": {"fmt": "fp16", "reduction": "two_phase"},

@@ -26,10 +26,11 @@ import torch
 import torch.distributed as dist
 from torch.utils._python_dispatch import TorchDispatchMode
 
+import aps_comm.engine as engine_mod
 import aps_comm.reduction as reduction_mod
 from aps_comm.agreement import Layouts
 from aps_comm.config import BlockExponents, Reduction, Route, Scaling
-from aps_comm.engine import Comm, Reducer, Settings, SteadyGroups, SteadyStaged
+from aps_comm.engine import Comm, Reducer, Settings, SteadyFeedback, SteadyGroups, SteadyStaged
 from aps_comm.feedback import ErrorFeedback
 from aps_comm.formats import FORMATS, FloatFormat, get_format
 from aps_comm.fsdp import reduce_shard, spread_nonfinite
@@ -424,6 +425,42 @@ def test_settled_mixed_format_buckets_make_no_host_traffic(
         assert isinstance(reducer.steady.get(1), SteadyGroups)
     for mode in steady:
         assert mode.reads == [] and mode.copies == [], (mode.reads, mode.copies)
+
+
+@pytest.mark.parametrize("world", [1, 6])
+def test_settled_error_feedback_beside_fp32_makes_no_host_traffic(
+    monkeypatch: pytest.MonkeyPatch, world: int
+) -> None:
+    """Issue 46: error feedback with ``KeepLast("fp32")`` settles (one bucket of e4m3, one
+    of e4m3 beside FP32), and its bound path reads nothing on the host and copies nothing
+    to the device. Meta tensors take the "cast" codec, whose residual updates are the
+    tensor ops Triton's are: let it bind them here."""
+    monkeypatch.setattr(engine_mod, "_FEEDBACK_BACKENDS", ("cast",))
+    ran: list[str] = []
+    for name in ("_run_feedback", "_run_feedback_groups"):
+        run = getattr(Reducer, name)
+        monkeypatch.setattr(Reducer, name, _logged(run, ran, name))
+    with stubbed_collectives(monkeypatch):
+        reducer, names = _reducer(
+            get_format("e4m3"), "two_phase", "layer", world, 0, [KeepLast("fp32")], feedback=True
+        )
+        steady, _ = _bucket_steps(reducer, names, 4, chunk=None)
+        assert isinstance(reducer.steady.get(0), SteadyFeedback)
+        assert isinstance(reducer.steady.get(1), SteadyGroups) and reducer.steady[1].feedback
+    # Both buckets ran bound from their second step on (bound by the first), once per step.
+    assert ran == ["_run_feedback", "_run_feedback_groups"] * 3, ran
+    for mode in steady:
+        assert mode.reads == [] and mode.copies == [], (mode.reads, mode.copies)
+
+
+def _logged(run: Callable[..., Any], log: list[str], name: str) -> Callable[..., Any]:
+    """``run``, logging ``name`` at each call."""
+
+    def logged(*args: Any, **kwargs: Any) -> Any:
+        log.append(name)
+        return run(*args, **kwargs)
+
+    return logged
 
 
 def _unit_steps(reducer: Reducer, names: list[str], world: int, steps: int) -> list[HostTraffic]:

@@ -16,7 +16,7 @@ import torch
 import aps_comm
 from aps_comm import cpu_kernels
 from aps_comm.codec import AgreedMaxima
-from aps_comm.engine import SteadyBlocks, SteadyGroups
+from aps_comm.engine import SteadyBlocks, SteadyFeedback, SteadyGroups
 from aps_comm.formats import get_format
 from aps_comm.policy import ByName, KeepLast, MinNumel, Promote, Schedule
 from aps_comm.scaling import exponents
@@ -550,6 +550,8 @@ _MIXED_OPTIONS: dict[str, dict] = {
         "policy": [Promote(), _ODD_FP16, KeepLast("fp32")],
     },
     "keep_last+block": CONFIGS["keep_last+block"],
+    "keep_last+error_feedback": CONFIGS["keep_last+error_feedback"],
+    "keep_last+block+error_feedback": CONFIGS["keep_last+block+error_feedback"],
     # 16-bit block groups have no fused calls (they keep the per-shard path): e4m3 here.
     "interleaved+block": {
         **ROUTES["block"],
@@ -571,6 +573,8 @@ _MIXED_OPTIONS: dict[str, dict] = {
         ("interleaved+promote", 4, BUDGET + 1),
         ("keep_last+block", 2, BUDGET),
         ("interleaved+block", 4, BUDGET),
+        ("keep_last+error_feedback", 2, BUDGET),
+        ("keep_last+block+error_feedback", 2, BUDGET),
     ],
 )
 def test_ops_per_settled_mixed_format_bucket_do_not_grow_with_layers(
@@ -608,6 +612,8 @@ def test_ops_per_settled_mixed_format_bucket_do_not_grow_with_layers(
         assert len(state.stats) == layers - 1  # the FP32 layer has none, as on the general path
     if "promote" in config:  # the rates: one call per group
         assert kernels.count("kernel::underflow_rates") == sent
+    if "error_feedback" in config:  # the residual updates: whole-group kernels
+        assert kernels.count("kernel::keep_lost") == kernels.count("kernel::owner_lost") == sent
 
 
 def _mixed_steps(rank: int, world_size: int, configs: list[dict]) -> list[str]:
@@ -645,6 +651,76 @@ def _mixed_steps(rank: int, world_size: int, configs: list[dict]) -> list[str]:
             if repr(settled.stats) != repr(full.stats):
                 problems.append(f"config {c} step {step}: records differ")
     return problems
+
+
+def _mixed_feedback_steps(rank: int, world_size: int, configs: list[dict]) -> list[str]:
+    """Mixed-format buckets with error feedback over several steps, settled against the
+    general path: gradients, residuals (the checkpoint's) and bytes bit for bit, a NaN in
+    one step and residuals restored from a checkpoint (step 5: the general path once)."""
+    numels = [5, 0, 1, 700, 33, 2, 64]  # odd sizes: 4-bit codes split bytes between blocks
+    params = [torch.nn.Parameter(torch.empty(n)) for n in numels]
+    problems = []
+    for c, options in enumerate(configs):
+        settled, full = (_bound_state(options, params) for _ in range(2))
+        # KeepLast: the bucket's groups; else one format under the policy's other rules.
+        mixed = any(isinstance(rule, KeepLast) for rule in options["policy"])
+        kind = SteadyGroups if mixed else SteadyFeedback
+        buffer = torch.empty(sum(numels))
+        for step in range(7):
+            x, _ = _bucket(numels, 100 * step + 10 * c + rank)
+            if step == 3 and rank == world_size - 1:
+                x[7] = float("nan")  # layer 3 on one rank: NaN in it on every rank, this step
+            if step == 5:  # residuals restored from a checkpoint: bound again on them
+                for state in (settled, full):
+                    saved = state.state_dict()
+                    saved["residuals"] = {k: v * 0.5 for k, v in saved["residuals"].items()}
+                    state.load_state_dict(saved)
+            buffer.copy_(x)
+            ahead = settled.reducer.steady_for(0, buffer) if settled.reducer else None
+            if step in (3, 4, 6) and not isinstance(ahead, kind):
+                problems.append(f"config {c} step {step}: not settled")
+            out = settled.run_bucket(0, buffer, params)
+            if full.reducer is not None:
+                full.reducer.steady.clear()  # never settled: the general path every step
+            want = full.run_bucket(0, x.clone(), params)
+            bits = torch.where(out.isnan(), 0.0, out).view(torch.int32)
+            if not torch.equal(out.isnan(), want.isnan()) or not torch.equal(
+                bits, torch.where(want.isnan(), 0.0, want).view(torch.int32)
+            ):
+                problems.append(f"config {c} step {step}: gradients differ")
+            if out[6:706].isnan().all() != (step == 3) or out[706:].isnan().any():
+                problems.append(f"config {c} step {step}: NaN where it should not be, or not")
+            mine, ref = settled.state_dict()["residuals"], full.state_dict()["residuals"]
+            if mine.keys() != ref.keys() or not all(
+                torch.equal(mine[k].view(torch.int32), ref[k].view(torch.int32)) for k in ref
+            ):
+                problems.append(f"config {c} step {step}: residuals differ")
+            if settled.bytes_detail != full.bytes_detail:
+                problems.append(f"config {c} step {step}: {settled.bytes_detail} on the wire")
+    return problems
+
+
+@pytest.mark.parametrize("world_size", [1, 2])
+def test_settled_mixed_format_buckets_with_error_feedback_give_the_general_paths_bits(
+    world_size: int,
+) -> None:
+    """Issue 46: error feedback beside ``KeepLast("fp32")`` settles, per layer and with
+    blocks, and through a Schedule epoch that changes the formats (one format, then e4m3
+    beside FP32: bound again at step 2), with the general path's gradients and residuals;
+    so does a bucket of one format in a model whose policy has rules (KeepLast's other
+    buckets)."""
+    configs = [
+        CONFIGS["keep_last+error_feedback"],
+        CONFIGS["keep_last+block+error_feedback"],
+        {**CONFIGS["keep_last+block+error_feedback"], "fmt": "e4m3", "block_size": 16},
+        {
+            **CONFIGS["keep_last+error_feedback"],
+            "policy": [Schedule(steps=2, fmt="fp16"), KeepLast("fp32")],
+        },
+        {**CONFIGS["block+error_feedback"], "policy": [ByName({"no.such.layer": "fp32"})]},
+    ]
+    for problems in run_distributed(_mixed_feedback_steps, world_size, args=(configs,)):
+        assert problems == []
 
 
 def _one_format_under_rules_steps(rank: int, world_size: int, configs: list[dict]) -> list[str]:
