@@ -39,7 +39,14 @@ import numpy as np
 import torch
 import torch.distributed as dist
 
-from aps_comm.codec import AgreedBlockChunk, AgreedMaxima, NodeBlockCalls, RankBlockCalls
+from aps_comm.codec import (
+    AgreedBlockChunk,
+    AgreedMaxima,
+    NodeBlockCalls,
+    NodeBlockChunk,
+    RankBlockCalls,
+    RankBlockChunk,
+)
 from aps_comm.formats import payload_nbytes, pow2
 from aps_comm.layout import Layout
 from aps_comm.plan import GroupPlan, NodeBlocks, RowRuns
@@ -806,14 +813,14 @@ def two_phase_rank_blocks_bound(
     def send(c: int) -> tuple[torch.Tensor, torch.Tensor]:
         cc = calls[c]
         cc.send(chunk_log2 if c == 0 else 0)
-        return cc.exchange[0], cc.exchange[1]  # type: ignore[index]
+        return cc.exchange[0], cc.exchange[1]
 
     def owner(p: int) -> tuple[torch.Tensor, torch.Tensor]:
         cc = calls[p]
         log2 = cc.owner()
         if p == 0 and on_chunk is not None:
             on_chunk(log2)
-        return cc.exchange[2], cc.exchange[3]  # type: ignore[index]
+        return cc.exchange[2], cc.exchange[3]
 
     def decode(c: int) -> None:
         calls[c].decode()
@@ -856,14 +863,8 @@ def bind_rank_blocks(
         for w in wins:
             assert not w.n_segments or w.first == ends[-1], "shards of consecutive blocks"
             ends.append(ends[-1] + w.n_segments)
-        r0, r1 = g.regions[c]
-        s0, s1 = g.shard_regions[c]
-        q0, q1 = sh.gather_regions[c]
-        call = g.codec.bind_rank_blocks(
-            x,
-            keys,
-            flags,
-            union,
+        (r0, r1), (s0, s1), (q0, q1) = g.regions[c], g.shard_regions[c], sh.gather_regions[c]
+        chunk = RankBlockChunk(
             offsets=offsets,
             firsts=np.array(ends, dtype=np.int64),
             layer_ends=layer_ends,
@@ -875,10 +876,10 @@ def bind_rank_blocks(
             shard_bytes=sh.shard_bytes[c],
             at=sh.shard_bytes[0] + sh.slots[0] if c == 0 else -1,
         )
+        call = g.codec.bind_rank_blocks(x, keys, flags, union, chunk)
         if call is None:
             return None
-        exchange = g.send[r0:r1], g.recv[r0:r1], g.shards[s0:s1], sh.gathered[q0:q1]
-        calls.append(dataclasses.replace(call, exchange=exchange))
+        calls.append(call)
     return calls
 
 
@@ -1611,9 +1612,8 @@ def bind_node_blocks(
     calls = []
     for c, (lo, hi) in enumerate(g.chunks):
         bounds = nb.bounds[c]
-        s0, s1 = nb.slice_bounds(c, local)
+        s0 = nb.slice_bounds(c, local)[0]
         mine = nb.slice_layout[c]
-        blocks = mine.n_segments
         first = splits = None
         if nb.wire_first:
             slice_firsts = _block_firsts(g.layout, bounds[::nodes])
@@ -1624,32 +1624,25 @@ def bind_node_blocks(
             splits = sizes, [sizes[local]] * per_node
             first_in = x[lo:hi]
         piece_bounds = [b - s0 for b in bounds[local * nodes : (local + 1) * nodes + 1]]
-        owned = local * nodes + nb.node
-        call = g.codec.bind_node_blocks(
-            x,
-            keys,
-            flags,
-            union,
+        chunk = NodeBlockChunk(
             offsets=offsets,
-            layer_ends=layer_ends,
             firsts=_block_firsts(g.layout, bounds),
+            layer_ends=layer_ends,
             ranks_per_node=per_node,
             first=first,
             received=nb.first_recv[c],
-            mean=torch.empty(s1 - s0, dtype=torch.float32, device=x.device),
             slice_offsets=mine.offsets.numpy(),
-            maxima=torch.empty(blocks, dtype=torch.float32, device=x.device),
-            own=torch.empty(blocks, dtype=torch.uint8, device=x.device),
             piece_firsts=_block_firsts(mine, piece_bounds),
             send=nb.send[c],
             recv=nb.recv[c],
-            shard=nb.shard_layouts[c][owned].offsets.numpy(),
+            shard=nb.shard_layouts[c][local * nodes + nb.node].offsets.numpy(),
             out=nb.shard[c],
             gathered=nb.gathered[c],
             shard_bytes=nb.shard_bytes[c],
             at=nb.shard_bytes[c] + nb.slots[c] if c == 0 else -1,
             own_rows=(local, nb.node),
         )
+        call = g.codec.bind_node_blocks(x, keys, flags, union, chunk)
         if call is None:
             return None
         calls.append(dataclasses.replace(call, first_in=first_in, splits=splits))
