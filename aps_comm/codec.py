@@ -730,17 +730,12 @@ class NodeBlockCalls:
             OR-ed into its shard).
         decode: the N gathered shards decoded into the values with their
             owners' keys (the first chunk's gathered flags OR-ed first).
-        first_in: what the first exchange sends: the chunk of the values
-            (hierarchical) or its encoded slices (grid), a view made once; or None.
-        splits: hierarchical: the first exchange's input and output split sizes.
     """
 
     first: Callable[[], object] | None
     across: Callable[[], None]
     owner: Callable[[], None]
     decode: Callable[[], None]
-    first_in: torch.Tensor | None = None
-    splits: tuple[list[int], list[int]] | None = None
 
 
 @dataclasses.dataclass(frozen=True)

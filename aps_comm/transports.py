@@ -42,7 +42,6 @@ import torch.distributed as dist
 from aps_comm.codec import (
     AgreedBlockChunk,
     AgreedMaxima,
-    NodeBlockCalls,
     NodeBlockChunk,
     RankBlockCalls,
     RankBlockChunk,
@@ -74,7 +73,6 @@ __all__ = [
     "hierarchical",
     "hierarchical_bound",
     "hierarchical_rank_blocks",
-    "hierarchical_rank_blocks_bound",
     "native",
     "reduce_scatter",
     "rows_exchange",
@@ -656,12 +654,7 @@ def bind_agreed_blocks(
     layer_of = np.repeat(np.arange(counts.size, dtype=np.int64), counts)
     calls = []
     for c in range(len(g.chunks)):
-        wins = sh.windows[c]
-        # An empty window's ``first`` is 0: count from the first shard with blocks.
-        ends = [next((w.first for w in wins if w.n_segments), 0)]
-        for w in wins:
-            assert not w.n_segments or w.first == ends[-1], "shards of consecutive blocks"
-            ends.append(ends[-1] + w.n_segments)
+        firsts = _block_firsts(g.layout, sh.bounds[c])
         (r0, r1), (s0, s1), (q0, q1) = g.regions[c], g.shard_regions[c], sh.gather_regions[c]
         send, recv, out, gathered = (
             g.send[r0:r1],
@@ -671,10 +664,10 @@ def bind_agreed_blocks(
         )
         chunk = AgreedBlockChunk(
             offsets,
-            np.array(ends, dtype=np.int64),
+            firsts,
             layer_of,
             sh.layouts[c][rank].offsets.numpy().astype(np.int64),
-            ends[rank],
+            int(firsts[rank]),
             send,
             recv,
             out,
@@ -857,16 +850,11 @@ def bind_rank_blocks(
     layer_ends = np.cumsum(g.blocks.counts.numpy()).astype(offsets.dtype)
     calls = []
     for c in range(len(g.chunks)):
-        wins = sh.windows[c]
-        # An empty window's ``first`` is 0: count from the first shard with blocks.
-        ends = [next((w.first for w in wins if w.n_segments), 0)]
-        for w in wins:
-            assert not w.n_segments or w.first == ends[-1], "shards of consecutive blocks"
-            ends.append(ends[-1] + w.n_segments)
+        firsts = _block_firsts(g.layout, sh.bounds[c])
         (r0, r1), (s0, s1), (q0, q1) = g.regions[c], g.shard_regions[c], sh.gather_regions[c]
         chunk = RankBlockChunk(
             offsets=offsets,
-            firsts=np.array(ends, dtype=np.int64),
+            firsts=firsts,
             layer_ends=layer_ends,
             shard=sh.layouts[c][rank].offsets.numpy(),
             send=g.send[r0:r1],
@@ -1307,7 +1295,7 @@ def hierarchical_rank_blocks(
         # The bound calls read this rank's keys and flags from their own scratch.
         bound.keys.copy_(keys)
         bound.flags.copy_(flags)
-        return hierarchical_rank_blocks_bound(g, bound.calls, x, groups, count, defer)
+        return hierarchical_bound(bound.calls, groups, count, defer)
     stages = _NodeBlockStages(g, x, keys, flags, groups, world_size, count)
     return _staged(len(g.chunks), stages.stages(), defer)
 
@@ -1495,60 +1483,6 @@ class _NodeBlockStages(_NodeStages):
             )
 
 
-def hierarchical_rank_blocks_bound(
-    g: GroupPlan,
-    calls: Sequence[NodeBlockCalls],
-    x: torch.Tensor,
-    groups: NodeGroups,
-    count: Counter,
-    defer: bool = False,
-) -> Callable[[], None] | None:
-    """:func:`hierarchical_rank_blocks` through calls bound once (:func:`bind_node_blocks`).
-
-    The same collectives, in the same order, and the same bytes; per chunk a
-    fixed handful of kernel calls (grid's first encode, the node's mean with
-    its keys and pieces, the owner's step, the decode), whatever the number
-    of ranks, layers or blocks, and no slicing on the host. The keys and
-    flags the calls read are written before.
-
-    Args:
-        g: the group's plan (``g.node_blocks`` set).
-        calls: each chunk's bound calls, with their ``first_in`` views.
-        x: the group's float32 values the calls are bound to (for the byte count).
-        groups: this rank's intra- and inter-node groups.
-        count: byte counter.
-        defer: as :func:`hierarchical_rank_blocks`'.
-
-    Returns:
-        With ``defer``, the function that finishes the bucket; else None.
-
-    Example:
-        >>> calls = transports.bind_node_blocks(g, x, keys, flags, union)  # doctest: +SKIP
-        >>> transports.hierarchical_rank_blocks_bound(g, calls, x, groups, count)  # doctest: +SKIP
-    """
-    nb = g.node_blocks
-    assert nb is not None
-    # The route's one pipeline (:func:`hierarchical_bound`), over the plan's buffers.
-    chunks = [
-        NodeChunkCalls(
-            cc.first,
-            cc.across,
-            cc.owner,
-            cc.decode,
-            cc.first_in,  # type: ignore[arg-type]  # bound with it (bind_node_blocks)
-            nb.first_recv[c],
-            nb.send[c],
-            nb.recv[c],
-            nb.shard[c],
-            nb.across[c],
-            nb.gathered[c],
-            cc.splits,
-        )
-        for c, cc in enumerate(calls)
-    ]
-    return hierarchical_bound(chunks, groups, count, defer)
-
-
 def _staged(
     k: int, stages: Sequence[Callable[[int], None]], defer: bool
 ) -> Callable[[], None] | None:
@@ -1581,7 +1515,7 @@ def bind_node_blocks(
     keys: torch.Tensor,
     flags: torch.Tensor,
     union: torch.Tensor,
-) -> list[NodeBlockCalls] | None:
+) -> list[NodeChunkCalls] | None:
     """Every chunk's fused calls of :func:`hierarchical_rank_blocks`, bound to ``x`` and scratch.
 
     Across nodes each chunk is :func:`bind_rank_blocks`' two_phase applied to
@@ -1596,12 +1530,14 @@ def bind_node_blocks(
         union: per layer, scratch for every rank's flags.
 
     Returns:
-        One :class:`aps_comm.codec.NodeBlockCalls` per chunk (with its
-        ``first_in`` and ``splits``), or None where the codec has no fused
+        Per chunk the codec's :class:`aps_comm.codec.NodeBlockCalls` with the
+        plan's buffers, what the route's one pipeline runs
+        (:func:`hierarchical_bound`); None where the codec has no fused
         kernels for them.
 
     Example:
         >>> calls = transports.bind_node_blocks(g, x, keys, flags, union)  # doctest: +SKIP
+        >>> transports.hierarchical_bound(calls, groups, count)  # doctest: +SKIP
     """
     nb = g.node_blocks
     assert nb is not None and g.blocks is not None
@@ -1645,7 +1581,22 @@ def bind_node_blocks(
         call = g.codec.bind_node_blocks(x, keys, flags, union, chunk)
         if call is None:
             return None
-        calls.append(dataclasses.replace(call, first_in=first_in, splits=splits))
+        calls.append(
+            NodeChunkCalls(
+                call.first,
+                call.across,
+                call.owner,
+                call.decode,
+                first_in,
+                nb.first_recv[c],
+                nb.send[c],
+                nb.recv[c],
+                nb.shard[c],
+                nb.across[c],
+                nb.gathered[c],
+                splits,
+            )
+        )
     return calls
 
 
@@ -1656,7 +1607,7 @@ class _NodeBound:
     ptr: int
     keys: torch.Tensor
     flags: torch.Tensor
-    calls: list[NodeBlockCalls]
+    calls: list[NodeChunkCalls]
 
 
 def _node_bound(g: GroupPlan, x: torch.Tensor) -> _NodeBound | None:
