@@ -91,7 +91,9 @@ __all__ = [
     "Codec",
     "Layout",
     "NodeBlockCalls",
+    "NodeBlockChunk",
     "RankBlockCalls",
+    "RankBlockChunk",
     "backend_for",
     "codec_for",
     "decode",
@@ -272,41 +274,40 @@ def _piece(offsets: np.ndarray, firsts: np.ndarray, j: int) -> slice:
     return slice(int(offsets[firsts[j]]), int(offsets[firsts[j + 1]]))
 
 
-def _node_across(
+def _longest(offsets: np.ndarray) -> int:
+    """The longest block's elements (0 for none)."""
+    return int(np.diff(offsets).max()) if offsets.size > 1 else 0
+
+
+def _mean_keys(
     fmt: FloatFormat,
-    mean_call: Callable[[], object],
     mean: torch.Tensor,
     offsets: np.ndarray,
     maxima: torch.Tensor,
     keys: torch.Tensor,
-    send_call: Callable[[], object],
 ) -> None:
-    """The node's mean of this rank's slice, its blocks' own keys (two_phase's rule:
-    ``fmt.max`` times the nodes stays below float32's max), and its pieces encoded."""
-    mean_call()
+    """The node's mean's blocks' own keys (two_phase's rule: ``fmt.max`` times the
+    nodes stays below float32's max), by the CPU kernels."""
     _kernel("block_amax", mean, offsets, maxima)
     _kernel("two_phase_keys", maxima, fmt, EXPONENT_LIMIT, keys)
-    send_call()
 
 
-def _triton_node_across(
-    decode_rows: Sequence[Callable[[], object]],
-    rows: torch.Tensor,
-    mean: torch.Tensor,
-    mean_keys: Callable[[], object],
-    send_call: Callable[[], object],
+def _mean_of_rows(
+    decode_rows: Sequence[Callable[[], object]], rows: torch.Tensor, mean: torch.Tensor
 ) -> None:
-    """:func:`_node_across` on the Triton backend: the L rows (decoded first where they
-    came encoded) summed in rank order and divided by L, the mean's own keys, its
-    pieces encoded."""
+    """The node's mean on the Triton backend: the L rows (decoded first where they came
+    encoded) summed in rank order and divided by L, as the CPU kernels do."""
     for decode in decode_rows:
         decode()
     mean.copy_(rows[0])
     for r in range(1, rows.shape[0]):
         mean.add_(rows[r])
     mean.div_(rows.shape[0])
-    mean_keys()
-    send_call()
+
+
+def _in_order(calls: Sequence[Callable[[], object]]) -> None:
+    for call in calls:
+        call()
 
 
 def _or_rows(rows: torch.Tensor, out: torch.Tensor) -> None:
@@ -592,13 +593,13 @@ class RankBlockCalls:
         decode: every gathered shard decoded into the values with its owner's keys.
         exchange: the chunk's send and receive regions, this rank's gathered
             shard and the chunk's gathered shards, as the collectives take
-            them (views made once: slicing costs host time), or None.
+            them (views made once: slicing costs host time).
     """
 
     send: Callable[[int], None]
     owner: Callable[[], int]
     decode: Callable[[], None]
-    exchange: tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor] | None = None
+    exchange: tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]
 
 
 @dataclasses.dataclass(frozen=True)
@@ -634,6 +635,85 @@ class AgreedBlockChunk:
 
 
 @dataclasses.dataclass(frozen=True)
+class RankBlockChunk:
+    """One chunk of two_phase with every rank's own block exponents: its blocks and
+    buffers, made once by the binder (:func:`aps_comm.transports.bind_rank_blocks`).
+
+    Attributes:
+        offsets: the group's block boundaries (elements; int32 or int64).
+        firsts: the chunk's N shards' first blocks, and the end (int64).
+        layer_ends: the cumulative blocks per layer (walked: no index per block).
+        shard: this rank's shard's block boundaries, from 0 (as ``offsets``).
+        send: the chunk's exchange, N equal pieces.
+        recv: what the exchange brings, N equal pieces.
+        out: this rank's gathered shard (codes, then keys).
+        gathered: the chunk's N gathered shards, N equal rows.
+        shard_bytes: payload bytes every shard is padded to.
+        at: where the layer flags and the chunk's log2 lie in a piece; -1 for none.
+    """
+
+    offsets: np.ndarray
+    firsts: np.ndarray
+    layer_ends: np.ndarray
+    shard: np.ndarray
+    send: torch.Tensor
+    recv: torch.Tensor
+    out: torch.Tensor
+    gathered: torch.Tensor
+    shard_bytes: int
+    at: int
+
+
+@dataclasses.dataclass(frozen=True)
+class NodeBlockChunk:
+    """One chunk of hierarchical (or grid) with every owner's own block exponents: its
+    blocks and buffers at both levels, made once by the binder
+    (:func:`aps_comm.transports.bind_node_blocks`).
+
+    Attributes:
+        offsets: the group's block boundaries (elements; int32 or int64).
+        firsts: the chunk's N shards' first blocks, and the end (int64).
+        layer_ends: each layer's end in the group's blocks (as :class:`RankBlockChunk`'s).
+        ranks_per_node: L.
+        first: grid: the first exchange's send region (L equal pieces), the
+            L slices' first blocks and the end, and the bytes every slice's
+            payload is padded to; None for hierarchical.
+        received: what the first exchange brings: L float32 rows of this
+            rank's slice (hierarchical) or L pieces (grid).
+        slice_offsets: the slice's block boundaries, from 0 (int64).
+        piece_firsts: the slice's M shards' first blocks (of the slice), and the end.
+        send: the exchange across nodes, M equal pieces.
+        recv: what it brings, M equal pieces.
+        shard: this rank's shard's block boundaries, from 0 (int64).
+        out: this rank's shard as gathered (codes, keys, in the first chunk flags).
+        gathered: the chunk's N shards gathered, N equal rows.
+        shard_bytes: payload bytes every shard is padded to.
+        at: where the layer flags lie in a piece and a row; -1 for none.
+        own_rows: this rank's local rank and node: the row of the first
+            exchange and the piece across nodes that are its own. Owners add
+            their own values there (grid: its slice of ``x``; across nodes:
+            the node's mean of its shard), not the rounded copy they sent themselves.
+    """
+
+    offsets: np.ndarray
+    firsts: np.ndarray
+    layer_ends: np.ndarray
+    ranks_per_node: int
+    first: tuple[torch.Tensor, np.ndarray, int] | None
+    received: torch.Tensor
+    slice_offsets: np.ndarray
+    piece_firsts: np.ndarray
+    send: torch.Tensor
+    recv: torch.Tensor
+    shard: np.ndarray
+    out: torch.Tensor
+    gathered: torch.Tensor
+    shard_bytes: int
+    at: int
+    own_rows: tuple[int, int]
+
+
+@dataclasses.dataclass(frozen=True)
 class NodeBlockCalls:
     """One chunk of hierarchical (or grid) with every owner's own block exponents, bound.
 
@@ -650,17 +730,12 @@ class NodeBlockCalls:
             OR-ed into its shard).
         decode: the N gathered shards decoded into the values with their
             owners' keys (the first chunk's gathered flags OR-ed first).
-        first_in: what the first exchange sends: the chunk of the values
-            (hierarchical) or its encoded slices (grid), a view made once; or None.
-        splits: hierarchical: the first exchange's input and output split sizes.
     """
 
     first: Callable[[], object] | None
     across: Callable[[], None]
     owner: Callable[[], None]
     decode: Callable[[], None]
-    first_in: torch.Tensor | None = None
-    splits: tuple[list[int], list[int]] | None = None
 
 
 @dataclasses.dataclass(frozen=True)
@@ -1323,17 +1398,7 @@ class Codec:
         keys: torch.Tensor,
         flags: torch.Tensor,
         union: torch.Tensor,
-        *,
-        offsets: np.ndarray,
-        firsts: np.ndarray,
-        layer_ends: np.ndarray,
-        shard: np.ndarray,
-        send: torch.Tensor,
-        recv: torch.Tensor,
-        out: torch.Tensor,
-        gathered: torch.Tensor,
-        shard_bytes: int,
-        at: int,
+        chunk: RankBlockChunk,
     ) -> RankBlockCalls | None:
         """Bind one chunk's three steps of two_phase with every rank's own block exponents.
 
@@ -1352,94 +1417,27 @@ class Codec:
             flags: this rank's non-finite flag of every layer (uint8).
             union: scratch: every rank's flags OR-ed (written by the first
                 chunk's owner step, read by every decode).
-            offsets: the group's block boundaries (elements; int32 or int64).
-            firsts: the chunk's N shards' first blocks, and the end (int64).
-            layer_ends: the cumulative blocks per layer (walked: no index per block).
-            shard: this rank's shard's block boundaries, from 0 (as ``offsets``).
-            send: the chunk's exchange, N equal pieces.
-            recv: what the exchange brings, N equal pieces.
-            out: this rank's gathered shard (codes, then keys).
-            gathered: the chunk's N gathered shards, N equal rows.
-            shard_bytes: payload bytes every shard is padded to.
-            at: where the layer flags and the chunk's log2 lie in a piece; -1 for none.
+            chunk: the chunk's blocks and buffers.
 
         Example:
-            >>> calls = codec.bind_rank_blocks(x, keys, flags, union, ...)  # doctest: +SKIP
+            >>> calls = codec.bind_rank_blocks(x, keys, flags, union, chunk)  # doctest: +SKIP
             >>> calls.send(0); calls.owner(); calls.decode()  # doctest: +SKIP
         """
-        if self.fmt.wire_bits not in (4, 8) or x.dtype != torch.float32:
+        c, n = chunk, chunk.firsts.size - 1
+        if not self._fused_blocks(x) or (
+            self.backend == "triton" and not self._triton_blocks_run(x, keys, flags, union, c, {n})
+        ):
             return None
+        owner = self._bind_owner(c, union, n, c.at)
         if self.backend == "triton":
-            return self._bind_triton_rank_blocks(
-                x,
-                keys,
-                flags,
-                union,
-                offsets=offsets,
-                firsts=firsts,
-                layer_ends=layer_ends,
-                shard=shard,
-                send=send,
-                recv=recv,
-                out=out,
-                gathered=gathered,
-                shard_bytes=shard_bytes,
-                at=at,
-            )
-        if self.backend != "kernels" or x.device.type != "cpu":
-            return None
-        n = firsts.size - 1
-        table = _key_table(unscale=False)
-        untable = _key_table(unscale=True)
-        union_np = union.numpy()
-        longest = int(np.diff(shard).max()) if shard.size > 1 else 0
-        d = np.empty(shard.size - 1, np.int32)
+            host = c.recv.numpy() if c.at >= 0 and c.recv.device.type == "cpu" else None
+            piece = c.recv.numel() // n
+            owner = functools.partial(_owner_then_chunk, owner, host, c.at + union.numel(), piece)
         return RankBlockCalls(
-            functools.partial(
-                _kernel,
-                "send_rank_blocks",
-                self.fmt,
-                x.numpy(),
-                keys.numpy(),
-                table,
-                offsets,
-                firsts,
-                send.numpy(),
-                send.numel() // n,
-                shard_bytes,
-                flags.numpy(),
-                at,
-            ),
-            functools.partial(
-                _kernel,
-                "owner_rank_blocks",
-                self.fmt,
-                EXPONENT_LIMIT,
-                recv.numpy(),
-                n,
-                shard,
-                untable,
-                out.numpy(),
-                shard_bytes,
-                at,
-                union_np,
-                d,
-                longest,
-            ),
-            functools.partial(
-                _kernel,
-                "decode_rank_blocks",
-                self.fmt,
-                gathered.numpy(),
-                n,
-                offsets,
-                firsts,
-                untable,
-                layer_ends,
-                union_np,
-                x.numpy(),
-                shard_bytes,
-            ),
+            self._bind_send(x, keys, c.offsets, c.firsts, flags, c.send, c.shard_bytes, c.at),
+            owner,
+            self._bind_decode(x, union, c),
+            (c.send, c.recv, c.out, c.gathered),
         )
 
     def bind_agreed_blocks(
@@ -1519,89 +1517,169 @@ class Codec:
             ),
         )
 
-    def _bind_triton_rank_blocks(
-        self,
-        x: torch.Tensor,
-        keys: torch.Tensor,
-        flags: torch.Tensor,
-        union: torch.Tensor,
-        *,
-        offsets: np.ndarray,
-        firsts: np.ndarray,
-        layer_ends: np.ndarray,
-        shard: np.ndarray,
-        send: torch.Tensor,
-        recv: torch.Tensor,
-        out: torch.Tensor,
-        gathered: torch.Tensor,
-        shard_bytes: int,
-        at: int,
-    ) -> RankBlockCalls | None:
-        """:meth:`bind_rank_blocks` on the Triton backend (its arguments)."""
-        t, fmt = _triton(), self.fmt
-        n = firsts.size - 1
-        longest = int(np.diff(shard).max()) if shard.size > 1 else 0
-        if longest > t.MAX_SEGMENT:
-            return None
-        if not self._triton_rank_blocks_run(n, longest, x, keys, flags, union, send, out):
-            return None
-        d = torch.empty(max(shard.size - 1, 1), dtype=torch.int32, device=x.device)
-        owner = t.bind_owner_rank_blocks(
-            fmt, recv, n, shard, out, union, d, shard_bytes, at, longest
-        )
-        piece = recv.numel() // n
-        host = recv.numpy() if at >= 0 and recv.device.type == "cpu" else None
-        return RankBlockCalls(
-            t.bind_send_rank_blocks(fmt, x, keys, offsets, firsts, flags, send, shard_bytes, at),
-            functools.partial(_owner_then_chunk, owner, host, at + union.numel(), piece),
-            t.bind_decode_rank_blocks(
-                fmt, gathered, n, offsets, firsts, _layer_of(layer_ends), union, x, shard_bytes
-            ),
+    def _fused_blocks(self, x: torch.Tensor) -> bool:
+        """Whether this backend has the fused rank-block kernels for ``x``: "kernels" (on
+        CPU tensors) and "triton", for 4- and 8-bit formats and float32 values."""
+        return (
+            self.fmt.wire_bits in (4, 8)
+            and x.dtype == torch.float32
+            and (self.backend == "triton" or (self.backend == "kernels" and x.device.type == "cpu"))
         )
 
-    def _triton_rank_blocks_run(
+    def _bind_send(
         self,
+        x: torch.Tensor,
+        keys: torch.Tensor,
+        offsets: np.ndarray,
+        firsts: np.ndarray,
+        flags: torch.Tensor,
+        send: torch.Tensor,
+        shard_bytes: int,
+        at: int,
+    ) -> Callable[[int], object]:
+        """``x``'s pieces (blocks ``firsts`` of ``offsets``) encoded with ``keys`` into
+        ``send``, the layer ``flags`` and the chunk's log2 (the call's argument) at ``at``:
+        one bound kernel call on either backend."""
+        if self.backend == "triton":
+            return _triton().bind_send_rank_blocks(
+                self.fmt, x, keys, offsets, firsts, flags, send, shard_bytes, at
+            )
+        n, table = firsts.size - 1, _key_table(unscale=False)
+        return functools.partial(
+            _kernel,
+            "send_rank_blocks",
+            self.fmt,
+            x.numpy(),
+            keys.numpy(),
+            table,
+            offsets,
+            firsts,
+            send.numpy(),
+            send.numel() // n,
+            shard_bytes,
+            flags.numpy(),
+            at,
+        )
+
+    def _bind_owner(
+        self,
+        c: RankBlockChunk | NodeBlockChunk,
+        union: torch.Tensor,
         n: int,
-        longest: int,
+        at: int,
+        own: tuple[torch.Tensor, int] | None = None,
+    ) -> Callable[[], object]:
+        """The owner step over ``c.recv``'s ``n`` pieces into ``c.out``, every rank's flags
+        OR-ed into ``union`` where ``at >= 0``; ``own``: the owner's own values and
+        their piece (:func:`aps_comm.cpu_kernels.owner_rank_blocks`). One bound call."""
+        longest = _longest(c.shard)
+        if self.backend == "triton":
+            d = torch.empty(max(c.shard.size - 1, 1), dtype=torch.int32, device=c.out.device)
+            mine, row = own if own is not None else (None, -1)
+            return _triton().bind_owner_rank_blocks(
+                self.fmt,
+                c.recv,
+                n,
+                c.shard,
+                c.out,
+                union,
+                d,
+                c.shard_bytes,
+                at,
+                longest,
+                own=mine,
+                own_row=row,
+            )
+        return functools.partial(
+            _kernel,
+            "owner_rank_blocks",
+            self.fmt,
+            EXPONENT_LIMIT,
+            c.recv.numpy().reshape(n, -1),
+            c.shard,
+            _key_table(unscale=True),
+            c.out.numpy(),
+            c.shard_bytes,
+            at,
+            union.numpy(),
+            np.empty(c.shard.size - 1, np.int32),
+            longest,
+            None if own is None else (own[0].numpy(), own[1]),
+        )
+
+    def _bind_decode(
+        self, x: torch.Tensor, union: torch.Tensor, c: RankBlockChunk | NodeBlockChunk
+    ) -> Callable[[], object]:
+        """The chunk's N gathered shards decoded into ``x`` with their owners' keys (the
+        layers ``union`` flags made NaN): one bound call."""
+        n = c.firsts.size - 1
+        if self.backend == "triton":
+            layer_of = _layer_of(c.layer_ends)
+            return _triton().bind_decode_rank_blocks(
+                self.fmt, c.gathered, n, c.offsets, c.firsts, layer_of, union, x, c.shard_bytes
+            )
+        return functools.partial(
+            _kernel,
+            "decode_rank_blocks",
+            self.fmt,
+            c.gathered.numpy(),
+            n,
+            c.offsets,
+            c.firsts,
+            _key_table(unscale=True),
+            c.layer_ends,
+            union.numpy(),
+            x.numpy(),
+            c.shard_bytes,
+        )
+
+    def _triton_blocks_run(
+        self,
         x: torch.Tensor,
         keys: torch.Tensor,
         flags: torch.Tensor,
         union: torch.Tensor,
-        send: torch.Tensor,
-        out: torch.Tensor,
+        c: RankBlockChunk | NodeBlockChunk,
+        ranks: set[int],
     ) -> bool:
-        """Whether the send, owner and decode variants of ``n`` ranks and blocks of at most
-        ``longest`` elements run here: each launched once on a tiny chunk of private
-        buffers (N shards of one one-element block; piece: code, key, flag, log2)."""
+        """Whether the send, owner and decode variants for each count of ``ranks`` and
+        blocks as long as ``c``'s shard's run here: each launched once on a tiny chunk of
+        private buffers (N shards of one one-element block; piece: code, key, flag, log2)."""
         t, fmt = _triton(), self.fmt
-        one = np.arange(n + 1, dtype=np.int64)
-        px, pkeys = _like(x, n), _like(keys, n)
-        pflags, punion = _like(flags, 1), _like(union, 1)
-        psend, pout = _like(send, 4 * n), _like(out, 4)
-        d = torch.zeros(1, dtype=torch.int32, device=x.device)
+        longest = _longest(c.shard)
+        if longest > t.MAX_SEGMENT:
+            return False
         lead, rows, width = t.tile_shape(longest, fmt.wire_bits)
-        divide = 0 if n == 1 else 1 if n & (n - 1) == 0 else 2
-        probes = [
-            (
-                ("send_rank_blocks", fmt.name),
-                functools.partial(
-                    t.bind_send_rank_blocks(fmt, px, pkeys, one, one, pflags, psend, 1, 2), 0
+        for n in sorted(ranks):
+            one = np.arange(n + 1, dtype=np.int64)
+            px, pkeys = _like(x, n), _like(keys, n)
+            pflags, punion = _like(flags, 1), _like(union, 1)
+            psend, pout = _like(c.send, 4 * n), _like(c.out, 4)
+            d = torch.zeros(1, dtype=torch.int32, device=x.device)
+            divide = 0 if n == 1 else 1 if n & (n - 1) == 0 else 2
+            probes = [
+                (
+                    ("send_rank_blocks", fmt.name),
+                    functools.partial(
+                        t.bind_send_rank_blocks(fmt, px, pkeys, one, one, pflags, psend, 1, 2), 0
+                    ),
                 ),
-            ),
-            (
-                ("owner_rank_blocks", fmt.name, divide, lead, rows, width),
-                t.bind_owner_rank_blocks(
-                    fmt, psend, n, one[:2], pout, punion, d, 1, 2, max(longest, 1)
+                (
+                    ("owner_rank_blocks", fmt.name, divide, lead, rows, width),
+                    t.bind_owner_rank_blocks(
+                        fmt, psend, n, one[:2], pout, punion, d, 1, 2, max(longest, 1)
+                    ),
                 ),
-            ),
-            (
-                ("decode_rank_blocks", fmt.name),
-                t.bind_decode_rank_blocks(
-                    fmt, psend, n, one, one, np.zeros(n, np.int64), punion, px, 1
+                (
+                    ("decode_rank_blocks", fmt.name),
+                    t.bind_decode_rank_blocks(
+                        fmt, psend, n, one, one, np.zeros(n, np.int64), punion, px, 1
+                    ),
                 ),
-            ),
-        ]
-        return all(_probed(variant, probe) for variant, probe in probes)
+            ]
+            if not all(_probed(variant, probe) for variant, probe in probes):
+                return False
+        return True
 
     def bind_node_blocks(
         self,
@@ -1609,26 +1687,7 @@ class Codec:
         keys: torch.Tensor,
         flags: torch.Tensor,
         union: torch.Tensor,
-        *,
-        offsets: np.ndarray,
-        layer_ends: np.ndarray,
-        firsts: np.ndarray,
-        ranks_per_node: int,
-        first: tuple[torch.Tensor, np.ndarray, int] | None,
-        received: torch.Tensor,
-        mean: torch.Tensor,
-        slice_offsets: np.ndarray,
-        maxima: torch.Tensor,
-        own: torch.Tensor,
-        piece_firsts: np.ndarray,
-        send: torch.Tensor,
-        recv: torch.Tensor,
-        shard: np.ndarray,
-        out: torch.Tensor,
-        gathered: torch.Tensor,
-        shard_bytes: int,
-        at: int,
-        own_rows: tuple[int, int],
+        chunk: NodeBlockChunk,
     ) -> NodeBlockCalls | None:
         """Bind one chunk of hierarchical (or grid) with every owner's own block exponents.
 
@@ -1646,306 +1705,131 @@ class Codec:
             flags: this rank's non-finite flag of every layer (uint8).
             union: scratch: every rank's flags OR-ed (written by the first
                 chunk's decode, read by every decode).
-            offsets: the group's block boundaries (elements; int32 or int64).
-            layer_ends: each layer's end in the group's blocks (as :meth:`bind_rank_blocks`').
-            firsts: the chunk's N shards' first blocks, and the end (int64).
-            ranks_per_node: L.
-            first: grid: the first exchange's send region (L equal pieces), the
-                L slices' first blocks and the end, and the bytes every slice's
-                payload is padded to; None for hierarchical.
-            received: what the first exchange brings: L float32 rows of this
-                rank's slice (hierarchical) or L pieces (grid).
-            mean: float32 scratch, the slice's elements: the node's mean.
-            slice_offsets: the slice's block boundaries, from 0 (int64).
-            maxima: float32 scratch, one per block of the slice.
-            own: uint8 scratch, one per block of the slice: the mean's keys.
-            piece_firsts: the slice's M shards' first blocks (of the slice), and the end.
-            send: the exchange across nodes, M equal pieces.
-            recv: what it brings, M equal pieces.
-            shard: this rank's shard's block boundaries, from 0 (int64).
-            out: this rank's shard as gathered (codes, keys, in the first chunk flags).
-            gathered: the chunk's N shards gathered, N equal rows.
-            shard_bytes: payload bytes every shard is padded to.
-            at: where the layer flags lie in a piece and a row; -1 for none.
-            own_rows: this rank's local rank and node: the row of the first
-                exchange and the piece across nodes that are its own. Owners add
-                their own values there (grid: its slice of ``x``; across nodes:
-                the node's mean of its shard), not the rounded copy they sent themselves.
+            chunk: the chunk's blocks and buffers at both levels.
 
         Example:
-            >>> calls = codec.bind_node_blocks(x, keys, flags, union, ...)  # doctest: +SKIP
+            >>> calls = codec.bind_node_blocks(x, keys, flags, union, chunk)  # doctest: +SKIP
             >>> calls.across(); calls.owner(); calls.decode()  # doctest: +SKIP
         """
-        if self.backend == "triton" and self.fmt.wire_bits in (4, 8) and x.dtype == torch.float32:
-            return self._bind_triton_node_blocks(
-                x,
-                keys,
-                flags,
-                union,
-                offsets=offsets,
-                layer_ends=layer_ends,
-                firsts=firsts,
-                ranks_per_node=ranks_per_node,
-                first=first,
-                received=received,
-                mean=mean,
-                slice_offsets=slice_offsets,
-                maxima=maxima,
-                own=own,
-                piece_firsts=piece_firsts,
-                send=send,
-                recv=recv,
-                shard=shard,
-                out=out,
-                gathered=gathered,
-                shard_bytes=shard_bytes,
-                at=at,
-                own_rows=own_rows,
-            )
-        if (
-            self.backend != "kernels"
-            or self.fmt.wire_bits not in (4, 8)
-            or x.dtype != torch.float32
-            or x.device.type != "cpu"
+        c, n, nodes = chunk, chunk.firsts.size - 1, chunk.piece_firsts.size - 1
+        if not self._fused_blocks(x) or (
+            self.backend == "triton"
+            and not self._triton_blocks_run(x, keys, flags, union, c, {n, nodes})
         ):
             return None
-        fmt, n, nodes = self.fmt, firsts.size - 1, piece_firsts.size - 1
-        table, untable = _key_table(unscale=False), _key_table(unscale=True)
-        union_np, flags_np = union.numpy(), flags.numpy()
-        longest = int(np.diff(shard).max()) if shard.size > 1 else 0
-        slice_longest = int(np.diff(slice_offsets).max()) if slice_offsets.size > 1 else 0
-        local, node = own_rows
-        own_mean = mean.numpy()[_piece(slice_offsets, piece_firsts, node)]
-        send_first = None
-        if first is None:  # hierarchical: FP32 rows of the slice
-            rows = received.numpy().reshape(ranks_per_node, mean.numel())
-            mean_call = functools.partial(_kernel, "mean_rows", rows, mean.numpy())
-        else:
-            first_send, slice_firsts, slice_bytes = first
-            no_flags = np.empty(0, np.uint8)
-            send_first = functools.partial(
-                _kernel,
-                "send_rank_blocks",
-                fmt,
-                x.numpy(),
-                keys.numpy(),
-                table,
-                offsets,
-                slice_firsts,
-                first_send.numpy(),
-                first_send.numel() // ranks_per_node,
-                slice_bytes,
-                no_flags,
-                -1,
-                -1,
-            )
-            mean_call = functools.partial(
-                _kernel,
-                "mean_rank_blocks",
-                fmt,
-                received.numpy(),
-                ranks_per_node,
-                slice_offsets,
-                untable,
-                mean.numpy(),
-                slice_bytes,
-                slice_longest,
-                x.numpy()[_piece(offsets, slice_firsts, local)],
-                local,
-            )
-        send_call = functools.partial(
-            _kernel,
-            "send_rank_blocks",
-            fmt,
-            mean.numpy(),
-            own.numpy(),
-            table,
-            slice_offsets,
-            piece_firsts,
-            send.numpy(),
-            send.numel() // nodes,
-            shard_bytes,
-            flags_np,
-            at,
-            -1,  # no chunk byte: hierarchical agrees no chunk size on the wire
-        )
-        across = functools.partial(
-            _node_across, fmt, mean_call, mean, slice_offsets, maxima, own, send_call
-        )
-        d = np.empty(shard.size - 1, np.int32)
-        owner = functools.partial(
-            _kernel,
-            "owner_rank_blocks",
-            fmt,
-            EXPONENT_LIMIT,
-            recv.numpy(),
-            nodes,
-            shard,
-            untable,
-            out.numpy(),
-            shard_bytes,
-            -1,  # the flags are OR-ed into the shard below, not read with a chunk byte
-            union_np,
-            d,
-            longest,
-            own_mean,
-            node,
-        )
-        decode = functools.partial(
-            _kernel,
-            "decode_rank_blocks",
-            fmt,
-            gathered.numpy(),
-            n,
-            offsets,
-            firsts,
-            untable,
-            layer_ends,
-            union_np,
-            x.numpy(),
-            shard_bytes,
-        )
-        owner_flags = union_flags = None
-        if at >= 0:
-            k = flags.numel()
-            pieces = recv.numpy().reshape(nodes, -1)[:, at : at + k]
-            owner_flags = functools.partial(_kernel, "or_rows", pieces, out.numpy()[at : at + k])
-            rows = gathered.numpy().reshape(n, -1)[:, at : at + k]
-            union_flags = functools.partial(_kernel, "or_rows", rows, union_np)
-        return NodeBlockCalls(
-            send_first,
-            across,
-            functools.partial(_calls_then, owner, owner_flags),
-            functools.partial(_calls_then, union_flags, decode)
-            if union_flags is not None
-            else decode,
-        )
-
-    def _bind_triton_node_blocks(
-        self,
-        x: torch.Tensor,
-        keys: torch.Tensor,
-        flags: torch.Tensor,
-        union: torch.Tensor,
-        *,
-        offsets: np.ndarray,
-        layer_ends: np.ndarray,
-        firsts: np.ndarray,
-        ranks_per_node: int,
-        first: tuple[torch.Tensor, np.ndarray, int] | None,
-        received: torch.Tensor,
-        mean: torch.Tensor,
-        slice_offsets: np.ndarray,
-        maxima: torch.Tensor,
-        own: torch.Tensor,
-        piece_firsts: np.ndarray,
-        send: torch.Tensor,
-        recv: torch.Tensor,
-        shard: np.ndarray,
-        out: torch.Tensor,
-        gathered: torch.Tensor,
-        shard_bytes: int,
-        at: int,
-        own_rows: tuple[int, int],
-    ) -> NodeBlockCalls | None:
-        """:meth:`bind_node_blocks` on the Triton backend (its arguments).
-
-        The rank-block kernels of two_phase do the encoding and decoding; the
-        node's mean adds the L rows (hierarchical: the received float32 rows;
-        grid: the L pieces, each decoded with its sender's keys) in rank
-        order and divides by L, as the CPU kernels do, and the flags' ORs are
-        the maxima of 0/1 bytes over the rows.
-        """
-        t, fmt = _triton(), self.fmt
-        n, nodes, per = firsts.size - 1, piece_firsts.size - 1, ranks_per_node
-        local, node = own_rows
-        longest = int(np.diff(shard).max()) if shard.size > 1 else 0
-        slice_blocks = slice_offsets.size - 1
-        if longest > t.MAX_SEGMENT or not all(
-            self._triton_rank_blocks_run(m, longest, x, keys, flags, union, send, out)
-            for m in {n, nodes}
-        ):
-            return None
-        # The mean's own keys: the block keys' kernel over the slice as one layer.
-        blocks = Layout.from_numels(np.diff(slice_offsets).tolist(), x.device)
-        one_layer = torch.tensor([slice_blocks], dtype=torch.int64)
-        no_flag = torch.zeros(1, dtype=torch.uint8, device=x.device)
-        mean_keys = self.bind_block_keys(mean, blocks, one_layer, maxima, own, no_flag, nodes)
+        blocks, node = c.slice_offsets.size - 1, c.own_rows[1]
+        mean = torch.empty(int(c.slice_offsets[-1]), dtype=torch.float32, device=x.device)
+        maxima = torch.empty(blocks, dtype=torch.float32, device=x.device)
+        own = torch.empty(blocks, dtype=torch.uint8, device=x.device)
+        mean_keys = self._bind_mean_keys(mean, c.slice_offsets, maxima, own, nodes)
         if mean_keys is None:
             return None
+        send = self._bind_send(
+            mean, own, c.slice_offsets, c.piece_firsts, flags, c.send, c.shard_bytes, c.at
+        )
+        # No chunk byte: hierarchical agrees no chunk size on the wire.
+        across = (self._bind_node_mean(x, c, mean), mean_keys, functools.partial(send, -1))
         send_first = None
-        if first is None:  # hierarchical: FP32 rows of the slice
-            rows = received.view(per, mean.numel())
-            decode_rows: list[Callable[[], object]] = []
-        else:
-            first_send, slice_firsts, slice_bytes = first
+        if c.first is not None:
+            first_send, slice_firsts, slice_bytes = c.first
             send_first = functools.partial(
-                t.bind_send_rank_blocks(
-                    fmt, x, keys, offsets, slice_firsts, no_flag[:0], first_send, slice_bytes, -1
+                self._bind_send(
+                    x, keys, c.offsets, slice_firsts, flags[:0], first_send, slice_bytes, -1
                 ),
                 -1,
             )
-            rows = torch.empty(per, mean.numel(), dtype=torch.float32, device=x.device)
-            pieces = received.view(per, -1)
-            whole = np.array([0, slice_blocks], np.int64)
-            zero_layers = np.zeros(slice_blocks, np.int64)
-            clean = torch.zeros(1, dtype=torch.uint8, device=x.device)
-            decode_rows = [
-                functools.partial(rows[r].copy_, x[_piece(offsets, slice_firsts, r)])
-                if r == local  # its own slice: the values, not their rounded copy
-                else t.bind_decode_rank_blocks(
-                    fmt,
-                    pieces[r],
-                    1,
-                    slice_offsets,
-                    whole,
-                    zero_layers,
-                    clean,
-                    rows[r],
-                    slice_bytes,
-                )
-                for r in range(per)
-            ]
-        send_call = functools.partial(
-            t.bind_send_rank_blocks(
-                fmt, mean, own, slice_offsets, piece_firsts, flags, send, shard_bytes, at
-            ),
-            -1,  # no chunk byte: hierarchical agrees no chunk size on the wire
+        own_mean = mean[_piece(c.slice_offsets, c.piece_firsts, node)], node
+        owner = [self._bind_owner(c, union, nodes, -1, own_mean)]
+        decode = [self._bind_decode(x, union, c)]
+        if c.at >= 0:  # the first chunk's flags, OR-ed after the owner step, before the decode
+            k = slice(c.at, c.at + flags.numel())
+            owner.append(self._bind_or(c.recv.view(nodes, -1)[:, k], c.out[k]))
+            decode.insert(0, self._bind_or(c.gathered.view(n, -1)[:, k], union))
+        return NodeBlockCalls(
+            send_first,
+            functools.partial(_in_order, across),
+            functools.partial(_in_order, owner) if len(owner) > 1 else owner[0],
+            functools.partial(_in_order, decode) if len(decode) > 1 else decode[0],
         )
-        across = functools.partial(
-            _triton_node_across, decode_rows, rows, mean, mean_keys, send_call
-        )
-        d = torch.empty(max(shard.size - 1, 1), dtype=torch.int32, device=x.device)
-        owner = t.bind_owner_rank_blocks(
-            fmt,
-            recv,
-            nodes,
-            shard,
-            out,
-            union,
-            d,
-            shard_bytes,
-            -1,
-            longest,
-            own=mean[_piece(slice_offsets, piece_firsts, node)],
-            own_row=node,
-        )
-        decode = t.bind_decode_rank_blocks(
-            fmt, gathered, n, offsets, firsts, _layer_of(layer_ends), union, x, shard_bytes
-        )
-        if at >= 0:
-            k = flags.numel()
-            owner = functools.partial(
-                _calls_then,
-                owner,
-                functools.partial(_or_rows, recv.view(nodes, -1)[:, at : at + k], out[at : at + k]),
+
+    def _bind_mean_keys(
+        self,
+        mean: torch.Tensor,
+        offsets: np.ndarray,
+        maxima: torch.Tensor,
+        keys: torch.Tensor,
+        nodes: int,
+    ) -> Callable[[], object] | None:
+        """The node's mean's blocks' own keys into ``keys`` (two_phase's rule over the
+        M ``nodes``), bound; None where the Triton variant cannot run here."""
+        if self.backend != "triton":
+            return functools.partial(_mean_keys, self.fmt, mean, offsets, maxima, keys)
+        # The block keys' kernel over the slice as one layer.
+        blocks = Layout.from_numels(np.diff(offsets).tolist(), mean.device)
+        one_layer = torch.tensor([offsets.size - 1], dtype=torch.int64)
+        no_flag = torch.zeros(1, dtype=torch.uint8, device=mean.device)
+        return self.bind_block_keys(mean, blocks, one_layer, maxima, keys, no_flag, nodes)
+
+    def _bind_node_mean(
+        self, x: torch.Tensor, c: NodeBlockChunk, mean: torch.Tensor
+    ) -> Callable[[], object]:
+        """The node's mean of this rank's slice from what the first exchange brought,
+        bound: the L received rows (hierarchical: float32; grid: encoded, each decoded
+        with its sender's keys, this rank's own row its values) summed in rank order
+        and divided by L."""
+        t = _triton() if self.backend == "triton" else None
+        per, numel = c.ranks_per_node, mean.numel()
+        if c.first is None:  # hierarchical: FP32 rows of the slice
+            if t is not None:
+                return functools.partial(_mean_of_rows, [], c.received.view(per, numel), mean)
+            rows = c.received.numpy().reshape(per, numel)
+            return functools.partial(_kernel, "mean_rows", rows, mean.numpy())
+        _, slice_firsts, slice_bytes = c.first
+        local = c.own_rows[0]
+        mine = x[_piece(c.offsets, slice_firsts, local)]
+        if t is None:
+            return functools.partial(
+                _kernel,
+                "mean_rank_blocks",
+                self.fmt,
+                c.received.numpy(),
+                per,
+                c.slice_offsets,
+                _key_table(unscale=True),
+                mean.numpy(),
+                slice_bytes,
+                _longest(c.slice_offsets),
+                mine.numpy(),
+                local,
             )
-            decode = functools.partial(
-                _calls_then,
-                functools.partial(_or_rows, gathered.view(n, -1)[:, at : at + k], union),
-                decode,
+        rows = torch.empty(per, numel, dtype=torch.float32, device=x.device)
+        pieces = c.received.view(per, -1)
+        blocks = c.slice_offsets.size - 1
+        whole, zero_layers = np.array([0, blocks], np.int64), np.zeros(blocks, np.int64)
+        clean = torch.zeros(1, dtype=torch.uint8, device=x.device)
+        decode_rows = [
+            functools.partial(rows[r].copy_, mine)
+            if r == local  # its own slice: the values, not their rounded copy
+            else t.bind_decode_rank_blocks(
+                self.fmt,
+                pieces[r],
+                1,
+                c.slice_offsets,
+                whole,
+                zero_layers,
+                clean,
+                rows[r],
+                slice_bytes,
             )
-        return NodeBlockCalls(send_first, across, owner, decode)
+            for r in range(per)
+        ]
+        return functools.partial(_mean_of_rows, decode_rows, rows, mean)
+
+    def _bind_or(self, rows: torch.Tensor, out: torch.Tensor) -> Callable[[], object]:
+        """The OR of rows of 0/1 flag bytes into ``out``, bound."""
+        if self.backend == "triton":
+            return functools.partial(_or_rows, rows, out)
+        return functools.partial(_kernel, "or_rows", rows.numpy(), out.numpy())
 
     def _torch(self) -> Codec:
         """This format's codec with torch ops on the same device (a Triton variant's fallback)."""

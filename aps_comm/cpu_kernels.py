@@ -1464,7 +1464,6 @@ def owner_rank_blocks(
     fmt: FloatFormat,
     limit: int,
     recv: np.ndarray,
-    n_ranks: int,
     offsets: np.ndarray,
     table: np.ndarray,
     out: np.ndarray,
@@ -1473,26 +1472,25 @@ def owner_rank_blocks(
     union: np.ndarray,
     d: np.ndarray,
     longest: int,
-    own: np.ndarray | None = None,
-    own_row: int = -1,
+    own: tuple[np.ndarray, int] | None = None,
 ) -> int:
     """This rank's owner step of a chunk sent by :func:`send_rank_blocks`; returns the
     ranks' largest preferred chunk (log2) where ``at >= 0``, else 0.
 
-    ``recv`` holds N equal pieces; ``offsets`` are this rank's shard's blocks
-    (from 0). Each piece's codes are decoded times ``table[key]`` of its
+    ``recv`` holds N equal pieces, one per row; ``offsets`` are this rank's
+    shard's blocks (from 0). Each piece's codes are decoded times ``table[key]`` of its
     sender's keys, summed in rank order and divided by N, and each block of
     the mean encoded with its own exponent ``d`` into ``out``: codes, zero
     padding to ``shard_bytes``, then ``127 - d`` per block (a key), zeros.
     Where ``at >= 0`` every rank's layer flags are OR-ed into ``union``.
-    Where ``own_row`` is a piece, the float32 ``own`` (this rank's own values
-    of the shard) is added in its place, not rounded.
+    Where ``own`` is given (float32 values, a row), those values (this rank's
+    own values of the shard) are added in that row's place, not rounded.
     """
     q, m = decoder_params(fmt)
     return _owner_rank_blocks(
-        recv,
-        n_ranks,
-        recv.size // n_ranks,
+        recv.reshape(-1),
+        recv.shape[0],
+        recv.shape[1],
         offsets,
         table,
         out,
@@ -1506,8 +1504,8 @@ def owner_rank_blocks(
         encoder_params(fmt),
         mean_limit(fmt, limit),
         fmt.wire_bits,
-        _NO_OWN if own is None else own,
-        own_row if own is not None else -1,
+        _NO_OWN if own is None else own[0],
+        -1 if own is None else own[1],
     )
 
 

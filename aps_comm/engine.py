@@ -42,7 +42,7 @@ import torch.distributed as dist
 
 from aps_comm import codec, transports
 from aps_comm.agreement import Layouts
-from aps_comm.codec import AgreedMaxima, NodeBlockCalls, RankBlockCalls
+from aps_comm.codec import AgreedMaxima, RankBlockCalls
 from aps_comm.config import DEFAULT_BLOCK_SIZE, BlockExponents, Reduction, Route, Scaling
 from aps_comm.feedback import ErrorFeedback
 from aps_comm.formats import FP32, FloatFormat, payload_nbytes, pow2
@@ -362,7 +362,7 @@ class SteadyNodeBlocks(SteadyBlocks):
 
     groups: NodeGroups | None = None
     per_node: int = 1
-    node_calls: list[NodeBlockCalls] | None = None
+    node_calls: list[transports.NodeChunkCalls] | None = None
 
     def bind(self, x: torch.Tensor, rank: int, world_size: int) -> bool:
         g = self.group
@@ -2163,9 +2163,7 @@ class Reducer:
             assert st.node_calls is not None and st.groups is not None
             self.bucket_chunks[index] = st.chunk
             start = time.perf_counter()
-            tail = transports.hierarchical_rank_blocks_bound(
-                st.group, st.node_calls, x, st.groups, self.traffic, defer
-            )
+            tail = transports.hierarchical_bound(st.node_calls, st.groups, self.traffic, defer)
             if st.measured:
                 plan.timed(time.perf_counter() - start)
             return tail

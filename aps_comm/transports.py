@@ -39,7 +39,13 @@ import numpy as np
 import torch
 import torch.distributed as dist
 
-from aps_comm.codec import AgreedBlockChunk, AgreedMaxima, NodeBlockCalls, RankBlockCalls
+from aps_comm.codec import (
+    AgreedBlockChunk,
+    AgreedMaxima,
+    NodeBlockChunk,
+    RankBlockCalls,
+    RankBlockChunk,
+)
 from aps_comm.formats import payload_nbytes, pow2
 from aps_comm.layout import Layout
 from aps_comm.plan import GroupPlan, NodeBlocks, RowRuns
@@ -67,7 +73,6 @@ __all__ = [
     "hierarchical",
     "hierarchical_bound",
     "hierarchical_rank_blocks",
-    "hierarchical_rank_blocks_bound",
     "native",
     "reduce_scatter",
     "rows_exchange",
@@ -649,12 +654,7 @@ def bind_agreed_blocks(
     layer_of = np.repeat(np.arange(counts.size, dtype=np.int64), counts)
     calls = []
     for c in range(len(g.chunks)):
-        wins = sh.windows[c]
-        # An empty window's ``first`` is 0: count from the first shard with blocks.
-        ends = [next((w.first for w in wins if w.n_segments), 0)]
-        for w in wins:
-            assert not w.n_segments or w.first == ends[-1], "shards of consecutive blocks"
-            ends.append(ends[-1] + w.n_segments)
+        firsts = _block_firsts(g.layout, sh.bounds[c])
         (r0, r1), (s0, s1), (q0, q1) = g.regions[c], g.shard_regions[c], sh.gather_regions[c]
         send, recv, out, gathered = (
             g.send[r0:r1],
@@ -664,10 +664,10 @@ def bind_agreed_blocks(
         )
         chunk = AgreedBlockChunk(
             offsets,
-            np.array(ends, dtype=np.int64),
+            firsts,
             layer_of,
             sh.layouts[c][rank].offsets.numpy().astype(np.int64),
-            ends[rank],
+            int(firsts[rank]),
             send,
             recv,
             out,
@@ -806,14 +806,14 @@ def two_phase_rank_blocks_bound(
     def send(c: int) -> tuple[torch.Tensor, torch.Tensor]:
         cc = calls[c]
         cc.send(chunk_log2 if c == 0 else 0)
-        return cc.exchange[0], cc.exchange[1]  # type: ignore[index]
+        return cc.exchange[0], cc.exchange[1]
 
     def owner(p: int) -> tuple[torch.Tensor, torch.Tensor]:
         cc = calls[p]
         log2 = cc.owner()
         if p == 0 and on_chunk is not None:
             on_chunk(log2)
-        return cc.exchange[2], cc.exchange[3]  # type: ignore[index]
+        return cc.exchange[2], cc.exchange[3]
 
     def decode(c: int) -> None:
         calls[c].decode()
@@ -850,22 +850,11 @@ def bind_rank_blocks(
     layer_ends = np.cumsum(g.blocks.counts.numpy()).astype(offsets.dtype)
     calls = []
     for c in range(len(g.chunks)):
-        wins = sh.windows[c]
-        # An empty window's ``first`` is 0: count from the first shard with blocks.
-        ends = [next((w.first for w in wins if w.n_segments), 0)]
-        for w in wins:
-            assert not w.n_segments or w.first == ends[-1], "shards of consecutive blocks"
-            ends.append(ends[-1] + w.n_segments)
-        r0, r1 = g.regions[c]
-        s0, s1 = g.shard_regions[c]
-        q0, q1 = sh.gather_regions[c]
-        call = g.codec.bind_rank_blocks(
-            x,
-            keys,
-            flags,
-            union,
+        firsts = _block_firsts(g.layout, sh.bounds[c])
+        (r0, r1), (s0, s1), (q0, q1) = g.regions[c], g.shard_regions[c], sh.gather_regions[c]
+        chunk = RankBlockChunk(
             offsets=offsets,
-            firsts=np.array(ends, dtype=np.int64),
+            firsts=firsts,
             layer_ends=layer_ends,
             shard=sh.layouts[c][rank].offsets.numpy(),
             send=g.send[r0:r1],
@@ -875,10 +864,10 @@ def bind_rank_blocks(
             shard_bytes=sh.shard_bytes[c],
             at=sh.shard_bytes[0] + sh.slots[0] if c == 0 else -1,
         )
+        call = g.codec.bind_rank_blocks(x, keys, flags, union, chunk)
         if call is None:
             return None
-        exchange = g.send[r0:r1], g.recv[r0:r1], g.shards[s0:s1], sh.gathered[q0:q1]
-        calls.append(dataclasses.replace(call, exchange=exchange))
+        calls.append(call)
     return calls
 
 
@@ -1306,7 +1295,7 @@ def hierarchical_rank_blocks(
         # The bound calls read this rank's keys and flags from their own scratch.
         bound.keys.copy_(keys)
         bound.flags.copy_(flags)
-        return hierarchical_rank_blocks_bound(g, bound.calls, x, groups, count, defer)
+        return hierarchical_bound(bound.calls, groups, count, defer)
     stages = _NodeBlockStages(g, x, keys, flags, groups, world_size, count)
     return _staged(len(g.chunks), stages.stages(), defer)
 
@@ -1494,60 +1483,6 @@ class _NodeBlockStages(_NodeStages):
             )
 
 
-def hierarchical_rank_blocks_bound(
-    g: GroupPlan,
-    calls: Sequence[NodeBlockCalls],
-    x: torch.Tensor,
-    groups: NodeGroups,
-    count: Counter,
-    defer: bool = False,
-) -> Callable[[], None] | None:
-    """:func:`hierarchical_rank_blocks` through calls bound once (:func:`bind_node_blocks`).
-
-    The same collectives, in the same order, and the same bytes; per chunk a
-    fixed handful of kernel calls (grid's first encode, the node's mean with
-    its keys and pieces, the owner's step, the decode), whatever the number
-    of ranks, layers or blocks, and no slicing on the host. The keys and
-    flags the calls read are written before.
-
-    Args:
-        g: the group's plan (``g.node_blocks`` set).
-        calls: each chunk's bound calls, with their ``first_in`` views.
-        x: the group's float32 values the calls are bound to (for the byte count).
-        groups: this rank's intra- and inter-node groups.
-        count: byte counter.
-        defer: as :func:`hierarchical_rank_blocks`'.
-
-    Returns:
-        With ``defer``, the function that finishes the bucket; else None.
-
-    Example:
-        >>> calls = transports.bind_node_blocks(g, x, keys, flags, union)  # doctest: +SKIP
-        >>> transports.hierarchical_rank_blocks_bound(g, calls, x, groups, count)  # doctest: +SKIP
-    """
-    nb = g.node_blocks
-    assert nb is not None
-    # The route's one pipeline (:func:`hierarchical_bound`), over the plan's buffers.
-    chunks = [
-        NodeChunkCalls(
-            cc.first,
-            cc.across,
-            cc.owner,
-            cc.decode,
-            cc.first_in,  # type: ignore[arg-type]  # bound with it (bind_node_blocks)
-            nb.first_recv[c],
-            nb.send[c],
-            nb.recv[c],
-            nb.shard[c],
-            nb.across[c],
-            nb.gathered[c],
-            cc.splits,
-        )
-        for c, cc in enumerate(calls)
-    ]
-    return hierarchical_bound(chunks, groups, count, defer)
-
-
 def _staged(
     k: int, stages: Sequence[Callable[[int], None]], defer: bool
 ) -> Callable[[], None] | None:
@@ -1580,7 +1515,7 @@ def bind_node_blocks(
     keys: torch.Tensor,
     flags: torch.Tensor,
     union: torch.Tensor,
-) -> list[NodeBlockCalls] | None:
+) -> list[NodeChunkCalls] | None:
     """Every chunk's fused calls of :func:`hierarchical_rank_blocks`, bound to ``x`` and scratch.
 
     Across nodes each chunk is :func:`bind_rank_blocks`' two_phase applied to
@@ -1595,12 +1530,14 @@ def bind_node_blocks(
         union: per layer, scratch for every rank's flags.
 
     Returns:
-        One :class:`aps_comm.codec.NodeBlockCalls` per chunk (with its
-        ``first_in`` and ``splits``), or None where the codec has no fused
+        Per chunk the codec's :class:`aps_comm.codec.NodeBlockCalls` with the
+        plan's buffers, what the route's one pipeline runs
+        (:func:`hierarchical_bound`); None where the codec has no fused
         kernels for them.
 
     Example:
         >>> calls = transports.bind_node_blocks(g, x, keys, flags, union)  # doctest: +SKIP
+        >>> transports.hierarchical_bound(calls, groups, count)  # doctest: +SKIP
     """
     nb = g.node_blocks
     assert nb is not None and g.blocks is not None
@@ -1611,9 +1548,8 @@ def bind_node_blocks(
     calls = []
     for c, (lo, hi) in enumerate(g.chunks):
         bounds = nb.bounds[c]
-        s0, s1 = nb.slice_bounds(c, local)
+        s0 = nb.slice_bounds(c, local)[0]
         mine = nb.slice_layout[c]
-        blocks = mine.n_segments
         first = splits = None
         if nb.wire_first:
             slice_firsts = _block_firsts(g.layout, bounds[::nodes])
@@ -1624,35 +1560,43 @@ def bind_node_blocks(
             splits = sizes, [sizes[local]] * per_node
             first_in = x[lo:hi]
         piece_bounds = [b - s0 for b in bounds[local * nodes : (local + 1) * nodes + 1]]
-        owned = local * nodes + nb.node
-        call = g.codec.bind_node_blocks(
-            x,
-            keys,
-            flags,
-            union,
+        chunk = NodeBlockChunk(
             offsets=offsets,
-            layer_ends=layer_ends,
             firsts=_block_firsts(g.layout, bounds),
+            layer_ends=layer_ends,
             ranks_per_node=per_node,
             first=first,
             received=nb.first_recv[c],
-            mean=torch.empty(s1 - s0, dtype=torch.float32, device=x.device),
             slice_offsets=mine.offsets.numpy(),
-            maxima=torch.empty(blocks, dtype=torch.float32, device=x.device),
-            own=torch.empty(blocks, dtype=torch.uint8, device=x.device),
             piece_firsts=_block_firsts(mine, piece_bounds),
             send=nb.send[c],
             recv=nb.recv[c],
-            shard=nb.shard_layouts[c][owned].offsets.numpy(),
+            shard=nb.shard_layouts[c][local * nodes + nb.node].offsets.numpy(),
             out=nb.shard[c],
             gathered=nb.gathered[c],
             shard_bytes=nb.shard_bytes[c],
             at=nb.shard_bytes[c] + nb.slots[c] if c == 0 else -1,
             own_rows=(local, nb.node),
         )
+        call = g.codec.bind_node_blocks(x, keys, flags, union, chunk)
         if call is None:
             return None
-        calls.append(dataclasses.replace(call, first_in=first_in, splits=splits))
+        calls.append(
+            NodeChunkCalls(
+                call.first,
+                call.across,
+                call.owner,
+                call.decode,
+                first_in,
+                nb.first_recv[c],
+                nb.send[c],
+                nb.recv[c],
+                nb.shard[c],
+                nb.across[c],
+                nb.gathered[c],
+                splits,
+            )
+        )
     return calls
 
 
@@ -1663,7 +1607,7 @@ class _NodeBound:
     ptr: int
     keys: torch.Tensor
     flags: torch.Tensor
-    calls: list[NodeBlockCalls]
+    calls: list[NodeChunkCalls]
 
 
 def _node_bound(g: GroupPlan, x: torch.Tensor) -> _NodeBound | None:

@@ -673,11 +673,7 @@ def _bind_rank_blocks(c: codec.Codec, x: torch.Tensor, blocks: codec.Blocks) -> 
     sb = max(payload_nbytes(int(n), c.fmt) for n in np.diff(offsets[firsts]))
     piece = sb + nb + n_layers + 1
     shard = offsets[firsts[2] : firsts[3] + 1] - offsets[firsts[2]]
-    calls = c.bind_rank_blocks(
-        x,
-        keys,
-        flags,
-        union,
+    chunk = codec.RankBlockChunk(
         offsets=offsets,
         firsts=firsts,
         layer_ends=layer_ends,
@@ -689,6 +685,7 @@ def _bind_rank_blocks(c: codec.Codec, x: torch.Tensor, blocks: codec.Blocks) -> 
         shard_bytes=sb,
         at=sb + nb,
     )
+    calls = c.bind_rank_blocks(x, keys, flags, union, chunk)
     assert calls is not None
     calls.send(3)
     calls.owner()
@@ -950,8 +947,8 @@ def test_rank_block_kernels_match_kernels(
                 want_union = np.full(n_layers, 9, np.uint8)
                 want_d = np.empty(shard.size - 1, np.int32)
                 log2 = cpu_kernels.owner_rank_blocks(
-                    fmt, EXPONENT_LIMIT, recv.numpy(), n, shard, untable, want_out, sb, at,
-                    want_union, want_d, longest,
+                    fmt, EXPONENT_LIMIT, recv.numpy().reshape(n, -1), shard, untable, want_out, sb,
+                    at, want_union, want_d, longest,
                 )  # fmt: skip
                 assert np.array_equal(out.numpy(), want_out), (n, at, o)
                 assert np.array_equal(union.numpy(), want_union), (n, at, o)
