@@ -608,6 +608,7 @@ class SteadyGroups:
         offer: as :class:`Steady`'s.
         bucket: ``scaling="bucket"``: each group spreads its own agreed maxima, as
             the general path's factors do per group.
+        none: ``scaling="none"``: every group's exponents 0 (:class:`AgreedMaxima`'s rule).
         names: with ``stats=True``, each layer's name in bucket order: every group's
             :class:`Steady` records its own layers (:meth:`Reducer.record_steady`), in the
             plan's order as the general path does; None records nothing.
@@ -644,6 +645,7 @@ class SteadyGroups:
     feedback: bool = False
     epoch: tuple[int, ...] = ()
     workspace: tuple[int, ...] = ()
+    none: bool = False
 
     def bind(self, x: torch.Tensor, world_size: int, rank: int = 0) -> bool:
         """Bind the maxima kernel, the gather and every group's path to the float32
@@ -717,13 +719,14 @@ class SteadyGroups:
             route,
             [g.fmt] * len(g.index),
             gmax,
-            AgreedMaxima(gmax, world_size, route == Route.ALLREDUCE),
+            AgreedMaxima(gmax, world_size, route == Route.ALLREDUCE, self.none),
             False,
             self.chunk,
-            names=names,
             bucket=self.bucket,
             epoch=self.epoch,
         )
+        if names is not None:
+            steady.record_names(names)
         steady.bind(gx, world_size)
         return steady
 
@@ -1248,10 +1251,8 @@ class Reducer:
             self._settle_feedback_groups(index, x, plan, fmts, groups, main, names)
             return
         if (
-            # The records keep the agreed maxima, which bucket scaling spreads.
-            (settings.stats and settings.scaling == Scaling.BUCKET)
             # Blocks: each rank's own exponents (nothing agreed, Promote takes no step).
-            or (blocks and (promoted or not all(_own_blocks(g) for g in groups)))
+            (blocks and (promoted or not all(_own_blocks(g) for g in groups)))
             or x.dtype != torch.float32
             # An empty group's collectives are not the bound ones'.
             or any(g.reduction not in routes or not g.numel for g in groups)
@@ -1281,6 +1282,7 @@ class Reducer:
             blocks=blocks,
             epoch=assignment.epoch(self.step),
             workspace=self._epoch(index, x.device),
+            none=settings.scaling == Scaling.NONE,
         )
         if st.bind(x, self.comm.world_size, self.comm.rank):
             self.steady[index] = st
@@ -1479,7 +1481,7 @@ class Reducer:
         where Promote's rates of its layers go)."""
         comm = self.comm
         if s.bucket:
-            s.agreed.spread()
+            s.spread()
         if s.host_factors is not None:  # the CPU kernels' factor arrays
             s.agreed.host_factors_into(s.group.fmt, *s.host_factors)
         if s.names is not None:  # before the decode overwrites this rank's values
