@@ -608,6 +608,7 @@ class SteadyGroups:
         offer: as :class:`Steady`'s.
         bucket: ``scaling="bucket"``: each group spreads its own agreed maxima, as
             the general path's factors do per group.
+        none: ``scaling="none"``: every group's exponents 0 (:class:`AgreedMaxima`'s rule).
         names: with ``stats=True``, each layer's name in bucket order: every group's
             :class:`Steady` records its own layers (:meth:`Reducer.record_steady`), in the
             plan's order as the general path does; None records nothing.
@@ -644,6 +645,7 @@ class SteadyGroups:
     feedback: bool = False
     epoch: tuple[int, ...] = ()
     workspace: tuple[int, ...] = ()
+    none: bool = False
 
     def bind(self, x: torch.Tensor, world_size: int, rank: int = 0) -> bool:
         """Bind the maxima kernel, the gather and every group's path to the float32
@@ -717,13 +719,14 @@ class SteadyGroups:
             route,
             [g.fmt] * len(g.index),
             gmax,
-            AgreedMaxima(gmax, world_size, route == Route.ALLREDUCE),
+            AgreedMaxima(gmax, world_size, route == Route.ALLREDUCE, self.none),
             False,
             self.chunk,
-            names=names,
             bucket=self.bucket,
             epoch=self.epoch,
         )
+        if names is not None:
+            steady.record_names(names)
         steady.bind(gx, world_size)
         return steady
 
@@ -1122,11 +1125,11 @@ class Reducer:
             self._settle_groups(index, x, plan, fmts, groups, main, measured, chunk, layers)
             return
         g = groups[0]
+        promoted = self.assignment.promoter is not None
+        layers_of = (list(keys), list(numels), list(names)) if promoted else None
         if self.settings.scaling != Scaling.BLOCK and Route(g.reduction).staged:
-            self._settle_staged(index, x, plan, fmts, g, measured, chunk, names)
+            self._settle_staged(index, x, plan, fmts, g, measured, chunk, names, layers_of)
         elif self.settings.scaling != Scaling.BLOCK:
-            promoted = self.assignment.promoter is not None
-            layers_of = (list(keys), list(numels), list(names)) if promoted else None
             self._settle(
                 index, x, plan, fmts, g, Route(g.reduction), measured, chunk, names, layers_of
             )
@@ -1248,10 +1251,8 @@ class Reducer:
             self._settle_feedback_groups(index, x, plan, fmts, groups, main, names)
             return
         if (
-            # The records keep the agreed maxima, which bucket scaling spreads.
-            (settings.stats and settings.scaling == Scaling.BUCKET)
             # Blocks: each rank's own exponents (nothing agreed, Promote takes no step).
-            or (blocks and (promoted or not all(_own_blocks(g) for g in groups)))
+            (blocks and (promoted or not all(_own_blocks(g) for g in groups)))
             or x.dtype != torch.float32
             # An empty group's collectives are not the bound ones'.
             or any(g.reduction not in routes or not g.numel for g in groups)
@@ -1281,6 +1282,7 @@ class Reducer:
             blocks=blocks,
             epoch=assignment.epoch(self.step),
             workspace=self._epoch(index, x.device),
+            none=settings.scaling == Scaling.NONE,
         )
         if st.bind(x, self.comm.world_size, self.comm.rank):
             self.steady[index] = st
@@ -1479,7 +1481,7 @@ class Reducer:
         where Promote's rates of its layers go)."""
         comm = self.comm
         if s.bucket:
-            s.agreed.spread()
+            s.spread()
         if s.host_factors is not None:  # the CPU kernels' factor arrays
             s.agreed.host_factors_into(s.group.fmt, *s.host_factors)
         if s.names is not None:  # before the decode overwrites this rank's values
@@ -1918,22 +1920,7 @@ class Reducer:
             g.codec.layer_maxima(x, g.layout, st.agreed.maxima)
         transports.all_reduce_max(st.maxima, comm.group, self.traffic)
         if st.promote is not None and self._promoted(st):
-            # A layer's format moved: this step sends the new formats, on the
-            # maxima just agreed, and binds the bucket again where it settles
-            # (mixed formats too: :class:`SteadyGroups`).
-            del self.steady[index]
-            keys, numels, names = st.promote
-            return self.bucket(
-                index,
-                x,
-                keys,
-                numels,
-                names,
-                step=self.step,
-                chunk=None if st.measured else st.chunk,
-                defer=defer,
-                shared_maxima=st.maxima,
-            )
+            return self._moved(index, st, x, defer)
         if st.bucket:
             st.spread()
         if st.measured:
@@ -1979,6 +1966,28 @@ class Reducer:
             st.plan.timed(time.perf_counter() - start)
         return tail
 
+    def _moved(
+        self, index: int, st: Steady, x: torch.Tensor, defer: bool
+    ) -> Callable[[], None] | None:
+        """Promote moved a layer's format of settled bucket ``index``: this step sends the
+        new formats by the general path, on the maxima just agreed, which binds the bucket
+        again where it settles (mixed formats too: :class:`SteadyGroups`)."""
+        assert st.promote is not None
+        del self.steady[index]
+        keys, numels, names = st.promote
+        chunk = None if st.measured else st.chunk
+        return self.bucket(
+            index,
+            x,
+            keys,
+            numels,
+            names,
+            step=self.step,
+            chunk=chunk,
+            defer=defer,
+            shared_maxima=st.maxima,
+        )
+
     def _settle_staged(
         self,
         index: int,
@@ -1989,21 +1998,28 @@ class Reducer:
         measured: bool,
         chunk: int,
         names: Sequence[str | None] = (),
+        promote: tuple[list[Any], list[int], list[str | None]] | None = None,
     ) -> None:
         """Bind the bucket's :class:`SteadyStaged` path (hierarchical or grid, layer, bucket
-        or no scaling) where nothing in it changes per step but the policy's epoch (with
-        ``stats=True`` recording too, its layers labelled by ``names``)."""
+        or no scaling) where nothing in it changes per step but the policy's epoch and
+        Promote's levels (with ``stats=True`` recording too, its layers labelled by
+        ``names``; ``promote``: with Promote, the layers' keys, sizes and names)."""
         settings, assignment = self.settings, self.assignment
         if (
             self.feedback is not None
-            # Promote's rates are the general path's.
-            or assignment.promoter is not None
+            or (assignment.promoter is not None and promote is None)
             or not g.contiguous
             or g.node is None
         ):
             return
         route, layouts, n = Route(g.reduction), self.comm.layouts, len(fmts)
-        maxima = torch.zeros(n + int(measured), dtype=torch.float32, device=x.device)
+        rates = n if promote is not None else 0
+        maxima = torch.zeros(n + rates + int(measured), dtype=torch.float32, device=x.device)
+        if promote is not None:
+            # The general path sends each layer's last local rate, which staged routes never
+            # write: the same every step, and the MAX over ranks of the agreed ones is theirs.
+            zero = torch.zeros((), device=x.device)
+            maxima[n : 2 * n] = torch.stack([self.rates.get(m or "", zero) for m in promote[2]])
         st = SteadyStaged(
             x.numel(),
             x.data_ptr(),
@@ -2020,6 +2036,7 @@ class Reducer:
             workspace=self._epoch(index, x.device),
             groups=layouts.grid if route == Route.GRID else layouts.nodes,
             per_node=g.node.ranks_per_node,
+            promote=promote,
         )
         if settings.stats:
             st.record_names(names)
@@ -2029,9 +2046,10 @@ class Reducer:
     def _run_staged(
         self, index: int, st: SteadyStaged, x: torch.Tensor, defer: bool
     ) -> Callable[[], None] | None:
-        """:meth:`run_steady` of hierarchical or grid: the maxima agreed (with the chunk
-        where measured), the factors written in place, the route's bound chunks."""
-        comm, n = self.comm, len(st.fmts)
+        """:meth:`run_steady` of hierarchical or grid: the maxima agreed (with Promote's
+        rates and the chunk where measured) and Promote's step, the factors written in
+        place, the route's bound chunks."""
+        comm, slot = self.comm, st.maxima.numel() - 1  # the chunk's, where measured
         if st.bound_ptr != x.data_ptr():  # a bfloat16 bucket's float32 copy: new each step
             st.bind(x, comm.world_size)
         if st.measured:  # CPU only: the numpy view, no tensor op
@@ -2039,14 +2057,16 @@ class Reducer:
             if st.offer is None or st.offer[0] != exchange_s:
                 mine = self.planner.chunk(self.settings.fmt, st.numel, st.route, exchange_s)
                 st.offer = exchange_s, math.log2(mine)
-            st.maxima.numpy()[n] = st.offer[1]
+            st.maxima.numpy()[slot] = st.offer[1]
         assert st.maxima_call is not None and st.factors_call is not None  # made by bind
         st.maxima_call()
         transports.all_reduce_max(st.maxima, comm.group, self.traffic)
+        if st.promote is not None and self._promoted(st):
+            return self._moved(index, st, x, defer)
         if st.bucket:
             st.spread()
         if st.measured:
-            chunk = 2 ** int(st.maxima.numpy()[n])  # the ranks' largest preference
+            chunk = 2 ** int(st.maxima.numpy()[slot])  # the ranks' largest preference
             if chunk != st.chunk:
                 routes = self._routes_for(st.plan, st.fmts)
                 st.group = st.plan.group(

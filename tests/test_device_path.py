@@ -567,6 +567,25 @@ def test_settled_policies_make_no_host_traffic_but_promotes_read(
         assert mode.copies == [], mode.copies
 
 
+@pytest.mark.parametrize("stats", [False, True])
+@pytest.mark.parametrize("reduction", ["hierarchical", "grid"])
+def test_settled_staged_buckets_under_promote_read_only_its_rates(
+    monkeypatch: pytest.MonkeyPatch, reduction: str, stats: bool
+) -> None:
+    """Issue 46: hierarchical and grid buckets under Promote settle (with ``stats=True``
+    too); Promote reads its agreed rates once per bucket, and nothing else is read on the
+    host or copied to the device."""
+    fmt = get_format("e4m3")
+    with stubbed_collectives(monkeypatch):
+        reducer, names = _reducer(fmt, reduction, "layer", 6, 1, POLICIES["promote"], stats=stats)
+        steady, _ = _bucket_steps(reducer, names, 4, chunk=512)
+        assert {type(st) for st in reducer.steady.values()} == {SteadyStaged}
+        assert set(reducer.steady) == {0, 1}  # both buckets took their bound path
+    for mode in steady:
+        assert len(mode.reads) == 2, mode.reads  # Promote's agreed rates, once per bucket
+        assert mode.copies == [], mode.copies
+
+
 # A unit with no empty parameter and an even row at 6 ranks: 4-bit rows pack too.
 UNIT_NUMELS = [7, 1000, 33, 1, 517, 6]
 

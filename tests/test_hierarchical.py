@@ -20,6 +20,7 @@ from torch.nn.parallel import DistributedDataParallel as DDP
 
 from aps_comm import APSState, register, simulate
 from aps_comm.formats import get_format, payload_nbytes
+from aps_comm.policy import Promote
 from aps_comm.testing import DistributedTestError, run_distributed
 from aps_comm.topology import Topology, check_topology, env_ranks_per_node
 from benchmarks import numerics
@@ -505,9 +506,17 @@ STAGED = [
 
 
 def _staged_state(
-    fmt: str, reduction: str, scaling: str, chunk: int | None, stats: bool = False
+    fmt: str,
+    reduction: str,
+    scaling: str,
+    chunk: int | None,
+    stats: bool = False,
+    promote: bool = False,
 ) -> APSState:
-    state = APSState(fmt, reduction=reduction, scaling=scaling, ranks_per_node=2, stats=stats)
+    policy = [Promote()] if promote else None
+    state = APSState(
+        fmt, reduction=reduction, scaling=scaling, ranks_per_node=2, stats=stats, policy=policy
+    )
     state.bind_process_group()
     state.chunk_elements = chunk
     return state
@@ -596,7 +605,8 @@ def test_settled_staged_buckets_send_the_agreed_chunk() -> None:
 # sum) and its encode; the owner's decode, mean and encode; the decode. No ATen op.
 STAGED_PER_CHUNK = {"hierarchical": 6, "grid": 8}
 STAGED_OPTIONS = [("layer", False), ("bucket", False), ("layer", True), ("bucket", True)]
-STAGED_OPTIONS += [("none", True)]
+# "promote": layer scaling under Promote (no layer moves), its rates riding on the maxima.
+STAGED_OPTIONS += [("none", True), ("promote", False), ("promote", True)]
 
 
 def _staged_ops_case(rank: int, world_size: int) -> dict[tuple, list[str]]:
@@ -605,9 +615,12 @@ def _staged_ops_case(rank: int, world_size: int) -> dict[tuple, list[str]]:
         for scaling, stats in STAGED_OPTIONS:
             for numels in ([1000, 1000], [10] * 200):  # 2000 elements: 2 layers or 200
                 for chunk in (4096, 512):  # one chunk or four
-                    state = _staged_state("e4m3", reduction, scaling, chunk, stats)
+                    promote = scaling == "promote"
+                    scale = "layer" if promote else scaling
+                    state = _staged_state("e4m3", reduction, scale, chunk, stats, promote)
                     x = torch.randn(sum(numels), generator=torch.Generator().manual_seed(rank))
                     params = [nn.Parameter(torch.empty(n)) for n in numels]
+                    state.bind_model(nn.ParameterList(params))  # Promote keys layers by name
                     buffer = x.clone()
                     for _ in range(2):  # the plan, then the settled path bound
                         state.run_bucket(0, buffer, params)
@@ -622,7 +635,8 @@ def test_settled_layer_scaling_levels_cost_a_fixed_handful_of_kernel_calls() -> 
     # of the node, and every bucket the factors' ~40 ATen ops per route.
     # With stats=True one kernel call more: every layer's records (bucket scaling: and a
     # copy of the agreed maxima); before, the general path: hierarchical e4m3 154 ops at 2
-    # layers and 352 at 200, grid 161 and 359.
+    # layers and 352 at 200, grid 161 and 359. Promote: the layer rule's calls (the rates
+    # ride on the maxima, Promote's step reads them on the host); was 153/351 and 160/358.
     for ops in run_distributed(_staged_ops_case, 4, timeout=240):
         for (reduction, scaling, stats, layers, chunk), calls in ops.items():
             assert calls == ops[reduction, scaling, stats, 2, chunk], (reduction, scaling, layers)
@@ -637,3 +651,72 @@ def test_settled_layer_scaling_levels_cost_a_fixed_handful_of_kernel_calls() -> 
             assert len(calls) == per_bucket + k * STAGED_PER_CHUNK[reduction], calls
             if k == 1:
                 assert len(calls) <= 15, calls
+
+
+def _staged_promote_steps(rank: int, world_size: int) -> list[str]:
+    """Promote over hierarchical and grid buckets: restored one step up its ladder (e5m2),
+    a settled bucket comes back down to e4m3 once calm, sending that step by the general
+    path on the maxima it agreed, and binds again; every step the gradients, bytes and
+    Promote's levels of a state that never settles."""
+    from aps_comm.engine import SteadyStaged
+
+    numels = [5, 0, 1, 700, 33, 2, 64]
+    problems = []
+    for c, (reduction, chunk) in enumerate((("hierarchical", None), ("grid", 96))):
+        params = [nn.Parameter(torch.empty(n)) for n in numels]
+        model = nn.ParameterList(params)
+        states = []
+        for _ in range(2):
+            policy = [Promote(gamma=0.05, patience=2)]
+            state = APSState("e4m3", reduction=reduction, ranks_per_node=2, policy=policy)
+            state.bind_model(model)
+            state.chunk_elements = chunk
+            states.append(state)
+        settled, full = states
+        buffer = torch.empty(sum(numels))
+        kinds, formats = [], []
+        for step in range(6):
+            if step == 2:  # every layer restored at e5m2 (its rates 0: calm from then)
+                for state in states:
+                    saved = state.state_dict()
+                    saved["promote"] = {name: (1, 0) for name in saved["promote"]}
+                    state.load_state_dict(saved)
+            gen = torch.Generator().manual_seed(100 * step + 10 * c + rank)
+            x = torch.randn(sum(numels), generator=gen)
+            if step == 3 and rank == 1:
+                x[7] = float("nan")  # layer 3 on one rank: NaN in it on every rank, this step
+            buffer.copy_(x)
+            ahead = settled.reducer.steady_for(0, buffer) if settled.reducer else None
+            kinds.append(type(ahead).__name__)
+            out = settled.run_bucket(0, buffer, params)
+            if full.reducer is not None:
+                full.reducer.steady.clear()  # never settled: the general path every step
+            want = full.run_bucket(0, x.clone(), params)
+            bits = torch.where(out.isnan(), 0.0, out).view(torch.int32)
+            if not torch.equal(out.isnan(), want.isnan()) or not torch.equal(
+                bits, torch.where(want.isnan(), 0.0, want).view(torch.int32)
+            ):
+                problems.append(f"{c} step {step}: gradients differ")
+            if chunk is not None and settled.bytes_detail != full.bytes_detail:
+                problems.append(f"{c} step {step}: {settled.bytes_detail} on the wire")
+            if settled.assignment.promote != full.assignment.promote:
+                problems.append(f"{c} step {step}: levels {settled.assignment.promote}")
+            fmts = settled.assignment.formats([id(p) for p in params], step)
+            formats.append(",".join(sorted({f.name for f in fmts})))
+        # Step 2 binds again after the restore (e5m2); step 3 runs bound and moves down,
+        # binding again; from step 4 on the e4m3 bucket runs bound.
+        if formats != ["e4m3"] * 2 + ["e5m2"] + ["e4m3"] * 3:
+            problems.append(f"{c}: formats {formats}")
+        steady = ["SteadyStaged"] * 3
+        if kinds != ["NoneType", "SteadyStaged", "NoneType", *steady]:
+            problems.append(f"{c}: bound paths {kinds}")
+        if not isinstance(settled.reducer.steady.get(0), SteadyStaged):  # type: ignore[union-attr]
+            problems.append(f"{c}: not settled at the end")
+    return problems
+
+
+def test_promote_settles_staged_buckets_with_the_general_paths_bits() -> None:
+    # Issue 46: Promote's levels are the general path's; staged routes leave its rates as
+    # they are (the general path writes none for them), so they ride unchanged.
+    for problems in run_distributed(_staged_promote_steps, 4, timeout=240):
+        assert problems == []

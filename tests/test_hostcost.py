@@ -793,6 +793,10 @@ def test_settled_mixed_format_buckets_with_options_give_the_general_paths_bits(
         _MIXED_OPTIONS["keep_last+block"],
         {**_MIXED_OPTIONS["interleaved+block"], "stats": True},
         {**ROUTES["block"], "block_size": 16, "fmt": "e4m3", "policy": [KeepLast("e2m1")]},
+        # The records keep each layer's own agreed maximum beside its group's exponent.
+        {**ROUTES["two_phase"], "scaling": "bucket", "stats": True, "policy": [_ODD_FP16]},
+        # Every group's exponents 0 (it settled with the layer rule's before).
+        {**ROUTES["two_phase"], "scaling": "none", "policy": [_ODD_FP16]},
     ]
     for problems in run_distributed(_mixed_steps, world_size, args=(configs,)):
         assert problems == []
