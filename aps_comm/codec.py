@@ -1201,10 +1201,12 @@ class Codec:
         ranks_per_node: int,
         grid: bool,
         out: torch.Tensor,
+        none: bool = False,
     ) -> Callable[[], None]:
         """Hierarchical's (or with ``grid`` the grid's) factors of the agreed maxima, written
         into the rows of float32 ``out`` (4 x segments: scale, shift, unscale, first) in
-        place: a settled staged bucket binds its calls to those rows.
+        place: a settled staged bucket binds its calls to those rows (``none``:
+        ``scaling="none"``'s, every exponent 0).
 
         One kernel call on "kernels" (:func:`aps_comm.cpu_kernels.staged_factors_into`),
         :func:`aps_comm.scaling.factors` and one stack elsewhere, whatever the number of
@@ -1235,7 +1237,7 @@ class Codec:
                 world_size,
                 ranks_per_node,
                 grid,
-                EXPONENT_LIMIT,
+                0 if none else EXPONENT_LIMIT,
                 out.numpy(),
             )
         if not grid:
@@ -1247,6 +1249,7 @@ class Codec:
             self.fmt,
             route,
             world_size=world_size,
+            scaling=Scaling.NONE if none else Scaling.LAYER,
             ranks_per_node=ranks_per_node,
         )
         return functools.partial(_stack_factors, made, out)

@@ -188,6 +188,8 @@ class Steady:
             rows of :meth:`Reducer.record_steady`); None records nothing.
         bucket: ``scaling="bucket"``: the agreed maxima are spread
             (:meth:`aps_comm.codec.AgreedMaxima.spread`) before the codec reads them.
+        raw: with ``bucket`` and ``names``, the agreed maxima as they were before the
+            spread, which the records keep (the general path's); else None.
         epoch: the policy's epoch whose formats it was bound to
             (:meth:`aps_comm.policy.Assignment.epoch`): another one binds it again.
         promote: with Promote, the layers' keys, sizes and names; ``maxima``
@@ -216,6 +218,20 @@ class Steady:
     epoch: tuple[int, ...] = ()
     promote: tuple[list[Any], list[int], list[str | None]] | None = None
     workspace: tuple[int, ...] = ()
+    raw: torch.Tensor | None = None
+
+    def record_names(self, names: Sequence[str | None]) -> None:
+        """Record the layers, labelled by ``names`` (``stats=True``); with ``bucket``,
+        keep the agreed maxima from the spread for the records."""
+        self.names = list(names)
+        if self.bucket:
+            self.raw = torch.empty_like(self.agreed.maxima)
+
+    def spread(self) -> None:
+        """``scaling="bucket"``'s spread of the agreed maxima, a copy kept where recorded."""
+        if self.raw is not None:
+            self.raw.copy_(self.agreed.maxima)
+        self.agreed.spread()
 
     def bind(self, x: torch.Tensor, world_size: int) -> None:
         """Bind the maxima kernel and every chunk's codec work to the float32 buffer ``x``.
@@ -383,6 +399,8 @@ class SteadyStaged(Steady):
         factors: float32 (4, layers): scale, shift, unscale and first, refilled in place.
         factors_call: writes ``factors`` from the agreed maxima.
         node_calls: each chunk's bound calls.
+        record_keys: with ``names`` on the CPU kernels, int32 and float32 scratch of
+            the layers' first exponents (the recorded ones: :func:`_staged_keys`).
     """
 
     groups: NodeGroups | None = None
@@ -390,6 +408,7 @@ class SteadyStaged(Steady):
     factors: torch.Tensor | None = None
     factors_call: Callable[[], object] | None = None
     node_calls: list[transports.NodeChunkCalls] | None = None
+    record_keys: tuple[np.ndarray, np.ndarray] | None = None
 
     def bind(self, x: torch.Tensor, world_size: int) -> None:
         """Bind the maxima kernel, the factors and every chunk's calls to the float32
@@ -401,8 +420,10 @@ class SteadyStaged(Steady):
         f = self.factors
         self.maxima_call = g.codec.bind_layer_maxima(x, g.layout, self.agreed.maxima)
         self.factors_call = g.codec.bind_staged_factors(
-            self.agreed.maxima, world_size, self.per_node, grid, f
+            self.agreed.maxima, world_size, self.per_node, grid, f, self.agreed.none
         )
+        if self.names is not None and g.codec.backend == "kernels" and x.device.type == "cpu":
+            self.record_keys = np.empty(n, np.int32), np.empty(n, np.float32)
         factors = (f[0], f[1], f[2], f[3] if grid else None)
         self.node_calls = transports.bind_hierarchical(g, x, factors, world_size)
         self.bound_ptr = x.data_ptr()
@@ -1102,7 +1123,7 @@ class Reducer:
             return
         g = groups[0]
         if self.settings.scaling != Scaling.BLOCK and Route(g.reduction).staged:
-            self._settle_staged(index, x, plan, fmts, g, measured, chunk)
+            self._settle_staged(index, x, plan, fmts, g, measured, chunk, names)
         elif self.settings.scaling != Scaling.BLOCK:
             promoted = self.assignment.promoter is not None
             layers_of = (list(keys), list(numels), list(names)) if promoted else None
@@ -1785,12 +1806,9 @@ class Reducer:
             self.feedback is not None
             # Promote's rates ride on the maxima all-reduce, which FP32 buckets skip.
             or (assignment.promoter is not None and (promote is None or route == Route.FP32))
-            # Records are bound for one exponent per layer and fixed formats (a bucket
-            # of one format under rules for other layers records as any other).
-            or (
-                settings.stats
-                and (assignment.promoter is not None or settings.scaling != Scaling.LAYER)
-            )
+            # Records are bound for fixed formats (a bucket of one format under rules
+            # for other layers records as any other).
+            or (settings.stats and assignment.promoter is not None)
             or settings.scaling not in (Scaling.LAYER, Scaling.BUCKET, Scaling.NONE)
             or not (route == Route.FP32 or (g is not None and g.contiguous))
             or route not in (Route.FP32, Route.TWO_PHASE, Route.ALLREDUCE)
@@ -1827,7 +1845,7 @@ class Reducer:
             workspace=self._epoch(index, x.device),
         )
         if settings.stats and g is not None:  # an FP32 bucket records nothing
-            st.names = list(names)
+            st.record_names(names)
         st.bind(x, self.comm.world_size)
 
     def steady_for(
@@ -1917,7 +1935,7 @@ class Reducer:
                 shared_maxima=st.maxima,
             )
         if st.bucket:
-            st.agreed.spread()
+            st.spread()
         if st.measured:
             chunk = 2 ** int(st.maxima.numpy()[slot])
             if chunk != st.chunk:
@@ -1970,15 +1988,16 @@ class Reducer:
         g: GroupPlan,
         measured: bool,
         chunk: int,
+        names: Sequence[str | None] = (),
     ) -> None:
-        """Bind the bucket's :class:`SteadyStaged` path (hierarchical or grid, layer or
-        bucket scaling) where nothing in it changes per step but the policy's epoch."""
+        """Bind the bucket's :class:`SteadyStaged` path (hierarchical or grid, layer, bucket
+        or no scaling) where nothing in it changes per step but the policy's epoch (with
+        ``stats=True`` recording too, its layers labelled by ``names``)."""
         settings, assignment = self.settings, self.assignment
         if (
             self.feedback is not None
-            # Promote's rates and the records are the general path's.
+            # Promote's rates are the general path's.
             or assignment.promoter is not None
-            or settings.stats
             or not g.contiguous
             or g.node is None
         ):
@@ -1993,7 +2012,7 @@ class Reducer:
             route,
             list(fmts),
             maxima,
-            AgreedMaxima(maxima[:n], self.comm.world_size),
+            AgreedMaxima(maxima[:n], self.comm.world_size, none=settings.scaling == Scaling.NONE),
             measured,
             chunk,
             bucket=settings.scaling == Scaling.BUCKET,
@@ -2002,6 +2021,8 @@ class Reducer:
             groups=layouts.grid if route == Route.GRID else layouts.nodes,
             per_node=g.node.ranks_per_node,
         )
+        if settings.stats:
+            st.record_names(names)
         st.bind(x, self.comm.world_size)
         self.steady[index] = st
 
@@ -2023,7 +2044,7 @@ class Reducer:
         st.maxima_call()
         transports.all_reduce_max(st.maxima, comm.group, self.traffic)
         if st.bucket:
-            st.agreed.spread()
+            st.spread()
         if st.measured:
             chunk = 2 ** int(st.maxima.numpy()[n])  # the ranks' largest preference
             if chunk != st.chunk:
@@ -2036,6 +2057,8 @@ class Reducer:
                 st.workspace = self._epoch(index, x.device)
         self.bucket_chunks[index] = st.chunk
         st.factors_call()
+        if st.names is not None:  # before the decode overwrites this rank's values
+            self.record_steady(index, st, x)
         assert st.node_calls is not None and st.groups is not None
         start = time.perf_counter()
         tail = transports.hierarchical_bound(st.node_calls, st.groups, self.traffic, defer)
@@ -2046,22 +2069,34 @@ class Reducer:
     def record_steady(self, index: int, st: Steady, x: torch.Tensor) -> None:
         """Queue a settled bucket's records (``stats=True``): the full path's values.
 
-        Once the maxima are agreed, every layer's exponent, agreed maximum
-        and counts (:func:`aps_comm.telemetry.layer_counts`) over this rank's
-        values ``x``: on the CPU kernels one kernel call from the factors'
-        exponent keys; elsewhere a fixed handful of device ops over the whole
-        bucket (the exponent rule, then the counts' segment sums), whatever
-        the layer count. Nothing is read on the host.
+        Once the maxima are agreed (and their factors made), every layer's
+        exponent (staged routes: the first level's), agreed maximum (before
+        bucket scaling's spread) and counts (:func:`aps_comm.telemetry.layer_counts`)
+        over this rank's values ``x``: on the CPU kernels one kernel call from
+        the factors' exponent keys; elsewhere a fixed handful of device ops
+        over the whole bucket (the exponent rule, then the counts' segment
+        sums), whatever the layer count. Nothing is read on the host.
         """
-        g = st.group
+        g, agreed = st.group, st.agreed
         assert st.names is not None
-        if st.host_factors is not None and x.is_contiguous():
+        amax = agreed.maxima if st.raw is None else st.raw
+        keys = st.host_factors[2] if st.host_factors is not None else None
+        if isinstance(st, SteadyStaged) and st.record_keys is not None:
+            assert st.factors is not None
+            keys = _staged_keys(st.factors.numpy(), *st.record_keys)
+        if keys is not None and x.is_contiguous():
             rows = torch.empty(len(st.names), 5, dtype=torch.float64, device=x.device)
-            g.codec.layer_records(x, g.layout, st.agreed.maxima, st.host_factors[2], rows)
+            g.codec.layer_records(x, g.layout, amax, keys, rows)
             self.stats.add_rows(index, st.names, g.numels, g.fmt, rows)
             return
-        amax = st.agreed.maxima
-        f = factors(amax, g.fmt, st.route, world_size=self.comm.world_size)
+        f = factors(
+            agreed.maxima,  # spread: the layer rule of them is the bucket rule
+            g.fmt,
+            st.route,
+            world_size=self.comm.world_size,
+            scaling=Scaling.NONE if agreed.none else Scaling.LAYER,
+            ranks_per_node=st.per_node if isinstance(st, SteadyStaged) else 1,
+        )
         counts = layer_counts(x, g.layout.lengths, f.exponents, g.fmt)
         self.stats.add(index, st.names, g.numels, g.fmt, f.exponents, amax, counts)
 
@@ -2892,6 +2927,17 @@ class Reducer:
         stats, self.stats = self.stats, StepStats()
         self.step += 1
         return self.traffic.take(), stats
+
+
+def _staged_keys(f: np.ndarray, keys: np.ndarray, scratch: np.ndarray) -> np.ndarray:
+    """The int32 exponent keys (``127 - e``) of the staged routes' first exponents from their
+    float32 factors ``f`` (:class:`SteadyStaged`'s rows), into ``keys``: scale times first
+    is ``2**e`` exactly (grid's scale is ``2**(e - outer)``, within a few binades; e within
+    +-126: a normal float32), whose exponent field is ``e + 127``."""
+    np.multiply(f[0], f[3], out=scratch)
+    np.right_shift(scratch.view(np.int32), 23, out=keys)
+    np.subtract(254, keys, out=keys)
+    return keys
 
 
 def _encode_and_keep(encode: Callable[[], object], keep: Callable[[], object]) -> None:

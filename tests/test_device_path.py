@@ -377,6 +377,35 @@ def test_settled_buckets_with_stats_make_no_host_traffic(
     assert len(mode.reads) == 1 and [r.name for r in records] == names
 
 
+@pytest.mark.parametrize(
+    ("name", "reduction", "scaling"),
+    [
+        ("e4m3", "two_phase", "bucket"),
+        ("fp16", "allreduce", "bucket"),
+        ("e4m3", "two_phase", "none"),
+        ("e4m3", "hierarchical", "layer"),
+        ("e2m1", "grid", "bucket"),
+        ("fp16", "hierarchical", "none"),
+    ],
+)
+def test_settled_buckets_with_stats_and_any_scaling_make_no_host_traffic(
+    monkeypatch: pytest.MonkeyPatch, name: str, reduction: str, scaling: str
+) -> None:
+    """Issue 46: with ``stats=True`` buckets of bucket scaling or none settle, and so do
+    hierarchical and grid ones; their records (the agreed maxima kept from the spread, the
+    first level's exponents) read nothing on the host and copy nothing to the device."""
+    with stubbed_collectives(monkeypatch):
+        reducer, names = _reducer(get_format(name), reduction, scaling, 6, 1, [], stats=True)
+        steady, stats = _bucket_steps(reducer, names, 3, chunk=512)
+        assert set(reducer.steady) == {0, 1}  # both buckets took their bound path
+    for mode in steady:
+        assert mode.reads == [] and mode.copies == [], (mode.reads, mode.copies)
+    mode = HostTraffic()
+    with mode:
+        records = stats.records()
+    assert len(mode.reads) == 1 and [r.name for r in records] == names
+
+
 MIXED: dict[str, list[Rule]] = {
     "keep_last": [KeepLast("fp16")],  # two groups, consecutive: views of the bucket
     "interleaved": [ByName({"layer[35].weight": "fp16"})],  # gathered into scratch

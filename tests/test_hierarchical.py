@@ -490,34 +490,40 @@ def test_chunk_elements_needs_a_staged_route_with_rank_exponents() -> None:
 # ---------------------------------------------------------------------------
 # layer and bucket scaling: the settled path (SteadyStaged)
 
-# (reduction, scaling, format, chunk_elements): None sizes chunks by each rank's timing,
-# agreed on the maxima; 4-bit codes split bytes between layers of odd sizes.
+# (reduction, scaling, format, chunk_elements, stats): None sizes chunks by each rank's
+# timing, agreed on the maxima; 4-bit codes split bytes between layers of odd sizes.
 STAGED = [
-    ("hierarchical", "layer", "e4m3", None),
-    ("hierarchical", "bucket", "e2m1", 96),
-    ("grid", "layer", "e2m1", None),
-    ("grid", "bucket", "e4m3", 96),
+    ("hierarchical", "layer", "e4m3", None, False),
+    ("hierarchical", "bucket", "e2m1", 96, False),
+    ("grid", "layer", "e2m1", None, False),
+    ("grid", "bucket", "e4m3", 96, False),
+    ("hierarchical", "none", "e4m3", 96, False),  # every exponent 0, not the layer rule's
+    ("hierarchical", "layer", "e4m3", None, True),
+    ("grid", "bucket", "e2m1", 96, True),
+    ("grid", "none", "fp16", None, True),
 ]
 
 
-def _staged_state(fmt: str, reduction: str, scaling: str, chunk: int | None) -> APSState:
-    state = APSState(fmt, reduction=reduction, scaling=scaling, ranks_per_node=2)
+def _staged_state(
+    fmt: str, reduction: str, scaling: str, chunk: int | None, stats: bool = False
+) -> APSState:
+    state = APSState(fmt, reduction=reduction, scaling=scaling, ranks_per_node=2, stats=stats)
     state.bind_process_group()
     state.chunk_elements = chunk
     return state
 
 
 def _staged_steps(rank: int, world_size: int) -> list[str]:
-    """Hierarchical and grid with one exponent per layer (or bucket), settled against the
-    general path over several steps: the gradients bit for bit and the bytes per
-    collective, a NaN in one layer of one rank included."""
+    """Hierarchical and grid with one exponent per layer (or bucket, or none), settled
+    against the general path over several steps: the gradients bit for bit, the bytes per
+    collective and the records (``stats=True``), a NaN in one layer of one rank included."""
     from aps_comm.engine import SteadyStaged
 
     numels = [5, 0, 1, 700, 33, 2, 64]
     params = [nn.Parameter(torch.empty(n)) for n in numels]
     problems = []
-    for c, (reduction, scaling, fmt, chunk) in enumerate(STAGED):
-        settled, full = (_staged_state(fmt, reduction, scaling, chunk) for _ in range(2))
+    for c, (reduction, scaling, fmt, chunk, stats) in enumerate(STAGED):
+        settled, full = (_staged_state(fmt, reduction, scaling, chunk, stats) for _ in range(2))
         buffer = torch.empty(sum(numels))
         for step in range(5):
             gen = torch.Generator().manual_seed(100 * step + 10 * c + rank)
@@ -548,6 +554,8 @@ def _staged_steps(rank: int, world_size: int) -> list[str]:
             # Measured chunks differ between the two states; fixed ones do not.
             if chunk is not None and settled.bytes_detail != full.bytes_detail:
                 problems.append(f"{c} step {step}: {settled.bytes_detail} on the wire")
+            if repr(settled.stats) != repr(full.stats):  # NaN-aware through repr
+                problems.append(f"{c} step {step}: records differ")
             outs = gather(out.nan_to_num(7.0))
             if not torch.equal(outs, outs[:1].expand_as(outs)):
                 problems.append(f"{c} step {step}: ranks differ")
@@ -587,22 +595,24 @@ def test_settled_staged_buckets_send_the_agreed_chunk() -> None:
 # Per chunk on the CPU kernels: grid's first encode; the node's sum (grid: decode and
 # sum) and its encode; the owner's decode, mean and encode; the decode. No ATen op.
 STAGED_PER_CHUNK = {"hierarchical": 6, "grid": 8}
+STAGED_OPTIONS = [("layer", False), ("bucket", False), ("layer", True), ("bucket", True)]
+STAGED_OPTIONS += [("none", True)]
 
 
 def _staged_ops_case(rank: int, world_size: int) -> dict[tuple, list[str]]:
     ops = {}
     for reduction in STAGED_PER_CHUNK:
-        for scaling in ("layer", "bucket"):
+        for scaling, stats in STAGED_OPTIONS:
             for numels in ([1000, 1000], [10] * 200):  # 2000 elements: 2 layers or 200
                 for chunk in (4096, 512):  # one chunk or four
-                    state = _staged_state("e4m3", reduction, scaling, chunk)
+                    state = _staged_state("e4m3", reduction, scaling, chunk, stats)
                     x = torch.randn(sum(numels), generator=torch.Generator().manual_seed(rank))
                     params = [nn.Parameter(torch.empty(n)) for n in numels]
                     buffer = x.clone()
                     for _ in range(2):  # the plan, then the settled path bound
                         state.run_bucket(0, buffer, params)
                     aten, kernels = count_ops(state, buffer, params)
-                    ops[reduction, scaling, len(numels), chunk] = aten + kernels
+                    ops[reduction, scaling, stats, len(numels), chunk] = aten + kernels
     return ops
 
 
@@ -610,12 +620,19 @@ def test_settled_layer_scaling_levels_cost_a_fixed_handful_of_kernel_calls() -> 
     # Issue 46: hierarchical and grid with one exponent per layer (or bucket) settle.
     # Before, every chunk ran its codec calls and a Python loop of FP32 adds per rank
     # of the node, and every bucket the factors' ~40 ATen ops per route.
+    # With stats=True one kernel call more: every layer's records (bucket scaling: and a
+    # copy of the agreed maxima); before, the general path: hierarchical e4m3 154 ops at 2
+    # layers and 352 at 200, grid 161 and 359.
     for ops in run_distributed(_staged_ops_case, 4, timeout=240):
-        for (reduction, scaling, layers, chunk), calls in ops.items():
-            assert calls == ops[reduction, scaling, 2, chunk], (reduction, scaling, layers)
-            assert all(op.startswith("kernel::") for op in calls), calls  # no ATen op at all
-            # The maxima, the factors (and bucket scaling's spread), then the chunks'.
-            per_bucket = 2 + (scaling == "bucket")
+        for (reduction, scaling, stats, layers, chunk), calls in ops.items():
+            assert calls == ops[reduction, scaling, stats, 2, chunk], (reduction, scaling, layers)
+            kept = ["aten::copy_.default"] if stats and scaling == "bucket" else []
+            assert [op for op in calls if not op.startswith("kernel::")] == kept, calls
+            if stats:
+                assert calls.count("kernel::layer_records") == 1, calls
+            # The maxima, the factors (and bucket scaling's spread, the records), then the
+            # chunks'.
+            per_bucket = 2 + (scaling == "bucket") + stats + len(kept)
             k = 1 if chunk == 4096 else 4
             assert len(calls) == per_bucket + k * STAGED_PER_CHUNK[reduction], calls
             if k == 1:

@@ -154,13 +154,19 @@ def _settled_ops(options: dict, layers: int) -> tuple[list[str], list[str]]:
 
 @pytest.mark.parametrize(
     ("config", "kernel"),
-    [("two_phase+stats", "kernel::layer_records"), ("block+stats", "kernel::block_records")],
+    [
+        ("two_phase+stats", "kernel::layer_records"),
+        ("block+stats", "kernel::block_records"),
+        ("bucket+stats", "kernel::layer_records"),
+        ("none+stats", "kernel::layer_records"),
+    ],
 )
 def test_a_bucket_with_stats_settles_within_the_budget(
     world: None, config: str, kernel: str
 ) -> None:
-    """Issue 46: ``stats=True`` costs one kernel call more than the plain route, not a
-    per-step path that grows with the layers (two_phase: 297 ops at 200 layers before)."""
+    """Issue 46: ``stats=True`` costs one kernel call more than the plain route (bucket
+    scaling one copy more: the maxima the records keep), not a per-step path that grows
+    with the layers (two_phase: 297 ops at 200 layers before; bucket 301, none 250)."""
     counts = {layers: _settled_ops(CONFIGS[config], layers) for layers in (2, 200)}
     assert counts[2] == counts[200], counts
     aten, kernels = counts[200]
@@ -256,7 +262,8 @@ def test_settled_bucket_scaling_gives_the_full_paths_bits(
 def _general_steps(rank: int, world_size: int, configs: list[tuple[dict, int | None]]) -> list[str]:
     """Configurations over several steps, each settled against the general path (a state
     whose settled path is dropped every step): the gradients bit for bit, the bytes per
-    collective and the chunks, a NaN in one layer on the last rank in one step included.
+    collective, the chunks and the records (``stats=True``), a NaN in one layer on the last
+    rank in one step included.
     Each config: the options and the elements per chunk (None: sized by each rank's timing)."""
     numels = [5, 0, 1, 700, 33, 2, 64]  # odd sizes: 4-bit codes split bytes between blocks
     params = [torch.nn.Parameter(torch.empty(n)) for n in numels]
@@ -289,6 +296,8 @@ def _general_steps(rank: int, world_size: int, configs: list[tuple[dict, int | N
                 problems.append(f"config {c} step {step}: {settled.bytes_detail} on the wire")
             if settled.bucket_chunks != full.bucket_chunks:
                 problems.append(f"config {c} step {step}: chunks {settled.bucket_chunks}")
+            if repr(settled.stats) != repr(full.stats):  # NaN-aware through repr
+                problems.append(f"config {c} step {step}: records differ")
     return problems
 
 
@@ -304,6 +313,23 @@ def test_settled_no_scaling_gives_the_general_paths_bits(world_size: int) -> Non
         ({**_NONE, "fmt": "bf16"}, None),
         ({**_NONE, "fmt": "e2m1"}, 256),
         ({**ROUTES["native"], "scaling": "none"}, None),
+    ]
+    for problems in run_distributed(_general_steps, world_size, args=(configs,)):
+        assert problems == []
+
+
+@pytest.mark.parametrize("world_size", [1, 2])
+def test_settled_stats_with_bucket_or_no_scaling_give_the_general_paths_bits(
+    world_size: int,
+) -> None:
+    """Issue 46: ``stats=True`` with ``scaling="bucket"`` or ``"none"`` settles, with the
+    general path's gradients, bytes, chunks and records (the layers' own agreed maxima
+    beside the bucket's one exponent)."""
+    configs = [
+        (CONFIGS["bucket+stats"], None),
+        ({**ROUTES["native"], "scaling": "bucket", "stats": True}, None),
+        (CONFIGS["none+stats"], None),
+        ({**CONFIGS["none+stats"], "fmt": "fp16"}, 256),
     ]
     for problems in run_distributed(_general_steps, world_size, args=(configs,)):
         assert problems == []

@@ -48,8 +48,8 @@ def _records(
         cpu_kernels.AVAILABLE = False  # this process's codecs: the torch ops (the GPU's path)
     params = [torch.nn.Parameter(torch.empty(n)) for n in NUMELS]
     model = torch.nn.ParameterList(params)
-    # Staged routes: nodes of 2 ranks.
-    per_node = 2 if reduction == "hierarchical" else None
+    # Staged routes: nodes (or grid rows) of 2 ranks.
+    per_node = 2 if reduction in ("hierarchical", "grid") else None
     options = {"reduction": reduction, "scaling": scaling, "ranks_per_node": per_node}
     settled = APSState(fmt, stats=True, **options)
     full = APSState(fmt, stats=True, **options)
@@ -79,6 +79,16 @@ def _records(
         ("e4m3", "two_phase", "layer", False, 2),
         ("e2m1", "two_phase", "block", True, 2),
         ("e2m1", "hierarchical", "block", True, 4),  # 2 nodes of 2
+        # One exponent for the bucket (the records keep each layer's maximum), none at all.
+        ("e4m3", "two_phase", "bucket", True, 2),
+        ("fp16", "allreduce", "bucket", False, 2),
+        ("e4m3", "two_phase", "none", True, 2),
+        ("e4m3", "two_phase", "none", False, 2),
+        # Staged routes with one exponent per layer (or bucket, or none): the first level's.
+        ("e4m3", "hierarchical", "layer", True, 4),
+        ("e4m3", "grid", "bucket", True, 4),
+        ("e4m3", "grid", "layer", False, 4),
+        ("fp16", "hierarchical", "none", True, 4),
     ],
 )
 def test_settled_records_equal_the_full_paths(
