@@ -437,9 +437,7 @@ def test_settled_error_feedback_beside_fp32_makes_no_host_traffic(
     tensor ops Triton's are: let it bind them here."""
     monkeypatch.setattr(engine_mod, "_FEEDBACK_BACKENDS", ("cast",))
     ran: list[str] = []
-    for name in ("_run_feedback", "_run_feedback_groups"):
-        run = getattr(Reducer, name)
-        monkeypatch.setattr(Reducer, name, _logged(run, ran, name))
+    monkeypatch.setattr(Reducer, "run_steady", _logged(Reducer.run_steady, ran))
     with stubbed_collectives(monkeypatch):
         reducer, names = _reducer(
             get_format("e4m3"), "two_phase", "layer", world, 0, [KeepLast("fp32")], feedback=True
@@ -448,17 +446,17 @@ def test_settled_error_feedback_beside_fp32_makes_no_host_traffic(
         assert isinstance(reducer.steady.get(0), SteadyFeedback)
         assert isinstance(reducer.steady.get(1), SteadyGroups) and reducer.steady[1].feedback
     # Both buckets ran bound from their second step on (bound by the first), once per step.
-    assert ran == ["_run_feedback", "_run_feedback_groups"] * 3, ran
+    assert ran == ["SteadyFeedback", "SteadyGroups"] * 3, ran
     for mode in steady:
         assert mode.reads == [] and mode.copies == [], (mode.reads, mode.copies)
 
 
-def _logged(run: Callable[..., Any], log: list[str], name: str) -> Callable[..., Any]:
-    """``run``, logging ``name`` at each call."""
+def _logged(run_steady: Callable[..., Any], log: list[str]) -> Callable[..., Any]:
+    """:meth:`Reducer.run_steady`, logging the kind of settled path each call runs."""
 
-    def logged(*args: Any, **kwargs: Any) -> Any:
-        log.append(name)
-        return run(*args, **kwargs)
+    def logged(reducer: Reducer, index: int, st: Any, *args: Any, **kwargs: Any) -> Any:
+        log.append(type(st).__name__)
+        return run_steady(reducer, index, st, *args, **kwargs)
 
     return logged
 

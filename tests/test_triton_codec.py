@@ -1251,9 +1251,14 @@ def _feedback_run(
     """Each step's result and residuals of error feedback, settled (one buffer) or along
     the full path every step."""
     import aps_comm
+    from benchmarks.hostcost import ParamLayer
 
     state = aps_comm.APSState(**options)
-    state.bind_model(torch.nn.ParameterList(params))
+    # A policy keys layers by module: one each (KeepLast's last one).
+    if "policy" in options:
+        state.bind_model(torch.nn.ModuleList(ParamLayer(p) for p in params))
+    else:
+        state.bind_model(torch.nn.ParameterList(params))
     buffer = torch.empty_like(xs[0])
     steps = []
     for x in xs:
@@ -1264,9 +1269,10 @@ def _feedback_run(
         steps.append((out, state.state_dict()["residuals"]))
     if settle:
         assert state.reducer is not None
-        assert state.reducer.steady_for(0, buffer) is not None
+        kind = "SteadyGroups" if "policy" in options else "SteadyFeedback"
+        assert type(state.reducer.steady_for(0, buffer)).__name__ == kind
         groups = [g for p in state.reducer.plans.values() for gs in p.groups.values() for g in gs]
-        assert {g.codec.backend for g in groups} == {"triton"}
+        assert {g.codec.backend for g in groups if g.fmt.name != "fp32"} == {"triton"}
     del state
     return steps
 
@@ -1276,8 +1282,16 @@ def _feedback_run(
     [
         {"fmt": "e4m3", "reduction": "two_phase"},
         {"fmt": "e2m1", "reduction": "two_phase", "scaling": "block", "block_size": 8},
+        {"fmt": "e4m3", "reduction": "two_phase", "policy": "keep_last"},
+        {
+            "fmt": "e2m1",
+            "reduction": "two_phase",
+            "scaling": "block",
+            "block_size": 8,
+            "policy": "keep_last",
+        },
     ],
-    ids=["e4m3", "e2m1-block"],
+    ids=["e4m3", "e2m1-block", "e4m3-keep_last", "e2m1-block-keep_last"],
 )
 def test_settled_error_feedback_on_triton_gives_the_kernels_bits(
     tc: types.ModuleType, options: dict
@@ -1285,9 +1299,12 @@ def test_settled_error_feedback_on_triton_gives_the_kernels_bits(
     # Error feedback settles on the Triton backend too (its residual updates whole-bucket
     # tensor ops there): each step's gradients and residuals are the numba kernels' full
     # path's, a non-finite layer in one step included.
+    from aps_comm.policy import KeepLast
     from benchmarks.hostcost import world_of_one
 
     options = {**options, "error_feedback": True}
+    if "policy" in options:  # beside FP32: each scaled group's own bound path (SteadyGroups)
+        options["policy"] = [KeepLast("fp32")]
     numels = [5, 0, 1, 300, 33, 2, 64]
     xs = [_block_bucket(numels, 20 + step)[0] for step in range(4)]
     for x in xs[:2] + xs[3:]:
