@@ -23,12 +23,6 @@ KNOWN: dict[tuple[str, str], tuple[int, int]] = {
     ("codec", "bind_node_blocks"): (217, 23),
     ("codec", "_bind_triton_node_blocks"): (125, 23),
     ("cpu_kernels", "owner_rank_blocks"): (49, 14),
-    ("cpu_kernels", "_reduce_rank_blocks"): (38, 14),
-    ("cpu_kernels", "_reduce_rank_blocks4"): (37, 14),
-    ("cpu_kernels", "_send_rank_blocks"): (31, 14),
-    ("cpu_kernels", "_owner_rank_blocks"): (48, 18),
-    ("cpu_kernels", "_decode_rank_blocks"): (23, 13),
-    ("cpu_kernels", "_mean_rank_blocks"): (34, 13),
 }
 
 
