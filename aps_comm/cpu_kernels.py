@@ -1170,17 +1170,21 @@ if AVAILABLE:
 
     @_njit
     def _reduce_rank_blocks(
-        recv, n_ranks, row, out_codes, offsets, factors, d_out, cap, q, m, p, lim, own, own_row
+        recv, n_ranks, row, out_codes, offsets, factors, d_out, cap, params, mine
     ):
         """:func:`_reduce_blocks` where rank r's codes of block b are decoded times
         ``factors[r, b]`` (every rank's own block exponents); ``row``: codes
-        from one rank's shard to the next's. 8- and 16-bit codes.
+        from one rank's shard to the next's. 8- and 16-bit codes; ``params``:
+        ``(q, m, p, lim)``, the format's decoder, encoder and mean limit.
 
         A code's value (exact) times its factor rounds once, as
         :func:`decode` with factors; rank 0's products are the sum's start,
-        the others' are added in rank order. Row ``own_row`` (if not -1) is
-        the float32 ``own`` instead: the owner's own values, not rounded.
+        the others' are added in rank order. ``mine``: ``(own, own_row)``;
+        row ``own_row`` (if not -1) is the float32 ``own`` instead: the
+        owner's own values, not rounded.
         """
+        q, m, p, lim = params
+        own, own_row = mine
         acc = np.empty(cap, np.float32)
         part = np.empty(cap, np.float32)
         zero = np.zeros(len(offsets) - 1, np.int32)
@@ -1209,11 +1213,11 @@ if AVAILABLE:
             s = t
 
     @_njit
-    def _reduce_rank_blocks4(
-        recv, n_ranks, row, out, offsets, factors, d_out, cap, q, m, p, lim, own, own_row
-    ):
+    def _reduce_rank_blocks4(recv, n_ranks, row, out, offsets, factors, d_out, cap, params, mine):
         """:func:`_reduce_rank_blocks` for packed 4-bit codes (the carry of
         :func:`_reduce_blocks4`); ``row`` in bytes."""
+        q, m, p, lim = params
+        own, own_row = mine
         acc = np.empty(cap + 1, np.float32)
         part = np.empty(cap + 1, np.float32)
         codes = np.empty(cap + 1, np.uint8)
@@ -1248,6 +1252,11 @@ if AVAILABLE:
             s = t
 
 
+def _mine(own: np.ndarray | None, own_row: int) -> tuple[np.ndarray, int]:
+    """The owner kernels' ``mine``: ``(own, own_row)``, or no row where ``own`` is None."""
+    return (_NO_OWN, -1) if own is None else (own, own_row)
+
+
 def reduce_rank_blocks(
     recv: torch.Tensor,
     n_ranks: int,
@@ -1280,12 +1289,8 @@ def reduce_rank_blocks(
         factors,
         d,
         cap,
-        q,
-        m,
-        encoder_params(fmt),
-        mean_limit(fmt, limit),
-        _NO_OWN if own is None else own,
-        own_row if own is not None else -1,
+        (q, m, encoder_params(fmt), mean_limit(fmt, limit)),
+        _mine(own, own_row),
     )
     ra, oa = _np(recv), _np(out)
     if fmt.wire_bits == 4:
@@ -1312,9 +1317,8 @@ if AVAILABLE:
         return most
 
     @_njit
-    def _send_rank_blocks(
-        x, keys, table, offsets, firsts, send, piece, shard_bytes, flags, at, log2, p, bits, no_runs
-    ):
+    def _send_shards(x, keys, table, offsets, firsts, send, piece, p, bits, no_runs):
+        """Every shard of a chunk encoded with its blocks' keys, each in its piece of ``send``."""
         most = _most_blocks(firsts)
         cut = np.empty(most + 1, np.int64)
         fac = np.empty(most, np.float32)
@@ -1336,7 +1340,19 @@ if AVAILABLE:
                     _encode_codes(x[a:b], cut[: k + 1], fac[:k], codes, p, 0, no_runs)
             for i in range(base + used, base + piece):  # padding: code 0 is +0
                 send[i] = 0
-            for j in range(k):
+
+    @_njit
+    def _send_rank_blocks(
+        x, keys, table, offsets, firsts, send, piece, shard_bytes, head, p, bits, no_runs
+    ):
+        # The codes as with agreed keys; then each piece carries its blocks' keys.
+        # ``head``: (flags, at, log2), the first chunk's layer flags and preference.
+        flags, at, log2 = head
+        _send_shards(x, keys, table, offsets, firsts, send, piece, p, bits, no_runs)
+        for s in range(len(firsts) - 1):
+            b0, b1 = firsts[s], firsts[s + 1]
+            base = s * piece
+            for j in range(b1 - b0):
                 send[base + shard_bytes + j] = keys[b0 + j]
             if at >= 0:
                 for i in range(len(flags)):
@@ -1346,25 +1362,11 @@ if AVAILABLE:
 
     @_njit
     def _owner_rank_blocks(
-        recv,
-        n_ranks,
-        piece,
-        offsets,
-        table,
-        out,
-        shard_bytes,
-        at,
-        union,
-        d,
-        cap,
-        q,
-        m,
-        p,
-        lim,
-        bits,
-        own,
-        own_row,
+        recv, n_ranks, offsets, table, out, shard_bytes, head, d, cap, params, bits, mine
     ):
+        # ``head``: (union, at), where the pieces' layer flags are OR-ed and where they lie.
+        union, at = head
+        piece = len(recv) // n_ranks
         k = len(offsets) - 1
         fac = np.empty((n_ranks, k), np.float32)
         for r in range(n_ranks):
@@ -1381,11 +1383,11 @@ if AVAILABLE:
                 log2 = max(log2, np.int64(recv[r * piece + at + len(union)]))
         used = (offsets[k] * bits + 7) // 8
         if k:
-            args = (recv, n_ranks, piece, out[:used], offsets, fac, d, cap, q, m, p, lim, own)
+            args = (recv, n_ranks, piece, out[:used], offsets, fac, d, cap, params)
             if bits == 4:
-                _reduce_rank_blocks4(*args, own_row)
+                _reduce_rank_blocks4(*args, mine)
             else:
-                _reduce_rank_blocks(*args, own_row)
+                _reduce_rank_blocks(*args, mine)
         for i in range(used, shard_bytes):
             out[i] = 0
         for j in range(k):  # the mean's keys (zero and non-finite blocks: d = 0)
@@ -1396,8 +1398,9 @@ if AVAILABLE:
 
     @_njit
     def _decode_rank_blocks(
-        gathered, row, offsets, firsts, table, ends, union, x, shard_bytes, q, m, bits, no_runs
+        gathered, row, offsets, firsts, table, ends, union, x, shard_bytes, dec, bits, no_runs
     ):
+        q, m = dec
         most = _most_blocks(firsts)
         cut, fac = np.empty(most + 1, np.int64), np.empty(most, np.float32)
         nan, layer = np.float32(np.nan), 0  # blocks in order: walk the layers' ends
@@ -1451,9 +1454,7 @@ def send_rank_blocks(
         send,
         piece,
         shard_bytes,
-        flags,
-        at,
-        log2,
+        (flags, at, log2),
         encoder_params(fmt),
         fmt.wire_bits,
         _NO_RUNS,
@@ -1490,22 +1491,16 @@ def owner_rank_blocks(
     return _owner_rank_blocks(
         recv.reshape(-1),
         recv.shape[0],
-        recv.shape[1],
         offsets,
         table,
         out,
         shard_bytes,
-        at,
-        union,
+        (union, at),
         d,
         max(_BLOCK, longest),
-        q,
-        m,
-        encoder_params(fmt),
-        mean_limit(fmt, limit),
+        (q, m, encoder_params(fmt), mean_limit(fmt, limit)),
         fmt.wire_bits,
-        _NO_OWN if own is None else own[0],
-        -1 if own is None else own[1],
+        (_NO_OWN, -1) if own is None else own,
     )
 
 
@@ -1540,8 +1535,7 @@ def decode_rank_blocks(
         union,
         x,
         shard_bytes,
-        q,
-        m,
+        (q, m),
         fmt.wire_bits,
         _NO_RUNS,
     )
@@ -1554,8 +1548,10 @@ if AVAILABLE:
 
     @_njit
     def _mean_rank_blocks(
-        recv, n_ranks, piece, offsets, table, out, shard_bytes, cap, q, m, bits, own, own_row
+        recv, n_ranks, piece, offsets, table, out, shard_bytes, cap, dec, bits, mine
     ):
+        q, m = dec
+        own, own_row = mine
         k = len(offsets) - 1
         fac = np.empty((n_ranks, k), np.float32)
         for r in range(n_ranks):
@@ -1647,11 +1643,9 @@ def mean_rank_blocks(
         out,
         shard_bytes,
         max(_BLOCK, longest),
-        q,
-        m,
+        (q, m),
         fmt.wire_bits,
-        _NO_OWN if own is None else own,
-        own_row if own is not None else -1,
+        _mine(own, own_row),
     )
 
 
@@ -2423,30 +2417,6 @@ if AVAILABLE:
         return 0 if k == 0 or k == 255 else 127 - np.int64(k)
 
     @_njit
-    def _send_agreed_blocks(x, keys, table, offsets, firsts, send, piece, p, bits, no_runs):
-        most = _most_blocks(firsts)
-        cut = np.empty(most + 1, np.int64)
-        fac = np.empty(most, np.float32)
-        for s in range(len(firsts) - 1):
-            b0, b1 = firsts[s], firsts[s + 1]
-            a, b = offsets[b0], offsets[b1]
-            k = b1 - b0
-            for j in range(k):
-                fac[j] = table[keys[b0 + j]]
-                cut[j] = offsets[b0 + j] - a
-            cut[k] = b - a
-            base = s * piece
-            used = ((b - a) * bits + 7) // 8
-            if b > a:
-                if bits == 4:
-                    _encode4(x[a:b], cut[: k + 1], fac[:k], send[base : base + used], p, 0, no_runs)
-                else:
-                    codes = send[base : base + used]
-                    _encode_codes(x[a:b], cut[: k + 1], fac[:k], codes, p, 0, no_runs)
-            for i in range(base + used, base + piece):  # padding: code 0 is +0
-                send[i] = 0
-
-    @_njit
     def _owner_agreed_blocks(
         recv, n_ranks, out, shard_bytes, offsets, keys, first, scratch, flags, cap, params, bits
     ):
@@ -2534,7 +2504,7 @@ def send_agreed_blocks(
         >>> send
         array([56,  0, 64,  0], dtype=uint8)
     """
-    _send_agreed_blocks(
+    _send_shards(
         x, keys, table, offsets, firsts, send, piece, encoder_params(fmt), fmt.wire_bits, _NO_RUNS
     )
 
