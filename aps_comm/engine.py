@@ -1300,14 +1300,11 @@ class Reducer:
         """Bind the :class:`SteadyGroups` path of a bucket of several formats with error
         feedback: each group sent scaled a :class:`SteadyFeedback` on its view, its agreed
         maxima (or block keys) a view of the one vector the bucket MAX-all-reduces."""
-        settings, sent = self.settings, [g for g in groups if g.reduction != Route.FP32]
+        sent = [g for g in groups if g.reduction != Route.FP32]
         self.steady.pop(index, None)
-        blocks = settings.scaling == Scaling.BLOCK
+        blocks = self.settings.scaling == Scaling.BLOCK
         if (
-            self.assignment.promoter is not None
-            or settings.stats
-            or settings.scaling not in (Scaling.LAYER, Scaling.BLOCK)
-            or x.dtype != torch.float32
+            not self._feedback_settles(x)
             or not sent
             # The groups' views and residuals are the bucket's layers in order.
             or [i for g in groups for i in g.index] != list(range(len(fmts)))
@@ -1501,19 +1498,23 @@ class Reducer:
     ) -> None:
         """Bind the bucket's :class:`SteadyFeedback` path where nothing in it changes per step
         but the policy's epoch."""
-        settings = self.settings
         self.steady.pop(index, None)
-        if (
-            self.assignment.promoter is not None
-            or settings.stats
-            or settings.scaling not in (Scaling.LAYER, Scaling.BLOCK)
-            or not g.contiguous
-            or x.dtype != torch.float32
-        ):
+        if not g.contiguous or not self._feedback_settles(x):
             return
         st = self._bind_feedback(index, x, g, names)
         if st is not None:
             self.steady[index] = st
+
+    def _feedback_settles(self, x: torch.Tensor) -> bool:
+        """Whether a bucket with error feedback can settle, whatever its formats: not with
+        Promote's rates or records to keep, per layer or agreed block exponents, float32."""
+        settings = self.settings
+        return (
+            self.assignment.promoter is None
+            and not settings.stats
+            and settings.scaling in (Scaling.LAYER, Scaling.BLOCK)
+            and x.dtype == torch.float32
+        )
 
     def _bind_feedback(
         self,
