@@ -16,20 +16,17 @@ on a shared machine come and go meanwhile.
 from __future__ import annotations
 
 import contextlib
-import json
 import os
-import queue
 import re
 import signal
 import socket
 import subprocess
 import sys
-import threading
-import time
 from collections.abc import Iterator
 from pathlib import Path
 
 import pytest
+from conftest import Starter
 
 from aps_comm.testing import run_distributed
 from benchmarks import resume_train
@@ -84,68 +81,9 @@ def _in_sessions(sids: list[int]) -> list[int]:
     return found
 
 
-class _Starter:
-    """The client of tests/launch_scripts/preloaded.py: start processes, hear them exit."""
-
-    def __init__(self) -> None:
-        self.proc = subprocess.Popen(
-            [sys.executable, str(SCRIPTS / "preloaded.py")],
-            env=_clean_env(),
-            stdin=subprocess.PIPE,
-            stdout=subprocess.PIPE,
-            text=True,
-        )
-        self._lines: queue.Queue[str | None] = queue.Queue()
-        threading.Thread(target=self._read, daemon=True).start()
-        # Importing torch takes long on a busy machine: the tests' own timeout bounds it.
-        words = self._next(300)
-        if words != ["READY"]:
-            self.proc.kill()
-            raise AssertionError(f"the starter did not start: {words}")
-
-    def _read(self) -> None:
-        assert self.proc.stdout is not None
-        for line in self.proc.stdout:
-            self._lines.put(line)
-        self._lines.put(None)
-
-    def _next(self, timeout: float) -> list[str] | None:
-        """The starter's next line, split; None if it has said nothing for ``timeout`` s."""
-        try:
-            line = self._lines.get(timeout=max(timeout, 0.0))
-        except queue.Empty:
-            return None
-        assert line is not None, f"the starter exited with {self.proc.wait()}"
-        return line.split()
-
-    def start(self, specs: list[dict]) -> list[int]:
-        """Start one process per spec (script, args, env, log); their pids, in order."""
-        assert self.proc.stdin is not None
-        self.proc.stdin.write(json.dumps(specs) + "\n")
-        self.proc.stdin.flush()
-        words = self._next(60)
-        assert words is not None and words[0] == "STARTED", words
-        return [int(w) for w in words[1:]]
-
-    def exits(self, timeout: float) -> Iterator[tuple[int, int, float]]:
-        """(pid, exit code, time.time() of the exit) as processes end, until ``timeout``."""
-        deadline = time.monotonic() + timeout
-        while (words := self._next(deadline - time.monotonic())) is not None:
-            if words[0] == "DONE":
-                return
-            assert words[0] == "EXITED", words
-            yield int(words[1]), int(words[2]), float(words[3])
-
-    def close(self) -> None:
-        # Every request ended with DONE, its processes reaped: nothing is left to wait
-        # for, and an interpreter holding torch can take long to exit on a busy machine.
-        self.proc.kill()
-        self.proc.wait(30)
-
-
 @pytest.fixture(scope="module")
-def starter() -> Iterator[_Starter]:
-    started = _Starter()
+def starter() -> Iterator[Starter]:
+    started = Starter(SCRIPTS / "preloaded.py", _clean_env())
     try:
         yield started
     finally:
@@ -168,7 +106,7 @@ CASES = [
 @pytest.mark.slow
 @pytest.mark.parametrize(("world", "fault", "at_step"), CASES)
 def test_peer_failure_fails_survivors_within_timeout(
-    tmp_path: Path, starter: _Starter, world: int, fault: str, at_step: int
+    tmp_path: Path, starter: Starter, world: int, fault: str, at_step: int
 ) -> None:
     shm = _shm()
     port, mark, fault_rank = _free_port(), tmp_path / "fault_time", world - 1

@@ -1,12 +1,12 @@
 """Start scripts as processes forked from one interpreter that has imported torch.
 
-Run by tests/test_faults.py instead of one ``python script.py`` per rank: a
-rank that builds DDP imports torch, torch._dynamo (DDP's constructor does) and
-aps_comm, several seconds of CPU per process on a small machine, while the
-test is about what the process does after that. Here that import happens
-once; each started process then runs the script as
-``python script.py ARGS`` would, nothing watching it but this starter, which
-only reaps it:
+Run by tests/test_faults.py and tests/test_exits.py instead of one ``python
+script.py`` per process: a process that builds DDP imports torch,
+torch._dynamo (DDP's constructor does) and aps_comm, several seconds of CPU
+per process on a small machine, while the test is about what the process does
+after that. Here that import happens once; each started process then runs the
+script as ``python script.py ARGS`` would, nothing watching it but this
+starter, which only reaps it:
 
 * it starts its own session (so the test can find anything it left running),
   takes the request's environment as its whole environment, writes stdout and
@@ -29,7 +29,7 @@ import runpy
 import sys
 import time
 
-# What the scripts started here import (fault_train.py), so that
+# What the scripts started here import (fault_train.py, exit_codes.py), so that
 # none of them imports it again: torch, DDP's torch._dynamo, aps_comm's hook
 # and numba's CPU target (aps_comm.rank_preload), and the launcher's API.
 import torch  # noqa: F401
