@@ -15,11 +15,15 @@ Example:
 # the hook's `bucket` annotation is dist.GradBucket itself, not a string.
 import fcntl
 import itertools
+import json
 import math
 import pickle
+import queue
 import subprocess
 import sys
-from collections.abc import Callable
+import threading
+import time
+from collections.abc import Callable, Iterator
 from pathlib import Path
 from typing import Any
 
@@ -34,7 +38,7 @@ from aps_comm.plan import chunk_bounds
 from aps_comm.scaling import exponents, layer_amax, pow2
 from aps_comm.simulate import ring_chunks
 
-__all__ = ["Net", "capture", "check_log", "gather", "made_once", "reference"]
+__all__ = ["Net", "Starter", "capture", "check_log", "gather", "made_once", "reference"]
 
 
 def made_once(
@@ -256,3 +260,72 @@ def check_log(
         outs = gather(out.float())
         assert torch.equal(outs.nan_to_num(nan=7.0), outs[:1].expand_as(outs).nan_to_num(nan=7.0))
     return len(log)
+
+
+class Starter:
+    """The client of tests/launch_scripts/preloaded.py: start processes, hear them exit.
+
+    Example:
+        >>> scripts = Path("tests/launch_scripts")
+        >>> starter = Starter(scripts / "preloaded.py", dict(os.environ))
+        >>> script, env = str(scripts / "exit_codes.py"), dict(os.environ)
+        >>> (pid,) = starter.start([{"script": script, "args": ["exit3"], "env": env, "log": "x.log"}])
+        >>> [code for _, code, _ in starter.exits(60)]
+        [3]
+        >>> starter.close()
+    """
+
+    def __init__(self, script: Path, env: dict[str, str]) -> None:
+        self.proc = subprocess.Popen(
+            [sys.executable, str(script)],
+            env=env,
+            stdin=subprocess.PIPE,
+            stdout=subprocess.PIPE,
+            text=True,
+        )
+        self._lines: queue.Queue[str | None] = queue.Queue()
+        threading.Thread(target=self._read, daemon=True).start()
+        # Importing torch takes long on a busy machine: the tests' own timeout bounds it.
+        words = self._next(300)
+        if words != ["READY"]:
+            self.proc.kill()
+            raise AssertionError(f"the starter did not start: {words}")
+
+    def _read(self) -> None:
+        assert self.proc.stdout is not None
+        for line in self.proc.stdout:
+            self._lines.put(line)
+        self._lines.put(None)
+
+    def _next(self, timeout: float) -> list[str] | None:
+        """The starter's next line, split; None if it has said nothing for ``timeout`` s."""
+        try:
+            line = self._lines.get(timeout=max(timeout, 0.0))
+        except queue.Empty:
+            return None
+        assert line is not None, f"the starter exited with {self.proc.wait()}"
+        return line.split()
+
+    def start(self, specs: list[dict]) -> list[int]:
+        """Start one process per spec (script, args, env, log); their pids, in order."""
+        assert self.proc.stdin is not None
+        self.proc.stdin.write(json.dumps(specs) + "\n")
+        self.proc.stdin.flush()
+        words = self._next(60)
+        assert words is not None and words[0] == "STARTED", words
+        return [int(w) for w in words[1:]]
+
+    def exits(self, timeout: float) -> Iterator[tuple[int, int, float]]:
+        """(pid, exit code, time.time() of the exit) as processes end, until ``timeout``."""
+        deadline = time.monotonic() + timeout
+        while (words := self._next(deadline - time.monotonic())) is not None:
+            if words[0] == "DONE":
+                return
+            assert words[0] == "EXITED", words
+            yield int(words[1]), int(words[2]), float(words[3])
+
+    def close(self) -> None:
+        # Every request ended with DONE, its processes reaped: nothing is left to wait
+        # for, and an interpreter holding torch can take long to exit on a busy machine.
+        self.proc.kill()
+        self.proc.wait(30)

@@ -15,16 +15,17 @@ import gc
 import io
 import os
 import re
-import subprocess
 import sys
 import threading
 import traceback
 import weakref
+from collections.abc import Iterator
 from pathlib import Path
 
 import pytest
 import torch
 import torch.distributed as dist
+from conftest import Starter
 from torch import nn
 from torch.nn.parallel import DistributedDataParallel as DDP
 
@@ -176,26 +177,41 @@ def _clean_env() -> dict[str, str]:
     return env
 
 
+@pytest.fixture(scope="module")
+def starter() -> Iterator[Starter]:
+    started = Starter(SCRIPT.parent / "preloaded.py", _clean_env())
+    try:
+        yield started
+    finally:
+        started.close()
+
+
 @pytest.mark.slow
-def test_exit_order_and_failing_jobs_keep_their_exit_code() -> None:
+def test_exit_order_and_failing_jobs_keep_their_exit_code(tmp_path: Path, starter: Starter) -> None:
     """A job that raises exits 1, one that calls sys.exit(3) exits 3; the teardown runs in order.
 
-    World of one under ``init_distributed`` (tests/launch_scripts/exit_codes.py).
+    World of one under ``init_distributed`` (tests/launch_scripts/exit_codes.py), each its
+    own process forked from a starter that has imported torch
+    (tests/launch_scripts/preloaded.py), exiting through the interpreter's own shutdown.
     """
-    procs = {
-        mode: subprocess.Popen(
-            [sys.executable, str(SCRIPT), mode],
-            env=_clean_env(),
-            stdout=subprocess.PIPE,
-            stderr=subprocess.STDOUT,
-            text=True,
-        )
-        for mode in ("raise", "exit3")
-    }
+    modes = ("raise", "exit3")
+    pids = starter.start(
+        [
+            {
+                "script": str(SCRIPT),
+                "args": [mode],
+                "env": _clean_env(),
+                "log": str(tmp_path / f"{mode}.log"),
+            }
+            for mode in modes
+        ]
+    )
+    codes = {pid: code for pid, code, _ in starter.exits(120)}
+    assert set(codes) == set(pids), f"still running after 120 s: {set(pids) - set(codes)}"
     expected = {"raise": 1, "exit3": 3}
-    for mode, proc in procs.items():
-        out, _ = proc.communicate(timeout=120)
-        assert proc.returncode == expected[mode], out
+    for mode, pid in zip(modes, pids, strict=True):
+        out = (tmp_path / f"{mode}.log").read_text()
+        assert codes[pid] == expected[mode], out
         assert f"TRAINED mode={mode}" in out, out
         order = re.findall(r"^DESTROY .*$", out, re.M)
         assert order == ["DESTROY group worker_alive=False", "DESTROY default"], out

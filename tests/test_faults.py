@@ -1,35 +1,40 @@
 """A failing peer makes every other rank fail fast; a finished job exits cleanly.
 
-Ranks are started independently (one ``python`` per rank, joined through
-``init_distributed`` and rank 0's store, as on separate nodes: no launcher
-kills the survivors), with a 5 s process-group timeout. One rank fails on
-purpose (tests/launch_scripts/fault_train.py); every other rank must exit
-non-zero within the timeout plus slack, with the hook's collective named, and
-nothing of the job's may be left behind: no process, no /dev/shm entry.
-Only what the test itself started is checked, never the whole machine's
-state: other jobs on a shared machine come and go meanwhile.
+Ranks are started independently, as on separate nodes: no launcher kills the
+survivors. Each is its own process in its own session, forked from a starter
+that has imported torch once (tests/launch_scripts/preloaded.py: the ranks
+run the script as ``python script`` would, the starter only reaps them), and
+they join through ``init_distributed`` and rank 0's store with a 5 s
+process-group timeout. One rank fails on purpose
+(tests/launch_scripts/fault_train.py); every other rank must exit non-zero
+within the timeout plus slack, with the hook's collective named, and nothing
+of the job's may be left behind: no process, no /dev/shm entry. Only what the
+test itself started is checked, never the whole machine's state: other jobs
+on a shared machine come and go meanwhile.
 """
 
 from __future__ import annotations
 
+import contextlib
 import os
 import re
 import signal
 import socket
 import subprocess
 import sys
-import time
+from collections.abc import Iterator
 from pathlib import Path
 
 import pytest
+from conftest import Starter
 
 from aps_comm.testing import run_distributed
 from benchmarks import resume_train
 
 SCRIPTS = Path(__file__).parent / "launch_scripts"
 PG_TIMEOUT = 5.0
-# Python and torch start in ~5 s per process on 2 busy cores; the survivors'
-# deadline counts from the fault, so slack covers only error handling and exit.
+# The survivors' deadline counts from the fault, so slack covers only error
+# handling and exit.
 SLACK = 15.0
 _JOB_VARS = re.compile(r"^(RANK|WORLD_SIZE|LOCAL_RANK|MASTER_ADDR|MASTER_PORT|TORCHELASTIC_.*)$")
 
@@ -62,16 +67,27 @@ def _shm() -> set[str]:
     return set(os.listdir("/dev/shm")) if os.path.isdir("/dev/shm") else set()
 
 
-def _pids_with(token: str) -> list[int]:
+def _in_sessions(sids: list[int]) -> list[int]:
+    """Processes in any of these sessions: what a rank (a session leader) left running."""
     found = []
     for pid in filter(str.isdigit, os.listdir("/proc")):
         try:
-            cmdline = Path(f"/proc/{pid}/cmdline").read_bytes()
+            stat = Path(f"/proc/{pid}/stat").read_text()
         except OSError:
             continue
-        if token.encode() in cmdline:
+        # pid (comm) state ppid pgrp session ...; comm may hold spaces and parentheses.
+        if int(stat.rsplit(")", 1)[1].split()[3]) in sids:
             found.append(int(pid))
     return found
+
+
+@pytest.fixture(scope="module")
+def starter() -> Iterator[Starter]:
+    started = Starter(SCRIPTS / "preloaded.py", _clean_env())
+    try:
+        yield started
+    finally:
+        started.close()
 
 
 # Every fault with one survivor, but the two that leave no Python exit path (a
@@ -90,56 +106,56 @@ CASES = [
 @pytest.mark.slow
 @pytest.mark.parametrize(("world", "fault", "at_step"), CASES)
 def test_peer_failure_fails_survivors_within_timeout(
-    tmp_path: Path, world: int, fault: str, at_step: int
+    tmp_path: Path, starter: Starter, world: int, fault: str, at_step: int
 ) -> None:
     shm = _shm()
     port, mark, fault_rank = _free_port(), tmp_path / "fault_time", world - 1
-    cmd = [
-        sys.executable,
-        str(SCRIPTS / "fault_train.py"),
+    args = [
         f"--fault={fault}",
         f"--fault-rank={fault_rank}",
         f"--at-step={at_step}",
         f"--timeout={PG_TIMEOUT}",
         f"--mark={mark}",
     ]
-    procs = []
-    for rank in range(world):
-        out = open(tmp_path / f"rank{rank}.log", "w")  # noqa: SIM115 (closed below)
-        procs.append(
-            (
-                subprocess.Popen(
-                    cmd, env=_env(rank, world, port), stdout=out, stderr=subprocess.STDOUT
-                ),
-                out,
-            )
-        )
-    survivors = [p for r, (p, _) in enumerate(procs) if r != fault_rank]
-    exited: dict[int, float] = {}
-    deadline = time.monotonic() + 120
+    pids = starter.start(
+        [
+            {
+                "script": str(SCRIPTS / "fault_train.py"),
+                "args": args,
+                "env": _env(rank, world, port),
+                "log": str(tmp_path / f"rank{rank}.log"),
+            }
+            for rank in range(world)
+        ]
+    )
+    survivors = [pid for r, pid in enumerate(pids) if r != fault_rank]
+    exited: dict[int, tuple[int, float]] = {}
     try:
-        while time.monotonic() < deadline and len(exited) < len(survivors):
-            for p in survivors:
-                if p.pid not in exited and p.poll() is not None:
-                    exited[p.pid] = time.time()
-            time.sleep(0.05)
+        for pid, code, when in starter.exits(120):
+            exited[pid] = (code, when)
+            if all(p in exited for p in survivors):
+                break
     finally:
-        for p, out in procs:
-            if p.poll() is None:
-                p.send_signal(signal.SIGKILL)
-            p.wait(30)
-            out.close()
+        # Not reaped yet, so still ours: a pid reaped meanwhile was reported (and is skipped).
+        for pid, code, when in starter.exits(0):
+            exited[pid] = (code, when)
+        for pid in set(pids) - exited.keys():
+            with contextlib.suppress(ProcessLookupError):
+                os.kill(pid, signal.SIGKILL)
+        for pid, code, when in starter.exits(30):
+            exited[pid] = (code, when)
     logs = {r: (tmp_path / f"rank{r}.log").read_text() for r in range(world)}
-    assert len(exited) == len(survivors), f"survivors still running after 120 s: {logs}"
+    assert set(pids) <= exited.keys(), f"ranks still running after 30 s more: {logs}"
     assert mark.exists(), f"the faulty rank never reached its fault: {logs}"
     fault_time = float(mark.read_text())
-    for r, (p, _) in enumerate(procs):
+    for r, pid in enumerate(pids):
         if r == fault_rank:
             continue
         log = logs[r]
-        assert p.returncode not in (0, None), f"rank {r} exited {p.returncode}:\n{log}"
+        code, when = exited[pid]
+        assert code != 0, f"rank {r} exited {code}:\n{log}"
         assert "FAULT-DONE" not in log, log
-        took = exited[p.pid] - fault_time
+        took = when - fault_time
         assert took < PG_TIMEOUT + SLACK, f"rank {r} took {took:.1f} s after the fault:\n{log}"
         # The error is the hook's own (not DDP's "Unable to cast ... to Tensor")
         # and says which of its collectives was waiting (torch prefixes the
@@ -151,11 +167,10 @@ def test_peer_failure_fails_survivors_within_timeout(
             re.M,
         ), log
         assert "terminate called" not in log, log
-    assert _pids_with(str(mark)) == [], "a rank's process outlived the test"
+    assert _in_sessions(pids) == [], "a rank's process outlived the test"
     # Only entries named after one of this job's processes are its own (other
     # programs on the machine may come and go meanwhile).
-    pids = [str(p.pid) for p, _ in procs]
-    left = {e for e in _shm() - shm if any(pid in e for pid in pids)}
+    left = {e for e in _shm() - shm if any(str(pid) in e for pid in pids)}
     assert not left, f"left in /dev/shm: {left}"
 
 
