@@ -557,8 +557,10 @@ _MIXED_OPTIONS: dict[str, dict] = {
         **ROUTES["block"],
         "policy": [ByName({"*[13579].weight": "e4m3"}), KeepLast("fp32")],
     },
+    "interleaved+bucket+stats": {**_MIXED["interleaved"], "scaling": "bucket", "stats": True},
 }
 """Mixed-format buckets with the options a user turns on beside the policy."""
+_MIXED_OPTIONS["interleaved+block+stats"] = {**_MIXED_OPTIONS["interleaved+block"], "stats": True}
 
 
 @pytest.mark.parametrize(
@@ -573,6 +575,9 @@ _MIXED_OPTIONS: dict[str, dict] = {
         ("interleaved+promote", 4, BUDGET + 1),
         ("keep_last+block", 2, BUDGET),
         ("interleaved+block", 4, BUDGET),
+        # Over: each group's factors, records and (bucket scaling) its maxima's copy.
+        ("interleaved+block+stats", 4, BUDGET + 2),
+        ("interleaved+bucket+stats", 4, BUDGET + 4),
         ("keep_last+error_feedback", 2, BUDGET),
         ("keep_last+block+error_feedback", 2, BUDGET),
     ],
