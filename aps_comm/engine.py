@@ -399,8 +399,9 @@ class SteadyStaged(Steady):
         factors: float32 (4, layers): scale, shift, unscale and first, refilled in place.
         factors_call: writes ``factors`` from the agreed maxima.
         node_calls: each chunk's bound calls.
-        record_keys: with ``names`` on the CPU kernels, int32 and float32 scratch of
-            the layers' first exponents (the recorded ones: :func:`_staged_keys`).
+        record_keys: with ``names`` or ``promote`` on the CPU kernels, int32 and float32
+            scratch of the layers' first exponents and factors (what the records and
+            Promote's rates count under: :meth:`first_factors`).
     """
 
     groups: NodeGroups | None = None
@@ -422,11 +423,24 @@ class SteadyStaged(Steady):
         self.factors_call = g.codec.bind_staged_factors(
             self.agreed.maxima, world_size, self.per_node, grid, f, self.agreed.none
         )
-        if self.names is not None and g.codec.backend == "kernels" and x.device.type == "cpu":
+        counted = self.names is not None or self.promote is not None
+        if counted and g.codec.backend == "kernels" and x.device.type == "cpu":
             self.record_keys = np.empty(n, np.int32), np.empty(n, np.float32)
         factors = (f[0], f[1], f[2], f[3] if grid else None)
         self.node_calls = transports.bind_hierarchical(g, x, factors, world_size)
         self.bound_ptr = x.data_ptr()
+
+    def first_factors(self) -> tuple[np.ndarray, np.ndarray]:
+        """The first level's factors ``2**e`` and their int32 exponent keys ``127 - e``,
+        into ``record_keys`` from the bound rows: scale times first is ``2**e`` exactly
+        (grid's scale is ``2**(e - outer)``; e within +-126: a normal float32), whose
+        exponent field is ``e + 127``."""
+        assert self.factors is not None and self.record_keys is not None
+        (keys, first), f = self.record_keys, self.factors.numpy()
+        np.multiply(f[0], f[3], out=first)
+        np.right_shift(first.view(np.int32), 23, out=keys)
+        np.subtract(254, keys, out=keys)
+        return first, keys
 
 
 @dataclasses.dataclass
@@ -1821,12 +1835,7 @@ class Reducer:
         rates = n if promote is not None else 0
         maxima = torch.zeros(n + rates + int(measured), dtype=torch.float32, device=x.device)
         if promote is not None:
-            # This step's local rates go out with the next step's maxima; the
-            # reducer's rates become views of them (checkpoints read those).
-            layer_names = promote[2]
-            zero = torch.zeros((), device=x.device)
-            maxima[n : 2 * n] = torch.stack([self.rates.get(m or "", zero) for m in layer_names])
-            self.rates.update({m or "": maxima[n + i] for i, m in enumerate(layer_names)})
+            self._bind_rates(maxima[n : 2 * n], promote[2])
         native = route == Route.ALLREDUCE
         self.steady[index] = st = Steady(
             x.numel(),
@@ -1850,6 +1859,14 @@ class Reducer:
         if settings.stats and g is not None:  # an FP32 bucket records nothing
             st.record_names(names)
         st.bind(x, self.comm.world_size)
+
+    def _bind_rates(self, slots: torch.Tensor, names: Sequence[str | None]) -> None:
+        """Promote: the layers' last local rates into ``slots`` of a settled bucket's maxima
+        vector, where each step's rates go out with the next step's maxima; the reducer's
+        rates become views of them (checkpoints read those)."""
+        zero = torch.zeros((), device=slots.device)
+        slots.copy_(torch.stack([self.rates.get(m or "", zero) for m in names]))
+        self.rates.update({m or "": slots[i] for i, m in enumerate(names)})
 
     def steady_for(
         self, index: int, buffer: torch.Tensor
@@ -2017,10 +2034,7 @@ class Reducer:
         rates = n if promote is not None else 0
         maxima = torch.zeros(n + rates + int(measured), dtype=torch.float32, device=x.device)
         if promote is not None:
-            # The general path sends each layer's last local rate, which staged routes never
-            # write: the same every step, and the MAX over ranks of the agreed ones is theirs.
-            zero = torch.zeros((), device=x.device)
-            maxima[n : 2 * n] = torch.stack([self.rates.get(m or "", zero) for m in promote[2]])
+            self._bind_rates(maxima[n : 2 * n], promote[2])
         st = SteadyStaged(
             x.numel(),
             x.data_ptr(),
@@ -2080,6 +2094,8 @@ class Reducer:
         st.factors_call()
         if st.names is not None:  # before the decode overwrites this rank's values
             self.record_steady(index, st, x)
+        if st.promote is not None:
+            self._settled_rates(st, x)
         assert st.node_calls is not None and st.groups is not None
         start = time.perf_counter()
         tail = transports.hierarchical_bound(st.node_calls, st.groups, self.traffic, defer)
@@ -2103,23 +2119,28 @@ class Reducer:
         amax = agreed.maxima if st.raw is None else st.raw
         keys = st.host_factors[2] if st.host_factors is not None else None
         if isinstance(st, SteadyStaged) and st.record_keys is not None:
-            assert st.factors is not None
-            keys = _staged_keys(st.factors.numpy(), *st.record_keys)
+            keys = st.first_factors()[1]
         if keys is not None and x.is_contiguous():
             rows = torch.empty(len(st.names), 5, dtype=torch.float64, device=x.device)
             g.codec.layer_records(x, g.layout, amax, keys, rows)
             self.stats.add_rows(index, st.names, g.numels, g.fmt, rows)
             return
-        f = factors(
-            agreed.maxima,  # spread: the layer rule of them is the bucket rule
-            g.fmt,
+        exps = self._steady_exponents(st)
+        counts = layer_counts(x, g.layout.lengths, exps, g.fmt)
+        self.stats.add(index, st.names, g.numels, g.fmt, exps, amax, counts)
+
+    def _steady_exponents(self, st: Steady) -> torch.Tensor:
+        """A settled bucket's exponents off the CPU kernels, which its records and Promote's
+        rates count under: :func:`aps_comm.scaling.factors`' of the agreed maxima (spread:
+        the layer rule of them is the bucket rule; staged routes: the first level's)."""
+        return factors(
+            st.agreed.maxima,
+            st.group.fmt,
             st.route,
             world_size=self.comm.world_size,
-            scaling=Scaling.NONE if agreed.none else Scaling.LAYER,
+            scaling=Scaling.NONE if st.agreed.none else Scaling.LAYER,
             ranks_per_node=st.per_node if isinstance(st, SteadyStaged) else 1,
-        )
-        counts = layer_counts(x, g.layout.lengths, f.exponents, g.fmt)
-        self.stats.add(index, st.names, g.numels, g.fmt, f.exponents, amax, counts)
+        ).exponents
 
     def record_steady_blocks(self, index: int, st: SteadyBlocks, x: torch.Tensor) -> None:
         """:meth:`record_steady` with every rank's own block exponents: each block's
@@ -2151,20 +2172,20 @@ class Reducer:
         return self.assignment.formats(st.promote[0], self.step) != st.fmts
 
     def _settled_rates(self, st: Steady, x: torch.Tensor, out: torch.Tensor | None = None) -> None:
-        """Promote: this rank's underflow rate of every layer under this step's factors,
-        into the slots the next step's maxima all-reduce sends (the full path's bits;
-        ``out``: elsewhere than ``st``'s own slots, a format group's)."""
+        """Promote: this rank's underflow rate of every layer under this step's factors
+        (staged routes: the first level's), into the slots the next step's maxima
+        all-reduce sends (the full path's bits; ``out``: elsewhere than ``st``'s own
+        slots, a format group's)."""
         g, n = st.group, len(st.fmts)
         out = st.maxima[n : 2 * n] if out is None else out
+        if isinstance(st, SteadyStaged) and st.record_keys is not None:
+            g.codec.underflow_rates(x, g.layout, st.first_factors()[0], out)
+            return
         if g.codec.backend == "kernels" and x.dtype == torch.float32:
             assert st.host_factors is not None  # this step's, from the agreed maxima
             g.codec.underflow_rates(x, g.layout, st.host_factors[0], out)
             return
-        scaling = Scaling.NONE if st.agreed.none else Scaling.LAYER
-        f = factors(
-            st.agreed.maxima, g.fmt, st.route, world_size=self.comm.world_size, scaling=scaling
-        )
-        counts = layer_counts(x, g.layout.lengths, f.exponents, g.fmt)
+        counts = layer_counts(x, g.layout.lengths, self._steady_exponents(st), g.fmt)
         out.copy_(counts[:, 1].float() / counts[:, 0].clamp(min=1).float())
 
     def _run_steady_blocks(
@@ -2459,7 +2480,7 @@ class Reducer:
                     assert keyed is not None
                     counts, exps, maxima = per_layer(g.blocks, counts, f.exponents, keyed[1])
                 self.stats.add(bucket, gnames, g.numels, fmt, exps, maxima, counts)
-            if self.assignment.promoter is not None and not route.staged:
+            if self.assignment.promoter is not None:
                 rates = counts[:, 1].float() / counts[:, 0].clamp(min=1).float()
                 for name, rate in zip(gnames, rates.unbind(), strict=True):
                     self.rates[name or ""] = rate
@@ -2946,17 +2967,6 @@ class Reducer:
         stats, self.stats = self.stats, StepStats()
         self.step += 1
         return self.traffic.take(), stats
-
-
-def _staged_keys(f: np.ndarray, keys: np.ndarray, scratch: np.ndarray) -> np.ndarray:
-    """The int32 exponent keys (``127 - e``) of the staged routes' first exponents from their
-    float32 factors ``f`` (:class:`SteadyStaged`'s rows), into ``keys``: scale times first
-    is ``2**e`` exactly (grid's scale is ``2**(e - outer)``, within a few binades; e within
-    +-126: a normal float32), whose exponent field is ``e + 127``."""
-    np.multiply(f[0], f[3], out=scratch)
-    np.right_shift(scratch.view(np.int32), 23, out=keys)
-    np.subtract(254, keys, out=keys)
-    return keys
 
 
 def _encode_and_keep(encode: Callable[[], object], keep: Callable[[], object]) -> None:

@@ -184,12 +184,21 @@ class Schedule(Rule):
 class Promote(Rule):
     """Underflow-driven promotion with hysteresis.
 
+    A layer's underflow rate is the fraction of its nonzero gradient elements
+    that scale to zero under its agreed exponent (on hierarchical and grid
+    routes the first level's, which ``stats=True`` records), the maximum over
+    ranks.
+
     Args:
         gamma: underflow rate above which a layer moves one format up.
         ladder: formats from narrowest to widest; a layer whose static format
             is not on the ladder is left alone.
         patience: steps in a row below ``gamma * calm`` before moving down.
         calm: fraction of gamma that counts as "well under".
+
+    Example:
+        >>> Promote(gamma=0.01).step(level=0, calm_steps=0, rate=0.02, base_level=0)
+        (1, 0)
     """
 
     gamma: float = 1e-3

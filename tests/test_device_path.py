@@ -571,14 +571,19 @@ def test_settled_staged_buckets_under_promote_read_only_its_rates(
     monkeypatch: pytest.MonkeyPatch, reduction: str, stats: bool
 ) -> None:
     """Issue 46: hierarchical and grid buckets under Promote settle (with ``stats=True``
-    too); Promote reads its agreed rates once per bucket, and nothing else is read on the
-    host or copied to the device."""
+    too) and write this rank's rates, on the device, where the next step's maxima
+    all-reduce sends them; Promote reads its agreed rates once per bucket, and nothing
+    else is read on the host or copied to the device."""
     fmt = get_format("e4m3")
     with stubbed_collectives(monkeypatch):
         reducer, names = _reducer(fmt, reduction, "layer", 6, 1, POLICIES["promote"], stats=stats)
         steady, _ = _bucket_steps(reducer, names, 4, chunk=512)
         assert {type(st) for st in reducer.steady.values()} == {SteadyStaged}
         assert set(reducer.steady) == {0, 1}  # both buckets took their bound path
+        for st in reducer.steady.values():
+            assert st.promote is not None
+            # The reducer's rates (checkpoints read them) are the slots it sends and writes.
+            assert all(reducer.rates[n]._base is st.maxima for n in st.promote[2])  # type: ignore[index]
     for mode in steady:
         assert len(mode.reads) == 2, mode.reads  # Promote's agreed rates, once per bucket
         assert mode.copies == [], mode.copies

@@ -635,8 +635,9 @@ def test_settled_layer_scaling_levels_cost_a_fixed_handful_of_kernel_calls() -> 
     # of the node, and every bucket the factors' ~40 ATen ops per route.
     # With stats=True one kernel call more: every layer's records (bucket scaling: and a
     # copy of the agreed maxima); before, the general path: hierarchical e4m3 154 ops at 2
-    # layers and 352 at 200, grid 161 and 359. Promote: the layer rule's calls (the rates
-    # ride on the maxima, Promote's step reads them on the host); was 153/351 and 160/358.
+    # layers and 352 at 200, grid 161 and 359. Promote: the layer rule's calls and one for
+    # this rank's rates (they ride on the maxima, Promote's step reads them on the host);
+    # was 153/351 and 160/358.
     for ops in run_distributed(_staged_ops_case, 4, timeout=240):
         for (reduction, scaling, stats, layers, chunk), calls in ops.items():
             assert calls == ops[reduction, scaling, stats, 2, chunk], (reduction, scaling, layers)
@@ -646,7 +647,8 @@ def test_settled_layer_scaling_levels_cost_a_fixed_handful_of_kernel_calls() -> 
                 assert calls.count("kernel::layer_records") == 1, calls
             # The maxima, the factors (and bucket scaling's spread, the records), then the
             # chunks'.
-            per_bucket = 2 + (scaling == "bucket") + stats + len(kept)
+            # Promote: this rank's rates under the first level's factors.
+            per_bucket = 2 + (scaling in ("bucket", "promote")) + stats + len(kept)
             k = 1 if chunk == 4096 else 4
             assert len(calls) == per_bucket + k * STAGED_PER_CHUNK[reduction], calls
             if k == 1:
@@ -716,7 +718,77 @@ def _staged_promote_steps(rank: int, world_size: int) -> list[str]:
 
 
 def test_promote_settles_staged_buckets_with_the_general_paths_bits() -> None:
-    # Issue 46: Promote's levels are the general path's; staged routes leave its rates as
-    # they are (the general path writes none for them), so they ride unchanged.
+    # Issue 46: Promote's levels are the general path's on settled staged buckets.
     for problems in run_distributed(_staged_promote_steps, 4, timeout=240):
+        assert problems == []
+
+
+def _staged_promote_moves(rank: int, world_size: int) -> list[str]:
+    """A layer that starts underflowing e4m3 under the route's first-level factors while its
+    bucket is settled moves up Promote's ladder on the next step, as on two_phase: the
+    settled path writes the rate it measured. Every step the gradients, bytes, levels and
+    rates of a state that never settles (a NaN in another layer of one rank included)."""
+    numels = [5, 0, 1, 700, 33, 2, 64]
+    problems = []
+    cases = (("hierarchical", None), ("grid", 96), ("two_phase", None))
+    under = torch.tensor(699.0).div(700.0).item()  # float32's, as the rates are
+    for c, (reduction, chunk) in enumerate(cases):
+        params = [nn.Parameter(torch.empty(n)) for n in numels]
+        model = nn.ParameterList(params)
+        states = []
+        for _ in range(2):
+            policy = [Promote(gamma=0.05, patience=50)]
+            state = APSState("e4m3", reduction=reduction, ranks_per_node=2, policy=policy)
+            state.bind_model(model)
+            state.chunk_elements = chunk
+            states.append(state)
+        settled, full = states
+        buffer = torch.empty(sum(numels))
+        kinds, formats = [], []
+        for step in range(5):
+            gen = torch.Generator().manual_seed(100 * step + 10 * c + rank)
+            x = torch.randn(sum(numels), generator=gen)
+            if step >= 2:  # layer 3 (elements 6 to 705): 1 and far below e4m3's subnormals
+                x[6:706] *= 1e-7
+                x[6] = 1.0
+            if step == 2 and rank == 1:
+                x[2] = float("nan")  # layer 0 on one rank: NaN in it on every rank, this step
+            buffer.copy_(x)
+            ahead = settled.reducer.steady_for(0, buffer) if settled.reducer else None
+            kinds.append(type(ahead).__name__)
+            out = settled.run_bucket(0, buffer, params)
+            if full.reducer is not None:
+                full.reducer.steady.clear()  # never settled: the general path every step
+            want = full.run_bucket(0, x.clone(), params)
+            bits = torch.where(out.isnan(), 0.0, out).view(torch.int32)
+            if not torch.equal(out.isnan(), want.isnan()) or not torch.equal(
+                bits, torch.where(want.isnan(), 0.0, want).view(torch.int32)
+            ):
+                problems.append(f"{c} step {step}: gradients differ")
+            if chunk is not None and settled.bytes_detail != full.bytes_detail:
+                problems.append(f"{c} step {step}: {settled.bytes_detail} on the wire")
+            if settled.assignment.promote != full.assignment.promote:
+                problems.append(f"{c} step {step}: levels {settled.assignment.promote}")
+            rates = [
+                {k: float(v) for k, v in s.reducer.rates.items()}  # type: ignore[union-attr]
+                for s in states
+            ]
+            if rates[0] != rates[1] or (step == 2 and rates[0].get("3") != under):
+                problems.append(f"{c} step {step}: rates {rates}")
+            fmts = settled.assignment.formats([id(p) for p in params], step)
+            formats.append(fmts[3].name)
+        # Step 2 runs bound and measures layer 3's underflow; step 3's maxima carry it and
+        # Promote moves the layer to e5m2 (that bucket then mixes formats: general path).
+        if formats != ["e4m3"] * 3 + ["e5m2"] * 2:
+            problems.append(f"{c}: layer 3's formats {formats}")
+        bound = "SteadyStaged" if reduction != "two_phase" else "Steady"
+        if kinds[1:4] != [bound] * 3:
+            problems.append(f"{c}: bound paths {kinds}")
+    return problems
+
+
+def test_promote_moves_a_settled_staged_buckets_underflowing_layer() -> None:
+    # Issue 46: the general and the settled staged paths wrote no underflow rates, so
+    # Promote never moved a layer on hierarchical or grid (it read zeros).
+    for problems in run_distributed(_staged_promote_moves, 4, timeout=240):
         assert problems == []
