@@ -30,6 +30,7 @@ import signal
 import socket
 import subprocess
 import sys
+import time
 import uuid
 from collections.abc import Callable, Iterator
 from pathlib import Path
@@ -846,35 +847,45 @@ def _forked_specs(command: str, cwd: Path, port: int) -> list[dict]:
 
 
 @pytest.fixture(scope="module")
-def doc_starter() -> Iterator[Starter]:
-    """One starter for this module's forked commands, made when the first asks for it."""
-    starter = Starter(ROOT / "tests" / "launch_scripts" / "preloaded.py", _env())
-    yield starter
-    starter.close()
+def doc_starter() -> Iterator[list[Starter]]:
+    """This module's starter for the forked commands, made when the first needs it
+    (:func:`_run_forked`), and again after one that failed."""
+    holder: list[Starter] = []
+    yield holder
+    for starter in holder:
+        starter.close()
 
 
 def _run_forked(
-    command: str, cwd: Path, timeout: float, starter: Starter, preload: tuple[str, ...]
+    command: str, cwd: Path, timeout: float, holder: list[Starter], preload: tuple[str, ...]
 ) -> subprocess.CompletedProcess[str]:
-    """``command``'s ranks forked from ``starter``: the exit code is the first
-    failing rank's (else 0), stdout every rank's log (stdout and stderr), in rank order."""
+    """``command``'s ranks forked from the starter in ``holder``: the exit code is the
+    first failing rank's (else 0), stdout every rank's log (stdout and stderr), in rank
+    order. ``timeout`` bounds the whole command, the starter's imports included, as the
+    ranks' own imports counted in it under torchrun."""
+    if not holder:
+        holder.append(Starter(ROOT / "tests" / "launch_scripts" / "preloaded.py", _env()))
+    starter, deadline = holder[0], time.monotonic() + timeout
     # torchrun's agent hosts the ranks' store (TORCHELASTIC_USE_AGENT_STORE): here, this test.
     store = dist.TCPStore("localhost", 0, is_master=True, wait_for_workers=False)
     specs = _forked_specs(command, cwd, store.port)
     for spec in specs:
         spec["preload"] = list(preload)
-    pids = starter.start(specs)
-    codes = dict.fromkeys(pids)
+    codes: dict[int, int | None] = {}
     try:
-        codes.update((pid, code) for pid, code, _ in starter.exits(timeout))
-    finally:
-        # Its own session: what a process that ran past the timeout started dies with it.
+        codes = dict.fromkeys(starter.start(specs, deadline - time.monotonic()))
+        codes.update((pid, code) for pid, code, _ in starter.exits(deadline - time.monotonic()))
+        assert None not in codes.values(), f"{command} ran past {timeout} s"
+    except BaseException:
+        # Its own session: what a rank that ran past the timeout started dies with it; and
+        # a starter that did not answer in time is out of step: the next command gets a new one.
         for pid in [pid for pid, code in codes.items() if code is None]:
             os.killpg(pid, signal.SIGKILL)
-        if None in codes.values():
-            list(starter.exits(60))
+        holder.remove(starter)
+        starter.close()
+        raise
+    finally:
         del store
-    assert None not in codes.values(), f"{command} ran past {timeout} s"
     out = "".join(Path(spec["log"]).read_text() for spec in specs)
     code = next((c for c in codes.values() if c != 0), 0)
     return subprocess.CompletedProcess(command, code, out, "")
@@ -1188,7 +1199,7 @@ _ENV_DUMP = (
 )
 
 
-def test_forked_ranks_get_torchruns_environment(tmp_path: Path, doc_starter: Starter) -> None:
+def test_forked_ranks_get_torchruns_environment(tmp_path: Path, doc_starter: list[Starter]) -> None:
     """The forked commands' ranks see what a real torchrun shows its ranks."""
     (tmp_path / "dump.py").write_text(_ENV_DUMP)
     command = "X=1 torchrun --standalone --nproc_per_node 2 dump.py --a 1"
