@@ -306,12 +306,15 @@ class Starter:
         assert line is not None, f"the starter exited with {self.proc.wait()}"
         return line.split()
 
-    def start(self, specs: list[dict]) -> list[int]:
-        """Start one process per spec (script, args, env, log); their pids, in order."""
+    def start(self, specs: list[dict], timeout: float = 60) -> list[int]:
+        """Start one process per spec (script, args, env, log); their pids, in order.
+
+        ``timeout`` bounds the starter's answer, which waits for a spec's ``preload``.
+        """
         assert self.proc.stdin is not None
         self.proc.stdin.write(json.dumps(specs) + "\n")
         self.proc.stdin.flush()
-        words = self._next(60)
+        words = self._next(timeout)
         assert words is not None and words[0] == "STARTED", words
         return [int(w) for w in words[1:]]
 

@@ -30,11 +30,15 @@ import signal
 import socket
 import subprocess
 import sys
-from collections.abc import Callable
+import time
+import uuid
+from collections.abc import Callable, Iterator
 from pathlib import Path
 
 import pytest
 import torch
+import torch.distributed as dist
+from conftest import Starter
 
 from aps_comm import APSState, fsdp, register
 from aps_comm.config import BlockExponents, Reduction, Scaling, default_block_size
@@ -765,6 +769,126 @@ class _Run:
     in_checkout: bool = False  # run in the repository root instead of a scratch directory
     slow: bool = False
     timeout: float = 120.0
+    # A torchrun command whose ranks fork from the preloaded starter (_run_forked)
+    # instead of each starting an interpreter: the modules the starter imports for them.
+    forked: tuple[str, ...] | None = None
+
+
+# --------------------------------------------------------------------------
+# torchrun commands whose ranks fork from a starter that has imported torch
+#
+# Each rank of a `torchrun` command of the docs imports torch,
+# torch._dynamo and aps_comm (and Accelerate, Transformers) before its
+# script's first line: ~8 s of CPU per process on 2 cores, most of these tests'
+# cost. For the torchrun commands marked `forked`, the test runs each rank the
+# command starts as a child of tests/launch_scripts/preloaded.py, which imported
+# them once: the script, its arguments, its working folder and its whole
+# environment are the ones the command gives it (torchrun's rank variables,
+# its store at MASTER_PORT hosted here as torchrun's agent hosts it); only the
+# imports are not repeated. The launchers themselves still run as written:
+# `torchrun` for train_ddp.py (the README's command, and
+# test_forked_ranks_get_torchruns_environment checks the environment against
+# a real torchrun's), `aps-launch` and `aps-demo` below.
+
+_FORKED = re.compile(
+    r"^(?P<vars>(?:\w+=\S+ )*)torchrun --standalone --nproc_per_node (?P<nproc>\d+) "
+    r"(?P<script>\S+\.py)(?P<args>(?: \S+)*)$"
+)
+
+
+def _torchrun_env(rank: int, world_size: int, port: int, run_id: str, cwd: Path) -> dict[str, str]:
+    """What torchrun --standalone adds to its own environment for one of its ranks.
+
+    As torch.distributed.elastic's LocalElasticAgent sets it (one node,
+    no restarts); torchrun sets OMP_NUM_THREADS=1 for several ranks.
+    """
+    return {
+        "OMP_NUM_THREADS": "1",
+        "TORCHELASTIC_SIGNALS_TO_HANDLE": "SIGTERM,SIGINT,SIGHUP,SIGQUIT",
+        "RANK": str(rank),
+        "GROUP_RANK": "0",
+        "ROLE_RANK": str(rank),
+        "ROLE_NAME": "default",
+        "LOCAL_WORLD_SIZE": str(world_size),
+        "WORLD_SIZE": str(world_size),
+        "GROUP_WORLD_SIZE": "1",
+        "ROLE_WORLD_SIZE": str(world_size),
+        "MASTER_ADDR": "localhost",
+        "MASTER_PORT": str(port),
+        "TORCHELASTIC_RESTART_COUNT": "0",
+        "TORCHELASTIC_MAX_RESTARTS": "0",
+        "TORCHELASTIC_RUN_ID": run_id,
+        "TORCHELASTIC_USE_AGENT_STORE": "True",
+        "TORCH_NCCL_ASYNC_ERROR_HANDLING": "1",
+        "LOCAL_RANK": str(rank),
+        "TORCHELASTIC_ERROR_FILE": str(cwd / ".torchelastic" / run_id / str(rank) / "error.json"),
+    }
+
+
+def _forked_specs(command: str, cwd: Path, port: int) -> list[dict]:
+    """The starter's request for a ``torchrun --standalone`` command: one process per rank."""
+    match = _FORKED.match(command)
+    assert match is not None, f"not a torchrun command the starter runs: {command}"
+    env = _env()
+    env |= dict(v.split("=", 1) for v in match["vars"].split())
+    # What `bash -c` exports to the program it runs.
+    env |= {"PWD": str(cwd), "_": str(shutil.which("torchrun", path=env["PATH"]))}
+    nproc, run_id = int(match["nproc"]), str(uuid.uuid4())
+    return [
+        {
+            "script": match["script"],
+            "args": match["args"].split(),
+            "env": env | _torchrun_env(rank, nproc, port, run_id, cwd),
+            "log": str(cwd / f".rank-{rank}.log"),
+            "cwd": str(cwd),
+        }
+        for rank in range(nproc)
+    ]
+
+
+@pytest.fixture(scope="module")
+def doc_starter() -> Iterator[list[Starter]]:
+    """This module's starter for the forked commands, made when the first needs it
+    (:func:`_run_forked`), and again after one that failed."""
+    holder: list[Starter] = []
+    yield holder
+    for starter in holder:
+        starter.close()
+
+
+def _run_forked(
+    command: str, cwd: Path, timeout: float, holder: list[Starter], preload: tuple[str, ...]
+) -> subprocess.CompletedProcess[str]:
+    """``command``'s ranks forked from the starter in ``holder``: the exit code is the
+    first failing rank's (else 0), stdout every rank's log (stdout and stderr), in rank
+    order. ``timeout`` bounds the whole command, the starter's imports included, as the
+    ranks' own imports counted in it under torchrun."""
+    if not holder:
+        holder.append(Starter(ROOT / "tests" / "launch_scripts" / "preloaded.py", _env()))
+    starter, deadline = holder[0], time.monotonic() + timeout
+    # torchrun's agent hosts the ranks' store (TORCHELASTIC_USE_AGENT_STORE): here, this test.
+    store = dist.TCPStore("localhost", 0, is_master=True, wait_for_workers=False)
+    specs = _forked_specs(command, cwd, store.port)
+    for spec in specs:
+        spec["preload"] = list(preload)
+    codes: dict[int, int | None] = {}
+    try:
+        codes = dict.fromkeys(starter.start(specs, deadline - time.monotonic()))
+        codes.update((pid, code) for pid, code, _ in starter.exits(deadline - time.monotonic()))
+        assert None not in codes.values(), f"{command} ran past {timeout} s"
+    except BaseException:
+        # Its own session: what a rank that ran past the timeout started dies with it; and
+        # a starter that did not answer in time is out of step: the next command gets a new one.
+        for pid in [pid for pid, code in codes.items() if code is None]:
+            os.killpg(pid, signal.SIGKILL)
+        holder.remove(starter)
+        starter.close()
+        raise
+    finally:
+        del store
+    out = "".join(Path(spec["log"]).read_text() for spec in specs)
+    code = next((c for c in codes.values() if c != 0), 0)
+    return subprocess.CompletedProcess(command, code, out, "")
 
 
 RUN: dict[str, _Run] = {
@@ -844,15 +968,19 @@ RUN: dict[str, _Run] = {
     ),
     "python train_lightning.py": _Run(_check_lightning, slow=True),
     "ACCELERATE_USE_CPU=1 torchrun --standalone --nproc_per_node 2 train_accelerate.py": _Run(
-        _check_accelerate, slow=True
+        _check_accelerate, slow=True, forked=("accelerate",)
     ),
-    "torchrun --standalone --nproc_per_node 2 train_trainer.py": _Run(_check_trainer, slow=True),
+    "torchrun --standalone --nproc_per_node 2 train_trainer.py": _Run(
+        _check_trainer, slow=True, forked=("transformers", "transformers.trainer")
+    ),
     "torchrun --standalone --nproc_per_node 2 train_tensorboard.py": _Run(
-        _check_tensorboard, slow=True
+        _check_tensorboard, slow=True, forked=("torch.utils.tensorboard",)
     ),
-    "torchrun --standalone --nproc_per_node 2 train_fsdp.py": _Run(_check_fsdp, slow=True),
+    "torchrun --standalone --nproc_per_node 2 train_fsdp.py": _Run(
+        _check_fsdp, slow=True, forked=("torch.distributed.fsdp",)
+    ),
     "torchrun --standalone --nproc_per_node 4 train_hsdp.py": _Run(
-        _check_hsdp, slow=True, timeout=240
+        _check_hsdp, slow=True, timeout=240, forked=("torch.distributed.fsdp",)
     ),
     "ruff check .": _Run(_check_ok, in_checkout=True),
     "ruff format --check .": _Run(_check_ok, in_checkout=True),
@@ -1052,13 +1180,47 @@ def test_quick_start_test_command_is_what_ci_runs() -> None:
     "command",
     [pytest.param(c, marks=[pytest.mark.slow] if r.slow else []) for c, r in RUN.items()],
 )
-def test_doc_command_runs(command: str, tmp_path: Path) -> None:
+def test_doc_command_runs(command: str, tmp_path: Path, request: pytest.FixtureRequest) -> None:
     spec = RUN[command]
     _write_saved_scripts(command, tmp_path)
     if spec.setup is not None:
         spec.setup(tmp_path)
     cwd = ROOT if spec.in_checkout else tmp_path
-    spec.check(_run(command, cwd, spec.timeout), tmp_path)
+    if spec.forked is None:
+        proc = _run(command, cwd, spec.timeout)
+    else:
+        starter = request.getfixturevalue("doc_starter")
+        proc = _run_forked(command, cwd, spec.timeout, starter, spec.forked)
+    spec.check(proc, tmp_path)
+
+
+_ENV_DUMP = (
+    "import json, os, sys\nprint('ENV', json.dumps([sys.argv, os.getcwd(), dict(os.environ)]))\n"
+)
+
+
+def test_forked_ranks_get_torchruns_environment(tmp_path: Path, doc_starter: list[Starter]) -> None:
+    """The forked commands' ranks see what a real torchrun shows its ranks."""
+    (tmp_path / "dump.py").write_text(_ENV_DUMP)
+    command = "X=1 torchrun --standalone --nproc_per_node 2 dump.py --a 1"
+    real = _run(command, tmp_path, 120.0)
+    forked = _run_forked(command, tmp_path, 120.0, doc_starter, ())
+    seen = {}
+    for name, proc in (("real", real), ("forked", forked)):
+        assert proc.returncode == 0, proc.stdout + proc.stderr
+        dumps = [json.loads(line[4:]) for line in proc.stdout.splitlines() if line[:4] == "ENV "]
+        seen[name] = sorted(dumps, key=lambda d: int(d[2]["RANK"]))
+    assert len(seen["real"]) == len(seen["forked"]) == 2
+    # Different in every run: the store's port, the run's id and its error files.
+    varying = {"MASTER_PORT", "TORCHELASTIC_RUN_ID", "TORCHELASTIC_ERROR_FILE"}
+    for real_rank, forked_rank in zip(seen["real"], seen["forked"], strict=True):
+        assert real_rank[:2] == forked_rank[:2] == [["dump.py", "--a", "1"], str(tmp_path)]
+        real_env, forked_env = real_rank[2], forked_rank[2]
+        assert real_env.keys() == forked_env.keys()
+        assert {k: v for k, v in real_env.items() if k not in varying} == {
+            k: v for k, v in forked_env.items() if k not in varying
+        }
+        assert forked_env["X"] == "1"
 
 
 def test_python_blocks_compile() -> None:

@@ -17,12 +17,17 @@ starter, which only reaps it:
 
 Protocol: the starter prints ``READY`` once it has imported what the scripts
 need; then, one JSON request per line on stdin: a list of processes, each
-``{"script": PATH, "args": [...], "env": {...}, "log": PATH}``. The starter
+``{"script": PATH, "args": [...], "env": {...}, "log": PATH}``, optionally
+with ``"cwd": PATH`` (the process's working folder; else the starter's) and
+``"preload": [MODULE, ...]`` (imported by the starter before it forks, for
+every later process too: tests/test_readme.py's scripts import Lightning,
+Accelerate, Transformers, TensorBoard). The starter
 prints ``STARTED <pid> ...`` (in request order), then ``EXITED <pid> <code>
 <time.time()>`` as each ends (code negative: killed by that signal), then
 ``DONE``; then it reads the next request. It ends when stdin closes.
 """
 
+import importlib
 import json
 import os
 import runpy
@@ -44,7 +49,10 @@ while request is None:
     if not line:
         sys.exit(0)
     started = {}
-    for spec in json.loads(line):
+    specs = json.loads(line)
+    for module in {name for spec in specs for name in spec.get("preload", [])}:
+        importlib.import_module(module)
+    for spec in specs:
         pid = os.fork()
         if pid == 0:
             request = spec
@@ -73,8 +81,10 @@ os.close(log)
 sys.stdin = open(0, closefd=False)  # noqa: SIM115 (the process's own stdin)
 os.environ.clear()
 os.environ.update(request["env"])
+if "cwd" in request:
+    os.chdir(request["cwd"])
 script = request["script"]
 sys.argv = [script, *request["args"]]
 sys.path[0] = os.path.dirname(os.path.abspath(script))
-del request, started, line, spec, pid
+del request, started, line, specs, spec, pid
 runpy.run_path(script, run_name="__main__")
