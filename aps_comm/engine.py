@@ -803,6 +803,9 @@ class SteadyUnit:
             every row before the spread (what the records show, as the general path's).
         workspace: the state's workspace epoch of the unit's slot, which the exchange's,
             the sum's and the factors' scratch are views of (another one binds it again).
+        pad: a 4-bit unit of an odd row: float32 scratch of the N rows each followed by a
+            zero, and the zeros (N x 1): the rows are copied in, so that every row's codes
+            are whole bytes, as the general path's per-row encode leaves them.
     """
 
     chunks: tuple[int, ...]
@@ -824,6 +827,7 @@ class SteadyUnit:
     numels: list[int] = dataclasses.field(default_factory=list)
     premax: torch.Tensor | None = None
     workspace: tuple[int, ...] = ()
+    pad: tuple[torch.Tensor, torch.Tensor] | None = None
 
 
 @dataclasses.dataclass
@@ -2683,17 +2687,24 @@ class Reducer:
             self._settle_mixed_unit(index, runs, rows, chunks, step)
             return
         run, device = runs.runs[0], rows.device
-        c, layout = run.codec, run.rows_layout
-        if run.fmt == FP32 or not run.packed_rows:
+        if run.fmt == FP32:
             return
-        segments, p = layout.n_segments, len(chunks)
-        f32 = {"dtype": torch.float32, "device": device}
-        kernels = c.backend == "kernels" and device.type == "cpu"
         # Everything rewritten every step comes from the state's workspace, the slot
         # alternating with the unit's index (a unit may be on the wire beside the next).
         ws, slot = self.workspace(device), Slot.of(index)
         arena = ws.arena(slot)
+        given, pad = runs, None
+        if not run.packed_rows:  # 4 bits, an odd row: each row padded by a zero
+            runs = _padded_rows(runs, n)
+            run = runs.runs[0]
+            staged = arena.take(n * runs.row_numel, torch.float32).view(n, runs.row_numel)
+            pad = (staged, torch.zeros(n, 1, dtype=torch.float32, device=device))
+        c, layout = run.codec, run.rows_layout
+        segments, p = layout.n_segments, len(chunks)
+        f32 = {"dtype": torch.float32, "device": device}
+        kernels = c.backend == "kernels" and device.type == "cpu"
         runs = _unit_scratch(runs, arena, n)
+        x = rows.reshape(-1) if pad is None else pad[0].view(-1)
         unscale = arena.take(segments, torch.float32)
         # No scaling: a scale of 1 written once, so kept out of the shared region.
         none = settings.scaling == Scaling.NONE
@@ -2705,9 +2716,7 @@ class Reducer:
             shared = torch.zeros(segments + 1, dtype=torch.uint8, device=device)
             local = arena.take(segments, torch.float32)
             flags = torch.empty(len(blocks.counts), dtype=torch.uint8, device=device)
-            keys = c.bind_block_keys(
-                rows.reshape(-1), layout, blocks.counts, local, shared[:-1], flags, n
-            )
+            keys = c.bind_block_keys(x, layout, blocks.counts, local, shared[:-1], flags, n)
             if keys is None:  # no fused keys for this backend or format
                 return
             made = c.bind_feedback_factors(shared[:-1], n, scale, unscale, blocks.device_counts)
@@ -2761,9 +2770,10 @@ class Reducer:
             list(params[1]),
             premax,
             ws.epoch(slot),
+            pad,
         )
         if not arena.close():  # the slot grew: cut every view again from its new region
-            self._settle_unit(index, runs, rows, chunks, step, params)
+            self._settle_unit(index, given, rows, chunks, step, params)
             return
         # The general path's own scratch of this layout is no longer needed.
         self.plan(index, list(chunks) * n, device).row_runs = {}
@@ -2889,6 +2899,9 @@ class Reducer:
         """:meth:`unit` along its :class:`SteadyUnit`: the same collectives, bytes, bits and
         records."""
         comm, run = self.comm, st.runs.runs[0]
+        if st.pad is not None:  # every row followed by a zero: its codes whole bytes
+            torch.cat([rows, st.pad[1]], 1, out=st.pad[0])
+            rows = st.pad[0]
         n, c, layout, x = comm.world_size, run.codec, run.rows_layout, rows.reshape(-1)
         shared, k = st.shared, st.shared.numel() - 1
         if st.flags is not None:  # block scaling: this rank's key of every block
@@ -2935,9 +2948,10 @@ class Reducer:
                 per_row[comm.rank].expand_as(per_row),
                 out=st.decode.view_as(per_row),
             )
-        return transports.reduce_scatter(
+        out = transports.reduce_scatter(
             st.runs, rows, [st.scale], [st.decode], comm.group, self.traffic
         )
+        return out if st.pad is None else out[: out.numel() - 1]
 
     # -- the step ---------------------------------------------------------------------
 
@@ -3153,6 +3167,26 @@ def _mixed_layout(
         first, last = run.index[0], run.index[-1] + 1
         lay.sums.append((lay.starts[k], run.lo, run.hi, first, last, int(run.fmt == FP32)))
     return lay
+
+
+def _padded_rows(runs: RowRuns, n: int) -> RowRuns:
+    """A 4-bit unit's one run of an odd row, each of its N rows followed by a zero: the
+    run's segments (chunks, or blocks) are the same, each row's last one element longer,
+    so one encode of the N padded rows writes the general path's per-row bytes."""
+    run = runs.runs[0]
+    offsets = run.rows_layout.offsets.to(torch.int64)
+    per_row = (offsets.numel() - 1) // n
+    # Each segment's start moves by its row's index (the end by N): the pad joins the
+    # row's last segment.
+    offsets = offsets + torch.arange(offsets.numel()) // per_row
+    layout = Layout.from_numels(offsets.diff().tolist(), run.rows_layout.device)
+    blocks = run.rows_blocks
+    if blocks is not None:
+        blocks = dataclasses.replace(blocks, layout=layout)
+    padded = dataclasses.replace(
+        run, hi=run.hi + 1, rows_layout=layout, packed_rows=True, rows_blocks=blocks
+    )
+    return dataclasses.replace(runs, runs=[padded], row_numel=runs.row_numel + 1)
 
 
 def _unit_scratch(runs: RowRuns, arena: Arena, n: int) -> RowRuns:
