@@ -86,6 +86,7 @@ __all__ = [
     "owner_lost",
     "owner_rank_blocks",
     "prepare",
+    "record_limits",
     "reduce_blocks",
     "reduce_rank_blocks",
     "reduce_shards",
@@ -2589,6 +2590,19 @@ def decode_agreed_blocks(
     )
 
 
+def record_limits(formats: list[FloatFormat]) -> tuple[np.ndarray, np.ndarray]:
+    """Per format, the records' underflow bound (half its smallest subnormal) and its
+    largest finite value, as float32 arrays (:func:`unit_records`).
+
+    Example:
+        >>> from aps_comm.formats import E4M3
+        >>> record_limits([E4M3])[1].tolist()
+        [448.0]
+    """
+    tiny = np.array([f.min_subnormal / 2 for f in formats], np.float32)
+    return tiny, np.array([f.max for f in formats], np.float32)
+
+
 def unit_records(
     x: torch.Tensor,
     offsets: np.ndarray,
@@ -2596,10 +2610,13 @@ def unit_records(
     keys: torch.Tensor | np.ndarray,
     maxima: torch.Tensor,
     n_rows: int,
-    fmt: FloatFormat,
+    fmt: FloatFormat | tuple[np.ndarray, np.ndarray],
     out: torch.Tensor,
 ) -> None:
     """:func:`block_records` of an FSDP unit's N rows, folded per parameter over the rows.
+
+    ``fmt`` is the wire format, or each parameter's underflow and saturation
+    bounds (a unit of several formats: :func:`record_limits`).
 
     ``x`` holds N rows, row r every parameter's r-th chunk in order, each
     chunk cut into ``counts[p]`` segments (one with layer scaling, its blocks
@@ -2618,7 +2635,7 @@ def unit_records(
         >>> out.tolist()
         [[0.0, 500.0, 3.0, 1.0, 1.0]]
     """
-    tiny, fmax = np.float32(fmt.min_subnormal / 2), np.float32(fmt.max)
+    tiny, fmax = record_limits([fmt] * len(counts)) if isinstance(fmt, FloatFormat) else fmt
     ka = keys if isinstance(keys, np.ndarray) else _np(keys)
     _unit_records(_np(x), offsets, counts, ka, _np(maxima), n_rows, tiny, fmax, _np(out))
 
@@ -2642,7 +2659,7 @@ if AVAILABLE:
                     e = _key_exponent(keys[b])
                     smallest = e if j == 0 else min(smallest, e)
                     largest = max(largest, maxima[b])
-                    n, u, s = _scaled_counts(x, offsets[b], offsets[b + 1], e, tiny, fmax)
+                    n, u, s = _scaled_counts(x, offsets[b], offsets[b + 1], e, tiny[p], fmax[p])
                     nonzero += n
                     under += u
                     saturated += s

@@ -44,6 +44,7 @@ from aps_comm import codec, transports
 from aps_comm.agreement import Layouts
 from aps_comm.codec import AgreedMaxima, RankBlockCalls
 from aps_comm.config import DEFAULT_BLOCK_SIZE, BlockExponents, Reduction, Route, Scaling
+from aps_comm.cpu_kernels import record_limits
 from aps_comm.feedback import ErrorFeedback
 from aps_comm.formats import FP32, FloatFormat, payload_nbytes, pow2
 from aps_comm.hostcopy import to_device
@@ -869,6 +870,10 @@ class SteadyMixedUnit:
         sums: int64 (R, 6), each run's place in ``values``, row and parameters (:meth:`aps_comm.codec.Codec.sum_runs`).
         offsets: int64, the chunks' bounds in a row (P + 1).
         row_numel: elements per row.
+        record: with ``stats=True``, the step's records from the N rows: float64 (P, 5),
+            one row per parameter (one kernel call), the general path's values.
+        parts: with ``stats=True``, per run its parameters' names and sizes, its format
+            and its rows of the records (they are queued run by run, as the general path's).
     """
 
     chunks: tuple[int, ...]
@@ -892,6 +897,10 @@ class SteadyMixedUnit:
     sums: np.ndarray
     offsets: np.ndarray
     row_numel: int
+    record: Callable[[torch.Tensor], torch.Tensor] | None = None
+    parts: list[tuple[list[str], list[int], FloatFormat, int, int]] = dataclasses.field(
+        default_factory=list
+    )
 
 
 class Reducer:
@@ -2509,7 +2518,7 @@ class Reducer:
         n, p = comm.world_size, len(chunks)
         st = self._steady_unit(index, rows, chunks, step)
         if isinstance(st, SteadyMixedUnit):
-            return self._run_mixed_unit(st, rows, problem)
+            return self._run_mixed_unit(index, st, rows, problem)
         if st is not None:
             return self._run_unit(index, st, rows, problem)
         plan = self.plan(index, list(chunks) * n, rows.device)
@@ -2684,7 +2693,7 @@ class Reducer:
         if rows.dtype != torch.float32 or not rows.is_contiguous() or not all(chunks):
             return
         if len(runs.runs) != 1:
-            self._settle_mixed_unit(index, runs, rows, chunks, step)
+            self._settle_mixed_unit(index, runs, rows, chunks, step, params)
             return
         run, device = runs.runs[0], rows.device
         if run.fmt == FP32:
@@ -2779,16 +2788,22 @@ class Reducer:
         self.plan(index, list(chunks) * n, device).row_runs = {}
 
     def _settle_mixed_unit(
-        self, index: int, runs: RowRuns, rows: torch.Tensor, chunks: Sequence[int], step: int
+        self,
+        index: int,
+        runs: RowRuns,
+        rows: torch.Tensor,
+        chunks: Sequence[int],
+        step: int,
+        params: tuple[Sequence[str], Sequence[int]],
     ) -> None:
         """Bind the unit's :class:`SteadyMixedUnit` (several formats; layer, bucket or no
-        scaling, no records, every run's rows whole bytes, the CPU kernels)."""
+        scaling, every run's rows whole bytes, the CPU kernels; with ``stats=True`` its
+        records bound too)."""
         settings, n, device = self.settings, self.comm.world_size, rows.device
         scaled = list(dict.fromkeys(r.fmt for r in runs.runs if r.fmt != FP32))
         codecs = [codec.codec_for(f, device) for f in scaled]
         if (
-            settings.stats
-            or settings.scaling == Scaling.BLOCK
+            settings.scaling == Scaling.BLOCK
             or not scaled
             or not all(r.packed_rows for r in runs.runs)
             or any(c.backend != "kernels" for c in codecs)
@@ -2819,16 +2834,22 @@ class Reducer:
             landing[codes_end:].view(torch.float32),
         )
         f32 = {"dtype": torch.float32, "device": device}
-        agreed = torch.empty(len(lay.perm), **f32)
-        calls, spreads = [], []
+        # With records, every row's agreed maxima follow (the N x P rows' order): the
+        # records read them before any spread, from the one index_select.
+        perm = lay.perm + list(range(p)) * n if settings.stats else lay.perm
+        agreed = torch.empty(len(perm), **f32)
+        calls, spreads, keys = [], [], []
         for c, (e0, e1), (s0, s1), (c0, c1), numels in zip(
             codecs, lay.elements, lay.segments, lay.codes, lay.numels, strict=True
         ):
             layout = Layout.from_numels(numels, device)
             scale, unscale = torch.empty(s1 - s0, **f32), torch.empty(s1 - s0, **f32)
+            mine = np.zeros(s1 - s0, np.int32) if settings.stats else None
+            if mine is not None:  # the records' keys: this format's, at their rows' places
+                keys.append((mine, np.array(lay.rows[s0:s1]) * p + lay.perm[s0:s1]))
             calls.append(
                 (
-                    _unit_factors(c, agreed[s0:s1], n, scale, unscale, None, settings.scaling),
+                    _unit_factors(c, agreed[s0:s1], n, scale, unscale, mine, settings.scaling),
                     c.bind_encode(staged[e0:e1], coded[c0:c1], scale, layout),
                     c.bind_decode(landing[c0:c1], values[e0:e1], unscale, layout),
                 )
@@ -2845,7 +2866,7 @@ class Reducer:
             torch.zeros(p + 1, **f32),
             torch.empty(n * p, **f32),
             torch.empty(p, **f32),
-            to_device(torch.tensor(lay.perm, dtype=torch.long), device),
+            to_device(torch.tensor(perm, dtype=torch.long), device),
             agreed,
             torch.tensor(math.inf, **f32),
             spreads,
@@ -2858,11 +2879,47 @@ class Reducer:
             np.concatenate([[0], np.cumsum(chunks)]).astype(np.int64),
             row,
         )
+        if settings.stats:
+            self._bind_mixed_records(
+                self.steady_units[index], runs, agreed[len(lay.perm) :], keys, params
+            )
         # The general path's own scratch of this layout is no longer needed.
         self.plan(index, list(chunks) * n, device).row_runs = {}
 
+    def _bind_mixed_records(
+        self,
+        st: SteadyMixedUnit,
+        runs: RowRuns,
+        maxima: torch.Tensor,
+        keys: list[tuple[np.ndarray, np.ndarray]],
+        params: tuple[Sequence[str], Sequence[int]],
+    ) -> None:
+        """Bind a :class:`SteadyMixedUnit`'s records: one kernel call over the N rows, each
+        parameter under its own format's bounds and exponent (0 for FP32)."""
+        names, numels = params
+        formats = [run.fmt for run in runs.runs for _ in run.index]
+        st.record = functools.partial(
+            _mixed_records,
+            st.codec,
+            st.layout,
+            (np.zeros(len(maxima), np.int32), keys),
+            maxima,
+            self.comm.world_size,
+            record_limits(formats),
+        )
+        st.parts = [
+            (
+                [names[i] for i in run.index],
+                [numels[i] for i in run.index],
+                run.fmt,
+                run.index[0],
+                run.index[-1] + 1,
+            )
+            for run in runs.runs
+        ]
+
     def _run_mixed_unit(
-        self, st: SteadyMixedUnit, rows: torch.Tensor, problem: torch.Tensor
+        self, index: int, st: SteadyMixedUnit, rows: torch.Tensor, problem: torch.Tensor
     ) -> torch.Tensor:
         """:meth:`unit` along its :class:`SteadyMixedUnit`: the general path's collectives,
         bytes and bits."""
@@ -2885,6 +2942,10 @@ class Reducer:
         for made, encode, _ in st.calls:
             made()
             encode()
+        if st.record is not None:
+            records = st.record(x)
+            for names, numels, fmt, a, b in st.parts:
+                self.stats.add_rows(index, names, numels, fmt, records[a:b])
         c.copy_spans(coded, arena, scatter)
         transports.rows_exchange(st.send, recv, comm.group, self.traffic)
         c.copy_spans(recv, landing, receive)
@@ -3118,6 +3179,7 @@ class _MixedLayout:
         scaled_numel: elements of the scaled runs.
         coded: bytes of their codes.
         perm: for each scaled format's segments in turn (run by run, row by row), its parameter.
+        rows: the same segments' rows.
         elements: per scaled format, its values' bounds.
         segments: per scaled format, its segments' bounds in ``perm``.
         codes: per scaled format, its codes' bounds.
@@ -3130,6 +3192,7 @@ class _MixedLayout:
     scaled_numel: int
     coded: int
     perm: list[int]
+    rows: list[int]
     elements: list[tuple[int, int]]
     segments: list[tuple[int, int]]
     codes: list[tuple[int, int]]
@@ -3141,7 +3204,7 @@ def _mixed_layout(
     runs: RowRuns, chunks: Sequence[int], scaled: list[FloatFormat], n: int
 ) -> _MixedLayout:
     """A unit's :class:`_MixedLayout`: computed once, when it settles."""
-    lay = _MixedLayout({}, {}, 0, 0, [], [], [], [], [], [])
+    lay = _MixedLayout({}, {}, 0, 0, [], [], [], [], [], [], [])
     at = byte = 0
     for fmt in scaled:
         e0, s0, c0, numels = at, len(lay.perm), byte, []
@@ -3151,9 +3214,10 @@ def _mixed_layout(
             lay.starts[k], lay.code_starts[k] = at, byte
             at += n * (run.hi - run.lo)
             byte += n * (run.b1 - run.b0)
-            for _ in range(n):
+            for r in range(n):
                 numels += [chunks[i] for i in run.index]
                 lay.perm += list(run.index)
+                lay.rows += [r] * len(run.index)
         lay.elements.append((e0, at))
         lay.segments.append((s0, len(lay.perm)))
         lay.codes.append((c0, byte))
@@ -3187,6 +3251,26 @@ def _padded_rows(runs: RowRuns, n: int) -> RowRuns:
         run, hi=run.hi + 1, rows_layout=layout, packed_rows=True, rows_blocks=blocks
     )
     return dataclasses.replace(runs, runs=[padded], row_numel=runs.row_numel + 1)
+
+
+def _mixed_records(
+    c: codec.Codec,
+    layout: Layout,
+    keys: tuple[np.ndarray, list[tuple[np.ndarray, np.ndarray]]],
+    maxima: torch.Tensor,
+    n: int,
+    limits: tuple[np.ndarray, np.ndarray],
+    x: torch.Tensor,
+) -> torch.Tensor:
+    """A settled unit of several formats' records from its N rows ``x``: each scaled
+    format's exponent keys (written by its factors) moved to their rows' places (FP32's
+    stay 0: exponent 0), then one kernel call, the N rows folded per parameter."""
+    every, per_format = keys
+    for mine, at in per_format:
+        every[at] = mine
+    out = torch.empty(len(limits[0]), 5, dtype=torch.float64, device=x.device)
+    c.unit_records(x, layout, np.ones(len(limits[0]), np.int64), every, maxima, n, out, limits)
+    return out
 
 
 def _unit_scratch(runs: RowRuns, arena: Arena, n: int) -> RowRuns:

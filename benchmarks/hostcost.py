@@ -173,6 +173,7 @@ FSDP_ROUTES: dict[str, dict[str, Any]] = {
     "fsdp/e4m3+stats": {"fmt": "e4m3", "stats": True},
     "fsdp/e2m1-block+stats": {"fmt": "e2m1", "scaling": "block", "stats": True},
     "fsdp/e4m3+fp32": {"fmt": "e4m3", "policy": [ByName(every_other_fp32)]},
+    "fsdp/e4m3+fp32+stats": {"fmt": "e4m3", "stats": True, "policy": [ByName(every_other_fp32)]},
     "fsdp/e4m3+none": {"fmt": "e4m3", "scaling": "none"},
     "fsdp/e2m1-block+odd": {"fmt": "e2m1", "scaling": "block", "odd_row": True},
     "hsdp/fp32": {"fmt": "fp32"},

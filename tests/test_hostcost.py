@@ -887,6 +887,7 @@ def test_promote_binds_a_mixed_format_bucket_again_with_the_general_paths_bits(
         "fsdp/e4m3+fp32",
         "fsdp/e4m3+none",
         "fsdp/e2m1-block+odd",
+        "fsdp/e4m3+fp32+stats",
     ],
 )
 def test_a_flat_fsdp_unit_settles_within_the_budget(world: None, route: str) -> None:
@@ -896,7 +897,9 @@ def test_a_flat_fsdp_unit_settles_within_the_budget(world: None, route: str) -> 
     call (the general path every step before: 326 ops of 200 parameters for e4m3, 86 for
     e2m1 blocks). A unit of several formats (every other parameter in FP32: as many runs
     as parameters) too (240 ops of 200 parameters before, 44 of 4), and ``scaling="none"``.
-    A 4-bit row of an odd number of elements settles too (50 ops before, for e2m1 blocks)."""
+    A 4-bit row of an odd number of elements settles too (50 ops before, for e2m1 blocks),
+    and several formats with ``stats=True`` (8,392 ops of 200 parameters before: the
+    records run by run)."""
     counts = {}
     for layers in (2, 200):
         numels = [300 + 2 * i for i in range(layers)]
@@ -1084,6 +1087,44 @@ def test_a_settled_fsdp_unit_of_several_formats_gives_the_general_paths_shards()
     parameter) included."""
     for problems in run_distributed(_settled_fsdp_mixed, 2, timeout=120):
         assert problems == []
+
+
+# Records kept in units of several formats: layer, bucket and no scaling.
+_SETTLED_MIXED_STATS_UNITS = [
+    *({**options, "stats": True} for options in _SETTLED_MIXED_UNITS),
+    {"fmt": "e4m3", "scaling": "none", "stats": True, "policy": [ByName({"*.ps.1": "fp32"})]},
+]
+
+
+def _settled_fsdp_mixed_stats(rank: int, world_size: int) -> list[str]:
+    return [
+        f"{options}: {problem}"
+        for options in _SETTLED_MIXED_STATS_UNITS
+        for problem in _settled_fsdp_steps(rank, world_size, options)
+    ]
+
+
+def test_a_settled_fsdp_unit_of_several_formats_with_stats_gives_the_general_paths_records() -> (
+    None
+):
+    """Issue 46: units of several formats with ``stats=True`` settle (one kernel call
+    records every parameter under its own format); over steps of real FSDP2 on two ranks
+    their shards, bytes and records are the general path's, a NaN included."""
+    for problems in run_distributed(_settled_fsdp_mixed_stats, 2, timeout=120):
+        assert problems == []
+
+
+@pytest.mark.parametrize("options", _SETTLED_MIXED_STATS_UNITS, ids=str)
+def test_a_settled_fsdp_unit_of_several_formats_with_stats_on_one_rank(
+    world: None, options: dict
+) -> None:
+    """Issue 46: the same on one rank, a NaN included (the test's names are ``ps.i``)."""
+    rules = {"*.ps.1": "ps.1", "*.ps.0": "ps.0", "*.ps.2": "ps.2", "units.0.ps.3": "ps.3"}
+    policy = [
+        ByName({rules[k]: v for k, v in rule.rules.items()}) if isinstance(rule, ByName) else rule
+        for rule in options.get("policy", [])
+    ]
+    assert _settled_unit_of_one({**options, "policy": policy}, [301, 6, 40, 12]) == []
 
 
 # No scaling: alone, with records, and beside FP32 parameters.
