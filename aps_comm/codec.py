@@ -2056,7 +2056,7 @@ class Codec:
 
         Example:
             >>> c = Codec("e4m3", torch.device("cpu"), backend="kernels")
-            >>> c.sum_runs(torch.tensor([1.0, 2.0]), torch.empty(1), np.array([[0, 0, 1, 0, 1, 1]]),
+            >>> c.sum_runs(torch.tensor([1.0, 2.0]), torch.empty(1), np.array([[0, 0, 1, 0, 1, 1, 1]]),
             ...            2, np.array([0, 1]), torch.tensor([2.0]))
             tensor([3.])
         """

@@ -2700,10 +2700,13 @@ def sum_runs(
     of :func:`sum_rows`), and the runs sent exactly made NaN where their maxima are not finite.
 
     Args:
-        values: float32, each run's N rows of ``hi - lo`` elements end to end from ``start``.
+        values: float32, each run's N rows of ``hi - lo`` elements from ``start``, one
+            row every ``stride`` elements.
         out: float32, one row (the unit's reduce-scatter result).
-        runs: int64 (R, 6): start in ``values``, the run's ``lo`` and ``hi`` in the row,
-            its first and last parameter (exclusive), and 1 where it travels in FP32.
+        runs: int64 (R, 7): start in ``values``, the run's ``lo`` and ``hi`` in the row,
+            its first and last parameter (exclusive), 1 where it travels in FP32, and its
+            rows' ``stride`` in ``values`` (``hi - lo``, or one more where a 4-bit row
+            of an odd length was padded to whole bytes).
         n_rows: N.
         offsets: int64, the parameters' chunk bounds in the row (P + 1).
         maxima: float32, every parameter's agreed maximum (inf: non-finite on some rank).
@@ -2711,7 +2714,7 @@ def sum_runs(
     Example:
         >>> out = torch.empty(3)
         >>> sum_runs(torch.tensor([1.0, 2.0, 3.0, 4.0, 5.0, 6.0]), out,
-        ...          np.array([[0, 0, 2, 0, 1, 0], [4, 2, 3, 1, 2, 1]]), 2,
+        ...          np.array([[0, 0, 2, 0, 1, 0, 2], [4, 2, 3, 1, 2, 1, 1]]), 2,
         ...          np.array([0, 2, 3]), torch.tensor([1.0, float("inf")]))
         >>> out.tolist()
         [4.0, 6.0, nan]
@@ -2731,9 +2734,9 @@ if AVAILABLE:
     @_njit
     def _sum_runs(values, out, runs, n_rows, offsets, maxima):
         for k in range(runs.shape[0]):
-            start, lo, hi = runs[k, 0], runs[k, 1], runs[k, 2]
-            width = hi - lo
-            _sum_rows(values[start : start + n_rows * width].reshape((n_rows, width)), out[lo:hi])
+            start, lo, hi, stride = runs[k, 0], runs[k, 1], runs[k, 2], runs[k, 6]
+            rows = values[start : start + n_rows * stride].reshape((n_rows, stride))
+            _sum_rows(rows[:, : hi - lo], out[lo:hi])
             if runs[k, 5]:
                 for p in range(runs[k, 3], runs[k, 4]):
                     if not np.isfinite(maxima[p]):

@@ -867,7 +867,7 @@ class SteadyMixedUnit:
             codes, the received rows, the landing arena (codes, then every run's values).
         send: the send buffer (N encoded rows).
         values: float32, every run's N decoded rows end to end.
-        sums: int64 (R, 6), each run's place in ``values``, row and parameters (:meth:`aps_comm.codec.Codec.sum_runs`).
+        sums: int64 (R, 7), each run's place in ``values``, row and parameters (:meth:`aps_comm.codec.Codec.sum_runs`).
         offsets: int64, the chunks' bounds in a row (P + 1).
         row_numel: elements per row.
         record: with ``stats=True``, the step's records from the N rows: float64 (P, 5),
@@ -2805,7 +2805,6 @@ class Reducer:
         if (
             settings.scaling == Scaling.BLOCK
             or not scaled
-            or not all(r.packed_rows for r in runs.runs)
             or any(c.backend != "kernels" for c in codecs)
         ):
             return
@@ -2815,20 +2814,20 @@ class Reducer:
         codes_end = -(-lay.coded // 4) * 4
         gather, scatter, receive = [], [], []
         for k, run in enumerate(runs.runs):
-            w, wb, start = run.hi - run.lo, run.b1 - run.b0, lay.starts[k]
+            w, wb, start, stride = run.hi - run.lo, run.b1 - run.b0, lay.starts[k], lay.strides[k]
             for r in range(n):
                 src, wire = 4 * (r * row + run.lo), r * row_bytes + run.b0
                 if run.fmt == FP32:  # sent exactly: its float32 bytes are its codes
                     gather.append((src, wire, 4 * w))
                     receive.append((wire, codes_end + 4 * (start + r * w), 4 * w))
-                else:
-                    gather.append((src, send_end + 4 * (start + r * w), 4 * w))
+                else:  # a padded row's zero is never written: the arena starts zeroed
+                    gather.append((src, send_end + 4 * (start + r * stride), 4 * w))
                     scatter.append((lay.code_starts[k] + r * wb, wire, wb))
                     receive.append((wire, lay.code_starts[k] + r * wb, wb))
         u8 = {"dtype": torch.uint8, "device": device}
-        arena = torch.empty(send_end + 4 * lay.scaled_numel, **u8)
+        arena = torch.zeros(send_end + 4 * lay.scaled_numel, **u8)
         coded, recv = torch.empty(lay.coded, **u8), torch.empty(n * row_bytes, **u8)
-        landing = torch.empty(codes_end + 4 * n * row, **u8)
+        landing = torch.empty(codes_end + 4 * lay.numel, **u8)
         staged, values = (
             arena[send_end:].view(torch.float32),
             landing[codes_end:].view(torch.float32),
@@ -2875,7 +2874,7 @@ class Reducer:
             (arena, coded, recv, landing),
             arena[: n * row_bytes],
             values,
-            np.array(lay.sums, np.int64).reshape(-1, 6),
+            np.array(lay.sums, np.int64).reshape(-1, 7),
             np.concatenate([[0], np.cumsum(chunks)]).astype(np.int64),
             row,
         )
@@ -3175,6 +3174,9 @@ class _MixedLayout:
     Attributes:
         starts: per run, its first element in the values (each scaled format's runs in
             turn, then the FP32 runs; a run's N rows end to end).
+        strides: per run, its rows' stride in the values: its width, one more for a
+            4-bit run of an odd width (each row then padded by a zero, so that its codes
+            are whole bytes, as the general path's per-row encode leaves them).
         code_starts: per scaled run, its first byte in the codes.
         scaled_numel: elements of the scaled runs.
         coded: bytes of their codes.
@@ -3184,10 +3186,12 @@ class _MixedLayout:
         segments: per scaled format, its segments' bounds in ``perm``.
         codes: per scaled format, its codes' bounds.
         numels: per scaled format, its segments' sizes.
-        sums: per run: start, lo, hi, first and last parameter, 1 if FP32.
+        sums: per run: start, lo, hi, first and last parameter, 1 if FP32, stride.
+        numel: elements of every run's values.
     """
 
     starts: dict[int, int]
+    strides: dict[int, int]
     code_starts: dict[int, int]
     scaled_numel: int
     coded: int
@@ -3198,13 +3202,16 @@ class _MixedLayout:
     codes: list[tuple[int, int]]
     numels: list[list[int]]
     sums: list[tuple[int, ...]]
+    numel: int = 0
 
 
 def _mixed_layout(
     runs: RowRuns, chunks: Sequence[int], scaled: list[FloatFormat], n: int
 ) -> _MixedLayout:
     """A unit's :class:`_MixedLayout`: computed once, when it settles."""
-    lay = _MixedLayout({}, {}, 0, 0, [], [], [], [], [], [], [])
+    lay = _MixedLayout({}, {}, {}, 0, 0, [], [], [], [], [], [], [])
+    for k, run in enumerate(runs.runs):
+        lay.strides[k] = run.hi - run.lo + (not run.packed_rows)
     at = byte = 0
     for fmt in scaled:
         e0, s0, c0, numels = at, len(lay.perm), byte, []
@@ -3212,10 +3219,12 @@ def _mixed_layout(
             if run.fmt != fmt:
                 continue
             lay.starts[k], lay.code_starts[k] = at, byte
-            at += n * (run.hi - run.lo)
+            at += n * lay.strides[k]
             byte += n * (run.b1 - run.b0)
+            pad = lay.strides[k] - (run.hi - run.lo)  # the pad joins the row's last chunk
             for r in range(n):
                 numels += [chunks[i] for i in run.index]
+                numels[-1] += pad
                 lay.perm += list(run.index)
                 lay.rows += [r] * len(run.index)
         lay.elements.append((e0, at))
@@ -3227,9 +3236,11 @@ def _mixed_layout(
         if run.fmt == FP32:
             lay.starts[k] = at
             at += n * (run.hi - run.lo)
+    lay.numel = at
     for k, run in enumerate(runs.runs):
         first, last = run.index[0], run.index[-1] + 1
-        lay.sums.append((lay.starts[k], run.lo, run.hi, first, last, int(run.fmt == FP32)))
+        stride = lay.strides[k]
+        lay.sums.append((lay.starts[k], run.lo, run.hi, first, last, int(run.fmt == FP32), stride))
     return lay
 
 

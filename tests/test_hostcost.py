@@ -888,6 +888,7 @@ def test_promote_binds_a_mixed_format_bucket_again_with_the_general_paths_bits(
         "fsdp/e4m3+none",
         "fsdp/e2m1-block+odd",
         "fsdp/e4m3+fp32+stats",
+        "fsdp/e2m1+fp32+odd",
     ],
 )
 def test_a_flat_fsdp_unit_settles_within_the_budget(world: None, route: str) -> None:
@@ -897,7 +898,8 @@ def test_a_flat_fsdp_unit_settles_within_the_budget(world: None, route: str) -> 
     call (the general path every step before: 326 ops of 200 parameters for e4m3, 86 for
     e2m1 blocks). A unit of several formats (every other parameter in FP32: as many runs
     as parameters) too (240 ops of 200 parameters before, 44 of 4), and ``scaling="none"``.
-    A 4-bit row of an odd number of elements settles too (50 ops before, for e2m1 blocks),
+    A 4-bit row of an odd number of elements settles too (50 ops before, for e2m1 blocks;
+    an odd 4-bit run beside FP32 ones too),
     and several formats with ``stats=True`` (8,392 ops of 200 parameters before: the
     records run by run)."""
     counts = {}
@@ -1159,10 +1161,19 @@ _SETTLED_ODD_UNITS = [
 ]
 
 
+# The same beside other formats (ps.0's run of 9 elements per row is odd at 2 ranks).
+_SETTLED_ODD_MIXED_UNITS = [
+    {"fmt": "e2m1", "policy": [ByName({"*.ps.1": "fp32"})]},
+    {"fmt": "e2m1", "scaling": "bucket", "policy": [ByName({"*.ps.1": "fp16"})]},
+    {"fmt": "e2m1", "stats": True, "policy": [ByName({"*.ps.1": "fp32", "*.ps.3": "e4m3"})]},
+    {"fmt": "e2m1", "scaling": "none", "policy": [ByName({"units.0.ps.3": "fp32"})]},
+]
+
+
 def _settled_fsdp_odd(rank: int, world_size: int) -> list[str]:
     return [
         f"{options}: {problem}"
-        for options in _SETTLED_ODD_UNITS
+        for options in _SETTLED_ODD_UNITS + _SETTLED_ODD_MIXED_UNITS
         for problem in _settled_fsdp_steps(rank, world_size, options, _ODD_SHAPES)
     ]
 
@@ -1210,6 +1221,23 @@ def _settled_unit_of_one(options: dict, numels: list[int]) -> list[str]:
 def test_a_settled_4bit_fsdp_unit_of_an_odd_row_on_one_rank(world: None, options: dict) -> None:
     """Issue 46: the same on one rank (the row is the whole unit, odd), a NaN included."""
     assert _settled_unit_of_one(options, [301, 6, 40]) == []
+
+
+@pytest.mark.filterwarnings(r"ignore:aps_comm. e2m1 \(4 bits\) with scaling='layer':UserWarning")
+@pytest.mark.parametrize(
+    "options",
+    [
+        {"fmt": "e2m1", "policy": [ByName({"ps.1": "fp32"})]},
+        {"fmt": "e2m1", "scaling": "bucket", "stats": True, "policy": [ByName({"ps.1": "fp16"})]},
+    ],
+    ids=str,
+)
+def test_a_settled_unit_with_an_odd_4bit_run_beside_other_formats_on_one_rank(
+    world: None, options: dict
+) -> None:
+    """Issue 46: a unit of several formats whose 4-bit runs are odd (301 and 41 elements)
+    settles on one rank, a NaN included."""
+    assert _settled_unit_of_one(options, [301, 6, 40, 1]) == []
 
 
 def _settled_mismatch(rank: int, world_size: int, scaling: str) -> dict:
