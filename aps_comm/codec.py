@@ -1971,6 +1971,7 @@ class Codec:
         maxima: torch.Tensor,
         n_rows: int,
         out: torch.Tensor,
+        limits: tuple[np.ndarray, np.ndarray] | None = None,
     ) -> None:
         """:meth:`block_records` of an FSDP unit's N rows, one row of float64 ``out`` (P, 5)
         per parameter over every row's chunk, in one kernel call: a settled unit's records.
@@ -1986,6 +1987,8 @@ class Codec:
             n_rows: N.
             out: float64 (P, 5): the smallest exponent, the largest maximum and the
                 summed counts of each parameter's segments.
+            limits: a unit of several formats: each parameter's underflow and saturation
+                bounds (:func:`aps_comm.cpu_kernels.record_limits`); default the codec's.
 
         Raises:
             ValueError: the codec's backend is not "kernels", or ``x`` is not
@@ -2002,7 +2005,15 @@ class Codec:
         """
         self._check_records(x, layout)
         _kernel(
-            "unit_records", x, layout.offsets.numpy(), counts, keys, maxima, n_rows, self.fmt, out
+            "unit_records",
+            x,
+            layout.offsets.numpy(),
+            counts,
+            keys,
+            maxima,
+            n_rows,
+            self.fmt if limits is None else limits,
+            out,
         )
 
     def copy_spans(self, src: torch.Tensor, dst: torch.Tensor, spans: np.ndarray) -> None:
@@ -2045,7 +2056,7 @@ class Codec:
 
         Example:
             >>> c = Codec("e4m3", torch.device("cpu"), backend="kernels")
-            >>> c.sum_runs(torch.tensor([1.0, 2.0]), torch.empty(1), np.array([[0, 0, 1, 0, 1, 1]]),
+            >>> c.sum_runs(torch.tensor([1.0, 2.0]), torch.empty(1), np.array([[0, 0, 1, 0, 1, 1, 1]]),
             ...            2, np.array([0, 1]), torch.tensor([2.0]))
             tensor([3.])
         """

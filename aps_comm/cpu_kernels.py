@@ -86,6 +86,7 @@ __all__ = [
     "owner_lost",
     "owner_rank_blocks",
     "prepare",
+    "record_limits",
     "reduce_blocks",
     "reduce_rank_blocks",
     "reduce_shards",
@@ -2589,6 +2590,19 @@ def decode_agreed_blocks(
     )
 
 
+def record_limits(formats: list[FloatFormat]) -> tuple[np.ndarray, np.ndarray]:
+    """Per format, the records' underflow bound (half its smallest subnormal) and its
+    largest finite value, as float32 arrays (:func:`unit_records`).
+
+    Example:
+        >>> from aps_comm.formats import E4M3
+        >>> record_limits([E4M3])[1].tolist()
+        [448.0]
+    """
+    tiny = np.array([f.min_subnormal / 2 for f in formats], np.float32)
+    return tiny, np.array([f.max for f in formats], np.float32)
+
+
 def unit_records(
     x: torch.Tensor,
     offsets: np.ndarray,
@@ -2596,10 +2610,13 @@ def unit_records(
     keys: torch.Tensor | np.ndarray,
     maxima: torch.Tensor,
     n_rows: int,
-    fmt: FloatFormat,
+    fmt: FloatFormat | tuple[np.ndarray, np.ndarray],
     out: torch.Tensor,
 ) -> None:
     """:func:`block_records` of an FSDP unit's N rows, folded per parameter over the rows.
+
+    ``fmt`` is the wire format, or each parameter's underflow and saturation
+    bounds (a unit of several formats: :func:`record_limits`).
 
     ``x`` holds N rows, row r every parameter's r-th chunk in order, each
     chunk cut into ``counts[p]`` segments (one with layer scaling, its blocks
@@ -2618,7 +2635,7 @@ def unit_records(
         >>> out.tolist()
         [[0.0, 500.0, 3.0, 1.0, 1.0]]
     """
-    tiny, fmax = np.float32(fmt.min_subnormal / 2), np.float32(fmt.max)
+    tiny, fmax = record_limits([fmt] * len(counts)) if isinstance(fmt, FloatFormat) else fmt
     ka = keys if isinstance(keys, np.ndarray) else _np(keys)
     _unit_records(_np(x), offsets, counts, ka, _np(maxima), n_rows, tiny, fmax, _np(out))
 
@@ -2642,7 +2659,7 @@ if AVAILABLE:
                     e = _key_exponent(keys[b])
                     smallest = e if j == 0 else min(smallest, e)
                     largest = max(largest, maxima[b])
-                    n, u, s = _scaled_counts(x, offsets[b], offsets[b + 1], e, tiny, fmax)
+                    n, u, s = _scaled_counts(x, offsets[b], offsets[b + 1], e, tiny[p], fmax[p])
                     nonzero += n
                     under += u
                     saturated += s
@@ -2683,10 +2700,13 @@ def sum_runs(
     of :func:`sum_rows`), and the runs sent exactly made NaN where their maxima are not finite.
 
     Args:
-        values: float32, each run's N rows of ``hi - lo`` elements end to end from ``start``.
+        values: float32, each run's N rows of ``hi - lo`` elements from ``start``, one
+            row every ``stride`` elements.
         out: float32, one row (the unit's reduce-scatter result).
-        runs: int64 (R, 6): start in ``values``, the run's ``lo`` and ``hi`` in the row,
-            its first and last parameter (exclusive), and 1 where it travels in FP32.
+        runs: int64 (R, 7): start in ``values``, the run's ``lo`` and ``hi`` in the row,
+            its first and last parameter (exclusive), 1 where it travels in FP32, and its
+            rows' ``stride`` in ``values`` (``hi - lo``, or one more where a 4-bit row
+            of an odd length was padded to whole bytes).
         n_rows: N.
         offsets: int64, the parameters' chunk bounds in the row (P + 1).
         maxima: float32, every parameter's agreed maximum (inf: non-finite on some rank).
@@ -2694,7 +2714,7 @@ def sum_runs(
     Example:
         >>> out = torch.empty(3)
         >>> sum_runs(torch.tensor([1.0, 2.0, 3.0, 4.0, 5.0, 6.0]), out,
-        ...          np.array([[0, 0, 2, 0, 1, 0], [4, 2, 3, 1, 2, 1]]), 2,
+        ...          np.array([[0, 0, 2, 0, 1, 0, 2], [4, 2, 3, 1, 2, 1, 1]]), 2,
         ...          np.array([0, 2, 3]), torch.tensor([1.0, float("inf")]))
         >>> out.tolist()
         [4.0, 6.0, nan]
@@ -2714,9 +2734,9 @@ if AVAILABLE:
     @_njit
     def _sum_runs(values, out, runs, n_rows, offsets, maxima):
         for k in range(runs.shape[0]):
-            start, lo, hi = runs[k, 0], runs[k, 1], runs[k, 2]
-            width = hi - lo
-            _sum_rows(values[start : start + n_rows * width].reshape((n_rows, width)), out[lo:hi])
+            start, lo, hi, stride = runs[k, 0], runs[k, 1], runs[k, 2], runs[k, 6]
+            rows = values[start : start + n_rows * stride].reshape((n_rows, stride))
+            _sum_rows(rows[:, : hi - lo], out[lo:hi])
             if runs[k, 5]:
                 for p in range(runs[k, 3], runs[k, 4]):
                     if not np.isfinite(maxima[p]):

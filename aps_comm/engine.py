@@ -44,6 +44,7 @@ from aps_comm import codec, transports
 from aps_comm.agreement import Layouts
 from aps_comm.codec import AgreedMaxima, RankBlockCalls
 from aps_comm.config import DEFAULT_BLOCK_SIZE, BlockExponents, Reduction, Route, Scaling
+from aps_comm.cpu_kernels import record_limits
 from aps_comm.feedback import ErrorFeedback
 from aps_comm.formats import FP32, FloatFormat, payload_nbytes, pow2
 from aps_comm.hostcopy import to_device
@@ -817,6 +818,9 @@ class SteadyUnit:
             every row before the spread (what the records show, as the general path's).
         workspace: the state's workspace epoch of the unit's slot, which the exchange's,
             the sum's and the factors' scratch are views of (another one binds it again).
+        pad: a 4-bit unit of an odd row: float32 scratch of the N rows each followed by a
+            zero, and the zeros (N x 1): the rows are copied in, so that every row's codes
+            are whole bytes, as the general path's per-row encode leaves them.
     """
 
     chunks: tuple[int, ...]
@@ -838,6 +842,7 @@ class SteadyUnit:
     numels: list[int] = dataclasses.field(default_factory=list)
     premax: torch.Tensor | None = None
     workspace: tuple[int, ...] = ()
+    pad: tuple[torch.Tensor, torch.Tensor] | None = None
 
 
 @dataclasses.dataclass
@@ -876,9 +881,13 @@ class SteadyMixedUnit:
             codes, the received rows, the landing arena (codes, then every run's values).
         send: the send buffer (N encoded rows).
         values: float32, every run's N decoded rows end to end.
-        sums: int64 (R, 6), each run's place in ``values``, row and parameters (:meth:`aps_comm.codec.Codec.sum_runs`).
+        sums: int64 (R, 7), each run's place in ``values``, row and parameters (:meth:`aps_comm.codec.Codec.sum_runs`).
         offsets: int64, the chunks' bounds in a row (P + 1).
         row_numel: elements per row.
+        record: with ``stats=True``, the step's records from the N rows: float64 (P, 5),
+            one row per parameter (one kernel call), the general path's values.
+        parts: with ``stats=True``, per run its parameters' names and sizes, its format
+            and its rows of the records (they are queued run by run, as the general path's).
     """
 
     chunks: tuple[int, ...]
@@ -902,6 +911,10 @@ class SteadyMixedUnit:
     sums: np.ndarray
     offsets: np.ndarray
     row_numel: int
+    record: Callable[[torch.Tensor], torch.Tensor] | None = None
+    parts: list[tuple[list[str], list[int], FloatFormat, int, int]] = dataclasses.field(
+        default_factory=list
+    )
 
 
 class Reducer:
@@ -2526,7 +2539,7 @@ class Reducer:
         n, p = comm.world_size, len(chunks)
         st = self._steady_unit(index, rows, chunks, step)
         if isinstance(st, SteadyMixedUnit):
-            return self._run_mixed_unit(st, rows, problem)
+            return self._run_mixed_unit(index, st, rows, problem)
         if st is not None:
             return self._run_unit(index, st, rows, problem)
         plan = self.plan(index, list(chunks) * n, rows.device)
@@ -2701,20 +2714,27 @@ class Reducer:
         if rows.dtype != torch.float32 or not rows.is_contiguous() or not all(chunks):
             return
         if len(runs.runs) != 1:
-            self._settle_mixed_unit(index, runs, rows, chunks, step)
+            self._settle_mixed_unit(index, runs, rows, chunks, step, params)
             return
         run, device = runs.runs[0], rows.device
-        c, layout = run.codec, run.rows_layout
-        if run.fmt == FP32 or not run.packed_rows:
+        if run.fmt == FP32:
             return
-        segments, p = layout.n_segments, len(chunks)
-        f32 = {"dtype": torch.float32, "device": device}
-        kernels = c.backend == "kernels" and device.type == "cpu"
         # Everything rewritten every step comes from the state's workspace, the slot
         # alternating with the unit's index (a unit may be on the wire beside the next).
         ws, slot = self.workspace(device), Slot.of(index)
         arena = ws.arena(slot)
+        given, pad = runs, None
+        if not run.packed_rows:  # 4 bits, an odd row: each row padded by a zero
+            runs = _padded_rows(runs, n)
+            run = runs.runs[0]
+            staged = arena.take(n * runs.row_numel, torch.float32).view(n, runs.row_numel)
+            pad = (staged, torch.zeros(n, 1, dtype=torch.float32, device=device))
+        c, layout = run.codec, run.rows_layout
+        segments, p = layout.n_segments, len(chunks)
+        f32 = {"dtype": torch.float32, "device": device}
+        kernels = c.backend == "kernels" and device.type == "cpu"
         runs = _unit_scratch(runs, arena, n)
+        x = rows.reshape(-1) if pad is None else pad[0].view(-1)
         unscale = arena.take(segments, torch.float32)
         # No scaling: a scale of 1 written once, so kept out of the shared region.
         none = settings.scaling == Scaling.NONE
@@ -2726,9 +2746,7 @@ class Reducer:
             shared = torch.zeros(segments + 1, dtype=torch.uint8, device=device)
             local = arena.take(segments, torch.float32)
             flags = torch.empty(len(blocks.counts), dtype=torch.uint8, device=device)
-            keys = c.bind_block_keys(
-                rows.reshape(-1), layout, blocks.counts, local, shared[:-1], flags, n
-            )
+            keys = c.bind_block_keys(x, layout, blocks.counts, local, shared[:-1], flags, n)
             if keys is None:  # no fused keys for this backend or format
                 return
             made = c.bind_feedback_factors(shared[:-1], n, scale, unscale, blocks.device_counts)
@@ -2782,26 +2800,32 @@ class Reducer:
             list(params[1]),
             premax,
             ws.epoch(slot),
+            pad,
         )
         if not arena.close():  # the slot grew: cut every view again from its new region
-            self._settle_unit(index, runs, rows, chunks, step, params)
+            self._settle_unit(index, given, rows, chunks, step, params)
             return
         # The general path's own scratch of this layout is no longer needed.
         self.plan(index, list(chunks) * n, device).row_runs = {}
 
     def _settle_mixed_unit(
-        self, index: int, runs: RowRuns, rows: torch.Tensor, chunks: Sequence[int], step: int
+        self,
+        index: int,
+        runs: RowRuns,
+        rows: torch.Tensor,
+        chunks: Sequence[int],
+        step: int,
+        params: tuple[Sequence[str], Sequence[int]],
     ) -> None:
         """Bind the unit's :class:`SteadyMixedUnit` (several formats; layer, bucket or no
-        scaling, no records, every run's rows whole bytes, the CPU kernels)."""
+        scaling, every run's rows whole bytes, the CPU kernels; with ``stats=True`` its
+        records bound too)."""
         settings, n, device = self.settings, self.comm.world_size, rows.device
         scaled = list(dict.fromkeys(r.fmt for r in runs.runs if r.fmt != FP32))
         codecs = [codec.codec_for(f, device) for f in scaled]
         if (
-            settings.stats
-            or settings.scaling == Scaling.BLOCK
+            settings.scaling == Scaling.BLOCK
             or not scaled
-            or not all(r.packed_rows for r in runs.runs)
             or any(c.backend != "kernels" for c in codecs)
         ):
             return
@@ -2811,35 +2835,41 @@ class Reducer:
         codes_end = -(-lay.coded // 4) * 4
         gather, scatter, receive = [], [], []
         for k, run in enumerate(runs.runs):
-            w, wb, start = run.hi - run.lo, run.b1 - run.b0, lay.starts[k]
+            w, wb, start, stride = run.hi - run.lo, run.b1 - run.b0, lay.starts[k], lay.strides[k]
             for r in range(n):
                 src, wire = 4 * (r * row + run.lo), r * row_bytes + run.b0
                 if run.fmt == FP32:  # sent exactly: its float32 bytes are its codes
                     gather.append((src, wire, 4 * w))
                     receive.append((wire, codes_end + 4 * (start + r * w), 4 * w))
-                else:
-                    gather.append((src, send_end + 4 * (start + r * w), 4 * w))
+                else:  # a padded row's zero is never written: the arena starts zeroed
+                    gather.append((src, send_end + 4 * (start + r * stride), 4 * w))
                     scatter.append((lay.code_starts[k] + r * wb, wire, wb))
                     receive.append((wire, lay.code_starts[k] + r * wb, wb))
         u8 = {"dtype": torch.uint8, "device": device}
-        arena = torch.empty(send_end + 4 * lay.scaled_numel, **u8)
+        arena = torch.zeros(send_end + 4 * lay.scaled_numel, **u8)
         coded, recv = torch.empty(lay.coded, **u8), torch.empty(n * row_bytes, **u8)
-        landing = torch.empty(codes_end + 4 * n * row, **u8)
+        landing = torch.empty(codes_end + 4 * lay.numel, **u8)
         staged, values = (
             arena[send_end:].view(torch.float32),
             landing[codes_end:].view(torch.float32),
         )
         f32 = {"dtype": torch.float32, "device": device}
-        agreed = torch.empty(len(lay.perm), **f32)
-        calls, spreads = [], []
+        # With records, every row's agreed maxima follow (the N x P rows' order): the
+        # records read them before any spread, from the one index_select.
+        perm = lay.perm + list(range(p)) * n if settings.stats else lay.perm
+        agreed = torch.empty(len(perm), **f32)
+        calls, spreads, keys = [], [], []
         for c, (e0, e1), (s0, s1), (c0, c1), numels in zip(
             codecs, lay.elements, lay.segments, lay.codes, lay.numels, strict=True
         ):
             layout = Layout.from_numels(numels, device)
             scale, unscale = torch.empty(s1 - s0, **f32), torch.empty(s1 - s0, **f32)
+            mine = np.zeros(s1 - s0, np.int32) if settings.stats else None
+            if mine is not None:  # the records' keys: this format's, at their rows' places
+                keys.append((mine, np.array(lay.rows[s0:s1]) * p + lay.perm[s0:s1]))
             calls.append(
                 (
-                    _unit_factors(c, agreed[s0:s1], n, scale, unscale, None, settings.scaling),
+                    _unit_factors(c, agreed[s0:s1], n, scale, unscale, mine, settings.scaling),
                     c.bind_encode(staged[e0:e1], coded[c0:c1], scale, layout),
                     c.bind_decode(landing[c0:c1], values[e0:e1], unscale, layout),
                 )
@@ -2856,7 +2886,7 @@ class Reducer:
             torch.zeros(p + 1, **f32),
             torch.empty(n * p, **f32),
             torch.empty(p, **f32),
-            to_device(torch.tensor(lay.perm, dtype=torch.long), device),
+            to_device(torch.tensor(perm, dtype=torch.long), device),
             agreed,
             torch.tensor(math.inf, **f32),
             spreads,
@@ -2865,15 +2895,51 @@ class Reducer:
             (arena, coded, recv, landing),
             arena[: n * row_bytes],
             values,
-            np.array(lay.sums, np.int64).reshape(-1, 6),
+            np.array(lay.sums, np.int64).reshape(-1, 7),
             np.concatenate([[0], np.cumsum(chunks)]).astype(np.int64),
             row,
         )
+        if settings.stats:
+            self._bind_mixed_records(
+                self.steady_units[index], runs, agreed[len(lay.perm) :], keys, params
+            )
         # The general path's own scratch of this layout is no longer needed.
         self.plan(index, list(chunks) * n, device).row_runs = {}
 
+    def _bind_mixed_records(
+        self,
+        st: SteadyMixedUnit,
+        runs: RowRuns,
+        maxima: torch.Tensor,
+        keys: list[tuple[np.ndarray, np.ndarray]],
+        params: tuple[Sequence[str], Sequence[int]],
+    ) -> None:
+        """Bind a :class:`SteadyMixedUnit`'s records: one kernel call over the N rows, each
+        parameter under its own format's bounds and exponent (0 for FP32)."""
+        names, numels = params
+        formats = [run.fmt for run in runs.runs for _ in run.index]
+        st.record = functools.partial(
+            _mixed_records,
+            st.codec,
+            st.layout,
+            (np.zeros(len(maxima), np.int32), keys),
+            maxima,
+            self.comm.world_size,
+            record_limits(formats),
+        )
+        st.parts = [
+            (
+                [names[i] for i in run.index],
+                [numels[i] for i in run.index],
+                run.fmt,
+                run.index[0],
+                run.index[-1] + 1,
+            )
+            for run in runs.runs
+        ]
+
     def _run_mixed_unit(
-        self, st: SteadyMixedUnit, rows: torch.Tensor, problem: torch.Tensor
+        self, index: int, st: SteadyMixedUnit, rows: torch.Tensor, problem: torch.Tensor
     ) -> torch.Tensor:
         """:meth:`unit` along its :class:`SteadyMixedUnit`: the general path's collectives,
         bytes and bits."""
@@ -2896,6 +2962,10 @@ class Reducer:
         for made, encode, _ in st.calls:
             made()
             encode()
+        if st.record is not None:
+            records = st.record(x)
+            for names, numels, fmt, a, b in st.parts:
+                self.stats.add_rows(index, names, numels, fmt, records[a:b])
         c.copy_spans(coded, arena, scatter)
         transports.rows_exchange(st.send, recv, comm.group, self.traffic)
         c.copy_spans(recv, landing, receive)
@@ -2910,6 +2980,9 @@ class Reducer:
         """:meth:`unit` along its :class:`SteadyUnit`: the same collectives, bytes, bits and
         records."""
         comm, run = self.comm, st.runs.runs[0]
+        if st.pad is not None:  # every row followed by a zero: its codes whole bytes
+            torch.cat([rows, st.pad[1]], 1, out=st.pad[0])
+            rows = st.pad[0]
         n, c, layout, x = comm.world_size, run.codec, run.rows_layout, rows.reshape(-1)
         shared, k = st.shared, st.shared.numel() - 1
         if st.flags is not None:  # block scaling: this rank's key of every block
@@ -2956,9 +3029,10 @@ class Reducer:
                 per_row[comm.rank].expand_as(per_row),
                 out=st.decode.view_as(per_row),
             )
-        return transports.reduce_scatter(
+        out = transports.reduce_scatter(
             st.runs, rows, [st.scale], [st.decode], comm.group, self.traffic
         )
+        return out if st.pad is None else out[: out.numel() - 1]
 
     # -- the step ---------------------------------------------------------------------
 
@@ -3110,34 +3184,44 @@ class _MixedLayout:
     Attributes:
         starts: per run, its first element in the values (each scaled format's runs in
             turn, then the FP32 runs; a run's N rows end to end).
+        strides: per run, its rows' stride in the values: its width, one more for a
+            4-bit run of an odd width (each row then padded by a zero, so that its codes
+            are whole bytes, as the general path's per-row encode leaves them).
         code_starts: per scaled run, its first byte in the codes.
         scaled_numel: elements of the scaled runs.
         coded: bytes of their codes.
         perm: for each scaled format's segments in turn (run by run, row by row), its parameter.
+        rows: the same segments' rows.
         elements: per scaled format, its values' bounds.
         segments: per scaled format, its segments' bounds in ``perm``.
         codes: per scaled format, its codes' bounds.
         numels: per scaled format, its segments' sizes.
-        sums: per run: start, lo, hi, first and last parameter, 1 if FP32.
+        sums: per run: start, lo, hi, first and last parameter, 1 if FP32, stride.
+        numel: elements of every run's values.
     """
 
     starts: dict[int, int]
+    strides: dict[int, int]
     code_starts: dict[int, int]
     scaled_numel: int
     coded: int
     perm: list[int]
+    rows: list[int]
     elements: list[tuple[int, int]]
     segments: list[tuple[int, int]]
     codes: list[tuple[int, int]]
     numels: list[list[int]]
     sums: list[tuple[int, ...]]
+    numel: int = 0
 
 
 def _mixed_layout(
     runs: RowRuns, chunks: Sequence[int], scaled: list[FloatFormat], n: int
 ) -> _MixedLayout:
     """A unit's :class:`_MixedLayout`: computed once, when it settles."""
-    lay = _MixedLayout({}, {}, 0, 0, [], [], [], [], [], [])
+    lay = _MixedLayout({}, {}, {}, 0, 0, [], [], [], [], [], [], [])
+    for k, run in enumerate(runs.runs):
+        lay.strides[k] = run.hi - run.lo + (not run.packed_rows)
     at = byte = 0
     for fmt in scaled:
         e0, s0, c0, numels = at, len(lay.perm), byte, []
@@ -3145,11 +3229,14 @@ def _mixed_layout(
             if run.fmt != fmt:
                 continue
             lay.starts[k], lay.code_starts[k] = at, byte
-            at += n * (run.hi - run.lo)
+            at += n * lay.strides[k]
             byte += n * (run.b1 - run.b0)
-            for _ in range(n):
+            pad = lay.strides[k] - (run.hi - run.lo)  # the pad joins the row's last chunk
+            for r in range(n):
                 numels += [chunks[i] for i in run.index]
+                numels[-1] += pad
                 lay.perm += list(run.index)
+                lay.rows += [r] * len(run.index)
         lay.elements.append((e0, at))
         lay.segments.append((s0, len(lay.perm)))
         lay.codes.append((c0, byte))
@@ -3159,10 +3246,52 @@ def _mixed_layout(
         if run.fmt == FP32:
             lay.starts[k] = at
             at += n * (run.hi - run.lo)
+    lay.numel = at
     for k, run in enumerate(runs.runs):
         first, last = run.index[0], run.index[-1] + 1
-        lay.sums.append((lay.starts[k], run.lo, run.hi, first, last, int(run.fmt == FP32)))
+        stride = lay.strides[k]
+        lay.sums.append((lay.starts[k], run.lo, run.hi, first, last, int(run.fmt == FP32), stride))
     return lay
+
+
+def _padded_rows(runs: RowRuns, n: int) -> RowRuns:
+    """A 4-bit unit's one run of an odd row, each of its N rows followed by a zero: the
+    run's segments (chunks, or blocks) are the same, each row's last one element longer,
+    so one encode of the N padded rows writes the general path's per-row bytes."""
+    run = runs.runs[0]
+    offsets = run.rows_layout.offsets.to(torch.int64)
+    per_row = (offsets.numel() - 1) // n
+    # Each segment's start moves by its row's index (the end by N): the pad joins the
+    # row's last segment.
+    offsets = offsets + torch.arange(offsets.numel()) // per_row
+    layout = Layout.from_numels(offsets.diff().tolist(), run.rows_layout.device)
+    blocks = run.rows_blocks
+    if blocks is not None:
+        blocks = dataclasses.replace(blocks, layout=layout)
+    padded = dataclasses.replace(
+        run, hi=run.hi + 1, rows_layout=layout, packed_rows=True, rows_blocks=blocks
+    )
+    return dataclasses.replace(runs, runs=[padded], row_numel=runs.row_numel + 1)
+
+
+def _mixed_records(
+    c: codec.Codec,
+    layout: Layout,
+    keys: tuple[np.ndarray, list[tuple[np.ndarray, np.ndarray]]],
+    maxima: torch.Tensor,
+    n: int,
+    limits: tuple[np.ndarray, np.ndarray],
+    x: torch.Tensor,
+) -> torch.Tensor:
+    """A settled unit of several formats' records from its N rows ``x``: each scaled
+    format's exponent keys (written by its factors) moved to their rows' places (FP32's
+    stay 0: exponent 0), then one kernel call, the N rows folded per parameter."""
+    every, per_format = keys
+    for mine, at in per_format:
+        every[at] = mine
+    out = torch.empty(len(limits[0]), 5, dtype=torch.float64, device=x.device)
+    c.unit_records(x, layout, np.ones(len(limits[0]), np.int64), every, maxima, n, out, limits)
+    return out
 
 
 def _unit_scratch(runs: RowRuns, arena: Arena, n: int) -> RowRuns:

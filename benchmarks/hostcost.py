@@ -173,7 +173,10 @@ FSDP_ROUTES: dict[str, dict[str, Any]] = {
     "fsdp/e4m3+stats": {"fmt": "e4m3", "stats": True},
     "fsdp/e2m1-block+stats": {"fmt": "e2m1", "scaling": "block", "stats": True},
     "fsdp/e4m3+fp32": {"fmt": "e4m3", "policy": [ByName(every_other_fp32)]},
+    "fsdp/e4m3+fp32+stats": {"fmt": "e4m3", "stats": True, "policy": [ByName(every_other_fp32)]},
     "fsdp/e4m3+none": {"fmt": "e4m3", "scaling": "none"},
+    "fsdp/e2m1-block+odd": {"fmt": "e2m1", "scaling": "block", "odd_row": True},
+    "fsdp/e2m1+fp32+odd": {"fmt": "e2m1", "policy": [ByName(every_other_fp32)], "odd_row": True},
     "hsdp/fp32": {"fmt": "fp32"},
     "hsdp/e4m3": {"fmt": "e4m3"},
     "hsdp/e2m1-block": {"fmt": "e2m1", "scaling": "block"},
@@ -717,6 +720,9 @@ def fsdp_unit(
 ) -> tuple[Any, Callable[[torch.Tensor], None], list[torch.Tensor]]:
     """One ``fully_shard``-ed unit of ``numels`` parameters with APS registered (world of one).
 
+    ``options`` are :func:`aps_comm.fsdp.register`'s, and ``odd_row``: the
+    first parameter one element longer (a row of an odd number of elements).
+
     Returns:
         The :class:`~aps_comm.fsdp.APSFSDPState`, the call that reduces one
         step's gradients of the unit as FSDP makes it (the all-reduce hook
@@ -727,6 +733,9 @@ def fsdp_unit(
 
     from aps_comm import fsdp
 
+    options = dict(options)
+    if options.pop("odd_row", False):
+        numels = [numels[0] + 1, *numels[1:]]
     unit = _Unit(numels, device)
     fully_shard(unit)
     params = [p.to_local() for p in unit.parameters()]
@@ -754,7 +763,7 @@ def measure_fsdp(
     for model, numels in (models or MODELS).items():
         for route, options in (routes or FSDP_ROUTES).items():
             state, reduce, params = fsdp_unit(numels, device, options, route.startswith("hsdp/"))
-            n = sum(numels)
+            n = sum(p.numel() for p in params)
             shard = torch.randn(n, generator=torch.Generator().manual_seed(0)).to(device)
             for _ in range(3):  # the plan, then the settled path, then one more
                 reduce(shard)

@@ -624,6 +624,35 @@ def test_a_settled_fsdp_unit_makes_no_host_traffic(
     assert issued == ["all_reduce", "all_to_all_single"] * 4
 
 
+@pytest.mark.parametrize("stats", [False, True])
+@pytest.mark.parametrize("scaling", ["layer", "bucket", "none"])
+def test_a_settled_4bit_fsdp_unit_of_an_odd_row_makes_no_host_traffic(
+    monkeypatch: pytest.MonkeyPatch, scaling: str, stats: bool
+) -> None:
+    """Issue 46: a 4-bit unit whose row is odd (265 elements at 6 ranks) settles on the
+    device path too, its rows copied beside a zero each step, and reads nothing."""
+    world, numels = 6, [*UNIT_NUMELS[:-1], 7]
+    chunks = [-(-n // world) for n in numels]
+    with stubbed_collectives(monkeypatch):
+        fmt = get_format("e2m1")
+        reducer, names = _reducer(fmt, "two_phase", scaling, world, 2, [], stats=stats)
+        seen, bound = [], []
+        for step in range(4):
+            mode = HostTraffic()
+            with mode:
+                rows = torch.empty(world, sum(chunks), device=META)
+                problem = torch.zeros((), device=META)
+                out = reducer.unit(0, rows, chunks, numels, names, step=step, problem=problem)
+                assert out.shape == (sum(chunks),)
+                reducer.end_step()
+            bound.append(reducer.steady_units.get(0))
+            if step >= 1:
+                seen.append(mode)
+    assert bound[0] is not None and all(b is bound[0] for b in bound)
+    for mode in seen:
+        assert mode.reads == [] and mode.copies == [], (mode.reads, mode.copies)
+
+
 @pytest.mark.parametrize("name", ["e4m3", "e2m1", "fp16", "e5m3"])
 @pytest.mark.parametrize("reduction", ["hierarchical", "grid"])
 @pytest.mark.parametrize("scaling", ["layer", "bucket"])
