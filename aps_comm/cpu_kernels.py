@@ -75,6 +75,7 @@ __all__ = [
     "encoder_params",
     "keep_lost",
     "key_factors",
+    "layer_any",
     "layer_records",
     "maxima_factors",
     "maxima_factors_into",
@@ -1783,6 +1784,15 @@ if AVAILABLE:
             start = stop
 
 
+def layer_any(keys: torch.Tensor, counts: torch.Tensor, value: int, out: torch.Tensor) -> None:
+    """Per layer, 1 (into uint8 ``out``) where any of its blocks' uint8 ``keys`` is ``value``.
+
+    ``keys``: contiguous, the layers' blocks in order; ``counts``: int64
+    blocks per layer (summing to ``keys.numel()``).
+    """
+    _layer_any(_np(keys), _np(counts), np.uint8(value), _np(out))
+
+
 if AVAILABLE:
 
     @_njit
@@ -1803,7 +1813,7 @@ def block_keys(
     limit: int,
     world_size: int,
 ) -> None:
-    """:func:`block_amax`, :func:`two_phase_keys` and each layer's non-finite flag in one
+    """:func:`block_amax`, :func:`two_phase_keys` and :func:`layer_any` (value 255) in one
     call: every block's max |x| into float32 ``maxima``, its two_phase key over
     ``world_size`` ranks into uint8 ``keys``, each layer's non-finite flag (``counts``:
     blocks per layer) into uint8 ``flags``: a settled bucket's keys, one call per step.

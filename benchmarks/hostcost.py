@@ -220,6 +220,7 @@ _CPU_KERNELS = (
     "block_amax",
     "block_keys",
     "block_records",
+    "layer_any",
     "layer_records",
     "send_rank_blocks",
     "owner_rank_blocks",
