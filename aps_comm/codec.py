@@ -72,7 +72,6 @@ from aps_comm.formats import (
 from aps_comm.layout import AMAX_BLOCK, Blocks, Layout
 from aps_comm.scaling import (
     EXPONENT_LIMIT,
-    KEY_BAD,
     blocks_amax,
     factors_from_keys,
     key_factors,
@@ -248,20 +247,6 @@ def _encode_kernels(pad: np.ndarray, *args: object) -> None:
     _kernel("encode", *args)
 
 
-def _block_keys(
-    fmt: FloatFormat,
-    x: torch.Tensor,
-    offsets: np.ndarray,
-    counts: torch.Tensor,
-    maxima: torch.Tensor,
-    keys: torch.Tensor,
-    flags: torch.Tensor,
-) -> None:
-    cpu_kernels.block_amax(x, offsets, maxima)
-    cpu_kernels.two_phase_keys(maxima, fmt, EXPONENT_LIMIT, keys)
-    cpu_kernels.layer_any(keys, counts, KEY_BAD, flags)
-
-
 def _layer_of(layer_ends: np.ndarray) -> np.ndarray:
     """Each block's layer from the layers' ends in the blocks (what the Triton decode
     indexes with; made while binding, its device copy is the binding's)."""
@@ -285,11 +270,12 @@ def _mean_keys(
     offsets: np.ndarray,
     maxima: torch.Tensor,
     keys: torch.Tensor,
+    nodes: int,
 ) -> None:
-    """The node's mean's blocks' own keys (two_phase's rule: ``fmt.max`` times the
-    nodes stays below float32's max), by the CPU kernels."""
+    """The node's mean's blocks' own keys (two_phase's rule over the ``nodes``), by the CPU
+    kernels."""
     _kernel("block_amax", mean, offsets, maxima)
-    _kernel("two_phase_keys", maxima, fmt, EXPONENT_LIMIT, keys)
+    _kernel("two_phase_keys", maxima, fmt, EXPONENT_LIMIT, keys, nodes)
 
 
 def _mean_of_rows(
@@ -533,11 +519,19 @@ class AgreedMaxima:
         )
 
     def host_factors_into(
-        self, fmt: FloatFormat, scale: np.ndarray, unscale: np.ndarray, keys: np.ndarray
+        self,
+        fmt: FloatFormat,
+        scale: np.ndarray,
+        unscale: np.ndarray,
+        keys: np.ndarray,
+        pick: tuple[np.ndarray, np.ndarray, bool] | None = None,
     ) -> None:
         """:meth:`host_factors` of both kinds, written into float32 ``scale`` and ``unscale``
         (int32 ``keys``: scratch) with no allocation: a settled bucket's bound kernels
-        read those arrays."""
+        read those arrays. ``pick``: (a bucket's agreed maxima, this group's layers'
+        positions in them, ``scaling="bucket"``): these maxima are picked from those
+        first and the factors are of their spread, in the same call
+        (:func:`aps_comm.cpu_kernels.maxima_factors_into`)."""
         cpu_kernels.maxima_factors_into(
             self.maxima.numpy(),
             fmt,
@@ -547,6 +541,7 @@ class AgreedMaxima:
             scale,
             unscale,
             keys,
+            pick,
         )
 
     def rule(self) -> object:
@@ -1344,12 +1339,13 @@ class Codec:
         The returned call writes every block's max |x| into ``maxima``, its
         key (:func:`aps_comm.scaling.exponent_keys`, route two_phase) into
         ``keys`` and each layer's flag (:func:`aps_comm.scaling.bad_layers`)
-        into ``flags``: three kernel calls on the "kernels" backend, two
+        into ``flags``: one kernel call on the "kernels" backend, two
         launches on "triton" (the flags zeroed, one kernel), whatever the
         number of blocks. None on the other backends, where a Triton variant
         cannot compile here (launched once at bind time on private buffers,
-        the failure logged once), or where ``fmt.max`` times N passes
-        float32's max (the keys' general rule then needs the FP32 sum's bound).
+        the failure logged once), or on "triton" where ``fmt.max`` times N
+        passes float32's max (bf16: the keys' rule then needs the FP32 sum's
+        bound, which only the CPU kernel applies).
 
         Args:
             x: the group's float32 values.
@@ -1364,15 +1360,17 @@ class Codec:
             >>> call = codec.bind_block_keys(x, blocks, counts, maxima, keys, flags, 2)  # doctest: +SKIP
             >>> call()  # doctest: +SKIP
         """
-        if (
-            self.backend not in ("kernels", "triton")
-            or x.dtype != torch.float32
-            or self.fmt.max * world_size > torch.finfo(torch.float32).max
-        ):
+        if self.backend not in ("kernels", "triton") or x.dtype != torch.float32:
             return None
         offsets = layout.offsets.numpy()
         if self.backend == "kernels":
-            return functools.partial(_block_keys, self.fmt, x, offsets, counts, maxima, keys, flags)
+            return functools.partial(
+                _kernel,
+                "block_keys",
+                *(self.fmt, x, offsets, counts, maxima, keys, flags, EXPONENT_LIMIT, world_size),
+            )
+        if self.fmt.max * world_size > torch.finfo(torch.float32).max:
+            return None
         host_counts = counts.cpu().numpy()  # the plan's host copy: no device read
         layer_of = np.repeat(np.arange(host_counts.size, dtype=np.int64), host_counts)
         longest = int(np.diff(offsets).max()) if offsets.size > 1 else 0
@@ -1404,10 +1402,10 @@ class Codec:
 
         The fused form of what :func:`aps_comm.transports.two_phase_rank_blocks`
         does shard by shard; the same bytes. None where this backend has no
-        fused kernels ("kernels" and "triton" have them, for 4- and 8-bit
-        formats), or where a Triton variant cannot compile here (each launched
-        once at bind time on private buffers, a failure logged once): the
-        bucket then keeps its full path. On "triton" every index array goes to
+        fused kernels ("kernels" has them for 4-, 8- and 16-bit formats,
+        "triton" for 4- and 8-bit ones), or where a Triton variant cannot
+        compile here (each launched once at bind time on private buffers, a
+        failure logged once): the bucket then keeps its full path. On "triton" every index array goes to
         the device here, once, and the owner step returns 0 on CUDA (see
         :func:`_owner_then_chunk`).
 
@@ -1448,7 +1446,7 @@ class Codec:
         The fused form of what :func:`aps_comm.transports.two_phase_blocks`
         does shard by shard, with the same bytes: (send, owner, decode), one
         kernel call each. None where this backend has none ("kernels" has
-        them, for 4- and 8-bit formats): the bucket then keeps its full path.
+        them, for 4-, 8- and 16-bit formats): the bucket then keeps its full path.
 
         Args:
             x: the group's float32 values (read, then overwritten by the decode).
@@ -1460,12 +1458,7 @@ class Codec:
         Example:
             >>> send, owner, decode = codec.bind_agreed_blocks(x, keys, union, chunk)  # doctest: +SKIP
         """
-        if (
-            self.fmt.wire_bits not in (4, 8)
-            or x.dtype != torch.float32
-            or self.backend != "kernels"
-            or x.device.type != "cpu"
-        ):
+        if self.backend != "kernels" or not self._fused_blocks(x):
             return None
         c, n = chunk, chunk.firsts.size - 1
         k = max(c.shard.size - 1, 1)
@@ -1518,13 +1511,13 @@ class Codec:
         )
 
     def _fused_blocks(self, x: torch.Tensor) -> bool:
-        """Whether this backend has the fused rank-block kernels for ``x``: "kernels" (on
-        CPU tensors) and "triton", for 4- and 8-bit formats and float32 values."""
-        return (
-            self.fmt.wire_bits in (4, 8)
-            and x.dtype == torch.float32
-            and (self.backend == "triton" or (self.backend == "kernels" and x.device.type == "cpu"))
-        )
+        """Whether this backend has the fused block kernels for ``x`` (float32 values):
+        "kernels" on CPU tensors for 4-, 8- and 16-bit formats, "triton" for 4- and 8-bit."""
+        if x.dtype != torch.float32:
+            return False
+        if self.backend == "kernels":
+            return x.device.type == "cpu" and self.fmt.wire_bits in (4, 8, 16)
+        return self.backend == "triton" and self.fmt.wire_bits in (4, 8)
 
     def _bind_send(
         self,
@@ -1763,7 +1756,7 @@ class Codec:
         """The node's mean's blocks' own keys into ``keys`` (two_phase's rule over the
         M ``nodes``), bound; None where the Triton variant cannot run here."""
         if self.backend != "triton":
-            return functools.partial(_mean_keys, self.fmt, mean, offsets, maxima, keys)
+            return functools.partial(_mean_keys, self.fmt, mean, offsets, maxima, keys, nodes)
         # The block keys' kernel over the slice as one layer.
         blocks = Layout.from_numels(np.diff(offsets).tolist(), mean.device)
         one_layer = torch.tensor([offsets.size - 1], dtype=torch.int64)

@@ -64,6 +64,7 @@ __all__ = [
     "CompileNotice",
     "block_amax",
     "block_factors_into",
+    "block_keys",
     "block_records",
     "copy_spans",
     "decode",
@@ -1336,6 +1337,9 @@ if AVAILABLE:
             if b > a:
                 if bits == 4:
                     _encode4(x[a:b], cut[: k + 1], fac[:k], send[base : base + used], p, 0, no_runs)
+                elif bits == 16:
+                    codes16 = send[base : base + used].view(np.uint16)
+                    _encode_codes(x[a:b], cut[: k + 1], fac[:k], codes16, p, 0, no_runs)
                 else:
                     codes = send[base : base + used]
                     _encode_codes(x[a:b], cut[: k + 1], fac[:k], codes, p, 0, no_runs)
@@ -1387,6 +1391,11 @@ if AVAILABLE:
             args = (recv, n_ranks, piece, out[:used], offsets, fac, d, cap, params)
             if bits == 4:
                 _reduce_rank_blocks4(*args, mine)
+            elif bits == 16:  # pieces of 4-byte multiples: rows of whole codes
+                codes16, out16 = recv.view(np.uint16), out[:used].view(np.uint16)
+                _reduce_rank_blocks(
+                    codes16, n_ranks, piece // 2, out16, offsets, fac, d, cap, params, mine
+                )
             else:
                 _reduce_rank_blocks(*args, mine)
         for i in range(used, shard_bytes):
@@ -1420,6 +1429,9 @@ if AVAILABLE:
             payload = gathered[s * row : s * row + ((b - a) * bits + 7) // 8]
             if bits == 4:
                 _decode4(payload, x[a:b], q, m, cut[: k + 1], fac[:k], 0, no_runs)
+            elif bits == 16:
+                codes16 = payload.view(np.uint16)
+                _decode_segments(codes16, x[a:b], q, m, cut[: k + 1], fac[:k], 0, no_runs)
             else:
                 _decode_segments(payload, x[a:b], q, m, cut[: k + 1], fac[:k], 0, no_runs)
 
@@ -1444,7 +1456,7 @@ def send_rank_blocks(
     to ``send[s * piece:]``: its codes times ``table[key]`` per block, zero
     padding to ``shard_bytes``, the blocks' ``keys``, and where ``at >= 0``
     (the first chunk) the layers' non-finite ``flags`` then ``log2`` (this
-    rank's preferred chunk; none where negative) at ``at``. 4- and 8-bit formats.
+    rank's preferred chunk; none where negative) at ``at``. 4-, 8- and 16-bit formats.
     """
     _send_rank_blocks(
         x,
@@ -1575,6 +1587,9 @@ if AVAILABLE:
                 elif bits == 4:
                     payload = recv[r * piece + (g0 >> 1) : r * piece + ((g1 + 1) >> 1)]
                     _decode_blocks4(payload, dst, q, m, offsets, s, t, g0 - lo, fac[r])
+                elif bits == 16:
+                    codes16 = recv[r * piece + 2 * g0 : r * piece + 2 * g1].view(np.uint16)
+                    _decode_blocks(codes16, dst, q, m, offsets, s, t, g0, fac[r])
                 else:
                     codes = recv[r * piece + g0 : r * piece + g1]
                     _decode_blocks(codes, dst, q, m, offsets, s, t, g0, fac[r])
@@ -1628,7 +1643,7 @@ def mean_rank_blocks(
     from 0): each piece's codes are decoded times ``table[key]`` of its
     sender's keys (at ``shard_bytes``), summed in float32 in rank order and
     divided by N: :func:`owner_rank_blocks`' mean, kept instead of encoded.
-    4- and 8-bit formats; ``longest``: the longest block's elements. Where
+    4-, 8- and 16-bit formats; ``longest``: the longest block's elements. Where
     ``own_row`` is a piece, the float32 ``own`` is added in its place.
 
     Example:
@@ -1715,8 +1730,18 @@ def or_rows(rows: np.ndarray, out: np.ndarray) -> None:
 if AVAILABLE:
 
     @_njit
-    def _two_phase_keys(ab, out, lim):
-        """One-byte exponent keys of float32 maxima bits ``ab`` (non-negative, NaN as inf)."""
+    def _sum_exponent(a, n_ranks, limit):
+        """The largest e in [-limit, limit] with ``n_ranks * a * 2**e`` at most float32's
+        max (``a``: finite non-zero float32 bits): the owner's FP32 sum's bound, exact
+        in float64 as :func:`aps_comm.scaling.exponents` finds it."""
+        mv, ev = math.frexp(np.float64(_u2f(a)) * n_ranks)
+        e = 128 - ev if mv <= 1.0 - 2.0**-24 else 127 - ev  # float32's max: (1 - 2**-24) * 2**128
+        return min(max(e, -limit), limit)
+
+    @_njit
+    def _two_phase_keys(ab, out, lim, n_ranks):
+        """One-byte exponent keys of float32 maxima bits ``ab`` (non-negative, NaN as inf);
+        ``n_ranks`` > 0: the FP32 sum of that many binds the exponent too."""
         inf_bits = np.uint32(0x7F800000)
         for i in range(len(ab)):
             a = ab[i]
@@ -1724,19 +1749,25 @@ if AVAILABLE:
                 out[i] = 0
             elif a >= inf_bits:
                 out[i] = 255
+            elif n_ranks > 0:
+                out[i] = 127 - min(_mean_exponent(a, 0, lim), _sum_exponent(a, n_ranks, lim[2]))
             else:
                 out[i] = 127 - _mean_exponent(a, 0, lim)
 
 
-def two_phase_keys(amax: torch.Tensor, fmt: FloatFormat, limit: int, out: torch.Tensor) -> None:
-    """:func:`aps_comm.scaling.exponent_keys` of two_phase maxima, where ``fmt.max`` times
-    the ranks stays below float32's max (the FP32 sum cannot bind the exponent).
+def two_phase_keys(
+    amax: torch.Tensor, fmt: FloatFormat, limit: int, out: torch.Tensor, world_size: int = 1
+) -> None:
+    """:func:`aps_comm.scaling.exponent_keys` of two_phase maxima over ``world_size`` ranks.
 
     ``amax``: contiguous float32 maxima (>= 0, NaN given as inf); ``out``: uint8,
     as many: 0 for a zero maximum, 255 for inf, else ``127 - e`` with ``e``
-    the largest exponent in [-``limit``, ``limit``] with ``amax * 2**e <= fmt.max``.
+    the largest exponent in [-``limit``, ``limit``] with ``amax * 2**e <= fmt.max``
+    and, where ``fmt.max`` times the ranks passes float32's max (bf16), the ranks'
+    FP32 sum of such values within it.
     """
-    _two_phase_keys(_np(amax).view(np.uint32), _np(out), mean_limit(fmt, limit))
+    bound = world_size if fmt.max * world_size > np.finfo(np.float32).max else 0
+    _two_phase_keys(_np(amax).view(np.uint32), _np(out), mean_limit(fmt, limit), bound)
 
 
 if AVAILABLE:
@@ -1761,6 +1792,52 @@ def layer_any(keys: torch.Tensor, counts: torch.Tensor, value: int, out: torch.T
     blocks per layer (summing to ``keys.numel()``).
     """
     _layer_any(_np(keys), _np(counts), np.uint8(value), _np(out))
+
+
+if AVAILABLE:
+
+    @_njit
+    def _block_keys(xb, offsets, counts, maxima, keys, flags, lim, n_ranks):
+        _block_amax(xb, offsets, maxima)
+        _two_phase_keys(maxima, keys, lim, n_ranks)
+        _layer_any(keys, counts, np.uint8(255), flags)
+
+
+def block_keys(
+    fmt: FloatFormat,
+    x: torch.Tensor,
+    offsets: np.ndarray,
+    counts: torch.Tensor,
+    maxima: torch.Tensor,
+    keys: torch.Tensor,
+    flags: torch.Tensor,
+    limit: int,
+    world_size: int,
+) -> None:
+    """:func:`block_amax`, :func:`two_phase_keys` and :func:`layer_any` (value 255) in one
+    call: every block's max |x| into float32 ``maxima``, its two_phase key over
+    ``world_size`` ranks into uint8 ``keys``, each layer's non-finite flag (``counts``:
+    blocks per layer) into uint8 ``flags``: a settled bucket's keys, one call per step.
+
+    Example:
+        >>> from aps_comm.formats import E4M3
+        >>> m, k, f = torch.empty(2), torch.empty(2, dtype=torch.uint8), torch.empty(1, dtype=torch.uint8)
+        >>> block_keys(E4M3, torch.tensor([3.0, float("nan")]), np.array([0, 1, 2]),
+        ...            torch.tensor([2]), m, k, f, 126, 1)
+        >>> k.tolist(), f.tolist()
+        ([120, 255], [1])
+    """
+    bound = world_size if fmt.max * world_size > np.finfo(np.float32).max else 0
+    _block_keys(
+        _np(x).view(np.uint32),
+        offsets,
+        _np(counts),
+        _np(maxima).view(np.uint32),
+        _np(keys),
+        _np(flags),
+        mean_limit(fmt, limit),
+        bound,
+    )
 
 
 if AVAILABLE:
@@ -1877,6 +1954,15 @@ def spread_maximum(maxima: np.ndarray) -> None:
 if AVAILABLE:
 
     @_njit
+    def _pick_maxima(source, index, out, work, spread):
+        """out = source[index], copied into ``work`` too and there spread where ``spread``."""
+        for j in range(len(index)):
+            out[j] = source[index[j]]
+            work[j] = out[j]
+        if spread:
+            _spread_maximum(work)
+
+    @_njit
     def _spread_maximum(ab):
         """:func:`spread_maximum` on the maxima's bits (non-negative: bits order as values)."""
         inf_bits = np.uint32(0x7F800000)
@@ -1898,10 +1984,16 @@ def maxima_factors_into(
     scale: np.ndarray,
     unscale: np.ndarray,
     keys: np.ndarray,
+    pick: tuple[np.ndarray, np.ndarray, bool] | None = None,
 ) -> None:
     """:func:`maxima_factors`' scale and unscale both, written into float32 ``scale`` and
     ``unscale`` through int32 scratch ``keys`` (all as long as ``maxima``): a settled
     bucket refills the arrays its bound kernels read, with no allocation.
+
+    ``pick``: (``source``, int64 ``index``, ``spread``): ``maxima`` is first written
+    with ``source[index]`` (a format group's layers of a bucket's agreed maxima), and
+    the factors are those of their :func:`spread_maximum` where ``spread``
+    (``maxima`` keeps the maxima as picked: the records').
 
     Example:
         >>> from aps_comm.formats import E4M3
@@ -1911,8 +2003,12 @@ def maxima_factors_into(
         (array([128.,   1.], dtype=float32), array([0.0078125, 1.       ], dtype=float32))
     """
     q, m = decoder_params(fmt)
+    bits = maxima.view(np.uint32)
+    if pick is not None:  # the spread goes into ``scale``, free until the factors
+        bits = scale.view(np.uint32)
+        _pick_maxima(pick[0].view(np.uint32), pick[1], maxima.view(np.uint32), bits, pick[2])
     _maxima_keys(
-        maxima.view(np.uint32),
+        bits,
         keys,
         world_size,
         native,
@@ -2442,6 +2538,10 @@ if AVAILABLE:
             args = (recv, n_ranks, piece, out[:used], offsets, exps[:k], d[:k], cap, q, m, p, lim)
             if bits == 4:
                 _reduce_blocks4(*args)
+            elif bits == 16:  # pieces of whole codes: the shard's payload, no key bytes
+                codes16, out16 = recv.view(np.uint16), out[:used].view(np.uint16)
+                rest = (exps[:k], d[:k], cap, q, m, p, lim)
+                _reduce_blocks(codes16, n_ranks, piece // 2, out16, offsets, *rest)
             else:
                 _reduce_blocks(*args)
         for i in range(used, shard_bytes):
@@ -2475,6 +2575,9 @@ if AVAILABLE:
             payload = gathered[s * row : s * row + ((b - a) * bits + 7) // 8]
             if bits == 4:
                 _decode4(payload, x[a:b], q, m, cut[: k + 1], fac[:k], 0, no_runs)
+            elif bits == 16:
+                codes16 = payload.view(np.uint16)
+                _decode_segments(codes16, x[a:b], q, m, cut[: k + 1], fac[:k], 0, no_runs)
             else:
                 _decode_segments(payload, x[a:b], q, m, cut[: k + 1], fac[:k], 0, no_runs)
 
@@ -2494,7 +2597,7 @@ def send_agreed_blocks(
     Shard s (blocks ``firsts[s]`` to ``firsts[s + 1]`` of ``offsets``) goes
     to ``send[s * piece:]``: its codes times ``table[key]`` per block, then
     zero padding to ``piece``: the bytes of
-    :func:`aps_comm.transports.two_phase_blocks`' send. 4- and 8-bit formats.
+    :func:`aps_comm.transports.two_phase_blocks`' send. 4-, 8- and 16-bit formats.
 
     Example:
         >>> from aps_comm.formats import E4M3

@@ -616,6 +616,9 @@ class SteadyGroups:
         gather: the layers copied in group order into bound scratch, one call
             (None where the groups are consecutive in the bucket).
         pick: the agreed maxima copied in the same order, one call (or None).
+        factors: on the CPU kernels, where the groups are not consecutive: per group sent
+            scaled, in the plan's order, its factors' one call, which picks its layers'
+            agreed maxima (and with ``bucket`` spreads them) first (else None).
         scatter: the scratch copied back into the layers, one call (or None).
         order: the layers' positions in group order, on the bucket's device (made
             once: a bfloat16 bucket's float32 copy is bound again every step).
@@ -649,6 +652,7 @@ class SteadyGroups:
     put_rates: Callable[[], object] | None = None
     gather: Callable[[], object] | None = None
     pick: Callable[[], object] | None = None
+    factors: list[Callable[[], object]] | None = None
     scatter: Callable[[], object] | None = None
     order: torch.Tensor | None = None
     bound_ptr: int = 0
@@ -675,6 +679,11 @@ class SteadyGroups:
         order = [i for g in self.groups for i in g.index]
         values, maxima = x, agreed
         self.gather = self.pick = self.scatter = self.put_rates = None
+        # The CPU kernels pick each group's maxima (and spread them) in its factors' call.
+        on_host = x.device.type == "cpu" and all(
+            g.codec.backend == "kernels" for g in self.groups if g.reduction != Route.FP32
+        )
+        self.factors = None
         if order != list(range(n)):
             values = torch.empty_like(x)
             layers = torch.split(x, self.plan.numels)
@@ -684,7 +693,12 @@ class SteadyGroups:
             self.gather = functools.partial(torch.cat, mine, out=values)
             if not self.blocks:
                 maxima = torch.empty(n, dtype=torch.float32, device=x.device)
-                self.pick = functools.partial(torch.index_select, agreed, 0, self.order, out=maxima)
+                if on_host:
+                    self.factors = []
+                else:
+                    self.pick = functools.partial(
+                        torch.index_select, agreed, 0, self.order, out=maxima
+                    )
             # One multi-tensor copy back, not one copy per layer.
             pieces = list(torch.split(values, [self.plan.numels[i] for i in order]))
             self.scatter = functools.partial(torch._foreach_copy_, mine, pieces)
@@ -707,7 +721,16 @@ class SteadyGroups:
                     if steady is None:
                         return False
                 else:
-                    steady = self._steady(g, gx, maxima[first:last], names, world_size)
+                    picked = self.factors is not None
+                    steady = self._steady(g, gx, maxima[first:last], names, world_size, picked)
+                    if picked:
+                        assert steady.host_factors is not None  # the CPU kernels'
+                        pick = agreed.numpy(), np.asarray(g.index, np.int64), self.bucket
+                        self.factors.append(
+                            functools.partial(
+                                steady.agreed.host_factors_into, g.fmt, *steady.host_factors, pick
+                            )
+                        )
             parts.append((gx, steady))
             sent_rates = rates is not None and steady is not None
             group_rates.append(rates[first:last] if sent_rates else None)  # type: ignore[index]
@@ -723,8 +746,10 @@ class SteadyGroups:
         gmax: torch.Tensor,
         names: list[str | None] | None,
         world_size: int,
+        picked: bool = False,
     ) -> Steady:
-        """Group ``g``'s :class:`Steady`, bound to its values ``gx`` and agreed maxima ``gmax``."""
+        """Group ``g``'s :class:`Steady`, bound to its values ``gx`` and agreed maxima ``gmax``
+        (``picked``: written, and spread for the factors only, by the factors' call)."""
         route = Route(g.reduction)
         steady = Steady(
             g.numel,
@@ -737,7 +762,7 @@ class SteadyGroups:
             AgreedMaxima(gmax, world_size, route == Route.ALLREDUCE, self.none),
             False,
             self.chunk,
-            bucket=self.bucket,
+            bucket=self.bucket and not picked,
             epoch=self.epoch,
         )
         if names is not None:
@@ -1482,6 +1507,7 @@ class Reducer:
         if st.pick is not None:
             st.pick()
         rates = st.rates or [None] * len(st.parts)
+        factors = iter(st.factors or ())
         for (values, s), out in zip(st.parts, rates, strict=True):
             if s is None:
                 transports.fp32_mean(values, comm.group, comm.world_size, self.traffic)
@@ -1492,22 +1518,31 @@ class Reducer:
                     self.record_steady_blocks(index, s, values)
                 transports.two_phase_rank_blocks_bound(s.calls, comm.group, self.traffic)
             else:
-                self._run_part(index, s, values, out)
+                self._run_part(index, s, values, out, next(factors, None))
         if st.put_rates is not None:
             st.put_rates()
         if st.scatter is not None:
             st.scatter()
 
     def _run_part(
-        self, index: int, s: Steady, values: torch.Tensor, rates: torch.Tensor | None
+        self,
+        index: int,
+        s: Steady,
+        values: torch.Tensor,
+        rates: torch.Tensor | None,
+        factors: Callable[[], object] | None = None,
     ) -> None:
         """One format group's bound :class:`Steady` path on its agreed maxima (``rates``:
-        where Promote's rates of its layers go)."""
+        where Promote's rates of its layers go; ``factors``: the call that picks them and
+        makes its factors, :attr:`SteadyGroups.factors`)."""
         comm = self.comm
-        if s.bucket:
-            s.spread()
-        if s.host_factors is not None:  # the CPU kernels' factor arrays
-            s.agreed.host_factors_into(s.group.fmt, *s.host_factors)
+        if factors is not None:
+            factors()
+        else:
+            if s.bucket:
+                s.spread()
+            if s.host_factors is not None:  # the CPU kernels' factor arrays
+                s.agreed.host_factors_into(s.group.fmt, *s.host_factors)
         if s.names is not None:  # before the decode overwrites this rank's values
             self.record_steady(index, s, values)
         if rates is not None:

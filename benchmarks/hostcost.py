@@ -30,7 +30,7 @@ are bound):
   two_phase, native and block routes and, with ``--configs all``, for every
   option a user turns on (:data:`CONFIGS`: statistics, error feedback,
   bucket scaling, no scaling (the naive cast), agreed block exponents, the
-  policies, 16-bit two_phase, "auto").
+  policies, formats interleaved layer by layer, 16-bit two_phase and blocks, "auto").
 
 Target (issue #34): at most 15 ops, the same for 2 or 200 layers, and at
 most 300 us per bucket on a quiet 2-core machine (150 us on a GPU host).
@@ -146,6 +146,25 @@ CONFIGS: dict[str, dict[str, Any]] = {
     "promote": {**ROUTES["two_phase"], "policy": [Promote()]},
     "schedule": {**ROUTES["two_phase"], "policy": [Schedule(steps=1)]},
     "fp16_two_phase": {"fmt": "fp16", "reduction": "two_phase"},
+    "fp16_block": {**ROUTES["block"], "fmt": "fp16"},
+    "bf16_block": {**ROUTES["block"], "fmt": "bf16"},
+    "fp16_block+stats": {**ROUTES["block"], "fmt": "fp16", "stats": True},
+    "fp16_block_agreed": {**ROUTES["block"], "fmt": "fp16", "block_exponents": "agreed"},
+    "interleaved+promote": {
+        **ROUTES["two_phase"],
+        "policy": [Promote(), ByName({"*[13579].weight": "fp16"}), KeepLast("fp32")],
+    },
+    "interleaved+bucket+stats": {
+        **ROUTES["two_phase"],
+        "scaling": "bucket",
+        "stats": True,
+        "policy": [ByName({"*[13579].weight": "fp16"}), KeepLast("fp32")],
+    },
+    "interleaved+block+stats": {
+        **ROUTES["block"],
+        "stats": True,
+        "policy": [ByName({"*[13579].weight": "e4m3"}), KeepLast("fp32")],
+    },
     "auto": {"fmt": "e4m3", "reduction": "auto"},
     "auto/fp32": {"fmt": "e4m3", "reduction": "auto", "profile": FAST_LINK},
 }
@@ -202,6 +221,7 @@ _CPU_KERNELS = (
     "block_factors_into",
     "underflow_rates",
     "block_amax",
+    "block_keys",
     "block_records",
     "layer_any",
     "layer_records",

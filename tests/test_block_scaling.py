@@ -675,6 +675,37 @@ def test_two_phase_keys_on_the_cpu_match_the_exponent_rule(fmt: FloatFormat) -> 
         assert torch.equal(got[0], want), (world, (got[0] != want).nonzero()[:5])
 
 
+@pytest.mark.parametrize("fmt", [F.BF16, F.FP16, F.E4M3], ids=lambda f: f.name)
+def test_block_keys_kernel_matches_the_exponent_rule_at_any_world_size(fmt: FloatFormat) -> None:
+    """The settled bucket's one keys call equals the float64 rule, bf16's FP32-sum bound
+    included (its max times N passes float32's: the rule's second bound binds)."""
+    gen = torch.Generator().manual_seed(1)
+    pow2s = torch.exp2(torch.arange(-149, 128, dtype=torch.float64)).float()
+    x = torch.cat(
+        [
+            torch.tensor([0.0, -3.4e38, 1e-45, float("inf"), float("nan")]),
+            pow2s,
+            -pow2s.nextafter(torch.tensor(0.0)),
+            torch.randn(2000, generator=gen)
+            * torch.exp2(torch.randint(-140, 120, (2000,), generator=gen)),
+        ]
+    )
+    offsets = np.arange(x.numel() + 1, dtype=np.int64)  # one element per block
+    counts = torch.tensor([3, 2, x.numel() - 5])  # three layers; the second one's not finite
+    for world in (1, 2, 3, 1000):
+        maxima, keys = torch.empty(x.numel()), torch.empty(x.numel(), dtype=torch.uint8)
+        flags = torch.empty(3, dtype=torch.uint8)
+        cpu_kernels.block_keys(
+            fmt, x, offsets, counts, maxima, keys, flags, S.EXPONENT_LIMIT, world
+        )
+        amax = x.abs()
+        e = S.exponents(amax, fmt, world_size=world, reduction="two_phase", scaling="block")
+        want = torch.where(amax == 0, S.KEY_ZERO, 127 - e)
+        want = torch.where(torch.isfinite(amax), want, S.KEY_BAD).to(torch.uint8)
+        assert torch.equal(keys, want), (world, (keys != want).nonzero()[:5])
+        assert flags.tolist() == [0, 1, 0]
+
+
 def test_key_factors_are_the_keys_powers_of_two() -> None:
     keys = torch.arange(256, dtype=torch.int32).to(torch.uint8).view(16, 16)
     e = S.key_exponents(keys)
