@@ -455,6 +455,12 @@ class SteadyFeedback:
         calls: the one chunk's bound calls.
         workspace: as :class:`Steady`'s.
         epoch: as :class:`Steady`'s (a Schedule epoch moves a layer's format).
+        group: the group plan it is bound to (its layout, blocks and codec: the records').
+        names: with ``stats=True``, each layer's name for its records
+            (:meth:`Reducer.record_feedback`); None records nothing.
+        keys: the CPU kernels' int32 exponent keys of the agreed maxima, which
+            ``factors`` leaves there (the records' exponents); else None.
+        local: with blocks, this rank's float32 max |x| of every block (``agree``'s).
     """
 
     numel: int
@@ -467,6 +473,10 @@ class SteadyFeedback:
     calls: list[transports.ChunkCalls]
     workspace: tuple[int, ...] = ()
     epoch: tuple[int, ...] = ()
+    group: GroupPlan | None = None
+    names: list[str | None] | None = None
+    keys: np.ndarray | None = None
+    local: torch.Tensor | None = None
 
 
 @dataclasses.dataclass
@@ -1351,7 +1361,7 @@ class Reducer:
         st.workspace = self._epoch(index, x.device)
         self.steady[index] = st
 
-    def _run_feedback_groups(self, st: SteadyGroups) -> None:
+    def _run_feedback_groups(self, index: int, st: SteadyGroups) -> None:
         """:meth:`_run_groups` with error feedback: every group's residuals added, the
         bucket's maxima (or each group's block keys) agreed at once, then each group's
         factors and bound chunk (the FP32 group: its all-reduce) in the plan's order."""
@@ -1370,6 +1380,8 @@ class Reducer:
             if isinstance(s, SteadyFeedback):
                 # Factors and scratch of one group at a time: the groups share the STEP slot.
                 s.factors()
+                if s.names is not None:  # before the owner's mean overwrites the values
+                    self.record_feedback(index, s, values)
                 transports.two_phase_bound(s.calls, comm.group, self.traffic, False)
             else:
                 transports.fp32_mean(values, comm.group, comm.world_size, self.traffic)
@@ -1388,7 +1400,7 @@ class Reducer:
         as in the general path)."""
         comm, plan = self.comm, st.plan
         if st.feedback:  # float32 buckets only: bound to ``x`` for good
-            self._run_feedback_groups(st)
+            self._run_feedback_groups(index, st)
             return
         if st.bound_ptr != x.data_ptr():  # a bfloat16 bucket's float32 copy: new each step
             st.bind(x, comm.world_size, comm.rank)
@@ -1507,11 +1519,10 @@ class Reducer:
 
     def _feedback_settles(self, x: torch.Tensor) -> bool:
         """Whether a bucket with error feedback can settle, whatever its formats: not with
-        Promote's rates or records to keep, per layer or agreed block exponents, float32."""
+        Promote's rates to keep, per layer or agreed block exponents, float32."""
         settings = self.settings
         return (
             self.assignment.promoter is None
-            and not settings.stats
             and settings.scaling in (Scaling.LAYER, Scaling.BLOCK)
             and x.dtype == torch.float32
         )
@@ -1563,8 +1574,9 @@ class Reducer:
             if arena.close():
                 break
         counts = None
+        host_keys = local = None
         if g.blocks is not None:
-            counts = g.blocks.device_counts
+            counts, local = g.blocks.device_counts, maxima
             shared = keys if shared is None else shared
             agree = g.codec.bind_block_keys(
                 x,
@@ -1583,7 +1595,11 @@ class Reducer:
             if shared is None:
                 shared = torch.zeros(n_seg, dtype=torch.float32, device=device)
             agree = g.codec.bind_layer_maxima(x, g.layout, shared)
-        factors = g.codec.bind_feedback_factors(shared, comm.world_size, scale, unscale, counts)
+            if g.codec.backend == "kernels" and device.type == "cpu":
+                host_keys = np.empty(n_seg, np.int32)
+        factors = g.codec.bind_feedback_factors(
+            shared, comm.world_size, scale, unscale, counts, host_keys
+        )
         residual = torch.empty(x.numel(), dtype=torch.float32, device=device)
         sent = scratch[:numel]
         head = send[: payload_nbytes(numel, fmt)]
@@ -1617,18 +1633,24 @@ class Reducer:
             calls,
             self._epoch(index, device),
             self.assignment.epoch(self.step),
+            g,
+            list(names) if self.settings.stats else None,
+            host_keys,
+            local,
         )
 
     def _run_feedback(
-        self, st: SteadyFeedback, x: torch.Tensor, defer: bool
+        self, index: int, st: SteadyFeedback, x: torch.Tensor, defer: bool
     ) -> Callable[[], None] | None:
         """:meth:`run_steady` with error feedback: the residuals added, the maxima agreed,
-        the factors written, then two_phase's bound chunk."""
+        the factors written (and the records), then two_phase's bound chunk."""
         comm = self.comm
         x.add_(st.residual)
         st.agree()
         transports.all_reduce_max(st.shared, comm.group, self.traffic)
         st.factors()
+        if st.names is not None:  # before the owner's mean overwrites the values
+            self.record_feedback(index, st, x)
         # Not deferred: one workspace slot serves every bucket (:meth:`bucket`).
         return transports.two_phase_bound(st.calls, comm.group, self.traffic, False)
 
@@ -1889,7 +1911,7 @@ class Reducer:
         """
         comm = self.comm
         if isinstance(st, SteadyFeedback):
-            return self._run_feedback(st, x, defer)
+            return self._run_feedback(index, st, x, defer)
         if isinstance(st, SteadyBlocks):
             return self._run_steady_blocks(index, st, x, defer)
         if isinstance(st, SteadyAgreedBlocks):
@@ -2135,6 +2157,37 @@ class Reducer:
         counts = layer_counts(x, g.layout.lengths, exps, g.fmt)
         counts, smallest, largest = per_layer(g.blocks, counts, exps, blocks_amax(x, g.layout))
         self.stats.add(index, st.names, g.numels, g.fmt, smallest, largest, counts)
+
+    def record_feedback(self, index: int, st: SteadyFeedback, x: torch.Tensor) -> None:
+        """:meth:`record_steady` with error feedback: the general path's records of this
+        rank's values ``x`` with its residuals added, under two_phase's factors of the
+        agreed maxima (per block: the agreed keys, folded per layer with this rank's
+        block maxima). One kernel call on the CPU kernels, a fixed handful of tensor ops
+        elsewhere, whatever the layer count; nothing read on the host."""
+        g = st.group
+        assert st.names is not None and g is not None
+        fmt, route, n = g.fmt, Route.TWO_PHASE, self.comm.world_size
+        if g.codec.backend == "kernels" and x.device.type == "cpu":
+            rows = torch.empty(len(st.names), 5, dtype=torch.float64)
+            if g.blocks is None:
+                assert st.keys is not None  # left by st.factors
+                g.codec.layer_records(x, g.layout, st.shared, st.keys, rows)
+            else:
+                assert st.local is not None
+                g.codec.block_records(x, g.blocks, st.shared, st.local, rows)
+            self.stats.add_rows(index, st.names, g.numels, fmt, rows)
+            return
+        if g.blocks is None:
+            exps = factors(st.shared, fmt, route, world_size=n).exponents
+            counts, amax = layer_counts(x, g.layout.lengths, exps, fmt), st.shared
+        else:
+            assert st.local is not None
+            keyed = factors_from_keys(
+                st.shared[None], fmt, route, world_size=n, counts=g.blocks.device_counts
+            )
+            counts = layer_counts(x, g.layout.lengths, keyed.exponents, fmt)
+            counts, exps, amax = per_layer(g.blocks, counts, keyed.exponents, st.local)
+        self.stats.add(index, st.names, g.numels, fmt, exps, amax, counts)
 
     def _promoted(self, st: Steady | SteadyGroups) -> bool:
         """Promote's step from the rates just agreed on the maxima; whether a format of the

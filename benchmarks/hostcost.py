@@ -124,6 +124,12 @@ CONFIGS: dict[str, dict[str, Any]] = {
     "block+stats": {**ROUTES["block"], "stats": True},
     "two_phase+error_feedback": {**ROUTES["two_phase"], "error_feedback": True},
     "block+error_feedback": {**ROUTES["block"], "error_feedback": True},
+    "two_phase+error_feedback+stats": {
+        **ROUTES["two_phase"],
+        "error_feedback": True,
+        "stats": True,
+    },
+    "block+error_feedback+stats": {**ROUTES["block"], "error_feedback": True, "stats": True},
     "bucket": {**ROUTES["two_phase"], "scaling": "bucket"},
     "bucket+stats": {**ROUTES["two_phase"], "scaling": "bucket", "stats": True},
     "none": {**ROUTES["two_phase"], "scaling": "none"},

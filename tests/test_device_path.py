@@ -451,6 +451,37 @@ def test_settled_error_feedback_beside_fp32_makes_no_host_traffic(
         assert mode.reads == [] and mode.copies == [], (mode.reads, mode.copies)
 
 
+@pytest.mark.parametrize("world", [1, 6])
+def test_settled_error_feedback_with_stats_makes_no_host_traffic(
+    monkeypatch: pytest.MonkeyPatch, world: int
+) -> None:
+    """Issue 46: error feedback with ``stats=True`` settles (one format, and beside FP32),
+    its records (the device ops a GPU runs instead of the CPU kernel) read nothing on the
+    host until the step's records are asked for, then once."""
+    monkeypatch.setattr(engine_mod, "_FEEDBACK_BACKENDS", ("cast",))
+    ran: list[str] = []
+    monkeypatch.setattr(Reducer, "run_steady", _logged(Reducer.run_steady, ran))
+    with stubbed_collectives(monkeypatch):
+        reducer, names = _reducer(
+            get_format("e4m3"),
+            "two_phase",
+            "layer",
+            world,
+            0,
+            [KeepLast("fp32")],
+            stats=True,
+            feedback=True,
+        )
+        steady, stats = _bucket_steps(reducer, names, 4, chunk=None)
+    assert ran == ["SteadyFeedback", "SteadyGroups"] * 3, ran
+    for mode in steady:
+        assert mode.reads == [] and mode.copies == [], (mode.reads, mode.copies)
+    mode = HostTraffic()
+    with mode:
+        records = stats.records()
+    assert len(mode.reads) == 1 and [r.name for r in records] == names[:-1]  # FP32: none
+
+
 def _logged(run_steady: Callable[..., Any], log: list[str]) -> Callable[..., Any]:
     """:meth:`Reducer.run_steady`, logging the kind of settled path each call runs."""
 

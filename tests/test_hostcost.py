@@ -446,9 +446,19 @@ def _named_state(options: dict, params: list[torch.Tensor]) -> aps_comm.APSState
     return state
 
 
-@pytest.mark.parametrize("config", ["two_phase+error_feedback", "block+error_feedback"])
+@pytest.mark.parametrize(
+    "config",
+    [
+        "two_phase+error_feedback",
+        "block+error_feedback",
+        "two_phase+error_feedback+stats",
+        "block+error_feedback+stats",
+    ],
+)
 def test_error_feedback_buckets_settle_in_a_fixed_handful_of_ops(world: None, config: str) -> None:
-    """Issue 46: error feedback settles too, its residual updates whole-bucket kernels."""
+    """Issue 46: error feedback settles too, its residual updates whole-bucket kernels;
+    with ``stats=True`` too, every layer's records in one call (was 533 ops per bucket at
+    200 layers, 141 at 4; e2m1 block 305 and 109)."""
     counts, settled = {}, []
     for layers in (2, 200):
         x, params = _bucket([300 + i for i in range(layers)], layers)
@@ -468,6 +478,9 @@ def test_error_feedback_buckets_settle_in_a_fixed_handful_of_ops(world: None, co
     assert settled == [True, True]
     # The residuals' updates are whole-bucket kernels: this rank's encode, the owner's.
     assert {"kernel::keep_lost", "kernel::owner_lost"} <= set(kernels), kernels
+    if "stats" in config:  # one records call, a row per layer
+        records = "kernel::block_records" if "block" in config else "kernel::layer_records"
+        assert kernels.count(records) == 1 and len(state.stats) == 200, kernels
 
 
 def _feedback_steps(rank: int, world_size: int, options: dict) -> list[str]:
@@ -480,7 +493,7 @@ def _feedback_steps(rank: int, world_size: int, options: dict) -> list[str]:
     problems = []
     for step in range(7):
         x, _ = _bucket(numels, 100 * step + rank)
-        if step == 3 and rank == 1:
+        if step == 3 and rank == world_size - 1:
             x[7] = float("nan")  # layer 3 on one rank: NaN in it on every rank, this step
         if step == 5:  # residuals restored from a checkpoint: the settled path takes them
             for state in (settled, full):
@@ -509,7 +522,14 @@ def _feedback_steps(rank: int, world_size: int, options: dict) -> list[str]:
             torch.equal(mine[k].view(torch.int32), ref[k].view(torch.int32)) for k in ref
         ):
             problems.append(f"step {step}: residuals differ")
+        # The records (NaN-aware through repr) and the bytes per collective.
+        if repr(settled.stats) != repr(full.stats) or settled.bytes_detail != full.bytes_detail:
+            problems.append(f"step {step}: records or bytes differ")
     return problems
+
+
+def _feedback_configs(rank: int, world_size: int, configs: list[dict]) -> list[str]:
+    return [p for options in configs for p in _feedback_steps(rank, world_size, options)]
 
 
 @pytest.mark.parametrize(
@@ -529,6 +549,18 @@ def _feedback_steps(rank: int, world_size: int, options: dict) -> list[str]:
 )
 def test_settled_error_feedback_gives_the_full_paths_bits_and_residuals(options: dict) -> None:
     for problems in run_distributed(_feedback_steps, 2, args=(options,)):
+        assert problems == []
+
+
+@pytest.mark.parametrize("world_size", [1, 2])
+def test_settled_error_feedback_with_stats_gives_the_general_paths_records(
+    world_size: int,
+) -> None:
+    """Issue 46: error feedback with ``stats=True`` settles (per layer and with blocks),
+    with the general path's gradients, residuals, bytes and records (this rank's values
+    with its residuals added, under the agreed exponents), a NaN on one rank included."""
+    configs = [CONFIGS["two_phase+error_feedback+stats"], CONFIGS["block+error_feedback+stats"]]
+    for problems in run_distributed(_feedback_configs, world_size, args=(configs,)):
         assert problems == []
 
 
@@ -552,6 +584,7 @@ _MIXED_OPTIONS: dict[str, dict] = {
     "keep_last+block": CONFIGS["keep_last+block"],
     "keep_last+error_feedback": CONFIGS["keep_last+error_feedback"],
     "keep_last+block+error_feedback": CONFIGS["keep_last+block+error_feedback"],
+    "keep_last+error_feedback+stats": {**CONFIGS["keep_last+error_feedback"], "stats": True},
     # 16-bit block groups have no fused calls (they keep the per-shard path): e4m3 here.
     "interleaved+block": {
         **ROUTES["block"],
@@ -580,6 +613,7 @@ _MIXED_OPTIONS["interleaved+block+stats"] = {**_MIXED_OPTIONS["interleaved+block
         ("interleaved+bucket+stats", 4, BUDGET + 4),
         ("keep_last+error_feedback", 2, BUDGET),
         ("keep_last+block+error_feedback", 2, BUDGET),
+        ("keep_last+error_feedback+stats", 2, BUDGET),
     ],
 )
 def test_ops_per_settled_mixed_format_bucket_do_not_grow_with_layers(
@@ -702,6 +736,8 @@ def _mixed_feedback_steps(rank: int, world_size: int, configs: list[dict]) -> li
                 problems.append(f"config {c} step {step}: residuals differ")
             if settled.bytes_detail != full.bytes_detail:
                 problems.append(f"config {c} step {step}: {settled.bytes_detail} on the wire")
+            if repr(settled.stats) != repr(full.stats):
+                problems.append(f"config {c} step {step}: records differ")
     return problems
 
 
@@ -723,6 +759,21 @@ def test_settled_mixed_format_buckets_with_error_feedback_give_the_general_paths
             "policy": [Schedule(steps=2, fmt="fp16"), KeepLast("fp32")],
         },
         {**CONFIGS["block+error_feedback"], "policy": [ByName({"no.such.layer": "fp32"})]},
+    ]
+    for problems in run_distributed(_mixed_feedback_steps, world_size, args=(configs,)):
+        assert problems == []
+
+
+@pytest.mark.parametrize("world_size", [1, 2])
+def test_settled_mixed_format_buckets_with_error_feedback_and_stats_give_the_general_paths_records(
+    world_size: int,
+) -> None:
+    """Issue 46: error feedback and ``stats=True`` beside ``KeepLast("fp32")`` settle, per
+    layer and with blocks: every sent group records in the plan's order, the FP32 layer
+    nothing, the general path's records, gradients and residuals."""
+    configs = [
+        _MIXED_OPTIONS["keep_last+error_feedback+stats"],
+        {**CONFIGS["keep_last+block+error_feedback"], "stats": True},
     ]
     for problems in run_distributed(_mixed_feedback_steps, world_size, args=(configs,)):
         assert problems == []
