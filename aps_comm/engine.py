@@ -461,6 +461,11 @@ class SteadyFeedback:
         keys: the CPU kernels' int32 exponent keys of the agreed maxima, which
             ``factors`` leaves there (the records' exponents); else None.
         local: with blocks, this rank's float32 max |x| of every block (``agree``'s).
+        scale: the bound calls' float32 scale (Promote's rates are counted under it).
+        maxima: with Promote, the MAX all-reduce's vector: ``shared`` (the maxima), then
+            every layer's local underflow rate (the reducer's rates are views of them).
+        fmts: with Promote, each layer's format it was bound to.
+        promote: with Promote, the layers' keys, sizes and names.
     """
 
     numel: int
@@ -477,6 +482,10 @@ class SteadyFeedback:
     names: list[str | None] | None = None
     keys: np.ndarray | None = None
     local: torch.Tensor | None = None
+    scale: torch.Tensor | None = None
+    maxima: torch.Tensor | None = None
+    fmts: list[FloatFormat] = dataclasses.field(default_factory=list)
+    promote: tuple[list[Any], list[int], list[str | None]] | None = None
 
 
 @dataclasses.dataclass
@@ -1026,7 +1035,8 @@ class Reducer:
             shared_maxima: the maxima's MAX all-reduce already made this step
                 (Promote's rates and the chunk on it), by the settled path
                 whose formats Promote has just moved: no collective, no
-                Promote step here (:meth:`run_steady`).
+                Promote step here (:meth:`run_steady`); with error feedback
+                it has added the residuals too.
 
         Returns:
             With ``defer`` and chunks left in flight, the function that
@@ -1036,7 +1046,8 @@ class Reducer:
         self.step = step
         plan = self.plan(index, numels, x.device)
         if self.feedback is not None:
-            self.feedback.add(x, numels, names)
+            if shared_maxima is None:  # else the settled path has added them
+                self.feedback.add(x, numels, names)
             # Its float32 scratch (two buckets' worth at N = 1) leaves no room for
             # a second bucket's buffers within the workspace's bound: no overlap.
             defer = False
@@ -1148,7 +1159,7 @@ class Reducer:
         elif self.feedback is None:
             self._settle_agreed_blocks(index, x, plan, fmts, g, main, measured, chunk)
         if self.feedback is not None:
-            self._settle_feedback(index, x, g, names)
+            self._settle_feedback(index, x, g, fmts, layers_of)
 
     def _groups(
         self,
@@ -1258,7 +1269,7 @@ class Reducer:
         blocks = settings.scaling == Scaling.BLOCK
         promoted = assignment.promoter is not None
         if self.feedback is not None:
-            self._settle_feedback_groups(index, x, plan, fmts, groups, main, names)
+            self._settle_feedback_groups(index, x, plan, fmts, groups, main, layers)
             return
         if (
             # Blocks: each rank's own exponents (nothing agreed, Promote takes no step).
@@ -1305,11 +1316,13 @@ class Reducer:
         fmts: list[FloatFormat],
         groups: list[GroupPlan],
         main: Route,
-        names: Sequence[str | None],
+        layers: tuple[Sequence[Any], list[int], Sequence[str | None]],
     ) -> None:
         """Bind the :class:`SteadyGroups` path of a bucket of several formats with error
         feedback: each group sent scaled a :class:`SteadyFeedback` on its view, its agreed
-        maxima (or block keys) a view of the one vector the bucket MAX-all-reduces."""
+        maxima (or block keys) a view of the one vector the bucket MAX-all-reduces (with
+        Promote, every layer's rate after them, as :meth:`_agree_maxima`'s)."""
+        keys, numels, names = layers
         sent = [g for g in groups if g.reduction != Route.FP32]
         self.steady.pop(index, None)
         blocks = self.settings.scaling == Scaling.BLOCK
@@ -1324,9 +1337,14 @@ class Reducer:
             return
         # The general path's one MAX all-reduce: every layer's maximum, or each sent
         # format's block keys in the plan's order (:meth:`_agree_blocks`).
-        size = sum(g.layout.n_segments for g in sent) if blocks else len(fmts)
+        n, promoted = len(fmts), self.assignment.promoter is not None and not blocks
+        size = sum(g.layout.n_segments for g in sent) if blocks else n * (1 + int(promoted))
         dtype = torch.uint8 if blocks else torch.float32
         shared = torch.zeros(size, dtype=dtype, device=x.device)
+        if promoted:
+            # The FP32 group's layers keep their rates, as in the general path.
+            kept = {i for g in groups if g.reduction == Route.FP32 for i in g.index}
+            self._rates_into(shared[n:], names, kept)
         st = SteadyGroups(
             x.numel(),
             x.data_ptr(),
@@ -1340,13 +1358,17 @@ class Reducer:
             blocks=blocks,
             feedback=True,
             epoch=self.assignment.epoch(self.step),
+            promote=(list(keys), list(numels), list(names)) if promoted else None,
         )
         if not blocks:
-            st.maxima_call = sent[0].codec.bind_layer_maxima(x, plan.layout, shared)
+            st.maxima_call = sent[0].codec.bind_layer_maxima(x, plan.layout, shared[:n])
         parts: list[tuple[torch.Tensor, Steady | SteadyBlocks | SteadyFeedback | None]] = []
+        rates: list[torch.Tensor | None] = []
         lo = at = 0
         for g in groups:
             gx, part = x[lo : lo + g.numel], None
+            sent_rates = promoted and g.reduction != Route.FP32
+            rates.append(shared[n + g.index[0] : n + g.index[-1] + 1] if sent_rates else None)
             if g.reduction != Route.FP32:
                 n = g.layout.n_segments if blocks else len(g.index)
                 at = at if blocks else g.index[0]
@@ -1358,10 +1380,11 @@ class Reducer:
             parts.append((gx, part))
             lo += g.numel
         st.parts, st.bound_ptr = parts, x.data_ptr()
+        st.rates = rates if promoted else None
         st.workspace = self._epoch(index, x.device)
         self.steady[index] = st
 
-    def _run_feedback_groups(self, index: int, st: SteadyGroups) -> None:
+    def _run_feedback_groups(self, index: int, st: SteadyGroups, x: torch.Tensor) -> None:
         """:meth:`_run_groups` with error feedback: every group's residuals added, the
         bucket's maxima (or each group's block keys) agreed at once, then each group's
         factors and bound chunk (the FP32 group: its all-reduce) in the plan's order."""
@@ -1376,12 +1399,18 @@ class Reducer:
             for _, s in fed:
                 s.agree()
         transports.all_reduce_max(st.maxima, comm.group, self.traffic)
-        for values, s in st.parts:
+        if st.promote is not None and self._promoted(st):
+            self._moved(index, st, x, False)
+            return
+        rates = st.rates or [None] * len(st.parts)
+        for (values, s), out in zip(st.parts, rates, strict=True):
             if isinstance(s, SteadyFeedback):
                 # Factors and scratch of one group at a time: the groups share the STEP slot.
                 s.factors()
                 if s.names is not None:  # before the owner's mean overwrites the values
                     self.record_feedback(index, s, values)
+                if out is not None:
+                    self._feedback_rates(s, values, out)
                 transports.two_phase_bound(s.calls, comm.group, self.traffic, False)
             else:
                 transports.fp32_mean(values, comm.group, comm.world_size, self.traffic)
@@ -1400,7 +1429,7 @@ class Reducer:
         as in the general path)."""
         comm, plan = self.comm, st.plan
         if st.feedback:  # float32 buckets only: bound to ``x`` for good
-            self._run_feedback_groups(index, st)
+            self._run_feedback_groups(index, st, x)
             return
         if st.bound_ptr != x.data_ptr():  # a bfloat16 bucket's float32 copy: new each step
             st.bind(x, comm.world_size, comm.rank)
@@ -1506,26 +1535,37 @@ class Reducer:
             transports.two_phase_bound(s.calls, comm.group, self.traffic)
 
     def _settle_feedback(
-        self, index: int, x: torch.Tensor, g: GroupPlan, names: Sequence[str | None]
+        self,
+        index: int,
+        x: torch.Tensor,
+        g: GroupPlan,
+        fmts: list[FloatFormat],
+        layers: tuple[list[Any], list[int], list[str | None]],
     ) -> None:
         """Bind the bucket's :class:`SteadyFeedback` path where nothing in it changes per step
-        but the policy's epoch."""
+        but the policy's epoch and Promote's levels (``layers``: the layers' keys, sizes and
+        names)."""
         self.steady.pop(index, None)
         if not g.contiguous or not self._feedback_settles(x):
             return
-        st = self._bind_feedback(index, x, g, names)
+        names, n = layers[2], len(fmts)
+        promoted = self.assignment.promoter is not None
+        vector = None
+        if promoted and self.settings.scaling == Scaling.LAYER:
+            # The general path's vector: the maxima, then every layer's last local rate.
+            vector = torch.zeros(2 * n, dtype=torch.float32, device=x.device)
+            self._rates_into(vector[n:], names, set())
+        st = self._bind_feedback(index, x, g, names, None if vector is None else vector[:n])
         if st is not None:
+            if vector is not None:
+                st.maxima, st.fmts, st.promote = vector, list(fmts), layers
             self.steady[index] = st
 
     def _feedback_settles(self, x: torch.Tensor) -> bool:
-        """Whether a bucket with error feedback can settle, whatever its formats: not with
-        Promote's rates to keep, per layer or agreed block exponents, float32."""
+        """Whether a bucket with error feedback can settle, whatever its formats: per layer
+        (Promote too) or agreed block exponents, float32."""
         settings = self.settings
-        return (
-            self.assignment.promoter is None
-            and settings.scaling in (Scaling.LAYER, Scaling.BLOCK)
-            and x.dtype == torch.float32
-        )
+        return settings.scaling in (Scaling.LAYER, Scaling.BLOCK) and x.dtype == torch.float32
 
     def _bind_feedback(
         self,
@@ -1637,6 +1677,7 @@ class Reducer:
             list(names) if self.settings.stats else None,
             host_keys,
             local,
+            scale,
         )
 
     def _run_feedback(
@@ -1647,10 +1688,15 @@ class Reducer:
         comm = self.comm
         x.add_(st.residual)
         st.agree()
-        transports.all_reduce_max(st.shared, comm.group, self.traffic)
+        shared = st.shared if st.maxima is None else st.maxima
+        transports.all_reduce_max(shared, comm.group, self.traffic)
+        if st.promote is not None and self._promoted(st):
+            return self._moved(index, st, x, False)
         st.factors()
         if st.names is not None:  # before the owner's mean overwrites the values
             self.record_feedback(index, st, x)
+        if st.maxima is not None:
+            self._feedback_rates(st, x, st.maxima[st.shared.numel() :])
         # Not deferred: one workspace slot serves every bucket (:meth:`bucket`).
         return transports.two_phase_bound(st.calls, comm.group, self.traffic, False)
 
@@ -1990,7 +2036,7 @@ class Reducer:
         return tail
 
     def _moved(
-        self, index: int, st: Steady, x: torch.Tensor, defer: bool
+        self, index: int, st: Steady | SteadyFeedback | SteadyGroups, x: torch.Tensor, defer: bool
     ) -> Callable[[], None] | None:
         """Promote moved a layer's format of settled bucket ``index``: this step sends the
         new formats by the general path, on the maxima just agreed, which binds the bucket
@@ -1998,7 +2044,8 @@ class Reducer:
         assert st.promote is not None
         del self.steady[index]
         keys, numels, names = st.promote
-        chunk = None if st.measured else st.chunk
+        # Error feedback sends one chunk, whatever is asked.
+        fixed = not isinstance(st, SteadyFeedback) and not st.measured
         return self.bucket(
             index,
             x,
@@ -2006,7 +2053,7 @@ class Reducer:
             numels,
             names,
             step=self.step,
-            chunk=chunk,
+            chunk=st.chunk if fixed else None,  # type: ignore[union-attr]
             defer=defer,
             shared_maxima=st.maxima,
         )
@@ -2189,14 +2236,28 @@ class Reducer:
             counts, exps, amax = per_layer(g.blocks, counts, keyed.exponents, st.local)
         self.stats.add(index, st.names, g.numels, fmt, exps, amax, counts)
 
-    def _promoted(self, st: Steady | SteadyGroups) -> bool:
+    def _feedback_rates(self, st: SteadyFeedback, x: torch.Tensor, out: torch.Tensor) -> None:
+        """:meth:`_settled_rates` with error feedback: this rank's underflow rate of every
+        layer of ``x`` (its residuals added) under the step's two_phase factors, into
+        ``out``: one kernel call on the CPU kernels, else a few whole-bucket tensor ops."""
+        g = st.group
+        assert g is not None and st.scale is not None
+        if g.codec.backend == "kernels" and x.device.type == "cpu":
+            g.codec.underflow_rates(x, g.layout, st.scale.numpy(), out)
+            return
+        n = self.comm.world_size
+        exps = factors(st.shared, g.fmt, Route.TWO_PHASE, world_size=n).exponents
+        counts = layer_counts(x, g.layout.lengths, exps, g.fmt)
+        out.copy_(counts[:, 1].float() / counts[:, 0].clamp(min=1).float())
+
+    def _promoted(self, st: Steady | SteadyGroups | SteadyFeedback) -> bool:
         """Promote's step from the rates just agreed on the maxima; whether a format of the
         bucket moved (only this bucket's layers move here).
 
         Promote picks formats on the host: one read of the agreed rates per
         bucket (none on the CPU, where they are host memory already).
         """
-        assert st.promote is not None
+        assert st.promote is not None and st.maxima is not None
         n = len(st.fmts)
         rates = st.maxima[n : 2 * n]
         agreed = rates.numpy() if rates.device.type == "cpu" else rates

@@ -150,6 +150,11 @@ CONFIGS: dict[str, dict[str, Any]] = {
         "policy": [KeepLast("fp32")],
     },
     "promote": {**ROUTES["two_phase"], "policy": [Promote()]},
+    "promote+error_feedback": {
+        **ROUTES["two_phase"],
+        "error_feedback": True,
+        "policy": [Promote()],
+    },
     "schedule": {**ROUTES["two_phase"], "policy": [Schedule(steps=1)]},
     "fp16_two_phase": {"fmt": "fp16", "reduction": "two_phase"},
     "auto": {"fmt": "e4m3", "reduction": "auto"},

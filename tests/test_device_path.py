@@ -482,6 +482,27 @@ def test_settled_error_feedback_with_stats_makes_no_host_traffic(
     assert len(mode.reads) == 1 and [r.name for r in records] == names[:-1]  # FP32: none
 
 
+def test_settled_error_feedback_under_promote_reads_only_its_rates(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    """Issue 46: error feedback under ``Promote`` settles (one format, and beside FP32);
+    Promote reads its agreed rates once per bucket, and nothing else is read on the host
+    or copied to the device."""
+    monkeypatch.setattr(engine_mod, "_FEEDBACK_BACKENDS", ("cast",))
+    ran: list[str] = []
+    monkeypatch.setattr(Reducer, "run_steady", _logged(Reducer.run_steady, ran))
+    rules = [*POLICIES["promote"], KeepLast("fp32")]
+    with stubbed_collectives(monkeypatch):
+        reducer, names = _reducer(
+            get_format("e4m3"), "two_phase", "layer", 6, 0, rules, stats=True, feedback=True
+        )
+        steady, _ = _bucket_steps(reducer, names, 4, chunk=None)
+    assert ran == ["SteadyFeedback", "SteadyGroups"] * 3, ran
+    for mode in steady:
+        assert len(mode.reads) == 2, mode.reads  # Promote's agreed rates, once per bucket
+        assert mode.copies == [], mode.copies
+
+
 def _logged(run_steady: Callable[..., Any], log: list[str]) -> Callable[..., Any]:
     """:meth:`Reducer.run_steady`, logging the kind of settled path each call runs."""
 

@@ -204,14 +204,16 @@ def _bound_state(options: dict, params: list[torch.Tensor]) -> aps_comm.APSState
     return state
 
 
-@pytest.mark.parametrize("config", ["bucket", "schedule", "promote", "none", "block_agreed"])
+@pytest.mark.parametrize(
+    "config", ["bucket", "schedule", "promote", "none", "block_agreed", "promote+error_feedback"]
+)
 def test_ops_per_settled_bucket_with_options_do_not_grow_with_layers(
     world: None, config: str
 ) -> None:
     """Issue 46: bucket scaling, no scaling, agreed block exponents and the policies
     settle; the policies on steps where no layer's format changes (Schedule(steps=1): from
     its second step on). Before: "none" 226 ops per bucket at 200 layers (30 at 4),
-    "block_agreed" 52."""
+    "block_agreed" 52, "promote+error_feedback" 536 (144 at 4)."""
     counts = {}
     for layers in (2, 200):
         numels = [300 + i for i in range(layers)]
@@ -429,7 +431,9 @@ def test_promote_binds_the_bucket_again_and_keeps_the_full_paths_bits(world: Non
         assert settled.reducer is not None
         bound.append(settled.reducer.steady.get(0))
         bound2.append(settled.reducer.steady.get(1))
-        formats.append(settled.assignment.formats([id(p) for p in params], step)[0].name)
+        formats.append(
+            "+".join(f.name for f in settled.assignment.formats([id(p) for p in params], step))
+        )
     # Step 3's rates promote at step 4 (e5m2, bound again); calm from then: back at step 6.
     assert formats == ["e4m3"] * 4 + ["e5m2"] * 2 + ["e4m3"] * 3, formats
     assert bound[0] is bound[3] and bound[4] is bound[5] and bound[6] is bound[8]
@@ -585,6 +589,10 @@ _MIXED_OPTIONS: dict[str, dict] = {
     "keep_last+error_feedback": CONFIGS["keep_last+error_feedback"],
     "keep_last+block+error_feedback": CONFIGS["keep_last+block+error_feedback"],
     "keep_last+error_feedback+stats": {**CONFIGS["keep_last+error_feedback"], "stats": True},
+    "keep_last+promote+error_feedback": {
+        **CONFIGS["keep_last+error_feedback"],
+        "policy": [Promote(), KeepLast("fp32")],
+    },
     # 16-bit block groups have no fused calls (they keep the per-shard path): e4m3 here.
     "interleaved+block": {
         **ROUTES["block"],
@@ -614,6 +622,7 @@ _MIXED_OPTIONS["interleaved+block+stats"] = {**_MIXED_OPTIONS["interleaved+block
         ("keep_last+error_feedback", 2, BUDGET),
         ("keep_last+block+error_feedback", 2, BUDGET),
         ("keep_last+error_feedback+stats", 2, BUDGET),
+        ("keep_last+promote+error_feedback", 2, BUDGET),
     ],
 )
 def test_ops_per_settled_mixed_format_bucket_do_not_grow_with_layers(
@@ -893,7 +902,9 @@ def _mixed_promote_steps(rank: int, world_size: int, options: dict) -> list[str]
             problems.append(f"step {step}: NaN where it should not be, or not")
         assert settled.reducer is not None
         bound.append(settled.reducer.steady.get(0))
-        formats.append(settled.assignment.formats([id(p) for p in params], step)[0].name)
+        formats.append(
+            "+".join(f.name for f in settled.assignment.formats([id(p) for p in params], step))
+        )
     # Step 3's rates promote at step 4 (bound again); calm from then: back at step 6.
     if formats != ["e4m3"] * 4 + ["e5m2"] * 2 + ["e4m3"] * 3:
         problems.append(f"formats {formats}")
@@ -923,6 +934,99 @@ def test_promote_binds_a_mixed_format_bucket_again_with_the_general_paths_bits(
     world_size: int, options: dict
 ) -> None:
     for problems in run_distributed(_mixed_promote_steps, world_size, args=(options,)):
+        assert problems == []
+
+
+def _promote_feedback_steps(rank: int, world_size: int, options: dict) -> list[str]:
+    """Promote with error feedback: its layers move up and back, the settled bucket is bound
+    again at each move (not every step), and every step gives the general path's
+    gradients, residuals, records, bytes and Promote's levels; a NaN in one step included."""
+    numels = [300, 700, 33, 50]
+    params = [torch.nn.Parameter(torch.empty(n)) for n in numels]
+    settled, full = _bound_state(options, params), _bound_state(options, params)
+    kind = SteadyGroups if any(isinstance(r, KeepLast) for r in options["policy"]) else None
+    last, up = ("fp32", "fp32") if kind else ("e4m3", "e5m2")  # KeepLast's layer stays
+    gen = torch.Generator().manual_seed(17 + rank)
+    buffer = torch.empty(sum(numels))
+    problems, bound, formats = [], [], []
+    for step in range(9):
+        # Magnitudes in [0.5, 1.5): nothing underflows, every layer calm alike (moves together).
+        x = (torch.rand(sum(numels), generator=gen) + 0.5) * torch.randn(
+            sum(numels), generator=gen
+        ).sign()
+        if step == 3:  # e4m3 flushes all but each layer's largest value: promoted
+            x *= 1e-7
+            x[[0, 300, 1000, 1033]] = 2.0**20  # exact: no residual beside the flushed
+        if step == 8 and rank == world_size - 1:
+            x[7] = float("nan")  # layer 0 on one rank: NaN in it on every rank
+        buffer.copy_(x)
+        out = settled.run_bucket(0, buffer, params)
+        if full.reducer is not None:
+            full.reducer.steady.clear()  # the general path every step
+        want = full.run_bucket(0, x.clone(), params)
+        bits = torch.where(out.isnan(), 0.0, out).view(torch.int32)
+        if not torch.equal(out.isnan(), want.isnan()) or not torch.equal(
+            bits, torch.where(want.isnan(), 0.0, want).view(torch.int32)
+        ):
+            problems.append(f"step {step}: gradients differ")
+        mine, ref = settled.state_dict()["residuals"], full.state_dict()["residuals"]
+        if mine.keys() != ref.keys() or not all(
+            torch.equal(mine[k].view(torch.int32), ref[k].view(torch.int32)) for k in ref
+        ):
+            problems.append(f"step {step}: residuals differ")
+        if settled.assignment.promote != full.assignment.promote:
+            problems.append(f"step {step}: Promote's levels differ")
+        if repr(settled.stats) != repr(full.stats) or settled.bytes_detail != full.bytes_detail:
+            problems.append(f"step {step}: records or bytes differ")
+        assert settled.reducer is not None
+        bound.append(settled.reducer.steady.get(0))
+        formats.append(
+            "+".join(f.name for f in settled.assignment.formats([id(p) for p in params], step))
+        )
+    # Step 3's rates promote at step 4 (bound again); calm from then: back at step 6.
+    moves = [s for s in range(1, 9) if formats[s] != formats[s - 1]]
+    if (
+        formats
+        != ["e4m3+e4m3+e4m3+" + last] * 4
+        + ["e5m2+e5m2+e5m2+" + up] * 2
+        + ["e4m3+e4m3+e4m3+" + last] * 3
+    ):
+        problems.append(f"formats {formats}")
+    want_kind = kind or SteadyFeedback
+    if not all(isinstance(b, want_kind) for b in bound):
+        problems.append(f"not settled: {[type(b).__name__ for b in bound]} {formats}")
+    else:
+        for s in range(2, 9):
+            if (bound[s] is bound[s - 1]) == (s in moves):
+                problems.append(f"step {s}: bound again {s not in moves}, moved {s in moves}")
+    return problems
+
+
+@pytest.mark.parametrize("world_size", [1, 2])
+@pytest.mark.parametrize(
+    "options",
+    [
+        {
+            **ROUTES["two_phase"],
+            "error_feedback": True,
+            "policy": [Promote(gamma=0.05, patience=2)],
+        },
+        {
+            **ROUTES["two_phase"],
+            "error_feedback": True,
+            "stats": True,
+            "policy": [Promote(gamma=0.05, patience=2), KeepLast("fp32")],
+        },
+    ],
+    ids=["one_format", "keep_last+stats"],
+)
+def test_promote_with_error_feedback_binds_again_with_the_general_paths_bits(
+    world_size: int, options: dict
+) -> None:
+    """Issue 46: error feedback under ``Promote`` settles, takes Promote's step on the
+    agreed rates and, where a format moves, sends that step by the general path on the
+    maxima just agreed (its residuals added once) and binds again."""
+    for problems in run_distributed(_promote_feedback_steps, world_size, args=(options,)):
         assert problems == []
 
 
