@@ -1159,7 +1159,7 @@ class Reducer:
         elif self.feedback is None:
             self._settle_agreed_blocks(index, x, plan, fmts, g, main, measured, chunk)
         if self.feedback is not None:
-            self._settle_feedback(index, x, g, fmts, layers_of)
+            self._settle_feedback(index, x, g, fmts, (list(keys), list(numels), list(names)))
 
     def _groups(
         self,
