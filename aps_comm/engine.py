@@ -665,6 +665,7 @@ class SteadyGroups:
     epoch: tuple[int, ...] = ()
     workspace: tuple[int, ...] = ()
     none: bool = False
+    gather_numels: list[int] = dataclasses.field(default_factory=list)
 
     def bind(self, x: torch.Tensor, world_size: int, rank: int = 0) -> bool:
         """Bind the maxima kernel, the gather and every group's path to the float32
@@ -1329,8 +1330,6 @@ class Reducer:
         if (
             not self._feedback_settles(x)
             or not sent
-            # The groups' views and residuals are the bucket's layers in order.
-            or [i for g in groups for i in g.index] != list(range(len(fmts)))
             # An empty group's collectives are not the bound ones'.
             or any(g.reduction not in (Route.FP32, Route.TWO_PHASE) or not g.numel for g in groups)
         ):
@@ -1360,37 +1359,84 @@ class Reducer:
             epoch=self.assignment.epoch(self.step),
             promote=(list(keys), list(numels), list(names)) if promoted else None,
         )
+        values, agreed = x, shared  # the groups' values and vector, in the plan's order
+        order = [i for g in groups for i in g.index]
+        if order != list(range(n)):
+            values, agreed = self._interleave(st, x, order, shared, promoted, names)
         if not blocks:
-            st.maxima_call = sent[0].codec.bind_layer_maxima(x, plan.layout, shared[:n])
+            layout = plan.layout if values is x else Layout.from_numels(st.gather_numels, x.device)
+            st.maxima_call = sent[0].codec.bind_layer_maxima(values, layout, agreed[:n])
         parts: list[tuple[torch.Tensor, Steady | SteadyBlocks | SteadyFeedback | None]] = []
         rates: list[torch.Tensor | None] = []
-        lo = at = 0
+        lo = at = first = 0
         for g in groups:
-            gx, part = x[lo : lo + g.numel], None
+            gx, part, last = values[lo : lo + g.numel], None, first + len(g.index)
             sent_rates = promoted and g.reduction != Route.FP32
-            rates.append(shared[n + g.index[0] : n + g.index[-1] + 1] if sent_rates else None)
+            rates.append(agreed[n + first : n + last] if sent_rates else None)
             if g.reduction != Route.FP32:
-                n = g.layout.n_segments if blocks else len(g.index)
-                at = at if blocks else g.index[0]
+                m = g.layout.n_segments if blocks else len(g.index)
+                at = at if blocks else first
                 gnames = [names[i] for i in g.index]
-                part = self._bind_feedback(index, gx, g, gnames, shared[at : at + n])
+                part = self._bind_feedback(index, gx, g, gnames, agreed[at : at + m])
                 if part is None:
                     return
-                at += n
+                at += m
             parts.append((gx, part))
-            lo += g.numel
+            lo, first = lo + g.numel, last
         st.parts, st.bound_ptr = parts, x.data_ptr()
         st.rates = rates if promoted else None
         st.workspace = self._epoch(index, x.device)
         self.steady[index] = st
 
+    def _interleave(
+        self,
+        st: SteadyGroups,
+        x: torch.Tensor,
+        order: list[int],
+        shared: torch.Tensor,
+        promoted: bool,
+        names: Sequence[str | None],
+    ) -> tuple[torch.Tensor, torch.Tensor]:
+        """Groups that interleave in the bucket: bound scratch of the layers in the plan's
+        order (``st.gather`` and ``st.scatter``, one call each) and, per layer, a vector in
+        that order that ``st.put_rates`` copies into the bucket order of ``shared`` (the
+        general path's MAX all-reduce contents: maxima, then Promote's rates) and
+        ``st.pick`` copies the agreed maxima back from. Block keys are in the plan's order
+        already. Returns the scratch and that vector (``shared`` itself with blocks)."""
+        numels = [st.plan.numels[i] for i in order]
+        values = torch.empty_like(x)
+        layers = torch.split(x, st.plan.numels)
+        mine = [layers[i] for i in order]
+        st.gather = functools.partial(torch.cat, mine, out=values)
+        # One multi-tensor copy back, not one copy per layer.
+        st.scatter = functools.partial(
+            torch._foreach_copy_, mine, list(torch.split(values, numels))
+        )
+        st.gather_numels = numels
+        if st.blocks:
+            return values, shared
+        n = len(order)
+        rows = order + [n + i for i in order] if promoted else order
+        at = to_device(torch.tensor(rows, dtype=torch.int64), x.device)
+        agreed = torch.zeros_like(shared)
+        if promoted:  # the rates in the plan's order: the reducer's rates are views of them
+            fp32 = {i for g in st.groups if g.reduction == Route.FP32 for i in g.index}
+            kept = {j for j, i in enumerate(order) if i in fp32}
+            self._rates_into(agreed[n:], [names[i] for i in order], kept)
+        st.put_rates = functools.partial(shared.index_copy_, 0, at, agreed)
+        st.pick = functools.partial(torch.index_select, shared, 0, at[:n], out=agreed[:n])
+        return values, agreed
+
     def _run_feedback_groups(self, index: int, st: SteadyGroups, x: torch.Tensor) -> None:
         """:meth:`_run_groups` with error feedback: every group's residuals added, the
         bucket's maxima (or each group's block keys) agreed at once, then each group's
-        factors and bound chunk (the FP32 group: its all-reduce) in the plan's order."""
+        factors and bound chunk (the FP32 group: its all-reduce) in the plan's order
+        (groups that interleave: on the layers gathered in that order, scattered back)."""
         comm = self.comm
         assert st.parts is not None  # made by _settle_feedback_groups
         fed = [(values, s) for values, s in st.parts if isinstance(s, SteadyFeedback)]
+        if st.gather is not None:
+            st.gather()
         for values, s in fed:
             values.add_(s.residual)
         if st.maxima_call is not None:  # every layer's, as the general path's vector
@@ -1398,10 +1444,16 @@ class Reducer:
         else:
             for _, s in fed:
                 s.agree()
+        if st.put_rates is not None:  # into the general path's order
+            st.put_rates()
         transports.all_reduce_max(st.maxima, comm.group, self.traffic)
         if st.promote is not None and self._promoted(st):
+            if st.scatter is not None:  # the values with their residuals, in the bucket
+                st.scatter()
             self._moved(index, st, x, False)
             return
+        if st.pick is not None:
+            st.pick()
         rates = st.rates or [None] * len(st.parts)
         for (values, s), out in zip(st.parts, rates, strict=True):
             if isinstance(s, SteadyFeedback):
@@ -1414,6 +1466,8 @@ class Reducer:
                 transports.two_phase_bound(s.calls, comm.group, self.traffic, False)
             else:
                 transports.fp32_mean(values, comm.group, comm.world_size, self.traffic)
+        if st.scatter is not None:
+            st.scatter()
 
     def _rates_into(self, slots: torch.Tensor, names: Sequence[str | None], kept: set[int]) -> None:
         """Promote: every layer's last local rate into ``slots`` of a settled bucket's maxima

@@ -150,6 +150,11 @@ CONFIGS: dict[str, dict[str, Any]] = {
         "policy": [KeepLast("fp32")],
     },
     "promote": {**ROUTES["two_phase"], "policy": [Promote()]},
+    "interleaved+error_feedback": {
+        **ROUTES["two_phase"],
+        "error_feedback": True,
+        "policy": [ByName({"*[13579].weight": "fp16"}), KeepLast("fp32")],
+    },
     "promote+error_feedback": {
         **ROUTES["two_phase"],
         "error_feedback": True,

@@ -503,6 +503,32 @@ def test_settled_error_feedback_under_promote_reads_only_its_rates(
         assert mode.copies == [], mode.copies
 
 
+@pytest.mark.parametrize("stats", [False, True])
+def test_settled_error_feedback_on_interleaved_groups_makes_no_host_traffic(
+    monkeypatch: pytest.MonkeyPatch, stats: bool
+) -> None:
+    """Issue 46: error feedback with groups that interleave (fp16 between e4m3 layers)
+    settles; its gather, maxima put and picked back, and scatter read nothing on the host
+    and copy nothing to the device."""
+    monkeypatch.setattr(engine_mod, "_FEEDBACK_BACKENDS", ("cast",))
+    with stubbed_collectives(monkeypatch):
+        reducer, names = _reducer(
+            get_format("e4m3"),
+            "two_phase",
+            "layer",
+            6,
+            1,
+            MIXED["interleaved"],
+            stats=stats,
+            feedback=True,
+        )
+        steady, _ = _bucket_steps(reducer, names, 4, chunk=None)
+        st = reducer.steady.get(1)
+        assert isinstance(st, SteadyGroups) and st.feedback and st.gather is not None
+    for mode in steady:
+        assert mode.reads == [] and mode.copies == [], (mode.reads, mode.copies)
+
+
 def _logged(run_steady: Callable[..., Any], log: list[str]) -> Callable[..., Any]:
     """:meth:`Reducer.run_steady`, logging the kind of settled path each call runs."""
 

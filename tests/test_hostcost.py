@@ -589,6 +589,7 @@ _MIXED_OPTIONS: dict[str, dict] = {
     "keep_last+error_feedback": CONFIGS["keep_last+error_feedback"],
     "keep_last+block+error_feedback": CONFIGS["keep_last+block+error_feedback"],
     "keep_last+error_feedback+stats": {**CONFIGS["keep_last+error_feedback"], "stats": True},
+    "interleaved+error_feedback": {**_MIXED["interleaved"], "error_feedback": True},
     "keep_last+promote+error_feedback": {
         **CONFIGS["keep_last+error_feedback"],
         "policy": [Promote(), KeepLast("fp32")],
@@ -602,6 +603,10 @@ _MIXED_OPTIONS: dict[str, dict] = {
 }
 """Mixed-format buckets with the options a user turns on beside the policy."""
 _MIXED_OPTIONS["interleaved+block+stats"] = {**_MIXED_OPTIONS["interleaved+block"], "stats": True}
+_MIXED_OPTIONS["interleaved+block+error_feedback"] = {
+    **_MIXED_OPTIONS["interleaved+block"],
+    "error_feedback": True,
+}
 
 
 @pytest.mark.parametrize(
@@ -623,6 +628,10 @@ _MIXED_OPTIONS["interleaved+block+stats"] = {**_MIXED_OPTIONS["interleaved+block
         ("keep_last+block+error_feedback", 2, BUDGET),
         ("keep_last+error_feedback+stats", 2, BUDGET),
         ("keep_last+promote+error_feedback", 2, BUDGET),
+        # Over: the gather, the maxima put in the bucket's order and picked back, the
+        # scatter, and each sent group's own feedback chunk (e4m3 and fp16: 10 calls each).
+        ("interleaved+error_feedback", 4, BUDGET + 13),
+        ("interleaved+block+error_feedback", 4, BUDGET + 14),
     ],
 )
 def test_ops_per_settled_mixed_format_bucket_do_not_grow_with_layers(
@@ -788,6 +797,23 @@ def test_settled_mixed_format_buckets_with_error_feedback_and_stats_give_the_gen
         assert problems == []
 
 
+@pytest.mark.parametrize("world_size", [1, 2])
+def test_settled_interleaved_groups_with_error_feedback_give_the_general_paths_bits(
+    world_size: int,
+) -> None:
+    """Issue 46: error feedback with groups that interleave in the bucket (every odd layer
+    fp16, or e4m3 blocks between e2m1 ones, beside FP32) settles: the layers gathered in the
+    plan's order and scattered back, the maxima agreed in the general path's order, with
+    its gradients, residuals, records and bytes."""
+    configs = [
+        _MIXED_OPTIONS["interleaved+error_feedback"],
+        _MIXED_OPTIONS["interleaved+block+error_feedback"],
+        {**_MIXED_OPTIONS["interleaved+error_feedback"], "stats": True},
+    ]
+    for problems in run_distributed(_mixed_feedback_steps, world_size, args=(configs,)):
+        assert problems == []
+
+
 def _one_format_under_rules_steps(rank: int, world_size: int, configs: list[dict]) -> list[str]:
     """Buckets of one format in a model whose policy has rules for other layers (KeepLast's
     classifier elsewhere, a name that matches nothing here): with ``stats=True`` they settle,
@@ -937,15 +963,17 @@ def test_promote_binds_a_mixed_format_bucket_again_with_the_general_paths_bits(
         assert problems == []
 
 
-def _promote_feedback_steps(rank: int, world_size: int, options: dict) -> list[str]:
+def _promote_feedback_steps(
+    rank: int, world_size: int, options: dict, low: str, high: str
+) -> list[str]:
     """Promote with error feedback: its layers move up and back, the settled bucket is bound
     again at each move (not every step), and every step gives the general path's
-    gradients, residuals, records, bytes and Promote's levels; a NaN in one step included."""
+    gradients, residuals, records, bytes and Promote's levels; a NaN in one step included.
+    ``low``, ``high``: the layers' formats before and after the move."""
     numels = [300, 700, 33, 50]
     params = [torch.nn.Parameter(torch.empty(n)) for n in numels]
     settled, full = _bound_state(options, params), _bound_state(options, params)
     kind = SteadyGroups if any(isinstance(r, KeepLast) for r in options["policy"]) else None
-    last, up = ("fp32", "fp32") if kind else ("e4m3", "e5m2")  # KeepLast's layer stays
     gen = torch.Generator().manual_seed(17 + rank)
     buffer = torch.empty(sum(numels))
     problems, bound, formats = [], [], []
@@ -985,12 +1013,7 @@ def _promote_feedback_steps(rank: int, world_size: int, options: dict) -> list[s
         )
     # Step 3's rates promote at step 4 (bound again); calm from then: back at step 6.
     moves = [s for s in range(1, 9) if formats[s] != formats[s - 1]]
-    if (
-        formats
-        != ["e4m3+e4m3+e4m3+" + last] * 4
-        + ["e5m2+e5m2+e5m2+" + up] * 2
-        + ["e4m3+e4m3+e4m3+" + last] * 3
-    ):
+    if formats != [low] * 4 + [high] * 2 + [low] * 3:
         problems.append(f"formats {formats}")
     want_kind = kind or SteadyFeedback
     if not all(isinstance(b, want_kind) for b in bound):
@@ -1026,7 +1049,25 @@ def test_promote_with_error_feedback_binds_again_with_the_general_paths_bits(
     """Issue 46: error feedback under ``Promote`` settles, takes Promote's step on the
     agreed rates and, where a format moves, sends that step by the general path on the
     maxima just agreed (its residuals added once) and binds again."""
-    for problems in run_distributed(_promote_feedback_steps, world_size, args=(options,)):
+    low, high = ("e4m3+e4m3+e4m3+fp32", "e5m2+e5m2+e5m2+fp32")
+    if "stats" not in options:
+        low, high = ("e4m3+e4m3+e4m3+e4m3", "e5m2+e5m2+e5m2+e5m2")
+    args = (options, low, high)
+    for problems in run_distributed(_promote_feedback_steps, world_size, args=args):
+        assert problems == []
+
+
+@pytest.mark.parametrize("world_size", [1, 2])
+def test_promote_with_error_feedback_on_interleaved_groups_binds_again(world_size: int) -> None:
+    """Issue 46: error feedback under ``Promote`` with groups that interleave (every odd
+    layer fp16) settles, moves and binds again with the general path's bits."""
+    options = {
+        **ROUTES["two_phase"],
+        "error_feedback": True,
+        "policy": [Promote(gamma=0.05, patience=2), _ODD_FP16, KeepLast("fp32")],
+    }
+    args = (options, "e4m3+fp16+e4m3+fp32", "e5m2+fp16+e5m2+fp32")
+    for problems in run_distributed(_promote_feedback_steps, world_size, args=args):
         assert problems == []
 
 
