@@ -1040,8 +1040,14 @@ def _promote_feedback_steps(
             "stats": True,
             "policy": [Promote(gamma=0.05, patience=2), KeepLast("fp32")],
         },
+        {
+            **ROUTES["two_phase"],
+            "error_feedback": True,
+            "stats": True,
+            "policy": [Promote(gamma=0.05, patience=2)],
+        },
     ],
-    ids=["one_format", "keep_last+stats"],
+    ids=["one_format", "keep_last+stats", "one_format+stats"],
 )
 def test_promote_with_error_feedback_binds_again_with_the_general_paths_bits(
     world_size: int, options: dict
@@ -1050,7 +1056,7 @@ def test_promote_with_error_feedback_binds_again_with_the_general_paths_bits(
     agreed rates and, where a format moves, sends that step by the general path on the
     maxima just agreed (its residuals added once) and binds again."""
     low, high = ("e4m3+e4m3+e4m3+fp32", "e5m2+e5m2+e5m2+fp32")
-    if "stats" not in options:
+    if len(options["policy"]) == 1:  # Promote alone: one format, the last layer's too
         low, high = ("e4m3+e4m3+e4m3+e4m3", "e5m2+e5m2+e5m2+e5m2")
     args = (options, low, high)
     for problems in run_distributed(_promote_feedback_steps, world_size, args=args):
