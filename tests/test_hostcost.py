@@ -431,9 +431,7 @@ def test_promote_binds_the_bucket_again_and_keeps_the_full_paths_bits(world: Non
         assert settled.reducer is not None
         bound.append(settled.reducer.steady.get(0))
         bound2.append(settled.reducer.steady.get(1))
-        formats.append(
-            "+".join(f.name for f in settled.assignment.formats([id(p) for p in params], step))
-        )
+        formats.append(settled.assignment.formats([id(p) for p in params], step)[0].name)
     # Step 3's rates promote at step 4 (e5m2, bound again); calm from then: back at step 6.
     assert formats == ["e4m3"] * 4 + ["e5m2"] * 2 + ["e4m3"] * 3, formats
     assert bound[0] is bound[3] and bound[4] is bound[5] and bound[6] is bound[8]
@@ -928,9 +926,7 @@ def _mixed_promote_steps(rank: int, world_size: int, options: dict) -> list[str]
             problems.append(f"step {step}: NaN where it should not be, or not")
         assert settled.reducer is not None
         bound.append(settled.reducer.steady.get(0))
-        formats.append(
-            "+".join(f.name for f in settled.assignment.formats([id(p) for p in params], step))
-        )
+        formats.append(settled.assignment.formats([id(p) for p in params], step)[0].name)
     # Step 3's rates promote at step 4 (bound again); calm from then: back at step 6.
     if formats != ["e4m3"] * 4 + ["e5m2"] * 2 + ["e4m3"] * 3:
         problems.append(f"formats {formats}")
