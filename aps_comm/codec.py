@@ -1052,6 +1052,7 @@ class Codec:
         scale: torch.Tensor,
         unscale: torch.Tensor,
         counts: torch.Tensor | None = None,
+        keys: np.ndarray | None = None,
     ) -> Callable[[], None]:
         """Two_phase's factors of the agreed maxima or block keys, written into ``scale``
         and ``unscale`` in place: error feedback's settled bucket binds its calls to those.
@@ -1063,6 +1064,8 @@ class Codec:
             scale: float32, one per segment: ``2**e``.
             unscale: float32, one per segment: ``2**-e``, NaN for a non-finite layer.
             counts: blocks per layer (int64), with block keys.
+            keys: with maxima on the CPU kernels, int32 scratch the layers' exponent keys
+                are left in (:meth:`layer_records` reads them); None: the call's own.
 
         Example:
             >>> c = Codec("e4m3", torch.device("cpu"))
@@ -1075,7 +1078,7 @@ class Codec:
         if counts is None:
             agreed_maxima = AgreedMaxima(agreed, world_size)
             if kernels:
-                keys = np.empty(agreed.numel(), np.int32)
+                keys = np.empty(agreed.numel(), np.int32) if keys is None else keys
                 return functools.partial(
                     agreed_maxima.host_factors_into, fmt, scale.numpy(), unscale.numpy(), keys
                 )

@@ -470,6 +470,17 @@ class SteadyFeedback:
         calls: the one chunk's bound calls.
         workspace: as :class:`Steady`'s.
         epoch: as :class:`Steady`'s (a Schedule epoch moves a layer's format).
+        group: the group plan it is bound to (its layout, blocks and codec: the records').
+        names: with ``stats=True``, each layer's name for its records
+            (:meth:`Reducer.record_feedback`); None records nothing.
+        keys: the CPU kernels' int32 exponent keys of the agreed maxima, which
+            ``factors`` leaves there (the records' exponents); else None.
+        local: with blocks, this rank's float32 max |x| of every block (``agree``'s).
+        scale: the bound calls' float32 scale (Promote's rates are counted under it).
+        maxima: with Promote, the MAX all-reduce's vector: ``shared`` (the maxima), then
+            every layer's local underflow rate (the reducer's rates are views of them).
+        fmts: with Promote, each layer's format it was bound to.
+        promote: with Promote, the layers' keys, sizes and names.
     """
 
     numel: int
@@ -482,6 +493,14 @@ class SteadyFeedback:
     calls: list[transports.ChunkCalls]
     workspace: tuple[int, ...] = ()
     epoch: tuple[int, ...] = ()
+    group: GroupPlan | None = None
+    names: list[str | None] | None = None
+    keys: np.ndarray | None = None
+    local: torch.Tensor | None = None
+    scale: torch.Tensor | None = None
+    maxima: torch.Tensor | None = None
+    fmts: list[FloatFormat] = dataclasses.field(default_factory=list)
+    promote: tuple[list[Any], list[int], list[str | None]] | None = None
 
 
 @dataclasses.dataclass
@@ -665,6 +684,7 @@ class SteadyGroups:
     epoch: tuple[int, ...] = ()
     workspace: tuple[int, ...] = ()
     none: bool = False
+    gather_numels: list[int] = dataclasses.field(default_factory=list)
 
     def bind(self, x: torch.Tensor, world_size: int, rank: int = 0) -> bool:
         """Bind the maxima kernel, the gather and every group's path to the float32
@@ -1068,7 +1088,8 @@ class Reducer:
             shared_maxima: the maxima's MAX all-reduce already made this step
                 (Promote's rates and the chunk on it), by the settled path
                 whose formats Promote has just moved: no collective, no
-                Promote step here (:meth:`run_steady`).
+                Promote step here (:meth:`run_steady`); with error feedback
+                it has added the residuals too.
 
         Returns:
             With ``defer`` and chunks left in flight, the function that
@@ -1078,7 +1099,8 @@ class Reducer:
         self.step = step
         plan = self.plan(index, numels, x.device)
         if self.feedback is not None:
-            self.feedback.add(x, numels, names)
+            if shared_maxima is None:  # else the settled path has added them
+                self.feedback.add(x, numels, names)
             # Its float32 scratch (two buckets' worth at N = 1) leaves no room for
             # a second bucket's buffers within the workspace's bound: no overlap.
             defer = False
@@ -1190,7 +1212,7 @@ class Reducer:
         elif self.feedback is None:
             self._settle_agreed_blocks(index, x, plan, fmts, g, main, measured, chunk)
         if self.feedback is not None:
-            self._settle_feedback(index, x, g, names)
+            self._settle_feedback(index, x, g, fmts, (list(keys), list(numels), list(names)))
 
     def _groups(
         self,
@@ -1300,7 +1322,7 @@ class Reducer:
         blocks = settings.scaling == Scaling.BLOCK
         promoted = assignment.promoter is not None
         if self.feedback is not None:
-            self._settle_feedback_groups(index, x, plan, fmts, groups, main, names)
+            self._settle_feedback_groups(index, x, plan, fmts, groups, main, layers)
             return
         if (
             # Blocks: each rank's own exponents (nothing agreed, Promote takes no step).
@@ -1347,28 +1369,33 @@ class Reducer:
         fmts: list[FloatFormat],
         groups: list[GroupPlan],
         main: Route,
-        names: Sequence[str | None],
+        layers: tuple[Sequence[Any], list[int], Sequence[str | None]],
     ) -> None:
         """Bind the :class:`SteadyGroups` path of a bucket of several formats with error
         feedback: each group sent scaled a :class:`SteadyFeedback` on its view, its agreed
-        maxima (or block keys) a view of the one vector the bucket MAX-all-reduces."""
+        maxima (or block keys) a view of the one vector the bucket MAX-all-reduces (with
+        Promote, every layer's rate after them, as :meth:`_agree_maxima`'s)."""
+        keys, numels, names = layers
         sent = [g for g in groups if g.reduction != Route.FP32]
         self.steady.pop(index, None)
         blocks = self.settings.scaling == Scaling.BLOCK
         if (
             not self._feedback_settles(x)
             or not sent
-            # The groups' views and residuals are the bucket's layers in order.
-            or [i for g in groups for i in g.index] != list(range(len(fmts)))
             # An empty group's collectives are not the bound ones'.
             or any(g.reduction not in (Route.FP32, Route.TWO_PHASE) or not g.numel for g in groups)
         ):
             return
         # The general path's one MAX all-reduce: every layer's maximum, or each sent
         # format's block keys in the plan's order (:meth:`_agree_blocks`).
-        size = sum(g.layout.n_segments for g in sent) if blocks else len(fmts)
+        n, promoted = len(fmts), self.assignment.promoter is not None and not blocks
+        size = sum(g.layout.n_segments for g in sent) if blocks else n * (1 + int(promoted))
         dtype = torch.uint8 if blocks else torch.float32
         shared = torch.zeros(size, dtype=dtype, device=x.device)
+        if promoted:
+            # The FP32 group's layers keep their rates, as in the general path.
+            kept = {i for g in groups if g.reduction == Route.FP32 for i in g.index}
+            self._rates_into(shared[n:], names, kept)
         st = SteadyGroups(
             x.numel(),
             x.data_ptr(),
@@ -1382,34 +1409,86 @@ class Reducer:
             blocks=blocks,
             feedback=True,
             epoch=self.assignment.epoch(self.step),
+            promote=(list(keys), list(numels), list(names)) if promoted else None,
         )
+        values, agreed = x, shared  # the groups' values and vector, in the plan's order
+        order = [i for g in groups for i in g.index]
+        if order != list(range(n)):
+            values, agreed = self._interleave(st, x, order, shared, promoted, names)
         if not blocks:
-            st.maxima_call = sent[0].codec.bind_layer_maxima(x, plan.layout, shared)
+            layout = plan.layout if values is x else Layout.from_numels(st.gather_numels, x.device)
+            st.maxima_call = sent[0].codec.bind_layer_maxima(values, layout, agreed[:n])
         parts: list[tuple[torch.Tensor, Steady | SteadyBlocks | SteadyFeedback | None]] = []
-        lo = at = 0
+        rates: list[torch.Tensor | None] = []
+        lo = at = first = 0
         for g in groups:
-            gx, part = x[lo : lo + g.numel], None
+            gx, part, last = values[lo : lo + g.numel], None, first + len(g.index)
+            sent_rates = promoted and g.reduction != Route.FP32
+            rates.append(agreed[n + first : n + last] if sent_rates else None)
             if g.reduction != Route.FP32:
-                n = g.layout.n_segments if blocks else len(g.index)
-                at = at if blocks else g.index[0]
+                m = g.layout.n_segments if blocks else len(g.index)
+                at = at if blocks else first
                 gnames = [names[i] for i in g.index]
-                part = self._bind_feedback(index, gx, g, gnames, shared[at : at + n])
+                part = self._bind_feedback(index, gx, g, gnames, agreed[at : at + m])
                 if part is None:
                     return
-                at += n
+                at += m
             parts.append((gx, part))
-            lo += g.numel
+            lo, first = lo + g.numel, last
         st.parts, st.bound_ptr = parts, x.data_ptr()
+        st.rates = rates if promoted else None
         st.workspace = self._epoch(index, x.device)
         self.steady[index] = st
 
-    def _run_feedback_groups(self, st: SteadyGroups) -> None:
+    def _interleave(
+        self,
+        st: SteadyGroups,
+        x: torch.Tensor,
+        order: list[int],
+        shared: torch.Tensor,
+        promoted: bool,
+        names: Sequence[str | None],
+    ) -> tuple[torch.Tensor, torch.Tensor]:
+        """Groups that interleave in the bucket: bound scratch of the layers in the plan's
+        order (``st.gather`` and ``st.scatter``, one call each) and, per layer, a vector in
+        that order that ``st.put_rates`` copies into the bucket order of ``shared`` (the
+        general path's MAX all-reduce contents: maxima, then Promote's rates) and
+        ``st.pick`` copies the agreed maxima back from. Block keys are in the plan's order
+        already. Returns the scratch and that vector (``shared`` itself with blocks)."""
+        numels = [st.plan.numels[i] for i in order]
+        values = torch.empty_like(x)
+        layers = torch.split(x, st.plan.numels)
+        mine = [layers[i] for i in order]
+        st.gather = functools.partial(torch.cat, mine, out=values)
+        # One multi-tensor copy back, not one copy per layer.
+        st.scatter = functools.partial(
+            torch._foreach_copy_, mine, list(torch.split(values, numels))
+        )
+        st.gather_numels = numels
+        if st.blocks:
+            return values, shared
+        n = len(order)
+        rows = order + [n + i for i in order] if promoted else order
+        at = to_device(torch.tensor(rows, dtype=torch.int64), x.device)
+        agreed = torch.zeros_like(shared)
+        if promoted:  # the rates in the plan's order: the reducer's rates are views of them
+            fp32 = {i for g in st.groups if g.reduction == Route.FP32 for i in g.index}
+            kept = {j for j, i in enumerate(order) if i in fp32}
+            self._rates_into(agreed[n:], [names[i] for i in order], kept)
+        st.put_rates = functools.partial(shared.index_copy_, 0, at, agreed)
+        st.pick = functools.partial(torch.index_select, shared, 0, at[:n], out=agreed[:n])
+        return values, agreed
+
+    def _run_feedback_groups(self, index: int, st: SteadyGroups, x: torch.Tensor) -> None:
         """:meth:`_run_groups` with error feedback: every group's residuals added, the
         bucket's maxima (or each group's block keys) agreed at once, then each group's
-        factors and bound chunk (the FP32 group: its all-reduce) in the plan's order."""
+        factors and bound chunk (the FP32 group: its all-reduce) in the plan's order
+        (groups that interleave: on the layers gathered in that order, scattered back)."""
         comm = self.comm
         assert st.parts is not None  # made by _settle_feedback_groups
         fed = [(values, s) for values, s in st.parts if isinstance(s, SteadyFeedback)]
+        if st.gather is not None:
+            st.gather()
         for values, s in fed:
             values.add_(s.residual)
         if st.maxima_call is not None:  # every layer's, as the general path's vector
@@ -1417,14 +1496,30 @@ class Reducer:
         else:
             for _, s in fed:
                 s.agree()
+        if st.put_rates is not None:  # into the general path's order
+            st.put_rates()
         transports.all_reduce_max(st.maxima, comm.group, self.traffic)
-        for values, s in st.parts:
+        if st.promote is not None and self._promoted(st):
+            if st.scatter is not None:  # the values with their residuals, in the bucket
+                st.scatter()
+            self._moved(index, st, x, False)
+            return
+        if st.pick is not None:
+            st.pick()
+        rates = st.rates or [None] * len(st.parts)
+        for (values, s), out in zip(st.parts, rates, strict=True):
             if isinstance(s, SteadyFeedback):
                 # Factors and scratch of one group at a time: the groups share the STEP slot.
                 s.factors()
+                if s.names is not None:  # before the owner's mean overwrites the values
+                    self.record_feedback(index, s, values)
+                if out is not None:
+                    self._feedback_rates(s, values, out)
                 transports.two_phase_bound(s.calls, comm.group, self.traffic, False)
             else:
                 transports.fp32_mean(values, comm.group, comm.world_size, self.traffic)
+        if st.scatter is not None:
+            st.scatter()
 
     def _rates_into(self, slots: torch.Tensor, names: Sequence[str | None], kept: set[int]) -> None:
         """Promote: every layer's last local rate into ``slots`` of a settled bucket's maxima
@@ -1440,7 +1535,7 @@ class Reducer:
         as in the general path)."""
         comm, plan = self.comm, st.plan
         if st.feedback:  # float32 buckets only: bound to ``x`` for good
-            self._run_feedback_groups(st)
+            self._run_feedback_groups(index, st, x)
             return
         if st.bound_ptr != x.data_ptr():  # a bfloat16 bucket's float32 copy: new each step
             st.bind(x, comm.world_size, comm.rank)
@@ -1556,27 +1651,37 @@ class Reducer:
             transports.two_phase_bound(s.calls, comm.group, self.traffic)
 
     def _settle_feedback(
-        self, index: int, x: torch.Tensor, g: GroupPlan, names: Sequence[str | None]
+        self,
+        index: int,
+        x: torch.Tensor,
+        g: GroupPlan,
+        fmts: list[FloatFormat],
+        layers: tuple[list[Any], list[int], list[str | None]],
     ) -> None:
         """Bind the bucket's :class:`SteadyFeedback` path where nothing in it changes per step
-        but the policy's epoch."""
+        but the policy's epoch and Promote's levels (``layers``: the layers' keys, sizes and
+        names)."""
         self.steady.pop(index, None)
         if not g.contiguous or not self._feedback_settles(x):
             return
-        st = self._bind_feedback(index, x, g, names)
+        names, n = layers[2], len(fmts)
+        promoted = self.assignment.promoter is not None
+        vector = None
+        if promoted and self.settings.scaling == Scaling.LAYER:
+            # The general path's vector: the maxima, then every layer's last local rate.
+            vector = torch.zeros(2 * n, dtype=torch.float32, device=x.device)
+            self._rates_into(vector[n:], names, set())
+        st = self._bind_feedback(index, x, g, names, None if vector is None else vector[:n])
         if st is not None:
+            if vector is not None:
+                st.maxima, st.fmts, st.promote = vector, list(fmts), layers
             self.steady[index] = st
 
     def _feedback_settles(self, x: torch.Tensor) -> bool:
-        """Whether a bucket with error feedback can settle, whatever its formats: not with
-        Promote's rates or records to keep, per layer or agreed block exponents, float32."""
+        """Whether a bucket with error feedback can settle, whatever its formats: per layer
+        (Promote too) or agreed block exponents, float32."""
         settings = self.settings
-        return (
-            self.assignment.promoter is None
-            and not settings.stats
-            and settings.scaling in (Scaling.LAYER, Scaling.BLOCK)
-            and x.dtype == torch.float32
-        )
+        return settings.scaling in (Scaling.LAYER, Scaling.BLOCK) and x.dtype == torch.float32
 
     def _bind_feedback(
         self,
@@ -1625,8 +1730,9 @@ class Reducer:
             if arena.close():
                 break
         counts = None
+        host_keys = local = None
         if g.blocks is not None:
-            counts = g.blocks.device_counts
+            counts, local = g.blocks.device_counts, maxima
             shared = keys if shared is None else shared
             agree = g.codec.bind_block_keys(
                 x,
@@ -1645,7 +1751,11 @@ class Reducer:
             if shared is None:
                 shared = torch.zeros(n_seg, dtype=torch.float32, device=device)
             agree = g.codec.bind_layer_maxima(x, g.layout, shared)
-        factors = g.codec.bind_feedback_factors(shared, comm.world_size, scale, unscale, counts)
+            if g.codec.backend == "kernels" and device.type == "cpu":
+                host_keys = np.empty(n_seg, np.int32)
+        factors = g.codec.bind_feedback_factors(
+            shared, comm.world_size, scale, unscale, counts, host_keys
+        )
         residual = torch.empty(x.numel(), dtype=torch.float32, device=device)
         sent = scratch[:numel]
         head = send[: payload_nbytes(numel, fmt)]
@@ -1679,18 +1789,30 @@ class Reducer:
             calls,
             self._epoch(index, device),
             self.assignment.epoch(self.step),
+            g,
+            list(names) if self.settings.stats else None,
+            host_keys,
+            local,
+            scale,
         )
 
     def _run_feedback(
-        self, st: SteadyFeedback, x: torch.Tensor, defer: bool
+        self, index: int, st: SteadyFeedback, x: torch.Tensor, defer: bool
     ) -> Callable[[], None] | None:
         """:meth:`run_steady` with error feedback: the residuals added, the maxima agreed,
-        the factors written, then two_phase's bound chunk."""
+        the factors written (and the records), then two_phase's bound chunk."""
         comm = self.comm
         x.add_(st.residual)
         st.agree()
-        transports.all_reduce_max(st.shared, comm.group, self.traffic)
+        shared = st.shared if st.maxima is None else st.maxima
+        transports.all_reduce_max(shared, comm.group, self.traffic)
+        if st.promote is not None and self._promoted(st):
+            return self._moved(index, st, x, False)
         st.factors()
+        if st.names is not None:  # before the owner's mean overwrites the values
+            self.record_feedback(index, st, x)
+        if st.maxima is not None:
+            self._feedback_rates(st, x, st.maxima[st.shared.numel() :])
         # Not deferred: one workspace slot serves every bucket (:meth:`bucket`).
         return transports.two_phase_bound(st.calls, comm.group, self.traffic, False)
 
@@ -1954,7 +2076,7 @@ class Reducer:
         """
         comm = self.comm
         if isinstance(st, SteadyFeedback):
-            return self._run_feedback(st, x, defer)
+            return self._run_feedback(index, st, x, defer)
         if isinstance(st, SteadyBlocks):
             return self._run_steady_blocks(index, st, x, defer)
         if isinstance(st, SteadyAgreedBlocks):
@@ -2033,7 +2155,7 @@ class Reducer:
         return tail
 
     def _moved(
-        self, index: int, st: Steady, x: torch.Tensor, defer: bool
+        self, index: int, st: Steady | SteadyFeedback | SteadyGroups, x: torch.Tensor, defer: bool
     ) -> Callable[[], None] | None:
         """Promote moved a layer's format of settled bucket ``index``: this step sends the
         new formats by the general path, on the maxima just agreed, which binds the bucket
@@ -2041,7 +2163,8 @@ class Reducer:
         assert st.promote is not None
         del self.steady[index]
         keys, numels, names = st.promote
-        chunk = None if st.measured else st.chunk
+        # Error feedback sends one chunk, whatever is asked.
+        fixed = not isinstance(st, SteadyFeedback) and not st.measured
         return self.bucket(
             index,
             x,
@@ -2049,7 +2172,7 @@ class Reducer:
             numels,
             names,
             step=self.step,
-            chunk=chunk,
+            chunk=st.chunk if fixed else None,  # type: ignore[union-attr]
             defer=defer,
             shared_maxima=st.maxima,
         )
@@ -2205,14 +2328,59 @@ class Reducer:
         counts, smallest, largest = per_layer(g.blocks, counts, exps, blocks_amax(x, g.layout))
         self.stats.add(index, st.names, g.numels, g.fmt, smallest, largest, counts)
 
-    def _promoted(self, st: Steady | SteadyGroups) -> bool:
+    def record_feedback(self, index: int, st: SteadyFeedback, x: torch.Tensor) -> None:
+        """:meth:`record_steady` with error feedback: the general path's records of this
+        rank's values ``x`` with its residuals added, under two_phase's factors of the
+        agreed maxima (per block: the agreed keys, folded per layer with this rank's
+        block maxima). One kernel call on the CPU kernels, a fixed handful of tensor ops
+        elsewhere, whatever the layer count; nothing read on the host."""
+        g = st.group
+        assert st.names is not None and g is not None
+        fmt, route, n = g.fmt, Route.TWO_PHASE, self.comm.world_size
+        if g.codec.backend == "kernels" and x.device.type == "cpu":
+            rows = torch.empty(len(st.names), 5, dtype=torch.float64)
+            if g.blocks is None:
+                assert st.keys is not None  # left by st.factors
+                g.codec.layer_records(x, g.layout, st.shared, st.keys, rows)
+            else:
+                assert st.local is not None
+                g.codec.block_records(x, g.blocks, st.shared, st.local, rows)
+            self.stats.add_rows(index, st.names, g.numels, fmt, rows)
+            return
+        if g.blocks is None:
+            exps = factors(st.shared, fmt, route, world_size=n).exponents
+            counts, amax = layer_counts(x, g.layout.lengths, exps, fmt), st.shared
+        else:
+            assert st.local is not None
+            keyed = factors_from_keys(
+                st.shared[None], fmt, route, world_size=n, counts=g.blocks.device_counts
+            )
+            counts = layer_counts(x, g.layout.lengths, keyed.exponents, fmt)
+            counts, exps, amax = per_layer(g.blocks, counts, keyed.exponents, st.local)
+        self.stats.add(index, st.names, g.numels, fmt, exps, amax, counts)
+
+    def _feedback_rates(self, st: SteadyFeedback, x: torch.Tensor, out: torch.Tensor) -> None:
+        """:meth:`_settled_rates` with error feedback: this rank's underflow rate of every
+        layer of ``x`` (its residuals added) under the step's two_phase factors, into
+        ``out``: one kernel call on the CPU kernels, else a few whole-bucket tensor ops."""
+        g = st.group
+        assert g is not None and st.scale is not None
+        if g.codec.backend == "kernels" and x.device.type == "cpu":
+            g.codec.underflow_rates(x, g.layout, st.scale.numpy(), out)
+            return
+        n = self.comm.world_size
+        exps = factors(st.shared, g.fmt, Route.TWO_PHASE, world_size=n).exponents
+        counts = layer_counts(x, g.layout.lengths, exps, g.fmt)
+        out.copy_(counts[:, 1].float() / counts[:, 0].clamp(min=1).float())
+
+    def _promoted(self, st: Steady | SteadyGroups | SteadyFeedback) -> bool:
         """Promote's step from the rates just agreed on the maxima; whether a format of the
         bucket moved (only this bucket's layers move here).
 
         Promote picks formats on the host: one read of the agreed rates per
         bucket (none on the CPU, where they are host memory already).
         """
-        assert st.promote is not None
+        assert st.promote is not None and st.maxima is not None
         n = len(st.fmts)
         rates = st.maxima[n : 2 * n]
         agreed = rates.numpy() if rates.device.type == "cpu" else rates

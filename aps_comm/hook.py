@@ -125,6 +125,10 @@ class _Bucket:
     buffer: torch.Tensor
     params: list[torch.Tensor]
     is_last: bool
+    # Where ``params`` was left empty (settled when submitted): the parameters, asked for
+    # only if the bucket is no longer settled when it runs (another bucket bound since
+    # may have outgrown the workspace it was bound to).
+    more: Callable[[], list[torch.Tensor]] | None = None
 
 
 class APSState:
@@ -693,9 +697,10 @@ class APSState:
             if steady is not None:
                 tail = reducer.run_steady(b.index, steady, x, defer)
                 return functools.partial(self._finish_bucket, b, x, tail)
-            numels = [p.numel() for p in b.params]
-            names = [self.param_names.get(id(p)) for p in b.params]
-            keys = [id(p) for p in b.params]
+            params = b.params if b.params or b.more is None else b.more()
+            numels = [p.numel() for p in params]
+            names = [self.param_names.get(id(p)) for p in params]
+            keys = [id(p) for p in params]
             tail = reducer.bucket(
                 b.index, x, keys, numels, names, step=self.step, chunk=self._chunk(), defer=defer
             )
@@ -869,7 +874,11 @@ def aps_hook(state: APSState, bucket: dist.GradBucket) -> torch.futures.Future[t
         return fut
     if params:
         caveats.warn_rounded_dtype(buffer.dtype)  # the plain FP32 all-reduce above keeps it
-    fut = state._submit(_Bucket(index, buffer, list(params), bucket.is_last()))
+    fut = state._submit(
+        _Bucket(
+            index, buffer, list(params), bucket.is_last(), None if params else bucket.parameters
+        )
+    )
     if buffer.device.type == "cuda" and reducer.comm.backend == "nccl":
         return fut  # the side stream's, complete: a failure was raised in this call
     # The worker's: DDP would report its failure as "Unable to cast ... to Tensor".

@@ -451,6 +451,84 @@ def test_settled_error_feedback_beside_fp32_makes_no_host_traffic(
         assert mode.reads == [] and mode.copies == [], (mode.reads, mode.copies)
 
 
+@pytest.mark.parametrize("world", [1, 6])
+def test_settled_error_feedback_with_stats_makes_no_host_traffic(
+    monkeypatch: pytest.MonkeyPatch, world: int
+) -> None:
+    """Issue 46: error feedback with ``stats=True`` settles (one format, and beside FP32),
+    its records (the device ops a GPU runs instead of the CPU kernel) read nothing on the
+    host until the step's records are asked for, then once."""
+    monkeypatch.setattr(engine_mod, "_FEEDBACK_BACKENDS", ("cast",))
+    ran: list[str] = []
+    monkeypatch.setattr(Reducer, "run_steady", _logged(Reducer.run_steady, ran))
+    with stubbed_collectives(monkeypatch):
+        reducer, names = _reducer(
+            get_format("e4m3"),
+            "two_phase",
+            "layer",
+            world,
+            0,
+            [KeepLast("fp32")],
+            stats=True,
+            feedback=True,
+        )
+        steady, stats = _bucket_steps(reducer, names, 4, chunk=None)
+    assert ran == ["SteadyFeedback", "SteadyGroups"] * 3, ran
+    for mode in steady:
+        assert mode.reads == [] and mode.copies == [], (mode.reads, mode.copies)
+    mode = HostTraffic()
+    with mode:
+        records = stats.records()
+    assert len(mode.reads) == 1 and [r.name for r in records] == names[:-1]  # FP32: none
+
+
+def test_settled_error_feedback_under_promote_reads_only_its_rates(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    """Issue 46: error feedback under ``Promote`` settles (one format, and beside FP32);
+    Promote reads its agreed rates once per bucket, and nothing else is read on the host
+    or copied to the device."""
+    monkeypatch.setattr(engine_mod, "_FEEDBACK_BACKENDS", ("cast",))
+    ran: list[str] = []
+    monkeypatch.setattr(Reducer, "run_steady", _logged(Reducer.run_steady, ran))
+    rules = [*POLICIES["promote"], KeepLast("fp32")]
+    with stubbed_collectives(monkeypatch):
+        reducer, names = _reducer(
+            get_format("e4m3"), "two_phase", "layer", 6, 0, rules, stats=True, feedback=True
+        )
+        steady, _ = _bucket_steps(reducer, names, 4, chunk=None)
+    assert ran == ["SteadyFeedback", "SteadyGroups"] * 3, ran
+    for mode in steady:
+        assert len(mode.reads) == 2, mode.reads  # Promote's agreed rates, once per bucket
+        assert mode.copies == [], mode.copies
+
+
+@pytest.mark.parametrize("stats", [False, True])
+def test_settled_error_feedback_on_interleaved_groups_makes_no_host_traffic(
+    monkeypatch: pytest.MonkeyPatch, stats: bool
+) -> None:
+    """Issue 46: error feedback with groups that interleave (fp16 between e4m3 layers)
+    settles; its gather, maxima put and picked back, and scatter read nothing on the host
+    and copy nothing to the device."""
+    monkeypatch.setattr(engine_mod, "_FEEDBACK_BACKENDS", ("cast",))
+    with stubbed_collectives(monkeypatch):
+        reducer, names = _reducer(
+            get_format("e4m3"),
+            "two_phase",
+            "layer",
+            6,
+            1,
+            MIXED["interleaved"],
+            stats=stats,
+            feedback=True,
+        )
+        steady, _ = _bucket_steps(reducer, names, 4, chunk=None)
+        st = reducer.steady.get(1)
+        assert isinstance(st, SteadyGroups) and st.feedback and st.gather is not None
+    for mode in steady:
+        assert mode.reads == [] and mode.copies == [], (mode.reads, mode.copies)
+
+
 def _logged(run_steady: Callable[..., Any], log: list[str]) -> Callable[..., Any]:
     """:meth:`Reducer.run_steady`, logging the kind of settled path each call runs."""
 

@@ -216,14 +216,16 @@ def _bound_state(options: dict, params: list[torch.Tensor]) -> aps_comm.APSState
     return state
 
 
-@pytest.mark.parametrize("config", ["bucket", "schedule", "promote", "none", "block_agreed"])
+@pytest.mark.parametrize(
+    "config", ["bucket", "schedule", "promote", "none", "block_agreed", "promote+error_feedback"]
+)
 def test_ops_per_settled_bucket_with_options_do_not_grow_with_layers(
     world: None, config: str
 ) -> None:
     """Issue 46: bucket scaling, no scaling, agreed block exponents and the policies
     settle; the policies on steps where no layer's format changes (Schedule(steps=1): from
     its second step on). Before: "none" 226 ops per bucket at 200 layers (30 at 4),
-    "block_agreed" 52."""
+    "block_agreed" 52, "promote+error_feedback" 536 (144 at 4)."""
     counts = {}
     for layers in (2, 200):
         numels = [300 + i for i in range(layers)]
@@ -458,9 +460,19 @@ def _named_state(options: dict, params: list[torch.Tensor]) -> aps_comm.APSState
     return state
 
 
-@pytest.mark.parametrize("config", ["two_phase+error_feedback", "block+error_feedback"])
+@pytest.mark.parametrize(
+    "config",
+    [
+        "two_phase+error_feedback",
+        "block+error_feedback",
+        "two_phase+error_feedback+stats",
+        "block+error_feedback+stats",
+    ],
+)
 def test_error_feedback_buckets_settle_in_a_fixed_handful_of_ops(world: None, config: str) -> None:
-    """Issue 46: error feedback settles too, its residual updates whole-bucket kernels."""
+    """Issue 46: error feedback settles too, its residual updates whole-bucket kernels;
+    with ``stats=True`` too, every layer's records in one call (was 533 ops per bucket at
+    200 layers, 141 at 4; e2m1 block 305 and 109)."""
     counts, settled = {}, []
     for layers in (2, 200):
         x, params = _bucket([300 + i for i in range(layers)], layers)
@@ -480,6 +492,9 @@ def test_error_feedback_buckets_settle_in_a_fixed_handful_of_ops(world: None, co
     assert settled == [True, True]
     # The residuals' updates are whole-bucket kernels: this rank's encode, the owner's.
     assert {"kernel::keep_lost", "kernel::owner_lost"} <= set(kernels), kernels
+    if "stats" in config:  # one records call, a row per layer
+        records = "kernel::block_records" if "block" in config else "kernel::layer_records"
+        assert kernels.count(records) == 1 and len(state.stats) == 200, kernels
 
 
 def _feedback_steps(rank: int, world_size: int, options: dict) -> list[str]:
@@ -492,7 +507,7 @@ def _feedback_steps(rank: int, world_size: int, options: dict) -> list[str]:
     problems = []
     for step in range(7):
         x, _ = _bucket(numels, 100 * step + rank)
-        if step == 3 and rank == 1:
+        if step == 3 and rank == world_size - 1:
             x[7] = float("nan")  # layer 3 on one rank: NaN in it on every rank, this step
         if step == 5:  # residuals restored from a checkpoint: the settled path takes them
             for state in (settled, full):
@@ -521,7 +536,14 @@ def _feedback_steps(rank: int, world_size: int, options: dict) -> list[str]:
             torch.equal(mine[k].view(torch.int32), ref[k].view(torch.int32)) for k in ref
         ):
             problems.append(f"step {step}: residuals differ")
+        # The records (NaN-aware through repr) and the bytes per collective.
+        if repr(settled.stats) != repr(full.stats) or settled.bytes_detail != full.bytes_detail:
+            problems.append(f"step {step}: records or bytes differ")
     return problems
+
+
+def _feedback_configs(rank: int, world_size: int, configs: list[dict]) -> list[str]:
+    return [p for options in configs for p in _feedback_steps(rank, world_size, options)]
 
 
 @pytest.mark.parametrize(
@@ -541,6 +563,18 @@ def _feedback_steps(rank: int, world_size: int, options: dict) -> list[str]:
 )
 def test_settled_error_feedback_gives_the_full_paths_bits_and_residuals(options: dict) -> None:
     for problems in run_distributed(_feedback_steps, 2, args=(options,)):
+        assert problems == []
+
+
+@pytest.mark.parametrize("world_size", [1, 2])
+def test_settled_error_feedback_with_stats_gives_the_general_paths_records(
+    world_size: int,
+) -> None:
+    """Issue 46: error feedback with ``stats=True`` settles (per layer and with blocks),
+    with the general path's gradients, residuals, bytes and records (this rank's values
+    with its residuals added, under the agreed exponents), a NaN on one rank included."""
+    configs = [CONFIGS["two_phase+error_feedback+stats"], CONFIGS["block+error_feedback+stats"]]
+    for problems in run_distributed(_feedback_configs, world_size, args=(configs,)):
         assert problems == []
 
 
@@ -564,6 +598,12 @@ _MIXED_OPTIONS: dict[str, dict] = {
     "keep_last+block": CONFIGS["keep_last+block"],
     "keep_last+error_feedback": CONFIGS["keep_last+error_feedback"],
     "keep_last+block+error_feedback": CONFIGS["keep_last+block+error_feedback"],
+    "keep_last+error_feedback+stats": {**CONFIGS["keep_last+error_feedback"], "stats": True},
+    "interleaved+error_feedback": {**_MIXED["interleaved"], "error_feedback": True},
+    "keep_last+promote+error_feedback": {
+        **CONFIGS["keep_last+error_feedback"],
+        "policy": [Promote(), KeepLast("fp32")],
+    },
     "interleaved+block": {
         **ROUTES["block"],
         "policy": [ByName({"*[13579].weight": "e4m3"}), KeepLast("fp32")],
@@ -574,28 +614,38 @@ _MIXED_OPTIONS: dict[str, dict] = {
 }
 """Mixed-format buckets with the options a user turns on beside the policy."""
 _MIXED_OPTIONS["interleaved+block+stats"] = {**_MIXED_OPTIONS["interleaved+block"], "stats": True}
+_MIXED_OPTIONS["interleaved+block+error_feedback"] = {
+    **_MIXED_OPTIONS["interleaved+block"],
+    "error_feedback": True,
+}
 
 
 @pytest.mark.parametrize(
-    ("config", "fewest"),
+    ("config", "fewest", "budget"),
     [
-        ("keep_last", 2),
-        ("interleaved", 4),
-        ("keep_last+stats", 2),
-        ("interleaved+stats", 4),
-        ("keep_last+promote", 2),
-        ("interleaved+promote", 4),
-        ("keep_last+block", 2),
-        ("interleaved+block", 4),
-        ("interleaved+block16", 4),
-        ("interleaved+block+stats", 4),
-        ("interleaved+bucket+stats", 4),
-        ("keep_last+error_feedback", 2),
-        ("keep_last+block+error_feedback", 2),
+        ("keep_last", 2, BUDGET),
+        ("interleaved", 4, BUDGET),
+        ("keep_last+stats", 2, BUDGET),
+        ("interleaved+stats", 4, BUDGET),
+        ("keep_last+promote", 2, BUDGET),
+        ("interleaved+promote", 4, BUDGET),
+        ("keep_last+block", 2, BUDGET),
+        ("interleaved+block", 4, BUDGET),
+        ("interleaved+block16", 4, BUDGET),
+        ("interleaved+block+stats", 4, BUDGET),
+        ("interleaved+bucket+stats", 4, BUDGET),
+        ("keep_last+error_feedback", 2, BUDGET),
+        ("keep_last+block+error_feedback", 2, BUDGET),
+        ("keep_last+error_feedback+stats", 2, BUDGET),
+        ("keep_last+promote+error_feedback", 2, BUDGET),
+        # Over: the gather, the maxima put in the bucket's order and picked back, the
+        # scatter, and each sent group's own feedback chunk (e4m3 and fp16: 10 calls each).
+        ("interleaved+error_feedback", 4, BUDGET + 13),
+        ("interleaved+block+error_feedback", 4, BUDGET + 14),
     ],
 )
 def test_ops_per_settled_mixed_format_bucket_do_not_grow_with_layers(
-    world: None, config: str, fewest: int
+    world: None, config: str, fewest: int, budget: int
 ) -> None:
     """Issue 46: a bucket whose layers travel in several formats settles (keep_last: 478
     ops per bucket at 200 layers before, 86 at 4), within the budget: interleaved formats
@@ -620,7 +670,7 @@ def test_ops_per_settled_mixed_format_bucket_do_not_grow_with_layers(
         counts[layers] = (aten, kernels)
     assert counts[fewest] == counts[200], counts
     aten, kernels = counts[200]
-    assert len(aten) + len(kernels) <= BUDGET, counts[200]
+    assert len(aten) + len(kernels) <= budget, counts[200]
     sent = len(state.reducer.steady[0].parts) - 1  # the groups sent scaled
     # Every layer's maximum in one pass; with blocks every block's key, one pass per group.
     if "block" in config:
@@ -719,6 +769,8 @@ def _mixed_feedback_steps(rank: int, world_size: int, configs: list[dict]) -> li
                 problems.append(f"config {c} step {step}: residuals differ")
             if settled.bytes_detail != full.bytes_detail:
                 problems.append(f"config {c} step {step}: {settled.bytes_detail} on the wire")
+            if repr(settled.stats) != repr(full.stats):
+                problems.append(f"config {c} step {step}: records differ")
     return problems
 
 
@@ -740,6 +792,38 @@ def test_settled_mixed_format_buckets_with_error_feedback_give_the_general_paths
             "policy": [Schedule(steps=2, fmt="fp16"), KeepLast("fp32")],
         },
         {**CONFIGS["block+error_feedback"], "policy": [ByName({"no.such.layer": "fp32"})]},
+    ]
+    for problems in run_distributed(_mixed_feedback_steps, world_size, args=(configs,)):
+        assert problems == []
+
+
+@pytest.mark.parametrize("world_size", [1, 2])
+def test_settled_mixed_format_buckets_with_error_feedback_and_stats_give_the_general_paths_records(
+    world_size: int,
+) -> None:
+    """Issue 46: error feedback and ``stats=True`` beside ``KeepLast("fp32")`` settle, per
+    layer and with blocks: every sent group records in the plan's order, the FP32 layer
+    nothing, the general path's records, gradients and residuals."""
+    configs = [
+        _MIXED_OPTIONS["keep_last+error_feedback+stats"],
+        {**CONFIGS["keep_last+block+error_feedback"], "stats": True},
+    ]
+    for problems in run_distributed(_mixed_feedback_steps, world_size, args=(configs,)):
+        assert problems == []
+
+
+@pytest.mark.parametrize("world_size", [1, 2])
+def test_settled_interleaved_groups_with_error_feedback_give_the_general_paths_bits(
+    world_size: int,
+) -> None:
+    """Issue 46: error feedback with groups that interleave in the bucket (every odd layer
+    fp16, or e4m3 blocks between e2m1 ones, beside FP32) settles: the layers gathered in the
+    plan's order and scattered back, the maxima agreed in the general path's order, with
+    its gradients, residuals, records and bytes."""
+    configs = [
+        _MIXED_OPTIONS["interleaved+error_feedback"],
+        _MIXED_OPTIONS["interleaved+block+error_feedback"],
+        {**_MIXED_OPTIONS["interleaved+error_feedback"], "stats": True},
     ]
     for problems in run_distributed(_mixed_feedback_steps, world_size, args=(configs,)):
         assert problems == []
@@ -906,6 +990,120 @@ def test_promote_binds_a_mixed_format_bucket_again_with_the_general_paths_bits(
     world_size: int, options: dict
 ) -> None:
     for problems in run_distributed(_mixed_promote_steps, world_size, args=(options,)):
+        assert problems == []
+
+
+def _promote_feedback_steps(
+    rank: int, world_size: int, options: dict, low: str, high: str
+) -> list[str]:
+    """Promote with error feedback: its layers move up and back, the settled bucket is bound
+    again at each move (not every step), and every step gives the general path's
+    gradients, residuals, records, bytes and Promote's levels; a NaN in one step included.
+    ``low``, ``high``: the layers' formats before and after the move."""
+    numels = [300, 700, 33, 50]
+    params = [torch.nn.Parameter(torch.empty(n)) for n in numels]
+    settled, full = _bound_state(options, params), _bound_state(options, params)
+    kind = SteadyGroups if any(isinstance(r, KeepLast) for r in options["policy"]) else None
+    gen = torch.Generator().manual_seed(17 + rank)
+    buffer = torch.empty(sum(numels))
+    problems, bound, formats = [], [], []
+    for step in range(9):
+        # Magnitudes in [0.5, 1.5): nothing underflows, every layer calm alike (moves together).
+        x = (torch.rand(sum(numels), generator=gen) + 0.5) * torch.randn(
+            sum(numels), generator=gen
+        ).sign()
+        if step == 3:  # e4m3 flushes all but each layer's largest value: promoted
+            x *= 1e-7
+            x[[0, 300, 1000, 1033]] = 2.0**20  # exact: no residual beside the flushed
+        if step == 8 and rank == world_size - 1:
+            x[7] = float("nan")  # layer 0 on one rank: NaN in it on every rank
+        buffer.copy_(x)
+        out = settled.run_bucket(0, buffer, params)
+        if full.reducer is not None:
+            full.reducer.steady.clear()  # the general path every step
+        want = full.run_bucket(0, x.clone(), params)
+        bits = torch.where(out.isnan(), 0.0, out).view(torch.int32)
+        if not torch.equal(out.isnan(), want.isnan()) or not torch.equal(
+            bits, torch.where(want.isnan(), 0.0, want).view(torch.int32)
+        ):
+            problems.append(f"step {step}: gradients differ")
+        mine, ref = settled.state_dict()["residuals"], full.state_dict()["residuals"]
+        if mine.keys() != ref.keys() or not all(
+            torch.equal(mine[k].view(torch.int32), ref[k].view(torch.int32)) for k in ref
+        ):
+            problems.append(f"step {step}: residuals differ")
+        if settled.assignment.promote != full.assignment.promote:
+            problems.append(f"step {step}: Promote's levels differ")
+        if repr(settled.stats) != repr(full.stats) or settled.bytes_detail != full.bytes_detail:
+            problems.append(f"step {step}: records or bytes differ")
+        assert settled.reducer is not None
+        bound.append(settled.reducer.steady.get(0))
+        formats.append(
+            "+".join(f.name for f in settled.assignment.formats([id(p) for p in params], step))
+        )
+    # Step 3's rates promote at step 4 (bound again); calm from then: back at step 6.
+    moves = [s for s in range(1, 9) if formats[s] != formats[s - 1]]
+    if formats != [low] * 4 + [high] * 2 + [low] * 3:
+        problems.append(f"formats {formats}")
+    want_kind = kind or SteadyFeedback
+    if not all(isinstance(b, want_kind) for b in bound):
+        problems.append(f"not settled: {[type(b).__name__ for b in bound]} {formats}")
+    else:
+        for s in range(2, 9):
+            if (bound[s] is bound[s - 1]) == (s in moves):
+                problems.append(f"step {s}: bound again {s not in moves}, moved {s in moves}")
+    return problems
+
+
+@pytest.mark.parametrize("world_size", [1, 2])
+@pytest.mark.parametrize(
+    "options",
+    [
+        {
+            **ROUTES["two_phase"],
+            "error_feedback": True,
+            "policy": [Promote(gamma=0.05, patience=2)],
+        },
+        {
+            **ROUTES["two_phase"],
+            "error_feedback": True,
+            "stats": True,
+            "policy": [Promote(gamma=0.05, patience=2), KeepLast("fp32")],
+        },
+        {
+            **ROUTES["two_phase"],
+            "error_feedback": True,
+            "stats": True,
+            "policy": [Promote(gamma=0.05, patience=2)],
+        },
+    ],
+    ids=["one_format", "keep_last+stats", "one_format+stats"],
+)
+def test_promote_with_error_feedback_binds_again_with_the_general_paths_bits(
+    world_size: int, options: dict
+) -> None:
+    """Issue 46: error feedback under ``Promote`` settles, takes Promote's step on the
+    agreed rates and, where a format moves, sends that step by the general path on the
+    maxima just agreed (its residuals added once) and binds again."""
+    low, high = ("e4m3+e4m3+e4m3+fp32", "e5m2+e5m2+e5m2+fp32")
+    if len(options["policy"]) == 1:  # Promote alone: one format, the last layer's too
+        low, high = ("e4m3+e4m3+e4m3+e4m3", "e5m2+e5m2+e5m2+e5m2")
+    args = (options, low, high)
+    for problems in run_distributed(_promote_feedback_steps, world_size, args=args):
+        assert problems == []
+
+
+@pytest.mark.parametrize("world_size", [1, 2])
+def test_promote_with_error_feedback_on_interleaved_groups_binds_again(world_size: int) -> None:
+    """Issue 46: error feedback under ``Promote`` with groups that interleave (every odd
+    layer fp16) settles, moves and binds again with the general path's bits."""
+    options = {
+        **ROUTES["two_phase"],
+        "error_feedback": True,
+        "policy": [Promote(gamma=0.05, patience=2), _ODD_FP16, KeepLast("fp32")],
+    }
+    args = (options, "e4m3+fp16+e4m3+fp32", "e5m2+fp16+e5m2+fp32")
+    for problems in run_distributed(_promote_feedback_steps, world_size, args=args):
         assert problems == []
 
 

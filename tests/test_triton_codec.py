@@ -1249,9 +1249,9 @@ def test_settled_staged_buckets_on_triton_and_bits_give_the_kernels_bits() -> No
 
 def _feedback_run(
     options: dict, xs: list[torch.Tensor], params: list[torch.Tensor], settle: bool
-) -> list[tuple[torch.Tensor, dict[str, torch.Tensor]]]:
-    """Each step's result and residuals of error feedback, settled (one buffer) or along
-    the full path every step."""
+) -> list[tuple[torch.Tensor, dict[str, torch.Tensor], str]]:
+    """Each step's result, residuals and records (``stats=True``) of error feedback,
+    settled (one buffer) or along the full path every step."""
     import aps_comm
     from benchmarks.hostcost import ParamLayer
 
@@ -1268,7 +1268,7 @@ def _feedback_run(
             state.reducer.steady.clear()
         buffer.copy_(x)
         out = _quiet(state.run_bucket, 0, buffer, params).clone()
-        steps.append((out, state.state_dict()["residuals"]))
+        steps.append((out, state.state_dict()["residuals"], repr(state.stats)))
     if settle:
         assert state.reducer is not None
         kind = "SteadyGroups" if "policy" in options else "SteadyFeedback"
@@ -1292,15 +1292,31 @@ def _feedback_run(
             "block_size": 8,
             "policy": "keep_last",
         },
+        {"fmt": "e4m3", "reduction": "two_phase", "stats": True},
+        {
+            "fmt": "e2m1",
+            "reduction": "two_phase",
+            "scaling": "block",
+            "block_size": 8,
+            "stats": True,
+        },
     ],
-    ids=["e4m3", "e2m1-block", "e4m3-keep_last", "e2m1-block-keep_last"],
+    ids=[
+        "e4m3",
+        "e2m1-block",
+        "e4m3-keep_last",
+        "e2m1-block-keep_last",
+        "e4m3-stats",
+        "e2m1-stats",
+    ],
 )
 def test_settled_error_feedback_on_triton_gives_the_kernels_bits(
     tc: types.ModuleType, options: dict
 ) -> None:
     # Error feedback settles on the Triton backend too (its residual updates whole-bucket
-    # tensor ops there): each step's gradients and residuals are the numba kernels' full
-    # path's, a non-finite layer in one step included.
+    # tensor ops there): each step's gradients, residuals and records (stats: the torch
+    # ops of the records there) are the numba kernels' full path's, a non-finite layer
+    # in one step included.
     from aps_comm.policy import KeepLast
     from benchmarks.hostcost import world_of_one
 
@@ -1316,7 +1332,8 @@ def test_settled_error_feedback_on_triton_gives_the_kernels_bits(
         want = _feedback_run(options, xs, params, settle=False)
     with _triton_plans():
         got = _feedback_run(options, xs, params, settle=True)
-    for (out, res), (ref, ref_res) in zip(got, want, strict=True):
+    for (out, res, records), (ref, ref_res, ref_records) in zip(got, want, strict=True):
+        assert records == ref_records
         assert torch.equal(out.isnan(), ref.isnan())
         same = torch.where(out.isnan(), 0.0, out).view(torch.int32)
         assert torch.equal(same, torch.where(ref.isnan(), 0.0, ref).view(torch.int32))
