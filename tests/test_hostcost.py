@@ -639,9 +639,10 @@ _MIXED_OPTIONS["interleaved+block+error_feedback"] = {
         ("keep_last+error_feedback+stats", 2, BUDGET),
         ("keep_last+promote+error_feedback", 2, BUDGET),
         # Over: the gather, the maxima put in the bucket's order and picked back, the
-        # scatter, and each sent group's own feedback chunk (e4m3 and fp16: 10 calls each).
+        # scatter, and each sent group's own feedback chunk (e4m3 and fp16: 10 calls each;
+        # 28 and 25 calls in all, pinned so that neither can grow unnoticed).
         ("interleaved+error_feedback", 4, BUDGET + 13),
-        ("interleaved+block+error_feedback", 4, BUDGET + 14),
+        ("interleaved+block+error_feedback", 4, BUDGET + 10),
     ],
 )
 def test_ops_per_settled_mixed_format_bucket_do_not_grow_with_layers(
@@ -677,7 +678,8 @@ def test_ops_per_settled_mixed_format_bucket_do_not_grow_with_layers(
         assert kernels.count("kernel::block_keys") == sent
     else:
         assert kernels.count("kernel::block_amax") == 1
-    assert "aten::index_select.out" not in aten  # the maxima picked in the factors' calls
+    if "error_feedback" not in config:  # the maxima picked in the factors' calls
+        assert "aten::index_select.out" not in aten
     if state.collect_stats:  # one records call per group, none per layer
         records = "kernel::block_records" if "block" in config else "kernel::layer_records"
         assert kernels.count(records) == sent
