@@ -1827,7 +1827,7 @@ def block_keys(
         >>> k.tolist(), f.tolist()
         ([120, 255], [1])
     """
-    bound = world_size if fmt.max * world_size > np.finfo(np.float32).max else 0
+    bound = world_size if fmt.max * world_size > float(np.finfo(np.float32).max) else 0
     _block_keys(
         _np(x).view(np.uint32),
         offsets,

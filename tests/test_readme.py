@@ -829,10 +829,17 @@ def _forked_specs(command: str, cwd: Path, port: int) -> list[dict]:
     """The starter's request for a ``torchrun --standalone`` command: one process per rank."""
     match = _FORKED.match(command)
     assert match is not None, f"not a torchrun command the starter runs: {command}"
-    env = _env()
-    env |= dict(v.split("=", 1) for v in match["vars"].split())
-    # What `bash -c` exports to the program it runs.
-    env |= {"PWD": str(cwd), "_": str(shutil.which("torchrun", path=env["PATH"]))}
+    # What `bash -c` exports to the program it runs, asked of bash itself (it sets PWD,
+    # SHLVL and `_`, and drops an inherited PS1, as a venv's activate script exports it).
+    exported = subprocess.run(
+        ["bash", "-c", f"{match['vars']}env -0"],
+        cwd=cwd,
+        env=_env(),
+        capture_output=True,
+        check=True,
+    ).stdout.decode()
+    env = dict(item.split("=", 1) for item in exported.split("\0") if item)
+    env["_"] = str(shutil.which("torchrun", path=env["PATH"]))
     nproc, run_id = int(match["nproc"]), str(uuid.uuid4())
     return [
         {
