@@ -918,7 +918,8 @@ class SteadyMixedUnit:
         perm: int64, for each scaled format's segments in turn, its parameter.
         agreed: float32, ``maxima[perm]``: each scaled format's maxima, run by run, row by row.
         poison: 0-d float32 inf (what the flag writes into ``maxima``).
-        spreads: ``scaling="bucket"``: each format's agreed maxima, spread in place.
+        spreads: ``scaling="bucket"`` without records: each format's agreed maxima, spread
+            in place (with records its factors' one call picks and spreads them).
         calls: per scaled format its factors, encode and decode, bound.
         spans: the gather out of the rows, the scatter of the codes into the send
             buffer, and the gather out of the received rows (:meth:`aps_comm.codec.Codec.copy_spans`).
@@ -926,7 +927,8 @@ class SteadyMixedUnit:
             codes, the received rows, the landing arena (codes, then every run's values).
         send: the send buffer (N encoded rows).
         values: float32, every run's N decoded rows end to end.
-        sums: int64 (R, 7), each run's place in ``values``, row and parameters (:meth:`aps_comm.codec.Codec.sum_runs`).
+        sums: int64 (R, 7), each run's place in ``values``, row and parameters (:meth:`aps_comm.codec.Codec.sum_runs`);
+            ``scaling="none"``: every run's made NaN by the sum, as FP32's (its unscale 1).
         offsets: int64, the chunks' bounds in a row (P + 1).
         row_numel: elements per row.
         record: with ``stats=True``, the step's records from the N rows: float64 (P, 5),
@@ -3060,7 +3062,8 @@ class Reducer:
         # With records, every row's agreed maxima follow (the N x P rows' order): the
         # records read them before any spread, from the one index_select.
         perm = lay.perm + list(range(p)) * n if settings.stats else lay.perm
-        agreed = torch.empty(len(perm), **f32)
+        agreed, maxima = torch.empty(len(perm), **f32), torch.empty(p, **f32)
+        sums = np.array(lay.sums, np.int64).reshape(-1, 7)
         calls, spreads, keys = [], [], []
         for c, (e0, e1), (s0, s1), (c0, c1), numels in zip(
             codecs, lay.elements, lay.segments, lay.codes, lay.numels, strict=True
@@ -3070,15 +3073,20 @@ class Reducer:
             mine = np.zeros(s1 - s0, np.int32) if settings.stats else None
             if mine is not None:  # the records' keys: this format's, at their rows' places
                 keys.append((mine, np.array(lay.rows[s0:s1]) * p + lay.perm[s0:s1]))
+            made = _mixed_factors(
+                c, agreed[s0:s1], maxima, lay.perm[s0:s1], n, scale, unscale, mine, settings
+            )
             calls.append(
                 (
-                    _unit_factors(c, agreed[s0:s1], n, scale, unscale, mine, settings.scaling),
+                    made,
                     c.bind_encode(staged[e0:e1], coded[c0:c1], scale, layout),
                     c.bind_decode(landing[c0:c1], values[e0:e1], unscale, layout),
                 )
             )
-            if settings.scaling == Scaling.BUCKET:
+            if settings.scaling == Scaling.BUCKET and mine is None:
                 spreads.append(AgreedMaxima(agreed[s0:s1], n))
+        if settings.scaling == Scaling.NONE:  # every run NaN where its maximum is not
+            sums[:, 5] = 1  # finite, in the sum (the unscale stays 1): as FP32's runs
         self.steady_units[index] = SteadyMixedUnit(
             tuple(chunks),
             rows.numel(),
@@ -3088,7 +3096,7 @@ class Reducer:
             self.plan(index, list(chunks) * n, device).layout,
             torch.zeros(p + 1, **f32),
             torch.empty(n * p, **f32),
-            torch.empty(p, **f32),
+            maxima,
             to_device(torch.tensor(perm, dtype=torch.long), device),
             agreed,
             torch.tensor(math.inf, **f32),
@@ -3098,7 +3106,7 @@ class Reducer:
             (arena, coded, recv, landing),
             arena[: n * row_bytes],
             values,
-            np.array(lay.sums, np.int64).reshape(-1, 7),
+            sums,
             np.concatenate([[0], np.cumsum(chunks)]).astype(np.int64),
             row,
         )
@@ -3319,6 +3327,42 @@ def _unit_factors(
         unscale.numpy(),
         keys,
     )
+
+
+def _mixed_factors(
+    c: codec.Codec,
+    agreed: torch.Tensor,
+    maxima: torch.Tensor,
+    perm: Sequence[int],
+    world_size: int,
+    scale: torch.Tensor,
+    unscale: torch.Tensor,
+    keys: np.ndarray | None,
+    settings: Settings,
+) -> Callable[[], object]:
+    """A :class:`SteadyMixedUnit` format's factors: :func:`_unit_factors`, but with records
+    and ``scaling="bucket"`` its maxima picked out of the unit's ``maxima`` (at ``perm``)
+    and spread in the factors' one kernel call, not a call of their own; and with
+    ``scaling="none"`` none at all: ``scale`` and ``unscale`` 1, the sum making a
+    parameter NaN where its maximum is not finite (what the NaN unscale did)."""
+    if settings.scaling == Scaling.NONE:
+        scale.fill_(1.0)
+        unscale.fill_(1.0)
+        return _no_factors
+    if keys is None or settings.scaling != Scaling.BUCKET:
+        return _unit_factors(c, agreed, world_size, scale, unscale, keys, settings.scaling)
+    return functools.partial(
+        AgreedMaxima(agreed, world_size).host_factors_into,
+        c.fmt,
+        scale.numpy(),
+        unscale.numpy(),
+        keys,
+        (maxima.numpy(), np.array(perm, np.int64), True),
+    )
+
+
+def _no_factors() -> None:
+    """``scaling="none"``'s factors in a :class:`SteadyMixedUnit`: fixed when bound."""
 
 
 def _finite_unscale(

@@ -97,6 +97,7 @@ __all__ = [
     "memory_table",
     "residual_nbytes",
     "state_nbytes",
+    "thirds_fp16_fp32",
 ]
 
 MODELS: dict[str, list[int]] = {
@@ -202,6 +203,17 @@ def every_other_fp32(name: str, param: torch.nn.Parameter) -> str | None:
     return "fp32" if int(name.rpartition(".")[2]) % 2 else None
 
 
+def thirds_fp16_fp32(name: str, param: torch.nn.Parameter) -> str | None:
+    """A :class:`~aps_comm.policy.ByName` rule: parameters in turn in the unit's format,
+    FP16 and FP32: a unit of two scaled formats beside FP32 runs.
+
+    Example:
+        >>> [thirds_fp16_fp32(f"ps.{i}", None) for i in range(3)]
+        [None, 'fp16', 'fp32']
+    """
+    return (None, "fp16", "fp32")[int(name.rpartition(".")[2]) % 3]
+
+
 FSDP_ROUTES: dict[str, dict[str, Any]] = {
     "fsdp/e4m3": {"fmt": "e4m3"},
     "fsdp/e2m1-block": {"fmt": "e2m1", "scaling": "block"},
@@ -209,6 +221,18 @@ FSDP_ROUTES: dict[str, dict[str, Any]] = {
     "fsdp/e2m1-block+stats": {"fmt": "e2m1", "scaling": "block", "stats": True},
     "fsdp/e4m3+fp32": {"fmt": "e4m3", "policy": [ByName(every_other_fp32)]},
     "fsdp/e4m3+fp32+stats": {"fmt": "e4m3", "stats": True, "policy": [ByName(every_other_fp32)]},
+    "fsdp/e4m3+none+fp32+stats": {
+        "fmt": "e4m3",
+        "scaling": "none",
+        "stats": True,
+        "policy": [ByName(every_other_fp32)],
+    },
+    "fsdp/e5m2+fp16+fp32-bucket+stats": {
+        "fmt": "e5m2",
+        "scaling": "bucket",
+        "stats": True,
+        "policy": [ByName(thirds_fp16_fp32)],
+    },
     "fsdp/e4m3+none": {"fmt": "e4m3", "scaling": "none"},
     "fsdp/e2m1-block+odd": {"fmt": "e2m1", "scaling": "block", "odd_row": True},
     "fsdp/e2m1+fp32+odd": {"fmt": "e2m1", "policy": [ByName(every_other_fp32)], "odd_row": True},
