@@ -40,7 +40,7 @@ import numpy as np
 import torch
 import torch.distributed as dist
 
-from aps_comm import codec, transports
+from aps_comm import codec, cpu_kernels, transports
 from aps_comm.agreement import Layouts
 from aps_comm.codec import AgreedMaxima, RankBlockCalls
 from aps_comm.config import DEFAULT_BLOCK_SIZE, BlockExponents, Reduction, Route, Scaling
@@ -654,6 +654,12 @@ class SteadyGroups:
         feedback: error feedback: the parts sent scaled are :class:`SteadyFeedback`.
         epoch: as :class:`Steady`'s.
         workspace: as :class:`Steady`'s.
+        gather_numels: with ``gather``, the layers' sizes in the plan's order.
+        fused: error feedback on the CPU kernels where the groups interleave: ``gather``
+            also adds every group's residuals (one flat buffer) and, per layer, writes
+            the maxima in bucket order (no ``pick``: each group's factors pick theirs),
+            and each group's encode, residual update and owner step are one call each
+            (:meth:`Reducer._fuse_feedback_groups`).
     """
 
     numel: int
@@ -685,6 +691,7 @@ class SteadyGroups:
     workspace: tuple[int, ...] = ()
     none: bool = False
     gather_numels: list[int] = dataclasses.field(default_factory=list)
+    fused: bool = False
 
     def bind(self, x: torch.Tensor, world_size: int, rank: int = 0) -> bool:
         """Bind the maxima kernel, the gather and every group's path to the float32
@@ -1415,14 +1422,18 @@ class Reducer:
         )
         values, agreed = x, shared  # the groups' values and vector, in the plan's order
         order = [i for g in groups for i in g.index]
+        flat = None  # the fused path's residuals: every sent group's, in the plan's order
         if order != list(range(n)):
-            values, agreed = self._interleave(st, x, order, shared, promoted, names)
-        if not blocks:
+            if x.device.type == "cpu" and all(g.codec.backend == "kernels" for g in sent):
+                values, agreed, flat = self._fuse_feedback_groups(st, x, order, promoted, names)
+            else:
+                values, agreed = self._interleave(st, x, order, shared, promoted, names)
+        if not blocks and not st.fused:
             layout = plan.layout if values is x else Layout.from_numels(st.gather_numels, x.device)
             st.maxima_call = sent[0].codec.bind_layer_maxima(values, layout, agreed[:n])
         parts: list[tuple[torch.Tensor, Steady | SteadyBlocks | SteadyFeedback | None]] = []
         rates: list[torch.Tensor | None] = []
-        lo = at = first = 0
+        lo = at = first = kept = 0
         for g in groups:
             gx, part, last = values[lo : lo + g.numel], None, first + len(g.index)
             sent_rates = promoted and g.reduction != Route.FP32
@@ -1431,7 +1442,14 @@ class Reducer:
                 m = g.layout.n_segments if blocks else len(g.index)
                 at = at if blocks else first
                 gnames = [names[i] for i in g.index]
-                part = self._bind_feedback(index, gx, g, gnames, agreed[at : at + m])
+                fused = None
+                if flat is not None:  # its residuals, and its maxima picked by its factors
+                    pick = None
+                    if not blocks:
+                        pick = shared[:n].numpy(), np.asarray(g.index, np.int64), False
+                    fused = flat[kept : kept + g.numel], pick
+                    kept += g.numel
+                part = self._bind_feedback(index, gx, g, gnames, agreed[at : at + m], fused)
                 if part is None:
                     return
                 at += m
@@ -1481,6 +1499,61 @@ class Reducer:
         st.pick = functools.partial(torch.index_select, shared, 0, at[:n], out=agreed[:n])
         return values, agreed
 
+    def _fuse_feedback_groups(
+        self,
+        st: SteadyGroups,
+        x: torch.Tensor,
+        order: list[int],
+        promoted: bool,
+        names: Sequence[str | None],
+    ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+        """:meth:`_interleave` on the CPU kernels, fused: ``st.gather`` copies the layers
+        into bound scratch in the plan's order with every sent group's residuals added
+        (one flat buffer, the groups' in the plan's order) and, per layer, writes each
+        one's maximum in bucket order into ``st.maxima`` (the general path's vector):
+        one call (:func:`aps_comm.cpu_kernels.gather_add`) for what took a gather, an
+        add per group, the maxima and their copy into bucket order. With Promote,
+        ``st.put_rates`` copies the rates alone. Returns the scratch, the vector in the
+        plan's order (each group's agreed maxima, picked by its factors; Promote's
+        rates after them) and the flat residuals."""
+        n, plan = len(order), st.plan
+        starts = np.cumsum([0, *plan.numels])
+        fp32 = {i for g in st.groups if g.reduction == Route.FP32 for i in g.index}
+        spans, to, kept = [], 0, 0
+        for i in order:
+            size = plan.numels[i]
+            spans.append((starts[i], to, size, -1 if i in fp32 else kept, i))
+            to, kept = to + size, kept + (0 if i in fp32 else size)
+        values = torch.empty_like(x)
+        flat = torch.empty(kept, dtype=torch.float32)
+        st.gather_numels = [plan.numels[i] for i in order]
+        layers = torch.split(x, plan.numels)
+        mine = [layers[i] for i in order]
+        # One multi-tensor copy back, not one copy per layer.
+        st.scatter = functools.partial(
+            torch._foreach_copy_, mine, list(torch.split(values, st.gather_numels))
+        )
+        maxima = st.maxima[:0] if st.blocks else st.maxima[:n]
+        st.gather = functools.partial(
+            _host_kernel,
+            "gather_add",
+            x.numpy(),
+            np.asarray(spans, np.int64).reshape(-1, 5),
+            flat.numpy(),
+            values.numpy(),
+            maxima.numpy(),
+        )
+        st.fused = True
+        if st.blocks:
+            return values, st.maxima, flat
+        agreed = torch.zeros_like(st.maxima)
+        if promoted:  # the rates in the plan's order: the reducer's rates are views of them
+            kept_rates = {j for j, i in enumerate(order) if i in fp32}
+            self._rates_into(agreed[n:], [names[i] for i in order], kept_rates)
+            at = torch.tensor(order, dtype=torch.int64)
+            st.put_rates = functools.partial(st.maxima[n:].index_copy_, 0, at, agreed[n:])
+        return values, agreed, flat
+
     def _run_feedback_groups(self, index: int, st: SteadyGroups, x: torch.Tensor) -> None:
         """:meth:`_run_groups` with error feedback: every group's residuals added, the
         bucket's maxima (or each group's block keys) agreed at once, then each group's
@@ -1491,11 +1564,12 @@ class Reducer:
         fed = [(values, s) for values, s in st.parts if isinstance(s, SteadyFeedback)]
         if st.gather is not None:
             st.gather()
-        for values, s in fed:
-            values.add_(s.residual)
+        if not st.fused:  # else added by the gather
+            for values, s in fed:
+                values.add_(s.residual)
         if st.maxima_call is not None:  # every layer's, as the general path's vector
             st.maxima_call()
-        else:
+        elif st.blocks:
             for _, s in fed:
                 s.agree()
         if st.put_rates is not None:  # into the general path's order
@@ -1692,6 +1766,7 @@ class Reducer:
         g: GroupPlan,
         names: Sequence[str | None],
         shared: torch.Tensor | None = None,
+        fused: tuple[torch.Tensor, tuple[np.ndarray, np.ndarray, bool] | None] | None = None,
     ) -> SteadyFeedback | None:
         """Group ``g``'s :class:`SteadyFeedback`, bound to its values ``x`` (the bucket, or
         a group's view of it); None where it has no bound path: not two_phase in one chunk,
@@ -1699,7 +1774,10 @@ class Reducer:
 
         ``shared``: where its agreed maxima or block keys go, a view of the vector that a
         bucket of several formats agrees on at once (:meth:`_settle_feedback_groups`);
-        None: its own.
+        None: its own. ``fused`` (:meth:`_fuse_feedback_groups`): its residuals, a view
+        of the bucket's flat ones, and its layers' positions in the bucket's agreed
+        maxima, which its factors pick into ``shared`` (None with blocks); its encode
+        with its residual update, and its owner step, then one CPU kernel call each.
         """
         fb, comm = self.feedback, self.comm
         assert fb is not None
@@ -1755,17 +1833,24 @@ class Reducer:
             agree = g.codec.bind_layer_maxima(x, g.layout, shared)
             if g.codec.backend == "kernels" and device.type == "cpu":
                 host_keys = np.empty(n_seg, np.int32)
+        pick = fused[1] if fused is not None else None
         factors = g.codec.bind_feedback_factors(
-            shared, comm.world_size, scale, unscale, counts, host_keys
+            shared, comm.world_size, scale, unscale, counts, host_keys, pick
         )
         residual = torch.empty(x.numel(), dtype=torch.float32, device=device)
+        if fused is not None:
+            residual = fused[0]
         sent = scratch[:numel]
         head = send[: payload_nbytes(numel, fmt)]
-        encode = functools.partial(
-            _encode_and_keep,
-            g.codec.bind_encode(x, send, scale, g.windows[0], pad),
-            g.codec.bind_keep_lost(head, x, sent, unscale, g.layout, residual),
-        )
+        encode = None
+        if fused is not None:  # the whole layout: the window's factors, element by element
+            encode = g.codec.bind_encode_keep(x, send, (scale, unscale), g.layout, sent, residual)
+        if encode is None:
+            encode = functools.partial(
+                _encode_and_keep,
+                g.codec.bind_encode(x, send, scale, g.windows[0], pad),
+                g.codec.bind_keep_lost(head, x, sent, unscale, g.layout, residual),
+            )
         owner = g.codec.bind_owner_feedback(
             recv,
             comm.world_size,
@@ -1776,6 +1861,7 @@ class Reducer:
             residual,
             scratch,
             mean,
+            fused is not None,
         )
         decode = g.codec.bind_decode(send, x, unscale, g.windows[0])
         calls = [transports.ChunkCalls(encode, owner, decode, send, recv, shard)]
@@ -3252,6 +3338,11 @@ class Reducer:
         stats, self.stats = self.stats, StepStats()
         self.step += 1
         return self.traffic.take(), stats
+
+
+def _host_kernel(name: str, *args: object) -> None:
+    """The CPU kernel ``name``, looked up per call (tools count the calls by name)."""
+    getattr(cpu_kernels, name)(*args)
 
 
 def _encode_and_keep(encode: Callable[[], object], keep: Callable[[], object]) -> None:
