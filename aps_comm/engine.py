@@ -1833,24 +1833,16 @@ class Reducer:
             agree = g.codec.bind_layer_maxima(x, g.layout, shared)
             if g.codec.backend == "kernels" and device.type == "cpu":
                 host_keys = np.empty(n_seg, np.int32)
-        pick = fused[1] if fused is not None else None
         factors = g.codec.bind_feedback_factors(
-            shared, comm.world_size, scale, unscale, counts, host_keys, pick
+            shared, comm.world_size, scale, unscale, counts, host_keys, fused[1] if fused else None
         )
-        residual = torch.empty(x.numel(), dtype=torch.float32, device=device)
-        if fused is not None:
+        if fused is None:
+            residual = torch.empty(x.numel(), dtype=torch.float32, device=device)
+        else:
             residual = fused[0]
-        sent = scratch[:numel]
-        head = send[: payload_nbytes(numel, fmt)]
-        encode = None
-        if fused is not None:  # the whole layout: the window's factors, element by element
-            encode = g.codec.bind_encode_keep(x, send, (scale, unscale), g.layout, sent, residual)
-        if encode is None:
-            encode = functools.partial(
-                _encode_and_keep,
-                g.codec.bind_encode(x, send, scale, g.windows[0], pad),
-                g.codec.bind_keep_lost(head, x, sent, unscale, g.layout, residual),
-            )
+        encode = _feedback_encode(
+            g, x, send, (scale, unscale), pad, (scratch[:numel], residual), fused is not None
+        )
         owner = g.codec.bind_owner_feedback(
             recv,
             comm.world_size,
@@ -3343,6 +3335,33 @@ class Reducer:
 def _host_kernel(name: str, *args: object) -> None:
     """The CPU kernel ``name``, looked up per call (tools count the calls by name)."""
     getattr(cpu_kernels, name)(*args)
+
+
+def _feedback_encode(
+    g: GroupPlan,
+    x: torch.Tensor,
+    send: torch.Tensor,
+    factors: tuple[torch.Tensor, torch.Tensor],
+    pad: int,
+    kept: tuple[torch.Tensor, torch.Tensor],
+    fused: bool,
+) -> Callable[[], object]:
+    """Error feedback's bound encode of group ``g``'s values ``x`` (one chunk) into
+    ``send``, then what that lost into the residuals (``kept``: float32 scratch of the
+    values as sent, the residuals): one CPU kernel call where ``fused``
+    (:meth:`aps_comm.codec.Codec.bind_encode_keep`), else the encode and
+    :meth:`aps_comm.codec.Codec.bind_keep_lost`."""
+    (scale, unscale), (sent, residual), c = factors, kept, g.codec
+    if fused:  # the whole layout: the chunk's window's factors, element for element
+        call = c.bind_encode_keep(x, send, (scale, unscale), g.layout, sent, residual)
+        if call is not None:
+            return call
+    head = send[: payload_nbytes(x.numel(), g.fmt)]
+    return functools.partial(
+        _encode_and_keep,
+        c.bind_encode(x, send, scale, g.windows[0], pad),
+        c.bind_keep_lost(head, x, sent, unscale, g.layout, residual),
+    )
 
 
 def _encode_and_keep(encode: Callable[[], object], keep: Callable[[], object]) -> None:
