@@ -2859,10 +2859,10 @@ if AVAILABLE:
         inf_bits = np.uint32(0x7F800000)
         for s in range(spans.shape[0]):
             src, dst, n, r = spans[s, 0], spans[s, 1], spans[s, 2], spans[s, 3]
-            if r < 0:
+            if r == -1:
                 for i in range(n):
                     values[dst + i] = x[src + i]
-            else:
+            elif r >= 0:
                 for i in range(n):
                     values[dst + i] = x[src + i] + residual[r + i]
             if len(out):
@@ -2936,7 +2936,8 @@ def gather_add(
     ``spans``: int64 rows (from in ``x``, to in ``values``, elements, from in
     ``residual`` or -1 for none, the layer's slot in ``out``); float32 ``out`` (the
     maxima) may be empty: then only the copies and the adds, ``x + residual`` in
-    float32 as ``torch.add`` does it.
+    float32 as ``torch.add`` does it. ``values`` may be ``x`` itself, each layer where
+    it is (the residuals added in place): -2 for none then leaves the layer as it is.
 
     Example:
         >>> values, out = np.empty(3, np.float32), np.empty(2, np.float32)

@@ -633,7 +633,7 @@ class SteadyGroups:
         put_rates: the rates copied from group order into ``maxima``'s bucket order, one
             call (None where the groups are consecutive in the bucket).
         gather: the layers copied in group order into bound scratch, one call
-            (None where the groups are consecutive in the bucket).
+            (None where the groups are consecutive in the bucket, but with ``fused``).
         pick: the agreed maxima copied in the same order, one call (or None).
         factors: on the CPU kernels, where the groups are not consecutive: per group sent
             scaled, in the plan's order, its factors' one call, which picks its layers'
@@ -655,10 +655,11 @@ class SteadyGroups:
         epoch: as :class:`Steady`'s.
         workspace: as :class:`Steady`'s.
         gather_numels: with ``gather``, the layers' sizes in the plan's order.
-        fused: error feedback on the CPU kernels where the groups interleave: ``gather``
-            also adds every group's residuals (one flat buffer) and, per layer, writes
-            the maxima in bucket order (no ``pick``: each group's factors pick theirs),
-            and each group's encode, residual update and owner step are one call each
+        fused: error feedback on the CPU kernels: ``gather`` adds every group's
+            residuals (one flat buffer) and, per layer, writes the maxima in bucket
+            order (no ``pick``: each group's factors pick theirs), gathering the layers
+            too where the groups interleave (else the bucket is their values), and each
+            group's encode, residual update and owner step are one call each
             (:meth:`Reducer._fuse_feedback_groups`).
     """
 
@@ -1423,11 +1424,10 @@ class Reducer:
         values, agreed = x, shared  # the groups' values and vector, in the plan's order
         order = [i for g in groups for i in g.index]
         flat = None  # the fused path's residuals: every sent group's, in the plan's order
-        if order != list(range(n)):
-            if x.device.type == "cpu" and all(g.codec.backend == "kernels" for g in sent):
-                values, agreed, flat = self._fuse_feedback_groups(st, x, order, promoted, names)
-            else:
-                values, agreed = self._interleave(st, x, order, shared, promoted, names)
+        if x.device.type == "cpu" and all(g.codec.backend == "kernels" for g in sent):
+            values, agreed, flat = self._fuse_feedback_groups(st, x, order, promoted, names)
+        elif order != list(range(n)):
+            values, agreed = self._interleave(st, x, order, shared, promoted, names)
         if not blocks and not st.fused:
             layout = plan.layout if values is x else Layout.from_numels(st.gather_numels, x.device)
             st.maxima_call = sent[0].codec.bind_layer_maxima(values, layout, agreed[:n])
@@ -1507,32 +1507,36 @@ class Reducer:
         promoted: bool,
         names: Sequence[str | None],
     ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
-        """:meth:`_interleave` on the CPU kernels, fused: ``st.gather`` copies the layers
-        into bound scratch in the plan's order with every sent group's residuals added
-        (one flat buffer, the groups' in the plan's order) and, per layer, writes each
-        one's maximum in bucket order into ``st.maxima`` (the general path's vector):
-        one call (:func:`aps_comm.cpu_kernels.gather_add`) for what took a gather, an
-        add per group, the maxima and their copy into bucket order. With Promote,
-        ``st.put_rates`` copies the rates alone. Returns the scratch, the vector in the
-        plan's order (each group's agreed maxima, picked by its factors; Promote's
-        rates after them) and the flat residuals."""
+        """The groups' values and vector on the CPU kernels, fused: ``st.gather`` adds
+        every sent group's residuals (one flat buffer, the groups' in the plan's order)
+        and, per layer, writes each one's maximum in bucket order into ``st.maxima``
+        (the general path's vector), in one call (:func:`aps_comm.cpu_kernels.gather_add`)
+        for what took an add per group and the maxima; where the groups interleave it
+        also copies the layers into bound scratch in the plan's order (what took a
+        gather, and the maxima's copy into bucket order: :meth:`_interleave`), which
+        ``st.scatter`` copies back, and with Promote ``st.put_rates`` copies the rates
+        alone. Returns the values in the plan's order, the vector in that order (each
+        group's agreed maxima, picked by its factors; Promote's rates after them) and
+        the flat residuals."""
         n, plan = len(order), st.plan
         starts = np.cumsum([0, *plan.numels])
         fp32 = {i for g in st.groups if g.reduction == Route.FP32 for i in g.index}
+        in_place = order == list(range(n))  # the groups consecutive: the bucket's own views
         spans, to, kept = [], 0, 0
         for i in order:
-            size = plan.numels[i]
-            spans.append((starts[i], to, size, -1 if i in fp32 else kept, i))
+            size, none = plan.numels[i], -2 if in_place else -1
+            spans.append((starts[i], to, size, none if i in fp32 else kept, i))
             to, kept = to + size, kept + (0 if i in fp32 else size)
-        values = torch.empty_like(x)
+        values = x if in_place else torch.empty_like(x)
         flat = torch.empty(kept, dtype=torch.float32)
-        st.gather_numels = [plan.numels[i] for i in order]
-        layers = torch.split(x, plan.numels)
-        mine = [layers[i] for i in order]
-        # One multi-tensor copy back, not one copy per layer.
-        st.scatter = functools.partial(
-            torch._foreach_copy_, mine, list(torch.split(values, st.gather_numels))
-        )
+        if not in_place:
+            st.gather_numels = [plan.numels[i] for i in order]
+            layers = torch.split(x, plan.numels)
+            mine = [layers[i] for i in order]
+            # One multi-tensor copy back, not one copy per layer.
+            st.scatter = functools.partial(
+                torch._foreach_copy_, mine, list(torch.split(values, st.gather_numels))
+            )
         maxima = st.maxima[:0] if st.blocks else st.maxima[:n]
         st.gather = functools.partial(
             _host_kernel,
@@ -1544,7 +1548,7 @@ class Reducer:
             maxima.numpy(),
         )
         st.fused = True
-        if st.blocks:
+        if st.blocks or in_place:  # block keys: in the plan's order already
             return values, st.maxima, flat
         agreed = torch.zeros_like(st.maxima)
         if promoted:  # the rates in the plan's order: the reducer's rates are views of them
