@@ -121,10 +121,12 @@ def pytest_xdist_node_collection_finished(node: Any, ids: list[str]) -> None:
     A warm-up that fails or hangs only costs its time: the kernels then compile
     lazily, as without it.
     """
+    # One deadline for both processes: a hang costs at most 300 s, as with one.
+    deadline = time.monotonic() + 300
     while _warming:
         proc = _warming.pop()
         try:
-            proc.wait(timeout=300)
+            proc.wait(timeout=max(deadline - time.monotonic(), 0.0))
         except subprocess.TimeoutExpired:
             proc.kill()
             proc.wait()
