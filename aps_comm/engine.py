@@ -540,6 +540,8 @@ class SteadyAgreedBlocks:
         offer: as :class:`Steady`'s (log2 of this rank's preferred chunk).
         epoch: as :class:`Steady`'s.
         workspace: as :class:`Steady`'s.
+        names: with ``stats=True``, each layer's name for its records
+            (:meth:`Reducer.record_agreed_blocks`); None records nothing.
     """
 
     numel: int
@@ -560,6 +562,7 @@ class SteadyAgreedBlocks:
     offer: tuple[float | None, int] | None = None
     epoch: tuple[int, ...] = ()
     workspace: tuple[int, ...] = ()
+    names: list[str | None] | None = None
 
     def bind(self, x: torch.Tensor, rank: int, world_size: int) -> bool:
         """Bind the keys' and every chunk's calls to the float32 buffer ``x``; False where
@@ -1212,7 +1215,7 @@ class Reducer:
         elif rank_exps:
             self._settle_blocks(index, x, plan, fmts, g, measured, chunk, names)
         elif self.feedback is None:
-            self._settle_agreed_blocks(index, x, plan, fmts, g, main, measured, chunk)
+            self._settle_agreed_blocks(index, x, plan, fmts, g, main, measured, chunk, names)
         if self.feedback is not None:
             self._settle_feedback(index, x, g, fmts, (list(keys), list(numels), list(names)))
 
@@ -1828,14 +1831,14 @@ class Reducer:
         main: Route,
         measured: bool,
         chunk: int,
+        names: Sequence[str | None] = (),
     ) -> None:
         """Bind the bucket's :class:`SteadyAgreedBlocks` path where nothing in it changes
-        per step."""
+        per step (with ``stats=True`` recording too, its layers labelled by ``names``)."""
         assignment, sh = self.assignment, g.block_shards
         if (
+            # Promote refuses block scaling (it needs one exponent per layer).
             assignment.promoter is not None
-            # Records of agreed blocks are the general path's.
-            or self.settings.stats
             or not g.contiguous
             or g.reduction != Route.TWO_PHASE
             or sh is None
@@ -1865,6 +1868,7 @@ class Reducer:
             torch.zeros(n_layers, dtype=torch.uint8, device=device),
             epoch=assignment.epoch(self.step),
             workspace=self._epoch(index, device),
+            names=list(names) if self.settings.stats else None,
         )
         if st.bind(x, self.comm.rank, self.comm.world_size):
             self.steady[index] = st
@@ -1902,6 +1906,8 @@ class Reducer:
                 st.bind(x, comm.rank, comm.world_size)
                 st.workspace = self._epoch(index, x.device)
         self.bucket_chunks[index] = st.chunk
+        if st.names is not None:  # the agreed keys: before the decode overwrites the values
+            self.record_agreed_blocks(index, st, x)
         assert st.calls is not None
         start = time.perf_counter()
         tail = transports.two_phase_blocks_bound(st.calls, comm.group, self.traffic, defer)
@@ -2360,6 +2366,31 @@ class Reducer:
             counts = layer_counts(x, g.layout.lengths, keyed.exponents, fmt)
             counts, exps, amax = per_layer(g.blocks, counts, keyed.exponents, st.local)
         self.stats.add(index, st.names, g.numels, fmt, exps, amax, counts)
+
+    def record_agreed_blocks(self, index: int, st: SteadyAgreedBlocks, x: torch.Tensor) -> None:
+        """:meth:`record_steady` with agreed block exponents: the general path's records of
+        this rank's values ``x``, each block's counts under its agreed key, folded per
+        layer with this rank's block maxima (:func:`aps_comm.telemetry.per_layer`). One
+        kernel call on the CPU kernels, a fixed handful of tensor ops elsewhere, whatever
+        the layer count; nothing read on the host."""
+        g = st.group
+        assert st.names is not None and g.blocks is not None
+        keys = st.shared[: g.layout.n_segments]  # the chunk's byte after them, where measured
+        if g.codec.backend == "kernels" and x.device.type == "cpu":
+            rows = torch.empty(len(st.names), 5, dtype=torch.float64)
+            g.codec.block_records(x, g.blocks, keys, st.maxima, rows)
+            self.stats.add_rows(index, st.names, g.numels, g.fmt, rows)
+            return
+        keyed = factors_from_keys(
+            keys[None],
+            g.fmt,
+            Route.TWO_PHASE,
+            world_size=self.comm.world_size,
+            counts=g.blocks.device_counts,
+        )
+        counts = layer_counts(x, g.layout.lengths, keyed.exponents, g.fmt)
+        counts, exps, amax = per_layer(g.blocks, counts, keyed.exponents, st.maxima)
+        self.stats.add(index, st.names, g.numels, g.fmt, exps, amax, counts)
 
     def _feedback_rates(self, st: SteadyFeedback, x: torch.Tensor, out: torch.Tensor) -> None:
         """:meth:`_settled_rates` with error feedback: this rank's underflow rate of every

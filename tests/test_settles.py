@@ -27,7 +27,9 @@ import pytest
 import torch
 
 import aps_comm
+from aps_comm.engine import SteadyAgreedBlocks
 from aps_comm.policy import ByName, KeepLast, Promote, Rule, Schedule
+from aps_comm.testing import run_distributed
 from benchmarks.hostcost import ParamLayer, count_ops, world_of_one
 
 CPU = torch.device("cpu")
@@ -78,8 +80,6 @@ def _gap(fmt: str, scaling: str, exps: str, route: str, policy: str, stats: bool
         return "error feedback with bucket or no scaling: no bound residual update"
     if stats and policy == "promote" and route == "two_phase" and not fb:
         return "stats with Promote: records are bound for fixed formats only"
-    if exps == "agreed" and stats and not fb:
-        return "agreed block exponents with stats: records are the general path's"
     if exps == "agreed" and mixed and not fb:
         return "agreed block exponents in several formats: no bound groups"
     return ""
@@ -159,3 +159,98 @@ def test_every_configuration_settles_within_the_budget(world: None, combo: tuple
     assert len(aten) + len(kernels) <= _budget(scaling, route, policy, stats, fb), (aten, kernels)
     if stats:
         assert len(state.stats) == len(NUMELS) - (policy in ("keep_last", "interleaved"))
+
+
+def _against_the_general_path(
+    rank: int, world_size: int, configs: list[tuple[dict, int | None]]
+) -> list[str]:
+    """Each configuration over several steps, settled against the general path (a state
+    whose settled path is dropped every step): the gradients bit for bit, the bytes per
+    collective, the chunks and the records, a NaN in one layer on the last rank in one step
+    included. Each config: the options and the elements per chunk (None: each rank's timing)."""
+    numels = [5, 0, 1, 700, 33, 2, 64]  # odd sizes: 4-bit codes split bytes between blocks
+    params = [torch.nn.Parameter(torch.empty(n)) for n in numels]
+    problems = []
+    for c, (options, chunk) in enumerate(configs):
+        settled, general = aps_comm.APSState(**options), aps_comm.APSState(**options)
+        for state in (settled, general):
+            state.chunk_elements = chunk
+        buffer = torch.empty(sum(numels))
+        for step in range(5):
+            gen = torch.Generator().manual_seed(100 * step + 10 * c + rank)
+            x = torch.randn(sum(numels), generator=gen) * 2.0 ** (step - 2)
+            x[::97] *= 1000.0  # blocks of very different maxima
+            if step == 3 and rank == world_size - 1:
+                x[7] = float("nan")  # layer 3 on one rank: NaN in it on every rank, this step
+            buffer.copy_(x)
+            ahead = settled.reducer.steady_for(0, buffer) if settled.reducer else None
+            if step >= 2 and not isinstance(ahead, SteadyAgreedBlocks):
+                problems.append(f"config {c} step {step}: not settled")
+            out = settled.run_bucket(0, buffer, params)
+            if general.reducer is not None:
+                general.reducer.steady.clear()  # never settled: the general path every step
+            want = general.run_bucket(0, x.clone(), params)
+            bits = torch.where(out.isnan(), 0.0, out).view(torch.int32)
+            if not torch.equal(out.isnan(), want.isnan()) or not torch.equal(
+                bits, torch.where(want.isnan(), 0.0, want).view(torch.int32)
+            ):
+                problems.append(f"config {c} step {step}: gradients differ")
+            if settled.bytes_detail != general.bytes_detail:
+                problems.append(f"config {c} step {step}: {settled.bytes_detail} on the wire")
+            if settled.bucket_chunks != general.bucket_chunks:
+                problems.append(f"config {c} step {step}: chunks {settled.bucket_chunks}")
+            if not settled.stats or repr(settled.stats) != repr(general.stats):  # NaN-aware
+                problems.append(f"config {c} step {step}: records differ")
+    return problems
+
+
+_AGREED_STATS = {
+    "fmt": "e2m1",
+    "reduction": "two_phase",
+    "scaling": "block",
+    "block_exponents": "agreed",
+    "stats": True,
+}
+
+
+@pytest.mark.parametrize("world_size", [1, 2])
+def test_agreed_blocks_with_stats_settle_with_the_general_paths_records(world_size: int) -> None:
+    """Issue 46: agreed block exponents with ``stats=True`` settle (the general path every
+    step before), with the general path's gradients, bytes, chunks and records: each
+    block's counts under its agreed key, its layer's largest block maximum this rank's."""
+    configs = [
+        (_AGREED_STATS, None),  # chunks sized by the ranks' timing, agreed on the keys
+        ({**_AGREED_STATS, "block_size": 8}, 40),
+        ({**_AGREED_STATS, "fmt": "e4m3", "block_size": 16}, 64),
+        ({**_AGREED_STATS, "fmt": "fp16"}, None),
+        ({**_AGREED_STATS, "fmt": "bf16", "block_size": 8}, 256),
+    ]
+    for problems in run_distributed(_against_the_general_path, world_size, args=(configs,)):
+        assert problems == []
+
+
+@pytest.mark.parametrize("fmt", ["e2m1", "fp16"])
+def test_agreed_blocks_with_stats_cost_one_call_more_whatever_the_layers(
+    world: None, fmt: str
+) -> None:
+    """Issue 46: the records of agreed block exponents are one kernel call, beside the
+    four of the plain bucket (85 ops per bucket of five layers before: the general path)."""
+    counts = {}
+    for layers in (2, 200):
+        numels = [300 + i for i in range(layers)]
+        x = torch.randn(sum(numels), generator=torch.Generator().manual_seed(layers))
+        params = [torch.nn.Parameter(torch.empty(n)) for n in numels]
+        state = aps_comm.APSState(**{**_AGREED_STATS, "fmt": fmt})
+        for _ in range(2):  # the plan, then the settled path bound
+            state.run_bucket(0, x.clone(), params)
+        buffer = x.clone()
+        state.run_bucket(0, buffer, params)  # a new buffer: bound once more
+        assert state.reducer is not None
+        assert isinstance(state.reducer.steady_for(0, buffer), SteadyAgreedBlocks)
+        aten, kernels = count_ops(state, buffer, params)
+        assert len(state.stats) == layers  # the step's records, one per layer
+        counts[layers] = (aten, kernels)
+    assert counts[2] == counts[200], counts
+    aten, kernels = counts[200]
+    assert len(aten) + len(kernels) <= BUDGET, counts[200]
+    assert kernels.count("kernel::block_records") == 1
