@@ -2001,9 +2001,6 @@ class Reducer:
             self.feedback is not None
             # Promote's rates ride on the maxima all-reduce, which FP32 buckets skip.
             or (assignment.promoter is not None and (promote is None or route == Route.FP32))
-            # Records are bound for fixed formats (a bucket of one format under rules
-            # for other layers records as any other).
-            or (settings.stats and assignment.promoter is not None)
             or settings.scaling not in (Scaling.LAYER, Scaling.BUCKET, Scaling.NONE)
             or not (route == Route.FP32 or (g is not None and g.contiguous))
             or route not in (Route.FP32, Route.TWO_PHASE, Route.ALLREDUCE)
