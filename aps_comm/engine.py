@@ -1667,12 +1667,13 @@ class Reducer:
         but the policy's epoch and Promote's levels (``layers``: the layers' keys, sizes and
         names)."""
         self.steady.pop(index, None)
-        if not g.contiguous or not self._feedback_settles(x):
+        # Every scaling settles here (bucket and none too: their factors' rule is bound).
+        if not g.contiguous or x.dtype != torch.float32:
             return
         names, n = layers[2], len(fmts)
         promoted = self.assignment.promoter is not None
         vector = None
-        if promoted and self.settings.scaling == Scaling.LAYER:
+        if promoted and self.settings.scaling != Scaling.BLOCK:
             # The general path's vector: the maxima, then every layer's last local rate.
             vector = torch.zeros(2 * n, dtype=torch.float32, device=x.device)
             self._rates_into(vector[n:], names, set())
@@ -1759,7 +1760,7 @@ class Reducer:
             if g.codec.backend == "kernels" and device.type == "cpu":
                 host_keys = np.empty(n_seg, np.int32)
         factors = g.codec.bind_feedback_factors(
-            shared, comm.world_size, scale, unscale, counts, host_keys
+            shared, comm.world_size, scale, unscale, counts, host_keys, self.settings.scaling
         )
         residual = torch.empty(x.numel(), dtype=torch.float32, device=device)
         sent = scratch[:numel]
@@ -2353,7 +2354,8 @@ class Reducer:
             self.stats.add_rows(index, st.names, g.numels, fmt, rows)
             return
         if g.blocks is None:
-            exps = factors(st.shared, fmt, route, world_size=n).exponents
+            scaling = self.settings.scaling
+            exps = factors(st.shared, fmt, route, world_size=n, scaling=scaling).exponents
             counts, amax = layer_counts(x, g.layout.lengths, exps, fmt), st.shared
         else:
             assert st.local is not None
@@ -2398,8 +2400,8 @@ class Reducer:
         if g.codec.backend == "kernels" and x.device.type == "cpu":
             g.codec.underflow_rates(x, g.layout, st.scale.numpy(), out)
             return
-        n = self.comm.world_size
-        exps = factors(st.shared, g.fmt, Route.TWO_PHASE, world_size=n).exponents
+        n, scaling = self.comm.world_size, self.settings.scaling
+        exps = factors(st.shared, g.fmt, Route.TWO_PHASE, world_size=n, scaling=scaling).exponents
         counts = layer_counts(x, g.layout.lengths, exps, g.fmt)
         out.copy_(counts[:, 1].float() / counts[:, 0].clamp(min=1).float())
 

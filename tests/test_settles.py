@@ -27,7 +27,7 @@ import pytest
 import torch
 
 import aps_comm
-from aps_comm.engine import SteadyAgreedBlocks
+from aps_comm.engine import SteadyAgreedBlocks, SteadyFeedback
 from aps_comm.policy import ByName, KeepLast, Promote, Rule, Schedule
 from aps_comm.testing import run_distributed
 from benchmarks.hostcost import ParamLayer, count_ops, world_of_one
@@ -76,8 +76,8 @@ def _gap(fmt: str, scaling: str, exps: str, route: str, policy: str, stats: bool
         return "native all-reduce with blocks: no bound path"
     if route == "allreduce" and fb:
         return "error feedback off two_phase: no bound path"
-    if fb and scaling in ("bucket", "none"):
-        return "error feedback with bucket or no scaling: no bound residual update"
+    if fb and scaling in ("bucket", "none") and mixed:
+        return "error feedback with bucket or no scaling in several formats: no bound groups"
     if exps == "agreed" and mixed and not fb:
         return "agreed block exponents in several formats: no bound groups"
     return ""
@@ -303,3 +303,81 @@ def test_promote_with_stats_settles_with_the_general_paths_records(
     for i in range(1, 9):  # bound again exactly where the format moved, not every step
         assert (bound[i] is bound[i - 1]) == (formats[i] == formats[i - 1]), (i, formats)
     assert settled.reducer.steady_for(0, buffer) is bound[8]
+
+
+def _feedback_against_the_general_path(
+    rank: int, world_size: int, configs: list[dict]
+) -> list[str]:
+    """Error feedback over several steps, settled against the general path: gradients,
+    residuals (the checkpoint's), bytes and records bit for bit, a NaN on the last rank in
+    one step and residuals restored from a checkpoint (step 5: the general path once)."""
+    numels = [5, 0, 1, 700, 33, 2, 64]
+    params = [torch.nn.Parameter(torch.empty(n)) for n in numels]
+    problems = []
+    for c, options in enumerate(configs):
+        settled, general = aps_comm.APSState(**options), aps_comm.APSState(**options)
+        for state in (settled, general):
+            state.bind_model(torch.nn.ModuleList(ParamLayer(p) for p in params))
+        buffer = torch.empty(sum(numels))
+        for step in range(7):
+            gen = torch.Generator().manual_seed(100 * step + 10 * c + rank)
+            x = torch.randn(sum(numels), generator=gen) * 2.0 ** (step - 2)
+            x[::97] *= 1000.0  # layers of very different maxima
+            if step == 3 and rank == world_size - 1:
+                x[7] = float("nan")  # layer 3 on one rank: NaN in it on every rank, this step
+            if step == 5:  # residuals restored from a checkpoint: bound again on them
+                for state in (settled, general):
+                    saved = state.state_dict()
+                    saved["residuals"] = {k: v * 0.5 for k, v in saved["residuals"].items()}
+                    state.load_state_dict(saved)
+            buffer.copy_(x)
+            ahead = settled.reducer.steady_for(0, buffer) if settled.reducer else None
+            if step in (2, 3, 4, 6) and not isinstance(ahead, SteadyFeedback):
+                problems.append(f"config {c} step {step}: not settled")
+            out = settled.run_bucket(0, buffer, params)
+            if general.reducer is not None:
+                general.reducer.steady.clear()  # never settled: the general path every step
+            want = general.run_bucket(0, x.clone(), params)
+            bits = torch.where(out.isnan(), 0.0, out).view(torch.int32)
+            if not torch.equal(out.isnan(), want.isnan()) or not torch.equal(
+                bits, torch.where(want.isnan(), 0.0, want).view(torch.int32)
+            ):
+                problems.append(f"config {c} step {step}: gradients differ")
+            if out[6:706].isnan().all() != (step == 3) or out[706:].isnan().any():
+                problems.append(f"config {c} step {step}: NaN where it should not be, or not")
+            mine, ref = settled.state_dict()["residuals"], general.state_dict()["residuals"]
+            if mine.keys() != ref.keys() or not all(
+                torch.equal(mine[k].view(torch.int32), ref[k].view(torch.int32)) for k in ref
+            ):
+                problems.append(f"config {c} step {step}: residuals differ")
+            if settled.bytes_detail != general.bytes_detail:
+                problems.append(f"config {c} step {step}: {settled.bytes_detail} on the wire")
+            if repr(settled.stats) != repr(general.stats):  # NaN-aware through repr
+                problems.append(f"config {c} step {step}: records differ")
+            if settled.assignment.promote != general.assignment.promote:
+                problems.append(f"config {c} step {step}: Promote's levels differ")
+    return problems
+
+
+_FEEDBACK = {"fmt": "e4m3", "reduction": "two_phase", "error_feedback": True}
+
+
+@pytest.mark.parametrize("world_size", [1, 2])
+def test_error_feedback_with_bucket_or_no_scaling_settles_with_the_general_paths_bits(
+    world_size: int,
+) -> None:
+    """Issue 46: error feedback with ``scaling="bucket"`` or ``"none"`` settles (the general
+    path every step before, 121 ops per bucket of five layers): the factors of the spread
+    maxima (the records keeping the agreed ones) or the naive cast's, with the general
+    path's gradients, residuals, bytes, records and Promote's levels."""
+    configs = [
+        {**_FEEDBACK, "scaling": "bucket"},
+        {**_FEEDBACK, "scaling": "none"},
+        {**_FEEDBACK, "scaling": "bucket", "stats": True, "fmt": "e2m1"},
+        {**_FEEDBACK, "scaling": "none", "stats": True, "fmt": "fp16"},
+        {**_FEEDBACK, "scaling": "bucket", "stats": True, "policy": [Promote(gamma=0.05)]},
+        {**_FEEDBACK, "scaling": "none", "policy": [Promote(gamma=0.05)]},
+    ]
+    args = (configs,)
+    for problems in run_distributed(_feedback_against_the_general_path, world_size, args=args):
+        assert problems == []
