@@ -1067,6 +1067,7 @@ class Codec:
         counts: torch.Tensor | None = None,
         keys: np.ndarray | None = None,
         pick: tuple[np.ndarray, np.ndarray, bool] | None = None,
+        scaling: Scaling | str = Scaling.LAYER,
     ) -> Callable[[], None]:
         """Two_phase's factors of the agreed maxima or block keys, written into ``scale``
         and ``unscale`` in place: error feedback's settled bucket binds its calls to those.
@@ -1080,9 +1081,13 @@ class Codec:
             counts: blocks per layer (int64), with block keys.
             keys: with maxima on the CPU kernels, int32 scratch the layers' exponent keys
                 are left in (:meth:`layer_records` reads them); None: the call's own.
-            pick: with maxima on the CPU kernels, (a bucket's agreed maxima, these
-                layers' positions in them, False): ``agreed`` is picked from those in
-                the same call (:meth:`AgreedMaxima.host_factors_into`); None: as it is.
+            pick: with maxima on the CPU kernels and layer scaling, (a bucket's agreed
+                maxima, these layers' positions in them, False): ``agreed`` is picked
+                from those in the same call (:meth:`AgreedMaxima.host_factors_into`);
+                None: as it is.
+            scaling: with maxima, the rule: "layer", "bucket" (the factors of the
+                maxima's spread, ``agreed`` left as it is: the records keep it) or
+                "none" (every exponent 0).
 
         Example:
             >>> c = Codec("e4m3", torch.device("cpu"))
@@ -1093,9 +1098,16 @@ class Codec:
         """
         fmt, kernels = self.fmt, self.backend == "kernels" and scale.device.type == "cpu"
         if counts is None:
-            agreed_maxima = AgreedMaxima(agreed, world_size)
+            scaling = Scaling(scaling)
+            agreed_maxima = AgreedMaxima(agreed, world_size, none=scaling == Scaling.NONE)
             if kernels:
                 keys = np.empty(agreed.numel(), np.int32) if keys is None else keys
+                if scaling == Scaling.BUCKET:
+                    if pick is not None:
+                        raise ValueError("pick needs layer scaling, not 'bucket'")
+                    # Picked into scratch of its own and spread there, in the same call.
+                    agreed_maxima = AgreedMaxima(torch.empty_like(agreed), world_size)
+                    pick = agreed.numpy(), np.arange(agreed.numel(), dtype=np.int64), True
                 return functools.partial(
                     agreed_maxima.host_factors_into,
                     fmt,
@@ -1106,7 +1118,9 @@ class Codec:
                 )
             if pick is not None:
                 raise ValueError("pick needs the CPU kernels and maxima")
-            made = functools.partial(scale_factors, agreed, fmt, "two_phase", world_size=world_size)
+            made = functools.partial(
+                scale_factors, agreed, fmt, "two_phase", world_size=world_size, scaling=scaling
+            )
         else:
             if kernels:
                 return functools.partial(

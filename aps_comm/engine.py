@@ -540,6 +540,8 @@ class SteadyAgreedBlocks:
         offer: as :class:`Steady`'s (log2 of this rank's preferred chunk).
         epoch: as :class:`Steady`'s.
         workspace: as :class:`Steady`'s.
+        names: with ``stats=True``, each layer's name for its records
+            (:meth:`Reducer.record_agreed_blocks`); None records nothing.
     """
 
     numel: int
@@ -560,6 +562,7 @@ class SteadyAgreedBlocks:
     offer: tuple[float | None, int] | None = None
     epoch: tuple[int, ...] = ()
     workspace: tuple[int, ...] = ()
+    names: list[str | None] | None = None
 
     def bind(self, x: torch.Tensor, rank: int, world_size: int) -> bool:
         """Bind the keys' and every chunk's calls to the float32 buffer ``x``; False where
@@ -1220,7 +1223,7 @@ class Reducer:
         elif rank_exps:
             self._settle_blocks(index, x, plan, fmts, g, measured, chunk, names)
         elif self.feedback is None:
-            self._settle_agreed_blocks(index, x, plan, fmts, g, main, measured, chunk)
+            self._settle_agreed_blocks(index, x, plan, fmts, g, main, measured, chunk, names)
         if self.feedback is not None:
             self._settle_feedback(index, x, g, fmts, (list(keys), list(numels), list(names)))
 
@@ -1742,12 +1745,13 @@ class Reducer:
         but the policy's epoch and Promote's levels (``layers``: the layers' keys, sizes and
         names)."""
         self.steady.pop(index, None)
-        if not g.contiguous or not self._feedback_settles(x):
+        # Every scaling settles here (bucket and none too: their factors' rule is bound).
+        if not g.contiguous or x.dtype != torch.float32:
             return
         names, n = layers[2], len(fmts)
         promoted = self.assignment.promoter is not None
         vector = None
-        if promoted and self.settings.scaling == Scaling.LAYER:
+        if promoted and self.settings.scaling != Scaling.BLOCK:
             # The general path's vector: the maxima, then every layer's last local rate.
             vector = torch.zeros(2 * n, dtype=torch.float32, device=x.device)
             self._rates_into(vector[n:], names, set())
@@ -1838,7 +1842,14 @@ class Reducer:
             if g.codec.backend == "kernels" and device.type == "cpu":
                 host_keys = np.empty(n_seg, np.int32)
         factors = g.codec.bind_feedback_factors(
-            shared, comm.world_size, scale, unscale, counts, host_keys, fused[1] if fused else None
+            shared,
+            comm.world_size,
+            scale,
+            unscale,
+            counts,
+            host_keys,
+            pick=fused[1] if fused else None,
+            scaling=self.settings.scaling,
         )
         if fused is None:
             residual = torch.empty(x.numel(), dtype=torch.float32, device=device)
@@ -1910,14 +1921,16 @@ class Reducer:
         main: Route,
         measured: bool,
         chunk: int,
+        names: Sequence[str | None] = (),
     ) -> None:
         """Bind the bucket's :class:`SteadyAgreedBlocks` path where nothing in it changes
-        per step."""
+        per step (with ``stats=True`` recording too, its layers labelled by ``names``)."""
         assignment, sh = self.assignment, g.block_shards
         if (
+            # Promote refuses block scaling (it needs one exponent per layer).
             assignment.promoter is not None
-            # Records of agreed blocks are the general path's.
-            or self.settings.stats
+            # The records are one numba call (Codec.block_records): the CPU kernels'.
+            or (self.settings.stats and (g.codec.backend != "kernels" or x.device.type != "cpu"))
             or not g.contiguous
             or g.reduction != Route.TWO_PHASE
             or sh is None
@@ -1947,6 +1960,7 @@ class Reducer:
             torch.zeros(n_layers, dtype=torch.uint8, device=device),
             epoch=assignment.epoch(self.step),
             workspace=self._epoch(index, device),
+            names=list(names) if self.settings.stats else None,
         )
         if st.bind(x, self.comm.rank, self.comm.world_size):
             self.steady[index] = st
@@ -1984,6 +1998,8 @@ class Reducer:
                 st.bind(x, comm.rank, comm.world_size)
                 st.workspace = self._epoch(index, x.device)
         self.bucket_chunks[index] = st.chunk
+        if st.names is not None:  # the agreed keys: before the decode overwrites the values
+            self.record_agreed_blocks(index, st, x)
         assert st.calls is not None
         start = time.perf_counter()
         tail = transports.two_phase_blocks_bound(st.calls, comm.group, self.traffic, defer)
@@ -2077,9 +2093,6 @@ class Reducer:
             self.feedback is not None
             # Promote's rates ride on the maxima all-reduce, which FP32 buckets skip.
             or (assignment.promoter is not None and (promote is None or route == Route.FP32))
-            # Records are bound for fixed formats (a bucket of one format under rules
-            # for other layers records as any other).
-            or (settings.stats and assignment.promoter is not None)
             or settings.scaling not in (Scaling.LAYER, Scaling.BUCKET, Scaling.NONE)
             or not (route == Route.FP32 or (g is not None and g.contiguous))
             or route not in (Route.FP32, Route.TWO_PHASE, Route.ALLREDUCE)
@@ -2432,7 +2445,8 @@ class Reducer:
             self.stats.add_rows(index, st.names, g.numels, fmt, rows)
             return
         if g.blocks is None:
-            exps = factors(st.shared, fmt, route, world_size=n).exponents
+            scaling = self.settings.scaling
+            exps = factors(st.shared, fmt, route, world_size=n, scaling=scaling).exponents
             counts, amax = layer_counts(x, g.layout.lengths, exps, fmt), st.shared
         else:
             assert st.local is not None
@@ -2443,6 +2457,19 @@ class Reducer:
             counts, exps, amax = per_layer(g.blocks, counts, keyed.exponents, st.local)
         self.stats.add(index, st.names, g.numels, fmt, exps, amax, counts)
 
+    def record_agreed_blocks(self, index: int, st: SteadyAgreedBlocks, x: torch.Tensor) -> None:
+        """:meth:`record_steady` with agreed block exponents (the CPU kernels only:
+        :meth:`_settle_agreed_blocks`): the general path's records of this rank's values
+        ``x``, each block's counts under its agreed key, folded per layer with this rank's
+        block maxima (:func:`aps_comm.telemetry.per_layer`), in one kernel call whatever
+        the layer count."""
+        g = st.group
+        assert st.names is not None and g.blocks is not None
+        keys = st.shared[: g.layout.n_segments]  # the chunk's byte after them, where measured
+        rows = torch.empty(len(st.names), 5, dtype=torch.float64)
+        g.codec.block_records(x, g.blocks, keys, st.maxima, rows)
+        self.stats.add_rows(index, st.names, g.numels, g.fmt, rows)
+
     def _feedback_rates(self, st: SteadyFeedback, x: torch.Tensor, out: torch.Tensor) -> None:
         """:meth:`_settled_rates` with error feedback: this rank's underflow rate of every
         layer of ``x`` (its residuals added) under the step's two_phase factors, into
@@ -2452,8 +2479,8 @@ class Reducer:
         if g.codec.backend == "kernels" and x.device.type == "cpu":
             g.codec.underflow_rates(x, g.layout, st.scale.numpy(), out)
             return
-        n = self.comm.world_size
-        exps = factors(st.shared, g.fmt, Route.TWO_PHASE, world_size=n).exponents
+        n, scaling = self.comm.world_size, self.settings.scaling
+        exps = factors(st.shared, g.fmt, Route.TWO_PHASE, world_size=n, scaling=scaling).exponents
         counts = layer_counts(x, g.layout.lengths, exps, g.fmt)
         out.copy_(counts[:, 1].float() / counts[:, 0].clamp(min=1).float())
 

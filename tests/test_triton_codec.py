@@ -1300,6 +1300,8 @@ def _feedback_run(
             "block_size": 8,
             "stats": True,
         },
+        {"fmt": "e4m3", "reduction": "two_phase", "scaling": "bucket", "stats": True},
+        {"fmt": "e4m3", "reduction": "two_phase", "scaling": "none"},
     ],
     ids=[
         "e4m3",
@@ -1308,6 +1310,8 @@ def _feedback_run(
         "e2m1-block-keep_last",
         "e4m3-stats",
         "e2m1-stats",
+        "e4m3-bucket-stats",
+        "e4m3-none",
     ],
 )
 def test_settled_error_feedback_on_triton_gives_the_kernels_bits(
