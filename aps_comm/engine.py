@@ -76,6 +76,7 @@ __all__ = [
     "Steady",
     "SteadyAgreedBlocks",
     "SteadyBlocks",
+    "SteadyFP32Unit",
     "SteadyFeedback",
     "SteadyGroups",
     "SteadyMixedUnit",
@@ -964,6 +965,54 @@ class SteadyMixedUnit:
     )
 
 
+@dataclasses.dataclass
+class SteadyFP32Unit:
+    """:class:`SteadyUnit` for a unit whose every parameter goes in FP32 (a policy's, or
+    "auto" on a fast link): PyTorch's own reduce-scatter, in rank order.
+
+    No maxima and no factors: the layout flag alone rides a one-element MAX
+    all-reduce, the rows go out as they are in one ``all_to_all_single``, and
+    the N received rows are summed in FP32 in rank order (one kernel call on
+    the CPU kernels); a flagged unit comes back NaN. A non-finite element stays
+    where it is, as in PyTorch's reduce-scatter (and DDP's FP32 buckets), not
+    spread over its parameter. With ``stats=True`` the parameters' maxima ride
+    the all-reduce too, for the records (one kernel call).
+
+    Attributes:
+        chunks: the parameters' padded chunks (the layout it is bound to).
+        numel: elements of the N rows.
+        device: the rows' device.
+        epoch: the policy's epoch of its formats.
+        sums: the codec whose :meth:`~aps_comm.codec.Codec.sum_rows` sums the rows.
+        recv: float32 (N, row), the received rows (a view of the workspace).
+        nan: 0-d float32 NaN, what the flag writes over the sum.
+        workspace: the state's workspace epoch of the unit's slot.
+        layout: with ``stats=True``, the N rows' chunks (the maxima's segments).
+        shared: with ``stats=True``, float32: the parameters' maxima, then the flag.
+        local: with ``stats=True``, float32, each row's maximum of every chunk (N x P).
+        agreed: with ``stats=True``, float32, the agreed maxima for every row (N x P).
+        record: with ``stats=True``, the step's records from the N rows (P, 5).
+        names: with ``stats=True``, each parameter's name.
+        numels: with ``stats=True``, each parameter's size.
+    """
+
+    chunks: tuple[int, ...]
+    numel: int
+    device: torch.device
+    epoch: tuple[int, ...]
+    sums: codec.Codec
+    recv: torch.Tensor
+    nan: torch.Tensor
+    workspace: tuple[int, ...]
+    layout: Layout | None = None
+    shared: torch.Tensor | None = None
+    local: torch.Tensor | None = None
+    agreed: torch.Tensor | None = None
+    record: Callable[[torch.Tensor], torch.Tensor] | None = None
+    names: list[str] = dataclasses.field(default_factory=list)
+    numels: list[int] = dataclasses.field(default_factory=list)
+
+
 class Reducer:
     """One rank's reducer: plans, the per-step path of buckets and units, and their records.
 
@@ -1005,7 +1054,7 @@ class Reducer:
         # Per device: the buckets' scratch, shared (:mod:`aps_comm.workspace`).
         self.workspaces: dict[str, Workspace] = {}
         # Per FSDP unit index: its bound reduce-scatter once settled (:class:`SteadyUnit`).
-        self.steady_units: dict[int, SteadyUnit | SteadyMixedUnit] = {}
+        self.steady_units: dict[int, SteadyUnit | SteadyMixedUnit | SteadyFP32Unit] = {}
         # The current step's number (Schedule's): the last one :meth:`bucket` was
         # given, advanced by :meth:`end_step`, so settled buckets know it too.
         self.step = 0
@@ -2743,8 +2792,13 @@ class Reducer:
         comm, settings = self.comm, self.settings
         n, p = comm.world_size, len(chunks)
         st = self._steady_unit(index, rows, chunks, step)
+        if st is None:  # bound first, then run bound: the first call's bits are the same
+            self._bind_unit(index, rows, chunks, (names, numels), step)
+            st = self._steady_unit(index, rows, chunks, step)
         if isinstance(st, SteadyMixedUnit):
             return self._run_mixed_unit(index, st, rows, problem)
+        if isinstance(st, SteadyFP32Unit):
+            return self._run_fp32_unit(index, st, rows, problem)
         if st is not None:
             return self._run_unit(index, st, rows, problem)
         plan = self.plan(index, list(chunks) * n, rows.device)
@@ -2879,9 +2933,27 @@ class Reducer:
         self._settle_unit(index, runs, rows, plan.numels[: len(numels)], step, (names, numels))
         return out
 
+    def _bind_unit(
+        self,
+        index: int,
+        rows: torch.Tensor,
+        chunks: Sequence[int],
+        params: tuple[Sequence[str], Sequence[int]],
+        step: int,
+    ) -> None:
+        """Bind the unit's layout and formats (:meth:`_settle_unit`) before its first run."""
+        n, settings = self.comm.world_size, self.settings
+        plan = self.plan(index, list(chunks) * n, rows.device)
+        fmts = self.assignment.formats(params[0], step)
+        if settings.scaling == Scaling.BLOCK:
+            runs = plan.runs(fmts, n, settings.block_size)
+        else:
+            runs = plan.runs(fmts, n)
+        self._settle_unit(index, runs, rows, chunks, step, params)
+
     def _steady_unit(
         self, index: int, rows: torch.Tensor, chunks: Sequence[int], step: int
-    ) -> SteadyUnit | SteadyMixedUnit | None:
+    ) -> SteadyUnit | SteadyMixedUnit | SteadyFP32Unit | None:
         """The unit's :class:`SteadyUnit` (or :class:`SteadyMixedUnit`) where this call fits the layout and formats it
         was bound to (any buffer of that layout: FSDP allocates a new one every step)."""
         st = self.steady_units.get(index)
@@ -2894,7 +2966,7 @@ class Reducer:
             or st.chunks != tuple(chunks)
             or st.epoch != self.assignment.epoch(step)
             or (
-                isinstance(st, SteadyUnit)
+                isinstance(st, SteadyUnit | SteadyFP32Unit)
                 and st.workspace != self.workspace(st.device).epoch(Slot.of(index))
             )
         ):
@@ -2923,6 +2995,7 @@ class Reducer:
             return
         run, device = runs.runs[0], rows.device
         if run.fmt == FP32:
+            self._settle_fp32_unit(index, runs, rows, chunks, step, params)
             return
         # Everything rewritten every step comes from the state's workspace, the slot
         # alternating with the unit's index (a unit may be on the wire beside the next).
@@ -3011,6 +3084,60 @@ class Reducer:
             self._settle_unit(index, given, rows, chunks, step, params)
             return
         # The general path's own scratch of this layout is no longer needed.
+        self.plan(index, list(chunks) * n, device).row_runs = {}
+
+    def _settle_fp32_unit(
+        self,
+        index: int,
+        runs: RowRuns,
+        rows: torch.Tensor,
+        chunks: Sequence[int],
+        step: int,
+        params: tuple[Sequence[str], Sequence[int]],
+    ) -> None:
+        """Bind the unit's :class:`SteadyFP32Unit` (every parameter in FP32); with
+        ``stats=True`` on the CPU kernels only (its records' one call)."""
+        n, device, p = self.comm.world_size, rows.device, len(chunks)
+        # The sum is the same whatever the format: any kernels codec's (one call).
+        sums = codec.codec_for(self.settings.fmt, device)
+        if sums.backend != "kernels":
+            sums = codec.codec_for(_SUM_FORMAT, device)
+        stats = self.settings.stats
+        if stats and sums.backend != "kernels":
+            return
+        ws, slot = self.workspace(device), Slot.of(index)
+        arena = ws.arena(slot)
+        recv = arena.take(n * runs.row_numel, torch.float32).view(n, runs.row_numel)
+        f32 = {"dtype": torch.float32, "device": device}
+        st = SteadyFP32Unit(
+            tuple(chunks),
+            rows.numel(),
+            device,
+            self.assignment.epoch(step),
+            sums,
+            recv,
+            torch.tensor(math.nan, **f32),
+            (),
+        )
+        if stats:
+            st.layout = runs.runs[0].rows_layout
+            st.shared = torch.zeros(p + 1, **f32)
+            st.local, st.agreed = arena.take(n * p, torch.float32), arena.take(n * p, torch.float32)
+            st.record = functools.partial(
+                _mixed_records,
+                sums,
+                st.layout,
+                (np.zeros(n * p, np.int32), []),
+                st.agreed,
+                n,
+                record_limits([FP32] * p),
+            )
+            st.names, st.numels = list(params[0]), list(params[1])
+        if not arena.close():  # the slot grew: cut every view again from its new region
+            self._settle_fp32_unit(index, runs, rows, chunks, step, params)
+            return
+        st.workspace = ws.epoch(slot)
+        self.steady_units[index] = st
         self.plan(index, list(chunks) * n, device).row_runs = {}
 
     def _settle_mixed_unit(
@@ -3185,6 +3312,31 @@ class Reducer:
         out = torch.empty(st.row_numel, dtype=torch.float32, device=rows.device)
         return c.sum_runs(st.values, out, st.sums, n, st.offsets, st.maxima)
 
+    def _run_fp32_unit(
+        self, index: int, st: SteadyFP32Unit, rows: torch.Tensor, problem: torch.Tensor
+    ) -> torch.Tensor:
+        """:meth:`unit` along its :class:`SteadyFP32Unit`: PyTorch's reduce-scatter of the
+        rows, summed in rank order, and the flag."""
+        comm, n = self.comm, self.comm.world_size
+        if st.shared is not None and st.layout is not None and st.record is not None:
+            p = st.shared.numel() - 1
+            st.sums.layer_maxima(rows.reshape(-1), st.layout, st.local)
+            torch.amax(st.local.view(n, p), 0, out=st.shared[:p])
+            st.shared[p:].copy_(problem.reshape(1))
+            transports.all_reduce_max(st.shared, comm.group, self.traffic)
+            problem.copy_(st.shared[p])
+            st.agreed.view(n, p).copy_(st.shared[:p].expand(n, p))
+            self.stats.add_rows(index, st.names, st.numels, FP32, st.record(rows.reshape(-1)))
+        else:  # the flag alone: one float, in place
+            transports.all_reduce_max(problem.view(1), comm.group, self.traffic)
+        transports.rows_exchange(
+            rows.view(torch.uint8), st.recv.view(torch.uint8), comm.group, self.traffic
+        )
+        out = torch.empty(st.recv.shape[1], dtype=torch.float32, device=rows.device)
+        st.sums.sum_rows(st.recv, out)
+        # A flagged unit is NaN on every rank.
+        return torch.where(problem > 0, st.nan, out, out=out)
+
     def _run_unit(
         self, index: int, st: SteadyUnit, rows: torch.Tensor, problem: torch.Tensor
     ) -> torch.Tensor:
@@ -3252,6 +3404,10 @@ class Reducer:
         stats, self.stats = self.stats, StepStats()
         self.step += 1
         return self.traffic.take(), stats
+
+
+# The format of the codec whose kernels sum an FP32 unit's rows (the sum is format-free).
+_SUM_FORMAT = "e4m3"
 
 
 def _encode_and_keep(encode: Callable[[], object], keep: Callable[[], object]) -> None:

@@ -236,6 +236,7 @@ FSDP_ROUTES: dict[str, dict[str, Any]] = {
     "fsdp/e4m3+none": {"fmt": "e4m3", "scaling": "none"},
     "fsdp/e2m1-block+odd": {"fmt": "e2m1", "scaling": "block", "odd_row": True},
     "fsdp/e2m1+fp32+odd": {"fmt": "e2m1", "policy": [ByName(every_other_fp32)], "odd_row": True},
+    "fsdp/fp32": {"fmt": "fp32"},
     "hsdp/fp32": {"fmt": "fp32"},
     "hsdp/e4m3": {"fmt": "e4m3"},
     "hsdp/e2m1-block": {"fmt": "e2m1", "scaling": "block"},
