@@ -40,7 +40,7 @@ import numpy as np
 import torch
 import torch.distributed as dist
 
-from aps_comm import codec, transports
+from aps_comm import codec, cpu_kernels, transports
 from aps_comm.agreement import Layouts
 from aps_comm.codec import AgreedMaxima, RankBlockCalls
 from aps_comm.config import DEFAULT_BLOCK_SIZE, BlockExponents, Reduction, Route, Scaling
@@ -53,6 +53,7 @@ from aps_comm.plan import BucketPlan, GroupPlan, Planner, RowRuns
 from aps_comm.policy import Assignment
 from aps_comm.reduction import native_sum_supported, resolve_routes
 from aps_comm.scaling import (
+    EXPONENT_LIMIT,
     KEY_BAD,
     KEY_ZERO,
     Factors,
@@ -924,9 +925,11 @@ class SteadyMixedUnit:
         calls: per scaled format its factors, encode and decode, bound.
         spans: the gather out of the rows, the scatter of the codes into the send
             buffer, and the gather out of the received rows (:meth:`aps_comm.codec.Codec.copy_spans`).
-        buffers: the gather's arena (send buffer, then the scaled runs' values), the
-            codes, the received rows, the landing arena (codes, then every run's values).
-        send: the send buffer (N encoded rows).
+        buffers: the gather's arena (the scaled runs' values, then the send buffer), the
+            codes, the received rows, and the landing (codes, then every run's values):
+            the arena's part after the scaled values, which the send buffer no longer
+            needs once sent (the state keeps one of the two, not both).
+        send: the send buffer (N encoded rows), at the landing's start.
         values: float32, every run's N decoded rows end to end.
         sums: int64 (R, 7), each run's place in ``values``, row and parameters (:meth:`aps_comm.codec.Codec.sum_runs`);
             ``scaling="none"``: every run's made NaN by the sum, as FP32's (its unscale 1).
@@ -936,6 +939,10 @@ class SteadyMixedUnit:
             one row per parameter (one kernel call), the general path's values.
         parts: with ``stats=True``, per run its parameters' names and sizes, its format
             and its rows of the records (they are queued run by run, as the general path's).
+        keyed: block scaling: the call that writes every block's key of the N rows (each
+            under its own format; ``shared`` is then uint8, the keys and the flag), and
+            the call that writes every format's block factors from the agreed keys and
+            ``maxima`` (inf for a parameter NaN in the sum), one kernel call each.
     """
 
     chunks: tuple[int, ...]
@@ -963,6 +970,7 @@ class SteadyMixedUnit:
     parts: list[tuple[list[str], list[int], FloatFormat, int, int]] = dataclasses.field(
         default_factory=list
     )
+    keyed: tuple[Callable[[torch.Tensor], object], Callable[[], object]] | None = None
 
 
 @dataclasses.dataclass
@@ -3149,41 +3157,33 @@ class Reducer:
         step: int,
         params: tuple[Sequence[str], Sequence[int]],
     ) -> None:
-        """Bind the unit's :class:`SteadyMixedUnit` (several formats; layer, bucket or no
-        scaling, every run's rows whole bytes, the CPU kernels; with ``stats=True`` its
-        records bound too)."""
+        """Bind the unit's :class:`SteadyMixedUnit` (several formats; any scaling, the CPU
+        kernels; with ``stats=True`` its records bound too, but for block scaling; with
+        block scaling every run's rows whole bytes)."""
         settings, n, device = self.settings, self.comm.world_size, rows.device
         scaled = list(dict.fromkeys(r.fmt for r in runs.runs if r.fmt != FP32))
         codecs = [codec.codec_for(f, device) for f in scaled]
+        blocked = settings.scaling == Scaling.BLOCK
         if (
-            settings.scaling == Scaling.BLOCK
-            or not scaled
+            not scaled
             or any(c.backend != "kernels" for c in codecs)
+            or (blocked and (settings.stats or not all(r.packed_rows for r in runs.runs)))
         ):
             return
         p, row, row_bytes = len(chunks), runs.row_numel, runs.row_bytes
         lay = _mixed_layout(runs, chunks, scaled, n)
-        send_end = -(-n * row_bytes // 4) * 4  # the scaled runs' float32 values follow
-        codes_end = -(-lay.coded // 4) * 4
-        gather, scatter, receive = [], [], []
-        for k, run in enumerate(runs.runs):
-            w, wb, start, stride = run.hi - run.lo, run.b1 - run.b0, lay.starts[k], lay.strides[k]
-            for r in range(n):
-                src, wire = 4 * (r * row + run.lo), r * row_bytes + run.b0
-                if run.fmt == FP32:  # sent exactly: its float32 bytes are its codes
-                    gather.append((src, wire, 4 * w))
-                    receive.append((wire, codes_end + 4 * (start + r * w), 4 * w))
-                else:  # a padded row's zero is never written: the arena starts zeroed
-                    gather.append((src, send_end + 4 * (start + r * stride), 4 * w))
-                    scatter.append((lay.code_starts[k] + r * wb, wire, wb))
-                    receive.append((wire, lay.code_starts[k] + r * wb, wb))
+        # The arena: the scaled runs' float32 values, then the wire region, which holds
+        # the send buffer until it is sent and then the landing (codes, every run's values).
+        staged_end, codes_end = 4 * lay.scaled_numel, -(-lay.coded // 4) * 4
+        wire_end = max(-(-n * row_bytes // 4) * 4, codes_end + 4 * lay.numel)
+        spans = _mixed_spans(runs, lay, n, staged_end, codes_end)
         u8 = {"dtype": torch.uint8, "device": device}
-        arena = torch.zeros(send_end + 4 * lay.scaled_numel, **u8)
+        arena = torch.zeros(staged_end + wire_end, **u8)
         coded, recv = torch.empty(lay.coded, **u8), torch.empty(n * row_bytes, **u8)
-        landing = torch.empty(codes_end + 4 * lay.numel, **u8)
+        landing = arena[staged_end:]
         staged, values = (
-            arena[send_end:].view(torch.float32),
-            landing[codes_end:].view(torch.float32),
+            arena[:staged_end].view(torch.float32),
+            landing[codes_end : codes_end + 4 * lay.numel].view(torch.float32),
         )
         f32 = {"dtype": torch.float32, "device": device}
         # With records, every row's agreed maxima follow (the N x P rows' order): the
@@ -3192,10 +3192,23 @@ class Reducer:
         agreed, maxima = torch.empty(len(perm), **f32), torch.empty(p, **f32)
         sums = np.array(lay.sums, np.int64).reshape(-1, 7)
         calls, spreads, keys = [], [], []
-        for c, (e0, e1), (s0, s1), (c0, c1), numels in zip(
-            codecs, lay.elements, lay.segments, lay.codes, lay.numels, strict=True
+        blocks = _MixedBlocks(lay, chunks, scaled, n, settings.block_size) if blocked else None
+        for f, (c, (e0, e1), (s0, s1), (c0, c1), numels) in enumerate(
+            zip(codecs, lay.elements, lay.segments, lay.codes, lay.numels, strict=True)
         ):
             layout = Layout.from_numels(numels, device)
+            if blocks is not None:  # per block of each segment: the factors' one call writes them
+                layout = layout.grid(settings.block_size).layout
+                b0, b1 = blocks.bounds[f], blocks.bounds[f + 1]
+                scale, unscale = blocks.scale[b0:b1], blocks.decode[b0:b1]
+                calls.append(
+                    (
+                        _no_factors,
+                        c.bind_encode(staged[e0:e1], coded[c0:c1], scale, layout),
+                        c.bind_decode(landing[c0:c1], values[e0:e1], unscale, layout),
+                    )
+                )
+                continue
             scale, unscale = torch.empty(s1 - s0, **f32), torch.empty(s1 - s0, **f32)
             mine = np.zeros(s1 - s0, np.int32) if settings.stats else None
             if mine is not None:  # the records' keys: this format's, at their rows' places
@@ -3229,9 +3242,9 @@ class Reducer:
             torch.tensor(math.inf, **f32),
             spreads,
             calls,
-            tuple(np.array(sp, np.int64).reshape(-1, 3) for sp in (gather, scatter, receive)),
+            spans,
             (arena, coded, recv, landing),
-            arena[: n * row_bytes],
+            landing[: n * row_bytes],
             values,
             sums,
             np.concatenate([[0], np.cumsum(chunks)]).astype(np.int64),
@@ -3241,8 +3254,42 @@ class Reducer:
             self._bind_mixed_records(
                 self.steady_units[index], runs, agreed[len(lay.perm) :], keys, params
             )
+        if blocks is not None:
+            self._bind_mixed_blocks(self.steady_units[index], blocks, index)
         # The general path's own scratch of this layout is no longer needed.
         self.plan(index, list(chunks) * n, device).row_runs = {}
+
+    def _bind_mixed_blocks(self, st: SteadyMixedUnit, blocks: _MixedBlocks, index: int) -> None:
+        """Bind a :class:`SteadyMixedUnit`'s block keys and factors (block scaling)."""
+        n, device = self.comm.world_size, st.device
+        grid = self.plan(index, list(st.chunks) * n, device).grid(self.settings.block_size)
+        n_blocks = grid.layout.n_segments
+        st.shared = torch.zeros(n_blocks + 1, dtype=torch.uint8, device=device)
+        st.local = torch.empty(n_blocks, dtype=torch.float32, device=device)
+        keys = (
+            grid.layout.offsets.numpy(),
+            blocks.fmt_of,
+            blocks.formats,
+            EXPONENT_LIMIT,
+            n,
+            st.local,
+            st.shared[:-1],
+        )
+        pick = blocks.picks(self.comm.rank)
+        factors_of = (
+            st.shared[:-1],
+            blocks.param_of,
+            st.shared[-1:],
+            pick,
+            blocks.scale.numpy(),
+            blocks.decode.numpy(),
+            st.maxima.numpy(),
+            np.empty(len(st.chunks), np.uint8),
+        )
+        st.keyed = (
+            functools.partial(_unit_kernel_after, "unit_keys", keys),
+            functools.partial(_cpu_kernel, "unit_block_factors", *factors_of),
+        )
 
     def _bind_mixed_records(
         self,
@@ -3285,17 +3332,24 @@ class Reducer:
         n, shared, k = comm.world_size, st.shared, st.shared.numel() - 1
         arena, coded, recv, landing = st.buffers
         gather, scatter, receive = st.spans
-        c.layer_maxima(x, st.layout, st.local)
-        torch.amax(st.local.view(n, k), 0, out=shared[:k])
-        # The flag rides on the maxima, so no rank needs a host read to learn it.
-        shared[k:].copy_(problem.reshape(1))
-        transports.all_reduce_max(shared, comm.group, self.traffic)
-        problem.copy_(shared[k])
-        # A flagged unit is NaN on every rank: its maxima all non-finite.
-        torch.where(shared[k] > 0, st.poison, shared[:k], out=st.maxima)
-        torch.index_select(st.maxima, 0, st.perm, out=st.agreed)
-        for spread in st.spreads:
-            spread.spread()
+        if st.keyed is not None:  # block scaling: every block's key, the flag beside them
+            st.keyed[0](x)
+            shared[k:].copy_(problem.reshape(1))
+            transports.all_reduce_max(shared, comm.group, self.traffic)
+            problem.copy_(shared[k])
+            st.keyed[1]()
+        else:
+            c.layer_maxima(x, st.layout, st.local)
+            torch.amax(st.local.view(n, k), 0, out=shared[:k])
+            # The flag rides on the maxima, so no rank needs a host read to learn it.
+            shared[k:].copy_(problem.reshape(1))
+            transports.all_reduce_max(shared, comm.group, self.traffic)
+            problem.copy_(shared[k])
+            # A flagged unit is NaN on every rank: its maxima all non-finite.
+            torch.where(shared[k] > 0, st.poison, shared[:k], out=st.maxima)
+            torch.index_select(st.maxima, 0, st.perm, out=st.agreed)
+            for spread in st.spreads:
+                spread.spread()
         c.copy_spans(rows, arena, gather)
         for made, encode, _ in st.calls:
             made()
@@ -3655,6 +3709,88 @@ def _mixed_layout(
         stride = lay.strides[k]
         lay.sums.append((lay.starts[k], run.lo, run.hi, first, last, int(run.fmt == FP32), stride))
     return lay
+
+
+def _mixed_spans(
+    runs: RowRuns, lay: _MixedLayout, n: int, staged_end: int, codes_end: int
+) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
+    """A :class:`SteadyMixedUnit`'s byte spans: the gather out of the rows into the arena
+    (the scaled runs' values, then the send buffer at ``staged_end``), the scatter of
+    the codes into the send buffer, and the gather out of the received rows into the
+    landing (codes, then every run's values at ``codes_end``)."""
+    row, row_bytes = runs.row_numel, runs.row_bytes
+    gather, scatter, receive = [], [], []
+    for k, run in enumerate(runs.runs):
+        w, wb, start, stride = run.hi - run.lo, run.b1 - run.b0, lay.starts[k], lay.strides[k]
+        for r in range(n):
+            src, wire = 4 * (r * row + run.lo), r * row_bytes + run.b0
+            if run.fmt == FP32:  # sent exactly: its float32 bytes are its codes
+                gather.append((src, staged_end + wire, 4 * w))
+                receive.append((wire, codes_end + 4 * (start + r * w), 4 * w))
+            else:  # a padded row's zero is never written: the arena starts zeroed
+                gather.append((src, 4 * (start + r * stride), 4 * w))
+                scatter.append((lay.code_starts[k] + r * wb, staged_end + wire, wb))
+                receive.append((wire, lay.code_starts[k] + r * wb, wb))
+    g, s, r = (np.array(sp, np.int64).reshape(-1, 3) for sp in (gather, scatter, receive))
+    return g, s, r
+
+
+class _MixedBlocks:
+    """Block scaling in a unit of several formats (:meth:`Reducer._settle_mixed_unit`):
+    where each scaled format's encoded blocks (its runs, row by row, each chunk's
+    blocks) are among the N rows' blocks (the unit's grid, row by row), and their
+    factors' scratch.
+
+    Attributes:
+        formats: the scaled formats.
+        fmt_of: int8 per block of the grid: its format's index, -1 for FP32.
+        param_of: int64 per block of the grid: its parameter.
+        bounds: per scaled format, its first encoded block; then their count.
+        scale: float32, every scaled format's blocks' encode factors, format by format.
+        decode: float32, the same blocks' decode factors.
+    """
+
+    def __init__(
+        self, lay: _MixedLayout, chunks: Sequence[int], scaled: list[FloatFormat], n: int, size: int
+    ) -> None:
+        p = len(chunks)
+        counts = np.array([-(-c // size) for c in chunks] * n, np.int64)
+        self._first = np.concatenate([[0], np.cumsum(counts)]).astype(np.int64)
+        self._counts, self._lay, self._p = counts, lay, p
+        fmt_index = np.full(p, -1, np.int8)
+        for f, (s0, s1) in enumerate(lay.segments):
+            fmt_index[lay.perm[s0:s1]] = f
+        self.formats = scaled
+        self.fmt_of = np.repeat(np.tile(fmt_index, n), counts)
+        self.param_of = np.repeat(np.tile(np.arange(p, dtype=np.int64), n), counts)
+        sizes = [int(counts[np.array(lay.perm[s0:s1], np.int64)].sum()) for s0, s1 in lay.segments]
+        self.bounds = [0, *np.cumsum(sizes).tolist()]
+        self.scale = torch.empty(self.bounds[-1], dtype=torch.float32)
+        self.decode = torch.empty(self.bounds[-1], dtype=torch.float32)
+
+    def picks(self, rank: int) -> tuple[np.ndarray, np.ndarray]:
+        """Per encoded block, its block in the grid, and that of this rank's row."""
+        pos, src = [], []
+        first, counts, p = self._first, self._counts, self._p
+        for row, param in zip(self._lay.rows, self._lay.perm, strict=True):
+            at, mine = row * p + param, rank * p + param
+            pos.append(np.arange(first[at], first[at] + counts[at]))
+            src.append(np.arange(first[mine], first[mine] + counts[mine]))
+        empty = np.zeros(0, np.int64)
+        return (
+            np.concatenate(pos).astype(np.int64) if pos else empty,
+            np.concatenate(src).astype(np.int64) if src else empty,
+        )
+
+
+def _cpu_kernel(name: str, *args: object) -> object:
+    """Call the CPU kernel ``name`` (looked up per call, so tools can count the calls)."""
+    return getattr(cpu_kernels, name)(*args)
+
+
+def _unit_kernel_after(name: str, args: tuple, x: torch.Tensor) -> object:
+    """:func:`_cpu_kernel` with the step's rows ``x`` first."""
+    return _cpu_kernel(name, x, *args)
 
 
 def _padded_rows(runs: RowRuns, n: int) -> RowRuns:

@@ -236,6 +236,16 @@ FSDP_ROUTES: dict[str, dict[str, Any]] = {
     "fsdp/e4m3+none": {"fmt": "e4m3", "scaling": "none"},
     "fsdp/e2m1-block+odd": {"fmt": "e2m1", "scaling": "block", "odd_row": True},
     "fsdp/e2m1+fp32+odd": {"fmt": "e2m1", "policy": [ByName(every_other_fp32)], "odd_row": True},
+    "fsdp/e4m3+fp32-block": {
+        "fmt": "e4m3",
+        "scaling": "block",
+        "policy": [ByName(every_other_fp32)],
+    },
+    "fsdp/e5m2+fp16+fp32-block": {
+        "fmt": "e5m2",
+        "scaling": "block",
+        "policy": [ByName(thirds_fp16_fp32)],
+    },
     "fsdp/fp32": {"fmt": "fp32"},
     "hsdp/fp32": {"fmt": "fp32"},
     "hsdp/e4m3": {"fmt": "e4m3"},
@@ -281,6 +291,8 @@ _CPU_KERNELS = (
     "keep_lost",
     "owner_lost",
     "unit_records",
+    "unit_keys",
+    "unit_block_factors",
     "copy_spans",
     "sum_runs",
 )
