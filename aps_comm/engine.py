@@ -3158,8 +3158,8 @@ class Reducer:
         params: tuple[Sequence[str], Sequence[int]],
     ) -> None:
         """Bind the unit's :class:`SteadyMixedUnit` (several formats; any scaling, the CPU
-        kernels; with ``stats=True`` its records bound too, but for block scaling; with
-        block scaling every run's rows whole bytes)."""
+        kernels; with ``stats=True`` its records bound too; with block scaling every
+        run's rows whole bytes)."""
         settings, n, device = self.settings, self.comm.world_size, rows.device
         scaled = list(dict.fromkeys(r.fmt for r in runs.runs if r.fmt != FP32))
         codecs = [codec.codec_for(f, device) for f in scaled]
@@ -3167,7 +3167,7 @@ class Reducer:
         if (
             not scaled
             or any(c.backend != "kernels" for c in codecs)
-            or (blocked and (settings.stats or not all(r.packed_rows for r in runs.runs)))
+            or (blocked and not all(r.packed_rows for r in runs.runs))
         ):
             return
         p, row, row_bytes = len(chunks), runs.row_numel, runs.row_bytes
@@ -3250,17 +3250,20 @@ class Reducer:
             np.concatenate([[0], np.cumsum(chunks)]).astype(np.int64),
             row,
         )
+        if blocks is not None:
+            self._bind_mixed_blocks(self.steady_units[index], blocks, index, runs)
         if settings.stats:
             self._bind_mixed_records(
                 self.steady_units[index], runs, agreed[len(lay.perm) :], keys, params
             )
-        if blocks is not None:
-            self._bind_mixed_blocks(self.steady_units[index], blocks, index)
         # The general path's own scratch of this layout is no longer needed.
         self.plan(index, list(chunks) * n, device).row_runs = {}
 
-    def _bind_mixed_blocks(self, st: SteadyMixedUnit, blocks: _MixedBlocks, index: int) -> None:
-        """Bind a :class:`SteadyMixedUnit`'s block keys and factors (block scaling)."""
+    def _bind_mixed_blocks(
+        self, st: SteadyMixedUnit, blocks: _MixedBlocks, index: int, runs: RowRuns
+    ) -> None:
+        """Bind a :class:`SteadyMixedUnit`'s block keys and factors (block scaling); with
+        ``stats=True`` its records: one kernel call, every block under its agreed key."""
         n, device = self.comm.world_size, st.device
         grid = self.plan(index, list(st.chunks) * n, device).grid(self.settings.block_size)
         n_blocks = grid.layout.n_segments
@@ -3290,6 +3293,17 @@ class Reducer:
             functools.partial(_unit_kernel_after, "unit_keys", keys),
             functools.partial(_cpu_kernel, "unit_block_factors", *factors_of),
         )
+        if self.settings.stats:
+            p = len(st.chunks)
+            st.record = functools.partial(
+                _mixed_block_records,
+                st.codec,
+                grid,
+                (st.shared[:-1], st.local),
+                n,
+                record_limits([run.fmt for run in runs.runs for _ in run.index]),
+                p,
+            )
 
     def _bind_mixed_records(
         self,
@@ -3303,7 +3317,7 @@ class Reducer:
         parameter under its own format's bounds and exponent (0 for FP32)."""
         names, numels = params
         formats = [run.fmt for run in runs.runs for _ in run.index]
-        st.record = functools.partial(
+        st.record = st.record or functools.partial(
             _mixed_records,
             st.codec,
             st.layout,
@@ -3781,6 +3795,24 @@ class _MixedBlocks:
             np.concatenate(pos).astype(np.int64) if pos else empty,
             np.concatenate(src).astype(np.int64) if src else empty,
         )
+
+
+def _mixed_block_records(
+    c: codec.Codec,
+    grid: Blocks,
+    keyed: tuple[torch.Tensor, torch.Tensor],
+    n: int,
+    limits: tuple[np.ndarray, np.ndarray],
+    p: int,
+    x: torch.Tensor,
+) -> torch.Tensor:
+    """A settled unit of several formats' records with block scaling: float64 (P, 5) from
+    its N rows ``x``, every block under its agreed key and this rank's block maximum
+    (``keyed``), each parameter under its own format's bounds, in one kernel call."""
+    out = torch.empty(p, 5, dtype=torch.float64, device=x.device)
+    keys, maxima = keyed
+    c.unit_records(x, grid.layout, grid.counts[:p].numpy(), keys, maxima, n, out, limits)
+    return out
 
 
 def _cpu_kernel(name: str, *args: object) -> object:

@@ -241,6 +241,12 @@ FSDP_ROUTES: dict[str, dict[str, Any]] = {
         "scaling": "block",
         "policy": [ByName(every_other_fp32)],
     },
+    "fsdp/e4m3+fp32-block+stats": {
+        "fmt": "e4m3",
+        "scaling": "block",
+        "stats": True,
+        "policy": [ByName(every_other_fp32)],
+    },
     "fsdp/e5m2+fp16+fp32-block": {
         "fmt": "e5m2",
         "scaling": "block",

@@ -1127,6 +1127,7 @@ def test_promote_with_error_feedback_on_interleaved_groups_binds_again(world_siz
         "fsdp/fp32",
         "fsdp/e4m3+fp32-block",
         "fsdp/e5m2+fp16+fp32-block",
+        "fsdp/e4m3+fp32-block+stats",
     ],
 )
 def test_a_flat_fsdp_unit_settles_within_the_budget(world: None, route: str) -> None:
@@ -1460,6 +1461,10 @@ _SETTLED_MIXED_BLOCK_UNITS = [
         "policy": [ByName({"units.0.ps.3": "fp32", "*.ps.0": "fp32"})],
     },
 ]
+# With records: beside FP32, and two wire formats beside FP32.
+_SETTLED_MIXED_BLOCK_UNITS += [
+    {**options, "stats": True} for options in _SETTLED_MIXED_BLOCK_UNITS[:2]
+]
 
 
 def _settled_fsdp_mixed_blocks(rank: int, world_size: int) -> list[str]:
@@ -1474,9 +1479,10 @@ def test_a_settled_fsdp_unit_of_several_formats_with_blocks_gives_the_general_pa
     None
 ):
     """Issue 46, item 1: units of several formats with block scaling settle (every block's
-    key under its own format in one call, every format's factors in one more); over steps
-    of real FSDP2 on two ranks their shards and bytes are the general path's, a NaN (in
-    an e4m3 or an FP32 parameter) included."""
+    key under its own format in one call, every format's factors in one more; with
+    ``stats=True`` the records in one more); over steps of real FSDP2 on two ranks their
+    shards, bytes and records are the general path's, a NaN (in an e4m3 or an FP32
+    parameter) included."""
     for problems in run_distributed(_settled_fsdp_mixed_blocks, 2, timeout=120):
         assert problems == []
 
