@@ -99,8 +99,10 @@ __all__ = [
     "supports",
     "two_phase_keys",
     "underflow_rates",
+    "unit_agreed",
     "unit_block_factors",
     "unit_keys",
+    "unit_maxima",
     "unit_records",
 ]
 
@@ -2391,6 +2393,79 @@ if AVAILABLE:
                 decode[j] = np.float32(math.ldexp(1.0, -_key_exponent(keys[src[j]])))
         for i in range(len(maxima)):
             maxima[i] = np.float32(np.inf) if flagged or bad[i] else np.float32(0.0)
+
+
+if AVAILABLE:
+
+    @_njit
+    def _unit_maxima(xb, offsets, local, shared, flag, n_rows):
+        _block_amax(xb, offsets, local)
+        k = len(shared) - 1
+        for i in range(k):
+            m = local[i]
+            for r in range(1, n_rows):
+                m = max(m, local[r * k + i])  # bits of non-negative floats order as they do
+            shared[i] = m
+        shared[k] = flag[0]
+
+    @_njit
+    def _unit_agreed(shared, flag, perm, maxima, agreed):
+        k = len(shared) - 1
+        flag[0] = shared[k]
+        flagged = shared[k] > 0
+        for i in range(k):
+            maxima[i] = np.float32(np.inf) if flagged else shared[i]
+        for j in range(len(perm)):
+            agreed[j] = maxima[perm[j]]
+
+
+def unit_maxima(
+    x: torch.Tensor,
+    offsets: np.ndarray,
+    n_rows: int,
+    local: torch.Tensor,
+    shared: torch.Tensor,
+    flag: torch.Tensor,
+) -> None:
+    """An FSDP unit's maxima for its MAX all-reduce, in one call: every segment's max |x|
+    (NaN as inf) of the N rows into float32 ``local`` (N x P), each parameter's over
+    the rows into ``shared[:P]``, and the 0-d float32 ``flag`` into ``shared[P]``.
+
+    Example:
+        >>> local, shared = torch.empty(2), torch.empty(2)
+        >>> unit_maxima(torch.tensor([3.0, -4.0]), np.array([0, 1, 2]), 2, local, shared,
+        ...             torch.tensor(1.0))
+        >>> shared.tolist()
+        [4.0, 1.0]
+    """
+    _unit_maxima(
+        _np(x).view(np.uint32),
+        offsets,
+        _np(local).view(np.uint32),
+        _np(shared).view(np.uint32),
+        _np(flag.reshape(1)).view(np.uint32),
+        n_rows,
+    )
+
+
+def unit_agreed(
+    shared: torch.Tensor,
+    flag: torch.Tensor,
+    perm: np.ndarray,
+    maxima: torch.Tensor,
+    agreed: torch.Tensor,
+) -> None:
+    """An FSDP unit's agreed maxima after its MAX all-reduce, in one call: the flag
+    (``shared``'s last) into the 0-d ``flag``, the P maxima into ``maxima`` (all inf
+    when flagged) and ``maxima[perm]`` into ``agreed``.
+
+    Example:
+        >>> flag, maxima, agreed = torch.zeros(()), torch.empty(2), torch.empty(3)
+        >>> unit_agreed(torch.tensor([3.0, 4.0, 0.0]), flag, np.array([1, 0, 1]), maxima, agreed)
+        >>> agreed.tolist()
+        [4.0, 3.0, 4.0]
+    """
+    _unit_agreed(_np(shared), _np(flag.reshape(1)), perm, _np(maxima), _np(agreed))
 
 
 def unit_keys(

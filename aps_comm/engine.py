@@ -939,6 +939,8 @@ class SteadyMixedUnit:
             one row per parameter (one kernel call), the general path's values.
         parts: with ``stats=True``, per run its parameters' names and sizes, its format
             and its rows of the records (they are queued run by run, as the general path's).
+        offsets_of: the host copies of ``layout``'s offsets and of ``perm`` (the maxima's
+            and agreed maxima's kernel calls read them).
         keyed: block scaling: the call that writes every block's key of the N rows (each
             under its own format; ``shared`` is then uint8, the keys and the flag), and
             the call that writes every format's block factors from the agreed keys and
@@ -971,6 +973,7 @@ class SteadyMixedUnit:
         default_factory=list
     )
     keyed: tuple[Callable[[torch.Tensor], object], Callable[[], object]] | None = None
+    offsets_of: tuple[np.ndarray, np.ndarray] = ()  # type: ignore[assignment]
 
 
 @dataclasses.dataclass
@@ -3250,8 +3253,11 @@ class Reducer:
             np.concatenate([[0], np.cumsum(chunks)]).astype(np.int64),
             row,
         )
+        st = self.steady_units[index]
+        assert isinstance(st, SteadyMixedUnit)
+        st.offsets_of = (st.layout.offsets.numpy(), st.perm.numpy())
         if blocks is not None:
-            self._bind_mixed_blocks(self.steady_units[index], blocks, index, runs)
+            self._bind_mixed_blocks(st, blocks, index, runs)
         if settings.stats:
             self._bind_mixed_records(
                 self.steady_units[index], runs, agreed[len(lay.perm) :], keys, params
@@ -3353,15 +3359,11 @@ class Reducer:
             problem.copy_(shared[k])
             st.keyed[1]()
         else:
-            c.layer_maxima(x, st.layout, st.local)
-            torch.amax(st.local.view(n, k), 0, out=shared[:k])
             # The flag rides on the maxima, so no rank needs a host read to learn it.
-            shared[k:].copy_(problem.reshape(1))
+            _cpu_kernel("unit_maxima", x, st.offsets_of[0], n, st.local, shared, problem)
             transports.all_reduce_max(shared, comm.group, self.traffic)
-            problem.copy_(shared[k])
             # A flagged unit is NaN on every rank: its maxima all non-finite.
-            torch.where(shared[k] > 0, st.poison, shared[:k], out=st.maxima)
-            torch.index_select(st.maxima, 0, st.perm, out=st.agreed)
+            _cpu_kernel("unit_agreed", shared, problem, st.offsets_of[1], st.maxima, st.agreed)
             for spread in st.spreads:
                 spread.spread()
         c.copy_spans(rows, arena, gather)

@@ -299,6 +299,8 @@ _CPU_KERNELS = (
     "unit_records",
     "unit_keys",
     "unit_block_factors",
+    "unit_maxima",
+    "unit_agreed",
     "copy_spans",
     "sum_runs",
 )
