@@ -427,9 +427,22 @@ class _OwnerFeedback:
     values: torch.Tensor  # kernels: float32 scratch of the N decoded shards
     acc: torch.Tensor  # kernels: float32 scratch of the mean
     part: torch.Tensor  # kernels: float32 scratch of the mean re-encoded and decoded
+    fused: bool = False  # kernels: the calls below as one (cpu_kernels.owner_feedback)
 
     def __call__(self) -> None:
         c, n, (lo, hi), (scale, unscale) = self.codec, self.n_ranks, self.span, self.factors
+        if self.fused:
+            _kernel(
+                "owner_feedback",
+                c.fmt,
+                self.recv.numpy(),
+                (self.values.numpy(), self.acc.numpy()),
+                self.out.numpy(),
+                (self.layout.offsets.numpy(), scale.numpy(), unscale.numpy()),
+                (lo, hi, n),
+                self.residual.numpy(),
+            )
+            return
         if c.backend == "kernels":
             # The calls of ErrorFeedback.owner_reduce, into scratch kept for the bucket.
             _kernel("decode", self.recv, self.values, c.fmt)
@@ -1053,6 +1066,7 @@ class Codec:
         unscale: torch.Tensor,
         counts: torch.Tensor | None = None,
         keys: np.ndarray | None = None,
+        pick: tuple[np.ndarray, np.ndarray, bool] | None = None,
     ) -> Callable[[], None]:
         """Two_phase's factors of the agreed maxima or block keys, written into ``scale``
         and ``unscale`` in place: error feedback's settled bucket binds its calls to those.
@@ -1066,6 +1080,9 @@ class Codec:
             counts: blocks per layer (int64), with block keys.
             keys: with maxima on the CPU kernels, int32 scratch the layers' exponent keys
                 are left in (:meth:`layer_records` reads them); None: the call's own.
+            pick: with maxima on the CPU kernels, (a bucket's agreed maxima, these
+                layers' positions in them, False): ``agreed`` is picked from those in
+                the same call (:meth:`AgreedMaxima.host_factors_into`); None: as it is.
 
         Example:
             >>> c = Codec("e4m3", torch.device("cpu"))
@@ -1080,8 +1097,15 @@ class Codec:
             if kernels:
                 keys = np.empty(agreed.numel(), np.int32) if keys is None else keys
                 return functools.partial(
-                    agreed_maxima.host_factors_into, fmt, scale.numpy(), unscale.numpy(), keys
+                    agreed_maxima.host_factors_into,
+                    fmt,
+                    scale.numpy(),
+                    unscale.numpy(),
+                    keys,
+                    pick,
                 )
+            if pick is not None:
+                raise ValueError("pick needs the CPU kernels and maxima")
             made = functools.partial(scale_factors, agreed, fmt, "two_phase", world_size=world_size)
         else:
             if kernels:
@@ -1129,6 +1153,49 @@ class Codec:
             lost = functools.partial(_keep_lost_torch, x, sent, residual)
         return functools.partial(_calls_then, decode, lost)
 
+    def bind_encode_keep(
+        self,
+        x: torch.Tensor,
+        send: torch.Tensor,
+        factors: tuple[torch.Tensor, torch.Tensor],
+        layout: Layout,
+        sent: torch.Tensor,
+        residual: torch.Tensor,
+    ) -> Callable[[], None] | None:
+        """:meth:`bind_encode` (with the shards' padding, the rest of ``send``) and
+        :meth:`bind_keep_lost` as one bound call on the CPU kernels
+        (:func:`aps_comm.cpu_kernels.encode_keep`, the same bits); None elsewhere, or
+        where either would not bind its kernel.
+
+        Example:
+            >>> call = codec.bind_encode_keep(x, send, (s, u), layout, sent, res)  # doctest: +SKIP
+        """
+        numel, fmt, (scale, unscale) = x.numel(), self.fmt, factors
+        tensors = (x, sent, residual, scale, unscale)
+        if (
+            self.backend != "kernels"
+            or x.device.type != "cpu"
+            or any(t.dtype != torch.float32 or not t.is_contiguous() for t in tensors)
+            or send.numel() < payload_nbytes(numel, fmt)
+            or sent.numel() != numel
+            or residual.numel() != numel
+        ):
+            return None
+        _check_scaled(scale, layout, numel)
+        _check_scaled(unscale, layout, numel)
+        return functools.partial(
+            _kernel,
+            "encode_keep",
+            fmt,
+            x.numpy(),
+            send.numpy(),
+            payload_nbytes(numel, fmt),
+            (layout.offsets.numpy(), *_host_runs(layout)),
+            (scale.numpy(), unscale.numpy()),
+            sent.numpy(),
+            residual.numpy(),
+        )
+
     def bind_owner_feedback(
         self,
         recv: torch.Tensor,
@@ -1140,6 +1207,7 @@ class Codec:
         residual: torch.Tensor,
         scratch: torch.Tensor | None = None,
         mean: torch.Tensor | None = None,
+        fused: bool = False,
     ) -> Callable[[], None]:
         """Two_phase's owner step with error feedback (one chunk: the whole bucket), bound.
 
@@ -1165,6 +1233,8 @@ class Codec:
             mean: float32 of at least one shard's elements, free during the call,
                 for the shards' mean (the bucket's own values, written by the
                 decode after: no scratch of its own); None: after the shards.
+            fused: on "kernels", the five calls as one
+                (:func:`aps_comm.cpu_kernels.owner_feedback`, the same bits).
 
         Example:
             >>> call = codec.bind_owner_feedback(recv, 2, out, layout, (s, u), 0, res)  # doctest: +SKIP
@@ -1205,6 +1275,7 @@ class Codec:
             values,
             acc,
             values[:size],
+            fused and kernels,
         )
 
     def bind_layer_maxima(

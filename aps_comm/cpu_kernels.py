@@ -72,7 +72,9 @@ __all__ = [
     "decode_rank_blocks",
     "decoder_params",
     "encode",
+    "encode_keep",
     "encoder_params",
+    "gather_add",
     "keep_lost",
     "key_factors",
     "layer_any",
@@ -84,6 +86,7 @@ __all__ = [
     "mean_rows",
     "or_rows",
     "owner_agreed_blocks",
+    "owner_feedback",
     "owner_lost",
     "owner_rank_blocks",
     "prepare",
@@ -3035,3 +3038,176 @@ if AVAILABLE:
                     if not np.isfinite(maxima[p]):
                         for i in range(offsets[p], offsets[p + 1]):
                             out[i] = np.float32(np.nan)
+
+
+if AVAILABLE:
+
+    @_njit
+    def _gather_add(x, spans, residual, values, vbits, out):
+        """Each span's layer of ``x`` into ``values`` (its residuals added where it has any),
+        then, where ``out`` has room, its max |x| bits (:func:`_block_amax`'s) at its slot."""
+        inf_bits = np.uint32(0x7F800000)
+        for s in range(spans.shape[0]):
+            src, dst, n, r = spans[s, 0], spans[s, 1], spans[s, 2], spans[s, 3]
+            if r == -1:
+                for i in range(n):
+                    values[dst + i] = x[src + i]
+            elif r >= 0:
+                for i in range(n):
+                    values[dst + i] = x[src + i] + residual[r + i]
+            if len(out):
+                m = _amax_bits(vbits[dst : dst + n])
+                out[spans[s, 4]] = m if m < inf_bits else inf_bits  # NaN becomes inf
+
+    @_njit
+    def _encode_keep4(x, out, pad, offsets, factors, params, size, runs, sent, residual):
+        scale, unscale = factors
+        p, q, m = params
+        for i in range(len(pad)):
+            pad[i] = 0  # code 0 is +0: the shards' padding
+        _encode4(x, offsets, scale, out, p, size, runs)
+        _decode4(out, sent, q, m, offsets, unscale, size, runs)
+        _keep_lost(x, sent, residual)
+
+    @_njit
+    def _encode_keep_codes(x, out, pad, offsets, factors, params, size, runs, sent, residual):
+        scale, unscale = factors
+        p, q, m = params
+        for i in range(len(pad)):
+            pad[i] = 0  # code 0 is +0: the shards' padding
+        _encode_codes(x, offsets, scale, out, p, size, runs)
+        _decode_segments(out, sent, q, m, offsets, unscale, size, runs)
+        _keep_lost(x, sent, residual)
+
+    @_njit
+    def _whole_of(n):
+        """:func:`_whole`'s offsets: one segment of ``n`` elements."""
+        whole = np.zeros(2, np.int64)
+        whole[1] = n
+        return whole
+
+    @_njit
+    def _owner_feedback4(recv, values, acc, out, offsets, factors, params, span, residual):
+        scale, unscale = factors
+        p, q, m, no_runs = params
+        lo, hi, n_ranks = span
+        one, per = np.ones(1, np.float32), len(acc)
+        part = values[:per]  # the shards are summed by then
+        _decode4(recv, values, q, m, _whole_of(len(values)), one, 0, no_runs)
+        _mean_rows(values.reshape((n_ranks, per)), acc)
+        _encode4(acc, _whole_of(per), one, out, p, 0, no_runs)
+        _decode4(out, part, q, m, _whole_of(per), one, 0, no_runs)
+        if hi > lo:
+            _owner_lost(acc, part, offsets, scale, unscale, lo, hi, n_ranks, residual)
+
+    @_njit
+    def _owner_feedback_codes(recv, values, acc, out, offsets, factors, params, span, residual):
+        scale, unscale = factors
+        p, q, m, no_runs = params
+        lo, hi, n_ranks = span
+        one, per = np.ones(1, np.float32), len(acc)
+        part = values[:per]  # the shards are summed by then
+        _decode_segments(recv, values, q, m, _whole_of(len(values)), one, 0, no_runs)
+        _mean_rows(values.reshape((n_ranks, per)), acc)
+        _encode_codes(acc, _whole_of(per), one, out, p, 0, no_runs)
+        _decode_segments(out, part, q, m, _whole_of(per), one, 0, no_runs)
+        if hi > lo:
+            _owner_lost(acc, part, offsets, scale, unscale, lo, hi, n_ranks, residual)
+
+
+def gather_add(
+    x: np.ndarray, spans: np.ndarray, residual: np.ndarray, values: np.ndarray, out: np.ndarray
+) -> None:
+    """Layers of float32 ``x`` copied into ``values`` in another order, residuals added to
+    those that have them, and each one's max |x| (NaN gives inf) written in ``x``'s
+    order: one pass where a bucket of interleaved formats gathered, added and took its
+    maxima in several calls.
+
+    ``spans``: int64 rows (from in ``x``, to in ``values``, elements, from in
+    ``residual`` or -1 for none, the layer's slot in ``out``); float32 ``out`` (the
+    maxima) may be empty: then only the copies and the adds, ``x + residual`` in
+    float32 as ``torch.add`` does it. ``values`` may be ``x`` itself, each layer where
+    it is (the residuals added in place): -2 for none then leaves the layer as it is.
+
+    Example:
+        >>> values, out = np.empty(3, np.float32), np.empty(2, np.float32)
+        >>> spans = np.array([[1, 0, 2, 0, 1], [0, 2, 1, -1, 0]])
+        >>> gather_add(np.array([1, -2, 3], np.float32), spans, np.ones(2, np.float32), values, out)
+        >>> values, out
+        (array([-1.,  4.,  1.], dtype=float32), array([1., 4.], dtype=float32))
+    """
+    _gather_add(x, spans, residual, values, values.view(np.uint32), out.view(np.uint32))
+
+
+def encode_keep(
+    fmt: FloatFormat,
+    x: np.ndarray,
+    send: np.ndarray,
+    numel_bytes: int,
+    layout: tuple[np.ndarray, int | None, np.ndarray | None],
+    factors: tuple[np.ndarray, np.ndarray],
+    sent: np.ndarray,
+    residual: np.ndarray,
+) -> None:
+    """Error feedback's encode and what it lost, in one call: float32 ``x`` times ``scale``
+    encoded into the first ``numel_bytes`` of uint8 ``send`` (the rest, the shards'
+    padding, zeroed), decoded again times ``unscale`` into float32 ``sent``, and
+    ``residual = x - sent`` where ``sent`` is finite, else 0: :func:`encode`,
+    :func:`decode` and :func:`keep_lost` one after another, the same bits.
+
+    ``layout``: the segments' int64 offsets, block size and runs (:func:`encode`'s);
+    ``factors``: (scale, unscale), float32 per segment.
+
+    Example:
+        >>> from aps_comm.formats import E4M3
+        >>> send, sent, res = np.empty(2, np.uint8), np.empty(1, np.float32), np.empty(1, np.float32)
+        >>> one = np.ones(1, np.float32)
+        >>> encode_keep(E4M3, np.array([1.1], np.float32), send, 1, (np.array([0, 1]), None, None),
+        ...             (one, one), sent, res)
+        >>> sent.tolist(), send.tolist()[1]
+        ([1.125], 0)
+    """
+    offsets, block_size, runs = layout
+    size, walk = _runs(block_size, runs)
+    q, m = decoder_params(fmt)
+    head, pad = send[:numel_bytes], send[numel_bytes:]
+    args = (offsets, factors, (encoder_params(fmt), q, m), size, walk, sent, residual)
+    if fmt.wire_bits == 4:
+        _encode_keep4(x, head, pad, *args)
+    else:
+        codes = head if fmt.wire_bits == 8 else head.view(np.uint16)
+        _encode_keep_codes(x, codes, pad, *args)
+
+
+def owner_feedback(
+    fmt: FloatFormat,
+    recv: np.ndarray,
+    scratch: tuple[np.ndarray, np.ndarray],
+    out: np.ndarray,
+    layout: tuple[np.ndarray, np.ndarray, np.ndarray],
+    span: tuple[int, int, int],
+    residual: np.ndarray,
+) -> None:
+    """A two_phase owner's step with error feedback in one call: the N shards of uint8
+    ``recv`` decoded into float32 ``values``, averaged in rank order into ``acc``, the
+    mean encoded into ``out``, decoded again into ``values``' first shard, and what that
+    lost, divided by its segment's scale and times N, added to elements ``lo`` to ``hi``
+    of ``residual``: :func:`decode`, :func:`mean_rows`, :func:`encode`, :func:`decode`
+    and :func:`owner_lost` one after another, the same bits.
+
+    ``scratch``: (``values``, N shards' float32; ``acc``, one shard's);
+    ``layout``: (the segments' int64 offsets, their float32 scale and unscale);
+    ``span``: (``lo``, ``hi``, N).
+
+    Example:
+        >>> owner_feedback(E4M3, recv, (values, acc), out, (offsets, s, u), (0, 4, 2), res)  # doctest: +SKIP
+    """
+    values, acc = scratch
+    q, m = decoder_params(fmt)
+    args = (layout[0], layout[1:], (encoder_params(fmt), q, m, _NO_RUNS), span, residual)
+    if fmt.wire_bits == 4:
+        _owner_feedback4(recv, values, acc, out, *args)
+    elif fmt.wire_bits == 8:
+        _owner_feedback_codes(recv, values, acc, out, *args)
+    else:
+        _owner_feedback_codes(recv.view(np.uint16), values, acc, out.view(np.uint16), *args)

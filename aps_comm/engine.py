@@ -635,7 +635,7 @@ class SteadyGroups:
         put_rates: the rates copied from group order into ``maxima``'s bucket order, one
             call (None where the groups are consecutive in the bucket).
         gather: the layers copied in group order into bound scratch, one call
-            (None where the groups are consecutive in the bucket).
+            (None where the groups are consecutive in the bucket, but with ``fused``).
         pick: the agreed maxima copied in the same order, one call (or None).
         factors: on the CPU kernels, where the groups are not consecutive: per group sent
             scaled, in the plan's order, its factors' one call, which picks its layers'
@@ -656,6 +656,13 @@ class SteadyGroups:
         feedback: error feedback: the parts sent scaled are :class:`SteadyFeedback`.
         epoch: as :class:`Steady`'s.
         workspace: as :class:`Steady`'s.
+        gather_numels: with ``gather``, the layers' sizes in the plan's order.
+        fused: error feedback on the CPU kernels: ``gather`` adds every group's
+            residuals (one flat buffer) and, per layer, writes the maxima in bucket
+            order (no ``pick``: each group's factors pick theirs), gathering the layers
+            too where the groups interleave (else the bucket is their values), and each
+            group's encode, residual update and owner step are one call each
+            (:meth:`Reducer._fuse_feedback_groups`).
     """
 
     numel: int
@@ -687,6 +694,7 @@ class SteadyGroups:
     workspace: tuple[int, ...] = ()
     none: bool = False
     gather_numels: list[int] = dataclasses.field(default_factory=list)
+    fused: bool = False
 
     def bind(self, x: torch.Tensor, world_size: int, rank: int = 0) -> bool:
         """Bind the maxima kernel, the gather and every group's path to the float32
@@ -1475,14 +1483,17 @@ class Reducer:
         )
         values, agreed = x, shared  # the groups' values and vector, in the plan's order
         order = [i for g in groups for i in g.index]
-        if order != list(range(n)):
+        flat = None  # the fused path's residuals: every sent group's, in the plan's order
+        if x.device.type == "cpu" and all(g.codec.backend == "kernels" for g in sent):
+            values, agreed, flat = self._fuse_feedback_groups(st, x, order, promoted, names)
+        elif order != list(range(n)):
             values, agreed = self._interleave(st, x, order, shared, promoted, names)
-        if not blocks:
+        if not blocks and not st.fused:
             layout = plan.layout if values is x else Layout.from_numels(st.gather_numels, x.device)
             st.maxima_call = sent[0].codec.bind_layer_maxima(values, layout, agreed[:n])
         parts: list[tuple[torch.Tensor, Steady | SteadyBlocks | SteadyFeedback | None]] = []
         rates: list[torch.Tensor | None] = []
-        lo = at = first = 0
+        lo = at = first = kept = 0
         for g in groups:
             gx, part, last = values[lo : lo + g.numel], None, first + len(g.index)
             sent_rates = promoted and g.reduction != Route.FP32
@@ -1491,7 +1502,14 @@ class Reducer:
                 m = g.layout.n_segments if blocks else len(g.index)
                 at = at if blocks else first
                 gnames = [names[i] for i in g.index]
-                part = self._bind_feedback(index, gx, g, gnames, agreed[at : at + m])
+                fused = None
+                if flat is not None:  # its residuals, and its maxima picked by its factors
+                    pick = None
+                    if not blocks:
+                        pick = shared[:n].numpy(), np.asarray(g.index, np.int64), False
+                    fused = flat[kept : kept + g.numel], pick
+                    kept += g.numel
+                part = self._bind_feedback(index, gx, g, gnames, agreed[at : at + m], fused)
                 if part is None:
                     return
                 at += m
@@ -1541,6 +1559,65 @@ class Reducer:
         st.pick = functools.partial(torch.index_select, shared, 0, at[:n], out=agreed[:n])
         return values, agreed
 
+    def _fuse_feedback_groups(
+        self,
+        st: SteadyGroups,
+        x: torch.Tensor,
+        order: list[int],
+        promoted: bool,
+        names: Sequence[str | None],
+    ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+        """The groups' values and vector on the CPU kernels, fused: ``st.gather`` adds
+        every sent group's residuals (one flat buffer, the groups' in the plan's order)
+        and, per layer, writes each one's maximum in bucket order into ``st.maxima``
+        (the general path's vector), in one call (:func:`aps_comm.cpu_kernels.gather_add`)
+        for what took an add per group and the maxima; where the groups interleave it
+        also copies the layers into bound scratch in the plan's order (what took a
+        gather, and the maxima's copy into bucket order: :meth:`_interleave`), which
+        ``st.scatter`` copies back, and with Promote ``st.put_rates`` copies the rates
+        alone. Returns the values in the plan's order, the vector in that order (each
+        group's agreed maxima, picked by its factors; Promote's rates after them) and
+        the flat residuals."""
+        n, plan = len(order), st.plan
+        starts = np.cumsum([0, *plan.numels])
+        fp32 = {i for g in st.groups if g.reduction == Route.FP32 for i in g.index}
+        in_place = order == list(range(n))  # the groups consecutive: the bucket's own views
+        spans, to, kept = [], 0, 0
+        for i in order:
+            size, none = plan.numels[i], -2 if in_place else -1
+            spans.append((starts[i], to, size, none if i in fp32 else kept, i))
+            to, kept = to + size, kept + (0 if i in fp32 else size)
+        values = x if in_place else torch.empty_like(x)
+        flat = torch.empty(kept, dtype=torch.float32)
+        if not in_place:
+            st.gather_numels = [plan.numels[i] for i in order]
+            layers = torch.split(x, plan.numels)
+            mine = [layers[i] for i in order]
+            # One multi-tensor copy back, not one copy per layer.
+            st.scatter = functools.partial(
+                torch._foreach_copy_, mine, list(torch.split(values, st.gather_numels))
+            )
+        maxima = st.maxima[:0] if st.blocks else st.maxima[:n]
+        st.gather = functools.partial(
+            _host_kernel,
+            "gather_add",
+            x.numpy(),
+            np.asarray(spans, np.int64).reshape(-1, 5),
+            flat.numpy(),
+            values.numpy(),
+            maxima.numpy(),
+        )
+        st.fused = True
+        if st.blocks or in_place:  # block keys: in the plan's order already
+            return values, st.maxima, flat
+        agreed = torch.zeros_like(st.maxima)
+        if promoted:  # the rates in the plan's order: the reducer's rates are views of them
+            kept_rates = {j for j, i in enumerate(order) if i in fp32}
+            self._rates_into(agreed[n:], [names[i] for i in order], kept_rates)
+            at = torch.tensor(order, dtype=torch.int64)
+            st.put_rates = functools.partial(st.maxima[n:].index_copy_, 0, at, agreed[n:])
+        return values, agreed, flat
+
     def _run_feedback_groups(self, index: int, st: SteadyGroups, x: torch.Tensor) -> None:
         """:meth:`_run_groups` with error feedback: every group's residuals added, the
         bucket's maxima (or each group's block keys) agreed at once, then each group's
@@ -1551,11 +1628,12 @@ class Reducer:
         fed = [(values, s) for values, s in st.parts if isinstance(s, SteadyFeedback)]
         if st.gather is not None:
             st.gather()
-        for values, s in fed:
-            values.add_(s.residual)
+        if not st.fused:  # else added by the gather
+            for values, s in fed:
+                values.add_(s.residual)
         if st.maxima_call is not None:  # every layer's, as the general path's vector
             st.maxima_call()
-        else:
+        elif st.blocks:
             for _, s in fed:
                 s.agree()
         if st.put_rates is not None:  # into the general path's order
@@ -1752,6 +1830,7 @@ class Reducer:
         g: GroupPlan,
         names: Sequence[str | None],
         shared: torch.Tensor | None = None,
+        fused: tuple[torch.Tensor, tuple[np.ndarray, np.ndarray, bool] | None] | None = None,
     ) -> SteadyFeedback | None:
         """Group ``g``'s :class:`SteadyFeedback`, bound to its values ``x`` (the bucket, or
         a group's view of it); None where it has no bound path: not two_phase in one chunk,
@@ -1759,7 +1838,10 @@ class Reducer:
 
         ``shared``: where its agreed maxima or block keys go, a view of the vector that a
         bucket of several formats agrees on at once (:meth:`_settle_feedback_groups`);
-        None: its own.
+        None: its own. ``fused`` (:meth:`_fuse_feedback_groups`): its residuals, a view
+        of the bucket's flat ones, and its layers' positions in the bucket's agreed
+        maxima, which its factors pick into ``shared`` (None with blocks); its encode
+        with its residual update, and its owner step, then one CPU kernel call each.
         """
         fb, comm = self.feedback, self.comm
         assert fb is not None
@@ -1816,15 +1898,14 @@ class Reducer:
             if g.codec.backend == "kernels" and device.type == "cpu":
                 host_keys = np.empty(n_seg, np.int32)
         factors = g.codec.bind_feedback_factors(
-            shared, comm.world_size, scale, unscale, counts, host_keys
+            shared, comm.world_size, scale, unscale, counts, host_keys, fused[1] if fused else None
         )
-        residual = torch.empty(x.numel(), dtype=torch.float32, device=device)
-        sent = scratch[:numel]
-        head = send[: payload_nbytes(numel, fmt)]
-        encode = functools.partial(
-            _encode_and_keep,
-            g.codec.bind_encode(x, send, scale, g.windows[0], pad),
-            g.codec.bind_keep_lost(head, x, sent, unscale, g.layout, residual),
+        if fused is None:
+            residual = torch.empty(x.numel(), dtype=torch.float32, device=device)
+        else:
+            residual = fused[0]
+        encode = _feedback_encode(
+            g, x, send, (scale, unscale), pad, (scratch[:numel], residual), fused is not None
         )
         owner = g.codec.bind_owner_feedback(
             recv,
@@ -1836,6 +1917,7 @@ class Reducer:
             residual,
             scratch,
             mean,
+            fused is not None,
         )
         decode = g.codec.bind_decode(send, x, unscale, g.windows[0])
         calls = [transports.ChunkCalls(encode, owner, decode, send, recv, shard)]
@@ -3297,7 +3379,7 @@ class Reducer:
         )
         st.keyed = (
             functools.partial(_unit_kernel_after, "unit_keys", keys),
-            functools.partial(_cpu_kernel, "unit_block_factors", *factors_of),
+            functools.partial(_host_kernel, "unit_block_factors", *factors_of),
         )
         if self.settings.stats:
             p = len(st.chunks)
@@ -3360,10 +3442,10 @@ class Reducer:
             st.keyed[1]()
         else:
             # The flag rides on the maxima, so no rank needs a host read to learn it.
-            _cpu_kernel("unit_maxima", x, st.offsets_of[0], n, st.local, shared, problem)
+            _host_kernel("unit_maxima", x, st.offsets_of[0], n, st.local, shared, problem)
             transports.all_reduce_max(shared, comm.group, self.traffic)
             # A flagged unit is NaN on every rank: its maxima all non-finite.
-            _cpu_kernel("unit_agreed", shared, problem, st.offsets_of[1], st.maxima, st.agreed)
+            _host_kernel("unit_agreed", shared, problem, st.offsets_of[1], st.maxima, st.agreed)
             for spread in st.spreads:
                 spread.spread()
         c.copy_spans(rows, arena, gather)
@@ -3478,6 +3560,38 @@ class Reducer:
 
 # The format of the codec whose kernels sum an FP32 unit's rows (the sum is format-free).
 _SUM_FORMAT = "e4m3"
+
+
+def _host_kernel(name: str, *args: object) -> None:
+    """The CPU kernel ``name``, looked up per call (tools count the calls by name)."""
+    getattr(cpu_kernels, name)(*args)
+
+
+def _feedback_encode(
+    g: GroupPlan,
+    x: torch.Tensor,
+    send: torch.Tensor,
+    factors: tuple[torch.Tensor, torch.Tensor],
+    pad: int,
+    kept: tuple[torch.Tensor, torch.Tensor],
+    fused: bool,
+) -> Callable[[], object]:
+    """Error feedback's bound encode of group ``g``'s values ``x`` (one chunk) into
+    ``send``, then what that lost into the residuals (``kept``: float32 scratch of the
+    values as sent, the residuals): one CPU kernel call where ``fused``
+    (:meth:`aps_comm.codec.Codec.bind_encode_keep`), else the encode and
+    :meth:`aps_comm.codec.Codec.bind_keep_lost`."""
+    (scale, unscale), (sent, residual), c = factors, kept, g.codec
+    if fused:  # the whole layout: the chunk's window's factors, element for element
+        call = c.bind_encode_keep(x, send, (scale, unscale), g.layout, sent, residual)
+        if call is not None:
+            return call
+    head = send[: payload_nbytes(x.numel(), g.fmt)]
+    return functools.partial(
+        _encode_and_keep,
+        c.bind_encode(x, send, scale, g.windows[0], pad),
+        c.bind_keep_lost(head, x, sent, unscale, g.layout, residual),
+    )
 
 
 def _encode_and_keep(encode: Callable[[], object], keep: Callable[[], object]) -> None:
@@ -3817,14 +3931,9 @@ def _mixed_block_records(
     return out
 
 
-def _cpu_kernel(name: str, *args: object) -> object:
-    """Call the CPU kernel ``name`` (looked up per call, so tools can count the calls)."""
-    return getattr(cpu_kernels, name)(*args)
-
-
-def _unit_kernel_after(name: str, args: tuple, x: torch.Tensor) -> object:
-    """:func:`_cpu_kernel` with the step's rows ``x`` first."""
-    return _cpu_kernel(name, x, *args)
+def _unit_kernel_after(name: str, args: tuple, x: torch.Tensor) -> None:
+    """:func:`_host_kernel` with the step's rows ``x`` first."""
+    _host_kernel(name, x, *args)
 
 
 def _padded_rows(runs: RowRuns, n: int) -> RowRuns:

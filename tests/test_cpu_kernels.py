@@ -263,3 +263,71 @@ def test_short_segments_encode_like_one_segment(fmt: FloatFormat) -> None:
     ones = torch.ones(len(sizes))
     got = codec.encode(x, fmt, scale=ones, layout=layout, backend="kernels")
     assert torch.equal(got, codec.encode(x, fmt, backend="kernels"))
+
+
+@pytest.mark.parametrize("fmt", [E2M1, E4M3, FP16, BF16])
+@pytest.mark.parametrize(("n_ranks", "rank"), [(1, 0), (3, 1), (3, 2)])
+def test_fused_feedback_kernels_give_the_separate_calls_bits(
+    fmt: FloatFormat, n_ranks: int, rank: int
+) -> None:
+    """encode_keep and owner_feedback (issue 46: one call each for interleaved formats with
+    error feedback) against the calls they fuse, bit for bit: odd segments (4-bit codes
+    split bytes), an empty one, a non-finite one, padding to whole shards."""
+    gen = torch.Generator().manual_seed(n_ranks + 7 * fmt.wire_bits)
+    offsets = np.array([0, 7, 7, 40, 41, 90], np.int64)
+    numel, n_seg = int(offsets[-1]), offsets.size - 1
+    x = torch.randn(numel, generator=gen) * 30.0
+    x[41] = float("inf")
+    scale = (2.0 ** torch.randint(-3, 4, (n_seg,), generator=gen)).float()
+    unscale = 1.0 / scale
+    unscale[3] = float("nan")  # the segment that holds the inf
+    per = -(-numel // n_ranks)
+    per += per % 2  # a shard of whole bytes, the last one padded
+    send_bytes = payload_nbytes(per * n_ranks, fmt)
+    runs = (offsets, None, None)
+    factors = (scale.numpy(), unscale.numpy())
+    send = [np.full(send_bytes, 77, np.uint8) for _ in range(2)]
+    sent, residual = ([np.empty(numel, np.float32) for _ in range(2)] for _ in range(2))
+    head = payload_nbytes(numel, fmt)
+    cpu_kernels.encode_keep(fmt, x.numpy(), send[0], head, runs, factors, sent[0], residual[0])
+    send[1][head:] = 0
+    cpu_kernels.encode(x, torch.from_numpy(send[1][:head]), fmt, offsets, factors[0])
+    cpu_kernels.decode(
+        torch.from_numpy(send[1][:head]), torch.from_numpy(sent[1]), fmt, offsets, factors[1]
+    )
+    cpu_kernels.keep_lost(x, torch.from_numpy(sent[1]), torch.from_numpy(residual[1]))
+    assert np.array_equal(send[0], send[1])
+    assert np.array_equal(sent[0].view(np.int32), sent[1].view(np.int32))
+    assert np.array_equal(residual[0].view(np.int32), residual[1].view(np.int32))
+
+    recv = torch.from_numpy(np.concatenate([send[0]] * n_ranks))
+    recv[: send_bytes // 2] = torch.randint(0, 255, (send_bytes // 2,), generator=gen).byte()
+    shard = payload_nbytes(per, fmt)
+    lo, hi = rank * per, min(rank * per + per, numel)
+    outs, residuals = (
+        [np.empty(shard, np.uint8) for _ in range(2)],
+        [residual[0].copy() for _ in range(2)],
+    )
+    values, acc = np.empty(n_ranks * per, np.float32), np.empty(per, np.float32)
+    cpu_kernels.owner_feedback(
+        fmt,
+        recv.numpy(),
+        (values, acc),
+        outs[0],
+        (offsets, *factors),
+        (lo, hi, n_ranks),
+        residuals[0],
+    )
+    got_acc = acc.copy()
+    t_values, t_acc = torch.empty(n_ranks * per), torch.empty(per)
+    cpu_kernels.decode(recv, t_values, fmt)
+    cpu_kernels.mean_rows(t_values.numpy().reshape(n_ranks, -1), t_acc.numpy())
+    cpu_kernels.encode(t_acc, torch.from_numpy(outs[1]), fmt)
+    part = t_values[:per]
+    cpu_kernels.decode(torch.from_numpy(outs[1]), part, fmt)
+    cpu_kernels.owner_lost(
+        t_acc, part, offsets, *factors, lo, hi, n_ranks, torch.from_numpy(residuals[1])
+    )
+    assert np.array_equal(outs[0], outs[1])
+    assert np.array_equal(got_acc.view(np.int32), t_acc.numpy().view(np.int32))
+    assert np.array_equal(residuals[0].view(np.int32), residuals[1].view(np.int32))
