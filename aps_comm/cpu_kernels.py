@@ -102,6 +102,10 @@ __all__ = [
     "supports",
     "two_phase_keys",
     "underflow_rates",
+    "unit_agreed",
+    "unit_block_factors",
+    "unit_keys",
+    "unit_maxima",
     "unit_records",
 ]
 
@@ -2350,6 +2354,192 @@ def owner_lost(
         tensor([0.0000, 0.5000])
     """
     _owner_lost(_np(acc), _np(part), offsets, scale, unscale, lo, hi, n_ranks, _np(out))
+
+
+if AVAILABLE:
+
+    @_njit
+    def _unit_keys(xb, offsets, fmt_of, lims, bounds, maxima, keys):
+        _block_amax(xb, offsets, maxima)
+        inf_bits = np.uint32(0x7F800000)
+        for i in range(len(maxima)):
+            f, a = fmt_of[i], maxima[i]
+            if a == 0:
+                keys[i] = 0
+            elif a >= inf_bits:
+                keys[i] = 255
+            elif f < 0:  # FP32: sent exactly, its key only marks a non-finite block
+                keys[i] = 0
+            else:
+                lim = (lims[f, 0], lims[f, 1], lims[f, 2])
+                e = _mean_exponent(a, 0, lim)
+                if bounds[f] > 0:
+                    e = min(e, _sum_exponent(a, bounds[f], lim[2]))
+                keys[i] = 127 - e
+
+    @_njit
+    def _key_exponent(k):
+        return 0 if k == 0 or k == 255 else 127 - np.int32(k)
+
+    @_njit
+    def _unit_block_factors(keys, param_of, flag, pos, src, scale, decode, maxima, bad):
+        bad[:] = 0
+        for b in range(len(keys)):
+            if keys[b] == 255:
+                bad[param_of[b]] = 1
+        flagged = flag[0] > 0
+        for j in range(len(pos)):
+            scale[j] = np.float32(math.ldexp(1.0, _key_exponent(keys[pos[j]])))
+            if flagged or bad[param_of[pos[j]]]:
+                decode[j] = np.float32(np.nan)
+            else:
+                decode[j] = np.float32(math.ldexp(1.0, -_key_exponent(keys[src[j]])))
+        for i in range(len(maxima)):
+            maxima[i] = np.float32(np.inf) if flagged or bad[i] else np.float32(0.0)
+
+
+if AVAILABLE:
+
+    @_njit
+    def _unit_maxima(xb, offsets, local, shared, flag, n_rows):
+        _block_amax(xb, offsets, local)
+        k = len(shared) - 1
+        for i in range(k):
+            m = local[i]
+            for r in range(1, n_rows):
+                m = max(m, local[r * k + i])  # bits of non-negative floats order as they do
+            shared[i] = m
+        shared[k] = flag[0]
+
+    @_njit
+    def _unit_agreed(shared, flag, perm, maxima, agreed):
+        k = len(shared) - 1
+        flag[0] = shared[k]
+        flagged = shared[k] > 0
+        for i in range(k):
+            maxima[i] = np.float32(np.inf) if flagged else shared[i]
+        for j in range(len(perm)):
+            agreed[j] = maxima[perm[j]]
+
+
+def unit_maxima(
+    x: torch.Tensor,
+    offsets: np.ndarray,
+    n_rows: int,
+    local: torch.Tensor,
+    shared: torch.Tensor,
+    flag: torch.Tensor,
+) -> None:
+    """An FSDP unit's maxima for its MAX all-reduce, in one call: every segment's max |x|
+    (NaN as inf) of the N rows into float32 ``local`` (N x P), each parameter's over
+    the rows into ``shared[:P]``, and the 0-d float32 ``flag`` into ``shared[P]``.
+
+    Example:
+        >>> local, shared = torch.empty(2), torch.empty(2)
+        >>> unit_maxima(torch.tensor([3.0, -4.0]), np.array([0, 1, 2]), 2, local, shared,
+        ...             torch.tensor(1.0))
+        >>> shared.tolist()
+        [4.0, 1.0]
+    """
+    _unit_maxima(
+        _np(x).view(np.uint32),
+        offsets,
+        _np(local).view(np.uint32),
+        _np(shared).view(np.uint32),
+        _np(flag.reshape(1)).view(np.uint32),
+        n_rows,
+    )
+
+
+def unit_agreed(
+    shared: torch.Tensor,
+    flag: torch.Tensor,
+    perm: np.ndarray,
+    maxima: torch.Tensor,
+    agreed: torch.Tensor,
+) -> None:
+    """An FSDP unit's agreed maxima after its MAX all-reduce, in one call: the flag
+    (``shared``'s last) into the 0-d ``flag``, the P maxima into ``maxima`` (all inf
+    when flagged) and ``maxima[perm]`` into ``agreed``.
+
+    Example:
+        >>> flag, maxima, agreed = torch.zeros(()), torch.empty(2), torch.empty(3)
+        >>> unit_agreed(torch.tensor([3.0, 4.0, 0.0]), flag, np.array([1, 0, 1]), maxima, agreed)
+        >>> agreed.tolist()
+        [4.0, 3.0, 4.0]
+    """
+    _unit_agreed(_np(shared), _np(flag.reshape(1)), perm, _np(maxima), _np(agreed))
+
+
+def unit_keys(
+    x: torch.Tensor,
+    offsets: np.ndarray,
+    fmt_of: np.ndarray,
+    formats: list[FloatFormat],
+    limit: int,
+    world_size: int,
+    maxima: torch.Tensor,
+    keys: torch.Tensor,
+) -> None:
+    """:func:`block_keys` of an FSDP unit of several formats, in one call: every block's
+    max |x| into float32 ``maxima`` and its two_phase key over ``world_size`` ranks
+    under its own format (``fmt_of``: an index into ``formats`` per block, -1 for FP32,
+    whose key is 0, or 255 for a non-finite block) into uint8 ``keys``.
+
+    Example:
+        >>> from aps_comm.formats import E4M3
+        >>> m, k = torch.empty(3), torch.empty(3, dtype=torch.uint8)
+        >>> unit_keys(torch.tensor([3.0, 5.0, float("nan")]), np.array([0, 1, 2, 3]),
+        ...           np.array([0, -1, -1], np.int8), [E4M3], 126, 1, m, k)
+        >>> k.tolist()
+        [120, 0, 255]
+    """
+    f32max = float(np.finfo(np.float32).max)
+    lims = np.array([mean_limit(f, limit) for f in formats], np.int64).reshape(-1, 3)
+    bounds = np.array([world_size if f.max * world_size > f32max else 0 for f in formats])
+    _unit_keys(
+        _np(x).view(np.uint32),
+        offsets,
+        fmt_of,
+        lims,
+        bounds.astype(np.int64),
+        _np(maxima).view(np.uint32),
+        _np(keys),
+    )
+
+
+def unit_block_factors(
+    keys: torch.Tensor,
+    param_of: np.ndarray,
+    flag: torch.Tensor,
+    pick: tuple[np.ndarray, np.ndarray],
+    scale: np.ndarray,
+    decode: np.ndarray,
+    maxima: np.ndarray,
+    bad: np.ndarray,
+) -> None:
+    """An FSDP unit of several formats' block factors from its agreed uint8 ``keys`` (the
+    N rows' blocks, ``param_of``: each one's parameter) and uint8 ``flag``, in one call.
+
+    ``pick``: per encoded block, its block in ``keys``, and the same block of this
+    rank's row (every rank sends this one its row: each received block is decoded with
+    this row's factor). Writes ``scale`` (``2**e``) and ``decode`` (``2**-e``; NaN for
+    every block of a parameter with a non-finite block in any row, or all of them when
+    flagged), and per parameter ``maxima``: inf where it is NaN so, else 0 (what makes
+    an FP32 parameter NaN in the sum); ``bad`` is uint8 scratch, one per parameter.
+
+    Example:
+        >>> s, d, m = (np.empty(2, np.float32) for _ in range(3))
+        >>> unit_block_factors(torch.tensor([120, 255], dtype=torch.uint8),
+        ...                    np.array([0, 1]), torch.zeros(1, dtype=torch.uint8),
+        ...                    (np.array([0, 1]), np.array([0, 1])), s, d, m,
+        ...                    np.empty(2, np.uint8))
+        >>> s.tolist(), d.tolist(), m.tolist()
+        ([128.0, 1.0], [0.0078125, nan], [0.0, inf])
+    """
+    _unit_block_factors(
+        _np(keys), param_of, _np(flag), pick[0], pick[1], scale, decode, maxima, bad
+    )
 
 
 @functools.lru_cache(maxsize=64)

@@ -53,6 +53,7 @@ from aps_comm.plan import BucketPlan, GroupPlan, Planner, RowRuns
 from aps_comm.policy import Assignment
 from aps_comm.reduction import native_sum_supported, resolve_routes
 from aps_comm.scaling import (
+    EXPONENT_LIMIT,
     KEY_BAD,
     KEY_ZERO,
     Factors,
@@ -76,6 +77,7 @@ __all__ = [
     "Steady",
     "SteadyAgreedBlocks",
     "SteadyBlocks",
+    "SteadyFP32Unit",
     "SteadyFeedback",
     "SteadyGroups",
     "SteadyMixedUnit",
@@ -934,9 +936,11 @@ class SteadyMixedUnit:
         calls: per scaled format its factors, encode and decode, bound.
         spans: the gather out of the rows, the scatter of the codes into the send
             buffer, and the gather out of the received rows (:meth:`aps_comm.codec.Codec.copy_spans`).
-        buffers: the gather's arena (send buffer, then the scaled runs' values), the
-            codes, the received rows, the landing arena (codes, then every run's values).
-        send: the send buffer (N encoded rows).
+        buffers: the gather's arena (the scaled runs' values, then the send buffer), the
+            codes, the received rows, and the landing (codes, then every run's values):
+            the arena's part after the scaled values, which the send buffer no longer
+            needs once sent (the state keeps one of the two, not both).
+        send: the send buffer (N encoded rows), at the landing's start.
         values: float32, every run's N decoded rows end to end.
         sums: int64 (R, 7), each run's place in ``values``, row and parameters (:meth:`aps_comm.codec.Codec.sum_runs`);
             ``scaling="none"``: every run's made NaN by the sum, as FP32's (its unscale 1).
@@ -946,6 +950,12 @@ class SteadyMixedUnit:
             one row per parameter (one kernel call), the general path's values.
         parts: with ``stats=True``, per run its parameters' names and sizes, its format
             and its rows of the records (they are queued run by run, as the general path's).
+        offsets_of: the host copies of ``layout``'s offsets and of ``perm`` (the maxima's
+            and agreed maxima's kernel calls read them).
+        keyed: block scaling: the call that writes every block's key of the N rows (each
+            under its own format; ``shared`` is then uint8, the keys and the flag), and
+            the call that writes every format's block factors from the agreed keys and
+            ``maxima`` (inf for a parameter NaN in the sum), one kernel call each.
     """
 
     chunks: tuple[int, ...]
@@ -973,6 +983,56 @@ class SteadyMixedUnit:
     parts: list[tuple[list[str], list[int], FloatFormat, int, int]] = dataclasses.field(
         default_factory=list
     )
+    keyed: tuple[Callable[[torch.Tensor], object], Callable[[], object]] | None = None
+    offsets_of: tuple[np.ndarray, np.ndarray] = ()  # type: ignore[assignment]
+
+
+@dataclasses.dataclass
+class SteadyFP32Unit:
+    """:class:`SteadyUnit` for a unit whose every parameter goes in FP32 (a policy's, or
+    "auto" on a fast link): PyTorch's own reduce-scatter, in rank order.
+
+    No maxima and no factors: the layout flag alone rides a one-element MAX
+    all-reduce, the rows go out as they are in one ``all_to_all_single``, and
+    the N received rows are summed in FP32 in rank order (one kernel call on
+    the CPU kernels); a flagged unit comes back NaN. A non-finite element stays
+    where it is, as in PyTorch's reduce-scatter (and DDP's FP32 buckets), not
+    spread over its parameter. With ``stats=True`` the parameters' maxima ride
+    the all-reduce too, for the records (one kernel call).
+
+    Attributes:
+        chunks: the parameters' padded chunks (the layout it is bound to).
+        numel: elements of the N rows.
+        device: the rows' device.
+        epoch: the policy's epoch of its formats.
+        sums: the codec whose :meth:`~aps_comm.codec.Codec.sum_rows` sums the rows.
+        recv: float32 (N, row), the received rows (a view of the workspace).
+        nan: 0-d float32 NaN, what the flag writes over the sum.
+        workspace: the state's workspace epoch of the unit's slot.
+        layout: with ``stats=True``, the N rows' chunks (the maxima's segments).
+        shared: with ``stats=True``, float32: the parameters' maxima, then the flag.
+        local: with ``stats=True``, float32, each row's maximum of every chunk (N x P).
+        agreed: with ``stats=True``, float32, the agreed maxima for every row (N x P).
+        record: with ``stats=True``, the step's records from the N rows (P, 5).
+        names: with ``stats=True``, each parameter's name.
+        numels: with ``stats=True``, each parameter's size.
+    """
+
+    chunks: tuple[int, ...]
+    numel: int
+    device: torch.device
+    epoch: tuple[int, ...]
+    sums: codec.Codec
+    recv: torch.Tensor
+    nan: torch.Tensor
+    workspace: tuple[int, ...]
+    layout: Layout | None = None
+    shared: torch.Tensor | None = None
+    local: torch.Tensor | None = None
+    agreed: torch.Tensor | None = None
+    record: Callable[[torch.Tensor], torch.Tensor] | None = None
+    names: list[str] = dataclasses.field(default_factory=list)
+    numels: list[int] = dataclasses.field(default_factory=list)
 
 
 class Reducer:
@@ -1016,7 +1076,7 @@ class Reducer:
         # Per device: the buckets' scratch, shared (:mod:`aps_comm.workspace`).
         self.workspaces: dict[str, Workspace] = {}
         # Per FSDP unit index: its bound reduce-scatter once settled (:class:`SteadyUnit`).
-        self.steady_units: dict[int, SteadyUnit | SteadyMixedUnit] = {}
+        self.steady_units: dict[int, SteadyUnit | SteadyMixedUnit | SteadyFP32Unit] = {}
         # The current step's number (Schedule's): the last one :meth:`bucket` was
         # given, advanced by :meth:`end_step`, so settled buckets know it too.
         self.step = 0
@@ -2852,8 +2912,13 @@ class Reducer:
         comm, settings = self.comm, self.settings
         n, p = comm.world_size, len(chunks)
         st = self._steady_unit(index, rows, chunks, step)
+        if st is None:  # bound first, then run bound: the first call's bits are the same
+            self._bind_unit(index, rows, chunks, (names, numels), step)
+            st = self._steady_unit(index, rows, chunks, step)
         if isinstance(st, SteadyMixedUnit):
             return self._run_mixed_unit(index, st, rows, problem)
+        if isinstance(st, SteadyFP32Unit):
+            return self._run_fp32_unit(index, st, rows, problem)
         if st is not None:
             return self._run_unit(index, st, rows, problem)
         plan = self.plan(index, list(chunks) * n, rows.device)
@@ -2988,9 +3053,27 @@ class Reducer:
         self._settle_unit(index, runs, rows, plan.numels[: len(numels)], step, (names, numels))
         return out
 
+    def _bind_unit(
+        self,
+        index: int,
+        rows: torch.Tensor,
+        chunks: Sequence[int],
+        params: tuple[Sequence[str], Sequence[int]],
+        step: int,
+    ) -> None:
+        """Bind the unit's layout and formats (:meth:`_settle_unit`) before its first run."""
+        n, settings = self.comm.world_size, self.settings
+        plan = self.plan(index, list(chunks) * n, rows.device)
+        fmts = self.assignment.formats(params[0], step)
+        if settings.scaling == Scaling.BLOCK:
+            runs = plan.runs(fmts, n, settings.block_size)
+        else:
+            runs = plan.runs(fmts, n)
+        self._settle_unit(index, runs, rows, chunks, step, params)
+
     def _steady_unit(
         self, index: int, rows: torch.Tensor, chunks: Sequence[int], step: int
-    ) -> SteadyUnit | SteadyMixedUnit | None:
+    ) -> SteadyUnit | SteadyMixedUnit | SteadyFP32Unit | None:
         """The unit's :class:`SteadyUnit` (or :class:`SteadyMixedUnit`) where this call fits the layout and formats it
         was bound to (any buffer of that layout: FSDP allocates a new one every step)."""
         st = self.steady_units.get(index)
@@ -3003,7 +3086,7 @@ class Reducer:
             or st.chunks != tuple(chunks)
             or st.epoch != self.assignment.epoch(step)
             or (
-                isinstance(st, SteadyUnit)
+                isinstance(st, SteadyUnit | SteadyFP32Unit)
                 and st.workspace != self.workspace(st.device).epoch(Slot.of(index))
             )
         ):
@@ -3032,6 +3115,7 @@ class Reducer:
             return
         run, device = runs.runs[0], rows.device
         if run.fmt == FP32:
+            self._settle_fp32_unit(index, runs, rows, chunks, step, params)
             return
         # Everything rewritten every step comes from the state's workspace, the slot
         # alternating with the unit's index (a unit may be on the wire beside the next).
@@ -3122,6 +3206,60 @@ class Reducer:
         # The general path's own scratch of this layout is no longer needed.
         self.plan(index, list(chunks) * n, device).row_runs = {}
 
+    def _settle_fp32_unit(
+        self,
+        index: int,
+        runs: RowRuns,
+        rows: torch.Tensor,
+        chunks: Sequence[int],
+        step: int,
+        params: tuple[Sequence[str], Sequence[int]],
+    ) -> None:
+        """Bind the unit's :class:`SteadyFP32Unit` (every parameter in FP32); with
+        ``stats=True`` on the CPU kernels only (its records' one call)."""
+        n, device, p = self.comm.world_size, rows.device, len(chunks)
+        # The sum is the same whatever the format: any kernels codec's (one call).
+        sums = codec.codec_for(self.settings.fmt, device)
+        if sums.backend != "kernels":
+            sums = codec.codec_for(_SUM_FORMAT, device)
+        stats = self.settings.stats
+        if stats and sums.backend != "kernels":
+            return
+        ws, slot = self.workspace(device), Slot.of(index)
+        arena = ws.arena(slot)
+        recv = arena.take(n * runs.row_numel, torch.float32).view(n, runs.row_numel)
+        f32 = {"dtype": torch.float32, "device": device}
+        st = SteadyFP32Unit(
+            tuple(chunks),
+            rows.numel(),
+            device,
+            self.assignment.epoch(step),
+            sums,
+            recv,
+            torch.tensor(math.nan, **f32),
+            (),
+        )
+        if stats:
+            st.layout = runs.runs[0].rows_layout
+            st.shared = torch.zeros(p + 1, **f32)
+            st.local, st.agreed = arena.take(n * p, torch.float32), arena.take(n * p, torch.float32)
+            st.record = functools.partial(
+                _mixed_records,
+                sums,
+                st.layout,
+                (np.zeros(n * p, np.int32), []),
+                st.agreed,
+                n,
+                record_limits([FP32] * p),
+            )
+            st.names, st.numels = list(params[0]), list(params[1])
+        if not arena.close():  # the slot grew: cut every view again from its new region
+            self._settle_fp32_unit(index, runs, rows, chunks, step, params)
+            return
+        st.workspace = ws.epoch(slot)
+        self.steady_units[index] = st
+        self.plan(index, list(chunks) * n, device).row_runs = {}
+
     def _settle_mixed_unit(
         self,
         index: int,
@@ -3131,41 +3269,33 @@ class Reducer:
         step: int,
         params: tuple[Sequence[str], Sequence[int]],
     ) -> None:
-        """Bind the unit's :class:`SteadyMixedUnit` (several formats; layer, bucket or no
-        scaling, every run's rows whole bytes, the CPU kernels; with ``stats=True`` its
-        records bound too)."""
+        """Bind the unit's :class:`SteadyMixedUnit` (several formats; any scaling, the CPU
+        kernels; with ``stats=True`` its records bound too; with block scaling every
+        run's rows whole bytes)."""
         settings, n, device = self.settings, self.comm.world_size, rows.device
         scaled = list(dict.fromkeys(r.fmt for r in runs.runs if r.fmt != FP32))
         codecs = [codec.codec_for(f, device) for f in scaled]
+        blocked = settings.scaling == Scaling.BLOCK
         if (
-            settings.scaling == Scaling.BLOCK
-            or not scaled
+            not scaled
             or any(c.backend != "kernels" for c in codecs)
+            or (blocked and not all(r.packed_rows for r in runs.runs))
         ):
             return
         p, row, row_bytes = len(chunks), runs.row_numel, runs.row_bytes
         lay = _mixed_layout(runs, chunks, scaled, n)
-        send_end = -(-n * row_bytes // 4) * 4  # the scaled runs' float32 values follow
-        codes_end = -(-lay.coded // 4) * 4
-        gather, scatter, receive = [], [], []
-        for k, run in enumerate(runs.runs):
-            w, wb, start, stride = run.hi - run.lo, run.b1 - run.b0, lay.starts[k], lay.strides[k]
-            for r in range(n):
-                src, wire = 4 * (r * row + run.lo), r * row_bytes + run.b0
-                if run.fmt == FP32:  # sent exactly: its float32 bytes are its codes
-                    gather.append((src, wire, 4 * w))
-                    receive.append((wire, codes_end + 4 * (start + r * w), 4 * w))
-                else:  # a padded row's zero is never written: the arena starts zeroed
-                    gather.append((src, send_end + 4 * (start + r * stride), 4 * w))
-                    scatter.append((lay.code_starts[k] + r * wb, wire, wb))
-                    receive.append((wire, lay.code_starts[k] + r * wb, wb))
+        # The arena: the scaled runs' float32 values, then the wire region, which holds
+        # the send buffer until it is sent and then the landing (codes, every run's values).
+        staged_end, codes_end = 4 * lay.scaled_numel, -(-lay.coded // 4) * 4
+        wire_end = max(-(-n * row_bytes // 4) * 4, codes_end + 4 * lay.numel)
+        spans = _mixed_spans(runs, lay, n, staged_end, codes_end)
         u8 = {"dtype": torch.uint8, "device": device}
-        arena = torch.zeros(send_end + 4 * lay.scaled_numel, **u8)
+        arena = torch.zeros(staged_end + wire_end, **u8)
         coded, recv = torch.empty(lay.coded, **u8), torch.empty(n * row_bytes, **u8)
-        landing = torch.empty(codes_end + 4 * lay.numel, **u8)
+        landing = arena[staged_end:]
         staged, values = (
-            arena[send_end:].view(torch.float32),
-            landing[codes_end:].view(torch.float32),
+            arena[:staged_end].view(torch.float32),
+            landing[codes_end : codes_end + 4 * lay.numel].view(torch.float32),
         )
         f32 = {"dtype": torch.float32, "device": device}
         # With records, every row's agreed maxima follow (the N x P rows' order): the
@@ -3174,10 +3304,23 @@ class Reducer:
         agreed, maxima = torch.empty(len(perm), **f32), torch.empty(p, **f32)
         sums = np.array(lay.sums, np.int64).reshape(-1, 7)
         calls, spreads, keys = [], [], []
-        for c, (e0, e1), (s0, s1), (c0, c1), numels in zip(
-            codecs, lay.elements, lay.segments, lay.codes, lay.numels, strict=True
+        blocks = _MixedBlocks(lay, chunks, scaled, n, settings.block_size) if blocked else None
+        for f, (c, (e0, e1), (s0, s1), (c0, c1), numels) in enumerate(
+            zip(codecs, lay.elements, lay.segments, lay.codes, lay.numels, strict=True)
         ):
             layout = Layout.from_numels(numels, device)
+            if blocks is not None:  # per block of each segment: the factors' one call writes them
+                layout = layout.grid(settings.block_size).layout
+                b0, b1 = blocks.bounds[f], blocks.bounds[f + 1]
+                scale, unscale = blocks.scale[b0:b1], blocks.decode[b0:b1]
+                calls.append(
+                    (
+                        _no_factors,
+                        c.bind_encode(staged[e0:e1], coded[c0:c1], scale, layout),
+                        c.bind_decode(landing[c0:c1], values[e0:e1], unscale, layout),
+                    )
+                )
+                continue
             scale, unscale = torch.empty(s1 - s0, **f32), torch.empty(s1 - s0, **f32)
             mine = np.zeros(s1 - s0, np.int32) if settings.stats else None
             if mine is not None:  # the records' keys: this format's, at their rows' places
@@ -3211,20 +3354,71 @@ class Reducer:
             torch.tensor(math.inf, **f32),
             spreads,
             calls,
-            tuple(np.array(sp, np.int64).reshape(-1, 3) for sp in (gather, scatter, receive)),
+            spans,
             (arena, coded, recv, landing),
-            arena[: n * row_bytes],
+            landing[: n * row_bytes],
             values,
             sums,
             np.concatenate([[0], np.cumsum(chunks)]).astype(np.int64),
             row,
         )
+        st = self.steady_units[index]
+        assert isinstance(st, SteadyMixedUnit)
+        st.offsets_of = (st.layout.offsets.numpy(), st.perm.numpy())
+        if blocks is not None:
+            self._bind_mixed_blocks(st, blocks, index, runs)
         if settings.stats:
             self._bind_mixed_records(
                 self.steady_units[index], runs, agreed[len(lay.perm) :], keys, params
             )
         # The general path's own scratch of this layout is no longer needed.
         self.plan(index, list(chunks) * n, device).row_runs = {}
+
+    def _bind_mixed_blocks(
+        self, st: SteadyMixedUnit, blocks: _MixedBlocks, index: int, runs: RowRuns
+    ) -> None:
+        """Bind a :class:`SteadyMixedUnit`'s block keys and factors (block scaling); with
+        ``stats=True`` its records: one kernel call, every block under its agreed key."""
+        n, device = self.comm.world_size, st.device
+        grid = self.plan(index, list(st.chunks) * n, device).grid(self.settings.block_size)
+        n_blocks = grid.layout.n_segments
+        st.shared = torch.zeros(n_blocks + 1, dtype=torch.uint8, device=device)
+        st.local = torch.empty(n_blocks, dtype=torch.float32, device=device)
+        keys = (
+            grid.layout.offsets.numpy(),
+            blocks.fmt_of,
+            blocks.formats,
+            EXPONENT_LIMIT,
+            n,
+            st.local,
+            st.shared[:-1],
+        )
+        pick = blocks.picks(self.comm.rank)
+        factors_of = (
+            st.shared[:-1],
+            blocks.param_of,
+            st.shared[-1:],
+            pick,
+            blocks.scale.numpy(),
+            blocks.decode.numpy(),
+            st.maxima.numpy(),
+            np.empty(len(st.chunks), np.uint8),
+        )
+        st.keyed = (
+            functools.partial(_unit_kernel_after, "unit_keys", keys),
+            functools.partial(_host_kernel, "unit_block_factors", *factors_of),
+        )
+        if self.settings.stats:
+            p = len(st.chunks)
+            st.record = functools.partial(
+                _mixed_block_records,
+                st.codec,
+                grid,
+                (st.shared[:-1], st.local),
+                n,
+                record_limits([run.fmt for run in runs.runs for _ in run.index]),
+                p,
+            )
 
     def _bind_mixed_records(
         self,
@@ -3238,7 +3432,7 @@ class Reducer:
         parameter under its own format's bounds and exponent (0 for FP32)."""
         names, numels = params
         formats = [run.fmt for run in runs.runs for _ in run.index]
-        st.record = functools.partial(
+        st.record = st.record or functools.partial(
             _mixed_records,
             st.codec,
             st.layout,
@@ -3267,17 +3461,20 @@ class Reducer:
         n, shared, k = comm.world_size, st.shared, st.shared.numel() - 1
         arena, coded, recv, landing = st.buffers
         gather, scatter, receive = st.spans
-        c.layer_maxima(x, st.layout, st.local)
-        torch.amax(st.local.view(n, k), 0, out=shared[:k])
-        # The flag rides on the maxima, so no rank needs a host read to learn it.
-        shared[k:].copy_(problem.reshape(1))
-        transports.all_reduce_max(shared, comm.group, self.traffic)
-        problem.copy_(shared[k])
-        # A flagged unit is NaN on every rank: its maxima all non-finite.
-        torch.where(shared[k] > 0, st.poison, shared[:k], out=st.maxima)
-        torch.index_select(st.maxima, 0, st.perm, out=st.agreed)
-        for spread in st.spreads:
-            spread.spread()
+        if st.keyed is not None:  # block scaling: every block's key, the flag beside them
+            st.keyed[0](x)
+            shared[k:].copy_(problem.reshape(1))
+            transports.all_reduce_max(shared, comm.group, self.traffic)
+            problem.copy_(shared[k])
+            st.keyed[1]()
+        else:
+            # The flag rides on the maxima, so no rank needs a host read to learn it.
+            _host_kernel("unit_maxima", x, st.offsets_of[0], n, st.local, shared, problem)
+            transports.all_reduce_max(shared, comm.group, self.traffic)
+            # A flagged unit is NaN on every rank: its maxima all non-finite.
+            _host_kernel("unit_agreed", shared, problem, st.offsets_of[1], st.maxima, st.agreed)
+            for spread in st.spreads:
+                spread.spread()
         c.copy_spans(rows, arena, gather)
         for made, encode, _ in st.calls:
             made()
@@ -3293,6 +3490,31 @@ class Reducer:
             decode()
         out = torch.empty(st.row_numel, dtype=torch.float32, device=rows.device)
         return c.sum_runs(st.values, out, st.sums, n, st.offsets, st.maxima)
+
+    def _run_fp32_unit(
+        self, index: int, st: SteadyFP32Unit, rows: torch.Tensor, problem: torch.Tensor
+    ) -> torch.Tensor:
+        """:meth:`unit` along its :class:`SteadyFP32Unit`: PyTorch's reduce-scatter of the
+        rows, summed in rank order, and the flag."""
+        comm, n = self.comm, self.comm.world_size
+        if st.shared is not None and st.layout is not None and st.record is not None:
+            p = st.shared.numel() - 1
+            st.sums.layer_maxima(rows.reshape(-1), st.layout, st.local)
+            torch.amax(st.local.view(n, p), 0, out=st.shared[:p])
+            st.shared[p:].copy_(problem.reshape(1))
+            transports.all_reduce_max(st.shared, comm.group, self.traffic)
+            problem.copy_(st.shared[p])
+            st.agreed.view(n, p).copy_(st.shared[:p].expand(n, p))
+            self.stats.add_rows(index, st.names, st.numels, FP32, st.record(rows.reshape(-1)))
+        else:  # the flag alone: one float, in place
+            transports.all_reduce_max(problem.view(1), comm.group, self.traffic)
+        transports.rows_exchange(
+            rows.view(torch.uint8), st.recv.view(torch.uint8), comm.group, self.traffic
+        )
+        out = torch.empty(st.recv.shape[1], dtype=torch.float32, device=rows.device)
+        st.sums.sum_rows(st.recv, out)
+        # A flagged unit is NaN on every rank.
+        return torch.where(problem > 0, st.nan, out, out=out)
 
     def _run_unit(
         self, index: int, st: SteadyUnit, rows: torch.Tensor, problem: torch.Tensor
@@ -3361,6 +3583,10 @@ class Reducer:
         stats, self.stats = self.stats, StepStats()
         self.step += 1
         return self.traffic.take(), stats
+
+
+# The format of the codec whose kernels sum an FP32 unit's rows (the sum is format-free).
+_SUM_FORMAT = "e4m3"
 
 
 def _host_kernel(name: str, *args: object) -> None:
@@ -3640,6 +3866,101 @@ def _mixed_layout(
         stride = lay.strides[k]
         lay.sums.append((lay.starts[k], run.lo, run.hi, first, last, int(run.fmt == FP32), stride))
     return lay
+
+
+def _mixed_spans(
+    runs: RowRuns, lay: _MixedLayout, n: int, staged_end: int, codes_end: int
+) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
+    """A :class:`SteadyMixedUnit`'s byte spans: the gather out of the rows into the arena
+    (the scaled runs' values, then the send buffer at ``staged_end``), the scatter of
+    the codes into the send buffer, and the gather out of the received rows into the
+    landing (codes, then every run's values at ``codes_end``)."""
+    row, row_bytes = runs.row_numel, runs.row_bytes
+    gather, scatter, receive = [], [], []
+    for k, run in enumerate(runs.runs):
+        w, wb, start, stride = run.hi - run.lo, run.b1 - run.b0, lay.starts[k], lay.strides[k]
+        for r in range(n):
+            src, wire = 4 * (r * row + run.lo), r * row_bytes + run.b0
+            if run.fmt == FP32:  # sent exactly: its float32 bytes are its codes
+                gather.append((src, staged_end + wire, 4 * w))
+                receive.append((wire, codes_end + 4 * (start + r * w), 4 * w))
+            else:  # a padded row's zero is never written: the arena starts zeroed
+                gather.append((src, 4 * (start + r * stride), 4 * w))
+                scatter.append((lay.code_starts[k] + r * wb, staged_end + wire, wb))
+                receive.append((wire, lay.code_starts[k] + r * wb, wb))
+    g, s, r = (np.array(sp, np.int64).reshape(-1, 3) for sp in (gather, scatter, receive))
+    return g, s, r
+
+
+class _MixedBlocks:
+    """Block scaling in a unit of several formats (:meth:`Reducer._settle_mixed_unit`):
+    where each scaled format's encoded blocks (its runs, row by row, each chunk's
+    blocks) are among the N rows' blocks (the unit's grid, row by row), and their
+    factors' scratch.
+
+    Attributes:
+        formats: the scaled formats.
+        fmt_of: int8 per block of the grid: its format's index, -1 for FP32.
+        param_of: int64 per block of the grid: its parameter.
+        bounds: per scaled format, its first encoded block; then their count.
+        scale: float32, every scaled format's blocks' encode factors, format by format.
+        decode: float32, the same blocks' decode factors.
+    """
+
+    def __init__(
+        self, lay: _MixedLayout, chunks: Sequence[int], scaled: list[FloatFormat], n: int, size: int
+    ) -> None:
+        p = len(chunks)
+        counts = np.array([-(-c // size) for c in chunks] * n, np.int64)
+        self._first = np.concatenate([[0], np.cumsum(counts)]).astype(np.int64)
+        self._counts, self._lay, self._p = counts, lay, p
+        fmt_index = np.full(p, -1, np.int8)
+        for f, (s0, s1) in enumerate(lay.segments):
+            fmt_index[lay.perm[s0:s1]] = f
+        self.formats = scaled
+        self.fmt_of = np.repeat(np.tile(fmt_index, n), counts)
+        self.param_of = np.repeat(np.tile(np.arange(p, dtype=np.int64), n), counts)
+        sizes = [int(counts[np.array(lay.perm[s0:s1], np.int64)].sum()) for s0, s1 in lay.segments]
+        self.bounds = [0, *np.cumsum(sizes).tolist()]
+        self.scale = torch.empty(self.bounds[-1], dtype=torch.float32)
+        self.decode = torch.empty(self.bounds[-1], dtype=torch.float32)
+
+    def picks(self, rank: int) -> tuple[np.ndarray, np.ndarray]:
+        """Per encoded block, its block in the grid, and that of this rank's row."""
+        pos, src = [], []
+        first, counts, p = self._first, self._counts, self._p
+        for row, param in zip(self._lay.rows, self._lay.perm, strict=True):
+            at, mine = row * p + param, rank * p + param
+            pos.append(np.arange(first[at], first[at] + counts[at]))
+            src.append(np.arange(first[mine], first[mine] + counts[mine]))
+        empty = np.zeros(0, np.int64)
+        return (
+            np.concatenate(pos).astype(np.int64) if pos else empty,
+            np.concatenate(src).astype(np.int64) if src else empty,
+        )
+
+
+def _mixed_block_records(
+    c: codec.Codec,
+    grid: Blocks,
+    keyed: tuple[torch.Tensor, torch.Tensor],
+    n: int,
+    limits: tuple[np.ndarray, np.ndarray],
+    p: int,
+    x: torch.Tensor,
+) -> torch.Tensor:
+    """A settled unit of several formats' records with block scaling: float64 (P, 5) from
+    its N rows ``x``, every block under its agreed key and this rank's block maximum
+    (``keyed``), each parameter under its own format's bounds, in one kernel call."""
+    out = torch.empty(p, 5, dtype=torch.float64, device=x.device)
+    keys, maxima = keyed
+    c.unit_records(x, grid.layout, grid.counts[:p].numpy(), keys, maxima, n, out, limits)
+    return out
+
+
+def _unit_kernel_after(name: str, args: tuple, x: torch.Tensor) -> None:
+    """:func:`_host_kernel` with the step's rows ``x`` first."""
+    _host_kernel(name, x, *args)
 
 
 def _padded_rows(runs: RowRuns, n: int) -> RowRuns:
