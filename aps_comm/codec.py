@@ -1124,7 +1124,8 @@ class Codec:
         else:
             if kernels:
                 return functools.partial(
-                    cpu_kernels.block_factors_into,
+                    cpu_kernels.call,
+                    "block_factors_into",
                     agreed,
                     counts.cpu().numpy(),
                     scale.numpy(),

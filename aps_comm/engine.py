@@ -1602,7 +1602,7 @@ class Reducer:
             )
         maxima = st.maxima[:0] if st.blocks else st.maxima[:n]
         st.gather = functools.partial(
-            _host_kernel,
+            cpu_kernels.call,
             "gather_add",
             x.numpy(),
             np.asarray(spans, np.int64).reshape(-1, 5),
@@ -3406,7 +3406,7 @@ class Reducer:
         )
         st.keyed = (
             functools.partial(_unit_kernel_after, "unit_keys", keys),
-            functools.partial(_host_kernel, "unit_block_factors", *factors_of),
+            functools.partial(cpu_kernels.call, "unit_block_factors", *factors_of),
         )
         if self.settings.stats:
             p = len(st.chunks)
@@ -3469,10 +3469,10 @@ class Reducer:
             st.keyed[1]()
         else:
             # The flag rides on the maxima, so no rank needs a host read to learn it.
-            _host_kernel("unit_maxima", x, st.offsets_of[0], n, st.local, shared, problem)
+            cpu_kernels.call("unit_maxima", x, st.offsets_of[0], n, st.local, shared, problem)
             transports.all_reduce_max(shared, comm.group, self.traffic)
             # A flagged unit is NaN on every rank: its maxima all non-finite.
-            _host_kernel("unit_agreed", shared, problem, st.offsets_of[1], st.maxima, st.agreed)
+            cpu_kernels.call("unit_agreed", shared, problem, st.offsets_of[1], st.maxima, st.agreed)
             for spread in st.spreads:
                 spread.spread()
         c.copy_spans(rows, arena, gather)
@@ -3587,11 +3587,6 @@ class Reducer:
 
 # The format of the codec whose kernels sum an FP32 unit's rows (the sum is format-free).
 _SUM_FORMAT = "e4m3"
-
-
-def _host_kernel(name: str, *args: object) -> None:
-    """The CPU kernel ``name``, looked up per call (tools count the calls by name)."""
-    getattr(cpu_kernels, name)(*args)
 
 
 def _feedback_encode(
@@ -3959,8 +3954,8 @@ def _mixed_block_records(
 
 
 def _unit_kernel_after(name: str, args: tuple, x: torch.Tensor) -> None:
-    """:func:`_host_kernel` with the step's rows ``x`` first."""
-    _host_kernel(name, x, *args)
+    """:func:`cpu_kernels.call` with the step's rows ``x`` first."""
+    cpu_kernels.call(name, x, *args)
 
 
 def _padded_rows(runs: RowRuns, n: int) -> RowRuns:
