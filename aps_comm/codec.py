@@ -69,7 +69,7 @@ from aps_comm.formats import (
     pow2,
     uncast_into,
 )
-from aps_comm.layout import AMAX_BLOCK, Blocks, Layout
+from aps_comm.layout import AMAX_BLOCK, BlockGrid, Blocks, Layout
 from aps_comm.scaling import (
     EXPONENT_LIMIT,
     blocks_amax,
@@ -259,9 +259,16 @@ def _piece(offsets: np.ndarray, firsts: np.ndarray, j: int) -> slice:
     return slice(int(offsets[firsts[j]]), int(offsets[firsts[j + 1]]))
 
 
-def _longest(offsets: np.ndarray) -> int:
+def _longest(offsets: np.ndarray | BlockGrid) -> int:
     """The longest block's elements (0 for none)."""
+    offsets = _grid_array(offsets)
     return int(np.diff(offsets).max()) if offsets.size > 1 else 0
+
+
+def _grid_array(offsets: np.ndarray | BlockGrid) -> np.ndarray:
+    """Block offsets as an array: a CPU plan's grid derived (at bind time, for what
+    reads offsets on the host or copies them to a device: the Triton binders)."""
+    return offsets if isinstance(offsets, np.ndarray) else offsets.offsets()
 
 
 def _mean_keys(
@@ -648,7 +655,8 @@ class RankBlockChunk:
     buffers, made once by the binder (:func:`aps_comm.transports.bind_rank_blocks`).
 
     Attributes:
-        offsets: the group's block boundaries (elements; int32 or int64).
+        offsets: the group's block boundaries (elements; int32 or int64), or on
+            the CPU its grid (the kernels derive them: nothing kept per block).
         firsts: the chunk's N shards' first blocks, and the end (int64).
         layer_ends: the cumulative blocks per layer (walked: no index per block).
         shard: this rank's shard's block boundaries, from 0 (as ``offsets``).
@@ -660,10 +668,10 @@ class RankBlockChunk:
         at: where the layer flags and the chunk's log2 lie in a piece; -1 for none.
     """
 
-    offsets: np.ndarray
+    offsets: np.ndarray | BlockGrid
     firsts: np.ndarray
     layer_ends: np.ndarray
-    shard: np.ndarray
+    shard: np.ndarray | BlockGrid
     send: torch.Tensor
     recv: torch.Tensor
     out: torch.Tensor
@@ -1451,13 +1459,15 @@ class Codec:
         """
         if self.backend not in ("kernels", "triton") or x.dtype != torch.float32:
             return None
-        offsets = layout.offsets.numpy()
         if self.backend == "kernels":
+            # A CPU grid's blocks go as the grid: the kernel derives their offsets.
+            grid = layout.cells if layout.cells is not None else layout.offsets.numpy()
             return functools.partial(
                 _kernel,
                 "block_keys",
-                *(self.fmt, x, offsets, counts, maxima, keys, flags, EXPONENT_LIMIT, world_size),
+                *(self.fmt, x, grid, counts, maxima, keys, flags, EXPONENT_LIMIT, world_size),
             )
+        offsets = layout.offsets.numpy()
         if self.fmt.max * world_size > torch.finfo(torch.float32).max:
             return None
         host_counts = counts.cpu().numpy()  # the plan's host copy: no device read
@@ -1624,7 +1634,7 @@ class Codec:
         one bound kernel call on either backend."""
         if self.backend == "triton":
             return _triton().bind_send_rank_blocks(
-                self.fmt, x, keys, offsets, firsts, flags, send, shard_bytes, at
+                self.fmt, x, keys, _grid_array(offsets), firsts, flags, send, shard_bytes, at
             )
         n, table = firsts.size - 1, _key_table(unscale=False)
         return functools.partial(
@@ -1656,13 +1666,14 @@ class Codec:
         their piece (:func:`aps_comm.cpu_kernels.owner_rank_blocks`). One bound call."""
         longest = _longest(c.shard)
         if self.backend == "triton":
-            d = torch.empty(max(c.shard.size - 1, 1), dtype=torch.int32, device=c.out.device)
+            shard = _grid_array(c.shard)
+            d = torch.empty(max(shard.size - 1, 1), dtype=torch.int32, device=c.out.device)
             mine, row = own if own is not None else (None, -1)
             return _triton().bind_owner_rank_blocks(
                 self.fmt,
                 c.recv,
                 n,
-                c.shard,
+                shard,
                 c.out,
                 union,
                 d,
@@ -1684,7 +1695,7 @@ class Codec:
             c.shard_bytes,
             at,
             union.numpy(),
-            np.empty(c.shard.size - 1, np.int32),
+            None,  # the mean's exponents: scratch of the call's own, nothing kept per block
             longest,
             None if own is None else (own[0].numpy(), own[1]),
         )
@@ -1696,9 +1707,9 @@ class Codec:
         layers ``union`` flags made NaN): one bound call."""
         n = c.firsts.size - 1
         if self.backend == "triton":
-            layer_of = _layer_of(c.layer_ends)
+            layer_of, offsets = _layer_of(c.layer_ends), _grid_array(c.offsets)
             return _triton().bind_decode_rank_blocks(
-                self.fmt, c.gathered, n, c.offsets, c.firsts, layer_of, union, x, c.shard_bytes
+                self.fmt, c.gathered, n, offsets, c.firsts, layer_of, union, x, c.shard_bytes
             )
         return functools.partial(
             _kernel,

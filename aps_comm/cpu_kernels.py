@@ -44,6 +44,7 @@ import torch
 
 from aps_comm.config import BLOCK_SIZES
 from aps_comm.formats import FloatFormat, special_codes
+from aps_comm.layout import BlockGrid
 
 try:
     import numba
@@ -1262,6 +1263,35 @@ if AVAILABLE:
             s = t
 
 
+if AVAILABLE:
+
+    @_njit
+    def _fill_grid(layers, block_size, lo, hi, first, out):
+        # Blocks [first, first + n) of the layers' grid: block k of a layer from o
+        # starts at o + k * block_size; from lo, clipped to [0, hi - lo].
+        n = len(out) - 1
+        out[n] = hi - lo if n else 0
+        end, e0 = first + n, 0
+        for layer in range(len(layers) - 1):
+            if e0 >= end:
+                break
+            c = (layers[layer + 1] - layers[layer] + block_size - 1) // block_size
+            for b in range(max(first, e0), min(end, e0 + c)):
+                start = layers[layer] + (b - e0) * block_size - lo
+                out[b - first] = min(max(start, 0), hi - lo)
+            e0 += c
+
+
+def _block_offsets(offsets: np.ndarray | BlockGrid) -> np.ndarray:
+    """A block kernel's offsets: an array as it is, or a grid's derived for this call
+    (a plan keeps its blocks per layer, :class:`aps_comm.layout.BlockGrid`)."""
+    if isinstance(offsets, np.ndarray):
+        return offsets
+    out = np.empty(offsets.n_blocks + 1, offsets.np_dtype)
+    _fill_grid(offsets.layers, offsets.block_size, offsets.lo, offsets.hi, offsets.first, out)
+    return out
+
+
 def _mine(own: np.ndarray | None, own_row: int) -> tuple[np.ndarray, int]:
     """The owner kernels' ``mine``: ``(own, own_row)``, or no row where ``own`` is None."""
     return (_NO_OWN, -1) if own is None else (own, own_row)
@@ -1449,7 +1479,7 @@ def send_rank_blocks(
     x: np.ndarray,
     keys: np.ndarray,
     table: np.ndarray,
-    offsets: np.ndarray,
+    offsets: np.ndarray | BlockGrid,
     firsts: np.ndarray,
     send: np.ndarray,
     piece: int,
@@ -1466,6 +1496,7 @@ def send_rank_blocks(
     (the first chunk) the layers' non-finite ``flags`` then ``log2`` (this
     rank's preferred chunk; none where negative) at ``at``. 4-, 8- and 16-bit formats.
     """
+    offsets = _block_offsets(offsets)
     _send_rank_blocks(
         x,
         keys,
@@ -1486,13 +1517,13 @@ def owner_rank_blocks(
     fmt: FloatFormat,
     limit: int,
     recv: np.ndarray,
-    offsets: np.ndarray,
+    offsets: np.ndarray | BlockGrid,
     table: np.ndarray,
     out: np.ndarray,
     shard_bytes: int,
     at: int,
     union: np.ndarray,
-    d: np.ndarray,
+    d: np.ndarray | None,
     longest: int,
     own: tuple[np.ndarray, int] | None = None,
 ) -> int:
@@ -1507,7 +1538,11 @@ def owner_rank_blocks(
     Where ``at >= 0`` every rank's layer flags are OR-ed into ``union``.
     Where ``own`` is given (float32 values, a row), those values (this rank's
     own values of the shard) are added in that row's place, not rounded.
+    ``d``: int32 scratch of a block each, or None for one made per call.
     """
+    offsets = _block_offsets(offsets)
+    if d is None:
+        d = np.empty(max(offsets.size - 1, 0), np.int32)
     q, m = decoder_params(fmt)
     return _owner_rank_blocks(
         recv.reshape(-1),
@@ -1529,7 +1564,7 @@ def decode_rank_blocks(
     fmt: FloatFormat,
     gathered: np.ndarray,
     n_ranks: int,
-    offsets: np.ndarray,
+    offsets: np.ndarray | BlockGrid,
     firsts: np.ndarray,
     table: np.ndarray,
     layer_ends: np.ndarray,
@@ -1545,6 +1580,7 @@ def decode_rank_blocks(
     blocks per layer) finds each block's layer as the blocks are walked, so
     no per-block index of layers is kept.
     """
+    offsets = _block_offsets(offsets)
     q, m = decoder_params(fmt)
     _decode_rank_blocks(
         gathered,
@@ -1814,7 +1850,7 @@ if AVAILABLE:
 def block_keys(
     fmt: FloatFormat,
     x: torch.Tensor,
-    offsets: np.ndarray,
+    offsets: np.ndarray | BlockGrid,
     counts: torch.Tensor,
     maxima: torch.Tensor,
     keys: torch.Tensor,
@@ -1835,6 +1871,7 @@ def block_keys(
         >>> k.tolist(), f.tolist()
         ([120, 255], [1])
     """
+    offsets = _block_offsets(offsets)
     bound = world_size if fmt.max * world_size > float(np.finfo(np.float32).max) else 0
     _block_keys(
         _np(x).view(np.uint32),
@@ -2781,7 +2818,7 @@ def send_agreed_blocks(
     x: np.ndarray,
     keys: np.ndarray,
     table: np.ndarray,
-    offsets: np.ndarray,
+    offsets: np.ndarray | BlockGrid,
     firsts: np.ndarray,
     send: np.ndarray,
     piece: int,
@@ -2802,6 +2839,7 @@ def send_agreed_blocks(
         >>> send
         array([56,  0, 64,  0], dtype=uint8)
     """
+    offsets = _block_offsets(offsets)
     _send_shards(
         x, keys, table, offsets, firsts, send, piece, encoder_params(fmt), fmt.wire_bits, _NO_RUNS
     )
@@ -2812,7 +2850,7 @@ def owner_agreed_blocks(
     limit: int,
     recv: np.ndarray,
     n_ranks: int,
-    offsets: np.ndarray,
+    offsets: np.ndarray | BlockGrid,
     keys: np.ndarray,
     first: int,
     out: np.ndarray,
@@ -2836,6 +2874,7 @@ def owner_agreed_blocks(
     written into the second, 1 where any of its agreed keys is non-finite (255).
     ``longest``: the longest block's elements.
     """
+    offsets = _block_offsets(offsets)
     q, m = decoder_params(fmt)
     _owner_agreed_blocks(
         recv,
@@ -2857,7 +2896,7 @@ def decode_agreed_blocks(
     fmt: FloatFormat,
     gathered: np.ndarray,
     n_ranks: int,
-    offsets: np.ndarray,
+    offsets: np.ndarray | BlockGrid,
     firsts: np.ndarray,
     keys: np.ndarray,
     layer_of: np.ndarray,
@@ -2870,6 +2909,7 @@ def decode_agreed_blocks(
     its owner sent after the shard's codes (row s of ``gathered``, N equal rows, at
     ``shard_bytes``); a block whose layer (``layer_of``) is flagged in ``union``
     decodes to NaN."""
+    offsets = _block_offsets(offsets)
     q, m = decoder_params(fmt)
     _decode_agreed_blocks(
         gathered,

@@ -25,7 +25,7 @@ from aps_comm.config import check_block_size
 from aps_comm.formats import FloatFormat, get_format, payload_nbytes
 from aps_comm.hostcopy import to_device
 
-__all__ = ["AMAX_BLOCK", "Blocks", "Layout", "index_dtype"]
+__all__ = ["AMAX_BLOCK", "BlockGrid", "Blocks", "Layout", "index_dtype"]
 
 AMAX_BLOCK = 4096
 """Elements per block of :func:`segment_amax` off the CPU: every segment is cut
@@ -43,6 +43,96 @@ def index_dtype(bound: int) -> torch.dtype:
 
 
 @dataclasses.dataclass(frozen=True)
+class BlockGrid:
+    """The blocks of a :meth:`Layout.grid` (or of a window of one), kept per layer.
+
+    A bucket of n elements in blocks of B has n / B blocks: an offset per block,
+    kept by every bucket's plan, grows with the model (4 bytes per 32 elements
+    per copy). This keeps the layers' offsets and the block size instead; the
+    blocks' offsets are derived when asked (:meth:`offsets`; the CPU kernels
+    derive them themselves, :func:`aps_comm.cpu_kernels.grid_offsets`): a
+    layer of m elements from ``o`` has ceil(m / B) blocks, block k from
+    ``o + k * B``.
+
+    Attributes:
+        layers: the whole buffer's L + 1 layer offsets (int64 numpy).
+        block_size: B.
+        lo: the window's first element in the buffer (0 for a whole grid).
+        hi: the window's end (the buffer's elements for a whole grid).
+        first: the window's first block in the whole grid.
+        n_blocks: the blocks that overlap ``[lo, hi)`` (clipped to it).
+        dtype: the offsets' dtype (:func:`index_dtype` of the buffer's elements).
+
+    Example:
+        >>> g = BlockGrid.of(np.array([0, 20, 20, 28]), 8)
+        >>> g.offsets(), g.window(12, 24).offsets()
+        (array([ 0,  8, 16, 20, 28], dtype=int32), array([ 0,  4,  8, 12], dtype=int32))
+    """
+
+    layers: np.ndarray
+    block_size: int
+    lo: int
+    hi: int
+    first: int
+    n_blocks: int
+    dtype: torch.dtype
+
+    @classmethod
+    def of(cls, layers: np.ndarray, block_size: int) -> BlockGrid:
+        """Every layer of ``layers`` (L + 1 offsets) cut into blocks of ``block_size``."""
+        layers = np.ascontiguousarray(layers, dtype=np.int64)
+        numel = int(layers[-1])
+        counts = (np.diff(layers) + block_size - 1) // block_size
+        return cls(layers, block_size, 0, numel, 0, int(counts.sum()), index_dtype(numel))
+
+    @property
+    def np_dtype(self) -> np.dtype:
+        """:attr:`dtype` as numpy's."""
+        return np.dtype(np.int32 if self.dtype == torch.int32 else np.int64)
+
+    def _starts(self, l0: int, l1: int) -> np.ndarray:
+        """The starts of layers ``[l0, l1)``'s blocks, in order (int64)."""
+        sizes = np.diff(self.layers[l0 : l1 + 1])
+        counts = (sizes + self.block_size - 1) // self.block_size
+        first = np.cumsum(counts) - counts
+        index = np.arange(int(counts.sum()), dtype=np.int64) - np.repeat(first, counts)
+        return np.repeat(self.layers[l0:l1], counts) + index * self.block_size
+
+    def window(self, lo: int, hi: int) -> BlockGrid:
+        """The blocks that overlap ``[lo, hi)`` of a whole grid (0 <= lo, hi <= its end),
+        offsets clipped to it and from ``lo``: :meth:`Layout.window`'s rule."""
+        if self.lo or self.hi != int(self.layers[-1]) or lo < 0:
+            raise ValueError(f"window [{lo}, {hi}) of a whole grid of {self.hi} elements")
+        lo, hi = min(lo, self.hi), min(hi, self.hi)
+        if hi <= lo:
+            return dataclasses.replace(self, lo=lo, hi=lo, first=0, n_blocks=0)
+        starts = self._starts(0, self.layers.size - 1)
+        ends = np.append(starts[1:], self.layers[-1])
+        b0 = int(np.searchsorted(ends, lo, side="right"))
+        b1 = int(np.searchsorted(starts, hi, side="left"))
+        b0 = min(b0, b1)
+        return dataclasses.replace(self, lo=lo, hi=hi, first=b0, n_blocks=b1 - b0)
+
+    def offsets(self) -> np.ndarray:
+        """The blocks' N + 1 offsets, from ``lo`` and clipped to ``[0, hi - lo]``, in
+        :attr:`dtype`: what a grid kept before (a new array per call)."""
+        out = np.zeros(self.n_blocks + 1, self.np_dtype)
+        if self.n_blocks == 0:
+            return out
+        layers, b0, b1 = self.layers, self.first, self.first + self.n_blocks
+        counts = (np.diff(layers) + self.block_size - 1) // self.block_size
+        ends = np.cumsum(counts)  # each layer's end in the blocks
+        # Only the layers that hold blocks [b0, b1): their blocks, then the window's.
+        l0 = int(np.searchsorted(ends, b0, side="right"))
+        l1 = int(np.searchsorted(ends - counts, b1, side="left"))
+        starts = self._starts(l0, l1)
+        skip = b0 - int(ends[l0] - counts[l0])
+        out[:-1] = np.clip(starts[skip : skip + self.n_blocks] - self.lo, 0, self.hi - self.lo)
+        out[-1] = self.hi - self.lo
+        return out
+
+
+@dataclasses.dataclass(frozen=True)
 class Layout:
     """Segments (one per layer) of a flat buffer: where each starts and how long it is.
 
@@ -50,15 +140,18 @@ class Layout:
     (:meth:`window`); nothing in it changes from step to step.
 
     Attributes:
-        offsets: CPU tensor of L + 1 offsets, from 0 to ``numel``: int64, or
-            for a :meth:`grid`'s blocks the narrowest dtype that holds them
-            (:func:`index_dtype`: int32 below 2**31 elements): a block plan
-            keeps one index per block, 4 bytes per 32 elements.
+        stored_offsets: CPU tensor of L + 1 offsets, from 0 to ``numel``: int64,
+            or off the CPU for a :meth:`grid`'s blocks the narrowest dtype that
+            holds them (:func:`index_dtype`: int32 below 2**31 elements); None
+            for a CPU grid's blocks, whose offsets are derived from
+            :attr:`cells` when asked (:attr:`offsets`): a block plan keeps
+            nothing per block, only its layers' offsets.
         device_lengths: the L segment lengths on the data's device (int64),
             or None on the CPU for a :meth:`grid`'s blocks: :attr:`lengths`
             derives them from the offsets when asked (the CPU kernels read
             the offsets only), so a block plan keeps no second index.
-        sizes: the same lengths as Python ints (for splitting on the host).
+        stored_sizes: the same lengths as Python ints (for splitting on the
+            host; :attr:`sizes`), None where :attr:`cells` derives them.
         numel: elements covered.
         first: a window's first segment in the layout it was cut from (0 for
             a whole layout); its scales are ``scale[first : first + n_segments]``
@@ -69,15 +162,39 @@ class Layout:
             (or of a window of one): at most this many elements, most of them
             exactly. The CPU kernels then walk runs of whole blocks
             (:attr:`block_runs`) without reading each block's offsets.
+        cells: a CPU grid's blocks as its layers and block size (the blocks'
+            offsets derived from them); None for every other layout.
     """
 
-    offsets: torch.Tensor
+    stored_offsets: torch.Tensor | None
     device_lengths: torch.Tensor | None
-    sizes: tuple[int, ...]
+    stored_sizes: tuple[int, ...] | None
     numel: int
     first: int = 0
     parent: int | None = None
     block_size: int | None = None
+    cells: BlockGrid | None = None
+
+    @property
+    def offsets(self) -> torch.Tensor:
+        """The L + 1 segment offsets (CPU; a CPU grid's are derived anew per call).
+
+        Example:
+            >>> Layout.from_numels([20], torch.device("cpu")).grid(8).layout.offsets
+            tensor([ 0,  8, 16, 20], dtype=torch.int32)
+        """
+        if self.stored_offsets is not None:
+            return self.stored_offsets
+        assert self.cells is not None
+        return torch.from_numpy(self.cells.offsets())
+
+    @property
+    def sizes(self) -> tuple[int, ...]:
+        """The L segment lengths as Python ints (a CPU grid's derived per call)."""
+        if self.stored_sizes is not None:
+            return self.stored_sizes
+        assert self.cells is not None
+        return tuple(np.diff(self.cells.offsets()).tolist())
 
     @classmethod
     def from_numels(cls, numels: Sequence[int], device: torch.device) -> Layout:
@@ -124,6 +241,17 @@ class Layout:
             layout.device_offsets  # noqa: B018 - the Triton codec's, copied at plan time
         return layout
 
+    @classmethod
+    def _cut(
+        cls, cells: BlockGrid, device: torch.device, first: int = 0, parent: int | None = None
+    ) -> Layout:
+        """The layout of ``cells``' blocks: on the CPU kept as ``cells`` (nothing per
+        block), elsewhere as :meth:`_make` keeps offsets (the Triton kernels read them)."""
+        if device.type != "cpu":
+            offsets = torch.from_numpy(cells.offsets())
+            return cls._make(offsets, device, first, parent, cells.block_size)
+        return cls(None, None, None, cells.hi - cells.lo, first, parent, cells.block_size, cells)
+
     def window(self, lo: int, hi: int) -> Layout:
         """The layout seen by the slice ``[lo, hi)``: the segments that overlap it, clipped.
 
@@ -138,8 +266,11 @@ class Layout:
         """
         if self.parent is not None or not 0 <= lo <= hi:
             raise ValueError(f"window [{lo}, {hi}) of a whole layout: 0 <= lo <= hi")
-        sizes = self.sizes
-        whole = lo == 0 and hi >= self.numel and sizes and sizes[0] and sizes[-1]
+        if self.cells is not None:  # a grid's blocks are never empty
+            whole = lo == 0 and hi >= self.numel and self.cells.n_blocks > 0
+        else:
+            sizes = self.sizes
+            whole = lo == 0 and hi >= self.numel and sizes and sizes[0] and sizes[-1]
         if whole and self.device.type == "cpu":
             # Every segment, unclipped: the layout's own offsets and lengths, not a copy.
             return dataclasses.replace(self, first=0, parent=self.n_segments)
@@ -149,17 +280,24 @@ class Layout:
         b0 = int(torch.searchsorted(ends, lo, right=True)) if hi > lo else 0
         b1 = int(torch.searchsorted(self.offsets[:-1], hi)) if hi > lo else 0
         b0 = min(b0, b1)
+        if self.cells is not None:
+            cells = dataclasses.replace(self.cells, lo=lo, hi=hi, first=b0, n_blocks=b1 - b0)
+            return self._cut(cells, self.device, b0, self.n_segments)
         cut = (self.offsets[b0 : b1 + 1] - lo).clamp_(0, hi - lo)
         return self._make(cut, self.device, b0, self.n_segments, self.block_size)
 
     @property
     def n_segments(self) -> int:
+        if self.cells is not None:
+            return self.cells.n_blocks
         return self.offsets.numel() - 1
 
     @property
     def device(self) -> torch.device:
         """The data's device (where :attr:`lengths` lie)."""
-        return self.offsets.device if self.device_lengths is None else self.device_lengths.device
+        if self.device_lengths is not None:
+            return self.device_lengths.device
+        return torch.device("cpu") if self.cells is not None else self.offsets.device
 
     @property
     def lengths(self) -> torch.Tensor:
@@ -188,16 +326,9 @@ class Layout:
             (tensor([ 0,  8, 16, 20, 28], dtype=torch.int32), tensor([3, 0, 1]))
         """
         block_size = check_block_size(block_size)
-        sizes = self.offsets.diff()
-        counts = (sizes + block_size - 1) // block_size
-        segment = torch.repeat_interleave(torch.arange(sizes.numel()), counts)
-        first = torch.cumsum(counts, 0) - counts  # each segment's first block
-        index = torch.arange(segment.numel()) - first[segment]
-        starts = self.offsets[segment] + index * block_size
-        offsets = torch.cat([starts, torch.tensor([self.numel], dtype=torch.int64)])
+        counts = (self.offsets.diff() + block_size - 1) // block_size
         device = self.device
-        offsets = offsets.to(index_dtype(self.numel))
-        layout = Layout._make(offsets, device, block_size=block_size)
+        layout = Layout._cut(BlockGrid.of(self.offsets.numpy(), block_size), device)
         return Blocks(layout, block_size, counts, to_device(counts, device))
 
     @functools.cached_property
@@ -319,13 +450,18 @@ class Blocks:
         offsets = self.layout.offsets
         b0 = int(torch.searchsorted(offsets[1:], lo, right=True))  # first block ending after lo
         b1 = max(b0, int(torch.searchsorted(offsets[:-1], hi))) if hi > lo else b0
-        cut = (offsets[b0 : b1 + 1] - lo).clamp_(0, hi - lo) if b1 > b0 else offsets[:1] * 0
+        device = self.layout.device
+        if self.layout.cells is not None:
+            cells = dataclasses.replace(self.layout.cells, lo=lo, hi=hi, first=b0, n_blocks=b1 - b0)
+            layout = Layout._cut(cells, device)
+        else:
+            cut = (offsets[b0 : b1 + 1] - lo).clamp_(0, hi - lo) if b1 > b0 else offsets[:1] * 0
+            layout = Layout._make(cut, device, block_size=self.block_size)
         # Each layer's blocks inside [b0, b1): its block range cut by the window's.
         end = torch.cumsum(self.counts, 0)
         counts = (end.clamp(max=b1) - (end - self.counts).clamp(min=b0)).clamp_(min=0)
-        device = self.layout.device
         return Blocks(
-            Layout._make(cut, device, block_size=self.block_size),
+            layout,
             self.block_size,
             counts,
             to_device(counts, device),

@@ -351,6 +351,8 @@ def _own_layout(window: Layout) -> Layout:
     builds it): on the CPU the window's offsets and lengths themselves, not a copy."""
     if window.device.type != "cpu":
         return Layout.from_numels(window.sizes, window.device)
+    if window.cells is not None:  # a grid's: kept per layer, as the window is
+        return dataclasses.replace(window, first=0, parent=None)
     return Layout(
         window.offsets,
         window.device_lengths,

@@ -47,7 +47,7 @@ from aps_comm.codec import (
     RankBlockChunk,
 )
 from aps_comm.formats import payload_nbytes, pow2
-from aps_comm.layout import Layout
+from aps_comm.layout import BlockGrid, Layout
 from aps_comm.plan import GroupPlan, NodeBlocks, RowRuns
 from aps_comm.scaling import (
     bad_layers,
@@ -845,9 +845,11 @@ def bind_rank_blocks(
     """
     sh = g.block_shards
     assert sh is not None and sh.rank_exponents and g.blocks is not None
-    offsets = g.layout.offsets.numpy()
+    # A CPU plan's blocks go as their grid (per layer: the kernels derive the offsets).
+    offsets = _grid_of(g.layout)
+    dtype = offsets.dtype if isinstance(offsets, np.ndarray) else offsets.np_dtype
     # Each layer's end in the blocks (per layer, not per block), in the offsets' dtype.
-    layer_ends = np.cumsum(g.blocks.counts.numpy()).astype(offsets.dtype)
+    layer_ends = np.cumsum(g.blocks.counts.numpy()).astype(dtype)
     calls = []
     for c in range(len(g.chunks)):
         firsts = _block_firsts(g.layout, sh.bounds[c])
@@ -856,7 +858,7 @@ def bind_rank_blocks(
             offsets=offsets,
             firsts=firsts,
             layer_ends=layer_ends,
-            shard=sh.layouts[c][rank].offsets.numpy(),
+            shard=_grid_of(sh.layouts[c][rank]),
             send=g.send[r0:r1],
             recv=g.recv[r0:r1],
             out=g.shards[s0:s1],
@@ -1495,6 +1497,12 @@ def _staged(
             if 0 <= c < k and not (defer and s == last and c == k - 1):
                 stages[s](c)
     return functools.partial(stages[last], k - 1) if defer else None
+
+
+def _grid_of(layout: Layout) -> np.ndarray | BlockGrid:
+    """What a fused block kernel takes of ``layout``'s blocks: a CPU grid as the grid
+    (per layer), else its offsets."""
+    return layout.cells if layout.cells is not None else layout.offsets.numpy()
 
 
 def _block_firsts(layout: Layout, bounds: Sequence[int]) -> np.ndarray:
