@@ -1006,6 +1006,11 @@ class Reducer:
         self.workspaces: dict[str, Workspace] = {}
         # Per FSDP unit index: its bound reduce-scatter once settled (:class:`SteadyUnit`).
         self.steady_units: dict[int, SteadyUnit | SteadyMixedUnit] = {}
+        # Per bucket index: what it was when it last failed to bind (:meth:`_bind_first`).
+        self._unbound: dict[int, tuple] = {}
+        # False: every DDP bucket takes the general per-step path, never bound (the
+        # reference the bound path is tested against, where a configuration has both).
+        self.settles = True
         # The current step's number (Schedule's): the last one :meth:`bucket` was
         # given, advanced by :meth:`end_step`, so settled buckets know it too.
         self.step = 0
@@ -1100,6 +1105,11 @@ class Reducer:
         comm, settings, assignment = self.comm, self.settings, self.assignment
         self.step = step
         plan = self.plan(index, numels, x.device)
+        if shared_maxima is None and self.settles:
+            # Bound, then run: the first step of a bucket takes its settled path too.
+            st = self._bind_first(index, x, plan, (keys, numels, names), chunk)
+            if st is not None:
+                return self.run_steady(index, st, x, defer)
         if self.feedback is not None:
             if shared_maxima is None:  # else the settled path has added them
                 self.feedback.add(x, numels, names)
@@ -1117,7 +1127,6 @@ class Reducer:
                 transports.fp32_mean(x, comm.group, comm.world_size, self.traffic)
                 if any(f != FP32 for f in fmts):
                     self.bucket_routes[index] = Route.FP32.value
-                self._settle(index, x, plan, fmts, None, Route.FP32, False, 0)
                 return None
 
         n_layers = len(numels)
@@ -1176,10 +1185,99 @@ class Reducer:
         tail = self._groups(index, x, numels, groups, amax, names, agreed, defer, offer)
         if measured and len(groups) == 1:
             plan.timed(time.perf_counter() - start)
-        self._settle_bucket(
-            index, x, plan, fmts, groups, (keys, numels, names), main, measured, chunk, rank_exps
-        )
+        if shared_maxima is not None and self.settles:  # Promote moved a format: bound again
+            self._settle_bucket(
+                index,
+                x,
+                plan,
+                fmts,
+                groups,
+                (keys, numels, names),
+                main,
+                measured,
+                chunk,
+                rank_exps,
+            )
         return tail
+
+    def _bind_first(
+        self,
+        index: int,
+        x: torch.Tensor,
+        plan: BucketPlan,
+        layers: tuple[Sequence[Any], list[int], Sequence[str | None]],
+        chunk: int | None,
+    ) -> Steady | SteadyBlocks | SteadyAgreedBlocks | SteadyFeedback | SteadyGroups | None:
+        """Bind bucket ``index``'s settled path before it runs (no collective): this step's
+        formats, and the chunk this rank offers (:meth:`run_steady` agrees it with the
+        others' and binds again where the largest differs). None where the configuration
+        has no bound path (the general path then takes the step; a configuration that
+        failed is not tried again until its formats, epoch or workspace change).
+
+        ``layers``: the layers' keys, sizes and names; ``chunk``: as :meth:`bucket`'s.
+        """
+        comm, settings, assignment, fb = self.comm, self.settings, self.assignment, self.feedback
+        keys, numels, names = layers
+        fmts = assignment.formats(keys, self.step)
+        tried = (x.numel(), tuple(fmts), assignment.epoch(self.step), chunk)
+        if self._unbound.get(index) == (*tried, self._epoch(index, x.device)):
+            return None
+        routes = self._routes_for(plan, fmts)
+        if all(routes[f] == Route.FP32 for f in fmts) and assignment.promoter is None:
+            if any(f != FP32 for f in fmts):
+                self.bucket_routes[index] = Route.FP32.value
+            if fb is None:
+                self._settle(index, x, plan, fmts, None, Route.FP32, False, 0)
+                if index in self.steady:
+                    return self.steady[index]
+        main = self._routes_for(plan, [settings.fmt] * len(fmts))[settings.fmt]
+        blocked = settings.scaling == Scaling.BLOCK
+        rank_exps = blocked and settings.block_exponents == BlockExponents.RANK and fb is None
+        measured = chunk is None and fb is None and x.device.type == "cpu"
+        if measured and not rank_exps:
+            # This rank's preference; run_steady's maxima carry it to the others.
+            chunk = self.planner.chunk(settings.fmt, x.numel(), main, plan.exchange_s or None)
+        else:
+            chunk = self._bucket_chunk(plan, x.numel(), main, chunk, None, measured and rank_exps)
+        groups = plan.group(
+            fmts,
+            routes,
+            comm.world_size,
+            chunk,
+            comm.node_layouts(),
+            settings.block_size if blocked else None,
+            owner_exponents=blocked and fb is None,
+            rank_exponents=rank_exps,
+        )
+        made: list[str] = []
+        if fb is not None:
+            # A layer's first step: a residual of -0.0, which adds nothing, not even to
+            # a -0.0 (x + -0.0 is x bit for bit), so the bound path binds to it.
+            sent = [i for g in groups if g.reduction != Route.FP32 for i in g.index]
+            for i in sent:
+                name = names[i]
+                if name is not None and name not in fb.residuals:
+                    fb.residuals[name] = torch.full((numels[i],), -0.0, device=x.device)
+                    made.append(name)
+        self.steady.pop(index, None)
+        self._settle_bucket(index, x, plan, fmts, groups, layers, main, measured, chunk, rank_exps)
+        st = self.steady.get(index)
+        if st is None:
+            if fb is not None:
+                fb.drop(made)
+            self._unbound[index] = (*tried, self._epoch(index, x.device))
+            return None
+        if fb is not None:
+            # As the general path: a layer sent in FP32 now (a new epoch's format) sends
+            # what its residual kept once more, then keeps none.
+            exact = {i for g in groups if g.reduction == Route.FP32 for i in g.index}
+            fb.add(x, numels, [m if i in exact else None for i, m in enumerate(names)])
+            fb.drop([names[i] for i in exact])
+        sent_groups = [g for g in groups if g.fmt != FP32]
+        if sent_groups:
+            self.bucket_routes[index] = str(max(sent_groups, key=lambda g: g.numel).reduction)
+        self.bucket_chunks[index] = chunk
+        return st
 
     def _settle_bucket(
         self,
@@ -1998,7 +2096,11 @@ class Reducer:
             # Records are bound for fixed formats (a bucket of one format under rules
             # for other layers records as any other).
             or (settings.stats and assignment.promoter is not None)
-            or settings.scaling not in (Scaling.LAYER, Scaling.BUCKET, Scaling.NONE)
+            # An FP32 bucket is one all-reduce, whatever the scaling.
+            or (
+                route != Route.FP32
+                and settings.scaling not in (Scaling.LAYER, Scaling.BUCKET, Scaling.NONE)
+            )
             or not (route == Route.FP32 or (g is not None and g.contiguous))
             or route not in (Route.FP32, Route.TWO_PHASE, Route.ALLREDUCE)
         ):

@@ -296,8 +296,8 @@ def _general_steps(rank: int, world_size: int, configs: list[tuple[dict, int | N
             if step >= 2 and ahead is None:
                 problems.append(f"config {c} step {step}: not settled")
             out = settled.run_bucket(0, buffer, params)
-            if full.reducer is not None:
-                full.reducer.steady.clear()  # never settled: the general path every step
+            full.bind(torch.device("cpu"))  # the reducer, before its first bucket
+            full.reducer.settles = False  # never bound: the general path every step
             want = full.run_bucket(0, x.clone(), params)
             bits = torch.where(out.isnan(), 0.0, out).view(torch.int32)
             if not torch.equal(out.isnan(), want.isnan()) or not torch.equal(
@@ -433,8 +433,8 @@ def test_promote_binds_the_bucket_again_and_keeps_the_full_paths_bits(world: Non
         buffer2.copy_(x2)
         out = settled.run_bucket(0, buffer, params, is_last=False).clone()
         out2 = settled.run_bucket(1, buffer2, params2)
-        if full.reducer is not None:
-            full.reducer.steady.clear()  # the general path every step
+        full.bind(torch.device("cpu"))  # the reducer, before its first bucket
+        full.reducer.settles = False  # never bound: the general path every step
         want = full.run_bucket(0, x.clone(), params, is_last=False)
         want2 = full.run_bucket(1, x2.clone(), params2)
         assert torch.equal(out.view(torch.int32), want.view(torch.int32)), step
@@ -517,8 +517,8 @@ def _feedback_steps(rank: int, world_size: int, options: dict) -> list[str]:
         buffer.copy_(x)
         out = settled.run_bucket(0, buffer, params)
         assert full.reducer is not None or step == 0
-        if full.reducer is not None:
-            full.reducer.steady.clear()  # never settled: the full path every step
+        full.bind(torch.device("cpu"))  # the reducer, before its first bucket
+        full.reducer.settles = False  # never bound: the general path every step
         want = full.run_bucket(0, x.clone(), params)
         assert settled.reducer is not None
         on_steady = settled.reducer.steady_for(0, buffer) is not None
@@ -709,8 +709,8 @@ def _mixed_steps(rank: int, world_size: int, configs: list[dict]) -> list[str]:
             if step >= 3 and not isinstance(ahead, SteadyGroups):
                 problems.append(f"config {c} step {step}: not settled")
             out = settled.run_bucket(0, buffer, params)
-            if full.reducer is not None:
-                full.reducer.steady.clear()  # never settled: the general path every step
+            full.bind(torch.device("cpu"))  # the reducer, before its first bucket
+            full.reducer.settles = False  # never bound: the general path every step
             want = full.run_bucket(0, x.clone(), params)
             bits = torch.where(out.isnan(), 0.0, out).view(torch.int32)
             if not torch.equal(out.isnan(), want.isnan()) or not torch.equal(
@@ -754,8 +754,8 @@ def _mixed_feedback_steps(rank: int, world_size: int, configs: list[dict]) -> li
             if step in (3, 4, 6) and not isinstance(ahead, kind):
                 problems.append(f"config {c} step {step}: not settled")
             out = settled.run_bucket(0, buffer, params)
-            if full.reducer is not None:
-                full.reducer.steady.clear()  # never settled: the general path every step
+            full.bind(torch.device("cpu"))  # the reducer, before its first bucket
+            full.reducer.settles = False  # never bound: the general path every step
             want = full.run_bucket(0, x.clone(), params)
             bits = torch.where(out.isnan(), 0.0, out).view(torch.int32)
             if not torch.equal(out.isnan(), want.isnan()) or not torch.equal(
@@ -850,8 +850,8 @@ def _one_format_under_rules_steps(rank: int, world_size: int, configs: list[dict
             if step >= 2 and ahead is None:
                 problems.append(f"config {c} step {step}: not settled")
             out = settled.run_bucket(0, buffer, params)
-            if full.reducer is not None:
-                full.reducer.steady.clear()
+            full.bind(torch.device("cpu"))  # the reducer, before its first bucket
+            full.reducer.settles = False  # never bound: the general path every step
             want = full.run_bucket(0, x.clone(), params)
             bits = torch.where(out.isnan(), 0.0, out).view(torch.int32)
             if not torch.equal(out.isnan(), want.isnan()) or not torch.equal(
@@ -946,8 +946,8 @@ def _mixed_promote_steps(rank: int, world_size: int, options: dict) -> list[str]
             x[7] = float("nan")  # layer 0 on one rank: NaN in it on every rank
         buffer.copy_(x)
         out = settled.run_bucket(0, buffer, params)
-        if full.reducer is not None:
-            full.reducer.steady.clear()  # the general path every step
+        full.bind(torch.device("cpu"))  # the reducer, before its first bucket
+        full.reducer.settles = False  # never bound: the general path every step
         want = full.run_bucket(0, x.clone(), params)
         bits = torch.where(out.isnan(), 0.0, out).view(torch.int32)
         if not torch.equal(out.isnan(), want.isnan()) or not torch.equal(
@@ -1021,8 +1021,8 @@ def _promote_feedback_steps(
             x[7] = float("nan")  # layer 0 on one rank: NaN in it on every rank
         buffer.copy_(x)
         out = settled.run_bucket(0, buffer, params)
-        if full.reducer is not None:
-            full.reducer.steady.clear()  # the general path every step
+        full.bind(torch.device("cpu"))  # the reducer, before its first bucket
+        full.reducer.settles = False  # never bound: the general path every step
         want = full.run_bucket(0, x.clone(), params)
         bits = torch.where(out.isnan(), 0.0, out).view(torch.int32)
         if not torch.equal(out.isnan(), want.isnan()) or not torch.equal(
