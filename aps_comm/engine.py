@@ -1092,11 +1092,10 @@ class Reducer:
                 on CPU by the bucket's measured exchange).
             defer: leave the last chunks on the wire and return the function
                 that finishes them.
-            shared_maxima: the maxima's MAX all-reduce already made this step
-                (Promote's rates and the chunk on it), by the settled path
-                whose formats Promote has just moved: no collective, no
-                Promote step here (:meth:`run_steady`); with error feedback
-                it has added the residuals too.
+            shared_maxima: this step's agreed maxima (Promote's rates, the chunk),
+                from the bound path whose formats Promote has just moved: no
+                collective or Promote step here; with error feedback it has
+                added the residuals too.
 
         Returns:
             With ``defer`` and chunks left in flight, the function that
@@ -1104,10 +1103,10 @@ class Reducer:
         """
         comm, settings, assignment = self.comm, self.settings, self.assignment
         self.step = step
-        plan = self.plan(index, numels, x.device)
+        plan, layers = self.plan(index, numels, x.device), (keys, numels, names)
         if shared_maxima is None and self.settles:
-            # Bound, then run: the first step of a bucket takes its settled path too.
-            st = self._bind_first(index, x, plan, (keys, numels, names), chunk)
+            # Bound, then run, from the first step; else the general per-step path.
+            st = self._bind_first(index, x, plan, layers, chunk)
             if st is not None:
                 return self.run_steady(index, st, x, defer)
         if self.feedback is not None:
@@ -1128,7 +1127,6 @@ class Reducer:
                 if any(f != FP32 for f in fmts):
                     self.bucket_routes[index] = Route.FP32.value
                 return None
-
         n_layers = len(numels)
         main = self._routes_for(plan, [settings.fmt] * n_layers)[settings.fmt]
         blocked = settings.scaling == Scaling.BLOCK
@@ -1140,11 +1138,9 @@ class Reducer:
         measured = chunk is None and self.feedback is None and x.device.type == "cpu"
         # Each rank's preferred chunk, from its own timing, rides on the
         # maxima; the largest wins. A CPU tensor: no device round trip.
-        mine = (
-            self.planner.chunk(settings.fmt, x.numel(), main, plan.exchange_s or None)
-            if measured
-            else 0
-        )
+        mine = 0
+        if measured:
+            mine = self.planner.chunk(settings.fmt, x.numel(), main, plan.exchange_s or None)
         agreed: dict[FloatFormat, tuple[torch.Tensor, torch.Tensor]] = {}
         if blocked:
             if fmts is None:  # error feedback
@@ -1160,7 +1156,6 @@ class Reducer:
             amax, wanted = self._agree_maxima(plan, x, keys, names, mine if measured else None)
         chunk = self._bucket_chunk(plan, x.numel(), main, chunk, wanted, measured and rank_exps)
         self.bucket_chunks[index] = chunk
-
         if fmts is None:  # Promote has just updated them
             fmts = assignment.formats(keys, step)
         routes = self._routes_for(plan, fmts)
@@ -1187,16 +1182,7 @@ class Reducer:
             plan.timed(time.perf_counter() - start)
         if shared_maxima is not None and self.settles:  # Promote moved a format: bound again
             self._settle_bucket(
-                index,
-                x,
-                plan,
-                fmts,
-                groups,
-                (keys, numels, names),
-                main,
-                measured,
-                chunk,
-                rank_exps,
+                index, x, plan, fmts, groups, layers, main, measured, chunk, rank_exps
             )
         return tail
 
@@ -2204,12 +2190,9 @@ class Reducer:
                 mine = self.planner.chunk(fmt, st.numel, st.route, exchange_s)
                 st.offer = exchange_s, math.log2(mine)
             st.maxima.numpy()[slot] = st.offer[1]
-        # Bound to the bucket's buffer (a float32 bucket is its own values).
-        bound = st.bound_ptr == x.data_ptr() and st.maxima_call is not None
-        if bound:
-            st.maxima_call()  # type: ignore[misc]
-        else:
-            g.codec.layer_maxima(x, g.layout, st.agreed.maxima)
+        # Bound to the bucket's buffer: a bucket binds before it runs (:meth:`bucket`).
+        assert st.bound_ptr == x.data_ptr() and st.maxima_call is not None
+        st.maxima_call()
         transports.all_reduce_max(st.maxima, comm.group, self.traffic)
         if st.promote is not None and self._promoted(st):
             return self._moved(index, st, x, defer)
@@ -2226,34 +2209,27 @@ class Reducer:
                     comm.node_layouts(),
                 )[0]
                 st.chunk = self.bucket_chunks[index] = chunk
-                if bound:
-                    st.bind(x, comm.world_size)
+                st.bind(x, comm.world_size)
                 st.workspace = self._epoch(index, x.device)
-        calls = st.calls if bound else None
-        scale: torch.Tensor | AgreedMaxima = st.agreed
-        unscale: torch.Tensor | AgreedMaxima = st.agreed
+        calls = st.calls
+        assert calls is not None  # made by Steady.bind
         if g.codec.backend == "kernels":
             # The CPU kernels take factor arrays: made once per bucket, not per chunk,
             # into the arrays the bound calls read (CPU tensors: no device read).
             assert st.host_factors is not None  # made by Steady.bind
             st.agreed.host_factors_into(g.fmt, *st.host_factors)
-            if calls is None:
-                scale, unscale = (torch.from_numpy(f) for f in st.host_factors[:2])
         if st.names is not None:  # before the decode overwrites this rank's values
             self.record_steady(index, st, x)
         if st.promote is not None:
             self._settled_rates(st, x)
         start = time.perf_counter()
-        if calls is not None and not native:
-            tail = transports.two_phase_bound(calls, comm.group, self.traffic, defer)
-        elif native:
+        if native:
+            agreed = st.agreed
             tail = transports.native(
-                g, x, scale, unscale, comm.group, self.traffic, None, defer, calls
+                g, x, agreed, agreed, comm.group, self.traffic, None, defer, calls
             )
         else:
-            tail = transports.two_phase(
-                g, x, scale, unscale, comm.group, comm.world_size, self.traffic, defer=defer
-            )
+            tail = transports.two_phase_bound(calls, comm.group, self.traffic, defer)
         if st.measured:
             st.plan.timed(time.perf_counter() - start)
         return tail
