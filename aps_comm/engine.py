@@ -1240,11 +1240,11 @@ class Reducer:
             # A layer's first step: a residual of -0.0, which adds nothing, not even to
             # a -0.0 (x + -0.0 is x bit for bit), so the bound path binds to it.
             sent = [i for g in groups if g.reduction != Route.FP32 for i in g.index]
-            for i in sent:
-                name = names[i]
-                if name is not None and name not in fb.residuals:
-                    fb.residuals[name] = torch.full((numels[i],), -0.0, device=x.device)
-                    made.append(name)
+            new = {names[i]: numels[i] for i in sent if names[i] not in fb.residuals}
+            new.pop(None, None)  # a layer without a name keeps no residual
+            zeros = torch.full((sum(new.values()),), -0.0, device=x.device)  # one fill
+            fb.residuals.update(zip(new, torch.split(zeros, list(new.values())), strict=True))
+            made = list(new)  # type: ignore[arg-type]  # None popped
         self.steady.pop(index, None)
         self._settle_bucket(index, x, plan, fmts, groups, layers, main, measured, chunk, rank_exps)
         st = self.steady.get(index)
