@@ -1077,6 +1077,13 @@ class Reducer:
         self.workspaces: dict[str, Workspace] = {}
         # Per FSDP unit index: its bound reduce-scatter once settled (:class:`SteadyUnit`).
         self.steady_units: dict[int, SteadyUnit | SteadyMixedUnit | SteadyFP32Unit] = {}
+        # Per bucket index: what it was when it last failed to bind (:meth:`_bind_first`).
+        self._unbound: dict[int, tuple] = {}
+        # Per FSDP unit index: what it was when it last failed to bind.
+        self._unbound_units: dict[int, tuple] = {}
+        # False: every DDP bucket and FSDP unit takes the general per-step path, never
+        # bound (the reference the bound path is tested against, where both exist).
+        self.settles = True
         # The current step's number (Schedule's): the last one :meth:`bucket` was
         # given, advanced by :meth:`end_step`, so settled buckets know it too.
         self.step = 0
@@ -1158,11 +1165,10 @@ class Reducer:
                 on CPU by the bucket's measured exchange).
             defer: leave the last chunks on the wire and return the function
                 that finishes them.
-            shared_maxima: the maxima's MAX all-reduce already made this step
-                (Promote's rates and the chunk on it), by the settled path
-                whose formats Promote has just moved: no collective, no
-                Promote step here (:meth:`run_steady`); with error feedback
-                it has added the residuals too.
+            shared_maxima: this step's agreed maxima (Promote's rates, the chunk),
+                from the bound path whose formats Promote has just moved: no
+                collective or Promote step here; with error feedback it has
+                added the residuals too.
 
         Returns:
             With ``defer`` and chunks left in flight, the function that
@@ -1170,7 +1176,12 @@ class Reducer:
         """
         comm, settings, assignment = self.comm, self.settings, self.assignment
         self.step = step
-        plan = self.plan(index, numels, x.device)
+        plan, layers = self.plan(index, numels, x.device), (keys, numels, names)
+        if shared_maxima is None and self.settles:
+            # Bound, then run, from the first step; else the general per-step path.
+            st = self._bind_first(index, x, plan, layers, chunk)
+            if st is not None:
+                return self.run_steady(index, st, x, defer)
         if self.feedback is not None:
             if shared_maxima is None:  # else the settled path has added them
                 self.feedback.add(x, numels, names)
@@ -1188,9 +1199,7 @@ class Reducer:
                 transports.fp32_mean(x, comm.group, comm.world_size, self.traffic)
                 if any(f != FP32 for f in fmts):
                     self.bucket_routes[index] = Route.FP32.value
-                self._settle(index, x, plan, fmts, None, Route.FP32, False, 0)
                 return None
-
         n_layers = len(numels)
         main = self._routes_for(plan, [settings.fmt] * n_layers)[settings.fmt]
         blocked = settings.scaling == Scaling.BLOCK
@@ -1202,11 +1211,9 @@ class Reducer:
         measured = chunk is None and self.feedback is None and x.device.type == "cpu"
         # Each rank's preferred chunk, from its own timing, rides on the
         # maxima; the largest wins. A CPU tensor: no device round trip.
-        mine = (
-            self.planner.chunk(settings.fmt, x.numel(), main, plan.exchange_s or None)
-            if measured
-            else 0
-        )
+        mine = 0
+        if measured:
+            mine = self.planner.chunk(settings.fmt, x.numel(), main, plan.exchange_s or None)
         agreed: dict[FloatFormat, tuple[torch.Tensor, torch.Tensor]] = {}
         if blocked:
             if fmts is None:  # error feedback
@@ -1222,7 +1229,6 @@ class Reducer:
             amax, wanted = self._agree_maxima(plan, x, keys, names, mine if measured else None)
         chunk = self._bucket_chunk(plan, x.numel(), main, chunk, wanted, measured and rank_exps)
         self.bucket_chunks[index] = chunk
-
         if fmts is None:  # Promote has just updated them
             fmts = assignment.formats(keys, step)
         routes = self._routes_for(plan, fmts)
@@ -1247,10 +1253,90 @@ class Reducer:
         tail = self._groups(index, x, numels, groups, amax, names, agreed, defer, offer)
         if measured and len(groups) == 1:
             plan.timed(time.perf_counter() - start)
-        self._settle_bucket(
-            index, x, plan, fmts, groups, (keys, numels, names), main, measured, chunk, rank_exps
-        )
+        if shared_maxima is not None and self.settles:  # Promote moved a format: bound again
+            self._settle_bucket(
+                index, x, plan, fmts, groups, layers, main, measured, chunk, rank_exps
+            )
         return tail
+
+    def _bind_first(
+        self,
+        index: int,
+        x: torch.Tensor,
+        plan: BucketPlan,
+        layers: tuple[Sequence[Any], list[int], Sequence[str | None]],
+        chunk: int | None,
+    ) -> Steady | SteadyBlocks | SteadyAgreedBlocks | SteadyFeedback | SteadyGroups | None:
+        """Bind bucket ``index``'s settled path before it runs (no collective): this step's
+        formats, and the chunk this rank offers (:meth:`run_steady` agrees it with the
+        others' and binds again where the largest differs). None where the configuration
+        has no bound path (the general path then takes the step; a configuration that
+        failed is not tried again until its formats, epoch or workspace change).
+
+        ``layers``: the layers' keys, sizes and names; ``chunk``: as :meth:`bucket`'s.
+        """
+        comm, settings, assignment, fb = self.comm, self.settings, self.assignment, self.feedback
+        keys, numels, names = layers
+        fmts = assignment.formats(keys, self.step)
+        tried = (x.numel(), tuple(fmts), assignment.epoch(self.step), chunk)
+        if self._unbound.get(index) == (*tried, self._epoch(index, x.device)):
+            return None
+        routes = self._routes_for(plan, fmts)
+        if all(routes[f] == Route.FP32 for f in fmts) and assignment.promoter is None:
+            if any(f != FP32 for f in fmts):
+                self.bucket_routes[index] = Route.FP32.value
+            if fb is None:
+                self._settle(index, x, plan, fmts, None, Route.FP32, False, 0)
+                if index in self.steady:
+                    return self.steady[index]
+        main = self._routes_for(plan, [settings.fmt] * len(fmts))[settings.fmt]
+        blocked = settings.scaling == Scaling.BLOCK
+        rank_exps = blocked and settings.block_exponents == BlockExponents.RANK and fb is None
+        measured = chunk is None and fb is None and x.device.type == "cpu"
+        if measured and not rank_exps:
+            # This rank's preference; run_steady's maxima carry it to the others.
+            chunk = self.planner.chunk(settings.fmt, x.numel(), main, plan.exchange_s or None)
+        else:
+            chunk = self._bucket_chunk(plan, x.numel(), main, chunk, None, measured and rank_exps)
+        groups = plan.group(
+            fmts,
+            routes,
+            comm.world_size,
+            chunk,
+            comm.node_layouts(),
+            settings.block_size if blocked else None,
+            owner_exponents=blocked and fb is None,
+            rank_exponents=rank_exps,
+        )
+        made: list[str] = []
+        if fb is not None:
+            # A layer's first step: a residual of -0.0, which adds nothing, not even to
+            # a -0.0 (x + -0.0 is x bit for bit), so the bound path binds to it.
+            sent = [i for g in groups if g.reduction != Route.FP32 for i in g.index]
+            new = {names[i]: numels[i] for i in sent if names[i] not in fb.residuals}
+            new.pop(None, None)  # a layer without a name keeps no residual
+            zeros = torch.full((sum(new.values()),), -0.0, device=x.device)  # one fill
+            fb.residuals.update(zip(new, torch.split(zeros, list(new.values())), strict=True))
+            made = list(new)  # type: ignore[arg-type]  # None popped
+        self.steady.pop(index, None)
+        self._settle_bucket(index, x, plan, fmts, groups, layers, main, measured, chunk, rank_exps)
+        st = self.steady.get(index)
+        if st is None:
+            if fb is not None:
+                fb.drop(made)
+            self._unbound[index] = (*tried, self._epoch(index, x.device))
+            return None
+        if fb is not None:
+            # As the general path: a layer sent in FP32 now (a new epoch's format) sends
+            # what its residual kept once more, then keeps none.
+            exact = {i for g in groups if g.reduction == Route.FP32 for i in g.index}
+            fb.add(x, numels, [m if i in exact else None for i, m in enumerate(names)])
+            fb.drop([names[i] for i in exact])
+        sent_groups = [g for g in groups if g.fmt != FP32]
+        if sent_groups:
+            self.bucket_routes[index] = str(max(sent_groups, key=lambda g: g.numel).reduction)
+        self.bucket_chunks[index] = chunk
+        return st
 
     def _settle_bucket(
         self,
@@ -2153,7 +2239,11 @@ class Reducer:
             self.feedback is not None
             # Promote's rates ride on the maxima all-reduce, which FP32 buckets skip.
             or (assignment.promoter is not None and (promote is None or route == Route.FP32))
-            or settings.scaling not in (Scaling.LAYER, Scaling.BUCKET, Scaling.NONE)
+            # An FP32 bucket is one all-reduce, whatever the scaling.
+            or (
+                route != Route.FP32
+                and settings.scaling not in (Scaling.LAYER, Scaling.BUCKET, Scaling.NONE)
+            )
             or not (route == Route.FP32 or (g is not None and g.contiguous))
             or route not in (Route.FP32, Route.TWO_PHASE, Route.ALLREDUCE)
         ):
@@ -2257,12 +2347,9 @@ class Reducer:
                 mine = self.planner.chunk(fmt, st.numel, st.route, exchange_s)
                 st.offer = exchange_s, math.log2(mine)
             st.maxima.numpy()[slot] = st.offer[1]
-        # Bound to the bucket's buffer (a float32 bucket is its own values).
-        bound = st.bound_ptr == x.data_ptr() and st.maxima_call is not None
-        if bound:
-            st.maxima_call()  # type: ignore[misc]
-        else:
-            g.codec.layer_maxima(x, g.layout, st.agreed.maxima)
+        # Bound to the bucket's buffer: a bucket binds before it runs (:meth:`bucket`).
+        assert st.bound_ptr == x.data_ptr() and st.maxima_call is not None
+        st.maxima_call()
         transports.all_reduce_max(st.maxima, comm.group, self.traffic)
         if st.promote is not None and self._promoted(st):
             return self._moved(index, st, x, defer)
@@ -2279,34 +2366,27 @@ class Reducer:
                     comm.node_layouts(),
                 )[0]
                 st.chunk = self.bucket_chunks[index] = chunk
-                if bound:
-                    st.bind(x, comm.world_size)
+                st.bind(x, comm.world_size)
                 st.workspace = self._epoch(index, x.device)
-        calls = st.calls if bound else None
-        scale: torch.Tensor | AgreedMaxima = st.agreed
-        unscale: torch.Tensor | AgreedMaxima = st.agreed
+        calls = st.calls
+        assert calls is not None  # made by Steady.bind
         if g.codec.backend == "kernels":
             # The CPU kernels take factor arrays: made once per bucket, not per chunk,
             # into the arrays the bound calls read (CPU tensors: no device read).
             assert st.host_factors is not None  # made by Steady.bind
             st.agreed.host_factors_into(g.fmt, *st.host_factors)
-            if calls is None:
-                scale, unscale = (torch.from_numpy(f) for f in st.host_factors[:2])
         if st.names is not None:  # before the decode overwrites this rank's values
             self.record_steady(index, st, x)
         if st.promote is not None:
             self._settled_rates(st, x)
         start = time.perf_counter()
-        if calls is not None and not native:
-            tail = transports.two_phase_bound(calls, comm.group, self.traffic, defer)
-        elif native:
+        if native:
+            agreed = st.agreed
             tail = transports.native(
-                g, x, scale, unscale, comm.group, self.traffic, None, defer, calls
+                g, x, agreed, agreed, comm.group, self.traffic, None, defer, calls
             )
         else:
-            tail = transports.two_phase(
-                g, x, scale, unscale, comm.group, comm.world_size, self.traffic, defer=defer
-            )
+            tail = transports.two_phase_bound(calls, comm.group, self.traffic, defer)
         if st.measured:
             st.plan.timed(time.perf_counter() - start)
         return tail
@@ -2912,9 +2992,14 @@ class Reducer:
         comm, settings = self.comm, self.settings
         n, p = comm.world_size, len(chunks)
         st = self._steady_unit(index, rows, chunks, step)
-        if st is None:  # bound first, then run bound: the first call's bits are the same
+        # Bound first, then run bound: the first call's bits are the same. A unit that
+        # cannot bind is not tried again until its layout or epoch changes.
+        tried = (rows.numel(), tuple(chunks), rows.device, rows.dtype, self.assignment.epoch(step))
+        if st is None and self.settles and self._unbound_units.get(index) != tried:
             self._bind_unit(index, rows, chunks, (names, numels), step)
             st = self._steady_unit(index, rows, chunks, step)
+            if st is None:
+                self._unbound_units[index] = tried
         if isinstance(st, SteadyMixedUnit):
             return self._run_mixed_unit(index, st, rows, problem)
         if isinstance(st, SteadyFP32Unit):

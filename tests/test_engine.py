@@ -218,7 +218,7 @@ def _fail_everywhere(rank: int, world_size: int) -> list[str]:
     def broken(*args: object, **kwargs: object) -> torch.Tensor:
         raise RuntimeError(f"injected codec failure on rank {rank}")
 
-    aps_comm.codec.Codec.encode = broken  # type: ignore[assignment,method-assign]
+    aps_comm.codec.Codec.bind_encode = broken  # type: ignore[assignment,method-assign]
     errors = []
     for _ in range(2):
         try:
@@ -246,10 +246,12 @@ def _fail_on_one_rank(rank: int, world_size: int) -> None:
     register(ddp, fmt="e4m3")
     if rank == 1:
 
-        def broken(*args: object, **kwargs: object) -> torch.Tensor:
+        def broken() -> None:
             raise RuntimeError("injected codec failure on rank 1")
 
-        aps_comm.codec.Codec.encode = broken  # type: ignore[assignment,method-assign]
+        # The encode fails when it runs, after the maxima's all-reduce: rank 0 then
+        # waits for rank 1's shards.
+        aps_comm.codec.Codec.bind_encode = lambda *a, **k: broken  # type: ignore[assignment,method-assign]
     ddp(torch.randn(8, 16)).pow(2).sum().backward()
 
 

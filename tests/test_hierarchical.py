@@ -551,8 +551,8 @@ def _staged_steps(rank: int, world_size: int) -> list[str]:
             if step >= 2 and not isinstance(ahead, SteadyStaged):
                 problems.append(f"{c} step {step}: not settled")
             out = settled.run_bucket(0, buffer, params)
-            if full.reducer is not None:
-                full.reducer.steady.clear()  # never settled: the general path every step
+            full.bind(torch.device("cpu"))  # the reducer, before its first bucket
+            full.reducer.settles = False  # never bound: the general path every step
             want = full.run_bucket(0, x.clone(), params)
             bits = torch.where(out.isnan(), 0.0, out).view(torch.int32)
             if not torch.equal(out.isnan(), want.isnan()) or not torch.equal(
@@ -692,8 +692,8 @@ def _staged_promote_steps(rank: int, world_size: int) -> list[str]:
             ahead = settled.reducer.steady_for(0, buffer) if settled.reducer else None
             kinds.append(type(ahead).__name__)
             out = settled.run_bucket(0, buffer, params)
-            if full.reducer is not None:
-                full.reducer.steady.clear()  # never settled: the general path every step
+            full.bind(torch.device("cpu"))  # the reducer, before its first bucket
+            full.reducer.settles = False  # never bound: the general path every step
             want = full.run_bucket(0, x.clone(), params)
             bits = torch.where(out.isnan(), 0.0, out).view(torch.int32)
             if not torch.equal(out.isnan(), want.isnan()) or not torch.equal(
@@ -758,8 +758,8 @@ def _staged_promote_moves(rank: int, world_size: int) -> list[str]:
             ahead = settled.reducer.steady_for(0, buffer) if settled.reducer else None
             kinds.append(type(ahead).__name__)
             out = settled.run_bucket(0, buffer, params)
-            if full.reducer is not None:
-                full.reducer.steady.clear()  # never settled: the general path every step
+            full.bind(torch.device("cpu"))  # the reducer, before its first bucket
+            full.reducer.settles = False  # never bound: the general path every step
             want = full.run_bucket(0, x.clone(), params)
             bits = torch.where(out.isnan(), 0.0, out).view(torch.int32)
             if not torch.equal(out.isnan(), want.isnan()) or not torch.equal(

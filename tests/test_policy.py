@@ -379,7 +379,7 @@ def _promote_grads(rank: int, world_size: int, settle: bool) -> list:
     seen = []
     for step in range(10):
         if not settle and state.reducer is not None:
-            state.reducer.steady.clear()  # never settled: the general path every step
+            state.reducer.settles = False  # never bound: the general path every step
         ddp.zero_grad()
         x = torch.ones(1, 64) * (1.0 + rank)
         if rank == 1 and step in (3, 4):

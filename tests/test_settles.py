@@ -173,8 +173,8 @@ def _against_the_general_path(
             if step >= 2 and not isinstance(ahead, SteadyAgreedBlocks):
                 problems.append(f"config {c} step {step}: not settled")
             out = settled.run_bucket(0, buffer, params)
-            if general.reducer is not None:
-                general.reducer.steady.clear()  # never settled: the general path every step
+            general.bind(CPU)  # the reducer, before its first bucket
+            general.reducer.settles = False  # never bound: the general path every step
             want = general.run_bucket(0, x.clone(), params)
             bits = torch.where(out.isnan(), 0.0, out).view(torch.int32)
             if not torch.equal(out.isnan(), want.isnan()) or not torch.equal(
@@ -274,8 +274,8 @@ def test_promote_with_stats_settles_with_the_general_paths_records(
             x[5] = float("nan")  # the first layer non-finite: NaN in it, in its records too
         buffer.copy_(x)
         out = settled.run_bucket(0, buffer, params)
-        if general.reducer is not None:
-            general.reducer.steady.clear()  # the general path every step
+        general.bind(CPU)  # the reducer, before its first bucket
+        general.reducer.settles = False  # never bound: the general path every step
         want = general.run_bucket(0, x.clone(), params)
         bits = torch.where(out.isnan(), 0.0, out).view(torch.int32)
         assert torch.equal(bits, torch.where(want.isnan(), 0.0, want).view(torch.int32)), step
@@ -323,8 +323,8 @@ def _feedback_against_the_general_path(
             if step in (2, 3, 4, 6) and not isinstance(ahead, SteadyFeedback):
                 problems.append(f"config {c} step {step}: not settled")
             out = settled.run_bucket(0, buffer, params)
-            if general.reducer is not None:
-                general.reducer.steady.clear()  # never settled: the general path every step
+            general.bind(CPU)  # the reducer, before its first bucket
+            general.reducer.settles = False  # never bound: the general path every step
             want = general.run_bucket(0, x.clone(), params)
             bits = torch.where(out.isnan(), 0.0, out).view(torch.int32)
             if not torch.equal(out.isnan(), want.isnan()) or not torch.equal(

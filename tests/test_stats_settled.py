@@ -64,8 +64,8 @@ def _records(
         backend = reducer.steady[0].group.codec.backend if on_path else None  # type: ignore[union-attr]
         buffer.copy_(x)
         settled.run_bucket(0, buffer, params)
-        if full.reducer is not None:
-            full.reducer.steady.clear()  # never settles: the per-step path every step
+        full.bind(torch.device("cpu"))  # the reducer, before its first bucket
+        full.reducer.settles = False  # never bound: the general path every step
         full.run_bucket(0, x.clone(), params)
         out.append((on_path, backend, settled.stats, full.stats))
     return out

@@ -1264,8 +1264,9 @@ def _feedback_run(
     buffer = torch.empty_like(xs[0])
     steps = []
     for x in xs:
-        if not settle and state.reducer is not None:
-            state.reducer.steady.clear()
+        if not settle:
+            state.bind(x.device)  # the reducer, before its first bucket
+            state.reducer.settles = False  # never bound: the general path every step
         buffer.copy_(x)
         out = _quiet(state.run_bucket, 0, buffer, params).clone()
         steps.append((out, state.state_dict()["residuals"], repr(state.stats)))
