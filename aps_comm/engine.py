@@ -1987,15 +1987,9 @@ class Reducer:
             agree = g.codec.bind_layer_maxima(x, g.layout, shared)
             if g.codec.backend == "kernels" and device.type == "cpu":
                 host_keys = np.empty(n_seg, np.int32)
+        pick = fused[1] if fused else None
         factors = g.codec.bind_feedback_factors(
-            shared,
-            comm.world_size,
-            scale,
-            unscale,
-            counts,
-            host_keys,
-            pick=fused[1] if fused else None,
-            scaling=self.settings.scaling,
+            shared, comm.world_size, scale, unscale, counts, host_keys, pick, self.settings.scaling
         )
         if fused is None:
             residual = torch.empty(x.numel(), dtype=torch.float32, device=device)
