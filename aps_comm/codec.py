@@ -181,10 +181,12 @@ def _device_offsets(layout: Layout | None) -> torch.Tensor | None:
     return None if layout is None else layout.device_offsets
 
 
-def _host_offsets(layout: Layout | None, numel: int) -> np.ndarray:
+def _host_offsets(layout: Layout | None, numel: int) -> np.ndarray | BlockGrid:
+    # A CPU block grid as it is: the kernels derive its offsets per call, so a bound
+    # call keeps nothing per block.
     if layout is None:
         return np.array([0, numel], np.int64)
-    return layout.offsets.numpy()
+    return layout.cells if layout.cells is not None else layout.offsets.numpy()
 
 
 def _host_runs(layout: Layout | None) -> tuple[int | None, np.ndarray | None]:
@@ -445,7 +447,7 @@ class _OwnerFeedback:
                 self.recv.numpy(),
                 (self.values.numpy(), self.acc.numpy()),
                 self.out.numpy(),
-                (self.layout.offsets.numpy(), scale.numpy(), unscale.numpy()),
+                (_host_offsets(self.layout, 0), scale.numpy(), unscale.numpy()),
                 (lo, hi, n),
                 self.residual.numpy(),
             )
@@ -461,7 +463,7 @@ class _OwnerFeedback:
                     "owner_lost",
                     self.acc,
                     self.part,
-                    self.layout.offsets.numpy(),
+                    _host_offsets(self.layout, 0),
                     scale.numpy(),
                     unscale.numpy(),
                     lo,
@@ -1213,7 +1215,7 @@ class Codec:
             x.numpy(),
             send.numpy(),
             payload_nbytes(numel, fmt),
-            (layout.offsets.numpy(), *_host_runs(layout)),
+            (_host_offsets(layout, 0), *_host_runs(layout)),
             (scale.numpy(), unscale.numpy()),
             sent.numpy(),
             residual.numpy(),
@@ -1309,7 +1311,7 @@ class Codec:
         if x.dtype != torch.float32 or out.dtype != torch.float32:
             return call
         if self.backend == "kernels" and x.is_contiguous() and out.numel() == layout.n_segments:
-            return functools.partial(_kernel, "block_amax", x, layout.offsets.numpy(), out)
+            return functools.partial(_kernel, "block_amax", x, _host_offsets(layout, 0), out)
         if self.backend != "triton":
             return call
         launch = _triton().bind_layer_maxima(x, out, layout.device_offsets)

@@ -2366,7 +2366,7 @@ def keep_lost(x: torch.Tensor, sent: torch.Tensor, out: torch.Tensor) -> None:
 def owner_lost(
     acc: torch.Tensor,
     part: torch.Tensor,
-    offsets: np.ndarray,
+    offsets: np.ndarray | BlockGrid,
     scale: np.ndarray,
     unscale: np.ndarray,
     lo: int,
@@ -2391,7 +2391,8 @@ def owner_lost(
         >>> out
         tensor([0.0000, 0.5000])
     """
-    _owner_lost(_np(acc), _np(part), offsets, scale, unscale, lo, hi, n_ranks, _np(out))
+    segments = _block_offsets(offsets)
+    _owner_lost(_np(acc), _np(part), segments, scale, unscale, lo, hi, n_ranks, _np(out))
 
 
 if AVAILABLE:
@@ -2641,9 +2642,9 @@ def reduce_blocks(
     _reduce_blocks(ra, n_ranks, ra.size // n_ranks, oa, offsets, *args)
 
 
-def block_amax(x: torch.Tensor, offsets: np.ndarray, out: torch.Tensor) -> None:
+def block_amax(x: torch.Tensor, offsets: np.ndarray | BlockGrid, out: torch.Tensor) -> None:
     """max |x| of each segment of contiguous float32 ``x`` into float32 ``out``; NaN gives inf."""
-    _block_amax(_np(x).view(np.uint32), offsets, _np(out).view(np.uint32))
+    _block_amax(_np(x).view(np.uint32), _block_offsets(offsets), _np(out).view(np.uint32))
 
 
 def _np(t: torch.Tensor) -> np.ndarray:
@@ -2666,7 +2667,7 @@ def encode(
     x: torch.Tensor,
     out: torch.Tensor,
     fmt: FloatFormat,
-    offsets: np.ndarray | None = None,
+    offsets: np.ndarray | BlockGrid | None = None,
     factors: np.ndarray | None = None,
     block_size: int | None = None,
     runs: np.ndarray | None = None,
@@ -2682,6 +2683,7 @@ def encode(
     oa = _np(out)
     if factors is None:
         offsets, factors = _whole(xa.size)
+    offsets = _block_offsets(offsets)
     if fmt.wire_bits == 4:
         _encode4(xa, offsets, factors, oa, params, *_runs(block_size, runs))
     else:
@@ -2693,7 +2695,7 @@ def decode(
     payload: torch.Tensor,
     out: torch.Tensor,
     fmt: FloatFormat,
-    offsets: np.ndarray | None = None,
+    offsets: np.ndarray | BlockGrid | None = None,
     factors: np.ndarray | None = None,
     block_size: int | None = None,
     runs: np.ndarray | None = None,
@@ -2705,6 +2707,7 @@ def decode(
     pa, oa = _np(payload), _np(out)
     if factors is None:
         offsets, factors = _whole(oa.size)
+    offsets = _block_offsets(offsets)
     q, m = decoder_params(fmt)
     size, walk = _runs(block_size, runs)
     if fmt.wire_bits == 4:
@@ -3185,7 +3188,7 @@ def encode_keep(
     x: np.ndarray,
     send: np.ndarray,
     numel_bytes: int,
-    layout: tuple[np.ndarray, int | None, np.ndarray | None],
+    layout: tuple[np.ndarray | BlockGrid, int | None, np.ndarray | None],
     factors: tuple[np.ndarray, np.ndarray],
     sent: np.ndarray,
     residual: np.ndarray,
@@ -3208,7 +3211,8 @@ def encode_keep(
         >>> sent.tolist(), send.tolist()[1]
         ([1.125], 0)
     """
-    offsets, block_size, runs = layout
+    grid, block_size, runs = layout
+    offsets = _block_offsets(grid)
     size, walk = _runs(block_size, runs)
     q, m = decoder_params(fmt)
     head, pad = send[:numel_bytes], send[numel_bytes:]
@@ -3225,7 +3229,7 @@ def owner_feedback(
     recv: np.ndarray,
     scratch: tuple[np.ndarray, np.ndarray],
     out: np.ndarray,
-    layout: tuple[np.ndarray, np.ndarray, np.ndarray],
+    layout: tuple[np.ndarray | BlockGrid, np.ndarray, np.ndarray],
     span: tuple[int, int, int],
     residual: np.ndarray,
 ) -> None:
@@ -3245,7 +3249,8 @@ def owner_feedback(
     """
     values, acc = scratch
     q, m = decoder_params(fmt)
-    args = (layout[0], layout[1:], (encoder_params(fmt), q, m, _NO_RUNS), span, residual)
+    offsets = _block_offsets(layout[0])
+    args = (offsets, layout[1:], (encoder_params(fmt), q, m, _NO_RUNS), span, residual)
     if fmt.wire_bits == 4:
         _owner_feedback4(recv, values, acc, out, *args)
     elif fmt.wire_bits == 8:

@@ -62,6 +62,7 @@ import types
 from collections.abc import Callable, Iterator
 from typing import Any
 
+import numpy as np
 import torch
 import torch.distributed as dist
 from torch.distributed.algorithms.ddp_comm_hooks import default_hooks
@@ -516,19 +517,24 @@ _OPAQUE = (
 
 
 def state_nbytes(state: object, exclude: list[torch.Tensor]) -> int:
-    """Bytes of the distinct tensor storages reachable from ``state``, less ``exclude``'s.
+    """Bytes of the distinct tensor storages and numpy arrays reachable from ``state``,
+    less ``exclude``'s.
 
     Follows every object the garbage collector sees ``state`` refer to
     (attributes, slots, containers, closures' cells), not into modules,
     classes, code, models, process groups or threads.
-    A storage shared by several views counts once.
+    A storage shared by several views counts once; a numpy array counts where
+    its memory is not a reachable tensor's (bound CPU calls keep both: arrays
+    of their own, and numpy views of tensors).
 
     Example:
-        >>> state_nbytes({"a": torch.zeros(4), "b": [torch.zeros(2)]}, [])
-        24
+        >>> state_nbytes({"a": torch.zeros(4), "b": [torch.zeros(2), np.zeros(3, np.int32)]}, [])
+        36
     """
     skip = {t.untyped_storage().data_ptr() for t in exclude}
     storages: dict[int, int] = {}
+    ranges = [_extent(t.untyped_storage()) for t in exclude]
+    arrays: dict[int, int] = {}
     seen: set[int] = set()
     stack: list[object] = [state]
     while stack:
@@ -543,11 +549,24 @@ def state_nbytes(state: object, exclude: list[torch.Tensor]) -> int:
                 stack.extend(gc.get_referents(obj))
                 continue
             storage = obj.untyped_storage()
+            ranges.append(_extent(storage))
             if storage.data_ptr() not in skip:
                 storages[storage.data_ptr()] = storage.nbytes()
             continue
+        if isinstance(obj, np.ndarray):
+            base = obj
+            while isinstance(base.base, np.ndarray):
+                base = base.base
+            start = base.__array_interface__["data"][0]
+            arrays[start] = max(arrays.get(start, 0), base.nbytes)
+            continue
         stack.extend(gc.get_referents(obj))
-    return sum(storages.values())
+    own = sum(n for a, n in arrays.items() if not any(lo <= a < hi for lo, hi in ranges))
+    return sum(storages.values()) + own
+
+
+def _extent(storage: torch.UntypedStorage) -> tuple[int, int]:
+    return storage.data_ptr(), storage.data_ptr() + storage.nbytes()
 
 
 def residual_nbytes(state: aps_comm.APSState) -> int:

@@ -168,3 +168,16 @@ def test_fsdp_state_bytes_are_bounded_by_the_largest_unit() -> None:
     the bound (12.0x and 48.1x of a unit's FP32 bytes when every unit kept its own)."""
     [kept] = run_distributed(_kept_per_unit, 1, args=([8, 32], "e4m3"))
     assert kept[8] <= BOUND and kept[32] <= BOUND, kept
+
+
+def test_state_bytes_count_numpy_arrays_once_and_not_views_of_tensors() -> None:
+    """Bound CPU calls keep numpy arrays: their own count, a tensor's numpy view does not."""
+    import numpy as np
+
+    from benchmarks.hostcost import state_nbytes
+
+    t = torch.zeros(8)
+    own = np.zeros(5, np.int32)
+    state = {"t": t, "view": t.numpy()[2:], "own": own, "again": own[1:], "kept": [own]}
+    assert state_nbytes(state, []) == 8 * 4 + 5 * 4
+    assert state_nbytes(state, [t]) == 5 * 4
