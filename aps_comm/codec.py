@@ -238,15 +238,10 @@ def _key_table(unscale: bool) -> np.ndarray:
     return key_factors(keys, unscale=unscale).numpy().copy()
 
 
-def _kernel(name: str, *args: object) -> object:
-    """Call the CPU kernel ``name`` (looked up per call, so tools can count the calls)."""
-    return getattr(cpu_kernels, name)(*args)
-
-
 def _encode_kernels(pad: np.ndarray, *args: object) -> None:
     """A bound CPU encode: the padding zeroed (code 0 is +0), then the kernel."""
     pad.fill(0)
-    _kernel("encode", *args)
+    cpu_kernels.call("encode", *args)
 
 
 def _layer_of(layer_ends: np.ndarray) -> np.ndarray:
@@ -283,8 +278,8 @@ def _mean_keys(
 ) -> None:
     """The node's mean's blocks' own keys (two_phase's rule over the ``nodes``), by the CPU
     kernels."""
-    _kernel("block_amax", mean, offsets, maxima)
-    _kernel("two_phase_keys", maxima, fmt, EXPONENT_LIMIT, keys, nodes)
+    cpu_kernels.call("block_amax", mean, offsets, maxima)
+    cpu_kernels.call("two_phase_keys", maxima, fmt, EXPONENT_LIMIT, keys, nodes)
 
 
 def _mean_of_rows(
@@ -441,7 +436,7 @@ class _OwnerFeedback:
     def __call__(self) -> None:
         c, n, (lo, hi), (scale, unscale) = self.codec, self.n_ranks, self.span, self.factors
         if self.fused:
-            _kernel(
+            cpu_kernels.call(
                 "owner_feedback",
                 c.fmt,
                 self.recv.numpy(),
@@ -454,12 +449,12 @@ class _OwnerFeedback:
             return
         if c.backend == "kernels":
             # The calls of ErrorFeedback.owner_reduce, into scratch kept for the bucket.
-            _kernel("decode", self.recv, self.values, c.fmt)
-            _kernel("mean_rows", self.values.numpy().reshape(n, -1), self.acc.numpy())
-            _kernel("encode", self.acc, self.out, c.fmt)
-            _kernel("decode", self.out, self.part, c.fmt)
+            cpu_kernels.call("decode", self.recv, self.values, c.fmt)
+            cpu_kernels.call("mean_rows", self.values.numpy().reshape(n, -1), self.acc.numpy())
+            cpu_kernels.call("encode", self.acc, self.out, c.fmt)
+            cpu_kernels.call("decode", self.out, self.part, c.fmt)
             if hi > lo:
-                _kernel(
+                cpu_kernels.call(
                     "owner_lost",
                     self.acc,
                     self.part,
@@ -1026,7 +1021,7 @@ class Codec:
             if payload.numel() < payload_nbytes(numel, self.fmt) or out.dtype != torch.float32:
                 return call
             return functools.partial(
-                _kernel,
+                cpu_kernels.call,
                 "decode",
                 payload,
                 out,
@@ -1059,7 +1054,9 @@ class Codec:
         """One :meth:`owner_reduce` call checked once; the returned call repeats it."""
         call = functools.partial(self.owner_reduce, recv, n_ranks, out=out)
         if self.backend == "kernels" and out.numel() == self._shard_bytes(recv, n_ranks):
-            return functools.partial(_kernel, "reduce_shards", recv, n_ranks, self.fmt, out)
+            return functools.partial(
+                cpu_kernels.call, "reduce_shards", recv, n_ranks, self.fmt, out
+            )
         if self.backend != "triton":
             return call
         if out.numel() != self._shard_bytes(recv, n_ranks):
@@ -1173,7 +1170,7 @@ class Codec:
         """
         decode = self.bind_decode(payload, sent, unscale, layout)
         if self.backend == "kernels" and x.device.type == "cpu":
-            lost = functools.partial(_kernel, "keep_lost", x, sent, residual)
+            lost = functools.partial(cpu_kernels.call, "keep_lost", x, sent, residual)
         else:
             lost = functools.partial(_keep_lost_torch, x, sent, residual)
         return functools.partial(_calls_then, decode, lost)
@@ -1209,7 +1206,7 @@ class Codec:
         _check_scaled(scale, layout, numel)
         _check_scaled(unscale, layout, numel)
         return functools.partial(
-            _kernel,
+            cpu_kernels.call,
             "encode_keep",
             fmt,
             x.numpy(),
@@ -1311,7 +1308,9 @@ class Codec:
         if x.dtype != torch.float32 or out.dtype != torch.float32:
             return call
         if self.backend == "kernels" and x.is_contiguous() and out.numel() == layout.n_segments:
-            return functools.partial(_kernel, "block_amax", x, _host_offsets(layout, 0), out)
+            return functools.partial(
+                cpu_kernels.call, "block_amax", x, _host_offsets(layout, 0), out
+            )
         if self.backend != "triton":
             return call
         launch = _triton().bind_layer_maxima(x, out, layout.device_offsets)
@@ -1353,10 +1352,10 @@ class Codec:
             values = scratch[: n_ranks * numel]
             offsets = np.array([0, n_ranks * numel], np.int64)
             decode = functools.partial(
-                _kernel, "decode", recv, values, self.fmt, offsets, None, None, None
+                cpu_kernels.call, "decode", recv, values, self.fmt, offsets, None, None, None
             )
             rows = values.numpy().reshape(n_ranks, numel)
-            mean = functools.partial(_kernel, "rows_mean", rows, out.numpy(), divisor)
+            mean = functools.partial(cpu_kernels.call, "rows_mean", rows, out.numpy(), divisor)
             return functools.partial(_calls_then, decode, mean)
         if self.backend == "triton":
             return functools.partial(_triton().shard_mean, recv, n_ranks, self.fmt, out, divisor)
@@ -1399,7 +1398,7 @@ class Codec:
             )
         if self.backend == "kernels" and maxima.device.type == "cpu":
             return functools.partial(
-                _kernel,
+                cpu_kernels.call,
                 "staged_factors_into",
                 maxima.numpy(),
                 self.fmt,
@@ -1465,7 +1464,7 @@ class Codec:
             # A CPU grid's blocks go as the grid: the kernel derives their offsets.
             grid = layout.cells if layout.cells is not None else layout.offsets.numpy()
             return functools.partial(
-                _kernel,
+                cpu_kernels.call,
                 "block_keys",
                 *(self.fmt, x, grid, counts, maxima, keys, flags, EXPONENT_LIMIT, world_size),
             )
@@ -1568,7 +1567,7 @@ class Codec:
         xa, ka = x.numpy(), keys.numpy()
         return (
             functools.partial(
-                _kernel,
+                cpu_kernels.call,
                 "send_agreed_blocks",
                 self.fmt,
                 xa,
@@ -1580,7 +1579,7 @@ class Codec:
                 c.send.numel() // n,
             ),
             functools.partial(
-                _kernel,
+                cpu_kernels.call,
                 "owner_agreed_blocks",
                 self.fmt,
                 EXPONENT_LIMIT,
@@ -1596,7 +1595,7 @@ class Codec:
                 longest,
             ),
             functools.partial(
-                _kernel,
+                cpu_kernels.call,
                 "decode_agreed_blocks",
                 self.fmt,
                 c.gathered.numpy(),
@@ -1640,7 +1639,7 @@ class Codec:
             )
         n, table = firsts.size - 1, _key_table(unscale=False)
         return functools.partial(
-            _kernel,
+            cpu_kernels.call,
             "send_rank_blocks",
             self.fmt,
             x.numpy(),
@@ -1686,7 +1685,7 @@ class Codec:
                 own_row=row,
             )
         return functools.partial(
-            _kernel,
+            cpu_kernels.call,
             "owner_rank_blocks",
             self.fmt,
             EXPONENT_LIMIT,
@@ -1714,7 +1713,7 @@ class Codec:
                 self.fmt, c.gathered, n, offsets, c.firsts, layer_of, union, x, c.shard_bytes
             )
         return functools.partial(
-            _kernel,
+            cpu_kernels.call,
             "decode_rank_blocks",
             self.fmt,
             c.gathered.numpy(),
@@ -1878,13 +1877,13 @@ class Codec:
             if t is not None:
                 return functools.partial(_mean_of_rows, [], c.received.view(per, numel), mean)
             rows = c.received.numpy().reshape(per, numel)
-            return functools.partial(_kernel, "mean_rows", rows, mean.numpy())
+            return functools.partial(cpu_kernels.call, "mean_rows", rows, mean.numpy())
         _, slice_firsts, slice_bytes = c.first
         local = c.own_rows[0]
         mine = x[_piece(c.offsets, slice_firsts, local)]
         if t is None:
             return functools.partial(
-                _kernel,
+                cpu_kernels.call,
                 "mean_rank_blocks",
                 self.fmt,
                 c.received.numpy(),
@@ -1924,7 +1923,7 @@ class Codec:
         """The OR of rows of 0/1 flag bytes into ``out``, bound."""
         if self.backend == "triton":
             return functools.partial(_or_rows, rows, out)
-        return functools.partial(_kernel, "or_rows", rows.numpy(), out.numpy())
+        return functools.partial(cpu_kernels.call, "or_rows", rows.numpy(), out.numpy())
 
     def _torch(self) -> Codec:
         """This format's codec with torch ops on the same device (a Triton variant's fallback)."""
@@ -2017,7 +2016,7 @@ class Codec:
             [[0.0, 1.0, 2.0, 1.0, 0.0]]
         """
         self._check_records(x, layout)
-        _kernel("layer_records", x, layout.offsets.numpy(), maxima, keys, self.fmt, out)
+        cpu_kernels.call("layer_records", x, layout.offsets.numpy(), maxima, keys, self.fmt, out)
 
     def block_records(
         self,
@@ -2046,7 +2045,7 @@ class Codec:
             [[0.0, 1.0, 2.0, 1.0, 0.0]]
         """
         self._check_records(x, blocks.layout)
-        _kernel(
+        cpu_kernels.call(
             "block_records",
             x,
             blocks.layout.offsets.numpy(),
@@ -2099,7 +2098,7 @@ class Codec:
             [[0.0, 500.0, 3.0, 1.0, 1.0]]
         """
         self._check_records(x, layout)
-        _kernel(
+        cpu_kernels.call(
             "unit_records",
             x,
             layout.offsets.numpy(),
@@ -2131,7 +2130,7 @@ class Codec:
                 f"copy_spans runs the CPU kernels on contiguous tensors, got backend "
                 f"{self.backend!r}"
             )
-        _kernel("copy_spans", src, dst, spans)
+        cpu_kernels.call("copy_spans", src, dst, spans)
 
     def sum_runs(
         self,
@@ -2157,7 +2156,7 @@ class Codec:
         """
         if self.backend != "kernels":
             raise ValueError(f"sum_runs runs the CPU kernels, not {self.backend!r}")
-        _kernel("sum_runs", values, out, runs, n_rows, offsets, maxima)
+        cpu_kernels.call("sum_runs", values, out, runs, n_rows, offsets, maxima)
         return out
 
     def _check_records(self, x: torch.Tensor, layout: Layout) -> None:

@@ -3259,7 +3259,7 @@ def owner_feedback(
         _owner_feedback_codes(recv.view(np.uint16), values, acc, out.view(np.uint16), *args)
 
 
-def call(name: str, *args: object) -> None:
+def call(name: str, *args: object) -> object:
     """The kernel ``name`` of this module, looked up when called.
 
     A call bound to a kernel function itself escapes whoever wraps the module's
@@ -3269,4 +3269,4 @@ def call(name: str, *args: object) -> None:
         >>> out = torch.zeros(1)
         >>> call("mean_rows", torch.ones(2, 1), out)  # doctest: +SKIP
     """
-    globals()[name](*args)
+    return globals()[name](*args)
