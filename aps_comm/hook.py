@@ -58,6 +58,7 @@ from aps_comm.policy import describe as describe_policy
 from aps_comm.reduction import resolve_routes
 from aps_comm.telemetry import LayerStats, StepStats
 from aps_comm.topology import NodeGroups, Topology, by_rank
+from aps_comm.workspace import Slot
 from aps_perfmodel.profile import Profile
 from aps_perfmodel.strategies import hook_cluster
 
@@ -297,6 +298,9 @@ class APSState:
         self._last_stats = StepStats()
         self._worker: FifoWorker | None = None
         self._streams: dict[torch.device, torch.cuda.Stream] = {}
+        # Per bucket index: the pointer and size of the non-float32 buffer whose float32
+        # copy it was last bound on (:meth:`_float_input`).
+        self._inputs: dict[int, tuple[int, int]] = {}
         self.cuda_graphs = bool(cuda_graphs)
         # Settled buckets' CUDA graphs (NCCL with CUDA tensors only).
         self.graphs: BucketGraphs | None = None
@@ -613,8 +617,8 @@ class APSState:
         """The bucket's settled work as a CUDA graph: replayed, or captured then replayed.
 
         None where it runs eagerly: not settled, a first settled run, not
-        float32 (its float32 copy is new each step), the caller's stream is
-        itself being captured, or capture failed.
+        float32 (its copies in and out of float32 are not captured), the
+        caller's stream is itself being captured, or capture failed.
         """
         graphs, reducer = self.graphs, self.reducer
         assert graphs is not None and reducer is not None
@@ -692,8 +696,8 @@ class APSState:
         reducer = self.reducer
         assert reducer is not None
         try:
-            x = b.buffer if b.buffer.dtype == torch.float32 else b.buffer.float()
-            steady = reducer.steady_for(b.index, b.buffer)
+            x = b.buffer if b.buffer.dtype == torch.float32 else self._float_input(b)
+            steady = reducer.steady_for(b.index, x)
             if steady is not None:
                 tail = reducer.run_steady(b.index, steady, x, defer)
                 return functools.partial(self._finish_bucket, b, x, tail)
@@ -707,6 +711,28 @@ class APSState:
         except RuntimeError as exc:
             raise RuntimeError(f"aps_hook, bucket {b.index}: {exc}") from exc
         return functools.partial(self._finish_bucket, b, x, tail)
+
+    def _float_input(self, b: _Bucket) -> torch.Tensor:
+        """The float32 copy of a bucket whose gradients are not float32, in the workspace.
+
+        The same storage every step (a fresh ``.float()`` is a new tensor each
+        step, and the bucket would be bound again every step, ~3 ms of host at
+        200 layers): the bucket's settled path binds to it once, and again only
+        when DDP's buffer for the bucket changes.
+        """
+        assert self.reducer is not None
+        given = (b.buffer.data_ptr(), b.buffer.numel())
+        if self._inputs.get(b.index) != given:
+            # A new buffer of DDP's (its re-bucketing) may hold other layers, and the copy
+            # would not tell: bound again, as a float32 bucket's new buffer is.
+            self.reducer.steady.pop(b.index, None)
+            self._inputs[b.index] = given
+        workspace = self.reducer.workspace(b.buffer.device)
+        arena = workspace.arena(Slot.input_of(b.index))
+        x = arena.take(b.buffer.numel(), torch.float32)
+        if not arena.close():  # the region grew: the view from its new storage
+            x = workspace.arena(Slot.input_of(b.index)).take(b.buffer.numel(), torch.float32)
+        return x.copy_(b.buffer.view(-1))
 
     def _finish_bucket(
         self, b: _Bucket, x: torch.Tensor, tail: Callable[[], None] | None

@@ -56,6 +56,12 @@ class Slot(enum.Enum):
     """Plans' receive buffers: read by the owner's step, never by a tail."""
     STEP = "step"
     """Settled paths' scratch used only while the bucket's hook runs, never by its tail."""
+    INPUT_EVEN = "input_even"
+    """The float32 copy of an even bucket whose gradients are not float32 (bf16, fp16
+    models): the same storage every step, so the bucket stays bound to it. Written
+    back by the bucket's tail, hence two, as :attr:`EVEN` and :attr:`ODD`."""
+    INPUT_ODD = "input_odd"
+    """The same, for odd buckets."""
 
     @classmethod
     def of(cls, index: int) -> Slot:
@@ -66,6 +72,16 @@ class Slot(enum.Enum):
             <Slot.ODD: 'odd'>
         """
         return cls.ODD if index % 2 else cls.EVEN
+
+    @classmethod
+    def input_of(cls, index: int) -> Slot:
+        """The slot of bucket ``index``'s float32 copy (consecutive buckets alternate).
+
+        Example:
+            >>> Slot.input_of(3)
+            <Slot.INPUT_ODD: 'input_odd'>
+        """
+        return cls.INPUT_ODD if index % 2 else cls.INPUT_EVEN
 
 
 class Workspace:
