@@ -546,7 +546,8 @@ def test_owner_reduce_rank_blocks_matches_kernels(
     numels = [37, 0, 64, 5, 300, 1, 98]
     cpu = torch.device("cpu")
     kernels, triton_ = codec.Codec(fmt, cpu, "kernels"), codec.Codec(fmt, cpu, "triton")
-    for block_size, n_ranks, tile in ((8, 3, 64), (32, 4, tc.TILE), (256, 1, 256), (8, 2, 64)):
+    default_tile = tc.TILE
+    for block_size, n_ranks, tile in ((8, 3, 64), (32, 4, default_tile), (256, 1, 256), (8, 2, 64)):
         monkeypatch.setattr(tc, "TILE", tile)
         layout = codec.Layout.from_numels(numels, cpu).grid(block_size).layout
         gen = torch.Generator().manual_seed(block_size * n_ranks)
@@ -576,7 +577,9 @@ def test_owner_reduce_rank_blocks_matches_kernels(
         triton_.owner_reduce_rank_blocks, recv, n_ranks, layout, factors, own=own, own_row=1
     )
     assert torch.equal(got, mine) and torch.equal(d, mine_d)
-    # Factors in a column (a transposed tensor) are read as their values.
+    # Factors in a column (a transposed tensor) are read as their values: the codec's
+    # copy on the host, so one program (the default tile) shows it, not ten.
+    monkeypatch.setattr(tc, "TILE", default_tile)
     cols = factors.t().contiguous().t()
     assert torch.equal(
         _quiet(triton_.owner_reduce_rank_blocks, recv, n_ranks, layout, cols)[0], ref
