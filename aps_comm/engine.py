@@ -1150,7 +1150,6 @@ class Reducer:
         step: int,
         chunk: int | None = None,
         defer: bool = False,
-        shared_maxima: torch.Tensor | None = None,
     ) -> Callable[[], None] | None:
         """Average one bucket's float32 values ``x`` over the ranks, in place.
 
@@ -1165,10 +1164,6 @@ class Reducer:
                 on CPU by the bucket's measured exchange).
             defer: leave the last chunks on the wire and return the function
                 that finishes them.
-            shared_maxima: this step's agreed maxima (Promote's rates, the chunk),
-                from the bound path whose formats Promote has just moved: no
-                collective or Promote step here; with error feedback it has
-                added the residuals too.
 
         Returns:
             With ``defer`` and chunks left in flight, the function that
@@ -1177,14 +1172,13 @@ class Reducer:
         comm, settings, assignment = self.comm, self.settings, self.assignment
         self.step = step
         plan, layers = self.plan(index, numels, x.device), (keys, numels, names)
-        if shared_maxima is None and self.settles:
+        if self.settles:
             # Bound, then run, from the first step; else the general per-step path.
             st = self._bind_first(index, x, plan, layers, chunk)
             if st is not None:
                 return self.run_steady(index, st, x, defer)
         if self.feedback is not None:
-            if shared_maxima is None:  # else the settled path has added them
-                self.feedback.add(x, numels, names)
+            self.feedback.add(x, numels, names)
             # Its float32 scratch (two buckets' worth at N = 1) leaves no room for
             # a second bucket's buffers within the workspace's bound: no overlap.
             defer = False
@@ -1222,9 +1216,6 @@ class Reducer:
             # Rank exponents: each rank's chunk rides on the first exchange
             # instead, for the next step.
             agreed, wanted = self._agree_blocks(plan, x, fmts, 0 if rank_exps else mine, rank_exps)
-        elif shared_maxima is not None:
-            amax = shared_maxima[:n_layers]
-            wanted = shared_maxima[-1] if measured else None
         else:
             amax, wanted = self._agree_maxima(plan, x, keys, names, mine if measured else None)
         chunk = self._bucket_chunk(plan, x.numel(), main, chunk, wanted, measured and rank_exps)
@@ -1253,10 +1244,6 @@ class Reducer:
         tail = self._groups(index, x, numels, groups, amax, names, agreed, defer, offer)
         if measured and len(groups) == 1:
             plan.timed(time.perf_counter() - start)
-        if shared_maxima is not None and self.settles:  # Promote moved a format: bound again
-            self._settle_bucket(
-                index, x, plan, fmts, groups, layers, main, measured, chunk, rank_exps
-            )
         return tail
 
     def _bind_first(
@@ -1266,6 +1253,7 @@ class Reducer:
         plan: BucketPlan,
         layers: tuple[Sequence[Any], list[int], Sequence[str | None]],
         chunk: int | None,
+        added: bool = False,
     ) -> Steady | SteadyBlocks | SteadyAgreedBlocks | SteadyFeedback | SteadyGroups | None:
         """Bind bucket ``index``'s settled path before it runs (no collective): this step's
         formats, and the chunk this rank offers (:meth:`run_steady` agrees it with the
@@ -1273,7 +1261,8 @@ class Reducer:
         has no bound path (the general path then takes the step; a configuration that
         failed is not tried again until its formats, epoch or workspace change).
 
-        ``layers``: the layers' keys, sizes and names; ``chunk``: as :meth:`bucket`'s.
+        ``layers``: the layers' keys, sizes and names; ``chunk``: as :meth:`bucket`'s;
+        ``added``: error feedback's residuals are in ``x`` already (Promote's move).
         """
         comm, settings, assignment, fb = self.comm, self.settings, self.assignment, self.feedback
         keys, numels, names = layers
@@ -1330,7 +1319,8 @@ class Reducer:
             # As the general path: a layer sent in FP32 now (a new epoch's format) sends
             # what its residual kept once more, then keeps none.
             exact = {i for g in groups if g.reduction == Route.FP32 for i in g.index}
-            fb.add(x, numels, [m if i in exact else None for i, m in enumerate(names)])
+            if not added:
+                fb.add(x, numels, [m if i in exact else None for i, m in enumerate(names)])
             fb.drop([names[i] for i in exact])
         sent_groups = [g for g in groups if g.fmt != FP32]
         if sent_groups:
@@ -1733,6 +1723,13 @@ class Reducer:
                 st.scatter()
             self._moved(index, st, x, False)
             return
+        self._finish_feedback_groups(index, st)
+
+    def _finish_feedback_groups(self, index: int, st: SteadyGroups) -> None:
+        """:meth:`_run_feedback_groups`' half after the MAX all-reduce, on the vector it
+        agreed: each group's factors and bound chunk, then the scatter."""
+        comm = self.comm
+        assert st.parts is not None  # made by _settle_feedback_groups
         if st.pick is not None:
             st.pick()
         rates = st.rates or [None] * len(st.parts)
@@ -1773,9 +1770,15 @@ class Reducer:
             chunk = (plan.agreed_chunk or plan.model_chunk) if st.measured else st.chunk
         else:
             agreed = self._agree_groups(index, st, x)
-            if agreed is None:  # Promote moved a layer: the general path took the step
+            if agreed is None:  # Promote moved a layer: its new bound path took the step
                 return
             chunk = agreed
+        self._finish_groups(index, st, x, chunk)
+
+    def _finish_groups(self, index: int, st: SteadyGroups, x: torch.Tensor, chunk: int) -> None:
+        """:meth:`_run_groups`' half after the MAX all-reduce (none with blocks), on the
+        vector it agreed and ``chunk``, the ranks' chunk: every group's bound path."""
+        comm, plan = self.comm, st.plan
         if chunk != st.chunk:
             block_size = self.settings.block_size if st.blocks else None
             st.groups = plan.group(
@@ -1797,7 +1800,7 @@ class Reducer:
     def _agree_groups(self, index: int, st: SteadyGroups, x: torch.Tensor) -> int | None:
         """:meth:`_run_groups`' maxima and their MAX all-reduce (Promote's rates and this
         rank's preferred chunk on it); the chunk, or None where Promote moved a layer and
-        the general path took the step on the maxima agreed."""
+        its new formats took the step on the vector agreed (:meth:`_moved`)."""
         comm = self.comm
         slot = st.maxima.numel() - 1  # the chunk's, after the maxima (and Promote's rates)
         if st.measured:  # CPU only: the numpy view, no tensor op
@@ -1810,14 +1813,7 @@ class Reducer:
         st.maxima_call()
         transports.all_reduce_max(st.maxima, comm.group, self.traffic)
         if st.promote is not None and self._promoted(st):
-            # A layer's format moved: this step goes by the general path in the new
-            # formats, on the maxima just agreed, which binds the bucket again.
-            del self.steady[index]
-            keys, numels, names = st.promote
-            chunk = None if st.measured else st.chunk
-            self.bucket(
-                index, x, keys, numels, names, step=self.step, chunk=chunk, shared_maxima=st.maxima
-            )
+            self._moved(index, st, x, False)  # nothing deferred, as in the general path
             return None
         return 2 ** int(st.maxima.numpy()[slot]) if st.measured else st.chunk
 
@@ -2043,13 +2039,20 @@ class Reducer:
         transports.all_reduce_max(shared, comm.group, self.traffic)
         if st.promote is not None and self._promoted(st):
             return self._moved(index, st, x, False)
+        return self._finish_feedback(index, st, x)
+
+    def _finish_feedback(
+        self, index: int, st: SteadyFeedback, x: torch.Tensor
+    ) -> Callable[[], None] | None:
+        """:meth:`_run_feedback`'s half after the MAX all-reduce, on the maxima it agreed
+        (the residuals in ``x`` already)."""
         st.factors()
         if st.names is not None:  # before the owner's mean overwrites the values
             self.record_feedback(index, st, x)
         if st.maxima is not None:
             self._feedback_rates(st, x, st.maxima[st.shared.numel() :])
         # Not deferred: one workspace slot serves every bucket (:meth:`bucket`).
-        return transports.two_phase_bound(st.calls, comm.group, self.traffic, False)
+        return transports.two_phase_bound(st.calls, self.comm.group, self.traffic, False)
 
     def _settle_agreed_blocks(
         self,
@@ -2330,27 +2333,33 @@ class Reducer:
         if st.route == Route.FP32:
             transports.fp32_mean(x, comm.group, comm.world_size, self.traffic)
             return None
-        g, native = st.group, st.route == Route.ALLREDUCE
-        n = len(st.fmts)
-        # The chunk's slot, after the maxima (and Promote's rates).
-        slot = 2 * n if st.promote is not None else n
         if st.measured:  # CPU only: the keys' numpy view, no tensor op
             exchange_s = st.plan.exchange_s or None
             if st.offer is None or st.offer[0] != exchange_s:
                 fmt = self.settings.fmt
                 mine = self.planner.chunk(fmt, st.numel, st.route, exchange_s)
                 st.offer = exchange_s, math.log2(mine)
-            st.maxima.numpy()[slot] = st.offer[1]
+            # The chunk's slot, after the maxima (and Promote's rates).
+            st.maxima.numpy()[-1] = st.offer[1]
         # Bound to the bucket's buffer: a bucket binds before it runs (:meth:`bucket`).
         assert st.bound_ptr == x.data_ptr() and st.maxima_call is not None
         st.maxima_call()
         transports.all_reduce_max(st.maxima, comm.group, self.traffic)
         if st.promote is not None and self._promoted(st):
             return self._moved(index, st, x, defer)
+        return self._finish_steady(index, st, x, defer)
+
+    def _finish_steady(
+        self, index: int, st: Steady, x: torch.Tensor, defer: bool
+    ) -> Callable[[], None] | None:
+        """:meth:`run_steady`'s half after the MAX all-reduce, on the vector it agreed (the
+        maxima, Promote's rates, the chunk where measured): the factors, the records,
+        this rank's rates and the route's bound chunks."""
+        comm, g, native = self.comm, st.group, st.route == Route.ALLREDUCE
         if st.bucket:
             st.spread()
         if st.measured:
-            chunk = 2 ** int(st.maxima.numpy()[slot])
+            chunk = 2 ** int(st.maxima.numpy()[-1])
             if chunk != st.chunk:
                 st.group = g = st.plan.group(
                     st.fmts,
@@ -2388,25 +2397,90 @@ class Reducer:
     def _moved(
         self, index: int, st: Steady | SteadyFeedback | SteadyGroups, x: torch.Tensor, defer: bool
     ) -> Callable[[], None] | None:
-        """Promote moved a layer's format of settled bucket ``index``: this step sends the
-        new formats by the general path, on the maxima just agreed, which binds the bucket
-        again where it settles (mixed formats too: :class:`SteadyGroups`)."""
-        assert st.promote is not None
+        """Promote moved a layer's format of settled bucket ``index``: the new formats bound
+        first (no collective, :meth:`_bind_first`) and the step finished on their bound
+        path from the vector just agreed (:meth:`_resume`), the general path's bits.
+
+        Where the new formats have no bound path, the general path's groups finish the
+        step on that vector (:meth:`_general_moved`). With error feedback the residuals
+        are in ``x`` already: neither adds them again.
+        """
+        assert st.promote is not None and st.maxima is not None
         del self.steady[index]
-        keys, numels, names = st.promote
+        layers = st.promote
+        measured = not isinstance(st, SteadyFeedback) and st.measured
         # Error feedback sends one chunk, whatever is asked.
-        fixed = not isinstance(st, SteadyFeedback) and not st.measured
-        return self.bucket(
-            index,
-            x,
-            keys,
-            numels,
-            names,
-            step=self.step,
-            chunk=st.chunk if fixed else None,  # type: ignore[union-attr]
-            defer=defer,
-            shared_maxima=st.maxima,
+        fixed = not isinstance(st, SteadyFeedback) and not measured
+        chunk = st.chunk if fixed else None  # type: ignore[union-attr]
+        plan = self.plan(index, layers[1], x.device)
+        new = self._bind_first(index, x, plan, layers, chunk, added=True)
+        if new is None:
+            return self._general_moved(index, x, plan, layers, st.maxima, chunk, defer)
+        assert not isinstance(new, SteadyBlocks | SteadyAgreedBlocks)  # Promote has no blocks
+        assert new.maxima is not None  # with Promote, the general path's vector
+        # The agreed maxima into the new vector (the same order, whatever the kind); its
+        # rates are the binding's, as the general path's step leaves them.
+        n = len(layers[1])
+        new.maxima[:n].copy_(st.maxima[:n])
+        if measured:  # the chunk agreed (CPU only: the numpy views, no tensor op)
+            new.maxima.numpy()[-1] = st.maxima.numpy()[-1]
+        return self._resume(index, new, x, defer)
+
+    def _resume(
+        self, index: int, st: Steady | SteadyFeedback | SteadyGroups, x: torch.Tensor, defer: bool
+    ) -> Callable[[], None] | None:
+        """:meth:`run_steady` from after its MAX all-reduce, ``st``'s vector agreed already
+        (error feedback: the residuals added; groups: gathered into the plan's order)."""
+        if isinstance(st, SteadyFeedback):
+            return self._finish_feedback(index, st, x)
+        if isinstance(st, SteadyGroups) and st.feedback:
+            if not st.fused and st.gather is not None:
+                st.gather()
+            elif st.scatter is not None:  # the fused gather would add the residuals again
+                _gather_back(st.scatter)
+            self._finish_feedback_groups(index, st)
+            return None
+        if isinstance(st, SteadyGroups):
+            chunk = 2 ** int(st.maxima.numpy()[-1]) if st.measured else st.chunk
+            self._finish_groups(index, st, x, chunk)
+            return None
+        if isinstance(st, SteadyStaged):
+            return self._finish_staged(index, st, x, defer)
+        return self._finish_steady(index, st, x, defer)
+
+    def _general_moved(
+        self,
+        index: int,
+        x: torch.Tensor,
+        plan: BucketPlan,
+        layers: tuple[Sequence[Any], list[int], Sequence[str | None]],
+        vector: torch.Tensor,
+        chunk: int | None,
+        defer: bool,
+    ) -> Callable[[], None] | None:
+        """Promote moved bucket ``index``'s layers into formats that have no bound path:
+        the general path's groups send the step on ``vector``, the maxima (Promote's rates,
+        the chunk where measured) just agreed; the residuals are in ``x`` already."""
+        comm, settings = self.comm, self.settings
+        keys, numels, names = layers
+        fmts = self.assignment.formats(keys, self.step)
+        main = self._routes_for(plan, [settings.fmt] * len(fmts))[settings.fmt]
+        measured = chunk is None and self.feedback is None and x.device.type == "cpu"
+        wanted = vector[-1] if measured else None
+        chunk = self.bucket_chunks[index] = self._bucket_chunk(
+            plan, x.numel(), main, chunk, wanted, False
         )
+        groups = plan.group(
+            fmts, self._routes_for(plan, fmts), comm.world_size, chunk, comm.node_layouts()
+        )
+        sent = [g for g in groups if g.fmt != FP32]
+        if sent:
+            self.bucket_routes[index] = str(max(sent, key=lambda g: g.numel).reduction)
+        start = time.perf_counter()
+        tail = self._groups(index, x, numels, groups, vector[: len(fmts)], names, {}, defer, None)
+        if measured and len(groups) == 1:
+            plan.timed(time.perf_counter() - start)
+        return tail
 
     def _settle_staged(
         self,
@@ -2475,15 +2549,22 @@ class Reducer:
                 mine = self.planner.chunk(self.settings.fmt, st.numel, st.route, exchange_s)
                 st.offer = exchange_s, math.log2(mine)
             st.maxima.numpy()[slot] = st.offer[1]
-        assert st.maxima_call is not None and st.factors_call is not None  # made by bind
+        assert st.maxima_call is not None  # made by bind
         st.maxima_call()
         transports.all_reduce_max(st.maxima, comm.group, self.traffic)
         if st.promote is not None and self._promoted(st):
             return self._moved(index, st, x, defer)
+        return self._finish_staged(index, st, x, defer)
+
+    def _finish_staged(
+        self, index: int, st: SteadyStaged, x: torch.Tensor, defer: bool
+    ) -> Callable[[], None] | None:
+        """:meth:`_run_staged`'s half after the MAX all-reduce, on the vector it agreed."""
+        comm = self.comm
         if st.bucket:
             st.spread()
         if st.measured:
-            chunk = 2 ** int(st.maxima.numpy()[slot])  # the ranks' largest preference
+            chunk = 2 ** int(st.maxima.numpy()[-1])  # the ranks' largest preference
             if chunk != st.chunk:
                 routes = self._routes_for(st.plan, st.fmts)
                 st.group = st.plan.group(
@@ -2493,6 +2574,7 @@ class Reducer:
                 st.bind(x, comm.world_size)
                 st.workspace = self._epoch(index, x.device)
         self.bucket_chunks[index] = st.chunk
+        assert st.factors_call is not None  # made by bind
         st.factors_call()
         if st.names is not None:  # before the decode overwrites this rank's values
             self.record_steady(index, st, x)
@@ -3714,6 +3796,14 @@ def _agree_chunk(plan: BucketPlan, log2: int) -> None:
     """The ranks' largest preferred chunk, from a first exchange: the bucket's next one."""
     if log2:
         plan.agreed_chunk = 2**log2
+
+
+def _gather_back(scatter: Callable[[], object]) -> None:
+    """The layers copied into the plan's order by ``scatter`` reversed (a bound
+    ``torch._foreach_copy_`` of the plan-order views into the layers): one call."""
+    assert isinstance(scatter, functools.partial)
+    layers, pieces = scatter.args
+    torch._foreach_copy_(pieces, layers)
 
 
 def _keep_sent(

@@ -10,6 +10,8 @@ also give the same bits as the full one it replaces.
 
 from __future__ import annotations
 
+import collections
+import functools
 import math
 from typing import Any
 
@@ -19,7 +21,14 @@ import torch
 import aps_comm
 from aps_comm import cpu_kernels
 from aps_comm.codec import AgreedMaxima
-from aps_comm.engine import Steady, SteadyAgreedBlocks, SteadyBlocks, SteadyFeedback, SteadyGroups
+from aps_comm.engine import (
+    Reducer,
+    Steady,
+    SteadyAgreedBlocks,
+    SteadyBlocks,
+    SteadyFeedback,
+    SteadyGroups,
+)
 from aps_comm.formats import get_format
 from aps_comm.policy import ByName, KeepLast, MinNumel, Promote, Schedule
 from aps_comm.scaling import exponents
@@ -1115,6 +1124,148 @@ def test_promote_with_error_feedback_on_interleaved_groups_binds_again(world_siz
     args = (options, "e4m3+fp16+e4m3+fp32", "e5m2+fp16+e5m2+fp32")
     for problems in run_distributed(_promote_feedback_steps, world_size, args=args):
         assert problems == []
+
+
+_MOVES: dict[str, dict] = {
+    "one_format": {**ROUTES["two_phase"], "policy": [Promote(gamma=0.05)]},
+    "one_format+stats": {**ROUTES["two_phase"], "stats": True, "policy": [Promote(gamma=0.05)]},
+    "hierarchical": {
+        "fmt": "e4m3",
+        "reduction": "hierarchical",
+        "ranks_per_node": 1,
+        "policy": [Promote(gamma=0.05)],
+    },
+    "keep_last": {**ROUTES["two_phase"], "policy": [Promote(gamma=0.05), KeepLast("fp32")]},
+    "interleaved": {
+        **ROUTES["two_phase"],
+        "policy": [Promote(gamma=0.05), _ODD_FP16, KeepLast("fp32")],
+    },
+    "error_feedback": {
+        **ROUTES["two_phase"],
+        "error_feedback": True,
+        "policy": [Promote(gamma=0.05)],
+    },
+    "keep_last+error_feedback": {
+        **ROUTES["two_phase"],
+        "error_feedback": True,
+        "policy": [Promote(gamma=0.05), KeepLast("fp32")],
+    },
+    "interleaved+error_feedback": {
+        **ROUTES["two_phase"],
+        "error_feedback": True,
+        "policy": [Promote(gamma=0.05), _ODD_FP16, KeepLast("fp32")],
+    },
+}
+"""Promote over every kind of settled bucket it binds: a move binds the new formats."""
+
+
+def _move_step(
+    monkeypatch: pytest.MonkeyPatch,
+    state: aps_comm.APSState,
+    buffer: torch.Tensor,
+    params: list[torch.nn.Parameter],
+) -> tuple[torch.Tensor, list[str]]:
+    """One step of ``state``'s bucket with the general path's groups made to raise:
+    its output, and its ATen ops and kernel calls but those of the binding
+    (:meth:`Reducer._bind_first`, counted apart)."""
+    binding: list[tuple[list[str], list[str]]] = []
+    outs: list[torch.Tensor] = []
+    bind_first = Reducer._bind_first
+
+    def counted(*args: Any, **kwargs: Any) -> Any:
+        made: list[Any] = []
+        binding.append(count_calls(lambda: made.append(bind_first(*args, **kwargs)), CPU))
+        return made[0]
+
+    def general(*args: Any, **kwargs: Any) -> None:
+        raise AssertionError("the general path took the step")
+
+    with monkeypatch.context() as patch:
+        patch.setattr(Reducer, "_bind_first", counted)
+        patch.setattr(Reducer, "_groups", general)
+        patch.setattr(Reducer, "_group", general)
+        aten, kernels = count_calls(lambda: outs.append(state.run_bucket(0, buffer, params)), CPU)
+    assert len(binding) == 1, binding  # the move bound the new formats once
+    rest = collections.Counter(aten + kernels)
+    rest.subtract(binding[0][0] + binding[0][1])
+    return outs[0], sorted(rest.elements())
+
+
+@pytest.mark.parametrize("config", list(_MOVES))
+def test_promote_moves_a_format_on_the_bound_path_within_the_budget(
+    world: None, monkeypatch: pytest.MonkeyPatch, config: str
+) -> None:
+    """Issue 46: the step where Promote moves a format binds the new formats (no
+    collective) and finishes on their bound path from the vector already agreed: no
+    general path (``_groups`` raises), beside the binding's own ops what a settled step
+    of the new formats costs (within the budget) and the agreed maxima copied into the
+    new binding, the same for a few or 200 layers, no host read, and the general path's
+    bits (records and residuals too). Before: the general path's groups, ~100 ops."""
+    moved, settled_step = {}, {}
+    fewest = 4 if "interleaved" in config else 2  # groups that interleave: four layers
+    for layers in (fewest, 200):
+        numels = [300 + i for i in range(layers)]
+        params = [torch.nn.Parameter(torch.empty(n)) for n in numels]
+        settled, full = _bound_state(_MOVES[config], params), _bound_state(_MOVES[config], params)
+        keys = [id(p) for p in params]
+        gen = torch.Generator().manual_seed(layers)
+        buffer = torch.empty(sum(numels))
+        firsts = [sum(numels[:i]) for i in range(layers)]
+        for step in range(5):
+            # Magnitudes in [0.5, 1.5): nothing underflows, but in step 2, whose rates
+            # (e4m3 flushes all but each layer's largest value) move its layers in step 3.
+            x = (torch.rand(sum(numels), generator=gen) + 0.5) * torch.randn(
+                sum(numels), generator=gen
+            ).sign()
+            if step == 2:
+                x *= 1e-7
+                x[firsts] = 2.0**20  # exact: no residual beside the flushed
+            buffer.copy_(x)
+            before = settled.assignment.formats(keys, step)
+            bound = settled.reducer.steady_for(0, buffer) if settled.reducer else None
+            assert step == 0 or bound is not None, step
+            if step == 3:
+                out, moved[layers] = _move_step(monkeypatch, settled, buffer, params)
+                assert settled.assignment.formats(keys, step) != before  # it moved
+                now = settled.reducer.steady_for(0, buffer)
+                assert now is not None and now is not bound  # bound to the new formats
+            elif step == 4:  # a settled step of the new formats
+                outs: list[torch.Tensor] = []
+                aten, kernels = count_calls(
+                    functools.partial(_run_into, outs, settled, buffer, params), CPU
+                )
+                out, settled_step[layers] = outs[0], aten + kernels
+                assert settled.reducer.steady_for(0, buffer) is bound
+            else:
+                out = settled.run_bucket(0, buffer, params)
+            full.bind(CPU)
+            full.reducer.settles = False  # never bound: the general path every step
+            want = full.run_bucket(0, x.clone(), params)
+            assert torch.equal(out.view(torch.int32), want.view(torch.int32)), (layers, step)
+            assert settled.assignment.promote == full.assignment.promote, (layers, step)
+            assert repr(settled.stats) == repr(full.stats), (layers, step)
+            if settled.reducer.feedback is not None:
+                mine, ref = settled.state_dict()["residuals"], full.state_dict()["residuals"]
+                assert mine.keys() == ref.keys(), (layers, step)
+                for k in ref:
+                    assert torch.equal(mine[k].view(torch.int32), ref[k].view(torch.int32)), k
+    assert not any("_local_scalar_dense" in op for op in moved[200]), moved[200]
+    assert moved[fewest] == moved[200], moved
+    assert len(settled_step[200]) <= BUDGET, settled_step[200]
+    # The agreed maxima copied into the new binding's vector; interleaved groups with
+    # error feedback also scatter the values (their residuals added) into the bucket and
+    # gather them in the new order (their fused gather would add the residuals again).
+    extra = 1 + 2 * (config == "interleaved+error_feedback")
+    assert len(moved[200]) <= len(settled_step[200]) + extra, (moved[200], settled_step[200])
+
+
+def _run_into(
+    outs: list[torch.Tensor],
+    state: aps_comm.APSState,
+    buffer: torch.Tensor,
+    params: list[torch.nn.Parameter],
+) -> None:
+    outs.append(state.run_bucket(0, buffer, params))
 
 
 @pytest.mark.parametrize(
