@@ -666,6 +666,9 @@ class SteadyGroups:
             too where the groups interleave (else the bucket is their values), and each
             group's encode, residual update and owner step are one call each
             (:meth:`Reducer._fuse_feedback_groups`).
+        layouts: the state's node layouts: a group sent hierarchical or grid (groups
+            consecutive in the bucket) is a :class:`SteadyStaged` (with ``blocks``,
+            :class:`SteadyNodeBlocks`) on its route's groups.
     """
 
     numel: int
@@ -698,6 +701,7 @@ class SteadyGroups:
     none: bool = False
     gather_numels: list[int] = dataclasses.field(default_factory=list)
     fused: bool = False
+    layouts: Layouts | None = None
 
     def bind(self, x: torch.Tensor, world_size: int, rank: int = 0) -> bool:
         """Bind the maxima kernel, the gather and every group's path to the float32
@@ -784,7 +788,12 @@ class SteadyGroups:
         """Group ``g``'s :class:`Steady`, bound to its values ``gx`` and agreed maxima ``gmax``
         (``picked``: written, and spread for the factors only, by the factors' call)."""
         route = Route(g.reduction)
-        steady = Steady(
+        staged: dict[str, Any] = {}
+        if route.staged:
+            assert g.node is not None and self.layouts is not None
+            nodes = self.layouts.grid if route == Route.GRID else self.layouts.nodes
+            staged = {"groups": nodes, "per_node": g.node.ranks_per_node}
+        steady = (SteadyStaged if staged else Steady)(
             g.numel,
             gx.data_ptr(),
             self.plan,
@@ -797,6 +806,7 @@ class SteadyGroups:
             self.chunk,
             bucket=self.bucket and not picked,
             epoch=self.epoch,
+            **staged,
         )
         if names is not None:
             steady.record_names(names)
@@ -814,7 +824,13 @@ class SteadyGroups:
         """Group ``g``'s :class:`SteadyBlocks`, bound to its values ``gx`` (None where the
         codec has no fused calls for them)."""
         n_blocks, n_layers, device = g.layout.n_segments, len(g.index), gx.device
-        steady = SteadyBlocks(
+        staged: dict[str, Any] = {}
+        if g.node_blocks is not None:
+            route, layouts = Route(g.reduction), self.layouts
+            assert layouts is not None
+            nodes = layouts.grid if route == Route.GRID else layouts.nodes
+            staged = {"groups": nodes, "per_node": g.node_blocks.ranks_per_node}
+        steady = (SteadyNodeBlocks if staged else SteadyBlocks)(
             g.numel,
             gx.data_ptr(),
             self.plan,
@@ -828,6 +844,7 @@ class SteadyGroups:
             torch.zeros(n_layers, dtype=torch.uint8, device=device),
             names=names,
             epoch=self.epoch,
+            **staged,
         )
         return steady if steady.bind(gx, rank, world_size) else None
 
@@ -1483,6 +1500,10 @@ class Reducer:
         if self.feedback is not None:
             self._settle_feedback_groups(index, x, plan, fmts, groups, main, layers)
             return
+        # Staged groups where they are consecutive in the bucket (KeepLast's): interleaved,
+        # two staged groups' chunks and the gather pass the budget.
+        if [i for g in groups for i in g.index] == list(range(len(fmts))):
+            routes += (Route.HIERARCHICAL, Route.GRID)
         if (
             # Blocks: each rank's own exponents (nothing agreed, Promote takes no step).
             (blocks and (promoted or not all(_own_blocks(g) for g in groups)))
@@ -1516,6 +1537,7 @@ class Reducer:
             epoch=assignment.epoch(self.step),
             workspace=self._epoch(index, x.device),
             none=settings.scaling == Scaling.NONE,
+            layouts=self.comm.layouts,
         )
         if st.bind(x, self.comm.world_size, self.comm.rank):
             self.steady[index] = st
@@ -1836,11 +1858,16 @@ class Reducer:
             if s is None:
                 transports.fp32_mean(values, comm.group, comm.world_size, self.traffic)
             elif isinstance(s, SteadyBlocks):
-                assert s.keys_call is not None and s.calls is not None  # made by bind
+                assert s.keys_call is not None  # made by bind
                 s.keys_call()
                 if s.names is not None:  # this rank's own keys: before anything is sent
                     self.record_steady_blocks(index, s, values)
-                transports.two_phase_rank_blocks_bound(s.calls, comm.group, self.traffic)
+                if isinstance(s, SteadyNodeBlocks):
+                    assert s.node_calls is not None and s.groups is not None
+                    transports.hierarchical_bound(s.node_calls, s.groups, self.traffic)
+                else:
+                    assert s.calls is not None  # made by bind
+                    transports.two_phase_rank_blocks_bound(s.calls, comm.group, self.traffic)
             else:
                 self._run_part(index, s, values, out, next(factors, None))
         if st.put_rates is not None:
@@ -1867,10 +1894,17 @@ class Reducer:
                 s.spread()
             if s.host_factors is not None:  # the CPU kernels' factor arrays
                 s.agreed.host_factors_into(s.group.fmt, *s.host_factors)
+            if isinstance(s, SteadyStaged):
+                assert s.factors_call is not None  # made by bind
+                s.factors_call()
         if s.names is not None:  # before the decode overwrites this rank's values
             self.record_steady(index, s, values)
         if rates is not None:
             self._settled_rates(s, values, rates)
+        if isinstance(s, SteadyStaged):
+            assert s.node_calls is not None and s.groups is not None  # made by bind
+            transports.hierarchical_bound(s.node_calls, s.groups, self.traffic)
+            return
         assert s.calls is not None  # made by Steady.bind
         if s.route == Route.ALLREDUCE:
             transports.native(
@@ -3702,9 +3736,9 @@ def _encode_and_keep(encode: Callable[[], object], keep: Callable[[], object]) -
 
 
 def _own_blocks(g: GroupPlan) -> bool:
-    """Whether group ``g`` goes in FP32, or by two_phase with every rank's own block
-    exponents (what a settled bucket of several formats binds with blocks)."""
-    if g.reduction == Route.FP32:
+    """Whether group ``g`` goes in FP32, or by two_phase (or a staged route) with every
+    rank's own block exponents (what a settled bucket of several formats binds with blocks)."""
+    if g.reduction == Route.FP32 or g.node_blocks is not None:
         return True
     sh = g.block_shards
     return g.reduction == Route.TWO_PHASE and sh is not None and sh.rank_exponents
