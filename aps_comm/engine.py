@@ -405,6 +405,12 @@ class SteadyStaged(Steady):
         record_keys: with ``names`` or ``promote`` on the CPU kernels, int32 and float32
             scratch of the layers' first exponents and factors (what the records and
             Promote's rates count under: :meth:`first_factors`).
+        local: block scaling with agreed exponents (the CPU kernels only): this rank's
+            float32 block maxima; ``maxima`` is then the MAX all-reduce's uint8 vector of
+            the general path (every block's inner key, every block's outer key, the
+            chunk's byte where measured), the maxima call writes both
+            (:func:`aps_comm.cpu_kernels.staged_keys`) and the factors come from the
+            agreed keys (:func:`aps_comm.cpu_kernels.staged_key_factors`), per block.
     """
 
     groups: NodeGroups | None = None
@@ -413,19 +419,33 @@ class SteadyStaged(Steady):
     factors_call: Callable[[], object] | None = None
     node_calls: list[transports.NodeChunkCalls] | None = None
     record_keys: tuple[np.ndarray, np.ndarray] | None = None
+    local: torch.Tensor | None = None
 
     def bind(self, x: torch.Tensor, world_size: int) -> None:
         """Bind the maxima kernel, the factors and every chunk's calls to the float32
         buffer ``x``."""
         g, grid = self.group, self.route == Route.GRID
-        n = len(self.fmts)
-        if self.factors is None or self.factors.device != x.device:
+        n = g.layout.n_segments  # the layers, or with ``local`` the blocks
+        if self.factors is None or self.factors.shape[1] != n or self.factors.device != x.device:
             self.factors = torch.ones(4, n, dtype=torch.float32, device=x.device)
         f = self.factors
-        self.maxima_call = g.codec.bind_layer_maxima(x, g.layout, self.agreed.maxima)
-        self.factors_call = g.codec.bind_staged_factors(
-            self.agreed.maxima, world_size, self.per_node, grid, f, self.agreed.none
-        )
+        if self.local is not None:
+            assert g.blocks is not None
+            cells = g.layout.cells if g.layout.cells is not None else g.layout.offsets.numpy()
+            keys, per = self.maxima[: 2 * n], self.per_node
+            self.maxima_call = functools.partial(
+                cpu_kernels.call,
+                "staged_keys",
+                *(g.fmt, x, cells, self.local, keys, world_size, per, EXPONENT_LIMIT),
+            )
+            self.factors_call = functools.partial(
+                cpu_kernels.call, "staged_key_factors", keys, g.blocks.counts, grid, f
+            )
+        else:
+            self.maxima_call = g.codec.bind_layer_maxima(x, g.layout, self.agreed.maxima)
+            self.factors_call = g.codec.bind_staged_factors(
+                self.agreed.maxima, world_size, self.per_node, grid, f, self.agreed.none
+            )
         counted = self.names is not None or self.promote is not None
         if counted and g.codec.backend == "kernels" and x.device.type == "cpu":
             self.record_keys = np.empty(n, np.int32), np.empty(n, np.float32)
@@ -1377,7 +1397,7 @@ class Reducer:
         g = groups[0]
         promoted = self.assignment.promoter is not None
         layers_of = (list(keys), list(numels), list(names)) if promoted else None
-        if self.settings.scaling != Scaling.BLOCK and Route(g.reduction).staged:
+        if Route(g.reduction).staged and not rank_exps:
             self._settle_staged(index, x, plan, fmts, g, measured, chunk, names, layers_of)
         elif self.settings.scaling != Scaling.BLOCK:
             self._settle(
@@ -2459,16 +2479,23 @@ class Reducer:
         Promote's levels (with ``stats=True`` recording too, its layers labelled by
         ``names``; ``promote``: with Promote, the layers' keys, sizes and names)."""
         settings, assignment = self.settings, self.assignment
+        blocks = g.blocks is not None  # agreed block exponents
         if (
             self.feedback is not None
             or (assignment.promoter is not None and promote is None)
             or not g.contiguous
             or g.node is None
+            # The staged block keys and their factors are CPU kernels only.
+            or (blocks and (g.codec.backend != "kernels" or x.device.type != "cpu"))
         ):
             return
         route, layouts, n = Route(g.reduction), self.comm.layouts, len(fmts)
         rates = n if promote is not None else 0
         maxima = torch.zeros(n + rates + int(measured), dtype=torch.float32, device=x.device)
+        local = None
+        if blocks:  # the general path's vector: two keys per block, then the chunk's byte
+            local = torch.empty(g.layout.n_segments)
+            maxima = torch.zeros(2 * local.numel() + int(measured), dtype=torch.uint8)
         if promote is not None:
             self._bind_rates(maxima[n : 2 * n], promote[2])
         st = SteadyStaged(
@@ -2479,7 +2506,11 @@ class Reducer:
             route,
             list(fmts),
             maxima,
-            AgreedMaxima(maxima[:n], self.comm.world_size, none=settings.scaling == Scaling.NONE),
+            AgreedMaxima(
+                maxima[:n] if local is None else local,
+                self.comm.world_size,
+                none=settings.scaling == Scaling.NONE,
+            ),
             measured,
             chunk,
             bucket=settings.scaling == Scaling.BUCKET,
@@ -2488,6 +2519,7 @@ class Reducer:
             groups=layouts.grid if route == Route.GRID else layouts.nodes,
             per_node=g.node.ranks_per_node,
             promote=promote,
+            local=local,
         )
         if settings.stats:
             st.record_names(names)
@@ -2520,8 +2552,9 @@ class Reducer:
             chunk = 2 ** int(st.maxima.numpy()[slot])  # the ranks' largest preference
             if chunk != st.chunk:
                 routes = self._routes_for(st.plan, st.fmts)
+                block_size = self.settings.block_size if st.local is not None else None
                 st.group = st.plan.group(
-                    st.fmts, routes, comm.world_size, chunk, comm.node_layouts()
+                    st.fmts, routes, comm.world_size, chunk, comm.node_layouts(), block_size
                 )[0]
                 st.chunk = chunk
                 st.bind(x, comm.world_size)
@@ -2552,6 +2585,13 @@ class Reducer:
         """
         g, agreed = st.group, st.agreed
         assert st.names is not None
+        if isinstance(st, SteadyStaged) and st.local is not None:
+            # Agreed block keys: each block's counts under its inner (first-level) key.
+            assert g.blocks is not None
+            rows = torch.empty(len(st.names), 5, dtype=torch.float64)
+            g.codec.block_records(x, g.blocks, st.maxima[: g.layout.n_segments], st.local, rows)
+            self.stats.add_rows(index, st.names, g.numels, g.fmt, rows)
+            return
         amax = agreed.maxima if st.raw is None else st.raw
         keys = st.host_factors[2] if st.host_factors is not None else None
         if isinstance(st, SteadyStaged) and st.record_keys is not None:

@@ -73,8 +73,6 @@ def _gap(fmt: str, scaling: str, exps: str, route: str, policy: str, stats: bool
         return "hierarchical in interleaved formats: two staged groups and the gather pass 15 ops"
     if route == "hierarchical" and mixed and exps == "agreed":
         return "hierarchical in several formats with agreed block exponents: no bound groups"
-    if route == "hierarchical" and exps == "agreed":
-        return "hierarchical with agreed block exponents: no bound staged block path"
     if route == "allreduce" and scaling == "block":
         return "native all-reduce with blocks: no bound path"
     if route == "allreduce" and fb:

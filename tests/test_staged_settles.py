@@ -11,7 +11,7 @@ import pytest
 import torch
 
 import aps_comm
-from aps_comm.engine import SteadyGroups
+from aps_comm.engine import SteadyGroups, SteadyStaged
 from aps_comm.policy import KeepLast
 from aps_comm.testing import run_distributed
 from benchmarks.hostcost import ParamLayer, count_ops, world_of_one
@@ -19,6 +19,12 @@ from benchmarks.hostcost import ParamLayer, count_ops, world_of_one
 CPU = torch.device("cpu")
 BUDGET = 15  # tests/test_hostcost.py's
 _KEEP_LAST = {"reduction": "hierarchical", "ranks_per_node": 2, "policy": [KeepLast("fp32")]}
+_AGREED = {
+    "reduction": "hierarchical",
+    "ranks_per_node": 2,
+    "scaling": "block",
+    "block_exponents": "agreed",
+}
 
 
 @pytest.fixture(scope="module")
@@ -80,11 +86,14 @@ def _against_the_general_path(
     return problems
 
 
-def test_staged_buckets_in_several_formats_settle_with_the_general_paths_bits() -> None:
+def test_staged_buckets_settle_with_the_general_paths_bits() -> None:
     """Issue 46: hierarchical (and grid) buckets in several formats (KeepLast's FP32 last
     layer) settle: the staged group bound as a single-format staged bucket is (one
     exponent per layer, or every rank's own block exponents), the FP32 group its
-    all-reduce; the general path every step before (145 ops per bucket of five layers)."""
+    all-reduce; and with agreed block exponents a staged bucket settles: its two keys
+    per block agreed as the general path agrees them, its factors made from them per
+    block (the general path every step before: 145 and 144 ops per bucket of five
+    layers)."""
     blocks = {"scaling": "block", "block_exponents": "rank"}
     configs = [
         ({**_KEEP_LAST, "fmt": "e4m3", "stats": True}, None, SteadyGroups),
@@ -94,6 +103,12 @@ def test_staged_buckets_in_several_formats_settle_with_the_general_paths_bits() 
         ({**_KEEP_LAST, **blocks, "fmt": "e4m3", "stats": True}, None, SteadyGroups),
         ({**_KEEP_LAST, **blocks, "fmt": "e2m1", "block_size": 8}, 64, SteadyGroups),
     ]
+    configs += [
+        ({**_AGREED, "fmt": "e2m1", "stats": True}, None, SteadyStaged),
+        ({**_AGREED, "fmt": "e4m3", "block_size": 16}, 64, SteadyStaged),
+        ({**_AGREED, "fmt": "fp16", "block_size": 8, "stats": True}, 40, SteadyStaged),
+        ({**_AGREED, "fmt": "e4m3", "reduction": "grid", "stats": True}, 256, SteadyStaged),
+    ]
     args = (configs,)
     for problems in run_distributed(_against_the_general_path, 4, args=args, timeout=240):
         assert problems == []
@@ -101,32 +116,35 @@ def test_staged_buckets_in_several_formats_settle_with_the_general_paths_bits() 
 
 @pytest.mark.filterwarnings("ignore::UserWarning")  # aps_comm.caveats' advice, not an error
 @pytest.mark.parametrize(
-    "options",
+    ("options", "kind"),
     [
-        {"fmt": "e4m3", "stats": True},
-        {"fmt": "fp16", "scaling": "bucket", "stats": True},
-        {"fmt": "e2m1", "scaling": "block", "block_exponents": "rank", "stats": True},
+        ({**_KEEP_LAST, "fmt": "e4m3", "stats": True}, SteadyGroups),
+        ({**_KEEP_LAST, "fmt": "fp16", "scaling": "bucket", "stats": True}, SteadyGroups),
+        ({**_KEEP_LAST, "fmt": "e2m1", "scaling": "block", "stats": True}, SteadyGroups),
+        ({**_AGREED, "fmt": "e2m1", "stats": True}, SteadyStaged),
+        ({**_AGREED, "fmt": "fp16"}, SteadyStaged),
     ],
-    ids=["layer", "bucket", "block"],
+    ids=["keep_last-layer", "keep_last-bucket", "keep_last-block", "agreed", "agreed-fp16"],
 )
-def test_ops_per_settled_staged_bucket_in_several_formats_do_not_grow_with_layers(
-    world: None, options: dict[str, Any]
+def test_ops_per_settled_staged_bucket_do_not_grow_with_layers(
+    world: None, options: dict[str, Any], kind: type
 ) -> None:
-    """Issue 46: a hierarchical bucket in several formats costs the same few ops for 2 or
-    200 layers (478 at 200 layers on the general path): its staged group's bound calls,
-    the FP32 group's all-reduce."""
+    """Issue 46: a hierarchical bucket in several formats, or with agreed block exponents,
+    costs the same few ops for 2 or 200 layers (the general path's grow with them: 145
+    and 144 at five layers): its staged group's bound calls, the FP32 group's all-reduce;
+    with agreed blocks one call for the keys and one for their factors."""
     counts = {}
     for layers in (2, 200):
         numels = [300 + i for i in range(layers)]
         x = torch.randn(sum(numels), generator=torch.Generator().manual_seed(layers))
         params = [torch.nn.Parameter(torch.empty(n)) for n in numels]
-        state = _state({**_KEEP_LAST, **options, "ranks_per_node": 1}, params)
+        state = _state({**options, "ranks_per_node": 1}, params)
         for _ in range(2):  # the plan, then the settled path bound
             state.run_bucket(0, x.clone(), params)
         buffer = x.clone()
         state.run_bucket(0, buffer, params)  # a new buffer: bound once more
         assert state.reducer is not None
-        assert isinstance(state.reducer.steady_for(0, buffer), SteadyGroups)
+        assert type(state.reducer.steady_for(0, buffer)) is kind
         aten, kernels = count_ops(state, buffer, params)
         assert not any("_local_scalar_dense" in op for op in aten), aten  # no host read
         counts[layers] = (aten, kernels)
