@@ -1521,8 +1521,9 @@ class Reducer:
             self._settle_feedback_groups(index, x, plan, fmts, groups, main, layers)
             return
         # Staged groups where they are consecutive in the bucket (KeepLast's): interleaved,
-        # two staged groups' chunks and the gather pass the budget.
-        if [i for g in groups for i in g.index] == list(range(len(fmts))):
+        # two staged groups' chunks and the gather pass the budget. Not with Promote: a
+        # staged group's rates are its own bucket's (SteadyStaged.promote), not a view.
+        if not promoted and [i for g in groups for i in g.index] == list(range(len(fmts))):
             routes += (Route.HIERARCHICAL, Route.GRID)
         if (
             # Blocks: each rank's own exponents (nothing agreed, Promote takes no step).
