@@ -99,6 +99,8 @@ __all__ = [
     "send_agreed_blocks",
     "send_rank_blocks",
     "spread_maximum",
+    "staged_key_factors",
+    "staged_keys",
     "sum_rows",
     "sum_runs",
     "supports",
@@ -2106,32 +2108,122 @@ if AVAILABLE:
         return _u2f(_pow2_bits(min(max(d, -149), 127)))
 
     @_njit
+    def _staged_exponents(a_bits, n_ranks, per_node, fmax, limit):
+        """(inner, outer) exponents of a finite non-zero maximum's float32 bits."""
+        f32max = 3.4028234663852886e38
+        a = np.float64(_u2f(np.uint32(a_bits)))
+        # The node sums add L gradients (headroom L, M of them summed in FP32);
+        # the mean sent back needs none (N summed).
+        h = a * np.float64(per_node)
+        nodes = np.float64(n_ranks // per_node)
+        inner = min(_largest_exponent(h, fmax), _largest_exponent(h * nodes, f32max))
+        outer = min(_largest_exponent(a, fmax), _largest_exponent(a * n_ranks, f32max))
+        return min(max(inner, -limit), limit), min(max(outer, -limit), limit)
+
+    @_njit
+    def _staged_row(inner, outer, grid, bad, out, s):
+        """Column ``s`` of the staged factors' rows (scale, shift, unscale, first)."""
+        if grid:
+            out[0, s] = _pow2_f32(inner - outer)
+            out[3, s] = _pow2_f32(outer)
+        else:
+            out[0, s] = _pow2_f32(inner)
+            out[3, s] = np.float32(1.0)
+        out[1, s] = _pow2_f32(outer - inner)
+        out[2, s] = np.float32(np.nan) if bad else _pow2_f32(-outer)
+
+    @_njit
     def _staged_factors(ab, n_ranks, per_node, grid, fmax, limit, out):
         inf_bits = np.uint32(0x7F800000)
-        f32max = 3.4028234663852886e38
-        nodes = np.float64(n_ranks // per_node)
-        n = np.float64(n_ranks)
         for s in range(len(ab)):
             a_bits = ab[s]
             inner = 0
             outer = 0
             if 0 < a_bits < inf_bits:
-                a = np.float64(_u2f(np.uint32(a_bits)))
-                # The node sums add L gradients (headroom L, M of them summed in FP32);
-                # the mean sent back needs none (N summed).
-                h = a * np.float64(per_node)
-                inner = min(_largest_exponent(h, fmax), _largest_exponent(h * nodes, f32max))
-                outer = min(_largest_exponent(a, fmax), _largest_exponent(a * n, f32max))
-                inner = min(max(inner, -limit), limit)
-                outer = min(max(outer, -limit), limit)
-            if grid:
-                out[0, s] = _pow2_f32(inner - outer)
-                out[3, s] = _pow2_f32(outer)
+                inner, outer = _staged_exponents(a_bits, n_ranks, per_node, fmax, limit)
+            _staged_row(inner, outer, grid, a_bits >= inf_bits, out, s)
+
+    @_njit
+    def _staged_keys(xb, offsets, maxima, keys, n_ranks, per_node, fmax, limit):
+        _block_amax(xb, offsets, maxima)
+        inf_bits = np.uint32(0x7F800000)
+        n = len(maxima)
+        for s in range(n):
+            a_bits = maxima[s]
+            if a_bits == 0:
+                keys[s] = keys[n + s] = 0
+            elif a_bits >= inf_bits:
+                keys[s] = keys[n + s] = 255
             else:
-                out[0, s] = _pow2_f32(inner)
-                out[3, s] = np.float32(1.0)
-            out[1, s] = _pow2_f32(outer - inner)
-            out[2, s] = np.float32(np.nan) if a_bits >= inf_bits else _pow2_f32(-outer)
+                inner, outer = _staged_exponents(a_bits, n_ranks, per_node, fmax, limit)
+                keys[s], keys[n + s] = 127 - inner, 127 - outer
+
+    @_njit
+    def _staged_key_factors(keys, counts, grid, out):
+        n, start = out.shape[1], 0
+        for layer in range(len(counts)):
+            stop = start + counts[layer]
+            bad = False
+            for s in range(start, stop):
+                bad |= keys[s] == 255 or keys[n + s] == 255
+            for s in range(start, stop):
+                k0, k1 = np.int64(keys[s]), np.int64(keys[n + s])
+                inner = 0 if k0 == 0 or k0 == 255 else 127 - k0
+                outer = 0 if k1 == 0 or k1 == 255 else 127 - k1
+                _staged_row(inner, outer, grid, bad, out, s)
+            start = stop
+
+
+def staged_keys(
+    fmt: FloatFormat,
+    x: torch.Tensor,
+    offsets: np.ndarray | BlockGrid,
+    maxima: torch.Tensor,
+    keys: torch.Tensor,
+    world_size: int,
+    ranks_per_node: int,
+    limit: int,
+) -> None:
+    """Every block's max |x| into float32 ``maxima`` and its staged routes' exponent keys
+    (:func:`aps_comm.scaling.exponent_keys` for "hierarchical" or "grid": the inner row,
+    then the outer) into uint8 ``keys`` (2 x blocks, flat): a settled staged bucket's
+    agreed block keys, one call per step.
+
+    Example:
+        >>> from aps_comm.formats import E4M3
+        >>> m, k = torch.empty(2), torch.empty(4, dtype=torch.uint8)
+        >>> staged_keys(E4M3, torch.tensor([3.0, 0.0]), np.array([0, 1, 2]), m, k, 4, 2, 126)
+        >>> k.tolist()
+        [121, 0, 120, 0]
+    """
+    _staged_keys(
+        _np(x).view(np.uint32),
+        _block_offsets(offsets),
+        _np(maxima).view(np.uint32),
+        _np(keys),
+        world_size,
+        ranks_per_node,
+        float(fmt.max),
+        limit,
+    )
+
+
+def staged_key_factors(
+    keys: torch.Tensor, counts: torch.Tensor, grid: bool, out: torch.Tensor
+) -> None:
+    """The staged routes' factors of agreed block keys (:func:`staged_keys`' layout), into
+    the rows of float32 ``out`` (4 x blocks: scale, shift, unscale, first), as
+    :func:`aps_comm.scaling.factors_from_keys` makes them: a key of 255 in either row
+    unscales every block of its layer (``counts``: blocks per layer) to NaN.
+
+    Example:
+        >>> out = torch.empty(4, 2)
+        >>> keys = torch.tensor([121, 255, 120, 255], dtype=torch.uint8)
+        >>> staged_key_factors(keys, torch.tensor([1, 1]), False, out)
+        >>> out[:, 0].tolist(), out[2, 1].item()
+        ([64.0, 2.0, 0.0078125, 1.0], nan)
+    """
+    _staged_key_factors(_np(keys), _np(counts), grid, _np(out))
 
 
 if AVAILABLE:

@@ -405,6 +405,12 @@ class SteadyStaged(Steady):
         record_keys: with ``names`` or ``promote`` on the CPU kernels, int32 and float32
             scratch of the layers' first exponents and factors (what the records and
             Promote's rates count under: :meth:`first_factors`).
+        local: block scaling with agreed exponents (the CPU kernels only): this rank's
+            float32 block maxima; ``maxima`` is then the MAX all-reduce's uint8 vector of
+            the general path (every block's inner key, every block's outer key, the
+            chunk's byte where measured), the maxima call writes both
+            (:func:`aps_comm.cpu_kernels.staged_keys`) and the factors come from the
+            agreed keys (:func:`aps_comm.cpu_kernels.staged_key_factors`), per block.
     """
 
     groups: NodeGroups | None = None
@@ -413,19 +419,33 @@ class SteadyStaged(Steady):
     factors_call: Callable[[], object] | None = None
     node_calls: list[transports.NodeChunkCalls] | None = None
     record_keys: tuple[np.ndarray, np.ndarray] | None = None
+    local: torch.Tensor | None = None
 
     def bind(self, x: torch.Tensor, world_size: int) -> None:
         """Bind the maxima kernel, the factors and every chunk's calls to the float32
         buffer ``x``."""
         g, grid = self.group, self.route == Route.GRID
-        n = len(self.fmts)
-        if self.factors is None or self.factors.device != x.device:
+        n = g.layout.n_segments  # the layers, or with ``local`` the blocks
+        if self.factors is None or self.factors.shape[1] != n or self.factors.device != x.device:
             self.factors = torch.ones(4, n, dtype=torch.float32, device=x.device)
         f = self.factors
-        self.maxima_call = g.codec.bind_layer_maxima(x, g.layout, self.agreed.maxima)
-        self.factors_call = g.codec.bind_staged_factors(
-            self.agreed.maxima, world_size, self.per_node, grid, f, self.agreed.none
-        )
+        if self.local is not None:
+            assert g.blocks is not None
+            cells = g.layout.cells if g.layout.cells is not None else g.layout.offsets.numpy()
+            keys, per = self.maxima[: 2 * n], self.per_node
+            self.maxima_call = functools.partial(
+                cpu_kernels.call,
+                "staged_keys",
+                *(g.fmt, x, cells, self.local, keys, world_size, per, EXPONENT_LIMIT),
+            )
+            self.factors_call = functools.partial(
+                cpu_kernels.call, "staged_key_factors", keys, g.blocks.counts, grid, f
+            )
+        else:
+            self.maxima_call = g.codec.bind_layer_maxima(x, g.layout, self.agreed.maxima)
+            self.factors_call = g.codec.bind_staged_factors(
+                self.agreed.maxima, world_size, self.per_node, grid, f, self.agreed.none
+            )
         counted = self.names is not None or self.promote is not None
         if counted and g.codec.backend == "kernels" and x.device.type == "cpu":
             self.record_keys = np.empty(n, np.int32), np.empty(n, np.float32)
@@ -666,6 +686,9 @@ class SteadyGroups:
             too where the groups interleave (else the bucket is their values), and each
             group's encode, residual update and owner step are one call each
             (:meth:`Reducer._fuse_feedback_groups`).
+        layouts: the state's node layouts: a group sent hierarchical or grid (groups
+            consecutive in the bucket) is a :class:`SteadyStaged` (with ``blocks``,
+            :class:`SteadyNodeBlocks`) on its route's groups.
     """
 
     numel: int
@@ -698,6 +721,7 @@ class SteadyGroups:
     none: bool = False
     gather_numels: list[int] = dataclasses.field(default_factory=list)
     fused: bool = False
+    layouts: Layouts | None = None
 
     def bind(self, x: torch.Tensor, world_size: int, rank: int = 0) -> bool:
         """Bind the maxima kernel, the gather and every group's path to the float32
@@ -784,7 +808,12 @@ class SteadyGroups:
         """Group ``g``'s :class:`Steady`, bound to its values ``gx`` and agreed maxima ``gmax``
         (``picked``: written, and spread for the factors only, by the factors' call)."""
         route = Route(g.reduction)
-        steady = Steady(
+        staged: dict[str, Any] = {}
+        if route.staged:
+            assert g.node is not None and self.layouts is not None
+            nodes = self.layouts.grid if route == Route.GRID else self.layouts.nodes
+            staged = {"groups": nodes, "per_node": g.node.ranks_per_node}
+        steady = (SteadyStaged if staged else Steady)(
             g.numel,
             gx.data_ptr(),
             self.plan,
@@ -797,6 +826,7 @@ class SteadyGroups:
             self.chunk,
             bucket=self.bucket and not picked,
             epoch=self.epoch,
+            **staged,
         )
         if names is not None:
             steady.record_names(names)
@@ -814,7 +844,13 @@ class SteadyGroups:
         """Group ``g``'s :class:`SteadyBlocks`, bound to its values ``gx`` (None where the
         codec has no fused calls for them)."""
         n_blocks, n_layers, device = g.layout.n_segments, len(g.index), gx.device
-        steady = SteadyBlocks(
+        staged: dict[str, Any] = {}
+        if g.node_blocks is not None:
+            route, layouts = Route(g.reduction), self.layouts
+            assert layouts is not None
+            nodes = layouts.grid if route == Route.GRID else layouts.nodes
+            staged = {"groups": nodes, "per_node": g.node_blocks.ranks_per_node}
+        steady = (SteadyNodeBlocks if staged else SteadyBlocks)(
             g.numel,
             gx.data_ptr(),
             self.plan,
@@ -828,6 +864,7 @@ class SteadyGroups:
             torch.zeros(n_layers, dtype=torch.uint8, device=device),
             names=names,
             epoch=self.epoch,
+            **staged,
         )
         return steady if steady.bind(gx, rank, world_size) else None
 
@@ -1350,7 +1387,7 @@ class Reducer:
         g = groups[0]
         promoted = self.assignment.promoter is not None
         layers_of = (list(keys), list(numels), list(names)) if promoted else None
-        if self.settings.scaling != Scaling.BLOCK and Route(g.reduction).staged:
+        if Route(g.reduction).staged and not rank_exps:
             self._settle_staged(index, x, plan, fmts, g, measured, chunk, names, layers_of)
         elif self.settings.scaling != Scaling.BLOCK:
             self._settle(
@@ -1473,6 +1510,11 @@ class Reducer:
         if self.feedback is not None:
             self._settle_feedback_groups(index, x, plan, fmts, groups, main, layers)
             return
+        # Staged groups where they are consecutive in the bucket (KeepLast's): interleaved,
+        # two staged groups' chunks and the gather pass the budget. Not with Promote: a
+        # staged group's rates are its own bucket's (SteadyStaged.promote), not a view.
+        if not promoted and [i for g in groups for i in g.index] == list(range(len(fmts))):
+            routes += (Route.HIERARCHICAL, Route.GRID)
         if (
             # Blocks: each rank's own exponents (nothing agreed, Promote takes no step).
             (blocks and (promoted or not all(_own_blocks(g) for g in groups)))
@@ -1506,6 +1548,7 @@ class Reducer:
             epoch=assignment.epoch(self.step),
             workspace=self._epoch(index, x.device),
             none=settings.scaling == Scaling.NONE,
+            layouts=self.comm.layouts,
         )
         if st.bind(x, self.comm.world_size, self.comm.rank):
             self.steady[index] = st
@@ -1832,11 +1875,16 @@ class Reducer:
             if s is None:
                 transports.fp32_mean(values, comm.group, comm.world_size, self.traffic)
             elif isinstance(s, SteadyBlocks):
-                assert s.keys_call is not None and s.calls is not None  # made by bind
+                assert s.keys_call is not None  # made by bind
                 s.keys_call()
                 if s.names is not None:  # this rank's own keys: before anything is sent
                     self.record_steady_blocks(index, s, values)
-                transports.two_phase_rank_blocks_bound(s.calls, comm.group, self.traffic)
+                if isinstance(s, SteadyNodeBlocks):
+                    assert s.node_calls is not None and s.groups is not None
+                    transports.hierarchical_bound(s.node_calls, s.groups, self.traffic)
+                else:
+                    assert s.calls is not None  # made by bind
+                    transports.two_phase_rank_blocks_bound(s.calls, comm.group, self.traffic)
             else:
                 self._run_part(index, s, values, out, next(factors, None))
         if st.put_rates is not None:
@@ -1863,10 +1911,17 @@ class Reducer:
                 s.spread()
             if s.host_factors is not None:  # the CPU kernels' factor arrays
                 s.agreed.host_factors_into(s.group.fmt, *s.host_factors)
+            if isinstance(s, SteadyStaged):
+                assert s.factors_call is not None  # made by bind
+                s.factors_call()
         if s.names is not None:  # before the decode overwrites this rank's values
             self.record_steady(index, s, values)
         if rates is not None:
             self._settled_rates(s, values, rates)
+        if isinstance(s, SteadyStaged):
+            assert s.node_calls is not None and s.groups is not None  # made by bind
+            transports.hierarchical_bound(s.node_calls, s.groups, self.traffic)
+            return
         assert s.calls is not None  # made by Steady.bind
         if s.route == Route.ALLREDUCE:
             transports.native(
@@ -2499,16 +2554,23 @@ class Reducer:
         Promote's levels (with ``stats=True`` recording too, its layers labelled by
         ``names``; ``promote``: with Promote, the layers' keys, sizes and names)."""
         settings, assignment = self.settings, self.assignment
+        blocks = g.blocks is not None  # agreed block exponents
         if (
             self.feedback is not None
             or (assignment.promoter is not None and promote is None)
             or not g.contiguous
             or g.node is None
+            # The staged block keys and their factors are CPU kernels only.
+            or (blocks and (g.codec.backend != "kernels" or x.device.type != "cpu"))
         ):
             return
         route, layouts, n = Route(g.reduction), self.comm.layouts, len(fmts)
         rates = n if promote is not None else 0
         maxima = torch.zeros(n + rates + int(measured), dtype=torch.float32, device=x.device)
+        local = None
+        if blocks:  # the general path's vector: two keys per block, then the chunk's byte
+            local = torch.empty(g.layout.n_segments)
+            maxima = torch.zeros(2 * local.numel() + int(measured), dtype=torch.uint8)
         if promote is not None:
             self._bind_rates(maxima[n : 2 * n], promote[2])
         st = SteadyStaged(
@@ -2519,7 +2581,11 @@ class Reducer:
             route,
             list(fmts),
             maxima,
-            AgreedMaxima(maxima[:n], self.comm.world_size, none=settings.scaling == Scaling.NONE),
+            AgreedMaxima(
+                maxima[:n] if local is None else local,
+                self.comm.world_size,
+                none=settings.scaling == Scaling.NONE,
+            ),
             measured,
             chunk,
             bucket=settings.scaling == Scaling.BUCKET,
@@ -2528,6 +2594,7 @@ class Reducer:
             groups=layouts.grid if route == Route.GRID else layouts.nodes,
             per_node=g.node.ranks_per_node,
             promote=promote,
+            local=local,
         )
         if settings.stats:
             st.record_names(names)
@@ -2567,8 +2634,9 @@ class Reducer:
             chunk = 2 ** int(st.maxima.numpy()[-1])  # the ranks' largest preference
             if chunk != st.chunk:
                 routes = self._routes_for(st.plan, st.fmts)
+                block_size = self.settings.block_size if st.local is not None else None
                 st.group = st.plan.group(
-                    st.fmts, routes, comm.world_size, chunk, comm.node_layouts()
+                    st.fmts, routes, comm.world_size, chunk, comm.node_layouts(), block_size
                 )[0]
                 st.chunk = chunk
                 st.bind(x, comm.world_size)
@@ -2600,6 +2668,13 @@ class Reducer:
         """
         g, agreed = st.group, st.agreed
         assert st.names is not None
+        if isinstance(st, SteadyStaged) and st.local is not None:
+            # Agreed block keys: each block's counts under its inner (first-level) key.
+            assert g.blocks is not None
+            rows = torch.empty(len(st.names), 5, dtype=torch.float64)
+            g.codec.block_records(x, g.blocks, st.maxima[: g.layout.n_segments], st.local, rows)
+            self.stats.add_rows(index, st.names, g.numels, g.fmt, rows)
+            return
         amax = agreed.maxima if st.raw is None else st.raw
         keys = st.host_factors[2] if st.host_factors is not None else None
         if isinstance(st, SteadyStaged) and st.record_keys is not None:
@@ -3784,9 +3859,9 @@ def _encode_and_keep(encode: Callable[[], object], keep: Callable[[], object]) -
 
 
 def _own_blocks(g: GroupPlan) -> bool:
-    """Whether group ``g`` goes in FP32, or by two_phase with every rank's own block
-    exponents (what a settled bucket of several formats binds with blocks)."""
-    if g.reduction == Route.FP32:
+    """Whether group ``g`` goes in FP32, or by two_phase (or a staged route) with every
+    rank's own block exponents (what a settled bucket of several formats binds with blocks)."""
+    if g.reduction == Route.FP32 or g.node_blocks is not None:
         return True
     sh = g.block_shards
     return g.reduction == Route.TWO_PHASE and sh is not None and sh.rank_exponents

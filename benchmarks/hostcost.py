@@ -295,6 +295,8 @@ _CPU_KERNELS = (
     "or_rows",
     "rows_mean",
     "staged_factors_into",
+    "staged_keys",
+    "staged_key_factors",
     "keep_lost",
     "owner_lost",
     "gather_add",
