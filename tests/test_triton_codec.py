@@ -21,6 +21,7 @@ session (a CUDA test) sees compiled kernels.
 from __future__ import annotations
 
 import contextlib
+import functools
 import importlib
 import os
 import re
@@ -654,8 +655,8 @@ def _launch_everything(tc: types.ModuleType) -> None:
         tc.reduce_blocks(recv, 2, fmt, rows.device_offsets, exps, out, d, 126, 32)
         factors = torch.ones(2, rows.n_segments)
         tc.reduce_rank_blocks(recv, 2, fmt, rows.device_offsets, factors, out, d, 126, 32)
-        if fmt.wire_bits in (4, 8):  # every rank's own block exponents, through the codec
-            _bind_rank_blocks(c, x, blocks)
+        _bind_rank_blocks(c, x, blocks)  # every rank's own block exponents, through the codec
+        _bind_agreed_blocks(c, x, blocks)
 
 
 def _bind_rank_blocks(c: codec.Codec, x: torch.Tensor, blocks: codec.Blocks) -> None:
@@ -690,6 +691,38 @@ def _bind_rank_blocks(c: codec.Codec, x: torch.Tensor, blocks: codec.Blocks) -> 
     calls.send(3)
     calls.owner()
     calls.decode()
+
+
+def _bind_agreed_blocks(c: codec.Codec, x: torch.Tensor, blocks: codec.Blocks) -> None:
+    """The fused calls of two_phase with agreed block exponents, bound by the codec and
+    run: the keys of 3 ranks, one chunk of 3 shards, the first one (the layers' flags)."""
+    offsets = blocks.layout.offsets.numpy().astype(np.int64)
+    nb, counts = offsets.size - 1, blocks.counts.numpy().astype(np.int64)
+    keys, union = torch.empty(nb, dtype=torch.uint8), torch.empty(counts.size, dtype=torch.uint8)
+    flags = torch.empty(counts.size, dtype=torch.uint8)
+    call = c.bind_block_keys(x, blocks.layout, blocks.counts, torch.empty(nb), keys, flags, 3)
+    assert call is not None
+    call()
+    firsts = np.array([0, nb // 3, nb // 3, nb], np.int64)
+    sb = max(payload_nbytes(int(n), c.fmt) for n in np.diff(offsets[firsts]))
+    sb += -sb % 4  # 16-bit pieces of whole codes (the plan's)
+    chunk = codec.AgreedBlockChunk(
+        offsets=offsets,
+        firsts=firsts,
+        layer_of=np.repeat(np.arange(counts.size, dtype=np.int64), counts),
+        shard=offsets[firsts[2] : firsts[3] + 1] - offsets[firsts[2]],
+        first=int(firsts[2]),
+        send=torch.empty(3 * sb, dtype=torch.uint8),
+        recv=torch.zeros(3 * sb, dtype=torch.uint8),
+        out=torch.empty(sb + nb, dtype=torch.uint8),
+        gathered=torch.zeros(3 * (sb + nb), dtype=torch.uint8),
+        shard_bytes=sb,
+        counts=counts,
+    )
+    calls = c.bind_agreed_blocks(x, keys, union, chunk)
+    assert calls is not None
+    for call in calls:
+        call()
 
 
 @pytest.mark.slow
@@ -1426,6 +1459,73 @@ def test_settled_mixed_format_bucket_on_triton_gives_the_kernels_bits(
         del settled, st
     with world_of_one(torch.device("cpu")):
         want = bound().run_bucket(0, x.clone(), params)  # the numba kernels' full path
+    assert out[:5].isnan().all() and not out[5:].isnan().any()
+    same = torch.where(out.isnan(), 0.0, out).view(torch.int32)
+    assert torch.equal(same, torch.where(want.isnan(), 0.0, want).view(torch.int32))
+
+
+class _Launches(_Recorder):
+    """A :class:`_Recorder` whose launches' own ATen ops (the interpreter's copies of the
+    arguments) go uncounted: on a GPU each launch is one kernel, counted as one op."""
+
+    def __getitem__(self, grid: object):  # type: ignore[no-untyped-def]
+        from torch.utils._python_dispatch import _disable_current_modes
+
+        run = super().__getitem__(grid)
+
+        def launch(*args: object, **kwargs: object) -> object:
+            with _disable_current_modes():
+                return run(*args, **kwargs)
+
+        return launch
+
+
+@pytest.mark.parametrize(
+    ("fmt", "exps", "block_size"),
+    [("fp16", "rank", 8), ("bf16", "agreed", 32), ("e2m1", "agreed", 8)],
+)
+def test_settled_16bit_and_agreed_block_buckets_on_triton_give_the_kernels_bits(
+    tc: types.ModuleType, monkeypatch: pytest.MonkeyPatch, fmt: str, exps: str, block_size: int
+) -> None:
+    # 16-bit blocks and agreed block exponents bind on the Triton backend too: after the
+    # first step the bucket is bound (SteadyBlocks, SteadyAgreedBlocks), a step is the
+    # keys' kernel and three launches per chunk (the agreed ones: the keys' MAX
+    # all-reduce between), within the ops budget, and its bits are the numba kernels'.
+    import aps_comm
+    from aps_comm.engine import SteadyAgreedBlocks, SteadyBlocks
+    from benchmarks.hostcost import count_calls
+
+    options = {
+        "fmt": fmt,
+        "reduction": "two_phase",
+        "scaling": "block",
+        "block_size": block_size,
+        "block_exponents": exps,
+    }
+    x, params = _block_bucket([5, 0, 1, 300, 33, 2, 64], 13)
+    log: list = []
+    with _triton_plans():
+        for name in _RANK_BLOCK_KERNELS:
+            monkeypatch.setattr(tc, name, _Launches(name, getattr(tc, name), log))
+        state = aps_comm.APSState(**options)
+        buffer = x.clone()
+        _quiet(state.run_bucket, 0, buffer, params)
+        reducer = state.reducer
+        assert reducer is not None
+        st = reducer.steady_for(0, buffer)
+        kind = SteadyBlocks if exps == "rank" else SteadyAgreedBlocks
+        assert type(st) is kind and st.group.codec.backend == "triton", type(st)
+        log.clear()
+        buffer.copy_(x)
+        run = functools.partial(state.run_bucket, 0, buffer, params)
+        aten, kernels = _quiet(count_calls, run, x.device)
+        out = buffer.clone()
+        del state, reducer
+    chunks = len(st.calls or [])
+    names = [name for name, _, _ in log]
+    assert names == [_RANK_BLOCK_KERNELS[0], *_RANK_BLOCK_KERNELS[1:] * chunks], names
+    assert not kernels and len(aten) + len(names) <= 15, (aten, names)
+    want = _reference(options, x, params)
     assert out[:5].isnan().all() and not out[5:].isnan().any()
     same = torch.where(out.isnan(), 0.0, out).view(torch.int32)
     assert torch.equal(same, torch.where(want.isnan(), 0.0, want).view(torch.int32))
