@@ -892,7 +892,8 @@ def _rank_block_case(fmt: FloatFormat, block_size: int, n: int) -> dict:
     mid = (2 + nb) // 2
     firsts = np.array({1: [2, nb], 2: [2, 2, nb], 3: [2, mid, mid, nb]}[n], np.int64)
     sizes = np.diff(offsets[firsts])
-    shard_bytes = max(payload_nbytes(int(s), fmt) for s in sizes) + 1  # padded
+    # Padded (16 bits: to whole codes, as the numba kernels read them).
+    shard_bytes = max(payload_nbytes(int(s), fmt) for s in sizes) + 1 + (fmt.wire_bits == 16)
     slots = int(np.diff(firsts).max()) + 2
     xs = []
     gen = torch.Generator().manual_seed(n * 100 + block_size)
@@ -900,6 +901,8 @@ def _rank_block_case(fmt: FloatFormat, block_size: int, n: int) -> dict:
         x = torch.randn(offsets[-1], generator=gen)
         x *= 2.0 ** torch.randint(-30, 30, (x.numel(),), generator=gen).float()
         x[offsets[4] : offsets[6]] = 0.0  # a zero block or two: key 0
+        if fmt.max * n > torch.finfo(torch.float32).max:  # bf16: the FP32 sum bounds a key
+            x[100] = 3.0e38
         if r == n - 1:
             x[44] = float("nan") if r % 2 else float("inf")  # the fourth layer: [42, 53)
         xs.append(x)
@@ -918,7 +921,7 @@ def _rank_block_case(fmt: FloatFormat, block_size: int, n: int) -> dict:
 @pytest.mark.slow
 @pytest.mark.parametrize(
     ("fmt", "block_size"),
-    [(F.E2M1, 8), (F.E2M1, 32), (F.E4M3, 8), (F.E4M3, 32)],
+    [(F.E2M1, 8), (F.E2M1, 32), (F.E4M3, 8), (F.E4M3, 32), (F.BF16, 8)],
     ids=lambda v: getattr(v, "name", v),
 )
 def test_rank_block_kernels_match_kernels(
@@ -939,6 +942,7 @@ def test_rank_block_kernels_match_kernels(
         n_layers = case["counts"].numel()
         for at in (sb + slots, -1) if n == 3 else (sb + slots,):  # -1: a later chunk
             piece = sb + slots + (n_layers + 4 if at >= 0 else 1)
+            piece += piece % 2 * (fmt.wire_bits == 16)  # rows of whole 16-bit codes
             keys, flags = [], []
             sends = []
             for r, x in enumerate(case["xs"]):
@@ -947,10 +951,11 @@ def test_rank_block_kernels_match_kernels(
                     torch.full((n_layers,), 7, dtype=torch.uint8),
                 )
                 m = torch.empty(nb)
-                _quiet(tc.bind_block_keys(fmt, x, offsets, layer_of, m, k, f))
+                # bf16 over N ranks: the owner's FP32 sum bounds the keys too.
+                _quiet(tc.bind_block_keys(fmt, x, offsets, layer_of, m, k, f, n))
                 want_m, want_k, want_f = torch.empty(nb), torch.empty_like(k), torch.empty_like(f)
                 cpu_kernels.block_keys(
-                    fmt, x, offsets, case["counts"], want_m, want_k, want_f, EXPONENT_LIMIT, 1
+                    fmt, x, offsets, case["counts"], want_m, want_k, want_f, EXPONENT_LIMIT, n
                 )
                 assert torch.equal(m.view(torch.int32), want_m.view(torch.int32))
                 assert torch.equal(k, want_k) and torch.equal(f, want_f), (r, k, want_k)
@@ -1529,3 +1534,82 @@ def test_settled_16bit_and_agreed_block_buckets_on_triton_give_the_kernels_bits(
     assert out[:5].isnan().all() and not out[5:].isnan().any()
     same = torch.where(out.isnan(), 0.0, out).view(torch.int32)
     assert torch.equal(same, torch.where(want.isnan(), 0.0, want).view(torch.int32))
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize(("fmt", "block_size"), [(F.E2M1, 8), (F.BF16, 32)], ids=str)
+def test_agreed_block_kernels_match_kernels(
+    tc: types.ModuleType, fmt: FloatFormat, block_size: int
+) -> None:
+    # two_phase with agreed block exponents on Triton, the whole chain: every rank's send
+    # with the agreed keys, each owner's step (the first chunk's: the layers' flags from
+    # the agreed keys) and the decode of the gathered shards, byte for byte against the
+    # numba kernels; every byte of every buffer written.
+    from aps_comm import cpu_kernels
+    from aps_comm.scaling import EXPONENT_LIMIT
+
+    table = codec._key_table(False)
+    for n in (1, 3):
+        case = _rank_block_case(fmt, block_size, n)
+        offsets, firsts, layer_of = case["offsets"], case["firsts"], case["layer_of"]
+        sb, nb, counts = case["shard_bytes"], offsets.size - 1, case["counts"].numpy()
+        piece = sb + 4  # zeros past the codes' padding
+        keys = torch.zeros(nb, dtype=torch.uint8)  # the MAX all-reduce of every rank's keys
+        for x in case["xs"]:
+            k = torch.empty(nb, dtype=torch.uint8)
+            flags = torch.empty(counts.size, dtype=torch.uint8)
+            m = torch.empty(nb)
+            cpu_kernels.block_keys(fmt, x, offsets, case["counts"], m, k, flags, EXPONENT_LIMIT, n)
+            torch.maximum(keys, k, out=keys)
+        sends = []
+        for x in case["xs"]:
+            send = torch.full((n * piece,), 0xA5, dtype=torch.uint8)
+            call = tc.bind_send_rank_blocks(fmt, x, keys, offsets, firsts, flags, send, piece, -1)
+            _quiet(call, -1)
+            want = np.full(n * piece, 0x5A, np.uint8)
+            cpu_kernels.send_agreed_blocks(
+                fmt, x.numpy(), keys.numpy(), table, offsets, firsts, want, piece
+            )
+            assert np.array_equal(send.numpy(), want), n
+            sends.append(send.view(n, piece))
+        for first_chunk in (True, False) if n == 3 else (True,):
+            outs, union = [], torch.full((counts.size,), 9, dtype=torch.uint8)
+            want_union = np.full(counts.size, 9, np.uint8)
+            for o in range(n):
+                recv = torch.cat([s[o] for s in sends])
+                shard = offsets[firsts[o] : firsts[o + 1] + 1] - offsets[firsts[o]]
+                k = shard.size - 1
+                out = torch.full((sb + case["slots"] + 3,), 0xA5, dtype=torch.uint8)
+                d = torch.empty(max(k, 1), dtype=torch.int32)
+                call = tc.bind_owner_agreed_blocks(
+                    fmt, recv, n, shard, keys, int(firsts[o]), out, union, d, sb, block_size,
+                    layer_of if first_chunk and o == 0 else None,
+                )  # fmt: skip
+                _quiet(call)
+                want_out = np.full(out.numel(), 0x5A, np.uint8)
+                scratch = (np.empty(max(k, 1), np.int32), np.empty(max(k, 1), np.int32))
+                flags_of = counts if first_chunk and o == 0 else np.zeros(0, np.int64)
+                cpu_kernels.owner_agreed_blocks(
+                    fmt, EXPONENT_LIMIT, recv.numpy(), n, shard, keys.numpy(), int(firsts[o]),
+                    want_out, sb, scratch, (flags_of, want_union), block_size,
+                )  # fmt: skip
+                assert np.array_equal(out.numpy(), want_out), (n, o)
+                assert np.array_equal(union.numpy(), want_union), (n, o)
+                assert np.array_equal(d.numpy()[:k], scratch[1][:k])
+                outs.append(out)
+            gathered = torch.cat(outs)
+            for x in case["xs"]:
+                got, want = x.clone(), x.clone()
+                _quiet(
+                    tc.bind_decode_rank_blocks(
+                        fmt, gathered, n, offsets, firsts, layer_of, union, got, sb, keys
+                    )
+                )
+                cpu_kernels.decode_agreed_blocks(
+                    fmt, gathered.numpy(), n, offsets, firsts, keys.numpy(), layer_of,
+                    union.numpy(), want.numpy(), sb,
+                )  # fmt: skip
+                assert torch.equal(_bits(got), _bits(want)), n
+            if first_chunk:  # the fourth layer NaN on every rank, nothing else
+                assert union.tolist() == [int(i == 3) for i in range(counts.size)]
+                assert got[42:53].isnan().all() and not got[53:].isnan().any()
