@@ -1825,8 +1825,8 @@ class Codec:
         does slice by slice and shard by shard; the same bytes. Across nodes it
         is two_phase's :meth:`bind_rank_blocks` applied to the node's mean of
         this rank's slice among the M ranks of its local rank. None where this
-        backend has no fused kernels ("kernels" and "triton" have them, for 4-
-        and 8-bit formats; on "triton" the node's mean and the flags' ORs are
+        backend has no fused kernels ("kernels" and "triton" have them, for 4-,
+        8- and 16-bit formats; on "triton" the node's mean and the flags' ORs are
         a few torch ops over the L or N rows, in the same order).
 
         Args:

@@ -1494,10 +1494,11 @@ if AVAILABLE:
                     x_ptr, key_ptr, off_ptr, el, every, first, last, b0, n_last, top, E, SHIFT
                 )
             else:
+                # Names of their own: a compiled branch's variables keep one shape.
                 half = tl.full([BYTES // 2], 1, tl.int1)
-                el = a + t * (BYTES // 2) + tl.arange(0, BYTES // 2)
+                codes_el = a + t * (BYTES // 2) + tl.arange(0, BYTES // 2)
                 c16 = _send_code(
-                    x_ptr, key_ptr, off_ptr, el, half, first, last, b0, n_last, top, E, SHIFT
+                    x_ptr, key_ptr, off_ptr, codes_el, half, first, last, b0, n_last, top, E, SHIFT
                 )
                 c = tl.reshape(tl.join(c16 & 0xFF, c16 >> 8), [BYTES])
         elif WIRE == 16:

@@ -1208,7 +1208,7 @@ def test_hierarchical_and_grid_blocks_on_triton_give_the_kernels_bits() -> None:
 
     if not HAVE_TRITON:
         pytest.skip("triton is not installed (pip install triton; in the test extra)")
-    cases = [("hierarchical", "e2m1", 8), ("grid", "e4m3", 32)]
+    cases = [("hierarchical", "e2m1", 8), ("grid", "e4m3", 32), ("hierarchical", "bf16", 8)]
     for rank, results in enumerate(
         run_distributed(_node_blocks_on_triton, 4, args=(cases,), timeout=600)
     ):
