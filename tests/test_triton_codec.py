@@ -1613,3 +1613,26 @@ def test_agreed_block_kernels_match_kernels(
             if first_chunk:  # the fourth layer NaN on every rank, nothing else
                 assert union.tolist() == [int(i == 3) for i in range(counts.size)]
                 assert got[42:53].isnan().all() and not got[53:].isnan().any()
+
+
+def test_block_keys_bound_bf16_by_the_fp32_sum(tc: types.ModuleType) -> None:
+    # bf16's max times N passes float32's: the Triton keys' kernel bounds every key by the
+    # owner's FP32 sum of N values too, as the CPU kernel does, at the edges of the range
+    # (powers of two from the smallest subnormal to 2**127, and just below them).
+    from aps_comm import cpu_kernels
+    from aps_comm.scaling import EXPONENT_LIMIT
+
+    pow2s = torch.exp2(torch.arange(-149, 128, dtype=torch.float64)).float()
+    below = -pow2s.nextafter(torch.tensor(0.0))
+    x = torch.cat([torch.tensor([0.0, -3.4e38, float("nan")]), pow2s, below])
+    offsets = np.arange(x.numel() + 1, dtype=np.int64)  # one element per block
+    counts = torch.tensor([2, 1, x.numel() - 3])
+    layer_of = np.repeat(np.arange(3, dtype=np.int64), counts.numpy())
+    for world in (1, 3, 1000):
+        got = (torch.empty(x.numel()), torch.empty(x.numel(), dtype=torch.uint8))
+        want = (torch.empty(x.numel()), torch.empty(x.numel(), dtype=torch.uint8))
+        flags = [torch.empty(3, dtype=torch.uint8) for _ in range(2)]
+        _quiet(tc.bind_block_keys(F.BF16, x, offsets, layer_of, *got, flags[0], world))
+        cpu_kernels.block_keys(F.BF16, x, offsets, counts, *want, flags[1], EXPONENT_LIMIT, world)
+        assert torch.equal(got[1], want[1]), (world, (got[1] != want[1]).nonzero()[:5])
+        assert flags[0].tolist() == flags[1].tolist() == [0, 1, 0]
