@@ -1439,11 +1439,10 @@ class Codec:
         ``keys`` and each layer's flag (:func:`aps_comm.scaling.bad_layers`)
         into ``flags``: one kernel call on the "kernels" backend, two
         launches on "triton" (the flags zeroed, one kernel), whatever the
-        number of blocks. None on the other backends, where a Triton variant
+        number of blocks. None on the other backends, or where a Triton variant
         cannot compile here (launched once at bind time on private buffers,
-        the failure logged once), or on "triton" where ``fmt.max`` times N
-        passes float32's max (bf16: the keys' rule then needs the FP32 sum's
-        bound, which only the CPU kernel applies).
+        the failure logged once). Where ``fmt.max`` times N passes float32's
+        max (bf16), the keys' rule takes the FP32 sum's bound too, on both.
 
         Args:
             x: the group's float32 values.
@@ -1469,8 +1468,7 @@ class Codec:
                 *(self.fmt, x, grid, counts, maxima, keys, flags, EXPONENT_LIMIT, world_size),
             )
         offsets = layout.offsets.numpy()
-        if self.fmt.max * world_size > torch.finfo(torch.float32).max:
-            return None
+        bound = self.fmt.max * world_size > torch.finfo(torch.float32).max
         host_counts = counts.cpu().numpy()  # the plan's host copy: no device read
         layer_of = np.repeat(np.arange(host_counts.size, dtype=np.int64), host_counts)
         longest = int(np.diff(offsets).max()) if offsets.size > 1 else 0
@@ -1485,10 +1483,13 @@ class Codec:
             _like(maxima, 1),
             _like(keys, 1),
             _like(flags, 1),
+            world_size,
         )
-        if not _probed(("block_keys", self.fmt.name, width), probe):
+        if not _probed(("block_keys", self.fmt.name, width, bound), probe):
             return None
-        return _triton().bind_block_keys(self.fmt, x, offsets, layer_of, maxima, keys, flags)
+        return _triton().bind_block_keys(
+            self.fmt, x, offsets, layer_of, maxima, keys, flags, world_size
+        )
 
     def bind_rank_blocks(
         self,
@@ -1502,8 +1503,8 @@ class Codec:
 
         The fused form of what :func:`aps_comm.transports.two_phase_rank_blocks`
         does shard by shard; the same bytes. None where this backend has no
-        fused kernels ("kernels" has them for 4-, 8- and 16-bit formats,
-        "triton" for 4- and 8-bit ones), or where a Triton variant cannot
+        fused kernels ("kernels" and "triton" have them for 4-, 8- and
+        16-bit formats), or where a Triton variant cannot
         compile here (each launched once at bind time on private buffers, a
         failure logged once): the bucket then keeps its full path. On "triton" every index array goes to
         the device here, once, and the owner step returns 0 on CUDA (see
@@ -1545,8 +1546,10 @@ class Codec:
 
         The fused form of what :func:`aps_comm.transports.two_phase_blocks`
         does shard by shard, with the same bytes: (send, owner, decode), one
-        kernel call each. None where this backend has none ("kernels" has
-        them, for 4-, 8- and 16-bit formats): the bucket then keeps its full path.
+        kernel call each (on "triton" the first chunk's owner zeroes the
+        layers' flags first). None where this backend has none ("kernels" and
+        "triton" have them, for 4-, 8- and 16-bit formats), or where a Triton
+        variant cannot compile here: the bucket then keeps its full path.
 
         Args:
             x: the group's float32 values (read, then overwritten by the decode).
@@ -1558,9 +1561,11 @@ class Codec:
         Example:
             >>> send, owner, decode = codec.bind_agreed_blocks(x, keys, union, chunk)  # doctest: +SKIP
         """
-        if self.backend != "kernels" or not self._fused_blocks(x):
+        if not self._fused_blocks(x):
             return None
         c, n = chunk, chunk.firsts.size - 1
+        if self.backend == "triton":
+            return self._triton_agreed_blocks(x, keys, union, c, n)
         k = max(c.shard.size - 1, 1)
         longest = int(np.diff(c.shard).max()) if c.shard.size > 1 else 0
         counts = np.zeros(0, np.int64) if c.counts is None else c.counts
@@ -1610,14 +1615,39 @@ class Codec:
             ),
         )
 
+    def _triton_agreed_blocks(
+        self, x: torch.Tensor, keys: torch.Tensor, union: torch.Tensor, c: AgreedBlockChunk, n: int
+    ) -> tuple[Callable[[], None], Callable[[], None], Callable[[], None]] | None:
+        """:meth:`bind_agreed_blocks` on "triton": the rank-block send with the agreed keys
+        and no key bytes (its padding runs to the piece's end), the owner's step and the
+        decode with the agreed keys; None where a variant cannot run here."""
+        t = _triton()
+        if not self._triton_blocks_run(x, keys, union, union, c, {n}, agreed=True):
+            return None
+        piece = c.send.numel() // n
+        send = t.bind_send_rank_blocks(
+            self.fmt, x, keys, c.offsets, c.firsts, union, c.send, piece, -1
+        )
+        d = torch.empty(max(c.shard.size - 1, 1), dtype=torch.int32, device=x.device)
+        owner = t.bind_owner_agreed_blocks(
+            self.fmt,
+            *(c.recv, n, c.shard, keys, c.first, c.out, union, d, c.shard_bytes),
+            _longest(c.shard),
+            None if c.counts is None else c.layer_of,
+        )
+        decode = t.bind_decode_rank_blocks(
+            self.fmt, c.gathered, n, c.offsets, c.firsts, c.layer_of, union, x, c.shard_bytes, keys
+        )
+        return functools.partial(send, -1), owner, decode
+
     def _fused_blocks(self, x: torch.Tensor) -> bool:
         """Whether this backend has the fused block kernels for ``x`` (float32 values):
-        "kernels" on CPU tensors for 4-, 8- and 16-bit formats, "triton" for 4- and 8-bit."""
-        if x.dtype != torch.float32:
+        "kernels" on CPU tensors and "triton", for 4-, 8- and 16-bit formats."""
+        if x.dtype != torch.float32 or self.fmt.wire_bits not in (4, 8, 16):
             return False
         if self.backend == "kernels":
-            return x.device.type == "cpu" and self.fmt.wire_bits in (4, 8, 16)
-        return self.backend == "triton" and self.fmt.wire_bits in (4, 8)
+            return x.device.type == "cpu"
+        return self.backend == "triton"
 
     def _bind_send(
         self,
@@ -1733,41 +1763,47 @@ class Codec:
         keys: torch.Tensor,
         flags: torch.Tensor,
         union: torch.Tensor,
-        c: RankBlockChunk | NodeBlockChunk,
+        c: RankBlockChunk | NodeBlockChunk | AgreedBlockChunk,
         ranks: set[int],
+        agreed: bool = False,
     ) -> bool:
-        """Whether the send, owner and decode variants for each count of ``ranks`` and
-        blocks as long as ``c``'s shard's run here: each launched once on a tiny chunk of
-        private buffers (N shards of one one-element block; piece: code, key, flag, log2)."""
+        """Whether the send, owner and decode variants (``agreed``: with agreed keys) for
+        each count of ``ranks`` and blocks as long as ``c``'s shard's run here: each
+        launched once on a tiny chunk of private buffers (N shards of one one-element
+        block; piece: code, key, flag, log2)."""
         t, fmt = _triton(), self.fmt
         longest = _longest(c.shard)
         if longest > t.MAX_SEGMENT:
             return False
         lead, rows, width = t.tile_shape(longest, fmt.wire_bits)
+        kind = "agreed" if agreed else "rank"
         for n in sorted(ranks):
-            one = np.arange(n + 1, dtype=np.int64)
+            one, layer_of = np.arange(n + 1, dtype=np.int64), np.zeros(n, np.int64)
             px, pkeys = _like(x, n), _like(keys, n)
             pflags, punion = _like(flags, 1), _like(union, 1)
-            psend, pout = _like(c.send, 4 * n), _like(c.out, 4)
+            psend, pout = _like(c.send, 5 * n), _like(c.out, 5)
             d = torch.zeros(1, dtype=torch.int32, device=x.device)
             divide = 0 if n == 1 else 1 if n & (n - 1) == 0 else 2
+            if agreed:
+                owner = t.bind_owner_agreed_blocks(
+                    fmt, psend, n, one[:2], pkeys, 0, pout, punion, d, 2, max(longest, 1), layer_of
+                )
+            else:
+                owner = t.bind_owner_rank_blocks(
+                    fmt, psend, n, one[:2], pout, punion, d, 2, 3, max(longest, 1)
+                )
             probes = [
                 (
                     ("send_rank_blocks", fmt.name),
                     functools.partial(
-                        t.bind_send_rank_blocks(fmt, px, pkeys, one, one, pflags, psend, 1, 2), 0
+                        t.bind_send_rank_blocks(fmt, px, pkeys, one, one, pflags, psend, 2, 3), 0
                     ),
                 ),
+                ((f"owner_{kind}_blocks", fmt.name, divide, lead, rows, width), owner),
                 (
-                    ("owner_rank_blocks", fmt.name, divide, lead, rows, width),
-                    t.bind_owner_rank_blocks(
-                        fmt, psend, n, one[:2], pout, punion, d, 1, 2, max(longest, 1)
-                    ),
-                ),
-                (
-                    ("decode_rank_blocks", fmt.name),
+                    (f"decode_{kind}_blocks", fmt.name),
                     t.bind_decode_rank_blocks(
-                        fmt, psend, n, one, one, np.zeros(n, np.int64), punion, px, 1
+                        fmt, psend, n, one, one, layer_of, punion, px, 2, pkeys if agreed else None
                     ),
                 ),
             ]
@@ -1789,8 +1825,8 @@ class Codec:
         does slice by slice and shard by shard; the same bytes. Across nodes it
         is two_phase's :meth:`bind_rank_blocks` applied to the node's mean of
         this rank's slice among the M ranks of its local rank. None where this
-        backend has no fused kernels ("kernels" and "triton" have them, for 4-
-        and 8-bit formats; on "triton" the node's mean and the flags' ORs are
+        backend has no fused kernels ("kernels" and "triton" have them, for 4-,
+        8- and 16-bit formats; on "triton" the node's mean and the flags' ORs are
         a few torch ops over the L or N rows, in the same order).
 
         Args:

@@ -1266,7 +1266,7 @@ def hierarchical_rank_blocks(
     node; every rank decodes the N shards with their owners' keys, and the
     layers flagged by any rank (OR of the first chunk's gathered flags) NaN.
 
-    On the "kernels" and "triton" codecs (4- and 8-bit formats) every chunk
+    On the "kernels" and "triton" codecs (4-, 8- and 16-bit formats) every chunk
     runs through fused calls bound once per plan and buffer
     (:func:`bind_node_blocks`, kept on the plan): a fixed handful of kernel
     calls per chunk. Elsewhere the same bytes come slice by slice and shard

@@ -86,6 +86,7 @@ __all__ = [
     "bind_decode_rank_blocks",
     "bind_encode",
     "bind_layer_maxima",
+    "bind_owner_agreed_blocks",
     "bind_owner_rank_blocks",
     "bind_reduce_shards",
     "bind_send_rank_blocks",
@@ -879,11 +880,17 @@ if AVAILABLE:
         return f
 
     @triton.jit
+    def _key_exponent(k):
+        """int32 exponent ``127 - k`` of int32 keys ``k``, 0 for the keys 0 and 255
+        (:func:`aps_comm.scaling.key_exponents`)."""
+        return tl.where((k == 0) | (k == 255), 0, 127 - k)
+
+    @triton.jit
     def _key_scale(k, UNSCALE: tl.constexpr):
         """float32 factor of int32 exponent keys ``k``: ``2**e`` (``UNSCALE``: ``2**-e``) of
         ``e = 127 - k``, 1 for the keys 0 and 255: the codec's 256-entry key table
         (:func:`aps_comm.scaling.key_factors`) the CPU kernels look keys up in."""
-        e = tl.where((k == 0) | (k == 255), 0, 127 - k)
+        e = _key_exponent(k)
         if UNSCALE:
             e = -e
         return _pow2(e)
@@ -996,6 +1003,7 @@ if AVAILABLE:
         exp_ptr,
         fac_ptr,
         union_ptr,
+        layer_ptr,
         own_ptr,
         own_row,
         shard_bytes,
@@ -1036,7 +1044,11 @@ if AVAILABLE:
         key_at``; programs from ``n_tiles`` on do the rest of the owner's
         bytes (:func:`_owner_tail`). With factors, rank ``own_row``'s values
         (if not -1) are the float32 ``own_ptr`` (the shard's elements from 0):
-        the owner's own, never rounded.
+        the owner's own, never rounded. ``FACTORS`` 3: agreed exponents from the
+        uint8 keys at ``exp_ptr`` (:func:`_key_exponent`), no factors, the mean's
+        d clamped to a byte stored at ``out_ptr + key_at``; the tail programs
+        set ``union[layer[b]]`` (``layer_ptr``; the union zeroed before) for
+        each of the group's first ``n_flags`` agreed keys at ``fac_ptr`` that is 255.
         4-bit codes (``LEAD`` 1): a block may start at an odd element, sharing
         its first byte with the block before it, perhaps another program's.
         Each byte is written by the program owning its high nibble's element
@@ -1048,7 +1060,7 @@ if AVAILABLE:
         pid = tl.program_id(0).to(tl.int64)
         # FACTORS 2: the programs after the tiles write the tail bytes and the flags.
         tail = False
-        if FACTORS == 2:
+        if FACTORS >= 2:
             tail = pid >= n_tiles
         if tail:
             _owner_tail(
@@ -1065,6 +1077,9 @@ if AVAILABLE:
                 flag_at,
                 n_flags,
                 ROWS * WIDTH,
+                fac_ptr,
+                layer_ptr,
+                FACTORS == 3,
             )
         else:
             _owner_tile(
@@ -1150,6 +1165,7 @@ if AVAILABLE:
             fac, stride = src_ptr + key_at, shard_bytes.to(tl.int64)
         else:
             fac, stride = fac_ptr, n_blocks
+        # FACTORS % 3: agreed keys (3) scale no rank's values, as agreed exponents (0).
         v = _rank_sum(
             src_ptr,
             shard_bytes,
@@ -1161,23 +1177,29 @@ if AVAILABLE:
             fac,
             fac_at,
             stride,
-            FACTORS,
+            FACTORS % 3,
             own_ptr,
             own_row,
-            FACTORS > 0,
+            FACTORS % 3 > 0,
         )
         if DIVIDE:
             v = _divide(v, divisor, DIVIDE)
         mag = tl.where(mask, v.to(tl.int32, bitcast=True) & 0x7FFFFFFF, 0)
         # tl.reduce, not tl.max (a library @jit function: see _factor's tl.full).
         m = tl.minimum(tl.reduce(mag, 1, _larger), 0x7F800000)  # NaN above inf: to inf
-        if FACTORS:
+        if FACTORS == 3:
+            e = _key_exponent(tl.load(exp_ptr + seg, mask=valid, other=0).to(tl.int32))
+            d = _mean_exponent(m, e, M)
+        elif FACTORS:
             d = _mean_exponent(m, 0, M)
         else:
             d = _mean_exponent(m, tl.load(exp_ptr + seg, mask=valid, other=0), M)
         tl.store(d_ptr + seg, d, mask=owned)
         if FACTORS == 2:  # the mean's keys after its codes (zero and non-finite blocks: d = 0)
             tl.store(out_ptr + key_at + seg, (127 - d).to(tl.uint8), mask=owned)
+        if FACTORS == 3:  # the mean's extra exponents after its codes, a byte each
+            byte = tl.minimum(tl.maximum(d, 0), 255).to(tl.uint8)
+            tl.store(out_ptr + key_at + seg, byte, mask=owned)
         c = tl.where(mask, _code(v * _pow2(d)[:, None], E), 0)
         if WIRE == 4:
             flat = tl.reshape(c, [ROWS * WIDTH])
@@ -1211,22 +1233,33 @@ if AVAILABLE:
         flag_at,
         n_flags,
         TB: tl.constexpr,
+        key_ptr,
+        layer_ptr,
+        AGREED: tl.constexpr,
     ):
         """Tile ``t`` of the owner's bytes outside its blocks' codes and keys: zeros from
         ``used`` to ``n_out`` around the keys at ``key_at``, and the OR over ranks of
-        every rank's ``n_flags`` layer flags at ``flag_at`` of its piece into ``union``."""
+        every rank's ``n_flags`` layer flags at ``flag_at`` of its piece into ``union``.
+        ``AGREED``: instead, a 1 into ``union`` at the layer (``layer_ptr``) of each of
+        the ``n_flags`` agreed keys at ``key_ptr`` that is 255 (plain stores of the
+        same byte: programs meeting at a layer need no atomics)."""
         i = t * TB + tl.arange(0, TB)
         p = used + i
         zero = (p < n_out) & ((p < key_at) | (p >= key_at + n_blocks))
         tl.store(out_ptr + p, tl.full(i.shape, 0, tl.uint8), mask=zero)
         has = i < n_flags
-        u = tl.load(src_ptr + flag_at + i, mask=has, other=0)
-        stride = piece.to(tl.int64)
-        r = stride * 0 + 1
-        while r < n_ranks:
-            u = u | tl.load(src_ptr + r * stride + flag_at + i, mask=has, other=0)
-            r += 1
-        tl.store(union_ptr + i, u, mask=has)
+        if AGREED:
+            bad = has & (tl.load(key_ptr + i, mask=has, other=0) == 255)
+            layer = tl.load(layer_ptr + i, mask=bad, other=0)
+            tl.store(union_ptr + layer, tl.full(i.shape, 1, tl.uint8), mask=bad)
+        else:
+            u = tl.load(src_ptr + flag_at + i, mask=has, other=0)
+            stride = piece.to(tl.int64)
+            r = stride * 0 + 1
+            while r < n_ranks:
+                u = u | tl.load(src_ptr + r * stride + flag_at + i, mask=has, other=0)
+                r += 1
+            tl.store(union_ptr + i, u, mask=has)
 
 
 if AVAILABLE:
@@ -1343,7 +1376,7 @@ if AVAILABLE:
                 seg = _search(off_ptr, el, seg, step, hi)
         return seg
 
-    @triton.jit(do_not_specialize=["n_blocks"])
+    @triton.jit(do_not_specialize=["n_blocks", "n_ranks"])
     def _block_keys_kernel(
         x_ptr,
         off_ptr,
@@ -1352,13 +1385,18 @@ if AVAILABLE:
         key_ptr,
         flag_ptr,
         n_blocks,
+        n_ranks,
         M: tl.constexpr,
         ROWS: tl.constexpr,
         WIDTH: tl.constexpr,
+        BOUND: tl.constexpr = False,
     ):
         """Every block's max |x| (NaN as inf; int32 bits), its two_phase key (0 for a zero
         max, 255 for inf, else ``127 - d`` of :func:`_mean_exponent`) and a 1 in
         ``flag_ptr`` at the layer (``layer_ptr``) of each block keyed 255.
+        ``BOUND``: the format's max times ``n_ranks`` passes float32's (bf16): d is at
+        most the largest e with ``n_ranks * max * 2**e`` within float32's max too (the
+        owner's FP32 sum; :func:`aps_comm.cpu_kernels.two_phase_keys`).
 
         A tile of ``ROWS`` whole blocks per program, one per row (a block has
         at most ``WIDTH`` elements); the flags are plain stores of the same
@@ -1375,8 +1413,14 @@ if AVAILABLE:
         # An integer max of |x|'s bits is a max that keeps NaN (above inf): to inf.
         mag = x.to(tl.int32, bitcast=True) & 0x7FFFFFFF
         m = tl.minimum(tl.reduce(mag, 1, _larger), 0x7F800000)
-        key = 127 - _mean_exponent(m, 0, M)
-        key = tl.where(m == 0, 0, tl.where(m == 0x7F800000, 255, key))
+        d = _mean_exponent(m, 0, M)
+        if BOUND:
+            ok = tl.where((m == 0) | (m == 0x7F800000), 0x3F800000, m)
+            a = ok.to(tl.float32, bitcast=True).to(tl.float64) * n_ranks.to(tl.float64)
+            d = tl.minimum(
+                d, tl.minimum(tl.maximum(_largest(a, 127, 0xFFFFFE0000000), -M[2]), M[2])
+            )
+        key = tl.where(m == 0, 0, tl.where(m == 0x7F800000, 255, 127 - d))
         tl.store(amax_ptr + seg, m, mask=owned)
         tl.store(key_ptr + seg, key.to(tl.uint8), mask=owned)
         layer = tl.load(layer_ptr + seg, mask=owned, other=0)
@@ -1427,13 +1471,14 @@ if AVAILABLE:
         a = tl.load(off_ptr + b0)
         n = tl.load(off_ptr + b1) - a
         i = t * BYTES + tl.arange(0, BYTES)
-        per = 8 // WIRE  # elements per byte
-        first = a + tl.minimum(t * BYTES * per, tl.maximum(n - 1, 0))
-        last = a + tl.maximum(tl.minimum((t + 1) * BYTES * per, n) - 1, 0)
+        per = 8 // WIRE  # elements per byte (0 for 16 bits: two bytes per element)
+        el_prog = BYTES * 8 // WIRE  # elements per program
+        first = a + tl.minimum(t * el_prog, tl.maximum(n - 1, 0))
+        last = a + tl.maximum(tl.minimum((t + 1) * el_prog, n) - 1, 0)
         n_last = b1 - 1
-        if (t + 1) * BYTES * per <= n:
+        if (t + 1) * el_prog <= n:
             # Wholly inside the shard's codes: no mask, the values read contiguously
-            # and a 4-bit byte's two codes paired in registers.
+            # and a 4-bit byte's two codes (a 16-bit code's two bytes) paired in registers.
             if WIRE == 4:
                 pairs = tl.full([2 * BYTES], 1, tl.int1)
                 both = a + t * (2 * BYTES) + tl.arange(0, 2 * BYTES)
@@ -1442,12 +1487,27 @@ if AVAILABLE:
                 )
                 c_lo, c_hi = tl.split(tl.reshape(c2, [BYTES, 2]))
                 c = c_lo | (c_hi << 4)
-            else:
+            elif WIRE == 8:
                 every = tl.full([BYTES], 1, tl.int1)
                 el = a + i
                 c = _send_code(
                     x_ptr, key_ptr, off_ptr, el, every, first, last, b0, n_last, top, E, SHIFT
                 )
+            else:
+                # Names of their own: a compiled branch's variables keep one shape.
+                half = tl.full([BYTES // 2], 1, tl.int1)
+                codes_el = a + t * (BYTES // 2) + tl.arange(0, BYTES // 2)
+                c16 = _send_code(
+                    x_ptr, key_ptr, off_ptr, codes_el, half, first, last, b0, n_last, top, E, SHIFT
+                )
+                c = tl.reshape(tl.join(c16 & 0xFF, c16 >> 8), [BYTES])
+        elif WIRE == 16:
+            # Each byte's element coded (twice per element: a partial program only).
+            el = a + (i >> 1)
+            c = _send_code(
+                x_ptr, key_ptr, off_ptr, el, el < a + n, first, last, b0, n_last, top, E, SHIFT
+            )
+            c = (c >> ((i & 1) * 8).to(tl.uint32)) & 0xFF
         else:
             el = a + per * i
             c = _send_code(
@@ -1503,6 +1563,7 @@ if AVAILABLE:
         start_ptr,
         layer_ptr,
         union_ptr,
+        key_ptr,
         c0,
         numel,
         row,
@@ -1515,12 +1576,15 @@ if AVAILABLE:
         WIRE: tl.constexpr,
         BLOCK: tl.constexpr,
         SHIFT: tl.constexpr,
+        AGREED: tl.constexpr = False,
     ):
         """Elements ``c0`` to ``c0 + numel`` of a chunk from its N gathered shards (row s
         of ``src_ptr``: shard s's codes, its blocks' keys at ``shard_bytes``): each
         code times its key's ``2**-e``, NaN where its block's layer is flagged in
         ``union``. Shard s starts at element ``start[s]`` and block ``first[s]``; no
-        block is longer than ``2**SHIFT`` elements (0: unknown).
+        block is longer than ``2**SHIFT`` elements (0: unknown). ``AGREED``: the bytes
+        at ``shard_bytes`` are the owner's extra exponents d, the blocks' agreed keys
+        are at ``key_ptr``: each code times ``2**-(e + d)``.
         """
         pid = tl.program_id(0).to(tl.int64)
         first = c0 + pid * BLOCK
@@ -1535,7 +1599,12 @@ if AVAILABLE:
         kb = blk - tl.load(first_ptr + s, mask=mask, other=0)
         k = tl.load(base + shard_bytes + kb, mask=mask, other=0).to(tl.int32)
         bad = tl.load(union_ptr + tl.load(layer_ptr + blk, mask=mask, other=0), mask=mask, other=0)
-        f = tl.where(bad != 0, float("nan"), _key_scale(k, True))
+        if AGREED:
+            agreed = tl.load(key_ptr + blk, mask=mask, other=0).to(tl.int32)
+            f = _pow2(-(_key_exponent(agreed) + k))
+        else:
+            f = _key_scale(k, True)
+        f = tl.where(bad != 0, float("nan"), f)
         # A full program stores without a mask: whole vectors.
         if (pid + 1) * BLOCK <= numel:
             tl.store(x_ptr + el, _value(c, D) * f)
@@ -2172,6 +2241,7 @@ def _reduce_blocks(
         d if exponents is None else exponents,  # not read with factors
         d if factors is None else factors,  # not read without
         out,  # the union: not read without keys
+        d,  # nor the blocks' layers
         *(own or _own(recv, None, -1)),
         recv.numel() // n_ranks,
         n_blocks,
@@ -2216,8 +2286,8 @@ def _on(host: np.ndarray, device: torch.device, dtype: torch.dtype = torch.int64
 
 def _rank_blocks_consts(fmt: FloatFormat, *tensors: torch.Tensor) -> FormatConstants:
     consts = _check(fmt, *tensors)
-    if consts.wire_bits not in (4, 8):
-        raise ValueError(f"the rank-block kernels take 4- and 8-bit formats, got {fmt.name}")
+    if consts.wire_bits not in (4, 8, 16):
+        raise ValueError(f"the block kernels take 4-, 8- and 16-bit formats, got {fmt.name}")
     return consts
 
 
@@ -2229,6 +2299,7 @@ def bind_block_keys(
     maxima: torch.Tensor,
     keys: torch.Tensor,
     flags: torch.Tensor,
+    world_size: int = 1,
 ) -> Callable[[], object]:
     """This rank's two_phase key of every block and flag of every layer, bound: two launches.
 
@@ -2246,6 +2317,7 @@ def bind_block_keys(
             (blocks of at most :data:`MAX_SEGMENT` elements).
         layer_of: host array, each block's layer (an index into ``flags``).
         maxima, keys: one per block; flags: one per layer.
+        world_size: the ranks whose FP32 sum the owner makes (binds bf16's keys).
 
     Example:
         >>> call = bind_block_keys(E4M3, x, offsets, layer_of, maxima, keys, flags)  # doctest: +SKIP
@@ -2283,9 +2355,11 @@ def bind_block_keys(
         keys,
         flags,
         n,
+        world_size,
         M=mean_limit(fmt, EXPONENT_LIMIT),
         ROWS=rows,
         WIDTH=width,
+        BOUND=fmt.max * world_size > float(np.finfo(np.float32).max),
         **compile_options(),
     )
     return functools.partial(_zero_then, flags, launch)
@@ -2399,22 +2473,7 @@ def bind_owner_rank_blocks(
         >>> owner()  # doctest: +SKIP
     """
     consts = _rank_blocks_consts(fmt, recv, out, union, d)
-    k = shard.size - 1
-    piece = recv.numel() // n_ranks
-    used = (int(shard[-1]) * consts.wire_bits + 7) // 8
-    if not 0 <= longest <= MAX_SEGMENT or (k and int(np.diff(shard).max()) > longest):
-        raise ValueError(f"blocks of at most {min(longest, MAX_SEGMENT)} elements")
-    if (
-        recv.numel() != n_ranks * piece
-        or out.numel() < shard_bytes + k
-        or used > shard_bytes
-        or d.dtype != torch.int32
-        or d.numel() < k
-    ):
-        raise ValueError(
-            f"the owner needs {n_ranks} equal pieces, {shard_bytes + k} bytes out and {k} "
-            f"int32 exponents, got {recv.numel()}, {out.numel()} and {d.numel()} {d.dtype}"
-        )
+    k, piece, used = _owner_sizes(consts, recv, n_ranks, shard, out, d, shard_bytes, longest)
     if own is not None and own.numel() != int(shard[-1]):
         raise ValueError(f"own must hold the shard's {int(shard[-1])} elements, got {own.numel()}")
     lead, rows, width = tile_shape(longest, consts.wire_bits)
@@ -2431,6 +2490,7 @@ def bind_owner_rank_blocks(
         d,  # the agreed exponents: not read with keys
         _stand_ins(recv.device)[1],  # nor the float32 factors
         union,
+        d,  # nor the blocks' layers
         *_own(recv, own, own_row),
         piece,
         k,
@@ -2456,6 +2516,117 @@ def bind_owner_rank_blocks(
     )
 
 
+def _owner_sizes(
+    consts: FormatConstants,
+    recv: torch.Tensor,
+    n_ranks: int,
+    shard: np.ndarray,
+    out: torch.Tensor,
+    d: torch.Tensor,
+    shard_bytes: int,
+    longest: int,
+) -> tuple[int, int, int]:
+    """An owner step's blocks, piece bytes and code bytes, its buffers checked."""
+    k = shard.size - 1
+    piece = recv.numel() // n_ranks
+    used = (int(shard[-1]) * consts.wire_bits + 7) // 8
+    if not 0 <= longest <= MAX_SEGMENT or (k and int(np.diff(shard).max()) > longest):
+        raise ValueError(f"blocks of at most {min(longest, MAX_SEGMENT)} elements")
+    if (
+        recv.numel() != n_ranks * piece
+        or out.numel() < shard_bytes + k
+        or used > shard_bytes
+        or d.dtype != torch.int32
+        or d.numel() < k
+    ):
+        raise ValueError(
+            f"the owner needs {n_ranks} equal pieces, {shard_bytes + k} bytes out and {k} "
+            f"int32 exponents, got {recv.numel()}, {out.numel()} and {d.numel()} {d.dtype}"
+        )
+    return k, piece, used
+
+
+def bind_owner_agreed_blocks(
+    fmt: FloatFormat,
+    recv: torch.Tensor,
+    n_ranks: int,
+    shard: np.ndarray,
+    keys: torch.Tensor,
+    first: int,
+    out: torch.Tensor,
+    union: torch.Tensor,
+    d: torch.Tensor,
+    shard_bytes: int,
+    longest: int,
+    layer_of: np.ndarray | None,
+) -> Callable[[], object]:
+    """This rank's owner step of a chunk sent with agreed block keys, bound: one launch of
+    :func:`_reduce_blocks_kernel` (``FACTORS`` 3), after ``union`` is zeroed in the
+    first chunk.
+
+    As :func:`aps_comm.cpu_kernels.owner_agreed_blocks`: the N pieces of
+    ``recv`` decoded, summed in rank order and divided by N; each block of
+    the mean (its agreed key ``keys[first + j]``) encoded with its extra
+    exponent d (into int32 ``d``) into ``out``: codes, zero padding to
+    ``shard_bytes``, d clamped to a byte per block, zeros. ``layer_of``
+    (host array, each block's layer; the first chunk only, else None):
+    ``union`` is zeroed, then 1 at each layer with an agreed key 255.
+
+    Args:
+        shard: int64 host array, this rank's shard's block offsets from 0.
+        keys: uint8, the agreed key of every block of the group.
+        first: the shard's first block in the group.
+        longest: its longest block (at most :data:`MAX_SEGMENT`).
+
+    Example:
+        >>> owner = bind_owner_agreed_blocks(E4M3, recv, 2, shard, keys, 0, out, union, d, 16, 8, None)  # doctest: +SKIP
+        >>> owner()  # doctest: +SKIP
+    """
+    consts = _rank_blocks_consts(fmt, recv, keys, out, union, d)
+    k, piece, used = _owner_sizes(consts, recv, n_ranks, shard, out, d, shard_bytes, longest)
+    n_flags = 0 if layer_of is None else keys.numel()
+    if layer_of is not None and layer_of.size != n_flags:
+        raise ValueError(f"layer_of must give the layer of {n_flags} blocks, got {layer_of.size}")
+    lead, rows, width = tile_shape(longest, consts.wire_bits)
+    n_tiles = triton.cdiv(k, rows - lead)
+    n_tail = triton.cdiv(max(out.numel() - used, n_flags, 1), rows * width)
+    pow2 = n_ranks & (n_ranks - 1) == 0
+    launch = functools.partial(
+        _reduce_blocks_kernel[(n_tiles + n_tail,)],
+        recv,
+        out,
+        d,
+        _on(shard, recv.device),
+        keys[first:],  # the shard's agreed keys
+        keys,  # the group's, for the flags
+        union,
+        d if layer_of is None else _on(layer_of, recv.device, torch.int32),
+        *_own(recv, None, -1),
+        piece,
+        k,
+        n_ranks,
+        1.0 / n_ranks if pow2 else float(n_ranks),
+        _top(k),
+        shard_bytes,
+        used,
+        out.numel(),
+        0,
+        n_flags,
+        n_tiles,
+        E=consts.encode,
+        D=consts.decode,
+        M=mean_limit(fmt, EXPONENT_LIMIT),
+        WIRE=consts.wire_bits,
+        DIVIDE=0 if n_ranks == 1 else 1 if pow2 else 2,
+        LEAD=lead,
+        ROWS=rows,
+        WIDTH=width,
+        FACTORS=3,
+        **compile_options(),
+    )
+    return launch if layer_of is None else functools.partial(_zero_then, union, launch)
+
+
 def bind_decode_rank_blocks(
     fmt: FloatFormat,
     gathered: torch.Tensor,
@@ -2466,6 +2637,7 @@ def bind_decode_rank_blocks(
     union: torch.Tensor,
     x: torch.Tensor,
     shard_bytes: int,
+    agreed: torch.Tensor | None = None,
 ) -> Callable[[], object]:
     """Every owner's gathered shard of a chunk decoded into ``x`` with the keys it sent,
     bound: one launch over the chunk's elements.
@@ -2474,6 +2646,10 @@ def bind_decode_rank_blocks(
     (N equal rows) is shard s's codes, then at ``shard_bytes`` its blocks'
     keys; each code times its key's ``2**-e``, NaN for a block whose layer
     (``layer_of``, host array, one per block of the group) is flagged in ``union``.
+    With ``agreed`` (uint8, every block's agreed key), as
+    :func:`aps_comm.cpu_kernels.decode_agreed_blocks`: the bytes at
+    ``shard_bytes`` are the owner's extra exponents d, each code times
+    ``2**-(e + d)``.
 
     Example:
         >>> decode = bind_decode_rank_blocks(E2M1, rows, 2, offsets, firsts, layer_of, union, x, 16)  # doctest: +SKIP
@@ -2502,6 +2678,7 @@ def bind_decode_rank_blocks(
         _on(off[rel], device),
         _on(layer_of[f0:f1], device, torch.int32),
         union,
+        gathered if agreed is None else agreed[f0:],  # not read without
         c0,
         numel,
         gathered.numel() // n,
@@ -2514,6 +2691,7 @@ def bind_decode_rank_blocks(
         WIRE=consts.wire_bits,
         BLOCK=BLOCK,
         SHIFT=_longest_log2(off),
+        AGREED=agreed is not None,
         **compile_options(),
     )
 
@@ -2642,6 +2820,7 @@ def _ptx_owner_sources(fmt: FloatFormat, block_size: int) -> _PtxSources:
                 "exp_ptr": "*i32",
                 "fac_ptr": "*fp32",
                 "union_ptr": "*u8",
+                "layer_ptr": "*i32",
                 "own_ptr": "*fp32",
                 "own_row": "i32",
                 "shard_bytes": "i32",

@@ -21,6 +21,7 @@ session (a CUDA test) sees compiled kernels.
 from __future__ import annotations
 
 import contextlib
+import functools
 import importlib
 import os
 import re
@@ -657,8 +658,8 @@ def _launch_everything(tc: types.ModuleType) -> None:
         tc.reduce_blocks(recv, 2, fmt, rows.device_offsets, exps, out, d, 126, 32)
         factors = torch.ones(2, rows.n_segments)
         tc.reduce_rank_blocks(recv, 2, fmt, rows.device_offsets, factors, out, d, 126, 32)
-        if fmt.wire_bits in (4, 8):  # every rank's own block exponents, through the codec
-            _bind_rank_blocks(c, x, blocks)
+        _bind_rank_blocks(c, x, blocks)  # every rank's own block exponents, through the codec
+        _bind_agreed_blocks(c, x, blocks)
 
 
 def _bind_rank_blocks(c: codec.Codec, x: torch.Tensor, blocks: codec.Blocks) -> None:
@@ -693,6 +694,38 @@ def _bind_rank_blocks(c: codec.Codec, x: torch.Tensor, blocks: codec.Blocks) -> 
     calls.send(3)
     calls.owner()
     calls.decode()
+
+
+def _bind_agreed_blocks(c: codec.Codec, x: torch.Tensor, blocks: codec.Blocks) -> None:
+    """The fused calls of two_phase with agreed block exponents, bound by the codec and
+    run: the keys of 3 ranks, one chunk of 3 shards, the first one (the layers' flags)."""
+    offsets = blocks.layout.offsets.numpy().astype(np.int64)
+    nb, counts = offsets.size - 1, blocks.counts.numpy().astype(np.int64)
+    keys, union = torch.empty(nb, dtype=torch.uint8), torch.empty(counts.size, dtype=torch.uint8)
+    flags = torch.empty(counts.size, dtype=torch.uint8)
+    call = c.bind_block_keys(x, blocks.layout, blocks.counts, torch.empty(nb), keys, flags, 3)
+    assert call is not None
+    call()
+    firsts = np.array([0, nb // 3, nb // 3, nb], np.int64)
+    sb = max(payload_nbytes(int(n), c.fmt) for n in np.diff(offsets[firsts]))
+    sb += -sb % 4  # 16-bit pieces of whole codes (the plan's)
+    chunk = codec.AgreedBlockChunk(
+        offsets=offsets,
+        firsts=firsts,
+        layer_of=np.repeat(np.arange(counts.size, dtype=np.int64), counts),
+        shard=offsets[firsts[2] : firsts[3] + 1] - offsets[firsts[2]],
+        first=int(firsts[2]),
+        send=torch.empty(3 * sb, dtype=torch.uint8),
+        recv=torch.zeros(3 * sb, dtype=torch.uint8),
+        out=torch.empty(sb + nb, dtype=torch.uint8),
+        gathered=torch.zeros(3 * (sb + nb), dtype=torch.uint8),
+        shard_bytes=sb,
+        counts=counts,
+    )
+    calls = c.bind_agreed_blocks(x, keys, union, chunk)
+    assert calls is not None
+    for call in calls:
+        call()
 
 
 @pytest.mark.slow
@@ -862,7 +895,8 @@ def _rank_block_case(fmt: FloatFormat, block_size: int, n: int) -> dict:
     mid = (2 + nb) // 2
     firsts = np.array({1: [2, nb], 2: [2, 2, nb], 3: [2, mid, mid, nb]}[n], np.int64)
     sizes = np.diff(offsets[firsts])
-    shard_bytes = max(payload_nbytes(int(s), fmt) for s in sizes) + 1  # padded
+    # Padded (16 bits: to whole codes, as the numba kernels read them).
+    shard_bytes = max(payload_nbytes(int(s), fmt) for s in sizes) + 1 + (fmt.wire_bits == 16)
     slots = int(np.diff(firsts).max()) + 2
     xs = []
     gen = torch.Generator().manual_seed(n * 100 + block_size)
@@ -870,6 +904,8 @@ def _rank_block_case(fmt: FloatFormat, block_size: int, n: int) -> dict:
         x = torch.randn(offsets[-1], generator=gen)
         x *= 2.0 ** torch.randint(-30, 30, (x.numel(),), generator=gen).float()
         x[offsets[4] : offsets[6]] = 0.0  # a zero block or two: key 0
+        if fmt.max * n > torch.finfo(torch.float32).max:  # bf16: the FP32 sum bounds a key
+            x[100] = 3.0e38
         if r == n - 1:
             x[44] = float("nan") if r % 2 else float("inf")  # the fourth layer: [42, 53)
         xs.append(x)
@@ -888,7 +924,7 @@ def _rank_block_case(fmt: FloatFormat, block_size: int, n: int) -> dict:
 @pytest.mark.slow
 @pytest.mark.parametrize(
     ("fmt", "block_size"),
-    [(F.E2M1, 8), (F.E2M1, 32), (F.E4M3, 8), (F.E4M3, 32)],
+    [(F.E2M1, 8), (F.E2M1, 32), (F.E4M3, 8), (F.E4M3, 32), (F.BF16, 8)],
     ids=lambda v: getattr(v, "name", v),
 )
 def test_rank_block_kernels_match_kernels(
@@ -909,6 +945,7 @@ def test_rank_block_kernels_match_kernels(
         n_layers = case["counts"].numel()
         for at in (sb + slots, -1) if n == 3 else (sb + slots,):  # -1: a later chunk
             piece = sb + slots + (n_layers + 4 if at >= 0 else 1)
+            piece += piece % 2 * (fmt.wire_bits == 16)  # rows of whole 16-bit codes
             keys, flags = [], []
             sends = []
             for r, x in enumerate(case["xs"]):
@@ -917,10 +954,11 @@ def test_rank_block_kernels_match_kernels(
                     torch.full((n_layers,), 7, dtype=torch.uint8),
                 )
                 m = torch.empty(nb)
-                _quiet(tc.bind_block_keys(fmt, x, offsets, layer_of, m, k, f))
+                # bf16 over N ranks: the owner's FP32 sum bounds the keys too.
+                _quiet(tc.bind_block_keys(fmt, x, offsets, layer_of, m, k, f, n))
                 want_m, want_k, want_f = torch.empty(nb), torch.empty_like(k), torch.empty_like(f)
                 cpu_kernels.block_keys(
-                    fmt, x, offsets, case["counts"], want_m, want_k, want_f, EXPONENT_LIMIT, 1
+                    fmt, x, offsets, case["counts"], want_m, want_k, want_f, EXPONENT_LIMIT, n
                 )
                 assert torch.equal(m.view(torch.int32), want_m.view(torch.int32))
                 assert torch.equal(k, want_k) and torch.equal(f, want_f), (r, k, want_k)
@@ -1173,7 +1211,7 @@ def test_hierarchical_and_grid_blocks_on_triton_give_the_kernels_bits() -> None:
 
     if not HAVE_TRITON:
         pytest.skip("triton is not installed (pip install triton; in the test extra)")
-    cases = [("hierarchical", "e2m1", 8), ("grid", "e4m3", 32)]
+    cases = [("hierarchical", "e2m1", 8), ("grid", "e4m3", 32), ("hierarchical", "bf16", 8)]
     for rank, results in enumerate(
         run_distributed(_node_blocks_on_triton, 4, args=(cases,), timeout=600)
     ):
@@ -1432,3 +1470,172 @@ def test_settled_mixed_format_bucket_on_triton_gives_the_kernels_bits(
     assert out[:5].isnan().all() and not out[5:].isnan().any()
     same = torch.where(out.isnan(), 0.0, out).view(torch.int32)
     assert torch.equal(same, torch.where(want.isnan(), 0.0, want).view(torch.int32))
+
+
+class _Launches(_Recorder):
+    """A :class:`_Recorder` whose launches' own ATen ops (the interpreter's copies of the
+    arguments) go uncounted: on a GPU each launch is one kernel, counted as one op."""
+
+    def __getitem__(self, grid: object):  # type: ignore[no-untyped-def]
+        from torch.utils._python_dispatch import _disable_current_modes
+
+        run = super().__getitem__(grid)
+
+        def launch(*args: object, **kwargs: object) -> object:
+            with _disable_current_modes():
+                return run(*args, **kwargs)
+
+        return launch
+
+
+@pytest.mark.parametrize(
+    ("fmt", "exps", "block_size"),
+    [("fp16", "rank", 8), ("bf16", "agreed", 32), ("e2m1", "agreed", 8)],
+)
+def test_settled_16bit_and_agreed_block_buckets_on_triton_give_the_kernels_bits(
+    tc: types.ModuleType, monkeypatch: pytest.MonkeyPatch, fmt: str, exps: str, block_size: int
+) -> None:
+    # 16-bit blocks and agreed block exponents bind on the Triton backend too: after the
+    # first step the bucket is bound (SteadyBlocks, SteadyAgreedBlocks), a step is the
+    # keys' kernel and three launches per chunk (the agreed ones: the keys' MAX
+    # all-reduce between), within the ops budget, and its bits are the numba kernels'.
+    import aps_comm
+    from aps_comm.engine import SteadyAgreedBlocks, SteadyBlocks
+    from benchmarks.hostcost import count_calls
+
+    options = {
+        "fmt": fmt,
+        "reduction": "two_phase",
+        "scaling": "block",
+        "block_size": block_size,
+        "block_exponents": exps,
+    }
+    x, params = _block_bucket([5, 0, 1, 300, 33, 2, 64], 13)
+    log: list = []
+    with _triton_plans():
+        for name in _RANK_BLOCK_KERNELS:
+            monkeypatch.setattr(tc, name, _Launches(name, getattr(tc, name), log))
+        state = aps_comm.APSState(**options)
+        buffer = x.clone()
+        _quiet(state.run_bucket, 0, buffer, params)
+        reducer = state.reducer
+        assert reducer is not None
+        st = reducer.steady_for(0, buffer)
+        kind = SteadyBlocks if exps == "rank" else SteadyAgreedBlocks
+        assert type(st) is kind and st.group.codec.backend == "triton", type(st)
+        log.clear()
+        buffer.copy_(x)
+        run = functools.partial(state.run_bucket, 0, buffer, params)
+        aten, kernels = _quiet(count_calls, run, x.device)
+        out = buffer.clone()
+        del state, reducer
+    chunks = len(st.calls or [])
+    names = [name for name, _, _ in log]
+    assert names == [_RANK_BLOCK_KERNELS[0], *_RANK_BLOCK_KERNELS[1:] * chunks], names
+    assert not kernels and len(aten) + len(names) <= 15, (aten, names)
+    want = _reference(options, x, params)
+    assert out[:5].isnan().all() and not out[5:].isnan().any()
+    same = torch.where(out.isnan(), 0.0, out).view(torch.int32)
+    assert torch.equal(same, torch.where(want.isnan(), 0.0, want).view(torch.int32))
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize(("fmt", "block_size"), [(F.E2M1, 8), (F.BF16, 32)], ids=str)
+def test_agreed_block_kernels_match_kernels(
+    tc: types.ModuleType, fmt: FloatFormat, block_size: int
+) -> None:
+    # two_phase with agreed block exponents on Triton, the whole chain: every rank's send
+    # with the agreed keys, each owner's step (the first chunk's: the layers' flags from
+    # the agreed keys) and the decode of the gathered shards, byte for byte against the
+    # numba kernels; every byte of every buffer written.
+    from aps_comm import cpu_kernels
+    from aps_comm.scaling import EXPONENT_LIMIT
+
+    table = codec._key_table(False)
+    for n in (1, 3):
+        case = _rank_block_case(fmt, block_size, n)
+        offsets, firsts, layer_of = case["offsets"], case["firsts"], case["layer_of"]
+        sb, nb, counts = case["shard_bytes"], offsets.size - 1, case["counts"].numpy()
+        piece = sb + 4  # zeros past the codes' padding
+        keys = torch.zeros(nb, dtype=torch.uint8)  # the MAX all-reduce of every rank's keys
+        for x in case["xs"]:
+            k = torch.empty(nb, dtype=torch.uint8)
+            flags = torch.empty(counts.size, dtype=torch.uint8)
+            m = torch.empty(nb)
+            cpu_kernels.block_keys(fmt, x, offsets, case["counts"], m, k, flags, EXPONENT_LIMIT, n)
+            torch.maximum(keys, k, out=keys)
+        sends = []
+        for x in case["xs"]:
+            send = torch.full((n * piece,), 0xA5, dtype=torch.uint8)
+            call = tc.bind_send_rank_blocks(fmt, x, keys, offsets, firsts, flags, send, piece, -1)
+            _quiet(call, -1)
+            want = np.full(n * piece, 0x5A, np.uint8)
+            cpu_kernels.send_agreed_blocks(
+                fmt, x.numpy(), keys.numpy(), table, offsets, firsts, want, piece
+            )
+            assert np.array_equal(send.numpy(), want), n
+            sends.append(send.view(n, piece))
+        for first_chunk in (True, False) if n == 3 else (True,):
+            outs, union = [], torch.full((counts.size,), 9, dtype=torch.uint8)
+            want_union = np.full(counts.size, 9, np.uint8)
+            for o in range(n):
+                recv = torch.cat([s[o] for s in sends])
+                shard = offsets[firsts[o] : firsts[o + 1] + 1] - offsets[firsts[o]]
+                k = shard.size - 1
+                out = torch.full((sb + case["slots"] + 3,), 0xA5, dtype=torch.uint8)
+                d = torch.empty(max(k, 1), dtype=torch.int32)
+                call = tc.bind_owner_agreed_blocks(
+                    fmt, recv, n, shard, keys, int(firsts[o]), out, union, d, sb, block_size,
+                    layer_of if first_chunk and o == 0 else None,
+                )  # fmt: skip
+                _quiet(call)
+                want_out = np.full(out.numel(), 0x5A, np.uint8)
+                scratch = (np.empty(max(k, 1), np.int32), np.empty(max(k, 1), np.int32))
+                flags_of = counts if first_chunk and o == 0 else np.zeros(0, np.int64)
+                cpu_kernels.owner_agreed_blocks(
+                    fmt, EXPONENT_LIMIT, recv.numpy(), n, shard, keys.numpy(), int(firsts[o]),
+                    want_out, sb, scratch, (flags_of, want_union), block_size,
+                )  # fmt: skip
+                assert np.array_equal(out.numpy(), want_out), (n, o)
+                assert np.array_equal(union.numpy(), want_union), (n, o)
+                assert np.array_equal(d.numpy()[:k], scratch[1][:k])
+                outs.append(out)
+            gathered = torch.cat(outs)
+            for x in case["xs"]:
+                got, want = x.clone(), x.clone()
+                _quiet(
+                    tc.bind_decode_rank_blocks(
+                        fmt, gathered, n, offsets, firsts, layer_of, union, got, sb, keys
+                    )
+                )
+                cpu_kernels.decode_agreed_blocks(
+                    fmt, gathered.numpy(), n, offsets, firsts, keys.numpy(), layer_of,
+                    union.numpy(), want.numpy(), sb,
+                )  # fmt: skip
+                assert torch.equal(_bits(got), _bits(want)), n
+            if first_chunk:  # the fourth layer NaN on every rank, nothing else
+                assert union.tolist() == [int(i == 3) for i in range(counts.size)]
+                assert got[42:53].isnan().all() and not got[53:].isnan().any()
+
+
+def test_block_keys_bound_bf16_by_the_fp32_sum(tc: types.ModuleType) -> None:
+    # bf16's max times N passes float32's: the Triton keys' kernel bounds every key by the
+    # owner's FP32 sum of N values too, as the CPU kernel does, at the edges of the range
+    # (powers of two from the smallest subnormal to 2**127, and just below them).
+    from aps_comm import cpu_kernels
+    from aps_comm.scaling import EXPONENT_LIMIT
+
+    pow2s = torch.exp2(torch.arange(-149, 128, dtype=torch.float64)).float()
+    below = -pow2s.nextafter(torch.tensor(0.0))
+    x = torch.cat([torch.tensor([0.0, -3.4e38, float("nan")]), pow2s, below])
+    offsets = np.arange(x.numel() + 1, dtype=np.int64)  # one element per block
+    counts = torch.tensor([2, 1, x.numel() - 3])
+    layer_of = np.repeat(np.arange(3, dtype=np.int64), counts.numpy())
+    for world in (1, 3, 1000):
+        got = (torch.empty(x.numel()), torch.empty(x.numel(), dtype=torch.uint8))
+        want = (torch.empty(x.numel()), torch.empty(x.numel(), dtype=torch.uint8))
+        flags = [torch.empty(3, dtype=torch.uint8) for _ in range(2)]
+        _quiet(tc.bind_block_keys(F.BF16, x, offsets, layer_of, *got, flags[0], world))
+        cpu_kernels.block_keys(F.BF16, x, offsets, counts, *want, flags[1], EXPONENT_LIMIT, world)
+        assert torch.equal(got[1], want[1]), (world, (got[1] != want[1]).nonzero()[:5])
+        assert flags[0].tolist() == flags[1].tolist() == [0, 1, 0]
