@@ -565,6 +565,9 @@ class SteadyAgreedBlocks:
     epoch: tuple[int, ...] = ()
     workspace: tuple[int, ...] = ()
     names: list[str | None] | None = None
+    native: bool = False
+    factors: tuple[torch.Tensor, torch.Tensor] | None = None
+    factors_call: Callable[[], object] | None = None
 
     def bind(self, x: torch.Tensor, rank: int, world_size: int) -> bool:
         """Bind the keys' and every chunk's calls to the float32 buffer ``x``; False where
@@ -572,6 +575,8 @@ class SteadyAgreedBlocks:
         g = self.group
         assert g.blocks is not None
         keys = self.shared[: g.layout.n_segments]
+        if self.native:
+            return self._bind_native(x, keys, world_size)
         keys_call = g.codec.bind_block_keys(
             x, g.layout, g.blocks.counts, self.maxima, keys, self.flags, world_size
         )
@@ -581,6 +586,41 @@ class SteadyAgreedBlocks:
         if calls is None:
             return False
         self.keys_call, self.calls, self.bound_ptr = keys_call, calls, x.data_ptr()
+        return True
+
+    def _bind_native(self, x: torch.Tensor, keys: torch.Tensor, world_size: int) -> bool:
+        """:meth:`bind` for the native all-reduce (CPU kernels only): one call for this
+        rank's block keys under the native sum's rule, one for the agreed keys' factors
+        (``factors``: per block ``2**e`` and ``2**-e / N``, refilled in place), and per
+        chunk the general path's encode and decode with them, bound."""
+        g = self.group
+        assert g.blocks is not None
+        if g.codec.backend != "kernels" or x.device.type != "cpu" or x.dtype != torch.float32:
+            return False
+        grid = g.layout.cells if g.layout.cells is not None else g.layout.offsets.numpy()
+        self.keys_call = functools.partial(
+            cpu_kernels.call,
+            "native_block_keys",
+            *(g.fmt, x, grid, self.maxima, keys, EXPONENT_LIMIT, world_size),
+        )
+        n = g.layout.n_segments
+        self.factors = scale, unscale = torch.empty(n), torch.empty(n)
+        self.factors_call = functools.partial(
+            cpu_kernels.call,
+            "native_block_factors",
+            keys,
+            g.blocks.counts,
+            scale,
+            unscale,
+            world_size,
+        )
+        calls = []
+        for c, ((lo, hi), (r0, r1)) in enumerate(zip(g.chunks, g.regions, strict=True)):
+            send, window = g.send[r0:r1], g.windows[c]
+            encode = g.codec.bind_encode(x[lo:hi], send, scale, window)
+            decode = g.codec.bind_decode(send, x[lo:hi], unscale, window)
+            calls.append(transports.ChunkCalls(encode, None, decode, send))
+        self.calls, self.bound_ptr = calls, x.data_ptr()
         return True
 
 
@@ -1366,6 +1406,11 @@ class Reducer:
             self._settle(
                 index, x, plan, fmts, g, Route(g.reduction), measured, chunk, names, layers_of
             )
+        elif g.reduction == Route.ALLREDUCE and self.feedback is None:
+            # Agreed keys whatever is asked (a native sum cannot mix exponents); with
+            # "rank" no chunk rides on them: the model's, as in the general path.
+            mine = measured and not rank_exps
+            self._settle_native_blocks(index, x, plan, fmts, g, main, mine, chunk, names)
         elif rank_exps:
             self._settle_blocks(index, x, plan, fmts, g, measured, chunk, names)
         elif self.feedback is None:
@@ -2105,6 +2150,50 @@ class Reducer:
         if st.bind(x, self.comm.rank, self.comm.world_size):
             self.steady[index] = st
 
+    def _settle_native_blocks(
+        self,
+        index: int,
+        x: torch.Tensor,
+        plan: BucketPlan,
+        fmts: list[FloatFormat],
+        g: GroupPlan,
+        main: Route,
+        measured: bool,
+        chunk: int,
+        names: Sequence[str | None] = (),
+    ) -> None:
+        """Bind the native all-reduce's block path (:class:`SteadyAgreedBlocks` with
+        ``native``): :meth:`_agree_blocks`' one MAX all-reduce of the keys (this rank's
+        preferred chunk on it where ``measured``), then per chunk the encode, the sum in
+        the wire format and the decode (:func:`aps_comm.transports.native`'s)."""
+        if (
+            self.assignment.promoter is not None
+            or (self.settings.stats and x.device.type != "cpu")
+            or not g.contiguous
+        ):
+            return
+        n_blocks, n_layers, device = g.layout.n_segments, len(g.numels), x.device
+        st = SteadyAgreedBlocks(
+            x.numel(),
+            x.data_ptr(),
+            plan,
+            g,
+            list(fmts),
+            Route(main),
+            measured,
+            chunk,
+            torch.empty(n_blocks, dtype=torch.float32, device=device),
+            torch.zeros(n_blocks + int(measured), dtype=torch.uint8, device=device),
+            torch.empty(n_layers, dtype=torch.uint8, device=device),
+            torch.zeros(n_layers, dtype=torch.uint8, device=device),
+            epoch=self.assignment.epoch(self.step),
+            workspace=self._epoch(index, device),
+            names=list(names) if self.settings.stats else None,
+            native=True,
+        )
+        if st.bind(x, self.comm.rank, self.comm.world_size):
+            self.steady[index] = st
+
     def _run_agreed_blocks(
         self, index: int, st: SteadyAgreedBlocks, x: torch.Tensor, defer: bool
     ) -> Callable[[], None] | None:
@@ -2142,7 +2231,15 @@ class Reducer:
             self.record_agreed_blocks(index, st, x)
         assert st.calls is not None
         start = time.perf_counter()
-        tail = transports.two_phase_blocks_bound(st.calls, comm.group, self.traffic, defer)
+        if st.native:
+            assert st.factors_call is not None and st.factors is not None
+            st.factors_call()
+            scale, unscale = st.factors
+            tail = transports.native(
+                st.group, x, scale, unscale, comm.group, self.traffic, None, defer, st.calls
+            )
+        else:
+            tail = transports.two_phase_blocks_bound(st.calls, comm.group, self.traffic, defer)
         if st.measured:
             plan.timed(time.perf_counter() - start)
         return tail

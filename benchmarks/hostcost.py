@@ -277,6 +277,8 @@ _CPU_KERNELS = (
     "maxima_factors_into",
     "key_factors",
     "block_factors_into",
+    "native_block_keys",
+    "native_block_factors",
     "underflow_rates",
     "block_amax",
     "block_keys",

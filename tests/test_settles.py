@@ -72,8 +72,8 @@ def _gap(fmt: str, scaling: str, exps: str, route: str, policy: str, stats: bool
         return "hierarchical in several formats: no bound groups of a staged route"
     if route == "hierarchical" and exps == "agreed":
         return "hierarchical with agreed block exponents: no bound staged block path"
-    if route == "allreduce" and scaling == "block":
-        return "native all-reduce with blocks: no bound path"
+    if route == "allreduce" and scaling == "block" and (mixed or fb):
+        return "native all-reduce with blocks in several formats or error feedback: no bound path"
     if route == "allreduce" and fb:
         return "error feedback off two_phase: no bound path"
     if fb and scaling in ("bucket", "none") and mixed:
@@ -369,3 +369,47 @@ def test_error_feedback_with_bucket_or_no_scaling_settles_with_the_general_paths
     args = (configs,)
     for problems in run_distributed(_feedback_against_the_general_path, world_size, args=args):
         assert problems == []
+
+
+_NATIVE_BLOCKS = {"fmt": "fp16", "reduction": "allreduce", "scaling": "block", "stats": True}
+
+
+def test_native_blocks_settle_with_the_general_paths_bits() -> None:
+    """Issue 46: the native all-reduce with block scaling settles (the general path every
+    step before): this rank's keys under the native sum's rule, their MAX all-reduce, the
+    factors, then per chunk the encode, the sum in the wire format and the decode, with
+    the general path's gradients, bytes, chunks and records on two ranks."""
+    configs = [
+        (_NATIVE_BLOCKS, None),  # "rank" asked: agreed keys still, the model's chunk
+        ({**_NATIVE_BLOCKS, "block_exponents": "agreed"}, None),  # the chunk on the keys
+        ({**_NATIVE_BLOCKS, "block_size": 8}, 40),  # several chunks
+        ({**_NATIVE_BLOCKS, "fmt": "bf16", "block_size": 16}, 256),
+    ]
+    for problems in run_distributed(_against_the_general_path, 2, args=(configs,)):
+        assert problems == []
+
+
+@pytest.mark.parametrize("exps", ["rank", "agreed"])
+def test_native_blocks_cost_the_same_ops_whatever_the_layers(world: None, exps: str) -> None:
+    """Issue 46: a settled native block bucket is four kernel calls (keys, factors, encode,
+    decode) and the records' one, beside its two collectives, for 2 layers or 200."""
+    counts = {}
+    for layers in (2, 200):
+        numels = [300 + i for i in range(layers)]
+        x = torch.randn(sum(numels), generator=torch.Generator().manual_seed(layers))
+        params = [torch.nn.Parameter(torch.empty(n)) for n in numels]
+        state = aps_comm.APSState(**_NATIVE_BLOCKS, block_exponents=exps)
+        for _ in range(2):  # the plan, then the settled path bound
+            state.run_bucket(0, x.clone(), params)
+        buffer = x.clone()
+        state.run_bucket(0, buffer, params)  # a new buffer: bound once more
+        assert state.reducer is not None
+        assert isinstance(state.reducer.steady_for(0, buffer), SteadyAgreedBlocks)
+        aten, kernels = count_ops(state, buffer, params)
+        assert not any("_local_scalar_dense" in op for op in aten), aten  # no host read
+        assert len(state.stats) == layers
+        counts[layers] = (aten, kernels)
+    assert counts[2] == counts[200], counts
+    aten, kernels = counts[200]
+    assert len(aten) + len(kernels) <= BUDGET, counts[200]
+    assert kernels.count("kernel::native_block_keys") == 1
