@@ -2420,6 +2420,65 @@ def native_block_factors(
     _native_block_factors(_np(keys), _np(counts), _np(scale), _np(unscale), n)
 
 
+if AVAILABLE:
+
+    @_njit
+    def _native_factors(ab, work, keys, scale, inverse, unscale, n, spread, fmax, lim, p, q, m):
+        for i in range(len(ab)):
+            work[i] = ab[i]
+        if spread:
+            _spread_maximum(work)
+        _maxima_keys(work, keys, n, True, fmax, lim, p, q, m)
+        _key_factors(keys, scale, False, 1)
+        _key_factors(keys, inverse, True, 1)
+        _key_factors(keys, unscale, True, n)
+
+
+def native_factors_into(
+    maxima: np.ndarray,
+    fmt: FloatFormat,
+    world_size: int,
+    limit: int,
+    spread: bool,
+    factors: tuple[np.ndarray, np.ndarray, np.ndarray],
+    keys: np.ndarray,
+) -> None:
+    """:func:`maxima_factors_into` for route "allreduce", with the inverse ``2**-e`` beside
+    the decode's ``2**-e / N``: error feedback's residuals are kept under the inverse.
+
+    ``factors``: float32 (scale, inverse, unscale), as long as the agreed float32
+    ``maxima``; NaN inverse and unscale for a non-finite maximum. ``spread``:
+    ``scaling="bucket"`` (the factors of :func:`spread_maximum`'s, ``maxima`` left as
+    they are: the records'); ``limit`` 0: ``scaling="none"``. ``keys``: int32 scratch
+    the exponent keys are left in (the records').
+
+    Example:
+        >>> from aps_comm.formats import FP16
+        >>> f = tuple(np.empty(1, np.float32) for _ in range(3))
+        >>> native_factors_into(np.array([3.0], np.float32), FP16, 2, 126, False, f,
+        ...                     np.empty(1, np.int32))
+        >>> [float(a[0]) for a in f]
+        [8192.0, 0.0001220703125, 6.103515625e-05]
+    """
+    scale, inverse, unscale = factors
+    q, m = decoder_params(fmt)
+    _native_factors(
+        maxima.view(np.uint32),
+        inverse.view(np.uint32),  # the spread's scratch, free until its factors
+        keys,
+        scale,
+        inverse,
+        unscale,
+        world_size,
+        spread,
+        float(fmt.max),
+        limit,
+        encoder_params(fmt),
+        q,
+        m,
+    )
+
+
 def keep_lost(x: torch.Tensor, sent: torch.Tensor, out: torch.Tensor) -> None:
     """What this rank's encoding lost: ``x - sent`` where ``sent`` is finite, else 0, into
     ``out`` (contiguous float32, all as long): error feedback's residual.

@@ -1981,7 +1981,7 @@ class Reducer:
         fb, comm = self.feedback, self.comm
         assert fb is not None
         if (
-            g.reduction != Route.TWO_PHASE
+            g.reduction not in (Route.TWO_PHASE, Route.ALLREDUCE)
             or g.block_shards is not None
             or len(g.chunks) != 1
             or g.codec.backend not in _FEEDBACK_BACKENDS
@@ -1989,6 +1989,8 @@ class Reducer:
             or not all(n in fb.residuals for n in names)
         ):
             return None
+        if g.reduction == Route.ALLREDUCE:
+            return self._bind_native_feedback(index, x, g, names, shared)
         n_seg, device, fmt = g.layout.n_segments, x.device, g.fmt
         (r0, r1), (s0, s1), numel = g.regions[0], g.shard_regions[0], x.numel()
         send, recv, shard = g.send[r0:r1], g.recv[r0:r1], g.shards[s0:s1]
@@ -2076,6 +2078,67 @@ class Reducer:
             scale,
         )
 
+    def _bind_native_feedback(
+        self,
+        index: int,
+        x: torch.Tensor,
+        g: GroupPlan,
+        names: Sequence[str | None],
+        shared: torch.Tensor | None,
+    ) -> SteadyFeedback | None:
+        """:meth:`_bind_feedback` for the native all-reduce, per layer (bucket and no scaling
+        too), on the CPU kernels: the maxima agreed as there, then one call for the native
+        sum's factors (scale, the inverse ``2**-e`` the residuals are kept under, and the
+        decode's ``2**-e / N``: :func:`aps_comm.cpu_kernels.native_factors_into`), the
+        encode with its residual update, the sum in the wire format and the decode:
+        :meth:`_group`'s ``after_encode`` and :func:`aps_comm.transports.native`, bound."""
+        fb, settings, device, numel = self.feedback, self.settings, x.device, x.numel()
+        assert fb is not None
+        if g.blocks is not None or g.codec.backend != "kernels" or device.type != "cpu":
+            return None
+        n_seg, (r0, r1) = g.layout.n_segments, g.regions[0]
+        send = g.send[r0:r1]
+        workspace = self.workspace(device)
+        for _ in range(2):  # twice only where the workspace had to grow
+            arena = workspace.arena(Slot.STEP)
+            sent = arena.take(numel, torch.float32)  # the values as sent, while encoding
+            if arena.close():
+                break
+        scale, inverse, unscale = (torch.empty(n_seg) for _ in range(3))
+        shared = torch.zeros(n_seg) if shared is None else shared
+        keys = np.empty(n_seg, np.int32)
+        factors = functools.partial(
+            cpu_kernels.call,
+            "native_factors_into",
+            shared.numpy(),
+            g.fmt,
+            self.comm.world_size,
+            0 if settings.scaling == Scaling.NONE else EXPONENT_LIMIT,
+            settings.scaling == Scaling.BUCKET,
+            (scale.numpy(), inverse.numpy(), unscale.numpy()),
+            keys,
+        )
+        residual = torch.empty(numel)
+        encode = _feedback_encode(g, x, send, (scale, inverse), 0, (sent, residual), True)
+        decode = g.codec.bind_decode(send, x, unscale, g.windows[0])
+        return SteadyFeedback(
+            numel,
+            x.data_ptr(),
+            residual,
+            fb.share(names, g.numels, residual),  # type: ignore[arg-type]  # checked
+            shared,
+            g.codec.bind_layer_maxima(x, g.layout, shared),
+            factors,
+            [transports.ChunkCalls(encode, None, decode, send)],
+            self._epoch(index, device),
+            self.assignment.epoch(self.step),
+            g,
+            list(names) if settings.stats else None,
+            keys,
+            None,
+            scale,
+        )
+
     def _run_feedback(
         self, index: int, st: SteadyFeedback, x: torch.Tensor, defer: bool
     ) -> Callable[[], None] | None:
@@ -2094,6 +2157,9 @@ class Reducer:
         if st.maxima is not None:
             self._feedback_rates(st, x, st.maxima[st.shared.numel() :])
         # Not deferred: one workspace slot serves every bucket (:meth:`bucket`).
+        if st.group is not None and st.group.reduction == Route.ALLREDUCE:
+            g, scale = st.group, st.scale  # the bound calls read the factors
+            return transports.native(g, x, scale, scale, comm.group, self.traffic, calls=st.calls)
         return transports.two_phase_bound(st.calls, comm.group, self.traffic, False)
 
     def _settle_agreed_blocks(

@@ -279,6 +279,7 @@ _CPU_KERNELS = (
     "block_factors_into",
     "native_block_keys",
     "native_block_factors",
+    "native_factors_into",
     "underflow_rates",
     "block_amax",
     "block_keys",
