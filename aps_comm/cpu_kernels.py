@@ -2423,7 +2423,8 @@ def native_block_factors(
 if AVAILABLE:
 
     @_njit
-    def _native_factors(ab, work, keys, scale, inverse, unscale, n, spread, fmax, lim, p, q, m):
+    def _native_factors(ab, keys, scale, inverse, unscale, n, spread, fmax, lim, p, q, m):
+        work = inverse.view(np.uint32)  # the spread's scratch, free until its factors
         for i in range(len(ab)):
             work[i] = ab[i]
         if spread:
@@ -2464,7 +2465,6 @@ def native_factors_into(
     q, m = decoder_params(fmt)
     _native_factors(
         maxima.view(np.uint32),
-        inverse.view(np.uint32),  # the spread's scratch, free until its factors
         keys,
         scale,
         inverse,
