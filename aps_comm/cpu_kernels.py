@@ -2442,6 +2442,135 @@ def block_factors_into(
     _block_factors(_np(keys), counts, scale, unscale)
 
 
+if AVAILABLE:
+
+    @_njit
+    def _native_block_keys(xb, offsets, maxima, keys, n_ranks, fmax, limit, p, q, m):
+        _block_amax(xb, offsets, maxima)
+        _maxima_keys(maxima, keys, n_ranks, True, fmax, limit, p, q, m)
+
+    @_njit
+    def _native_block_factors(keys, counts, scale, unscale, n_ranks):
+        _block_factors(keys, counts, scale, unscale)
+        n = np.float32(n_ranks)
+        for i in range(len(unscale)):
+            unscale[i] = unscale[i] / n  # float32 operands: one IEEE division, as torch's
+
+
+def native_block_keys(
+    fmt: FloatFormat,
+    x: torch.Tensor,
+    offsets: np.ndarray | BlockGrid,
+    maxima: torch.Tensor,
+    keys: torch.Tensor,
+    limit: int,
+    world_size: int,
+) -> None:
+    """Every block's max |x| into float32 ``maxima`` and its key under the native sum's
+    rule (:func:`aps_comm.scaling.exponent_keys`, route "allreduce": headroom for the
+    ``world_size`` ranks' sum in ``fmt``) into uint8 ``keys``: a settled native bucket's
+    keys, one call per step.
+
+    Example:
+        >>> from aps_comm.formats import FP16
+        >>> m, k = torch.empty(2), torch.empty(2, dtype=torch.uint8)
+        >>> native_block_keys(FP16, torch.tensor([3.0, float("nan")]), np.array([0, 1, 2]),
+        ...                   m, k, 126, 2)
+        >>> k.tolist()
+        [114, 255]
+    """
+    q, m = decoder_params(fmt)
+    _native_block_keys(
+        _np(x).view(np.uint32),
+        _block_offsets(offsets),
+        _np(maxima).view(np.uint32),
+        _np(keys),
+        world_size,
+        float(fmt.max),
+        limit,
+        encoder_params(fmt),
+        q,
+        m,
+    )
+
+
+def native_block_factors(
+    keys: torch.Tensor, counts: torch.Tensor, scale: torch.Tensor, unscale: torch.Tensor, n: int
+) -> None:
+    """:func:`aps_comm.scaling.factors_from_keys`' scale and unscale (route "allreduce") of
+    agreed uint8 block ``keys`` into float32 ``scale`` and ``unscale``: ``2**e`` and
+    ``2**-e / n`` per block, NaN unscale for every block of a layer with a key of 255
+    (``counts``: int64 blocks per layer).
+
+    Example:
+        >>> s, u = torch.empty(3), torch.empty(3)
+        >>> native_block_factors(torch.tensor([120, 0, 255], dtype=torch.uint8),
+        ...                      torch.tensor([1, 2]), s, u, 2)
+        >>> s.tolist(), u.tolist()[0]
+        ([128.0, 1.0, 1.0], 0.00390625)
+    """
+    _native_block_factors(_np(keys), _np(counts), _np(scale), _np(unscale), n)
+
+
+if AVAILABLE:
+
+    @_njit
+    def _native_factors(ab, keys, scale, inverse, unscale, n, spread, fmax, lim, p, q, m):
+        work = inverse.view(np.uint32)  # the spread's scratch, free until its factors
+        for i in range(len(ab)):
+            work[i] = ab[i]
+        if spread:
+            _spread_maximum(work)
+        _maxima_keys(work, keys, n, True, fmax, lim, p, q, m)
+        _key_factors(keys, scale, False, 1)
+        _key_factors(keys, inverse, True, 1)
+        _key_factors(keys, unscale, True, n)
+
+
+def native_factors_into(
+    maxima: np.ndarray,
+    fmt: FloatFormat,
+    world_size: int,
+    limit: int,
+    spread: bool,
+    factors: tuple[np.ndarray, np.ndarray, np.ndarray],
+    keys: np.ndarray,
+) -> None:
+    """:func:`maxima_factors_into` for route "allreduce", with the inverse ``2**-e`` beside
+    the decode's ``2**-e / N``: error feedback's residuals are kept under the inverse.
+
+    ``factors``: float32 (scale, inverse, unscale), as long as the agreed float32
+    ``maxima``; NaN inverse and unscale for a non-finite maximum. ``spread``:
+    ``scaling="bucket"`` (the factors of :func:`spread_maximum`'s, ``maxima`` left as
+    they are: the records'); ``limit`` 0: ``scaling="none"``. ``keys``: int32 scratch
+    the exponent keys are left in (the records').
+
+    Example:
+        >>> from aps_comm.formats import FP16
+        >>> f = tuple(np.empty(1, np.float32) for _ in range(3))
+        >>> native_factors_into(np.array([3.0], np.float32), FP16, 2, 126, False, f,
+        ...                     np.empty(1, np.int32))
+        >>> [float(a[0]) for a in f]
+        [8192.0, 0.0001220703125, 6.103515625e-05]
+    """
+    scale, inverse, unscale = factors
+    q, m = decoder_params(fmt)
+    _native_factors(
+        maxima.view(np.uint32),
+        keys,
+        scale,
+        inverse,
+        unscale,
+        world_size,
+        spread,
+        float(fmt.max),
+        limit,
+        encoder_params(fmt),
+        q,
+        m,
+    )
+
+
 def keep_lost(x: torch.Tensor, sent: torch.Tensor, out: torch.Tensor) -> None:
     """What this rank's encoding lost: ``x - sent`` where ``sent`` is finite, else 0, into
     ``out`` (contiguous float32, all as long): error feedback's residual.

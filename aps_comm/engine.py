@@ -585,6 +585,9 @@ class SteadyAgreedBlocks:
     epoch: tuple[int, ...] = ()
     workspace: tuple[int, ...] = ()
     names: list[str | None] | None = None
+    native: bool = False
+    factors: tuple[torch.Tensor, torch.Tensor] | None = None
+    factors_call: Callable[[], object] | None = None
 
     def bind(self, x: torch.Tensor, rank: int, world_size: int) -> bool:
         """Bind the keys' and every chunk's calls to the float32 buffer ``x``; False where
@@ -592,6 +595,8 @@ class SteadyAgreedBlocks:
         g = self.group
         assert g.blocks is not None
         keys = self.shared[: g.layout.n_segments]
+        if self.native:
+            return self._bind_native(x, keys, world_size)
         keys_call = g.codec.bind_block_keys(
             x, g.layout, g.blocks.counts, self.maxima, keys, self.flags, world_size
         )
@@ -601,6 +606,41 @@ class SteadyAgreedBlocks:
         if calls is None:
             return False
         self.keys_call, self.calls, self.bound_ptr = keys_call, calls, x.data_ptr()
+        return True
+
+    def _bind_native(self, x: torch.Tensor, keys: torch.Tensor, world_size: int) -> bool:
+        """:meth:`bind` for the native all-reduce (CPU kernels only): one call for this
+        rank's block keys under the native sum's rule, one for the agreed keys' factors
+        (``factors``: per block ``2**e`` and ``2**-e / N``, refilled in place), and per
+        chunk the general path's encode and decode with them, bound."""
+        g = self.group
+        assert g.blocks is not None
+        if g.codec.backend != "kernels" or x.device.type != "cpu" or x.dtype != torch.float32:
+            return False
+        grid = g.layout.cells if g.layout.cells is not None else g.layout.offsets.numpy()
+        self.keys_call = functools.partial(
+            cpu_kernels.call,
+            "native_block_keys",
+            *(g.fmt, x, grid, self.maxima, keys, EXPONENT_LIMIT, world_size),
+        )
+        n = g.layout.n_segments
+        self.factors = scale, unscale = torch.empty(n), torch.empty(n)
+        self.factors_call = functools.partial(
+            cpu_kernels.call,
+            "native_block_factors",
+            keys,
+            g.blocks.counts,
+            scale,
+            unscale,
+            world_size,
+        )
+        calls = []
+        for c, ((lo, hi), (r0, r1)) in enumerate(zip(g.chunks, g.regions, strict=True)):
+            send, window = g.send[r0:r1], g.windows[c]
+            encode = g.codec.bind_encode(x[lo:hi], send, scale, window)
+            decode = g.codec.bind_decode(send, x[lo:hi], unscale, window)
+            calls.append(transports.ChunkCalls(encode, None, decode, send))
+        self.calls, self.bound_ptr = calls, x.data_ptr()
         return True
 
 
@@ -1393,6 +1433,11 @@ class Reducer:
             self._settle(
                 index, x, plan, fmts, g, Route(g.reduction), measured, chunk, names, layers_of
             )
+        elif g.reduction == Route.ALLREDUCE and self.feedback is None:
+            # Agreed keys whatever is asked (a native sum cannot mix exponents); with
+            # "rank" no chunk rides on them: the model's, as in the general path.
+            mine = measured and not rank_exps
+            self._settle_native_blocks(index, x, plan, fmts, g, main, mine, chunk, names)
         elif rank_exps:
             self._settle_blocks(index, x, plan, fmts, g, measured, chunk, names)
         elif self.feedback is None:
@@ -1987,7 +2032,7 @@ class Reducer:
         fb, comm = self.feedback, self.comm
         assert fb is not None
         if (
-            g.reduction != Route.TWO_PHASE
+            g.reduction not in (Route.TWO_PHASE, Route.ALLREDUCE)
             or g.block_shards is not None
             or len(g.chunks) != 1
             or g.codec.backend not in _FEEDBACK_BACKENDS
@@ -1995,6 +2040,8 @@ class Reducer:
             or not all(n in fb.residuals for n in names)
         ):
             return None
+        if g.reduction == Route.ALLREDUCE:
+            return self._bind_native_feedback(index, x, g, names, shared)
         n_seg, device, fmt = g.layout.n_segments, x.device, g.fmt
         (r0, r1), (s0, s1), numel = g.regions[0], g.shard_regions[0], x.numel()
         send, recv, shard = g.send[r0:r1], g.recv[r0:r1], g.shards[s0:s1]
@@ -2082,6 +2129,67 @@ class Reducer:
             scale,
         )
 
+    def _bind_native_feedback(
+        self,
+        index: int,
+        x: torch.Tensor,
+        g: GroupPlan,
+        names: Sequence[str | None],
+        shared: torch.Tensor | None,
+    ) -> SteadyFeedback | None:
+        """:meth:`_bind_feedback` for the native all-reduce, per layer (bucket and no scaling
+        too), on the CPU kernels: the maxima agreed as there, then one call for the native
+        sum's factors (scale, the inverse ``2**-e`` the residuals are kept under, and the
+        decode's ``2**-e / N``: :func:`aps_comm.cpu_kernels.native_factors_into`), the
+        encode with its residual update, the sum in the wire format and the decode:
+        :meth:`_group`'s ``after_encode`` and :func:`aps_comm.transports.native`, bound."""
+        fb, settings, device, numel = self.feedback, self.settings, x.device, x.numel()
+        assert fb is not None
+        if g.blocks is not None or g.codec.backend != "kernels" or device.type != "cpu":
+            return None
+        n_seg, (r0, r1) = g.layout.n_segments, g.regions[0]
+        send = g.send[r0:r1]
+        workspace = self.workspace(device)
+        for _ in range(2):  # twice only where the workspace had to grow
+            arena = workspace.arena(Slot.STEP)
+            sent = arena.take(numel, torch.float32)  # the values as sent, while encoding
+            if arena.close():
+                break
+        scale, inverse, unscale = (torch.empty(n_seg) for _ in range(3))
+        shared = torch.zeros(n_seg) if shared is None else shared
+        keys = np.empty(n_seg, np.int32)
+        factors = functools.partial(
+            cpu_kernels.call,
+            "native_factors_into",
+            shared.numpy(),
+            g.fmt,
+            self.comm.world_size,
+            0 if settings.scaling == Scaling.NONE else EXPONENT_LIMIT,
+            settings.scaling == Scaling.BUCKET,
+            (scale.numpy(), inverse.numpy(), unscale.numpy()),
+            keys,
+        )
+        residual = torch.empty(numel)
+        encode = _feedback_encode(g, x, send, (scale, inverse), 0, (sent, residual), True)
+        decode = g.codec.bind_decode(send, x, unscale, g.windows[0])
+        return SteadyFeedback(
+            numel,
+            x.data_ptr(),
+            residual,
+            fb.share(names, g.numels, residual),  # type: ignore[arg-type]  # checked
+            shared,
+            g.codec.bind_layer_maxima(x, g.layout, shared),
+            factors,
+            [transports.ChunkCalls(encode, None, decode, send)],
+            self._epoch(index, device),
+            self.assignment.epoch(self.step),
+            g,
+            list(names) if settings.stats else None,
+            keys,
+            None,
+            scale,
+        )
+
     def _run_feedback(
         self, index: int, st: SteadyFeedback, x: torch.Tensor, defer: bool
     ) -> Callable[[], None] | None:
@@ -2107,7 +2215,11 @@ class Reducer:
         if st.maxima is not None:
             self._feedback_rates(st, x, st.maxima[st.shared.numel() :])
         # Not deferred: one workspace slot serves every bucket (:meth:`bucket`).
-        return transports.two_phase_bound(st.calls, self.comm.group, self.traffic, False)
+        comm = self.comm
+        if st.group is not None and st.group.reduction == Route.ALLREDUCE:
+            g, scale = st.group, st.scale  # the bound calls read the factors
+            return transports.native(g, x, scale, scale, comm.group, self.traffic, calls=st.calls)
+        return transports.two_phase_bound(st.calls, comm.group, self.traffic, False)
 
     def _settle_agreed_blocks(
         self,
@@ -2163,6 +2275,50 @@ class Reducer:
         if st.bind(x, self.comm.rank, self.comm.world_size):
             self.steady[index] = st
 
+    def _settle_native_blocks(
+        self,
+        index: int,
+        x: torch.Tensor,
+        plan: BucketPlan,
+        fmts: list[FloatFormat],
+        g: GroupPlan,
+        main: Route,
+        measured: bool,
+        chunk: int,
+        names: Sequence[str | None] = (),
+    ) -> None:
+        """Bind the native all-reduce's block path (:class:`SteadyAgreedBlocks` with
+        ``native``): :meth:`_agree_blocks`' one MAX all-reduce of the keys (this rank's
+        preferred chunk on it where ``measured``), then per chunk the encode, the sum in
+        the wire format and the decode (:func:`aps_comm.transports.native`'s)."""
+        if (
+            self.assignment.promoter is not None
+            or (self.settings.stats and x.device.type != "cpu")
+            or not g.contiguous
+        ):
+            return
+        n_blocks, n_layers, device = g.layout.n_segments, len(g.numels), x.device
+        st = SteadyAgreedBlocks(
+            x.numel(),
+            x.data_ptr(),
+            plan,
+            g,
+            list(fmts),
+            Route(main),
+            measured,
+            chunk,
+            torch.empty(n_blocks, dtype=torch.float32, device=device),
+            torch.zeros(n_blocks + int(measured), dtype=torch.uint8, device=device),
+            torch.empty(n_layers, dtype=torch.uint8, device=device),
+            torch.zeros(n_layers, dtype=torch.uint8, device=device),
+            epoch=self.assignment.epoch(self.step),
+            workspace=self._epoch(index, device),
+            names=list(names) if self.settings.stats else None,
+            native=True,
+        )
+        if st.bind(x, self.comm.rank, self.comm.world_size):
+            self.steady[index] = st
+
     def _run_agreed_blocks(
         self, index: int, st: SteadyAgreedBlocks, x: torch.Tensor, defer: bool
     ) -> Callable[[], None] | None:
@@ -2200,7 +2356,15 @@ class Reducer:
             self.record_agreed_blocks(index, st, x)
         assert st.calls is not None
         start = time.perf_counter()
-        tail = transports.two_phase_blocks_bound(st.calls, comm.group, self.traffic, defer)
+        if st.native:
+            assert st.factors_call is not None and st.factors is not None
+            st.factors_call()
+            scale, unscale = st.factors
+            tail = transports.native(
+                st.group, x, scale, unscale, comm.group, self.traffic, None, defer, st.calls
+            )
+        else:
+            tail = transports.two_phase_blocks_bound(st.calls, comm.group, self.traffic, defer)
         if st.measured:
             plan.timed(time.perf_counter() - start)
         return tail

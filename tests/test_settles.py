@@ -73,10 +73,10 @@ def _gap(fmt: str, scaling: str, exps: str, route: str, policy: str, stats: bool
         return "hierarchical in interleaved formats: two staged groups and the gather pass 15 ops"
     if route == "hierarchical" and mixed and exps == "agreed":
         return "hierarchical in several formats with agreed block exponents: no bound groups"
-    if route == "allreduce" and scaling == "block":
-        return "native all-reduce with blocks: no bound path"
-    if route == "allreduce" and fb:
-        return "error feedback off two_phase: no bound path"
+    if route == "allreduce" and scaling == "block" and (mixed or fb):
+        return "native all-reduce with blocks in several formats or error feedback: no bound path"
+    if route == "allreduce" and fb and mixed:
+        return "error feedback off two_phase in several formats: no bound groups"
     if fb and scaling in ("bucket", "none") and mixed:
         return "error feedback with bucket or no scaling in several formats: no bound groups"
     if exps == "agreed" and mixed and not fb:
@@ -370,3 +370,96 @@ def test_error_feedback_with_bucket_or_no_scaling_settles_with_the_general_paths
     args = (configs,)
     for problems in run_distributed(_feedback_against_the_general_path, world_size, args=args):
         assert problems == []
+
+
+_NATIVE_BLOCKS = {"fmt": "fp16", "reduction": "allreduce", "scaling": "block", "stats": True}
+
+
+def test_native_blocks_settle_with_the_general_paths_bits() -> None:
+    """Issue 46: the native all-reduce with block scaling settles (the general path every
+    step before): this rank's keys under the native sum's rule, their MAX all-reduce, the
+    factors, then per chunk the encode, the sum in the wire format and the decode, with
+    the general path's gradients, bytes, chunks and records on two ranks."""
+    configs = [
+        (_NATIVE_BLOCKS, None),  # "rank" asked: agreed keys still, the model's chunk
+        ({**_NATIVE_BLOCKS, "block_exponents": "agreed"}, None),  # the chunk on the keys
+        ({**_NATIVE_BLOCKS, "block_size": 8}, 40),  # several chunks
+        ({**_NATIVE_BLOCKS, "fmt": "bf16", "block_size": 16}, 256),
+    ]
+    for problems in run_distributed(_against_the_general_path, 2, args=(configs,)):
+        assert problems == []
+
+
+@pytest.mark.parametrize("exps", ["rank", "agreed"])
+def test_native_blocks_cost_the_same_ops_whatever_the_layers(world: None, exps: str) -> None:
+    """Issue 46: a settled native block bucket is four kernel calls (keys, factors, encode,
+    decode) and the records' one, beside its two collectives, for 2 layers or 200."""
+    counts = {}
+    for layers in (2, 200):
+        numels = [300 + i for i in range(layers)]
+        x = torch.randn(sum(numels), generator=torch.Generator().manual_seed(layers))
+        params = [torch.nn.Parameter(torch.empty(n)) for n in numels]
+        state = aps_comm.APSState(**_NATIVE_BLOCKS, block_exponents=exps)
+        for _ in range(2):  # the plan, then the settled path bound
+            state.run_bucket(0, x.clone(), params)
+        buffer = x.clone()
+        state.run_bucket(0, buffer, params)  # a new buffer: bound once more
+        assert state.reducer is not None
+        assert isinstance(state.reducer.steady_for(0, buffer), SteadyAgreedBlocks)
+        aten, kernels = count_ops(state, buffer, params)
+        assert not any("_local_scalar_dense" in op for op in aten), aten  # no host read
+        assert len(state.stats) == layers
+        counts[layers] = (aten, kernels)
+    assert counts[2] == counts[200], counts
+    aten, kernels = counts[200]
+    assert len(aten) + len(kernels) <= BUDGET, counts[200]
+    assert kernels.count("kernel::native_block_keys") == 1
+
+
+_NATIVE_FEEDBACK = {"fmt": "fp16", "reduction": "allreduce", "error_feedback": True}
+
+
+def test_error_feedback_on_the_native_all_reduce_settles_with_the_general_paths_bits() -> None:
+    """Issue 46: error feedback on the native all-reduce settles (the general path every
+    step before): the residuals added, the maxima agreed, the native sum's factors in one
+    call, the encode with its residual update (kept under ``2**-e``, the decode's
+    ``2**-e / N`` aside), the sum in the wire format, with the general path's gradients,
+    residuals, bytes and records on two ranks (Promote's ladder has no format Gloo sums)."""
+    configs = [
+        _NATIVE_FEEDBACK,
+        {**_NATIVE_FEEDBACK, "scaling": "bucket", "stats": True},
+        {**_NATIVE_FEEDBACK, "scaling": "none"},
+        {**_NATIVE_FEEDBACK, "fmt": "bf16", "stats": True},
+        {**_NATIVE_FEEDBACK, "stats": True},
+    ]
+    for problems in run_distributed(_feedback_against_the_general_path, 2, args=(configs,)):
+        assert problems == []
+
+
+@pytest.mark.parametrize("scaling", ["layer", "bucket", "none"])
+def test_error_feedback_on_the_native_all_reduce_costs_the_same_ops_whatever_the_layers(
+    world: None, scaling: str
+) -> None:
+    """Issue 46: a settled native bucket with error feedback is the residuals' add, the
+    maxima, the factors' call, the encode with its residual update and the decode, beside
+    its two collectives, for 2 layers or 200."""
+    counts = {}
+    for layers in (2, 200):
+        numels = [300 + i for i in range(layers)]
+        x = torch.randn(sum(numels), generator=torch.Generator().manual_seed(layers))
+        params = [torch.nn.Parameter(torch.empty(n)) for n in numels]
+        state = aps_comm.APSState(**_NATIVE_FEEDBACK, scaling=scaling)
+        state.bind_model(torch.nn.ModuleList(ParamLayer(p) for p in params))
+        for _ in range(2):  # bound from the first step, then run
+            state.run_bucket(0, x.clone(), params)
+        buffer = x.clone()
+        state.run_bucket(0, buffer, params)  # a new buffer: bound once more
+        assert state.reducer is not None
+        assert isinstance(state.reducer.steady_for(0, buffer), SteadyFeedback)
+        aten, kernels = count_ops(state, buffer, params)
+        assert not any("_local_scalar_dense" in op for op in aten), aten  # no host read
+        counts[layers] = (aten, kernels)
+    assert counts[2] == counts[200], counts
+    aten, kernels = counts[200]
+    assert len(aten) + len(kernels) <= BUDGET, counts[200]
+    assert kernels.count("kernel::native_factors_into") == 1
