@@ -619,6 +619,25 @@ _MIXED_OPTIONS["interleaved+block+error_feedback"] = {
     **_MIXED_OPTIONS["interleaved+block"],
     "error_feedback": True,
 }
+# Agreed block exponents, and error feedback with bucket or no scaling, in several formats.
+_AGREED_GROUPS = {**_MIXED_OPTIONS["interleaved+block"], "block_exponents": "agreed"}
+_MIXED_OPTIONS["keep_last+block_agreed"] = {
+    **CONFIGS["keep_last+block"],
+    "block_exponents": "agreed",
+}
+_MIXED_OPTIONS["interleaved+block_agreed"] = _AGREED_GROUPS
+_MIXED_OPTIONS["interleaved+block_agreed+stats"] = {**_AGREED_GROUPS, "stats": True}
+_FED_GROUPS = {**_MIXED["interleaved"], "error_feedback": True}
+_MIXED_OPTIONS["keep_last+bucket+error_feedback"] = {
+    **CONFIGS["keep_last+error_feedback"],
+    "scaling": "bucket",
+}
+_MIXED_OPTIONS["interleaved+bucket+error_feedback+stats"] = {
+    **_FED_GROUPS,
+    "scaling": "bucket",
+    "stats": True,
+}
+_MIXED_OPTIONS["interleaved+none+error_feedback"] = {**_FED_GROUPS, "scaling": "none"}
 
 
 @pytest.mark.parametrize(
@@ -635,6 +654,12 @@ _MIXED_OPTIONS["interleaved+block+error_feedback"] = {
         ("interleaved+block16", 4, BUDGET),
         ("interleaved+block+stats", 4, BUDGET),
         ("interleaved+bucket+stats", 4, BUDGET),
+        ("keep_last+block_agreed", 2, BUDGET),
+        ("interleaved+block_agreed", 4, BUDGET),
+        ("interleaved+block_agreed+stats", 4, BUDGET),
+        ("keep_last+bucket+error_feedback", 2, BUDGET),
+        ("interleaved+bucket+error_feedback+stats", 4, BUDGET),
+        ("interleaved+none+error_feedback", 4, BUDGET),
         ("keep_last+error_feedback", 2, BUDGET),
         ("keep_last+block+error_feedback", 2, BUDGET),
         ("keep_last+error_feedback+stats", 2, BUDGET),
@@ -932,6 +957,37 @@ def test_settled_mixed_format_buckets_with_options_give_the_general_paths_bits(
         {**ROUTES["two_phase"], "scaling": "none", "policy": [_ODD_FP16]},
     ]
     for problems in run_distributed(_mixed_steps, world_size, args=(configs,)):
+        assert problems == []
+
+
+def _agreed_and_fed_groups_steps(
+    rank: int, world_size: int, blocks: list[dict], fed: list[dict]
+) -> list[str]:
+    """:func:`_mixed_steps` of ``blocks``, then :func:`_mixed_feedback_steps` of ``fed``:
+    one job for both."""
+    return _mixed_steps(rank, world_size, blocks) + _mixed_feedback_steps(rank, world_size, fed)
+
+
+def test_agreed_blocks_or_unscaled_feedback_in_mixed_formats_give_the_general_bits() -> None:
+    """Issue 46: agreed block exponents in several formats (the general path every step
+    before), and error feedback with bucket or no scaling in several formats (likewise),
+    settle on two ranks with the general path's gradients, bytes and records (residuals
+    too), a NaN on one rank in one step included: the keys of every group agreed at once
+    (with the ranks' largest preferred chunk on them), each group's maxima picked and
+    spread by its factors' call."""
+    blocks = [
+        _MIXED_OPTIONS["keep_last+block_agreed"],
+        _MIXED_OPTIONS["interleaved+block_agreed+stats"],
+        # e2m1 beside fp16 blocks of 8 and FP32.
+        {**_MIXED_OPTIONS["interleaved+block16"], "block_exponents": "agreed", "block_size": 8},
+    ]
+    fed = [
+        _MIXED_OPTIONS["keep_last+bucket+error_feedback"],
+        _MIXED_OPTIONS["interleaved+bucket+error_feedback+stats"],
+        _MIXED_OPTIONS["interleaved+none+error_feedback"],
+        {**_MIXED_OPTIONS["keep_last+bucket+error_feedback"], "scaling": "none", "stats": True},
+    ]
+    for problems in run_distributed(_agreed_and_fed_groups_steps, 2, args=(blocks, fed)):
         assert problems == []
 
 
