@@ -963,9 +963,41 @@ def test_settled_mixed_format_buckets_with_options_give_the_general_paths_bits(
 def _agreed_and_fed_groups_steps(
     rank: int, world_size: int, blocks: list[dict], fed: list[dict]
 ) -> list[str]:
-    """:func:`_mixed_steps` of ``blocks``, then :func:`_mixed_feedback_steps` of ``fed``:
-    one job for both."""
-    return _mixed_steps(rank, world_size, blocks) + _mixed_feedback_steps(rank, world_size, fed)
+    """:func:`_mixed_steps` of ``blocks``, :func:`_mixed_feedback_steps` of ``fed``, then
+    :func:`_agreed_groups_chunk_steps` of the last of ``blocks``: one job for all."""
+    problems = _mixed_steps(rank, world_size, blocks)
+    problems += _mixed_feedback_steps(rank, world_size, fed)
+    return problems + _agreed_groups_chunk_steps(rank, world_size, blocks[-1])
+
+
+def _agreed_groups_chunk_steps(rank: int, world_size: int, options: dict) -> list[str]:
+    """Each rank prefers its own chunk (as ranks whose measured exchanges differ do): a
+    settled bucket of several formats with agreed block exponents sends with the ranks'
+    largest, as the general path does, with its gradients, bytes and records."""
+    numels = [5, 0, 1, 700, 33, 2, 64]
+    params = [torch.nn.Parameter(torch.empty(n)) for n in numels]
+    settled, full = (_bound_state(options, params) for _ in range(2))
+    for state in (settled, full):
+        state.bind(torch.device("cpu"))
+        assert state.reducer is not None
+        prefer = lambda *args, **kw: 64 if rank == 0 else 256  # noqa: E731
+        object.__setattr__(state.reducer.planner, "chunk", prefer)  # a frozen dataclass
+    assert full.reducer is not None
+    full.reducer.settles = False  # never bound: the general path every step
+    problems, buffer = [], torch.empty(sum(numels))
+    for step in range(4):
+        x, _ = _bucket(numels, 100 * step + rank)
+        buffer.copy_(x)
+        out, want = settled.run_bucket(0, buffer, params), full.run_bucket(0, x.clone(), params)
+        if step and not isinstance(settled.reducer.steady_for(0, buffer), SteadyGroups):
+            problems.append(f"chunks step {step}: not settled")
+        if not torch.equal(out.view(torch.int32), want.view(torch.int32)):
+            problems.append(f"chunks step {step}: gradients differ")
+        if settled.bucket_chunks != full.bucket_chunks or full.bucket_chunks[0] != 256:
+            problems.append(f"chunks step {step}: {settled.bucket_chunks}, {full.bucket_chunks}")
+        if settled.bytes_detail != full.bytes_detail or repr(settled.stats) != repr(full.stats):
+            problems.append(f"chunks step {step}: bytes or records differ")
+    return problems
 
 
 def test_agreed_blocks_or_unscaled_feedback_in_mixed_formats_give_the_general_bits() -> None:
