@@ -609,6 +609,10 @@ class SteadyGroups:
     :class:`SteadyBlocks` calls on its view (its blocks' keys, then
     two_phase's exchange), the FP32 group its all-reduce.
 
+    With agreed block exponents, each group sent scaled is a
+    :class:`SteadyAgreedBlocks` on its view, its keys a view of the one vector
+    the bucket MAX-all-reduces (``agreed_blocks``).
+
     With error feedback (groups consecutive in the bucket), each group sent
     scaled is a :class:`SteadyFeedback` on its view, its residuals one flat
     buffer of its own: every group's residuals added, the agreed vector
