@@ -1088,10 +1088,10 @@ class Codec:
             counts: blocks per layer (int64), with block keys.
             keys: with maxima on the CPU kernels, int32 scratch the layers' exponent keys
                 are left in (:meth:`layer_records` reads them); None: the call's own.
-            pick: with maxima on the CPU kernels and layer scaling, (a bucket's agreed
-                maxima, these layers' positions in them, False): ``agreed`` is picked
-                from those in the same call (:meth:`AgreedMaxima.host_factors_into`);
-                None: as it is.
+            pick: with maxima on the CPU kernels, (a bucket's agreed maxima, these
+                layers' positions in them, whether ``scaling`` is "bucket"): ``agreed``
+                is picked from those in the same call, the factors of their spread where
+                "bucket" (:meth:`AgreedMaxima.host_factors_into`); None: as it is.
             scaling: with maxima, the rule: "layer", "bucket" (the factors of the
                 maxima's spread, ``agreed`` left as it is: the records keep it) or
                 "none" (every exponent 0).
@@ -1109,9 +1109,7 @@ class Codec:
             agreed_maxima = AgreedMaxima(agreed, world_size, none=scaling == Scaling.NONE)
             if kernels:
                 keys = np.empty(agreed.numel(), np.int32) if keys is None else keys
-                if scaling == Scaling.BUCKET:
-                    if pick is not None:
-                        raise ValueError("pick needs layer scaling, not 'bucket'")
+                if scaling == Scaling.BUCKET and pick is None:
                     # Picked into scratch of its own and spread there, in the same call.
                     agreed_maxima = AgreedMaxima(torch.empty_like(agreed), world_size)
                     pick = agreed.numpy(), np.arange(agreed.numel(), dtype=np.int64), True

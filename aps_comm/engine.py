@@ -669,6 +669,10 @@ class SteadyGroups:
     :class:`SteadyBlocks` calls on its view (its blocks' keys, then
     two_phase's exchange), the FP32 group its all-reduce.
 
+    With agreed block exponents, each group sent scaled is a
+    :class:`SteadyAgreedBlocks` on its view, its keys a view of the one vector
+    the bucket MAX-all-reduces (``agreed_blocks``).
+
     With error feedback (groups consecutive in the bucket), each group sent
     scaled is a :class:`SteadyFeedback` on its view, its residuals one flat
     buffer of its own: every group's residuals added, the agreed vector
@@ -717,6 +721,10 @@ class SteadyGroups:
         blocks: block scaling with every rank's own block exponents (with ``feedback``:
             agreed ones, ``maxima`` then the groups' uint8 block keys in the plan's order).
         feedback: error feedback: the parts sent scaled are :class:`SteadyFeedback`.
+        agreed_blocks: block scaling with agreed block exponents (no error feedback): the
+            parts sent scaled are :class:`SteadyAgreedBlocks`, ``maxima`` the groups' uint8
+            block keys in the plan's order, then where measured this rank's preferred chunk
+            (:meth:`Reducer._settle_agreed_groups`).
         epoch: as :class:`Steady`'s.
         workspace: as :class:`Steady`'s.
         gather_numels: with ``gather``, the layers' sizes in the plan's order.
@@ -741,7 +749,12 @@ class SteadyGroups:
     chunk: int
     maxima: torch.Tensor
     maxima_call: Callable[[], object] | None = None
-    parts: list[tuple[torch.Tensor, Steady | SteadyBlocks | SteadyFeedback | None]] | None = None
+    parts: (
+        list[
+            tuple[torch.Tensor, Steady | SteadyBlocks | SteadyFeedback | SteadyAgreedBlocks | None]
+        ]
+        | None
+    ) = None
     rates: list[torch.Tensor | None] | None = None
     put_rates: Callable[[], object] | None = None
     gather: Callable[[], object] | None = None
@@ -759,6 +772,7 @@ class SteadyGroups:
     epoch: tuple[int, ...] = ()
     workspace: tuple[int, ...] = ()
     none: bool = False
+    agreed_blocks: bool = False
     gather_numels: list[int] = dataclasses.field(default_factory=list)
     fused: bool = False
     layouts: Layouts | None = None
@@ -1555,6 +1569,9 @@ class Reducer:
         if self.feedback is not None:
             self._settle_feedback_groups(index, x, plan, fmts, groups, main, layers)
             return
+        if blocks and settings.block_exponents != BlockExponents.RANK:
+            self._settle_agreed_groups(index, x, plan, fmts, groups, (main, measured, chunk), names)
+            return
         # Staged groups where they are consecutive in the bucket (KeepLast's): interleaved,
         # two staged groups' chunks and the gather pass the budget. Not with Promote: a
         # staged group's rates are its own bucket's (SteadyStaged.promote), not a view.
@@ -1673,7 +1690,8 @@ class Reducer:
                 if flat is not None:  # its residuals, and its maxima picked by its factors
                     pick = None
                     if not blocks:
-                        pick = shared[:n].numpy(), np.asarray(g.index, np.int64), False
+                        spread = self.settings.scaling == Scaling.BUCKET
+                        pick = shared[:n].numpy(), np.asarray(g.index, np.int64), spread
                     fused = flat[kept : kept + g.numel], pick
                     kept += g.numel
                 part = self._bind_feedback(index, gx, g, gnames, agreed[at : at + m], fused)
@@ -1686,6 +1704,137 @@ class Reducer:
         st.rates = rates if promoted else None
         st.workspace = self._epoch(index, x.device)
         self.steady[index] = st
+
+    def _settle_agreed_groups(
+        self,
+        index: int,
+        x: torch.Tensor,
+        plan: BucketPlan,
+        fmts: list[FloatFormat],
+        groups: list[GroupPlan],
+        chunking: tuple[Route, bool, int],
+        names: Sequence[str | None],
+    ) -> None:
+        """Bind the :class:`SteadyGroups` path of a bucket of several formats with agreed
+        block exponents: each group sent scaled a :class:`SteadyAgreedBlocks` on its view
+        (the bucket's, or bound scratch of the layers in the plan's order where the groups
+        interleave), its keys a view of the one uint8 vector the bucket MAX-all-reduces,
+        as :meth:`_agree_blocks`' (every sent format's keys in the plan's order, then where
+        measured this rank's preferred chunk). ``chunking``: the state's format's route,
+        whether chunks are measured, and this rank's chunk."""
+        main, measured, chunk = chunking
+        sent = [g for g in groups if g.reduction != Route.FP32]
+        if (
+            # Promote refuses block scaling (it needs one exponent per layer).
+            self.assignment.promoter is not None
+            or x.dtype != torch.float32
+            # An empty group's collectives are not the bound ones'.
+            or any(g.reduction not in (Route.FP32, Route.TWO_PHASE) or not g.numel for g in groups)
+            # The records are one numba call (Codec.block_records): the CPU kernels'.
+            or (
+                self.settings.stats
+                and (x.device.type != "cpu" or any(g.codec.backend != "kernels" for g in sent))
+            )
+        ):
+            return
+        size = sum(g.layout.n_segments for g in sent) + int(measured)
+        shared = torch.zeros(size, dtype=torch.uint8, device=x.device)
+        st = SteadyGroups(
+            x.numel(),
+            x.data_ptr(),
+            plan,
+            groups,
+            list(fmts),
+            Route(main),
+            measured,
+            chunk,
+            shared,
+            blocks=True,
+            agreed_blocks=True,
+            epoch=self.assignment.epoch(self.step),
+            workspace=self._epoch(index, x.device),
+        )
+        order = [i for g in groups for i in g.index]
+        values = x
+        if order != list(range(len(fmts))):
+            values = self._interleave(st, x, order, shared, False, names)[0]
+        parts: list[tuple[torch.Tensor, SteadyAgreedBlocks | None]] = []
+        lo = at = 0
+        for g in groups:
+            gx, part = values[lo : lo + g.numel], None
+            if g.reduction != Route.FP32:
+                m, k, device = g.layout.n_segments, len(g.index), x.device
+                part = SteadyAgreedBlocks(
+                    g.numel,
+                    gx.data_ptr(),
+                    plan,
+                    g,
+                    [g.fmt] * k,
+                    Route(main),
+                    False,
+                    chunk,
+                    torch.empty(m, dtype=torch.float32, device=device),
+                    shared[at : at + m],
+                    torch.empty(k, dtype=torch.uint8, device=device),
+                    torch.zeros(k, dtype=torch.uint8, device=device),
+                    names=[names[i] for i in g.index] if self.settings.stats else None,
+                )
+                if not part.bind(gx, self.comm.rank, self.comm.world_size):
+                    return
+                at += m
+            parts.append((gx, part))
+            lo += g.numel
+        st.parts, st.bound_ptr = list(parts), x.data_ptr()
+        self.steady[index] = st
+
+    def _run_agreed_groups(self, index: int, st: SteadyGroups) -> None:
+        """:meth:`_run_groups` with agreed block exponents: every sent group's keys written
+        (after the gather, where the groups interleave), agreed at once with the ranks'
+        largest preferred chunk, then each group's records and bound chunks (the FP32
+        group: its all-reduce) in the plan's order; the scatter."""
+        comm, plan = self.comm, st.plan
+        assert st.parts is not None  # made by _settle_agreed_groups
+        sent = [(values, s) for values, s in st.parts if isinstance(s, SteadyAgreedBlocks)]
+        if st.gather is not None:
+            st.gather()
+        if st.measured:  # CPU only: the keys' numpy view, no tensor op
+            exchange_s = plan.exchange_s or None
+            if st.offer is None or st.offer[0] != exchange_s:
+                mine = self.planner.chunk(self.settings.fmt, st.numel, st.main, exchange_s)
+                st.offer = exchange_s, int(math.log2(mine))
+            st.maxima.numpy()[-1] = st.offer[1]
+        for _, s in sent:
+            assert s.keys_call is not None  # made by SteadyAgreedBlocks.bind
+            s.keys_call()
+        transports.all_reduce_max(st.maxima, comm.group, self.traffic)
+        chunk = 2 ** int(st.maxima.numpy()[-1]) if st.measured else st.chunk
+        if chunk != st.chunk:  # the keys and their scratch stay: only the chunks' calls move
+            st.groups = plan.group(
+                st.fmts,
+                self._routes_for(plan, st.fmts),
+                comm.world_size,
+                chunk,
+                comm.node_layouts(),
+                self.settings.block_size,
+                owner_exponents=True,
+            )
+            for (values, s), g in zip(
+                sent, [g for g in st.groups if g.reduction != Route.FP32], strict=True
+            ):
+                s.group, s.chunk = g, chunk
+                s.bind(values, comm.rank, comm.world_size)
+            st.chunk, st.workspace = chunk, self._epoch(index, st.maxima.device)
+        self.bucket_chunks[index] = st.chunk
+        for values, s in st.parts:
+            if not isinstance(s, SteadyAgreedBlocks):
+                transports.fp32_mean(values, comm.group, comm.world_size, self.traffic)
+                continue
+            if s.names is not None:  # the agreed keys: before the decode overwrites the values
+                self.record_agreed_blocks(index, s, values)
+            assert s.calls is not None
+            transports.two_phase_blocks_bound(s.calls, comm.group, self.traffic, False)
+        if st.scatter is not None:
+            st.scatter()
 
     def _interleave(
         self,
@@ -1851,6 +2000,9 @@ class Reducer:
         if st.feedback:  # float32 buckets only: bound to ``x`` for good
             self._run_feedback_groups(index, st, x)
             return
+        if st.agreed_blocks:  # likewise
+            self._run_agreed_groups(index, st)
+            return
         if st.bound_ptr != x.data_ptr():  # a bfloat16 bucket's float32 copy: new each step
             st.bind(x, comm.world_size, comm.rank)
         if st.blocks:
@@ -2004,10 +2156,9 @@ class Reducer:
             self.steady[index] = st
 
     def _feedback_settles(self, x: torch.Tensor) -> bool:
-        """Whether a bucket with error feedback can settle, whatever its formats: per layer
-        (Promote too) or agreed block exponents, float32."""
-        settings = self.settings
-        return settings.scaling in (Scaling.LAYER, Scaling.BLOCK) and x.dtype == torch.float32
+        """Whether a bucket with error feedback can settle, whatever its formats and scaling
+        (Promote too): float32."""
+        return x.dtype == torch.float32
 
     def _bind_feedback(
         self,

@@ -628,6 +628,25 @@ _MIXED_OPTIONS["interleaved+block+error_feedback"] = {
     **_MIXED_OPTIONS["interleaved+block"],
     "error_feedback": True,
 }
+# Agreed block exponents, and error feedback with bucket or no scaling, in several formats.
+_AGREED_GROUPS = {**_MIXED_OPTIONS["interleaved+block"], "block_exponents": "agreed"}
+_MIXED_OPTIONS["keep_last+block_agreed"] = {
+    **CONFIGS["keep_last+block"],
+    "block_exponents": "agreed",
+}
+_MIXED_OPTIONS["interleaved+block_agreed"] = _AGREED_GROUPS
+_MIXED_OPTIONS["interleaved+block_agreed+stats"] = {**_AGREED_GROUPS, "stats": True}
+_FED_GROUPS = {**_MIXED["interleaved"], "error_feedback": True}
+_MIXED_OPTIONS["keep_last+bucket+error_feedback"] = {
+    **CONFIGS["keep_last+error_feedback"],
+    "scaling": "bucket",
+}
+_MIXED_OPTIONS["interleaved+bucket+error_feedback+stats"] = {
+    **_FED_GROUPS,
+    "scaling": "bucket",
+    "stats": True,
+}
+_MIXED_OPTIONS["interleaved+none+error_feedback"] = {**_FED_GROUPS, "scaling": "none"}
 
 
 @pytest.mark.parametrize(
@@ -644,6 +663,12 @@ _MIXED_OPTIONS["interleaved+block+error_feedback"] = {
         ("interleaved+block16", 4, BUDGET),
         ("interleaved+block+stats", 4, BUDGET),
         ("interleaved+bucket+stats", 4, BUDGET),
+        ("keep_last+block_agreed", 2, BUDGET),
+        ("interleaved+block_agreed", 4, BUDGET),
+        ("interleaved+block_agreed+stats", 4, BUDGET),
+        ("keep_last+bucket+error_feedback", 2, BUDGET),
+        ("interleaved+bucket+error_feedback+stats", 4, BUDGET),
+        ("interleaved+none+error_feedback", 4, BUDGET),
         ("keep_last+error_feedback", 2, BUDGET),
         ("keep_last+block+error_feedback", 2, BUDGET),
         ("keep_last+error_feedback+stats", 2, BUDGET),
@@ -941,6 +966,69 @@ def test_settled_mixed_format_buckets_with_options_give_the_general_paths_bits(
         {**ROUTES["two_phase"], "scaling": "none", "policy": [_ODD_FP16]},
     ]
     for problems in run_distributed(_mixed_steps, world_size, args=(configs,)):
+        assert problems == []
+
+
+def _agreed_and_fed_groups_steps(
+    rank: int, world_size: int, blocks: list[dict], fed: list[dict]
+) -> list[str]:
+    """:func:`_mixed_steps` of ``blocks``, :func:`_mixed_feedback_steps` of ``fed``, then
+    :func:`_agreed_groups_chunk_steps` of the last of ``blocks``: one job for all."""
+    problems = _mixed_steps(rank, world_size, blocks)
+    problems += _mixed_feedback_steps(rank, world_size, fed)
+    return problems + _agreed_groups_chunk_steps(rank, world_size, blocks[-1])
+
+
+def _agreed_groups_chunk_steps(rank: int, world_size: int, options: dict) -> list[str]:
+    """Each rank prefers its own chunk (as ranks whose measured exchanges differ do): a
+    settled bucket of several formats with agreed block exponents sends with the ranks'
+    largest, as the general path does, with its gradients, bytes and records."""
+    numels = [5, 0, 1, 700, 33, 2, 64]
+    params = [torch.nn.Parameter(torch.empty(n)) for n in numels]
+    settled, full = (_bound_state(options, params) for _ in range(2))
+    for state in (settled, full):
+        state.bind(torch.device("cpu"))
+        assert state.reducer is not None
+        prefer = lambda *args, **kw: 64 if rank == 0 else 256  # noqa: E731
+        object.__setattr__(state.reducer.planner, "chunk", prefer)  # a frozen dataclass
+    assert full.reducer is not None
+    full.reducer.settles = False  # never bound: the general path every step
+    problems, buffer = [], torch.empty(sum(numels))
+    for step in range(4):
+        x, _ = _bucket(numels, 100 * step + rank)
+        buffer.copy_(x)
+        out, want = settled.run_bucket(0, buffer, params), full.run_bucket(0, x.clone(), params)
+        if step and not isinstance(settled.reducer.steady_for(0, buffer), SteadyGroups):
+            problems.append(f"chunks step {step}: not settled")
+        if not torch.equal(out.view(torch.int32), want.view(torch.int32)):
+            problems.append(f"chunks step {step}: gradients differ")
+        if settled.bucket_chunks != full.bucket_chunks or full.bucket_chunks[0] != 256:
+            problems.append(f"chunks step {step}: {settled.bucket_chunks}, {full.bucket_chunks}")
+        if settled.bytes_detail != full.bytes_detail or repr(settled.stats) != repr(full.stats):
+            problems.append(f"chunks step {step}: bytes or records differ")
+    return problems
+
+
+def test_agreed_blocks_or_unscaled_feedback_in_mixed_formats_give_the_general_bits() -> None:
+    """Issue 46: agreed block exponents in several formats (the general path every step
+    before), and error feedback with bucket or no scaling in several formats (likewise),
+    settle on two ranks with the general path's gradients, bytes and records (residuals
+    too), a NaN on one rank in one step included: the keys of every group agreed at once
+    (with the ranks' largest preferred chunk on them), each group's maxima picked and
+    spread by its factors' call."""
+    blocks = [
+        _MIXED_OPTIONS["keep_last+block_agreed"],
+        _MIXED_OPTIONS["interleaved+block_agreed+stats"],
+        # e2m1 beside fp16 blocks of 8 and FP32.
+        {**_MIXED_OPTIONS["interleaved+block16"], "block_exponents": "agreed", "block_size": 8},
+    ]
+    fed = [
+        _MIXED_OPTIONS["keep_last+bucket+error_feedback"],
+        _MIXED_OPTIONS["interleaved+bucket+error_feedback+stats"],
+        _MIXED_OPTIONS["interleaved+none+error_feedback"],
+        {**_MIXED_OPTIONS["keep_last+bucket+error_feedback"], "scaling": "none", "stats": True},
+    ]
+    for problems in run_distributed(_agreed_and_fed_groups_steps, 2, args=(blocks, fed)):
         assert problems == []
 
 

@@ -77,10 +77,6 @@ def _gap(fmt: str, scaling: str, exps: str, route: str, policy: str, stats: bool
         return "native all-reduce with blocks in several formats or error feedback: no bound path"
     if route == "allreduce" and fb and mixed:
         return "error feedback off two_phase in several formats: no bound groups"
-    if fb and scaling in ("bucket", "none") and mixed:
-        return "error feedback with bucket or no scaling in several formats: no bound groups"
-    if exps == "agreed" and mixed and not fb:
-        return "agreed block exponents in several formats: no bound groups"
     return ""
 
 

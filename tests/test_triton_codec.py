@@ -1344,6 +1344,8 @@ def _feedback_run(
         },
         {"fmt": "e4m3", "reduction": "two_phase", "scaling": "bucket", "stats": True},
         {"fmt": "e4m3", "reduction": "two_phase", "scaling": "none"},
+        {"fmt": "e4m3", "reduction": "two_phase", "scaling": "bucket", "policy": "keep_last"},
+        {"fmt": "e4m3", "reduction": "two_phase", "scaling": "none", "policy": "keep_last"},
     ],
     ids=[
         "e4m3",
@@ -1354,6 +1356,8 @@ def _feedback_run(
         "e2m1-stats",
         "e4m3-bucket-stats",
         "e4m3-none",
+        "e4m3-bucket-keep_last",
+        "e4m3-none-keep_last",
     ],
 )
 def test_settled_error_feedback_on_triton_gives_the_kernels_bits(
