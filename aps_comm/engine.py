@@ -3187,7 +3187,7 @@ class Reducer:
         ``stats=True`` its records bound too (``params``: each parameter's name and size)."""
         self.steady_units.pop(index, None)
         settings, n = self.settings, self.comm.world_size
-        if rows.dtype != torch.float32 or not rows.is_contiguous() or not all(chunks):
+        if rows.dtype != torch.float32 or not rows.is_contiguous():
             return
         if len(runs.runs) != 1:
             self._settle_mixed_unit(index, runs, rows, chunks, step, params)
@@ -3318,8 +3318,8 @@ class Reducer:
             torch.tensor(math.nan, **f32),
             (),
         )
-        if stats:
-            st.layout = runs.runs[0].rows_layout
+        if stats:  # the parameters' chunks, whatever the scaling (not a block run's blocks)
+            st.layout = self.plan(index, list(chunks) * n, device).layout
             st.shared = torch.zeros(p + 1, **f32)
             st.local, st.agreed = arena.take(n * p, torch.float32), arena.take(n * p, torch.float32)
             st.record = functools.partial(

@@ -1651,6 +1651,25 @@ def test_a_settled_unit_with_an_odd_4bit_run_beside_other_formats_on_one_rank(
     assert _settled_unit_of_one(options, [301, 6, 40, 1]) == []
 
 
+@pytest.mark.filterwarnings(r"ignore:aps_comm. e2m1 \(4 bits\) with scaling='layer':UserWarning")
+@pytest.mark.parametrize(
+    "options",
+    [
+        {"fmt": "e4m3"},
+        {"fmt": "e2m1", "scaling": "block", "stats": True},
+        {"fmt": "e5m2", "scaling": "bucket", "stats": True, "policy": [ByName({"ps.3": "fp32"})]},
+        {"fmt": "e4m3", "scaling": "block", "policy": [ByName({"ps.0": "fp16", "ps.3": "fp32"})]},
+    ],
+    ids=str,
+)
+def test_a_unit_with_a_parameter_of_no_elements_binds_on_one_rank(
+    world: None, options: dict
+) -> None:
+    """Issue 46: a parameter with no elements (FSDP2 gives it a chunk of 0) no longer keeps
+    its unit on the general path: bound, the general path's shards, bytes and records."""
+    assert _settled_unit_of_one(options, [301, 0, 40, 12]) == []
+
+
 def _settled_mismatch(rank: int, world_size: int, scaling: str) -> dict:
     """Rank 1 hands a settled unit an input that does not fit; rank 0 a good one."""
     import torch.distributed as dist
