@@ -3355,11 +3355,7 @@ class Reducer:
         scaled = list(dict.fromkeys(r.fmt for r in runs.runs if r.fmt != FP32))
         codecs = [codec.codec_for(f, device) for f in scaled]
         blocked = settings.scaling == Scaling.BLOCK
-        if (
-            not scaled
-            or any(c.backend != "kernels" for c in codecs)
-            or (blocked and not all(r.packed_rows for r in runs.runs))
-        ):
+        if not scaled or any(c.backend != "kernels" for c in codecs):
             return
         p, row, row_bytes = len(chunks), runs.row_numel, runs.row_bytes
         lay = _mixed_layout(runs, chunks, scaled, n)
@@ -3389,7 +3385,7 @@ class Reducer:
         ):
             layout = Layout.from_numels(numels, device)
             if blocks is not None:  # per block of each segment: the factors' one call writes them
-                layout = layout.grid(settings.block_size).layout
+                layout = _mixed_block_layout(runs, lay, chunks, scaled[f], n, settings.block_size)
                 b0, b1 = blocks.bounds[f], blocks.bounds[f + 1]
                 scale, unscale = blocks.scale[b0:b1], blocks.decode[b0:b1]
                 calls.append(
@@ -3940,6 +3936,28 @@ def _mixed_layout(
         stride = lay.strides[k]
         lay.sums.append((lay.starts[k], run.lo, run.hi, first, last, int(run.fmt == FP32), stride))
     return lay
+
+
+def _mixed_block_layout(
+    runs: RowRuns,
+    lay: _MixedLayout,
+    chunks: Sequence[int],
+    fmt: FloatFormat,
+    n: int,
+    size: int,
+) -> Layout:
+    """A scaled format's blocks in a unit of several formats, run by run and row by row:
+    each chunk's blocks of ``size``; a 4-bit run of an odd row's pad joins the row's last
+    block, so the blocks stay the grid's (their keys and factors) and the codes whole bytes."""
+    lengths: list[int] = []
+    for k, run in enumerate(runs.runs):
+        if run.fmt != fmt:
+            continue
+        row = [min(size, chunks[i] - s) for i in run.index for s in range(0, chunks[i], size)]
+        if row:
+            row[-1] += lay.strides[k] - (run.hi - run.lo)
+        lengths += row * n
+    return Layout.from_numels(lengths, runs.runs[0].rows_layout.device)
 
 
 def _mixed_spans(

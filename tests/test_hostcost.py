@@ -1578,6 +1578,15 @@ _SETTLED_ODD_MIXED_UNITS = [
     {"fmt": "e2m1", "scaling": "bucket", "policy": [ByName({"*.ps.1": "fp16"})]},
     {"fmt": "e2m1", "stats": True, "policy": [ByName({"*.ps.1": "fp32", "*.ps.3": "e4m3"})]},
     {"fmt": "e2m1", "scaling": "none", "policy": [ByName({"units.0.ps.3": "fp32"})]},
+    # With blocks: the pad joins the row's last block (beside FP32, and two formats).
+    {"fmt": "e2m1", "scaling": "block", "policy": [ByName({"*.ps.1": "fp32"})]},
+    {
+        "fmt": "e2m1",
+        "scaling": "block",
+        "block_size": 16,
+        "stats": True,
+        "policy": [ByName({"*.ps.1": "fp32", "*.ps.3": "e4m3"})],
+    },
 ]
 
 
@@ -1640,6 +1649,14 @@ def test_a_settled_4bit_fsdp_unit_of_an_odd_row_on_one_rank(world: None, options
     [
         {"fmt": "e2m1", "policy": [ByName({"ps.1": "fp32"})]},
         {"fmt": "e2m1", "scaling": "bucket", "stats": True, "policy": [ByName({"ps.1": "fp16"})]},
+        {"fmt": "e2m1", "scaling": "block", "policy": [ByName({"ps.1": "fp32"})]},
+        {
+            "fmt": "e2m1",
+            "scaling": "block",
+            "block_size": 16,
+            "stats": True,
+            "policy": [ByName({"ps.1": "bf16", "ps.3": "fp32"})],
+        },
     ],
     ids=str,
 )

@@ -73,8 +73,6 @@ def _ids(combo: tuple) -> str:
 
 def _gap(fmt: str, scaling: str, size: int | None, policy: str, stats: bool, shape: str) -> str:
     """Why this combination does not bind yet ("" where it does): the to-do list."""
-    if fmt == "e2m1" and scaling == "block" and policy in ("fp32", "two") and shape == "odd":
-        return "a 4-bit run of an odd row beside other formats, with blocks"
     return ""
 
 
