@@ -2985,10 +2985,16 @@ class Reducer:
         """
         comm, settings = self.comm, self.settings
         n, p = comm.world_size, len(chunks)
+        if rows.dtype != torch.float32 or not rows.is_contiguous():
+            # aps_comm.fsdp hands contiguous float32 rows (it casts FSDP's reduce dtype).
+            raise ValueError(
+                f"a unit's rows must be contiguous float32, got {rows.dtype} with strides "
+                f"{rows.stride()}"
+            )
         st = self._steady_unit(index, rows, chunks, step)
         # Bound first, then run bound: the first call's bits are the same. A unit that
         # cannot bind is not tried again until its layout or epoch changes.
-        tried = (rows.numel(), tuple(chunks), rows.device, rows.dtype, self.assignment.epoch(step))
+        tried = (rows.numel(), tuple(chunks), rows.device, self.assignment.epoch(step))
         if st is None and self.settles and self._unbound_units.get(index) != tried:
             self._bind_unit(index, rows, chunks, (names, numels), step)
             st = self._steady_unit(index, rows, chunks, step)
@@ -3160,8 +3166,6 @@ class Reducer:
             st is None
             or st.numel != rows.numel()
             or st.device != rows.device
-            or rows.dtype != torch.float32
-            or not rows.is_contiguous()
             or st.chunks != tuple(chunks)
             or st.epoch != self.assignment.epoch(step)
             or (
@@ -3187,8 +3191,6 @@ class Reducer:
         ``stats=True`` its records bound too (``params``: each parameter's name and size)."""
         self.steady_units.pop(index, None)
         settings, n = self.settings, self.comm.world_size
-        if rows.dtype != torch.float32 or not rows.is_contiguous():
-            return
         if len(runs.runs) != 1:
             self._settle_mixed_unit(index, runs, rows, chunks, step, params)
             return

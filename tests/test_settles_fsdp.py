@@ -120,3 +120,16 @@ def test_every_fsdp_unit_binds_within_the_budget(world: None, combo: tuple) -> N
     assert len(aten) - 1 + len(kernels) <= BUDGET, (aten, kernels)
     records = reducer.end_step()[1].records()
     assert len(records) == (len(numels) if stats else 0), records
+
+
+@pytest.mark.parametrize("bad", ["float64", "strided"])
+def test_a_unit_refuses_rows_it_could_not_bind(world: None, bad: str) -> None:
+    """aps_comm.fsdp hands contiguous float32 rows; anything else is an error naming it, not
+    a silent fall back to a per-step path."""
+    numels = SHAPES["even"]
+    state, _, _ = fsdp_unit(numels, CPU, {"fmt": "e4m3"}, False)
+    rows = torch.zeros(1, 2 * sum(numels))
+    rows = rows.double()[:, : sum(numels)] if bad == "float64" else rows[:, ::2]
+    names = [f"ps.{i}" for i in range(len(numels))]
+    with pytest.raises(ValueError, match=r"contiguous float32, got torch\.float"):
+        state.reducer.unit(0, rows, numels, numels, names, step=0, problem=torch.zeros(()))
