@@ -3457,10 +3457,16 @@ class Reducer:
         """
         comm, settings = self.comm, self.settings
         n, p = comm.world_size, len(chunks)
+        if rows.dtype != torch.float32 or not rows.is_contiguous():
+            # aps_comm.fsdp hands contiguous float32 rows (it casts FSDP's reduce dtype).
+            raise ValueError(
+                f"a unit's rows must be contiguous float32, got {rows.dtype} with strides "
+                f"{rows.stride()}"
+            )
         st = self._steady_unit(index, rows, chunks, step)
         # Bound first, then run bound: the first call's bits are the same. A unit that
         # cannot bind is not tried again until its layout or epoch changes.
-        tried = (rows.numel(), tuple(chunks), rows.device, rows.dtype, self.assignment.epoch(step))
+        tried = (rows.numel(), tuple(chunks), rows.device, self.assignment.epoch(step))
         if st is None and self.settles and self._unbound_units.get(index) != tried:
             self._bind_unit(index, rows, chunks, (names, numels), step)
             st = self._steady_unit(index, rows, chunks, step)
@@ -3632,8 +3638,6 @@ class Reducer:
             st is None
             or st.numel != rows.numel()
             or st.device != rows.device
-            or rows.dtype != torch.float32
-            or not rows.is_contiguous()
             or st.chunks != tuple(chunks)
             or st.epoch != self.assignment.epoch(step)
             or (
@@ -3659,8 +3663,6 @@ class Reducer:
         ``stats=True`` its records bound too (``params``: each parameter's name and size)."""
         self.steady_units.pop(index, None)
         settings, n = self.settings, self.comm.world_size
-        if rows.dtype != torch.float32 or not rows.is_contiguous() or not all(chunks):
-            return
         if len(runs.runs) != 1:
             self._settle_mixed_unit(index, runs, rows, chunks, step, params)
             return
@@ -3790,8 +3792,8 @@ class Reducer:
             torch.tensor(math.nan, **f32),
             (),
         )
-        if stats:
-            st.layout = runs.runs[0].rows_layout
+        if stats:  # the parameters' chunks, whatever the scaling (not a block run's blocks)
+            st.layout = self.plan(index, list(chunks) * n, device).layout
             st.shared = torch.zeros(p + 1, **f32)
             st.local, st.agreed = arena.take(n * p, torch.float32), arena.take(n * p, torch.float32)
             st.record = functools.partial(
@@ -3827,11 +3829,7 @@ class Reducer:
         scaled = list(dict.fromkeys(r.fmt for r in runs.runs if r.fmt != FP32))
         codecs = [codec.codec_for(f, device) for f in scaled]
         blocked = settings.scaling == Scaling.BLOCK
-        if (
-            not scaled
-            or any(c.backend != "kernels" for c in codecs)
-            or (blocked and not all(r.packed_rows for r in runs.runs))
-        ):
+        if not scaled or any(c.backend != "kernels" for c in codecs):
             return
         p, row, row_bytes = len(chunks), runs.row_numel, runs.row_bytes
         lay = _mixed_layout(runs, chunks, scaled, n)
@@ -3861,7 +3859,7 @@ class Reducer:
         ):
             layout = Layout.from_numels(numels, device)
             if blocks is not None:  # per block of each segment: the factors' one call writes them
-                layout = layout.grid(settings.block_size).layout
+                layout = _mixed_block_layout(runs, lay, chunks, scaled[f], n, settings.block_size)
                 b0, b1 = blocks.bounds[f], blocks.bounds[f + 1]
                 scale, unscale = blocks.scale[b0:b1], blocks.decode[b0:b1]
                 calls.append(
@@ -4420,6 +4418,28 @@ def _mixed_layout(
         stride = lay.strides[k]
         lay.sums.append((lay.starts[k], run.lo, run.hi, first, last, int(run.fmt == FP32), stride))
     return lay
+
+
+def _mixed_block_layout(
+    runs: RowRuns,
+    lay: _MixedLayout,
+    chunks: Sequence[int],
+    fmt: FloatFormat,
+    n: int,
+    size: int,
+) -> Layout:
+    """A scaled format's blocks in a unit of several formats, run by run and row by row:
+    each chunk's blocks of ``size``; a 4-bit run of an odd row's pad joins the row's last
+    block, so the blocks stay the grid's (their keys and factors) and the codes whole bytes."""
+    lengths: list[int] = []
+    for k, run in enumerate(runs.runs):
+        if run.fmt != fmt:
+            continue
+        row = [min(size, chunks[i] - s) for i in run.index for s in range(0, chunks[i], size)]
+        if row:
+            row[-1] += lay.strides[k] - (run.hi - run.lo)
+        lengths += row * n
+    return Layout.from_numels(lengths, runs.runs[0].rows_layout.device)
 
 
 def _mixed_spans(

@@ -1817,6 +1817,15 @@ _SETTLED_ODD_MIXED_UNITS = [
     {"fmt": "e2m1", "scaling": "bucket", "policy": [ByName({"*.ps.1": "fp16"})]},
     {"fmt": "e2m1", "stats": True, "policy": [ByName({"*.ps.1": "fp32", "*.ps.3": "e4m3"})]},
     {"fmt": "e2m1", "scaling": "none", "policy": [ByName({"units.0.ps.3": "fp32"})]},
+    # With blocks: the pad joins the row's last block (beside FP32, and two formats).
+    {"fmt": "e2m1", "scaling": "block", "policy": [ByName({"*.ps.1": "fp32"})]},
+    {
+        "fmt": "e2m1",
+        "scaling": "block",
+        "block_size": 16,
+        "stats": True,
+        "policy": [ByName({"*.ps.1": "fp32", "*.ps.3": "e4m3"})],
+    },
 ]
 
 
@@ -1879,6 +1888,14 @@ def test_a_settled_4bit_fsdp_unit_of_an_odd_row_on_one_rank(world: None, options
     [
         {"fmt": "e2m1", "policy": [ByName({"ps.1": "fp32"})]},
         {"fmt": "e2m1", "scaling": "bucket", "stats": True, "policy": [ByName({"ps.1": "fp16"})]},
+        {"fmt": "e2m1", "scaling": "block", "policy": [ByName({"ps.1": "fp32"})]},
+        {
+            "fmt": "e2m1",
+            "scaling": "block",
+            "block_size": 16,
+            "stats": True,
+            "policy": [ByName({"ps.1": "bf16", "ps.3": "fp32"})],
+        },
     ],
     ids=str,
 )
@@ -1888,6 +1905,25 @@ def test_a_settled_unit_with_an_odd_4bit_run_beside_other_formats_on_one_rank(
     """Issue 46: a unit of several formats whose 4-bit runs are odd (301 and 41 elements)
     settles on one rank, a NaN included."""
     assert _settled_unit_of_one(options, [301, 6, 40, 1]) == []
+
+
+@pytest.mark.filterwarnings(r"ignore:aps_comm. e2m1 \(4 bits\) with scaling='layer':UserWarning")
+@pytest.mark.parametrize(
+    "options",
+    [
+        {"fmt": "e4m3"},
+        {"fmt": "e2m1", "scaling": "block", "stats": True},
+        {"fmt": "e5m2", "scaling": "bucket", "stats": True, "policy": [ByName({"ps.3": "fp32"})]},
+        {"fmt": "e4m3", "scaling": "block", "policy": [ByName({"ps.0": "fp16", "ps.3": "fp32"})]},
+    ],
+    ids=str,
+)
+def test_a_unit_with_a_parameter_of_no_elements_binds_on_one_rank(
+    world: None, options: dict
+) -> None:
+    """Issue 46: a parameter with no elements (FSDP2 gives it a chunk of 0) no longer keeps
+    its unit on the general path: bound, the general path's shards, bytes and records."""
+    assert _settled_unit_of_one(options, [301, 0, 40, 12]) == []
 
 
 def _settled_mismatch(rank: int, world_size: int, scaling: str) -> dict:
