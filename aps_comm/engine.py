@@ -3525,7 +3525,6 @@ class Reducer:
                     amax[run.index_tensor],
                     counts,
                 )
-        self._settle_unit(index, runs, rows, chunks, step, (names, numels))
         return out
 
     def _unit_blocks(
@@ -3607,7 +3606,6 @@ class Reducer:
                     largest.view(n, -1).amax(0),
                     counts.view(n, -1, 3).sum(0),
                 )
-        self._settle_unit(index, runs, rows, plan.numels[: len(numels)], step, (names, numels))
         return out
 
     def _bind_unit(
