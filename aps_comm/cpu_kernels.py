@@ -2450,11 +2450,11 @@ if AVAILABLE:
         _maxima_keys(maxima, keys, n_ranks, True, fmax, limit, p, q, m)
 
     @_njit
-    def _native_block_factors(keys, counts, scale, unscale, n_ranks):
-        _block_factors(keys, counts, scale, unscale)
+    def _native_block_factors(keys, counts, scale, inverse, unscale, n_ranks):
+        _block_factors(keys, counts, scale, inverse)
         n = np.float32(n_ranks)
         for i in range(len(unscale)):
-            unscale[i] = unscale[i] / n  # float32 operands: one IEEE division, as torch's
+            unscale[i] = inverse[i] / n  # float32 operands: one IEEE division, as torch's
 
 
 def native_block_keys(
@@ -2495,12 +2495,18 @@ def native_block_keys(
 
 
 def native_block_factors(
-    keys: torch.Tensor, counts: torch.Tensor, scale: torch.Tensor, unscale: torch.Tensor, n: int
+    keys: torch.Tensor,
+    counts: torch.Tensor,
+    scale: torch.Tensor,
+    unscale: torch.Tensor,
+    n: int,
+    inverse: torch.Tensor | None = None,
 ) -> None:
     """:func:`aps_comm.scaling.factors_from_keys`' scale and unscale (route "allreduce") of
     agreed uint8 block ``keys`` into float32 ``scale`` and ``unscale``: ``2**e`` and
     ``2**-e / n`` per block, NaN unscale for every block of a layer with a key of 255
-    (``counts``: int64 blocks per layer).
+    (``counts``: int64 blocks per layer). ``inverse``: float32, where ``2**-e`` goes too
+    (NaN likewise): error feedback keeps its residuals under it.
 
     Example:
         >>> s, u = torch.empty(3), torch.empty(3)
@@ -2509,7 +2515,9 @@ def native_block_factors(
         >>> s.tolist(), u.tolist()[0]
         ([128.0, 1.0, 1.0], 0.00390625)
     """
-    _native_block_factors(_np(keys), _np(counts), _np(scale), _np(unscale), n)
+    out = _np(unscale)
+    kept = out if inverse is None else _np(inverse)  # the same array: divided in place
+    _native_block_factors(_np(keys), _np(counts), _np(scale), kept, out, n)
 
 
 if AVAILABLE:
@@ -2535,9 +2543,12 @@ def native_factors_into(
     spread: bool,
     factors: tuple[np.ndarray, np.ndarray, np.ndarray],
     keys: np.ndarray,
+    pick: tuple[np.ndarray, np.ndarray] | None = None,
 ) -> None:
     """:func:`maxima_factors_into` for route "allreduce", with the inverse ``2**-e`` beside
     the decode's ``2**-e / N``: error feedback's residuals are kept under the inverse.
+    ``pick``: (``source``, int64 ``index``): ``maxima`` is first written with
+    ``source[index]`` (a format group's layers of a bucket's agreed maxima).
 
     ``factors``: float32 (scale, inverse, unscale), as long as the agreed float32
     ``maxima``; NaN inverse and unscale for a non-finite maximum. ``spread``:
@@ -2555,6 +2566,8 @@ def native_factors_into(
     """
     scale, inverse, unscale = factors
     q, m = decoder_params(fmt)
+    if pick is not None:
+        np.take(pick[0], pick[1], out=maxima)
     _native_factors(
         maxima.view(np.uint32),
         keys,

@@ -677,9 +677,9 @@ class SteadyGroups:
     scaled is a :class:`SteadyFeedback` on its view, its residuals one flat
     buffer of its own: every group's residuals added, the agreed vector
     written (every layer's maximum, or each group's block keys) and
-    MAX-all-reduced once, then each group's factors and two_phase's bound
-    chunk, the FP32 group its all-reduce, in the plan's order: the general
-    path's collectives, bytes, gradients and residuals.
+    MAX-all-reduced once, then each group's factors and its bound chunk
+    (two_phase's, or the native sum's), the FP32 group its all-reduce, in the
+    plan's order: the general path's collectives, bytes, gradients and residuals.
 
     Attributes:
         numel: the bucket's elements.
@@ -1569,8 +1569,13 @@ class Reducer:
         if self.feedback is not None:
             self._settle_feedback_groups(index, x, plan, fmts, groups, main, layers)
             return
-        if blocks and settings.block_exponents != BlockExponents.RANK:
-            self._settle_agreed_groups(index, x, plan, fmts, groups, (main, measured, chunk), names)
+        native = [g.reduction == Route.ALLREDUCE for g in groups if g.reduction != Route.FP32]
+        if blocks and (settings.block_exponents != BlockExponents.RANK or (native and all(native))):
+            # The native sum agrees on its keys whatever is asked; with "rank" no chunk
+            # rides on them (the model's, as in the general path).
+            rank = settings.block_exponents == BlockExponents.RANK
+            chunking = (main, measured and not rank, chunk)
+            self._settle_agreed_groups(index, x, plan, fmts, groups, chunking, names)
             return
         # Staged groups where they are consecutive in the bucket (KeepLast's): interleaved,
         # two staged groups' chunks and the gather pass the budget. Not with Promote: a
@@ -1633,11 +1638,17 @@ class Reducer:
         sent = [g for g in groups if g.reduction != Route.FP32]
         self.steady.pop(index, None)
         blocks = self.settings.scaling == Scaling.BLOCK
+        routes = (Route.FP32, Route.TWO_PHASE, Route.ALLREDUCE)
         if (
             not self._feedback_settles(x)
             or not sent
             # An empty group's collectives are not the bound ones'.
-            or any(g.reduction not in (Route.FP32, Route.TWO_PHASE) or not g.numel for g in groups)
+            or any(g.reduction not in routes or not g.numel for g in groups)
+            # Promote's rates are two_phase's factors' (the native sum's ladder has none).
+            or (
+                self.assignment.promoter is not None
+                and any(g.reduction != Route.TWO_PHASE for g in sent)
+            )
         ):
             return
         # The general path's one MAX all-reduce: every layer's maximum, or each sent
@@ -1716,20 +1727,22 @@ class Reducer:
         names: Sequence[str | None],
     ) -> None:
         """Bind the :class:`SteadyGroups` path of a bucket of several formats with agreed
-        block exponents: each group sent scaled a :class:`SteadyAgreedBlocks` on its view
-        (the bucket's, or bound scratch of the layers in the plan's order where the groups
-        interleave), its keys a view of the one uint8 vector the bucket MAX-all-reduces,
-        as :meth:`_agree_blocks`' (every sent format's keys in the plan's order, then where
-        measured this rank's preferred chunk). ``chunking``: the state's format's route,
+        block exponents (or the native sum's, agreed whatever is asked): each group sent
+        scaled a :class:`SteadyAgreedBlocks` (``native`` where its route is the all-reduce)
+        on its view (the bucket's, or bound scratch of the layers in the plan's order where
+        the groups interleave), its keys a view of the one uint8 vector the bucket
+        MAX-all-reduces, as :meth:`_agree_blocks`' (every sent format's keys in the plan's
+        order, then where measured this rank's preferred chunk). ``chunking``: the state's format's route,
         whether chunks are measured, and this rank's chunk."""
         main, measured, chunk = chunking
         sent = [g for g in groups if g.reduction != Route.FP32]
+        routes = (Route.FP32, Route.TWO_PHASE, Route.ALLREDUCE)
         if (
             # Promote refuses block scaling (it needs one exponent per layer).
             self.assignment.promoter is not None
             or x.dtype != torch.float32
             # An empty group's collectives are not the bound ones'.
-            or any(g.reduction not in (Route.FP32, Route.TWO_PHASE) or not g.numel for g in groups)
+            or any(g.reduction not in routes or not g.numel for g in groups)
             # The records are one numba call (Codec.block_records): the CPU kernels'.
             or (
                 self.settings.stats
@@ -1778,6 +1791,7 @@ class Reducer:
                     torch.empty(k, dtype=torch.uint8, device=device),
                     torch.zeros(k, dtype=torch.uint8, device=device),
                     names=[names[i] for i in g.index] if self.settings.stats else None,
+                    native=g.reduction == Route.ALLREDUCE,
                 )
                 if not part.bind(gx, self.comm.rank, self.comm.world_size):
                     return
@@ -1831,8 +1845,7 @@ class Reducer:
                 continue
             if s.names is not None:  # the agreed keys: before the decode overwrites the values
                 self.record_agreed_blocks(index, s, values)
-            assert s.calls is not None
-            transports.two_phase_blocks_bound(s.calls, comm.group, self.traffic, False)
+            self._agreed_blocks_exchange(s, values, False)
         if st.scatter is not None:
             st.scatter()
 
@@ -1978,7 +1991,7 @@ class Reducer:
                     self.record_feedback(index, s, values)
                 if out is not None:
                     self._feedback_rates(s, values, out)
-                transports.two_phase_bound(s.calls, comm.group, self.traffic, False)
+                self._feedback_exchange(s, values)
             else:
                 transports.fp32_mean(values, comm.group, comm.world_size, self.traffic)
         if st.scatter is not None:
@@ -2192,7 +2205,7 @@ class Reducer:
         ):
             return None
         if g.reduction == Route.ALLREDUCE:
-            return self._bind_native_feedback(index, x, g, names, shared)
+            return self._bind_native_feedback(index, x, g, names, shared, fused)
         n_seg, device, fmt = g.layout.n_segments, x.device, g.fmt
         (r0, r1), (s0, s1), numel = g.regions[0], g.shard_regions[0], x.numel()
         send, recv, shard = g.send[r0:r1], g.recv[r0:r1], g.shards[s0:s1]
@@ -2287,18 +2300,21 @@ class Reducer:
         g: GroupPlan,
         names: Sequence[str | None],
         shared: torch.Tensor | None,
+        fused: tuple[torch.Tensor, tuple[np.ndarray, np.ndarray, bool] | None] | None = None,
     ) -> SteadyFeedback | None:
-        """:meth:`_bind_feedback` for the native all-reduce, per layer (bucket and no scaling
-        too), on the CPU kernels: the maxima agreed as there, then one call for the native
-        sum's factors (scale, the inverse ``2**-e`` the residuals are kept under, and the
-        decode's ``2**-e / N``: :func:`aps_comm.cpu_kernels.native_factors_into`), the
-        encode with its residual update, the sum in the wire format and the decode:
-        :meth:`_group`'s ``after_encode`` and :func:`aps_comm.transports.native`, bound."""
+        """:meth:`_bind_feedback` for the native all-reduce on the CPU kernels: the maxima
+        (or block keys, under the native sum's rule) agreed as there, then one call for the
+        native sum's factors (scale, the inverse ``2**-e`` the residuals are kept under,
+        and the decode's ``2**-e / N``: :func:`aps_comm.cpu_kernels.native_factors_into`,
+        per block :func:`aps_comm.cpu_kernels.native_block_factors`), the encode with its
+        residual update, the sum in the wire format and the decode: :meth:`_group`'s
+        ``after_encode`` and :func:`aps_comm.transports.native`, bound. ``fused``: as
+        :meth:`_bind_feedback`'s (its maxima picked by the factors' call)."""
         fb, settings, device, numel = self.feedback, self.settings, x.device, x.numel()
         assert fb is not None
-        if g.blocks is not None or g.codec.backend != "kernels" or device.type != "cpu":
+        if g.codec.backend != "kernels" or device.type != "cpu":
             return None
-        n_seg, (r0, r1) = g.layout.n_segments, g.regions[0]
+        n_seg, (r0, r1), world_size = g.layout.n_segments, g.regions[0], self.comm.world_size
         send = g.send[r0:r1]
         workspace = self.workspace(device)
         for _ in range(2):  # twice only where the workspace had to grow
@@ -2307,20 +2323,39 @@ class Reducer:
             if arena.close():
                 break
         scale, inverse, unscale = (torch.empty(n_seg) for _ in range(3))
-        shared = torch.zeros(n_seg) if shared is None else shared
-        keys = np.empty(n_seg, np.int32)
-        factors = functools.partial(
-            cpu_kernels.call,
-            "native_factors_into",
-            shared.numpy(),
-            g.fmt,
-            self.comm.world_size,
-            0 if settings.scaling == Scaling.NONE else EXPONENT_LIMIT,
-            settings.scaling == Scaling.BUCKET,
-            (scale.numpy(), inverse.numpy(), unscale.numpy()),
-            keys,
-        )
-        residual = torch.empty(numel)
+        keys = local = None
+        if g.blocks is not None:
+            shared = torch.zeros(n_seg, dtype=torch.uint8) if shared is None else shared
+            local = torch.empty(n_seg)  # this rank's block maxima: the records'
+            grid = g.layout.cells if g.layout.cells is not None else g.layout.offsets.numpy()
+            agree = functools.partial(
+                cpu_kernels.call,
+                "native_block_keys",
+                *(g.fmt, x, grid, local, shared, EXPONENT_LIMIT, world_size),
+            )
+            factors = functools.partial(
+                cpu_kernels.call,
+                "native_block_factors",
+                *(shared, g.blocks.counts, scale, unscale, world_size, inverse),
+            )
+        else:
+            shared = torch.zeros(n_seg) if shared is None else shared
+            keys = np.empty(n_seg, np.int32)
+            agree = g.codec.bind_layer_maxima(x, g.layout, shared)
+            pick = fused[1] if fused is not None else None
+            factors = functools.partial(
+                cpu_kernels.call,
+                "native_factors_into",
+                shared.numpy(),
+                g.fmt,
+                world_size,
+                0 if settings.scaling == Scaling.NONE else EXPONENT_LIMIT,
+                settings.scaling == Scaling.BUCKET,
+                (scale.numpy(), inverse.numpy(), unscale.numpy()),
+                keys,
+                None if pick is None else pick[:2],
+            )
+        residual = torch.empty(numel) if fused is None else fused[0]
         encode = _feedback_encode(g, x, send, (scale, inverse), 0, (sent, residual), True)
         decode = g.codec.bind_decode(send, x, unscale, g.windows[0])
         return SteadyFeedback(
@@ -2329,7 +2364,7 @@ class Reducer:
             residual,
             fb.share(names, g.numels, residual),  # type: ignore[arg-type]  # checked
             shared,
-            g.codec.bind_layer_maxima(x, g.layout, shared),
+            agree,
             factors,
             [transports.ChunkCalls(encode, None, decode, send)],
             self._epoch(index, device),
@@ -2337,7 +2372,7 @@ class Reducer:
             g,
             list(names) if settings.stats else None,
             keys,
-            None,
+            local,
             scale,
         )
 
@@ -2365,12 +2400,19 @@ class Reducer:
             self.record_feedback(index, st, x)
         if st.maxima is not None:
             self._feedback_rates(st, x, st.maxima[st.shared.numel() :])
+        self._feedback_exchange(st, x)
+        return None
+
+    def _feedback_exchange(self, st: SteadyFeedback, x: torch.Tensor) -> None:
+        """A :class:`SteadyFeedback`'s bound chunk around its route's collectives: two_phase's,
+        or the native sum's (its factors written already)."""
         # Not deferred: one workspace slot serves every bucket (:meth:`bucket`).
         comm = self.comm
         if st.group is not None and st.group.reduction == Route.ALLREDUCE:
             g, scale = st.group, st.scale  # the bound calls read the factors
-            return transports.native(g, x, scale, scale, comm.group, self.traffic, calls=st.calls)
-        return transports.two_phase_bound(st.calls, comm.group, self.traffic, False)
+            transports.native(g, x, scale, scale, comm.group, self.traffic, calls=st.calls)
+            return
+        transports.two_phase_bound(st.calls, comm.group, self.traffic, False)
 
     def _settle_agreed_blocks(
         self,
@@ -2505,20 +2547,27 @@ class Reducer:
         self.bucket_chunks[index] = st.chunk
         if st.names is not None:  # the agreed keys: before the decode overwrites the values
             self.record_agreed_blocks(index, st, x)
-        assert st.calls is not None
         start = time.perf_counter()
+        tail = self._agreed_blocks_exchange(st, x, defer)
+        if st.measured:
+            plan.timed(time.perf_counter() - start)
+        return tail
+
+    def _agreed_blocks_exchange(
+        self, st: SteadyAgreedBlocks, x: torch.Tensor, defer: bool
+    ) -> Callable[[], None] | None:
+        """A :class:`SteadyAgreedBlocks`' bound chunks on its agreed keys: two_phase's, or
+        the native sum's (its factors first)."""
+        comm = self.comm
+        assert st.calls is not None
         if st.native:
             assert st.factors_call is not None and st.factors is not None
             st.factors_call()
             scale, unscale = st.factors
-            tail = transports.native(
+            return transports.native(
                 st.group, x, scale, unscale, comm.group, self.traffic, None, defer, st.calls
             )
-        else:
-            tail = transports.two_phase_blocks_bound(st.calls, comm.group, self.traffic, defer)
-        if st.measured:
-            plan.timed(time.perf_counter() - start)
-        return tail
+        return transports.two_phase_blocks_bound(st.calls, comm.group, self.traffic, defer)
 
     def _settle_blocks(
         self,

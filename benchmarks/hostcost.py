@@ -183,6 +183,26 @@ CONFIGS: dict[str, dict[str, Any]] = {
         "stats": True,
         "policy": [ByName({"*[13579].weight": "e4m3"}), KeepLast("fp32")],
     },
+    "native+block": {**ROUTES["native"], "scaling": "block"},
+    "native+error_feedback": {**ROUTES["native"], "error_feedback": True},
+    "native+block+error_feedback": {**ROUTES["native"], "scaling": "block", "error_feedback": True},
+    "keep_last+native+block": {
+        **ROUTES["native"],
+        "scaling": "block",
+        "policy": [KeepLast("fp32")],
+    },
+    "keep_last+native+error_feedback": {
+        **ROUTES["native"],
+        "error_feedback": True,
+        "policy": [KeepLast("fp32")],
+    },
+    "interleaved+native+block+error_feedback": {
+        **ROUTES["native"],
+        "fmt": "bf16",
+        "scaling": "block",
+        "error_feedback": True,
+        "policy": [ByName({"*[13579].weight": "fp16"}), KeepLast("fp32")],
+    },
     "auto": {"fmt": "e4m3", "reduction": "auto"},
     "auto/fp32": {"fmt": "e4m3", "reduction": "auto", "profile": FAST_LINK},
 }

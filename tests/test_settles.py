@@ -27,7 +27,7 @@ import pytest
 import torch
 
 import aps_comm
-from aps_comm.engine import SteadyAgreedBlocks, SteadyFeedback
+from aps_comm.engine import SteadyAgreedBlocks, SteadyFeedback, SteadyGroups
 from aps_comm.policy import ByName, KeepLast, Promote, Rule, Schedule
 from aps_comm.testing import run_distributed
 from benchmarks.hostcost import ParamLayer, count_ops, world_of_one
@@ -56,6 +56,18 @@ POLICIES: dict[str, Callable[[], list[Rule] | None]] = {
 NUMELS = [20, 21, 22, 23, 24]  # five layers: the interleaved groups
 
 
+def _native_interleaved() -> dict[str, Any]:
+    """The native sum in formats that interleave: bf16, every odd layer in fp16 (both
+    summed by Gloo), the last layer in FP32."""
+    return {"fmt": "bf16", "policy": POLICIES["interleaved"]()}
+
+
+def _several(options: dict) -> bool:
+    """Whether a configuration sends its layers in several formats (a KeepLast policy):
+    its settled bucket is a :class:`SteadyGroups`."""
+    return any(isinstance(rule, KeepLast) for rule in options.get("policy") or ())
+
+
 def _combinations() -> list[tuple[str, str, str, str, str, bool, bool]]:
     out = []
     product = itertools.product(SCALINGS, ROUTES, POLICIES, (False, True), (False, True))
@@ -73,10 +85,6 @@ def _gap(fmt: str, scaling: str, exps: str, route: str, policy: str, stats: bool
         return "hierarchical in interleaved formats: two staged groups and the gather pass 15 ops"
     if route == "hierarchical" and mixed and exps == "agreed":
         return "hierarchical in several formats with agreed block exponents: no bound groups"
-    if route == "allreduce" and scaling == "block" and (mixed or fb):
-        return "native all-reduce with blocks in several formats or error feedback: no bound path"
-    if route == "allreduce" and fb and mixed:
-        return "error feedback off two_phase in several formats: no bound groups"
     return ""
 
 
@@ -158,6 +166,9 @@ def _against_the_general_path(
         settled, general = aps_comm.APSState(**options), aps_comm.APSState(**options)
         for state in (settled, general):
             state.chunk_elements = chunk
+            if "policy" in options:  # rules key layers by parameter name: one module each
+                state.bind_model(torch.nn.ModuleList(ParamLayer(p) for p in params))
+        kind = SteadyGroups if _several(options) else SteadyAgreedBlocks
         buffer = torch.empty(sum(numels))
         for step in range(5):
             gen = torch.Generator().manual_seed(100 * step + 10 * c + rank)
@@ -167,7 +178,7 @@ def _against_the_general_path(
                 x[7] = float("nan")  # layer 3 on one rank: NaN in it on every rank, this step
             buffer.copy_(x)
             ahead = settled.reducer.steady_for(0, buffer) if settled.reducer else None
-            if step >= 2 and not isinstance(ahead, SteadyAgreedBlocks):
+            if step >= 2 and not isinstance(ahead, kind):
                 problems.append(f"config {c} step {step}: not settled")
             out = settled.run_bucket(0, buffer, params)
             general.bind(CPU)  # the reducer, before its first bucket
@@ -303,6 +314,7 @@ def _feedback_against_the_general_path(
         settled, general = aps_comm.APSState(**options), aps_comm.APSState(**options)
         for state in (settled, general):
             state.bind_model(torch.nn.ModuleList(ParamLayer(p) for p in params))
+        kind = SteadyGroups if _several(options) else SteadyFeedback
         buffer = torch.empty(sum(numels))
         for step in range(7):
             gen = torch.Generator().manual_seed(100 * step + 10 * c + rank)
@@ -317,7 +329,7 @@ def _feedback_against_the_general_path(
                     state.load_state_dict(saved)
             buffer.copy_(x)
             ahead = settled.reducer.steady_for(0, buffer) if settled.reducer else None
-            if step in (2, 3, 4, 6) and not isinstance(ahead, SteadyFeedback):
+            if step in (2, 3, 4, 6) and not isinstance(ahead, kind):
                 problems.append(f"config {c} step {step}: not settled")
             out = settled.run_bucket(0, buffer, params)
             general.bind(CPU)  # the reducer, before its first bucket
@@ -375,41 +387,75 @@ def test_native_blocks_settle_with_the_general_paths_bits() -> None:
     """Issue 46: the native all-reduce with block scaling settles (the general path every
     step before): this rank's keys under the native sum's rule, their MAX all-reduce, the
     factors, then per chunk the encode, the sum in the wire format and the decode, with
-    the general path's gradients, bytes, chunks and records on two ranks."""
+    the general path's gradients, bytes, chunks and records on two ranks; in several
+    formats too (each group's keys in the one MAX all-reduce, the FP32 group's mean),
+    the groups consecutive or interleaved."""
     configs = [
         (_NATIVE_BLOCKS, None),  # "rank" asked: agreed keys still, the model's chunk
         ({**_NATIVE_BLOCKS, "block_exponents": "agreed"}, None),  # the chunk on the keys
         ({**_NATIVE_BLOCKS, "block_size": 8}, 40),  # several chunks
         ({**_NATIVE_BLOCKS, "fmt": "bf16", "block_size": 16}, 256),
+        # Several formats: KeepLast's consecutive groups, and bf16 and fp16 interleaved.
+        ({**_NATIVE_BLOCKS, "policy": [KeepLast("fp32")]}, None),
+        ({**_NATIVE_BLOCKS, **_native_interleaved(), "block_exponents": "agreed"}, None),
+        ({**_NATIVE_BLOCKS, **_native_interleaved(), "block_size": 8}, 40),
     ]
     for problems in run_distributed(_against_the_general_path, 2, args=(configs,)):
         assert problems == []
 
 
-@pytest.mark.parametrize("exps", ["rank", "agreed"])
-def test_native_blocks_cost_the_same_ops_whatever_the_layers(world: None, exps: str) -> None:
-    """Issue 46: a settled native block bucket is four kernel calls (keys, factors, encode,
-    decode) and the records' one, beside its two collectives, for 2 layers or 200."""
+# Each policy's options, how many formats are sent scaled, and the fewest layers that
+# show its groups (interleaved: bf16, fp16, bf16, then FP32).
+_POLICY_FORMATS = {
+    "none": ({}, 1, 2),
+    "keep_last": ({"policy": None}, 1, 2),
+    "interleaved": ({"fmt": "bf16", "policy": None}, 2, 4),
+}
+
+
+def _native_ops(options: dict[str, Any], policy: str, kind: type) -> dict[int, tuple]:
+    """A settled native bucket's ops (:func:`count_ops`) for a few layers and for 200,
+    under ``policy`` (a key of :data:`_POLICY_FORMATS`), its layers one module each."""
+    extra, _, few = _POLICY_FORMATS[policy]
+    if "policy" in extra:
+        extra = {**extra, "policy": POLICIES[policy]()}  # rules of its own, made here
     counts = {}
-    for layers in (2, 200):
+    for layers in (few, 200):
         numels = [300 + i for i in range(layers)]
         x = torch.randn(sum(numels), generator=torch.Generator().manual_seed(layers))
         params = [torch.nn.Parameter(torch.empty(n)) for n in numels]
-        state = aps_comm.APSState(**_NATIVE_BLOCKS, block_exponents=exps)
+        state = aps_comm.APSState(**{**options, **extra})
+        state.bind_model(torch.nn.ModuleList(ParamLayer(p) for p in params))
         for _ in range(2):  # the plan, then the settled path bound
             state.run_bucket(0, x.clone(), params)
         buffer = x.clone()
         state.run_bucket(0, buffer, params)  # a new buffer: bound once more
         assert state.reducer is not None
-        assert isinstance(state.reducer.steady_for(0, buffer), SteadyAgreedBlocks)
+        want = SteadyGroups if policy != "none" else kind
+        assert isinstance(state.reducer.steady_for(0, buffer), want)
         aten, kernels = count_ops(state, buffer, params)
         assert not any("_local_scalar_dense" in op for op in aten), aten  # no host read
-        assert len(state.stats) == layers
+        if options.get("stats"):  # every layer's record but the FP32 one's
+            assert len(state.stats) == layers - (policy != "none")
         counts[layers] = (aten, kernels)
-    assert counts[2] == counts[200], counts
+    assert counts[few] == counts[200], counts
     aten, kernels = counts[200]
     assert len(aten) + len(kernels) <= BUDGET, counts[200]
-    assert kernels.count("kernel::native_block_keys") == 1
+    return counts
+
+
+@pytest.mark.parametrize("policy", list(_POLICY_FORMATS))
+@pytest.mark.parametrize("exps", ["rank", "agreed"])
+def test_native_blocks_cost_the_same_ops_whatever_the_layers(
+    world: None, exps: str, policy: str
+) -> None:
+    """Issue 46: a settled native block bucket is four kernel calls (keys, factors, encode,
+    decode) and the records' one, beside its two collectives, for 2 layers or 200; in
+    several formats those of each group sent scaled, and the FP32 group's mean (formats
+    that interleave: 4 layers or 200, with the gather and the scatter)."""
+    options = {**_NATIVE_BLOCKS, "block_exponents": exps}
+    kernels = _native_ops(options, policy, SteadyAgreedBlocks)[200][1]
+    assert kernels.count("kernel::native_block_keys") == _POLICY_FORMATS[policy][1]
 
 
 _NATIVE_FEEDBACK = {"fmt": "fp16", "reduction": "allreduce", "error_feedback": True}
@@ -420,42 +466,41 @@ def test_error_feedback_on_the_native_all_reduce_settles_with_the_general_paths_
     step before): the residuals added, the maxima agreed, the native sum's factors in one
     call, the encode with its residual update (kept under ``2**-e``, the decode's
     ``2**-e / N`` aside), the sum in the wire format, with the general path's gradients,
-    residuals, bytes and records on two ranks (Promote's ladder has no format Gloo sums)."""
+    residuals, bytes and records on two ranks (Promote's ladder has no format Gloo sums);
+    with block scaling (the native sum's agreed keys, their factors in one call), and in
+    several formats, consecutive or interleaved, every group's residuals added in one
+    call and its factors picking its maxima."""
     configs = [
         _NATIVE_FEEDBACK,
         {**_NATIVE_FEEDBACK, "scaling": "bucket", "stats": True},
         {**_NATIVE_FEEDBACK, "scaling": "none"},
         {**_NATIVE_FEEDBACK, "fmt": "bf16", "stats": True},
         {**_NATIVE_FEEDBACK, "stats": True},
+        # Block scaling (the native sum's agreed keys), one format and several.
+        {**_NATIVE_FEEDBACK, "scaling": "block", "stats": True},
+        {**_NATIVE_FEEDBACK, "scaling": "block", "fmt": "bf16", "block_size": 16},
+        {**_NATIVE_FEEDBACK, "scaling": "block", "policy": [KeepLast("fp32")]},
+        {**_NATIVE_FEEDBACK, **_native_interleaved(), "scaling": "block", "stats": True},
+        # Several formats per layer, per bucket, unscaled.
+        {**_NATIVE_FEEDBACK, "stats": True, "policy": [KeepLast("fp32")]},
+        {**_NATIVE_FEEDBACK, **_native_interleaved(), "scaling": "bucket", "stats": True},
+        {**_NATIVE_FEEDBACK, **_native_interleaved(), "scaling": "none"},
     ]
     for problems in run_distributed(_feedback_against_the_general_path, 2, args=(configs,)):
         assert problems == []
 
 
-@pytest.mark.parametrize("scaling", ["layer", "bucket", "none"])
+@pytest.mark.parametrize("policy", list(_POLICY_FORMATS))
+@pytest.mark.parametrize("scaling", ["layer", "bucket", "none", "block"])
 def test_error_feedback_on_the_native_all_reduce_costs_the_same_ops_whatever_the_layers(
-    world: None, scaling: str
+    world: None, scaling: str, policy: str
 ) -> None:
     """Issue 46: a settled native bucket with error feedback is the residuals' add, the
-    maxima, the factors' call, the encode with its residual update and the decode, beside
-    its two collectives, for 2 layers or 200."""
-    counts = {}
-    for layers in (2, 200):
-        numels = [300 + i for i in range(layers)]
-        x = torch.randn(sum(numels), generator=torch.Generator().manual_seed(layers))
-        params = [torch.nn.Parameter(torch.empty(n)) for n in numels]
-        state = aps_comm.APSState(**_NATIVE_FEEDBACK, scaling=scaling)
-        state.bind_model(torch.nn.ModuleList(ParamLayer(p) for p in params))
-        for _ in range(2):  # bound from the first step, then run
-            state.run_bucket(0, x.clone(), params)
-        buffer = x.clone()
-        state.run_bucket(0, buffer, params)  # a new buffer: bound once more
-        assert state.reducer is not None
-        assert isinstance(state.reducer.steady_for(0, buffer), SteadyFeedback)
-        aten, kernels = count_ops(state, buffer, params)
-        assert not any("_local_scalar_dense" in op for op in aten), aten  # no host read
-        counts[layers] = (aten, kernels)
-    assert counts[2] == counts[200], counts
-    aten, kernels = counts[200]
-    assert len(aten) + len(kernels) <= BUDGET, counts[200]
-    assert kernels.count("kernel::native_factors_into") == 1
+    maxima (or block keys), the factors' call, the encode with its residual update and the
+    decode, beside its two collectives, for 2 layers or 200; in several formats one add of
+    every group's residuals, those of each group sent scaled and the FP32 group's mean
+    (formats that interleave: 4 layers or 200, with the scatter)."""
+    options = {**_NATIVE_FEEDBACK, "scaling": scaling}
+    kernels = _native_ops(options, policy, SteadyFeedback)[200][1]
+    factors = "native_block_factors" if scaling == "block" else "native_factors_into"
+    assert kernels.count(f"kernel::{factors}") == _POLICY_FORMATS[policy][1]
