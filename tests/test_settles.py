@@ -71,8 +71,6 @@ def _gap(fmt: str, scaling: str, exps: str, route: str, policy: str, stats: bool
     # In fp16 the interleaved rule's layers are the bucket's format: KeepLast's groups.
     if route == "hierarchical" and policy == "interleaved" and fmt != "fp16":
         return "hierarchical in interleaved formats: two staged groups and the gather pass 15 ops"
-    if route == "hierarchical" and mixed and exps == "agreed":
-        return "hierarchical in several formats with agreed block exponents: no bound groups"
     if route == "allreduce" and scaling == "block" and (mixed or fb):
         return "native all-reduce with blocks in several formats or error feedback: no bound path"
     if route == "allreduce" and fb and mixed:
