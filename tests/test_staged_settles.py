@@ -12,7 +12,7 @@ import torch
 
 import aps_comm
 from aps_comm.engine import SteadyGroups, SteadyStaged
-from aps_comm.policy import KeepLast
+from aps_comm.policy import ByName, KeepLast
 from aps_comm.testing import run_distributed
 from benchmarks.hostcost import ParamLayer, count_ops, world_of_one
 
@@ -26,6 +26,7 @@ _AGREED = {
     "block_exponents": "agreed",
 }
 _AGREED_KEEP_LAST = {**_AGREED, "policy": [KeepLast("fp32")]}
+_FIRST_FP16 = [ByName({"[0-3].weight": "fp16"}), KeepLast("fp32")]  # layers 0-3 in fp16
 
 
 @pytest.fixture(scope="module")
@@ -116,6 +117,8 @@ def test_staged_buckets_settle_with_the_general_paths_bits() -> None:
             40,
             SteadyGroups,
         ),
+        # Two staged groups then FP32, consecutive: each staged group's keys at its offset.
+        ({**_AGREED, "fmt": "e4m3", "policy": _FIRST_FP16, "stats": True}, 128, SteadyGroups),
     ]
     args = (configs,)
     for problems in run_distributed(_against_the_general_path, 4, args=args, timeout=240):
