@@ -1736,21 +1736,28 @@ class Reducer:
         whether chunks are measured, and this rank's chunk."""
         main, measured, chunk = chunking
         sent = [g for g in groups if g.reduction != Route.FP32]
+        order = [i for g in groups for i in g.index]
         routes = (Route.FP32, Route.TWO_PHASE, Route.ALLREDUCE)
+        if order == list(range(len(fmts))):  # KeepLast's: interleaved staged groups pass 15
+            routes += (Route.HIERARCHICAL, Route.GRID)
+        staged = any(Route(g.reduction).staged for g in sent)
         if (
             # Promote refuses block scaling (it needs one exponent per layer).
             self.assignment.promoter is not None
             or x.dtype != torch.float32
             # An empty group's collectives are not the bound ones'.
             or any(g.reduction not in routes or not g.numel for g in groups)
-            # The records are one numba call (Codec.block_records): the CPU kernels'.
+            # The records are one numba call (Codec.block_records), the staged keys and
+            # their factors two (SteadyStaged.local): the CPU kernels'.
             or (
-                self.settings.stats
+                (self.settings.stats or staged)
                 and (x.device.type != "cpu" or any(g.codec.backend != "kernels" for g in sent))
             )
         ):
             return
-        size = sum(g.layout.n_segments for g in sent) + int(measured)
+        # A staged group's two keys per block (inner, then outer), as _agree_blocks' vector.
+        widths = [g.layout.n_segments * (2 if Route(g.reduction).staged else 1) for g in sent]
+        size = sum(widths) + int(measured)
         shared = torch.zeros(size, dtype=torch.uint8, device=x.device)
         st = SteadyGroups(
             x.numel(),
@@ -1767,16 +1774,23 @@ class Reducer:
             epoch=self.assignment.epoch(self.step),
             workspace=self._epoch(index, x.device),
         )
-        order = [i for g in groups for i in g.index]
         values = x
         if order != list(range(len(fmts))):
             values = self._interleave(st, x, order, shared, False, names)[0]
-        parts: list[tuple[torch.Tensor, SteadyAgreedBlocks | None]] = []
+        parts: list[tuple[torch.Tensor, SteadyAgreedBlocks | SteadyStaged | None]] = []
         lo = at = 0
+        shares = iter(widths)
         for g in groups:
             gx, part = values[lo : lo + g.numel], None
-            if g.reduction != Route.FP32:
-                m, k, device = g.layout.n_segments, len(g.index), x.device
+            if Route(g.reduction).staged:
+                m = next(shares)
+                gnames = [names[i] for i in g.index] if self.settings.stats else None
+                part = self._agreed_staged_part(plan, g, gx, shared[at : at + m], chunk, gnames)
+                if part is None:
+                    return
+                at += m
+            elif g.reduction != Route.FP32:
+                m, k, device = next(shares), len(g.index), x.device
                 part = SteadyAgreedBlocks(
                     g.numel,
                     gx.data_ptr(),
@@ -1801,14 +1815,52 @@ class Reducer:
         st.parts, st.bound_ptr = list(parts), x.data_ptr()
         self.steady[index] = st
 
+    def _agreed_staged_part(
+        self,
+        plan: BucketPlan,
+        g: GroupPlan,
+        gx: torch.Tensor,
+        keys: torch.Tensor,
+        chunk: int,
+        names: list[str | None] | None,
+    ) -> SteadyStaged | None:
+        """A hierarchical or grid group's part of :meth:`_settle_agreed_groups`: the
+        :class:`SteadyStaged` of agreed block exponents (``local``) on its values ``gx``,
+        its two keys per block ``keys``, a view of the bucket's one agreed vector (None
+        where the group has no node layout)."""
+        if g.node is None:
+            return None
+        route, layouts = Route(g.reduction), self.comm.layouts
+        local = torch.empty(g.layout.n_segments)
+        part = SteadyStaged(
+            g.numel,
+            gx.data_ptr(),
+            plan,
+            g,
+            route,
+            [g.fmt] * len(g.index),
+            keys,
+            AgreedMaxima(local, self.comm.world_size),
+            False,
+            chunk,
+            groups=layouts.grid if route == Route.GRID else layouts.nodes,
+            per_node=g.node.ranks_per_node,
+            local=local,
+        )
+        if names is not None:
+            part.record_names(names)
+        part.bind(gx, self.comm.world_size)
+        return part
+
     def _run_agreed_groups(self, index: int, st: SteadyGroups) -> None:
         """:meth:`_run_groups` with agreed block exponents: every sent group's keys written
         (after the gather, where the groups interleave), agreed at once with the ranks'
         largest preferred chunk, then each group's records and bound chunks (the FP32
-        group: its all-reduce) in the plan's order; the scatter."""
+        group: its all-reduce; a staged group: its factors from the agreed keys, then
+        its route's bound chunks) in the plan's order; the scatter."""
         comm, plan = self.comm, st.plan
         assert st.parts is not None  # made by _settle_agreed_groups
-        sent = [(values, s) for values, s in st.parts if isinstance(s, SteadyAgreedBlocks)]
+        sent = [(values, s) for values, s in st.parts if s is not None]
         if st.gather is not None:
             st.gather()
         if st.measured:  # CPU only: the keys' numpy view, no tensor op
@@ -1818,8 +1870,9 @@ class Reducer:
                 st.offer = exchange_s, int(math.log2(mine))
             st.maxima.numpy()[-1] = st.offer[1]
         for _, s in sent:
-            assert s.keys_call is not None  # made by SteadyAgreedBlocks.bind
-            s.keys_call()
+            keys_call = s.maxima_call if isinstance(s, SteadyStaged) else s.keys_call
+            assert keys_call is not None  # made by bind
+            keys_call()
         transports.all_reduce_max(st.maxima, comm.group, self.traffic)
         chunk = 2 ** int(st.maxima.numpy()[-1]) if st.measured else st.chunk
         if chunk != st.chunk:  # the keys and their scratch stay: only the chunks' calls move
@@ -1836,12 +1889,18 @@ class Reducer:
                 sent, [g for g in st.groups if g.reduction != Route.FP32], strict=True
             ):
                 s.group, s.chunk = g, chunk
-                s.bind(values, comm.rank, comm.world_size)
+                if isinstance(s, SteadyStaged):
+                    s.bind(values, comm.world_size)
+                else:
+                    s.bind(values, comm.rank, comm.world_size)
             st.chunk, st.workspace = chunk, self._epoch(index, st.maxima.device)
         self.bucket_chunks[index] = st.chunk
         for values, s in st.parts:
-            if not isinstance(s, SteadyAgreedBlocks):
+            if s is None:
                 transports.fp32_mean(values, comm.group, comm.world_size, self.traffic)
+                continue
+            if isinstance(s, SteadyStaged):
+                self._run_part(index, s, values, None)
                 continue
             if s.names is not None:  # the agreed keys: before the decode overwrites the values
                 self.record_agreed_blocks(index, s, values)

@@ -168,6 +168,13 @@ CONFIGS: dict[str, dict[str, Any]] = {
     "bf16_block": {**ROUTES["block"], "fmt": "bf16"},
     "fp16_block+stats": {**ROUTES["block"], "fmt": "fp16", "stats": True},
     "fp16_block_agreed": {**ROUTES["block"], "fmt": "fp16", "block_exponents": "agreed"},
+    "hierarchical+keep_last+block_agreed": {
+        **ROUTES["block"],
+        "reduction": "hierarchical",
+        "ranks_per_node": 1,  # a world of one: one node of one rank
+        "block_exponents": "agreed",
+        "policy": [KeepLast("fp32")],
+    },
     "interleaved+promote": {
         **ROUTES["two_phase"],
         "policy": [Promote(), ByName({"*[13579].weight": "fp16"}), KeepLast("fp32")],

@@ -12,7 +12,7 @@ import torch
 
 import aps_comm
 from aps_comm.engine import SteadyGroups, SteadyStaged
-from aps_comm.policy import KeepLast
+from aps_comm.policy import ByName, KeepLast
 from aps_comm.testing import run_distributed
 from benchmarks.hostcost import ParamLayer, count_ops, world_of_one
 
@@ -25,6 +25,8 @@ _AGREED = {
     "scaling": "block",
     "block_exponents": "agreed",
 }
+_AGREED_KEEP_LAST = {**_AGREED, "policy": [KeepLast("fp32")]}
+_FIRST_FP16 = [ByName({"[0-3].weight": "fp16"}), KeepLast("fp32")]  # layers 0-3 in fp16
 
 
 @pytest.fixture(scope="module")
@@ -93,7 +95,8 @@ def test_staged_buckets_settle_with_the_general_paths_bits() -> None:
     all-reduce; and with agreed block exponents a staged bucket settles: its two keys
     per block agreed as the general path agrees them, its factors made from them per
     block (the general path every step before: 145 and 144 ops per bucket of five
-    layers)."""
+    layers); and both at once, the staged group's keys a view of the bucket's one agreed
+    vector."""
     blocks = {"scaling": "block", "block_exponents": "rank"}
     configs = [
         ({**_KEEP_LAST, "fmt": "e4m3", "stats": True}, None, SteadyGroups),
@@ -106,6 +109,16 @@ def test_staged_buckets_settle_with_the_general_paths_bits() -> None:
         ({**_AGREED, "fmt": "e2m1", "stats": True}, None, SteadyStaged),
         ({**_AGREED, "fmt": "fp16", "block_size": 8, "stats": True}, 40, SteadyStaged),
         ({**_AGREED, "fmt": "e4m3", "reduction": "grid", "stats": True}, 256, SteadyStaged),
+    ]
+    configs += [
+        ({**_AGREED_KEEP_LAST, "fmt": "e2m1", "stats": True}, None, SteadyGroups),
+        (
+            {**_AGREED_KEEP_LAST, "fmt": "fp16", "reduction": "grid", "block_size": 8},
+            40,
+            SteadyGroups,
+        ),
+        # Two staged groups then FP32, consecutive: each staged group's keys at its offset.
+        ({**_AGREED, "fmt": "e4m3", "policy": _FIRST_FP16, "stats": True}, 128, SteadyGroups),
     ]
     args = (configs,)
     for problems in run_distributed(_against_the_general_path, 4, args=args, timeout=240):
@@ -121,8 +134,16 @@ def test_staged_buckets_settle_with_the_general_paths_bits() -> None:
         ({**_KEEP_LAST, "fmt": "e2m1", "scaling": "block", "stats": True}, SteadyGroups),
         ({**_AGREED, "fmt": "e2m1", "stats": True}, SteadyStaged),
         ({**_AGREED, "fmt": "fp16"}, SteadyStaged),
+        ({**_AGREED_KEEP_LAST, "fmt": "e2m1", "stats": True}, SteadyGroups),
     ],
-    ids=["keep_last-layer", "keep_last-bucket", "keep_last-block", "agreed", "agreed-fp16"],
+    ids=[
+        "keep_last-layer",
+        "keep_last-bucket",
+        "keep_last-block",
+        "agreed",
+        "agreed-fp16",
+        "agreed-keep_last",
+    ],
 )
 def test_ops_per_settled_staged_bucket_do_not_grow_with_layers(
     world: None, options: dict[str, Any], kind: type
