@@ -1665,41 +1665,53 @@ class Reducer:
             epoch=self.assignment.epoch(self.step),
             promote=(list(keys), list(numels), list(names)) if promoted else None,
         )
-        values, agreed = x, shared  # the groups' values and vector, in the plan's order
-        order = [i for g in groups for i in g.index]
-        flat = None  # the fused path's residuals: every sent group's, in the plan's order
-        if x.device.type == "cpu" and all(g.codec.backend == "kernels" for g in sent):
-            values, agreed, flat = self._fuse_feedback_groups(st, x, order, promoted, names)
-        elif order != list(range(n)):
-            values, agreed = self._interleave(st, x, order, shared, promoted, names)
-        if not blocks and not st.fused:
-            layout = plan.layout if values is x else Layout.from_numels(st.gather_numels, x.device)
-            st.maxima_call = sent[0].codec.bind_layer_maxima(values, layout, agreed[:n])
-        parts: list[tuple[torch.Tensor, Steady | SteadyBlocks | SteadyFeedback | None]] = []
-        rates: list[torch.Tensor | None] = []
-        lo = at = first = kept = 0
-        for g in groups:
-            gx, part, last = values[lo : lo + g.numel], None, first + len(g.index)
-            sent_rates = promoted and g.reduction != Route.FP32
-            rates.append(agreed[n + first : n + last] if sent_rates else None)
-            if g.reduction != Route.FP32:
-                m = g.layout.n_segments if blocks else len(g.index)
-                at = at if blocks else first
-                gnames = [names[i] for i in g.index]
-                fused = None
-                if flat is not None:  # its residuals, and its maxima picked by its factors
-                    pick = None
-                    if not blocks:
-                        spread = self.settings.scaling == Scaling.BUCKET
-                        pick = shared[:n].numpy(), np.asarray(g.index, np.int64), spread
-                    fused = flat[kept : kept + g.numel], pick
-                    kept += g.numel
-                part = self._bind_feedback(index, gx, g, gnames, agreed[at : at + m], fused)
-                if part is None:
-                    return
-                at += m
-            parts.append((gx, part))
-            lo, first = lo + g.numel, last
+        workspace = self.workspace(x.device)
+        for _ in range(2):  # twice only where the workspace had to grow
+            # One STEP arena for every group, each one's scratch after the previous ones'
+            # (their block maxima live from the keys to the records). The fused residuals
+            # are made anew each time: their sharing copies the last ones in.
+            arena = workspace.arena(Slot.STEP)
+            values, agreed = x, shared  # the groups' values and vector, in the plan's order
+            order = [i for g in groups for i in g.index]
+            flat = None  # the fused path's residuals: every sent group's, in the plan's order
+            if x.device.type == "cpu" and all(g.codec.backend == "kernels" for g in sent):
+                values, agreed, flat = self._fuse_feedback_groups(st, x, order, promoted, names)
+            elif order != list(range(n)):
+                values, agreed = self._interleave(st, x, order, shared, promoted, names)
+            if not blocks and not st.fused:
+                layout = (
+                    plan.layout if values is x else Layout.from_numels(st.gather_numels, x.device)
+                )
+                st.maxima_call = sent[0].codec.bind_layer_maxima(values, layout, agreed[:n])
+            parts: list[tuple[torch.Tensor, Steady | SteadyBlocks | SteadyFeedback | None]] = []
+            rates: list[torch.Tensor | None] = []
+            lo = at = first = kept = 0
+            for g in groups:
+                gx, part, last = values[lo : lo + g.numel], None, first + len(g.index)
+                sent_rates = promoted and g.reduction != Route.FP32
+                rates.append(agreed[n + first : n + last] if sent_rates else None)
+                if g.reduction != Route.FP32:
+                    m = g.layout.n_segments if blocks else len(g.index)
+                    at = at if blocks else first
+                    gnames = [names[i] for i in g.index]
+                    fused = None
+                    if flat is not None:  # its residuals, and its maxima picked by its factors
+                        pick = None
+                        if not blocks:
+                            spread = self.settings.scaling == Scaling.BUCKET
+                            pick = shared[:n].numpy(), np.asarray(g.index, np.int64), spread
+                        fused = flat[kept : kept + g.numel], pick
+                        kept += g.numel
+                    part = self._bind_feedback(
+                        index, gx, g, gnames, agreed[at : at + m], fused, arena
+                    )
+                    if part is None:
+                        return
+                    at += m
+                parts.append((gx, part))
+                lo, first = lo + g.numel, last
+            if arena.close():
+                break
         st.parts, st.bound_ptr = parts, x.data_ptr()
         st.rates = rates if promoted else None
         st.workspace = self._epoch(index, x.device)
@@ -2168,6 +2180,7 @@ class Reducer:
         names: Sequence[str | None],
         shared: torch.Tensor | None = None,
         fused: tuple[torch.Tensor, tuple[np.ndarray, np.ndarray, bool] | None] | None = None,
+        arena: Arena | None = None,
     ) -> SteadyFeedback | None:
         """Group ``g``'s :class:`SteadyFeedback`, bound to its values ``x`` (the bucket, or
         a group's view of it); None where it has no bound path: not two_phase in one chunk,
@@ -2179,6 +2192,8 @@ class Reducer:
         of the bucket's flat ones, and its layers' positions in the bucket's agreed
         maxima, which its factors pick into ``shared`` (None with blocks); its encode
         with its residual update, and its owner step, then one CPU kernel call each.
+        ``arena``: the :attr:`Slot.STEP` arena every group takes its scratch from in turn
+        (closed by the caller: no two groups' block maxima overlap); None: its own.
         """
         fb, comm = self.feedback, self.comm
         assert fb is not None
@@ -2205,12 +2220,12 @@ class Reducer:
         workspace = self.workspace(device)
         mean = x[:per] if per <= numel else None
         for _ in range(2):  # twice only where the workspace had to grow
-            arena = workspace.arena(Slot.STEP)
-            scratch = arena.take(numel + pad + (0 if mean is not None else per), torch.float32)
+            step = arena or workspace.arena(Slot.STEP)
+            scratch = step.take(numel + pad + (0 if mean is not None else per), torch.float32)
             if g.blocks is not None:
-                scale, unscale = arena.take(n_seg, torch.float32), arena.take(n_seg, torch.float32)
-                maxima, keys = arena.take(n_seg, torch.float32), arena.take(n_seg)
-            if arena.close():
+                scale, unscale = step.take(n_seg, torch.float32), step.take(n_seg, torch.float32)
+                maxima, keys = step.take(n_seg, torch.float32), step.take(n_seg)
+            if arena is not None or step.close():
                 break
         counts = None
         host_keys = local = None
@@ -2240,10 +2255,8 @@ class Reducer:
         factors = g.codec.bind_feedback_factors(
             shared, comm.world_size, scale, unscale, counts, host_keys, pick, self.settings.scaling
         )
-        if fused is None:
-            residual = torch.empty(x.numel(), dtype=torch.float32, device=device)
-        else:
-            residual = fused[0]
+        f32 = {"dtype": torch.float32, "device": device}
+        residual = fused[0] if fused is not None else torch.empty(numel, **f32)
         encode = _feedback_encode(
             g, x, send, (scale, unscale), pad, (scratch[:numel], residual), fused is not None
         )
