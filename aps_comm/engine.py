@@ -737,6 +737,9 @@ class SteadyGroups:
         layouts: the state's node layouts: a group sent hierarchical or grid (groups
             consecutive in the bucket) is a :class:`SteadyStaged` (with ``blocks``,
             :class:`SteadyNodeBlocks`) on its route's groups.
+        scratch: the state's workspace, whose :attr:`Slot.STEP` slot :meth:`bind` takes the
+            layers in the plan's order (groups that interleave) and the groups' block maxima
+            and keys from (nothing is deferred); None: allocations of their own.
     """
 
     numel: int
@@ -776,6 +779,7 @@ class SteadyGroups:
     gather_numels: list[int] = dataclasses.field(default_factory=list)
     fused: bool = False
     layouts: Layouts | None = None
+    scratch: Workspace | None = None
 
     def bind(self, x: torch.Tensor, world_size: int, rank: int = 0) -> bool:
         """Bind the maxima kernel, the gather and every group's path to the float32
@@ -795,8 +799,9 @@ class SteadyGroups:
             g.codec.backend == "kernels" for g in self.groups if g.reduction != Route.FP32
         )
         self.factors = None
+        arena = self.scratch.arena(Slot.STEP) if self.scratch is not None else None
         if order != list(range(n)):
-            values = torch.empty_like(x)
+            values = _take(arena, x.numel(), torch.float32, x.device)
             layers = torch.split(x, self.plan.numels)
             mine = [layers[i] for i in order]
             if self.order is None or self.order.device != x.device:
@@ -828,7 +833,7 @@ class SteadyGroups:
             if g.reduction != Route.FP32:
                 names = [self.names[i] for i in g.index] if self.names is not None else None
                 if self.blocks:
-                    steady = self._blocks(g, gx, names, world_size, rank)
+                    steady = self._blocks(g, gx, names, world_size, rank, arena)
                     if steady is None:
                         return False
                 else:
@@ -848,6 +853,8 @@ class SteadyGroups:
             lo, first = hi, last
         self.parts, self.bound_ptr = parts, x.data_ptr()
         self.rates = group_rates if bucket_rates is not None else None
+        if arena is not None and not arena.close():  # the slot grew: bound on it now
+            return self.bind(x, world_size, rank)
         return True
 
     def _steady(
@@ -894,9 +901,10 @@ class SteadyGroups:
         names: list[str | None] | None,
         world_size: int,
         rank: int,
+        arena: Arena | None = None,
     ) -> SteadyBlocks | None:
         """Group ``g``'s :class:`SteadyBlocks`, bound to its values ``gx`` (None where the
-        codec has no fused calls for them)."""
+        codec has no fused calls for them); its block maxima and keys from ``arena``."""
         n_blocks, n_layers, device = g.layout.n_segments, len(g.index), gx.device
         staged: dict[str, Any] = {}
         if g.node_blocks is not None:
@@ -912,8 +920,8 @@ class SteadyGroups:
             [g.fmt] * n_layers,
             False,
             self.chunk,
-            torch.empty(n_blocks, dtype=torch.float32, device=device),
-            torch.empty(n_blocks, dtype=torch.uint8, device=device),
+            _take(arena, n_blocks, torch.float32, device),
+            _take(arena, n_blocks, torch.uint8, device),
             torch.empty(n_layers, dtype=torch.uint8, device=device),
             torch.zeros(n_layers, dtype=torch.uint8, device=device),
             names=names,
@@ -1616,8 +1624,10 @@ class Reducer:
             workspace=self._epoch(index, x.device),
             none=settings.scaling == Scaling.NONE,
             layouts=self.comm.layouts,
+            scratch=self.workspace(x.device),
         )
         if st.bind(x, self.comm.world_size, self.comm.rank):
+            st.workspace = self._epoch(index, x.device)  # the STEP slot's, after the binding
             self.steady[index] = st
 
     def _settle_feedback_groups(
@@ -1676,41 +1686,59 @@ class Reducer:
             epoch=self.assignment.epoch(self.step),
             promote=(list(keys), list(numels), list(names)) if promoted else None,
         )
-        values, agreed = x, shared  # the groups' values and vector, in the plan's order
-        order = [i for g in groups for i in g.index]
-        flat = None  # the fused path's residuals: every sent group's, in the plan's order
-        if x.device.type == "cpu" and all(g.codec.backend == "kernels" for g in sent):
-            values, agreed, flat = self._fuse_feedback_groups(st, x, order, promoted, names)
-        elif order != list(range(n)):
-            values, agreed = self._interleave(st, x, order, shared, promoted, names)
-        if not blocks and not st.fused:
-            layout = plan.layout if values is x else Layout.from_numels(st.gather_numels, x.device)
-            st.maxima_call = sent[0].codec.bind_layer_maxima(values, layout, agreed[:n])
-        parts: list[tuple[torch.Tensor, Steady | SteadyBlocks | SteadyFeedback | None]] = []
-        rates: list[torch.Tensor | None] = []
-        lo = at = first = kept = 0
-        for g in groups:
-            gx, part, last = values[lo : lo + g.numel], None, first + len(g.index)
-            sent_rates = promoted and g.reduction != Route.FP32
-            rates.append(agreed[n + first : n + last] if sent_rates else None)
-            if g.reduction != Route.FP32:
-                m = g.layout.n_segments if blocks else len(g.index)
-                at = at if blocks else first
-                gnames = [names[i] for i in g.index]
-                fused = None
-                if flat is not None:  # its residuals, and its maxima picked by its factors
-                    pick = None
-                    if not blocks:
-                        spread = self.settings.scaling == Scaling.BUCKET
-                        pick = shared[:n].numpy(), np.asarray(g.index, np.int64), spread
-                    fused = flat[kept : kept + g.numel], pick
-                    kept += g.numel
-                part = self._bind_feedback(index, gx, g, gnames, agreed[at : at + m], fused)
-                if part is None:
-                    return
-                at += m
-            parts.append((gx, part))
-            lo, first = lo + g.numel, last
+        workspace = self.workspace(x.device)
+        for _ in range(2):  # twice only where the workspace had to grow
+            # The STEP slot: first what lives across the groups (the layers in the plan's
+            # order; every group's block maxima, all written before the MAX all-reduce,
+            # each read by its records after it), then each group's scratch from one start
+            # (one group at a time). The fused residuals are made anew each time.
+            epoch, arena = workspace.epoch(Slot.STEP), workspace.arena(Slot.STEP)
+            values, agreed = x, shared  # the groups' values and vector, in the plan's order
+            order = [i for g in groups for i in g.index]
+            flat = None  # the fused path's residuals: every sent group's, in the plan's order
+            if x.device.type == "cpu" and all(g.codec.backend == "kernels" for g in sent):
+                fuse = self._fuse_feedback_groups
+                values, agreed, flat = fuse(st, x, order, promoted, names, arena)
+            elif order != list(range(n)):
+                scratch = arena.take(x.numel(), torch.float32)
+                values, agreed = self._interleave(st, x, order, shared, promoted, names, scratch)
+            if not blocks and not st.fused:
+                layout = (
+                    plan.layout if values is x else Layout.from_numels(st.gather_numels, x.device)
+                )
+                st.maxima_call = sent[0].codec.bind_layer_maxima(values, layout, agreed[:n])
+            local = iter([arena.take(g.layout.n_segments, torch.float32) for g in sent if blocks])
+            arena.close()
+            parts: list[tuple[torch.Tensor, Steady | SteadyBlocks | SteadyFeedback | None]] = []
+            rates: list[torch.Tensor | None] = []
+            lo = at = first = kept = 0
+            for g in groups:
+                gx, part, last = values[lo : lo + g.numel], None, first + len(g.index)
+                sent_rates = promoted and g.reduction != Route.FP32
+                rates.append(agreed[n + first : n + last] if sent_rates else None)
+                if g.reduction != Route.FP32:
+                    m = g.layout.n_segments if blocks else len(g.index)
+                    at = at if blocks else first
+                    gnames = [names[i] for i in g.index]
+                    fused = None
+                    if flat is not None:  # its residuals, and its maxima picked by its factors
+                        pick = None
+                        if not blocks:
+                            spread = self.settings.scaling == Scaling.BUCKET
+                            pick = shared[:n].numpy(), np.asarray(g.index, np.int64), spread
+                        fused = flat[kept : kept + g.numel], pick
+                        kept += g.numel
+                    after = arena.end, next(local) if blocks else None
+                    part = self._bind_feedback(
+                        index, gx, g, gnames, agreed[at : at + m], fused, after
+                    )
+                    if part is None:
+                        return
+                    at += m
+                parts.append((gx, part))
+                lo, first = lo + g.numel, last
+            if workspace.epoch(Slot.STEP) == epoch:
+                break
         st.parts, st.bound_ptr = parts, x.data_ptr()
         st.rates = rates if promoted else None
         st.workspace = self._epoch(index, x.device)
@@ -1774,45 +1802,55 @@ class Reducer:
             epoch=self.assignment.epoch(self.step),
             workspace=self._epoch(index, x.device),
         )
-        values = x
-        if order != list(range(len(fmts))):
-            values = self._interleave(st, x, order, shared, False, names)[0]
-        parts: list[tuple[torch.Tensor, SteadyAgreedBlocks | SteadyStaged | None]] = []
-        lo = at = 0
-        shares = iter(widths)
-        for g in groups:
-            gx, part = values[lo : lo + g.numel], None
-            if Route(g.reduction).staged:
-                m = next(shares)
-                gnames = [names[i] for i in g.index] if self.settings.stats else None
-                part = self._agreed_staged_part(plan, g, gx, shared[at : at + m], chunk, gnames)
-                if part is None:
-                    return
-                at += m
-            elif g.reduction != Route.FP32:
-                m, k, device = next(shares), len(g.index), x.device
-                part = SteadyAgreedBlocks(
-                    g.numel,
-                    gx.data_ptr(),
-                    plan,
-                    g,
-                    [g.fmt] * k,
-                    Route(main),
-                    False,
-                    chunk,
-                    torch.empty(m, dtype=torch.float32, device=device),
-                    shared[at : at + m],
-                    torch.empty(k, dtype=torch.uint8, device=device),
-                    torch.zeros(k, dtype=torch.uint8, device=device),
-                    names=[names[i] for i in g.index] if self.settings.stats else None,
-                    native=g.reduction == Route.ALLREDUCE,
-                )
-                if not part.bind(gx, self.comm.rank, self.comm.world_size):
-                    return
-                at += m
-            parts.append((gx, part))
-            lo += g.numel
+        # Scratch used only while the hook runs (nothing deferred): the STEP slot's, every
+        # group's block maxima after the layers in the plan's order (each group's records
+        # read its maxima after every group's keys are written: they must not overlap).
+        workspace = self.workspace(x.device)
+        for _ in range(2):  # twice only where the workspace had to grow
+            arena = workspace.arena(Slot.STEP)
+            values = x
+            if order != list(range(len(fmts))):
+                scratch = arena.take(x.numel(), torch.float32)
+                values = self._interleave(st, x, order, shared, False, names, scratch)[0]
+            parts: list[tuple[torch.Tensor, SteadyAgreedBlocks | SteadyStaged | None]] = []
+            lo = at = 0
+            shares = iter(widths)
+            for g in groups:
+                gx, part = values[lo : lo + g.numel], None
+                if Route(g.reduction).staged:
+                    m = next(shares)
+                    gnames = [names[i] for i in g.index] if self.settings.stats else None
+                    part = self._agreed_staged_part(plan, g, gx, shared[at : at + m], chunk, gnames)
+                    if part is None:
+                        return
+                    at += m
+                elif g.reduction != Route.FP32:
+                    m, k, device = next(shares), len(g.index), x.device
+                    part = SteadyAgreedBlocks(
+                        g.numel,
+                        gx.data_ptr(),
+                        plan,
+                        g,
+                        [g.fmt] * k,
+                        Route(main),
+                        False,
+                        chunk,
+                        arena.take(m, torch.float32),
+                        shared[at : at + m],
+                        torch.empty(k, dtype=torch.uint8, device=device),
+                        torch.zeros(k, dtype=torch.uint8, device=device),
+                        names=[names[i] for i in g.index] if self.settings.stats else None,
+                        native=g.reduction == Route.ALLREDUCE,
+                    )
+                    if not part.bind(gx, self.comm.rank, self.comm.world_size):
+                        return
+                    at += m
+                parts.append((gx, part))
+                lo += g.numel
+            if arena.close():
+                break
         st.parts, st.bound_ptr = list(parts), x.data_ptr()
+        st.workspace = self._epoch(index, x.device)
         self.steady[index] = st
 
     def _agreed_staged_part(
@@ -1916,15 +1954,17 @@ class Reducer:
         shared: torch.Tensor,
         promoted: bool,
         names: Sequence[str | None],
+        values: torch.Tensor | None = None,
     ) -> tuple[torch.Tensor, torch.Tensor]:
         """Groups that interleave in the bucket: bound scratch of the layers in the plan's
         order (``st.gather`` and ``st.scatter``, one call each) and, per layer, a vector in
         that order that ``st.put_rates`` copies into the bucket order of ``shared`` (the
         general path's MAX all-reduce contents: maxima, then Promote's rates) and
         ``st.pick`` copies the agreed maxima back from. Block keys are in the plan's order
-        already. Returns the scratch and that vector (``shared`` itself with blocks)."""
+        already. Returns the scratch (``values`` where given: the workspace's) and that
+        vector (``shared`` itself with blocks)."""
         numels = [st.plan.numels[i] for i in order]
-        values = torch.empty_like(x)
+        values = torch.empty_like(x) if values is None else values
         layers = torch.split(x, st.plan.numels)
         mine = [layers[i] for i in order]
         st.gather = functools.partial(torch.cat, mine, out=values)
@@ -1954,6 +1994,7 @@ class Reducer:
         order: list[int],
         promoted: bool,
         names: Sequence[str | None],
+        arena: Arena | None = None,
     ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
         """The groups' values and vector on the CPU kernels, fused: ``st.gather`` adds
         every sent group's residuals (one flat buffer, the groups' in the plan's order)
@@ -1962,10 +2003,10 @@ class Reducer:
         for what took an add per group and the maxima; where the groups interleave it
         also copies the layers into bound scratch in the plan's order (what took a
         gather, and the maxima's copy into bucket order: :meth:`_interleave`), which
-        ``st.scatter`` copies back, and with Promote ``st.put_rates`` copies the rates
-        alone. Returns the values in the plan's order, the vector in that order (each
-        group's agreed maxima, picked by its factors; Promote's rates after them) and
-        the flat residuals."""
+        ``st.scatter`` copies back (that scratch from ``arena`` where given), and with
+        Promote ``st.put_rates`` copies the rates alone. Returns the values in the plan's
+        order, the vector in that order (each group's agreed maxima, picked by its
+        factors; Promote's rates after them) and the flat residuals."""
         n, plan = len(order), st.plan
         starts = np.cumsum([0, *plan.numels])
         fp32 = {i for g in st.groups if g.reduction == Route.FP32 for i in g.index}
@@ -1975,7 +2016,7 @@ class Reducer:
             size, none = plan.numels[i], -2 if in_place else -1
             spans.append((starts[i], to, size, none if i in fp32 else kept, i))
             to, kept = to + size, kept + (0 if i in fp32 else size)
-        values = x if in_place else torch.empty_like(x)
+        values = x if in_place else _take(arena, x.numel(), torch.float32, x.device)
         flat = torch.empty(kept, dtype=torch.float32)
         if not in_place:
             st.gather_numels = [plan.numels[i] for i in order]
@@ -2240,6 +2281,7 @@ class Reducer:
         names: Sequence[str | None],
         shared: torch.Tensor | None = None,
         fused: tuple[torch.Tensor, tuple[np.ndarray, np.ndarray, bool] | None] | None = None,
+        after: tuple[int, torch.Tensor | None] = (0, None),
     ) -> SteadyFeedback | None:
         """Group ``g``'s :class:`SteadyFeedback`, bound to its values ``x`` (the bucket, or
         a group's view of it); None where it has no bound path: not two_phase in one chunk,
@@ -2251,6 +2293,7 @@ class Reducer:
         of the bucket's flat ones, and its layers' positions in the bucket's agreed
         maxima, which its factors pick into ``shared`` (None with blocks); its encode
         with its residual update, and its owner step, then one CPU kernel call each.
+        ``after``: the STEP slot's bytes its scratch starts after, its block maxima there.
         """
         fb, comm = self.feedback, self.comm
         assert fb is not None
@@ -2270,18 +2313,19 @@ class Reducer:
         send, recv, shard = g.send[r0:r1], g.recv[r0:r1], g.shards[s0:s1]
         pad = (r1 - r0) * 8 // fmt.wire_bits - numel
         per = (numel + pad) // comm.world_size
-        # One float32 scratch: this rank's payload decoded, later the owner's N
-        # shards; with blocks, the factors and keys too. Used only while the hook
-        # runs (the bucket is not deferred): every bucket's. The shards' mean goes
-        # in the bucket's own values, free from the encode until the decode.
+        # One float32 scratch: this rank's payload decoded, later the owner's N shards;
+        # with blocks, the factors and keys too. Used only while the hook runs (not
+        # deferred): every bucket's. The shards' mean goes in the bucket's own values.
         workspace = self.workspace(device)
         mean = x[:per] if per <= numel else None
         for _ in range(2):  # twice only where the workspace had to grow
             arena = workspace.arena(Slot.STEP)
+            arena.take(after[0])
             scratch = arena.take(numel + pad + (0 if mean is not None else per), torch.float32)
             if g.blocks is not None:
                 scale, unscale = arena.take(n_seg, torch.float32), arena.take(n_seg, torch.float32)
-                maxima, keys = arena.take(n_seg, torch.float32), arena.take(n_seg)
+                maxima = arena.take(n_seg, torch.float32) if after[1] is None else after[1]
+                keys = arena.take(n_seg)
             if arena.close():
                 break
         counts = None
@@ -2312,10 +2356,8 @@ class Reducer:
         factors = g.codec.bind_feedback_factors(
             shared, comm.world_size, scale, unscale, counts, host_keys, pick, self.settings.scaling
         )
-        if fused is None:
-            residual = torch.empty(x.numel(), dtype=torch.float32, device=device)
-        else:
-            residual = fused[0]
+        f32 = {"dtype": torch.float32, "device": device}
+        residual = fused[0] if fused is not None else torch.empty(numel, **f32)
         encode = _feedback_encode(
             g, x, send, (scale, unscale), pad, (scratch[:numel], residual), fused is not None
         )
@@ -4290,6 +4332,13 @@ def _agree_chunk(plan: BucketPlan, log2: int) -> None:
     """The ranks' largest preferred chunk, from a first exchange: the bucket's next one."""
     if log2:
         plan.agreed_chunk = 2**log2
+
+
+def _take(arena: Arena | None, n: int, dtype: torch.dtype, device: torch.device) -> torch.Tensor:
+    """``n`` elements of ``dtype`` from ``arena``, or an allocation of their own without one."""
+    if arena is None:
+        return torch.empty(n, dtype=dtype, device=device)
+    return arena.take(n, dtype)
 
 
 def _gather_back(scatter: Callable[[], object]) -> None:

@@ -501,3 +501,39 @@ def test_error_feedback_on_the_native_all_reduce_costs_the_same_ops_whatever_the
     kernels = _native_ops(options, policy, SteadyFeedback)[200][1]
     factors = "native_block_factors" if scaling == "block" else "native_factors_into"
     assert kernels.count(f"kernel::{factors}") == _POLICY_FORMATS[policy][1]
+
+
+def test_groups_with_error_feedback_and_blocks_record_their_own_block_maxima(
+    world: None,
+) -> None:
+    """Error feedback with block scaling in two sent formats of the same size (e2m1 and
+    e4m3 layers interleaved) and ``stats=True``: every group's block maxima are written
+    before the MAX all-reduce and read by its records after it, so the groups' scratch
+    must not overlap (each group's was cut from the start of the STEP slot: the e2m1
+    layers' records showed the e4m3 layers' maxima). The general path's records and bits."""
+    numels = [64] * 4
+    options = {
+        "fmt": "e2m1",
+        "reduction": "two_phase",
+        "scaling": "block",
+        "error_feedback": True,
+        "stats": True,
+        "policy": [ByName({"*[13579].weight": "e4m3"})],
+    }
+    params = [torch.nn.Parameter(torch.empty(n)) for n in numels]
+    settled, general = aps_comm.APSState(**options), aps_comm.APSState(**options)
+    for state in (settled, general):
+        state.bind_model(torch.nn.ModuleList(ParamLayer(p) for p in params))
+    # Layers of very different magnitudes: each group's block maxima are its own.
+    scales = torch.tensor([1.0, 100.0, 0.01, 10.0]).repeat_interleave(64)
+    buffer = torch.empty(sum(numels))
+    for step in range(3):
+        x = torch.randn(sum(numels), generator=torch.Generator().manual_seed(step)) * scales
+        buffer.copy_(x)
+        out = settled.run_bucket(0, buffer, params)
+        general.bind(CPU)  # the reducer, before its first bucket
+        general.reducer.settles = False  # never bound: the general path every step
+        want = general.run_bucket(0, x.clone(), params)
+        assert isinstance(settled.reducer.steady_for(0, buffer), SteadyGroups), step
+        assert torch.equal(out.view(torch.int32), want.view(torch.int32)), step
+        assert repr(settled.stats) == repr(general.stats), step

@@ -181,3 +181,13 @@ def test_state_bytes_count_numpy_arrays_once_and_not_views_of_tensors() -> None:
     state = {"t": t, "view": t.numpy()[2:], "own": own, "again": own[1:], "kept": [own]}
     assert state_nbytes(state, []) == 8 * 4 + 5 * 4
     assert state_nbytes(state, [t]) == 5 * 4
+
+
+def test_interleaved_groups_state_bytes_are_bounded_by_the_largest_bucket() -> None:
+    # Groups that interleave in the bucket gather their layers into the plan's order: that
+    # scratch (a bucket's FP32), and the groups' block maxima and keys, are the workspace's
+    # STEP slot, not each bucket's own (9-10x one bucket's FP32 at 8 buckets before).
+    configs = ["interleaved+block+stats", "interleaved+error_feedback"]
+    [kept] = run_distributed(_kept_per_bucket, 1, args=(configs, [8]))
+    for name in configs:
+        assert kept[f"{name}/8"] <= BOUND, kept
