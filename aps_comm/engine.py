@@ -2307,7 +2307,7 @@ class Reducer:
         ):
             return None
         if g.reduction == Route.ALLREDUCE:
-            return self._bind_native_feedback(index, x, g, names, shared, fused)
+            return self._bind_native_feedback(index, x, g, names, shared, fused, after)
         n_seg, device, fmt = g.layout.n_segments, x.device, g.fmt
         (r0, r1), (s0, s1), numel = g.regions[0], g.shard_regions[0], x.numel()
         send, recv, shard = g.send[r0:r1], g.recv[r0:r1], g.shards[s0:s1]
@@ -2402,6 +2402,7 @@ class Reducer:
         names: Sequence[str | None],
         shared: torch.Tensor | None,
         fused: tuple[torch.Tensor, tuple[np.ndarray, np.ndarray, bool] | None] | None = None,
+        after: tuple[int, torch.Tensor | None] = (0, None),
     ) -> SteadyFeedback | None:
         """:meth:`_bind_feedback` for the native all-reduce on the CPU kernels: the maxima
         (or block keys, under the native sum's rule) agreed as there, then one call for the
@@ -2410,7 +2411,8 @@ class Reducer:
         per block :func:`aps_comm.cpu_kernels.native_block_factors`), the encode with its
         residual update, the sum in the wire format and the decode: :meth:`_group`'s
         ``after_encode`` and :func:`aps_comm.transports.native`, bound. ``fused``: as
-        :meth:`_bind_feedback`'s (its maxima picked by the factors' call)."""
+        :meth:`_bind_feedback`'s (its maxima picked by the factors' call); ``after``: as
+        there (the gathered layers and every group's block maxima come first)."""
         fb, settings, device, numel = self.feedback, self.settings, x.device, x.numel()
         assert fb is not None
         if g.codec.backend != "kernels" or device.type != "cpu":
@@ -2420,6 +2422,7 @@ class Reducer:
         workspace = self.workspace(device)
         for _ in range(2):  # twice only where the workspace had to grow
             arena = workspace.arena(Slot.STEP)
+            arena.take(after[0])
             sent = arena.take(numel, torch.float32)  # the values as sent, while encoding
             if arena.close():
                 break
@@ -2427,7 +2430,8 @@ class Reducer:
         keys = local = None
         if g.blocks is not None:
             shared = torch.zeros(n_seg, dtype=torch.uint8) if shared is None else shared
-            local = torch.empty(n_seg)  # this rank's block maxima: the records'
+            # This rank's block maxima: the records' (read after every group's are written).
+            local = torch.empty(n_seg) if after[1] is None else after[1]
             grid = g.layout.cells if g.layout.cells is not None else g.layout.offsets.numpy()
             agree = functools.partial(
                 cpu_kernels.call,
