@@ -69,8 +69,8 @@ def _gap(fmt: str, scaling: str, exps: str, route: str, policy: str, stats: bool
     """Why this combination does not bind yet ("" where it does): the to-do list."""
     mixed = policy in ("keep_last", "interleaved")
     # In fp16 the interleaved rule's layers are the bucket's format: KeepLast's groups.
-    if route == "hierarchical" and policy == "interleaved" and fmt != "fp16":
-        return "hierarchical in interleaved formats: two staged groups and the gather pass 15 ops"
+    if route == "hierarchical" and policy == "interleaved" and fmt != "fp16" and scaling == "block":
+        return "hierarchical in interleaved formats, own block exponents: two groups' 9 calls each"
     if route == "hierarchical" and mixed and exps == "agreed":
         return "hierarchical in several formats with agreed block exponents: no bound groups"
     if route == "allreduce" and scaling == "block" and (mixed or fb):
