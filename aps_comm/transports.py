@@ -1057,10 +1057,11 @@ def bind_hierarchical(
     and the factor tensors (scale, shift, unscale, first), which are read when the calls
     run: a settled bucket refills them in place every step.
 
-    Per chunk, on the CPU kernels: grid's first encode; the node's sum (one
-    kernel; grid: decode and sum, two) and its encode; the owner's decode,
-    mean and encode; the decode: a fixed handful of kernel calls whatever
-    the number of layers. Elsewhere the codec's calls, with the same bits.
+    Per chunk, on the CPU kernels: grid's first encode; the node's sum (grid:
+    its encoded slices decoded and summed) and its encode, one call; the
+    owner's decode, mean and encode, one call; the decode: 3 kernel calls
+    (grid 4) whatever the number of layers. Elsewhere the codec's calls,
+    with the same bits.
 
     Example:
         >>> calls = transports.bind_hierarchical(g, x, (s, sh, u, None), 4)  # doctest: +SKIP
