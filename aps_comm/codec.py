@@ -1360,6 +1360,57 @@ class Codec:
         made = functools.partial(self.shard_mean, recv, n_ranks, divisor=divisor)
         return functools.partial(_copy_made, made, out)
 
+    def bind_reduce_encode(
+        self,
+        source: torch.Tensor,
+        n_rows: int,
+        acc: torch.Tensor,
+        divisor: int,
+        out: torch.Tensor,
+        scale: torch.Tensor,
+        layout: Layout | None,
+        pad: int = 0,
+        valid: int | None = None,
+    ) -> Callable[[], object]:
+        """The staged routes' sum then encode, bound: float32 ``source`` (``n_rows`` rows)
+        summed into ``acc`` (the node's sum), or uint8 ``source`` through
+        :meth:`bind_shard_mean` (divided by ``divisor``), then ``acc[:valid]`` (all of it
+        where None) encoded into ``out`` as :meth:`bind_encode` does.
+
+        One kernel call on "kernels" (:func:`aps_comm.cpu_kernels.reduce_encode`), the two
+        calls in turn elsewhere: the same bits.
+        """
+        x = acc if valid is None else acc[:valid]
+        numel = x.numel()
+        fused = (
+            self.backend == "kernels"
+            and source.device.type == "cpu"
+            and isinstance(scale, torch.Tensor)
+            and out.numel() == payload_nbytes(numel + pad, self.fmt)
+        )
+        if not fused:
+            if source.dtype == torch.float32:
+                rows = source.view(n_rows, acc.numel())
+                reduce: Callable[[], object] = functools.partial(self.sum_rows, rows, acc)
+            else:
+                reduce = self.bind_shard_mean(source, n_rows, acc, divisor)
+            encode = self.bind_encode(x, out, scale, layout, pad)
+            return functools.partial(_in_order, [reduce, encode])
+        _check_scaled(scale, layout, numel)
+        factors = _window_scale(scale, layout)
+        assert factors is not None
+        wide = source.dtype != torch.float32
+        per_row = self._shard_bytes(source, n_rows) * 8 // self.fmt.wire_bits if wide else 0
+        if (per_row if wide else source.numel() // max(n_rows, 1)) != acc.numel():
+            raise ValueError(f"{n_rows} rows of {acc.numel()} elements, got {source.numel()}")
+        scratch = np.empty(n_rows * acc.numel(), np.float32) if wide else None
+        return functools.partial(
+            cpu_kernels.call,
+            "reduce_encode",
+            *(source, n_rows, acc, divisor, numel, out, self.fmt),
+            *(_host_offsets(layout, numel), factors.numpy(), *_host_runs(layout), scratch),
+        )
+
     def bind_staged_factors(
         self,
         maxima: torch.Tensor,
@@ -1368,11 +1419,13 @@ class Codec:
         grid: bool,
         out: torch.Tensor,
         none: bool = False,
+        pick: tuple[np.ndarray, np.ndarray, bool] | None = None,
     ) -> Callable[[], None]:
         """Hierarchical's (or with ``grid`` the grid's) factors of the agreed maxima, written
         into the rows of float32 ``out`` (4 x segments: scale, shift, unscale, first) in
         place: a settled staged bucket binds its calls to those rows (``none``:
-        ``scaling="none"``'s, every exponent 0).
+        ``scaling="none"``'s, every exponent 0). ``pick`` (the CPU kernels only): the
+        maxima picked first from a bucket's, as :meth:`AgreedMaxima.host_factors_into`'s.
 
         One kernel call on "kernels" (:func:`aps_comm.cpu_kernels.staged_factors_into`),
         :func:`aps_comm.scaling.factors` and one stack elsewhere, whatever the number of
@@ -1405,7 +1458,10 @@ class Codec:
                 grid,
                 0 if none else EXPONENT_LIMIT,
                 out.numpy(),
+                pick,
             )
+        if pick is not None:
+            raise ValueError("picked maxima need the CPU kernels")
         if not grid:
             out[3].fill_(1.0)  # hierarchical has no first level of its own: never read
         route = "grid" if grid else "hierarchical"

@@ -1760,6 +1760,86 @@ if AVAILABLE:
             out[j] = out[j] / div
 
 
+def reduce_encode(
+    source: torch.Tensor,
+    n_rows: int,
+    acc: torch.Tensor,
+    divisor: int,
+    numel: int,
+    out: torch.Tensor,
+    fmt: FloatFormat,
+    offsets: np.ndarray | BlockGrid,
+    factors: np.ndarray,
+    block_size: int | None = None,
+    runs: np.ndarray | None = None,
+    scratch: np.ndarray | None = None,
+) -> None:
+    """The staged routes' sum then encode, in one call: :func:`sum_rows` of float32
+    ``source`` (``n_rows`` rows) into ``acc``, or of uint8 ``source`` decoded into float32
+    ``scratch`` (``n_rows`` payloads of ``acc``'s elements, unscaled) and divided by
+    ``divisor`` (:func:`rows_mean`), then ``acc[:numel]`` times ``factors`` encoded into
+    ``out`` (:func:`encode`), its bytes after the codes zeroed (code 0 is +0): the bits of
+    those calls in turn.
+
+    Example:
+        >>> from aps_comm.formats import E4M3
+        >>> out, acc = torch.empty(2, dtype=torch.uint8), torch.empty(2)
+        >>> reduce_encode(torch.tensor([1.0, 2.0, 3.0, 4.0]), 2, acc, 0, 2, out,
+        ...               E4M3, np.array([0, 2]), np.full(1, 0.5, np.float32))
+        >>> acc.tolist(), out.tolist()
+        ([4.0, 6.0], [64, 68])
+    """
+    a, oa, width = _np(acc), _np(out), acc.numel()
+    head = (numel * fmt.wire_bits + 7) // 8
+    enc = (_block_offsets(offsets), factors, encoder_params(fmt), *_runs(block_size, runs))
+    if source.dtype == torch.float32:
+        payload, values, div = oa[:0], _np(source), np.float32(0.0)
+    else:
+        assert scratch is not None and scratch.size >= n_rows * width
+        payload, values, div = _np(source), scratch[: n_rows * width], np.float32(divisor)
+    dec = (*decoder_params(fmt), *_whole(n_rows * width), 0, _NO_RUNS)
+    rows = values.reshape(n_rows, width)
+    if fmt.wire_bits == 4:
+        _reduce_encode4(payload, dec, values, rows, a, div, a[:numel], oa, head, enc)
+    else:
+        codes = oa[:head] if fmt.wire_bits == 8 else oa[:head].view(np.uint16)
+        if fmt.wire_bits == 16:
+            payload = payload.view(np.uint16)
+        _reduce_encode_codes(payload, dec, values, rows, a, div, a[:numel], oa, head, enc, codes)
+
+
+if AVAILABLE:
+
+    @_njit
+    def _reduce_rows(payload, dec, values, rows, acc, div, four):
+        """``rows`` (a view of ``values``) summed into ``acc`` in row order, decoded from
+        ``payload`` first and divided by ``div`` where ``div`` is not 0."""
+        q, m, offsets, factors, size, runs = dec
+        if len(payload):
+            if four:
+                _decode4(payload, values, q, m, offsets, factors, size, runs)
+            else:
+                _decode_segments(payload, values, q, m, offsets, factors, size, runs)
+        _sum_rows(rows, acc)
+        if div != 0:
+            for j in range(rows.shape[1]):
+                acc[j] = acc[j] / div
+
+    @_njit
+    def _reduce_encode4(payload, dec, values, rows, acc, div, x, out, head, enc):
+        _reduce_rows(payload, dec, values, rows, acc, div, True)
+        out[head:] = 0
+        offsets, factors, p, size, runs = enc
+        _encode4(x, offsets, factors, out[:head], p, size, runs)
+
+    @_njit
+    def _reduce_encode_codes(payload, dec, values, rows, acc, div, x, out, head, enc, codes):
+        _reduce_rows(payload, dec, values, rows, acc, div, False)
+        out[head:] = 0
+        offsets, factors, p, size, runs = enc
+        _encode_codes(x, offsets, factors, codes, p, size, runs)
+
+
 def or_rows(rows: np.ndarray, out: np.ndarray) -> None:
     """The bitwise OR of the rows of a 2-D uint8 array (a view of the rows' flag bytes)
     into ``out``.
@@ -2077,6 +2157,7 @@ def staged_factors_into(
     grid: bool,
     limit: int,
     out: np.ndarray,
+    pick: tuple[np.ndarray, np.ndarray, bool] | None = None,
 ) -> None:
     """The staged routes' factors of agreed float32 maxima, written into the rows of
     float32 ``out`` (4 x segments): :func:`aps_comm.scaling.factors`' ``scale``,
@@ -2084,7 +2165,9 @@ def staged_factors_into(
     ``grid``, else "hierarchical", with ``ranks_per_node`` L of ``world_size`` N.
 
     Exponents as :func:`maxima_factors_into`'s: exact float64 products and frexp
-    fields; a non-finite maximum unscales to NaN.
+    fields; a non-finite maximum unscales to NaN. ``pick`` as
+    :func:`maxima_factors_into`'s (the spread made in ``out``'s unscale row, which each
+    column reads before it is written).
 
     Example:
         >>> from aps_comm.formats import E4M3
@@ -2097,6 +2180,9 @@ def staged_factors_into(
                [1.0000e+00, 1.0000e+00]], dtype=float32)
     """
     bits = maxima.view(np.uint32)
+    if pick is not None:
+        bits = out[2].view(np.uint32)
+        _pick_maxima(pick[0].view(np.uint32), pick[1], maxima.view(np.uint32), bits, pick[2])
     _staged_factors(bits, world_size, ranks_per_node, grid, float(fmt.max), limit, out)
 
 

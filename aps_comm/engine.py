@@ -702,7 +702,8 @@ class SteadyGroups:
         put_rates: the rates copied from group order into ``maxima``'s bucket order, one
             call (None where the groups are consecutive in the bucket).
         gather: the layers copied in group order into bound scratch, one call
-            (None where the groups are consecutive in the bucket, but with ``fused``).
+            (None where the groups are consecutive in the bucket, but with ``fused``;
+            None on the CPU kernels without blocks: ``maxima_call`` gathers them).
         pick: the agreed maxima copied in the same order, one call (or None).
         factors: on the CPU kernels, where the groups are not consecutive: per group sent
             scaled, in the plan's order, its factors' one call, which picks its layers'
@@ -734,8 +735,8 @@ class SteadyGroups:
             too where the groups interleave (else the bucket is their values), and each
             group's encode, residual update and owner step are one call each
             (:meth:`Reducer._fuse_feedback_groups`).
-        layouts: the state's node layouts: a group sent hierarchical or grid (groups
-            consecutive in the bucket) is a :class:`SteadyStaged` (with ``blocks``,
+        layouts: the state's node layouts: a group sent hierarchical or grid is a
+            :class:`SteadyStaged` (with ``blocks``, groups consecutive in the bucket:
             :class:`SteadyNodeBlocks`) on its route's groups.
         scratch: the state's workspace, whose :attr:`Slot.STEP` slot :meth:`bind` takes the
             layers in the plan's order (groups that interleave) and the groups' block maxima
@@ -811,6 +812,7 @@ class SteadyGroups:
                 maxima = torch.empty(n, dtype=torch.float32, device=x.device)
                 if on_host:
                     self.factors = []
+                    self.maxima_call, self.gather = self._gather_maxima(x, values, agreed), None
                 else:
                     self.pick = functools.partial(
                         torch.index_select, agreed, 0, self.order, out=maxima
@@ -840,13 +842,9 @@ class SteadyGroups:
                     picked = self.factors is not None
                     steady = self._steady(g, gx, maxima[first:last], names, world_size, picked)
                     if picked:
-                        assert steady.host_factors is not None  # the CPU kernels'
+                        assert self.factors is not None
                         pick = agreed.numpy(), np.asarray(g.index, np.int64), self.bucket
-                        self.factors.append(
-                            functools.partial(
-                                steady.agreed.host_factors_into, g.fmt, *steady.host_factors, pick
-                            )
-                        )
+                        self.factors.append(self._picked_factors(steady, world_size, pick))
             parts.append((gx, steady))
             sent_rates = rates is not None and steady is not None
             group_rates.append(rates[first:last] if sent_rates else None)  # type: ignore[index]
@@ -893,6 +891,39 @@ class SteadyGroups:
             steady.record_names(names)
         steady.bind(gx, world_size)
         return steady
+
+    def _gather_maxima(
+        self, x: torch.Tensor, values: torch.Tensor, agreed: torch.Tensor
+    ) -> Callable[[], object]:
+        """The gather and the maxima in one call on the CPU kernels: the layers of ``x``
+        copied into ``values`` in the plan's order, each one's max |x| written into
+        ``agreed`` in bucket order (:func:`aps_comm.cpu_kernels.gather_add`, no residual)."""
+        starts, to, spans = np.cumsum([0, *self.plan.numels]), 0, []
+        for i in (i for g in self.groups for i in g.index):
+            spans.append((starts[i], to, self.plan.numels[i], -1, i))
+            to += self.plan.numels[i]
+        return functools.partial(
+            cpu_kernels.call,
+            "gather_add",
+            *(x.numpy(), np.asarray(spans, np.int64).reshape(-1, 5)),
+            *(np.empty(0, np.float32), values.numpy(), agreed.numpy()),
+        )
+
+    def _picked_factors(
+        self, steady: Steady, world_size: int, pick: tuple[np.ndarray, np.ndarray, bool]
+    ) -> Callable[[], object]:
+        """A group's factors' one call on the CPU kernels, which picks its layers' agreed
+        maxima from the bucket's (``pick``) and with ``bucket`` spreads them first."""
+        g = steady.group
+        if isinstance(steady, SteadyStaged):
+            assert steady.factors is not None  # made by bind
+            grid = steady.route == Route.GRID
+            return g.codec.bind_staged_factors(
+                steady.agreed.maxima,
+                *(world_size, steady.per_node, grid, steady.factors, self.none, pick),
+            )
+        assert steady.host_factors is not None  # the CPU kernels'
+        return functools.partial(steady.agreed.host_factors_into, g.fmt, *steady.host_factors, pick)
 
     def _blocks(
         self,
@@ -1585,10 +1616,12 @@ class Reducer:
             chunking = (main, measured and not rank, chunk)
             self._settle_agreed_groups(index, x, plan, fmts, groups, chunking, names)
             return
-        # Staged groups where they are consecutive in the bucket (KeepLast's): interleaved,
-        # two staged groups' chunks and the gather pass the budget. Not with Promote: a
-        # staged group's rates are its own bucket's (SteadyStaged.promote), not a view.
-        if not promoted and [i for g in groups for i in g.index] == list(range(len(fmts))):
+        # Staged groups; with each rank's own block exponents only where consecutive in the
+        # bucket (KeepLast's): interleaved, two such groups' chunks and the gather pass the
+        # budget. Not with Promote: a staged group's rates are its own bucket's
+        # (SteadyStaged.promote), not a view.
+        consecutive = [i for g in groups for i in g.index] == list(range(len(fmts)))
+        if not promoted and (consecutive or not blocks):
             routes += (Route.HIERARCHICAL, Route.GRID)
         if (
             # Blocks: each rank's own exponents (nothing agreed, Promote takes no step).
@@ -2147,6 +2180,8 @@ class Reducer:
             st.chunk = chunk
             st.bind(x, comm.world_size, comm.rank)
             st.workspace = self._epoch(index, x.device)
+            if st.gather is None and st.scatter is not None:  # new scratch: gather again
+                _gather_back(st.scatter)
         self.bucket_chunks[index] = st.chunk
         self._run_parts(index, st)
 
@@ -2965,6 +3000,8 @@ class Reducer:
             self._finish_feedback_groups(index, st)
             return None
         if isinstance(st, SteadyGroups):
+            if st.gather is None and st.scatter is not None:  # the maxima call gathers
+                _gather_back(st.scatter)
             chunk = 2 ** int(st.maxima.numpy()[-1]) if st.measured else st.chunk
             self._finish_groups(index, st, x, chunk)
             return None

@@ -1047,11 +1047,6 @@ class NodeChunkCalls:
     splits: tuple[list[int], list[int]] | None = None
 
 
-def _in_order(*calls: Callable[[], object]) -> None:
-    for call in calls:
-        call()
-
-
 def bind_hierarchical(
     g: GroupPlan,
     x: torch.Tensor,
@@ -1062,10 +1057,11 @@ def bind_hierarchical(
     and the factor tensors (scale, shift, unscale, first), which are read when the calls
     run: a settled bucket refills them in place every step.
 
-    Per chunk, on the CPU kernels: grid's first encode; the node's sum (one
-    kernel; grid: decode and sum, two) and its encode; the owner's decode,
-    mean and encode; the decode: a fixed handful of kernel calls whatever
-    the number of layers. Elsewhere the codec's calls, with the same bits.
+    Per chunk, on the CPU kernels: grid's first encode; the node's sum (grid:
+    its encoded slices decoded and summed) and its encode, one call; the
+    owner's decode, mean and encode, one call; the decode: 3 kernel calls
+    (grid 4) whatever the number of layers. Elsewhere the codec's calls,
+    with the same bits.
 
     Example:
         >>> calls = transports.bind_hierarchical(g, x, (s, sh, u, None), 4)  # doctest: +SKIP
@@ -1097,26 +1093,21 @@ def bind_hierarchical(
             first_in = gathered
             total = sums.numel() * 8 // bits  # L encoded slices, padded
             acc = torch.empty(total // per_node, dtype=torch.float32, device=x.device)
-            node_sum = codec.bind_shard_mean(sums, per_node, acc, 1)
         else:
             first_in = x[lo:hi]
             splits = node.splits[c], [valid] * per_node
             acc = torch.empty(valid, dtype=torch.float32, device=x.device)
-            # Local-rank order, as aps_comm.simulate sums.
-            node_sum = functools.partial(codec.sum_rows, sums.view(per_node, valid), acc)
         pad = (e1 - e0) * 8 // bits - valid
-        across = functools.partial(
-            _in_order,
-            node_sum,
-            codec.bind_encode(acc[:valid], send, scale, node.slice_windows[c], pad),
+        # The node's sum in local-rank order, as aps_comm.simulate sums (grid: its encoded
+        # slices decoded first), and its encode: one call on the CPU kernels.
+        across = codec.bind_reduce_encode(
+            sums, per_node, acc, 1, send, scale, node.slice_windows[c], pad, valid
         )
         per_shard = (e1 - e0) // node.nodes * 8 // bits
         mean = torch.empty(per_shard, dtype=torch.float32, device=x.device)
         pad = (h1 - h0) * 8 // bits - kept
-        owner = functools.partial(
-            _in_order,
-            codec.bind_shard_mean(recv, node.nodes, mean, world_size),
-            codec.bind_encode(mean[:kept], shard, shift, node.shard_windows[c], pad),
+        owner = codec.bind_reduce_encode(
+            recv, node.nodes, mean, world_size, shard, shift, node.shard_windows[c], pad, kept
         )
         decode = codec.bind_decode(g.send[r0:], x[lo:hi], unscale, g.windows[c])
         calls.append(

@@ -210,6 +210,13 @@ CONFIGS: dict[str, dict[str, Any]] = {
         "error_feedback": True,
         "policy": [ByName({"*[13579].weight": "fp16"}), KeepLast("fp32")],
     },
+    "interleaved+hierarchical+stats": {
+        **ROUTES["two_phase"],
+        "reduction": "hierarchical",
+        "ranks_per_node": 1,
+        "stats": True,
+        "policy": [ByName({"*[13579].weight": "fp16"}), KeepLast("fp32")],
+    },
     "auto": {"fmt": "e4m3", "reduction": "auto"},
     "auto/fp32": {"fmt": "e4m3", "reduction": "auto", "profile": FAST_LINK},
 }
@@ -322,6 +329,7 @@ _CPU_KERNELS = (
     "mean_rank_blocks",
     "mean_rows",
     "sum_rows",
+    "reduce_encode",
     "or_rows",
     "rows_mean",
     "staged_factors_into",

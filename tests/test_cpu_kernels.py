@@ -331,3 +331,39 @@ def test_fused_feedback_kernels_give_the_separate_calls_bits(
     assert np.array_equal(outs[0], outs[1])
     assert np.array_equal(got_acc.view(np.int32), t_acc.numpy().view(np.int32))
     assert np.array_equal(residuals[0].view(np.int32), residuals[1].view(np.int32))
+
+
+@pytest.mark.parametrize("fmt", [E2M1, E4M3, FP16, BF16])
+@pytest.mark.parametrize("encoded", [False, True])
+def test_reduce_encode_gives_the_separate_calls_bits(fmt: FloatFormat, encoded: bool) -> None:
+    """reduce_encode (issue 46: the staged routes' node sum and owner mean, each one call
+    with its encode) against the calls it fuses, bit for bit: float32 rows summed, or
+    payloads decoded, summed and divided; odd segments, a non-finite one, fewer elements
+    encoded than summed, the padding zeroed."""
+    gen = torch.Generator().manual_seed(fmt.wire_bits + encoded)
+    n_rows, width, numel = 3, 45, 41
+    offsets = np.array([0, 7, 7, 30, 41], np.int64)
+    factors = (2.0 ** torch.randint(-3, 4, (4,), generator=gen)).float().numpy()
+    rows = torch.randn(n_rows * width, generator=gen) * 30.0
+    rows[9] = float("inf")
+    source = rows
+    if encoded:
+        source = torch.empty(payload_nbytes(n_rows * width, fmt), dtype=torch.uint8)
+        cpu_kernels.encode(rows, source, fmt)
+    out_bytes = payload_nbytes(numel + 5, fmt)
+    outs = [torch.full((out_bytes,), 77, dtype=torch.uint8) for _ in range(2)]
+    accs = [torch.empty(width) for _ in range(2)]
+    scratch = np.empty(n_rows * width, np.float32)
+    args = (fmt, offsets, factors)
+    cpu_kernels.reduce_encode(source, n_rows, accs[0], 4, numel, outs[0], *args, scratch=scratch)
+    if encoded:
+        values = torch.empty(n_rows * width)
+        cpu_kernels.decode(source, values, fmt)
+        cpu_kernels.rows_mean(values.numpy().reshape(n_rows, width), accs[1].numpy(), 4)
+    else:
+        cpu_kernels.sum_rows(rows.numpy().reshape(n_rows, width), accs[1].numpy())
+    head = payload_nbytes(numel, fmt)
+    outs[1][head:] = 0
+    cpu_kernels.encode(accs[1][:numel], outs[1][:head], *args)
+    assert torch.equal(accs[0].view(torch.int32), accs[1].view(torch.int32))
+    assert torch.equal(outs[0], outs[1])
