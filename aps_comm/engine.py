@@ -1730,11 +1730,6 @@ class Reducer:
             or x.dtype != torch.float32
             # An empty group's collectives are not the bound ones'.
             or any(g.reduction not in (Route.FP32, Route.TWO_PHASE) or not g.numel for g in groups)
-            # The records are one numba call (Codec.block_records): the CPU kernels'.
-            or (
-                self.settings.stats
-                and (x.device.type != "cpu" or any(g.codec.backend != "kernels" for g in sent))
-            )
         ):
             return
         size = sum(g.layout.n_segments for g in sent) + int(measured)
@@ -2390,8 +2385,6 @@ class Reducer:
         if (
             # Promote refuses block scaling (it needs one exponent per layer).
             assignment.promoter is not None
-            # The records are one numba call (Codec.block_records): the CPU kernels'.
-            or (self.settings.stats and (g.codec.backend != "kernels" or x.device.type != "cpu"))
             or not g.contiguous
             or g.reduction != Route.TWO_PHASE
             or sh is None
@@ -3064,17 +3057,24 @@ class Reducer:
         self.stats.add(index, st.names, g.numels, fmt, exps, amax, counts)
 
     def record_agreed_blocks(self, index: int, st: SteadyAgreedBlocks, x: torch.Tensor) -> None:
-        """:meth:`record_steady` with agreed block exponents (the CPU kernels only:
-        :meth:`_settle_agreed_blocks`): the general path's records of this rank's values
-        ``x``, each block's counts under its agreed key, folded per layer with this rank's
-        block maxima (:func:`aps_comm.telemetry.per_layer`), in one kernel call whatever
-        the layer count."""
+        """:meth:`record_steady` with agreed block exponents: the general path's records of
+        this rank's values ``x``, each block's counts under its agreed key, folded per layer
+        with this rank's block maxima (:func:`aps_comm.telemetry.per_layer`): one kernel
+        call on the CPU kernels, a fixed handful of tensor ops elsewhere (Triton: as
+        :meth:`record_feedback`'s), whatever the layer count; nothing read on the host."""
         g = st.group
         assert st.names is not None and g.blocks is not None
         keys = st.shared[: g.layout.n_segments]  # the chunk's byte after them, where measured
-        rows = torch.empty(len(st.names), 5, dtype=torch.float64)
-        g.codec.block_records(x, g.blocks, keys, st.maxima, rows)
-        self.stats.add_rows(index, st.names, g.numels, g.fmt, rows)
+        if g.codec.backend == "kernels" and x.device.type == "cpu":
+            rows = torch.empty(len(st.names), 5, dtype=torch.float64)
+            g.codec.block_records(x, g.blocks, keys, st.maxima, rows)
+            self.stats.add_rows(index, st.names, g.numels, g.fmt, rows)
+            return
+        n, counts = self.comm.world_size, g.blocks.device_counts
+        keyed = factors_from_keys(keys[None], g.fmt, Route.TWO_PHASE, world_size=n, counts=counts)
+        counts = layer_counts(x, g.layout.lengths, keyed.exponents, g.fmt)
+        counts, exps, amax = per_layer(g.blocks, counts, keyed.exponents, st.maxima)
+        self.stats.add(index, st.names, g.numels, g.fmt, exps, amax, counts)
 
     def _feedback_rates(self, st: SteadyFeedback, x: torch.Tensor, out: torch.Tensor) -> None:
         """:meth:`_settled_rates` with error feedback: this rank's underflow rate of every

@@ -1044,14 +1044,19 @@ def _triton_plans() -> Iterator[None]:
             plan.codec_for = saved
 
 
-def _reference(options: dict, x: torch.Tensor, params: list[torch.Tensor]) -> torch.Tensor:
-    """The bucket through the numba kernels' full path (a state that never settled)."""
+def _reference(
+    options: dict, x: torch.Tensor, params: list[torch.Tensor], records: list[str] | None = None
+) -> torch.Tensor:
+    """The bucket through the numba kernels' full path (a state that never settled), its
+    records (``stats=True``) appended to ``records`` where given."""
     import aps_comm
     from benchmarks.hostcost import world_of_one
 
     with world_of_one(torch.device("cpu")):
         state = aps_comm.APSState(**options)
         out = state.run_bucket(0, x.clone(), params).clone()
+        if records is not None:
+            records.append(repr(state.stats))
         del state
     return out
 
@@ -1434,15 +1439,19 @@ def test_error_feedback_calls_match_kernels(
             assert torch.equal(a.view(torch.uint8), b.view(torch.uint8)), backend
 
 
-@pytest.mark.parametrize("policy", ["keep_last", "interleaved"])
+@pytest.mark.parametrize(
+    ("policy", "agreed"), [("keep_last", False), ("interleaved", False), ("interleaved", True)]
+)
 def test_settled_mixed_format_bucket_on_triton_gives_the_kernels_bits(
-    tc: types.ModuleType, policy: str
+    tc: types.ModuleType, policy: str, agreed: bool
 ) -> None:
     # A bucket of several formats settles on the Triton backend too (SteadyGroups): its
     # groups' bound launches read views of the bucket at odd offsets (KeepLast) or one
     # gathered scratch (interleaved formats), and give the numba kernels' full path's bits.
+    # With agreed block exponents and stats=True too: each sent group a
+    # SteadyAgreedBlocks, their keys one MAX all-reduce, the records the numba kernels'.
     import aps_comm
-    from aps_comm.engine import SteadyGroups
+    from aps_comm.engine import SteadyAgreedBlocks, SteadyGroups
     from aps_comm.policy import ByName, KeepLast
     from benchmarks.hostcost import ParamLayer, world_of_one
 
@@ -1451,6 +1460,9 @@ def test_settled_mixed_format_bucket_on_triton_gives_the_kernels_bits(
         "interleaved": [ByName({"*[13579].weight": "fp16"}), KeepLast("fp32")],
     }
     options = {"fmt": "e4m3", "reduction": "two_phase", "policy": rules[policy]}
+    if agreed:
+        options.update(fmt="e2m1", scaling="block", block_size=8, block_exponents="agreed")
+        options["stats"] = True
     x, params = _block_bucket([5, 0, 1, 300, 33, 2, 64], 11)
 
     def bound() -> aps_comm.APSState:
@@ -1468,9 +1480,14 @@ def test_settled_mixed_format_bucket_on_triton_gives_the_kernels_bits(
         st = settled.reducer.steady_for(0, buffer)
         assert isinstance(st, SteadyGroups) and st.parts is not None
         assert {s.group.codec.backend for _, s in st.parts if s is not None} == {"triton"}
+        sent = [type(s) for _, s in st.parts if s is not None]
+        assert st.agreed_blocks == agreed and (set(sent) == {SteadyAgreedBlocks}) == agreed
+        records = repr(settled.stats)
         del settled, st
     with world_of_one(torch.device("cpu")):
-        want = bound().run_bucket(0, x.clone(), params)  # the numba kernels' full path
+        reference = bound()
+        want = reference.run_bucket(0, x.clone(), params)  # the numba kernels' full path
+        assert repr(reference.stats) == records and ("e2m1" in records) == agreed, records
     assert out[:5].isnan().all() and not out[5:].isnan().any()
     same = torch.where(out.isnan(), 0.0, out).view(torch.int32)
     assert torch.equal(same, torch.where(want.isnan(), 0.0, want).view(torch.int32))
@@ -1493,16 +1510,28 @@ class _Launches(_Recorder):
 
 
 @pytest.mark.parametrize(
-    ("fmt", "exps", "block_size"),
-    [("fp16", "rank", 8), ("bf16", "agreed", 32), ("e2m1", "agreed", 8)],
+    ("fmt", "exps", "block_size", "stats"),
+    [
+        ("fp16", "rank", 8, False),
+        ("bf16", "agreed", 32, False),
+        ("e2m1", "agreed", 8, False),
+        ("e2m1", "agreed", 8, True),
+    ],
 )
 def test_settled_16bit_and_agreed_block_buckets_on_triton_give_the_kernels_bits(
-    tc: types.ModuleType, monkeypatch: pytest.MonkeyPatch, fmt: str, exps: str, block_size: int
+    tc: types.ModuleType,
+    monkeypatch: pytest.MonkeyPatch,
+    fmt: str,
+    exps: str,
+    block_size: int,
+    stats: bool,
 ) -> None:
     # 16-bit blocks and agreed block exponents bind on the Triton backend too: after the
     # first step the bucket is bound (SteadyBlocks, SteadyAgreedBlocks), a step is the
     # keys' kernel and three launches per chunk (the agreed ones: the keys' MAX
     # all-reduce between), within the ops budget, and its bits are the numba kernels'.
+    # With stats=True too: the records (a fixed handful of tensor ops on Triton) are
+    # the numba kernels' full path's.
     import aps_comm
     from aps_comm.engine import SteadyAgreedBlocks, SteadyBlocks
     from benchmarks.hostcost import count_calls
@@ -1513,6 +1542,7 @@ def test_settled_16bit_and_agreed_block_buckets_on_triton_give_the_kernels_bits(
         "scaling": "block",
         "block_size": block_size,
         "block_exponents": exps,
+        "stats": stats,
     }
     x, params = _block_bucket([5, 0, 1, 300, 33, 2, 64], 13)
     log: list = []
@@ -1532,12 +1562,18 @@ def test_settled_16bit_and_agreed_block_buckets_on_triton_give_the_kernels_bits(
         run = functools.partial(state.run_bucket, 0, buffer, params)
         aten, kernels = _quiet(count_calls, run, x.device)
         out = buffer.clone()
+        records = repr(state.stats)
         del state, reducer
     chunks = len(st.calls or [])
     names = [name for name, _, _ in log]
     assert names == [_RANK_BLOCK_KERNELS[0], *_RANK_BLOCK_KERNELS[1:] * chunks], names
-    assert not kernels and len(aten) + len(names) <= 15, (aten, names)
-    want = _reference(options, x, params)
+    if stats:  # the records: whole-bucket tensor ops (a CPU tensor's flags: a numba call)
+        assert len(aten) + len(kernels) + len(names) <= 64, (aten, kernels, names)
+    else:
+        assert not kernels and len(aten) + len(names) <= 15, (aten, names)
+    want_records: list[str] = []
+    want = _reference(options, x, params, want_records)
+    assert records == want_records[0] and ("e2m1" in records) == stats, records
     assert out[:5].isnan().all() and not out[5:].isnan().any()
     same = torch.where(out.isnan(), 0.0, out).view(torch.int32)
     assert torch.equal(same, torch.where(want.isnan(), 0.0, want).view(torch.int32))
