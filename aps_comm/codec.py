@@ -2090,6 +2090,45 @@ class Codec:
             out,
         )
 
+    def bind_block_records(
+        self, x: torch.Tensor, blocks: Blocks, keys: torch.Tensor, maxima: torch.Tensor
+    ) -> Callable[[torch.Tensor], None] | None:
+        """:meth:`block_records` of ``x`` bound: the returned call takes float64 ``out``
+        (layers, 5). One kernel call on the "kernels" backend, two launches on "triton"
+        (:func:`aps_comm.triton_codec.bind_block_records`), whatever the number of layers
+        or blocks; None on the other backends, or where a Triton variant cannot compile
+        here (launched once at bind time on private buffers, the failure logged once).
+
+        Example:
+            >>> call = codec.bind_block_records(x, blocks, keys, maxima)  # doctest: +SKIP
+            >>> call(torch.empty(len(blocks.counts), 5, dtype=torch.float64))  # doctest: +SKIP
+        """
+        if self.backend == "kernels":
+            self._check_records(x, blocks.layout)
+            return functools.partial(self.block_records, x, blocks, keys, maxima)
+        offsets = blocks.layout.offsets.numpy()
+        longest = int(np.diff(offsets).max()) if offsets.size > 1 else 0
+        if self.backend != "triton" or x.dtype != torch.float32 or longest > _triton().MAX_SEGMENT:
+            return None
+        counts = blocks.counts.cpu().numpy()  # the plan's host copy: no device read
+        layer_of = np.repeat(np.arange(counts.size, dtype=np.int64), counts)
+        width = max(2, 1 << max(longest - 1, 0).bit_length())
+        probe = _triton().bind_block_records(
+            self.fmt,
+            _like(x, max(longest, 1)),
+            np.array([0, max(longest, 1)], np.int64),
+            np.zeros(1, np.int64),
+            _like(keys, 1),
+            _like(maxima, 1),
+            1,
+        )
+        out = torch.empty(1, 5, dtype=torch.float64, device=x.device)
+        if not _probed(("block_records", self.fmt.name, width), lambda: probe(out)):
+            return None
+        return _triton().bind_block_records(
+            self.fmt, x, offsets, layer_of, keys, maxima, counts.size
+        )
+
     def unit_records(
         self,
         x: torch.Tensor,

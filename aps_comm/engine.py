@@ -564,6 +564,8 @@ class SteadyAgreedBlocks:
         workspace: as :class:`Steady`'s.
         names: with ``stats=True``, each layer's name for its records
             (:meth:`Reducer.record_agreed_blocks`); None records nothing.
+        records_call: with ``names``, writes the layers' records of the bound buffer under
+            the agreed keys into the float64 rows it takes (:meth:`Codec.bind_block_records`).
     """
 
     numel: int
@@ -588,13 +590,18 @@ class SteadyAgreedBlocks:
     native: bool = False
     factors: tuple[torch.Tensor, torch.Tensor] | None = None
     factors_call: Callable[[], object] | None = None
+    records_call: Callable[[torch.Tensor], None] | None = None
 
     def bind(self, x: torch.Tensor, rank: int, world_size: int) -> bool:
-        """Bind the keys' and every chunk's calls to the float32 buffer ``x``; False where
-        the codec has no fused calls for them."""
+        """Bind the keys', the records' and every chunk's calls to the float32 buffer
+        ``x``; False where the codec has no fused calls for them."""
         g = self.group
         assert g.blocks is not None
         keys = self.shared[: g.layout.n_segments]
+        if self.names is not None:  # the agreed keys (the chunk's byte after them)
+            self.records_call = g.codec.bind_block_records(x, g.blocks, keys, self.maxima)
+            if self.records_call is None:
+                return False
         if self.native:
             return self._bind_native(x, keys, world_size)
         keys_call = g.codec.bind_block_keys(
@@ -1825,7 +1832,7 @@ class Reducer:
                 transports.fp32_mean(values, comm.group, comm.world_size, self.traffic)
                 continue
             if s.names is not None:  # the agreed keys: before the decode overwrites the values
-                self.record_agreed_blocks(index, s, values)
+                self.record_agreed_blocks(index, s)
             assert s.calls is not None
             transports.two_phase_blocks_bound(s.calls, comm.group, self.traffic, False)
         if st.scatter is not None:
@@ -2497,7 +2504,7 @@ class Reducer:
                 st.workspace = self._epoch(index, x.device)
         self.bucket_chunks[index] = st.chunk
         if st.names is not None:  # the agreed keys: before the decode overwrites the values
-            self.record_agreed_blocks(index, st, x)
+            self.record_agreed_blocks(index, st)
         assert st.calls is not None
         start = time.perf_counter()
         if st.native:
@@ -3056,25 +3063,17 @@ class Reducer:
             counts, exps, amax = per_layer(g.blocks, counts, keyed.exponents, st.local)
         self.stats.add(index, st.names, g.numels, fmt, exps, amax, counts)
 
-    def record_agreed_blocks(self, index: int, st: SteadyAgreedBlocks, x: torch.Tensor) -> None:
+    def record_agreed_blocks(self, index: int, st: SteadyAgreedBlocks) -> None:
         """:meth:`record_steady` with agreed block exponents: the general path's records of
-        this rank's values ``x``, each block's counts under its agreed key, folded per layer
-        with this rank's block maxima (:func:`aps_comm.telemetry.per_layer`): one kernel
-        call on the CPU kernels, a fixed handful of tensor ops elsewhere (Triton: as
-        :meth:`record_feedback`'s), whatever the layer count; nothing read on the host."""
+        this rank's values (the bound buffer), each block's counts under its agreed key,
+        folded per layer with this rank's block maxima (:func:`aps_comm.telemetry.per_layer`):
+        one kernel call on the CPU kernels, two launches on Triton, whatever the layer
+        count; nothing read on the host."""
+        assert st.names is not None and st.records_call is not None
         g = st.group
-        assert st.names is not None and g.blocks is not None
-        keys = st.shared[: g.layout.n_segments]  # the chunk's byte after them, where measured
-        if g.codec.backend == "kernels" and x.device.type == "cpu":
-            rows = torch.empty(len(st.names), 5, dtype=torch.float64)
-            g.codec.block_records(x, g.blocks, keys, st.maxima, rows)
-            self.stats.add_rows(index, st.names, g.numels, g.fmt, rows)
-            return
-        n, counts = self.comm.world_size, g.blocks.device_counts
-        keyed = factors_from_keys(keys[None], g.fmt, Route.TWO_PHASE, world_size=n, counts=counts)
-        counts = layer_counts(x, g.layout.lengths, keyed.exponents, g.fmt)
-        counts, exps, amax = per_layer(g.blocks, counts, keyed.exponents, st.maxima)
-        self.stats.add(index, st.names, g.numels, g.fmt, exps, amax, counts)
+        rows = torch.empty(len(st.names), 5, dtype=torch.float64, device=st.maxima.device)
+        st.records_call(rows)
+        self.stats.add_rows(index, st.names, g.numels, g.fmt, rows)
 
     def _feedback_rates(self, st: SteadyFeedback, x: torch.Tensor, out: torch.Tensor) -> None:
         """:meth:`_settled_rates` with error feedback: this rank's underflow rate of every

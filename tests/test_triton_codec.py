@@ -601,6 +601,8 @@ _KERNELS = (
     "_block_keys_kernel",
     "_send_rank_blocks_kernel",
     "_decode_rank_blocks_kernel",
+    "_block_records_kernel",
+    "_records_rows_kernel",
 )
 
 
@@ -698,14 +700,19 @@ def _bind_rank_blocks(c: codec.Codec, x: torch.Tensor, blocks: codec.Blocks) -> 
 
 def _bind_agreed_blocks(c: codec.Codec, x: torch.Tensor, blocks: codec.Blocks) -> None:
     """The fused calls of two_phase with agreed block exponents, bound by the codec and
-    run: the keys of 3 ranks, one chunk of 3 shards, the first one (the layers' flags)."""
+    run: the keys of 3 ranks, one chunk of 3 shards, the first one (the layers' flags);
+    the records under the keys (stats=True)."""
     offsets = blocks.layout.offsets.numpy().astype(np.int64)
     nb, counts = offsets.size - 1, blocks.counts.numpy().astype(np.int64)
     keys, union = torch.empty(nb, dtype=torch.uint8), torch.empty(counts.size, dtype=torch.uint8)
     flags = torch.empty(counts.size, dtype=torch.uint8)
-    call = c.bind_block_keys(x, blocks.layout, blocks.counts, torch.empty(nb), keys, flags, 3)
+    maxima = torch.empty(nb)
+    call = c.bind_block_keys(x, blocks.layout, blocks.counts, maxima, keys, flags, 3)
     assert call is not None
     call()
+    records = c.bind_block_records(x, blocks, keys, maxima)
+    assert records is not None
+    records(torch.empty(counts.size, 5, dtype=torch.float64))
     firsts = np.array([0, nb // 3, nb // 3, nb], np.int64)
     sb = max(payload_nbytes(int(n), c.fmt) for n in np.diff(offsets[firsts]))
     sb += -sb % 4  # 16-bit pieces of whole codes (the plan's)
@@ -1530,8 +1537,7 @@ def test_settled_16bit_and_agreed_block_buckets_on_triton_give_the_kernels_bits(
     # first step the bucket is bound (SteadyBlocks, SteadyAgreedBlocks), a step is the
     # keys' kernel and three launches per chunk (the agreed ones: the keys' MAX
     # all-reduce between), within the ops budget, and its bits are the numba kernels'.
-    # With stats=True too: the records (a fixed handful of tensor ops on Triton) are
-    # the numba kernels' full path's.
+    # With stats=True too: the records (two launches on Triton) are the numba kernels'.
     import aps_comm
     from aps_comm.engine import SteadyAgreedBlocks, SteadyBlocks
     from benchmarks.hostcost import count_calls
@@ -1546,8 +1552,9 @@ def test_settled_16bit_and_agreed_block_buckets_on_triton_give_the_kernels_bits(
     }
     x, params = _block_bucket([5, 0, 1, 300, 33, 2, 64], 13)
     log: list = []
+    recording = ("_block_records_kernel", "_records_rows_kernel") if stats else ()
     with _triton_plans():
-        for name in _RANK_BLOCK_KERNELS:
+        for name in (*_RANK_BLOCK_KERNELS, *recording):
             monkeypatch.setattr(tc, name, _Launches(name, getattr(tc, name), log))
         state = aps_comm.APSState(**options)
         buffer = x.clone()
@@ -1566,11 +1573,9 @@ def test_settled_16bit_and_agreed_block_buckets_on_triton_give_the_kernels_bits(
         del state, reducer
     chunks = len(st.calls or [])
     names = [name for name, _, _ in log]
-    assert names == [_RANK_BLOCK_KERNELS[0], *_RANK_BLOCK_KERNELS[1:] * chunks], names
-    if stats:  # the records: whole-bucket tensor ops (a CPU tensor's flags: a numba call)
-        assert len(aten) + len(kernels) + len(names) <= 64, (aten, kernels, names)
-    else:
-        assert not kernels and len(aten) + len(names) <= 15, (aten, names)
+    keys = [_RANK_BLOCK_KERNELS[0], *recording]  # the records: once the keys are agreed
+    assert names == [*keys, *_RANK_BLOCK_KERNELS[1:] * chunks], names
+    assert not kernels and len(aten) + len(names) <= 15, (aten, names)
     want_records: list[str] = []
     want = _reference(options, x, params, want_records)
     assert records == want_records[0] and ("e2m1" in records) == stats, records
