@@ -405,12 +405,14 @@ class SteadyStaged(Steady):
         record_keys: with ``names`` or ``promote`` on the CPU kernels, int32 and float32
             scratch of the layers' first exponents and factors (what the records and
             Promote's rates count under: :meth:`first_factors`).
-        local: block scaling with agreed exponents (the CPU kernels only): this rank's
-            float32 block maxima; ``maxima`` is then the MAX all-reduce's uint8 vector of
-            the general path (every block's inner key, every block's outer key, the
-            chunk's byte where measured), the maxima call writes both
-            (:func:`aps_comm.cpu_kernels.staged_keys`) and the factors come from the
-            agreed keys (:func:`aps_comm.cpu_kernels.staged_key_factors`), per block.
+        local: block scaling with agreed exponents: this rank's float32 block maxima;
+            ``maxima`` is then the MAX all-reduce's uint8 vector of the general path
+            (every block's inner key, every block's outer key, the chunk's byte where
+            measured), the maxima call writes both and the factors come from the agreed
+            keys, per block (:meth:`aps_comm.codec.Codec.bind_staged_blocks`: a kernel
+            call or a Triton launch each).
+        records_call: with ``local`` and ``names``, the records' bound call
+            (:meth:`aps_comm.codec.Codec.bind_block_records`).
     """
 
     groups: NodeGroups | None = None
@@ -420,10 +422,11 @@ class SteadyStaged(Steady):
     node_calls: list[transports.NodeChunkCalls] | None = None
     record_keys: tuple[np.ndarray, np.ndarray] | None = None
     local: torch.Tensor | None = None
+    records_call: Callable[[torch.Tensor], None] | None = None
 
-    def bind(self, x: torch.Tensor, world_size: int) -> None:
+    def bind(self, x: torch.Tensor, world_size: int) -> bool:
         """Bind the maxima kernel, the factors and every chunk's calls to the float32
-        buffer ``x``."""
+        buffer ``x``; False where the codec has no fused calls for agreed block keys."""
         g, grid = self.group, self.route == Route.GRID
         n = g.layout.n_segments  # the layers, or with ``local`` the blocks
         if self.factors is None or self.factors.shape[1] != n or self.factors.device != x.device:
@@ -431,16 +434,15 @@ class SteadyStaged(Steady):
         f = self.factors
         if self.local is not None:
             assert g.blocks is not None
-            cells = g.layout.cells if g.layout.cells is not None else g.layout.offsets.numpy()
-            keys, per = self.maxima[: 2 * n], self.per_node
-            self.maxima_call = functools.partial(
-                cpu_kernels.call,
-                "staged_keys",
-                *(g.fmt, x, cells, self.local, keys, world_size, per, EXPONENT_LIMIT),
-            )
-            self.factors_call = functools.partial(
-                cpu_kernels.call, "staged_key_factors", keys, g.blocks.counts, grid, f
-            )
+            keys, ranks = self.maxima[: 2 * n], (world_size, self.per_node)
+            calls = g.codec.bind_staged_blocks(x, g.blocks, self.local, keys, ranks, grid, f)
+            if calls is None:
+                return False
+            self.maxima_call, self.factors_call = calls
+            if self.names is not None:  # each block's counts under its inner key
+                self.records_call = g.codec.bind_block_records(x, g.blocks, keys[:n], self.local)
+                if self.records_call is None:
+                    return False
         else:
             self.maxima_call = g.codec.bind_layer_maxima(x, g.layout, self.agreed.maxima)
             self.factors_call = g.codec.bind_staged_factors(
@@ -452,6 +454,7 @@ class SteadyStaged(Steady):
         factors = (f[0], f[1], f[2], f[3] if grid else None)
         self.node_calls = transports.bind_hierarchical(g, x, factors, world_size)
         self.bound_ptr = x.data_ptr()
+        return True
 
     def first_factors(self) -> tuple[np.ndarray, np.ndarray]:
         """The first level's factors ``2**e`` and their int32 exponent keys ``127 - e``,
@@ -2875,8 +2878,6 @@ class Reducer:
             or (assignment.promoter is not None and promote is None)
             or not g.contiguous
             or g.node is None
-            # The staged block keys and their factors are CPU kernels only.
-            or (blocks and (g.codec.backend != "kernels" or x.device.type != "cpu"))
         ):
             return
         route, layouts, n = Route(g.reduction), self.comm.layouts, len(fmts)
@@ -2884,8 +2885,9 @@ class Reducer:
         maxima = torch.zeros(n + rates + int(measured), dtype=torch.float32, device=x.device)
         local = None
         if blocks:  # the general path's vector: two keys per block, then the chunk's byte
-            local = torch.empty(g.layout.n_segments)
-            maxima = torch.zeros(2 * local.numel() + int(measured), dtype=torch.uint8)
+            local = torch.empty(g.layout.n_segments, device=x.device)
+            size = 2 * local.numel() + int(measured)
+            maxima = torch.zeros(size, dtype=torch.uint8, device=x.device)
         if promote is not None:
             self._bind_rates(maxima[n : 2 * n], promote[2])
         st = SteadyStaged(
@@ -2913,8 +2915,8 @@ class Reducer:
         )
         if settings.stats:
             st.record_names(names)
-        st.bind(x, self.comm.world_size)
-        self.steady[index] = st
+        if st.bind(x, self.comm.world_size):
+            self.steady[index] = st
 
     def _run_staged(
         self, index: int, st: SteadyStaged, x: torch.Tensor, defer: bool
@@ -2985,9 +2987,9 @@ class Reducer:
         assert st.names is not None
         if isinstance(st, SteadyStaged) and st.local is not None:
             # Agreed block keys: each block's counts under its inner (first-level) key.
-            assert g.blocks is not None
-            rows = torch.empty(len(st.names), 5, dtype=torch.float64)
-            g.codec.block_records(x, g.blocks, st.maxima[: g.layout.n_segments], st.local, rows)
+            assert st.records_call is not None
+            rows = torch.empty(len(st.names), 5, dtype=torch.float64, device=x.device)
+            st.records_call(rows)
             self.stats.add_rows(index, st.names, g.numels, g.fmt, rows)
             return
         amax = agreed.maxima if st.raw is None else st.raw

@@ -91,6 +91,8 @@ __all__ = [
     "bind_owner_rank_blocks",
     "bind_reduce_shards",
     "bind_send_rank_blocks",
+    "bind_staged_key_factors",
+    "bind_staged_keys",
     "block_segments",
     "compile_options",
     "decode",
@@ -1483,6 +1485,92 @@ if AVAILABLE:
         tl.store(out_ptr + i, v, mask=live)
         tl.store(acc_ptr + i, tl.full(a.shape, 0, tl.int32), mask=live)
 
+    @triton.jit(do_not_specialize=["n_blocks", "n_ranks", "per_node"])
+    def _staged_keys_kernel(
+        x_ptr,
+        off_ptr,
+        amax_ptr,
+        key_ptr,
+        n_blocks,
+        n_ranks,
+        per_node,
+        F: tl.constexpr,
+        LIMIT: tl.constexpr,
+        ROWS: tl.constexpr,
+        WIDTH: tl.constexpr,
+    ):
+        """Every block's max |x| (NaN as inf; int32 bits) and its staged routes' keys:
+        ``127 - inner`` at ``key_ptr + b``, ``127 - outer`` at ``key_ptr + n_blocks + b``
+        (0 for a zero max, 255 for inf): :func:`aps_comm.cpu_kernels.staged_keys`, exact
+        integer work on float64 fields (``F``: the format's max's float64 exponent and
+        mantissa field). A tile of ``ROWS`` whole blocks per program, one per row."""
+        pid = tl.program_id(0).to(tl.int64)
+        seg = pid * ROWS + tl.arange(0, ROWS)
+        owned = seg < n_blocks
+        start = tl.load(off_ptr + seg, mask=owned, other=0)
+        end = tl.load(off_ptr + seg + 1, mask=owned, other=0)
+        j = tl.arange(0, WIDTH)
+        mask = j[None, :] < (end - start)[:, None]
+        x = tl.load(x_ptr + (start[:, None] + j[None, :]), mask=mask, other=0.0)
+        mag = x.to(tl.int32, bitcast=True) & 0x7FFFFFFF
+        m = tl.minimum(tl.reduce(mag, 1, _larger), 0x7F800000)
+        ok = (m != 0) & (m != 0x7F800000)
+        a = tl.where(ok, m, 0x3F800000).to(tl.float32, bitcast=True).to(tl.float64)
+        # The node sums add L gradients (headroom L, M of them summed in FP32); the mean
+        # sent back needs none (N summed). Products of a 24-bit value and rank counts: exact.
+        h = a * per_node.to(tl.float64)
+        nodes = (n_ranks // per_node).to(tl.float64)
+        f32max: tl.constexpr = 0xFFFFFE0000000
+        inner = tl.minimum(_largest(h, F[0], F[1]), _largest(h * nodes, 127, f32max))
+        outer = tl.minimum(
+            _largest(a, F[0], F[1]), _largest(a * n_ranks.to(tl.float64), 127, f32max)
+        )
+        inner = tl.minimum(tl.maximum(inner, -LIMIT), LIMIT)
+        outer = tl.minimum(tl.maximum(outer, -LIMIT), LIMIT)
+        special = tl.where(m == 0, 0, 255)
+        tl.store(amax_ptr + seg, m, mask=owned)
+        tl.store(key_ptr + seg, tl.where(ok, 127 - inner, special).to(tl.uint8), mask=owned)
+        outer_key = tl.where(ok, 127 - outer, special).to(tl.uint8)
+        tl.store(key_ptr + n_blocks + seg, outer_key, mask=owned)
+
+    @triton.jit(do_not_specialize=["n_blocks"])
+    def _staged_key_factors_kernel(
+        key_ptr, first_ptr, out_ptr, n_blocks, GRID: tl.constexpr, BLOCK: tl.constexpr
+    ):
+        """One layer per program: its blocks' rows of the staged factors (scale, shift,
+        unscale, first; ``out_ptr`` 4 x ``n_blocks``) from their agreed inner and outer
+        keys, the unscale NaN for every block of a layer with a key of 255 in either row:
+        :func:`aps_comm.cpu_kernels.staged_key_factors`. ``first_ptr``: the layers'
+        first blocks (layers + 1 entries)."""
+        layer = tl.program_id(0).to(tl.int64)
+        lo = tl.load(first_ptr + layer)
+        hi = tl.load(first_ptr + layer + 1)
+        bad = tl.full([BLOCK], 0, tl.int32)
+        for b0 in range(lo, hi, BLOCK):
+            b = b0 + tl.arange(0, BLOCK)
+            live = b < hi
+            k0 = tl.load(key_ptr + b, mask=live, other=0)
+            k1 = tl.load(key_ptr + n_blocks + b, mask=live, other=0)
+            bad = tl.maximum(bad, ((k0 == 255) | (k1 == 255)).to(tl.int32))
+        nan = tl.reduce(bad, 0, _larger) > 0
+        for b0 in range(lo, hi, BLOCK):
+            b = b0 + tl.arange(0, BLOCK)
+            live = b < hi
+            inner = _key_exponent(tl.load(key_ptr + b, mask=live, other=0).to(tl.int32))
+            outer = _key_exponent(tl.load(key_ptr + n_blocks + b, mask=live, other=0).to(tl.int32))
+            if GRID:
+                scale = _pow2(tl.minimum(tl.maximum(inner - outer, -149), 127))
+                first = _pow2(outer)
+            else:
+                scale = _pow2(inner)
+                first = tl.full([BLOCK], 1.0, tl.float32)
+            shift = _pow2(tl.minimum(tl.maximum(outer - inner, -149), 127))
+            unscale = tl.where(nan, float("nan"), _pow2(-outer))
+            tl.store(out_ptr + b, scale, mask=live)
+            tl.store(out_ptr + n_blocks + b, shift, mask=live)
+            tl.store(out_ptr + 2 * n_blocks + b, unscale, mask=live)
+            tl.store(out_ptr + 3 * n_blocks + b, first, mask=live)
+
     @triton.jit
     def _send_code(
         x_ptr, key_ptr, off_ptr, el, mask, first, last, b0, n_last, top, E, SHIFT: tl.constexpr
@@ -2497,6 +2585,77 @@ def bind_block_records(
         finish(acc, out, n_layers, BLOCK=BLOCK, **compile_options())
 
     return call
+
+
+def bind_staged_keys(
+    fmt: FloatFormat,
+    x: torch.Tensor,
+    offsets: np.ndarray,
+    maxima: torch.Tensor,
+    keys: torch.Tensor,
+    world_size: int,
+    ranks_per_node: int,
+) -> Callable[[], object]:
+    """:func:`aps_comm.cpu_kernels.staged_keys` bound: one launch writes every block's max
+    |x| into float32 ``maxima`` and its hierarchical (or grid) keys into uint8 ``keys``
+    (2 x blocks: the inner row, then the outer), whatever the number of blocks.
+
+    Example:
+        >>> call = bind_staged_keys(E2M1, x, offsets, maxima, keys, 4, 2)  # doctest: +SKIP
+        >>> call()  # doctest: +SKIP
+    """
+    _check(fmt, x, maxima, keys)
+    n = offsets.size - 1
+    if maxima.numel() != n or keys.numel() != 2 * n or keys.dtype != torch.uint8:
+        raise ValueError(f"staged keys need {n} maxima and {2 * n} uint8 keys")
+    longest = int(np.diff(offsets).max()) if n else 0
+    if longest > MAX_SEGMENT:
+        raise ValueError(f"blocks of at most {MAX_SEGMENT} elements, got one of {longest}")
+    width = max(2, 1 << max(longest - 1, 0).bit_length())
+    rows = max(2, TILE // width)
+    bits = int(np.float64(fmt.max).view(np.int64))
+    return functools.partial(
+        _staged_keys_kernel[(max(triton.cdiv(n, rows), 1),)],
+        x,
+        _on(offsets, x.device),
+        maxima.view(torch.int32),
+        keys,
+        n,
+        world_size,
+        ranks_per_node,
+        F=((bits >> 52) - 1023, bits & ((1 << 52) - 1)),
+        LIMIT=EXPONENT_LIMIT,
+        ROWS=rows,
+        WIDTH=width,
+        **compile_options(),
+    )
+
+
+def bind_staged_key_factors(
+    keys: torch.Tensor, counts: np.ndarray, grid: bool, out: torch.Tensor
+) -> Callable[[], object]:
+    """:func:`aps_comm.cpu_kernels.staged_key_factors` bound: one launch (a program per
+    layer; ``counts``: host blocks per layer) writes the rows of float32 ``out`` (4 x
+    blocks) from the agreed keys (:func:`bind_staged_keys`' layout).
+
+    Example:
+        >>> call = bind_staged_key_factors(keys, counts, False, out)  # doctest: +SKIP
+        >>> call()  # doctest: +SKIP
+    """
+    n = int(counts.sum())
+    if keys.numel() < 2 * n or out.shape != (4, n) or out.dtype != torch.float32:
+        raise ValueError(f"staged key factors need {2 * n} keys and float32 (4, {n}) rows")
+    first = np.concatenate([[0], np.cumsum(counts)])
+    return functools.partial(
+        _staged_key_factors_kernel[(max(counts.size, 1),)],
+        keys,
+        _on(first, keys.device),
+        out,
+        n,
+        GRID=grid,
+        BLOCK=BLOCK,
+        **compile_options(),
+    )
 
 
 def _zero_then(t: torch.Tensor, launch: Callable[[], object]) -> None:
