@@ -2146,6 +2146,105 @@ class Codec:
             out,
         )
 
+    def bind_block_records(
+        self, x: torch.Tensor, blocks: Blocks, keys: torch.Tensor, maxima: torch.Tensor
+    ) -> Callable[[torch.Tensor], None] | None:
+        """:meth:`block_records` of ``x`` bound: the returned call takes float64 ``out``
+        (layers, 5). One kernel call on the "kernels" backend, two launches on "triton"
+        (:func:`aps_comm.triton_codec.bind_block_records`), whatever the number of layers
+        or blocks; None on the other backends, or where a Triton variant cannot compile
+        here (launched once at bind time on private buffers, the failure logged once).
+
+        Example:
+            >>> call = codec.bind_block_records(x, blocks, keys, maxima)  # doctest: +SKIP
+            >>> call(torch.empty(len(blocks.counts), 5, dtype=torch.float64))  # doctest: +SKIP
+        """
+        if self.backend == "kernels":
+            self._check_records(x, blocks.layout)
+            return functools.partial(self.block_records, x, blocks, keys, maxima)
+        offsets = blocks.layout.offsets.numpy()
+        longest = int(np.diff(offsets).max()) if offsets.size > 1 else 0
+        if self.backend != "triton" or x.dtype != torch.float32 or longest > _triton().MAX_SEGMENT:
+            return None
+        counts = blocks.counts.cpu().numpy()  # the plan's host copy: no device read
+        layer_of = np.repeat(np.arange(counts.size, dtype=np.int64), counts)
+        width = max(2, 1 << max(longest - 1, 0).bit_length())
+        probe = _triton().bind_block_records(
+            self.fmt,
+            _like(x, max(longest, 1)),
+            np.array([0, max(longest, 1)], np.int64),
+            np.zeros(1, np.int64),
+            _like(keys, 1),
+            _like(maxima, 1),
+            1,
+        )
+        out = torch.empty(1, 5, dtype=torch.float64, device=x.device)
+        if not _probed(("block_records", self.fmt.name, width), lambda: probe(out)):
+            return None
+        return _triton().bind_block_records(
+            self.fmt, x, offsets, layer_of, keys, maxima, counts.size
+        )
+
+    def bind_staged_blocks(
+        self,
+        x: torch.Tensor,
+        blocks: Blocks,
+        local: torch.Tensor,
+        keys: torch.Tensor,
+        ranks: tuple[int, int],
+        grid: bool,
+        out: torch.Tensor,
+    ) -> tuple[Callable[[], object], Callable[[], object]] | None:
+        """A settled staged bucket's agreed block keys, bound: the call that writes this
+        rank's max |x| of every block into float32 ``local`` and its hierarchical (with
+        ``grid`` the grid's) keys into uint8 ``keys`` (2 x blocks: inner, then outer;
+        :func:`aps_comm.cpu_kernels.staged_keys`), and the call that writes the agreed
+        keys' factors into the rows of float32 ``out`` (4 x blocks: scale, shift, unscale,
+        first; :func:`~aps_comm.cpu_kernels.staged_key_factors`). One kernel call each on
+        "kernels", one launch each on "triton" (each variant probed once here); None on the
+        other backends. ``ranks``: N and the ranks of the first level's sum.
+
+        Example:
+            >>> keys_call, factors_call = codec.bind_staged_blocks(  # doctest: +SKIP
+            ...     x, blocks, local, keys, (4, 2), False, out)
+        """
+        n, per = ranks
+        if self.backend == "kernels":
+            layout = blocks.layout
+            cells = layout.cells if layout.cells is not None else layout.offsets.numpy()
+            return (
+                functools.partial(
+                    cpu_kernels.call,
+                    "staged_keys",
+                    *(self.fmt, x, cells, local, keys, n, per, EXPONENT_LIMIT),
+                ),
+                functools.partial(
+                    cpu_kernels.call, "staged_key_factors", keys, blocks.counts, grid, out
+                ),
+            )
+        offsets = blocks.layout.offsets.numpy()
+        longest = int(np.diff(offsets).max()) if offsets.size > 1 else 0
+        if self.backend != "triton" or x.dtype != torch.float32 or longest > _triton().MAX_SEGMENT:
+            return None
+        counts = blocks.counts.cpu().numpy()  # the plan's host copy: no device read
+        width = max(2, 1 << max(longest - 1, 0).bit_length())
+        one = np.array([0, max(longest, 1)], np.int64)
+        probe_keys = _triton().bind_staged_keys(
+            self.fmt, _like(x, one[1]), one, _like(local, 1), _like(keys, 2), n, per
+        )
+        probe_factors = _triton().bind_staged_key_factors(
+            _like(keys, 2), np.ones(1, np.int64), grid, torch.empty(4, 1, device=out.device)
+        )
+        if not (
+            _probed(("staged_keys", self.fmt.name, width), probe_keys)
+            and _probed(("staged_key_factors", grid), probe_factors)
+        ):
+            return None
+        return (
+            _triton().bind_staged_keys(self.fmt, x, offsets, local, keys, n, per),
+            _triton().bind_staged_key_factors(keys, counts, grid, out),
+        )
+
     def unit_records(
         self,
         x: torch.Tensor,

@@ -405,12 +405,14 @@ class SteadyStaged(Steady):
         record_keys: with ``names`` or ``promote`` on the CPU kernels, int32 and float32
             scratch of the layers' first exponents and factors (what the records and
             Promote's rates count under: :meth:`first_factors`).
-        local: block scaling with agreed exponents (the CPU kernels only): this rank's
-            float32 block maxima; ``maxima`` is then the MAX all-reduce's uint8 vector of
-            the general path (every block's inner key, every block's outer key, the
-            chunk's byte where measured), the maxima call writes both
-            (:func:`aps_comm.cpu_kernels.staged_keys`) and the factors come from the
-            agreed keys (:func:`aps_comm.cpu_kernels.staged_key_factors`), per block.
+        local: block scaling with agreed exponents: this rank's float32 block maxima;
+            ``maxima`` is then the MAX all-reduce's uint8 vector of the general path
+            (every block's inner key, every block's outer key, the chunk's byte where
+            measured), the maxima call writes both and the factors come from the agreed
+            keys, per block (:meth:`aps_comm.codec.Codec.bind_staged_blocks`: a kernel
+            call or a Triton launch each).
+        records_call: with ``local`` and ``names``, the records' bound call
+            (:meth:`aps_comm.codec.Codec.bind_block_records`).
     """
 
     groups: NodeGroups | None = None
@@ -420,10 +422,11 @@ class SteadyStaged(Steady):
     node_calls: list[transports.NodeChunkCalls] | None = None
     record_keys: tuple[np.ndarray, np.ndarray] | None = None
     local: torch.Tensor | None = None
+    records_call: Callable[[torch.Tensor], None] | None = None
 
-    def bind(self, x: torch.Tensor, world_size: int) -> None:
+    def bind(self, x: torch.Tensor, world_size: int) -> bool:
         """Bind the maxima kernel, the factors and every chunk's calls to the float32
-        buffer ``x``."""
+        buffer ``x``; False where the codec has no fused calls for agreed block keys."""
         g, grid = self.group, self.route == Route.GRID
         n = g.layout.n_segments  # the layers, or with ``local`` the blocks
         if self.factors is None or self.factors.shape[1] != n or self.factors.device != x.device:
@@ -431,16 +434,15 @@ class SteadyStaged(Steady):
         f = self.factors
         if self.local is not None:
             assert g.blocks is not None
-            cells = g.layout.cells if g.layout.cells is not None else g.layout.offsets.numpy()
-            keys, per = self.maxima[: 2 * n], self.per_node
-            self.maxima_call = functools.partial(
-                cpu_kernels.call,
-                "staged_keys",
-                *(g.fmt, x, cells, self.local, keys, world_size, per, EXPONENT_LIMIT),
-            )
-            self.factors_call = functools.partial(
-                cpu_kernels.call, "staged_key_factors", keys, g.blocks.counts, grid, f
-            )
+            keys, ranks = self.maxima[: 2 * n], (world_size, self.per_node)
+            calls = g.codec.bind_staged_blocks(x, g.blocks, self.local, keys, ranks, grid, f)
+            if calls is None:
+                return False
+            self.maxima_call, self.factors_call = calls
+            if self.names is not None:  # each block's counts under its inner key
+                self.records_call = g.codec.bind_block_records(x, g.blocks, keys[:n], self.local)
+                if self.records_call is None:
+                    return False
         else:
             self.maxima_call = g.codec.bind_layer_maxima(x, g.layout, self.agreed.maxima)
             self.factors_call = g.codec.bind_staged_factors(
@@ -452,6 +454,7 @@ class SteadyStaged(Steady):
         factors = (f[0], f[1], f[2], f[3] if grid else None)
         self.node_calls = transports.bind_hierarchical(g, x, factors, world_size)
         self.bound_ptr = x.data_ptr()
+        return True
 
     def first_factors(self) -> tuple[np.ndarray, np.ndarray]:
         """The first level's factors ``2**e`` and their int32 exponent keys ``127 - e``,
@@ -564,6 +567,8 @@ class SteadyAgreedBlocks:
         workspace: as :class:`Steady`'s.
         names: with ``stats=True``, each layer's name for its records
             (:meth:`Reducer.record_agreed_blocks`); None records nothing.
+        records_call: with ``names``, writes the layers' records of the bound buffer under
+            the agreed keys into the float64 rows it takes (:meth:`Codec.bind_block_records`).
     """
 
     numel: int
@@ -588,13 +593,18 @@ class SteadyAgreedBlocks:
     native: bool = False
     factors: tuple[torch.Tensor, torch.Tensor] | None = None
     factors_call: Callable[[], object] | None = None
+    records_call: Callable[[torch.Tensor], None] | None = None
 
     def bind(self, x: torch.Tensor, rank: int, world_size: int) -> bool:
-        """Bind the keys' and every chunk's calls to the float32 buffer ``x``; False where
-        the codec has no fused calls for them."""
+        """Bind the keys', the records' and every chunk's calls to the float32 buffer
+        ``x``; False where the codec has no fused calls for them."""
         g = self.group
         assert g.blocks is not None
         keys = self.shared[: g.layout.n_segments]
+        if self.names is not None:  # the agreed keys (the chunk's byte after them)
+            self.records_call = g.codec.bind_block_records(x, g.blocks, keys, self.maxima)
+            if self.records_call is None:
+                return False
         if self.native:
             return self._bind_native(x, keys, world_size)
         keys_call = g.codec.bind_block_keys(
@@ -1808,10 +1818,10 @@ class Reducer:
             or x.dtype != torch.float32
             # An empty group's collectives are not the bound ones'.
             or any(g.reduction not in routes or not g.numel for g in groups)
-            # The records are one numba call (Codec.block_records), the staged keys and
-            # their factors two (SteadyStaged.local): the CPU kernels'.
+            # The staged keys and their factors (SteadyStaged.local) bind here on the CPU
+            # kernels only.
             or (
-                (self.settings.stats or staged)
+                staged
                 and (x.device.type != "cpu" or any(g.codec.backend != "kernels" for g in sent))
             )
         ):
@@ -1920,8 +1930,7 @@ class Reducer:
         )
         if names is not None:
             part.record_names(names)
-        part.bind(gx, self.comm.world_size)
-        return part
+        return part if part.bind(gx, self.comm.world_size) else None
 
     def _run_agreed_groups(self, index: int, st: SteadyGroups) -> None:
         """:meth:`_run_groups` with agreed block exponents: every sent group's keys written
@@ -1974,7 +1983,7 @@ class Reducer:
                 self._run_part(index, s, values, None)
                 continue
             if s.names is not None:  # the agreed keys: before the decode overwrites the values
-                self.record_agreed_blocks(index, s, values)
+                self.record_agreed_blocks(index, s)
             self._agreed_blocks_exchange(s, values, False)
         if st.scatter is not None:
             st.scatter()
@@ -2572,8 +2581,6 @@ class Reducer:
         if (
             # Promote refuses block scaling (it needs one exponent per layer).
             assignment.promoter is not None
-            # The records are one numba call (Codec.block_records): the CPU kernels'.
-            or (self.settings.stats and (g.codec.backend != "kernels" or x.device.type != "cpu"))
             or not g.contiguous
             or g.reduction != Route.TWO_PHASE
             or sh is None
@@ -2686,7 +2693,7 @@ class Reducer:
                 st.workspace = self._epoch(index, x.device)
         self.bucket_chunks[index] = st.chunk
         if st.names is not None:  # the agreed keys: before the decode overwrites the values
-            self.record_agreed_blocks(index, st, x)
+            self.record_agreed_blocks(index, st)
         start = time.perf_counter()
         tail = self._agreed_blocks_exchange(st, x, defer)
         if st.measured:
@@ -3066,8 +3073,6 @@ class Reducer:
             or (assignment.promoter is not None and promote is None)
             or not g.contiguous
             or g.node is None
-            # The staged block keys and their factors are CPU kernels only.
-            or (blocks and (g.codec.backend != "kernels" or x.device.type != "cpu"))
         ):
             return
         route, layouts, n = Route(g.reduction), self.comm.layouts, len(fmts)
@@ -3075,8 +3080,9 @@ class Reducer:
         maxima = torch.zeros(n + rates + int(measured), dtype=torch.float32, device=x.device)
         local = None
         if blocks:  # the general path's vector: two keys per block, then the chunk's byte
-            local = torch.empty(g.layout.n_segments)
-            maxima = torch.zeros(2 * local.numel() + int(measured), dtype=torch.uint8)
+            local = torch.empty(g.layout.n_segments, device=x.device)
+            size = 2 * local.numel() + int(measured)
+            maxima = torch.zeros(size, dtype=torch.uint8, device=x.device)
         if promote is not None:
             self._bind_rates(maxima[n : 2 * n], promote[2])
         st = SteadyStaged(
@@ -3104,8 +3110,8 @@ class Reducer:
         )
         if settings.stats:
             st.record_names(names)
-        st.bind(x, self.comm.world_size)
-        self.steady[index] = st
+        if st.bind(x, self.comm.world_size):
+            self.steady[index] = st
 
     def _run_staged(
         self, index: int, st: SteadyStaged, x: torch.Tensor, defer: bool
@@ -3176,9 +3182,9 @@ class Reducer:
         assert st.names is not None
         if isinstance(st, SteadyStaged) and st.local is not None:
             # Agreed block keys: each block's counts under its inner (first-level) key.
-            assert g.blocks is not None
-            rows = torch.empty(len(st.names), 5, dtype=torch.float64)
-            g.codec.block_records(x, g.blocks, st.maxima[: g.layout.n_segments], st.local, rows)
+            assert st.records_call is not None
+            rows = torch.empty(len(st.names), 5, dtype=torch.float64, device=x.device)
+            st.records_call(rows)
             self.stats.add_rows(index, st.names, g.numels, g.fmt, rows)
             return
         amax = agreed.maxima if st.raw is None else st.raw
@@ -3254,17 +3260,16 @@ class Reducer:
             counts, exps, amax = per_layer(g.blocks, counts, keyed.exponents, st.local)
         self.stats.add(index, st.names, g.numels, fmt, exps, amax, counts)
 
-    def record_agreed_blocks(self, index: int, st: SteadyAgreedBlocks, x: torch.Tensor) -> None:
-        """:meth:`record_steady` with agreed block exponents (the CPU kernels only:
-        :meth:`_settle_agreed_blocks`): the general path's records of this rank's values
-        ``x``, each block's counts under its agreed key, folded per layer with this rank's
-        block maxima (:func:`aps_comm.telemetry.per_layer`), in one kernel call whatever
-        the layer count."""
+    def record_agreed_blocks(self, index: int, st: SteadyAgreedBlocks) -> None:
+        """:meth:`record_steady` with agreed block exponents: the general path's records of
+        this rank's values (the bound buffer), each block's counts under its agreed key,
+        folded per layer with this rank's block maxima (:func:`aps_comm.telemetry.per_layer`):
+        one kernel call on the CPU kernels, two launches on Triton, whatever the layer
+        count; nothing read on the host."""
+        assert st.names is not None and st.records_call is not None
         g = st.group
-        assert st.names is not None and g.blocks is not None
-        keys = st.shared[: g.layout.n_segments]  # the chunk's byte after them, where measured
-        rows = torch.empty(len(st.names), 5, dtype=torch.float64)
-        g.codec.block_records(x, g.blocks, keys, st.maxima, rows)
+        rows = torch.empty(len(st.names), 5, dtype=torch.float64, device=st.maxima.device)
+        st.records_call(rows)
         self.stats.add_rows(index, st.names, g.numels, g.fmt, rows)
 
     def _feedback_rates(self, st: SteadyFeedback, x: torch.Tensor, out: torch.Tensor) -> None:

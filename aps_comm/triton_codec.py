@@ -82,6 +82,7 @@ __all__ = [
     "FormatConstants",
     "Rule",
     "bind_block_keys",
+    "bind_block_records",
     "bind_decode",
     "bind_decode_rank_blocks",
     "bind_encode",
@@ -90,6 +91,8 @@ __all__ = [
     "bind_owner_rank_blocks",
     "bind_reduce_shards",
     "bind_send_rank_blocks",
+    "bind_staged_key_factors",
+    "bind_staged_keys",
     "block_segments",
     "compile_options",
     "decode",
@@ -945,6 +948,7 @@ if AVAILABLE:
     # over the whole axis instead of one Python call per element (the
     # interpreter recognises this function, not a copy of it).
     _larger = tl.standard._elementwise_max
+    _plus = tl.standard._sum_combine  # tl.sum's, likewise
 
     @triton.jit
     def _mean_exponent(m, e, M: tl.constexpr):
@@ -1425,6 +1429,147 @@ if AVAILABLE:
         tl.store(key_ptr + seg, key.to(tl.uint8), mask=owned)
         layer = tl.load(layer_ptr + seg, mask=owned, other=0)
         tl.store(flag_ptr + layer, tl.full(seg.shape, 1, tl.uint8), mask=owned & (key == 255))
+
+    @triton.jit(do_not_specialize=["n_blocks"])
+    def _block_records_kernel(
+        x_ptr,
+        off_ptr,
+        layer_ptr,
+        key_ptr,
+        amax_ptr,
+        acc_ptr,
+        n_blocks,
+        TINY: tl.constexpr,
+        FMAX: tl.constexpr,
+        ROWS: tl.constexpr,
+        WIDTH: tl.constexpr,
+    ):
+        """Every block's records folded into its layer's int32 row of ``acc_ptr`` (5 per
+        layer, zero before) by atomics: ``256 - e`` of its key's exponent ``e`` (max:
+        the smallest e), its maximum's bits (max) and its nonzero, underflowing and
+        saturating elements times ``2**e`` (sums), the float32 products of
+        :func:`aps_comm.cpu_kernels.block_records`. A tile of ``ROWS`` whole blocks per
+        program, one per row."""
+        pid = tl.program_id(0).to(tl.int64)
+        seg = pid * ROWS + tl.arange(0, ROWS)
+        owned = seg < n_blocks
+        start = tl.load(off_ptr + seg, mask=owned, other=0)
+        end = tl.load(off_ptr + seg + 1, mask=owned, other=0)
+        j = tl.arange(0, WIDTH)
+        mask = j[None, :] < (end - start)[:, None]
+        x = tl.load(x_ptr + (start[:, None] + j[None, :]), mask=mask, other=0.0)
+        k = tl.load(key_ptr + seg, mask=owned, other=0).to(tl.int32)
+        m = tl.abs(x) * _key_scale(k, False)[:, None]
+        live = m > 0
+        row = tl.load(layer_ptr + seg, mask=owned, other=0).to(tl.int64) * 5
+        tl.atomic_max(acc_ptr + row, 256 - _key_exponent(k), mask=owned)
+        tl.atomic_max(acc_ptr + row + 1, tl.load(amax_ptr + seg, mask=owned, other=0), mask=owned)
+        tl.atomic_add(acc_ptr + row + 2, tl.reduce(live.to(tl.int32), 1, _plus), mask=owned)
+        tl.atomic_add(
+            acc_ptr + row + 3, tl.reduce((live & (m <= TINY)).to(tl.int32), 1, _plus), mask=owned
+        )
+        tl.atomic_add(acc_ptr + row + 4, tl.reduce((m > FMAX).to(tl.int32), 1, _plus), mask=owned)
+
+    @triton.jit(do_not_specialize=["n_layers"])
+    def _records_rows_kernel(acc_ptr, out_ptr, n_layers, BLOCK: tl.constexpr):
+        """:func:`_block_records_kernel`'s int32 rows as float64 records (exponent, max,
+        the counts; 0 for a layer without blocks) into ``out_ptr``, the rows zeroed again
+        for the next step."""
+        i = tl.program_id(0).to(tl.int64) * BLOCK + tl.arange(0, BLOCK)
+        live = i < n_layers * 5
+        a = tl.load(acc_ptr + i, mask=live, other=0)
+        col = i % 5
+        e = tl.where(a == 0, 0, 256 - a).to(tl.float64)
+        amax = a.to(tl.float32, bitcast=True).to(tl.float64)
+        v = tl.where(col == 0, e, tl.where(col == 1, amax, a.to(tl.float64)))
+        tl.store(out_ptr + i, v, mask=live)
+        tl.store(acc_ptr + i, tl.full(a.shape, 0, tl.int32), mask=live)
+
+    @triton.jit(do_not_specialize=["n_blocks", "n_ranks", "per_node"])
+    def _staged_keys_kernel(
+        x_ptr,
+        off_ptr,
+        amax_ptr,
+        key_ptr,
+        n_blocks,
+        n_ranks,
+        per_node,
+        F: tl.constexpr,
+        LIMIT: tl.constexpr,
+        ROWS: tl.constexpr,
+        WIDTH: tl.constexpr,
+    ):
+        """Every block's max |x| (NaN as inf; int32 bits) and its staged routes' keys:
+        ``127 - inner`` at ``key_ptr + b``, ``127 - outer`` at ``key_ptr + n_blocks + b``
+        (0 for a zero max, 255 for inf): :func:`aps_comm.cpu_kernels.staged_keys`, exact
+        integer work on float64 fields (``F``: the format's max's float64 exponent and
+        mantissa field). A tile of ``ROWS`` whole blocks per program, one per row."""
+        pid = tl.program_id(0).to(tl.int64)
+        seg = pid * ROWS + tl.arange(0, ROWS)
+        owned = seg < n_blocks
+        start = tl.load(off_ptr + seg, mask=owned, other=0)
+        end = tl.load(off_ptr + seg + 1, mask=owned, other=0)
+        j = tl.arange(0, WIDTH)
+        mask = j[None, :] < (end - start)[:, None]
+        x = tl.load(x_ptr + (start[:, None] + j[None, :]), mask=mask, other=0.0)
+        mag = x.to(tl.int32, bitcast=True) & 0x7FFFFFFF
+        m = tl.minimum(tl.reduce(mag, 1, _larger), 0x7F800000)
+        ok = (m != 0) & (m != 0x7F800000)
+        a = tl.where(ok, m, 0x3F800000).to(tl.float32, bitcast=True).to(tl.float64)
+        # The node sums add L gradients (headroom L, M of them summed in FP32); the mean
+        # sent back needs none (N summed). Products of a 24-bit value and rank counts: exact.
+        h = a * per_node.to(tl.float64)
+        nodes = (n_ranks // per_node).to(tl.float64)
+        f32max: tl.constexpr = 0xFFFFFE0000000
+        inner = tl.minimum(_largest(h, F[0], F[1]), _largest(h * nodes, 127, f32max))
+        outer = tl.minimum(
+            _largest(a, F[0], F[1]), _largest(a * n_ranks.to(tl.float64), 127, f32max)
+        )
+        inner = tl.minimum(tl.maximum(inner, -LIMIT), LIMIT)
+        outer = tl.minimum(tl.maximum(outer, -LIMIT), LIMIT)
+        special = tl.where(m == 0, 0, 255)
+        tl.store(amax_ptr + seg, m, mask=owned)
+        tl.store(key_ptr + seg, tl.where(ok, 127 - inner, special).to(tl.uint8), mask=owned)
+        outer_key = tl.where(ok, 127 - outer, special).to(tl.uint8)
+        tl.store(key_ptr + n_blocks + seg, outer_key, mask=owned)
+
+    @triton.jit(do_not_specialize=["n_blocks"])
+    def _staged_key_factors_kernel(
+        key_ptr, first_ptr, out_ptr, n_blocks, GRID: tl.constexpr, BLOCK: tl.constexpr
+    ):
+        """One layer per program: its blocks' rows of the staged factors (scale, shift,
+        unscale, first; ``out_ptr`` 4 x ``n_blocks``) from their agreed inner and outer
+        keys, the unscale NaN for every block of a layer with a key of 255 in either row:
+        :func:`aps_comm.cpu_kernels.staged_key_factors`. ``first_ptr``: the layers'
+        first blocks (layers + 1 entries)."""
+        layer = tl.program_id(0).to(tl.int64)
+        lo = tl.load(first_ptr + layer)
+        hi = tl.load(first_ptr + layer + 1)
+        bad = tl.full([BLOCK], 0, tl.int32)
+        for b0 in range(lo, hi, BLOCK):
+            b = b0 + tl.arange(0, BLOCK)
+            live = b < hi
+            k0 = tl.load(key_ptr + b, mask=live, other=0)
+            k1 = tl.load(key_ptr + n_blocks + b, mask=live, other=0)
+            bad = tl.maximum(bad, ((k0 == 255) | (k1 == 255)).to(tl.int32))
+        nan = tl.reduce(bad, 0, _larger) > 0
+        for b0 in range(lo, hi, BLOCK):
+            b = b0 + tl.arange(0, BLOCK)
+            live = b < hi
+            inner = _key_exponent(tl.load(key_ptr + b, mask=live, other=0).to(tl.int32))
+            outer = _key_exponent(tl.load(key_ptr + n_blocks + b, mask=live, other=0).to(tl.int32))
+            if GRID:
+                scale = _pow2(tl.minimum(tl.maximum(inner - outer, -149), 127))
+                first = _pow2(outer)
+            else:
+                scale = _pow2(inner)
+                first = tl.full([BLOCK], 1.0, tl.float32)
+            shift = _pow2(tl.minimum(tl.maximum(outer - inner, -149), 127))
+            unscale = tl.where(nan, float("nan"), _pow2(-outer))
+            tl.store(out_ptr + b, scale, mask=live)
+            tl.store(out_ptr + n_blocks + b, shift, mask=live)
+            tl.store(out_ptr + 2 * n_blocks + b, unscale, mask=live)
+            tl.store(out_ptr + 3 * n_blocks + b, first, mask=live)
 
     @triton.jit
     def _send_code(
@@ -2363,6 +2508,154 @@ def bind_block_keys(
         **compile_options(),
     )
     return functools.partial(_zero_then, flags, launch)
+
+
+def bind_block_records(
+    fmt: FloatFormat,
+    x: torch.Tensor,
+    offsets: np.ndarray,
+    layer_of: np.ndarray,
+    keys: torch.Tensor,
+    maxima: torch.Tensor,
+    n_layers: int,
+) -> Callable[[torch.Tensor], None]:
+    """:func:`aps_comm.cpu_kernels.block_records` bound: two launches per call, whatever the
+    number of layers or blocks.
+
+    The returned call takes float64 ``out`` (``n_layers``, 5) and writes each layer's
+    smallest exponent of its blocks' uint8 ``keys``, the largest of their float32
+    ``maxima`` and the summed counts of its elements scaled by their blocks' ``2**e``
+    (nonzero, underflowing, saturating): one kernel folds every block into an int32 row
+    of its layer (atomics), one writes the rows as float64 and zeroes them again. The
+    index arrays and the rows' scratch are made here, once.
+
+    Args:
+        fmt: the wire format (its smallest subnormal and largest value).
+        x: contiguous float32 values.
+        offsets: int64 host array, the blocks' offsets from 0 to ``x.numel()`` (blocks
+            of at most :data:`MAX_SEGMENT` elements).
+        layer_of: host array, each block's layer.
+        keys: uint8, one per block; maxima: float32, one per block.
+        n_layers: the layers (rows).
+
+    Example:
+        >>> call = bind_block_records(E2M1, x, offsets, layer_of, keys, maxima, 7)  # doctest: +SKIP
+        >>> call(torch.empty(7, 5, dtype=torch.float64))  # doctest: +SKIP
+    """
+    _check(fmt, x, keys, maxima)
+    n = offsets.size - 1
+    if (
+        x.dtype != torch.float32
+        or maxima.dtype != torch.float32
+        or keys.dtype != torch.uint8
+        or maxima.numel() != n
+        or keys.numel() != n
+        or layer_of.size != n
+    ):
+        raise ValueError(
+            f"block records need float32 values, and {n} float32 maxima, uint8 keys and "
+            f"layers, got {x.dtype}, {maxima.numel()} {maxima.dtype}, {keys.numel()} "
+            f"{keys.dtype} and {layer_of.size}"
+        )
+    longest = int(np.diff(offsets).max()) if n else 0
+    if longest > MAX_SEGMENT:
+        raise ValueError(f"blocks of at most {MAX_SEGMENT} elements, got one of {longest}")
+    acc = torch.zeros(n_layers, 5, dtype=torch.int32, device=x.device)
+    width = max(2, 1 << max(longest - 1, 0).bit_length())
+    rows = max(2, TILE // width)
+    fold = functools.partial(
+        _block_records_kernel[(max(triton.cdiv(n, rows), 1),)],
+        x,
+        _on(offsets, x.device),
+        _on(layer_of, x.device, torch.int32),
+        keys,
+        maxima.view(torch.int32),
+        acc,
+        n,
+        TINY=float(np.float32(fmt.min_subnormal / 2)),
+        FMAX=float(np.float32(fmt.max)),
+        ROWS=rows,
+        WIDTH=width,
+        **compile_options(),
+    )
+    finish = _records_rows_kernel[(max(triton.cdiv(n_layers * 5, BLOCK), 1),)]
+
+    def call(out: torch.Tensor) -> None:
+        fold()
+        finish(acc, out, n_layers, BLOCK=BLOCK, **compile_options())
+
+    return call
+
+
+def bind_staged_keys(
+    fmt: FloatFormat,
+    x: torch.Tensor,
+    offsets: np.ndarray,
+    maxima: torch.Tensor,
+    keys: torch.Tensor,
+    world_size: int,
+    ranks_per_node: int,
+) -> Callable[[], object]:
+    """:func:`aps_comm.cpu_kernels.staged_keys` bound: one launch writes every block's max
+    |x| into float32 ``maxima`` and its hierarchical (or grid) keys into uint8 ``keys``
+    (2 x blocks: the inner row, then the outer), whatever the number of blocks.
+
+    Example:
+        >>> call = bind_staged_keys(E2M1, x, offsets, maxima, keys, 4, 2)  # doctest: +SKIP
+        >>> call()  # doctest: +SKIP
+    """
+    _check(fmt, x, maxima, keys)
+    n = offsets.size - 1
+    if maxima.numel() != n or keys.numel() != 2 * n or keys.dtype != torch.uint8:
+        raise ValueError(f"staged keys need {n} maxima and {2 * n} uint8 keys")
+    longest = int(np.diff(offsets).max()) if n else 0
+    if longest > MAX_SEGMENT:
+        raise ValueError(f"blocks of at most {MAX_SEGMENT} elements, got one of {longest}")
+    width = max(2, 1 << max(longest - 1, 0).bit_length())
+    rows = max(2, TILE // width)
+    bits = int(np.float64(fmt.max).view(np.int64))
+    return functools.partial(
+        _staged_keys_kernel[(max(triton.cdiv(n, rows), 1),)],
+        x,
+        _on(offsets, x.device),
+        maxima.view(torch.int32),
+        keys,
+        n,
+        world_size,
+        ranks_per_node,
+        F=((bits >> 52) - 1023, bits & ((1 << 52) - 1)),
+        LIMIT=EXPONENT_LIMIT,
+        ROWS=rows,
+        WIDTH=width,
+        **compile_options(),
+    )
+
+
+def bind_staged_key_factors(
+    keys: torch.Tensor, counts: np.ndarray, grid: bool, out: torch.Tensor
+) -> Callable[[], object]:
+    """:func:`aps_comm.cpu_kernels.staged_key_factors` bound: one launch (a program per
+    layer; ``counts``: host blocks per layer) writes the rows of float32 ``out`` (4 x
+    blocks) from the agreed keys (:func:`bind_staged_keys`' layout).
+
+    Example:
+        >>> call = bind_staged_key_factors(keys, counts, False, out)  # doctest: +SKIP
+        >>> call()  # doctest: +SKIP
+    """
+    n = int(counts.sum())
+    if keys.numel() < 2 * n or out.shape != (4, n) or out.dtype != torch.float32:
+        raise ValueError(f"staged key factors need {2 * n} keys and float32 (4, {n}) rows")
+    first = np.concatenate([[0], np.cumsum(counts)])
+    return functools.partial(
+        _staged_key_factors_kernel[(max(counts.size, 1),)],
+        keys,
+        _on(first, keys.device),
+        out,
+        n,
+        GRID=grid,
+        BLOCK=BLOCK,
+        **compile_options(),
+    )
 
 
 def _zero_then(t: torch.Tensor, launch: Callable[[], object]) -> None:

@@ -601,6 +601,10 @@ _KERNELS = (
     "_block_keys_kernel",
     "_send_rank_blocks_kernel",
     "_decode_rank_blocks_kernel",
+    "_block_records_kernel",
+    "_records_rows_kernel",
+    "_staged_keys_kernel",
+    "_staged_key_factors_kernel",
 )
 
 
@@ -698,14 +702,26 @@ def _bind_rank_blocks(c: codec.Codec, x: torch.Tensor, blocks: codec.Blocks) -> 
 
 def _bind_agreed_blocks(c: codec.Codec, x: torch.Tensor, blocks: codec.Blocks) -> None:
     """The fused calls of two_phase with agreed block exponents, bound by the codec and
-    run: the keys of 3 ranks, one chunk of 3 shards, the first one (the layers' flags)."""
+    run: the keys of 3 ranks, one chunk of 3 shards, the first one (the layers' flags);
+    the records under the keys (stats=True)."""
     offsets = blocks.layout.offsets.numpy().astype(np.int64)
     nb, counts = offsets.size - 1, blocks.counts.numpy().astype(np.int64)
     keys, union = torch.empty(nb, dtype=torch.uint8), torch.empty(counts.size, dtype=torch.uint8)
     flags = torch.empty(counts.size, dtype=torch.uint8)
-    call = c.bind_block_keys(x, blocks.layout, blocks.counts, torch.empty(nb), keys, flags, 3)
+    maxima = torch.empty(nb)
+    call = c.bind_block_keys(x, blocks.layout, blocks.counts, maxima, keys, flags, 3)
     assert call is not None
     call()
+    records = c.bind_block_records(x, blocks, keys, maxima)
+    assert records is not None
+    records(torch.empty(counts.size, 5, dtype=torch.float64))
+    for grid in (False, True):  # hierarchical's and grid's agreed block keys and factors
+        staged = torch.empty(2 * nb, dtype=torch.uint8)
+        rows = torch.empty(4, nb)
+        calls = c.bind_staged_blocks(x, blocks, maxima, staged, (4, 2), grid, rows)
+        assert calls is not None
+        for call in calls:
+            call()
     firsts = np.array([0, nb // 3, nb // 3, nb], np.int64)
     sb = max(payload_nbytes(int(n), c.fmt) for n in np.diff(offsets[firsts]))
     sb += -sb % 4  # 16-bit pieces of whole codes (the plan's)
@@ -1044,14 +1060,19 @@ def _triton_plans() -> Iterator[None]:
             plan.codec_for = saved
 
 
-def _reference(options: dict, x: torch.Tensor, params: list[torch.Tensor]) -> torch.Tensor:
-    """The bucket through the numba kernels' full path (a state that never settled)."""
+def _reference(
+    options: dict, x: torch.Tensor, params: list[torch.Tensor], records: list[str] | None = None
+) -> torch.Tensor:
+    """The bucket through the numba kernels' full path (a state that never settled), its
+    records (``stats=True``) appended to ``records`` where given."""
     import aps_comm
     from benchmarks.hostcost import world_of_one
 
     with world_of_one(torch.device("cpu")):
         state = aps_comm.APSState(**options)
         out = state.run_bucket(0, x.clone(), params).clone()
+        if records is not None:
+            records.append(repr(state.stats))
         del state
     return out
 
@@ -1227,7 +1248,9 @@ def _staged_on_backends(rank: int, world_size: int, cases: list[tuple[str, str, 
     """Per case, a hierarchical or grid bucket with layer or bucket scaling (2 nodes of 2)
     through the numba kernels' general path, and through the Triton kernels under the
     interpreter and the torch bit path, each settled: (the backends the settled buckets
-    ran on, their first (general) and third (settled) steps' bits, the numba bits)."""
+    ran on, their first (general) and third (settled) steps' bits, the numba bits). With
+    "block" scaling: agreed block exponents and stats=True, on Triton only, the records
+    compared too."""
     import aps_comm
     from aps_comm import plan
     from aps_comm.engine import SteadyStaged
@@ -1235,12 +1258,16 @@ def _staged_on_backends(rank: int, world_size: int, cases: list[tuple[str, str, 
     results = []
     for reduction, fmt, scale_by in cases:
         options = {"fmt": fmt, "reduction": reduction, "scaling": scale_by, "ranks_per_node": 2}
+        blocks = scale_by == "block"
+        if blocks:
+            options.update(block_size=8, block_exponents="agreed", stats=True)
         x, params = _block_bucket([5, 0, 1, 300, 33, 2, 64], 20 + rank)
         reference = aps_comm.APSState(**options)
         reference.bind_process_group()
         want = reference.run_bucket(0, x.clone(), params).clone()
+        records = [repr(reference.stats)]
         ran, got = [], []
-        for backend in ("triton", "bits"):
+        for backend in ("triton",) if blocks else ("triton", "bits"):
 
             def codec_for(fmt, device, b="auto", backend=backend):  # type: ignore[no-untyped-def]
                 return codec.codec_for(fmt, device, backend)
@@ -1257,12 +1284,13 @@ def _staged_on_backends(rank: int, world_size: int, cases: list[tuple[str, str, 
                         outs.append(_quiet(state.run_bucket, 0, buffer, params).clone())
                     assert state.reducer is not None
                     st = state.reducer.steady_for(0, buffer)
-                    if isinstance(st, SteadyStaged):
+                    if isinstance(st, SteadyStaged) and (st.local is not None) == blocks:
                         ran.append(st.group.codec.backend)
+                    records.append(repr(state.stats))
                 finally:
                     plan.codec_for = saved
             got += [outs[0], outs[-1]]
-        results.append((ran, got, want))
+        results.append((ran, got, want, records))
     return results
 
 
@@ -1271,17 +1299,25 @@ def test_settled_staged_buckets_on_triton_and_bits_give_the_kernels_bits() -> No
     # Hierarchical and grid with one exponent per layer (or bucket) settle on every
     # backend (SteadyStaged): on Triton the maxima and the shards' means are bound
     # launches, the encodes and decodes read the factors written in place. Their bits,
-    # general path and settled, are the numba kernels'.
+    # general path and settled, are the numba kernels'. With agreed block exponents
+    # (and stats) on Triton too: the staged keys, their factors and the records are
+    # bound launches; the bits and records are the numba kernels'.
     from aps_comm.testing import run_distributed
 
     if not HAVE_TRITON:
         pytest.skip("triton is not installed (pip install triton; in the test extra)")
-    cases = [("hierarchical", "e2m1", "layer"), ("grid", "e4m3", "bucket")]
+    cases = [
+        ("hierarchical", "e2m1", "layer"),
+        ("grid", "e4m3", "bucket"),
+        ("grid", "e2m1", "block"),
+    ]
     for rank, results in enumerate(
         run_distributed(_staged_on_backends, 4, args=(cases,), timeout=600)
     ):
-        for case, (ran, got, want) in zip(cases, results, strict=True):
-            assert ran == ["triton", "bits"], (rank, case)
+        for case, (ran, got, want, records) in zip(cases, results, strict=True):
+            blocks = case[2] == "block"  # agreed block exponents, stats: Triton's kernels
+            assert ran == (["triton"] if blocks else ["triton", "bits"]), (rank, case)
+            assert len(set(records)) == 1 and ("e2m1" in records[0]) == blocks, records
             assert want[:5].isnan().all() and not want[5:].isnan().any()
             expected = torch.where(want.isnan(), 0.0, want).view(torch.int32)
             for out in got:
@@ -1434,15 +1470,19 @@ def test_error_feedback_calls_match_kernels(
             assert torch.equal(a.view(torch.uint8), b.view(torch.uint8)), backend
 
 
-@pytest.mark.parametrize("policy", ["keep_last", "interleaved"])
+@pytest.mark.parametrize(
+    ("policy", "agreed"), [("keep_last", False), ("interleaved", False), ("interleaved", True)]
+)
 def test_settled_mixed_format_bucket_on_triton_gives_the_kernels_bits(
-    tc: types.ModuleType, policy: str
+    tc: types.ModuleType, policy: str, agreed: bool
 ) -> None:
     # A bucket of several formats settles on the Triton backend too (SteadyGroups): its
     # groups' bound launches read views of the bucket at odd offsets (KeepLast) or one
     # gathered scratch (interleaved formats), and give the numba kernels' full path's bits.
+    # With agreed block exponents and stats=True too: each sent group a
+    # SteadyAgreedBlocks, their keys one MAX all-reduce, the records the numba kernels'.
     import aps_comm
-    from aps_comm.engine import SteadyGroups
+    from aps_comm.engine import SteadyAgreedBlocks, SteadyGroups
     from aps_comm.policy import ByName, KeepLast
     from benchmarks.hostcost import ParamLayer, world_of_one
 
@@ -1451,6 +1491,9 @@ def test_settled_mixed_format_bucket_on_triton_gives_the_kernels_bits(
         "interleaved": [ByName({"*[13579].weight": "fp16"}), KeepLast("fp32")],
     }
     options = {"fmt": "e4m3", "reduction": "two_phase", "policy": rules[policy]}
+    if agreed:
+        options.update(fmt="e2m1", scaling="block", block_size=8, block_exponents="agreed")
+        options["stats"] = True
     x, params = _block_bucket([5, 0, 1, 300, 33, 2, 64], 11)
 
     def bound() -> aps_comm.APSState:
@@ -1468,9 +1511,14 @@ def test_settled_mixed_format_bucket_on_triton_gives_the_kernels_bits(
         st = settled.reducer.steady_for(0, buffer)
         assert isinstance(st, SteadyGroups) and st.parts is not None
         assert {s.group.codec.backend for _, s in st.parts if s is not None} == {"triton"}
+        sent = [type(s) for _, s in st.parts if s is not None]
+        assert st.agreed_blocks == agreed and (set(sent) == {SteadyAgreedBlocks}) == agreed
+        records = repr(settled.stats)
         del settled, st
     with world_of_one(torch.device("cpu")):
-        want = bound().run_bucket(0, x.clone(), params)  # the numba kernels' full path
+        reference = bound()
+        want = reference.run_bucket(0, x.clone(), params)  # the numba kernels' full path
+        assert repr(reference.stats) == records and ("e2m1" in records) == agreed, records
     assert out[:5].isnan().all() and not out[5:].isnan().any()
     same = torch.where(out.isnan(), 0.0, out).view(torch.int32)
     assert torch.equal(same, torch.where(want.isnan(), 0.0, want).view(torch.int32))
@@ -1493,16 +1541,27 @@ class _Launches(_Recorder):
 
 
 @pytest.mark.parametrize(
-    ("fmt", "exps", "block_size"),
-    [("fp16", "rank", 8), ("bf16", "agreed", 32), ("e2m1", "agreed", 8)],
+    ("fmt", "exps", "block_size", "stats"),
+    [
+        ("fp16", "rank", 8, False),
+        ("bf16", "agreed", 32, False),
+        ("e2m1", "agreed", 8, False),
+        ("e2m1", "agreed", 8, True),
+    ],
 )
 def test_settled_16bit_and_agreed_block_buckets_on_triton_give_the_kernels_bits(
-    tc: types.ModuleType, monkeypatch: pytest.MonkeyPatch, fmt: str, exps: str, block_size: int
+    tc: types.ModuleType,
+    monkeypatch: pytest.MonkeyPatch,
+    fmt: str,
+    exps: str,
+    block_size: int,
+    stats: bool,
 ) -> None:
     # 16-bit blocks and agreed block exponents bind on the Triton backend too: after the
     # first step the bucket is bound (SteadyBlocks, SteadyAgreedBlocks), a step is the
     # keys' kernel and three launches per chunk (the agreed ones: the keys' MAX
     # all-reduce between), within the ops budget, and its bits are the numba kernels'.
+    # With stats=True too: the records (two launches on Triton) are the numba kernels'.
     import aps_comm
     from aps_comm.engine import SteadyAgreedBlocks, SteadyBlocks
     from benchmarks.hostcost import count_calls
@@ -1513,11 +1572,13 @@ def test_settled_16bit_and_agreed_block_buckets_on_triton_give_the_kernels_bits(
         "scaling": "block",
         "block_size": block_size,
         "block_exponents": exps,
+        "stats": stats,
     }
     x, params = _block_bucket([5, 0, 1, 300, 33, 2, 64], 13)
     log: list = []
+    recording = ("_block_records_kernel", "_records_rows_kernel") if stats else ()
     with _triton_plans():
-        for name in _RANK_BLOCK_KERNELS:
+        for name in (*_RANK_BLOCK_KERNELS, *recording):
             monkeypatch.setattr(tc, name, _Launches(name, getattr(tc, name), log))
         state = aps_comm.APSState(**options)
         buffer = x.clone()
@@ -1532,12 +1593,16 @@ def test_settled_16bit_and_agreed_block_buckets_on_triton_give_the_kernels_bits(
         run = functools.partial(state.run_bucket, 0, buffer, params)
         aten, kernels = _quiet(count_calls, run, x.device)
         out = buffer.clone()
+        records = repr(state.stats)
         del state, reducer
     chunks = len(st.calls or [])
     names = [name for name, _, _ in log]
-    assert names == [_RANK_BLOCK_KERNELS[0], *_RANK_BLOCK_KERNELS[1:] * chunks], names
+    keys = [_RANK_BLOCK_KERNELS[0], *recording]  # the records: once the keys are agreed
+    assert names == [*keys, *_RANK_BLOCK_KERNELS[1:] * chunks], names
     assert not kernels and len(aten) + len(names) <= 15, (aten, names)
-    want = _reference(options, x, params)
+    want_records: list[str] = []
+    want = _reference(options, x, params, want_records)
+    assert records == want_records[0] and ("e2m1" in records) == stats, records
     assert out[:5].isnan().all() and not out[5:].isnan().any()
     same = torch.where(out.isnan(), 0.0, out).view(torch.int32)
     assert torch.equal(same, torch.where(want.isnan(), 0.0, want).view(torch.int32))
@@ -1643,3 +1708,50 @@ def test_block_keys_bound_bf16_by_the_fp32_sum(tc: types.ModuleType) -> None:
         cpu_kernels.block_keys(F.BF16, x, offsets, counts, *want, flags[1], EXPONENT_LIMIT, world)
         assert torch.equal(got[1], want[1]), (world, (got[1] != want[1]).nonzero()[:5])
         assert flags[0].tolist() == flags[1].tolist() == [0, 1, 0]
+
+
+@pytest.mark.parametrize(("fmt", "block_size"), [(F.E2M1, 8), (F.BF16, 32)], ids=str)
+def test_staged_block_keys_and_records_match_kernels(
+    tc: types.ModuleType, fmt: FloatFormat, block_size: int
+) -> None:
+    # The Triton kernels behind a settled staged bucket with agreed block exponents and
+    # behind agreed blocks' records, bit for bit against the numba kernels: every
+    # block's maxima and inner and outer keys (zero, non-finite and extreme blocks),
+    # their factors from any keys (0 and 255 among them: a NaN unscale for the layer),
+    # hierarchical and grid, and the records folded per layer, twice (the rows' scratch
+    # zeroed again) with an empty layer.
+    from aps_comm import cpu_kernels
+    from aps_comm.layout import Layout
+    from aps_comm.scaling import EXPONENT_LIMIT
+
+    numels = [5, 0, 1, 300, 33, 2, 64]
+    blocks = Layout.from_numels(numels, torch.device("cpu")).grid(block_size)
+    offsets, counts = blocks.layout.offsets.numpy(), blocks.counts.numpy()
+    n = blocks.layout.n_segments
+    gen = torch.Generator().manual_seed(3)
+    x = torch.randn(blocks.layout.numel, generator=gen)
+    x *= 2.0 ** torch.randint(-140, 130, x.shape, generator=gen)
+    x[3], x[10], x[100:140] = float("nan"), float("inf"), 0.0
+    for world_size, per_node in ((4, 2), (6, 3)):
+        got = (torch.empty(n), torch.empty(2 * n, dtype=torch.uint8))
+        want = (torch.empty(n), torch.empty(2 * n, dtype=torch.uint8))
+        _quiet(tc.bind_staged_keys(fmt, x, offsets, *got, world_size, per_node))
+        cpu_kernels.staged_keys(fmt, x, offsets, *want, world_size, per_node, EXPONENT_LIMIT)
+        assert torch.equal(_bits(got[0]), _bits(want[0])) and torch.equal(got[1], want[1])
+    keys = torch.randint(0, 256, (2 * n,), dtype=torch.uint8, generator=gen)
+    keys[:n:3] = want[1][:n:3]
+    for grid in (False, True):
+        rows, want_rows = torch.empty(4, n), torch.empty(4, n)
+        _quiet(tc.bind_staged_key_factors(keys, counts, grid, rows))
+        cpu_kernels.staged_key_factors(keys, blocks.counts, grid, want_rows)
+        assert torch.equal(_bits(rows), _bits(want_rows)), grid
+    maxima = torch.rand(n, generator=gen) * 100
+    maxima[2] = float("inf")
+    layer_of = np.repeat(np.arange(counts.size), counts)
+    call = tc.bind_block_records(fmt, x, offsets, layer_of, keys[:n], maxima, len(numels))
+    want_records = torch.empty(len(numels), 5, dtype=torch.float64)
+    cpu_kernels.block_records(x, offsets, counts, keys[:n], maxima, fmt, want_records)
+    for _ in range(2):
+        records = torch.full((len(numels), 5), 7.0, dtype=torch.float64)
+        _quiet(call, records)
+        assert torch.equal(records, want_records)
