@@ -37,7 +37,7 @@ import logging
 import math
 import os
 from collections.abc import Callable
-from typing import Any
+from typing import IO, Any
 
 import numpy as np
 import torch
@@ -51,11 +51,17 @@ try:
     from llvmlite import ir
     from numba import types as nbtypes
     from numba.core import event as nbevent
+    from numba.core.caching import FunctionCache
     from numba.extending import intrinsic
 
     AVAILABLE = True
 except ImportError:  # pragma: no cover - numba is an install requirement
     AVAILABLE = False
+
+try:
+    import fcntl
+except ImportError:  # pragma: no cover - Windows: each process compiles its own
+    fcntl = None  # type: ignore[assignment]
 
 _log = logging.getLogger(__name__)
 
@@ -265,14 +271,17 @@ def _njit(fn: Callable[..., Any]) -> Any:
 
     numba refuses ``cache=True`` at decoration time when neither the source's
     ``__pycache__`` nor a user cache directory can be written; importing the
-    package must not fail there, the kernels are then compiled per process.
+    package must not fail there, the kernels are then compiled per process. With a
+    cache, the processes of a machine compile each signature once (:class:`_CompileOnce`).
     """
     saved = numba.config.CACHE_DIR
     # numba picks a function's cache location when it is decorated: ours, not the
     # process's setting for everyone else's functions.
     numba.config.CACHE_DIR = cache_dir()
     try:
-        return numba.njit(nogil=True, cache=True)(fn)
+        kernel = numba.njit(nogil=True, cache=True)(fn)
+        if fcntl is not None:
+            kernel._cache = _CompileOnce(fn)
     except RuntimeError as exc:
         if "cannot cache" not in str(exc):
             raise
@@ -280,6 +289,7 @@ def _njit(fn: Callable[..., Any]) -> Any:
         return numba.njit(nogil=True)(fn)
     finally:
         numba.config.CACHE_DIR = saved
+    return kernel
 
 
 def prepare() -> None:
@@ -362,6 +372,72 @@ if AVAILABLE:
 
         def on_end(self, event: Any) -> None:
             pass
+
+    class _CompileOnce(FunctionCache):
+        """numba's disk cache of a kernel, through which the processes of a machine
+        compile each signature once.
+
+        numba looks a signature up in its cache and, on a miss, compiles and writes
+        it: N ranks started on a cold cache compiled every kernel N times side by
+        side (a 4-rank test on 2 cores spent a minute so). Here a miss takes the
+        kernel's lock file in the cache directory and looks again: a process that
+        finds the lock held waits for that compile, then loads its result. The lock
+        is kept until the signature is written, or the compile fails
+        (:class:`_CompileFailed`). numba compiles one kernel at a time per process
+        and a kernel's callees never call it back, so the locks cannot deadlock.
+        """
+
+        def __init__(self, py_func: Callable[..., Any]) -> None:
+            super().__init__(py_func)
+            self._lock_path = os.path.join(self.cache_path, f"{py_func.__qualname__}.lock")
+            self._held: IO[str] | None = None
+
+        def load_overload(self, sig: Any, target_context: Any) -> Any:
+            found = super().load_overload(sig, target_context)
+            if found is not None or self._held is not None:
+                return found
+            try:
+                lock = open(self._lock_path, "a")  # noqa: SIM115 - held past this call
+            except OSError:
+                return None  # compile alone, as numba does
+            fcntl.flock(lock, fcntl.LOCK_EX)
+            found = super().load_overload(sig, target_context)  # written while we waited?
+            if found is None:
+                self._held = lock
+            else:
+                lock.close()
+            return found
+
+        def save_overload(self, sig: Any, data: Any) -> None:
+            try:
+                super().save_overload(sig, data)
+            finally:
+                self.release()
+
+        def release(self) -> None:
+            """Let the next process waiting for this kernel look for it (closing unlocks)."""
+            if self._held is not None:
+                self._held.close()
+                self._held = None
+
+    class _CompileFailed(nbevent.Listener):
+        """Releases a kernel's compile lock (:class:`_CompileOnce`) when its compile
+        raises: nothing will be written for the others to wait for."""
+
+        def on_start(self, event: Any) -> None:
+            pass
+
+        def on_end(self, event: Any) -> None:
+            data = event.data or {}
+            cache = getattr(data.get("dispatcher"), "_cache", None)
+            if not isinstance(cache, _CompileOnce) or "args" not in data:
+                return
+            # A compile that succeeded has added its overload by now. (Not
+            # event.is_failed: numba 0.68's is True exactly when nothing failed.)
+            if tuple(data["args"]) not in data["dispatcher"].overloads:
+                cache.release()
+
+    nbevent.register("numba:compile", _CompileFailed())
 
     COMPILE_NOTICE = CompileNotice()
     """The process's notice; ``said`` turns True at the first compile."""

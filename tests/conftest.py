@@ -67,8 +67,9 @@ def made_once(
 # and FSDP2) once through a world of one rank: one bucket each, so every numba kernel
 # the suite's ranks call is compiled and written to the on-disk cache. Two of these run
 # side by side, one through the configurations (DDP's, then FSDP2's) in order and one
-# through each list backwards (argument "-1"): numba looks a signature up in the
-# on-disk cache before compiling it, so each loads what the other has written.
+# through each list backwards (argument "-1"): a kernel that one of them is compiling
+# or has compiled, the other waits for and loads (cpu_kernels' compile lock), so they
+# meet in the middle.
 _WARM_KERNELS = """
 import sys
 import torch
@@ -97,9 +98,11 @@ def pytest_configure(config: pytest.Config) -> None:
 
     Two processes, one through the configurations forwards and one backwards,
     so that the second core, idle while the workers wait, compiles too: cold,
-    the longer of the two took 124 s of CPU where one alone took 148 s (much is
-    still compiled twice: the first configurations of each direction call the
-    same kernels, before either has written them).
+    the longer of the two took 124 s of CPU where one alone took 148 s, while
+    the first configurations of each direction compiled the same kernels side
+    by side; each signature is now compiled once, by whichever asks first
+    (:class:`aps_comm.cpu_kernels._CompileOnce`), and so are those the
+    warm-up does not reach, which every rank of a test's job compiled.
     """
     if hasattr(config, "workerinput") or not getattr(config.option, "numprocesses", None):
         return

@@ -5,6 +5,10 @@ specials; the owner's reduction, the shard mean and the per-segment maxima."""
 from __future__ import annotations
 
 import logging
+import os
+import subprocess
+import sys
+from pathlib import Path
 
 import numba
 import numpy as np
@@ -295,6 +299,43 @@ def test_kernels_are_cached_on_disk() -> None:
     assert len(kernels) > 20
     for k in kernels:
         assert isinstance(k._cache, numba.core.caching.FunctionCache), k.py_func.__name__
+
+
+# One process of several started at once on a cold cache: meet, then call one kernel.
+_COMPILE_ONE = """
+import os, sys, time
+import numpy as np
+from aps_comm import cpu_kernels
+ready = os.path.join(os.environ["NUMBA_CACHE_DIR"], "ready-" + sys.argv[1])
+open(ready, "w").close()
+while len([n for n in os.listdir(os.environ["NUMBA_CACHE_DIR"]) if n.startswith("ready-")]) < 2:
+    time.sleep(0.01)
+out = np.empty(3, np.float32)
+cpu_kernels.mean_rows(np.arange(6, dtype=np.float32).reshape(2, 3), out)
+print(sum(cpu_kernels._mean_rows._cache_misses.values()), *out.tolist())
+"""
+
+
+def test_processes_on_a_cold_cache_compile_a_kernel_once(tmp_path: Path) -> None:
+    # Both ask for the kernel at the same moment; without the lock both compile it.
+    env = {**os.environ, "NUMBA_CACHE_DIR": str(tmp_path)}
+    procs = [
+        subprocess.Popen(
+            [sys.executable, "-c", _COMPILE_ONE, str(i)], env=env, stdout=subprocess.PIPE, text=True
+        )
+        for i in range(2)
+    ]
+    outs = [p.communicate(timeout=240)[0].split() for p in procs]
+    assert all(p.returncode == 0 for p in procs)
+    assert sorted(int(o[0]) for o in outs) == [0, 1], outs  # one compiled, one loaded
+    assert all(o[1:] == ["1.5", "2.5", "3.5"] for o in outs), outs
+
+
+def test_a_failed_compile_lets_the_others_compile() -> None:
+    kernel = cpu_kernels._mean_rows
+    with pytest.raises(numba.core.errors.TypingError):
+        kernel("not an array", 3)
+    assert kernel._cache._held is None  # its lock is free again
 
 
 def test_compile_notice_said_once(
