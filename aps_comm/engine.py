@@ -1172,6 +1172,9 @@ class Reducer:
         self._unbound: dict[int, tuple] = {}
         # Per FSDP unit index: what it was when it last failed to bind.
         self._unbound_units: dict[int, tuple] = {}
+        # Promote's move: the moving binding's MAX all-reduce vector, for the new one
+        # (:meth:`_vector`).
+        self._moving: torch.Tensor | None = None
         # False: every DDP bucket and FSDP unit takes the general per-step path, never
         # bound (the reference the bound path is tested against, where both exist).
         self.settles = True
@@ -1588,7 +1591,7 @@ class Reducer:
             return
         n = len(fmts)
         size = 0 if blocks else n * (1 + int(promoted)) + int(measured)
-        maxima = torch.zeros(size, dtype=torch.float32, device=x.device)
+        maxima = self._vector(size, torch.float32, x.device)
         if promoted:
             # The FP32 group's layers keep their rates, as in the general path.
             kept = {i for g in groups if g.reduction == Route.FP32 for i in g.index}
@@ -1645,7 +1648,7 @@ class Reducer:
         n, promoted = len(fmts), self.assignment.promoter is not None and not blocks
         size = sum(g.layout.n_segments for g in sent) if blocks else n * (1 + int(promoted))
         dtype = torch.uint8 if blocks else torch.float32
-        shared = torch.zeros(size, dtype=dtype, device=x.device)
+        shared = self._vector(size, dtype, x.device)
         if promoted:
             # The FP32 group's layers keep their rates, as in the general path.
             kept = {i for g in groups if g.reduction == Route.FP32 for i in g.index}
@@ -1956,9 +1959,7 @@ class Reducer:
             st.put_rates()
         transports.all_reduce_max(st.maxima, comm.group, self.traffic)
         if st.promote is not None and self._promoted(st):
-            if st.scatter is not None:  # the values with their residuals, in the bucket
-                st.scatter()
-            self._moved(index, st, x, False)
+            self._moved(index, st, x, False)  # the values with their residuals: carried
             return
         self._finish_feedback_groups(index, st)
 
@@ -2147,7 +2148,7 @@ class Reducer:
         vector = None
         if promoted and self.settings.scaling != Scaling.BLOCK:
             # The general path's vector: the maxima, then every layer's last local rate.
-            vector = torch.zeros(2 * n, dtype=torch.float32, device=x.device)
+            vector = self._vector(2 * n, torch.float32, x.device)
             self._rates_into(vector[n:], names, set())
         st = self._bind_feedback(index, x, g, names, None if vector is None else vector[:n])
         if st is not None:
@@ -2617,7 +2618,7 @@ class Reducer:
             return
         n = len(fmts)
         rates = n if promote is not None else 0
-        maxima = torch.zeros(n + rates + int(measured), dtype=torch.float32, device=x.device)
+        maxima = self._vector(n + rates + int(measured), torch.float32, x.device)
         if promote is not None:
             self._bind_rates(maxima[n : 2 * n], promote[2])
         native = route == Route.ALLREDUCE
@@ -2783,30 +2784,61 @@ class Reducer:
         fixed = not isinstance(st, SteadyFeedback) and not measured
         chunk = st.chunk if fixed else None  # type: ignore[union-attr]
         plan = self.plan(index, layers[1], x.device)
-        new = self._bind_first(index, x, plan, layers, chunk, added=True)
+        self._moving = st.maxima  # the new binding's vector, where it is of the same size
+        try:
+            new = self._bind_first(index, x, plan, layers, chunk, added=True)
+        finally:
+            self._moving = None
+        carried = False
+        if isinstance(st, SteadyGroups) and st.feedback and st.scatter is not None:
+            # The values, their residuals added, are in the old binding's scratch: into the
+            # new one's in one call where it has scratch, else into the bucket.
+            carried = isinstance(new, SteadyGroups) and new.feedback and new.scatter is not None
+            if carried:
+                _carry(st, new)  # type: ignore[arg-type]  # a SteadyGroups
+            else:
+                st.scatter()
         if new is None:
             return self._general_moved(index, x, plan, layers, st.maxima, chunk, defer)
         assert not isinstance(new, SteadyBlocks | SteadyAgreedBlocks)  # Promote has no blocks
         assert new.maxima is not None  # with Promote, the general path's vector
-        # The agreed maxima into the new vector (the same order, whatever the kind); its
-        # rates are the binding's, as the general path's step leaves them.
-        n = len(layers[1])
-        new.maxima[:n].copy_(st.maxima[:n])
-        if measured:  # the chunk agreed (CPU only: the numpy views, no tensor op)
-            new.maxima.numpy()[-1] = st.maxima.numpy()[-1]
-        return self._resume(index, new, x, defer)
+        if new.maxima is not st.maxima:
+            # The agreed maxima into the new vector (the same order, whatever the kind);
+            # its rates are the binding's, as the general path's step leaves them.
+            n = len(layers[1])
+            new.maxima[:n].copy_(st.maxima[:n])
+            if measured:  # the chunk agreed (CPU only: the numpy views, no tensor op)
+                new.maxima.numpy()[-1] = st.maxima.numpy()[-1]
+        return self._resume(index, new, x, defer, carried)
+
+    def _vector(self, size: int, dtype: torch.dtype, device: torch.device) -> torch.Tensor:
+        """A settled bucket's MAX all-reduce vector, zeros; on Promote's move (:meth:`_moved`)
+        the moving binding's own where it has this size: every kind lays it out alike (the
+        layers' maxima and rates in bucket order, then the chunk), so the new binding
+        resumes from the maxima and chunk just agreed with no copy (its rates are bound
+        from the reducer's, as on a copy). Taken once: one binding owns it."""
+        old, self._moving = self._moving, None
+        if old is not None and old.numel() == size and old.dtype == dtype and old.device == device:
+            return old
+        return torch.zeros(size, dtype=dtype, device=device)
 
     def _resume(
-        self, index: int, st: Steady | SteadyFeedback | SteadyGroups, x: torch.Tensor, defer: bool
+        self,
+        index: int,
+        st: Steady | SteadyFeedback | SteadyGroups,
+        x: torch.Tensor,
+        defer: bool,
+        carried: bool = False,
     ) -> Callable[[], None] | None:
         """:meth:`run_steady` from after its MAX all-reduce, ``st``'s vector agreed already
-        (error feedback: the residuals added; groups: gathered into the plan's order)."""
+        (error feedback: the residuals added; groups: gathered into the plan's order, or with
+        ``carried`` in ``st``'s scratch already)."""
         if isinstance(st, SteadyFeedback):
             return self._finish_feedback(index, st, x)
         if isinstance(st, SteadyGroups) and st.feedback:
-            if not st.fused and st.gather is not None:
+            if not carried and not st.fused and st.gather is not None:
                 st.gather()
-            elif st.scatter is not None:  # the fused gather would add the residuals again
+            elif not carried and st.scatter is not None:  # the fused gather adds them again
                 _gather_back(st.scatter)
             self._finish_feedback_groups(index, st)
             return None
@@ -2881,7 +2913,7 @@ class Reducer:
             return
         route, layouts, n = Route(g.reduction), self.comm.layouts, len(fmts)
         rates = n if promote is not None else 0
-        maxima = torch.zeros(n + rates + int(measured), dtype=torch.float32, device=x.device)
+        maxima = self._vector(n + rates + int(measured), torch.float32, x.device)
         local = None
         if blocks:  # the general path's vector: two keys per block, then the chunk's byte
             local = torch.empty(g.layout.n_segments)
@@ -4182,6 +4214,16 @@ def _agree_chunk(plan: BucketPlan, log2: int) -> None:
     """The ranks' largest preferred chunk, from a first exchange: the bucket's next one."""
     if log2:
         plan.agreed_chunk = 2**log2
+
+
+def _carry(old: SteadyGroups, new: SteadyGroups) -> None:
+    """Promote's move of interleaved groups with error feedback: every layer's values (their
+    residuals added) from ``old``'s scratch, in its plan's order, into ``new``'s, in its
+    own: one call (what took ``old``'s scatter into the bucket and ``new``'s gather)."""
+    assert isinstance(old.scatter, functools.partial) and isinstance(new.scatter, functools.partial)
+    held = dict(zip([i for g in old.groups for i in g.index], old.scatter.args[1], strict=True))
+    order = [i for g in new.groups for i in g.index]
+    torch._foreach_copy_(list(new.scatter.args[1]), [held[i] for i in order])
 
 
 def _gather_back(scatter: Callable[[], object]) -> None:

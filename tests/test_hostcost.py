@@ -1340,11 +1340,16 @@ def test_promote_moves_a_format_on_the_bound_path_within_the_budget(
     assert not any("_local_scalar_dense" in op for op in moved[200]), moved[200]
     assert moved[fewest] == moved[200], moved
     assert len(settled_step[200]) <= BUDGET, settled_step[200]
-    # The agreed maxima copied into the new binding's vector; interleaved groups with
-    # error feedback also scatter the values (their residuals added) into the bucket and
-    # gather them in the new order (their fused gather would add the residuals again).
-    extra = 1 + 2 * (config == "interleaved+error_feedback")
-    assert len(moved[200]) <= len(settled_step[200]) + extra, (moved[200], settled_step[200])
+    # Within the budget, and what a settled step of the new formats costs: the new binding
+    # resumes on the old one's vector (its maxima and chunk agreed: no copy); interleaved
+    # groups with error feedback also carry the values (their residuals added) from the
+    # old scratch into the new one's, one call (a scatter and a gather before: 16 and 17).
+    assert "aten::copy_.default" not in moved[200], moved[200]
+    extra = int(config == "interleaved+error_feedback")
+    assert len(moved[200]) <= min(BUDGET, len(settled_step[200]) + extra), (
+        moved[200],
+        settled_step[200],
+    )
 
 
 def _run_into(
