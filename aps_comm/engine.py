@@ -33,7 +33,7 @@ import dataclasses
 import functools
 import math
 import time
-from collections.abc import Callable, Sequence
+from collections.abc import Callable, Container, Sequence
 from typing import Any
 
 import numpy as np
@@ -245,6 +245,9 @@ class Steady:
         """
         g = self.group
         if g is None:
+            return
+        if self.route == Route.FP32:  # with Promote: averaged as they are, maxima bound apart
+            self.bound_ptr = x.data_ptr()
             return
         native = self.route == Route.ALLREDUCE
         scale: torch.Tensor | AgreedMaxima = self.agreed
@@ -867,6 +870,8 @@ class SteadyGroups:
             assert g.node is not None and self.layouts is not None
             nodes = self.layouts.grid if route == Route.GRID else self.layouts.nodes
             staged = {"groups": nodes, "per_node": g.node.ranks_per_node}
+            if self.promote is not None:  # its layers' rates: under its first level's factors
+                staged["promote"] = tuple([layer[i] for i in g.index] for layer in self.promote)
         steady = (SteadyStaged if staged else Steady)(
             g.numel,
             gx.data_ptr(),
@@ -1576,9 +1581,8 @@ class Reducer:
             self._settle_agreed_groups(index, x, plan, fmts, groups, (main, measured, chunk), names)
             return
         # Staged groups where they are consecutive in the bucket (KeepLast's): interleaved,
-        # two staged groups' chunks and the gather pass the budget. Not with Promote: a
-        # staged group's rates are its own bucket's (SteadyStaged.promote), not a view.
-        if not promoted and [i for g in groups for i in g.index] == list(range(len(fmts))):
+        # two staged groups' chunks and the gather pass the budget.
+        if [i for g in groups for i in g.index] == list(range(len(fmts))):
             routes += (Route.HIERARCHICAL, Route.GRID)
         if (
             # Blocks: each rank's own exponents (nothing agreed, Promote takes no step).
@@ -1985,13 +1989,21 @@ class Reducer:
         if st.scatter is not None:
             st.scatter()
 
-    def _rates_into(self, slots: torch.Tensor, names: Sequence[str | None], kept: set[int]) -> None:
+    def _rates_into(
+        self, slots: torch.Tensor, names: Sequence[str | None], kept: Container[int] = ()
+    ) -> None:
         """Promote: every layer's last local rate into ``slots`` of a settled bucket's maxima
         vector, which the next step's MAX all-reduce sends; the reducer's rates of the
-        layers not ``kept`` become views of them (checkpoints read those)."""
+        layers not ``kept`` become views of them (checkpoints read those), those ``kept``
+        (sent in FP32: never measured again, as on the general path) views of a copy."""
         zero = torch.zeros((), device=slots.device)
-        slots.copy_(torch.stack([self.rates.get(m or "", zero) for m in names]))
-        self.rates.update({m or "": slots[i] for i, m in enumerate(names) if i not in kept})
+        local = torch.stack([self.rates.get(m or "", zero) for m in names])
+        slots.copy_(local)
+        # Kept: not the slots, which the all-reduce overwrites with the ranks' largest,
+        # nor a vector that a move hands on (:meth:`_vector`).
+        self.rates.update(
+            {m or "": (local if i in kept else slots)[i] for i, m in enumerate(names)}
+        )
 
     def _run_groups(self, index: int, st: SteadyGroups, x: torch.Tensor) -> None:
         """:meth:`run_steady` of a bucket of several formats: the maxima agreed once (none
@@ -2149,7 +2161,7 @@ class Reducer:
         if promoted and self.settings.scaling != Scaling.BLOCK:
             # The general path's vector: the maxima, then every layer's last local rate.
             vector = self._vector(2 * n, torch.float32, x.device)
-            self._rates_into(vector[n:], names, set())
+            self._rates_into(vector[n:], names)
         st = self._bind_feedback(index, x, g, names, None if vector is None else vector[:n])
         if st is not None:
             if vector is not None:
@@ -2605,8 +2617,7 @@ class Reducer:
         assignment, settings = self.assignment, self.settings
         if (
             self.feedback is not None
-            # Promote's rates ride on the maxima all-reduce, which FP32 buckets skip.
-            or (assignment.promoter is not None and (promote is None or route == Route.FP32))
+            or (assignment.promoter is not None and promote is None)
             # An FP32 bucket is one all-reduce, whatever the scaling.
             or (
                 route != Route.FP32
@@ -2619,8 +2630,9 @@ class Reducer:
         n = len(fmts)
         rates = n if promote is not None else 0
         maxima = self._vector(n + rates + int(measured), torch.float32, x.device)
-        if promote is not None:
-            self._bind_rates(maxima[n : 2 * n], promote[2])
+        if promote is not None:  # sent in FP32, the layers' rates stay, as on the general path
+            kept = set(range(n)) if route == Route.FP32 else set()
+            self._rates_into(maxima[n : 2 * n], promote[2], kept)
         native = route == Route.ALLREDUCE
         self.steady[index] = st = Steady(
             x.numel(),
@@ -2641,17 +2653,14 @@ class Reducer:
             promote=promote,
             workspace=self._epoch(index, x.device),
         )
-        if settings.stats and g is not None:  # an FP32 bucket records nothing
+        if settings.stats and route != Route.FP32:  # an FP32 bucket records nothing
             st.record_names(names)
         st.bind(x, self.comm.world_size)
-
-    def _bind_rates(self, slots: torch.Tensor, names: Sequence[str | None]) -> None:
-        """Promote: the layers' last local rates into ``slots`` of a settled bucket's maxima
-        vector, where each step's rates go out with the next step's maxima; the reducer's
-        rates become views of them (checkpoints read those)."""
-        zero = torch.zeros((), device=slots.device)
-        slots.copy_(torch.stack([self.rates.get(m or "", zero) for m in names]))
-        self.rates.update({m or "": slots[i] for i, m in enumerate(names)})
+        if promote is not None and route == Route.FP32:
+            # The general path's maxima all the same: a move out of FP32 resumes from them.
+            # Any format's codec writes them; the ladder's narrowest has the fused kernel.
+            narrowest = codec.codec_for(assignment.promoter.ladder[0], x.device)  # type: ignore[union-attr]
+            st.maxima_call = narrowest.bind_layer_maxima(x, plan.layout, maxima[:n])
 
     def steady_for(
         self, index: int, buffer: torch.Tensor
@@ -2701,7 +2710,7 @@ class Reducer:
             return None
         if isinstance(st, SteadyStaged):
             return self._run_staged(index, st, x, defer)
-        if st.route == Route.FP32:
+        if st.route == Route.FP32 and st.promote is None:
             transports.fp32_mean(x, comm.group, comm.world_size, self.traffic)
             return None
         if st.measured:  # CPU only: the keys' numpy view, no tensor op
@@ -2727,6 +2736,8 @@ class Reducer:
         maxima, Promote's rates, the chunk where measured): the factors, the records,
         this rank's rates and the route's bound chunks."""
         comm, g, native = self.comm, st.group, st.route == Route.ALLREDUCE
+        if st.route == Route.FP32:  # Promote's: the layers' rates stay, as on the general path
+            return self._finish_fp32(index, st, x)
         if st.bucket:
             st.spread()
         if st.measured:
@@ -2764,6 +2775,17 @@ class Reducer:
         if st.measured:
             st.plan.timed(time.perf_counter() - start)
         return tail
+
+    def _finish_fp32(self, index: int, st: Steady, x: torch.Tensor) -> None:
+        """:meth:`_finish_steady` of a bucket sent in FP32 under Promote, after the MAX
+        all-reduce that carried its maxima, rates and chunk (the general path's): the chunk
+        agreed kept, the values averaged."""
+        if st.measured:  # the ranks' largest preference, as the general path's
+            st.chunk = self.bucket_chunks[index] = 2 ** int(st.maxima.numpy()[-1])
+        start = time.perf_counter()
+        transports.fp32_mean(x, self.comm.group, self.comm.world_size, self.traffic)
+        if st.measured:
+            st.plan.timed(time.perf_counter() - start)
 
     def _moved(
         self, index: int, st: Steady | SteadyFeedback | SteadyGroups, x: torch.Tensor, defer: bool
@@ -2919,7 +2941,7 @@ class Reducer:
             local = torch.empty(g.layout.n_segments)
             maxima = torch.zeros(2 * local.numel() + int(measured), dtype=torch.uint8)
         if promote is not None:
-            self._bind_rates(maxima[n : 2 * n], promote[2])
+            self._rates_into(maxima[n : 2 * n], promote[2])
         st = SteadyStaged(
             x.numel(),
             x.data_ptr(),
