@@ -788,7 +788,9 @@ class SteadyGroups:
         bucket_rates = self.maxima[n : 2 * n] if self.promote is not None else None
         rates = bucket_rates
         if not self.blocks:
-            sent = next(g for g in self.groups if g.reduction != Route.FP32)
+            # Every group in FP32 (Promote's, on a fast link): a format's codec all the same.
+            sent = next((g for g in self.groups if g.reduction != Route.FP32), None)
+            sent = sent or next(g for g in self.groups if g.fmt != FP32)
             self.maxima_call = sent.codec.bind_layer_maxima(x, self.plan.layout, agreed)
         order = [i for g in self.groups for i in g.index]
         values, maxima = x, agreed
@@ -1590,7 +1592,9 @@ class Reducer:
             or x.dtype != torch.float32
             # An empty group's collectives are not the bound ones'.
             or any(g.reduction not in routes or not g.numel for g in groups)
-            or all(g.reduction == Route.FP32 for g in groups)
+            # Every group in FP32: one all-reduce of the bucket, but under Promote, whose
+            # rates and maxima the general path still agrees (it may move them out).
+            or (not promoted and all(g.reduction == Route.FP32 for g in groups))
         ):
             return
         n = len(fmts)

@@ -197,6 +197,12 @@ CONFIGS: dict[str, dict[str, Any]] = {
         **ROUTES["two_phase"],
         "policy": [Promote(ladder=("e4m3", "fp32")), ByName({"*": "fp32"})],
     },
+    "auto/fp32+keep_last+promote": {
+        "fmt": "e4m3",
+        "reduction": "auto",
+        "profile": FAST_LINK,
+        "policy": [Promote(), KeepLast("fp32")],
+    },
 }
 """Every option a user turns on, beside the three plain routes (``--configs all``).
 

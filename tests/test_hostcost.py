@@ -1501,6 +1501,43 @@ def test_promote_binds_an_fp32_bucket_and_moves_it_back_out() -> None:
         assert problems == []
 
 
+@pytest.mark.parametrize("policy", [[KeepLast("fp32")], [_ODD_FP16, KeepLast("fp32")]])
+def test_promote_binds_a_bucket_whose_groups_all_go_in_fp32(world: None, policy: list) -> None:
+    """Issue 46: "auto" on a fast link sends every group in FP32; under ``Promote`` the
+    bucket still agrees its maxima and rates as the general path does (Promote may move a
+    layer out), so it binds as groups each sent as its all-reduce (the general path every
+    step before): the same ops for 2 or 200 layers within the budget, its bits."""
+    options = {**CONFIGS["auto/fp32"], "policy": [Promote(gamma=0.05), *policy]}
+    counts = {}
+    for layers in (4, 200):
+        numels = [300 + i for i in range(layers)]
+        params = [torch.nn.Parameter(torch.empty(n)) for n in numels]
+        settled, full = _bound_state(options, params), _bound_state(options, params)
+        gen = torch.Generator().manual_seed(layers)
+        buffer = torch.empty(sum(numels))
+        for step in range(4):
+            x = torch.randn(sum(numels), generator=gen)
+            buffer.copy_(x)
+            if step == 3:
+                outs: list[torch.Tensor] = []
+                aten, kernels = count_calls(
+                    functools.partial(_run_into, outs, settled, buffer, params), CPU
+                )
+                out, counts[layers] = outs[0], aten + kernels
+            else:
+                out = settled.run_bucket(0, buffer, params)
+            full.bind(CPU)
+            full.reducer.settles = False  # never bound: the general path every step
+            want = full.run_bucket(0, x.clone(), params)
+            assert torch.equal(out.view(torch.int32), want.view(torch.int32)), (layers, step)
+            assert settled.bytes_detail == full.bytes_detail, (layers, step)
+        st = settled.reducer.steady_for(0, buffer)
+        assert isinstance(st, SteadyGroups) and all(s is None for _, s in st.parts), st
+    assert not any("_local_scalar_dense" in op for op in counts[200]), counts[200]
+    assert counts[4] == counts[200], counts
+    assert len(counts[200]) <= BUDGET, counts[200]
+
+
 def _run_into(
     outs: list[torch.Tensor],
     state: aps_comm.APSState,
