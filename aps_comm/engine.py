@@ -1466,7 +1466,7 @@ class Reducer:
             self._settle_blocks(index, x, plan, fmts, g, measured, chunk, names)
         elif self.feedback is None:
             self._settle_agreed_blocks(index, x, plan, fmts, g, main, measured, chunk, names)
-        if self.feedback is not None:
+        if self.feedback is not None and g.reduction != Route.FP32:
             self._settle_feedback(index, x, g, fmts, (list(keys), list(numels), list(names)))
 
     def _groups(
@@ -2620,7 +2620,9 @@ class Reducer:
         """
         assignment, settings = self.assignment, self.settings
         if (
-            self.feedback is not None
+            # Sent in FP32 under Promote, error feedback keeps nothing: :meth:`_bind_first`
+            # sends what the residuals kept once more and drops them, as the general path.
+            (self.feedback is not None and (route != Route.FP32 or promote is None))
             or (assignment.promoter is not None and promote is None)
             # An FP32 bucket is one all-reduce, whatever the scaling.
             or (

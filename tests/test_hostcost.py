@@ -1323,6 +1323,11 @@ _MOVES: dict[str, dict] = {
     },
     # Up into FP32: the bucket's every layer, then sent as it is (its rates stay).
     "into_fp32": {**ROUTES["two_phase"], "policy": [Promote(gamma=0.05, ladder=("e4m3", "fp32"))]},
+    "into_fp32+error_feedback": {
+        **ROUTES["two_phase"],
+        "error_feedback": True,
+        "policy": [Promote(gamma=0.05, ladder=("e4m3", "fp32"))],
+    },
 }
 """Promote over every kind of settled bucket it binds: a move binds the new formats."""
 
@@ -1423,27 +1428,29 @@ def test_promote_moves_a_format_on_the_bound_path_within_the_budget(
     # Within the budget, and what a settled step of the new formats costs: the new binding
     # resumes on the old one's vector (its maxima and chunk agreed: no copy); interleaved
     # groups with error feedback also carry the values (their residuals added) from the
-    # old scratch into the new one's, one call (a scatter and a gather before: 16 and 17).
+    # old scratch into the new one's, one call (a scatter and a gather before: 16 and 17);
+    # into FP32 with error feedback, the old binding added the residuals before the move.
     assert "aten::copy_.default" not in moved[200], moved[200]
-    extra = int(config == "interleaved+error_feedback")
+    extra = int(config in ("interleaved+error_feedback", "into_fp32+error_feedback"))
     assert len(moved[200]) <= min(BUDGET, len(settled_step[200]) + extra), (
         moved[200],
         settled_step[200],
     )
 
 
-def _fp32_promote_steps(rank: int, world_size: int) -> list[str]:
+def _fp32_promote_steps(rank: int, world_size: int, feedback: bool) -> list[str]:
     """Promote with FP32 on its ladder: a bucket moved up into FP32 binds (its maxima and
     rates agreed as on the general path, the rates never measured again); its rates
     restored low by a checkpoint, it moves back out after ``patience`` calm steps on its
     bound path, from the maxima its FP32 binding agreed (a NaN among them). Every step the
-    general path's gradients, bytes and Promote's levels; the general path never runs."""
+    general path's gradients, bytes, residuals and Promote's levels; the general path
+    never runs. ``feedback``: with error feedback (residuals dropped in FP32, then anew)."""
     numels = [300, 700, 33, 50]
     params = [torch.nn.Parameter(torch.empty(n)) for n in numels]
     ladder = Promote(gamma=0.05, patience=2, ladder=("e4m3", "fp32"))
-    settled, full = (
-        _bound_state({**ROUTES["two_phase"], "policy": [ladder]}, params) for _ in "ab"
-    )
+    options = {**ROUTES["two_phase"], "error_feedback": feedback, "policy": [ladder]}
+    settled, full = (_bound_state(options, params) for _ in "ab")
+    kind = SteadyFeedback if feedback else Steady
     gen = torch.Generator().manual_seed(31 + rank)
     buffer = torch.empty(sum(numels))
     problems, seen = [], []
@@ -1479,13 +1486,18 @@ def _fp32_promote_steps(rank: int, world_size: int) -> list[str]:
             problems.append(f"step {step}: Promote's levels differ")
         if settled.bytes_detail != full.bytes_detail:
             problems.append(f"step {step}: bytes differ")
+        mine, ref = settled.state_dict()["residuals"], full.state_dict()["residuals"]
+        if mine.keys() != ref.keys() or not all(
+            torch.equal(mine[k].view(torch.int32), ref[k].view(torch.int32)) for k in ref
+        ):
+            problems.append(f"step {step}: residuals differ")
         st = settled.reducer.steady.get(0)
         fmt = settled.assignment.formats([id(p) for p in params], step)[0].name
-        seen.append((fmt, st.route.value if isinstance(st, Steady) else None, st))
-    if [(f, r) for f, r, _ in seen] != [("e4m3", "two_phase")] * 3 + [("fp32", "fp32")] * 3 + [
-        ("e4m3", "two_phase")
-    ] * 2:
-        problems.append(f"formats and routes {[(f, r) for f, r, _ in seen]}")
+        fp32 = isinstance(st, Steady) and st.route == "fp32"
+        seen.append((fmt, "fp32" if fp32 else type(st).__name__, st))
+    want = [("e4m3", kind.__name__)] * 3 + [("fp32", "fp32")] * 3 + [("e4m3", kind.__name__)] * 2
+    if [(f, r) for f, r, _ in seen] != want:
+        problems.append(f"formats and bound paths {[(f, r) for f, r, _ in seen]}")
     # Bound again where a format moved (3, 6) and where the checkpoint was restored (5).
     again = [s for s in range(1, 8) if seen[s][2] is not seen[s - 1][2]]
     if again != [3, 5, 6]:
@@ -1493,11 +1505,13 @@ def _fp32_promote_steps(rank: int, world_size: int) -> list[str]:
     return problems
 
 
-def test_promote_binds_an_fp32_bucket_and_moves_it_back_out() -> None:
+@pytest.mark.parametrize("feedback", [False, True], ids=["plain", "error_feedback"])
+def test_promote_binds_an_fp32_bucket_and_moves_it_back_out(feedback: bool) -> None:
     """Issue 46: an all-FP32 bucket under ``Promote`` binds (the general path every step
     before: Promote may move it out of FP32, from the maxima its all-reduce agrees) and
-    moves out of FP32 on its bound path, with the general path's bits on two ranks."""
-    for problems in run_distributed(_fp32_promote_steps, 2):
+    moves out of FP32 on its bound path, with the general path's bits (and residuals) on
+    two ranks."""
+    for problems in run_distributed(_fp32_promote_steps, 2, args=(feedback,)):
         assert problems == []
 
 
