@@ -1646,7 +1646,8 @@ class Reducer:
         blocks = self.settings.scaling == Scaling.BLOCK
         if (
             not self._feedback_settles(x)
-            or not sent
+            # Every group in FP32: under Promote only (its maxima and rates still agreed).
+            or not (sent or self.assignment.promoter is not None)
             # An empty group's collectives are not the bound ones'.
             or any(g.reduction not in (Route.FP32, Route.TWO_PHASE) or not g.numel for g in groups)
         ):
@@ -1685,7 +1686,9 @@ class Reducer:
             values, agreed = self._interleave(st, x, order, shared, promoted, names)
         if not blocks and not st.fused:
             layout = plan.layout if values is x else Layout.from_numels(st.gather_numels, x.device)
-            st.maxima_call = sent[0].codec.bind_layer_maxima(values, layout, agreed[:n])
+            # Every group in FP32: a format's codec all the same (a group's is not FP32).
+            maxima = (sent or [g for g in groups if g.fmt != FP32])[0].codec
+            st.maxima_call = maxima.bind_layer_maxima(values, layout, agreed[:n])
         parts: list[tuple[torch.Tensor, Steady | SteadyBlocks | SteadyFeedback | None]] = []
         rates: list[torch.Tensor | None] = []
         lo = at = first = kept = 0

@@ -1515,13 +1515,21 @@ def test_promote_binds_an_fp32_bucket_and_moves_it_back_out(feedback: bool) -> N
         assert problems == []
 
 
+@pytest.mark.parametrize("feedback", [False, True], ids=["plain", "error_feedback"])
 @pytest.mark.parametrize("policy", [[KeepLast("fp32")], [_ODD_FP16, KeepLast("fp32")]])
-def test_promote_binds_a_bucket_whose_groups_all_go_in_fp32(world: None, policy: list) -> None:
+def test_promote_binds_a_bucket_whose_groups_all_go_in_fp32(
+    world: None, policy: list, feedback: bool
+) -> None:
     """Issue 46: "auto" on a fast link sends every group in FP32; under ``Promote`` the
     bucket still agrees its maxima and rates as the general path does (Promote may move a
     layer out), so it binds as groups each sent as its all-reduce (the general path every
-    step before): the same ops for 2 or 200 layers within the budget, its bits."""
-    options = {**CONFIGS["auto/fp32"], "policy": [Promote(gamma=0.05), *policy]}
+    step before): the same ops for 2 or 200 layers within the budget, its bits (with error
+    feedback its residuals: sent once more, then none)."""
+    options = {
+        **CONFIGS["auto/fp32"],
+        "error_feedback": feedback,
+        "policy": [Promote(gamma=0.05), *policy],
+    }
     counts = {}
     for layers in (4, 200):
         numels = [300 + i for i in range(layers)]
@@ -1545,6 +1553,7 @@ def test_promote_binds_a_bucket_whose_groups_all_go_in_fp32(world: None, policy:
             want = full.run_bucket(0, x.clone(), params)
             assert torch.equal(out.view(torch.int32), want.view(torch.int32)), (layers, step)
             assert settled.bytes_detail == full.bytes_detail, (layers, step)
+            assert settled.state_dict()["residuals"].keys() == full.state_dict()["residuals"].keys()
         st = settled.reducer.steady_for(0, buffer)
         assert isinstance(st, SteadyGroups) and all(s is None for _, s in st.parts), st
     assert not any("_local_scalar_dense" in op for op in counts[200]), counts[200]
