@@ -33,7 +33,7 @@ import dataclasses
 import functools
 import math
 import time
-from collections.abc import Callable, Sequence
+from collections.abc import Callable, Container, Sequence
 from typing import Any
 
 import numpy as np
@@ -245,6 +245,9 @@ class Steady:
         """
         g = self.group
         if g is None:
+            return
+        if self.route == Route.FP32:  # with Promote: averaged as they are, maxima bound apart
+            self.bound_ptr = x.data_ptr()
             return
         native = self.route == Route.ALLREDUCE
         scale: torch.Tensor | AgreedMaxima = self.agreed
@@ -800,7 +803,9 @@ class SteadyGroups:
         bucket_rates = self.maxima[n : 2 * n] if self.promote is not None else None
         rates = bucket_rates
         if not self.blocks:
-            sent = next(g for g in self.groups if g.reduction != Route.FP32)
+            # Every group in FP32 (Promote's, on a fast link): a format's codec all the same.
+            sent = next((g for g in self.groups if g.reduction != Route.FP32), None)
+            sent = sent or next(g for g in self.groups if g.fmt != FP32)
             self.maxima_call = sent.codec.bind_layer_maxima(x, self.plan.layout, agreed)
         order = [i for g in self.groups for i in g.index]
         values, maxima = x, agreed
@@ -882,6 +887,8 @@ class SteadyGroups:
             assert g.node is not None and self.layouts is not None
             nodes = self.layouts.grid if route == Route.GRID else self.layouts.nodes
             staged = {"groups": nodes, "per_node": g.node.ranks_per_node}
+            if self.promote is not None:  # its layers' rates: under its first level's factors
+                staged["promote"] = tuple([layer[i] for i in g.index] for layer in self.promote)
         steady = (SteadyStaged if staged else Steady)(
             g.numel,
             gx.data_ptr(),
@@ -1221,6 +1228,9 @@ class Reducer:
         self._unbound: dict[int, tuple] = {}
         # Per FSDP unit index: what it was when it last failed to bind.
         self._unbound_units: dict[int, tuple] = {}
+        # Promote's move: the moving binding's MAX all-reduce vector, for the new one
+        # (:meth:`_vector`).
+        self._moving: torch.Tensor | None = None
         # False: every DDP bucket and FSDP unit takes the general per-step path, never
         # bound (the reference the bound path is tested against, where both exist).
         self.settles = True
@@ -1505,7 +1515,7 @@ class Reducer:
             self._settle_blocks(index, x, plan, fmts, g, measured, chunk, names)
         elif self.feedback is None:
             self._settle_agreed_blocks(index, x, plan, fmts, g, main, measured, chunk, names)
-        if self.feedback is not None:
+        if self.feedback is not None and g.reduction != Route.FP32:
             self._settle_feedback(index, x, g, fmts, (list(keys), list(numels), list(names)))
 
     def _groups(
@@ -1626,12 +1636,11 @@ class Reducer:
             chunking = (main, measured and not rank, chunk)
             self._settle_agreed_groups(index, x, plan, fmts, groups, chunking, names)
             return
-        # Staged groups; with each rank's own block exponents only where consecutive in the
-        # bucket (KeepLast's): interleaved, two such groups' chunks and the gather pass the
-        # budget. Not with Promote: a staged group's rates are its own bucket's
-        # (SteadyStaged.promote), not a view.
+        # Staged groups; with each rank's own block exponents or with Promote (a staged
+        # part's rates) only where consecutive in the bucket (KeepLast's): interleaved,
+        # two such groups' chunks and the gather pass the budget.
         consecutive = [i for g in groups for i in g.index] == list(range(len(fmts)))
-        if not promoted and (consecutive or not blocks):
+        if consecutive or not (blocks or promoted):
             routes += (Route.HIERARCHICAL, Route.GRID)
         if (
             # Blocks: each rank's own exponents (nothing agreed, Promote takes no step).
@@ -1639,12 +1648,14 @@ class Reducer:
             or x.dtype != torch.float32
             # An empty group's collectives are not the bound ones'.
             or any(g.reduction not in routes or not g.numel for g in groups)
-            or all(g.reduction == Route.FP32 for g in groups)
+            # Every group in FP32: one all-reduce of the bucket, but under Promote, whose
+            # rates and maxima the general path still agrees (it may move them out).
+            or (not promoted and all(g.reduction == Route.FP32 for g in groups))
         ):
             return
         n = len(fmts)
         size = 0 if blocks else n * (1 + int(promoted)) + int(measured)
-        maxima = torch.zeros(size, dtype=torch.float32, device=x.device)
+        maxima = self._vector(size, torch.float32, x.device)
         if promoted:
             # The FP32 group's layers keep their rates, as in the general path.
             kept = {i for g in groups if g.reduction == Route.FP32 for i in g.index}
@@ -1694,7 +1705,8 @@ class Reducer:
         routes = (Route.FP32, Route.TWO_PHASE, Route.ALLREDUCE)
         if (
             not self._feedback_settles(x)
-            or not sent
+            # Every group in FP32: under Promote only (its maxima and rates still agreed).
+            or not (sent or self.assignment.promoter is not None)
             # An empty group's collectives are not the bound ones'.
             or any(g.reduction not in routes or not g.numel for g in groups)
             # Promote's rates are two_phase's factors' (the native sum's ladder has none).
@@ -1709,7 +1721,7 @@ class Reducer:
         n, promoted = len(fmts), self.assignment.promoter is not None and not blocks
         size = sum(g.layout.n_segments for g in sent) if blocks else n * (1 + int(promoted))
         dtype = torch.uint8 if blocks else torch.float32
-        shared = torch.zeros(size, dtype=dtype, device=x.device)
+        shared = self._vector(size, dtype, x.device)
         if promoted:
             # The FP32 group's layers keep their rates, as in the general path.
             kept = {i for g in groups if g.reduction == Route.FP32 for i in g.index}
@@ -1749,7 +1761,9 @@ class Reducer:
                 layout = (
                     plan.layout if values is x else Layout.from_numels(st.gather_numels, x.device)
                 )
-                st.maxima_call = sent[0].codec.bind_layer_maxima(values, layout, agreed[:n])
+                # Every group in FP32: a format's codec all the same (a group's is not FP32).
+                maxima = (sent or [g for g in groups if g.fmt != FP32])[0].codec
+                st.maxima_call = maxima.bind_layer_maxima(values, layout, agreed[:n])
             local = iter([arena.take(g.layout.n_segments, torch.float32) for g in sent if blocks])
             arena.close()
             parts: list[tuple[torch.Tensor, Steady | SteadyBlocks | SteadyFeedback | None]] = []
@@ -2111,9 +2125,7 @@ class Reducer:
             st.put_rates()
         transports.all_reduce_max(st.maxima, comm.group, self.traffic)
         if st.promote is not None and self._promoted(st):
-            if st.scatter is not None:  # the values with their residuals, in the bucket
-                st.scatter()
-            self._moved(index, st, x, False)
+            self._moved(index, st, x, False)  # the values with their residuals: carried
             return
         self._finish_feedback_groups(index, st)
 
@@ -2139,13 +2151,21 @@ class Reducer:
         if st.scatter is not None:
             st.scatter()
 
-    def _rates_into(self, slots: torch.Tensor, names: Sequence[str | None], kept: set[int]) -> None:
+    def _rates_into(
+        self, slots: torch.Tensor, names: Sequence[str | None], kept: Container[int] = ()
+    ) -> None:
         """Promote: every layer's last local rate into ``slots`` of a settled bucket's maxima
         vector, which the next step's MAX all-reduce sends; the reducer's rates of the
-        layers not ``kept`` become views of them (checkpoints read those)."""
+        layers not ``kept`` become views of them (checkpoints read those), those ``kept``
+        (sent in FP32: never measured again, as on the general path) views of a copy."""
         zero = torch.zeros((), device=slots.device)
-        slots.copy_(torch.stack([self.rates.get(m or "", zero) for m in names]))
-        self.rates.update({m or "": slots[i] for i, m in enumerate(names) if i not in kept})
+        local = torch.stack([self.rates.get(m or "", zero) for m in names])
+        slots.copy_(local)
+        # Kept: not the slots, which the all-reduce overwrites with the ranks' largest,
+        # nor a vector that a move hands on (:meth:`_vector`).
+        self.rates.update(
+            {m or "": (local if i in kept else slots)[i] for i, m in enumerate(names)}
+        )
 
     def _run_groups(self, index: int, st: SteadyGroups, x: torch.Tensor) -> None:
         """:meth:`run_steady` of a bucket of several formats: the maxima agreed once (none
@@ -2304,8 +2324,8 @@ class Reducer:
         vector = None
         if promoted and self.settings.scaling != Scaling.BLOCK:
             # The general path's vector: the maxima, then every layer's last local rate.
-            vector = torch.zeros(2 * n, dtype=torch.float32, device=x.device)
-            self._rates_into(vector[n:], names, set())
+            vector = self._vector(2 * n, torch.float32, x.device)
+            self._rates_into(vector[n:], names)
         st = self._bind_feedback(index, x, g, names, None if vector is None else vector[:n])
         if st is not None:
             if vector is not None:
@@ -2799,9 +2819,10 @@ class Reducer:
         """
         assignment, settings = self.assignment, self.settings
         if (
-            self.feedback is not None
-            # Promote's rates ride on the maxima all-reduce, which FP32 buckets skip.
-            or (assignment.promoter is not None and (promote is None or route == Route.FP32))
+            # Sent in FP32 under Promote, error feedback keeps nothing: :meth:`_bind_first`
+            # sends what the residuals kept once more and drops them, as the general path.
+            (self.feedback is not None and (route != Route.FP32 or promote is None))
+            or (assignment.promoter is not None and promote is None)
             # An FP32 bucket is one all-reduce, whatever the scaling.
             or (
                 route != Route.FP32
@@ -2813,9 +2834,10 @@ class Reducer:
             return
         n = len(fmts)
         rates = n if promote is not None else 0
-        maxima = torch.zeros(n + rates + int(measured), dtype=torch.float32, device=x.device)
-        if promote is not None:
-            self._bind_rates(maxima[n : 2 * n], promote[2])
+        maxima = self._vector(n + rates + int(measured), torch.float32, x.device)
+        if promote is not None:  # sent in FP32, the layers' rates stay, as on the general path
+            kept = set(range(n)) if route == Route.FP32 else set()
+            self._rates_into(maxima[n : 2 * n], promote[2], kept)
         native = route == Route.ALLREDUCE
         self.steady[index] = st = Steady(
             x.numel(),
@@ -2836,17 +2858,14 @@ class Reducer:
             promote=promote,
             workspace=self._epoch(index, x.device),
         )
-        if settings.stats and g is not None:  # an FP32 bucket records nothing
+        if settings.stats and route != Route.FP32:  # an FP32 bucket records nothing
             st.record_names(names)
         st.bind(x, self.comm.world_size)
-
-    def _bind_rates(self, slots: torch.Tensor, names: Sequence[str | None]) -> None:
-        """Promote: the layers' last local rates into ``slots`` of a settled bucket's maxima
-        vector, where each step's rates go out with the next step's maxima; the reducer's
-        rates become views of them (checkpoints read those)."""
-        zero = torch.zeros((), device=slots.device)
-        slots.copy_(torch.stack([self.rates.get(m or "", zero) for m in names]))
-        self.rates.update({m or "": slots[i] for i, m in enumerate(names)})
+        if promote is not None and route == Route.FP32:
+            # The general path's maxima all the same: a move out of FP32 resumes from them.
+            # Any format's codec writes them; the ladder's narrowest has the fused kernel.
+            narrowest = codec.codec_for(assignment.promoter.ladder[0], x.device)  # type: ignore[union-attr]
+            st.maxima_call = narrowest.bind_layer_maxima(x, plan.layout, maxima[:n])
 
     def steady_for(
         self, index: int, buffer: torch.Tensor
@@ -2896,7 +2915,7 @@ class Reducer:
             return None
         if isinstance(st, SteadyStaged):
             return self._run_staged(index, st, x, defer)
-        if st.route == Route.FP32:
+        if st.route == Route.FP32 and st.promote is None:
             transports.fp32_mean(x, comm.group, comm.world_size, self.traffic)
             return None
         if st.measured:  # CPU only: the keys' numpy view, no tensor op
@@ -2922,6 +2941,8 @@ class Reducer:
         maxima, Promote's rates, the chunk where measured): the factors, the records,
         this rank's rates and the route's bound chunks."""
         comm, g, native = self.comm, st.group, st.route == Route.ALLREDUCE
+        if st.route == Route.FP32:  # Promote's: the layers' rates stay, as on the general path
+            return self._finish_fp32(index, st, x)
         if st.bucket:
             st.spread()
         if st.measured:
@@ -2960,6 +2981,17 @@ class Reducer:
             st.plan.timed(time.perf_counter() - start)
         return tail
 
+    def _finish_fp32(self, index: int, st: Steady, x: torch.Tensor) -> None:
+        """:meth:`_finish_steady` of a bucket sent in FP32 under Promote, after the MAX
+        all-reduce that carried its maxima, rates and chunk (the general path's): the chunk
+        agreed kept, the values averaged."""
+        if st.measured:  # the ranks' largest preference, as the general path's
+            st.chunk = self.bucket_chunks[index] = 2 ** int(st.maxima.numpy()[-1])
+        start = time.perf_counter()
+        transports.fp32_mean(x, self.comm.group, self.comm.world_size, self.traffic)
+        if st.measured:
+            st.plan.timed(time.perf_counter() - start)
+
     def _moved(
         self, index: int, st: Steady | SteadyFeedback | SteadyGroups, x: torch.Tensor, defer: bool
     ) -> Callable[[], None] | None:
@@ -2979,30 +3011,61 @@ class Reducer:
         fixed = not isinstance(st, SteadyFeedback) and not measured
         chunk = st.chunk if fixed else None  # type: ignore[union-attr]
         plan = self.plan(index, layers[1], x.device)
-        new = self._bind_first(index, x, plan, layers, chunk, added=True)
+        self._moving = st.maxima  # the new binding's vector, where it is of the same size
+        try:
+            new = self._bind_first(index, x, plan, layers, chunk, added=True)
+        finally:
+            self._moving = None
+        carried = False
+        if isinstance(st, SteadyGroups) and st.feedback and st.scatter is not None:
+            # The values, their residuals added, are in the old binding's scratch: into the
+            # new one's in one call where it has scratch, else into the bucket.
+            carried = isinstance(new, SteadyGroups) and new.feedback and new.scatter is not None
+            if carried:
+                _carry(st, new)  # type: ignore[arg-type]  # a SteadyGroups
+            else:
+                st.scatter()
         if new is None:
             return self._general_moved(index, x, plan, layers, st.maxima, chunk, defer)
         assert not isinstance(new, SteadyBlocks | SteadyAgreedBlocks)  # Promote has no blocks
         assert new.maxima is not None  # with Promote, the general path's vector
-        # The agreed maxima into the new vector (the same order, whatever the kind); its
-        # rates are the binding's, as the general path's step leaves them.
-        n = len(layers[1])
-        new.maxima[:n].copy_(st.maxima[:n])
-        if measured:  # the chunk agreed (CPU only: the numpy views, no tensor op)
-            new.maxima.numpy()[-1] = st.maxima.numpy()[-1]
-        return self._resume(index, new, x, defer)
+        if new.maxima is not st.maxima:
+            # The agreed maxima into the new vector (the same order, whatever the kind);
+            # its rates are the binding's, as the general path's step leaves them.
+            n = len(layers[1])
+            new.maxima[:n].copy_(st.maxima[:n])
+            if measured:  # the chunk agreed (CPU only: the numpy views, no tensor op)
+                new.maxima.numpy()[-1] = st.maxima.numpy()[-1]
+        return self._resume(index, new, x, defer, carried)
+
+    def _vector(self, size: int, dtype: torch.dtype, device: torch.device) -> torch.Tensor:
+        """A settled bucket's MAX all-reduce vector, zeros; on Promote's move (:meth:`_moved`)
+        the moving binding's own where it has this size: every kind lays it out alike (the
+        layers' maxima and rates in bucket order, then the chunk), so the new binding
+        resumes from the maxima and chunk just agreed with no copy (its rates are bound
+        from the reducer's, as on a copy). Taken once: one binding owns it."""
+        old, self._moving = self._moving, None
+        if old is not None and old.numel() == size and old.dtype == dtype and old.device == device:
+            return old
+        return torch.zeros(size, dtype=dtype, device=device)
 
     def _resume(
-        self, index: int, st: Steady | SteadyFeedback | SteadyGroups, x: torch.Tensor, defer: bool
+        self,
+        index: int,
+        st: Steady | SteadyFeedback | SteadyGroups,
+        x: torch.Tensor,
+        defer: bool,
+        carried: bool = False,
     ) -> Callable[[], None] | None:
         """:meth:`run_steady` from after its MAX all-reduce, ``st``'s vector agreed already
-        (error feedback: the residuals added; groups: gathered into the plan's order)."""
+        (error feedback: the residuals added; groups: gathered into the plan's order, or with
+        ``carried`` in ``st``'s scratch already)."""
         if isinstance(st, SteadyFeedback):
             return self._finish_feedback(index, st, x)
         if isinstance(st, SteadyGroups) and st.feedback:
-            if not st.fused and st.gather is not None:
+            if not carried and not st.fused and st.gather is not None:
                 st.gather()
-            elif st.scatter is not None:  # the fused gather would add the residuals again
+            elif not carried and st.scatter is not None:  # the fused gather adds them again
                 _gather_back(st.scatter)
             self._finish_feedback_groups(index, st)
             return None
@@ -3077,14 +3140,14 @@ class Reducer:
             return
         route, layouts, n = Route(g.reduction), self.comm.layouts, len(fmts)
         rates = n if promote is not None else 0
-        maxima = torch.zeros(n + rates + int(measured), dtype=torch.float32, device=x.device)
+        maxima = self._vector(n + rates + int(measured), torch.float32, x.device)
         local = None
         if blocks:  # the general path's vector: two keys per block, then the chunk's byte
             local = torch.empty(g.layout.n_segments, device=x.device)
             size = 2 * local.numel() + int(measured)
             maxima = torch.zeros(size, dtype=torch.uint8, device=x.device)
         if promote is not None:
-            self._bind_rates(maxima[n : 2 * n], promote[2])
+            self._rates_into(maxima[n : 2 * n], promote[2])
         st = SteadyStaged(
             x.numel(),
             x.data_ptr(),
@@ -4385,6 +4448,41 @@ def _take(arena: Arena | None, n: int, dtype: torch.dtype, device: torch.device)
     if arena is None:
         return torch.empty(n, dtype=dtype, device=device)
     return arena.take(n, dtype)
+
+
+def _carry(old: SteadyGroups, new: SteadyGroups) -> None:
+    """Promote's move of interleaved groups with error feedback: every layer's values (their
+    residuals added) from ``old``'s scratch, in its plan's order, into ``new``'s, in its
+    own: one call (what took ``old``'s scatter into the bucket and ``new``'s gather).
+
+    Both scratches are the workspace's STEP slot (the same bytes): where every layer keeps
+    its place nothing moves; where the order changed, a copy from one into the other would
+    read what it has overwritten, so the values go through the bucket (the scatter and the
+    plain gather: two calls).
+    """
+    assert isinstance(old.scatter, functools.partial) and isinstance(new.scatter, functools.partial)
+    src, dst = list(old.scatter.args[1]), list(new.scatter.args[1])
+    held = dict(zip([i for g in old.groups for i in g.index], src, strict=True))
+    order = [i for g in new.groups for i in g.index]
+    if all(d.data_ptr() == held[i].data_ptr() for d, i in zip(dst, order, strict=True)):
+        return  # every layer where it was: nothing to move
+    if _overlap(src, dst):
+        old.scatter()
+        _gather_back(new.scatter)
+        return
+    torch._foreach_copy_(dst, [held[i] for i in order])
+
+
+def _overlap(a: Sequence[torch.Tensor], b: Sequence[torch.Tensor]) -> bool:
+    """Whether any byte of the views ``a`` is a byte of the views ``b`` (contiguous views)."""
+    spans = [(t.data_ptr(), t.data_ptr() + t.numel() * t.element_size()) for t in b if t.numel()]
+    return any(
+        lo < hi2 and lo2 < lo + t.numel() * t.element_size()
+        for t in a
+        if t.numel()
+        for lo in [t.data_ptr()]
+        for lo2, hi2 in spans
+    )
 
 
 def _gather_back(scatter: Callable[[], object]) -> None:

@@ -219,6 +219,24 @@ CONFIGS: dict[str, dict[str, Any]] = {
     },
     "auto": {"fmt": "e4m3", "reduction": "auto"},
     "auto/fp32": {"fmt": "e4m3", "reduction": "auto", "profile": FAST_LINK},
+    # Promote over a staged bucket in several formats, and over a bucket all in FP32
+    # (the ladder's top: Promote may move it out again, so its maxima are still agreed).
+    "hierarchical+keep_last+promote": {
+        "fmt": "e4m3",
+        "reduction": "hierarchical",
+        "ranks_per_node": 1,
+        "policy": [Promote(), KeepLast("fp32")],
+    },
+    "fp32+promote": {
+        **ROUTES["two_phase"],
+        "policy": [Promote(ladder=("e4m3", "fp32")), ByName({"*": "fp32"})],
+    },
+    "auto/fp32+keep_last+promote": {
+        "fmt": "e4m3",
+        "reduction": "auto",
+        "profile": FAST_LINK,
+        "policy": [Promote(), KeepLast("fp32")],
+    },
 }
 """Every option a user turns on, beside the three plain routes (``--configs all``).
 

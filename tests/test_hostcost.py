@@ -13,6 +13,7 @@ from __future__ import annotations
 import collections
 import functools
 import math
+import unittest.mock
 from typing import Any
 
 import pytest
@@ -1101,6 +1102,77 @@ def test_promote_binds_a_mixed_format_bucket_again_with_the_general_paths_bits(
         assert problems == []
 
 
+def _staged_promote_steps(rank: int, world_size: int, configs: list[dict]) -> list[str]:
+    """Promote over staged buckets in several formats (each of ``configs``): the layers sent
+    scaled move up and back, the settled bucket is bound again at each move (not every
+    step), and every step gives the general path's gradients, records, bytes and
+    Promote's levels; a NaN in one step included."""
+    numels = [300, 700, 33, 50]
+    params = [torch.nn.Parameter(torch.empty(n)) for n in numels]
+    keys, problems = [id(p) for p in params], []
+    for c, options in enumerate(configs):
+        settled, full = _bound_state(options, params), _bound_state(options, params)
+        gen = torch.Generator().manual_seed(17 + rank)
+        buffer = torch.empty(sum(numels))
+        bound, formats = [], []
+        for step in range(9):
+            # Magnitudes in [0.5, 1.5): nothing underflows, every layer calm alike.
+            x = (torch.rand(sum(numels), generator=gen) + 0.5) * torch.randn(
+                sum(numels), generator=gen
+            ).sign()
+            if step == 3:  # e4m3 flushes all but each layer's largest value: promoted
+                x *= 1e-7
+                x[[0, 300, 1000, 1033]] = 1.0
+            if step == 8 and rank == world_size - 1:
+                x[7] = float("nan")  # layer 0 on one rank: NaN in it on every rank
+            buffer.copy_(x)
+            out = settled.run_bucket(0, buffer, params)
+            full.bind(CPU)  # the reducer, before its first bucket
+            full.reducer.settles = False  # never bound: the general path every step
+            want = full.run_bucket(0, x.clone(), params)
+            bits = torch.where(out.isnan(), 0.0, out).view(torch.int32)
+            if not torch.equal(out.isnan(), want.isnan()) or not torch.equal(
+                bits, torch.where(want.isnan(), 0.0, want).view(torch.int32)
+            ):
+                problems.append(f"config {c} step {step}: gradients differ")
+            if settled.assignment.promote != full.assignment.promote:
+                problems.append(f"config {c} step {step}: Promote's levels differ")
+            if repr(settled.stats) != repr(full.stats) or settled.bytes_detail != full.bytes_detail:
+                problems.append(f"config {c} step {step}: records or bytes differ")
+            bound.append(settled.reducer.steady.get(0))
+            formats.append("+".join(f.name for f in settled.assignment.formats(keys, step)))
+        # Step 3's rates promote at step 4 (bound again); calm from then: back at step 6.
+        if (
+            formats
+            != ["e4m3+e4m3+e4m3+fp32"] * 4
+            + ["e5m2+e5m2+e5m2+fp32"] * 2
+            + ["e4m3+e4m3+e4m3+fp32"] * 3
+        ):
+            problems.append(f"config {c}: formats {formats}")
+        if not all(isinstance(b, SteadyGroups) for b in bound):
+            problems.append(f"config {c}: not settled: {bound}")
+        again = [s for s in range(1, 9) if bound[s] is not bound[s - 1]]
+        if again != [4, 6]:
+            problems.append(f"config {c}: bound again at steps {again}")
+    return problems
+
+
+def test_promote_binds_staged_groups_again_with_the_general_paths_bits() -> None:
+    """Issue 46: hierarchical and grid in several formats (KeepLast's) under ``Promote``
+    settle (the general path every step before: "staged groups of several formats bind
+    without Promote only"): each staged group's rates are counted under its first level's
+    factors into the bucket's vector, as a staged bucket's own; it moves up and back,
+    bound again at each move, with the general path's bits on 2 nodes of 2 ranks."""
+    staged = {"fmt": "e4m3", "ranks_per_node": 2}
+    policy = [Promote(gamma=0.05, patience=2), KeepLast("fp32")]
+    configs = [
+        {**staged, "reduction": "hierarchical", "stats": True, "policy": policy},
+        {**staged, "reduction": "grid", "policy": policy},
+    ]
+    for problems in run_distributed(_staged_promote_steps, 4, args=(configs,), timeout=240):
+        assert problems == []
+
+
 def _promote_feedback_steps(
     rank: int, world_size: int, options: dict, low: str, high: str
 ) -> list[str]:
@@ -1244,6 +1316,19 @@ _MOVES: dict[str, dict] = {
         "error_feedback": True,
         "policy": [Promote(gamma=0.05), _ODD_FP16, KeepLast("fp32")],
     },
+    "hierarchical+keep_last": {
+        "fmt": "e4m3",
+        "reduction": "hierarchical",
+        "ranks_per_node": 1,
+        "policy": [Promote(gamma=0.05), KeepLast("fp32")],
+    },
+    # Up into FP32: the bucket's every layer, then sent as it is (its rates stay).
+    "into_fp32": {**ROUTES["two_phase"], "policy": [Promote(gamma=0.05, ladder=("e4m3", "fp32"))]},
+    "into_fp32+error_feedback": {
+        **ROUTES["two_phase"],
+        "error_feedback": True,
+        "policy": [Promote(gamma=0.05, ladder=("e4m3", "fp32"))],
+    },
 }
 """Promote over every kind of settled bucket it binds: a move binds the new formats."""
 
@@ -1341,12 +1426,142 @@ def test_promote_moves_a_format_on_the_bound_path_within_the_budget(
     assert not any("_local_scalar_dense" in op for op in moved[200]), moved[200]
     assert moved[fewest] == moved[200], moved
     assert len(settled_step[200]) <= BUDGET, settled_step[200]
-    # The agreed maxima copied into the new binding's vector; interleaved groups with
-    # error feedback also scatter the values (their residuals added) into the bucket and
-    # gather them in the new order (their fused gather would add the residuals again);
-    # without, the new binding gathers them apart from its maxima (one call that did both).
-    extra = 1 + 2 * (config == "interleaved+error_feedback") + (config == "interleaved")
-    assert len(moved[200]) <= len(settled_step[200]) + extra, (moved[200], settled_step[200])
+    # What a settled step of the new formats costs, and the budget: the new binding resumes
+    # on the old one's vector (its maxima and chunk agreed: no copy). Interleaved groups:
+    # the old binding's fused gather ran before the all-reduce, so the new one's layers
+    # are gathered from the bucket (one call). With error feedback the values (their
+    # residuals added) stay in the old scratch, the new one's (the same bytes of the
+    # workspace's STEP slot, every layer in its place here: a scatter and a gather, 17,
+    # before). Into FP32 with error feedback, the old binding added the residuals before.
+    assert "aten::copy_.default" not in moved[200], moved[200]
+    extra = {"interleaved": 1, "into_fp32+error_feedback": 1}
+    assert len(moved[200]) <= min(BUDGET, len(settled_step[200]) + extra.get(config, 0)), (
+        moved[200],
+        settled_step[200],
+    )
+
+
+def _fp32_promote_steps(rank: int, world_size: int, feedback: bool) -> list[str]:
+    """Promote with FP32 on its ladder: a bucket moved up into FP32 binds (its maxima and
+    rates agreed as on the general path, the rates never measured again); its rates
+    restored low by a checkpoint, it moves back out after ``patience`` calm steps on its
+    bound path, from the maxima its FP32 binding agreed (a NaN among them). Every step the
+    general path's gradients, bytes, residuals and Promote's levels; the general path
+    never runs. ``feedback``: with error feedback (residuals dropped in FP32, then anew)."""
+    numels = [300, 700, 33, 50]
+    params = [torch.nn.Parameter(torch.empty(n)) for n in numels]
+    ladder = Promote(gamma=0.05, patience=2, ladder=("e4m3", "fp32"))
+    options = {**ROUTES["two_phase"], "error_feedback": feedback, "policy": [ladder]}
+    settled, full = (_bound_state(options, params) for _ in "ab")
+    kind = SteadyFeedback if feedback else Steady
+    gen = torch.Generator().manual_seed(31 + rank)
+    buffer = torch.empty(sum(numels))
+    problems, seen = [], []
+    for step in range(8):
+        # Magnitudes in [0.5, 1.5): nothing underflows, but in step 2 (all but each
+        # layer's largest value flushed), whose rates move every layer up in step 3.
+        x = (torch.rand(sum(numels), generator=gen) + 0.5) * torch.randn(
+            sum(numels), generator=gen
+        ).sign()
+        if step == 2:
+            x *= 1e-7
+            x[[0, 300, 1000, 1033]] = 2.0**20
+        if step == 6 and rank == world_size - 1:
+            x[7] = float("nan")  # layer 0 on one rank, in the move out: NaN on every rank
+        if step == 5:  # a checkpoint whose rates are calm: back down after two steps
+            for state in (settled, full):
+                saved = state.state_dict()
+                state.load_state_dict({**saved, "rates": dict.fromkeys(saved["rates"], 0.0)})
+        buffer.copy_(x)
+        with unittest.mock.patch.object(Reducer, "_groups", side_effect=AssertionError):
+            out = settled.run_bucket(0, buffer, params)
+        full.bind(CPU)  # the reducer, before its first bucket
+        full.reducer.settles = False  # never bound: the general path every step
+        want = full.run_bucket(0, x.clone(), params)
+        bits = torch.where(out.isnan(), 0.0, out).view(torch.int32)
+        if not torch.equal(out.isnan(), want.isnan()) or not torch.equal(
+            bits, torch.where(want.isnan(), 0.0, want).view(torch.int32)
+        ):
+            problems.append(f"step {step}: gradients differ")
+        if out[:300].isnan().all() != (step == 6) or out[300:].isnan().any():
+            problems.append(f"step {step}: NaN where it should not be, or not")
+        if settled.assignment.promote != full.assignment.promote:
+            problems.append(f"step {step}: Promote's levels differ")
+        if settled.bytes_detail != full.bytes_detail:
+            problems.append(f"step {step}: bytes differ")
+        mine, ref = settled.state_dict()["residuals"], full.state_dict()["residuals"]
+        if mine.keys() != ref.keys() or not all(
+            torch.equal(mine[k].view(torch.int32), ref[k].view(torch.int32)) for k in ref
+        ):
+            problems.append(f"step {step}: residuals differ")
+        st = settled.reducer.steady.get(0)
+        fmt = settled.assignment.formats([id(p) for p in params], step)[0].name
+        fp32 = isinstance(st, Steady) and st.route == "fp32"
+        seen.append((fmt, "fp32" if fp32 else type(st).__name__, st))
+    want = [("e4m3", kind.__name__)] * 3 + [("fp32", "fp32")] * 3 + [("e4m3", kind.__name__)] * 2
+    if [(f, r) for f, r, _ in seen] != want:
+        problems.append(f"formats and bound paths {[(f, r) for f, r, _ in seen]}")
+    # Bound again where a format moved (3, 6) and where the checkpoint was restored (5).
+    again = [s for s in range(1, 8) if seen[s][2] is not seen[s - 1][2]]
+    if again != [3, 5, 6]:
+        problems.append(f"bound again at steps {again}")
+    return problems
+
+
+@pytest.mark.parametrize("feedback", [False, True], ids=["plain", "error_feedback"])
+def test_promote_binds_an_fp32_bucket_and_moves_it_back_out(feedback: bool) -> None:
+    """Issue 46: an all-FP32 bucket under ``Promote`` binds (the general path every step
+    before: Promote may move it out of FP32, from the maxima its all-reduce agrees) and
+    moves out of FP32 on its bound path, with the general path's bits (and residuals) on
+    two ranks."""
+    for problems in run_distributed(_fp32_promote_steps, 2, args=(feedback,)):
+        assert problems == []
+
+
+@pytest.mark.parametrize("feedback", [False, True], ids=["plain", "error_feedback"])
+@pytest.mark.parametrize("policy", [[KeepLast("fp32")], [_ODD_FP16, KeepLast("fp32")]])
+def test_promote_binds_a_bucket_whose_groups_all_go_in_fp32(
+    world: None, policy: list, feedback: bool
+) -> None:
+    """Issue 46: "auto" on a fast link sends every group in FP32; under ``Promote`` the
+    bucket still agrees its maxima and rates as the general path does (Promote may move a
+    layer out), so it binds as groups each sent as its all-reduce (the general path every
+    step before): the same ops for 2 or 200 layers within the budget, its bits (with error
+    feedback its residuals: sent once more, then none)."""
+    options = {
+        **CONFIGS["auto/fp32"],
+        "error_feedback": feedback,
+        "policy": [Promote(gamma=0.05), *policy],
+    }
+    counts = {}
+    for layers in (4, 200):
+        numels = [300 + i for i in range(layers)]
+        params = [torch.nn.Parameter(torch.empty(n)) for n in numels]
+        settled, full = _bound_state(options, params), _bound_state(options, params)
+        gen = torch.Generator().manual_seed(layers)
+        buffer = torch.empty(sum(numels))
+        for step in range(4):
+            x = torch.randn(sum(numels), generator=gen)
+            buffer.copy_(x)
+            if step == 3:
+                outs: list[torch.Tensor] = []
+                aten, kernels = count_calls(
+                    functools.partial(_run_into, outs, settled, buffer, params), CPU
+                )
+                out, counts[layers] = outs[0], aten + kernels
+            else:
+                out = settled.run_bucket(0, buffer, params)
+            full.bind(CPU)
+            full.reducer.settles = False  # never bound: the general path every step
+            want = full.run_bucket(0, x.clone(), params)
+            assert torch.equal(out.view(torch.int32), want.view(torch.int32)), (layers, step)
+            assert settled.bytes_detail == full.bytes_detail, (layers, step)
+            assert settled.state_dict()["residuals"].keys() == full.state_dict()["residuals"].keys()
+        st = settled.reducer.steady_for(0, buffer)
+        assert isinstance(st, SteadyGroups) and all(s is None for _, s in st.parts), st
+    assert not any("_local_scalar_dense" in op for op in counts[200]), counts[200]
+    assert counts[4] == counts[200], counts
+    assert len(counts[200]) <= BUDGET, counts[200]
 
 
 def _run_into(
@@ -2019,3 +2234,43 @@ def test_a_16_bit_models_bucket_stays_bound_and_gives_the_float32_buckets_bits(
     aten, kernels = count_ops(state, buffer.copy_(low), params)
     # The copies in and out, and the settled path.
     assert len(aten) + len(kernels) <= BUDGET, (aten, kernels)
+
+
+def test_promote_moving_one_interleaved_layer_with_error_feedback_keeps_the_general_bits(
+    world: None,
+) -> None:
+    """Issue 46: Promote moves one layer of interleaved groups with error feedback into
+    a group of its own (e4m3 [0, 2, 4], fp16 [1, 3] -> e4m3 [0, 4], e5m2 [2], fp16 [1, 3]):
+    the old and the new
+    binding's scratch are the same bytes of the workspace in another order, so the values
+    (their residuals added) must not be copied from one into the other in place. The
+    general path's bits and residuals every step."""
+    numels = [300, 301, 302, 303, 304, 305]
+    params = [torch.nn.Parameter(torch.empty(n)) for n in numels]
+    options = _MOVES["interleaved+error_feedback"]
+    settled, full = _bound_state(options, params), _bound_state(options, params)
+    keys = [id(p) for p in params]
+    gen = torch.Generator().manual_seed(5)
+    buffer = torch.empty(sum(numels))
+    moved = False
+    for step in range(6):
+        x = (torch.rand(sum(numels), generator=gen) + 0.5) * torch.randn(
+            sum(numels), generator=gen
+        ).sign()
+        if step == 2:  # layer 2 alone flushes: it moves up the ladder in step 3
+            x[601:903] *= 1e-7
+            x[601] = 2.0**20
+        buffer.copy_(x)
+        before = settled.assignment.formats(keys, step)
+        out = settled.run_bucket(0, buffer, params)
+        moved |= settled.assignment.formats(keys, step) != before
+        full.bind(CPU)
+        full.reducer.settles = False  # never bound: the general path every step
+        want = full.run_bucket(0, x.clone(), params)
+        assert torch.equal(out.view(torch.int32), want.view(torch.int32)), step
+        mine, ref = settled.state_dict()["residuals"], full.state_dict()["residuals"]
+        assert mine.keys() == ref.keys(), step
+        assert all(torch.equal(mine[k].view(torch.int32), ref[k].view(torch.int32)) for k in ref)
+        assert isinstance(settled.reducer.steady_for(0, buffer), SteadyGroups), step
+    formats = [f.name for f in settled.assignment.formats(keys, 5)]
+    assert moved and len(set(formats[:3])) == 3 and formats[0] == formats[4], formats
