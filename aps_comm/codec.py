@@ -1485,6 +1485,7 @@ class Codec:
         keys: torch.Tensor,
         flags: torch.Tensor,
         world_size: int,
+        agreed: bool = False,
     ) -> Callable[[], None] | None:
         """This rank's two_phase key of every block and non-finite flag of every layer, bound.
 
@@ -1506,6 +1507,12 @@ class Codec:
             keys: uint8, one per block.
             flags: uint8, one per layer.
             world_size: N.
+            agreed: agreed block exponents, where nothing reads this rank's own flags:
+                ``flags`` is the union of :meth:`bind_agreed_blocks`, which its first
+                chunk's owner step writes from the agreed keys. On "triton" the keys'
+                kernel zeroes it for that step instead of flagging (one launch, no
+                zeroing: the owner sets, never clears); the "kernels" owner writes
+                every layer's flag over what the keys' call wrote.
 
         Example:
             >>> call = codec.bind_block_keys(x, blocks, counts, maxima, keys, flags, 2)  # doctest: +SKIP
@@ -1538,11 +1545,12 @@ class Codec:
             _like(keys, 1),
             _like(flags, 1),
             world_size,
+            agreed,
         )
-        if not _probed(("block_keys", self.fmt.name, width, bound), probe):
+        if not _probed(("block_keys", self.fmt.name, width, bound, agreed), probe):
             return None
         return _triton().bind_block_keys(
-            self.fmt, x, offsets, layer_of, maxima, keys, flags, world_size
+            self.fmt, x, offsets, layer_of, maxima, keys, flags, world_size, agreed
         )
 
     def bind_rank_blocks(
@@ -1600,8 +1608,9 @@ class Codec:
 
         The fused form of what :func:`aps_comm.transports.two_phase_blocks`
         does shard by shard, with the same bytes: (send, owner, decode), one
-        kernel call each (on "triton" the first chunk's owner zeroes the
-        layers' flags first). None where this backend has none ("kernels" and
+        kernel call each. ``union`` is zeroed before the first chunk's owner step on
+        "triton" (whose owner sets it, never clears) by the keys' call
+        (:meth:`bind_block_keys` with ``agreed``). None where this backend has none ("kernels" and
         "triton" have them, for 4-, 8- and 16-bit formats), or where a Triton
         variant cannot compile here: the bucket then keeps its full path.
 
@@ -1609,7 +1618,8 @@ class Codec:
             x: the group's float32 values (read, then overwritten by the decode).
             keys: the agreed key of every block of the group (uint8), written each step.
             union: per layer, 1 where a block of it has a non-finite key
-                (uint8): written by the first chunk's owner step.
+                (uint8): written by the first chunk's owner step (on "triton" after
+                the keys' call zeroed it).
             chunk: the chunk's blocks and buffers.
 
         Example:
@@ -1683,7 +1693,7 @@ class Codec:
             self.fmt, x, keys, c.offsets, c.firsts, union, c.send, piece, -1
         )
         d = torch.empty(max(c.shard.size - 1, 1), dtype=torch.int32, device=x.device)
-        owner = t.bind_owner_agreed_blocks(
+        owner = t.bind_owner_agreed_launch(  # union: zeroed by the keys' kernel
             self.fmt,
             *(c.recv, n, c.shard, keys, c.first, c.out, union, d, c.shard_bytes),
             _longest(c.shard),

@@ -610,8 +610,10 @@ class SteadyAgreedBlocks:
                 return False
         if self.native:
             return self._bind_native(x, keys, world_size)
+        # The union, not this rank's flags (nothing reads them): on Triton the keys'
+        # kernel zeroes it for the first owner step, no zero_ launch.
         keys_call = g.codec.bind_block_keys(
-            x, g.layout, g.blocks.counts, self.maxima, keys, self.flags, world_size
+            x, g.layout, g.blocks.counts, self.maxima, keys, self.union, world_size, True
         )
         if keys_call is None:
             return False

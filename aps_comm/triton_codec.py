@@ -88,6 +88,7 @@ __all__ = [
     "bind_encode",
     "bind_layer_maxima",
     "bind_owner_agreed_blocks",
+    "bind_owner_agreed_launch",
     "bind_owner_rank_blocks",
     "bind_reduce_shards",
     "bind_send_rank_blocks",
@@ -1394,10 +1395,13 @@ if AVAILABLE:
         ROWS: tl.constexpr,
         WIDTH: tl.constexpr,
         BOUND: tl.constexpr = False,
+        ZERO: tl.constexpr = False,
     ):
         """Every block's max |x| (NaN as inf; int32 bits), its two_phase key (0 for a zero
         max, 255 for inf, else ``127 - d`` of :func:`_mean_exponent`) and a 1 in
-        ``flag_ptr`` at the layer (``layer_ptr``) of each block keyed 255.
+        ``flag_ptr`` at the layer (``layer_ptr``) of each block keyed 255 (``ZERO``: a 0
+        at the layer of every block instead: agreed exponents' union, which the first
+        chunk's owner step sets after the keys are agreed).
         ``BOUND``: the format's max times ``n_ranks`` passes float32's (bf16): d is at
         most the largest e with ``n_ranks * max * 2**e`` within float32's max too (the
         owner's FP32 sum; :func:`aps_comm.cpu_kernels.two_phase_keys`).
@@ -1428,7 +1432,10 @@ if AVAILABLE:
         tl.store(amax_ptr + seg, m, mask=owned)
         tl.store(key_ptr + seg, key.to(tl.uint8), mask=owned)
         layer = tl.load(layer_ptr + seg, mask=owned, other=0)
-        tl.store(flag_ptr + layer, tl.full(seg.shape, 1, tl.uint8), mask=owned & (key == 255))
+        if ZERO:
+            tl.store(flag_ptr + layer, tl.full(seg.shape, 0, tl.uint8), mask=owned)
+        else:
+            tl.store(flag_ptr + layer, tl.full(seg.shape, 1, tl.uint8), mask=owned & (key == 255))
 
     @triton.jit(do_not_specialize=["n_blocks"])
     def _block_records_kernel(
@@ -2445,8 +2452,10 @@ def bind_block_keys(
     keys: torch.Tensor,
     flags: torch.Tensor,
     world_size: int = 1,
+    zero: bool = False,
 ) -> Callable[[], object]:
-    """This rank's two_phase key of every block and flag of every layer, bound: two launches.
+    """This rank's two_phase key of every block and flag of every layer, bound: two launches
+    (one with ``zero``).
 
     As :func:`aps_comm.cpu_kernels.block_amax`, :func:`~aps_comm.cpu_kernels.two_phase_keys`
     and :func:`~aps_comm.cpu_kernels.layer_any` (value 255) one after another:
@@ -2463,6 +2472,10 @@ def bind_block_keys(
         layer_of: host array, each block's layer (an index into ``flags``).
         maxima, keys: one per block; flags: one per layer.
         world_size: the ranks whose FP32 sum the owner makes (binds bf16's keys).
+        zero: agreed block exponents, where nothing reads this rank's own flags: the
+            kernel zeroes ``flags`` (the union :func:`bind_owner_agreed_blocks` sets
+            from the agreed keys) at every block's layer instead, nothing zeroed before:
+            one launch. A layer without blocks is never flagged: it stays as it was.
 
     Example:
         >>> call = bind_block_keys(E4M3, x, offsets, layer_of, maxima, keys, flags)  # doctest: +SKIP
@@ -2505,9 +2518,10 @@ def bind_block_keys(
         ROWS=rows,
         WIDTH=width,
         BOUND=fmt.max * world_size > float(np.finfo(np.float32).max),
+        ZERO=zero,
         **compile_options(),
     )
-    return functools.partial(_zero_then, flags, launch)
+    return launch if zero else functools.partial(_zero_then, flags, launch)
 
 
 def bind_block_records(
@@ -2853,9 +2867,36 @@ def bind_owner_agreed_blocks(
     longest: int,
     layer_of: np.ndarray | None,
 ) -> Callable[[], object]:
+    """:func:`bind_owner_agreed_launch`, ``union`` zeroed before it in the first chunk
+    (``layer_of`` given): one launch, two calls in the first chunk.
+
+    Example:
+        >>> owner = bind_owner_agreed_blocks(E4M3, recv, 2, shard, keys, 0, out, union, d, 16, 8, None)  # doctest: +SKIP
+        >>> owner()  # doctest: +SKIP
+    """
+    launch = bind_owner_agreed_launch(
+        fmt, recv, n_ranks, shard, keys, first, out, union, d, shard_bytes, longest, layer_of
+    )
+    return launch if layer_of is None else functools.partial(_zero_then, union, launch)
+
+
+def bind_owner_agreed_launch(
+    fmt: FloatFormat,
+    recv: torch.Tensor,
+    n_ranks: int,
+    shard: np.ndarray,
+    keys: torch.Tensor,
+    first: int,
+    out: torch.Tensor,
+    union: torch.Tensor,
+    d: torch.Tensor,
+    shard_bytes: int,
+    longest: int,
+    layer_of: np.ndarray | None,
+) -> Callable[[], object]:
     """This rank's owner step of a chunk sent with agreed block keys, bound: one launch of
-    :func:`_reduce_blocks_kernel` (``FACTORS`` 3), after ``union`` is zeroed in the
-    first chunk.
+    :func:`_reduce_blocks_kernel` (``FACTORS`` 3); in the first chunk it sets ``union``,
+    which something before it zeroes (:func:`bind_block_keys` with ``zero``).
 
     As :func:`aps_comm.cpu_kernels.owner_agreed_blocks`: the N pieces of
     ``recv`` decoded, summed in rank order and divided by N; each block of
@@ -2863,7 +2904,7 @@ def bind_owner_agreed_blocks(
     exponent d (into int32 ``d``) into ``out``: codes, zero padding to
     ``shard_bytes``, d clamped to a byte per block, zeros. ``layer_of``
     (host array, each block's layer; the first chunk only, else None):
-    ``union`` is zeroed, then 1 at each layer with an agreed key 255.
+    1 into ``union`` at each layer with an agreed key 255.
 
     Args:
         shard: int64 host array, this rank's shard's block offsets from 0.
@@ -2872,7 +2913,7 @@ def bind_owner_agreed_blocks(
         longest: its longest block (at most :data:`MAX_SEGMENT`).
 
     Example:
-        >>> owner = bind_owner_agreed_blocks(E4M3, recv, 2, shard, keys, 0, out, union, d, 16, 8, None)  # doctest: +SKIP
+        >>> owner = bind_owner_agreed_launch(E4M3, recv, 2, shard, keys, 0, out, union, d, 16, 8, None)  # doctest: +SKIP
         >>> owner()  # doctest: +SKIP
     """
     consts = _rank_blocks_consts(fmt, recv, keys, out, union, d)
@@ -2917,7 +2958,7 @@ def bind_owner_agreed_blocks(
         FACTORS=3,
         **compile_options(),
     )
-    return launch if layer_of is None else functools.partial(_zero_then, union, launch)
+    return launch
 
 
 def bind_decode_rank_blocks(

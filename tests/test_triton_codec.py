@@ -707,9 +707,9 @@ def _bind_agreed_blocks(c: codec.Codec, x: torch.Tensor, blocks: codec.Blocks) -
     offsets = blocks.layout.offsets.numpy().astype(np.int64)
     nb, counts = offsets.size - 1, blocks.counts.numpy().astype(np.int64)
     keys, union = torch.empty(nb, dtype=torch.uint8), torch.empty(counts.size, dtype=torch.uint8)
-    flags = torch.empty(counts.size, dtype=torch.uint8)
     maxima = torch.empty(nb)
-    call = c.bind_block_keys(x, blocks.layout, blocks.counts, maxima, keys, flags, 3)
+    # The union zeroed by the keys' kernel (agreed), for the first chunk's owner to set.
+    call = c.bind_block_keys(x, blocks.layout, blocks.counts, maxima, keys, union, 3, True)
     assert call is not None
     call()
     records = c.bind_block_records(x, blocks, keys, maxima)
@@ -1471,20 +1471,23 @@ def test_error_feedback_calls_match_kernels(
 
 
 @pytest.mark.parametrize(
-    ("policy", "agreed"), [("keep_last", False), ("interleaved", False), ("interleaved", True)]
+    ("policy", "agreed"),
+    [("keep_last", False), ("interleaved", False), ("keep_last", True), ("interleaved", True)],
 )
 def test_settled_mixed_format_bucket_on_triton_gives_the_kernels_bits(
-    tc: types.ModuleType, policy: str, agreed: bool
+    tc: types.ModuleType, monkeypatch: pytest.MonkeyPatch, policy: str, agreed: bool
 ) -> None:
     # A bucket of several formats settles on the Triton backend too (SteadyGroups): its
     # groups' bound launches read views of the bucket at odd offsets (KeepLast) or one
     # gathered scratch (interleaved formats), and give the numba kernels' full path's bits.
     # With agreed block exponents and stats=True too: each sent group a
-    # SteadyAgreedBlocks, their keys one MAX all-reduce, the records the numba kernels'.
+    # SteadyAgreedBlocks, their keys one MAX all-reduce, the records the numba kernels';
+    # a step within the ops budget (every launch counted as one op, no zero_: the keys'
+    # kernel zeroes the union the owner sets), the same for 7 layers as for 19.
     import aps_comm
     from aps_comm.engine import SteadyAgreedBlocks, SteadyGroups
     from aps_comm.policy import ByName, KeepLast
-    from benchmarks.hostcost import ParamLayer, world_of_one
+    from benchmarks.hostcost import ParamLayer, count_calls, world_of_one
 
     rules = {
         "keep_last": [KeepLast("fp16")],
@@ -1495,14 +1498,24 @@ def test_settled_mixed_format_bucket_on_triton_gives_the_kernels_bits(
         options.update(fmt="e2m1", scaling="block", block_size=8, block_exponents="agreed")
         options["stats"] = True
     x, params = _block_bucket([5, 0, 1, 300, 33, 2, 64], 11)
+    log: list = []  # every launch, counted as one op each (on a GPU one kernel)
+    if agreed:
+        for name in (n for n in dir(tc) if n.endswith("_kernel")):
+            monkeypatch.setattr(tc, name, _Launches(name, getattr(tc, name), log))
 
-    def bound() -> aps_comm.APSState:
+    def bound(layers: list[torch.Tensor]) -> aps_comm.APSState:
         state = aps_comm.APSState(**options)
-        state.bind_model(torch.nn.ModuleList(ParamLayer(p) for p in params))
+        state.bind_model(torch.nn.ModuleList(ParamLayer(p) for p in layers))
         return state
 
+    def step_ops(state: aps_comm.APSState, y: torch.Tensor, layers: list[torch.Tensor]) -> list:
+        log.clear()
+        run = functools.partial(state.run_bucket, 0, y, layers)
+        aten, kernels = _quiet(count_calls, run, y.device)
+        return sorted(aten + kernels + [name for name, _, _ in log])
+
     with _triton_plans():
-        settled = bound()
+        settled = bound(params)
         buffer = x.clone()
         for _ in range(3):  # the plan, the settled path bound, then run
             buffer.copy_(x)
@@ -1514,9 +1527,19 @@ def test_settled_mixed_format_bucket_on_triton_gives_the_kernels_bits(
         sent = [type(s) for _, s in st.parts if s is not None]
         assert st.agreed_blocks == agreed and (set(sent) == {SteadyAgreedBlocks}) == agreed
         records = repr(settled.stats)
+        if agreed:  # a fourth step's ops, then those of a bucket of 19 layers
+            buffer.copy_(x)
+            few = step_ops(settled, buffer, params)
+            y, layers = _block_bucket([5, 0, 1, 300, *[7] * 12, 33, 2, 64], 11)
+            more, values = bound(layers), y.clone()
+            for _ in range(4):  # the fourth step counted
+                values.copy_(y)
+                many = step_ops(more, values, layers)
+            assert len(few) <= 15 and few == many, (few, many)
+            del more
         del settled, st
     with world_of_one(torch.device("cpu")):
-        reference = bound()
+        reference = bound(params)
         want = reference.run_bucket(0, x.clone(), params)  # the numba kernels' full path
         assert repr(reference.stats) == records and ("e2m1" in records) == agreed, records
     assert out[:5].isnan().all() and not out[5:].isnan().any()
