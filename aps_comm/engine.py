@@ -560,8 +560,9 @@ class SteadyAgreedBlocks:
         maxima: float32 scratch: this rank's max |x| of every block.
         shared: uint8, the MAX all-reduce's vector: every block's key, then where
             measured this rank's preferred chunk (log2).
-        flags: uint8 scratch: this rank's non-finite flag of every layer.
-        union: uint8: per layer, whether an agreed key of it is non-finite.
+        union: uint8: per layer, whether an agreed key of it is non-finite (the keys'
+            call writes it too, for the first chunk's owner step to set: nothing reads
+            this rank's own flags with agreed exponents).
         keys_call: the keys' calls, bound to the bucket's float32 buffer.
         calls: each chunk's bound calls.
         bound_ptr: the address of the buffer they are bound to (0 for none).
@@ -584,7 +585,6 @@ class SteadyAgreedBlocks:
     chunk: int
     maxima: torch.Tensor
     shared: torch.Tensor
-    flags: torch.Tensor
     union: torch.Tensor
     keys_call: Callable[[], None] | None = None
     calls: list[transports.ChunkCalls] | None = None
@@ -610,8 +610,8 @@ class SteadyAgreedBlocks:
                 return False
         if self.native:
             return self._bind_native(x, keys, world_size)
-        # The union, not this rank's flags (nothing reads them): on Triton the keys'
-        # kernel zeroes it for the first owner step, no zero_ launch.
+        # The union as the keys' flags: on Triton the keys' kernel zeroes it for the
+        # first owner step (no zero_ launch); the CPU kernels' owner writes it over.
         keys_call = g.codec.bind_block_keys(
             x, g.layout, g.blocks.counts, self.maxima, keys, self.union, world_size, True
         )
@@ -1896,7 +1896,6 @@ class Reducer:
                         chunk,
                         arena.take(m, torch.float32),
                         shared[at : at + m],
-                        torch.empty(k, dtype=torch.uint8, device=device),
                         torch.zeros(k, dtype=torch.uint8, device=device),
                         names=[names[i] for i in g.index] if self.settings.stats else None,
                         native=g.reduction == Route.ALLREDUCE,
@@ -2628,7 +2627,6 @@ class Reducer:
             chunk,
             maxima,
             torch.zeros(n_blocks + int(measured), dtype=torch.uint8, device=device),
-            torch.empty(n_layers, dtype=torch.uint8, device=device),
             torch.zeros(n_layers, dtype=torch.uint8, device=device),
             epoch=assignment.epoch(self.step),
             workspace=self._epoch(index, device),
@@ -2671,7 +2669,6 @@ class Reducer:
             chunk,
             torch.empty(n_blocks, dtype=torch.float32, device=device),
             torch.zeros(n_blocks + int(measured), dtype=torch.uint8, device=device),
-            torch.empty(n_layers, dtype=torch.uint8, device=device),
             torch.zeros(n_layers, dtype=torch.uint8, device=device),
             epoch=self.assignment.epoch(self.step),
             workspace=self._epoch(index, device),
