@@ -720,9 +720,10 @@ class SteadyGroups:
             (None where the groups are consecutive in the bucket, but with ``fused``;
             None on the CPU kernels without blocks: ``maxima_call`` gathers them).
         pick: the agreed maxima copied in the same order, one call (or None).
-        factors: on the CPU kernels, where the groups are not consecutive: per group sent
-            scaled, in the plan's order, its factors' one call, which picks its layers'
-            agreed maxima (and with ``bucket`` spreads them) first (else None).
+        factors: on the CPU kernels, where the groups are not consecutive or with
+            ``bucket``: per group sent scaled, in the plan's order, its factors' one call,
+            which picks its layers' agreed maxima (and with ``bucket`` spreads them) first
+            (else None).
         scatter: the scratch copied back into the layers, one call (or None).
         order: the layers' positions in group order, on the bucket's device (made
             once: a bfloat16 bucket's float32 copy is bound again every step).
@@ -816,7 +817,8 @@ class SteadyGroups:
         on_host = x.device.type == "cpu" and all(
             g.codec.backend == "kernels" for g in self.groups if g.reduction != Route.FP32
         )
-        self.factors = None
+        # Consecutive groups with bucket scaling too: the spread in that call, not two more.
+        self.factors = [] if on_host and self.bucket and not self.blocks else None
         arena = self.scratch.arena(Slot.STEP) if self.scratch is not None else None
         if order != list(range(n)):
             values = _take(arena, x.numel(), torch.float32, x.device)

@@ -33,6 +33,8 @@ _AGREED = {
 }
 _AGREED_KEEP_LAST = {**_AGREED, "policy": [KeepLast("fp32")]}
 _FIRST_FP16 = [ByName({"[0-3].weight": "fp16"}), KeepLast("fp32")]  # layers 0-3 in fp16
+# Two consecutive staged groups (layers 0-3 in fp16, then e4m3), the last layer FP32.
+_FIRST_FP16_BUCKET = {**_KEEP_LAST, "fmt": "e4m3", "scaling": "bucket", "policy": _FIRST_FP16}
 
 
 @pytest.fixture(scope="module")
@@ -131,6 +133,8 @@ def test_staged_buckets_settle_with_the_general_paths_bits() -> None:
         ),
         # Two staged groups then FP32, consecutive: each staged group's keys at its offset.
         ({**_AGREED, "fmt": "e4m3", "policy": _FIRST_FP16, "stats": True}, 128, SteadyGroups),
+        # The same with bucket scaling: each group's maxima spread by its factors' call.
+        ({**_FIRST_FP16_BUCKET, "stats": True}, 64, SteadyGroups),
     ]
     args = (configs,)
     for problems in run_distributed(_against_the_general_path, 4, args=args, timeout=240):
@@ -150,6 +154,9 @@ def test_staged_buckets_settle_with_the_general_paths_bits() -> None:
         ({**_INTERLEAVED, "fmt": "e4m3", "stats": True}, SteadyGroups),
         ({**_INTERLEAVED, "fmt": "e2m1", "scaling": "bucket", "stats": True}, SteadyGroups),
         ({**_INTERLEAVED, "fmt": "e4m3", "scaling": "none", "stats": True}, SteadyGroups),
+        ({**_KEEP_LAST, "fmt": "e4m3", "policy": _FIRST_FP16, "stats": True}, SteadyGroups),
+        ({**_FIRST_FP16_BUCKET, "stats": True}, SteadyGroups),
+        ({**_AGREED, "fmt": "e4m3", "policy": _FIRST_FP16, "stats": True}, SteadyGroups),
     ],
     ids=[
         "keep_last-layer",
@@ -161,6 +168,9 @@ def test_staged_buckets_settle_with_the_general_paths_bits() -> None:
         "interleaved-layer",
         "interleaved-bucket",
         "interleaved-none",
+        "consecutive-layer",
+        "consecutive-bucket",
+        "consecutive-agreed",
     ],
 )
 def test_ops_per_settled_staged_bucket_do_not_grow_with_layers(
@@ -172,10 +182,14 @@ def test_ops_per_settled_staged_bucket_do_not_grow_with_layers(
     with agreed blocks one call for the keys and one for their factors. Interleaved (two
     staged groups, 5 layers or 200): the gather, the maxima, each group's factors (its
     maxima picked, and spread, in the same call) and chunk, the FP32 group's all-reduce,
-    the scatter."""
+    the scatter. Two consecutive staged groups (6 layers or 200): each group's factors
+    (with bucket scaling its maxima spread in that call; with agreed block exponents
+    its keys and their factors) and chunk, on views of the bucket."""
     counts = {}
-    # Interleaved: five layers at least (two of the bucket's format between fp16 ones).
-    few = 5 if len(options.get("policy", [])) > 1 else 2
+    # Interleaved: five layers at least (two of the bucket's format between fp16 ones);
+    # consecutive: six (layers 0-3 in fp16, one in the bucket's format, the last FP32).
+    policy = options.get("policy") or []
+    few = 6 if policy is _FIRST_FP16 else 5 if len(policy) > 1 else 2
     for layers in (few, 200):
         numels = [300 + i for i in range(layers)]
         x = torch.randn(sum(numels), generator=torch.Generator().manual_seed(layers))
