@@ -7,9 +7,10 @@ offers on a world of one), one bucket of a few tiny layers is run as
 process): after its first steps it must be bound (``Reducer.steady_for``)
 and a step must stay within the budget of ``tests/test_hostcost.py`` (15
 kernel-launching ops; the over-budget ones pinned, as there). Combinations
-the API refuses are skipped on their error; the ones that do not bind yet
-are listed in :data:`_GAPS` and checked to stay unbound, so that the list is
-the true to-do list (a gap closed fails here until it is taken off it).
+the API refuses are skipped on their error; every other one binds, and the
+ones still over the budget are listed by :func:`_over` with the ops they may
+take beyond it and checked to stay over, so that the list is the true to-do
+list (one brought within the budget fails here until it is taken off it).
 
 The formats rotate through the families (8-bit, 16-bit, 4-bit) from one
 combination to the next, so that every family meets every option while the
@@ -77,12 +78,15 @@ def _combinations() -> list[tuple[str, str, str, str, str, bool, bool]]:
     return out
 
 
-def _gap(fmt: str, scaling: str, exps: str, route: str, policy: str, stats: bool, fb: bool) -> str:
-    """Why this combination does not bind yet ("" where it does): the to-do list."""
+def _over(fmt: str, scaling: str, exps: str, route: str, policy: str, stats: bool, fb: bool) -> int:
+    """The ops this combination, bound, still takes beyond the budget (0: none): the to-do list."""
     # In fp16 the interleaved rule's layers are the bucket's format: KeepLast's groups.
-    if route == "hierarchical" and policy == "interleaved" and fmt != "fp16" and scaling == "block":
-        return "hierarchical in interleaved formats, own block exponents: two groups' 9 calls each"
-    return ""
+    if (route, policy, scaling, exps) == ("hierarchical", "interleaved", "block", "rank"):
+        # Two staged groups' 9 calls each (the node's mean, block maxima, keys and send
+        # are 4, the first chunk's flag ORs 2 more), the gather, the FP32 group's mean,
+        # the scatter: 21 ops, 23 with stats.
+        return 0 if fmt == "fp16" else 8
+    return 0
 
 
 @pytest.fixture(scope="module")
@@ -136,15 +140,13 @@ def test_every_configuration_settles_within_the_budget(world: None, combo: tuple
         state.run_bucket(0, buffer, params)
     assert state.reducer is not None
     bound = state.reducer.steady_for(0, buffer)
-    gap = _gap(*combo)
-    if gap:
-        assert bound is None, f"a gap closed, take it off _gap: {gap}"
-        return
     assert bound is not None, "not bound"
     buffer.copy_(x)
     aten, kernels = count_ops(state, buffer, params)
     assert not any("_local_scalar_dense" in op for op in aten), aten  # no host read
-    assert len(aten) + len(kernels) <= BUDGET, (aten, kernels)
+    over = _over(*combo)
+    assert len(aten) + len(kernels) <= BUDGET + over, (aten, kernels)
+    assert not over or len(aten) + len(kernels) > BUDGET, "within the budget: take it off _over"
     if stats:
         assert len(state.stats) == len(NUMELS) - (policy in ("keep_last", "interleaved"))
 
