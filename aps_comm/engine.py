@@ -1636,8 +1636,7 @@ class Reducer:
             self._settle_agreed_groups(index, x, plan, fmts, groups, chunking, names)
             return
         # Staged groups bind interleaved too (each part's Promote rates picked back into the
-        # bucket's order by ``put_rates``); with each rank's own block exponents two such
-        # groups cost 9 calls each (21 ops: over the budget, bound all the same).
+        # bucket's order by ``put_rates``).
         if (
             # Blocks: each rank's own exponents (nothing agreed, Promote takes no step).
             (blocks and (promoted or not all(_own_blocks(g) for g in groups)))
