@@ -1772,16 +1772,26 @@ class Codec:
         )
 
     def _bind_decode(
-        self, x: torch.Tensor, union: torch.Tensor, c: RankBlockChunk | NodeBlockChunk
+        self,
+        x: torch.Tensor,
+        union: torch.Tensor,
+        c: RankBlockChunk | NodeBlockChunk,
+        flag_rows: torch.Tensor | None = None,
     ) -> Callable[[], object]:
         """The chunk's N gathered shards decoded into ``x`` with their owners' keys (the
-        layers ``union`` flags made NaN): one bound call."""
+        layers ``union`` flags made NaN): one bound call; where ``flag_rows`` (every
+        rank's layer flags) are given, their OR into ``union`` first (in the same call
+        on the CPU kernels)."""
         n = c.firsts.size - 1
         if self.backend == "triton":
             layer_of, offsets = _layer_of(c.layer_ends), _grid_array(c.offsets)
-            return _triton().bind_decode_rank_blocks(
+            decode = _triton().bind_decode_rank_blocks(
                 self.fmt, c.gathered, n, offsets, c.firsts, layer_of, union, x, c.shard_bytes
             )
+            if flag_rows is None:
+                return decode
+            return functools.partial(_in_order, [self._bind_or(flag_rows, union), decode])
+        rows = () if flag_rows is None else (flag_rows.numpy(),)
         return functools.partial(
             cpu_kernels.call,
             "decode_rank_blocks",
@@ -1795,6 +1805,7 @@ class Codec:
             union.numpy(),
             x.numpy(),
             c.shard_bytes,
+            *rows,
         )
 
     def _triton_blocks_run(
@@ -1928,16 +1939,17 @@ class Codec:
             )
         own_mean = mean[_piece(c.slice_offsets, c.piece_firsts, node)], node
         owner = [self._bind_owner(c, union, nodes, -1, own_mean)]
-        decode = [self._bind_decode(x, union, c)]
+        flag_rows = None
         if c.at >= 0:  # the first chunk's flags, OR-ed after the owner step, before the decode
             k = slice(c.at, c.at + flags.numel())
             owner.append(self._bind_or(c.recv.view(nodes, -1)[:, k], c.out[k]))
-            decode.insert(0, self._bind_or(c.gathered.view(n, -1)[:, k], union))
+            flag_rows = c.gathered.view(n, -1)[:, k]
+        decode = self._bind_decode(x, union, c, flag_rows)
         return NodeBlockCalls(
             send_first,
             functools.partial(_in_order, across) if len(across) > 1 else across[0],
             functools.partial(_in_order, owner) if len(owner) > 1 else owner[0],
-            functools.partial(_in_order, decode) if len(decode) > 1 else decode[0],
+            decode,
         )
 
     def _bind_mean_keys(

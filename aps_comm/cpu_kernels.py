@@ -1650,6 +1650,7 @@ def decode_rank_blocks(
     union: np.ndarray,
     x: np.ndarray,
     shard_bytes: int,
+    flag_rows: np.ndarray | None = None,
 ) -> None:
     """Decode every owner's gathered shard of a chunk into ``x`` with the keys it sent.
 
@@ -1657,24 +1658,30 @@ def decode_rank_blocks(
     ``shard_bytes`` its blocks' keys; a block whose layer is flagged in
     ``union`` decodes to NaN. ``layer_ends`` (one per layer: the cumulative
     blocks per layer) finds each block's layer as the blocks are walked, so
-    no per-block index of layers is kept.
+    no per-block index of layers is kept. Where ``flag_rows`` (2-D uint8: every rank's
+    layer flags) is given, their OR is written into ``union`` first, in the same call.
     """
     offsets = _block_offsets(offsets)
     q, m = decoder_params(fmt)
-    _decode_rank_blocks(
-        gathered,
-        gathered.size // n_ranks,
-        offsets,
-        firsts,
-        table,
-        layer_ends,
-        union,
-        x,
-        shard_bytes,
-        (q, m),
-        fmt.wire_bits,
-        _NO_RUNS,
-    )
+    args = (gathered, gathered.size // n_ranks, offsets, firsts, table, layer_ends)
+    rest = (x, shard_bytes, (q, m), fmt.wire_bits, _NO_RUNS)
+    if flag_rows is None:
+        _decode_rank_blocks(*args, union, *rest)
+    else:
+        _or_decode_rank_blocks((flag_rows, union), *args, *rest)
+
+
+if AVAILABLE:
+
+    @_njit
+    def _or_decode_rank_blocks(
+        ors, gathered, row, offsets, firsts, table, ends, x, shard_bytes, dec, bits, no_runs
+    ):
+        rows, union = ors
+        _or_rows(rows, union)
+        _decode_rank_blocks(
+            gathered, row, offsets, firsts, table, ends, union, x, shard_bytes, dec, bits, no_runs
+        )
 
 
 if AVAILABLE:
