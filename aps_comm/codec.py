@@ -268,20 +268,6 @@ def _grid_array(offsets: np.ndarray | BlockGrid) -> np.ndarray:
     return offsets if isinstance(offsets, np.ndarray) else offsets.offsets()
 
 
-def _mean_keys(
-    fmt: FloatFormat,
-    mean: torch.Tensor,
-    offsets: np.ndarray,
-    maxima: torch.Tensor,
-    keys: torch.Tensor,
-    nodes: int,
-) -> None:
-    """The node's mean's blocks' own keys (two_phase's rule over the ``nodes``), by the CPU
-    kernels."""
-    cpu_kernels.call("block_amax", mean, offsets, maxima)
-    cpu_kernels.call("two_phase_keys", maxima, fmt, EXPONENT_LIMIT, keys, nodes)
-
-
 def _mean_of_rows(
     decode_rows: Sequence[Callable[[], object]], rows: torch.Tensor, mean: torch.Tensor
 ) -> None:
@@ -1796,16 +1782,26 @@ class Codec:
         )
 
     def _bind_decode(
-        self, x: torch.Tensor, union: torch.Tensor, c: RankBlockChunk | NodeBlockChunk
+        self,
+        x: torch.Tensor,
+        union: torch.Tensor,
+        c: RankBlockChunk | NodeBlockChunk,
+        flag_rows: torch.Tensor | None = None,
     ) -> Callable[[], object]:
         """The chunk's N gathered shards decoded into ``x`` with their owners' keys (the
-        layers ``union`` flags made NaN): one bound call."""
+        layers ``union`` flags made NaN): one bound call; where ``flag_rows`` (every
+        rank's layer flags) are given, their OR into ``union`` first (in the same call
+        on the CPU kernels)."""
         n = c.firsts.size - 1
         if self.backend == "triton":
             layer_of, offsets = _layer_of(c.layer_ends), _grid_array(c.offsets)
-            return _triton().bind_decode_rank_blocks(
+            decode = _triton().bind_decode_rank_blocks(
                 self.fmt, c.gathered, n, offsets, c.firsts, layer_of, union, x, c.shard_bytes
             )
+            if flag_rows is None:
+                return decode
+            return functools.partial(_in_order, [self._bind_or(flag_rows, union), decode])
+        rows = () if flag_rows is None else (flag_rows.numpy(),)
         return functools.partial(
             cpu_kernels.call,
             "decode_rank_blocks",
@@ -1819,6 +1815,7 @@ class Codec:
             union.numpy(),
             x.numpy(),
             c.shard_bytes,
+            *rows,
         )
 
     def _triton_blocks_run(
@@ -1915,14 +1912,32 @@ class Codec:
         mean = torch.empty(int(c.slice_offsets[-1]), dtype=torch.float32, device=x.device)
         maxima = torch.empty(blocks, dtype=torch.float32, device=x.device)
         own = torch.empty(blocks, dtype=torch.uint8, device=x.device)
-        mean_keys = self._bind_mean_keys(mean, c.slice_offsets, maxima, own, nodes)
-        if mean_keys is None:
-            return None
-        send = self._bind_send(
-            mean, own, c.slice_offsets, c.piece_firsts, flags, c.send, c.shard_bytes, c.at
-        )
-        # No chunk byte: hierarchical agrees no chunk size on the wire.
-        across = (self._bind_node_mean(x, c, mean), mean_keys, functools.partial(send, -1))
+        if self.backend == "triton":
+            mean_keys = self._bind_mean_keys(mean, c.slice_offsets, maxima, own, nodes)
+            if mean_keys is None:
+                return None
+            send = self._bind_send(
+                mean, own, c.slice_offsets, c.piece_firsts, flags, c.send, c.shard_bytes, c.at
+            )
+            # No chunk byte: hierarchical agrees no chunk size on the wire.
+            across = [self._bind_node_mean(x, c, mean), mean_keys, functools.partial(send, -1)]
+        else:
+            # The node's mean (hierarchical's; grid's decodes first), its keys and send: one
+            # call (no chunk byte: hierarchical agrees no chunk size on the wire).
+            rows = np.empty((0, 0), np.float32)
+            across = [] if c.first is None else [self._bind_node_mean(x, c, mean)]
+            if c.first is None:
+                rows = c.received.numpy().reshape(c.ranks_per_node, -1)
+            across.append(
+                functools.partial(
+                    cpu_kernels.call,
+                    "node_send",
+                    *(self.fmt, rows, mean.numpy(), (c.slice_offsets, c.piece_firsts)),
+                    *(maxima.numpy(), own.numpy(), (EXPONENT_LIMIT, nodes)),
+                    *(_key_table(unscale=False), c.send.numpy(), c.shard_bytes),
+                    (flags.numpy(), c.at),
+                )
+            )
         send_first = None
         if c.first is not None:
             first_send, slice_firsts, slice_bytes = c.first
@@ -1934,16 +1949,17 @@ class Codec:
             )
         own_mean = mean[_piece(c.slice_offsets, c.piece_firsts, node)], node
         owner = [self._bind_owner(c, union, nodes, -1, own_mean)]
-        decode = [self._bind_decode(x, union, c)]
+        flag_rows = None
         if c.at >= 0:  # the first chunk's flags, OR-ed after the owner step, before the decode
             k = slice(c.at, c.at + flags.numel())
             owner.append(self._bind_or(c.recv.view(nodes, -1)[:, k], c.out[k]))
-            decode.insert(0, self._bind_or(c.gathered.view(n, -1)[:, k], union))
+            flag_rows = c.gathered.view(n, -1)[:, k]
+        decode = self._bind_decode(x, union, c, flag_rows)
         return NodeBlockCalls(
             send_first,
-            functools.partial(_in_order, across),
+            functools.partial(_in_order, across) if len(across) > 1 else across[0],
             functools.partial(_in_order, owner) if len(owner) > 1 else owner[0],
-            functools.partial(_in_order, decode) if len(decode) > 1 else decode[0],
+            decode,
         )
 
     def _bind_mean_keys(
@@ -1955,9 +1971,8 @@ class Codec:
         nodes: int,
     ) -> Callable[[], object] | None:
         """The node's mean's blocks' own keys into ``keys`` (two_phase's rule over the
-        M ``nodes``), bound; None where the Triton variant cannot run here."""
-        if self.backend != "triton":
-            return functools.partial(_mean_keys, self.fmt, mean, offsets, maxima, keys, nodes)
+        M ``nodes``), bound on Triton (the CPU kernels' are :func:`cpu_kernels.node_send`'s);
+        None where the variant cannot run here."""
         # The block keys' kernel over the slice as one layer.
         blocks = Layout.from_numels(np.diff(offsets).tolist(), mean.device)
         one_layer = torch.tensor([offsets.size - 1], dtype=torch.int64)
@@ -1968,16 +1983,14 @@ class Codec:
         self, x: torch.Tensor, c: NodeBlockChunk, mean: torch.Tensor
     ) -> Callable[[], object]:
         """The node's mean of this rank's slice from what the first exchange brought,
-        bound: the L received rows (hierarchical: float32; grid: encoded, each decoded
-        with its sender's keys, this rank's own row its values) summed in rank order
-        and divided by L."""
+        bound: the L received rows (hierarchical: float32, on Triton only: the CPU
+        kernels' is :func:`cpu_kernels.node_send`'s; grid: encoded, each decoded with its
+        sender's keys, this rank's own row its values) summed in rank order and divided
+        by L."""
         t = _triton() if self.backend == "triton" else None
         per, numel = c.ranks_per_node, mean.numel()
         if c.first is None:  # hierarchical: FP32 rows of the slice
-            if t is not None:
-                return functools.partial(_mean_of_rows, [], c.received.view(per, numel), mean)
-            rows = c.received.numpy().reshape(per, numel)
-            return functools.partial(cpu_kernels.call, "mean_rows", rows, mean.numpy())
+            return functools.partial(_mean_of_rows, [], c.received.view(per, numel), mean)
         _, slice_firsts, slice_bytes = c.first
         local = c.own_rows[0]
         mine = x[_piece(c.offsets, slice_firsts, local)]

@@ -92,6 +92,7 @@ __all__ = [
     "mean_limit",
     "mean_rank_blocks",
     "mean_rows",
+    "node_send",
     "or_rows",
     "owner_agreed_blocks",
     "owner_feedback",
@@ -1649,6 +1650,7 @@ def decode_rank_blocks(
     union: np.ndarray,
     x: np.ndarray,
     shard_bytes: int,
+    flag_rows: np.ndarray | None = None,
 ) -> None:
     """Decode every owner's gathered shard of a chunk into ``x`` with the keys it sent.
 
@@ -1656,24 +1658,30 @@ def decode_rank_blocks(
     ``shard_bytes`` its blocks' keys; a block whose layer is flagged in
     ``union`` decodes to NaN. ``layer_ends`` (one per layer: the cumulative
     blocks per layer) finds each block's layer as the blocks are walked, so
-    no per-block index of layers is kept.
+    no per-block index of layers is kept. Where ``flag_rows`` (2-D uint8: every rank's
+    layer flags) is given, their OR is written into ``union`` first, in the same call.
     """
     offsets = _block_offsets(offsets)
     q, m = decoder_params(fmt)
-    _decode_rank_blocks(
-        gathered,
-        gathered.size // n_ranks,
-        offsets,
-        firsts,
-        table,
-        layer_ends,
-        union,
-        x,
-        shard_bytes,
-        (q, m),
-        fmt.wire_bits,
-        _NO_RUNS,
-    )
+    args = (gathered, gathered.size // n_ranks, offsets, firsts, table, layer_ends)
+    rest = (x, shard_bytes, (q, m), fmt.wire_bits, _NO_RUNS)
+    if flag_rows is None:
+        _decode_rank_blocks(*args, union, *rest)
+    else:
+        _or_decode_rank_blocks((flag_rows, union), *args, *rest)
+
+
+if AVAILABLE:
+
+    @_njit
+    def _or_decode_rank_blocks(
+        ors, gathered, row, offsets, firsts, table, ends, x, shard_bytes, dec, bits, no_runs
+    ):
+        rows, union = ors
+        _or_rows(rows, union)
+        _decode_rank_blocks(
+            gathered, row, offsets, firsts, table, ends, union, x, shard_bytes, dec, bits, no_runs
+        )
 
 
 if AVAILABLE:
@@ -1914,6 +1922,51 @@ if AVAILABLE:
         out[head:] = 0
         offsets, factors, p, size, runs = enc
         _encode_codes(x, offsets, factors, codes, p, size, runs)
+
+
+if AVAILABLE:
+
+    @_njit
+    def _node_send(rows, mean, offsets, maxima, keys, rule, send_args):
+        if rows.shape[0]:
+            _mean_rows(rows, mean)
+        _block_amax(mean.view(np.uint32), offsets, maxima.view(np.uint32))
+        _two_phase_keys(maxima.view(np.uint32), keys, rule[0], rule[1])
+        table, firsts, send, piece, shard_bytes, head, p, bits, no_runs = send_args
+        _send_rank_blocks(
+            mean, keys, table, offsets, firsts, send, piece, shard_bytes, head, p, bits, no_runs
+        )
+
+
+def node_send(
+    fmt: FloatFormat,
+    rows: np.ndarray,
+    mean: np.ndarray,
+    blocks: tuple[np.ndarray, np.ndarray],
+    maxima: np.ndarray,
+    keys: np.ndarray,
+    rule: tuple[int, int],
+    table: np.ndarray,
+    send: np.ndarray,
+    shard_bytes: int,
+    head: tuple[np.ndarray, int],
+) -> None:
+    """A staged chunk's step across nodes with every rank's own block exponents, in one
+    call: the node's :func:`mean_rows` of float32 ``rows`` into ``mean`` (none where
+    ``rows`` has no row: grid's mean is :func:`mean_rank_blocks`'), its blocks'
+    (``blocks``: offsets, then each piece's first block) maxima and keys under two_phase's
+    rule (``rule``: the exponent limit and the ranks' bound, :func:`two_phase_keys`'), then
+    :func:`send_rank_blocks` of it (``head``: the layer flags and where they go, no chunk
+    byte): the bits of those calls in turn."""
+    offsets, firsts = blocks
+    flags, at = head
+    piece = send.size // (firsts.size - 1)
+    send_args = (table, firsts, send, piece, shard_bytes, (flags, at, -1))
+    send_args += (encoder_params(fmt), fmt.wire_bits, _NO_RUNS)
+    limit, ranks = rule
+    bound = ranks if fmt.max * ranks > np.finfo(np.float32).max else 0
+    keys_rule = (mean_limit(fmt, limit), bound)
+    _node_send(rows, mean, offsets, maxima, keys, keys_rule, send_args)
 
 
 def or_rows(rows: np.ndarray, out: np.ndarray) -> None:

@@ -752,8 +752,8 @@ class SteadyGroups:
             group's encode, residual update and owner step are one call each
             (:meth:`Reducer._fuse_feedback_groups`).
         layouts: the state's node layouts: a group sent hierarchical or grid is a
-            :class:`SteadyStaged` (with ``blocks``, groups consecutive in the bucket:
-            :class:`SteadyNodeBlocks`) on its route's groups.
+            :class:`SteadyStaged` (with ``blocks``: :class:`SteadyNodeBlocks`) on its
+            route's groups.
         scratch: the state's workspace, whose :attr:`Slot.STEP` slot :meth:`bind` takes the
             layers in the plan's order (groups that interleave) and the groups' block maxima
             and keys from (nothing is deferred); None: allocations of their own.
@@ -1625,7 +1625,6 @@ class Reducer:
         but the policy's epoch (``layers``: the layers' keys, sizes and names, which label
         the records with ``stats=True`` and key Promote's levels)."""
         settings, assignment = self.settings, self.assignment
-        routes = (Route.FP32, Route.TWO_PHASE, Route.ALLREDUCE)
         keys, numels, names = layers
         blocks = settings.scaling == Scaling.BLOCK
         promoted = assignment.promoter is not None
@@ -1640,18 +1639,14 @@ class Reducer:
             chunking = (main, measured and not rank, chunk)
             self._settle_agreed_groups(index, x, plan, fmts, groups, chunking, names)
             return
-        # Staged groups; with each rank's own block exponents or with Promote (a staged
-        # part's rates) only where consecutive in the bucket (KeepLast's): interleaved,
-        # two such groups' chunks and the gather pass the budget.
-        consecutive = [i for g in groups for i in g.index] == list(range(len(fmts)))
-        if consecutive or not (blocks or promoted):
-            routes += (Route.HIERARCHICAL, Route.GRID)
+        # Staged groups bind interleaved too (each part's Promote rates picked back into the
+        # bucket's order by ``put_rates``).
         if (
             # Blocks: each rank's own exponents (nothing agreed, Promote takes no step).
             (blocks and (promoted or not all(_own_blocks(g) for g in groups)))
             or x.dtype != torch.float32
             # An empty group's collectives are not the bound ones'.
-            or any(g.reduction not in routes or not g.numel for g in groups)
+            or any(not g.numel for g in groups)
             # Every group in FP32: one all-reduce of the bucket, but under Promote, whose
             # rates and maxima the general path still agrees (it may move them out).
             or (not promoted and all(g.reduction == Route.FP32 for g in groups))
@@ -1826,16 +1821,13 @@ class Reducer:
         main, measured, chunk = chunking
         sent = [g for g in groups if g.reduction != Route.FP32]
         order = [i for g in groups for i in g.index]
-        routes = (Route.FP32, Route.TWO_PHASE, Route.ALLREDUCE)
-        if order == list(range(len(fmts))):  # KeepLast's: interleaved staged groups pass 15
-            routes += (Route.HIERARCHICAL, Route.GRID)
         staged = any(Route(g.reduction).staged for g in sent)
         if (
             # Promote refuses block scaling (it needs one exponent per layer).
             self.assignment.promoter is not None
             or x.dtype != torch.float32
             # An empty group's collectives are not the bound ones'.
-            or any(g.reduction not in routes or not g.numel for g in groups)
+            or any(not g.numel for g in groups)
             # The staged keys and their factors (SteadyStaged.local) bind here on the CPU
             # kernels only.
             or (

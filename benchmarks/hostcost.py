@@ -346,6 +346,7 @@ _CPU_KERNELS = (
     "decode_agreed_blocks",
     "mean_rank_blocks",
     "mean_rows",
+    "node_send",
     "sum_rows",
     "reduce_encode",
     "or_rows",

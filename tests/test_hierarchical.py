@@ -372,10 +372,10 @@ def test_owner_exponents_beat_agreed_ones_at_every_level(reduction: str) -> None
     assert error("e4m3", True) <= 1.01 * error("e4m3", False)
 
 
-# Per chunk: grid's first encode (send_rank_blocks), the node's mean (mean_rows or
-# mean_rank_blocks), its keys (block_amax, two_phase_keys), its pieces
-# (send_rank_blocks), the owner's step and the decode; no ATen op.
-PER_CHUNK = {"hierarchical": 6, "grid": 7}
+# Per chunk: grid's first encode (send_rank_blocks) and its node's mean
+# (mean_rank_blocks); the node's mean (hierarchical's), its keys and its pieces in one
+# call (node_send; 4 calls before); the owner's step and the decode; no ATen op.
+PER_CHUNK = {"hierarchical": 3, "grid": 5}
 
 
 def _ops_case(rank: int, world_size: int) -> dict[tuple[str, int, int | None], list[str]]:
@@ -415,10 +415,11 @@ def test_block_levels_cost_a_few_kernel_calls_per_chunk() -> None:
             assert extra.total() == 3 * per_chunk, extra
             # Settled (SteadyNodeBlocks): the keys and flags are bound calls too, so a
             # bucket runs no ATen op at all (7 per bucket before it settled): the keys'
-            # one call (three before block_keys), the chunk's, and the first chunk's two
-            # ORs of the flags.
+            # one call (three before block_keys), the chunk's, and the first chunk's OR
+            # of the flags after the owner step (the one before the decode is the
+            # decode's call).
             assert all(op.startswith("kernel::") for op in one), one
-            assert len(one) == 1 + per_chunk + 2, one
+            assert len(one) == 1 + per_chunk + 1, one
 
 
 def _node0_owned(chunk: int | None) -> torch.Tensor:

@@ -1102,15 +1102,18 @@ def test_promote_binds_a_mixed_format_bucket_again_with_the_general_paths_bits(
         assert problems == []
 
 
-def _staged_promote_steps(rank: int, world_size: int, configs: list[dict]) -> list[str]:
-    """Promote over staged buckets in several formats (each of ``configs``): the layers sent
-    scaled move up and back, the settled bucket is bound again at each move (not every
-    step), and every step gives the general path's gradients, records, bytes and
-    Promote's levels; a NaN in one step included."""
+def _staged_promote_steps(
+    rank: int, world_size: int, configs: list[tuple[dict, str, str]]
+) -> list[str]:
+    """Promote over staged buckets in several formats (each of ``configs``: the options, the
+    layers' formats before and after the move): the layers sent scaled move up and back,
+    the settled bucket is bound again at each move (not every step), and every step gives
+    the general path's gradients, records, bytes and Promote's levels; a NaN in one step
+    included."""
     numels = [300, 700, 33, 50]
     params = [torch.nn.Parameter(torch.empty(n)) for n in numels]
     keys, problems = [id(p) for p in params], []
-    for c, options in enumerate(configs):
+    for c, (options, low, high) in enumerate(configs):
         settled, full = _bound_state(options, params), _bound_state(options, params)
         gen = torch.Generator().manual_seed(17 + rank)
         buffer = torch.empty(sum(numels))
@@ -1142,12 +1145,7 @@ def _staged_promote_steps(rank: int, world_size: int, configs: list[dict]) -> li
             bound.append(settled.reducer.steady.get(0))
             formats.append("+".join(f.name for f in settled.assignment.formats(keys, step)))
         # Step 3's rates promote at step 4 (bound again); calm from then: back at step 6.
-        if (
-            formats
-            != ["e4m3+e4m3+e4m3+fp32"] * 4
-            + ["e5m2+e5m2+e5m2+fp32"] * 2
-            + ["e4m3+e4m3+e4m3+fp32"] * 3
-        ):
+        if formats != [low] * 4 + [high] * 2 + [low] * 3:
             problems.append(f"config {c}: formats {formats}")
         if not all(isinstance(b, SteadyGroups) for b in bound):
             problems.append(f"config {c}: not settled: {bound}")
@@ -1162,12 +1160,21 @@ def test_promote_binds_staged_groups_again_with_the_general_paths_bits() -> None
     settle (the general path every step before: "staged groups of several formats bind
     without Promote only"): each staged group's rates are counted under its first level's
     factors into the bucket's vector, as a staged bucket's own; it moves up and back,
-    bound again at each move, with the general path's bits on 2 nodes of 2 ranks."""
+    bound again at each move, with the general path's bits on 2 nodes of 2 ranks. Groups
+    that interleave in the bucket (layer 1 in fp16) bind too (the general path every step
+    before: each staged part's rates are picked back into the bucket's order)."""
     staged = {"fmt": "e4m3", "ranks_per_node": 2}
     policy = [Promote(gamma=0.05, patience=2), KeepLast("fp32")]
+    low, high = "e4m3+e4m3+e4m3+fp32", "e5m2+e5m2+e5m2+fp32"
+    interleaved = [Promote(gamma=0.05, patience=2), _ODD_FP16, KeepLast("fp32")]
     configs = [
-        {**staged, "reduction": "hierarchical", "stats": True, "policy": policy},
-        {**staged, "reduction": "grid", "policy": policy},
+        ({**staged, "reduction": "hierarchical", "stats": True, "policy": policy}, low, high),
+        ({**staged, "reduction": "grid", "policy": policy}, low, high),
+        (
+            {**staged, "reduction": "hierarchical", "stats": True, "policy": interleaved},
+            "e4m3+fp16+e4m3+fp32",
+            "e5m2+fp16+e5m2+fp32",
+        ),
     ]
     for problems in run_distributed(_staged_promote_steps, 4, args=(configs,), timeout=240):
         assert problems == []

@@ -6,10 +6,8 @@ offers on a world of one), one bucket of a few tiny layers is run as
 :func:`benchmarks.hostcost.count_ops` runs it (world size 1, Gloo, one
 process): after its first steps it must be bound (``Reducer.steady_for``)
 and a step must stay within the budget of ``tests/test_hostcost.py`` (15
-kernel-launching ops; the over-budget ones pinned, as there). Combinations
-the API refuses are skipped on their error; the ones that do not bind yet
-are listed in :data:`_GAPS` and checked to stay unbound, so that the list is
-the true to-do list (a gap closed fails here until it is taken off it).
+kernel-launching ops). Combinations the API refuses are skipped on their
+error; every other one binds within the budget.
 
 The formats rotate through the families (8-bit, 16-bit, 4-bit) from one
 combination to the next, so that every family meets every option while the
@@ -77,14 +75,6 @@ def _combinations() -> list[tuple[str, str, str, str, str, bool, bool]]:
     return out
 
 
-def _gap(fmt: str, scaling: str, exps: str, route: str, policy: str, stats: bool, fb: bool) -> str:
-    """Why this combination does not bind yet ("" where it does): the to-do list."""
-    # In fp16 the interleaved rule's layers are the bucket's format: KeepLast's groups.
-    if route == "hierarchical" and policy == "interleaved" and fmt != "fp16" and scaling == "block":
-        return "hierarchical in interleaved formats, own block exponents: two groups' 9 calls each"
-    return ""
-
-
 @pytest.fixture(scope="module")
 def world() -> Any:
     with world_of_one(CPU):
@@ -136,10 +126,6 @@ def test_every_configuration_settles_within_the_budget(world: None, combo: tuple
         state.run_bucket(0, buffer, params)
     assert state.reducer is not None
     bound = state.reducer.steady_for(0, buffer)
-    gap = _gap(*combo)
-    if gap:
-        assert bound is None, f"a gap closed, take it off _gap: {gap}"
-        return
     assert bound is not None, "not bound"
     buffer.copy_(x)
     aten, kernels = count_ops(state, buffer, params)

@@ -31,6 +31,7 @@ _AGREED = {
     "scaling": "block",
     "block_exponents": "agreed",
 }
+_BLOCKS = {"scaling": "block", "block_exponents": "rank"}
 _AGREED_KEEP_LAST = {**_AGREED, "policy": [KeepLast("fp32")]}
 _FIRST_FP16 = [ByName({"[0-3].weight": "fp16"}), KeepLast("fp32")]  # layers 0-3 in fp16
 # Two consecutive staged groups (layers 0-3 in fp16, then e4m3), the last layer FP32.
@@ -118,6 +119,15 @@ def test_staged_buckets_settle_with_the_general_paths_bits() -> None:
         ({**_INTERLEAVED, "fmt": "e2m1", "scaling": "bucket", "stats": True}, 64, SteadyGroups),
         ({**_INTERLEAVED, "fmt": "e5m2", "scaling": "none"}, 256, SteadyGroups),
         ({**_INTERLEAVED, "fmt": "e4m3", "reduction": "grid", "stats": True}, 128, SteadyGroups),
+        # Each rank's own block exponents, and agreed ones: each staged group's own blocks.
+        (
+            {**_INTERLEAVED, **blocks, "fmt": "e2m1", "block_size": 8, "stats": True},
+            64,
+            SteadyGroups,
+        ),
+        ({**_INTERLEAVED, **blocks, "fmt": "e4m3", "reduction": "grid"}, 128, SteadyGroups),
+        ({**_INTERLEAVED, **_AGREED, "fmt": "e4m3", "stats": True}, None, SteadyGroups),
+        ({**_INTERLEAVED, **_AGREED, "fmt": "e2m1", "reduction": "grid"}, 64, SteadyGroups),
     ]
     configs += [
         ({**_AGREED, "fmt": "e2m1", "stats": True}, None, SteadyStaged),
@@ -157,6 +167,8 @@ def test_staged_buckets_settle_with_the_general_paths_bits() -> None:
         ({**_KEEP_LAST, "fmt": "e4m3", "policy": _FIRST_FP16, "stats": True}, SteadyGroups),
         ({**_FIRST_FP16_BUCKET, "stats": True}, SteadyGroups),
         ({**_AGREED, "fmt": "e4m3", "policy": _FIRST_FP16, "stats": True}, SteadyGroups),
+        ({**_INTERLEAVED, **_BLOCKS, "fmt": "e2m1", "stats": True}, SteadyGroups),
+        ({**_INTERLEAVED, **_AGREED, "fmt": "e4m3", "stats": True}, SteadyGroups),
     ],
     ids=[
         "keep_last-layer",
@@ -171,6 +183,8 @@ def test_staged_buckets_settle_with_the_general_paths_bits() -> None:
         "consecutive-layer",
         "consecutive-bucket",
         "consecutive-agreed",
+        "interleaved-block",
+        "interleaved-agreed",
     ],
 )
 def test_ops_per_settled_staged_bucket_do_not_grow_with_layers(
@@ -182,7 +196,8 @@ def test_ops_per_settled_staged_bucket_do_not_grow_with_layers(
     with agreed blocks one call for the keys and one for their factors. Interleaved (two
     staged groups, 5 layers or 200): the gather, the maxima, each group's factors (its
     maxima picked, and spread, in the same call) and chunk, the FP32 group's all-reduce,
-    the scatter. Two consecutive staged groups (6 layers or 200): each group's factors
+    the scatter; with block exponents each group's keys (and records) and chunks. Two
+    consecutive staged groups (6 layers or 200): each group's factors
     (with bucket scaling its maxima spread in that call; with agreed block exponents
     its keys and their factors) and chunk, on views of the bucket."""
     counts = {}
