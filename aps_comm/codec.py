@@ -1302,50 +1302,6 @@ class Codec:
         bound = functools.partial(_zero_then, out, launch)
         return functools.partial(_run_bound, ("layer_maxima",), bound, fallback)
 
-    def bind_shard_mean(
-        self,
-        recv: torch.Tensor,
-        n_ranks: int,
-        out: torch.Tensor,
-        divisor: int,
-        scratch: torch.Tensor | None = None,
-    ) -> Callable[[], object]:
-        """:meth:`shard_mean` of ``recv`` into float32 ``out``, bound: the staged routes'
-        sums of encoded slices and means of encoded shards.
-
-        Two kernel calls on "kernels" (every shard decoded into float32
-        ``scratch``, N times ``out``'s elements, then summed in rank order and
-        divided), one launch on "triton", :meth:`shard_mean` and a copy elsewhere:
-        the same bits on every backend.
-
-        Example:
-            >>> c = Codec("e4m3", torch.device("cpu"))
-            >>> out = torch.empty(1)
-            >>> c.bind_shard_mean(c.encode(torch.tensor([1.0, 2.0])), 2, out, 2)()
-            >>> out
-            tensor([1.5000])
-        """
-        numel = self._shard_bytes(recv, n_ranks) * 8 // self.fmt.wire_bits
-        if out.dtype != torch.float32 or out.numel() != numel or not out.is_contiguous():
-            raise ValueError(
-                f"out must be {numel} contiguous float32, got {out.numel()} {out.dtype}"
-            )
-        if self.backend == "kernels" and recv.device.type == "cpu":
-            if scratch is None:
-                scratch = torch.empty(n_ranks * numel)
-            values = scratch[: n_ranks * numel]
-            offsets = np.array([0, n_ranks * numel], np.int64)
-            decode = functools.partial(
-                cpu_kernels.call, "decode", recv, values, self.fmt, offsets, None, None, None
-            )
-            rows = values.numpy().reshape(n_ranks, numel)
-            mean = functools.partial(cpu_kernels.call, "rows_mean", rows, out.numpy(), divisor)
-            return functools.partial(_calls_then, decode, mean)
-        if self.backend == "triton":
-            return functools.partial(_triton().shard_mean, recv, n_ranks, self.fmt, out, divisor)
-        made = functools.partial(self.shard_mean, recv, n_ranks, divisor=divisor)
-        return functools.partial(_copy_made, made, out)
-
     def bind_reduce_encode(
         self,
         source: torch.Tensor,
@@ -1360,7 +1316,7 @@ class Codec:
     ) -> Callable[[], object]:
         """The staged routes' sum then encode, bound: float32 ``source`` (``n_rows`` rows)
         summed into ``acc`` (the node's sum), or uint8 ``source`` through
-        :meth:`bind_shard_mean` (divided by ``divisor``), then ``acc[:valid]`` (all of it
+        :meth:`shard_mean` (divided by ``divisor``), then ``acc[:valid]`` (all of it
         where None) encoded into ``out`` as :meth:`bind_encode` does.
 
         One kernel call on "kernels" (:func:`aps_comm.cpu_kernels.reduce_encode`), the two
@@ -1374,21 +1330,25 @@ class Codec:
             and isinstance(scale, torch.Tensor)
             and out.numel() == payload_nbytes(numel + pad, self.fmt)
         )
+        wide = source.dtype != torch.float32
+        per_row = self._shard_bytes(source, n_rows) * 8 // self.fmt.wire_bits if wide else 0
+        if (per_row if wide else source.numel() // max(n_rows, 1)) != acc.numel():
+            raise ValueError(f"{n_rows} rows of {acc.numel()} elements, got {source.numel()}")
         if not fused:
-            if source.dtype == torch.float32:
+            if not wide:
                 rows = source.view(n_rows, acc.numel())
                 reduce: Callable[[], object] = functools.partial(self.sum_rows, rows, acc)
+            elif self.backend == "triton":
+                args = (source, n_rows, self.fmt, acc, divisor)
+                reduce = functools.partial(_triton().shard_mean, *args)
             else:
-                reduce = self.bind_shard_mean(source, n_rows, acc, divisor)
+                made = functools.partial(self.shard_mean, source, n_rows, divisor=divisor)
+                reduce = functools.partial(_copy_made, made, acc)
             encode = self.bind_encode(x, out, scale, layout, pad)
             return functools.partial(_in_order, [reduce, encode])
         _check_scaled(scale, layout, numel)
         factors = _window_scale(scale, layout)
         assert factors is not None
-        wide = source.dtype != torch.float32
-        per_row = self._shard_bytes(source, n_rows) * 8 // self.fmt.wire_bits if wide else 0
-        if (per_row if wide else source.numel() // max(n_rows, 1)) != acc.numel():
-            raise ValueError(f"{n_rows} rows of {acc.numel()} elements, got {source.numel()}")
         scratch = np.empty(n_rows * acc.numel(), np.float32) if wide else None
         return functools.partial(
             cpu_kernels.call,

@@ -1821,29 +1821,6 @@ def sum_rows(rows: np.ndarray, out: np.ndarray) -> None:
     _sum_rows(rows, out)
 
 
-def rows_mean(rows: np.ndarray, out: np.ndarray, divisor: int) -> None:
-    """The sum of the rows of a 2-D float32 array into ``out``, in float32 in row order,
-    divided by ``divisor`` (the same bits as ``+=`` row by row, then ``/``): the staged
-    routes' owner, whose M node sums are divided by N.
-
-    Example:
-        >>> out = np.empty(2, np.float32)
-        >>> rows_mean(np.array([[1, 2], [2, 3]], np.float32), out, 4)
-        >>> out
-        array([0.75, 1.25], dtype=float32)
-    """
-    _rows_mean(rows, out, np.float32(divisor))
-
-
-if AVAILABLE:
-
-    @_njit
-    def _rows_mean(rows, out, div):
-        _sum_rows(rows, out)
-        for j in range(rows.shape[1]):
-            out[j] = out[j] / div
-
-
 def reduce_encode(
     source: torch.Tensor,
     n_rows: int,
@@ -1861,7 +1838,7 @@ def reduce_encode(
     """The staged routes' sum then encode, in one call: :func:`sum_rows` of float32
     ``source`` (``n_rows`` rows) into ``acc``, or of uint8 ``source`` decoded into float32
     ``scratch`` (``n_rows`` payloads of ``acc``'s elements, unscaled) and divided by
-    ``divisor`` (:func:`rows_mean`), then ``acc[:numel]`` times ``factors`` encoded into
+    ``divisor``, then ``acc[:numel]`` times ``factors`` encoded into
     ``out`` (:func:`encode`), its bytes after the codes zeroed (code 0 is +0): the bits of
     those calls in turn.
 

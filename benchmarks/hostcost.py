@@ -350,7 +350,6 @@ _CPU_KERNELS = (
     "sum_rows",
     "reduce_encode",
     "or_rows",
-    "rows_mean",
     "staged_factors_into",
     "staged_keys",
     "staged_key_factors",
