@@ -1201,22 +1201,35 @@ def test_doc_command_runs(command: str, tmp_path: Path, request: pytest.FixtureR
     spec.check(proc, tmp_path)
 
 
+# One file per rank: the ranks' prints share one pipe, and unbuffered (PYTHONUNBUFFERED=1)
+# a print is several writes, so two ranks' lines interleave ("ENVENV  [...").
 _ENV_DUMP = (
-    "import json, os, sys\nprint('ENV', json.dumps([sys.argv, os.getcwd(), dict(os.environ)]))\n"
+    "import json, os, sys\n"
+    "with open(f\"env-{os.environ['RANK']}.json\", 'w') as f:\n"
+    "    json.dump([sys.argv, os.getcwd(), dict(os.environ)], f)\n"
 )
+
+
+def _env_dumps(cwd: Path) -> list:
+    """The ranks' dumps in ``cwd`` in rank order, removed (the next command writes its own)."""
+    paths = sorted(cwd.glob("env-*.json"), key=lambda p: int(p.stem.split("-")[1]))
+    dumps = [json.loads(p.read_text()) for p in paths]
+    for p in paths:
+        p.unlink()
+    return dumps
 
 
 def test_forked_ranks_get_torchruns_environment(tmp_path: Path, doc_starter: list[Starter]) -> None:
     """The forked commands' ranks see what a real torchrun shows its ranks."""
     (tmp_path / "dump.py").write_text(_ENV_DUMP)
     command = "X=1 torchrun --standalone --nproc_per_node 2 dump.py --a 1"
-    real = _run(command, tmp_path, 120.0)
-    forked = _run_forked(command, tmp_path, 120.0, doc_starter, ())
     seen = {}
-    for name, proc in (("real", real), ("forked", forked)):
-        assert proc.returncode == 0, proc.stdout + proc.stderr
-        dumps = [json.loads(line[4:]) for line in proc.stdout.splitlines() if line[:4] == "ENV "]
-        seen[name] = sorted(dumps, key=lambda d: int(d[2]["RANK"]))
+    real = _run(command, tmp_path, 120.0)
+    assert real.returncode == 0, real.stdout + real.stderr
+    seen["real"] = _env_dumps(tmp_path)
+    forked = _run_forked(command, tmp_path, 120.0, doc_starter, ())
+    assert forked.returncode == 0, forked.stdout + forked.stderr
+    seen["forked"] = _env_dumps(tmp_path)
     assert len(seen["real"]) == len(seen["forked"]) == 2
     # Different in every run: the store's port, the run's id and its error files.
     varying = {"MASTER_PORT", "TORCHELASTIC_RUN_ID", "TORCHELASTIC_ERROR_FILE"}
