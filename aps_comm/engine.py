@@ -4468,14 +4468,12 @@ def _carry(old: SteadyGroups, new: SteadyGroups) -> None:
 
 def _overlap(a: Sequence[torch.Tensor], b: Sequence[torch.Tensor]) -> bool:
     """Whether any byte of the views ``a`` is a byte of the views ``b`` (contiguous views)."""
-    spans = [(t.data_ptr(), t.data_ptr() + t.numel() * t.element_size()) for t in b if t.numel()]
-    return any(
-        lo < hi2 and lo2 < lo + t.numel() * t.element_size()
-        for t in a
-        if t.numel()
-        for lo in [t.data_ptr()]
-        for lo2, hi2 in spans
-    )
+
+    def spans(views: Sequence[torch.Tensor]) -> list[tuple[int, int]]:
+        return [(t.data_ptr(), t.data_ptr() + t.nbytes) for t in views if t.numel()]
+
+    theirs = spans(b)
+    return any(lo < hi2 and lo2 < hi for lo, hi in spans(a) for lo2, hi2 in theirs)
 
 
 def _gather_back(scatter: Callable[[], object]) -> None:
