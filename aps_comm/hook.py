@@ -298,9 +298,10 @@ class APSState:
         self._last_stats = StepStats()
         self._worker: FifoWorker | None = None
         self._streams: dict[torch.device, torch.cuda.Stream] = {}
-        # Per bucket index: the pointer and size of the non-float32 buffer whose float32
-        # copy it was last bound on (:meth:`_float_input`).
-        self._inputs: dict[int, tuple[int, int]] = {}
+        # Per bucket index: the non-float32 buffer of DDP's whose float32 copy it was last
+        # bound on (:meth:`_float_input`). The buffer itself, not its address: DDP frees a
+        # buffer when it re-buckets, and the new one may be allocated at the same address.
+        self._inputs: dict[int, torch.Tensor] = {}
         self.cuda_graphs = bool(cuda_graphs)
         # Settled buckets' CUDA graphs (NCCL with CUDA tensors only).
         self.graphs: BucketGraphs | None = None
@@ -721,12 +722,12 @@ class APSState:
         when DDP's buffer for the bucket changes.
         """
         assert self.reducer is not None
-        given = (b.buffer.data_ptr(), b.buffer.numel())
-        if self._inputs.get(b.index) != given:
+        held = self._inputs.get(b.index)
+        if held is None or not _same_buffer(held, b.buffer):
             # A new buffer of DDP's (its re-bucketing) may hold other layers, and the copy
             # would not tell: bound again, as a float32 bucket's new buffer is.
             self.reducer.steady.pop(b.index, None)
-            self._inputs[b.index] = given
+            self._inputs[b.index] = b.buffer
         workspace = self.reducer.workspace(b.buffer.device)
         arena = workspace.arena(Slot.input_of(b.index))
         x = arena.take(b.buffer.numel(), torch.float32)
@@ -909,6 +910,22 @@ def aps_hook(state: APSState, bucket: dist.GradBucket) -> torch.futures.Future[t
         return fut  # the side stream's, complete: a failure was raised in this call
     # The worker's: DDP would report its failure as "Unable to cast ... to Tensor".
     return raised_by_backward(fut, buffer)
+
+
+def _same_buffer(held: torch.Tensor, buffer: torch.Tensor) -> bool:
+    """Whether ``buffer`` is ``held`` itself (its storage, start and size), not merely a
+    buffer at the same address: ``held`` keeps its storage alive, so none other has it.
+
+    Example:
+        >>> a = torch.zeros(4)
+        >>> _same_buffer(a, a.view(2, 2)), _same_buffer(a, torch.from_numpy(a.numpy()))
+        (True, False)
+    """
+    return (
+        buffer.untyped_storage() is held.untyped_storage()
+        and buffer.data_ptr() == held.data_ptr()
+        and buffer.numel() == held.numel()
+    )
 
 
 def _run_now(run: Callable[..., Callable[[], torch.Tensor]], bucket: _Bucket) -> torch.Tensor:

@@ -16,6 +16,7 @@ import math
 import unittest.mock
 from typing import Any
 
+import numpy as np
 import pytest
 import torch
 
@@ -2241,6 +2242,37 @@ def test_a_16_bit_models_bucket_stays_bound_and_gives_the_float32_buckets_bits(
     aten, kernels = count_ops(state, buffer.copy_(low), params)
     # The copies in and out, and the settled path.
     assert len(aten) + len(kernels) <= BUDGET, (aten, kernels)
+
+
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float64])
+def test_a_new_buffer_at_a_freed_buffers_address_is_bound_again(
+    world: None, dtype: torch.dtype
+) -> None:
+    """DDP's re-bucketing frees a bucket's buffer, and the allocator may put the new one,
+    holding the layers in another order, at the very same address. A bf16 (or float64)
+    model's bucket runs on its float32 copy, the same workspace view every step: it must
+    be bound again to the new layers, not run on the old layout (two ranks, one bound
+    again and one not, sent each other maxima of other layers: wrong gradients, and
+    different on each rank). The freed-and-reused address forced: a second storage over
+    the first one's memory."""
+    gen = torch.Generator().manual_seed(3)
+    # A layer of ~1e-6 beside one of ~1: scaled with the other's maximum, it flushes to 0.
+    x = torch.cat([torch.randn(64, generator=gen) * 1e-6, torch.randn(1000, generator=gen)])
+    numels = [64, 1000]
+    params = [torch.nn.Parameter(torch.empty(n)) for n in numels]
+    memory = np.empty(x.numel() * dtype.itemsize, np.uint8)
+    first = torch.from_numpy(memory).view(dtype)
+    state = aps_comm.APSState(fmt="e4m3")
+    for _ in range(2):  # the plan, then the settled path bound
+        state.run_bucket(0, first.copy_(x), params)
+    assert state.reducer is not None and state.reducer.steady.get(0) is not None
+    del first  # DDP's old buffer: gone but for what the state itself holds
+    others = [torch.nn.Parameter(torch.empty(n)) for n in reversed(numels)]
+    values = torch.cat(list(reversed(torch.split(x, numels)))).to(dtype)
+    second = torch.from_numpy(memory).view(dtype)
+    got = state.run_bucket(0, second.copy_(values), others)
+    want = aps_comm.APSState(fmt="e4m3").run_bucket(0, values.float(), others)
+    assert torch.equal(got, want.to(dtype))
 
 
 def test_promote_moving_one_interleaved_layer_with_error_feedback_keeps_the_general_bits(
