@@ -199,6 +199,9 @@ class Steady:
             then holds each layer's local underflow rate after the maxima.
         workspace: the state's workspace epoch its buffers were cut from
             (:meth:`aps_comm.workspace.Workspace.epoch`): another one binds it again.
+        held: the buffer it was bound to. Held, as the other routes' bound calls hold
+            it, so that no new buffer (DDP's re-bucketing) is allocated at its address
+            while it is bound and passes :meth:`Reducer.steady_for`'s address check.
     """
 
     numel: int
@@ -222,6 +225,7 @@ class Steady:
     promote: tuple[list[Any], list[int], list[str | None]] | None = None
     workspace: tuple[int, ...] = ()
     raw: torch.Tensor | None = None
+    held: torch.Tensor | None = None
 
     def record_names(self, names: Sequence[str | None]) -> None:
         """Record the layers, labelled by ``names`` (``stats=True``); with ``bucket``,
@@ -243,6 +247,7 @@ class Steady:
         (scale, unscale), which :meth:`Reducer.run_steady` refills in place
         from the agreed maxima once per bucket.
         """
+        self.held = x  # an FP32 bucket's binding holds nothing else of it
         g = self.group
         if g is None:
             return

@@ -14,6 +14,7 @@ import collections
 import functools
 import math
 import unittest.mock
+import weakref
 from typing import Any
 
 import numpy as np
@@ -23,6 +24,7 @@ import torch
 import aps_comm
 from aps_comm import cpu_kernels
 from aps_comm.codec import AgreedMaxima
+from aps_comm.config import Route
 from aps_comm.engine import (
     Reducer,
     Steady,
@@ -2273,6 +2275,26 @@ def test_a_new_buffer_at_a_freed_buffers_address_is_bound_again(
     got = state.run_bucket(0, second.copy_(values), others)
     want = aps_comm.APSState(fmt="e4m3").run_bucket(0, values.float(), others)
     assert torch.equal(got, want.to(dtype))
+
+
+@pytest.mark.parametrize("config", ["two_phase", "keep_last", "auto/fp32"])
+def test_a_bound_bucket_holds_its_buffer(world: None, config: str) -> None:
+    """The settled path is found again by its buffer's address (``Reducer.steady_for``):
+    sound only while that buffer cannot be freed and a new one (DDP's re-bucketing, other
+    layers) be allocated there. So the binding holds it: an FP32 bucket's too, whose
+    bound calls hold nothing of it (KeepLast, auto's FP32 choice: a stale FP32 binding on
+    one rank and the new layers' formats on another would mismatch the collectives)."""
+    x, params = _bucket([300 + i for i in range(4)], 5)
+    state = _named_state(CONFIGS[config], params)
+    buffer = x.clone()
+    for _ in range(2):  # the plan, then the settled path bound
+        state.run_bucket(0, buffer.copy_(x), params)
+    assert state.reducer is not None
+    bound = state.reducer.steady_for(0, buffer)
+    assert bound is not None and (config == "two_phase") == (bound.route != Route.FP32)
+    storage = weakref.ref(buffer.untyped_storage())
+    del buffer
+    assert storage() is not None, "the binding let its buffer go"
 
 
 def test_promote_moving_one_interleaved_layer_with_error_feedback_keeps_the_general_bits(
