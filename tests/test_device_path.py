@@ -645,7 +645,7 @@ def test_hsdp_replica_all_reduce_makes_no_host_traffic(
                 reducer.end_step()
             if step >= 2:
                 seen.append(mode)
-        # Settled, not the per-step path (block units: the codec's own calls, bound).
+        # Settled, not the per-step path (block scaling: the codec's own calls, bound).
         assert reducer.steady_for(0, buffer) is not None
     for mode in seen:
         assert mode.reads == [] and mode.copies == [], (mode.reads, mode.copies)
