@@ -72,7 +72,9 @@ from aps_comm.formats import (
 from aps_comm.layout import AMAX_BLOCK, BlockGrid, Blocks, Layout
 from aps_comm.scaling import (
     EXPONENT_LIMIT,
+    bad_layers,
     blocks_amax,
+    exponent_keys,
     factors_from_keys,
     key_factors,
     layer_amax,
@@ -370,6 +372,23 @@ def _owner_then_chunk(
     if host is None:
         return 0
     return int(host[at::piece].max())
+
+
+def _block_keys_ops(
+    x: torch.Tensor,
+    layout: Layout,
+    counts: torch.Tensor,
+    maxima: torch.Tensor,
+    keys: torch.Tensor,
+    flags: torch.Tensor,
+    fmt: FloatFormat,
+    world_size: int,
+) -> None:
+    """:meth:`Codec.bind_block_keys`' call as torch ops (no host read): every block's max
+    |x|, its two_phase key over ``world_size`` ranks, every layer's non-finite flag."""
+    maxima.copy_(blocks_amax(x, layout))
+    keys.copy_(exponent_keys(maxima, fmt, "two_phase", world_size=world_size)[0])
+    flags.copy_(bad_layers(keys, counts))
 
 
 def _keep_lost_torch(x: torch.Tensor, sent: torch.Tensor, residual: torch.Tensor) -> None:
@@ -1432,6 +1451,7 @@ class Codec:
         flags: torch.Tensor,
         world_size: int,
         agreed: bool = False,
+        device_counts: torch.Tensor | None = None,
     ) -> Callable[[], None] | None:
         """This rank's two_phase key of every block and non-finite flag of every layer, bound.
 
@@ -1440,10 +1460,13 @@ class Codec:
         ``keys`` and each layer's flag (:func:`aps_comm.scaling.bad_layers`)
         into ``flags``: one kernel call on the "kernels" backend, two
         launches on "triton" (the flags zeroed, one kernel), whatever the
-        number of blocks. None on the other backends, or where a Triton variant
+        number of blocks. On the other backends, or where a Triton variant
         cannot compile here (launched once at bind time on private buffers,
-        the failure logged once). Where ``fmt.max`` times N passes float32's
-        max (bf16), the keys' rule takes the FP32 sum's bound too, on both.
+        the failure logged once), the same values from a few torch ops
+        (:func:`aps_comm.scaling.exponent_keys`, :func:`aps_comm.scaling.bad_layers`)
+        where ``device_counts`` is given, else None. Where ``fmt.max`` times N
+        passes float32's max (bf16), the keys' rule takes the FP32 sum's bound
+        too, on every backend.
 
         Args:
             x: the group's float32 values.
@@ -1459,13 +1482,19 @@ class Codec:
                 kernel zeroes it for that step instead of flagging (one launch, no
                 zeroing: the owner sets, never clears); the "kernels" owner writes
                 every layer's flag over what the keys' call wrote.
+            device_counts: ``counts`` on ``x``'s device, for the torch ops (not with
+                ``agreed``); None: no torch ops.
 
         Example:
             >>> call = codec.bind_block_keys(x, blocks, counts, maxima, keys, flags, 2)  # doctest: +SKIP
             >>> call()  # doctest: +SKIP
         """
+        ops = None
+        if device_counts is not None and not agreed:
+            args = (x, layout, device_counts, maxima, keys, flags, self.fmt, world_size)
+            ops = functools.partial(_block_keys_ops, *args)
         if self.backend not in ("kernels", "triton") or x.dtype != torch.float32:
-            return None
+            return ops
         if self.backend == "kernels":
             # A CPU grid's blocks go as the grid: the kernel derives their offsets.
             grid = layout.cells if layout.cells is not None else layout.offsets.numpy()
@@ -1480,7 +1509,7 @@ class Codec:
         layer_of = np.repeat(np.arange(host_counts.size, dtype=np.int64), host_counts)
         longest = int(np.diff(offsets).max()) if offsets.size > 1 else 0
         if longest > _triton().MAX_SEGMENT:
-            return None
+            return ops
         width = max(2, 1 << max(longest - 1, 0).bit_length())
         probe = _triton().bind_block_keys(
             self.fmt,
@@ -1494,7 +1523,7 @@ class Codec:
             agreed,
         )
         if not _probed(("block_keys", self.fmt.name, width, bound, agreed), probe):
-            return None
+            return ops
         return _triton().bind_block_keys(
             self.fmt, x, offsets, layer_of, maxima, keys, flags, world_size, agreed
         )
@@ -1514,7 +1543,8 @@ class Codec:
         fused kernels ("kernels" and "triton" have them for 4-, 8- and
         16-bit formats), or where a Triton variant cannot
         compile here (each launched once at bind time on private buffers, a
-        failure logged once): the bucket then keeps its full path. On "triton" every index array goes to
+        failure logged once): the bucket then binds the codec's own calls
+        (:func:`aps_comm.transports.rank_block_ops`). On "triton" every index array goes to
         the device here, once, and the owner step returns 0 on CUDA (see
         :func:`_owner_then_chunk`).
 
@@ -1848,7 +1878,8 @@ class Codec:
         this rank's slice among the M ranks of its local rank. None where this
         backend has no fused kernels ("kernels" and "triton" have them, for 4-,
         8- and 16-bit formats; on "triton" the node's mean and the flags' ORs are
-        a few torch ops over the L or N rows, in the same order).
+        a few torch ops over the L or N rows, in the same order): the bucket then
+        binds the codec's own calls (:func:`aps_comm.transports.node_block_ops`).
 
         Args:
             x: the group's float32 values (read, then overwritten by the decode).

@@ -336,18 +336,18 @@ class SteadyBlocks:
     workspace: tuple[int, ...] = ()
 
     def bind(self, x: torch.Tensor, rank: int, world_size: int) -> bool:
-        """Bind the keys' and every chunk's calls to the float32 buffer ``x``; False where
-        the codec has no fused calls for them."""
+        """Bind the keys' and every chunk's calls to the float32 buffer ``x`` (the codec's
+        fused calls, else its own: :func:`aps_comm.transports.bind_rank_blocks`); False
+        where the keys have no bound call."""
         g = self.group
         assert g.blocks is not None
         keys_call = g.codec.bind_block_keys(
-            x, g.layout, g.blocks.counts, self.maxima, self.keys, self.flags, world_size
+            *(x, g.layout, g.blocks.counts, self.maxima, self.keys, self.flags, world_size),
+            device_counts=g.blocks.device_counts,  # the torch ops' (codecs without kernels)
         )
         if keys_call is None:
             return False
         calls = transports.bind_rank_blocks(g, x, self.keys, self.flags, self.union, rank)
-        if calls is None:
-            return False
         self.keys_call, self.calls, self.bound_ptr = keys_call, calls, x.data_ptr()
         return True
 
@@ -362,8 +362,8 @@ class SteadyNodeBlocks(SteadyBlocks):
     and each chunk is a fixed handful of bound calls
     (:func:`aps_comm.transports.bind_node_blocks`) around the route's four
     collectives: the full path's collectives, bytes and bits, without its
-    per-step block maxima, keys and flags as ATen ops. CPU kernels only
-    (no fused node kernels elsewhere).
+    per-step block maxima, keys and flags as ATen ops (on the codecs without
+    fused calls, "cast" and "bits", the codec's own calls bound once).
 
     Attributes:
         groups: this rank's intra- and inter-node groups of the route.
@@ -379,13 +379,12 @@ class SteadyNodeBlocks(SteadyBlocks):
         g = self.group
         assert g.blocks is not None
         keys_call = g.codec.bind_block_keys(
-            x, g.layout, g.blocks.counts, self.maxima, self.keys, self.flags, self.per_node
+            *(x, g.layout, g.blocks.counts, self.maxima, self.keys, self.flags, self.per_node),
+            device_counts=g.blocks.device_counts,  # the torch ops' (codecs without kernels)
         )
         if keys_call is None:
             return False
         calls = transports.bind_node_blocks(g, x, self.keys, self.flags, self.union)
-        if calls is None:
-            return False
         self.keys_call, self.node_calls, self.bound_ptr = keys_call, calls, x.data_ptr()
         return True
 

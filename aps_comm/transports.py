@@ -48,7 +48,7 @@ from aps_comm.codec import (
 )
 from aps_comm.formats import payload_nbytes, pow2
 from aps_comm.layout import BlockGrid, Layout
-from aps_comm.plan import GroupPlan, NodeBlocks, RowRuns
+from aps_comm.plan import BlockShards, GroupPlan, NodeBlocks, RowRuns
 from aps_comm.scaling import (
     bad_layers,
     blocks_amax,
@@ -74,6 +74,8 @@ __all__ = [
     "hierarchical_bound",
     "hierarchical_rank_blocks",
     "native",
+    "node_block_ops",
+    "rank_block_ops",
     "reduce_scatter",
     "rows_exchange",
     "two_phase",
@@ -707,6 +709,9 @@ def two_phase_rank_blocks(
     NaN on every rank: every owner receives every rank's layer flags with
     the first chunk, before anything is decoded.
 
+    It binds the codec's own calls for this step (:func:`rank_block_ops`) and
+    runs them as a settled bucket does (:func:`two_phase_rank_blocks_bound`).
+
     Args:
         g: the group's plan (``g.block_shards`` with ``rank_exponents``).
         x: the group's float32 values; the result is written back into it.
@@ -725,56 +730,122 @@ def two_phase_rank_blocks(
     Returns:
         With ``defer``, the function that finishes the bucket; else None.
     """
-    sh = g.block_shards
-    assert sh is not None and sh.rank_exponents and g.blocks is not None
-    fmt, n = g.fmt, world_size
-    counts = g.blocks.device_counts
-    scale = key_factors(keys, unscale=False)
-    flags = bad_layers(keys, counts)
-    bad: list[torch.Tensor] = []  # per block: its layer is non-finite on some rank
+    assert g.blocks is not None
+    flags = bad_layers(keys, g.blocks.device_counts)
+    union = torch.empty_like(flags)
+    calls = rank_block_ops(g, x, keys, flags, union, rank)
+    return two_phase_rank_blocks_bound(calls, group, count, defer, chunk_log2, on_chunk)
 
-    def send(c: int, s: int, a: int, b: int, piece: torch.Tensor) -> None:
-        used, sb = payload_nbytes(b - a, fmt), sh.shard_bytes[c]
-        first, blocks = sh.windows[c][s].first, sh.windows[c][s].n_segments
-        g.codec.encode(x[a:b], out=piece[:used], scale=scale, layout=sh.windows[c][s])
-        piece[used:].zero_()  # padding: code 0 is +0 in every format
-        piece[sb : sb + blocks] = keys[first : first + blocks]
+
+@dataclasses.dataclass
+class _RankBlockOps:
+    """Two_phase with every rank's own block exponents as the codec's own calls, shard by
+    shard (:func:`rank_block_ops`). The first chunk's send makes the factors of this
+    rank's keys, its owner step the blocks of the layers any rank flagged: later chunks
+    read both, in the same step."""
+
+    g: GroupPlan
+    x: torch.Tensor
+    keys: torch.Tensor
+    flags: torch.Tensor
+    union: torch.Tensor
+    rank: int
+    scale: torch.Tensor | None = None
+    bad: torch.Tensor | None = None  # per block: its layer is non-finite on some rank
+
+    @property
+    def sh(self) -> BlockShards:
+        assert self.g.block_shards is not None
+        return self.g.block_shards
+
+    def send(self, c: int, pieces: torch.Tensor, log2: int) -> None:
+        g, sh, keys, flags = self.g, self.sh, self.keys, self.flags
         if c == 0:
-            at = sb + sh.slots[0]
-            piece[at : at + flags.numel()] = flags
-            # fill_ takes the value as a kernel argument; an assignment of a host
-            # value would copy it to the device and wait for the stream.
-            piece[at + flags.numel() : at + flags.numel() + 1].fill_(chunk_log2)
+            self.scale = key_factors(keys, unscale=False)
+        sb = sh.shard_bytes[c]
+        for s, (a, b) in enumerate(itertools.pairwise(sh.bounds[c])):
+            piece, used = pieces[s], payload_nbytes(b - a, g.fmt)
+            first, blocks = sh.windows[c][s].first, sh.windows[c][s].n_segments
+            g.codec.encode(self.x[a:b], out=piece[:used], scale=self.scale, layout=sh.windows[c][s])
+            piece[used:].zero_()  # padding: code 0 is +0 in every format
+            piece[sb : sb + blocks] = keys[first : first + blocks]
+            if c == 0:
+                at = sb + sh.slots[0]
+                piece[at : at + flags.numel()] = flags
+                # fill_ takes the value as a kernel argument; an assignment of a host
+                # value would copy it to the device and wait for the stream.
+                piece[at + flags.numel() : at + flags.numel() + 1].fill_(log2)
 
-    def owner(p: int, rows: torch.Tensor, a: int, b: int, out: torch.Tensor) -> None:
-        sb, mine = sh.shard_bytes[p], sh.layouts[p][rank]
+    def owner(self, p: int, rows: torch.Tensor, out: torch.Tensor) -> int:
+        g, sh, nl = self.g, self.sh, self.flags.numel()
+        a, b = sh.bounds[p][self.rank : self.rank + 2]
+        sb, mine, n = sh.shard_bytes[p], sh.layouts[p][self.rank], rows.shape[0]
+        log2 = 0
         if p == 0:
             at = sb + sh.slots[0]
-            union = rows[:, at : at + flags.numel()].amax(0)
-            bad.append(torch.repeat_interleave(union != 0, counts, output_size=g.layout.n_segments))
-            if on_chunk is not None:
-                on_chunk(int(rows[:, at + flags.numel()].max()))
-        used, blocks = payload_nbytes(b - a, fmt), mine.n_segments
+            torch.amax(rows[:, at : at + nl], 0, out=self.union)
+            assert g.blocks is not None
+            self.bad = torch.repeat_interleave(
+                self.union != 0, g.blocks.device_counts, output_size=g.layout.n_segments
+            )
+            if rows.device.type == "cpu":  # CPU buckets agree chunks from timing
+                log2 = int(rows[:, at + nl].max())
+        used, blocks = payload_nbytes(b - a, g.fmt), mine.n_segments
         unscale = key_factors(rows[:, sb : sb + blocks], unscale=True)
         _, d = g.codec.owner_reduce_rank_blocks(rows.reshape(-1), n, mine, unscale, out=out[:used])
         out[used:sb].zero_()
         out[sb : sb + blocks] = 127 - d  # a key (zero and non-finite blocks: d = 0)
         out[sb + blocks :].zero_()
+        return log2
 
-    def unscale(b0: int, b1: int, k: torch.Tensor) -> torch.Tensor:
-        return torch.where(bad[0][b0:b1], float("nan"), key_factors(k, unscale=True))
+    def unscale(self, b0: int, b1: int, k: torch.Tensor) -> torch.Tensor:
+        assert self.bad is not None  # the first chunk's owner step made it
+        return torch.where(self.bad[b0:b1], float("nan"), key_factors(k, unscale=True))
 
-    return _block_pipeline(
-        g,
-        _shard_by_shard(g, send),
-        owner,
-        _decode_by_shard(g, x, unscale, n),
-        rank,
-        group,
-        world_size,
-        count,
-        defer,
-    )
+
+def rank_block_ops(
+    g: GroupPlan,
+    x: torch.Tensor,
+    keys: torch.Tensor,
+    flags: torch.Tensor,
+    union: torch.Tensor,
+    rank: int,
+) -> list[RankBlockCalls]:
+    """Every chunk's calls of :func:`two_phase_rank_blocks` as the codec's own calls, shard
+    by shard (encode, :meth:`aps_comm.codec.Codec.owner_reduce_rank_blocks`, decode and a
+    few torch ops per shard), bound to ``x`` and scratch: the bytes of the fused calls
+    (:func:`bind_rank_blocks`) on any backend, with no host read off the CPU.
+
+    Args:
+        g: the group's plan (``g.block_shards`` with ``rank_exponents``).
+        x: the group's float32 values.
+        keys: this rank's key of every block of the group (uint8), read when the calls run.
+        flags: this rank's non-finite flag of every layer (uint8), read when the calls run.
+        union: per layer, scratch for every rank's flags OR-ed.
+        rank: this rank.
+
+    Example:
+        >>> calls = transports.rank_block_ops(g, x, keys, flags, union, 0)  # doctest: +SKIP
+        >>> transports.two_phase_rank_blocks_bound(calls, group, count)  # doctest: +SKIP
+    """
+    sh = g.block_shards
+    assert sh is not None and sh.rank_exponents
+    ops = _RankBlockOps(g, x, keys, flags, union, rank)
+    n = len(sh.bounds[0]) - 1
+    decode = _decode_by_shard(g, x, ops.unscale, n)
+    calls = []
+    for c in range(len(g.chunks)):
+        (r0, r1), (s0, s1), (q0, q1) = g.regions[c], g.shard_regions[c], sh.gather_regions[c]
+        send, recv, out = g.send[r0:r1], g.recv[r0:r1], g.shards[s0:s1]
+        calls.append(
+            RankBlockCalls(
+                functools.partial(ops.send, c, send.view(n, sh.pieces[c])),
+                functools.partial(ops.owner, c, recv.view(n, sh.pieces[c]), out),
+                functools.partial(decode, c),
+                (send, recv, out, sh.gathered[q0:q1]),
+            )
+        )
+    return calls
 
 
 def two_phase_rank_blocks_bound(
@@ -828,8 +899,10 @@ def bind_rank_blocks(
     flags: torch.Tensor,
     union: torch.Tensor,
     rank: int,
-) -> list[RankBlockCalls] | None:
-    """Every chunk's fused calls of :func:`two_phase_rank_blocks`, bound to ``x`` and scratch.
+) -> list[RankBlockCalls]:
+    """Every chunk's calls of :func:`two_phase_rank_blocks`, bound to ``x`` and scratch: the
+    codec's fused ones ("kernels", "triton"), else its own calls (:func:`rank_block_ops`:
+    "cast", "bits", a Triton variant that cannot compile here), with the same bytes.
 
     Args:
         g: the group's plan (``g.block_shards`` with ``rank_exponents``).
@@ -840,8 +913,7 @@ def bind_rank_blocks(
         rank: this rank.
 
     Returns:
-        One :class:`aps_comm.codec.RankBlockCalls` per chunk, or None where the
-        codec has no fused kernels for them.
+        One :class:`aps_comm.codec.RankBlockCalls` per chunk.
     """
     sh = g.block_shards
     assert sh is not None and sh.rank_exponents and g.blocks is not None
@@ -867,8 +939,8 @@ def bind_rank_blocks(
             at=sh.shard_bytes[0] + sh.slots[0] if c == 0 else -1,
         )
         call = g.codec.bind_rank_blocks(x, keys, flags, union, chunk)
-        if call is None:
-            return None
+        if call is None:  # no fused calls here: the codec's own, with the same bytes
+            return rank_block_ops(g, x, keys, flags, union, rank)
         calls.append(call)
     return calls
 
@@ -1203,30 +1275,6 @@ def hierarchical_bound(
     return _staged(k, stages, defer)
 
 
-# The staged routes' stages of a chunk, in order (the methods of each stages class).
-_NODE_STAGES = (
-    "exchange_in_node",
-    "exchange_across_nodes",
-    "reduce_shard",
-    "gather_in_node",
-    "decode",
-)
-
-
-class _NodeStages:
-    """What :class:`_Hierarchical` and :class:`_NodeBlockStages` share: the staged
-    routes' five stages in order, and the wait for a chunk's stage."""
-
-    g: GroupPlan
-    works: dict[tuple[int, int], dist.Work]
-
-    def stages(self) -> tuple[Callable[[int], None], ...]:
-        return tuple(getattr(self, name) for name in _NODE_STAGES)
-
-    def wait(self, c: int, stage: int, what: str) -> None:
-        _wait(self.works.pop((c, stage)), f"the {what} of chunk {c + 1} of {len(self.g.chunks)}")
-
-
 def hierarchical_rank_blocks(
     g: GroupPlan,
     x: torch.Tensor,
@@ -1257,11 +1305,11 @@ def hierarchical_rank_blocks(
     node; every rank decodes the N shards with their owners' keys, and the
     layers flagged by any rank (OR of the first chunk's gathered flags) NaN.
 
-    On the "kernels" and "triton" codecs (4-, 8- and 16-bit formats) every chunk
-    runs through fused calls bound once per plan and buffer
-    (:func:`bind_node_blocks`, kept on the plan): a fixed handful of kernel
-    calls per chunk. Elsewhere the same bytes come slice by slice and shard
-    by shard.
+    Every chunk runs through calls bound once per plan and buffer
+    (:func:`bind_node_blocks`, kept on the plan): on the "kernels" and "triton"
+    codecs (4-, 8- and 16-bit formats) a fixed handful of fused kernel calls per
+    chunk; elsewhere the codec's own calls, slice by slice and shard by shard
+    (:func:`node_block_ops`), with the same bytes.
 
     Args:
         g: the group's plan (``g.node_blocks`` set).
@@ -1281,77 +1329,71 @@ def hierarchical_rank_blocks(
     Example:
         >>> transports.hierarchical_rank_blocks(g, x, keys, flags, groups, 8, count)  # doctest: +SKIP
     """
-    nb = g.node_blocks
-    assert nb is not None and g.blocks is not None
     bound = _node_bound(g, x)
-    if bound is not None:
-        # The bound calls read this rank's keys and flags from their own scratch.
-        bound.keys.copy_(keys)
-        bound.flags.copy_(flags)
-        return hierarchical_bound(bound.calls, groups, count, defer)
-    stages = _NodeBlockStages(g, x, keys, flags, groups, world_size, count)
-    return _staged(len(g.chunks), stages.stages(), defer)
+    # The bound calls read this rank's keys and flags from their own scratch.
+    bound.keys.copy_(keys)
+    bound.flags.copy_(flags)
+    return hierarchical_bound(bound.calls, groups, count, defer)
 
 
 @dataclasses.dataclass
-class _NodeBlockStages(_NodeStages):
-    """:func:`hierarchical_rank_blocks`' five stages of one bucket, slice by slice and shard
-    by shard (codecs with no fused calls)."""
+class _NodeBlockOps:
+    """:func:`hierarchical_rank_blocks`' codec work as the codec's own calls, slice by slice
+    and shard by shard (:func:`node_block_ops`). Grid's first encode of the first chunk
+    makes the factors of this rank's keys, the first chunk's decode the blocks of the
+    layers any rank flagged: later chunks read both, in the same step."""
 
     g: GroupPlan
     x: torch.Tensor
     keys: torch.Tensor
     flags: torch.Tensor
-    groups: NodeGroups
-    world_size: int
-    count: Counter
-    works: dict[tuple[int, int], dist.Work] = dataclasses.field(default_factory=dict)
-    bad: list[torch.Tensor] = dataclasses.field(default_factory=list)  # per block: non-finite
+    union: torch.Tensor
+    scale: torch.Tensor | None = None
+    bad: torch.Tensor | None = None  # per block: its layer is non-finite on some rank
     means: dict[int, torch.Tensor] = dataclasses.field(default_factory=dict)  # per chunk
+    # Per chunk, made once (a window's layout costs host copies): grid's slices of the
+    # group, the pieces of this rank's slice, each shard's first block in the group.
+    slices: list[list[Layout]] = dataclasses.field(default_factory=list)
+    pieces: list[list[Layout]] = dataclasses.field(default_factory=list)
+    firsts: list[list[int]] = dataclasses.field(default_factory=list)
 
-    @functools.cached_property
-    def scale(self) -> torch.Tensor:
-        """This rank's factors of its own block keys (grid's first level)."""
-        return key_factors(self.keys, unscale=False)
+    def __post_init__(self) -> None:
+        nb, layout = self.nb, self.g.layout
+        nodes, local = nb.nodes, nb.local_rank
+        for c in range(len(self.g.chunks)):
+            bounds, s0 = nb.bounds[c], nb.slice_bounds(c, local)[0]
+            slices = [nb.slice_bounds(c, q) for q in range(nb.ranks_per_node)]
+            self.slices.append([layout.window(a, b) for a, b in slices] if nb.wire_first else [])
+            mine = bounds[local * nodes : (local + 1) * nodes + 1]
+            self.pieces.append(
+                [nb.slice_layout[c].window(a - s0, b - s0) for a, b in itertools.pairwise(mine)]
+            )
+            self.firsts.append(
+                [layout.window(a, b).first if b > a else 0 for a, b in itertools.pairwise(bounds)]
+            )
 
     @property
     def nb(self) -> NodeBlocks:
         assert self.g.node_blocks is not None
         return self.g.node_blocks
 
-    def exchange_in_node(self, c: int) -> None:
-        g, nb, x, fmt = self.g, self.nb, self.x, self.g.fmt
-        per_node, nodes, local = nb.ranks_per_node, nb.nodes, nb.local_rank
-        lo, hi = g.chunks[c]
-        bounds = nb.bounds[c]
-        if not nb.wire_first:
-            split = [bounds[(q + 1) * nodes] - bounds[q * nodes] for q in range(per_node)]
-            self.count("node_all_to_all", (hi - lo) * 4)
-            self.works[c, 0] = dist.all_to_all_single(
-                nb.first_recv[c],
-                x[lo:hi],
-                output_split_sizes=[split[local]] * per_node,
-                input_split_sizes=split,
-                group=self.groups.intra,
-                async_op=True,
-            )
-            return
-        pieces = nb.first_send[c].view(per_node, nb.slice_pieces[c])
-        sb, keys, scale = nb.slice_bytes[c], self.keys, self.scale
-        for q in range(per_node):
+    def first(self, c: int) -> None:
+        """Grid: this rank's L slices of chunk c encoded with its own keys, each followed by
+        its blocks' keys."""
+        g, nb, fmt, keys = self.g, self.nb, self.g.fmt, self.keys
+        if c == 0:
+            self.scale = key_factors(keys, unscale=False)
+        pieces = nb.first_send[c].view(nb.ranks_per_node, nb.slice_pieces[c])
+        sb = nb.slice_bytes[c]
+        for q, win in enumerate(self.slices[c]):
             a, b = nb.slice_bounds(c, q)
-            win = g.layout.window(a, b)
             used = payload_nbytes(b - a, fmt)
             piece = pieces[q]
             if b > a:
-                g.codec.encode(x[a:b], out=piece[:used], scale=scale, layout=win)
+                g.codec.encode(self.x[a:b], out=piece[:used], scale=self.scale, layout=win)
                 piece[sb : sb + win.n_segments] = keys[win.first : win.first + win.n_segments]
             piece[used:sb].zero_()  # padding: code 0 is +0 in every format
             piece[sb + win.n_segments :].zero_()
-        self.count("node_all_to_all", pieces.numel())
-        self.works[c, 0] = dist.all_to_all_single(
-            nb.first_recv[c], nb.first_send[c], group=self.groups.intra, async_op=True
-        )
 
     def node_mean(self, c: int) -> torch.Tensor:
         """This rank's slice of chunk c averaged over its node (float32)."""
@@ -1378,10 +1420,11 @@ class _NodeBlockStages(_NodeStages):
             acc += row(r)
         return acc.div_(per_node)
 
-    def exchange_across_nodes(self, c: int) -> None:
+    def across(self, c: int) -> None:
+        """The node's mean of this rank's slice, encoded with its blocks' own keys in M
+        pieces (the first chunk's with this rank's layer flags)."""
         nb, fmt, codec = self.nb, self.g.fmt, self.g.codec
         nodes, local = nb.nodes, nb.local_rank
-        self.wait(c, 0, "first-level all_to_all" if nb.wire_first else "in-node FP32 all_to_all")
         mean = self.means[c] = self.node_mean(c)
         mine = nb.slice_layout[c]
         own = exponent_keys(blocks_amax(mean, mine), fmt, "two_phase", world_size=nodes)[0]
@@ -1389,9 +1432,8 @@ class _NodeBlockStages(_NodeStages):
         s0, _ = nb.slice_bounds(c, local)
         bounds, sb, slot = nb.bounds[c], nb.shard_bytes[c], nb.slots[c]
         pieces = nb.send[c].view(nodes, nb.pieces[c])
-        for j in range(nodes):
+        for j, win in enumerate(self.pieces[c]):
             a, b = bounds[local * nodes + j] - s0, bounds[local * nodes + j + 1] - s0
-            win = mine.window(a, b)
             used = payload_nbytes(b - a, fmt)
             piece = pieces[j]
             if b > a:
@@ -1401,15 +1443,12 @@ class _NodeBlockStages(_NodeStages):
             piece[sb + win.n_segments :].zero_()
             if c == 0:
                 piece[sb + slot : sb + slot + self.flags.numel()] = self.flags
-        self.count("all_to_all", pieces.numel())
-        self.works[c, 1] = dist.all_to_all_single(
-            nb.recv[c], nb.send[c], group=self.groups.inter, async_op=True
-        )
 
-    def reduce_shard(self, c: int) -> None:
+    def owner(self, c: int) -> None:
+        """This rank's shard of the mean over the M nodes, with its blocks' own keys (the
+        first chunk's flags OR-ed after them)."""
         nb, fmt = self.nb, self.g.fmt
         nodes, local = nb.nodes, nb.local_rank
-        self.wait(c, 1, "across-node all_to_all")
         s = local * nodes + nb.node
         mine = nb.shard_layouts[c][s]
         a, b = nb.bounds[c][s], nb.bounds[c][s + 1]
@@ -1433,47 +1472,107 @@ class _NodeBlockStages(_NodeStages):
         out[sb + blocks :].zero_()
         if c == 0:  # the flags of the ranks of this local rank, OR-ed
             out[sb + slot :] = rows[:, sb + slot : sb + slot + nb.flags].amax(0)
-        self.count("all_gather", out.numel())
-        self.works[c, 2] = all_gather_single(
-            nb.across[c], out, group=self.groups.inter, async_op=True
-        )
-
-    def gather_in_node(self, c: int) -> None:
-        nb = self.nb
-        self.wait(c, 2, "across-node all_gather")
-        self.count("node_all_gather", nb.across[c].numel())
-        self.works[c, 3] = all_gather_single(
-            nb.gathered[c], nb.across[c], group=self.groups.intra, async_op=True
-        )
 
     def decode(self, c: int) -> None:
-        nb, fmt, layout = self.nb, self.g.fmt, self.g.layout
-        self.wait(c, 3, "in-node all_gather")
-        sb, slot = nb.shard_bytes[c], nb.slots[c]
-        rows = nb.gathered[c].view(self.world_size, nb.rows[c])
+        """The N gathered shards of chunk c decoded with their owners' keys (the first
+        chunk's gathered flags OR-ed first)."""
+        g, nb, fmt, layout = self.g, self.nb, self.g.fmt, self.g.layout
+        sb, slot, n = nb.shard_bytes[c], nb.slots[c], len(nb.bounds[c]) - 1
+        rows = nb.gathered[c].view(n, nb.rows[c])
         if c == 0:
-            union = rows[:, sb + slot : sb + slot + nb.flags].amax(0)
+            torch.amax(rows[:, sb + slot : sb + slot + nb.flags], 0, out=self.union)
             # Per block, from the layers' block counts: no per-block index is kept.
-            counts = self.g.blocks.device_counts  # type: ignore[union-attr]  # node_blocks has blocks
-            self.bad.append(
-                torch.repeat_interleave(union != 0, counts, output_size=layout.n_segments)
+            assert g.blocks is not None  # node_blocks has blocks
+            self.bad = torch.repeat_interleave(
+                self.union != 0, g.blocks.device_counts, output_size=layout.n_segments
             )
+        assert self.bad is not None
         bounds = nb.bounds[c]
-        for s in range(self.world_size):
+        for s in range(n):
             a, b = bounds[s], bounds[s + 1]
             if a == b:
                 continue
-            mine = nb.shard_layouts[c][s]
-            b0 = layout.window(a, b).first
+            mine, b0 = nb.shard_layouts[c][s], self.firsts[c][s]
             factors = key_factors(rows[s, sb : sb + mine.n_segments], unscale=True)
-            factors = torch.where(self.bad[0][b0 : b0 + mine.n_segments], float("nan"), factors)
-            self.g.codec.decode(
+            factors = torch.where(self.bad[b0 : b0 + mine.n_segments], float("nan"), factors)
+            g.codec.decode(
                 rows[s, : payload_nbytes(b - a, fmt)],
                 b - a,
                 out=self.x[a:b],
                 scale=factors,
                 layout=mine,
             )
+
+
+def node_block_ops(
+    g: GroupPlan, x: torch.Tensor, keys: torch.Tensor, flags: torch.Tensor, union: torch.Tensor
+) -> list[NodeChunkCalls]:
+    """Every chunk's calls of :func:`hierarchical_rank_blocks` as the codec's own calls, slice
+    by slice and shard by shard, bound to ``x`` and scratch: the bytes of the fused calls
+    (:func:`bind_node_blocks`) on any backend, with no host read off the CPU.
+
+    Args:
+        g: the group's plan (``g.node_blocks`` set).
+        x: the group's float32 values.
+        keys: this rank's key of every block of the group (uint8), read when the calls run.
+        flags: this rank's non-finite flag of every layer (uint8), read when the calls run.
+        union: per layer, scratch for every rank's flags OR-ed.
+
+    Example:
+        >>> calls = transports.node_block_ops(g, x, keys, flags, union)  # doctest: +SKIP
+        >>> transports.hierarchical_bound(calls, groups, count)  # doctest: +SKIP
+    """
+    ops = _NodeBlockOps(g, x, keys, flags, union)
+    wire_first = ops.nb.wire_first
+    return [
+        _node_chunk_calls(
+            g,
+            x,
+            c,
+            (
+                functools.partial(ops.first, c) if wire_first else None,
+                functools.partial(ops.across, c),
+                functools.partial(ops.owner, c),
+                functools.partial(ops.decode, c),
+            ),
+        )
+        for c in range(len(g.chunks))
+    ]
+
+
+def _node_chunk_calls(
+    g: GroupPlan,
+    x: torch.Tensor,
+    c: int,
+    calls: tuple[
+        Callable[[], object] | None,
+        Callable[[], object],
+        Callable[[], object],
+        Callable[[], object],
+    ],
+) -> NodeChunkCalls:
+    """Chunk c's ``calls`` (first, across, owner, decode) with the plan's buffers they
+    work on, as :func:`hierarchical_bound` runs them."""
+    nb = g.node_blocks
+    assert nb is not None
+    per_node, nodes, local = nb.ranks_per_node, nb.nodes, nb.local_rank
+    splits = None
+    first_in = nb.first_send[c]
+    if not nb.wire_first:
+        bounds, (lo, hi) = nb.bounds[c], g.chunks[c]
+        sizes = [bounds[(q + 1) * nodes] - bounds[q * nodes] for q in range(per_node)]
+        splits, first_in = (sizes, [sizes[local]] * per_node), x[lo:hi]
+    return NodeChunkCalls(
+        *calls,
+        first_in,
+        nb.first_recv[c],
+        nb.send[c],
+        nb.recv[c],
+        nb.shard[c],
+        nb.across[c],
+        nb.gathered[c],
+        splits,
+    )
 
 
 def _staged(
@@ -1514,8 +1613,10 @@ def bind_node_blocks(
     keys: torch.Tensor,
     flags: torch.Tensor,
     union: torch.Tensor,
-) -> list[NodeChunkCalls] | None:
-    """Every chunk's fused calls of :func:`hierarchical_rank_blocks`, bound to ``x`` and scratch.
+) -> list[NodeChunkCalls]:
+    """Every chunk's calls of :func:`hierarchical_rank_blocks`, bound to ``x`` and scratch: the
+    codec's fused ones ("kernels", "triton"), else its own calls (:func:`node_block_ops`:
+    "cast", "bits", a Triton variant that cannot compile here), with the same bytes.
 
     Across nodes each chunk is :func:`bind_rank_blocks`' two_phase applied to
     the node's mean of this rank's slice among the M ranks of its local rank;
@@ -1529,10 +1630,8 @@ def bind_node_blocks(
         union: per layer, scratch for every rank's flags.
 
     Returns:
-        Per chunk the codec's :class:`aps_comm.codec.NodeBlockCalls` with the
-        plan's buffers, what the route's one pipeline runs
-        (:func:`hierarchical_bound`); None where the codec has no fused
-        kernels for them.
+        Per chunk the calls with the plan's buffers, what the route's one pipeline
+        runs (:func:`hierarchical_bound`).
 
     Example:
         >>> calls = transports.bind_node_blocks(g, x, keys, flags, union)  # doctest: +SKIP
@@ -1545,19 +1644,13 @@ def bind_node_blocks(
     # Each layer's end in the blocks (per layer, not per block), in the offsets' dtype.
     layer_ends = np.cumsum(g.blocks.counts.numpy()).astype(offsets.dtype)
     calls = []
-    for c, (lo, hi) in enumerate(g.chunks):
+    for c in range(len(g.chunks)):
         bounds = nb.bounds[c]
         s0 = nb.slice_bounds(c, local)[0]
         mine = nb.slice_layout[c]
-        first = splits = None
+        first = None
         if nb.wire_first:
-            slice_firsts = _block_firsts(g.layout, bounds[::nodes])
-            first = nb.first_send[c], slice_firsts, nb.slice_bytes[c]
-            first_in = nb.first_send[c]
-        else:
-            sizes = [bounds[(q + 1) * nodes] - bounds[q * nodes] for q in range(per_node)]
-            splits = sizes, [sizes[local]] * per_node
-            first_in = x[lo:hi]
+            first = nb.first_send[c], _block_firsts(g.layout, bounds[::nodes]), nb.slice_bytes[c]
         piece_bounds = [b - s0 for b in bounds[local * nodes : (local + 1) * nodes + 1]]
         chunk = NodeBlockChunk(
             offsets=offsets,
@@ -1578,24 +1671,9 @@ def bind_node_blocks(
             own_rows=(local, nb.node),
         )
         call = g.codec.bind_node_blocks(x, keys, flags, union, chunk)
-        if call is None:
-            return None
-        calls.append(
-            NodeChunkCalls(
-                call.first,
-                call.across,
-                call.owner,
-                call.decode,
-                first_in,
-                nb.first_recv[c],
-                nb.send[c],
-                nb.recv[c],
-                nb.shard[c],
-                nb.across[c],
-                nb.gathered[c],
-                splits,
-            )
-        )
+        if call is None:  # no fused calls here: the codec's own, with the same bytes
+            return node_block_ops(g, x, keys, flags, union)
+        calls.append(_node_chunk_calls(g, x, c, (call.first, call.across, call.owner, call.decode)))
     return calls
 
 
@@ -1609,13 +1687,11 @@ class _NodeBound:
     calls: list[NodeChunkCalls]
 
 
-def _node_bound(g: GroupPlan, x: torch.Tensor) -> _NodeBound | None:
+def _node_bound(g: GroupPlan, x: torch.Tensor) -> _NodeBound:
     """The plan's :func:`bind_node_blocks` calls for ``x``, bound once per plan and buffer
-    (kept on the plan); None where the codec has no fused kernels."""
+    (kept on the plan)."""
     nb = g.node_blocks
     assert nb is not None and g.blocks is not None
-    if g.codec.backend not in ("kernels", "triton") or x.dtype != torch.float32:
-        return None
     held = nb.bound.get("calls")
     if held is not None and held.ptr == x.data_ptr():
         return held
@@ -1624,9 +1700,6 @@ def _node_bound(g: GroupPlan, x: torch.Tensor) -> _NodeBound | None:
     flags = torch.empty(n_layers, dtype=torch.uint8, device=x.device)
     union = torch.zeros(n_layers, dtype=torch.uint8, device=x.device)
     calls = bind_node_blocks(g, x, keys, flags, union)
-    if calls is None:
-        nb.bound.clear()
-        return None
     # One buffer at a time: a bucket's float32 copy is new each step.
     nb.bound["calls"] = held = _NodeBound(x.data_ptr(), keys, flags, calls)
     return held

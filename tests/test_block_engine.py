@@ -13,7 +13,8 @@ import torch
 from torch import nn
 from torch.nn.parallel import DistributedDataParallel as DDP
 
-from aps_comm import APSState, register, simulate, transports
+from aps_comm import APSState, register, simulate
+from aps_comm.engine import Reducer, SteadyBlocks
 from aps_comm.formats import get_format
 from aps_comm.fsdp import APSFSDPState
 from aps_comm.plan import Planner
@@ -38,15 +39,17 @@ CASES = [
 
 def _exact_case(rank: int, world_size: int, chunk: int | None) -> int:
     checked = 0
-    # Buckets that took the settled path (kernels bound once: SteadyBlocks).
+    # Buckets that took the settled path (kernels bound once: SteadyBlocks). The general
+    # path runs calls bound for the step through the same pipeline: the settled state tells.
     bound: list[int] = []
-    unbound = transports.two_phase_rank_blocks_bound
+    unbound = Reducer.run_steady
 
-    def counted(*args: object, **kwargs: object) -> object:
-        bound.append(1)
-        return unbound(*args, **kwargs)
+    def counted(self: Reducer, index: int, st: object, *args: object, **kw: object) -> object:
+        if isinstance(st, SteadyBlocks):
+            bound.append(1)
+        return unbound(self, index, st, *args, **kw)  # type: ignore[arg-type]
 
-    transports.two_phase_rank_blocks_bound = counted  # type: ignore[assignment]
+    Reducer.run_steady = counted  # type: ignore[method-assign]
     for fmt_spec, reduction, block_size, exps in CASES:
         if reduction == "allreduce" and world_size > 2:
             continue  # Gloo's ring order past 2 ranks is not the simulator's ring
@@ -105,7 +108,7 @@ def _exact_case(rank: int, world_size: int, chunk: int | None) -> int:
         if exps == "rank" and fmt.wire_bits in (4, 8):  # the last step ran the bound kernels
             assert bound, (fmt_spec, block_size)
         bound.clear()
-    transports.two_phase_rank_blocks_bound = unbound  # type: ignore[assignment]
+    Reducer.run_steady = unbound  # type: ignore[method-assign]
     return checked
 
 

@@ -30,7 +30,16 @@ import aps_comm.engine as engine_mod
 import aps_comm.reduction as reduction_mod
 from aps_comm.agreement import Layouts
 from aps_comm.config import BlockExponents, Reduction, Route, Scaling
-from aps_comm.engine import Comm, Reducer, Settings, SteadyFeedback, SteadyGroups, SteadyStaged
+from aps_comm.engine import (
+    Comm,
+    Reducer,
+    Settings,
+    SteadyBlocks,
+    SteadyFeedback,
+    SteadyGroups,
+    SteadyNodeBlocks,
+    SteadyStaged,
+)
 from aps_comm.feedback import ErrorFeedback
 from aps_comm.formats import FORMATS, FloatFormat, get_format
 from aps_comm.fsdp import reduce_shard, spread_nonfinite
@@ -290,20 +299,39 @@ def test_bucket_path_makes_no_host_traffic(
 
 
 @pytest.mark.parametrize("name", BLOCK_FORMATS)
-@pytest.mark.parametrize("world", [3, 6])
+@pytest.mark.parametrize(
+    ("reduction", "world", "stats"),
+    [
+        ("two_phase", 3, False),
+        ("two_phase", 6, True),
+        ("hierarchical", 6, True),
+        ("grid", 6, False),
+    ],
+)
 def test_rank_block_exponents_make_no_host_traffic_and_no_agreement(
-    monkeypatch: pytest.MonkeyPatch, name: str, world: int
+    monkeypatch: pytest.MonkeyPatch, name: str, reduction: str, world: int, stats: bool
 ) -> None:
+    """Each rank's own block exponents settle on the torch codecs too ("cast", "bits": a
+    GPU without Triton, custom formats): the codec's own calls bound once (two_phase:
+    SteadyBlocks; hierarchical and grid: SteadyNodeBlocks), with no host read."""
     with stubbed_collectives(monkeypatch) as issued:
         reducer, names = _reducer(
-            get_format(name), "two_phase", "block", world, 1, [], block_exponents="rank"
+            get_format(name), reduction, "block", world, 1, [], stats=stats, block_exponents="rank"
         )
-        steady, _ = _bucket_steps(reducer, names, 3, chunk=512)
+        steady, records = _bucket_steps(reducer, names, 3, chunk=512)
+        kind = SteadyBlocks if reduction == "two_phase" else SteadyNodeBlocks
+        assert {type(st) for st in reducer.steady.values()} == {kind}
+        assert set(reducer.steady) == {0, 1}  # both buckets took their bound path
     for mode in steady:
         assert mode.reads == [] and mode.copies == [], (mode.reads, mode.copies)
     # The exponents travel with the shards: nothing is agreed before them.
     assert "all_reduce" not in issued, issued
     assert {"all_to_all_single", "all_gather_into_tensor"} <= set(issued), issued
+    if stats:
+        mode = HostTraffic()
+        with mode:
+            got = records.records()
+        assert len(mode.reads) == 1 and [r.name for r in got] == names
 
 
 POLICIES: dict[str, list[Rule]] = {
@@ -617,8 +645,8 @@ def test_hsdp_replica_all_reduce_makes_no_host_traffic(
                 reducer.end_step()
             if step >= 2:
                 seen.append(mode)
-        if scaling != "block":  # meta has no fused block calls to bind (CPU: test_hostcost)
-            assert reducer.steady_for(0, buffer) is not None  # settled, not the per-step path
+        # Settled, not the per-step path (block scaling: the codec's own calls, bound).
+        assert reducer.steady_for(0, buffer) is not None
     for mode in seen:
         assert mode.reads == [] and mode.copies == [], (mode.reads, mode.copies)
     assert issued  # the collectives ran (stubbed)

@@ -2,12 +2,16 @@
 
 Issue 46: with ``stats=True`` a bucket settles like a plain one (its records
 made by one kernel call on the CPU, a fixed handful of device ops elsewhere).
-On 2 ranks (4 for hierarchical), one state runs its bucket settled from the
-second step on, another is sent down the full per-step path every step;
-their records must be equal, through a layer of zeros, an empty layer,
-layers that underflow, and steps where one rank's layer holds inf or NaN.
-Per layer and per block (each rank's own block exponents, as the hook sends
-them), two_phase, native sums and hierarchical, CPU kernels and torch ops.
+On 2 ranks (4 for hierarchical and grid), one state runs its bucket settled
+from the second step on, another is sent down the full per-step path every
+step; their records, gradients (bit for bit) and bytes per collective must be
+equal, through a layer of zeros, an empty layer, layers that underflow, and
+steps where one rank's layer holds inf or NaN; with each rank's own block
+exponents the gradients are :func:`aps_comm.simulate.allreduce`'s too. Per
+layer and per block (each rank's own block exponents, as the hook sends
+them), two_phase, native sums, hierarchical and grid, on the CPU kernels and
+on the torch ops' codec backends forced on CPU tensors ("cast" and "bits":
+a GPU without Triton), several backends one after the other in one job.
 """
 
 from __future__ import annotations
@@ -17,11 +21,14 @@ import math
 import pytest
 import torch
 
-from aps_comm import APSState, cpu_kernels
+from aps_comm import APSState, codec, cpu_kernels, simulate
 from aps_comm.testing import run_distributed
+from tests.conftest import gather
 
 NUMELS = [6, 0, 40, 1, 300, 17]
 STEPS = 5
+BIG = sum(NUMELS[:4])  # where the layer of 300 starts
+_BACKEND_FOR = codec.backend_for
 
 
 def _grads(step: int, rank: int) -> torch.Tensor:
@@ -41,11 +48,24 @@ def _grads(step: int, rank: int) -> torch.Tensor:
     return torch.cat([zeros, wide.new_empty(0), wide, one, big, half])
 
 
+def _force(backend: str) -> None:
+    """This process's codecs on ``backend`` from now on: "kernels", or the torch ops (the
+    GPU's path without Triton: no CPU kernels at all) as "cast" (formats with a torch
+    dtype) or "bits" (any format)."""
+    cpu_kernels.AVAILABLE = backend == "kernels"
+    bits = backend == "bits"
+    codec.backend_for = (lambda fmt, device: "bits") if bits else _BACKEND_FOR  # type: ignore[assignment]
+    codec.codec_for.cache_clear()  # the plans' codecs: made anew
+
+
 def _records(
-    rank: int, world_size: int, fmt: str, reduction: str, scaling: str, kernels: bool
+    rank: int, world_size: int, fmt: str, reduction: str, scaling: str, backends: tuple[str, ...]
 ) -> list:
-    if not kernels:
-        cpu_kernels.AVAILABLE = False  # this process's codecs: the torch ops (the GPU's path)
+    return [_run(rank, world_size, fmt, reduction, scaling, backend) for backend in backends]
+
+
+def _run(rank: int, world: int, fmt: str, reduction: str, scaling: str, backend: str) -> list:
+    _force(backend)
     params = [torch.nn.Parameter(torch.empty(n)) for n in NUMELS]
     model = torch.nn.ParameterList(params)
     # Staged routes: nodes (or grid rows) of 2 ranks.
@@ -59,59 +79,93 @@ def _records(
     out = []
     for step in range(STEPS):
         x = _grads(step, rank)
+        if scaling == "block" and step == STEPS - 1 and rank == world - 1:
+            x[BIG + 7] = math.nan  # one block of a layer of many: the whole layer NaN
         reducer = settled.reducer
         on_path = reducer is not None and reducer.steady_for(0, buffer) is not None
-        backend = reducer.steady[0].group.codec.backend if on_path else None  # type: ignore[union-attr]
+        bound = reducer.steady[0].group.codec.backend if on_path else None  # type: ignore[union-attr]
         buffer.copy_(x)
-        settled.run_bucket(0, buffer, params)
+        got = settled.run_bucket(0, buffer, params)
         full.bind(torch.device("cpu"))  # the reducer, before its first bucket
         full.reducer.settles = False  # never bound: the general path every step
-        full.run_bucket(0, x.clone(), params)
-        out.append((on_path, backend, settled.stats, full.stats))
+        want = full.run_bucket(0, x.clone(), params)
+        # Bit for bit, every NaN the same NaN.
+        same = torch.equal(got.isnan(), want.isnan()) and torch.equal(
+            got.nan_to_num(0.0).view(torch.int32), want.nan_to_num(0.0).view(torch.int32)
+        )
+        traffic = (settled.bytes_detail, full.bytes_detail)
+        if scaling == "block":  # each rank's own block exponents: the simulator's bits too
+            layers = torch.split(gather(x), NUMELS, dim=1)
+            expected = simulate.allreduce(
+                layers,
+                fmt,
+                reduction=reduction,
+                scaling="block",
+                ranks_per_node=per_node or 1,
+                rank_exponents=True,
+                # Staged routes: the chunk decides who owns what, and with it the bits.
+                chunk_elements=settled.bucket_chunks[0] if per_node else None,
+            )
+            same = same and torch.equal(got.nan_to_num(7.0), torch.cat(expected).nan_to_num(7.0))
+        nan = tuple(bool(part.isnan().all()) for part in got.split(NUMELS) if part.numel())
+        out.append((on_path, bound, settled.stats, full.stats, same, traffic, nan))
     return out
 
 
 @pytest.mark.parametrize(
-    ("fmt", "reduction", "scaling", "kernels", "world"),
+    ("fmt", "reduction", "scaling", "backends", "world"),
     [
-        ("e4m3", "two_phase", "layer", True, 2),
-        ("fp16", "allreduce", "layer", True, 2),
-        ("e4m3", "two_phase", "layer", False, 2),
-        ("e2m1", "two_phase", "block", True, 2),
-        ("e2m1", "hierarchical", "block", True, 4),  # 2 nodes of 2
+        ("e4m3", "two_phase", "layer", ("kernels",), 2),
+        ("fp16", "allreduce", "layer", ("kernels",), 2),
+        ("e4m3", "two_phase", "layer", ("cast",), 2),
+        ("e2m1", "two_phase", "block", ("kernels", "bits"), 2),
+        ("e4m3", "two_phase", "block", ("cast",), 2),
+        ("e2m1", "hierarchical", "block", ("kernels", "bits"), 4),  # 2 nodes of 2
+        ("e4m3", "grid", "block", ("cast", "bits"), 4),  # grid rows of 2
         # One exponent for the bucket (the records keep each layer's maximum), none at all.
-        ("e4m3", "two_phase", "bucket", True, 2),
-        ("fp16", "allreduce", "bucket", False, 2),
-        ("e4m3", "two_phase", "none", True, 2),
-        ("e4m3", "two_phase", "none", False, 2),
+        ("e4m3", "two_phase", "bucket", ("kernels",), 2),
+        ("fp16", "allreduce", "bucket", ("cast",), 2),
+        ("e4m3", "two_phase", "none", ("kernels",), 2),
+        ("e4m3", "two_phase", "none", ("cast",), 2),
         # Staged routes with one exponent per layer (or bucket, or none): the first level's.
-        ("e4m3", "hierarchical", "layer", True, 4),
-        ("e4m3", "grid", "bucket", True, 4),
-        ("e4m3", "grid", "layer", False, 4),
-        ("fp16", "hierarchical", "none", True, 4),
+        ("e4m3", "hierarchical", "layer", ("kernels",), 4),
+        ("e4m3", "grid", "bucket", ("kernels",), 4),
+        ("e4m3", "grid", "layer", ("cast",), 4),
+        ("fp16", "hierarchical", "none", ("kernels",), 4),
     ],
 )
 def test_settled_records_equal_the_full_paths(
-    fmt: str, reduction: str, scaling: str, kernels: bool, world: int
+    fmt: str, reduction: str, scaling: str, backends: tuple[str, ...], world: int
 ) -> None:
-    args = (fmt, reduction, scaling, kernels)
+    args = (fmt, reduction, scaling, backends)
     runs = run_distributed(_records, world, args=args, timeout=180)
+    for rank, per_backend in enumerate(runs):
+        for backend, steps in zip(backends, per_backend, strict=True):
+            _check(steps, rank, world, scaling, backend)
+
+
+def _check(steps: list, rank: int, world: int, scaling: str, backend: str) -> None:
+    """One backend's steps on one rank: settled from the second step, on that backend,
+    with the full path's records, gradients and bytes."""
     blocks = scaling == "block"  # each rank's own block exponents: its own maxima
-    for rank, steps in enumerate(runs):
-        for step, (on_path, backend, settled, full) in enumerate(steps):
-            assert on_path == (step > 0), (rank, step)  # settled from the second step on
-            if on_path:
-                assert (backend == "kernels") == kernels
-            assert [s.numel for s in settled] == NUMELS
-            assert settled == full, (rank, step)
-            zeros, empty, wide, one, _, half = settled
-            assert zeros.amax == 0.0 and zeros.exponent == 0 and zeros.underflow_rate == 0.0
-            assert empty.amax == 0.0 and empty.underflow_rate == 0.0
-            assert wide.underflow_rate > 0.0  # some of its 24 decades flush
-            assert (half.amax > 0.0) == (rank != 0 or not blocks)
-            if (step, rank) in ((2, 1), (3, 0)) or (step in (2, 3) and not blocks):
-                assert one.amax == math.inf and one.exponent == 0  # NaN or inf: inf
-            else:
-                assert one.amax == (rank + 1 if blocks else world) * 0.5
-        # Rank 1's inf passes the format's max once scaled: counted saturated.
-        assert steps[2][2][3].saturated == (rank == 1)
+    for step, (on_path, bound, settled, full, same, traffic, nan) in enumerate(steps):
+        if blocks and step == STEPS - 1:  # NaN in one block on the last rank: in its layer
+            assert nan == (False, False, False, True, False), (rank, backend, nan)
+        assert on_path == (step > 0), (rank, step, backend)  # settled from the second step
+        if on_path:
+            assert bound == backend, (bound, backend)
+        assert same, (rank, step, backend)  # the gradients, bit for bit
+        assert traffic[0] == traffic[1], (rank, step, backend, traffic)
+        assert [s.numel for s in settled] == NUMELS
+        assert settled == full, (rank, step)
+        zeros, empty, wide, one, _, half = settled
+        assert zeros.amax == 0.0 and zeros.exponent == 0 and zeros.underflow_rate == 0.0
+        assert empty.amax == 0.0 and empty.underflow_rate == 0.0
+        assert wide.underflow_rate > 0.0  # some of its 24 decades flush
+        assert (half.amax > 0.0) == (rank != 0 or not blocks)
+        if (step, rank) in ((2, 1), (3, 0)) or (step in (2, 3) and not blocks):
+            assert one.amax == math.inf and one.exponent == 0  # NaN or inf: inf
+        else:
+            assert one.amax == (rank + 1 if blocks else world) * 0.5
+    # Rank 1's inf passes the format's max once scaled: counted saturated.
+    assert steps[2][2][3].saturated == (rank == 1)

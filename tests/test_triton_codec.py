@@ -1139,12 +1139,15 @@ def test_settled_block_bucket_on_triton_gives_the_kernels_bits(
     assert len(set(map(tuple, launches.values()))) == 1, launches
 
 
-def test_a_fused_block_variant_that_fails_keeps_the_full_path(
+def test_a_fused_block_variant_that_fails_binds_the_codecs_own_calls(
     tc: types.ModuleType, monkeypatch: pytest.MonkeyPatch, caplog: pytest.LogCaptureFixture
 ) -> None:
     # The owner's fused variant cannot compile (injected): bind's probe logs it once and
-    # returns None, the bucket keeps its full path (never SteadyBlocks), the same bits.
+    # the bucket binds the codec's own calls instead (SteadyBlocks, not the general path;
+    # the keys' kernel still fused): the fused send, owner and decode never run after the
+    # probe, and the bits are the numba kernels' full path's.
     import aps_comm
+    from aps_comm.engine import SteadyBlocks
 
     monkeypatch.setattr(codec, "_TRITON_FAILED", {})
     monkeypatch.setattr(codec, "_TRITON_RAN", set())
@@ -1162,14 +1165,23 @@ def test_a_fused_block_variant_that_fails_keeps_the_full_path(
     monkeypatch.setattr(tc, "_reduce_blocks_kernel", Broken())
     options = {"fmt": "e2m1", "reduction": "two_phase", "scaling": "block", "block_size": 8}
     x, params = _block_bucket([5, 0, 1, 300, 33, 2, 64], 5)
+    log: list = []
     with _triton_plans():
         state = aps_comm.APSState(**options)
-        for _ in range(3):
-            out = _quiet(state.run_bucket, 0, x.clone(), params)
+        buffer = x.clone()
+        for step in range(3):
+            if step == 2:  # settled: recorded from here
+                for name in _RANK_BLOCK_KERNELS[1:]:  # the fused chunk kernels
+                    monkeypatch.setattr(tc, name, _Recorder(name, getattr(tc, name), log))
+            buffer.copy_(x)
+            out = _quiet(state.run_bucket, 0, buffer, params)
         reducer = state.reducer
-        assert reducer is not None and not reducer.steady
-        del state, reducer
+        assert reducer is not None
+        st = reducer.steady_for(0, buffer)
+        assert isinstance(st, SteadyBlocks) and st.group.codec.backend == "triton"
+        del state, reducer, st
     monkeypatch.setattr(tc, "_reduce_blocks_kernel", real)
+    assert [name for name, _, _ in log if "rank_blocks" in name] == []  # the codec's own calls
     assert [r.getMessage().count("injected") for r in caplog.records] == [1]
     assert any(v[0] == "owner_rank_blocks" for v in codec._TRITON_FAILED)
     want = _reference(options, x, params)
