@@ -72,7 +72,9 @@ from aps_comm.formats import (
 from aps_comm.layout import AMAX_BLOCK, BlockGrid, Blocks, Layout
 from aps_comm.scaling import (
     EXPONENT_LIMIT,
+    bad_layers,
     blocks_amax,
+    exponent_keys,
     factors_from_keys,
     key_factors,
     layer_amax,
@@ -370,6 +372,22 @@ def _owner_then_chunk(
     if host is None:
         return 0
     return int(host[at::piece].max())
+
+
+def _block_keys_torch(
+    fmt: FloatFormat,
+    x: torch.Tensor,
+    layout: Layout,
+    counts: torch.Tensor,
+    maxima: torch.Tensor,
+    keys: torch.Tensor,
+    flags: torch.Tensor,
+    world_size: int,
+) -> None:
+    """:meth:`Codec.bind_block_keys` on the torch backends: the general path's ops."""
+    maxima.copy_(blocks_amax(x, layout))
+    keys.copy_(exponent_keys(maxima, fmt, "two_phase", world_size=world_size)[0])
+    flags.copy_(bad_layers(keys, counts))
 
 
 def _keep_lost_torch(x: torch.Tensor, sent: torch.Tensor, residual: torch.Tensor) -> None:
@@ -1440,7 +1458,10 @@ class Codec:
         ``keys`` and each layer's flag (:func:`aps_comm.scaling.bad_layers`)
         into ``flags``: one kernel call on the "kernels" backend, two
         launches on "triton" (the flags zeroed, one kernel), whatever the
-        number of blocks. None on the other backends, or where a Triton variant
+        number of blocks; on "cast" and "bits" the general path's torch ops
+        (:func:`aps_comm.scaling.blocks_amax`, :func:`~aps_comm.scaling.exponent_keys`,
+        :func:`~aps_comm.scaling.bad_layers`: ``counts`` then on ``x``'s device,
+        or copied there once here). None for non-float32 ``x``, or where a Triton variant
         cannot compile here (launched once at bind time on private buffers,
         the failure logged once). Where ``fmt.max`` times N passes float32's
         max (bf16), the keys' rule takes the FP32 sum's bound too, on both.
@@ -1464,8 +1485,12 @@ class Codec:
             >>> call = codec.bind_block_keys(x, blocks, counts, maxima, keys, flags, 2)  # doctest: +SKIP
             >>> call()  # doctest: +SKIP
         """
-        if self.backend not in ("kernels", "triton") or x.dtype != torch.float32:
+        if x.dtype != torch.float32:
             return None
+        if self.backend not in ("kernels", "triton"):
+            counts = counts if counts.device == x.device else counts.to(x.device)
+            calls = (self.fmt, x, layout, counts, maxima, keys, flags, world_size)
+            return functools.partial(_block_keys_torch, *calls)
         if self.backend == "kernels":
             # A CPU grid's blocks go as the grid: the kernel derives their offsets.
             grid = layout.cells if layout.cells is not None else layout.offsets.numpy()
@@ -2283,12 +2308,13 @@ class Codec:
         )
 
     def copy_spans(self, src: torch.Tensor, dst: torch.Tensor, spans: np.ndarray) -> None:
-        """Byte spans of contiguous CPU ``src`` copied into ``dst`` in one kernel call
+        """Byte spans of contiguous ``src`` copied into ``dst`` in one kernel call
         (int64 ``spans`` (K, 3): source offset, destination offset, length, in bytes):
         a settled FSDP unit of several formats gathers and scatters its runs' rows so.
+        On the torch backends one copy per span (the spans are host numbers: no read).
 
         Raises:
-            ValueError: the codec's backend is not "kernels", or a tensor is not contiguous.
+            ValueError: a tensor is not contiguous.
 
         Example:
             >>> c = Codec("e4m3", torch.device("cpu"), backend="kernels")
@@ -2297,12 +2323,14 @@ class Codec:
             >>> dst.tolist()
             [7, 0]
         """
-        if self.backend != "kernels" or not (src.is_contiguous() and dst.is_contiguous()):
-            raise ValueError(
-                f"copy_spans runs the CPU kernels on contiguous tensors, got backend "
-                f"{self.backend!r}"
-            )
-        cpu_kernels.call("copy_spans", src, dst, spans)
+        if not (src.is_contiguous() and dst.is_contiguous()):
+            raise ValueError("copy_spans copies between contiguous tensors")
+        if self.backend == "kernels":
+            cpu_kernels.call("copy_spans", src, dst, spans)
+            return
+        src, dst = src.reshape(-1).view(torch.uint8), dst.reshape(-1).view(torch.uint8)
+        for a, b, m in spans.tolist():
+            dst[b : b + m].copy_(src[a : a + m])
 
     def sum_runs(
         self,
@@ -2312,13 +2340,16 @@ class Codec:
         n_rows: int,
         offsets: np.ndarray,
         maxima: torch.Tensor,
+        lengths: torch.Tensor | None = None,
     ) -> torch.Tensor:
         """An FSDP unit's N decoded rows summed run by run into ``out``, in one kernel call:
         the bits of :meth:`sum_rows`, and each FP32 run's parameters NaN where their agreed
         maximum is not (:func:`aps_comm.cpu_kernels.sum_runs` says how ``runs`` lays them out).
+        On the torch backends :meth:`sum_rows` per run, and ``lengths`` (each parameter's
+        chunk, int64 on the device) spreads an FP32 run's maxima over its elements.
 
         Raises:
-            ValueError: the codec's backend is not "kernels".
+            ValueError: the torch backends without ``lengths``.
 
         Example:
             >>> c = Codec("e4m3", torch.device("cpu"), backend="kernels")
@@ -2326,9 +2357,18 @@ class Codec:
             ...            2, np.array([0, 1]), torch.tensor([2.0]))
             tensor([3.])
         """
-        if self.backend != "kernels":
-            raise ValueError(f"sum_runs runs the CPU kernels, not {self.backend!r}")
-        cpu_kernels.call("sum_runs", values, out, runs, n_rows, offsets, maxima)
+        if self.backend == "kernels":
+            cpu_kernels.call("sum_runs", values, out, runs, n_rows, offsets, maxima)
+            return out
+        if lengths is None:
+            raise ValueError(f"sum_runs on {self.backend!r} needs the chunks' lengths")
+        for start, lo, hi, first, last, exact, stride in runs.tolist():
+            rows = values[start : start + n_rows * stride].view(n_rows, stride)
+            self.sum_rows(rows[:, : hi - lo], out[lo:hi])
+            if exact:  # 1 where the maximum is finite, else NaN (inf * 0): x * 1 is x
+                keep = maxima[first:last].mul(0).add_(1)
+                spread = torch.repeat_interleave(keep, lengths[first:last], output_size=hi - lo)
+                out[lo:hi].mul_(spread)
         return out
 
     def _check_records(self, x: torch.Tensor, layout: Layout) -> None:
