@@ -15,13 +15,14 @@ import contextlib
 import functools
 import math
 import unittest.mock
+from collections.abc import Iterator
 from typing import Any
 
 import pytest
 import torch
 
 import aps_comm
-from aps_comm import cpu_kernels
+from aps_comm import codec, cpu_kernels
 from aps_comm.codec import AgreedMaxima
 from aps_comm.engine import (
     Reducer,
@@ -1809,18 +1810,29 @@ def _never_bound(state: Any) -> None:
     state.reducer.settles = False
 
 
-def _forced_codec(kind: str | None) -> Any:
+@contextlib.contextmanager
+def _forced_codec(kind: str | None) -> Iterator[None]:
     """Every codec the engine builds on ``kind``'s torch ops ("cast" where the format has
     a torch dtype, else "bits"; FP32 on "cast", as on CUDA), not the CPU kernels: what a
-    GPU without Triton runs, on CPU tensors, bit for bit."""
+    GPU without Triton runs, on CPU tensors, bit for bit. The codec cache is emptied on
+    the way in and out, and a codec must have been built under it."""
     if kind is None:
-        return contextlib.nullcontext()
+        yield
+        return
+    built = []
 
     def backend_for(fmt: Any, device: torch.device) -> str:
         f = get_format(fmt)
+        built.append(f.name)
         return "cast" if f.name == "fp32" or (kind == "cast" and f.torch_dtype) else "bits"
 
-    return unittest.mock.patch("aps_comm.codec.backend_for", backend_for)
+    codec.codec_for.cache_clear()
+    try:
+        with unittest.mock.patch("aps_comm.codec.backend_for", backend_for):
+            yield
+    finally:
+        codec.codec_for.cache_clear()
+    assert built, f"no codec built on {kind!r}: a cached one ran instead"
 
 
 def _settled_fsdp_steps(
