@@ -11,18 +11,16 @@ also give the same bits as the full one it replaces.
 from __future__ import annotations
 
 import collections
-import contextlib
 import functools
 import math
 import unittest.mock
-from collections.abc import Iterator
 from typing import Any
 
 import pytest
 import torch
 
 import aps_comm
-from aps_comm import codec, cpu_kernels
+from aps_comm import cpu_kernels
 from aps_comm.codec import AgreedMaxima
 from aps_comm.engine import (
     Reducer,
@@ -43,6 +41,7 @@ from benchmarks.hostcost import (
     ParamLayer,
     count_calls,
     count_ops,
+    forced_codec,
     fsdp_unit,
     world_of_one,
 )
@@ -1702,7 +1701,7 @@ def _fp32_unit_steps(rank: int, world_size: int) -> list[str]:
     (:func:`_forced_codec`: an FP32 unit needs no codec, it binds on every backend)."""
     problems = []
     for kind in (None, "cast"):
-        with _forced_codec(kind):
+        with forced_codec(kind):
             problems += [f"{kind}: {p}" for p in _fp32_unit_run(rank)]
     return problems
 
@@ -1810,38 +1809,13 @@ def _never_bound(state: Any) -> None:
     state.reducer.settles = False
 
 
-@contextlib.contextmanager
-def _forced_codec(kind: str | None) -> Iterator[None]:
-    """Every codec the engine builds on ``kind``'s torch ops ("cast" where the format has
-    a torch dtype, else "bits"; FP32 on "cast", as on CUDA), not the CPU kernels: what a
-    GPU without Triton runs, on CPU tensors, bit for bit. The codec cache is emptied on
-    the way in and out, and a codec must have been built under it."""
-    if kind is None:
-        yield
-        return
-    built = []
-
-    def backend_for(fmt: Any, device: torch.device) -> str:
-        f = get_format(fmt)
-        built.append(f.name)
-        return "cast" if f.name == "fp32" or (kind == "cast" and f.torch_dtype) else "bits"
-
-    codec.codec_for.cache_clear()
-    try:
-        with unittest.mock.patch("aps_comm.codec.backend_for", backend_for):
-            yield
-    finally:
-        codec.codec_for.cache_clear()
-    assert built, f"no codec built on {kind!r}: a cached one ran instead"
-
-
 def _settled_fsdp_steps(
     rank: int, world_size: int, options: dict, shapes: list = _UNIT_SHAPES
 ) -> list[str]:
     """The settled reduce-scatter against the general path, through FSDP2, step by step;
-    ``options["codec"]``: both on that torch backend (:func:`_forced_codec`)."""
+    ``options["codec"]``: both on that torch backend (:func:`benchmarks.hostcost.forced_codec`)."""
     options = dict(options)
-    with _forced_codec(options.pop("codec", None)):
+    with forced_codec(options.pop("codec", None)):
         return _settled_fsdp_run(rank, options, shapes)
 
 
@@ -2144,9 +2118,9 @@ def test_a_settled_4bit_fsdp_unit_of_odd_rows_gives_the_general_paths_shards() -
 def _settled_unit_of_one(options: dict, numels: list[int]) -> list[str]:
     """A unit's settled reduce-scatter against the general path in a world of one rank
     (where FSDP2 skips it), called as FSDP calls it, over steps with a NaN at step 2;
-    ``options["codec"]``: both on that torch backend (:func:`_forced_codec`)."""
+    ``options["codec"]``: both on that torch backend (:func:`benchmarks.hostcost.forced_codec`)."""
     options = dict(options)
-    with _forced_codec(options.pop("codec", None)):
+    with forced_codec(options.pop("codec", None)):
         return _settled_unit_of_one_run(options, numels)
 
 
