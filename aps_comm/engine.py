@@ -4050,7 +4050,7 @@ class Reducer:
             st.shared = torch.zeros(p + 1, **f32)
             st.local, st.agreed = arena.take(n * p, torch.float32), arena.take(n * p, torch.float32)
             st.record = functools.partial(
-                _mixed_records if sums.backend == "kernels" else _fp32_records,
+                _mixed_records,
                 sums,
                 st.layout,
                 (np.zeros(n * p, np.int32), []),
@@ -4058,6 +4058,11 @@ class Reducer:
                 n,
                 record_limits([FP32] * p),
             )
+            if sums.backend != "kernels":  # the general path's ops, every parameter FP32
+                fp32_rows = torch.arange(p, device=device)
+                shape = (n, self.settings.scaling)
+                args = ([], fp32_rows, st.layout, st.agreed[:p], shape)
+                st.record = functools.partial(_mixed_torch_records, *args)
             st.names, st.numels = list(params[0]), list(params[1])
         if not arena.close():  # the slot grew: cut every view again from its new region
             self._settle_fp32_unit(index, runs, rows, chunks, step, params)
@@ -5043,26 +5048,6 @@ def _key_counts(c: codec.Codec, blocks: Blocks) -> torch.Tensor:
     """The blocks per parameter :meth:`aps_comm.codec.Codec.bind_block_keys` takes for a
     unit: the kernels' host copy, the torch ops' device one (no copy per step)."""
     return blocks.counts if c.backend in ("kernels", "triton") else blocks.device_counts
-
-
-def _fp32_records(
-    c: codec.Codec,
-    layout: Layout,
-    keys: object,
-    maxima: torch.Tensor,
-    n: int,
-    limits: object,
-    x: torch.Tensor,
-) -> torch.Tensor:
-    """:func:`_mixed_records` of a unit all in FP32 on the torch backends: float64 (P, 5)
-    from its N rows ``x`` (exponent 0, the agreed ``maxima``, the counts under FP32's
-    bounds, folded over the rows), a fixed handful of device ops (``c``, ``keys`` and
-    ``limits`` are the kernels' and unused)."""
-    p = layout.n_segments // n
-    exps = torch.zeros(layout.n_segments, dtype=torch.int32, device=x.device)
-    counts = layer_counts(x, layout.lengths, exps, FP32).view(n, p, 3).sum(0)
-    zero = exps[:p, None].double()
-    return torch.cat([zero, maxima[:p, None].double(), counts.double()], 1)
 
 
 def _unit_scratch(runs: RowRuns, arena: Arena, n: int) -> RowRuns:
