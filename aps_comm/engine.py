@@ -4088,8 +4088,10 @@ class Reducer:
         scaled = list(dict.fromkeys(r.fmt for r in runs.runs if r.fmt != FP32))
         codecs = [codec.codec_for(f, device) for f in scaled]
         blocked = settings.scaling == Scaling.BLOCK
-        kernels = codecs[0].backend == "kernels" if codecs else False
-        if not scaled:
+        kernels = bool(codecs) and codecs[0].backend == "kernels"
+        # Every format on the CPU kernels, or none (the torch ops): the calls bound below
+        # follow the first codec's backend.
+        if not scaled or any((c.backend == "kernels") != kernels for c in codecs):
             return
         p, row, row_bytes = len(chunks), runs.row_numel, runs.row_bytes
         lay = _mixed_layout(runs, chunks, scaled, n)
