@@ -2314,12 +2314,13 @@ class Codec:
         )
 
     def copy_spans(self, src: torch.Tensor, dst: torch.Tensor, spans: np.ndarray) -> None:
-        """Byte spans of contiguous CPU ``src`` copied into ``dst`` in one kernel call
+        """Byte spans of contiguous ``src`` copied into ``dst`` in one kernel call
         (int64 ``spans`` (K, 3): source offset, destination offset, length, in bytes):
         a settled FSDP unit of several formats gathers and scatters its runs' rows so.
+        On the torch backends one copy per span (the spans are host numbers: no read).
 
         Raises:
-            ValueError: the codec's backend is not "kernels", or a tensor is not contiguous.
+            ValueError: a tensor is not contiguous.
 
         Example:
             >>> c = Codec("e4m3", torch.device("cpu"), backend="kernels")
@@ -2328,12 +2329,14 @@ class Codec:
             >>> dst.tolist()
             [7, 0]
         """
-        if self.backend != "kernels" or not (src.is_contiguous() and dst.is_contiguous()):
-            raise ValueError(
-                f"copy_spans runs the CPU kernels on contiguous tensors, got backend "
-                f"{self.backend!r}"
-            )
-        cpu_kernels.call("copy_spans", src, dst, spans)
+        if not (src.is_contiguous() and dst.is_contiguous()):
+            raise ValueError("copy_spans copies between contiguous tensors")
+        if self.backend == "kernels":
+            cpu_kernels.call("copy_spans", src, dst, spans)
+            return
+        src, dst = src.reshape(-1).view(torch.uint8), dst.reshape(-1).view(torch.uint8)
+        for a, b, m in spans.tolist():
+            dst[b : b + m].copy_(src[a : a + m])
 
     def sum_runs(
         self,
@@ -2343,13 +2346,16 @@ class Codec:
         n_rows: int,
         offsets: np.ndarray,
         maxima: torch.Tensor,
+        lengths: torch.Tensor | None = None,
     ) -> torch.Tensor:
         """An FSDP unit's N decoded rows summed run by run into ``out``, in one kernel call:
         the bits of :meth:`sum_rows`, and each FP32 run's parameters NaN where their agreed
         maximum is not (:func:`aps_comm.cpu_kernels.sum_runs` says how ``runs`` lays them out).
+        On the torch backends :meth:`sum_rows` per run, and ``lengths`` (each parameter's
+        chunk, int64 on the device) spreads an FP32 run's maxima over its elements.
 
         Raises:
-            ValueError: the codec's backend is not "kernels".
+            ValueError: the torch backends without ``lengths``.
 
         Example:
             >>> c = Codec("e4m3", torch.device("cpu"), backend="kernels")
@@ -2357,9 +2363,18 @@ class Codec:
             ...            2, np.array([0, 1]), torch.tensor([2.0]))
             tensor([3.])
         """
-        if self.backend != "kernels":
-            raise ValueError(f"sum_runs runs the CPU kernels, not {self.backend!r}")
-        cpu_kernels.call("sum_runs", values, out, runs, n_rows, offsets, maxima)
+        if self.backend == "kernels":
+            cpu_kernels.call("sum_runs", values, out, runs, n_rows, offsets, maxima)
+            return out
+        if lengths is None:
+            raise ValueError(f"sum_runs on {self.backend!r} needs the chunks' lengths")
+        for start, lo, hi, first, last, exact, stride in runs.tolist():
+            rows = values[start : start + n_rows * stride].view(n_rows, stride)
+            self.sum_rows(rows[:, : hi - lo], out[lo:hi])
+            if exact:  # 1 where the maximum is finite, else NaN (inf * 0): x * 1 is x
+                keep = maxima[first:last].mul(0).add_(1)
+                spread = torch.repeat_interleave(keep, lengths[first:last], output_size=hi - lo)
+                out[lo:hi].mul_(spread)
         return out
 
     def _check_records(self, x: torch.Tensor, layout: Layout) -> None:

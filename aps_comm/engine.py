@@ -64,6 +64,7 @@ from aps_comm.scaling import (
     factors,
     factors_from_keys,
     key_exponents,
+    key_factors,
 )
 from aps_comm.telemetry import StepStats, layer_counts, per_layer
 from aps_comm.topology import NodeGroups
@@ -3951,7 +3952,16 @@ class Reducer:
             shared = torch.zeros(segments + 1, dtype=torch.uint8, device=device)
             local = arena.take(segments, torch.float32)
             flags = torch.empty(len(blocks.counts), dtype=torch.uint8, device=device)
-            keys = c.bind_block_keys(x, layout, blocks.counts, local, shared[:-1], flags, n)
+            keys = c.bind_block_keys(
+                x,
+                layout,
+                blocks.counts,
+                local,
+                shared[:-1],
+                flags,
+                n,
+                device_counts=blocks.device_counts,
+            )
             if keys is None:  # no fused keys for this backend or format
                 return
             made = c.bind_feedback_factors(shared[:-1], n, scale, unscale, blocks.device_counts)
@@ -4022,16 +4032,16 @@ class Reducer:
         step: int,
         params: tuple[Sequence[str], Sequence[int]],
     ) -> None:
-        """Bind the unit's :class:`SteadyFP32Unit` (every parameter in FP32); with
-        ``stats=True`` on the CPU kernels only (its records' one call)."""
+        """Bind the unit's :class:`SteadyFP32Unit` (every parameter in FP32), on any codec
+        backend: no codec codes its rows; with ``stats=True`` its records bound too
+        (one kernel call on the CPU kernels, a fixed handful of torch ops elsewhere)."""
         n, device, p = self.comm.world_size, rows.device, len(chunks)
-        # The sum is the same whatever the format: any kernels codec's (one call).
+        # The sum is the same whatever the format: any kernels codec's (one call), else
+        # the torch ops of whichever codec (the sum reads no format).
         sums = codec.codec_for(self.settings.fmt, device)
         if sums.backend != "kernels":
             sums = codec.codec_for(_SUM_FORMAT, device)
         stats = self.settings.stats
-        if stats and sums.backend != "kernels":
-            return
         ws, slot = self.workspace(device), Slot.of(index)
         arena = ws.arena(slot)
         recv = arena.take(n * runs.row_numel, torch.float32).view(n, runs.row_numel)
@@ -4059,6 +4069,11 @@ class Reducer:
                 n,
                 record_limits([FP32] * p),
             )
+            if sums.backend != "kernels":  # the general path's ops, every parameter FP32
+                fp32_rows = torch.arange(p, device=device)
+                shape = (n, self.settings.scaling)
+                args = ([], fp32_rows, st.layout, st.agreed[:p], shape)
+                st.record = functools.partial(_mixed_torch_records, *args)
             st.names, st.numels = list(params[0]), list(params[1])
         if not arena.close():  # the slot grew: cut every view again from its new region
             self._settle_fp32_unit(index, runs, rows, chunks, step, params)
@@ -4076,14 +4091,18 @@ class Reducer:
         step: int,
         params: tuple[Sequence[str], Sequence[int]],
     ) -> None:
-        """Bind the unit's :class:`SteadyMixedUnit` (several formats; any scaling, the CPU
-        kernels; with ``stats=True`` its records bound too; with block scaling every
-        run's rows whole bytes)."""
+        """Bind the unit's :class:`SteadyMixedUnit` (several formats; any scaling; with
+        ``stats=True`` its records bound too; with block scaling every run's rows whole
+        bytes). On the torch codec backends the same buffers and spans, each kernel
+        call the general path's torch ops."""
         settings, n, device = self.settings, self.comm.world_size, rows.device
         scaled = list(dict.fromkeys(r.fmt for r in runs.runs if r.fmt != FP32))
         codecs = [codec.codec_for(f, device) for f in scaled]
         blocked = settings.scaling == Scaling.BLOCK
-        if not scaled or any(c.backend != "kernels" for c in codecs):
+        kernels = bool(codecs) and codecs[0].backend == "kernels"
+        # Every format on the CPU kernels, or none (the torch ops): the calls bound below
+        # follow the first codec's backend.
+        if not scaled or any((c.backend == "kernels") != kernels for c in codecs):
             return
         p, row, row_bytes = len(chunks), runs.row_numel, runs.row_bytes
         lay = _mixed_layout(runs, chunks, scaled, n)
@@ -4107,7 +4126,8 @@ class Reducer:
         agreed, maxima = torch.empty(len(perm), **f32), torch.empty(p, **f32)
         sums = np.array(lay.sums, np.int64).reshape(-1, 7)
         calls, spreads, keys = [], [], []
-        blocks = _MixedBlocks(lay, chunks, scaled, n, settings.block_size) if blocked else None
+        shape = (n, settings.block_size)
+        blocks = _MixedBlocks(lay, chunks, scaled, shape, device) if blocked else None
         for f, (c, (e0, e1), (s0, s1), (c0, c1), numels) in enumerate(
             zip(codecs, lay.elements, lay.segments, lay.codes, lay.numels, strict=True)
         ):
@@ -4125,7 +4145,7 @@ class Reducer:
                 )
                 continue
             scale, unscale = torch.empty(s1 - s0, **f32), torch.empty(s1 - s0, **f32)
-            mine = np.zeros(s1 - s0, np.int32) if settings.stats else None
+            mine = np.zeros(s1 - s0, np.int32) if settings.stats and kernels else None
             if mine is not None:  # the records' keys: this format's, at their rows' places
                 keys.append((mine, np.array(lay.rows[s0:s1]) * p + lay.perm[s0:s1]))
             made = _mixed_factors(
@@ -4167,13 +4187,11 @@ class Reducer:
         )
         st = self.steady_units[index]
         assert isinstance(st, SteadyMixedUnit)
-        st.offsets_of = (st.layout.offsets.numpy(), st.perm.numpy())
+        st.offsets_of = (st.layout.offsets.numpy(), np.array(perm, np.int64))
         if blocks is not None:
             self._bind_mixed_blocks(st, blocks, index, runs)
         if settings.stats:
-            self._bind_mixed_records(
-                self.steady_units[index], runs, agreed[len(lay.perm) :], keys, params
-            )
+            self._bind_mixed_records(st, runs, agreed[len(lay.perm) :], keys, params)
         # The general path's own scratch of this layout is no longer needed.
         self.plan(index, list(chunks) * n, device).row_runs = {}
 
@@ -4187,6 +4205,9 @@ class Reducer:
         n_blocks = grid.layout.n_segments
         st.shared = torch.zeros(n_blocks + 1, dtype=torch.uint8, device=device)
         st.local = torch.empty(n_blocks, dtype=torch.float32, device=device)
+        if st.codec.backend != "kernels":
+            self._bind_mixed_torch_blocks(st, blocks, grid, runs)
+            return
         keys = (
             grid.layout.offsets.numpy(),
             blocks.fmt_of,
@@ -4223,6 +4244,32 @@ class Reducer:
                 p,
             )
 
+    def _bind_mixed_torch_blocks(
+        self, st: SteadyMixedUnit, blocks: _MixedBlocks, grid: Blocks, runs: RowRuns
+    ) -> None:
+        """:meth:`_bind_mixed_blocks` on the torch codec backends: the keys, factors and
+        records of the general path's torch ops (:func:`_mixed_block_keys`,
+        :func:`_mixed_block_factors`, :func:`_mixed_block_torch_records`)."""
+        n, p, device = self.comm.world_size, len(st.chunks), st.device
+        n_blocks = grid.layout.n_segments
+        # Per block, its place among every format's keys (or counts), FP32's last.
+        fmt_of = np.where(blocks.fmt_of < 0, len(blocks.formats), blocks.fmt_of)
+        pick = to_device(torch.from_numpy(fmt_of * n_blocks + np.arange(n_blocks)), device)
+        at, mine = blocks.picks(self.comm.rank)
+        pos, src, param_of = (
+            to_device(torch.from_numpy(a), device) for a in (at, mine, blocks.param_of[at])
+        )
+        keys = (grid.layout, [*blocks.formats, FP32], pick, n, st.local, st.shared[:-1])
+        factors_of = (st.shared, grid.device_counts, (pos, src, param_of), (n, p))
+        st.keyed = (
+            functools.partial(_mixed_block_keys, *keys),
+            functools.partial(_mixed_block_factors, *factors_of, blocks, st.maxima, st.poison),
+        )
+        if self.settings.stats:
+            st.record = functools.partial(
+                _mixed_block_torch_records, grid, keys[1], pick, (st.shared[:-1], st.local), n
+            )
+
     def _bind_mixed_records(
         self,
         st: SteadyMixedUnit,
@@ -4235,6 +4282,15 @@ class Reducer:
         parameter under its own format's bounds and exponent (0 for FP32)."""
         names, numels = params
         formats = [run.fmt for run in runs.runs for _ in run.index]
+        if st.record is None and st.codec.backend != "kernels":  # the general path's ops
+            st.record = functools.partial(
+                _mixed_torch_records,
+                list(runs.by_format.items()),
+                _format_rows(runs, len(st.chunks), st.device),
+                st.layout,
+                st.maxima,
+                (self.comm.world_size, self.settings.scaling),
+            )
         st.record = st.record or functools.partial(
             _mixed_records,
             st.codec,
@@ -4270,14 +4326,22 @@ class Reducer:
             transports.all_reduce_max(shared, comm.group, self.traffic)
             problem.copy_(shared[k])
             st.keyed[1]()
-        else:
+        elif c.backend == "kernels":
             # The flag rides on the maxima, so no rank needs a host read to learn it.
             cpu_kernels.call("unit_maxima", x, st.offsets_of[0], n, st.local, shared, problem)
             transports.all_reduce_max(shared, comm.group, self.traffic)
             # A flagged unit is NaN on every rank: its maxima all non-finite.
             cpu_kernels.call("unit_agreed", shared, problem, st.offsets_of[1], st.maxima, st.agreed)
-            for spread in st.spreads:
-                spread.spread()
+        else:  # the same on the torch ops
+            c.layer_maxima(x, st.layout, st.local)
+            torch.amax(st.local.view(n, k), 0, out=shared[:k])
+            shared[k:].copy_(problem.reshape(1))
+            transports.all_reduce_max(shared, comm.group, self.traffic)
+            problem.copy_(shared[k])
+            torch.where(problem > 0, st.poison, shared[:k], out=st.maxima)
+            torch.index_select(st.maxima, 0, st.perm, out=st.agreed)
+        for spread in st.spreads:
+            spread.spread()
         c.copy_spans(rows, arena, gather)
         for made, encode, _ in st.calls:
             made()
@@ -4292,7 +4356,8 @@ class Reducer:
         for _, _, decode in st.calls:
             decode()
         out = torch.empty(st.row_numel, dtype=torch.float32, device=rows.device)
-        return c.sum_runs(st.values, out, st.sums, n, st.offsets, st.maxima)
+        lengths = st.layout.lengths[: len(st.chunks)]  # the torch ops' spread of the maxima
+        return c.sum_runs(st.values, out, st.sums, n, st.offsets, st.maxima, lengths)
 
     def _run_fp32_unit(
         self, index: int, st: SteadyFP32Unit, rows: torch.Tensor, problem: torch.Tensor
@@ -4333,7 +4398,16 @@ class Reducer:
         if st.flags is not None:  # block scaling: this rank's key of every block
             blocks = run.rows_blocks
             assert blocks is not None
-            keys = c.bind_block_keys(x, layout, blocks.counts, st.local, shared[:k], st.flags, n)
+            keys = c.bind_block_keys(
+                x,
+                layout,
+                blocks.counts,
+                st.local,
+                shared[:k],
+                st.flags,
+                n,
+                device_counts=blocks.device_counts,
+            )
             assert keys is not None  # as when it was bound
             keys()
         else:
@@ -4374,9 +4448,13 @@ class Reducer:
                 per_row[comm.rank].expand_as(per_row),
                 out=st.decode.view_as(per_row),
             )
-        out = transports.reduce_scatter(
-            st.runs, rows, [st.scale], [st.decode], comm.group, self.traffic
-        )
+        # One run of whole-byte rows: the N rows' codes are the send buffer end to end.
+        send, recv, values = st.runs.send, st.runs.recv, st.runs.values
+        c.encode(x, out=send.view(-1), scale=st.scale, layout=layout)
+        transports.rows_exchange(send, recv, comm.group, self.traffic)
+        c.decode(recv.view(-1), values.numel(), out=values.view(-1), scale=st.decode, layout=layout)
+        out = torch.empty(st.runs.row_numel, dtype=torch.float32, device=rows.device)
+        c.sum_rows(values, out)  # FP32, in rank order
         return out if st.pad is None else out[: out.numel() - 1]
 
     # -- the step ---------------------------------------------------------------------
@@ -4626,7 +4704,16 @@ def _unit_block_records(
         return out
     exps = key_exponents(keys)
     counts = layer_counts(x, blocks.layout.lengths, exps, c.fmt)
+    return _block_records_of(blocks, counts, exps, maxima, n)
+
+
+def _block_records_of(
+    blocks: Blocks, counts: torch.Tensor, exps: torch.Tensor, maxima: torch.Tensor, n: int
+) -> torch.Tensor:
+    """A unit's records from its blocks' counts, exponents and this rank's maxima, the N
+    rows' chunks folded per parameter: float64 (P, 5) (the general path's ops)."""
     counts, first, largest = per_layer(blocks, counts, exps, maxima)
+    p = first.numel() // n
     return torch.cat(
         [
             first.view(n, p).amin(0).double()[:, None],
@@ -4776,8 +4863,14 @@ class _MixedBlocks:
     """
 
     def __init__(
-        self, lay: _MixedLayout, chunks: Sequence[int], scaled: list[FloatFormat], n: int, size: int
+        self,
+        lay: _MixedLayout,
+        chunks: Sequence[int],
+        scaled: list[FloatFormat],
+        shape: tuple[int, int],
+        device: torch.device,
     ) -> None:
+        n, size = shape
         p = len(chunks)
         counts = np.array([-(-c // size) for c in chunks] * n, np.int64)
         self._first = np.concatenate([[0], np.cumsum(counts)]).astype(np.int64)
@@ -4790,8 +4883,8 @@ class _MixedBlocks:
         self.param_of = np.repeat(np.tile(np.arange(p, dtype=np.int64), n), counts)
         sizes = [int(counts[np.array(lay.perm[s0:s1], np.int64)].sum()) for s0, s1 in lay.segments]
         self.bounds = [0, *np.cumsum(sizes).tolist()]
-        self.scale = torch.empty(self.bounds[-1], dtype=torch.float32)
-        self.decode = torch.empty(self.bounds[-1], dtype=torch.float32)
+        self.scale = torch.empty(self.bounds[-1], dtype=torch.float32, device=device)
+        self.decode = torch.empty(self.bounds[-1], dtype=torch.float32, device=device)
 
     def picks(self, rank: int) -> tuple[np.ndarray, np.ndarray]:
         """Per encoded block, its block in the grid, and that of this rank's row."""
@@ -4869,6 +4962,107 @@ def _mixed_records(
     out = torch.empty(len(limits[0]), 5, dtype=torch.float64, device=x.device)
     c.unit_records(x, layout, np.ones(len(limits[0]), np.int64), every, maxima, n, out, limits)
     return out
+
+
+def _mixed_block_keys(
+    layout: Layout,
+    formats: list[FloatFormat],
+    pick: torch.Tensor,
+    n: int,
+    maxima: torch.Tensor,
+    keys: torch.Tensor,
+    x: torch.Tensor,
+) -> None:
+    """A unit of several formats' block keys on the torch backends (the CPU kernels'
+    ``unit_keys``): every block's max |x| into ``maxima``, its key under every format
+    (FP32 last: 0, or 255 for a non-finite block, as the general path sends them), and
+    each block's own picked into ``keys`` (``pick``: its format's index times the blocks,
+    plus the block)."""
+    maxima.copy_(blocks_amax(x, layout))
+    every = [exponent_keys(maxima, f, Route.TWO_PHASE, world_size=n)[0] for f in formats[:-1]]
+    every.append(torch.where(torch.isfinite(maxima), KEY_ZERO, KEY_BAD).to(torch.uint8))
+    torch.index_select(torch.cat(every), 0, pick, out=keys)
+
+
+def _mixed_block_factors(
+    shared: torch.Tensor,
+    counts: torch.Tensor,
+    picks: tuple[torch.Tensor, torch.Tensor, torch.Tensor],
+    shape: tuple[int, int],
+    blocks: _MixedBlocks,
+    maxima: torch.Tensor,
+    inf: torch.Tensor,
+) -> None:
+    """A unit of several formats' block factors from the agreed keys and flag (``shared``)
+    on the torch backends (the CPU kernels' ``unit_block_factors``): per encoded block
+    (``picks``: its block, this rank's row's, its parameter) ``2**e`` into
+    ``blocks.scale`` and ``2**-e`` of this rank's row into ``blocks.decode``, NaN for
+    every block of a parameter with a non-finite block in any row (or flagged), and per
+    parameter ``maxima`` ``inf`` (0-d) where it is NaN so, else 0 (an FP32 run's NaN in
+    the sum)."""
+    (n, p), (pos, src, param_of) = shape, picks
+    keys = shared[:-1]
+    bad = torch.maximum(bad_layers(keys, counts).view(n, p).amax(0), shared[-1:])
+    maxima.copy_(torch.where(bad > 0, inf, 0.0))
+    torch.index_select(key_factors(keys, unscale=False), 0, pos, out=blocks.scale)
+    unscale = key_factors(keys, unscale=True).index_select(0, src)
+    blocks.decode.copy_(torch.where(bad.index_select(0, param_of) > 0, math.nan, unscale))
+
+
+def _mixed_block_torch_records(
+    grid: Blocks,
+    formats: list[FloatFormat],
+    pick: torch.Tensor,
+    keyed: tuple[torch.Tensor, torch.Tensor],
+    n: int,
+    x: torch.Tensor,
+) -> torch.Tensor:
+    """:func:`_mixed_block_records` on the torch backends: every block's counts under
+    every format (FP32 last), each block's own picked, folded per parameter
+    (:func:`_block_records_of`)."""
+    keys, maxima = keyed
+    exps = key_exponents(keys)
+    every = [layer_counts(x, grid.layout.lengths, exps, f) for f in formats]
+    counts = torch.cat(every).index_select(0, pick)
+    return _block_records_of(grid, counts, exps, maxima, n)
+
+
+def _format_rows(runs: RowRuns, p: int, device: torch.device) -> torch.Tensor:
+    """Per parameter, its row among :func:`_mixed_torch_records`' counts: (its format's
+    index, FP32 last, among ``runs.by_format``) * P + the parameter (int64, on ``device``)."""
+    fp32 = len(runs.by_format)
+    place = {fmt: f for f, fmt in enumerate(runs.by_format)}
+    rows = list(range(p))
+    for run in runs.runs:
+        for i in run.index:
+            rows[i] += place.get(run.fmt, fp32) * p
+    return to_device(torch.tensor(rows, dtype=torch.long), device)
+
+
+def _mixed_torch_records(
+    formats: list[tuple[FloatFormat, torch.Tensor]],
+    rows: torch.Tensor,
+    layout: Layout,
+    maxima: torch.Tensor,
+    shape: tuple[int, Scaling],
+    x: torch.Tensor,
+) -> torch.Tensor:
+    """:func:`_mixed_records` on the torch backends, the general path's ops: float64 (P, 5)
+    from the N rows ``x``, each scaled format's exponents of its parameters' agreed
+    ``maxima`` (FP32's 0), the counts under every format (FP32 last) and each parameter's
+    picked (``rows``: :func:`_format_rows`), folded over the rows."""
+    (n, scaling), p = shape, maxima.numel()
+    exps = torch.zeros(p, dtype=torch.int32, device=x.device)
+    for fmt, which in formats:
+        f = factors(maxima[which], fmt, Route.TWO_PHASE, world_size=n, scaling=scaling)
+        exps[which] = f.exponents
+    every = exps.repeat(n)
+    fmts = [fmt for fmt, _ in formats] + [FP32]
+    counts = torch.cat(
+        [layer_counts(x, layout.lengths, every, f).view(n, p, 3).sum(0) for f in fmts]
+    )
+    picked = counts.index_select(0, rows)
+    return torch.cat([exps.double()[:, None], maxima.double()[:, None], picked.double()], 1)
 
 
 def _unit_scratch(runs: RowRuns, arena: Arena, n: int) -> RowRuns:

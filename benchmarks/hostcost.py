@@ -59,6 +59,7 @@ import tempfile
 import threading
 import time
 import types
+import unittest.mock
 from collections.abc import Callable, Iterator
 from typing import Any
 
@@ -69,7 +70,8 @@ from torch.distributed.algorithms.ddp_comm_hooks import default_hooks
 from torch.utils._python_dispatch import TorchDispatchMode, is_traceable_wrapper_subclass
 
 import aps_comm
-from aps_comm import cpu_kernels
+from aps_comm import codec, cpu_kernels
+from aps_comm.formats import get_format
 from aps_comm.policy import ByName, KeepLast, Promote, Schedule
 from aps_perfmodel.collectives import LinkParams
 from aps_perfmodel.profile import Profile
@@ -954,6 +956,37 @@ def measure_fsdp(
                 )
             )
     return rows
+
+
+@contextlib.contextmanager
+def forced_codec(kind: str | None) -> Iterator[None]:
+    """Every codec the engine builds on ``kind``'s torch ops ("cast" where the format has
+    a torch dtype, else "bits"; FP32 on "cast", as on CUDA), not the CPU kernels: what a
+    GPU without Triton runs, on CPU tensors (None: as it is). The codec cache is emptied
+    on the way in and out, and a codec must have been built under it.
+
+    Example:
+        >>> with forced_codec("bits"):  # doctest: +SKIP
+        ...     state = aps_comm.register(model, fmt="e4m3")
+    """
+    if kind is None:
+        yield
+        return
+    built = []
+
+    def backend_for(fmt: Any, device: torch.device) -> str:
+        f = get_format(fmt)
+        built.append(f.name)
+        return "cast" if f.name == "fp32" or (kind == "cast" and f.torch_dtype) else "bits"
+
+    codec.codec_for.cache_clear()
+    try:
+        with unittest.mock.patch("aps_comm.codec.backend_for", backend_for):
+            yield
+    finally:
+        codec.codec_for.cache_clear()
+    if not built:
+        raise RuntimeError(f"no codec built on {kind!r}: a cached one ran instead")
 
 
 @contextlib.contextmanager

@@ -36,9 +36,12 @@ from aps_comm.engine import (
     Settings,
     SteadyBlocks,
     SteadyFeedback,
+    SteadyFP32Unit,
     SteadyGroups,
+    SteadyMixedUnit,
     SteadyNodeBlocks,
     SteadyStaged,
+    SteadyUnit,
 )
 from aps_comm.feedback import ErrorFeedback
 from aps_comm.formats import FORMATS, FloatFormat, get_format
@@ -604,6 +607,11 @@ def test_fsdp_reduce_scatter_makes_no_host_traffic(
             get_format(name), "two_phase", scaling, world, 2, rules, stats=True
         )
         steady = _unit_steps(reducer, names, world, 3)
+    # Bound on the torch codec backends too (blocks, formats beside FP32, all in FP32),
+    # for the last step's policy epoch: its steps ran bound, not the general path.
+    bound = reducer.steady_units.get(0)
+    assert isinstance(bound, SteadyUnit | SteadyMixedUnit | SteadyFP32Unit), bound
+    assert bound.epoch == reducer.assignment.epoch(2)
     for mode in steady:
         assert mode.reads == [] and mode.copies == [], (mode.reads, mode.copies)
     # Per step: the maxima and one all-to-all; no all-gather (FSDP keeps shards).

@@ -44,6 +44,7 @@ from benchmarks.hostcost import (
     ParamLayer,
     count_calls,
     count_ops,
+    forced_codec,
     fsdp_unit,
     world_of_one,
 )
@@ -1699,7 +1700,16 @@ def test_a_settled_unit_of_several_formats_keeps_at_most_3x_its_fp32_bytes(
 def _fp32_unit_steps(rank: int, world_size: int) -> list[str]:
     """An FSDP unit all in FP32 against the general path (which spreads a NaN over its
     parameter), through FSDP2: the same bits where finite, a NaN where it is, the same
-    exchange, and the flag alone all-reduced."""
+    exchange, and the flag alone all-reduced; on the CPU kernels and on the torch ops
+    (:func:`_forced_codec`: an FP32 unit needs no codec, it binds on every backend)."""
+    problems = []
+    for kind in (None, "cast"):
+        with forced_codec(kind):
+            problems += [f"{kind}: {p}" for p in _fp32_unit_run(rank)]
+    return problems
+
+
+def _fp32_unit_run(rank: int) -> list[str]:
     from aps_comm import fsdp
 
     torch.manual_seed(0)
@@ -1805,7 +1815,14 @@ def _never_bound(state: Any) -> None:
 def _settled_fsdp_steps(
     rank: int, world_size: int, options: dict, shapes: list = _UNIT_SHAPES
 ) -> list[str]:
-    """The settled reduce-scatter against the general path, through FSDP2, step by step."""
+    """The settled reduce-scatter against the general path, through FSDP2, step by step;
+    ``options["codec"]``: both on that torch backend (:func:`benchmarks.hostcost.forced_codec`)."""
+    options = dict(options)
+    with forced_codec(options.pop("codec", None)):
+        return _settled_fsdp_run(rank, options, shapes)
+
+
+def _settled_fsdp_run(rank: int, options: dict, shapes: list) -> list[str]:
     from aps_comm import fsdp
 
     torch.manual_seed(0)
@@ -1850,6 +1867,9 @@ _SETTLED_UNITS = [
     {"fmt": "e2m1", "scaling": "block"},
     {"fmt": "e4m3", "scaling": "block", "block_size": 16},
     {"fmt": "e5m2", "scaling": "bucket"},
+    # On the torch codec backends (a GPU without Triton).
+    {"fmt": "e2m1", "scaling": "block", "codec": "bits"},
+    {"fmt": "e4m3", "scaling": "block", "block_size": 16, "codec": "cast"},
 ]
 
 
@@ -1895,6 +1915,14 @@ _SETTLED_MIXED_UNITS = [
     {"fmt": "e4m3", "policy": [MinNumel(8, "fp32")]},
     {"fmt": "e5m2", "scaling": "bucket", "policy": [ByName({"*.ps.0": "fp16", "*.ps.2": "fp32"})]},
     {"fmt": "e4m3", "policy": [ByName({"units.0.ps.3": "fp32", "*.ps.0": "fp32"})]},
+    # On the torch codec backends: FP32 beside e4m3, two wire formats and FP32.
+    {"fmt": "e4m3", "policy": [ByName({"*.ps.1": "fp32"})], "codec": "cast"},
+    {
+        "fmt": "e5m2",
+        "scaling": "bucket",
+        "policy": [ByName({"*.ps.0": "fp16", "*.ps.2": "fp32"})],
+        "codec": "bits",
+    },
 ]
 
 
@@ -1935,6 +1963,11 @@ _SETTLED_MIXED_BLOCK_UNITS = [
 # With records: beside FP32, and two wire formats beside FP32.
 _SETTLED_MIXED_BLOCK_UNITS += [
     {**options, "stats": True} for options in _SETTLED_MIXED_BLOCK_UNITS[:2]
+]
+# On the torch codec backends: two wire formats beside FP32, and with records beside FP32.
+_SETTLED_MIXED_BLOCK_UNITS += [
+    {**_SETTLED_MIXED_BLOCK_UNITS[1], "codec": "bits"},
+    {**_SETTLED_MIXED_BLOCK_UNITS[0], "stats": True, "codec": "cast"},
 ]
 
 
@@ -2035,6 +2068,8 @@ _SETTLED_ODD_UNITS = [
     {"fmt": "e2m1", "scaling": "block"},
     {"fmt": "e2m1", "scaling": "block", "block_size": 16, "stats": True},
     {"fmt": "e2m1", "stats": True},
+    # On the torch codec backends (its rows beside a zero each too).
+    {"fmt": "e2m1", "scaling": "block", "stats": True, "codec": "bits"},
 ]
 
 
@@ -2053,6 +2088,16 @@ _SETTLED_ODD_MIXED_UNITS = [
         "stats": True,
         "policy": [ByName({"*.ps.1": "fp32", "*.ps.3": "e4m3"})],
     },
+    # The same and an odd run beside FP32 on the torch codec backends.
+    {
+        "fmt": "e2m1",
+        "scaling": "block",
+        "block_size": 16,
+        "stats": True,
+        "policy": [ByName({"*.ps.1": "fp32", "*.ps.3": "e4m3"})],
+        "codec": "bits",
+    },
+    {"fmt": "e2m1", "stats": True, "policy": [ByName({"*.ps.1": "fp32"})], "codec": "bits"},
 ]
 
 
@@ -2075,7 +2120,14 @@ def test_a_settled_4bit_fsdp_unit_of_odd_rows_gives_the_general_paths_shards() -
 
 def _settled_unit_of_one(options: dict, numels: list[int]) -> list[str]:
     """A unit's settled reduce-scatter against the general path in a world of one rank
-    (where FSDP2 skips it), called as FSDP calls it, over steps with a NaN at step 2."""
+    (where FSDP2 skips it), called as FSDP calls it, over steps with a NaN at step 2;
+    ``options["codec"]``: both on that torch backend (:func:`benchmarks.hostcost.forced_codec`)."""
+    options = dict(options)
+    with forced_codec(options.pop("codec", None)):
+        return _settled_unit_of_one_run(options, numels)
+
+
+def _settled_unit_of_one_run(options: dict, numels: list[int]) -> list[str]:
     (s_state, _, _), (f_state, _, _) = (fsdp_unit(numels, CPU, options, False) for _ in "sf")
     names, problems, bound = [f"ps.{i}" for i in range(len(numels))], [], None
     for step in range(4):

@@ -16,6 +16,7 @@ list is the true to-do list (a gap closed fails here until it is taken off).
 
 from __future__ import annotations
 
+import functools
 import itertools
 from collections.abc import Callable
 from typing import Any
@@ -24,7 +25,7 @@ import pytest
 import torch
 
 from aps_comm.policy import ByName, Rule, Schedule
-from benchmarks.hostcost import count_calls, fsdp_unit, world_of_one
+from benchmarks.hostcost import count_calls, forced_codec, fsdp_unit, world_of_one
 
 CPU = torch.device("cpu")
 BUDGET = 15  # tests/test_hostcost.py's
@@ -120,6 +121,56 @@ def test_every_fsdp_unit_binds_within_the_budget(world: None, combo: tuple) -> N
     assert len(aten) - 1 + len(kernels) <= BUDGET, (aten, kernels)
     records = reducer.end_step()[1].records()
     assert len(records) == (len(numels) if stats else 0), records
+
+
+def _torch_combinations() -> list[tuple[str, str, int | None, str, bool, str, str]]:
+    """Every scaling and policy on the torch codec backends, the format, shape, records
+    and backend rotating (the kernels' matrix above covers their product)."""
+    product = itertools.product(SCALINGS, POLICIES)
+    return [
+        (FAMILIES[i % 4], scaling, size, policy, i % 3 != 0, list(SHAPES)[i % 3], kind)
+        for i, ((scaling, size), policy) in enumerate(product)
+        for kind in [("cast", "bits")[i % 2]]
+    ]
+
+
+@pytest.mark.filterwarnings("ignore::UserWarning")  # aps_comm.caveats' advice, not an error
+@pytest.mark.parametrize("combo", _torch_combinations(), ids=lambda c: "-".join(map(str, c)))
+def test_every_fsdp_unit_binds_on_the_torch_codec_backends(world: None, combo: tuple) -> None:
+    """Issue 46: the same units on "cast"/"bits" (CUDA without Triton, custom formats)
+    bind from their first call and stay bound, with no host read, and give the CPU
+    kernels' bound unit's output and records bit for bit, a NaN included (op counts
+    are not the kernels' budget there: a kernel call becomes a few torch ops)."""
+    fmt, scaling, size, policy, stats, shape, kind = combo
+    options: dict[str, Any] = {"fmt": fmt, "scaling": scaling, "stats": stats}
+    if size is not None:
+        options["block_size"] = size
+    numels, names = SHAPES[shape], [f"ps.{i}" for i in range(len(SHAPES[shape]))]
+    gen = torch.Generator().manual_seed(sum(map(ord, str(combo))))
+    xs = [torch.randn(1, sum(numels), generator=gen) for _ in range(3)]
+    xs[2][0, 3] = float("nan")  # a NaN in ps.0 at step 2
+    got: list[list[Any]] = []
+    for forced in (kind, None):
+        policy_rules = POLICIES[policy]()
+        with forced_codec(forced):
+            state, _, _ = fsdp_unit(numels, CPU, {**options, "policy": policy_rules}, False)
+            reducer, flag, steps = state.reducer, torch.zeros(()), []
+            for step, x in enumerate(xs):
+                out = reducer.unit(0, x.clone(), numels, numels, names, step=step, problem=flag)
+                steps.append((out, reducer.end_step()[1].records(), reducer.steady_units.get(0)))
+            if forced is not None:
+                again = functools.partial(reducer.unit, 0, xs[0], numels, numels, names)
+                aten, _ = count_calls(functools.partial(again, step=2, problem=flag), CPU)
+                assert not any("_local_scalar_dense" in op for op in aten), aten  # no host read
+                assert reducer.steady_units.get(0) is steps[2][2], "bound again"
+        got.append(steps)
+    for step, ((out, records, bound), (want, want_records, _)) in enumerate(zip(*got, strict=True)):
+        assert bound is not None, f"step {step}: not bound"
+        nan = out.isnan()
+        assert torch.equal(nan, want.isnan()), step
+        assert torch.equal(out[~nan].view(torch.int32), want[~nan].view(torch.int32)), step
+        assert records == want_records, step
+    assert got[0][1][2] is got[0][2][2], "bound again without a change of layout or epoch"
 
 
 @pytest.mark.parametrize("bad", ["float64", "strided"])
