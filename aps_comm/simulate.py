@@ -98,6 +98,7 @@ from aps_comm.config import SCALINGS, Scaling, check_block_size, default_block_s
 from aps_comm.formats import FP32, FloatFormat, Rounding, get_format, pow2, quantize
 from aps_comm.plan import block_chunks, block_shard_cuts
 from aps_comm.scaling import Factors, factors, layer_amax, mean_exponents
+from aps_comm.telemetry import LayerStats, layer_stats
 from aps_comm.topology import grid_rows
 
 __all__ = [
@@ -108,6 +109,7 @@ __all__ = [
     "SimOptions",
     "VirtualWorkers",
     "allreduce",
+    "records",
     "ring_chunks",
 ]
 
@@ -452,6 +454,105 @@ def allreduce(
     return [
         r.view(t.shape[1:]) for r, t in zip(_flat(flat, n, cfg, generator), layers, strict=True)
     ]
+
+
+_ROUTES = {
+    "two_phase": "two_phase",
+    "ring": "allreduce",
+    "tree": "allreduce",
+    "sequential": "allreduce",
+    "hierarchical": "hierarchical",
+    "grid": "grid",
+}
+"""The exponent rule (:func:`aps_comm.scaling.factors`' route) of each accumulation order."""
+
+
+def records(
+    layers: Sequence[torch.Tensor],
+    fmt: FloatFormat | str,
+    rank: int,
+    *,
+    names: Sequence[str | None] | None = None,
+    bucket: int = 0,
+    **options: Unpack[SimOptions],
+) -> list[LayerStats]:
+    """What ``APSState(stats=True)`` records on worker ``rank`` for one bucket.
+
+    Computed from every worker's gradients, as :func:`allreduce` takes them:
+    per layer the exponent it was scaled by (staged orders: the node sums')
+    and the maximum over the workers (inf where one is not finite), and the
+    elements of worker ``rank``'s gradient that are nonzero, that flush to
+    zero once scaled (at most half the smallest subnormal) and that exceed
+    the format's max once scaled. With ``scaling="block"`` the counts are
+    per block, under each block's exponent (agreed from the workers' block
+    maxima by the order's rule, or with ``rank_exponents`` worker ``rank``'s
+    own by the two_phase rule over N senders); the record keeps the layer's
+    smallest block exponent and worker ``rank``'s own largest block maximum
+    (0 for a layer without elements).
+
+    Args:
+        layers: one ``(N, *param_shape)`` tensor per layer, as in :func:`allreduce`.
+        fmt: the wire format.
+        rank: the worker whose records these are (0 to N - 1).
+        names: each layer's name (None: unnamed).
+        bucket: the bucket index the records carry.
+        **options: :class:`SimOptions` (reduction, scaling, ranks_per_node,
+            block_size, rank_exponents; the rest do not change the records).
+
+    Returns:
+        One :class:`~aps_comm.telemetry.LayerStats` per layer.
+
+    Example:
+        >>> g = torch.tensor([[[0.5, 1e-9]], [[0.25, 0.0]]])  # 2 workers, one layer
+        >>> [r] = records([g], "e4m3", 0)
+        >>> r.exponent, r.amax, r.underflow_rate  # 1e-9 * 2**9 flushes to zero in e4m3
+        (9, 0.5, 0.5)
+    """
+    cfg = SimConfig(fmt, **options)
+    fmt = cfg.fmt
+    assert isinstance(fmt, FloatFormat) and cfg.block_size is not None
+    layers = list(layers)
+    names = [None] * len(layers) if names is None else list(names)
+    if not layers:
+        return []
+    n = _check_layers(layers)
+    if not 0 <= rank < n:
+        raise ValueError(f"rank must be in [0, {n}), got {rank}")
+    per = grid_rows(n) if cfg.reduction == "grid" else cfg.ranks_per_node
+    route = _ROUTES[cfg.reduction]
+    flat = [t.detach().reshape(n, -1).float() for t in layers]
+    mine = [x[rank] for x in flat]
+    if cfg.scaling != "block":
+        amax = layer_amax(flat)
+        f = factors(amax, fmt, route, world_size=n, scaling=cfg.scaling, ranks_per_node=per)
+        return layer_stats(mine, names, bucket, fmt, f.exponents, amax)
+    bs = cfg.block_size
+    own = [_block_maxima(x[None], bs) for x in mine]
+    counts = torch.tensor([b.numel() for b in own], dtype=torch.int64)
+    if cfg.rank_exponents:
+        f = factors(torch.cat(own), fmt, "two_phase", world_size=n, scaling="block", counts=counts)
+    else:
+        f = _factors(flat, layer_amax(flat), fmt, route, n, cfg, per)
+    out, first = [], 0
+    for x, name, top in zip(mine, names, own, strict=True):
+        exps = f.exponents[first : first + top.numel()]
+        first += top.numel()
+        mag = x.abs() * _spread(pow2(exps), x.numel(), bs)
+        nonzero = int(torch.count_nonzero(mag))
+        under = int(torch.count_nonzero((mag > 0) & (mag <= fmt.min_subnormal / 2)))
+        out.append(
+            LayerStats(
+                name=name,
+                bucket=bucket,
+                numel=x.numel(),
+                format=str(fmt.name),
+                exponent=int(exps.min()) if exps.numel() else 0,
+                amax=float(top.max()) if top.numel() else 0.0,
+                underflow_rate=under / nonzero if nonzero else 0.0,
+                saturated=int(torch.count_nonzero(mag > fmt.max)),
+            )
+        )
+    return out
 
 
 def _flat(

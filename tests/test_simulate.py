@@ -18,7 +18,7 @@ from torch.nn.parallel import DistributedDataParallel as DDP
 from aps_comm import APSState, aps_hook
 from aps_comm.formats import FP32, FloatFormat, get_format, quantize
 from aps_comm.scaling import exponents, pow2
-from aps_comm.simulate import SimConfig, VirtualWorkers, allreduce, ring_chunks
+from aps_comm.simulate import SimConfig, VirtualWorkers, allreduce, records, ring_chunks
 from aps_comm.testing import run_distributed
 
 # ---------------------------------------------------------------------------
@@ -480,3 +480,23 @@ def test_matches_hook_bit_for_bit(n: int) -> None:
             order = "two_phase" if reduction == "two_phase" else "ring"
             sim = torch.cat(allreduce(layers, fmt, reduction=order, scaling=scaling))
             assert _bits_equal(sim, torch.from_numpy(out)), (fmt, reduction, scaling)
+
+
+def test_records_are_each_workers_counts_under_the_agreed_exponents() -> None:
+    """:func:`simulate.records`: the exponent and maximum agreed over the workers, the
+    counts of the asked worker's own values; a non-finite layer on one worker is inf with
+    exponent 0 on every worker; with rank block exponents each worker's own maxima."""
+    g = torch.tensor([[0.5, 1e-9, 0.0], [0.25, 0.0, float("nan")]])[:, None, :]  # 2 workers
+    h = torch.tensor([[4.0, 2.0**-20], [1.0, 1.0]])
+    for rank in (0, 1):
+        nan, layer = records([g[:, :, 2:], h], "e4m3", rank, names=["a", "b"])
+        assert (nan.name, nan.amax, nan.exponent, nan.numel) == ("a", math.inf, 0, 1)
+        assert layer.amax == 4.0 and layer.exponent == 6  # 4 * 2**6 = 256 <= 448 / 2
+        assert layer.underflow_rate == (0.5 if rank == 0 else 0.0)  # 2**-14 flushes
+    # Blocks of 8: with rank exponents each worker's own maxima, agreed ones otherwise.
+    x = torch.stack([torch.full((16,), 1.0), torch.full((16,), 64.0)])
+    x[0, 8:] = 0.5
+    own = records([x], "e4m3", 0, scaling="block", block_size=8, rank_exponents=True)
+    agreed = records([x], "e4m3", 0, scaling="block", block_size=8)
+    assert own[0].amax == agreed[0].amax == 1.0  # worker 0's own largest block maximum
+    assert own[0].exponent == agreed[0].exponent + 6  # 1.0 against 64.0: 2**6 apart
