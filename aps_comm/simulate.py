@@ -98,7 +98,7 @@ from aps_comm.config import SCALINGS, Scaling, check_block_size, default_block_s
 from aps_comm.formats import FP32, FloatFormat, Rounding, get_format, pow2, quantize
 from aps_comm.plan import block_chunks, block_shard_cuts
 from aps_comm.scaling import Factors, factors, layer_amax, mean_exponents
-from aps_comm.telemetry import LayerStats, layer_stats
+from aps_comm.telemetry import LayerStats
 from aps_comm.topology import grid_rows
 
 __all__ = [
@@ -157,6 +157,13 @@ class SimConfig:
             hook's chunk (elements, before it moves to block boundaries:
             :attr:`aps_comm.APSState.bucket_chunks`), which decides who owns
             what (None: the whole bucket is one chunk).
+        formats: each layer's wire format, as a policy (``KeepLast``,
+            ``ByName``, ``Schedule``, ``Promote``) assigns them; None: ``fmt``
+            for every layer. The layers of each format form a bucket of their
+            own (the hook's format groups, in the order the formats first
+            appear), reduced as the rest of the config says; FP32 layers are
+            averaged as ``allreduce_hook`` does (each value divided by N, then
+            summed in float32 in Gloo's ring order, :func:`ring_chunks`).
 
     Example:
         >>> cfg = SimConfig("e5m2", reduction="ring", accumulator="fp16")
@@ -175,9 +182,12 @@ class SimConfig:
     owner_exponents: bool = False
     rank_exponents: bool = False
     chunk_elements: int | None = None
+    formats: Sequence[FloatFormat | str] | None = None
 
     def __post_init__(self) -> None:
         object.__setattr__(self, "fmt", get_format(self.fmt))
+        if self.formats is not None:
+            object.__setattr__(self, "formats", tuple(get_format(f) for f in self.formats))
         if self.block_size is None:  # the hook's default for the format
             object.__setattr__(self, "block_size", default_block_size(self.fmt.bits))
         if self.accumulator is not None:
@@ -394,6 +404,7 @@ class SimOptions(TypedDict, total=False):
     owner_exponents: bool
     rank_exponents: bool
     chunk_elements: int | None
+    formats: Sequence[FloatFormat | str] | None
 
 
 def allreduce(
@@ -432,6 +443,8 @@ def allreduce(
         chunk_elements: hierarchical and grid with ``rank_exponents``: the
             hook's chunk, which decides who owns what (None: one chunk; see
             :class:`SimConfig`).
+        formats: each layer's format (FP32 layers averaged as
+            ``allreduce_hook`` does); None: ``fmt`` for all (see :class:`SimConfig`).
 
     Returns:
         One float32 tensor per layer, shape ``param_shape``: the averaged
@@ -448,11 +461,48 @@ def allreduce(
     if not layers:
         return []
     n = _check_layers(layers)
+    if cfg.formats is not None:
+        out: list[torch.Tensor] = [layers[0]] * len(layers)
+        for f, index in _format_groups(cfg, len(layers)):
+            group = [layers[i] for i in index]
+            if f == FP32:
+                done = _fp32_mean(group, n)
+            else:
+                sub = {k: v for k, v in options.items() if k != "formats"}
+                done = allreduce(group, f, generator=generator, **sub)  # type: ignore[misc]
+            for i, r in zip(index, done, strict=True):
+                out[i] = r
+        return out
     if cfg.reduction in ("hierarchical", "grid"):
         return _hierarchical(layers, cfg.fmt, n, cfg, generator)  # type: ignore[arg-type]
     flat = [t.detach().reshape(n, -1) for t in layers]
     return [
         r.view(t.shape[1:]) for r, t in zip(_flat(flat, n, cfg, generator), layers, strict=True)
+    ]
+
+
+def _format_groups(cfg: SimConfig, n_layers: int) -> list[tuple[FloatFormat, list[int]]]:
+    """Each format of ``cfg.formats`` (in the order it first appears) and its layers."""
+    assert cfg.formats is not None
+    if len(cfg.formats) != n_layers:
+        raise ValueError(f"formats names {len(cfg.formats)} layers, the bucket has {n_layers}")
+    groups: dict[FloatFormat, list[int]] = {}
+    for i, f in enumerate(cfg.formats):
+        groups.setdefault(f, []).append(i)  # type: ignore[arg-type]
+    return list(groups.items())
+
+
+def _fp32_mean(layers: list[torch.Tensor], n: int) -> list[torch.Tensor]:
+    """``allreduce_hook``'s mean of FP32 layers: every value divided by N, the quotients
+    summed in float32 in Gloo's ring order over the layers' concatenation."""
+    flat = torch.cat([t.detach().reshape(n, -1).float() for t in layers], dim=1) / n
+    total = flat.shape[1]
+    starts = torch.tensor(ring_chunks(max(total, 1), n, 4)[1:-1], dtype=torch.int64)
+    owner = torch.bucketize(torch.arange(total), starts, right=True)
+    mean = _sum_ring(flat, owner.to(flat.device), _identity, False)
+    return [
+        m.view(t.shape[1:])
+        for m, t in zip(mean.split([t[0].numel() for t in layers]), layers, strict=True)
     ]
 
 
@@ -488,7 +538,9 @@ def records(
     maxima by the order's rule, or with ``rank_exponents`` worker ``rank``'s
     own by the two_phase rule over N senders); the record keeps the layer's
     smallest block exponent and worker ``rank``'s own largest block maximum
-    (0 for a layer without elements).
+    (0 for a layer without elements). With ``formats``, each format's layers
+    are recorded as a bucket of their own, in the order the formats first
+    appear; FP32 layers keep no record.
 
     Args:
         layers: one ``(N, *param_shape)`` tensor per layer, as in :func:`allreduce`.
@@ -518,27 +570,52 @@ def records(
     n = _check_layers(layers)
     if not 0 <= rank < n:
         raise ValueError(f"rank must be in [0, {n}), got {rank}")
+    if cfg.formats is not None:
+        sub = {k: v for k, v in options.items() if k != "formats"}
+        return [
+            r
+            for f, index in _format_groups(cfg, len(layers))
+            if f != FP32
+            for r in records(
+                [layers[i] for i in index],
+                f,
+                rank,
+                names=[names[i] for i in index],
+                bucket=bucket,
+                **sub,  # type: ignore[misc]
+            )
+        ]
     per = grid_rows(n) if cfg.reduction == "grid" else cfg.ranks_per_node
     route = _ROUTES[cfg.reduction]
     flat = [t.detach().reshape(n, -1).float() for t in layers]
     mine = [x[rank] for x in flat]
+    # Per layer: its exponents (one per element) and its own (or agreed) maxima.
     if cfg.scaling != "block":
         amax = layer_amax(flat)
         f = factors(amax, fmt, route, world_size=n, scaling=cfg.scaling, ranks_per_node=per)
-        return layer_stats(mine, names, bucket, fmt, f.exponents, amax)
-    bs = cfg.block_size
-    own = [_block_maxima(x[None], bs) for x in mine]
-    counts = torch.tensor([b.numel() for b in own], dtype=torch.int64)
-    if cfg.rank_exponents:
-        f = factors(torch.cat(own), fmt, "two_phase", world_size=n, scaling="block", counts=counts)
+        exps = [e.expand(x.numel()) for e, x in zip(f.exponents, mine, strict=True)]
+        tops = list(amax[:, None].unbind())
+        lows = [int(e) for e in f.exponents.tolist()]
     else:
-        f = _factors(flat, layer_amax(flat), fmt, route, n, cfg, per)
-    out, first = [], 0
-    for x, name, top in zip(mine, names, own, strict=True):
-        exps = f.exponents[first : first + top.numel()]
-        first += top.numel()
-        mag = x.abs() * _spread(pow2(exps), x.numel(), bs)
-        nonzero = int(torch.count_nonzero(mag))
+        bs = cfg.block_size
+        tops = [_block_maxima(x[None], bs) for x in mine]
+        counts = torch.tensor([b.numel() for b in tops], dtype=torch.int64)
+        if cfg.rank_exponents:  # this worker's own, by the two_phase rule over N senders
+            own = torch.cat(tops)
+            f = factors(own, fmt, "two_phase", world_size=n, scaling="block", counts=counts)
+        else:
+            f = _factors(flat, layer_amax(flat), fmt, route, n, cfg, per)
+        # The record keeps the layer's smallest block exponent.
+        lows = [int(e.min()) if e.numel() else 0 for e in f.exponents.split(counts.tolist())]
+        exps = [
+            _spread(e, x.numel(), bs)
+            for e, x in zip(f.exponents.split(counts.tolist()), mine, strict=True)
+        ]
+    out = []
+    for x, name, e, low, top in zip(mine, names, exps, lows, tops, strict=True):
+        # NaN is neither nonzero (it does not flush) nor saturated.
+        mag = x.abs() * pow2(e)
+        nonzero = int(torch.count_nonzero(mag > 0))
         under = int(torch.count_nonzero((mag > 0) & (mag <= fmt.min_subnormal / 2)))
         out.append(
             LayerStats(
@@ -546,7 +623,7 @@ def records(
                 bucket=bucket,
                 numel=x.numel(),
                 format=str(fmt.name),
-                exponent=int(exps.min()) if exps.numel() else 0,
+                exponent=low,
                 amax=float(top.max()) if top.numel() else 0.0,
                 underflow_rate=under / nonzero if nonzero else 0.0,
                 saturated=int(torch.count_nonzero(mag > fmt.max)),

@@ -23,8 +23,10 @@ from typing import Any
 
 import pytest
 import torch
+import torch.distributed as dist
 
 import aps_comm
+from aps_comm import simulate
 from aps_comm.engine import SteadyAgreedBlocks, SteadyFeedback, SteadyGroups
 from aps_comm.policy import ByName, KeepLast, Promote, Rule, Schedule
 from aps_comm.testing import run_distributed
@@ -135,48 +137,81 @@ def test_every_configuration_settles_within_the_budget(world: None, combo: tuple
         assert len(state.stats) == len(NUMELS) - (policy in ("keep_last", "interleaved"))
 
 
-def _against_the_general_path(
+def _simulated(options: dict[str, Any], formats: list[Any], numels: list[int]) -> dict:
+    """The :mod:`aps_comm.simulate` options of a hook configuration, this step's formats
+    (the policy's) per layer."""
+    blocked = options.get("scaling", "layer") == "block"
+    native = options.get("reduction") == "allreduce"
+    rank = blocked and not native and options.get("block_exponents", "rank") == "rank"
+    sim = {
+        "reduction": "ring" if native else options.get("reduction", "two_phase"),
+        "scaling": options.get("scaling", "layer"),
+        "block_size": options.get("block_size"),
+        "ranks_per_node": options.get("ranks_per_node") or 1,
+        "rank_exponents": rank and not options.get("error_feedback"),
+        # Agreed block exponents: the two_phase owner re-chooses each block's for the mean.
+        "owner_exponents": blocked and not native and not rank,
+        "formats": formats,
+    }
+    return {k: v for k, v in sim.items() if v is not None}
+
+
+def _bits_differ(out: torch.Tensor, want: torch.Tensor) -> bool:
+    """Whether two float32 tensors differ bit for bit, NaN where NaN (any payload) equal."""
+    bits = torch.where(out.isnan(), 0.0, out).view(torch.int32)
+    return not torch.equal(out.isnan(), want.isnan()) or not torch.equal(
+        bits, torch.where(want.isnan(), 0.0, want).view(torch.int32)
+    )
+
+
+def _against_the_simulated(
     rank: int, world_size: int, configs: list[tuple[dict, int | None]]
 ) -> list[str]:
-    """Each configuration over several steps, settled against the general path (a state
-    whose settled path is dropped every step): the gradients bit for bit, the bytes per
-    collective, the chunks and the records, a NaN in one layer on the last rank in one step
-    included. Each config: the options and the elements per chunk (None: each rank's timing)."""
+    """Each configuration over several steps, settled, against :mod:`aps_comm.simulate` of
+    every rank's gradients (gathered): the gradients bit for bit and the records, a NaN in
+    one layer on the last rank in one step included; the bytes per collective the same at
+    every step and the chunk the same on every rank (the size asked where one is). Each
+    config: the options and the elements per chunk (None: each rank's timing)."""
     numels = [5, 0, 1, 700, 33, 2, 64]  # odd sizes: 4-bit codes split bytes between blocks
     params = [torch.nn.Parameter(torch.empty(n)) for n in numels]
+    names = [f"{i}.weight" for i in range(len(numels))]
     problems = []
     for c, (options, chunk) in enumerate(configs):
-        settled, general = aps_comm.APSState(**options), aps_comm.APSState(**options)
-        for state in (settled, general):
-            state.chunk_elements = chunk
-            if "policy" in options:  # rules key layers by parameter name: one module each
-                state.bind_model(torch.nn.ModuleList(ParamLayer(p) for p in params))
+        settled = aps_comm.APSState(**options)
+        settled.chunk_elements = chunk
+        # Rules key layers by parameter name: one module each.
+        settled.bind_model(torch.nn.ModuleList(ParamLayer(p) for p in params))
         kind = SteadyGroups if _several(options) else SteadyAgreedBlocks
         buffer = torch.empty(sum(numels))
+        wire = None
         for step in range(5):
             gen = torch.Generator().manual_seed(100 * step + 10 * c + rank)
             x = torch.randn(sum(numels), generator=gen) * 2.0 ** (step - 2)
             x[::97] *= 1000.0  # blocks of very different maxima
             if step == 3 and rank == world_size - 1:
                 x[7] = float("nan")  # layer 3 on one rank: NaN in it on every rank, this step
+            everyone = [torch.empty_like(x) for _ in range(world_size)]
+            dist.all_gather(everyone, x)
+            layers = torch.stack(everyone).split(numels, dim=1)
+            fmts = settled.assignment.formats([id(p) for p in params], step)
+            sim = _simulated(options, fmts, numels)
+            want = torch.cat(simulate.allreduce(layers, options["fmt"], **sim))
+            records = simulate.records(layers, options["fmt"], rank, names=names, **sim)
             buffer.copy_(x)
             ahead = settled.reducer.steady_for(0, buffer) if settled.reducer else None
             if step >= 2 and not isinstance(ahead, kind):
                 problems.append(f"config {c} step {step}: not settled")
             out = settled.run_bucket(0, buffer, params)
-            general.bind(CPU)  # the reducer, before its first bucket
-            general.reducer.settles = False  # never bound: the general path every step
-            want = general.run_bucket(0, x.clone(), params)
-            bits = torch.where(out.isnan(), 0.0, out).view(torch.int32)
-            if not torch.equal(out.isnan(), want.isnan()) or not torch.equal(
-                bits, torch.where(want.isnan(), 0.0, want).view(torch.int32)
-            ):
+            if _bits_differ(out, want):
                 problems.append(f"config {c} step {step}: gradients differ")
-            if settled.bytes_detail != general.bytes_detail:
+            if wire is not None and settled.bytes_detail != wire:
                 problems.append(f"config {c} step {step}: {settled.bytes_detail} on the wire")
-            if settled.bucket_chunks != general.bucket_chunks:
-                problems.append(f"config {c} step {step}: chunks {settled.bucket_chunks}")
-            if not settled.stats or repr(settled.stats) != repr(general.stats):  # NaN-aware
+            wire = settled.bytes_detail
+            chunks: list[Any] = [None] * world_size
+            dist.all_gather_object(chunks, settled.bucket_chunks)
+            if any(ch != chunks[0] for ch in chunks) or chunk not in (None, chunks[0][0]):
+                problems.append(f"config {c} step {step}: chunks {chunks}")
+            if not settled.stats or repr(settled.stats) != repr(records):  # NaN-aware
                 problems.append(f"config {c} step {step}: records differ")
     return problems
 
@@ -191,10 +226,11 @@ _AGREED_STATS = {
 
 
 @pytest.mark.parametrize("world_size", [1, 2])
-def test_agreed_blocks_with_stats_settle_with_the_general_paths_records(world_size: int) -> None:
+def test_agreed_blocks_with_stats_settle_with_the_simulated_records(world_size: int) -> None:
     """Issue 46: agreed block exponents with ``stats=True`` settle (the general path every
-    step before), with the general path's gradients, bytes, chunks and records: each
-    block's counts under its agreed key, its layer's largest block maximum this rank's."""
+    step before), with :mod:`aps_comm.simulate`'s gradients (the owner's exponents on top
+    of the agreed ones) and records: each block's counts under its agreed key, its
+    layer's largest block maximum this rank's."""
     configs = [
         (_AGREED_STATS, None),  # chunks sized by the ranks' timing, agreed on the keys
         ({**_AGREED_STATS, "block_size": 8}, 40),
@@ -202,7 +238,7 @@ def test_agreed_blocks_with_stats_settle_with_the_general_paths_records(world_si
         ({**_AGREED_STATS, "fmt": "fp16"}, None),
         ({**_AGREED_STATS, "fmt": "bf16", "block_size": 8}, 256),
     ]
-    for problems in run_distributed(_against_the_general_path, world_size, args=(configs,)):
+    for problems in run_distributed(_against_the_simulated, world_size, args=(configs,)):
         assert problems == []
 
 
@@ -366,11 +402,11 @@ def test_error_feedback_with_bucket_or_no_scaling_settles_with_the_general_paths
 _NATIVE_BLOCKS = {"fmt": "fp16", "reduction": "allreduce", "scaling": "block", "stats": True}
 
 
-def test_native_blocks_settle_with_the_general_paths_bits() -> None:
+def test_native_blocks_settle_with_the_simulated_bits() -> None:
     """Issue 46: the native all-reduce with block scaling settles (the general path every
     step before): this rank's keys under the native sum's rule, their MAX all-reduce, the
     factors, then per chunk the encode, the sum in the wire format and the decode, with
-    the general path's gradients, bytes, chunks and records on two ranks; in several
+    :mod:`aps_comm.simulate`'s gradients and records on two ranks; in several
     formats too (each group's keys in the one MAX all-reduce, the FP32 group's mean),
     the groups consecutive or interleaved."""
     configs = [
@@ -383,7 +419,7 @@ def test_native_blocks_settle_with_the_general_paths_bits() -> None:
         ({**_NATIVE_BLOCKS, **_native_interleaved(), "block_exponents": "agreed"}, None),
         ({**_NATIVE_BLOCKS, **_native_interleaved(), "block_size": 8}, 40),
     ]
-    for problems in run_distributed(_against_the_general_path, 2, args=(configs,)):
+    for problems in run_distributed(_against_the_simulated, 2, args=(configs,)):
         assert problems == []
 
 
