@@ -86,8 +86,8 @@ from __future__ import annotations
 
 import dataclasses
 import functools
-from collections.abc import Callable, Sequence
-from typing import Literal, TypedDict
+from collections.abc import Callable, Mapping, Sequence
+from typing import Any, Literal, TypedDict
 
 import torch
 import torch.nn as nn
@@ -109,6 +109,7 @@ __all__ = [
     "SimOptions",
     "VirtualWorkers",
     "allreduce",
+    "hook_options",
     "records",
     "ring_chunks",
 ]
@@ -504,6 +505,48 @@ def _fp32_mean(layers: list[torch.Tensor], n: int) -> list[torch.Tensor]:
         m.view(t.shape[1:])
         for m, t in zip(mean.split([t[0].numel() for t in layers]), layers, strict=True)
     ]
+
+
+def hook_options(
+    options: Mapping[str, Any], formats: Sequence[FloatFormat | str] | None = None
+) -> SimOptions:
+    """The :class:`SimOptions` that reproduce an :class:`aps_comm.APSState` configuration.
+
+    Args:
+        options: the state's keyword arguments (``reduction``, ``scaling``,
+            ``block_size``, ``block_exponents``, ``ranks_per_node``,
+            ``error_feedback``; the others, ``fmt`` and ``stats`` among them,
+            do not change what is simulated).
+        formats: this step's format of each layer where a policy assigns
+            them (:meth:`aps_comm.policy.Assignment.formats`); None: one format.
+
+    Returns:
+        The options for :func:`allreduce` and :func:`records`: the native
+        all-reduce is Gloo's ``"ring"``; with block scaling two_phase,
+        hierarchical and grid send each rank's own block exponents
+        (``block_exponents="rank"``, not with error feedback, which agrees
+        them) and two_phase owners re-choose agreed ones for the mean.
+
+    Example:
+        >>> hook_options({"fmt": "e2m1", "scaling": "block", "block_exponents": "agreed"})
+        {'reduction': 'two_phase', 'scaling': 'block', 'ranks_per_node': 1, 'rank_exponents': False, 'owner_exponents': True}
+    """
+    reduction = options.get("reduction") or "two_phase"
+    scaling = options.get("scaling") or "layer"
+    blocked, native = scaling == "block", reduction == "allreduce"
+    rank = options.get("block_exponents", "rank") == "rank" and not options.get("error_feedback")
+    out: SimOptions = {
+        "reduction": "ring" if native else reduction,
+        "scaling": scaling,
+        "ranks_per_node": options.get("ranks_per_node") or 1,
+        "rank_exponents": blocked and not native and rank,
+        "owner_exponents": blocked and reduction == "two_phase" and not rank,
+    }
+    if options.get("block_size") is not None:
+        out["block_size"] = options["block_size"]
+    if formats is not None:
+        out["formats"] = list(formats)
+    return out
 
 
 _ROUTES = {

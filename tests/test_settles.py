@@ -137,25 +137,6 @@ def test_every_configuration_settles_within_the_budget(world: None, combo: tuple
         assert len(state.stats) == len(NUMELS) - (policy in ("keep_last", "interleaved"))
 
 
-def _simulated(options: dict[str, Any], formats: list[Any], numels: list[int]) -> dict:
-    """The :mod:`aps_comm.simulate` options of a hook configuration, this step's formats
-    (the policy's) per layer."""
-    blocked = options.get("scaling", "layer") == "block"
-    native = options.get("reduction") == "allreduce"
-    rank = blocked and not native and options.get("block_exponents", "rank") == "rank"
-    sim = {
-        "reduction": "ring" if native else options.get("reduction", "two_phase"),
-        "scaling": options.get("scaling", "layer"),
-        "block_size": options.get("block_size"),
-        "ranks_per_node": options.get("ranks_per_node") or 1,
-        "rank_exponents": rank and not options.get("error_feedback"),
-        # Agreed block exponents: the two_phase owner re-chooses each block's for the mean.
-        "owner_exponents": blocked and not native and not rank,
-        "formats": formats,
-    }
-    return {k: v for k, v in sim.items() if v is not None}
-
-
 def _bits_differ(out: torch.Tensor, want: torch.Tensor) -> bool:
     """Whether two float32 tensors differ bit for bit, NaN where NaN (any payload) equal."""
     bits = torch.where(out.isnan(), 0.0, out).view(torch.int32)
@@ -194,7 +175,7 @@ def _against_the_simulated(
             dist.all_gather(everyone, x)
             layers = torch.stack(everyone).split(numels, dim=1)
             fmts = settled.assignment.formats([id(p) for p in params], step)
-            sim = _simulated(options, fmts, numels)
+            sim = simulate.hook_options(options, fmts)
             want = torch.cat(simulate.allreduce(layers, options["fmt"], **sim))
             records = simulate.records(layers, options["fmt"], rank, names=names, **sim)
             buffer.copy_(x)
