@@ -500,3 +500,20 @@ def test_records_are_each_workers_counts_under_the_agreed_exponents() -> None:
     agreed = records([x], "e4m3", 0, scaling="block", block_size=8)
     assert own[0].amax == agreed[0].amax == 1.0  # worker 0's own largest block maximum
     assert own[0].exponent == agreed[0].exponent + 6  # 1.0 against 64.0: 2**6 apart
+
+
+def test_formats_make_a_bucket_of_each_formats_layers() -> None:
+    """``formats``: each format's layers are reduced as a bucket of their own (one bucket
+    exponent each), FP32 layers averaged exactly on two workers (x / 2 summed)."""
+    gen = torch.Generator().manual_seed(5)
+    layers = [torch.randn(2, n, generator=gen) * s for n, s in ((30, 1.0), (7, 1e3), (9, 1e-2))]
+    fmts = ["e4m3", "fp32", "e4m3"]
+    out = allreduce(layers, "e4m3", scaling="bucket", formats=fmts)
+    alone = allreduce([layers[0], layers[2]], "e4m3", scaling="bucket")
+    assert _bits_equal(out[0], alone[0]) and _bits_equal(out[2], alone[1])
+    assert _bits_equal(out[1], layers[1][0] / 2 + layers[1][1] / 2)
+    # Its records: the e4m3 group's only, its bucket exponent.
+    recs = records(layers, "e4m3", 1, names=["a", "b", "c"], scaling="bucket", formats=fmts)
+    assert [r.name for r in recs] == ["a", "c"] and recs[0].exponent == recs[1].exponent
+    with pytest.raises(ValueError, match="formats names 2 layers"):
+        allreduce(layers, "e4m3", formats=fmts[:2])
