@@ -251,13 +251,11 @@ def test_agreed_blocks_with_stats_cost_one_call_more_whatever_the_layers(
 
 
 @pytest.mark.parametrize("scaling", ["layer", "bucket", "none"])
-def test_promote_with_stats_settles_with_the_general_paths_records(
-    world: None, scaling: str
-) -> None:
+def test_promote_with_stats_settles_with_the_simulated_records(world: None, scaling: str) -> None:
     """Issue 46: ``stats=True`` with Promote settles (the general path every step before):
     the settled bucket records, reads the agreed rates, sends a step in the new format on
-    the maxima it agreed and binds again, with the bits, records and Promote's levels of a
-    bucket that never settles."""
+    the maxima it agreed and binds again, with :mod:`aps_comm.simulate`'s bits and records
+    in the formats Promote chose (a world of one)."""
     numels = [300, 700, 33]
     options = {
         "fmt": "e4m3",
@@ -267,9 +265,9 @@ def test_promote_with_stats_settles_with_the_general_paths_records(
         "policy": [Promote(gamma=0.05, patience=2)],
     }
     params = [torch.nn.Parameter(torch.empty(n)) for n in numels]
-    settled, general = (aps_comm.APSState(**options) for _ in range(2))
-    for state in (settled, general):
-        state.bind_model(torch.nn.ModuleList(ParamLayer(p) for p in params))
+    settled = aps_comm.APSState(**options)
+    settled.bind_model(torch.nn.ModuleList(ParamLayer(p) for p in params))
+    names = [f"{i}.weight" for i in range(len(numels))]
     gen = torch.Generator().manual_seed(17)
     buffer = torch.empty(sum(numels))
     bound, formats = [], []
@@ -282,16 +280,16 @@ def test_promote_with_stats_settles_with_the_general_paths_records(
             x[5] = float("nan")  # the first layer non-finite: NaN in it, in its records too
         buffer.copy_(x)
         out = settled.run_bucket(0, buffer, params)
-        general.bind(CPU)  # the reducer, before its first bucket
-        general.reducer.settles = False  # never bound: the general path every step
-        want = general.run_bucket(0, x.clone(), params)
-        bits = torch.where(out.isnan(), 0.0, out).view(torch.int32)
-        assert torch.equal(bits, torch.where(want.isnan(), 0.0, want).view(torch.int32)), step
-        assert settled.assignment.promote == general.assignment.promote, step
-        assert len(settled.stats) == len(numels) and repr(settled.stats) == repr(general.stats)
+        fmts = settled.assignment.formats([id(p) for p in params], step)  # Promote's
+        sim = simulate.hook_options(options, fmts)
+        layers = x[None].split(numels, dim=1)
+        want = torch.cat(simulate.allreduce(layers, "e4m3", **sim))
+        assert not _bits_differ(out, want), step
+        records = simulate.records(layers, "e4m3", 0, names=names, **sim)
+        assert len(settled.stats) == len(numels) and repr(settled.stats) == repr(records)
         assert settled.reducer is not None
         bound.append(settled.reducer.steady.get(0))
-        formats.append(settled.assignment.formats([id(p) for p in params], step)[0].name)
+        formats.append(fmts[0].name)
     # Step 3's rates promote at step 4 (bound again); with scaling, calm from then: back
     # at step 6 (the naive cast underflows more: it stays up longer).
     assert formats[:4] == ["e4m3"] * 4 and formats[4] == "e5m2"
