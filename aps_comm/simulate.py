@@ -96,7 +96,7 @@ from typing_extensions import Unpack
 from aps_comm import codec
 from aps_comm.config import SCALINGS, Scaling, check_block_size, default_block_size
 from aps_comm.formats import FP32, FloatFormat, Rounding, get_format, pow2, quantize
-from aps_comm.plan import block_chunks, block_shard_cuts
+from aps_comm.plan import block_chunks, block_shard_cuts, shard_layout
 from aps_comm.scaling import Factors, factors, layer_amax, mean_exponents
 from aps_comm.telemetry import LayerStats
 from aps_comm.topology import grid_rows
@@ -109,6 +109,7 @@ __all__ = [
     "SimOptions",
     "VirtualWorkers",
     "allreduce",
+    "allreduce_feedback",
     "hook_options",
     "records",
     "ring_chunks",
@@ -507,6 +508,103 @@ def _fp32_mean(layers: list[torch.Tensor], n: int) -> list[torch.Tensor]:
     ]
 
 
+def allreduce_feedback(
+    layers: Sequence[torch.Tensor],
+    fmt: FloatFormat | str,
+    residuals: Sequence[torch.Tensor | None] | None = None,
+    **options: Unpack[SimOptions],
+) -> tuple[list[torch.Tensor], list[torch.Tensor | None]]:
+    """:func:`allreduce` with the hook's error feedback (``APSState(error_feedback=True)``).
+
+    Every worker adds its residual to its gradient first; the sums are
+    :func:`allreduce`'s of those values (block exponents agreed, no owner
+    exponents). A worker's new residual is what its encoding lost, unscaled
+    (its value minus the decoded code times ``2**-e``); with two_phase the
+    owner of each element (one chunk, shards of
+    :func:`aps_comm.plan.shard_layout`) adds N times what rounding the mean
+    lost, unscaled. A layer that is not finite keeps a residual of zeros;
+    FP32 layers (``formats``) send what they kept once more and keep none.
+
+    Args:
+        layers: one ``(N, *param_shape)`` tensor per layer, as in :func:`allreduce`.
+        fmt: the wire format.
+        residuals: each layer's ``(N, *param_shape)`` residuals, or None for
+            none kept; None: none for any layer.
+        **options: :class:`SimOptions`; ``reduction`` "two_phase" or "ring"
+            (the native sum), nearest rounding.
+
+    Returns:
+        The averaged gradients (one per layer, as :func:`allreduce`'s) and
+        every worker's new residuals (``(N, *param_shape)`` per layer; None
+        for FP32 layers).
+
+    Example:
+        >>> g = torch.tensor([[[1.0, 0.3]], [[0.5, 0.0]]])  # 2 workers, one layer
+        >>> [avg], [res] = allreduce_feedback([g], "e2m1")
+        >>> res[0, 0].tolist()  # 0.3 * 2**2 = 1.2 encodes as 1: 0.05 lost
+        [0.0, 0.050000011920928955]
+    """
+    layers = list(layers)
+    kept = list(residuals) if residuals is not None else [None] * len(layers)
+    if len(kept) != len(layers):
+        raise ValueError(f"{len(kept)} residuals for {len(layers)} layers")
+    sent = [x if r is None else x.float() + r for x, r in zip(layers, kept, strict=True)]
+    cfg = SimConfig(fmt, **options)
+    if cfg.reduction not in ("two_phase", "ring") or cfg.rank_exponents or cfg.owner_exponents:
+        raise ValueError("error feedback needs reduction 'two_phase' or 'ring', exponents agreed")
+    if cfg.rounding != "nearest" or cfg.accumulator is not None or cfg.kahan:
+        raise ValueError("error feedback is simulated with nearest rounding, FP32 owners")
+    if not layers:
+        return [], []
+    out = allreduce(sent, fmt, **options)
+    n = _check_layers(layers)
+    new: list[torch.Tensor | None] = [None] * len(layers)
+    groups = _format_groups(cfg, len(layers)) if cfg.formats else [(cfg.fmt, range(len(layers)))]
+    for f, index in groups:
+        if f == FP32:
+            continue
+        group = [sent[i].detach().reshape(n, -1).float() for i in index]
+        sub = dataclasses.replace(cfg, fmt=f, formats=None)
+        for i, r in zip(index, _residuals(group, sub), strict=True):
+            new[i] = r.view(layers[i].shape)
+    return out, new
+
+
+def _residuals(flat: list[torch.Tensor], cfg: SimConfig) -> list[torch.Tensor]:
+    """Every worker's new residuals of one format group's ``(N, m)`` values (residuals in)."""
+    fmt = cfg.fmt
+    assert isinstance(fmt, FloatFormat)
+    n, two_phase = flat[0].shape[0], cfg.reduction == "two_phase"
+    amax = layer_amax(flat)
+    f = _factors(flat, amax, fmt, "two_phase" if two_phase else "allreduce", n, cfg)
+    finite = torch.isfinite(amax).tolist()
+    scale, exps = _per_layer(f.scale, flat, cfg), _per_layer(f.exponents, flat, cfg)
+    rnd = _wire_round(fmt, "nearest", None, overflow=False)
+    numel = sum(x.shape[1] for x in flat)
+    per = shard_layout(numel, fmt, n)[0]
+    out, start = [], 0
+    for i, x in enumerate(flat):
+        m = x.shape[1]
+        if not finite[i] or not m:
+            out.append(torch.zeros_like(x))
+            start += m
+            continue
+        e = exps[i].expand(m) if exps[i].dim() == 0 else exps[i]
+        s = scale[i].expand(m) if scale[i].dim() == 0 else scale[i]
+        q = rnd(x, s)
+        decoded = q * pow2(-e)
+        res = torch.where(torch.isfinite(decoded), x - decoded, 0.0)
+        if two_phase:  # the owner keeps N times what rounding the mean lost
+            acc = _sum_sequential(q, _identity, False) / n
+            lost = torch.where(s > 0, (acc - rnd(acc)) / s, 0.0)
+            owner = torch.arange(start, start + m) // per
+            rows = torch.arange(n)[:, None] == owner[None, :].to(x.device)
+            res = torch.where(rows, res + lost * n, res)
+        out.append(res)
+        start += m
+    return out
+
+
 def hook_options(
     options: Mapping[str, Any], formats: Sequence[FloatFormat | str] | None = None
 ) -> SimOptions:
@@ -525,7 +623,8 @@ def hook_options(
         all-reduce is Gloo's ``"ring"``; with block scaling two_phase,
         hierarchical and grid send each rank's own block exponents
         (``block_exponents="rank"``, not with error feedback, which agrees
-        them) and two_phase owners re-choose agreed ones for the mean.
+        them) and two_phase owners re-choose agreed ones for the mean (not
+        with error feedback: :func:`allreduce_feedback`).
 
     Example:
         >>> hook_options({"fmt": "e2m1", "scaling": "block", "block_exponents": "agreed"})
@@ -540,7 +639,11 @@ def hook_options(
         "scaling": scaling,
         "ranks_per_node": options.get("ranks_per_node") or 1,
         "rank_exponents": blocked and not native and rank,
-        "owner_exponents": blocked and reduction == "two_phase" and not rank,
+        # Error feedback keeps the owner's loss in its residuals instead.
+        "owner_exponents": blocked
+        and reduction == "two_phase"
+        and not rank
+        and not options.get("error_feedback"),
     }
     if options.get("block_size") is not None:
         out["block_size"] = options["block_size"]

@@ -18,7 +18,14 @@ from torch.nn.parallel import DistributedDataParallel as DDP
 from aps_comm import APSState, aps_hook
 from aps_comm.formats import FP32, FloatFormat, get_format, quantize
 from aps_comm.scaling import exponents, pow2
-from aps_comm.simulate import SimConfig, VirtualWorkers, allreduce, records, ring_chunks
+from aps_comm.simulate import (
+    SimConfig,
+    VirtualWorkers,
+    allreduce,
+    allreduce_feedback,
+    records,
+    ring_chunks,
+)
 from aps_comm.testing import run_distributed
 
 # ---------------------------------------------------------------------------
@@ -517,3 +524,24 @@ def test_formats_make_a_bucket_of_each_formats_layers() -> None:
     assert [r.name for r in recs] == ["a", "c"] and recs[0].exponent == recs[1].exponent
     with pytest.raises(ValueError, match="formats names 2 layers"):
         allreduce(layers, "e4m3", formats=fmts[:2])
+
+
+def test_feedback_keeps_what_encoding_and_the_owners_rounding_lost() -> None:
+    """:func:`aps_comm.simulate.allreduce_feedback`: each worker keeps what its encoding
+    lost; two_phase's owner (worker 0 of 2 for the first shard) also N times what rounding
+    the mean lost; residuals come back in on the next call; a non-finite layer keeps zeros."""
+    g = torch.tensor([[1.0, 0.3, 0.0, 0.0], [1.0, 0.0, 0.0, 0.0]])  # e2m1, exponent 2
+    _, [res] = allreduce_feedback([g], "e2m1")
+    assert res[0].tolist() == pytest.approx([0.0, 0.05, 0.0, 0.0])  # 1.2 encodes as 1
+    # The mean 0.5 (scaled) stays 0.5: nothing more lost; native: no owner.
+    [native], _ = allreduce_feedback([g], "fp16", reduction="ring")
+    assert _bits_equal(native, allreduce([g], "fp16", reduction="ring")[0])
+    # Fed back: the next step sends gradient plus residual.
+    [again], _ = allreduce_feedback([g], "e2m1", [res])
+    assert _bits_equal(again, allreduce([g + res], "e2m1")[0])
+    bad = g.clone()
+    bad[1, 2] = float("nan")
+    [nan], [zeros] = allreduce_feedback([bad], "e2m1", [res])
+    assert nan.isnan().all() and torch.equal(zeros, torch.zeros_like(zeros))
+    with pytest.raises(ValueError, match="exponents agreed"):
+        allreduce_feedback([g], "e2m1", scaling="block", rank_exponents=True)
