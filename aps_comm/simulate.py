@@ -470,7 +470,9 @@ def allreduce(
             if f == FP32:
                 done = _fp32_mean(group, n)
             else:
+                # One block size for every group: the bucket format's (the hook's setting).
                 sub = {k: v for k, v in options.items() if k != "formats"}
+                sub["block_size"] = cfg.block_size
                 done = allreduce(group, f, generator=generator, **sub)  # type: ignore[misc]
             for i, r in zip(index, done, strict=True):
                 out[i] = r
@@ -717,7 +719,9 @@ def records(
     if not 0 <= rank < n:
         raise ValueError(f"rank must be in [0, {n}), got {rank}")
     if cfg.formats is not None:
+        # One block size for every group: the bucket format's (the hook's setting).
         sub = {k: v for k, v in options.items() if k != "formats"}
+        sub["block_size"] = cfg.block_size
         return [
             r
             for f, index in _format_groups(cfg, len(layers))
