@@ -442,16 +442,17 @@ def test_schedule_binds_the_bucket_again_when_formats_change(world: None, early:
     assert settled.bucket_reductions[0] == "two_phase"
 
 
-def test_promote_binds_the_bucket_again_and_keeps_the_full_paths_bits(world: None) -> None:
+def test_promote_binds_the_bucket_again_and_keeps_the_simulated_bits(world: None) -> None:
     """Promote moves a whole bucket up its ladder and back: the settled bucket reads the
     agreed rates, sends the step in the new format on the maxima it agreed, binds again,
-    and every step gives the bits (and Promote's levels) of buckets that never settle.
+    and every step gives :mod:`aps_comm.simulate`'s bits in the formats Promote chose.
     A second bucket whose layers never move stays bound all along."""
     numels, others = [300, 700, 33], [50, 60]
     options = {**ROUTES["two_phase"], "policy": [Promote(gamma=0.05, patience=2)]}
     params = [torch.nn.Parameter(torch.empty(n)) for n in numels]
     params2 = [torch.nn.Parameter(torch.empty(n)) for n in others]
-    settled, full = _bound_state(options, params + params2), _bound_state(options, params + params2)
+    settled = _bound_state(options, params + params2)
+    sim = simulate.hook_options(options)
     gen = torch.Generator().manual_seed(17)
     buffer, buffer2 = torch.empty(sum(numels)), torch.empty(sum(others))
     bound, bound2, formats = [], [], []
@@ -464,13 +465,11 @@ def test_promote_binds_the_bucket_again_and_keeps_the_full_paths_bits(world: Non
         buffer2.copy_(x2)
         out = settled.run_bucket(0, buffer, params, is_last=False).clone()
         out2 = settled.run_bucket(1, buffer2, params2)
-        full.bind(torch.device("cpu"))  # the reducer, before its first bucket
-        full.reducer.settles = False  # never bound: the general path every step
-        want = full.run_bucket(0, x.clone(), params, is_last=False)
-        want2 = full.run_bucket(1, x2.clone(), params2)
-        assert torch.equal(out.view(torch.int32), want.view(torch.int32)), step
-        assert torch.equal(out2.view(torch.int32), want2.view(torch.int32)), step
-        assert settled.assignment.promote == full.assignment.promote, step
+        for y, o, ps in ((x, out, params), (x2, out2, params2)):
+            fmts = settled.assignment.formats([id(p) for p in ps], step)  # Promote's
+            layers = y[None].split([p.numel() for p in ps], dim=1)
+            want = torch.cat(simulate.allreduce(layers, "e4m3", **sim, formats=fmts))
+            assert torch.equal(o.view(torch.int32), want.view(torch.int32)), step
         assert settled.reducer is not None
         bound.append(settled.reducer.steady.get(0))
         bound2.append(settled.reducer.steady.get(1))
@@ -899,32 +898,36 @@ def test_settled_interleaved_groups_with_error_feedback_give_the_simulated_bits(
 def _one_format_under_rules_steps(rank: int, world_size: int, configs: list[dict]) -> list[str]:
     """Buckets of one format in a model whose policy has rules for other layers (KeepLast's
     classifier elsewhere, a name that matches nothing here): with ``stats=True`` they settle,
-    with the general path's gradients, bytes and records, a NaN in one step included."""
+    with :mod:`aps_comm.simulate`'s gradients and records, a NaN in one step included, the
+    same bytes every step."""
     numels = [5, 0, 1, 700, 33, 2, 64]
     params = [torch.nn.Parameter(torch.empty(n)) for n in numels]
+    names = [f"{i}.weight" for i in range(len(numels))]  # ParamLayer's
     problems = []
     for c, options in enumerate(configs):
-        settled, full = (_bound_state(options, params) for _ in range(2))
+        settled = _bound_state(options, params)
+        sim = simulate.hook_options(options)
         buffer = torch.empty(sum(numels))
+        wire = None
         for step in range(4):
             x, _ = _bucket(numels, 100 * step + 10 * c + rank)
             if step == 3 and rank == world_size - 1:
                 x[7] = float("nan")
+            layers = _gathered(x, numels, world_size)
+            want = torch.cat(simulate.allreduce(layers, options["fmt"], **sim))
+            records = []
+            if options.get("stats"):
+                records = simulate.records(layers, options["fmt"], rank, names=names, **sim)
             buffer.copy_(x)
             ahead = settled.reducer.steady_for(0, buffer) if settled.reducer else None
             if step >= 2 and ahead is None:
                 problems.append(f"config {c} step {step}: not settled")
             out = settled.run_bucket(0, buffer, params)
-            full.bind(torch.device("cpu"))  # the reducer, before its first bucket
-            full.reducer.settles = False  # never bound: the general path every step
-            want = full.run_bucket(0, x.clone(), params)
-            bits = torch.where(out.isnan(), 0.0, out).view(torch.int32)
-            if not torch.equal(out.isnan(), want.isnan()) or not torch.equal(
-                bits, torch.where(want.isnan(), 0.0, want).view(torch.int32)
-            ):
+            if _differ(out, want):
                 problems.append(f"config {c} step {step}: gradients differ")
-            if settled.bytes_detail != full.bytes_detail or repr(settled.stats) != repr(full.stats):
+            if wire not in (None, settled.bytes_detail) or repr(settled.stats) != repr(records):
                 problems.append(f"config {c} step {step}: bytes or records differ")
+            wire = settled.bytes_detail
     return problems
 
 
@@ -942,10 +945,10 @@ def test_one_format_buckets_under_rules_settle_with_stats(world_size: int) -> No
 
 
 @pytest.mark.parametrize("world_size", [1, 2])
-def test_settled_16_bit_blocks_give_the_general_paths_bits(world_size: int) -> None:
+def test_settled_16_bit_blocks_give_the_simulated_bits(world_size: int) -> None:
     """Issue 46: block scaling in fp16 and bf16 settles (each rank's own block exponents,
-    agreed ones, with stats; bf16's keys bound by the ranks' FP32 sum too) with the general
-    path's gradients, bytes and records, a NaN in one step included."""
+    agreed ones, with stats; bf16's keys bound by the ranks' FP32 sum too) with
+    :mod:`aps_comm.simulate`'s gradients and records, a NaN in one step included."""
     configs = [
         CONFIGS["fp16_block"],
         {**CONFIGS["bf16_block"], "stats": True},
