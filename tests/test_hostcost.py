@@ -1060,11 +1060,14 @@ def test_agreed_blocks_or_unscaled_feedback_in_mixed_formats_give_the_simulated_
 
 def _mixed_promote_steps(rank: int, world_size: int, options: dict) -> list[str]:
     """Promote over a mixed-format bucket: its layers move up and back, the settled bucket
-    is bound again at each move (not every step), and every step gives the general
-    path's gradients, records, bytes and Promote's levels; a NaN in one step included."""
+    is bound again at each move (not every step), and every step gives
+    :mod:`aps_comm.simulate`'s gradients and records in the formats Promote chose, the
+    same bytes where they did not move; a NaN in one step included."""
     numels = [300, 700, 33, 50]
     params = [torch.nn.Parameter(torch.empty(n)) for n in numels]
-    settled, full = _bound_state(options, params), _bound_state(options, params)
+    names = [f"{i}.weight" for i in range(len(numels))]  # ParamLayer's
+    settled = _bound_state(options, params)
+    wire = None
     gen = torch.Generator().manual_seed(17 + rank)
     buffer = torch.empty(sum(numels))
     problems, bound, formats = [], [], []
@@ -1077,23 +1080,23 @@ def _mixed_promote_steps(rank: int, world_size: int, options: dict) -> list[str]
             x[7] = float("nan")  # layer 0 on one rank: NaN in it on every rank
         buffer.copy_(x)
         out = settled.run_bucket(0, buffer, params)
-        full.bind(torch.device("cpu"))  # the reducer, before its first bucket
-        full.reducer.settles = False  # never bound: the general path every step
-        want = full.run_bucket(0, x.clone(), params)
-        bits = torch.where(out.isnan(), 0.0, out).view(torch.int32)
-        if not torch.equal(out.isnan(), want.isnan()) or not torch.equal(
-            bits, torch.where(want.isnan(), 0.0, want).view(torch.int32)
-        ):
+        fmts = settled.assignment.formats([id(p) for p in params], step)  # Promote's
+        sim = simulate.hook_options(options, fmts)
+        layers = _gathered(x, numels, world_size)
+        if _differ(out, torch.cat(simulate.allreduce(layers, "e4m3", **sim))):
             problems.append(f"step {step}: gradients differ")
-        if settled.assignment.promote != full.assignment.promote:
-            problems.append(f"step {step}: Promote's levels differ")
-        if repr(settled.stats) != repr(full.stats) or settled.bytes_detail != full.bytes_detail:
+        records = []
+        if options.get("stats"):
+            records = simulate.records(layers, "e4m3", rank, names=names, **sim)
+        moved = wire is not None and wire[0] == fmts and wire[1] != settled.bytes_detail
+        if repr(settled.stats) != repr(records) or moved:
             problems.append(f"step {step}: records or bytes differ")
+        wire = fmts, settled.bytes_detail
         if out[:300].isnan().all() != (step == 8) or out[300:].isnan().any():
             problems.append(f"step {step}: NaN where it should not be, or not")
         assert settled.reducer is not None
         bound.append(settled.reducer.steady.get(0))
-        formats.append(settled.assignment.formats([id(p) for p in params], step)[0].name)
+        formats.append(fmts[0].name)
     # Step 3's rates promote at step 4 (bound again); calm from then: back at step 6.
     if formats != ["e4m3"] * 4 + ["e5m2"] * 2 + ["e4m3"] * 3:
         problems.append(f"formats {formats}")
@@ -1119,7 +1122,7 @@ def _mixed_promote_steps(rank: int, world_size: int, options: dict) -> list[str]
     ],
     ids=["keep_last", "interleaved+stats"],
 )
-def test_promote_binds_a_mixed_format_bucket_again_with_the_general_paths_bits(
+def test_promote_binds_a_mixed_format_bucket_again_with_the_simulated_bits(
     world_size: int, options: dict
 ) -> None:
     for problems in run_distributed(_mixed_promote_steps, world_size, args=(options,)):
