@@ -1135,13 +1135,15 @@ def _staged_promote_steps(
     """Promote over staged buckets in several formats (each of ``configs``: the options, the
     layers' formats before and after the move): the layers sent scaled move up and back,
     the settled bucket is bound again at each move (not every step), and every step gives
-    the general path's gradients, records, bytes and Promote's levels; a NaN in one step
-    included."""
+    :mod:`aps_comm.simulate`'s gradients and records in the formats Promote chose, the same
+    bytes where they did not move; a NaN in one step included."""
     numels = [300, 700, 33, 50]
     params = [torch.nn.Parameter(torch.empty(n)) for n in numels]
     keys, problems = [id(p) for p in params], []
+    names = [f"{i}.weight" for i in range(len(numels))]  # ParamLayer's
     for c, (options, low, high) in enumerate(configs):
-        settled, full = _bound_state(options, params), _bound_state(options, params)
+        settled = _bound_state(options, params)
+        wire = None
         gen = torch.Generator().manual_seed(17 + rank)
         buffer = torch.empty(sum(numels))
         bound, formats = [], []
@@ -1157,20 +1159,20 @@ def _staged_promote_steps(
                 x[7] = float("nan")  # layer 0 on one rank: NaN in it on every rank
             buffer.copy_(x)
             out = settled.run_bucket(0, buffer, params)
-            full.bind(CPU)  # the reducer, before its first bucket
-            full.reducer.settles = False  # never bound: the general path every step
-            want = full.run_bucket(0, x.clone(), params)
-            bits = torch.where(out.isnan(), 0.0, out).view(torch.int32)
-            if not torch.equal(out.isnan(), want.isnan()) or not torch.equal(
-                bits, torch.where(want.isnan(), 0.0, want).view(torch.int32)
-            ):
+            fmts = settled.assignment.formats(keys, step)  # Promote's
+            sim = simulate.hook_options(options, fmts)
+            layers = _gathered(x, numels, world_size)
+            if _differ(out, torch.cat(simulate.allreduce(layers, "e4m3", **sim))):
                 problems.append(f"config {c} step {step}: gradients differ")
-            if settled.assignment.promote != full.assignment.promote:
-                problems.append(f"config {c} step {step}: Promote's levels differ")
-            if repr(settled.stats) != repr(full.stats) or settled.bytes_detail != full.bytes_detail:
+            records = []
+            if options.get("stats"):
+                records = simulate.records(layers, "e4m3", rank, names=names, **sim)
+            moved = wire is not None and wire[0] == fmts and wire[1] != settled.bytes_detail
+            if repr(settled.stats) != repr(records) or moved:
                 problems.append(f"config {c} step {step}: records or bytes differ")
+            wire = fmts, settled.bytes_detail
             bound.append(settled.reducer.steady.get(0))
-            formats.append("+".join(f.name for f in settled.assignment.formats(keys, step)))
+            formats.append("+".join(f.name for f in fmts))
         # Step 3's rates promote at step 4 (bound again); calm from then: back at step 6.
         if formats != [low] * 4 + [high] * 2 + [low] * 3:
             problems.append(f"config {c}: formats {formats}")
@@ -1182,12 +1184,12 @@ def _staged_promote_steps(
     return problems
 
 
-def test_promote_binds_staged_groups_again_with_the_general_paths_bits() -> None:
+def test_promote_binds_staged_groups_again_with_the_simulated_bits() -> None:
     """Issue 46: hierarchical and grid in several formats (KeepLast's) under ``Promote``
     settle (the general path every step before: "staged groups of several formats bind
     without Promote only"): each staged group's rates are counted under its first level's
     factors into the bucket's vector, as a staged bucket's own; it moves up and back,
-    bound again at each move, with the general path's bits on 2 nodes of 2 ranks. Groups
+    bound again at each move, with simulate's bits on 2 nodes of 2 ranks. Groups
     that interleave in the bucket (layer 1 in fp16) bind too (the general path every step
     before: each staged part's rates are picked back into the bucket's order)."""
     staged = {"fmt": "e4m3", "ranks_per_node": 2}
