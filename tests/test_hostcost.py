@@ -1213,12 +1213,17 @@ def _promote_feedback_steps(
     rank: int, world_size: int, options: dict, low: str, high: str
 ) -> list[str]:
     """Promote with error feedback: its layers move up and back, the settled bucket is bound
-    again at each move (not every step), and every step gives the general path's
-    gradients, residuals, records, bytes and Promote's levels; a NaN in one step included.
+    again at each move (not every step), and every step gives
+    :func:`aps_comm.simulate.allreduce_feedback`'s gradients and residuals (every rank's
+    simulated from the first step, in the formats Promote chose) and the records, the same
+    bytes where the formats did not move; a NaN in one step included.
     ``low``, ``high``: the layers' formats before and after the move."""
     numels = [300, 700, 33, 50]
     params = [torch.nn.Parameter(torch.empty(n)) for n in numels]
-    settled, full = _bound_state(options, params), _bound_state(options, params)
+    names = [f"{i}.weight" for i in range(len(numels))]  # ParamLayer's
+    settled = _bound_state(options, params)
+    kept: list[torch.Tensor | None] | None = None  # every rank's residuals
+    wire = None
     kind = SteadyGroups if any(isinstance(r, KeepLast) for r in options["policy"]) else None
     gen = torch.Generator().manual_seed(17 + rank)
     buffer = torch.empty(sum(numels))
@@ -1235,28 +1240,30 @@ def _promote_feedback_steps(
             x[7] = float("nan")  # layer 0 on one rank: NaN in it on every rank
         buffer.copy_(x)
         out = settled.run_bucket(0, buffer, params)
-        full.bind(torch.device("cpu"))  # the reducer, before its first bucket
-        full.reducer.settles = False  # never bound: the general path every step
-        want = full.run_bucket(0, x.clone(), params)
-        bits = torch.where(out.isnan(), 0.0, out).view(torch.int32)
-        if not torch.equal(out.isnan(), want.isnan()) or not torch.equal(
-            bits, torch.where(want.isnan(), 0.0, want).view(torch.int32)
-        ):
+        fmts = settled.assignment.formats([id(p) for p in params], step)  # Promote's
+        sim = simulate.hook_options(options, fmts)
+        layers = _gathered(x, numels, world_size)
+        sent = [t if r is None else t + r for t, r in zip(layers, kept or layers, strict=True)]
+        sent = layers if kept is None else sent
+        want, kept = simulate.allreduce_feedback(layers, "e4m3", kept, **sim)
+        if _differ(out, torch.cat(want)):
             problems.append(f"step {step}: gradients differ")
-        mine, ref = settled.state_dict()["residuals"], full.state_dict()["residuals"]
+        mine = settled.state_dict()["residuals"]
+        ref = {names[i]: r[rank] for i, r in enumerate(kept) if r is not None}
         if mine.keys() != ref.keys() or not all(
             torch.equal(mine[k].view(torch.int32), ref[k].view(torch.int32)) for k in ref
         ):
             problems.append(f"step {step}: residuals differ")
-        if settled.assignment.promote != full.assignment.promote:
-            problems.append(f"step {step}: Promote's levels differ")
-        if repr(settled.stats) != repr(full.stats) or settled.bytes_detail != full.bytes_detail:
+        records = []
+        if options.get("stats"):
+            records = simulate.records(sent, "e4m3", rank, names=names, **sim)
+        moved = wire is not None and wire[0] == fmts and wire[1] != settled.bytes_detail
+        if repr(settled.stats) != repr(records) or moved:
             problems.append(f"step {step}: records or bytes differ")
+        wire = fmts, settled.bytes_detail
         assert settled.reducer is not None
         bound.append(settled.reducer.steady.get(0))
-        formats.append(
-            "+".join(f.name for f in settled.assignment.formats([id(p) for p in params], step))
-        )
+        formats.append("+".join(f.name for f in fmts))
     # Step 3's rates promote at step 4 (bound again); calm from then: back at step 6.
     moves = [s for s in range(1, 9) if formats[s] != formats[s - 1]]
     if formats != [low] * 4 + [high] * 2 + [low] * 3:
@@ -1295,7 +1302,7 @@ def _promote_feedback_steps(
     ],
     ids=["one_format", "keep_last+stats", "one_format+stats"],
 )
-def test_promote_with_error_feedback_binds_again_with_the_general_paths_bits(
+def test_promote_with_error_feedback_binds_again_with_the_simulated_bits(
     world_size: int, options: dict
 ) -> None:
     """Issue 46: error feedback under ``Promote`` settles, takes Promote's step on the
