@@ -1488,14 +1488,17 @@ def _fp32_promote_steps(rank: int, world_size: int, feedback: bool) -> list[str]
     """Promote with FP32 on its ladder: a bucket moved up into FP32 binds (its maxima and
     rates agreed as on the general path, the rates never measured again); its rates
     restored low by a checkpoint, it moves back out after ``patience`` calm steps on its
-    bound path, from the maxima its FP32 binding agreed (a NaN among them). Every step the
-    general path's gradients, bytes, residuals and Promote's levels; the general path
-    never runs. ``feedback``: with error feedback (residuals dropped in FP32, then anew)."""
+    bound path, from the maxima its FP32 binding agreed (a NaN among them). Every step
+    :mod:`aps_comm.simulate`'s gradients and residuals (in the formats Promote chose),
+    the same bytes where the formats did not move; the general path never runs. ``feedback``: with error feedback (residuals dropped in FP32, then anew)."""
     numels = [300, 700, 33, 50]
     params = [torch.nn.Parameter(torch.empty(n)) for n in numels]
     ladder = Promote(gamma=0.05, patience=2, ladder=("e4m3", "fp32"))
     options = {**ROUTES["two_phase"], "error_feedback": feedback, "policy": [ladder]}
-    settled, full = (_bound_state(options, params) for _ in "ab")
+    names = [f"{i}.weight" for i in range(len(numels))]  # ParamLayer's
+    settled = _bound_state(options, params)
+    kept: list[torch.Tensor | None] | None = None  # every rank's residuals
+    wire = None
     kind = SteadyFeedback if feedback else Steady
     gen = torch.Generator().manual_seed(31 + rank)
     buffer = torch.empty(sum(numels))
@@ -1512,33 +1515,33 @@ def _fp32_promote_steps(rank: int, world_size: int, feedback: bool) -> list[str]
         if step == 6 and rank == world_size - 1:
             x[7] = float("nan")  # layer 0 on one rank, in the move out: NaN on every rank
         if step == 5:  # a checkpoint whose rates are calm: back down after two steps
-            for state in (settled, full):
-                saved = state.state_dict()
-                state.load_state_dict({**saved, "rates": dict.fromkeys(saved["rates"], 0.0)})
+            saved = settled.state_dict()
+            settled.load_state_dict({**saved, "rates": dict.fromkeys(saved["rates"], 0.0)})
         buffer.copy_(x)
         with unittest.mock.patch.object(Reducer, "_groups", side_effect=AssertionError):
             out = settled.run_bucket(0, buffer, params)
-        full.bind(CPU)  # the reducer, before its first bucket
-        full.reducer.settles = False  # never bound: the general path every step
-        want = full.run_bucket(0, x.clone(), params)
-        bits = torch.where(out.isnan(), 0.0, out).view(torch.int32)
-        if not torch.equal(out.isnan(), want.isnan()) or not torch.equal(
-            bits, torch.where(want.isnan(), 0.0, want).view(torch.int32)
-        ):
+        fmts = settled.assignment.formats([id(p) for p in params], step)  # Promote's
+        sim = simulate.hook_options(options, fmts)
+        layers = _gathered(x, numels, world_size)
+        if feedback:
+            sums, kept = simulate.allreduce_feedback(layers, "e4m3", kept, **sim)
+        else:
+            sums = simulate.allreduce(layers, "e4m3", **sim)
+        if _differ(out, torch.cat(sums)):
             problems.append(f"step {step}: gradients differ")
         if out[:300].isnan().all() != (step == 6) or out[300:].isnan().any():
             problems.append(f"step {step}: NaN where it should not be, or not")
-        if settled.assignment.promote != full.assignment.promote:
-            problems.append(f"step {step}: Promote's levels differ")
-        if settled.bytes_detail != full.bytes_detail:
+        if wire is not None and wire[0] == fmts and wire[1] != settled.bytes_detail:
             problems.append(f"step {step}: bytes differ")
-        mine, ref = settled.state_dict()["residuals"], full.state_dict()["residuals"]
+        wire = fmts, settled.bytes_detail
+        mine = settled.state_dict()["residuals"]
+        ref = {names[i]: r[rank] for i, r in enumerate(kept or ()) if r is not None}
         if mine.keys() != ref.keys() or not all(
             torch.equal(mine[k].view(torch.int32), ref[k].view(torch.int32)) for k in ref
         ):
             problems.append(f"step {step}: residuals differ")
         st = settled.reducer.steady.get(0)
-        fmt = settled.assignment.formats([id(p) for p in params], step)[0].name
+        fmt = fmts[0].name
         fp32 = isinstance(st, Steady) and st.route == "fp32"
         seen.append((fmt, "fp32" if fp32 else type(st).__name__, st))
     want = [("e4m3", kind.__name__)] * 3 + [("fp32", "fp32")] * 3 + [("e4m3", kind.__name__)] * 2
