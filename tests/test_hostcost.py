@@ -2282,19 +2282,21 @@ def test_a_16_bit_models_bucket_stays_bound_and_gives_the_float32_buckets_bits(
     assert len(aten) + len(kernels) <= BUDGET, (aten, kernels)
 
 
-def test_promote_moving_one_interleaved_layer_with_error_feedback_keeps_the_general_bits(
+def test_promote_moving_one_interleaved_layer_with_error_feedback_keeps_the_simulated_bits(
     world: None,
 ) -> None:
     """Issue 46: Promote moves one layer of interleaved groups with error feedback into
     a group of its own (e4m3 [0, 2, 4], fp16 [1, 3] -> e4m3 [0, 4], e5m2 [2], fp16 [1, 3]):
     the old and the new
     binding's scratch are the same bytes of the workspace in another order, so the values
-    (their residuals added) must not be copied from one into the other in place. The
-    general path's bits and residuals every step."""
+    (their residuals added) must not be copied from one into the other in place.
+    :func:`aps_comm.simulate.allreduce_feedback`'s bits and residuals every step."""
     numels = [300, 301, 302, 303, 304, 305]
     params = [torch.nn.Parameter(torch.empty(n)) for n in numels]
     options = _MOVES["interleaved+error_feedback"]
-    settled, full = _bound_state(options, params), _bound_state(options, params)
+    settled = _bound_state(options, params)
+    names = [f"{i}.weight" for i in range(len(numels))]  # ParamLayer's
+    kept: list[torch.Tensor | None] | None = None
     keys = [id(p) for p in params]
     gen = torch.Generator().manual_seed(5)
     buffer = torch.empty(sum(numels))
@@ -2310,11 +2312,12 @@ def test_promote_moving_one_interleaved_layer_with_error_feedback_keeps_the_gene
         before = settled.assignment.formats(keys, step)
         out = settled.run_bucket(0, buffer, params)
         moved |= settled.assignment.formats(keys, step) != before
-        full.bind(CPU)
-        full.reducer.settles = False  # never bound: the general path every step
-        want = full.run_bucket(0, x.clone(), params)
-        assert torch.equal(out.view(torch.int32), want.view(torch.int32)), step
-        mine, ref = settled.state_dict()["residuals"], full.state_dict()["residuals"]
+        sim = simulate.hook_options(options, settled.assignment.formats(keys, step))
+        layers = x[None].split(numels, dim=1)
+        want, kept = simulate.allreduce_feedback(layers, options["fmt"], kept, **sim)
+        assert torch.equal(out.view(torch.int32), torch.cat(want).view(torch.int32)), step
+        mine = settled.state_dict()["residuals"]
+        ref = {names[i]: r[0] for i, r in enumerate(kept) if r is not None}
         assert mine.keys() == ref.keys(), step
         assert all(torch.equal(mine[k].view(torch.int32), ref[k].view(torch.int32)) for k in ref)
         assert isinstance(settled.reducer.steady_for(0, buffer), SteadyGroups), step
