@@ -1416,14 +1416,18 @@ def test_promote_moves_a_format_on_the_bound_path_within_the_budget(
     collective) and finishes on their bound path from the vector already agreed: no
     general path (``_groups`` raises), beside the binding's own ops what a settled step
     of the new formats costs (within the budget) and the agreed maxima copied into the
-    new binding, the same for a few or 200 layers, no host read, and the general path's
-    bits (records and residuals too). Before: the general path's groups, ~100 ops."""
+    new binding, the same for a few or 200 layers, no host read, and
+    :mod:`aps_comm.simulate`'s bits in the formats Promote chose (records and residuals
+    too). Before: the general path's groups, ~100 ops."""
     moved, settled_step = {}, {}
     fewest = 4 if "interleaved" in config else 2  # groups that interleave: four layers
     for layers in (fewest, 200):
         numels = [300 + i for i in range(layers)]
         params = [torch.nn.Parameter(torch.empty(n)) for n in numels]
-        settled, full = _bound_state(_MOVES[config], params), _bound_state(_MOVES[config], params)
+        options = _MOVES[config]
+        settled = _bound_state(options, params)
+        names = [f"{i}.weight" for i in range(layers)]  # ParamLayer's
+        kept: list[torch.Tensor | None] | None = None  # the residuals (a world of one)
         keys = [id(p) for p in params]
         gen = torch.Generator().manual_seed(layers)
         buffer = torch.empty(sum(numels))
@@ -1455,14 +1459,25 @@ def test_promote_moves_a_format_on_the_bound_path_within_the_budget(
                 assert settled.reducer.steady_for(0, buffer) is bound
             else:
                 out = settled.run_bucket(0, buffer, params)
-            full.bind(CPU)
-            full.reducer.settles = False  # never bound: the general path every step
-            want = full.run_bucket(0, x.clone(), params)
-            assert torch.equal(out.view(torch.int32), want.view(torch.int32)), (layers, step)
-            assert settled.assignment.promote == full.assignment.promote, (layers, step)
-            assert repr(settled.stats) == repr(full.stats), (layers, step)
-            if settled.reducer.feedback is not None:
-                mine, ref = settled.state_dict()["residuals"], full.state_dict()["residuals"]
+            sim = simulate.hook_options(options, settled.assignment.formats(keys, step))
+            sums = x[None].split(numels, dim=1)
+            sent = [t if r is None else t + r for t, r in zip(sums, kept or sums, strict=True)]
+            sent = list(sums) if kept is None else sent
+            if options.get("error_feedback"):
+                want, kept = simulate.allreduce_feedback(sums, options["fmt"], kept, **sim)
+            else:
+                want = simulate.allreduce(sums, options["fmt"], **sim)
+            assert torch.equal(out.view(torch.int32), torch.cat(want).view(torch.int32)), (
+                layers,
+                step,
+            )
+            records = []
+            if options.get("stats"):
+                records = simulate.records(sent, options["fmt"], 0, names=names, **sim)
+            assert repr(settled.stats) == repr(records), (layers, step)
+            if kept is not None:
+                mine = settled.state_dict()["residuals"]
+                ref = {names[i]: r[0] for i, r in enumerate(kept) if r is not None}
                 assert mine.keys() == ref.keys(), (layers, step)
                 for k in ref:
                     assert torch.equal(mine[k].view(torch.int32), ref[k].view(torch.int32)), k
