@@ -86,8 +86,8 @@ from __future__ import annotations
 
 import dataclasses
 import functools
-from collections.abc import Callable, Sequence
-from typing import Literal, TypedDict
+from collections.abc import Callable, Mapping, Sequence
+from typing import Any, Literal, TypedDict
 
 import torch
 import torch.nn as nn
@@ -96,8 +96,9 @@ from typing_extensions import Unpack
 from aps_comm import codec
 from aps_comm.config import SCALINGS, Scaling, check_block_size, default_block_size
 from aps_comm.formats import FP32, FloatFormat, Rounding, get_format, pow2, quantize
-from aps_comm.plan import block_chunks, block_shard_cuts
+from aps_comm.plan import block_chunks, block_shard_cuts, shard_layout
 from aps_comm.scaling import Factors, factors, layer_amax, mean_exponents
+from aps_comm.telemetry import LayerStats
 from aps_comm.topology import grid_rows
 
 __all__ = [
@@ -108,6 +109,9 @@ __all__ = [
     "SimOptions",
     "VirtualWorkers",
     "allreduce",
+    "allreduce_feedback",
+    "hook_options",
+    "records",
     "ring_chunks",
 ]
 
@@ -155,6 +159,13 @@ class SimConfig:
             hook's chunk (elements, before it moves to block boundaries:
             :attr:`aps_comm.APSState.bucket_chunks`), which decides who owns
             what (None: the whole bucket is one chunk).
+        formats: each layer's wire format, as a policy (``KeepLast``,
+            ``ByName``, ``Schedule``, ``Promote``) assigns them; None: ``fmt``
+            for every layer. The layers of each format form a bucket of their
+            own (the hook's format groups, in the order the formats first
+            appear), reduced as the rest of the config says; FP32 layers are
+            averaged as ``allreduce_hook`` does (each value divided by N, then
+            summed in float32 in Gloo's ring order, :func:`ring_chunks`).
 
     Example:
         >>> cfg = SimConfig("e5m2", reduction="ring", accumulator="fp16")
@@ -173,9 +184,12 @@ class SimConfig:
     owner_exponents: bool = False
     rank_exponents: bool = False
     chunk_elements: int | None = None
+    formats: Sequence[FloatFormat | str] | None = None
 
     def __post_init__(self) -> None:
         object.__setattr__(self, "fmt", get_format(self.fmt))
+        if self.formats is not None:
+            object.__setattr__(self, "formats", tuple(get_format(f) for f in self.formats))
         if self.block_size is None:  # the hook's default for the format
             object.__setattr__(self, "block_size", default_block_size(self.fmt.bits))
         if self.accumulator is not None:
@@ -392,6 +406,7 @@ class SimOptions(TypedDict, total=False):
     owner_exponents: bool
     rank_exponents: bool
     chunk_elements: int | None
+    formats: Sequence[FloatFormat | str] | None
 
 
 def allreduce(
@@ -430,6 +445,8 @@ def allreduce(
         chunk_elements: hierarchical and grid with ``rank_exponents``: the
             hook's chunk, which decides who owns what (None: one chunk; see
             :class:`SimConfig`).
+        formats: each layer's format (FP32 layers averaged as
+            ``allreduce_hook`` does); None: ``fmt`` for all (see :class:`SimConfig`).
 
     Returns:
         One float32 tensor per layer, shape ``param_shape``: the averaged
@@ -446,12 +463,323 @@ def allreduce(
     if not layers:
         return []
     n = _check_layers(layers)
+    if cfg.formats is not None:
+        out: list[torch.Tensor] = [layers[0]] * len(layers)
+        for f, index in _format_groups(cfg, len(layers)):
+            group = [layers[i] for i in index]
+            if f == FP32:
+                done = _fp32_mean(group, n)
+            else:
+                # One block size for every group: the bucket format's (the hook's setting).
+                sub = {k: v for k, v in options.items() if k != "formats"}
+                sub["block_size"] = cfg.block_size
+                done = allreduce(group, f, generator=generator, **sub)  # type: ignore[misc]
+            for i, r in zip(index, done, strict=True):
+                out[i] = r
+        return out
     if cfg.reduction in ("hierarchical", "grid"):
         return _hierarchical(layers, cfg.fmt, n, cfg, generator)  # type: ignore[arg-type]
     flat = [t.detach().reshape(n, -1) for t in layers]
     return [
         r.view(t.shape[1:]) for r, t in zip(_flat(flat, n, cfg, generator), layers, strict=True)
     ]
+
+
+def _format_groups(cfg: SimConfig, n_layers: int) -> list[tuple[FloatFormat, list[int]]]:
+    """Each format of ``cfg.formats`` (in the order it first appears) and its layers."""
+    assert cfg.formats is not None
+    if len(cfg.formats) != n_layers:
+        raise ValueError(f"formats names {len(cfg.formats)} layers, the bucket has {n_layers}")
+    groups: dict[FloatFormat, list[int]] = {}
+    for i, f in enumerate(cfg.formats):
+        groups.setdefault(f, []).append(i)  # type: ignore[arg-type]
+    return list(groups.items())
+
+
+def _fp32_mean(layers: list[torch.Tensor], n: int) -> list[torch.Tensor]:
+    """``allreduce_hook``'s mean of FP32 layers: every value divided by N, the quotients
+    summed in float32 in Gloo's ring order over the layers' concatenation."""
+    flat = torch.cat([t.detach().reshape(n, -1).float() for t in layers], dim=1) / n
+    total = flat.shape[1]
+    starts = torch.tensor(ring_chunks(max(total, 1), n, 4)[1:-1], dtype=torch.int64)
+    owner = torch.bucketize(torch.arange(total), starts, right=True)
+    mean = _sum_ring(flat, owner.to(flat.device), _identity, False)
+    return [
+        m.view(t.shape[1:])
+        for m, t in zip(mean.split([t[0].numel() for t in layers]), layers, strict=True)
+    ]
+
+
+def allreduce_feedback(
+    layers: Sequence[torch.Tensor],
+    fmt: FloatFormat | str,
+    residuals: Sequence[torch.Tensor | None] | None = None,
+    **options: Unpack[SimOptions],
+) -> tuple[list[torch.Tensor], list[torch.Tensor | None]]:
+    """:func:`allreduce` with the hook's error feedback (``APSState(error_feedback=True)``).
+
+    Every worker adds its residual to its gradient first; the sums are
+    :func:`allreduce`'s of those values (block exponents agreed, no owner
+    exponents). A worker's new residual is what its encoding lost, unscaled
+    (its value minus the decoded code times ``2**-e``); with two_phase the
+    owner of each element (one chunk, shards of
+    :func:`aps_comm.plan.shard_layout`) adds N times what rounding the mean
+    lost, unscaled. A layer that is not finite keeps a residual of zeros;
+    FP32 layers (``formats``) send what they kept once more and keep none.
+
+    Args:
+        layers: one ``(N, *param_shape)`` tensor per layer, as in :func:`allreduce`.
+        fmt: the wire format.
+        residuals: each layer's ``(N, *param_shape)`` residuals, or None for
+            none kept; None: none for any layer.
+        **options: :class:`SimOptions`; ``reduction`` "two_phase" or "ring"
+            (the native sum), nearest rounding.
+
+    Returns:
+        The averaged gradients (one per layer, as :func:`allreduce`'s) and
+        every worker's new residuals (``(N, *param_shape)`` per layer; None
+        for FP32 layers).
+
+    Example:
+        >>> g = torch.tensor([[[1.0, 0.3]], [[0.5, 0.0]]])  # 2 workers, one layer
+        >>> [avg], [res] = allreduce_feedback([g], "e2m1")
+        >>> res[0, 0].tolist()  # 0.3 * 2**2 = 1.2 encodes as 1: 0.05 lost
+        [0.0, 0.050000011920928955]
+    """
+    layers = list(layers)
+    kept = list(residuals) if residuals is not None else [None] * len(layers)
+    if len(kept) != len(layers):
+        raise ValueError(f"{len(kept)} residuals for {len(layers)} layers")
+    sent = [x if r is None else x.float() + r for x, r in zip(layers, kept, strict=True)]
+    cfg = SimConfig(fmt, **options)
+    if cfg.reduction not in ("two_phase", "ring") or cfg.rank_exponents or cfg.owner_exponents:
+        raise ValueError("error feedback needs reduction 'two_phase' or 'ring', exponents agreed")
+    if cfg.rounding != "nearest" or cfg.accumulator is not None or cfg.kahan:
+        raise ValueError("error feedback is simulated with nearest rounding, FP32 owners")
+    if not layers:
+        return [], []
+    out = allreduce(sent, fmt, **options)
+    n = _check_layers(layers)
+    new: list[torch.Tensor | None] = [None] * len(layers)
+    groups = _format_groups(cfg, len(layers)) if cfg.formats else [(cfg.fmt, range(len(layers)))]
+    for f, index in groups:
+        if f == FP32:
+            continue
+        group = [sent[i].detach().reshape(n, -1).float() for i in index]
+        sub = dataclasses.replace(cfg, fmt=f, formats=None)
+        for i, r in zip(index, _residuals(group, sub), strict=True):
+            new[i] = r.view(layers[i].shape)
+    return out, new
+
+
+def _residuals(flat: list[torch.Tensor], cfg: SimConfig) -> list[torch.Tensor]:
+    """Every worker's new residuals of one format group's ``(N, m)`` values (residuals in)."""
+    fmt = cfg.fmt
+    assert isinstance(fmt, FloatFormat)
+    n, two_phase = flat[0].shape[0], cfg.reduction == "two_phase"
+    amax = layer_amax(flat)
+    f = _factors(flat, amax, fmt, "two_phase" if two_phase else "allreduce", n, cfg)
+    finite = torch.isfinite(amax).tolist()
+    scale, exps = _per_layer(f.scale, flat, cfg), _per_layer(f.exponents, flat, cfg)
+    rnd = _wire_round(fmt, "nearest", None, overflow=False)
+    numel = sum(x.shape[1] for x in flat)
+    per = shard_layout(numel, fmt, n)[0]
+    out, start = [], 0
+    for i, x in enumerate(flat):
+        m = x.shape[1]
+        if not finite[i] or not m:
+            out.append(torch.zeros_like(x))
+            start += m
+            continue
+        e = exps[i].expand(m) if exps[i].dim() == 0 else exps[i]
+        s = scale[i].expand(m) if scale[i].dim() == 0 else scale[i]
+        q = rnd(x, s)
+        decoded = q * pow2(-e)
+        res = torch.where(torch.isfinite(decoded), x - decoded, 0.0)
+        if two_phase:  # the owner keeps N times what rounding the mean lost
+            acc = _sum_sequential(q, _identity, False) / n
+            lost = torch.where(s > 0, (acc - rnd(acc)) / s, 0.0)
+            owner = torch.arange(start, start + m) // per
+            rows = torch.arange(n)[:, None] == owner[None, :].to(x.device)
+            res = torch.where(rows, res + lost * n, res)
+        out.append(res)
+        start += m
+    return out
+
+
+def hook_options(
+    options: Mapping[str, Any], formats: Sequence[FloatFormat | str] | None = None
+) -> SimOptions:
+    """The :class:`SimOptions` that reproduce an :class:`aps_comm.APSState` configuration.
+
+    Args:
+        options: the state's keyword arguments (``reduction``, ``scaling``,
+            ``block_size``, ``block_exponents``, ``ranks_per_node``,
+            ``error_feedback``; the others, ``fmt`` and ``stats`` among them,
+            do not change what is simulated).
+        formats: this step's format of each layer where a policy assigns
+            them (:meth:`aps_comm.policy.Assignment.formats`); None: one format.
+
+    Returns:
+        The options for :func:`allreduce` and :func:`records`: the native
+        all-reduce is Gloo's ``"ring"``; with block scaling two_phase,
+        hierarchical and grid send each rank's own block exponents
+        (``block_exponents="rank"``, not with error feedback, which agrees
+        them) and two_phase owners re-choose agreed ones for the mean (not
+        with error feedback: :func:`allreduce_feedback`).
+
+    Example:
+        >>> hook_options({"fmt": "e2m1", "scaling": "block", "block_exponents": "agreed"})
+        {'reduction': 'two_phase', 'scaling': 'block', 'ranks_per_node': 1, 'rank_exponents': False, 'owner_exponents': True}
+    """
+    reduction = options.get("reduction") or "two_phase"
+    scaling = options.get("scaling") or "layer"
+    blocked, native = scaling == "block", reduction == "allreduce"
+    rank = options.get("block_exponents", "rank") == "rank" and not options.get("error_feedback")
+    out: SimOptions = {
+        "reduction": "ring" if native else reduction,
+        "scaling": scaling,
+        "ranks_per_node": options.get("ranks_per_node") or 1,
+        "rank_exponents": blocked and not native and rank,
+        # Error feedback keeps the owner's loss in its residuals instead.
+        "owner_exponents": blocked
+        and reduction == "two_phase"
+        and not rank
+        and not options.get("error_feedback"),
+    }
+    if options.get("block_size") is not None:
+        out["block_size"] = options["block_size"]
+    if formats is not None:
+        out["formats"] = list(formats)
+    return out
+
+
+_ROUTES = {
+    "two_phase": "two_phase",
+    "ring": "allreduce",
+    "tree": "allreduce",
+    "sequential": "allreduce",
+    "hierarchical": "hierarchical",
+    "grid": "grid",
+}
+"""The exponent rule (:func:`aps_comm.scaling.factors`' route) of each accumulation order."""
+
+
+def records(
+    layers: Sequence[torch.Tensor],
+    fmt: FloatFormat | str,
+    rank: int,
+    *,
+    names: Sequence[str | None] | None = None,
+    bucket: int = 0,
+    **options: Unpack[SimOptions],
+) -> list[LayerStats]:
+    """What ``APSState(stats=True)`` records on worker ``rank`` for one bucket.
+
+    Computed from every worker's gradients, as :func:`allreduce` takes them:
+    per layer the exponent it was scaled by (staged orders: the node sums')
+    and the maximum over the workers (inf where one is not finite), and the
+    elements of worker ``rank``'s gradient that are nonzero, that flush to
+    zero once scaled (at most half the smallest subnormal) and that exceed
+    the format's max once scaled. With ``scaling="block"`` the counts are
+    per block, under each block's exponent (agreed from the workers' block
+    maxima by the order's rule, or with ``rank_exponents`` worker ``rank``'s
+    own by the two_phase rule over N senders); the record keeps the layer's
+    smallest block exponent and worker ``rank``'s own largest block maximum
+    (0 for a layer without elements). With ``formats``, each format's layers
+    are recorded as a bucket of their own, in the order the formats first
+    appear; FP32 layers keep no record.
+
+    Args:
+        layers: one ``(N, *param_shape)`` tensor per layer, as in :func:`allreduce`.
+        fmt: the wire format.
+        rank: the worker whose records these are (0 to N - 1).
+        names: each layer's name (None: unnamed).
+        bucket: the bucket index the records carry.
+        **options: :class:`SimOptions` (reduction, scaling, ranks_per_node,
+            block_size, rank_exponents; the rest do not change the records).
+
+    Returns:
+        One :class:`~aps_comm.telemetry.LayerStats` per layer.
+
+    Example:
+        >>> g = torch.tensor([[[0.5, 1e-9]], [[0.25, 0.0]]])  # 2 workers, one layer
+        >>> [r] = records([g], "e4m3", 0)
+        >>> r.exponent, r.amax, r.underflow_rate  # 1e-9 * 2**9 flushes to zero in e4m3
+        (9, 0.5, 0.5)
+    """
+    cfg = SimConfig(fmt, **options)
+    fmt = cfg.fmt
+    assert isinstance(fmt, FloatFormat) and cfg.block_size is not None
+    layers = list(layers)
+    names = [None] * len(layers) if names is None else list(names)
+    if not layers:
+        return []
+    n = _check_layers(layers)
+    if not 0 <= rank < n:
+        raise ValueError(f"rank must be in [0, {n}), got {rank}")
+    if cfg.formats is not None:
+        # One block size for every group: the bucket format's (the hook's setting).
+        sub = {k: v for k, v in options.items() if k != "formats"}
+        sub["block_size"] = cfg.block_size
+        return [
+            r
+            for f, index in _format_groups(cfg, len(layers))
+            if f != FP32
+            for r in records(
+                [layers[i] for i in index],
+                f,
+                rank,
+                names=[names[i] for i in index],
+                bucket=bucket,
+                **sub,  # type: ignore[misc]
+            )
+        ]
+    per = grid_rows(n) if cfg.reduction == "grid" else cfg.ranks_per_node
+    route = _ROUTES[cfg.reduction]
+    flat = [t.detach().reshape(n, -1).float() for t in layers]
+    mine = [x[rank] for x in flat]
+    # Per layer: its exponents (one per element) and its own (or agreed) maxima.
+    if cfg.scaling != "block":
+        amax = layer_amax(flat)
+        f = factors(amax, fmt, route, world_size=n, scaling=cfg.scaling, ranks_per_node=per)
+        exps = [e.expand(x.numel()) for e, x in zip(f.exponents, mine, strict=True)]
+        tops = list(amax[:, None].unbind())
+        lows = [int(e) for e in f.exponents.tolist()]
+    else:
+        bs = cfg.block_size
+        tops = [_block_maxima(x[None], bs) for x in mine]
+        counts = torch.tensor([b.numel() for b in tops], dtype=torch.int64)
+        if cfg.rank_exponents:  # this worker's own, by the two_phase rule over N senders
+            own = torch.cat(tops)
+            f = factors(own, fmt, "two_phase", world_size=n, scaling="block", counts=counts)
+        else:
+            f = _factors(flat, layer_amax(flat), fmt, route, n, cfg, per)
+        # The record keeps the layer's smallest block exponent.
+        lows = [int(e.min()) if e.numel() else 0 for e in f.exponents.split(counts.tolist())]
+        exps = [
+            _spread(e, x.numel(), bs)
+            for e, x in zip(f.exponents.split(counts.tolist()), mine, strict=True)
+        ]
+    out = []
+    for x, name, e, low, top in zip(mine, names, exps, lows, tops, strict=True):
+        # NaN is neither nonzero (it does not flush) nor saturated.
+        mag = x.abs() * pow2(e)
+        nonzero = int(torch.count_nonzero(mag > 0))
+        under = int(torch.count_nonzero((mag > 0) & (mag <= fmt.min_subnormal / 2)))
+        out.append(
+            LayerStats(
+                name=name,
+                bucket=bucket,
+                numel=x.numel(),
+                format=str(fmt.name),
+                exponent=low,
+                amax=float(top.max()) if top.numel() else 0.0,
+                underflow_rate=under / nonzero if nonzero else 0.0,
+                saturated=int(torch.count_nonzero(mag > fmt.max)),
+            )
+        )
+    return out
 
 
 def _flat(

@@ -20,9 +20,10 @@ from typing import Any
 import numpy as np
 import pytest
 import torch
+import torch.distributed as dist
 
 import aps_comm
-from aps_comm import cpu_kernels
+from aps_comm import cpu_kernels, simulate
 from aps_comm.codec import AgreedMaxima
 from aps_comm.config import Route
 from aps_comm.engine import (
@@ -288,44 +289,62 @@ def test_settled_bucket_scaling_gives_the_full_paths_bits(
     assert torch.equal(same, torch.where(want.isnan(), 0.0, want).view(torch.int32))
 
 
+def _gathered(x: torch.Tensor, numels: list[int], world_size: int) -> list[torch.Tensor]:
+    """Every rank's ``x`` (gathered), cut into one ``(N, numel)`` tensor per layer."""
+    everyone = [torch.empty_like(x) for _ in range(world_size)]
+    dist.all_gather(everyone, x)
+    return list(torch.stack(everyone).split(numels, dim=1))
+
+
+def _differ(out: torch.Tensor, want: torch.Tensor) -> bool:
+    """Whether float32 ``out`` and ``want`` differ bit for bit (NaN where NaN: equal)."""
+    bits = torch.where(out.isnan(), 0.0, out).view(torch.int32)
+    return not torch.equal(out.isnan(), want.isnan()) or not torch.equal(
+        bits, torch.where(want.isnan(), 0.0, want).view(torch.int32)
+    )
+
+
 def _general_steps(rank: int, world_size: int, configs: list[tuple[dict, int | None]]) -> list[str]:
-    """Configurations over several steps, each settled against the general path (a state
-    whose settled path is dropped every step): the gradients bit for bit, the bytes per
-    collective, the chunks and the records (``stats=True``), a NaN in one layer on the last
-    rank in one step included.
+    """Configurations over several steps, each settled, against :mod:`aps_comm.simulate` of
+    every rank's gradients (gathered): the gradients bit for bit and the records
+    (``stats=True``), a NaN in one layer on the last rank in one step included; the bytes
+    per collective the same at every step, the chunk the same on every rank.
     Each config: the options and the elements per chunk (None: sized by each rank's timing)."""
     numels = [5, 0, 1, 700, 33, 2, 64]  # odd sizes: 4-bit codes split bytes between blocks
     params = [torch.nn.Parameter(torch.empty(n)) for n in numels]
     problems = []
     for c, (options, chunk) in enumerate(configs):
-        settled, full = aps_comm.APSState(**options), aps_comm.APSState(**options)
-        for state in (settled, full):
-            state.chunk_elements = chunk
+        settled = aps_comm.APSState(**options)
+        settled.chunk_elements = chunk
+        sim = simulate.hook_options(options)
         buffer = torch.empty(sum(numels))
+        wire = None
         for step in range(5):
             x, _ = _bucket(numels, 100 * step + 10 * c + rank)
             if step == 3 and rank == world_size - 1:
                 x[7] = float("nan")  # layer 3 on one rank: NaN in it on every rank, this step
+            layers = _gathered(x, numels, world_size)
+            want = torch.cat(simulate.allreduce(layers, options["fmt"], **sim))
+            records = []
+            if options.get("stats"):
+                records = simulate.records(layers, options["fmt"], rank, **sim)
             buffer.copy_(x)
             ahead = settled.reducer.steady_for(0, buffer) if settled.reducer else None
             if step >= 2 and ahead is None:
                 problems.append(f"config {c} step {step}: not settled")
             out = settled.run_bucket(0, buffer, params)
-            full.bind(torch.device("cpu"))  # the reducer, before its first bucket
-            full.reducer.settles = False  # never bound: the general path every step
-            want = full.run_bucket(0, x.clone(), params)
-            bits = torch.where(out.isnan(), 0.0, out).view(torch.int32)
-            if not torch.equal(out.isnan(), want.isnan()) or not torch.equal(
-                bits, torch.where(want.isnan(), 0.0, want).view(torch.int32)
-            ):
+            if _differ(out, want):
                 problems.append(f"config {c} step {step}: gradients differ")
             if out[6:706].isnan().all() != (step == 3) or out[706:].isnan().any():
                 problems.append(f"config {c} step {step}: NaN where it should not be, or not")
-            if settled.bytes_detail != full.bytes_detail:
+            if wire is not None and settled.bytes_detail != wire:
                 problems.append(f"config {c} step {step}: {settled.bytes_detail} on the wire")
-            if settled.bucket_chunks != full.bucket_chunks:
-                problems.append(f"config {c} step {step}: chunks {settled.bucket_chunks}")
-            if repr(settled.stats) != repr(full.stats):  # NaN-aware through repr
+            wire = settled.bytes_detail
+            chunks: list[Any] = [None] * world_size
+            dist.all_gather_object(chunks, settled.bucket_chunks)
+            if any(ch != chunks[0] for ch in chunks) or chunk not in (None, chunks[0][0]):
+                problems.append(f"config {c} step {step}: chunks {chunks}")
+            if repr(settled.stats) != repr(records):  # NaN-aware through repr
                 problems.append(f"config {c} step {step}: records differ")
     return problems
 
@@ -334,8 +353,8 @@ _NONE = {**ROUTES["two_phase"], "scaling": "none"}
 
 
 @pytest.mark.parametrize("world_size", [1, 2])
-def test_settled_no_scaling_gives_the_general_paths_bits(world_size: int) -> None:
-    """Issue 46: ``scaling="none"`` (the naive cast) settles with the general path's bits,
+def test_settled_no_scaling_gives_the_simulated_bits(world_size: int) -> None:
+    """Issue 46: ``scaling="none"`` (the naive cast) settles with :mod:`aps_comm.simulate`'s bits,
     a layer non-finite on one rank NaN on every rank."""
     configs = [
         (_NONE, None),
@@ -348,12 +367,12 @@ def test_settled_no_scaling_gives_the_general_paths_bits(world_size: int) -> Non
 
 
 @pytest.mark.parametrize("world_size", [1, 2])
-def test_settled_stats_with_bucket_or_no_scaling_give_the_general_paths_bits(
+def test_settled_stats_with_bucket_or_no_scaling_give_the_simulated_bits(
     world_size: int,
 ) -> None:
-    """Issue 46: ``stats=True`` with ``scaling="bucket"`` or ``"none"`` settles, with the
-    general path's gradients, bytes, chunks and records (the layers' own agreed maxima
-    beside the bucket's one exponent)."""
+    """Issue 46: ``stats=True`` with ``scaling="bucket"`` or ``"none"`` settles, with
+    :mod:`aps_comm.simulate`'s gradients and records (the layers' own agreed maxima beside
+    the bucket's one exponent)."""
     configs = [
         (CONFIGS["bucket+stats"], None),
         ({**ROUTES["native"], "scaling": "bucket", "stats": True}, None),
@@ -368,9 +387,10 @@ _AGREED = {**ROUTES["block"], "block_exponents": "agreed"}
 
 
 @pytest.mark.parametrize("world_size", [1, 2])
-def test_settled_agreed_blocks_give_the_general_paths_bits(world_size: int) -> None:
+def test_settled_agreed_blocks_give_the_simulated_bits(world_size: int) -> None:
     """Issue 46: block scaling with agreed exponents (no error feedback) settles with the
-    bits of :func:`aps_comm.transports.two_phase_blocks`, over several chunks too."""
+    bits of :mod:`aps_comm.simulate` (the owner's exponents on top of the agreed ones), over
+    several chunks too."""
     configs = [
         (_AGREED, None),  # chunks sized by the ranks' timing, agreed on the keys
         (_AGREED, 96),
@@ -426,16 +446,17 @@ def test_schedule_binds_the_bucket_again_when_formats_change(world: None, early:
     assert settled.bucket_reductions[0] == "two_phase"
 
 
-def test_promote_binds_the_bucket_again_and_keeps_the_full_paths_bits(world: None) -> None:
+def test_promote_binds_the_bucket_again_and_keeps_the_simulated_bits(world: None) -> None:
     """Promote moves a whole bucket up its ladder and back: the settled bucket reads the
     agreed rates, sends the step in the new format on the maxima it agreed, binds again,
-    and every step gives the bits (and Promote's levels) of buckets that never settle.
+    and every step gives :mod:`aps_comm.simulate`'s bits in the formats Promote chose.
     A second bucket whose layers never move stays bound all along."""
     numels, others = [300, 700, 33], [50, 60]
     options = {**ROUTES["two_phase"], "policy": [Promote(gamma=0.05, patience=2)]}
     params = [torch.nn.Parameter(torch.empty(n)) for n in numels]
     params2 = [torch.nn.Parameter(torch.empty(n)) for n in others]
-    settled, full = _bound_state(options, params + params2), _bound_state(options, params + params2)
+    settled = _bound_state(options, params + params2)
+    sim = simulate.hook_options(options)
     gen = torch.Generator().manual_seed(17)
     buffer, buffer2 = torch.empty(sum(numels)), torch.empty(sum(others))
     bound, bound2, formats = [], [], []
@@ -448,13 +469,11 @@ def test_promote_binds_the_bucket_again_and_keeps_the_full_paths_bits(world: Non
         buffer2.copy_(x2)
         out = settled.run_bucket(0, buffer, params, is_last=False).clone()
         out2 = settled.run_bucket(1, buffer2, params2)
-        full.bind(torch.device("cpu"))  # the reducer, before its first bucket
-        full.reducer.settles = False  # never bound: the general path every step
-        want = full.run_bucket(0, x.clone(), params, is_last=False)
-        want2 = full.run_bucket(1, x2.clone(), params2)
-        assert torch.equal(out.view(torch.int32), want.view(torch.int32)), step
-        assert torch.equal(out2.view(torch.int32), want2.view(torch.int32)), step
-        assert settled.assignment.promote == full.assignment.promote, step
+        for y, o, ps in ((x, out, params), (x2, out2, params2)):
+            fmts = settled.assignment.formats([id(p) for p in ps], step)  # Promote's
+            layers = y[None].split([p.numel() for p in ps], dim=1)
+            want = torch.cat(simulate.allreduce(layers, "e4m3", **sim, formats=fmts))
+            assert torch.equal(o.view(torch.int32), want.view(torch.int32)), step
         assert settled.reducer is not None
         bound.append(settled.reducer.steady.get(0))
         bound2.append(settled.reducer.steady.get(1))
@@ -513,47 +532,55 @@ def test_error_feedback_buckets_settle_in_a_fixed_handful_of_ops(world: None, co
 
 
 def _feedback_steps(rank: int, world_size: int, options: dict) -> list[str]:
-    """Error feedback over several steps, settled against the full path: gradients and
-    residuals bit for bit, a NaN in one step and restored residuals included."""
+    """Error feedback over several steps, settled, against
+    :func:`aps_comm.simulate.allreduce_feedback` of every rank's gradients (gathered) and
+    residuals (simulated from the first step): gradients, residuals and records bit for bit,
+    a NaN in one step and restored residuals included; the bytes the same at every step."""
     numels = [5, 0, 1, 700, 33, 2, 64]  # odd sizes: 4-bit codes split bytes between blocks
     params = [torch.nn.Parameter(torch.empty(n)) for n in numels]
-    settled, full = (_named_state(options, params) for _ in range(2))
+    names = [str(i) for i in range(len(numels))]  # the ParameterList's
+    settled = _named_state(options, params)
+    sim = simulate.hook_options(options)
     buffer = torch.empty(sum(numels))
+    kept: list[torch.Tensor | None] | None = None  # every rank's residuals
+    wire = None
     problems = []
     for step in range(7):
         x, _ = _bucket(numels, 100 * step + rank)
         if step == 3 and rank == world_size - 1:
             x[7] = float("nan")  # layer 3 on one rank: NaN in it on every rank, this step
         if step == 5:  # residuals restored from a checkpoint: the settled path takes them
-            for state in (settled, full):
-                saved = state.state_dict()
-                saved["residuals"] = {k: v * 0.5 for k, v in saved["residuals"].items()}
-                state.load_state_dict(saved)
+            saved = settled.state_dict()
+            saved["residuals"] = {k: v * 0.5 for k, v in saved["residuals"].items()}
+            settled.load_state_dict(saved)
+            assert kept is not None
+            kept = [None if r is None else r * 0.5 for r in kept]
+        layers = _gathered(x, numels, world_size)
+        sent = layers if kept is None else [t + r for t, r in zip(layers, kept, strict=True)]
+        records = []
+        if options.get("stats"):
+            records = simulate.records(sent, options["fmt"], rank, names=names, **sim)
+        want, kept = simulate.allreduce_feedback(layers, options["fmt"], kept, **sim)
         buffer.copy_(x)
         out = settled.run_bucket(0, buffer, params)
-        assert full.reducer is not None or step == 0
-        full.bind(torch.device("cpu"))  # the reducer, before its first bucket
-        full.reducer.settles = False  # never bound: the general path every step
-        want = full.run_bucket(0, x.clone(), params)
         assert settled.reducer is not None
         on_steady = settled.reducer.steady_for(0, buffer) is not None
         if step >= 2 and step != 5 and not on_steady:
             problems.append(f"step {step}: not settled")
-        bits = torch.where(out.isnan(), 0.0, out).view(torch.int32)
-        if not torch.equal(out.isnan(), want.isnan()) or not torch.equal(
-            bits, torch.where(want.isnan(), 0.0, want).view(torch.int32)
-        ):
+        if _differ(out, torch.cat(want)):
             problems.append(f"step {step}: gradients differ")
         if step == 3 and not out[6:706].isnan().all():
             problems.append("step 3: the non-finite layer is not NaN")
-        mine, ref = settled.state_dict()["residuals"], full.state_dict()["residuals"]
+        mine = settled.state_dict()["residuals"]
+        ref = {names[i]: r[rank] for i, r in enumerate(kept) if r is not None}
         if mine.keys() != ref.keys() or not all(
             torch.equal(mine[k].view(torch.int32), ref[k].view(torch.int32)) for k in ref
         ):
             problems.append(f"step {step}: residuals differ")
         # The records (NaN-aware through repr) and the bytes per collective.
-        if repr(settled.stats) != repr(full.stats) or settled.bytes_detail != full.bytes_detail:
+        if repr(settled.stats) != repr(records) or wire not in (None, settled.bytes_detail):
             problems.append(f"step {step}: records or bytes differ")
+        wire = settled.bytes_detail
     return problems
 
 
@@ -576,18 +603,19 @@ def _feedback_configs(rank: int, world_size: int, configs: list[dict]) -> list[s
     ],
     ids=["e4m3", "e2m1-block", "e4m3-block16"],
 )
-def test_settled_error_feedback_gives_the_full_paths_bits_and_residuals(options: dict) -> None:
+def test_settled_error_feedback_gives_the_simulated_bits_and_residuals(options: dict) -> None:
     for problems in run_distributed(_feedback_steps, 2, args=(options,)):
         assert problems == []
 
 
 @pytest.mark.parametrize("world_size", [1, 2])
-def test_settled_error_feedback_with_stats_gives_the_general_paths_records(
+def test_settled_error_feedback_with_stats_gives_the_simulated_records(
     world_size: int,
 ) -> None:
     """Issue 46: error feedback with ``stats=True`` settles (per layer and with blocks),
-    with the general path's gradients, residuals, bytes and records (this rank's values
-    with its residuals added, under the agreed exponents), a NaN on one rank included."""
+    with :func:`aps_comm.simulate.allreduce_feedback`'s gradients and residuals, and the
+    records (this rank's values with its residuals added, under the agreed exponents), a
+    NaN on one rank included."""
     configs = [CONFIGS["two_phase+error_feedback+stats"], CONFIGS["block+error_feedback+stats"]]
     for problems in run_distributed(_feedback_configs, world_size, args=(configs,)):
         assert problems == []
@@ -739,98 +767,90 @@ def test_ops_per_settled_mixed_format_bucket_do_not_grow_with_layers(
 
 
 def _mixed_steps(rank: int, world_size: int, configs: list[dict]) -> list[str]:
-    """Mixed-format buckets over several steps, settled against the general path: the
-    gradients bit for bit and the bytes per collective, a NaN in one step included."""
-    numels = [5, 0, 1, 700, 33, 2, 64]
-    params = [torch.nn.Parameter(torch.empty(n)) for n in numels]
-    problems = []
-    for c, options in enumerate(configs):
-        settled, full = (_bound_state(options, params) for _ in range(2))
-        buffer = torch.empty(sum(numels))
-        for step in range(5):
-            x, _ = _bucket(numels, 100 * step + 10 * c + rank)
-            if step == 3 and rank == world_size - 1:
-                x[7] = float("nan")  # layer 3 on one rank: NaN in it on every rank, this step
-            buffer.copy_(x)
-            # Steps 3 (the NaN) and 4 run the settled path (2 may bind a new epoch).
-            ahead = settled.reducer.steady_for(0, buffer) if settled.reducer else None
-            if step >= 3 and not isinstance(ahead, SteadyGroups):
-                problems.append(f"config {c} step {step}: not settled")
-            out = settled.run_bucket(0, buffer, params)
-            full.bind(torch.device("cpu"))  # the reducer, before its first bucket
-            full.reducer.settles = False  # never bound: the general path every step
-            want = full.run_bucket(0, x.clone(), params)
-            bits = torch.where(out.isnan(), 0.0, out).view(torch.int32)
-            if not torch.equal(out.isnan(), want.isnan()) or not torch.equal(
-                bits, torch.where(want.isnan(), 0.0, want).view(torch.int32)
-            ):
-                problems.append(f"config {c} step {step}: gradients differ")
-            if out[6:706].isnan().all() != (step == 3) or out[706:].isnan().any():
-                problems.append(f"config {c} step {step}: NaN where it should not be, or not")
-            if settled.bytes_detail != full.bytes_detail:
-                problems.append(f"config {c} step {step}: {settled.bytes_detail} on the wire")
-            # The records (NaN-aware through repr), in the same order as the general path's.
-            if repr(settled.stats) != repr(full.stats):
-                problems.append(f"config {c} step {step}: records differ")
-    return problems
+    """Mixed-format buckets over several steps, settled, against :mod:`aps_comm.simulate` of
+    every rank's gradients (gathered) in the formats the policy chose: the gradients bit for
+    bit and the records, a NaN in one step included; the bytes the same from step to step
+    where the formats are."""
+    return _policy_steps(rank, world_size, configs, feedback=False)
 
 
 def _mixed_feedback_steps(rank: int, world_size: int, configs: list[dict]) -> list[str]:
-    """Mixed-format buckets with error feedback over several steps, settled against the
-    general path: gradients, residuals (the checkpoint's) and bytes bit for bit, a NaN in
-    one step and residuals restored from a checkpoint (step 5: the general path once)."""
+    """Mixed-format buckets with error feedback over several steps, settled, against
+    :func:`aps_comm.simulate.allreduce_feedback` (every rank's residuals simulated from the
+    first step): gradients, residuals (the checkpoint's) and records bit for bit, a NaN in
+    one step and residuals restored from a checkpoint (step 5) included."""
+    return _policy_steps(rank, world_size, configs, feedback=True)
+
+
+def _policy_steps(rank: int, world_size: int, configs: list[dict], *, feedback: bool) -> list[str]:
+    """:func:`_mixed_steps` (5 steps) or :func:`_mixed_feedback_steps` (7 steps)."""
     numels = [5, 0, 1, 700, 33, 2, 64]  # odd sizes: 4-bit codes split bytes between blocks
     params = [torch.nn.Parameter(torch.empty(n)) for n in numels]
+    names = [f"{i}.weight" for i in range(len(numels))]  # ParamLayer's
     problems = []
     for c, options in enumerate(configs):
-        settled, full = (_bound_state(options, params) for _ in range(2))
+        settled = _bound_state(options, params)
         # KeepLast: the bucket's groups; else one format under the policy's other rules.
         mixed = any(isinstance(rule, KeepLast) for rule in options["policy"])
-        kind = SteadyGroups if mixed else SteadyFeedback
+        kind = SteadyGroups if mixed or not feedback else SteadyFeedback
         buffer = torch.empty(sum(numels))
-        for step in range(7):
+        kept: list[torch.Tensor | None] | None = None  # every rank's residuals
+        wire = None
+        for step in range(7 if feedback else 5):
             x, _ = _bucket(numels, 100 * step + 10 * c + rank)
             if step == 3 and rank == world_size - 1:
                 x[7] = float("nan")  # layer 3 on one rank: NaN in it on every rank, this step
             if step == 5:  # residuals restored from a checkpoint: bound again on them
-                for state in (settled, full):
-                    saved = state.state_dict()
-                    saved["residuals"] = {k: v * 0.5 for k, v in saved["residuals"].items()}
-                    state.load_state_dict(saved)
+                saved = settled.state_dict()
+                saved["residuals"] = {k: v * 0.5 for k, v in saved["residuals"].items()}
+                settled.load_state_dict(saved)
+                kept = [None if r is None else r * 0.5 for r in kept or ()]
             buffer.copy_(x)
+            # Steps 3 (the NaN) and 4 (and 6) run the settled path (2 may bind a new epoch).
             ahead = settled.reducer.steady_for(0, buffer) if settled.reducer else None
             if step in (3, 4, 6) and not isinstance(ahead, kind):
                 problems.append(f"config {c} step {step}: not settled")
             out = settled.run_bucket(0, buffer, params)
-            full.bind(torch.device("cpu"))  # the reducer, before its first bucket
-            full.reducer.settles = False  # never bound: the general path every step
-            want = full.run_bucket(0, x.clone(), params)
-            bits = torch.where(out.isnan(), 0.0, out).view(torch.int32)
-            if not torch.equal(out.isnan(), want.isnan()) or not torch.equal(
-                bits, torch.where(want.isnan(), 0.0, want).view(torch.int32)
-            ):
+            fmts = settled.assignment.formats([id(p) for p in params], step)  # the policy's
+            sim = simulate.hook_options(options, fmts)
+            layers = _gathered(x, numels, world_size)
+            sent = [t if r is None else t + r for t, r in zip(layers, kept or layers, strict=True)]
+            sent = layers if kept is None else sent
+            if feedback:
+                want, kept = simulate.allreduce_feedback(layers, options["fmt"], kept, **sim)
+            else:
+                want = simulate.allreduce(layers, options["fmt"], **sim)
+            if _differ(out, torch.cat(want)):
                 problems.append(f"config {c} step {step}: gradients differ")
             if out[6:706].isnan().all() != (step == 3) or out[706:].isnan().any():
                 problems.append(f"config {c} step {step}: NaN where it should not be, or not")
-            mine, ref = settled.state_dict()["residuals"], full.state_dict()["residuals"]
-            if mine.keys() != ref.keys() or not all(
-                torch.equal(mine[k].view(torch.int32), ref[k].view(torch.int32)) for k in ref
-            ):
-                problems.append(f"config {c} step {step}: residuals differ")
-            if settled.bytes_detail != full.bytes_detail:
+            if feedback:
+                assert kept is not None
+                mine = settled.state_dict()["residuals"]
+                ref = {names[i]: r[rank] for i, r in enumerate(kept) if r is not None}
+                if mine.keys() != ref.keys() or not all(
+                    torch.equal(mine[k].view(torch.int32), ref[k].view(torch.int32)) for k in ref
+                ):
+                    problems.append(f"config {c} step {step}: residuals differ")
+            # The same bytes as the last step's where the formats are the same.
+            if wire is not None and wire[0] == fmts and settled.bytes_detail != wire[1]:
                 problems.append(f"config {c} step {step}: {settled.bytes_detail} on the wire")
-            if repr(settled.stats) != repr(full.stats):
+            wire = fmts, settled.bytes_detail
+            records = []
+            if options.get("stats"):
+                records = simulate.records(sent, options["fmt"], rank, names=names, **sim)
+            if repr(settled.stats) != repr(records):  # NaN-aware through repr
                 problems.append(f"config {c} step {step}: records differ")
     return problems
 
 
 @pytest.mark.parametrize("world_size", [1, 2])
-def test_settled_mixed_format_buckets_with_error_feedback_give_the_general_paths_bits(
+def test_settled_mixed_format_buckets_with_error_feedback_give_the_simulated_bits(
     world_size: int,
 ) -> None:
     """Issue 46: error feedback beside ``KeepLast("fp32")`` settles, per layer and with
     blocks, and through a Schedule epoch that changes the formats (one format, then e4m3
-    beside FP32: bound again at step 2), with the general path's gradients and residuals;
+    beside FP32: bound again at step 2), with simulate's gradients and residuals;
     so does a bucket of one format in a model whose policy has rules (KeepLast's other
     buckets)."""
     configs = [
@@ -848,12 +868,12 @@ def test_settled_mixed_format_buckets_with_error_feedback_give_the_general_paths
 
 
 @pytest.mark.parametrize("world_size", [1, 2])
-def test_settled_mixed_format_buckets_with_error_feedback_and_stats_give_the_general_paths_records(
+def test_settled_mixed_format_buckets_with_error_feedback_and_stats_give_the_simulated_records(
     world_size: int,
 ) -> None:
     """Issue 46: error feedback and ``stats=True`` beside ``KeepLast("fp32")`` settle, per
     layer and with blocks: every sent group records in the plan's order, the FP32 layer
-    nothing, the general path's records, gradients and residuals."""
+    nothing, simulate's records, gradients and residuals."""
     configs = [
         _MIXED_OPTIONS["keep_last+error_feedback+stats"],
         {**CONFIGS["keep_last+block+error_feedback"], "stats": True},
@@ -863,12 +883,12 @@ def test_settled_mixed_format_buckets_with_error_feedback_and_stats_give_the_gen
 
 
 @pytest.mark.parametrize("world_size", [1, 2])
-def test_settled_interleaved_groups_with_error_feedback_give_the_general_paths_bits(
+def test_settled_interleaved_groups_with_error_feedback_give_the_simulated_bits(
     world_size: int,
 ) -> None:
     """Issue 46: error feedback with groups that interleave in the bucket (every odd layer
     fp16, or e4m3 blocks between e2m1 ones, beside FP32) settles: the layers gathered in the
-    plan's order and scattered back, the maxima agreed in the general path's order, with
+    plan's order and scattered back, the maxima agreed in the plan's order, with
     its gradients, residuals, records and bytes."""
     configs = [
         _MIXED_OPTIONS["interleaved+error_feedback"],
@@ -882,32 +902,36 @@ def test_settled_interleaved_groups_with_error_feedback_give_the_general_paths_b
 def _one_format_under_rules_steps(rank: int, world_size: int, configs: list[dict]) -> list[str]:
     """Buckets of one format in a model whose policy has rules for other layers (KeepLast's
     classifier elsewhere, a name that matches nothing here): with ``stats=True`` they settle,
-    with the general path's gradients, bytes and records, a NaN in one step included."""
+    with :mod:`aps_comm.simulate`'s gradients and records, a NaN in one step included, the
+    same bytes every step."""
     numels = [5, 0, 1, 700, 33, 2, 64]
     params = [torch.nn.Parameter(torch.empty(n)) for n in numels]
+    names = [f"{i}.weight" for i in range(len(numels))]  # ParamLayer's
     problems = []
     for c, options in enumerate(configs):
-        settled, full = (_bound_state(options, params) for _ in range(2))
+        settled = _bound_state(options, params)
+        sim = simulate.hook_options(options)
         buffer = torch.empty(sum(numels))
+        wire = None
         for step in range(4):
             x, _ = _bucket(numels, 100 * step + 10 * c + rank)
             if step == 3 and rank == world_size - 1:
                 x[7] = float("nan")
+            layers = _gathered(x, numels, world_size)
+            want = torch.cat(simulate.allreduce(layers, options["fmt"], **sim))
+            records = []
+            if options.get("stats"):
+                records = simulate.records(layers, options["fmt"], rank, names=names, **sim)
             buffer.copy_(x)
             ahead = settled.reducer.steady_for(0, buffer) if settled.reducer else None
             if step >= 2 and ahead is None:
                 problems.append(f"config {c} step {step}: not settled")
             out = settled.run_bucket(0, buffer, params)
-            full.bind(torch.device("cpu"))  # the reducer, before its first bucket
-            full.reducer.settles = False  # never bound: the general path every step
-            want = full.run_bucket(0, x.clone(), params)
-            bits = torch.where(out.isnan(), 0.0, out).view(torch.int32)
-            if not torch.equal(out.isnan(), want.isnan()) or not torch.equal(
-                bits, torch.where(want.isnan(), 0.0, want).view(torch.int32)
-            ):
+            if _differ(out, want):
                 problems.append(f"config {c} step {step}: gradients differ")
-            if settled.bytes_detail != full.bytes_detail or repr(settled.stats) != repr(full.stats):
+            if wire not in (None, settled.bytes_detail) or repr(settled.stats) != repr(records):
                 problems.append(f"config {c} step {step}: bytes or records differ")
+            wire = settled.bytes_detail
     return problems
 
 
@@ -925,10 +949,10 @@ def test_one_format_buckets_under_rules_settle_with_stats(world_size: int) -> No
 
 
 @pytest.mark.parametrize("world_size", [1, 2])
-def test_settled_16_bit_blocks_give_the_general_paths_bits(world_size: int) -> None:
+def test_settled_16_bit_blocks_give_the_simulated_bits(world_size: int) -> None:
     """Issue 46: block scaling in fp16 and bf16 settles (each rank's own block exponents,
-    agreed ones, with stats; bf16's keys bound by the ranks' FP32 sum too) with the general
-    path's gradients, bytes and records, a NaN in one step included."""
+    agreed ones, with stats; bf16's keys bound by the ranks' FP32 sum too) with
+    :mod:`aps_comm.simulate`'s gradients and records, a NaN in one step included."""
     configs = [
         CONFIGS["fp16_block"],
         {**CONFIGS["bf16_block"], "stats": True},
@@ -941,7 +965,7 @@ def test_settled_16_bit_blocks_give_the_general_paths_bits(world_size: int) -> N
 
 
 @pytest.mark.parametrize("world_size", [1, 2])
-def test_settled_mixed_format_buckets_give_the_general_paths_bits(world_size: int) -> None:
+def test_settled_mixed_format_buckets_give_the_simulated_bits(world_size: int) -> None:
     configs = [
         *_MIXED.values(),
         {"fmt": "fp16", "reduction": "allreduce", "policy": [KeepLast("fp32")]},
@@ -954,11 +978,11 @@ def test_settled_mixed_format_buckets_give_the_general_paths_bits(world_size: in
 
 
 @pytest.mark.parametrize("world_size", [1, 2])
-def test_settled_mixed_format_buckets_with_options_give_the_general_paths_bits(
+def test_settled_mixed_format_buckets_with_options_give_the_simulated_bits(
     world_size: int,
 ) -> None:
-    """Issue 46: mixed formats with the options beside them settle, with the general
-    path's gradients, bytes and records (stats)."""
+    """Issue 46: mixed formats with the options beside them settle, with simulate's
+    gradients and records (stats)."""
     configs = [
         _MIXED_OPTIONS["keep_last+stats"],
         _MIXED_OPTIONS["interleaved+stats"],
@@ -988,37 +1012,44 @@ def _agreed_and_fed_groups_steps(
 def _agreed_groups_chunk_steps(rank: int, world_size: int, options: dict) -> list[str]:
     """Each rank prefers its own chunk (as ranks whose measured exchanges differ do): a
     settled bucket of several formats with agreed block exponents sends with the ranks'
-    largest, as the general path does, with its gradients, bytes and records."""
+    largest, with :mod:`aps_comm.simulate`'s gradients and records, the same bytes every
+    step."""
     numels = [5, 0, 1, 700, 33, 2, 64]
     params = [torch.nn.Parameter(torch.empty(n)) for n in numels]
-    settled, full = (_bound_state(options, params) for _ in range(2))
-    for state in (settled, full):
-        state.bind(torch.device("cpu"))
-        assert state.reducer is not None
-        prefer = lambda *args, **kw: 64 if rank == 0 else 256  # noqa: E731
-        object.__setattr__(state.reducer.planner, "chunk", prefer)  # a frozen dataclass
-    assert full.reducer is not None
-    full.reducer.settles = False  # never bound: the general path every step
-    problems, buffer = [], torch.empty(sum(numels))
+    names = [f"{i}.weight" for i in range(len(numels))]  # ParamLayer's
+    settled = _bound_state(options, params)
+    settled.bind(torch.device("cpu"))
+    assert settled.reducer is not None
+    prefer = lambda *args, **kw: 64 if rank == 0 else 256  # noqa: E731
+    object.__setattr__(settled.reducer.planner, "chunk", prefer)  # a frozen dataclass
+    problems, buffer, wire = [], torch.empty(sum(numels)), None
     for step in range(4):
         x, _ = _bucket(numels, 100 * step + rank)
         buffer.copy_(x)
-        out, want = settled.run_bucket(0, buffer, params), full.run_bucket(0, x.clone(), params)
+        out = settled.run_bucket(0, buffer, params)
+        sim = simulate.hook_options(
+            options, settled.assignment.formats([id(p) for p in params], step)
+        )
+        layers = _gathered(x, numels, world_size)
         if step and not isinstance(settled.reducer.steady_for(0, buffer), SteadyGroups):
             problems.append(f"chunks step {step}: not settled")
-        if not torch.equal(out.view(torch.int32), want.view(torch.int32)):
+        if _differ(out, torch.cat(simulate.allreduce(layers, options["fmt"], **sim))):
             problems.append(f"chunks step {step}: gradients differ")
-        if settled.bucket_chunks != full.bucket_chunks or full.bucket_chunks[0] != 256:
-            problems.append(f"chunks step {step}: {settled.bucket_chunks}, {full.bucket_chunks}")
-        if settled.bytes_detail != full.bytes_detail or repr(settled.stats) != repr(full.stats):
+        if settled.bucket_chunks[0] != 256:
+            problems.append(f"chunks step {step}: {settled.bucket_chunks}")
+        records = []
+        if options.get("stats"):
+            records = simulate.records(layers, options["fmt"], rank, names=names, **sim)
+        if wire not in (None, settled.bytes_detail) or repr(settled.stats) != repr(records):
             problems.append(f"chunks step {step}: bytes or records differ")
+        wire = settled.bytes_detail
     return problems
 
 
-def test_agreed_blocks_or_unscaled_feedback_in_mixed_formats_give_the_general_bits() -> None:
+def test_agreed_blocks_or_unscaled_feedback_in_mixed_formats_give_the_simulated_bits() -> None:
     """Issue 46: agreed block exponents in several formats (the general path every step
     before), and error feedback with bucket or no scaling in several formats (likewise),
-    settle on two ranks with the general path's gradients, bytes and records (residuals
+    settle on two ranks with simulate's gradients, bytes and records (residuals
     too), a NaN on one rank in one step included: the keys of every group agreed at once
     (with the ranks' largest preferred chunk on them), each group's maxima picked and
     spread by its factors' call."""
@@ -1040,11 +1071,14 @@ def test_agreed_blocks_or_unscaled_feedback_in_mixed_formats_give_the_general_bi
 
 def _mixed_promote_steps(rank: int, world_size: int, options: dict) -> list[str]:
     """Promote over a mixed-format bucket: its layers move up and back, the settled bucket
-    is bound again at each move (not every step), and every step gives the general
-    path's gradients, records, bytes and Promote's levels; a NaN in one step included."""
+    is bound again at each move (not every step), and every step gives
+    :mod:`aps_comm.simulate`'s gradients and records in the formats Promote chose, the
+    same bytes where they did not move; a NaN in one step included."""
     numels = [300, 700, 33, 50]
     params = [torch.nn.Parameter(torch.empty(n)) for n in numels]
-    settled, full = _bound_state(options, params), _bound_state(options, params)
+    names = [f"{i}.weight" for i in range(len(numels))]  # ParamLayer's
+    settled = _bound_state(options, params)
+    wire = None
     gen = torch.Generator().manual_seed(17 + rank)
     buffer = torch.empty(sum(numels))
     problems, bound, formats = [], [], []
@@ -1057,23 +1091,23 @@ def _mixed_promote_steps(rank: int, world_size: int, options: dict) -> list[str]
             x[7] = float("nan")  # layer 0 on one rank: NaN in it on every rank
         buffer.copy_(x)
         out = settled.run_bucket(0, buffer, params)
-        full.bind(torch.device("cpu"))  # the reducer, before its first bucket
-        full.reducer.settles = False  # never bound: the general path every step
-        want = full.run_bucket(0, x.clone(), params)
-        bits = torch.where(out.isnan(), 0.0, out).view(torch.int32)
-        if not torch.equal(out.isnan(), want.isnan()) or not torch.equal(
-            bits, torch.where(want.isnan(), 0.0, want).view(torch.int32)
-        ):
+        fmts = settled.assignment.formats([id(p) for p in params], step)  # Promote's
+        sim = simulate.hook_options(options, fmts)
+        layers = _gathered(x, numels, world_size)
+        if _differ(out, torch.cat(simulate.allreduce(layers, "e4m3", **sim))):
             problems.append(f"step {step}: gradients differ")
-        if settled.assignment.promote != full.assignment.promote:
-            problems.append(f"step {step}: Promote's levels differ")
-        if repr(settled.stats) != repr(full.stats) or settled.bytes_detail != full.bytes_detail:
+        records = []
+        if options.get("stats"):
+            records = simulate.records(layers, "e4m3", rank, names=names, **sim)
+        moved = wire is not None and wire[0] == fmts and wire[1] != settled.bytes_detail
+        if repr(settled.stats) != repr(records) or moved:
             problems.append(f"step {step}: records or bytes differ")
+        wire = fmts, settled.bytes_detail
         if out[:300].isnan().all() != (step == 8) or out[300:].isnan().any():
             problems.append(f"step {step}: NaN where it should not be, or not")
         assert settled.reducer is not None
         bound.append(settled.reducer.steady.get(0))
-        formats.append(settled.assignment.formats([id(p) for p in params], step)[0].name)
+        formats.append(fmts[0].name)
     # Step 3's rates promote at step 4 (bound again); calm from then: back at step 6.
     if formats != ["e4m3"] * 4 + ["e5m2"] * 2 + ["e4m3"] * 3:
         problems.append(f"formats {formats}")
@@ -1099,7 +1133,7 @@ def _mixed_promote_steps(rank: int, world_size: int, options: dict) -> list[str]
     ],
     ids=["keep_last", "interleaved+stats"],
 )
-def test_promote_binds_a_mixed_format_bucket_again_with_the_general_paths_bits(
+def test_promote_binds_a_mixed_format_bucket_again_with_the_simulated_bits(
     world_size: int, options: dict
 ) -> None:
     for problems in run_distributed(_mixed_promote_steps, world_size, args=(options,)):
@@ -1112,13 +1146,15 @@ def _staged_promote_steps(
     """Promote over staged buckets in several formats (each of ``configs``: the options, the
     layers' formats before and after the move): the layers sent scaled move up and back,
     the settled bucket is bound again at each move (not every step), and every step gives
-    the general path's gradients, records, bytes and Promote's levels; a NaN in one step
-    included."""
+    :mod:`aps_comm.simulate`'s gradients and records in the formats Promote chose, the same
+    bytes where they did not move; a NaN in one step included."""
     numels = [300, 700, 33, 50]
     params = [torch.nn.Parameter(torch.empty(n)) for n in numels]
     keys, problems = [id(p) for p in params], []
+    names = [f"{i}.weight" for i in range(len(numels))]  # ParamLayer's
     for c, (options, low, high) in enumerate(configs):
-        settled, full = _bound_state(options, params), _bound_state(options, params)
+        settled = _bound_state(options, params)
+        wire = None
         gen = torch.Generator().manual_seed(17 + rank)
         buffer = torch.empty(sum(numels))
         bound, formats = [], []
@@ -1134,20 +1170,20 @@ def _staged_promote_steps(
                 x[7] = float("nan")  # layer 0 on one rank: NaN in it on every rank
             buffer.copy_(x)
             out = settled.run_bucket(0, buffer, params)
-            full.bind(CPU)  # the reducer, before its first bucket
-            full.reducer.settles = False  # never bound: the general path every step
-            want = full.run_bucket(0, x.clone(), params)
-            bits = torch.where(out.isnan(), 0.0, out).view(torch.int32)
-            if not torch.equal(out.isnan(), want.isnan()) or not torch.equal(
-                bits, torch.where(want.isnan(), 0.0, want).view(torch.int32)
-            ):
+            fmts = settled.assignment.formats(keys, step)  # Promote's
+            sim = simulate.hook_options(options, fmts)
+            layers = _gathered(x, numels, world_size)
+            if _differ(out, torch.cat(simulate.allreduce(layers, "e4m3", **sim))):
                 problems.append(f"config {c} step {step}: gradients differ")
-            if settled.assignment.promote != full.assignment.promote:
-                problems.append(f"config {c} step {step}: Promote's levels differ")
-            if repr(settled.stats) != repr(full.stats) or settled.bytes_detail != full.bytes_detail:
+            records = []
+            if options.get("stats"):
+                records = simulate.records(layers, "e4m3", rank, names=names, **sim)
+            moved = wire is not None and wire[0] == fmts and wire[1] != settled.bytes_detail
+            if repr(settled.stats) != repr(records) or moved:
                 problems.append(f"config {c} step {step}: records or bytes differ")
+            wire = fmts, settled.bytes_detail
             bound.append(settled.reducer.steady.get(0))
-            formats.append("+".join(f.name for f in settled.assignment.formats(keys, step)))
+            formats.append("+".join(f.name for f in fmts))
         # Step 3's rates promote at step 4 (bound again); calm from then: back at step 6.
         if formats != [low] * 4 + [high] * 2 + [low] * 3:
             problems.append(f"config {c}: formats {formats}")
@@ -1159,12 +1195,12 @@ def _staged_promote_steps(
     return problems
 
 
-def test_promote_binds_staged_groups_again_with_the_general_paths_bits() -> None:
+def test_promote_binds_staged_groups_again_with_the_simulated_bits() -> None:
     """Issue 46: hierarchical and grid in several formats (KeepLast's) under ``Promote``
     settle (the general path every step before: "staged groups of several formats bind
     without Promote only"): each staged group's rates are counted under its first level's
     factors into the bucket's vector, as a staged bucket's own; it moves up and back,
-    bound again at each move, with the general path's bits on 2 nodes of 2 ranks. Groups
+    bound again at each move, with simulate's bits on 2 nodes of 2 ranks. Groups
     that interleave in the bucket (layer 1 in fp16) bind too (the general path every step
     before: each staged part's rates are picked back into the bucket's order)."""
     staged = {"fmt": "e4m3", "ranks_per_node": 2}
@@ -1188,12 +1224,17 @@ def _promote_feedback_steps(
     rank: int, world_size: int, options: dict, low: str, high: str
 ) -> list[str]:
     """Promote with error feedback: its layers move up and back, the settled bucket is bound
-    again at each move (not every step), and every step gives the general path's
-    gradients, residuals, records, bytes and Promote's levels; a NaN in one step included.
+    again at each move (not every step), and every step gives
+    :func:`aps_comm.simulate.allreduce_feedback`'s gradients and residuals (every rank's
+    simulated from the first step, in the formats Promote chose) and the records, the same
+    bytes where the formats did not move; a NaN in one step included.
     ``low``, ``high``: the layers' formats before and after the move."""
     numels = [300, 700, 33, 50]
     params = [torch.nn.Parameter(torch.empty(n)) for n in numels]
-    settled, full = _bound_state(options, params), _bound_state(options, params)
+    names = [f"{i}.weight" for i in range(len(numels))]  # ParamLayer's
+    settled = _bound_state(options, params)
+    kept: list[torch.Tensor | None] | None = None  # every rank's residuals
+    wire = None
     kind = SteadyGroups if any(isinstance(r, KeepLast) for r in options["policy"]) else None
     gen = torch.Generator().manual_seed(17 + rank)
     buffer = torch.empty(sum(numels))
@@ -1210,28 +1251,30 @@ def _promote_feedback_steps(
             x[7] = float("nan")  # layer 0 on one rank: NaN in it on every rank
         buffer.copy_(x)
         out = settled.run_bucket(0, buffer, params)
-        full.bind(torch.device("cpu"))  # the reducer, before its first bucket
-        full.reducer.settles = False  # never bound: the general path every step
-        want = full.run_bucket(0, x.clone(), params)
-        bits = torch.where(out.isnan(), 0.0, out).view(torch.int32)
-        if not torch.equal(out.isnan(), want.isnan()) or not torch.equal(
-            bits, torch.where(want.isnan(), 0.0, want).view(torch.int32)
-        ):
+        fmts = settled.assignment.formats([id(p) for p in params], step)  # Promote's
+        sim = simulate.hook_options(options, fmts)
+        layers = _gathered(x, numels, world_size)
+        sent = [t if r is None else t + r for t, r in zip(layers, kept or layers, strict=True)]
+        sent = layers if kept is None else sent
+        want, kept = simulate.allreduce_feedback(layers, "e4m3", kept, **sim)
+        if _differ(out, torch.cat(want)):
             problems.append(f"step {step}: gradients differ")
-        mine, ref = settled.state_dict()["residuals"], full.state_dict()["residuals"]
+        mine = settled.state_dict()["residuals"]
+        ref = {names[i]: r[rank] for i, r in enumerate(kept) if r is not None}
         if mine.keys() != ref.keys() or not all(
             torch.equal(mine[k].view(torch.int32), ref[k].view(torch.int32)) for k in ref
         ):
             problems.append(f"step {step}: residuals differ")
-        if settled.assignment.promote != full.assignment.promote:
-            problems.append(f"step {step}: Promote's levels differ")
-        if repr(settled.stats) != repr(full.stats) or settled.bytes_detail != full.bytes_detail:
+        records = []
+        if options.get("stats"):
+            records = simulate.records(sent, "e4m3", rank, names=names, **sim)
+        moved = wire is not None and wire[0] == fmts and wire[1] != settled.bytes_detail
+        if repr(settled.stats) != repr(records) or moved:
             problems.append(f"step {step}: records or bytes differ")
+        wire = fmts, settled.bytes_detail
         assert settled.reducer is not None
         bound.append(settled.reducer.steady.get(0))
-        formats.append(
-            "+".join(f.name for f in settled.assignment.formats([id(p) for p in params], step))
-        )
+        formats.append("+".join(f.name for f in fmts))
     # Step 3's rates promote at step 4 (bound again); calm from then: back at step 6.
     moves = [s for s in range(1, 9) if formats[s] != formats[s - 1]]
     if formats != [low] * 4 + [high] * 2 + [low] * 3:
@@ -1270,7 +1313,7 @@ def _promote_feedback_steps(
     ],
     ids=["one_format", "keep_last+stats", "one_format+stats"],
 )
-def test_promote_with_error_feedback_binds_again_with_the_general_paths_bits(
+def test_promote_with_error_feedback_binds_again_with_the_simulated_bits(
     world_size: int, options: dict
 ) -> None:
     """Issue 46: error feedback under ``Promote`` settles, takes Promote's step on the
@@ -1384,14 +1427,18 @@ def test_promote_moves_a_format_on_the_bound_path_within_the_budget(
     collective) and finishes on their bound path from the vector already agreed: no
     general path (``_groups`` raises), beside the binding's own ops what a settled step
     of the new formats costs (within the budget) and the agreed maxima copied into the
-    new binding, the same for a few or 200 layers, no host read, and the general path's
-    bits (records and residuals too). Before: the general path's groups, ~100 ops."""
+    new binding, the same for a few or 200 layers, no host read, and
+    :mod:`aps_comm.simulate`'s bits in the formats Promote chose (records and residuals
+    too). Before: the general path's groups, ~100 ops."""
     moved, settled_step = {}, {}
     fewest = 4 if "interleaved" in config else 2  # groups that interleave: four layers
     for layers in (fewest, 200):
         numels = [300 + i for i in range(layers)]
         params = [torch.nn.Parameter(torch.empty(n)) for n in numels]
-        settled, full = _bound_state(_MOVES[config], params), _bound_state(_MOVES[config], params)
+        options = _MOVES[config]
+        settled = _bound_state(options, params)
+        names = [f"{i}.weight" for i in range(layers)]  # ParamLayer's
+        kept: list[torch.Tensor | None] | None = None  # the residuals (a world of one)
         keys = [id(p) for p in params]
         gen = torch.Generator().manual_seed(layers)
         buffer = torch.empty(sum(numels))
@@ -1423,14 +1470,25 @@ def test_promote_moves_a_format_on_the_bound_path_within_the_budget(
                 assert settled.reducer.steady_for(0, buffer) is bound
             else:
                 out = settled.run_bucket(0, buffer, params)
-            full.bind(CPU)
-            full.reducer.settles = False  # never bound: the general path every step
-            want = full.run_bucket(0, x.clone(), params)
-            assert torch.equal(out.view(torch.int32), want.view(torch.int32)), (layers, step)
-            assert settled.assignment.promote == full.assignment.promote, (layers, step)
-            assert repr(settled.stats) == repr(full.stats), (layers, step)
-            if settled.reducer.feedback is not None:
-                mine, ref = settled.state_dict()["residuals"], full.state_dict()["residuals"]
+            sim = simulate.hook_options(options, settled.assignment.formats(keys, step))
+            sums = x[None].split(numels, dim=1)
+            sent = [t if r is None else t + r for t, r in zip(sums, kept or sums, strict=True)]
+            sent = list(sums) if kept is None else sent
+            if options.get("error_feedback"):
+                want, kept = simulate.allreduce_feedback(sums, options["fmt"], kept, **sim)
+            else:
+                want = simulate.allreduce(sums, options["fmt"], **sim)
+            assert torch.equal(out.view(torch.int32), torch.cat(want).view(torch.int32)), (
+                layers,
+                step,
+            )
+            records = []
+            if options.get("stats"):
+                records = simulate.records(sent, options["fmt"], 0, names=names, **sim)
+            assert repr(settled.stats) == repr(records), (layers, step)
+            if kept is not None:
+                mine = settled.state_dict()["residuals"]
+                ref = {names[i]: r[0] for i, r in enumerate(kept) if r is not None}
                 assert mine.keys() == ref.keys(), (layers, step)
                 for k in ref:
                     assert torch.equal(mine[k].view(torch.int32), ref[k].view(torch.int32)), k
@@ -1456,14 +1514,17 @@ def _fp32_promote_steps(rank: int, world_size: int, feedback: bool) -> list[str]
     """Promote with FP32 on its ladder: a bucket moved up into FP32 binds (its maxima and
     rates agreed as on the general path, the rates never measured again); its rates
     restored low by a checkpoint, it moves back out after ``patience`` calm steps on its
-    bound path, from the maxima its FP32 binding agreed (a NaN among them). Every step the
-    general path's gradients, bytes, residuals and Promote's levels; the general path
-    never runs. ``feedback``: with error feedback (residuals dropped in FP32, then anew)."""
+    bound path, from the maxima its FP32 binding agreed (a NaN among them). Every step
+    :mod:`aps_comm.simulate`'s gradients and residuals (in the formats Promote chose),
+    the same bytes where the formats did not move; the general path never runs. ``feedback``: with error feedback (residuals dropped in FP32, then anew)."""
     numels = [300, 700, 33, 50]
     params = [torch.nn.Parameter(torch.empty(n)) for n in numels]
     ladder = Promote(gamma=0.05, patience=2, ladder=("e4m3", "fp32"))
     options = {**ROUTES["two_phase"], "error_feedback": feedback, "policy": [ladder]}
-    settled, full = (_bound_state(options, params) for _ in "ab")
+    names = [f"{i}.weight" for i in range(len(numels))]  # ParamLayer's
+    settled = _bound_state(options, params)
+    kept: list[torch.Tensor | None] | None = None  # every rank's residuals
+    wire = None
     kind = SteadyFeedback if feedback else Steady
     gen = torch.Generator().manual_seed(31 + rank)
     buffer = torch.empty(sum(numels))
@@ -1480,33 +1541,33 @@ def _fp32_promote_steps(rank: int, world_size: int, feedback: bool) -> list[str]
         if step == 6 and rank == world_size - 1:
             x[7] = float("nan")  # layer 0 on one rank, in the move out: NaN on every rank
         if step == 5:  # a checkpoint whose rates are calm: back down after two steps
-            for state in (settled, full):
-                saved = state.state_dict()
-                state.load_state_dict({**saved, "rates": dict.fromkeys(saved["rates"], 0.0)})
+            saved = settled.state_dict()
+            settled.load_state_dict({**saved, "rates": dict.fromkeys(saved["rates"], 0.0)})
         buffer.copy_(x)
         with unittest.mock.patch.object(Reducer, "_groups", side_effect=AssertionError):
             out = settled.run_bucket(0, buffer, params)
-        full.bind(CPU)  # the reducer, before its first bucket
-        full.reducer.settles = False  # never bound: the general path every step
-        want = full.run_bucket(0, x.clone(), params)
-        bits = torch.where(out.isnan(), 0.0, out).view(torch.int32)
-        if not torch.equal(out.isnan(), want.isnan()) or not torch.equal(
-            bits, torch.where(want.isnan(), 0.0, want).view(torch.int32)
-        ):
+        fmts = settled.assignment.formats([id(p) for p in params], step)  # Promote's
+        sim = simulate.hook_options(options, fmts)
+        layers = _gathered(x, numels, world_size)
+        if feedback:
+            sums, kept = simulate.allreduce_feedback(layers, "e4m3", kept, **sim)
+        else:
+            sums = simulate.allreduce(layers, "e4m3", **sim)
+        if _differ(out, torch.cat(sums)):
             problems.append(f"step {step}: gradients differ")
         if out[:300].isnan().all() != (step == 6) or out[300:].isnan().any():
             problems.append(f"step {step}: NaN where it should not be, or not")
-        if settled.assignment.promote != full.assignment.promote:
-            problems.append(f"step {step}: Promote's levels differ")
-        if settled.bytes_detail != full.bytes_detail:
+        if wire is not None and wire[0] == fmts and wire[1] != settled.bytes_detail:
             problems.append(f"step {step}: bytes differ")
-        mine, ref = settled.state_dict()["residuals"], full.state_dict()["residuals"]
+        wire = fmts, settled.bytes_detail
+        mine = settled.state_dict()["residuals"]
+        ref = {names[i]: r[rank] for i, r in enumerate(kept or ()) if r is not None}
         if mine.keys() != ref.keys() or not all(
             torch.equal(mine[k].view(torch.int32), ref[k].view(torch.int32)) for k in ref
         ):
             problems.append(f"step {step}: residuals differ")
         st = settled.reducer.steady.get(0)
-        fmt = settled.assignment.formats([id(p) for p in params], step)[0].name
+        fmt = fmts[0].name
         fp32 = isinstance(st, Steady) and st.route == "fp32"
         seen.append((fmt, "fp32" if fp32 else type(st).__name__, st))
     want = [("e4m3", kind.__name__)] * 3 + [("fp32", "fp32")] * 3 + [("e4m3", kind.__name__)] * 2
@@ -1537,8 +1598,9 @@ def test_promote_binds_a_bucket_whose_groups_all_go_in_fp32(
     """Issue 46: "auto" on a fast link sends every group in FP32; under ``Promote`` the
     bucket still agrees its maxima and rates as the general path does (Promote may move a
     layer out), so it binds as groups each sent as its all-reduce (the general path every
-    step before): the same ops for 2 or 200 layers within the budget, its bits (with error
-    feedback its residuals: sent once more, then none)."""
+    step before): the same ops for 2 or 200 layers within the budget, the bits of
+    :mod:`aps_comm.simulate`'s FP32 mean, the same bytes every step (with error feedback
+    no residual kept)."""
     options = {
         **CONFIGS["auto/fp32"],
         "error_feedback": feedback,
@@ -1548,7 +1610,8 @@ def test_promote_binds_a_bucket_whose_groups_all_go_in_fp32(
     for layers in (4, 200):
         numels = [300 + i for i in range(layers)]
         params = [torch.nn.Parameter(torch.empty(n)) for n in numels]
-        settled, full = _bound_state(options, params), _bound_state(options, params)
+        settled = _bound_state(options, params)
+        wire = None
         gen = torch.Generator().manual_seed(layers)
         buffer = torch.empty(sum(numels))
         for step in range(4):
@@ -1562,12 +1625,13 @@ def test_promote_binds_a_bucket_whose_groups_all_go_in_fp32(
                 out, counts[layers] = outs[0], aten + kernels
             else:
                 out = settled.run_bucket(0, buffer, params)
-            full.bind(CPU)
-            full.reducer.settles = False  # never bound: the general path every step
-            want = full.run_bucket(0, x.clone(), params)
-            assert torch.equal(out.view(torch.int32), want.view(torch.int32)), (layers, step)
-            assert settled.bytes_detail == full.bytes_detail, (layers, step)
-            assert settled.state_dict()["residuals"].keys() == full.state_dict()["residuals"].keys()
+            # Every layer goes in FP32 ("auto"'s route), whatever format Promote keeps.
+            fp32 = ["fp32"] * layers
+            want = simulate.allreduce(x[None].split(numels, dim=1), "e4m3", formats=fp32)
+            assert torch.equal(out.view(torch.int32), torch.cat(want).view(torch.int32)), step
+            assert wire in (None, settled.bytes_detail), (layers, step)
+            wire = settled.bytes_detail
+            assert not settled.state_dict().get("residuals"), (layers, step)
         st = settled.reducer.steady_for(0, buffer)
         assert isinstance(st, SteadyGroups) and all(s is None for _, s in st.parts), st
     assert not any("_local_scalar_dense" in op for op in counts[200]), counts[200]
@@ -2349,19 +2413,21 @@ def test_a_bound_bucket_holds_its_buffer(world: None, config: str) -> None:
     assert storage() is not None, "the binding let its buffer go"
 
 
-def test_promote_moving_one_interleaved_layer_with_error_feedback_keeps_the_general_bits(
+def test_promote_moving_one_interleaved_layer_with_error_feedback_keeps_the_simulated_bits(
     world: None,
 ) -> None:
     """Issue 46: Promote moves one layer of interleaved groups with error feedback into
     a group of its own (e4m3 [0, 2, 4], fp16 [1, 3] -> e4m3 [0, 4], e5m2 [2], fp16 [1, 3]):
     the old and the new
     binding's scratch are the same bytes of the workspace in another order, so the values
-    (their residuals added) must not be copied from one into the other in place. The
-    general path's bits and residuals every step."""
+    (their residuals added) must not be copied from one into the other in place.
+    :func:`aps_comm.simulate.allreduce_feedback`'s bits and residuals every step."""
     numels = [300, 301, 302, 303, 304, 305]
     params = [torch.nn.Parameter(torch.empty(n)) for n in numels]
     options = _MOVES["interleaved+error_feedback"]
-    settled, full = _bound_state(options, params), _bound_state(options, params)
+    settled = _bound_state(options, params)
+    names = [f"{i}.weight" for i in range(len(numels))]  # ParamLayer's
+    kept: list[torch.Tensor | None] | None = None
     keys = [id(p) for p in params]
     gen = torch.Generator().manual_seed(5)
     buffer = torch.empty(sum(numels))
@@ -2377,11 +2443,12 @@ def test_promote_moving_one_interleaved_layer_with_error_feedback_keeps_the_gene
         before = settled.assignment.formats(keys, step)
         out = settled.run_bucket(0, buffer, params)
         moved |= settled.assignment.formats(keys, step) != before
-        full.bind(CPU)
-        full.reducer.settles = False  # never bound: the general path every step
-        want = full.run_bucket(0, x.clone(), params)
-        assert torch.equal(out.view(torch.int32), want.view(torch.int32)), step
-        mine, ref = settled.state_dict()["residuals"], full.state_dict()["residuals"]
+        sim = simulate.hook_options(options, settled.assignment.formats(keys, step))
+        layers = x[None].split(numels, dim=1)
+        want, kept = simulate.allreduce_feedback(layers, options["fmt"], kept, **sim)
+        assert torch.equal(out.view(torch.int32), torch.cat(want).view(torch.int32)), step
+        mine = settled.state_dict()["residuals"]
+        ref = {names[i]: r[0] for i, r in enumerate(kept) if r is not None}
         assert mine.keys() == ref.keys(), step
         assert all(torch.equal(mine[k].view(torch.int32), ref[k].view(torch.int32)) for k in ref)
         assert isinstance(settled.reducer.steady_for(0, buffer), SteadyGroups), step

@@ -7,7 +7,7 @@ import torch.distributed as dist
 import torch.nn as nn
 from torch.nn.parallel import DistributedDataParallel as DDP
 
-from aps_comm import APSState, aps_hook, register
+from aps_comm import APSState, aps_hook, register, simulate
 from aps_comm.formats import BF16, E4M3, E5M2, FP16, FP32, get_format, quantize
 from aps_comm.policy import (
     ByName,
@@ -370,38 +370,55 @@ def test_load_state_dict_rejects_another_configuration() -> None:
         b.load_state_dict(a.state_dict())
 
 
-def _promote_grads(rank: int, world_size: int, settle: bool) -> list:
+def _promote_grads(rank: int, world_size: int) -> list:
+    """Each step's averaged gradients, Promote's levels, the bound paths' classes, and the
+    gradients :mod:`aps_comm.simulate` gives every rank's own (gathered) in the formats
+    Promote chose."""
     torch.manual_seed(0)
     model = nn.Linear(64, 4)
     ddp = DDP(model)
     policy = [Promote(gamma=1e-3, patience=2)]
     state = register(ddp, fmt="e4m3", reduction="two_phase", policy=policy)
+    params = list(model.parameters())
     seen = []
     for step in range(10):
-        if not settle and state.reducer is not None:
-            state.reducer.settles = False  # never bound: the general path every step
         ddp.zero_grad()
         x = torch.ones(1, 64) * (1.0 + rank)
         if rank == 1 and step in (3, 4):
             x = x * torch.logspace(0, -12, 64)  # only rank 1 underflows (see _promote)
+        own = torch.autograd.grad(model(x).sum(), params)  # this rank's, before the hook
+        layers = []
+        for g in own:
+            everyone = [torch.empty_like(g) for _ in range(world_size)]
+            dist.all_gather(everyone, g)
+            layers.append(torch.stack(everyone))
         ddp(x).sum().backward()
-        grads = torch.cat([p.grad.reshape(-1) for p in model.parameters()])
+        grads = torch.cat([p.grad.reshape(-1) for p in params])
+        fmts = state.assignment.formats([id(p) for p in params], step)  # Promote's
+        sim = simulate.allreduce(layers, "e4m3", reduction="two_phase", formats=fmts)
+        want = torch.cat([g.reshape(-1) for g in sim])
         reducer = state.reducer
         assert reducer is not None
         bound = [type(v).__name__ for v in reducer.steady.values()]
-        seen.append((grads.view(torch.int32).tolist(), dict(state.assignment.promote), bound))
+        seen.append(
+            (
+                grads.view(torch.int32).tolist(),
+                dict(state.assignment.promote),
+                bound,
+                want.view(torch.int32).tolist(),
+            )
+        )
     return seen
 
 
-def test_promote_settles_with_the_bits_of_the_path_that_never_settles() -> None:
+def test_promote_settles_with_the_simulated_bits() -> None:
     """Issue 46: without stats a Promote bucket settles, is bound again as a level moves
-    (only rank 1's rates move it), and gives the bits of a run that never settles
-    (its bound paths dropped before every step)."""
-    settling = run_distributed(_promote_grads, 2, args=(True,))
-    general = run_distributed(_promote_grads, 2, args=(False,))
+    (only rank 1's rates move it), and gives :mod:`aps_comm.simulate`'s bits of every
+    rank's gradients in the formats Promote chose."""
+    settling = run_distributed(_promote_grads, 2)
     for rank in range(2):
-        for step, (mine, full) in enumerate(zip(settling[rank], general[rank], strict=True)):
-            assert mine[:2] == full[:2], (rank, step)  # gradients and Promote's levels
+        for step, seen in enumerate(settling[rank]):
+            assert seen[0] == seen[3], (rank, step)  # the gradients, bit for bit
     bound = [seen[2] for seen in settling[0]]
     # Settled from step 1 (DDP re-buckets after step 0); step 3's rates move the weight
     # at step 4 on the settled path (the bias stays: mixed formats, bound again as

@@ -23,8 +23,10 @@ from typing import Any
 
 import pytest
 import torch
+import torch.distributed as dist
 
 import aps_comm
+from aps_comm import simulate
 from aps_comm.engine import SteadyAgreedBlocks, SteadyFeedback, SteadyGroups
 from aps_comm.policy import ByName, KeepLast, Promote, Rule, Schedule
 from aps_comm.testing import run_distributed
@@ -135,48 +137,62 @@ def test_every_configuration_settles_within_the_budget(world: None, combo: tuple
         assert len(state.stats) == len(NUMELS) - (policy in ("keep_last", "interleaved"))
 
 
-def _against_the_general_path(
+def _bits_differ(out: torch.Tensor, want: torch.Tensor) -> bool:
+    """Whether two float32 tensors differ bit for bit, NaN where NaN (any payload) equal."""
+    bits = torch.where(out.isnan(), 0.0, out).view(torch.int32)
+    return not torch.equal(out.isnan(), want.isnan()) or not torch.equal(
+        bits, torch.where(want.isnan(), 0.0, want).view(torch.int32)
+    )
+
+
+def _against_the_simulated(
     rank: int, world_size: int, configs: list[tuple[dict, int | None]]
 ) -> list[str]:
-    """Each configuration over several steps, settled against the general path (a state
-    whose settled path is dropped every step): the gradients bit for bit, the bytes per
-    collective, the chunks and the records, a NaN in one layer on the last rank in one step
-    included. Each config: the options and the elements per chunk (None: each rank's timing)."""
+    """Each configuration over several steps, settled, against :mod:`aps_comm.simulate` of
+    every rank's gradients (gathered): the gradients bit for bit and the records, a NaN in
+    one layer on the last rank in one step included; the bytes per collective the same at
+    every step and the chunk the same on every rank (the size asked where one is). Each
+    config: the options and the elements per chunk (None: each rank's timing)."""
     numels = [5, 0, 1, 700, 33, 2, 64]  # odd sizes: 4-bit codes split bytes between blocks
     params = [torch.nn.Parameter(torch.empty(n)) for n in numels]
+    names = [f"{i}.weight" for i in range(len(numels))]
     problems = []
     for c, (options, chunk) in enumerate(configs):
-        settled, general = aps_comm.APSState(**options), aps_comm.APSState(**options)
-        for state in (settled, general):
-            state.chunk_elements = chunk
-            if "policy" in options:  # rules key layers by parameter name: one module each
-                state.bind_model(torch.nn.ModuleList(ParamLayer(p) for p in params))
+        settled = aps_comm.APSState(**options)
+        settled.chunk_elements = chunk
+        # Rules key layers by parameter name: one module each.
+        settled.bind_model(torch.nn.ModuleList(ParamLayer(p) for p in params))
         kind = SteadyGroups if _several(options) else SteadyAgreedBlocks
         buffer = torch.empty(sum(numels))
+        wire = None
         for step in range(5):
             gen = torch.Generator().manual_seed(100 * step + 10 * c + rank)
             x = torch.randn(sum(numels), generator=gen) * 2.0 ** (step - 2)
             x[::97] *= 1000.0  # blocks of very different maxima
             if step == 3 and rank == world_size - 1:
                 x[7] = float("nan")  # layer 3 on one rank: NaN in it on every rank, this step
+            everyone = [torch.empty_like(x) for _ in range(world_size)]
+            dist.all_gather(everyone, x)
+            layers = torch.stack(everyone).split(numels, dim=1)
+            fmts = settled.assignment.formats([id(p) for p in params], step)
+            sim = simulate.hook_options(options, fmts)
+            want = torch.cat(simulate.allreduce(layers, options["fmt"], **sim))
+            records = simulate.records(layers, options["fmt"], rank, names=names, **sim)
             buffer.copy_(x)
             ahead = settled.reducer.steady_for(0, buffer) if settled.reducer else None
             if step >= 2 and not isinstance(ahead, kind):
                 problems.append(f"config {c} step {step}: not settled")
             out = settled.run_bucket(0, buffer, params)
-            general.bind(CPU)  # the reducer, before its first bucket
-            general.reducer.settles = False  # never bound: the general path every step
-            want = general.run_bucket(0, x.clone(), params)
-            bits = torch.where(out.isnan(), 0.0, out).view(torch.int32)
-            if not torch.equal(out.isnan(), want.isnan()) or not torch.equal(
-                bits, torch.where(want.isnan(), 0.0, want).view(torch.int32)
-            ):
+            if _bits_differ(out, want):
                 problems.append(f"config {c} step {step}: gradients differ")
-            if settled.bytes_detail != general.bytes_detail:
+            if wire is not None and settled.bytes_detail != wire:
                 problems.append(f"config {c} step {step}: {settled.bytes_detail} on the wire")
-            if settled.bucket_chunks != general.bucket_chunks:
-                problems.append(f"config {c} step {step}: chunks {settled.bucket_chunks}")
-            if not settled.stats or repr(settled.stats) != repr(general.stats):  # NaN-aware
+            wire = settled.bytes_detail
+            chunks: list[Any] = [None] * world_size
+            dist.all_gather_object(chunks, settled.bucket_chunks)
+            if any(ch != chunks[0] for ch in chunks) or chunk not in (None, chunks[0][0]):
+                problems.append(f"config {c} step {step}: chunks {chunks}")
+            if not settled.stats or repr(settled.stats) != repr(records):  # NaN-aware
                 problems.append(f"config {c} step {step}: records differ")
     return problems
 
@@ -191,10 +207,11 @@ _AGREED_STATS = {
 
 
 @pytest.mark.parametrize("world_size", [1, 2])
-def test_agreed_blocks_with_stats_settle_with_the_general_paths_records(world_size: int) -> None:
+def test_agreed_blocks_with_stats_settle_with_the_simulated_records(world_size: int) -> None:
     """Issue 46: agreed block exponents with ``stats=True`` settle (the general path every
-    step before), with the general path's gradients, bytes, chunks and records: each
-    block's counts under its agreed key, its layer's largest block maximum this rank's."""
+    step before), with :mod:`aps_comm.simulate`'s gradients (the owner's exponents on top
+    of the agreed ones) and records: each block's counts under its agreed key, its
+    layer's largest block maximum this rank's."""
     configs = [
         (_AGREED_STATS, None),  # chunks sized by the ranks' timing, agreed on the keys
         ({**_AGREED_STATS, "block_size": 8}, 40),
@@ -202,7 +219,7 @@ def test_agreed_blocks_with_stats_settle_with_the_general_paths_records(world_si
         ({**_AGREED_STATS, "fmt": "fp16"}, None),
         ({**_AGREED_STATS, "fmt": "bf16", "block_size": 8}, 256),
     ]
-    for problems in run_distributed(_against_the_general_path, world_size, args=(configs,)):
+    for problems in run_distributed(_against_the_simulated, world_size, args=(configs,)):
         assert problems == []
 
 
@@ -234,13 +251,11 @@ def test_agreed_blocks_with_stats_cost_one_call_more_whatever_the_layers(
 
 
 @pytest.mark.parametrize("scaling", ["layer", "bucket", "none"])
-def test_promote_with_stats_settles_with_the_general_paths_records(
-    world: None, scaling: str
-) -> None:
+def test_promote_with_stats_settles_with_the_simulated_records(world: None, scaling: str) -> None:
     """Issue 46: ``stats=True`` with Promote settles (the general path every step before):
     the settled bucket records, reads the agreed rates, sends a step in the new format on
-    the maxima it agreed and binds again, with the bits, records and Promote's levels of a
-    bucket that never settles."""
+    the maxima it agreed and binds again, with :mod:`aps_comm.simulate`'s bits and records
+    in the formats Promote chose (a world of one)."""
     numels = [300, 700, 33]
     options = {
         "fmt": "e4m3",
@@ -250,9 +265,9 @@ def test_promote_with_stats_settles_with_the_general_paths_records(
         "policy": [Promote(gamma=0.05, patience=2)],
     }
     params = [torch.nn.Parameter(torch.empty(n)) for n in numels]
-    settled, general = (aps_comm.APSState(**options) for _ in range(2))
-    for state in (settled, general):
-        state.bind_model(torch.nn.ModuleList(ParamLayer(p) for p in params))
+    settled = aps_comm.APSState(**options)
+    settled.bind_model(torch.nn.ModuleList(ParamLayer(p) for p in params))
+    names = [f"{i}.weight" for i in range(len(numels))]
     gen = torch.Generator().manual_seed(17)
     buffer = torch.empty(sum(numels))
     bound, formats = [], []
@@ -265,16 +280,16 @@ def test_promote_with_stats_settles_with_the_general_paths_records(
             x[5] = float("nan")  # the first layer non-finite: NaN in it, in its records too
         buffer.copy_(x)
         out = settled.run_bucket(0, buffer, params)
-        general.bind(CPU)  # the reducer, before its first bucket
-        general.reducer.settles = False  # never bound: the general path every step
-        want = general.run_bucket(0, x.clone(), params)
-        bits = torch.where(out.isnan(), 0.0, out).view(torch.int32)
-        assert torch.equal(bits, torch.where(want.isnan(), 0.0, want).view(torch.int32)), step
-        assert settled.assignment.promote == general.assignment.promote, step
-        assert len(settled.stats) == len(numels) and repr(settled.stats) == repr(general.stats)
+        fmts = settled.assignment.formats([id(p) for p in params], step)  # Promote's
+        sim = simulate.hook_options(options, fmts)
+        layers = x[None].split(numels, dim=1)
+        want = torch.cat(simulate.allreduce(layers, "e4m3", **sim))
+        assert not _bits_differ(out, want), step
+        records = simulate.records(layers, "e4m3", 0, names=names, **sim)
+        assert len(settled.stats) == len(numels) and repr(settled.stats) == repr(records)
         assert settled.reducer is not None
         bound.append(settled.reducer.steady.get(0))
-        formats.append(settled.assignment.formats([id(p) for p in params], step)[0].name)
+        formats.append(fmts[0].name)
     # Step 3's rates promote at step 4 (bound again); with scaling, calm from then: back
     # at step 6 (the naive cast underflows more: it stays up longer).
     assert formats[:4] == ["e4m3"] * 4 and formats[4] == "e5m2"
@@ -284,21 +299,24 @@ def test_promote_with_stats_settles_with_the_general_paths_records(
     assert settled.reducer.steady_for(0, buffer) is bound[8]
 
 
-def _feedback_against_the_general_path(
-    rank: int, world_size: int, configs: list[dict]
-) -> list[str]:
-    """Error feedback over several steps, settled against the general path: gradients,
-    residuals (the checkpoint's), bytes and records bit for bit, a NaN on the last rank in
-    one step and residuals restored from a checkpoint (step 5: the general path once)."""
+def _feedback_against_the_simulated(rank: int, world_size: int, configs: list[dict]) -> list[str]:
+    """Error feedback over several steps, settled, against
+    :func:`aps_comm.simulate.allreduce_feedback` of every rank's gradients (gathered) and
+    residuals (simulated from the first step, in the formats the policy chose): gradients,
+    residuals (the checkpoint's) and records bit for bit, a NaN on the last rank in one
+    step and residuals restored from a checkpoint (step 5) included; the same bytes at
+    every step."""
     numels = [5, 0, 1, 700, 33, 2, 64]
     params = [torch.nn.Parameter(torch.empty(n)) for n in numels]
+    names = [f"{i}.weight" for i in range(len(numels))]
     problems = []
     for c, options in enumerate(configs):
-        settled, general = aps_comm.APSState(**options), aps_comm.APSState(**options)
-        for state in (settled, general):
-            state.bind_model(torch.nn.ModuleList(ParamLayer(p) for p in params))
+        settled = aps_comm.APSState(**options)
+        settled.bind_model(torch.nn.ModuleList(ParamLayer(p) for p in params))
         kind = SteadyGroups if _several(options) else SteadyFeedback
         buffer = torch.empty(sum(numels))
+        kept: list[torch.Tensor | None] | None = None  # every rank's residuals
+        wire = None
         for step in range(7):
             gen = torch.Generator().manual_seed(100 * step + 10 * c + rank)
             x = torch.randn(sum(numels), generator=gen) * 2.0 ** (step - 2)
@@ -306,36 +324,45 @@ def _feedback_against_the_general_path(
             if step == 3 and rank == world_size - 1:
                 x[7] = float("nan")  # layer 3 on one rank: NaN in it on every rank, this step
             if step == 5:  # residuals restored from a checkpoint: bound again on them
-                for state in (settled, general):
-                    saved = state.state_dict()
-                    saved["residuals"] = {k: v * 0.5 for k, v in saved["residuals"].items()}
-                    state.load_state_dict(saved)
+                saved = settled.state_dict()
+                saved["residuals"] = {k: v * 0.5 for k, v in saved["residuals"].items()}
+                settled.load_state_dict(saved)
+                assert kept is not None
+                kept = [None if r is None else r * 0.5 for r in kept]
+            everyone = [torch.empty_like(x) for _ in range(world_size)]
+            dist.all_gather(everyone, x)
+            layers = torch.stack(everyone).split(numels, dim=1)
             buffer.copy_(x)
             ahead = settled.reducer.steady_for(0, buffer) if settled.reducer else None
             if step in (2, 3, 4, 6) and not isinstance(ahead, kind):
                 problems.append(f"config {c} step {step}: not settled")
             out = settled.run_bucket(0, buffer, params)
-            general.bind(CPU)  # the reducer, before its first bucket
-            general.reducer.settles = False  # never bound: the general path every step
-            want = general.run_bucket(0, x.clone(), params)
-            bits = torch.where(out.isnan(), 0.0, out).view(torch.int32)
-            if not torch.equal(out.isnan(), want.isnan()) or not torch.equal(
-                bits, torch.where(want.isnan(), 0.0, want).view(torch.int32)
-            ):
+            fmts = settled.assignment.formats([id(p) for p in params], step)  # the policy's
+            sim = simulate.hook_options(options, fmts)
+            # What each rank sends: its gradient with its residual added (records).
+            sent = list(layers)
+            for i, r in enumerate(kept or ()):
+                if r is not None:
+                    sent[i] = layers[i] + r
+            want, kept = simulate.allreduce_feedback(layers, options["fmt"], kept, **sim)
+            if _bits_differ(out, torch.cat(want)):
                 problems.append(f"config {c} step {step}: gradients differ")
             if out[6:706].isnan().all() != (step == 3) or out[706:].isnan().any():
                 problems.append(f"config {c} step {step}: NaN where it should not be, or not")
-            mine, ref = settled.state_dict()["residuals"], general.state_dict()["residuals"]
+            mine = settled.state_dict()["residuals"]
+            ref = {names[i]: r[rank] for i, r in enumerate(kept) if r is not None}
             if mine.keys() != ref.keys() or not all(
                 torch.equal(mine[k].view(torch.int32), ref[k].view(torch.int32)) for k in ref
             ):
                 problems.append(f"config {c} step {step}: residuals differ")
-            if settled.bytes_detail != general.bytes_detail:
+            if wire is not None and settled.bytes_detail != wire:
                 problems.append(f"config {c} step {step}: {settled.bytes_detail} on the wire")
-            if repr(settled.stats) != repr(general.stats):  # NaN-aware through repr
+            wire = settled.bytes_detail
+            records = []
+            if options.get("stats"):
+                records = simulate.records(sent, options["fmt"], rank, names=names, **sim)
+            if repr(settled.stats) != repr(records):  # NaN-aware through repr
                 problems.append(f"config {c} step {step}: records differ")
-            if settled.assignment.promote != general.assignment.promote:
-                problems.append(f"config {c} step {step}: Promote's levels differ")
     return problems
 
 
@@ -343,13 +370,14 @@ _FEEDBACK = {"fmt": "e4m3", "reduction": "two_phase", "error_feedback": True}
 
 
 @pytest.mark.parametrize("world_size", [1, 2])
-def test_error_feedback_with_bucket_or_no_scaling_settles_with_the_general_paths_bits(
+def test_error_feedback_with_bucket_or_no_scaling_settles_with_the_simulated_bits(
     world_size: int,
 ) -> None:
     """Issue 46: error feedback with ``scaling="bucket"`` or ``"none"`` settles (the general
     path every step before, 121 ops per bucket of five layers): the factors of the spread
-    maxima (the records keeping the agreed ones) or the naive cast's, with the general
-    path's gradients, residuals, bytes, records and Promote's levels."""
+    maxima (the records keeping the agreed ones) or the naive cast's, with
+    :func:`aps_comm.simulate.allreduce_feedback`'s gradients and residuals, and the
+    records."""
     configs = [
         {**_FEEDBACK, "scaling": "bucket"},
         {**_FEEDBACK, "scaling": "none"},
@@ -359,18 +387,18 @@ def test_error_feedback_with_bucket_or_no_scaling_settles_with_the_general_paths
         {**_FEEDBACK, "scaling": "none", "policy": [Promote(gamma=0.05)]},
     ]
     args = (configs,)
-    for problems in run_distributed(_feedback_against_the_general_path, world_size, args=args):
+    for problems in run_distributed(_feedback_against_the_simulated, world_size, args=args):
         assert problems == []
 
 
 _NATIVE_BLOCKS = {"fmt": "fp16", "reduction": "allreduce", "scaling": "block", "stats": True}
 
 
-def test_native_blocks_settle_with_the_general_paths_bits() -> None:
+def test_native_blocks_settle_with_the_simulated_bits() -> None:
     """Issue 46: the native all-reduce with block scaling settles (the general path every
     step before): this rank's keys under the native sum's rule, their MAX all-reduce, the
     factors, then per chunk the encode, the sum in the wire format and the decode, with
-    the general path's gradients, bytes, chunks and records on two ranks; in several
+    :mod:`aps_comm.simulate`'s gradients and records on two ranks; in several
     formats too (each group's keys in the one MAX all-reduce, the FP32 group's mean),
     the groups consecutive or interleaved."""
     configs = [
@@ -383,7 +411,7 @@ def test_native_blocks_settle_with_the_general_paths_bits() -> None:
         ({**_NATIVE_BLOCKS, **_native_interleaved(), "block_exponents": "agreed"}, None),
         ({**_NATIVE_BLOCKS, **_native_interleaved(), "block_size": 8}, 40),
     ]
-    for problems in run_distributed(_against_the_general_path, 2, args=(configs,)):
+    for problems in run_distributed(_against_the_simulated, 2, args=(configs,)):
         assert problems == []
 
 
@@ -444,12 +472,13 @@ def test_native_blocks_cost_the_same_ops_whatever_the_layers(
 _NATIVE_FEEDBACK = {"fmt": "fp16", "reduction": "allreduce", "error_feedback": True}
 
 
-def test_error_feedback_on_the_native_all_reduce_settles_with_the_general_paths_bits() -> None:
+def test_error_feedback_on_the_native_all_reduce_settles_with_the_simulated_bits() -> None:
     """Issue 46: error feedback on the native all-reduce settles (the general path every
     step before): the residuals added, the maxima agreed, the native sum's factors in one
     call, the encode with its residual update (kept under ``2**-e``, the decode's
-    ``2**-e / N`` aside), the sum in the wire format, with the general path's gradients,
-    residuals, bytes and records on two ranks (Promote's ladder has no format Gloo sums);
+    ``2**-e / N`` aside), the sum in the wire format, with
+    :func:`aps_comm.simulate.allreduce_feedback`'s gradients, residuals and records on two
+    ranks (Promote's ladder has no format Gloo sums);
     with block scaling (the native sum's agreed keys, their factors in one call), and in
     several formats, consecutive or interleaved, every group's residuals added in one
     call and its factors picking its maxima."""
@@ -469,7 +498,7 @@ def test_error_feedback_on_the_native_all_reduce_settles_with_the_general_paths_
         {**_NATIVE_FEEDBACK, **_native_interleaved(), "scaling": "bucket", "stats": True},
         {**_NATIVE_FEEDBACK, **_native_interleaved(), "scaling": "none"},
     ]
-    for problems in run_distributed(_feedback_against_the_general_path, 2, args=(configs,)):
+    for problems in run_distributed(_feedback_against_the_simulated, 2, args=(configs,)):
         assert problems == []
 
 
@@ -496,7 +525,8 @@ def test_groups_with_error_feedback_and_blocks_record_their_own_block_maxima(
     e4m3 layers interleaved) and ``stats=True``: every group's block maxima are written
     before the MAX all-reduce and read by its records after it, so the groups' scratch
     must not overlap (each group's was cut from the start of the STEP slot: the e2m1
-    layers' records showed the e4m3 layers' maxima). The general path's records and bits."""
+    layers' records showed the e4m3 layers' maxima). The bits, residuals and records of
+    :func:`aps_comm.simulate.allreduce_feedback` (a world of one)."""
     numels = [64] * 4
     options = {
         "fmt": "e2m1",
@@ -507,19 +537,29 @@ def test_groups_with_error_feedback_and_blocks_record_their_own_block_maxima(
         "policy": [ByName({"*[13579].weight": "e4m3"})],
     }
     params = [torch.nn.Parameter(torch.empty(n)) for n in numels]
-    settled, general = aps_comm.APSState(**options), aps_comm.APSState(**options)
-    for state in (settled, general):
-        state.bind_model(torch.nn.ModuleList(ParamLayer(p) for p in params))
+    settled = aps_comm.APSState(**options)
+    settled.bind_model(torch.nn.ModuleList(ParamLayer(p) for p in params))
+    names = [f"{i}.weight" for i in range(len(numels))]
     # Layers of very different magnitudes: each group's block maxima are its own.
     scales = torch.tensor([1.0, 100.0, 0.01, 10.0]).repeat_interleave(64)
     buffer = torch.empty(sum(numels))
+    kept: list[torch.Tensor | None] | None = None
     for step in range(3):
         x = torch.randn(sum(numels), generator=torch.Generator().manual_seed(step)) * scales
         buffer.copy_(x)
         out = settled.run_bucket(0, buffer, params)
-        general.bind(CPU)  # the reducer, before its first bucket
-        general.reducer.settles = False  # never bound: the general path every step
-        want = general.run_bucket(0, x.clone(), params)
+        layers = x[None].split(numels, dim=1)
+        sent = layers if kept is None else [t + r for t, r in zip(layers, kept, strict=True)]
+        sim = simulate.hook_options(
+            options, settled.assignment.formats([id(p) for p in params], step)
+        )
+        want, kept = simulate.allreduce_feedback(layers, "e2m1", kept, **sim)
         assert isinstance(settled.reducer.steady_for(0, buffer), SteadyGroups), step
-        assert torch.equal(out.view(torch.int32), want.view(torch.int32)), step
-        assert repr(settled.stats) == repr(general.stats), step
+        assert torch.equal(out.view(torch.int32), torch.cat(want).view(torch.int32)), step
+        residuals = settled.state_dict()["residuals"]
+        assert all(
+            torch.equal(residuals[k].view(torch.int32), r[0].view(torch.int32))
+            for k, r in zip(names, kept, strict=True)
+        )
+        records = simulate.records(sent, "e2m1", 0, names=names, **sim)
+        assert repr(settled.stats) == repr(records), step

@@ -18,7 +18,14 @@ from torch.nn.parallel import DistributedDataParallel as DDP
 from aps_comm import APSState, aps_hook
 from aps_comm.formats import FP32, FloatFormat, get_format, quantize
 from aps_comm.scaling import exponents, pow2
-from aps_comm.simulate import SimConfig, VirtualWorkers, allreduce, ring_chunks
+from aps_comm.simulate import (
+    SimConfig,
+    VirtualWorkers,
+    allreduce,
+    allreduce_feedback,
+    records,
+    ring_chunks,
+)
 from aps_comm.testing import run_distributed
 
 # ---------------------------------------------------------------------------
@@ -480,3 +487,61 @@ def test_matches_hook_bit_for_bit(n: int) -> None:
             order = "two_phase" if reduction == "two_phase" else "ring"
             sim = torch.cat(allreduce(layers, fmt, reduction=order, scaling=scaling))
             assert _bits_equal(sim, torch.from_numpy(out)), (fmt, reduction, scaling)
+
+
+def test_records_are_each_workers_counts_under_the_agreed_exponents() -> None:
+    """:func:`simulate.records`: the exponent and maximum agreed over the workers, the
+    counts of the asked worker's own values; a non-finite layer on one worker is inf with
+    exponent 0 on every worker; with rank block exponents each worker's own maxima."""
+    g = torch.tensor([[0.5, 1e-9, 0.0], [0.25, 0.0, float("nan")]])[:, None, :]  # 2 workers
+    h = torch.tensor([[4.0, 2.0**-20], [1.0, 1.0]])
+    for rank in (0, 1):
+        nan, layer = records([g[:, :, 2:], h], "e4m3", rank, names=["a", "b"])
+        assert (nan.name, nan.amax, nan.exponent, nan.numel) == ("a", math.inf, 0, 1)
+        assert layer.amax == 4.0 and layer.exponent == 6  # 4 * 2**6 = 256 <= 448 / 2
+        assert layer.underflow_rate == (0.5 if rank == 0 else 0.0)  # 2**-14 flushes
+    # Blocks of 8: with rank exponents each worker's own maxima, agreed ones otherwise.
+    x = torch.stack([torch.full((16,), 1.0), torch.full((16,), 64.0)])
+    x[0, 8:] = 0.5
+    own = records([x], "e4m3", 0, scaling="block", block_size=8, rank_exponents=True)
+    agreed = records([x], "e4m3", 0, scaling="block", block_size=8)
+    assert own[0].amax == agreed[0].amax == 1.0  # worker 0's own largest block maximum
+    assert own[0].exponent == agreed[0].exponent + 6  # 1.0 against 64.0: 2**6 apart
+
+
+def test_formats_make_a_bucket_of_each_formats_layers() -> None:
+    """``formats``: each format's layers are reduced as a bucket of their own (one bucket
+    exponent each), FP32 layers averaged exactly on two workers (x / 2 summed)."""
+    gen = torch.Generator().manual_seed(5)
+    layers = [torch.randn(2, n, generator=gen) * s for n, s in ((30, 1.0), (7, 1e3), (9, 1e-2))]
+    fmts = ["e4m3", "fp32", "e4m3"]
+    out = allreduce(layers, "e4m3", scaling="bucket", formats=fmts)
+    alone = allreduce([layers[0], layers[2]], "e4m3", scaling="bucket")
+    assert _bits_equal(out[0], alone[0]) and _bits_equal(out[2], alone[1])
+    assert _bits_equal(out[1], layers[1][0] / 2 + layers[1][1] / 2)
+    # Its records: the e4m3 group's only, its bucket exponent.
+    recs = records(layers, "e4m3", 1, names=["a", "b", "c"], scaling="bucket", formats=fmts)
+    assert [r.name for r in recs] == ["a", "c"] and recs[0].exponent == recs[1].exponent
+    with pytest.raises(ValueError, match="formats names 2 layers"):
+        allreduce(layers, "e4m3", formats=fmts[:2])
+
+
+def test_feedback_keeps_what_encoding_and_the_owners_rounding_lost() -> None:
+    """:func:`aps_comm.simulate.allreduce_feedback`: each worker keeps what its encoding
+    lost; two_phase's owner (worker 0 of 2 for the first shard) also N times what rounding
+    the mean lost; residuals come back in on the next call; a non-finite layer keeps zeros."""
+    g = torch.tensor([[1.0, 0.3, 0.0, 0.0], [1.0, 0.0, 0.0, 0.0]])  # e2m1, exponent 2
+    _, [res] = allreduce_feedback([g], "e2m1")
+    assert res[0].tolist() == pytest.approx([0.0, 0.05, 0.0, 0.0])  # 1.2 encodes as 1
+    # The mean 0.5 (scaled) stays 0.5: nothing more lost; native: no owner.
+    [native], _ = allreduce_feedback([g], "fp16", reduction="ring")
+    assert _bits_equal(native, allreduce([g], "fp16", reduction="ring")[0])
+    # Fed back: the next step sends gradient plus residual.
+    [again], _ = allreduce_feedback([g], "e2m1", [res])
+    assert _bits_equal(again, allreduce([g + res], "e2m1")[0])
+    bad = g.clone()
+    bad[1, 2] = float("nan")
+    [nan], [zeros] = allreduce_feedback([bad], "e2m1", [res])
+    assert nan.isnan().all() and torch.equal(zeros, torch.zeros_like(zeros))
+    with pytest.raises(ValueError, match="exponents agreed"):
+        allreduce_feedback([g], "e2m1", scaling="block", rank_exponents=True)

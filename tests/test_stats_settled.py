@@ -1,17 +1,14 @@
-"""A settled bucket's statistics (``stats=True``) are the full path's, step by step.
+"""A settled bucket's records (``stats=True``) and gradients are the simulated ones, step by step.
 
 Issue 46: with ``stats=True`` a bucket settles like a plain one (its records
 made by one kernel call on the CPU, a fixed handful of device ops elsewhere).
-On 2 ranks (4 for hierarchical and grid), one state runs its bucket settled
-from the second step on, another is sent down the full per-step path every
-step; their records, gradients (bit for bit) and bytes per collective must be
-equal, through a layer of zeros, an empty layer, layers that underflow, and
-steps where one rank's layer holds inf or NaN; with each rank's own block
-exponents the gradients are :func:`aps_comm.simulate.allreduce`'s too. Per
-layer and per block (each rank's own block exponents, as the hook sends
-them), two_phase, native sums, hierarchical and grid, on the CPU kernels and
-on the torch ops' codec backends forced on CPU tensors ("cast" and "bits":
-a GPU without Triton), several backends one after the other in one job.
+On 2 ranks (4 for hierarchical), one state runs its bucket settled from the
+second step on; its records must equal :func:`aps_comm.simulate.records` of
+every rank's gradients (gathered), through a layer of zeros, an empty layer,
+layers that underflow, and steps where one rank's layer holds inf or NaN.
+Per layer and per block (each rank's own block exponents, as the hook sends
+them), two_phase, native sums and hierarchical, CPU kernels and torch ops; the
+gradients bit for bit with :func:`aps_comm.simulate.allreduce` too.
 """
 
 from __future__ import annotations
@@ -72,43 +69,38 @@ def _run(rank: int, world: int, fmt: str, reduction: str, scaling: str, backend:
     per_node = 2 if reduction in ("hierarchical", "grid") else None
     options = {"reduction": reduction, "scaling": scaling, "ranks_per_node": per_node}
     settled = APSState(fmt, stats=True, **options)
-    full = APSState(fmt, stats=True, **options)
-    for state in (settled, full):
-        state.bind_model(model)
+    settled.bind_model(model)
+    names = [name for name, _ in model.named_parameters()]
+    # The reference: the native sum's exponents are the ring's (any wire-format order's).
+    sim = {
+        "reduction": "ring" if reduction == "allreduce" else reduction,
+        "scaling": scaling,
+        "ranks_per_node": per_node or 1,
+        "rank_exponents": scaling == "block",  # the hook's default block exponents
+    }
     buffer = torch.empty(sum(NUMELS))  # DDP's bucket buffer: the same every step
     out = []
     for step in range(STEPS):
         x = _grads(step, rank)
         if scaling == "block" and step == STEPS - 1 and rank == world - 1:
             x[BIG + 7] = math.nan  # one block of a layer of many: the whole layer NaN
+        layers = torch.split(gather(x), NUMELS, dim=1)
+        want = simulate.records(layers, fmt, rank, names=names, **sim)
         reducer = settled.reducer
         on_path = reducer is not None and reducer.steady_for(0, buffer) is not None
         bound = reducer.steady[0].group.codec.backend if on_path else None  # type: ignore[union-attr]
         buffer.copy_(x)
         got = settled.run_bucket(0, buffer, params)
-        full.bind(torch.device("cpu"))  # the reducer, before its first bucket
-        full.reducer.settles = False  # never bound: the general path every step
-        want = full.run_bucket(0, x.clone(), params)
+        # Staged routes with rank block exponents: the chunk decides who owns what.
+        staged_blocks = per_node is not None and scaling == "block"
+        chunk = settled.bucket_chunks[0] if staged_blocks else None
+        expected = torch.cat(simulate.allreduce(layers, fmt, chunk_elements=chunk, **sim))
         # Bit for bit, every NaN the same NaN.
-        same = torch.equal(got.isnan(), want.isnan()) and torch.equal(
-            got.nan_to_num(0.0).view(torch.int32), want.nan_to_num(0.0).view(torch.int32)
+        same = torch.equal(got.isnan(), expected.isnan()) and torch.equal(
+            got.nan_to_num(0.0).view(torch.int32), expected.nan_to_num(0.0).view(torch.int32)
         )
-        traffic = (settled.bytes_detail, full.bytes_detail)
-        if scaling == "block":  # each rank's own block exponents: the simulator's bits too
-            layers = torch.split(gather(x), NUMELS, dim=1)
-            expected = simulate.allreduce(
-                layers,
-                fmt,
-                reduction=reduction,
-                scaling="block",
-                ranks_per_node=per_node or 1,
-                rank_exponents=True,
-                # Staged routes: the chunk decides who owns what, and with it the bits.
-                chunk_elements=settled.bucket_chunks[0] if per_node else None,
-            )
-            same = same and torch.equal(got.nan_to_num(7.0), torch.cat(expected).nan_to_num(7.0))
         nan = tuple(bool(part.isnan().all()) for part in got.split(NUMELS) if part.numel())
-        out.append((on_path, bound, settled.stats, full.stats, same, traffic, nan))
+        out.append((on_path, bound, settled.stats, want, same, dict(settled.bytes_detail), nan))
     return out
 
 
@@ -134,7 +126,7 @@ def _run(rank: int, world: int, fmt: str, reduction: str, scaling: str, backend:
         ("fp16", "hierarchical", "none", ("kernels",), 4),
     ],
 )
-def test_settled_records_equal_the_full_paths(
+def test_settled_records_and_gradients_equal_the_simulated_ones(
     fmt: str, reduction: str, scaling: str, backends: tuple[str, ...], world: int
 ) -> None:
     args = (fmt, reduction, scaling, backends)
@@ -146,18 +138,18 @@ def test_settled_records_equal_the_full_paths(
 
 def _check(steps: list, rank: int, world: int, scaling: str, backend: str) -> None:
     """One backend's steps on one rank: settled from the second step, on that backend,
-    with the full path's records, gradients and bytes."""
+    with the simulated records and gradients, the same bytes every step."""
     blocks = scaling == "block"  # each rank's own block exponents: its own maxima
-    for step, (on_path, bound, settled, full, same, traffic, nan) in enumerate(steps):
+    for step, (on_path, bound, settled, want, same, traffic, nan) in enumerate(steps):
         if blocks and step == STEPS - 1:  # NaN in one block on the last rank: in its layer
             assert nan == (False, False, False, True, False), (rank, backend, nan)
         assert on_path == (step > 0), (rank, step, backend)  # settled from the second step
         if on_path:
             assert bound == backend, (bound, backend)
         assert same, (rank, step, backend)  # the gradients, bit for bit
-        assert traffic[0] == traffic[1], (rank, step, backend, traffic)
+        assert traffic == steps[1][5], (rank, step, backend, traffic)  # the same formats
         assert [s.numel for s in settled] == NUMELS
-        assert settled == full, (rank, step)
+        assert settled == want, (rank, step, backend)
         zeros, empty, wide, one, _, half = settled
         assert zeros.amax == 0.0 and zeros.exponent == 0 and zeros.underflow_rate == 0.0
         assert empty.amax == 0.0 and empty.underflow_rate == 0.0
