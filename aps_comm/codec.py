@@ -1313,6 +1313,7 @@ class Codec:
         layout: Layout | None,
         pad: int = 0,
         valid: int | None = None,
+        rows: torch.Tensor | None = None,
     ) -> Callable[[], object]:
         """The staged routes' sum then encode, bound: float32 ``source`` (``n_rows`` rows)
         summed into ``acc`` (the node's sum), or uint8 ``source`` through
@@ -1320,7 +1321,10 @@ class Codec:
         where None) encoded into ``out`` as :meth:`bind_encode` does.
 
         One kernel call on "kernels" (:func:`aps_comm.cpu_kernels.reduce_encode`), the two
-        calls in turn elsewhere: the same bits.
+        calls in turn elsewhere: the same bits. ``acc`` may be the first row (of
+        ``source``, or of ``rows``): each element's sum is written after its rows are read.
+        ``rows``: float32 scratch of a uint8 ``source``'s decoded rows on "kernels"
+        (``n_rows`` times ``acc``'s elements; made here where None).
         """
         x = acc if valid is None else acc[:valid]
         numel = x.numel()
@@ -1349,7 +1353,9 @@ class Codec:
         _check_scaled(scale, layout, numel)
         factors = _window_scale(scale, layout)
         assert factors is not None
-        scratch = np.empty(n_rows * acc.numel(), np.float32) if wide else None
+        scratch = None
+        if wide:
+            scratch = np.empty(n_rows * acc.numel(), np.float32) if rows is None else rows.numpy()
         return functools.partial(
             cpu_kernels.call,
             "reduce_encode",
