@@ -798,10 +798,12 @@ class BucketPlan:
             order: dict[FloatFormat, list[int]] = {}
             for i, f in enumerate(formats):
                 order.setdefault(f, []).append(i)
+            # FP32 groups have no buffers: one group sent scaled cuts them as a bucket's one.
+            alone = sum(f != FP32 for f in order) <= 1
             for _ in range(2):  # twice only where the workspace had to grow
                 cached, opened = [], []
                 for f, idx in order.items():
-                    arenas = self._arenas(len(order) == 1)
+                    arenas = self._arenas(alone)
                     opened += arenas or ()
                     made = self._group_plan(
                         f,
@@ -828,10 +830,11 @@ class BucketPlan:
 
     def _arenas(self, alone: bool) -> tuple[Arena, Arena] | None:
         """Where a group plan's buffers come from: what a deferred tail reads, then the
-        rest. A bucket of one group defers its tail: that from the bucket's slot, the rest
-        from :attr:`Slot.EXCHANGE`, which every bucket shares. A bucket of several groups
-        defers nothing and runs one group at a time: every buffer of each group from the
-        start of :attr:`Slot.EXCHANGE` (the groups share it too). None: no workspace."""
+        rest. A bucket of one group (``alone``) defers its tail: that from the bucket's
+        slot, the rest from :attr:`Slot.EXCHANGE`, which every bucket shares. A bucket of
+        several groups sent scaled defers nothing and runs one group at a time: every
+        buffer of each group from the start of :attr:`Slot.EXCHANGE` (the groups share it
+        too, and no copy per slot is kept). None: no workspace."""
         if self.workspace is None:
             return None
         shared = self.workspace.arena(Slot.EXCHANGE)
