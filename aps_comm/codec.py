@@ -606,10 +606,11 @@ class AgreedBlockChunk:
     (:meth:`Codec.bind_agreed_blocks`).
 
     Attributes:
-        offsets: the group's block boundaries (int64, elements).
+        offsets: the group's block boundaries (int64, elements), or on the CPU kernels
+            its grid (:class:`aps_comm.layout.BlockGrid`: nothing kept per block).
         firsts: the chunk's N shards' first blocks, and the end (int64).
-        layer_of: each block's layer (int64).
-        shard: this rank's shard's block boundaries, from 0 (int64).
+        layer_of: each block's layer (int64; int32 on the CPU kernels).
+        shard: this rank's shard's block boundaries, from 0 (int64; int32 on the CPU kernels).
         first: this rank's shard's first block in the group.
         send: the chunk's exchange, N equal pieces.
         recv: what the exchange brings, N equal pieces.
@@ -619,7 +620,7 @@ class AgreedBlockChunk:
         counts: the first chunk: blocks per layer of the group (int64); else None.
     """
 
-    offsets: np.ndarray
+    offsets: np.ndarray | BlockGrid
     firsts: np.ndarray
     layer_of: np.ndarray
     shard: np.ndarray
@@ -683,7 +684,7 @@ class NodeBlockChunk:
         piece_firsts: the slice's M shards' first blocks (of the slice), and the end.
         send: the exchange across nodes, M equal pieces.
         recv: what it brings, M equal pieces.
-        shard: this rank's shard's block boundaries, from 0 (int64).
+        shard: this rank's shard's block boundaries, from 0 (int64; int32 on the CPU kernels).
         out: this rank's shard as gathered (codes, keys, in the first chunk flags).
         gathered: the chunk's N shards gathered, N equal rows.
         shard_bytes: payload bytes every shard is padded to.
