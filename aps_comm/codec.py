@@ -625,10 +625,11 @@ class AgreedBlockChunk:
     (:meth:`Codec.bind_agreed_blocks`).
 
     Attributes:
-        offsets: the group's block boundaries (int64, elements).
+        offsets: the group's block boundaries (int64, elements), or on the CPU kernels
+            its grid (:class:`aps_comm.layout.BlockGrid`: nothing kept per block).
         firsts: the chunk's N shards' first blocks, and the end (int64).
-        layer_of: each block's layer (int64).
-        shard: this rank's shard's block boundaries, from 0 (int64).
+        layer_of: each block's layer (int64; int32 on the CPU kernels).
+        shard: this rank's shard's block boundaries, from 0 (int64; int32 on the CPU kernels).
         first: this rank's shard's first block in the group.
         send: the chunk's exchange, N equal pieces.
         recv: what the exchange brings, N equal pieces.
@@ -638,7 +639,7 @@ class AgreedBlockChunk:
         counts: the first chunk: blocks per layer of the group (int64); else None.
     """
 
-    offsets: np.ndarray
+    offsets: np.ndarray | BlockGrid
     firsts: np.ndarray
     layer_of: np.ndarray
     shard: np.ndarray
@@ -702,7 +703,7 @@ class NodeBlockChunk:
         piece_firsts: the slice's M shards' first blocks (of the slice), and the end.
         send: the exchange across nodes, M equal pieces.
         recv: what it brings, M equal pieces.
-        shard: this rank's shard's block boundaries, from 0 (int64).
+        shard: this rank's shard's block boundaries, from 0 (int64; int32 on the CPU kernels).
         out: this rank's shard as gathered (codes, keys, in the first chunk flags).
         gathered: the chunk's N shards gathered, N equal rows.
         shard_bytes: payload bytes every shard is padded to.
@@ -1332,6 +1333,7 @@ class Codec:
         layout: Layout | None,
         pad: int = 0,
         valid: int | None = None,
+        rows: torch.Tensor | None = None,
     ) -> Callable[[], object]:
         """The staged routes' sum then encode, bound: float32 ``source`` (``n_rows`` rows)
         summed into ``acc`` (the node's sum), or uint8 ``source`` through
@@ -1339,7 +1341,10 @@ class Codec:
         where None) encoded into ``out`` as :meth:`bind_encode` does.
 
         One kernel call on "kernels" (:func:`aps_comm.cpu_kernels.reduce_encode`), the two
-        calls in turn elsewhere: the same bits.
+        calls in turn elsewhere: the same bits. ``acc`` may be the first row (of
+        ``source``, or of ``rows``): each element's sum is written after its rows are read.
+        ``rows``: float32 scratch of a uint8 ``source``'s decoded rows on "kernels"
+        (``n_rows`` times ``acc``'s elements; made here where None).
         """
         x = acc if valid is None else acc[:valid]
         numel = x.numel()
@@ -1368,7 +1373,9 @@ class Codec:
         _check_scaled(scale, layout, numel)
         factors = _window_scale(scale, layout)
         assert factors is not None
-        scratch = np.empty(n_rows * acc.numel(), np.float32) if wide else None
+        scratch = None
+        if wide:
+            scratch = np.empty(n_rows * acc.numel(), np.float32) if rows is None else rows.numpy()
         return functools.partial(
             cpu_kernels.call,
             "reduce_encode",

@@ -421,6 +421,11 @@ class SteadyStaged(Steady):
             call or a Triton launch each).
         records_call: with ``local`` and ``names``, the records' bound call
             (:meth:`aps_comm.codec.Codec.bind_block_records`).
+        scratch: the state's workspace, whose :attr:`Slot.STEP` slot holds ``local`` and
+            the chunks' float32 scratch beyond the plan's
+            (:func:`aps_comm.transports.node_spare`: grid's, rarely hierarchical's):
+            nothing deferred reads them; None: allocations of their own. The factors'
+            rows are the plan's (:attr:`aps_comm.plan.NodePlan.factors`).
     """
 
     groups: NodeGroups | None = None
@@ -431,13 +436,31 @@ class SteadyStaged(Steady):
     record_keys: tuple[np.ndarray, np.ndarray] | None = None
     local: torch.Tensor | None = None
     records_call: Callable[[torch.Tensor], None] | None = None
+    scratch: Workspace | None = None
 
-    def bind(self, x: torch.Tensor, world_size: int) -> bool:
+    def bind(self, x: torch.Tensor, world_size: int, spare: torch.Tensor | None = None) -> bool:
         """Bind the maxima kernel, the factors and every chunk's calls to the float32
-        buffer ``x``; False where the codec has no fused calls for agreed block keys."""
+        buffer ``x``; False where the codec has no fused calls for agreed block keys.
+        ``spare``: the chunks' float32 scratch (else from :attr:`scratch`'s STEP slot)."""
         g, grid = self.group, self.route == Route.GRID
         n = g.layout.n_segments  # the layers, or with ``local`` the blocks
-        if self.factors is None or self.factors.shape[1] != n or self.factors.device != x.device:
+        assert g.node is not None
+        n_spare = transports.node_spare(g)
+        if spare is None and self.scratch is not None and (n_spare or self.local is not None):
+            # Only read while the hook runs: the block maxima, their keys' MAX all-reduce
+            # vector (written whole every step), then the chunks' scratch.
+            blocks = 0 if self.local is None else n
+            sizes = [(blocks, torch.float32), (blocks and self.maxima.numel(), torch.uint8)]
+            local, keyed, spare = self._step([*sizes, (n_spare, torch.float32)])
+            if self.local is not None:
+                if local.data_ptr() != self.local.data_ptr():  # a chunk's change mid-step
+                    local.copy_(self.local)  # binds again: what this step agreed, moved
+                    keyed.copy_(self.maxima)
+                self.local, self.agreed = local, dataclasses.replace(self.agreed, maxima=local)
+                self.maxima = keyed
+        if g.node.factors is not None:  # refilled before every use: the plan's rows
+            self.factors = g.node.factors
+        elif self.factors is None or self.factors.shape[1] != n or self.factors.device != x.device:
             self.factors = torch.ones(4, n, dtype=torch.float32, device=x.device)
         f = self.factors
         if self.local is not None:
@@ -460,9 +483,20 @@ class SteadyStaged(Steady):
         if counted and g.codec.backend == "kernels" and x.device.type == "cpu":
             self.record_keys = np.empty(n, np.int32), np.empty(n, np.float32)
         factors = (f[0], f[1], f[2], f[3] if grid else None)
-        self.node_calls = transports.bind_hierarchical(g, x, factors, world_size)
+        self.node_calls = transports.bind_hierarchical(g, x, factors, world_size, spare)
         self.bound_ptr = x.data_ptr()
         return True
+
+    def _step(self, sizes: list[tuple[int, torch.dtype]]) -> list[torch.Tensor]:
+        """Views of ``sizes`` (elements, dtype) one after the other from the start of
+        :attr:`scratch`'s STEP slot (grown first where it is too small)."""
+        assert self.scratch is not None
+        probe = self.scratch.arena(Slot.STEP)
+        for n, dtype in sizes:
+            probe.take(n, dtype)
+        probe.close()
+        arena = self.scratch.arena(Slot.STEP)
+        return [arena.take(n, dtype) for n, dtype in sizes]
 
     def first_factors(self) -> tuple[np.ndarray, np.ndarray]:
         """The first level's factors ``2**e`` and their int32 exponent keys ``127 - e``,
@@ -849,6 +883,14 @@ class SteadyGroups:
                 # written again, and go back as they are.
                 rates = torch.index_select(bucket_rates, 0, self.order)
                 self.put_rates = functools.partial(bucket_rates.index_copy_, 0, self.order, rates)
+        # The staged groups' chunk scratch: one for all (a group at a time), as the values
+        # the workspace's, or (no workspace) every group's own.
+        staged = [transports.node_spare(g) for g in self.groups if g.node is not None]
+        spare = (
+            _take(arena, max(staged), torch.float32, x.device)
+            if staged and arena is not None
+            else None
+        )
         parts: list[tuple[torch.Tensor, Steady | SteadyBlocks | SteadyFeedback | None]] = []
         group_rates: list[torch.Tensor | None] = []
         lo = first = 0
@@ -864,7 +906,9 @@ class SteadyGroups:
                         return False
                 else:
                     picked = self.factors is not None
-                    steady = self._steady(g, gx, maxima[first:last], names, world_size, picked)
+                    steady = self._steady(
+                        g, gx, maxima[first:last], names, (world_size, spare), picked
+                    )
                     if picked:
                         assert self.factors is not None
                         pick = agreed.numpy(), np.asarray(g.index, np.int64), self.bucket
@@ -885,12 +929,13 @@ class SteadyGroups:
         gx: torch.Tensor,
         gmax: torch.Tensor,
         names: list[str | None] | None,
-        world_size: int,
+        ranks: tuple[int, torch.Tensor | None],
         picked: bool = False,
     ) -> Steady:
         """Group ``g``'s :class:`Steady`, bound to its values ``gx`` and agreed maxima ``gmax``
-        (``picked``: written, and spread for the factors only, by the factors' call)."""
-        route = Route(g.reduction)
+        (``picked``: written, and spread for the factors only, by the factors' call;
+        ``ranks``: N, and a staged group's chunk scratch, if any)."""
+        route, (world_size, spare) = Route(g.reduction), ranks
         staged: dict[str, Any] = {}
         if route.staged:
             assert g.node is not None and self.layouts is not None
@@ -915,7 +960,10 @@ class SteadyGroups:
         )
         if names is not None:
             steady.record_names(names)
-        steady.bind(gx, world_size)
+        if isinstance(steady, SteadyStaged):
+            steady.bind(gx, world_size, spare)
+        else:
+            steady.bind(gx, world_size)
         return steady
 
     def _gather_maxima(
@@ -3168,10 +3216,12 @@ class Reducer:
             per_node=g.node.ranks_per_node,
             promote=promote,
             local=local,
+            scratch=self.workspace(x.device),
         )
         if settings.stats:
             st.record_names(names)
         if st.bind(x, self.comm.world_size):
+            st.workspace = self._epoch(index, x.device)  # the STEP slot's, after the binding
             self.steady[index] = st
 
     def _run_staged(

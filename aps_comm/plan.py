@@ -198,6 +198,9 @@ class NodePlan:
             ``wire_first`` (grid) their encoded bytes, L x the padded slice.
         encoded: uint8 scratch for this rank's encoded slices.
         wire_first: the first level exchanges the wire format (grid), not FP32.
+        factors: float32 (4, segments): the rows a settled bucket refills every step
+            (scale, shift, unscale, first), cut with the buffers a deferred tail reads
+            (its decode reads the unscale row); None where made by their user.
     """
 
     ranks_per_node: int
@@ -214,6 +217,7 @@ class NodePlan:
     sums: torch.Tensor
     encoded: torch.Tensor
     wire_first: bool = False
+    factors: torch.Tensor | None = None
 
 
 @dataclasses.dataclass(frozen=True)
@@ -794,12 +798,14 @@ class BucketPlan:
             order: dict[FloatFormat, list[int]] = {}
             for i, f in enumerate(formats):
                 order.setdefault(f, []).append(i)
+            # FP32 groups have no buffers: one group sent scaled cuts them as a bucket's one.
+            alone = sum(f != FP32 for f in order) <= 1
             for _ in range(2):  # twice only where the workspace had to grow
-                arenas = None
-                if self.workspace is not None:
-                    arenas = self.workspace.arena(self.slot), self.workspace.arena(Slot.EXCHANGE)
-                cached = [
-                    self._group_plan(
+                cached, opened = [], []
+                for f, idx in order.items():
+                    arenas = self._arenas(alone)
+                    opened += arenas or ()
+                    made = self._group_plan(
                         f,
                         idx,
                         len(order) == 1,
@@ -812,9 +818,8 @@ class BucketPlan:
                         rank_exponents,
                         arenas,
                     )
-                    for f, idx in order.items()
-                ]
-                if arenas is None or all([a.close() for a in arenas]):
+                    cached.append(made)
+                if all([a.close() for a in opened]):
                     break
             self.groups[key] = cached
             if self.workspace is not None:
@@ -822,6 +827,18 @@ class BucketPlan:
                 self.group_epochs[key] = self.workspace.epoch(self.slot, Slot.EXCHANGE)
             self.group_builds += 1
         return cached
+
+    def _arenas(self, alone: bool) -> tuple[Arena, Arena] | None:
+        """Where a group plan's buffers come from: what a deferred tail reads, then the
+        rest. A bucket of one group (``alone``) defers its tail: that from the bucket's
+        slot, the rest from :attr:`Slot.EXCHANGE`, which every bucket shares. A bucket of
+        several groups sent scaled defers nothing and runs one group at a time: every
+        buffer of each group from the start of :attr:`Slot.EXCHANGE` (the groups share it
+        too, and no copy per slot is kept). None: no workspace."""
+        if self.workspace is None:
+            return None
+        shared = self.workspace.arena(Slot.EXCHANGE)
+        return (self.workspace.arena(self.slot) if alone else shared), shared
 
     def _group_plan(
         self,
@@ -932,9 +949,10 @@ class BucketPlan:
             regions=regions,
             shard_regions=shard_regions,
             send=scratch(start),
-            # Read by the owner's step, done before the bucket's tail (not hierarchical's).
-            recv=scratch(received, tail=node_plan is not None),
-            shards=scratch(shard_start),
+            # Read by the owner's step, done before the bucket's tail.
+            recv=scratch(received, tail=False),
+            # Two_phase's tail gathers the shards; the staged routes' is in-node (node.encoded).
+            shards=scratch(shard_start, tail=node_plan is None),
             codec=codec_for(fmt, self.device),
             node=node_plan,
             blocks=blocks,
@@ -1131,9 +1149,11 @@ class BucketPlan:
             shard_windows=shard_windows,
             sum_regions=sum_regions,
             slice_regions=slice_regions,
-            sums=scratch(sum_start, torch.uint8 if wire_first else torch.float32),
+            # The first exchange's, read by the node's sum: done before the bucket's tail.
+            sums=scratch(sum_start, torch.uint8 if wire_first else torch.float32, tail=False),
             encoded=scratch(slice_start),
             wire_first=wire_first,
+            factors=scratch(4 * layout.n_segments, torch.float32).view(4, layout.n_segments),
         )
 
 

@@ -75,6 +75,7 @@ __all__ = [
     "hierarchical_rank_blocks",
     "native",
     "node_block_ops",
+    "node_spare",
     "rank_block_ops",
     "reduce_scatter",
     "rows_exchange",
@@ -651,9 +652,12 @@ def bind_agreed_blocks(
     """
     sh = g.block_shards
     assert sh is not None and not sh.rank_exponents and g.blocks is not None
-    offsets = g.layout.offsets.numpy().astype(np.int64)
     counts = g.blocks.counts.numpy()  # the host copy the plan keeps
-    layer_of = np.repeat(np.arange(counts.size, dtype=np.int64), counts)
+    # The CPU kernels take the plan's grid (no offset per block) and index in int32.
+    host = g.codec.backend == "kernels" and x.device.type == "cpu"
+    wide = np.int32 if host and g.layout.numel < 2**31 else np.int64
+    offsets = _grid_of(g.layout) if host else g.layout.offsets.numpy().astype(np.int64)
+    layer_of = np.repeat(np.arange(counts.size, dtype=wide), counts)
     calls = []
     for c in range(len(g.chunks)):
         firsts = _block_firsts(g.layout, sh.bounds[c])
@@ -668,7 +672,7 @@ def bind_agreed_blocks(
             offsets,
             firsts,
             layer_of,
-            sh.layouts[c][rank].offsets.numpy().astype(np.int64),
+            sh.layouts[c][rank].offsets.numpy().astype(wide),
             int(firsts[rank]),
             send,
             recv,
@@ -1119,11 +1123,48 @@ class NodeChunkCalls:
     splits: tuple[list[int], list[int]] | None = None
 
 
+def _node_rows(g: GroupPlan, c: int) -> tuple[int, int, int]:
+    """Chunk ``c`` of a staged group: the float32 elements of the node's sum (grid: its
+    ``L`` decoded slices' each), of the owner's mean, and of the owner's ``M`` decoded rows."""
+    node, bits = g.node, g.fmt.wire_bits
+    assert node is not None
+    (s0, s1), (e0, e1) = node.sum_regions[c], node.slice_regions[c]
+    if node.wire_first:
+        width = (s1 - s0) * 8 // bits // node.ranks_per_node
+    else:
+        width = node.splits[c][node.local_rank]
+    per_shard = (e1 - e0) // node.nodes * 8 // bits
+    return width, per_shard, node.nodes * per_shard
+
+
+def node_spare(g: GroupPlan) -> int:
+    """The float32 scratch :func:`bind_hierarchical` needs beyond the plan's buffers, one
+    for every chunk (its calls run one at a time): grid's decoded slices (its sum the
+    first), and the owner's decoded rows (its mean the first) where the chunk's node sums,
+    free by then, cannot hold them. 0 for most hierarchical chunks.
+
+    Example:
+        >>> transports.node_spare(g)  # doctest: +SKIP
+        0
+    """
+    node, need = g.node, 0
+    assert node is not None
+    for c in range(len(g.chunks)):
+        width, _, rows = _node_rows(g, c)
+        s0, s1 = node.sum_regions[c]
+        if node.wire_first:
+            need = max(need, node.ranks_per_node * width, rows)
+        elif rows > s1 - s0:
+            need = max(need, rows)
+    return need
+
+
 def bind_hierarchical(
     g: GroupPlan,
     x: torch.Tensor,
     factors: tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor | None],
     world_size: int,
+    spare: torch.Tensor | None = None,
 ) -> list[NodeChunkCalls]:
     """Every chunk's codec work of :func:`hierarchical`, bound to ``x``, the plan's buffers
     and the factor tensors (scale, shift, unscale, first), which are read when the calls
@@ -1135,6 +1176,12 @@ def bind_hierarchical(
     (grid 4) whatever the number of layers. Elsewhere the codec's calls,
     with the same bits.
 
+    The float32 scratch holds nothing between calls: the node's sum is taken in
+    place of its first slice (the node sums' region), the owner's decoded rows
+    in the node sums' region of the chunk (free once its sum is encoded) or in
+    ``spare`` (:func:`node_spare` elements, made here where None), the mean in
+    place of the first row.
+
     Example:
         >>> calls = transports.bind_hierarchical(g, x, (s, sh, u, None), 4)  # doctest: +SKIP
         >>> transports.hierarchical_bound(calls, groups, count)  # doctest: +SKIP
@@ -1143,6 +1190,8 @@ def bind_hierarchical(
     assert node is not None
     scale, shift, unscale, first = factors
     per_node, local = node.ranks_per_node, node.local_rank
+    if spare is None:
+        spare = torch.empty(node_spare(g), dtype=torch.float32, device=x.device)
     calls = []
     for c, (lo, hi) in enumerate(g.chunks):
         (r0, r1), (s0, s1) = g.regions[c], node.sum_regions[c]
@@ -1155,6 +1204,7 @@ def bind_hierarchical(
             g.send[r0:r1],
         )
         recv = g.recv[e0:e1]
+        width, per_shard, n_rows = _node_rows(g, c)
         send_first = splits = None
         if node.wire_first:
             assert first is not None
@@ -1163,23 +1213,22 @@ def bind_hierarchical(
             pad = (r1 - r0) * 8 // bits - (hi - lo)
             send_first = codec.bind_encode(x[lo:hi], gathered, first, g.windows[c], pad)
             first_in = gathered
-            total = sums.numel() * 8 // bits  # L encoded slices, padded
-            acc = torch.empty(total // per_node, dtype=torch.float32, device=x.device)
+            acc, rows = spare[:width], spare[: per_node * width]
         else:
             first_in = x[lo:hi]
             splits = node.splits[c], [valid] * per_node
-            acc = torch.empty(valid, dtype=torch.float32, device=x.device)
+            acc, rows = sums[:valid], None
         pad = (e1 - e0) * 8 // bits - valid
         # The node's sum in local-rank order, as aps_comm.simulate sums (grid: its encoded
         # slices decoded first), and its encode: one call on the CPU kernels.
         across = codec.bind_reduce_encode(
-            sums, per_node, acc, 1, send, scale, node.slice_windows[c], pad, valid
+            sums, per_node, acc, 1, send, scale, node.slice_windows[c], pad, valid, rows
         )
-        per_shard = (e1 - e0) // node.nodes * 8 // bits
-        mean = torch.empty(per_shard, dtype=torch.float32, device=x.device)
+        room = spare if node.wire_first or n_rows > sums.numel() else sums
         pad = (h1 - h0) * 8 // bits - kept
         owner = codec.bind_reduce_encode(
-            recv, node.nodes, mean, world_size, shard, shift, node.shard_windows[c], pad, kept
+            *(recv, node.nodes, room[:per_shard], world_size, shard, shift),
+            *(node.shard_windows[c], pad, kept, room[:n_rows]),
         )
         decode = codec.bind_decode(g.send[r0:], x[lo:hi], unscale, g.windows[c])
         calls.append(

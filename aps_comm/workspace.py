@@ -10,10 +10,11 @@ Buckets overlap on the wire in one way only: the hook's worker starts bucket
 k + 1 before it finishes bucket k's deferred tail (its last all-gather and
 decode), and DDP hands buckets over in index order. So buffers a tail uses
 come from one of two :class:`Slot`\\ s, alternating with the bucket index;
-what no tail reads comes from regions every bucket shares: what the
-exchange brings (:attr:`Slot.EXCHANGE`, read by the owner's step) and the
-settled paths' scratch (:attr:`Slot.STEP`: error feedback's float32 scratch
-and factors, the block keys).
+what no tail reads comes from regions every bucket shares: the plans' (what
+the exchange brings, read by the owner's step; the staged routes' node sums
+and shards; every buffer of a bucket of several groups, which defers nothing:
+:attr:`Slot.EXCHANGE`) and the settled paths' scratch (:attr:`Slot.STEP`:
+error feedback's float32 scratch and factors, the block keys).
 
 The workspace grows (to the largest request) until every bucket has been
 seen; a growth frees nothing that is bound, it only moves the region on:
@@ -53,7 +54,9 @@ class Slot(enum.Enum):
     ODD = "odd"
     """Buckets of odd index: the same, for the bucket on the wire beside an even one."""
     EXCHANGE = "exchange"
-    """Plans' receive buffers: read by the owner's step, never by a tail."""
+    """Plans' buffers no tail reads: receive buffers (read by the owner's step), the staged
+    routes' node sums and shards, and a bucket of several groups' every buffer (nothing
+    deferred; its groups run one at a time, each from the region's start)."""
     STEP = "step"
     """Settled paths' scratch used only while the bucket's hook runs, never by its tail."""
     INPUT_EVEN = "input_even"

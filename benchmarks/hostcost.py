@@ -37,8 +37,8 @@ most 300 us per bucket on a quiet 2-core machine (150 us on a GPU host).
 
 Usage::
 
-    python -m benchmarks.hostcost [--device cpu] [--repeats 50] [--configs routes|all] [--out FILE]
-    python -m benchmarks.hostcost --memory 8 [--configs routes|all]
+    python -m benchmarks.hostcost [--device cpu] [--repeats 50] [--configs routes|all|fsdp|NAME,...] [--out FILE]
+    python -m benchmarks.hostcost --memory 8 [--configs routes|all|NAME,...]
 
 Example:
     >>> rows = measure(torch.device("cpu"), repeats=3)  # doctest: +SKIP
@@ -1028,10 +1028,10 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--repeats", type=int, default=50)
     parser.add_argument(
         "--configs",
-        choices=("routes", "all", "fsdp"),
         default="routes",
-        help="the three plain routes, every option a user turns on (CONFIGS), or FSDP2's "
-        "reduce-scatter and HSDP's all-reduce across replicas (FSDP_ROUTES)",
+        help="the three plain routes, every option a user turns on (CONFIGS: 'all', or some "
+        "of its names, comma-separated), or FSDP2's reduce-scatter and HSDP's all-reduce "
+        "across replicas ('fsdp': FSDP_ROUTES)",
     )
     parser.add_argument("--out", default=None, help="write the rows as JSON here")
     parser.add_argument(
@@ -1042,6 +1042,11 @@ def main(argv: list[str] | None = None) -> int:
         help="instead, the state's bytes for a model of BUCKETS buckets of MEMORY_BUCKET",
     )
     args = parser.parse_args(argv)
+    named = {"routes": ROUTES, "all": CONFIGS, "fsdp": FSDP_ROUTES}
+    wanted = args.configs.split(",")
+    if args.configs not in named and not all(name in CONFIGS for name in wanted):
+        parser.error(f"--configs: routes, all, fsdp or names of CONFIGS, not {args.configs!r}")
+    routes = named.get(args.configs) or {name: CONFIGS[name] for name in wanted}
     device = torch.device(args.device)
     if device.type == "cuda" and not torch.cuda.is_available():
         parser.error("--device cuda needs a CUDA device")
@@ -1049,14 +1054,12 @@ def main(argv: list[str] | None = None) -> int:
         if args.memory < 0 or args.out or args.configs == "fsdp":
             parser.error(f"--memory takes a bucket count > 0, routes or all, and no --out: {args}")
         with world_of_one(device):
-            routes = CONFIGS if args.configs == "all" else ROUTES
             print(memory_table(measure_memory(device, routes, args.memory)))
         return 0
     with world_of_one(device):
         if args.configs == "fsdp":
             rows = measure_fsdp(device, args.repeats)
         else:
-            routes = CONFIGS if args.configs == "all" else ROUTES
             rows = measure(device, args.repeats, routes=routes)
             if args.configs == "all":
                 rows += measure_allreduce_hook(device, args.repeats)
