@@ -72,7 +72,9 @@ from aps_comm.formats import (
 from aps_comm.layout import AMAX_BLOCK, BlockGrid, Blocks, Layout
 from aps_comm.scaling import (
     EXPONENT_LIMIT,
+    bad_layers,
     blocks_amax,
+    exponent_keys,
     factors_from_keys,
     key_factors,
     layer_amax,
@@ -374,6 +376,23 @@ def _owner_then_chunk(
 
 def _keep_lost_torch(x: torch.Tensor, sent: torch.Tensor, residual: torch.Tensor) -> None:
     residual.copy_(torch.where(torch.isfinite(sent), x - sent, 0.0))
+
+
+def _block_keys_torch(
+    fmt: FloatFormat,
+    x: torch.Tensor,
+    layout: Layout,
+    counts: torch.Tensor,
+    out: tuple[torch.Tensor, torch.Tensor, torch.Tensor],
+    world_size: int,
+) -> None:
+    """:meth:`Codec.bind_block_keys` by tensor ops (the backends without kernels): every
+    block's max |x|, its two_phase key and each layer's non-finite flag, written into
+    ``out`` (maxima, keys, flags)."""
+    maxima, keys, flags = out
+    maxima.copy_(blocks_amax(x, layout))
+    keys.copy_(exponent_keys(maxima, fmt, "two_phase", world_size=world_size)[0])
+    flags.copy_(bad_layers(keys, counts))
 
 
 def _factors_into(made: Callable[[], object], scale: torch.Tensor, unscale: torch.Tensor) -> None:
@@ -1440,10 +1459,13 @@ class Codec:
         ``keys`` and each layer's flag (:func:`aps_comm.scaling.bad_layers`)
         into ``flags``: one kernel call on the "kernels" backend, two
         launches on "triton" (the flags zeroed, one kernel), whatever the
-        number of blocks. None on the other backends, or where a Triton variant
-        cannot compile here (launched once at bind time on private buffers,
+        number of blocks; on "cast" and "bits" the general path's tensor ops
+        (:func:`aps_comm.scaling.block_amax`, :func:`aps_comm.scaling.exponent_keys`,
+        :func:`aps_comm.scaling.bad_layers`), a fixed handful whatever the number of
+        blocks, no host read. None for values that are not float32, or where a Triton
+        variant cannot compile here (launched once at bind time on private buffers,
         the failure logged once). Where ``fmt.max`` times N passes float32's
-        max (bf16), the keys' rule takes the FP32 sum's bound too, on both.
+        max (bf16), the keys' rule takes the FP32 sum's bound too, on every backend.
 
         Args:
             x: the group's float32 values.
@@ -1464,8 +1486,13 @@ class Codec:
             >>> call = codec.bind_block_keys(x, blocks, counts, maxima, keys, flags, 2)  # doctest: +SKIP
             >>> call()  # doctest: +SKIP
         """
-        if self.backend not in ("kernels", "triton") or x.dtype != torch.float32:
+        if x.dtype != torch.float32:
             return None
+        if self.backend in ("cast", "bits"):
+            on_device = counts.to(x.device)  # once, at bind time
+            return functools.partial(
+                _block_keys_torch, self.fmt, x, layout, on_device, (maxima, keys, flags), world_size
+            )
         if self.backend == "kernels":
             # A CPU grid's blocks go as the grid: the kernel derives their offsets.
             grid = layout.cells if layout.cells is not None else layout.offsets.numpy()

@@ -89,11 +89,6 @@ __all__ = [
 ONE_CHUNK = 2**62
 """A chunk larger than any bucket: error feedback's owner step needs the whole shard."""
 
-# The codecs whose bound residual updates are checked bit for bit against the general
-# path's (numba kernels; Triton, whose updates are whole-bucket tensor ops): elsewhere
-# error feedback keeps the general path.
-_FEEDBACK_BACKENDS = ("kernels", "triton")
-
 
 @dataclasses.dataclass(frozen=True)
 class Settings:
@@ -2344,7 +2339,8 @@ class Reducer:
     ) -> SteadyFeedback | None:
         """Group ``g``'s :class:`SteadyFeedback`, bound to its values ``x`` (the bucket, or
         a group's view of it); None where it has no bound path: not two_phase in one chunk,
-        a codec without the fused calls, a layer without a residual of its own.
+        a layer without a residual of its own (every codec backend binds: the torch ones
+        with the general path's tensor ops).
 
         ``shared``: where its agreed maxima or block keys go, a view of the vector that a
         bucket of several formats agrees on at once (:meth:`_settle_feedback_groups`);
@@ -2360,7 +2356,6 @@ class Reducer:
             g.reduction not in (Route.TWO_PHASE, Route.ALLREDUCE)
             or g.block_shards is not None
             or len(g.chunks) != 1
-            or g.codec.backend not in _FEEDBACK_BACKENDS
             or len(set(names)) != len(names)
             or not all(n in fb.residuals for n in names)
         ):

@@ -26,7 +26,6 @@ import torch
 import torch.distributed as dist
 from torch.utils._python_dispatch import TorchDispatchMode
 
-import aps_comm.engine as engine_mod
 import aps_comm.reduction as reduction_mod
 from aps_comm.agreement import Layouts
 from aps_comm.config import BlockExponents, Reduction, Route, Scaling
@@ -345,6 +344,8 @@ def test_error_feedback_and_stats_make_no_host_traffic(
             get_format(name), "two_phase", scaling, world, 0, [], stats=True, feedback=True
         )
         steady, stats = _bucket_steps(reducer, names, 3, chunk=None)
+        # Both buckets took their bound path (issue 46), on the torch codec backends too.
+        assert all(isinstance(reducer.steady.get(b), SteadyFeedback) for b in (0, 1))
         for mode in steady:
             assert mode.reads == [] and mode.copies == [], (mode.reads, mode.copies)
         # The stats stay on the device until asked for, then are read once.
@@ -434,8 +435,7 @@ def test_settled_error_feedback_beside_fp32_makes_no_host_traffic(
     """Issue 46: error feedback with ``KeepLast("fp32")`` settles (one bucket of e4m3, one
     of e4m3 beside FP32), and its bound path reads nothing on the host and copies nothing
     to the device. Meta tensors take the "cast" codec, whose residual updates are the
-    tensor ops Triton's are: let it bind them here."""
-    monkeypatch.setattr(engine_mod, "_FEEDBACK_BACKENDS", ("cast",))
+    general path's tensor ops."""
     ran: list[str] = []
     monkeypatch.setattr(Reducer, "run_steady", _logged(Reducer.run_steady, ran))
     with stubbed_collectives(monkeypatch):
@@ -458,7 +458,6 @@ def test_settled_error_feedback_with_stats_makes_no_host_traffic(
     """Issue 46: error feedback with ``stats=True`` settles (one format, and beside FP32),
     its records (the device ops a GPU runs instead of the CPU kernel) read nothing on the
     host until the step's records are asked for, then once."""
-    monkeypatch.setattr(engine_mod, "_FEEDBACK_BACKENDS", ("cast",))
     ran: list[str] = []
     monkeypatch.setattr(Reducer, "run_steady", _logged(Reducer.run_steady, ran))
     with stubbed_collectives(monkeypatch):
@@ -488,7 +487,6 @@ def test_settled_error_feedback_under_promote_reads_only_its_rates(
     """Issue 46: error feedback under ``Promote`` settles (one format, and beside FP32);
     Promote reads its agreed rates once per bucket, and nothing else is read on the host
     or copied to the device."""
-    monkeypatch.setattr(engine_mod, "_FEEDBACK_BACKENDS", ("cast",))
     ran: list[str] = []
     monkeypatch.setattr(Reducer, "run_steady", _logged(Reducer.run_steady, ran))
     rules = [*POLICIES["promote"], KeepLast("fp32")]
@@ -510,7 +508,6 @@ def test_settled_error_feedback_on_interleaved_groups_makes_no_host_traffic(
     """Issue 46: error feedback with groups that interleave (fp16 between e4m3 layers)
     settles; its gather, maxima put and picked back, and scatter read nothing on the host
     and copy nothing to the device."""
-    monkeypatch.setattr(engine_mod, "_FEEDBACK_BACKENDS", ("cast",))
     with stubbed_collectives(monkeypatch):
         reducer, names = _reducer(
             get_format("e4m3"),

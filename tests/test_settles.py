@@ -25,6 +25,7 @@ import pytest
 import torch
 
 import aps_comm
+from aps_comm import codec
 from aps_comm.engine import SteadyAgreedBlocks, SteadyFeedback, SteadyGroups
 from aps_comm.policy import ByName, KeepLast, Promote, Rule, Schedule
 from aps_comm.testing import run_distributed
@@ -135,6 +136,28 @@ def test_every_configuration_settles_within_the_budget(world: None, combo: tuple
         assert len(state.stats) == len(NUMELS) - (policy in ("keep_last", "interleaved"))
 
 
+_AUTO = codec.backend_for
+
+
+def _force_codec_backend(options: dict[str, Any]) -> dict[str, Any]:
+    """``options`` without its "codec_backend": that torch codec backend ("cast" or "bits")
+    forced on CPU tensors in this rank's process where "auto" picks the numba kernels, as a
+    GPU without Triton runs them ("cast" falls to "bits" for a format without a torch
+    dtype); without one, "auto" as it is."""
+    options = dict(options)
+    backend = options.pop("codec_backend", None)
+
+    def forced(fmt: Any, device: torch.device) -> str:
+        fmt = codec.get_format(fmt)
+        if fmt.wire_bits > 16:
+            return _AUTO(fmt, device)
+        return backend if backend == "bits" or fmt.torch_dtype is not None else "bits"
+
+    codec.backend_for = _AUTO if backend is None else forced  # type: ignore[assignment]
+    codec.codec_for.cache_clear()
+    return options
+
+
 def _against_the_general_path(
     rank: int, world_size: int, configs: list[tuple[dict, int | None]]
 ) -> list[str]:
@@ -146,6 +169,7 @@ def _against_the_general_path(
     params = [torch.nn.Parameter(torch.empty(n)) for n in numels]
     problems = []
     for c, (options, chunk) in enumerate(configs):
+        options = _force_codec_backend(options)
         settled, general = aps_comm.APSState(**options), aps_comm.APSState(**options)
         for state in (settled, general):
             state.chunk_elements = chunk
@@ -294,6 +318,7 @@ def _feedback_against_the_general_path(
     params = [torch.nn.Parameter(torch.empty(n)) for n in numels]
     problems = []
     for c, options in enumerate(configs):
+        options = _force_codec_backend(options)
         settled, general = aps_comm.APSState(**options), aps_comm.APSState(**options)
         for state in (settled, general):
             state.bind_model(torch.nn.ModuleList(ParamLayer(p) for p in params))
@@ -349,7 +374,9 @@ def test_error_feedback_with_bucket_or_no_scaling_settles_with_the_general_paths
     """Issue 46: error feedback with ``scaling="bucket"`` or ``"none"`` settles (the general
     path every step before, 121 ops per bucket of five layers): the factors of the spread
     maxima (the records keeping the agreed ones) or the naive cast's, with the general
-    path's gradients, residuals, bytes, records and Promote's levels."""
+    path's gradients, residuals, bytes, records and Promote's levels; on the torch codec
+    backends ("cast", "bits") with layer and block scaling too (the general path there
+    before: their bound calls are the general path's tensor ops)."""
     configs = [
         {**_FEEDBACK, "scaling": "bucket"},
         {**_FEEDBACK, "scaling": "none"},
@@ -357,6 +384,10 @@ def test_error_feedback_with_bucket_or_no_scaling_settles_with_the_general_paths
         {**_FEEDBACK, "scaling": "none", "stats": True, "fmt": "fp16"},
         {**_FEEDBACK, "scaling": "bucket", "stats": True, "policy": [Promote(gamma=0.05)]},
         {**_FEEDBACK, "scaling": "none", "policy": [Promote(gamma=0.05)]},
+        # The torch codec backends (a GPU without Triton): layer and block scaling too.
+        {**_FEEDBACK, "codec_backend": "cast", "stats": True},
+        {**_FEEDBACK, "codec_backend": "bits", "scaling": "block", "fmt": "e2m1", "stats": True},
+        {**_FEEDBACK, "codec_backend": "cast", "scaling": "block", "fmt": "fp16"},
     ]
     args = (configs,)
     for problems in run_distributed(_feedback_against_the_general_path, world_size, args=args):
