@@ -73,14 +73,16 @@ from aps_comm.layout import AMAX_BLOCK, BlockGrid, Blocks, Layout
 from aps_comm.scaling import (
     EXPONENT_LIMIT,
     bad_layers,
+    block_keys_into,
     blocks_amax,
-    exponent_keys,
     factors_from_keys,
+    key_exponents,
     key_factors,
     layer_amax,
     mean_exponents,
 )
 from aps_comm.scaling import factors as scale_factors
+from aps_comm.telemetry import block_rows
 
 __all__ = [
     "AMAX_BLOCK",
@@ -390,9 +392,20 @@ def _block_keys_torch(
     block's max |x|, its two_phase key and each layer's non-finite flag, written into
     ``out`` (maxima, keys, flags)."""
     maxima, keys, flags = out
-    maxima.copy_(blocks_amax(x, layout))
-    keys.copy_(exponent_keys(maxima, fmt, "two_phase", world_size=world_size)[0])
+    block_keys_into(x, layout, fmt, "two_phase", world_size, (maxima, keys))
     flags.copy_(bad_layers(keys, counts))
+
+
+def _block_rows(
+    x: torch.Tensor,
+    blocks: Blocks,
+    keys: torch.Tensor,
+    maxima: torch.Tensor,
+    fmt: FloatFormat,
+    out: torch.Tensor,
+) -> None:
+    """:meth:`Codec.bind_block_records` by tensor ops: the records under the keys' exponents."""
+    block_rows(x, blocks, key_exponents(keys), maxima, fmt, out)
 
 
 def _factors_into(made: Callable[[], object], scale: torch.Tensor, unscale: torch.Tensor) -> None:
@@ -2161,9 +2174,10 @@ class Codec:
     ) -> Callable[[torch.Tensor], None] | None:
         """:meth:`block_records` of ``x`` bound: the returned call takes float64 ``out``
         (layers, 5). One kernel call on the "kernels" backend, two launches on "triton"
-        (:func:`aps_comm.triton_codec.bind_block_records`), whatever the number of layers
-        or blocks; None on the other backends, or where a Triton variant cannot compile
-        here (launched once at bind time on private buffers, the failure logged once).
+        (:func:`aps_comm.triton_codec.bind_block_records`), the general path's tensor ops
+        on "cast" and "bits" (:func:`aps_comm.telemetry.block_rows`), whatever the number
+        of layers or blocks; None where a Triton variant cannot compile here (launched
+        once at bind time on private buffers, the failure logged once).
 
         Example:
             >>> call = codec.bind_block_records(x, blocks, keys, maxima)  # doctest: +SKIP
@@ -2172,6 +2186,8 @@ class Codec:
         if self.backend == "kernels":
             self._check_records(x, blocks.layout)
             return functools.partial(self.block_records, x, blocks, keys, maxima)
+        if self.backend in ("cast", "bits"):
+            return functools.partial(_block_rows, x, blocks, keys, maxima, self.fmt)
         offsets = blocks.layout.offsets.numpy()
         longest = int(np.diff(offsets).max()) if offsets.size > 1 else 0
         if self.backend != "triton" or x.dtype != torch.float32 or longest > _triton().MAX_SEGMENT:

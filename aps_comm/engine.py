@@ -59,6 +59,7 @@ from aps_comm.scaling import (
     Factors,
     bad_layers,
     block_amax,
+    block_keys_into,
     blocks_amax,
     exponent_keys,
     factors,
@@ -589,13 +590,14 @@ class SteadyAgreedBlocks:
     workspace: tuple[int, ...] = ()
     names: list[str | None] | None = None
     native: bool = False
-    factors: tuple[torch.Tensor, torch.Tensor] | None = None
+    factors: tuple[torch.Tensor, ...] | None = None
     factors_call: Callable[[], object] | None = None
     records_call: Callable[[torch.Tensor], None] | None = None
 
     def bind(self, x: torch.Tensor, rank: int, world_size: int) -> bool:
         """Bind the keys', the records' and every chunk's calls to the float32 buffer
-        ``x``; False where the codec has no fused calls for them."""
+        ``x``; False where the codec has no calls for them (a Triton variant that cannot
+        compile here)."""
         g = self.group
         assert g.blocks is not None
         keys = self.shared[: g.layout.n_segments]
@@ -612,21 +614,77 @@ class SteadyAgreedBlocks:
         )
         if keys_call is None:
             return False
-        calls = transports.bind_agreed_blocks(g, x, keys, self.union, rank)
+        if g.codec.backend in ("cast", "bits"):
+            # No fused kernels: the general path's codec calls, shard by shard, on the
+            # agreed keys' factors (refilled in place after the MAX all-reduce).
+            self._bind_factors(keys, world_size)
+            assert self.factors is not None
+            calls = transports.agreed_block_calls(g, x, self.factors, rank, world_size)  # type: ignore[arg-type]  # three
+        else:
+            calls = transports.bind_agreed_blocks(g, x, keys, self.union, rank)
         if calls is None:
             return False
         self.keys_call, self.calls, self.bound_ptr = keys_call, calls, x.data_ptr()
         return True
 
-    def _bind_native(self, x: torch.Tensor, keys: torch.Tensor, world_size: int) -> bool:
-        """:meth:`bind` for the native all-reduce (CPU kernels only): one call for this
-        rank's block keys under the native sum's rule, one for the agreed keys' factors
-        (``factors``: per block ``2**e`` and ``2**-e / N``, refilled in place), and per
-        chunk the general path's encode and decode with them, bound."""
+    def _bind_factors(self, keys: torch.Tensor, world_size: int) -> None:
+        """The torch codec backends' ``factors`` and ``factors_call``: the general path's
+        factors of the agreed keys (:func:`aps_comm.scaling.factors_from_keys`), two_phase's
+        (scale, exponent, finite) or the native sum's (scale, unscale) per block, made
+        once here and refilled in place by the call."""
         g = self.group
         assert g.blocks is not None
-        if g.codec.backend != "kernels" or x.device.type != "cpu" or x.dtype != torch.float32:
+        made = functools.partial(
+            _key_factors,
+            keys,
+            g.fmt,
+            Route(g.reduction),
+            world_size,
+            g.blocks.device_counts.to(keys.device),  # once, at bind time
+        )
+        self.factors = tuple(t.clone() for t in made())
+        self.factors_call = functools.partial(_copy_all, made, self.factors)
+
+    def _bind_native(self, x: torch.Tensor, keys: torch.Tensor, world_size: int) -> bool:
+        """:meth:`bind` for the native all-reduce: one call for this rank's block keys
+        under the native sum's rule, one for the agreed keys' factors (``factors``: per
+        block ``2**e`` and ``2**-e / N``, refilled in place), and per chunk the general
+        path's encode and decode with them, bound. The CPU kernels' calls; the general
+        path's tensor ops on the torch codec backends."""
+        g = self.group
+        assert g.blocks is not None
+        if x.dtype != torch.float32:
             return False
+        if g.codec.backend in ("cast", "bits"):
+            self.keys_call = functools.partial(
+                block_keys_into,
+                x,
+                g.layout,
+                g.fmt,
+                Route.ALLREDUCE,
+                world_size,
+                (self.maxima, keys),
+            )
+            self._bind_factors(keys, world_size)
+        elif g.codec.backend != "kernels" or x.device.type != "cpu":
+            return False
+        else:
+            self._bind_native_kernels(x, keys, world_size)
+        assert self.factors is not None
+        scale, unscale = self.factors
+        calls = []
+        for c, ((lo, hi), (r0, r1)) in enumerate(zip(g.chunks, g.regions, strict=True)):
+            send, window = g.send[r0:r1], g.windows[c]
+            encode = g.codec.bind_encode(x[lo:hi], send, scale, window)
+            decode = g.codec.bind_decode(send, x[lo:hi], unscale, window)
+            calls.append(transports.ChunkCalls(encode, None, decode, send))
+        self.calls, self.bound_ptr = calls, x.data_ptr()
+        return True
+
+    def _bind_native_kernels(self, x: torch.Tensor, keys: torch.Tensor, world_size: int) -> None:
+        """:meth:`_bind_native`'s keys' and factors' calls on the CPU kernels."""
+        g = self.group
+        assert g.blocks is not None
         grid = g.layout.cells if g.layout.cells is not None else g.layout.offsets.numpy()
         self.keys_call = functools.partial(
             cpu_kernels.call,
@@ -644,14 +702,6 @@ class SteadyAgreedBlocks:
             unscale,
             world_size,
         )
-        calls = []
-        for c, ((lo, hi), (r0, r1)) in enumerate(zip(g.chunks, g.regions, strict=True)):
-            send, window = g.send[r0:r1], g.windows[c]
-            encode = g.codec.bind_encode(x[lo:hi], send, scale, window)
-            decode = g.codec.bind_decode(send, x[lo:hi], unscale, window)
-            calls.append(transports.ChunkCalls(encode, None, decode, send))
-        self.calls, self.bound_ptr = calls, x.data_ptr()
-        return True
 
 
 @dataclasses.dataclass
@@ -2715,9 +2765,10 @@ class Reducer:
         the native sum's (its factors first)."""
         comm = self.comm
         assert st.calls is not None
-        if st.native:
-            assert st.factors_call is not None and st.factors is not None
+        if st.factors_call is not None:  # the native sum's, or the torch backends'
             st.factors_call()
+        if st.native:
+            assert st.factors is not None
             scale, unscale = st.factors
             return transports.native(
                 st.group, x, scale, unscale, comm.group, self.traffic, None, defer, st.calls
@@ -4408,6 +4459,24 @@ def _feedback_encode(
         c.bind_encode(x, send, scale, g.windows[0], pad),
         c.bind_keep_lost(head, x, sent, unscale, g.layout, residual),
     )
+
+
+def _key_factors(
+    keys: torch.Tensor, fmt: FloatFormat, route: Route, world_size: int, counts: torch.Tensor
+) -> tuple[torch.Tensor, ...]:
+    """The general path's factors of agreed block ``keys`` (:meth:`Reducer._group_factors`):
+    two_phase's scale, exponent and finite flag of every block; the native sum's scale and
+    unscale."""
+    f = factors_from_keys(keys[None], fmt, route, world_size=world_size, counts=counts)
+    if route == Route.ALLREDUCE:
+        return f.scale, f.unscale
+    return f.scale, f.exponents, torch.isfinite(f.unscale)
+
+
+def _copy_all(made: Callable[[], Sequence[torch.Tensor]], out: Sequence[torch.Tensor]) -> None:
+    """Tensors made by ``made`` copied into the bound ``out`` (in place: calls read them)."""
+    for o, m in zip(out, made(), strict=True):
+        o.copy_(m)
 
 
 def _encode_and_keep(encode: Callable[[], object], keep: Callable[[], object]) -> None:

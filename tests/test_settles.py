@@ -218,13 +218,17 @@ _AGREED_STATS = {
 def test_agreed_blocks_with_stats_settle_with_the_general_paths_records(world_size: int) -> None:
     """Issue 46: agreed block exponents with ``stats=True`` settle (the general path every
     step before), with the general path's gradients, bytes, chunks and records: each
-    block's counts under its agreed key, its layer's largest block maximum this rank's."""
+    block's counts under its agreed key, its layer's largest block maximum this rank's;
+    on the torch codec backends ("cast", "bits") too."""
     configs = [
         (_AGREED_STATS, None),  # chunks sized by the ranks' timing, agreed on the keys
         ({**_AGREED_STATS, "block_size": 8}, 40),
         ({**_AGREED_STATS, "fmt": "e4m3", "block_size": 16}, 64),
         ({**_AGREED_STATS, "fmt": "fp16"}, None),
         ({**_AGREED_STATS, "fmt": "bf16", "block_size": 8}, 256),
+        # The torch codec backends (a GPU without Triton): the general path's calls, bound.
+        ({**_AGREED_STATS, "codec_backend": "bits"}, None),
+        ({**_AGREED_STATS, "fmt": "e4m3", "block_size": 8, "codec_backend": "cast"}, 40),
     ]
     for problems in run_distributed(_against_the_general_path, world_size, args=(configs,)):
         assert problems == []
@@ -403,7 +407,7 @@ def test_native_blocks_settle_with_the_general_paths_bits() -> None:
     factors, then per chunk the encode, the sum in the wire format and the decode, with
     the general path's gradients, bytes, chunks and records on two ranks; in several
     formats too (each group's keys in the one MAX all-reduce, the FP32 group's mean),
-    the groups consecutive or interleaved."""
+    the groups consecutive or interleaved; on the torch codec backends too."""
     configs = [
         (_NATIVE_BLOCKS, None),  # "rank" asked: agreed keys still, the model's chunk
         ({**_NATIVE_BLOCKS, "block_exponents": "agreed"}, None),  # the chunk on the keys
@@ -413,6 +417,9 @@ def test_native_blocks_settle_with_the_general_paths_bits() -> None:
         ({**_NATIVE_BLOCKS, "policy": [KeepLast("fp32")]}, None),
         ({**_NATIVE_BLOCKS, **_native_interleaved(), "block_exponents": "agreed"}, None),
         ({**_NATIVE_BLOCKS, **_native_interleaved(), "block_size": 8}, 40),
+        # The torch codec backends: the general path's keys, factors, encode and decode.
+        ({**_NATIVE_BLOCKS, "codec_backend": "cast"}, None),
+        ({**_NATIVE_BLOCKS, "fmt": "bf16", "block_size": 8, "codec_backend": "bits"}, 40),
     ]
     for problems in run_distributed(_against_the_general_path, 2, args=(configs,)):
         assert problems == []
