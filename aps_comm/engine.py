@@ -1383,13 +1383,15 @@ class Reducer:
             defer = False
         promoter = assignment.promoter
         fmts = None
-        if promoter is None and self.feedback is None:
+        if promoter is None:
             # Formats known before the maxima: a bucket that goes entirely in
             # FP32 (auto's choice, or a schedule) needs neither maxima nor scales.
             fmts = assignment.formats(keys, step)
             routes = self._routes_for(plan, fmts)
             if all(routes[f] == Route.FP32 for f in fmts):
                 transports.fp32_mean(x, comm.group, comm.world_size, self.traffic)
+                if self.feedback is not None:  # sent exactly (its residuals added above)
+                    self.feedback.drop(names)
                 if any(f != FP32 for f in fmts):
                     self.bucket_routes[index] = Route.FP32.value
                 return None
@@ -1408,9 +1410,8 @@ class Reducer:
         if measured:
             mine = self.planner.chunk(settings.fmt, x.numel(), main, plan.exchange_s or None)
         agreed: dict[FloatFormat, tuple[torch.Tensor, torch.Tensor]] = {}
-        if blocked:
-            if fmts is None:  # error feedback
-                fmts = assignment.formats(keys, step)
+        if blocked:  # formats known (Promote refuses blocks)
+            assert fmts is not None
             amax = x.new_empty(0)
             # Rank exponents: each rank's chunk rides on the first exchange
             # instead, for the next step.
@@ -1473,10 +1474,15 @@ class Reducer:
         if all(routes[f] == Route.FP32 for f in fmts) and assignment.promoter is None:
             if any(f != FP32 for f in fmts):
                 self.bucket_routes[index] = Route.FP32.value
-            if fb is None:
-                self._settle(index, x, plan, fmts, None, Route.FP32, False, 0)
-                if index in self.steady:
-                    return self.steady[index]
+            self._settle(index, x, plan, fmts, None, Route.FP32, False, 0)
+            st = self.steady.get(index)
+            if st is not None:
+                if fb is not None:
+                    # As the general path: what the residuals kept is sent once more (a
+                    # new epoch's FP32), then none is kept; the bound mean adds nothing.
+                    fb.add(x, numels, names)
+                    fb.drop(names)
+                return st
         main = self._routes_for(plan, [settings.fmt] * len(fmts))[settings.fmt]
         blocked = settings.scaling == Scaling.BLOCK
         rank_exps = blocked and settings.block_exponents == BlockExponents.RANK and fb is None
@@ -2858,9 +2864,9 @@ class Reducer:
         """
         assignment, settings = self.assignment, self.settings
         if (
-            # Sent in FP32 under Promote, error feedback keeps nothing: :meth:`_bind_first`
-            # sends what the residuals kept once more and drops them, as the general path.
-            (self.feedback is not None and (route != Route.FP32 or promote is None))
+            # Sent in FP32, error feedback keeps nothing: :meth:`_bind_first` sends what
+            # the residuals kept once more and drops them, as the general path.
+            (self.feedback is not None and route != Route.FP32)
             or (assignment.promoter is not None and promote is None)
             # An FP32 bucket is one all-reduce, whatever the scaling.
             or (

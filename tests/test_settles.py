@@ -26,7 +26,7 @@ import torch
 
 import aps_comm
 from aps_comm import codec
-from aps_comm.engine import SteadyAgreedBlocks, SteadyFeedback, SteadyGroups
+from aps_comm.engine import Reducer, SteadyAgreedBlocks, SteadyFeedback, SteadyGroups
 from aps_comm.policy import ByName, KeepLast, Promote, Rule, Schedule
 from aps_comm.testing import run_distributed
 from benchmarks.hostcost import ParamLayer, count_ops, world_of_one
@@ -93,7 +93,9 @@ def _ids(combo: tuple) -> str:
 
 @pytest.mark.filterwarnings("ignore::UserWarning")  # aps_comm.caveats' advice, not an error
 @pytest.mark.parametrize("combo", _combinations(), ids=_ids)
-def test_every_configuration_settles_within_the_budget(world: None, combo: tuple) -> None:
+def test_every_configuration_settles_within_the_budget(
+    world: None, combo: tuple, monkeypatch: pytest.MonkeyPatch
+) -> None:
     fmt, scaling, exps, route, policy, stats, fb = combo
     options: dict[str, Any] = {
         "fmt": fmt,
@@ -112,6 +114,11 @@ def test_every_configuration_settles_within_the_budget(world: None, combo: tuple
         sum(NUMELS), generator=gen
     ).sign()
     params = [torch.nn.Parameter(torch.empty(n)) for n in NUMELS]
+    ran: list[int] = []  # the steps that ran a bound path (bound, then run, from the first)
+    run_steady = Reducer.run_steady
+    monkeypatch.setattr(
+        Reducer, "run_steady", lambda *a, **k: ran.append(len(ran)) or run_steady(*a, **k)
+    )
     try:
         state = aps_comm.APSState(**options)
         # Policies and error feedback key layers by parameter name: one module each.
@@ -128,6 +135,7 @@ def test_every_configuration_settles_within_the_budget(world: None, combo: tuple
     assert state.reducer is not None
     bound = state.reducer.steady_for(0, buffer)
     assert bound is not None, "not bound"
+    assert ran == [0, 1, 2], f"the general path ran {3 - len(ran)} of the first 3 steps"
     buffer.copy_(x)
     aten, kernels = count_ops(state, buffer, params)
     assert not any("_local_scalar_dense" in op for op in aten), aten  # no host read
@@ -392,6 +400,8 @@ def test_error_feedback_with_bucket_or_no_scaling_settles_with_the_general_paths
         {**_FEEDBACK, "codec_backend": "cast", "stats": True},
         {**_FEEDBACK, "codec_backend": "bits", "scaling": "block", "fmt": "e2m1", "stats": True},
         {**_FEEDBACK, "codec_backend": "cast", "scaling": "block", "fmt": "fp16"},
+        # A first epoch all in FP32 (bound: the FP32 mean), then e2m1 blocks.
+        {**_FEEDBACK, "scaling": "block", "fmt": "e2m1", "policy": [Schedule(steps=1)]},
     ]
     args = (configs,)
     for problems in run_distributed(_feedback_against_the_general_path, world_size, args=args):
