@@ -418,13 +418,15 @@ MIXED: dict[str, list[Rule]] = {
 
 @pytest.mark.parametrize("policy", MIXED)
 @pytest.mark.parametrize("reduction", ["two_phase", "allreduce"])
+@pytest.mark.parametrize("scaling", ["layer", "block"])
 def test_settled_mixed_format_buckets_make_no_host_traffic(
-    monkeypatch: pytest.MonkeyPatch, fp8_sums: None, policy: str, reduction: str
+    monkeypatch: pytest.MonkeyPatch, fp8_sums: None, policy: str, reduction: str, scaling: str
 ) -> None:
-    """Issue 46: a bucket of several formats settles, and its bound path (what a CUDA
-    graph captures) reads nothing on the host and copies nothing to the device."""
+    """Issue 46: a bucket of several formats settles (with blocks: agreed block exponents,
+    or the native sum's), and its bound path (what a CUDA graph captures) reads nothing on
+    the host and copies nothing to the device."""
     with stubbed_collectives(monkeypatch):
-        reducer, names = _reducer(get_format("e4m3"), reduction, "layer", 6, 1, MIXED[policy])
+        reducer, names = _reducer(get_format("e4m3"), reduction, scaling, 6, 1, MIXED[policy])
         steady, _ = _bucket_steps(reducer, names, 3, chunk=512)
         assert isinstance(reducer.steady.get(1), SteadyGroups)
     for mode in steady:

@@ -237,6 +237,7 @@ def test_agreed_blocks_with_stats_settle_with_the_general_paths_records(world_si
         # The torch codec backends (a GPU without Triton): the general path's calls, bound.
         ({**_AGREED_STATS, "codec_backend": "bits"}, None),
         ({**_AGREED_STATS, "fmt": "e4m3", "block_size": 8, "codec_backend": "cast"}, 40),
+        ({**_AGREED_STATS, "codec_backend": "bits", "policy": [KeepLast("fp32")]}, None),
     ]
     for problems in run_distributed(_against_the_general_path, world_size, args=(configs,)):
         assert problems == []
@@ -400,6 +401,9 @@ def test_error_feedback_with_bucket_or_no_scaling_settles_with_the_general_paths
         {**_FEEDBACK, "codec_backend": "cast", "stats": True},
         {**_FEEDBACK, "codec_backend": "bits", "scaling": "block", "fmt": "e2m1", "stats": True},
         {**_FEEDBACK, "codec_backend": "cast", "scaling": "block", "fmt": "fp16"},
+        # Several formats (each group's residuals its own) on the torch backends.
+        {**_FEEDBACK, "codec_backend": "cast", "stats": True, "policy": POLICIES["interleaved"]()},
+        {**_FEEDBACK, "codec_backend": "bits", "scaling": "block", "policy": [KeepLast("fp32")]},
         # A first epoch all in FP32 (bound: the FP32 mean), then e2m1 blocks.
         {**_FEEDBACK, "scaling": "block", "fmt": "e2m1", "policy": [Schedule(steps=1)]},
     ]
@@ -430,6 +434,7 @@ def test_native_blocks_settle_with_the_general_paths_bits() -> None:
         # The torch codec backends: the general path's keys, factors, encode and decode.
         ({**_NATIVE_BLOCKS, "codec_backend": "cast"}, None),
         ({**_NATIVE_BLOCKS, "fmt": "bf16", "block_size": 8, "codec_backend": "bits"}, 40),
+        ({**_NATIVE_BLOCKS, **_native_interleaved(), "codec_backend": "cast"}, None),
     ]
     for problems in run_distributed(_against_the_general_path, 2, args=(configs,)):
         assert problems == []
