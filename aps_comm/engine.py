@@ -2525,9 +2525,9 @@ class Reducer:
         there (the gathered layers and every group's block maxima come first)."""
         fb, settings, device, numel = self.feedback, self.settings, x.device, x.numel()
         assert fb is not None
-        if g.codec.backend != "kernels" or device.type != "cpu":
+        if g.codec.backend == "triton":
             return None
-        n_seg, (r0, r1), world_size = g.layout.n_segments, g.regions[0], self.comm.world_size
+        n_seg, (r0, r1) = g.layout.n_segments, g.regions[0]
         send = g.send[r0:r1]
         workspace = self.workspace(device)
         for _ in range(2):  # twice only where the workspace had to grow
@@ -2536,41 +2536,20 @@ class Reducer:
             sent = arena.take(numel, torch.float32)  # the values as sent, while encoding
             if arena.close():
                 break
-        scale, inverse, unscale = (torch.empty(n_seg) for _ in range(3))
-        keys = local = None
+        f32 = {"dtype": torch.float32, "device": device}
+        scale, inverse, unscale = (torch.empty(n_seg, **f32) for _ in range(3))
+        local = None
         if g.blocks is not None:
-            shared = torch.zeros(n_seg, dtype=torch.uint8) if shared is None else shared
+            if shared is None:
+                shared = torch.zeros(n_seg, dtype=torch.uint8, device=device)
             # This rank's block maxima: the records' (read after every group's are written).
-            local = torch.empty(n_seg) if after[1] is None else after[1]
-            grid = g.layout.cells if g.layout.cells is not None else g.layout.offsets.numpy()
-            agree = functools.partial(
-                cpu_kernels.call,
-                "native_block_keys",
-                *(g.fmt, x, grid, local, shared, EXPONENT_LIMIT, world_size),
-            )
-            factors = functools.partial(
-                cpu_kernels.call,
-                "native_block_factors",
-                *(shared, g.blocks.counts, scale, unscale, world_size, inverse),
-            )
-        else:
-            shared = torch.zeros(n_seg) if shared is None else shared
-            keys = np.empty(n_seg, np.int32)
-            agree = g.codec.bind_layer_maxima(x, g.layout, shared)
-            pick = fused[1] if fused is not None else None
-            factors = functools.partial(
-                cpu_kernels.call,
-                "native_factors_into",
-                shared.numpy(),
-                g.fmt,
-                world_size,
-                0 if settings.scaling == Scaling.NONE else EXPONENT_LIMIT,
-                settings.scaling == Scaling.BUCKET,
-                (scale.numpy(), inverse.numpy(), unscale.numpy()),
-                keys,
-                None if pick is None else pick[:2],
-            )
-        residual = torch.empty(numel) if fused is None else fused[0]
+            local = torch.empty(n_seg, **f32) if after[1] is None else after[1]
+        elif shared is None:
+            shared = torch.zeros(n_seg, **f32)
+        agree, factors_call, keys = self._native_feedback_factors(
+            g, x, (shared, local), (scale, inverse, unscale), fused
+        )
+        residual = torch.empty(numel, **f32) if fused is None else fused[0]
         encode = _feedback_encode(g, x, send, (scale, inverse), 0, (sent, residual), True)
         decode = g.codec.bind_decode(send, x, unscale, g.windows[0])
         return SteadyFeedback(
@@ -2580,7 +2559,7 @@ class Reducer:
             fb.share(names, g.numels, residual),  # type: ignore[arg-type]  # checked
             shared,
             agree,
-            factors,
+            factors_call,
             [transports.ChunkCalls(encode, None, decode, send)],
             self._epoch(index, device),
             self.assignment.epoch(self.step),
@@ -2590,6 +2569,74 @@ class Reducer:
             local,
             scale,
         )
+
+    def _native_feedback_factors(
+        self,
+        g: GroupPlan,
+        x: torch.Tensor,
+        agreed: tuple[torch.Tensor, torch.Tensor | None],
+        out: tuple[torch.Tensor, torch.Tensor, torch.Tensor],
+        fused: tuple[torch.Tensor, tuple[np.ndarray, np.ndarray, bool] | None] | None,
+    ) -> tuple[Callable[[], object], Callable[[], object], np.ndarray | None]:
+        """:meth:`_bind_native_feedback`'s agreement and factors, bound: the call writing
+        this rank's maxima (or block keys under the native sum's rule, ``agreed``: the
+        shared vector, and this rank's block maxima) and the one writing ``out`` (scale,
+        inverse, unscale) from the agreed ones; with the CPU kernels' int32 exponent keys
+        of the maxima (the records'), else None. One kernel call each on the CPU kernels,
+        the general path's tensor ops on "cast" and "bits"."""
+        (shared, local), (scale, inverse, unscale) = agreed, out
+        world_size, scaling = self.comm.world_size, self.settings.scaling
+        kernels = g.codec.backend == "kernels"
+        if g.blocks is not None:
+            assert local is not None
+            if not kernels:
+                route = Route.ALLREDUCE
+                agree = functools.partial(
+                    block_keys_into, x, g.layout, g.fmt, route, world_size, (local, shared)
+                )
+                counts = g.blocks.device_counts
+                made = functools.partial(
+                    factors_from_keys,
+                    shared[None],
+                    g.fmt,
+                    route,
+                    world_size=world_size,
+                    counts=counts,
+                )
+                return agree, functools.partial(_native_feedback_into, made, out), None
+            grid = g.layout.cells if g.layout.cells is not None else g.layout.offsets.numpy()
+            agree = functools.partial(
+                cpu_kernels.call,
+                "native_block_keys",
+                *(g.fmt, x, grid, local, shared, EXPONENT_LIMIT, world_size),
+            )
+            made_call = functools.partial(
+                cpu_kernels.call,
+                "native_block_factors",
+                *(shared, g.blocks.counts, scale, unscale, world_size, inverse),
+            )
+            return agree, made_call, None
+        agree = g.codec.bind_layer_maxima(x, g.layout, shared)
+        if not kernels:
+            made = functools.partial(
+                factors, shared, g.fmt, Route.ALLREDUCE, world_size=world_size, scaling=scaling
+            )
+            return agree, functools.partial(_native_feedback_into, made, out), None
+        keys = np.empty(g.layout.n_segments, np.int32)
+        pick = fused[1] if fused is not None else None
+        made_call = functools.partial(
+            cpu_kernels.call,
+            "native_factors_into",
+            shared.numpy(),
+            g.fmt,
+            world_size,
+            0 if scaling == Scaling.NONE else EXPONENT_LIMIT,
+            scaling == Scaling.BUCKET,
+            (scale.numpy(), inverse.numpy(), unscale.numpy()),
+            keys,
+            None if pick is None else pick[:2],
+        )
+        return agree, made_call, keys
 
     def _run_feedback(
         self, index: int, st: SteadyFeedback, x: torch.Tensor, defer: bool
@@ -3344,7 +3391,7 @@ class Reducer:
         elsewhere, whatever the layer count; nothing read on the host."""
         g = st.group
         assert st.names is not None and g is not None
-        fmt, route, n = g.fmt, Route.TWO_PHASE, self.comm.world_size
+        fmt, route, n = g.fmt, Route(g.reduction), self.comm.world_size
         if g.codec.backend == "kernels" and x.device.type == "cpu":
             rows = torch.empty(len(st.names), 5, dtype=torch.float64)
             if g.blocks is None:
@@ -4477,6 +4524,18 @@ def _key_factors(
     if route == Route.ALLREDUCE:
         return f.scale, f.unscale
     return f.scale, f.exponents, torch.isfinite(f.unscale)
+
+
+def _native_feedback_into(
+    made: Callable[[], Factors], out: tuple[torch.Tensor, torch.Tensor, torch.Tensor]
+) -> None:
+    """The native sum's factors with error feedback by tensor ops (the torch backends), as
+    the general path's: ``out`` gets the scale, the inverse ``2**-e`` the residuals are kept
+    under (NaN for a non-finite layer: it keeps none) and the decode's ``2**-e / N``."""
+    f, (scale, inverse, unscale) = made(), out
+    scale.copy_(f.scale)
+    inverse.copy_(torch.where(torch.isfinite(f.unscale), pow2(-f.exponents), float("nan")))
+    unscale.copy_(f.unscale)
 
 
 def _copy_all(made: Callable[[], Sequence[torch.Tensor]], out: Sequence[torch.Tensor]) -> None:

@@ -336,15 +336,24 @@ def test_policies_make_no_host_traffic_but_promotes_read(
         assert mode.copies == [], mode.copies
 
 
-@pytest.mark.parametrize("name", ["e4m3", "e2m1", "fp16", "e5m3"])
+@pytest.mark.parametrize(
+    ("name", "reduction"),
+    [(n, "two_phase") for n in ("e4m3", "e2m1", "fp16", "e5m3")]
+    + [("e4m3", "allreduce"), ("fp16", "allreduce")],
+)
 @pytest.mark.parametrize("world", [3, 6])
 @pytest.mark.parametrize("scaling", ["layer", "block"])
 def test_error_feedback_and_stats_make_no_host_traffic(
-    monkeypatch: pytest.MonkeyPatch, name: str, world: int, scaling: str
+    monkeypatch: pytest.MonkeyPatch,
+    fp8_sums: None,
+    name: str,
+    reduction: str,
+    world: int,
+    scaling: str,
 ) -> None:
     with stubbed_collectives(monkeypatch):
         reducer, names = _reducer(
-            get_format(name), "two_phase", scaling, world, 0, [], stats=True, feedback=True
+            get_format(name), reduction, scaling, world, 0, [], stats=True, feedback=True
         )
         steady, stats = _bucket_steps(reducer, names, 3, chunk=None)
         # Both buckets took their bound path (issue 46), on the torch codec backends too.

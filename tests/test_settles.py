@@ -505,7 +505,7 @@ def test_error_feedback_on_the_native_all_reduce_settles_with_the_general_paths_
     residuals, bytes and records on two ranks (Promote's ladder has no format Gloo sums);
     with block scaling (the native sum's agreed keys, their factors in one call), and in
     several formats, consecutive or interleaved, every group's residuals added in one
-    call and its factors picking its maxima."""
+    call and its factors picking its maxima; on the torch codec backends too."""
     configs = [
         _NATIVE_FEEDBACK,
         {**_NATIVE_FEEDBACK, "scaling": "bucket", "stats": True},
@@ -521,6 +521,10 @@ def test_error_feedback_on_the_native_all_reduce_settles_with_the_general_paths_
         {**_NATIVE_FEEDBACK, "stats": True, "policy": [KeepLast("fp32")]},
         {**_NATIVE_FEEDBACK, **_native_interleaved(), "scaling": "bucket", "stats": True},
         {**_NATIVE_FEEDBACK, **_native_interleaved(), "scaling": "none"},
+        # The torch codec backends: the general path's factors, encode and residual update.
+        {**_NATIVE_FEEDBACK, "codec_backend": "cast", "stats": True},
+        {**_NATIVE_FEEDBACK, "codec_backend": "bits", "scaling": "block", "fmt": "bf16"},
+        {**_NATIVE_FEEDBACK, **_native_interleaved(), "codec_backend": "cast", "scaling": "block"},
     ]
     for problems in run_distributed(_feedback_against_the_general_path, 2, args=(configs,)):
         assert problems == []
