@@ -1475,7 +1475,8 @@ class Codec:
         number of blocks; on "cast" and "bits" the general path's tensor ops
         (:func:`aps_comm.scaling.block_amax`, :func:`aps_comm.scaling.exponent_keys`,
         :func:`aps_comm.scaling.bad_layers`), a fixed handful whatever the number of
-        blocks, no host read. None for values that are not float32, or where a Triton
+        blocks, no host read (``counts`` on ``x``'s device there: None else). None for
+        values that are not float32, or where a Triton
         variant cannot compile here (launched once at bind time on private buffers,
         the failure logged once). Where ``fmt.max`` times N passes float32's
         max (bf16), the keys' rule takes the FP32 sum's bound too, on every backend.
@@ -1483,7 +1484,7 @@ class Codec:
         Args:
             x: the group's float32 values.
             layout: its blocks.
-            counts: blocks per layer (int64).
+            counts: blocks per layer (int64; on "cast" and "bits" on ``x``'s device).
             maxima: float32 scratch, one per block.
             keys: uint8, one per block.
             flags: uint8, one per layer.
@@ -1502,9 +1503,10 @@ class Codec:
         if x.dtype != torch.float32:
             return None
         if self.backend in ("cast", "bits"):
-            on_device = counts.to(x.device)  # once, at bind time
+            if counts.device != x.device:  # the tensor ops' counts: a copy per call else
+                return None
             return functools.partial(
-                _block_keys_torch, self.fmt, x, layout, on_device, (maxima, keys, flags), world_size
+                _block_keys_torch, self.fmt, x, layout, counts, (maxima, keys, flags), world_size
             )
         if self.backend == "kernels":
             # A CPU grid's blocks go as the grid: the kernel derives their offsets.

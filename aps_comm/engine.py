@@ -609,12 +609,14 @@ class SteadyAgreedBlocks:
             return self._bind_native(x, keys, world_size)
         # The union as the keys' flags: on Triton the keys' kernel zeroes it for the
         # first owner step (no zero_ launch); the CPU kernels' owner writes it over.
+        torch_ops = g.codec.backend in ("cast", "bits")
+        counts = g.blocks.device_counts if torch_ops else g.blocks.counts
         keys_call = g.codec.bind_block_keys(
-            x, g.layout, g.blocks.counts, self.maxima, keys, self.union, world_size, True
+            x, g.layout, counts, self.maxima, keys, self.union, world_size, True
         )
         if keys_call is None:
             return False
-        if g.codec.backend in ("cast", "bits"):
+        if torch_ops:
             # No fused kernels: the general path's codec calls, shard by shard, on the
             # agreed keys' factors (refilled in place after the MAX all-reduce).
             self._bind_factors(keys, world_size)
@@ -2446,7 +2448,7 @@ class Reducer:
             agree = g.codec.bind_block_keys(
                 x,
                 g.layout,
-                g.blocks.counts,
+                counts if g.codec.backend in ("cast", "bits") else g.blocks.counts,
                 maxima,
                 shared,
                 torch.empty(len(g.numels), dtype=torch.uint8, device=device),
