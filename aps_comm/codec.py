@@ -76,11 +76,13 @@ from aps_comm.scaling import (
     blocks_amax,
     exponent_keys,
     factors_from_keys,
+    key_exponents,
     key_factors,
     layer_amax,
     mean_exponents,
 )
 from aps_comm.scaling import factors as scale_factors
+from aps_comm.telemetry import block_rows
 
 __all__ = [
     "AMAX_BLOCK",
@@ -393,6 +395,18 @@ def _block_keys_ops(
 
 def _keep_lost_torch(x: torch.Tensor, sent: torch.Tensor, residual: torch.Tensor) -> None:
     residual.copy_(torch.where(torch.isfinite(sent), x - sent, 0.0))
+
+
+def _block_rows(
+    x: torch.Tensor,
+    blocks: Blocks,
+    keys: torch.Tensor,
+    maxima: torch.Tensor,
+    fmt: FloatFormat,
+    out: torch.Tensor,
+) -> None:
+    """:meth:`Codec.bind_block_records` by tensor ops: the records under the keys' exponents."""
+    block_rows(x, blocks, key_exponents(keys), maxima, fmt, out)
 
 
 def _factors_into(made: Callable[[], object], scale: torch.Tensor, unscale: torch.Tensor) -> None:
@@ -1478,7 +1492,7 @@ class Codec:
         Args:
             x: the group's float32 values.
             layout: its blocks.
-            counts: blocks per layer (int64).
+            counts: blocks per layer (int64; on "cast" and "bits" on ``x``'s device).
             maxima: float32 scratch, one per block.
             keys: uint8, one per block.
             flags: uint8, one per layer.
@@ -1497,7 +1511,7 @@ class Codec:
             >>> call()  # doctest: +SKIP
         """
         ops = None
-        if device_counts is not None and not agreed:
+        if device_counts is not None:
             args = (x, layout, device_counts, maxima, keys, flags, self.fmt, world_size)
             ops = functools.partial(_block_keys_ops, *args)
         if self.backend not in ("kernels", "triton") or x.dtype != torch.float32:
@@ -2172,9 +2186,10 @@ class Codec:
     ) -> Callable[[torch.Tensor], None] | None:
         """:meth:`block_records` of ``x`` bound: the returned call takes float64 ``out``
         (layers, 5). One kernel call on the "kernels" backend, two launches on "triton"
-        (:func:`aps_comm.triton_codec.bind_block_records`), whatever the number of layers
-        or blocks; None on the other backends, or where a Triton variant cannot compile
-        here (launched once at bind time on private buffers, the failure logged once).
+        (:func:`aps_comm.triton_codec.bind_block_records`), the general path's tensor ops
+        on "cast" and "bits" (:func:`aps_comm.telemetry.block_rows`), whatever the number
+        of layers or blocks; None where a Triton variant cannot compile here (launched
+        once at bind time on private buffers, the failure logged once).
 
         Example:
             >>> call = codec.bind_block_records(x, blocks, keys, maxima)  # doctest: +SKIP
@@ -2183,6 +2198,8 @@ class Codec:
         if self.backend == "kernels":
             self._check_records(x, blocks.layout)
             return functools.partial(self.block_records, x, blocks, keys, maxima)
+        if self.backend in ("cast", "bits"):
+            return functools.partial(_block_rows, x, blocks, keys, maxima, self.fmt)
         offsets = blocks.layout.offsets.numpy()
         longest = int(np.diff(offsets).max()) if offsets.size > 1 else 0
         if self.backend != "triton" or x.dtype != torch.float32 or longest > _triton().MAX_SEGMENT:

@@ -59,6 +59,7 @@ from aps_comm.scaling import (
     Factors,
     bad_layers,
     block_amax,
+    block_keys_into,
     blocks_amax,
     exponent_keys,
     factors,
@@ -89,11 +90,6 @@ __all__ = [
 
 ONE_CHUNK = 2**62
 """A chunk larger than any bucket: error feedback's owner step needs the whole shard."""
-
-# The codecs whose bound residual updates are checked bit for bit against the general
-# path's (numba kernels; Triton, whose updates are whole-bucket tensor ops): elsewhere
-# error feedback keeps the general path.
-_FEEDBACK_BACKENDS = ("kernels", "triton")
 
 
 @dataclasses.dataclass(frozen=True)
@@ -633,13 +629,14 @@ class SteadyAgreedBlocks:
     workspace: tuple[int, ...] = ()
     names: list[str | None] | None = None
     native: bool = False
-    factors: tuple[torch.Tensor, torch.Tensor] | None = None
+    factors: tuple[torch.Tensor, ...] | None = None
     factors_call: Callable[[], object] | None = None
     records_call: Callable[[torch.Tensor], None] | None = None
 
     def bind(self, x: torch.Tensor, rank: int, world_size: int) -> bool:
         """Bind the keys', the records' and every chunk's calls to the float32 buffer
-        ``x``; False where the codec has no fused calls for them."""
+        ``x``; False where the codec has no calls for them (a Triton variant that cannot
+        compile here)."""
         g = self.group
         assert g.blocks is not None
         keys = self.shared[: g.layout.n_segments]
@@ -651,26 +648,84 @@ class SteadyAgreedBlocks:
             return self._bind_native(x, keys, world_size)
         # The union as the keys' flags: on Triton the keys' kernel zeroes it for the
         # first owner step (no zero_ launch); the CPU kernels' owner writes it over.
+        torch_ops = g.codec.backend in ("cast", "bits")
         keys_call = g.codec.bind_block_keys(
-            x, g.layout, g.blocks.counts, self.maxima, keys, self.union, world_size, True
+            *(x, g.layout, g.blocks.counts, self.maxima, keys, self.union, world_size, True),
+            device_counts=g.blocks.device_counts,  # the torch ops' (codecs without kernels)
         )
         if keys_call is None:
             return False
-        calls = transports.bind_agreed_blocks(g, x, keys, self.union, rank)
+        if torch_ops:
+            # No fused kernels: the general path's codec calls, shard by shard, on the
+            # agreed keys' factors (refilled in place after the MAX all-reduce).
+            self._bind_factors(keys, world_size)
+            assert self.factors is not None
+            calls = transports.agreed_block_calls(g, x, self.factors, rank, world_size)  # type: ignore[arg-type]  # three
+        else:
+            calls = transports.bind_agreed_blocks(g, x, keys, self.union, rank)
         if calls is None:
             return False
         self.keys_call, self.calls, self.bound_ptr = keys_call, calls, x.data_ptr()
         return True
 
-    def _bind_native(self, x: torch.Tensor, keys: torch.Tensor, world_size: int) -> bool:
-        """:meth:`bind` for the native all-reduce (CPU kernels only): one call for this
-        rank's block keys under the native sum's rule, one for the agreed keys' factors
-        (``factors``: per block ``2**e`` and ``2**-e / N``, refilled in place), and per
-        chunk the general path's encode and decode with them, bound."""
+    def _bind_factors(self, keys: torch.Tensor, world_size: int) -> None:
+        """The torch codec backends' ``factors`` and ``factors_call``: the general path's
+        factors of the agreed keys (:func:`aps_comm.scaling.factors_from_keys`), two_phase's
+        (scale, exponent, finite) or the native sum's (scale, unscale) per block, made
+        once here and refilled in place by the call."""
         g = self.group
         assert g.blocks is not None
-        if g.codec.backend != "kernels" or x.device.type != "cpu" or x.dtype != torch.float32:
+        made = functools.partial(
+            _key_factors,
+            keys,
+            g.fmt,
+            Route(g.reduction),
+            world_size,
+            g.blocks.device_counts.to(keys.device),  # once, at bind time
+        )
+        self.factors = tuple(t.clone() for t in made())
+        self.factors_call = functools.partial(_copy_all, made, self.factors)
+
+    def _bind_native(self, x: torch.Tensor, keys: torch.Tensor, world_size: int) -> bool:
+        """:meth:`bind` for the native all-reduce: one call for this rank's block keys
+        under the native sum's rule, one for the agreed keys' factors (``factors``: per
+        block ``2**e`` and ``2**-e / N``, refilled in place), and per chunk the general
+        path's encode and decode with them, bound. The CPU kernels' calls; the general
+        path's tensor ops on the torch codec backends."""
+        g = self.group
+        assert g.blocks is not None
+        if x.dtype != torch.float32:
             return False
+        if g.codec.backend in ("cast", "bits"):
+            self.keys_call = functools.partial(
+                block_keys_into,
+                x,
+                g.layout,
+                g.fmt,
+                Route.ALLREDUCE,
+                world_size,
+                (self.maxima, keys),
+            )
+            self._bind_factors(keys, world_size)
+        elif g.codec.backend != "kernels" or x.device.type != "cpu":
+            return False
+        else:
+            self._bind_native_kernels(x, keys, world_size)
+        assert self.factors is not None
+        scale, unscale = self.factors
+        calls = []
+        for c, ((lo, hi), (r0, r1)) in enumerate(zip(g.chunks, g.regions, strict=True)):
+            send, window = g.send[r0:r1], g.windows[c]
+            encode = g.codec.bind_encode(x[lo:hi], send, scale, window)
+            decode = g.codec.bind_decode(send, x[lo:hi], unscale, window)
+            calls.append(transports.ChunkCalls(encode, None, decode, send))
+        self.calls, self.bound_ptr = calls, x.data_ptr()
+        return True
+
+    def _bind_native_kernels(self, x: torch.Tensor, keys: torch.Tensor, world_size: int) -> None:
+        """:meth:`_bind_native`'s keys' and factors' calls on the CPU kernels."""
+        g = self.group
+        assert g.blocks is not None
         grid = g.layout.cells if g.layout.cells is not None else g.layout.offsets.numpy()
         self.keys_call = functools.partial(
             cpu_kernels.call,
@@ -688,14 +743,6 @@ class SteadyAgreedBlocks:
             unscale,
             world_size,
         )
-        calls = []
-        for c, ((lo, hi), (r0, r1)) in enumerate(zip(g.chunks, g.regions, strict=True)):
-            send, window = g.send[r0:r1], g.windows[c]
-            encode = g.codec.bind_encode(x[lo:hi], send, scale, window)
-            decode = g.codec.bind_decode(send, x[lo:hi], unscale, window)
-            calls.append(transports.ChunkCalls(encode, None, decode, send))
-        self.calls, self.bound_ptr = calls, x.data_ptr()
-        return True
 
 
 @dataclasses.dataclass
@@ -1391,13 +1438,15 @@ class Reducer:
             defer = False
         promoter = assignment.promoter
         fmts = None
-        if promoter is None and self.feedback is None:
+        if promoter is None:
             # Formats known before the maxima: a bucket that goes entirely in
             # FP32 (auto's choice, or a schedule) needs neither maxima nor scales.
             fmts = assignment.formats(keys, step)
             routes = self._routes_for(plan, fmts)
             if all(routes[f] == Route.FP32 for f in fmts):
                 transports.fp32_mean(x, comm.group, comm.world_size, self.traffic)
+                if self.feedback is not None:  # sent exactly (its residuals added above)
+                    self.feedback.drop(names)
                 if any(f != FP32 for f in fmts):
                     self.bucket_routes[index] = Route.FP32.value
                 return None
@@ -1416,9 +1465,8 @@ class Reducer:
         if measured:
             mine = self.planner.chunk(settings.fmt, x.numel(), main, plan.exchange_s or None)
         agreed: dict[FloatFormat, tuple[torch.Tensor, torch.Tensor]] = {}
-        if blocked:
-            if fmts is None:  # error feedback
-                fmts = assignment.formats(keys, step)
+        if blocked:  # formats known (Promote refuses blocks)
+            assert fmts is not None
             amax = x.new_empty(0)
             # Rank exponents: each rank's chunk rides on the first exchange
             # instead, for the next step.
@@ -1481,10 +1529,15 @@ class Reducer:
         if all(routes[f] == Route.FP32 for f in fmts) and assignment.promoter is None:
             if any(f != FP32 for f in fmts):
                 self.bucket_routes[index] = Route.FP32.value
-            if fb is None:
-                self._settle(index, x, plan, fmts, None, Route.FP32, False, 0)
-                if index in self.steady:
-                    return self.steady[index]
+            self._settle(index, x, plan, fmts, None, Route.FP32, False, 0)
+            st = self.steady.get(index)
+            if st is not None:
+                if fb is not None:
+                    # As the general path: what the residuals kept is sent once more (a
+                    # new epoch's FP32), then none is kept; the bound mean adds nothing.
+                    fb.add(x, numels, names)
+                    fb.drop(names)
+                return st
         main = self._routes_for(plan, [settings.fmt] * len(fmts))[settings.fmt]
         blocked = settings.scaling == Scaling.BLOCK
         rank_exps = blocked and settings.block_exponents == BlockExponents.RANK and fb is None
@@ -2397,7 +2450,8 @@ class Reducer:
     ) -> SteadyFeedback | None:
         """Group ``g``'s :class:`SteadyFeedback`, bound to its values ``x`` (the bucket, or
         a group's view of it); None where it has no bound path: not two_phase in one chunk,
-        a codec without the fused calls, a layer without a residual of its own.
+        a layer without a residual of its own (every codec backend binds: the torch ones
+        with the general path's tensor ops).
 
         ``shared``: where its agreed maxima or block keys go, a view of the vector that a
         bucket of several formats agrees on at once (:meth:`_settle_feedback_groups`);
@@ -2413,7 +2467,6 @@ class Reducer:
             g.reduction not in (Route.TWO_PHASE, Route.ALLREDUCE)
             or g.block_shards is not None
             or len(g.chunks) != 1
-            or g.codec.backend not in _FEEDBACK_BACKENDS
             or len(set(names)) != len(names)
             or not all(n in fb.residuals for n in names)
         ):
@@ -2453,6 +2506,7 @@ class Reducer:
                 shared,
                 torch.empty(len(g.numels), dtype=torch.uint8, device=device),
                 comm.world_size,
+                device_counts=counts,
             )
             if agree is None:
                 return None
@@ -2527,9 +2581,9 @@ class Reducer:
         there (the gathered layers and every group's block maxima come first)."""
         fb, settings, device, numel = self.feedback, self.settings, x.device, x.numel()
         assert fb is not None
-        if g.codec.backend != "kernels" or device.type != "cpu":
+        if g.codec.backend == "triton":
             return None
-        n_seg, (r0, r1), world_size = g.layout.n_segments, g.regions[0], self.comm.world_size
+        n_seg, (r0, r1) = g.layout.n_segments, g.regions[0]
         send = g.send[r0:r1]
         workspace = self.workspace(device)
         for _ in range(2):  # twice only where the workspace had to grow
@@ -2538,41 +2592,20 @@ class Reducer:
             sent = arena.take(numel, torch.float32)  # the values as sent, while encoding
             if arena.close():
                 break
-        scale, inverse, unscale = (torch.empty(n_seg) for _ in range(3))
-        keys = local = None
+        f32 = {"dtype": torch.float32, "device": device}
+        scale, inverse, unscale = (torch.empty(n_seg, **f32) for _ in range(3))
+        local = None
         if g.blocks is not None:
-            shared = torch.zeros(n_seg, dtype=torch.uint8) if shared is None else shared
+            if shared is None:
+                shared = torch.zeros(n_seg, dtype=torch.uint8, device=device)
             # This rank's block maxima: the records' (read after every group's are written).
-            local = torch.empty(n_seg) if after[1] is None else after[1]
-            grid = g.layout.cells if g.layout.cells is not None else g.layout.offsets.numpy()
-            agree = functools.partial(
-                cpu_kernels.call,
-                "native_block_keys",
-                *(g.fmt, x, grid, local, shared, EXPONENT_LIMIT, world_size),
-            )
-            factors = functools.partial(
-                cpu_kernels.call,
-                "native_block_factors",
-                *(shared, g.blocks.counts, scale, unscale, world_size, inverse),
-            )
-        else:
-            shared = torch.zeros(n_seg) if shared is None else shared
-            keys = np.empty(n_seg, np.int32)
-            agree = g.codec.bind_layer_maxima(x, g.layout, shared)
-            pick = fused[1] if fused is not None else None
-            factors = functools.partial(
-                cpu_kernels.call,
-                "native_factors_into",
-                shared.numpy(),
-                g.fmt,
-                world_size,
-                0 if settings.scaling == Scaling.NONE else EXPONENT_LIMIT,
-                settings.scaling == Scaling.BUCKET,
-                (scale.numpy(), inverse.numpy(), unscale.numpy()),
-                keys,
-                None if pick is None else pick[:2],
-            )
-        residual = torch.empty(numel) if fused is None else fused[0]
+            local = torch.empty(n_seg, **f32) if after[1] is None else after[1]
+        elif shared is None:
+            shared = torch.zeros(n_seg, **f32)
+        agree, factors_call, keys = self._native_feedback_factors(
+            g, x, (shared, local), (scale, inverse, unscale), fused
+        )
+        residual = torch.empty(numel, **f32) if fused is None else fused[0]
         encode = _feedback_encode(g, x, send, (scale, inverse), 0, (sent, residual), True)
         decode = g.codec.bind_decode(send, x, unscale, g.windows[0])
         return SteadyFeedback(
@@ -2582,7 +2615,7 @@ class Reducer:
             fb.share(names, g.numels, residual),  # type: ignore[arg-type]  # checked
             shared,
             agree,
-            factors,
+            factors_call,
             [transports.ChunkCalls(encode, None, decode, send)],
             self._epoch(index, device),
             self.assignment.epoch(self.step),
@@ -2592,6 +2625,74 @@ class Reducer:
             local,
             scale,
         )
+
+    def _native_feedback_factors(
+        self,
+        g: GroupPlan,
+        x: torch.Tensor,
+        agreed: tuple[torch.Tensor, torch.Tensor | None],
+        out: tuple[torch.Tensor, torch.Tensor, torch.Tensor],
+        fused: tuple[torch.Tensor, tuple[np.ndarray, np.ndarray, bool] | None] | None,
+    ) -> tuple[Callable[[], object], Callable[[], object], np.ndarray | None]:
+        """:meth:`_bind_native_feedback`'s agreement and factors, bound: the call writing
+        this rank's maxima (or block keys under the native sum's rule, ``agreed``: the
+        shared vector, and this rank's block maxima) and the one writing ``out`` (scale,
+        inverse, unscale) from the agreed ones; with the CPU kernels' int32 exponent keys
+        of the maxima (the records'), else None. One kernel call each on the CPU kernels,
+        the general path's tensor ops on "cast" and "bits"."""
+        (shared, local), (scale, inverse, unscale) = agreed, out
+        world_size, scaling = self.comm.world_size, self.settings.scaling
+        kernels = g.codec.backend == "kernels"
+        if g.blocks is not None:
+            assert local is not None
+            if not kernels:
+                route = Route.ALLREDUCE
+                agree = functools.partial(
+                    block_keys_into, x, g.layout, g.fmt, route, world_size, (local, shared)
+                )
+                counts = g.blocks.device_counts
+                made = functools.partial(
+                    factors_from_keys,
+                    shared[None],
+                    g.fmt,
+                    route,
+                    world_size=world_size,
+                    counts=counts,
+                )
+                return agree, functools.partial(_native_feedback_into, made, out), None
+            grid = g.layout.cells if g.layout.cells is not None else g.layout.offsets.numpy()
+            agree = functools.partial(
+                cpu_kernels.call,
+                "native_block_keys",
+                *(g.fmt, x, grid, local, shared, EXPONENT_LIMIT, world_size),
+            )
+            made_call = functools.partial(
+                cpu_kernels.call,
+                "native_block_factors",
+                *(shared, g.blocks.counts, scale, unscale, world_size, inverse),
+            )
+            return agree, made_call, None
+        agree = g.codec.bind_layer_maxima(x, g.layout, shared)
+        if not kernels:
+            made = functools.partial(
+                factors, shared, g.fmt, Route.ALLREDUCE, world_size=world_size, scaling=scaling
+            )
+            return agree, functools.partial(_native_feedback_into, made, out), None
+        keys = np.empty(g.layout.n_segments, np.int32)
+        pick = fused[1] if fused is not None else None
+        made_call = functools.partial(
+            cpu_kernels.call,
+            "native_factors_into",
+            shared.numpy(),
+            g.fmt,
+            world_size,
+            0 if scaling == Scaling.NONE else EXPONENT_LIMIT,
+            scaling == Scaling.BUCKET,
+            (scale.numpy(), inverse.numpy(), unscale.numpy()),
+            keys,
+            None if pick is None else pick[:2],
+        )
+        return agree, made_call, keys
 
     def _run_feedback(
         self, index: int, st: SteadyFeedback, x: torch.Tensor, defer: bool
@@ -2773,9 +2874,10 @@ class Reducer:
         the native sum's (its factors first)."""
         comm = self.comm
         assert st.calls is not None
-        if st.native:
-            assert st.factors_call is not None and st.factors is not None
+        if st.factors_call is not None:  # the native sum's, or the torch backends'
             st.factors_call()
+        if st.native:
+            assert st.factors is not None
             scale, unscale = st.factors
             return transports.native(
                 st.group, x, scale, unscale, comm.group, self.traffic, None, defer, st.calls
@@ -2865,9 +2967,9 @@ class Reducer:
         """
         assignment, settings = self.assignment, self.settings
         if (
-            # Sent in FP32 under Promote, error feedback keeps nothing: :meth:`_bind_first`
-            # sends what the residuals kept once more and drops them, as the general path.
-            (self.feedback is not None and (route != Route.FP32 or promote is None))
+            # Sent in FP32, error feedback keeps nothing: :meth:`_bind_first` sends what
+            # the residuals kept once more and drops them, as the general path.
+            (self.feedback is not None and route != Route.FP32)
             or (assignment.promoter is not None and promote is None)
             # An FP32 bucket is one all-reduce, whatever the scaling.
             or (
@@ -3347,7 +3449,7 @@ class Reducer:
         elsewhere, whatever the layer count; nothing read on the host."""
         g = st.group
         assert st.names is not None and g is not None
-        fmt, route, n = g.fmt, Route.TWO_PHASE, self.comm.world_size
+        fmt, route, n = g.fmt, Route(g.reduction), self.comm.world_size
         if g.codec.backend == "kernels" and x.device.type == "cpu":
             rows = torch.empty(len(st.names), 5, dtype=torch.float64)
             if g.blocks is None:
@@ -4545,6 +4647,36 @@ def _feedback_encode(
         c.bind_encode(x, send, scale, g.windows[0], pad),
         c.bind_keep_lost(head, x, sent, unscale, g.layout, residual),
     )
+
+
+def _key_factors(
+    keys: torch.Tensor, fmt: FloatFormat, route: Route, world_size: int, counts: torch.Tensor
+) -> tuple[torch.Tensor, ...]:
+    """The general path's factors of agreed block ``keys`` (:meth:`Reducer._group_factors`):
+    two_phase's scale, exponent and finite flag of every block; the native sum's scale and
+    unscale."""
+    f = factors_from_keys(keys[None], fmt, route, world_size=world_size, counts=counts)
+    if route == Route.ALLREDUCE:
+        return f.scale, f.unscale
+    return f.scale, f.exponents, torch.isfinite(f.unscale)
+
+
+def _native_feedback_into(
+    made: Callable[[], Factors], out: tuple[torch.Tensor, torch.Tensor, torch.Tensor]
+) -> None:
+    """The native sum's factors with error feedback by tensor ops (the torch backends), as
+    the general path's: ``out`` gets the scale, the inverse ``2**-e`` the residuals are kept
+    under (NaN for a non-finite layer: it keeps none) and the decode's ``2**-e / N``."""
+    f, (scale, inverse, unscale) = made(), out
+    scale.copy_(f.scale)
+    inverse.copy_(torch.where(torch.isfinite(f.unscale), pow2(-f.exponents), float("nan")))
+    unscale.copy_(f.unscale)
+
+
+def _copy_all(made: Callable[[], Sequence[torch.Tensor]], out: Sequence[torch.Tensor]) -> None:
+    """Tensors made by ``made`` copied into the bound ``out`` (in place: calls read them)."""
+    for o, m in zip(out, made(), strict=True):
+        o.copy_(m)
 
 
 def _encode_and_keep(encode: Callable[[], object], keep: Callable[[], object]) -> None:

@@ -56,6 +56,7 @@ __all__ = [
     "Scaling",
     "bad_layers",
     "block_amax",
+    "block_keys_into",
     "blocks_amax",
     "exponent_keys",
     "exponents",
@@ -411,6 +412,23 @@ def exponent_keys(
     exps = _route_exponents(amax, fmt, route, world_size, scaling, ranks_per_node)
     keys = torch.where(amax == 0, KEY_ZERO, 127 - exps)
     return torch.where(torch.isfinite(amax), keys, KEY_BAD).to(torch.uint8)
+
+
+def block_keys_into(
+    x: torch.Tensor,
+    layout: Layout,
+    fmt: FloatFormat,
+    route: str,
+    world_size: int,
+    out: tuple[torch.Tensor, torch.Tensor],
+) -> None:
+    """This rank's max |x| of every block and its key under ``route``'s rule, written into
+    ``out`` (float32 maxima, uint8 keys): :func:`blocks_amax` and :func:`exponent_keys`
+    by tensor ops, no host read (a settled bucket's keys on the codec backends without
+    fused kernels)."""
+    maxima, keys = out
+    maxima.copy_(blocks_amax(x, layout))
+    keys.copy_(exponent_keys(maxima, fmt, route, world_size=world_size)[0])
 
 
 def factors_from_keys(

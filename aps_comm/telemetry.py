@@ -30,7 +30,15 @@ import torch
 from aps_comm.formats import FloatFormat, pow2
 from aps_comm.layout import Blocks
 
-__all__ = ["LayerStats", "StepStats", "format_stats", "layer_counts", "layer_stats", "per_layer"]
+__all__ = [
+    "LayerStats",
+    "StepStats",
+    "block_rows",
+    "format_stats",
+    "layer_counts",
+    "layer_stats",
+    "per_layer",
+]
 
 
 @dataclasses.dataclass(frozen=True)
@@ -129,6 +137,34 @@ def per_layer(
     largest = torch.zeros(n_layers, dtype=amax.dtype, device=amax.device)
     largest.scatter_reduce_(0, layer, amax, "amax", include_self=False)
     return summed, smallest, largest
+
+
+def block_rows(
+    x: torch.Tensor,
+    blocks: Blocks,
+    exps: torch.Tensor,
+    amax: torch.Tensor,
+    fmt: FloatFormat,
+    out: torch.Tensor,
+) -> None:
+    """Block scaling's records of ``x`` as :meth:`StepStats.add_rows` takes them, by tensor
+    ops (no host read): each block's counts under its exponent, folded per layer with the
+    blocks' maxima (:func:`per_layer`), into float64 ``out`` (layers, 5) as
+    :meth:`StepStats.add` stacks them.
+
+    Example:
+        >>> from aps_comm.formats import get_format
+        >>> from aps_comm.layout import Layout
+        >>> b = Layout.from_numels([3], torch.device("cpu")).grid(8)
+        >>> out = torch.empty(1, 5, dtype=torch.float64)
+        >>> block_rows(torch.tensor([1.0, 0.0, 3.0]), b, torch.tensor([4]), torch.tensor([3.0]),
+        ...            get_format("e4m3"), out)
+        >>> out
+        tensor([[4., 3., 2., 0., 0.]], dtype=torch.float64)
+    """
+    counts = layer_counts(x, blocks.layout.lengths, exps, fmt)
+    counts, smallest, largest = per_layer(blocks, counts, exps, amax)
+    torch.cat([smallest.double()[:, None], largest.double()[:, None], counts.double()], 1, out=out)
 
 
 class StepStats:

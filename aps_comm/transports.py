@@ -61,6 +61,7 @@ __all__ = [
     "ChunkCalls",
     "Counter",
     "NodeChunkCalls",
+    "agreed_block_calls",
     "all_gather_single",
     "all_reduce_max",
     "bind_agreed_blocks",
@@ -557,9 +558,36 @@ def two_phase_blocks(
     Returns:
         With ``defer``, the function that finishes the bucket; else None.
     """
+    calls = agreed_block_calls(g, x, (scale, exponents, finite), rank, world_size)
+    return two_phase_blocks_bound(calls, group, count, defer)
+
+
+def agreed_block_calls(
+    g: GroupPlan,
+    x: torch.Tensor,
+    factors: tuple[torch.Tensor, torch.Tensor, torch.Tensor],
+    rank: int,
+    world_size: int,
+) -> list[ChunkCalls]:
+    """Every chunk's steps of :func:`two_phase_blocks` by the codec's calls, shard by shard
+    (every backend): what :func:`two_phase_blocks_bound` runs, for one step or bound to a
+    settled bucket (the backends without fused kernels: ``factors`` refilled in place).
+
+    Args:
+        g: the group's plan (``g.block_shards`` with agreed exponents).
+        x: the group's float32 values; the result is written back into it.
+        factors: the agreed factor, exponent (int32) of every block of the group and
+            whether its layer is finite everywhere, read when the calls run.
+        rank: this rank: the shard it owns.
+        world_size: ranks N.
+
+    Returns:
+        One :class:`ChunkCalls` per chunk, with its ``send``, ``recv``, ``shard`` and
+        ``gathered`` views.
+    """
     sh = g.block_shards
     assert sh is not None and not sh.rank_exponents
-    fmt, n = g.fmt, world_size
+    fmt, n, (scale, exponents, finite) = g.fmt, world_size, factors
 
     def send(c: int, s: int, a: int, b: int, piece: torch.Tensor) -> None:
         used = payload_nbytes(b - a, fmt)
@@ -580,17 +608,24 @@ def two_phase_blocks(
         e = exponents[b0:b1] + d.to(torch.int32)
         return torch.where(finite[b0:b1], pow2(-e), float("nan"))
 
-    return _block_pipeline(
-        g,
-        _shard_by_shard(g, send),
-        owner,
-        _decode_by_shard(g, x, unscale, n),
-        rank,
-        group,
-        world_size,
-        count,
-        defer,
-    )
+    send_chunk, decode = _shard_by_shard(g, send), _decode_by_shard(g, x, unscale, n)
+    calls = []
+    for c in range(len(g.chunks)):
+        (r0, r1), (s0, s1), (q0, q1) = g.regions[c], g.shard_regions[c], sh.gather_regions[c]
+        out, (a, b) = g.shards[s0:s1], sh.bounds[c][rank : rank + 2]
+        pieces = (g.send[r0:r1].view(n, sh.pieces[c]), g.recv[r0:r1].view(n, sh.pieces[c]))
+        calls.append(
+            ChunkCalls(
+                functools.partial(send_chunk, c, pieces[0]),
+                functools.partial(owner, c, pieces[1], a, b, out),
+                functools.partial(decode, c),
+                g.send[r0:r1],
+                g.recv[r0:r1],
+                out,
+                sh.gathered[q0:q1],
+            )
+        )
+    return calls
 
 
 def two_phase_blocks_bound(

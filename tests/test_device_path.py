@@ -26,7 +26,6 @@ import torch
 import torch.distributed as dist
 from torch.utils._python_dispatch import TorchDispatchMode
 
-import aps_comm.engine as engine_mod
 import aps_comm.reduction as reduction_mod
 from aps_comm.agreement import Layouts
 from aps_comm.config import BlockExponents, Reduction, Route, Scaling
@@ -289,6 +288,9 @@ def test_bucket_path_makes_no_host_traffic(
     with stubbed_collectives(monkeypatch) as issued:
         reducer, names = _reducer(fmt, reduction, scaling, world, world - 1, [])
         steady, _ = _bucket_steps(reducer, names, 3, chunk=512)
+    if scaling == "block" and set(reducer.bucket_routes.values()) <= {"two_phase", "allreduce"}:
+        # Agreed block exponents and the native sum's bind on the torch codec backends.
+        assert set(reducer.steady) == {0, 1}, reducer.steady
     for mode in steady:
         assert mode.reads == [] and mode.copies == [], (mode.reads, mode.copies)
     builds = reducer.plan_builds + sum(p.group_builds for p in reducer.plans.values())
@@ -365,17 +367,28 @@ def test_policies_make_no_host_traffic_but_promotes_read(
         assert mode.copies == [], mode.copies
 
 
-@pytest.mark.parametrize("name", ["e4m3", "e2m1", "fp16", "e5m3"])
+@pytest.mark.parametrize(
+    ("name", "reduction"),
+    [(n, "two_phase") for n in ("e4m3", "e2m1", "fp16", "e5m3")]
+    + [("e4m3", "allreduce"), ("fp16", "allreduce")],
+)
 @pytest.mark.parametrize("world", [3, 6])
 @pytest.mark.parametrize("scaling", ["layer", "block"])
 def test_error_feedback_and_stats_make_no_host_traffic(
-    monkeypatch: pytest.MonkeyPatch, name: str, world: int, scaling: str
+    monkeypatch: pytest.MonkeyPatch,
+    fp8_sums: None,
+    name: str,
+    reduction: str,
+    world: int,
+    scaling: str,
 ) -> None:
     with stubbed_collectives(monkeypatch):
         reducer, names = _reducer(
-            get_format(name), "two_phase", scaling, world, 0, [], stats=True, feedback=True
+            get_format(name), reduction, scaling, world, 0, [], stats=True, feedback=True
         )
         steady, stats = _bucket_steps(reducer, names, 3, chunk=None)
+        # Both buckets took their bound path (issue 46), on the torch codec backends too.
+        assert all(isinstance(reducer.steady.get(b), SteadyFeedback) for b in (0, 1))
         for mode in steady:
             assert mode.reads == [] and mode.copies == [], (mode.reads, mode.copies)
         # The stats stay on the device until asked for, then are read once.
@@ -445,13 +458,15 @@ MIXED: dict[str, list[Rule]] = {
 
 @pytest.mark.parametrize("policy", MIXED)
 @pytest.mark.parametrize("reduction", ["two_phase", "allreduce"])
+@pytest.mark.parametrize("scaling", ["layer", "block"])
 def test_settled_mixed_format_buckets_make_no_host_traffic(
-    monkeypatch: pytest.MonkeyPatch, fp8_sums: None, policy: str, reduction: str
+    monkeypatch: pytest.MonkeyPatch, fp8_sums: None, policy: str, reduction: str, scaling: str
 ) -> None:
-    """Issue 46: a bucket of several formats settles, and its bound path (what a CUDA
-    graph captures) reads nothing on the host and copies nothing to the device."""
+    """Issue 46: a bucket of several formats settles (with blocks: agreed block exponents,
+    or the native sum's), and its bound path (what a CUDA graph captures) reads nothing on
+    the host and copies nothing to the device."""
     with stubbed_collectives(monkeypatch):
-        reducer, names = _reducer(get_format("e4m3"), reduction, "layer", 6, 1, MIXED[policy])
+        reducer, names = _reducer(get_format("e4m3"), reduction, scaling, 6, 1, MIXED[policy])
         steady, _ = _bucket_steps(reducer, names, 3, chunk=512)
         assert isinstance(reducer.steady.get(1), SteadyGroups)
     for mode in steady:
@@ -465,8 +480,7 @@ def test_settled_error_feedback_beside_fp32_makes_no_host_traffic(
     """Issue 46: error feedback with ``KeepLast("fp32")`` settles (one bucket of e4m3, one
     of e4m3 beside FP32), and its bound path reads nothing on the host and copies nothing
     to the device. Meta tensors take the "cast" codec, whose residual updates are the
-    tensor ops Triton's are: let it bind them here."""
-    monkeypatch.setattr(engine_mod, "_FEEDBACK_BACKENDS", ("cast",))
+    general path's tensor ops."""
     ran: list[str] = []
     monkeypatch.setattr(Reducer, "run_steady", _logged(Reducer.run_steady, ran))
     with stubbed_collectives(monkeypatch):
@@ -489,7 +503,6 @@ def test_settled_error_feedback_with_stats_makes_no_host_traffic(
     """Issue 46: error feedback with ``stats=True`` settles (one format, and beside FP32),
     its records (the device ops a GPU runs instead of the CPU kernel) read nothing on the
     host until the step's records are asked for, then once."""
-    monkeypatch.setattr(engine_mod, "_FEEDBACK_BACKENDS", ("cast",))
     ran: list[str] = []
     monkeypatch.setattr(Reducer, "run_steady", _logged(Reducer.run_steady, ran))
     with stubbed_collectives(monkeypatch):
@@ -519,7 +532,6 @@ def test_settled_error_feedback_under_promote_reads_only_its_rates(
     """Issue 46: error feedback under ``Promote`` settles (one format, and beside FP32);
     Promote reads its agreed rates once per bucket, and nothing else is read on the host
     or copied to the device."""
-    monkeypatch.setattr(engine_mod, "_FEEDBACK_BACKENDS", ("cast",))
     ran: list[str] = []
     monkeypatch.setattr(Reducer, "run_steady", _logged(Reducer.run_steady, ran))
     rules = [*POLICIES["promote"], KeepLast("fp32")]
@@ -541,7 +553,6 @@ def test_settled_error_feedback_on_interleaved_groups_makes_no_host_traffic(
     """Issue 46: error feedback with groups that interleave (fp16 between e4m3 layers)
     settles; its gather, maxima put and picked back, and scatter read nothing on the host
     and copy nothing to the device."""
-    monkeypatch.setattr(engine_mod, "_FEEDBACK_BACKENDS", ("cast",))
     with stubbed_collectives(monkeypatch):
         reducer, names = _reducer(
             get_format("e4m3"),

@@ -26,8 +26,8 @@ import torch
 import torch.distributed as dist
 
 import aps_comm
-from aps_comm import simulate
-from aps_comm.engine import SteadyAgreedBlocks, SteadyFeedback, SteadyGroups
+from aps_comm import codec, simulate
+from aps_comm.engine import Reducer, SteadyAgreedBlocks, SteadyFeedback, SteadyGroups
 from aps_comm.policy import ByName, KeepLast, Promote, Rule, Schedule
 from aps_comm.testing import run_distributed
 from benchmarks.hostcost import ParamLayer, count_ops, world_of_one
@@ -94,7 +94,9 @@ def _ids(combo: tuple) -> str:
 
 @pytest.mark.filterwarnings("ignore::UserWarning")  # aps_comm.caveats' advice, not an error
 @pytest.mark.parametrize("combo", _combinations(), ids=_ids)
-def test_every_configuration_settles_within_the_budget(world: None, combo: tuple) -> None:
+def test_every_configuration_settles_within_the_budget(
+    world: None, combo: tuple, monkeypatch: pytest.MonkeyPatch
+) -> None:
     fmt, scaling, exps, route, policy, stats, fb = combo
     options: dict[str, Any] = {
         "fmt": fmt,
@@ -113,6 +115,11 @@ def test_every_configuration_settles_within_the_budget(world: None, combo: tuple
         sum(NUMELS), generator=gen
     ).sign()
     params = [torch.nn.Parameter(torch.empty(n)) for n in NUMELS]
+    ran: list[int] = []  # the steps that ran a bound path (bound, then run, from the first)
+    run_steady = Reducer.run_steady
+    monkeypatch.setattr(
+        Reducer, "run_steady", lambda *a, **k: ran.append(len(ran)) or run_steady(*a, **k)
+    )
     try:
         state = aps_comm.APSState(**options)
         # Policies and error feedback key layers by parameter name: one module each.
@@ -129,12 +136,35 @@ def test_every_configuration_settles_within_the_budget(world: None, combo: tuple
     assert state.reducer is not None
     bound = state.reducer.steady_for(0, buffer)
     assert bound is not None, "not bound"
+    assert ran == [0, 1, 2], f"the general path ran {3 - len(ran)} of the first 3 steps"
     buffer.copy_(x)
     aten, kernels = count_ops(state, buffer, params)
     assert not any("_local_scalar_dense" in op for op in aten), aten  # no host read
     assert len(aten) + len(kernels) <= BUDGET, (aten, kernels)
     if stats:
         assert len(state.stats) == len(NUMELS) - (policy in ("keep_last", "interleaved"))
+
+
+_AUTO = codec.backend_for
+
+
+def _force_codec_backend(options: dict[str, Any]) -> dict[str, Any]:
+    """``options`` without its "codec_backend": that torch codec backend ("cast" or "bits")
+    forced on CPU tensors in this rank's process where "auto" picks the numba kernels, as a
+    GPU without Triton runs them ("cast" falls to "bits" for a format without a torch
+    dtype); without one, "auto" as it is."""
+    options = dict(options)
+    backend = options.pop("codec_backend", None)
+
+    def forced(fmt: Any, device: torch.device) -> str:
+        fmt = codec.get_format(fmt)
+        if fmt.wire_bits > 16:
+            return _AUTO(fmt, device)
+        return backend if backend == "bits" or fmt.torch_dtype is not None else "bits"
+
+    codec.backend_for = _AUTO if backend is None else forced  # type: ignore[assignment]
+    codec.codec_for.cache_clear()
+    return options
 
 
 def _bits_differ(out: torch.Tensor, want: torch.Tensor) -> bool:
@@ -158,6 +188,7 @@ def _against_the_simulated(
     names = [f"{i}.weight" for i in range(len(numels))]
     problems = []
     for c, (options, chunk) in enumerate(configs):
+        options = _force_codec_backend(options)
         settled = aps_comm.APSState(**options)
         settled.chunk_elements = chunk
         # Rules key layers by parameter name: one module each.
@@ -211,13 +242,18 @@ def test_agreed_blocks_with_stats_settle_with_the_simulated_records(world_size: 
     """Issue 46: agreed block exponents with ``stats=True`` settle (the general path every
     step before), with :mod:`aps_comm.simulate`'s gradients (the owner's exponents on top
     of the agreed ones) and records: each block's counts under its agreed key, its
-    layer's largest block maximum this rank's."""
+    layer's largest block maximum this rank's; on the torch codec
+    backends ("cast", "bits") too."""
     configs = [
         (_AGREED_STATS, None),  # chunks sized by the ranks' timing, agreed on the keys
         ({**_AGREED_STATS, "block_size": 8}, 40),
         ({**_AGREED_STATS, "fmt": "e4m3", "block_size": 16}, 64),
         ({**_AGREED_STATS, "fmt": "fp16"}, None),
         ({**_AGREED_STATS, "fmt": "bf16", "block_size": 8}, 256),
+        # The torch codec backends (a GPU without Triton): the general path's calls, bound.
+        ({**_AGREED_STATS, "codec_backend": "bits"}, None),
+        ({**_AGREED_STATS, "fmt": "e4m3", "block_size": 8, "codec_backend": "cast"}, 40),
+        ({**_AGREED_STATS, "codec_backend": "bits", "policy": [KeepLast("fp32")]}, None),
     ]
     for problems in run_distributed(_against_the_simulated, world_size, args=(configs,)):
         assert problems == []
@@ -311,6 +347,7 @@ def _feedback_against_the_simulated(rank: int, world_size: int, configs: list[di
     names = [f"{i}.weight" for i in range(len(numels))]
     problems = []
     for c, options in enumerate(configs):
+        options = _force_codec_backend(options)
         settled = aps_comm.APSState(**options)
         settled.bind_model(torch.nn.ModuleList(ParamLayer(p) for p in params))
         kind = SteadyGroups if _several(options) else SteadyFeedback
@@ -377,7 +414,8 @@ def test_error_feedback_with_bucket_or_no_scaling_settles_with_the_simulated_bit
     path every step before, 121 ops per bucket of five layers): the factors of the spread
     maxima (the records keeping the agreed ones) or the naive cast's, with
     :func:`aps_comm.simulate.allreduce_feedback`'s gradients and residuals, and the
-    records."""
+    records; on the torch codec
+    backends ("cast", "bits") too."""
     configs = [
         {**_FEEDBACK, "scaling": "bucket"},
         {**_FEEDBACK, "scaling": "none"},
@@ -385,6 +423,15 @@ def test_error_feedback_with_bucket_or_no_scaling_settles_with_the_simulated_bit
         {**_FEEDBACK, "scaling": "none", "stats": True, "fmt": "fp16"},
         {**_FEEDBACK, "scaling": "bucket", "stats": True, "policy": [Promote(gamma=0.05)]},
         {**_FEEDBACK, "scaling": "none", "policy": [Promote(gamma=0.05)]},
+        # The torch codec backends (a GPU without Triton): layer and block scaling too.
+        {**_FEEDBACK, "codec_backend": "cast", "stats": True},
+        {**_FEEDBACK, "codec_backend": "bits", "scaling": "block", "fmt": "e2m1", "stats": True},
+        {**_FEEDBACK, "codec_backend": "cast", "scaling": "block", "fmt": "fp16"},
+        # Several formats (each group's residuals its own) on the torch backends.
+        {**_FEEDBACK, "codec_backend": "cast", "stats": True, "policy": POLICIES["interleaved"]()},
+        {**_FEEDBACK, "codec_backend": "bits", "scaling": "block", "policy": [KeepLast("fp32")]},
+        # A first epoch all in FP32 (bound: the FP32 mean), then e2m1 blocks.
+        {**_FEEDBACK, "scaling": "block", "fmt": "e2m1", "policy": [Schedule(steps=1)]},
     ]
     args = (configs,)
     for problems in run_distributed(_feedback_against_the_simulated, world_size, args=args):
@@ -400,7 +447,7 @@ def test_native_blocks_settle_with_the_simulated_bits() -> None:
     factors, then per chunk the encode, the sum in the wire format and the decode, with
     :mod:`aps_comm.simulate`'s gradients and records on two ranks; in several
     formats too (each group's keys in the one MAX all-reduce, the FP32 group's mean),
-    the groups consecutive or interleaved."""
+    the groups consecutive or interleaved; on the torch codec backends too."""
     configs = [
         (_NATIVE_BLOCKS, None),  # "rank" asked: agreed keys still, the model's chunk
         ({**_NATIVE_BLOCKS, "block_exponents": "agreed"}, None),  # the chunk on the keys
@@ -410,6 +457,10 @@ def test_native_blocks_settle_with_the_simulated_bits() -> None:
         ({**_NATIVE_BLOCKS, "policy": [KeepLast("fp32")]}, None),
         ({**_NATIVE_BLOCKS, **_native_interleaved(), "block_exponents": "agreed"}, None),
         ({**_NATIVE_BLOCKS, **_native_interleaved(), "block_size": 8}, 40),
+        # The torch codec backends: the general path's keys, factors, encode and decode.
+        ({**_NATIVE_BLOCKS, "codec_backend": "cast"}, None),
+        ({**_NATIVE_BLOCKS, "fmt": "bf16", "block_size": 8, "codec_backend": "bits"}, 40),
+        ({**_NATIVE_BLOCKS, **_native_interleaved(), "codec_backend": "cast"}, None),
     ]
     for problems in run_distributed(_against_the_simulated, 2, args=(configs,)):
         assert problems == []
@@ -481,7 +532,7 @@ def test_error_feedback_on_the_native_all_reduce_settles_with_the_simulated_bits
     ranks (Promote's ladder has no format Gloo sums);
     with block scaling (the native sum's agreed keys, their factors in one call), and in
     several formats, consecutive or interleaved, every group's residuals added in one
-    call and its factors picking its maxima."""
+    call and its factors picking its maxima; on the torch codec backends too."""
     configs = [
         _NATIVE_FEEDBACK,
         {**_NATIVE_FEEDBACK, "scaling": "bucket", "stats": True},
@@ -497,6 +548,10 @@ def test_error_feedback_on_the_native_all_reduce_settles_with_the_simulated_bits
         {**_NATIVE_FEEDBACK, "stats": True, "policy": [KeepLast("fp32")]},
         {**_NATIVE_FEEDBACK, **_native_interleaved(), "scaling": "bucket", "stats": True},
         {**_NATIVE_FEEDBACK, **_native_interleaved(), "scaling": "none"},
+        # The torch codec backends: the general path's factors, encode and residual update.
+        {**_NATIVE_FEEDBACK, "codec_backend": "cast", "stats": True},
+        {**_NATIVE_FEEDBACK, "codec_backend": "bits", "scaling": "block", "fmt": "bf16"},
+        {**_NATIVE_FEEDBACK, **_native_interleaved(), "codec_backend": "cast", "scaling": "block"},
     ]
     for problems in run_distributed(_feedback_against_the_simulated, 2, args=(configs,)):
         assert problems == []
