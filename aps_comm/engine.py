@@ -2493,8 +2493,7 @@ class Reducer:
                 keys = arena.take(n_seg)
             if arena.close():
                 break
-        counts = None
-        host_keys = local = None
+        counts = host_keys = local = None
         if g.blocks is not None:
             counts, local = g.blocks.device_counts, maxima
             shared = keys if shared is None else shared
