@@ -1382,6 +1382,11 @@ def _feedback_run(
         {"fmt": "e4m3", "reduction": "two_phase", "scaling": "none"},
         {"fmt": "e4m3", "reduction": "two_phase", "scaling": "bucket", "policy": "keep_last"},
         {"fmt": "e4m3", "reduction": "two_phase", "scaling": "none", "policy": "keep_last"},
+        # The native sum (Gloo sums fp16): its factors and keys the general path's tensor
+        # ops, its encode with the residual update and its decode Triton's.
+        {"fmt": "fp16", "reduction": "allreduce", "stats": True},
+        {"fmt": "fp16", "reduction": "allreduce", "scaling": "block", "block_size": 8},
+        {"fmt": "fp16", "reduction": "allreduce", "scaling": "bucket", "policy": "keep_last"},
     ],
     ids=[
         "e4m3",
@@ -1394,6 +1399,9 @@ def _feedback_run(
         "e4m3-none",
         "e4m3-bucket-keep_last",
         "e4m3-none-keep_last",
+        "fp16-allreduce-stats",
+        "fp16-allreduce-block",
+        "fp16-allreduce-bucket-keep_last",
     ],
 )
 def test_settled_error_feedback_on_triton_gives_the_kernels_bits(
@@ -1778,3 +1786,69 @@ def test_staged_block_keys_and_records_match_kernels(
         records = torch.full((len(numels), 5), 7.0, dtype=torch.float64)
         _quiet(call, records)
         assert torch.equal(records, want_records)
+
+
+def _native_blocks_run(
+    options: dict, x: torch.Tensor, params: list[torch.Tensor]
+) -> tuple[torch.Tensor, str, str]:
+    """A native block bucket's third step (bound at the first): its result, its records
+    and the backend of its bound part, which reads nothing on the host."""
+    import aps_comm
+    from aps_comm.engine import SteadyAgreedBlocks, SteadyGroups
+    from benchmarks.hostcost import ParamLayer, count_calls
+
+    state = aps_comm.APSState(**options)
+    state.bind_model(torch.nn.ModuleList(ParamLayer(p) for p in params))
+    buffer = x.clone()
+    for _ in range(2):
+        buffer.copy_(x)
+        _quiet(state.run_bucket, 0, buffer, params)
+    assert state.reducer is not None
+    st = state.reducer.steady_for(0, buffer)
+    if isinstance(st, SteadyGroups):  # beside the FP32 layer: its one scaled part
+        assert st.parts is not None
+        st = next(s for _, s in st.parts if s is not None)
+    assert isinstance(st, SteadyAgreedBlocks) and st.native, type(st)
+    buffer.copy_(x)
+    aten, _ = _quiet(count_calls, functools.partial(state.run_bucket, 0, buffer, params), x.device)
+    assert not any("_local_scalar_dense" in op for op in aten), aten
+    backend = st.group.codec.backend
+    records = repr(state.stats)
+    del state, st
+    return buffer, records, backend
+
+
+@pytest.mark.parametrize(
+    ("exps", "stats", "policy"),
+    [("rank", False, False), ("agreed", True, False), ("agreed", False, True)],
+)
+def test_settled_native_block_bucket_on_triton_gives_the_kernels_bits(
+    tc: types.ModuleType, exps: str, stats: bool, policy: bool
+) -> None:
+    # The native all-reduce with block scaling (Gloo sums fp16; agreed keys whatever is
+    # asked) binds on the Triton backend too: a SteadyAgreedBlocks, native (beside an FP32
+    # layer, a SteadyGroups' part), its keys under the native sum's rule and their factors
+    # the general path's tensor ops, its encode and decode Triton's launches, nothing
+    # read on the host. Its bits and records are the numba kernels'.
+    from aps_comm.policy import KeepLast
+    from benchmarks.hostcost import world_of_one
+
+    options = {
+        "fmt": "fp16",
+        "reduction": "allreduce",
+        "scaling": "block",
+        "block_size": 8,
+        "block_exponents": exps,
+        "stats": stats,
+        "policy": [KeepLast("fp32")] if policy else None,
+    }
+    x, params = _block_bucket([5, 0, 1, 300, 33, 2, 64], 17)
+    with _triton_plans():
+        out, records, backend = _native_blocks_run(options, x, params)
+    with world_of_one(torch.device("cpu")):
+        want, want_records, want_backend = _native_blocks_run(options, x, params)
+    assert (backend, want_backend) == ("triton", "kernels")
+    assert records == want_records and ("fp16" in records) == stats, records
+    assert out[:5].isnan().all() and not out[5:].isnan().any()
+    same = torch.where(out.isnan(), 0.0, out).view(torch.int32)
+    assert torch.equal(same, torch.where(want.isnan(), 0.0, want).view(torch.int32))
