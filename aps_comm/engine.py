@@ -1880,12 +1880,9 @@ class Reducer:
             or x.dtype != torch.float32
             # An empty group's collectives are not the bound ones'.
             or any(not g.numel for g in groups)
-            # The staged keys and their factors (SteadyStaged.local) bind here on the CPU
-            # kernels only.
-            or (
-                staged
-                and (x.device.type != "cpu" or any(g.codec.backend != "kernels" for g in sent))
-            )
+            # The staged keys and their factors (SteadyStaged.local) bind on the CPU kernels
+            # and on Triton (Codec.bind_staged_blocks).
+            or (staged and any(g.codec.backend not in ("kernels", "triton") for g in sent))
         ):
             return
         # A staged group's two keys per block (inner, then outer), as _agree_blocks' vector.
@@ -1973,7 +1970,7 @@ class Reducer:
         if g.node is None:
             return None
         route, layouts = Route(g.reduction), self.comm.layouts
-        local = torch.empty(g.layout.n_segments)
+        local = torch.empty(g.layout.n_segments, device=gx.device)
         part = SteadyStaged(
             g.numel,
             gx.data_ptr(),
