@@ -23,6 +23,7 @@ from __future__ import annotations
 import contextlib
 import functools
 import importlib
+import itertools
 import os
 import re
 import sys
@@ -1866,3 +1867,75 @@ def test_settled_native_block_bucket_on_triton_gives_the_kernels_bits(
     assert out[:5].isnan().all() and not out[5:].isnan().any()
     same = torch.where(out.isnan(), 0.0, out).view(torch.int32)
     assert torch.equal(same, torch.where(want.isnan(), 0.0, want).view(torch.int32))
+
+
+@pytest.mark.slow
+@pytest.mark.filterwarnings("ignore::UserWarning")  # aps_comm.caveats' advice, not an error
+def test_every_configuration_binds_on_triton(
+    tc: types.ModuleType, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    # Every cell of tests/test_settles.py's DDP matrix (formats, scalings, block exponents,
+    # routes, policies, stats, error feedback) with its codecs on Triton: bound from the
+    # first step (the general path, Reducer._groups, never runs), bound at the third, and
+    # no host read. On a GPU this is the backend "auto" picks; a cell unbound here would
+    # have nothing to run on once the general path is gone.
+    import aps_comm
+    from aps_comm.engine import Reducer
+    from benchmarks.hostcost import ParamLayer, count_calls
+    from tests.test_settles import FAMILIES, NUMELS, POLICIES, ROUTES, SCALINGS
+
+    general: list[int] = []
+    groups = Reducer._groups
+    monkeypatch.setattr(Reducer, "_groups", lambda *a, **k: general.append(1) or groups(*a, **k))
+    product = itertools.product(SCALINGS, ROUTES, POLICIES, (False, True), (False, True))
+    gen = torch.Generator().manual_seed(7)
+    x = (torch.rand(sum(NUMELS), generator=gen) + 0.5) * torch.randn(
+        sum(NUMELS), generator=gen
+    ).sign()
+    unbound, cells = [], 0
+    with _triton_plans():
+        for i, ((scaling, exps), route, policy, stats, fb) in enumerate(product):
+            fmt = "fp16" if route == "allreduce" else FAMILIES[i % len(FAMILIES)]
+            cell = (fmt, scaling, exps, route, policy, stats, fb)
+            options = {
+                "fmt": fmt,
+                "reduction": route,
+                "scaling": scaling,
+                "block_exponents": exps,
+                "stats": stats,
+                "error_feedback": fb,
+                "policy": POLICIES[policy](),
+                "ranks_per_node": 1 if route == "hierarchical" else None,
+            }
+            params = [torch.nn.Parameter(torch.empty(n)) for n in NUMELS]
+            general.clear()
+            buffer = x.clone()
+            try:
+                state = aps_comm.APSState(**options)
+                state.bind_model(torch.nn.ModuleList(ParamLayer(p) for p in params))
+                _quiet(state.run_bucket, 0, buffer, params)
+            except ValueError as exc:  # refused as in tests/test_settles.py
+                refused = ("needs a backend that sums", "is not supported with", "needs one exp")
+                assert any(r in str(exc) for r in refused), exc
+                continue
+            for _ in range(2):
+                buffer.copy_(x)
+                _quiet(state.run_bucket, 0, buffer, params)
+            assert state.reducer is not None
+            st = state.reducer.steady_for(0, buffer)
+            backends = {
+                g.codec.backend
+                for p in state.reducer.plans.values()
+                for gs in p.groups.values()
+                for g in gs
+                if g.fmt.name != "fp32"
+            }
+            assert backends == {"triton"}, (cell, backends)
+            buffer.copy_(x)
+            run = functools.partial(state.run_bucket, 0, buffer, params)
+            aten, _ = _quiet(count_calls, run, x.device)
+            if st is None or general or any("_local_scalar_dense" in op for op in aten):
+                unbound.append(cell)
+            cells += 1
+            del state, st
+    assert cells > 200 and unbound == [], unbound
