@@ -691,12 +691,15 @@ class SteadyAgreedBlocks:
         under the native sum's rule, one for the agreed keys' factors (``factors``: per
         block ``2**e`` and ``2**-e / N``, refilled in place), and per chunk the general
         path's encode and decode with them, bound. The CPU kernels' calls; the general
-        path's tensor ops on the torch codec backends."""
+        path's tensor ops elsewhere (Triton too: no fused native kernels, its own encode
+        and decode)."""
         g = self.group
         assert g.blocks is not None
         if x.dtype != torch.float32:
             return False
-        if g.codec.backend in ("cast", "bits"):
+        if g.codec.backend == "kernels":
+            self._bind_native_kernels(x, keys, world_size)
+        else:  # Triton too: no fused native kernels, the general path's tensor ops
             self.keys_call = functools.partial(
                 block_keys_into,
                 x,
@@ -707,10 +710,6 @@ class SteadyAgreedBlocks:
                 (self.maxima, keys),
             )
             self._bind_factors(keys, world_size)
-        elif g.codec.backend != "kernels" or x.device.type != "cpu":
-            return False
-        else:
-            self._bind_native_kernels(x, keys, world_size)
         assert self.factors is not None
         scale, unscale = self.factors
         calls = []
@@ -1934,12 +1933,9 @@ class Reducer:
             or x.dtype != torch.float32
             # An empty group's collectives are not the bound ones'.
             or any(not g.numel for g in groups)
-            # The staged keys and their factors (SteadyStaged.local) bind here on the CPU
-            # kernels only.
-            or (
-                staged
-                and (x.device.type != "cpu" or any(g.codec.backend != "kernels" for g in sent))
-            )
+            # The staged keys and their factors (SteadyStaged.local) bind on the CPU kernels
+            # and on Triton (Codec.bind_staged_blocks).
+            or (staged and any(g.codec.backend not in ("kernels", "triton") for g in sent))
         ):
             return
         # A staged group's two keys per block (inner, then outer), as _agree_blocks' vector.
@@ -2027,7 +2023,7 @@ class Reducer:
         if g.node is None:
             return None
         route, layouts = Route(g.reduction), self.comm.layouts
-        local = torch.empty(g.layout.n_segments)
+        local = torch.empty(g.layout.n_segments, device=gx.device)
         part = SteadyStaged(
             g.numel,
             gx.data_ptr(),
@@ -2569,7 +2565,7 @@ class Reducer:
         fused: tuple[torch.Tensor, tuple[np.ndarray, np.ndarray, bool] | None] | None = None,
         after: tuple[int, torch.Tensor | None] = (0, None),
     ) -> SteadyFeedback | None:
-        """:meth:`_bind_feedback` for the native all-reduce on the CPU kernels: the maxima
+        """:meth:`_bind_feedback` for the native all-reduce, on every codec backend: the maxima
         (or block keys, under the native sum's rule) agreed as there, then one call for the
         native sum's factors (scale, the inverse ``2**-e`` the residuals are kept under,
         and the decode's ``2**-e / N``: :func:`aps_comm.cpu_kernels.native_factors_into`,
@@ -2580,8 +2576,6 @@ class Reducer:
         there (the gathered layers and every group's block maxima come first)."""
         fb, settings, device, numel = self.feedback, self.settings, x.device, x.numel()
         assert fb is not None
-        if g.codec.backend == "triton":
-            return None
         n_seg, (r0, r1) = g.layout.n_segments, g.regions[0]
         send = g.send[r0:r1]
         workspace = self.workspace(device)
@@ -2638,7 +2632,8 @@ class Reducer:
         shared vector, and this rank's block maxima) and the one writing ``out`` (scale,
         inverse, unscale) from the agreed ones; with the CPU kernels' int32 exponent keys
         of the maxima (the records'), else None. One kernel call each on the CPU kernels,
-        the general path's tensor ops on "cast" and "bits"."""
+        the general path's tensor ops elsewhere ("cast", "bits", and "triton": no fused
+        native kernels)."""
         (shared, local), (scale, inverse, unscale) = agreed, out
         world_size, scaling = self.comm.world_size, self.settings.scaling
         kernels = g.codec.backend == "kernels"

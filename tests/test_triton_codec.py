@@ -23,6 +23,7 @@ from __future__ import annotations
 import contextlib
 import functools
 import importlib
+import itertools
 import os
 import re
 import sys
@@ -1394,6 +1395,11 @@ def _feedback_run(
         {"fmt": "e4m3", "reduction": "two_phase", "scaling": "none"},
         {"fmt": "e4m3", "reduction": "two_phase", "scaling": "bucket", "policy": "keep_last"},
         {"fmt": "e4m3", "reduction": "two_phase", "scaling": "none", "policy": "keep_last"},
+        # The native sum (Gloo sums fp16): its factors and keys the general path's tensor
+        # ops, its encode with the residual update and its decode Triton's.
+        {"fmt": "fp16", "reduction": "allreduce", "stats": True},
+        {"fmt": "fp16", "reduction": "allreduce", "scaling": "block", "block_size": 8},
+        {"fmt": "fp16", "reduction": "allreduce", "scaling": "bucket", "policy": "keep_last"},
     ],
     ids=[
         "e4m3",
@@ -1406,6 +1412,9 @@ def _feedback_run(
         "e4m3-none",
         "e4m3-bucket-keep_last",
         "e4m3-none-keep_last",
+        "fp16-allreduce-stats",
+        "fp16-allreduce-block",
+        "fp16-allreduce-bucket-keep_last",
     ],
 )
 def test_settled_error_feedback_on_triton_gives_the_kernels_bits(
@@ -1483,21 +1492,29 @@ def test_error_feedback_calls_match_kernels(
 
 
 @pytest.mark.parametrize(
-    ("policy", "agreed"),
-    [("keep_last", False), ("interleaved", False), ("keep_last", True), ("interleaved", True)],
+    ("policy", "agreed", "route"),
+    [
+        ("keep_last", False, "two_phase"),
+        ("interleaved", False, "two_phase"),
+        ("keep_last", True, "two_phase"),
+        ("interleaved", True, "two_phase"),
+        ("keep_last", True, "hierarchical"),
+        ("interleaved", True, "hierarchical"),
+    ],
 )
 def test_settled_mixed_format_bucket_on_triton_gives_the_kernels_bits(
-    tc: types.ModuleType, monkeypatch: pytest.MonkeyPatch, policy: str, agreed: bool
+    tc: types.ModuleType, monkeypatch: pytest.MonkeyPatch, policy: str, agreed: bool, route: str
 ) -> None:
     # A bucket of several formats settles on the Triton backend too (SteadyGroups): its
     # groups' bound launches read views of the bucket at odd offsets (KeepLast) or one
     # gathered scratch (interleaved formats), and give the numba kernels' full path's bits.
     # With agreed block exponents and stats=True too: each sent group a
-    # SteadyAgreedBlocks, their keys one MAX all-reduce, the records the numba kernels';
-    # a step within the ops budget (every launch counted as one op, no zero_: the keys'
-    # kernel zeroes the union the owner sets), the same for 7 layers as for 19.
+    # SteadyAgreedBlocks (hierarchical: a SteadyStaged of agreed block keys), their keys
+    # one MAX all-reduce, the records the numba kernels'; a step within the ops budget
+    # (every launch counted as one op, no zero_: the keys' kernel zeroes the union the
+    # owner sets), the same for 7 layers as for 19.
     import aps_comm
-    from aps_comm.engine import SteadyAgreedBlocks, SteadyGroups
+    from aps_comm.engine import SteadyAgreedBlocks, SteadyGroups, SteadyStaged
     from aps_comm.policy import ByName, KeepLast
     from benchmarks.hostcost import ParamLayer, count_calls, world_of_one
 
@@ -1505,7 +1522,9 @@ def test_settled_mixed_format_bucket_on_triton_gives_the_kernels_bits(
         "keep_last": [KeepLast("fp16")],
         "interleaved": [ByName({"*[13579].weight": "fp16"}), KeepLast("fp32")],
     }
-    options = {"fmt": "e4m3", "reduction": "two_phase", "policy": rules[policy]}
+    options = {"fmt": "e4m3", "reduction": route, "policy": rules[policy]}
+    if route == "hierarchical":
+        options["ranks_per_node"] = 1
     if agreed:
         options.update(fmt="e2m1", scaling="block", block_size=8, block_exponents="agreed")
         options["stats"] = True
@@ -1537,7 +1556,8 @@ def test_settled_mixed_format_bucket_on_triton_gives_the_kernels_bits(
         assert isinstance(st, SteadyGroups) and st.parts is not None
         assert {s.group.codec.backend for _, s in st.parts if s is not None} == {"triton"}
         sent = [type(s) for _, s in st.parts if s is not None]
-        assert st.agreed_blocks == agreed and (set(sent) == {SteadyAgreedBlocks}) == agreed
+        kind = SteadyStaged if route == "hierarchical" else SteadyAgreedBlocks
+        assert st.agreed_blocks == agreed and (set(sent) == {kind}) == agreed, sent
         records = repr(settled.stats)
         if agreed:  # a fourth step's ops, then those of a bucket of 19 layers
             buffer.copy_(x)
@@ -1547,7 +1567,10 @@ def test_settled_mixed_format_bucket_on_triton_gives_the_kernels_bits(
             for _ in range(4):  # the fourth step counted
                 values.copy_(y)
                 many = step_ops(more, values, layers)
-            assert len(few) <= 15 and few == many, (few, many)
+            assert few == many, (few, many)
+            # Hierarchical: per format group its keys, factors and records (three launches)
+            # and the two levels' encodes, the node's sum and the decode.
+            assert len(few) <= (15 if route == "two_phase" else 21), few
             del more
         del settled, st
     with world_of_one(torch.device("cpu")):
@@ -1790,3 +1813,141 @@ def test_staged_block_keys_and_records_match_kernels(
         records = torch.full((len(numels), 5), 7.0, dtype=torch.float64)
         _quiet(call, records)
         assert torch.equal(records, want_records)
+
+
+def _native_blocks_run(
+    options: dict, x: torch.Tensor, params: list[torch.Tensor]
+) -> tuple[torch.Tensor, str, str]:
+    """A native block bucket's third step (bound at the first): its result, its records
+    and the backend of its bound part, which reads nothing on the host."""
+    import aps_comm
+    from aps_comm.engine import SteadyAgreedBlocks, SteadyGroups
+    from benchmarks.hostcost import ParamLayer, count_calls
+
+    state = aps_comm.APSState(**options)
+    state.bind_model(torch.nn.ModuleList(ParamLayer(p) for p in params))
+    buffer = x.clone()
+    for _ in range(2):
+        buffer.copy_(x)
+        _quiet(state.run_bucket, 0, buffer, params)
+    assert state.reducer is not None
+    st = state.reducer.steady_for(0, buffer)
+    if isinstance(st, SteadyGroups):  # beside the FP32 layer: its one scaled part
+        assert st.parts is not None
+        st = next(s for _, s in st.parts if s is not None)
+    assert isinstance(st, SteadyAgreedBlocks) and st.native, type(st)
+    buffer.copy_(x)
+    aten, _ = _quiet(count_calls, functools.partial(state.run_bucket, 0, buffer, params), x.device)
+    assert not any("_local_scalar_dense" in op for op in aten), aten
+    backend = st.group.codec.backend
+    records = repr(state.stats)
+    del state, st
+    return buffer, records, backend
+
+
+@pytest.mark.parametrize(
+    ("exps", "stats", "policy"),
+    [("rank", False, False), ("agreed", True, False), ("agreed", False, True)],
+)
+def test_settled_native_block_bucket_on_triton_gives_the_kernels_bits(
+    tc: types.ModuleType, exps: str, stats: bool, policy: bool
+) -> None:
+    # The native all-reduce with block scaling (Gloo sums fp16; agreed keys whatever is
+    # asked) binds on the Triton backend too: a SteadyAgreedBlocks, native (beside an FP32
+    # layer, a SteadyGroups' part), its keys under the native sum's rule and their factors
+    # the general path's tensor ops, its encode and decode Triton's launches, nothing
+    # read on the host. Its bits and records are the numba kernels'.
+    from aps_comm.policy import KeepLast
+    from benchmarks.hostcost import world_of_one
+
+    options = {
+        "fmt": "fp16",
+        "reduction": "allreduce",
+        "scaling": "block",
+        "block_size": 8,
+        "block_exponents": exps,
+        "stats": stats,
+        "policy": [KeepLast("fp32")] if policy else None,
+    }
+    x, params = _block_bucket([5, 0, 1, 300, 33, 2, 64], 17)
+    with _triton_plans():
+        out, records, backend = _native_blocks_run(options, x, params)
+    with world_of_one(torch.device("cpu")):
+        want, want_records, want_backend = _native_blocks_run(options, x, params)
+    assert (backend, want_backend) == ("triton", "kernels")
+    assert records == want_records and ("fp16" in records) == stats, records
+    assert out[:5].isnan().all() and not out[5:].isnan().any()
+    same = torch.where(out.isnan(), 0.0, out).view(torch.int32)
+    assert torch.equal(same, torch.where(want.isnan(), 0.0, want).view(torch.int32))
+
+
+@pytest.mark.slow
+@pytest.mark.filterwarnings("ignore::UserWarning")  # aps_comm.caveats' advice, not an error
+def test_every_configuration_binds_on_triton(
+    tc: types.ModuleType, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    # Every cell of tests/test_settles.py's DDP matrix (formats, scalings, block exponents,
+    # routes, policies, stats, error feedback) with its codecs on Triton: bound from the
+    # first step (the general path, Reducer._groups, never runs), bound at the third, and
+    # no host read. On a GPU this is the backend "auto" picks; a cell unbound here would
+    # have nothing to run on once the general path is gone.
+    import aps_comm
+    from aps_comm.engine import Reducer
+    from benchmarks.hostcost import ParamLayer, count_calls
+    from tests.test_settles import FAMILIES, NUMELS, POLICIES, ROUTES, SCALINGS
+
+    general: list[int] = []
+    groups = Reducer._groups
+    monkeypatch.setattr(Reducer, "_groups", lambda *a, **k: general.append(1) or groups(*a, **k))
+    product = itertools.product(SCALINGS, ROUTES, POLICIES, (False, True), (False, True))
+    gen = torch.Generator().manual_seed(7)
+    x = (torch.rand(sum(NUMELS), generator=gen) + 0.5) * torch.randn(
+        sum(NUMELS), generator=gen
+    ).sign()
+    unbound, cells = [], 0
+    with _triton_plans():
+        for i, ((scaling, exps), route, policy, stats, fb) in enumerate(product):
+            fmt = "fp16" if route == "allreduce" else FAMILIES[i % len(FAMILIES)]
+            cell = (fmt, scaling, exps, route, policy, stats, fb)
+            options = {
+                "fmt": fmt,
+                "reduction": route,
+                "scaling": scaling,
+                "block_exponents": exps,
+                "stats": stats,
+                "error_feedback": fb,
+                "policy": POLICIES[policy](),
+                "ranks_per_node": 1 if route == "hierarchical" else None,
+            }
+            params = [torch.nn.Parameter(torch.empty(n)) for n in NUMELS]
+            general.clear()
+            buffer = x.clone()
+            try:
+                state = aps_comm.APSState(**options)
+                state.bind_model(torch.nn.ModuleList(ParamLayer(p) for p in params))
+                _quiet(state.run_bucket, 0, buffer, params)
+            except ValueError as exc:  # refused as in tests/test_settles.py
+                refused = ("needs a backend that sums", "is not supported with", "needs one exp")
+                assert any(r in str(exc) for r in refused), exc
+                continue
+            for _ in range(2):
+                buffer.copy_(x)
+                _quiet(state.run_bucket, 0, buffer, params)
+            assert state.reducer is not None
+            st = state.reducer.steady_for(0, buffer)
+            backends = {
+                g.codec.backend
+                for p in state.reducer.plans.values()
+                for gs in p.groups.values()
+                for g in gs
+                if g.fmt.name != "fp32"
+            }
+            assert backends == {"triton"}, (cell, backends)
+            buffer.copy_(x)
+            run = functools.partial(state.run_bucket, 0, buffer, params)
+            aten, _ = _quiet(count_calls, run, x.device)
+            if st is None or general or any("_local_scalar_dense" in op for op in aten):
+                unbound.append(cell)
+            cells += 1
+            del state, st
+    assert cells > 200 and unbound == [], unbound
