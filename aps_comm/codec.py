@@ -397,6 +397,44 @@ def _keep_lost_torch(x: torch.Tensor, sent: torch.Tensor, residual: torch.Tensor
     residual.copy_(torch.where(torch.isfinite(sent), x - sent, 0.0))
 
 
+def _staged_keys_ops(
+    fmt: FloatFormat,
+    x: torch.Tensor,
+    layout: Layout,
+    local: torch.Tensor,
+    keys: torch.Tensor,
+    ranks: tuple[int, int],
+    grid: bool,
+) -> None:
+    """:meth:`Codec.bind_staged_blocks`' keys as torch ops: every block's max |x| into
+    ``local``, its inner and outer keys (2 x blocks) into ``keys``."""
+    local.copy_(blocks_amax(x, layout))
+    route = "grid" if grid else "hierarchical"
+    rows = exponent_keys(local, fmt, route, world_size=ranks[0], ranks_per_node=ranks[1])
+    keys.view(2, -1).copy_(rows)
+
+
+def _staged_factors_ops(
+    fmt: FloatFormat,
+    keys: torch.Tensor,
+    counts: torch.Tensor,
+    world_size: int,
+    grid: bool,
+    out: torch.Tensor,
+) -> None:
+    """:meth:`Codec.bind_staged_blocks`' factors as torch ops, into the rows of ``out``
+    (scale, shift, unscale, first: 1 for hierarchical, which has no first level)."""
+    route = "grid" if grid else "hierarchical"
+    f = factors_from_keys(keys.view(2, -1), fmt, route, world_size=world_size, counts=counts)
+    assert f.shift is not None
+    for row, value in enumerate((f.scale, f.shift, f.unscale)):
+        out[row].copy_(value)
+    if f.first is None:
+        out[3].fill_(1.0)
+    else:
+        out[3].copy_(f.first)
+
+
 def _block_rows(
     x: torch.Tensor,
     blocks: Blocks,
@@ -2239,14 +2277,25 @@ class Codec:
         :func:`aps_comm.cpu_kernels.staged_keys`), and the call that writes the agreed
         keys' factors into the rows of float32 ``out`` (4 x blocks: scale, shift, unscale,
         first; :func:`~aps_comm.cpu_kernels.staged_key_factors`). One kernel call each on
-        "kernels", one launch each on "triton" (each variant probed once here); None on the
-        other backends. ``ranks``: N and the ranks of the first level's sum.
+        "kernels", one launch each on "triton" (each variant probed once here); elsewhere,
+        or where a Triton variant cannot compile, a few torch ops each
+        (:func:`aps_comm.scaling.exponent_keys`, :func:`~aps_comm.scaling.factors_from_keys`,
+        no host read); None for values that are not float32. ``ranks``: N and the ranks of
+        the first level's sum.
 
         Example:
             >>> keys_call, factors_call = codec.bind_staged_blocks(  # doctest: +SKIP
             ...     x, blocks, local, keys, (4, 2), False, out)
         """
         n, per = ranks
+        ops = (
+            functools.partial(
+                _staged_keys_ops, self.fmt, x, blocks.layout, local, keys, ranks, grid
+            ),
+            functools.partial(
+                _staged_factors_ops, self.fmt, keys, blocks.device_counts, n, grid, out
+            ),
+        )
         if self.backend == "kernels":
             layout = blocks.layout
             cells = layout.cells if layout.cells is not None else layout.offsets.numpy()
@@ -2263,7 +2312,7 @@ class Codec:
         offsets = blocks.layout.offsets.numpy()
         longest = int(np.diff(offsets).max()) if offsets.size > 1 else 0
         if self.backend != "triton" or x.dtype != torch.float32 or longest > _triton().MAX_SEGMENT:
-            return None
+            return ops if x.dtype == torch.float32 else None
         counts = blocks.counts.cpu().numpy()  # the plan's host copy: no device read
         width = max(2, 1 << max(longest - 1, 0).bit_length())
         one = np.array([0, max(longest, 1)], np.int64)
@@ -2277,7 +2326,7 @@ class Codec:
             _probed(("staged_keys", self.fmt.name, width), probe_keys)
             and _probed(("staged_key_factors", grid), probe_factors)
         ):
-            return None
+            return ops
         return (
             _triton().bind_staged_keys(self.fmt, x, offsets, local, keys, n, per),
             _triton().bind_staged_key_factors(keys, counts, grid, out),

@@ -63,11 +63,16 @@ def _records(
 
 def _run(rank: int, world: int, fmt: str, reduction: str, scaling: str, backend: str) -> list:
     _force(backend)
+    # "block/agreed": block scaling with agreed block exponents (default: each rank's own).
+    scaling, _, exponents = scaling.partition("/")
+    agreed = exponents == "agreed"
     params = [torch.nn.Parameter(torch.empty(n)) for n in NUMELS]
     model = torch.nn.ParameterList(params)
     # Staged routes: nodes (or grid rows) of 2 ranks.
     per_node = 2 if reduction in ("hierarchical", "grid") else None
     options = {"reduction": reduction, "scaling": scaling, "ranks_per_node": per_node}
+    if agreed:
+        options["block_exponents"] = "agreed"
     settled = APSState(fmt, stats=True, **options)
     settled.bind_model(model)
     names = [name for name, _ in model.named_parameters()]
@@ -76,7 +81,7 @@ def _run(rank: int, world: int, fmt: str, reduction: str, scaling: str, backend:
         "reduction": "ring" if reduction == "allreduce" else reduction,
         "scaling": scaling,
         "ranks_per_node": per_node or 1,
-        "rank_exponents": scaling == "block",  # the hook's default block exponents
+        "rank_exponents": scaling == "block" and not agreed,  # the hook's default
     }
     buffer = torch.empty(sum(NUMELS))  # DDP's bucket buffer: the same every step
     out = []
@@ -92,7 +97,7 @@ def _run(rank: int, world: int, fmt: str, reduction: str, scaling: str, backend:
         buffer.copy_(x)
         got = settled.run_bucket(0, buffer, params)
         # Staged routes with rank block exponents: the chunk decides who owns what.
-        staged_blocks = per_node is not None and scaling == "block"
+        staged_blocks = per_node is not None and scaling == "block" and not agreed
         chunk = settled.bucket_chunks[0] if staged_blocks else None
         expected = torch.cat(simulate.allreduce(layers, fmt, chunk_elements=chunk, **sim))
         # Bit for bit, every NaN the same NaN.
@@ -114,6 +119,9 @@ def _run(rank: int, world: int, fmt: str, reduction: str, scaling: str, backend:
         ("e4m3", "two_phase", "block", ("cast",), 2),
         ("e2m1", "hierarchical", "block", ("kernels", "bits"), 4),  # 2 nodes of 2
         ("e4m3", "grid", "block", ("cast", "bits"), 4),  # grid rows of 2
+        # Agreed block exponents on the staged routes: two keys per block, by torch ops.
+        ("e2m1", "hierarchical", "block/agreed", ("kernels", "bits"), 4),
+        ("e4m3", "grid", "block/agreed", ("cast",), 4),
         # One exponent for the bucket (the records keep each layer's maximum), none at all.
         ("e4m3", "two_phase", "bucket", ("kernels",), 2),
         ("fp16", "allreduce", "bucket", ("cast",), 2),
@@ -139,7 +147,7 @@ def test_settled_records_and_gradients_equal_the_simulated_ones(
 def _check(steps: list, rank: int, world: int, scaling: str, backend: str) -> None:
     """One backend's steps on one rank: settled from the second step, on that backend,
     with the simulated records and gradients, the same bytes every step."""
-    blocks = scaling == "block"  # each rank's own block exponents: its own maxima
+    blocks = scaling.startswith("block")  # the records keep this rank's own block maxima
     for step, (on_path, bound, settled, want, same, traffic, nan) in enumerate(steps):
         if blocks and step == STEPS - 1:  # NaN in one block on the last rank: in its layer
             assert nan == (False, False, False, True, False), (rank, backend, nan)
