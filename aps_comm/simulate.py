@@ -86,8 +86,9 @@ from __future__ import annotations
 
 import dataclasses
 import functools
+import itertools
 from collections.abc import Callable, Mapping, Sequence
-from typing import Any, Literal, TypedDict
+from typing import Any, Literal, NamedTuple, TypedDict
 
 import torch
 import torch.nn as nn
@@ -105,6 +106,7 @@ __all__ = [
     "GLOO_MAX_SEGMENT_BYTES",
     "ORDERS",
     "Order",
+    "Scattered",
     "SimConfig",
     "SimOptions",
     "VirtualWorkers",
@@ -112,6 +114,7 @@ __all__ = [
     "allreduce_feedback",
     "hook_options",
     "records",
+    "reduce_scatter",
     "ring_chunks",
 ]
 
@@ -1247,3 +1250,208 @@ class VirtualWorkers:
         for p, g in zip(trainable, averaged, strict=True):
             p.grad = g.to(p.dtype)
         return loss.detach()
+
+
+# ---------------------------------------------------------------------------
+# FSDP2's reduce-scatter
+
+
+class Scattered(NamedTuple):
+    """:func:`reduce_scatter`'s result.
+
+    Attributes:
+        rows: ``(N, row)`` float32: row r is what rank r's reduce-scatter returns,
+            the sum over ranks of their row r (FSDP divides afterwards).
+        records: each rank's records of the unit (empty lists without ``stats``).
+    """
+
+    rows: torch.Tensor
+    records: list[list[LayerStats]]
+
+
+def reduce_scatter(
+    rows: torch.Tensor,
+    chunks: Sequence[int],
+    fmt: FloatFormat | str,
+    *,
+    formats: Sequence[FloatFormat | str] | None = None,
+    scaling: Scaling = "layer",
+    block_size: int | None = None,
+    problems: Sequence[bool] | None = None,
+    stats: bool = False,
+    names: Sequence[str | None] | None = None,
+    numels: Sequence[int] | None = None,
+    unit: int = 0,
+) -> Scattered:
+    """The hook's FSDP2 reduce-scatter of one unit (:mod:`aps_comm.fsdp`), bit for bit.
+
+    Every rank hands the unit N rows; row r holds every parameter's padded
+    r-th chunk (``chunks[i]`` elements each, in order) and goes to rank r.
+    Each parameter is scaled by its format's two_phase rule over N senders,
+    from its maximum over every rank's rows (``scaling="bucket"``: one
+    exponent per format; ``"block"``: every ``block_size`` elements of each
+    row's chunk, from the chunk's start, from their maximum over the ranks;
+    ``"none"``: none). Every sent value is rounded to its parameter's format
+    (saturating), decoded and unscaled in float32, and rank r sums the N
+    values it receives in FP32 in rank order. A parameter with a value that
+    is not finite in any rank's rows is NaN in every row, on every rank; a
+    unit some rank flags (``problems``: its input did not fit, it sent
+    zeros) is NaN everywhere. A unit whose every parameter is FP32 is a
+    plain reduce-scatter: its rows summed in rank order, a NaN where it is.
+
+    With ``stats`` each rank records every parameter, in order, FP32 ones
+    included: its exponent (block scaling: the smallest of its blocks'), its
+    maximum over every rank (block scaling: this rank's own largest block
+    maximum; NaN counts as inf), and the elements of this rank's N rows that
+    are nonzero, flush to zero once scaled and exceed the format's max.
+
+    Args:
+        rows: ``(N, N, row)``: ``rows[k]`` is rank k's N rows (float).
+        chunks: each parameter's padded chunk (elements per row).
+        fmt: the unit's wire format.
+        formats: each parameter's format, as a policy assigns them; None: ``fmt``.
+        scaling: "layer", "bucket", "block" or "none".
+        block_size: elements per block (None: the hook's default for ``fmt``).
+        problems: each rank's flag (None: none flagged).
+        stats: also return each rank's records.
+        names: each parameter's name (records; None: unnamed).
+        numels: each parameter's size (records; None: its chunk times N).
+        unit: the unit's index (records).
+
+    Returns:
+        Every rank's output row and, with ``stats``, its records.
+
+    Example:
+        >>> x = torch.tensor([[[1.0, 0.3], [2.0, 0.0]], [[0.5, 0.1], [1e-3, 4.0]]])
+        >>> out = reduce_scatter(x, [1, 1], "e2m1", formats=["e2m1", "fp32"], stats=True)
+        >>> out.rows  # rank 0: 1 + 0.5, 0.3 + 0.1; rank 1: 2 + 0 (1e-3 flushes), 0 + 4
+        tensor([[1.5000, 0.4000],
+                [2.0000, 4.0000]])
+        >>> [(r.exponent, r.amax, r.underflow_rate) for r in out.records[1]]
+        [(1, 2.0, 0.5), (0, 4.0, 0.0)]
+    """
+    cfg = SimConfig(fmt, scaling=scaling, block_size=block_size)
+    n, p = rows.shape[0], len(chunks)
+    if rows.dim() != 3 or rows.shape[1] != n or rows.shape[2] != sum(chunks):
+        raise ValueError(
+            f"rows must be (N, N, sum(chunks)) = ({n}, {n}, {sum(chunks)}), got {tuple(rows.shape)}"
+        )
+    fmts = [cfg.fmt] * p if formats is None else [get_format(f) for f in formats]
+    if len(fmts) != p:
+        raise ValueError(f"formats names {len(fmts)} parameters, the unit has {p}")
+    x = rows.detach().float()
+    cuts = [0, *itertools.accumulate(chunks)]
+    params = [x[:, :, lo:hi] for lo, hi in itertools.pairwise(cuts)]
+    amax = layer_amax([t.reshape(-1) for t in params])  # over every rank's rows
+    flagged = problems is not None and any(problems)
+    fp32 = all(f == FP32 for f in fmts)
+    if fp32:
+        exps = [torch.zeros((), dtype=torch.int32, device=x.device) for _ in chunks]
+        tops: list[torch.Tensor] = []
+    elif cfg.scaling == "block":
+        exps, tops = _unit_block_exponents(params, fmts, n, cfg.block_size)
+    else:
+        exps = _unit_exponents(params, fmts, amax, n, cfg.scaling)
+        tops = []
+    out = torch.zeros(n, sum(chunks), dtype=torch.float32, device=x.device)
+    for i, (t, f, e) in enumerate(zip(params, fmts, exps, strict=True)):
+        if not t.numel():
+            continue
+        # x * 2**e in float32 (exact), rounded to the format, decoded, times 2**-e.
+        q = _wire_round(f, "nearest", None, overflow=False)(t * pow2(e)) * pow2(-e)
+        if not fp32 and not bool(torch.isfinite(amax[i])):
+            q = torch.full_like(q, float("nan"))
+        out[:, cuts[i] : cuts[i + 1]] = _sum_sequential(q, _identity, False)  # rank order
+    if flagged:
+        out.fill_(float("nan"))
+    records = [[] for _ in range(n)]
+    if stats:
+        names = [None] * p if names is None else list(names)
+        numels = [n * c for c in chunks] if numels is None else list(numels)
+        records = [
+            _unit_records(params, fmts, exps, amax, tops, k, (names, numels, unit))
+            for k in range(n)
+        ]
+    return Scattered(out, records)
+
+
+def _unit_exponents(
+    params: list[torch.Tensor],
+    fmts: list[FloatFormat],
+    amax: torch.Tensor,
+    n: int,
+    scaling: str,
+) -> list[torch.Tensor]:
+    """Each parameter's exponent (0-d), by its format's rule over that format's
+    parameters (FP32: 0)."""
+    exps = [torch.zeros((), dtype=torch.int32, device=t.device) for t in params]
+    for f in dict.fromkeys(fmts):
+        if f == FP32:
+            continue
+        which = [i for i, g in enumerate(fmts) if g == f]
+        made = factors(amax[which], f, "two_phase", world_size=n, scaling=scaling)
+        for i, e in zip(which, made.exponents.unbind(), strict=True):
+            exps[i] = e.to(torch.int32)
+    return exps
+
+
+def _unit_block_exponents(
+    params: list[torch.Tensor], fmts: list[FloatFormat], n: int, block_size: int | None
+) -> tuple[list[torch.Tensor], list[torch.Tensor]]:
+    """Block scaling: each parameter's exponent per element of its ``(N, chunk)`` rows
+    (every row's chunk blocked from its start, each block from its maximum over the
+    ranks; FP32: 0), and every rank's own block maxima ``(ranks, N, blocks)``."""
+    assert block_size is not None
+    exps, tops = [], []
+    for t, f in zip(params, fmts, strict=True):
+        k, r, c = t.shape
+        blocks = _ceil_div(c, block_size)
+        a = torch.zeros(k, r, blocks * block_size, dtype=torch.float32, device=t.device)
+        a[..., :c] = t.abs()
+        own = a.view(k, r, blocks, block_size).amax(dim=3)
+        own = own.masked_fill_(torch.isnan(own), float("inf"))
+        tops.append(own)
+        if f == FP32 or not blocks:
+            exps.append(torch.zeros(r, c, dtype=torch.int32, device=t.device))
+            continue
+        made = factors(own.amax(0).reshape(-1), f, "two_phase", world_size=n)
+        exps.append(_spread(made.exponents.to(torch.int32).view(r, blocks), c, block_size))
+    return exps, tops
+
+
+def _unit_records(
+    params: list[torch.Tensor],
+    fmts: list[FloatFormat],
+    exps: list[torch.Tensor],
+    amax: torch.Tensor,
+    tops: list[torch.Tensor],
+    rank: int,
+    info: tuple[list[str | None], list[int], int],
+) -> list[LayerStats]:
+    """Rank ``rank``'s records of a unit (see :func:`reduce_scatter`); ``tops``: the
+    ranks' own block maxima with block scaling, else empty; ``info``: names, numels, unit."""
+    names, numels, unit = info
+    out = []
+    for i, (t, f, e) in enumerate(zip(params, fmts, exps, strict=True)):
+        # NaN is neither nonzero (it does not flush) nor saturated.
+        mag = t[rank].abs() * pow2(e)
+        nonzero = int(torch.count_nonzero(mag > 0))
+        under = int(torch.count_nonzero((mag > 0) & (mag <= f.min_subnormal / 2)))
+        if tops:  # the smallest block exponent, this rank's own largest block maximum
+            low = int(e.min()) if e.numel() else 0
+            top = float(tops[i][rank].max()) if tops[i].numel() else 0.0
+        else:
+            low, top = int(e), float(amax[i])
+        out.append(
+            LayerStats(
+                name=names[i],
+                bucket=unit,
+                numel=numels[i],
+                format=str(f.name),
+                exponent=low,
+                amax=top,
+                underflow_rate=under / nonzero if nonzero else 0.0,
+                saturated=int(torch.count_nonzero(mag > f.max)),
+            )
+        )
+    return out

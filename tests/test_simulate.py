@@ -6,6 +6,7 @@ its textbook loop over strides, and Gloo's ring as a literal replay of the
 send/receive schedule in ``gloo/allreduce.cc``.
 """
 
+import dataclasses
 import math
 
 import numpy as np
@@ -24,6 +25,7 @@ from aps_comm.simulate import (
     allreduce,
     allreduce_feedback,
     records,
+    reduce_scatter,
     ring_chunks,
 )
 from aps_comm.testing import run_distributed
@@ -545,3 +547,128 @@ def test_feedback_keeps_what_encoding_and_the_owners_rounding_lost() -> None:
     assert nan.isnan().all() and torch.equal(zeros, torch.zeros_like(zeros))
     with pytest.raises(ValueError, match="exponents agreed"):
         allreduce_feedback([g], "e2m1", scaling="block", rank_exponents=True)
+
+
+# ---------------------------------------------------------------------------
+# FSDP2's reduce-scatter
+
+
+def _unit_reference(
+    x: torch.Tensor, chunks: list[int], formats: list[str], e: list[int]
+) -> torch.Tensor:
+    """Rank r's row: each parameter times ``2**e`` rounded to its format's nearest even
+    (:func:`aps_comm.formats.quantize`), times ``2**-e``, summed over the senders in order."""
+    out = []
+    for t, name, ei in zip(x.split(chunks, dim=2), formats, e, strict=True):
+        f = get_format(name)
+        q = quantize(t * 2.0**ei, f) * 2.0**-ei if f != FP32 else t.clone()
+        acc = q[0].clone()
+        for k in range(1, q.shape[0]):
+            acc += q[k]
+        out.append(acc)
+    return torch.cat(out, dim=1)
+
+
+def test_reduce_scatter_rounds_each_parameter_by_its_exponent_and_sums_in_rank_order() -> None:
+    """Every rank's row r goes to rank r: each parameter's exponent from its maximum over
+    every rank's rows (two_phase over N senders), the values rounded and summed in FP32
+    in rank order; an FP32 parameter beside them is summed as it is."""
+    gen = torch.Generator().manual_seed(3)
+    n, chunks = 3, [5, 4, 7]
+    x = torch.randn(n, n, sum(chunks), generator=gen) * torch.tensor(
+        [1e-3] * 5 + [40.0] * 4 + [1.0] * 7
+    )
+    formats = ["e4m3", "fp32", "e4m3"]
+    got = reduce_scatter(x, chunks, "e4m3", formats=formats)
+    amax = torch.stack([t.abs().amax() for t in x.split(chunks, dim=2)])
+    e = exponents(amax, "e4m3", world_size=n, reduction="two_phase").tolist()
+    e[1] = 0
+    want = _unit_reference(x, chunks, formats, e)
+    assert torch.equal(got.rows, want)
+    assert got.records == [[], [], []]
+    # Bucket scaling: one exponent for the format's parameters, from their largest maximum.
+    bucket = reduce_scatter(x, chunks, "e4m3", formats=formats, scaling="bucket")
+    top = int(exponents(amax[[0, 2]].amax()[None], "e4m3", world_size=n, reduction="two_phase"))
+    assert torch.equal(bucket.rows, _unit_reference(x, chunks, formats, [top, 0, top]))
+    # No scaling: the values as they are.
+    none = reduce_scatter(x, chunks, "e4m3", scaling="none")
+    assert torch.equal(none.rows, _unit_reference(x, chunks, ["e4m3"] * 3, [0, 0, 0]))
+
+
+def test_reduce_scatter_with_blocks_scales_every_rows_chunk_from_its_start() -> None:
+    """Block scaling: each row's chunk of a parameter is blocked from its own start (a
+    chunk of 10 at blocks of 8: 8 + 2 per row), each block's exponent from its maximum
+    over the ranks."""
+    gen = torch.Generator().manual_seed(4)
+    n, bs = 2, 8
+    x = torch.randn(n, n, 10, generator=gen)
+    x[:, :, 8:] *= 1e-4  # the short block: an exponent of its own
+    got = reduce_scatter(x, [10], "e2m1", scaling="block", block_size=bs)
+    want = torch.empty(n, 10)
+    for r in range(n):
+        for lo, hi in ((0, 8), (8, 10)):
+            part = x[:, r : r + 1, lo:hi]
+            e = int(exponents(part.abs().amax()[None], "e2m1", world_size=n, reduction="two_phase"))
+            want[r, lo:hi] = _unit_reference(part, [hi - lo], ["e2m1"], [e])[0]
+    assert torch.equal(got.rows, want)
+
+
+def test_reduce_scatter_spreads_a_nan_over_its_parameter_and_a_flag_over_the_unit() -> None:
+    """A value that is not finite on one rank makes its parameter NaN in every row on
+    every rank (the others are untouched); a flagged unit is NaN everywhere; a unit all in
+    FP32 keeps a NaN where it is."""
+    x = torch.ones(2, 2, 6)
+    x[1, 0, 4] = math.nan  # rank 1's row 0, parameter 1 (elements 3 to 5)
+    got = reduce_scatter(x, [3, 3], "e4m3").rows
+    assert got[:, 3:].isnan().all() and torch.equal(got[:, :3], torch.full((2, 3), 2.0))
+    flagged = reduce_scatter(torch.ones(2, 2, 6), [3, 3], "e4m3", problems=[False, True]).rows
+    assert flagged.isnan().all()
+    plain = reduce_scatter(x, [3, 3], "fp32").rows
+    assert plain.isnan().sum() == 1 and plain[0, 4].isnan()
+    assert reduce_scatter(x, [3, 3], "fp32", problems=[True, False]).rows.isnan().all()
+
+
+@pytest.mark.parametrize("scaling", ["layer", "block"])
+def test_reduce_scatter_records_are_the_simulated_records_of_each_ranks_gradient(
+    scaling: str,
+) -> None:
+    """A rank's records of a unit are :func:`records` of its whole gradient (its N rows:
+    padding zeros count for nothing), chunks of whole blocks, under the two_phase rule."""
+    gen = torch.Generator().manual_seed(5)
+    n, chunks = 2, [16, 32]
+    x = torch.randn(n, n, 48, generator=gen) * torch.tensor([1e-6] * 16 + [3.0] * 32)
+    x[0, 1, 17] = 0.0
+    got = reduce_scatter(
+        x,
+        chunks,
+        "e4m3",
+        scaling=scaling,
+        block_size=16,
+        stats=True,
+        names=["a", "b"],
+        numels=[30, 64],
+        unit=7,
+    )
+    layers = [t.reshape(n, -1) for t in x.split(chunks, dim=2)]
+    for k in range(n):
+        want = records(
+            layers,
+            "e4m3",
+            k,
+            names=["a", "b"],
+            bucket=7,
+            scaling=scaling,
+            block_size=16,
+            reduction="two_phase",
+        )
+        want = [dataclasses.replace(r, numel=m) for r, m in zip(want, [30, 64], strict=True)]
+        assert got.records[k] == want
+
+
+def test_reduce_scatter_checks_its_input() -> None:
+    with pytest.raises(ValueError, match="rows must be"):
+        reduce_scatter(torch.ones(2, 3, 4), [4], "e4m3")
+    with pytest.raises(ValueError, match="formats names"):
+        reduce_scatter(torch.ones(2, 2, 4), [2, 2], "e4m3", formats=["e4m3"])
+    empty = reduce_scatter(torch.ones(2, 2, 3), [3, 0], "e4m3", stats=True)
+    assert empty.rows.shape == (2, 3) and [r.numel for r in empty.records[0]] == [6, 0]
