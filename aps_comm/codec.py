@@ -1597,7 +1597,7 @@ class Codec:
     ) -> RankBlockCalls | None:
         """Bind one chunk's three steps of two_phase with every rank's own block exponents.
 
-        The fused form of what :func:`aps_comm.transports.two_phase_rank_blocks`
+        The fused form of what :func:`aps_comm.transports.rank_block_ops`
         does shard by shard; the same bytes. None where this backend has no
         fused kernels ("kernels" and "triton" have them for 4-, 8- and
         16-bit formats), or where a Triton variant cannot
@@ -1641,7 +1641,7 @@ class Codec:
     ) -> tuple[Callable[[], None], Callable[[], None], Callable[[], None]] | None:
         """Bind one chunk's three steps of two_phase with agreed block exponents.
 
-        The fused form of what :func:`aps_comm.transports.two_phase_blocks`
+        The fused form of what :func:`aps_comm.transports.agreed_block_calls`
         does shard by shard, with the same bytes: (send, owner, decode), one
         kernel call each. ``union`` is zeroed before the first chunk's owner step on
         "triton" (whose owner sets it, never clears) by the keys' call
@@ -1931,7 +1931,7 @@ class Codec:
     ) -> NodeBlockCalls | None:
         """Bind one chunk of hierarchical (or grid) with every owner's own block exponents.
 
-        The fused form of what :func:`aps_comm.transports.hierarchical_rank_blocks`
+        The fused form of what :func:`aps_comm.transports.node_block_ops`
         does slice by slice and shard by shard; the same bytes. Across nodes it
         is two_phase's :meth:`bind_rank_blocks` applied to the node's mean of
         this rank's slice among the M ranks of its local rank. None where this

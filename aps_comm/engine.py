@@ -58,7 +58,6 @@ from aps_comm.scaling import (
     KEY_ZERO,
     Factors,
     bad_layers,
-    block_amax,
     block_keys_into,
     blocks_amax,
     exponent_keys,
@@ -581,7 +580,7 @@ class SteadyAgreedBlocks:
     owner's mean re-encoded with its own extra exponent ``d`` per block (the
     first chunk's owner also flags the layers with a non-finite key), the
     decode with ``2**-(e + d)``. The collectives, bytes and bits of
-    :func:`aps_comm.transports.two_phase_blocks`.
+    :func:`aps_comm.transports.agreed_block_calls`.
 
     Attributes:
         numel: the bucket's elements.
@@ -1334,9 +1333,6 @@ class Reducer:
         # Promote's move: the moving binding's MAX all-reduce vector, for the new one
         # (:meth:`_vector`).
         self._moving: torch.Tensor | None = None
-        # False: every DDP bucket and FSDP unit takes the general per-step path, never
-        # bound (the reference the bound path is tested against, where both exist).
-        self.settles = True
         # The current step's number (Schedule's): the last one :meth:`bucket` was
         # given, advanced by :meth:`end_step`, so settled buckets know it too.
         self.step = 0
@@ -1422,83 +1418,17 @@ class Reducer:
             With ``defer`` and chunks left in flight, the function that
             finishes the bucket; else None.
         """
-        comm, settings, assignment = self.comm, self.settings, self.assignment
+        _comm, _settings, _assignment = self.comm, self.settings, self.assignment
         self.step = step
         plan, layers = self.plan(index, numels, x.device), (keys, numels, names)
-        if self.settles:
-            # Bound, then run, from the first step; else the general per-step path.
-            st = self._bind_first(index, x, plan, layers, chunk)
-            if st is not None:
-                return self.run_steady(index, st, x, defer)
-        if self.feedback is not None:
-            self.feedback.add(x, numels, names)
-            # Its float32 scratch (two buckets' worth at N = 1) leaves no room for
-            # a second bucket's buffers within the workspace's bound: no overlap.
-            defer = False
-        promoter = assignment.promoter
-        fmts = None
-        if promoter is None:
-            # Formats known before the maxima: a bucket that goes entirely in
-            # FP32 (auto's choice, or a schedule) needs neither maxima nor scales.
-            fmts = assignment.formats(keys, step)
-            routes = self._routes_for(plan, fmts)
-            if all(routes[f] == Route.FP32 for f in fmts):
-                transports.fp32_mean(x, comm.group, comm.world_size, self.traffic)
-                if self.feedback is not None:  # sent exactly (its residuals added above)
-                    self.feedback.drop(names)
-                if any(f != FP32 for f in fmts):
-                    self.bucket_routes[index] = Route.FP32.value
-                return None
-        n_layers = len(numels)
-        main = self._routes_for(plan, [settings.fmt] * n_layers)[settings.fmt]
-        blocked = settings.scaling == Scaling.BLOCK
-        # Each rank's own block exponents: two_phase groups agree on nothing
-        # (error feedback's owner keeps the agreed exponents instead).
-        rank_exps = (
-            blocked and settings.block_exponents == BlockExponents.RANK and self.feedback is None
-        )
-        measured = chunk is None and self.feedback is None and x.device.type == "cpu"
-        # Each rank's preferred chunk, from its own timing, rides on the
-        # maxima; the largest wins. A CPU tensor: no device round trip.
-        mine = 0
-        if measured:
-            mine = self.planner.chunk(settings.fmt, x.numel(), main, plan.exchange_s or None)
-        agreed: dict[FloatFormat, tuple[torch.Tensor, torch.Tensor]] = {}
-        if blocked:  # formats known (Promote refuses blocks)
-            assert fmts is not None
-            amax = x.new_empty(0)
-            # Rank exponents: each rank's chunk rides on the first exchange
-            # instead, for the next step.
-            agreed, wanted = self._agree_blocks(plan, x, fmts, 0 if rank_exps else mine, rank_exps)
-        else:
-            amax, wanted = self._agree_maxima(plan, x, keys, names, mine if measured else None)
-        chunk = self._bucket_chunk(plan, x.numel(), main, chunk, wanted, measured and rank_exps)
-        self.bucket_chunks[index] = chunk
-        if fmts is None:  # Promote has just updated them
-            fmts = assignment.formats(keys, step)
-        routes = self._routes_for(plan, fmts)
-        groups = plan.group(
-            fmts,
-            routes,
-            comm.world_size,
-            chunk,
-            comm.node_layouts(),
-            settings.block_size if blocked else None,
-            # Error feedback keeps the owner's loss in its residuals instead.
-            owner_exponents=blocked and self.feedback is None,
-            rank_exponents=rank_exps,
-        )
-        sent = [g for g in groups if g.fmt != FP32]
-        if sent:
-            self.bucket_routes[index] = str(max(sent, key=lambda g: g.numel).reduction)
-        start = time.perf_counter()
-        offer = None
-        if measured and rank_exps:
-            offer = (int(math.log2(mine)), functools.partial(_agree_chunk, plan))
-        tail = self._groups(index, x, numels, groups, amax, names, agreed, defer, offer)
-        if measured and len(groups) == 1:
-            plan.timed(time.perf_counter() - start)
-        return tail
+        st = self._bind_first(index, x, plan, layers, chunk)
+        if st is None:
+            # Every configuration the state accepts binds on every codec backend.
+            raise RuntimeError(
+                f"bucket {index}: no bound path for {self.settings} in formats "
+                f"{[f.name for f in self.assignment.formats(keys, step)]} on {x.device}"
+            )
+        return self.run_steady(index, st, x, defer)
 
     def _bind_first(
         self,
@@ -1627,66 +1557,6 @@ class Reducer:
         if self.feedback is not None and g.reduction != Route.FP32:
             self._settle_feedback(index, x, g, fmts, (list(keys), list(numels), list(names)))
 
-    def _groups(
-        self,
-        index: int,
-        x: torch.Tensor,
-        numels: list[int],
-        groups: list[GroupPlan],
-        amax: torch.Tensor,
-        names: Sequence[str | None],
-        agreed: dict[FloatFormat, tuple[torch.Tensor, torch.Tensor]],
-        defer: bool,
-        offer: tuple[int, Callable[[int], None]] | None,
-    ) -> Callable[[], None] | None:
-        """Every format group of bucket ``index`` through :meth:`_group`, the contiguous
-        one's tail deferred if asked (``offer``: as :meth:`_group`'s)."""
-        blocked = self.settings.scaling == Scaling.BLOCK
-        layers = torch.split(x, numels) if len(groups) > 1 else [x]
-        tail = None
-        for g in groups:
-            keyed = agreed.get(g.fmt)
-            if g.contiguous:
-                tail = self._group(g, x, amax, names, index, defer, keyed, offer)
-                continue
-            # Mixing formats costs a gather copy and one set of collectives per format.
-            gx = torch.cat([layers[i] for i in g.index]) if g.index else x.new_empty(0)
-            g_amax = amax if blocked else amax[g.index_tensor]
-            self._group(g, gx, g_amax, names, index, keyed=keyed)
-            for i, t in zip(g.index, torch.split(gx, g.numels), strict=True):
-                layers[i].copy_(t)
-        return tail
-
-    def _agree_maxima(
-        self,
-        plan: BucketPlan,
-        x: torch.Tensor,
-        keys: Sequence[Any],
-        names: Sequence[str | None],
-        mine: int | None,
-    ) -> tuple[torch.Tensor, torch.Tensor | None]:
-        """The layers' maxima agreed by one MAX all-reduce, with Promote's rates and this
-        rank's preferred chunk ``mine`` (where measured) riding on it; Promote's step taken.
-
-        Returns the agreed maxima and the ranks' largest preferred chunk (log2; None
-        where not measured).
-        """
-        n_layers, promoter = len(keys), self.assignment.promoter
-        amax = codec.segment_amax(x, plan.layout)
-        extra: list[torch.Tensor] = []
-        if promoter is not None:
-            zero = torch.zeros((), device=x.device)
-            extra.append(torch.stack([self.rates.get(n or "", zero) for n in names]))
-        if mine is not None:
-            extra.append(torch.tensor([math.log2(mine)], dtype=torch.float32))
-        shared = torch.cat([amax, *extra]) if extra else amax
-        transports.all_reduce_max(shared, self.comm.group, self.traffic)
-        if promoter is not None:
-            # Promote picks formats on the host: one device read per bucket,
-            # only with this policy.
-            self.assignment.promote_step(keys, shared[n_layers : 2 * n_layers].tolist())
-        return shared[:n_layers], shared[-1] if mine is not None else None
-
     def _bucket_chunk(
         self,
         plan: BucketPlan,
@@ -1801,7 +1671,7 @@ class Reducer:
         """Bind the :class:`SteadyGroups` path of a bucket of several formats with error
         feedback: each group sent scaled a :class:`SteadyFeedback` on its view, its agreed
         maxima (or block keys) a view of the one vector the bucket MAX-all-reduces (with
-        Promote, every layer's rate after them, as :meth:`_agree_maxima`'s)."""
+        Promote, every layer's rate after them)."""
         keys, numels, names = layers
         sent = [g for g in groups if g.reduction != Route.FP32]
         self.steady.pop(index, None)
@@ -1820,8 +1690,8 @@ class Reducer:
             )
         ):
             return
-        # The general path's one MAX all-reduce: every layer's maximum, or each sent
-        # format's block keys in the plan's order (:meth:`_agree_blocks`).
+        # One MAX all-reduce: every layer's maximum, or each sent format's block keys in
+        # the plan's order.
         n, promoted = len(fmts), self.assignment.promoter is not None and not blocks
         size = sum(g.layout.n_segments for g in sent) if blocks else n * (1 + int(promoted))
         dtype = torch.uint8 if blocks else torch.float32
@@ -1920,7 +1790,7 @@ class Reducer:
         scaled a :class:`SteadyAgreedBlocks` (``native`` where its route is the all-reduce)
         on its view (the bucket's, or bound scratch of the layers in the plan's order where
         the groups interleave), its keys a view of the one uint8 vector the bucket
-        MAX-all-reduces, as :meth:`_agree_blocks`' (every sent format's keys in the plan's
+        MAX-all-reduces (every sent format's keys in the plan's
         order, then where measured this rank's preferred chunk). ``chunking``: the state's format's route,
         whether chunks are measured, and this rank's chunk."""
         main, measured, chunk = chunking
@@ -1938,7 +1808,7 @@ class Reducer:
             or (staged and any(g.codec.backend not in ("kernels", "triton") for g in sent))
         ):
             return
-        # A staged group's two keys per block (inner, then outer), as _agree_blocks' vector.
+        # A staged group's two keys per block (inner, then outer).
         widths = [g.layout.n_segments * (2 if Route(g.reduction).staged else 1) for g in sent]
         size = sum(widths) + int(measured)
         shared = torch.zeros(size, dtype=torch.uint8, device=x.device)
@@ -2570,8 +2440,8 @@ class Reducer:
         native sum's factors (scale, the inverse ``2**-e`` the residuals are kept under,
         and the decode's ``2**-e / N``: :func:`aps_comm.cpu_kernels.native_factors_into`,
         per block :func:`aps_comm.cpu_kernels.native_block_factors`), the encode with its
-        residual update, the sum in the wire format and the decode: :meth:`_group`'s
-        ``after_encode`` and :func:`aps_comm.transports.native`, bound. ``fused``: as
+        residual update, the sum in the wire format and the decode
+        (:func:`aps_comm.transports.native`), bound. ``fused``: as
         :meth:`_bind_feedback`'s (its maxima picked by the factors' call); ``after``: as
         there (the gathered layers and every group's block maxima come first)."""
         fb, settings, device, numel = self.feedback, self.settings, x.device, x.numel()
@@ -2790,7 +2660,7 @@ class Reducer:
         names: Sequence[str | None] = (),
     ) -> None:
         """Bind the native all-reduce's block path (:class:`SteadyAgreedBlocks` with
-        ``native``): :meth:`_agree_blocks`' one MAX all-reduce of the keys (this rank's
+        ``native``): one MAX all-reduce of the keys (this rank's
         preferred chunk on it where ``measured``), then per chunk the encode, the sum in
         the wire format and the decode (:func:`aps_comm.transports.native`'s)."""
         if (
@@ -3139,11 +3009,8 @@ class Reducer:
     ) -> Callable[[], None] | None:
         """Promote moved a layer's format of settled bucket ``index``: the new formats bound
         first (no collective, :meth:`_bind_first`) and the step finished on their bound
-        path from the vector just agreed (:meth:`_resume`), the general path's bits.
-
-        Where the new formats have no bound path, the general path's groups finish the
-        step on that vector (:meth:`_general_moved`). With error feedback the residuals
-        are in ``x`` already: neither adds them again.
+        path from the vector just agreed (:meth:`_resume`). With error feedback the
+        residuals are in ``x`` already: the new binding does not add them again.
         """
         assert st.promote is not None and st.maxima is not None
         del self.steady[index]
@@ -3168,7 +3035,7 @@ class Reducer:
             else:
                 st.scatter()
         if new is None:
-            return self._general_moved(index, x, plan, layers, st.maxima, chunk, defer)
+            raise RuntimeError(f"bucket {index}: Promote's new formats have no bound path")
         assert not isinstance(new, SteadyBlocks | SteadyAgreedBlocks)  # Promote has no blocks
         assert new.maxima is not None  # with Promote, the general path's vector
         if new.maxima is not st.maxima:
@@ -3220,40 +3087,6 @@ class Reducer:
         if isinstance(st, SteadyStaged):
             return self._finish_staged(index, st, x, defer)
         return self._finish_steady(index, st, x, defer)
-
-    def _general_moved(
-        self,
-        index: int,
-        x: torch.Tensor,
-        plan: BucketPlan,
-        layers: tuple[Sequence[Any], list[int], Sequence[str | None]],
-        vector: torch.Tensor,
-        chunk: int | None,
-        defer: bool,
-    ) -> Callable[[], None] | None:
-        """Promote moved bucket ``index``'s layers into formats that have no bound path:
-        the general path's groups send the step on ``vector``, the maxima (Promote's rates,
-        the chunk where measured) just agreed; the residuals are in ``x`` already."""
-        comm, settings = self.comm, self.settings
-        keys, numels, names = layers
-        fmts = self.assignment.formats(keys, self.step)
-        main = self._routes_for(plan, [settings.fmt] * len(fmts))[settings.fmt]
-        measured = chunk is None and self.feedback is None and x.device.type == "cpu"
-        wanted = vector[-1] if measured else None
-        chunk = self.bucket_chunks[index] = self._bucket_chunk(
-            plan, x.numel(), main, chunk, wanted, False
-        )
-        groups = plan.group(
-            fmts, self._routes_for(plan, fmts), comm.world_size, chunk, comm.node_layouts()
-        )
-        sent = [g for g in groups if g.fmt != FP32]
-        if sent:
-            self.bucket_routes[index] = str(max(sent, key=lambda g: g.numel).reduction)
-        start = time.perf_counter()
-        tail = self._groups(index, x, numels, groups, vector[: len(fmts)], names, {}, defer, None)
-        if measured and len(groups) == 1:
-            plan.timed(time.perf_counter() - start)
-        return tail
 
     def _settle_staged(
         self,
@@ -3580,64 +3413,6 @@ class Reducer:
             plan.timed(time.perf_counter() - start)
         return tail
 
-    def _agree_blocks(
-        self,
-        plan: BucketPlan,
-        x: torch.Tensor,
-        fmts: Sequence[FloatFormat],
-        mine: int,
-        rank_exps: bool = False,
-    ) -> tuple[dict[FloatFormat, tuple[torch.Tensor, torch.Tensor]], torch.Tensor | None]:
-        """Block scaling's one collective: a MAX all-reduce of one-byte block exponents.
-
-        Each format's blocks get this rank's exponent keys under their route's
-        rule (:func:`aps_comm.scaling.exponent_keys`); the MAX over ranks of a
-        key is the key of the ranks' largest maximum. ``mine`` (this rank's
-        preferred chunk, 0 for none) rides along as its log2, one byte. With
-        ``rank_exps`` two_phase, hierarchical and grid formats keep this
-        rank's own keys (they travel with the shards); with nothing left to
-        agree there is no collective.
-
-        Returns:
-            Per format sent scaled: (its blocks' agreed keys, or with
-            ``rank_exps`` two_phase's own keys, shape (rows, blocks), and this
-            rank's own block maxima, for the records); and the agreed log2
-            chunk (a 0-d tensor) when ``mine`` was given.
-        """
-        comm, block_size = self.comm, self.settings.block_size
-        routes = self._routes_for(plan, fmts)
-        maxima = block_amax(x, plan.grid(block_size))
-        node = comm.node_layouts()
-        mine_keys: list[tuple[FloatFormat, torch.Tensor, torch.Tensor]] = []
-        out: dict[FloatFormat, tuple[torch.Tensor, torch.Tensor]] = {}
-        for fmt, picks in plan.block_index(fmts, block_size).items():
-            route = routes[fmt]
-            if route == Route.FP32:
-                continue
-            local = maxima if picks is None else maxima[picks]
-            per = node[route.value][0] if route.staged else 1
-            if rank_exps and route in (Route.TWO_PHASE, Route.HIERARCHICAL, Route.GRID):
-                # Each rank's own keys, under two_phase's rule for the sum they
-                # first enter: over N ranks, or over a node's L (grid).
-                own = comm.world_size if route == Route.TWO_PHASE else per
-                keys = exponent_keys(local, fmt, Route.TWO_PHASE, world_size=own)
-                out[fmt] = (keys, local)
-                continue
-            keys = exponent_keys(local, fmt, route, world_size=comm.world_size, ranks_per_node=per)
-            mine_keys.append((fmt, keys, local))
-        parts = [keys.reshape(-1) for _, keys, _ in mine_keys]
-        if mine:
-            parts.append(torch.tensor([int(math.log2(mine))], dtype=torch.uint8))
-        if not parts:
-            return out, None
-        shared = torch.cat(parts)
-        transports.all_reduce_max(shared, comm.group, self.traffic)
-        start = 0
-        for fmt, keys, local in mine_keys:
-            out[fmt] = (shared[start : start + keys.numel()].view(keys.shape), local)
-            start += keys.numel()
-        return out, (shared[-1] if mine else None)
-
     def _routes_for(self, plan: BucketPlan, fmts: Sequence[FloatFormat]) -> dict:
         """Each format's route in this bucket: as configured, or the model's choice."""
         if self.settings.reduction != Reduction.AUTO:
@@ -3656,171 +3431,6 @@ class Reducer:
                 )
             plan.reductions[key] = chosen
         return chosen
-
-    def _group(
-        self,
-        g: GroupPlan,
-        x: torch.Tensor,
-        amax: torch.Tensor,
-        names: Sequence[str | None],
-        bucket: int,
-        defer: bool = False,
-        keyed: tuple[torch.Tensor, torch.Tensor] | None = None,
-        offer: tuple[int, Callable[[int], None]] | None = None,
-    ) -> Callable[[], None] | None:
-        """Average one format group's values ``x`` in place (the tail deferred if asked).
-
-        ``offer``: with rank block exponents, this rank's preferred chunk
-        (log2) and what to call with the ranks' largest.
-        ``amax`` holds the layers' agreed maxima; with block scaling ``keyed``
-        holds the blocks' agreed exponent keys and this rank's block maxima.
-        """
-        comm, route = self.comm, Route(g.reduction)
-        gnames = [names[i] for i in g.index]
-        if route == Route.FP32:
-            transports.fp32_mean(x, comm.group, comm.world_size, self.traffic)
-            if self.feedback is not None:
-                self.feedback.drop(gnames)
-            return None
-        rank_blocks = (
-            route == Route.TWO_PHASE
-            and g.block_shards is not None
-            and g.block_shards.rank_exponents
-        ) or g.node_blocks is not None
-        f = self._group_factors(g, x, amax, gnames, bucket, keyed, rank_blocks)
-        if g.node_blocks is not None:
-            assert keyed is not None and self.feedback is None and g.blocks is not None
-            layouts = self.comm.layouts
-            groups = layouts.grid if route == Route.GRID else layouts.nodes
-            assert groups is not None
-            own = keyed[0][0]
-            return transports.hierarchical_rank_blocks(
-                g,
-                x,
-                own,
-                bad_layers(own, g.blocks.device_counts),
-                groups,
-                comm.world_size,
-                self.traffic,
-                defer,
-            )
-        if rank_blocks:
-            assert keyed is not None and self.feedback is None
-            log2, on_chunk = offer or (0, None)
-            return transports.two_phase_rank_blocks(
-                g,
-                x,
-                keyed[0][0],
-                comm.rank,
-                comm.group,
-                comm.world_size,
-                self.traffic,
-                defer,
-                log2,
-                on_chunk,
-            )
-        assert f is not None
-        if route.staged:
-            assert g.node is not None
-            layouts = self.comm.layouts
-            groups = layouts.grid if route == Route.GRID else layouts.nodes
-            assert groups is not None and f.shift is not None
-            return transports.hierarchical(
-                g,
-                x,
-                f.scale,
-                f.shift,
-                f.unscale,
-                groups,
-                comm.world_size,
-                self.traffic,
-                defer,
-                f.first,
-            )
-        after_encode = owner = None
-        if self.feedback is not None:
-            finite = torch.isfinite(f.unscale)  # per layer, or per block
-            fb = self.feedback
-            after_encode = functools.partial(_keep_sent, fb, g, x, gnames, f.exponents, finite)
-            owner = functools.partial(_owner_with_feedback, fb, g, gnames, f.scale, finite)
-        if route == Route.TWO_PHASE and g.block_shards is not None:
-            return transports.two_phase_blocks(
-                g,
-                x,
-                f.scale,
-                f.exponents,
-                torch.isfinite(f.unscale),
-                comm.rank,
-                comm.group,
-                comm.world_size,
-                self.traffic,
-                defer,
-            )
-        if route == Route.TWO_PHASE:
-            return transports.two_phase(
-                g,
-                x,
-                f.scale,
-                f.unscale,
-                comm.group,
-                comm.world_size,
-                self.traffic,
-                after_encode,
-                owner,
-                defer,
-            )
-        return transports.native(
-            g, x, f.scale, f.unscale, comm.group, self.traffic, after_encode, defer
-        )
-
-    def _group_factors(
-        self,
-        g: GroupPlan,
-        x: torch.Tensor,
-        amax: torch.Tensor,
-        gnames: list[str | None],
-        bucket: int,
-        keyed: tuple[torch.Tensor, torch.Tensor] | None,
-        rank_blocks: bool,
-    ) -> Factors | None:
-        """:meth:`_group`'s factors from the agreed maxima or block keys (None where each
-        rank's own block keys go out as they are and nothing is recorded), and the
-        group's records (stats, Promote's rates)."""
-        comm, fmt, route = self.comm, g.fmt, Route(g.reduction)
-        per_node = g.node.ranks_per_node if g.node is not None else 1
-        records = self.settings.stats or self.assignment.promoter is not None
-        # Each rank's own keys go out as they are: factors only for the records.
-        f: Factors | None = None
-        if g.blocks is None:
-            f = factors(
-                amax,
-                fmt,
-                route,
-                world_size=comm.world_size,
-                scaling=self.settings.scaling,
-                ranks_per_node=per_node,
-            )
-        elif records or not rank_blocks:
-            assert keyed is not None
-            # Each rank's own keys follow two_phase's rule, whatever the route.
-            key_route = Route.TWO_PHASE if rank_blocks else route
-            f = factors_from_keys(
-                keyed[0], fmt, key_route, world_size=comm.world_size, counts=g.blocks.device_counts
-            )
-        if records:
-            assert f is not None
-            counts = layer_counts(x, g.layout.lengths, f.exponents, fmt)
-            if self.settings.stats:
-                exps, maxima = f.exponents, amax
-                if g.blocks is not None:
-                    assert keyed is not None
-                    counts, exps, maxima = per_layer(g.blocks, counts, f.exponents, keyed[1])
-                self.stats.add(bucket, gnames, g.numels, fmt, exps, maxima, counts)
-            if self.assignment.promoter is not None:
-                rates = counts[:, 1].float() / counts[:, 0].clamp(min=1).float()
-                for name, rate in zip(gnames, rates.unbind(), strict=True):
-                    self.rates[name or ""] = rate
-        return f
 
     # -- one FSDP2 unit ----------------------------------------------------------
 
@@ -3859,7 +3469,7 @@ class Reducer:
             The sum over ranks of this rank's row (FSDP divides afterwards).
         """
         comm, settings = self.comm, self.settings
-        n, p = comm.world_size, len(chunks)
+        _n, _p = comm.world_size, len(chunks)
         if rows.dtype != torch.float32 or not rows.is_contiguous():
             # aps_comm.fsdp hands contiguous float32 rows (it casts FSDP's reduce dtype).
             raise ValueError(
@@ -3870,7 +3480,7 @@ class Reducer:
         # Bound first, then run bound: the first call's bits are the same. A unit that
         # cannot bind is not tried again until its layout or epoch changes.
         tried = (rows.numel(), tuple(chunks), rows.device, self.assignment.epoch(step))
-        if st is None and self.settles and self._unbound_units.get(index) != tried:
+        if st is None and self._unbound_units.get(index) != tried:
             self._bind_unit(index, rows, chunks, (names, numels), step)
             st = self._steady_unit(index, rows, chunks, step)
             if st is None:
@@ -3881,135 +3491,10 @@ class Reducer:
             return self._run_fp32_unit(index, st, rows, problem)
         if st is not None:
             return self._run_unit(index, st, rows, problem)
-        plan = self.plan(index, list(chunks) * n, rows.device)
-        if settings.scaling == Scaling.BLOCK:
-            return self._unit_blocks(plan, index, rows, numels, names, step, problem)
-        shared = torch.empty(p + 1, dtype=torch.float32, device=rows.device)
-        if p:
-            # Per parameter, the max over its chunk of every row.
-            seg = codec.segment_amax(rows.reshape(-1), plan.layout).view(n, p)
-            torch.amax(seg, 0, out=shared[:p])
-        # The flag rides on the maxima, so no rank needs a host read to learn it.
-        shared[p:] = problem.reshape(1)
-        transports.all_reduce_max(shared, comm.group, self.traffic)
-        problem.copy_(shared[p])
-        amax = shared[:p]
-        runs = plan.runs(self.assignment.formats(names, step), n)
-        exps = torch.zeros(p, dtype=torch.int32, device=rows.device)
-        for fmt, which in runs.by_format.items():
-            f = factors(amax[which], fmt, Route.TWO_PHASE, world_size=n, scaling=settings.scaling)
-            exps[which] = f.exponents
-        finite = torch.isfinite(amax) & (shared[p] == 0)
-        scale = pow2(exps)
-        unscale = torch.where(finite, pow2(-exps), float("nan"))
-        # Each run's factors for all N rows, picked in one gather each.
-        scales = [scale[run.rows_index] for run in runs.runs]
-        unscales = [unscale[run.rows_index] for run in runs.runs]
-        out = transports.reduce_scatter(runs, rows, scales, unscales, comm.group, self.traffic)
-        if settings.stats:
-            for run in runs.runs:
-                # Every row's chunks of the run's parameters, counted per parameter.
-                counts = (
-                    layer_counts(
-                        rows[:, run.lo : run.hi].reshape(-1),
-                        run.layout.lengths.repeat(n),
-                        exps[run.index_tensor].repeat(n),
-                        run.fmt,
-                    )
-                    .view(n, -1, 3)
-                    .sum(0)
-                )
-                self.stats.add(
-                    index,
-                    [names[i] for i in run.index],
-                    [numels[i] for i in run.index],
-                    run.fmt,
-                    exps[run.index_tensor],
-                    amax[run.index_tensor],
-                    counts,
-                )
-        return out
-
-    def _unit_blocks(
-        self,
-        plan: BucketPlan,
-        index: int,
-        rows: torch.Tensor,
-        numels: Sequence[int],
-        names: Sequence[str],
-        step: int,
-        problem: torch.Tensor,
-    ) -> torch.Tensor:
-        """:meth:`unit` with block scaling: blocks of every row's chunk of every parameter.
-
-        The ranks agree on each block's exponent (the key of the largest of
-        their maxima, one byte per block, the layout flag one more byte), as
-        the DDP path does; a non-finite block makes its parameter NaN in every
-        row, on every rank.
-        """
-        comm, settings = self.comm, self.settings
-        n = comm.world_size
-        runs = plan.runs(self.assignment.formats(names, step), n, settings.block_size)
-        maxima = block_amax(rows.reshape(-1), plan.grid(settings.block_size))
-        keys: list[torch.Tensor] = []
-        for run in runs.runs:
-            assert run.block_index is not None
-            local = maxima[run.block_index]
-            if run.fmt == FP32:  # sent exactly: its keys only carry non-finite blocks
-                keys.append(torch.where(torch.isfinite(local), KEY_ZERO, KEY_BAD).to(torch.uint8))
-            else:
-                keys.append(exponent_keys(local, run.fmt, Route.TWO_PHASE, world_size=n)[0])
-        flag = (problem.reshape(1) > 0).to(torch.uint8)
-        shared = torch.cat([*keys, flag])
-        transports.all_reduce_max(shared, comm.group, self.traffic)
-        problem.copy_(shared[-1])
-        ok = shared[-1] == 0
-        scales, unscales, agreed = [], [], []
-        start = 0
-        for run, mine in zip(runs.runs, keys, strict=True):
-            blocks = run.rows_blocks
-            assert blocks is not None
-            k = shared[start : start + mine.numel()]
-            start += mine.numel()
-            f = factors_from_keys(k[None], run.fmt, Route.TWO_PHASE, world_size=n)
-            # A parameter with a non-finite block in any row is NaN in every row.
-            bad = torch.segment_reduce(
-                (k == KEY_BAD).float(),
-                "max",
-                lengths=blocks.device_counts,
-                unsafe=True,
-                initial=0.0,
-            )
-            param_bad = bad.view(n, -1).amax(0).repeat(n) > 0
-            keep = (
-                ~torch.repeat_interleave(param_bad, blocks.device_counts, output_size=k.numel())
-                & ok
-            )
-            scales.append(f.scale)
-            # Every rank sends this rank its row: all N are decoded with its blocks' factors.
-            unscale = torch.where(keep, pow2(-f.exponents), float("nan"))
-            unscales.append(unscale.view(n, -1)[comm.rank].repeat(n))
-            agreed.append(f.exponents)
-        out = transports.reduce_scatter(runs, rows, scales, unscales, comm.group, self.traffic)
-        if settings.stats:
-            for run, exps in zip(runs.runs, agreed, strict=True):
-                assert run.rows_blocks is not None and run.block_index is not None
-                counts = layer_counts(
-                    rows[:, run.lo : run.hi].reshape(-1), run.rows_layout.lengths, exps, run.fmt
-                )
-                counts, first, largest = per_layer(
-                    run.rows_blocks, counts, exps, maxima[run.block_index]
-                )
-                self.stats.add(
-                    index,
-                    [names[i] for i in run.index],
-                    [numels[i] for i in run.index],
-                    run.fmt,
-                    first.view(n, -1).amin(0),
-                    largest.view(n, -1).amax(0),
-                    counts.view(n, -1, 3).sum(0),
-                )
-        return out
+        raise RuntimeError(
+            f"unit {index}: no bound path for {settings} in formats "
+            f"{[f.name for f in self.assignment.formats(names, step)]} on {rows.device}"
+        )
 
     def _bind_unit(
         self,
@@ -4646,7 +4131,7 @@ def _feedback_encode(
 def _key_factors(
     keys: torch.Tensor, fmt: FloatFormat, route: Route, world_size: int, counts: torch.Tensor
 ) -> tuple[torch.Tensor, ...]:
-    """The general path's factors of agreed block ``keys`` (:meth:`Reducer._group_factors`):
+    """The factors of agreed block ``keys`` by tensor ops (the codecs without kernels):
     two_phase's scale, exponent and finite flag of every block; the native sum's scale and
     unscale."""
     f = factors_from_keys(keys[None], fmt, route, world_size=world_size, counts=counts)
@@ -4740,32 +4225,6 @@ def _gather_back(scatter: Callable[[], object]) -> None:
     assert isinstance(scatter, functools.partial)
     layers, pieces = scatter.args
     torch._foreach_copy_(pieces, layers)
-
-
-def _keep_sent(
-    fb: ErrorFeedback,
-    g: GroupPlan,
-    x: torch.Tensor,
-    names: list[str | None],
-    exps: torch.Tensor,
-    finite: torch.Tensor,
-    chunk: int,
-    payload: torch.Tensor,
-) -> None:
-    fb.keep_sent(g.codec, g.layout, g.numels, x, names, exps, finite, payload)
-
-
-def _owner_with_feedback(
-    fb: ErrorFeedback,
-    g: GroupPlan,
-    names: list[str | None],
-    scale: torch.Tensor,
-    finite: torch.Tensor,
-    chunk: int,
-    recv: torch.Tensor,
-    out: torch.Tensor,
-) -> None:
-    fb.owner_reduce(g.codec, g.layout, g.numels, names, scale, finite, recv, out)
 
 
 def _unit_factors(

@@ -22,7 +22,6 @@ from collections.abc import Sequence
 import torch
 
 from aps_comm.codec import Codec
-from aps_comm.formats import pow2
 from aps_comm.layout import Layout
 
 __all__ = ["ErrorFeedback"]
@@ -65,7 +64,7 @@ class ErrorFeedback:
         settled bucket then updates ``flat`` in place with whole-bucket
         kernels, no per-layer work; the views keep :attr:`residuals` (and
         checkpoints) current. Any other change to those names' residuals
-        (:meth:`keep_sent`, :meth:`owner_reduce`, :meth:`drop`, a restored
+        (:meth:`owner_reduce`, :meth:`drop`, a restored
         :attr:`residuals`) ends the sharing: :meth:`shared` then says False.
 
         Returns:
@@ -107,28 +106,6 @@ class ErrorFeedback:
         self._release(names)
         for name in names:
             self.residuals.pop(name or "", None)
-
-    def keep_sent(
-        self,
-        coder: Codec,
-        layout: Layout,
-        numels: Sequence[int],
-        x: torch.Tensor,
-        names: Sequence[str | None],
-        exps: torch.Tensor,
-        finite: torch.Tensor,
-        payload: torch.Tensor,
-    ) -> None:
-        """Residual = what this rank meant to send minus what its payload says (unscaled)."""
-        self._release(names)
-        inverse = torch.where(finite, pow2(-exps), 0.0)
-        sent = coder.decode(payload, x.numel(), scale=inverse, layout=layout)
-        # A non-finite layer keeps no residual: its inverse scale zeroed ``sent``.
-        keep = torch.repeat_interleave(finite, layout.lengths, output_size=layout.numel)
-        lost = torch.where(keep & torch.isfinite(sent), x - sent, 0.0)
-        for name, part in zip(names, torch.split(lost, list(numels)), strict=True):
-            if name is not None:
-                self.residuals[name] = part.clone()
 
     def owner_reduce(
         self,

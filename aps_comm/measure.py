@@ -170,7 +170,7 @@ def all_gather_single(
 def pipelined_exchange(
     send: torch.Tensor, recv: torch.Tensor, gathered: torch.Tensor, chunk_bytes: int
 ) -> None:
-    """The wire part of ``aps_comm.transports.two_phase``, without the codec.
+    """The wire part of ``aps_comm.transports.two_phase_bound``, without the codec.
 
     ``send`` is cut in chunks of ``chunk_bytes``, issued in the transport's
     order: all_to_all(c + 1) before all_gather(c), and all_gather(c - 1)

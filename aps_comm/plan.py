@@ -316,7 +316,7 @@ class NodeBlocks:
         across: per chunk, the M shards gathered across nodes.
         gathered: per chunk, the N shards gathered in the node.
         bound: the fused kernels' calls bound to a buffer
-            (:func:`aps_comm.transports.hierarchical_rank_blocks` keeps them here).
+            (:func:`aps_comm.transports.node_block_ops` keeps them here).
     """
 
     ranks_per_node: int

@@ -1,31 +1,36 @@
 """How encoded gradients cross the wire: the only module that issues tensor collectives.
 
+Every route runs bound: its per-chunk calls (encode, the owner's step, decode) are
+bound once to the bucket's buffers by the engine (:mod:`aps_comm.engine`) and the
+codec (:mod:`aps_comm.codec`), and the functions here issue the collectives between
+them, step after step, with no per-step planning.
+
 - :func:`all_reduce_max`: the cheap all-reduce of the layers' maxima.
 - :func:`fp32_mean` / :func:`fp32_mean_async`: the plain FP32 average
   (``allreduce_hook``'s arithmetic).
 - :func:`native`: one all-reduce per chunk in the wire dtype (FP16/BF16 on
   every backend; FP8 where the backend sums it, NCCL >= 2.24 on sm_90+).
-- :func:`two_phase`: per chunk, ``all_to_all_single`` of the encoded shards
-  (uint8), the owner's FP32 sum (:func:`aps_comm.codec.owner_reduce`), and
-  ``all_gather`` of the reduced shards.
-- :func:`hierarchical`: per chunk, an FP32 ``all_to_all_single`` inside the
-  node and an ordered sum (a reduce-scatter whose order is fixed), two_phase
+- :func:`two_phase_bound` (and its block forms): per chunk,
+  ``all_to_all_single`` of the encoded shards (uint8), the owner's FP32 sum,
+  and ``all_gather`` of the reduced shards.
+- :func:`hierarchical_bound`: per chunk, an FP32 ``all_to_all_single`` inside
+  the node and an ordered sum (a reduce-scatter whose order is fixed), two_phase
   of the encoded node sums among the ranks with the same local rank, and an
   ``all_gather`` of the encoded slices inside the node: only the wire format
   crosses nodes. The grid reduction runs the same stages on a virtual grid
   of ranks, its first level exchanging the wire format too.
-- :func:`reduce_scatter`: FSDP2's reduce-scatter, two_phase's exchange of
-  encoded shards (the unit's rows) and the owner's FP32 sum, with no
+- :func:`rows_exchange`: FSDP2's reduce-scatter, two_phase's exchange of
+  encoded shards (the unit's rows; the owner's FP32 sum is the engine's), with no
   all-gather: FSDP keeps shards.
 
-Both pipeline the chunks of a bucket: while chunk c is on the wire, chunk c+1
-encodes and chunk c-1 reduces or decodes. They return when the bucket is
-decoded in place (on CUDA: when that work is enqueued on the current stream).
-Every rank issues the same collectives in the same order: the order depends
-only on the plan.
+The two_phase and staged routes pipeline the chunks of a bucket: while chunk c is
+on the wire, chunk c+1 encodes and chunk c-1 reduces or decodes. They return when
+the bucket is decoded in place (on CUDA: when that work is enqueued on the current
+stream), or leave the last chunks in flight for a deferred tail. Every rank issues
+the same collectives in the same order: the order depends only on the plan.
 
 Example:
-    >>> transports.two_phase(group_plan, x, scale, unscale, pg, 4, counter)  # doctest: +SKIP
+    >>> tail = transports.two_phase_bound(calls, pg, counter, defer=False)  # doctest: +SKIP
 """
 
 from __future__ import annotations
@@ -48,9 +53,8 @@ from aps_comm.codec import (
 )
 from aps_comm.formats import payload_nbytes, pow2
 from aps_comm.layout import BlockGrid, Layout
-from aps_comm.plan import BlockShards, GroupPlan, NodeBlocks, RowRuns
+from aps_comm.plan import BlockShards, GroupPlan, NodeBlocks
 from aps_comm.scaling import (
-    bad_layers,
     blocks_amax,
     exponent_keys,
     key_factors,
@@ -68,23 +72,16 @@ __all__ = [
     "bind_hierarchical",
     "bind_node_blocks",
     "bind_rank_blocks",
-    "chunk_calls",
     "fp32_mean",
     "fp32_mean_async",
-    "hierarchical",
     "hierarchical_bound",
-    "hierarchical_rank_blocks",
     "native",
     "node_block_ops",
     "node_spare",
     "rank_block_ops",
-    "reduce_scatter",
     "rows_exchange",
-    "two_phase",
-    "two_phase_blocks",
     "two_phase_blocks_bound",
     "two_phase_bound",
-    "two_phase_rank_blocks",
     "two_phase_rank_blocks_bound",
 ]
 
@@ -167,95 +164,6 @@ def fp32_mean_async(
 
 def _first(fut: torch.futures.Future) -> torch.Tensor:
     return fut.value()[0]
-
-
-def reduce_scatter(
-    runs: RowRuns,
-    rows: torch.Tensor,
-    scales: Sequence[torch.Tensor],
-    unscales: Sequence[torch.Tensor],
-    group: dist.ProcessGroup,
-    count: Counter,
-) -> torch.Tensor:
-    """Sum N ranks' rows into this rank's: two_phase's exchange, without its all-gather.
-
-    Row r of every rank is encoded (with ``scales``) and sent to rank r in one
-    ``all_to_all_single`` of uint8 bytes; this rank decodes the N rows it
-    receives (unscaled in the same pass) and sums them in FP32 in rank
-    order: the same sum on every backend. Each run is coded for all N rows
-    in one call, so the launches per unit grow with the runs plus N, not
-    with their product.
-
-    Args:
-        runs: the unit's runs and scratch (:meth:`aps_comm.plan.BucketPlan.runs`).
-        rows: the N rows, float32, shape (N, ``runs.row_numel``).
-        scales: per run, its factors before encoding for all N rows, row by
-            row (its parameters', ``run.rows_index`` order, or its blocks').
-        unscales: per run, the factors after decoding each of the N received
-            rows (all of them this rank's row, from every rank: its factors N times).
-        group: the process group.
-        count: byte counter.
-
-    Returns:
-        The sum of the N received rows (float32, ``runs.row_numel``).
-    """
-    n = rows.shape[0]
-    send, recv, values = runs.send, runs.recv, runs.values
-    # One run of packed rows: the N rows' codes are the send buffer end to end.
-    whole = len(runs.runs) == 1 and runs.runs[0].packed_rows and rows.is_contiguous()
-    for run, factors in zip(runs.runs, scales, strict=True):
-        if whole:
-            run.codec.encode(
-                rows.view(-1), out=send.view(-1), scale=factors, layout=run.rows_layout
-            )
-            continue
-        if run.packed_rows:
-            encoded = run.codec.encode(
-                rows[:, run.lo : run.hi].contiguous().view(-1),
-                scale=factors,
-                layout=run.rows_layout,
-            )
-            send[:, run.b0 : run.b1].copy_(encoded.view(n, -1))
-            continue
-        per_row = factors.view(n, -1)  # each row's factors (per block, or the run's parameters')
-        for r in range(n):
-            run.codec.encode(
-                rows[r, run.lo : run.hi].contiguous(),
-                out=send[r, run.b0 : run.b1],
-                scale=per_row[r],
-                layout=run.layout,
-            )
-    count("all_to_all", send.numel())
-    work = dist.all_to_all_single(recv, send, group=group, async_op=True)
-    _wait(work, f"the all_to_all of {send.numel()} encoded bytes")
-    for run, factors in zip(runs.runs, unscales, strict=True):
-        if whole:
-            run.codec.decode(
-                recv.view(-1),
-                values.numel(),
-                out=values.view(-1),
-                scale=factors,
-                layout=run.rows_layout,
-            )
-            continue
-        if run.packed_rows:
-            decoded = run.codec.decode(
-                recv[:, run.b0 : run.b1].contiguous().view(-1),
-                n * (run.hi - run.lo),
-                scale=factors,
-                layout=run.rows_layout,
-            )
-            values[:, run.lo : run.hi].copy_(decoded.view(n, -1))
-            continue
-        per_row = factors.view(n, -1)
-        for r in range(n):
-            values[r, run.lo : run.hi] = run.codec.decode(
-                recv[r, run.b0 : run.b1], run.hi - run.lo, scale=per_row[r], layout=run.layout
-            )
-    acc = torch.empty(runs.row_numel, dtype=torch.float32, device=values.device)
-    if not runs.runs:  # no parameters: nothing to sum
-        return acc
-    return runs.runs[0].codec.sum_rows(values, acc)  # FP32, in rank order
 
 
 def rows_exchange(
@@ -356,101 +264,13 @@ def _decode(
     g.codec.decode(g.send[r0:r1], hi - lo, out=x[lo:hi], scale=unscale, layout=g.windows[c])
 
 
-def two_phase(
-    g: GroupPlan,
-    x: torch.Tensor,
-    scale: torch.Tensor | AgreedMaxima,
-    unscale: torch.Tensor | AgreedMaxima,
-    group: dist.ProcessGroup,
-    world_size: int,
-    count: Counter,
-    after_encode: Callable[[int, torch.Tensor], None] | None = None,
-    owner: Callable[[int, torch.Tensor, torch.Tensor], None] | None = None,
-    defer: bool = False,
-) -> Callable[[], None] | None:
-    """Average ``x``: all-to-all of encoded shards, FP32 sum on the owner, all-gather.
-
-    Chunk c's collectives are issued in the order all_to_all(c),
-    all_to_all(c+1), all_gather(c): chunk c+1 encodes while chunk c's shards
-    travel, chunk c reduces while c+1's travel, and chunk c-1 decodes while
-    chunk c's reduced shards are gathered. It is :func:`two_phase_bound`'s
-    pipeline over this step's codec calls (:func:`chunk_calls`).
-
-    Args:
-        g: the group's plan (``reduction == "two_phase"``).
-        x: the group's float32 values; the result is written back into it.
-        scale: per-layer factors applied before encoding (or the agreed maxima they come from).
-        unscale: per-layer factors applied after decoding (or the agreed maxima they come from).
-        group: the process group.
-        world_size: ranks N.
-        count: byte counter.
-        after_encode: called with (chunk, payload) after each chunk is encoded.
-        owner: ``owner(chunk, recv, out)`` replaces the owner's reduction
-            (error feedback); default :func:`aps_comm.codec.owner_reduce`.
-        defer: leave the last all-gathers in flight and return a function that
-            waits for them and decodes: the caller can start the next bucket
-            while they are on the wire.
-
-    Returns:
-        With ``defer``, the function that finishes the bucket; else None.
-    """
-    calls = [
-        chunk_calls(g, x, c, (scale, unscale), world_size, after_encode, owner)
-        for c in range(len(g.chunks))
-    ]
-    return two_phase_bound(calls, group, count, defer)
-
-
-def chunk_calls(
-    g: GroupPlan,
-    x: torch.Tensor,
-    c: int,
-    factors: tuple[torch.Tensor | AgreedMaxima, torch.Tensor | AgreedMaxima],
-    world_size: int,
-    after_encode: Callable[[int, torch.Tensor], None] | None = None,
-    owner: Callable[[int, torch.Tensor, torch.Tensor], None] | None = None,
-) -> ChunkCalls:
-    """Chunk ``c`` of a two_phase group's codec work for one step: the general codec calls
-    with ``factors`` (scale, unscale), read when each call runs.
-
-    ``after_encode(c, payload)`` runs after the encode; ``owner(c, recv, out)``
-    replaces the owner's reduction (error feedback).
-
-    Example:
-        >>> calls = transports.chunk_calls(g, x, 0, (scale, unscale), 4)  # doctest: +SKIP
-    """
-    scale, unscale = factors
-    lo, hi = g.chunks[c]
-    r0, r1 = g.regions[c]
-    s0, s1 = g.shard_regions[c]
-    send, recv, shard = g.send[r0:r1], g.recv[r0:r1], g.shards[s0:s1]
-    # The shards' padding is encoded as zeros (code 0 is +0 in every format).
-    pad = (r1 - r0) * 8 // g.fmt.wire_bits - (hi - lo)
-
-    def encode() -> None:
-        g.codec.encode(x[lo:hi], out=send, scale=scale, layout=g.windows[c], pad=pad)
-        if after_encode is not None:
-            after_encode(c, send[: payload_nbytes(hi - lo, g.fmt)])
-
-    def reduce() -> None:
-        if owner is None:
-            g.codec.owner_reduce(recv, world_size, out=shard)
-        else:
-            owner(c, recv, shard)
-
-    def decode() -> None:
-        g.codec.decode(send, hi - lo, out=x[lo:hi], scale=unscale, layout=g.windows[c])
-
-    return ChunkCalls(encode, reduce, decode, send, recv, shard)
-
-
 def two_phase_bound(
     calls: Sequence[ChunkCalls],
     group: dist.ProcessGroup,
     count: Counter,
     defer: bool = False,
 ) -> Callable[[], None] | None:
-    """:func:`two_phase` of a settled bucket: every chunk's codec work and buffers bound.
+    """two_phase over a bound bucket: every chunk's codec work and buffers bound.
 
     The same collectives, in the same order, and the same bytes; per chunk
     three bound calls and no slicing, lookups or checks on the host.
@@ -460,7 +280,7 @@ def two_phase_bound(
             ``shard`` views (:meth:`aps_comm.engine.Steady.bind`).
         group: the process group.
         count: byte counter.
-        defer: as :func:`two_phase`'s.
+        defer: leave the last chunks in flight and return the function that finishes them.
 
     Returns:
         With ``defer``, the function that finishes the bucket; else None.
@@ -492,7 +312,7 @@ def _bound_pipeline(
     count: Counter,
     defer: bool,
 ) -> Callable[[], None] | None:
-    """:func:`two_phase`'s chunk order over bound steps: ``send(c)`` fills chunk c's
+    """two_phase's chunk order over bound steps: ``send(c)`` fills chunk c's
     exchange and gives (send, recv); ``owner(p)`` makes this rank's shard and gives
     (shard, gathered); ``decode(c)`` decodes chunk c's gathered shards."""
     exchanges: list[dist.Work | None] = [None] * k
@@ -521,47 +341,6 @@ def _bound_pipeline(
     return _finish(tail, finish, defer)
 
 
-def two_phase_blocks(
-    g: GroupPlan,
-    x: torch.Tensor,
-    scale: torch.Tensor,
-    exponents: torch.Tensor,
-    finite: torch.Tensor,
-    rank: int,
-    group: dist.ProcessGroup,
-    world_size: int,
-    count: Counter,
-    defer: bool = False,
-) -> Callable[[], None] | None:
-    """:func:`two_phase` with block scaling: shards of whole blocks, the owners' exponents.
-
-    Every rank encodes each shard of a chunk with the agreed block scales; the
-    owner of a shard averages its N copies in FP32 (rank order), gives each
-    block of the mean the extra exponent ``d`` that fills the format
-    (:func:`aps_comm.scaling.mean_exponents`), encodes it (all in one pass:
-    :meth:`aps_comm.codec.Codec.owner_reduce_blocks`) and all-gathers it
-    with ``d``, one byte per block; every rank decodes shard s with
-    ``2**-(e + d_s)``. The order of collectives is :func:`two_phase`'s.
-
-    Args:
-        g: the group's plan (``g.block_shards`` set).
-        x: the group's float32 values; the result is written back into it.
-        scale: the agreed factor of every block of the group.
-        exponents: the agreed exponent (int32) of every block.
-        finite: per block, whether its layer is finite everywhere (else NaN).
-        rank: this rank: the shard it owns.
-        group: the process group.
-        world_size: ranks N.
-        count: byte counter.
-        defer: as in :func:`two_phase`.
-
-    Returns:
-        With ``defer``, the function that finishes the bucket; else None.
-    """
-    calls = agreed_block_calls(g, x, (scale, exponents, finite), rank, world_size)
-    return two_phase_blocks_bound(calls, group, count, defer)
-
-
 def agreed_block_calls(
     g: GroupPlan,
     x: torch.Tensor,
@@ -569,7 +348,7 @@ def agreed_block_calls(
     rank: int,
     world_size: int,
 ) -> list[ChunkCalls]:
-    """Every chunk's steps of :func:`two_phase_blocks` by the codec's calls, shard by shard
+    """Every chunk's steps of two_phase with agreed block exponents by the codec's calls, shard by shard
     (every backend): what :func:`two_phase_blocks_bound` runs, for one step or bound to a
     settled bucket (the backends without fused kernels: ``factors`` refilled in place).
 
@@ -634,7 +413,7 @@ def two_phase_blocks_bound(
     count: Counter,
     defer: bool = False,
 ) -> Callable[[], None] | None:
-    """:func:`two_phase_blocks` through calls bound once (:func:`bind_agreed_blocks`).
+    """two_phase with agreed block exponents through calls bound once (:func:`bind_agreed_blocks`).
 
     The same collectives, in the same order, and the same bytes; each chunk
     is three kernel calls (send, owner, decode), whatever the number of
@@ -646,7 +425,7 @@ def two_phase_blocks_bound(
             and ``gathered`` views.
         group: the process group.
         count: byte counter.
-        defer: as :func:`two_phase`'s.
+        defer: leave the last chunks in flight and return the function that finishes them.
 
     Returns:
         With ``defer``, the function that finishes the bucket; else None.
@@ -671,7 +450,7 @@ def two_phase_blocks_bound(
 def bind_agreed_blocks(
     g: GroupPlan, x: torch.Tensor, keys: torch.Tensor, union: torch.Tensor, rank: int
 ) -> list[ChunkCalls] | None:
-    """Every chunk's fused calls of :func:`two_phase_blocks`, bound to ``x`` and scratch.
+    """Every chunk's fused calls of two_phase with agreed block exponents, bound to ``x`` and scratch.
 
     Args:
         g: the group's plan (``g.block_shards`` with agreed exponents).
@@ -721,59 +500,6 @@ def bind_agreed_blocks(
             return None
         calls.append(ChunkCalls(*bound, send, recv, out, gathered))
     return calls
-
-
-def two_phase_rank_blocks(
-    g: GroupPlan,
-    x: torch.Tensor,
-    keys: torch.Tensor,
-    rank: int,
-    group: dist.ProcessGroup,
-    world_size: int,
-    count: Counter,
-    defer: bool = False,
-    chunk_log2: int = 0,
-    on_chunk: Callable[[int], None] | None = None,
-) -> Callable[[], None] | None:
-    """:func:`two_phase_blocks` with every rank's own block exponents: no collective first.
-
-    Each rank encodes its shards with its own block exponents and sends them
-    after each shard's payload, one byte per block (and, in the first chunk,
-    one byte per layer: whether its layer is non-finite). The owner decodes
-    every rank's copy with its sender's exponents, sums them in FP32 in rank
-    order, divides by N, gives each block of the mean its own exponent
-    (no headroom; all in one pass:
-    :meth:`aps_comm.codec.Codec.owner_reduce_rank_blocks`), encodes it and
-    all-gathers it with those exponents, as keys. A layer non-finite on any rank is
-    NaN on every rank: every owner receives every rank's layer flags with
-    the first chunk, before anything is decoded.
-
-    It binds the codec's own calls for this step (:func:`rank_block_ops`) and
-    runs them as a settled bucket does (:func:`two_phase_rank_blocks_bound`).
-
-    Args:
-        g: the group's plan (``g.block_shards`` with ``rank_exponents``).
-        x: the group's float32 values; the result is written back into it.
-        keys: this rank's :func:`aps_comm.scaling.exponent_keys` of every
-            block of the group (two_phase, N ranks).
-        rank: this rank: the shard it owns.
-        group: the process group.
-        world_size: ranks N.
-        count: byte counter.
-        defer: as in :func:`two_phase`.
-        chunk_log2: this rank's preferred chunk (log2 elements, 0 for none),
-            sent with the first chunk: the ranks' largest is their next one.
-        on_chunk: called with that largest (a CPU tensor's value: only for
-            CPU buckets), once every rank's has arrived.
-
-    Returns:
-        With ``defer``, the function that finishes the bucket; else None.
-    """
-    assert g.blocks is not None
-    flags = bad_layers(keys, g.blocks.device_counts)
-    union = torch.empty_like(flags)
-    calls = rank_block_ops(g, x, keys, flags, union, rank)
-    return two_phase_rank_blocks_bound(calls, group, count, defer, chunk_log2, on_chunk)
 
 
 @dataclasses.dataclass
@@ -850,7 +576,7 @@ def rank_block_ops(
     union: torch.Tensor,
     rank: int,
 ) -> list[RankBlockCalls]:
-    """Every chunk's calls of :func:`two_phase_rank_blocks` as the codec's own calls, shard
+    """Every chunk's calls of two_phase with rank block exponents as the codec's own calls, shard
     by shard (encode, :meth:`aps_comm.codec.Codec.owner_reduce_rank_blocks`, decode and a
     few torch ops per shard), bound to ``x`` and scratch: the bytes of the fused calls
     (:func:`bind_rank_blocks`) on any backend, with no host read off the CPU.
@@ -895,7 +621,7 @@ def two_phase_rank_blocks_bound(
     chunk_log2: int = 0,
     on_chunk: Callable[[int], None] | None = None,
 ) -> Callable[[], None] | None:
-    """:func:`two_phase_rank_blocks` through calls bound once (:func:`bind_rank_blocks`).
+    """two_phase with rank block exponents through calls bound once (:func:`bind_rank_blocks`).
 
     The same collectives, in the same order, and the same bytes; each chunk
     is three kernel calls (send, owner, decode), whatever the number of
@@ -908,7 +634,7 @@ def two_phase_rank_blocks_bound(
         calls: each chunk's bound calls.
         group: the process group.
         count: byte counter.
-        defer: as :func:`two_phase`'s.
+        defer: leave the last chunks in flight and return the function that finishes them.
         chunk_log2: this rank's preferred chunk, sent with the first chunk.
         on_chunk: called with the ranks' largest preferred chunk (log2).
     """
@@ -939,7 +665,7 @@ def bind_rank_blocks(
     union: torch.Tensor,
     rank: int,
 ) -> list[RankBlockCalls]:
-    """Every chunk's calls of :func:`two_phase_rank_blocks`, bound to ``x`` and scratch: the
+    """Every chunk's calls of two_phase with rank block exponents, bound to ``x`` and scratch: the
     codec's fused ones ("kernels", "triton"), else its own calls (:func:`rank_block_ops`:
     "cast", "bits", a Triton variant that cannot compile here), with the same bytes.
 
@@ -1032,96 +758,6 @@ def _decode_by_shard(
     return decode
 
 
-def _block_pipeline(
-    g: GroupPlan,
-    send: Callable[[int, torch.Tensor], None],
-    owner: Callable[[int, torch.Tensor, int, int, torch.Tensor], None],
-    decode: Callable[[int], None],
-    rank: int,
-    group: dist.ProcessGroup,
-    world_size: int,
-    count: Counter,
-    defer: bool,
-) -> Callable[[], None] | None:
-    """The chunk pipeline of the block-scaled two_phase variants (:func:`two_phase`'s order).
-
-    ``send(c, pieces)`` fills chunk c's exchange (N pieces); ``owner(p, rows,
-    a, b, out)`` turns the N received pieces into this rank's gathered shard
-    (elements ``[a, b)``); ``decode(c)`` decodes chunk c's gathered shards.
-    """
-    sh = g.block_shards
-    assert sh is not None
-    n = world_size
-
-    def send_chunk(c: int) -> tuple[torch.Tensor, torch.Tensor]:
-        r0, r1 = g.regions[c]
-        send(c, g.send[r0:r1].view(n, sh.pieces[c]))
-        return g.send[r0:r1], g.recv[r0:r1]
-
-    def owner_chunk(p: int) -> tuple[torch.Tensor, torch.Tensor]:
-        r0, r1 = g.regions[p]
-        s0, s1 = g.shard_regions[p]
-        out = g.shards[s0:s1]
-        owner(p, g.recv[r0:r1].view(n, sh.pieces[p]), *sh.bounds[p][rank : rank + 2], out)
-        q0, q1 = sh.gather_regions[p]
-        return out, sh.gathered[q0:q1]
-
-    return _bound_pipeline(len(g.chunks), send_chunk, owner_chunk, decode, group, count, defer)
-
-
-def hierarchical(
-    g: GroupPlan,
-    x: torch.Tensor,
-    scale: torch.Tensor,
-    shift: torch.Tensor,
-    unscale: torch.Tensor,
-    groups: NodeGroups,
-    world_size: int,
-    count: Counter,
-    defer: bool = False,
-    first: torch.Tensor | None = None,
-) -> Callable[[], None] | None:
-    """Average ``x``: FP32 reduce-scatter in the node, two_phase across nodes, gather in the node.
-
-    Per chunk, four collectives: (1) ``all_to_all_single`` of FP32 slices on
-    the node's group, after which local rank l sums slice l of its node's L
-    ranks in local-rank order; (2) the sum, encoded with ``scale`` (headroom
-    for L gradients), goes in M shards to the ranks with local rank l on
-    every node (``all_to_all_single`` on the inter-node group); the shard's
-    owner sums the M decoded shards in node order, divides by N, multiplies
-    by ``shift`` (the exponent of a mean, headroom 1) and encodes; (3)
-    ``all_gather`` of those shards on the inter-node group; (4)
-    ``all_gather`` of the encoded slices on the node's group, and every rank
-    decodes the chunk with ``unscale``. Stage s of chunk c runs at step
-    c + s, later stages first, so the collectives' order is the same on
-    every rank and every chunk's stages overlap the others' wire time.
-
-    With ``g.node.wire_first`` (the grid reduction) stage (1) sends the
-    chunk encoded with ``first`` instead of FP32, and the slice's owner sums
-    the L decoded slices in order; ``scale`` then takes those sums from
-    ``first``'s scale to theirs. In-node byte counts are then the first
-    level's ("node_all_to_all", "node_all_gather").
-
-    Args:
-        g: the group's plan (``reduction == "hierarchical"``).
-        x: the group's float32 values; the result is written back into it.
-        scale: per-layer factors for the node sums.
-        shift: per-layer factors from the node sums' scale to the mean's.
-        unscale: per-layer factors applied after decoding.
-        groups: this rank's intra- and inter-node groups.
-        world_size: ranks N.
-        count: byte counter.
-        defer: leave the last chunk's in-node gather in flight and return a
-            function that waits for it and decodes.
-        first: per-layer factors of the first level's encoding (grid only).
-
-    Returns:
-        With ``defer``, the function that finishes the bucket; else None.
-    """
-    calls = bind_hierarchical(g, x, (scale, shift, unscale, first), world_size)
-    return hierarchical_bound(calls, groups, count, defer)
-
-
 @dataclasses.dataclass(frozen=True)
 class NodeChunkCalls:
     """One chunk of a staged route (hierarchical or grid), bound: its codec work around the
@@ -1201,7 +837,7 @@ def bind_hierarchical(
     world_size: int,
     spare: torch.Tensor | None = None,
 ) -> list[NodeChunkCalls]:
-    """Every chunk's codec work of :func:`hierarchical`, bound to ``x``, the plan's buffers
+    """Every chunk's codec work of the staged route, bound to ``x``, the plan's buffers
     and the factor tensors (scale, shift, unscale, first), which are read when the calls
     run: a settled bucket refills them in place every step.
 
@@ -1291,7 +927,7 @@ def hierarchical_bound(
     count: Counter,
     defer: bool = False,
 ) -> Callable[[], None] | None:
-    """:func:`hierarchical` over every chunk's bound calls (:func:`bind_hierarchical`).
+    """The staged route over every chunk's bound calls (:func:`bind_hierarchical`).
 
     Stage s of chunk c runs at step c + s, later stages first (:func:`_staged`):
     the same collectives, in the same order, and the same bytes, whatever
@@ -1301,7 +937,7 @@ def hierarchical_bound(
         calls: each chunk's calls and buffers.
         groups: this rank's intra- and inter-node groups.
         count: byte counter.
-        defer: as :func:`hierarchical`'s.
+        defer: leave the last chunks in flight and return the function that finishes them.
 
     Returns:
         With ``defer``, the function that finishes the bucket; else None.
@@ -1359,70 +995,9 @@ def hierarchical_bound(
     return _staged(k, stages, defer)
 
 
-def hierarchical_rank_blocks(
-    g: GroupPlan,
-    x: torch.Tensor,
-    keys: torch.Tensor,
-    flags: torch.Tensor,
-    groups: NodeGroups,
-    world_size: int,
-    count: Counter,
-    defer: bool = False,
-) -> Callable[[], None] | None:
-    """:func:`hierarchical` (and grid) where every owner at every level uses its own block
-    exponents: nothing is agreed first (:class:`aps_comm.plan.NodeBlocks`).
-
-    Per chunk, the four collectives of :func:`hierarchical`, in its order:
-    (1) in the node, local rank l receives slice l of the chunk from every
-    rank of its node: FP32 (hierarchical), or encoded with the sender's own
-    block keys (``keys``, sent after each slice: grid; its own slice it adds
-    as it is), and averages the L copies in local-rank order (the float32
-    sum divided by L); (2) the
-    node's mean, encoded with its own block keys (sent with it), goes in M
-    pieces to the ranks of local rank l on every node, the first chunk's
-    pieces also carrying this rank's layer ``flags``; the piece's owner
-    decodes the M pieces with their senders' keys (its own node's: the mean
-    itself, never rounded), sums them in node order,
-    divides by M and encodes the mean with its own keys
-    (:meth:`aps_comm.codec.Codec.owner_reduce_rank_blocks`), the flags OR-ed
-    after them; (3) ``all_gather`` of the shards across nodes, (4) in the
-    node; every rank decodes the N shards with their owners' keys, and the
-    layers flagged by any rank (OR of the first chunk's gathered flags) NaN.
-
-    Every chunk runs through calls bound once per plan and buffer
-    (:func:`bind_node_blocks`, kept on the plan): on the "kernels" and "triton"
-    codecs (4-, 8- and 16-bit formats) a fixed handful of fused kernel calls per
-    chunk; elsewhere the codec's own calls, slice by slice and shard by shard
-    (:func:`node_block_ops`), with the same bytes.
-
-    Args:
-        g: the group's plan (``g.node_blocks`` set).
-        x: the group's float32 values; the result is written back into it.
-        keys: this rank's :func:`aps_comm.scaling.exponent_keys` of every block
-            of ``x`` (two_phase rule; grid's first level sends with them).
-        flags: this rank's non-finite flag of every layer (uint8).
-        groups: this rank's intra- and inter-node groups.
-        world_size: ranks N.
-        count: byte counter.
-        defer: leave the last chunk's in-node gather in flight and return a
-            function that waits for it and decodes.
-
-    Returns:
-        With ``defer``, the function that finishes the bucket; else None.
-
-    Example:
-        >>> transports.hierarchical_rank_blocks(g, x, keys, flags, groups, 8, count)  # doctest: +SKIP
-    """
-    bound = _node_bound(g, x)
-    # The bound calls read this rank's keys and flags from their own scratch.
-    bound.keys.copy_(keys)
-    bound.flags.copy_(flags)
-    return hierarchical_bound(bound.calls, groups, count, defer)
-
-
 @dataclasses.dataclass
 class _NodeBlockOps:
-    """:func:`hierarchical_rank_blocks`' codec work as the codec's own calls, slice by slice
+    """the staged route's, with rank block exponents, codec work as the codec's own calls, slice by slice
     and shard by shard (:func:`node_block_ops`). Grid's first encode of the first chunk
     makes the factors of this rank's keys, the first chunk's decode the blocks of the
     layers any rank flagged: later chunks read both, in the same step."""
@@ -1591,7 +1166,7 @@ class _NodeBlockOps:
 def node_block_ops(
     g: GroupPlan, x: torch.Tensor, keys: torch.Tensor, flags: torch.Tensor, union: torch.Tensor
 ) -> list[NodeChunkCalls]:
-    """Every chunk's calls of :func:`hierarchical_rank_blocks` as the codec's own calls, slice
+    """Every chunk's calls of the staged route with rank block exponents as the codec's own calls, slice
     by slice and shard by shard, bound to ``x`` and scratch: the bytes of the fused calls
     (:func:`bind_node_blocks`) on any backend, with no host read off the CPU.
 
@@ -1698,7 +1273,7 @@ def bind_node_blocks(
     flags: torch.Tensor,
     union: torch.Tensor,
 ) -> list[NodeChunkCalls]:
-    """Every chunk's calls of :func:`hierarchical_rank_blocks`, bound to ``x`` and scratch: the
+    """Every chunk's calls of the staged route with rank block exponents, bound to ``x`` and scratch: the
     codec's fused ones ("kernels", "triton"), else its own calls (:func:`node_block_ops`:
     "cast", "bits", a Triton variant that cannot compile here), with the same bytes.
 
@@ -1759,31 +1334,3 @@ def bind_node_blocks(
             return node_block_ops(g, x, keys, flags, union)
         calls.append(_node_chunk_calls(g, x, c, (call.first, call.across, call.owner, call.decode)))
     return calls
-
-
-@dataclasses.dataclass
-class _NodeBound:
-    """A plan's fused calls bound to one buffer, with the keys and flags they read."""
-
-    ptr: int
-    keys: torch.Tensor
-    flags: torch.Tensor
-    calls: list[NodeChunkCalls]
-
-
-def _node_bound(g: GroupPlan, x: torch.Tensor) -> _NodeBound:
-    """The plan's :func:`bind_node_blocks` calls for ``x``, bound once per plan and buffer
-    (kept on the plan)."""
-    nb = g.node_blocks
-    assert nb is not None and g.blocks is not None
-    held = nb.bound.get("calls")
-    if held is not None and held.ptr == x.data_ptr():
-        return held
-    n_layers = g.blocks.counts.numel()
-    keys = torch.empty(g.layout.n_segments, dtype=torch.uint8, device=x.device)
-    flags = torch.empty(n_layers, dtype=torch.uint8, device=x.device)
-    union = torch.zeros(n_layers, dtype=torch.uint8, device=x.device)
-    calls = bind_node_blocks(g, x, keys, flags, union)
-    # One buffer at a time: a bucket's float32 copy is new each step.
-    nb.bound["calls"] = held = _NodeBound(x.data_ptr(), keys, flags, calls)
-    return held

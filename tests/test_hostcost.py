@@ -13,7 +13,6 @@ from __future__ import annotations
 import collections
 import functools
 import math
-import unittest.mock
 import weakref
 from typing import Any
 
@@ -1405,13 +1404,8 @@ def _move_step(
         binding.append(count_calls(lambda: made.append(bind_first(*args, **kwargs)), CPU))
         return made[0]
 
-    def general(*args: Any, **kwargs: Any) -> None:
-        raise AssertionError("the general path took the step")
-
     with monkeypatch.context() as patch:
         patch.setattr(Reducer, "_bind_first", counted)
-        patch.setattr(Reducer, "_groups", general)
-        patch.setattr(Reducer, "_group", general)
         aten, kernels = count_calls(lambda: outs.append(state.run_bucket(0, buffer, params)), CPU)
     assert len(binding) == 1, binding  # the move bound the new formats once
     rest = collections.Counter(aten + kernels)
@@ -1424,9 +1418,9 @@ def test_promote_moves_a_format_on_the_bound_path_within_the_budget(
     world: None, monkeypatch: pytest.MonkeyPatch, config: str
 ) -> None:
     """Issue 46: the step where Promote moves a format binds the new formats (no
-    collective) and finishes on their bound path from the vector already agreed: no
-    general path (``_groups`` raises), beside the binding's own ops what a settled step
-    of the new formats costs (within the budget) and the agreed maxima copied into the
+    collective) and finishes on their bound path from the vector already agreed (there is
+    no general path: an unbound bucket raises), beside the binding's own ops what a settled
+    step of the new formats costs (within the budget) and the agreed maxima copied into the
     new binding, the same for a few or 200 layers, no host read, and
     :mod:`aps_comm.simulate`'s bits in the formats Promote chose (records and residuals
     too). Before: the general path's groups, ~100 ops."""
@@ -1544,8 +1538,7 @@ def _fp32_promote_steps(rank: int, world_size: int, feedback: bool) -> list[str]
             saved = settled.state_dict()
             settled.load_state_dict({**saved, "rates": dict.fromkeys(saved["rates"], 0.0)})
         buffer.copy_(x)
-        with unittest.mock.patch.object(Reducer, "_groups", side_effect=AssertionError):
-            out = settled.run_bucket(0, buffer, params)
+        out = settled.run_bucket(0, buffer, params)
         fmts = settled.assignment.formats([id(p) for p in params], step)  # Promote's
         sim = simulate.hook_options(options, fmts)
         layers = _gathered(x, numels, world_size)

@@ -1338,10 +1338,10 @@ def test_settled_staged_buckets_on_triton_and_bits_give_the_kernels_bits() -> No
 
 
 def _feedback_run(
-    options: dict, xs: list[torch.Tensor], params: list[torch.Tensor], settle: bool
+    options: dict, xs: list[torch.Tensor], params: list[torch.Tensor], backend: str
 ) -> list[tuple[torch.Tensor, dict[str, torch.Tensor], str]]:
-    """Each step's result, residuals and records (``stats=True``) of error feedback,
-    settled (one buffer) or along the full path every step."""
+    """Each step's result, residuals and records (``stats=True``) of error feedback, bound
+    on the codec ``backend`` (one buffer)."""
     import aps_comm
     from benchmarks.hostcost import ParamLayer
 
@@ -1354,18 +1354,14 @@ def _feedback_run(
     buffer = torch.empty_like(xs[0])
     steps = []
     for x in xs:
-        if not settle:
-            state.bind(x.device)  # the reducer, before its first bucket
-            state.reducer.settles = False  # never bound: the general path every step
         buffer.copy_(x)
         out = _quiet(state.run_bucket, 0, buffer, params).clone()
         steps.append((out, state.state_dict()["residuals"], repr(state.stats)))
-    if settle:
-        assert state.reducer is not None
-        kind = "SteadyGroups" if "policy" in options else "SteadyFeedback"
-        assert type(state.reducer.steady_for(0, buffer)).__name__ == kind
-        groups = [g for p in state.reducer.plans.values() for gs in p.groups.values() for g in gs]
-        assert {g.codec.backend for g in groups if g.fmt.name != "fp32"} == {"triton"}
+    assert state.reducer is not None
+    kind = "SteadyGroups" if "policy" in options else "SteadyFeedback"
+    assert type(state.reducer.steady_for(0, buffer)).__name__ == kind
+    groups = [g for p in state.reducer.plans.values() for gs in p.groups.values() for g in gs]
+    assert {g.codec.backend for g in groups if g.fmt.name != "fp32"} == {backend}
     del state
     return steps
 
@@ -1422,7 +1418,7 @@ def test_settled_error_feedback_on_triton_gives_the_kernels_bits(
 ) -> None:
     # Error feedback settles on the Triton backend too (its residual updates whole-bucket
     # tensor ops there): each step's gradients, residuals and records (stats: the torch
-    # ops of the records there) are the numba kernels' full path's, a non-finite layer
+    # ops of the records there) are the numba kernels' bound path's, a non-finite layer
     # in one step included.
     from aps_comm.policy import KeepLast
     from benchmarks.hostcost import world_of_one
@@ -1436,9 +1432,9 @@ def test_settled_error_feedback_on_triton_gives_the_kernels_bits(
         x[3] = 0.5  # the NaN only in step 2
     params = [torch.nn.Parameter(torch.empty(n)) for n in numels]
     with world_of_one(torch.device("cpu")):
-        want = _feedback_run(options, xs, params, settle=False)
+        want = _feedback_run(options, xs, params, "kernels")
     with _triton_plans():
-        got = _feedback_run(options, xs, params, settle=True)
+        got = _feedback_run(options, xs, params, "triton")
     for (out, res, records), (ref, ref_res, ref_records) in zip(got, want, strict=True):
         assert records == ref_records
         assert torch.equal(out.isnan(), ref.isnan())
@@ -1888,17 +1884,13 @@ def test_every_configuration_binds_on_triton(
 ) -> None:
     # Every cell of tests/test_settles.py's DDP matrix (formats, scalings, block exponents,
     # routes, policies, stats, error feedback) with its codecs on Triton: bound from the
-    # first step (the general path, Reducer._groups, never runs), bound at the third, and
+    # first step (an unbound bucket would raise: there is no general path), bound at the third, and
     # no host read. On a GPU this is the backend "auto" picks; a cell unbound here would
     # have nothing to run on once the general path is gone.
     import aps_comm
-    from aps_comm.engine import Reducer
     from benchmarks.hostcost import ParamLayer, count_calls
     from tests.test_settles import FAMILIES, NUMELS, POLICIES, ROUTES, SCALINGS
 
-    general: list[int] = []
-    groups = Reducer._groups
-    monkeypatch.setattr(Reducer, "_groups", lambda *a, **k: general.append(1) or groups(*a, **k))
     product = itertools.product(SCALINGS, ROUTES, POLICIES, (False, True), (False, True))
     gen = torch.Generator().manual_seed(7)
     x = (torch.rand(sum(NUMELS), generator=gen) + 0.5) * torch.randn(
@@ -1920,7 +1912,6 @@ def test_every_configuration_binds_on_triton(
                 "ranks_per_node": 1 if route == "hierarchical" else None,
             }
             params = [torch.nn.Parameter(torch.empty(n)) for n in NUMELS]
-            general.clear()
             buffer = x.clone()
             try:
                 state = aps_comm.APSState(**options)
@@ -1946,7 +1937,7 @@ def test_every_configuration_binds_on_triton(
             buffer.copy_(x)
             run = functools.partial(state.run_bucket, 0, buffer, params)
             aten, _ = _quiet(count_calls, run, x.device)
-            if st is None or general or any("_local_scalar_dense" in op for op in aten):
+            if st is None or any("_local_scalar_dense" in op for op in aten):
                 unbound.append(cell)
             cells += 1
             del state, st
