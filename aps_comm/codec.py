@@ -73,8 +73,8 @@ from aps_comm.layout import AMAX_BLOCK, BlockGrid, Blocks, Layout
 from aps_comm.scaling import (
     EXPONENT_LIMIT,
     bad_layers,
+    block_keys_into,
     blocks_amax,
-    exponent_keys,
     factors_from_keys,
     key_exponents,
     key_factors,
@@ -388,30 +388,12 @@ def _block_keys_ops(
 ) -> None:
     """:meth:`Codec.bind_block_keys`' call as torch ops (no host read): every block's max
     |x|, its two_phase key over ``world_size`` ranks, every layer's non-finite flag."""
-    maxima.copy_(blocks_amax(x, layout))
-    keys.copy_(exponent_keys(maxima, fmt, "two_phase", world_size=world_size)[0])
+    block_keys_into(x, layout, fmt, "two_phase", world_size, (maxima, keys))
     flags.copy_(bad_layers(keys, counts))
 
 
 def _keep_lost_torch(x: torch.Tensor, sent: torch.Tensor, residual: torch.Tensor) -> None:
     residual.copy_(torch.where(torch.isfinite(sent), x - sent, 0.0))
-
-
-def _staged_keys_ops(
-    fmt: FloatFormat,
-    x: torch.Tensor,
-    layout: Layout,
-    local: torch.Tensor,
-    keys: torch.Tensor,
-    ranks: tuple[int, int],
-    grid: bool,
-) -> None:
-    """:meth:`Codec.bind_staged_blocks`' keys as torch ops: every block's max |x| into
-    ``local``, its inner and outer keys (2 x blocks) into ``keys``."""
-    local.copy_(blocks_amax(x, layout))
-    route = "grid" if grid else "hierarchical"
-    rows = exponent_keys(local, fmt, route, world_size=ranks[0], ranks_per_node=ranks[1])
-    keys.view(2, -1).copy_(rows)
 
 
 def _staged_factors_ops(
@@ -2290,7 +2272,10 @@ class Codec:
         n, per = ranks
         ops = (
             functools.partial(
-                _staged_keys_ops, self.fmt, x, blocks.layout, local, keys, ranks, grid
+                block_keys_into,
+                *(x, blocks.layout, self.fmt, "grid" if grid else "hierarchical", n),
+                (local, keys),
+                ranks_per_node=per,
             ),
             functools.partial(
                 _staged_factors_ops, self.fmt, keys, blocks.device_counts, n, grid, out

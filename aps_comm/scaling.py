@@ -421,14 +421,16 @@ def block_keys_into(
     route: str,
     world_size: int,
     out: tuple[torch.Tensor, torch.Tensor],
+    ranks_per_node: int = 1,
 ) -> None:
     """This rank's max |x| of every block and its key under ``route``'s rule, written into
-    ``out`` (float32 maxima, uint8 keys): :func:`blocks_amax` and :func:`exponent_keys`
-    by tensor ops, no host read (a settled bucket's keys on the codec backends without
-    fused kernels)."""
+    ``out`` (float32 maxima, uint8 keys; the staged routes' two rows, inner then outer,
+    one after the other): :func:`blocks_amax` and :func:`exponent_keys` by tensor ops, no
+    host read (a settled bucket's keys on the codec backends without fused kernels)."""
     maxima, keys = out
     maxima.copy_(blocks_amax(x, layout))
-    keys.copy_(exponent_keys(maxima, fmt, route, world_size=world_size)[0])
+    rows = exponent_keys(maxima, fmt, route, world_size=world_size, ranks_per_node=ranks_per_node)
+    keys.view(rows.shape).copy_(rows)
 
 
 def factors_from_keys(
