@@ -959,11 +959,13 @@ def measure_fsdp(
 
 
 @contextlib.contextmanager
-def forced_codec(kind: str | None) -> Iterator[None]:
+def forced_codec(kind: str | None, *, kernels: bool = True) -> Iterator[None]:
     """Every codec the engine builds on ``kind``'s torch ops ("cast" where the format has
     a torch dtype, else "bits"; FP32 on "cast", as on CUDA), not the CPU kernels: what a
     GPU without Triton runs, on CPU tensors (None: as it is). The codec cache is emptied
-    on the way in and out, and a codec must have been built under it.
+    on the way in and out, and a codec must have been built under it. ``kernels=False``
+    also turns off the CPU kernels that scaling uses outside the codec (layer maxima,
+    block keys), as a GPU has none.
 
     Example:
         >>> with forced_codec("bits"):  # doctest: +SKIP
@@ -981,7 +983,10 @@ def forced_codec(kind: str | None) -> Iterator[None]:
 
     codec.codec_for.cache_clear()
     try:
-        with unittest.mock.patch("aps_comm.codec.backend_for", backend_for):
+        with (
+            unittest.mock.patch("aps_comm.codec.backend_for", backend_for),
+            unittest.mock.patch.object(cpu_kernels, "AVAILABLE", kernels and cpu_kernels.AVAILABLE),
+        ):
             yield
     finally:
         codec.codec_for.cache_clear()

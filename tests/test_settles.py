@@ -26,11 +26,11 @@ import torch
 import torch.distributed as dist
 
 import aps_comm
-from aps_comm import codec, simulate
+from aps_comm import simulate
 from aps_comm.engine import Reducer, SteadyAgreedBlocks, SteadyFeedback, SteadyGroups
 from aps_comm.policy import ByName, KeepLast, Promote, Rule, Schedule
 from aps_comm.testing import run_distributed
-from benchmarks.hostcost import ParamLayer, count_ops, world_of_one
+from benchmarks.hostcost import ParamLayer, count_ops, forced_codec, world_of_one
 
 CPU = torch.device("cpu")
 BUDGET = 15  # tests/test_hostcost.py's
@@ -145,28 +145,6 @@ def test_every_configuration_settles_within_the_budget(
         assert len(state.stats) == len(NUMELS) - (policy in ("keep_last", "interleaved"))
 
 
-_AUTO = codec.backend_for
-
-
-def _force_codec_backend(options: dict[str, Any]) -> dict[str, Any]:
-    """``options`` without its "codec_backend": that torch codec backend ("cast" or "bits")
-    forced on CPU tensors in this rank's process where "auto" picks the numba kernels, as a
-    GPU without Triton runs them ("cast" falls to "bits" for a format without a torch
-    dtype); without one, "auto" as it is."""
-    options = dict(options)
-    backend = options.pop("codec_backend", None)
-
-    def forced(fmt: Any, device: torch.device) -> str:
-        fmt = codec.get_format(fmt)
-        if fmt.wire_bits > 16:
-            return _AUTO(fmt, device)
-        return backend if backend == "bits" or fmt.torch_dtype is not None else "bits"
-
-    codec.backend_for = _AUTO if backend is None else forced  # type: ignore[assignment]
-    codec.codec_for.cache_clear()
-    return options
-
-
 def _bits_differ(out: torch.Tensor, want: torch.Tensor) -> bool:
     """Whether two float32 tensors differ bit for bit, NaN where NaN (any payload) equal."""
     bits = torch.where(out.isnan(), 0.0, out).view(torch.int32)
@@ -188,44 +166,45 @@ def _against_the_simulated(
     names = [f"{i}.weight" for i in range(len(numels))]
     problems = []
     for c, (options, chunk) in enumerate(configs):
-        options = _force_codec_backend(options)
-        settled = aps_comm.APSState(**options)
-        settled.chunk_elements = chunk
-        # Rules key layers by parameter name: one module each.
-        settled.bind_model(torch.nn.ModuleList(ParamLayer(p) for p in params))
-        kind = SteadyGroups if _several(options) else SteadyAgreedBlocks
-        buffer = torch.empty(sum(numels))
-        wire = None
-        for step in range(5):
-            gen = torch.Generator().manual_seed(100 * step + 10 * c + rank)
-            x = torch.randn(sum(numels), generator=gen) * 2.0 ** (step - 2)
-            x[::97] *= 1000.0  # blocks of very different maxima
-            if step == 3 and rank == world_size - 1:
-                x[7] = float("nan")  # layer 3 on one rank: NaN in it on every rank, this step
-            everyone = [torch.empty_like(x) for _ in range(world_size)]
-            dist.all_gather(everyone, x)
-            layers = torch.stack(everyone).split(numels, dim=1)
-            fmts = settled.assignment.formats([id(p) for p in params], step)
-            sim = simulate.hook_options(options, fmts)
-            want = torch.cat(simulate.allreduce(layers, options["fmt"], **sim))
-            records = simulate.records(layers, options["fmt"], rank, names=names, **sim)
-            buffer.copy_(x)
-            ahead = settled.reducer.steady_for(0, buffer) if settled.reducer else None
-            if step >= 2 and not isinstance(ahead, kind):
-                problems.append(f"config {c} step {step}: not settled")
-            out = settled.run_bucket(0, buffer, params)
-            if _bits_differ(out, want):
-                problems.append(f"config {c} step {step}: gradients differ")
-            # The same bytes every step while the formats stay (a Schedule's epoch changes them).
-            if wire is not None and wire[0] == fmts and settled.bytes_detail != wire[1]:
-                problems.append(f"config {c} step {step}: {settled.bytes_detail} on the wire")
-            wire = (fmts, settled.bytes_detail)
-            chunks: list[Any] = [None] * world_size
-            dist.all_gather_object(chunks, settled.bucket_chunks)
-            if any(ch != chunks[0] for ch in chunks) or chunk not in (None, chunks[0][0]):
-                problems.append(f"config {c} step {step}: chunks {chunks}")
-            if not settled.stats or repr(settled.stats) != repr(records):  # NaN-aware
-                problems.append(f"config {c} step {step}: records differ")
+        options = dict(options)
+        with forced_codec(options.pop("codec_backend", None)):
+            settled = aps_comm.APSState(**options)
+            settled.chunk_elements = chunk
+            # Rules key layers by parameter name: one module each.
+            settled.bind_model(torch.nn.ModuleList(ParamLayer(p) for p in params))
+            kind = SteadyGroups if _several(options) else SteadyAgreedBlocks
+            buffer = torch.empty(sum(numels))
+            wire = None
+            for step in range(5):
+                gen = torch.Generator().manual_seed(100 * step + 10 * c + rank)
+                x = torch.randn(sum(numels), generator=gen) * 2.0 ** (step - 2)
+                x[::97] *= 1000.0  # blocks of very different maxima
+                if step == 3 and rank == world_size - 1:
+                    x[7] = float("nan")  # layer 3 on one rank: NaN in it on every rank, this step
+                everyone = [torch.empty_like(x) for _ in range(world_size)]
+                dist.all_gather(everyone, x)
+                layers = torch.stack(everyone).split(numels, dim=1)
+                fmts = settled.assignment.formats([id(p) for p in params], step)
+                sim = simulate.hook_options(options, fmts)
+                want = torch.cat(simulate.allreduce(layers, options["fmt"], **sim))
+                records = simulate.records(layers, options["fmt"], rank, names=names, **sim)
+                buffer.copy_(x)
+                ahead = settled.reducer.steady_for(0, buffer) if settled.reducer else None
+                if step >= 2 and not isinstance(ahead, kind):
+                    problems.append(f"config {c} step {step}: not settled")
+                out = settled.run_bucket(0, buffer, params)
+                if _bits_differ(out, want):
+                    problems.append(f"config {c} step {step}: gradients differ")
+                # The same bytes every step while the formats stay (a Schedule's epoch changes them).
+                if wire is not None and wire[0] == fmts and settled.bytes_detail != wire[1]:
+                    problems.append(f"config {c} step {step}: {settled.bytes_detail} on the wire")
+                wire = (fmts, settled.bytes_detail)
+                chunks: list[Any] = [None] * world_size
+                dist.all_gather_object(chunks, settled.bucket_chunks)
+                if any(ch != chunks[0] for ch in chunks) or chunk not in (None, chunks[0][0]):
+                    problems.append(f"config {c} step {step}: chunks {chunks}")
+                if not settled.stats or repr(settled.stats) != repr(records):  # NaN-aware
+                    problems.append(f"config {c} step {step}: records differ")
     return problems
 
 
@@ -348,60 +327,61 @@ def _feedback_against_the_simulated(rank: int, world_size: int, configs: list[di
     names = [f"{i}.weight" for i in range(len(numels))]
     problems = []
     for c, options in enumerate(configs):
-        options = _force_codec_backend(options)
-        settled = aps_comm.APSState(**options)
-        settled.bind_model(torch.nn.ModuleList(ParamLayer(p) for p in params))
-        kind = SteadyGroups if _several(options) else SteadyFeedback
-        buffer = torch.empty(sum(numels))
-        kept: list[torch.Tensor | None] | None = None  # every rank's residuals
-        wire = None
-        for step in range(7):
-            gen = torch.Generator().manual_seed(100 * step + 10 * c + rank)
-            x = torch.randn(sum(numels), generator=gen) * 2.0 ** (step - 2)
-            x[::97] *= 1000.0  # layers of very different maxima
-            if step == 3 and rank == world_size - 1:
-                x[7] = float("nan")  # layer 3 on one rank: NaN in it on every rank, this step
-            if step == 5:  # residuals restored from a checkpoint: bound again on them
-                saved = settled.state_dict()
-                saved["residuals"] = {k: v * 0.5 for k, v in saved["residuals"].items()}
-                settled.load_state_dict(saved)
-                assert kept is not None
-                kept = [None if r is None else r * 0.5 for r in kept]
-            everyone = [torch.empty_like(x) for _ in range(world_size)]
-            dist.all_gather(everyone, x)
-            layers = torch.stack(everyone).split(numels, dim=1)
-            buffer.copy_(x)
-            ahead = settled.reducer.steady_for(0, buffer) if settled.reducer else None
-            if step in (2, 3, 4, 6) and not isinstance(ahead, kind):
-                problems.append(f"config {c} step {step}: not settled")
-            out = settled.run_bucket(0, buffer, params)
-            fmts = settled.assignment.formats([id(p) for p in params], step)  # the policy's
-            sim = simulate.hook_options(options, fmts)
-            # What each rank sends: its gradient with its residual added (records).
-            sent = list(layers)
-            for i, r in enumerate(kept or ()):
-                if r is not None:
-                    sent[i] = layers[i] + r
-            want, kept = simulate.allreduce_feedback(layers, options["fmt"], kept, **sim)
-            if _bits_differ(out, torch.cat(want)):
-                problems.append(f"config {c} step {step}: gradients differ")
-            if out[6:706].isnan().all() != (step == 3) or out[706:].isnan().any():
-                problems.append(f"config {c} step {step}: NaN where it should not be, or not")
-            mine = settled.state_dict()["residuals"]
-            ref = {names[i]: r[rank] for i, r in enumerate(kept) if r is not None}
-            if mine.keys() != ref.keys() or not all(
-                torch.equal(mine[k].view(torch.int32), ref[k].view(torch.int32)) for k in ref
-            ):
-                problems.append(f"config {c} step {step}: residuals differ")
-            # The same bytes every step while the formats stay (a Schedule's epoch changes them).
-            if wire is not None and wire[0] == fmts and settled.bytes_detail != wire[1]:
-                problems.append(f"config {c} step {step}: {settled.bytes_detail} on the wire")
-            wire = (fmts, settled.bytes_detail)
-            records = []
-            if options.get("stats"):
-                records = simulate.records(sent, options["fmt"], rank, names=names, **sim)
-            if repr(settled.stats) != repr(records):  # NaN-aware through repr
-                problems.append(f"config {c} step {step}: records differ")
+        options = dict(options)
+        with forced_codec(options.pop("codec_backend", None)):
+            settled = aps_comm.APSState(**options)
+            settled.bind_model(torch.nn.ModuleList(ParamLayer(p) for p in params))
+            kind = SteadyGroups if _several(options) else SteadyFeedback
+            buffer = torch.empty(sum(numels))
+            kept: list[torch.Tensor | None] | None = None  # every rank's residuals
+            wire = None
+            for step in range(7):
+                gen = torch.Generator().manual_seed(100 * step + 10 * c + rank)
+                x = torch.randn(sum(numels), generator=gen) * 2.0 ** (step - 2)
+                x[::97] *= 1000.0  # layers of very different maxima
+                if step == 3 and rank == world_size - 1:
+                    x[7] = float("nan")  # layer 3 on one rank: NaN in it on every rank, this step
+                if step == 5:  # residuals restored from a checkpoint: bound again on them
+                    saved = settled.state_dict()
+                    saved["residuals"] = {k: v * 0.5 for k, v in saved["residuals"].items()}
+                    settled.load_state_dict(saved)
+                    assert kept is not None
+                    kept = [None if r is None else r * 0.5 for r in kept]
+                everyone = [torch.empty_like(x) for _ in range(world_size)]
+                dist.all_gather(everyone, x)
+                layers = torch.stack(everyone).split(numels, dim=1)
+                buffer.copy_(x)
+                ahead = settled.reducer.steady_for(0, buffer) if settled.reducer else None
+                if step in (2, 3, 4, 6) and not isinstance(ahead, kind):
+                    problems.append(f"config {c} step {step}: not settled")
+                out = settled.run_bucket(0, buffer, params)
+                fmts = settled.assignment.formats([id(p) for p in params], step)  # the policy's
+                sim = simulate.hook_options(options, fmts)
+                # What each rank sends: its gradient with its residual added (records).
+                sent = list(layers)
+                for i, r in enumerate(kept or ()):
+                    if r is not None:
+                        sent[i] = layers[i] + r
+                want, kept = simulate.allreduce_feedback(layers, options["fmt"], kept, **sim)
+                if _bits_differ(out, torch.cat(want)):
+                    problems.append(f"config {c} step {step}: gradients differ")
+                if out[6:706].isnan().all() != (step == 3) or out[706:].isnan().any():
+                    problems.append(f"config {c} step {step}: NaN where it should not be, or not")
+                mine = settled.state_dict()["residuals"]
+                ref = {names[i]: r[rank] for i, r in enumerate(kept) if r is not None}
+                if mine.keys() != ref.keys() or not all(
+                    torch.equal(mine[k].view(torch.int32), ref[k].view(torch.int32)) for k in ref
+                ):
+                    problems.append(f"config {c} step {step}: residuals differ")
+                # The same bytes every step while the formats stay (a Schedule's epoch changes them).
+                if wire is not None and wire[0] == fmts and settled.bytes_detail != wire[1]:
+                    problems.append(f"config {c} step {step}: {settled.bytes_detail} on the wire")
+                wire = (fmts, settled.bytes_detail)
+                records = []
+                if options.get("stats"):
+                    records = simulate.records(sent, options["fmt"], rank, names=names, **sim)
+                if repr(settled.stats) != repr(records):  # NaN-aware through repr
+                    problems.append(f"config {c} step {step}: records differ")
     return problems
 
 

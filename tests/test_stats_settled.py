@@ -18,14 +18,14 @@ import math
 import pytest
 import torch
 
-from aps_comm import APSState, codec, cpu_kernels, simulate
+from aps_comm import APSState, simulate
 from aps_comm.testing import run_distributed
+from benchmarks.hostcost import forced_codec
 from tests.conftest import gather
 
 NUMELS = [6, 0, 40, 1, 300, 17]
 STEPS = 5
 BIG = sum(NUMELS[:4])  # where the layer of 300 starts
-_BACKEND_FOR = codec.backend_for
 
 
 def _grads(step: int, rank: int) -> torch.Tensor:
@@ -45,24 +45,18 @@ def _grads(step: int, rank: int) -> torch.Tensor:
     return torch.cat([zeros, wide.new_empty(0), wide, one, big, half])
 
 
-def _force(backend: str) -> None:
-    """This process's codecs on ``backend`` from now on: "kernels", or the torch ops (the
-    GPU's path without Triton: no CPU kernels at all) as "cast" (formats with a torch
-    dtype) or "bits" (any format)."""
-    cpu_kernels.AVAILABLE = backend == "kernels"
-    bits = backend == "bits"
-    codec.backend_for = (lambda fmt, device: "bits") if bits else _BACKEND_FOR  # type: ignore[assignment]
-    codec.codec_for.cache_clear()  # the plans' codecs: made anew
-
-
 def _records(
     rank: int, world_size: int, fmt: str, reduction: str, scaling: str, backends: tuple[str, ...]
 ) -> list:
-    return [_run(rank, world_size, fmt, reduction, scaling, backend) for backend in backends]
+    out = []
+    for backend in backends:
+        # The torch ops as a GPU without Triton runs them: no CPU kernels at all.
+        with forced_codec(None if backend == "kernels" else backend, kernels=False):
+            out.append(_run(rank, world_size, fmt, reduction, scaling, backend))
+    return out
 
 
 def _run(rank: int, world: int, fmt: str, reduction: str, scaling: str, backend: str) -> list:
-    _force(backend)
     # "block/agreed": block scaling with agreed block exponents (default: each rank's own).
     scaling, _, exponents = scaling.partition("/")
     agreed = exponents == "agreed"
