@@ -290,7 +290,8 @@ def layer_stats(
     for layer, name, e, a in zip(layers, names, exps.tolist(), amax.tolist(), strict=True):
         if layer.numel():
             mag = layer.detach().float().abs().mul_(2.0**e)
-            nonzero = int(torch.count_nonzero(mag))
+            # NaN is not a nonzero magnitude: the rate's denominator is layer_counts'.
+            nonzero = int(torch.count_nonzero(mag > 0))
             under = int(torch.count_nonzero((mag > 0) & (mag <= tiny)))
             saturated = int(torch.count_nonzero(mag > fmt.max))
         else:

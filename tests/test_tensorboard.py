@@ -26,6 +26,19 @@ def _step_stats(scale: float) -> list:
     return layer_stats(layers, ["a.weight", "b.weight", None], 0, E4M3, exps, amax)
 
 
+def test_layer_stats_count_as_the_hook_counts_a_nan_included() -> None:
+    """The host records' underflow rate has the device counts' denominator
+    (:func:`aps_comm.telemetry.layer_counts`): a NaN is not a nonzero element."""
+    from aps_comm.telemetry import layer_counts
+
+    layer = torch.tensor([1.0, 1e-9, 0.0, float("nan"), 2.0])
+    exps = torch.tensor([0])
+    [record] = layer_stats([layer], ["w"], 0, E4M3, exps, torch.tensor([float("nan")]))
+    nonzero, under, _ = layer_counts(layer, torch.tensor([5]), exps, E4M3)[0].tolist()
+    assert (nonzero, under) == (3, 1)
+    assert record.underflow_rate == under / nonzero
+
+
 def _float32(x: float) -> float:
     return float(torch.tensor(x, dtype=torch.float32))
 
