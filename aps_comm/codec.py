@@ -200,18 +200,15 @@ def _host_runs(layout: Layout | None) -> tuple[int | None, np.ndarray | None]:
     return layout.block_size, layout.block_runs
 
 
-def _check_scaled(
-    scale: torch.Tensor | None,
-    layout: Layout | None,
-    numel: int,
-    dtype: torch.dtype = torch.float32,
-) -> None:
+def _check_scaled(scale: torch.Tensor | None, layout: Layout | None, numel: int) -> None:
     if scale is None:
         if layout is not None:
             raise ValueError("a layout needs a scale")
         return
-    if scale.dtype != dtype or scale.dim() != 1:
-        raise ValueError(f"scale must be a 1-D {dtype} tensor, got {scale.dtype} {scale.shape}")
+    if scale.dtype != torch.float32 or scale.dim() != 1:
+        raise ValueError(
+            f"scale must be a 1-D torch.float32 tensor, got {scale.dtype} {scale.shape}"
+        )
     if layout is None:
         if scale.numel() != 1:
             raise ValueError(f"scale has {scale.numel()} entries but no layout was given")
@@ -272,6 +269,19 @@ def _grid_array(offsets: np.ndarray | BlockGrid) -> np.ndarray:
     return offsets if isinstance(offsets, np.ndarray) else offsets.offsets()
 
 
+def _triton_tile(offsets: np.ndarray, counts: torch.Tensor) -> tuple[int, int, np.ndarray] | None:
+    """What a Triton block kernel of blocks ``offsets`` is probed and bound with: a probe's
+    one block's elements, the tile width its variants compile per, and each block's layer
+    (int64, from ``counts``, the plan's host copy: no device read); None where a block
+    is longer than the kernels' tile."""
+    longest = _longest(offsets)
+    if longest > _triton().MAX_SEGMENT:
+        return None
+    host = counts.cpu().numpy()
+    layer_of = np.repeat(np.arange(host.size, dtype=np.int64), host)
+    return max(longest, 1), max(2, 1 << max(longest - 1, 0).bit_length()), layer_of
+
+
 def _mean_of_rows(
     decode_rows: Sequence[Callable[[], object]], rows: torch.Tensor, mean: torch.Tensor
 ) -> None:
@@ -293,12 +303,6 @@ def _in_order(calls: Sequence[Callable[[], object]]) -> None:
 def _or_rows(rows: torch.Tensor, out: torch.Tensor) -> None:
     """The OR of rows of 0/1 flag bytes: their maximum."""
     torch.amax(rows, dim=0, out=out)
-
-
-def _calls_then(first: Callable[[], object], then: Callable[[], object] | None) -> None:
-    first()
-    if then is not None:
-        then()
 
 
 def _triton_ran(variant: tuple, launch: Callable[[], None]) -> bool:
@@ -337,11 +341,6 @@ def _run_bound(
     """A bound Triton launch, or its torch-op fallback where the variant cannot run here."""
     if not _triton_ran(variant, launch):
         fallback()
-
-
-def _zero_then(maxima: torch.Tensor, launch: Callable[[], object]) -> None:
-    maxima.zero_()
-    launch()
 
 
 def _like(t: torch.Tensor, numel: int) -> torch.Tensor:
@@ -394,27 +393,6 @@ def _block_keys_ops(
 
 def _keep_lost_torch(x: torch.Tensor, sent: torch.Tensor, residual: torch.Tensor) -> None:
     residual.copy_(torch.where(torch.isfinite(sent), x - sent, 0.0))
-
-
-def _staged_factors_ops(
-    fmt: FloatFormat,
-    keys: torch.Tensor,
-    counts: torch.Tensor,
-    world_size: int,
-    grid: bool,
-    out: torch.Tensor,
-) -> None:
-    """:meth:`Codec.bind_staged_blocks`' factors as torch ops, into the rows of ``out``
-    (scale, shift, unscale, first: 1 for hierarchical, which has no first level)."""
-    route = "grid" if grid else "hierarchical"
-    f = factors_from_keys(keys.view(2, -1), fmt, route, world_size=world_size, counts=counts)
-    assert f.shift is not None
-    for row, value in enumerate((f.scale, f.shift, f.unscale)):
-        out[row].copy_(value)
-    if f.first is None:
-        out[3].fill_(1.0)
-    else:
-        out[3].copy_(f.first)
 
 
 def _block_rows(
@@ -926,32 +904,16 @@ class Codec:
             ...     torch.tensor([56, 192], dtype=torch.uint8), 2)
             tensor([ 1., -2.])
         """
-        fmt = self.fmt
+        fmt, given, agreed = self.fmt, scale, None
         if isinstance(scale, AgreedMaxima):
             _check_scaled(scale.maxima, layout, numel)
-            agreed = scale.window(layout)
-            if self.backend == "triton" and out is not None:
-                variant = ("decode", fmt.name, True, True, None, agreed.native)
-                launch = functools.partial(
-                    _triton().decode,
-                    payload,
-                    out,
-                    fmt,
-                    _device_offsets(layout),
-                    maxima=agreed.maxima,
-                    rule=agreed.rule(),
-                )
-                if not _triton_ran(variant, launch):
-                    return self._torch().decode(payload, numel, out=out, scale=scale, layout=layout)
-                return out
-            if self.backend == "kernels" and out is not None:
-                host = agreed.host_factors(fmt, unscale=True)
-                offsets = _host_offsets(layout, numel)
-                cpu_kernels.decode(payload, out, fmt, offsets, host, *_host_runs(layout))
-                return out
-            scale = scale.factors(fmt, unscale=True)
-        _check_scaled(scale, layout, numel)
-        scale = _window_scale(scale, layout)
+            if out is not None and self.backend in ("triton", "kernels"):
+                agreed, scale = scale.window(layout), None  # factors made by the kernels
+            else:
+                scale = scale.factors(fmt, unscale=True)
+        if agreed is None:
+            _check_scaled(scale, layout, numel)
+            scale = _window_scale(scale, layout)
         need = payload_nbytes(numel, fmt)
         if payload.dtype != torch.uint8 or payload.numel() < need:
             raise ValueError(
@@ -967,20 +929,27 @@ class Codec:
             )
         payload = payload[:need]
         if self.backend == "kernels":
-            factors = None if scale is None else scale.numpy()
+            if agreed is not None:
+                factors = agreed.host_factors(fmt, unscale=True)
+            else:
+                factors = None if scale is None else scale.numpy()
             offsets = _host_offsets(layout, numel)
             cpu_kernels.decode(payload, out, fmt, offsets, factors, *_host_runs(layout))
             return out
         if self.backend == "triton":
-            block = layout.block_size if layout is not None else None
-            variant = ("decode", fmt.name, scale is not None, False, block, 1)
-            offsets = _device_offsets(layout)
-            launch = functools.partial(_triton().decode, payload, out, fmt, offsets, scale)
+            if agreed is not None:
+                variant = ("decode", fmt.name, True, True, None, agreed.native)
+            else:
+                block = layout.block_size if layout is not None else None
+                variant = ("decode", fmt.name, scale is not None, False, block, 1)
+            launch = functools.partial(
+                _triton().decode,
+                *(payload, out, fmt, _device_offsets(layout), scale),
+                maxima=agreed.maxima if agreed else None,
+                rule=agreed.rule() if agreed else None,
+            )
             if not _triton_ran(variant, launch):
-                # The factors are the window's already: decode, then multiply.
-                self._torch().decode(payload, numel, out=out)
-                if scale is not None:
-                    out.mul_(_factors(scale, layout, numel))
+                self._torch().decode(payload, numel, out=out, scale=given, layout=layout)
             return out
         if self.backend == "cast":
             uncast_into(payload, fmt, out)
@@ -1211,7 +1180,7 @@ class Codec:
             lost = functools.partial(cpu_kernels.call, "keep_lost", x, sent, residual)
         else:
             lost = functools.partial(_keep_lost_torch, x, sent, residual)
-        return functools.partial(_calls_then, decode, lost)
+        return functools.partial(_in_order, [decode, lost])
 
     def bind_encode_keep(
         self,
@@ -1353,7 +1322,7 @@ class Codec:
             return call
         launch = _triton().bind_layer_maxima(x, out, layout.device_offsets)
         fallback = functools.partial(self._torch().layer_maxima, x, layout, out)
-        bound = functools.partial(_zero_then, out, launch)
+        bound = functools.partial(_in_order, [out.zero_, launch])
         return functools.partial(_run_bound, ("layer_maxima",), bound, fallback)
 
     def bind_reduce_encode(
@@ -1537,8 +1506,7 @@ class Codec:
         if self.backend not in ("kernels", "triton") or x.dtype != torch.float32:
             return ops
         if self.backend == "kernels":
-            # A CPU grid's blocks go as the grid: the kernel derives their offsets.
-            grid = layout.cells if layout.cells is not None else layout.offsets.numpy()
+            grid = _host_offsets(layout, 0)  # a CPU grid as it is: the kernel derives offsets
             return functools.partial(
                 cpu_kernels.call,
                 "block_keys",
@@ -1546,22 +1514,13 @@ class Codec:
             )
         offsets = layout.offsets.numpy()
         bound = self.fmt.max * world_size > torch.finfo(torch.float32).max
-        host_counts = counts.cpu().numpy()  # the plan's host copy: no device read
-        layer_of = np.repeat(np.arange(host_counts.size, dtype=np.int64), host_counts)
-        longest = int(np.diff(offsets).max()) if offsets.size > 1 else 0
-        if longest > _triton().MAX_SEGMENT:
+        tile = _triton_tile(offsets, counts)
+        if tile is None:
             return ops
-        width = max(2, 1 << max(longest - 1, 0).bit_length())
+        one, width, layer_of = tile
         probe = _triton().bind_block_keys(
-            self.fmt,
-            _like(x, max(longest, 1)),
-            np.array([0, max(longest, 1)], np.int64),
-            np.zeros(1, np.int64),
-            _like(maxima, 1),
-            _like(keys, 1),
-            _like(flags, 1),
-            world_size,
-            agreed,
+            *(self.fmt, _like(x, one), np.array([0, one], np.int64), np.zeros(1, np.int64)),
+            *(_like(maxima, 1), _like(keys, 1), _like(flags, 1), world_size, agreed),
         )
         if not _probed(("block_keys", self.fmt.name, width, bound, agreed), probe):
             return ops
@@ -1646,9 +1605,29 @@ class Codec:
             return None
         c, n = chunk, chunk.firsts.size - 1
         if self.backend == "triton":
-            return self._triton_agreed_blocks(x, keys, union, c, n)
+            # The rank-block send with the agreed keys and no key bytes (its padding runs
+            # to the piece's end), the owner's step and the decode with the agreed keys.
+            t = _triton()
+            if not self._triton_blocks_run(x, keys, union, union, c, {n}, agreed=True):
+                return None
+            piece = c.send.numel() // n
+            send = t.bind_send_rank_blocks(
+                self.fmt, x, keys, c.offsets, c.firsts, union, c.send, piece, -1
+            )
+            d = torch.empty(max(c.shard.size - 1, 1), dtype=torch.int32, device=x.device)
+            owner = t.bind_owner_agreed_launch(  # union: zeroed by the keys' kernel
+                self.fmt,
+                *(c.recv, n, c.shard, keys, c.first, c.out, union, d, c.shard_bytes),
+                _longest(c.shard),
+                None if c.counts is None else c.layer_of,
+            )
+            decode = t.bind_decode_rank_blocks(
+                *(self.fmt, c.gathered, n, c.offsets, c.firsts, c.layer_of, union, x),
+                *(c.shard_bytes, keys),
+            )
+            return functools.partial(send, -1), owner, decode
         k = max(c.shard.size - 1, 1)
-        longest = int(np.diff(c.shard).max()) if c.shard.size > 1 else 0
+        longest = _longest(c.shard)
         counts = np.zeros(0, np.int64) if c.counts is None else c.counts
         xa, ka = x.numpy(), keys.numpy()
         return (
@@ -1695,31 +1674,6 @@ class Codec:
                 c.shard_bytes,
             ),
         )
-
-    def _triton_agreed_blocks(
-        self, x: torch.Tensor, keys: torch.Tensor, union: torch.Tensor, c: AgreedBlockChunk, n: int
-    ) -> tuple[Callable[[], None], Callable[[], None], Callable[[], None]] | None:
-        """:meth:`bind_agreed_blocks` on "triton": the rank-block send with the agreed keys
-        and no key bytes (its padding runs to the piece's end), the owner's step and the
-        decode with the agreed keys; None where a variant cannot run here."""
-        t = _triton()
-        if not self._triton_blocks_run(x, keys, union, union, c, {n}, agreed=True):
-            return None
-        piece = c.send.numel() // n
-        send = t.bind_send_rank_blocks(
-            self.fmt, x, keys, c.offsets, c.firsts, union, c.send, piece, -1
-        )
-        d = torch.empty(max(c.shard.size - 1, 1), dtype=torch.int32, device=x.device)
-        owner = t.bind_owner_agreed_launch(  # union: zeroed by the keys' kernel
-            self.fmt,
-            *(c.recv, n, c.shard, keys, c.first, c.out, union, d, c.shard_bytes),
-            _longest(c.shard),
-            None if c.counts is None else c.layer_of,
-        )
-        decode = t.bind_decode_rank_blocks(
-            self.fmt, c.gathered, n, c.offsets, c.firsts, c.layer_of, union, x, c.shard_bytes, keys
-        )
-        return functools.partial(send, -1), owner, decode
 
     def _fused_blocks(self, x: torch.Tensor) -> bool:
         """Whether this backend has the fused block kernels for ``x`` (float32 values):
@@ -1945,7 +1899,14 @@ class Codec:
         maxima = torch.empty(blocks, dtype=torch.float32, device=x.device)
         own = torch.empty(blocks, dtype=torch.uint8, device=x.device)
         if self.backend == "triton":
-            mean_keys = self._bind_mean_keys(mean, c.slice_offsets, maxima, own, nodes)
+            # The node's mean's blocks' own keys (two_phase's rule over the M nodes): the
+            # block keys' kernel over the slice as one layer.
+            slice_blocks = Layout.from_numels(np.diff(c.slice_offsets).tolist(), x.device)
+            one_layer = torch.tensor([blocks], dtype=torch.int64)
+            no_flag = torch.zeros(1, dtype=torch.uint8, device=x.device)
+            mean_keys = self.bind_block_keys(
+                mean, slice_blocks, one_layer, maxima, own, no_flag, nodes
+            )
             if mean_keys is None:
                 return None
             send = self._bind_send(
@@ -1993,23 +1954,6 @@ class Codec:
             functools.partial(_in_order, owner) if len(owner) > 1 else owner[0],
             decode,
         )
-
-    def _bind_mean_keys(
-        self,
-        mean: torch.Tensor,
-        offsets: np.ndarray,
-        maxima: torch.Tensor,
-        keys: torch.Tensor,
-        nodes: int,
-    ) -> Callable[[], object] | None:
-        """The node's mean's blocks' own keys into ``keys`` (two_phase's rule over the
-        M ``nodes``), bound on Triton (the CPU kernels' are :func:`cpu_kernels.node_send`'s);
-        None where the variant cannot run here."""
-        # The block keys' kernel over the slice as one layer.
-        blocks = Layout.from_numels(np.diff(offsets).tolist(), mean.device)
-        one_layer = torch.tensor([offsets.size - 1], dtype=torch.int64)
-        no_flag = torch.zeros(1, dtype=torch.uint8, device=mean.device)
-        return self.bind_block_keys(mean, blocks, one_layer, maxima, keys, no_flag, nodes)
 
     def _bind_node_mean(
         self, x: torch.Tensor, c: NodeBlockChunk, mean: torch.Tensor
@@ -2092,14 +2036,12 @@ class Codec:
             raise ValueError(
                 f"out must hold {layout.n_segments} float32 maxima, got {out.numel()} {out.dtype}"
             )
-        done = False
         if self.backend == "triton" and x.dtype == torch.float32:
             out.zero_()
             launch = functools.partial(_triton().layer_maxima, x, out, layout.device_offsets)
-            done = _triton_ran(("layer_maxima",), launch)
-        if done:
-            pass
-        elif self.backend == "kernels" and x.dtype == torch.float32:
+            if _triton_ran(("layer_maxima",), launch):
+                return out
+        if self.backend == "kernels" and x.dtype == torch.float32:
             cpu_kernels.block_amax(x, layout.offsets.numpy(), out)
         else:
             out.copy_(segment_amax(x, layout))
@@ -2221,27 +2163,21 @@ class Codec:
         if self.backend in ("cast", "bits"):
             return functools.partial(_block_rows, x, blocks, keys, maxima, self.fmt)
         offsets = blocks.layout.offsets.numpy()
-        longest = int(np.diff(offsets).max()) if offsets.size > 1 else 0
-        if self.backend != "triton" or x.dtype != torch.float32 or longest > _triton().MAX_SEGMENT:
+        if self.backend != "triton" or x.dtype != torch.float32:
             return None
-        counts = blocks.counts.cpu().numpy()  # the plan's host copy: no device read
-        layer_of = np.repeat(np.arange(counts.size, dtype=np.int64), counts)
-        width = max(2, 1 << max(longest - 1, 0).bit_length())
+        tile = _triton_tile(offsets, blocks.counts)
+        if tile is None:
+            return None
+        one, width, layer_of = tile
         probe = _triton().bind_block_records(
-            self.fmt,
-            _like(x, max(longest, 1)),
-            np.array([0, max(longest, 1)], np.int64),
-            np.zeros(1, np.int64),
-            _like(keys, 1),
-            _like(maxima, 1),
-            1,
+            *(self.fmt, _like(x, one), np.array([0, one], np.int64), np.zeros(1, np.int64)),
+            *(_like(keys, 1), _like(maxima, 1), 1),
         )
         out = torch.empty(1, 5, dtype=torch.float64, device=x.device)
         if not _probed(("block_records", self.fmt.name, width), lambda: probe(out)):
             return None
-        return _triton().bind_block_records(
-            self.fmt, x, offsets, layer_of, keys, maxima, counts.size
-        )
+        n_layers = len(blocks.counts)
+        return _triton().bind_block_records(self.fmt, x, offsets, layer_of, keys, maxima, n_layers)
 
     def bind_staged_blocks(
         self,
@@ -2270,20 +2206,8 @@ class Codec:
             ...     x, blocks, local, keys, (4, 2), False, out)
         """
         n, per = ranks
-        ops = (
-            functools.partial(
-                block_keys_into,
-                *(x, blocks.layout, self.fmt, "grid" if grid else "hierarchical", n),
-                (local, keys),
-                ranks_per_node=per,
-            ),
-            functools.partial(
-                _staged_factors_ops, self.fmt, keys, blocks.device_counts, n, grid, out
-            ),
-        )
         if self.backend == "kernels":
-            layout = blocks.layout
-            cells = layout.cells if layout.cells is not None else layout.offsets.numpy()
+            cells = _host_offsets(blocks.layout, 0)
             return (
                 functools.partial(
                     cpu_kernels.call,
@@ -2294,27 +2218,42 @@ class Codec:
                     cpu_kernels.call, "staged_key_factors", keys, blocks.counts, grid, out
                 ),
             )
+        if x.dtype != torch.float32:
+            return None
         offsets = blocks.layout.offsets.numpy()
-        longest = int(np.diff(offsets).max()) if offsets.size > 1 else 0
-        if self.backend != "triton" or x.dtype != torch.float32 or longest > _triton().MAX_SEGMENT:
-            return ops if x.dtype == torch.float32 else None
-        counts = blocks.counts.cpu().numpy()  # the plan's host copy: no device read
-        width = max(2, 1 << max(longest - 1, 0).bit_length())
-        one = np.array([0, max(longest, 1)], np.int64)
-        probe_keys = _triton().bind_staged_keys(
-            self.fmt, _like(x, one[1]), one, _like(local, 1), _like(keys, 2), n, per
+        tile = _triton_tile(offsets, blocks.counts) if self.backend == "triton" else None
+        if tile is not None:
+            one, width, _ = tile
+            bounds = np.array([0, one], np.int64)
+            probe_keys = _triton().bind_staged_keys(
+                self.fmt, _like(x, one), bounds, _like(local, 1), _like(keys, 2), n, per
+            )
+            probe_factors = _triton().bind_staged_key_factors(
+                _like(keys, 2), np.ones(1, np.int64), grid, torch.empty(4, 1, device=out.device)
+            )
+            if _probed(("staged_keys", self.fmt.name, width), probe_keys) and _probed(
+                ("staged_key_factors", grid), probe_factors
+            ):
+                return (
+                    _triton().bind_staged_keys(self.fmt, x, offsets, local, keys, n, per),
+                    _triton().bind_staged_key_factors(keys, blocks.counts.cpu().numpy(), grid, out),
+                )
+        route = "grid" if grid else "hierarchical"
+        if not grid:
+            out[3].fill_(1.0)  # hierarchical has no first level of its own: never read
+        made = functools.partial(
+            factors_from_keys,
+            keys.view(2, -1),
+            self.fmt,
+            route,
+            world_size=n,
+            counts=blocks.device_counts,
         )
-        probe_factors = _triton().bind_staged_key_factors(
-            _like(keys, 2), np.ones(1, np.int64), grid, torch.empty(4, 1, device=out.device)
-        )
-        if not (
-            _probed(("staged_keys", self.fmt.name, width), probe_keys)
-            and _probed(("staged_key_factors", grid), probe_factors)
-        ):
-            return ops
         return (
-            _triton().bind_staged_keys(self.fmt, x, offsets, local, keys, n, per),
-            _triton().bind_staged_key_factors(keys, counts, grid, out),
+            functools.partial(
+                block_keys_into, x, blocks.layout, self.fmt, route, n, (local, keys), per
+            ),
+            functools.partial(_stack_factors, made, out),
         )
 
     def unit_records(
@@ -2527,34 +2466,8 @@ class Codec:
                 f"{recv.device}, got {exponents.dtype} of shape {tuple(exponents.shape)} "
                 f"on {exponents.device}"
             )
-        if self.backend == "kernels":
-            d = torch.empty(n_blocks, dtype=torch.int32)
-            if n_blocks:
-                cpu_kernels.reduce_blocks(
-                    recv,
-                    n_ranks,
-                    self.fmt,
-                    layout.offsets.numpy(),
-                    exponents.numpy(),
-                    out,
-                    d.numpy(),
-                    EXPONENT_LIMIT,
-                    layout.longest,
-                )
-            return out, d
-        if self.backend == "triton" and layout.longest <= _triton().MAX_SEGMENT:
-            d = torch.empty(n_blocks, dtype=torch.int32, device=recv.device)
-            _triton().reduce_blocks(
-                recv,
-                n_ranks,
-                self.fmt,
-                layout.device_offsets,
-                exponents,
-                out,
-                d,
-                EXPONENT_LIMIT,
-                layout.longest,
-            )
+        d = self._owner_pass("reduce_blocks", recv, n_ranks, layout, exponents, out)
+        if d is not None:
             return out, d
         # The chain the kernels fuse (and Triton's, for segments longer than its tile).
         mean = self.shard_mean(recv, n_ranks)[:numel]
@@ -2619,38 +2532,9 @@ class Codec:
             )
         if own is None:
             own_row = -1
-        if self.backend == "kernels":
-            d = torch.empty(n_blocks, dtype=torch.int32)
-            if n_blocks:
-                cpu_kernels.reduce_rank_blocks(
-                    recv,
-                    n_ranks,
-                    self.fmt,
-                    layout.offsets.numpy(),
-                    rank_scales.contiguous().numpy(),
-                    out,
-                    d.numpy(),
-                    EXPONENT_LIMIT,
-                    layout.longest,
-                    None if own is None else own.contiguous().numpy(),
-                    own_row,
-                )
-            return out, d
-        if self.backend == "triton" and layout.longest <= _triton().MAX_SEGMENT:
-            d = torch.empty(n_blocks, dtype=torch.int32, device=recv.device)
-            _triton().reduce_rank_blocks(
-                recv,
-                n_ranks,
-                self.fmt,
-                layout.device_offsets,
-                rank_scales.contiguous(),
-                out,
-                d,
-                EXPONENT_LIMIT,
-                layout.longest,
-                own=own,
-                own_row=own_row,
-            )
+        mine = own, own_row
+        d = self._owner_pass("reduce_rank_blocks", recv, n_ranks, layout, rank_scales, out, mine)
+        if d is not None:
             return out, d
         # The chain the kernels fuse (and Triton's, for segments longer than its tile).
         rows = recv.view(n_ranks, -1)
@@ -2669,6 +2553,41 @@ class Codec:
             mean.div_(n_ranks)
         zero = torch.zeros(n_blocks, dtype=torch.int32, device=recv.device)
         return self._encode_mean(mean, layout, zero, out)
+
+    def _owner_pass(
+        self,
+        kernel: str,
+        recv: torch.Tensor,
+        n_ranks: int,
+        layout: Layout,
+        given: torch.Tensor,
+        out: torch.Tensor,
+        own: tuple[torch.Tensor | None, int] | None = None,
+    ) -> torch.Tensor | None:
+        """The owner's step over blocks in one pass: the ``kernel`` of the CPU kernels or
+        of Triton (``reduce_blocks``: ``given`` the agreed exponents; ``reduce_rank_blocks``:
+        the senders' scales and ``own``, the owner's values and row) writing ``out``;
+        returns the int32 extra exponents ``d``, or None where neither runs (the chain)."""
+        args = (EXPONENT_LIMIT, layout.longest)
+        if self.backend == "kernels":
+            d = torch.empty(layout.n_segments, dtype=torch.int32)
+            if layout.n_segments:
+                if own is not None:
+                    args += (None if own[0] is None else own[0].contiguous().numpy(), own[1])
+                offsets, factors = layout.offsets.numpy(), given.contiguous().numpy()
+                getattr(cpu_kernels, kernel)(
+                    recv, n_ranks, self.fmt, offsets, factors, out, d.numpy(), *args
+                )
+            return d
+        if self.backend != "triton" or layout.longest > _triton().MAX_SEGMENT:
+            return None
+        d = torch.empty(layout.n_segments, dtype=torch.int32, device=recv.device)
+        extra = {} if own is None else {"own": own[0], "own_row": own[1]}
+        offsets, factors = layout.device_offsets, given.contiguous()
+        getattr(_triton(), kernel)(
+            recv, n_ranks, self.fmt, offsets, factors, out, d, *args, **extra
+        )
+        return d
 
     def _encode_mean(
         self, mean: torch.Tensor, layout: Layout, exponents: torch.Tensor, out: torch.Tensor
