@@ -2216,10 +2216,7 @@ class Reducer:
             if s is None:
                 transports.fp32_mean(values, comm.group, comm.world_size, self.traffic)
             elif isinstance(s, SteadyBlocks):
-                assert s.keys_call is not None  # made by bind
-                s.keys_call()
-                if s.names is not None:  # this rank's own keys: before anything is sent
-                    self.record_steady_blocks(index, s, values)
+                self.steady_block_keys(index, s, values)  # and their records
                 if isinstance(s, SteadyNodeBlocks):
                     assert s.node_calls is not None and s.groups is not None
                     transports.hierarchical_bound(s.node_calls, s.groups, self.traffic)
@@ -2256,8 +2253,8 @@ class Reducer:
                 assert s.factors_call is not None  # made by bind
                 s.factors_call()
         if s.names is not None:  # before the decode overwrites this rank's values
-            self.record_steady(index, s, values)
-        if rates is not None:
+            self.record_steady(index, s, values, rates)  # with Promote's rates
+        elif rates is not None:
             self._settled_rates(s, values, rates)
         if isinstance(s, SteadyStaged):
             assert s.node_calls is not None and s.groups is not None  # made by bind
@@ -3207,7 +3204,9 @@ class Reducer:
             st.plan.timed(time.perf_counter() - start)
         return tail
 
-    def record_steady(self, index: int, st: Steady, x: torch.Tensor) -> None:
+    def record_steady(
+        self, index: int, st: Steady, x: torch.Tensor, rates: torch.Tensor | None = None
+    ) -> None:
         """Queue a settled bucket's records (``stats=True``): the full path's values.
 
         Once the maxima are agreed (and their factors made), every layer's
@@ -3216,7 +3215,9 @@ class Reducer:
         over this rank's values ``x``: on the CPU kernels one kernel call from
         the factors' exponent keys; elsewhere a fixed handful of device ops
         over the whole bucket (the exponent rule, then the counts' segment
-        sums), whatever the layer count. Nothing is read on the host.
+        sums), whatever the layer count. Nothing is read on the host. ``rates``:
+        Promote's rates of the same values too (:meth:`_settled_rates`' ``out``), on the
+        CPU kernels from the records' own counts, in their call.
         """
         g, agreed = st.group, st.agreed
         assert st.names is not None
@@ -3233,12 +3234,14 @@ class Reducer:
             keys = st.first_factors()[1]
         if keys is not None and x.is_contiguous():
             rows = torch.empty(len(st.names), 5, dtype=torch.float64, device=x.device)
-            g.codec.layer_records(x, g.layout, amax, keys, rows)
+            g.codec.layer_records(x, g.layout, amax, keys, rows, rates)
             self.stats.add_rows(index, st.names, g.numels, g.fmt, rows)
             return
         exps = self._steady_exponents(st)
         counts = layer_counts(x, g.layout.lengths, exps, g.fmt)
         self.stats.add(index, st.names, g.numels, g.fmt, exps, amax, counts)
+        if rates is not None:
+            self._settled_rates(st, x, rates)
 
     def _steady_exponents(self, st: Steady) -> torch.Tensor:
         """A settled bucket's exponents off the CPU kernels, which its records and Promote's
@@ -3253,16 +3256,22 @@ class Reducer:
             ranks_per_node=st.per_node if isinstance(st, SteadyStaged) else 1,
         ).exponents
 
-    def record_steady_blocks(self, index: int, st: SteadyBlocks, x: torch.Tensor) -> None:
-        """:meth:`record_steady` with every rank's own block exponents: each block's
-        counts under its own key, folded per layer (:func:`aps_comm.telemetry.per_layer`)."""
+    def steady_block_keys(self, index: int, st: SteadyBlocks, x: torch.Tensor) -> None:
+        """The keys' bound call with every rank's own block exponents, then (``stats=True``)
+        :meth:`record_steady` of this rank's own keys, before anything is sent: each
+        block's counts under its own key, folded per layer
+        (:func:`aps_comm.telemetry.per_layer`); on the CPU kernels in the keys' call."""
         g = st.group
-        assert st.names is not None and g.blocks is not None
-        if g.codec.backend == "kernels" and x.is_contiguous():
+        assert st.keys_call is not None and g.blocks is not None  # made by bind
+        if st.names is None:
+            st.keys_call()
+            return
+        if g.codec.backend == "kernels" and x.is_contiguous() and x.dtype == torch.float32:
             rows = torch.empty(len(st.names), 5, dtype=torch.float64, device=x.device)
-            g.codec.block_records(x, g.blocks, st.keys, st.maxima, rows)
+            st.keys_call(rows)  # type: ignore[call-arg]  # cpu_kernels.block_keys' records
             self.stats.add_rows(index, st.names, g.numels, g.fmt, rows)
             return
+        st.keys_call()
         exps = key_exponents(st.keys)
         counts = layer_counts(x, g.layout.lengths, exps, g.fmt)
         counts, smallest, largest = per_layer(g.blocks, counts, exps, blocks_amax(x, g.layout))
@@ -3365,10 +3374,7 @@ class Reducer:
         comm, plan, settings = self.comm, st.plan, self.settings
         if st.bound_ptr != x.data_ptr():  # a bfloat16 bucket's float32 copy: new each step
             st.bind(x, comm.rank, comm.world_size)
-        assert st.keys_call is not None
-        st.keys_call()
-        if st.names is not None:  # this rank's own keys: before anything is sent
-            self.record_steady_blocks(index, st, x)
+        self.steady_block_keys(index, st, x)  # and their records
         if isinstance(st, SteadyNodeBlocks):
             # The chunk is the model's (the route offers none); only the timing is kept.
             assert st.node_calls is not None and st.groups is not None
