@@ -2079,6 +2079,7 @@ class Codec:
         maxima: torch.Tensor,
         keys: np.ndarray,
         out: torch.Tensor,
+        rates: torch.Tensor | None = None,
     ) -> None:
         """Each segment's statistics row into float64 ``out`` (L, 5) in one kernel call.
 
@@ -2087,7 +2088,9 @@ class Codec:
         agreed maximum ``maxima[s]``, and the counts of
         :func:`aps_comm.telemetry.layer_counts` over float32 ``x`` (nonzero,
         underflowing and saturating elements once scaled): a settled bucket's
-        records with no per-layer work on the host. CPU kernels only.
+        records with no per-layer work on the host. CPU kernels only. With
+        float32 ``rates``, :meth:`underflow_rates` under the same exponents too,
+        in the same call (``stats=True`` under Promote).
 
         Raises:
             ValueError: the codec's backend is not "kernels", or ``x`` is not
@@ -2103,7 +2106,8 @@ class Codec:
             [[0.0, 1.0, 2.0, 1.0, 0.0]]
         """
         self._check_records(x, layout)
-        cpu_kernels.call("layer_records", x, layout.offsets.numpy(), maxima, keys, self.fmt, out)
+        offsets = layout.offsets.numpy()
+        cpu_kernels.call("layer_records", x, offsets, maxima, keys, self.fmt, out, rates)
 
     def block_records(
         self,

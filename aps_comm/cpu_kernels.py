@@ -2045,11 +2045,14 @@ def block_keys(
     flags: torch.Tensor,
     limit: int,
     world_size: int,
+    records: torch.Tensor | None = None,
 ) -> None:
     """:func:`block_amax`, :func:`two_phase_keys` and :func:`layer_any` (value 255) in one
     call: every block's max |x| into float32 ``maxima``, its two_phase key over
     ``world_size`` ranks into uint8 ``keys``, each layer's non-finite flag (``counts``:
     blocks per layer) into uint8 ``flags``: a settled bucket's keys, one call per step.
+    With float64 ``records`` (layers, 5), :func:`block_records` of those keys and maxima
+    too, in the same call (``stats=True``: one call per group, not two).
 
     Example:
         >>> from aps_comm.formats import E4M3
@@ -2061,16 +2064,13 @@ def block_keys(
     """
     offsets = _block_offsets(offsets)
     bound = world_size if fmt.max * world_size > float(np.finfo(np.float32).max) else 0
-    _block_keys(
-        _np(x).view(np.uint32),
-        offsets,
-        _np(counts),
-        _np(maxima).view(np.uint32),
-        _np(keys),
-        _np(flags),
-        mean_limit(fmt, limit),
-        bound,
-    )
+    args = (_np(x).view(np.uint32), offsets, _np(counts), _np(maxima).view(np.uint32))
+    args += (_np(keys), _np(flags), mean_limit(fmt, limit), bound)
+    if records is None:
+        _block_keys(*args)
+        return
+    tiny = np.float32(fmt.min_subnormal / 2)
+    _block_keys_records(args, (_np(x), _np(maxima), tiny, np.float32(fmt.max), _np(records)))
 
 
 if AVAILABLE:
@@ -2455,6 +2455,7 @@ def layer_records(
     keys: np.ndarray,
     fmt: FloatFormat,
     out: torch.Tensor,
+    rates: torch.Tensor | None = None,
 ) -> None:
     """Every segment's record row into float64 ``out`` (L, 5), in one pass over ``x``.
 
@@ -2463,7 +2464,9 @@ def layer_records(
     float32 ``x``'s elements of segment s scaled by ``2**e``, how many are
     nonzero, how many of those are at most half ``fmt``'s smallest subnormal
     (they flush to zero), how many pass ``fmt.max``: the counts of
-    :func:`aps_comm.telemetry.layer_counts`, the same float32 products.
+    :func:`aps_comm.telemetry.layer_counts`, the same float32 products. With float32
+    ``rates``, each segment's underflowing over nonzero count into it too:
+    :func:`underflow_rates` under ``2**e`` (Promote's rates, from the same pass).
 
     Example:
         >>> from aps_comm.formats import E4M3
@@ -2475,7 +2478,8 @@ def layer_records(
         [[0.0, 500.0, 3.0, 1.0, 1.0]]
     """
     tiny = np.float32(fmt.min_subnormal / 2)
-    _layer_records(_np(x), offsets, _np(maxima), keys, tiny, np.float32(fmt.max), _np(out))
+    rated = _np(rates) if rates is not None else np.empty(0, np.float32)
+    _layer_records(_np(x), offsets, _np(maxima), keys, tiny, np.float32(fmt.max), _np(out), rated)
 
 
 def block_records(
@@ -2539,7 +2543,7 @@ if AVAILABLE:
         return nonzero, under, saturated
 
     @_njit
-    def _layer_records(x, offsets, maxima, keys, tiny, fmax, out):
+    def _layer_records(x, offsets, maxima, keys, tiny, fmax, out, rates):
         for s in range(len(offsets) - 1):
             e = _key_exponent(keys[s])
             nonzero, under, saturated = _scaled_counts(x, offsets[s], offsets[s + 1], e, tiny, fmax)
@@ -2548,6 +2552,8 @@ if AVAILABLE:
             out[s, 2] = nonzero
             out[s, 3] = under
             out[s, 4] = saturated
+            if len(rates):  # :func:`underflow_rates`' float32 quotient
+                rates[s] = np.float32(under) / np.float32(max(nonzero, 1))
 
     @_njit
     def _block_records(x, offsets, counts, keys, maxima, tiny, fmax, out):
@@ -2570,6 +2576,13 @@ if AVAILABLE:
             out[layer, 2] = nonzero
             out[layer, 3] = under
             out[layer, 4] = saturated
+
+    @_njit
+    def _block_keys_records(keyed, record):
+        xb, offsets, counts, maxima_bits, keys, flags, lim, n_ranks = keyed
+        _block_keys(xb, offsets, counts, maxima_bits, keys, flags, lim, n_ranks)
+        x, maxima, tiny, fmax, out = record
+        _block_records(x, offsets, counts, keys, maxima, tiny, fmax, out)
 
 
 if AVAILABLE:

@@ -906,11 +906,9 @@ class SteadyGroups:
         arena = self.scratch.arena(Slot.STEP) if self.scratch is not None else None
         if order != list(range(n)):
             values = _take(arena, x.numel(), torch.float32, x.device)
-            layers = torch.split(x, self.plan.numels)
-            mine = [layers[i] for i in order]
             if self.order is None or self.order.device != x.device:
                 self.order = to_device(torch.tensor(order, dtype=torch.int64), x.device)
-            self.gather = functools.partial(torch.cat, mine, out=values)
+            self.interleave(x, values, order)
             if not self.blocks:
                 maxima = torch.empty(n, dtype=torch.float32, device=x.device)
                 if on_host:
@@ -920,9 +918,6 @@ class SteadyGroups:
                     self.pick = functools.partial(
                         torch.index_select, agreed, 0, self.order, out=maxima
                     )
-            # One multi-tensor copy back, not one copy per layer.
-            pieces = list(torch.split(values, [self.plan.numels[i] for i in order]))
-            self.scatter = functools.partial(torch._foreach_copy_, mine, pieces)
             if bucket_rates is not None:
                 # Every layer's current rate in group order: the FP32 group's are never
                 # written again, and go back as they are.
@@ -967,6 +962,17 @@ class SteadyGroups:
         if arena is not None and not arena.close():  # the slot grew: bound on it now
             return self.bind(x, world_size, rank)
         return True
+
+    def interleave(self, x: torch.Tensor, values: torch.Tensor, order: list[int]) -> None:
+        """Groups that interleave in the bucket ``x``: its layers copied into ``values`` in
+        the plan's ``order`` (:attr:`gather`, one call) and back (:attr:`scatter`: one
+        multi-tensor copy, not one per layer)."""
+        layers = torch.split(x, self.plan.numels)
+        mine = [layers[i] for i in order]
+        self.gather_numels = [self.plan.numels[i] for i in order]
+        self.gather = functools.partial(torch.cat, mine, out=values)
+        pieces = list(torch.split(values, self.gather_numels))
+        self.scatter = functools.partial(torch._foreach_copy_, mine, pieces)
 
     def _steady(
         self,
@@ -1913,62 +1919,6 @@ class Reducer:
             part.record_names(names)
         return part if part.bind(gx, self.comm.world_size) else None
 
-    def _run_agreed_groups(self, index: int, st: SteadyGroups) -> None:
-        """:meth:`_run_groups` with agreed block exponents: every sent group's keys written
-        (after the gather, where the groups interleave), agreed at once with the ranks'
-        largest preferred chunk, then each group's records and bound chunks (the FP32
-        group: its all-reduce; a staged group: its factors from the agreed keys, then
-        its route's bound chunks) in the plan's order; the scatter."""
-        comm, plan = self.comm, st.plan
-        assert st.parts is not None  # made by _settle_agreed_groups
-        sent = [(values, s) for values, s in st.parts if s is not None]
-        if st.gather is not None:
-            st.gather()
-        if st.measured:  # CPU only: the keys' numpy view, no tensor op
-            exchange_s = plan.exchange_s or None
-            if st.offer is None or st.offer[0] != exchange_s:
-                mine = self.planner.chunk(self.settings.fmt, st.numel, st.main, exchange_s)
-                st.offer = exchange_s, int(math.log2(mine))
-            st.maxima.numpy()[-1] = st.offer[1]
-        for _, s in sent:
-            keys_call = s.maxima_call if isinstance(s, SteadyStaged) else s.keys_call
-            assert keys_call is not None  # made by bind
-            keys_call()
-        transports.all_reduce_max(st.maxima, comm.group, self.traffic)
-        chunk = 2 ** int(st.maxima.numpy()[-1]) if st.measured else st.chunk
-        if chunk != st.chunk:  # the keys and their scratch stay: only the chunks' calls move
-            st.groups = plan.group(
-                st.fmts,
-                self._routes_for(plan, st.fmts),
-                comm.world_size,
-                chunk,
-                comm.node_layouts(),
-                self.settings.block_size,
-                owner_exponents=True,
-            )
-            for (values, s), g in zip(
-                sent, [g for g in st.groups if g.reduction != Route.FP32], strict=True
-            ):
-                s.group, s.chunk = g, chunk
-                if isinstance(s, SteadyStaged):
-                    s.bind(values, comm.world_size)
-                else:
-                    s.bind(values, comm.rank, comm.world_size)
-            st.chunk, st.workspace = chunk, self._epoch(index, st.maxima.device)
-        self.bucket_chunks[index] = st.chunk
-        for values, s in st.parts:
-            if s is None:
-                transports.fp32_mean(values, comm.group, comm.world_size, self.traffic)
-                continue
-            if isinstance(s, SteadyStaged):
-                self._run_part(index, s, values, None)
-                continue
-            if s.names is not None:  # the agreed keys: before the decode overwrites the values
-                self.record_agreed_blocks(index, s)
-            self._agreed_blocks_exchange(s, values, False)
-        if st.scatter is not None:
-            st.scatter()
-
     def _interleave(
         self,
         st: SteadyGroups,
@@ -1986,16 +1936,8 @@ class Reducer:
         ``st.pick`` copies the agreed maxima back from. Block keys are in the plan's order
         already. Returns the scratch (``values`` where given: the workspace's) and that
         vector (``shared`` itself with blocks)."""
-        numels = [st.plan.numels[i] for i in order]
         values = torch.empty_like(x) if values is None else values
-        layers = torch.split(x, st.plan.numels)
-        mine = [layers[i] for i in order]
-        st.gather = functools.partial(torch.cat, mine, out=values)
-        # One multi-tensor copy back, not one copy per layer.
-        st.scatter = functools.partial(
-            torch._foreach_copy_, mine, list(torch.split(values, numels))
-        )
-        st.gather_numels = numels
+        st.interleave(x, values, order)
         if st.blocks:
             return values, shared
         n = len(order)
@@ -2042,13 +1984,7 @@ class Reducer:
         values = x if in_place else _take(arena, x.numel(), torch.float32, x.device)
         flat = torch.empty(kept, dtype=torch.float32)
         if not in_place:
-            st.gather_numels = [plan.numels[i] for i in order]
-            layers = torch.split(x, plan.numels)
-            mine = [layers[i] for i in order]
-            # One multi-tensor copy back, not one copy per layer.
-            st.scatter = functools.partial(
-                torch._foreach_copy_, mine, list(torch.split(values, st.gather_numels))
-            )
+            st.interleave(x, values, order)  # its scatter (the gather is the kernel's)
         maxima = st.maxima[:0] if st.blocks else st.maxima[:n]
         st.gather = functools.partial(
             cpu_kernels.call,
@@ -2070,54 +2006,6 @@ class Reducer:
             st.put_rates = functools.partial(st.maxima[n:].index_copy_, 0, at, agreed[n:])
         return values, agreed, flat
 
-    def _run_feedback_groups(self, index: int, st: SteadyGroups, x: torch.Tensor) -> None:
-        """:meth:`_run_groups` with error feedback: every group's residuals added, the
-        bucket's maxima (or each group's block keys) agreed at once, then each group's
-        factors and bound chunk (the FP32 group: its all-reduce) in the plan's order
-        (groups that interleave: on the layers gathered in that order, scattered back)."""
-        comm = self.comm
-        assert st.parts is not None  # made by _settle_feedback_groups
-        fed = [(values, s) for values, s in st.parts if isinstance(s, SteadyFeedback)]
-        if st.gather is not None:
-            st.gather()
-        if not st.fused:  # else added by the gather
-            for values, s in fed:
-                values.add_(s.residual)
-        if st.maxima_call is not None:  # every layer's, as the general path's vector
-            st.maxima_call()
-        elif st.blocks:
-            for _, s in fed:
-                s.agree()
-        if st.put_rates is not None:  # into the general path's order
-            st.put_rates()
-        transports.all_reduce_max(st.maxima, comm.group, self.traffic)
-        if st.promote is not None and self._promoted(st):
-            self._moved(index, st, x, False)  # the values with their residuals: carried
-            return
-        self._finish_feedback_groups(index, st)
-
-    def _finish_feedback_groups(self, index: int, st: SteadyGroups) -> None:
-        """:meth:`_run_feedback_groups`' half after the MAX all-reduce, on the vector it
-        agreed: each group's factors and bound chunk, then the scatter."""
-        comm = self.comm
-        assert st.parts is not None  # made by _settle_feedback_groups
-        if st.pick is not None:
-            st.pick()
-        rates = st.rates or [None] * len(st.parts)
-        for (values, s), out in zip(st.parts, rates, strict=True):
-            if isinstance(s, SteadyFeedback):
-                # Factors and scratch of one group at a time: the groups share the STEP slot.
-                s.factors()
-                if s.names is not None:  # before the owner's mean overwrites the values
-                    self.record_feedback(index, s, values)
-                if out is not None:
-                    self._feedback_rates(s, values, out)
-                self._feedback_exchange(s, values)
-            else:
-                transports.fp32_mean(values, comm.group, comm.world_size, self.traffic)
-        if st.scatter is not None:
-            st.scatter()
-
     def _rates_into(
         self, slots: torch.Tensor, names: Sequence[str | None], kept: Container[int] = ()
     ) -> None:
@@ -2135,78 +2023,115 @@ class Reducer:
         )
 
     def _run_groups(self, index: int, st: SteadyGroups, x: torch.Tensor) -> None:
-        """:meth:`run_steady` of a bucket of several formats: the maxima agreed once (none
-        with blocks), then each group's bound path in the plan's order (nothing deferred,
-        as in the general path)."""
+        """:meth:`run_steady` of a bucket of several formats: the one MAX all-reduce of its
+        vector (none with every rank's own block exponents), then each group's bound path
+        in the plan's order (nothing deferred, as in the general path).
+
+        Before that all-reduce: with error feedback (``st.feedback``) every group's
+        residuals added, then every layer's maximum (or each group's block keys) and
+        Promote's rates put in bucket order; with agreed block exponents
+        (``st.agreed_blocks``) every sent group's keys; both after the gather, where
+        the groups interleave. Else every layer's maximum (the gather after it).
+        This rank's preferred chunk rides on the vector where chunks are measured."""
         comm, plan = self.comm, st.plan
-        if st.feedback:  # float32 buckets only: bound to ``x`` for good
-            self._run_feedback_groups(index, st, x)
-            return
-        if st.agreed_blocks:  # likewise
-            self._run_agreed_groups(index, st)
-            return
-        if st.bound_ptr != x.data_ptr():  # a bfloat16 bucket's float32 copy: new each step
+        early = st.feedback or st.agreed_blocks  # float32 buckets only: bound to x for good
+        if not early and st.bound_ptr != x.data_ptr():  # a bfloat16 bucket's float32 copy
             st.bind(x, comm.world_size, comm.rank)
-        if st.blocks:
+        if st.blocks and not early:
             # The general path's chunk: the one its ranks agreed on, or the model's.
             chunk = (plan.agreed_chunk or plan.model_chunk) if st.measured else st.chunk
-        else:
-            agreed = self._agree_groups(index, st, x)
-            if agreed is None:  # Promote moved a layer: its new bound path took the step
-                return
-            chunk = agreed
+            self._finish_groups(index, st, x, chunk)
+            return
+        assert st.parts is not None  # made by bind
+        sent = [(values, s) for values, s in st.parts if s is not None]
+        if early and st.gather is not None:
+            st.gather()
+        if st.feedback and not st.fused:  # else added by the gather
+            for values, s in sent:
+                values.add_(s.residual)  # type: ignore[union-attr]  # SteadyFeedback's
+        if st.measured:
+            self._offer_chunk(st)
+        if st.maxima_call is not None:  # every layer's, as the general path's vector
+            st.maxima_call()
+        elif st.blocks:  # each sent group's keys
+            for _, s in sent:
+                if isinstance(s, SteadyFeedback):
+                    s.agree()
+                    continue
+                keys_call = s.maxima_call if isinstance(s, SteadyStaged) else s.keys_call
+                assert keys_call is not None  # made by bind
+                keys_call()
+        if early and st.put_rates is not None:  # into the general path's order
+            st.put_rates()
+        transports.all_reduce_max(st.maxima, comm.group, self.traffic)
+        if st.promote is not None and self._promoted(st):
+            # Nothing deferred, as in the general path (error feedback: the values with
+            # their residuals carried).
+            self._moved(index, st, x, False)
+            return
+        chunk = 2 ** int(st.maxima.numpy()[-1]) if st.measured else st.chunk
         self._finish_groups(index, st, x, chunk)
 
     def _finish_groups(self, index: int, st: SteadyGroups, x: torch.Tensor, chunk: int) -> None:
         """:meth:`_run_groups`' half after the MAX all-reduce (none with blocks), on the
-        vector it agreed and ``chunk``, the ranks' chunk: every group's bound path."""
-        comm, plan = self.comm, st.plan
+        vector it agreed and ``chunk``, the ranks' chunk: every group's bound path (the
+        groups bound again where the chunk moved; with agreed block exponents the keys
+        and their scratch stay: only the chunks' calls move)."""
+        comm = self.comm
         if chunk != st.chunk:
-            block_size = self.settings.block_size if st.blocks else None
-            st.groups = plan.group(
-                st.fmts,
-                self._routes_for(plan, st.fmts),
-                comm.world_size,
-                chunk,
-                comm.node_layouts(),
-                block_size,
-                owner_exponents=st.blocks,
-                rank_exponents=st.blocks,
-            )
-            st.chunk = chunk
-            st.bind(x, comm.world_size, comm.rank)
+            st.groups, st.chunk = self._group_again(st, chunk), chunk
+            if st.agreed_blocks:
+                assert st.parts is not None  # made by _settle_agreed_groups
+                sent = [(values, s) for values, s in st.parts if s is not None]
+                moved = [g for g in st.groups if g.reduction != Route.FP32]
+                for (values, s), g in zip(sent, moved, strict=True):
+                    s.group, s.chunk = g, chunk
+                    if isinstance(s, SteadyStaged):
+                        s.bind(values, comm.world_size)
+                    else:
+                        s.bind(values, comm.rank, comm.world_size)  # type: ignore[call-arg]
+            else:
+                st.bind(x, comm.world_size, comm.rank)
             st.workspace = self._epoch(index, x.device)
             if st.gather is None and st.scatter is not None:  # new scratch: gather again
                 _gather_back(st.scatter)
         self.bucket_chunks[index] = st.chunk
-        self._run_parts(index, st)
+        self._run_parts(index, st, st.feedback or st.agreed_blocks)
 
-    def _agree_groups(self, index: int, st: SteadyGroups, x: torch.Tensor) -> int | None:
-        """:meth:`_run_groups`' maxima and their MAX all-reduce (Promote's rates and this
-        rank's preferred chunk on it); the chunk, or None where Promote moved a layer and
-        its new formats took the step on the vector agreed (:meth:`_moved`)."""
-        comm = self.comm
-        slot = st.maxima.numel() - 1  # the chunk's, after the maxima (and Promote's rates)
-        if st.measured:  # CPU only: the numpy view, no tensor op
-            exchange_s = st.plan.exchange_s or None
-            if st.offer is None or st.offer[0] != exchange_s:
-                mine = self.planner.chunk(self.settings.fmt, st.numel, st.main, exchange_s)
-                st.offer = exchange_s, math.log2(mine)
-            st.maxima.numpy()[slot] = st.offer[1]
-        assert st.maxima_call is not None  # made by bind
-        st.maxima_call()
-        transports.all_reduce_max(st.maxima, comm.group, self.traffic)
-        if st.promote is not None and self._promoted(st):
-            self._moved(index, st, x, False)  # nothing deferred, as in the general path
-            return None
-        return 2 ** int(st.maxima.numpy()[slot]) if st.measured else st.chunk
+    def _offer_chunk(self, st: SteadyGroups) -> None:
+        """This rank's preferred chunk (log2, by its timing) into the last slot of ``st``'s
+        MAX all-reduce vector, which agrees the ranks' largest (CPU only: the numpy view,
+        no tensor op)."""
+        exchange_s = st.plan.exchange_s or None
+        if st.offer is None or st.offer[0] != exchange_s:
+            mine = self.planner.chunk(self.settings.fmt, st.numel, st.main, exchange_s)
+            st.offer = exchange_s, math.log2(mine)
+        st.maxima.numpy()[-1] = st.offer[1]
 
-    def _run_parts(self, index: int, st: SteadyGroups) -> None:
+    def _group_again(self, st: SteadyGroups, chunk: int) -> list[GroupPlan]:
+        """``st``'s groups planned again for the ``chunk`` its ranks agreed on (with agreed
+        block exponents: the owners' exponents only)."""
+        comm, rank_exponents = self.comm, st.blocks and not st.agreed_blocks
+        return st.plan.group(
+            st.fmts,
+            self._routes_for(st.plan, st.fmts),
+            comm.world_size,
+            chunk,
+            comm.node_layouts(),
+            self.settings.block_size if st.blocks else None,
+            owner_exponents=st.blocks,
+            rank_exponents=rank_exponents,
+        )
+
+    def _run_parts(self, index: int, st: SteadyGroups, early: bool = False) -> None:
         """Every group's bound path of a settled bucket of several formats, in the plan's
-        order, between the gather and the scatter."""
+        order, between the gather and the scatter, on the vector its MAX all-reduce agreed
+        (none with every rank's own block exponents). ``early``: the gather, and Promote's
+        rates put in bucket order, ran before that all-reduce (error feedback: its
+        residuals added; agreed block exponents: the keys)."""
         comm = self.comm
         assert st.parts is not None  # made by bind
-        if st.gather is not None:
+        if st.gather is not None and not early:
             st.gather()
         if st.pick is not None:
             st.pick()
@@ -2215,11 +2140,20 @@ class Reducer:
         for (values, s), out in zip(st.parts, rates, strict=True):
             if s is None:
                 transports.fp32_mean(values, comm.group, comm.world_size, self.traffic)
+            elif isinstance(s, SteadyFeedback):
+                # Factors and scratch of one group at a time: the groups share the STEP slot.
+                s.factors()
+                if s.names is not None:  # before the owner's mean overwrites the values
+                    self.record_feedback(index, s, values)
+                if out is not None:
+                    self._feedback_rates(s, values, out)
+                self._feedback_exchange(s, values)
+            elif isinstance(s, SteadyAgreedBlocks):
+                if s.names is not None:  # the agreed keys: before the decode overwrites them
+                    self.record_agreed_blocks(index, s)
+                self._agreed_blocks_exchange(s, values, False)
             elif isinstance(s, SteadyBlocks):
-                assert s.keys_call is not None  # made by bind
-                s.keys_call()
-                if s.names is not None:  # this rank's own keys: before anything is sent
-                    self.record_steady_blocks(index, s, values)
+                self.steady_block_keys(index, s, values)  # and their records
                 if isinstance(s, SteadyNodeBlocks):
                     assert s.node_calls is not None and s.groups is not None
                     transports.hierarchical_bound(s.node_calls, s.groups, self.traffic)
@@ -2228,7 +2162,7 @@ class Reducer:
                     transports.two_phase_rank_blocks_bound(s.calls, comm.group, self.traffic)
             else:
                 self._run_part(index, s, values, out, next(factors, None))
-        if st.put_rates is not None:
+        if st.put_rates is not None and not early:
             st.put_rates()
         if st.scatter is not None:
             st.scatter()
@@ -2256,8 +2190,8 @@ class Reducer:
                 assert s.factors_call is not None  # made by bind
                 s.factors_call()
         if s.names is not None:  # before the decode overwrites this rank's values
-            self.record_steady(index, s, values)
-        if rates is not None:
+            self.record_steady(index, s, values, rates)  # with Promote's rates
+        elif rates is not None:
             self._settled_rates(s, values, rates)
         if isinstance(s, SteadyStaged):
             assert s.node_calls is not None and s.groups is not None  # made by bind
@@ -3076,7 +3010,7 @@ class Reducer:
                 st.gather()
             elif not carried and st.scatter is not None:  # the fused gather adds them again
                 _gather_back(st.scatter)
-            self._finish_feedback_groups(index, st)
+            self._run_parts(index, st, early=True)
             return None
         if isinstance(st, SteadyGroups):
             if st.gather is None and st.scatter is not None:  # the maxima call gathers
@@ -3207,7 +3141,9 @@ class Reducer:
             st.plan.timed(time.perf_counter() - start)
         return tail
 
-    def record_steady(self, index: int, st: Steady, x: torch.Tensor) -> None:
+    def record_steady(
+        self, index: int, st: Steady, x: torch.Tensor, rates: torch.Tensor | None = None
+    ) -> None:
         """Queue a settled bucket's records (``stats=True``): the full path's values.
 
         Once the maxima are agreed (and their factors made), every layer's
@@ -3216,7 +3152,9 @@ class Reducer:
         over this rank's values ``x``: on the CPU kernels one kernel call from
         the factors' exponent keys; elsewhere a fixed handful of device ops
         over the whole bucket (the exponent rule, then the counts' segment
-        sums), whatever the layer count. Nothing is read on the host.
+        sums), whatever the layer count. Nothing is read on the host. ``rates``:
+        Promote's rates of the same values too (:meth:`_settled_rates`' ``out``), on the
+        CPU kernels from the records' own counts, in their call.
         """
         g, agreed = st.group, st.agreed
         assert st.names is not None
@@ -3233,12 +3171,14 @@ class Reducer:
             keys = st.first_factors()[1]
         if keys is not None and x.is_contiguous():
             rows = torch.empty(len(st.names), 5, dtype=torch.float64, device=x.device)
-            g.codec.layer_records(x, g.layout, amax, keys, rows)
+            g.codec.layer_records(x, g.layout, amax, keys, rows, rates)
             self.stats.add_rows(index, st.names, g.numels, g.fmt, rows)
             return
         exps = self._steady_exponents(st)
         counts = layer_counts(x, g.layout.lengths, exps, g.fmt)
         self.stats.add(index, st.names, g.numels, g.fmt, exps, amax, counts)
+        if rates is not None:
+            self._settled_rates(st, x, rates)
 
     def _steady_exponents(self, st: Steady) -> torch.Tensor:
         """A settled bucket's exponents off the CPU kernels, which its records and Promote's
@@ -3253,16 +3193,22 @@ class Reducer:
             ranks_per_node=st.per_node if isinstance(st, SteadyStaged) else 1,
         ).exponents
 
-    def record_steady_blocks(self, index: int, st: SteadyBlocks, x: torch.Tensor) -> None:
-        """:meth:`record_steady` with every rank's own block exponents: each block's
-        counts under its own key, folded per layer (:func:`aps_comm.telemetry.per_layer`)."""
+    def steady_block_keys(self, index: int, st: SteadyBlocks, x: torch.Tensor) -> None:
+        """The keys' bound call with every rank's own block exponents, then (``stats=True``)
+        :meth:`record_steady` of this rank's own keys, before anything is sent: each
+        block's counts under its own key, folded per layer
+        (:func:`aps_comm.telemetry.per_layer`); on the CPU kernels in the keys' call."""
         g = st.group
-        assert st.names is not None and g.blocks is not None
-        if g.codec.backend == "kernels" and x.is_contiguous():
+        assert st.keys_call is not None and g.blocks is not None  # made by bind
+        if st.names is None:
+            st.keys_call()
+            return
+        if g.codec.backend == "kernels" and x.is_contiguous() and x.dtype == torch.float32:
             rows = torch.empty(len(st.names), 5, dtype=torch.float64, device=x.device)
-            g.codec.block_records(x, g.blocks, st.keys, st.maxima, rows)
+            st.keys_call(rows)  # type: ignore[call-arg]  # cpu_kernels.block_keys' records
             self.stats.add_rows(index, st.names, g.numels, g.fmt, rows)
             return
+        st.keys_call()
         exps = key_exponents(st.keys)
         counts = layer_counts(x, g.layout.lengths, exps, g.fmt)
         counts, smallest, largest = per_layer(g.blocks, counts, exps, blocks_amax(x, g.layout))
@@ -3365,10 +3311,7 @@ class Reducer:
         comm, plan, settings = self.comm, st.plan, self.settings
         if st.bound_ptr != x.data_ptr():  # a bfloat16 bucket's float32 copy: new each step
             st.bind(x, comm.rank, comm.world_size)
-        assert st.keys_call is not None
-        st.keys_call()
-        if st.names is not None:  # this rank's own keys: before anything is sent
-            self.record_steady_blocks(index, st, x)
+        self.steady_block_keys(index, st, x)  # and their records
         if isinstance(st, SteadyNodeBlocks):
             # The chunk is the model's (the route offers none); only the timing is kept.
             assert st.node_calls is not None and st.groups is not None

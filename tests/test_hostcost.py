@@ -182,8 +182,9 @@ def _settled_ops(options: dict, layers: int) -> tuple[list[str], list[str]]:
     ("config", "kernel"),
     [
         ("two_phase+stats", "kernel::layer_records"),
-        ("block+stats", "kernel::block_records"),
-        ("fp16_block+stats", "kernel::block_records"),
+        # Every rank's own block keys: their records in the keys' call.
+        ("block+stats", "kernel::block_keys"),
+        ("fp16_block+stats", "kernel::block_keys"),
         ("bucket+stats", "kernel::layer_records"),
         ("none+stats", "kernel::layer_records"),
     ],
@@ -754,6 +755,9 @@ def test_ops_per_settled_mixed_format_bucket_do_not_grow_with_layers(
         assert "aten::index_copy_.default" not in aten
     if state.collect_stats:  # one records call per group, none per layer
         records = "kernel::block_records" if "block" in config else "kernel::layer_records"
+        if "block" in config and "agreed" not in config:  # in each group's keys' call
+            records = "kernel::block_keys"
+            assert "kernel::block_records" not in kernels
         assert kernels.count(records) == sent
         assert len(state.stats) == layers - 1  # the FP32 layer has none, as on the general path
     if "promote" in config:  # the rates: one call per group

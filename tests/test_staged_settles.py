@@ -14,9 +14,9 @@ import torch.distributed as dist
 import aps_comm
 from aps_comm import simulate
 from aps_comm.engine import SteadyGroups, SteadyStaged
-from aps_comm.policy import ByName, KeepLast
+from aps_comm.policy import ByName, KeepLast, Promote
 from aps_comm.testing import run_distributed
-from benchmarks.hostcost import ParamLayer, count_ops, world_of_one
+from benchmarks.hostcost import ParamLayer, count_calls, count_ops, world_of_one
 
 CPU = torch.device("cpu")
 BUDGET = 15  # tests/test_hostcost.py's
@@ -27,6 +27,8 @@ _INTERLEAVED = {
     "ranks_per_node": 2,
     "policy": [ByName({"*[13579].weight": "fp16"}), KeepLast("fp32")],
 }
+# The same under Promote: each staged group's rates in its records' call with stats.
+_INTERLEAVED_PROMOTE = {**_INTERLEAVED, "policy": [Promote(gamma=0.05), *_INTERLEAVED["policy"]]}
 _AGREED = {
     "reduction": "hierarchical",
     "ranks_per_node": 2,
@@ -53,19 +55,23 @@ def _state(options: dict[str, Any], params: list[torch.nn.Parameter]) -> aps_com
     return state
 
 
+_NUMELS = [5, 0, 1, 700, 33, 2, 64]  # odd sizes: 4-bit codes split bytes between blocks
+
+
 def _against_the_simulated(
     rank: int, world_size: int, configs: list[tuple[dict, int | None, type]]
-) -> list[str]:
+) -> tuple[list[str], list[int]]:
     """Each configuration over several steps, settled (bound as ``kind`` from its second
     step), against :mod:`aps_comm.simulate` of every rank's gradients (gathered): the
     gradients bit for bit and the records, a NaN in one layer on the last rank in one step
     included; the bytes per collective the same at every step, the chunk the same on every
     rank (the size asked where one is). Each config: the options, the elements per chunk
-    (None: each rank's timing, agreed on the maxima or keys) and the bound path's class."""
-    numels = [5, 0, 1, 700, 33, 2, 64]  # odd sizes: 4-bit codes split bytes between blocks
+    (None: each rank's timing, agreed on the maxima or keys) and the bound path's class.
+    Returns the problems and each config's ops in its last step (count_calls': settled)."""
+    numels = _NUMELS
     params = [torch.nn.Parameter(torch.empty(n)) for n in numels]
     names = [f"{i}.weight" for i in range(len(numels))]
-    problems = []
+    problems, ops = [], []
     for c, (options, chunk, kind) in enumerate(configs):
         settled = _state(options, params)
         settled.chunk_elements = chunk
@@ -92,7 +98,12 @@ def _against_the_simulated(
             ahead = settled.reducer.steady_for(0, buffer) if settled.reducer else None
             if step >= 1 and type(ahead) is not kind:
                 problems.append(f"config {c} step {step}: {type(ahead).__name__} bound")
-            out = settled.run_bucket(0, buffer, params)
+            outs: list[torch.Tensor] = []
+            aten, kernels = count_calls(
+                lambda: outs.append(settled.run_bucket(0, buffer, params)),  # noqa: B023
+                CPU,
+            )
+            out = outs[0]
             bits = torch.where(out.isnan(), 0.0, out).view(torch.int32)
             if not torch.equal(out.isnan(), want.isnan()) or not torch.equal(
                 bits, torch.where(want.isnan(), 0.0, want).view(torch.int32)
@@ -109,7 +120,8 @@ def _against_the_simulated(
                 problems.append(f"config {c} step {step}: chunks {chunks}")
             if repr(settled.stats) != repr(records):  # NaN-aware through repr
                 problems.append(f"config {c} step {step}: records differ")
-    return problems
+        ops.append(len(aten) + len(kernels))
+    return problems, ops
 
 
 def test_staged_buckets_settle_with_the_simulated_bits() -> None:
@@ -160,10 +172,29 @@ def test_staged_buckets_settle_with_the_simulated_bits() -> None:
         ({**_AGREED, "fmt": "e4m3", "policy": _FIRST_FP16, "stats": True}, 128, SteadyGroups),
         # The same with bucket scaling: each group's maxima spread by its factors' call.
         ({**_FIRST_FP16_BUCKET, "stats": True}, 64, SteadyGroups),
+        # Two consecutive grid groups with every rank's own block exponents, in one chunk:
+        # each group's keys and records one call, then its chunk's (15 ops; 17 before).
+        (
+            {
+                **_KEEP_LAST,
+                **blocks,
+                "fmt": "e4m3",
+                "reduction": "grid",
+                "policy": _FIRST_FP16,
+                "stats": True,
+            },
+            1 << 12,
+            SteadyGroups,
+        ),
     ]
+    # The settled step's ops on 2 nodes of 2 (grid: 2 x 2), tests/test_hostcost.py's count,
+    # where the bucket goes in one chunk asked for (each chunk has calls of its own; a timed
+    # chunk may move, and the bucket bind again).
+    whole = [c for c, (_, chunk, _) in enumerate(configs) if (chunk or 0) >= sum(_NUMELS)]
     args = (configs,)
-    for problems in run_distributed(_against_the_simulated, 4, args=args, timeout=240):
+    for problems, ops in run_distributed(_against_the_simulated, 4, args=args, timeout=240):
         assert problems == []
+        assert whole and all(ops[c] <= BUDGET for c in whole), ops
 
 
 @pytest.mark.filterwarnings("ignore::UserWarning")  # aps_comm.caveats' advice, not an error
@@ -179,6 +210,7 @@ def test_staged_buckets_settle_with_the_simulated_bits() -> None:
         ({**_INTERLEAVED, "fmt": "e4m3", "stats": True}, SteadyGroups),
         ({**_INTERLEAVED, "fmt": "e2m1", "scaling": "bucket", "stats": True}, SteadyGroups),
         ({**_INTERLEAVED, "fmt": "e4m3", "scaling": "none", "stats": True}, SteadyGroups),
+        ({**_INTERLEAVED_PROMOTE, "fmt": "e4m3", "stats": True}, SteadyGroups),
         ({**_KEEP_LAST, "fmt": "e4m3", "policy": _FIRST_FP16, "stats": True}, SteadyGroups),
         ({**_FIRST_FP16_BUCKET, "stats": True}, SteadyGroups),
         ({**_AGREED, "fmt": "e4m3", "policy": _FIRST_FP16, "stats": True}, SteadyGroups),
@@ -195,6 +227,7 @@ def test_staged_buckets_settle_with_the_simulated_bits() -> None:
         "interleaved-layer",
         "interleaved-bucket",
         "interleaved-none",
+        "interleaved-promote",
         "consecutive-layer",
         "consecutive-bucket",
         "consecutive-agreed",
@@ -211,7 +244,9 @@ def test_ops_per_settled_staged_bucket_do_not_grow_with_layers(
     with agreed blocks one call for the keys and one for their factors. Interleaved (two
     staged groups, 5 layers or 200): the gather, the maxima, each group's factors (its
     maxima picked, and spread, in the same call) and chunk, the FP32 group's all-reduce,
-    the scatter; with block exponents each group's keys (and records) and chunks. Two
+    the scatter; with block exponents each group's keys (and records, in one call) and
+    chunks; under Promote with stats each group's records and rates one call (14: 16
+    before). Two
     consecutive staged groups (6 layers or 200): each group's factors
     (with bucket scaling its maxima spread in that call; with agreed block exponents
     its keys and their factors) and chunk, on views of the bucket."""
