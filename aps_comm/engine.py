@@ -579,7 +579,9 @@ class SteadyAgreedBlocks:
     owner's mean re-encoded with its own extra exponent ``d`` per block (the
     first chunk's owner also flags the layers with a non-finite key), the
     decode with ``2**-(e + d)``. The collectives, bytes and bits of
-    :func:`aps_comm.transports.agreed_block_calls`.
+    :func:`aps_comm.transports.agreed_block_calls`. With ``native`` (the native sum's
+    blocks, agreed whatever is asked), the keys under its rule, their factors, and per
+    chunk the encode, the sum in the wire format and the decode.
 
     Attributes:
         numel: the bucket's elements.
@@ -606,6 +608,10 @@ class SteadyAgreedBlocks:
             (:meth:`Reducer.record_agreed_blocks`); None records nothing.
         records_call: with ``names``, writes the layers' records of the bound buffer under
             the agreed keys into the float64 rows it takes (:meth:`Codec.bind_block_records`).
+        native: the route is the native sum.
+        factors: the native sum's (scale, unscale) per block, or on the torch codecs
+            two_phase's (scale, exponent, finite): refilled by ``factors_call``.
+        factors_call: writes ``factors`` from the agreed keys; None with fused kernels.
     """
 
     numel: int
@@ -3908,15 +3914,22 @@ def _feedback_calls(
     out: tuple[torch.Tensor, torch.Tensor, torch.Tensor],
     pick: tuple[np.ndarray, np.ndarray, bool] | None,
 ) -> tuple[Callable[[], object] | None, Callable[[], object], np.ndarray | None]:
-    """Error feedback's agreement and factors of group ``g``'s values ``x``, bound.
+    """Error feedback's agreement and factors of group ``g``'s values ``x``, bound: one
+    kernel call each on the CPU kernels, the general path's tensor ops elsewhere (for the
+    native sum on Triton too: no fused native kernels).
 
-    Returns the call writing this rank's layer maxima or block keys (under its route's
-    rule) into ``agreed`` (this rank's block maxima, None without blocks; the shared
-    vector), None where the codec has none; the one writing ``out`` (scale, the inverse
-    the residuals are kept under, unscale: the native sum's ``2**-e / N``, two_phase's
-    ``2**-e``, the inverse itself) from the agreed ones, ``pick`` as
-    :meth:`aps_comm.codec.Codec.bind_feedback_factors`' on the CPU kernels; and the CPU
-    kernels' int32 exponent keys of the layers that call leaves (the records'), else None.
+    Args:
+        agreed: this rank's block maxima (None without blocks), and the vector the layer
+            maxima or block keys are agreed in.
+        out: the scale, the inverse ``2**-e`` the residuals are kept under and the
+            decode's unscale (two_phase's inverse is its unscale, one tensor).
+        pick: as :meth:`aps_comm.codec.Codec.bind_feedback_factors`' (layer maxima).
+
+    Returns:
+        The call writing this rank's maxima or block keys under the route's rule (None
+        where the codec cannot bind it), the one writing ``out`` from the agreed ones,
+        and the CPU kernels' int32 exponent keys of the layers, which that call leaves
+        for the records (else None).
     """
     (maxima, shared), (scale, inverse, unscale) = agreed, out
     native = g.reduction == Route.ALLREDUCE
