@@ -3932,7 +3932,7 @@ def _feedback_calls(
         for the records (else None).
     """
     (maxima, shared), (scale, inverse, unscale) = agreed, out
-    native = g.reduction == Route.ALLREDUCE
+    native, counts, keys = g.reduction == Route.ALLREDUCE, None, None
     if g.blocks is not None:
         assert maxima is not None
         if native:
@@ -3948,18 +3948,13 @@ def _feedback_calls(
             world_size,
             device_counts=counts,
         )
-        return (
-            agree,
-            g.codec.bind_feedback_factors(shared, world_size, scale, unscale, counts),
-            None,
-        )
-    agree = g.codec.bind_layer_maxima(x, g.layout, shared)
-    keys = None
-    if g.codec.backend == "kernels" and x.device.type == "cpu":
-        keys = np.empty(g.layout.n_segments, np.int32)
-    if not native:
+    else:
+        agree = g.codec.bind_layer_maxima(x, g.layout, shared)
+        if g.codec.backend == "kernels" and x.device.type == "cpu":
+            keys = np.empty(g.layout.n_segments, np.int32)
+    if not native:  # pick is None with blocks
         made = g.codec.bind_feedback_factors(
-            shared, world_size, scale, unscale, None, keys, pick, scaling
+            shared, world_size, scale, unscale, counts, keys, pick, scaling
         )
     elif keys is None:  # the torch ops (Triton too: no fused native kernels)
         made = functools.partial(
