@@ -72,6 +72,7 @@ from aps_comm.formats import (
 from aps_comm.layout import AMAX_BLOCK, BlockGrid, Blocks, Layout
 from aps_comm.scaling import (
     EXPONENT_LIMIT,
+    Factors,
     bad_layers,
     block_keys_into,
     blocks_amax,
@@ -101,6 +102,7 @@ __all__ = [
     "codec_for",
     "decode",
     "encode",
+    "factors_into",
     "owner_reduce",
     "owner_reduce_blocks",
     "segment_amax",
@@ -407,11 +409,24 @@ def _block_rows(
     block_rows(x, blocks, key_exponents(keys), maxima, fmt, out)
 
 
-def _factors_into(made: Callable[[], object], scale: torch.Tensor, unscale: torch.Tensor) -> None:
-    """Factors made by tensor ops (the backends without kernels), copied into the bound ones."""
+def factors_into(
+    made: Callable[[], Factors],
+    out: Sequence[torch.Tensor],
+    fields: Sequence[str] = ("scale", "unscale"),
+) -> None:
+    """Factors made by tensor ops (the backends without kernels), copied into the bound
+    ``out`` (the bound calls read them in place), one per name in ``fields``: a
+    :class:`~aps_comm.scaling.Factors` attribute, "finite" (whether a segment's unscale
+    is finite: two_phase's agreed block exponents) or "inverse" (``2**-e``, NaN where
+    not finite: the native sum's, which error feedback keeps its residuals under)."""
     f = made()
-    scale.copy_(f.scale)  # type: ignore[attr-defined]
-    unscale.copy_(f.unscale)  # type: ignore[attr-defined]
+    for o, field in zip(out, fields, strict=True):
+        if field == "finite":
+            o.copy_(torch.isfinite(f.unscale))
+        elif field == "inverse":
+            o.copy_(torch.where(torch.isfinite(f.unscale), pow2(-f.exponents), float("nan")))
+        else:
+            o.copy_(getattr(f, field))
 
 
 def _copy_made(made: Callable[[], torch.Tensor], out: torch.Tensor) -> None:
@@ -1153,7 +1168,7 @@ class Codec:
                 world_size=world_size,
                 counts=counts,
             )
-        return functools.partial(_factors_into, made, scale, unscale)
+        return functools.partial(factors_into, made, (scale, unscale))
 
     def bind_keep_lost(
         self,

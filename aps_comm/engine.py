@@ -46,7 +46,7 @@ from aps_comm.codec import AgreedMaxima, RankBlockCalls
 from aps_comm.config import DEFAULT_BLOCK_SIZE, BlockExponents, Reduction, Route, Scaling
 from aps_comm.cpu_kernels import record_limits
 from aps_comm.feedback import ErrorFeedback
-from aps_comm.formats import FP32, FloatFormat, payload_nbytes, pow2
+from aps_comm.formats import FP32, FloatFormat, payload_nbytes
 from aps_comm.hostcopy import to_device
 from aps_comm.layout import Blocks, Layout
 from aps_comm.plan import BucketPlan, GroupPlan, Planner, RowRuns
@@ -56,7 +56,6 @@ from aps_comm.scaling import (
     EXPONENT_LIMIT,
     KEY_BAD,
     KEY_ZERO,
-    Factors,
     bad_layers,
     block_keys_into,
     blocks_amax,
@@ -580,7 +579,9 @@ class SteadyAgreedBlocks:
     owner's mean re-encoded with its own extra exponent ``d`` per block (the
     first chunk's owner also flags the layers with a non-finite key), the
     decode with ``2**-(e + d)``. The collectives, bytes and bits of
-    :func:`aps_comm.transports.agreed_block_calls`.
+    :func:`aps_comm.transports.agreed_block_calls`. With ``native`` (the native sum's
+    blocks, agreed whatever is asked), the keys under its rule, their factors, and per
+    chunk the encode, the sum in the wire format and the decode.
 
     Attributes:
         numel: the bucket's elements.
@@ -607,6 +608,10 @@ class SteadyAgreedBlocks:
             (:meth:`Reducer.record_agreed_blocks`); None records nothing.
         records_call: with ``names``, writes the layers' records of the bound buffer under
             the agreed keys into the float64 rows it takes (:meth:`Codec.bind_block_records`).
+        native: the route is the native sum.
+        factors: the native sum's (scale, unscale) per block, or on the torch codecs
+            two_phase's (scale, exponent, finite): refilled by ``factors_call``.
+        factors_call: writes ``factors`` from the agreed keys; None with fused kernels.
     """
 
     numel: int
@@ -633,32 +638,58 @@ class SteadyAgreedBlocks:
     records_call: Callable[[torch.Tensor], None] | None = None
 
     def bind(self, x: torch.Tensor, rank: int, world_size: int) -> bool:
-        """Bind the keys', the records' and every chunk's calls to the float32 buffer
-        ``x``; False where the codec has no calls for them (a Triton variant that cannot
-        compile here)."""
+        """Bind the keys', the factors', the records' and every chunk's calls to the float32
+        buffer ``x``; False where the codec has no calls for them (a Triton variant that
+        cannot compile here, the native sum of a copy not float32)."""
         g = self.group
         assert g.blocks is not None
-        keys = self.shared[: g.layout.n_segments]
+        n, device = g.layout.n_segments, x.device
+        keys = self.shared[:n]
         if self.names is not None:  # the agreed keys (the chunk's byte after them)
             self.records_call = g.codec.bind_block_records(x, g.blocks, keys, self.maxima)
             if self.records_call is None:
                 return False
         if self.native:
-            return self._bind_native(x, keys, world_size)
+            if x.dtype != torch.float32:
+                return False
+            # Per block 2**e and 2**-e / N, refilled in place after the MAX all-reduce; per
+            # chunk the general path's encode and decode with them, bound.
+            scale, unscale = (torch.empty(n, dtype=torch.float32, device=device) for _ in range(2))
+            self.factors, agreed = (scale, unscale), (self.maxima, keys)
+            self.keys_call, self.factors_call = _native_block_calls(
+                g, x, world_size, agreed, self.factors
+            )
+            self.calls = []
+            for c, ((lo, hi), (r0, r1)) in enumerate(zip(g.chunks, g.regions, strict=True)):
+                send, window = g.send[r0:r1], g.windows[c]
+                encode = g.codec.bind_encode(x[lo:hi], send, scale, window)
+                decode = g.codec.bind_decode(send, x[lo:hi], unscale, window)
+                self.calls.append(transports.ChunkCalls(encode, None, decode, send))
+            self.bound_ptr = x.data_ptr()
+            return True
         # The union as the keys' flags: on Triton the keys' kernel zeroes it for the
         # first owner step (no zero_ launch); the CPU kernels' owner writes it over.
-        torch_ops = g.codec.backend in ("cast", "bits")
         keys_call = g.codec.bind_block_keys(
             *(x, g.layout, g.blocks.counts, self.maxima, keys, self.union, world_size, True),
             device_counts=g.blocks.device_counts,  # the torch ops' (codecs without kernels)
         )
         if keys_call is None:
             return False
-        if torch_ops:
+        if g.codec.backend in ("cast", "bits"):
             # No fused kernels: the general path's codec calls, shard by shard, on the
             # agreed keys' factors (refilled in place after the MAX all-reduce).
-            self._bind_factors(keys, world_size)
-            assert self.factors is not None
+            made = functools.partial(
+                factors_from_keys,
+                keys[None],
+                g.fmt,
+                Route.TWO_PHASE,
+                world_size=world_size,
+                counts=g.blocks.device_counts,
+            )
+            dtypes = (torch.float32, torch.int32, torch.bool)
+            self.factors = tuple(torch.empty(n, dtype=d, device=device) for d in dtypes)
+            fields = ("scale", "exponents", "finite")
+            self.factors_call = functools.partial(codec.factors_into, made, self.factors, fields)
             calls = transports.agreed_block_calls(g, x, self.factors, rank, world_size)  # type: ignore[arg-type]  # three
         else:
             calls = transports.bind_agreed_blocks(g, x, keys, self.union, rank)
@@ -666,81 +697,6 @@ class SteadyAgreedBlocks:
             return False
         self.keys_call, self.calls, self.bound_ptr = keys_call, calls, x.data_ptr()
         return True
-
-    def _bind_factors(self, keys: torch.Tensor, world_size: int) -> None:
-        """The torch codec backends' ``factors`` and ``factors_call``: the general path's
-        factors of the agreed keys (:func:`aps_comm.scaling.factors_from_keys`), two_phase's
-        (scale, exponent, finite) or the native sum's (scale, unscale) per block, made
-        once here and refilled in place by the call."""
-        g = self.group
-        assert g.blocks is not None
-        made = functools.partial(
-            _key_factors,
-            keys,
-            g.fmt,
-            Route(g.reduction),
-            world_size,
-            g.blocks.device_counts.to(keys.device),  # once, at bind time
-        )
-        self.factors = tuple(t.clone() for t in made())
-        self.factors_call = functools.partial(_copy_all, made, self.factors)
-
-    def _bind_native(self, x: torch.Tensor, keys: torch.Tensor, world_size: int) -> bool:
-        """:meth:`bind` for the native all-reduce: one call for this rank's block keys
-        under the native sum's rule, one for the agreed keys' factors (``factors``: per
-        block ``2**e`` and ``2**-e / N``, refilled in place), and per chunk the general
-        path's encode and decode with them, bound. The CPU kernels' calls; the general
-        path's tensor ops elsewhere (Triton too: no fused native kernels, its own encode
-        and decode)."""
-        g = self.group
-        assert g.blocks is not None
-        if x.dtype != torch.float32:
-            return False
-        if g.codec.backend == "kernels":
-            self._bind_native_kernels(x, keys, world_size)
-        else:  # Triton too: no fused native kernels, the general path's tensor ops
-            self.keys_call = functools.partial(
-                block_keys_into,
-                x,
-                g.layout,
-                g.fmt,
-                Route.ALLREDUCE,
-                world_size,
-                (self.maxima, keys),
-            )
-            self._bind_factors(keys, world_size)
-        assert self.factors is not None
-        scale, unscale = self.factors
-        calls = []
-        for c, ((lo, hi), (r0, r1)) in enumerate(zip(g.chunks, g.regions, strict=True)):
-            send, window = g.send[r0:r1], g.windows[c]
-            encode = g.codec.bind_encode(x[lo:hi], send, scale, window)
-            decode = g.codec.bind_decode(send, x[lo:hi], unscale, window)
-            calls.append(transports.ChunkCalls(encode, None, decode, send))
-        self.calls, self.bound_ptr = calls, x.data_ptr()
-        return True
-
-    def _bind_native_kernels(self, x: torch.Tensor, keys: torch.Tensor, world_size: int) -> None:
-        """:meth:`_bind_native`'s keys' and factors' calls on the CPU kernels."""
-        g = self.group
-        assert g.blocks is not None
-        grid = g.layout.cells if g.layout.cells is not None else g.layout.offsets.numpy()
-        self.keys_call = functools.partial(
-            cpu_kernels.call,
-            "native_block_keys",
-            *(g.fmt, x, grid, self.maxima, keys, EXPONENT_LIMIT, world_size),
-        )
-        n = g.layout.n_segments
-        self.factors = scale, unscale = torch.empty(n), torch.empty(n)
-        self.factors_call = functools.partial(
-            cpu_kernels.call,
-            "native_block_factors",
-            keys,
-            g.blocks.counts,
-            scale,
-            unscale,
-            world_size,
-        )
 
 
 @dataclasses.dataclass
@@ -1555,7 +1511,7 @@ class Reducer:
             # Agreed keys whatever is asked (a native sum cannot mix exponents); with
             # "rank" no chunk rides on them: the model's, as in the general path.
             mine = measured and not rank_exps
-            self._settle_native_blocks(index, x, plan, fmts, g, main, mine, chunk, names)
+            self._settle_agreed_blocks(index, x, plan, fmts, g, main, mine, chunk, names)
         elif rank_exps:
             self._settle_blocks(index, x, plan, fmts, g, measured, chunk, names)
         elif self.feedback is None:
@@ -1684,7 +1640,7 @@ class Reducer:
         blocks = self.settings.scaling == Scaling.BLOCK
         routes = (Route.FP32, Route.TWO_PHASE, Route.ALLREDUCE)
         if (
-            not self._feedback_settles(x)
+            x.dtype != torch.float32
             # Every group in FP32: under Promote only (its maxima and rates still agreed).
             or not (sent or self.assignment.promoter is not None)
             # An empty group's collectives are not the bound ones'.
@@ -2233,11 +2189,6 @@ class Reducer:
                 st.maxima, st.fmts, st.promote = vector, list(fmts), layers
             self.steady[index] = st
 
-    def _feedback_settles(self, x: torch.Tensor) -> bool:
-        """Whether a bucket with error feedback can settle, whatever its formats and scaling
-        (Promote too): float32."""
-        return x.dtype == torch.float32
-
     def _bind_feedback(
         self,
         index: int,
@@ -2249,9 +2200,9 @@ class Reducer:
         after: tuple[int, torch.Tensor | None] = (0, None),
     ) -> SteadyFeedback | None:
         """Group ``g``'s :class:`SteadyFeedback`, bound to its values ``x`` (the bucket, or
-        a group's view of it); None where it has no bound path: not two_phase in one chunk,
-        a layer without a residual of its own (every codec backend binds: the torch ones
-        with the general path's tensor ops).
+        a group's view of it); None where it has no bound path: not two_phase or the native
+        sum in one chunk, a layer without a residual of its own (every codec backend
+        binds: the torch ones with the general path's tensor ops).
 
         ``shared``: where its agreed maxima or block keys go, a view of the vector that a
         bucket of several formats agrees on at once (:meth:`_settle_feedback_groups`);
@@ -2271,15 +2222,16 @@ class Reducer:
             or not all(n in fb.residuals for n in names)
         ):
             return None
-        if g.reduction == Route.ALLREDUCE:
-            return self._bind_native_feedback(index, x, g, names, shared, fused, after)
-        n_seg, device, fmt = g.layout.n_segments, x.device, g.fmt
-        (r0, r1), (s0, s1), numel = g.regions[0], g.shard_regions[0], x.numel()
-        send, recv, shard = g.send[r0:r1], g.recv[r0:r1], g.shards[s0:s1]
-        pad = (r1 - r0) * 8 // fmt.wire_bits - numel
+        native, blocks = g.reduction == Route.ALLREDUCE, g.blocks is not None
+        n_seg, device, numel = g.layout.n_segments, x.device, x.numel()
+        r0, r1 = g.regions[0]
+        send, f32 = g.send[r0:r1], {"dtype": torch.float32, "device": device}
+        # two_phase's padding to whole shards (the native sum sends the payload as it is)
+        pad = 0 if native else (r1 - r0) * 8 // g.fmt.wire_bits - numel
         per = (numel + pad) // comm.world_size
-        # One float32 scratch: this rank's payload decoded, later the owner's N shards;
-        # with blocks, the factors and keys too. Used only while the hook runs (not
+        # One float32 scratch: this rank's payload decoded (the values as sent), later the
+        # owner's N shards; with blocks, the factors and keys too (Promote refuses blocks:
+        # nothing reads them after the hook). Used only while the hook runs (not
         # deferred): every bucket's. The shards' mean goes in the bucket's own values.
         workspace = self.workspace(device)
         mean = x[:per] if per <= numel else None
@@ -2287,210 +2239,68 @@ class Reducer:
             arena = workspace.arena(Slot.STEP)
             arena.take(after[0])
             scratch = arena.take(numel + pad + (0 if mean is not None else per), torch.float32)
-            if g.blocks is not None:
+            if blocks:
                 scale, unscale = arena.take(n_seg, torch.float32), arena.take(n_seg, torch.float32)
+                inverse = arena.take(n_seg, torch.float32) if native else unscale
                 maxima = arena.take(n_seg, torch.float32) if after[1] is None else after[1]
                 keys = arena.take(n_seg)
             if arena.close():
                 break
-        counts = host_keys = local = None
-        if g.blocks is not None:
-            counts, local = g.blocks.device_counts, maxima
+        if blocks:
             shared = keys if shared is None else shared
-            agree = g.codec.bind_block_keys(
-                x,
-                g.layout,
-                g.blocks.counts,
-                maxima,
-                shared,
-                torch.empty(len(g.numels), dtype=torch.uint8, device=device),
-                comm.world_size,
-                device_counts=counts,
-            )
-            if agree is None:
-                return None
         else:
-            scale = torch.empty(n_seg, dtype=torch.float32, device=device)
-            unscale = torch.empty(n_seg, dtype=torch.float32, device=device)
-            if shared is None:
-                shared = torch.zeros(n_seg, dtype=torch.float32, device=device)
-            agree = g.codec.bind_layer_maxima(x, g.layout, shared)
-            if g.codec.backend == "kernels" and device.type == "cpu":
-                host_keys = np.empty(n_seg, np.int32)
-        pick = fused[1] if fused else None
-        factors = g.codec.bind_feedback_factors(
-            shared, comm.world_size, scale, unscale, counts, host_keys, pick, self.settings.scaling
-        )
-        f32 = {"dtype": torch.float32, "device": device}
-        residual = fused[0] if fused is not None else torch.empty(numel, **f32)
-        encode = _feedback_encode(
-            g, x, send, (scale, unscale), pad, (scratch[:numel], residual), fused is not None
-        )
-        owner = g.codec.bind_owner_feedback(
-            recv,
+            scale, unscale = torch.empty(n_seg, **f32), torch.empty(n_seg, **f32)
+            inverse, maxima = torch.empty(n_seg, **f32) if native else unscale, None
+            shared = torch.zeros(n_seg, **f32) if shared is None else shared
+        agree, factors_call, host_keys = _feedback_calls(
+            g,
+            x,
             comm.world_size,
-            shard,
-            g.layout,
-            (scale, unscale),
-            comm.rank,
-            residual,
-            scratch,
-            mean,
-            fused is not None,
+            self.settings.scaling,
+            (maxima, shared),
+            (scale, inverse, unscale),
+            None if fused is None else fused[1],
         )
+        if agree is None:
+            return None
+        residual = fused[0] if fused is not None else torch.empty(numel, **f32)
+        kept = (scratch[:numel], residual)
+        whole = native or fused is not None
+        encode = _feedback_encode(g, x, send, (scale, inverse), pad, kept, whole)
+        owner = recv = shard = None
+        if not native:  # two_phase's owner step, with its loss
+            (s0, s1), recv = g.shard_regions[0], g.recv[r0:r1]
+            shard = g.shards[s0:s1]
+            owner = g.codec.bind_owner_feedback(
+                recv,
+                comm.world_size,
+                shard,
+                g.layout,
+                (scale, unscale),
+                comm.rank,
+                residual,
+                scratch,
+                mean,
+                fused is not None,
+            )
         decode = g.codec.bind_decode(send, x, unscale, g.windows[0])
-        calls = [transports.ChunkCalls(encode, owner, decode, send, recv, shard)]
-        token = fb.share(names, g.numels, residual)  # type: ignore[arg-type]  # checked above
         return SteadyFeedback(
             numel,
             x.data_ptr(),
             residual,
-            token,
+            fb.share(names, g.numels, residual),  # type: ignore[arg-type]  # checked above
             shared,
             agree,
-            factors,
-            calls,
+            factors_call,
+            [transports.ChunkCalls(encode, owner, decode, send, recv, shard)],
             self._epoch(index, device),
             self.assignment.epoch(self.step),
             g,
             list(names) if self.settings.stats else None,
             host_keys,
-            local,
+            maxima,
             scale,
         )
-
-    def _bind_native_feedback(
-        self,
-        index: int,
-        x: torch.Tensor,
-        g: GroupPlan,
-        names: Sequence[str | None],
-        shared: torch.Tensor | None,
-        fused: tuple[torch.Tensor, tuple[np.ndarray, np.ndarray, bool] | None] | None = None,
-        after: tuple[int, torch.Tensor | None] = (0, None),
-    ) -> SteadyFeedback | None:
-        """:meth:`_bind_feedback` for the native all-reduce, on every codec backend: the maxima
-        (or block keys, under the native sum's rule) agreed as there, then one call for the
-        native sum's factors (scale, the inverse ``2**-e`` the residuals are kept under,
-        and the decode's ``2**-e / N``: :func:`aps_comm.cpu_kernels.native_factors_into`,
-        per block :func:`aps_comm.cpu_kernels.native_block_factors`), the encode with its
-        residual update, the sum in the wire format and the decode
-        (:func:`aps_comm.transports.native`), bound. ``fused``: as
-        :meth:`_bind_feedback`'s (its maxima picked by the factors' call); ``after``: as
-        there (the gathered layers and every group's block maxima come first)."""
-        fb, settings, device, numel = self.feedback, self.settings, x.device, x.numel()
-        assert fb is not None
-        n_seg, (r0, r1) = g.layout.n_segments, g.regions[0]
-        send = g.send[r0:r1]
-        workspace = self.workspace(device)
-        for _ in range(2):  # twice only where the workspace had to grow
-            arena = workspace.arena(Slot.STEP)
-            arena.take(after[0])
-            sent = arena.take(numel, torch.float32)  # the values as sent, while encoding
-            if arena.close():
-                break
-        f32 = {"dtype": torch.float32, "device": device}
-        scale, inverse, unscale = (torch.empty(n_seg, **f32) for _ in range(3))
-        local = None
-        if g.blocks is not None:
-            if shared is None:
-                shared = torch.zeros(n_seg, dtype=torch.uint8, device=device)
-            # This rank's block maxima: the records' (read after every group's are written).
-            local = torch.empty(n_seg, **f32) if after[1] is None else after[1]
-        elif shared is None:
-            shared = torch.zeros(n_seg, **f32)
-        agree, factors_call, keys = self._native_feedback_factors(
-            g, x, (shared, local), (scale, inverse, unscale), fused
-        )
-        residual = torch.empty(numel, **f32) if fused is None else fused[0]
-        encode = _feedback_encode(g, x, send, (scale, inverse), 0, (sent, residual), True)
-        decode = g.codec.bind_decode(send, x, unscale, g.windows[0])
-        return SteadyFeedback(
-            numel,
-            x.data_ptr(),
-            residual,
-            fb.share(names, g.numels, residual),  # type: ignore[arg-type]  # checked
-            shared,
-            agree,
-            factors_call,
-            [transports.ChunkCalls(encode, None, decode, send)],
-            self._epoch(index, device),
-            self.assignment.epoch(self.step),
-            g,
-            list(names) if settings.stats else None,
-            keys,
-            local,
-            scale,
-        )
-
-    def _native_feedback_factors(
-        self,
-        g: GroupPlan,
-        x: torch.Tensor,
-        agreed: tuple[torch.Tensor, torch.Tensor | None],
-        out: tuple[torch.Tensor, torch.Tensor, torch.Tensor],
-        fused: tuple[torch.Tensor, tuple[np.ndarray, np.ndarray, bool] | None] | None,
-    ) -> tuple[Callable[[], object], Callable[[], object], np.ndarray | None]:
-        """:meth:`_bind_native_feedback`'s agreement and factors, bound: the call writing
-        this rank's maxima (or block keys under the native sum's rule, ``agreed``: the
-        shared vector, and this rank's block maxima) and the one writing ``out`` (scale,
-        inverse, unscale) from the agreed ones; with the CPU kernels' int32 exponent keys
-        of the maxima (the records'), else None. One kernel call each on the CPU kernels,
-        the general path's tensor ops elsewhere ("cast", "bits", and "triton": no fused
-        native kernels)."""
-        (shared, local), (scale, inverse, unscale) = agreed, out
-        world_size, scaling = self.comm.world_size, self.settings.scaling
-        kernels = g.codec.backend == "kernels"
-        if g.blocks is not None:
-            assert local is not None
-            if not kernels:
-                route = Route.ALLREDUCE
-                agree = functools.partial(
-                    block_keys_into, x, g.layout, g.fmt, route, world_size, (local, shared)
-                )
-                counts = g.blocks.device_counts
-                made = functools.partial(
-                    factors_from_keys,
-                    shared[None],
-                    g.fmt,
-                    route,
-                    world_size=world_size,
-                    counts=counts,
-                )
-                return agree, functools.partial(_native_feedback_into, made, out), None
-            grid = g.layout.cells if g.layout.cells is not None else g.layout.offsets.numpy()
-            agree = functools.partial(
-                cpu_kernels.call,
-                "native_block_keys",
-                *(g.fmt, x, grid, local, shared, EXPONENT_LIMIT, world_size),
-            )
-            made_call = functools.partial(
-                cpu_kernels.call,
-                "native_block_factors",
-                *(shared, g.blocks.counts, scale, unscale, world_size, inverse),
-            )
-            return agree, made_call, None
-        agree = g.codec.bind_layer_maxima(x, g.layout, shared)
-        if not kernels:
-            made = functools.partial(
-                factors, shared, g.fmt, Route.ALLREDUCE, world_size=world_size, scaling=scaling
-            )
-            return agree, functools.partial(_native_feedback_into, made, out), None
-        keys = np.empty(g.layout.n_segments, np.int32)
-        pick = fused[1] if fused is not None else None
-        made_call = functools.partial(
-            cpu_kernels.call,
-            "native_factors_into",
-            shared.numpy(),
-            g.fmt,
-            world_size,
-            0 if scaling == Scaling.NONE else EXPONENT_LIMIT,
-            scaling == Scaling.BUCKET,
-            (scale.numpy(), inverse.numpy(), unscale.numpy()),
-            keys,
-            None if pick is None else pick[:2],
-        )
-        return agree, made_call, keys
 
     def _run_feedback(
         self, index: int, st: SteadyFeedback, x: torch.Tensor, defer: bool
@@ -2543,18 +2353,21 @@ class Reducer:
         names: Sequence[str | None] = (),
     ) -> None:
         """Bind the bucket's :class:`SteadyAgreedBlocks` path where nothing in it changes
-        per step (with ``stats=True`` recording too, its layers labelled by ``names``)."""
+        per step (with ``stats=True`` recording too, its layers labelled by ``names``):
+        two_phase's, or the native sum's (``native``: one MAX all-reduce of the keys, this
+        rank's preferred chunk on it where ``measured``, then per chunk the encode, the
+        sum in the wire format and the decode, :func:`aps_comm.transports.native`'s)."""
         assignment, sh = self.assignment, g.block_shards
+        native, device = g.reduction == Route.ALLREDUCE, x.device
         if (
             # Promote refuses block scaling (it needs one exponent per layer).
             assignment.promoter is not None
             or not g.contiguous
-            or g.reduction != Route.TWO_PHASE
-            or sh is None
-            or sh.rank_exponents
+            or (native and self.settings.stats and device.type != "cpu")
+            or (not native and (g.reduction != Route.TWO_PHASE or sh is None or sh.rank_exponents))
         ):
             return
-        n_blocks, n_layers, device = g.layout.n_segments, len(g.numels), x.device
+        n_blocks, n_layers = g.layout.n_segments, len(g.numels)
         # Written and read before the exchange, never by a deferred tail: every bucket's.
         workspace = self.workspace(device)
         for _ in range(2):  # twice only where the workspace had to grow
@@ -2577,49 +2390,7 @@ class Reducer:
             epoch=assignment.epoch(self.step),
             workspace=self._epoch(index, device),
             names=list(names) if self.settings.stats else None,
-        )
-        if st.bind(x, self.comm.rank, self.comm.world_size):
-            self.steady[index] = st
-
-    def _settle_native_blocks(
-        self,
-        index: int,
-        x: torch.Tensor,
-        plan: BucketPlan,
-        fmts: list[FloatFormat],
-        g: GroupPlan,
-        main: Route,
-        measured: bool,
-        chunk: int,
-        names: Sequence[str | None] = (),
-    ) -> None:
-        """Bind the native all-reduce's block path (:class:`SteadyAgreedBlocks` with
-        ``native``): one MAX all-reduce of the keys (this rank's
-        preferred chunk on it where ``measured``), then per chunk the encode, the sum in
-        the wire format and the decode (:func:`aps_comm.transports.native`'s)."""
-        if (
-            self.assignment.promoter is not None
-            or (self.settings.stats and x.device.type != "cpu")
-            or not g.contiguous
-        ):
-            return
-        n_blocks, n_layers, device = g.layout.n_segments, len(g.numels), x.device
-        st = SteadyAgreedBlocks(
-            x.numel(),
-            x.data_ptr(),
-            plan,
-            g,
-            list(fmts),
-            Route(main),
-            measured,
-            chunk,
-            torch.empty(n_blocks, dtype=torch.float32, device=device),
-            torch.zeros(n_blocks + int(measured), dtype=torch.uint8, device=device),
-            torch.zeros(n_layers, dtype=torch.uint8, device=device),
-            epoch=self.assignment.epoch(self.step),
-            workspace=self._epoch(index, device),
-            names=list(names) if self.settings.stats else None,
-            native=True,
+            native=native,
         )
         if st.bind(x, self.comm.rank, self.comm.world_size):
             self.steady[index] = st
@@ -4071,40 +3842,131 @@ def _feedback_encode(
     )
 
 
-def _key_factors(
-    keys: torch.Tensor, fmt: FloatFormat, route: Route, world_size: int, counts: torch.Tensor
-) -> tuple[torch.Tensor, ...]:
-    """The factors of agreed block ``keys`` by tensor ops (the codecs without kernels):
-    two_phase's scale, exponent and finite flag of every block; the native sum's scale and
-    unscale."""
-    f = factors_from_keys(keys[None], fmt, route, world_size=world_size, counts=counts)
-    if route == Route.ALLREDUCE:
-        return f.scale, f.unscale
-    return f.scale, f.exponents, torch.isfinite(f.unscale)
-
-
-def _native_feedback_into(
-    made: Callable[[], Factors], out: tuple[torch.Tensor, torch.Tensor, torch.Tensor]
-) -> None:
-    """The native sum's factors with error feedback by tensor ops (the torch backends), as
-    the general path's: ``out`` gets the scale, the inverse ``2**-e`` the residuals are kept
-    under (NaN for a non-finite layer: it keeps none) and the decode's ``2**-e / N``."""
-    f, (scale, inverse, unscale) = made(), out
-    scale.copy_(f.scale)
-    inverse.copy_(torch.where(torch.isfinite(f.unscale), pow2(-f.exponents), float("nan")))
-    unscale.copy_(f.unscale)
-
-
-def _copy_all(made: Callable[[], Sequence[torch.Tensor]], out: Sequence[torch.Tensor]) -> None:
-    """Tensors made by ``made`` copied into the bound ``out`` (in place: calls read them)."""
-    for o, m in zip(out, made(), strict=True):
-        o.copy_(m)
-
-
 def _encode_and_keep(encode: Callable[[], object], keep: Callable[[], object]) -> None:
     """Error feedback's bound encode: the chunk encoded, then what that lost kept."""
     encode()
     keep()
+
+
+def _feedback_calls(
+    g: GroupPlan,
+    x: torch.Tensor,
+    world_size: int,
+    scaling: Scaling,
+    agreed: tuple[torch.Tensor | None, torch.Tensor],
+    out: tuple[torch.Tensor, torch.Tensor, torch.Tensor],
+    pick: tuple[np.ndarray, np.ndarray, bool] | None,
+) -> tuple[Callable[[], object] | None, Callable[[], object], np.ndarray | None]:
+    """Error feedback's agreement and factors of group ``g``'s values ``x``, bound: one
+    kernel call each on the CPU kernels, the general path's tensor ops elsewhere (for the
+    native sum on Triton too: no fused native kernels).
+
+    Args:
+        agreed: this rank's block maxima (None without blocks), and the vector the layer
+            maxima or block keys are agreed in.
+        out: the scale, the inverse ``2**-e`` the residuals are kept under and the
+            decode's unscale (two_phase's inverse is its unscale, one tensor).
+        pick: as :meth:`aps_comm.codec.Codec.bind_feedback_factors`' (layer maxima).
+
+    Returns:
+        The call writing this rank's maxima or block keys under the route's rule (None
+        where the codec cannot bind it), the one writing ``out`` from the agreed ones,
+        and the CPU kernels' int32 exponent keys of the layers, which that call leaves
+        for the records (else None).
+    """
+    (maxima, shared), (scale, inverse, unscale) = agreed, out
+    native, counts, keys = g.reduction == Route.ALLREDUCE, None, None
+    if g.blocks is not None:
+        assert maxima is not None
+        if native:
+            return *_native_block_calls(g, x, world_size, (maxima, shared), out), None
+        counts = g.blocks.device_counts
+        agree = g.codec.bind_block_keys(
+            x,
+            g.layout,
+            g.blocks.counts,
+            maxima,
+            shared,
+            torch.empty(len(g.numels), dtype=torch.uint8, device=x.device),
+            world_size,
+            device_counts=counts,
+        )
+    else:
+        agree = g.codec.bind_layer_maxima(x, g.layout, shared)
+        if g.codec.backend == "kernels" and x.device.type == "cpu":
+            keys = np.empty(g.layout.n_segments, np.int32)
+    if not native:  # pick is None with blocks
+        made = g.codec.bind_feedback_factors(
+            shared, world_size, scale, unscale, counts, keys, pick, scaling
+        )
+    elif keys is None:  # the torch ops (Triton too: no fused native kernels)
+        made = functools.partial(
+            codec.factors_into,
+            functools.partial(
+                factors, shared, g.fmt, Route.ALLREDUCE, world_size=world_size, scaling=scaling
+            ),
+            out,
+            ("scale", "inverse", "unscale"),
+        )
+    else:
+        made = functools.partial(
+            cpu_kernels.call,
+            "native_factors_into",
+            shared.numpy(),
+            g.fmt,
+            world_size,
+            0 if scaling == Scaling.NONE else EXPONENT_LIMIT,
+            scaling == Scaling.BUCKET,
+            (scale.numpy(), inverse.numpy(), unscale.numpy()),
+            keys,
+            None if pick is None else pick[:2],
+        )
+    return agree, made, keys
+
+
+def _native_block_calls(
+    g: GroupPlan,
+    x: torch.Tensor,
+    world_size: int,
+    agreed: tuple[torch.Tensor, torch.Tensor],
+    out: tuple[torch.Tensor, ...],
+) -> tuple[Callable[[], object], Callable[[], object]]:
+    """The native sum's block calls of group ``g``'s values ``x``, bound: the one writing
+    this rank's maxima and keys of every block under the native sum's rule into
+    ``agreed``, and the one writing the agreed keys' factors into ``out``: per block
+    ``2**e`` and ``2**-e / N``, with error feedback the inverse ``2**-e`` between them.
+    One kernel call each on the CPU kernels, the general path's tensor ops elsewhere
+    (Triton too: no fused native kernels)."""
+    blocks, route = g.blocks, Route.ALLREDUCE
+    assert blocks is not None
+    if g.codec.backend == "kernels":
+        grid = g.layout.cells if g.layout.cells is not None else g.layout.offsets.numpy()
+        (maxima, keys), (scale, *inverse, unscale) = agreed, out
+        return (
+            functools.partial(
+                cpu_kernels.call,
+                "native_block_keys",
+                *(g.fmt, x, grid, maxima, keys, EXPONENT_LIMIT, world_size),
+            ),
+            functools.partial(
+                cpu_kernels.call,
+                "native_block_factors",
+                *(keys, blocks.counts, scale, unscale, world_size, *inverse),
+            ),
+        )
+    made = functools.partial(
+        factors_from_keys,
+        agreed[1][None],
+        g.fmt,
+        route,
+        world_size=world_size,
+        counts=blocks.device_counts,
+    )
+    fields = ("scale", "inverse", "unscale") if len(out) == 3 else ("scale", "unscale")
+    return (
+        functools.partial(block_keys_into, x, g.layout, g.fmt, route, world_size, agreed),
+        functools.partial(codec.factors_into, made, out, fields),
+    )
 
 
 def _own_blocks(g: GroupPlan) -> bool:
