@@ -1582,8 +1582,6 @@ class Reducer:
             # Blocks: each rank's own exponents (nothing agreed, Promote takes no step).
             (blocks and (promoted or not all(_own_blocks(g) for g in groups)))
             or x.dtype != torch.float32
-            # An empty group's collectives are not the bound ones'.
-            or any(not g.numel for g in groups)
             # Every group in FP32: one all-reduce of the bucket, but under Promote, whose
             # rates and maxima the general path still agrees (it may move them out).
             or (not promoted and all(g.reduction == Route.FP32 for g in groups))
@@ -1643,8 +1641,7 @@ class Reducer:
             x.dtype != torch.float32
             # Every group in FP32: under Promote only (its maxima and rates still agreed).
             or not (sent or self.assignment.promoter is not None)
-            # An empty group's collectives are not the bound ones'.
-            or any(g.reduction not in routes or not g.numel for g in groups)
+            or any(g.reduction not in routes for g in groups)
             # Promote's rates are two_phase's factors' (the native sum's ladder has none).
             or (
                 self.assignment.promoter is not None
@@ -1763,8 +1760,6 @@ class Reducer:
             # Promote refuses block scaling (it needs one exponent per layer).
             self.assignment.promoter is not None
             or x.dtype != torch.float32
-            # An empty group's collectives are not the bound ones'.
-            or any(not g.numel for g in groups)
             # The staged keys and their factors (SteadyStaged.local) bind on the CPU kernels
             # and on Triton (Codec.bind_staged_blocks).
             or (staged and any(g.codec.backend not in ("kernels", "triton") for g in sent))

@@ -217,6 +217,40 @@ _AGREED_STATS = {
 }
 
 
+_EMPTY_GROUP = [ByName({"*1.weight": "fp16"}), KeepLast("fp32")]
+"""Layer 1, the empty one, alone in fp16: a format group of no element."""
+
+
+@pytest.mark.parametrize("world_size", [2])
+def test_a_format_group_of_empty_layers_binds_with_the_simulated_bits(world_size: int) -> None:
+    """A policy that puts only empty layers in a format (a zero-size parameter last under
+    ``KeepLast("fp32")``, or named by a rule) binds like any bucket of several formats:
+    it raised "no bound path" once the general path was deleted. Gradients, records and
+    bytes are :mod:`aps_comm.simulate`'s, layer and block scaling, own and agreed block
+    exponents, staged; error feedback below."""
+    stats = {"reduction": "two_phase", "stats": True, "policy": _EMPTY_GROUP}
+    configs = [
+        ({**stats, "fmt": "e4m3"}, None),
+        ({**stats, "fmt": "e4m3", "policy": [ByName({"*1.weight": "fp32"}), KeepLast("fp32")]}, 64),
+        ({**stats, "fmt": "e2m1", "scaling": "block", "block_size": 8}, None),
+        ({**_AGREED_STATS, "policy": _EMPTY_GROUP}, None),
+        ({**stats, "fmt": "e4m3", "reduction": "hierarchical", "ranks_per_node": 1}, None),
+    ]
+    for problems in run_distributed(_against_the_simulated, world_size, args=(configs,)):
+        assert problems == []
+    feedback = [
+        {"fmt": "e4m3", "reduction": "two_phase", "error_feedback": True, "policy": _EMPTY_GROUP},
+        {
+            **_AGREED_STATS,
+            "error_feedback": True,
+            "block_exponents": "rank",
+            "policy": _EMPTY_GROUP,
+        },
+    ]
+    for problems in run_distributed(_feedback_against_the_simulated, world_size, args=(feedback,)):
+        assert problems == []
+
+
 @pytest.mark.parametrize("world_size", [1, 2])
 def test_agreed_blocks_with_stats_settle_with_the_simulated_records(world_size: int) -> None:
     """Issue 46: agreed block exponents with ``stats=True`` settle (the general path every
