@@ -3598,10 +3598,15 @@ class Reducer:
             made = c.bind_feedback_factors(shared[:-1], n, scale, unscale, blocks.device_counts)
             decode = arena.take(segments, torch.float32)
             poison = torch.tensor(math.nan, **f32)
-            if settings.stats:
+            if settings.stats and kernels:
+                counts = blocks.counts[:p].numpy()
+                keyed = (shared[:-1], [])
                 record = functools.partial(
-                    _unit_block_records, c, blocks, shared[:-1], local, n, p, kernels
+                    _kernel_records, c, blocks.layout, counts, keyed, local, n, None
                 )
+            elif settings.stats:
+                keyed = (shared[:-1], local)
+                record = functools.partial(_torch_block_records, blocks, [c.fmt], None, keyed, n)
         else:
             shared = torch.zeros(p + 1, **f32)
             local = arena.take(segments, torch.float32)
@@ -3614,14 +3619,14 @@ class Reducer:
                 premax = arena.take(segments, torch.float32) if bucket else None
                 keys_of = np.zeros(segments, np.int32) if kernels else None
                 made = _unit_factors(c, agreed, n, scale, unscale, keys_of, settings.scaling)
-                record = functools.partial(
-                    _unit_layer_records,
-                    c,
-                    layout,
-                    keys_of,
-                    agreed if premax is None else premax,
-                    (n, p, settings.scaling),
-                )
+                maxima = agreed if premax is None else premax
+                if keys_of is not None:
+                    ones, keyed = np.ones(p, np.int64), (keys_of, [])
+                    args = (c, layout, ones, keyed, maxima, n, None)
+                    record = functools.partial(_kernel_records, *args)
+                else:
+                    args = ([(c.fmt, None)], None, layout, maxima[:p], (n, settings.scaling))
+                    record = functools.partial(_torch_layer_records, *args)
                 poison = torch.tensor(math.nan, **f32)
             else:
                 made = _unit_factors(c, agreed, n, scale, unscale, None, settings.scaling)
@@ -3691,20 +3696,15 @@ class Reducer:
             st.layout = self.plan(index, list(chunks) * n, device).layout
             st.shared = torch.zeros(p + 1, **f32)
             st.local, st.agreed = arena.take(n * p, torch.float32), arena.take(n * p, torch.float32)
-            st.record = functools.partial(
-                _mixed_records,
-                sums,
-                st.layout,
-                (np.zeros(n * p, np.int32), []),
-                st.agreed,
-                n,
-                record_limits([FP32] * p),
-            )
-            if sums.backend != "kernels":  # the general path's ops, every parameter FP32
+            if sums.backend == "kernels":  # every key 0 (exponent 0), FP32's bounds
+                keyed = (np.zeros(n * p, np.int32), [])
+                args = (sums, st.layout, np.ones(p, np.int64), keyed, st.agreed, n)
+                st.record = functools.partial(_kernel_records, *args, record_limits([FP32] * p))
+            else:  # the general path's ops, every parameter FP32
                 fp32_rows = torch.arange(p, device=device)
                 shape = (n, self.settings.scaling)
                 args = ([], fp32_rows, st.layout, st.agreed[:p], shape)
-                st.record = functools.partial(_mixed_torch_records, *args)
+                st.record = functools.partial(_torch_layer_records, *args)
             st.names, st.numels = list(params[0]), list(params[1])
         if not arena.close():  # the slot grew: cut every view again from its new region
             self._settle_fp32_unit(index, runs, rows, chunks, step, params)
@@ -3779,9 +3779,8 @@ class Reducer:
             mine = np.zeros(s1 - s0, np.int32) if settings.stats and kernels else None
             if mine is not None:  # the records' keys: this format's, at their rows' places
                 keys.append((mine, np.array(lay.rows[s0:s1]) * p + lay.perm[s0:s1]))
-            made = _mixed_factors(
-                c, agreed[s0:s1], maxima, lay.perm[s0:s1], n, scale, unscale, mine, settings
-            )
+            pick = (maxima, lay.perm[s0:s1])
+            made = _unit_factors(c, agreed[s0:s1], n, scale, unscale, mine, settings.scaling, pick)
             calls.append(
                 (
                     made,
@@ -3865,22 +3864,17 @@ class Reducer:
         )
         if self.settings.stats:
             p = len(st.chunks)
-            st.record = functools.partial(
-                _mixed_block_records,
-                st.codec,
-                grid,
-                (st.shared[:-1], st.local),
-                n,
-                record_limits([run.fmt for run in runs.runs for _ in run.index]),
-                p,
-            )
+            limits = record_limits([run.fmt for run in runs.runs for _ in run.index])
+            keyed = (st.shared[:-1], [])
+            args = (st.codec, grid.layout, grid.counts[:p].numpy(), keyed, st.local, n, limits)
+            st.record = functools.partial(_kernel_records, *args)
 
     def _bind_mixed_torch_blocks(
         self, st: SteadyMixedUnit, blocks: _MixedBlocks, grid: Blocks, runs: RowRuns
     ) -> None:
         """:meth:`_bind_mixed_blocks` on the torch codec backends: the keys, factors and
         records of the general path's torch ops (:func:`_mixed_block_keys`,
-        :func:`_mixed_block_factors`, :func:`_mixed_block_torch_records`)."""
+        :func:`_mixed_block_factors`, :func:`_torch_block_records`)."""
         n, p, device = self.comm.world_size, len(st.chunks), st.device
         n_blocks = grid.layout.n_segments
         # Per block, its place among every format's keys (or counts), FP32's last.
@@ -3898,7 +3892,7 @@ class Reducer:
         )
         if self.settings.stats:
             st.record = functools.partial(
-                _mixed_block_torch_records, grid, keys[1], pick, (st.shared[:-1], st.local), n
+                _torch_block_records, grid, keys[1], pick, (st.shared[:-1], st.local), n
             )
 
     def _bind_mixed_records(
@@ -3915,7 +3909,7 @@ class Reducer:
         formats = [run.fmt for run in runs.runs for _ in run.index]
         if st.record is None and st.codec.backend != "kernels":  # the general path's ops
             st.record = functools.partial(
-                _mixed_torch_records,
+                _torch_layer_records,
                 list(runs.by_format.items()),
                 _format_rows(runs, len(st.chunks), st.device),
                 st.layout,
@@ -3923,9 +3917,10 @@ class Reducer:
                 (self.comm.world_size, self.settings.scaling),
             )
         st.record = st.record or functools.partial(
-            _mixed_records,
+            _kernel_records,
             st.codec,
             st.layout,
+            np.ones(len(formats), np.int64),
             (np.zeros(len(maxima), np.int32), keys),
             maxima,
             self.comm.world_size,
@@ -3953,9 +3948,7 @@ class Reducer:
         gather, scatter, receive = st.spans
         if st.keyed is not None:  # block scaling: every block's key, the flag beside them
             st.keyed[0](x)
-            shared[k:].copy_(problem.reshape(1))
-            transports.all_reduce_max(shared, comm.group, self.traffic)
-            problem.copy_(shared[k])
+            self._agree_unit(shared, problem)
             st.keyed[1]()
         elif c.backend == "kernels":
             # The flag rides on the maxima, so no rank needs a host read to learn it.
@@ -3964,11 +3957,7 @@ class Reducer:
             # A flagged unit is NaN on every rank: its maxima all non-finite.
             cpu_kernels.call("unit_agreed", shared, problem, st.offsets_of[1], st.maxima, st.agreed)
         else:  # the same on the torch ops
-            c.layer_maxima(x, st.layout, st.local)
-            torch.amax(st.local.view(n, k), 0, out=shared[:k])
-            shared[k:].copy_(problem.reshape(1))
-            transports.all_reduce_max(shared, comm.group, self.traffic)
-            problem.copy_(shared[k])
+            self._agree_unit(shared, problem, (c, x, st.layout, st.local))
             torch.where(problem > 0, st.poison, shared[:k], out=st.maxima)
             torch.index_select(st.maxima, 0, st.perm, out=st.agreed)
         for spread in st.spreads:
@@ -3998,11 +3987,7 @@ class Reducer:
         comm, n = self.comm, self.comm.world_size
         if st.shared is not None and st.layout is not None and st.record is not None:
             p = st.shared.numel() - 1
-            st.sums.layer_maxima(rows.reshape(-1), st.layout, st.local)
-            torch.amax(st.local.view(n, p), 0, out=st.shared[:p])
-            st.shared[p:].copy_(problem.reshape(1))
-            transports.all_reduce_max(st.shared, comm.group, self.traffic)
-            problem.copy_(st.shared[p])
+            self._agree_unit(st.shared, problem, (st.sums, rows.reshape(-1), st.layout, st.local))
             st.agreed.view(n, p).copy_(st.shared[:p].expand(n, p))
             self.stats.add_rows(index, st.names, st.numels, FP32, st.record(rows.reshape(-1)))
         else:  # the flag alone: one float, in place
@@ -4014,6 +3999,25 @@ class Reducer:
         st.sums.sum_rows(st.recv, out)
         # A flagged unit is NaN on every rank.
         return torch.where(problem > 0, st.nan, out, out=out)
+
+    def _agree_unit(
+        self,
+        shared: torch.Tensor,
+        problem: torch.Tensor,
+        maxima: tuple[codec.Codec, torch.Tensor, Layout, torch.Tensor] | None = None,
+    ) -> None:
+        """A unit's one MAX all-reduce of ``shared``: its maxima or block keys, then the flag
+        ``problem``, which rides on them so that no rank needs a host read to learn it, and
+        which gets the agreed flag. ``maxima`` (codec, the N rows, their chunks, scratch):
+        each row's maximum of every chunk first, then their maximum over the rows."""
+        k = shared.numel() - 1
+        if maxima is not None:
+            c, x, layout, local = maxima
+            c.layer_maxima(x, layout, local)
+            torch.amax(local.view(self.comm.world_size, k), 0, out=shared[:k])
+        shared[k:].copy_(problem.reshape(1))
+        transports.all_reduce_max(shared, self.comm.group, self.traffic)
+        problem.copy_(shared[k])
 
     def _run_unit(
         self, index: int, st: SteadyUnit, rows: torch.Tensor, problem: torch.Tensor
@@ -4041,13 +4045,9 @@ class Reducer:
             )
             assert keys is not None  # as when it was bound
             keys()
-        else:
-            c.layer_maxima(x, layout, st.local)
-            torch.amax(st.local.view(n, k), 0, out=shared[:k])
-        # The flag rides on the maxima, so no rank needs a host read to learn it.
-        shared[k:].copy_(problem.reshape(1))
-        transports.all_reduce_max(shared, comm.group, self.traffic)
-        problem.copy_(shared[k])
+        self._agree_unit(
+            shared, problem, None if st.flags is not None else (c, x, layout, st.local)
+        )
         flagged = shared[k] > 0
         if st.agreed is not None and st.record is not None:
             if st.premax is not None:  # the records show the maxima before the spread
@@ -4235,55 +4235,37 @@ def _unit_factors(
     unscale: torch.Tensor,
     keys: np.ndarray | None,
     scaling: Scaling,
+    pick: tuple[torch.Tensor, Sequence[int]] | None = None,
 ) -> Callable[[], object]:
     """A settled unit's factors of its agreed maxima, written into ``scale`` and ``unscale``;
     on the CPU kernels through int32 ``keys``, which its records then read.
     ``scaling="none"``: every exponent 0 (``scale`` 1 for good, ``keys`` left 0), the
-    unscale 1, NaN for a non-finite maximum."""
+    unscale 1, NaN for a non-finite maximum.
+
+    ``pick``: a format of a :class:`SteadyMixedUnit`, the unit's maxima and, per segment,
+    its parameter: with records and ``scaling="bucket"`` its maxima are picked out of them
+    and spread in the factors' one kernel call, not a call of their own; with
+    ``scaling="none"`` there are no factors at all: ``unscale`` 1 too, the sum making a
+    parameter NaN where its maximum is not finite (what the NaN unscale did)."""
     if scaling == Scaling.NONE:
         scale.fill_(1.0)
+        if pick is not None:
+            unscale.fill_(1.0)
+            return _no_factors
         one, nan = torch.ones_like(agreed[:1]), torch.full_like(agreed[:1], math.nan)
         return functools.partial(_finite_unscale, agreed, one, nan, unscale)
     if keys is None:
         return c.bind_feedback_factors(agreed, world_size, scale, unscale)
+    spread = ()
+    if pick is not None and scaling == Scaling.BUCKET:
+        spread = ((pick[0].numpy(), np.array(pick[1], np.int64), True),)
     return functools.partial(
         AgreedMaxima(agreed, world_size).host_factors_into,
         c.fmt,
         scale.numpy(),
         unscale.numpy(),
         keys,
-    )
-
-
-def _mixed_factors(
-    c: codec.Codec,
-    agreed: torch.Tensor,
-    maxima: torch.Tensor,
-    perm: Sequence[int],
-    world_size: int,
-    scale: torch.Tensor,
-    unscale: torch.Tensor,
-    keys: np.ndarray | None,
-    settings: Settings,
-) -> Callable[[], object]:
-    """A :class:`SteadyMixedUnit` format's factors: :func:`_unit_factors`, but with records
-    and ``scaling="bucket"`` its maxima picked out of the unit's ``maxima`` (at ``perm``)
-    and spread in the factors' one kernel call, not a call of their own; and with
-    ``scaling="none"`` none at all: ``scale`` and ``unscale`` 1, the sum making a
-    parameter NaN where its maximum is not finite (what the NaN unscale did)."""
-    if settings.scaling == Scaling.NONE:
-        scale.fill_(1.0)
-        unscale.fill_(1.0)
-        return _no_factors
-    if keys is None or settings.scaling != Scaling.BUCKET:
-        return _unit_factors(c, agreed, world_size, scale, unscale, keys, settings.scaling)
-    return functools.partial(
-        AgreedMaxima(agreed, world_size).host_factors_into,
-        c.fmt,
-        scale.numpy(),
-        unscale.numpy(),
-        keys,
-        (maxima.numpy(), np.array(perm, np.int64), True),
+        *spread,
     )
 
 
@@ -4299,55 +4281,82 @@ def _finite_unscale(
     torch.where(agreed < math.inf, one, nan, out=unscale)
 
 
-def _unit_layer_records(
+def _kernel_records(
     c: codec.Codec,
     layout: Layout,
-    keys: np.ndarray | None,
-    maxima: torch.Tensor,
-    shape: tuple[int, int, Scaling],
-    x: torch.Tensor,
-) -> torch.Tensor:
-    """A settled unit's records with one exponent per parameter: float64 (P, 5) from the N
-    rows ``x``, the agreed ``maxima`` of every row and the factors' exponent ``keys``
-    (one kernel call); without the CPU kernels, a fixed handful of device ops."""
-    n, p, scaling = shape
-    if keys is not None:
-        out = torch.empty(p, 5, dtype=torch.float64, device=x.device)
-        c.unit_records(x, layout, np.ones(p, np.int64), keys, maxima, n, out)
-        return out
-    amax = maxima[:p]
-    exps = factors(amax, c.fmt, Route.TWO_PHASE, world_size=n, scaling=scaling).exponents
-    counts = layer_counts(x, layout.lengths, exps.repeat(n), c.fmt).view(n, p, 3).sum(0)
-    return torch.cat([exps.double()[:, None], amax.double()[:, None], counts.double()], 1)
-
-
-def _unit_block_records(
-    c: codec.Codec,
-    blocks: Blocks,
-    keys: torch.Tensor,
+    counts: np.ndarray,
+    keys: tuple[torch.Tensor | np.ndarray, list[tuple[np.ndarray, np.ndarray]]],
     maxima: torch.Tensor,
     n: int,
-    p: int,
-    kernels: bool,
+    limits: tuple[np.ndarray, np.ndarray] | None,
     x: torch.Tensor,
 ) -> torch.Tensor:
-    """:func:`_unit_layer_records` with block scaling: every block under its agreed key,
-    the largest of this rank's block ``maxima``, folded per parameter over the N rows."""
-    if kernels:
-        out = torch.empty(p, 5, dtype=torch.float64, device=x.device)
-        c.unit_records(x, blocks.layout, blocks.counts[:p].numpy(), keys, maxima, n, out)
-        return out
-    exps = key_exponents(keys)
-    counts = layer_counts(x, blocks.layout.lengths, exps, c.fmt)
-    return _block_records_of(blocks, counts, exps, maxima, n)
+    """A settled unit's records from its N rows ``x`` on the CPU kernels: float64 (P, 5),
+    one kernel call over ``layout``'s segments (``counts`` per chunk: 1 with one exponent
+    per parameter, its blocks with block scaling), the N rows folded per parameter.
+
+    ``keys``: every segment's key (int32 exponent keys the factors write, or the agreed
+    uint8 block keys), and in a unit of several formats each scaled format's exponent
+    keys with their places among them, moved there first (FP32's stay 0: exponent 0).
+    ``maxima``: the agreed maxima, or this rank's blocks'. ``limits``: each parameter's
+    format bounds (:func:`aps_comm.cpu_kernels.record_limits`); None: the codec's."""
+    every, moved = keys
+    for mine, at in moved:
+        every[at] = mine
+    out = torch.empty(len(counts), 5, dtype=torch.float64, device=x.device)
+    c.unit_records(x, layout, counts, every, maxima, n, out, limits)
+    return out
 
 
-def _block_records_of(
-    blocks: Blocks, counts: torch.Tensor, exps: torch.Tensor, maxima: torch.Tensor, n: int
+def _torch_layer_records(
+    formats: list[tuple[FloatFormat, torch.Tensor | None]],
+    rows: torch.Tensor | None,
+    layout: Layout,
+    maxima: torch.Tensor,
+    shape: tuple[int, Scaling],
+    x: torch.Tensor,
 ) -> torch.Tensor:
-    """A unit's records from its blocks' counts, exponents and this rank's maxima, the N
-    rows' chunks folded per parameter: float64 (P, 5) (the general path's ops)."""
-    counts, first, largest = per_layer(blocks, counts, exps, maxima)
+    """:func:`_kernel_records` with one exponent per parameter on the torch backends, the
+    general path's ops: float64 (P, 5) from the N rows ``x`` and the P agreed ``maxima``.
+    One format (``rows`` None): its exponents and counts. Several (``formats``: each scaled
+    one's parameters): each one's exponents of its parameters' maxima (FP32's 0), the
+    counts under every format (FP32 last) and each parameter's picked (``rows``:
+    :func:`_format_rows`), folded over the rows."""
+    (n, scaling), p = shape, maxima.numel()
+    if rows is None:
+        fmt = formats[0][0]
+        exps = factors(maxima, fmt, Route.TWO_PHASE, world_size=n, scaling=scaling).exponents
+        counts = layer_counts(x, layout.lengths, exps.repeat(n), fmt).view(n, p, 3).sum(0)
+    else:
+        exps = torch.zeros(p, dtype=torch.int32, device=x.device)
+        for fmt, which in formats:
+            f = factors(maxima[which], fmt, Route.TWO_PHASE, world_size=n, scaling=scaling)
+            exps[which] = f.exponents
+        every = exps.repeat(n)
+        fmts = [fmt for fmt, _ in formats] + [FP32]
+        counts = torch.cat(
+            [layer_counts(x, layout.lengths, every, f).view(n, p, 3).sum(0) for f in fmts]
+        ).index_select(0, rows)
+    return torch.cat([exps.double()[:, None], maxima.double()[:, None], counts.double()], 1)
+
+
+def _torch_block_records(
+    grid: Blocks,
+    formats: list[FloatFormat],
+    pick: torch.Tensor | None,
+    keyed: tuple[torch.Tensor, torch.Tensor],
+    n: int,
+    x: torch.Tensor,
+) -> torch.Tensor:
+    """:func:`_kernel_records` with block scaling on the torch backends, the general path's
+    ops: every block under its agreed key and this rank's block maximum (``keyed``), its
+    counts under its format (several formats: under every one, FP32 last, each block's
+    own picked at ``pick``), the N rows' chunks folded per parameter: float64 (P, 5)."""
+    keys, maxima = keyed
+    exps = key_exponents(keys)
+    every = [layer_counts(x, grid.layout.lengths, exps, f) for f in formats]
+    counts = every[0] if pick is None else torch.cat(every).index_select(0, pick)
+    counts, first, largest = per_layer(grid, counts, exps, maxima)
     p = first.numel() // n
     return torch.cat(
         [
@@ -4536,24 +4545,6 @@ class _MixedBlocks:
         )
 
 
-def _mixed_block_records(
-    c: codec.Codec,
-    grid: Blocks,
-    keyed: tuple[torch.Tensor, torch.Tensor],
-    n: int,
-    limits: tuple[np.ndarray, np.ndarray],
-    p: int,
-    x: torch.Tensor,
-) -> torch.Tensor:
-    """A settled unit of several formats' records with block scaling: float64 (P, 5) from
-    its N rows ``x``, every block under its agreed key and this rank's block maximum
-    (``keyed``), each parameter under its own format's bounds, in one kernel call."""
-    out = torch.empty(p, 5, dtype=torch.float64, device=x.device)
-    keys, maxima = keyed
-    c.unit_records(x, grid.layout, grid.counts[:p].numpy(), keys, maxima, n, out, limits)
-    return out
-
-
 def _unit_kernel_after(name: str, args: tuple, x: torch.Tensor) -> None:
     """:func:`cpu_kernels.call` with the step's rows ``x`` first."""
     cpu_kernels.call(name, x, *args)
@@ -4577,26 +4568,6 @@ def _padded_rows(runs: RowRuns, n: int) -> RowRuns:
         run, hi=run.hi + 1, rows_layout=layout, packed_rows=True, rows_blocks=blocks
     )
     return dataclasses.replace(runs, runs=[padded], row_numel=runs.row_numel + 1)
-
-
-def _mixed_records(
-    c: codec.Codec,
-    layout: Layout,
-    keys: tuple[np.ndarray, list[tuple[np.ndarray, np.ndarray]]],
-    maxima: torch.Tensor,
-    n: int,
-    limits: tuple[np.ndarray, np.ndarray],
-    x: torch.Tensor,
-) -> torch.Tensor:
-    """A settled unit of several formats' records from its N rows ``x``: each scaled
-    format's exponent keys (written by its factors) moved to their rows' places (FP32's
-    stay 0: exponent 0), then one kernel call, the N rows folded per parameter."""
-    every, per_format = keys
-    for mine, at in per_format:
-        every[at] = mine
-    out = torch.empty(len(limits[0]), 5, dtype=torch.float64, device=x.device)
-    c.unit_records(x, layout, np.ones(len(limits[0]), np.int64), every, maxima, n, out, limits)
-    return out
 
 
 def _mixed_block_keys(
@@ -4644,26 +4615,8 @@ def _mixed_block_factors(
     blocks.decode.copy_(torch.where(bad.index_select(0, param_of) > 0, math.nan, unscale))
 
 
-def _mixed_block_torch_records(
-    grid: Blocks,
-    formats: list[FloatFormat],
-    pick: torch.Tensor,
-    keyed: tuple[torch.Tensor, torch.Tensor],
-    n: int,
-    x: torch.Tensor,
-) -> torch.Tensor:
-    """:func:`_mixed_block_records` on the torch backends: every block's counts under
-    every format (FP32 last), each block's own picked, folded per parameter
-    (:func:`_block_records_of`)."""
-    keys, maxima = keyed
-    exps = key_exponents(keys)
-    every = [layer_counts(x, grid.layout.lengths, exps, f) for f in formats]
-    counts = torch.cat(every).index_select(0, pick)
-    return _block_records_of(grid, counts, exps, maxima, n)
-
-
 def _format_rows(runs: RowRuns, p: int, device: torch.device) -> torch.Tensor:
-    """Per parameter, its row among :func:`_mixed_torch_records`' counts: (its format's
+    """Per parameter, its row among :func:`_torch_layer_records`' counts: (its format's
     index, FP32 last, among ``runs.by_format``) * P + the parameter (int64, on ``device``)."""
     fp32 = len(runs.by_format)
     place = {fmt: f for f, fmt in enumerate(runs.by_format)}
@@ -4672,32 +4625,6 @@ def _format_rows(runs: RowRuns, p: int, device: torch.device) -> torch.Tensor:
         for i in run.index:
             rows[i] += place.get(run.fmt, fp32) * p
     return to_device(torch.tensor(rows, dtype=torch.long), device)
-
-
-def _mixed_torch_records(
-    formats: list[tuple[FloatFormat, torch.Tensor]],
-    rows: torch.Tensor,
-    layout: Layout,
-    maxima: torch.Tensor,
-    shape: tuple[int, Scaling],
-    x: torch.Tensor,
-) -> torch.Tensor:
-    """:func:`_mixed_records` on the torch backends, the general path's ops: float64 (P, 5)
-    from the N rows ``x``, each scaled format's exponents of its parameters' agreed
-    ``maxima`` (FP32's 0), the counts under every format (FP32 last) and each parameter's
-    picked (``rows``: :func:`_format_rows`), folded over the rows."""
-    (n, scaling), p = shape, maxima.numel()
-    exps = torch.zeros(p, dtype=torch.int32, device=x.device)
-    for fmt, which in formats:
-        f = factors(maxima[which], fmt, Route.TWO_PHASE, world_size=n, scaling=scaling)
-        exps[which] = f.exponents
-    every = exps.repeat(n)
-    fmts = [fmt for fmt, _ in formats] + [FP32]
-    counts = torch.cat(
-        [layer_counts(x, layout.lengths, every, f).view(n, p, 3).sum(0) for f in fmts]
-    )
-    picked = counts.index_select(0, rows)
-    return torch.cat([exps.double()[:, None], maxima.double()[:, None], picked.double()], 1)
 
 
 def _unit_scratch(runs: RowRuns, arena: Arena, n: int) -> RowRuns:
