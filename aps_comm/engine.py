@@ -49,7 +49,7 @@ from aps_comm.feedback import ErrorFeedback
 from aps_comm.formats import FP32, FloatFormat, payload_nbytes, pow2
 from aps_comm.hostcopy import to_device
 from aps_comm.layout import Blocks, Layout
-from aps_comm.plan import BucketPlan, GroupPlan, Planner, RowRuns
+from aps_comm.plan import BucketPlan, GroupPlan, Planner, RowRuns, Run
 from aps_comm.policy import Assignment
 from aps_comm.reduction import native_sum_supported, resolve_routes
 from aps_comm.scaling import (
@@ -1119,8 +1119,8 @@ class SteadyUnit:
         record: with ``stats=True``, the step's records from the N rows: float64 (P, 5),
             one row per parameter (:meth:`aps_comm.telemetry.StepStats.add_rows`), the
             general path's values (one kernel call on the CPU kernels).
-        names: with ``stats=True``, each parameter's name.
-        numels: with ``stats=True``, each parameter's size.
+        parts: with ``stats=True``, its one run's parameters' names and sizes, format and
+            rows of the records (:func:`_unit_parts`).
         premax: ``scaling="bucket"`` with records: float32 scratch, the agreed maxima of
             every row before the spread (what the records show, as the general path's).
         workspace: the state's workspace epoch of the unit's slot, which the exchange's,
@@ -1145,8 +1145,9 @@ class SteadyUnit:
     factors: Callable[[], object]
     poison: torch.Tensor
     record: Callable[[torch.Tensor], torch.Tensor] | None = None
-    names: list[str] = dataclasses.field(default_factory=list)
-    numels: list[int] = dataclasses.field(default_factory=list)
+    parts: list[tuple[list[str], list[int], FloatFormat, int, int]] = dataclasses.field(
+        default_factory=list
+    )
     premax: torch.Tensor | None = None
     workspace: tuple[int, ...] = ()
     pad: tuple[torch.Tensor, torch.Tensor] | None = None
@@ -1193,12 +1194,11 @@ class SteadyMixedUnit:
         values: float32, every run's N decoded rows end to end.
         sums: int64 (R, 7), each run's place in ``values``, row and parameters (:meth:`aps_comm.codec.Codec.sum_runs`);
             ``scaling="none"``: every run's made NaN by the sum, as FP32's (its unscale 1).
-        offsets: int64, the chunks' bounds in a row (P + 1).
         row_numel: elements per row.
         record: with ``stats=True``, the step's records from the N rows: float64 (P, 5),
             one row per parameter (one kernel call), the general path's values.
         parts: with ``stats=True``, per run its parameters' names and sizes, its format
-            and its rows of the records (they are queued run by run, as the general path's).
+            and its rows of the records (:func:`_unit_parts`).
         offsets_of: the host copies of ``layout``'s offsets and of ``perm`` (the maxima's
             and agreed maxima's kernel calls read them).
         keyed: block scaling: the call that writes every block's key of the N rows (each
@@ -1226,7 +1226,6 @@ class SteadyMixedUnit:
     send: torch.Tensor
     values: torch.Tensor
     sums: np.ndarray
-    offsets: np.ndarray
     row_numel: int
     record: Callable[[torch.Tensor], torch.Tensor] | None = None
     parts: list[tuple[list[str], list[int], FloatFormat, int, int]] = dataclasses.field(
@@ -1263,8 +1262,7 @@ class SteadyFP32Unit:
         local: with ``stats=True``, float32, each row's maximum of every chunk (N x P).
         agreed: with ``stats=True``, float32, the agreed maxima for every row (N x P).
         record: with ``stats=True``, the step's records from the N rows (P, 5).
-        names: with ``stats=True``, each parameter's name.
-        numels: with ``stats=True``, each parameter's size.
+        parts: with ``stats=True``, its parameters' names and sizes (:func:`_unit_parts`).
     """
 
     chunks: tuple[int, ...]
@@ -1280,8 +1278,9 @@ class SteadyFP32Unit:
     local: torch.Tensor | None = None
     agreed: torch.Tensor | None = None
     record: Callable[[torch.Tensor], torch.Tensor] | None = None
-    names: list[str] = dataclasses.field(default_factory=list)
-    numels: list[int] = dataclasses.field(default_factory=list)
+    parts: list[tuple[list[str], list[int], FloatFormat, int, int]] = dataclasses.field(
+        default_factory=list
+    )
 
 
 class Reducer:
@@ -3583,18 +3582,8 @@ class Reducer:
             shared = torch.zeros(segments + 1, dtype=torch.uint8, device=device)
             local = arena.take(segments, torch.float32)
             flags = torch.empty(len(blocks.counts), dtype=torch.uint8, device=device)
-            keys = c.bind_block_keys(
-                x,
-                layout,
-                blocks.counts,
-                local,
-                shared[:-1],
-                flags,
-                n,
-                device_counts=blocks.device_counts,
-            )
-            if keys is None:  # no fused keys for this backend or format
-                return
+            if _unit_block_keys(c, x, blocks, local, shared[:-1], flags, n) is None:
+                return  # no fused keys for this backend or format
             made = c.bind_feedback_factors(shared[:-1], n, scale, unscale, blocks.device_counts)
             decode = arena.take(segments, torch.float32)
             poison = torch.tensor(math.nan, **f32)
@@ -3612,25 +3601,17 @@ class Reducer:
             local = arena.take(segments, torch.float32)
             agreed = arena.take(segments, torch.float32)
             decode = unscale  # every row's parameters have the same factors
+            keys_of = np.zeros(segments, np.int32) if kernels and settings.stats else None
+            made = _unit_factors(c, agreed, n, scale, unscale, keys_of, settings.scaling)
+            # The records read the exponent keys the factors leave behind, and the maxima
+            # as agreed: with them a flagged unit is poisoned in its unscale instead.
+            poison = torch.tensor(math.nan if settings.stats else math.inf, **f32)
             if settings.stats:
-                # The records read the exponent keys the factors leave behind, and the
-                # maxima as agreed: a flagged unit is poisoned in its unscale instead.
                 bucket = settings.scaling == Scaling.BUCKET
                 premax = arena.take(segments, torch.float32) if bucket else None
-                keys_of = np.zeros(segments, np.int32) if kernels else None
-                made = _unit_factors(c, agreed, n, scale, unscale, keys_of, settings.scaling)
                 maxima = agreed if premax is None else premax
-                if keys_of is not None:
-                    ones, keyed = np.ones(p, np.int64), (keys_of, [])
-                    args = (c, layout, ones, keyed, maxima, n, None)
-                    record = functools.partial(_kernel_records, *args)
-                else:
-                    args = ([(c.fmt, None)], None, layout, maxima[:p], (n, settings.scaling))
-                    record = functools.partial(_torch_layer_records, *args)
-                poison = torch.tensor(math.nan, **f32)
-            else:
-                made = _unit_factors(c, agreed, n, scale, unscale, None, settings.scaling)
-                poison = torch.tensor(math.inf, **f32)
+                shape = (n, settings.scaling)
+                record = _layer_records(c, runs, layout, maxima, (keys_of, []), shape)
         self.steady_units[index] = SteadyUnit(
             tuple(chunks),
             rows.numel(),
@@ -3647,8 +3628,7 @@ class Reducer:
             made,
             poison,
             record,
-            list(params[0]),
-            list(params[1]),
+            _unit_parts(runs, params),
             premax,
             ws.epoch(slot),
             pad,
@@ -3696,16 +3676,10 @@ class Reducer:
             st.layout = self.plan(index, list(chunks) * n, device).layout
             st.shared = torch.zeros(p + 1, **f32)
             st.local, st.agreed = arena.take(n * p, torch.float32), arena.take(n * p, torch.float32)
-            if sums.backend == "kernels":  # every key 0 (exponent 0), FP32's bounds
-                keyed = (np.zeros(n * p, np.int32), [])
-                args = (sums, st.layout, np.ones(p, np.int64), keyed, st.agreed, n)
-                st.record = functools.partial(_kernel_records, *args, record_limits([FP32] * p))
-            else:  # the general path's ops, every parameter FP32
-                fp32_rows = torch.arange(p, device=device)
-                shape = (n, self.settings.scaling)
-                args = ([], fp32_rows, st.layout, st.agreed[:p], shape)
-                st.record = functools.partial(_torch_layer_records, *args)
-            st.names, st.numels = list(params[0]), list(params[1])
+            keyed = (np.zeros(n * p, np.int32), [])  # every key 0 (exponent 0)
+            shape = (n, self.settings.scaling)
+            st.record = _layer_records(sums, runs, st.layout, st.agreed, keyed, shape)
+            st.parts = _unit_parts(runs, params)
         if not arena.close():  # the slot grew: cut every view again from its new region
             self._settle_fp32_unit(index, runs, rows, chunks, step, params)
             return
@@ -3736,7 +3710,7 @@ class Reducer:
         if not scaled or any((c.backend == "kernels") != kernels for c in codecs):
             return
         p, row, row_bytes = len(chunks), runs.row_numel, runs.row_bytes
-        lay = _mixed_layout(runs, chunks, scaled, n)
+        lay = _mixed_layout(runs, scaled, n)
         # The arena: the scaled runs' float32 values, then the wire region, which holds
         # the send buffer until it is sent and then the landing (codes, every run's values).
         staged_end, codes_end = 4 * lay.scaled_numel, -(-lay.coded // 4) * 4
@@ -3759,28 +3733,24 @@ class Reducer:
         calls, spreads, keys = [], [], []
         shape = (n, settings.block_size)
         blocks = _MixedBlocks(lay, chunks, scaled, shape, device) if blocked else None
-        for f, (c, (e0, e1), (s0, s1), (c0, c1), numels) in enumerate(
-            zip(codecs, lay.elements, lay.segments, lay.codes, lay.numels, strict=True)
+        for f, (c, (e0, e1), (s0, s1), (c0, c1)) in enumerate(
+            zip(codecs, lay.elements, lay.segments, lay.codes, strict=True)
         ):
-            layout = Layout.from_numels(numels, device)
+            # Its runs' segments (chunks, or blocks) run by run, row by row.
+            sizes = [s for run in runs.runs if run.fmt == scaled[f] for s in _row_segments(run, n)]
+            layout = Layout.from_numels(sizes, device)
             if blocks is not None:  # per block of each segment: the factors' one call writes them
-                layout = _mixed_block_layout(runs, lay, chunks, scaled[f], n, settings.block_size)
                 b0, b1 = blocks.bounds[f], blocks.bounds[f + 1]
-                scale, unscale = blocks.scale[b0:b1], blocks.decode[b0:b1]
-                calls.append(
-                    (
-                        _no_factors,
-                        c.bind_encode(staged[e0:e1], coded[c0:c1], scale, layout),
-                        c.bind_decode(landing[c0:c1], values[e0:e1], unscale, layout),
-                    )
-                )
-                continue
-            scale, unscale = torch.empty(s1 - s0, **f32), torch.empty(s1 - s0, **f32)
-            mine = np.zeros(s1 - s0, np.int32) if settings.stats and kernels else None
-            if mine is not None:  # the records' keys: this format's, at their rows' places
-                keys.append((mine, np.array(lay.rows[s0:s1]) * p + lay.perm[s0:s1]))
-            pick = (maxima, lay.perm[s0:s1])
-            made = _unit_factors(c, agreed[s0:s1], n, scale, unscale, mine, settings.scaling, pick)
+                scale, unscale, made = blocks.scale[b0:b1], blocks.decode[b0:b1], _no_factors
+            else:
+                scale, unscale = torch.empty(s1 - s0, **f32), torch.empty(s1 - s0, **f32)
+                mine = np.zeros(s1 - s0, np.int32) if settings.stats and kernels else None
+                if mine is not None:  # the records' keys: this format's, at their rows' places
+                    keys.append((mine, np.array(lay.rows[s0:s1]) * p + lay.perm[s0:s1]))
+                pick, scaling = (maxima, lay.perm[s0:s1]), settings.scaling
+                made = _unit_factors(c, agreed[s0:s1], n, scale, unscale, mine, scaling, pick)
+                if scaling == Scaling.BUCKET and mine is None:
+                    spreads.append(AgreedMaxima(agreed[s0:s1], n))
             calls.append(
                 (
                     made,
@@ -3788,8 +3758,6 @@ class Reducer:
                     c.bind_decode(landing[c0:c1], values[e0:e1], unscale, layout),
                 )
             )
-            if settings.scaling == Scaling.BUCKET and mine is None:
-                spreads.append(AgreedMaxima(agreed[s0:s1], n))
         if settings.scaling == Scaling.NONE:  # every run NaN where its maximum is not
             sums[:, 5] = 1  # finite, in the sum (the unscale stays 1): as FP32's runs
         self.steady_units[index] = SteadyMixedUnit(
@@ -3812,7 +3780,6 @@ class Reducer:
             landing[: n * row_bytes],
             values,
             sums,
-            np.concatenate([[0], np.cumsum(chunks)]).astype(np.int64),
             row,
         )
         st = self.steady_units[index]
@@ -3821,7 +3788,12 @@ class Reducer:
         if blocks is not None:
             self._bind_mixed_blocks(st, blocks, index, runs)
         if settings.stats:
-            self._bind_mixed_records(st, runs, agreed[len(lay.perm) :], keys, params)
+            keyed, shape = (np.zeros(n * p, np.int32), keys), (n, settings.scaling)
+            maxima = agreed[len(lay.perm) :]  # every row's, before any spread
+            st.record = st.record or _layer_records(
+                codecs[0], runs, st.layout, maxima, keyed, shape
+            )
+            st.parts = _unit_parts(runs, params)
         # The general path's own scratch of this layout is no longer needed.
         self.plan(index, list(chunks) * n, device).row_runs = {}
 
@@ -3829,113 +3801,53 @@ class Reducer:
         self, st: SteadyMixedUnit, blocks: _MixedBlocks, index: int, runs: RowRuns
     ) -> None:
         """Bind a :class:`SteadyMixedUnit`'s block keys and factors (block scaling); with
-        ``stats=True`` its records: one kernel call, every block under its agreed key."""
-        n, device = self.comm.world_size, st.device
+        ``stats=True`` its records, every block under its agreed key: one kernel call each
+        on the CPU kernels, the general path's torch ops on the torch codec backends
+        (:func:`_mixed_block_keys`, :func:`_mixed_block_factors`, :func:`_torch_block_records`)."""
+        n, p, device = self.comm.world_size, len(st.chunks), st.device
         grid = self.plan(index, list(st.chunks) * n, device).grid(self.settings.block_size)
         n_blocks = grid.layout.n_segments
         st.shared = torch.zeros(n_blocks + 1, dtype=torch.uint8, device=device)
         st.local = torch.empty(n_blocks, dtype=torch.float32, device=device)
-        if st.codec.backend != "kernels":
-            self._bind_mixed_torch_blocks(st, blocks, grid, runs)
-            return
-        keys = (
-            grid.layout.offsets.numpy(),
-            blocks.fmt_of,
-            blocks.formats,
-            EXPONENT_LIMIT,
-            n,
-            st.local,
-            st.shared[:-1],
-        )
-        pick = blocks.picks(self.comm.rank)
-        factors_of = (
-            st.shared[:-1],
-            blocks.param_of,
-            st.shared[-1:],
-            pick,
-            blocks.scale.numpy(),
-            blocks.decode.numpy(),
-            st.maxima.numpy(),
-            np.empty(len(st.chunks), np.uint8),
-        )
-        st.keyed = (
-            functools.partial(_unit_kernel_after, "unit_keys", keys),
-            functools.partial(cpu_kernels.call, "unit_block_factors", *factors_of),
-        )
-        if self.settings.stats:
-            p = len(st.chunks)
+        at, mine = blocks.picks(self.comm.rank)
+        if st.codec.backend == "kernels":
+            offsets, fmts = grid.layout.offsets.numpy(), blocks.fmt_of
+            keys = (offsets, fmts, blocks.formats, EXPONENT_LIMIT, n, st.local, st.shared[:-1])
+            factors_of = (
+                st.shared[:-1],
+                blocks.param_of,
+                st.shared[-1:],
+                (at, mine),
+                blocks.scale.numpy(),
+                blocks.decode.numpy(),
+                st.maxima.numpy(),
+                np.empty(p, np.uint8),
+            )
+            st.keyed = (
+                functools.partial(_unit_kernel_after, "unit_keys", keys),
+                functools.partial(cpu_kernels.call, "unit_block_factors", *factors_of),
+            )
             limits = record_limits([run.fmt for run in runs.runs for _ in run.index])
             keyed = (st.shared[:-1], [])
             args = (st.codec, grid.layout, grid.counts[:p].numpy(), keyed, st.local, n, limits)
-            st.record = functools.partial(_kernel_records, *args)
-
-    def _bind_mixed_torch_blocks(
-        self, st: SteadyMixedUnit, blocks: _MixedBlocks, grid: Blocks, runs: RowRuns
-    ) -> None:
-        """:meth:`_bind_mixed_blocks` on the torch codec backends: the keys, factors and
-        records of the general path's torch ops (:func:`_mixed_block_keys`,
-        :func:`_mixed_block_factors`, :func:`_torch_block_records`)."""
-        n, p, device = self.comm.world_size, len(st.chunks), st.device
-        n_blocks = grid.layout.n_segments
-        # Per block, its place among every format's keys (or counts), FP32's last.
-        fmt_of = np.where(blocks.fmt_of < 0, len(blocks.formats), blocks.fmt_of)
-        pick = to_device(torch.from_numpy(fmt_of * n_blocks + np.arange(n_blocks)), device)
-        at, mine = blocks.picks(self.comm.rank)
-        pos, src, param_of = (
-            to_device(torch.from_numpy(a), device) for a in (at, mine, blocks.param_of[at])
-        )
-        keys = (grid.layout, [*blocks.formats, FP32], pick, n, st.local, st.shared[:-1])
-        factors_of = (st.shared, grid.device_counts, (pos, src, param_of), (n, p))
-        st.keyed = (
-            functools.partial(_mixed_block_keys, *keys),
-            functools.partial(_mixed_block_factors, *factors_of, blocks, st.maxima, st.poison),
-        )
+            record = functools.partial(_kernel_records, *args)
+        else:
+            # Per block, its place among every format's keys (or counts), FP32's last.
+            fmt_of = np.where(blocks.fmt_of < 0, len(blocks.formats), blocks.fmt_of)
+            pick = to_device(torch.from_numpy(fmt_of * n_blocks + np.arange(n_blocks)), device)
+            pos, src, param_of = (
+                to_device(torch.from_numpy(a), device) for a in (at, mine, blocks.param_of[at])
+            )
+            keys = (grid.layout, [*blocks.formats, FP32], pick, n, st.local, st.shared[:-1])
+            factors_of = (st.shared, grid.device_counts, (pos, src, param_of), (n, p))
+            st.keyed = (
+                functools.partial(_mixed_block_keys, *keys),
+                functools.partial(_mixed_block_factors, *factors_of, blocks, st.maxima, st.poison),
+            )
+            keyed = (st.shared[:-1], st.local)
+            record = functools.partial(_torch_block_records, grid, keys[1], pick, keyed, n)
         if self.settings.stats:
-            st.record = functools.partial(
-                _torch_block_records, grid, keys[1], pick, (st.shared[:-1], st.local), n
-            )
-
-    def _bind_mixed_records(
-        self,
-        st: SteadyMixedUnit,
-        runs: RowRuns,
-        maxima: torch.Tensor,
-        keys: list[tuple[np.ndarray, np.ndarray]],
-        params: tuple[Sequence[str], Sequence[int]],
-    ) -> None:
-        """Bind a :class:`SteadyMixedUnit`'s records: one kernel call over the N rows, each
-        parameter under its own format's bounds and exponent (0 for FP32)."""
-        names, numels = params
-        formats = [run.fmt for run in runs.runs for _ in run.index]
-        if st.record is None and st.codec.backend != "kernels":  # the general path's ops
-            st.record = functools.partial(
-                _torch_layer_records,
-                list(runs.by_format.items()),
-                _format_rows(runs, len(st.chunks), st.device),
-                st.layout,
-                st.maxima,
-                (self.comm.world_size, self.settings.scaling),
-            )
-        st.record = st.record or functools.partial(
-            _kernel_records,
-            st.codec,
-            st.layout,
-            np.ones(len(formats), np.int64),
-            (np.zeros(len(maxima), np.int32), keys),
-            maxima,
-            self.comm.world_size,
-            record_limits(formats),
-        )
-        st.parts = [
-            (
-                [names[i] for i in run.index],
-                [numels[i] for i in run.index],
-                run.fmt,
-                run.index[0],
-                run.index[-1] + 1,
-            )
-            for run in runs.runs
-        ]
+            st.record = record
 
     def _run_mixed_unit(
         self, index: int, st: SteadyMixedUnit, rows: torch.Tensor, problem: torch.Tensor
@@ -3966,10 +3878,7 @@ class Reducer:
         for made, encode, _ in st.calls:
             made()
             encode()
-        if st.record is not None:
-            records = st.record(x)
-            for names, numels, fmt, a, b in st.parts:
-                self.stats.add_rows(index, names, numels, fmt, records[a:b])
+        self._add_records(index, st, x)
         c.copy_spans(coded, arena, scatter)
         transports.rows_exchange(st.send, recv, comm.group, self.traffic)
         c.copy_spans(recv, landing, receive)
@@ -3977,7 +3886,8 @@ class Reducer:
             decode()
         out = torch.empty(st.row_numel, dtype=torch.float32, device=rows.device)
         lengths = st.layout.lengths[: len(st.chunks)]  # the torch ops' spread of the maxima
-        return c.sum_runs(st.values, out, st.sums, n, st.offsets, st.maxima, lengths)
+        offsets = st.offsets_of[0][: len(st.chunks) + 1]  # the chunks' bounds in a row
+        return c.sum_runs(st.values, out, st.sums, n, offsets, st.maxima, lengths)
 
     def _run_fp32_unit(
         self, index: int, st: SteadyFP32Unit, rows: torch.Tensor, problem: torch.Tensor
@@ -3989,7 +3899,7 @@ class Reducer:
             p = st.shared.numel() - 1
             self._agree_unit(st.shared, problem, (st.sums, rows.reshape(-1), st.layout, st.local))
             st.agreed.view(n, p).copy_(st.shared[:p].expand(n, p))
-            self.stats.add_rows(index, st.names, st.numels, FP32, st.record(rows.reshape(-1)))
+            self._add_records(index, st, rows.reshape(-1))
         else:  # the flag alone: one float, in place
             transports.all_reduce_max(problem.view(1), comm.group, self.traffic)
         transports.rows_exchange(
@@ -3999,6 +3909,15 @@ class Reducer:
         st.sums.sum_rows(st.recv, out)
         # A flagged unit is NaN on every rank.
         return torch.where(problem > 0, st.nan, out, out=out)
+
+    def _add_records(
+        self, index: int, st: SteadyUnit | SteadyMixedUnit | SteadyFP32Unit, x: torch.Tensor
+    ) -> None:
+        """With ``stats=True``, queue a unit's records from its N rows ``x``, run by run."""
+        if st.record is not None:
+            records = st.record(x)
+            for names, numels, fmt, a, b in st.parts:
+                self.stats.add_rows(index, names, numels, fmt, records[a:b])
 
     def _agree_unit(
         self,
@@ -4031,44 +3950,31 @@ class Reducer:
         n, c, layout, x = comm.world_size, run.codec, run.rows_layout, rows.reshape(-1)
         shared, k = st.shared, st.shared.numel() - 1
         if st.flags is not None:  # block scaling: this rank's key of every block
-            blocks = run.rows_blocks
-            assert blocks is not None
-            keys = c.bind_block_keys(
-                x,
-                layout,
-                blocks.counts,
-                st.local,
-                shared[:k],
-                st.flags,
-                n,
-                device_counts=blocks.device_counts,
-            )
+            assert run.rows_blocks is not None
+            keys = _unit_block_keys(c, x, run.rows_blocks, st.local, shared[:k], st.flags, n)
             assert keys is not None  # as when it was bound
             keys()
         self._agree_unit(
             shared, problem, None if st.flags is not None else (c, x, layout, st.local)
         )
         flagged = shared[k] > 0
-        if st.agreed is not None and st.record is not None:
+        if st.agreed is not None:
             if st.premax is not None:  # the records show the maxima before the spread
                 st.premax.view(n, k).copy_(shared[:k].expand(n, k))
             if self.settings.scaling == Scaling.BUCKET:
                 AgreedMaxima(shared[:k], n).spread()
-            st.agreed.view(n, k).copy_(shared[:k].expand(n, k))
+            agreed = shared[:k].expand(n, k)
+            if st.record is None:  # a flagged unit is NaN on every rank: its maxima inf
+                torch.where(flagged, st.poison, agreed, out=st.agreed.view(n, k))
+            else:  # the records read the maxima as agreed
+                st.agreed.view(n, k).copy_(agreed)
             st.factors()
-            self.stats.add_rows(index, st.names, st.numels, run.fmt, st.record(x))
-            # A flagged unit is NaN on every rank (its parameters' unscale NaN).
-            torch.where(flagged, st.poison, st.unscale, out=st.unscale)
-        elif st.agreed is not None:
-            if self.settings.scaling == Scaling.BUCKET:
-                AgreedMaxima(shared[:k], n).spread()
-            # A flagged unit is NaN on every rank: its maxima all non-finite.
-            torch.where(flagged, st.poison, shared[:k].expand(n, k), out=st.agreed.view(n, k))
-            st.factors()
+            if st.record is not None:  # a flagged unit is NaN on every rank: its unscale NaN
+                self._add_records(index, st, x)
+                torch.where(flagged, st.poison, st.unscale, out=st.unscale)
         else:
             st.factors()
-            if st.record is not None:
-                self.stats.add_rows(index, st.names, st.numels, run.fmt, st.record(x))
+            self._add_records(index, st, x)
             # A parameter with a non-finite block in any row is NaN in every row (its
             # blocks' unscale in that row is NaN); every rank sends this rank its row.
             per_row = st.unscale.view(n, -1)
@@ -4308,6 +4214,49 @@ def _kernel_records(
     return out
 
 
+def _layer_records(
+    c: codec.Codec,
+    runs: RowRuns,
+    layout: Layout,
+    maxima: torch.Tensor,
+    keys: tuple[np.ndarray | None, list[tuple[np.ndarray, np.ndarray]]],
+    shape: tuple[int, Scaling],
+) -> Callable[[torch.Tensor], torch.Tensor]:
+    """A settled unit's records with one exponent per parameter, bound: over ``layout``'s
+    chunks of the N rows, the agreed ``maxima`` of every row (N x P) and the factors'
+    exponent ``keys``, each parameter under its own format (:func:`_kernel_records`); on
+    the torch backends the general path's ops (:func:`_torch_layer_records`)."""
+    formats = [run.fmt for run in runs.runs for _ in run.index]
+    p = len(formats)
+    if c.backend == "kernels":
+        args = (c, layout, np.ones(p, np.int64), keys, maxima, shape[0], record_limits(formats))
+        return functools.partial(_kernel_records, *args)
+    if len(runs.runs) == 1 and formats[0] != FP32:  # one scaled format
+        return functools.partial(
+            _torch_layer_records, [(formats[0], None)], None, layout, maxima[:p], shape
+        )
+    scaled, rows = list(runs.by_format.items()), _format_rows(runs, p, maxima.device)
+    return functools.partial(_torch_layer_records, scaled, rows, layout, maxima[:p], shape)
+
+
+def _unit_parts(
+    runs: RowRuns, params: tuple[Sequence[str], Sequence[int]]
+) -> list[tuple[list[str], list[int], FloatFormat, int, int]]:
+    """Per run of a unit, its parameters' names and sizes (``params``), its format and its
+    rows of the records: they are queued run by run, as the general path's."""
+    names, numels = params
+    return [
+        (
+            [names[i] for i in run.index],
+            [numels[i] for i in run.index],
+            run.fmt,
+            run.index[0],
+            run.index[-1] + 1,
+        )
+        for run in runs.runs
+    ]
+
+
 def _torch_layer_records(
     formats: list[tuple[FloatFormat, torch.Tensor | None]],
     rows: torch.Tensor | None,
@@ -4386,7 +4335,6 @@ class _MixedLayout:
         elements: per scaled format, its values' bounds.
         segments: per scaled format, its segments' bounds in ``perm``.
         codes: per scaled format, its codes' bounds.
-        numels: per scaled format, its segments' sizes.
         sums: per run: start, lo, hi, first and last parameter, 1 if FP32, stride.
         numel: elements of every run's values.
     """
@@ -4401,37 +4349,30 @@ class _MixedLayout:
     elements: list[tuple[int, int]]
     segments: list[tuple[int, int]]
     codes: list[tuple[int, int]]
-    numels: list[list[int]]
     sums: list[tuple[int, ...]]
     numel: int = 0
 
 
-def _mixed_layout(
-    runs: RowRuns, chunks: Sequence[int], scaled: list[FloatFormat], n: int
-) -> _MixedLayout:
+def _mixed_layout(runs: RowRuns, scaled: list[FloatFormat], n: int) -> _MixedLayout:
     """A unit's :class:`_MixedLayout`: computed once, when it settles."""
-    lay = _MixedLayout({}, {}, {}, 0, 0, [], [], [], [], [], [], [])
+    lay = _MixedLayout({}, {}, {}, 0, 0, [], [], [], [], [], [])
     for k, run in enumerate(runs.runs):
         lay.strides[k] = run.hi - run.lo + (not run.packed_rows)
     at = byte = 0
     for fmt in scaled:
-        e0, s0, c0, numels = at, len(lay.perm), byte, []
+        e0, s0, c0 = at, len(lay.perm), byte
         for k, run in enumerate(runs.runs):
             if run.fmt != fmt:
                 continue
             lay.starts[k], lay.code_starts[k] = at, byte
             at += n * lay.strides[k]
             byte += n * (run.b1 - run.b0)
-            pad = lay.strides[k] - (run.hi - run.lo)  # the pad joins the row's last chunk
             for r in range(n):
-                numels += [chunks[i] for i in run.index]
-                numels[-1] += pad
                 lay.perm += list(run.index)
                 lay.rows += [r] * len(run.index)
         lay.elements.append((e0, at))
         lay.segments.append((s0, len(lay.perm)))
         lay.codes.append((c0, byte))
-        lay.numels.append(numels)
     lay.scaled_numel, lay.coded = at, byte
     for k, run in enumerate(runs.runs):
         if run.fmt == FP32:
@@ -4443,28 +4384,6 @@ def _mixed_layout(
         stride = lay.strides[k]
         lay.sums.append((lay.starts[k], run.lo, run.hi, first, last, int(run.fmt == FP32), stride))
     return lay
-
-
-def _mixed_block_layout(
-    runs: RowRuns,
-    lay: _MixedLayout,
-    chunks: Sequence[int],
-    fmt: FloatFormat,
-    n: int,
-    size: int,
-) -> Layout:
-    """A scaled format's blocks in a unit of several formats, run by run and row by row:
-    each chunk's blocks of ``size``; a 4-bit run of an odd row's pad joins the row's last
-    block, so the blocks stay the grid's (their keys and factors) and the codes whole bytes."""
-    lengths: list[int] = []
-    for k, run in enumerate(runs.runs):
-        if run.fmt != fmt:
-            continue
-        row = [min(size, chunks[i] - s) for i in run.index for s in range(0, chunks[i], size)]
-        if row:
-            row[-1] += lay.strides[k] - (run.hi - run.lo)
-        lengths += row * n
-    return Layout.from_numels(lengths, runs.runs[0].rows_layout.device)
 
 
 def _mixed_spans(
@@ -4545,22 +4464,46 @@ class _MixedBlocks:
         )
 
 
+def _unit_block_keys(
+    c: codec.Codec,
+    x: torch.Tensor,
+    blocks: Blocks,
+    local: torch.Tensor,
+    keys: torch.Tensor,
+    flags: torch.Tensor,
+    n: int,
+) -> Callable[[], None] | None:
+    """A unit's :meth:`aps_comm.codec.Codec.bind_block_keys` over its N rows ``x``, cut in
+    ``blocks``: bound anew every step (FSDP hands a new buffer), and once when it binds
+    (None: no fused keys for this backend or format)."""
+    layout, counts, device_counts = blocks.layout, blocks.counts, blocks.device_counts
+    return c.bind_block_keys(x, layout, counts, local, keys, flags, n, device_counts=device_counts)
+
+
 def _unit_kernel_after(name: str, args: tuple, x: torch.Tensor) -> None:
     """:func:`cpu_kernels.call` with the step's rows ``x`` first."""
     cpu_kernels.call(name, x, *args)
 
 
+def _row_segments(run: Run, n: int) -> list[int]:
+    """A run's segments (its chunks, or their blocks) in each of the N rows. A 4-bit run of
+    an odd row (not ``packed_rows``) has each row followed by a zero, which joins the row's
+    last segment: the segments stay the same (their factors), and one encode of the N
+    padded rows writes every row's codes in whole bytes, as the general path's per-row
+    encode leaves them."""
+    sizes = list(run.rows_layout.sizes)
+    if not run.packed_rows:
+        per_row = len(sizes) // n
+        for r in range(1, n + 1):
+            sizes[r * per_row - 1] += 1
+    return sizes
+
+
 def _padded_rows(runs: RowRuns, n: int) -> RowRuns:
-    """A 4-bit unit's one run of an odd row, each of its N rows followed by a zero: the
-    run's segments (chunks, or blocks) are the same, each row's last one element longer,
-    so one encode of the N padded rows writes the general path's per-row bytes."""
+    """A 4-bit unit's one run of an odd row, each of its N rows followed by a zero
+    (:func:`_row_segments`)."""
     run = runs.runs[0]
-    offsets = run.rows_layout.offsets.to(torch.int64)
-    per_row = (offsets.numel() - 1) // n
-    # Each segment's start moves by its row's index (the end by N): the pad joins the
-    # row's last segment.
-    offsets = offsets + torch.arange(offsets.numel()) // per_row
-    layout = Layout.from_numels(offsets.diff().tolist(), run.rows_layout.device)
+    layout = Layout.from_numels(_row_segments(run, n), run.rows_layout.device)
     blocks = run.rows_blocks
     if blocks is not None:
         blocks = dataclasses.replace(blocks, layout=layout)
