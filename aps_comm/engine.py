@@ -49,7 +49,7 @@ from aps_comm.feedback import ErrorFeedback
 from aps_comm.formats import FP32, FloatFormat, payload_nbytes
 from aps_comm.hostcopy import to_device
 from aps_comm.layout import Blocks, Layout
-from aps_comm.plan import BucketPlan, GroupPlan, Planner, RowRuns
+from aps_comm.plan import BucketPlan, GroupPlan, Planner, RowRuns, Run
 from aps_comm.policy import Assignment
 from aps_comm.reduction import native_sum_supported, resolve_routes
 from aps_comm.scaling import (
@@ -1081,8 +1081,8 @@ class SteadyUnit:
         record: with ``stats=True``, the step's records from the N rows: float64 (P, 5),
             one row per parameter (:meth:`aps_comm.telemetry.StepStats.add_rows`), the
             general path's values (one kernel call on the CPU kernels).
-        names: with ``stats=True``, each parameter's name.
-        numels: with ``stats=True``, each parameter's size.
+        parts: with ``stats=True``, its one run's parameters' names and sizes, format and
+            rows of the records (:func:`_unit_parts`).
         premax: ``scaling="bucket"`` with records: float32 scratch, the agreed maxima of
             every row before the spread (what the records show, as the general path's).
         workspace: the state's workspace epoch of the unit's slot, which the exchange's,
@@ -1107,8 +1107,9 @@ class SteadyUnit:
     factors: Callable[[], object]
     poison: torch.Tensor
     record: Callable[[torch.Tensor], torch.Tensor] | None = None
-    names: list[str] = dataclasses.field(default_factory=list)
-    numels: list[int] = dataclasses.field(default_factory=list)
+    parts: list[tuple[list[str], list[int], FloatFormat, int, int]] = dataclasses.field(
+        default_factory=list
+    )
     premax: torch.Tensor | None = None
     workspace: tuple[int, ...] = ()
     pad: tuple[torch.Tensor, torch.Tensor] | None = None
@@ -1155,12 +1156,11 @@ class SteadyMixedUnit:
         values: float32, every run's N decoded rows end to end.
         sums: int64 (R, 7), each run's place in ``values``, row and parameters (:meth:`aps_comm.codec.Codec.sum_runs`);
             ``scaling="none"``: every run's made NaN by the sum, as FP32's (its unscale 1).
-        offsets: int64, the chunks' bounds in a row (P + 1).
         row_numel: elements per row.
         record: with ``stats=True``, the step's records from the N rows: float64 (P, 5),
             one row per parameter (one kernel call), the general path's values.
         parts: with ``stats=True``, per run its parameters' names and sizes, its format
-            and its rows of the records (they are queued run by run, as the general path's).
+            and its rows of the records (:func:`_unit_parts`).
         offsets_of: the host copies of ``layout``'s offsets and of ``perm`` (the maxima's
             and agreed maxima's kernel calls read them).
         keyed: block scaling: the call that writes every block's key of the N rows (each
@@ -1188,7 +1188,6 @@ class SteadyMixedUnit:
     send: torch.Tensor
     values: torch.Tensor
     sums: np.ndarray
-    offsets: np.ndarray
     row_numel: int
     record: Callable[[torch.Tensor], torch.Tensor] | None = None
     parts: list[tuple[list[str], list[int], FloatFormat, int, int]] = dataclasses.field(
@@ -1225,8 +1224,7 @@ class SteadyFP32Unit:
         local: with ``stats=True``, float32, each row's maximum of every chunk (N x P).
         agreed: with ``stats=True``, float32, the agreed maxima for every row (N x P).
         record: with ``stats=True``, the step's records from the N rows (P, 5).
-        names: with ``stats=True``, each parameter's name.
-        numels: with ``stats=True``, each parameter's size.
+        parts: with ``stats=True``, its parameters' names and sizes (:func:`_unit_parts`).
     """
 
     chunks: tuple[int, ...]
@@ -1242,8 +1240,9 @@ class SteadyFP32Unit:
     local: torch.Tensor | None = None
     agreed: torch.Tensor | None = None
     record: Callable[[torch.Tensor], torch.Tensor] | None = None
-    names: list[str] = dataclasses.field(default_factory=list)
-    numels: list[int] = dataclasses.field(default_factory=list)
+    parts: list[tuple[list[str], list[int], FloatFormat, int, int]] = dataclasses.field(
+        default_factory=list
+    )
 
 
 class Reducer:
@@ -3292,49 +3291,36 @@ class Reducer:
             shared = torch.zeros(segments + 1, dtype=torch.uint8, device=device)
             local = arena.take(segments, torch.float32)
             flags = torch.empty(len(blocks.counts), dtype=torch.uint8, device=device)
-            keys = c.bind_block_keys(
-                x,
-                layout,
-                blocks.counts,
-                local,
-                shared[:-1],
-                flags,
-                n,
-                device_counts=blocks.device_counts,
-            )
-            if keys is None:  # no fused keys for this backend or format
-                return
+            if _unit_block_keys(c, x, blocks, local, shared[:-1], flags, n) is None:
+                return  # no fused keys for this backend or format
             made = c.bind_feedback_factors(shared[:-1], n, scale, unscale, blocks.device_counts)
             decode = arena.take(segments, torch.float32)
             poison = torch.tensor(math.nan, **f32)
-            if settings.stats:
+            if settings.stats and kernels:
+                counts = blocks.counts[:p].numpy()
+                keyed = (shared[:-1], [])
                 record = functools.partial(
-                    _unit_block_records, c, blocks, shared[:-1], local, n, p, kernels
+                    _kernel_records, c, blocks.layout, counts, keyed, local, n, None
                 )
+            elif settings.stats:
+                keyed = (shared[:-1], local)
+                record = functools.partial(_torch_block_records, blocks, [c.fmt], None, keyed, n)
         else:
             shared = torch.zeros(p + 1, **f32)
             local = arena.take(segments, torch.float32)
             agreed = arena.take(segments, torch.float32)
             decode = unscale  # every row's parameters have the same factors
+            keys_of = np.zeros(segments, np.int32) if kernels and settings.stats else None
+            made = _unit_factors(c, agreed, n, scale, unscale, keys_of, settings.scaling)
+            # The records read the exponent keys the factors leave behind, and the maxima
+            # as agreed: with them a flagged unit is poisoned in its unscale instead.
+            poison = torch.tensor(math.nan if settings.stats else math.inf, **f32)
             if settings.stats:
-                # The records read the exponent keys the factors leave behind, and the
-                # maxima as agreed: a flagged unit is poisoned in its unscale instead.
                 bucket = settings.scaling == Scaling.BUCKET
                 premax = arena.take(segments, torch.float32) if bucket else None
-                keys_of = np.zeros(segments, np.int32) if kernels else None
-                made = _unit_factors(c, agreed, n, scale, unscale, keys_of, settings.scaling)
-                record = functools.partial(
-                    _unit_layer_records,
-                    c,
-                    layout,
-                    keys_of,
-                    agreed if premax is None else premax,
-                    (n, p, settings.scaling),
-                )
-                poison = torch.tensor(math.nan, **f32)
-            else:
-                made = _unit_factors(c, agreed, n, scale, unscale, None, settings.scaling)
-                poison = torch.tensor(math.inf, **f32)
+                maxima = agreed if premax is None else premax
+                shape = (n, settings.scaling)
+                record = _layer_records(c, runs, layout, maxima, (keys_of, []), shape)
         self.steady_units[index] = SteadyUnit(
             tuple(chunks),
             rows.numel(),
@@ -3351,8 +3337,7 @@ class Reducer:
             made,
             poison,
             record,
-            list(params[0]),
-            list(params[1]),
+            _unit_parts(runs, params),
             premax,
             ws.epoch(slot),
             pad,
@@ -3400,21 +3385,10 @@ class Reducer:
             st.layout = self.plan(index, list(chunks) * n, device).layout
             st.shared = torch.zeros(p + 1, **f32)
             st.local, st.agreed = arena.take(n * p, torch.float32), arena.take(n * p, torch.float32)
-            st.record = functools.partial(
-                _mixed_records,
-                sums,
-                st.layout,
-                (np.zeros(n * p, np.int32), []),
-                st.agreed,
-                n,
-                record_limits([FP32] * p),
-            )
-            if sums.backend != "kernels":  # the general path's ops, every parameter FP32
-                fp32_rows = torch.arange(p, device=device)
-                shape = (n, self.settings.scaling)
-                args = ([], fp32_rows, st.layout, st.agreed[:p], shape)
-                st.record = functools.partial(_mixed_torch_records, *args)
-            st.names, st.numels = list(params[0]), list(params[1])
+            keyed = (np.zeros(n * p, np.int32), [])  # every key 0 (exponent 0)
+            shape = (n, self.settings.scaling)
+            st.record = _layer_records(sums, runs, st.layout, st.agreed, keyed, shape)
+            st.parts = _unit_parts(runs, params)
         if not arena.close():  # the slot grew: cut every view again from its new region
             self._settle_fp32_unit(index, runs, rows, chunks, step, params)
             return
@@ -3445,7 +3419,7 @@ class Reducer:
         if not scaled or any((c.backend == "kernels") != kernels for c in codecs):
             return
         p, row, row_bytes = len(chunks), runs.row_numel, runs.row_bytes
-        lay = _mixed_layout(runs, chunks, scaled, n)
+        lay = _mixed_layout(runs, scaled, n)
         # The arena: the scaled runs' float32 values, then the wire region, which holds
         # the send buffer until it is sent and then the landing (codes, every run's values).
         staged_end, codes_end = 4 * lay.scaled_numel, -(-lay.coded // 4) * 4
@@ -3468,29 +3442,24 @@ class Reducer:
         calls, spreads, keys = [], [], []
         shape = (n, settings.block_size)
         blocks = _MixedBlocks(lay, chunks, scaled, shape, device) if blocked else None
-        for f, (c, (e0, e1), (s0, s1), (c0, c1), numels) in enumerate(
-            zip(codecs, lay.elements, lay.segments, lay.codes, lay.numels, strict=True)
+        for f, (c, (e0, e1), (s0, s1), (c0, c1)) in enumerate(
+            zip(codecs, lay.elements, lay.segments, lay.codes, strict=True)
         ):
-            layout = Layout.from_numels(numels, device)
+            # Its runs' segments (chunks, or blocks) run by run, row by row.
+            sizes = [s for run in runs.runs if run.fmt == scaled[f] for s in _row_segments(run, n)]
+            layout = Layout.from_numels(sizes, device)
             if blocks is not None:  # per block of each segment: the factors' one call writes them
-                layout = _mixed_block_layout(runs, lay, chunks, scaled[f], n, settings.block_size)
                 b0, b1 = blocks.bounds[f], blocks.bounds[f + 1]
-                scale, unscale = blocks.scale[b0:b1], blocks.decode[b0:b1]
-                calls.append(
-                    (
-                        _no_factors,
-                        c.bind_encode(staged[e0:e1], coded[c0:c1], scale, layout),
-                        c.bind_decode(landing[c0:c1], values[e0:e1], unscale, layout),
-                    )
-                )
-                continue
-            scale, unscale = torch.empty(s1 - s0, **f32), torch.empty(s1 - s0, **f32)
-            mine = np.zeros(s1 - s0, np.int32) if settings.stats and kernels else None
-            if mine is not None:  # the records' keys: this format's, at their rows' places
-                keys.append((mine, np.array(lay.rows[s0:s1]) * p + lay.perm[s0:s1]))
-            made = _mixed_factors(
-                c, agreed[s0:s1], maxima, lay.perm[s0:s1], n, scale, unscale, mine, settings
-            )
+                scale, unscale, made = blocks.scale[b0:b1], blocks.decode[b0:b1], _no_factors
+            else:
+                scale, unscale = torch.empty(s1 - s0, **f32), torch.empty(s1 - s0, **f32)
+                mine = np.zeros(s1 - s0, np.int32) if settings.stats and kernels else None
+                if mine is not None:  # the records' keys: this format's, at their rows' places
+                    keys.append((mine, np.array(lay.rows[s0:s1]) * p + lay.perm[s0:s1]))
+                pick, scaling = (maxima, lay.perm[s0:s1]), settings.scaling
+                made = _unit_factors(c, agreed[s0:s1], n, scale, unscale, mine, scaling, pick)
+                if scaling == Scaling.BUCKET and mine is None:
+                    spreads.append(AgreedMaxima(agreed[s0:s1], n))
             calls.append(
                 (
                     made,
@@ -3498,8 +3467,6 @@ class Reducer:
                     c.bind_decode(landing[c0:c1], values[e0:e1], unscale, layout),
                 )
             )
-            if settings.scaling == Scaling.BUCKET and mine is None:
-                spreads.append(AgreedMaxima(agreed[s0:s1], n))
         if settings.scaling == Scaling.NONE:  # every run NaN where its maximum is not
             sums[:, 5] = 1  # finite, in the sum (the unscale stays 1): as FP32's runs
         self.steady_units[index] = SteadyMixedUnit(
@@ -3522,7 +3489,6 @@ class Reducer:
             landing[: n * row_bytes],
             values,
             sums,
-            np.concatenate([[0], np.cumsum(chunks)]).astype(np.int64),
             row,
         )
         st = self.steady_units[index]
@@ -3531,7 +3497,12 @@ class Reducer:
         if blocks is not None:
             self._bind_mixed_blocks(st, blocks, index, runs)
         if settings.stats:
-            self._bind_mixed_records(st, runs, agreed[len(lay.perm) :], keys, params)
+            keyed, shape = (np.zeros(n * p, np.int32), keys), (n, settings.scaling)
+            maxima = agreed[len(lay.perm) :]  # every row's, before any spread
+            st.record = st.record or _layer_records(
+                codecs[0], runs, st.layout, maxima, keyed, shape
+            )
+            st.parts = _unit_parts(runs, params)
         # The general path's own scratch of this layout is no longer needed.
         self.plan(index, list(chunks) * n, device).row_runs = {}
 
@@ -3539,117 +3510,53 @@ class Reducer:
         self, st: SteadyMixedUnit, blocks: _MixedBlocks, index: int, runs: RowRuns
     ) -> None:
         """Bind a :class:`SteadyMixedUnit`'s block keys and factors (block scaling); with
-        ``stats=True`` its records: one kernel call, every block under its agreed key."""
-        n, device = self.comm.world_size, st.device
+        ``stats=True`` its records, every block under its agreed key: one kernel call each
+        on the CPU kernels, the general path's torch ops on the torch codec backends
+        (:func:`_mixed_block_keys`, :func:`_mixed_block_factors`, :func:`_torch_block_records`)."""
+        n, p, device = self.comm.world_size, len(st.chunks), st.device
         grid = self.plan(index, list(st.chunks) * n, device).grid(self.settings.block_size)
         n_blocks = grid.layout.n_segments
         st.shared = torch.zeros(n_blocks + 1, dtype=torch.uint8, device=device)
         st.local = torch.empty(n_blocks, dtype=torch.float32, device=device)
-        if st.codec.backend != "kernels":
-            self._bind_mixed_torch_blocks(st, blocks, grid, runs)
-            return
-        keys = (
-            grid.layout.offsets.numpy(),
-            blocks.fmt_of,
-            blocks.formats,
-            EXPONENT_LIMIT,
-            n,
-            st.local,
-            st.shared[:-1],
-        )
-        pick = blocks.picks(self.comm.rank)
-        factors_of = (
-            st.shared[:-1],
-            blocks.param_of,
-            st.shared[-1:],
-            pick,
-            blocks.scale.numpy(),
-            blocks.decode.numpy(),
-            st.maxima.numpy(),
-            np.empty(len(st.chunks), np.uint8),
-        )
-        st.keyed = (
-            functools.partial(_unit_kernel_after, "unit_keys", keys),
-            functools.partial(cpu_kernels.call, "unit_block_factors", *factors_of),
-        )
-        if self.settings.stats:
-            p = len(st.chunks)
-            st.record = functools.partial(
-                _mixed_block_records,
-                st.codec,
-                grid,
-                (st.shared[:-1], st.local),
-                n,
-                record_limits([run.fmt for run in runs.runs for _ in run.index]),
-                p,
-            )
-
-    def _bind_mixed_torch_blocks(
-        self, st: SteadyMixedUnit, blocks: _MixedBlocks, grid: Blocks, runs: RowRuns
-    ) -> None:
-        """:meth:`_bind_mixed_blocks` on the torch codec backends: the keys, factors and
-        records of the general path's torch ops (:func:`_mixed_block_keys`,
-        :func:`_mixed_block_factors`, :func:`_mixed_block_torch_records`)."""
-        n, p, device = self.comm.world_size, len(st.chunks), st.device
-        n_blocks = grid.layout.n_segments
-        # Per block, its place among every format's keys (or counts), FP32's last.
-        fmt_of = np.where(blocks.fmt_of < 0, len(blocks.formats), blocks.fmt_of)
-        pick = to_device(torch.from_numpy(fmt_of * n_blocks + np.arange(n_blocks)), device)
         at, mine = blocks.picks(self.comm.rank)
-        pos, src, param_of = (
-            to_device(torch.from_numpy(a), device) for a in (at, mine, blocks.param_of[at])
-        )
-        keys = (grid.layout, [*blocks.formats, FP32], pick, n, st.local, st.shared[:-1])
-        factors_of = (st.shared, grid.device_counts, (pos, src, param_of), (n, p))
-        st.keyed = (
-            functools.partial(_mixed_block_keys, *keys),
-            functools.partial(_mixed_block_factors, *factors_of, blocks, st.maxima, st.poison),
-        )
+        if st.codec.backend == "kernels":
+            offsets, fmts = grid.layout.offsets.numpy(), blocks.fmt_of
+            keys = (offsets, fmts, blocks.formats, EXPONENT_LIMIT, n, st.local, st.shared[:-1])
+            factors_of = (
+                st.shared[:-1],
+                blocks.param_of,
+                st.shared[-1:],
+                (at, mine),
+                blocks.scale.numpy(),
+                blocks.decode.numpy(),
+                st.maxima.numpy(),
+                np.empty(p, np.uint8),
+            )
+            st.keyed = (
+                functools.partial(_unit_kernel_after, "unit_keys", keys),
+                functools.partial(cpu_kernels.call, "unit_block_factors", *factors_of),
+            )
+            limits = record_limits([run.fmt for run in runs.runs for _ in run.index])
+            keyed = (st.shared[:-1], [])
+            args = (st.codec, grid.layout, grid.counts[:p].numpy(), keyed, st.local, n, limits)
+            record = functools.partial(_kernel_records, *args)
+        else:
+            # Per block, its place among every format's keys (or counts), FP32's last.
+            fmt_of = np.where(blocks.fmt_of < 0, len(blocks.formats), blocks.fmt_of)
+            pick = to_device(torch.from_numpy(fmt_of * n_blocks + np.arange(n_blocks)), device)
+            pos, src, param_of = (
+                to_device(torch.from_numpy(a), device) for a in (at, mine, blocks.param_of[at])
+            )
+            keys = (grid.layout, [*blocks.formats, FP32], pick, n, st.local, st.shared[:-1])
+            factors_of = (st.shared, grid.device_counts, (pos, src, param_of), (n, p))
+            st.keyed = (
+                functools.partial(_mixed_block_keys, *keys),
+                functools.partial(_mixed_block_factors, *factors_of, blocks, st.maxima, st.poison),
+            )
+            keyed = (st.shared[:-1], st.local)
+            record = functools.partial(_torch_block_records, grid, keys[1], pick, keyed, n)
         if self.settings.stats:
-            st.record = functools.partial(
-                _mixed_block_torch_records, grid, keys[1], pick, (st.shared[:-1], st.local), n
-            )
-
-    def _bind_mixed_records(
-        self,
-        st: SteadyMixedUnit,
-        runs: RowRuns,
-        maxima: torch.Tensor,
-        keys: list[tuple[np.ndarray, np.ndarray]],
-        params: tuple[Sequence[str], Sequence[int]],
-    ) -> None:
-        """Bind a :class:`SteadyMixedUnit`'s records: one kernel call over the N rows, each
-        parameter under its own format's bounds and exponent (0 for FP32)."""
-        names, numels = params
-        formats = [run.fmt for run in runs.runs for _ in run.index]
-        if st.record is None and st.codec.backend != "kernels":  # the general path's ops
-            st.record = functools.partial(
-                _mixed_torch_records,
-                list(runs.by_format.items()),
-                _format_rows(runs, len(st.chunks), st.device),
-                st.layout,
-                st.maxima,
-                (self.comm.world_size, self.settings.scaling),
-            )
-        st.record = st.record or functools.partial(
-            _mixed_records,
-            st.codec,
-            st.layout,
-            (np.zeros(len(maxima), np.int32), keys),
-            maxima,
-            self.comm.world_size,
-            record_limits(formats),
-        )
-        st.parts = [
-            (
-                [names[i] for i in run.index],
-                [numels[i] for i in run.index],
-                run.fmt,
-                run.index[0],
-                run.index[-1] + 1,
-            )
-            for run in runs.runs
-        ]
+            st.record = record
 
     def _run_mixed_unit(
         self, index: int, st: SteadyMixedUnit, rows: torch.Tensor, problem: torch.Tensor
@@ -3662,9 +3569,7 @@ class Reducer:
         gather, scatter, receive = st.spans
         if st.keyed is not None:  # block scaling: every block's key, the flag beside them
             st.keyed[0](x)
-            shared[k:].copy_(problem.reshape(1))
-            transports.all_reduce_max(shared, comm.group, self.traffic)
-            problem.copy_(shared[k])
+            self._agree_unit(shared, problem)
             st.keyed[1]()
         elif c.backend == "kernels":
             # The flag rides on the maxima, so no rank needs a host read to learn it.
@@ -3673,11 +3578,7 @@ class Reducer:
             # A flagged unit is NaN on every rank: its maxima all non-finite.
             cpu_kernels.call("unit_agreed", shared, problem, st.offsets_of[1], st.maxima, st.agreed)
         else:  # the same on the torch ops
-            c.layer_maxima(x, st.layout, st.local)
-            torch.amax(st.local.view(n, k), 0, out=shared[:k])
-            shared[k:].copy_(problem.reshape(1))
-            transports.all_reduce_max(shared, comm.group, self.traffic)
-            problem.copy_(shared[k])
+            self._agree_unit(shared, problem, (c, x, st.layout, st.local))
             torch.where(problem > 0, st.poison, shared[:k], out=st.maxima)
             torch.index_select(st.maxima, 0, st.perm, out=st.agreed)
         for spread in st.spreads:
@@ -3686,10 +3587,7 @@ class Reducer:
         for made, encode, _ in st.calls:
             made()
             encode()
-        if st.record is not None:
-            records = st.record(x)
-            for names, numels, fmt, a, b in st.parts:
-                self.stats.add_rows(index, names, numels, fmt, records[a:b])
+        self._add_records(index, st, x)
         c.copy_spans(coded, arena, scatter)
         transports.rows_exchange(st.send, recv, comm.group, self.traffic)
         c.copy_spans(recv, landing, receive)
@@ -3697,7 +3595,8 @@ class Reducer:
             decode()
         out = torch.empty(st.row_numel, dtype=torch.float32, device=rows.device)
         lengths = st.layout.lengths[: len(st.chunks)]  # the torch ops' spread of the maxima
-        return c.sum_runs(st.values, out, st.sums, n, st.offsets, st.maxima, lengths)
+        offsets = st.offsets_of[0][: len(st.chunks) + 1]  # the chunks' bounds in a row
+        return c.sum_runs(st.values, out, st.sums, n, offsets, st.maxima, lengths)
 
     def _run_fp32_unit(
         self, index: int, st: SteadyFP32Unit, rows: torch.Tensor, problem: torch.Tensor
@@ -3707,13 +3606,9 @@ class Reducer:
         comm, n = self.comm, self.comm.world_size
         if st.shared is not None and st.layout is not None and st.record is not None:
             p = st.shared.numel() - 1
-            st.sums.layer_maxima(rows.reshape(-1), st.layout, st.local)
-            torch.amax(st.local.view(n, p), 0, out=st.shared[:p])
-            st.shared[p:].copy_(problem.reshape(1))
-            transports.all_reduce_max(st.shared, comm.group, self.traffic)
-            problem.copy_(st.shared[p])
+            self._agree_unit(st.shared, problem, (st.sums, rows.reshape(-1), st.layout, st.local))
             st.agreed.view(n, p).copy_(st.shared[:p].expand(n, p))
-            self.stats.add_rows(index, st.names, st.numels, FP32, st.record(rows.reshape(-1)))
+            self._add_records(index, st, rows.reshape(-1))
         else:  # the flag alone: one float, in place
             transports.all_reduce_max(problem.view(1), comm.group, self.traffic)
         transports.rows_exchange(
@@ -3723,6 +3618,34 @@ class Reducer:
         st.sums.sum_rows(st.recv, out)
         # A flagged unit is NaN on every rank.
         return torch.where(problem > 0, st.nan, out, out=out)
+
+    def _add_records(
+        self, index: int, st: SteadyUnit | SteadyMixedUnit | SteadyFP32Unit, x: torch.Tensor
+    ) -> None:
+        """With ``stats=True``, queue a unit's records from its N rows ``x``, run by run."""
+        if st.record is not None:
+            records = st.record(x)
+            for names, numels, fmt, a, b in st.parts:
+                self.stats.add_rows(index, names, numels, fmt, records[a:b])
+
+    def _agree_unit(
+        self,
+        shared: torch.Tensor,
+        problem: torch.Tensor,
+        maxima: tuple[codec.Codec, torch.Tensor, Layout, torch.Tensor] | None = None,
+    ) -> None:
+        """A unit's one MAX all-reduce of ``shared``: its maxima or block keys, then the flag
+        ``problem``, which rides on them so that no rank needs a host read to learn it, and
+        which gets the agreed flag. ``maxima`` (codec, the N rows, their chunks, scratch):
+        each row's maximum of every chunk first, then their maximum over the rows."""
+        k = shared.numel() - 1
+        if maxima is not None:
+            c, x, layout, local = maxima
+            c.layer_maxima(x, layout, local)
+            torch.amax(local.view(self.comm.world_size, k), 0, out=shared[:k])
+        shared[k:].copy_(problem.reshape(1))
+        transports.all_reduce_max(shared, self.comm.group, self.traffic)
+        problem.copy_(shared[k])
 
     def _run_unit(
         self, index: int, st: SteadyUnit, rows: torch.Tensor, problem: torch.Tensor
@@ -3736,48 +3659,31 @@ class Reducer:
         n, c, layout, x = comm.world_size, run.codec, run.rows_layout, rows.reshape(-1)
         shared, k = st.shared, st.shared.numel() - 1
         if st.flags is not None:  # block scaling: this rank's key of every block
-            blocks = run.rows_blocks
-            assert blocks is not None
-            keys = c.bind_block_keys(
-                x,
-                layout,
-                blocks.counts,
-                st.local,
-                shared[:k],
-                st.flags,
-                n,
-                device_counts=blocks.device_counts,
-            )
+            assert run.rows_blocks is not None
+            keys = _unit_block_keys(c, x, run.rows_blocks, st.local, shared[:k], st.flags, n)
             assert keys is not None  # as when it was bound
             keys()
-        else:
-            c.layer_maxima(x, layout, st.local)
-            torch.amax(st.local.view(n, k), 0, out=shared[:k])
-        # The flag rides on the maxima, so no rank needs a host read to learn it.
-        shared[k:].copy_(problem.reshape(1))
-        transports.all_reduce_max(shared, comm.group, self.traffic)
-        problem.copy_(shared[k])
+        self._agree_unit(
+            shared, problem, None if st.flags is not None else (c, x, layout, st.local)
+        )
         flagged = shared[k] > 0
-        if st.agreed is not None and st.record is not None:
+        if st.agreed is not None:
             if st.premax is not None:  # the records show the maxima before the spread
                 st.premax.view(n, k).copy_(shared[:k].expand(n, k))
             if self.settings.scaling == Scaling.BUCKET:
                 AgreedMaxima(shared[:k], n).spread()
-            st.agreed.view(n, k).copy_(shared[:k].expand(n, k))
+            agreed = shared[:k].expand(n, k)
+            if st.record is None:  # a flagged unit is NaN on every rank: its maxima inf
+                torch.where(flagged, st.poison, agreed, out=st.agreed.view(n, k))
+            else:  # the records read the maxima as agreed
+                st.agreed.view(n, k).copy_(agreed)
             st.factors()
-            self.stats.add_rows(index, st.names, st.numels, run.fmt, st.record(x))
-            # A flagged unit is NaN on every rank (its parameters' unscale NaN).
-            torch.where(flagged, st.poison, st.unscale, out=st.unscale)
-        elif st.agreed is not None:
-            if self.settings.scaling == Scaling.BUCKET:
-                AgreedMaxima(shared[:k], n).spread()
-            # A flagged unit is NaN on every rank: its maxima all non-finite.
-            torch.where(flagged, st.poison, shared[:k].expand(n, k), out=st.agreed.view(n, k))
-            st.factors()
+            if st.record is not None:  # a flagged unit is NaN on every rank: its unscale NaN
+                self._add_records(index, st, x)
+                torch.where(flagged, st.poison, st.unscale, out=st.unscale)
         else:
             st.factors()
-            if st.record is not None:
-                self.stats.add_rows(index, st.names, st.numels, run.fmt, st.record(x))
+            self._add_records(index, st, x)
             # A parameter with a non-finite block in any row is NaN in every row (its
             # blocks' unscale in that row is NaN); every rank sends this rank its row.
             per_row = st.unscale.view(n, -1)
@@ -4035,55 +3941,37 @@ def _unit_factors(
     unscale: torch.Tensor,
     keys: np.ndarray | None,
     scaling: Scaling,
+    pick: tuple[torch.Tensor, Sequence[int]] | None = None,
 ) -> Callable[[], object]:
     """A settled unit's factors of its agreed maxima, written into ``scale`` and ``unscale``;
     on the CPU kernels through int32 ``keys``, which its records then read.
     ``scaling="none"``: every exponent 0 (``scale`` 1 for good, ``keys`` left 0), the
-    unscale 1, NaN for a non-finite maximum."""
+    unscale 1, NaN for a non-finite maximum.
+
+    ``pick``: a format of a :class:`SteadyMixedUnit`, the unit's maxima and, per segment,
+    its parameter: with records and ``scaling="bucket"`` its maxima are picked out of them
+    and spread in the factors' one kernel call, not a call of their own; with
+    ``scaling="none"`` there are no factors at all: ``unscale`` 1 too, the sum making a
+    parameter NaN where its maximum is not finite (what the NaN unscale did)."""
     if scaling == Scaling.NONE:
         scale.fill_(1.0)
+        if pick is not None:
+            unscale.fill_(1.0)
+            return _no_factors
         one, nan = torch.ones_like(agreed[:1]), torch.full_like(agreed[:1], math.nan)
         return functools.partial(_finite_unscale, agreed, one, nan, unscale)
     if keys is None:
         return c.bind_feedback_factors(agreed, world_size, scale, unscale)
+    spread = ()
+    if pick is not None and scaling == Scaling.BUCKET:
+        spread = ((pick[0].numpy(), np.array(pick[1], np.int64), True),)
     return functools.partial(
         AgreedMaxima(agreed, world_size).host_factors_into,
         c.fmt,
         scale.numpy(),
         unscale.numpy(),
         keys,
-    )
-
-
-def _mixed_factors(
-    c: codec.Codec,
-    agreed: torch.Tensor,
-    maxima: torch.Tensor,
-    perm: Sequence[int],
-    world_size: int,
-    scale: torch.Tensor,
-    unscale: torch.Tensor,
-    keys: np.ndarray | None,
-    settings: Settings,
-) -> Callable[[], object]:
-    """A :class:`SteadyMixedUnit` format's factors: :func:`_unit_factors`, but with records
-    and ``scaling="bucket"`` its maxima picked out of the unit's ``maxima`` (at ``perm``)
-    and spread in the factors' one kernel call, not a call of their own; and with
-    ``scaling="none"`` none at all: ``scale`` and ``unscale`` 1, the sum making a
-    parameter NaN where its maximum is not finite (what the NaN unscale did)."""
-    if settings.scaling == Scaling.NONE:
-        scale.fill_(1.0)
-        unscale.fill_(1.0)
-        return _no_factors
-    if keys is None or settings.scaling != Scaling.BUCKET:
-        return _unit_factors(c, agreed, world_size, scale, unscale, keys, settings.scaling)
-    return functools.partial(
-        AgreedMaxima(agreed, world_size).host_factors_into,
-        c.fmt,
-        scale.numpy(),
-        unscale.numpy(),
-        keys,
-        (maxima.numpy(), np.array(perm, np.int64), True),
+        *spread,
     )
 
 
@@ -4099,55 +3987,125 @@ def _finite_unscale(
     torch.where(agreed < math.inf, one, nan, out=unscale)
 
 
-def _unit_layer_records(
+def _kernel_records(
     c: codec.Codec,
     layout: Layout,
-    keys: np.ndarray | None,
-    maxima: torch.Tensor,
-    shape: tuple[int, int, Scaling],
-    x: torch.Tensor,
-) -> torch.Tensor:
-    """A settled unit's records with one exponent per parameter: float64 (P, 5) from the N
-    rows ``x``, the agreed ``maxima`` of every row and the factors' exponent ``keys``
-    (one kernel call); without the CPU kernels, a fixed handful of device ops."""
-    n, p, scaling = shape
-    if keys is not None:
-        out = torch.empty(p, 5, dtype=torch.float64, device=x.device)
-        c.unit_records(x, layout, np.ones(p, np.int64), keys, maxima, n, out)
-        return out
-    amax = maxima[:p]
-    exps = factors(amax, c.fmt, Route.TWO_PHASE, world_size=n, scaling=scaling).exponents
-    counts = layer_counts(x, layout.lengths, exps.repeat(n), c.fmt).view(n, p, 3).sum(0)
-    return torch.cat([exps.double()[:, None], amax.double()[:, None], counts.double()], 1)
-
-
-def _unit_block_records(
-    c: codec.Codec,
-    blocks: Blocks,
-    keys: torch.Tensor,
+    counts: np.ndarray,
+    keys: tuple[torch.Tensor | np.ndarray, list[tuple[np.ndarray, np.ndarray]]],
     maxima: torch.Tensor,
     n: int,
-    p: int,
-    kernels: bool,
+    limits: tuple[np.ndarray, np.ndarray] | None,
     x: torch.Tensor,
 ) -> torch.Tensor:
-    """:func:`_unit_layer_records` with block scaling: every block under its agreed key,
-    the largest of this rank's block ``maxima``, folded per parameter over the N rows."""
-    if kernels:
-        out = torch.empty(p, 5, dtype=torch.float64, device=x.device)
-        c.unit_records(x, blocks.layout, blocks.counts[:p].numpy(), keys, maxima, n, out)
-        return out
-    exps = key_exponents(keys)
-    counts = layer_counts(x, blocks.layout.lengths, exps, c.fmt)
-    return _block_records_of(blocks, counts, exps, maxima, n)
+    """A settled unit's records from its N rows ``x`` on the CPU kernels: float64 (P, 5),
+    one kernel call over ``layout``'s segments (``counts`` per chunk: 1 with one exponent
+    per parameter, its blocks with block scaling), the N rows folded per parameter.
+
+    ``keys``: every segment's key (int32 exponent keys the factors write, or the agreed
+    uint8 block keys), and in a unit of several formats each scaled format's exponent
+    keys with their places among them, moved there first (FP32's stay 0: exponent 0).
+    ``maxima``: the agreed maxima, or this rank's blocks'. ``limits``: each parameter's
+    format bounds (:func:`aps_comm.cpu_kernels.record_limits`); None: the codec's."""
+    every, moved = keys
+    for mine, at in moved:
+        every[at] = mine
+    out = torch.empty(len(counts), 5, dtype=torch.float64, device=x.device)
+    c.unit_records(x, layout, counts, every, maxima, n, out, limits)
+    return out
 
 
-def _block_records_of(
-    blocks: Blocks, counts: torch.Tensor, exps: torch.Tensor, maxima: torch.Tensor, n: int
+def _layer_records(
+    c: codec.Codec,
+    runs: RowRuns,
+    layout: Layout,
+    maxima: torch.Tensor,
+    keys: tuple[np.ndarray | None, list[tuple[np.ndarray, np.ndarray]]],
+    shape: tuple[int, Scaling],
+) -> Callable[[torch.Tensor], torch.Tensor]:
+    """A settled unit's records with one exponent per parameter, bound: over ``layout``'s
+    chunks of the N rows, the agreed ``maxima`` of every row (N x P) and the factors'
+    exponent ``keys``, each parameter under its own format (:func:`_kernel_records`); on
+    the torch backends the general path's ops (:func:`_torch_layer_records`)."""
+    formats = [run.fmt for run in runs.runs for _ in run.index]
+    p = len(formats)
+    if c.backend == "kernels":
+        args = (c, layout, np.ones(p, np.int64), keys, maxima, shape[0], record_limits(formats))
+        return functools.partial(_kernel_records, *args)
+    if len(runs.runs) == 1 and formats[0] != FP32:  # one scaled format
+        return functools.partial(
+            _torch_layer_records, [(formats[0], None)], None, layout, maxima[:p], shape
+        )
+    scaled, rows = list(runs.by_format.items()), _format_rows(runs, p, maxima.device)
+    return functools.partial(_torch_layer_records, scaled, rows, layout, maxima[:p], shape)
+
+
+def _unit_parts(
+    runs: RowRuns, params: tuple[Sequence[str], Sequence[int]]
+) -> list[tuple[list[str], list[int], FloatFormat, int, int]]:
+    """Per run of a unit, its parameters' names and sizes (``params``), its format and its
+    rows of the records: they are queued run by run, as the general path's."""
+    names, numels = params
+    return [
+        (
+            [names[i] for i in run.index],
+            [numels[i] for i in run.index],
+            run.fmt,
+            run.index[0],
+            run.index[-1] + 1,
+        )
+        for run in runs.runs
+    ]
+
+
+def _torch_layer_records(
+    formats: list[tuple[FloatFormat, torch.Tensor | None]],
+    rows: torch.Tensor | None,
+    layout: Layout,
+    maxima: torch.Tensor,
+    shape: tuple[int, Scaling],
+    x: torch.Tensor,
 ) -> torch.Tensor:
-    """A unit's records from its blocks' counts, exponents and this rank's maxima, the N
-    rows' chunks folded per parameter: float64 (P, 5) (the general path's ops)."""
-    counts, first, largest = per_layer(blocks, counts, exps, maxima)
+    """:func:`_kernel_records` with one exponent per parameter on the torch backends, the
+    general path's ops: float64 (P, 5) from the N rows ``x`` and the P agreed ``maxima``.
+    One format (``rows`` None): its exponents and counts. Several (``formats``: each scaled
+    one's parameters): each one's exponents of its parameters' maxima (FP32's 0), the
+    counts under every format (FP32 last) and each parameter's picked (``rows``:
+    :func:`_format_rows`), folded over the rows."""
+    (n, scaling), p = shape, maxima.numel()
+    if rows is None:
+        fmt = formats[0][0]
+        exps = factors(maxima, fmt, Route.TWO_PHASE, world_size=n, scaling=scaling).exponents
+        counts = layer_counts(x, layout.lengths, exps.repeat(n), fmt).view(n, p, 3).sum(0)
+    else:
+        exps = torch.zeros(p, dtype=torch.int32, device=x.device)
+        for fmt, which in formats:
+            f = factors(maxima[which], fmt, Route.TWO_PHASE, world_size=n, scaling=scaling)
+            exps[which] = f.exponents
+        every = exps.repeat(n)
+        fmts = [fmt for fmt, _ in formats] + [FP32]
+        counts = torch.cat(
+            [layer_counts(x, layout.lengths, every, f).view(n, p, 3).sum(0) for f in fmts]
+        ).index_select(0, rows)
+    return torch.cat([exps.double()[:, None], maxima.double()[:, None], counts.double()], 1)
+
+
+def _torch_block_records(
+    grid: Blocks,
+    formats: list[FloatFormat],
+    pick: torch.Tensor | None,
+    keyed: tuple[torch.Tensor, torch.Tensor],
+    n: int,
+    x: torch.Tensor,
+) -> torch.Tensor:
+    """:func:`_kernel_records` with block scaling on the torch backends, the general path's
+    ops: every block under its agreed key and this rank's block maximum (``keyed``), its
+    counts under its format (several formats: under every one, FP32 last, each block's
+    own picked at ``pick``), the N rows' chunks folded per parameter: float64 (P, 5)."""
+    keys, maxima = keyed
+    exps = key_exponents(keys)
+    every = [layer_counts(x, grid.layout.lengths, exps, f) for f in formats]
+    counts = every[0] if pick is None else torch.cat(every).index_select(0, pick)
+    counts, first, largest = per_layer(grid, counts, exps, maxima)
     p = first.numel() // n
     return torch.cat(
         [
@@ -4177,7 +4135,6 @@ class _MixedLayout:
         elements: per scaled format, its values' bounds.
         segments: per scaled format, its segments' bounds in ``perm``.
         codes: per scaled format, its codes' bounds.
-        numels: per scaled format, its segments' sizes.
         sums: per run: start, lo, hi, first and last parameter, 1 if FP32, stride.
         numel: elements of every run's values.
     """
@@ -4192,37 +4149,30 @@ class _MixedLayout:
     elements: list[tuple[int, int]]
     segments: list[tuple[int, int]]
     codes: list[tuple[int, int]]
-    numels: list[list[int]]
     sums: list[tuple[int, ...]]
     numel: int = 0
 
 
-def _mixed_layout(
-    runs: RowRuns, chunks: Sequence[int], scaled: list[FloatFormat], n: int
-) -> _MixedLayout:
+def _mixed_layout(runs: RowRuns, scaled: list[FloatFormat], n: int) -> _MixedLayout:
     """A unit's :class:`_MixedLayout`: computed once, when it settles."""
-    lay = _MixedLayout({}, {}, {}, 0, 0, [], [], [], [], [], [], [])
+    lay = _MixedLayout({}, {}, {}, 0, 0, [], [], [], [], [], [])
     for k, run in enumerate(runs.runs):
         lay.strides[k] = run.hi - run.lo + (not run.packed_rows)
     at = byte = 0
     for fmt in scaled:
-        e0, s0, c0, numels = at, len(lay.perm), byte, []
+        e0, s0, c0 = at, len(lay.perm), byte
         for k, run in enumerate(runs.runs):
             if run.fmt != fmt:
                 continue
             lay.starts[k], lay.code_starts[k] = at, byte
             at += n * lay.strides[k]
             byte += n * (run.b1 - run.b0)
-            pad = lay.strides[k] - (run.hi - run.lo)  # the pad joins the row's last chunk
             for r in range(n):
-                numels += [chunks[i] for i in run.index]
-                numels[-1] += pad
                 lay.perm += list(run.index)
                 lay.rows += [r] * len(run.index)
         lay.elements.append((e0, at))
         lay.segments.append((s0, len(lay.perm)))
         lay.codes.append((c0, byte))
-        lay.numels.append(numels)
     lay.scaled_numel, lay.coded = at, byte
     for k, run in enumerate(runs.runs):
         if run.fmt == FP32:
@@ -4234,28 +4184,6 @@ def _mixed_layout(
         stride = lay.strides[k]
         lay.sums.append((lay.starts[k], run.lo, run.hi, first, last, int(run.fmt == FP32), stride))
     return lay
-
-
-def _mixed_block_layout(
-    runs: RowRuns,
-    lay: _MixedLayout,
-    chunks: Sequence[int],
-    fmt: FloatFormat,
-    n: int,
-    size: int,
-) -> Layout:
-    """A scaled format's blocks in a unit of several formats, run by run and row by row:
-    each chunk's blocks of ``size``; a 4-bit run of an odd row's pad joins the row's last
-    block, so the blocks stay the grid's (their keys and factors) and the codes whole bytes."""
-    lengths: list[int] = []
-    for k, run in enumerate(runs.runs):
-        if run.fmt != fmt:
-            continue
-        row = [min(size, chunks[i] - s) for i in run.index for s in range(0, chunks[i], size)]
-        if row:
-            row[-1] += lay.strides[k] - (run.hi - run.lo)
-        lengths += row * n
-    return Layout.from_numels(lengths, runs.runs[0].rows_layout.device)
 
 
 def _mixed_spans(
@@ -4336,22 +4264,20 @@ class _MixedBlocks:
         )
 
 
-def _mixed_block_records(
+def _unit_block_keys(
     c: codec.Codec,
-    grid: Blocks,
-    keyed: tuple[torch.Tensor, torch.Tensor],
-    n: int,
-    limits: tuple[np.ndarray, np.ndarray],
-    p: int,
     x: torch.Tensor,
-) -> torch.Tensor:
-    """A settled unit of several formats' records with block scaling: float64 (P, 5) from
-    its N rows ``x``, every block under its agreed key and this rank's block maximum
-    (``keyed``), each parameter under its own format's bounds, in one kernel call."""
-    out = torch.empty(p, 5, dtype=torch.float64, device=x.device)
-    keys, maxima = keyed
-    c.unit_records(x, grid.layout, grid.counts[:p].numpy(), keys, maxima, n, out, limits)
-    return out
+    blocks: Blocks,
+    local: torch.Tensor,
+    keys: torch.Tensor,
+    flags: torch.Tensor,
+    n: int,
+) -> Callable[[], None] | None:
+    """A unit's :meth:`aps_comm.codec.Codec.bind_block_keys` over its N rows ``x``, cut in
+    ``blocks``: bound anew every step (FSDP hands a new buffer), and once when it binds
+    (None: no fused keys for this backend or format)."""
+    layout, counts, device_counts = blocks.layout, blocks.counts, blocks.device_counts
+    return c.bind_block_keys(x, layout, counts, local, keys, flags, n, device_counts=device_counts)
 
 
 def _unit_kernel_after(name: str, args: tuple, x: torch.Tensor) -> None:
@@ -4359,17 +4285,25 @@ def _unit_kernel_after(name: str, args: tuple, x: torch.Tensor) -> None:
     cpu_kernels.call(name, x, *args)
 
 
+def _row_segments(run: Run, n: int) -> list[int]:
+    """A run's segments (its chunks, or their blocks) in each of the N rows. A 4-bit run of
+    an odd row (not ``packed_rows``) has each row followed by a zero, which joins the row's
+    last segment: the segments stay the same (their factors), and one encode of the N
+    padded rows writes every row's codes in whole bytes, as the general path's per-row
+    encode leaves them."""
+    sizes = list(run.rows_layout.sizes)
+    if not run.packed_rows:
+        per_row = len(sizes) // n
+        for r in range(1, n + 1):
+            sizes[r * per_row - 1] += 1
+    return sizes
+
+
 def _padded_rows(runs: RowRuns, n: int) -> RowRuns:
-    """A 4-bit unit's one run of an odd row, each of its N rows followed by a zero: the
-    run's segments (chunks, or blocks) are the same, each row's last one element longer,
-    so one encode of the N padded rows writes the general path's per-row bytes."""
+    """A 4-bit unit's one run of an odd row, each of its N rows followed by a zero
+    (:func:`_row_segments`)."""
     run = runs.runs[0]
-    offsets = run.rows_layout.offsets.to(torch.int64)
-    per_row = (offsets.numel() - 1) // n
-    # Each segment's start moves by its row's index (the end by N): the pad joins the
-    # row's last segment.
-    offsets = offsets + torch.arange(offsets.numel()) // per_row
-    layout = Layout.from_numels(offsets.diff().tolist(), run.rows_layout.device)
+    layout = Layout.from_numels(_row_segments(run, n), run.rows_layout.device)
     blocks = run.rows_blocks
     if blocks is not None:
         blocks = dataclasses.replace(blocks, layout=layout)
@@ -4377,26 +4311,6 @@ def _padded_rows(runs: RowRuns, n: int) -> RowRuns:
         run, hi=run.hi + 1, rows_layout=layout, packed_rows=True, rows_blocks=blocks
     )
     return dataclasses.replace(runs, runs=[padded], row_numel=runs.row_numel + 1)
-
-
-def _mixed_records(
-    c: codec.Codec,
-    layout: Layout,
-    keys: tuple[np.ndarray, list[tuple[np.ndarray, np.ndarray]]],
-    maxima: torch.Tensor,
-    n: int,
-    limits: tuple[np.ndarray, np.ndarray],
-    x: torch.Tensor,
-) -> torch.Tensor:
-    """A settled unit of several formats' records from its N rows ``x``: each scaled
-    format's exponent keys (written by its factors) moved to their rows' places (FP32's
-    stay 0: exponent 0), then one kernel call, the N rows folded per parameter."""
-    every, per_format = keys
-    for mine, at in per_format:
-        every[at] = mine
-    out = torch.empty(len(limits[0]), 5, dtype=torch.float64, device=x.device)
-    c.unit_records(x, layout, np.ones(len(limits[0]), np.int64), every, maxima, n, out, limits)
-    return out
 
 
 def _mixed_block_keys(
@@ -4444,26 +4358,8 @@ def _mixed_block_factors(
     blocks.decode.copy_(torch.where(bad.index_select(0, param_of) > 0, math.nan, unscale))
 
 
-def _mixed_block_torch_records(
-    grid: Blocks,
-    formats: list[FloatFormat],
-    pick: torch.Tensor,
-    keyed: tuple[torch.Tensor, torch.Tensor],
-    n: int,
-    x: torch.Tensor,
-) -> torch.Tensor:
-    """:func:`_mixed_block_records` on the torch backends: every block's counts under
-    every format (FP32 last), each block's own picked, folded per parameter
-    (:func:`_block_records_of`)."""
-    keys, maxima = keyed
-    exps = key_exponents(keys)
-    every = [layer_counts(x, grid.layout.lengths, exps, f) for f in formats]
-    counts = torch.cat(every).index_select(0, pick)
-    return _block_records_of(grid, counts, exps, maxima, n)
-
-
 def _format_rows(runs: RowRuns, p: int, device: torch.device) -> torch.Tensor:
-    """Per parameter, its row among :func:`_mixed_torch_records`' counts: (its format's
+    """Per parameter, its row among :func:`_torch_layer_records`' counts: (its format's
     index, FP32 last, among ``runs.by_format``) * P + the parameter (int64, on ``device``)."""
     fp32 = len(runs.by_format)
     place = {fmt: f for f, fmt in enumerate(runs.by_format)}
@@ -4472,32 +4368,6 @@ def _format_rows(runs: RowRuns, p: int, device: torch.device) -> torch.Tensor:
         for i in run.index:
             rows[i] += place.get(run.fmt, fp32) * p
     return to_device(torch.tensor(rows, dtype=torch.long), device)
-
-
-def _mixed_torch_records(
-    formats: list[tuple[FloatFormat, torch.Tensor]],
-    rows: torch.Tensor,
-    layout: Layout,
-    maxima: torch.Tensor,
-    shape: tuple[int, Scaling],
-    x: torch.Tensor,
-) -> torch.Tensor:
-    """:func:`_mixed_records` on the torch backends, the general path's ops: float64 (P, 5)
-    from the N rows ``x``, each scaled format's exponents of its parameters' agreed
-    ``maxima`` (FP32's 0), the counts under every format (FP32 last) and each parameter's
-    picked (``rows``: :func:`_format_rows`), folded over the rows."""
-    (n, scaling), p = shape, maxima.numel()
-    exps = torch.zeros(p, dtype=torch.int32, device=x.device)
-    for fmt, which in formats:
-        f = factors(maxima[which], fmt, Route.TWO_PHASE, world_size=n, scaling=scaling)
-        exps[which] = f.exponents
-    every = exps.repeat(n)
-    fmts = [fmt for fmt, _ in formats] + [FP32]
-    counts = torch.cat(
-        [layer_counts(x, layout.lengths, every, f).view(n, p, 3).sum(0) for f in fmts]
-    )
-    picked = counts.index_select(0, rows)
-    return torch.cat([exps.double()[:, None], maxima.double()[:, None], picked.double()], 1)
 
 
 def _unit_scratch(runs: RowRuns, arena: Arena, n: int) -> RowRuns:
