@@ -368,7 +368,7 @@ class SteadyNodeBlocks(SteadyBlocks):
 
     groups: NodeGroups | None = None
     per_node: int = 1
-    node_calls: list[transports.NodeChunkCalls] | None = None
+    node_calls: list[transports.ChunkCalls] | None = None
 
     def bind(self, x: torch.Tensor, rank: int, world_size: int) -> bool:
         g = self.group
@@ -426,7 +426,7 @@ class SteadyStaged(Steady):
     per_node: int = 1
     factors: torch.Tensor | None = None
     factors_call: Callable[[], object] | None = None
-    node_calls: list[transports.NodeChunkCalls] | None = None
+    node_calls: list[transports.ChunkCalls] | None = None
     record_keys: tuple[np.ndarray, np.ndarray] | None = None
     local: torch.Tensor | None = None
     records_call: Callable[[torch.Tensor], None] | None = None
@@ -2149,9 +2149,7 @@ class Reducer:
             return
         assert s.calls is not None  # made by Steady.bind
         if s.route == Route.ALLREDUCE:
-            transports.native(
-                s.group, values, s.agreed, s.agreed, comm.group, self.traffic, calls=s.calls
-            )
+            transports.native(s.calls, s.group.fmt, comm.group, self.traffic)
         else:
             transports.two_phase_bound(s.calls, comm.group, self.traffic)
 
@@ -2329,8 +2327,8 @@ class Reducer:
         # Not deferred: one workspace slot serves every bucket (:meth:`bucket`).
         comm = self.comm
         if st.group is not None and st.group.reduction == Route.ALLREDUCE:
-            g, scale = st.group, st.scale  # the bound calls read the factors
-            transports.native(g, x, scale, scale, comm.group, self.traffic, calls=st.calls)
+            # The bound calls read the factors.
+            transports.native(st.calls, st.group.fmt, comm.group, self.traffic)
             return
         transports.two_phase_bound(st.calls, comm.group, self.traffic, False)
 
@@ -2440,12 +2438,8 @@ class Reducer:
         if st.factors_call is not None:  # the native sum's, or the torch backends'
             st.factors_call()
         if st.native:
-            assert st.factors is not None
-            scale, unscale = st.factors
-            return transports.native(
-                st.group, x, scale, unscale, comm.group, self.traffic, None, defer, st.calls
-            )
-        return transports.two_phase_blocks_bound(st.calls, comm.group, self.traffic, defer)
+            return transports.native(st.calls, st.group.fmt, comm.group, self.traffic, defer)
+        return transports.two_phase_bound(st.calls, comm.group, self.traffic, defer)
 
     def _settle_blocks(
         self,
@@ -2682,10 +2676,7 @@ class Reducer:
             self._settled_rates(st, x)
         start = time.perf_counter()
         if native:
-            agreed = st.agreed
-            tail = transports.native(
-                g, x, agreed, agreed, comm.group, self.traffic, None, defer, calls
-            )
+            tail = transports.native(calls, g.fmt, comm.group, self.traffic, defer)
         else:
             tail = transports.two_phase_bound(calls, comm.group, self.traffic, defer)
         if st.measured:

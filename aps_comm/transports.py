@@ -38,7 +38,7 @@ from __future__ import annotations
 import dataclasses
 import functools
 import itertools
-from collections.abc import Callable, Sequence
+from collections.abc import Callable, Iterable, Sequence
 
 import numpy as np
 import torch
@@ -46,12 +46,11 @@ import torch.distributed as dist
 
 from aps_comm.codec import (
     AgreedBlockChunk,
-    AgreedMaxima,
     NodeBlockChunk,
     RankBlockCalls,
     RankBlockChunk,
 )
-from aps_comm.formats import payload_nbytes, pow2
+from aps_comm.formats import FloatFormat, payload_nbytes, pow2
 from aps_comm.layout import BlockGrid, Layout
 from aps_comm.plan import BlockShards, GroupPlan, NodeBlocks
 from aps_comm.scaling import (
@@ -64,7 +63,6 @@ from aps_comm.topology import NodeGroups
 __all__ = [
     "ChunkCalls",
     "Counter",
-    "NodeChunkCalls",
     "agreed_block_calls",
     "all_gather_single",
     "all_reduce_max",
@@ -80,7 +78,6 @@ __all__ = [
     "node_spare",
     "rank_block_ops",
     "rows_exchange",
-    "two_phase_blocks_bound",
     "two_phase_bound",
     "two_phase_rank_blocks_bound",
 ]
@@ -89,17 +86,26 @@ __all__ = [
 @dataclasses.dataclass(frozen=True)
 class ChunkCalls:
     """One chunk's codec work, bound once (:meth:`aps_comm.codec.Codec.bind_encode` and
-    friends): a settled bucket repeats the same calls on the same buffers every step.
+    friends), and the buffers its route's collectives move (views made once: slicing
+    costs host time): a settled bucket repeats the same calls on the same buffers every
+    step.
 
     Attributes:
-        encode: encodes the chunk into its send region (two_phase: with its padding).
-        owner: two_phase: the owner's step into the chunk's shard (None for native sums).
+        encode: encodes the chunk into ``send`` (two_phase: with its padding; a staged
+            route: the node's sum of this rank's slice, from ``first_out``).
+        owner: the owner's step from ``recv`` into ``shard`` (None for native sums).
         decode: decodes the chunk's result into the bucket.
-        send: the chunk's send region (views made once: slicing costs host time).
-        recv: two_phase: the chunk's receive region.
-        shard: two_phase: this rank's shard of the chunk.
-        gathered: two_phase with block exponents: where the chunk's N shards are
-            gathered (else into ``send``).
+        send: what the chunk's exchange sends (native: summed in place).
+        recv: two_phase and staged: what the exchange brings.
+        shard: two_phase and staged: this rank's shard, gathered into ``gathered``.
+        gathered: where the shards are gathered (by default ``send``, free by then).
+        first: grid: the chunk encoded with the first level's factors into ``first_in``.
+        first_in: staged: what the first exchange, in the node, sends (the values'
+            chunk, or grid's encoded chunk).
+        first_out: staged: what it receives: the node's L slices of this rank's.
+        splits: hierarchical: the first exchange's input and output split sizes.
+        node_gathered: staged: where ``gathered`` is gathered in the node (the chunk's
+            encoded mean, which ``decode`` reads).
     """
 
     encode: Callable[[], object]
@@ -109,10 +115,22 @@ class ChunkCalls:
     recv: torch.Tensor | None = None
     shard: torch.Tensor | None = None
     gathered: torch.Tensor | None = None
+    first: Callable[[], object] | None = None
+    first_in: torch.Tensor | None = None
+    first_out: torch.Tensor | None = None
+    splits: tuple[list[int], list[int]] | None = None
+    node_gathered: torch.Tensor | None = None
+
+    def __post_init__(self) -> None:
+        if self.gathered is None:
+            object.__setattr__(self, "gathered", self.send)
 
 
 Counter = Callable[[str, int], None]
 """``count(collective, nbytes)``: called for every payload handed to a collective."""
+
+_Stage = Callable[[int], None]
+"""One stage of a chunk of a pipelined route (:func:`_pipeline`)."""
 
 
 def all_gather_single(
@@ -144,9 +162,7 @@ def all_reduce_max(vec: torch.Tensor, group: dist.ProcessGroup, count: Counter) 
 
 def fp32_mean(x: torch.Tensor, group: dist.ProcessGroup, world_size: int, count: Counter) -> None:
     """Average float32 ``x`` over the ranks in place (``allreduce_hook``'s arithmetic)."""
-    x.div_(world_size)
-    count("all_reduce", x.numel() * x.element_size())
-    _wait(dist.all_reduce(x, group=group, async_op=True), "the FP32 all-reduce")
+    _wait(_fp32_sum(x, group, world_size, count), "the FP32 all-reduce")
 
 
 def fp32_mean_async(
@@ -156,10 +172,15 @@ def fp32_mean_async(
 
     The future holds ``x`` (averaged in place) once the all-reduce is done.
     """
+    return _fp32_sum(x, group, world_size, count).get_future().then(_first)
+
+
+def _fp32_sum(
+    x: torch.Tensor, group: dist.ProcessGroup, world_size: int, count: Counter
+) -> dist.Work:
     x.div_(world_size)
     count("all_reduce", x.numel() * x.element_size())
-    work = dist.all_reduce(x, group=group, async_op=True)
-    return work.get_future().then(_first)
+    return dist.all_reduce(x, group=group, async_op=True)
 
 
 def _first(fut: torch.futures.Future) -> torch.Tensor:
@@ -182,86 +203,140 @@ def rows_exchange(
 
 
 def native(
-    g: GroupPlan,
-    x: torch.Tensor,
-    scale: torch.Tensor | AgreedMaxima,
-    unscale: torch.Tensor | AgreedMaxima,
+    calls: Sequence[ChunkCalls],
+    fmt: FloatFormat,
     group: dist.ProcessGroup,
     count: Counter,
-    after_encode: Callable[[int, torch.Tensor], None] | None = None,
     defer: bool = False,
-    calls: Sequence[ChunkCalls] | None = None,
 ) -> Callable[[], None] | None:
-    """Average ``x`` with one native all-reduce per chunk in the wire dtype.
+    """Average a bound bucket with one native all-reduce per chunk in the wire dtype.
 
     Args:
-        g: the group's plan (``reduction == "allreduce"``).
-        x: the group's float32 values; the result is written back into it.
-        scale: per-layer factors applied before encoding (or the agreed maxima they come from).
-        unscale: per-layer factors applied after decoding, including 1/N (or
-            the agreed maxima they come from).
+        calls: each chunk's bound encode and decode, with its ``send`` region
+            (summed in place).
+        fmt: the wire format (FP16/BF16, or FP8 where the backend sums it).
         group: the process group.
         count: byte counter.
-        after_encode: called with (chunk, payload) after each chunk is encoded.
         defer: leave the last chunk in flight and return a function that waits
             for it and decodes it: the caller can start the next bucket first.
-        calls: the chunks' codec work bound once (a settled bucket), in place
-            of the codec calls with ``scale`` and ``unscale``.
 
     Returns:
         With ``defer``, the function that finishes the bucket; else None.
     """
-    dtype = g.fmt.torch_dtype
-    pending: list[tuple[int, dist.Work]] = []
-    for c, ((lo, hi), (r0, r1)) in enumerate(zip(g.chunks, g.regions, strict=True)):
-        if calls is not None:
-            payload = calls[c].send
-            calls[c].encode()
-        else:
-            payload = g.send[r0:r1]
-            g.codec.encode(x[lo:hi], out=payload, scale=scale, layout=g.windows[c])
-        if after_encode is not None:
-            after_encode(c, payload)
-        count("all_reduce", payload.numel())
-        pending.append((c, dist.all_reduce(payload.view(dtype), group=group, async_op=True)))
-        if len(pending) > 1:
-            _decode(g, x, unscale, *pending.pop(0), calls)
-    return _finish(pending, functools.partial(_decode, g, x, unscale, calls=calls), defer)
+    works: _Works = [None] * len(calls)
+    what = f"{fmt.name} all-reduce"
+
+    def reduce(c: int) -> None:
+        cc = calls[c]
+        cc.encode()
+        count("all_reduce", cc.send.numel())
+        works[c] = dist.all_reduce(cc.send.view(fmt.torch_dtype), group=group, async_op=True), what
+
+    return _pipeline(len(calls), (reduce, _decoding(calls, works)), defer)
 
 
-def _finish(
-    tail: list[tuple[int, dist.Work]], finish_one: Callable[..., None], defer: bool
-) -> Callable[[], None] | None:
-    """Wait for and decode the chunks still in flight, now or in the returned function."""
-
-    def finish() -> None:
-        for chunk, work in tail:
-            finish_one(chunk, work)
-
-    if defer:
-        return finish
-    finish()
-    return None
+_Works = list[tuple[dist.Work, str] | None]
+"""Each chunk's collective in flight, and its name for errors."""
 
 
-def _decode(
-    g: GroupPlan,
-    x: torch.Tensor,
-    unscale: torch.Tensor | AgreedMaxima,
-    c: int,
-    work: dist.Work,
-    calls: Sequence[ChunkCalls] | None = None,
-) -> None:
-    """Wait for chunk ``c``'s last collective, then decode it into ``x`` (two_phase: the
-    gathered shards, native: the summed payload; both sit in the send region)."""
-    last = "all_gather" if g.reduction == "two_phase" else f"{g.fmt.name} all-reduce"
-    _wait(work, f"the {last} of chunk {c + 1} of {len(g.chunks)}")
-    if calls is not None:
+def _wait_chunk(works: _Works, c: int) -> None:
+    """Wait for chunk c's collective in flight, if any (naming it if it fails)."""
+    pending = works[c]
+    if pending is not None:
+        works[c] = None
+        _wait(pending[0], f"the {pending[1]} of chunk {c + 1} of {len(works)}")
+
+
+def _decoding(calls: Sequence[ChunkCalls | RankBlockCalls], works: _Works) -> _Stage:
+    """The last stage: chunk c's result decoded once its last collective is done."""
+
+    def decode(c: int) -> None:
+        _wait_chunk(works, c)
         calls[c].decode()
-        return
-    lo, hi = g.chunks[c]
-    r0, r1 = g.regions[c]
-    g.codec.decode(g.send[r0:r1], hi - lo, out=x[lo:hi], scale=unscale, layout=g.windows[c])
+
+    return decode
+
+
+def _pipeline(
+    k: int, stages: Sequence[_Stage], defer: bool, backward: bool = False
+) -> Callable[[], None] | None:
+    """Run stage s of chunk c at step c + s: every rank issues the same collectives in
+    the same order, whatever the route.
+
+    Forward (two_phase, native), a step runs its stages first to last and ``defer``
+    leaves the last stage of every chunk that reaches it after the last chunk's first
+    stage; ``backward`` (the staged route), last to first, leaving the last chunk's.
+
+    Returns:
+        With ``defer``, the function that runs the stages left, in chunk order; else None.
+    """
+    last = len(stages) - 1
+    order, held = (range(last, -1, -1), 1) if backward else (range(last + 1), last)
+    tail: list[int] = []
+    for step in range(k + last):
+        for s in order:
+            c = step - s
+            if not 0 <= c < k:
+                continue
+            if defer and s == last and c >= k - held:
+                tail.append(c)
+            else:
+                stages[s](c)
+    return functools.partial(_each, stages[last], tail) if defer else None
+
+
+def _each(stage: _Stage, chunks: Sequence[int]) -> None:
+    for c in chunks:
+        stage(c)
+
+
+_Buffers = Callable[[int], tuple[torch.Tensor, torch.Tensor]]
+"""A chunk's codec call, run, and the two buffers of the collective that follows it."""
+
+
+def _two_phase(
+    send: _Buffers,
+    owner: _Buffers,
+    group: dist.ProcessGroup,
+    count: Counter,
+    works: _Works,
+    level: str = "",
+) -> tuple[_Stage, _Stage]:
+    """two_phase's exchange and gather of chunk c as pipeline stages, each after the
+    chunk's collective in flight (a staged route's previous level): ``send(c)`` fills
+    the exchange and gives (send, recv); ``owner(c)`` makes this rank's shard and gives
+    (shard, gathered). ``level`` names the collectives in errors."""
+    names = f"{level}all_to_all", f"{level}all_gather"
+
+    def exchange(c: int) -> None:
+        _wait_chunk(works, c)
+        out, into = send(c)
+        count("all_to_all", out.numel())
+        works[c] = dist.all_to_all_single(into, out, group=group, async_op=True), names[0]
+
+    def gather(c: int) -> None:
+        _wait_chunk(works, c)
+        shard, gathered = owner(c)
+        count("all_gather", shard.numel())
+        works[c] = all_gather_single(gathered, shard, group=group, async_op=True), names[1]
+
+    return exchange, gather
+
+
+def _steps(calls: Sequence[ChunkCalls]) -> tuple[_Buffers, _Buffers]:
+    """``calls``' encode and owner steps as :func:`_two_phase` runs them."""
+
+    def send(c: int) -> tuple[torch.Tensor, torch.Tensor]:
+        cc = calls[c]
+        cc.encode()
+        return cc.send, cc.recv  # type: ignore[return-value]  # bound with recv
+
+    def owner(c: int) -> tuple[torch.Tensor, torch.Tensor]:
+        cc = calls[c]
+        cc.owner()  # type: ignore[misc]
+        return cc.shard, cc.gathered  # type: ignore[return-value]  # bound with both
+
+    return send, owner
 
 
 def two_phase_bound(
@@ -270,14 +345,15 @@ def two_phase_bound(
     count: Counter,
     defer: bool = False,
 ) -> Callable[[], None] | None:
-    """two_phase over a bound bucket: every chunk's codec work and buffers bound.
+    """two_phase over a bound bucket (layer scaling, or agreed block exponents:
+    :func:`bind_agreed_blocks`): every chunk's codec work and buffers bound.
 
     The same collectives, in the same order, and the same bytes; per chunk
     three bound calls and no slicing, lookups or checks on the host.
 
     Args:
-        calls: each chunk's bound work, with its ``send``, ``recv`` and
-            ``shard`` views (:meth:`aps_comm.engine.Steady.bind`).
+        calls: each chunk's bound work, with its ``send``, ``recv``, ``shard``
+            (and ``gathered``) views (:meth:`aps_comm.engine.Steady.bind`).
         group: the process group.
         count: byte counter.
         defer: leave the last chunks in flight and return the function that finishes them.
@@ -285,60 +361,121 @@ def two_phase_bound(
     Returns:
         With ``defer``, the function that finishes the bucket; else None.
     """
-
-    def send(c: int) -> tuple[torch.Tensor, torch.Tensor]:
-        cc = calls[c]
-        cc.encode()
-        return cc.send, cc.recv  # type: ignore[return-value]  # two_phase: bound with recv
-
-    def owner(p: int) -> tuple[torch.Tensor, torch.Tensor]:
-        cc = calls[p]
-        cc.owner()  # type: ignore[misc]
-        # The chunk's send region is free once its all-to-all is done.
-        return cc.shard, cc.send  # type: ignore[return-value]
-
-    def decode(c: int) -> None:
-        calls[c].decode()
-
-    return _bound_pipeline(len(calls), send, owner, decode, group, count, defer)
+    works: _Works = [None] * len(calls)
+    stages = (*_two_phase(*_steps(calls), group, count, works), _decoding(calls, works))
+    return _pipeline(len(calls), stages, defer)
 
 
-def _bound_pipeline(
-    k: int,
-    send: Callable[[int], tuple[torch.Tensor, torch.Tensor]],
-    owner: Callable[[int], tuple[torch.Tensor, torch.Tensor]],
-    decode: Callable[[int], None],
-    group: dist.ProcessGroup,
-    count: Counter,
-    defer: bool,
-) -> Callable[[], None] | None:
-    """two_phase's chunk order over bound steps: ``send(c)`` fills chunk c's
-    exchange and gives (send, recv); ``owner(p)`` makes this rank's shard and gives
-    (shard, gathered); ``decode(c)`` decodes chunk c's gathered shards."""
-    exchanges: list[dist.Work | None] = [None] * k
-    gathers: list[dist.Work | None] = [None] * k
-    tail: list[tuple[int, dist.Work]] = []
+_Views = tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]
 
-    def finish(c: int, work: dist.Work) -> None:
-        _wait(work, f"the all_gather of chunk {c + 1} of {k}")
-        decode(c)
 
-    for c in range(k + 2):
-        if c < k:
-            out, into = send(c)
-            count("all_to_all", out.numel())
-            exchanges[c] = dist.all_to_all_single(into, out, group=group, async_op=True)
-        if 1 <= c <= k:
-            p = c - 1
-            _wait(exchanges[p], f"the all_to_all of chunk {c} of {k}")  # type: ignore[arg-type]
-            shard, gathered = owner(p)
-            count("all_gather", shard.numel())
-            gathers[p] = all_gather_single(gathered, shard, group=group, async_op=True)
-        if c >= 2:
-            tail.append((c - 2, gathers[c - 2]))  # type: ignore[arg-type]
-            if c < k or not defer:
-                finish(*tail.pop())
-    return _finish(tail, finish, defer)
+def _chunk_views(g: GroupPlan, c: int) -> _Views:
+    """Chunk c of two_phase with block exponents: its send and receive regions, this rank's
+    gathered shard and the chunk's gathered shards (views made once: slicing costs host time)."""
+    sh = g.block_shards
+    assert sh is not None
+    (r0, r1), (s0, s1), (q0, q1) = g.regions[c], g.shard_regions[c], sh.gather_regions[c]
+    return g.send[r0:r1], g.recv[r0:r1], g.shards[s0:s1], sh.gathered[q0:q1]
+
+
+def _encode_pieces(
+    g: GroupPlan,
+    values: torch.Tensor,
+    pieces: torch.Tensor,
+    spans: Iterable[tuple[int, int]],
+    windows: Sequence[Layout],
+    scale: torch.Tensor,
+    keys: torch.Tensor | None = None,
+    sb: int = 0,
+) -> None:
+    """Row i of ``pieces``: ``values[a:b]`` (the i-th of ``spans``) encoded with ``scale``,
+    zeros to the row's end (code 0 is +0 in every format), and after ``sb`` payload
+    bytes its blocks' ``keys`` (none with agreed exponents)."""
+    for i, ((a, b), win) in enumerate(zip(spans, windows, strict=True)):
+        piece, used = pieces[i], payload_nbytes(b - a, g.fmt)
+        if b > a:
+            g.codec.encode(values[a:b], out=piece[:used], scale=scale, layout=win)
+        piece[used:].zero_()
+        if b > a and keys is not None:
+            piece[sb : sb + win.n_segments] = keys[win.first : win.first + win.n_segments]
+
+
+def _owner_keys(
+    g: GroupPlan,
+    rows: torch.Tensor,
+    mine: Layout,
+    sb: int,
+    used: int,
+    out: torch.Tensor,
+    own: torch.Tensor | None = None,
+    own_row: int = -1,
+) -> None:
+    """The owner's step with every sender's own block keys: the mean of the received
+    ``rows`` (each unscaled by the keys after its ``sb`` payload bytes) into ``out[:used]``,
+    then its blocks' own keys (:meth:`aps_comm.codec.Codec.owner_reduce_rank_blocks`)."""
+    blocks = mine.n_segments
+    unscale = key_factors(rows[:, sb : sb + blocks], unscale=True)
+    _, d = g.codec.owner_reduce_rank_blocks(
+        rows.reshape(-1), rows.shape[0], mine, unscale, out=out[:used], own=own, own_row=own_row
+    )
+    out[used:sb].zero_()
+    out[sb : sb + blocks] = 127 - d  # a key (zero and non-finite blocks: d = 0)
+    out[sb + blocks :].zero_()
+
+
+def _decode_shards(
+    g: GroupPlan,
+    x: torch.Tensor,
+    rows: torch.Tensor,
+    bounds: Sequence[int],
+    layouts: Sequence[Layout],
+    firsts: Sequence[int],
+    sb: int,
+    unscale: Callable[[int, int, torch.Tensor], torch.Tensor],
+) -> None:
+    """Every gathered shard (row s of ``rows``) decoded into ``x``, unscaled by what its
+    owner sent after its ``sb`` payload bytes: ``unscale(b0, b1, sent)`` gives the factors
+    of the group's blocks ``[b0, b1)`` (read in place: no index of the exponents is kept
+    per bucket)."""
+    for s, (a, b) in enumerate(itertools.pairwise(bounds)):
+        if a == b:
+            continue
+        mine, b0 = layouts[s], firsts[s]
+        g.codec.decode(
+            rows[s, : payload_nbytes(b - a, g.fmt)],
+            b - a,
+            out=x[a:b],
+            scale=unscale(b0, b0 + mine.n_segments, rows[s, sb : sb + mine.n_segments]),
+            layout=mine,
+        )
+
+
+def _by_shard(
+    g: GroupPlan,
+    x: torch.Tensor,
+    c: int,
+    n: int,
+    send: Callable[..., object],
+    owner: Callable[..., object],
+    unscale: Callable[[int, int, torch.Tensor], torch.Tensor],
+) -> tuple[Callable[..., object], Callable[..., object], Callable[[], None], _Views]:
+    """Chunk c of two_phase with block exponents by the codec's own calls, shard by shard:
+    ``send(c, pieces)`` fills the exchange's N pieces, ``owner(c, rows, out)`` makes this
+    rank's shard from the N received rows, the gathered shards are decoded one by one
+    (:func:`_decode_shards`); and the chunk's views (:func:`_chunk_views`)."""
+    sh = g.block_shards
+    assert sh is not None
+    views, sb = _chunk_views(g, c), sh.shard_bytes[c]
+    rows = views[3].view(n, sb + sh.slots[c])
+    firsts = [w.first for w in sh.windows[c]]
+    return (
+        functools.partial(send, c, views[0].view(n, sh.pieces[c])),
+        functools.partial(owner, c, views[1].view(n, sh.pieces[c]), views[2]),
+        functools.partial(
+            _decode_shards, g, x, rows, sh.bounds[c], sh.layouts[c], firsts, sb, unscale
+        ),
+        views,
+    )
 
 
 def agreed_block_calls(
@@ -349,7 +486,7 @@ def agreed_block_calls(
     world_size: int,
 ) -> list[ChunkCalls]:
     """Every chunk's steps of two_phase with agreed block exponents by the codec's calls, shard by shard
-    (every backend): what :func:`two_phase_blocks_bound` runs, for one step or bound to a
+    (every backend): what :func:`two_phase_bound` runs, for one step or bound to a
     settled bucket (the backends without fused kernels: ``factors`` refilled in place).
 
     Args:
@@ -368,13 +505,11 @@ def agreed_block_calls(
     assert sh is not None and not sh.rank_exponents
     fmt, n, (scale, exponents, finite) = g.fmt, world_size, factors
 
-    def send(c: int, s: int, a: int, b: int, piece: torch.Tensor) -> None:
-        used = payload_nbytes(b - a, fmt)
-        g.codec.encode(x[a:b], out=piece[:used], scale=scale, layout=sh.windows[c][s])
-        piece[used:].zero_()  # padding: code 0 is +0 in every format
+    def send(c: int, pieces: torch.Tensor) -> None:
+        _encode_pieces(g, x, pieces, itertools.pairwise(sh.bounds[c]), sh.windows[c], scale)
 
-    def owner(p: int, rows: torch.Tensor, a: int, b: int, out: torch.Tensor) -> None:
-        mine, sb = sh.layouts[p][rank], sh.shard_bytes[p]
+    def owner(p: int, rows: torch.Tensor, out: torch.Tensor) -> None:
+        mine, sb, (a, b) = sh.layouts[p][rank], sh.shard_bytes[p], sh.bounds[p][rank : rank + 2]
         first, used = sh.windows[p][rank].first, payload_nbytes(b - a, fmt)
         _, d = g.codec.owner_reduce_blocks(
             rows.reshape(-1), n, mine, exponents[first : first + mine.n_segments], out=out[:used]
@@ -387,64 +522,11 @@ def agreed_block_calls(
         e = exponents[b0:b1] + d.to(torch.int32)
         return torch.where(finite[b0:b1], pow2(-e), float("nan"))
 
-    send_chunk, decode = _shard_by_shard(g, send), _decode_by_shard(g, x, unscale, n)
     calls = []
     for c in range(len(g.chunks)):
-        (r0, r1), (s0, s1), (q0, q1) = g.regions[c], g.shard_regions[c], sh.gather_regions[c]
-        out, (a, b) = g.shards[s0:s1], sh.bounds[c][rank : rank + 2]
-        pieces = (g.send[r0:r1].view(n, sh.pieces[c]), g.recv[r0:r1].view(n, sh.pieces[c]))
-        calls.append(
-            ChunkCalls(
-                functools.partial(send_chunk, c, pieces[0]),
-                functools.partial(owner, c, pieces[1], a, b, out),
-                functools.partial(decode, c),
-                g.send[r0:r1],
-                g.recv[r0:r1],
-                out,
-                sh.gathered[q0:q1],
-            )
-        )
+        *bound, views = _by_shard(g, x, c, n, send, owner, unscale)
+        calls.append(ChunkCalls(*bound, *views))
     return calls
-
-
-def two_phase_blocks_bound(
-    calls: Sequence[ChunkCalls],
-    group: dist.ProcessGroup,
-    count: Counter,
-    defer: bool = False,
-) -> Callable[[], None] | None:
-    """two_phase with agreed block exponents through calls bound once (:func:`bind_agreed_blocks`).
-
-    The same collectives, in the same order, and the same bytes; each chunk
-    is three kernel calls (send, owner, decode), whatever the number of
-    ranks, layers or blocks. The agreed keys and the layers' non-finite
-    flags the calls read are written before.
-
-    Args:
-        calls: each chunk's bound calls, with its ``send``, ``recv``, ``shard``
-            and ``gathered`` views.
-        group: the process group.
-        count: byte counter.
-        defer: leave the last chunks in flight and return the function that finishes them.
-
-    Returns:
-        With ``defer``, the function that finishes the bucket; else None.
-    """
-
-    def send(c: int) -> tuple[torch.Tensor, torch.Tensor]:
-        cc = calls[c]
-        cc.encode()
-        return cc.send, cc.recv  # type: ignore[return-value]  # bound with recv
-
-    def owner(p: int) -> tuple[torch.Tensor, torch.Tensor]:
-        cc = calls[p]
-        cc.owner()  # type: ignore[misc]
-        return cc.shard, cc.gathered  # type: ignore[return-value]  # bound with both
-
-    def decode(c: int) -> None:
-        calls[c].decode()
-
-    return _bound_pipeline(len(calls), send, owner, decode, group, count, defer)
 
 
 def bind_agreed_blocks(
@@ -475,13 +557,7 @@ def bind_agreed_blocks(
     calls = []
     for c in range(len(g.chunks)):
         firsts = _block_firsts(g.layout, sh.bounds[c])
-        (r0, r1), (s0, s1), (q0, q1) = g.regions[c], g.shard_regions[c], sh.gather_regions[c]
-        send, recv, out, gathered = (
-            g.send[r0:r1],
-            g.recv[r0:r1],
-            g.shards[s0:s1],
-            sh.gathered[q0:q1],
-        )
+        send, recv, out, gathered = _chunk_views(g, c)
         chunk = AgreedBlockChunk(
             offsets,
             firsts,
@@ -503,20 +579,49 @@ def bind_agreed_blocks(
 
 
 @dataclasses.dataclass
-class _RankBlockOps:
-    """Two_phase with every rank's own block exponents as the codec's own calls, shard by
-    shard (:func:`rank_block_ops`). The first chunk's send makes the factors of this
-    rank's keys, its owner step the blocks of the layers any rank flagged: later chunks
-    read both, in the same step."""
+class _BlockOps:
+    """The torch-op fallbacks' state with every rank's own block exponents: this rank's
+    keys and layer flags, read when the calls run; the first chunk makes the factors of
+    the keys and the blocks of the layers any rank flagged, later chunks read both, in
+    the same step."""
 
     g: GroupPlan
     x: torch.Tensor
     keys: torch.Tensor
     flags: torch.Tensor
     union: torch.Tensor
-    rank: int
-    scale: torch.Tensor | None = None
-    bad: torch.Tensor | None = None  # per block: its layer is non-finite on some rank
+    scale: torch.Tensor | None = dataclasses.field(default=None, init=False)
+    # Per block: its layer is non-finite on some rank.
+    bad: torch.Tensor | None = dataclasses.field(default=None, init=False)
+
+    def key_scale(self, c: int) -> torch.Tensor:
+        """The factors of this rank's keys, made by the first chunk."""
+        if c == 0:
+            self.scale = key_factors(self.keys, unscale=False)
+        assert self.scale is not None
+        return self.scale
+
+    def flag(self, sent: torch.Tensor) -> None:
+        """Every rank's layer flags (a row each) OR-ed, and the blocks they flag."""
+        g = self.g
+        assert g.blocks is not None
+        torch.amax(sent, 0, out=self.union)
+        # Per block, from the layers' block counts: no per-block index is kept.
+        self.bad = torch.repeat_interleave(
+            self.union != 0, g.blocks.device_counts, output_size=g.layout.n_segments
+        )
+
+    def unscale(self, b0: int, b1: int, k: torch.Tensor) -> torch.Tensor:
+        assert self.bad is not None  # the first chunk made it
+        return torch.where(self.bad[b0:b1], float("nan"), key_factors(k, unscale=True))
+
+
+@dataclasses.dataclass
+class _RankBlockOps(_BlockOps):
+    """Two_phase with every rank's own block exponents as the codec's own calls, shard by
+    shard (:func:`rank_block_ops`)."""
+
+    rank: int = 0
 
     @property
     def sh(self) -> BlockShards:
@@ -524,48 +629,30 @@ class _RankBlockOps:
         return self.g.block_shards
 
     def send(self, c: int, pieces: torch.Tensor, log2: int) -> None:
-        g, sh, keys, flags = self.g, self.sh, self.keys, self.flags
+        sh, flags, sb = self.sh, self.flags, self.sh.shard_bytes[c]
+        spans = itertools.pairwise(sh.bounds[c])
+        _encode_pieces(
+            self.g, self.x, pieces, spans, sh.windows[c], self.key_scale(c), self.keys, sb
+        )
         if c == 0:
-            self.scale = key_factors(keys, unscale=False)
-        sb = sh.shard_bytes[c]
-        for s, (a, b) in enumerate(itertools.pairwise(sh.bounds[c])):
-            piece, used = pieces[s], payload_nbytes(b - a, g.fmt)
-            first, blocks = sh.windows[c][s].first, sh.windows[c][s].n_segments
-            g.codec.encode(self.x[a:b], out=piece[:used], scale=self.scale, layout=sh.windows[c][s])
-            piece[used:].zero_()  # padding: code 0 is +0 in every format
-            piece[sb : sb + blocks] = keys[first : first + blocks]
-            if c == 0:
-                at = sb + sh.slots[0]
-                piece[at : at + flags.numel()] = flags
-                # fill_ takes the value as a kernel argument; an assignment of a host
-                # value would copy it to the device and wait for the stream.
-                piece[at + flags.numel() : at + flags.numel() + 1].fill_(log2)
+            at = sb + sh.slots[0]
+            pieces[:, at : at + flags.numel()] = flags
+            # fill_ takes the value as a kernel argument; an assignment of a host
+            # value would copy it to the device and wait for the stream.
+            pieces[:, at + flags.numel() : at + flags.numel() + 1].fill_(log2)
 
     def owner(self, p: int, rows: torch.Tensor, out: torch.Tensor) -> int:
-        g, sh, nl = self.g, self.sh, self.flags.numel()
+        sh, nl, log2 = self.sh, self.flags.numel(), 0
         a, b = sh.bounds[p][self.rank : self.rank + 2]
-        sb, mine, n = sh.shard_bytes[p], sh.layouts[p][self.rank], rows.shape[0]
-        log2 = 0
+        sb = sh.shard_bytes[p]
         if p == 0:
             at = sb + sh.slots[0]
-            torch.amax(rows[:, at : at + nl], 0, out=self.union)
-            assert g.blocks is not None
-            self.bad = torch.repeat_interleave(
-                self.union != 0, g.blocks.device_counts, output_size=g.layout.n_segments
-            )
+            self.flag(rows[:, at : at + nl])
             if rows.device.type == "cpu":  # CPU buckets agree chunks from timing
                 log2 = int(rows[:, at + nl].max())
-        used, blocks = payload_nbytes(b - a, g.fmt), mine.n_segments
-        unscale = key_factors(rows[:, sb : sb + blocks], unscale=True)
-        _, d = g.codec.owner_reduce_rank_blocks(rows.reshape(-1), n, mine, unscale, out=out[:used])
-        out[used:sb].zero_()
-        out[sb : sb + blocks] = 127 - d  # a key (zero and non-finite blocks: d = 0)
-        out[sb + blocks :].zero_()
+        used = payload_nbytes(b - a, self.g.fmt)
+        _owner_keys(self.g, rows, sh.layouts[p][self.rank], sb, used, out)
         return log2
-
-    def unscale(self, b0: int, b1: int, k: torch.Tensor) -> torch.Tensor:
-        assert self.bad is not None  # the first chunk's owner step made it
-        return torch.where(self.bad[b0:b1], float("nan"), key_factors(k, unscale=True))
 
 
 def rank_block_ops(
@@ -597,20 +684,10 @@ def rank_block_ops(
     assert sh is not None and sh.rank_exponents
     ops = _RankBlockOps(g, x, keys, flags, union, rank)
     n = len(sh.bounds[0]) - 1
-    decode = _decode_by_shard(g, x, ops.unscale, n)
-    calls = []
-    for c in range(len(g.chunks)):
-        (r0, r1), (s0, s1), (q0, q1) = g.regions[c], g.shard_regions[c], sh.gather_regions[c]
-        send, recv, out = g.send[r0:r1], g.recv[r0:r1], g.shards[s0:s1]
-        calls.append(
-            RankBlockCalls(
-                functools.partial(ops.send, c, send.view(n, sh.pieces[c])),
-                functools.partial(ops.owner, c, recv.view(n, sh.pieces[c]), out),
-                functools.partial(decode, c),
-                (send, recv, out, sh.gathered[q0:q1]),
-            )
-        )
-    return calls
+    return [
+        RankBlockCalls(*_by_shard(g, x, c, n, ops.send, ops.owner, ops.unscale))
+        for c in range(len(g.chunks))
+    ]
 
 
 def two_phase_rank_blocks_bound(
@@ -640,21 +717,18 @@ def two_phase_rank_blocks_bound(
     """
 
     def send(c: int) -> tuple[torch.Tensor, torch.Tensor]:
-        cc = calls[c]
-        cc.send(chunk_log2 if c == 0 else 0)
-        return cc.exchange[0], cc.exchange[1]
+        calls[c].send(chunk_log2 if c == 0 else 0)
+        return calls[c].exchange[0], calls[c].exchange[1]
 
-    def owner(p: int) -> tuple[torch.Tensor, torch.Tensor]:
-        cc = calls[p]
-        log2 = cc.owner()
-        if p == 0 and on_chunk is not None:
+    def owner(c: int) -> tuple[torch.Tensor, torch.Tensor]:
+        log2 = calls[c].owner()
+        if c == 0 and on_chunk is not None:
             on_chunk(log2)
-        return cc.exchange[2], cc.exchange[3]
+        return calls[c].exchange[2], calls[c].exchange[3]
 
-    def decode(c: int) -> None:
-        calls[c].decode()
-
-    return _bound_pipeline(len(calls), send, owner, decode, group, count, defer)
+    works: _Works = [None] * len(calls)
+    stages = (*_two_phase(send, owner, group, count, works), _decoding(calls, works))
+    return _pipeline(len(calls), stages, defer)
 
 
 def bind_rank_blocks(
@@ -690,16 +764,16 @@ def bind_rank_blocks(
     calls = []
     for c in range(len(g.chunks)):
         firsts = _block_firsts(g.layout, sh.bounds[c])
-        (r0, r1), (s0, s1), (q0, q1) = g.regions[c], g.shard_regions[c], sh.gather_regions[c]
+        send, recv, out, gathered = _chunk_views(g, c)
         chunk = RankBlockChunk(
             offsets=offsets,
             firsts=firsts,
             layer_ends=layer_ends,
             shard=_grid_of(sh.layouts[c][rank]),
-            send=g.send[r0:r1],
-            recv=g.recv[r0:r1],
-            out=g.shards[s0:s1],
-            gathered=sh.gathered[q0:q1],
+            send=send,
+            recv=recv,
+            out=out,
+            gathered=gathered,
             shard_bytes=sh.shard_bytes[c],
             at=sh.shard_bytes[0] + sh.slots[0] if c == 0 else -1,
         )
@@ -708,90 +782,6 @@ def bind_rank_blocks(
             return rank_block_ops(g, x, keys, flags, union, rank)
         calls.append(call)
     return calls
-
-
-def _shard_by_shard(
-    g: GroupPlan, send: Callable[[int, int, int, int, torch.Tensor], None]
-) -> Callable[[int, torch.Tensor], None]:
-    """A chunk's exchange filled by ``send(c, s, a, b, piece)`` once per shard s (elements ``[a, b)``)."""
-    sh = g.block_shards
-    assert sh is not None
-
-    def send_chunk(c: int, pieces: torch.Tensor) -> None:
-        for s, (a, b) in enumerate(itertools.pairwise(sh.bounds[c])):
-            send(c, s, a, b, pieces[s])
-
-    return send_chunk
-
-
-def _decode_by_shard(
-    g: GroupPlan,
-    x: torch.Tensor,
-    unscale: Callable[[int, int, torch.Tensor], torch.Tensor],
-    n: int,
-) -> Callable[[int], None]:
-    """A chunk's gathered shards decoded one by one; ``unscale(b0, b1, sent)`` gives the
-    factors of the chunk's blocks ``[b0, b1)`` from the bytes their owners sent (uint8)."""
-    sh = g.block_shards
-    assert sh is not None
-    fmt = g.fmt
-
-    def decode(c: int) -> None:
-        q0, q1 = sh.gather_regions[c]
-        sb = sh.shard_bytes[c]
-        gathered = sh.gathered[q0:q1]
-        rows = gathered.view(n, sb + sh.slots[c])
-        for s, (a, b) in enumerate(itertools.pairwise(sh.bounds[c])):
-            if a == b:
-                continue
-            # The shard's blocks, unscaled by what its owner sent after its payload
-            # (read in place: no index of the exponents is kept per bucket).
-            first, blocks = sh.windows[c][s].first, sh.layouts[c][s].n_segments
-            g.codec.decode(
-                rows[s, : payload_nbytes(b - a, fmt)],
-                b - a,
-                out=x[a:b],
-                scale=unscale(first, first + blocks, rows[s, sb : sb + blocks]),
-                layout=sh.layouts[c][s],
-            )
-
-    return decode
-
-
-@dataclasses.dataclass(frozen=True)
-class NodeChunkCalls:
-    """One chunk of a staged route (hierarchical or grid), bound: its codec work around the
-    route's four collectives and the buffers they move (views made once).
-
-    Attributes:
-        first: grid: the chunk encoded with the first level's factors into
-            ``first_in``; None for hierarchical (the first level is FP32).
-        across: the node's sum of this rank's slice (from ``first_out``) encoded into ``send``.
-        owner: the mean of the M received node sums (``recv``) encoded into ``shard``.
-        decode: the gathered chunk (``gathered``) decoded into the values.
-        first_in: what the first exchange sends (the values' chunk, or grid's encoded chunk).
-        first_out: what it receives: the node's L slices of this rank's.
-        send: this rank's encoded slice, exchanged across nodes into ``recv``.
-        recv: the M encoded node sums of this rank's shard.
-        shard: this rank's encoded shard of the mean, gathered across nodes into
-            ``across_out``.
-        across_out: the encoded slice of the mean, gathered in the node into ``gathered``.
-        gathered: the chunk's encoded mean.
-        splits: hierarchical: the first exchange's input and output split sizes.
-    """
-
-    first: Callable[[], object] | None
-    across: Callable[[], object]
-    owner: Callable[[], object]
-    decode: Callable[[], object]
-    first_in: torch.Tensor
-    first_out: torch.Tensor
-    send: torch.Tensor
-    recv: torch.Tensor
-    shard: torch.Tensor
-    across_out: torch.Tensor
-    gathered: torch.Tensor
-    splits: tuple[list[int], list[int]] | None = None
 
 
 def _node_rows(g: GroupPlan, c: int) -> tuple[int, int, int]:
@@ -836,7 +826,7 @@ def bind_hierarchical(
     factors: tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor | None],
     world_size: int,
     spare: torch.Tensor | None = None,
-) -> list[NodeChunkCalls]:
+) -> list[ChunkCalls]:
     """Every chunk's codec work of the staged route, bound to ``x``, the plan's buffers
     and the factor tensors (scale, shift, unscale, first), which are read when the calls
     run: a settled bucket refills them in place every step.
@@ -901,35 +891,34 @@ def bind_hierarchical(
             *(recv, node.nodes, room[:per_shard], world_size, shard, shift),
             *(node.shard_windows[c], pad, kept, room[:n_rows]),
         )
-        decode = codec.bind_decode(g.send[r0:], x[lo:hi], unscale, g.windows[c])
         calls.append(
-            NodeChunkCalls(
-                send_first,
+            ChunkCalls(
                 across,
                 owner,
-                decode,
-                first_in,
-                sums,
+                codec.bind_decode(g.send[r0:], x[lo:hi], unscale, g.windows[c]),
                 send,
                 recv,
                 shard,
-                node.encoded[e0:e1],
-                gathered,
-                splits,
+                first=send_first,
+                first_in=first_in,
+                first_out=sums,
+                splits=splits,
+                node_gathered=gathered,
             )
         )
     return calls
 
 
 def hierarchical_bound(
-    calls: Sequence[NodeChunkCalls],
+    calls: Sequence[ChunkCalls],
     groups: NodeGroups,
     count: Counter,
     defer: bool = False,
 ) -> Callable[[], None] | None:
-    """The staged route over every chunk's bound calls (:func:`bind_hierarchical`).
+    """The staged route over every chunk's bound calls (:func:`bind_hierarchical`):
+    an exchange in the node, two_phase across nodes, a gather in the node.
 
-    Stage s of chunk c runs at step c + s, later stages first (:func:`_staged`):
+    Stage s of chunk c runs at step c + s, later stages first (:func:`_pipeline`):
     the same collectives, in the same order, and the same bytes, whatever
     bound the calls.
 
@@ -942,20 +931,17 @@ def hierarchical_bound(
     Returns:
         With ``defer``, the function that finishes the bucket; else None.
     """
-    k = len(calls)
-    works: dict[tuple[int, int], dist.Work] = {}
-
-    def wait(c: int, stage: int, what: str) -> None:
-        _wait(works.pop((c, stage)), f"the {what} of chunk {c + 1} of {k}")
+    works: _Works = [None] * len(calls)
 
     def exchange_in_node(c: int) -> None:
         cc = calls[c]
         source = cc.first_in
+        assert source is not None and cc.first_out is not None  # bound for a staged route
         count("node_all_to_all", source.numel() * source.element_size())
         if cc.first is not None:
             cc.first()
         sizes = cc.splits or (None, None)
-        works[c, 0] = dist.all_to_all_single(
+        work = dist.all_to_all_single(
             cc.first_out,
             source,
             output_split_sizes=sizes[1],
@@ -963,58 +949,37 @@ def hierarchical_bound(
             group=groups.intra,
             async_op=True,
         )
-
-    def exchange_across_nodes(c: int) -> None:
-        cc = calls[c]
-        wait(c, 0, "first-level all_to_all" if cc.first else "in-node FP32 all_to_all")
-        cc.across()
-        count("all_to_all", cc.send.numel())
-        works[c, 1] = dist.all_to_all_single(cc.recv, cc.send, group=groups.inter, async_op=True)
-
-    def reduce_shard(c: int) -> None:
-        cc = calls[c]
-        wait(c, 1, "across-node all_to_all")
-        cc.owner()
-        count("all_gather", cc.shard.numel())
-        # The slice's bytes are free once its all-to-all is done.
-        works[c, 2] = all_gather_single(cc.across_out, cc.shard, group=groups.inter, async_op=True)
+        works[c] = work, "first-level all_to_all" if cc.first else "in-node FP32 all_to_all"
 
     def gather_in_node(c: int) -> None:
+        _wait_chunk(works, c)
         cc = calls[c]
-        wait(c, 2, "across-node all_gather")
-        count("node_all_gather", cc.across_out.numel())
-        works[c, 3] = all_gather_single(
-            cc.gathered, cc.across_out, group=groups.intra, async_op=True
-        )
+        assert cc.gathered is not None and cc.node_gathered is not None
+        count("node_all_gather", cc.gathered.numel())
+        work = all_gather_single(cc.node_gathered, cc.gathered, group=groups.intra, async_op=True)
+        works[c] = work, "in-node all_gather"
 
-    def decode(c: int) -> None:
-        wait(c, 3, "in-node all_gather")
-        calls[c].decode()
+    across = _two_phase(*_steps(calls), groups.inter, count, works, "across-node ")
+    stages = (exchange_in_node, *across, gather_in_node, _decoding(calls, works))
+    return _pipeline(len(calls), stages, defer, backward=True)
 
-    stages = (exchange_in_node, exchange_across_nodes, reduce_shard, gather_in_node, decode)
-    return _staged(k, stages, defer)
+
+_Spans = tuple[list[tuple[int, int]], list[Layout]]
+"""Pieces of a chunk: each one's elements ``[a, b)`` and its blocks' layout."""
 
 
 @dataclasses.dataclass
-class _NodeBlockOps:
-    """the staged route's, with rank block exponents, codec work as the codec's own calls, slice by slice
-    and shard by shard (:func:`node_block_ops`). Grid's first encode of the first chunk
-    makes the factors of this rank's keys, the first chunk's decode the blocks of the
-    layers any rank flagged: later chunks read both, in the same step."""
+class _NodeBlockOps(_BlockOps):
+    """The staged route with rank block exponents as the codec's own calls, slice by slice
+    and shard by shard (:func:`node_block_ops`): grid's first encode of the first chunk
+    makes the factors of this rank's keys, the first chunk's decode flags the blocks."""
 
-    g: GroupPlan
-    x: torch.Tensor
-    keys: torch.Tensor
-    flags: torch.Tensor
-    union: torch.Tensor
-    scale: torch.Tensor | None = None
-    bad: torch.Tensor | None = None  # per block: its layer is non-finite on some rank
-    means: dict[int, torch.Tensor] = dataclasses.field(default_factory=dict)  # per chunk
+    means: dict[int, torch.Tensor] = dataclasses.field(default_factory=dict, init=False)
     # Per chunk, made once (a window's layout costs host copies): grid's slices of the
     # group, the pieces of this rank's slice, each shard's first block in the group.
-    slices: list[list[Layout]] = dataclasses.field(default_factory=list)
-    pieces: list[list[Layout]] = dataclasses.field(default_factory=list)
-    firsts: list[list[int]] = dataclasses.field(default_factory=list)
+    slices: list[_Spans] = dataclasses.field(default_factory=list, init=False)
+    pieces: list[_Spans] = dataclasses.field(default_factory=list, init=False)
+    firsts: list[list[int]] = dataclasses.field(default_factory=list, init=False)
 
     def __post_init__(self) -> None:
         nb, layout = self.nb, self.g.layout
@@ -1022,11 +987,11 @@ class _NodeBlockOps:
         for c in range(len(self.g.chunks)):
             bounds, s0 = nb.bounds[c], nb.slice_bounds(c, local)[0]
             slices = [nb.slice_bounds(c, q) for q in range(nb.ranks_per_node)]
-            self.slices.append([layout.window(a, b) for a, b in slices] if nb.wire_first else [])
+            wins = [layout.window(a, b) for a, b in slices] if nb.wire_first else []
+            self.slices.append((slices, wins))
             mine = bounds[local * nodes : (local + 1) * nodes + 1]
-            self.pieces.append(
-                [nb.slice_layout[c].window(a - s0, b - s0) for a, b in itertools.pairwise(mine)]
-            )
+            spans = [(a - s0, b - s0) for a, b in itertools.pairwise(mine)]
+            self.pieces.append((spans, [nb.slice_layout[c].window(a, b) for a, b in spans]))
             self.firsts.append(
                 [layout.window(a, b).first if b > a else 0 for a, b in itertools.pairwise(bounds)]
             )
@@ -1039,20 +1004,10 @@ class _NodeBlockOps:
     def first(self, c: int) -> None:
         """Grid: this rank's L slices of chunk c encoded with its own keys, each followed by
         its blocks' keys."""
-        g, nb, fmt, keys = self.g, self.nb, self.g.fmt, self.keys
-        if c == 0:
-            self.scale = key_factors(keys, unscale=False)
+        nb = self.nb
         pieces = nb.first_send[c].view(nb.ranks_per_node, nb.slice_pieces[c])
-        sb = nb.slice_bytes[c]
-        for q, win in enumerate(self.slices[c]):
-            a, b = nb.slice_bounds(c, q)
-            used = payload_nbytes(b - a, fmt)
-            piece = pieces[q]
-            if b > a:
-                g.codec.encode(self.x[a:b], out=piece[:used], scale=self.scale, layout=win)
-                piece[sb : sb + win.n_segments] = keys[win.first : win.first + win.n_segments]
-            piece[used:sb].zero_()  # padding: code 0 is +0 in every format
-            piece[sb + win.n_segments :].zero_()
+        scale = self.key_scale(c)
+        _encode_pieces(self.g, self.x, pieces, *self.slices[c], scale, self.keys, nb.slice_bytes[c])
 
     def node_mean(self, c: int) -> torch.Tensor:
         """This rank's slice of chunk c averaged over its node (float32)."""
@@ -1082,90 +1037,50 @@ class _NodeBlockOps:
     def across(self, c: int) -> None:
         """The node's mean of this rank's slice, encoded with its blocks' own keys in M
         pieces (the first chunk's with this rank's layer flags)."""
-        nb, fmt, codec = self.nb, self.g.fmt, self.g.codec
-        nodes, local = nb.nodes, nb.local_rank
+        nb, fmt = self.nb, self.g.fmt
         mean = self.means[c] = self.node_mean(c)
-        mine = nb.slice_layout[c]
-        own = exponent_keys(blocks_amax(mean, mine), fmt, "two_phase", world_size=nodes)[0]
+        own = exponent_keys(
+            blocks_amax(mean, nb.slice_layout[c]), fmt, "two_phase", world_size=nb.nodes
+        )[0]
+        sb, pieces = nb.shard_bytes[c], nb.send[c].view(nb.nodes, nb.pieces[c])
         own_scale = key_factors(own, unscale=False)
-        s0, _ = nb.slice_bounds(c, local)
-        bounds, sb, slot = nb.bounds[c], nb.shard_bytes[c], nb.slots[c]
-        pieces = nb.send[c].view(nodes, nb.pieces[c])
-        for j, win in enumerate(self.pieces[c]):
-            a, b = bounds[local * nodes + j] - s0, bounds[local * nodes + j + 1] - s0
-            used = payload_nbytes(b - a, fmt)
-            piece = pieces[j]
-            if b > a:
-                codec.encode(mean[a:b], out=piece[:used], scale=own_scale, layout=win)
-                piece[sb : sb + win.n_segments] = own[win.first : win.first + win.n_segments]
-            piece[used:sb].zero_()
-            piece[sb + win.n_segments :].zero_()
-            if c == 0:
-                piece[sb + slot : sb + slot + self.flags.numel()] = self.flags
+        _encode_pieces(self.g, mean, pieces, *self.pieces[c], own_scale, own, sb)
+        if c == 0:
+            at = sb + nb.slots[c]
+            pieces[:, at : at + self.flags.numel()] = self.flags
 
     def owner(self, c: int) -> None:
         """This rank's shard of the mean over the M nodes, with its blocks' own keys (the
         first chunk's flags OR-ed after them)."""
-        nb, fmt = self.nb, self.g.fmt
-        nodes, local = nb.nodes, nb.local_rank
-        s = local * nodes + nb.node
-        mine = nb.shard_layouts[c][s]
+        nb = self.nb
+        s = nb.local_rank * nb.nodes + nb.node
         a, b = nb.bounds[c][s], nb.bounds[c][s + 1]
-        sb, slot, blocks = nb.shard_bytes[c], nb.slots[c], mine.n_segments
-        rows = nb.recv[c].view(nodes, nb.pieces[c])
-        out = nb.shard[c]
-        used = payload_nbytes(b - a, fmt)
-        unscale = key_factors(rows[:, sb : sb + blocks], unscale=True)
-        s0, _ = nb.slice_bounds(c, local)
-        _, d = self.g.codec.owner_reduce_rank_blocks(
-            nb.recv[c],
-            nodes,
-            mine,
-            unscale.contiguous(),
-            out=out[:used],
+        sb, rows, out = nb.shard_bytes[c], nb.recv[c].view(nb.nodes, nb.pieces[c]), nb.shard[c]
+        s0 = nb.slice_bounds(c, nb.local_rank)[0]
+        _owner_keys(
+            *(self.g, rows, nb.shard_layouts[c][s], sb, payload_nbytes(b - a, self.g.fmt), out),
             own=self.means.pop(c)[a - s0 : b - s0],  # its node's mean of the shard, not rounded
             own_row=nb.node,
         )
-        out[used:sb].zero_()
-        out[sb : sb + blocks] = 127 - d  # a key (zero and non-finite blocks: d = 0)
-        out[sb + blocks :].zero_()
         if c == 0:  # the flags of the ranks of this local rank, OR-ed
-            out[sb + slot :] = rows[:, sb + slot : sb + slot + nb.flags].amax(0)
+            at = sb + nb.slots[c]
+            out[at:] = rows[:, at : at + nb.flags].amax(0)
 
     def decode(self, c: int) -> None:
         """The N gathered shards of chunk c decoded with their owners' keys (the first
         chunk's gathered flags OR-ed first)."""
-        g, nb, fmt, layout = self.g, self.nb, self.g.fmt, self.g.layout
-        sb, slot, n = nb.shard_bytes[c], nb.slots[c], len(nb.bounds[c]) - 1
+        nb, sb = self.nb, self.nb.shard_bytes[c]
+        n = len(nb.bounds[c]) - 1
         rows = nb.gathered[c].view(n, nb.rows[c])
         if c == 0:
-            torch.amax(rows[:, sb + slot : sb + slot + nb.flags], 0, out=self.union)
-            # Per block, from the layers' block counts: no per-block index is kept.
-            assert g.blocks is not None  # node_blocks has blocks
-            self.bad = torch.repeat_interleave(
-                self.union != 0, g.blocks.device_counts, output_size=layout.n_segments
-            )
-        assert self.bad is not None
-        bounds = nb.bounds[c]
-        for s in range(n):
-            a, b = bounds[s], bounds[s + 1]
-            if a == b:
-                continue
-            mine, b0 = nb.shard_layouts[c][s], self.firsts[c][s]
-            factors = key_factors(rows[s, sb : sb + mine.n_segments], unscale=True)
-            factors = torch.where(self.bad[b0 : b0 + mine.n_segments], float("nan"), factors)
-            g.codec.decode(
-                rows[s, : payload_nbytes(b - a, fmt)],
-                b - a,
-                out=self.x[a:b],
-                scale=factors,
-                layout=mine,
-            )
+            self.flag(rows[:, sb + nb.slots[c] : sb + nb.slots[c] + nb.flags])
+        layouts, firsts = nb.shard_layouts[c], self.firsts[c]
+        _decode_shards(self.g, self.x, rows, nb.bounds[c], layouts, firsts, sb, self.unscale)
 
 
 def node_block_ops(
     g: GroupPlan, x: torch.Tensor, keys: torch.Tensor, flags: torch.Tensor, union: torch.Tensor
-) -> list[NodeChunkCalls]:
+) -> list[ChunkCalls]:
     """Every chunk's calls of the staged route with rank block exponents as the codec's own calls, slice
     by slice and shard by shard, bound to ``x`` and scratch: the bytes of the fused calls
     (:func:`bind_node_blocks`) on any backend, with no host read off the CPU.
@@ -1181,19 +1096,11 @@ def node_block_ops(
         >>> calls = transports.node_block_ops(g, x, keys, flags, union)  # doctest: +SKIP
         >>> transports.hierarchical_bound(calls, groups, count)  # doctest: +SKIP
     """
-    ops = _NodeBlockOps(g, x, keys, flags, union)
-    wire_first = ops.nb.wire_first
+    ops, part = _NodeBlockOps(g, x, keys, flags, union), functools.partial
     return [
         _node_chunk_calls(
-            g,
-            x,
-            c,
-            (
-                functools.partial(ops.first, c) if wire_first else None,
-                functools.partial(ops.across, c),
-                functools.partial(ops.owner, c),
-                functools.partial(ops.decode, c),
-            ),
+            *(g, x, c, part(ops.first, c) if ops.nb.wire_first else None),
+            *(part(ops.across, c), part(ops.owner, c), part(ops.decode, c)),
         )
         for c in range(len(g.chunks))
     ]
@@ -1203,15 +1110,13 @@ def _node_chunk_calls(
     g: GroupPlan,
     x: torch.Tensor,
     c: int,
-    calls: tuple[
-        Callable[[], object] | None,
-        Callable[[], object],
-        Callable[[], object],
-        Callable[[], object],
-    ],
-) -> NodeChunkCalls:
-    """Chunk c's ``calls`` (first, across, owner, decode) with the plan's buffers they
-    work on, as :func:`hierarchical_bound` runs them."""
+    first: Callable[[], object] | None,
+    across: Callable[[], object],
+    owner: Callable[[], object],
+    decode: Callable[[], object],
+) -> ChunkCalls:
+    """Chunk c's calls with the plan's buffers they work on, as :func:`hierarchical_bound`
+    runs them."""
     nb = g.node_blocks
     assert nb is not None
     per_node, nodes, local = nb.ranks_per_node, nb.nodes, nb.local_rank
@@ -1221,31 +1126,14 @@ def _node_chunk_calls(
         bounds, (lo, hi) = nb.bounds[c], g.chunks[c]
         sizes = [bounds[(q + 1) * nodes] - bounds[q * nodes] for q in range(per_node)]
         splits, first_in = (sizes, [sizes[local]] * per_node), x[lo:hi]
-    return NodeChunkCalls(
-        *calls,
-        first_in,
-        nb.first_recv[c],
-        nb.send[c],
-        nb.recv[c],
-        nb.shard[c],
-        nb.across[c],
-        nb.gathered[c],
-        splits,
+    return ChunkCalls(
+        *(across, owner, decode, nb.send[c], nb.recv[c], nb.shard[c], nb.across[c]),
+        first=first,
+        first_in=first_in,
+        first_out=nb.first_recv[c],
+        splits=splits,
+        node_gathered=nb.gathered[c],
     )
-
-
-def _staged(
-    k: int, stages: Sequence[Callable[[int], None]], defer: bool
-) -> Callable[[], None] | None:
-    """Run stage s of chunk c at step c + s, later stages first (the same collective
-    order on every rank); with ``defer`` the last chunk's last stage is returned."""
-    last = len(stages) - 1
-    for step in range(k + last):
-        for s in range(last, -1, -1):
-            c = step - s
-            if 0 <= c < k and not (defer and s == last and c == k - 1):
-                stages[s](c)
-    return functools.partial(stages[last], k - 1) if defer else None
 
 
 def _grid_of(layout: Layout) -> np.ndarray | BlockGrid:
@@ -1272,7 +1160,7 @@ def bind_node_blocks(
     keys: torch.Tensor,
     flags: torch.Tensor,
     union: torch.Tensor,
-) -> list[NodeChunkCalls]:
+) -> list[ChunkCalls]:
     """Every chunk's calls of the staged route with rank block exponents, bound to ``x`` and scratch: the
     codec's fused ones ("kernels", "triton"), else its own calls (:func:`node_block_ops`:
     "cast", "bits", a Triton variant that cannot compile here), with the same bytes.
@@ -1332,5 +1220,5 @@ def bind_node_blocks(
         call = g.codec.bind_node_blocks(x, keys, flags, union, chunk)
         if call is None:  # no fused calls here: the codec's own, with the same bytes
             return node_block_ops(g, x, keys, flags, union)
-        calls.append(_node_chunk_calls(g, x, c, (call.first, call.across, call.owner, call.decode)))
+        calls.append(_node_chunk_calls(g, x, c, call.first, call.across, call.owner, call.decode))
     return calls
