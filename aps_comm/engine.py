@@ -236,20 +236,21 @@ class Steady:
             self.raw.copy_(self.agreed.maxima)
         self.agreed.spread()
 
-    def bind(self, x: torch.Tensor, world_size: int) -> None:
-        """Bind the maxima kernel and every chunk's codec work to the float32 buffer ``x``.
+    def bind(self, x: torch.Tensor, world_size: int) -> bool:
+        """Bind the maxima kernel and every chunk's codec work to the float32 buffer ``x``
+        (True: every configuration of :class:`Steady` binds).
 
         The CPU kernels take factor arrays: they are bound as ``host_factors``
-        (scale, unscale), which :meth:`Reducer.run_steady` refills in place
+        (scale, unscale), which :meth:`fill_factors` refills in place
         from the agreed maxima once per bucket.
         """
         self.held = x  # an FP32 bucket's binding holds nothing else of it
         g = self.group
         if g is None:
-            return
+            return True
         if self.route == Route.FP32:  # with Promote: averaged as they are, maxima bound apart
             self.bound_ptr = x.data_ptr()
-            return
+            return True
         native = self.route == Route.ALLREDUCE
         scale: torch.Tensor | AgreedMaxima = self.agreed
         unscale: torch.Tensor | AgreedMaxima = self.agreed
@@ -277,6 +278,27 @@ class Steady:
                 recv, shard = g.recv[r0:r1], g.shards[s0:s1]
                 calls.append(transports.ChunkCalls(encode, owner, decode, send, recv, shard))
         self.calls, self.bound_ptr = calls, x.data_ptr()
+        return True
+
+    def fill_factors(self) -> None:
+        """This step's factors from the agreed maxima: the CPU kernels' factor arrays, made
+        once per bucket, not per chunk, into the arrays the bound calls read (CPU tensors:
+        no device read); the other backends' bound calls read the agreed maxima."""
+        if self.host_factors is not None:
+            self.agreed.host_factors_into(self.group.fmt, *self.host_factors)
+
+    def exchange(
+        self, x: torch.Tensor, group: dist.ProcessGroup, traffic: Traffic, defer: bool = False
+    ) -> Callable[[], None] | None:
+        """The route's bound chunks of ``x`` around its collectives on ``group`` (``defer``:
+        the last ones left on the wire, their finishing function returned)."""
+        assert self.calls is not None  # made by bind
+        if self.route == Route.ALLREDUCE:
+            agreed = self.agreed
+            return transports.native(
+                self.group, x, agreed, agreed, group, traffic, None, defer, self.calls
+            )
+        return transports.two_phase_bound(self.calls, group, traffic, defer)
 
 
 @dataclasses.dataclass
@@ -310,6 +332,11 @@ class SteadyBlocks:
         names: as :class:`Steady`'s (:meth:`Reducer.record_steady_blocks`).
         epoch: as :class:`Steady`'s.
         workspace: as :class:`Steady`'s.
+        groups: hierarchical and grid (:class:`SteadyNodeBlocks`): this rank's intra- and
+            inter-node groups of the route; None: two_phase.
+        per_node: with ``groups``, the ranks of the first level's sum (a node's, or a grid
+            row's).
+        node_calls: with ``groups``, each chunk's bound calls (``calls`` is None).
     """
 
     numel: int
@@ -330,22 +357,49 @@ class SteadyBlocks:
     names: list[str | None] | None = None
     epoch: tuple[int, ...] = ()
     workspace: tuple[int, ...] = ()
+    groups: NodeGroups | None = None
+    per_node: int = 1
+    node_calls: list[transports.NodeChunkCalls] | None = None
 
     def bind(self, x: torch.Tensor, rank: int, world_size: int) -> bool:
         """Bind the keys' and every chunk's calls to the float32 buffer ``x`` (the codec's
-        fused calls, else its own: :func:`aps_comm.transports.bind_rank_blocks`); False
-        where the keys have no bound call."""
-        g = self.group
+        fused calls, else its own: :func:`aps_comm.transports.bind_rank_blocks`, with
+        ``groups`` :func:`aps_comm.transports.bind_node_blocks`); False where the keys
+        have no bound call."""
+        g, staged = self.group, self.groups is not None
         assert g.blocks is not None
         keys_call = g.codec.bind_block_keys(
-            *(x, g.layout, g.blocks.counts, self.maxima, self.keys, self.flags, world_size),
+            *(x, g.layout, g.blocks.counts, self.maxima, self.keys, self.flags),
+            self.per_node if staged else world_size,  # the ranks of two_phase's rule
             device_counts=g.blocks.device_counts,  # the torch ops' (codecs without kernels)
         )
         if keys_call is None:
             return False
-        calls = transports.bind_rank_blocks(g, x, self.keys, self.flags, self.union, rank)
-        self.keys_call, self.calls, self.bound_ptr = keys_call, calls, x.data_ptr()
+        if staged:
+            self.node_calls = transports.bind_node_blocks(g, x, self.keys, self.flags, self.union)
+        else:
+            self.calls = transports.bind_rank_blocks(g, x, self.keys, self.flags, self.union, rank)
+        self.keys_call, self.bound_ptr = keys_call, x.data_ptr()
         return True
+
+    def exchange(
+        self,
+        group: dist.ProcessGroup,
+        traffic: Traffic,
+        defer: bool = False,
+        offer: int = 0,
+        on_chunk: Callable[[int], None] | None = None,
+    ) -> Callable[[], None] | None:
+        """The route's bound chunks around its collectives (two_phase's on ``group``, with
+        ``offer`` and ``on_chunk``: :func:`aps_comm.transports.two_phase_rank_blocks_bound`;
+        ``defer``: the last ones left on the wire, their finishing function returned)."""
+        if self.groups is not None:
+            assert self.node_calls is not None  # made by bind
+            return transports.hierarchical_bound(self.node_calls, self.groups, traffic, defer)
+        assert self.calls is not None  # made by bind
+        return transports.two_phase_rank_blocks_bound(
+            self.calls, group, traffic, defer, offer, on_chunk
+        )
 
 
 @dataclasses.dataclass
@@ -360,29 +414,7 @@ class SteadyNodeBlocks(SteadyBlocks):
     collectives: the full path's collectives, bytes and bits, without its
     per-step block maxima, keys and flags as ATen ops (on the codecs without
     fused calls, "cast" and "bits", the codec's own calls bound once).
-
-    Attributes:
-        groups: this rank's intra- and inter-node groups of the route.
-        per_node: the ranks of the first level's sum (a node's, or a grid row's).
-        node_calls: each chunk's bound calls.
     """
-
-    groups: NodeGroups | None = None
-    per_node: int = 1
-    node_calls: list[transports.NodeChunkCalls] | None = None
-
-    def bind(self, x: torch.Tensor, rank: int, world_size: int) -> bool:
-        g = self.group
-        assert g.blocks is not None
-        keys_call = g.codec.bind_block_keys(
-            *(x, g.layout, g.blocks.counts, self.maxima, self.keys, self.flags, self.per_node),
-            device_counts=g.blocks.device_counts,  # the torch ops' (codecs without kernels)
-        )
-        if keys_call is None:
-            return False
-        calls = transports.bind_node_blocks(g, x, self.keys, self.flags, self.union)
-        self.keys_call, self.node_calls, self.bound_ptr = keys_call, calls, x.data_ptr()
-        return True
 
 
 @dataclasses.dataclass
@@ -481,6 +513,18 @@ class SteadyStaged(Steady):
         self.node_calls = transports.bind_hierarchical(g, x, factors, world_size, spare)
         self.bound_ptr = x.data_ptr()
         return True
+
+    def fill_factors(self) -> None:
+        """The route's factors (scale, shift, unscale, first) written from the agreed maxima."""
+        assert self.factors_call is not None  # made by bind
+        self.factors_call()
+
+    def exchange(
+        self, x: torch.Tensor, group: dist.ProcessGroup, traffic: Traffic, defer: bool = False
+    ) -> Callable[[], None] | None:
+        """The route's bound chunks around its four collectives (on :attr:`groups`)."""
+        assert self.node_calls is not None and self.groups is not None  # made by bind
+        return transports.hierarchical_bound(self.node_calls, self.groups, traffic, defer)
 
     def _step(self, sizes: list[tuple[int, torch.dtype]]) -> list[torch.Tensor]:
         """Views of ``sizes`` (elements, dtype) one after the other from the start of
@@ -1471,11 +1515,16 @@ class Reducer:
         blocked = settings.scaling == Scaling.BLOCK
         rank_exps = blocked and settings.block_exponents == BlockExponents.RANK and fb is None
         measured = chunk is None and fb is None and x.device.type == "cpu"
-        if measured and not rank_exps:
+        if fb is not None:  # the owner's step needs the whole shard
+            chunk = ONE_CHUNK
+        elif measured and not rank_exps:
             # This rank's preference; run_steady's maxima carry it to the others.
             chunk = self.planner.chunk(settings.fmt, x.numel(), main, plan.exchange_s or None)
-        else:
-            chunk = self._bucket_chunk(plan, x.numel(), main, chunk, None, measured and rank_exps)
+        elif chunk is None:
+            if not plan.model_chunk:  # the same on every rank, and every step
+                plan.model_chunk = self.planner.chunk(settings.fmt, x.numel(), main)
+            # Each rank's own block exponents: the chunk agreed on their first exchange.
+            chunk = (plan.agreed_chunk if measured else 0) or plan.model_chunk
         groups = plan.group(
             fmts,
             routes,
@@ -1539,12 +1588,9 @@ class Reducer:
         g = groups[0]
         promoted = self.assignment.promoter is not None
         layers_of = (list(keys), list(numels), list(names)) if promoted else None
-        if Route(g.reduction).staged and not rank_exps:
-            self._settle_staged(index, x, plan, fmts, g, measured, chunk, names, layers_of)
-        elif self.settings.scaling != Scaling.BLOCK:
-            self._settle(
-                index, x, plan, fmts, g, Route(g.reduction), measured, chunk, names, layers_of
-            )
+        route = Route(g.reduction)
+        if (route.staged and not rank_exps) or self.settings.scaling != Scaling.BLOCK:
+            self._settle(index, x, plan, fmts, g, route, measured, chunk, names, layers_of)
         elif g.reduction == Route.ALLREDUCE and self.feedback is None:
             # Agreed keys whatever is asked (a native sum cannot mix exponents); with
             # "rank" no chunk rides on them: the model's, as in the general path.
@@ -1556,33 +1602,6 @@ class Reducer:
             self._settle_agreed_blocks(index, x, plan, fmts, g, main, measured, chunk, names)
         if self.feedback is not None and g.reduction != Route.FP32:
             self._settle_feedback(index, x, g, fmts, (list(keys), list(numels), list(names)))
-
-    def _bucket_chunk(
-        self,
-        plan: BucketPlan,
-        numel: int,
-        main: Route,
-        chunk: int | None,
-        wanted: torch.Tensor | None,
-        rank_exps: bool,
-    ) -> int:
-        """Elements per chunk this step: error feedback's one chunk; each rank's own block
-        exponents: the chunk the ranks agreed on their first exchange; measured: the
-        ranks' largest preference (``wanted``); else ``chunk`` or the model's."""
-        fmt = self.settings.fmt
-        if self.feedback is not None:
-            return ONE_CHUNK
-        if rank_exps:
-            if not plan.model_chunk:
-                plan.model_chunk = self.planner.chunk(fmt, numel, main)
-            return plan.agreed_chunk or plan.model_chunk
-        if wanted is not None:
-            return 2 ** int(wanted)
-        if chunk is None:
-            if not plan.model_chunk:  # the same on every rank, and every step
-                plan.model_chunk = self.planner.chunk(fmt, numel, main)
-            chunk = plan.model_chunk
-        return chunk
 
     def _settle_groups(
         self,
@@ -2823,35 +2842,57 @@ class Reducer:
         names: Sequence[str | None] = (),
         promote: tuple[list[Any], list[int], list[str | None]] | None = None,
     ) -> None:
-        """Bind the bucket's :class:`Steady` path where nothing in it changes per step.
+        """Bind the bucket's :class:`Steady` path (two_phase, a native sum or FP32), or its
+        :class:`SteadyStaged` one (hierarchical or grid, layer, bucket or no scaling, or
+        agreed block exponents), where nothing in it changes per step but the policy's
+        epoch and Promote's levels.
 
         With ``stats=True`` the bound path records too (:meth:`record_steady`):
         ``names`` label the layers' records. ``promote``: with Promote, the
         layers' keys, sizes and names.
         """
-        assignment, settings = self.assignment, self.settings
+        assignment, settings, staged = self.assignment, self.settings, route.staged
         if (
             # Sent in FP32, error feedback keeps nothing: :meth:`_bind_first` sends what
             # the residuals kept once more and drops them, as the general path.
             (self.feedback is not None and route != Route.FP32)
             or (assignment.promoter is not None and promote is None)
-            # An FP32 bucket is one all-reduce, whatever the scaling.
-            or (
-                route != Route.FP32
-                and settings.scaling not in (Scaling.LAYER, Scaling.BUCKET, Scaling.NONE)
-            )
             or not (route == Route.FP32 or (g is not None and g.contiguous))
-            or route not in (Route.FP32, Route.TWO_PHASE, Route.ALLREDUCE)
+            or (staged and g.node is None)  # type: ignore[union-attr]  # contiguous: a group
+            # An FP32 bucket is one all-reduce, whatever the scaling; the staged routes'
+            # block scaling is agreed keys.
+            or not (staged or route in (Route.FP32, Route.TWO_PHASE, Route.ALLREDUCE))
+            or not (
+                staged
+                or route == Route.FP32
+                or settings.scaling in (Scaling.LAYER, Scaling.BUCKET, Scaling.NONE)
+            )
         ):
             return
         n = len(fmts)
         rates = n if promote is not None else 0
         maxima = self._vector(n + rates + int(measured), torch.float32, x.device)
+        local, extra = None, {}
+        if staged:
+            assert g is not None and g.node is not None
+            if g.blocks is not None:
+                # Agreed block exponents: the general path's vector, two keys per block,
+                # then the chunk's byte.
+                local = torch.empty(g.layout.n_segments, device=x.device)
+                size = 2 * local.numel() + int(measured)
+                maxima = torch.zeros(size, dtype=torch.uint8, device=x.device)
+            layouts = self.comm.layouts
+            extra = {
+                "groups": layouts.grid if route == Route.GRID else layouts.nodes,
+                "per_node": g.node.ranks_per_node,
+                "local": local,
+                "scratch": self.workspace(x.device),
+            }
         if promote is not None:  # sent in FP32, the layers' rates stay, as on the general path
             kept = set(range(n)) if route == Route.FP32 else set()
             self._rates_into(maxima[n : 2 * n], promote[2], kept)
-        native = route == Route.ALLREDUCE
-        self.steady[index] = st = Steady(
+        native, none = route == Route.ALLREDUCE, settings.scaling == Scaling.NONE
+        st = (SteadyStaged if staged else Steady)(
             x.numel(),
             x.data_ptr(),
             plan,
@@ -2860,7 +2901,7 @@ class Reducer:
             list(fmts),
             maxima,
             AgreedMaxima(
-                maxima[:n], self.comm.world_size, native, settings.scaling == Scaling.NONE
+                maxima[:n] if local is None else local, self.comm.world_size, native, none
             ),
             measured,
             chunk,
@@ -2868,11 +2909,14 @@ class Reducer:
             # Static rules fix each layer's format for good, Schedule for an epoch.
             epoch=assignment.epoch(self.step),
             promote=promote,
-            workspace=self._epoch(index, x.device),
+            **extra,
         )
         if settings.stats and route != Route.FP32:  # an FP32 bucket records nothing
             st.record_names(names)
-        st.bind(x, self.comm.world_size)
+        if not st.bind(x, self.comm.world_size):
+            return
+        st.workspace = self._epoch(index, x.device)  # the STEP slot's, after the binding
+        self.steady[index] = st
         if promote is not None and route == Route.FP32:
             # The general path's maxima all the same: a move out of FP32 resumes from them.
             # Any format's codec writes them; the ladder's narrowest has the fused kernel.
@@ -2925,19 +2969,13 @@ class Reducer:
         if isinstance(st, SteadyGroups):
             self._run_groups(index, st, x)
             return None
-        if isinstance(st, SteadyStaged):
-            return self._run_staged(index, st, x, defer)
         if st.route == Route.FP32 and st.promote is None:
             transports.fp32_mean(x, comm.group, comm.world_size, self.traffic)
             return None
-        if st.measured:  # CPU only: the keys' numpy view, no tensor op
-            exchange_s = st.plan.exchange_s or None
-            if st.offer is None or st.offer[0] != exchange_s:
-                fmt = self.settings.fmt
-                mine = self.planner.chunk(fmt, st.numel, st.route, exchange_s)
-                st.offer = exchange_s, math.log2(mine)
-            # The chunk's slot, after the maxima (and Promote's rates).
-            st.maxima.numpy()[-1] = st.offer[1]
+        if isinstance(st, SteadyStaged) and st.bound_ptr != x.data_ptr():
+            st.bind(x, comm.world_size)  # a bfloat16 bucket's float32 copy: new each step
+        if st.measured:  # CPU only: the numpy view of the chunk's slot, no tensor op
+            st.maxima.numpy()[-1] = self._offer(st, st.route)
         # Bound to the bucket's buffer: a bucket binds before it runs (:meth:`bucket`).
         assert st.bound_ptr == x.data_ptr() and st.maxima_call is not None
         st.maxima_call()
@@ -2952,46 +2990,61 @@ class Reducer:
         """:meth:`run_steady`'s half after the MAX all-reduce, on the vector it agreed (the
         maxima, Promote's rates, the chunk where measured): the factors, the records,
         this rank's rates and the route's bound chunks."""
-        comm, g, native = self.comm, st.group, st.route == Route.ALLREDUCE
         if st.route == Route.FP32:  # Promote's: the layers' rates stay, as on the general path
             return self._finish_fp32(index, st, x)
         if st.bucket:
             st.spread()
         if st.measured:
-            chunk = 2 ** int(st.maxima.numpy()[-1])
+            chunk = 2 ** int(st.maxima.numpy()[-1])  # the ranks' largest preference
             if chunk != st.chunk:
-                st.group = g = st.plan.group(
-                    st.fmts,
-                    self._routes_for(st.plan, st.fmts),
-                    comm.world_size,
-                    chunk,
-                    comm.node_layouts(),
-                )[0]
-                st.chunk = self.bucket_chunks[index] = chunk
-                st.bind(x, comm.world_size)
-                st.workspace = self._epoch(index, x.device)
-        calls = st.calls
-        assert calls is not None  # made by Steady.bind
-        if g.codec.backend == "kernels":
-            # The CPU kernels take factor arrays: made once per bucket, not per chunk,
-            # into the arrays the bound calls read (CPU tensors: no device read).
-            assert st.host_factors is not None  # made by Steady.bind
-            st.agreed.host_factors_into(g.fmt, *st.host_factors)
+                blocked = isinstance(st, SteadyStaged) and st.local is not None
+                self._rechunk(index, st, x, chunk, self.settings.block_size if blocked else None)
+        self.bucket_chunks[index] = st.chunk
+        st.fill_factors()
         if st.names is not None:  # before the decode overwrites this rank's values
             self.record_steady(index, st, x)
         if st.promote is not None:
             self._settled_rates(st, x)
         start = time.perf_counter()
-        if native:
-            agreed = st.agreed
-            tail = transports.native(
-                g, x, agreed, agreed, comm.group, self.traffic, None, defer, calls
-            )
-        else:
-            tail = transports.two_phase_bound(calls, comm.group, self.traffic, defer)
+        tail = st.exchange(x, self.comm.group, self.traffic, defer)
         if st.measured:
             st.plan.timed(time.perf_counter() - start)
         return tail
+
+    def _offer(self, st: Steady | SteadyBlocks, route: Route) -> int:
+        """Log2 of the chunk this rank prefers for ``st``'s bucket on ``route``, sized by its
+        measured exchange: the model is asked again only when that time moves."""
+        exchange_s = st.plan.exchange_s or None
+        if st.offer is None or st.offer[0] != exchange_s:
+            mine = self.planner.chunk(self.settings.fmt, st.numel, route, exchange_s)
+            st.offer = exchange_s, int(math.log2(mine))  # a power of two
+        return int(st.offer[1])
+
+    def _rechunk(
+        self,
+        index: int,
+        st: Steady | SteadyBlocks,
+        x: torch.Tensor,
+        chunk: int,
+        block_size: int | None = None,
+        rank_exponents: bool = False,
+    ) -> None:
+        """The ranks agreed another chunk than ``st`` was bound to: its group planned for
+        ``chunk`` (``block_size``, ``rank_exponents``: as :meth:`BucketPlan.group`'s) and
+        bound again, on the workspace's epoch after the binding."""
+        comm, plan = self.comm, st.plan
+        routes = self._routes_for(plan, st.fmts)
+        st.group = plan.group(
+            *(st.fmts, routes, comm.world_size, chunk, comm.node_layouts(), block_size),
+            owner_exponents=rank_exponents,
+            rank_exponents=rank_exponents,
+        )[0]
+        st.chunk = chunk
+        if isinstance(st, SteadyBlocks):
+            st.bind(x, comm.rank, comm.world_size)
+        else:
+            st.bind(x, comm.world_size)
+        st.workspace = self._epoch(index, x.device)
 
     def _finish_fp32(self, index: int, st: Steady, x: torch.Tensor) -> None:
         """:meth:`_finish_steady` of a bucket sent in FP32 under Promote, after the MAX
@@ -3084,128 +3137,7 @@ class Reducer:
             chunk = 2 ** int(st.maxima.numpy()[-1]) if st.measured else st.chunk
             self._finish_groups(index, st, x, chunk)
             return None
-        if isinstance(st, SteadyStaged):
-            return self._finish_staged(index, st, x, defer)
         return self._finish_steady(index, st, x, defer)
-
-    def _settle_staged(
-        self,
-        index: int,
-        x: torch.Tensor,
-        plan: BucketPlan,
-        fmts: list[FloatFormat],
-        g: GroupPlan,
-        measured: bool,
-        chunk: int,
-        names: Sequence[str | None] = (),
-        promote: tuple[list[Any], list[int], list[str | None]] | None = None,
-    ) -> None:
-        """Bind the bucket's :class:`SteadyStaged` path (hierarchical or grid, layer, bucket
-        or no scaling) where nothing in it changes per step but the policy's epoch and
-        Promote's levels (with ``stats=True`` recording too, its layers labelled by
-        ``names``; ``promote``: with Promote, the layers' keys, sizes and names)."""
-        settings, assignment = self.settings, self.assignment
-        blocks = g.blocks is not None  # agreed block exponents
-        if (
-            self.feedback is not None
-            or (assignment.promoter is not None and promote is None)
-            or not g.contiguous
-            or g.node is None
-        ):
-            return
-        route, layouts, n = Route(g.reduction), self.comm.layouts, len(fmts)
-        rates = n if promote is not None else 0
-        maxima = self._vector(n + rates + int(measured), torch.float32, x.device)
-        local = None
-        if blocks:  # the general path's vector: two keys per block, then the chunk's byte
-            local = torch.empty(g.layout.n_segments, device=x.device)
-            size = 2 * local.numel() + int(measured)
-            maxima = torch.zeros(size, dtype=torch.uint8, device=x.device)
-        if promote is not None:
-            self._rates_into(maxima[n : 2 * n], promote[2])
-        st = SteadyStaged(
-            x.numel(),
-            x.data_ptr(),
-            plan,
-            g,
-            route,
-            list(fmts),
-            maxima,
-            AgreedMaxima(
-                maxima[:n] if local is None else local,
-                self.comm.world_size,
-                none=settings.scaling == Scaling.NONE,
-            ),
-            measured,
-            chunk,
-            bucket=settings.scaling == Scaling.BUCKET,
-            epoch=assignment.epoch(self.step),
-            workspace=self._epoch(index, x.device),
-            groups=layouts.grid if route == Route.GRID else layouts.nodes,
-            per_node=g.node.ranks_per_node,
-            promote=promote,
-            local=local,
-            scratch=self.workspace(x.device),
-        )
-        if settings.stats:
-            st.record_names(names)
-        if st.bind(x, self.comm.world_size):
-            st.workspace = self._epoch(index, x.device)  # the STEP slot's, after the binding
-            self.steady[index] = st
-
-    def _run_staged(
-        self, index: int, st: SteadyStaged, x: torch.Tensor, defer: bool
-    ) -> Callable[[], None] | None:
-        """:meth:`run_steady` of hierarchical or grid: the maxima agreed (with Promote's
-        rates and the chunk where measured) and Promote's step, the factors written in
-        place, the route's bound chunks."""
-        comm, slot = self.comm, st.maxima.numel() - 1  # the chunk's, where measured
-        if st.bound_ptr != x.data_ptr():  # a bfloat16 bucket's float32 copy: new each step
-            st.bind(x, comm.world_size)
-        if st.measured:  # CPU only: the numpy view, no tensor op
-            exchange_s = st.plan.exchange_s or None
-            if st.offer is None or st.offer[0] != exchange_s:
-                mine = self.planner.chunk(self.settings.fmt, st.numel, st.route, exchange_s)
-                st.offer = exchange_s, math.log2(mine)
-            st.maxima.numpy()[slot] = st.offer[1]
-        assert st.maxima_call is not None  # made by bind
-        st.maxima_call()
-        transports.all_reduce_max(st.maxima, comm.group, self.traffic)
-        if st.promote is not None and self._promoted(st):
-            return self._moved(index, st, x, defer)
-        return self._finish_staged(index, st, x, defer)
-
-    def _finish_staged(
-        self, index: int, st: SteadyStaged, x: torch.Tensor, defer: bool
-    ) -> Callable[[], None] | None:
-        """:meth:`_run_staged`'s half after the MAX all-reduce, on the vector it agreed."""
-        comm = self.comm
-        if st.bucket:
-            st.spread()
-        if st.measured:
-            chunk = 2 ** int(st.maxima.numpy()[-1])  # the ranks' largest preference
-            if chunk != st.chunk:
-                routes = self._routes_for(st.plan, st.fmts)
-                block_size = self.settings.block_size if st.local is not None else None
-                st.group = st.plan.group(
-                    st.fmts, routes, comm.world_size, chunk, comm.node_layouts(), block_size
-                )[0]
-                st.chunk = chunk
-                st.bind(x, comm.world_size)
-                st.workspace = self._epoch(index, x.device)
-        self.bucket_chunks[index] = st.chunk
-        assert st.factors_call is not None  # made by bind
-        st.factors_call()
-        if st.names is not None:  # before the decode overwrites this rank's values
-            self.record_steady(index, st, x)
-        if st.promote is not None:
-            self._settled_rates(st, x)
-        assert st.node_calls is not None and st.groups is not None
-        start = time.perf_counter()
-        tail = transports.hierarchical_bound(st.node_calls, st.groups, self.traffic, defer)
-        if st.measured:
-            st.plan.timed(time.perf_counter() - start)
-        return tail
 
     def record_steady(self, index: int, st: Steady, x: torch.Tensor) -> None:
         """Queue a settled bucket's records (``stats=True``): the full path's values.
@@ -3361,7 +3293,7 @@ class Reducer:
         self, index: int, st: SteadyBlocks, x: torch.Tensor, defer: bool
     ) -> Callable[[], None] | None:
         """:meth:`run_steady` with every rank's own block exponents: one call for the keys,
-        three per chunk."""
+        three per chunk (two_phase; hierarchical and grid a fixed handful)."""
         comm, plan, settings = self.comm, st.plan, self.settings
         if st.bound_ptr != x.data_ptr():  # a bfloat16 bucket's float32 copy: new each step
             st.bind(x, comm.rank, comm.world_size)
@@ -3369,46 +3301,19 @@ class Reducer:
         st.keys_call()
         if st.names is not None:  # this rank's own keys: before anything is sent
             self.record_steady_blocks(index, st, x)
-        if isinstance(st, SteadyNodeBlocks):
-            # The chunk is the model's (the route offers none); only the timing is kept.
-            assert st.node_calls is not None and st.groups is not None
-            self.bucket_chunks[index] = st.chunk
-            start = time.perf_counter()
-            tail = transports.hierarchical_bound(st.node_calls, st.groups, self.traffic, defer)
-            if st.measured:
-                plan.timed(time.perf_counter() - start)
-            return tail
         offer, on_chunk = 0, None
-        if st.measured:
+        # Staged: the chunk is the model's (the route offers none); only the timing is kept.
+        if st.measured and st.groups is None:
             route = Route.TWO_PHASE
             if not plan.model_chunk:
                 plan.model_chunk = self.planner.chunk(settings.fmt, st.numel, route)
             chunk = plan.agreed_chunk or plan.model_chunk
             if chunk != st.chunk:
-                st.group = plan.group(
-                    st.fmts,
-                    self._routes_for(plan, st.fmts),
-                    comm.world_size,
-                    chunk,
-                    comm.node_layouts(),
-                    settings.block_size,
-                    owner_exponents=True,
-                    rank_exponents=True,
-                )[0]
-                st.chunk = chunk
-                st.bind(x, comm.rank, comm.world_size)
-                st.workspace = self._epoch(index, x.device)
-            exchange_s = plan.exchange_s or None
-            if st.offer is None or st.offer[0] != exchange_s:
-                mine = self.planner.chunk(settings.fmt, st.numel, route, exchange_s)
-                st.offer = exchange_s, int(math.log2(mine))
-            offer, on_chunk = st.offer[1], functools.partial(_agree_chunk, plan)
+                self._rechunk(index, st, x, chunk, settings.block_size, rank_exponents=True)
+            offer, on_chunk = self._offer(st, route), functools.partial(_agree_chunk, plan)
         self.bucket_chunks[index] = st.chunk
-        assert st.calls is not None
         start = time.perf_counter()
-        tail = transports.two_phase_rank_blocks_bound(
-            st.calls, comm.group, self.traffic, defer, offer, on_chunk
-        )
+        tail = st.exchange(comm.group, self.traffic, defer, offer, on_chunk)
         if st.measured:
             plan.timed(time.perf_counter() - start)
         return tail
