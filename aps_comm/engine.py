@@ -261,22 +261,18 @@ class Steady:
         self.maxima_call = g.codec.bind_layer_maxima(x, g.layout, self.agreed.maxima)
         calls = []
         for c, ((lo, hi), (r0, r1)) in enumerate(zip(g.chunks, g.regions, strict=True)):
-            window, send = g.windows[c], g.send[r0:r1]
-            owner = None
+            window, send, values = g.windows[c], g.send[r0:r1], x[lo:hi]
+            owner = recv = shard = None
             if native:
-                encode = g.codec.bind_encode(x[lo:hi], send, scale, window)
+                encode = g.codec.bind_encode(values, send, scale, window)
             else:
                 pad = (r1 - r0) * 8 // g.fmt.wire_bits - (hi - lo)
-                encode = g.codec.bind_encode(x[lo:hi], send, scale, window, pad)
-                s0, s1 = g.shard_regions[c]
-                owner = g.codec.bind_owner_reduce(g.recv[r0:r1], world_size, g.shards[s0:s1])
-            decode = g.codec.bind_decode(send, x[lo:hi], unscale, window)
-            if native:
-                calls.append(transports.ChunkCalls(encode, owner, decode, send))
-            else:
+                encode = g.codec.bind_encode(values, send, scale, window, pad)
                 s0, s1 = g.shard_regions[c]
                 recv, shard = g.recv[r0:r1], g.shards[s0:s1]
-                calls.append(transports.ChunkCalls(encode, owner, decode, send, recv, shard))
+                owner = g.codec.bind_owner_reduce(recv, world_size, shard)
+            decode = g.codec.bind_decode(send, values, unscale, window)
+            calls.append(transports.ChunkCalls(encode, owner, decode, send, recv, shard))
         self.calls, self.bound_ptr = calls, x.data_ptr()
         return True
 
@@ -314,24 +310,16 @@ class SteadyBlocks:
     on the host.
 
     Attributes:
-        numel: the bucket's elements.
-        ptr: the bucket buffer's address.
-        plan: the bucket's plan.
-        group: the one group plan (the whole bucket).
-        fmts: each layer's format (to plan another chunk size).
+        numel, ptr, plan, group, fmts, chunk, calls, bound_ptr, epoch, workspace: as
+            :class:`Steady`'s.
         measured: chunks sized by this rank's timing, agreed on the first exchange.
-        chunk: elements per chunk of ``group``.
         maxima: float32 scratch: this rank's max |x| of every block.
         keys: uint8: this rank's key of every block.
         flags: uint8: this rank's non-finite flag of every layer.
         union: uint8: every rank's flags OR-ed (the layers made NaN).
         keys_call: the keys' calls, bound to the bucket's float32 buffer.
-        calls: each chunk's bound calls.
-        bound_ptr: the address of the buffer they are bound to (0 for none).
         offer: as :class:`Steady`'s (log2 of this rank's preferred chunk).
         names: as :class:`Steady`'s (:meth:`Reducer.record_steady_blocks`).
-        epoch: as :class:`Steady`'s.
-        workspace: as :class:`Steady`'s.
         groups: hierarchical and grid (:class:`SteadyNodeBlocks`): this rank's intra- and
             inter-node groups of the route; None: two_phase.
         per_node: with ``groups``, the ranks of the first level's sum (a node's, or a grid
@@ -478,7 +466,7 @@ class SteadyStaged(Steady):
             # vector (written whole every step), then the chunks' scratch.
             blocks = 0 if self.local is None else n
             sizes = [(blocks, torch.float32), (blocks and self.maxima.numel(), torch.uint8)]
-            local, keyed, spare = self._step([*sizes, (n_spare, torch.float32)])
+            local, keyed, spare = _step_views(self.scratch, [*sizes, (n_spare, torch.float32)])
             if self.local is not None:
                 if local.data_ptr() != self.local.data_ptr():  # a chunk's change mid-step
                     local.copy_(self.local)  # binds again: what this step agreed, moved
@@ -526,17 +514,6 @@ class SteadyStaged(Steady):
         assert self.node_calls is not None and self.groups is not None  # made by bind
         return transports.hierarchical_bound(self.node_calls, self.groups, traffic, defer)
 
-    def _step(self, sizes: list[tuple[int, torch.dtype]]) -> list[torch.Tensor]:
-        """Views of ``sizes`` (elements, dtype) one after the other from the start of
-        :attr:`scratch`'s STEP slot (grown first where it is too small)."""
-        assert self.scratch is not None
-        probe = self.scratch.arena(Slot.STEP)
-        for n, dtype in sizes:
-            probe.take(n, dtype)
-        probe.close()
-        arena = self.scratch.arena(Slot.STEP)
-        return [arena.take(n, dtype) for n, dtype in sizes]
-
     def first_factors(self) -> tuple[np.ndarray, np.ndarray]:
         """The first level's factors ``2**e`` and their int32 exponent keys ``127 - e``,
         into ``record_keys`` from the bound rows: scale times first is ``2**e`` exactly
@@ -548,6 +525,17 @@ class SteadyStaged(Steady):
         np.right_shift(first.view(np.int32), 23, out=keys)
         np.subtract(254, keys, out=keys)
         return first, keys
+
+
+def _step_views(workspace: Workspace, sizes: list[tuple[int, torch.dtype]]) -> list[torch.Tensor]:
+    """Views of ``sizes`` (elements, dtype) one after the other from the start of
+    ``workspace``'s STEP slot (grown first where it is too small)."""
+    probe = workspace.arena(Slot.STEP)
+    for n, dtype in sizes:
+        probe.take(n, dtype)
+    probe.close()
+    arena = workspace.arena(Slot.STEP)
+    return [arena.take(n, dtype) for n, dtype in sizes]
 
 
 @dataclasses.dataclass
@@ -1462,7 +1450,6 @@ class Reducer:
             With ``defer`` and chunks left in flight, the function that
             finishes the bucket; else None.
         """
-        _comm, _settings, _assignment = self.comm, self.settings, self.assignment
         self.step = step
         plan, layers = self.plan(index, numels, x.device), (keys, numels, names)
         st = self._bind_first(index, x, plan, layers, chunk)
@@ -1502,15 +1489,13 @@ class Reducer:
         if all(routes[f] == Route.FP32 for f in fmts) and assignment.promoter is None:
             if any(f != FP32 for f in fmts):
                 self.bucket_routes[index] = Route.FP32.value
-            self._settle(index, x, plan, fmts, None, Route.FP32, False, 0)
-            st = self.steady.get(index)
-            if st is not None:
-                if fb is not None:
-                    # As the general path: what the residuals kept is sent once more (a
-                    # new epoch's FP32), then none is kept; the bound mean adds nothing.
-                    fb.add(x, numels, names)
-                    fb.drop(names)
-                return st
+            self._settle(index, x, plan, fmts, None, Route.FP32, False, 0)  # binds, always
+            if fb is not None:
+                # As the general path: what the residuals kept is sent once more (a new
+                # epoch's FP32), then none is kept; the bound mean adds nothing.
+                fb.add(x, numels, names)
+                fb.drop(names)
+            return self.steady[index]
         main = self._routes_for(plan, [settings.fmt] * len(fmts))[settings.fmt]
         blocked = settings.scaling == Scaling.BLOCK
         rank_exps = blocked and settings.block_exponents == BlockExponents.RANK and fb is None
@@ -2796,18 +2781,14 @@ class Reducer:
                 "groups": layouts.grid if route == Route.GRID else layouts.nodes,
                 "per_node": self.comm.node_layouts()[route.value][0],
             }
-        # On the bucket's device: the Triton kernels write and read them there.
-        maxima = torch.empty(n_blocks, dtype=torch.float32, device=x.device)
-        keys = torch.empty(n_blocks, dtype=torch.uint8, device=x.device)
-        if not staged:
-            # Written and read before the exchange, never by a deferred tail:
-            # every bucket's, from the workspace.
-            workspace = self.workspace(x.device)
-            for _ in range(2):  # twice only where the workspace had to grow
-                arena = workspace.arena(Slot.STEP)
-                maxima, keys = arena.take(n_blocks, torch.float32), arena.take(n_blocks)
-                if arena.close():
-                    break
+        # On the bucket's device: the Triton kernels write and read them there. two_phase
+        # writes and reads them before the exchange, never in a deferred tail: every
+        # bucket's, from the workspace.
+        sizes = [(n_blocks, torch.float32), (n_blocks, torch.uint8)]
+        if staged:
+            maxima, keys = (torch.empty(n, dtype=dtype, device=x.device) for n, dtype in sizes)
+        else:
+            maxima, keys = _step_views(self.workspace(x.device), sizes)
         st = kind(
             x.numel(),
             x.data_ptr(),
@@ -2820,12 +2801,11 @@ class Reducer:
             keys,
             torch.empty(n_layers, dtype=torch.uint8, device=x.device),
             torch.zeros(n_layers, dtype=torch.uint8, device=x.device),
+            names=list(names) if self.settings.stats else None,
+            epoch=assignment.epoch(self.step),
+            workspace=self._epoch(index, x.device),
             **extra,
         )
-        if self.settings.stats:
-            st.names = list(names)
-        st.epoch = assignment.epoch(self.step)
-        st.workspace = self._epoch(index, x.device)
         if st.bind(x, self.comm.rank, self.comm.world_size):
             self.steady[index] = st
 
@@ -2999,12 +2979,12 @@ class Reducer:
             if chunk != st.chunk:
                 blocked = isinstance(st, SteadyStaged) and st.local is not None
                 self._rechunk(index, st, x, chunk, self.settings.block_size if blocked else None)
-        self.bucket_chunks[index] = st.chunk
         st.fill_factors()
         if st.names is not None:  # before the decode overwrites this rank's values
             self.record_steady(index, st, x)
         if st.promote is not None:
             self._settled_rates(st, x)
+        self.bucket_chunks[index] = st.chunk
         start = time.perf_counter()
         tail = st.exchange(x, self.comm.group, self.traffic, defer)
         if st.measured:
@@ -3027,23 +3007,21 @@ class Reducer:
         x: torch.Tensor,
         chunk: int,
         block_size: int | None = None,
-        rank_exponents: bool = False,
+        **exponents: bool,
     ) -> None:
         """The ranks agreed another chunk than ``st`` was bound to: its group planned for
-        ``chunk`` (``block_size``, ``rank_exponents``: as :meth:`BucketPlan.group`'s) and
+        ``chunk`` (``block_size``, ``exponents``: as :meth:`BucketPlan.group`'s) and
         bound again, on the workspace's epoch after the binding."""
         comm, plan = self.comm, st.plan
-        routes = self._routes_for(plan, st.fmts)
+        routes, layouts = self._routes_for(plan, st.fmts), comm.node_layouts()
         st.group = plan.group(
-            *(st.fmts, routes, comm.world_size, chunk, comm.node_layouts(), block_size),
-            owner_exponents=rank_exponents,
-            rank_exponents=rank_exponents,
+            st.fmts, routes, comm.world_size, chunk, layouts, block_size, **exponents
         )[0]
         st.chunk = chunk
-        if isinstance(st, SteadyBlocks):
-            st.bind(x, comm.rank, comm.world_size)
-        else:
+        if isinstance(st, Steady):
             st.bind(x, comm.world_size)
+        else:
+            st.bind(x, comm.rank, comm.world_size)
         st.workspace = self._epoch(index, x.device)
 
     def _finish_fp32(self, index: int, st: Steady, x: torch.Tensor) -> None:
@@ -3155,18 +3133,15 @@ class Reducer:
         if isinstance(st, SteadyStaged) and st.local is not None:
             # Agreed block keys: each block's counts under its inner (first-level) key.
             assert st.records_call is not None
-            rows = torch.empty(len(st.names), 5, dtype=torch.float64, device=x.device)
-            st.records_call(rows)
-            self.stats.add_rows(index, st.names, g.numels, g.fmt, rows)
+            self._add_rows(index, st, st.records_call, x.device)
             return
         amax = agreed.maxima if st.raw is None else st.raw
         keys = st.host_factors[2] if st.host_factors is not None else None
         if isinstance(st, SteadyStaged) and st.record_keys is not None:
             keys = st.first_factors()[1]
         if keys is not None and x.is_contiguous():
-            rows = torch.empty(len(st.names), 5, dtype=torch.float64, device=x.device)
-            g.codec.layer_records(x, g.layout, amax, keys, rows)
-            self.stats.add_rows(index, st.names, g.numels, g.fmt, rows)
+            records = functools.partial(g.codec.layer_records, x, g.layout, amax, keys)
+            self._add_rows(index, st, records, x.device)
             return
         exps = self._steady_exponents(st)
         counts = layer_counts(x, g.layout.lengths, exps, g.fmt)
@@ -3191,9 +3166,8 @@ class Reducer:
         g = st.group
         assert st.names is not None and g.blocks is not None
         if g.codec.backend == "kernels" and x.is_contiguous():
-            rows = torch.empty(len(st.names), 5, dtype=torch.float64, device=x.device)
-            g.codec.block_records(x, g.blocks, st.keys, st.maxima, rows)
-            self.stats.add_rows(index, st.names, g.numels, g.fmt, rows)
+            records = functools.partial(g.codec.block_records, x, g.blocks, st.keys, st.maxima)
+            self._add_rows(index, st, records, x.device)
             return
         exps = key_exponents(st.keys)
         counts = layer_counts(x, g.layout.lengths, exps, g.fmt)
@@ -3210,14 +3184,13 @@ class Reducer:
         assert st.names is not None and g is not None
         fmt, route, n = g.fmt, Route(g.reduction), self.comm.world_size
         if g.codec.backend == "kernels" and x.device.type == "cpu":
-            rows = torch.empty(len(st.names), 5, dtype=torch.float64)
             if g.blocks is None:
                 assert st.keys is not None  # left by st.factors
-                g.codec.layer_records(x, g.layout, st.shared, st.keys, rows)
+                records = functools.partial(g.codec.layer_records, x, g.layout, st.shared, st.keys)
             else:
                 assert st.local is not None
-                g.codec.block_records(x, g.blocks, st.shared, st.local, rows)
-            self.stats.add_rows(index, st.names, g.numels, fmt, rows)
+                records = functools.partial(g.codec.block_records, x, g.blocks, st.shared, st.local)
+            self._add_rows(index, st, records, x.device)
             return
         if g.blocks is None:
             scaling = self.settings.scaling
@@ -3238,10 +3211,22 @@ class Reducer:
         folded per layer with this rank's block maxima (:func:`aps_comm.telemetry.per_layer`):
         one kernel call on the CPU kernels, two launches on Triton, whatever the layer
         count; nothing read on the host."""
-        assert st.names is not None and st.records_call is not None
+        assert st.records_call is not None
+        self._add_rows(index, st, st.records_call, st.maxima.device)
+
+    def _add_rows(
+        self,
+        index: int,
+        st: Steady | SteadyBlocks | SteadyFeedback | SteadyAgreedBlocks,
+        records: Callable[[torch.Tensor], object],
+        device: torch.device,
+    ) -> None:
+        """Queue ``st``'s records as the float64 rows (one per layer: exponent, maximum,
+        counts) that ``records`` writes on ``device`` (the codec's records calls)."""
         g = st.group
-        rows = torch.empty(len(st.names), 5, dtype=torch.float64, device=st.maxima.device)
-        st.records_call(rows)
+        assert st.names is not None and g is not None
+        rows = torch.empty(len(st.names), 5, dtype=torch.float64, device=device)
+        records(rows)
         self.stats.add_rows(index, st.names, g.numels, g.fmt, rows)
 
     def _feedback_rates(self, st: SteadyFeedback, x: torch.Tensor, out: torch.Tensor) -> None:
@@ -3309,7 +3294,8 @@ class Reducer:
                 plan.model_chunk = self.planner.chunk(settings.fmt, st.numel, route)
             chunk = plan.agreed_chunk or plan.model_chunk
             if chunk != st.chunk:
-                self._rechunk(index, st, x, chunk, settings.block_size, rank_exponents=True)
+                exps = {"owner_exponents": True, "rank_exponents": True}  # as the binding's
+                self._rechunk(index, st, x, chunk, settings.block_size, **exps)
             offer, on_chunk = self._offer(st, route), functools.partial(_agree_chunk, plan)
         self.bucket_chunks[index] = st.chunk
         start = time.perf_counter()
