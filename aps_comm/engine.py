@@ -2772,11 +2772,9 @@ class Reducer:
         if assignment.promoter is not None or not g.contiguous or not (two_phase or staged):
             return
         n_blocks, n_layers = g.layout.n_segments, len(g.numels)
-        kind: type[SteadyBlocks] = SteadyBlocks
         extra: dict[str, Any] = {}
         if staged:
             layouts = self.comm.layouts
-            kind = SteadyNodeBlocks
             extra = {
                 "groups": layouts.grid if route == Route.GRID else layouts.nodes,
                 "per_node": self.comm.node_layouts()[route.value][0],
@@ -2789,7 +2787,7 @@ class Reducer:
             maxima, keys = (torch.empty(n, dtype=dtype, device=x.device) for n, dtype in sizes)
         else:
             maxima, keys = _step_views(self.workspace(x.device), sizes)
-        st = kind(
+        st = (SteadyNodeBlocks if staged else SteadyBlocks)(
             x.numel(),
             x.data_ptr(),
             plan,
@@ -2840,13 +2838,8 @@ class Reducer:
             or not (route == Route.FP32 or (g is not None and g.contiguous))
             or (staged and g.node is None)  # type: ignore[union-attr]  # contiguous: a group
             # An FP32 bucket is one all-reduce, whatever the scaling; the staged routes'
-            # block scaling is agreed keys.
-            or not (staged or route in (Route.FP32, Route.TWO_PHASE, Route.ALLREDUCE))
-            or not (
-                staged
-                or route == Route.FP32
-                or settings.scaling in (Scaling.LAYER, Scaling.BUCKET, Scaling.NONE)
-            )
+            # block scaling is agreed keys, two_phase's and native's their own binders'.
+            or (not staged and route != Route.FP32 and settings.scaling == Scaling.BLOCK)
         ):
             return
         n = len(fmts)
