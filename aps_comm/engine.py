@@ -235,20 +235,21 @@ class Steady:
             self.raw.copy_(self.agreed.maxima)
         self.agreed.spread()
 
-    def bind(self, x: torch.Tensor, world_size: int) -> None:
-        """Bind the maxima kernel and every chunk's codec work to the float32 buffer ``x``.
+    def bind(self, x: torch.Tensor, world_size: int) -> bool:
+        """Bind the maxima kernel and every chunk's codec work to the float32 buffer ``x``
+        (True: every configuration of :class:`Steady` binds).
 
         The CPU kernels take factor arrays: they are bound as ``host_factors``
-        (scale, unscale), which :meth:`Reducer.run_steady` refills in place
+        (scale, unscale), which :meth:`fill_factors` refills in place
         from the agreed maxima once per bucket.
         """
         self.held = x  # an FP32 bucket's binding holds nothing else of it
         g = self.group
         if g is None:
-            return
+            return True
         if self.route == Route.FP32:  # with Promote: averaged as they are, maxima bound apart
             self.bound_ptr = x.data_ptr()
-            return
+            return True
         native = self.route == Route.ALLREDUCE
         scale: torch.Tensor | AgreedMaxima = self.agreed
         unscale: torch.Tensor | AgreedMaxima = self.agreed
@@ -259,23 +260,37 @@ class Steady:
         self.maxima_call = g.codec.bind_layer_maxima(x, g.layout, self.agreed.maxima)
         calls = []
         for c, ((lo, hi), (r0, r1)) in enumerate(zip(g.chunks, g.regions, strict=True)):
-            window, send = g.windows[c], g.send[r0:r1]
-            owner = None
+            window, send, values = g.windows[c], g.send[r0:r1], x[lo:hi]
+            owner = recv = shard = None
             if native:
-                encode = g.codec.bind_encode(x[lo:hi], send, scale, window)
+                encode = g.codec.bind_encode(values, send, scale, window)
             else:
                 pad = (r1 - r0) * 8 // g.fmt.wire_bits - (hi - lo)
-                encode = g.codec.bind_encode(x[lo:hi], send, scale, window, pad)
-                s0, s1 = g.shard_regions[c]
-                owner = g.codec.bind_owner_reduce(g.recv[r0:r1], world_size, g.shards[s0:s1])
-            decode = g.codec.bind_decode(send, x[lo:hi], unscale, window)
-            if native:
-                calls.append(transports.ChunkCalls(encode, owner, decode, send))
-            else:
+                encode = g.codec.bind_encode(values, send, scale, window, pad)
                 s0, s1 = g.shard_regions[c]
                 recv, shard = g.recv[r0:r1], g.shards[s0:s1]
-                calls.append(transports.ChunkCalls(encode, owner, decode, send, recv, shard))
+                owner = g.codec.bind_owner_reduce(recv, world_size, shard)
+            decode = g.codec.bind_decode(send, values, unscale, window)
+            calls.append(transports.ChunkCalls(encode, owner, decode, send, recv, shard))
         self.calls, self.bound_ptr = calls, x.data_ptr()
+        return True
+
+    def fill_factors(self) -> None:
+        """This step's factors from the agreed maxima: the CPU kernels' factor arrays, made
+        once per bucket, not per chunk, into the arrays the bound calls read (CPU tensors:
+        no device read); the other backends' bound calls read the agreed maxima."""
+        if self.host_factors is not None:
+            self.agreed.host_factors_into(self.group.fmt, *self.host_factors)
+
+    def exchange(
+        self, x: torch.Tensor, group: dist.ProcessGroup, traffic: Traffic, defer: bool = False
+    ) -> Callable[[], None] | None:
+        """The route's bound chunks of ``x`` around its collectives on ``group`` (``defer``:
+        the last ones left on the wire, their finishing function returned)."""
+        assert self.calls is not None  # made by bind
+        if self.route == Route.ALLREDUCE:
+            return transports.native(self.calls, self.group.fmt, group, traffic, defer)
+        return transports.two_phase_bound(self.calls, group, traffic, defer)
 
 
 @dataclasses.dataclass
@@ -291,24 +306,21 @@ class SteadyBlocks:
     on the host.
 
     Attributes:
-        numel: the bucket's elements.
-        ptr: the bucket buffer's address.
-        plan: the bucket's plan.
-        group: the one group plan (the whole bucket).
-        fmts: each layer's format (to plan another chunk size).
+        numel, ptr, plan, group, fmts, chunk, calls, bound_ptr, epoch, workspace: as
+            :class:`Steady`'s.
         measured: chunks sized by this rank's timing, agreed on the first exchange.
-        chunk: elements per chunk of ``group``.
         maxima: float32 scratch: this rank's max |x| of every block.
         keys: uint8: this rank's key of every block.
         flags: uint8: this rank's non-finite flag of every layer.
         union: uint8: every rank's flags OR-ed (the layers made NaN).
         keys_call: the keys' calls, bound to the bucket's float32 buffer.
-        calls: each chunk's bound calls.
-        bound_ptr: the address of the buffer they are bound to (0 for none).
         offer: as :class:`Steady`'s (log2 of this rank's preferred chunk).
-        names: as :class:`Steady`'s (:meth:`Reducer.record_steady_blocks`).
-        epoch: as :class:`Steady`'s.
-        workspace: as :class:`Steady`'s.
+        names: as :class:`Steady`'s (:meth:`Reducer.steady_block_keys`).
+        groups: hierarchical and grid (:class:`SteadyNodeBlocks`): this rank's intra- and
+            inter-node groups of the route; None: two_phase.
+        per_node: with ``groups``, the ranks of the first level's sum (a node's, or a grid
+            row's).
+        node_calls: with ``groups``, each chunk's bound calls (``calls`` is None).
     """
 
     numel: int
@@ -329,22 +341,49 @@ class SteadyBlocks:
     names: list[str | None] | None = None
     epoch: tuple[int, ...] = ()
     workspace: tuple[int, ...] = ()
+    groups: NodeGroups | None = None
+    per_node: int = 1
+    node_calls: list[transports.ChunkCalls] | None = None
 
     def bind(self, x: torch.Tensor, rank: int, world_size: int) -> bool:
         """Bind the keys' and every chunk's calls to the float32 buffer ``x`` (the codec's
-        fused calls, else its own: :func:`aps_comm.transports.bind_rank_blocks`); False
-        where the keys have no bound call."""
-        g = self.group
+        fused calls, else its own: :func:`aps_comm.transports.bind_rank_blocks`, with
+        ``groups`` :func:`aps_comm.transports.bind_node_blocks`); False where the keys
+        have no bound call."""
+        g, staged = self.group, self.groups is not None
         assert g.blocks is not None
         keys_call = g.codec.bind_block_keys(
-            *(x, g.layout, g.blocks.counts, self.maxima, self.keys, self.flags, world_size),
+            *(x, g.layout, g.blocks.counts, self.maxima, self.keys, self.flags),
+            self.per_node if staged else world_size,  # the ranks of two_phase's rule
             device_counts=g.blocks.device_counts,  # the torch ops' (codecs without kernels)
         )
         if keys_call is None:
             return False
-        calls = transports.bind_rank_blocks(g, x, self.keys, self.flags, self.union, rank)
-        self.keys_call, self.calls, self.bound_ptr = keys_call, calls, x.data_ptr()
+        if staged:
+            self.node_calls = transports.bind_node_blocks(g, x, self.keys, self.flags, self.union)
+        else:
+            self.calls = transports.bind_rank_blocks(g, x, self.keys, self.flags, self.union, rank)
+        self.keys_call, self.bound_ptr = keys_call, x.data_ptr()
         return True
+
+    def exchange(
+        self,
+        group: dist.ProcessGroup,
+        traffic: Traffic,
+        defer: bool = False,
+        offer: int = 0,
+        on_chunk: Callable[[int], None] | None = None,
+    ) -> Callable[[], None] | None:
+        """The route's bound chunks around its collectives (two_phase's on ``group``, with
+        ``offer`` and ``on_chunk``: :func:`aps_comm.transports.two_phase_rank_blocks_bound`;
+        ``defer``: the last ones left on the wire, their finishing function returned)."""
+        if self.groups is not None:
+            assert self.node_calls is not None  # made by bind
+            return transports.hierarchical_bound(self.node_calls, self.groups, traffic, defer)
+        assert self.calls is not None  # made by bind
+        return transports.two_phase_rank_blocks_bound(
+            self.calls, group, traffic, defer, offer, on_chunk
+        )
 
 
 @dataclasses.dataclass
@@ -359,29 +398,7 @@ class SteadyNodeBlocks(SteadyBlocks):
     collectives: the full path's collectives, bytes and bits, without its
     per-step block maxima, keys and flags as ATen ops (on the codecs without
     fused calls, "cast" and "bits", the codec's own calls bound once).
-
-    Attributes:
-        groups: this rank's intra- and inter-node groups of the route.
-        per_node: the ranks of the first level's sum (a node's, or a grid row's).
-        node_calls: each chunk's bound calls.
     """
-
-    groups: NodeGroups | None = None
-    per_node: int = 1
-    node_calls: list[transports.ChunkCalls] | None = None
-
-    def bind(self, x: torch.Tensor, rank: int, world_size: int) -> bool:
-        g = self.group
-        assert g.blocks is not None
-        keys_call = g.codec.bind_block_keys(
-            *(x, g.layout, g.blocks.counts, self.maxima, self.keys, self.flags, self.per_node),
-            device_counts=g.blocks.device_counts,  # the torch ops' (codecs without kernels)
-        )
-        if keys_call is None:
-            return False
-        calls = transports.bind_node_blocks(g, x, self.keys, self.flags, self.union)
-        self.keys_call, self.node_calls, self.bound_ptr = keys_call, calls, x.data_ptr()
-        return True
 
 
 @dataclasses.dataclass
@@ -445,7 +462,7 @@ class SteadyStaged(Steady):
             # vector (written whole every step), then the chunks' scratch.
             blocks = 0 if self.local is None else n
             sizes = [(blocks, torch.float32), (blocks and self.maxima.numel(), torch.uint8)]
-            local, keyed, spare = self._step([*sizes, (n_spare, torch.float32)])
+            local, keyed, spare = _step_views(self.scratch, [*sizes, (n_spare, torch.float32)])
             if self.local is not None:
                 if local.data_ptr() != self.local.data_ptr():  # a chunk's change mid-step
                     local.copy_(self.local)  # binds again: what this step agreed, moved
@@ -481,16 +498,17 @@ class SteadyStaged(Steady):
         self.bound_ptr = x.data_ptr()
         return True
 
-    def _step(self, sizes: list[tuple[int, torch.dtype]]) -> list[torch.Tensor]:
-        """Views of ``sizes`` (elements, dtype) one after the other from the start of
-        :attr:`scratch`'s STEP slot (grown first where it is too small)."""
-        assert self.scratch is not None
-        probe = self.scratch.arena(Slot.STEP)
-        for n, dtype in sizes:
-            probe.take(n, dtype)
-        probe.close()
-        arena = self.scratch.arena(Slot.STEP)
-        return [arena.take(n, dtype) for n, dtype in sizes]
+    def fill_factors(self) -> None:
+        """The route's factors (scale, shift, unscale, first) written from the agreed maxima."""
+        assert self.factors_call is not None  # made by bind
+        self.factors_call()
+
+    def exchange(
+        self, x: torch.Tensor, group: dist.ProcessGroup, traffic: Traffic, defer: bool = False
+    ) -> Callable[[], None] | None:
+        """The route's bound chunks around its four collectives (on :attr:`groups`)."""
+        assert self.node_calls is not None and self.groups is not None  # made by bind
+        return transports.hierarchical_bound(self.node_calls, self.groups, traffic, defer)
 
     def first_factors(self) -> tuple[np.ndarray, np.ndarray]:
         """The first level's factors ``2**e`` and their int32 exponent keys ``127 - e``,
@@ -503,6 +521,17 @@ class SteadyStaged(Steady):
         np.right_shift(first.view(np.int32), 23, out=keys)
         np.subtract(254, keys, out=keys)
         return first, keys
+
+
+def _step_views(workspace: Workspace, sizes: list[tuple[int, torch.dtype]]) -> list[torch.Tensor]:
+    """Views of ``sizes`` (elements, dtype) one after the other from the start of
+    ``workspace``'s STEP slot (grown first where it is too small)."""
+    probe = workspace.arena(Slot.STEP)
+    for n, dtype in sizes:
+        probe.take(n, dtype)
+    probe.close()
+    arena = workspace.arena(Slot.STEP)
+    return [arena.take(n, dtype) for n, dtype in sizes]
 
 
 @dataclasses.dataclass
@@ -1379,7 +1408,6 @@ class Reducer:
             With ``defer`` and chunks left in flight, the function that
             finishes the bucket; else None.
         """
-        _comm, _settings, _assignment = self.comm, self.settings, self.assignment
         self.step = step
         plan, layers = self.plan(index, numels, x.device), (keys, numels, names)
         st = self._bind_first(index, x, plan, layers, chunk)
@@ -1419,24 +1447,27 @@ class Reducer:
         if all(routes[f] == Route.FP32 for f in fmts) and assignment.promoter is None:
             if any(f != FP32 for f in fmts):
                 self.bucket_routes[index] = Route.FP32.value
-            self._settle(index, x, plan, fmts, None, Route.FP32, False, 0)
-            st = self.steady.get(index)
-            if st is not None:
-                if fb is not None:
-                    # As the general path: what the residuals kept is sent once more (a
-                    # new epoch's FP32), then none is kept; the bound mean adds nothing.
-                    fb.add(x, numels, names)
-                    fb.drop(names)
-                return st
+            self._settle(index, x, plan, fmts, None, Route.FP32, False, 0)  # binds, always
+            if fb is not None:
+                # As the general path: what the residuals kept is sent once more (a new
+                # epoch's FP32), then none is kept; the bound mean adds nothing.
+                fb.add(x, numels, names)
+                fb.drop(names)
+            return self.steady[index]
         main = self._routes_for(plan, [settings.fmt] * len(fmts))[settings.fmt]
         blocked = settings.scaling == Scaling.BLOCK
         rank_exps = blocked and settings.block_exponents == BlockExponents.RANK and fb is None
         measured = chunk is None and fb is None and x.device.type == "cpu"
-        if measured and not rank_exps:
+        if fb is not None:  # the owner's step needs the whole shard
+            chunk = ONE_CHUNK
+        elif measured and not rank_exps:
             # This rank's preference; run_steady's maxima carry it to the others.
             chunk = self.planner.chunk(settings.fmt, x.numel(), main, plan.exchange_s or None)
-        else:
-            chunk = self._bucket_chunk(plan, x.numel(), main, chunk, None, measured and rank_exps)
+        elif chunk is None:
+            if not plan.model_chunk:  # the same on every rank, and every step
+                plan.model_chunk = self.planner.chunk(settings.fmt, x.numel(), main)
+            # Each rank's own block exponents: the chunk agreed on their first exchange.
+            chunk = (plan.agreed_chunk if measured else 0) or plan.model_chunk
         groups = plan.group(
             fmts,
             routes,
@@ -1500,12 +1531,9 @@ class Reducer:
         g = groups[0]
         promoted = self.assignment.promoter is not None
         layers_of = (list(keys), list(numels), list(names)) if promoted else None
-        if Route(g.reduction).staged and not rank_exps:
-            self._settle_staged(index, x, plan, fmts, g, measured, chunk, names, layers_of)
-        elif self.settings.scaling != Scaling.BLOCK:
-            self._settle(
-                index, x, plan, fmts, g, Route(g.reduction), measured, chunk, names, layers_of
-            )
+        route = Route(g.reduction)
+        if (route.staged and not rank_exps) or self.settings.scaling != Scaling.BLOCK:
+            self._settle(index, x, plan, fmts, g, route, measured, chunk, names, layers_of)
         elif g.reduction == Route.ALLREDUCE and self.feedback is None:
             # Agreed keys whatever is asked (a native sum cannot mix exponents); with
             # "rank" no chunk rides on them: the model's, as in the general path.
@@ -1517,33 +1545,6 @@ class Reducer:
             self._settle_agreed_blocks(index, x, plan, fmts, g, main, measured, chunk, names)
         if self.feedback is not None and g.reduction != Route.FP32:
             self._settle_feedback(index, x, g, fmts, (list(keys), list(numels), list(names)))
-
-    def _bucket_chunk(
-        self,
-        plan: BucketPlan,
-        numel: int,
-        main: Route,
-        chunk: int | None,
-        wanted: torch.Tensor | None,
-        rank_exps: bool,
-    ) -> int:
-        """Elements per chunk this step: error feedback's one chunk; each rank's own block
-        exponents: the chunk the ranks agreed on their first exchange; measured: the
-        ranks' largest preference (``wanted``); else ``chunk`` or the model's."""
-        fmt = self.settings.fmt
-        if self.feedback is not None:
-            return ONE_CHUNK
-        if rank_exps:
-            if not plan.model_chunk:
-                plan.model_chunk = self.planner.chunk(fmt, numel, main)
-            return plan.agreed_chunk or plan.model_chunk
-        if wanted is not None:
-            return 2 ** int(wanted)
-        if chunk is None:
-            if not plan.model_chunk:  # the same on every rank, and every step
-                plan.model_chunk = self.planner.chunk(fmt, numel, main)
-            chunk = plan.model_chunk
-        return chunk
 
     def _settle_groups(
         self,
@@ -2461,28 +2462,22 @@ class Reducer:
         if assignment.promoter is not None or not g.contiguous or not (two_phase or staged):
             return
         n_blocks, n_layers = g.layout.n_segments, len(g.numels)
-        kind: type[SteadyBlocks] = SteadyBlocks
         extra: dict[str, Any] = {}
         if staged:
             layouts = self.comm.layouts
-            kind = SteadyNodeBlocks
             extra = {
                 "groups": layouts.grid if route == Route.GRID else layouts.nodes,
                 "per_node": self.comm.node_layouts()[route.value][0],
             }
-        # On the bucket's device: the Triton kernels write and read them there.
-        maxima = torch.empty(n_blocks, dtype=torch.float32, device=x.device)
-        keys = torch.empty(n_blocks, dtype=torch.uint8, device=x.device)
-        if not staged:
-            # Written and read before the exchange, never by a deferred tail:
-            # every bucket's, from the workspace.
-            workspace = self.workspace(x.device)
-            for _ in range(2):  # twice only where the workspace had to grow
-                arena = workspace.arena(Slot.STEP)
-                maxima, keys = arena.take(n_blocks, torch.float32), arena.take(n_blocks)
-                if arena.close():
-                    break
-        st = kind(
+        # On the bucket's device: the Triton kernels write and read them there. two_phase
+        # writes and reads them before the exchange, never in a deferred tail: every
+        # bucket's, from the workspace.
+        sizes = [(n_blocks, torch.float32), (n_blocks, torch.uint8)]
+        if staged:
+            maxima, keys = (torch.empty(n, dtype=dtype, device=x.device) for n, dtype in sizes)
+        else:
+            maxima, keys = _step_views(self.workspace(x.device), sizes)
+        st = (SteadyNodeBlocks if staged else SteadyBlocks)(
             x.numel(),
             x.data_ptr(),
             plan,
@@ -2494,12 +2489,11 @@ class Reducer:
             keys,
             torch.empty(n_layers, dtype=torch.uint8, device=x.device),
             torch.zeros(n_layers, dtype=torch.uint8, device=x.device),
+            names=list(names) if self.settings.stats else None,
+            epoch=assignment.epoch(self.step),
+            workspace=self._epoch(index, x.device),
             **extra,
         )
-        if self.settings.stats:
-            st.names = list(names)
-        st.epoch = assignment.epoch(self.step)
-        st.workspace = self._epoch(index, x.device)
         if st.bind(x, self.comm.rank, self.comm.world_size):
             self.steady[index] = st
 
@@ -2516,35 +2510,52 @@ class Reducer:
         names: Sequence[str | None] = (),
         promote: tuple[list[Any], list[int], list[str | None]] | None = None,
     ) -> None:
-        """Bind the bucket's :class:`Steady` path where nothing in it changes per step.
+        """Bind the bucket's :class:`Steady` path (two_phase, a native sum or FP32), or its
+        :class:`SteadyStaged` one (hierarchical or grid, layer, bucket or no scaling, or
+        agreed block exponents), where nothing in it changes per step but the policy's
+        epoch and Promote's levels.
 
         With ``stats=True`` the bound path records too (:meth:`record_steady`):
         ``names`` label the layers' records. ``promote``: with Promote, the
         layers' keys, sizes and names.
         """
-        assignment, settings = self.assignment, self.settings
+        assignment, settings, staged = self.assignment, self.settings, route.staged
         if (
             # Sent in FP32, error feedback keeps nothing: :meth:`_bind_first` sends what
             # the residuals kept once more and drops them, as the general path.
             (self.feedback is not None and route != Route.FP32)
             or (assignment.promoter is not None and promote is None)
-            # An FP32 bucket is one all-reduce, whatever the scaling.
-            or (
-                route != Route.FP32
-                and settings.scaling not in (Scaling.LAYER, Scaling.BUCKET, Scaling.NONE)
-            )
             or not (route == Route.FP32 or (g is not None and g.contiguous))
-            or route not in (Route.FP32, Route.TWO_PHASE, Route.ALLREDUCE)
+            or (staged and g.node is None)  # type: ignore[union-attr]  # contiguous: a group
+            # An FP32 bucket is one all-reduce, whatever the scaling; the staged routes'
+            # block scaling is agreed keys, two_phase's and native's their own binders'.
+            or (not staged and route != Route.FP32 and settings.scaling == Scaling.BLOCK)
         ):
             return
         n = len(fmts)
         rates = n if promote is not None else 0
         maxima = self._vector(n + rates + int(measured), torch.float32, x.device)
+        local, extra = None, {}
+        if staged:
+            assert g is not None and g.node is not None
+            if g.blocks is not None:
+                # Agreed block exponents: the general path's vector, two keys per block,
+                # then the chunk's byte.
+                local = torch.empty(g.layout.n_segments, device=x.device)
+                size = 2 * local.numel() + int(measured)
+                maxima = torch.zeros(size, dtype=torch.uint8, device=x.device)
+            layouts = self.comm.layouts
+            extra = {
+                "groups": layouts.grid if route == Route.GRID else layouts.nodes,
+                "per_node": g.node.ranks_per_node,
+                "local": local,
+                "scratch": self.workspace(x.device),
+            }
         if promote is not None:  # sent in FP32, the layers' rates stay, as on the general path
             kept = set(range(n)) if route == Route.FP32 else set()
             self._rates_into(maxima[n : 2 * n], promote[2], kept)
-        native = route == Route.ALLREDUCE
-        self.steady[index] = st = Steady(
+        native, none = route == Route.ALLREDUCE, settings.scaling == Scaling.NONE
+        st = (SteadyStaged if staged else Steady)(
             x.numel(),
             x.data_ptr(),
             plan,
@@ -2553,7 +2564,7 @@ class Reducer:
             list(fmts),
             maxima,
             AgreedMaxima(
-                maxima[:n], self.comm.world_size, native, settings.scaling == Scaling.NONE
+                maxima[:n] if local is None else local, self.comm.world_size, native, none
             ),
             measured,
             chunk,
@@ -2561,11 +2572,14 @@ class Reducer:
             # Static rules fix each layer's format for good, Schedule for an epoch.
             epoch=assignment.epoch(self.step),
             promote=promote,
-            workspace=self._epoch(index, x.device),
+            **extra,
         )
         if settings.stats and route != Route.FP32:  # an FP32 bucket records nothing
             st.record_names(names)
-        st.bind(x, self.comm.world_size)
+        if not st.bind(x, self.comm.world_size):
+            return
+        st.workspace = self._epoch(index, x.device)  # the STEP slot's, after the binding
+        self.steady[index] = st
         if promote is not None and route == Route.FP32:
             # The general path's maxima all the same: a move out of FP32 resumes from them.
             # Any format's codec writes them; the ladder's narrowest has the fused kernel.
@@ -2618,19 +2632,13 @@ class Reducer:
         if isinstance(st, SteadyGroups):
             self._run_groups(index, st, x)
             return None
-        if isinstance(st, SteadyStaged):
-            return self._run_staged(index, st, x, defer)
         if st.route == Route.FP32 and st.promote is None:
             transports.fp32_mean(x, comm.group, comm.world_size, self.traffic)
             return None
-        if st.measured:  # CPU only: the keys' numpy view, no tensor op
-            exchange_s = st.plan.exchange_s or None
-            if st.offer is None or st.offer[0] != exchange_s:
-                fmt = self.settings.fmt
-                mine = self.planner.chunk(fmt, st.numel, st.route, exchange_s)
-                st.offer = exchange_s, math.log2(mine)
-            # The chunk's slot, after the maxima (and Promote's rates).
-            st.maxima.numpy()[-1] = st.offer[1]
+        if isinstance(st, SteadyStaged) and st.bound_ptr != x.data_ptr():
+            st.bind(x, comm.world_size)  # a bfloat16 bucket's float32 copy: new each step
+        if st.measured:  # CPU only: the numpy view of the chunk's slot, no tensor op
+            st.maxima.numpy()[-1] = self._offer(st, st.route)
         # Bound to the bucket's buffer: a bucket binds before it runs (:meth:`bucket`).
         assert st.bound_ptr == x.data_ptr() and st.maxima_call is not None
         st.maxima_call()
@@ -2645,43 +2653,59 @@ class Reducer:
         """:meth:`run_steady`'s half after the MAX all-reduce, on the vector it agreed (the
         maxima, Promote's rates, the chunk where measured): the factors, the records,
         this rank's rates and the route's bound chunks."""
-        comm, g, native = self.comm, st.group, st.route == Route.ALLREDUCE
         if st.route == Route.FP32:  # Promote's: the layers' rates stay, as on the general path
             return self._finish_fp32(index, st, x)
         if st.bucket:
             st.spread()
         if st.measured:
-            chunk = 2 ** int(st.maxima.numpy()[-1])
+            chunk = 2 ** int(st.maxima.numpy()[-1])  # the ranks' largest preference
             if chunk != st.chunk:
-                st.group = g = st.plan.group(
-                    st.fmts,
-                    self._routes_for(st.plan, st.fmts),
-                    comm.world_size,
-                    chunk,
-                    comm.node_layouts(),
-                )[0]
-                st.chunk = self.bucket_chunks[index] = chunk
-                st.bind(x, comm.world_size)
-                st.workspace = self._epoch(index, x.device)
-        calls = st.calls
-        assert calls is not None  # made by Steady.bind
-        if g.codec.backend == "kernels":
-            # The CPU kernels take factor arrays: made once per bucket, not per chunk,
-            # into the arrays the bound calls read (CPU tensors: no device read).
-            assert st.host_factors is not None  # made by Steady.bind
-            st.agreed.host_factors_into(g.fmt, *st.host_factors)
+                blocked = isinstance(st, SteadyStaged) and st.local is not None
+                self._rechunk(index, st, x, chunk, self.settings.block_size if blocked else None)
+        st.fill_factors()
         if st.names is not None:  # before the decode overwrites this rank's values
             self.record_steady(index, st, x)
         if st.promote is not None:
             self._settled_rates(st, x)
+        self.bucket_chunks[index] = st.chunk
         start = time.perf_counter()
-        if native:
-            tail = transports.native(calls, g.fmt, comm.group, self.traffic, defer)
-        else:
-            tail = transports.two_phase_bound(calls, comm.group, self.traffic, defer)
+        tail = st.exchange(x, self.comm.group, self.traffic, defer)
         if st.measured:
             st.plan.timed(time.perf_counter() - start)
         return tail
+
+    def _offer(self, st: Steady | SteadyBlocks, route: Route) -> int:
+        """Log2 of the chunk this rank prefers for ``st``'s bucket on ``route``, sized by its
+        measured exchange: the model is asked again only when that time moves."""
+        exchange_s = st.plan.exchange_s or None
+        if st.offer is None or st.offer[0] != exchange_s:
+            mine = self.planner.chunk(self.settings.fmt, st.numel, route, exchange_s)
+            st.offer = exchange_s, int(math.log2(mine))  # a power of two
+        return int(st.offer[1])
+
+    def _rechunk(
+        self,
+        index: int,
+        st: Steady | SteadyBlocks,
+        x: torch.Tensor,
+        chunk: int,
+        block_size: int | None = None,
+        **exponents: bool,
+    ) -> None:
+        """The ranks agreed another chunk than ``st`` was bound to: its group planned for
+        ``chunk`` (``block_size``, ``exponents``: as :meth:`BucketPlan.group`'s) and
+        bound again, on the workspace's epoch after the binding."""
+        comm, plan = self.comm, st.plan
+        routes, layouts = self._routes_for(plan, st.fmts), comm.node_layouts()
+        st.group = plan.group(
+            st.fmts, routes, comm.world_size, chunk, layouts, block_size, **exponents
+        )[0]
+        st.chunk = chunk
+        if isinstance(st, Steady):
+            st.bind(x, comm.world_size)
+        else:
+            st.bind(x, comm.rank, comm.world_size)
+        st.workspace = self._epoch(index, x.device)
 
     def _finish_fp32(self, index: int, st: Steady, x: torch.Tensor) -> None:
         """:meth:`_finish_steady` of a bucket sent in FP32 under Promote, after the MAX
@@ -2774,128 +2798,7 @@ class Reducer:
             chunk = 2 ** int(st.maxima.numpy()[-1]) if st.measured else st.chunk
             self._finish_groups(index, st, x, chunk)
             return None
-        if isinstance(st, SteadyStaged):
-            return self._finish_staged(index, st, x, defer)
         return self._finish_steady(index, st, x, defer)
-
-    def _settle_staged(
-        self,
-        index: int,
-        x: torch.Tensor,
-        plan: BucketPlan,
-        fmts: list[FloatFormat],
-        g: GroupPlan,
-        measured: bool,
-        chunk: int,
-        names: Sequence[str | None] = (),
-        promote: tuple[list[Any], list[int], list[str | None]] | None = None,
-    ) -> None:
-        """Bind the bucket's :class:`SteadyStaged` path (hierarchical or grid, layer, bucket
-        or no scaling) where nothing in it changes per step but the policy's epoch and
-        Promote's levels (with ``stats=True`` recording too, its layers labelled by
-        ``names``; ``promote``: with Promote, the layers' keys, sizes and names)."""
-        settings, assignment = self.settings, self.assignment
-        blocks = g.blocks is not None  # agreed block exponents
-        if (
-            self.feedback is not None
-            or (assignment.promoter is not None and promote is None)
-            or not g.contiguous
-            or g.node is None
-        ):
-            return
-        route, layouts, n = Route(g.reduction), self.comm.layouts, len(fmts)
-        rates = n if promote is not None else 0
-        maxima = self._vector(n + rates + int(measured), torch.float32, x.device)
-        local = None
-        if blocks:  # the general path's vector: two keys per block, then the chunk's byte
-            local = torch.empty(g.layout.n_segments, device=x.device)
-            size = 2 * local.numel() + int(measured)
-            maxima = torch.zeros(size, dtype=torch.uint8, device=x.device)
-        if promote is not None:
-            self._rates_into(maxima[n : 2 * n], promote[2])
-        st = SteadyStaged(
-            x.numel(),
-            x.data_ptr(),
-            plan,
-            g,
-            route,
-            list(fmts),
-            maxima,
-            AgreedMaxima(
-                maxima[:n] if local is None else local,
-                self.comm.world_size,
-                none=settings.scaling == Scaling.NONE,
-            ),
-            measured,
-            chunk,
-            bucket=settings.scaling == Scaling.BUCKET,
-            epoch=assignment.epoch(self.step),
-            workspace=self._epoch(index, x.device),
-            groups=layouts.grid if route == Route.GRID else layouts.nodes,
-            per_node=g.node.ranks_per_node,
-            promote=promote,
-            local=local,
-            scratch=self.workspace(x.device),
-        )
-        if settings.stats:
-            st.record_names(names)
-        if st.bind(x, self.comm.world_size):
-            st.workspace = self._epoch(index, x.device)  # the STEP slot's, after the binding
-            self.steady[index] = st
-
-    def _run_staged(
-        self, index: int, st: SteadyStaged, x: torch.Tensor, defer: bool
-    ) -> Callable[[], None] | None:
-        """:meth:`run_steady` of hierarchical or grid: the maxima agreed (with Promote's
-        rates and the chunk where measured) and Promote's step, the factors written in
-        place, the route's bound chunks."""
-        comm, slot = self.comm, st.maxima.numel() - 1  # the chunk's, where measured
-        if st.bound_ptr != x.data_ptr():  # a bfloat16 bucket's float32 copy: new each step
-            st.bind(x, comm.world_size)
-        if st.measured:  # CPU only: the numpy view, no tensor op
-            exchange_s = st.plan.exchange_s or None
-            if st.offer is None or st.offer[0] != exchange_s:
-                mine = self.planner.chunk(self.settings.fmt, st.numel, st.route, exchange_s)
-                st.offer = exchange_s, math.log2(mine)
-            st.maxima.numpy()[slot] = st.offer[1]
-        assert st.maxima_call is not None  # made by bind
-        st.maxima_call()
-        transports.all_reduce_max(st.maxima, comm.group, self.traffic)
-        if st.promote is not None and self._promoted(st):
-            return self._moved(index, st, x, defer)
-        return self._finish_staged(index, st, x, defer)
-
-    def _finish_staged(
-        self, index: int, st: SteadyStaged, x: torch.Tensor, defer: bool
-    ) -> Callable[[], None] | None:
-        """:meth:`_run_staged`'s half after the MAX all-reduce, on the vector it agreed."""
-        comm = self.comm
-        if st.bucket:
-            st.spread()
-        if st.measured:
-            chunk = 2 ** int(st.maxima.numpy()[-1])  # the ranks' largest preference
-            if chunk != st.chunk:
-                routes = self._routes_for(st.plan, st.fmts)
-                block_size = self.settings.block_size if st.local is not None else None
-                st.group = st.plan.group(
-                    st.fmts, routes, comm.world_size, chunk, comm.node_layouts(), block_size
-                )[0]
-                st.chunk = chunk
-                st.bind(x, comm.world_size)
-                st.workspace = self._epoch(index, x.device)
-        self.bucket_chunks[index] = st.chunk
-        assert st.factors_call is not None  # made by bind
-        st.factors_call()
-        if st.names is not None:  # before the decode overwrites this rank's values
-            self.record_steady(index, st, x)
-        if st.promote is not None:
-            self._settled_rates(st, x)
-        assert st.node_calls is not None and st.groups is not None
-        start = time.perf_counter()
-        tail = transports.hierarchical_bound(st.node_calls, st.groups, self.traffic, defer)
-        if st.measured:
-            st.plan.timed(time.perf_counter() - start)
-        return tail
 
     def record_steady(
         self, index: int, st: Steady, x: torch.Tensor, rates: torch.Tensor | None = None
@@ -2917,18 +2820,15 @@ class Reducer:
         if isinstance(st, SteadyStaged) and st.local is not None:
             # Agreed block keys: each block's counts under its inner (first-level) key.
             assert st.records_call is not None
-            rows = torch.empty(len(st.names), 5, dtype=torch.float64, device=x.device)
-            st.records_call(rows)
-            self.stats.add_rows(index, st.names, g.numels, g.fmt, rows)
+            self._add_rows(index, st, st.records_call, x.device)
             return
         amax = agreed.maxima if st.raw is None else st.raw
         keys = st.host_factors[2] if st.host_factors is not None else None
         if isinstance(st, SteadyStaged) and st.record_keys is not None:
             keys = st.first_factors()[1]
         if keys is not None and x.is_contiguous():
-            rows = torch.empty(len(st.names), 5, dtype=torch.float64, device=x.device)
-            g.codec.layer_records(x, g.layout, amax, keys, rows, rates)
-            self.stats.add_rows(index, st.names, g.numels, g.fmt, rows)
+            records = functools.partial(g.codec.layer_records, x, g.layout, amax, keys)
+            self._add_rows(index, st, functools.partial(records, rates=rates), x.device)
             return
         exps = self._steady_exponents(st)
         counts = layer_counts(x, g.layout.lengths, exps, g.fmt)
@@ -2960,9 +2860,8 @@ class Reducer:
             st.keys_call()
             return
         if g.codec.backend == "kernels" and x.is_contiguous() and x.dtype == torch.float32:
-            rows = torch.empty(len(st.names), 5, dtype=torch.float64, device=x.device)
-            st.keys_call(rows)  # type: ignore[call-arg]  # cpu_kernels.block_keys' records
-            self.stats.add_rows(index, st.names, g.numels, g.fmt, rows)
+            records = st.keys_call  # cpu_kernels.block_keys' records too
+            self._add_rows(index, st, records, x.device)  # type: ignore[arg-type]
             return
         st.keys_call()
         exps = key_exponents(st.keys)
@@ -2980,14 +2879,13 @@ class Reducer:
         assert st.names is not None and g is not None
         fmt, route, n = g.fmt, Route(g.reduction), self.comm.world_size
         if g.codec.backend == "kernels" and x.device.type == "cpu":
-            rows = torch.empty(len(st.names), 5, dtype=torch.float64)
             if g.blocks is None:
                 assert st.keys is not None  # left by st.factors
-                g.codec.layer_records(x, g.layout, st.shared, st.keys, rows)
+                records = functools.partial(g.codec.layer_records, x, g.layout, st.shared, st.keys)
             else:
                 assert st.local is not None
-                g.codec.block_records(x, g.blocks, st.shared, st.local, rows)
-            self.stats.add_rows(index, st.names, g.numels, fmt, rows)
+                records = functools.partial(g.codec.block_records, x, g.blocks, st.shared, st.local)
+            self._add_rows(index, st, records, x.device)
             return
         if g.blocks is None:
             scaling = self.settings.scaling
@@ -3008,10 +2906,22 @@ class Reducer:
         folded per layer with this rank's block maxima (:func:`aps_comm.telemetry.per_layer`):
         one kernel call on the CPU kernels, two launches on Triton, whatever the layer
         count; nothing read on the host."""
-        assert st.names is not None and st.records_call is not None
+        assert st.records_call is not None
+        self._add_rows(index, st, st.records_call, st.maxima.device)
+
+    def _add_rows(
+        self,
+        index: int,
+        st: Steady | SteadyBlocks | SteadyFeedback | SteadyAgreedBlocks,
+        records: Callable[[torch.Tensor], object],
+        device: torch.device,
+    ) -> None:
+        """Queue ``st``'s records as the float64 rows (one per layer: exponent, maximum,
+        counts) that ``records`` writes on ``device`` (the codec's records calls)."""
         g = st.group
-        rows = torch.empty(len(st.names), 5, dtype=torch.float64, device=st.maxima.device)
-        st.records_call(rows)
+        assert st.names is not None and g is not None
+        rows = torch.empty(len(st.names), 5, dtype=torch.float64, device=device)
+        records(rows)
         self.stats.add_rows(index, st.names, g.numels, g.fmt, rows)
 
     def _feedback_rates(self, st: SteadyFeedback, x: torch.Tensor, out: torch.Tensor) -> None:
@@ -3063,51 +2973,25 @@ class Reducer:
         self, index: int, st: SteadyBlocks, x: torch.Tensor, defer: bool
     ) -> Callable[[], None] | None:
         """:meth:`run_steady` with every rank's own block exponents: one call for the keys,
-        three per chunk."""
+        three per chunk (two_phase; hierarchical and grid a fixed handful)."""
         comm, plan, settings = self.comm, st.plan, self.settings
         if st.bound_ptr != x.data_ptr():  # a bfloat16 bucket's float32 copy: new each step
             st.bind(x, comm.rank, comm.world_size)
         self.steady_block_keys(index, st, x)  # and their records
-        if isinstance(st, SteadyNodeBlocks):
-            # The chunk is the model's (the route offers none); only the timing is kept.
-            assert st.node_calls is not None and st.groups is not None
-            self.bucket_chunks[index] = st.chunk
-            start = time.perf_counter()
-            tail = transports.hierarchical_bound(st.node_calls, st.groups, self.traffic, defer)
-            if st.measured:
-                plan.timed(time.perf_counter() - start)
-            return tail
         offer, on_chunk = 0, None
-        if st.measured:
+        # Staged: the chunk is the model's (the route offers none); only the timing is kept.
+        if st.measured and st.groups is None:
             route = Route.TWO_PHASE
             if not plan.model_chunk:
                 plan.model_chunk = self.planner.chunk(settings.fmt, st.numel, route)
             chunk = plan.agreed_chunk or plan.model_chunk
             if chunk != st.chunk:
-                st.group = plan.group(
-                    st.fmts,
-                    self._routes_for(plan, st.fmts),
-                    comm.world_size,
-                    chunk,
-                    comm.node_layouts(),
-                    settings.block_size,
-                    owner_exponents=True,
-                    rank_exponents=True,
-                )[0]
-                st.chunk = chunk
-                st.bind(x, comm.rank, comm.world_size)
-                st.workspace = self._epoch(index, x.device)
-            exchange_s = plan.exchange_s or None
-            if st.offer is None or st.offer[0] != exchange_s:
-                mine = self.planner.chunk(settings.fmt, st.numel, route, exchange_s)
-                st.offer = exchange_s, int(math.log2(mine))
-            offer, on_chunk = st.offer[1], functools.partial(_agree_chunk, plan)
+                exps = {"owner_exponents": True, "rank_exponents": True}  # as the binding's
+                self._rechunk(index, st, x, chunk, settings.block_size, **exps)
+            offer, on_chunk = self._offer(st, route), functools.partial(_agree_chunk, plan)
         self.bucket_chunks[index] = st.chunk
-        assert st.calls is not None
         start = time.perf_counter()
-        tail = transports.two_phase_rank_blocks_bound(
-            st.calls, comm.group, self.traffic, defer, offer, on_chunk
-        )
+        tail = st.exchange(comm.group, self.traffic, defer, offer, on_chunk)
         if st.measured:
             plan.timed(time.perf_counter() - start)
         return tail
