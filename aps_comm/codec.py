@@ -247,6 +247,24 @@ def _encode_kernels(pad: np.ndarray, *args: object) -> None:
     cpu_kernels.call("encode", *args)
 
 
+def _decode_agreed_kernels(
+    fmt: FloatFormat,
+    gathered: np.ndarray,
+    n: int,
+    offsets: np.ndarray | BlockGrid,
+    firsts: np.ndarray,
+    keys: np.ndarray,
+    layer_ends: np.ndarray,
+    *rest: object,
+) -> None:
+    """A bound CPU decode of agreed blocks: each block's layer derived for the call from
+    the layers' ends (a binding keeps nothing per block), then the kernel."""
+    layer_of = _layer_of(layer_ends)
+    cpu_kernels.call(
+        "decode_agreed_blocks", fmt, gathered, n, offsets, firsts, keys, layer_of, *rest
+    )
+
+
 def _layer_of(layer_ends: np.ndarray) -> np.ndarray:
     """Each block's layer from the layers' ends in the blocks (what the Triton decode
     indexes with; made while binding, its device copy is the binding's)."""
@@ -655,8 +673,10 @@ class AgreedBlockChunk:
         offsets: the group's block boundaries (int64, elements), or on the CPU kernels
             its grid (:class:`aps_comm.layout.BlockGrid`: nothing kept per block).
         firsts: the chunk's N shards' first blocks, and the end (int64).
-        layer_of: each block's layer (int64; int32 on the CPU kernels).
-        shard: this rank's shard's block boundaries, from 0 (int64; int32 on the CPU kernels).
+        layer_of: each block's layer (int64; int32 on the CPU kernels, whose binding
+            keeps the layers' ends only).
+        shard: this rank's shard's block boundaries, from 0 (int64), or on the CPU
+            kernels its grid.
         first: this rank's shard's first block in the group.
         send: the chunk's exchange, N equal pieces.
         recv: what the exchange brings, N equal pieces.
@@ -669,7 +689,7 @@ class AgreedBlockChunk:
     offsets: np.ndarray | BlockGrid
     firsts: np.ndarray
     layer_of: np.ndarray
-    shard: np.ndarray
+    shard: np.ndarray | BlockGrid
     first: int
     send: torch.Tensor
     recv: torch.Tensor
@@ -1641,8 +1661,6 @@ class Codec:
                 *(c.shard_bytes, keys),
             )
             return functools.partial(send, -1), owner, decode
-        k = max(c.shard.size - 1, 1)
-        longest = _longest(c.shard)
         counts = np.zeros(0, np.int64) if c.counts is None else c.counts
         xa, ka = x.numpy(), keys.numpy()
         return (
@@ -1670,20 +1688,19 @@ class Codec:
                 c.first,
                 c.out.numpy(),
                 c.shard_bytes,
-                (np.empty(k, np.int32), np.empty(k, np.int32)),
+                None,  # the owner's scratch: the call's own, nothing kept per block
                 (counts, union.numpy()),
-                longest,
+                _longest(c.shard),
             ),
             functools.partial(
-                cpu_kernels.call,
-                "decode_agreed_blocks",
+                _decode_agreed_kernels,
                 self.fmt,
                 c.gathered.numpy(),
                 n,
                 c.offsets,
                 c.firsts,
                 ka,
-                c.layer_of,
+                np.cumsum(np.bincount(c.layer_of)),  # per layer, not per block
                 union.numpy(),
                 xa,
                 c.shard_bytes,

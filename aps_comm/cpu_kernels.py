@@ -3297,7 +3297,7 @@ def owner_agreed_blocks(
     first: int,
     out: np.ndarray,
     shard_bytes: int,
-    scratch: tuple[np.ndarray, np.ndarray],
+    scratch: tuple[np.ndarray, np.ndarray] | None,
     flags: tuple[np.ndarray, np.ndarray],
     longest: int,
 ) -> None:
@@ -3314,9 +3314,12 @@ def owner_agreed_blocks(
     layer of the whole group, uint8 per layer): where the first is not empty
     (the first chunk's owner step, before any decode), each layer's flag is
     written into the second, 1 where any of its agreed keys is non-finite (255).
-    ``longest``: the longest block's elements.
+    ``longest``: the longest block's elements. ``scratch`` None: made for the call.
     """
     offsets = _block_offsets(offsets)
+    if scratch is None:
+        k = max(offsets.size - 1, 1)
+        scratch = np.empty(k, np.int32), np.empty(k, np.int32)
     q, m = decoder_params(fmt)
     _owner_agreed_blocks(
         recv,

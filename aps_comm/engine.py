@@ -1360,6 +1360,14 @@ class Reducer:
             self.plan_builds += 1
         return plan
 
+    def forget_after(self, last: int) -> None:
+        """Drop the bound paths and plans of buckets past ``last``, a step's last bucket:
+        DDP re-bucketed into fewer, and their bindings hold views of its old buffers."""
+        for index in [i for i in self.steady if i > last]:
+            del self.steady[index]
+        if any(key[0] > last for key in self.plans):
+            self.plans = {k: v for k, v in self.plans.items() if k[0] <= last}
+
     def workspace(self, device: torch.device) -> Workspace:
         """The buckets' shared scratch on ``device`` (made on first use)."""
         ws = self.workspaces.get(str(device))

@@ -746,8 +746,20 @@ class APSState:
         if x is not b.buffer:
             b.buffer.copy_(x)
         if b.is_last:
+            self._forget_after(b.index)
             self._end_step()
         return b.buffer
+
+    def _forget_after(self, last: int) -> None:
+        """Forget the buckets past ``last``, the step's last: DDP re-bucketed into fewer,
+        and their old buffers would stay alive here and in their bound paths and graphs."""
+        assert self.reducer is not None
+        for index in [i for i in self._inputs if i > last]:
+            del self._inputs[index]
+        if self.graphs is not None:
+            for index in [i for i in self.graphs.graphs if i > last]:
+                self.graphs.drop(index)
+        self.reducer.forget_after(last)
 
     # -- exit ------------------------------------------------------------------------
 

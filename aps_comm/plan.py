@@ -242,9 +242,10 @@ class BlockShards:
         slots: per chunk, exponent bytes after each shard's payload (the most
             blocks any shard of the chunk has).
         gather_regions: per chunk, its N gathered shards in ``gathered``.
-        gathered: uint8 scratch for the all-gathered shards and exponents
-            (shard s's j-th block's exponent is byte ``shard_bytes + j`` of
-            row s: no index of them is kept).
+        gathered: the group's send buffer, which also takes the all-gathered
+            shards and exponents (shard s's j-th block's exponent is byte
+            ``shard_bytes + j`` of row s: no index of them is kept), clear of
+            the send regions still in use (:func:`_gather_offset`).
         pieces: per chunk, the bytes each shard takes in the all-to-all:
             ``shard_bytes``, and with each rank's own exponents
             (:attr:`aps_comm.config.BlockExponents.RANK`) its ``slots``
@@ -428,7 +429,8 @@ class GroupPlan:
             shards; native: the chunk's payload; hierarchical: L padded slices
             in ``send``, this rank's slice's M shards in ``recv``).
         shard_regions: two_phase, hierarchical, grid: each chunk's reduced shard in ``shards``.
-        send: scratch for the encoded chunks (two_phase also gathers into it).
+        send: scratch for the encoded chunks (two_phase also gathers into it; with
+            :attr:`block_shards` as :attr:`BlockShards.gathered` says).
         recv: two_phase: scratch for the received shards.
         shards: two_phase: scratch for the owner's reduced shards.
         node: hierarchical and grid: the slices and their scratch.
@@ -948,7 +950,7 @@ class BucketPlan:
             windows=windows,
             regions=regions,
             shard_regions=shard_regions,
-            send=scratch(start),
+            send=block_shards.gathered if block_shards is not None else scratch(start),
             # Read by the owner's step, done before the bucket's tail.
             recv=scratch(received, tail=False),
             # Two_phase's tail gathers the shards; the staged routes' is in-node (node.encoded).
@@ -1083,6 +1085,9 @@ class BucketPlan:
             shard_start = shard_regions[-1][1]
             gather_regions.append((gather_start, gather_start + world_size * (sb + slot)))
             gather_start = gather_regions[-1][1]
+        # The shards are gathered into the send buffer, not a buffer of their own.
+        at = _gather_offset(regions, gather_regions)
+        gather_regions = [(at + q0, at + q1) for q0, q1 in gather_regions]
         return BlockShards(
             bounds,
             windows,
@@ -1090,7 +1095,7 @@ class BucketPlan:
             shard_bytes,
             slots,
             gather_regions,
-            scratch(gather_start),
+            scratch(max(start, at + gather_start)),
             pieces,
             flags,
             bool(flags),
@@ -1155,6 +1160,37 @@ class BucketPlan:
             wire_first=wire_first,
             factors=scratch(4 * layout.n_segments, torch.float32).view(4, layout.n_segments),
         )
+
+
+def _gather_offset(regions: list[tuple[int, int]], gathers: list[tuple[int, int]]) -> int:
+    """The least offset in the send buffer from which every chunk's gathered shards
+    (``gathers``, from 0) stay clear of the send regions (``regions``) in use beside them.
+
+    Two_phase pipelines its chunks (:func:`aps_comm.transports.two_phase_bound`): chunk
+    c's all-gather starts once its all-to-all is done, and its shards are decoded after
+    chunks c + 1 and c + 2 were encoded and sent; so they may lie over any chunk's send
+    region but those two. With each rank's own exponents a piece holds its shard's key
+    bytes too, every chunk's shards fit below the next one's send region: 0. Agreed
+    exponents send them only in the all-gather, whose shards then may start higher.
+
+    Example:
+        >>> sends = [(0, 8), (8, 16)]
+        >>> _gather_offset(sends, [(0, 6), (6, 12)]), _gather_offset(sends, [(0, 10), (10, 20)])
+        (0, 16)
+    """
+
+    def clear(at: int) -> bool:
+        return all(
+            q0 == q1 or at + q1 <= regions[j][0] or at + q0 >= regions[j][1]
+            for c, (q0, q1) in enumerate(gathers)
+            for j in range(c + 1, min(c + 3, len(regions)))
+        )
+
+    # Each chunk's shards just after a send region they must not overlap, or after all;
+    # 4-aligned, as the send regions are (the kernels read 16-bit codes from the rows).
+    starts = [r1 - q0 for c, (q0, _) in enumerate(gathers) for _, r1 in regions[c + 1 : c + 3]]
+    ats = [_aligned(at) for at in [0, *starts, regions[-1][1]] if at >= 0]
+    return min(at for at in ats if clear(at))
 
 
 def _chunk_regions(

@@ -549,20 +549,20 @@ def bind_agreed_blocks(
     sh = g.block_shards
     assert sh is not None and not sh.rank_exponents and g.blocks is not None
     counts = g.blocks.counts.numpy()  # the host copy the plan keeps
-    # The CPU kernels take the plan's grid (no offset per block) and index in int32.
+    # The CPU kernels take the plan's grids (nothing kept per block) and index in int32.
     host = g.codec.backend == "kernels" and x.device.type == "cpu"
     wide = np.int32 if host and g.layout.numel < 2**31 else np.int64
     offsets = _grid_of(g.layout) if host else g.layout.offsets.numpy().astype(np.int64)
     layer_of = np.repeat(np.arange(counts.size, dtype=wide), counts)
     calls = []
     for c in range(len(g.chunks)):
-        firsts = _block_firsts(g.layout, sh.bounds[c])
+        firsts, mine = _block_firsts(g.layout, sh.bounds[c]), sh.layouts[c][rank]
         send, recv, out, gathered = _chunk_views(g, c)
         chunk = AgreedBlockChunk(
             offsets,
             firsts,
             layer_of,
-            sh.layouts[c][rank].offsets.numpy().astype(wide),
+            _grid_of(mine) if host else mine.offsets.numpy().astype(np.int64),
             int(firsts[rank]),
             send,
             recv,
