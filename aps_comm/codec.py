@@ -91,12 +91,11 @@ __all__ = [
     "AgreedBlockChunk",
     "AgreedMaxima",
     "Backend",
+    "BlockChunk",
     "Blocks",
     "Codec",
     "Layout",
-    "NodeBlockCalls",
     "NodeBlockChunk",
-    "RankBlockCalls",
     "RankBlockChunk",
     "backend_for",
     "codec_for",
@@ -640,106 +639,73 @@ class AgreedMaxima:
 
 
 @dataclasses.dataclass(frozen=True)
-class RankBlockCalls:
-    """One chunk of two_phase with every rank's own block exponents, bound to its buffers.
-
-    Each is one kernel call (:meth:`Codec.bind_rank_blocks`), whatever the
-    number of ranks, layers or blocks.
-
-    Attributes:
-        send: ``send(log2)`` encodes every shard of the chunk into the exchange
-            with this rank's block keys (``log2``: this rank's preferred chunk,
-            sent with the first chunk).
-        owner: this rank's owner step; returns the ranks' largest preferred
-            chunk (log2) for the first chunk, else 0.
-        decode: every gathered shard decoded into the values with its owner's keys.
-        exchange: the chunk's send and receive regions, this rank's gathered
-            shard and the chunk's gathered shards, as the collectives take
-            them (views made once: slicing costs host time).
-    """
-
-    send: Callable[[int], None]
-    owner: Callable[[], int]
-    decode: Callable[[], None]
-    exchange: tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]
-
-
-@dataclasses.dataclass(frozen=True)
-class AgreedBlockChunk:
-    """One chunk of two_phase with agreed block exponents: its blocks and buffers
-    (:meth:`Codec.bind_agreed_blocks`).
+class BlockChunk:
+    """One chunk of two_phase with block exponents: its blocks and buffers, made once by
+    the binders (:func:`aps_comm.transports.bind_rank_blocks`, ``bind_agreed_blocks``,
+    ``bind_node_blocks``).
 
     Attributes:
-        offsets: the group's block boundaries (int64, elements), or on the CPU kernels
-            its grid (:class:`aps_comm.layout.BlockGrid`: nothing kept per block).
+        offsets: the group's block boundaries (elements; int32 or int64), or on the CPU
+            kernels its grid (:class:`aps_comm.layout.BlockGrid`: nothing kept per block).
         firsts: the chunk's N shards' first blocks, and the end (int64).
-        layer_of: each block's layer (int64; int32 on the CPU kernels, whose binding
-            keeps the layers' ends only).
-        shard: this rank's shard's block boundaries, from 0 (int64), or on the CPU
-            kernels its grid.
-        first: this rank's shard's first block in the group.
+        shard: this rank's shard's block boundaries, from 0 (as ``offsets``).
         send: the chunk's exchange, N equal pieces.
         recv: what the exchange brings, N equal pieces.
-        out: this rank's gathered shard (codes, then a byte ``d`` per block).
+        out: this rank's gathered shard (codes, then a key or a byte ``d`` per block).
         gathered: the chunk's N gathered shards, N equal rows.
         shard_bytes: payload bytes every shard is padded to.
-        counts: the first chunk: blocks per layer of the group (int64); else None.
     """
 
     offsets: np.ndarray | BlockGrid
     firsts: np.ndarray
-    layer_of: np.ndarray
     shard: np.ndarray | BlockGrid
-    first: int
     send: torch.Tensor
     recv: torch.Tensor
     out: torch.Tensor
     gathered: torch.Tensor
     shard_bytes: int
+
+
+@dataclasses.dataclass(frozen=True)
+class AgreedBlockChunk(BlockChunk):
+    """:class:`BlockChunk` with agreed block exponents (:meth:`Codec.bind_agreed_blocks`):
+    ``offsets`` and ``shard`` int64, or on the CPU kernels their grids.
+
+    Attributes:
+        layer_of: each block's layer (int64; int32 on the CPU kernels, whose binding
+            keeps the layers' ends only).
+        first: this rank's shard's first block in the group.
+        counts: the first chunk: blocks per layer of the group (int64); else None.
+    """
+
+    layer_of: np.ndarray
+    first: int
     counts: np.ndarray | None = None
 
 
 @dataclasses.dataclass(frozen=True)
-class RankBlockChunk:
-    """One chunk of two_phase with every rank's own block exponents: its blocks and
-    buffers, made once by the binder (:func:`aps_comm.transports.bind_rank_blocks`).
+class RankBlockChunk(BlockChunk):
+    """:class:`BlockChunk` with every rank's own block exponents
+    (:meth:`Codec.bind_rank_blocks`).
 
     Attributes:
-        offsets: the group's block boundaries (elements; int32 or int64), or on
-            the CPU its grid (the kernels derive them: nothing kept per block).
-        firsts: the chunk's N shards' first blocks, and the end (int64).
         layer_ends: the cumulative blocks per layer (walked: no index per block).
-        shard: this rank's shard's block boundaries, from 0 (as ``offsets``).
-        send: the chunk's exchange, N equal pieces.
-        recv: what the exchange brings, N equal pieces.
-        out: this rank's gathered shard (codes, then keys).
-        gathered: the chunk's N gathered shards, N equal rows.
-        shard_bytes: payload bytes every shard is padded to.
         at: where the layer flags and the chunk's log2 lie in a piece; -1 for none.
     """
 
-    offsets: np.ndarray | BlockGrid
-    firsts: np.ndarray
     layer_ends: np.ndarray
-    shard: np.ndarray | BlockGrid
-    send: torch.Tensor
-    recv: torch.Tensor
-    out: torch.Tensor
-    gathered: torch.Tensor
-    shard_bytes: int
     at: int
 
 
 @dataclasses.dataclass(frozen=True)
-class NodeBlockChunk:
-    """One chunk of hierarchical (or grid) with every owner's own block exponents: its
-    blocks and buffers at both levels, made once by the binder
-    (:func:`aps_comm.transports.bind_node_blocks`).
+class NodeBlockChunk(RankBlockChunk):
+    """:class:`RankBlockChunk` for hierarchical (or grid) with every owner's own block
+    exponents: the blocks and buffers at both levels (:meth:`Codec.bind_node_blocks`).
+    Its ``firsts``, ``shard``, ``out`` and ``gathered`` are the chunk's N shards', its
+    ``send`` and ``recv`` the exchange across nodes (M equal pieces), its ``at`` where the
+    layer flags lie in a piece and a row.
 
     Attributes:
-        offsets: the group's block boundaries (elements; int32 or int64).
-        firsts: the chunk's N shards' first blocks, and the end (int64).
-        layer_ends: each layer's end in the group's blocks (as :class:`RankBlockChunk`'s).
         ranks_per_node: L.
         first: grid: the first exchange's send region (L equal pieces), the
             L slices' first blocks and the end, and the bytes every slice's
@@ -748,60 +714,18 @@ class NodeBlockChunk:
             rank's slice (hierarchical) or L pieces (grid).
         slice_offsets: the slice's block boundaries, from 0 (int64).
         piece_firsts: the slice's M shards' first blocks (of the slice), and the end.
-        send: the exchange across nodes, M equal pieces.
-        recv: what it brings, M equal pieces.
-        shard: this rank's shard's block boundaries, from 0 (int64; int32 on the CPU kernels).
-        out: this rank's shard as gathered (codes, keys, in the first chunk flags).
-        gathered: the chunk's N shards gathered, N equal rows.
-        shard_bytes: payload bytes every shard is padded to.
-        at: where the layer flags lie in a piece and a row; -1 for none.
         own_rows: this rank's local rank and node: the row of the first
             exchange and the piece across nodes that are its own. Owners add
             their own values there (grid: its slice of ``x``; across nodes:
             the node's mean of its shard), not the rounded copy they sent themselves.
     """
 
-    offsets: np.ndarray
-    firsts: np.ndarray
-    layer_ends: np.ndarray
     ranks_per_node: int
     first: tuple[torch.Tensor, np.ndarray, int] | None
     received: torch.Tensor
     slice_offsets: np.ndarray
     piece_firsts: np.ndarray
-    send: torch.Tensor
-    recv: torch.Tensor
-    shard: np.ndarray
-    out: torch.Tensor
-    gathered: torch.Tensor
-    shard_bytes: int
-    at: int
     own_rows: tuple[int, int]
-
-
-@dataclasses.dataclass(frozen=True)
-class NodeBlockCalls:
-    """One chunk of hierarchical (or grid) with every owner's own block exponents, bound.
-
-    Each is a fixed handful of kernel calls (:meth:`Codec.bind_node_blocks`),
-    whatever the number of ranks, layers or blocks.
-
-    Attributes:
-        first: grid: this rank's L slices of the chunk encoded with its own
-            block keys into the first exchange; None for hierarchical (FP32).
-        across: the node's mean of this rank's slice (from the first exchange),
-            its blocks' own keys, and its M pieces encoded with them (the
-            first chunk's with this rank's layer flags).
-        owner: this rank's owner step across nodes (the first chunk's flags
-            OR-ed into its shard).
-        decode: the N gathered shards decoded into the values with their
-            owners' keys (the first chunk's gathered flags OR-ed first).
-    """
-
-    first: Callable[[], object] | None
-    across: Callable[[], None]
-    owner: Callable[[], None]
-    decode: Callable[[], None]
 
 
 @dataclasses.dataclass(frozen=True)
@@ -1570,8 +1494,12 @@ class Codec:
         flags: torch.Tensor,
         union: torch.Tensor,
         chunk: RankBlockChunk,
-    ) -> RankBlockCalls | None:
-        """Bind one chunk's three steps of two_phase with every rank's own block exponents.
+    ) -> tuple[Callable[[int], object], Callable[[], int], Callable[[], object]] | None:
+        """Bind one chunk's three steps of two_phase with every rank's own block exponents:
+        ``send(log2)`` encodes every shard with this rank's block keys (``log2``: this
+        rank's preferred chunk, sent where ``chunk.at >= 0``), ``owner()`` is this rank's
+        owner step and returns the ranks' largest preferred chunk (log2) for the first
+        chunk, else 0, ``decode()`` decodes every gathered shard with its owner's keys.
 
         The fused form of what :func:`aps_comm.transports.rank_block_ops`
         does shard by shard; the same bytes. None where this backend has no
@@ -1592,8 +1520,8 @@ class Codec:
             chunk: the chunk's blocks and buffers.
 
         Example:
-            >>> calls = codec.bind_rank_blocks(x, keys, flags, union, chunk)  # doctest: +SKIP
-            >>> calls.send(0); calls.owner(); calls.decode()  # doctest: +SKIP
+            >>> send, owner, decode = codec.bind_rank_blocks(x, keys, flags, union, chunk)  # doctest: +SKIP
+            >>> send(0); owner(); decode()  # doctest: +SKIP
         """
         c, n = chunk, chunk.firsts.size - 1
         if not self._fused_blocks(x) or (
@@ -1605,11 +1533,10 @@ class Codec:
             host = c.recv.numpy() if c.at >= 0 and c.recv.device.type == "cpu" else None
             piece = c.recv.numel() // n
             owner = functools.partial(_owner_then_chunk, owner, host, c.at + union.numel(), piece)
-        return RankBlockCalls(
+        return (
             self._bind_send(x, keys, c.offsets, c.firsts, flags, c.send, c.shard_bytes, c.at),
             owner,
             self._bind_decode(x, union, c),
-            (c.send, c.recv, c.out, c.gathered),
         )
 
     def bind_agreed_blocks(
@@ -1645,9 +1572,8 @@ class Codec:
             t = _triton()
             if not self._triton_blocks_run(x, keys, union, union, c, {n}, agreed=True):
                 return None
-            piece = c.send.numel() // n
-            send = t.bind_send_rank_blocks(
-                self.fmt, x, keys, c.offsets, c.firsts, union, c.send, piece, -1
+            send = self._bind_send(
+                x, keys, c.offsets, c.firsts, union, c.send, c.send.numel() // n, -1
             )
             d = torch.empty(max(c.shard.size - 1, 1), dtype=torch.int32, device=x.device)
             owner = t.bind_owner_agreed_launch(  # union: zeroed by the keys' kernel
@@ -1753,7 +1679,7 @@ class Codec:
 
     def _bind_owner(
         self,
-        c: RankBlockChunk | NodeBlockChunk,
+        c: RankBlockChunk,
         union: torch.Tensor,
         n: int,
         at: int,
@@ -1802,7 +1728,7 @@ class Codec:
         self,
         x: torch.Tensor,
         union: torch.Tensor,
-        c: RankBlockChunk | NodeBlockChunk,
+        c: RankBlockChunk,
         flag_rows: torch.Tensor | None = None,
     ) -> Callable[[], object]:
         """The chunk's N gathered shards decoded into ``x`` with their owners' keys (the
@@ -1841,7 +1767,7 @@ class Codec:
         keys: torch.Tensor,
         flags: torch.Tensor,
         union: torch.Tensor,
-        c: RankBlockChunk | NodeBlockChunk | AgreedBlockChunk,
+        c: BlockChunk,
         ranks: set[int],
         agreed: bool = False,
     ) -> bool:
@@ -1896,8 +1822,24 @@ class Codec:
         flags: torch.Tensor,
         union: torch.Tensor,
         chunk: NodeBlockChunk,
-    ) -> NodeBlockCalls | None:
-        """Bind one chunk of hierarchical (or grid) with every owner's own block exponents.
+    ) -> (
+        tuple[
+            Callable[[], object] | None,
+            Callable[[], object],
+            Callable[[], object],
+            Callable[[], object],
+        ]
+        | None
+    ):
+        """Bind one chunk of hierarchical (or grid) with every owner's own block exponents:
+        (first, across, owner, decode). ``first``: grid's encode of this rank's L slices of
+        the chunk with its own block keys into the first exchange (None for hierarchical,
+        FP32); ``across``: the node's mean of this rank's slice, its blocks' own keys and
+        its M pieces encoded with them (the first chunk's with this rank's layer flags);
+        ``owner``: this rank's owner step across nodes (the first chunk's flags OR-ed into
+        its shard); ``decode``: the N gathered shards decoded with their owners' keys (the
+        first chunk's gathered flags OR-ed first). Each a fixed handful of kernel calls,
+        whatever the number of ranks, layers or blocks.
 
         The fused form of what :func:`aps_comm.transports.node_block_ops`
         does slice by slice and shard by shard; the same bytes. Across nodes it
@@ -1917,8 +1859,8 @@ class Codec:
             chunk: the chunk's blocks and buffers at both levels.
 
         Example:
-            >>> calls = codec.bind_node_blocks(x, keys, flags, union, chunk)  # doctest: +SKIP
-            >>> calls.across(); calls.owner(); calls.decode()  # doctest: +SKIP
+            >>> first, across, owner, decode = codec.bind_node_blocks(x, keys, flags, union, chunk)  # doctest: +SKIP
+            >>> across(); owner(); decode()  # doctest: +SKIP
         """
         c, n, nodes = chunk, chunk.firsts.size - 1, chunk.piece_firsts.size - 1
         if not self._fused_blocks(x) or (
@@ -1980,7 +1922,7 @@ class Codec:
             owner.append(self._bind_or(c.recv.view(nodes, -1)[:, k], c.out[k]))
             flag_rows = c.gathered.view(n, -1)[:, k]
         decode = self._bind_decode(x, union, c, flag_rows)
-        return NodeBlockCalls(
+        return (
             send_first,
             functools.partial(_in_order, across) if len(across) > 1 else across[0],
             functools.partial(_in_order, owner) if len(owner) > 1 else owner[0],

@@ -42,7 +42,7 @@ import torch.distributed as dist
 
 from aps_comm import codec, cpu_kernels, transports
 from aps_comm.agreement import Layouts
-from aps_comm.codec import AgreedMaxima, RankBlockCalls
+from aps_comm.codec import AgreedMaxima
 from aps_comm.config import DEFAULT_BLOCK_SIZE, BlockExponents, Reduction, Route, Scaling
 from aps_comm.cpu_kernels import record_limits
 from aps_comm.feedback import ErrorFeedback
@@ -335,7 +335,7 @@ class SteadyBlocks:
     flags: torch.Tensor
     union: torch.Tensor
     keys_call: Callable[[], None] | None = None
-    calls: list[RankBlockCalls] | None = None
+    calls: list[transports.ChunkCalls] | None = None
     bound_ptr: int = 0
     offer: tuple[float | None, int] | None = None
     names: list[str | None] | None = None
@@ -375,15 +375,13 @@ class SteadyBlocks:
         on_chunk: Callable[[int], None] | None = None,
     ) -> Callable[[], None] | None:
         """The route's bound chunks around its collectives (two_phase's on ``group``, with
-        ``offer`` and ``on_chunk``: :func:`aps_comm.transports.two_phase_rank_blocks_bound`;
+        ``offer`` and ``on_chunk``: :func:`aps_comm.transports.two_phase_bound`;
         ``defer``: the last ones left on the wire, their finishing function returned)."""
         if self.groups is not None:
             assert self.node_calls is not None  # made by bind
             return transports.hierarchical_bound(self.node_calls, self.groups, traffic, defer)
         assert self.calls is not None  # made by bind
-        return transports.two_phase_rank_blocks_bound(
-            self.calls, group, traffic, defer, offer, on_chunk
-        )
+        return transports.two_phase_bound(self.calls, group, traffic, defer, offer, on_chunk)
 
 
 @dataclasses.dataclass
@@ -2118,7 +2116,7 @@ class Reducer:
                     transports.hierarchical_bound(s.node_calls, s.groups, self.traffic)
                 else:
                     assert s.calls is not None  # made by bind
-                    transports.two_phase_rank_blocks_bound(s.calls, comm.group, self.traffic)
+                    transports.two_phase_bound(s.calls, comm.group, self.traffic)
             else:
                 self._run_part(index, s, values, out, next(factors, None))
         if st.put_rates is not None and not early:

@@ -44,12 +44,7 @@ import numpy as np
 import torch
 import torch.distributed as dist
 
-from aps_comm.codec import (
-    AgreedBlockChunk,
-    NodeBlockChunk,
-    RankBlockCalls,
-    RankBlockChunk,
-)
+from aps_comm.codec import AgreedBlockChunk, NodeBlockChunk, RankBlockChunk
 from aps_comm.formats import FloatFormat, payload_nbytes, pow2
 from aps_comm.layout import BlockGrid, Layout
 from aps_comm.plan import BlockShards, GroupPlan, NodeBlocks
@@ -79,7 +74,6 @@ __all__ = [
     "rank_block_ops",
     "rows_exchange",
     "two_phase_bound",
-    "two_phase_rank_blocks_bound",
 ]
 
 
@@ -106,6 +100,10 @@ class ChunkCalls:
         splits: hierarchical: the first exchange's input and output split sizes.
         node_gathered: staged: where ``gathered`` is gathered in the node (the chunk's
             encoded mean, which ``decode`` reads).
+        offer: two_phase with every rank's own block exponents, the first chunk:
+            [this rank's preferred chunk (log2), which ``encode`` sends; the ranks'
+            largest, which ``owner`` writes] (:func:`two_phase_bound`'s ``chunk_log2``
+            and ``on_chunk``).
     """
 
     encode: Callable[[], object]
@@ -120,6 +118,7 @@ class ChunkCalls:
     first_out: torch.Tensor | None = None
     splits: tuple[list[int], list[int]] | None = None
     node_gathered: torch.Tensor | None = None
+    offer: list[int] | None = None
 
     def __post_init__(self) -> None:
         if self.gathered is None:
@@ -247,7 +246,7 @@ def _wait_chunk(works: _Works, c: int) -> None:
         _wait(pending[0], f"the {pending[1]} of chunk {c + 1} of {len(works)}")
 
 
-def _decoding(calls: Sequence[ChunkCalls | RankBlockCalls], works: _Works) -> _Stage:
+def _decoding(calls: Sequence[ChunkCalls], works: _Works) -> _Stage:
     """The last stage: chunk c's result decoded once its last collective is done."""
 
     def decode(c: int) -> None:
@@ -344,9 +343,12 @@ def two_phase_bound(
     group: dist.ProcessGroup,
     count: Counter,
     defer: bool = False,
+    chunk_log2: int = 0,
+    on_chunk: Callable[[int], None] | None = None,
 ) -> Callable[[], None] | None:
-    """two_phase over a bound bucket (layer scaling, or agreed block exponents:
-    :func:`bind_agreed_blocks`): every chunk's codec work and buffers bound.
+    """two_phase over a bound bucket (layer scaling; agreed block exponents:
+    :func:`bind_agreed_blocks`; every rank's own: :func:`bind_rank_blocks`): every
+    chunk's codec work and buffers bound.
 
     The same collectives, in the same order, and the same bytes; per chunk
     three bound calls and no slicing, lookups or checks on the host.
@@ -357,13 +359,24 @@ def two_phase_bound(
         group: the process group.
         count: byte counter.
         defer: leave the last chunks in flight and return the function that finishes them.
+        chunk_log2: with rank block exponents, this rank's preferred chunk, sent with
+            the first chunk (its ``offer``).
+        on_chunk: with rank block exponents, called with the ranks' largest preferred
+            chunk (log2), once the first chunk's owner step has read it.
 
     Returns:
         With ``defer``, the function that finishes the bucket; else None.
     """
+    offer = calls[0].offer if calls else None
+    if offer is not None:
+        offer[0] = chunk_log2
     works: _Works = [None] * len(calls)
     stages = (*_two_phase(*_steps(calls), group, count, works), _decoding(calls, works))
-    return _pipeline(len(calls), stages, defer)
+    tail = _pipeline(len(calls), stages, defer)
+    # Every chunk's owner step has run by now: only decodes are ever deferred.
+    if offer is not None and on_chunk is not None:
+        on_chunk(offer[1])
+    return tail
 
 
 _Views = tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]
@@ -559,17 +572,17 @@ def bind_agreed_blocks(
         firsts, mine = _block_firsts(g.layout, sh.bounds[c]), sh.layouts[c][rank]
         send, recv, out, gathered = _chunk_views(g, c)
         chunk = AgreedBlockChunk(
-            offsets,
-            firsts,
-            layer_of,
-            _grid_of(mine) if host else mine.offsets.numpy().astype(np.int64),
-            int(firsts[rank]),
-            send,
-            recv,
-            out,
-            gathered,
-            sh.shard_bytes[c],
-            counts.astype(np.int64) if c == 0 else None,
+            offsets=offsets,
+            firsts=firsts,
+            shard=_grid_of(mine) if host else mine.offsets.numpy().astype(np.int64),
+            send=send,
+            recv=recv,
+            out=out,
+            gathered=gathered,
+            shard_bytes=sh.shard_bytes[c],
+            layer_of=layer_of,
+            first=int(firsts[rank]),
+            counts=counts.astype(np.int64) if c == 0 else None,
         )
         bound = g.codec.bind_agreed_blocks(x, keys, union, chunk)
         if bound is None:
@@ -662,7 +675,7 @@ def rank_block_ops(
     flags: torch.Tensor,
     union: torch.Tensor,
     rank: int,
-) -> list[RankBlockCalls]:
+) -> list[ChunkCalls]:
     """Every chunk's calls of two_phase with rank block exponents as the codec's own calls, shard
     by shard (encode, :meth:`aps_comm.codec.Codec.owner_reduce_rank_blocks`, decode and a
     few torch ops per shard), bound to ``x`` and scratch: the bytes of the fused calls
@@ -678,57 +691,43 @@ def rank_block_ops(
 
     Example:
         >>> calls = transports.rank_block_ops(g, x, keys, flags, union, 0)  # doctest: +SKIP
-        >>> transports.two_phase_rank_blocks_bound(calls, group, count)  # doctest: +SKIP
+        >>> transports.two_phase_bound(calls, group, count)  # doctest: +SKIP
     """
     sh = g.block_shards
     assert sh is not None and sh.rank_exponents
-    ops = _RankBlockOps(g, x, keys, flags, union, rank)
+    ops, offer = _RankBlockOps(g, x, keys, flags, union, rank), [0, 0]
     n = len(sh.bounds[0]) - 1
     return [
-        RankBlockCalls(*_by_shard(g, x, c, n, ops.send, ops.owner, ops.unscale))
+        _rank_chunk(c, *_by_shard(g, x, c, n, ops.send, ops.owner, ops.unscale), offer)
         for c in range(len(g.chunks))
     ]
 
 
-def two_phase_rank_blocks_bound(
-    calls: Sequence[RankBlockCalls],
-    group: dist.ProcessGroup,
-    count: Counter,
-    defer: bool = False,
-    chunk_log2: int = 0,
-    on_chunk: Callable[[int], None] | None = None,
-) -> Callable[[], None] | None:
-    """two_phase with rank block exponents through calls bound once (:func:`bind_rank_blocks`).
+def _rank_chunk(
+    c: int,
+    send: Callable[[int], object],
+    owner: Callable[[], int],
+    decode: Callable[[], object],
+    views: _Views,
+    offer: list[int],
+) -> ChunkCalls:
+    """Chunk c of two_phase with rank block exponents as :func:`two_phase_bound` runs it:
+    the first chunk sends this rank's preferred chunk and keeps the ranks' largest (its
+    ``offer``), later chunks send 0."""
+    if c:
+        return ChunkCalls(functools.partial(send, 0), owner, decode, *views)
+    encode = functools.partial(_send_offer, send, offer)
+    return ChunkCalls(
+        encode, functools.partial(_keep_offer, owner, offer), decode, *views, offer=offer
+    )
 
-    The same collectives, in the same order, and the same bytes; each chunk
-    is three kernel calls (send, owner, decode), whatever the number of
-    ranks, layers or blocks. The keys and layer flags the calls read are
-    written before (:meth:`aps_comm.codec.Codec.bind_block_keys`). The
-    calls' ``exchange`` views (:func:`bind_rank_blocks`) spare the host
-    any slicing.
 
-    Args:
-        calls: each chunk's bound calls.
-        group: the process group.
-        count: byte counter.
-        defer: leave the last chunks in flight and return the function that finishes them.
-        chunk_log2: this rank's preferred chunk, sent with the first chunk.
-        on_chunk: called with the ranks' largest preferred chunk (log2).
-    """
+def _send_offer(send: Callable[[int], object], offer: list[int]) -> None:
+    send(offer[0])
 
-    def send(c: int) -> tuple[torch.Tensor, torch.Tensor]:
-        calls[c].send(chunk_log2 if c == 0 else 0)
-        return calls[c].exchange[0], calls[c].exchange[1]
 
-    def owner(c: int) -> tuple[torch.Tensor, torch.Tensor]:
-        log2 = calls[c].owner()
-        if c == 0 and on_chunk is not None:
-            on_chunk(log2)
-        return calls[c].exchange[2], calls[c].exchange[3]
-
-    works: _Works = [None] * len(calls)
-    stages = (*_two_phase(send, owner, group, count, works), _decoding(calls, works))
-    return _pipeline(len(calls), stages, defer)
+def _keep_offer(owner: Callable[[], int], offer: list[int]) -> None:
+    offer[1] = owner()
 
 
 def bind_rank_blocks(
@@ -738,7 +737,7 @@ def bind_rank_blocks(
     flags: torch.Tensor,
     union: torch.Tensor,
     rank: int,
-) -> list[RankBlockCalls]:
+) -> list[ChunkCalls]:
     """Every chunk's calls of two_phase with rank block exponents, bound to ``x`` and scratch: the
     codec's fused ones ("kernels", "triton"), else its own calls (:func:`rank_block_ops`:
     "cast", "bits", a Triton variant that cannot compile here), with the same bytes.
@@ -752,7 +751,8 @@ def bind_rank_blocks(
         rank: this rank.
 
     Returns:
-        One :class:`aps_comm.codec.RankBlockCalls` per chunk.
+        One :class:`ChunkCalls` per chunk, what :func:`two_phase_bound` runs (the first
+        with the chunk sizes' ``offer``).
     """
     sh = g.block_shards
     assert sh is not None and sh.rank_exponents and g.blocks is not None
@@ -761,7 +761,7 @@ def bind_rank_blocks(
     dtype = offsets.dtype if isinstance(offsets, np.ndarray) else offsets.np_dtype
     # Each layer's end in the blocks (per layer, not per block), in the offsets' dtype.
     layer_ends = np.cumsum(g.blocks.counts.numpy()).astype(dtype)
-    calls = []
+    calls, offer = [], [0, 0]
     for c in range(len(g.chunks)):
         firsts = _block_firsts(g.layout, sh.bounds[c])
         send, recv, out, gathered = _chunk_views(g, c)
@@ -780,7 +780,7 @@ def bind_rank_blocks(
         call = g.codec.bind_rank_blocks(x, keys, flags, union, chunk)
         if call is None:  # no fused calls here: the codec's own, with the same bytes
             return rank_block_ops(g, x, keys, flags, union, rank)
-        calls.append(call)
+        calls.append(_rank_chunk(c, *call, (send, recv, out, gathered), offer))
     return calls
 
 
@@ -1220,5 +1220,5 @@ def bind_node_blocks(
         call = g.codec.bind_node_blocks(x, keys, flags, union, chunk)
         if call is None:  # no fused calls here: the codec's own, with the same bytes
             return node_block_ops(g, x, keys, flags, union)
-        calls.append(_node_chunk_calls(g, x, c, call.first, call.across, call.owner, call.decode))
+        calls.append(_node_chunk_calls(g, x, c, *call))
     return calls

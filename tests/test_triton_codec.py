@@ -696,9 +696,10 @@ def _bind_rank_blocks(c: codec.Codec, x: torch.Tensor, blocks: codec.Blocks) -> 
     )
     calls = c.bind_rank_blocks(x, keys, flags, union, chunk)
     assert calls is not None
-    calls.send(3)
-    calls.owner()
-    calls.decode()
+    send, owner, decode = calls
+    send(3)
+    owner()
+    decode()
 
 
 def _bind_agreed_blocks(c: codec.Codec, x: torch.Tensor, blocks: codec.Blocks) -> None:
