@@ -988,13 +988,18 @@ class SteadyGroups:
         if not self.divided:
             return None
         self.gather = None
+        return x, self._spans(divide=True), values, world_size
+
+    def _spans(self, divide: bool = False) -> np.ndarray:
+        """:func:`aps_comm.cpu_kernels.gather_add`'s spans of the bucket's layers into the
+        plan's order, no residuals (``divide``: the FP32 group's divided by N, -3)."""
         starts, to, spans = np.cumsum([0, *self.plan.numels]), 0, []
         for g in self.groups:
+            how = -3 if divide and g.reduction == Route.FP32 else -1
             for i in g.index:
-                size = self.plan.numels[i]
-                spans.append((starts[i], to, size, -3 if g.reduction == Route.FP32 else -1, i))
-                to += size
-        return x, np.asarray(spans, np.int64).reshape(-1, 5), values, world_size
+                spans.append((starts[i], to, self.plan.numels[i], how, i))
+                to += self.plan.numels[i]
+        return np.asarray(spans, np.int64).reshape(-1, 5)
 
     def interleave(self, x: torch.Tensor, values: torch.Tensor, order: list[int]) -> None:
         """Groups that interleave in the bucket ``x``: its layers copied into ``values`` in
@@ -1056,14 +1061,10 @@ class SteadyGroups:
         """The gather and the maxima in one call on the CPU kernels: the layers of ``x``
         copied into ``values`` in the plan's order, each one's max |x| written into
         ``agreed`` in bucket order (:func:`aps_comm.cpu_kernels.gather_add`, no residual)."""
-        starts, to, spans = np.cumsum([0, *self.plan.numels]), 0, []
-        for i in (i for g in self.groups for i in g.index):
-            spans.append((starts[i], to, self.plan.numels[i], -1, i))
-            to += self.plan.numels[i]
         return functools.partial(
             cpu_kernels.call,
             "gather_add",
-            *(x.numpy(), np.asarray(spans, np.int64).reshape(-1, 5)),
+            *(x.numpy(), self._spans()),
             *(np.empty(0, np.float32), values.numpy(), agreed.numpy()),
         )
 
