@@ -1421,6 +1421,7 @@ class Codec:
         world_size: int,
         agreed: bool = False,
         device_counts: torch.Tensor | None = None,
+        gather: tuple[torch.Tensor, np.ndarray, torch.Tensor, int] | None = None,
     ) -> Callable[[], None] | None:
         """This rank's two_phase key of every block and non-finite flag of every layer, bound.
 
@@ -1453,6 +1454,8 @@ class Codec:
                 every layer's flag over what the keys' call wrote.
             device_counts: ``counts`` on ``x``'s device, for the torch ops (not with
                 ``agreed``); None: no torch ops.
+            gather: "kernels" only: the layers gathered into the values first, in the
+                same call (:func:`aps_comm.cpu_kernels.block_keys`' ``gather``).
 
         Example:
             >>> call = codec.bind_block_keys(x, blocks, counts, maxima, keys, flags, 2)  # doctest: +SKIP
@@ -1470,6 +1473,7 @@ class Codec:
                 cpu_kernels.call,
                 "block_keys",
                 *(self.fmt, x, grid, counts, maxima, keys, flags, EXPONENT_LIMIT, world_size),
+                gather=gather,
             )
         offsets = layout.offsets.numpy()
         bound = self.fmt.max * world_size > torch.finfo(torch.float32).max
@@ -2054,6 +2058,7 @@ class Codec:
         keys: np.ndarray,
         out: torch.Tensor,
         rates: torch.Tensor | None = None,
+        at: np.ndarray | None = None,
     ) -> None:
         """Each segment's statistics row into float64 ``out`` (L, 5) in one kernel call.
 
@@ -2064,7 +2069,7 @@ class Codec:
         underflowing and saturating elements once scaled): a settled bucket's
         records with no per-layer work on the host. CPU kernels only. With
         float32 ``rates``, :meth:`underflow_rates` under the same exponents too,
-        in the same call (``stats=True`` under Promote).
+        in the same call (``stats=True`` under Promote), at ``at`` as there.
 
         Raises:
             ValueError: the codec's backend is not "kernels", or ``x`` is not
@@ -2081,7 +2086,7 @@ class Codec:
         """
         self._check_records(x, layout)
         offsets = layout.offsets.numpy()
-        cpu_kernels.call("layer_records", x, offsets, maxima, keys, self.fmt, out, rates)
+        cpu_kernels.call("layer_records", x, offsets, maxima, keys, self.fmt, out, rates, at)
 
     def block_records(
         self,
@@ -2362,11 +2367,17 @@ class Codec:
             )
 
     def underflow_rates(
-        self, x: torch.Tensor, layout: Layout, scale: np.ndarray, out: torch.Tensor
+        self,
+        x: torch.Tensor,
+        layout: Layout,
+        scale: np.ndarray,
+        out: torch.Tensor,
+        at: np.ndarray | None = None,
     ) -> None:
         """Each segment's underflow rate under the host factors ``scale``, into float32
         ``out`` in one pass (the CPU kernels only): what :class:`aps_comm.policy.Promote`
-        all-reduces, the bits of :func:`aps_comm.telemetry.layer_counts`' rate.
+        all-reduces, the bits of :func:`aps_comm.telemetry.layer_counts`' rate. With
+        int64 ``at``, segment s's into ``out[at[s]]`` (a bucket's order).
 
         Example:
             >>> c = Codec("e4m3", torch.device("cpu"))
@@ -2382,7 +2393,7 @@ class Codec:
                 f"{self.backend!r} and {x.dtype}"
             )
         half = self.fmt.min_subnormal / 2
-        cpu_kernels.underflow_rates(x, layout.offsets.numpy(), scale, half, out.numpy())
+        cpu_kernels.underflow_rates(x, layout.offsets.numpy(), scale, half, out.numpy(), at)
 
     def owner_reduce(
         self, recv: torch.Tensor, n_ranks: int, *, out: torch.Tensor | None = None

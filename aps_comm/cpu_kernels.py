@@ -2046,13 +2046,18 @@ def block_keys(
     limit: int,
     world_size: int,
     records: torch.Tensor | None = None,
+    gather: tuple[torch.Tensor, np.ndarray, torch.Tensor, int] | None = None,
 ) -> None:
     """:func:`block_amax`, :func:`two_phase_keys` and :func:`layer_any` (value 255) in one
     call: every block's max |x| into float32 ``maxima``, its two_phase key over
     ``world_size`` ranks into uint8 ``keys``, each layer's non-finite flag (``counts``:
     blocks per layer) into uint8 ``flags``: a settled bucket's keys, one call per step.
     With float64 ``records`` (layers, 5), :func:`block_records` of those keys and maxima
-    too, in the same call (``stats=True``: one call per group, not two).
+    too, in the same call (``stats=True``: one call per group, not two). With
+    ``gather`` (float32 source, int64 spans, float32 values, divisor: :func:`gather_add`'s,
+    with no residuals and no maxima), that gather first, in the same call: where a
+    bucket's format groups interleave, the layers copied into their groups' order (``x``
+    one group's part of the values) with its first group's keys.
 
     Example:
         >>> from aps_comm.formats import E4M3
@@ -2066,11 +2071,19 @@ def block_keys(
     bound = world_size if fmt.max * world_size > float(np.finfo(np.float32).max) else 0
     args = (_np(x).view(np.uint32), offsets, _np(counts), _np(maxima).view(np.uint32))
     args += (_np(keys), _np(flags), mean_limit(fmt, limit), bound)
-    if records is None:
+    if records is None and gather is None:
         _block_keys(*args)
         return
     tiny = np.float32(fmt.min_subnormal / 2)
-    _block_keys_records(args, (_np(x), _np(maxima), tiny, np.float32(fmt.max), _np(records)))
+    rows = _np(records) if records is not None else np.empty((0, 5))
+    source = to = np.empty(0, np.float32)
+    spans, divisor = np.empty((0, 5), np.int64), 1
+    if gather is not None:
+        bucket, spans, values, divisor = gather
+        source, to = _np(bucket), _np(values)
+    bits = to.view(np.uint32)
+    gathered = (source, spans, source[:0], to, bits, bits[:0], np.float32(divisor))
+    _block_keys_records(gathered, args, (_np(x), _np(maxima), tiny, np.float32(fmt.max), rows))
 
 
 if AVAILABLE:
@@ -2138,11 +2151,18 @@ def maxima_factors(
 
 
 def underflow_rates(
-    x: torch.Tensor, offsets: np.ndarray, factors: np.ndarray, half: float, out: np.ndarray
+    x: torch.Tensor,
+    offsets: np.ndarray,
+    factors: np.ndarray,
+    half: float,
+    out: np.ndarray,
+    at: np.ndarray | None = None,
 ) -> None:
     """Each segment's underflowing over nonzero elements of float32 ``x`` times its
     ``factors``, as float32 into ``out``: :func:`aps_comm.telemetry.layer_counts`' rate
     (scaled magnitude nonzero and at most ``half``, half the smallest subnormal).
+    With int64 ``at``, segment s's rate goes to ``out[at[s]]`` (a bucket's order, where
+    its format groups interleave), else to ``out[s]``.
 
     Example:
         >>> out = np.empty(2, np.float32)
@@ -2151,13 +2171,18 @@ def underflow_rates(
         >>> out
         array([0.5, 0. ], dtype=float32)
     """
-    _underflow_rates(_np(x), offsets, factors, np.float32(half), out)
+    _underflow_rates(_np(x), offsets, factors, np.float32(half), out, _at(at))
+
+
+def _at(at: np.ndarray | None) -> np.ndarray:
+    """Where a kernel writes each segment's rate: empty for its own slot."""
+    return np.empty(0, np.int64) if at is None else at
 
 
 if AVAILABLE:
 
     @_njit
-    def _underflow_rates(x, offsets, factors, half, out):
+    def _underflow_rates(x, offsets, factors, half, out, at):
         for s in range(len(offsets) - 1):
             f = factors[s]
             nonzero = 0
@@ -2168,7 +2193,7 @@ if AVAILABLE:
                     nonzero += 1
                     if mag <= half:
                         under += 1
-            out[s] = np.float32(under) / np.float32(max(nonzero, 1))
+            out[at[s] if len(at) else s] = np.float32(under) / np.float32(max(nonzero, 1))
 
 
 def spread_maximum(maxima: np.ndarray) -> None:
@@ -2456,6 +2481,7 @@ def layer_records(
     fmt: FloatFormat,
     out: torch.Tensor,
     rates: torch.Tensor | None = None,
+    at: np.ndarray | None = None,
 ) -> None:
     """Every segment's record row into float64 ``out`` (L, 5), in one pass over ``x``.
 
@@ -2466,7 +2492,8 @@ def layer_records(
     (they flush to zero), how many pass ``fmt.max``: the counts of
     :func:`aps_comm.telemetry.layer_counts`, the same float32 products. With float32
     ``rates``, each segment's underflowing over nonzero count into it too:
-    :func:`underflow_rates` under ``2**e`` (Promote's rates, from the same pass).
+    :func:`underflow_rates` under ``2**e`` (Promote's rates, from the same pass), at
+    ``at`` as there.
 
     Example:
         >>> from aps_comm.formats import E4M3
@@ -2479,7 +2506,8 @@ def layer_records(
     """
     tiny = np.float32(fmt.min_subnormal / 2)
     rated = _np(rates) if rates is not None else np.empty(0, np.float32)
-    _layer_records(_np(x), offsets, _np(maxima), keys, tiny, np.float32(fmt.max), _np(out), rated)
+    records = (tiny, np.float32(fmt.max), _np(out), rated, _at(at))
+    _layer_records(_np(x), offsets, _np(maxima), keys, *records)
 
 
 def block_records(
@@ -2543,7 +2571,7 @@ if AVAILABLE:
         return nonzero, under, saturated
 
     @_njit
-    def _layer_records(x, offsets, maxima, keys, tiny, fmax, out, rates):
+    def _layer_records(x, offsets, maxima, keys, tiny, fmax, out, rates, at):
         for s in range(len(offsets) - 1):
             e = _key_exponent(keys[s])
             nonzero, under, saturated = _scaled_counts(x, offsets[s], offsets[s + 1], e, tiny, fmax)
@@ -2553,7 +2581,7 @@ if AVAILABLE:
             out[s, 3] = under
             out[s, 4] = saturated
             if len(rates):  # :func:`underflow_rates`' float32 quotient
-                rates[s] = np.float32(under) / np.float32(max(nonzero, 1))
+                rates[at[s] if len(at) else s] = np.float32(under) / np.float32(max(nonzero, 1))
 
     @_njit
     def _block_records(x, offsets, counts, keys, maxima, tiny, fmax, out):
@@ -2578,11 +2606,16 @@ if AVAILABLE:
             out[layer, 4] = saturated
 
     @_njit
-    def _block_keys_records(keyed, record):
+    def _block_keys_records(gathered, keyed, record):
+        """:func:`_gather_add` (no spans: nothing), :func:`_block_keys`, then (rows to
+        write) :func:`_block_records`: one call."""
+        source, spans, residual, values, vbits, out, divisor = gathered
+        _gather_add(source, spans, residual, values, vbits, out, divisor)
         xb, offsets, counts, maxima_bits, keys, flags, lim, n_ranks = keyed
         _block_keys(xb, offsets, counts, maxima_bits, keys, flags, lim, n_ranks)
-        x, maxima, tiny, fmax, out = record
-        _block_records(x, offsets, counts, keys, maxima, tiny, fmax, out)
+        x, maxima, tiny, fmax, rows = record
+        if len(rows):
+            _block_records(x, offsets, counts, keys, maxima, tiny, fmax, rows)
 
 
 if AVAILABLE:
@@ -3529,15 +3562,19 @@ if AVAILABLE:
 if AVAILABLE:
 
     @_njit
-    def _gather_add(x, spans, residual, values, vbits, out):
-        """Each span's layer of ``x`` into ``values`` (its residuals added where it has any),
-        then, where ``out`` has room, its max |x| bits (:func:`_block_amax`'s) at its slot."""
+    def _gather_add(x, spans, residual, values, vbits, out, divisor):
+        """Each span's layer of ``x`` into ``values`` (its residuals added where it has any,
+        divided by float32 ``divisor`` where it is -3), then, where ``out`` has room, its
+        max |x| bits (:func:`_block_amax`'s) at its slot."""
         inf_bits = np.uint32(0x7F800000)
         for s in range(spans.shape[0]):
             src, dst, n, r = spans[s, 0], spans[s, 1], spans[s, 2], spans[s, 3]
             if r == -1:
                 for i in range(n):
                     values[dst + i] = x[src + i]
+            elif r == -3:
+                for i in range(n):
+                    values[dst + i] = x[src + i] / divisor  # float32, as torch's div_
             elif r >= 0:
                 for i in range(n):
                     values[dst + i] = x[src + i] + residual[r + i]
@@ -3602,7 +3639,12 @@ if AVAILABLE:
 
 
 def gather_add(
-    x: np.ndarray, spans: np.ndarray, residual: np.ndarray, values: np.ndarray, out: np.ndarray
+    x: np.ndarray,
+    spans: np.ndarray,
+    residual: np.ndarray,
+    values: np.ndarray,
+    out: np.ndarray,
+    divisor: int = 1,
 ) -> None:
     """Layers of float32 ``x`` copied into ``values`` in another order, residuals added to
     those that have them, and each one's max |x| (NaN gives inf) written in ``x``'s
@@ -3614,6 +3656,8 @@ def gather_add(
     maxima) may be empty: then only the copies and the adds, ``x + residual`` in
     float32 as ``torch.add`` does it. ``values`` may be ``x`` itself, each layer where
     it is (the residuals added in place): -2 for none then leaves the layer as it is.
+    -3: the layer divided by ``divisor`` (an FP32 group's mean: its all-reduce's sum
+    follows), in float32 as ``Tensor.div_`` does it.
 
     Example:
         >>> values, out = np.empty(3, np.float32), np.empty(2, np.float32)
@@ -3622,7 +3666,8 @@ def gather_add(
         >>> values, out
         (array([-1.,  4.,  1.], dtype=float32), array([1., 4.], dtype=float32))
     """
-    _gather_add(x, spans, residual, values, values.view(np.uint32), out.view(np.uint32))
+    vbits, maxima = values.view(np.uint32), out.view(np.uint32)
+    _gather_add(x, spans, residual, values, vbits, maxima, np.float32(divisor))
 
 
 def encode_keep(
@@ -3701,7 +3746,7 @@ def owner_feedback(
         _owner_feedback_codes(recv.view(np.uint16), values, acc, out.view(np.uint16), *args)
 
 
-def call(name: str, *args: object) -> object:
+def call(name: str, *args: object, **kwargs: object) -> object:
     """The kernel ``name`` of this module, looked up when called.
 
     A call bound to a kernel function itself escapes whoever wraps the module's
@@ -3711,4 +3756,4 @@ def call(name: str, *args: object) -> object:
         >>> out = torch.zeros(1)
         >>> call("mean_rows", torch.ones(2, 1), out)  # doctest: +SKIP
     """
-    return globals()[name](*args)
+    return globals()[name](*args, **kwargs)

@@ -345,17 +345,25 @@ class SteadyBlocks:
     per_node: int = 1
     node_calls: list[transports.ChunkCalls] | None = None
 
-    def bind(self, x: torch.Tensor, rank: int, world_size: int) -> bool:
+    def bind(
+        self,
+        x: torch.Tensor,
+        rank: int,
+        world_size: int,
+        gather: tuple[torch.Tensor, np.ndarray, torch.Tensor, int] | None = None,
+    ) -> bool:
         """Bind the keys' and every chunk's calls to the float32 buffer ``x`` (the codec's
         fused calls, else its own: :func:`aps_comm.transports.bind_rank_blocks`, with
         ``groups`` :func:`aps_comm.transports.bind_node_blocks`); False where the keys
-        have no bound call."""
+        have no bound call. ``gather``: the CPU kernels' gather of a bucket's layers,
+        in the keys' call (:attr:`SteadyGroups.divided`)."""
         g, staged = self.group, self.groups is not None
         assert g.blocks is not None
         keys_call = g.codec.bind_block_keys(
             *(x, g.layout, g.blocks.counts, self.maxima, self.keys, self.flags),
             self.per_node if staged else world_size,  # the ranks of two_phase's rule
             device_counts=g.blocks.device_counts,  # the torch ops' (codecs without kernels)
+            gather=gather,
         )
         if keys_call is None:
             return False
@@ -781,11 +789,20 @@ class SteadyGroups:
             (None for a group sent as the FP32 mean; :class:`SteadyBlocks` with ``blocks``).
         rates: with Promote, per group in the plan's order: where its layers' rates go
             (None for the FP32 group, whose rates, as in the general path, stay).
+        rates_at: on the CPU kernels where the groups interleave, per group: its layers'
+            positions in bucket order, where its records' (or rates') call writes their
+            rates (its ``rates`` entry: ``maxima``'s bucket-order rates; no ``put_rates``).
         put_rates: the rates copied from group order into ``maxima``'s bucket order, one
-            call (None where the groups are consecutive in the bucket).
+            call (None where the groups are consecutive in the bucket, or ``rates_at``).
         gather: the layers copied in group order into bound scratch, one call
             (None where the groups are consecutive in the bucket, but with ``fused``;
-            None on the CPU kernels without blocks: ``maxima_call`` gathers them).
+            None on the CPU kernels without blocks: ``maxima_call`` gathers them; with
+            ``divided``: the first sent group's keys' call does).
+        divided: every rank's own block exponents on the CPU kernels, the groups
+            interleaved: the first sent group's keys' call gathers the layers
+            (:func:`aps_comm.cpu_kernels.block_keys`' ``gather``), the FP32 group's
+            divided by N on the way, so its all-reduce is the sum alone
+            (``allreduce_hook``'s arithmetic, one op less).
         pick: the agreed maxima copied in the same order, one call (or None).
         factors: on the CPU kernels, where the groups are not consecutive or with
             ``bucket``: per group sent scaled, in the plan's order, its factors' one call,
@@ -843,6 +860,7 @@ class SteadyGroups:
         | None
     ) = None
     rates: list[torch.Tensor | None] | None = None
+    rates_at: list[np.ndarray | None] | None = None
     put_rates: Callable[[], object] | None = None
     gather: Callable[[], object] | None = None
     pick: Callable[[], object] | None = None
@@ -862,6 +880,7 @@ class SteadyGroups:
     agreed_blocks: bool = False
     gather_numels: list[int] = dataclasses.field(default_factory=list)
     fused: bool = False
+    divided: bool = False
     layouts: Layouts | None = None
     scratch: Workspace | None = None
 
@@ -901,7 +920,7 @@ class SteadyGroups:
                     self.pick = functools.partial(
                         torch.index_select, agreed, 0, self.order, out=maxima
                     )
-            if bucket_rates is not None:
+            if bucket_rates is not None and not on_host:
                 # Every layer's current rate in group order: the FP32 group's are never
                 # written again, and go back as they are.
                 rates = torch.index_select(bucket_rates, 0, self.order)
@@ -914,8 +933,11 @@ class SteadyGroups:
             if staged and arena is not None
             else None
         )
+        gather = self._divided(x, values, world_size) if on_host and self.blocks else None
         parts: list[tuple[torch.Tensor, Steady | SteadyBlocks | SteadyFeedback | None]] = []
         group_rates: list[torch.Tensor | None] = []
+        # The CPU kernels write each group's rates in bucket order (its layers' positions).
+        at = [] if on_host and order != list(range(n)) else None
         lo = first = 0
         for g in self.groups:
             hi, last = lo + g.numel, first + len(g.index)
@@ -924,9 +946,10 @@ class SteadyGroups:
             if g.reduction != Route.FP32:
                 names = [self.names[i] for i in g.index] if self.names is not None else None
                 if self.blocks:
-                    steady = self._blocks(g, gx, names, world_size, rank, arena)
+                    steady = self._blocks(g, gx, names, (world_size, rank), arena, gather)
                     if steady is None:
                         return False
+                    gather = None  # the first group's keys' call gathers
                 else:
                     picked = self.factors is not None
                     steady = self._steady(
@@ -938,13 +961,43 @@ class SteadyGroups:
                         self.factors.append(self._picked_factors(steady, world_size, pick))
             parts.append((gx, steady))
             sent_rates = rates is not None and steady is not None
-            group_rates.append(rates[first:last] if sent_rates else None)  # type: ignore[index]
+            if at is not None:
+                group_rates.append(rates if sent_rates else None)
+                at.append(np.asarray(g.index, np.int64) if sent_rates else None)
+            else:
+                group_rates.append(rates[first:last] if sent_rates else None)  # type: ignore[index]
             lo, first = hi, last
         self.parts, self.bound_ptr = parts, x.data_ptr()
         self.rates = group_rates if bucket_rates is not None else None
+        self.rates_at = at if bucket_rates is not None else None
         if arena is not None and not arena.close():  # the slot grew: bound on it now
             return self.bind(x, world_size, rank)
         return True
+
+    def _divided(
+        self, x: torch.Tensor, values: torch.Tensor, world_size: int
+    ) -> tuple[torch.Tensor, np.ndarray, torch.Tensor, int] | None:
+        """With every rank's own block exponents on the CPU kernels, where the groups
+        interleave: the gather of :func:`aps_comm.cpu_kernels.gather_add` that the first
+        sent group's keys' call runs, the FP32 group's layers divided by N on the way
+        (:attr:`divided`); None where the bucket is the groups' values."""
+        # A group sent first: its keys' call runs before the FP32 group's all-reduce.
+        self.divided = values is not x and self.groups[0].reduction != Route.FP32
+        if not self.divided:
+            return None
+        self.gather = None
+        return x, self._spans(divide=True), values, world_size
+
+    def _spans(self, divide: bool = False) -> np.ndarray:
+        """:func:`aps_comm.cpu_kernels.gather_add`'s spans of the bucket's layers into the
+        plan's order, no residuals (``divide``: the FP32 group's divided by N, -3)."""
+        starts, to, spans = np.cumsum([0, *self.plan.numels]), 0, []
+        for g in self.groups:
+            how = -3 if divide and g.reduction == Route.FP32 else -1
+            for i in g.index:
+                spans.append((starts[i], to, self.plan.numels[i], how, i))
+                to += self.plan.numels[i]
+        return np.asarray(spans, np.int64).reshape(-1, 5)
 
     def interleave(self, x: torch.Tensor, values: torch.Tensor, order: list[int]) -> None:
         """Groups that interleave in the bucket ``x``: its layers copied into ``values`` in
@@ -1006,14 +1059,10 @@ class SteadyGroups:
         """The gather and the maxima in one call on the CPU kernels: the layers of ``x``
         copied into ``values`` in the plan's order, each one's max |x| written into
         ``agreed`` in bucket order (:func:`aps_comm.cpu_kernels.gather_add`, no residual)."""
-        starts, to, spans = np.cumsum([0, *self.plan.numels]), 0, []
-        for i in (i for g in self.groups for i in g.index):
-            spans.append((starts[i], to, self.plan.numels[i], -1, i))
-            to += self.plan.numels[i]
         return functools.partial(
             cpu_kernels.call,
             "gather_add",
-            *(x.numpy(), np.asarray(spans, np.int64).reshape(-1, 5)),
+            *(x.numpy(), self._spans()),
             *(np.empty(0, np.float32), values.numpy(), agreed.numpy()),
         )
 
@@ -1038,12 +1087,14 @@ class SteadyGroups:
         g: GroupPlan,
         gx: torch.Tensor,
         names: list[str | None] | None,
-        world_size: int,
-        rank: int,
+        ranks: tuple[int, int],
         arena: Arena | None = None,
+        gather: tuple[torch.Tensor, np.ndarray, torch.Tensor, int] | None = None,
     ) -> SteadyBlocks | None:
         """Group ``g``'s :class:`SteadyBlocks`, bound to its values ``gx`` (None where the
-        codec has no fused calls for them); its block maxima and keys from ``arena``."""
+        codec has no fused calls for them); its block maxima and keys from ``arena``
+        (``ranks``: N and this rank; ``gather``: in its keys' call, :meth:`_divided`)."""
+        world_size, rank = ranks
         n_blocks, n_layers, device = g.layout.n_segments, len(g.index), gx.device
         staged: dict[str, Any] = {}
         if g.node_blocks is not None:
@@ -1067,7 +1118,7 @@ class SteadyGroups:
             epoch=self.epoch,
             **staged,
         )
-        return steady if steady.bind(gx, rank, world_size) else None
+        return steady if steady.bind(gx, rank, world_size, gather) else None
 
 
 @dataclasses.dataclass
@@ -2050,8 +2101,8 @@ class Reducer:
             else:
                 st.bind(x, comm.world_size, comm.rank)
             st.workspace = self._epoch(index, x.device)
-            if st.gather is None and st.scatter is not None:  # new scratch: gather again
-                _gather_back(st.scatter)
+            if st.gather is None and st.scatter is not None and not st.divided:
+                _gather_back(st.scatter)  # new scratch: gather again
         self.bucket_chunks[index] = st.chunk
         self._run_parts(index, st, st.feedback or st.agreed_blocks)
 
@@ -2093,10 +2144,13 @@ class Reducer:
         if st.pick is not None:
             st.pick()
         rates = st.rates or [None] * len(st.parts)
+        ats = iter(st.rates_at or ())
         factors = iter(st.factors or ())
         for (values, s), out in zip(st.parts, rates, strict=True):
+            at = next(ats, None)
             if s is None:
-                transports.fp32_mean(values, comm.group, comm.world_size, self.traffic)
+                world_size, divided = comm.world_size, st.divided
+                transports.fp32_mean(values, comm.group, world_size, self.traffic, divided)
             elif isinstance(s, SteadyFeedback):
                 # Factors and scratch of one group at a time: the groups share the STEP slot.
                 s.factors()
@@ -2118,7 +2172,7 @@ class Reducer:
                     assert s.calls is not None  # made by bind
                     transports.two_phase_bound(s.calls, comm.group, self.traffic)
             else:
-                self._run_part(index, s, values, out, next(factors, None))
+                self._run_part(index, s, values, (out, at), next(factors, None))
         if st.put_rates is not None and not early:
             st.put_rates()
         if st.scatter is not None:
@@ -2129,12 +2183,13 @@ class Reducer:
         index: int,
         s: Steady,
         values: torch.Tensor,
-        rates: torch.Tensor | None,
+        rates: tuple[torch.Tensor | None, np.ndarray | None],
         factors: Callable[[], object] | None = None,
     ) -> None:
         """One format group's bound :class:`Steady` path on its agreed maxima (``rates``:
-        where Promote's rates of its layers go; ``factors``: the call that picks them and
-        makes its factors, :attr:`SteadyGroups.factors`)."""
+        where Promote's rates of its layers go, and where in it, :attr:`SteadyGroups.rates_at`;
+        ``factors``: the call that picks them and makes its factors,
+        :attr:`SteadyGroups.factors`)."""
         comm = self.comm
         if factors is not None:
             factors()
@@ -2146,10 +2201,11 @@ class Reducer:
             if isinstance(s, SteadyStaged):
                 assert s.factors_call is not None  # made by bind
                 s.factors_call()
+        out, at = rates
         if s.names is not None:  # before the decode overwrites this rank's values
-            self.record_steady(index, s, values, rates)  # with Promote's rates
-        elif rates is not None:
-            self._settled_rates(s, values, rates)
+            self.record_steady(index, s, values, out, at)  # with Promote's rates
+        elif out is not None:
+            self._settled_rates(s, values, out, at)
         if isinstance(s, SteadyStaged):
             assert s.node_calls is not None and s.groups is not None  # made by bind
             transports.hierarchical_bound(s.node_calls, s.groups, self.traffic)
@@ -2807,7 +2863,12 @@ class Reducer:
         return self._finish_steady(index, st, x, defer)
 
     def record_steady(
-        self, index: int, st: Steady, x: torch.Tensor, rates: torch.Tensor | None = None
+        self,
+        index: int,
+        st: Steady,
+        x: torch.Tensor,
+        rates: torch.Tensor | None = None,
+        at: np.ndarray | None = None,
     ) -> None:
         """Queue a settled bucket's records (``stats=True``): the full path's values.
 
@@ -2818,8 +2879,8 @@ class Reducer:
         the factors' exponent keys; elsewhere a fixed handful of device ops
         over the whole bucket (the exponent rule, then the counts' segment
         sums), whatever the layer count. Nothing is read on the host. ``rates``:
-        Promote's rates of the same values too (:meth:`_settled_rates`' ``out``), on the
-        CPU kernels from the records' own counts, in their call.
+        Promote's rates of the same values too (:meth:`_settled_rates`' ``out`` and
+        ``at``), on the CPU kernels from the records' own counts, in their call.
         """
         g, agreed = st.group, st.agreed
         assert st.names is not None
@@ -2834,13 +2895,13 @@ class Reducer:
             keys = st.first_factors()[1]
         if keys is not None and x.is_contiguous():
             records = functools.partial(g.codec.layer_records, x, g.layout, amax, keys)
-            self._add_rows(index, st, functools.partial(records, rates=rates), x.device)
+            self._add_rows(index, st, functools.partial(records, rates=rates, at=at), x.device)
             return
         exps = self._steady_exponents(st)
         counts = layer_counts(x, g.layout.lengths, exps, g.fmt)
         self.stats.add(index, st.names, g.numels, g.fmt, exps, amax, counts)
         if rates is not None:
-            self._settled_rates(st, x, rates)
+            self._settled_rates(st, x, rates, at)
 
     def _steady_exponents(self, st: Steady) -> torch.Tensor:
         """A settled bucket's exponents off the CPU kernels, which its records and Promote's
@@ -2958,22 +3019,32 @@ class Reducer:
         self.assignment.promote_step(st.promote[0], agreed.tolist())
         return self.assignment.formats(st.promote[0], self.step) != st.fmts
 
-    def _settled_rates(self, st: Steady, x: torch.Tensor, out: torch.Tensor | None = None) -> None:
+    def _settled_rates(
+        self,
+        st: Steady,
+        x: torch.Tensor,
+        out: torch.Tensor | None = None,
+        at: np.ndarray | None = None,
+    ) -> None:
         """Promote: this rank's underflow rate of every layer under this step's factors
         (staged routes: the first level's), into the slots the next step's maxima
         all-reduce sends (the full path's bits; ``out``: elsewhere than ``st``'s own
-        slots, a format group's)."""
+        slots, a format group's; ``at``: its layers' slots in ``out``, else the first)."""
         g, n = st.group, len(st.fmts)
         out = st.maxima[n : 2 * n] if out is None else out
         if isinstance(st, SteadyStaged) and st.record_keys is not None:
-            g.codec.underflow_rates(x, g.layout, st.first_factors()[0], out)
+            g.codec.underflow_rates(x, g.layout, st.first_factors()[0], out, at)
             return
         if g.codec.backend == "kernels" and x.dtype == torch.float32:
             assert st.host_factors is not None  # this step's, from the agreed maxima
-            g.codec.underflow_rates(x, g.layout, st.host_factors[0], out)
+            g.codec.underflow_rates(x, g.layout, st.host_factors[0], out, at)
             return
         counts = layer_counts(x, g.layout.lengths, self._steady_exponents(st), g.fmt)
-        out.copy_(counts[:, 1].float() / counts[:, 0].clamp(min=1).float())
+        rates = counts[:, 1].float() / counts[:, 0].clamp(min=1).float()
+        if at is None:
+            out.copy_(rates)
+        else:
+            out.index_copy_(0, torch.from_numpy(at), rates)
 
     def _run_steady_blocks(
         self, index: int, st: SteadyBlocks, x: torch.Tensor, defer: bool

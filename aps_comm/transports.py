@@ -159,9 +159,16 @@ def all_reduce_max(vec: torch.Tensor, group: dist.ProcessGroup, count: Counter) 
     _wait(work, f"the MAX all-reduce of {vec.numel()} layer maxima")
 
 
-def fp32_mean(x: torch.Tensor, group: dist.ProcessGroup, world_size: int, count: Counter) -> None:
-    """Average float32 ``x`` over the ranks in place (``allreduce_hook``'s arithmetic)."""
-    _wait(_fp32_sum(x, group, world_size, count), "the FP32 all-reduce")
+def fp32_mean(
+    x: torch.Tensor,
+    group: dist.ProcessGroup,
+    world_size: int,
+    count: Counter,
+    divided: bool = False,
+) -> None:
+    """Average float32 ``x`` over the ranks in place (``allreduce_hook``'s arithmetic;
+    ``divided``: ``x`` is divided by ``world_size`` already, only the sum is left)."""
+    _wait(_fp32_sum(x, group, world_size, count, divided), "the FP32 all-reduce")
 
 
 def fp32_mean_async(
@@ -171,13 +178,14 @@ def fp32_mean_async(
 
     The future holds ``x`` (averaged in place) once the all-reduce is done.
     """
-    return _fp32_sum(x, group, world_size, count).get_future().then(_first)
+    return _fp32_sum(x, group, world_size, count, False).get_future().then(_first)
 
 
 def _fp32_sum(
-    x: torch.Tensor, group: dist.ProcessGroup, world_size: int, count: Counter
+    x: torch.Tensor, group: dist.ProcessGroup, world_size: int, count: Counter, divided: bool
 ) -> dist.Work:
-    x.div_(world_size)
+    if not divided:
+        x.div_(world_size)
     count("all_reduce", x.numel() * x.element_size())
     return dist.all_reduce(x, group=group, async_op=True)
 

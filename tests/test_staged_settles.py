@@ -186,6 +186,20 @@ def test_staged_buckets_settle_with_the_simulated_bits() -> None:
             1 << 12,
             SteadyGroups,
         ),
+        # Interleaved grid groups in one chunk, with stats: every rank's own block
+        # exponents (the layers gathered in the first group's keys' call, the FP32 group's
+        # divided there: 15 ops, 17 before), and under Promote (each group's rates written
+        # in bucket order by its records' call: 15, 16 before).
+        (
+            {**_INTERLEAVED, **blocks, "fmt": "e4m3", "reduction": "grid", "stats": True},
+            1 << 12,
+            SteadyGroups,
+        ),
+        (
+            {**_INTERLEAVED_PROMOTE, "fmt": "e4m3", "reduction": "grid", "stats": True},
+            1 << 12,
+            SteadyGroups,
+        ),
     ]
     # The settled step's ops on 2 nodes of 2 (grid: 2 x 2), tests/test_hostcost.py's count,
     # where the bucket goes in one chunk asked for (each chunk has calls of its own; a timed
