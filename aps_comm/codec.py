@@ -102,6 +102,7 @@ __all__ = [
     "decode",
     "encode",
     "factors_into",
+    "in_order",
     "owner_reduce",
     "owner_reduce_blocks",
     "segment_amax",
@@ -314,7 +315,8 @@ def _mean_of_rows(
     mean.div_(rows.shape[0])
 
 
-def _in_order(calls: Sequence[Callable[[], object]]) -> None:
+def in_order(calls: Sequence[Callable[[], object]]) -> None:
+    """Run bound ``calls`` one after the other (several bound calls as one)."""
     for call in calls:
         call()
 
@@ -1139,7 +1141,7 @@ class Codec:
             lost = functools.partial(cpu_kernels.call, "keep_lost", x, sent, residual)
         else:
             lost = functools.partial(_keep_lost_torch, x, sent, residual)
-        return functools.partial(_in_order, [decode, lost])
+        return functools.partial(in_order, [decode, lost])
 
     def bind_encode_keep(
         self,
@@ -1281,7 +1283,7 @@ class Codec:
             return call
         launch = _triton().bind_layer_maxima(x, out, layout.device_offsets)
         fallback = functools.partial(self._torch().layer_maxima, x, layout, out)
-        bound = functools.partial(_in_order, [out.zero_, launch])
+        bound = functools.partial(in_order, [out.zero_, launch])
         return functools.partial(_run_bound, ("layer_maxima",), bound, fallback)
 
     def bind_reduce_encode(
@@ -1331,7 +1333,7 @@ class Codec:
                 made = functools.partial(self.shard_mean, source, n_rows, divisor=divisor)
                 reduce = functools.partial(_copy_made, made, acc)
             encode = self.bind_encode(x, out, scale, layout, pad)
-            return functools.partial(_in_order, [reduce, encode])
+            return functools.partial(in_order, [reduce, encode])
         _check_scaled(scale, layout, numel)
         factors = _window_scale(scale, layout)
         assert factors is not None
@@ -1747,7 +1749,7 @@ class Codec:
             )
             if flag_rows is None:
                 return decode
-            return functools.partial(_in_order, [self._bind_or(flag_rows, union), decode])
+            return functools.partial(in_order, [self._bind_or(flag_rows, union), decode])
         rows = () if flag_rows is None else (flag_rows.numpy(),)
         return functools.partial(
             cpu_kernels.call,
@@ -1928,8 +1930,8 @@ class Codec:
         decode = self._bind_decode(x, union, c, flag_rows)
         return (
             send_first,
-            functools.partial(_in_order, across) if len(across) > 1 else across[0],
-            functools.partial(_in_order, owner) if len(owner) > 1 else owner[0],
+            functools.partial(in_order, across) if len(across) > 1 else across[0],
+            functools.partial(in_order, owner) if len(owner) > 1 else owner[0],
             decode,
         )
 

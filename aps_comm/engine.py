@@ -153,14 +153,12 @@ class Traffic:
 class Steady:
     """A bucket's path once its layout and formats are settled: bound once, run every step.
 
-    From its second step on, a bucket whose layers all travel in one format
-    with one exponent per layer, by two_phase or a native sum, needs nothing
-    per layer on the host: one kernel writes every layer's maximum, one MAX
-    all-reduce agrees on them (the same collective, with the same contents,
-    as :meth:`Reducer.bucket`'s, so ranks on either path agree), and the
-    codec's kernels derive each layer's factors from the agreed maxima
-    (:class:`aps_comm.codec.AgreedMaxima`). No per-layer list, lookup or
-    tensor op is built per step.
+    A bucket whose layers all travel in one format with one exponent per
+    layer, by two_phase or a native sum, needs nothing per layer on the host:
+    one kernel writes every layer's maximum, one MAX all-reduce agrees on
+    them, and the codec's kernels derive each layer's factors from the agreed
+    maxima (:class:`aps_comm.codec.AgreedMaxima`). No per-layer list, lookup
+    or tensor op is built per step.
 
     Attributes:
         numel: the bucket's elements (a rebuilt bucket is planned again).
@@ -187,7 +185,7 @@ class Steady:
         bucket: ``scaling="bucket"``: the agreed maxima are spread
             (:meth:`aps_comm.codec.AgreedMaxima.spread`) before the codec reads them.
         raw: with ``bucket`` and ``names``, the agreed maxima as they were before the
-            spread, which the records keep (the general path's); else None.
+            spread, which the records keep; else None.
         epoch: the policy's epoch whose formats it was bound to
             (:meth:`aps_comm.policy.Assignment.epoch`): another one binds it again.
         promote: with Promote, the layers' keys, sizes and names; ``maxima``
@@ -401,9 +399,9 @@ class SteadyNodeBlocks(SteadyBlocks):
     under two_phase's rule for the ``per_node`` ranks its first sum covers,
     and each chunk is a fixed handful of bound calls
     (:func:`aps_comm.transports.bind_node_blocks`) around the route's four
-    collectives: the full path's collectives, bytes and bits, without its
-    per-step block maxima, keys and flags as ATen ops (on the codecs without
-    fused calls, "cast" and "bits", the codec's own calls bound once).
+    collectives, with no per-step block maxima, keys or flags as ATen ops (on
+    the codecs without fused calls, "cast" and "bits", the codec's own calls
+    bound once).
     """
 
 
@@ -417,9 +415,7 @@ class SteadyStaged(Steady):
     (scale, shift, unscale, grid's first) written in place from the agreed
     maxima (:meth:`aps_comm.codec.Codec.bind_staged_factors`), and per chunk
     a fixed handful of bound codec calls around the route's four collectives
-    (:func:`aps_comm.transports.bind_hierarchical`, the general path's own
-    calls, bound once here instead of every step): the same collectives,
-    bytes and bits.
+    (:func:`aps_comm.transports.bind_hierarchical`).
 
     Attributes:
         groups: this rank's intra- and inter-node groups of the route.
@@ -431,11 +427,11 @@ class SteadyStaged(Steady):
             scratch of the layers' first exponents and factors (what the records and
             Promote's rates count under: :meth:`first_factors`).
         local: block scaling with agreed exponents: this rank's float32 block maxima;
-            ``maxima`` is then the MAX all-reduce's uint8 vector of the general path
-            (every block's inner key, every block's outer key, the chunk's byte where
-            measured), the maxima call writes both and the factors come from the agreed
-            keys, per block (:meth:`aps_comm.codec.Codec.bind_staged_blocks`: a kernel
-            call or a Triton launch each).
+            ``maxima`` is then the MAX all-reduce's uint8 vector (every block's inner key,
+            every block's outer key, the chunk's byte where measured), the maxima call
+            writes both and the factors come from the agreed keys, per block
+            (:meth:`aps_comm.codec.Codec.bind_staged_blocks`: a kernel call or a Triton
+            launch each).
         records_call: with ``local`` and ``names``, the records' bound call
             (:meth:`aps_comm.codec.Codec.bind_block_records`).
         scratch: the state's workspace, whose :attr:`Slot.STEP` slot holds ``local`` and
@@ -556,15 +552,13 @@ class SteadyFeedback:
     feedback, residuals included.
 
     Attributes:
-        numel: the bucket's elements.
-        ptr: the bucket buffer's address.
+        numel, ptr, workspace: as :class:`Steady`'s.
         residual: float32, the bucket's residuals (the feedback's entries are views).
         token: the feedback's token for them (:meth:`aps_comm.feedback.ErrorFeedback.shared`).
         shared: the MAX all-reduce's vector: float32 layer maxima, or uint8 block keys.
         agree: writes this rank's maxima or keys of the buffer into ``shared``.
         factors: writes the agreed factors into the bound calls' scale and unscale.
         calls: the one chunk's bound calls.
-        workspace: as :class:`Steady`'s.
         epoch: as :class:`Steady`'s (a Schedule epoch moves a layer's format).
         group: the group plan it is bound to (its layout, blocks and codec: the records').
         names: with ``stats=True``, each layer's name for its records
@@ -619,14 +613,10 @@ class SteadyAgreedBlocks:
     chunk the encode, the sum in the wire format and the decode.
 
     Attributes:
-        numel: the bucket's elements.
-        ptr: the bucket buffer's address.
-        plan: the bucket's plan.
-        group: the one group plan (the whole bucket).
-        fmts: each layer's format (to plan another chunk size).
+        numel, ptr, plan, group, fmts, chunk, bound_ptr, offer, epoch, workspace: as
+            :class:`Steady`'s.
         main: the route of the state's format (what chunks are sized for).
         measured: chunks sized by this rank's timing, agreed on the keys.
-        chunk: elements per chunk of ``group``.
         maxima: float32 scratch: this rank's max |x| of every block.
         shared: uint8, the MAX all-reduce's vector: every block's key, then where
             measured this rank's preferred chunk (log2).
@@ -635,10 +625,6 @@ class SteadyAgreedBlocks:
             this rank's own flags with agreed exponents).
         keys_call: the keys' calls, bound to the bucket's float32 buffer.
         calls: each chunk's bound calls.
-        bound_ptr: the address of the buffer they are bound to (0 for none).
-        offer: as :class:`Steady`'s (log2 of this rank's preferred chunk).
-        epoch: as :class:`Steady`'s.
-        workspace: as :class:`Steady`'s.
         names: with ``stats=True``, each layer's name for its records
             (:meth:`Reducer.record_agreed_blocks`); None records nothing.
         records_call: with ``names``, writes the layers' records of the bound buffer under
@@ -688,7 +674,7 @@ class SteadyAgreedBlocks:
             if x.dtype != torch.float32:
                 return False
             # Per block 2**e and 2**-e / N, refilled in place after the MAX all-reduce; per
-            # chunk the general path's encode and decode with them, bound.
+            # chunk the codec's encode and decode with them, bound.
             scale, unscale = (torch.empty(n, dtype=torch.float32, device=device) for _ in range(2))
             self.factors, agreed = (scale, unscale), (self.maxima, keys)
             self.keys_call, self.factors_call = _native_block_calls(
@@ -711,7 +697,7 @@ class SteadyAgreedBlocks:
         if keys_call is None:
             return False
         if g.codec.backend in ("cast", "bits"):
-            # No fused kernels: the general path's codec calls, shard by shard, on the
+            # No fused kernels: the codec's torch-op calls, shard by shard, on the
             # agreed keys' factors (refilled in place after the MAX all-reduce).
             made = functools.partial(
                 factors_from_keys,
@@ -740,19 +726,14 @@ class SteadyGroups:
     per-layer rules, a Schedule epoch that mixes them): every format group bound once
     per policy epoch, run every step.
 
-    :meth:`Reducer.bucket`'s general path gathers each group's layers with
-    ``torch.cat``, picks its maxima and copies every layer back, per step
-    and per layer. Settled, per step: one kernel writes every layer's
-    maximum, the one MAX all-reduce agrees on them (the general path's
-    collective, with the same contents), then each group in the plan's
-    order runs its own bound :class:`Steady` calls (a group sent in FP32:
-    its all-reduce) on a view of its values and of its agreed maxima. Where
-    the groups are consecutive in the bucket (``KeepLast``'s two) the views
-    are the bucket's own; otherwise the bucket's layers are gathered in
-    group order into bound scratch, the maxima picked in that order and
-    the layers scattered back: one call each, whatever the number of layers
-    or groups. The same collectives, in the same order, bytes and bits as
-    the general path.
+    Per step: one kernel writes every layer's maximum, the one MAX all-reduce
+    agrees on them, then each group in the plan's order runs its own bound
+    :class:`Steady` calls (a group sent in FP32: its all-reduce) on a view of
+    its values and of its agreed maxima. Where the groups are consecutive in
+    the bucket (``KeepLast``'s two) the views are the bucket's own; otherwise
+    the bucket's layers are gathered in group order into bound scratch, the
+    maxima picked in that order and the layers scattered back: one call each,
+    whatever the number of layers or groups.
 
     With block scaling (every rank's own block exponents), nothing is
     agreed before the exchanges: each group sent scaled runs its own bound
@@ -769,26 +750,23 @@ class SteadyGroups:
     written (every layer's maximum, or each group's block keys) and
     MAX-all-reduced once, then each group's factors and its bound chunk
     (two_phase's, or the native sum's), the FP32 group its all-reduce, in the
-    plan's order: the general path's collectives, bytes, gradients and residuals.
+    plan's order.
 
     Attributes:
-        numel: the bucket's elements.
-        ptr: the bucket buffer's address.
-        plan: the bucket's plan.
+        numel, ptr, plan, fmts, bound_ptr, offer, epoch, workspace: as :class:`Steady`'s.
         groups: the group plans (the plan's, for ``chunk``).
-        fmts: each layer's format (to plan another chunk size).
         main: the route of the state's format (what chunks are sized for).
         measured: chunks sized by this rank's timing, agreed on the maxima (CPU).
         chunk: elements per chunk of every group.
         maxima: float32 scratch of the MAX all-reduce: every layer's maximum in
             bucket order, with Promote every layer's local underflow rate in bucket
-            order, then this rank's preferred chunk (log2) where measured: the general
-            path's vector (empty with ``blocks``: nothing is agreed).
+            order, then this rank's preferred chunk (log2) where measured (empty with
+            ``blocks``: nothing is agreed).
         maxima_call: the maxima kernel, bound to the bucket's float32 buffer.
         parts: per group, in the plan's order: its values and its bound path
             (None for a group sent as the FP32 mean; :class:`SteadyBlocks` with ``blocks``).
         rates: with Promote, per group in the plan's order: where its layers' rates go
-            (None for the FP32 group, whose rates, as in the general path, stay).
+            (None for the FP32 group, whose rates stay).
         rates_at: on the CPU kernels where the groups interleave, per group: its layers'
             positions in bucket order, where its records' (or rates') call writes their
             rates (its ``rates`` entry: ``maxima``'s bucket-order rates; no ``put_rates``).
@@ -811,14 +789,11 @@ class SteadyGroups:
         scatter: the scratch copied back into the layers, one call (or None).
         order: the layers' positions in group order, on the bucket's device (made
             once: a bfloat16 bucket's float32 copy is bound again every step).
-        bound_ptr: the address of the buffer they are bound to (0 for none).
-        offer: as :class:`Steady`'s.
-        bucket: ``scaling="bucket"``: each group spreads its own agreed maxima, as
-            the general path's factors do per group.
+        bucket: ``scaling="bucket"``: each group spreads its own agreed maxima.
         none: ``scaling="none"``: every group's exponents 0 (:class:`AgreedMaxima`'s rule).
         names: with ``stats=True``, each layer's name in bucket order: every group's
             :class:`Steady` records its own layers (:meth:`Reducer.record_steady`), in the
-            plan's order as the general path does; None records nothing.
+            plan's order; None records nothing.
         blocks: block scaling with every rank's own block exponents (with ``feedback``:
             agreed ones, ``maxima`` then the groups' uint8 block keys in the plan's order).
         feedback: error feedback: the parts sent scaled are :class:`SteadyFeedback`.
@@ -826,8 +801,6 @@ class SteadyGroups:
             parts sent scaled are :class:`SteadyAgreedBlocks`, ``maxima`` the groups' uint8
             block keys in the plan's order, then where measured this rank's preferred chunk
             (:meth:`Reducer._settle_agreed_groups`).
-        epoch: as :class:`Steady`'s.
-        workspace: as :class:`Steady`'s.
         gather_numels: with ``gather``, the layers' sizes in the plan's order.
         fused: error feedback on the CPU kernels: ``gather`` adds every group's
             residuals (one flat buffer) and, per layer, writes the maxima in bucket
@@ -853,12 +826,7 @@ class SteadyGroups:
     chunk: int
     maxima: torch.Tensor
     maxima_call: Callable[[], object] | None = None
-    parts: (
-        list[
-            tuple[torch.Tensor, Steady | SteadyBlocks | SteadyFeedback | SteadyAgreedBlocks | None]
-        ]
-        | None
-    ) = None
+    parts: list[tuple[torch.Tensor, _Part | None]] | None = None
     rates: list[torch.Tensor | None] | None = None
     rates_at: list[np.ndarray | None] | None = None
     put_rates: Callable[[], object] | None = None
@@ -946,7 +914,26 @@ class SteadyGroups:
             if g.reduction != Route.FP32:
                 names = [self.names[i] for i in g.index] if self.names is not None else None
                 if self.blocks:
-                    steady = self._blocks(g, gx, names, (world_size, rank), arena, gather)
+                    assert self.layouts is not None
+                    m, device = g.layout.n_segments, gx.device
+                    scratch = (
+                        _take(arena, m, torch.float32, device),
+                        _take(arena, m, torch.uint8, device),
+                    )
+                    fmts, ranks = [g.fmt] * len(g.index), (rank, world_size)
+                    where = (self.layouts, self.epoch)
+                    steady = _rank_blocks(
+                        self.plan,
+                        g,
+                        gx,
+                        fmts,
+                        (False, self.chunk),
+                        scratch,
+                        names,
+                        where,
+                        ranks,
+                        gather,
+                    )
                     if steady is None:
                         return False
                     gather = None  # the first group's keys' call gathers
@@ -1026,8 +1013,7 @@ class SteadyGroups:
         staged: dict[str, Any] = {}
         if route.staged:
             assert g.node is not None and self.layouts is not None
-            nodes = self.layouts.grid if route == Route.GRID else self.layouts.nodes
-            staged = {"groups": nodes, "per_node": g.node.ranks_per_node}
+            staged = _node_groups(self.layouts, route, g.node.ranks_per_node)
             if self.promote is not None:  # its layers' rates: under its first level's factors
                 staged["promote"] = tuple([layer[i] for i in g.index] for layer in self.promote)
         steady = (SteadyStaged if staged else Steady)(
@@ -1082,43 +1068,10 @@ class SteadyGroups:
         assert steady.host_factors is not None  # the CPU kernels'
         return functools.partial(steady.agreed.host_factors_into, g.fmt, *steady.host_factors, pick)
 
-    def _blocks(
-        self,
-        g: GroupPlan,
-        gx: torch.Tensor,
-        names: list[str | None] | None,
-        ranks: tuple[int, int],
-        arena: Arena | None = None,
-        gather: tuple[torch.Tensor, np.ndarray, torch.Tensor, int] | None = None,
-    ) -> SteadyBlocks | None:
-        """Group ``g``'s :class:`SteadyBlocks`, bound to its values ``gx`` (None where the
-        codec has no fused calls for them); its block maxima and keys from ``arena``
-        (``ranks``: N and this rank; ``gather``: in its keys' call, :meth:`_divided`)."""
-        world_size, rank = ranks
-        n_blocks, n_layers, device = g.layout.n_segments, len(g.index), gx.device
-        staged: dict[str, Any] = {}
-        if g.node_blocks is not None:
-            route, layouts = Route(g.reduction), self.layouts
-            assert layouts is not None
-            nodes = layouts.grid if route == Route.GRID else layouts.nodes
-            staged = {"groups": nodes, "per_node": g.node_blocks.ranks_per_node}
-        steady = (SteadyNodeBlocks if staged else SteadyBlocks)(
-            g.numel,
-            gx.data_ptr(),
-            self.plan,
-            g,
-            [g.fmt] * n_layers,
-            False,
-            self.chunk,
-            _take(arena, n_blocks, torch.float32, device),
-            _take(arena, n_blocks, torch.uint8, device),
-            torch.empty(n_layers, dtype=torch.uint8, device=device),
-            torch.zeros(n_layers, dtype=torch.uint8, device=device),
-            names=names,
-            epoch=self.epoch,
-            **staged,
-        )
-        return steady if steady.bind(gx, rank, world_size, gather) else None
+
+# A format group's bound path in a :class:`SteadyGroups`, and any bucket's.
+_Part = Steady | SteadyBlocks | SteadyFeedback | SteadyAgreedBlocks
+_Bound = _Part | SteadyGroups
 
 
 @dataclasses.dataclass
@@ -1134,7 +1087,7 @@ class SteadyUnit:
     and out of the MAX all-reduce, the factors written in place (a
     non-finite parameter, or the flag, NaN on the decode), one encode of
     the N rows, the ``all_to_all_single``, one decode and the FP32 sum in
-    rank order: the collectives, bytes and bits of the general path.
+    rank order.
 
     Attributes:
         chunks: the parameters' padded chunks (the layout it is bound to).
@@ -1155,19 +1108,19 @@ class SteadyUnit:
         factors: writes ``scale`` and ``unscale`` from the agreed maxima or keys.
         poison: 0-d float32, what a non-finite parameter or the flag writes: inf into the
             agreed maxima (layer), NaN into ``decode`` (block, and layer with records: the
-            records' exponents are those of the agreed maxima, as the general path's).
+            records' exponents are those of the agreed maxima).
         record: with ``stats=True``, the step's records from the N rows: float64 (P, 5),
-            one row per parameter (:meth:`aps_comm.telemetry.StepStats.add_rows`), the
-            general path's values (one kernel call on the CPU kernels).
+            one row per parameter (:meth:`aps_comm.telemetry.StepStats.add_rows`; one
+            kernel call on the CPU kernels).
         parts: with ``stats=True``, its one run's parameters' names and sizes, format and
             rows of the records (:func:`_unit_parts`).
         premax: ``scaling="bucket"`` with records: float32 scratch, the agreed maxima of
-            every row before the spread (what the records show, as the general path's).
+            every row before the spread (what the records show).
         workspace: the state's workspace epoch of the unit's slot, which the exchange's,
             the sum's and the factors' scratch are views of (another one binds it again).
         pad: a 4-bit unit of an odd row: float32 scratch of the N rows each followed by a
             zero, and the zeros (N x 1): the rows are copied in, so that every row's codes
-            are whole bytes, as the general path's per-row encode leaves them.
+            are whole bytes (each row goes to its own rank).
     """
 
     chunks: tuple[int, ...]
@@ -1198,21 +1151,16 @@ class SteadyMixedUnit:
     """:class:`SteadyUnit` for a unit of several formats (a policy keeping some parameters
     in FP32, or two wire formats), layer, bucket or no scaling, on the CPU kernels.
 
-    The general path codes each run of one format apart, with a gather and a
-    scatter per run; bound, one kernel call gathers every run's N rows out of
-    FSDP's input (the FP32 runs straight into the send buffer, as the general
-    path's exact FP32 encode leaves them), each scaled format is encoded and
-    decoded once for all its runs, one call scatters the codes into the rows
-    and one gathers the received rows back, and one sums every run's rows
-    (an FP32 parameter NaN where its agreed maximum is not finite, as the
-    general path's unscale makes it): a fixed handful of calls per unit for
-    any number of parameters and runs, the general path's bytes and bits.
+    One kernel call gathers every run's N rows out of FSDP's input (the FP32
+    runs straight into the send buffer: sent exactly, their bytes are their
+    codes), each scaled format is encoded and decoded once for all its runs,
+    one call scatters the codes into the rows and one gathers the received
+    rows back, and one sums every run's rows (an FP32 parameter NaN where its
+    agreed maximum is not finite): a fixed handful of calls per unit for any
+    number of parameters and runs.
 
     Attributes:
-        chunks: the parameters' padded chunks (the layout it is bound to).
-        numel: elements of the N rows.
-        device: the rows' device (CPU).
-        epoch: the policy's epoch of its formats.
+        chunks, numel, device, epoch: as :class:`SteadyUnit`'s (the device: the CPU).
         codec: a scaled format's codec (the shared kernels: maxima, spans, sums).
         layout: the N rows' chunks (the maxima's segments).
         shared: float32, the MAX all-reduce's vector: the parameters' maxima, then the flag.
@@ -1236,7 +1184,7 @@ class SteadyMixedUnit:
             ``scaling="none"``: every run's made NaN by the sum, as FP32's (its unscale 1).
         row_numel: elements per row.
         record: with ``stats=True``, the step's records from the N rows: float64 (P, 5),
-            one row per parameter (one kernel call), the general path's values.
+            one row per parameter (one kernel call).
         parts: with ``stats=True``, per run its parameters' names and sizes, its format
             and its rows of the records (:func:`_unit_parts`).
         offsets_of: the host copies of ``layout``'s offsets and of ``perm`` (the maxima's
@@ -1289,10 +1237,7 @@ class SteadyFP32Unit:
     the all-reduce too, for the records (one kernel call).
 
     Attributes:
-        chunks: the parameters' padded chunks (the layout it is bound to).
-        numel: elements of the N rows.
-        device: the rows' device.
-        epoch: the policy's epoch of its formats.
+        chunks, numel, device, epoch: as :class:`SteadyUnit`'s.
         sums: the codec whose :meth:`~aps_comm.codec.Codec.sum_rows` sums the rows.
         recv: float32 (N, row), the received rows (a view of the workspace).
         nan: 0-d float32 NaN, what the flag writes over the sum.
@@ -1321,6 +1266,37 @@ class SteadyFP32Unit:
     parts: list[tuple[list[str], list[int], FloatFormat, int, int]] = dataclasses.field(
         default_factory=list
     )
+
+
+@dataclasses.dataclass(frozen=True)
+class _Binding:
+    """What a bucket's binders share (:meth:`Reducer._bind_first`).
+
+    Attributes:
+        index: DDP's bucket index.
+        x: the bucket's float32 values.
+        plan: the bucket's plan.
+        fmts: each layer's format this step.
+        layers: the layers' keys, sizes and names.
+        main: the route of the state's format (what chunks are sized for).
+        measured: chunks sized by this rank's timing, its preference agreed on the MAX
+            all-reduce.
+        chunk: this rank's chunk.
+    """
+
+    index: int
+    x: torch.Tensor
+    plan: BucketPlan
+    fmts: list[FloatFormat]
+    layers: tuple[Sequence[Any], list[int], Sequence[str | None]]
+    main: Route
+    measured: bool
+    chunk: int
+
+    @property
+    def at(self) -> tuple[int, torch.Tensor, BucketPlan, list[FloatFormat]]:
+        """The index, values, plan and formats."""
+        return self.index, self.x, self.plan, self.fmts
 
 
 class Reducer:
@@ -1358,9 +1334,7 @@ class Reducer:
         self._routes: dict[FloatFormat, Route] = {}
         self._fixed: dict[FloatFormat, Route] = {}
         # Per bucket index: its bound path once settled (:class:`Steady`).
-        self.steady: dict[
-            int, Steady | SteadyBlocks | SteadyAgreedBlocks | SteadyFeedback | SteadyGroups
-        ] = {}
+        self.steady: dict[int, _Bound] = {}
         # Per device: the buckets' scratch, shared (:mod:`aps_comm.workspace`).
         self.workspaces: dict[str, Workspace] = {}
         # Per FSDP unit index: its bound reduce-scatter once settled (:class:`SteadyUnit`).
@@ -1484,12 +1458,12 @@ class Reducer:
         layers: tuple[Sequence[Any], list[int], Sequence[str | None]],
         chunk: int | None,
         added: bool = False,
-    ) -> Steady | SteadyBlocks | SteadyAgreedBlocks | SteadyFeedback | SteadyGroups | None:
+    ) -> _Bound | None:
         """Bind bucket ``index``'s settled path before it runs (no collective): this step's
         formats, and the chunk this rank offers (:meth:`run_steady` agrees it with the
         others' and binds again where the largest differs). None where the configuration
-        has no bound path (the general path then takes the step; a configuration that
-        failed is not tried again until its formats, epoch or workspace change).
+        has no bound path (:meth:`bucket` raises; a configuration that failed is not
+        tried again until its formats, epoch or workspace change).
 
         ``layers``: the layers' keys, sizes and names; ``chunk``: as :meth:`bucket`'s;
         ``added``: error feedback's residuals are in ``x`` already (Promote's move).
@@ -1504,10 +1478,11 @@ class Reducer:
         if all(routes[f] == Route.FP32 for f in fmts) and assignment.promoter is None:
             if any(f != FP32 for f in fmts):
                 self.bucket_routes[index] = Route.FP32.value
-            self._settle(index, x, plan, fmts, None, Route.FP32, False, 0)  # binds, always
+            fp32 = _Binding(index, x, plan, fmts, layers, Route.FP32, False, 0)
+            self._settle(fp32, None, Route.FP32)  # binds, always
             if fb is not None:
-                # As the general path: what the residuals kept is sent once more (a new
-                # epoch's FP32), then none is kept; the bound mean adds nothing.
+                # What the residuals kept is sent once more (a new epoch's FP32), then
+                # none is kept; the bound mean adds nothing.
                 fb.add(x, numels, names)
                 fb.drop(names)
             return self.steady[index]
@@ -1546,7 +1521,8 @@ class Reducer:
             fb.residuals.update(zip(new, torch.split(zeros, list(new.values())), strict=True))
             made = list(new)  # type: ignore[arg-type]  # None popped
         self.steady.pop(index, None)
-        self._settle_bucket(index, x, plan, fmts, groups, layers, main, measured, chunk, rank_exps)
+        b = _Binding(index, x, plan, fmts, layers, main, measured, chunk)
+        self._settle_bucket(b, groups, rank_exps)
         st = self.steady.get(index)
         if st is None:
             if fb is not None:
@@ -1554,8 +1530,8 @@ class Reducer:
             self._unbound[index] = (*tried, self._epoch(index, x.device))
             return None
         if fb is not None:
-            # As the general path: a layer sent in FP32 now (a new epoch's format) sends
-            # what its residual kept once more, then keeps none.
+            # A layer sent in FP32 now (a new epoch's format) sends what its residual
+            # kept once more, then keeps none.
             exact = {i for g in groups if g.reduction == Route.FP32 for i in g.index}
             if not added:
                 fb.add(x, numels, [m if i in exact else None for i, m in enumerate(names)])
@@ -1566,72 +1542,48 @@ class Reducer:
         self.bucket_chunks[index] = chunk
         return st
 
-    def _settle_bucket(
-        self,
-        index: int,
-        x: torch.Tensor,
-        plan: BucketPlan,
-        fmts: list[FloatFormat],
-        groups: list[GroupPlan],
-        layers: tuple[Sequence[Any], list[int], Sequence[str | None]],
-        main: Route,
-        measured: bool,
-        chunk: int,
-        rank_exps: bool,
-    ) -> None:
-        """Bind bucket ``index``'s settled path, after its general step, where its
-        configuration has one (``layers``: the layers' keys, sizes and names)."""
-        keys, numels, names = layers
+    def _settle_bucket(self, b: _Binding, groups: list[GroupPlan], rank_exps: bool) -> None:
+        """Bind the bucket's settled path of ``groups``, where its configuration has one
+        (``rank_exps``: block scaling with every rank's own exponents)."""
         if len(groups) > 1:
-            self._settle_groups(index, x, plan, fmts, groups, main, measured, chunk, layers)
+            self._settle_groups(b, groups)
             return
         g = groups[0]
-        promoted = self.assignment.promoter is not None
-        layers_of = (list(keys), list(numels), list(names)) if promoted else None
         route = Route(g.reduction)
         if (route.staged and not rank_exps) or self.settings.scaling != Scaling.BLOCK:
-            self._settle(index, x, plan, fmts, g, route, measured, chunk, names, layers_of)
+            self._settle(b, g, route)
         elif g.reduction == Route.ALLREDUCE and self.feedback is None:
             # Agreed keys whatever is asked (a native sum cannot mix exponents); with
-            # "rank" no chunk rides on them: the model's, as in the general path.
-            mine = measured and not rank_exps
-            self._settle_agreed_blocks(index, x, plan, fmts, g, main, mine, chunk, names)
+            # "rank" no chunk rides on them: the model's.
+            self._settle_agreed_blocks(
+                dataclasses.replace(b, measured=b.measured and not rank_exps), g
+            )
         elif rank_exps:
-            self._settle_blocks(index, x, plan, fmts, g, measured, chunk, names)
+            self._settle_blocks(b, g)
         elif self.feedback is None:
-            self._settle_agreed_blocks(index, x, plan, fmts, g, main, measured, chunk, names)
+            self._settle_agreed_blocks(b, g)
         if self.feedback is not None and g.reduction != Route.FP32:
-            self._settle_feedback(index, x, g, fmts, (list(keys), list(numels), list(names)))
+            self._settle_feedback(b, g)
 
-    def _settle_groups(
-        self,
-        index: int,
-        x: torch.Tensor,
-        plan: BucketPlan,
-        fmts: list[FloatFormat],
-        groups: list[GroupPlan],
-        main: Route,
-        measured: bool,
-        chunk: int,
-        layers: tuple[Sequence[Any], list[int], Sequence[str | None]],
-    ) -> None:
+    def _settle_groups(self, b: _Binding, groups: list[GroupPlan]) -> None:
         """Bind the bucket's :class:`SteadyGroups` path where nothing in it changes per step
-        but the policy's epoch (``layers``: the layers' keys, sizes and names, which label
-        the records with ``stats=True`` and key Promote's levels)."""
+        but the policy's epoch (the layers' names label the records with ``stats=True``,
+        their keys Promote's levels)."""
         settings, assignment = self.settings, self.assignment
-        keys, numels, names = layers
+        (index, x, _, fmts), names = b.at, b.layers[2]
         blocks = settings.scaling == Scaling.BLOCK
         promoted = assignment.promoter is not None
         if self.feedback is not None:
-            self._settle_feedback_groups(index, x, plan, fmts, groups, main, layers)
+            self._settle_feedback_groups(b, groups)
             return
         native = [g.reduction == Route.ALLREDUCE for g in groups if g.reduction != Route.FP32]
         if blocks and (settings.block_exponents != BlockExponents.RANK or (native and all(native))):
             # The native sum agrees on its keys whatever is asked; with "rank" no chunk
-            # rides on them (the model's, as in the general path).
+            # rides on them (the model's).
             rank = settings.block_exponents == BlockExponents.RANK
-            chunking = (main, measured and not rank, chunk)
-            self._settle_agreed_groups(index, x, plan, fmts, groups, chunking, names)
+            self._settle_agreed_groups(
+                dataclasses.replace(b, measured=b.measured and not rank), groups
+            )
             return
         # Staged groups bind interleaved too (each part's Promote rates picked back into the
         # bucket's order by ``put_rates``).
@@ -1640,33 +1592,21 @@ class Reducer:
             (blocks and (promoted or not all(_own_blocks(g) for g in groups)))
             or x.dtype != torch.float32
             # Every group in FP32: one all-reduce of the bucket, but under Promote, whose
-            # rates and maxima the general path still agrees (it may move them out).
+            # rates and maxima are still agreed (it may move them out).
             or (not promoted and all(g.reduction == Route.FP32 for g in groups))
         ):
             return
         n = len(fmts)
-        size = 0 if blocks else n * (1 + int(promoted)) + int(measured)
+        size = 0 if blocks else n * (1 + int(promoted)) + int(b.measured)
         maxima = self._vector(size, torch.float32, x.device)
-        if promoted:
-            # The FP32 group's layers keep their rates, as in the general path.
-            kept = {i for g in groups if g.reduction == Route.FP32 for i in g.index}
-            self._rates_into(maxima[n : 2 * n], names, kept)
-        st = SteadyGroups(
-            x.numel(),
-            x.data_ptr(),
-            plan,
+        st = self._steady_groups(
+            b,
             groups,
-            list(fmts),
-            Route(main),
-            measured,
-            chunk,
             maxima,
+            promoted,
             bucket=settings.scaling == Scaling.BUCKET,
             names=list(names) if settings.stats else None,
-            promote=(list(keys), list(numels), list(names)) if promoted else None,
             blocks=blocks,
-            epoch=assignment.epoch(self.step),
-            workspace=self._epoch(index, x.device),
             none=settings.scaling == Scaling.NONE,
             layouts=self.comm.layouts,
             scratch=self.workspace(x.device),
@@ -1675,21 +1615,36 @@ class Reducer:
             st.workspace = self._epoch(index, x.device)  # the STEP slot's, after the binding
             self.steady[index] = st
 
-    def _settle_feedback_groups(
+    def _steady_groups(
         self,
-        index: int,
-        x: torch.Tensor,
-        plan: BucketPlan,
-        fmts: list[FloatFormat],
+        b: _Binding,
         groups: list[GroupPlan],
-        main: Route,
-        layers: tuple[Sequence[Any], list[int], Sequence[str | None]],
-    ) -> None:
+        vector: torch.Tensor,
+        promoted: bool = False,
+        **fields: Any,
+    ) -> SteadyGroups:
+        """The bucket's :class:`SteadyGroups` of ``groups``, unbound, on its MAX all-reduce
+        ``vector`` (``promoted``: with Promote, every layer's rate after the maxima;
+        ``fields``: the others)."""
+        (_, x, plan, fmts), (keys, numels, names) = b.at, b.layers
+        promote = (list(keys), list(numels), list(names)) if promoted else None
+        if promoted:  # the FP32 group's layers keep their rates
+            n, kept = len(fmts), {i for g in groups if g.reduction == Route.FP32 for i in g.index}
+            self._rates_into(vector[n : 2 * n], names, kept)
+        return SteadyGroups(
+            *(x.numel(), x.data_ptr(), plan, groups, list(fmts), Route(b.main), b.measured),
+            *(b.chunk, vector),
+            promote=promote,
+            epoch=self.assignment.epoch(self.step),
+            **fields,
+        )
+
+    def _settle_feedback_groups(self, b: _Binding, groups: list[GroupPlan]) -> None:
         """Bind the :class:`SteadyGroups` path of a bucket of several formats with error
         feedback: each group sent scaled a :class:`SteadyFeedback` on its view, its agreed
         maxima (or block keys) a view of the one vector the bucket MAX-all-reduces (with
         Promote, every layer's rate after them)."""
-        keys, numels, names = layers
+        (index, x, plan, fmts), names = b.at, b.layers[2]
         sent = [g for g in groups if g.reduction != Route.FP32]
         self.steady.pop(index, None)
         blocks = self.settings.scaling == Scaling.BLOCK
@@ -1712,25 +1667,7 @@ class Reducer:
         size = sum(g.layout.n_segments for g in sent) if blocks else n * (1 + int(promoted))
         dtype = torch.uint8 if blocks else torch.float32
         shared = self._vector(size, dtype, x.device)
-        if promoted:
-            # The FP32 group's layers keep their rates, as in the general path.
-            kept = {i for g in groups if g.reduction == Route.FP32 for i in g.index}
-            self._rates_into(shared[n:], names, kept)
-        st = SteadyGroups(
-            x.numel(),
-            x.data_ptr(),
-            plan,
-            groups,
-            list(fmts),
-            main,
-            False,
-            ONE_CHUNK,
-            shared,
-            blocks=blocks,
-            feedback=True,
-            epoch=self.assignment.epoch(self.step),
-            promote=(list(keys), list(numels), list(names)) if promoted else None,
-        )
+        st = self._steady_groups(b, groups, shared, promoted, blocks=blocks, feedback=True)
         workspace = self.workspace(x.device)
         for _ in range(2):  # twice only where the workspace had to grow
             # The STEP slot: first what lives across the groups (the layers in the plan's
@@ -1791,25 +1728,16 @@ class Reducer:
         st.workspace = self._epoch(index, x.device)
         self.steady[index] = st
 
-    def _settle_agreed_groups(
-        self,
-        index: int,
-        x: torch.Tensor,
-        plan: BucketPlan,
-        fmts: list[FloatFormat],
-        groups: list[GroupPlan],
-        chunking: tuple[Route, bool, int],
-        names: Sequence[str | None],
-    ) -> None:
+    def _settle_agreed_groups(self, b: _Binding, groups: list[GroupPlan]) -> None:
         """Bind the :class:`SteadyGroups` path of a bucket of several formats with agreed
         block exponents (or the native sum's, agreed whatever is asked): each group sent
         scaled a :class:`SteadyAgreedBlocks` (``native`` where its route is the all-reduce)
         on its view (the bucket's, or bound scratch of the layers in the plan's order where
         the groups interleave), its keys a view of the one uint8 vector the bucket
         MAX-all-reduces (every sent format's keys in the plan's
-        order, then where measured this rank's preferred chunk). ``chunking``: the state's format's route,
-        whether chunks are measured, and this rank's chunk."""
-        main, measured, chunk = chunking
+        order, then where measured this rank's preferred chunk)."""
+        (index, x, plan, fmts), names = b.at, b.layers[2]
+        main, measured, chunk = b.main, b.measured, b.chunk
         sent = [g for g in groups if g.reduction != Route.FP32]
         order = [i for g in groups for i in g.index]
         staged = any(Route(g.reduction).staged for g in sent)
@@ -1826,21 +1754,7 @@ class Reducer:
         widths = [g.layout.n_segments * (2 if Route(g.reduction).staged else 1) for g in sent]
         size = sum(widths) + int(measured)
         shared = torch.zeros(size, dtype=torch.uint8, device=x.device)
-        st = SteadyGroups(
-            x.numel(),
-            x.data_ptr(),
-            plan,
-            groups,
-            list(fmts),
-            Route(main),
-            measured,
-            chunk,
-            shared,
-            blocks=True,
-            agreed_blocks=True,
-            epoch=self.assignment.epoch(self.step),
-            workspace=self._epoch(index, x.device),
-        )
+        st = self._steady_groups(b, groups, shared, blocks=True, agreed_blocks=True)
         # Scratch used only while the hook runs (nothing deferred): the STEP slot's, every
         # group's block maxima after the layers in the plan's order (each group's records
         # read its maxima after every group's keys are written: they must not overlap).
@@ -1856,31 +1770,16 @@ class Reducer:
             shares = iter(widths)
             for g in groups:
                 gx, part = values[lo : lo + g.numel], None
-                if Route(g.reduction).staged:
+                if g.reduction != Route.FP32:
                     m = next(shares)
-                    gnames = [names[i] for i in g.index] if self.settings.stats else None
-                    part = self._agreed_staged_part(plan, g, gx, shared[at : at + m], chunk, gnames)
+                    keys, labels = shared[at : at + m], [names[i] for i in g.index]
+                    if Route(g.reduction).staged:
+                        part = self._agreed_staged_part(plan, g, gx, keys, chunk, labels)
+                    else:
+                        buffers = arena.take(m, torch.float32), keys
+                        fmts_of, chunking = [g.fmt] * len(g.index), (main, False, chunk)
+                        part = self._agreed_blocks(plan, g, gx, fmts_of, chunking, buffers, labels)
                     if part is None:
-                        return
-                    at += m
-                elif g.reduction != Route.FP32:
-                    m, k, device = next(shares), len(g.index), x.device
-                    part = SteadyAgreedBlocks(
-                        g.numel,
-                        gx.data_ptr(),
-                        plan,
-                        g,
-                        [g.fmt] * k,
-                        Route(main),
-                        False,
-                        chunk,
-                        arena.take(m, torch.float32),
-                        shared[at : at + m],
-                        torch.zeros(k, dtype=torch.uint8, device=device),
-                        names=[names[i] for i in g.index] if self.settings.stats else None,
-                        native=g.reduction == Route.ALLREDUCE,
-                    )
-                    if not part.bind(gx, self.comm.rank, self.comm.world_size):
                         return
                     at += m
                 parts.append((gx, part))
@@ -1898,7 +1797,7 @@ class Reducer:
         gx: torch.Tensor,
         keys: torch.Tensor,
         chunk: int,
-        names: list[str | None] | None,
+        names: Sequence[str | None],
     ) -> SteadyStaged | None:
         """A hierarchical or grid group's part of :meth:`_settle_agreed_groups`: the
         :class:`SteadyStaged` of agreed block exponents (``local``) on its values ``gx``,
@@ -1906,7 +1805,7 @@ class Reducer:
         where the group has no node layout)."""
         if g.node is None:
             return None
-        route, layouts = Route(g.reduction), self.comm.layouts
+        route = Route(g.reduction)
         local = torch.empty(g.layout.n_segments, device=gx.device)
         part = SteadyStaged(
             g.numel,
@@ -1919,11 +1818,10 @@ class Reducer:
             AgreedMaxima(local, self.comm.world_size),
             False,
             chunk,
-            groups=layouts.grid if route == Route.GRID else layouts.nodes,
-            per_node=g.node.ranks_per_node,
             local=local,
+            **_node_groups(self.comm.layouts, route, g.node.ranks_per_node),
         )
-        if names is not None:
+        if self.settings.stats:
             part.record_names(names)
         return part if part.bind(gx, self.comm.world_size) else None
 
@@ -1940,7 +1838,7 @@ class Reducer:
         """Groups that interleave in the bucket: bound scratch of the layers in the plan's
         order (``st.gather`` and ``st.scatter``, one call each) and, per layer, a vector in
         that order that ``st.put_rates`` copies into the bucket order of ``shared`` (the
-        general path's MAX all-reduce contents: maxima, then Promote's rates) and
+        MAX all-reduce's contents: maxima, then Promote's rates) and
         ``st.pick`` copies the agreed maxima back from. Block keys are in the plan's order
         already. Returns the scratch (``values`` where given: the workspace's) and that
         vector (``shared`` itself with blocks)."""
@@ -1971,15 +1869,15 @@ class Reducer:
     ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
         """The groups' values and vector on the CPU kernels, fused: ``st.gather`` adds
         every sent group's residuals (one flat buffer, the groups' in the plan's order)
-        and, per layer, writes each one's maximum in bucket order into ``st.maxima``
-        (the general path's vector), in one call (:func:`aps_comm.cpu_kernels.gather_add`)
-        for what took an add per group and the maxima; where the groups interleave it
-        also copies the layers into bound scratch in the plan's order (what took a
-        gather, and the maxima's copy into bucket order: :meth:`_interleave`), which
-        ``st.scatter`` copies back (that scratch from ``arena`` where given), and with
-        Promote ``st.put_rates`` copies the rates alone. Returns the values in the plan's
-        order, the vector in that order (each group's agreed maxima, picked by its
-        factors; Promote's rates after them) and the flat residuals."""
+        and, per layer, writes each one's maximum in bucket order into ``st.maxima``, in
+        one call (:func:`aps_comm.cpu_kernels.gather_add`; unfused, an add per group and
+        the maxima); where the groups interleave it also copies the layers into bound
+        scratch in the plan's order (unfused, a gather and the maxima's copy into bucket
+        order: :meth:`_interleave`), which ``st.scatter`` copies back (that scratch from
+        ``arena`` where given), and with Promote ``st.put_rates`` copies the rates alone.
+        Returns the values in the plan's order, the vector in that order (each group's
+        agreed maxima, picked by its factors; Promote's rates after them) and the flat
+        residuals."""
         n, plan = len(order), st.plan
         starts = np.cumsum([0, *plan.numels])
         fp32 = {i for g in st.groups if g.reduction == Route.FP32 for i in g.index}
@@ -2020,7 +1918,7 @@ class Reducer:
         """Promote: every layer's last local rate into ``slots`` of a settled bucket's maxima
         vector, which the next step's MAX all-reduce sends; the reducer's rates of the
         layers not ``kept`` become views of them (checkpoints read those), those ``kept``
-        (sent in FP32: never measured again, as on the general path) views of a copy."""
+        (sent in FP32: never measured again) views of a copy."""
         zero = torch.zeros((), device=slots.device)
         local = torch.stack([self.rates.get(m or "", zero) for m in names])
         slots.copy_(local)
@@ -2033,7 +1931,7 @@ class Reducer:
     def _run_groups(self, index: int, st: SteadyGroups, x: torch.Tensor) -> None:
         """:meth:`run_steady` of a bucket of several formats: the one MAX all-reduce of its
         vector (none with every rank's own block exponents), then each group's bound path
-        in the plan's order (nothing deferred, as in the general path).
+        in the plan's order (nothing deferred).
 
         Before that all-reduce: with error feedback (``st.feedback``) every group's
         residuals added, then every layer's maximum (or each group's block keys) and
@@ -2046,7 +1944,7 @@ class Reducer:
         if not early and st.bound_ptr != x.data_ptr():  # a bfloat16 bucket's float32 copy
             st.bind(x, comm.world_size, comm.rank)
         if st.blocks and not early:
-            # The general path's chunk: the one its ranks agreed on, or the model's.
+            # The chunk its ranks agreed on, or the model's.
             chunk = (plan.agreed_chunk or plan.model_chunk) if st.measured else st.chunk
             self._finish_groups(index, st, x, chunk)
             return
@@ -2057,9 +1955,9 @@ class Reducer:
         if st.feedback and not st.fused:  # else added by the gather
             for values, s in sent:
                 values.add_(s.residual)  # type: ignore[union-attr]  # SteadyFeedback's
-        if st.measured:
-            self._offer_chunk(st)
-        if st.maxima_call is not None:  # every layer's, as the general path's vector
+        if st.measured:  # CPU only: the numpy view of the chunk's slot, no tensor op
+            st.maxima.numpy()[-1] = self._offer(st, st.main)
+        if st.maxima_call is not None:  # every layer's
             st.maxima_call()
         elif st.blocks:  # each sent group's keys
             for _, s in sent:
@@ -2069,12 +1967,11 @@ class Reducer:
                 keys_call = s.maxima_call if isinstance(s, SteadyStaged) else s.keys_call
                 assert keys_call is not None  # made by bind
                 keys_call()
-        if early and st.put_rates is not None:  # into the general path's order
+        if early and st.put_rates is not None:  # into bucket order
             st.put_rates()
         transports.all_reduce_max(st.maxima, comm.group, self.traffic)
         if st.promote is not None and self._promoted(st):
-            # Nothing deferred, as in the general path (error feedback: the values with
-            # their residuals carried).
+            # Nothing deferred (error feedback: the values with their residuals carried).
             self._moved(index, st, x, False)
             return
         chunk = 2 ** int(st.maxima.numpy()[-1]) if st.measured else st.chunk
@@ -2087,7 +1984,11 @@ class Reducer:
         and their scratch stay: only the chunks' calls move)."""
         comm = self.comm
         if chunk != st.chunk:
-            st.groups, st.chunk = self._group_again(st, chunk), chunk
+            # With agreed block exponents: the owners' exponents only.
+            size, rank_exponents = self.settings.block_size, st.blocks and not st.agreed_blocks
+            exps = {"owner_exponents": st.blocks, "rank_exponents": rank_exponents}
+            st.groups = self._regroup(st, chunk, size if st.blocks else None, **exps)
+            st.chunk = chunk
             if st.agreed_blocks:
                 assert st.parts is not None  # made by _settle_agreed_groups
                 sent = [(values, s) for values, s in st.parts if s is not None]
@@ -2105,31 +2006,6 @@ class Reducer:
                 _gather_back(st.scatter)  # new scratch: gather again
         self.bucket_chunks[index] = st.chunk
         self._run_parts(index, st, st.feedback or st.agreed_blocks)
-
-    def _offer_chunk(self, st: SteadyGroups) -> None:
-        """This rank's preferred chunk (log2, by its timing) into the last slot of ``st``'s
-        MAX all-reduce vector, which agrees the ranks' largest (CPU only: the numpy view,
-        no tensor op)."""
-        exchange_s = st.plan.exchange_s or None
-        if st.offer is None or st.offer[0] != exchange_s:
-            mine = self.planner.chunk(self.settings.fmt, st.numel, st.main, exchange_s)
-            st.offer = exchange_s, math.log2(mine)
-        st.maxima.numpy()[-1] = st.offer[1]
-
-    def _group_again(self, st: SteadyGroups, chunk: int) -> list[GroupPlan]:
-        """``st``'s groups planned again for the ``chunk`` its ranks agreed on (with agreed
-        block exponents: the owners' exponents only)."""
-        comm, rank_exponents = self.comm, st.blocks and not st.agreed_blocks
-        return st.plan.group(
-            st.fmts,
-            self._routes_for(st.plan, st.fmts),
-            comm.world_size,
-            chunk,
-            comm.node_layouts(),
-            self.settings.block_size if st.blocks else None,
-            owner_exponents=st.blocks,
-            rank_exponents=rank_exponents,
-        )
 
     def _run_parts(self, index: int, st: SteadyGroups, early: bool = False) -> None:
         """Every group's bound path of a settled bucket of several formats, in the plan's
@@ -2165,12 +2041,7 @@ class Reducer:
                 self._agreed_blocks_exchange(s, values, False)
             elif isinstance(s, SteadyBlocks):
                 self.steady_block_keys(index, s, values)  # and their records
-                if isinstance(s, SteadyNodeBlocks):
-                    assert s.node_calls is not None and s.groups is not None
-                    transports.hierarchical_bound(s.node_calls, s.groups, self.traffic)
-                else:
-                    assert s.calls is not None  # made by bind
-                    transports.two_phase_bound(s.calls, comm.group, self.traffic)
+                s.exchange(comm.group, self.traffic)
             else:
                 self._run_part(index, s, values, (out, at), next(factors, None))
         if st.put_rates is not None and not early:
@@ -2190,58 +2061,38 @@ class Reducer:
         where Promote's rates of its layers go, and where in it, :attr:`SteadyGroups.rates_at`;
         ``factors``: the call that picks them and makes its factors,
         :attr:`SteadyGroups.factors`)."""
-        comm = self.comm
         if factors is not None:
             factors()
         else:
             if s.bucket:
                 s.spread()
-            if s.host_factors is not None:  # the CPU kernels' factor arrays
-                s.agreed.host_factors_into(s.group.fmt, *s.host_factors)
-            if isinstance(s, SteadyStaged):
-                assert s.factors_call is not None  # made by bind
-                s.factors_call()
+            s.fill_factors()
         out, at = rates
         if s.names is not None:  # before the decode overwrites this rank's values
             self.record_steady(index, s, values, out, at)  # with Promote's rates
         elif out is not None:
             self._settled_rates(s, values, out, at)
-        if isinstance(s, SteadyStaged):
-            assert s.node_calls is not None and s.groups is not None  # made by bind
-            transports.hierarchical_bound(s.node_calls, s.groups, self.traffic)
-            return
-        assert s.calls is not None  # made by Steady.bind
-        if s.route == Route.ALLREDUCE:
-            transports.native(s.calls, s.group.fmt, comm.group, self.traffic)
-        else:
-            transports.two_phase_bound(s.calls, comm.group, self.traffic)
+        s.exchange(values, self.comm.group, self.traffic)
 
-    def _settle_feedback(
-        self,
-        index: int,
-        x: torch.Tensor,
-        g: GroupPlan,
-        fmts: list[FloatFormat],
-        layers: tuple[list[Any], list[int], list[str | None]],
-    ) -> None:
+    def _settle_feedback(self, b: _Binding, g: GroupPlan) -> None:
         """Bind the bucket's :class:`SteadyFeedback` path where nothing in it changes per step
-        but the policy's epoch and Promote's levels (``layers``: the layers' keys, sizes and
-        names)."""
+        but the policy's epoch and Promote's levels."""
+        (index, x, _, fmts), (keys, numels, names) = b.at, b.layers
         self.steady.pop(index, None)
         # Every scaling settles here (bucket and none too: their factors' rule is bound).
         if not g.contiguous or x.dtype != torch.float32:
             return
-        names, n = layers[2], len(fmts)
-        promoted = self.assignment.promoter is not None
+        n, promoted = len(fmts), self.assignment.promoter is not None
         vector = None
         if promoted and self.settings.scaling != Scaling.BLOCK:
-            # The general path's vector: the maxima, then every layer's last local rate.
+            # The vector: the maxima, then every layer's last local rate.
             vector = self._vector(2 * n, torch.float32, x.device)
             self._rates_into(vector[n:], names)
         st = self._bind_feedback(index, x, g, names, None if vector is None else vector[:n])
         if st is not None:
             if vector is not None:
-                st.maxima, st.fmts, st.promote = vector, list(fmts), layers
+                st.maxima, st.fmts = vector, list(fmts)
+                st.promote = list(keys), list(numels), list(names)
             self.steady[index] = st
 
     def _bind_feedback(
@@ -2257,7 +2108,7 @@ class Reducer:
         """Group ``g``'s :class:`SteadyFeedback`, bound to its values ``x`` (the bucket, or
         a group's view of it); None where it has no bound path: not two_phase or the native
         sum in one chunk, a layer without a residual of its own (every codec backend
-        binds: the torch ones with the general path's tensor ops).
+        binds: the torch ones with tensor ops).
 
         ``shared``: where its agreed maxima or block keys go, a view of the vector that a
         bucket of several formats agrees on at once (:meth:`_settle_feedback_groups`);
@@ -2288,20 +2139,19 @@ class Reducer:
         # owner's N shards; with blocks, the factors and keys too (Promote refuses blocks:
         # nothing reads them after the hook). Used only while the hook runs (not
         # deferred): every bucket's. The shards' mean goes in the bucket's own values.
-        workspace = self.workspace(device)
         mean = x[:per] if per <= numel else None
-        for _ in range(2):  # twice only where the workspace had to grow
-            arena = workspace.arena(Slot.STEP)
-            arena.take(after[0])
-            scratch = arena.take(numel + pad + (0 if mean is not None else per), torch.float32)
-            if blocks:
-                scale, unscale = arena.take(n_seg, torch.float32), arena.take(n_seg, torch.float32)
-                inverse = arena.take(n_seg, torch.float32) if native else unscale
-                maxima = arena.take(n_seg, torch.float32) if after[1] is None else after[1]
-                keys = arena.take(n_seg)
-            if arena.close():
-                break
+        sizes = [
+            (after[0], torch.uint8),
+            (numel + pad + (per if mean is None else 0), torch.float32),
+        ]
+        if blocks:  # scale, unscale, the native sum's inverse, the block maxima, the keys
+            floats = 2 + int(native) + int(after[1] is None)
+            sizes += [(n_seg, torch.float32)] * floats + [(n_seg, torch.uint8)]
+        _, scratch, *views = _step_views(self.workspace(device), sizes)
         if blocks:
+            scale, unscale, *views, keys = views
+            inverse = views.pop(0) if native else unscale
+            maxima = views[0] if after[1] is None else after[1]
             shared = keys if shared is None else shared
         else:
             scale, unscale = torch.empty(n_seg, **f32), torch.empty(n_seg, **f32)
@@ -2395,23 +2245,13 @@ class Reducer:
             return
         transports.two_phase_bound(st.calls, comm.group, self.traffic, False)
 
-    def _settle_agreed_blocks(
-        self,
-        index: int,
-        x: torch.Tensor,
-        plan: BucketPlan,
-        fmts: list[FloatFormat],
-        g: GroupPlan,
-        main: Route,
-        measured: bool,
-        chunk: int,
-        names: Sequence[str | None] = (),
-    ) -> None:
+    def _settle_agreed_blocks(self, b: _Binding, g: GroupPlan) -> None:
         """Bind the bucket's :class:`SteadyAgreedBlocks` path where nothing in it changes
-        per step (with ``stats=True`` recording too, its layers labelled by ``names``):
+        per step (with ``stats=True`` recording too, its layers labelled by their names):
         two_phase's, or the native sum's (``native``: one MAX all-reduce of the keys, this
-        rank's preferred chunk on it where ``measured``, then per chunk the encode, the
-        sum in the wire format and the decode, :func:`aps_comm.transports.native`'s)."""
+        rank's preferred chunk on it where measured, then per chunk the encode, the sum in
+        the wire format and the decode, :func:`aps_comm.transports.native`'s)."""
+        (index, x, plan, fmts), measured = b.at, b.measured
         assignment, sh = self.assignment, g.block_shards
         native, device = g.reduction == Route.ALLREDUCE, x.device
         if (
@@ -2422,66 +2262,65 @@ class Reducer:
             or (not native and (g.reduction != Route.TWO_PHASE or sh is None or sh.rank_exponents))
         ):
             return
-        n_blocks, n_layers = g.layout.n_segments, len(g.numels)
+        n_blocks = g.layout.n_segments
         # Written and read before the exchange, never by a deferred tail: every bucket's.
-        workspace = self.workspace(device)
-        for _ in range(2):  # twice only where the workspace had to grow
-            arena = workspace.arena(Slot.STEP)
-            maxima = arena.take(n_blocks, torch.float32)
-            if arena.close():
-                break
+        (maxima,) = _step_views(self.workspace(device), [(n_blocks, torch.float32)])
+        shared = torch.zeros(n_blocks + int(measured), dtype=torch.uint8, device=device)
+        chunking = (b.main, measured, b.chunk)
+        st = self._agreed_blocks(plan, g, x, list(fmts), chunking, (maxima, shared), b.layers[2])
+        if st is not None:
+            st.workspace = self._epoch(index, device)
+            self.steady[index] = st
+
+    def _agreed_blocks(
+        self,
+        plan: BucketPlan,
+        g: GroupPlan,
+        x: torch.Tensor,
+        fmts: list[FloatFormat],
+        chunking: tuple[Route, bool, int],
+        buffers: tuple[torch.Tensor, torch.Tensor],
+        names: Sequence[str | None],
+    ) -> SteadyAgreedBlocks | None:
+        """Group ``g``'s :class:`SteadyAgreedBlocks`, bound to its values ``x`` (None where
+        the codec has no calls for it): ``chunking`` the state's format's route, whether
+        chunks are measured and the chunk; ``buffers`` its block maxima and the MAX
+        all-reduce's keys; ``names`` its layers' (recorded with ``stats=True``)."""
+        main, measured, chunk = chunking
         st = SteadyAgreedBlocks(
             x.numel(),
             x.data_ptr(),
             plan,
             g,
-            list(fmts),
+            fmts,
             Route(main),
             measured,
             chunk,
-            maxima,
-            torch.zeros(n_blocks + int(measured), dtype=torch.uint8, device=device),
-            torch.zeros(n_layers, dtype=torch.uint8, device=device),
-            epoch=assignment.epoch(self.step),
-            workspace=self._epoch(index, device),
+            *buffers,
+            torch.zeros(len(g.numels), dtype=torch.uint8, device=x.device),
+            epoch=self.assignment.epoch(self.step),
             names=list(names) if self.settings.stats else None,
-            native=native,
+            native=g.reduction == Route.ALLREDUCE,
         )
-        if st.bind(x, self.comm.rank, self.comm.world_size):
-            self.steady[index] = st
+        return st if st.bind(x, self.comm.rank, self.comm.world_size) else None
 
     def _run_agreed_blocks(
         self, index: int, st: SteadyAgreedBlocks, x: torch.Tensor, defer: bool
     ) -> Callable[[], None] | None:
         """:meth:`run_steady` with agreed block exponents: the keys, their MAX all-reduce,
         three bound calls per chunk."""
-        comm, plan, settings = self.comm, st.plan, self.settings
+        comm, plan = self.comm, st.plan
         if st.bound_ptr != x.data_ptr():  # a bfloat16 bucket's float32 copy: new each step
             st.bind(x, comm.rank, comm.world_size)
         if st.measured:  # CPU only: the keys' numpy view, no tensor op
-            exchange_s = plan.exchange_s or None
-            if st.offer is None or st.offer[0] != exchange_s:
-                mine = self.planner.chunk(settings.fmt, st.numel, st.main, exchange_s)
-                st.offer = exchange_s, int(math.log2(mine))
-            st.shared.numpy()[-1] = st.offer[1]
+            st.shared.numpy()[-1] = self._offer(st, st.main)
         assert st.keys_call is not None
         st.keys_call()
         transports.all_reduce_max(st.shared, comm.group, self.traffic)
         if st.measured:
             chunk = 2 ** int(st.shared.numpy()[-1])
             if chunk != st.chunk:
-                st.group = plan.group(
-                    st.fmts,
-                    self._routes_for(plan, st.fmts),
-                    comm.world_size,
-                    chunk,
-                    comm.node_layouts(),
-                    settings.block_size,
-                    owner_exponents=True,
-                )[0]
-                st.chunk = chunk
-                st.bind(x, comm.rank, comm.world_size)
-                st.workspace = self._epoch(index, x.device)
+                self._rechunk(index, st, x, chunk, self.settings.block_size, owner_exponents=True)
         self.bucket_chunks[index] = st.chunk
         if st.names is not None:  # the agreed keys: before the decode overwrites the values
             self.record_agreed_blocks(index, st)
@@ -2504,89 +2343,52 @@ class Reducer:
             return transports.native(st.calls, st.group.fmt, comm.group, self.traffic, defer)
         return transports.two_phase_bound(st.calls, comm.group, self.traffic, defer)
 
-    def _settle_blocks(
-        self,
-        index: int,
-        x: torch.Tensor,
-        plan: BucketPlan,
-        fmts: list[FloatFormat],
-        g: GroupPlan,
-        measured: bool,
-        chunk: int,
-        names: Sequence[str | None] = (),
-    ) -> None:
+    def _settle_blocks(self, b: _Binding, g: GroupPlan) -> None:
         """Bind the bucket's :class:`SteadyBlocks` path where nothing in it changes per step
-        (with ``stats=True`` recording too, its layers labelled by ``names``)."""
+        (with ``stats=True`` recording too, its layers labelled by their names)."""
+        (index, x, plan, fmts), names = b.at, b.layers[2]
         assignment = self.assignment
         sh, route = g.block_shards, Route(g.reduction)
         two_phase = route == Route.TWO_PHASE and sh is not None and sh.rank_exponents
         staged = route.staged and g.node_blocks is not None
         if assignment.promoter is not None or not g.contiguous or not (two_phase or staged):
             return
-        n_blocks, n_layers = g.layout.n_segments, len(g.numels)
-        extra: dict[str, Any] = {}
-        if staged:
-            layouts = self.comm.layouts
-            extra = {
-                "groups": layouts.grid if route == Route.GRID else layouts.nodes,
-                "per_node": self.comm.node_layouts()[route.value][0],
-            }
         # On the bucket's device: the Triton kernels write and read them there. two_phase
         # writes and reads them before the exchange, never in a deferred tail: every
         # bucket's, from the workspace.
-        sizes = [(n_blocks, torch.float32), (n_blocks, torch.uint8)]
+        sizes = [(g.layout.n_segments, torch.float32), (g.layout.n_segments, torch.uint8)]
         if staged:
-            maxima, keys = (torch.empty(n, dtype=dtype, device=x.device) for n, dtype in sizes)
+            scratch = [torch.empty(n, dtype=dtype, device=x.device) for n, dtype in sizes]
         else:
-            maxima, keys = _step_views(self.workspace(x.device), sizes)
-        st = (SteadyNodeBlocks if staged else SteadyBlocks)(
-            x.numel(),
-            x.data_ptr(),
-            plan,
-            g,
-            list(fmts),
-            measured,
-            chunk,
-            maxima,
-            keys,
-            torch.empty(n_layers, dtype=torch.uint8, device=x.device),
-            torch.zeros(n_layers, dtype=torch.uint8, device=x.device),
-            names=list(names) if self.settings.stats else None,
-            epoch=assignment.epoch(self.step),
-            workspace=self._epoch(index, x.device),
-            **extra,
-        )
-        if st.bind(x, self.comm.rank, self.comm.world_size):
+            scratch = _step_views(self.workspace(x.device), sizes)
+        labels = list(names) if self.settings.stats else None
+        where = (self.comm.layouts, assignment.epoch(self.step))
+        ranks = (self.comm.rank, self.comm.world_size)
+        chunking = (b.measured, b.chunk)
+        st = _rank_blocks(plan, g, x, list(fmts), chunking, scratch, labels, where, ranks)
+        if st is not None:
+            st.workspace = self._epoch(index, x.device)
             self.steady[index] = st
 
-    def _settle(
-        self,
-        index: int,
-        x: torch.Tensor,
-        plan: BucketPlan,
-        fmts: list[FloatFormat],
-        g: GroupPlan | None,
-        route: Route,
-        measured: bool,
-        chunk: int,
-        names: Sequence[str | None] = (),
-        promote: tuple[list[Any], list[int], list[str | None]] | None = None,
-    ) -> None:
+    def _settle(self, b: _Binding, g: GroupPlan | None, route: Route) -> None:
         """Bind the bucket's :class:`Steady` path (two_phase, a native sum or FP32), or its
         :class:`SteadyStaged` one (hierarchical or grid, layer, bucket or no scaling, or
         agreed block exponents), where nothing in it changes per step but the policy's
         epoch and Promote's levels.
 
-        With ``stats=True`` the bound path records too (:meth:`record_steady`):
-        ``names`` label the layers' records. ``promote``: with Promote, the
-        layers' keys, sizes and names.
+        With ``stats=True`` the bound path records too (:meth:`record_steady`), the
+        layers' names labelling their records; with Promote it keeps the layers' keys,
+        sizes and names.
         """
         assignment, settings, staged = self.assignment, self.settings, route.staged
+        (index, x, plan, fmts), (keys, numels, names) = b.at, b.layers
+        measured, promote = b.measured, None
+        if assignment.promoter is not None:
+            promote = list(keys), list(numels), list(names)
         if (
             # Sent in FP32, error feedback keeps nothing: :meth:`_bind_first` sends what
-            # the residuals kept once more and drops them, as the general path.
+            # the residuals kept once more and drops them.
             (self.feedback is not None and route != Route.FP32)
-            or (assignment.promoter is not None and promote is None)
             or not (route == Route.FP32 or (g is not None and g.contiguous))
             or (staged and g.node is None)  # type: ignore[union-attr]  # contiguous: a group
             # An FP32 bucket is one all-reduce, whatever the scaling; the staged routes'
@@ -2601,19 +2403,14 @@ class Reducer:
         if staged:
             assert g is not None and g.node is not None
             if g.blocks is not None:
-                # Agreed block exponents: the general path's vector, two keys per block,
-                # then the chunk's byte.
+                # Agreed block exponents: the vector is two keys per block, then the
+                # chunk's byte.
                 local = torch.empty(g.layout.n_segments, device=x.device)
                 size = 2 * local.numel() + int(measured)
                 maxima = torch.zeros(size, dtype=torch.uint8, device=x.device)
-            layouts = self.comm.layouts
-            extra = {
-                "groups": layouts.grid if route == Route.GRID else layouts.nodes,
-                "per_node": g.node.ranks_per_node,
-                "local": local,
-                "scratch": self.workspace(x.device),
-            }
-        if promote is not None:  # sent in FP32, the layers' rates stay, as on the general path
+            extra = _node_groups(self.comm.layouts, route, g.node.ranks_per_node)
+            extra.update(local=local, scratch=self.workspace(x.device))
+        if promote is not None:  # sent in FP32, the layers' rates stay
             kept = set(range(n)) if route == Route.FP32 else set()
             self._rates_into(maxima[n : 2 * n], promote[2], kept)
         native, none = route == Route.ALLREDUCE, settings.scaling == Scaling.NONE
@@ -2629,7 +2426,7 @@ class Reducer:
                 maxima[:n] if local is None else local, self.comm.world_size, native, none
             ),
             measured,
-            chunk,
+            b.chunk,
             bucket=settings.scaling == Scaling.BUCKET,
             # Static rules fix each layer's format for good, Schedule for an epoch.
             epoch=assignment.epoch(self.step),
@@ -2643,14 +2440,12 @@ class Reducer:
         st.workspace = self._epoch(index, x.device)  # the STEP slot's, after the binding
         self.steady[index] = st
         if promote is not None and route == Route.FP32:
-            # The general path's maxima all the same: a move out of FP32 resumes from them.
+            # The maxima all the same: a move out of FP32 resumes from them.
             # Any format's codec writes them; the ladder's narrowest has the fused kernel.
             narrowest = codec.codec_for(assignment.promoter.ladder[0], x.device)  # type: ignore[union-attr]
             st.maxima_call = narrowest.bind_layer_maxima(x, plan.layout, maxima[:n])
 
-    def steady_for(
-        self, index: int, buffer: torch.Tensor
-    ) -> Steady | SteadyBlocks | SteadyAgreedBlocks | SteadyFeedback | SteadyGroups | None:
+    def steady_for(self, index: int, buffer: torch.Tensor) -> _Bound | None:
         """The bucket's :class:`Steady` path, if its layout and the policy's epoch are the ones
         it was bound to (a new epoch's formats bind it again, through :meth:`bucket`), and
         with error feedback, its residuals are still the feedback's."""
@@ -2674,7 +2469,7 @@ class Reducer:
     def run_steady(
         self,
         index: int,
-        st: Steady | SteadyBlocks | SteadyAgreedBlocks | SteadyFeedback | SteadyGroups,
+        st: _Bound,
         x: torch.Tensor,
         defer: bool = False,
     ) -> Callable[[], None] | None:
@@ -2715,7 +2510,7 @@ class Reducer:
         """:meth:`run_steady`'s half after the MAX all-reduce, on the vector it agreed (the
         maxima, Promote's rates, the chunk where measured): the factors, the records,
         this rank's rates and the route's bound chunks."""
-        if st.route == Route.FP32:  # Promote's: the layers' rates stay, as on the general path
+        if st.route == Route.FP32:  # Promote's: the layers' rates stay
             return self._finish_fp32(index, st, x)
         if st.bucket:
             st.spread()
@@ -2736,7 +2531,9 @@ class Reducer:
             st.plan.timed(time.perf_counter() - start)
         return tail
 
-    def _offer(self, st: Steady | SteadyBlocks, route: Route) -> int:
+    def _offer(
+        self, st: Steady | SteadyBlocks | SteadyAgreedBlocks | SteadyGroups, route: Route
+    ) -> int:
         """Log2 of the chunk this rank prefers for ``st``'s bucket on ``route``, sized by its
         measured exchange: the model is asked again only when that time moves."""
         exchange_s = st.plan.exchange_s or None
@@ -2748,32 +2545,41 @@ class Reducer:
     def _rechunk(
         self,
         index: int,
-        st: Steady | SteadyBlocks,
+        st: Steady | SteadyBlocks | SteadyAgreedBlocks,
         x: torch.Tensor,
         chunk: int,
         block_size: int | None = None,
         **exponents: bool,
     ) -> None:
         """The ranks agreed another chunk than ``st`` was bound to: its group planned for
-        ``chunk`` (``block_size``, ``exponents``: as :meth:`BucketPlan.group`'s) and
-        bound again, on the workspace's epoch after the binding."""
-        comm, plan = self.comm, st.plan
-        routes, layouts = self._routes_for(plan, st.fmts), comm.node_layouts()
-        st.group = plan.group(
-            st.fmts, routes, comm.world_size, chunk, layouts, block_size, **exponents
-        )[0]
-        st.chunk = chunk
+        ``chunk`` (:meth:`_regroup`) and bound again, on the workspace's epoch after the
+        binding."""
+        comm = self.comm
+        st.group, st.chunk = self._regroup(st, chunk, block_size, **exponents)[0], chunk
         if isinstance(st, Steady):
             st.bind(x, comm.world_size)
         else:
             st.bind(x, comm.rank, comm.world_size)
         st.workspace = self._epoch(index, x.device)
 
+    def _regroup(
+        self,
+        st: Steady | SteadyBlocks | SteadyAgreedBlocks | SteadyGroups,
+        chunk: int,
+        block_size: int | None = None,
+        **exponents: bool,
+    ) -> list[GroupPlan]:
+        """``st``'s groups planned again for the ``chunk`` its ranks agreed on
+        (``block_size``, ``exponents``: as :meth:`BucketPlan.group`'s)."""
+        comm, plan = self.comm, st.plan
+        routes, layouts = self._routes_for(plan, st.fmts), comm.node_layouts()
+        return plan.group(st.fmts, routes, comm.world_size, chunk, layouts, block_size, **exponents)
+
     def _finish_fp32(self, index: int, st: Steady, x: torch.Tensor) -> None:
         """:meth:`_finish_steady` of a bucket sent in FP32 under Promote, after the MAX
-        all-reduce that carried its maxima, rates and chunk (the general path's): the chunk
-        agreed kept, the values averaged."""
-        if st.measured:  # the ranks' largest preference, as the general path's
+        all-reduce that carried its maxima, rates and chunk: the chunk agreed kept, the
+        values averaged."""
+        if st.measured:  # the ranks' largest preference
             st.chunk = self.bucket_chunks[index] = 2 ** int(st.maxima.numpy()[-1])
         start = time.perf_counter()
         transports.fp32_mean(x, self.comm.group, self.comm.world_size, self.traffic)
@@ -2813,10 +2619,10 @@ class Reducer:
         if new is None:
             raise RuntimeError(f"bucket {index}: Promote's new formats have no bound path")
         assert not isinstance(new, SteadyBlocks | SteadyAgreedBlocks)  # Promote has no blocks
-        assert new.maxima is not None  # with Promote, the general path's vector
+        assert new.maxima is not None  # with Promote, the maxima and rates
         if new.maxima is not st.maxima:
             # The agreed maxima into the new vector (the same order, whatever the kind);
-            # its rates are the binding's, as the general path's step leaves them.
+            # its rates are the binding's.
             n = len(layers[1])
             new.maxima[:n].copy_(st.maxima[:n])
             if measured:  # the chunk agreed (CPU only: the numpy views, no tensor op)
@@ -2870,7 +2676,7 @@ class Reducer:
         rates: torch.Tensor | None = None,
         at: np.ndarray | None = None,
     ) -> None:
-        """Queue a settled bucket's records (``stats=True``): the full path's values.
+        """Queue a settled bucket's records (``stats=True``).
 
         Once the maxima are agreed (and their factors made), every layer's
         exponent (staged routes: the first level's), agreed maximum (before
@@ -2937,11 +2743,11 @@ class Reducer:
         self.stats.add(index, st.names, g.numels, g.fmt, smallest, largest, counts)
 
     def record_feedback(self, index: int, st: SteadyFeedback, x: torch.Tensor) -> None:
-        """:meth:`record_steady` with error feedback: the general path's records of this
-        rank's values ``x`` with its residuals added, under two_phase's factors of the
-        agreed maxima (per block: the agreed keys, folded per layer with this rank's
-        block maxima). One kernel call on the CPU kernels, a fixed handful of tensor ops
-        elsewhere, whatever the layer count; nothing read on the host."""
+        """:meth:`record_steady` with error feedback: the records of this rank's values
+        ``x`` with its residuals added, under two_phase's factors of the agreed maxima
+        (per block: the agreed keys, folded per layer with this rank's block maxima). One
+        kernel call on the CPU kernels, a fixed handful of tensor ops elsewhere, whatever
+        the layer count; nothing read on the host."""
         g = st.group
         assert st.names is not None and g is not None
         fmt, route, n = g.fmt, Route(g.reduction), self.comm.world_size
@@ -2968,11 +2774,11 @@ class Reducer:
         self.stats.add(index, st.names, g.numels, fmt, exps, amax, counts)
 
     def record_agreed_blocks(self, index: int, st: SteadyAgreedBlocks) -> None:
-        """:meth:`record_steady` with agreed block exponents: the general path's records of
-        this rank's values (the bound buffer), each block's counts under its agreed key,
-        folded per layer with this rank's block maxima (:func:`aps_comm.telemetry.per_layer`):
-        one kernel call on the CPU kernels, two launches on Triton, whatever the layer
-        count; nothing read on the host."""
+        """:meth:`record_steady` with agreed block exponents: the records of this rank's
+        values (the bound buffer), each block's counts under its agreed key, folded per
+        layer with this rank's block maxima (:func:`aps_comm.telemetry.per_layer`): one
+        kernel call on the CPU kernels, two launches on Triton, whatever the layer count;
+        nothing read on the host."""
         assert st.records_call is not None
         self._add_rows(index, st, st.records_call, st.maxima.device)
 
@@ -3028,8 +2834,8 @@ class Reducer:
     ) -> None:
         """Promote: this rank's underflow rate of every layer under this step's factors
         (staged routes: the first level's), into the slots the next step's maxima
-        all-reduce sends (the full path's bits; ``out``: elsewhere than ``st``'s own
-        slots, a format group's; ``at``: its layers' slots in ``out``, else the first)."""
+        all-reduce sends (``out``: elsewhere than ``st``'s own slots, a format
+        group's; ``at``: its layers' slots in ``out``, else the first)."""
         g, n = st.group, len(st.fmts)
         out = st.maxima[n : 2 * n] if out is None else out
         if isinstance(st, SteadyStaged) and st.record_keys is not None:
@@ -3128,8 +2934,7 @@ class Reducer:
         Returns:
             The sum over ranks of this rank's row (FSDP divides afterwards).
         """
-        comm, settings = self.comm, self.settings
-        _n, _p = comm.world_size, len(chunks)
+        settings = self.settings
         if rows.dtype != torch.float32 or not rows.is_contiguous():
             # aps_comm.fsdp hands contiguous float32 rows (it casts FSDP's reduce dtype).
             raise ValueError(
@@ -3173,6 +2978,8 @@ class Reducer:
         else:
             runs = plan.runs(fmts, n)
         self._settle_unit(index, runs, rows, chunks, step, params)
+        if index in self.steady_units:  # the binding's scratch: the plan's row runs dropped
+            plan.row_runs = {}
 
     def _steady_unit(
         self, index: int, rows: torch.Tensor, chunks: Sequence[int], step: int
@@ -3297,8 +3104,6 @@ class Reducer:
         if not arena.close():  # the slot grew: cut every view again from its new region
             self._settle_unit(index, given, rows, chunks, step, params)
             return
-        # The general path's own scratch of this layout is no longer needed.
-        self.plan(index, list(chunks) * n, device).row_runs = {}
 
     def _settle_fp32_unit(
         self,
@@ -3346,7 +3151,6 @@ class Reducer:
             return
         st.workspace = ws.epoch(slot)
         self.steady_units[index] = st
-        self.plan(index, list(chunks) * n, device).row_runs = {}
 
     def _settle_mixed_unit(
         self,
@@ -3360,7 +3164,7 @@ class Reducer:
         """Bind the unit's :class:`SteadyMixedUnit` (several formats; any scaling; with
         ``stats=True`` its records bound too; with block scaling every run's rows whole
         bytes). On the torch codec backends the same buffers and spans, each kernel
-        call the general path's torch ops."""
+        call torch ops."""
         settings, n, device = self.settings, self.comm.world_size, rows.device
         scaled = list(dict.fromkeys(r.fmt for r in runs.runs if r.fmt != FP32))
         codecs = [codec.codec_for(f, device) for f in scaled]
@@ -3455,15 +3259,13 @@ class Reducer:
                 codecs[0], runs, st.layout, maxima, keyed, shape
             )
             st.parts = _unit_parts(runs, params)
-        # The general path's own scratch of this layout is no longer needed.
-        self.plan(index, list(chunks) * n, device).row_runs = {}
 
     def _bind_mixed_blocks(
         self, st: SteadyMixedUnit, blocks: _MixedBlocks, index: int, runs: RowRuns
     ) -> None:
         """Bind a :class:`SteadyMixedUnit`'s block keys and factors (block scaling); with
         ``stats=True`` its records, every block under its agreed key: one kernel call each
-        on the CPU kernels, the general path's torch ops on the torch codec backends
+        on the CPU kernels, torch ops on the torch codec backends
         (:func:`_mixed_block_keys`, :func:`_mixed_block_factors`, :func:`_torch_block_records`)."""
         n, p, device = self.comm.world_size, len(st.chunks), st.device
         grid = self.plan(index, list(st.chunks) * n, device).grid(self.settings.block_size)
@@ -3513,8 +3315,7 @@ class Reducer:
     def _run_mixed_unit(
         self, index: int, st: SteadyMixedUnit, rows: torch.Tensor, problem: torch.Tensor
     ) -> torch.Tensor:
-        """:meth:`unit` along its :class:`SteadyMixedUnit`: the general path's collectives,
-        bytes and bits."""
+        """:meth:`unit` along its :class:`SteadyMixedUnit`."""
         comm, c, x = self.comm, st.codec, rows.reshape(-1)
         n, shared, k = comm.world_size, st.shared, st.shared.numel() - 1
         arena, coded, recv, landing = st.buffers
@@ -3688,17 +3489,10 @@ def _feedback_encode(
         if call is not None:
             return call
     head = send[: payload_nbytes(x.numel(), g.fmt)]
+    encode = c.bind_encode(x, send, scale, g.windows[0], pad)
     return functools.partial(
-        _encode_and_keep,
-        c.bind_encode(x, send, scale, g.windows[0], pad),
-        c.bind_keep_lost(head, x, sent, unscale, g.layout, residual),
+        codec.in_order, [encode, c.bind_keep_lost(head, x, sent, unscale, g.layout, residual)]
     )
-
-
-def _encode_and_keep(encode: Callable[[], object], keep: Callable[[], object]) -> None:
-    """Error feedback's bound encode: the chunk encoded, then what that lost kept."""
-    encode()
-    keep()
 
 
 def _feedback_calls(
@@ -3711,8 +3505,8 @@ def _feedback_calls(
     pick: tuple[np.ndarray, np.ndarray, bool] | None,
 ) -> tuple[Callable[[], object] | None, Callable[[], object], np.ndarray | None]:
     """Error feedback's agreement and factors of group ``g``'s values ``x``, bound: one
-    kernel call each on the CPU kernels, the general path's tensor ops elsewhere (for the
-    native sum on Triton too: no fused native kernels).
+    kernel call each on the CPU kernels, tensor ops elsewhere (for the native sum on
+    Triton too: no fused native kernels).
 
     Args:
         agreed: this rank's block maxima (None without blocks), and the vector the layer
@@ -3788,8 +3582,8 @@ def _native_block_calls(
     this rank's maxima and keys of every block under the native sum's rule into
     ``agreed``, and the one writing the agreed keys' factors into ``out``: per block
     ``2**e`` and ``2**-e / N``, with error feedback the inverse ``2**-e`` between them.
-    One kernel call each on the CPU kernels, the general path's tensor ops elsewhere
-    (Triton too: no fused native kernels)."""
+    One kernel call each on the CPU kernels, tensor ops elsewhere (Triton too: no fused
+    native kernels)."""
     blocks, route = g.blocks, Route.ALLREDUCE
     assert blocks is not None
     if g.codec.backend == "kernels":
@@ -3820,6 +3614,51 @@ def _native_block_calls(
         functools.partial(block_keys_into, x, g.layout, g.fmt, route, world_size, agreed),
         functools.partial(codec.factors_into, made, out, fields),
     )
+
+
+def _node_groups(layouts: Layouts, route: Route | str, per_node: int) -> dict[str, Any]:
+    """A staged route's fields of :class:`SteadyStaged` and :class:`SteadyNodeBlocks`: this
+    rank's intra- and inter-node groups of ``route``, and ``per_node``."""
+    return {"groups": layouts.grid if route == Route.GRID else layouts.nodes, "per_node": per_node}
+
+
+def _rank_blocks(
+    plan: BucketPlan,
+    g: GroupPlan,
+    x: torch.Tensor,
+    fmts: list[FloatFormat],
+    chunking: tuple[bool, int],
+    scratch: Sequence[torch.Tensor],
+    names: list[str | None] | None,
+    where: tuple[Layouts, tuple[int, ...]],
+    ranks: tuple[int, int],
+    gather: tuple[torch.Tensor, np.ndarray, torch.Tensor, int] | None = None,
+) -> SteadyBlocks | None:
+    """Group ``g``'s :class:`SteadyBlocks` (with ``g.node_blocks``: a
+    :class:`SteadyNodeBlocks` on its route's groups), bound to its values ``x``; None where
+    the codec has no bound keys for them. ``chunking``: measured, and the chunk;
+    ``scratch``: its block maxima and keys; ``where``: the state's node layouts and the
+    policy's epoch; ``ranks``: this rank and N; ``gather``: the bucket's layers gathered
+    into group order in its keys' call (:meth:`SteadyGroups._divided`)."""
+    n_layers, device = len(g.numels), x.device
+    staged: dict[str, Any] = {}
+    if g.node_blocks is not None:
+        staged = _node_groups(where[0], g.reduction, g.node_blocks.ranks_per_node)
+    st = (SteadyNodeBlocks if staged else SteadyBlocks)(
+        x.numel(),
+        x.data_ptr(),
+        plan,
+        g,
+        fmts,
+        *chunking,
+        *scratch,
+        torch.empty(n_layers, dtype=torch.uint8, device=device),
+        torch.zeros(n_layers, dtype=torch.uint8, device=device),
+        names=names,
+        epoch=where[1],
+        **staged,
+    )
+    return st if st.bind(x, *ranks, gather) else None
 
 
 def _own_blocks(g: GroupPlan) -> bool:
@@ -3977,7 +3816,7 @@ def _layer_records(
     """A settled unit's records with one exponent per parameter, bound: over ``layout``'s
     chunks of the N rows, the agreed ``maxima`` of every row (N x P) and the factors'
     exponent ``keys``, each parameter under its own format (:func:`_kernel_records`); on
-    the torch backends the general path's ops (:func:`_torch_layer_records`)."""
+    the torch backends tensor ops (:func:`_torch_layer_records`)."""
     formats = [run.fmt for run in runs.runs for _ in run.index]
     p = len(formats)
     if c.backend == "kernels":
@@ -3995,7 +3834,7 @@ def _unit_parts(
     runs: RowRuns, params: tuple[Sequence[str], Sequence[int]]
 ) -> list[tuple[list[str], list[int], FloatFormat, int, int]]:
     """Per run of a unit, its parameters' names and sizes (``params``), its format and its
-    rows of the records: they are queued run by run, as the general path's."""
+    rows of the records: they are queued run by run."""
     names, numels = params
     return [
         (
@@ -4017,8 +3856,8 @@ def _torch_layer_records(
     shape: tuple[int, Scaling],
     x: torch.Tensor,
 ) -> torch.Tensor:
-    """:func:`_kernel_records` with one exponent per parameter on the torch backends, the
-    general path's ops: float64 (P, 5) from the N rows ``x`` and the P agreed ``maxima``.
+    """:func:`_kernel_records` with one exponent per parameter on the torch backends:
+    float64 (P, 5) from the N rows ``x`` and the P agreed ``maxima``.
     One format (``rows`` None): its exponents and counts. Several (``formats``: each scaled
     one's parameters): each one's exponents of its parameters' maxima (FP32's 0), the
     counts under every format (FP32 last) and each parameter's picked (``rows``:
@@ -4049,10 +3888,10 @@ def _torch_block_records(
     n: int,
     x: torch.Tensor,
 ) -> torch.Tensor:
-    """:func:`_kernel_records` with block scaling on the torch backends, the general path's
-    ops: every block under its agreed key and this rank's block maximum (``keyed``), its
-    counts under its format (several formats: under every one, FP32 last, each block's
-    own picked at ``pick``), the N rows' chunks folded per parameter: float64 (P, 5)."""
+    """:func:`_kernel_records` with block scaling on the torch backends: every block under
+    its agreed key and this rank's block maximum (``keyed``), its counts under its format
+    (several formats: under every one, FP32 last, each block's own picked at ``pick``),
+    the N rows' chunks folded per parameter: float64 (P, 5)."""
     keys, maxima = keyed
     exps = key_exponents(keys)
     every = [layer_counts(x, grid.layout.lengths, exps, f) for f in formats]
@@ -4078,7 +3917,7 @@ class _MixedLayout:
             turn, then the FP32 runs; a run's N rows end to end).
         strides: per run, its rows' stride in the values: its width, one more for a
             4-bit run of an odd width (each row then padded by a zero, so that its codes
-            are whole bytes, as the general path's per-row encode leaves them).
+            are whole bytes: each row goes to its own rank).
         code_starts: per scaled run, its first byte in the codes.
         scaled_numel: elements of the scaled runs.
         coded: bytes of their codes.
@@ -4241,8 +4080,7 @@ def _row_segments(run: Run, n: int) -> list[int]:
     """A run's segments (its chunks, or their blocks) in each of the N rows. A 4-bit run of
     an odd row (not ``packed_rows``) has each row followed by a zero, which joins the row's
     last segment: the segments stay the same (their factors), and one encode of the N
-    padded rows writes every row's codes in whole bytes, as the general path's per-row
-    encode leaves them."""
+    padded rows writes every row's codes in whole bytes (each row goes to its own rank)."""
     sizes = list(run.rows_layout.sizes)
     if not run.packed_rows:
         per_row = len(sizes) // n
@@ -4276,7 +4114,7 @@ def _mixed_block_keys(
 ) -> None:
     """A unit of several formats' block keys on the torch backends (the CPU kernels'
     ``unit_keys``): every block's max |x| into ``maxima``, its key under every format
-    (FP32 last: 0, or 255 for a non-finite block, as the general path sends them), and
+    (FP32 last: 0, or 255 for a non-finite block), and
     each block's own picked into ``keys`` (``pick``: its format's index times the blocks,
     plus the block)."""
     maxima.copy_(blocks_amax(x, layout))
