@@ -28,7 +28,8 @@ import os
 import re
 import sys
 import types
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
+from typing import Any
 
 import numpy as np
 import pytest
@@ -1336,6 +1337,90 @@ def test_settled_staged_buckets_on_triton_and_bits_give_the_kernels_bits() -> No
             expected = torch.where(want.isnan(), 0.0, want).view(torch.int32)
             for out in got:
                 assert torch.equal(torch.where(out.isnan(), 0.0, out).view(torch.int32), expected)
+
+
+def _mixed_state(reduction: str, rules: Callable[[], list], params: list[torch.Tensor]) -> Any:
+    """An e4m3 state on ``reduction`` (2 ranks per node) with ``rules()``, one module per
+    parameter (a policy keys layers by module)."""
+    import aps_comm
+    from benchmarks.hostcost import ParamLayer
+
+    state = aps_comm.APSState("e4m3", reduction=reduction, ranks_per_node=2, policy=rules())
+    state.bind_model(torch.nn.ModuleList(ParamLayer(p) for p in params))
+    return state
+
+
+def _mixed_staged_on_triton(rank: int, world_size: int, cases: list[tuple[str, str]]) -> list:
+    """Per case, a hierarchical or grid bucket (2 nodes of 2) in several formats
+    (``KeepLast("fp16")``, or formats interleaved layer by layer), settled through the
+    Triton kernels under the interpreter: (the bound path's type, the backends its sent
+    groups ran on, the third step's bits, the numba kernels' bits)."""
+    from aps_comm import plan
+    from aps_comm.policy import ByName, KeepLast
+
+    rules = {
+        "keep_last": lambda: [KeepLast("fp16")],
+        "interleaved": lambda: [ByName({"*[13579].weight": "fp16"}), KeepLast("fp32")],
+    }
+    results = []
+    for reduction, policy in cases:
+        x, params = _block_bucket([5, 0, 1, 300, 33, 2, 64], 30 + rank)
+
+        case = (reduction, rules[policy], params)
+        want = _mixed_state(*case).run_bucket(0, x.clone(), params).clone()
+
+        def codec_for(fmt, device, b="auto"):  # type: ignore[no-untyped-def]
+            # FP32 groups keep their own (no codec of more than 16 bits runs on Triton).
+            return codec.codec_for(fmt, device, b if get_format(fmt).wire_bits > 16 else "triton")
+
+        log: list = []
+        with _loaded(interpret=True) as tc:
+            saved, plan.codec_for = plan.codec_for, codec_for
+            kernels = {name: getattr(tc, name) for name in _KERNELS}
+            try:
+                for name, kernel in kernels.items():
+                    setattr(tc, name, _Recorder(name, kernel, log))
+                state, buffer = _mixed_state(*case), x.clone()
+                for _ in range(3):  # bound, then settled (its launches recorded)
+                    log.clear()
+                    buffer.copy_(x)
+                    out = _quiet(state.run_bucket, 0, buffer, params).clone()
+                assert state.reducer is not None
+                st = state.reducer.steady_for(0, buffer)
+                groups = [
+                    g for p in state.reducer.plans.values() for gs in p.groups.values() for g in gs
+                ]
+                ran = sorted({g.codec.backend for g in groups if g.fmt.name != "fp32"})
+            finally:
+                plan.codec_for = saved
+                for name, kernel in kernels.items():
+                    setattr(tc, name, kernel)
+        ran.append(len(log))  # the settled step's Triton launches
+        results.append((type(st).__name__, ran, out, want))
+    return results
+
+
+@pytest.mark.slow
+def test_settled_mixed_format_staged_buckets_on_triton_give_the_kernels_bits() -> None:
+    # Several formats on the staged routes across ranks (2 nodes of 2), on Triton: the
+    # bucket binds (SteadyGroups), every sent group on the Triton codec, and its bits are
+    # the numba kernels' on every rank, a NaN layer included.
+    from aps_comm.testing import run_distributed
+
+    if not HAVE_TRITON:
+        pytest.skip("triton is not installed (pip install triton; in the test extra)")
+    cases = [("hierarchical", "keep_last"), ("hierarchical", "interleaved"), ("grid", "keep_last")]
+    for rank, results in enumerate(
+        run_distributed(_mixed_staged_on_triton, 4, args=(cases,), timeout=600)
+    ):
+        for case, (kind, ran, out, want) in zip(cases, results, strict=True):
+            backends, launched = ran[:-1], ran[-1]
+            assert kind == "SteadyGroups" and backends == ["triton"], (rank, case, ran)
+            assert launched > 0, (rank, case)  # the settled step ran Triton's kernels
+            assert want[:5].isnan().all() and not want[5:].isnan().any(), (rank, case)
+            expected = torch.where(want.isnan(), 0.0, want).view(torch.int32)
+            got = torch.where(out.isnan(), 0.0, out).view(torch.int32)
+            assert torch.equal(got, expected), (rank, case)
 
 
 def _feedback_run(
