@@ -1423,6 +1423,81 @@ def test_settled_mixed_format_staged_buckets_on_triton_give_the_kernels_bits() -
             assert torch.equal(got, expected), (rank, case)
 
 
+def _fsdp_unit_steps(options: dict, numels: list[int], triton: bool) -> tuple[list, str, int]:
+    """Three steps of one FSDP2 unit's reduce-scatter in a world of one (a NaN at step 1),
+    on the numba kernels or on Triton under the interpreter: each step's result, the bound
+    unit's type and the settled step's launches of the codec's kernels."""
+    from aps_comm import plan
+    from benchmarks.hostcost import fsdp_unit
+
+    names = [f"ps.{i}" for i in range(len(numels))]
+    gen = torch.Generator().manual_seed(1)
+    xs = [torch.randn(1, sum(numels), generator=gen) * 2.0 ** (7 * i - 7) for i in range(3)]
+    xs[1][0, 3] = float("nan")
+    log: list = []
+
+    def steps() -> tuple[list, str, int]:
+        state, _, _ = fsdp_unit(numels, torch.device("cpu"), options, False)
+        reducer, flag, outs = state.reducer, torch.zeros(()), []
+        for step, x in enumerate(xs):
+            log.clear()
+            args = (0, x.clone(), numels, numels, names)
+            outs.append(_quiet(reducer.unit, *args, step=step, problem=flag).clone())
+            reducer.end_step()
+        return outs, type(reducer.steady_units.get(0)).__name__, len(log)
+
+    if not triton:
+        return steps()
+
+    def codec_for(fmt, device, b="auto"):  # type: ignore[no-untyped-def]
+        return codec.codec_for(fmt, device, b if get_format(fmt).wire_bits > 16 else "triton")
+
+    with _loaded(interpret=True) as tc:
+        saved, plan.codec_for = plan.codec_for, codec_for
+        kernels = {name: getattr(tc, name) for name in _KERNELS}
+        try:
+            for name, kernel in kernels.items():
+                setattr(tc, name, _Recorder(name, kernel, log))
+            return steps()
+        finally:
+            plan.codec_for = saved
+            for name, kernel in kernels.items():
+                setattr(tc, name, kernel)
+
+
+@pytest.mark.parametrize(
+    "options",
+    [
+        {"fmt": "e4m3"},
+        {"fmt": "e2m1", "scaling": "block", "block_size": 8},
+        {"fmt": "e4m3", "stats": True, "policy": "every other fp32"},
+    ],
+    ids=["e4m3", "e2m1-block", "e4m3-stats-mixed"],
+)
+def test_settled_fsdp_units_on_triton_give_the_kernels_bits(options: dict) -> None:
+    # FSDP2 units bind on Triton too (one format: SteadyUnit; several: SteadyMixedUnit),
+    # with the numba kernels' bits, a NaN parameter included.
+    from aps_comm.policy import ByName
+    from benchmarks.hostcost import world_of_one
+
+    if not HAVE_TRITON:
+        pytest.skip("triton is not installed (pip install triton; in the test extra)")
+    options = dict(options)
+    if options.get("policy"):
+        options["policy"] = [ByName({"*1": "fp32", "*3": "fp32"})]
+    numels = [5, 300, 33, 64]
+    with world_of_one(torch.device("cpu")):
+        want, kind, _ = _fsdp_unit_steps(options, numels, triton=False)
+        got, on_triton, launched = _fsdp_unit_steps(options, numels, triton=True)
+    mixed = "policy" in options
+    assert kind == on_triton == ("SteadyMixedUnit" if mixed else "SteadyUnit")
+    assert mixed or launched > 0  # the settled step ran Triton's kernels
+    for out, ref in zip(got, want, strict=True):
+        bits = torch.where(out.isnan(), 0.0, out).view(torch.int32)
+        assert torch.equal(bits, torch.where(ref.isnan(), 0.0, ref).view(torch.int32))
+        assert torch.equal(out.isnan(), ref.isnan())
+
+
 def _feedback_run(
     options: dict, xs: list[torch.Tensor], params: list[torch.Tensor], backend: str
 ) -> list[tuple[torch.Tensor, dict[str, torch.Tensor], str]]:
