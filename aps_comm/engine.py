@@ -281,10 +281,10 @@ class Steady:
             self.agreed.host_factors_into(self.group.fmt, *self.host_factors)
 
     def exchange(
-        self, x: torch.Tensor, group: dist.ProcessGroup, traffic: Traffic, defer: bool = False
+        self, group: dist.ProcessGroup, traffic: Traffic, defer: bool = False
     ) -> Callable[[], None] | None:
-        """The route's bound chunks of ``x`` around its collectives on ``group`` (``defer``:
-        the last ones left on the wire, their finishing function returned)."""
+        """The route's bound chunks around its collectives on ``group`` (``defer``: the last
+        ones left on the wire, their finishing function returned)."""
         assert self.calls is not None  # made by bind
         if self.route == Route.ALLREDUCE:
             return transports.native(self.calls, self.group.fmt, group, traffic, defer)
@@ -506,7 +506,7 @@ class SteadyStaged(Steady):
         self.factors_call()
 
     def exchange(
-        self, x: torch.Tensor, group: dist.ProcessGroup, traffic: Traffic, defer: bool = False
+        self, group: dist.ProcessGroup, traffic: Traffic, defer: bool = False
     ) -> Callable[[], None] | None:
         """The route's bound chunks around its four collectives (on :attr:`groups`)."""
         assert self.node_calls is not None and self.groups is not None  # made by bind
@@ -2072,7 +2072,7 @@ class Reducer:
             self.record_steady(index, s, values, out, at)  # with Promote's rates
         elif out is not None:
             self._settled_rates(s, values, out, at)
-        s.exchange(values, self.comm.group, self.traffic)
+        s.exchange(self.comm.group, self.traffic)
 
     def _settle_feedback(self, b: _Binding, g: GroupPlan) -> None:
         """Bind the bucket's :class:`SteadyFeedback` path where nothing in it changes per step
@@ -2526,7 +2526,7 @@ class Reducer:
             self._settled_rates(st, x)
         self.bucket_chunks[index] = st.chunk
         start = time.perf_counter()
-        tail = st.exchange(x, self.comm.group, self.traffic, defer)
+        tail = st.exchange(self.comm.group, self.traffic, defer)
         if st.measured:
             st.plan.timed(time.perf_counter() - start)
         return tail

@@ -302,6 +302,8 @@ class APSState:
         # bound on (:meth:`_float_input`). The buffer itself, not its address: DDP frees a
         # buffer when it re-buckets, and the new one may be allocated at the same address.
         self._inputs: dict[int, torch.Tensor] = {}
+        # The last step's last bucket: buckets past it are forgotten once, when it changes.
+        self._last_bucket = -1
         self.cuda_graphs = bool(cuda_graphs)
         # Settled buckets' CUDA graphs (NCCL with CUDA tensors only).
         self.graphs: BucketGraphs | None = None
@@ -754,6 +756,9 @@ class APSState:
         """Forget the buckets past ``last``, the step's last: DDP re-bucketed into fewer,
         and their old buffers would stay alive here and in their bound paths and graphs."""
         assert self.reducer is not None
+        if last == self._last_bucket:  # the same buckets as last step: nothing to forget
+            return
+        self._last_bucket = last
         for index in [i for i in self._inputs if i > last]:
             del self._inputs[index]
         if self.graphs is not None:
