@@ -85,6 +85,7 @@ import re
 import statistics
 import subprocess
 import sys
+import sysconfig
 import time
 import traceback
 import xml.etree.ElementTree as ET
@@ -153,6 +154,7 @@ __all__ = [
     "reference_case",
     "render_markdown",
     "timed_hook",
+    "without_paths",
     "write_preset",
 ]
 
@@ -760,7 +762,9 @@ def _sync_errors(on: bool) -> Iterator[None]:
 
 
 def _error(exc: BaseException, where: str) -> str:
-    tb = "".join(traceback.format_exception(exc)[-6:])
+    # The whole chain: an asynchronous CUDA error surfaces in an outer frame, and the
+    # frame that launched the kernel is in the cause.
+    tb = "".join(traceback.format_exception(exc))[-4000:]
     return f"{where}: {type(exc).__name__}: {exc}\n{tb}"
 
 
@@ -1836,7 +1840,9 @@ class _ConfigRun:
         return row
 
     def release(self) -> None:
-        for name in ("ddp", "model", "opt", "tokens", "targets", "timed"):
+        # The row's error is what failed; finish() still reads self.timed after a failure.
+        self.timed = None
+        for name in ("ddp", "model", "opt", "tokens", "targets"):
             self.__dict__.pop(name, None)
         gc.collect()
         if self.dev.type == "cuda":
@@ -2254,6 +2260,26 @@ def _cell(text: Any) -> str:
     return str(text).replace("|", "\\|").replace("\n", " ")
 
 
+def without_paths(text: str) -> str:
+    """``text`` without this machine's folders: the checkout's, the packages' and the
+    standard library's (tracebacks name them; a report may be committed, a machine's
+    paths must not be).
+
+    Example:
+        >>> without_paths(f'File "{_ROOT}/aps_comm/hook.py", line 1')
+        'File "aps_comm/hook.py", line 1'
+    """
+    paths = sysconfig.get_paths()
+    for folder, shown in (
+        (str(_ROOT), ""),
+        (paths["purelib"], "site-packages/"),
+        (paths["platlib"], "site-packages/"),
+        (paths["stdlib"], "python/"),
+    ):
+        text = text.replace(folder.rstrip("/") + "/", shown)
+    return text
+
+
 def _short(text: str, limit: int = 300) -> str:
     text = " ".join(str(text).split())
     return text if len(text) <= limit else text[: limit - 3] + "..."
@@ -2472,7 +2498,7 @@ def main(argv: Sequence[str] | None = None) -> int:
         "seconds": round(time.monotonic() - started, 1),
         "steps": [r.to_json() for r in results],
     }
-    (args.out / "gpu.json").write_text(json.dumps(report, indent=2) + "\n")
+    (args.out / "gpu.json").write_text(without_paths(json.dumps(report, indent=2)) + "\n")
     (args.out / "gpu.md").write_text(render_markdown(report))
     if args.preset is not None:
         try:

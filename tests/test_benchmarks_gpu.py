@@ -341,6 +341,34 @@ def test_real_model_steps_run_every_config_on_gloo_cpu() -> None:
     assert native["error"] is None and native["step_ms"] is None
 
 
+def _one_config_fails(rank: int, world_size: int) -> list[dict[str, Any]]:
+    spec = gpu.LMSpec(vocab=64, d_model=32, heads=2, ff=64, layers=2, batch=2, seq=8)
+    names = ("DDP default", "APS e4m3 two_phase", "DDP default (again)")
+    configs = [c for c in gpu.STEP_CONFIGS if c.name in names]
+    one_step = gpu._ConfigRun.one_step
+
+    def failing(run: Any) -> None:
+        if run.cfg.name == "APS e4m3 two_phase" and run.row["times_ms"]:
+            raise RuntimeError("Triton Error [CUDA]: invalid argument")
+        one_step(run)
+
+    gpu._ConfigRun.one_step = failing  # this rank's process only
+    return gpu.real_model_steps(rank, world_size, "cpu", configs, spec, warm=1, timed=3)
+
+
+def test_a_configuration_that_fails_reports_its_own_error() -> None:
+    # On an H200 a block row's launch failed in a timed step; its row must say so and
+    # the others keep their times (the row's hook was released with the failure, and
+    # reading it back raised AttributeError, which stopped the whole run).
+    rows = run_distributed(_one_config_fails, 1, timeout=180)[0]
+    by = {r["config"]: r for r in rows}
+    failed = by["APS e4m3 two_phase"]
+    assert "RuntimeError: Triton Error [CUDA]: invalid argument" in failed["error"]
+    assert failed["step_ms"] is None
+    for name in ("DDP default", "DDP default (again)"):
+        assert by[name]["error"] is None and by[name]["step_ms"] > 0, by[name]
+
+
 def test_unknown_step_is_an_error_naming_it(capsys: pytest.CaptureFixture[str]) -> None:
     with pytest.raises(SystemExit) as exc:
         gpu.main(["--out", "unused", "--steps", "codec,warp"])
