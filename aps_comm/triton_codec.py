@@ -74,6 +74,7 @@ except ImportError:
 __all__ = [
     "AVAILABLE",
     "BLOCK",
+    "GRID_LIMITS",
     "INTERPRETED",
     "MAX_SEGMENT",
     "MIN_TRITON",
@@ -100,6 +101,7 @@ __all__ = [
     "encode",
     "format_constants",
     "key_constants",
+    "launch_grid",
     "launch_problem",
     "layer_maxima",
     "ptx",
@@ -1616,8 +1618,10 @@ if AVAILABLE:
 
         Whole bytes per program: a 4-bit byte's two codes come from one program.
         """
-        s = tl.program_id(0)
-        t = tl.program_id(1).to(tl.int64)
+        # Shards on the grid's y axis (at most 65535), a shard's bytes on x: a piece can
+        # hold more than 65535 programs' bytes (an embedding's bucket at world size 1).
+        s = tl.program_id(1)
+        t = tl.program_id(0).to(tl.int64)
         b0 = tl.load(first_ptr + s)
         b1 = tl.load(first_ptr + s + 1)
         a = tl.load(off_ptr + b0)
@@ -1849,7 +1853,31 @@ _NOTHING: Callable[[], object] = _nothing
 
 
 def _grid(numel: int) -> tuple[int]:
-    return (triton.cdiv(numel, BLOCK),)
+    return launch_grid(triton.cdiv(numel, BLOCK))  # type: ignore[return-value]
+
+
+GRID_LIMITS = (2**31 - 1, 65535, 65535)
+"""The most programs a CUDA launch takes on each grid axis (x, y, z)."""
+
+
+def launch_grid(*dims: int) -> tuple[int, ...]:
+    """``dims`` as a launch grid, checked against :data:`GRID_LIMITS`.
+
+    The interpreter takes any grid; a GPU refuses one over the limits at the
+    launch ("invalid argument"), so the check is made where a kernel is bound,
+    on every device.
+
+    Example:
+        >>> launch_grid(70000, 2)
+        (70000, 2)
+        >>> launch_grid(2, 70000)
+        Traceback (most recent call last):
+        ...
+        ValueError: a launch grid of (2, 70000) programs: CUDA allows at most (2147483647, 65535, 65535)
+    """
+    if len(dims) > 3 or any(d > limit for d, limit in zip(dims, GRID_LIMITS, strict=False)):
+        raise ValueError(f"a launch grid of {dims} programs: CUDA allows at most {GRID_LIMITS}")
+    return dims
 
 
 NUM_WARPS: int | None = None
@@ -2076,6 +2104,11 @@ def bind_encode(
     if not total:
         return _NOTHING
     sc = _scaling(x.device, fmt, offsets, factors, block_size, first_block, rule)
+    if not numel:
+        # Padding alone (a rank's empty shard of a short chunk): nothing is scaled, and
+        # the programs must not read factors, which an empty segmentation has none of
+        # (an empty tensor's address is 0: a GPU faults where the interpreter segfaults).
+        sc = _scaling(x.device, fmt, None, None, 0, None)
     return functools.partial(
         _encode_kernel[_grid(total)],
         x,
@@ -2722,7 +2755,7 @@ def bind_send_rank_blocks(
             f"bytes, got {x.dtype} and {send.numel()} bytes"
         )
     return functools.partial(
-        _send_rank_blocks_kernel[(n, triton.cdiv(piece, _BYTES))],
+        _send_rank_blocks_kernel[launch_grid(triton.cdiv(piece, _BYTES), n)],
         x,
         keys[f0:],
         _on(offsets[f0 : f1 + 1], x.device),

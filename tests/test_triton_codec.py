@@ -1259,7 +1259,9 @@ def test_hierarchical_and_grid_blocks_on_triton_give_the_kernels_bits() -> None:
                 assert torch.equal(torch.where(got.isnan(), 0.0, got).view(torch.int32), expected)
 
 
-def _staged_on_backends(rank: int, world_size: int, cases: list[tuple[str, str, str]]) -> list:
+def _staged_on_backends(
+    rank: int, world_size: int, cases: list[tuple[str, str, str, int | None]]
+) -> list:
     """Per case, a hierarchical or grid bucket with layer or bucket scaling (2 nodes of 2)
     through the numba kernels' general path, and through the Triton kernels under the
     interpreter and the torch bit path, each settled: (the backends the settled buckets
@@ -1271,13 +1273,14 @@ def _staged_on_backends(rank: int, world_size: int, cases: list[tuple[str, str, 
     from aps_comm.engine import SteadyStaged
 
     results = []
-    for reduction, fmt, scale_by in cases:
+    for reduction, fmt, scale_by, chunk in cases:
         options = {"fmt": fmt, "reduction": reduction, "scaling": scale_by, "ranks_per_node": 2}
         blocks = scale_by == "block"
         if blocks:
             options.update(block_size=8, block_exponents="agreed", stats=True)
         x, params = _block_bucket([5, 0, 1, 300, 33, 2, 64], 20 + rank)
         reference = aps_comm.APSState(**options)
+        reference.chunk_elements = chunk
         reference.bind_process_group()
         want = reference.run_bucket(0, x.clone(), params).clone()
         records = [repr(reference.stats)]
@@ -1291,6 +1294,7 @@ def _staged_on_backends(rank: int, world_size: int, cases: list[tuple[str, str, 
                 saved, plan.codec_for = plan.codec_for, codec_for
                 try:
                     state = aps_comm.APSState(**options)
+                    state.chunk_elements = chunk
                     state.bind_process_group()
                     buffer = x.clone()
                     outs = []
@@ -1321,10 +1325,14 @@ def test_settled_staged_buckets_on_triton_and_bits_give_the_kernels_bits() -> No
 
     if not HAVE_TRITON:
         pytest.skip("triton is not installed (pip install triton; in the test extra)")
+    # (reduction, format, scaling, chunk_elements). 101: the last chunk of the 405
+    # elements is 1, so a rank's shard of it is padding alone (on an H200 its encode
+    # read factors at address 0 and faulted; the interpreter segfaults).
     cases = [
-        ("hierarchical", "e2m1", "layer"),
-        ("grid", "e4m3", "bucket"),
-        ("grid", "e2m1", "block"),
+        ("hierarchical", "e2m1", "layer", None),
+        ("hierarchical", "e4m3", "layer", 101),
+        ("grid", "e4m3", "bucket", 101),
+        ("grid", "e2m1", "block", None),
     ]
     for rank, results in enumerate(
         run_distributed(_staged_on_backends, 4, args=(cases,), timeout=600)
@@ -2107,3 +2115,56 @@ def test_every_configuration_binds_on_triton(
             cells += 1
             del state, st
     assert cells > 200 and unbound == [], unbound
+
+
+@pytest.mark.parametrize("scaled", ["factors", "maxima"])
+def test_an_empty_shard_encodes_its_padding_without_reading_factors(
+    tc: types.ModuleType, scaled: str
+) -> None:
+    # A short last chunk leaves a rank a shard of no elements and only padding: its
+    # segmentation has no factors, whose empty tensor's address is 0. A GPU faulted
+    # reading it ("illegal memory access", hierarchical e4m3 on an H200); the
+    # interpreter segfaults. The padding's codes are zeros.
+    out = torch.full((6,), 0xA5, dtype=torch.uint8)
+    empty = torch.empty(0)
+    offsets = torch.zeros(1, dtype=torch.int64)
+    if scaled == "factors":
+        tc.encode(empty, out[:5], F.E4M3, offsets, torch.empty(0), pad=5)
+    else:
+        rule = tc.Rule(world_size=4)
+        tc.encode(empty, out[:5], F.E4M3, offsets, maxima=torch.empty(0), rule=rule, pad=5)
+    assert out[:5].eq(0).all() and out[5] == 0xA5
+
+
+def test_a_send_of_more_than_65535_programs_fits_the_launch_grid(
+    tc: types.ModuleType, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    # At world size 1 an embedding's bucket is one shard of 112k programs' bytes: on the
+    # grid's y axis (at most 65535) a GPU refused the launch ("invalid argument").
+    grids = []
+
+    class Recorder:
+        def __getitem__(self, grid: tuple[int, ...]) -> Callable[..., None]:
+            grids.append(grid)
+            return lambda *args, **kwargs: None
+
+    monkeypatch.setattr(tc, "_send_rank_blocks_kernel", Recorder())
+    send = torch.empty(70000 * 1024, dtype=torch.uint8)
+    for n in (1, 2):
+        tc.bind_send_rank_blocks(
+            F.E4M3,
+            torch.zeros(8),
+            torch.zeros(1, dtype=torch.uint8),
+            np.array([0, 8]),
+            np.array([0] * n + [1]),
+            torch.zeros(1, dtype=torch.uint8),
+            send,
+            16,
+            -1,
+        )(0)
+    assert len(grids) == 2
+    for grid in grids:
+        assert all(d <= limit for d, limit in zip(grid, tc.GRID_LIMITS, strict=False)), grid
+        assert np.prod(grid) >= 70000 // len(grid), grid
+    with pytest.raises(ValueError, match=r"a launch grid of \(2, 70000\) programs"):
+        tc.launch_grid(2, 70000)
