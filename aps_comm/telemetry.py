@@ -38,6 +38,7 @@ __all__ = [
     "layer_counts",
     "layer_stats",
     "per_layer",
+    "segment_sums",
 ]
 
 
@@ -90,16 +91,35 @@ def layer_counts(
         tensor([[2, 1, 0],
                 [1, 0, 1]])
     """
-    n_layers, numel = lengths.numel(), x.numel()
-    seg = torch.repeat_interleave(
-        torch.arange(n_layers, device=x.device), lengths, output_size=numel
-    )
+    numel = x.numel()
     factor = torch.repeat_interleave(pow2(exps), lengths, output_size=numel)
     mag = x.detach().float().abs().mul_(factor)
-    flags = torch.stack(
-        [mag > 0, (mag > 0) & (mag <= fmt.min_subnormal / 2), mag > fmt.max], dim=1
-    ).long()
-    return torch.zeros(n_layers, 3, dtype=torch.int64, device=x.device).index_add_(0, seg, flags)
+    flags = torch.stack([mag > 0, (mag > 0) & (mag <= fmt.min_subnormal / 2), mag > fmt.max], dim=1)
+    return segment_sums(flags, lengths)
+
+
+def segment_sums(values: torch.Tensor, lengths: torch.Tensor) -> torch.Tensor:
+    """(L, k) int64 sums of the rows of (n, k) ``values`` over L consecutive segments.
+
+    Differences of a running sum at the segments' ends, exact and without
+    atomics: an ``index_add_`` of every element into a few rows serialises a
+    GPU's atomics on them (with it, e4m3 + stats stepped at 8.7x DDP's time
+    on an H200, benchmarks.gpu).
+
+    Example:
+        >>> segment_sums(torch.tensor([[1, 0], [1, 1], [0, 1]]), torch.tensor([2, 0, 1]))
+        tensor([[2, 1],
+                [0, 0],
+                [0, 1]])
+    """
+    n = values.shape[0]
+    # int32 running sums of flags where they cannot overflow: half int64's bytes.
+    dtype = torch.int32 if values.dtype == torch.bool and n < 2**31 else torch.int64
+    run = torch.zeros(n + 1, values.shape[1], dtype=dtype, device=values.device)
+    torch.cumsum(values, 0, dtype=dtype, out=run[1:])
+    ends = torch.cumsum(lengths, 0)
+    starts = ends - lengths
+    return (run[ends] - run[starts]).long()
 
 
 def per_layer(
@@ -130,8 +150,7 @@ def per_layer(
         blocks.device_counts,
         output_size=counts.shape[0],
     )
-    summed = torch.zeros(n_layers, 3, dtype=counts.dtype, device=counts.device)
-    summed.index_add_(0, layer, counts)
+    summed = segment_sums(counts, blocks.device_counts).to(counts.dtype)
     smallest = torch.zeros(n_layers, dtype=exps.dtype, device=exps.device)
     smallest.scatter_reduce_(0, layer, exps, "amin", include_self=False)
     largest = torch.zeros(n_layers, dtype=amax.dtype, device=amax.device)
