@@ -105,6 +105,7 @@ def test_step_configs_are_the_issue_34_table() -> None:
     assert got == [
         ("DDP default", "DDP(model)", None),
         ("fp16_compress_hook", "ddp.register_comm_hook(None, fp16_compress_hook)", None),
+        ("allreduce_hook", "ddp.register_comm_hook(None, allreduce_hook)", None),
         (
             "APS e4m3 two_phase",
             'aps_comm.register(ddp, fmt="e4m3", reduction="two_phase")',
@@ -279,6 +280,7 @@ def test_step_step_judges_the_rows_and_keeps_the_finished_ones(
     assert [r["result"] for r in result.details["configs"]] == [
         "baseline",
         "reported",
+        "reported",
         "pass",
         "skipped",
         "pass",
@@ -325,12 +327,18 @@ def test_real_model_steps_run_every_config_on_gloo_cpu() -> None:
     rows = run_distributed(_tiny_steps, 1, timeout=180)[0]
     by = {r["config"]: r for r in rows}
     assert list(by) == [c.name for c in gpu.STEP_CONFIGS if c.scaling == "layer"]
-    for name in ("DDP default", "fp16_compress_hook", "APS e4m3 two_phase", "APS auto"):
+    for name in (
+        "DDP default",
+        "fp16_compress_hook",
+        "allreduce_hook",
+        "APS e4m3 two_phase",
+        "APS auto",
+    ):
         r = by[name]
         assert r["error"] is None and r["skipped"] is None, r
         assert len(r["times_ms"]) == 2 and r["step_ms"] > 0
         assert r["launches_per_step"] == 0  # no device: no kernels
-    for name in ("fp16_compress_hook", "APS e4m3 two_phase", "APS auto"):
+    for name in ("fp16_compress_hook", "allreduce_hook", "APS e4m3 two_phase", "APS auto"):
         assert by[name]["buckets"] >= 1 and by[name]["host_us_per_bucket"] > 0
         assert by[name]["launches_per_bucket"] == 0
     assert by["DDP default"]["buckets"] is None
