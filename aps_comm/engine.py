@@ -1113,7 +1113,7 @@ class SteadyUnit:
             one row per parameter (:meth:`aps_comm.telemetry.StepStats.add_rows`; one
             kernel call on the CPU kernels).
         parts: with ``stats=True``, its one run's parameters' names and sizes, format and
-            rows of the records (:func:`_unit_parts`).
+            rows of the records (:func:`_unit_records`).
         premax: ``scaling="bucket"`` with records: float32 scratch, the agreed maxima of
             every row before the spread (what the records show).
         workspace: the state's workspace epoch of the unit's slot, which the exchange's,
@@ -1186,7 +1186,7 @@ class SteadyMixedUnit:
         record: with ``stats=True``, the step's records from the N rows: float64 (P, 5),
             one row per parameter (one kernel call).
         parts: with ``stats=True``, per run its parameters' names and sizes, its format
-            and its rows of the records (:func:`_unit_parts`).
+            and its rows of the records (:func:`_unit_records`).
         offsets_of: the host copies of ``layout``'s offsets and of ``perm`` (the maxima's
             and agreed maxima's kernel calls read them).
         keyed: block scaling: the call that writes every block's key of the N rows (each
@@ -1247,7 +1247,7 @@ class SteadyFP32Unit:
         local: with ``stats=True``, float32, each row's maximum of every chunk (N x P).
         agreed: with ``stats=True``, float32, the agreed maxima for every row (N x P).
         record: with ``stats=True``, the step's records from the N rows (P, 5).
-        parts: with ``stats=True``, its parameters' names and sizes (:func:`_unit_parts`).
+        parts: with ``stats=True``, its parameters' names and sizes (:func:`_unit_records`).
     """
 
     chunks: tuple[int, ...]
@@ -2969,17 +2969,38 @@ class Reducer:
         params: tuple[Sequence[str], Sequence[int]],
         step: int,
     ) -> None:
-        """Bind the unit's layout and formats (:meth:`_settle_unit`) before its first run."""
-        n, settings = self.comm.world_size, self.settings
-        plan = self.plan(index, list(chunks) * n, rows.device)
+        """Bind the unit's layout and formats before its first run: one scaled format
+        (:meth:`_settle_unit`), every parameter in FP32 (:meth:`_settle_fp32_unit`), or
+        several (:meth:`_settle_mixed_unit`); ``params``: each parameter's name and size."""
+        n, settings, device = self.comm.world_size, self.settings, rows.device
+        plan = self.plan(index, list(chunks) * n, device)
         fmts = self.assignment.formats(params[0], step)
         if settings.scaling == Scaling.BLOCK:
             runs = plan.runs(fmts, n, settings.block_size)
         else:
             runs = plan.runs(fmts, n)
-        self._settle_unit(index, runs, rows, chunks, step, params)
-        if index in self.steady_units:  # the binding's scratch: the plan's row runs dropped
-            plan.row_runs = {}
+        self.steady_units.pop(index, None)
+        key = (tuple(chunks), rows.numel(), device, self.assignment.epoch(step))
+        st: SteadyUnit | SteadyMixedUnit | SteadyFP32Unit | None
+        if len(runs.runs) != 1:
+            st = self._settle_mixed_unit(plan, runs, key, params)
+        else:
+            bind: Callable[..., SteadyUnit | SteadyFP32Unit | None] = self._settle_unit
+            if runs.runs[0].fmt == FP32:
+                bind = functools.partial(self._settle_fp32_unit, plan.layout)
+            # Everything rewritten every step comes from the state's workspace, the slot
+            # alternating with the unit's index (a unit may be on the wire beside the next).
+            ws, slot = self.workspace(device), Slot.of(index)
+            while True:  # again where the slot grew: every view cut from its new region
+                arena = ws.arena(slot)
+                st = bind(arena, runs, rows, key, params)
+                if st is None or arena.close():
+                    break
+            if st is not None:
+                st.workspace = ws.epoch(slot)
+        if st is not None:
+            self.steady_units[index] = st
+            plan.row_runs = {}  # the binding's scratch: the plan's row runs dropped
 
     def _steady_unit(
         self, index: int, rows: torch.Tensor, chunks: Sequence[int], step: int
@@ -3003,38 +3024,25 @@ class Reducer:
 
     def _settle_unit(
         self,
-        index: int,
+        arena: Arena,
         runs: RowRuns,
         rows: torch.Tensor,
-        chunks: Sequence[int],
-        step: int,
+        key: _UnitKey,
         params: tuple[Sequence[str], Sequence[int]],
-    ) -> None:
-        """Bind the unit's :class:`SteadyUnit` where nothing in it changes per step: one
-        scaled format for every parameter, any scaling (several formats:
-        :meth:`_settle_mixed_unit`); with
-        ``stats=True`` its records bound too (``params``: each parameter's name and size)."""
-        self.steady_units.pop(index, None)
-        settings, n = self.settings, self.comm.world_size
-        if len(runs.runs) != 1:
-            self._settle_mixed_unit(index, runs, rows, chunks, step, params)
-            return
-        run, device = runs.runs[0], rows.device
-        if run.fmt == FP32:
-            self._settle_fp32_unit(index, runs, rows, chunks, step, params)
-            return
-        # Everything rewritten every step comes from the state's workspace, the slot
-        # alternating with the unit's index (a unit may be on the wire beside the next).
-        ws, slot = self.workspace(device), Slot.of(index)
-        arena = ws.arena(slot)
-        given, pad = runs, None
+    ) -> SteadyUnit | None:
+        """The unit's :class:`SteadyUnit`, its scratch cut from ``arena``: one scaled format
+        for every parameter, any scaling; with ``stats=True`` its records bound too.
+        ``key``: its chunks, size, device and policy epoch. None: no fused block keys for
+        this backend or format."""
+        settings, n, device = self.settings, self.comm.world_size, rows.device
+        run, pad = runs.runs[0], None
         if not run.packed_rows:  # 4 bits, an odd row: each row padded by a zero
             runs = _padded_rows(runs, n)
             run = runs.runs[0]
             staged = arena.take(n * runs.row_numel, torch.float32).view(n, runs.row_numel)
             pad = (staged, torch.zeros(n, 1, dtype=torch.float32, device=device))
         c, layout = run.codec, run.rows_layout
-        segments, p = layout.n_segments, len(chunks)
+        segments, p = layout.n_segments, len(key[0])
         f32 = {"dtype": torch.float32, "device": device}
         kernels = c.backend == "kernels" and device.type == "cpu"
         runs = _unit_scratch(runs, arena, n)
@@ -3043,48 +3051,34 @@ class Reducer:
         # No scaling: a scale of 1 written once, so kept out of the shared region.
         none = settings.scaling == Scaling.NONE
         scale = torch.empty(segments, **f32) if none else arena.take(segments, torch.float32)
-        flags = agreed = premax = record = None
+        local = arena.take(segments, torch.float32)
+        flags = agreed = premax = None
+        on: Layout | Blocks = layout
         if settings.scaling == Scaling.BLOCK:
             blocks = run.rows_blocks
             assert blocks is not None
-            shared = torch.zeros(segments + 1, dtype=torch.uint8, device=device)
-            local = arena.take(segments, torch.float32)
+            on, shared = blocks, torch.zeros(segments + 1, dtype=torch.uint8, device=device)
             flags = torch.empty(len(blocks.counts), dtype=torch.uint8, device=device)
             if _unit_block_keys(c, x, blocks, local, shared[:-1], flags, n) is None:
-                return  # no fused keys for this backend or format
+                return None  # no fused keys for this backend or format
             made = c.bind_feedback_factors(shared[:-1], n, scale, unscale, blocks.device_counts)
             decode = arena.take(segments, torch.float32)
             poison = torch.tensor(math.nan, **f32)
-            if settings.stats and kernels:
-                counts = blocks.counts[:p].numpy()
-                keyed = (shared[:-1], [])
-                record = functools.partial(
-                    _kernel_records, c, blocks.layout, counts, keyed, local, n, None
-                )
-            elif settings.stats:
-                keyed = (shared[:-1], local)
-                record = functools.partial(_torch_block_records, blocks, [c.fmt], None, keyed, n)
+            maxima, keyed = local, (shared[:-1], [])
         else:
             shared = torch.zeros(p + 1, **f32)
-            local = arena.take(segments, torch.float32)
             agreed = arena.take(segments, torch.float32)
             decode = unscale  # every row's parameters have the same factors
-            keys_of = np.zeros(segments, np.int32) if kernels and settings.stats else None
-            made = _unit_factors(c, agreed, n, scale, unscale, keys_of, settings.scaling)
+            keys = np.zeros(segments, np.int32) if kernels and settings.stats else None
+            made = _unit_factors(c, agreed, n, scale, unscale, keys, settings.scaling)
             # The records read the exponent keys the factors leave behind, and the maxima
             # as agreed: with them a flagged unit is poisoned in its unscale instead.
             poison = torch.tensor(math.nan if settings.stats else math.inf, **f32)
-            if settings.stats:
-                bucket = settings.scaling == Scaling.BUCKET
-                premax = arena.take(segments, torch.float32) if bucket else None
-                maxima = agreed if premax is None else premax
-                shape = (n, settings.scaling)
-                record = _layer_records(c, runs, layout, maxima, (keys_of, []), shape)
-        self.steady_units[index] = SteadyUnit(
-            tuple(chunks),
-            rows.numel(),
-            device,
-            self.assignment.epoch(step),
+            if settings.stats and settings.scaling == Scaling.BUCKET:
+                premax = arena.take(segments, torch.float32)
+            maxima, keyed = agreed if premax is None else premax, (keys, [])
+        st = SteadyUnit(
+            *key,
             runs,
             shared,
             local,
@@ -3095,77 +3089,56 @@ class Reducer:
             decode,
             made,
             poison,
-            record,
-            _unit_parts(runs, params),
-            premax,
-            ws.epoch(slot),
-            pad,
+            premax=premax,
+            pad=pad,
         )
-        if not arena.close():  # the slot grew: cut every view again from its new region
-            self._settle_unit(index, given, rows, chunks, step, params)
-            return
+        if settings.stats:
+            shape = (n, settings.scaling)
+            st.record, st.parts = _unit_records(c, runs, params, on, maxima, keyed, shape)
+        return st
 
     def _settle_fp32_unit(
         self,
-        index: int,
+        layout: Layout,
+        arena: Arena,
         runs: RowRuns,
         rows: torch.Tensor,
-        chunks: Sequence[int],
-        step: int,
+        key: _UnitKey,
         params: tuple[Sequence[str], Sequence[int]],
-    ) -> None:
-        """Bind the unit's :class:`SteadyFP32Unit` (every parameter in FP32), on any codec
-        backend: no codec codes its rows; with ``stats=True`` its records bound too
-        (one kernel call on the CPU kernels, a fixed handful of torch ops elsewhere)."""
-        n, device, p = self.comm.world_size, rows.device, len(chunks)
+    ) -> SteadyFP32Unit:
+        """The unit's :class:`SteadyFP32Unit` (every parameter in FP32), on any codec
+        backend, its scratch cut from ``arena``: no codec codes its rows; with
+        ``stats=True`` its records bound too, over ``layout`` (the N rows' chunks: one
+        kernel call on the CPU kernels, a fixed handful of torch ops elsewhere)."""
+        n, device, p = self.comm.world_size, rows.device, len(key[0])
         # The sum is the same whatever the format: any kernels codec's (one call), else
         # the torch ops of whichever codec (the sum reads no format).
         sums = codec.codec_for(self.settings.fmt, device)
         if sums.backend != "kernels":
             sums = codec.codec_for(_SUM_FORMAT, device)
-        stats = self.settings.stats
-        ws, slot = self.workspace(device), Slot.of(index)
-        arena = ws.arena(slot)
         recv = arena.take(n * runs.row_numel, torch.float32).view(n, runs.row_numel)
         f32 = {"dtype": torch.float32, "device": device}
-        st = SteadyFP32Unit(
-            tuple(chunks),
-            rows.numel(),
-            device,
-            self.assignment.epoch(step),
-            sums,
-            recv,
-            torch.tensor(math.nan, **f32),
-            (),
-        )
-        if stats:  # the parameters' chunks, whatever the scaling (not a block run's blocks)
-            st.layout = self.plan(index, list(chunks) * n, device).layout
-            st.shared = torch.zeros(p + 1, **f32)
+        st = SteadyFP32Unit(*key, sums, recv, torch.tensor(math.nan, **f32), ())
+        if self.settings.stats:  # the parameters' chunks, whatever the scaling (not blocks)
+            st.layout, st.shared = layout, torch.zeros(p + 1, **f32)
             st.local, st.agreed = arena.take(n * p, torch.float32), arena.take(n * p, torch.float32)
             keyed = (np.zeros(n * p, np.int32), [])  # every key 0 (exponent 0)
             shape = (n, self.settings.scaling)
-            st.record = _layer_records(sums, runs, st.layout, st.agreed, keyed, shape)
-            st.parts = _unit_parts(runs, params)
-        if not arena.close():  # the slot grew: cut every view again from its new region
-            self._settle_fp32_unit(index, runs, rows, chunks, step, params)
-            return
-        st.workspace = ws.epoch(slot)
-        self.steady_units[index] = st
+            st.record, st.parts = _unit_records(sums, runs, params, layout, st.agreed, keyed, shape)
+        return st
 
     def _settle_mixed_unit(
         self,
-        index: int,
+        plan: BucketPlan,
         runs: RowRuns,
-        rows: torch.Tensor,
-        chunks: Sequence[int],
-        step: int,
+        key: _UnitKey,
         params: tuple[Sequence[str], Sequence[int]],
-    ) -> None:
-        """Bind the unit's :class:`SteadyMixedUnit` (several formats; any scaling; with
+    ) -> SteadyMixedUnit | None:
+        """The unit's :class:`SteadyMixedUnit` (several formats; any scaling; with
         ``stats=True`` its records bound too; with block scaling every run's rows whole
         bytes). On the torch codec backends the same buffers and spans, each kernel
-        call torch ops."""
-        settings, n, device = self.settings, self.comm.world_size, rows.device
+        call torch ops. None where its formats' codecs differ in backend."""
+        settings, n, (chunks, _, device, _) = self.settings, self.comm.world_size, key
         scaled = list(dict.fromkeys(r.fmt for r in runs.runs if r.fmt != FP32))
         codecs = [codec.codec_for(f, device) for f in scaled]
         blocked = settings.scaling == Scaling.BLOCK
@@ -3173,7 +3146,7 @@ class Reducer:
         # Every format on the CPU kernels, or none (the torch ops): the calls bound below
         # follow the first codec's backend.
         if not scaled or any((c.backend == "kernels") != kernels for c in codecs):
-            return
+            return None
         p, row, row_bytes = len(chunks), runs.row_numel, runs.row_bytes
         lay = _mixed_layout(runs, scaled, n)
         # The arena: the scaled runs' float32 values, then the wire region, which holds
@@ -3225,13 +3198,10 @@ class Reducer:
             )
         if settings.scaling == Scaling.NONE:  # every run NaN where its maximum is not
             sums[:, 5] = 1  # finite, in the sum (the unscale stays 1): as FP32's runs
-        self.steady_units[index] = SteadyMixedUnit(
-            tuple(chunks),
-            rows.numel(),
-            device,
-            self.assignment.epoch(step),
+        st = SteadyMixedUnit(
+            *key,
             codecs[0],
-            self.plan(index, list(chunks) * n, device).layout,
+            plan.layout,
             torch.zeros(p + 1, **f32),
             torch.empty(n * p, **f32),
             maxima,
@@ -3247,28 +3217,34 @@ class Reducer:
             sums,
             row,
         )
-        st = self.steady_units[index]
-        assert isinstance(st, SteadyMixedUnit)
         st.offsets_of = (st.layout.offsets.numpy(), np.array(perm, np.int64))
+        on: Layout | Blocks = st.layout
+        pick = None
         if blocks is not None:
-            self._bind_mixed_blocks(st, blocks, index, runs)
+            on, pick = self._bind_mixed_blocks(st, blocks, plan)
         if settings.stats:
-            keyed, shape = (np.zeros(n * p, np.int32), keys), (n, settings.scaling)
-            maxima = agreed[len(lay.perm) :]  # every row's, before any spread
-            st.record = st.record or _layer_records(
-                codecs[0], runs, st.layout, maxima, keyed, shape
+            # Every row's maxima before any spread, under the keys the factors leave (each
+            # scaled format's moved to its rows' places; FP32's 0); with blocks, every
+            # block under its agreed key and this rank's block maxima.
+            seen, keyed = agreed[len(lay.perm) :], (np.zeros(n * p, np.int32), keys)
+            if blocks is not None:
+                seen, keyed = st.local, (st.shared[:-1], [])
+            shape = (n, settings.scaling)
+            st.record, st.parts = _unit_records(
+                codecs[0], runs, params, on, seen, keyed, shape, pick
             )
-            st.parts = _unit_parts(runs, params)
+        return st
 
     def _bind_mixed_blocks(
-        self, st: SteadyMixedUnit, blocks: _MixedBlocks, index: int, runs: RowRuns
-    ) -> None:
-        """Bind a :class:`SteadyMixedUnit`'s block keys and factors (block scaling); with
-        ``stats=True`` its records, every block under its agreed key: one kernel call each
-        on the CPU kernels, torch ops on the torch codec backends
-        (:func:`_mixed_block_keys`, :func:`_mixed_block_factors`, :func:`_torch_block_records`)."""
+        self, st: SteadyMixedUnit, blocks: _MixedBlocks, plan: BucketPlan
+    ) -> tuple[Blocks, torch.Tensor | None]:
+        """Bind a :class:`SteadyMixedUnit`'s block keys and factors (block scaling): one
+        kernel call each on the CPU kernels, torch ops on the torch codec backends
+        (:func:`_mixed_block_keys`, :func:`_mixed_block_factors`). Returns the N rows'
+        blocks and, on the torch backends, each block's place among every format's counts
+        (FP32's last): what its records read (:func:`_unit_records`)."""
         n, p, device = self.comm.world_size, len(st.chunks), st.device
-        grid = self.plan(index, list(st.chunks) * n, device).grid(self.settings.block_size)
+        grid = plan.grid(self.settings.block_size)
         n_blocks = grid.layout.n_segments
         st.shared = torch.zeros(n_blocks + 1, dtype=torch.uint8, device=device)
         st.local = torch.empty(n_blocks, dtype=torch.float32, device=device)
@@ -3290,27 +3266,20 @@ class Reducer:
                 functools.partial(_unit_kernel_after, "unit_keys", keys),
                 functools.partial(cpu_kernels.call, "unit_block_factors", *factors_of),
             )
-            limits = record_limits([run.fmt for run in runs.runs for _ in run.index])
-            keyed = (st.shared[:-1], [])
-            args = (st.codec, grid.layout, grid.counts[:p].numpy(), keyed, st.local, n, limits)
-            record = functools.partial(_kernel_records, *args)
-        else:
-            # Per block, its place among every format's keys (or counts), FP32's last.
-            fmt_of = np.where(blocks.fmt_of < 0, len(blocks.formats), blocks.fmt_of)
-            pick = to_device(torch.from_numpy(fmt_of * n_blocks + np.arange(n_blocks)), device)
-            pos, src, param_of = (
-                to_device(torch.from_numpy(a), device) for a in (at, mine, blocks.param_of[at])
-            )
-            keys = (grid.layout, [*blocks.formats, FP32], pick, n, st.local, st.shared[:-1])
-            factors_of = (st.shared, grid.device_counts, (pos, src, param_of), (n, p))
-            st.keyed = (
-                functools.partial(_mixed_block_keys, *keys),
-                functools.partial(_mixed_block_factors, *factors_of, blocks, st.maxima, st.poison),
-            )
-            keyed = (st.shared[:-1], st.local)
-            record = functools.partial(_torch_block_records, grid, keys[1], pick, keyed, n)
-        if self.settings.stats:
-            st.record = record
+            return grid, None
+        # Per block, its place among every format's keys (or counts), FP32's last.
+        fmt_of = np.where(blocks.fmt_of < 0, len(blocks.formats), blocks.fmt_of)
+        pick = to_device(torch.from_numpy(fmt_of * n_blocks + np.arange(n_blocks)), device)
+        pos, src, param_of = (
+            to_device(torch.from_numpy(a), device) for a in (at, mine, blocks.param_of[at])
+        )
+        keyed = (grid.layout, [*blocks.formats, FP32], pick, n, st.local, st.shared[:-1])
+        factors_of = (st.shared, grid.device_counts, (pos, src, param_of), (n, p))
+        st.keyed = (
+            functools.partial(_mixed_block_keys, *keyed),
+            functools.partial(_mixed_block_factors, *factors_of, blocks, st.maxima, st.poison),
+        )
+        return grid, pick
 
     def _run_mixed_unit(
         self, index: int, st: SteadyMixedUnit, rows: torch.Tensor, problem: torch.Tensor
@@ -3467,6 +3436,9 @@ class Reducer:
 
 # The format of the codec whose kernels sum an FP32 unit's rows (the sum is format-free).
 _SUM_FORMAT = "e4m3"
+
+# What a unit's binding is bound to: its chunks, its rows' size and device, its policy epoch.
+_UnitKey = tuple[tuple[int, ...], int, torch.device, tuple[int, ...]]
 
 
 def _feedback_encode(
@@ -3751,19 +3723,10 @@ def _unit_factors(
             return _no_factors
         one, nan = torch.ones_like(agreed[:1]), torch.full_like(agreed[:1], math.nan)
         return functools.partial(_finite_unscale, agreed, one, nan, unscale)
-    if keys is None:
-        return c.bind_feedback_factors(agreed, world_size, scale, unscale)
-    spread = ()
-    if pick is not None and scaling == Scaling.BUCKET:
-        spread = ((pick[0].numpy(), np.array(pick[1], np.int64), True),)
-    return functools.partial(
-        AgreedMaxima(agreed, world_size).host_factors_into,
-        c.fmt,
-        scale.numpy(),
-        unscale.numpy(),
-        keys,
-        *spread,
-    )
+    spread = None
+    if keys is not None and pick is not None and scaling == Scaling.BUCKET:
+        spread = pick[0].numpy(), np.array(pick[1], np.int64), True
+    return c.bind_feedback_factors(agreed, world_size, scale, unscale, keys=keys, pick=spread)
 
 
 def _no_factors() -> None:
@@ -3805,38 +3768,39 @@ def _kernel_records(
     return out
 
 
-def _layer_records(
+def _unit_records(
     c: codec.Codec,
     runs: RowRuns,
-    layout: Layout,
+    params: tuple[Sequence[str], Sequence[int]],
+    on: Layout | Blocks,
     maxima: torch.Tensor,
-    keys: tuple[np.ndarray | None, list[tuple[np.ndarray, np.ndarray]]],
+    keyed: tuple[torch.Tensor | np.ndarray | None, list[tuple[np.ndarray, np.ndarray]]],
     shape: tuple[int, Scaling],
-) -> Callable[[torch.Tensor], torch.Tensor]:
-    """A settled unit's records with one exponent per parameter, bound: over ``layout``'s
-    chunks of the N rows, the agreed ``maxima`` of every row (N x P) and the factors'
-    exponent ``keys``, each parameter under its own format (:func:`_kernel_records`); on
-    the torch backends tensor ops (:func:`_torch_layer_records`)."""
-    formats = [run.fmt for run in runs.runs for _ in run.index]
-    p = len(formats)
-    if c.backend == "kernels":
-        args = (c, layout, np.ones(p, np.int64), keys, maxima, shape[0], record_limits(formats))
-        return functools.partial(_kernel_records, *args)
-    if len(runs.runs) == 1 and formats[0] != FP32:  # one scaled format
-        return functools.partial(
-            _torch_layer_records, [(formats[0], None)], None, layout, maxima[:p], shape
-        )
-    scaled, rows = list(runs.by_format.items()), _format_rows(runs, p, maxima.device)
-    return functools.partial(_torch_layer_records, scaled, rows, layout, maxima[:p], shape)
+    pick: torch.Tensor | None = None,
+) -> tuple[
+    Callable[[torch.Tensor], torch.Tensor], list[tuple[list[str], list[int], FloatFormat, int, int]]
+]:
+    """A settled unit's records, bound, and per run its parameters' names and sizes
+    (``params``), its format and its rows of the records: they are queued run by run.
 
+    The records: over the N rows' chunks (``on`` a :class:`~aps_comm.layout.Layout`: one
+    exponent per parameter) or blocks (``on`` their :class:`~aps_comm.layout.Blocks`),
+    each parameter under its own format; one kernel call on the CPU kernels
+    (:func:`_kernel_records`), tensor ops on the torch backends
+    (:func:`_torch_layer_records`, :func:`_torch_block_records`).
 
-def _unit_parts(
-    runs: RowRuns, params: tuple[Sequence[str], Sequence[int]]
-) -> list[tuple[list[str], list[int], FloatFormat, int, int]]:
-    """Per run of a unit, its parameters' names and sizes (``params``), its format and its
-    rows of the records: they are queued run by run."""
+    Args:
+        maxima: per chunk of every row (N x P) the agreed maxima, or this rank's max |x|
+            of every block.
+        keyed: as :func:`_kernel_records`' ``keys``: every segment's int32 exponent keys
+            (the factors write them) or uint8 agreed block keys, and each scaled format's
+            keys with their places among them (several formats).
+        shape: N and the scaling.
+        pick: several formats' blocks on the torch backends: each block's place among
+            every format's counts (:func:`_torch_block_records`).
+    """
     names, numels = params
-    return [
+    parts = [
         (
             [names[i] for i in run.index],
             [numels[i] for i in run.index],
@@ -3846,6 +3810,23 @@ def _unit_parts(
         )
         for run in runs.runs
     ]
+    formats = [run.fmt for run in runs.runs for _ in run.index]
+    p, n, blocks = len(formats), shape[0], on if isinstance(on, Blocks) else None
+    layout = on.layout if isinstance(on, Blocks) else on
+    if c.backend == "kernels":
+        counts = np.ones(p, np.int64) if blocks is None else blocks.counts[:p].numpy()
+        args = (c, layout, counts, keyed, maxima, n, record_limits(formats))
+        return functools.partial(_kernel_records, *args), parts
+    if blocks is not None:  # several formats: under every one, FP32's last
+        fmts = list(runs.by_format) + ([] if pick is None else [FP32])
+        args = (blocks, fmts, pick, (keyed[0], maxima), n)
+        return functools.partial(_torch_block_records, *args), parts
+    if len(runs.runs) == 1 and formats[0] != FP32:  # one scaled format
+        args = ([(formats[0], None)], None, layout, maxima[:p], shape)
+    else:
+        scaled, rows = list(runs.by_format.items()), _format_rows(runs, p, maxima.device)
+        args = (scaled, rows, layout, maxima[:p], shape)
+    return functools.partial(_torch_layer_records, *args), parts
 
 
 def _torch_layer_records(
