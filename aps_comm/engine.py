@@ -3493,53 +3493,24 @@ def _feedback_calls(
         and the CPU kernels' int32 exponent keys of the layers, which that call leaves
         for the records (else None).
     """
-    (maxima, shared), (scale, inverse, unscale) = agreed, out
-    native, counts, keys = g.reduction == Route.ALLREDUCE, None, None
-    if g.blocks is not None:
+    (maxima, shared), (scale, _, unscale), c = agreed, out, g.codec
+    native, blocks, keys = g.reduction == Route.ALLREDUCE, g.blocks, None
+    if blocks is not None and native:
         assert maxima is not None
-        if native:
-            return *_native_block_calls(g, x, world_size, (maxima, shared), out), None
-        counts = g.blocks.device_counts
-        agree = g.codec.bind_block_keys(
-            x,
-            g.layout,
-            g.blocks.counts,
-            maxima,
-            shared,
-            torch.empty(len(g.numels), dtype=torch.uint8, device=x.device),
-            world_size,
-            device_counts=counts,
-        )
+        return *_native_block_calls(g, x, world_size, (maxima, shared), out), None
+    if blocks is not None:
+        assert maxima is not None
+        flags = torch.empty(len(g.numels), dtype=torch.uint8, device=x.device)
+        args = (x, g.layout, blocks.counts, maxima, shared, flags, world_size)
+        agree = c.bind_block_keys(*args, device_counts=blocks.device_counts)
     else:
-        agree = g.codec.bind_layer_maxima(x, g.layout, shared)
-        if g.codec.backend == "kernels" and x.device.type == "cpu":
+        agree = c.bind_layer_maxima(x, g.layout, shared)
+        if c.backend == "kernels" and x.device.type == "cpu":
             keys = np.empty(g.layout.n_segments, np.int32)
-    if not native:  # pick is None with blocks
-        made = g.codec.bind_feedback_factors(
-            shared, world_size, scale, unscale, counts, keys, pick, scaling
-        )
-    elif keys is None:  # the torch ops (Triton too: no fused native kernels)
-        made = functools.partial(
-            codec.factors_into,
-            functools.partial(
-                factors, shared, g.fmt, Route.ALLREDUCE, world_size=world_size, scaling=scaling
-            ),
-            out,
-            ("scale", "inverse", "unscale"),
-        )
-    else:
-        made = functools.partial(
-            cpu_kernels.call,
-            "native_factors_into",
-            shared.numpy(),
-            g.fmt,
-            world_size,
-            0 if scaling == Scaling.NONE else EXPONENT_LIMIT,
-            scaling == Scaling.BUCKET,
-            (scale.numpy(), inverse.numpy(), unscale.numpy()),
-            keys,
-            None if pick is None else pick[:2],
-        )
+    if native:
+        return agree, _native_factors(g, shared, world_size, out, scaling, keys, pick), keys
+    counts = None if blocks is None else blocks.device_counts
+    made = c.bind_feedback_factors(shared, world_size, scale, unscale, counts, keys, pick, scaling)
     return agree, made, keys
 
 
@@ -3552,40 +3523,64 @@ def _native_block_calls(
 ) -> tuple[Callable[[], object], Callable[[], object]]:
     """The native sum's block calls of group ``g``'s values ``x``, bound: the one writing
     this rank's maxima and keys of every block under the native sum's rule into
-    ``agreed``, and the one writing the agreed keys' factors into ``out``: per block
-    ``2**e`` and ``2**-e / N``, with error feedback the inverse ``2**-e`` between them.
-    One kernel call each on the CPU kernels, tensor ops elsewhere (Triton too: no fused
-    native kernels)."""
-    blocks, route = g.blocks, Route.ALLREDUCE
-    assert blocks is not None
+    ``agreed``, and the one writing the agreed keys' factors into ``out``
+    (:func:`_native_factors`). One kernel call each on the CPU kernels, tensor ops
+    elsewhere (Triton too: no fused native kernels)."""
+    made = _native_factors(g, agreed[1], world_size, out)
     if g.codec.backend == "kernels":
         grid = g.layout.cells if g.layout.cells is not None else g.layout.offsets.numpy()
-        (maxima, keys), (scale, *inverse, unscale) = agreed, out
-        return (
-            functools.partial(
-                cpu_kernels.call,
-                "native_block_keys",
-                *(g.fmt, x, grid, maxima, keys, EXPONENT_LIMIT, world_size),
-            ),
-            functools.partial(
-                cpu_kernels.call,
-                "native_block_factors",
-                *(keys, blocks.counts, scale, unscale, world_size, *inverse),
-            ),
+        args = (g.fmt, x, grid, *agreed, EXPONENT_LIMIT, world_size)
+        return functools.partial(cpu_kernels.call, "native_block_keys", *args), made
+    args = (x, g.layout, g.fmt, Route.ALLREDUCE, world_size, agreed)
+    return functools.partial(block_keys_into, *args), made
+
+
+def _native_factors(
+    g: GroupPlan,
+    agreed: torch.Tensor,
+    world_size: int,
+    out: tuple[torch.Tensor, ...],
+    scaling: Scaling = Scaling.BLOCK,
+    keys: np.ndarray | None = None,
+    pick: tuple[np.ndarray, np.ndarray, bool] | None = None,
+) -> Callable[[], object]:
+    """The native sum's factors of group ``g``'s agreed block keys (with blocks) or layer
+    maxima ``agreed``, bound: written into ``out``, per segment ``2**e`` and ``2**-e / N``,
+    with error feedback the inverse ``2**-e`` between them. One kernel call on the CPU
+    kernels (the layers' through int32 ``keys``, picked from a bucket's maxima with
+    ``pick``: as :func:`_feedback_calls`'), tensor ops elsewhere."""
+    blocks, fmt, (scale, *inverse, unscale) = g.blocks, g.fmt, out
+    if blocks is not None and g.codec.backend == "kernels":
+        args = (agreed, blocks.counts, scale, unscale, world_size, *inverse)
+        return functools.partial(cpu_kernels.call, "native_block_factors", *args)
+    if blocks is None and keys is not None:  # the CPU kernels
+        return functools.partial(
+            cpu_kernels.call,
+            "native_factors_into",
+            agreed.numpy(),
+            fmt,
+            world_size,
+            0 if scaling == Scaling.NONE else EXPONENT_LIMIT,
+            scaling == Scaling.BUCKET,
+            tuple(o.numpy() for o in out),
+            keys,
+            None if pick is None else pick[:2],
         )
-    made = functools.partial(
-        factors_from_keys,
-        agreed[1][None],
-        g.fmt,
-        route,
-        world_size=world_size,
-        counts=blocks.device_counts,
-    )
-    fields = ("scale", "inverse", "unscale") if len(out) == 3 else ("scale", "unscale")
-    return (
-        functools.partial(block_keys_into, x, g.layout, g.fmt, route, world_size, agreed),
-        functools.partial(codec.factors_into, made, out, fields),
-    )
+    if blocks is not None:
+        made = functools.partial(
+            factors_from_keys,
+            agreed[None],
+            fmt,
+            Route.ALLREDUCE,
+            world_size=world_size,
+            counts=blocks.device_counts,
+        )
+    else:
+        made = functools.partial(
+            factors, agreed, fmt, Route.ALLREDUCE, world_size=world_size, scaling=scaling
+        )
+    fields = ("scale", "inverse", "unscale") if inverse else ("scale", "unscale")
+    return functools.partial(codec.factors_into, made, out, fields)
 
 
 def _node_groups(layouts: Layouts, route: Route | str, per_node: int) -> dict[str, Any]:
