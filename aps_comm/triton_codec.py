@@ -330,6 +330,7 @@ if AVAILABLE:
         off_ptr,
         first_ptr,
         idx,
+        last,
         lo,
         hi,
         step,
@@ -342,9 +343,10 @@ if AVAILABLE:
         D: tl.constexpr,
         K: tl.constexpr,
     ):
-        """The factor of element ``idx`` (the chunk's segments are lo..hi): its segment's
-        (``SHIFT`` 0), or its block's (blocks of ``2**SHIFT`` elements from each
-        segment's start, the segment's first block at index ``first[segment]``).
+        """The factor of element ``idx`` (the chunk's segments are lo..hi, its last
+        element ``last``): its segment's (``SHIFT`` 0), or its block's (blocks of
+        ``2**SHIFT`` elements from each segment's start, the segment's first block at
+        index ``first[segment]``).
 
         ``AMAX`` 0: ``scale_ptr`` holds float32 factors. 1 or 2: the segments'
         agreed maxima (float32 bits), whose exponents (:func:`_exp_key`, rule
@@ -372,9 +374,10 @@ if AVAILABLE:
         elif SHIFT == 0:
             f = tl.load(scale_ptr + s)
         else:
-            f = tl.load(
-                scale_ptr + tl.load(first_ptr + s) + ((idx - tl.load(off_ptr + s)) >> SHIFT)
-            )
+            # A lane past the chunk's last element (masked, perhaps deep in a shard's
+            # padding) reads the last element's factor, never one past the factors' end.
+            el = tl.minimum(idx, last)
+            f = tl.load(scale_ptr + tl.load(first_ptr + s) + ((el - tl.load(off_ptr + s)) >> SHIFT))
         return f
 
     @triton.jit
@@ -510,6 +513,7 @@ if AVAILABLE:
         scale_ptr,
         off_ptr,
         first_ptr,
+        last,
         lo,
         hi,
         step,
@@ -528,6 +532,7 @@ if AVAILABLE:
                 off_ptr,
                 first_ptr,
                 idx,
+                last,
                 lo,
                 hi,
                 step,
@@ -580,6 +585,7 @@ if AVAILABLE:
                     scale_ptr,
                     off_ptr,
                     first_ptr,
+                    last,
                     lo,
                     hi,
                     step,
@@ -603,6 +609,7 @@ if AVAILABLE:
                     scale_ptr,
                     off_ptr,
                     first_ptr,
+                    last,
                     lo,
                     hi,
                     step,
@@ -622,6 +629,7 @@ if AVAILABLE:
                     scale_ptr,
                     off_ptr,
                     first_ptr,
+                    last,
                     lo,
                     hi,
                     step,
@@ -647,6 +655,7 @@ if AVAILABLE:
                     scale_ptr,
                     off_ptr,
                     first_ptr,
+                    last,
                     lo,
                     hi,
                     step,
@@ -667,6 +676,7 @@ if AVAILABLE:
                     scale_ptr,
                     off_ptr,
                     first_ptr,
+                    last,
                     lo,
                     hi,
                     step,
@@ -791,14 +801,14 @@ if AVAILABLE:
         else:
             v = _value(_load_code(src_ptr, i, mask, WIRE), D)
         if SCALED:
-            lo, hi, step = _chunk_segments(
-                off_ptr, first, tl.minimum(first + BLOCK, numel) - 1, top, n_last
-            )
+            last = tl.minimum(first + BLOCK, numel) - 1
+            lo, hi, step = _chunk_segments(off_ptr, first, last, top, n_last)
             v = v * _factor(
                 scale_ptr,
                 off_ptr,
                 first_ptr,
                 i,
+                last,
                 lo,
                 hi,
                 step,
@@ -2692,9 +2702,11 @@ def bind_staged_key_factors(
     n = int(counts.sum())
     if keys.numel() < 2 * n or out.shape != (4, n) or out.dtype != torch.float32:
         raise ValueError(f"staged key factors need {2 * n} keys and float32 (4, {n}) rows")
+    if not counts.size:
+        return _NOTHING  # no layer: a program would read the end of ``first`` as a layer's
     first = np.concatenate([[0], np.cumsum(counts)])
     return functools.partial(
-        _staged_key_factors_kernel[(max(counts.size, 1),)],
+        _staged_key_factors_kernel[(counts.size,)],
         keys,
         _on(first, keys.device),
         out,
