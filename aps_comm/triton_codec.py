@@ -1262,7 +1262,8 @@ if AVAILABLE:
         same byte: programs meeting at a layer need no atomics)."""
         i = t * TB + tl.arange(0, TB)
         p = used + i
-        zero = (p < n_out) & ((p < key_at) | (p >= key_at + n_blocks))
+        keys_end = key_at.to(tl.int64) + n_blocks  # int32 operands may pass 2**31 summed
+        zero = (p < n_out) & ((p < key_at) | (p >= keys_end))
         tl.store(out_ptr + p, tl.full(i.shape, 0, tl.uint8), mask=zero)
         has = i < n_flags
         if AGREED:
@@ -1562,6 +1563,7 @@ if AVAILABLE:
         :func:`aps_comm.cpu_kernels.staged_key_factors`. ``first_ptr``: the layers'
         first blocks (layers + 1 entries)."""
         layer = tl.program_id(0).to(tl.int64)
+        n_blocks = n_blocks.to(tl.int64)  # 3 * n_blocks may pass 2**31
         lo = tl.load(first_ptr + layer)
         hi = tl.load(first_ptr + layer + 1)
         bad = tl.full([BLOCK], 0, tl.int32)
@@ -2428,7 +2430,7 @@ def _reduce_blocks(
         return
     lead, rows, width = tile_shape(longest, consts.wire_bits)
     pow2 = n_ranks & (n_ranks - 1) == 0
-    _reduce_blocks_kernel[(triton.cdiv(n_blocks, rows - lead),)](
+    _reduce_blocks_kernel[launch_grid(triton.cdiv(n_blocks, rows - lead))](
         recv,
         out,
         d,
@@ -2548,7 +2550,7 @@ def bind_block_keys(
     width = max(2, 1 << max(longest - 1, 0).bit_length())
     rows = max(2, TILE // width)
     launch = functools.partial(
-        _block_keys_kernel[(triton.cdiv(n, rows),)],
+        _block_keys_kernel[launch_grid(triton.cdiv(n, rows))],
         x,
         _on(offsets, x.device),
         _on(layer_of, x.device, torch.int32),
@@ -2621,7 +2623,7 @@ def bind_block_records(
     width = max(2, 1 << max(longest - 1, 0).bit_length())
     rows = max(2, TILE // width)
     fold = functools.partial(
-        _block_records_kernel[(max(triton.cdiv(n, rows), 1),)],
+        _block_records_kernel[launch_grid(max(triton.cdiv(n, rows), 1))],
         x,
         _on(offsets, x.device),
         _on(layer_of, x.device, torch.int32),
@@ -2635,7 +2637,7 @@ def bind_block_records(
         WIDTH=width,
         **compile_options(),
     )
-    finish = _records_rows_kernel[(max(triton.cdiv(n_layers * 5, BLOCK), 1),)]
+    finish = _records_rows_kernel[launch_grid(max(triton.cdiv(n_layers * 5, BLOCK), 1))]
 
     def call(out: torch.Tensor) -> None:
         fold()
@@ -2672,7 +2674,7 @@ def bind_staged_keys(
     rows = max(2, TILE // width)
     bits = int(np.float64(fmt.max).view(np.int64))
     return functools.partial(
-        _staged_keys_kernel[(max(triton.cdiv(n, rows), 1),)],
+        _staged_keys_kernel[launch_grid(max(triton.cdiv(n, rows), 1))],
         x,
         _on(offsets, x.device),
         maxima.view(torch.int32),
@@ -2706,7 +2708,7 @@ def bind_staged_key_factors(
         return _NOTHING  # no layer: a program would read the end of ``first`` as a layer's
     first = np.concatenate([[0], np.cumsum(counts)])
     return functools.partial(
-        _staged_key_factors_kernel[(counts.size,)],
+        _staged_key_factors_kernel[launch_grid(counts.size)],
         keys,
         _on(first, keys.device),
         out,
@@ -2834,7 +2836,7 @@ def bind_owner_rank_blocks(
     n_tail = triton.cdiv(max(out.numel() - used, n_flags, 1), rows * width)
     pow2 = n_ranks & (n_ranks - 1) == 0
     return functools.partial(
-        _reduce_blocks_kernel[(n_tiles + n_tail,)],
+        _reduce_blocks_kernel[launch_grid(n_tiles + n_tail)],
         recv,
         out,
         d,
@@ -2971,7 +2973,7 @@ def bind_owner_agreed_launch(
     n_tail = triton.cdiv(max(out.numel() - used, n_flags, 1), rows * width)
     pow2 = n_ranks & (n_ranks - 1) == 0
     launch = functools.partial(
-        _reduce_blocks_kernel[(n_tiles + n_tail,)],
+        _reduce_blocks_kernel[launch_grid(n_tiles + n_tail)],
         recv,
         out,
         d,
