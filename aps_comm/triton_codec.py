@@ -330,6 +330,7 @@ if AVAILABLE:
         off_ptr,
         first_ptr,
         idx,
+        last,
         lo,
         hi,
         step,
@@ -342,9 +343,10 @@ if AVAILABLE:
         D: tl.constexpr,
         K: tl.constexpr,
     ):
-        """The factor of element ``idx`` (the chunk's segments are lo..hi): its segment's
-        (``SHIFT`` 0), or its block's (blocks of ``2**SHIFT`` elements from each
-        segment's start, the segment's first block at index ``first[segment]``).
+        """The factor of element ``idx`` (the chunk's segments are lo..hi, its last
+        element ``last``): its segment's (``SHIFT`` 0), or its block's (blocks of
+        ``2**SHIFT`` elements from each segment's start, the segment's first block at
+        index ``first[segment]``).
 
         ``AMAX`` 0: ``scale_ptr`` holds float32 factors. 1 or 2: the segments'
         agreed maxima (float32 bits), whose exponents (:func:`_exp_key`, rule
@@ -372,9 +374,10 @@ if AVAILABLE:
         elif SHIFT == 0:
             f = tl.load(scale_ptr + s)
         else:
-            f = tl.load(
-                scale_ptr + tl.load(first_ptr + s) + ((idx - tl.load(off_ptr + s)) >> SHIFT)
-            )
+            # A lane past the chunk's last element (masked, perhaps deep in a shard's
+            # padding) reads the last element's factor, never one past the factors' end.
+            el = tl.minimum(idx, last)
+            f = tl.load(scale_ptr + tl.load(first_ptr + s) + ((el - tl.load(off_ptr + s)) >> SHIFT))
         return f
 
     @triton.jit
@@ -510,6 +513,7 @@ if AVAILABLE:
         scale_ptr,
         off_ptr,
         first_ptr,
+        last,
         lo,
         hi,
         step,
@@ -528,6 +532,7 @@ if AVAILABLE:
                 off_ptr,
                 first_ptr,
                 idx,
+                last,
                 lo,
                 hi,
                 step,
@@ -580,6 +585,7 @@ if AVAILABLE:
                     scale_ptr,
                     off_ptr,
                     first_ptr,
+                    last,
                     lo,
                     hi,
                     step,
@@ -603,6 +609,7 @@ if AVAILABLE:
                     scale_ptr,
                     off_ptr,
                     first_ptr,
+                    last,
                     lo,
                     hi,
                     step,
@@ -622,6 +629,7 @@ if AVAILABLE:
                     scale_ptr,
                     off_ptr,
                     first_ptr,
+                    last,
                     lo,
                     hi,
                     step,
@@ -647,6 +655,7 @@ if AVAILABLE:
                     scale_ptr,
                     off_ptr,
                     first_ptr,
+                    last,
                     lo,
                     hi,
                     step,
@@ -667,6 +676,7 @@ if AVAILABLE:
                     scale_ptr,
                     off_ptr,
                     first_ptr,
+                    last,
                     lo,
                     hi,
                     step,
@@ -791,14 +801,14 @@ if AVAILABLE:
         else:
             v = _value(_load_code(src_ptr, i, mask, WIRE), D)
         if SCALED:
-            lo, hi, step = _chunk_segments(
-                off_ptr, first, tl.minimum(first + BLOCK, numel) - 1, top, n_last
-            )
+            last = tl.minimum(first + BLOCK, numel) - 1
+            lo, hi, step = _chunk_segments(off_ptr, first, last, top, n_last)
             v = v * _factor(
                 scale_ptr,
                 off_ptr,
                 first_ptr,
                 i,
+                last,
                 lo,
                 hi,
                 step,
@@ -1252,7 +1262,8 @@ if AVAILABLE:
         same byte: programs meeting at a layer need no atomics)."""
         i = t * TB + tl.arange(0, TB)
         p = used + i
-        zero = (p < n_out) & ((p < key_at) | (p >= key_at + n_blocks))
+        keys_end = key_at.to(tl.int64) + n_blocks  # int32 operands may pass 2**31 summed
+        zero = (p < n_out) & ((p < key_at) | (p >= keys_end))
         tl.store(out_ptr + p, tl.full(i.shape, 0, tl.uint8), mask=zero)
         has = i < n_flags
         if AGREED:
@@ -1552,6 +1563,7 @@ if AVAILABLE:
         :func:`aps_comm.cpu_kernels.staged_key_factors`. ``first_ptr``: the layers'
         first blocks (layers + 1 entries)."""
         layer = tl.program_id(0).to(tl.int64)
+        n_blocks = n_blocks.to(tl.int64)  # 3 * n_blocks may pass 2**31
         lo = tl.load(first_ptr + layer)
         hi = tl.load(first_ptr + layer + 1)
         bad = tl.full([BLOCK], 0, tl.int32)
@@ -2418,7 +2430,7 @@ def _reduce_blocks(
         return
     lead, rows, width = tile_shape(longest, consts.wire_bits)
     pow2 = n_ranks & (n_ranks - 1) == 0
-    _reduce_blocks_kernel[(triton.cdiv(n_blocks, rows - lead),)](
+    _reduce_blocks_kernel[launch_grid(triton.cdiv(n_blocks, rows - lead))](
         recv,
         out,
         d,
@@ -2538,7 +2550,7 @@ def bind_block_keys(
     width = max(2, 1 << max(longest - 1, 0).bit_length())
     rows = max(2, TILE // width)
     launch = functools.partial(
-        _block_keys_kernel[(triton.cdiv(n, rows),)],
+        _block_keys_kernel[launch_grid(triton.cdiv(n, rows))],
         x,
         _on(offsets, x.device),
         _on(layer_of, x.device, torch.int32),
@@ -2611,7 +2623,7 @@ def bind_block_records(
     width = max(2, 1 << max(longest - 1, 0).bit_length())
     rows = max(2, TILE // width)
     fold = functools.partial(
-        _block_records_kernel[(max(triton.cdiv(n, rows), 1),)],
+        _block_records_kernel[launch_grid(max(triton.cdiv(n, rows), 1))],
         x,
         _on(offsets, x.device),
         _on(layer_of, x.device, torch.int32),
@@ -2625,7 +2637,7 @@ def bind_block_records(
         WIDTH=width,
         **compile_options(),
     )
-    finish = _records_rows_kernel[(max(triton.cdiv(n_layers * 5, BLOCK), 1),)]
+    finish = _records_rows_kernel[launch_grid(max(triton.cdiv(n_layers * 5, BLOCK), 1))]
 
     def call(out: torch.Tensor) -> None:
         fold()
@@ -2662,7 +2674,7 @@ def bind_staged_keys(
     rows = max(2, TILE // width)
     bits = int(np.float64(fmt.max).view(np.int64))
     return functools.partial(
-        _staged_keys_kernel[(max(triton.cdiv(n, rows), 1),)],
+        _staged_keys_kernel[launch_grid(max(triton.cdiv(n, rows), 1))],
         x,
         _on(offsets, x.device),
         maxima.view(torch.int32),
@@ -2692,9 +2704,11 @@ def bind_staged_key_factors(
     n = int(counts.sum())
     if keys.numel() < 2 * n or out.shape != (4, n) or out.dtype != torch.float32:
         raise ValueError(f"staged key factors need {2 * n} keys and float32 (4, {n}) rows")
+    if not counts.size:
+        return _NOTHING  # no layer: a program would read the end of ``first`` as a layer's
     first = np.concatenate([[0], np.cumsum(counts)])
     return functools.partial(
-        _staged_key_factors_kernel[(max(counts.size, 1),)],
+        _staged_key_factors_kernel[launch_grid(counts.size)],
         keys,
         _on(first, keys.device),
         out,
@@ -2822,7 +2836,7 @@ def bind_owner_rank_blocks(
     n_tail = triton.cdiv(max(out.numel() - used, n_flags, 1), rows * width)
     pow2 = n_ranks & (n_ranks - 1) == 0
     return functools.partial(
-        _reduce_blocks_kernel[(n_tiles + n_tail,)],
+        _reduce_blocks_kernel[launch_grid(n_tiles + n_tail)],
         recv,
         out,
         d,
@@ -2959,7 +2973,7 @@ def bind_owner_agreed_launch(
     n_tail = triton.cdiv(max(out.numel() - used, n_flags, 1), rows * width)
     pow2 = n_ranks & (n_ranks - 1) == 0
     launch = functools.partial(
-        _reduce_blocks_kernel[(n_tiles + n_tail,)],
+        _reduce_blocks_kernel[launch_grid(n_tiles + n_tail)],
         recv,
         out,
         d,

@@ -10,7 +10,10 @@ reduction and the shard mean, payloads at odd byte offsets, block scaling
 (a factor per block of each layer, windows cutting blocks), the owner's step
 with block exponents (agreed, or each rank's own with its shard); the PTX the
 kernels compile to for a GPU; how the codec picks the backend, with and
-without Triton.
+without Triton. Every interpreted launch here, on every rank of the multi-rank
+jobs too, touches only its own tensors (:func:`_bounds_checked`): a read past
+a tensor's end, or from an empty one's address 0, faults on a GPU where the
+interpreter seldom notices.
 
 ``triton.jit`` reads ``TRITON_INTERPRET`` when it builds a kernel, i.e. when
 :mod:`aps_comm.triton_codec` is imported: the fixture imports (or reloads) it
@@ -162,6 +165,103 @@ def _quiet(fn, *args, **kwargs):  # type: ignore[no-untyped-def]
     # The interpreter computes with numpy, which warns where a float op gives inf.
     with np.errstate(all="ignore"):
         return fn(*args, **kwargs)
+
+
+def _extent(t: torch.Tensor) -> int:
+    """The bytes from ``t``'s first element to the end of its last (0 when empty)."""
+    if not t.numel():
+        return 0
+    return t.element_size() * (
+        1 + sum((n - 1) * s for n, s in zip(t.shape, t.stride(), strict=True))
+    )
+
+
+@contextlib.contextmanager
+def _bounds_checked() -> Iterator[list[str]]:
+    """Every load, store and atomic of an interpreted kernel checked against the tensors
+    of its launch: the faults (kernel, access, addresses outside them) are listed in
+    the yielded list, and those lanes are not accessed.
+
+    The interpreter reads raw memory: a read past a small tensor's end seldom crashes
+    it, and an empty tensor's address 0 segfaults it, where a GPU faults ("illegal
+    memory access") or reads another allocation. Each launch's tensors span
+    ``[data_ptr, data_ptr + extent)``; an active lane's element must lie in one of them.
+    """
+    from triton.runtime import interpreter
+
+    faults: list[str] = []
+    launch: list = [np.zeros(0, np.uint64), np.zeros(0, np.uint64), ""]
+    executor, builder = interpreter.GridExecutor, interpreter.InterpreterBuilder
+    init, load, store, rmw = (
+        executor._init_args_hst,
+        builder.create_masked_load,
+        builder.create_masked_store,
+        builder.create_atomic_rmw,
+    )
+
+    def init_args(self: Any, args: Any, kwargs: Any) -> Any:
+        hst = init(self, args, kwargs)
+        tensors = [t for t in [*hst[0], *hst[1].values()] if isinstance(t, torch.Tensor)]
+        starts = np.array([t.data_ptr() for t in tensors], np.uint64)
+        launch[:] = [starts, starts + np.array([_extent(t) for t in tensors], np.uint64)]
+        launch.append(self.fn.__name__)
+        return hst
+
+    def checked(what: str, ptrs: Any, mask: Any) -> Any:
+        size = interpreter._get_np_dtype(ptrs.get_element_ty()).itemsize
+        addr = ptrs.data.astype(np.uint64)
+        active = np.broadcast_to(mask.data, addr.shape)
+        inside = (addr[..., None] >= launch[0]) & (addr[..., None] + size <= launch[1])
+        bad = active & ~inside.any(-1)
+        if bad.any():
+            faults.append(f"{launch[2]}: {what} of {int(bad.sum())} lanes outside its tensors")
+            mask = interpreter.TensorHandle(active & ~bad, mask.dtype)
+        return mask
+
+    def masked_load(self: Any, ptrs: Any, mask: Any, *args: Any) -> Any:
+        return load(self, ptrs, checked("load", ptrs, mask), *args)
+
+    def masked_store(self: Any, ptrs: Any, value: Any, mask: Any, *args: Any) -> Any:
+        return store(self, ptrs, value, checked("store", ptrs, mask), *args)
+
+    def atomic_rmw(self: Any, op: Any, ptr: Any, val: Any, mask: Any, *args: Any) -> Any:
+        return rmw(self, op, ptr, val, checked("atomic", ptr, mask), *args)
+
+    executor._init_args_hst = init_args
+    builder.create_masked_load = masked_load
+    builder.create_masked_store = masked_store
+    builder.create_atomic_rmw = atomic_rmw
+    try:
+        yield faults
+    finally:
+        executor._init_args_hst = init
+        builder.create_masked_load, builder.create_masked_store = load, store
+        builder.create_atomic_rmw = rmw
+
+
+@pytest.fixture(autouse=True)
+def _in_bounds() -> Iterator[None]:
+    """Every interpreted launch of every test here accesses only its own tensors."""
+    if not HAVE_TRITON:
+        yield
+        return
+    with _bounds_checked() as faults:
+        yield
+    assert faults == [], sorted(set(faults))
+
+
+def _checked_ranks(fn: Callable[..., list]) -> Callable[..., list]:
+    """A multi-rank test's per-rank function, its interpreted launches checked as every
+    test's here are (:func:`_bounds_checked`) on each rank."""
+
+    @functools.wraps(fn)
+    def run(rank: int, world_size: int, *args: Any) -> list:
+        with _bounds_checked() as faults:
+            results = fn(rank, world_size, *args)
+        assert faults == [], (rank, sorted(set(faults)))
+        return results
+
+    return run
 
 
 @needs_triton
@@ -333,6 +433,10 @@ def test_block_scaling_matches_kernels(
         got = torch.empty_like(ref)
         _quiet(tc.encode, x[lo:hi], got, fmt, offsets, scale[b0:], **kw)
         assert torch.equal(got, ref), lo
+        if not lo:  # a shard's padding: its lanes read no factor past the last block's
+            padded = torch.full((payload_nbytes(hi + 3000, fmt),), 0xA5, dtype=torch.uint8)
+            _quiet(tc.encode, x, padded, fmt, offsets, scale, pad=3000, **kw)
+            assert torch.equal(padded[: ref.numel()], ref) and not padded[ref.numel() :].any()
         back = codec.decode(ref, fmt, hi - lo, scale=unscale, layout=window, backend="kernels")
         mine = torch.empty(hi - lo)
         _quiet(tc.decode, ref, mine, fmt, offsets, unscale[b0:], **kw)
@@ -1192,7 +1296,10 @@ def test_a_fused_block_variant_that_fails_binds_the_codecs_own_calls(
     assert torch.equal(same, torch.where(want.isnan(), 0.0, want).view(torch.int32))
 
 
-def _node_blocks_on_triton(rank: int, world_size: int, cases: list[tuple[str, str, int]]) -> list:
+@_checked_ranks
+def _node_blocks_on_triton(
+    rank: int, world_size: int, cases: list[tuple[str, str, int, int | None]]
+) -> list:
     """Per case, a hierarchical or grid block bucket (2 nodes of 2) through the numba
     kernels and through the Triton kernels under the interpreter: (whether the Triton
     state settled into SteadyNodeBlocks, the Triton bits, the numba bits)."""
@@ -1205,7 +1312,7 @@ def _node_blocks_on_triton(rank: int, world_size: int, cases: list[tuple[str, st
         return codec.codec_for(fmt, device, "triton" if fmt.wire_bits <= 16 else backend)
 
     results = []
-    for reduction, fmt, block_size in cases:
+    for reduction, fmt, block_size, chunk in cases:
         options = {
             "fmt": fmt,
             "reduction": reduction,
@@ -1215,12 +1322,14 @@ def _node_blocks_on_triton(rank: int, world_size: int, cases: list[tuple[str, st
         }
         x, params = _block_bucket([5, 0, 1, 300, 33, 2, 64], 20 + rank)
         reference = aps_comm.APSState(**options)
+        reference.chunk_elements = chunk
         reference.bind_process_group()
         want = reference.run_bucket(0, x.clone(), params).clone()
         with _loaded(interpret=True):
             saved, plan.codec_for = plan.codec_for, triton_codec_for
             try:
                 state = aps_comm.APSState(**options)
+                state.chunk_elements = chunk
                 state.bind_process_group()
                 buffer = x.clone()
                 outs = []
@@ -1247,7 +1356,13 @@ def test_hierarchical_and_grid_blocks_on_triton_give_the_kernels_bits() -> None:
 
     if not HAVE_TRITON:
         pytest.skip("triton is not installed (pip install triton; in the test extra)")
-    cases = [("hierarchical", "e2m1", 8), ("grid", "e4m3", 32), ("hierarchical", "bf16", 8)]
+    # (reduction, format, block size, chunk_elements). 396 and 372: the last chunk is
+    # the last block alone (chunks end on block boundaries), three of the 4 shards empty.
+    cases = [
+        ("hierarchical", "e2m1", 8, 396),
+        ("grid", "e4m3", 32, 372),
+        ("hierarchical", "bf16", 8, None),
+    ]
     for rank, results in enumerate(
         run_distributed(_node_blocks_on_triton, 4, args=(cases,), timeout=600)
     ):
@@ -1259,6 +1374,7 @@ def test_hierarchical_and_grid_blocks_on_triton_give_the_kernels_bits() -> None:
                 assert torch.equal(torch.where(got.isnan(), 0.0, got).view(torch.int32), expected)
 
 
+@_checked_ranks
 def _staged_on_backends(
     rank: int, world_size: int, cases: list[tuple[str, str, str, int | None]]
 ) -> list:
@@ -1358,6 +1474,7 @@ def _mixed_state(reduction: str, rules: Callable[[], list], params: list[torch.T
     return state
 
 
+@_checked_ranks
 def _mixed_staged_on_triton(rank: int, world_size: int, cases: list[tuple[str, str]]) -> list:
     """Per case, a hierarchical or grid bucket (2 nodes of 2) in several formats
     (``KeepLast("fp16")``, or formats interleaved layer by layer), settled through the
@@ -1972,6 +2089,9 @@ def test_staged_block_keys_and_records_match_kernels(
         _quiet(tc.bind_staged_key_factors(keys, counts, grid, rows))
         cpu_kernels.staged_key_factors(keys, blocks.counts, grid, want_rows)
         assert torch.equal(_bits(rows), _bits(want_rows)), grid
+        # No layer, and layers without blocks: nothing read past the layers' first blocks.
+        for none in (counts[:0], np.zeros(2, np.int64)):
+            _quiet(tc.bind_staged_key_factors(keys, none, grid, torch.empty(4, 0)))
     maxima = torch.rand(n, generator=gen) * 100
     maxima[2] = float("inf")
     layer_of = np.repeat(np.arange(counts.size), counts)
@@ -1982,6 +2102,10 @@ def test_staged_block_keys_and_records_match_kernels(
         records = torch.full((len(numels), 5), 7.0, dtype=torch.float64)
         _quiet(call, records)
         assert torch.equal(records, want_records)
+    # Layers without blocks: zero rows, no block read.
+    empty = tc.bind_block_records(fmt, x[:0], offsets[:1], layer_of[:0], keys[:0], maxima[:0], 2)
+    _quiet(empty, records[:2])
+    assert records[:2].eq(0).all()
 
 
 def _native_blocks_run(
