@@ -648,7 +648,7 @@ class BlockChunk:
     """One chunk of two_phase with block exponents, agreed or every rank's own: the
     group's buffers and the chunk's blocks and buffers, made once by the binders
     (:func:`aps_comm.transports.bind_rank_blocks`, ``bind_agreed_blocks``,
-    ``bind_node_blocks``) for :meth:`Codec.bind_rank_blocks` and ``bind_agreed_blocks``.
+    ``bind_node_blocks``) for :meth:`Codec.bind_blocks` and ``bind_node_blocks``.
 
     Attributes:
         x: the group's float32 values (read, then overwritten by the decode).
@@ -1442,7 +1442,7 @@ class Codec:
             flags: uint8, one per layer.
             world_size: N.
             agreed: agreed block exponents, where nothing reads this rank's own flags:
-                ``flags`` is the union of :meth:`bind_agreed_blocks`, which its first
+                ``flags`` is the union of :meth:`bind_blocks` (agreed), which its first
                 chunk's owner step writes from the agreed keys. On "triton" the keys'
                 kernel zeroes it for that step instead of flagging (one launch, no
                 zeroing: the owner sets, never clears); the "kernels" owner writes
@@ -1486,59 +1486,42 @@ class Codec:
             self.fmt, x, offsets, layer_of, maxima, keys, flags, world_size, agreed
         )
 
-    def bind_rank_blocks(
+    def bind_blocks(
         self, chunk: BlockChunk
-    ) -> tuple[Callable[..., object], Callable[[], int], Callable[[], object]] | None:
-        """Bind one chunk's three steps of two_phase with every rank's own block exponents:
-        ``send(log2)`` encodes every shard with this rank's block keys (``log2``: this
-        rank's preferred chunk, sent where ``chunk.at >= 0``), ``owner()`` is this rank's
-        owner step and returns the ranks' largest preferred chunk (log2) for the first
-        chunk, else 0, ``decode()`` decodes every gathered shard with its owner's keys.
+    ) -> tuple[Callable[..., object], Callable[[], object], Callable[[], object]] | None:
+        """Bind one chunk's three steps of two_phase with block exponents, every rank's own
+        or agreed (``chunk.first_block`` set): ``send`` encodes every shard with the block
+        keys (every rank's own: ``send(log2)``, this rank's preferred chunk, sent with its
+        layer flags where ``chunk.at >= 0``; agreed: ``send()``, the codes only),
+        ``owner()`` is this rank's owner step (every rank's own: it returns the ranks'
+        largest preferred chunk (log2) for the first chunk, else 0), ``decode()`` decodes
+        every gathered shard with its owner's keys (agreed: the agreed keys and the
+        owner's extra exponents).
 
-        The fused form of what :func:`aps_comm.transports.rank_block_ops`
-        does shard by shard; the same bytes. None where this backend has no
-        fused kernels ("kernels" and "triton" have them for 4-, 8- and
-        16-bit formats), or where a Triton variant cannot
-        compile here (each launched once at bind time on private buffers, a
-        failure logged once): the bucket then binds the codec's own calls
-        (:func:`aps_comm.transports.rank_block_ops`). On "triton" every index array goes to
-        the device here, once, and the owner step returns 0 on CUDA (see
-        :func:`_owner_then_chunk`).
+        The fused form of what :func:`aps_comm.transports.rank_block_ops` and
+        ``agreed_block_calls`` do shard by shard; the same bytes. None where this backend
+        has no fused kernels ("kernels" and "triton" have them for 4-, 8- and 16-bit
+        formats), or where a Triton variant cannot compile here (each launched once at
+        bind time on private buffers, a failure logged once): the bucket then binds the
+        codec's own calls (:func:`aps_comm.transports.rank_block_ops`; agreed: it keeps
+        its full path). On "triton" every index array goes to the device here, once, the
+        owner step returns 0 on CUDA (see :func:`_owner_then_chunk`), and with agreed
+        keys ``chunk.union`` is zeroed before the first chunk's owner step (which sets
+        it, never clears) by the keys' call (:meth:`bind_block_keys` with ``agreed``).
 
         Example:
-            >>> send, owner, decode = codec.bind_rank_blocks(chunk)  # doctest: +SKIP
+            >>> send, owner, decode = codec.bind_blocks(chunk)  # doctest: +SKIP
             >>> send(0); owner(); decode()  # doctest: +SKIP
         """
         c, n = chunk, chunk.firsts.size - 1
         if not self._fused_run(c, {n}):
             return None
         owner = self._bind_owner(c)
-        if self.backend == "triton":
+        if self.backend == "triton" and c.first_block is None:
             host = c.recv.numpy() if c.at >= 0 and c.recv.device.type == "cpu" else None
             at, piece = c.at + c.union.numel(), c.recv.numel() // n
             owner = functools.partial(_owner_then_chunk, owner, host, at, piece)
         return self._bind_send(c), owner, self._bind_decode(c)
-
-    def bind_agreed_blocks(
-        self, chunk: BlockChunk
-    ) -> tuple[Callable[..., object], Callable[[], object], Callable[[], object]] | None:
-        """Bind one chunk's three steps of two_phase with agreed block exponents
-        (``chunk.first_block`` set).
-
-        The fused form of what :func:`aps_comm.transports.agreed_block_calls`
-        does shard by shard, with the same bytes: (send, owner, decode), one
-        kernel call each. ``chunk.union`` is zeroed before the first chunk's owner step on
-        "triton" (whose owner sets it, never clears) by the keys' call
-        (:meth:`bind_block_keys` with ``agreed``). None where this backend has none ("kernels" and
-        "triton" have them, for 4-, 8- and 16-bit formats), or where a Triton
-        variant cannot compile here: the bucket then keeps its full path.
-
-        Example:
-            >>> send, owner, decode = codec.bind_agreed_blocks(chunk)  # doctest: +SKIP
-        """
-        if not self._fused_run(chunk, {chunk.firsts.size - 1}):
-            return None
-        return self._bind_send(chunk), self._bind_owner(chunk), self._bind_decode(chunk)
 
     def _fused_run(self, c: BlockChunk, ranks: set[int]) -> bool:
         """Whether this backend's fused block kernels bind ``c`` (float32 values; 4-, 8- and
@@ -1711,7 +1694,7 @@ class Codec:
 
         The fused form of what :func:`aps_comm.transports.node_block_ops`
         does slice by slice and shard by shard; the same bytes. Across nodes it
-        is two_phase's :meth:`bind_rank_blocks` applied to the node's mean of
+        is two_phase's :meth:`bind_blocks` applied to the node's mean of
         this rank's slice among the M ranks of its local rank. None where this
         backend has no fused kernels ("kernels" and "triton" have them, for 4-,
         8- and 16-bit formats; on "triton" the node's mean and the flags' ORs are

@@ -594,7 +594,7 @@ def bind_agreed_blocks(
             at=0 if c == 0 else -1,
             first_block=int(firsts[rank]),
         )
-        bound = g.codec.bind_agreed_blocks(chunk)
+        bound = g.codec.bind_blocks(chunk)
         if bound is None:
             return None
         calls.append(ChunkCalls(*bound, send, recv, out, gathered))
@@ -791,7 +791,7 @@ def bind_rank_blocks(
             shard_bytes=sh.shard_bytes[c],
             at=sh.shard_bytes[0] + sh.slots[0] if c == 0 else -1,
         )
-        call = g.codec.bind_rank_blocks(chunk)
+        call = g.codec.bind_blocks(chunk)
         if call is None:  # no fused calls here: the codec's own, with the same bytes
             return rank_block_ops(g, x, keys, flags, union, rank)
         calls.append(_rank_chunk(c, *call, (send, recv, out, gathered), offer))

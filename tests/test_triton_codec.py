@@ -699,7 +699,7 @@ def _bind_rank_blocks(c: codec.Codec, x: torch.Tensor, blocks: codec.Blocks) -> 
         shard_bytes=sb,
         at=sb + nb,
     )
-    calls = c.bind_rank_blocks(chunk)
+    calls = c.bind_blocks(chunk)
     assert calls is not None
     send, owner, decode = calls
     send(3)
@@ -749,7 +749,7 @@ def _bind_agreed_blocks(c: codec.Codec, x: torch.Tensor, blocks: codec.Blocks) -
         shard_bytes=sb,
         at=0,  # the first chunk
     )
-    calls = c.bind_agreed_blocks(chunk)
+    calls = c.bind_blocks(chunk)
     assert calls is not None
     for call in calls:
         call()
