@@ -88,7 +88,6 @@ from aps_comm.telemetry import block_rows
 __all__ = [
     "AMAX_BLOCK",
     "BACKENDS",
-    "AgreedBlockChunk",
     "AgreedMaxima",
     "Backend",
     "BlockChunk",
@@ -96,7 +95,6 @@ __all__ = [
     "Codec",
     "Layout",
     "NodeBlockChunk",
-    "RankBlockChunk",
     "backend_for",
     "codec_for",
     "decode",
@@ -313,6 +311,11 @@ def _mean_of_rows(
     for r in range(1, rows.shape[0]):
         mean.add_(rows[r])
     mean.div_(rows.shape[0])
+
+
+def _one_call(calls: Sequence[Callable[[], object]]) -> Callable[[], object]:
+    """Bound ``calls`` as one call: the only one as it is, several :func:`in_order`."""
+    return calls[0] if len(calls) == 1 else functools.partial(in_order, calls)
 
 
 def in_order(calls: Sequence[Callable[[], object]]) -> None:
@@ -640,13 +643,22 @@ class AgreedMaxima:
         torch.where(usable, torch.where(usable, m, 0.0).amax(), m, out=m)
 
 
-@dataclasses.dataclass(frozen=True)
+@dataclasses.dataclass(frozen=True, kw_only=True)
 class BlockChunk:
-    """One chunk of two_phase with block exponents: its blocks and buffers, made once by
-    the binders (:func:`aps_comm.transports.bind_rank_blocks`, ``bind_agreed_blocks``,
-    ``bind_node_blocks``).
+    """One chunk of two_phase with block exponents, agreed or every rank's own: the
+    group's buffers and the chunk's blocks and buffers, made once by the binders
+    (:func:`aps_comm.transports.bind_rank_blocks`, ``bind_agreed_blocks``,
+    ``bind_node_blocks``) for :meth:`Codec.bind_blocks` and ``bind_node_blocks``.
 
     Attributes:
+        x: the group's float32 values (read, then overwritten by the decode).
+        keys: the key of every block of the group (uint8), written each step: this
+            rank's own, or the agreed ones.
+        flags: this rank's non-finite flag of every layer (uint8), written each step
+            (agreed: ``union``).
+        union: per layer, scratch: every rank's flags OR-ed (agreed: whether any of
+            its agreed keys is non-finite), written by the first chunk, read by every
+            decode.
         offsets: the group's block boundaries (elements; int32 or int64), or on the CPU
             kernels its grid (:class:`aps_comm.layout.BlockGrid`: nothing kept per block).
         firsts: the chunk's N shards' first blocks, and the end (int64).
@@ -656,8 +668,17 @@ class BlockChunk:
         out: this rank's gathered shard (codes, then a key or a byte ``d`` per block).
         gathered: the chunk's N gathered shards, N equal rows.
         shard_bytes: payload bytes every shard is padded to.
+        layer_ends: the cumulative blocks per layer (walked: no index per block).
+        at: the first chunk: where the layer flags and the chunk's log2 lie in a piece
+            (agreed: 0, nothing but codes on the wire); -1 for the later chunks.
+        first_block: agreed exponents: this rank's shard's first block in the group;
+            None for every rank's own.
     """
 
+    x: torch.Tensor
+    keys: torch.Tensor
+    flags: torch.Tensor
+    union: torch.Tensor
     offsets: np.ndarray | BlockGrid
     firsts: np.ndarray
     shard: np.ndarray | BlockGrid
@@ -666,42 +687,14 @@ class BlockChunk:
     out: torch.Tensor
     gathered: torch.Tensor
     shard_bytes: int
-
-
-@dataclasses.dataclass(frozen=True)
-class AgreedBlockChunk(BlockChunk):
-    """:class:`BlockChunk` with agreed block exponents (:meth:`Codec.bind_agreed_blocks`):
-    ``offsets`` and ``shard`` int64, or on the CPU kernels their grids.
-
-    Attributes:
-        layer_of: each block's layer (int64; int32 on the CPU kernels, whose binding
-            keeps the layers' ends only).
-        first: this rank's shard's first block in the group.
-        counts: the first chunk: blocks per layer of the group (int64); else None.
-    """
-
-    layer_of: np.ndarray
-    first: int
-    counts: np.ndarray | None = None
-
-
-@dataclasses.dataclass(frozen=True)
-class RankBlockChunk(BlockChunk):
-    """:class:`BlockChunk` with every rank's own block exponents
-    (:meth:`Codec.bind_rank_blocks`).
-
-    Attributes:
-        layer_ends: the cumulative blocks per layer (walked: no index per block).
-        at: where the layer flags and the chunk's log2 lie in a piece; -1 for none.
-    """
-
     layer_ends: np.ndarray
     at: int
+    first_block: int | None = None
 
 
-@dataclasses.dataclass(frozen=True)
-class NodeBlockChunk(RankBlockChunk):
-    """:class:`RankBlockChunk` for hierarchical (or grid) with every owner's own block
+@dataclasses.dataclass(frozen=True, kw_only=True)
+class NodeBlockChunk(BlockChunk):
+    """:class:`BlockChunk` for hierarchical (or grid) with every owner's own block
     exponents: the blocks and buffers at both levels (:meth:`Codec.bind_node_blocks`).
     Its ``firsts``, ``shard``, ``out`` and ``gathered`` are the chunk's N shards', its
     ``send`` and ``recv`` the exchange across nodes (M equal pieces), its ``at`` where the
@@ -1449,7 +1442,7 @@ class Codec:
             flags: uint8, one per layer.
             world_size: N.
             agreed: agreed block exponents, where nothing reads this rank's own flags:
-                ``flags`` is the union of :meth:`bind_agreed_blocks`, which its first
+                ``flags`` is the union of :meth:`bind_blocks` (agreed), which its first
                 chunk's owner step writes from the agreed keys. On "triton" the keys'
                 kernel zeroes it for that step instead of flagging (one launch, no
                 zeroing: the owner sets, never clears); the "kernels" owner writes
@@ -1493,295 +1486,54 @@ class Codec:
             self.fmt, x, offsets, layer_of, maxima, keys, flags, world_size, agreed
         )
 
-    def bind_rank_blocks(
-        self,
-        x: torch.Tensor,
-        keys: torch.Tensor,
-        flags: torch.Tensor,
-        union: torch.Tensor,
-        chunk: RankBlockChunk,
-    ) -> tuple[Callable[[int], object], Callable[[], int], Callable[[], object]] | None:
-        """Bind one chunk's three steps of two_phase with every rank's own block exponents:
-        ``send(log2)`` encodes every shard with this rank's block keys (``log2``: this
-        rank's preferred chunk, sent where ``chunk.at >= 0``), ``owner()`` is this rank's
-        owner step and returns the ranks' largest preferred chunk (log2) for the first
-        chunk, else 0, ``decode()`` decodes every gathered shard with its owner's keys.
+    def bind_blocks(
+        self, chunk: BlockChunk
+    ) -> tuple[Callable[..., object], Callable[[], object], Callable[[], object]] | None:
+        """Bind one chunk's three steps of two_phase with block exponents, every rank's own
+        or agreed (``chunk.first_block`` set): ``send`` encodes every shard with the block
+        keys (every rank's own: ``send(log2)``, this rank's preferred chunk, sent with its
+        layer flags where ``chunk.at >= 0``; agreed: ``send()``, the codes only),
+        ``owner()`` is this rank's owner step (every rank's own: it returns the ranks'
+        largest preferred chunk (log2) for the first chunk, else 0), ``decode()`` decodes
+        every gathered shard with its owner's keys (agreed: the agreed keys and the
+        owner's extra exponents).
 
-        The fused form of what :func:`aps_comm.transports.rank_block_ops`
-        does shard by shard; the same bytes. None where this backend has no
-        fused kernels ("kernels" and "triton" have them for 4-, 8- and
-        16-bit formats), or where a Triton variant cannot
-        compile here (each launched once at bind time on private buffers, a
-        failure logged once): the bucket then binds the codec's own calls
-        (:func:`aps_comm.transports.rank_block_ops`). On "triton" every index array goes to
-        the device here, once, and the owner step returns 0 on CUDA (see
-        :func:`_owner_then_chunk`).
-
-        Args:
-            x: the group's float32 values (read, then overwritten by the decode).
-            keys: this rank's key of every block of the group (uint8).
-            flags: this rank's non-finite flag of every layer (uint8).
-            union: scratch: every rank's flags OR-ed (written by the first
-                chunk's owner step, read by every decode).
-            chunk: the chunk's blocks and buffers.
+        The fused form of what :func:`aps_comm.transports.rank_block_ops` and
+        ``agreed_block_calls`` do shard by shard; the same bytes. None where this backend
+        has no fused kernels ("kernels" and "triton" have them for 4-, 8- and 16-bit
+        formats), or where a Triton variant cannot compile here (each launched once at
+        bind time on private buffers, a failure logged once): the bucket then binds the
+        codec's own calls (:func:`aps_comm.transports.rank_block_ops`; agreed: it keeps
+        its full path). On "triton" every index array goes to the device here, once, the
+        owner step returns 0 on CUDA (see :func:`_owner_then_chunk`), and with agreed
+        keys ``chunk.union`` is zeroed before the first chunk's owner step (which sets
+        it, never clears) by the keys' call (:meth:`bind_block_keys` with ``agreed``).
 
         Example:
-            >>> send, owner, decode = codec.bind_rank_blocks(x, keys, flags, union, chunk)  # doctest: +SKIP
+            >>> send, owner, decode = codec.bind_blocks(chunk)  # doctest: +SKIP
             >>> send(0); owner(); decode()  # doctest: +SKIP
         """
         c, n = chunk, chunk.firsts.size - 1
-        if not self._fused_blocks(x) or (
-            self.backend == "triton" and not self._triton_blocks_run(x, keys, flags, union, c, {n})
-        ):
+        if not self._fused_run(c, {n}):
             return None
-        owner = self._bind_owner(c, union, n, c.at)
-        if self.backend == "triton":
+        owner = self._bind_owner(c)
+        if self.backend == "triton" and c.first_block is None:
             host = c.recv.numpy() if c.at >= 0 and c.recv.device.type == "cpu" else None
-            piece = c.recv.numel() // n
-            owner = functools.partial(_owner_then_chunk, owner, host, c.at + union.numel(), piece)
-        return (
-            self._bind_send(x, keys, c.offsets, c.firsts, flags, c.send, c.shard_bytes, c.at),
-            owner,
-            self._bind_decode(x, union, c),
-        )
+            at, piece = c.at + c.union.numel(), c.recv.numel() // n
+            owner = functools.partial(_owner_then_chunk, owner, host, at, piece)
+        return self._bind_send(c), owner, self._bind_decode(c)
 
-    def bind_agreed_blocks(
-        self, x: torch.Tensor, keys: torch.Tensor, union: torch.Tensor, chunk: AgreedBlockChunk
-    ) -> tuple[Callable[[], None], Callable[[], None], Callable[[], None]] | None:
-        """Bind one chunk's three steps of two_phase with agreed block exponents.
-
-        The fused form of what :func:`aps_comm.transports.agreed_block_calls`
-        does shard by shard, with the same bytes: (send, owner, decode), one
-        kernel call each. ``union`` is zeroed before the first chunk's owner step on
-        "triton" (whose owner sets it, never clears) by the keys' call
-        (:meth:`bind_block_keys` with ``agreed``). None where this backend has none ("kernels" and
-        "triton" have them, for 4-, 8- and 16-bit formats), or where a Triton
-        variant cannot compile here: the bucket then keeps its full path.
-
-        Args:
-            x: the group's float32 values (read, then overwritten by the decode).
-            keys: the agreed key of every block of the group (uint8), written each step.
-            union: per layer, 1 where a block of it has a non-finite key
-                (uint8): written by the first chunk's owner step (on "triton" after
-                the keys' call zeroed it).
-            chunk: the chunk's blocks and buffers.
-
-        Example:
-            >>> send, owner, decode = codec.bind_agreed_blocks(x, keys, union, chunk)  # doctest: +SKIP
-        """
-        if not self._fused_blocks(x):
-            return None
-        c, n = chunk, chunk.firsts.size - 1
-        if self.backend == "triton":
-            # The rank-block send with the agreed keys and no key bytes (its padding runs
-            # to the piece's end), the owner's step and the decode with the agreed keys.
-            t = _triton()
-            if not self._triton_blocks_run(x, keys, union, union, c, {n}, agreed=True):
-                return None
-            send = self._bind_send(
-                x, keys, c.offsets, c.firsts, union, c.send, c.send.numel() // n, -1
-            )
-            d = torch.empty(max(c.shard.size - 1, 1), dtype=torch.int32, device=x.device)
-            owner = t.bind_owner_agreed_launch(  # union: zeroed by the keys' kernel
-                self.fmt,
-                *(c.recv, n, c.shard, keys, c.first, c.out, union, d, c.shard_bytes),
-                _longest(c.shard),
-                None if c.counts is None else c.layer_of,
-            )
-            decode = t.bind_decode_rank_blocks(
-                *(self.fmt, c.gathered, n, c.offsets, c.firsts, c.layer_of, union, x),
-                *(c.shard_bytes, keys),
-            )
-            return functools.partial(send, -1), owner, decode
-        counts = np.zeros(0, np.int64) if c.counts is None else c.counts
-        xa, ka = x.numpy(), keys.numpy()
-        return (
-            functools.partial(
-                cpu_kernels.call,
-                "send_agreed_blocks",
-                self.fmt,
-                xa,
-                ka,
-                _key_table(unscale=False),
-                c.offsets,
-                c.firsts,
-                c.send.numpy(),
-                c.send.numel() // n,
-            ),
-            functools.partial(
-                cpu_kernels.call,
-                "owner_agreed_blocks",
-                self.fmt,
-                EXPONENT_LIMIT,
-                c.recv.numpy(),
-                n,
-                c.shard,
-                ka,
-                c.first,
-                c.out.numpy(),
-                c.shard_bytes,
-                None,  # the owner's scratch: the call's own, nothing kept per block
-                (counts, union.numpy()),
-                _longest(c.shard),
-            ),
-            functools.partial(
-                _decode_agreed_kernels,
-                self.fmt,
-                c.gathered.numpy(),
-                n,
-                c.offsets,
-                c.firsts,
-                ka,
-                np.cumsum(np.bincount(c.layer_of)),  # per layer, not per block
-                union.numpy(),
-                xa,
-                c.shard_bytes,
-            ),
-        )
-
-    def _fused_blocks(self, x: torch.Tensor) -> bool:
-        """Whether this backend has the fused block kernels for ``x`` (float32 values):
-        "kernels" on CPU tensors and "triton", for 4-, 8- and 16-bit formats."""
-        if x.dtype != torch.float32 or self.fmt.wire_bits not in (4, 8, 16):
+    def _fused_run(self, c: BlockChunk, ranks: set[int]) -> bool:
+        """Whether this backend's fused block kernels bind ``c`` (float32 values; 4-, 8- and
+        16-bit formats): "kernels" on CPU tensors; on "triton" where the send, owner and
+        decode variants (agreed or not as ``c``) for each count of ``ranks`` and blocks as
+        long as ``c``'s shard's run here: each launched once on a tiny chunk of private
+        buffers (N shards of one one-element block; piece: code, key, flag, log2)."""
+        if c.x.dtype != torch.float32 or self.fmt.wire_bits not in (4, 8, 16):
             return False
-        if self.backend == "kernels":
-            return x.device.type == "cpu"
-        return self.backend == "triton"
-
-    def _bind_send(
-        self,
-        x: torch.Tensor,
-        keys: torch.Tensor,
-        offsets: np.ndarray,
-        firsts: np.ndarray,
-        flags: torch.Tensor,
-        send: torch.Tensor,
-        shard_bytes: int,
-        at: int,
-    ) -> Callable[[int], object]:
-        """``x``'s pieces (blocks ``firsts`` of ``offsets``) encoded with ``keys`` into
-        ``send``, the layer ``flags`` and the chunk's log2 (the call's argument) at ``at``:
-        one bound kernel call on either backend."""
-        if self.backend == "triton":
-            return _triton().bind_send_rank_blocks(
-                self.fmt, x, keys, _grid_array(offsets), firsts, flags, send, shard_bytes, at
-            )
-        n, table = firsts.size - 1, _key_table(unscale=False)
-        return functools.partial(
-            cpu_kernels.call,
-            "send_rank_blocks",
-            self.fmt,
-            x.numpy(),
-            keys.numpy(),
-            table,
-            offsets,
-            firsts,
-            send.numpy(),
-            send.numel() // n,
-            shard_bytes,
-            flags.numpy(),
-            at,
-        )
-
-    def _bind_owner(
-        self,
-        c: RankBlockChunk,
-        union: torch.Tensor,
-        n: int,
-        at: int,
-        own: tuple[torch.Tensor, int] | None = None,
-    ) -> Callable[[], object]:
-        """The owner step over ``c.recv``'s ``n`` pieces into ``c.out``, every rank's flags
-        OR-ed into ``union`` where ``at >= 0``; ``own``: the owner's own values and
-        their piece (:func:`aps_comm.cpu_kernels.owner_rank_blocks`). One bound call."""
-        longest = _longest(c.shard)
-        if self.backend == "triton":
-            shard = _grid_array(c.shard)
-            d = torch.empty(max(shard.size - 1, 1), dtype=torch.int32, device=c.out.device)
-            mine, row = own if own is not None else (None, -1)
-            return _triton().bind_owner_rank_blocks(
-                self.fmt,
-                c.recv,
-                n,
-                shard,
-                c.out,
-                union,
-                d,
-                c.shard_bytes,
-                at,
-                longest,
-                own=mine,
-                own_row=row,
-            )
-        return functools.partial(
-            cpu_kernels.call,
-            "owner_rank_blocks",
-            self.fmt,
-            EXPONENT_LIMIT,
-            c.recv.numpy().reshape(n, -1),
-            c.shard,
-            _key_table(unscale=True),
-            c.out.numpy(),
-            c.shard_bytes,
-            at,
-            union.numpy(),
-            None,  # the mean's exponents: scratch of the call's own, nothing kept per block
-            longest,
-            None if own is None else (own[0].numpy(), own[1]),
-        )
-
-    def _bind_decode(
-        self,
-        x: torch.Tensor,
-        union: torch.Tensor,
-        c: RankBlockChunk,
-        flag_rows: torch.Tensor | None = None,
-    ) -> Callable[[], object]:
-        """The chunk's N gathered shards decoded into ``x`` with their owners' keys (the
-        layers ``union`` flags made NaN): one bound call; where ``flag_rows`` (every
-        rank's layer flags) are given, their OR into ``union`` first (in the same call
-        on the CPU kernels)."""
-        n = c.firsts.size - 1
-        if self.backend == "triton":
-            layer_of, offsets = _layer_of(c.layer_ends), _grid_array(c.offsets)
-            decode = _triton().bind_decode_rank_blocks(
-                self.fmt, c.gathered, n, offsets, c.firsts, layer_of, union, x, c.shard_bytes
-            )
-            if flag_rows is None:
-                return decode
-            return functools.partial(in_order, [self._bind_or(flag_rows, union), decode])
-        rows = () if flag_rows is None else (flag_rows.numpy(),)
-        return functools.partial(
-            cpu_kernels.call,
-            "decode_rank_blocks",
-            self.fmt,
-            c.gathered.numpy(),
-            n,
-            c.offsets,
-            c.firsts,
-            _key_table(unscale=True),
-            c.layer_ends,
-            union.numpy(),
-            x.numpy(),
-            c.shard_bytes,
-            *rows,
-        )
-
-    def _triton_blocks_run(
-        self,
-        x: torch.Tensor,
-        keys: torch.Tensor,
-        flags: torch.Tensor,
-        union: torch.Tensor,
-        c: BlockChunk,
-        ranks: set[int],
-        agreed: bool = False,
-    ) -> bool:
-        """Whether the send, owner and decode variants (``agreed``: with agreed keys) for
-        each count of ``ranks`` and blocks as long as ``c``'s shard's run here: each
-        launched once on a tiny chunk of private buffers (N shards of one one-element
-        block; piece: code, key, flag, log2)."""
-        t, fmt = _triton(), self.fmt
+        if self.backend != "triton":
+            return self.backend == "kernels" and c.x.device.type == "cpu"
+        t, fmt, agreed = _triton(), self.fmt, c.first_block is not None
         longest = _longest(c.shard)
         if longest > t.MAX_SEGMENT:
             return False
@@ -1789,10 +1541,10 @@ class Codec:
         kind = "agreed" if agreed else "rank"
         for n in sorted(ranks):
             one, layer_of = np.arange(n + 1, dtype=np.int64), np.zeros(n, np.int64)
-            px, pkeys = _like(x, n), _like(keys, n)
-            pflags, punion = _like(flags, 1), _like(union, 1)
+            px, pkeys = _like(c.x, n), _like(c.keys, n)
+            pflags, punion = _like(c.flags, 1), _like(c.union, 1)
             psend, pout = _like(c.send, 5 * n), _like(c.out, 5)
-            d = torch.zeros(1, dtype=torch.int32, device=x.device)
+            d = torch.zeros(1, dtype=torch.int32, device=c.x.device)
             divide = 0 if n == 1 else 1 if n & (n - 1) == 0 else 2
             if agreed:
                 owner = t.bind_owner_agreed_blocks(
@@ -1821,13 +1573,106 @@ class Codec:
                 return False
         return True
 
+    def _bind_send(self, c: BlockChunk) -> Callable[..., object]:
+        """``c.x``'s pieces encoded with ``c.keys`` into ``c.send``, the layer flags and the
+        chunk's log2 (the call's argument) at ``c.at``; agreed: the codes only (the padding
+        runs to the piece's end) and no argument. One bound kernel call on either backend."""
+        n, agreed = c.firsts.size - 1, c.first_block is not None
+        piece = c.send.numel() // n
+        if self.backend == "triton":
+            sb, at = (piece, -1) if agreed else (c.shard_bytes, c.at)
+            send = _triton().bind_send_rank_blocks(
+                self.fmt, c.x, c.keys, _grid_array(c.offsets), c.firsts, c.flags, c.send, sb, at
+            )
+            return functools.partial(send, -1) if agreed else send
+        table = _key_table(unscale=False)
+        head = (self.fmt, c.x.numpy(), c.keys.numpy(), table, c.offsets, c.firsts, c.send.numpy())
+        if agreed:
+            return functools.partial(cpu_kernels.call, "send_agreed_blocks", *head, piece)
+        return functools.partial(
+            cpu_kernels.call,
+            "send_rank_blocks",
+            *(*head, piece, c.shard_bytes, c.flags.numpy(), c.at),
+        )
+
+    def _bind_owner(
+        self, c: BlockChunk, own: tuple[torch.Tensor, int] | None = None
+    ) -> Callable[[], object]:
+        """The owner step over ``c.recv``'s pieces into ``c.out``, the first chunk's layer
+        flags into ``c.union`` (where ``c.at >= 0``: every rank's OR-ed, agreed: from the
+        agreed keys); ``own``: the owner's own values and their piece
+        (:func:`aps_comm.cpu_kernels.owner_rank_blocks`). One bound call."""
+        n, longest, agreed = c.firsts.size - 1, _longest(c.shard), c.first_block is not None
+        if self.backend == "triton":
+            t, shard = _triton(), _grid_array(c.shard)
+            d = torch.empty(max(shard.size - 1, 1), dtype=torch.int32, device=c.out.device)
+            if agreed:  # c.union: zeroed by the keys' kernel
+                return t.bind_owner_agreed_launch(
+                    *(self.fmt, c.recv, n, shard, c.keys, c.first_block, c.out, c.union, d),
+                    *(c.shard_bytes, longest, _layer_of(c.layer_ends) if c.at >= 0 else None),
+                )
+            mine, row = own if own is not None else (None, -1)
+            return t.bind_owner_rank_blocks(
+                *(self.fmt, c.recv, n, shard, c.out, c.union, d, c.shard_bytes, c.at, longest),
+                own=mine,
+                own_row=row,
+            )
+        if agreed:
+            counts = np.diff(c.layer_ends, prepend=0) if c.at >= 0 else np.zeros(0)
+            return functools.partial(
+                cpu_kernels.call,
+                "owner_agreed_blocks",
+                *(self.fmt, EXPONENT_LIMIT, c.recv.numpy(), n, c.shard, c.keys.numpy()),
+                *(c.first_block, c.out.numpy(), c.shard_bytes),
+                None,  # the owner's scratch: the call's own, nothing kept per block
+                (counts.astype(np.int64), c.union.numpy()),
+                longest,
+            )
+        return functools.partial(
+            cpu_kernels.call,
+            "owner_rank_blocks",
+            self.fmt,
+            EXPONENT_LIMIT,
+            c.recv.numpy().reshape(n, -1),
+            c.shard,
+            _key_table(unscale=True),
+            c.out.numpy(),
+            c.shard_bytes,
+            c.at,
+            c.union.numpy(),
+            None,  # the mean's exponents: scratch of the call's own, nothing kept per block
+            longest,
+            None if own is None else (own[0].numpy(), own[1]),
+        )
+
+    def _bind_decode(
+        self, c: BlockChunk, flag_rows: torch.Tensor | None = None
+    ) -> Callable[[], object]:
+        """The chunk's N gathered shards decoded into ``c.x`` with their owners' keys (agreed:
+        the agreed keys and the owners' bytes d; the layers ``c.union`` flags made NaN): one
+        bound call; where ``flag_rows`` (every rank's layer flags) are given, their OR into
+        ``c.union`` first (in the same call on the CPU kernels)."""
+        n, agreed = c.firsts.size - 1, c.first_block is not None
+        if self.backend == "triton":
+            decode = _triton().bind_decode_rank_blocks(
+                *(self.fmt, c.gathered, n, _grid_array(c.offsets), c.firsts),
+                *(_layer_of(c.layer_ends), c.union, c.x, c.shard_bytes),
+                c.keys if agreed else None,
+            )
+            if flag_rows is None:
+                return decode
+            return functools.partial(in_order, [self._bind_or(flag_rows, c.union), decode])
+        head = (self.fmt, c.gathered.numpy(), n, c.offsets, c.firsts)
+        tail = (c.layer_ends, c.union.numpy(), c.x.numpy(), c.shard_bytes)
+        if agreed:
+            return functools.partial(_decode_agreed_kernels, *head, c.keys.numpy(), *tail)
+        rows = () if flag_rows is None else (flag_rows.numpy(),)
+        return functools.partial(
+            cpu_kernels.call, "decode_rank_blocks", *head, _key_table(unscale=True), *tail, *rows
+        )
+
     def bind_node_blocks(
-        self,
-        x: torch.Tensor,
-        keys: torch.Tensor,
-        flags: torch.Tensor,
-        union: torch.Tensor,
-        chunk: NodeBlockChunk,
+        self, chunk: NodeBlockChunk
     ) -> (
         tuple[
             Callable[[], object] | None,
@@ -1849,95 +1694,84 @@ class Codec:
 
         The fused form of what :func:`aps_comm.transports.node_block_ops`
         does slice by slice and shard by shard; the same bytes. Across nodes it
-        is two_phase's :meth:`bind_rank_blocks` applied to the node's mean of
+        is two_phase's :meth:`bind_blocks` applied to the node's mean of
         this rank's slice among the M ranks of its local rank. None where this
         backend has no fused kernels ("kernels" and "triton" have them, for 4-,
         8- and 16-bit formats; on "triton" the node's mean and the flags' ORs are
         a few torch ops over the L or N rows, in the same order): the bucket then
         binds the codec's own calls (:func:`aps_comm.transports.node_block_ops`).
-
-        Args:
-            x: the group's float32 values (read, then overwritten by the decode).
-            keys: this rank's key of every block of the group (uint8; grid sends with them).
-            flags: this rank's non-finite flag of every layer (uint8).
-            union: scratch: every rank's flags OR-ed (written by the first
-                chunk's decode, read by every decode).
-            chunk: the chunk's blocks and buffers at both levels.
+        ``chunk.union`` is written by the first chunk's decode.
 
         Example:
-            >>> first, across, owner, decode = codec.bind_node_blocks(x, keys, flags, union, chunk)  # doctest: +SKIP
+            >>> first, across, owner, decode = codec.bind_node_blocks(chunk)  # doctest: +SKIP
             >>> across(); owner(); decode()  # doctest: +SKIP
         """
         c, n, nodes = chunk, chunk.firsts.size - 1, chunk.piece_firsts.size - 1
-        if not self._fused_blocks(x) or (
-            self.backend == "triton"
-            and not self._triton_blocks_run(x, keys, flags, union, c, {n, nodes})
-        ):
+        if not self._fused_run(c, {n, nodes}):
             return None
-        blocks, node = c.slice_offsets.size - 1, c.own_rows[1]
-        mean = torch.empty(int(c.slice_offsets[-1]), dtype=torch.float32, device=x.device)
-        maxima = torch.empty(blocks, dtype=torch.float32, device=x.device)
-        own = torch.empty(blocks, dtype=torch.uint8, device=x.device)
+        blocks, node, device = c.slice_offsets.size - 1, c.own_rows[1], c.x.device
+        mean = torch.empty(int(c.slice_offsets[-1]), dtype=torch.float32, device=device)
+        maxima = torch.empty(blocks, dtype=torch.float32, device=device)
+        # Across nodes: two_phase's chunk of the node's mean of this rank's slice, sent with
+        # its blocks' own keys.
+        own = torch.empty(blocks, dtype=torch.uint8, device=device)
+        across = dataclasses.replace(
+            c, x=mean, keys=own, offsets=c.slice_offsets, firsts=c.piece_firsts
+        )
         if self.backend == "triton":
             # The node's mean's blocks' own keys (two_phase's rule over the M nodes): the
             # block keys' kernel over the slice as one layer.
-            slice_blocks = Layout.from_numels(np.diff(c.slice_offsets).tolist(), x.device)
+            slice_blocks = Layout.from_numels(np.diff(c.slice_offsets).tolist(), device)
             one_layer = torch.tensor([blocks], dtype=torch.int64)
-            no_flag = torch.zeros(1, dtype=torch.uint8, device=x.device)
+            no_flag = torch.zeros(1, dtype=torch.uint8, device=device)
             mean_keys = self.bind_block_keys(
                 mean, slice_blocks, one_layer, maxima, own, no_flag, nodes
             )
             if mean_keys is None:
                 return None
-            send = self._bind_send(
-                mean, own, c.slice_offsets, c.piece_firsts, flags, c.send, c.shard_bytes, c.at
-            )
             # No chunk byte: hierarchical agrees no chunk size on the wire.
-            across = [self._bind_node_mean(x, c, mean), mean_keys, functools.partial(send, -1)]
+            sends = [self._bind_node_mean(c, mean), mean_keys]
+            sends.append(functools.partial(self._bind_send(across), -1))
         else:
             # The node's mean (hierarchical's; grid's decodes first), its keys and send: one
             # call (no chunk byte: hierarchical agrees no chunk size on the wire).
             rows = np.empty((0, 0), np.float32)
-            across = [] if c.first is None else [self._bind_node_mean(x, c, mean)]
+            sends = [] if c.first is None else [self._bind_node_mean(c, mean)]
             if c.first is None:
                 rows = c.received.numpy().reshape(c.ranks_per_node, -1)
-            across.append(
+            sends.append(
                 functools.partial(
                     cpu_kernels.call,
                     "node_send",
                     *(self.fmt, rows, mean.numpy(), (c.slice_offsets, c.piece_firsts)),
                     *(maxima.numpy(), own.numpy(), (EXPONENT_LIMIT, nodes)),
                     *(_key_table(unscale=False), c.send.numpy(), c.shard_bytes),
-                    (flags.numpy(), c.at),
+                    (c.flags.numpy(), c.at),
                 )
             )
         send_first = None
         if c.first is not None:
             first_send, slice_firsts, slice_bytes = c.first
-            send_first = functools.partial(
-                self._bind_send(
-                    x, keys, c.offsets, slice_firsts, flags[:0], first_send, slice_bytes, -1
-                ),
-                -1,
+            # This rank's L slices with its own keys, no flags: a chunk of L shards.
+            view = dataclasses.replace(
+                c,
+                firsts=slice_firsts,
+                flags=c.flags[:0],
+                send=first_send,
+                shard_bytes=slice_bytes,
+                at=-1,
             )
+            send_first = functools.partial(self._bind_send(view), -1)
         own_mean = mean[_piece(c.slice_offsets, c.piece_firsts, node)], node
-        owner = [self._bind_owner(c, union, nodes, -1, own_mean)]
+        owner = [self._bind_owner(dataclasses.replace(across, at=-1), own_mean)]
         flag_rows = None
         if c.at >= 0:  # the first chunk's flags, OR-ed after the owner step, before the decode
-            k = slice(c.at, c.at + flags.numel())
+            k = slice(c.at, c.at + c.flags.numel())
             owner.append(self._bind_or(c.recv.view(nodes, -1)[:, k], c.out[k]))
             flag_rows = c.gathered.view(n, -1)[:, k]
-        decode = self._bind_decode(x, union, c, flag_rows)
-        return (
-            send_first,
-            functools.partial(in_order, across) if len(across) > 1 else across[0],
-            functools.partial(in_order, owner) if len(owner) > 1 else owner[0],
-            decode,
-        )
+        return send_first, _one_call(sends), _one_call(owner), self._bind_decode(c, flag_rows)
 
-    def _bind_node_mean(
-        self, x: torch.Tensor, c: NodeBlockChunk, mean: torch.Tensor
-    ) -> Callable[[], object]:
+    def _bind_node_mean(self, c: NodeBlockChunk, mean: torch.Tensor) -> Callable[[], object]:
         """The node's mean of this rank's slice from what the first exchange brought,
         bound: the L received rows (hierarchical: float32, on Triton only: the CPU
         kernels' is :func:`cpu_kernels.node_send`'s; grid: encoded, each decoded with its
@@ -1949,7 +1783,7 @@ class Codec:
             return functools.partial(_mean_of_rows, [], c.received.view(per, numel), mean)
         _, slice_firsts, slice_bytes = c.first
         local = c.own_rows[0]
-        mine = x[_piece(c.offsets, slice_firsts, local)]
+        mine = c.x[_piece(c.offsets, slice_firsts, local)]
         if t is None:
             return functools.partial(
                 cpu_kernels.call,
@@ -1965,11 +1799,11 @@ class Codec:
                 mine.numpy(),
                 local,
             )
-        rows = torch.empty(per, numel, dtype=torch.float32, device=x.device)
+        rows = torch.empty(per, numel, dtype=torch.float32, device=c.x.device)
         pieces = c.received.view(per, -1)
         blocks = c.slice_offsets.size - 1
         whole, zero_layers = np.array([0, blocks], np.int64), np.zeros(blocks, np.int64)
-        clean = torch.zeros(1, dtype=torch.uint8, device=x.device)
+        clean = torch.zeros(1, dtype=torch.uint8, device=c.x.device)
         decode_rows = [
             functools.partial(rows[r].copy_, mine)
             if r == local  # its own slice: the values, not their rounded copy

@@ -44,7 +44,7 @@ import numpy as np
 import torch
 import torch.distributed as dist
 
-from aps_comm.codec import AgreedBlockChunk, NodeBlockChunk, RankBlockChunk
+from aps_comm.codec import BlockChunk, NodeBlockChunk
 from aps_comm.formats import FloatFormat, payload_nbytes, pow2
 from aps_comm.layout import BlockGrid, Layout
 from aps_comm.plan import BlockShards, GroupPlan, NodeBlocks
@@ -570,16 +570,18 @@ def bind_agreed_blocks(
     sh = g.block_shards
     assert sh is not None and not sh.rank_exponents and g.blocks is not None
     counts = g.blocks.counts.numpy()  # the host copy the plan keeps
-    # The CPU kernels take the plan's grids (nothing kept per block) and index in int32.
+    # The CPU kernels take the plan's grids (nothing kept per block).
     host = g.codec.backend == "kernels" and x.device.type == "cpu"
-    wide = np.int32 if host and g.layout.numel < 2**31 else np.int64
     offsets = _grid_of(g.layout) if host else g.layout.offsets.numpy().astype(np.int64)
-    layer_of = np.repeat(np.arange(counts.size, dtype=wide), counts)
     calls = []
     for c in range(len(g.chunks)):
         firsts, mine = _block_firsts(g.layout, sh.bounds[c]), sh.layouts[c][rank]
         send, recv, out, gathered = _chunk_views(g, c)
-        chunk = AgreedBlockChunk(
+        chunk = BlockChunk(
+            x=x,
+            keys=keys,
+            flags=union,  # nothing of this rank's own goes on the wire
+            union=union,
             offsets=offsets,
             firsts=firsts,
             shard=_grid_of(mine) if host else mine.offsets.numpy().astype(np.int64),
@@ -588,11 +590,11 @@ def bind_agreed_blocks(
             out=out,
             gathered=gathered,
             shard_bytes=sh.shard_bytes[c],
-            layer_of=layer_of,
-            first=int(firsts[rank]),
-            counts=counts.astype(np.int64) if c == 0 else None,
+            layer_ends=np.cumsum(counts),
+            at=0 if c == 0 else -1,
+            first_block=int(firsts[rank]),
         )
-        bound = g.codec.bind_agreed_blocks(x, keys, union, chunk)
+        bound = g.codec.bind_blocks(chunk)
         if bound is None:
             return None
         calls.append(ChunkCalls(*bound, send, recv, out, gathered))
@@ -773,7 +775,11 @@ def bind_rank_blocks(
     for c in range(len(g.chunks)):
         firsts = _block_firsts(g.layout, sh.bounds[c])
         send, recv, out, gathered = _chunk_views(g, c)
-        chunk = RankBlockChunk(
+        chunk = BlockChunk(
+            x=x,
+            keys=keys,
+            flags=flags,
+            union=union,
             offsets=offsets,
             firsts=firsts,
             layer_ends=layer_ends,
@@ -785,7 +791,7 @@ def bind_rank_blocks(
             shard_bytes=sh.shard_bytes[c],
             at=sh.shard_bytes[0] + sh.slots[0] if c == 0 else -1,
         )
-        call = g.codec.bind_rank_blocks(x, keys, flags, union, chunk)
+        call = g.codec.bind_blocks(chunk)
         if call is None:  # no fused calls here: the codec's own, with the same bytes
             return rank_block_ops(g, x, keys, flags, union, rank)
         calls.append(_rank_chunk(c, *call, (send, recv, out, gathered), offer))
@@ -1208,6 +1214,10 @@ def bind_node_blocks(
             first = nb.first_send[c], _block_firsts(g.layout, bounds[::nodes]), nb.slice_bytes[c]
         piece_bounds = [b - s0 for b in bounds[local * nodes : (local + 1) * nodes + 1]]
         chunk = NodeBlockChunk(
+            x=x,
+            keys=keys,
+            flags=flags,
+            union=union,
             offsets=offsets,
             firsts=_block_firsts(g.layout, bounds),
             layer_ends=layer_ends,
@@ -1225,7 +1235,7 @@ def bind_node_blocks(
             at=nb.shard_bytes[c] + nb.slots[c] if c == 0 else -1,
             own_rows=(local, nb.node),
         )
-        call = g.codec.bind_node_blocks(x, keys, flags, union, chunk)
+        call = g.codec.bind_node_blocks(chunk)
         if call is None:  # no fused calls here: the codec's own, with the same bytes
             return node_block_ops(g, x, keys, flags, union)
         calls.append(_node_chunk_calls(g, x, c, *call))

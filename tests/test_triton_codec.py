@@ -787,7 +787,11 @@ def _bind_rank_blocks(c: codec.Codec, x: torch.Tensor, blocks: codec.Blocks) -> 
     sb = max(payload_nbytes(int(n), c.fmt) for n in np.diff(offsets[firsts]))
     piece = sb + nb + n_layers + 1
     shard = offsets[firsts[2] : firsts[3] + 1] - offsets[firsts[2]]
-    chunk = codec.RankBlockChunk(
+    chunk = codec.BlockChunk(
+        x=x,
+        keys=keys,
+        flags=flags,
+        union=union,
         offsets=offsets,
         firsts=firsts,
         layer_ends=layer_ends,
@@ -799,7 +803,7 @@ def _bind_rank_blocks(c: codec.Codec, x: torch.Tensor, blocks: codec.Blocks) -> 
         shard_bytes=sb,
         at=sb + nb,
     )
-    calls = c.bind_rank_blocks(x, keys, flags, union, chunk)
+    calls = c.bind_blocks(chunk)
     assert calls is not None
     send, owner, decode = calls
     send(3)
@@ -832,20 +836,24 @@ def _bind_agreed_blocks(c: codec.Codec, x: torch.Tensor, blocks: codec.Blocks) -
     firsts = np.array([0, nb // 3, nb // 3, nb], np.int64)
     sb = max(payload_nbytes(int(n), c.fmt) for n in np.diff(offsets[firsts]))
     sb += -sb % 4  # 16-bit pieces of whole codes (the plan's)
-    chunk = codec.AgreedBlockChunk(
+    chunk = codec.BlockChunk(
+        x=x,
+        keys=keys,
+        flags=union,
+        union=union,
         offsets=offsets,
         firsts=firsts,
-        layer_of=np.repeat(np.arange(counts.size, dtype=np.int64), counts),
+        layer_ends=np.cumsum(counts),
         shard=offsets[firsts[2] : firsts[3] + 1] - offsets[firsts[2]],
-        first=int(firsts[2]),
+        first_block=int(firsts[2]),
         send=torch.empty(3 * sb, dtype=torch.uint8),
         recv=torch.zeros(3 * sb, dtype=torch.uint8),
         out=torch.empty(sb + nb, dtype=torch.uint8),
         gathered=torch.zeros(3 * (sb + nb), dtype=torch.uint8),
         shard_bytes=sb,
-        counts=counts,
+        at=0,  # the first chunk
     )
-    calls = c.bind_agreed_blocks(x, keys, union, chunk)
+    calls = c.bind_blocks(chunk)
     assert calls is not None
     for call in calls:
         call()
