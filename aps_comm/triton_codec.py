@@ -2814,7 +2814,7 @@ def bind_owner_rank_blocks(
     padding to ``shard_bytes``, ``127 - d`` per block, zeros; where
     ``at >= 0`` every rank's layer flags OR-ed into ``union``. The CPU
     kernel also returns the ranks' largest preferred chunk: not read here
-    (that would be a device read; see :meth:`aps_comm.codec.Codec.bind_rank_blocks`).
+    (that would be a device read; see :meth:`aps_comm.codec.Codec.bind_blocks`).
 
     Args:
         shard: int64 host array, this rank's shard's block offsets from 0.
