@@ -31,9 +31,10 @@ from __future__ import annotations
 
 import dataclasses
 import functools
+import itertools
 import math
 import time
-from collections.abc import Callable, Container, Sequence
+from collections.abc import Callable, Container, Iterator, Sequence
 from typing import Any
 
 import numpy as np
@@ -902,61 +903,14 @@ class SteadyGroups:
             else None
         )
         gather = self._divided(x, values, world_size) if on_host and self.blocks else None
-        parts: list[tuple[torch.Tensor, Steady | SteadyBlocks | SteadyFeedback | None]] = []
-        group_rates: list[torch.Tensor | None] = []
+        if self.blocks:
+            part = functools.partial(self._blocks_part, arena, gather, (rank, world_size))
+        else:
+            part = functools.partial(self._steady_part, (world_size, spare))
         # The CPU kernels write each group's rates in bucket order (its layers' positions).
-        at = [] if on_host and order != list(range(n)) else None
-        lo = first = 0
-        for g in self.groups:
-            hi, last = lo + g.numel, first + len(g.index)
-            gx = values[lo:hi]
-            steady: Steady | SteadyBlocks | None = None
-            if g.reduction != Route.FP32:
-                names = [self.names[i] for i in g.index] if self.names is not None else None
-                if self.blocks:
-                    assert self.layouts is not None
-                    m, device = g.layout.n_segments, gx.device
-                    scratch = (
-                        _take(arena, m, torch.float32, device),
-                        _take(arena, m, torch.uint8, device),
-                    )
-                    fmts, ranks = [g.fmt] * len(g.index), (rank, world_size)
-                    where = (self.layouts, self.epoch)
-                    steady = _rank_blocks(
-                        self.plan,
-                        g,
-                        gx,
-                        fmts,
-                        (False, self.chunk),
-                        scratch,
-                        names,
-                        where,
-                        ranks,
-                        gather,
-                    )
-                    if steady is None:
-                        return False
-                    gather = None  # the first group's keys' call gathers
-                else:
-                    picked = self.factors is not None
-                    steady = self._steady(
-                        g, gx, maxima[first:last], names, (world_size, spare), picked
-                    )
-                    if picked:
-                        assert self.factors is not None
-                        pick = agreed.numpy(), np.asarray(g.index, np.int64), self.bucket
-                        self.factors.append(self._picked_factors(steady, world_size, pick))
-            parts.append((gx, steady))
-            sent_rates = rates is not None and steady is not None
-            if at is not None:
-                group_rates.append(rates if sent_rates else None)
-                at.append(np.asarray(g.index, np.int64) if sent_rates else None)
-            else:
-                group_rates.append(rates[first:last] if sent_rates else None)  # type: ignore[index]
-            lo, first = hi, last
-        self.parts, self.bound_ptr = parts, x.data_ptr()
-        self.rates = group_rates if bucket_rates is not None else None
-        self.rates_at = at if bucket_rates is not None else None
+        at = on_host and order != list(range(n))
+        if not self.bind_parts(x, values, maxima, part, rates, at):
+            return False
         if arena is not None and not arena.close():  # the slot grew: bound on it now
             return self.bind(x, world_size, rank)
         return True
@@ -997,18 +951,78 @@ class SteadyGroups:
         pieces = list(torch.split(values, self.gather_numels))
         self.scatter = functools.partial(torch._foreach_copy_, mine, pieces)
 
-    def _steady(
+    def bind_parts(
         self,
+        x: torch.Tensor,
+        values: torch.Tensor,
+        vector: torch.Tensor,
+        part: Callable[[GroupPlan, torch.Tensor, torch.Tensor], _Part | None],
+        rates: torch.Tensor | None = None,
+        at: bool = False,
+    ) -> bool:
+        """Every group's bound path, in the plan's order, on the float32 bucket ``x``: what
+        ``part`` binds of a group sent scaled (its binder: :class:`Steady`,
+        :class:`SteadyBlocks`, :class:`SteadyFeedback` or :class:`SteadyAgreedBlocks`) on
+        its view of ``values`` (the bucket, or its layers in the plan's order) and of
+        ``vector`` (what the MAX all-reduce agrees, in that order: every layer's maximum,
+        or with ``blocks`` each sent group's keys, two per block where staged), None for
+        the FP32 group; False where a group has none. ``rates``: with Promote, every
+        layer's rate in the plan's order (``at``: in bucket order, each group's whole, at
+        its layers' positions, :attr:`rates_at`)."""
+        parts: list[tuple[torch.Tensor, _Part | None]] = []
+        group_rates: list[torch.Tensor | None] = []
+        ats: list[np.ndarray | None] = []
+        lo = first = keys = 0
+        for g in self.groups:
+            gx, last, s = values[lo : lo + g.numel], first + len(g.index), None
+            if g.reduction != Route.FP32:
+                m = g.layout.n_segments * (2 if Route(g.reduction).staged else 1)
+                s = part(g, gx, vector[keys : keys + m] if self.blocks else vector[first:last])
+                if s is None:
+                    return False
+                keys += m if self.blocks else 0
+            parts.append((gx, s))
+            sent_rates = rates is not None and s is not None
+            ats.append(np.asarray(g.index, np.int64) if sent_rates else None)
+            group_rates.append((rates if at else rates[first:last]) if sent_rates else None)  # type: ignore[index]
+            lo, first = lo + g.numel, last
+        self.parts, self.bound_ptr = parts, x.data_ptr()
+        self.rates = group_rates if rates is not None else None
+        self.rates_at = ats if rates is not None and at else None
+        return True
+
+    def _blocks_part(
+        self,
+        arena: Arena | None,
+        gather: tuple[torch.Tensor, np.ndarray, torch.Tensor, int] | None,
+        ranks: tuple[int, int],
+        g: GroupPlan,
+        gx: torch.Tensor,
+        _: torch.Tensor,
+    ) -> SteadyBlocks | None:
+        """Group ``g``'s :class:`SteadyBlocks` on its values ``gx`` (nothing agreed), its
+        block maxima and keys from ``arena``; the first sent group's keys' call runs the
+        bucket's ``gather`` (:meth:`_divided`)."""
+        assert self.layouts is not None
+        if g is not next(h for h in self.groups if h.reduction != Route.FP32):
+            gather = None
+        m, names = g.layout.n_segments, self.names and [self.names[i] for i in g.index]
+        scratch = _take(arena, m, torch.float32, gx.device), _take(arena, m, torch.uint8, gx.device)
+        fmts, where = [g.fmt] * len(g.index), (self.layouts, self.epoch)
+        chunking = (False, self.chunk)
+        return _rank_blocks(self.plan, g, gx, fmts, chunking, scratch, names, where, ranks, gather)
+
+    def _steady_part(
+        self,
+        ranks: tuple[int, torch.Tensor | None],
         g: GroupPlan,
         gx: torch.Tensor,
         gmax: torch.Tensor,
-        names: list[str | None] | None,
-        ranks: tuple[int, torch.Tensor | None],
-        picked: bool = False,
     ) -> Steady:
         """Group ``g``'s :class:`Steady`, bound to its values ``gx`` and agreed maxima ``gmax``
-        (``picked``: written, and spread for the factors only, by the factors' call;
-        ``ranks``: N, and a staged group's chunk scratch, if any)."""
+        (``ranks``: N, and a staged group's chunk scratch, if any); with :attr:`factors` its
+        factors' call, which writes those maxima (and spreads them for the factors only)."""
+        picked, names = self.factors is not None, self.names and [self.names[i] for i in g.index]
         route, (world_size, spare) = Route(g.reduction), ranks
         staged: dict[str, Any] = {}
         if route.staged:
@@ -1037,6 +1051,9 @@ class SteadyGroups:
             steady.bind(gx, world_size, spare)
         else:
             steady.bind(gx, world_size)
+        if self.factors is not None:
+            pick = self.maxima[: len(self.fmts)].numpy(), np.asarray(g.index, np.int64), self.bucket
+            self.factors.append(self._picked_factors(steady, world_size, pick))
         return steady
 
     def _gather_maxima(
@@ -1691,42 +1708,45 @@ class Reducer:
                 # Every group in FP32: a format's codec all the same (a group's is not FP32).
                 maxima = (sent or [g for g in groups if g.fmt != FP32])[0].codec
                 st.maxima_call = maxima.bind_layer_maxima(values, layout, agreed[:n])
-            local = iter([arena.take(g.layout.n_segments, torch.float32) for g in sent if blocks])
+            local = [arena.take(g.layout.n_segments, torch.float32) for g in sent if blocks]
             arena.close()
-            parts: list[tuple[torch.Tensor, Steady | SteadyBlocks | SteadyFeedback | None]] = []
-            rates: list[torch.Tensor | None] = []
-            lo = at = first = kept = 0
-            for g in groups:
-                gx, part, last = values[lo : lo + g.numel], None, first + len(g.index)
-                sent_rates = promoted and g.reduction != Route.FP32
-                rates.append(agreed[n + first : n + last] if sent_rates else None)
-                if g.reduction != Route.FP32:
-                    m = g.layout.n_segments if blocks else len(g.index)
-                    at = at if blocks else first
-                    gnames = [names[i] for i in g.index]
-                    fused = None
-                    if flat is not None:  # its residuals, and its maxima picked by its factors
-                        pick = None
-                        if not blocks:
-                            spread = self.settings.scaling == Scaling.BUCKET
-                            pick = shared[:n].numpy(), np.asarray(g.index, np.int64), spread
-                        fused = flat[kept : kept + g.numel], pick
-                        kept += g.numel
-                    after = arena.end, next(local) if blocks else None
-                    part = self._bind_feedback(
-                        index, gx, g, gnames, agreed[at : at + m], fused, after
-                    )
-                    if part is None:
-                        return
-                    at += m
-                parts.append((gx, part))
-                lo, first = lo + g.numel, last
+            # Per sent group: its residuals (a view of the fused ones) and its block maxima.
+            kept = np.cumsum([0, *[g.numel for g in sent]]).tolist()
+            flats = [None if flat is None else flat[i:j] for i, j in itertools.pairwise(kept)]
+            scratch = iter(zip(flats, local if blocks else [None] * len(sent), strict=True))
+            part = functools.partial(self._feedback_part, b, shared, scratch, arena.end)
+            if not st.bind_parts(x, values, agreed, part, agreed[n:] if promoted else None):
+                return
             if workspace.epoch(Slot.STEP) == epoch:
                 break
-        st.parts, st.bound_ptr = parts, x.data_ptr()
-        st.rates = rates if promoted else None
         st.workspace = self._epoch(index, x.device)
         self.steady[index] = st
+
+    def _feedback_part(
+        self,
+        b: _Binding,
+        shared: torch.Tensor,
+        scratch: Iterator[tuple[torch.Tensor | None, torch.Tensor | None]],
+        end: int,
+        g: GroupPlan,
+        gx: torch.Tensor,
+        shares: torch.Tensor,
+    ) -> SteadyFeedback | None:
+        """Group ``g``'s part of :meth:`_settle_feedback_groups`: its :class:`SteadyFeedback`
+        on its values ``gx`` and ``shares``, its view of the vector the bucket agrees on;
+        ``scratch``'s next: its residuals (a view of the fused ones, whose factors pick its
+        maxima from the bucket's ``shared``; else None) and its block maxima (or None);
+        its own scratch after the STEP slot's ``end`` bytes."""
+        residuals, local = next(scratch)
+        fused = None
+        if residuals is not None:
+            pick = None
+            if self.settings.scaling != Scaling.BLOCK:
+                n, spread = len(b.fmts), self.settings.scaling == Scaling.BUCKET
+                pick = shared[:n].numpy(), np.asarray(g.index, np.int64), spread
+            fused = residuals, pick
+        gnames = [b.layers[2][i] for i in g.index]
+        return self._bind_feedback(b.index, gx, g, gnames, shares, fused, (end, local))
 
     def _settle_agreed_groups(self, b: _Binding, groups: list[GroupPlan]) -> None:
         """Bind the :class:`SteadyGroups` path of a bucket of several formats with agreed
@@ -1736,8 +1756,7 @@ class Reducer:
         the groups interleave), its keys a view of the one uint8 vector the bucket
         MAX-all-reduces (every sent format's keys in the plan's
         order, then where measured this rank's preferred chunk)."""
-        (index, x, plan, fmts), names = b.at, b.layers[2]
-        main, measured, chunk = b.main, b.measured, b.chunk
+        (index, x, _, fmts), names = b.at, b.layers[2]
         sent = [g for g in groups if g.reduction != Route.FP32]
         order = [i for g in groups for i in g.index]
         staged = any(Route(g.reduction).staged for g in sent)
@@ -1752,7 +1771,7 @@ class Reducer:
             return
         # A staged group's two keys per block (inner, then outer).
         widths = [g.layout.n_segments * (2 if Route(g.reduction).staged else 1) for g in sent]
-        size = sum(widths) + int(measured)
+        size = sum(widths) + int(b.measured)
         shared = torch.zeros(size, dtype=torch.uint8, device=x.device)
         st = self._steady_groups(b, groups, shared, blocks=True, agreed_blocks=True)
         # Scratch used only while the hook runs (nothing deferred): the STEP slot's, every
@@ -1765,47 +1784,29 @@ class Reducer:
             if order != list(range(len(fmts))):
                 scratch = arena.take(x.numel(), torch.float32)
                 values = self._interleave(st, x, order, shared, False, names, scratch)[0]
-            parts: list[tuple[torch.Tensor, SteadyAgreedBlocks | SteadyStaged | None]] = []
-            lo = at = 0
-            shares = iter(widths)
-            for g in groups:
-                gx, part = values[lo : lo + g.numel], None
-                if g.reduction != Route.FP32:
-                    m = next(shares)
-                    keys, labels = shared[at : at + m], [names[i] for i in g.index]
-                    if Route(g.reduction).staged:
-                        part = self._agreed_staged_part(plan, g, gx, keys, chunk, labels)
-                    else:
-                        buffers = arena.take(m, torch.float32), keys
-                        fmts_of, chunking = [g.fmt] * len(g.index), (main, False, chunk)
-                        part = self._agreed_blocks(plan, g, gx, fmts_of, chunking, buffers, labels)
-                    if part is None:
-                        return
-                    at += m
-                parts.append((gx, part))
-                lo += g.numel
+            if not st.bind_parts(x, values, shared, functools.partial(self._agreed_part, b, arena)):
+                return
             if arena.close():
                 break
-        st.parts, st.bound_ptr = list(parts), x.data_ptr()
         st.workspace = self._epoch(index, x.device)
         self.steady[index] = st
 
-    def _agreed_staged_part(
-        self,
-        plan: BucketPlan,
-        g: GroupPlan,
-        gx: torch.Tensor,
-        keys: torch.Tensor,
-        chunk: int,
-        names: Sequence[str | None],
-    ) -> SteadyStaged | None:
-        """A hierarchical or grid group's part of :meth:`_settle_agreed_groups`: the
-        :class:`SteadyStaged` of agreed block exponents (``local``) on its values ``gx``,
-        its two keys per block ``keys``, a view of the bucket's one agreed vector (None
-        where the group has no node layout)."""
+    def _agreed_part(
+        self, b: _Binding, arena: Arena, g: GroupPlan, gx: torch.Tensor, keys: torch.Tensor
+    ) -> SteadyAgreedBlocks | SteadyStaged | None:
+        """Group ``g``'s part of :meth:`_settle_agreed_groups` on its values ``gx`` and its
+        keys ``keys``, a view of the bucket's one agreed vector: a
+        :class:`SteadyAgreedBlocks`, its block maxima from ``arena``, or hierarchical or
+        grid the :class:`SteadyStaged` of agreed block exponents (``local``), two keys per
+        block (None where the group has no node layout, or the codec no calls for it)."""
+        plan, names = b.plan, [b.layers[2][i] for i in g.index]
+        route, chunk = Route(g.reduction), b.chunk
+        if not route.staged:
+            buffers = arena.take(keys.numel(), torch.float32), keys
+            fmts, chunking = [g.fmt] * len(g.index), (b.main, False, chunk)
+            return self._agreed_blocks(plan, g, gx, fmts, chunking, buffers, names)
         if g.node is None:
             return None
-        route = Route(g.reduction)
         local = torch.empty(g.layout.n_segments, device=gx.device)
         part = SteadyStaged(
             g.numel,
