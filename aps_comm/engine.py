@@ -927,17 +927,21 @@ class SteadyGroups:
         if not self.divided:
             return None
         self.gather = None
-        return x, self._spans(divide=True), values, world_size
+        return x, self.spans(divide=True), values, world_size
 
-    def _spans(self, divide: bool = False) -> np.ndarray:
+    def spans(self, divide: bool = False, residuals: bool = False) -> np.ndarray:
         """:func:`aps_comm.cpu_kernels.gather_add`'s spans of the bucket's layers into the
-        plan's order, no residuals (``divide``: the FP32 group's divided by N, -3)."""
-        starts, to, spans = np.cumsum([0, *self.plan.numels]), 0, []
+        plan's order, no residuals (``divide``: the FP32 group's divided by N, -3), or each
+        sent layer's offset in the sent groups' flat ``residuals`` (FP32's in place, -2)."""
+        starts, to, kept, spans = np.cumsum([0, *self.plan.numels]), 0, 0, []
+        in_place = [i for g in self.groups for i in g.index] == list(range(len(self.fmts)))
         for g in self.groups:
-            how = -3 if divide and g.reduction == Route.FP32 else -1
+            fp32 = g.reduction == Route.FP32
+            how = -3 if divide and fp32 else -2 if residuals and fp32 and in_place else -1
             for i in g.index:
-                spans.append((starts[i], to, self.plan.numels[i], how, i))
-                to += self.plan.numels[i]
+                size = self.plan.numels[i]
+                spans.append((starts[i], to, size, kept if residuals and not fp32 else how, i))
+                to, kept = to + size, kept + (0 if fp32 else size)
         return np.asarray(spans, np.int64).reshape(-1, 5)
 
     def interleave(self, x: torch.Tensor, values: torch.Tensor, order: list[int]) -> None:
@@ -1065,7 +1069,7 @@ class SteadyGroups:
         return functools.partial(
             cpu_kernels.call,
             "gather_add",
-            *(x.numpy(), self._spans()),
+            *(x.numpy(), self.spans()),
             *(np.empty(0, np.float32), values.numpy(), agreed.numpy()),
         )
 
@@ -1879,16 +1883,11 @@ class Reducer:
         Returns the values in the plan's order, the vector in that order (each group's
         agreed maxima, picked by its factors; Promote's rates after them) and the flat
         residuals."""
-        n, plan = len(order), st.plan
-        starts = np.cumsum([0, *plan.numels])
+        n = len(order)
         fp32 = {i for g in st.groups if g.reduction == Route.FP32 for i in g.index}
         in_place = order == list(range(n))  # the groups consecutive: the bucket's own views
-        spans, to, kept = [], 0, 0
-        for i in order:
-            size, none = plan.numels[i], -2 if in_place else -1
-            spans.append((starts[i], to, size, none if i in fp32 else kept, i))
-            to, kept = to + size, kept + (0 if i in fp32 else size)
         values = x if in_place else _take(arena, x.numel(), torch.float32, x.device)
+        kept = sum(g.numel for g in st.groups if g.reduction != Route.FP32)
         flat = torch.empty(kept, dtype=torch.float32)
         if not in_place:
             st.interleave(x, values, order)  # its scatter (the gather is the kernel's)
@@ -1897,7 +1896,7 @@ class Reducer:
             cpu_kernels.call,
             "gather_add",
             x.numpy(),
-            np.asarray(spans, np.int64).reshape(-1, 5),
+            st.spans(residuals=True),
             flat.numpy(),
             values.numpy(),
             maxima.numpy(),
