@@ -1774,8 +1774,8 @@ class Reducer:
         ):
             return
         # A staged group's two keys per block (inner, then outer).
-        widths = [g.layout.n_segments * (2 if Route(g.reduction).staged else 1) for g in sent]
-        size = sum(widths) + int(b.measured)
+        size = sum(g.layout.n_segments * (2 if Route(g.reduction).staged else 1) for g in sent)
+        size += int(b.measured)
         shared = torch.zeros(size, dtype=torch.uint8, device=x.device)
         st = self._steady_groups(b, groups, shared, blocks=True, agreed_blocks=True)
         # Scratch used only while the hook runs (nothing deferred): the STEP slot's, every
@@ -1838,16 +1838,15 @@ class Reducer:
         shared: torch.Tensor,
         promoted: bool,
         names: Sequence[str | None],
-        values: torch.Tensor | None = None,
+        values: torch.Tensor,
     ) -> tuple[torch.Tensor, torch.Tensor]:
         """Groups that interleave in the bucket: bound scratch of the layers in the plan's
         order (``st.gather`` and ``st.scatter``, one call each) and, per layer, a vector in
         that order that ``st.put_rates`` copies into the bucket order of ``shared`` (the
         MAX all-reduce's contents: maxima, then Promote's rates) and
         ``st.pick`` copies the agreed maxima back from. Block keys are in the plan's order
-        already. Returns the scratch (``values`` where given: the workspace's) and that
-        vector (``shared`` itself with blocks)."""
-        values = torch.empty_like(x) if values is None else values
+        already. Returns the scratch ``values`` (the workspace's) and that vector
+        (``shared`` itself with blocks)."""
         st.interleave(x, values, order)
         if st.blocks:
             return values, shared
