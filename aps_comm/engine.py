@@ -1665,8 +1665,7 @@ class Reducer:
         feedback: each group sent scaled a :class:`SteadyFeedback` on its view, its agreed
         maxima (or block keys) a view of the one vector the bucket MAX-all-reduces (with
         Promote, every layer's rate after them)."""
-        (index, x, plan, fmts), names = b.at, b.layers[2]
-        sent = [g for g in groups if g.reduction != Route.FP32]
+        (index, x, _, fmts), sent = b.at, [g for g in groups if g.reduction != Route.FP32]
         self.steady.pop(index, None)
         blocks = self.settings.scaling == Scaling.BLOCK
         routes = (Route.FP32, Route.TWO_PHASE, Route.ALLREDUCE)
@@ -1689,6 +1688,17 @@ class Reducer:
         dtype = torch.uint8 if blocks else torch.float32
         shared = self._vector(size, dtype, x.device)
         st = self._steady_groups(b, groups, shared, promoted, blocks=blocks, feedback=True)
+        self._bind_shared(b, st, functools.partial(self._feedback_part, b, shared))
+
+    def _bind_shared(
+        self, b: _Binding, st: SteadyGroups, part: Callable[..., _Part | None]
+    ) -> None:
+        """Bind and keep ``st``, whose vector is written before its MAX all-reduce (error
+        feedback, agreed block keys): each sent group's ``part`` (:meth:`_feedback_part`,
+        :meth:`_agreed_part`), given its scratch and where its own scratch starts."""
+        x, names, n, shared = b.x, b.layers[2], len(b.fmts), st.maxima
+        sent = [g for g in st.groups if g.reduction != Route.FP32]
+        promoted, order = st.promote is not None, [i for g in st.groups for i in g.index]
         workspace = self.workspace(x.device)
         for _ in range(2):  # twice only where the workspace had to grow
             # The STEP slot: first what lives across the groups (the layers in the plan's
@@ -1697,34 +1707,38 @@ class Reducer:
             # (one group at a time). The fused residuals are made anew each time.
             epoch, arena = workspace.epoch(Slot.STEP), workspace.arena(Slot.STEP)
             values, agreed = x, shared  # the groups' values and vector, in the plan's order
-            order = [i for g in groups for i in g.index]
             flat = None  # the fused path's residuals: every sent group's, in the plan's order
-            if x.device.type == "cpu" and all(g.codec.backend == "kernels" for g in sent):
+            on_host = x.device.type == "cpu" and all(g.codec.backend == "kernels" for g in sent)
+            if st.feedback and on_host:
                 fuse = self._fuse_feedback_groups
                 values, agreed, flat = fuse(st, x, order, promoted, names, arena)
             elif order != list(range(n)):
                 scratch = arena.take(x.numel(), torch.float32)
                 values, agreed = self._interleave(st, x, order, shared, promoted, names, scratch)
-            if not blocks and not st.fused:
+            if not st.blocks and not st.fused:
                 layout = (
-                    plan.layout if values is x else Layout.from_numels(st.gather_numels, x.device)
+                    b.plan.layout if values is x else Layout.from_numels(st.gather_numels, x.device)
                 )
                 # Every group in FP32: a format's codec all the same (a group's is not FP32).
-                maxima = (sent or [g for g in groups if g.fmt != FP32])[0].codec
+                maxima = (sent or [g for g in st.groups if g.fmt != FP32])[0].codec
                 st.maxima_call = maxima.bind_layer_maxima(values, layout, agreed[:n])
-            local = [arena.take(g.layout.n_segments, torch.float32) for g in sent if blocks]
+            # Per sent group: its residuals (a view of the fused ones) and its block maxima
+            # (a staged group's are its own).
+            own = [
+                g.layout.n_segments if st.blocks and not Route(g.reduction).staged else -1
+                for g in sent
+            ]
+            local = [arena.take(m, torch.float32) if m >= 0 else None for m in own]
             arena.close()
-            # Per sent group: its residuals (a view of the fused ones) and its block maxima.
             kept = np.cumsum([0, *[g.numel for g in sent]]).tolist()
             flats = [None if flat is None else flat[i:j] for i, j in itertools.pairwise(kept)]
-            scratch = iter(zip(flats, local if blocks else [None] * len(sent), strict=True))
-            part = functools.partial(self._feedback_part, b, shared, scratch, arena.end)
-            if not st.bind_parts(x, values, agreed, part, agreed[n:] if promoted else None):
+            bind = functools.partial(part, iter(zip(flats, local, strict=True)), arena.end)
+            if not st.bind_parts(x, values, agreed, bind, agreed[n:] if promoted else None):
                 return
             if workspace.epoch(Slot.STEP) == epoch:
                 break
-        st.workspace = self._epoch(index, x.device)
-        self.steady[index] = st
+        st.workspace = self._epoch(b.index, x.device)
+        self.steady[b.index] = st
 
     def _feedback_part(
         self,
@@ -1760,9 +1774,7 @@ class Reducer:
         the groups interleave), its keys a view of the one uint8 vector the bucket
         MAX-all-reduces (every sent format's keys in the plan's
         order, then where measured this rank's preferred chunk)."""
-        (index, x, _, fmts), names = b.at, b.layers[2]
-        sent = [g for g in groups if g.reduction != Route.FP32]
-        order = [i for g in groups for i in g.index]
+        x, sent = b.x, [g for g in groups if g.reduction != Route.FP32]
         staged = any(Route(g.reduction).staged for g in sent)
         if (
             # Promote refuses block scaling (it needs one exponent per layer).
@@ -1778,35 +1790,27 @@ class Reducer:
         size += int(b.measured)
         shared = torch.zeros(size, dtype=torch.uint8, device=x.device)
         st = self._steady_groups(b, groups, shared, blocks=True, agreed_blocks=True)
-        # Scratch used only while the hook runs (nothing deferred): the STEP slot's, every
-        # group's block maxima after the layers in the plan's order (each group's records
-        # read its maxima after every group's keys are written: they must not overlap).
-        workspace = self.workspace(x.device)
-        for _ in range(2):  # twice only where the workspace had to grow
-            arena = workspace.arena(Slot.STEP)
-            values = x
-            if order != list(range(len(fmts))):
-                scratch = arena.take(x.numel(), torch.float32)
-                values = self._interleave(st, x, order, shared, False, names, scratch)[0]
-            if not st.bind_parts(x, values, shared, functools.partial(self._agreed_part, b, arena)):
-                return
-            if arena.close():
-                break
-        st.workspace = self._epoch(index, x.device)
-        self.steady[index] = st
+        self._bind_shared(b, st, functools.partial(self._agreed_part, b))
 
     def _agreed_part(
-        self, b: _Binding, arena: Arena, g: GroupPlan, gx: torch.Tensor, keys: torch.Tensor
+        self,
+        b: _Binding,
+        scratch: Iterator[tuple[None, torch.Tensor | None]],
+        _: int,
+        g: GroupPlan,
+        gx: torch.Tensor,
+        keys: torch.Tensor,
     ) -> SteadyAgreedBlocks | SteadyStaged | None:
         """Group ``g``'s part of :meth:`_settle_agreed_groups` on its values ``gx`` and its
         keys ``keys``, a view of the bucket's one agreed vector: a
-        :class:`SteadyAgreedBlocks`, its block maxima from ``arena``, or hierarchical or
-        grid the :class:`SteadyStaged` of agreed block exponents (``local``), two keys per
-        block (None where the group has no node layout, or the codec no calls for it)."""
-        plan, names = b.plan, [b.layers[2][i] for i in g.index]
+        :class:`SteadyAgreedBlocks`, its block maxima ``scratch``'s next, or hierarchical
+        or grid the :class:`SteadyStaged` of agreed block exponents (``local``), two keys
+        per block (None where the group has no node layout, or the codec no calls for it)."""
+        plan, names, (_, maxima) = b.plan, [b.layers[2][i] for i in g.index], next(scratch)
         route, chunk = Route(g.reduction), b.chunk
         if not route.staged:
-            buffers = arena.take(keys.numel(), torch.float32), keys
+            assert maxima is not None  # taken by _bind_shared
+            buffers = maxima, keys
             fmts, chunking = [g.fmt] * len(g.index), (b.main, False, chunk)
             return self._agreed_blocks(plan, g, gx, fmts, chunking, buffers, names)
         if g.node is None:
