@@ -31,9 +31,10 @@ from __future__ import annotations
 
 import dataclasses
 import functools
+import itertools
 import math
 import time
-from collections.abc import Callable, Container, Sequence
+from collections.abc import Callable, Container, Iterator, Sequence
 from typing import Any
 
 import numpy as np
@@ -902,61 +903,14 @@ class SteadyGroups:
             else None
         )
         gather = self._divided(x, values, world_size) if on_host and self.blocks else None
-        parts: list[tuple[torch.Tensor, Steady | SteadyBlocks | SteadyFeedback | None]] = []
-        group_rates: list[torch.Tensor | None] = []
+        if self.blocks:
+            part = functools.partial(self._blocks_part, arena, gather, (rank, world_size))
+        else:
+            part = functools.partial(self._steady_part, (world_size, spare))
         # The CPU kernels write each group's rates in bucket order (its layers' positions).
-        at = [] if on_host and order != list(range(n)) else None
-        lo = first = 0
-        for g in self.groups:
-            hi, last = lo + g.numel, first + len(g.index)
-            gx = values[lo:hi]
-            steady: Steady | SteadyBlocks | None = None
-            if g.reduction != Route.FP32:
-                names = [self.names[i] for i in g.index] if self.names is not None else None
-                if self.blocks:
-                    assert self.layouts is not None
-                    m, device = g.layout.n_segments, gx.device
-                    scratch = (
-                        _take(arena, m, torch.float32, device),
-                        _take(arena, m, torch.uint8, device),
-                    )
-                    fmts, ranks = [g.fmt] * len(g.index), (rank, world_size)
-                    where = (self.layouts, self.epoch)
-                    steady = _rank_blocks(
-                        self.plan,
-                        g,
-                        gx,
-                        fmts,
-                        (False, self.chunk),
-                        scratch,
-                        names,
-                        where,
-                        ranks,
-                        gather,
-                    )
-                    if steady is None:
-                        return False
-                    gather = None  # the first group's keys' call gathers
-                else:
-                    picked = self.factors is not None
-                    steady = self._steady(
-                        g, gx, maxima[first:last], names, (world_size, spare), picked
-                    )
-                    if picked:
-                        assert self.factors is not None
-                        pick = agreed.numpy(), np.asarray(g.index, np.int64), self.bucket
-                        self.factors.append(self._picked_factors(steady, world_size, pick))
-            parts.append((gx, steady))
-            sent_rates = rates is not None and steady is not None
-            if at is not None:
-                group_rates.append(rates if sent_rates else None)
-                at.append(np.asarray(g.index, np.int64) if sent_rates else None)
-            else:
-                group_rates.append(rates[first:last] if sent_rates else None)  # type: ignore[index]
-            lo, first = hi, last
-        self.parts, self.bound_ptr = parts, x.data_ptr()
-        self.rates = group_rates if bucket_rates is not None else None
-        self.rates_at = at if bucket_rates is not None else None
+        at = on_host and order != list(range(n))
+        if not self.bind_parts(x, values, maxima, part, rates, at):
+            return False
         if arena is not None and not arena.close():  # the slot grew: bound on it now
             return self.bind(x, world_size, rank)
         return True
@@ -973,17 +927,21 @@ class SteadyGroups:
         if not self.divided:
             return None
         self.gather = None
-        return x, self._spans(divide=True), values, world_size
+        return x, self.spans(divide=True), values, world_size
 
-    def _spans(self, divide: bool = False) -> np.ndarray:
+    def spans(self, divide: bool = False, residuals: bool = False) -> np.ndarray:
         """:func:`aps_comm.cpu_kernels.gather_add`'s spans of the bucket's layers into the
-        plan's order, no residuals (``divide``: the FP32 group's divided by N, -3)."""
-        starts, to, spans = np.cumsum([0, *self.plan.numels]), 0, []
+        plan's order, no residuals (``divide``: the FP32 group's divided by N, -3), or each
+        sent layer's offset in the sent groups' flat ``residuals`` (FP32's in place, -2)."""
+        starts, to, kept, spans = np.cumsum([0, *self.plan.numels]), 0, 0, []
+        in_place = [i for g in self.groups for i in g.index] == list(range(len(self.fmts)))
         for g in self.groups:
-            how = -3 if divide and g.reduction == Route.FP32 else -1
+            fp32 = g.reduction == Route.FP32
+            how = -3 if divide and fp32 else -2 if residuals and fp32 and in_place else -1
             for i in g.index:
-                spans.append((starts[i], to, self.plan.numels[i], how, i))
-                to += self.plan.numels[i]
+                size = self.plan.numels[i]
+                spans.append((starts[i], to, size, kept if residuals and not fp32 else how, i))
+                to, kept = to + size, kept + (0 if fp32 else size)
         return np.asarray(spans, np.int64).reshape(-1, 5)
 
     def interleave(self, x: torch.Tensor, values: torch.Tensor, order: list[int]) -> None:
@@ -997,18 +955,78 @@ class SteadyGroups:
         pieces = list(torch.split(values, self.gather_numels))
         self.scatter = functools.partial(torch._foreach_copy_, mine, pieces)
 
-    def _steady(
+    def bind_parts(
         self,
+        x: torch.Tensor,
+        values: torch.Tensor,
+        vector: torch.Tensor,
+        part: Callable[[GroupPlan, torch.Tensor, torch.Tensor], _Part | None],
+        rates: torch.Tensor | None = None,
+        at: bool = False,
+    ) -> bool:
+        """Every group's bound path, in the plan's order, on the float32 bucket ``x``: what
+        ``part`` binds of a group sent scaled (its binder: :class:`Steady`,
+        :class:`SteadyBlocks`, :class:`SteadyFeedback` or :class:`SteadyAgreedBlocks`) on
+        its view of ``values`` (the bucket, or its layers in the plan's order) and of
+        ``vector`` (what the MAX all-reduce agrees, in that order: every layer's maximum,
+        or with ``blocks`` each sent group's keys, two per block where staged), None for
+        the FP32 group; False where a group has none. ``rates``: with Promote, every
+        layer's rate in the plan's order (``at``: in bucket order, each group's whole, at
+        its layers' positions, :attr:`rates_at`)."""
+        parts: list[tuple[torch.Tensor, _Part | None]] = []
+        group_rates: list[torch.Tensor | None] = []
+        ats: list[np.ndarray | None] = []
+        lo = first = keys = 0
+        for g in self.groups:
+            gx, last, s = values[lo : lo + g.numel], first + len(g.index), None
+            if g.reduction != Route.FP32:
+                m = g.layout.n_segments * (2 if Route(g.reduction).staged else 1)
+                s = part(g, gx, vector[keys : keys + m] if self.blocks else vector[first:last])
+                if s is None:
+                    return False
+                keys += m if self.blocks else 0
+            parts.append((gx, s))
+            sent_rates = rates is not None and s is not None
+            ats.append(np.asarray(g.index, np.int64) if sent_rates else None)
+            group_rates.append((rates if at else rates[first:last]) if sent_rates else None)  # type: ignore[index]
+            lo, first = lo + g.numel, last
+        self.parts, self.bound_ptr = parts, x.data_ptr()
+        self.rates = group_rates if rates is not None else None
+        self.rates_at = ats if rates is not None and at else None
+        return True
+
+    def _blocks_part(
+        self,
+        arena: Arena | None,
+        gather: tuple[torch.Tensor, np.ndarray, torch.Tensor, int] | None,
+        ranks: tuple[int, int],
+        g: GroupPlan,
+        gx: torch.Tensor,
+        _: torch.Tensor,
+    ) -> SteadyBlocks | None:
+        """Group ``g``'s :class:`SteadyBlocks` on its values ``gx`` (nothing agreed), its
+        block maxima and keys from ``arena``; the first sent group's keys' call runs the
+        bucket's ``gather`` (:meth:`_divided`)."""
+        assert self.layouts is not None
+        if g is not next(h for h in self.groups if h.reduction != Route.FP32):
+            gather = None
+        m, names = g.layout.n_segments, self.names and [self.names[i] for i in g.index]
+        scratch = _take(arena, m, torch.float32, gx.device), _take(arena, m, torch.uint8, gx.device)
+        fmts, where = [g.fmt] * len(g.index), (self.layouts, self.epoch)
+        chunking = (False, self.chunk)
+        return _rank_blocks(self.plan, g, gx, fmts, chunking, scratch, names, where, ranks, gather)
+
+    def _steady_part(
+        self,
+        ranks: tuple[int, torch.Tensor | None],
         g: GroupPlan,
         gx: torch.Tensor,
         gmax: torch.Tensor,
-        names: list[str | None] | None,
-        ranks: tuple[int, torch.Tensor | None],
-        picked: bool = False,
     ) -> Steady:
         """Group ``g``'s :class:`Steady`, bound to its values ``gx`` and agreed maxima ``gmax``
-        (``picked``: written, and spread for the factors only, by the factors' call;
-        ``ranks``: N, and a staged group's chunk scratch, if any)."""
+        (``ranks``: N, and a staged group's chunk scratch, if any); with :attr:`factors` its
+        factors' call, which writes those maxima (and spreads them for the factors only)."""
+        picked, names = self.factors is not None, self.names and [self.names[i] for i in g.index]
         route, (world_size, spare) = Route(g.reduction), ranks
         staged: dict[str, Any] = {}
         if route.staged:
@@ -1037,6 +1055,9 @@ class SteadyGroups:
             steady.bind(gx, world_size, spare)
         else:
             steady.bind(gx, world_size)
+        if self.factors is not None:
+            pick = self.maxima[: len(self.fmts)].numpy(), np.asarray(g.index, np.int64), self.bucket
+            self.factors.append(self._picked_factors(steady, world_size, pick))
         return steady
 
     def _gather_maxima(
@@ -1048,7 +1069,7 @@ class SteadyGroups:
         return functools.partial(
             cpu_kernels.call,
             "gather_add",
-            *(x.numpy(), self._spans()),
+            *(x.numpy(), self.spans()),
             *(np.empty(0, np.float32), values.numpy(), agreed.numpy()),
         )
 
@@ -1644,8 +1665,7 @@ class Reducer:
         feedback: each group sent scaled a :class:`SteadyFeedback` on its view, its agreed
         maxima (or block keys) a view of the one vector the bucket MAX-all-reduces (with
         Promote, every layer's rate after them)."""
-        (index, x, plan, fmts), names = b.at, b.layers[2]
-        sent = [g for g in groups if g.reduction != Route.FP32]
+        (index, x, _, fmts), sent = b.at, [g for g in groups if g.reduction != Route.FP32]
         self.steady.pop(index, None)
         blocks = self.settings.scaling == Scaling.BLOCK
         routes = (Route.FP32, Route.TWO_PHASE, Route.ALLREDUCE)
@@ -1668,6 +1688,17 @@ class Reducer:
         dtype = torch.uint8 if blocks else torch.float32
         shared = self._vector(size, dtype, x.device)
         st = self._steady_groups(b, groups, shared, promoted, blocks=blocks, feedback=True)
+        self._bind_shared(b, st, functools.partial(self._feedback_part, b, shared))
+
+    def _bind_shared(
+        self, b: _Binding, st: SteadyGroups, part: Callable[..., _Part | None]
+    ) -> None:
+        """Bind and keep ``st``, whose vector is written before its MAX all-reduce (error
+        feedback, agreed block keys): each sent group's ``part`` (:meth:`_feedback_part`,
+        :meth:`_agreed_part`), given its scratch and where its own scratch starts."""
+        x, names, n, shared = b.x, b.layers[2], len(b.fmts), st.maxima
+        sent = [g for g in st.groups if g.reduction != Route.FP32]
+        promoted, order = st.promote is not None, [i for g in st.groups for i in g.index]
         workspace = self.workspace(x.device)
         for _ in range(2):  # twice only where the workspace had to grow
             # The STEP slot: first what lives across the groups (the layers in the plan's
@@ -1676,57 +1707,64 @@ class Reducer:
             # (one group at a time). The fused residuals are made anew each time.
             epoch, arena = workspace.epoch(Slot.STEP), workspace.arena(Slot.STEP)
             values, agreed = x, shared  # the groups' values and vector, in the plan's order
-            order = [i for g in groups for i in g.index]
             flat = None  # the fused path's residuals: every sent group's, in the plan's order
-            if x.device.type == "cpu" and all(g.codec.backend == "kernels" for g in sent):
+            on_host = x.device.type == "cpu" and all(g.codec.backend == "kernels" for g in sent)
+            if st.feedback and on_host:
                 fuse = self._fuse_feedback_groups
                 values, agreed, flat = fuse(st, x, order, promoted, names, arena)
             elif order != list(range(n)):
                 scratch = arena.take(x.numel(), torch.float32)
                 values, agreed = self._interleave(st, x, order, shared, promoted, names, scratch)
-            if not blocks and not st.fused:
+            if not st.blocks and not st.fused:
                 layout = (
-                    plan.layout if values is x else Layout.from_numels(st.gather_numels, x.device)
+                    b.plan.layout if values is x else Layout.from_numels(st.gather_numels, x.device)
                 )
                 # Every group in FP32: a format's codec all the same (a group's is not FP32).
-                maxima = (sent or [g for g in groups if g.fmt != FP32])[0].codec
+                maxima = (sent or [g for g in st.groups if g.fmt != FP32])[0].codec
                 st.maxima_call = maxima.bind_layer_maxima(values, layout, agreed[:n])
-            local = iter([arena.take(g.layout.n_segments, torch.float32) for g in sent if blocks])
+            # Per sent group: its residuals (a view of the fused ones) and its block maxima
+            # (a staged group's are its own).
+            own = [
+                g.layout.n_segments if st.blocks and not Route(g.reduction).staged else -1
+                for g in sent
+            ]
+            local = [arena.take(m, torch.float32) if m >= 0 else None for m in own]
             arena.close()
-            parts: list[tuple[torch.Tensor, Steady | SteadyBlocks | SteadyFeedback | None]] = []
-            rates: list[torch.Tensor | None] = []
-            lo = at = first = kept = 0
-            for g in groups:
-                gx, part, last = values[lo : lo + g.numel], None, first + len(g.index)
-                sent_rates = promoted and g.reduction != Route.FP32
-                rates.append(agreed[n + first : n + last] if sent_rates else None)
-                if g.reduction != Route.FP32:
-                    m = g.layout.n_segments if blocks else len(g.index)
-                    at = at if blocks else first
-                    gnames = [names[i] for i in g.index]
-                    fused = None
-                    if flat is not None:  # its residuals, and its maxima picked by its factors
-                        pick = None
-                        if not blocks:
-                            spread = self.settings.scaling == Scaling.BUCKET
-                            pick = shared[:n].numpy(), np.asarray(g.index, np.int64), spread
-                        fused = flat[kept : kept + g.numel], pick
-                        kept += g.numel
-                    after = arena.end, next(local) if blocks else None
-                    part = self._bind_feedback(
-                        index, gx, g, gnames, agreed[at : at + m], fused, after
-                    )
-                    if part is None:
-                        return
-                    at += m
-                parts.append((gx, part))
-                lo, first = lo + g.numel, last
+            kept = np.cumsum([0, *[g.numel for g in sent]]).tolist()
+            flats = [None if flat is None else flat[i:j] for i, j in itertools.pairwise(kept)]
+            bind = functools.partial(part, iter(zip(flats, local, strict=True)), arena.end)
+            if not st.bind_parts(x, values, agreed, bind, agreed[n:] if promoted else None):
+                return
             if workspace.epoch(Slot.STEP) == epoch:
                 break
-        st.parts, st.bound_ptr = parts, x.data_ptr()
-        st.rates = rates if promoted else None
-        st.workspace = self._epoch(index, x.device)
-        self.steady[index] = st
+        st.workspace = self._epoch(b.index, x.device)
+        self.steady[b.index] = st
+
+    def _feedback_part(
+        self,
+        b: _Binding,
+        shared: torch.Tensor,
+        scratch: Iterator[tuple[torch.Tensor | None, torch.Tensor | None]],
+        end: int,
+        g: GroupPlan,
+        gx: torch.Tensor,
+        shares: torch.Tensor,
+    ) -> SteadyFeedback | None:
+        """Group ``g``'s part of :meth:`_settle_feedback_groups`: its :class:`SteadyFeedback`
+        on its values ``gx`` and ``shares``, its view of the vector the bucket agrees on;
+        ``scratch``'s next: its residuals (a view of the fused ones, whose factors pick its
+        maxima from the bucket's ``shared``; else None) and its block maxima (or None);
+        its own scratch after the STEP slot's ``end`` bytes."""
+        residuals, local = next(scratch)
+        fused = None
+        if residuals is not None:
+            pick = None
+            if self.settings.scaling != Scaling.BLOCK:
+                n, spread = len(b.fmts), self.settings.scaling == Scaling.BUCKET
+                pick = shared[:n].numpy(), np.asarray(g.index, np.int64), spread
+            fused = residuals, pick
+        gnames = [b.layers[2][i] for i in g.index]
+        return self._bind_feedback(b.index, gx, g, gnames, shares, fused, (end, local))
 
     def _settle_agreed_groups(self, b: _Binding, groups: list[GroupPlan]) -> None:
         """Bind the :class:`SteadyGroups` path of a bucket of several formats with agreed
@@ -1736,10 +1774,7 @@ class Reducer:
         the groups interleave), its keys a view of the one uint8 vector the bucket
         MAX-all-reduces (every sent format's keys in the plan's
         order, then where measured this rank's preferred chunk)."""
-        (index, x, plan, fmts), names = b.at, b.layers[2]
-        main, measured, chunk = b.main, b.measured, b.chunk
-        sent = [g for g in groups if g.reduction != Route.FP32]
-        order = [i for g in groups for i in g.index]
+        x, sent = b.x, [g for g in groups if g.reduction != Route.FP32]
         staged = any(Route(g.reduction).staged for g in sent)
         if (
             # Promote refuses block scaling (it needs one exponent per layer).
@@ -1751,61 +1786,35 @@ class Reducer:
         ):
             return
         # A staged group's two keys per block (inner, then outer).
-        widths = [g.layout.n_segments * (2 if Route(g.reduction).staged else 1) for g in sent]
-        size = sum(widths) + int(measured)
+        size = sum(g.layout.n_segments * (2 if Route(g.reduction).staged else 1) for g in sent)
+        size += int(b.measured)
         shared = torch.zeros(size, dtype=torch.uint8, device=x.device)
         st = self._steady_groups(b, groups, shared, blocks=True, agreed_blocks=True)
-        # Scratch used only while the hook runs (nothing deferred): the STEP slot's, every
-        # group's block maxima after the layers in the plan's order (each group's records
-        # read its maxima after every group's keys are written: they must not overlap).
-        workspace = self.workspace(x.device)
-        for _ in range(2):  # twice only where the workspace had to grow
-            arena = workspace.arena(Slot.STEP)
-            values = x
-            if order != list(range(len(fmts))):
-                scratch = arena.take(x.numel(), torch.float32)
-                values = self._interleave(st, x, order, shared, False, names, scratch)[0]
-            parts: list[tuple[torch.Tensor, SteadyAgreedBlocks | SteadyStaged | None]] = []
-            lo = at = 0
-            shares = iter(widths)
-            for g in groups:
-                gx, part = values[lo : lo + g.numel], None
-                if g.reduction != Route.FP32:
-                    m = next(shares)
-                    keys, labels = shared[at : at + m], [names[i] for i in g.index]
-                    if Route(g.reduction).staged:
-                        part = self._agreed_staged_part(plan, g, gx, keys, chunk, labels)
-                    else:
-                        buffers = arena.take(m, torch.float32), keys
-                        fmts_of, chunking = [g.fmt] * len(g.index), (main, False, chunk)
-                        part = self._agreed_blocks(plan, g, gx, fmts_of, chunking, buffers, labels)
-                    if part is None:
-                        return
-                    at += m
-                parts.append((gx, part))
-                lo += g.numel
-            if arena.close():
-                break
-        st.parts, st.bound_ptr = list(parts), x.data_ptr()
-        st.workspace = self._epoch(index, x.device)
-        self.steady[index] = st
+        self._bind_shared(b, st, functools.partial(self._agreed_part, b))
 
-    def _agreed_staged_part(
+    def _agreed_part(
         self,
-        plan: BucketPlan,
+        b: _Binding,
+        scratch: Iterator[tuple[None, torch.Tensor | None]],
+        _: int,
         g: GroupPlan,
         gx: torch.Tensor,
         keys: torch.Tensor,
-        chunk: int,
-        names: Sequence[str | None],
-    ) -> SteadyStaged | None:
-        """A hierarchical or grid group's part of :meth:`_settle_agreed_groups`: the
-        :class:`SteadyStaged` of agreed block exponents (``local``) on its values ``gx``,
-        its two keys per block ``keys``, a view of the bucket's one agreed vector (None
-        where the group has no node layout)."""
+    ) -> SteadyAgreedBlocks | SteadyStaged | None:
+        """Group ``g``'s part of :meth:`_settle_agreed_groups` on its values ``gx`` and its
+        keys ``keys``, a view of the bucket's one agreed vector: a
+        :class:`SteadyAgreedBlocks`, its block maxima ``scratch``'s next, or hierarchical
+        or grid the :class:`SteadyStaged` of agreed block exponents (``local``), two keys
+        per block (None where the group has no node layout, or the codec no calls for it)."""
+        plan, names, (_, maxima) = b.plan, [b.layers[2][i] for i in g.index], next(scratch)
+        route, chunk = Route(g.reduction), b.chunk
+        if not route.staged:
+            assert maxima is not None  # taken by _bind_shared
+            buffers = maxima, keys
+            fmts, chunking = [g.fmt] * len(g.index), (b.main, False, chunk)
+            return self._agreed_blocks(plan, g, gx, fmts, chunking, buffers, names)
         if g.node is None:
             return None
-        route = Route(g.reduction)
         local = torch.empty(g.layout.n_segments, device=gx.device)
         part = SteadyStaged(
             g.numel,
@@ -1833,16 +1842,15 @@ class Reducer:
         shared: torch.Tensor,
         promoted: bool,
         names: Sequence[str | None],
-        values: torch.Tensor | None = None,
+        values: torch.Tensor,
     ) -> tuple[torch.Tensor, torch.Tensor]:
         """Groups that interleave in the bucket: bound scratch of the layers in the plan's
         order (``st.gather`` and ``st.scatter``, one call each) and, per layer, a vector in
         that order that ``st.put_rates`` copies into the bucket order of ``shared`` (the
         MAX all-reduce's contents: maxima, then Promote's rates) and
         ``st.pick`` copies the agreed maxima back from. Block keys are in the plan's order
-        already. Returns the scratch (``values`` where given: the workspace's) and that
-        vector (``shared`` itself with blocks)."""
-        values = torch.empty_like(x) if values is None else values
+        already. Returns the scratch ``values`` (the workspace's) and that vector
+        (``shared`` itself with blocks)."""
         st.interleave(x, values, order)
         if st.blocks:
             return values, shared
@@ -1878,16 +1886,11 @@ class Reducer:
         Returns the values in the plan's order, the vector in that order (each group's
         agreed maxima, picked by its factors; Promote's rates after them) and the flat
         residuals."""
-        n, plan = len(order), st.plan
-        starts = np.cumsum([0, *plan.numels])
+        n = len(order)
         fp32 = {i for g in st.groups if g.reduction == Route.FP32 for i in g.index}
         in_place = order == list(range(n))  # the groups consecutive: the bucket's own views
-        spans, to, kept = [], 0, 0
-        for i in order:
-            size, none = plan.numels[i], -2 if in_place else -1
-            spans.append((starts[i], to, size, none if i in fp32 else kept, i))
-            to, kept = to + size, kept + (0 if i in fp32 else size)
         values = x if in_place else _take(arena, x.numel(), torch.float32, x.device)
+        kept = sum(g.numel for g in st.groups if g.reduction != Route.FP32)
         flat = torch.empty(kept, dtype=torch.float32)
         if not in_place:
             st.interleave(x, values, order)  # its scatter (the gather is the kernel's)
@@ -1896,7 +1899,7 @@ class Reducer:
             cpu_kernels.call,
             "gather_add",
             x.numpy(),
-            np.asarray(spans, np.int64).reshape(-1, 5),
+            st.spans(residuals=True),
             flat.numpy(),
             values.numpy(),
             maxima.numpy(),
