@@ -647,7 +647,7 @@ class AgreedMaxima:
 class BlockChunk:
     """One chunk of two_phase with block exponents, agreed or every rank's own: the
     group's buffers and the chunk's blocks and buffers, made once by the binders
-    (:func:`aps_comm.transports.bind_rank_blocks`, ``bind_agreed_blocks``,
+    (:func:`aps_comm.transports.bind_blocks`,
     ``bind_node_blocks``) for :meth:`Codec.bind_blocks` and ``bind_node_blocks``.
 
     Attributes:

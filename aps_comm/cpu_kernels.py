@@ -1426,7 +1426,7 @@ if AVAILABLE:
     # all N gathered shards. Each shard's blocks are segments of the group's
     # block ``offsets`` (``firsts[s]`` to ``firsts[s + 1]``), the factors come
     # from the one-byte keys through a 256-entry ``table``: no per-shard or
-    # per-block work on the host (see aps_comm.transports.bind_rank_blocks).
+    # per-block work on the host (see aps_comm.transports.bind_blocks).
 
     @_njit
     def _most_blocks(firsts):
@@ -3212,7 +3212,7 @@ if AVAILABLE:
     # keys, one makes this rank's owner step (the mean's extra exponent d per
     # block, sent after the shard's codes), one decodes all N gathered shards
     # with 2**-(e + d). The factors come from the one-byte keys: no per-shard
-    # or per-block work on the host (see aps_comm.transports.bind_agreed_blocks).
+    # or per-block work on the host (see aps_comm.transports.bind_blocks).
 
     @_njit
     def _key_exponent_of(k):

@@ -299,7 +299,7 @@ class SteadyBlocks:
     Nothing is agreed before the first exchange: per step one bound call
     writes this rank's key of every block and non-finite flag of every layer
     (:meth:`aps_comm.codec.Codec.bind_block_keys`), and each chunk is three
-    bound calls (:func:`aps_comm.transports.bind_rank_blocks`) around the
+    bound calls (:func:`aps_comm.transports.bind_blocks`) around the
     exchange and the all-gather: the same collectives and bytes as
     :meth:`Reducer.bucket`, with no per-layer, per-shard or per-block work
     on the host.
@@ -352,7 +352,7 @@ class SteadyBlocks:
         gather: tuple[torch.Tensor, np.ndarray, torch.Tensor, int] | None = None,
     ) -> bool:
         """Bind the keys' and every chunk's calls to the float32 buffer ``x`` (the codec's
-        fused calls, else its own: :func:`aps_comm.transports.bind_rank_blocks`, with
+        fused calls, else its own: :func:`aps_comm.transports.bind_blocks`, with
         ``groups`` :func:`aps_comm.transports.bind_node_blocks`); False where the keys
         have no bound call. ``gather``: the CPU kernels' gather of a bucket's layers,
         in the keys' call (:attr:`SteadyGroups.divided`)."""
@@ -369,7 +369,7 @@ class SteadyBlocks:
         if staged:
             self.node_calls = transports.bind_node_blocks(g, x, self.keys, self.flags, self.union)
         else:
-            self.calls = transports.bind_rank_blocks(g, x, self.keys, self.flags, self.union, rank)
+            self.calls = transports.bind_blocks(g, x, self.keys, self.flags, self.union, rank)
         self.keys_call, self.bound_ptr = keys_call, x.data_ptr()
         return True
 
@@ -604,7 +604,7 @@ class SteadyAgreedBlocks:
     as error feedback's settled bucket does), the one MAX all-reduce agrees
     on them (this rank's preferred chunk riding on it where measured, as in
     :meth:`Reducer.bucket`), and each chunk is three bound calls
-    (:func:`aps_comm.transports.bind_agreed_blocks`) around two_phase's
+    (:func:`aps_comm.transports.bind_blocks`) around two_phase's
     exchange and all-gather: every shard encoded with the agreed keys, the
     owner's mean re-encoded with its own extra exponent ``d`` per block (the
     first chunk's owner also flags the layers with a non-finite key), the
@@ -712,9 +712,9 @@ class SteadyAgreedBlocks:
             self.factors = tuple(torch.empty(n, dtype=d, device=device) for d in dtypes)
             fields = ("scale", "exponents", "finite")
             self.factors_call = functools.partial(codec.factors_into, made, self.factors, fields)
-            calls = transports.agreed_block_calls(g, x, self.factors, rank, world_size)  # type: ignore[arg-type]  # three
+            calls = transports.agreed_block_calls(g, x, self.factors, rank)  # type: ignore[arg-type]  # three
         else:
-            calls = transports.bind_agreed_blocks(g, x, keys, self.union, rank)
+            calls = transports.bind_blocks(g, x, keys, self.union, self.union, rank)
         if calls is None:
             return False
         self.keys_call, self.calls, self.bound_ptr = keys_call, calls, x.data_ptr()

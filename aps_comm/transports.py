@@ -61,10 +61,9 @@ __all__ = [
     "agreed_block_calls",
     "all_gather_single",
     "all_reduce_max",
-    "bind_agreed_blocks",
+    "bind_blocks",
     "bind_hierarchical",
     "bind_node_blocks",
-    "bind_rank_blocks",
     "fp32_mean",
     "fp32_mean_async",
     "hierarchical_bound",
@@ -354,9 +353,8 @@ def two_phase_bound(
     chunk_log2: int = 0,
     on_chunk: Callable[[int], None] | None = None,
 ) -> Callable[[], None] | None:
-    """two_phase over a bound bucket (layer scaling; agreed block exponents:
-    :func:`bind_agreed_blocks`; every rank's own: :func:`bind_rank_blocks`): every
-    chunk's codec work and buffers bound.
+    """two_phase over a bound bucket (layer scaling; block exponents: :func:`bind_blocks`):
+    every chunk's codec work and buffers bound.
 
     The same collectives, in the same order, and the same bytes; per chunk
     three bound calls and no slicing, lookups or checks on the host.
@@ -474,29 +472,32 @@ def _decode_shards(
 def _by_shard(
     g: GroupPlan,
     x: torch.Tensor,
-    c: int,
-    n: int,
     send: Callable[..., object],
     owner: Callable[..., object],
     unscale: Callable[[int, int, torch.Tensor], torch.Tensor],
-) -> tuple[Callable[..., object], Callable[..., object], Callable[[], None], _Views]:
-    """Chunk c of two_phase with block exponents by the codec's own calls, shard by shard:
-    ``send(c, pieces)`` fills the exchange's N pieces, ``owner(c, rows, out)`` makes this
-    rank's shard from the N received rows, the gathered shards are decoded one by one
-    (:func:`_decode_shards`); and the chunk's views (:func:`_chunk_views`)."""
+    offer: list[int] | None = None,
+) -> list[ChunkCalls]:
+    """Every chunk of two_phase with block exponents by the codec's own calls, shard by
+    shard, on the chunk's views (:func:`_chunk_views`): ``send(c, pieces)`` fills the
+    exchange's N pieces (every rank's own: ``send(c, pieces, log2)``), ``owner(c, rows,
+    out)`` makes this rank's shard from the N received rows, the gathered shards are
+    decoded one by one (:func:`_decode_shards`); ``offer`` as :func:`_chunk_calls`."""
     sh = g.block_shards
     assert sh is not None
-    views, sb = _chunk_views(g, c), sh.shard_bytes[c]
-    rows = views[3].view(n, sb + sh.slots[c])
-    firsts = [w.first for w in sh.windows[c]]
-    return (
-        functools.partial(send, c, views[0].view(n, sh.pieces[c])),
-        functools.partial(owner, c, views[1].view(n, sh.pieces[c]), views[2]),
-        functools.partial(
-            _decode_shards, g, x, rows, sh.bounds[c], sh.layouts[c], firsts, sb, unscale
-        ),
-        views,
-    )
+    n, calls = len(sh.bounds[0]) - 1, []
+    for c in range(len(g.chunks)):
+        views, sb = _chunk_views(g, c), sh.shard_bytes[c]
+        rows = views[3].view(n, sb + sh.slots[c])
+        firsts = [w.first for w in sh.windows[c]]
+        bound = (
+            functools.partial(send, c, views[0].view(n, sh.pieces[c])),
+            functools.partial(owner, c, views[1].view(n, sh.pieces[c]), views[2]),
+            functools.partial(
+                _decode_shards, g, x, rows, sh.bounds[c], sh.layouts[c], firsts, sb, unscale
+            ),
+        )
+        calls.append(_chunk_calls(c, *bound, views, offer))
+    return calls
 
 
 def agreed_block_calls(
@@ -504,7 +505,6 @@ def agreed_block_calls(
     x: torch.Tensor,
     factors: tuple[torch.Tensor, torch.Tensor, torch.Tensor],
     rank: int,
-    world_size: int,
 ) -> list[ChunkCalls]:
     """Every chunk's steps of two_phase with agreed block exponents by the codec's calls, shard by shard
     (every backend): what :func:`two_phase_bound` runs, for one step or bound to a
@@ -516,7 +516,6 @@ def agreed_block_calls(
         factors: the agreed factor, exponent (int32) of every block of the group and
             whether its layer is finite everywhere, read when the calls run.
         rank: this rank: the shard it owns.
-        world_size: ranks N.
 
     Returns:
         One :class:`ChunkCalls` per chunk, with its ``send``, ``recv``, ``shard`` and
@@ -524,7 +523,7 @@ def agreed_block_calls(
     """
     sh = g.block_shards
     assert sh is not None and not sh.rank_exponents
-    fmt, n, (scale, exponents, finite) = g.fmt, world_size, factors
+    fmt, n, (scale, exponents, finite) = g.fmt, len(sh.bounds[0]) - 1, factors
 
     def send(c: int, pieces: torch.Tensor) -> None:
         _encode_pieces(g, x, pieces, itertools.pairwise(sh.bounds[c]), sh.windows[c], scale)
@@ -543,61 +542,74 @@ def agreed_block_calls(
         e = exponents[b0:b1] + d.to(torch.int32)
         return torch.where(finite[b0:b1], pow2(-e), float("nan"))
 
-    calls = []
-    for c in range(len(g.chunks)):
-        *bound, views = _by_shard(g, x, c, n, send, owner, unscale)
-        calls.append(ChunkCalls(*bound, *views))
-    return calls
+    return _by_shard(g, x, send, owner, unscale)
 
 
-def bind_agreed_blocks(
-    g: GroupPlan, x: torch.Tensor, keys: torch.Tensor, union: torch.Tensor, rank: int
+def bind_blocks(
+    g: GroupPlan,
+    x: torch.Tensor,
+    keys: torch.Tensor,
+    flags: torch.Tensor,
+    union: torch.Tensor,
+    rank: int,
 ) -> list[ChunkCalls] | None:
-    """Every chunk's fused calls of two_phase with agreed block exponents, bound to ``x`` and scratch.
+    """Every chunk's calls of two_phase with block exponents (every rank's own, or agreed:
+    as ``g.block_shards``), bound to ``x`` and scratch: the codec's fused ones ("kernels",
+    "triton"), else with every rank's own its own calls (:func:`rank_block_ops`: "cast",
+    "bits", a Triton variant that cannot compile here), with the same bytes.
 
     Args:
-        g: the group's plan (``g.block_shards`` with agreed exponents).
+        g: the group's plan (``g.block_shards`` set).
         x: the group's float32 values.
-        keys: the agreed key of every block of the group (uint8), written each step.
-        union: per layer, scratch: whether any of its agreed keys is non-finite
-            (written by the first chunk's owner step, read by every decode).
+        keys: the key of every block of the group (uint8), written each step: this
+            rank's own, or the agreed ones.
+        flags: this rank's non-finite flag of every layer (uint8), written each step
+            (agreed: ``union``: nothing of this rank's own goes on the wire).
+        union: per layer, scratch for every rank's flags OR-ed (agreed: whether any of
+            its agreed keys is non-finite), written by the first chunk's owner step,
+            read by every decode.
         rank: this rank.
 
     Returns:
-        One :class:`ChunkCalls` per chunk, or None where the codec has no fused
-        kernels for them.
+        One :class:`ChunkCalls` per chunk, what :func:`two_phase_bound` runs (every rank's
+        own: the first with the chunk sizes' ``offer``); agreed: None where the codec has
+        no fused kernels for them.
     """
     sh = g.block_shards
-    assert sh is not None and not sh.rank_exponents and g.blocks is not None
-    counts = g.blocks.counts.numpy()  # the host copy the plan keeps
-    # The CPU kernels take the plan's grids (nothing kept per block).
-    host = g.codec.backend == "kernels" and x.device.type == "cpu"
-    offsets = _grid_of(g.layout) if host else g.layout.offsets.numpy().astype(np.int64)
-    calls = []
+    assert sh is not None and g.blocks is not None
+    agreed = not sh.rank_exponents
+    # A CPU plan's blocks go as their grid (per layer: the kernels derive the offsets).
+    offsets = _grid_of(g.layout)
+    dtype = offsets.dtype if isinstance(offsets, np.ndarray) else offsets.np_dtype
+    # Each layer's end in the blocks (per layer, not per block), in the offsets' dtype.
+    layer_ends = np.cumsum(g.blocks.counts.numpy()).astype(dtype)
+    calls: list[ChunkCalls] = []
+    offer = None if agreed else [0, 0]
     for c in range(len(g.chunks)):
-        firsts, mine = _block_firsts(g.layout, sh.bounds[c]), sh.layouts[c][rank]
-        send, recv, out, gathered = _chunk_views(g, c)
+        firsts = _block_firsts(g.layout, sh.bounds[c])
+        views = send, recv, out, gathered = _chunk_views(g, c)
         chunk = BlockChunk(
             x=x,
             keys=keys,
-            flags=union,  # nothing of this rank's own goes on the wire
+            flags=flags,
             union=union,
             offsets=offsets,
             firsts=firsts,
-            shard=_grid_of(mine) if host else mine.offsets.numpy().astype(np.int64),
+            layer_ends=layer_ends,
+            shard=_grid_of(sh.layouts[c][rank]),
             send=send,
             recv=recv,
             out=out,
             gathered=gathered,
             shard_bytes=sh.shard_bytes[c],
-            layer_ends=np.cumsum(counts),
-            at=0 if c == 0 else -1,
-            first_block=int(firsts[rank]),
+            # The first chunk's flags and log2 (agreed: nothing but codes on the wire).
+            at=-1 if c else 0 if agreed else sh.shard_bytes[0] + sh.slots[0],
+            first_block=int(firsts[rank]) if agreed else None,
         )
-        bound = g.codec.bind_blocks(chunk)
-        if bound is None:
-            return None
-        calls.append(ChunkCalls(*bound, send, recv, out, gathered))
+        call = g.codec.bind_blocks(chunk)
+        if call is None:  # no fused calls here: the codec's own, with the same bytes
+            return None if agreed else rank_block_ops(g, x, keys, flags, union, rank)
+        calls.append(_chunk_calls(c, *call, views, offer))
     return calls
 
 
@@ -689,7 +701,7 @@ def rank_block_ops(
     """Every chunk's calls of two_phase with rank block exponents as the codec's own calls, shard
     by shard (encode, :meth:`aps_comm.codec.Codec.owner_reduce_rank_blocks`, decode and a
     few torch ops per shard), bound to ``x`` and scratch: the bytes of the fused calls
-    (:func:`bind_rank_blocks`) on any backend, with no host read off the CPU.
+    (:func:`bind_blocks`) on any backend, with no host read off the CPU.
 
     Args:
         g: the group's plan (``g.block_shards`` with ``rank_exponents``).
@@ -705,25 +717,24 @@ def rank_block_ops(
     """
     sh = g.block_shards
     assert sh is not None and sh.rank_exponents
-    ops, offer = _RankBlockOps(g, x, keys, flags, union, rank), [0, 0]
-    n = len(sh.bounds[0]) - 1
-    return [
-        _rank_chunk(c, *_by_shard(g, x, c, n, ops.send, ops.owner, ops.unscale), offer)
-        for c in range(len(g.chunks))
-    ]
+    ops = _RankBlockOps(g, x, keys, flags, union, rank)
+    return _by_shard(g, x, ops.send, ops.owner, ops.unscale, [0, 0])
 
 
-def _rank_chunk(
+def _chunk_calls(
     c: int,
-    send: Callable[[int], object],
-    owner: Callable[[], int],
+    send: Callable[..., object],
+    owner: Callable[[], object],
     decode: Callable[[], object],
     views: _Views,
-    offer: list[int],
+    offer: list[int] | None,
 ) -> ChunkCalls:
-    """Chunk c of two_phase with rank block exponents as :func:`two_phase_bound` runs it:
-    the first chunk sends this rank's preferred chunk and keeps the ranks' largest (its
-    ``offer``), later chunks send 0."""
+    """Chunk c of two_phase with block exponents as :func:`two_phase_bound` runs it: with
+    every rank's own (``offer`` given) the first chunk sends this rank's preferred chunk
+    and keeps the ranks' largest (its ``offer``), later chunks send 0; agreed (None): the
+    calls as they are."""
+    if offer is None:
+        return ChunkCalls(send, owner, decode, *views)
     if c:
         return ChunkCalls(functools.partial(send, 0), owner, decode, *views)
     encode = functools.partial(_send_offer, send, offer)
@@ -738,64 +749,6 @@ def _send_offer(send: Callable[[int], object], offer: list[int]) -> None:
 
 def _keep_offer(owner: Callable[[], int], offer: list[int]) -> None:
     offer[1] = owner()
-
-
-def bind_rank_blocks(
-    g: GroupPlan,
-    x: torch.Tensor,
-    keys: torch.Tensor,
-    flags: torch.Tensor,
-    union: torch.Tensor,
-    rank: int,
-) -> list[ChunkCalls]:
-    """Every chunk's calls of two_phase with rank block exponents, bound to ``x`` and scratch: the
-    codec's fused ones ("kernels", "triton"), else its own calls (:func:`rank_block_ops`:
-    "cast", "bits", a Triton variant that cannot compile here), with the same bytes.
-
-    Args:
-        g: the group's plan (``g.block_shards`` with ``rank_exponents``).
-        x: the group's float32 values.
-        keys: this rank's key of every block of the group (uint8), written each step.
-        flags: this rank's non-finite flag of every layer (uint8), written each step.
-        union: per layer, scratch for every rank's flags.
-        rank: this rank.
-
-    Returns:
-        One :class:`ChunkCalls` per chunk, what :func:`two_phase_bound` runs (the first
-        with the chunk sizes' ``offer``).
-    """
-    sh = g.block_shards
-    assert sh is not None and sh.rank_exponents and g.blocks is not None
-    # A CPU plan's blocks go as their grid (per layer: the kernels derive the offsets).
-    offsets = _grid_of(g.layout)
-    dtype = offsets.dtype if isinstance(offsets, np.ndarray) else offsets.np_dtype
-    # Each layer's end in the blocks (per layer, not per block), in the offsets' dtype.
-    layer_ends = np.cumsum(g.blocks.counts.numpy()).astype(dtype)
-    calls, offer = [], [0, 0]
-    for c in range(len(g.chunks)):
-        firsts = _block_firsts(g.layout, sh.bounds[c])
-        send, recv, out, gathered = _chunk_views(g, c)
-        chunk = BlockChunk(
-            x=x,
-            keys=keys,
-            flags=flags,
-            union=union,
-            offsets=offsets,
-            firsts=firsts,
-            layer_ends=layer_ends,
-            shard=_grid_of(sh.layouts[c][rank]),
-            send=send,
-            recv=recv,
-            out=out,
-            gathered=gathered,
-            shard_bytes=sh.shard_bytes[c],
-            at=sh.shard_bytes[0] + sh.slots[0] if c == 0 else -1,
-        )
-        call = g.codec.bind_blocks(chunk)
-        if call is None:  # no fused calls here: the codec's own, with the same bytes
-            return rank_block_ops(g, x, keys, flags, union, rank)
-        calls.append(_rank_chunk(c, *call, (send, recv, out, gathered), offer))
-    return calls
 
 
 def _node_rows(g: GroupPlan, c: int) -> tuple[int, int, int]:
@@ -1179,7 +1132,7 @@ def bind_node_blocks(
     codec's fused ones ("kernels", "triton"), else its own calls (:func:`node_block_ops`:
     "cast", "bits", a Triton variant that cannot compile here), with the same bytes.
 
-    Across nodes each chunk is :func:`bind_rank_blocks`' two_phase applied to
+    Across nodes each chunk is :func:`bind_blocks`' two_phase applied to
     the node's mean of this rank's slice among the M ranks of its local rank;
     the offsets, first blocks and scratch are made here, once per plan.
 
