@@ -239,10 +239,37 @@ def _key_table(unscale: bool) -> np.ndarray:
     return key_factors(keys, unscale=unscale).numpy().copy()
 
 
-def _encode_kernels(pad: np.ndarray, *args: object) -> None:
-    """A bound CPU encode: the padding zeroed (code 0 is +0), then the kernel."""
-    pad.fill(0)
-    cpu_kernels.call("encode", *args)
+def _encode_kernels(
+    tail: np.ndarray | None,
+    factors: np.ndarray | AgreedMaxima | None,
+    x: torch.Tensor,
+    out: torch.Tensor,
+    fmt: FloatFormat,
+    offsets: np.ndarray | BlockGrid,
+    *runs: object,
+) -> None:
+    """A bound CPU encode: agreed maxima's factors derived from their values now, the
+    padding ``tail`` zeroed (code 0 is +0), then the kernel."""
+    if isinstance(factors, AgreedMaxima):
+        factors = factors.host_factors(fmt, unscale=False)
+    if tail is not None:
+        tail.fill(0)
+    cpu_kernels.call("encode", x, out, fmt, offsets, factors, *runs)
+
+
+def _decode_kernels(
+    payload: torch.Tensor,
+    out: torch.Tensor,
+    fmt: FloatFormat,
+    offsets: np.ndarray | BlockGrid,
+    factors: np.ndarray | AgreedMaxima | None,
+    *runs: object,
+) -> None:
+    """A bound CPU decode: agreed maxima's unscale derived from their values now, then
+    the kernel."""
+    if isinstance(factors, AgreedMaxima):
+        factors = factors.host_factors(fmt, unscale=True)
+    cpu_kernels.call("decode", payload, out, fmt, offsets, factors, *runs)
 
 
 def _decode_agreed_kernels(
@@ -776,69 +803,17 @@ class Codec:
 
         ``scale`` may be :class:`AgreedMaxima` (factors derived from them);
         ``pad`` zero codes follow the elements (a shard's padding) in ``out``.
+        The call is :meth:`bind_encode`'s, run once.
 
         Example:
             >>> Codec("e4m3", torch.device("cpu")).encode(torch.tensor([1.0, -2.0]))
             tensor([ 56, 192], dtype=torch.uint8)
         """
-        fmt = self.fmt
-        numel = x.numel()
-        given = scale
-        agreed = None
-        if isinstance(scale, AgreedMaxima):
-            _check_scaled(scale.maxima, layout, numel)
-            if self.backend in ("triton", "kernels"):
-                agreed, scale = scale.window(layout), None  # factors made by the kernels
-            else:
-                scale = scale.factors(fmt, unscale=False)
-        if agreed is None:
-            _check_scaled(scale, layout, numel)
-            scale = _window_scale(scale, layout)
-        need = payload_nbytes(numel + pad, fmt)
         if out is None:
+            need = payload_nbytes(x.numel() + pad, self.fmt)
             out = torch.empty(need, dtype=torch.uint8, device=x.device)
-        elif out.dtype != torch.uint8 or out.numel() != need or out.device != x.device:
-            raise ValueError(
-                f"out must hold {need} uint8 bytes on {x.device}, got {out.numel()} "
-                f"{out.dtype} on {out.device}"
-            )
-        if self.backend == "triton":
-            block = layout.block_size if layout is not None else None
-            variant = ("encode", fmt.name, scale is not None, agreed is not None, block, pad > 0)
-            offsets = _device_offsets(layout)
-            launch = functools.partial(
-                _triton().encode,
-                x,
-                out,
-                fmt,
-                offsets,
-                scale,
-                maxima=agreed.maxima if agreed else None,
-                rule=agreed.rule() if agreed else None,
-                pad=pad,
-            )
-            if not _triton_ran(variant, launch):
-                return self._torch().encode(x, out=out, scale=given, layout=layout, pad=pad)
-            return out
-        head, full = payload_nbytes(numel, fmt), out
-        if pad:
-            out[head:].zero_()  # code 0 is +0 in every format
-            out = out[:head]
-        if self.backend == "kernels":
-            if agreed is not None:
-                host = agreed.host_factors(fmt, unscale=False)
-            else:
-                host = None if scale is None else scale.numpy()
-            offsets = _host_offsets(layout, numel)
-            cpu_kernels.encode(x, out, fmt, offsets, host, *_host_runs(layout))
-        elif self.backend == "cast":
-            cast_into(x.float() if scale is None else x * _factors(scale, layout, numel), fmt, out)
-        else:
-            v = x.float() if scale is None else x * _factors(scale, layout, numel)
-            if not fmt.has_nan:
-                v = torch.nan_to_num(v, nan=0.0, posinf=fmt.max, neginf=-fmt.max)
-            encode_into(v, fmt, out)
-        return full
+        self.bind_encode(x, out, scale, layout, pad)()
+        return out
 
     def decode(
         self,
@@ -852,66 +827,35 @@ class Codec:
         """Decode ``numel`` elements into float32 (times ``scale``): see :func:`decode`.
 
         ``scale`` may be :class:`AgreedMaxima`: each segment times their unscale.
+        The call is :meth:`bind_decode`'s, run once.
 
         Example:
             >>> Codec("e4m3", torch.device("cpu")).decode(
             ...     torch.tensor([56, 192], dtype=torch.uint8), 2)
             tensor([ 1., -2.])
         """
-        fmt, given, agreed = self.fmt, scale, None
-        if isinstance(scale, AgreedMaxima):
-            _check_scaled(scale.maxima, layout, numel)
-            if out is not None and self.backend in ("triton", "kernels"):
-                agreed, scale = scale.window(layout), None  # factors made by the kernels
-            else:
-                scale = scale.factors(fmt, unscale=True)
-        if agreed is None:
-            _check_scaled(scale, layout, numel)
-            scale = _window_scale(scale, layout)
-        need = payload_nbytes(numel, fmt)
-        if payload.dtype != torch.uint8 or payload.numel() < need:
-            raise ValueError(
-                f"payload must hold {need} uint8 bytes for {numel} elements of {fmt.name}, "
-                f"got {payload.numel()} {payload.dtype}"
-            )
         if out is None:
+            if isinstance(scale, AgreedMaxima):
+                # Into a new tensor the factors are the torch ops' on every backend.
+                _check_scaled(scale.maxima, layout, numel)
+                scale = scale.factors(self.fmt, unscale=True)
             out = torch.empty(numel, dtype=torch.float32, device=payload.device)
-        elif out.dtype != torch.float32 or out.numel() != numel or not out.is_contiguous():
-            raise ValueError(
-                f"out must be a contiguous float32 tensor of {numel} elements, "
-                f"got {out.dtype} of shape {tuple(out.shape)}"
-            )
-        payload = payload[:need]
-        if self.backend == "kernels":
-            if agreed is not None:
-                factors = agreed.host_factors(fmt, unscale=True)
-            else:
-                factors = None if scale is None else scale.numpy()
-            offsets = _host_offsets(layout, numel)
-            cpu_kernels.decode(payload, out, fmt, offsets, factors, *_host_runs(layout))
-            return out
-        if self.backend == "triton":
-            if agreed is not None:
-                variant = ("decode", fmt.name, True, True, None, agreed.native)
-            else:
-                block = layout.block_size if layout is not None else None
-                variant = ("decode", fmt.name, scale is not None, False, block, 1)
-            launch = functools.partial(
-                _triton().decode,
-                *(payload, out, fmt, _device_offsets(layout), scale),
-                maxima=agreed.maxima if agreed else None,
-                rule=agreed.rule() if agreed else None,
-            )
-            if not _triton_ran(variant, launch):
-                self._torch().decode(payload, numel, out=out, scale=given, layout=layout)
-            return out
-        if self.backend == "cast":
-            uncast_into(payload, fmt, out)
-        else:
-            decode_into(payload, fmt, out)
-        if scale is not None:
-            out.mul_(_factors(scale, layout, numel))
+        self.bind_decode(payload, out, scale, layout, numel)()
         return out
+
+    def _scaled(
+        self, scale: torch.Tensor | AgreedMaxima | None, layout: Layout | None, numel: int
+    ) -> tuple[torch.Tensor | AgreedMaxima | None, AgreedMaxima | None]:
+        """``scale`` checked against ``layout`` and windowed: (the factors, or agreed maxima
+        for the torch ops to derive them from per call; the agreed maxima where the
+        kernels derive the factors themselves, else None)."""
+        if not isinstance(scale, AgreedMaxima):
+            _check_scaled(scale, layout, numel)
+            return _window_scale(scale, layout), None
+        _check_scaled(scale.maxima, layout, numel)
+        if self.backend in ("triton", "kernels"):
+            return None, scale.window(layout)
+        return scale, None
 
     def bind_encode(
         self,
@@ -921,51 +865,66 @@ class Codec:
         layout: Layout | None,
         pad: int = 0,
     ) -> Callable[[], object]:
-        """One :meth:`encode` call checked once; the returned call repeats it.
+        """:meth:`encode` into ``out`` checked once; the returned call repeats it.
 
-        A settled bucket encodes the same buffers every step: on the Triton
-        backend with :class:`AgreedMaxima` as factors the launch
-        itself is bound (no per-call checks, windows or lookups on the host);
-        elsewhere the call is :meth:`encode`'s.
+        A settled bucket encodes the same buffers every step: the call reads
+        their values (``x``, the factors or agreed maxima, refilled in place)
+        when it runs, with no checks, windows or lookups on the host.
         """
-        call = functools.partial(self.encode, x, out=out, scale=scale, layout=layout, pad=pad)
-        if self.backend == "kernels" and isinstance(scale, torch.Tensor) and x.is_contiguous():
-            # Factors bound as a view of ``scale``: the caller refills it in place.
-            numel = x.numel()
-            _check_scaled(scale, layout, numel)
-            head = payload_nbytes(numel, self.fmt)
-            if x.dtype != torch.float32 or out.numel() != payload_nbytes(numel + pad, self.fmt):
-                return call
-            factors = _window_scale(scale, layout)
-            assert factors is not None
-            return functools.partial(
-                _encode_kernels,
-                out.numpy()[head:],
-                x,
-                out[:head],
-                self.fmt,
-                _host_offsets(layout, numel),
-                factors.numpy(),
-                *_host_runs(layout),
+        fmt, numel = self.fmt, x.numel()
+        factors, agreed = self._scaled(scale, layout, numel)
+        need = payload_nbytes(numel + pad, fmt)
+        if out.dtype != torch.uint8 or out.numel() != need or out.device != x.device:
+            raise ValueError(
+                f"out must hold {need} uint8 bytes on {x.device}, got {out.numel()} "
+                f"{out.dtype} on {out.device}"
             )
-        if self.backend != "triton" or not isinstance(scale, AgreedMaxima):
-            return call
-        _check_scaled(scale.maxima, layout, x.numel())
-        agreed = scale.window(layout)
-        launch = _triton().bind_encode(
-            x,
-            out,
-            self.fmt,
-            _device_offsets(layout),
-            maxima=agreed.maxima,
-            rule=agreed.rule(),
-            pad=pad,
-        )
-        variant = ("encode", self.fmt.name, False, True, None, pad > 0)
-        fallback = functools.partial(
-            self._torch().encode, x, out=out, scale=scale, layout=layout, pad=pad
-        )
-        return functools.partial(_run_bound, variant, launch, fallback)
+        if self.backend == "triton":
+            block = layout.block_size if layout is not None else None
+            variant = ("encode", fmt.name, factors is not None, agreed is not None, block, pad > 0)
+            launch = _triton().bind_encode(
+                *(x, out, fmt, _device_offsets(layout), factors),
+                maxima=agreed.maxima if agreed else None,
+                rule=agreed.rule() if agreed else None,
+                pad=pad,
+            )
+            fallback = functools.partial(
+                self._torch().encode, x, out=out, scale=scale, layout=layout, pad=pad
+            )
+            return functools.partial(_run_bound, variant, launch, fallback)
+        head = payload_nbytes(numel, fmt)
+        body = out[:head] if pad else out
+        if self.backend == "kernels":
+            # The factors as a view: a bound call reads them as refilled.
+            host = agreed if agreed is not None else None if factors is None else factors.numpy()
+            offsets, runs = _host_offsets(layout, numel), _host_runs(layout)
+            tail = out.numpy()[head:] if pad else None
+            return functools.partial(_encode_kernels, tail, host, x, body, fmt, offsets, *runs)
+        tail = out[head:] if pad else None
+        return functools.partial(self._encode_ops, x, body, tail, factors, layout)
+
+    def _encode_ops(
+        self,
+        x: torch.Tensor,
+        out: torch.Tensor,
+        tail: torch.Tensor | None,
+        scale: torch.Tensor | AgreedMaxima | None,
+        layout: Layout | None,
+    ) -> None:
+        """The torch backends' encode, bound: agreed maxima's factors derived from their
+        values now, the padding ``tail`` zeroed, ``x`` times the factors into ``out``."""
+        fmt = self.fmt
+        if isinstance(scale, AgreedMaxima):
+            scale = _window_scale(scale.factors(fmt, unscale=False), layout)
+        if tail is not None:
+            tail.zero_()  # code 0 is +0 in every format
+        v = x.float() if scale is None else x * _factors(scale, layout, x.numel())
+        if self.backend == "cast":
+            cast_into(v, fmt, out)
+            return
+        if not fmt.has_nan:
+            v = torch.nan_to_num(v, nan=0.0, posinf=fmt.max, neginf=-fmt.max)
+        encode_into(v, fmt, out)
 
     def bind_decode(
         self,
@@ -973,60 +932,87 @@ class Codec:
         out: torch.Tensor,
         scale: torch.Tensor | AgreedMaxima | None,
         layout: Layout | None,
+        numel: int | None = None,
     ) -> Callable[[], object]:
-        """One :meth:`decode` call into ``out`` checked once; the returned call repeats it."""
-        numel = out.numel()
-        call = functools.partial(self.decode, payload, numel, out=out, scale=scale, layout=layout)
-        if self.backend == "kernels" and isinstance(scale, torch.Tensor) and out.is_contiguous():
-            _check_scaled(scale, layout, numel)
-            factors = _window_scale(scale, layout)
-            assert factors is not None
-            if payload.numel() < payload_nbytes(numel, self.fmt) or out.dtype != torch.float32:
-                return call
-            return functools.partial(
-                cpu_kernels.call,
-                "decode",
-                payload,
-                out,
-                self.fmt,
-                _host_offsets(layout, numel),
-                factors.numpy(),
-                *_host_runs(layout),
+        """:meth:`decode` into ``out`` checked once; the returned call repeats it.
+
+        ``numel``: the elements to decode, ``out``'s where None (checked against it).
+        """
+        fmt = self.fmt
+        numel = out.numel() if numel is None else numel
+        factors, agreed = self._scaled(scale, layout, numel)
+        need = payload_nbytes(numel, fmt)
+        if payload.dtype != torch.uint8 or payload.numel() < need:
+            raise ValueError(
+                f"payload must hold {need} uint8 bytes for {numel} elements of {fmt.name}, "
+                f"got {payload.numel()} {payload.dtype}"
             )
-        if self.backend != "triton" or not isinstance(scale, AgreedMaxima):
-            return call
-        _check_scaled(scale.maxima, layout, numel)
-        agreed = scale.window(layout)
+        if out.dtype != torch.float32 or out.numel() != numel or not out.is_contiguous():
+            raise ValueError(
+                f"out must be a contiguous float32 tensor of {numel} elements, "
+                f"got {out.dtype} of shape {tuple(out.shape)}"
+            )
+        payload = payload[:need]
+        if self.backend == "kernels":
+            # The factors as a view: a bound call reads them as refilled.
+            host = agreed if agreed is not None else None if factors is None else factors.numpy()
+            offsets, runs = _host_offsets(layout, numel), _host_runs(layout)
+            return functools.partial(_decode_kernels, payload, out, fmt, offsets, host, *runs)
+        if self.backend != "triton":
+            return functools.partial(self._decode_ops, payload, out, factors, layout)
+        if agreed is not None:
+            variant = ("decode", fmt.name, True, True, None, agreed.native)
+        else:
+            block = layout.block_size if layout is not None else None
+            variant = ("decode", fmt.name, factors is not None, False, block, 1)
         launch = _triton().bind_decode(
-            payload,
-            out,
-            self.fmt,
-            _device_offsets(layout),
-            maxima=agreed.maxima,
-            rule=agreed.rule(),
+            *(payload, out, fmt, _device_offsets(layout), factors),
+            maxima=agreed.maxima if agreed else None,
+            rule=agreed.rule() if agreed else None,
         )
-        variant = ("decode", self.fmt.name, True, True, None, agreed.native)
         fallback = functools.partial(
             self._torch().decode, payload, numel, out=out, scale=scale, layout=layout
         )
         return functools.partial(_run_bound, variant, launch, fallback)
 
+    def _decode_ops(
+        self,
+        payload: torch.Tensor,
+        out: torch.Tensor,
+        scale: torch.Tensor | AgreedMaxima | None,
+        layout: Layout | None,
+    ) -> None:
+        """The torch backends' decode, bound: agreed maxima's unscale derived from their
+        values now, ``payload`` decoded into ``out`` and multiplied by the factors."""
+        if isinstance(scale, AgreedMaxima):
+            scale = _window_scale(scale.factors(self.fmt, unscale=True), layout)
+        if self.backend == "cast":
+            uncast_into(payload, self.fmt, out)
+        else:
+            decode_into(payload, self.fmt, out)
+        if scale is not None:
+            out.mul_(_factors(scale, layout, out.numel()))
+
     def bind_owner_reduce(
         self, recv: torch.Tensor, n_ranks: int, out: torch.Tensor
     ) -> Callable[[], object]:
-        """One :meth:`owner_reduce` call checked once; the returned call repeats it."""
-        call = functools.partial(self.owner_reduce, recv, n_ranks, out=out)
-        if self.backend == "kernels" and out.numel() == self._shard_bytes(recv, n_ranks):
+        """:meth:`owner_reduce` into ``out`` checked once; the returned call repeats it."""
+        shard_bytes = self._shard_bytes(recv, n_ranks)
+        if out.dtype != torch.uint8 or out.numel() != shard_bytes:
+            raise ValueError(f"out must hold {shard_bytes} uint8 bytes, got {out.numel()}")
+        if self.backend == "kernels":
             return functools.partial(
                 cpu_kernels.call, "reduce_shards", recv, n_ranks, self.fmt, out
             )
         if self.backend != "triton":
-            return call
-        if out.numel() != self._shard_bytes(recv, n_ranks):
-            call()  # raises the error
+            return functools.partial(self._owner_reduce_ops, recv, n_ranks, out)
         launch = _triton().bind_reduce_shards(recv, n_ranks, self.fmt, out)
         fallback = functools.partial(self._torch().owner_reduce, recv, n_ranks, out=out)
         return functools.partial(_run_bound, ("owner_reduce", self.fmt.name), launch, fallback)
+
+    def _owner_reduce_ops(self, recv: torch.Tensor, n_ranks: int, out: torch.Tensor) -> None:
+        """The torch backends' owner step: the shards' mean, encoded into ``out``."""
+        self.encode(self.shard_mean(recv, n_ranks), out=out)
 
     def bind_feedback_factors(
         self,
@@ -2242,20 +2228,11 @@ class Codec:
             >>> c.decode(c.owner_reduce(shards, 2), 1)
             tensor([1.5000])
         """
-        shard_bytes = self._shard_bytes(recv, n_ranks)
         if out is None:
+            shard_bytes = self._shard_bytes(recv, n_ranks)
             out = torch.empty(shard_bytes, dtype=torch.uint8, device=recv.device)
-        elif out.dtype != torch.uint8 or out.numel() != shard_bytes:
-            raise ValueError(f"out must hold {shard_bytes} uint8 bytes, got {out.numel()}")
-        if self.backend == "kernels":
-            cpu_kernels.reduce_shards(recv, n_ranks, self.fmt, out)
-            return out
-        if self.backend == "triton":
-            launch = functools.partial(_triton().reduce_shards, recv, n_ranks, self.fmt, out)
-            if not _triton_ran(("owner_reduce", self.fmt.name), launch):
-                return self._torch().owner_reduce(recv, n_ranks, out=out)
-            return out
-        return self.encode(self.shard_mean(recv, n_ranks), out=out)
+        self.bind_owner_reduce(recv, n_ranks, out)()
+        return out
 
     def owner_reduce_blocks(
         self,
