@@ -151,7 +151,50 @@ class Traffic:
 
 
 @dataclasses.dataclass
-class Steady:
+class _Bucket:
+    """What every settled bucket of one group binds (:class:`Steady`, :class:`SteadyBlocks`,
+    :class:`SteadyAgreedBlocks`, and each such group of a :class:`SteadyGroups`): its
+    buffer, plan and group, and its chunks' bound calls.
+
+    Attributes:
+        numel: the bucket's elements (a rebuilt bucket is planned again).
+        ptr: the bucket buffer's address (DDP's rebuilt buckets are new buffers).
+        plan: the bucket's plan.
+        group: the one group plan (the whole bucket).
+        calls: each chunk's codec work, bound to the bucket's float32 buffer
+            (:class:`aps_comm.transports.ChunkCalls`; the staged routes': their handful).
+        bound_ptr: the address of the buffer they are bound to (0 for none).
+        offer: (the exchange time it was planned for, log2 of this rank's
+            preferred chunk): the model is asked again only when the time moves.
+        names: with ``stats=True``, each layer's name for its records; None records nothing.
+        epoch: the policy's epoch whose formats it was bound to
+            (:meth:`aps_comm.policy.Assignment.epoch`): another one binds it again.
+        workspace: the state's workspace epoch its buffers were cut from
+            (:meth:`aps_comm.workspace.Workspace.epoch`): another one binds it again.
+        groups: hierarchical and grid (:class:`SteadyStaged`, :class:`SteadyNodeBlocks`):
+            this rank's intra- and inter-node groups of the route; None: two_phase, a
+            native sum or FP32.
+        per_node: with ``groups``, the ranks of the first level's sum (a node's, or a grid
+            row's).
+    """
+
+    numel: int
+    ptr: int
+    plan: BucketPlan
+    group: GroupPlan
+    _: dataclasses.KW_ONLY
+    calls: list[transports.ChunkCalls] | None = None
+    bound_ptr: int = 0
+    offer: tuple[float | None, int] | None = None
+    names: list[str | None] | None = None
+    epoch: tuple[int, ...] = ()
+    workspace: tuple[int, ...] = ()
+    groups: NodeGroups | None = None
+    per_node: int = 1
+
+
+@dataclasses.dataclass
+class Steady(_Bucket):
     """A bucket's path once its layout and formats are settled: bound once, run every step.
 
     A bucket whose layers all travel in one format with one exponent per
@@ -162,10 +205,6 @@ class Steady:
     or tensor op is built per step.
 
     Attributes:
-        numel: the bucket's elements (a rebuilt bucket is planned again).
-        ptr: the bucket buffer's address (DDP's rebuilt buckets are new buffers).
-        plan: the bucket's plan.
-        group: the one group plan (the whole bucket).
         route: the route (FP32 buckets only average).
         fmts: each layer's format (to plan another chunk size).
         maxima: float32 scratch of the MAX all-reduce: the layers' maxima, then
@@ -174,38 +213,19 @@ class Steady:
         measured: chunks sized by this rank's timing, agreed on the keys.
         chunk: elements per chunk of ``group``.
         maxima_call: the maxima kernel, bound to the bucket's float32 buffer.
-        calls: each chunk's codec work, bound to that buffer
-            (:class:`aps_comm.transports.ChunkCalls`; staged routes': their handful).
-        bound_ptr: the address of the buffer they are bound to (0 for none).
         host_factors: the CPU kernels' factor arrays (scale, unscale) and their
             int32 key scratch, refilled in place once per bucket.
-        offer: (the exchange time it was planned for, log2 of this rank's
-            preferred chunk): the model is asked again only when the time moves.
-        names: with ``stats=True``, each layer's name for its records (the
-            rows of :meth:`Reducer.record_steady`); None records nothing.
         bucket: ``scaling="bucket"``: the agreed maxima are spread
             (:meth:`aps_comm.codec.AgreedMaxima.spread`) before the codec reads them.
         raw: with ``bucket`` and ``names``, the agreed maxima as they were before the
             spread, which the records keep; else None.
-        epoch: the policy's epoch whose formats it was bound to
-            (:meth:`aps_comm.policy.Assignment.epoch`): another one binds it again.
         promote: with Promote, the layers' keys, sizes and names; ``maxima``
             then holds each layer's local underflow rate after the maxima.
-        workspace: the state's workspace epoch its buffers were cut from
-            (:meth:`aps_comm.workspace.Workspace.epoch`): another one binds it again.
         held: the buffer it was bound to. Held, as the other routes' bound calls hold
             it, so that no new buffer (DDP's re-bucketing) is allocated at its address
             while it is bound and passes :meth:`Reducer.steady_for`'s address check.
-        groups: hierarchical and grid (:class:`SteadyStaged`): this rank's intra- and
-            inter-node groups of the route; None: two_phase, a native sum or FP32.
-        per_node: with ``groups``, the ranks of the first level's sum (a node's, or a grid
-            row's).
     """
 
-    numel: int
-    ptr: int
-    plan: BucketPlan
-    group: GroupPlan
     route: Route
     fmts: list[FloatFormat]
     maxima: torch.Tensor
@@ -213,19 +233,11 @@ class Steady:
     measured: bool
     chunk: int
     maxima_call: Callable[[], object] | None = None
-    calls: list[transports.ChunkCalls] | None = None
-    bound_ptr: int = 0
     host_factors: tuple[np.ndarray, np.ndarray, np.ndarray] | None = None
-    offer: tuple[float | None, float] | None = None
-    names: list[str | None] | None = None
     bucket: bool = False
-    epoch: tuple[int, ...] = ()
     promote: tuple[list[Any], list[int], list[str | None]] | None = None
-    workspace: tuple[int, ...] = ()
     raw: torch.Tensor | None = None
     held: torch.Tensor | None = None
-    groups: NodeGroups | None = None
-    per_node: int = 1
 
     def record_names(self, names: Sequence[str | None]) -> None:
         """Record the layers, labelled by ``names`` (``stats=True``); with ``bucket``,
@@ -289,7 +301,7 @@ class Steady:
 
 
 @dataclasses.dataclass
-class SteadyBlocks:
+class SteadyBlocks(_Bucket):
     """:class:`Steady` for block scaling with every rank's own block exponents (two_phase).
 
     Nothing is agreed before the first exchange: per step one bound call
@@ -301,25 +313,15 @@ class SteadyBlocks:
     on the host.
 
     Attributes:
-        numel, ptr, plan, group, fmts, chunk, calls, bound_ptr, epoch, workspace: as
-            :class:`Steady`'s.
+        fmts, chunk: as :class:`Steady`'s.
         measured: chunks sized by this rank's timing, agreed on the first exchange.
         maxima: float32 scratch: this rank's max |x| of every block.
         keys: uint8: this rank's key of every block.
         flags: uint8: this rank's non-finite flag of every layer.
         union: uint8: every rank's flags OR-ed (the layers made NaN).
         keys_call: the keys' calls, bound to the bucket's float32 buffer.
-        offer: as :class:`Steady`'s (log2 of this rank's preferred chunk).
-        names: as :class:`Steady`'s (:meth:`Reducer.steady_block_keys`).
-        groups: hierarchical and grid (:class:`SteadyNodeBlocks`): this rank's intra- and
-            inter-node groups of the route; None: two_phase.
-        per_node: as :class:`Steady`'s.
     """
 
-    numel: int
-    ptr: int
-    plan: BucketPlan
-    group: GroupPlan
     fmts: list[FloatFormat]
     measured: bool
     chunk: int
@@ -328,14 +330,6 @@ class SteadyBlocks:
     flags: torch.Tensor
     union: torch.Tensor
     keys_call: Callable[[], None] | None = None
-    calls: list[transports.ChunkCalls] | None = None
-    bound_ptr: int = 0
-    offer: tuple[float | None, int] | None = None
-    names: list[str | None] | None = None
-    epoch: tuple[int, ...] = ()
-    workspace: tuple[int, ...] = ()
-    groups: NodeGroups | None = None
-    per_node: int = 1
 
     def bind(
         self,
@@ -581,7 +575,7 @@ class SteadyFeedback:
 
 
 @dataclasses.dataclass
-class SteadyAgreedBlocks:
+class SteadyAgreedBlocks(_Bucket):
     """:class:`Steady` for block scaling with agreed block exponents (two_phase, no error
     feedback: ``block_exponents="agreed"``).
 
@@ -600,8 +594,7 @@ class SteadyAgreedBlocks:
     chunk the encode, the sum in the wire format and the decode.
 
     Attributes:
-        numel, ptr, plan, group, fmts, chunk, bound_ptr, offer, epoch, workspace: as
-            :class:`Steady`'s.
+        fmts, chunk: as :class:`Steady`'s.
         main: the route of the state's format (what chunks are sized for).
         measured: chunks sized by this rank's timing, agreed on the keys.
         maxima: float32 scratch: this rank's max |x| of every block.
@@ -611,9 +604,6 @@ class SteadyAgreedBlocks:
             call writes it too, for the first chunk's owner step to set: nothing reads
             this rank's own flags with agreed exponents).
         keys_call: the keys' calls, bound to the bucket's float32 buffer.
-        calls: each chunk's bound calls.
-        names: with ``stats=True``, each layer's name for its records
-            (:meth:`Reducer.record_agreed_blocks`); None records nothing.
         records_call: with ``names``, writes the layers' records of the bound buffer under
             the agreed keys into the float64 rows it takes (:meth:`Codec.bind_block_records`).
         native: the route is the native sum.
@@ -622,10 +612,6 @@ class SteadyAgreedBlocks:
         factors_call: writes ``factors`` from the agreed keys; None with fused kernels.
     """
 
-    numel: int
-    ptr: int
-    plan: BucketPlan
-    group: GroupPlan
     fmts: list[FloatFormat]
     main: Route
     measured: bool
@@ -634,12 +620,6 @@ class SteadyAgreedBlocks:
     shared: torch.Tensor
     union: torch.Tensor
     keys_call: Callable[[], None] | None = None
-    calls: list[transports.ChunkCalls] | None = None
-    bound_ptr: int = 0
-    offer: tuple[float | None, int] | None = None
-    epoch: tuple[int, ...] = ()
-    workspace: tuple[int, ...] = ()
-    names: list[str | None] | None = None
     native: bool = False
     factors: tuple[torch.Tensor, ...] | None = None
     factors_call: Callable[[], object] | None = None
