@@ -153,8 +153,8 @@ class Traffic:
 @dataclasses.dataclass
 class _Bucket:
     """What every settled bucket of one group binds (:class:`Steady`, :class:`SteadyBlocks`,
-    :class:`SteadyAgreedBlocks`, and each such group of a :class:`SteadyGroups`): its
-    buffer, plan and group, and its chunks' bound calls.
+    :class:`SteadyAgreedBlocks`, :class:`SteadyFeedback`, and each such group of a
+    :class:`SteadyGroups`): its buffer, plan and group, and its chunks' bound calls.
 
     Attributes:
         numel: the bucket's elements (a rebuilt bucket is planned again).
@@ -518,7 +518,7 @@ def _exchange(
 
 
 @dataclasses.dataclass
-class SteadyFeedback:
+class SteadyFeedback(_Bucket):
     """:class:`Steady` with error feedback: two_phase with agreed exponents per layer or block.
 
     The bucket's residuals live in one flat buffer whose views are the
@@ -533,17 +533,12 @@ class SteadyFeedback:
     feedback, residuals included.
 
     Attributes:
-        numel, ptr, workspace: as :class:`Steady`'s.
         residual: float32, the bucket's residuals (the feedback's entries are views).
         token: the feedback's token for them (:meth:`aps_comm.feedback.ErrorFeedback.shared`).
         shared: the MAX all-reduce's vector: float32 layer maxima, or uint8 block keys.
         agree: writes this rank's maxima or keys of the buffer into ``shared``.
-        factors: writes the agreed factors into the bound calls' scale and unscale.
-        calls: the one chunk's bound calls.
-        group: the group plan it is bound to (its route, layout, blocks and codec).
-        epoch: as :class:`Steady`'s (a Schedule epoch moves a layer's format).
-        names: with ``stats=True``, each layer's name for its records
-            (:meth:`Reducer.record_feedback`); None records nothing.
+        factors: writes the agreed factors into the bound calls' scale and unscale (its
+            one chunk's).
         keys: the CPU kernels' int32 exponent keys of the agreed maxima, which
             ``factors`` leaves there (the records' exponents); else None.
         local: with blocks, this rank's float32 max |x| of every block (``agree``'s).
@@ -554,18 +549,11 @@ class SteadyFeedback:
         promote: with Promote, the layers' keys, sizes and names.
     """
 
-    numel: int
-    ptr: int
     residual: torch.Tensor
     token: int
     shared: torch.Tensor
     agree: Callable[[], object]
     factors: Callable[[], object]
-    calls: list[transports.ChunkCalls]
-    group: GroupPlan
-    workspace: tuple[int, ...] = ()
-    epoch: tuple[int, ...] = ()
-    names: list[str | None] | None = None
     keys: np.ndarray | None = None
     local: torch.Tensor | None = None
     scale: torch.Tensor | None = None
@@ -1717,7 +1705,7 @@ class Reducer:
                 pick = shared[:n].numpy(), np.asarray(g.index, np.int64), spread
             fused = residuals, pick
         gnames = [b.layers[2][i] for i in g.index]
-        return self._bind_feedback(b.index, gx, g, gnames, shares, fused, (end, local))
+        return self._bind_feedback(b, gx, g, gnames, shares, fused, (end, local))
 
     def _settle_agreed_groups(self, b: _Binding, groups: list[GroupPlan]) -> None:
         """Bind the :class:`SteadyGroups` path of a bucket of several formats with agreed
@@ -2044,7 +2032,7 @@ class Reducer:
             # The vector: the maxima, then every layer's last local rate.
             vector = self._vector(2 * n, torch.float32, x.device)
             self._rates_into(vector[n:], names)
-        st = self._bind_feedback(index, x, g, names, None if vector is None else vector[:n])
+        st = self._bind_feedback(b, x, g, names, None if vector is None else vector[:n])
         if st is not None:
             if vector is not None:
                 st.maxima, st.fmts = vector, list(fmts)
@@ -2053,7 +2041,7 @@ class Reducer:
 
     def _bind_feedback(
         self,
-        index: int,
+        b: _Binding,
         x: torch.Tensor,
         g: GroupPlan,
         names: Sequence[str | None],
@@ -2061,8 +2049,8 @@ class Reducer:
         fused: tuple[torch.Tensor, tuple[np.ndarray, np.ndarray, bool] | None] | None = None,
         after: tuple[int, torch.Tensor | None] = (0, None),
     ) -> SteadyFeedback | None:
-        """Group ``g``'s :class:`SteadyFeedback`, bound to its values ``x`` (the bucket, or
-        a group's view of it); None where it has no bound path: not two_phase or the native
+        """Group ``g``'s :class:`SteadyFeedback` of bucket ``b``, bound to its values ``x``
+        (the bucket, or a group's view of it); None where it has no bound path: not two_phase or the native
         sum in one chunk, a layer without a residual of its own (every codec backend
         binds: the torch ones with tensor ops).
 
@@ -2148,19 +2136,20 @@ class Reducer:
         return SteadyFeedback(
             numel,
             x.data_ptr(),
+            b.plan,
+            g,
             residual,
             fb.share(names, g.numels, residual),  # type: ignore[arg-type]  # checked above
             shared,
             agree,
             factors_call,
-            [transports.ChunkCalls(encode, owner, decode, send, recv, shard)],
-            g,
-            self._epoch(index, device),
-            self.assignment.epoch(self.step),
-            list(names) if self.settings.stats else None,
             host_keys,
             maxima,
             scale,
+            calls=[transports.ChunkCalls(encode, owner, decode, send, recv, shard)],
+            workspace=self._epoch(b.index, device),
+            epoch=self.assignment.epoch(self.step),
+            names=list(names) if self.settings.stats else None,
         )
 
     def _run_feedback(
