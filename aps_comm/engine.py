@@ -151,7 +151,50 @@ class Traffic:
 
 
 @dataclasses.dataclass
-class Steady:
+class _Bucket:
+    """What every settled bucket of one group binds (:class:`Steady`, :class:`SteadyBlocks`,
+    :class:`SteadyAgreedBlocks`, :class:`SteadyFeedback`, and each such group of a
+    :class:`SteadyGroups`): its buffer, plan and group, and its chunks' bound calls.
+
+    Attributes:
+        numel: the bucket's elements (a rebuilt bucket is planned again).
+        ptr: the bucket buffer's address (DDP's rebuilt buckets are new buffers).
+        plan: the bucket's plan.
+        group: the one group plan (the whole bucket).
+        calls: each chunk's codec work, bound to the bucket's float32 buffer
+            (:class:`aps_comm.transports.ChunkCalls`; the staged routes': their handful).
+        bound_ptr: the address of the buffer they are bound to (0 for none).
+        offer: (the exchange time it was planned for, log2 of this rank's
+            preferred chunk): the model is asked again only when the time moves.
+        names: with ``stats=True``, each layer's name for its records; None records nothing.
+        epoch: the policy's epoch whose formats it was bound to
+            (:meth:`aps_comm.policy.Assignment.epoch`): another one binds it again.
+        workspace: the state's workspace epoch its buffers were cut from
+            (:meth:`aps_comm.workspace.Workspace.epoch`): another one binds it again.
+        groups: hierarchical and grid (:class:`SteadyStaged`, :class:`SteadyNodeBlocks`):
+            this rank's intra- and inter-node groups of the route; None: two_phase, a
+            native sum or FP32.
+        per_node: with ``groups``, the ranks of the first level's sum (a node's, or a grid
+            row's).
+    """
+
+    numel: int
+    ptr: int
+    plan: BucketPlan
+    group: GroupPlan
+    _: dataclasses.KW_ONLY
+    calls: list[transports.ChunkCalls] | None = None
+    bound_ptr: int = 0
+    offer: tuple[float | None, int] | None = None
+    names: list[str | None] | None = None
+    epoch: tuple[int, ...] = ()
+    workspace: tuple[int, ...] = ()
+    groups: NodeGroups | None = None
+    per_node: int = 1
+
+
+@dataclasses.dataclass
+class Steady(_Bucket):
     """A bucket's path once its layout and formats are settled: bound once, run every step.
 
     A bucket whose layers all travel in one format with one exponent per
@@ -162,10 +205,6 @@ class Steady:
     or tensor op is built per step.
 
     Attributes:
-        numel: the bucket's elements (a rebuilt bucket is planned again).
-        ptr: the bucket buffer's address (DDP's rebuilt buckets are new buffers).
-        plan: the bucket's plan.
-        group: the one group plan (the whole bucket).
         route: the route (FP32 buckets only average).
         fmts: each layer's format (to plan another chunk size).
         maxima: float32 scratch of the MAX all-reduce: the layers' maxima, then
@@ -174,34 +213,19 @@ class Steady:
         measured: chunks sized by this rank's timing, agreed on the keys.
         chunk: elements per chunk of ``group``.
         maxima_call: the maxima kernel, bound to the bucket's float32 buffer.
-        calls: each chunk's codec work, bound to that buffer
-            (:class:`aps_comm.transports.ChunkCalls`).
-        bound_ptr: the address of the buffer they are bound to (0 for none).
         host_factors: the CPU kernels' factor arrays (scale, unscale) and their
             int32 key scratch, refilled in place once per bucket.
-        offer: (the exchange time it was planned for, log2 of this rank's
-            preferred chunk): the model is asked again only when the time moves.
-        names: with ``stats=True``, each layer's name for its records (the
-            rows of :meth:`Reducer.record_steady`); None records nothing.
         bucket: ``scaling="bucket"``: the agreed maxima are spread
             (:meth:`aps_comm.codec.AgreedMaxima.spread`) before the codec reads them.
         raw: with ``bucket`` and ``names``, the agreed maxima as they were before the
             spread, which the records keep; else None.
-        epoch: the policy's epoch whose formats it was bound to
-            (:meth:`aps_comm.policy.Assignment.epoch`): another one binds it again.
         promote: with Promote, the layers' keys, sizes and names; ``maxima``
             then holds each layer's local underflow rate after the maxima.
-        workspace: the state's workspace epoch its buffers were cut from
-            (:meth:`aps_comm.workspace.Workspace.epoch`): another one binds it again.
         held: the buffer it was bound to. Held, as the other routes' bound calls hold
             it, so that no new buffer (DDP's re-bucketing) is allocated at its address
             while it is bound and passes :meth:`Reducer.steady_for`'s address check.
     """
 
-    numel: int
-    ptr: int
-    plan: BucketPlan
-    group: GroupPlan
     route: Route
     fmts: list[FloatFormat]
     maxima: torch.Tensor
@@ -209,15 +233,9 @@ class Steady:
     measured: bool
     chunk: int
     maxima_call: Callable[[], object] | None = None
-    calls: list[transports.ChunkCalls] | None = None
-    bound_ptr: int = 0
     host_factors: tuple[np.ndarray, np.ndarray, np.ndarray] | None = None
-    offer: tuple[float | None, float] | None = None
-    names: list[str | None] | None = None
     bucket: bool = False
-    epoch: tuple[int, ...] = ()
     promote: tuple[list[Any], list[int], list[str | None]] | None = None
-    workspace: tuple[int, ...] = ()
     raw: torch.Tensor | None = None
     held: torch.Tensor | None = None
 
@@ -281,19 +299,9 @@ class Steady:
         if self.host_factors is not None:
             self.agreed.host_factors_into(self.group.fmt, *self.host_factors)
 
-    def exchange(
-        self, group: dist.ProcessGroup, traffic: Traffic, defer: bool = False
-    ) -> Callable[[], None] | None:
-        """The route's bound chunks around its collectives on ``group`` (``defer``: the last
-        ones left on the wire, their finishing function returned)."""
-        assert self.calls is not None  # made by bind
-        if self.route == Route.ALLREDUCE:
-            return transports.native(self.calls, self.group.fmt, group, traffic, defer)
-        return transports.two_phase_bound(self.calls, group, traffic, defer)
-
 
 @dataclasses.dataclass
-class SteadyBlocks:
+class SteadyBlocks(_Bucket):
     """:class:`Steady` for block scaling with every rank's own block exponents (two_phase).
 
     Nothing is agreed before the first exchange: per step one bound call
@@ -305,27 +313,15 @@ class SteadyBlocks:
     on the host.
 
     Attributes:
-        numel, ptr, plan, group, fmts, chunk, calls, bound_ptr, epoch, workspace: as
-            :class:`Steady`'s.
+        fmts, chunk: as :class:`Steady`'s.
         measured: chunks sized by this rank's timing, agreed on the first exchange.
         maxima: float32 scratch: this rank's max |x| of every block.
         keys: uint8: this rank's key of every block.
         flags: uint8: this rank's non-finite flag of every layer.
         union: uint8: every rank's flags OR-ed (the layers made NaN).
         keys_call: the keys' calls, bound to the bucket's float32 buffer.
-        offer: as :class:`Steady`'s (log2 of this rank's preferred chunk).
-        names: as :class:`Steady`'s (:meth:`Reducer.steady_block_keys`).
-        groups: hierarchical and grid (:class:`SteadyNodeBlocks`): this rank's intra- and
-            inter-node groups of the route; None: two_phase.
-        per_node: with ``groups``, the ranks of the first level's sum (a node's, or a grid
-            row's).
-        node_calls: with ``groups``, each chunk's bound calls (``calls`` is None).
     """
 
-    numel: int
-    ptr: int
-    plan: BucketPlan
-    group: GroupPlan
     fmts: list[FloatFormat]
     measured: bool
     chunk: int
@@ -334,15 +330,6 @@ class SteadyBlocks:
     flags: torch.Tensor
     union: torch.Tensor
     keys_call: Callable[[], None] | None = None
-    calls: list[transports.ChunkCalls] | None = None
-    bound_ptr: int = 0
-    offer: tuple[float | None, int] | None = None
-    names: list[str | None] | None = None
-    epoch: tuple[int, ...] = ()
-    workspace: tuple[int, ...] = ()
-    groups: NodeGroups | None = None
-    per_node: int = 1
-    node_calls: list[transports.ChunkCalls] | None = None
 
     def bind(
         self,
@@ -367,28 +354,11 @@ class SteadyBlocks:
         if keys_call is None:
             return False
         if staged:
-            self.node_calls = transports.bind_node_blocks(g, x, self.keys, self.flags, self.union)
+            self.calls = transports.bind_node_blocks(g, x, self.keys, self.flags, self.union)
         else:
             self.calls = transports.bind_blocks(g, x, self.keys, self.flags, self.union, rank)
         self.keys_call, self.bound_ptr = keys_call, x.data_ptr()
         return True
-
-    def exchange(
-        self,
-        group: dist.ProcessGroup,
-        traffic: Traffic,
-        defer: bool = False,
-        offer: int = 0,
-        on_chunk: Callable[[int], None] | None = None,
-    ) -> Callable[[], None] | None:
-        """The route's bound chunks around its collectives (two_phase's on ``group``, with
-        ``offer`` and ``on_chunk``: :func:`aps_comm.transports.two_phase_bound`;
-        ``defer``: the last ones left on the wire, their finishing function returned)."""
-        if self.groups is not None:
-            assert self.node_calls is not None  # made by bind
-            return transports.hierarchical_bound(self.node_calls, self.groups, traffic, defer)
-        assert self.calls is not None  # made by bind
-        return transports.two_phase_bound(self.calls, group, traffic, defer, offer, on_chunk)
 
 
 @dataclasses.dataclass
@@ -419,11 +389,8 @@ class SteadyStaged(Steady):
     (:func:`aps_comm.transports.bind_hierarchical`).
 
     Attributes:
-        groups: this rank's intra- and inter-node groups of the route.
-        per_node: the ranks of the first level's sum (a node's, or a grid row's).
         factors: float32 (4, layers): scale, shift, unscale and first, refilled in place.
         factors_call: writes ``factors`` from the agreed maxima.
-        node_calls: each chunk's bound calls.
         record_keys: with ``names`` or ``promote`` on the CPU kernels, int32 and float32
             scratch of the layers' first exponents and factors (what the records and
             Promote's rates count under: :meth:`first_factors`).
@@ -442,11 +409,8 @@ class SteadyStaged(Steady):
             rows are the plan's (:attr:`aps_comm.plan.NodePlan.factors`).
     """
 
-    groups: NodeGroups | None = None
-    per_node: int = 1
     factors: torch.Tensor | None = None
     factors_call: Callable[[], object] | None = None
-    node_calls: list[transports.ChunkCalls] | None = None
     record_keys: tuple[np.ndarray, np.ndarray] | None = None
     local: torch.Tensor | None = None
     records_call: Callable[[torch.Tensor], None] | None = None
@@ -497,7 +461,7 @@ class SteadyStaged(Steady):
         if counted and g.codec.backend == "kernels" and x.device.type == "cpu":
             self.record_keys = np.empty(n, np.int32), np.empty(n, np.float32)
         factors = (f[0], f[1], f[2], f[3] if grid else None)
-        self.node_calls = transports.bind_hierarchical(g, x, factors, world_size, spare)
+        self.calls = transports.bind_hierarchical(g, x, factors, world_size, spare)
         self.bound_ptr = x.data_ptr()
         return True
 
@@ -505,13 +469,6 @@ class SteadyStaged(Steady):
         """The route's factors (scale, shift, unscale, first) written from the agreed maxima."""
         assert self.factors_call is not None  # made by bind
         self.factors_call()
-
-    def exchange(
-        self, group: dist.ProcessGroup, traffic: Traffic, defer: bool = False
-    ) -> Callable[[], None] | None:
-        """The route's bound chunks around its four collectives (on :attr:`groups`)."""
-        assert self.node_calls is not None and self.groups is not None  # made by bind
-        return transports.hierarchical_bound(self.node_calls, self.groups, traffic, defer)
 
     def first_factors(self) -> tuple[np.ndarray, np.ndarray]:
         """The first level's factors ``2**e`` and their int32 exponent keys ``127 - e``,
@@ -537,8 +494,31 @@ def _step_views(workspace: Workspace, sizes: list[tuple[int, torch.dtype]]) -> l
     return [arena.take(n, dtype) for n, dtype in sizes]
 
 
+def _exchange(
+    g: GroupPlan,
+    calls: list[transports.ChunkCalls] | None,
+    group: dist.ProcessGroup,
+    traffic: Traffic,
+    defer: bool = False,
+    groups: NodeGroups | None = None,
+    offer: int = 0,
+    on_chunk: Callable[[int], None] | None = None,
+) -> Callable[[], None] | None:
+    """Group ``g``'s bound chunks ``calls`` around its route's collectives, whichever
+    settled kind bound them: with ``groups`` the staged routes' four, else the native
+    sum's or two_phase's on ``group`` (``offer``, ``on_chunk``: those of
+    :func:`aps_comm.transports.two_phase_bound`; ``defer``: the last ones left on the
+    wire, their finishing function returned)."""
+    assert calls is not None  # made by the binding
+    if groups is not None:
+        return transports.hierarchical_bound(calls, groups, traffic, defer)
+    if g.reduction == Route.ALLREDUCE:  # the bound calls read the factors, written already
+        return transports.native(calls, g.fmt, group, traffic, defer)
+    return transports.two_phase_bound(calls, group, traffic, defer, offer, on_chunk)
+
+
 @dataclasses.dataclass
-class SteadyFeedback:
+class SteadyFeedback(_Bucket):
     """:class:`Steady` with error feedback: two_phase with agreed exponents per layer or block.
 
     The bucket's residuals live in one flat buffer whose views are the
@@ -553,17 +533,12 @@ class SteadyFeedback:
     feedback, residuals included.
 
     Attributes:
-        numel, ptr, workspace: as :class:`Steady`'s.
         residual: float32, the bucket's residuals (the feedback's entries are views).
         token: the feedback's token for them (:meth:`aps_comm.feedback.ErrorFeedback.shared`).
         shared: the MAX all-reduce's vector: float32 layer maxima, or uint8 block keys.
         agree: writes this rank's maxima or keys of the buffer into ``shared``.
-        factors: writes the agreed factors into the bound calls' scale and unscale.
-        calls: the one chunk's bound calls.
-        epoch: as :class:`Steady`'s (a Schedule epoch moves a layer's format).
-        group: the group plan it is bound to (its layout, blocks and codec: the records').
-        names: with ``stats=True``, each layer's name for its records
-            (:meth:`Reducer.record_feedback`); None records nothing.
+        factors: writes the agreed factors into the bound calls' scale and unscale (its
+            one chunk's).
         keys: the CPU kernels' int32 exponent keys of the agreed maxima, which
             ``factors`` leaves there (the records' exponents); else None.
         local: with blocks, this rank's float32 max |x| of every block (``agree``'s).
@@ -574,18 +549,11 @@ class SteadyFeedback:
         promote: with Promote, the layers' keys, sizes and names.
     """
 
-    numel: int
-    ptr: int
     residual: torch.Tensor
     token: int
     shared: torch.Tensor
     agree: Callable[[], object]
     factors: Callable[[], object]
-    calls: list[transports.ChunkCalls]
-    workspace: tuple[int, ...] = ()
-    epoch: tuple[int, ...] = ()
-    group: GroupPlan | None = None
-    names: list[str | None] | None = None
     keys: np.ndarray | None = None
     local: torch.Tensor | None = None
     scale: torch.Tensor | None = None
@@ -595,7 +563,7 @@ class SteadyFeedback:
 
 
 @dataclasses.dataclass
-class SteadyAgreedBlocks:
+class SteadyAgreedBlocks(_Bucket):
     """:class:`Steady` for block scaling with agreed block exponents (two_phase, no error
     feedback: ``block_exponents="agreed"``).
 
@@ -614,8 +582,7 @@ class SteadyAgreedBlocks:
     chunk the encode, the sum in the wire format and the decode.
 
     Attributes:
-        numel, ptr, plan, group, fmts, chunk, bound_ptr, offer, epoch, workspace: as
-            :class:`Steady`'s.
+        fmts, chunk: as :class:`Steady`'s.
         main: the route of the state's format (what chunks are sized for).
         measured: chunks sized by this rank's timing, agreed on the keys.
         maxima: float32 scratch: this rank's max |x| of every block.
@@ -625,9 +592,6 @@ class SteadyAgreedBlocks:
             call writes it too, for the first chunk's owner step to set: nothing reads
             this rank's own flags with agreed exponents).
         keys_call: the keys' calls, bound to the bucket's float32 buffer.
-        calls: each chunk's bound calls.
-        names: with ``stats=True``, each layer's name for its records
-            (:meth:`Reducer.record_agreed_blocks`); None records nothing.
         records_call: with ``names``, writes the layers' records of the bound buffer under
             the agreed keys into the float64 rows it takes (:meth:`Codec.bind_block_records`).
         native: the route is the native sum.
@@ -636,10 +600,6 @@ class SteadyAgreedBlocks:
         factors_call: writes ``factors`` from the agreed keys; None with fused kernels.
     """
 
-    numel: int
-    ptr: int
-    plan: BucketPlan
-    group: GroupPlan
     fmts: list[FloatFormat]
     main: Route
     measured: bool
@@ -648,12 +608,6 @@ class SteadyAgreedBlocks:
     shared: torch.Tensor
     union: torch.Tensor
     keys_call: Callable[[], None] | None = None
-    calls: list[transports.ChunkCalls] | None = None
-    bound_ptr: int = 0
-    offer: tuple[float | None, int] | None = None
-    epoch: tuple[int, ...] = ()
-    workspace: tuple[int, ...] = ()
-    names: list[str | None] | None = None
     native: bool = False
     factors: tuple[torch.Tensor, ...] | None = None
     factors_call: Callable[[], object] | None = None
@@ -1096,7 +1050,35 @@ _Bound = _Part | SteadyGroups
 
 
 @dataclasses.dataclass
-class SteadyUnit:
+class _Unit:
+    """What every settled FSDP2 unit keeps (:class:`SteadyUnit`, :class:`SteadyMixedUnit`,
+    :class:`SteadyFP32Unit`): the layout and policy epoch it is bound to, and its records.
+
+    Attributes:
+        chunks: the parameters' padded chunks (the layout it is bound to).
+        numel: elements of the N rows.
+        device: the rows' device.
+        epoch: the policy's epoch of its formats (:meth:`aps_comm.policy.Assignment.epoch`).
+        record: with ``stats=True``, the step's records from the N rows: float64 (P, 5),
+            one row per parameter (:meth:`aps_comm.telemetry.StepStats.add_rows`; one
+            kernel call on the CPU kernels).
+        parts: with ``stats=True``, per run its parameters' names and sizes, its format
+            and its rows of the records (:func:`_unit_records`).
+    """
+
+    chunks: tuple[int, ...]
+    numel: int
+    device: torch.device
+    epoch: tuple[int, ...]
+    _: dataclasses.KW_ONLY
+    record: Callable[[torch.Tensor], torch.Tensor] | None = None
+    parts: list[tuple[list[str], list[int], FloatFormat, int, int]] = dataclasses.field(
+        default_factory=list
+    )
+
+
+@dataclasses.dataclass
+class SteadyUnit(_Unit):
     """An FSDP2 unit's reduce-scatter once its layout and format are settled (:meth:`Reducer.unit`).
 
     Bound to the unit's layout, not to a buffer: FSDP hands a new input
@@ -1111,10 +1093,6 @@ class SteadyUnit:
     rank order.
 
     Attributes:
-        chunks: the parameters' padded chunks (the layout it is bound to).
-        numel: elements of the N rows.
-        device: the rows' device.
-        epoch: the policy's epoch of its formats (:meth:`aps_comm.policy.Assignment.epoch`).
         runs: the unit's one run and its exchange scratch (:meth:`aps_comm.plan.BucketPlan.runs`).
         shared: the MAX all-reduce's vector: float32 parameter maxima (layer) or uint8
             block keys (block), then the layout flag.
@@ -1130,11 +1108,6 @@ class SteadyUnit:
         poison: 0-d float32, what a non-finite parameter or the flag writes: inf into the
             agreed maxima (layer), NaN into ``decode`` (block, and layer with records: the
             records' exponents are those of the agreed maxima).
-        record: with ``stats=True``, the step's records from the N rows: float64 (P, 5),
-            one row per parameter (:meth:`aps_comm.telemetry.StepStats.add_rows`; one
-            kernel call on the CPU kernels).
-        parts: with ``stats=True``, its one run's parameters' names and sizes, format and
-            rows of the records (:func:`_unit_records`).
         premax: ``scaling="bucket"`` with records: float32 scratch, the agreed maxima of
             every row before the spread (what the records show).
         workspace: the state's workspace epoch of the unit's slot, which the exchange's,
@@ -1144,10 +1117,6 @@ class SteadyUnit:
             are whole bytes (each row goes to its own rank).
     """
 
-    chunks: tuple[int, ...]
-    numel: int
-    device: torch.device
-    epoch: tuple[int, ...]
     runs: RowRuns
     shared: torch.Tensor
     local: torch.Tensor
@@ -1158,17 +1127,13 @@ class SteadyUnit:
     decode: torch.Tensor
     factors: Callable[[], object]
     poison: torch.Tensor
-    record: Callable[[torch.Tensor], torch.Tensor] | None = None
-    parts: list[tuple[list[str], list[int], FloatFormat, int, int]] = dataclasses.field(
-        default_factory=list
-    )
     premax: torch.Tensor | None = None
     workspace: tuple[int, ...] = ()
     pad: tuple[torch.Tensor, torch.Tensor] | None = None
 
 
 @dataclasses.dataclass
-class SteadyMixedUnit:
+class SteadyMixedUnit(_Unit):
     """:class:`SteadyUnit` for a unit of several formats (a policy keeping some parameters
     in FP32, or two wire formats), layer, bucket or no scaling, on the CPU kernels.
 
@@ -1181,7 +1146,6 @@ class SteadyMixedUnit:
     number of parameters and runs.
 
     Attributes:
-        chunks, numel, device, epoch: as :class:`SteadyUnit`'s (the device: the CPU).
         codec: a scaled format's codec (the shared kernels: maxima, spans, sums).
         layout: the N rows' chunks (the maxima's segments).
         shared: float32, the MAX all-reduce's vector: the parameters' maxima, then the flag.
@@ -1204,10 +1168,6 @@ class SteadyMixedUnit:
         sums: int64 (R, 7), each run's place in ``values``, row and parameters (:meth:`aps_comm.codec.Codec.sum_runs`);
             ``scaling="none"``: every run's made NaN by the sum, as FP32's (its unscale 1).
         row_numel: elements per row.
-        record: with ``stats=True``, the step's records from the N rows: float64 (P, 5),
-            one row per parameter (one kernel call).
-        parts: with ``stats=True``, per run its parameters' names and sizes, its format
-            and its rows of the records (:func:`_unit_records`).
         offsets_of: the host copies of ``layout``'s offsets and of ``perm`` (the maxima's
             and agreed maxima's kernel calls read them).
         keyed: block scaling: the call that writes every block's key of the N rows (each
@@ -1216,10 +1176,6 @@ class SteadyMixedUnit:
             ``maxima`` (inf for a parameter NaN in the sum), one kernel call each.
     """
 
-    chunks: tuple[int, ...]
-    numel: int
-    device: torch.device
-    epoch: tuple[int, ...]
     codec: codec.Codec
     layout: Layout
     shared: torch.Tensor
@@ -1236,16 +1192,12 @@ class SteadyMixedUnit:
     values: torch.Tensor
     sums: np.ndarray
     row_numel: int
-    record: Callable[[torch.Tensor], torch.Tensor] | None = None
-    parts: list[tuple[list[str], list[int], FloatFormat, int, int]] = dataclasses.field(
-        default_factory=list
-    )
     keyed: tuple[Callable[[torch.Tensor], object], Callable[[], object]] | None = None
     offsets_of: tuple[np.ndarray, np.ndarray] = ()  # type: ignore[assignment]
 
 
 @dataclasses.dataclass
-class SteadyFP32Unit:
+class SteadyFP32Unit(_Unit):
     """:class:`SteadyUnit` for a unit whose every parameter goes in FP32 (a policy's, or
     "auto" on a fast link): PyTorch's own reduce-scatter, in rank order.
 
@@ -1258,7 +1210,6 @@ class SteadyFP32Unit:
     the all-reduce too, for the records (one kernel call).
 
     Attributes:
-        chunks, numel, device, epoch: as :class:`SteadyUnit`'s.
         sums: the codec whose :meth:`~aps_comm.codec.Codec.sum_rows` sums the rows.
         recv: float32 (N, row), the received rows (a view of the workspace).
         nan: 0-d float32 NaN, what the flag writes over the sum.
@@ -1267,14 +1218,8 @@ class SteadyFP32Unit:
         shared: with ``stats=True``, float32: the parameters' maxima, then the flag.
         local: with ``stats=True``, float32, each row's maximum of every chunk (N x P).
         agreed: with ``stats=True``, float32, the agreed maxima for every row (N x P).
-        record: with ``stats=True``, the step's records from the N rows (P, 5).
-        parts: with ``stats=True``, its parameters' names and sizes (:func:`_unit_records`).
     """
 
-    chunks: tuple[int, ...]
-    numel: int
-    device: torch.device
-    epoch: tuple[int, ...]
     sums: codec.Codec
     recv: torch.Tensor
     nan: torch.Tensor
@@ -1283,10 +1228,6 @@ class SteadyFP32Unit:
     shared: torch.Tensor | None = None
     local: torch.Tensor | None = None
     agreed: torch.Tensor | None = None
-    record: Callable[[torch.Tensor], torch.Tensor] | None = None
-    parts: list[tuple[list[str], list[int], FloatFormat, int, int]] = dataclasses.field(
-        default_factory=list
-    )
 
 
 @dataclasses.dataclass(frozen=True)
@@ -1359,7 +1300,7 @@ class Reducer:
         # Per device: the buckets' scratch, shared (:mod:`aps_comm.workspace`).
         self.workspaces: dict[str, Workspace] = {}
         # Per FSDP unit index: its bound reduce-scatter once settled (:class:`SteadyUnit`).
-        self.steady_units: dict[int, SteadyUnit | SteadyMixedUnit | SteadyFP32Unit] = {}
+        self.steady_units: dict[int, _Unit] = {}
         # Per bucket index: what it was when it last failed to bind (:meth:`_bind_first`).
         self._unbound: dict[int, tuple] = {}
         # Per FSDP unit index: what it was when it last failed to bind.
@@ -1764,7 +1705,7 @@ class Reducer:
                 pick = shared[:n].numpy(), np.asarray(g.index, np.int64), spread
             fused = residuals, pick
         gnames = [b.layers[2][i] for i in g.index]
-        return self._bind_feedback(b.index, gx, g, gnames, shares, fused, (end, local))
+        return self._bind_feedback(b, gx, g, gnames, shares, fused, (end, local))
 
     def _settle_agreed_groups(self, b: _Binding, groups: list[GroupPlan]) -> None:
         """Bind the :class:`SteadyGroups` path of a bucket of several formats with agreed
@@ -2037,14 +1978,14 @@ class Reducer:
                     self.record_feedback(index, s, values)
                 if out is not None:
                     self._feedback_rates(s, values, out)
-                self._feedback_exchange(s, values)
+                _exchange(s.group, s.calls, comm.group, self.traffic)
             elif isinstance(s, SteadyAgreedBlocks):
                 if s.names is not None:  # the agreed keys: before the decode overwrites them
                     self.record_agreed_blocks(index, s)
                 self._agreed_blocks_exchange(s, values, False)
             elif isinstance(s, SteadyBlocks):
                 self.steady_block_keys(index, s, values)  # and their records
-                s.exchange(comm.group, self.traffic)
+                _exchange(s.group, s.calls, comm.group, self.traffic, groups=s.groups)
             else:
                 self._run_part(index, s, values, (out, at), next(factors, None))
         if st.put_rates is not None and not early:
@@ -2075,7 +2016,7 @@ class Reducer:
             self.record_steady(index, s, values, out, at)  # with Promote's rates
         elif out is not None:
             self._settled_rates(s, values, out, at)
-        s.exchange(self.comm.group, self.traffic)
+        _exchange(s.group, s.calls, self.comm.group, self.traffic, groups=s.groups)
 
     def _settle_feedback(self, b: _Binding, g: GroupPlan) -> None:
         """Bind the bucket's :class:`SteadyFeedback` path where nothing in it changes per step
@@ -2091,7 +2032,7 @@ class Reducer:
             # The vector: the maxima, then every layer's last local rate.
             vector = self._vector(2 * n, torch.float32, x.device)
             self._rates_into(vector[n:], names)
-        st = self._bind_feedback(index, x, g, names, None if vector is None else vector[:n])
+        st = self._bind_feedback(b, x, g, names, None if vector is None else vector[:n])
         if st is not None:
             if vector is not None:
                 st.maxima, st.fmts = vector, list(fmts)
@@ -2100,7 +2041,7 @@ class Reducer:
 
     def _bind_feedback(
         self,
-        index: int,
+        b: _Binding,
         x: torch.Tensor,
         g: GroupPlan,
         names: Sequence[str | None],
@@ -2108,8 +2049,8 @@ class Reducer:
         fused: tuple[torch.Tensor, tuple[np.ndarray, np.ndarray, bool] | None] | None = None,
         after: tuple[int, torch.Tensor | None] = (0, None),
     ) -> SteadyFeedback | None:
-        """Group ``g``'s :class:`SteadyFeedback`, bound to its values ``x`` (the bucket, or
-        a group's view of it); None where it has no bound path: not two_phase or the native
+        """Group ``g``'s :class:`SteadyFeedback` of bucket ``b``, bound to its values ``x``
+        (the bucket, or a group's view of it); None where it has no bound path: not two_phase or the native
         sum in one chunk, a layer without a residual of its own (every codec backend
         binds: the torch ones with tensor ops).
 
@@ -2195,19 +2136,20 @@ class Reducer:
         return SteadyFeedback(
             numel,
             x.data_ptr(),
+            b.plan,
+            g,
             residual,
             fb.share(names, g.numels, residual),  # type: ignore[arg-type]  # checked above
             shared,
             agree,
             factors_call,
-            [transports.ChunkCalls(encode, owner, decode, send, recv, shard)],
-            self._epoch(index, device),
-            self.assignment.epoch(self.step),
-            g,
-            list(names) if self.settings.stats else None,
             host_keys,
             maxima,
             scale,
+            calls=[transports.ChunkCalls(encode, owner, decode, send, recv, shard)],
+            workspace=self._epoch(b.index, device),
+            epoch=self.assignment.epoch(self.step),
+            names=list(names) if self.settings.stats else None,
         )
 
     def _run_feedback(
@@ -2234,19 +2176,9 @@ class Reducer:
             self.record_feedback(index, st, x)
         if st.maxima is not None:
             self._feedback_rates(st, x, st.maxima[st.shared.numel() :])
-        self._feedback_exchange(st, x)
-        return None
-
-    def _feedback_exchange(self, st: SteadyFeedback, x: torch.Tensor) -> None:
-        """A :class:`SteadyFeedback`'s bound chunk around its route's collectives: two_phase's,
-        or the native sum's (its factors written already)."""
         # Not deferred: one workspace slot serves every bucket (:meth:`bucket`).
-        comm = self.comm
-        if st.group is not None and st.group.reduction == Route.ALLREDUCE:
-            # The bound calls read the factors.
-            transports.native(st.calls, st.group.fmt, comm.group, self.traffic)
-            return
-        transports.two_phase_bound(st.calls, comm.group, self.traffic, False)
+        _exchange(st.group, st.calls, self.comm.group, self.traffic)
+        return None
 
     def _settle_agreed_blocks(self, b: _Binding, g: GroupPlan) -> None:
         """Bind the bucket's :class:`SteadyAgreedBlocks` path where nothing in it changes
@@ -2338,13 +2270,9 @@ class Reducer:
     ) -> Callable[[], None] | None:
         """A :class:`SteadyAgreedBlocks`' bound chunks on its agreed keys: two_phase's, or
         the native sum's (its factors first)."""
-        comm = self.comm
-        assert st.calls is not None
         if st.factors_call is not None:  # the native sum's, or the torch backends'
             st.factors_call()
-        if st.native:
-            return transports.native(st.calls, st.group.fmt, comm.group, self.traffic, defer)
-        return transports.two_phase_bound(st.calls, comm.group, self.traffic, defer)
+        return _exchange(st.group, st.calls, self.comm.group, self.traffic, defer)
 
     def _settle_blocks(self, b: _Binding, g: GroupPlan) -> None:
         """Bind the bucket's :class:`SteadyBlocks` path where nothing in it changes per step
@@ -2529,7 +2457,7 @@ class Reducer:
             self._settled_rates(st, x)
         self.bucket_chunks[index] = st.chunk
         start = time.perf_counter()
-        tail = st.exchange(self.comm.group, self.traffic, defer)
+        tail = _exchange(st.group, st.calls, self.comm.group, self.traffic, defer, st.groups)
         if st.measured:
             st.plan.timed(time.perf_counter() - start)
         return tail
@@ -2877,7 +2805,9 @@ class Reducer:
             offer, on_chunk = self._offer(st, route), functools.partial(_agree_chunk, plan)
         self.bucket_chunks[index] = st.chunk
         start = time.perf_counter()
-        tail = st.exchange(comm.group, self.traffic, defer, offer, on_chunk)
+        tail = _exchange(
+            st.group, st.calls, comm.group, self.traffic, defer, st.groups, offer, on_chunk
+        )
         if st.measured:
             plan.timed(time.perf_counter() - start)
         return tail
@@ -2957,7 +2887,7 @@ class Reducer:
             return self._run_mixed_unit(index, st, rows, problem)
         if isinstance(st, SteadyFP32Unit):
             return self._run_fp32_unit(index, st, rows, problem)
-        if st is not None:
+        if isinstance(st, SteadyUnit):
             return self._run_unit(index, st, rows, problem)
         raise RuntimeError(
             f"unit {index}: no bound path for {settings} in formats "
@@ -2984,7 +2914,7 @@ class Reducer:
             runs = plan.runs(fmts, n)
         self.steady_units.pop(index, None)
         key = (tuple(chunks), rows.numel(), device, self.assignment.epoch(step))
-        st: SteadyUnit | SteadyMixedUnit | SteadyFP32Unit | None
+        st: _Unit | None
         if len(runs.runs) != 1:
             st = self._settle_mixed_unit(plan, runs, key, params)
         else:
@@ -3007,7 +2937,7 @@ class Reducer:
 
     def _steady_unit(
         self, index: int, rows: torch.Tensor, chunks: Sequence[int], step: int
-    ) -> SteadyUnit | SteadyMixedUnit | SteadyFP32Unit | None:
+    ) -> _Unit | None:
         """The unit's :class:`SteadyUnit` (or :class:`SteadyMixedUnit`) where this call fits the layout and formats it
         was bound to (any buffer of that layout: FSDP allocates a new one every step)."""
         st = self.steady_units.get(index)
@@ -3344,9 +3274,7 @@ class Reducer:
         # A flagged unit is NaN on every rank.
         return torch.where(problem > 0, st.nan, out, out=out)
 
-    def _add_records(
-        self, index: int, st: SteadyUnit | SteadyMixedUnit | SteadyFP32Unit, x: torch.Tensor
-    ) -> None:
+    def _add_records(self, index: int, st: _Unit, x: torch.Tensor) -> None:
         """With ``stats=True``, queue a unit's records from its N rows ``x``, run by run."""
         if st.record is not None:
             records = st.record(x)
