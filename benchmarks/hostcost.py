@@ -936,6 +936,12 @@ def measure_fsdp(
                 functools.partial(reduce, shard), device, repeats
             )
             replicas = state.replica_reducer
+            # What a real step keeps: FSDP ends each step (the reducers hand over their
+            # records), so the state holds one step's statistics, not every repeat's.
+            for reducer in (state.reducer, replicas):
+                if reducer is not None:
+                    reducer.end_step()
+            reduce(shard)
             rows.append(
                 Row(
                     model,

@@ -2522,3 +2522,15 @@ def test_promote_moving_one_interleaved_layer_with_error_feedback_keeps_the_simu
         assert isinstance(settled.reducer.steady_for(0, buffer), SteadyGroups), step
     formats = [f.name for f in settled.assignment.formats(keys, 5)]
     assert moved and len(set(formats[:3])) == 3 and formats[0] == formats[4], formats
+
+
+def test_an_fsdp_units_state_bytes_do_not_grow_with_the_repeats(world: None) -> None:
+    # The state holds one step's statistics, as under FSDP (which ends every step): the
+    # table's memory must not count every timed repeat's records as kept.
+    from benchmarks.hostcost import measure_fsdp
+
+    routes = {"fsdp/e4m3+stats": FSDP_ROUTES["fsdp/e4m3+stats"]}
+    models = {"small": [300, 7, 64]}
+    (few,) = measure_fsdp(CPU, repeats=2, models=models, routes=routes)
+    (many,) = measure_fsdp(CPU, repeats=6, models=models, routes=routes)
+    assert few.settled and few.state_bytes == many.state_bytes > 0
