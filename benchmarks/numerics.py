@@ -321,10 +321,15 @@ def _capture_hook(state: _Capture, bucket: dist.GradBucket) -> torch.futures.Fut
     """Keep the raw bucket, run the wrapped hook, keep what it returns."""
     raw = bucket.buffer().detach().clone()
     index = bucket.index()
+    # The callback runs, and is freed, on a Gloo worker thread after the waiters wake:
+    # holding the state (and through it the process group) there could leave that
+    # thread the group's last reference at exit, whose destructor joins the thread
+    # itself (std::terminate, "Resource deadlock avoided", seen twice in CI).
+    records = state.records
 
     def keep(fut: torch.futures.Future) -> torch.Tensor:
         out = fut.value()
-        state.records.append((index, raw, out.detach().clone()))
+        records.append((index, raw, out.detach().clone()))
         return out
 
     return state.hook(state.state, bucket).then(keep)
