@@ -48,6 +48,14 @@ So :func:`join_at_exit` records (weakly) every group aps-comm creates, and
    of a job whose hook failed or whose worker did not stop in time: their
    peers may be gone, and waiting on their queues would only delay the exit.
 
+The helper must hold the last reference itself. A future's callbacks run on
+the Gloo worker that completed it, after the waiters wake, and are freed
+there: a callback that refers to a group (a hook's closure over its state)
+and outlives every other reference would run the backend's destructor on that
+worker, which then joins its own thread ("Resource deadlock avoided",
+SIGABRT). So the helper waits, up to :data:`CALLBACK_WAIT_S`, for every
+other reference to go before it drops its own.
+
 The owner is unusable afterwards. The handler never raises and never changes
 the exit code: a job that failed keeps its own.
 
@@ -71,6 +79,7 @@ import contextlib
 import gc
 import sys
 import threading
+import time
 import traceback
 import types
 import weakref
@@ -81,6 +90,7 @@ import torch.distributed as dist
 from aps_comm.executor import FifoWorker
 
 __all__ = [
+    "CALLBACK_WAIT_S",
     "JOIN_TIMEOUT_S",
     "ExitResources",
     "join_at_exit",
@@ -90,6 +100,10 @@ __all__ = [
 
 JOIN_TIMEOUT_S = 10.0
 """Seconds the exit handler waits for a worker to finish, and for the groups to be joined."""
+
+CALLBACK_WAIT_S = 2.0
+"""Seconds the join waits for other references to a group to go (a future's callback
+still running on a Gloo worker) before it drops its own."""
 
 
 class ExitResources(Protocol):
@@ -284,14 +298,18 @@ def _join(groups: dict[int, dist.ProcessGroup], warn: bool = True) -> None:
 
 
 def _drop(groups: dict[int, dist.ProcessGroup], warn: bool) -> None:
-    alive = [weakref.ref(g) for g in groups.values()]
+    held = list(groups.values())
     groups.clear()
-    if any(ref() is not None for ref in alive):
+    # Be the last to let go (module docstring): a callback still running on a
+    # Gloo worker must not free its group there.
+    if _others(held):
         # Garbage not yet collected (a cycle through a finished bucket's
-        # closures) can hold the last reference: collect it here, not in the
-        # interpreter's shutdown, where the join would come too late.
+        # closures) can hold one too.
         gc.collect()
-    survivors = sum(ref() is not None for ref in alive)
+    deadline = time.monotonic() + CALLBACK_WAIT_S
+    while _others(held) and time.monotonic() < deadline:
+        time.sleep(0.005)
+    survivors = _others(held)
     if survivors and warn:
         # Something of the program's (a global, a module attribute) still holds
         # a group, so its threads outlive this handler: say what to change.
@@ -302,3 +320,9 @@ def _drop(groups: dict[int, dist.ProcessGroup], warn: bool) -> None:
             "(e.g. a global holding state.process_group) before the script ends.",
             file=sys.stderr,
         )
+    held.clear()
+
+
+def _others(held: list[dist.ProcessGroup]) -> int:
+    """How many of ``held`` something else still refers to (the list and the call hold two)."""
+    return sum(sys.getrefcount(held[i]) > 2 for i in range(len(held)))

@@ -171,6 +171,81 @@ def test_a_group_the_program_still_holds_is_named_with_what_to_do() -> None:
         assert "Delete the references you keep to them" in r["stderr"], (rank, r)
 
 
+def _callback_holds_the_group(rank: int, world_size: int) -> dict:
+    """A future's callback that refers to a group is still running when the handler joins it.
+
+    Callbacks run on the Gloo worker that completed the collective, after the
+    waiters wake, and are freed there. Were that the group's last reference,
+    its destructor would join the worker from the worker itself: "Resource
+    deadlock avoided", SIGABRT (the flaky abort of a benchmark whose capture
+    hook's callback held its state). The callback here waits until the
+    handler is inside its join (its garbage collection is the signal), so the
+    order is forced, not hoped for.
+    """
+    from aps_comm import teardown
+
+    handlers = []
+    real_register = atexit.register
+    atexit.register = lambda fn, *a, **k: handlers.append(fn) or real_register(fn, *a, **k)
+    try:
+        group = teardown.join_at_exit(dist.new_group())
+    finally:
+        atexit.register = real_register
+    teardown.CALLBACK_WAIT_S = 60.0  # the callback's end, not a clock, decides
+    started, release = threading.Event(), threading.Event()
+
+    ran_on: list[int] = []
+
+    def hold(fut: torch.futures.Future, group: dist.ProcessGroup = group) -> list:
+        ran_on.append(threading.get_ident())
+        started.set()
+        release.wait(60)
+        return fut.value()
+
+    work = dist.all_reduce(torch.ones(1), group=group, async_op=True)
+    if rank == 0:
+        # Rank 1 joins the all-reduce only after the barrier: the callback is
+        # attached before it completes, so the completing worker runs it.
+        work.get_future().then(hold)
+        dist.barrier()
+        assert started.wait(60)
+    else:
+        dist.barrier()
+        work.wait()
+        release.set()
+    del work
+    freed = weakref.ref(group)
+    del group, hold
+    gc.disable()
+    gc.callbacks.append(lambda phase, info: release.set())
+    before = _gloo_threads()
+    stderr, sys.stderr = sys.stderr, io.StringIO()
+    try:
+        for handler in dict.fromkeys(handlers):
+            handler()
+    finally:
+        said, sys.stderr = sys.stderr.getvalue(), stderr
+        gc.callbacks.clear()
+        gc.enable()
+    return {
+        "on_a_worker": ran_on != [threading.get_ident()],
+        "released": release.is_set(),
+        "group_freed": freed() is None,
+        "threads_joined": before - _gloo_threads(),
+        "stderr": said,
+    }
+
+
+@pytest.mark.skipif(not os.path.isdir("/proc/self/task"), reason="counts threads in /proc")
+def test_a_callback_holding_the_group_does_not_free_it_on_a_gloo_thread() -> None:
+    for rank, r in enumerate(run_distributed(_callback_holds_the_group, 2)):
+        assert r["released"] and r["on_a_worker"], (rank, r)
+        # Freed by the handler's helper, after the callback let go: not on the
+        # worker (which aborts the process before this returns), not left behind.
+        assert r["group_freed"] and r["stderr"] == "", (rank, r)
+        assert r["threads_joined"] >= 3, (rank, r)
+
+
 def _clean_env() -> dict[str, str]:
     env = {k: v for k, v in os.environ.items() if not _JOB_VARS.match(k)}
     env["OMP_NUM_THREADS"] = "1"
