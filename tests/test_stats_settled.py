@@ -17,6 +17,7 @@ import math
 
 import pytest
 import torch
+from torch.utils._python_dispatch import TorchDispatchMode
 
 from aps_comm import APSState, simulate
 from aps_comm.testing import run_distributed
@@ -163,3 +164,49 @@ def _check(steps: list, rank: int, world: int, scaling: str, backend: str) -> No
             assert one.amax == (rank + 1 if blocks else world) * 0.5
     # Rank 1's inf passes the format's max once scaled: counted saturated.
     assert steps[2][2][3].saturated == (rank == 1)
+
+
+class _AtomicOps(TorchDispatchMode):
+    """Records the ops that add or reduce into rows by index (atomics on a GPU)."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.seen: list[str] = []
+
+    def __torch_dispatch__(self, func, types, args=(), kwargs=None):  # type: ignore[no-untyped-def]
+        name = func.overloadpacket.__name__
+        if name.startswith(("scatter", "index_add", "index_reduce", "index_put")):
+            self.seen.append(name)
+        return func(*args, **(kwargs or {}))
+
+
+@pytest.mark.parametrize("seed", range(4))
+def test_per_layer_folds_blocks_as_a_scatter_would(seed: int) -> None:
+    """The smallest block exponent and the largest block maximum of every layer, empty
+    layers 0, an infinite maximum kept: the fold the torch-op paths record block stats
+    with (a running min/max, not a scatter's atomics), against the scatter it replaced."""
+    from aps_comm.layout import Layout
+    from aps_comm.telemetry import per_layer
+
+    g = torch.Generator().manual_seed(seed)
+    numels = torch.randint(0, 40, (7,), generator=g).tolist()
+    numels[seed] = 0
+    numels[-1] = 33
+    blocks = Layout.from_numels(numels, torch.device("cpu")).grid(8)
+    n = int(blocks.device_counts.sum())
+    exps = torch.randint(-200, 200, (n,), dtype=torch.int32, generator=g)
+    amax = torch.rand(n, generator=g) * torch.exp2(torch.randint(-60, 60, (n,), generator=g))
+    amax[seed] = float("inf")
+    counts = torch.randint(0, 5, (n, 3), generator=g)
+    with _AtomicOps() as atomic:
+        summed, smallest, largest = per_layer(blocks, counts, exps, amax)
+    assert atomic.seen == [], "a GPU serialises these atomics on a few rows (benchmarks.gpu)"
+    layer = torch.repeat_interleave(torch.arange(len(numels)), blocks.device_counts)
+    zeros = torch.zeros(len(numels), dtype=torch.int32)
+    want_min = zeros.scatter_reduce(0, layer, exps, "amin", include_self=False)
+    want_max = zeros.float().scatter_reduce(0, layer, amax, "amax", include_self=False)
+    assert smallest.dtype == torch.int32 and torch.equal(smallest, want_min)
+    assert torch.equal(largest, want_max) and math.isinf(largest.max())
+    assert torch.equal(
+        summed, torch.zeros(len(numels), 3, dtype=counts.dtype).index_add(0, layer, counts)
+    )
