@@ -511,7 +511,7 @@ def _exchange(
     wire, their finishing function returned)."""
     assert calls is not None  # made by the binding
     if groups is not None:
-        return transports.hierarchical_bound(calls, groups, traffic, defer)
+        return transports.two_phase_bound(calls, groups.inter, traffic, defer, groups=groups)
     if g.reduction == Route.ALLREDUCE:  # the bound calls read the factors, written already
         return transports.native(calls, g.fmt, group, traffic, defer)
     return transports.two_phase_bound(calls, group, traffic, defer, offer, on_chunk)

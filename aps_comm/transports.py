@@ -13,7 +13,7 @@ them, step after step, with no per-step planning.
 - :func:`two_phase_bound` (and its block forms): per chunk,
   ``all_to_all_single`` of the encoded shards (uint8), the owner's FP32 sum,
   and ``all_gather`` of the reduced shards.
-- :func:`hierarchical_bound`: per chunk, an FP32 ``all_to_all_single`` inside
+- :func:`two_phase_bound` with ``groups``, the staged route: per chunk, an FP32 ``all_to_all_single`` inside
   the node and an ordered sum (a reduce-scatter whose order is fixed), two_phase
   of the encoded node sums among the ranks with the same local rank, and an
   ``all_gather`` of the encoded slices inside the node: only the wire format
@@ -66,7 +66,6 @@ __all__ = [
     "bind_node_blocks",
     "fp32_mean",
     "fp32_mean_async",
-    "hierarchical_bound",
     "native",
     "node_block_ops",
     "node_spare",
@@ -296,53 +295,73 @@ def _each(stage: _Stage, chunks: Sequence[int]) -> None:
         stage(c)
 
 
-_Buffers = Callable[[int], tuple[torch.Tensor, torch.Tensor]]
-"""A chunk's codec call, run, and the two buffers of the collective that follows it."""
-
-
 def _two_phase(
-    send: _Buffers,
-    owner: _Buffers,
+    calls: Sequence[ChunkCalls],
     group: dist.ProcessGroup,
     count: Counter,
     works: _Works,
     level: str = "",
 ) -> tuple[_Stage, _Stage]:
     """two_phase's exchange and gather of chunk c as pipeline stages, each after the
-    chunk's collective in flight (a staged route's previous level): ``send(c)`` fills
-    the exchange and gives (send, recv); ``owner(c)`` makes this rank's shard and gives
-    (shard, gathered). ``level`` names the collectives in errors."""
+    chunk's collective in flight (a staged route's previous level): its ``encode`` fills
+    ``send`` for the exchange into ``recv``, its ``owner`` step makes ``shard``, gathered
+    into ``gathered``. ``level`` names the collectives in errors."""
     names = f"{level}all_to_all", f"{level}all_gather"
 
     def exchange(c: int) -> None:
         _wait_chunk(works, c)
-        out, into = send(c)
-        count("all_to_all", out.numel())
-        works[c] = dist.all_to_all_single(into, out, group=group, async_op=True), names[0]
+        cc = calls[c]
+        cc.encode()
+        count("all_to_all", cc.send.numel())
+        recv = cc.recv  # bound for two_phase (as shard, gathered and owner)
+        works[c] = dist.all_to_all_single(recv, cc.send, group=group, async_op=True), names[0]
 
     def gather(c: int) -> None:
         _wait_chunk(works, c)
-        shard, gathered = owner(c)
-        count("all_gather", shard.numel())
-        works[c] = all_gather_single(gathered, shard, group=group, async_op=True), names[1]
+        cc = calls[c]
+        cc.owner()  # type: ignore[misc]
+        count("all_gather", cc.shard.numel())  # type: ignore[union-attr]
+        work = all_gather_single(cc.gathered, cc.shard, group=group, async_op=True)
+        works[c] = work, names[1]
 
     return exchange, gather
 
 
-def _steps(calls: Sequence[ChunkCalls]) -> tuple[_Buffers, _Buffers]:
-    """``calls``' encode and owner steps as :func:`_two_phase` runs them."""
+def _in_node(
+    calls: Sequence[ChunkCalls], groups: NodeGroups, count: Counter, works: _Works
+) -> tuple[_Stage, _Stage]:
+    """The staged route's stages in the node around two_phase across nodes: chunk c's
+    first exchange (``first``, then ``first_in`` to ``first_out``, FP32 with ``splits``
+    or grid's encoded slices), and the gather of the shards gathered across nodes
+    (``gathered``) into ``node_gathered``."""
 
-    def send(c: int) -> tuple[torch.Tensor, torch.Tensor]:
+    def exchange(c: int) -> None:
         cc = calls[c]
-        cc.encode()
-        return cc.send, cc.recv  # type: ignore[return-value]  # bound with recv
+        source = cc.first_in
+        assert source is not None and cc.first_out is not None  # bound for a staged route
+        count("node_all_to_all", source.numel() * source.element_size())
+        if cc.first is not None:
+            cc.first()
+        sizes = cc.splits or (None, None)
+        work = dist.all_to_all_single(
+            cc.first_out,
+            source,
+            output_split_sizes=sizes[1],
+            input_split_sizes=sizes[0],
+            group=groups.intra,
+            async_op=True,
+        )
+        works[c] = work, "first-level all_to_all" if cc.first else "in-node FP32 all_to_all"
 
-    def owner(c: int) -> tuple[torch.Tensor, torch.Tensor]:
+    def gather(c: int) -> None:
+        _wait_chunk(works, c)
         cc = calls[c]
-        cc.owner()  # type: ignore[misc]
-        return cc.shard, cc.gathered  # type: ignore[return-value]  # bound with both
+        assert cc.gathered is not None and cc.node_gathered is not None
+        count("node_all_gather", cc.gathered.numel())
+        work = all_gather_single(cc.node_gathered, cc.gathered, group=groups.intra, async_op=True)
+        works[c] = work, "in-node all_gather"
 
-    return send, owner
+    return exchange, gather
 
 
 def two_phase_bound(
@@ -352,23 +371,30 @@ def two_phase_bound(
     defer: bool = False,
     chunk_log2: int = 0,
     on_chunk: Callable[[int], None] | None = None,
+    groups: NodeGroups | None = None,
 ) -> Callable[[], None] | None:
-    """two_phase over a bound bucket (layer scaling; block exponents: :func:`bind_blocks`):
-    every chunk's codec work and buffers bound.
+    """two_phase over a bound bucket (layer scaling; block exponents: :func:`bind_blocks`),
+    or with ``groups`` the staged route (:func:`bind_hierarchical`,
+    :func:`bind_node_blocks`): an exchange in the node, two_phase across nodes, a
+    gather in the node.
 
-    The same collectives, in the same order, and the same bytes; per chunk
-    three bound calls and no slicing, lookups or checks on the host.
+    Stage s of chunk c runs at step c + s (:func:`_pipeline`; the staged route's later
+    stages first): the same collectives, in the same order, and the same bytes,
+    whatever bound the calls; per chunk a few bound calls and no slicing, lookups or
+    checks on the host.
 
     Args:
         calls: each chunk's bound work, with its ``send``, ``recv``, ``shard``
-            (and ``gathered``) views (:meth:`aps_comm.engine.Steady.bind`).
-        group: the process group.
+            (and ``gathered``) views (:meth:`aps_comm.engine.Steady.bind`), and for
+            the staged route its first exchange's and ``node_gathered``.
+        group: the process group (with ``groups``: ``groups.inter``).
         count: byte counter.
         defer: leave the last chunks in flight and return the function that finishes them.
         chunk_log2: with rank block exponents, this rank's preferred chunk, sent with
             the first chunk (its ``offer``).
         on_chunk: with rank block exponents, called with the ranks' largest preferred
             chunk (log2), once the first chunk's owner step has read it.
+        groups: the staged route: this rank's intra- and inter-node groups.
 
     Returns:
         With ``defer``, the function that finishes the bucket; else None.
@@ -377,8 +403,13 @@ def two_phase_bound(
     if offer is not None:
         offer[0] = chunk_log2
     works: _Works = [None] * len(calls)
-    stages = (*_two_phase(*_steps(calls), group, count, works), _decoding(calls, works))
-    tail = _pipeline(len(calls), stages, defer)
+    if groups is None:
+        stages = (*_two_phase(calls, group, count, works), _decoding(calls, works))
+    else:
+        (exchange, gather), level = _in_node(calls, groups, count, works), "across-node "
+        across = _two_phase(calls, groups.inter, count, works, level)
+        stages = (exchange, *across, gather, _decoding(calls, works))
+    tail = _pipeline(len(calls), stages, defer, backward=groups is not None)
     # Every chunk's owner step has run by now: only decodes are ever deferred.
     if offer is not None and on_chunk is not None:
         on_chunk(offer[1])
@@ -812,7 +843,7 @@ def bind_hierarchical(
 
     Example:
         >>> calls = transports.bind_hierarchical(g, x, (s, sh, u, None), 4)  # doctest: +SKIP
-        >>> transports.hierarchical_bound(calls, groups, count)  # doctest: +SKIP
+        >>> transports.two_phase_bound(calls, groups.inter, count, groups=groups)  # doctest: +SKIP
     """
     node, codec, bits = g.node, g.codec, g.fmt.wire_bits
     assert node is not None
@@ -874,61 +905,6 @@ def bind_hierarchical(
             )
         )
     return calls
-
-
-def hierarchical_bound(
-    calls: Sequence[ChunkCalls],
-    groups: NodeGroups,
-    count: Counter,
-    defer: bool = False,
-) -> Callable[[], None] | None:
-    """The staged route over every chunk's bound calls (:func:`bind_hierarchical`):
-    an exchange in the node, two_phase across nodes, a gather in the node.
-
-    Stage s of chunk c runs at step c + s, later stages first (:func:`_pipeline`):
-    the same collectives, in the same order, and the same bytes, whatever
-    bound the calls.
-
-    Args:
-        calls: each chunk's calls and buffers.
-        groups: this rank's intra- and inter-node groups.
-        count: byte counter.
-        defer: leave the last chunks in flight and return the function that finishes them.
-
-    Returns:
-        With ``defer``, the function that finishes the bucket; else None.
-    """
-    works: _Works = [None] * len(calls)
-
-    def exchange_in_node(c: int) -> None:
-        cc = calls[c]
-        source = cc.first_in
-        assert source is not None and cc.first_out is not None  # bound for a staged route
-        count("node_all_to_all", source.numel() * source.element_size())
-        if cc.first is not None:
-            cc.first()
-        sizes = cc.splits or (None, None)
-        work = dist.all_to_all_single(
-            cc.first_out,
-            source,
-            output_split_sizes=sizes[1],
-            input_split_sizes=sizes[0],
-            group=groups.intra,
-            async_op=True,
-        )
-        works[c] = work, "first-level all_to_all" if cc.first else "in-node FP32 all_to_all"
-
-    def gather_in_node(c: int) -> None:
-        _wait_chunk(works, c)
-        cc = calls[c]
-        assert cc.gathered is not None and cc.node_gathered is not None
-        count("node_all_gather", cc.gathered.numel())
-        work = all_gather_single(cc.node_gathered, cc.gathered, group=groups.intra, async_op=True)
-        works[c] = work, "in-node all_gather"
-
-    across = _two_phase(*_steps(calls), groups.inter, count, works, "across-node ")
-    stages = (exchange_in_node, *across, gather_in_node, _decoding(calls, works))
-    return _pipeline(len(calls), stages, defer, backward=True)
 
 
 _Spans = tuple[list[tuple[int, int]], list[Layout]]
@@ -1061,7 +1037,7 @@ def node_block_ops(
 
     Example:
         >>> calls = transports.node_block_ops(g, x, keys, flags, union)  # doctest: +SKIP
-        >>> transports.hierarchical_bound(calls, groups, count)  # doctest: +SKIP
+        >>> transports.two_phase_bound(calls, groups.inter, count, groups=groups)  # doctest: +SKIP
     """
     ops, part = _NodeBlockOps(g, x, keys, flags, union), functools.partial
     return [
@@ -1082,7 +1058,7 @@ def _node_chunk_calls(
     owner: Callable[[], object],
     decode: Callable[[], object],
 ) -> ChunkCalls:
-    """Chunk c's calls with the plan's buffers they work on, as :func:`hierarchical_bound`
+    """Chunk c's calls with the plan's buffers they work on, as :func:`two_phase_bound`
     runs them."""
     nb = g.node_blocks
     assert nb is not None
@@ -1145,11 +1121,11 @@ def bind_node_blocks(
 
     Returns:
         Per chunk the calls with the plan's buffers, what the route's one pipeline
-        runs (:func:`hierarchical_bound`).
+        runs (:func:`two_phase_bound`).
 
     Example:
         >>> calls = transports.bind_node_blocks(g, x, keys, flags, union)  # doctest: +SKIP
-        >>> transports.hierarchical_bound(calls, groups, count)  # doctest: +SKIP
+        >>> transports.two_phase_bound(calls, groups.inter, count, groups=groups)  # doctest: +SKIP
     """
     nb = g.node_blocks
     assert nb is not None and g.blocks is not None
