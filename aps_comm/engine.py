@@ -511,7 +511,7 @@ def _exchange(
     wire, their finishing function returned)."""
     assert calls is not None  # made by the binding
     if groups is not None:
-        return transports.hierarchical_bound(calls, groups, traffic, defer)
+        return transports.two_phase_bound(calls, groups.inter, traffic, defer, groups=groups)
     if g.reduction == Route.ALLREDUCE:  # the bound calls read the factors, written already
         return transports.native(calls, g.fmt, group, traffic, defer)
     return transports.two_phase_bound(calls, group, traffic, defer, offer, on_chunk)
@@ -666,7 +666,7 @@ class SteadyAgreedBlocks(_Bucket):
             self.factors = tuple(torch.empty(n, dtype=d, device=device) for d in dtypes)
             fields = ("scale", "exponents", "finite")
             self.factors_call = functools.partial(codec.factors_into, made, self.factors, fields)
-            calls = transports.agreed_block_calls(g, x, self.factors, rank)  # type: ignore[arg-type]  # three
+            calls = transports.bind_blocks(g, x, keys, self.union, self.union, rank, self.factors)  # type: ignore[arg-type]  # three
         else:
             calls = transports.bind_blocks(g, x, keys, self.union, self.union, rank)
         if calls is None:

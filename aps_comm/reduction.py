@@ -10,7 +10,7 @@
 - hierarchical: for nodes of several ranks: an FP32 reduce-scatter inside
   the node, two_phase of the node sums across nodes (only the wire format
   crosses nodes: one byte per element for FP8), an all-gather inside the
-  node (:func:`aps_comm.transports.hierarchical_bound`).
+  node (:func:`aps_comm.transports.two_phase_bound` with its ``groups``).
 - grid: the same two levels on a virtual g x N/g grid of ranks
   (:func:`aps_comm.topology.grid_rows`), the first level in the wire format
   too: 2(g-1) + 2(N/g-1) messages per chunk instead of 2(N-1), for many

@@ -13,11 +13,11 @@ them, step after step, with no per-step planning.
 - :func:`two_phase_bound` (and its block forms): per chunk,
   ``all_to_all_single`` of the encoded shards (uint8), the owner's FP32 sum,
   and ``all_gather`` of the reduced shards.
-- :func:`hierarchical_bound`: per chunk, an FP32 ``all_to_all_single`` inside
-  the node and an ordered sum (a reduce-scatter whose order is fixed), two_phase
-  of the encoded node sums among the ranks with the same local rank, and an
-  ``all_gather`` of the encoded slices inside the node: only the wire format
-  crosses nodes. The grid reduction runs the same stages on a virtual grid
+- :func:`two_phase_bound` with ``groups``, the staged route: per chunk, an FP32
+  ``all_to_all_single`` inside the node and an ordered sum (a reduce-scatter whose
+  order is fixed), two_phase of the encoded node sums among the ranks with the same
+  local rank, and an ``all_gather`` of the encoded slices inside the node: only the
+  wire format crosses nodes. The grid reduction runs the same stages on a virtual grid
   of ranks, its first level exchanging the wire format too.
 - :func:`rows_exchange`: FSDP2's reduce-scatter, two_phase's exchange of
   encoded shards (the unit's rows; the owner's FP32 sum is the engine's), with no
@@ -58,7 +58,6 @@ from aps_comm.topology import NodeGroups
 __all__ = [
     "ChunkCalls",
     "Counter",
-    "agreed_block_calls",
     "all_gather_single",
     "all_reduce_max",
     "bind_blocks",
@@ -66,11 +65,8 @@ __all__ = [
     "bind_node_blocks",
     "fp32_mean",
     "fp32_mean_async",
-    "hierarchical_bound",
     "native",
-    "node_block_ops",
     "node_spare",
-    "rank_block_ops",
     "rows_exchange",
     "two_phase_bound",
 ]
@@ -296,53 +292,73 @@ def _each(stage: _Stage, chunks: Sequence[int]) -> None:
         stage(c)
 
 
-_Buffers = Callable[[int], tuple[torch.Tensor, torch.Tensor]]
-"""A chunk's codec call, run, and the two buffers of the collective that follows it."""
-
-
 def _two_phase(
-    send: _Buffers,
-    owner: _Buffers,
+    calls: Sequence[ChunkCalls],
     group: dist.ProcessGroup,
     count: Counter,
     works: _Works,
     level: str = "",
 ) -> tuple[_Stage, _Stage]:
     """two_phase's exchange and gather of chunk c as pipeline stages, each after the
-    chunk's collective in flight (a staged route's previous level): ``send(c)`` fills
-    the exchange and gives (send, recv); ``owner(c)`` makes this rank's shard and gives
-    (shard, gathered). ``level`` names the collectives in errors."""
+    chunk's collective in flight (a staged route's previous level): its ``encode`` fills
+    ``send`` for the exchange into ``recv``, its ``owner`` step makes ``shard``, gathered
+    into ``gathered``. ``level`` names the collectives in errors."""
     names = f"{level}all_to_all", f"{level}all_gather"
 
     def exchange(c: int) -> None:
         _wait_chunk(works, c)
-        out, into = send(c)
-        count("all_to_all", out.numel())
-        works[c] = dist.all_to_all_single(into, out, group=group, async_op=True), names[0]
+        cc = calls[c]
+        cc.encode()
+        count("all_to_all", cc.send.numel())
+        recv = cc.recv  # bound for two_phase (as shard, gathered and owner)
+        works[c] = dist.all_to_all_single(recv, cc.send, group=group, async_op=True), names[0]
 
     def gather(c: int) -> None:
         _wait_chunk(works, c)
-        shard, gathered = owner(c)
-        count("all_gather", shard.numel())
-        works[c] = all_gather_single(gathered, shard, group=group, async_op=True), names[1]
+        cc = calls[c]
+        cc.owner()  # type: ignore[misc]
+        count("all_gather", cc.shard.numel())  # type: ignore[union-attr]
+        work = all_gather_single(cc.gathered, cc.shard, group=group, async_op=True)
+        works[c] = work, names[1]
 
     return exchange, gather
 
 
-def _steps(calls: Sequence[ChunkCalls]) -> tuple[_Buffers, _Buffers]:
-    """``calls``' encode and owner steps as :func:`_two_phase` runs them."""
+def _in_node(
+    calls: Sequence[ChunkCalls], groups: NodeGroups, count: Counter, works: _Works
+) -> tuple[_Stage, _Stage]:
+    """The staged route's stages in the node around two_phase across nodes: chunk c's
+    first exchange (``first``, then ``first_in`` to ``first_out``, FP32 with ``splits``
+    or grid's encoded slices), and the gather of the shards gathered across nodes
+    (``gathered``) into ``node_gathered``."""
 
-    def send(c: int) -> tuple[torch.Tensor, torch.Tensor]:
+    def exchange(c: int) -> None:
         cc = calls[c]
-        cc.encode()
-        return cc.send, cc.recv  # type: ignore[return-value]  # bound with recv
+        source = cc.first_in
+        assert source is not None and cc.first_out is not None  # bound for a staged route
+        count("node_all_to_all", source.numel() * source.element_size())
+        if cc.first is not None:
+            cc.first()
+        sizes = cc.splits or (None, None)
+        work = dist.all_to_all_single(
+            cc.first_out,
+            source,
+            output_split_sizes=sizes[1],
+            input_split_sizes=sizes[0],
+            group=groups.intra,
+            async_op=True,
+        )
+        works[c] = work, "first-level all_to_all" if cc.first else "in-node FP32 all_to_all"
 
-    def owner(c: int) -> tuple[torch.Tensor, torch.Tensor]:
+    def gather(c: int) -> None:
+        _wait_chunk(works, c)
         cc = calls[c]
-        cc.owner()  # type: ignore[misc]
-        return cc.shard, cc.gathered  # type: ignore[return-value]  # bound with both
+        assert cc.gathered is not None and cc.node_gathered is not None
+        count("node_all_gather", cc.gathered.numel())
+        work = all_gather_single(cc.node_gathered, cc.gathered, group=groups.intra, async_op=True)
+        works[c] = work, "in-node all_gather"
 
-    return send, owner
+    return exchange, gather
 
 
 def two_phase_bound(
@@ -352,23 +368,30 @@ def two_phase_bound(
     defer: bool = False,
     chunk_log2: int = 0,
     on_chunk: Callable[[int], None] | None = None,
+    groups: NodeGroups | None = None,
 ) -> Callable[[], None] | None:
-    """two_phase over a bound bucket (layer scaling; block exponents: :func:`bind_blocks`):
-    every chunk's codec work and buffers bound.
+    """two_phase over a bound bucket (layer scaling; block exponents: :func:`bind_blocks`),
+    or with ``groups`` the staged route (:func:`bind_hierarchical`,
+    :func:`bind_node_blocks`): an exchange in the node, two_phase across nodes, a
+    gather in the node.
 
-    The same collectives, in the same order, and the same bytes; per chunk
-    three bound calls and no slicing, lookups or checks on the host.
+    Stage s of chunk c runs at step c + s (:func:`_pipeline`; the staged route's later
+    stages first): the same collectives, in the same order, and the same bytes,
+    whatever bound the calls; per chunk a few bound calls and no slicing, lookups or
+    checks on the host.
 
     Args:
         calls: each chunk's bound work, with its ``send``, ``recv``, ``shard``
-            (and ``gathered``) views (:meth:`aps_comm.engine.Steady.bind`).
-        group: the process group.
+            (and ``gathered``) views (:meth:`aps_comm.engine.Steady.bind`), and for
+            the staged route its first exchange's and ``node_gathered``.
+        group: the process group (with ``groups``: ``groups.inter``).
         count: byte counter.
         defer: leave the last chunks in flight and return the function that finishes them.
         chunk_log2: with rank block exponents, this rank's preferred chunk, sent with
             the first chunk (its ``offer``).
         on_chunk: with rank block exponents, called with the ranks' largest preferred
             chunk (log2), once the first chunk's owner step has read it.
+        groups: the staged route: this rank's intra- and inter-node groups.
 
     Returns:
         With ``defer``, the function that finishes the bucket; else None.
@@ -377,8 +400,13 @@ def two_phase_bound(
     if offer is not None:
         offer[0] = chunk_log2
     works: _Works = [None] * len(calls)
-    stages = (*_two_phase(*_steps(calls), group, count, works), _decoding(calls, works))
-    tail = _pipeline(len(calls), stages, defer)
+    if groups is None:
+        stages = (*_two_phase(calls, group, count, works), _decoding(calls, works))
+    else:
+        (exchange, gather), level = _in_node(calls, groups, count, works), "across-node "
+        across = _two_phase(calls, groups.inter, count, works, level)
+        stages = (exchange, *across, gather, _decoding(calls, works))
+    tail = _pipeline(len(calls), stages, defer, backward=groups is not None)
     # Every chunk's owner step has run by now: only decodes are ever deferred.
     if offer is not None and on_chunk is not None:
         on_chunk(offer[1])
@@ -442,6 +470,11 @@ def _owner_keys(
     out[sb + blocks :].zero_()
 
 
+_Unscale = Callable[[int, int, torch.Tensor], torch.Tensor]
+"""``unscale(b0, b1, sent)``: the factors of the group's blocks ``[b0, b1)`` from what
+their shard's owner sent after its payload."""
+
+
 def _decode_shards(
     g: GroupPlan,
     x: torch.Tensor,
@@ -450,7 +483,7 @@ def _decode_shards(
     layouts: Sequence[Layout],
     firsts: Sequence[int],
     sb: int,
-    unscale: Callable[[int, int, torch.Tensor], torch.Tensor],
+    unscale: _Unscale,
 ) -> None:
     """Every gathered shard (row s of ``rows``) decoded into ``x``, unscaled by what its
     owner sent after its ``sb`` payload bytes: ``unscale(b0, b1, sent)`` gives the factors
@@ -469,58 +502,47 @@ def _decode_shards(
         )
 
 
-def _by_shard(
+def _shard_calls(
     g: GroupPlan,
     x: torch.Tensor,
-    send: Callable[..., object],
-    owner: Callable[..., object],
-    unscale: Callable[[int, int, torch.Tensor], torch.Tensor],
-    offer: list[int] | None = None,
-) -> list[ChunkCalls]:
-    """Every chunk of two_phase with block exponents by the codec's own calls, shard by
-    shard, on the chunk's views (:func:`_chunk_views`): ``send(c, pieces)`` fills the
-    exchange's N pieces (every rank's own: ``send(c, pieces, log2)``), ``owner(c, rows,
-    out)`` makes this rank's shard from the N received rows, the gathered shards are
-    decoded one by one (:func:`_decode_shards`); ``offer`` as :func:`_chunk_calls`."""
+    steps: tuple[Callable[..., object], Callable[..., object], _Unscale],
+    offer: list[int] | None,
+    c: int,
+) -> ChunkCalls:
+    """Chunk c of two_phase with block exponents by the codec's own calls, shard by shard,
+    on the chunk's views (:func:`_chunk_views`), as :func:`_chunk_calls` takes the fused
+    ones: of ``steps``, ``send(c, pieces)`` fills the exchange's N pieces (every rank's
+    own: ``send(c, pieces, log2)``), ``owner(c, rows, out)`` makes this rank's shard from
+    the N received rows, and the gathered shards are decoded one by one with ``unscale``
+    (:func:`_decode_shards`)."""
     sh = g.block_shards
     assert sh is not None
-    n, calls = len(sh.bounds[0]) - 1, []
-    for c in range(len(g.chunks)):
-        views, sb = _chunk_views(g, c), sh.shard_bytes[c]
-        rows = views[3].view(n, sb + sh.slots[c])
-        firsts = [w.first for w in sh.windows[c]]
-        bound = (
-            functools.partial(send, c, views[0].view(n, sh.pieces[c])),
-            functools.partial(owner, c, views[1].view(n, sh.pieces[c]), views[2]),
-            functools.partial(
-                _decode_shards, g, x, rows, sh.bounds[c], sh.layouts[c], firsts, sb, unscale
-            ),
-        )
-        calls.append(_chunk_calls(c, *bound, views, offer))
-    return calls
+    (send, owner, unscale), n = steps, len(sh.bounds[0]) - 1
+    views, sb = _chunk_views(g, c), sh.shard_bytes[c]
+    rows = views[3].view(n, sb + sh.slots[c])
+    firsts = [w.first for w in sh.windows[c]]
+    return _chunk_calls(
+        c,
+        functools.partial(send, c, views[0].view(n, sh.pieces[c])),
+        functools.partial(owner, c, views[1].view(n, sh.pieces[c]), views[2]),
+        functools.partial(
+            _decode_shards, g, x, rows, sh.bounds[c], sh.layouts[c], firsts, sb, unscale
+        ),
+        views,
+        offer,
+    )
 
 
-def agreed_block_calls(
+def _agreed_steps(
     g: GroupPlan,
     x: torch.Tensor,
     factors: tuple[torch.Tensor, torch.Tensor, torch.Tensor],
     rank: int,
-) -> list[ChunkCalls]:
-    """Every chunk's steps of two_phase with agreed block exponents by the codec's calls, shard by shard
-    (every backend): what :func:`two_phase_bound` runs, for one step or bound to a
-    settled bucket (the backends without fused kernels: ``factors`` refilled in place).
-
-    Args:
-        g: the group's plan (``g.block_shards`` with agreed exponents).
-        x: the group's float32 values; the result is written back into it.
-        factors: the agreed factor, exponent (int32) of every block of the group and
-            whether its layer is finite everywhere, read when the calls run.
-        rank: this rank: the shard it owns.
-
-    Returns:
-        One :class:`ChunkCalls` per chunk, with its ``send``, ``recv``, ``shard`` and
-        ``gathered`` views.
-    """
+) -> tuple[Callable[..., object], Callable[..., object], _Unscale]:
+    """two_phase's steps with agreed block exponents by the codec's calls, shard by shard
+    (:func:`_shard_calls`), on ``factors``: the agreed factor, exponent (int32) of every
+    block of the group and whether its layer is finite everywhere, read when the calls
+    run."""
     sh = g.block_shards
     assert sh is not None and not sh.rank_exponents
     fmt, n, (scale, exponents, finite) = g.fmt, len(sh.bounds[0]) - 1, factors
@@ -542,7 +564,7 @@ def agreed_block_calls(
         e = exponents[b0:b1] + d.to(torch.int32)
         return torch.where(finite[b0:b1], pow2(-e), float("nan"))
 
-    return _by_shard(g, x, send, owner, unscale)
+    return send, owner, unscale
 
 
 def bind_blocks(
@@ -552,11 +574,14 @@ def bind_blocks(
     flags: torch.Tensor,
     union: torch.Tensor,
     rank: int,
+    factors: tuple[torch.Tensor, torch.Tensor, torch.Tensor] | None = None,
 ) -> list[ChunkCalls] | None:
     """Every chunk's calls of two_phase with block exponents (every rank's own, or agreed:
     as ``g.block_shards``), bound to ``x`` and scratch: the codec's fused ones ("kernels",
-    "triton"), else with every rank's own its own calls (:func:`rank_block_ops`: "cast",
-    "bits", a Triton variant that cannot compile here), with the same bytes.
+    "triton"), else its own calls, shard by shard (encode,
+    :meth:`aps_comm.codec.Codec.owner_reduce_rank_blocks` or ``owner_reduce_blocks``,
+    decode and a few torch ops per shard: "cast", "bits", a Triton variant that cannot
+    compile here), with the same bytes and no host read off the CPU.
 
     Args:
         g: the group's plan (``g.block_shards`` set).
@@ -569,11 +594,18 @@ def bind_blocks(
             its agreed keys is non-finite), written by the first chunk's owner step,
             read by every decode.
         rank: this rank.
+        factors: agreed exponents, for the codec's own calls: the agreed factor,
+            exponent (int32) of every block of the group and whether its layer is
+            finite everywhere, refilled in place after the MAX all-reduce.
 
     Returns:
         One :class:`ChunkCalls` per chunk, what :func:`two_phase_bound` runs (every rank's
         own: the first with the chunk sizes' ``offer``); agreed: None where the codec has
-        no fused kernels for them.
+        no fused kernels for them and no ``factors`` are given.
+
+    Example:
+        >>> calls = transports.bind_blocks(g, x, keys, flags, union, 0)  # doctest: +SKIP
+        >>> transports.two_phase_bound(calls, group, count)  # doctest: +SKIP
     """
     sh = g.block_shards
     assert sh is not None and g.blocks is not None
@@ -607,10 +639,19 @@ def bind_blocks(
             first_block=int(firsts[rank]) if agreed else None,
         )
         call = g.codec.bind_blocks(chunk)
-        if call is None:  # no fused calls here: the codec's own, with the same bytes
-            return None if agreed else rank_block_ops(g, x, keys, flags, union, rank)
+        if call is None:  # no fused calls here: the codec's own for every chunk
+            break
         calls.append(_chunk_calls(c, *call, views, offer))
-    return calls
+    else:
+        return calls
+    if factors is not None:
+        steps = _agreed_steps(g, x, factors, rank)
+    elif agreed:
+        return None
+    else:
+        ops = _RankBlockOps(g, x, keys, flags, union, rank)
+        steps = ops.send, ops.owner, ops.unscale
+    return [_shard_calls(g, x, steps, offer, c) for c in range(len(g.chunks))]
 
 
 @dataclasses.dataclass
@@ -654,7 +695,7 @@ class _BlockOps:
 @dataclasses.dataclass
 class _RankBlockOps(_BlockOps):
     """Two_phase with every rank's own block exponents as the codec's own calls, shard by
-    shard (:func:`rank_block_ops`)."""
+    shard (:func:`bind_blocks`' steps for :func:`_shard_calls`)."""
 
     rank: int = 0
 
@@ -688,37 +729,6 @@ class _RankBlockOps(_BlockOps):
         used = payload_nbytes(b - a, self.g.fmt)
         _owner_keys(self.g, rows, sh.layouts[p][self.rank], sb, used, out)
         return log2
-
-
-def rank_block_ops(
-    g: GroupPlan,
-    x: torch.Tensor,
-    keys: torch.Tensor,
-    flags: torch.Tensor,
-    union: torch.Tensor,
-    rank: int,
-) -> list[ChunkCalls]:
-    """Every chunk's calls of two_phase with rank block exponents as the codec's own calls, shard
-    by shard (encode, :meth:`aps_comm.codec.Codec.owner_reduce_rank_blocks`, decode and a
-    few torch ops per shard), bound to ``x`` and scratch: the bytes of the fused calls
-    (:func:`bind_blocks`) on any backend, with no host read off the CPU.
-
-    Args:
-        g: the group's plan (``g.block_shards`` with ``rank_exponents``).
-        x: the group's float32 values.
-        keys: this rank's key of every block of the group (uint8), read when the calls run.
-        flags: this rank's non-finite flag of every layer (uint8), read when the calls run.
-        union: per layer, scratch for every rank's flags OR-ed.
-        rank: this rank.
-
-    Example:
-        >>> calls = transports.rank_block_ops(g, x, keys, flags, union, 0)  # doctest: +SKIP
-        >>> transports.two_phase_bound(calls, group, count)  # doctest: +SKIP
-    """
-    sh = g.block_shards
-    assert sh is not None and sh.rank_exponents
-    ops = _RankBlockOps(g, x, keys, flags, union, rank)
-    return _by_shard(g, x, ops.send, ops.owner, ops.unscale, [0, 0])
 
 
 def _chunk_calls(
@@ -812,7 +822,7 @@ def bind_hierarchical(
 
     Example:
         >>> calls = transports.bind_hierarchical(g, x, (s, sh, u, None), 4)  # doctest: +SKIP
-        >>> transports.hierarchical_bound(calls, groups, count)  # doctest: +SKIP
+        >>> transports.two_phase_bound(calls, groups.inter, count, groups=groups)  # doctest: +SKIP
     """
     node, codec, bits = g.node, g.codec, g.fmt.wire_bits
     assert node is not None
@@ -876,60 +886,8 @@ def bind_hierarchical(
     return calls
 
 
-def hierarchical_bound(
-    calls: Sequence[ChunkCalls],
-    groups: NodeGroups,
-    count: Counter,
-    defer: bool = False,
-) -> Callable[[], None] | None:
-    """The staged route over every chunk's bound calls (:func:`bind_hierarchical`):
-    an exchange in the node, two_phase across nodes, a gather in the node.
-
-    Stage s of chunk c runs at step c + s, later stages first (:func:`_pipeline`):
-    the same collectives, in the same order, and the same bytes, whatever
-    bound the calls.
-
-    Args:
-        calls: each chunk's calls and buffers.
-        groups: this rank's intra- and inter-node groups.
-        count: byte counter.
-        defer: leave the last chunks in flight and return the function that finishes them.
-
-    Returns:
-        With ``defer``, the function that finishes the bucket; else None.
-    """
-    works: _Works = [None] * len(calls)
-
-    def exchange_in_node(c: int) -> None:
-        cc = calls[c]
-        source = cc.first_in
-        assert source is not None and cc.first_out is not None  # bound for a staged route
-        count("node_all_to_all", source.numel() * source.element_size())
-        if cc.first is not None:
-            cc.first()
-        sizes = cc.splits or (None, None)
-        work = dist.all_to_all_single(
-            cc.first_out,
-            source,
-            output_split_sizes=sizes[1],
-            input_split_sizes=sizes[0],
-            group=groups.intra,
-            async_op=True,
-        )
-        works[c] = work, "first-level all_to_all" if cc.first else "in-node FP32 all_to_all"
-
-    def gather_in_node(c: int) -> None:
-        _wait_chunk(works, c)
-        cc = calls[c]
-        assert cc.gathered is not None and cc.node_gathered is not None
-        count("node_all_gather", cc.gathered.numel())
-        work = all_gather_single(cc.node_gathered, cc.gathered, group=groups.intra, async_op=True)
-        works[c] = work, "in-node all_gather"
-
-    across = _two_phase(*_steps(calls), groups.inter, count, works, "across-node ")
-    stages = (exchange_in_node, *across, gather_in_node, _decoding(calls, works))
-    return _pipeline(len(calls), stages, defer, backward=True)
-
+_Call = Callable[[], object]
+"""A bound codec call."""
 
 _Spans = tuple[list[tuple[int, int]], list[Layout]]
 """Pieces of a chunk: each one's elements ``[a, b)`` and its blocks' layout."""
@@ -938,8 +896,9 @@ _Spans = tuple[list[tuple[int, int]], list[Layout]]
 @dataclasses.dataclass
 class _NodeBlockOps(_BlockOps):
     """The staged route with rank block exponents as the codec's own calls, slice by slice
-    and shard by shard (:func:`node_block_ops`): grid's first encode of the first chunk
-    makes the factors of this rank's keys, the first chunk's decode flags the blocks."""
+    and shard by shard (:func:`bind_node_blocks` where the codec has no fused calls: the
+    same bytes, no host read off the CPU): grid's first encode of the first chunk makes
+    the factors of this rank's keys, the first chunk's decode flags the blocks."""
 
     means: dict[int, torch.Tensor] = dataclasses.field(default_factory=dict, init=False)
     # Per chunk, made once (a window's layout costs host copies): grid's slices of the
@@ -967,6 +926,13 @@ class _NodeBlockOps(_BlockOps):
     def nb(self) -> NodeBlocks:
         assert self.g.node_blocks is not None
         return self.g.node_blocks
+
+    def bind(self, c: int) -> tuple[_Call | None, _Call, _Call, _Call]:
+        """Chunk c's (first, across, owner, decode), as
+        :meth:`aps_comm.codec.Codec.bind_node_blocks` gives them."""
+        part = functools.partial
+        first = part(self.first, c) if self.nb.wire_first else None
+        return first, part(self.across, c), part(self.owner, c), part(self.decode, c)
 
     def first(self, c: int) -> None:
         """Grid: this rank's L slices of chunk c encoded with its own keys, each followed by
@@ -1045,34 +1011,6 @@ class _NodeBlockOps(_BlockOps):
         _decode_shards(self.g, self.x, rows, nb.bounds[c], layouts, firsts, sb, self.unscale)
 
 
-def node_block_ops(
-    g: GroupPlan, x: torch.Tensor, keys: torch.Tensor, flags: torch.Tensor, union: torch.Tensor
-) -> list[ChunkCalls]:
-    """Every chunk's calls of the staged route with rank block exponents as the codec's own calls, slice
-    by slice and shard by shard, bound to ``x`` and scratch: the bytes of the fused calls
-    (:func:`bind_node_blocks`) on any backend, with no host read off the CPU.
-
-    Args:
-        g: the group's plan (``g.node_blocks`` set).
-        x: the group's float32 values.
-        keys: this rank's key of every block of the group (uint8), read when the calls run.
-        flags: this rank's non-finite flag of every layer (uint8), read when the calls run.
-        union: per layer, scratch for every rank's flags OR-ed.
-
-    Example:
-        >>> calls = transports.node_block_ops(g, x, keys, flags, union)  # doctest: +SKIP
-        >>> transports.hierarchical_bound(calls, groups, count)  # doctest: +SKIP
-    """
-    ops, part = _NodeBlockOps(g, x, keys, flags, union), functools.partial
-    return [
-        _node_chunk_calls(
-            *(g, x, c, part(ops.first, c) if ops.nb.wire_first else None),
-            *(part(ops.across, c), part(ops.owner, c), part(ops.decode, c)),
-        )
-        for c in range(len(g.chunks))
-    ]
-
-
 def _node_chunk_calls(
     g: GroupPlan,
     x: torch.Tensor,
@@ -1082,7 +1020,7 @@ def _node_chunk_calls(
     owner: Callable[[], object],
     decode: Callable[[], object],
 ) -> ChunkCalls:
-    """Chunk c's calls with the plan's buffers they work on, as :func:`hierarchical_bound`
+    """Chunk c's calls with the plan's buffers they work on, as :func:`two_phase_bound`
     runs them."""
     nb = g.node_blocks
     assert nb is not None
@@ -1128,9 +1066,10 @@ def bind_node_blocks(
     flags: torch.Tensor,
     union: torch.Tensor,
 ) -> list[ChunkCalls]:
-    """Every chunk's calls of the staged route with rank block exponents, bound to ``x`` and scratch: the
-    codec's fused ones ("kernels", "triton"), else its own calls (:func:`node_block_ops`:
-    "cast", "bits", a Triton variant that cannot compile here), with the same bytes.
+    """Every chunk's calls of the staged route with rank block exponents, bound to ``x`` and
+    scratch: the codec's fused ones ("kernels", "triton"), else its own calls, slice by
+    slice and shard by shard (:class:`_NodeBlockOps`: "cast", "bits", a Triton variant
+    that cannot compile here), with the same bytes.
 
     Across nodes each chunk is :func:`bind_blocks`' two_phase applied to
     the node's mean of this rank's slice among the M ranks of its local rank;
@@ -1145,11 +1084,11 @@ def bind_node_blocks(
 
     Returns:
         Per chunk the calls with the plan's buffers, what the route's one pipeline
-        runs (:func:`hierarchical_bound`).
+        runs (:func:`two_phase_bound`).
 
     Example:
         >>> calls = transports.bind_node_blocks(g, x, keys, flags, union)  # doctest: +SKIP
-        >>> transports.hierarchical_bound(calls, groups, count)  # doctest: +SKIP
+        >>> transports.two_phase_bound(calls, groups.inter, count, groups=groups)  # doctest: +SKIP
     """
     nb = g.node_blocks
     assert nb is not None and g.blocks is not None
@@ -1189,7 +1128,8 @@ def bind_node_blocks(
             own_rows=(local, nb.node),
         )
         call = g.codec.bind_node_blocks(chunk)
-        if call is None:  # no fused calls here: the codec's own, with the same bytes
-            return node_block_ops(g, x, keys, flags, union)
+        if call is None:  # no fused calls here: the codec's own for every chunk
+            ops = _NodeBlockOps(g, x, keys, flags, union)
+            return [_node_chunk_calls(g, x, c, *ops.bind(c)) for c in range(len(g.chunks))]
         calls.append(_node_chunk_calls(g, x, c, *call))
     return calls
