@@ -1638,8 +1638,7 @@ class Reducer:
         feedback: each group sent scaled a :class:`SteadyFeedback` on its view, its agreed
         maxima (or block keys) a view of the one vector the bucket MAX-all-reduces (with
         Promote, every layer's rate after them)."""
-        (index, x, _, fmts), sent = b.at, [g for g in groups if g.reduction != Route.FP32]
-        self.steady.pop(index, None)
+        (_, x, _, fmts), sent = b.at, [g for g in groups if g.reduction != Route.FP32]
         blocks = self.settings.scaling == Scaling.BLOCK
         routes = (Route.FP32, Route.TWO_PHASE, Route.ALLREDUCE)
         if (
@@ -1935,14 +1934,12 @@ class Reducer:
             st.maxima.numpy()[-1] = self._offer(st, st.main)
         if st.maxima_call is not None:  # every layer's
             st.maxima_call()
-        elif st.blocks:  # each sent group's keys
-            for _, s in sent:
+        elif st.blocks:  # each sent group's keys (error feedback's residuals added above)
+            for values, s in sent:
                 if isinstance(s, SteadyFeedback):
                     s.agree()
-                    continue
-                keys_call = s.maxima_call if isinstance(s, SteadyStaged) else s.keys_call
-                assert keys_call is not None  # made by bind
-                keys_call()
+                else:
+                    s.write_vector(values)  # type: ignore[union-attr]  # no SteadyBlocks here
         if early and st.put_rates is not None:  # into bucket order
             st.put_rates()
         transports.all_reduce_max(st.maxima, comm.group, self.traffic)
@@ -2011,7 +2008,6 @@ class Reducer:
         """Bind the bucket's :class:`SteadyFeedback` path where nothing in it changes per step
         but the policy's epoch and Promote's levels."""
         (index, x, _, fmts), (keys, numels, names) = b.at, b.layers
-        self.steady.pop(index, None)
         # Every scaling settles here (bucket and none too: their factors' rule is bound).
         if not g.contiguous or x.dtype != torch.float32:
             return
