@@ -1762,7 +1762,8 @@ class Reducer:
         size += int(b.measured)
         shared = torch.zeros(size, dtype=torch.uint8, device=x.device)
         st = self._steady_groups(b, groups, shared, blocks=True, agreed_blocks=True)
-        self._bind_shared(b, st, functools.partial(self._agreed_part, b))
+        parts = dataclasses.replace(b, measured=False)  # the chunk rides on the bucket's vector
+        self._bind_shared(b, st, functools.partial(self._agreed_part, parts))
 
     def _agreed_part(
         self,
@@ -1774,17 +1775,24 @@ class Reducer:
         keys: torch.Tensor,
     ) -> SteadyAgreedBlocks | SteadyStaged | None:
         """Group ``g``'s part of :meth:`_settle_agreed_groups` on its values ``gx`` and its
-        keys ``keys``, a view of the bucket's one agreed vector: a
-        :class:`SteadyAgreedBlocks`, its block maxima ``scratch``'s next, or hierarchical
-        or grid the :class:`SteadyStaged` of agreed block exponents (``local``), two keys
-        per block (None where the group has no node layout, or the codec no calls for it)."""
+        keys ``keys``, a view of the bucket's one agreed vector (or the whole bucket's
+        :class:`SteadyAgreedBlocks` of :meth:`_settle_agreed_blocks`, its chunk's byte after
+        the keys where ``b.measured``): a :class:`SteadyAgreedBlocks`, its block maxima
+        ``scratch``'s next, its layers recorded with ``stats=True``, or hierarchical or grid
+        the :class:`SteadyStaged` of agreed block exponents (``local``), two keys per block
+        (None where the group has no node layout, or the codec no calls for it)."""
         plan, names, (_, maxima) = b.plan, [b.layers[2][i] for i in g.index], next(scratch)
-        route, chunk = Route(g.reduction), b.chunk
+        route, chunk, fmts = Route(g.reduction), b.chunk, [g.fmt] * len(g.index)
         if not route.staged:
             assert maxima is not None  # taken by _bind_shared
-            buffers = maxima, keys
-            fmts, chunking = [g.fmt] * len(g.index), (b.main, False, chunk)
-            return self._agreed_blocks(plan, g, gx, fmts, chunking, buffers, names)
+            part = SteadyAgreedBlocks(
+                *(gx.numel(), gx.data_ptr(), plan, g, fmts, Route(b.main), b.measured, chunk),
+                *(maxima, keys, torch.zeros(len(g.numels), dtype=torch.uint8, device=gx.device)),
+                epoch=self.assignment.epoch(self.step),
+                names=names if self.settings.stats else None,
+                native=route == Route.ALLREDUCE,
+            )
+            return part if part.bind(gx, self.comm.rank, self.comm.world_size) else None
         if g.node is None:
             return None
         local = torch.empty(g.layout.n_segments, device=gx.device)
@@ -1794,7 +1802,7 @@ class Reducer:
             plan,
             g,
             route,
-            [g.fmt] * len(g.index),
+            fmts,
             keys,
             AgreedMaxima(local, self.comm.world_size),
             False,
@@ -2144,7 +2152,7 @@ class Reducer:
         two_phase's, or the native sum's (``native``: one MAX all-reduce of the keys, this
         rank's preferred chunk on it where measured, then per chunk the encode, the sum in
         the wire format and the decode, :func:`aps_comm.transports.native`'s)."""
-        (index, x, plan, fmts), measured = b.at, b.measured
+        (index, x, _, _), measured = b.at, b.measured
         assignment, sh = self.assignment, g.block_shards
         native, device = g.reduction == Route.ALLREDUCE, x.device
         if (
@@ -2159,43 +2167,10 @@ class Reducer:
         # Written and read before the exchange, never by a deferred tail: every bucket's.
         (maxima,) = _step_views(self.workspace(device), [(n_blocks, torch.float32)])
         shared = torch.zeros(n_blocks + int(measured), dtype=torch.uint8, device=device)
-        chunking = (b.main, measured, b.chunk)
-        st = self._agreed_blocks(plan, g, x, list(fmts), chunking, (maxima, shared), b.layers[2])
+        st = self._agreed_part(b, iter([(None, maxima)]), 0, g, x, shared)
         if st is not None:
             st.workspace = self._epoch(index, device)
             self.steady[index] = st
-
-    def _agreed_blocks(
-        self,
-        plan: BucketPlan,
-        g: GroupPlan,
-        x: torch.Tensor,
-        fmts: list[FloatFormat],
-        chunking: tuple[Route, bool, int],
-        buffers: tuple[torch.Tensor, torch.Tensor],
-        names: Sequence[str | None],
-    ) -> SteadyAgreedBlocks | None:
-        """Group ``g``'s :class:`SteadyAgreedBlocks`, bound to its values ``x`` (None where
-        the codec has no calls for it): ``chunking`` the state's format's route, whether
-        chunks are measured and the chunk; ``buffers`` its block maxima and the MAX
-        all-reduce's keys; ``names`` its layers' (recorded with ``stats=True``)."""
-        main, measured, chunk = chunking
-        st = SteadyAgreedBlocks(
-            x.numel(),
-            x.data_ptr(),
-            plan,
-            g,
-            fmts,
-            Route(main),
-            measured,
-            chunk,
-            *buffers,
-            torch.zeros(len(g.numels), dtype=torch.uint8, device=x.device),
-            epoch=self.assignment.epoch(self.step),
-            names=list(names) if self.settings.stats else None,
-            native=g.reduction == Route.ALLREDUCE,
-        )
-        return st if st.bind(x, self.comm.rank, self.comm.world_size) else None
 
     def _settle_blocks(self, b: _Binding, g: GroupPlan) -> None:
         """Bind the bucket's :class:`SteadyBlocks` path where nothing in it changes per step
