@@ -176,6 +176,9 @@ class _Bucket:
             native sum or FP32.
         per_node: with ``groups``, the ranks of the first level's sum (a node's, or a grid
             row's).
+        factors_call: writes this step's factors, which the bound calls read, from the
+            agreed vector (None: the bound calls read the agreed vector itself).
+        promote: with Promote, the layers' keys, sizes and names.
     """
 
     numel: int
@@ -191,6 +194,13 @@ class _Bucket:
     workspace: tuple[int, ...] = ()
     groups: NodeGroups | None = None
     per_node: int = 1
+    factors_call: Callable[[], object] | None = None
+    promote: tuple[list[Any], list[int], list[str | None]] | None = None
+
+    def fill_factors(self) -> None:
+        """This step's factors from the agreed vector, once per bucket (not per chunk)."""
+        if self.factors_call is not None:
+            self.factors_call()
 
 
 @dataclasses.dataclass
@@ -219,8 +229,8 @@ class Steady(_Bucket):
             (:meth:`aps_comm.codec.AgreedMaxima.spread`) before the codec reads them.
         raw: with ``bucket`` and ``names``, the agreed maxima as they were before the
             spread, which the records keep; else None.
-        promote: with Promote, the layers' keys, sizes and names; ``maxima``
-            then holds each layer's local underflow rate after the maxima.
+        promote: as :class:`_Bucket`'s; ``maxima`` then holds each layer's local
+            underflow rate after the maxima.
         held: the buffer it was bound to. Held, as the other routes' bound calls hold
             it, so that no new buffer (DDP's re-bucketing) is allocated at its address
             while it is bound and passes :meth:`Reducer.steady_for`'s address check.
@@ -235,7 +245,6 @@ class Steady(_Bucket):
     maxima_call: Callable[[], object] | None = None
     host_factors: tuple[np.ndarray, np.ndarray, np.ndarray] | None = None
     bucket: bool = False
-    promote: tuple[list[Any], list[int], list[str | None]] | None = None
     raw: torch.Tensor | None = None
     held: torch.Tensor | None = None
 
@@ -258,7 +267,8 @@ class Steady(_Bucket):
 
         The CPU kernels take factor arrays: they are bound as ``host_factors``
         (scale, unscale), which :meth:`fill_factors` refills in place
-        from the agreed maxima once per bucket.
+        from the agreed maxima once per bucket (CPU tensors: no device read); the
+        other backends' bound calls read the agreed maxima.
         """
         self.held = x  # an FP32 bucket's binding holds nothing else of it
         g = self.group
@@ -274,6 +284,9 @@ class Steady(_Bucket):
             n = len(self.fmts)
             scale, unscale = torch.ones(n), torch.ones(n)
             self.host_factors = scale.numpy(), unscale.numpy(), np.empty(n, np.int32)
+            self.factors_call = functools.partial(
+                self.agreed.host_factors_into, g.fmt, *self.host_factors
+            )
         self.maxima_call = g.codec.bind_layer_maxima(x, g.layout, self.agreed.maxima)
         calls = []
         for c, ((lo, hi), (r0, r1)) in enumerate(zip(g.chunks, g.regions, strict=True)):
@@ -292,12 +305,21 @@ class Steady(_Bucket):
         self.calls, self.bound_ptr = calls, x.data_ptr()
         return True
 
+    @property
+    def vector(self) -> torch.Tensor:
+        """The MAX all-reduce's vector."""
+        return self.maxima
+
+    def write_vector(self, x: torch.Tensor) -> None:
+        """This rank's part of :attr:`vector`: the maxima of ``x``, the bound buffer."""
+        assert self.maxima_call is not None  # made by bind
+        self.maxima_call()
+
     def fill_factors(self) -> None:
-        """This step's factors from the agreed maxima: the CPU kernels' factor arrays, made
-        once per bucket, not per chunk, into the arrays the bound calls read (CPU tensors:
-        no device read); the other backends' bound calls read the agreed maxima."""
-        if self.host_factors is not None:
-            self.agreed.host_factors_into(self.group.fmt, *self.host_factors)
+        """This step's factors from the agreed maxima (spread first with ``bucket``)."""
+        if self.bucket:
+            self.spread()
+        super().fill_factors()
 
 
 @dataclasses.dataclass
@@ -389,8 +411,8 @@ class SteadyStaged(Steady):
     (:func:`aps_comm.transports.bind_hierarchical`).
 
     Attributes:
-        factors: float32 (4, layers): scale, shift, unscale and first, refilled in place.
-        factors_call: writes ``factors`` from the agreed maxima.
+        factors: float32 (4, layers): scale, shift, unscale and first, refilled in place
+            (by ``factors_call``, from the agreed maxima).
         record_keys: with ``names`` or ``promote`` on the CPU kernels, int32 and float32
             scratch of the layers' first exponents and factors (what the records and
             Promote's rates count under: :meth:`first_factors`).
@@ -410,7 +432,6 @@ class SteadyStaged(Steady):
     """
 
     factors: torch.Tensor | None = None
-    factors_call: Callable[[], object] | None = None
     record_keys: tuple[np.ndarray, np.ndarray] | None = None
     local: torch.Tensor | None = None
     records_call: Callable[[torch.Tensor], None] | None = None
@@ -464,11 +485,6 @@ class SteadyStaged(Steady):
         self.calls = transports.bind_hierarchical(g, x, factors, world_size, spare)
         self.bound_ptr = x.data_ptr()
         return True
-
-    def fill_factors(self) -> None:
-        """The route's factors (scale, shift, unscale, first) written from the agreed maxima."""
-        assert self.factors_call is not None  # made by bind
-        self.factors_call()
 
     def first_factors(self) -> tuple[np.ndarray, np.ndarray]:
         """The first level's factors ``2**e`` and their int32 exponent keys ``127 - e``,
@@ -537,29 +553,36 @@ class SteadyFeedback(_Bucket):
         token: the feedback's token for them (:meth:`aps_comm.feedback.ErrorFeedback.shared`).
         shared: the MAX all-reduce's vector: float32 layer maxima, or uint8 block keys.
         agree: writes this rank's maxima or keys of the buffer into ``shared``.
-        factors: writes the agreed factors into the bound calls' scale and unscale (its
-            one chunk's).
         keys: the CPU kernels' int32 exponent keys of the agreed maxima, which
-            ``factors`` leaves there (the records' exponents); else None.
+            ``factors_call`` (the agreed factors into the bound calls' scale and unscale)
+            leaves there (the records' exponents); else None.
         local: with blocks, this rank's float32 max |x| of every block (``agree``'s).
         scale: the bound calls' float32 scale (Promote's rates are counted under it).
         maxima: with Promote, the MAX all-reduce's vector: ``shared`` (the maxima), then
             every layer's local underflow rate (the reducer's rates are views of them).
         fmts: with Promote, each layer's format it was bound to.
-        promote: with Promote, the layers' keys, sizes and names.
     """
 
     residual: torch.Tensor
     token: int
     shared: torch.Tensor
     agree: Callable[[], object]
-    factors: Callable[[], object]
     keys: np.ndarray | None = None
     local: torch.Tensor | None = None
     scale: torch.Tensor | None = None
     maxima: torch.Tensor | None = None
     fmts: list[FloatFormat] = dataclasses.field(default_factory=list)
-    promote: tuple[list[Any], list[int], list[str | None]] | None = None
+    measured = False  # its one chunk (the owner's step needs the whole shard): never timed
+
+    @property
+    def vector(self) -> torch.Tensor:
+        """The MAX all-reduce's vector: the maxima or keys, with Promote its rates after."""
+        return self.shared if self.maxima is None else self.maxima
+
+    def write_vector(self, x: torch.Tensor) -> None:
+        """The residuals added to ``x``, the bound buffer, then this rank's maxima or keys."""
+        x.add_(self.residual)
+        self.agree()
 
 
 @dataclasses.dataclass
@@ -596,8 +619,8 @@ class SteadyAgreedBlocks(_Bucket):
             the agreed keys into the float64 rows it takes (:meth:`Codec.bind_block_records`).
         native: the route is the native sum.
         factors: the native sum's (scale, unscale) per block, or on the torch codecs
-            two_phase's (scale, exponent, finite): refilled by ``factors_call``.
-        factors_call: writes ``factors`` from the agreed keys; None with fused kernels.
+            two_phase's (scale, exponent, finite): refilled from the agreed keys by
+            ``factors_call`` (None with fused kernels).
     """
 
     fmts: list[FloatFormat]
@@ -610,8 +633,17 @@ class SteadyAgreedBlocks(_Bucket):
     keys_call: Callable[[], None] | None = None
     native: bool = False
     factors: tuple[torch.Tensor, ...] | None = None
-    factors_call: Callable[[], object] | None = None
     records_call: Callable[[torch.Tensor], None] | None = None
+
+    @property
+    def vector(self) -> torch.Tensor:
+        """The MAX all-reduce's vector."""
+        return self.shared
+
+    def write_vector(self, x: torch.Tensor) -> None:
+        """This rank's part of :attr:`vector`: the keys of ``x``, the bound buffer."""
+        assert self.keys_call is not None  # made by bind
+        self.keys_call()
 
     def bind(self, x: torch.Tensor, rank: int, world_size: int) -> bool:
         """Bind the keys', the factors', the records' and every chunk's calls to the float32
@@ -1606,8 +1638,7 @@ class Reducer:
         feedback: each group sent scaled a :class:`SteadyFeedback` on its view, its agreed
         maxima (or block keys) a view of the one vector the bucket MAX-all-reduces (with
         Promote, every layer's rate after them)."""
-        (index, x, _, fmts), sent = b.at, [g for g in groups if g.reduction != Route.FP32]
-        self.steady.pop(index, None)
+        (_, x, _, fmts), sent = b.at, [g for g in groups if g.reduction != Route.FP32]
         blocks = self.settings.scaling == Scaling.BLOCK
         routes = (Route.FP32, Route.TWO_PHASE, Route.ALLREDUCE)
         if (
@@ -1731,7 +1762,8 @@ class Reducer:
         size += int(b.measured)
         shared = torch.zeros(size, dtype=torch.uint8, device=x.device)
         st = self._steady_groups(b, groups, shared, blocks=True, agreed_blocks=True)
-        self._bind_shared(b, st, functools.partial(self._agreed_part, b))
+        parts = dataclasses.replace(b, measured=False)  # the chunk rides on the bucket's vector
+        self._bind_shared(b, st, functools.partial(self._agreed_part, parts))
 
     def _agreed_part(
         self,
@@ -1743,17 +1775,24 @@ class Reducer:
         keys: torch.Tensor,
     ) -> SteadyAgreedBlocks | SteadyStaged | None:
         """Group ``g``'s part of :meth:`_settle_agreed_groups` on its values ``gx`` and its
-        keys ``keys``, a view of the bucket's one agreed vector: a
-        :class:`SteadyAgreedBlocks`, its block maxima ``scratch``'s next, or hierarchical
-        or grid the :class:`SteadyStaged` of agreed block exponents (``local``), two keys
-        per block (None where the group has no node layout, or the codec no calls for it)."""
+        keys ``keys``, a view of the bucket's one agreed vector (or the whole bucket's
+        :class:`SteadyAgreedBlocks` of :meth:`_settle_agreed_blocks`, its chunk's byte after
+        the keys where ``b.measured``): a :class:`SteadyAgreedBlocks`, its block maxima
+        ``scratch``'s next, its layers recorded with ``stats=True``, or hierarchical or grid
+        the :class:`SteadyStaged` of agreed block exponents (``local``), two keys per block
+        (None where the group has no node layout, or the codec no calls for it)."""
         plan, names, (_, maxima) = b.plan, [b.layers[2][i] for i in g.index], next(scratch)
-        route, chunk = Route(g.reduction), b.chunk
+        route, chunk, fmts = Route(g.reduction), b.chunk, [g.fmt] * len(g.index)
         if not route.staged:
             assert maxima is not None  # taken by _bind_shared
-            buffers = maxima, keys
-            fmts, chunking = [g.fmt] * len(g.index), (b.main, False, chunk)
-            return self._agreed_blocks(plan, g, gx, fmts, chunking, buffers, names)
+            part = SteadyAgreedBlocks(
+                *(gx.numel(), gx.data_ptr(), plan, g, fmts, Route(b.main), b.measured, chunk),
+                *(maxima, keys, torch.zeros(len(g.numels), dtype=torch.uint8, device=gx.device)),
+                epoch=self.assignment.epoch(self.step),
+                names=names if self.settings.stats else None,
+                native=route == Route.ALLREDUCE,
+            )
+            return part if part.bind(gx, self.comm.rank, self.comm.world_size) else None
         if g.node is None:
             return None
         local = torch.empty(g.layout.n_segments, device=gx.device)
@@ -1763,7 +1802,7 @@ class Reducer:
             plan,
             g,
             route,
-            [g.fmt] * len(g.index),
+            fmts,
             keys,
             AgreedMaxima(local, self.comm.world_size),
             False,
@@ -1903,14 +1942,12 @@ class Reducer:
             st.maxima.numpy()[-1] = self._offer(st, st.main)
         if st.maxima_call is not None:  # every layer's
             st.maxima_call()
-        elif st.blocks:  # each sent group's keys
-            for _, s in sent:
+        elif st.blocks:  # each sent group's keys (error feedback's residuals added above)
+            for values, s in sent:
                 if isinstance(s, SteadyFeedback):
                     s.agree()
-                    continue
-                keys_call = s.maxima_call if isinstance(s, SteadyStaged) else s.keys_call
-                assert keys_call is not None  # made by bind
-                keys_call()
+                else:
+                    s.write_vector(values)  # type: ignore[union-attr]  # no SteadyBlocks here
         if early and st.put_rates is not None:  # into bucket order
             st.put_rates()
         transports.all_reduce_max(st.maxima, comm.group, self.traffic)
@@ -1926,25 +1963,17 @@ class Reducer:
         vector it agreed and ``chunk``, the ranks' chunk: every group's bound path (the
         groups bound again where the chunk moved; with agreed block exponents the keys
         and their scratch stay: only the chunks' calls move)."""
-        comm = self.comm
         if chunk != st.chunk:
-            # With agreed block exponents: the owners' exponents only.
-            size, rank_exponents = self.settings.block_size, st.blocks and not st.agreed_blocks
-            exps = {"owner_exponents": st.blocks, "rank_exponents": rank_exponents}
-            st.groups = self._regroup(st, chunk, size if st.blocks else None, **exps)
-            st.chunk = chunk
+            st.groups, st.chunk = self._regroup(st, chunk), chunk
             if st.agreed_blocks:
                 assert st.parts is not None  # made by _settle_agreed_groups
                 sent = [(values, s) for values, s in st.parts if s is not None]
                 moved = [g for g in st.groups if g.reduction != Route.FP32]
                 for (values, s), g in zip(sent, moved, strict=True):
-                    s.group, s.chunk = g, chunk
-                    if isinstance(s, SteadyStaged):
-                        s.bind(values, comm.world_size)
-                    else:
-                        s.bind(values, comm.rank, comm.world_size)  # type: ignore[call-arg]
+                    s.group, s.chunk = g, chunk  # type: ignore[union-attr]
+                    self._bind(s, values)  # type: ignore[arg-type]
             else:
-                st.bind(x, comm.world_size, comm.rank)
+                st.bind(x, self.comm.world_size, self.comm.rank)
             st.workspace = self._epoch(index, x.device)
             if st.gather is None and st.scatter is not None and not st.divided:
                 _gather_back(st.scatter)  # new scratch: gather again
@@ -1971,58 +2000,22 @@ class Reducer:
             if s is None:
                 world_size, divided = comm.world_size, st.divided
                 transports.fp32_mean(values, comm.group, world_size, self.traffic, divided)
-            elif isinstance(s, SteadyFeedback):
-                # Factors and scratch of one group at a time: the groups share the STEP slot.
-                s.factors()
-                if s.names is not None:  # before the owner's mean overwrites the values
-                    self.record_feedback(index, s, values)
-                if out is not None:
-                    self._feedback_rates(s, values, out)
-                _exchange(s.group, s.calls, comm.group, self.traffic)
-            elif isinstance(s, SteadyAgreedBlocks):
-                if s.names is not None:  # the agreed keys: before the decode overwrites them
-                    self.record_agreed_blocks(index, s)
-                self._agreed_blocks_exchange(s, values, False)
             elif isinstance(s, SteadyBlocks):
                 self.steady_block_keys(index, s, values)  # and their records
                 _exchange(s.group, s.calls, comm.group, self.traffic, groups=s.groups)
             else:
-                self._run_part(index, s, values, (out, at), next(factors, None))
+                # Factors and scratch of one group at a time: the groups share the STEP slot.
+                made = next(factors, None) if isinstance(s, Steady) else None
+                self._finish_steady(index, s, values, rates=(out, at), factors=made)
         if st.put_rates is not None and not early:
             st.put_rates()
         if st.scatter is not None:
             st.scatter()
 
-    def _run_part(
-        self,
-        index: int,
-        s: Steady,
-        values: torch.Tensor,
-        rates: tuple[torch.Tensor | None, np.ndarray | None],
-        factors: Callable[[], object] | None = None,
-    ) -> None:
-        """One format group's bound :class:`Steady` path on its agreed maxima (``rates``:
-        where Promote's rates of its layers go, and where in it, :attr:`SteadyGroups.rates_at`;
-        ``factors``: the call that picks them and makes its factors,
-        :attr:`SteadyGroups.factors`)."""
-        if factors is not None:
-            factors()
-        else:
-            if s.bucket:
-                s.spread()
-            s.fill_factors()
-        out, at = rates
-        if s.names is not None:  # before the decode overwrites this rank's values
-            self.record_steady(index, s, values, out, at)  # with Promote's rates
-        elif out is not None:
-            self._settled_rates(s, values, out, at)
-        _exchange(s.group, s.calls, self.comm.group, self.traffic, groups=s.groups)
-
     def _settle_feedback(self, b: _Binding, g: GroupPlan) -> None:
         """Bind the bucket's :class:`SteadyFeedback` path where nothing in it changes per step
         but the policy's epoch and Promote's levels."""
         (index, x, _, fmts), (keys, numels, names) = b.at, b.layers
-        self.steady.pop(index, None)
         # Every scaling settles here (bucket and none too: their factors' rule is bound).
         if not g.contiguous or x.dtype != torch.float32:
             return
@@ -2142,43 +2135,16 @@ class Reducer:
             fb.share(names, g.numels, residual),  # type: ignore[arg-type]  # checked above
             shared,
             agree,
-            factors_call,
             host_keys,
             maxima,
             scale,
             calls=[transports.ChunkCalls(encode, owner, decode, send, recv, shard)],
+            bound_ptr=x.data_ptr(),
+            factors_call=factors_call,
             workspace=self._epoch(b.index, device),
             epoch=self.assignment.epoch(self.step),
             names=list(names) if self.settings.stats else None,
         )
-
-    def _run_feedback(
-        self, index: int, st: SteadyFeedback, x: torch.Tensor, defer: bool
-    ) -> Callable[[], None] | None:
-        """:meth:`run_steady` with error feedback: the residuals added, the maxima agreed,
-        the factors written (and the records), then two_phase's bound chunk."""
-        comm = self.comm
-        x.add_(st.residual)
-        st.agree()
-        shared = st.shared if st.maxima is None else st.maxima
-        transports.all_reduce_max(shared, comm.group, self.traffic)
-        if st.promote is not None and self._promoted(st):
-            return self._moved(index, st, x, False)
-        return self._finish_feedback(index, st, x)
-
-    def _finish_feedback(
-        self, index: int, st: SteadyFeedback, x: torch.Tensor
-    ) -> Callable[[], None] | None:
-        """:meth:`_run_feedback`'s half after the MAX all-reduce, on the maxima it agreed
-        (the residuals in ``x`` already)."""
-        st.factors()
-        if st.names is not None:  # before the owner's mean overwrites the values
-            self.record_feedback(index, st, x)
-        if st.maxima is not None:
-            self._feedback_rates(st, x, st.maxima[st.shared.numel() :])
-        # Not deferred: one workspace slot serves every bucket (:meth:`bucket`).
-        _exchange(st.group, st.calls, self.comm.group, self.traffic)
-        return None
 
     def _settle_agreed_blocks(self, b: _Binding, g: GroupPlan) -> None:
         """Bind the bucket's :class:`SteadyAgreedBlocks` path where nothing in it changes
@@ -2186,7 +2152,7 @@ class Reducer:
         two_phase's, or the native sum's (``native``: one MAX all-reduce of the keys, this
         rank's preferred chunk on it where measured, then per chunk the encode, the sum in
         the wire format and the decode, :func:`aps_comm.transports.native`'s)."""
-        (index, x, plan, fmts), measured = b.at, b.measured
+        (index, x, _, _), measured = b.at, b.measured
         assignment, sh = self.assignment, g.block_shards
         native, device = g.reduction == Route.ALLREDUCE, x.device
         if (
@@ -2201,78 +2167,10 @@ class Reducer:
         # Written and read before the exchange, never by a deferred tail: every bucket's.
         (maxima,) = _step_views(self.workspace(device), [(n_blocks, torch.float32)])
         shared = torch.zeros(n_blocks + int(measured), dtype=torch.uint8, device=device)
-        chunking = (b.main, measured, b.chunk)
-        st = self._agreed_blocks(plan, g, x, list(fmts), chunking, (maxima, shared), b.layers[2])
+        st = self._agreed_part(b, iter([(None, maxima)]), 0, g, x, shared)
         if st is not None:
             st.workspace = self._epoch(index, device)
             self.steady[index] = st
-
-    def _agreed_blocks(
-        self,
-        plan: BucketPlan,
-        g: GroupPlan,
-        x: torch.Tensor,
-        fmts: list[FloatFormat],
-        chunking: tuple[Route, bool, int],
-        buffers: tuple[torch.Tensor, torch.Tensor],
-        names: Sequence[str | None],
-    ) -> SteadyAgreedBlocks | None:
-        """Group ``g``'s :class:`SteadyAgreedBlocks`, bound to its values ``x`` (None where
-        the codec has no calls for it): ``chunking`` the state's format's route, whether
-        chunks are measured and the chunk; ``buffers`` its block maxima and the MAX
-        all-reduce's keys; ``names`` its layers' (recorded with ``stats=True``)."""
-        main, measured, chunk = chunking
-        st = SteadyAgreedBlocks(
-            x.numel(),
-            x.data_ptr(),
-            plan,
-            g,
-            fmts,
-            Route(main),
-            measured,
-            chunk,
-            *buffers,
-            torch.zeros(len(g.numels), dtype=torch.uint8, device=x.device),
-            epoch=self.assignment.epoch(self.step),
-            names=list(names) if self.settings.stats else None,
-            native=g.reduction == Route.ALLREDUCE,
-        )
-        return st if st.bind(x, self.comm.rank, self.comm.world_size) else None
-
-    def _run_agreed_blocks(
-        self, index: int, st: SteadyAgreedBlocks, x: torch.Tensor, defer: bool
-    ) -> Callable[[], None] | None:
-        """:meth:`run_steady` with agreed block exponents: the keys, their MAX all-reduce,
-        three bound calls per chunk."""
-        comm, plan = self.comm, st.plan
-        if st.bound_ptr != x.data_ptr():  # a bfloat16 bucket's float32 copy: new each step
-            st.bind(x, comm.rank, comm.world_size)
-        if st.measured:  # CPU only: the keys' numpy view, no tensor op
-            st.shared.numpy()[-1] = self._offer(st, st.main)
-        assert st.keys_call is not None
-        st.keys_call()
-        transports.all_reduce_max(st.shared, comm.group, self.traffic)
-        if st.measured:
-            chunk = 2 ** int(st.shared.numpy()[-1])
-            if chunk != st.chunk:
-                self._rechunk(index, st, x, chunk, self.settings.block_size, owner_exponents=True)
-        self.bucket_chunks[index] = st.chunk
-        if st.names is not None:  # the agreed keys: before the decode overwrites the values
-            self.record_agreed_blocks(index, st)
-        start = time.perf_counter()
-        tail = self._agreed_blocks_exchange(st, x, defer)
-        if st.measured:
-            plan.timed(time.perf_counter() - start)
-        return tail
-
-    def _agreed_blocks_exchange(
-        self, st: SteadyAgreedBlocks, x: torch.Tensor, defer: bool
-    ) -> Callable[[], None] | None:
-        """A :class:`SteadyAgreedBlocks`' bound chunks on its agreed keys: two_phase's, or
-        the native sum's (its factors first)."""
-        if st.factors_call is not None:  # the native sum's, or the torch backends'
-            st.factors_call()
-        return _exchange(st.group, st.calls, self.comm.group, self.traffic, defer)
 
     def _settle_blocks(self, b: _Binding, g: GroupPlan) -> None:
         """Bind the bucket's :class:`SteadyBlocks` path where nothing in it changes per step
@@ -2409,53 +2307,68 @@ class Reducer:
         Launches per bucket sent as one chunk: the maxima (two: zeros, then the
         kernel), the encode, the owner's step (two_phase) and the decode, around
         the MAX all-reduce and the route's collectives; per further chunk three.
+        Every kind that agrees a vector (:class:`Steady`, :class:`SteadyAgreedBlocks`,
+        :class:`SteadyFeedback`) writes its part of it, MAX-all-reduces it, then
+        finishes on it (:meth:`_finish_steady`).
         """
         comm = self.comm
-        if isinstance(st, SteadyFeedback):
-            return self._run_feedback(index, st, x, defer)
-        if isinstance(st, SteadyBlocks):
-            return self._run_steady_blocks(index, st, x, defer)
-        if isinstance(st, SteadyAgreedBlocks):
-            return self._run_agreed_blocks(index, st, x, defer)
         if isinstance(st, SteadyGroups):
             self._run_groups(index, st, x)
             return None
-        if st.route == Route.FP32 and st.promote is None:
+        if isinstance(st, Steady) and st.route == Route.FP32 and st.promote is None:
             transports.fp32_mean(x, comm.group, comm.world_size, self.traffic)
             return None
-        if isinstance(st, SteadyStaged) and st.bound_ptr != x.data_ptr():
-            st.bind(x, comm.world_size)  # a bfloat16 bucket's float32 copy: new each step
+        if st.bound_ptr != x.data_ptr():  # a bfloat16 bucket's float32 copy: new each step
+            self._bind(st, x)
+        if isinstance(st, SteadyBlocks):
+            return self._run_steady_blocks(index, st, x, defer)
         if st.measured:  # CPU only: the numpy view of the chunk's slot, no tensor op
-            st.maxima.numpy()[-1] = self._offer(st, st.route)
-        # Bound to the bucket's buffer: a bucket binds before it runs (:meth:`bucket`).
-        assert st.bound_ptr == x.data_ptr() and st.maxima_call is not None
-        st.maxima_call()
-        transports.all_reduce_max(st.maxima, comm.group, self.traffic)
-        if st.promote is not None and self._promoted(st):
-            return self._moved(index, st, x, defer)
+            st.vector.numpy()[-1] = self._offer(st, st.route if isinstance(st, Steady) else st.main)
+        st.write_vector(x)
+        transports.all_reduce_max(st.vector, comm.group, self.traffic)
+        if st.promote is not None and self._promoted(st):  # type: ignore[arg-type]  # no blocks
+            return self._moved(index, st, x, defer)  # type: ignore[arg-type]
         return self._finish_steady(index, st, x, defer)
 
     def _finish_steady(
-        self, index: int, st: Steady, x: torch.Tensor, defer: bool
+        self,
+        index: int,
+        st: Steady | SteadyAgreedBlocks | SteadyFeedback,
+        x: torch.Tensor,
+        defer: bool = False,
+        rates: tuple[torch.Tensor | None, np.ndarray | None] = (None, None),
+        factors: Callable[[], object] | None = None,
     ) -> Callable[[], None] | None:
         """:meth:`run_steady`'s half after the MAX all-reduce, on the vector it agreed (the
-        maxima, Promote's rates, the chunk where measured): the factors, the records,
-        this rank's rates and the route's bound chunks."""
-        if st.route == Route.FP32:  # Promote's: the layers' rates stay
+        maxima or keys, Promote's rates, the chunk where measured): the chunk agreed, the
+        factors, the records, this rank's rates and the route's bound chunks. Also a
+        format group's of a :class:`SteadyGroups` (:meth:`_run_parts`), on its values
+        ``x``: ``rates``, where Promote's rates of its layers go and where in it
+        (:attr:`SteadyGroups.rates_at`); ``factors``, the call that picks its agreed maxima
+        and makes its factors (:attr:`SteadyGroups.factors`)."""
+        if isinstance(st, Steady) and st.route == Route.FP32:  # Promote's: the rates stay
             return self._finish_fp32(index, st, x)
-        if st.bucket:
-            st.spread()
         if st.measured:
-            chunk = 2 ** int(st.maxima.numpy()[-1])  # the ranks' largest preference
+            chunk = 2 ** int(st.vector.numpy()[-1])  # the ranks' largest preference
             if chunk != st.chunk:
-                blocked = isinstance(st, SteadyStaged) and st.local is not None
-                self._rechunk(index, st, x, chunk, self.settings.block_size if blocked else None)
-        st.fill_factors()
-        if st.names is not None:  # before the decode overwrites this rank's values
-            self.record_steady(index, st, x)
-        if st.promote is not None:
-            self._settled_rates(st, x)
-        self.bucket_chunks[index] = st.chunk
+                self._rechunk(index, st, x, chunk)
+            self.bucket_chunks[index] = chunk
+        (factors or st.fill_factors)()
+        out, at = rates
+        counted = False  # a format group's records count its Promote rates too
+        if st.names is not None:  # before the decode (the owner's mean) overwrites the values
+            if isinstance(st, SteadyAgreedBlocks):  # each block's counts under its agreed key
+                assert st.records_call is not None  # made by bind
+                self._add_rows(index, st, st.records_call, x.device)
+            elif isinstance(st, SteadyFeedback):
+                self.record_feedback(index, st, x)
+            else:
+                self.record_steady(index, st, x, out, at)
+                counted = out is not None
+        if not counted and (out is not None or st.promote is not None):
+            self._settled_rates(st, x, out, at)
+        # Error feedback's not deferred: one workspace slot serves every bucket (:meth:`bucket`).
+        defer = defer and not isinstance(st, SteadyFeedback)
         start = time.perf_counter()
         tail = _exchange(st.group, st.calls, self.comm.group, self.traffic, defer, st.groups)
         if st.measured:
@@ -2473,38 +2386,40 @@ class Reducer:
             st.offer = exchange_s, int(math.log2(mine))  # a power of two
         return int(st.offer[1])
 
+    def _bind(self, st: _Part, x: torch.Tensor) -> bool:
+        """Bind ``st`` (again) to the float32 buffer ``x``, with its kind's arguments."""
+        if isinstance(st, Steady):
+            return st.bind(x, self.comm.world_size)
+        return st.bind(x, self.comm.rank, self.comm.world_size)  # type: ignore[union-attr]
+
     def _rechunk(
         self,
         index: int,
         st: Steady | SteadyBlocks | SteadyAgreedBlocks,
         x: torch.Tensor,
         chunk: int,
-        block_size: int | None = None,
-        **exponents: bool,
     ) -> None:
         """The ranks agreed another chunk than ``st`` was bound to: its group planned for
         ``chunk`` (:meth:`_regroup`) and bound again, on the workspace's epoch after the
         binding."""
-        comm = self.comm
-        st.group, st.chunk = self._regroup(st, chunk, block_size, **exponents)[0], chunk
-        if isinstance(st, Steady):
-            st.bind(x, comm.world_size)
-        else:
-            st.bind(x, comm.rank, comm.world_size)
+        st.group, st.chunk = self._regroup(st, chunk)[0], chunk
+        self._bind(st, x)
         st.workspace = self._epoch(index, x.device)
 
     def _regroup(
-        self,
-        st: Steady | SteadyBlocks | SteadyAgreedBlocks | SteadyGroups,
-        chunk: int,
-        block_size: int | None = None,
-        **exponents: bool,
+        self, st: Steady | SteadyBlocks | SteadyAgreedBlocks | SteadyGroups, chunk: int
     ) -> list[GroupPlan]:
-        """``st``'s groups planned again for the ``chunk`` its ranks agreed on
-        (``block_size``, ``exponents``: as :meth:`BucketPlan.group`'s)."""
-        comm, plan = self.comm, st.plan
+        """``st``'s groups planned again for the ``chunk`` its ranks agreed on, with the
+        block exponents they were bound with (:meth:`BucketPlan.group`'s: each rank's own
+        for :class:`SteadyBlocks`, the owners' for the other kinds with blocks)."""
+        if isinstance(st, SteadyGroups):
+            blocks, rank_exponents = st.blocks, st.blocks and not st.agreed_blocks
+        else:
+            blocks, rank_exponents = st.group.blocks is not None, isinstance(st, SteadyBlocks)
+        comm, plan, size = self.comm, st.plan, self.settings.block_size if blocks else None
         routes, layouts = self._routes_for(plan, st.fmts), comm.node_layouts()
-        return plan.group(st.fmts, routes, comm.world_size, chunk, layouts, block_size, **exponents)
+        exps = {"owner_exponents": blocks, "rank_exponents": rank_exponents}
+        return plan.group(st.fmts, routes, comm.world_size, chunk, layouts, size, **exps)
 
     def _finish_fp32(self, index: int, st: Steady, x: torch.Tensor) -> None:
         """:meth:`_finish_steady` of a bucket sent in FP32 under Promote, after the MAX
@@ -2582,8 +2497,6 @@ class Reducer:
         """:meth:`run_steady` from after its MAX all-reduce, ``st``'s vector agreed already
         (error feedback: the residuals added; groups: gathered into the plan's order, or with
         ``carried`` in ``st``'s scratch already)."""
-        if isinstance(st, SteadyFeedback):
-            return self._finish_feedback(index, st, x)
         if isinstance(st, SteadyGroups) and st.feedback:
             if not carried and not st.fused and st.gather is not None:
                 st.gather()
@@ -2704,15 +2617,6 @@ class Reducer:
             counts, exps, amax = per_layer(g.blocks, counts, keyed.exponents, st.local)
         self.stats.add(index, st.names, g.numels, fmt, exps, amax, counts)
 
-    def record_agreed_blocks(self, index: int, st: SteadyAgreedBlocks) -> None:
-        """:meth:`record_steady` with agreed block exponents: the records of this rank's
-        values (the bound buffer), each block's counts under its agreed key, folded per
-        layer with this rank's block maxima (:func:`aps_comm.telemetry.per_layer`): one
-        kernel call on the CPU kernels, two launches on Triton, whatever the layer count;
-        nothing read on the host."""
-        assert st.records_call is not None
-        self._add_rows(index, st, st.records_call, st.maxima.device)
-
     def _add_rows(
         self,
         index: int,
@@ -2727,20 +2631,6 @@ class Reducer:
         rows = torch.empty(len(st.names), 5, dtype=torch.float64, device=device)
         records(rows)
         self.stats.add_rows(index, st.names, g.numels, g.fmt, rows)
-
-    def _feedback_rates(self, st: SteadyFeedback, x: torch.Tensor, out: torch.Tensor) -> None:
-        """:meth:`_settled_rates` with error feedback: this rank's underflow rate of every
-        layer of ``x`` (its residuals added) under the step's two_phase factors, into
-        ``out``: one kernel call on the CPU kernels, else a few whole-bucket tensor ops."""
-        g = st.group
-        assert g is not None and st.scale is not None
-        if g.codec.backend == "kernels" and x.device.type == "cpu":
-            g.codec.underflow_rates(x, g.layout, st.scale.numpy(), out)
-            return
-        n, scaling = self.comm.world_size, self.settings.scaling
-        exps = factors(st.shared, g.fmt, Route.TWO_PHASE, world_size=n, scaling=scaling).exponents
-        counts = layer_counts(x, g.layout.lengths, exps, g.fmt)
-        out.copy_(counts[:, 1].float() / counts[:, 0].clamp(min=1).float())
 
     def _promoted(self, st: Steady | SteadyGroups | SteadyFeedback) -> bool:
         """Promote's step from the rates just agreed on the maxima; whether a format of the
@@ -2758,25 +2648,34 @@ class Reducer:
 
     def _settled_rates(
         self,
-        st: Steady,
+        st: Steady | SteadyFeedback,
         x: torch.Tensor,
         out: torch.Tensor | None = None,
         at: np.ndarray | None = None,
     ) -> None:
         """Promote: this rank's underflow rate of every layer under this step's factors
-        (staged routes: the first level's), into the slots the next step's maxima
-        all-reduce sends (``out``: elsewhere than ``st``'s own slots, a format
-        group's; ``at``: its layers' slots in ``out``, else the first)."""
-        g, n = st.group, len(st.fmts)
-        out = st.maxima[n : 2 * n] if out is None else out
+        (staged routes: the first level's; error feedback's: of ``x`` with its residuals
+        added), into the slots the next step's maxima all-reduce sends (``out``:
+        elsewhere than ``st``'s own slots, a format group's; ``at``: its layers' slots in
+        ``out``, else the first). One kernel call on the CPU kernels, else a few
+        whole-bucket tensor ops."""
+        g, n, scale = st.group, len(st.fmts), None
+        out = st.maxima[n : 2 * n] if out is None else out  # type: ignore[index]  # Promote's
         if isinstance(st, SteadyStaged) and st.record_keys is not None:
-            g.codec.underflow_rates(x, g.layout, st.first_factors()[0], out, at)
+            scale = st.first_factors()[0]
+        elif g.codec.backend == "kernels" and x.dtype == torch.float32:  # this step's factors
+            fed = isinstance(st, SteadyFeedback)
+            scale = st.scale.numpy() if fed else st.host_factors[0]  # type: ignore[union-attr]
+        if scale is not None:
+            g.codec.underflow_rates(x, g.layout, scale, out, at)
             return
-        if g.codec.backend == "kernels" and x.dtype == torch.float32:
-            assert st.host_factors is not None  # this step's, from the agreed maxima
-            g.codec.underflow_rates(x, g.layout, st.host_factors[0], out, at)
-            return
-        counts = layer_counts(x, g.layout.lengths, self._steady_exponents(st), g.fmt)
+        if isinstance(st, SteadyFeedback):  # two_phase's rule of the agreed maxima
+            scaling, ranks = self.settings.scaling, self.comm.world_size
+            made = factors(st.shared, g.fmt, Route.TWO_PHASE, world_size=ranks, scaling=scaling)
+            exps = made.exponents
+        else:
+            exps = self._steady_exponents(st)
+        counts = layer_counts(x, g.layout.lengths, exps, g.fmt)
         rates = counts[:, 1].float() / counts[:, 0].clamp(min=1).float()
         if at is None:
             out.copy_(rates)
@@ -2789,8 +2688,6 @@ class Reducer:
         """:meth:`run_steady` with every rank's own block exponents: one call for the keys,
         three per chunk (two_phase; hierarchical and grid a fixed handful)."""
         comm, plan, settings = self.comm, st.plan, self.settings
-        if st.bound_ptr != x.data_ptr():  # a bfloat16 bucket's float32 copy: new each step
-            st.bind(x, comm.rank, comm.world_size)
         self.steady_block_keys(index, st, x)  # and their records
         offer, on_chunk = 0, None
         # Staged: the chunk is the model's (the route offers none); only the timing is kept.
@@ -2800,8 +2697,7 @@ class Reducer:
                 plan.model_chunk = self.planner.chunk(settings.fmt, st.numel, route)
             chunk = plan.agreed_chunk or plan.model_chunk
             if chunk != st.chunk:
-                exps = {"owner_exponents": True, "rank_exponents": True}  # as the binding's
-                self._rechunk(index, st, x, chunk, settings.block_size, **exps)
+                self._rechunk(index, st, x, chunk)
             offer, on_chunk = self._offer(st, route), functools.partial(_agree_chunk, plan)
         self.bucket_chunks[index] = st.chunk
         start = time.perf_counter()
