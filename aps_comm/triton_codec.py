@@ -962,6 +962,7 @@ if AVAILABLE:
     # interpreter recognises this function, not a copy of it).
     _larger = tl.standard._elementwise_max
     _plus = tl.standard._sum_combine  # tl.sum's, likewise
+    _smaller = tl.standard._elementwise_min  # tl.min's
 
     @triton.jit
     def _mean_exponent(m, e, M: tl.constexpr):
@@ -1465,11 +1466,16 @@ if AVAILABLE:
         WIDTH: tl.constexpr,
     ):
         """Every block's records folded into its layer's int32 row of ``acc_ptr`` (5 per
-        layer, zero before) by atomics: ``256 - e`` of its key's exponent ``e`` (max:
-        the smallest e), its maximum's bits (max) and its nonzero, underflowing and
-        saturating elements times ``2**e`` (sums), the float32 products of
+        layer, zero before): ``256 - e`` of its key's exponent ``e`` (max: the smallest
+        e), its maximum's bits (max) and its nonzero, underflowing and saturating
+        elements times ``2**e`` (sums), the float32 products of
         :func:`aps_comm.cpu_kernels.block_records`. A tile of ``ROWS`` whole blocks per
-        program, one per row."""
+        program, one per row, their layers (``layer_ptr``) ascending.
+
+        Each program folds its rows per layer first and meets the others in 5
+        atomics per layer it touches, not per block: atomics on the few rows of
+        a model's largest layers serialise on a GPU. Integer maxima and sums
+        are the same in any order."""
         pid = tl.program_id(0).to(tl.int64)
         seg = pid * ROWS + tl.arange(0, ROWS)
         owned = seg < n_blocks
@@ -1481,14 +1487,23 @@ if AVAILABLE:
         k = tl.load(key_ptr + seg, mask=owned, other=0).to(tl.int32)
         m = tl.abs(x) * _key_scale(k, False)[:, None]
         live = m > 0
-        row = tl.load(layer_ptr + seg, mask=owned, other=0).to(tl.int64) * 5
-        tl.atomic_max(acc_ptr + row, 256 - _key_exponent(k), mask=owned)
-        tl.atomic_max(acc_ptr + row + 1, tl.load(amax_ptr + seg, mask=owned, other=0), mask=owned)
-        tl.atomic_add(acc_ptr + row + 2, tl.reduce(live.to(tl.int32), 1, _plus), mask=owned)
-        tl.atomic_add(
-            acc_ptr + row + 3, tl.reduce((live & (m <= TINY)).to(tl.int32), 1, _plus), mask=owned
-        )
-        tl.atomic_add(acc_ptr + row + 4, tl.reduce((m > FMAX).to(tl.int32), 1, _plus), mask=owned)
+        exps = 256 - _key_exponent(k)
+        amax = tl.load(amax_ptr + seg, mask=owned, other=0)
+        nonzero = tl.reduce(live.to(tl.int32), 1, _plus)
+        under = tl.reduce((live & (m <= TINY)).to(tl.int32), 1, _plus)
+        saturated = tl.reduce((m > FMAX).to(tl.int32), 1, _plus)
+        layer = tl.load(layer_ptr + seg, mask=owned, other=0)
+        past = tl.full(layer.shape, 2**31 - 1, tl.int32)  # above every layer: no block
+        s = tl.reduce(tl.where(owned, layer, past), 0, _smaller)
+        while s < 2**31 - 1:  # the program's layers, ascending
+            at = owned & (layer == s)
+            row = acc_ptr + s.to(tl.int64) * 5
+            tl.atomic_max(row, tl.reduce(tl.where(at, exps, 0), 0, _larger))
+            tl.atomic_max(row + 1, tl.reduce(tl.where(at, amax, 0), 0, _larger))
+            tl.atomic_add(row + 2, tl.reduce(tl.where(at, nonzero, 0), 0, _plus))
+            tl.atomic_add(row + 3, tl.reduce(tl.where(at, under, 0), 0, _plus))
+            tl.atomic_add(row + 4, tl.reduce(tl.where(at, saturated, 0), 0, _plus))
+            s = tl.reduce(tl.where(owned & (layer > s), layer, past), 0, _smaller)
 
     @triton.jit(do_not_specialize=["n_layers"])
     def _records_rows_kernel(acc_ptr, out_ptr, n_layers, BLOCK: tl.constexpr):
@@ -2585,15 +2600,16 @@ def bind_block_records(
     smallest exponent of its blocks' uint8 ``keys``, the largest of their float32
     ``maxima`` and the summed counts of its elements scaled by their blocks' ``2**e``
     (nonzero, underflowing, saturating): one kernel folds every block into an int32 row
-    of its layer (atomics), one writes the rows as float64 and zeroes them again. The
-    index arrays and the rows' scratch are made here, once.
+    of its layer (per program, then atomics per layer it touches), one writes the rows
+    as float64 and zeroes them again. The index arrays and the rows' scratch are made
+    here, once.
 
     Args:
         fmt: the wire format (its smallest subnormal and largest value).
         x: contiguous float32 values.
         offsets: int64 host array, the blocks' offsets from 0 to ``x.numel()`` (blocks
             of at most :data:`MAX_SEGMENT` elements).
-        layer_of: host array, each block's layer.
+        layer_of: host array, each block's layer, ascending.
         keys: uint8, one per block; maxima: float32, one per block.
         n_layers: the layers (rows).
 
@@ -2616,6 +2632,8 @@ def bind_block_records(
             f"layers, got {x.dtype}, {maxima.numel()} {maxima.dtype}, {keys.numel()} "
             f"{keys.dtype} and {layer_of.size}"
         )
+    if (np.diff(layer_of) < 0).any():
+        raise ValueError("block records need the blocks' layers ascending")
     longest = int(np.diff(offsets).max()) if n else 0
     if longest > MAX_SEGMENT:
         raise ValueError(f"blocks of at most {MAX_SEGMENT} elements, got one of {longest}")
