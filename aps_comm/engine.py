@@ -1062,8 +1062,9 @@ class _Unit:
         record: with ``stats=True``, the step's records from the N rows: float64 (P, 5),
             one row per parameter (:meth:`aps_comm.telemetry.StepStats.add_rows`; one
             kernel call on the CPU kernels).
-        parts: with ``stats=True``, per run its parameters' names and sizes, its format
-            and its rows of the records (:func:`_unit_records`).
+        labels: with ``stats=True``, the parameters' names, sizes and formats: the
+            records are queued once per step, whatever the number of runs
+            (:func:`_unit_records`).
     """
 
     chunks: tuple[int, ...]
@@ -1072,9 +1073,7 @@ class _Unit:
     epoch: tuple[int, ...]
     _: dataclasses.KW_ONLY
     record: Callable[[torch.Tensor], torch.Tensor] | None = None
-    parts: list[tuple[list[str], list[int], FloatFormat, int, int]] = dataclasses.field(
-        default_factory=list
-    )
+    labels: tuple[list[str], list[int], tuple[FloatFormat, ...]] | None = None
 
 
 @dataclasses.dataclass
@@ -3027,7 +3026,7 @@ class Reducer:
         )
         if settings.stats:
             shape = (n, settings.scaling)
-            st.record, st.parts = _unit_records(c, runs, params, on, maxima, keyed, shape)
+            st.record, st.labels = _unit_records(c, runs, params, on, maxima, keyed, shape)
         return st
 
     def _settle_fp32_unit(
@@ -3057,7 +3056,9 @@ class Reducer:
             st.local, st.agreed = arena.take(n * p, torch.float32), arena.take(n * p, torch.float32)
             keyed = (np.zeros(n * p, np.int32), [])  # every key 0 (exponent 0)
             shape = (n, self.settings.scaling)
-            st.record, st.parts = _unit_records(sums, runs, params, layout, st.agreed, keyed, shape)
+            st.record, st.labels = _unit_records(
+                sums, runs, params, layout, st.agreed, keyed, shape
+            )
         return st
 
     def _settle_mixed_unit(
@@ -3163,7 +3164,7 @@ class Reducer:
             if blocks is not None:
                 seen, keyed = st.local, (st.shared[:-1], [])
             shape = (n, settings.scaling)
-            st.record, st.parts = _unit_records(
+            st.record, st.labels = _unit_records(
                 codecs[0], runs, params, on, seen, keyed, shape, pick
             )
         return st
@@ -3275,11 +3276,10 @@ class Reducer:
         return torch.where(problem > 0, st.nan, out, out=out)
 
     def _add_records(self, index: int, st: _Unit, x: torch.Tensor) -> None:
-        """With ``stats=True``, queue a unit's records from its N rows ``x``, run by run."""
-        if st.record is not None:
-            records = st.record(x)
-            for names, numels, fmt, a, b in st.parts:
-                self.stats.add_rows(index, names, numels, fmt, records[a:b])
+        """With ``stats=True``, queue a unit's records from its N rows ``x``: one group,
+        each parameter labelled with its own format."""
+        if st.record is not None and st.labels is not None:
+            self.stats.add_rows(index, *st.labels, st.record(x))
 
     def _agree_unit(
         self,
@@ -3704,10 +3704,10 @@ def _unit_records(
     shape: tuple[int, Scaling],
     pick: torch.Tensor | None = None,
 ) -> tuple[
-    Callable[[torch.Tensor], torch.Tensor], list[tuple[list[str], list[int], FloatFormat, int, int]]
+    Callable[[torch.Tensor], torch.Tensor], tuple[list[str], list[int], tuple[FloatFormat, ...]]
 ]:
-    """A settled unit's records, bound, and per run its parameters' names and sizes
-    (``params``), its format and its rows of the records: they are queued run by run.
+    """A settled unit's records, bound, and its parameters' names and sizes (``params``)
+    and formats: they are queued as one group.
 
     The records: over the N rows' chunks (``on`` a :class:`~aps_comm.layout.Layout`: one
     exponent per parameter) or blocks (``on`` their :class:`~aps_comm.layout.Blocks`),
@@ -3725,18 +3725,8 @@ def _unit_records(
         pick: several formats' blocks on the torch backends: each block's place among
             every format's counts (:func:`_torch_block_records`).
     """
-    names, numels = params
-    parts = [
-        (
-            [names[i] for i in run.index],
-            [numels[i] for i in run.index],
-            run.fmt,
-            run.index[0],
-            run.index[-1] + 1,
-        )
-        for run in runs.runs
-    ]
     formats = [run.fmt for run in runs.runs for _ in run.index]
+    parts = (list(params[0]), list(params[1]), tuple(formats))
     p, n, blocks = len(formats), shape[0], on if isinstance(on, Blocks) else None
     layout = on.layout if isinstance(on, Blocks) else on
     if c.backend == "kernels":
