@@ -1097,7 +1097,10 @@ class SteadyUnit(_Unit):
             block keys (block), then the layout flag.
         local: layer: float32, each row's maximum of every chunk (N x P); block: every
             block's max |x|.
-        flags: block: uint8 scratch, this rank's non-finite flag per row and parameter.
+        keys: block: binds, over a step's N rows, the call that writes this rank's key of
+            every block and its non-finite flag per row and parameter (its uint8 scratch)
+            (:meth:`aps_comm.codec.Codec.bind_block_keys`; FSDP hands a new buffer every
+            step); None for the other scalings.
         agreed: layer: float32, the agreed maxima for every row (N x P); the flag makes them inf.
         scale: float32, the encode's factor of every segment of the N rows.
         unscale: float32, the factors the agreed maxima or keys give every segment.
@@ -1119,7 +1122,7 @@ class SteadyUnit(_Unit):
     runs: RowRuns
     shared: torch.Tensor
     local: torch.Tensor
-    flags: torch.Tensor | None
+    keys: Callable[[torch.Tensor], Callable[[], None] | None] | None
     agreed: torch.Tensor | None
     scale: torch.Tensor
     unscale: torch.Tensor
@@ -2984,14 +2987,24 @@ class Reducer:
         none = settings.scaling == Scaling.NONE
         scale = torch.empty(segments, **f32) if none else arena.take(segments, torch.float32)
         local = arena.take(segments, torch.float32)
-        flags = agreed = premax = None
+        block_keys = agreed = premax = None
         on: Layout | Blocks = layout
         if settings.scaling == Scaling.BLOCK:
             blocks = run.rows_blocks
             assert blocks is not None
             on, shared = blocks, torch.zeros(segments + 1, dtype=torch.uint8, device=device)
             flags = torch.empty(len(blocks.counts), dtype=torch.uint8, device=device)
-            if _unit_block_keys(c, x, blocks, local, shared[:-1], flags, n) is None:
+            block_keys = functools.partial(
+                c.bind_block_keys,
+                layout=blocks.layout,
+                counts=blocks.counts,
+                maxima=local,
+                keys=shared[:-1],
+                flags=flags,
+                world_size=n,
+                device_counts=blocks.device_counts,
+            )
+            if block_keys(x) is None:
                 return None  # no fused keys for this backend or format
             made = c.bind_feedback_factors(shared[:-1], n, scale, unscale, blocks.device_counts)
             decode = arena.take(segments, torch.float32)
@@ -3014,7 +3027,7 @@ class Reducer:
             runs,
             shared,
             local,
-            flags,
+            block_keys,
             agreed,
             scale,
             unscale,
@@ -3311,14 +3324,11 @@ class Reducer:
             rows = st.pad[0]
         n, c, layout, x = comm.world_size, run.codec, run.rows_layout, rows.reshape(-1)
         shared, k = st.shared, st.shared.numel() - 1
-        if st.flags is not None:  # block scaling: this rank's key of every block
-            assert run.rows_blocks is not None
-            keys = _unit_block_keys(c, x, run.rows_blocks, st.local, shared[:k], st.flags, n)
+        if st.keys is not None:  # block scaling: this rank's key of every block
+            keys = st.keys(x)
             assert keys is not None  # as when it was bound
             keys()
-        self._agree_unit(
-            shared, problem, None if st.flags is not None else (c, x, layout, st.local)
-        )
+        self._agree_unit(shared, problem, None if st.keys is not None else (c, x, layout, st.local))
         flagged = shared[k] > 0
         if st.agreed is not None:
             if st.premax is not None:  # the records show the maxima before the spread
@@ -3950,22 +3960,6 @@ class _MixedBlocks:
             np.concatenate(pos).astype(np.int64) if pos else empty,
             np.concatenate(src).astype(np.int64) if src else empty,
         )
-
-
-def _unit_block_keys(
-    c: codec.Codec,
-    x: torch.Tensor,
-    blocks: Blocks,
-    local: torch.Tensor,
-    keys: torch.Tensor,
-    flags: torch.Tensor,
-    n: int,
-) -> Callable[[], None] | None:
-    """A unit's :meth:`aps_comm.codec.Codec.bind_block_keys` over its N rows ``x``, cut in
-    ``blocks``: bound anew every step (FSDP hands a new buffer), and once when it binds
-    (None: no fused keys for this backend or format)."""
-    layout, counts, device_counts = blocks.layout, blocks.counts, blocks.device_counts
-    return c.bind_block_keys(x, layout, counts, local, keys, flags, n, device_counts=device_counts)
 
 
 def _unit_kernel_after(name: str, args: tuple, x: torch.Tensor) -> None:
