@@ -3214,8 +3214,9 @@ class Reducer:
                 functools.partial(cpu_kernels.call, "unit_block_factors", *factors_of),
             )
             return grid, None
-        # Per block, its place among every format's keys (or counts), FP32's last.
-        fmt_of = np.where(blocks.fmt_of < 0, len(blocks.formats), blocks.fmt_of)
+        # Per block, its place among every format's keys (or counts), FP32's last: int64,
+        # as int8 indexes times the blocks overflowed past 127 blocks.
+        fmt_of = np.where(blocks.fmt_of < 0, len(blocks.formats), blocks.fmt_of).astype(np.int64)
         pick = to_device(torch.from_numpy(fmt_of * n_blocks + np.arange(n_blocks)), device)
         pos, src, param_of = (
             to_device(torch.from_numpy(a), device) for a in (at, mine, blocks.param_of[at])

@@ -2158,6 +2158,22 @@ def test_a_settled_fsdp_unit_of_several_formats_with_blocks_on_one_rank(
     assert _settled_unit_of_one({**options, "policy": policy}, [300, 6, 40, 12]) == []
 
 
+@pytest.mark.parametrize(
+    "numels", [[300, 6, 40, 700], [3000, 6, 40, 12]], ids=["67-blocks", "193-blocks"]
+)
+def test_a_unit_of_several_formats_with_many_blocks_binds_on_the_torch_backends(
+    world: None, numels: list[int]
+) -> None:
+    """A unit of several formats with block scaling on the torch codec backends (Triton, a
+    GPU without it) picks each block's key among every format's by int64 indexes: they
+    were int8 times the blocks, so 67 blocks (FP32's index 2) picked out of range
+    (IndexError) and 193 failed to bind (OverflowError). Against the simulation, a NaN
+    included."""
+    policy = [ByName({"ps.1": "bf16", "ps.2": "fp32"})]
+    options = {"fmt": "e5m2", "scaling": "block", "block_size": 16, "codec": "bits"}
+    assert _settled_unit_of_one({**options, "policy": policy}, numels) == []
+
+
 # Records kept in units of several formats: layer, bucket and no scaling.
 _SETTLED_MIXED_STATS_UNITS = [
     *({**options, "stats": True} for options in _SETTLED_MIXED_UNITS),
