@@ -1094,8 +1094,9 @@ class _Unit:
         record: with ``stats=True``, the step's records from the N rows: float64 (P, 5),
             one row per parameter (:meth:`aps_comm.telemetry.StepStats.add_rows`; one
             kernel call on the CPU kernels).
-        parts: with ``stats=True``, per run its parameters' names and sizes, its format
-            and its rows of the records (:func:`_unit_records`).
+        labels: with ``stats=True``, the parameters' names, sizes and formats: the
+            records are queued once per step, whatever the number of runs
+            (:func:`_unit_records`).
     """
 
     chunks: tuple[int, ...]
@@ -1104,9 +1105,7 @@ class _Unit:
     epoch: tuple[int, ...]
     _: dataclasses.KW_ONLY
     record: Callable[[torch.Tensor], torch.Tensor] | None = None
-    parts: list[tuple[list[str], list[int], FloatFormat, int, int]] = dataclasses.field(
-        default_factory=list
-    )
+    labels: tuple[list[str], list[int], tuple[FloatFormat, ...]] | None = None
 
 
 @dataclasses.dataclass
@@ -1130,7 +1129,10 @@ class SteadyUnit(_Unit):
             block keys (block), then the layout flag.
         local: layer: float32, each row's maximum of every chunk (N x P); block: every
             block's max |x|.
-        flags: block: uint8 scratch, this rank's non-finite flag per row and parameter.
+        keys: block: binds, over a step's N rows, the call that writes this rank's key of
+            every block and its non-finite flag per row and parameter (its uint8 scratch)
+            (:meth:`aps_comm.codec.Codec.bind_block_keys`; FSDP hands a new buffer every
+            step); None for the other scalings.
         agreed: layer: float32, the agreed maxima for every row (N x P); the flag makes them inf.
         scale: float32, the encode's factor of every segment of the N rows.
         unscale: float32, the factors the agreed maxima or keys give every segment.
@@ -1152,7 +1154,7 @@ class SteadyUnit(_Unit):
     runs: RowRuns
     shared: torch.Tensor
     local: torch.Tensor
-    flags: torch.Tensor | None
+    keys: Callable[[torch.Tensor], Callable[[], None] | None] | None
     agreed: torch.Tensor | None
     scale: torch.Tensor
     unscale: torch.Tensor
@@ -2881,14 +2883,24 @@ class Reducer:
         none = settings.scaling == Scaling.NONE
         scale = torch.empty(segments, **f32) if none else arena.take(segments, torch.float32)
         local = arena.take(segments, torch.float32)
-        flags = agreed = premax = None
+        block_keys = agreed = premax = None
         on: Layout | Blocks = layout
         if settings.scaling == Scaling.BLOCK:
             blocks = run.rows_blocks
             assert blocks is not None
             on, shared = blocks, torch.zeros(segments + 1, dtype=torch.uint8, device=device)
             flags = torch.empty(len(blocks.counts), dtype=torch.uint8, device=device)
-            if _unit_block_keys(c, x, blocks, local, shared[:-1], flags, n) is None:
+            block_keys = functools.partial(
+                c.bind_block_keys,
+                layout=blocks.layout,
+                counts=blocks.counts,
+                maxima=local,
+                keys=shared[:-1],
+                flags=flags,
+                world_size=n,
+                device_counts=blocks.device_counts,
+            )
+            if block_keys(x) is None:
                 return None  # no fused keys for this backend or format
             made = c.bind_feedback_factors(shared[:-1], n, scale, unscale, blocks.device_counts)
             decode = arena.take(segments, torch.float32)
@@ -2911,7 +2923,7 @@ class Reducer:
             runs,
             shared,
             local,
-            flags,
+            block_keys,
             agreed,
             scale,
             unscale,
@@ -2923,7 +2935,7 @@ class Reducer:
         )
         if settings.stats:
             shape = (n, settings.scaling)
-            st.record, st.parts = _unit_records(c, runs, params, on, maxima, keyed, shape)
+            st.record, st.labels = _unit_records(c, runs, params, on, maxima, keyed, shape)
         return st
 
     def _settle_fp32_unit(
@@ -2953,7 +2965,9 @@ class Reducer:
             st.local, st.agreed = arena.take(n * p, torch.float32), arena.take(n * p, torch.float32)
             keyed = (np.zeros(n * p, np.int32), [])  # every key 0 (exponent 0)
             shape = (n, self.settings.scaling)
-            st.record, st.parts = _unit_records(sums, runs, params, layout, st.agreed, keyed, shape)
+            st.record, st.labels = _unit_records(
+                sums, runs, params, layout, st.agreed, keyed, shape
+            )
         return st
 
     def _settle_mixed_unit(
@@ -3059,7 +3073,7 @@ class Reducer:
             if blocks is not None:
                 seen, keyed = st.local, (st.shared[:-1], [])
             shape = (n, settings.scaling)
-            st.record, st.parts = _unit_records(
+            st.record, st.labels = _unit_records(
                 codecs[0], runs, params, on, seen, keyed, shape, pick
             )
         return st
@@ -3096,8 +3110,9 @@ class Reducer:
                 functools.partial(cpu_kernels.call, "unit_block_factors", *factors_of),
             )
             return grid, None
-        # Per block, its place among every format's keys (or counts), FP32's last.
-        fmt_of = np.where(blocks.fmt_of < 0, len(blocks.formats), blocks.fmt_of)
+        # Per block, its place among every format's keys (or counts), FP32's last: int64,
+        # as int8 indexes times the blocks overflowed past 127 blocks.
+        fmt_of = np.where(blocks.fmt_of < 0, len(blocks.formats), blocks.fmt_of).astype(np.int64)
         pick = to_device(torch.from_numpy(fmt_of * n_blocks + np.arange(n_blocks)), device)
         pos, src, param_of = (
             to_device(torch.from_numpy(a), device) for a in (at, mine, blocks.param_of[at])
@@ -3171,11 +3186,10 @@ class Reducer:
         return torch.where(problem > 0, st.nan, out, out=out)
 
     def _add_records(self, index: int, st: _Unit, x: torch.Tensor) -> None:
-        """With ``stats=True``, queue a unit's records from its N rows ``x``, run by run."""
-        if st.record is not None:
-            records = st.record(x)
-            for names, numels, fmt, a, b in st.parts:
-                self.stats.add_rows(index, names, numels, fmt, records[a:b])
+        """With ``stats=True``, queue a unit's records from its N rows ``x``: one group,
+        each parameter labelled with its own format."""
+        if st.record is not None and st.labels is not None:
+            self.stats.add_rows(index, *st.labels, st.record(x))
 
     def _agree_unit(
         self,
@@ -3207,14 +3221,11 @@ class Reducer:
             rows = st.pad[0]
         n, c, layout, x = comm.world_size, run.codec, run.rows_layout, rows.reshape(-1)
         shared, k = st.shared, st.shared.numel() - 1
-        if st.flags is not None:  # block scaling: this rank's key of every block
-            assert run.rows_blocks is not None
-            keys = _unit_block_keys(c, x, run.rows_blocks, st.local, shared[:k], st.flags, n)
+        if st.keys is not None:  # block scaling: this rank's key of every block
+            keys = st.keys(x)
             assert keys is not None  # as when it was bound
             keys()
-        self._agree_unit(
-            shared, problem, None if st.flags is not None else (c, x, layout, st.local)
-        )
+        self._agree_unit(shared, problem, None if st.keys is not None else (c, x, layout, st.local))
         flagged = shared[k] > 0
         if st.agreed is not None:
             if st.premax is not None:  # the records show the maxima before the spread
@@ -3600,10 +3611,10 @@ def _unit_records(
     shape: tuple[int, Scaling],
     pick: torch.Tensor | None = None,
 ) -> tuple[
-    Callable[[torch.Tensor], torch.Tensor], list[tuple[list[str], list[int], FloatFormat, int, int]]
+    Callable[[torch.Tensor], torch.Tensor], tuple[list[str], list[int], tuple[FloatFormat, ...]]
 ]:
-    """A settled unit's records, bound, and per run its parameters' names and sizes
-    (``params``), its format and its rows of the records: they are queued run by run.
+    """A settled unit's records, bound, and its parameters' names and sizes (``params``)
+    and formats: they are queued as one group.
 
     The records: over the N rows' chunks (``on`` a :class:`~aps_comm.layout.Layout`: one
     exponent per parameter) or blocks (``on`` their :class:`~aps_comm.layout.Blocks`),
@@ -3621,18 +3632,8 @@ def _unit_records(
         pick: several formats' blocks on the torch backends: each block's place among
             every format's counts (:func:`_torch_block_records`).
     """
-    names, numels = params
-    parts = [
-        (
-            [names[i] for i in run.index],
-            [numels[i] for i in run.index],
-            run.fmt,
-            run.index[0],
-            run.index[-1] + 1,
-        )
-        for run in runs.runs
-    ]
     formats = [run.fmt for run in runs.runs for _ in run.index]
+    parts = (list(params[0]), list(params[1]), tuple(formats))
     p, n, blocks = len(formats), shape[0], on if isinstance(on, Blocks) else None
     layout = on.layout if isinstance(on, Blocks) else on
     if c.backend == "kernels":
@@ -3856,22 +3857,6 @@ class _MixedBlocks:
             np.concatenate(pos).astype(np.int64) if pos else empty,
             np.concatenate(src).astype(np.int64) if src else empty,
         )
-
-
-def _unit_block_keys(
-    c: codec.Codec,
-    x: torch.Tensor,
-    blocks: Blocks,
-    local: torch.Tensor,
-    keys: torch.Tensor,
-    flags: torch.Tensor,
-    n: int,
-) -> Callable[[], None] | None:
-    """A unit's :meth:`aps_comm.codec.Codec.bind_block_keys` over its N rows ``x``, cut in
-    ``blocks``: bound anew every step (FSDP hands a new buffer), and once when it binds
-    (None: no fused keys for this backend or format)."""
-    layout, counts, device_counts = blocks.layout, blocks.counts, blocks.device_counts
-    return c.bind_block_keys(x, layout, counts, local, keys, flags, n, device_counts=device_counts)
 
 
 def _unit_kernel_after(name: str, args: tuple, x: torch.Tensor) -> None:

@@ -207,7 +207,9 @@ class StepStats:
     """
 
     def __init__(self) -> None:
-        self._parts: list[tuple[int, list[str | None], list[int], FloatFormat]] = []
+        self._parts: list[
+            tuple[int, list[str | None], list[int], FloatFormat | Sequence[FloatFormat]]
+        ] = []
         self._values: list[torch.Tensor] = []
         self._records: list[LayerStats] | None = None
 
@@ -239,16 +241,18 @@ class StepStats:
         bucket: int,
         names: Sequence[str | None],
         numels: Sequence[int],
-        fmt: FloatFormat,
+        fmt: FloatFormat | Sequence[FloatFormat],
         rows: torch.Tensor,
     ) -> None:
-        """Queue one format group's records made as rows already (no device op).
+        """Queue one group's records made as rows already (no device op).
 
         Args:
             bucket: the bucket (or unit) index.
             names: each layer's name.
             numels: each layer's size.
-            fmt: the group's wire format.
+            fmt: the group's wire format, or each layer's: an FSDP unit of several
+                formats queues its records once, not once per run of one format (the
+                host cost of a queued group then does not grow with the runs).
             rows: float64 (L, 5): exponent, amax, nonzero, underflowing and
                 saturated counts per layer (what :meth:`add` stacks); kept
                 as it is, so the caller hands a tensor no later step writes.
@@ -261,7 +265,8 @@ class StepStats:
                 f"rows must be float64 of shape ({len(names)}, 5), got "
                 f"{tuple(rows.shape)} {rows.dtype}"
             )
-        self._parts.append((bucket, list(names), list(numels), fmt))
+        fmts = fmt if isinstance(fmt, FloatFormat) else tuple(fmt)
+        self._parts.append((bucket, list(names), list(numels), fmts))
         self._values.append(rows)
 
     @property
@@ -282,8 +287,10 @@ class StepStats:
         if self._records is None:
             rows = torch.cat(self._values).tolist() if self._values else []
             out: list[LayerStats] = []
-            for bucket, names, numels, fmt in self._parts:
-                for name, numel in zip(names, numels, strict=True):
+            for bucket, names, numels, fmts in self._parts:
+                if isinstance(fmts, FloatFormat):
+                    fmts = [fmts] * len(names)
+                for name, numel, fmt in zip(names, numels, fmts, strict=True):
                     e, a, nonzero, under, saturated = rows[len(out)]
                     out.append(
                         LayerStats(

@@ -1705,6 +1705,37 @@ def test_a_flat_fsdp_unit_settles_within_the_budget(world: None, route: str) -> 
     assert kernels.count("kernel::unit_records") == int(stats), kernels
 
 
+@pytest.mark.parametrize(
+    "route",
+    ["fsdp/e4m3+stats", "fsdp/e4m3+fp32+stats", "fsdp/e5m2+fp16+fp32-bucket+stats"],
+)
+def test_a_settled_fsdp_unit_queues_its_records_once_per_step(world: None, route: str) -> None:
+    """Issue 46, item 3: a settled unit's records are queued as one group, however many
+    runs of one format it has (every other parameter in FP32: one group per run before,
+    200 ``StepStats.add_rows`` calls per unit and step at 200 parameters, ~446 us of host
+    against ~100 us at 4), each record still under its parameter's own format."""
+    want = {
+        "fsdp/e4m3+stats": lambda i: "e4m3",
+        "fsdp/e4m3+fp32+stats": lambda i: ("e4m3", "fp32")[i % 2],
+        "fsdp/e5m2+fp16+fp32-bucket+stats": lambda i: ("e5m2", "fp16", "fp32")[i % 3],
+    }[route]
+    for layers in (2, 200):
+        numels = [300 + 2 * i for i in range(layers)]
+        state, reduce_scatter, params = fsdp_unit(numels, CPU, FSDP_ROUTES[route], False)
+        x, _ = _bucket([p.numel() for p in params], layers)
+        for _ in range(2):  # binds, then runs bound
+            reduce_scatter(x.clone())
+        state.reducer.end_step()
+        reduce_scatter(x.clone())
+        assert state.reducer.stats.queued == 1, (layers, state.reducer.stats.queued)
+        _, stats = state.reducer.end_step()
+        records = stats.records()
+        assert [(r.name, r.bucket, r.numel) for r in records] == [
+            (f"ps.{i}", 0, n) for i, n in enumerate(numels)
+        ]
+        assert [r.format for r in records] == [want(i) for i in range(layers)]
+
+
 @pytest.mark.parametrize("route", [r for r in FSDP_ROUTES if r.startswith("fsdp/")])
 def test_an_fsdp_units_first_call_runs_bound(
     world: None, monkeypatch: pytest.MonkeyPatch, route: str
@@ -2125,6 +2156,22 @@ def test_a_settled_fsdp_unit_of_several_formats_with_blocks_on_one_rank(
     rules = {"*.ps.1": "ps.1", "*.ps.0": "ps.0", "*.ps.2": "ps.2", "units.0.ps.3": "ps.3"}
     policy = [ByName({rules[k]: v for k, v in rule.rules.items()}) for rule in options["policy"]]
     assert _settled_unit_of_one({**options, "policy": policy}, [300, 6, 40, 12]) == []
+
+
+@pytest.mark.parametrize(
+    "numels", [[300, 6, 40, 700], [3000, 6, 40, 12]], ids=["67-blocks", "193-blocks"]
+)
+def test_a_unit_of_several_formats_with_many_blocks_binds_on_the_torch_backends(
+    world: None, numels: list[int]
+) -> None:
+    """A unit of several formats with block scaling on the torch codec backends (Triton, a
+    GPU without it) picks each block's key among every format's by int64 indexes: they
+    were int8 times the blocks, so 67 blocks (FP32's index 2) picked out of range
+    (IndexError) and 193 failed to bind (OverflowError). Against the simulation, a NaN
+    included."""
+    policy = [ByName({"ps.1": "bf16", "ps.2": "fp32"})]
+    options = {"fmt": "e5m2", "scaling": "block", "block_size": 16, "codec": "bits"}
+    assert _settled_unit_of_one({**options, "policy": policy}, numels) == []
 
 
 # Records kept in units of several formats: layer, bucket and no scaling.
