@@ -239,37 +239,24 @@ def _key_table(unscale: bool) -> np.ndarray:
     return key_factors(keys, unscale=unscale).numpy().copy()
 
 
-def _encode_kernels(
+def _coded_kernels(
+    kernel: str,
     tail: np.ndarray | None,
-    factors: np.ndarray | AgreedMaxima | None,
-    x: torch.Tensor,
+    src: torch.Tensor,
     out: torch.Tensor,
     fmt: FloatFormat,
     offsets: np.ndarray | BlockGrid,
+    factors: np.ndarray | AgreedMaxima | None,
     *runs: object,
 ) -> None:
-    """A bound CPU encode: agreed maxima's factors derived from their values now, the
-    padding ``tail`` zeroed (code 0 is +0), then the kernel."""
+    """A bound CPU ``kernel`` ("encode" or "decode"): agreed maxima's factors (the decode's
+    unscale) derived from their values now, an encode's padding ``tail`` zeroed (code 0
+    is +0), then the kernel."""
     if isinstance(factors, AgreedMaxima):
-        factors = factors.host_factors(fmt, unscale=False)
+        factors = factors.host_factors(fmt, unscale=kernel == "decode")
     if tail is not None:
         tail.fill(0)
-    cpu_kernels.call("encode", x, out, fmt, offsets, factors, *runs)
-
-
-def _decode_kernels(
-    payload: torch.Tensor,
-    out: torch.Tensor,
-    fmt: FloatFormat,
-    offsets: np.ndarray | BlockGrid,
-    factors: np.ndarray | AgreedMaxima | None,
-    *runs: object,
-) -> None:
-    """A bound CPU decode: agreed maxima's unscale derived from their values now, then
-    the kernel."""
-    if isinstance(factors, AgreedMaxima):
-        factors = factors.host_factors(fmt, unscale=True)
-    cpu_kernels.call("decode", payload, out, fmt, offsets, factors, *runs)
+    cpu_kernels.call(kernel, src, out, fmt, offsets, factors, *runs)
 
 
 def _decode_agreed_kernels(
@@ -871,60 +858,13 @@ class Codec:
         their values (``x``, the factors or agreed maxima, refilled in place)
         when it runs, with no checks, windows or lookups on the host.
         """
-        fmt, numel = self.fmt, x.numel()
-        factors, agreed = self._scaled(scale, layout, numel)
-        need = payload_nbytes(numel + pad, fmt)
+        need = payload_nbytes(x.numel() + pad, self.fmt)
         if out.dtype != torch.uint8 or out.numel() != need or out.device != x.device:
             raise ValueError(
                 f"out must hold {need} uint8 bytes on {x.device}, got {out.numel()} "
                 f"{out.dtype} on {out.device}"
             )
-        if self.backend == "triton":
-            block = layout.block_size if layout is not None else None
-            variant = ("encode", fmt.name, factors is not None, agreed is not None, block, pad > 0)
-            launch = _triton().bind_encode(
-                *(x, out, fmt, _device_offsets(layout), factors),
-                maxima=agreed.maxima if agreed else None,
-                rule=agreed.rule() if agreed else None,
-                pad=pad,
-            )
-            fallback = functools.partial(
-                self._torch().encode, x, out=out, scale=scale, layout=layout, pad=pad
-            )
-            return functools.partial(_run_bound, variant, launch, fallback)
-        head = payload_nbytes(numel, fmt)
-        body = out[:head] if pad else out
-        if self.backend == "kernels":
-            # The factors as a view: a bound call reads them as refilled.
-            host = agreed if agreed is not None else None if factors is None else factors.numpy()
-            offsets, runs = _host_offsets(layout, numel), _host_runs(layout)
-            tail = out.numpy()[head:] if pad else None
-            return functools.partial(_encode_kernels, tail, host, x, body, fmt, offsets, *runs)
-        tail = out[head:] if pad else None
-        return functools.partial(self._encode_ops, x, body, tail, factors, layout)
-
-    def _encode_ops(
-        self,
-        x: torch.Tensor,
-        out: torch.Tensor,
-        tail: torch.Tensor | None,
-        scale: torch.Tensor | AgreedMaxima | None,
-        layout: Layout | None,
-    ) -> None:
-        """The torch backends' encode, bound: agreed maxima's factors derived from their
-        values now, the padding ``tail`` zeroed, ``x`` times the factors into ``out``."""
-        fmt = self.fmt
-        if isinstance(scale, AgreedMaxima):
-            scale = _window_scale(scale.factors(fmt, unscale=False), layout)
-        if tail is not None:
-            tail.zero_()  # code 0 is +0 in every format
-        v = x.float() if scale is None else x * _factors(scale, layout, x.numel())
-        if self.backend == "cast":
-            cast_into(v, fmt, out)
-            return
-        if not fmt.has_nan:
-            v = torch.nan_to_num(v, nan=0.0, posinf=fmt.max, neginf=-fmt.max)
-        encode_into(v, fmt, out)
+        return self._bind_coded("encode", x, out, scale, layout, x.numel(), pad)
 
     def bind_decode(
         self,
@@ -940,7 +880,6 @@ class Codec:
         """
         fmt = self.fmt
         numel = out.numel() if numel is None else numel
-        factors, agreed = self._scaled(scale, layout, numel)
         need = payload_nbytes(numel, fmt)
         if payload.dtype != torch.uint8 or payload.numel() < need:
             raise ValueError(
@@ -952,46 +891,78 @@ class Codec:
                 f"out must be a contiguous float32 tensor of {numel} elements, "
                 f"got {out.dtype} of shape {tuple(out.shape)}"
             )
-        payload = payload[:need]
+        return self._bind_coded("decode", payload[:need], out, scale, layout, numel)
+
+    def _bind_coded(
+        self,
+        kernel: str,
+        src: torch.Tensor,
+        out: torch.Tensor,
+        scale: torch.Tensor | AgreedMaxima | None,
+        layout: Layout | None,
+        numel: int,
+        pad: int = 0,
+    ) -> Callable[[], object]:
+        """:meth:`bind_encode`'s or :meth:`bind_decode`'s (``kernel``) call, its buffers
+        checked: ``numel`` elements of ``src`` into ``out``, then an encode's ``pad`` zero
+        codes. One kernel call on "kernels" and "triton" (a variant that cannot run here
+        falls back to the torch ops), the torch ops elsewhere."""
+        fmt = self.fmt
+        factors, agreed = self._scaled(scale, layout, numel)
+        if self.backend == "triton":
+            block = layout.block_size if layout is not None else None
+            native = None if agreed is None else agreed.native
+            variant = (kernel, fmt.name, factors is not None, native, block, pad > 0)
+            launch = getattr(_triton(), f"bind_{kernel}")(
+                *(src, out, fmt, _device_offsets(layout), factors),
+                maxima=agreed.maxima if agreed else None,
+                rule=agreed.rule() if agreed else None,
+                **({"pad": pad} if pad else {}),
+            )
+            fallback = self._torch()._bind_coded(kernel, src, out, scale, layout, numel, pad)
+            return functools.partial(_run_bound, variant, launch, fallback)
+        head = payload_nbytes(numel, fmt)
+        body = out[:head] if pad else out
         if self.backend == "kernels":
             # The factors as a view: a bound call reads them as refilled.
             host = agreed if agreed is not None else None if factors is None else factors.numpy()
             offsets, runs = _host_offsets(layout, numel), _host_runs(layout)
-            return functools.partial(_decode_kernels, payload, out, fmt, offsets, host, *runs)
-        if self.backend != "triton":
-            return functools.partial(self._decode_ops, payload, out, factors, layout)
-        if agreed is not None:
-            variant = ("decode", fmt.name, True, True, None, agreed.native)
-        else:
-            block = layout.block_size if layout is not None else None
-            variant = ("decode", fmt.name, factors is not None, False, block, 1)
-        launch = _triton().bind_decode(
-            *(payload, out, fmt, _device_offsets(layout), factors),
-            maxima=agreed.maxima if agreed else None,
-            rule=agreed.rule() if agreed else None,
-        )
-        fallback = functools.partial(
-            self._torch().decode, payload, numel, out=out, scale=scale, layout=layout
-        )
-        return functools.partial(_run_bound, variant, launch, fallback)
+            tail = out.numpy()[head:] if pad else None
+            args = (kernel, tail, src, body, fmt, offsets, host, *runs)
+            return functools.partial(_coded_kernels, *args)
+        tail = out[head:] if pad else None
+        return functools.partial(self._coded_ops, kernel, src, body, tail, factors, layout)
 
-    def _decode_ops(
+    def _coded_ops(
         self,
-        payload: torch.Tensor,
+        kernel: str,
+        src: torch.Tensor,
         out: torch.Tensor,
+        tail: torch.Tensor | None,
         scale: torch.Tensor | AgreedMaxima | None,
         layout: Layout | None,
     ) -> None:
-        """The torch backends' decode, bound: agreed maxima's unscale derived from their
-        values now, ``payload`` decoded into ``out`` and multiplied by the factors."""
+        """The torch backends' encode or decode (``kernel``), bound: agreed maxima's factors
+        (the decode's unscale) derived from their values now, then an encode's padding
+        ``tail`` zeroed and ``src`` times the factors encoded into ``out``, or a decode of
+        ``src`` into ``out`` times the factors."""
+        fmt, cast = self.fmt, self.backend == "cast"
         if isinstance(scale, AgreedMaxima):
-            scale = _window_scale(scale.factors(self.fmt, unscale=True), layout)
-        if self.backend == "cast":
-            uncast_into(payload, self.fmt, out)
-        else:
-            decode_into(payload, self.fmt, out)
-        if scale is not None:
-            out.mul_(_factors(scale, layout, out.numel()))
+            scale = _window_scale(scale.factors(fmt, unscale=kernel == "decode"), layout)
+        if kernel == "decode":
+            (uncast_into if cast else decode_into)(src, fmt, out)
+            if scale is not None:
+                out.mul_(_factors(scale, layout, out.numel()))
+            return
+        if tail is not None:
+            tail.zero_()  # code 0 is +0 in every format
+        v = src.float() if scale is None else src * _factors(scale, layout, src.numel())
+        if cast:
+            cast_into(v, fmt, out)
+            return
+        if not fmt.has_nan:
+            v = torch.nan_to_num(v, nan=0.0, posinf=fmt.max, neginf=-fmt.max)
+        encode_into(v, fmt, out)
 
     def bind_owner_reduce(
         self, recv: torch.Tensor, n_ranks: int, out: torch.Tensor
