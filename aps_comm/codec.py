@@ -317,8 +317,9 @@ def _triton_tile(offsets: np.ndarray, counts: torch.Tensor) -> tuple[int, int, n
 def _mean_of_rows(
     decode_rows: Sequence[Callable[[], object]], rows: torch.Tensor, mean: torch.Tensor
 ) -> None:
-    """The node's mean on the Triton backend: the L rows (decoded first where they came
-    encoded) summed in rank order and divided by L, as the CPU kernels do."""
+    """The mean of the L ``rows`` (decoded first where they came encoded: a node's on the
+    Triton backend, an owner's chain): summed in float32 in rank order and divided by L,
+    as the CPU kernels do."""
     for decode in decode_rows:
         decode()
     mean.copy_(rows[0])
@@ -1221,20 +1222,25 @@ class Codec:
     def bind_layer_maxima(
         self, x: torch.Tensor, layout: Layout, out: torch.Tensor
     ) -> Callable[[], object]:
-        """One :meth:`layer_maxima` call checked once; the returned call repeats it."""
-        call = functools.partial(self.layer_maxima, x, layout, out)
-        if x.dtype != torch.float32 or out.dtype != torch.float32:
-            return call
-        if self.backend == "kernels" and x.is_contiguous() and out.numel() == layout.n_segments:
+        """:meth:`layer_maxima` into ``out`` checked once; the returned call repeats it: one
+        kernel call on "kernels" and "triton" (a variant that cannot run here falls back),
+        :func:`segment_amax` elsewhere."""
+        if out.dtype != torch.float32 or out.numel() != layout.n_segments:
+            raise ValueError(
+                f"out must hold {layout.n_segments} float32 maxima, got {out.numel()} {out.dtype}"
+            )
+        ops = functools.partial(_copy_made, functools.partial(segment_amax, x, layout), out)
+        if x.dtype != torch.float32:
+            return ops
+        if self.backend == "kernels" and x.is_contiguous():
             return functools.partial(
                 cpu_kernels.call, "block_amax", x, _host_offsets(layout, 0), out
             )
         if self.backend != "triton":
-            return call
+            return ops
         launch = _triton().bind_layer_maxima(x, out, layout.device_offsets)
-        fallback = functools.partial(self._torch().layer_maxima, x, layout, out)
         bound = functools.partial(in_order, [out.zero_, launch])
-        return functools.partial(_run_bound, ("layer_maxima",), bound, fallback)
+        return functools.partial(_run_bound, ("layer_maxima",), bound, ops)
 
     def bind_reduce_encode(
         self,
@@ -1803,19 +1809,7 @@ class Codec:
             >>> c.layer_maxima(torch.tensor([3.0, -4.0, float("nan")]), layout, out)
             tensor([4., inf])
         """
-        if out.dtype != torch.float32 or out.numel() != layout.n_segments:
-            raise ValueError(
-                f"out must hold {layout.n_segments} float32 maxima, got {out.numel()} {out.dtype}"
-            )
-        if self.backend == "triton" and x.dtype == torch.float32:
-            out.zero_()
-            launch = functools.partial(_triton().layer_maxima, x, out, layout.device_offsets)
-            if _triton_ran(("layer_maxima",), launch):
-                return out
-        if self.backend == "kernels" and x.dtype == torch.float32:
-            cpu_kernels.block_amax(x, layout.offsets.numpy(), out)
-        else:
-            out.copy_(segment_amax(x, layout))
+        self.bind_layer_maxima(x, layout, out)()
         return out
 
     def sum_rows(self, rows: torch.Tensor, out: torch.Tensor) -> torch.Tensor:
@@ -1881,21 +1875,20 @@ class Codec:
         offsets = layout.offsets.numpy()
         cpu_kernels.call("layer_records", x, offsets, maxima, keys, self.fmt, out, rates, at)
 
-    def block_records(
-        self,
-        x: torch.Tensor,
-        blocks: Blocks,
-        keys: torch.Tensor,
-        maxima: torch.Tensor,
-        out: torch.Tensor,
-    ) -> None:
-        """:meth:`layer_records` of block scaling, per layer in one kernel call: the
-        smallest exponent of its blocks (uint8 ``keys``), the largest of their
-        float32 ``maxima`` and their summed counts (:func:`aps_comm.telemetry.per_layer`).
+    def bind_block_records(
+        self, x: torch.Tensor, blocks: Blocks, keys: torch.Tensor, maxima: torch.Tensor
+    ) -> Callable[[torch.Tensor], None] | None:
+        """:meth:`layer_records` of block scaling, bound: the returned call writes each layer's
+        row into float64 ``out`` (layers, 5): the smallest exponent of its blocks (uint8
+        ``keys``), the largest of their float32 ``maxima`` and their summed counts
+        (:func:`aps_comm.telemetry.per_layer`). One kernel call on the "kernels" backend, two
+        launches on "triton" (:func:`aps_comm.triton_codec.bind_block_records`), the general
+        path's tensor ops on "cast" and "bits" (:func:`aps_comm.telemetry.block_rows`),
+        whatever the number of layers or blocks; None where a Triton variant cannot compile
+        here (launched once at bind time on private buffers, the failure logged once).
 
         Raises:
-            ValueError: the codec's backend is not "kernels", or ``x`` is not
-                contiguous float32 of the blocks' elements.
+            ValueError: on "kernels", ``x`` is not contiguous float32 of the blocks' elements.
 
         Example:
             >>> c = Codec("e4m3", torch.device("cpu"), backend="kernels")
@@ -1903,42 +1896,18 @@ class Codec:
             >>> b = Layout.from_numels([10], torch.device("cpu")).grid(8)  # blocks of 8 and 2
             >>> x = torch.tensor([1.0, 1e-9, 0, 0, 0, 0, 0, 0, 0, 0])
             >>> keys = torch.tensor([127, 0], dtype=torch.uint8)
-            >>> c.block_records(x, b, keys, torch.tensor([1.0, 0.0]), out)
+            >>> c.bind_block_records(x, b, keys, torch.tensor([1.0, 0.0]))(out)
             >>> out.tolist()
             [[0.0, 1.0, 2.0, 1.0, 0.0]]
         """
-        self._check_records(x, blocks.layout)
-        cpu_kernels.call(
-            "block_records",
-            x,
-            blocks.layout.offsets.numpy(),
-            blocks.counts.numpy(),
-            keys,
-            maxima,
-            self.fmt,
-            out,
-        )
-
-    def bind_block_records(
-        self, x: torch.Tensor, blocks: Blocks, keys: torch.Tensor, maxima: torch.Tensor
-    ) -> Callable[[torch.Tensor], None] | None:
-        """:meth:`block_records` of ``x`` bound: the returned call takes float64 ``out``
-        (layers, 5). One kernel call on the "kernels" backend, two launches on "triton"
-        (:func:`aps_comm.triton_codec.bind_block_records`), the general path's tensor ops
-        on "cast" and "bits" (:func:`aps_comm.telemetry.block_rows`), whatever the number
-        of layers or blocks; None where a Triton variant cannot compile here (launched
-        once at bind time on private buffers, the failure logged once).
-
-        Example:
-            >>> call = codec.bind_block_records(x, blocks, keys, maxima)  # doctest: +SKIP
-            >>> call(torch.empty(len(blocks.counts), 5, dtype=torch.float64))  # doctest: +SKIP
-        """
+        offsets = blocks.layout.offsets.numpy()
         if self.backend == "kernels":
             self._check_records(x, blocks.layout)
-            return functools.partial(self.block_records, x, blocks, keys, maxima)
+            counts = blocks.counts.numpy()
+            args = (x, offsets, counts, keys, maxima, self.fmt)
+            return functools.partial(cpu_kernels.call, "block_records", *args)
         if self.backend in ("cast", "bits"):
             return functools.partial(_block_rows, x, blocks, keys, maxima, self.fmt)
-        offsets = blocks.layout.offsets.numpy()
         if self.backend != "triton" or x.dtype != torch.float32:
             return None
         tile = _triton_tile(offsets, blocks.counts)
@@ -2043,8 +2012,9 @@ class Codec:
         out: torch.Tensor,
         limits: tuple[np.ndarray, np.ndarray] | None = None,
     ) -> None:
-        """:meth:`block_records` of an FSDP unit's N rows, one row of float64 ``out`` (P, 5)
-        per parameter over every row's chunk, in one kernel call: a settled unit's records.
+        """:meth:`bind_block_records`' records of an FSDP unit's N rows, one row of float64
+        ``out`` (P, 5) per parameter over every row's chunk, in one kernel call: a settled
+        unit's records.
 
         Args:
             x: the N rows, contiguous float32, row r every parameter's r-th chunk.
@@ -2227,7 +2197,7 @@ class Codec:
             (tensor([3], dtype=torch.int32), tensor([0.0000, 0.5000]))
         """
         out = self._owner_blocks_out(recv, n_ranks, layout, out)
-        numel, n_blocks = layout.numel, layout.n_segments
+        n_blocks = layout.n_segments
         if (
             exponents.dtype != torch.int32
             or exponents.dim() != 1
@@ -2242,9 +2212,7 @@ class Codec:
         d = self._owner_pass("reduce_blocks", recv, n_ranks, layout, exponents, out)
         if d is not None:
             return out, d
-        # The chain the kernels fuse (and Triton's, for segments longer than its tile).
-        mean = self.shard_mean(recv, n_ranks)[:numel]
-        return self._encode_mean(mean, layout, exponents, out)
+        return self._owner_chain(recv, n_ranks, layout, None, (None, -1), exponents, out)
 
     def owner_reduce_rank_blocks(
         self,
@@ -2309,23 +2277,8 @@ class Codec:
         d = self._owner_pass("reduce_rank_blocks", recv, n_ranks, layout, rank_scales, out, mine)
         if d is not None:
             return out, d
-        # The chain the kernels fuse (and Triton's, for segments longer than its tile).
-        rows = recv.view(n_ranks, -1)
-        used = payload_nbytes(numel, self.fmt)
-
-        def row(r: int) -> torch.Tensor:
-            if r == own_row:
-                assert own is not None
-                return own.clone()
-            return self.decode(rows[r, :used], numel, scale=rank_scales[r], layout=layout)
-
-        mean = row(0)
-        for r in range(1, n_ranks):  # rank order
-            mean += row(r)
-        if n_ranks > 1:
-            mean.div_(n_ranks)
         zero = torch.zeros(n_blocks, dtype=torch.int32, device=recv.device)
-        return self._encode_mean(mean, layout, zero, out)
+        return self._owner_chain(recv, n_ranks, layout, rank_scales, mine, zero, out)
 
     def _owner_pass(
         self,
@@ -2362,12 +2315,38 @@ class Codec:
         )
         return d
 
-    def _encode_mean(
-        self, mean: torch.Tensor, layout: Layout, exponents: torch.Tensor, out: torch.Tensor
+    def _owner_chain(
+        self,
+        recv: torch.Tensor,
+        n_ranks: int,
+        layout: Layout,
+        rank_scales: torch.Tensor | None,
+        own: tuple[torch.Tensor | None, int],
+        exponents: torch.Tensor,
+        out: torch.Tensor,
     ) -> tuple[torch.Tensor, torch.Tensor]:
-        """The owner's last steps, as the chain of calls: each block's extra exponent
-        ``d`` for the mean (:func:`aps_comm.scaling.mean_exponents`), then the mean
-        encoded times ``2**d`` into ``out``."""
+        """The owner's step over blocks as the chain of calls the kernels fuse (and Triton's,
+        for segments longer than its tile): each row's shard decoded (times its sender's
+        ``rank_scales`` row where given; row ``own[1]`` is ``own[0]``, the owner's values),
+        the rows summed in float32 in rank order and divided by N, each block's extra
+        exponent ``d`` over ``exponents`` for the mean (:func:`aps_comm.scaling.mean_exponents`),
+        the mean encoded times ``2**d`` into ``out``."""
+        numel, rows = layout.numel, recv.view(n_ranks, -1)
+        used, (mine, own_row) = payload_nbytes(numel, self.fmt), own
+        values = torch.empty(n_ranks, numel, dtype=torch.float32, device=recv.device)
+        decode_rows = [
+            functools.partial(values[r].copy_, mine)
+            if r == own_row
+            else self.bind_decode(
+                rows[r, :used],
+                values[r],
+                None if rank_scales is None else rank_scales[r],
+                None if rank_scales is None else layout,
+            )
+            for r in range(n_ranks)
+        ]
+        mean = torch.empty(numel, dtype=torch.float32, device=recv.device)
+        _mean_of_rows(decode_rows, values, mean)
         d = mean_exponents(blocks_amax(mean, layout), exponents, self.fmt)
         self.encode(mean, out=out, scale=pow2(d), layout=layout)
         return out, d

@@ -2688,7 +2688,7 @@ class Reducer:
                 records = functools.partial(g.codec.layer_records, x, g.layout, st.shared, st.keys)
             else:
                 assert st.local is not None
-                records = functools.partial(g.codec.block_records, x, g.blocks, st.shared, st.local)
+                records = g.codec.bind_block_records(x, g.blocks, st.shared, st.local)
             self._add_rows(index, st, records, x.device)
             return
         if g.blocks is None:
