@@ -1282,12 +1282,9 @@ class Codec:
             if not wide:
                 rows = source.view(n_rows, acc.numel())
                 reduce: Callable[[], object] = functools.partial(self.sum_rows, rows, acc)
-            elif self.backend == "triton":
-                args = (source, n_rows, self.fmt, acc, divisor)
-                reduce = functools.partial(_triton().shard_mean, *args)
             else:
-                made = functools.partial(self.shard_mean, source, n_rows, divisor=divisor)
-                reduce = functools.partial(_copy_made, made, acc)
+                args = (source, n_rows)
+                reduce = functools.partial(self.shard_mean, *args, divisor=divisor, out=acc)
             encode = self.bind_encode(x, out, scale, layout, pad)
             return functools.partial(in_order, [reduce, encode])
         _check_scaled(scale, layout, numel)
@@ -2386,6 +2383,7 @@ class Codec:
         divisor: int | None = None,
         scale: torch.Tensor | None = None,
         layout: Layout | None = None,
+        out: torch.Tensor | None = None,
     ) -> torch.Tensor:
         """float32 mean of N encoded shards laid end to end: see :func:`shard_mean`.
 
@@ -2393,7 +2391,8 @@ class Codec:
         ``layout``, which covers the N shards end to end, padding included:
         each rank's own block exponents), then added in rank order
         (r0 + r1 + ... in float32, one in-place add per rank): the order that
-        makes every backend give the same bits.
+        makes every backend give the same bits. ``out``: float32 of one shard's elements
+        the mean is written into (Triton's kernel writes it there); None: a new tensor.
 
         Example:
             >>> c = Codec("e4m3", torch.device("cpu"))
@@ -2404,14 +2403,16 @@ class Codec:
         numel = shard_bytes * 8 // self.fmt.wire_bits
         divisor = n_ranks if divisor is None else divisor
         if self.backend == "triton" and scale is None:
-            out = torch.empty(numel, dtype=torch.float32, device=recv.device)
+            if out is None:
+                out = torch.empty(numel, dtype=torch.float32, device=recv.device)
             _triton().shard_mean(recv, n_ranks, self.fmt, out, divisor)
             return out
         values = self.decode(recv, n_ranks * numel, scale=scale, layout=layout)
         acc = values[:numel]
         for r in range(1, n_ranks):
             acc += values[r * numel : (r + 1) * numel]
-        return acc if divisor == 1 else acc.div_(divisor)
+        acc = acc if divisor == 1 else acc.div_(divisor)
+        return acc if out is None else out.copy_(acc)
 
     def _shard_bytes(self, recv: torch.Tensor, n_ranks: int) -> int:
         if n_ranks < 1 or recv.dtype != torch.uint8 or recv.numel() % n_ranks:
