@@ -479,74 +479,31 @@ def _stack_factors(made: Callable[[], object], out: torch.Tensor) -> None:
     torch.stack(rows, out=out[: len(rows)])
 
 
-@dataclasses.dataclass(frozen=True)
-class _OwnerFeedback:
-    """A two_phase owner's step with error feedback, bound (:meth:`Codec.bind_owner_feedback`).
-
-    The mean of the N received shards is re-encoded as it is (the ranks'
-    agreed factors), and what that loses, unscaled and times N, is added to
-    the residuals of the elements this rank owns: next step they are sent
-    again and averaged, so the mean gets the loss back.
-    """
-
-    codec: Codec
-    recv: torch.Tensor
-    n_ranks: int
-    out: torch.Tensor
-    layout: Layout
-    factors: tuple[torch.Tensor, torch.Tensor]  # (scale, unscale), refilled in place
-    span: tuple[int, int]  # the elements this rank owns
-    residual: torch.Tensor
-    values: torch.Tensor  # kernels: float32 scratch of the N decoded shards
-    acc: torch.Tensor  # kernels: float32 scratch of the mean
-    part: torch.Tensor  # kernels: float32 scratch of the mean re-encoded and decoded
-    fused: bool = False  # kernels: the calls below as one (cpu_kernels.owner_feedback)
-
-    def __call__(self) -> None:
-        c, n, (lo, hi), (scale, unscale) = self.codec, self.n_ranks, self.span, self.factors
-        if self.fused:
-            cpu_kernels.call(
-                "owner_feedback",
-                c.fmt,
-                self.recv.numpy(),
-                (self.values.numpy(), self.acc.numpy()),
-                self.out.numpy(),
-                (_host_offsets(self.layout, 0), scale.numpy(), unscale.numpy()),
-                (lo, hi, n),
-                self.residual.numpy(),
-            )
-            return
-        if c.backend == "kernels":
-            # The calls of ErrorFeedback.owner_reduce, into scratch kept for the bucket.
-            cpu_kernels.call("decode", self.recv, self.values, c.fmt)
-            cpu_kernels.call("mean_rows", self.values.numpy().reshape(n, -1), self.acc.numpy())
-            cpu_kernels.call("encode", self.acc, self.out, c.fmt)
-            cpu_kernels.call("decode", self.out, self.part, c.fmt)
-            if hi > lo:
-                cpu_kernels.call(
-                    "owner_lost",
-                    self.acc,
-                    self.part,
-                    _host_offsets(self.layout, 0),
-                    scale.numpy(),
-                    unscale.numpy(),
-                    lo,
-                    hi,
-                    n,
-                    self.residual,
-                )
-            return
-        acc = c.shard_mean(self.recv, n)
-        c.encode(acc, out=self.out)
-        part = c.decode(self.out, acc.numel())
-        if hi <= lo:
-            return
-        mine = torch.where(torch.isfinite(unscale), scale, 0.0)
-        mine = torch.repeat_interleave(mine, self.layout.lengths, output_size=self.layout.numel)[
-            lo:hi
-        ]
-        lost = torch.where(mine > 0, (acc[: hi - lo] - part[: hi - lo]) / mine, 0.0)
-        self.residual[lo:hi] += lost * n
+def _owner_feedback_ops(
+    c: Codec,
+    recv: torch.Tensor,
+    n: int,
+    out: torch.Tensor,
+    layout: Layout,
+    factors: tuple[torch.Tensor, torch.Tensor],
+    span: tuple[int, int],
+    residual: torch.Tensor,
+) -> None:
+    """:meth:`Codec.bind_owner_feedback`'s call on the torch backends: the mean of the N
+    received shards re-encoded as it is (the ranks' agreed factors), and what that loses,
+    unscaled and times N, added to the residuals of the elements this rank owns
+    (``span``): next step they are sent again and averaged, so the mean gets the loss
+    back."""
+    (lo, hi), (scale, unscale) = span, factors
+    acc = c.shard_mean(recv, n)
+    c.encode(acc, out=out)
+    part = c.decode(out, acc.numel())
+    if hi <= lo:
+        return
+    mine = torch.where(torch.isfinite(unscale), scale, 0.0)
+    mine = torch.repeat_interleave(mine, layout.lengths, output_size=layout.numel)[lo:hi]
+    lost = torch.where(mine > 0, (acc[: hi - lo] - part[: hi - lo]) / mine, 0.0)
+    residual[lo:hi] += lost * n
 
 
 @dataclasses.dataclass(frozen=True)
@@ -1180,44 +1137,52 @@ class Codec:
         Example:
             >>> call = codec.bind_owner_feedback(recv, 2, out, layout, (s, u), 0, res)  # doctest: +SKIP
         """
-        per = self._shard_bytes(recv, n_ranks) * 8 // self.fmt.wire_bits
-        if payload_nbytes(per, self.fmt) != out.numel():
-            raise ValueError(
-                f"out must hold {payload_nbytes(per, self.fmt)} bytes, got {out.numel()}"
-            )
+        fmt, (scale, unscale) = self.fmt, factors
+        per = self._shard_bytes(recv, n_ranks) * 8 // fmt.wire_bits
+        if payload_nbytes(per, fmt) != out.numel():
+            raise ValueError(f"out must hold {payload_nbytes(per, fmt)} bytes, got {out.numel()}")
         lo = rank * per
         hi = max(lo, min(lo + per, layout.numel))
-        kernels = self.backend == "kernels" and recv.device.type == "cpu"
-        size = per if kernels else 0
-        if scratch is None or not kernels:
-            scratch = torch.empty(n_ranks * size)
-        elif scratch.dtype != torch.float32 or scratch.numel() < n_ranks * size:
-            raise ValueError(f"scratch must hold {n_ranks * size} float32, got {scratch.numel()}")
-        values = scratch[: n_ranks * size]
+        if self.backend != "kernels" or recv.device.type != "cpu":
+            args = (self, recv, n_ranks, out, layout, factors, (lo, hi), residual)
+            return functools.partial(_owner_feedback_ops, *args)
+        if scratch is None:
+            scratch = torch.empty(n_ranks * per)
+        elif scratch.dtype != torch.float32 or scratch.numel() < n_ranks * per:
+            raise ValueError(f"scratch must hold {n_ranks * per} float32, got {scratch.numel()}")
+        values = scratch[: n_ranks * per]
         # The mean where the caller has room for it, else after the shards, else its own.
-        if mean is not None and kernels:
-            if mean.dtype != torch.float32 or mean.numel() < size:
-                raise ValueError(f"mean must hold {size} float32, got {mean.numel()}")
-            acc = mean[:size]
+        if mean is not None:
+            if mean.dtype != torch.float32 or mean.numel() < per:
+                raise ValueError(f"mean must hold {per} float32, got {mean.numel()}")
+            acc = mean[:per]
         else:
-            acc = scratch[n_ranks * size : (n_ranks + 1) * size]
-        if acc.numel() < size:
-            acc = torch.empty(size)
-        # The mean re-decoded goes where the shards were: they are summed by then.
-        return _OwnerFeedback(
-            self,
-            recv,
-            n_ranks,
-            out,
-            layout,
-            factors,
-            (lo, hi),
-            residual,
-            values,
-            acc,
-            values[:size],
-            fused and kernels,
-        )
+            acc = scratch[n_ranks * per : (n_ranks + 1) * per]
+        if acc.numel() < per:
+            acc = torch.empty(per)
+        host = (_host_offsets(layout, 0), scale.numpy(), unscale.numpy())
+        if fused:
+            return functools.partial(
+                cpu_kernels.call,
+                "owner_feedback",
+                *(fmt, recv.numpy(), (values.numpy(), acc.numpy()), out.numpy(), host),
+                *((lo, hi, n_ranks), residual.numpy()),
+            )
+        # The calls of ErrorFeedback.owner_reduce, into scratch kept for the bucket; the
+        # mean re-decoded goes where the shards were: they are summed by then.
+        part = values[:per]
+        calls = [
+            functools.partial(cpu_kernels.call, "decode", recv, values, fmt),
+            functools.partial(
+                cpu_kernels.call, "mean_rows", values.numpy().reshape(n_ranks, -1), acc.numpy()
+            ),
+            functools.partial(cpu_kernels.call, "encode", acc, out, fmt),
+            functools.partial(cpu_kernels.call, "decode", out, part, fmt),
+        ]
+        if hi > lo:
+            args = (acc, part, *host, lo, hi, n_ranks, residual)
+            calls.append(functools.partial(cpu_kernels.call, "owner_lost", *args))
+        return functools.partial(in_order, calls)
 
     def bind_layer_maxima(
         self, x: torch.Tensor, layout: Layout, out: torch.Tensor
