@@ -1771,7 +1771,18 @@ class Codec:
             >>> c.layer_maxima(torch.tensor([3.0, -4.0, float("nan")]), layout, out)
             tensor([4., inf])
         """
-        self.bind_layer_maxima(x, layout, out)()
+        if self.backend != "triton" or x.dtype != torch.float32:
+            self.bind_layer_maxima(x, layout, out)()
+            return out
+        if out.dtype != torch.float32 or out.numel() != layout.n_segments:
+            raise ValueError(
+                f"out must hold {layout.n_segments} float32 maxima, got {out.numel()} {out.dtype}"
+            )
+        # The module's run-once launch, not a binding: nothing kept for one call.
+        out.zero_()
+        launch = functools.partial(_triton().layer_maxima, x, out, layout.device_offsets)
+        if not _triton_ran(("layer_maxima",), launch):
+            out.copy_(segment_amax(x, layout))
         return out
 
     def sum_rows(self, rows: torch.Tensor, out: torch.Tensor) -> torch.Tensor:
