@@ -239,37 +239,24 @@ def _key_table(unscale: bool) -> np.ndarray:
     return key_factors(keys, unscale=unscale).numpy().copy()
 
 
-def _encode_kernels(
+def _coded_kernels(
+    kernel: str,
     tail: np.ndarray | None,
-    factors: np.ndarray | AgreedMaxima | None,
-    x: torch.Tensor,
+    src: torch.Tensor,
     out: torch.Tensor,
     fmt: FloatFormat,
     offsets: np.ndarray | BlockGrid,
+    factors: np.ndarray | AgreedMaxima | None,
     *runs: object,
 ) -> None:
-    """A bound CPU encode: agreed maxima's factors derived from their values now, the
-    padding ``tail`` zeroed (code 0 is +0), then the kernel."""
+    """A bound CPU ``kernel`` ("encode" or "decode"): agreed maxima's factors (the decode's
+    unscale) derived from their values now, an encode's padding ``tail`` zeroed (code 0
+    is +0), then the kernel."""
     if isinstance(factors, AgreedMaxima):
-        factors = factors.host_factors(fmt, unscale=False)
+        factors = factors.host_factors(fmt, unscale=kernel == "decode")
     if tail is not None:
         tail.fill(0)
-    cpu_kernels.call("encode", x, out, fmt, offsets, factors, *runs)
-
-
-def _decode_kernels(
-    payload: torch.Tensor,
-    out: torch.Tensor,
-    fmt: FloatFormat,
-    offsets: np.ndarray | BlockGrid,
-    factors: np.ndarray | AgreedMaxima | None,
-    *runs: object,
-) -> None:
-    """A bound CPU decode: agreed maxima's unscale derived from their values now, then
-    the kernel."""
-    if isinstance(factors, AgreedMaxima):
-        factors = factors.host_factors(fmt, unscale=True)
-    cpu_kernels.call("decode", payload, out, fmt, offsets, factors, *runs)
+    cpu_kernels.call(kernel, src, out, fmt, offsets, factors, *runs)
 
 
 def _decode_agreed_kernels(
@@ -330,8 +317,9 @@ def _triton_tile(offsets: np.ndarray, counts: torch.Tensor) -> tuple[int, int, n
 def _mean_of_rows(
     decode_rows: Sequence[Callable[[], object]], rows: torch.Tensor, mean: torch.Tensor
 ) -> None:
-    """The node's mean on the Triton backend: the L rows (decoded first where they came
-    encoded) summed in rank order and divided by L, as the CPU kernels do."""
+    """The mean of the L ``rows`` (decoded first where they came encoded: a node's on the
+    Triton backend, an owner's chain): summed in float32 in rank order and divided by L,
+    as the CPU kernels do."""
     for decode in decode_rows:
         decode()
     mean.copy_(rows[0])
@@ -491,74 +479,31 @@ def _stack_factors(made: Callable[[], object], out: torch.Tensor) -> None:
     torch.stack(rows, out=out[: len(rows)])
 
 
-@dataclasses.dataclass(frozen=True)
-class _OwnerFeedback:
-    """A two_phase owner's step with error feedback, bound (:meth:`Codec.bind_owner_feedback`).
-
-    The mean of the N received shards is re-encoded as it is (the ranks'
-    agreed factors), and what that loses, unscaled and times N, is added to
-    the residuals of the elements this rank owns: next step they are sent
-    again and averaged, so the mean gets the loss back.
-    """
-
-    codec: Codec
-    recv: torch.Tensor
-    n_ranks: int
-    out: torch.Tensor
-    layout: Layout
-    factors: tuple[torch.Tensor, torch.Tensor]  # (scale, unscale), refilled in place
-    span: tuple[int, int]  # the elements this rank owns
-    residual: torch.Tensor
-    values: torch.Tensor  # kernels: float32 scratch of the N decoded shards
-    acc: torch.Tensor  # kernels: float32 scratch of the mean
-    part: torch.Tensor  # kernels: float32 scratch of the mean re-encoded and decoded
-    fused: bool = False  # kernels: the calls below as one (cpu_kernels.owner_feedback)
-
-    def __call__(self) -> None:
-        c, n, (lo, hi), (scale, unscale) = self.codec, self.n_ranks, self.span, self.factors
-        if self.fused:
-            cpu_kernels.call(
-                "owner_feedback",
-                c.fmt,
-                self.recv.numpy(),
-                (self.values.numpy(), self.acc.numpy()),
-                self.out.numpy(),
-                (_host_offsets(self.layout, 0), scale.numpy(), unscale.numpy()),
-                (lo, hi, n),
-                self.residual.numpy(),
-            )
-            return
-        if c.backend == "kernels":
-            # The calls of ErrorFeedback.owner_reduce, into scratch kept for the bucket.
-            cpu_kernels.call("decode", self.recv, self.values, c.fmt)
-            cpu_kernels.call("mean_rows", self.values.numpy().reshape(n, -1), self.acc.numpy())
-            cpu_kernels.call("encode", self.acc, self.out, c.fmt)
-            cpu_kernels.call("decode", self.out, self.part, c.fmt)
-            if hi > lo:
-                cpu_kernels.call(
-                    "owner_lost",
-                    self.acc,
-                    self.part,
-                    _host_offsets(self.layout, 0),
-                    scale.numpy(),
-                    unscale.numpy(),
-                    lo,
-                    hi,
-                    n,
-                    self.residual,
-                )
-            return
-        acc = c.shard_mean(self.recv, n)
-        c.encode(acc, out=self.out)
-        part = c.decode(self.out, acc.numel())
-        if hi <= lo:
-            return
-        mine = torch.where(torch.isfinite(unscale), scale, 0.0)
-        mine = torch.repeat_interleave(mine, self.layout.lengths, output_size=self.layout.numel)[
-            lo:hi
-        ]
-        lost = torch.where(mine > 0, (acc[: hi - lo] - part[: hi - lo]) / mine, 0.0)
-        self.residual[lo:hi] += lost * n
+def _owner_feedback_ops(
+    c: Codec,
+    recv: torch.Tensor,
+    n: int,
+    out: torch.Tensor,
+    layout: Layout,
+    factors: tuple[torch.Tensor, torch.Tensor],
+    span: tuple[int, int],
+    residual: torch.Tensor,
+) -> None:
+    """:meth:`Codec.bind_owner_feedback`'s call on the torch backends: the mean of the N
+    received shards re-encoded as it is (the ranks' agreed factors), and what that loses,
+    unscaled and times N, added to the residuals of the elements this rank owns
+    (``span``): next step they are sent again and averaged, so the mean gets the loss
+    back."""
+    (lo, hi), (scale, unscale) = span, factors
+    acc = c.shard_mean(recv, n)
+    c.encode(acc, out=out)
+    part = c.decode(out, acc.numel())
+    if hi <= lo:
+        return
+    mine = torch.where(torch.isfinite(unscale), scale, 0.0)
+    mine = torch.repeat_interleave(mine, layout.lengths, output_size=layout.numel)[lo:hi]
+    lost = torch.where(mine > 0, (acc[: hi - lo] - part[: hi - lo]) / mine, 0.0)
+    residual[lo:hi] += lost * n
 
 
 @dataclasses.dataclass(frozen=True)
@@ -871,60 +816,13 @@ class Codec:
         their values (``x``, the factors or agreed maxima, refilled in place)
         when it runs, with no checks, windows or lookups on the host.
         """
-        fmt, numel = self.fmt, x.numel()
-        factors, agreed = self._scaled(scale, layout, numel)
-        need = payload_nbytes(numel + pad, fmt)
+        need = payload_nbytes(x.numel() + pad, self.fmt)
         if out.dtype != torch.uint8 or out.numel() != need or out.device != x.device:
             raise ValueError(
                 f"out must hold {need} uint8 bytes on {x.device}, got {out.numel()} "
                 f"{out.dtype} on {out.device}"
             )
-        if self.backend == "triton":
-            block = layout.block_size if layout is not None else None
-            variant = ("encode", fmt.name, factors is not None, agreed is not None, block, pad > 0)
-            launch = _triton().bind_encode(
-                *(x, out, fmt, _device_offsets(layout), factors),
-                maxima=agreed.maxima if agreed else None,
-                rule=agreed.rule() if agreed else None,
-                pad=pad,
-            )
-            fallback = functools.partial(
-                self._torch().encode, x, out=out, scale=scale, layout=layout, pad=pad
-            )
-            return functools.partial(_run_bound, variant, launch, fallback)
-        head = payload_nbytes(numel, fmt)
-        body = out[:head] if pad else out
-        if self.backend == "kernels":
-            # The factors as a view: a bound call reads them as refilled.
-            host = agreed if agreed is not None else None if factors is None else factors.numpy()
-            offsets, runs = _host_offsets(layout, numel), _host_runs(layout)
-            tail = out.numpy()[head:] if pad else None
-            return functools.partial(_encode_kernels, tail, host, x, body, fmt, offsets, *runs)
-        tail = out[head:] if pad else None
-        return functools.partial(self._encode_ops, x, body, tail, factors, layout)
-
-    def _encode_ops(
-        self,
-        x: torch.Tensor,
-        out: torch.Tensor,
-        tail: torch.Tensor | None,
-        scale: torch.Tensor | AgreedMaxima | None,
-        layout: Layout | None,
-    ) -> None:
-        """The torch backends' encode, bound: agreed maxima's factors derived from their
-        values now, the padding ``tail`` zeroed, ``x`` times the factors into ``out``."""
-        fmt = self.fmt
-        if isinstance(scale, AgreedMaxima):
-            scale = _window_scale(scale.factors(fmt, unscale=False), layout)
-        if tail is not None:
-            tail.zero_()  # code 0 is +0 in every format
-        v = x.float() if scale is None else x * _factors(scale, layout, x.numel())
-        if self.backend == "cast":
-            cast_into(v, fmt, out)
-            return
-        if not fmt.has_nan:
-            v = torch.nan_to_num(v, nan=0.0, posinf=fmt.max, neginf=-fmt.max)
-        encode_into(v, fmt, out)
+        return self._bind_coded("encode", x, out, scale, layout, x.numel(), pad)
 
     def bind_decode(
         self,
@@ -940,7 +838,6 @@ class Codec:
         """
         fmt = self.fmt
         numel = out.numel() if numel is None else numel
-        factors, agreed = self._scaled(scale, layout, numel)
         need = payload_nbytes(numel, fmt)
         if payload.dtype != torch.uint8 or payload.numel() < need:
             raise ValueError(
@@ -952,46 +849,78 @@ class Codec:
                 f"out must be a contiguous float32 tensor of {numel} elements, "
                 f"got {out.dtype} of shape {tuple(out.shape)}"
             )
-        payload = payload[:need]
+        return self._bind_coded("decode", payload[:need], out, scale, layout, numel)
+
+    def _bind_coded(
+        self,
+        kernel: str,
+        src: torch.Tensor,
+        out: torch.Tensor,
+        scale: torch.Tensor | AgreedMaxima | None,
+        layout: Layout | None,
+        numel: int,
+        pad: int = 0,
+    ) -> Callable[[], object]:
+        """:meth:`bind_encode`'s or :meth:`bind_decode`'s (``kernel``) call, its buffers
+        checked: ``numel`` elements of ``src`` into ``out``, then an encode's ``pad`` zero
+        codes. One kernel call on "kernels" and "triton" (a variant that cannot run here
+        falls back to the torch ops), the torch ops elsewhere."""
+        fmt = self.fmt
+        factors, agreed = self._scaled(scale, layout, numel)
+        if self.backend == "triton":
+            block = layout.block_size if layout is not None else None
+            native = None if agreed is None else agreed.native
+            variant = (kernel, fmt.name, factors is not None, native, block, pad > 0)
+            launch = getattr(_triton(), f"bind_{kernel}")(
+                *(src, out, fmt, _device_offsets(layout), factors),
+                maxima=agreed.maxima if agreed else None,
+                rule=agreed.rule() if agreed else None,
+                **({"pad": pad} if pad else {}),
+            )
+            fallback = self._torch()._bind_coded(kernel, src, out, scale, layout, numel, pad)
+            return functools.partial(_run_bound, variant, launch, fallback)
+        head = payload_nbytes(numel, fmt)
+        body = out[:head] if pad else out
         if self.backend == "kernels":
             # The factors as a view: a bound call reads them as refilled.
             host = agreed if agreed is not None else None if factors is None else factors.numpy()
             offsets, runs = _host_offsets(layout, numel), _host_runs(layout)
-            return functools.partial(_decode_kernels, payload, out, fmt, offsets, host, *runs)
-        if self.backend != "triton":
-            return functools.partial(self._decode_ops, payload, out, factors, layout)
-        if agreed is not None:
-            variant = ("decode", fmt.name, True, True, None, agreed.native)
-        else:
-            block = layout.block_size if layout is not None else None
-            variant = ("decode", fmt.name, factors is not None, False, block, 1)
-        launch = _triton().bind_decode(
-            *(payload, out, fmt, _device_offsets(layout), factors),
-            maxima=agreed.maxima if agreed else None,
-            rule=agreed.rule() if agreed else None,
-        )
-        fallback = functools.partial(
-            self._torch().decode, payload, numel, out=out, scale=scale, layout=layout
-        )
-        return functools.partial(_run_bound, variant, launch, fallback)
+            tail = out.numpy()[head:] if pad else None
+            args = (kernel, tail, src, body, fmt, offsets, host, *runs)
+            return functools.partial(_coded_kernels, *args)
+        tail = out[head:] if pad else None
+        return functools.partial(self._coded_ops, kernel, src, body, tail, factors, layout)
 
-    def _decode_ops(
+    def _coded_ops(
         self,
-        payload: torch.Tensor,
+        kernel: str,
+        src: torch.Tensor,
         out: torch.Tensor,
+        tail: torch.Tensor | None,
         scale: torch.Tensor | AgreedMaxima | None,
         layout: Layout | None,
     ) -> None:
-        """The torch backends' decode, bound: agreed maxima's unscale derived from their
-        values now, ``payload`` decoded into ``out`` and multiplied by the factors."""
+        """The torch backends' encode or decode (``kernel``), bound: agreed maxima's factors
+        (the decode's unscale) derived from their values now, then an encode's padding
+        ``tail`` zeroed and ``src`` times the factors encoded into ``out``, or a decode of
+        ``src`` into ``out`` times the factors."""
+        fmt, cast = self.fmt, self.backend == "cast"
         if isinstance(scale, AgreedMaxima):
-            scale = _window_scale(scale.factors(self.fmt, unscale=True), layout)
-        if self.backend == "cast":
-            uncast_into(payload, self.fmt, out)
-        else:
-            decode_into(payload, self.fmt, out)
-        if scale is not None:
-            out.mul_(_factors(scale, layout, out.numel()))
+            scale = _window_scale(scale.factors(fmt, unscale=kernel == "decode"), layout)
+        if kernel == "decode":
+            (uncast_into if cast else decode_into)(src, fmt, out)
+            if scale is not None:
+                out.mul_(_factors(scale, layout, out.numel()))
+            return
+        if tail is not None:
+            tail.zero_()  # code 0 is +0 in every format
+        v = src.float() if scale is None else src * _factors(scale, layout, src.numel())
+        if cast:
+            cast_into(v, fmt, out)
+            return
+        if not fmt.has_nan:
+            v = torch.nan_to_num(v, nan=0.0, posinf=fmt.max, neginf=-fmt.max)
+        encode_into(v, fmt, out)
 
     def bind_owner_reduce(
         self, recv: torch.Tensor, n_ranks: int, out: torch.Tensor
@@ -1208,62 +1137,75 @@ class Codec:
         Example:
             >>> call = codec.bind_owner_feedback(recv, 2, out, layout, (s, u), 0, res)  # doctest: +SKIP
         """
-        per = self._shard_bytes(recv, n_ranks) * 8 // self.fmt.wire_bits
-        if payload_nbytes(per, self.fmt) != out.numel():
-            raise ValueError(
-                f"out must hold {payload_nbytes(per, self.fmt)} bytes, got {out.numel()}"
-            )
+        fmt, (scale, unscale) = self.fmt, factors
+        per = self._shard_bytes(recv, n_ranks) * 8 // fmt.wire_bits
+        if payload_nbytes(per, fmt) != out.numel():
+            raise ValueError(f"out must hold {payload_nbytes(per, fmt)} bytes, got {out.numel()}")
         lo = rank * per
         hi = max(lo, min(lo + per, layout.numel))
-        kernels = self.backend == "kernels" and recv.device.type == "cpu"
-        size = per if kernels else 0
-        if scratch is None or not kernels:
-            scratch = torch.empty(n_ranks * size)
-        elif scratch.dtype != torch.float32 or scratch.numel() < n_ranks * size:
-            raise ValueError(f"scratch must hold {n_ranks * size} float32, got {scratch.numel()}")
-        values = scratch[: n_ranks * size]
+        if self.backend != "kernels" or recv.device.type != "cpu":
+            args = (self, recv, n_ranks, out, layout, factors, (lo, hi), residual)
+            return functools.partial(_owner_feedback_ops, *args)
+        if scratch is None:
+            scratch = torch.empty(n_ranks * per)
+        elif scratch.dtype != torch.float32 or scratch.numel() < n_ranks * per:
+            raise ValueError(f"scratch must hold {n_ranks * per} float32, got {scratch.numel()}")
+        values = scratch[: n_ranks * per]
         # The mean where the caller has room for it, else after the shards, else its own.
-        if mean is not None and kernels:
-            if mean.dtype != torch.float32 or mean.numel() < size:
-                raise ValueError(f"mean must hold {size} float32, got {mean.numel()}")
-            acc = mean[:size]
+        if mean is not None:
+            if mean.dtype != torch.float32 or mean.numel() < per:
+                raise ValueError(f"mean must hold {per} float32, got {mean.numel()}")
+            acc = mean[:per]
         else:
-            acc = scratch[n_ranks * size : (n_ranks + 1) * size]
-        if acc.numel() < size:
-            acc = torch.empty(size)
-        # The mean re-decoded goes where the shards were: they are summed by then.
-        return _OwnerFeedback(
-            self,
-            recv,
-            n_ranks,
-            out,
-            layout,
-            factors,
-            (lo, hi),
-            residual,
-            values,
-            acc,
-            values[:size],
-            fused and kernels,
-        )
+            acc = scratch[n_ranks * per : (n_ranks + 1) * per]
+        if acc.numel() < per:
+            acc = torch.empty(per)
+        host = (_host_offsets(layout, 0), scale.numpy(), unscale.numpy())
+        if fused:
+            return functools.partial(
+                cpu_kernels.call,
+                "owner_feedback",
+                *(fmt, recv.numpy(), (values.numpy(), acc.numpy()), out.numpy(), host),
+                *((lo, hi, n_ranks), residual.numpy()),
+            )
+        # The calls of ErrorFeedback.owner_reduce, into scratch kept for the bucket; the
+        # mean re-decoded goes where the shards were: they are summed by then.
+        part = values[:per]
+        calls = [
+            functools.partial(cpu_kernels.call, "decode", recv, values, fmt),
+            functools.partial(
+                cpu_kernels.call, "mean_rows", values.numpy().reshape(n_ranks, -1), acc.numpy()
+            ),
+            functools.partial(cpu_kernels.call, "encode", acc, out, fmt),
+            functools.partial(cpu_kernels.call, "decode", out, part, fmt),
+        ]
+        if hi > lo:
+            args = (acc, part, *host, lo, hi, n_ranks, residual)
+            calls.append(functools.partial(cpu_kernels.call, "owner_lost", *args))
+        return functools.partial(in_order, calls)
 
     def bind_layer_maxima(
         self, x: torch.Tensor, layout: Layout, out: torch.Tensor
     ) -> Callable[[], object]:
-        """One :meth:`layer_maxima` call checked once; the returned call repeats it."""
-        call = functools.partial(self.layer_maxima, x, layout, out)
-        if x.dtype != torch.float32 or out.dtype != torch.float32:
-            return call
-        if self.backend == "kernels" and x.is_contiguous() and out.numel() == layout.n_segments:
+        """:meth:`layer_maxima` into ``out`` checked once; the returned call repeats it: one
+        kernel call on "kernels" and "triton" (a variant that cannot run here falls back),
+        :func:`segment_amax` elsewhere."""
+        if out.dtype != torch.float32 or out.numel() != layout.n_segments:
+            raise ValueError(
+                f"out must hold {layout.n_segments} float32 maxima, got {out.numel()} {out.dtype}"
+            )
+        ops = functools.partial(_copy_made, functools.partial(segment_amax, x, layout), out)
+        if x.dtype != torch.float32:
+            return ops
+        if self.backend == "kernels" and x.is_contiguous():
             return functools.partial(
                 cpu_kernels.call, "block_amax", x, _host_offsets(layout, 0), out
             )
         if self.backend != "triton":
-            return call
+            return ops
         launch = _triton().bind_layer_maxima(x, out, layout.device_offsets)
-        fallback = functools.partial(self._torch().layer_maxima, x, layout, out)
         bound = functools.partial(in_order, [out.zero_, launch])
-        return functools.partial(_run_bound, ("layer_maxima",), bound, fallback)
+        return functools.partial(_run_bound, ("layer_maxima",), bound, ops)
 
     def bind_reduce_encode(
         self,
@@ -1305,12 +1247,9 @@ class Codec:
             if not wide:
                 rows = source.view(n_rows, acc.numel())
                 reduce: Callable[[], object] = functools.partial(self.sum_rows, rows, acc)
-            elif self.backend == "triton":
-                args = (source, n_rows, self.fmt, acc, divisor)
-                reduce = functools.partial(_triton().shard_mean, *args)
             else:
-                made = functools.partial(self.shard_mean, source, n_rows, divisor=divisor)
-                reduce = functools.partial(_copy_made, made, acc)
+                args = (source, n_rows)
+                reduce = functools.partial(self.shard_mean, *args, divisor=divisor, out=acc)
             encode = self.bind_encode(x, out, scale, layout, pad)
             return functools.partial(in_order, [reduce, encode])
         _check_scaled(scale, layout, numel)
@@ -1484,13 +1423,12 @@ class Codec:
         every gathered shard with its owner's keys (agreed: the agreed keys and the
         owner's extra exponents).
 
-        The fused form of what :func:`aps_comm.transports.rank_block_ops` and
-        ``agreed_block_calls`` do shard by shard; the same bytes. None where this backend
+        The fused form of what :func:`aps_comm.transports.bind_blocks`' torch-op fallback
+        does shard by shard (every rank's own keys, or agreed ones); the same bytes. None where this backend
         has no fused kernels ("kernels" and "triton" have them for 4-, 8- and 16-bit
         formats), or where a Triton variant cannot compile here (each launched once at
         bind time on private buffers, a failure logged once): the bucket then binds the
-        codec's own calls (:func:`aps_comm.transports.rank_block_ops`; agreed: it keeps
-        its full path). On "triton" every index array goes to the device here, once, the
+        codec's own calls (:func:`aps_comm.transports.bind_blocks`' fallback). On "triton" every index array goes to the device here, once, the
         owner step returns 0 on CUDA (see :func:`_owner_then_chunk`), and with agreed
         keys ``chunk.union`` is zeroed before the first chunk's owner step (which sets
         it, never clears) by the keys' call (:meth:`bind_block_keys` with ``agreed``).
@@ -1678,14 +1616,14 @@ class Codec:
         first chunk's gathered flags OR-ed first). Each a fixed handful of kernel calls,
         whatever the number of ranks, layers or blocks.
 
-        The fused form of what :func:`aps_comm.transports.node_block_ops`
-        does slice by slice and shard by shard; the same bytes. Across nodes it
+        The fused form of what :func:`aps_comm.transports.bind_node_blocks`' torch-op
+        fallback does slice by slice and shard by shard; the same bytes. Across nodes it
         is two_phase's :meth:`bind_blocks` applied to the node's mean of
         this rank's slice among the M ranks of its local rank. None where this
         backend has no fused kernels ("kernels" and "triton" have them, for 4-,
         8- and 16-bit formats; on "triton" the node's mean and the flags' ORs are
         a few torch ops over the L or N rows, in the same order): the bucket then
-        binds the codec's own calls (:func:`aps_comm.transports.node_block_ops`).
+        binds the codec's own calls (:func:`aps_comm.transports.bind_node_blocks`' fallback).
         ``chunk.union`` is written by the first chunk's decode.
 
         Example:
@@ -1832,18 +1770,17 @@ class Codec:
             >>> c.layer_maxima(torch.tensor([3.0, -4.0, float("nan")]), layout, out)
             tensor([4., inf])
         """
+        if self.backend != "triton" or x.dtype != torch.float32:
+            self.bind_layer_maxima(x, layout, out)()
+            return out
         if out.dtype != torch.float32 or out.numel() != layout.n_segments:
             raise ValueError(
                 f"out must hold {layout.n_segments} float32 maxima, got {out.numel()} {out.dtype}"
             )
-        if self.backend == "triton" and x.dtype == torch.float32:
-            out.zero_()
-            launch = functools.partial(_triton().layer_maxima, x, out, layout.device_offsets)
-            if _triton_ran(("layer_maxima",), launch):
-                return out
-        if self.backend == "kernels" and x.dtype == torch.float32:
-            cpu_kernels.block_amax(x, layout.offsets.numpy(), out)
-        else:
+        # The module's run-once launch, not a binding: nothing kept for one call.
+        out.zero_()
+        launch = functools.partial(_triton().layer_maxima, x, out, layout.device_offsets)
+        if not _triton_ran(("layer_maxima",), launch):
             out.copy_(segment_amax(x, layout))
         return out
 
@@ -1910,21 +1847,20 @@ class Codec:
         offsets = layout.offsets.numpy()
         cpu_kernels.call("layer_records", x, offsets, maxima, keys, self.fmt, out, rates, at)
 
-    def block_records(
-        self,
-        x: torch.Tensor,
-        blocks: Blocks,
-        keys: torch.Tensor,
-        maxima: torch.Tensor,
-        out: torch.Tensor,
-    ) -> None:
-        """:meth:`layer_records` of block scaling, per layer in one kernel call: the
-        smallest exponent of its blocks (uint8 ``keys``), the largest of their
-        float32 ``maxima`` and their summed counts (:func:`aps_comm.telemetry.per_layer`).
+    def bind_block_records(
+        self, x: torch.Tensor, blocks: Blocks, keys: torch.Tensor, maxima: torch.Tensor
+    ) -> Callable[[torch.Tensor], None] | None:
+        """:meth:`layer_records` of block scaling, bound: the returned call writes each layer's
+        row into float64 ``out`` (layers, 5): the smallest exponent of its blocks (uint8
+        ``keys``), the largest of their float32 ``maxima`` and their summed counts
+        (:func:`aps_comm.telemetry.per_layer`). One kernel call on the "kernels" backend, two
+        launches on "triton" (:func:`aps_comm.triton_codec.bind_block_records`), the general
+        path's tensor ops on "cast" and "bits" (:func:`aps_comm.telemetry.block_rows`),
+        whatever the number of layers or blocks; None where a Triton variant cannot compile
+        here (launched once at bind time on private buffers, the failure logged once).
 
         Raises:
-            ValueError: the codec's backend is not "kernels", or ``x`` is not
-                contiguous float32 of the blocks' elements.
+            ValueError: on "kernels", ``x`` is not contiguous float32 of the blocks' elements.
 
         Example:
             >>> c = Codec("e4m3", torch.device("cpu"), backend="kernels")
@@ -1932,42 +1868,18 @@ class Codec:
             >>> b = Layout.from_numels([10], torch.device("cpu")).grid(8)  # blocks of 8 and 2
             >>> x = torch.tensor([1.0, 1e-9, 0, 0, 0, 0, 0, 0, 0, 0])
             >>> keys = torch.tensor([127, 0], dtype=torch.uint8)
-            >>> c.block_records(x, b, keys, torch.tensor([1.0, 0.0]), out)
+            >>> c.bind_block_records(x, b, keys, torch.tensor([1.0, 0.0]))(out)
             >>> out.tolist()
             [[0.0, 1.0, 2.0, 1.0, 0.0]]
         """
-        self._check_records(x, blocks.layout)
-        cpu_kernels.call(
-            "block_records",
-            x,
-            blocks.layout.offsets.numpy(),
-            blocks.counts.numpy(),
-            keys,
-            maxima,
-            self.fmt,
-            out,
-        )
-
-    def bind_block_records(
-        self, x: torch.Tensor, blocks: Blocks, keys: torch.Tensor, maxima: torch.Tensor
-    ) -> Callable[[torch.Tensor], None] | None:
-        """:meth:`block_records` of ``x`` bound: the returned call takes float64 ``out``
-        (layers, 5). One kernel call on the "kernels" backend, two launches on "triton"
-        (:func:`aps_comm.triton_codec.bind_block_records`), the general path's tensor ops
-        on "cast" and "bits" (:func:`aps_comm.telemetry.block_rows`), whatever the number
-        of layers or blocks; None where a Triton variant cannot compile here (launched
-        once at bind time on private buffers, the failure logged once).
-
-        Example:
-            >>> call = codec.bind_block_records(x, blocks, keys, maxima)  # doctest: +SKIP
-            >>> call(torch.empty(len(blocks.counts), 5, dtype=torch.float64))  # doctest: +SKIP
-        """
+        offsets = blocks.layout.offsets.numpy()
         if self.backend == "kernels":
             self._check_records(x, blocks.layout)
-            return functools.partial(self.block_records, x, blocks, keys, maxima)
+            counts = blocks.counts.numpy()
+            args = (x, offsets, counts, keys, maxima, self.fmt)
+            return functools.partial(cpu_kernels.call, "block_records", *args)
         if self.backend in ("cast", "bits"):
             return functools.partial(_block_rows, x, blocks, keys, maxima, self.fmt)
-        offsets = blocks.layout.offsets.numpy()
         if self.backend != "triton" or x.dtype != torch.float32:
             return None
         tile = _triton_tile(offsets, blocks.counts)
@@ -2072,8 +1984,9 @@ class Codec:
         out: torch.Tensor,
         limits: tuple[np.ndarray, np.ndarray] | None = None,
     ) -> None:
-        """:meth:`block_records` of an FSDP unit's N rows, one row of float64 ``out`` (P, 5)
-        per parameter over every row's chunk, in one kernel call: a settled unit's records.
+        """:meth:`bind_block_records`' records of an FSDP unit's N rows, one row of float64
+        ``out`` (P, 5) per parameter over every row's chunk, in one kernel call: a settled
+        unit's records.
 
         Args:
             x: the N rows, contiguous float32, row r every parameter's r-th chunk.
@@ -2256,7 +2169,7 @@ class Codec:
             (tensor([3], dtype=torch.int32), tensor([0.0000, 0.5000]))
         """
         out = self._owner_blocks_out(recv, n_ranks, layout, out)
-        numel, n_blocks = layout.numel, layout.n_segments
+        n_blocks = layout.n_segments
         if (
             exponents.dtype != torch.int32
             or exponents.dim() != 1
@@ -2271,9 +2184,7 @@ class Codec:
         d = self._owner_pass("reduce_blocks", recv, n_ranks, layout, exponents, out)
         if d is not None:
             return out, d
-        # The chain the kernels fuse (and Triton's, for segments longer than its tile).
-        mean = self.shard_mean(recv, n_ranks)[:numel]
-        return self._encode_mean(mean, layout, exponents, out)
+        return self._owner_chain(recv, n_ranks, layout, None, (None, -1), exponents, out)
 
     def owner_reduce_rank_blocks(
         self,
@@ -2338,23 +2249,8 @@ class Codec:
         d = self._owner_pass("reduce_rank_blocks", recv, n_ranks, layout, rank_scales, out, mine)
         if d is not None:
             return out, d
-        # The chain the kernels fuse (and Triton's, for segments longer than its tile).
-        rows = recv.view(n_ranks, -1)
-        used = payload_nbytes(numel, self.fmt)
-
-        def row(r: int) -> torch.Tensor:
-            if r == own_row:
-                assert own is not None
-                return own.clone()
-            return self.decode(rows[r, :used], numel, scale=rank_scales[r], layout=layout)
-
-        mean = row(0)
-        for r in range(1, n_ranks):  # rank order
-            mean += row(r)
-        if n_ranks > 1:
-            mean.div_(n_ranks)
         zero = torch.zeros(n_blocks, dtype=torch.int32, device=recv.device)
-        return self._encode_mean(mean, layout, zero, out)
+        return self._owner_chain(recv, n_ranks, layout, rank_scales, mine, zero, out)
 
     def _owner_pass(
         self,
@@ -2391,12 +2287,38 @@ class Codec:
         )
         return d
 
-    def _encode_mean(
-        self, mean: torch.Tensor, layout: Layout, exponents: torch.Tensor, out: torch.Tensor
+    def _owner_chain(
+        self,
+        recv: torch.Tensor,
+        n_ranks: int,
+        layout: Layout,
+        rank_scales: torch.Tensor | None,
+        own: tuple[torch.Tensor | None, int],
+        exponents: torch.Tensor,
+        out: torch.Tensor,
     ) -> tuple[torch.Tensor, torch.Tensor]:
-        """The owner's last steps, as the chain of calls: each block's extra exponent
-        ``d`` for the mean (:func:`aps_comm.scaling.mean_exponents`), then the mean
-        encoded times ``2**d`` into ``out``."""
+        """The owner's step over blocks as the chain of calls the kernels fuse (and Triton's,
+        for segments longer than its tile): each row's shard decoded (times its sender's
+        ``rank_scales`` row where given; row ``own[1]`` is ``own[0]``, the owner's values),
+        the rows summed in float32 in rank order and divided by N, each block's extra
+        exponent ``d`` over ``exponents`` for the mean (:func:`aps_comm.scaling.mean_exponents`),
+        the mean encoded times ``2**d`` into ``out``."""
+        numel, rows = layout.numel, recv.view(n_ranks, -1)
+        used, (mine, own_row) = payload_nbytes(numel, self.fmt), own
+        values = torch.empty(n_ranks, numel, dtype=torch.float32, device=recv.device)
+        decode_rows = [
+            functools.partial(values[r].copy_, mine)
+            if r == own_row
+            else self.bind_decode(
+                rows[r, :used],
+                values[r],
+                None if rank_scales is None else rank_scales[r],
+                None if rank_scales is None else layout,
+            )
+            for r in range(n_ranks)
+        ]
+        mean = torch.empty(numel, dtype=torch.float32, device=recv.device)
+        _mean_of_rows(decode_rows, values, mean)
         d = mean_exponents(blocks_amax(mean, layout), exponents, self.fmt)
         self.encode(mean, out=out, scale=pow2(d), layout=layout)
         return out, d
@@ -2436,6 +2358,7 @@ class Codec:
         divisor: int | None = None,
         scale: torch.Tensor | None = None,
         layout: Layout | None = None,
+        out: torch.Tensor | None = None,
     ) -> torch.Tensor:
         """float32 mean of N encoded shards laid end to end: see :func:`shard_mean`.
 
@@ -2443,7 +2366,8 @@ class Codec:
         ``layout``, which covers the N shards end to end, padding included:
         each rank's own block exponents), then added in rank order
         (r0 + r1 + ... in float32, one in-place add per rank): the order that
-        makes every backend give the same bits.
+        makes every backend give the same bits. ``out``: float32 of one shard's elements
+        the mean is written into (Triton's kernel writes it there); None: a new tensor.
 
         Example:
             >>> c = Codec("e4m3", torch.device("cpu"))
@@ -2454,14 +2378,16 @@ class Codec:
         numel = shard_bytes * 8 // self.fmt.wire_bits
         divisor = n_ranks if divisor is None else divisor
         if self.backend == "triton" and scale is None:
-            out = torch.empty(numel, dtype=torch.float32, device=recv.device)
+            if out is None:
+                out = torch.empty(numel, dtype=torch.float32, device=recv.device)
             _triton().shard_mean(recv, n_ranks, self.fmt, out, divisor)
             return out
         values = self.decode(recv, n_ranks * numel, scale=scale, layout=layout)
         acc = values[:numel]
         for r in range(1, n_ranks):
             acc += values[r * numel : (r + 1) * numel]
-        return acc if divisor == 1 else acc.div_(divisor)
+        acc = acc if divisor == 1 else acc.div_(divisor)
+        return acc if out is None else out.copy_(acc)
 
     def _shard_bytes(self, recv: torch.Tensor, n_ranks: int) -> int:
         if n_ranks < 1 or recv.dtype != torch.uint8 or recv.numel() % n_ranks:

@@ -1687,7 +1687,7 @@ if AVAILABLE:
 if AVAILABLE:
     # The first level of hierarchical and grid with every owner's own block
     # exponents: the node's mean of this rank's slice, from its L copies (see
-    # aps_comm.transports.node_block_ops).
+    # aps_comm.transports.bind_node_blocks' torch-op fallback).
 
     @_njit
     def _mean_rank_blocks(
@@ -3303,7 +3303,7 @@ def send_agreed_blocks(
     Shard s (blocks ``firsts[s]`` to ``firsts[s + 1]`` of ``offsets``) goes
     to ``send[s * piece:]``: its codes times ``table[key]`` per block, then
     zero padding to ``piece``: the bytes of
-    :func:`aps_comm.transports.agreed_block_calls`' send. 4-, 8- and 16-bit formats.
+    the send of :func:`aps_comm.transports.bind_blocks` with agreed factors. 4-, 8- and 16-bit formats.
 
     Example:
         >>> from aps_comm.formats import E4M3
@@ -3343,7 +3343,7 @@ def owner_agreed_blocks(
     array); each block of the mean is encoded with its extra exponent ``d``
     (the second) into ``out``: codes, zero padding to ``shard_bytes``, ``d``
     clamped to a byte per block, zeros: the bytes of
-    :func:`aps_comm.transports.agreed_block_calls`' owner. ``flags``: (blocks per
+    the owner step of :func:`aps_comm.transports.bind_blocks` with agreed factors. ``flags``: (blocks per
     layer of the whole group, uint8 per layer): where the first is not empty
     (the first chunk's owner step, before any decode), each layer's flag is
     written into the second, 1 where any of its agreed keys is non-finite (255).

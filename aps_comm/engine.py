@@ -600,7 +600,7 @@ class SteadyAgreedBlocks(_Bucket):
     owner's mean re-encoded with its own extra exponent ``d`` per block (the
     first chunk's owner also flags the layers with a non-finite key), the
     decode with ``2**-(e + d)``. The collectives, bytes and bits of
-    :func:`aps_comm.transports.agreed_block_calls`. With ``native`` (the native sum's
+    :func:`aps_comm.transports.bind_blocks` with agreed factors. With ``native`` (the native sum's
     blocks, agreed whatever is asked), the keys under its rule, their factors, and per
     chunk the encode, the sum in the wire format and the decode.
 
@@ -2603,7 +2603,7 @@ class Reducer:
                 records = functools.partial(g.codec.layer_records, x, g.layout, st.shared, st.keys)
             else:
                 assert st.local is not None
-                records = functools.partial(g.codec.block_records, x, g.blocks, st.shared, st.local)
+                records = g.codec.bind_block_records(x, g.blocks, st.shared, st.local)
             self._add_rows(index, st, records, x.device)
             return
         if g.blocks is None:

@@ -316,8 +316,6 @@ class NodeBlocks:
         shard: per chunk, this rank's owned shard (codes, keys, flags).
         across: per chunk, the M shards gathered across nodes.
         gathered: per chunk, the N shards gathered in the node.
-        bound: the fused kernels' calls bound to a buffer
-            (:func:`aps_comm.transports.node_block_ops` keeps them here).
     """
 
     ranks_per_node: int
