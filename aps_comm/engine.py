@@ -2669,10 +2669,9 @@ class Reducer:
         if scale is not None:
             g.codec.underflow_rates(x, g.layout, scale, out, at)
             return
-        if isinstance(st, SteadyFeedback):  # two_phase's rule of the agreed maxima
-            scaling, ranks = self.settings.scaling, self.comm.world_size
-            made = factors(st.shared, g.fmt, Route.TWO_PHASE, world_size=ranks, scaling=scaling)
-            exps = made.exponents
+        if isinstance(st, SteadyFeedback):  # its route's rule (a native sum's too: sent so)
+            scaling, ranks, route = self.settings.scaling, self.comm.world_size, Route(g.reduction)
+            exps = factors(st.shared, g.fmt, route, world_size=ranks, scaling=scaling).exponents
         else:
             exps = self._steady_exponents(st)
         counts = layer_counts(x, g.layout.lengths, exps, g.fmt)
