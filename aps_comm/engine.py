@@ -2132,6 +2132,11 @@ class Reducer:
                 fused is not None,
             )
         decode = g.codec.bind_decode(send, x, unscale, g.windows[0])
+        records, scaling = None, self.settings.scaling
+        if self.settings.stats and not blocks and scaling != Scaling.BUCKET:
+            # Triton's (else None: record_feedback's), under its route's rule of the maxima.
+            agreed = AgreedMaxima(shared, comm.world_size, native, scaling == Scaling.NONE)
+            records = g.codec.bind_layer_records(x, g.layout, agreed, shared)
         return SteadyFeedback(
             numel,
             x.data_ptr(),
@@ -2150,6 +2155,7 @@ class Reducer:
             workspace=self._epoch(b.index, device),
             epoch=self.assignment.epoch(self.step),
             names=list(names) if self.settings.stats else None,
+            records_call=records,
         )
 
     def _settle_agreed_blocks(self, b: _Binding, g: GroupPlan) -> None:
@@ -2606,6 +2612,9 @@ class Reducer:
         g = st.group
         assert st.names is not None and g is not None
         fmt, route, n = g.fmt, Route(g.reduction), self.comm.world_size
+        if st.records_call is not None:  # Triton's, bound
+            self._add_rows(index, st, st.records_call, x.device)
+            return
         if g.codec.backend == "kernels" and x.device.type == "cpu":
             if g.blocks is None:
                 assert st.keys is not None  # left by st.factors
