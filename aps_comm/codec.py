@@ -57,7 +57,7 @@ import numpy as np
 import torch
 
 from aps_comm import cpu_kernels
-from aps_comm.config import Scaling
+from aps_comm.config import BLOCK_SIZES, Scaling
 from aps_comm.formats import (
     FloatFormat,
     cast_into,
@@ -380,6 +380,14 @@ def _run_bound(
     """A bound Triton launch, or its torch-op fallback where the variant cannot run here."""
     if not _triton_ran(variant, launch):
         fallback()
+
+
+def _after(
+    first: Callable[[], object], then: Callable[[torch.Tensor], None], out: torch.Tensor
+) -> None:
+    """``first``, then ``then`` into ``out``: a bound records call with its inputs' call."""
+    first()
+    then(out)
 
 
 def _like(t: torch.Tensor, numel: int) -> torch.Tensor:
@@ -1895,6 +1903,34 @@ class Codec:
             return None
         n_layers = len(blocks.counts)
         return _triton().bind_block_records(self.fmt, x, offsets, layer_of, keys, maxima, n_layers)
+
+    def bind_layer_records(
+        self, x: torch.Tensor, layout: Layout, agreed: AgreedMaxima, shown: torch.Tensor
+    ) -> Callable[[torch.Tensor], None] | None:
+        """:meth:`layer_records` of ``x`` bound for Triton: the returned call takes float64
+        ``out`` (layers, 5) and writes each layer's exponent of its ``agreed`` maximum,
+        its maximum in ``shown`` (``agreed``'s, or before bucket scaling's spread) and
+        its counts (:func:`aps_comm.telemetry.layer_counts`). Three launches whatever the
+        number of layers: the keys of the layers' pieces of at most the largest block size
+        (:func:`aps_comm.triton_codec.bind_cell_keys`), then :meth:`bind_block_records`
+        of those pieces. None off Triton, or where a variant cannot compile here.
+
+        Example:
+            >>> call = codec.bind_layer_records(x, layout, agreed, agreed.maxima)  # doctest: +SKIP
+            >>> call(torch.empty(layout.n_segments, 5, dtype=torch.float64))  # doctest: +SKIP
+        """
+        if self.backend != "triton" or x.dtype != torch.float32:
+            return None
+        cells = layout.grid(BLOCK_SIZES[-1])  # the tile's rows: whole cells
+        n = cells.layout.n_segments
+        keys = torch.empty(n, dtype=torch.uint8, device=x.device)
+        top = torch.empty(n, dtype=torch.float32, device=x.device)
+        records = self.bind_block_records(x, cells, keys, top)
+        if records is None:
+            return None
+        layer_of = np.repeat(np.arange(layout.n_segments, dtype=np.int64), cells.counts.numpy())
+        at = (agreed.maxima, shown, layer_of, agreed.rule(), (keys, top))
+        return functools.partial(_after, _triton().bind_cell_keys(self.fmt, *at), records)
 
     def bind_staged_blocks(
         self,

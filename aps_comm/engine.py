@@ -179,6 +179,8 @@ class _Bucket:
         factors_call: writes this step's factors, which the bound calls read, from the
             agreed vector (None: the bound calls read the agreed vector itself).
         promote: with Promote, the layers' keys, sizes and names.
+        records_call: with ``names``, where bound, writes the layers' records of the bound
+            buffer into the float64 rows it takes (the kinds' own; None: made otherwise).
     """
 
     numel: int
@@ -196,6 +198,7 @@ class _Bucket:
     per_node: int = 1
     factors_call: Callable[[], object] | None = None
     promote: tuple[list[Any], list[int], list[str | None]] | None = None
+    records_call: Callable[[torch.Tensor], None] | None = None
 
     def fill_factors(self) -> None:
         """This step's factors from the agreed vector, once per bucket (not per chunk)."""
@@ -288,6 +291,9 @@ class Steady(_Bucket):
                 self.agreed.host_factors_into, g.fmt, *self.host_factors
             )
         self.maxima_call = g.codec.bind_layer_maxima(x, g.layout, self.agreed.maxima)
+        if self.names is not None:  # Triton's records (elsewhere None: record_steady's)
+            shown = self.agreed.maxima if self.raw is None else self.raw
+            self.records_call = g.codec.bind_layer_records(x, g.layout, self.agreed, shown)
         calls = []
         for c, ((lo, hi), (r0, r1)) in enumerate(zip(g.chunks, g.regions, strict=True)):
             window, send, values = g.windows[c], g.send[r0:r1], x[lo:hi]
@@ -375,6 +381,8 @@ class SteadyBlocks(_Bucket):
         )
         if keys_call is None:
             return False
+        if self.names is not None and g.codec.backend != "kernels":  # theirs: the keys' call
+            self.records_call = g.codec.bind_block_records(x, g.blocks, self.keys, self.maxima)
         if staged:
             self.calls = transports.bind_node_blocks(g, x, self.keys, self.flags, self.union)
         else:
@@ -434,7 +442,6 @@ class SteadyStaged(Steady):
     factors: torch.Tensor | None = None
     record_keys: tuple[np.ndarray, np.ndarray] | None = None
     local: torch.Tensor | None = None
-    records_call: Callable[[torch.Tensor], None] | None = None
     scratch: Workspace | None = None
 
     def bind(self, x: torch.Tensor, world_size: int, spare: torch.Tensor | None = None) -> bool:
@@ -633,7 +640,6 @@ class SteadyAgreedBlocks(_Bucket):
     keys_call: Callable[[], None] | None = None
     native: bool = False
     factors: tuple[torch.Tensor, ...] | None = None
-    records_call: Callable[[torch.Tensor], None] | None = None
 
     @property
     def vector(self) -> torch.Tensor:
@@ -2128,6 +2134,11 @@ class Reducer:
                 fused is not None,
             )
         decode = g.codec.bind_decode(send, x, unscale, g.windows[0])
+        records, scaling = None, self.settings.scaling
+        if self.settings.stats and not blocks and scaling != Scaling.BUCKET:
+            # Triton's (else None: record_feedback's), under its route's rule of the maxima.
+            agreed = AgreedMaxima(shared, comm.world_size, native, scaling == Scaling.NONE)
+            records = g.codec.bind_layer_records(x, g.layout, agreed, shared)
         return SteadyFeedback(
             numel,
             x.data_ptr(),
@@ -2146,6 +2157,7 @@ class Reducer:
             workspace=self._epoch(b.index, device),
             epoch=self.assignment.epoch(self.step),
             names=list(names) if self.settings.stats else None,
+            records_call=records,
         )
 
     def _settle_agreed_blocks(self, b: _Binding, g: GroupPlan) -> None:
@@ -2536,10 +2548,12 @@ class Reducer:
         """
         g, agreed = st.group, st.agreed
         assert st.names is not None
-        if isinstance(st, SteadyStaged) and st.local is not None:
-            # Agreed block keys: each block's counts under its inner (first-level) key.
-            assert st.records_call is not None
+        if st.records_call is not None:
+            # Agreed block keys: each block's counts under its inner (first-level) key;
+            # else Triton's of the layers (Promote's rates apart).
             self._add_rows(index, st, st.records_call, x.device)
+            if rates is not None:
+                self._settled_rates(st, x, rates, at)
             return
         amax = agreed.maxima if st.raw is None else st.raw
         keys = st.host_factors[2] if st.host_factors is not None else None
@@ -2583,6 +2597,9 @@ class Reducer:
             self._add_rows(index, st, records, x.device)  # type: ignore[arg-type]
             return
         st.keys_call()
+        if st.records_call is not None:  # this rank's own keys and block maxima, just written
+            self._add_rows(index, st, st.records_call, x.device)
+            return
         exps = key_exponents(st.keys)
         counts = layer_counts(x, g.layout.lengths, exps, g.fmt)
         counts, smallest, largest = per_layer(g.blocks, counts, exps, blocks_amax(x, g.layout))
@@ -2597,6 +2614,9 @@ class Reducer:
         g = st.group
         assert st.names is not None and g is not None
         fmt, route, n = g.fmt, Route(g.reduction), self.comm.world_size
+        if st.records_call is not None:  # Triton's, bound
+            self._add_rows(index, st, st.records_call, x.device)
+            return
         if g.codec.backend == "kernels" and x.device.type == "cpu":
             if g.blocks is None:
                 assert st.keys is not None  # left by st.factors
@@ -2671,10 +2691,9 @@ class Reducer:
         if scale is not None:
             g.codec.underflow_rates(x, g.layout, scale, out, at)
             return
-        if isinstance(st, SteadyFeedback):  # two_phase's rule of the agreed maxima
-            scaling, ranks = self.settings.scaling, self.comm.world_size
-            made = factors(st.shared, g.fmt, Route.TWO_PHASE, world_size=ranks, scaling=scaling)
-            exps = made.exponents
+        if isinstance(st, SteadyFeedback):  # its route's rule (a native sum's too: sent so)
+            scaling, ranks, route = self.settings.scaling, self.comm.world_size, Route(g.reduction)
+            exps = factors(st.shared, g.fmt, route, world_size=ranks, scaling=scaling).exponents
         else:
             exps = self._steady_exponents(st)
         counts = layer_counts(x, g.layout.lengths, exps, g.fmt)

@@ -84,6 +84,7 @@ __all__ = [
     "Rule",
     "bind_block_keys",
     "bind_block_records",
+    "bind_cell_keys",
     "bind_decode",
     "bind_decode_rank_blocks",
     "bind_encode",
@@ -2662,6 +2663,83 @@ def bind_block_records(
         finish(acc, out, n_layers, BLOCK=BLOCK, **compile_options())
 
     return call
+
+
+if AVAILABLE:
+
+    @triton.jit(do_not_specialize=["n_cells", "n_ranks"])
+    def _cell_keys_kernel(
+        amax_ptr,
+        shown_ptr,
+        layer_ptr,
+        key_ptr,
+        top_ptr,
+        n_cells,
+        n_ranks,
+        E: tl.constexpr,
+        D: tl.constexpr,
+        K: tl.constexpr,
+        BLOCK: tl.constexpr,
+    ):
+        """Every cell's uint8 exponent key of its layer's agreed maximum (rule ``K`` over
+        ``n_ranks``, :func:`_exp_key`: the kernels' factors of the same maxima) and its
+        layer's maximum to show (float32 bits), from each cell's layer."""
+        i = tl.program_id(0).to(tl.int64) * BLOCK + tl.arange(0, BLOCK)
+        live = i < n_cells
+        layer = tl.load(layer_ptr + i, mask=live, other=0).to(tl.int64)
+        k = _exp_key(tl.load(amax_ptr + layer, mask=live, other=0), n_ranks, E, D, K)
+        tl.store(key_ptr + i, k.to(tl.uint8), mask=live)
+        tl.store(top_ptr + i, tl.load(shown_ptr + layer, mask=live, other=0), mask=live)
+
+
+def bind_cell_keys(
+    fmt: FloatFormat,
+    maxima: torch.Tensor,
+    shown: torch.Tensor,
+    layer_of: np.ndarray,
+    rule: Rule,
+    out: tuple[torch.Tensor, torch.Tensor],
+) -> Callable[[], object]:
+    """A layer rule's exponent keys of agreed ``maxima`` spread onto cells (pieces of
+    layers, ``layer_of`` each cell's), with ``shown``'s maxima: what
+    :func:`bind_block_records` takes to record layers scaled by one exponent each. One
+    launch per call, whatever the number of layers or cells.
+
+    Args:
+        fmt: the wire format.
+        maxima: float32, the layers' agreed maxima the exponents are of (``rule``'s).
+        shown: float32, the layers' maxima the records keep (before bucket scaling's
+            spread: may be ``maxima``).
+        layer_of: int64 host array, each cell's layer.
+        rule: the exponent rule (:class:`Rule`).
+        out: uint8 keys and float32 maxima, one per cell.
+
+    Example:
+        >>> keys = torch.empty(3, dtype=torch.uint8); top = torch.empty(3)  # doctest: +SKIP
+        >>> bind_cell_keys(E4M3, amax, amax, np.array([0, 0, 1]), Rule(2), (keys, top))()  # doctest: +SKIP
+    """
+    keys, top = out
+    consts = _check(fmt, maxima, shown, keys, top)
+    n = layer_of.size
+    if keys.dtype != torch.uint8 or top.dtype != torch.float32 or keys.numel() != n:
+        raise ValueError(f"cell keys need {n} uint8 keys and float32 maxima")
+    if not n:
+        return _NOTHING
+    return functools.partial(
+        _cell_keys_kernel[launch_grid(triton.cdiv(n, BLOCK))],
+        maxima.view(torch.int32),
+        shown.view(torch.int32),
+        _on(layer_of, maxima.device, torch.int32),
+        keys,
+        top.view(torch.int32),
+        n,
+        rule.world_size,
+        E=consts.encode,
+        D=consts.decode,
+        K=key_constants(fmt, rule.native, rule.limit),
+        BLOCK=BLOCK,
+        **compile_options(),
+    )
 
 
 def bind_staged_keys(

@@ -210,3 +210,48 @@ def test_per_layer_folds_blocks_as_a_scatter_would(seed: int) -> None:
     assert torch.equal(
         summed, torch.zeros(len(numels), 3, dtype=counts.dtype).index_add(0, layer, counts)
     )
+
+
+def _native_feedback_rates(rank: int, world: int, backends: tuple[str, ...]) -> list:
+    """This rank's Promote rates after one settled step of a native sum with error
+    feedback on each backend, and :func:`aps_comm.simulate.records`' rates of the
+    same values (every rank's, gathered)."""
+    from aps_comm.formats import FP16
+    from aps_comm.policy import Promote
+
+    numels = [300, 700, 33]
+    # gamma 0.9: no layer moves (a move would bind several formats, which this path refuses).
+    policy = [Promote(gamma=0.9, ladder=("fp16", "bf16", "fp32"))]
+    options = {"reduction": "allreduce", "error_feedback": True, "policy": policy}
+    x = torch.randn(sum(numels), generator=torch.Generator().manual_seed(3 + rank))
+    # Layer 1's maximum 1 on both ranks: two_phase's exponent 15, the native sum's 14 over
+    # 2 ranks, under which half its values (1.5 * 2**-40) flush and under 15 do not.
+    x[300:650], x[650:1000], x[300] = 1.5 * 2.0**-40, 0.5, 1.0
+    layers = torch.split(gather(x), numels, dim=1)
+    sim = simulate.hook_options({"fmt": "fp16", **options}, [FP16] * 3)
+    want = [r.underflow_rate for r in simulate.records(layers, "fp16", rank, **sim)]
+    out = []
+    for backend in backends:
+        with forced_codec(None if backend == "kernels" else backend, kernels=False):
+            params = [torch.nn.Parameter(torch.empty(n)) for n in numels]
+            state = APSState("fp16", **options)
+            state.bind_model(torch.nn.ParameterList(params))
+            state.run_bucket(0, x.clone(), params)
+            assert state.reducer is not None
+            kind = type(state.reducer.steady.get(0)).__name__
+            out.append((kind, [float(r) for r in state.reducer.rates.values()]))
+    return [(kind, rates, want) for kind, rates in out]
+
+
+def test_promote_rates_of_a_native_sum_with_error_feedback_are_its_own_rules() -> None:
+    """Promote's rates of a settled native bucket with error feedback count underflow
+    under the native sum's exponents (what it sends, and what the simulated records
+    count) on every backend: the torch-op (and Triton) path counted them under
+    two_phase's rule, one exponent higher over 2 ranks, and saw no underflow."""
+    for per_backend in run_distributed(
+        _native_feedback_rates, 2, args=(("kernels", "cast", "bits"),)
+    ):
+        for kind, rates, want in per_backend:
+            assert kind == "SteadyFeedback"
+            assert rates == [float(torch.tensor(w, dtype=torch.float32)) for w in want]
+            assert rates[1] > 0.4

@@ -32,6 +32,7 @@ import os
 import re
 import sys
 import types
+import unittest.mock
 from collections.abc import Callable, Iterator
 from typing import Any
 
@@ -2370,3 +2371,74 @@ def test_a_send_of_more_than_65535_programs_fits_the_launch_grid(
         assert np.prod(grid) >= 70000 // len(grid), grid
     with pytest.raises(ValueError, match=r"a launch grid of \(2, 70000\) programs"):
         tc.launch_grid(2, 70000)
+
+
+_STATS_CONFIGS = {
+    "two_phase": {"fmt": "e4m3", "reduction": "two_phase"},
+    "bucket": {"fmt": "e4m3", "reduction": "two_phase", "scaling": "bucket"},
+    "none": {"fmt": "e4m3", "reduction": "two_phase", "scaling": "none"},
+    "native": {"fmt": "fp16", "reduction": "allreduce"},
+    "block": {"fmt": "e2m1", "reduction": "two_phase", "scaling": "block", "block_size": 8},
+}
+
+
+def _launches(state: object, buffer: torch.Tensor, params: list[torch.Tensor]) -> list[str]:
+    """One settled step's ATen ops and Triton launches (the interpreter's own argument
+    copies, ``new_empty``/``set_`` then ``copy_``, left out)."""
+    import triton.runtime.interpreter as ti
+
+    from benchmarks.hostcost import count_ops
+
+    launched: list[str] = []
+    run = ti.GridExecutor.__call__
+
+    def counted(self, *args, **kwargs):  # type: ignore[no-untyped-def]
+        launched.append(getattr(self.fn, "__name__", "?"))
+        return run(self, *args, **kwargs)
+
+    with unittest.mock.patch.object(ti.GridExecutor, "__call__", counted):
+        aten, _ = count_ops(state, buffer, params)  # type: ignore[arg-type]
+    copying = ("aten::new_empty", "aten::set_")
+    kept = [
+        op
+        for i, op in enumerate(aten)
+        if not op.startswith(copying)
+        and not (op == "aten::copy_.default" and i and aten[i - 1].startswith("aten::set_"))
+    ]
+    return kept + launched
+
+
+@pytest.mark.parametrize("name", list(_STATS_CONFIGS))
+def test_settled_records_on_triton_are_a_fixed_handful_of_launches(
+    tc: types.ModuleType, name: str
+) -> None:
+    # stats=True on Triton: a settled bucket's records are a few launches (the layers'
+    # cell keys and the block records' two; with every rank's own block exponents the
+    # block records' two), not the ~60 to 90 ATen ops of the exponent rule and
+    # layer_counts: at most 15 per bucket with its four plain launches, the same for 7
+    # layers as for 42, and the numba kernels' records (a NaN layer, an empty one, layers
+    # of several cells).
+    import aps_comm
+
+    options = {**_STATS_CONFIGS[name], "stats": True}
+    counts = []
+    for numels in ([5, 0, 1, 300, 33, 2, 64], [5, 0, 1, 300, 33, 2, 64] * 6):
+        x, params = _block_bucket(numels, 13)
+        want: list[str] = []
+        _reference(options, x, params, want)
+        with _triton_plans():
+            state = aps_comm.APSState(**options)
+            buffer = x.clone()
+            for _ in range(2):  # bound, then settled
+                buffer.copy_(x)
+                _quiet(state.run_bucket, 0, buffer, params)
+            assert state.reducer is not None
+            st = state.reducer.steady_for(0, buffer)
+            assert st is not None and st.group.codec.backend == "triton"
+            assert repr(state.stats) == want[0]
+            buffer.copy_(x)
+            ops = _launches(state, buffer, params)
+            assert repr(state.stats) == want[0]
+            del state, st
+        counts.append(ops)
+    assert len(counts[0]) == len(counts[1]) <= 15, counts
