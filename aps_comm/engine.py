@@ -83,7 +83,6 @@ __all__ = [
     "SteadyGroups",
     "SteadyMixedUnit",
     "SteadyStaged",
-    "SteadyUnit",
     "Traffic",
 ]
 
@@ -1089,8 +1088,8 @@ _Bound = _Part | SteadyGroups
 
 @dataclasses.dataclass
 class _Unit:
-    """What every settled FSDP2 unit keeps (:class:`SteadyUnit`, :class:`SteadyMixedUnit`,
-    :class:`SteadyFP32Unit`): the layout and policy epoch it is bound to, and its records.
+    """What every settled FSDP2 unit keeps (:class:`SteadyMixedUnit`, :class:`SteadyFP32Unit`):
+    the layout and policy epoch it is bound to, and its records.
 
     Attributes:
         chunks: the parameters' padded chunks (the layout it is bound to).
@@ -1103,6 +1102,8 @@ class _Unit:
         labels: with ``stats=True``, the parameters' names, sizes and formats: the
             records are queued once per step, whatever the number of runs
             (:func:`_unit_records`).
+        workspace: a unit of one run: the state's workspace epoch of the unit's slot, which
+            its scratch is cut from (another one binds it again); () for several runs.
     """
 
     chunks: tuple[int, ...]
@@ -1112,93 +1113,47 @@ class _Unit:
     _: dataclasses.KW_ONLY
     record: Callable[[torch.Tensor], torch.Tensor] | None = None
     labels: tuple[list[str], list[int], tuple[FloatFormat, ...]] | None = None
-
-
-@dataclasses.dataclass
-class SteadyUnit(_Unit):
-    """An FSDP2 unit's reduce-scatter once its layout and format are settled (:meth:`Reducer.unit`).
-
-    Bound to the unit's layout, not to a buffer: FSDP hands a new input
-    every step, so the calls that read it take it per step and everything
-    else (factors, keys, the exchange's and the sum's scratch) is the
-    unit's for good. Per step, whatever the number of parameters: the
-    maxima (layer scaling: each row's maximum of every chunk, then the max
-    over the rows; block scaling: every block's key), the layout flag in
-    and out of the MAX all-reduce, the factors written in place (a
-    non-finite parameter, or the flag, NaN on the decode), one encode of
-    the N rows, the ``all_to_all_single``, one decode and the FP32 sum in
-    rank order.
-
-    Attributes:
-        runs: the unit's one run and its exchange scratch (:meth:`aps_comm.plan.BucketPlan.runs`).
-        shared: the MAX all-reduce's vector: float32 parameter maxima (layer) or uint8
-            block keys (block), then the layout flag.
-        local: layer: float32, each row's maximum of every chunk (N x P); block: every
-            block's max |x|.
-        keys: block: binds, over a step's N rows, the call that writes this rank's key of
-            every block and its non-finite flag per row and parameter (its uint8 scratch)
-            (:meth:`aps_comm.codec.Codec.bind_block_keys`; FSDP hands a new buffer every
-            step); None for the other scalings.
-        agreed: layer: float32, the agreed maxima for every row (N x P); the flag makes them inf.
-        scale: float32, the encode's factor of every segment of the N rows.
-        unscale: float32, the factors the agreed maxima or keys give every segment.
-        decode: float32, the decode's factor of every segment of the N received rows
-            (block: this rank's row's blocks N times; layer: ``unscale`` itself).
-        factors: writes ``scale`` and ``unscale`` from the agreed maxima or keys.
-        poison: 0-d float32, what a non-finite parameter or the flag writes: inf into the
-            agreed maxima (layer), NaN into ``decode`` (block, and layer with records: the
-            records' exponents are those of the agreed maxima).
-        premax: ``scaling="bucket"`` with records: float32 scratch, the agreed maxima of
-            every row before the spread (what the records show).
-        workspace: the state's workspace epoch of the unit's slot, which the exchange's,
-            the sum's and the factors' scratch are views of (another one binds it again).
-        pad: a 4-bit unit of an odd row: float32 scratch of the N rows each followed by a
-            zero, and the zeros (N x 1): the rows are copied in, so that every row's codes
-            are whole bytes (each row goes to its own rank).
-    """
-
-    runs: RowRuns
-    shared: torch.Tensor
-    local: torch.Tensor
-    keys: Callable[[torch.Tensor], Callable[[], None] | None] | None
-    agreed: torch.Tensor | None
-    scale: torch.Tensor
-    unscale: torch.Tensor
-    decode: torch.Tensor
-    factors: Callable[[], object]
-    poison: torch.Tensor
-    premax: torch.Tensor | None = None
     workspace: tuple[int, ...] = ()
-    pad: tuple[torch.Tensor, torch.Tensor] | None = None
 
 
 @dataclasses.dataclass
 class SteadyMixedUnit(_Unit):
-    """:class:`SteadyUnit` for a unit of several formats (a policy keeping some parameters
-    in FP32, or two wire formats), layer, bucket or no scaling, on the CPU kernels.
+    """An FSDP2 unit's reduce-scatter once its layout and formats are settled
+    (:meth:`Reducer.unit`): one scaled format, or several (a policy keeping some
+    parameters in FP32, or two wire formats); any scaling, on every codec backend.
 
-    One kernel call gathers every run's N rows out of FSDP's input (the FP32
-    runs straight into the send buffer: sent exactly, their bytes are their
-    codes), each scaled format is encoded and decoded once for all its runs,
-    one call scatters the codes into the rows and one gathers the received
-    rows back, and one sums every run's rows (an FP32 parameter NaN where its
-    agreed maximum is not finite): a fixed handful of calls per unit for any
-    number of parameters and runs.
+    Bound to the unit's layout, not to a buffer: FSDP hands a new input every
+    step, so the calls that read it take it per step and everything else
+    (factors, keys, the exchange's and the sum's scratch) is the unit's for
+    good. A unit of one run encodes its N rows straight into the send buffer
+    and decodes the received rows where they landed: no spans. Of several
+    runs, one kernel call gathers every run's N rows out of FSDP's input (the
+    FP32 runs straight into the send buffer: sent exactly, their bytes are
+    their codes), each scaled format is encoded and decoded once for all its
+    runs, one call scatters the codes into the rows and one gathers the
+    received rows back. One call sums every run's rows (an FP32 parameter NaN
+    where its agreed maximum is not finite): a fixed handful of calls per unit
+    for any number of parameters and runs.
 
     Attributes:
         codec: a scaled format's codec (the shared kernels: maxima, spans, sums).
         layout: the N rows' chunks (the maxima's segments).
         shared: float32, the MAX all-reduce's vector: the parameters' maxima, then the flag.
-        local: float32, each row's maximum of every chunk (N x P).
-        maxima: float32, the agreed maxima (inf for every parameter of a flagged unit).
+        local: float32, each row's maximum of every chunk (N x P); with blocks, every
+            block's max |x|.
+        maxima: float32, the agreed maxima (inf for every parameter of a flagged unit);
+            one run on the torch ops: ``agreed``'s first row.
         perm: int64, for each scaled format's segments in turn, its parameter.
         agreed: float32, ``maxima[perm]``: each scaled format's maxima, run by run, row by row.
-        poison: 0-d float32 inf (what the flag writes into ``maxima``).
+        poison: 0-d float32 inf (what the flag writes into ``maxima``); one format's
+            blocks: NaN, what the flag or a non-finite block writes into the decode's factors.
         spreads: ``scaling="bucket"`` without records: each format's agreed maxima, spread
             in place (with records its factors' one call picks and spreads them).
-        calls: per scaled format its factors, encode and decode, bound.
+        calls: per scaled format its factors, encode and decode, bound (one run's encode
+            takes the step's rows, padded or not).
         spans: the gather out of the rows, the scatter of the codes into the send
-            buffer, and the gather out of the received rows (:meth:`aps_comm.codec.Codec.copy_spans`).
+            buffer, and the gather out of the received rows (:meth:`aps_comm.codec.Codec.copy_spans`);
+            None for one run (its codes are the send buffer, its landing the received rows).
         buffers: the gather's arena (the scaled runs' values, then the send buffer), the
             codes, the received rows, and the landing (codes, then every run's values):
             the arena's part after the scaled values, which the send buffer no longer
@@ -1206,14 +1161,20 @@ class SteadyMixedUnit(_Unit):
         send: the send buffer (N encoded rows), at the landing's start.
         values: float32, every run's N decoded rows end to end.
         sums: int64 (R, 7), each run's place in ``values``, row and parameters (:meth:`aps_comm.codec.Codec.sum_runs`);
-            ``scaling="none"``: every run's made NaN by the sum, as FP32's (its unscale 1).
+            ``scaling="none"`` with several runs: every run's made NaN by the sum, as
+            FP32's (its unscale 1; one run's unscale is NaN instead).
         row_numel: elements per row.
         offsets_of: the host copies of ``layout``'s offsets and of ``perm`` (the maxima's
             and agreed maxima's kernel calls read them).
         keyed: block scaling: the call that writes every block's key of the N rows (each
             under its own format; ``shared`` is then uint8, the keys and the flag), and
             the call that writes every format's block factors from the agreed keys and
-            ``maxima`` (inf for a parameter NaN in the sum), one kernel call each.
+            ``maxima`` (inf for a parameter NaN in the sum), one kernel call each; one
+            format's: its codec's fused keys over a step's rows, and its factors with the
+            decode's (this rank's row's blocks N times).
+        pad: a 4-bit unit of one run of an odd row: float32 scratch of the N rows each
+            followed by a zero, and the zeros (N x 1): the rows are copied in every step,
+            so that every row's codes are whole bytes (each row goes to its own rank).
     """
 
     codec: codec.Codec
@@ -1225,8 +1186,8 @@ class SteadyMixedUnit(_Unit):
     agreed: torch.Tensor
     poison: torch.Tensor
     spreads: list[AgreedMaxima]
-    calls: list[tuple[Callable[[], object], Callable[[], object], Callable[[], object]]]
-    spans: tuple[np.ndarray, np.ndarray, np.ndarray]
+    calls: list[tuple[Callable[[], object], Callable[..., object], Callable[[], object]]]
+    spans: tuple[np.ndarray, np.ndarray, np.ndarray] | None
     buffers: tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]
     send: torch.Tensor
     values: torch.Tensor
@@ -1234,11 +1195,12 @@ class SteadyMixedUnit(_Unit):
     row_numel: int
     keyed: tuple[Callable[[torch.Tensor], object], Callable[[], object]] | None = None
     offsets_of: tuple[np.ndarray, np.ndarray] = ()  # type: ignore[assignment]
+    pad: tuple[torch.Tensor, torch.Tensor] | None = None
 
 
 @dataclasses.dataclass
 class SteadyFP32Unit(_Unit):
-    """:class:`SteadyUnit` for a unit whose every parameter goes in FP32 (a policy's, or
+    """:class:`SteadyMixedUnit` for a unit whose every parameter goes in FP32 (a policy's, or
     "auto" on a fast link): PyTorch's own reduce-scatter, in rank order.
 
     No maxima and no factors: the layout flag alone rides a one-element MAX
@@ -1253,7 +1215,6 @@ class SteadyFP32Unit(_Unit):
         sums: the codec whose :meth:`~aps_comm.codec.Codec.sum_rows` sums the rows.
         recv: float32 (N, row), the received rows (a view of the workspace).
         nan: 0-d float32 NaN, what the flag writes over the sum.
-        workspace: the state's workspace epoch of the unit's slot.
         layout: with ``stats=True``, the N rows' chunks (the maxima's segments).
         shared: with ``stats=True``, float32: the parameters' maxima, then the flag.
         local: with ``stats=True``, float32, each row's maximum of every chunk (N x P).
@@ -1263,7 +1224,6 @@ class SteadyFP32Unit(_Unit):
     sums: codec.Codec
     recv: torch.Tensor
     nan: torch.Tensor
-    workspace: tuple[int, ...]
     layout: Layout | None = None
     shared: torch.Tensor | None = None
     local: torch.Tensor | None = None
@@ -1339,7 +1299,7 @@ class Reducer:
         self.steady: dict[int, _Bound] = {}
         # Per device: the buckets' scratch, shared (:mod:`aps_comm.workspace`).
         self.workspaces: dict[str, Workspace] = {}
-        # Per FSDP unit index: its bound reduce-scatter once settled (:class:`SteadyUnit`).
+        # Per FSDP unit index: its bound reduce-scatter once settled (:class:`SteadyMixedUnit`).
         self.steady_units: dict[int, _Unit] = {}
         # Per bucket index: what it was when it last failed to bind (:meth:`_bind_first`).
         self._unbound: dict[int, tuple] = {}
@@ -2763,8 +2723,8 @@ class Reducer:
     ) -> torch.Tensor:
         """Reduce-scatter one FSDP unit: the sum over ranks of this rank's row (float32).
 
-        The first call binds the unit's layout (:class:`SteadyUnit`, where one
-        scaled format covers every parameter and no records are kept); later
+        The first call binds the unit's layout (:class:`SteadyMixedUnit`, or
+        :class:`SteadyFP32Unit` where every parameter goes in FP32); later
         calls of that layout and policy epoch run bound, whatever buffer
         ``rows`` is: a fixed handful of calls, the same bits.
 
@@ -2804,8 +2764,6 @@ class Reducer:
             return self._run_mixed_unit(index, st, rows, problem)
         if isinstance(st, SteadyFP32Unit):
             return self._run_fp32_unit(index, st, rows, problem)
-        if isinstance(st, SteadyUnit):
-            return self._run_unit(index, st, rows, problem)
         raise RuntimeError(
             f"unit {index}: no bound path for {settings} in formats "
             f"{[f.name for f in self.assignment.formats(names, step)]} on {rows.device}"
@@ -2819,9 +2777,9 @@ class Reducer:
         params: tuple[Sequence[str], Sequence[int]],
         step: int,
     ) -> None:
-        """Bind the unit's layout and formats before its first run: one scaled format
-        (:meth:`_settle_unit`), every parameter in FP32 (:meth:`_settle_fp32_unit`), or
-        several (:meth:`_settle_mixed_unit`); ``params``: each parameter's name and size."""
+        """Bind the unit's layout and formats before its first run: every parameter in FP32
+        (:meth:`_settle_fp32_unit`), else scaled formats, beside FP32 ones or not
+        (:meth:`_settle_mixed_unit`); ``params``: each parameter's name and size."""
         n, settings, device = self.comm.world_size, self.settings, rows.device
         plan = self.plan(index, list(chunks) * n, device)
         fmts = self.assignment.formats(params[0], step)
@@ -2831,32 +2789,29 @@ class Reducer:
             runs = plan.runs(fmts, n)
         self.steady_units.pop(index, None)
         key = (tuple(chunks), rows.numel(), device, self.assignment.epoch(step))
-        st: _Unit | None
-        if len(runs.runs) != 1:
-            st = self._settle_mixed_unit(plan, runs, key, params)
-        else:
-            bind: Callable[..., SteadyUnit | SteadyFP32Unit | None] = self._settle_unit
-            if runs.runs[0].fmt == FP32:
-                bind = functools.partial(self._settle_fp32_unit, plan.layout)
-            # Everything rewritten every step comes from the state's workspace, the slot
-            # alternating with the unit's index (a unit may be on the wire beside the next).
-            ws, slot = self.workspace(device), Slot.of(index)
-            while True:  # again where the slot grew: every view cut from its new region
-                arena = ws.arena(slot)
-                st = bind(arena, runs, rows, key, params)
-                if st is None or arena.close():
-                    break
-            if st is not None:
-                st.workspace = ws.epoch(slot)
+        bind: Callable[..., _Unit | None] = functools.partial(self._settle_mixed_unit, plan)
+        if len(runs.runs) == 1 and runs.runs[0].fmt == FP32:
+            bind = functools.partial(self._settle_fp32_unit, plan.layout)
+        # A unit of one run cuts everything rewritten every step from the state's workspace,
+        # the slot alternating with the unit's index (a unit may be on the wire beside the
+        # next); one of several runs keeps its own (its padded rows' zeros are written once).
+        ws, slot = self.workspace(device), Slot.of(index)
+        while True:  # again where the slot grew: every view cut from its new region
+            arena = ws.arena(slot)
+            st = bind(arena, runs, rows, key, params)
+            if st is None or arena.close():
+                break
         if st is not None:
+            if len(runs.runs) == 1:
+                st.workspace = ws.epoch(slot)
             self.steady_units[index] = st
             plan.row_runs = {}  # the binding's scratch: the plan's row runs dropped
 
     def _steady_unit(
         self, index: int, rows: torch.Tensor, chunks: Sequence[int], step: int
     ) -> _Unit | None:
-        """The unit's :class:`SteadyUnit` (or :class:`SteadyMixedUnit`) where this call fits the layout and formats it
-        was bound to (any buffer of that layout: FSDP allocates a new one every step)."""
+        """The unit's binding where this call fits the layout and formats it was bound to
+        (any buffer of that layout: FSDP allocates a new one every step)."""
         st = self.steady_units.get(index)
         if (
             st is None
@@ -2864,97 +2819,9 @@ class Reducer:
             or st.device != rows.device
             or st.chunks != tuple(chunks)
             or st.epoch != self.assignment.epoch(step)
-            or (
-                isinstance(st, SteadyUnit | SteadyFP32Unit)
-                and st.workspace != self.workspace(st.device).epoch(Slot.of(index))
-            )
+            or (st.workspace and st.workspace != self.workspace(st.device).epoch(Slot.of(index)))
         ):
             return None
-        return st
-
-    def _settle_unit(
-        self,
-        arena: Arena,
-        runs: RowRuns,
-        rows: torch.Tensor,
-        key: _UnitKey,
-        params: tuple[Sequence[str], Sequence[int]],
-    ) -> SteadyUnit | None:
-        """The unit's :class:`SteadyUnit`, its scratch cut from ``arena``: one scaled format
-        for every parameter, any scaling; with ``stats=True`` its records bound too.
-        ``key``: its chunks, size, device and policy epoch. None: no fused block keys for
-        this backend or format."""
-        settings, n, device = self.settings, self.comm.world_size, rows.device
-        run, pad = runs.runs[0], None
-        if not run.packed_rows:  # 4 bits, an odd row: each row padded by a zero
-            runs = _padded_rows(runs, n)
-            run = runs.runs[0]
-            staged = arena.take(n * runs.row_numel, torch.float32).view(n, runs.row_numel)
-            pad = (staged, torch.zeros(n, 1, dtype=torch.float32, device=device))
-        c, layout = run.codec, run.rows_layout
-        segments, p = layout.n_segments, len(key[0])
-        f32 = {"dtype": torch.float32, "device": device}
-        kernels = c.backend == "kernels" and device.type == "cpu"
-        runs = _unit_scratch(runs, arena, n)
-        x = rows.reshape(-1) if pad is None else pad[0].view(-1)
-        unscale = arena.take(segments, torch.float32)
-        # No scaling: a scale of 1 written once, so kept out of the shared region.
-        none = settings.scaling == Scaling.NONE
-        scale = torch.empty(segments, **f32) if none else arena.take(segments, torch.float32)
-        local = arena.take(segments, torch.float32)
-        block_keys = agreed = premax = None
-        on: Layout | Blocks = layout
-        if settings.scaling == Scaling.BLOCK:
-            blocks = run.rows_blocks
-            assert blocks is not None
-            on, shared = blocks, torch.zeros(segments + 1, dtype=torch.uint8, device=device)
-            flags = torch.empty(len(blocks.counts), dtype=torch.uint8, device=device)
-            block_keys = functools.partial(
-                c.bind_block_keys,
-                layout=blocks.layout,
-                counts=blocks.counts,
-                maxima=local,
-                keys=shared[:-1],
-                flags=flags,
-                world_size=n,
-                device_counts=blocks.device_counts,
-            )
-            if block_keys(x) is None:
-                return None  # no fused keys for this backend or format
-            made = c.bind_feedback_factors(shared[:-1], n, scale, unscale, blocks.device_counts)
-            decode = arena.take(segments, torch.float32)
-            poison = torch.tensor(math.nan, **f32)
-            maxima, keyed = local, (shared[:-1], [])
-        else:
-            shared = torch.zeros(p + 1, **f32)
-            agreed = arena.take(segments, torch.float32)
-            decode = unscale  # every row's parameters have the same factors
-            keys = np.zeros(segments, np.int32) if kernels and settings.stats else None
-            made = _unit_factors(c, agreed, n, scale, unscale, keys, settings.scaling)
-            # The records read the exponent keys the factors leave behind, and the maxima
-            # as agreed: with them a flagged unit is poisoned in its unscale instead.
-            poison = torch.tensor(math.nan if settings.stats else math.inf, **f32)
-            if settings.stats and settings.scaling == Scaling.BUCKET:
-                premax = arena.take(segments, torch.float32)
-            maxima, keyed = agreed if premax is None else premax, (keys, [])
-        st = SteadyUnit(
-            *key,
-            runs,
-            shared,
-            local,
-            block_keys,
-            agreed,
-            scale,
-            unscale,
-            decode,
-            made,
-            poison,
-            premax=premax,
-            pad=pad,
-        )
-        if settings.stats:
-            shape = (n, settings.scaling)
-            st.record, st.labels = _unit_records(c, runs, params, on, maxima, keyed, shape)
         return st
 
     def _settle_fp32_unit(
@@ -2978,7 +2845,7 @@ class Reducer:
             sums = codec.codec_for(_SUM_FORMAT, device)
         recv = arena.take(n * runs.row_numel, torch.float32).view(n, runs.row_numel)
         f32 = {"dtype": torch.float32, "device": device}
-        st = SteadyFP32Unit(*key, sums, recv, torch.tensor(math.nan, **f32), ())
+        st = SteadyFP32Unit(*key, sums, recv, torch.tensor(math.nan, **f32))
         if self.settings.stats:  # the parameters' chunks, whatever the scaling (not blocks)
             st.layout, st.shared = layout, torch.zeros(p + 1, **f32)
             st.local, st.agreed = arena.take(n * p, torch.float32), arena.take(n * p, torch.float32)
@@ -2992,45 +2859,45 @@ class Reducer:
     def _settle_mixed_unit(
         self,
         plan: BucketPlan,
+        arena: Arena,
         runs: RowRuns,
+        rows: torch.Tensor,
         key: _UnitKey,
         params: tuple[Sequence[str], Sequence[int]],
     ) -> SteadyMixedUnit | None:
-        """The unit's :class:`SteadyMixedUnit` (several formats; any scaling; with
-        ``stats=True`` its records bound too; with block scaling every run's rows whole
-        bytes). On the torch codec backends the same buffers and spans, each kernel
-        call torch ops. None where its formats' codecs differ in backend."""
+        """The unit's :class:`SteadyMixedUnit` (scaled formats, beside FP32 ones or not; any
+        scaling; with ``stats=True`` its records bound too; every run's rows whole bytes).
+        A unit of one run cuts its scratch from ``arena`` and needs no spans
+        (:func:`_unit_buffers`); with block scaling its keys are its codec's fused ones
+        (:meth:`_bind_one_format_blocks`). On the torch codec backends the same buffers and
+        spans, each kernel call torch ops. None where its formats' codecs differ in
+        backend, or one format's block keys have no fused call."""
         settings, n, (chunks, _, device, _) = self.settings, self.comm.world_size, key
         scaled = list(dict.fromkeys(r.fmt for r in runs.runs if r.fmt != FP32))
         codecs = [codec.codec_for(f, device) for f in scaled]
-        blocked = settings.scaling == Scaling.BLOCK
+        single = len(runs.runs) == 1
+        blocked = settings.scaling == Scaling.BLOCK and not single
         kernels = bool(codecs) and codecs[0].backend == "kernels"
         # Every format on the CPU kernels, or none (the torch ops): the calls bound below
         # follow the first codec's backend.
         if not scaled or any((c.backend == "kernels") != kernels for c in codecs):
             return None
-        p, row, row_bytes = len(chunks), runs.row_numel, runs.row_bytes
+        p, own = len(chunks), arena if single else None
         lay = _mixed_layout(runs, scaled, n)
-        # The arena: the scaled runs' float32 values, then the wire region, which holds
-        # the send buffer until it is sent and then the landing (codes, every run's values).
-        staged_end, codes_end = 4 * lay.scaled_numel, -(-lay.coded // 4) * 4
-        wire_end = max(-(-n * row_bytes // 4) * 4, codes_end + 4 * lay.numel)
-        spans = _mixed_spans(runs, lay, n, staged_end, codes_end)
-        u8 = {"dtype": torch.uint8, "device": device}
-        arena = torch.zeros(staged_end + wire_end, **u8)
-        coded, recv = torch.empty(lay.coded, **u8), torch.empty(n * row_bytes, **u8)
-        landing = arena[staged_end:]
-        staged, values = (
-            arena[:staged_end].view(torch.float32),
-            landing[codes_end : codes_end + 4 * lay.numel].view(torch.float32),
+        staged, coded, landing, values, spans, buffers, send, pad = _unit_buffers(
+            runs, lay, n, own, device
         )
         f32 = {"dtype": torch.float32, "device": device}
         # With records, every row's agreed maxima follow (the N x P rows' order): the
         # records read them before any spread, from the one index_select.
         perm = lay.perm + list(range(p)) * n if settings.stats else lay.perm
-        agreed, maxima = torch.empty(len(perm), **f32), torch.empty(p, **f32)
+        agreed = _take(own, len(perm), torch.float32, device)
+        # One run's parameters' maxima are every row's (the torch ops write them once).
+        maxima = agreed[:p] if single and not kernels else torch.empty(p, **f32)
         sums = np.array(lay.sums, np.int64).reshape(-1, 7)
-        calls, spreads, keys = [], [], []
+        calls: list[tuple[Callable[[], object], Callable[..., object], Callable[[], object]]] = []
+        spreads, keys, layouts = [], [], []
+        factors_of: tuple[torch.Tensor, ...] = ()
         shape = (n, settings.block_size)
         blocks = _MixedBlocks(lay, chunks, scaled, shape, device) if blocked else None
         for f, (c, (e0, e1), (s0, s1), (c0, c1)) in enumerate(
@@ -3038,34 +2905,45 @@ class Reducer:
         ):
             # Its runs' segments (chunks, or blocks) run by run, row by row.
             sizes = [s for run in runs.runs if run.fmt == scaled[f] for s in _row_segments(run, n)]
-            layout = Layout.from_numels(sizes, device)
+            whole = single and runs.runs[0].packed_rows  # one run's rows as they are: its own
+            layouts.append(runs.runs[0].rows_layout if whole else Layout.from_numels(sizes, device))
             if blocks is not None:  # per block of each segment: the factors' one call writes them
                 b0, b1 = blocks.bounds[f], blocks.bounds[f + 1]
                 scale, unscale, made = blocks.scale[b0:b1], blocks.decode[b0:b1], _no_factors
+            elif settings.scaling == Scaling.BLOCK:  # one format: written by its keyed calls
+                segments = layouts[f].n_segments
+                scale, unscale, dec = (_take(own, segments, torch.float32, device) for _ in "sud")
+                made, factors_of = _no_factors, (scale, unscale, dec)
             else:
-                scale, unscale = torch.empty(s1 - s0, **f32), torch.empty(s1 - s0, **f32)
+                # No scaling: a scale of 1 written once, so kept out of the shared region.
+                none = settings.scaling == Scaling.NONE
+                scale = _take(None if none else own, s1 - s0, torch.float32, device)
+                unscale = _take(own, s1 - s0, torch.float32, device)
                 mine = np.zeros(s1 - s0, np.int32) if settings.stats and kernels else None
                 if mine is not None:  # the records' keys: this format's, at their rows' places
                     keys.append((mine, np.array(lay.rows[s0:s1]) * p + lay.perm[s0:s1]))
-                pick, scaling = (maxima, lay.perm[s0:s1]), settings.scaling
+                # One run without scaling: its unscale NaN for a non-finite maximum.
+                pick = None if single and none else (maxima, lay.perm[s0:s1])
+                scaling = settings.scaling
                 made = _unit_factors(c, agreed[s0:s1], n, scale, unscale, mine, scaling, pick)
                 if scaling == Scaling.BUCKET and mine is None:
                     spreads.append(AgreedMaxima(agreed[s0:s1], n))
-            calls.append(
-                (
-                    made,
-                    c.bind_encode(staged[e0:e1], coded[c0:c1], scale, layout),
-                    c.bind_decode(landing[c0:c1], values[e0:e1], unscale, layout),
-                )
-            )
-        if settings.scaling == Scaling.NONE:  # every run NaN where its maximum is not
-            sums[:, 5] = 1  # finite, in the sum (the unscale stays 1): as FP32's runs
+            encode: Callable[..., object] = functools.partial(
+                c.encode, out=coded[c0:c1], scale=scale, layout=layouts[f]
+            )  # one run: from the step's rows (FSDP hands new ones)
+            if staged is not None:
+                encode = c.bind_encode(staged[e0:e1], coded[c0:c1], scale, layouts[f])
+            dec = factors_of[2] if factors_of else unscale
+            decode = c.bind_decode(landing[c0:c1], values[e0:e1], dec, layouts[f])
+            calls.append((made, encode, decode))
+        if settings.scaling == Scaling.NONE and not single:  # every run NaN where its maximum
+            sums[:, 5] = 1  # is not finite, in the sum (the unscale stays 1): as FP32's runs
         st = SteadyMixedUnit(
             *key,
             codecs[0],
             plan.layout,
             torch.zeros(p + 1, **f32),
-            torch.empty(n * p, **f32),
+            _take(own, factors_of[0].numel() if factors_of else n * p, torch.float32, device),
             maxima,
             to_device(torch.tensor(perm, dtype=torch.long), device),
             agreed,
@@ -3073,29 +2951,98 @@ class Reducer:
             spreads,
             calls,
             spans,
-            (arena, coded, recv, landing),
-            landing[: n * row_bytes],
+            buffers,
+            send,
             values,
             sums,
-            row,
+            runs.row_numel,
+            pad=pad,
         )
         st.offsets_of = (st.layout.offsets.numpy(), np.array(perm, np.int64))
-        on: Layout | Blocks = st.layout
+        x = rows.reshape(-1) if pad is None else pad[0].view(-1)
+        bound = (plan, layouts[0], blocks, keys, factors_of, x)
+        return self._bind_unit_scaling(st, runs, params, bound)
+
+    def _bind_unit_scaling(
+        self,
+        st: SteadyMixedUnit,
+        runs: RowRuns,
+        params: tuple[Sequence[str], Sequence[int]],
+        bound: tuple[Any, ...],
+    ) -> SteadyMixedUnit | None:
+        """Bind a :class:`SteadyMixedUnit`'s block keys and factors (block scaling) and, with
+        ``stats=True``, its records. ``bound``: its plan, its first format's layout of the
+        N rows (one run: its rows', padded or not), several formats' blocks
+        (:class:`_MixedBlocks`), each scaled format's records' keys, one format's block
+        factors (scale, unscale, decode) and the rows it binds its keys over. None where
+        one format's block keys have no fused call."""
+        settings, n, p = self.settings, self.comm.world_size, len(st.chunks)
+        plan, layout, blocks, keys, factors_of, x = bound
+        # One run's records read its rows as encoded (padded or not), several runs' the
+        # N rows' chunks; every row's maxima before any spread, under the keys the factors
+        # leave (each scaled format's moved to its rows' places; FP32's 0).
+        on: Layout | Blocks = st.layout if st.spans is not None else layout
+        seen, keyed = st.agreed[st.agreed.numel() - n * p :], (np.zeros(n * p, np.int32), keys)
         pick = None
         if blocks is not None:
             on, pick = self._bind_mixed_blocks(st, blocks, plan)
+        elif settings.scaling == Scaling.BLOCK:
+            one = self._bind_one_format_blocks(st, runs.runs[0], layout, factors_of, x)
+            if one is None:
+                return None  # no fused keys for this backend or format
+            on = one
+        if isinstance(on, Blocks):  # every block under its agreed key and this rank's maxima
+            seen, keyed = st.local, (st.shared[:-1], [])
         if settings.stats:
-            # Every row's maxima before any spread, under the keys the factors leave (each
-            # scaled format's moved to its rows' places; FP32's 0); with blocks, every
-            # block under its agreed key and this rank's block maxima.
-            seen, keyed = agreed[len(lay.perm) :], (np.zeros(n * p, np.int32), keys)
-            if blocks is not None:
-                seen, keyed = st.local, (st.shared[:-1], [])
             shape = (n, settings.scaling)
             st.record, st.labels = _unit_records(
-                codecs[0], runs, params, on, seen, keyed, shape, pick
+                st.codec, runs, params, on, seen, keyed, shape, pick
             )
         return st
+
+    def _bind_one_format_blocks(
+        self,
+        st: SteadyMixedUnit,
+        run: Run,
+        layout: Layout,
+        factors_of: tuple[torch.Tensor, ...],
+        x: torch.Tensor,
+    ) -> Blocks | None:
+        """One format's block keys and factors in a :class:`SteadyMixedUnit` of one run: its
+        codec's fused keys (:meth:`aps_comm.codec.Codec.bind_block_keys`, bound over a
+        step's rows, as FSDP hands new ones; bound first over ``x``), the factors of the
+        agreed keys into ``factors_of`` (scale, unscale) and the decode's factor of every
+        segment of the N received rows: this rank's row's blocks N times (its third).
+        Returns the N rows' blocks (over ``layout``, the rows padded or not), None where
+        the codec has no fused keys for the format."""
+        n, c, device = self.comm.world_size, st.codec, st.device
+        scale, unscale, decode = factors_of
+        blocks = run.rows_blocks
+        assert blocks is not None
+        blocks = dataclasses.replace(blocks, layout=layout)  # a padded run's, where padded
+        st.shared = torch.zeros(layout.n_segments + 1, dtype=torch.uint8, device=device)
+        flags = torch.empty(len(blocks.counts), dtype=torch.uint8, device=device)
+        block_keys = functools.partial(
+            c.bind_block_keys,
+            layout=blocks.layout,
+            counts=blocks.counts,
+            maxima=st.local,
+            keys=st.shared[:-1],
+            flags=flags,
+            world_size=n,
+            device_counts=blocks.device_counts,
+        )
+        if block_keys(x) is None:
+            return None
+        made = c.bind_feedback_factors(st.shared[:-1], n, scale, unscale, blocks.device_counts)
+        st.poison = torch.tensor(math.nan, dtype=torch.float32, device=device)
+        st.keyed = (
+            functools.partial(_fused_block_keys, block_keys),
+            functools.partial(
+                _one_format_decode, made, unscale, decode, st.shared, st.poison, (n, self.comm.rank)
+            ),
+        )
+        return blocks
 
     def _bind_mixed_blocks(
         self, st: SteadyMixedUnit, blocks: _MixedBlocks, plan: BucketPlan
@@ -3147,13 +3094,19 @@ class Reducer:
     def _run_mixed_unit(
         self, index: int, st: SteadyMixedUnit, rows: torch.Tensor, problem: torch.Tensor
     ) -> torch.Tensor:
-        """:meth:`unit` along its :class:`SteadyMixedUnit`."""
+        """:meth:`unit` along its :class:`SteadyMixedUnit`: per step, whatever the number of
+        parameters and runs, the maxima or block keys, the flag in and out of the one MAX
+        all-reduce, the factors, the encode, the ``all_to_all_single``, the decode and the
+        FP32 sum in rank order (spans around them where there are several runs)."""
         comm, c, x = self.comm, st.codec, rows.reshape(-1)
         n, shared, k = comm.world_size, st.shared, st.shared.numel() - 1
         arena, coded, recv, landing = st.buffers
-        gather, scatter, receive = st.spans
+        encoded = x
+        if st.pad is not None:  # every row followed by a zero: its codes whole bytes
+            torch.cat([rows, st.pad[1]], 1, out=st.pad[0])
+            encoded = st.pad[0].view(-1)
         if st.keyed is not None:  # block scaling: every block's key, the flag beside them
-            st.keyed[0](x)
+            st.keyed[0](x if st.spans is not None else encoded)
             self._agree_unit(shared, problem)
             st.keyed[1]()
         elif c.backend == "kernels":
@@ -3164,18 +3117,29 @@ class Reducer:
             cpu_kernels.call("unit_agreed", shared, problem, st.offsets_of[1], st.maxima, st.agreed)
         else:  # the same on the torch ops
             self._agree_unit(shared, problem, (c, x, st.layout, st.local))
-            torch.where(problem > 0, st.poison, shared[:k], out=st.maxima)
-            torch.index_select(st.maxima, 0, st.perm, out=st.agreed)
+            if st.spans is None:  # one run: every row's maxima are the parameters'
+                agreed = st.agreed.view(-1, k)
+                torch.where(problem > 0, st.poison, shared[:k].expand_as(agreed), out=agreed)
+            else:
+                torch.where(problem > 0, st.poison, shared[:k], out=st.maxima)
+                torch.index_select(st.maxima, 0, st.perm, out=st.agreed)
         for spread in st.spreads:
             spread.spread()
-        c.copy_spans(rows, arena, gather)
-        for made, encode, _ in st.calls:
-            made()
-            encode()
-        self._add_records(index, st, x)
-        c.copy_spans(coded, arena, scatter)
+        if st.spans is None:  # one run: its rows encoded straight into the send buffer
+            for made, encode, _ in st.calls:
+                made()
+                encode(encoded)
+        else:
+            c.copy_spans(rows, arena, st.spans[0])
+            for made, encode, _ in st.calls:
+                made()
+                encode()
+        self._add_records(index, st, encoded)
+        if st.spans is not None:
+            c.copy_spans(coded, arena, st.spans[1])
         transports.rows_exchange(st.send, recv, comm.group, self.traffic)
-        c.copy_spans(recv, landing, receive)
+        if st.spans is not None:
+            c.copy_spans(recv, landing, st.spans[2])
         for _, _, decode in st.calls:
             decode()
         out = torch.empty(st.row_numel, dtype=torch.float32, device=rows.device)
@@ -3228,59 +3192,6 @@ class Reducer:
         shared[k:].copy_(problem.reshape(1))
         transports.all_reduce_max(shared, self.comm.group, self.traffic)
         problem.copy_(shared[k])
-
-    def _run_unit(
-        self, index: int, st: SteadyUnit, rows: torch.Tensor, problem: torch.Tensor
-    ) -> torch.Tensor:
-        """:meth:`unit` along its :class:`SteadyUnit`: the same collectives, bytes, bits and
-        records."""
-        comm, run = self.comm, st.runs.runs[0]
-        if st.pad is not None:  # every row followed by a zero: its codes whole bytes
-            torch.cat([rows, st.pad[1]], 1, out=st.pad[0])
-            rows = st.pad[0]
-        n, c, layout, x = comm.world_size, run.codec, run.rows_layout, rows.reshape(-1)
-        shared, k = st.shared, st.shared.numel() - 1
-        if st.keys is not None:  # block scaling: this rank's key of every block
-            keys = st.keys(x)
-            assert keys is not None  # as when it was bound
-            keys()
-        self._agree_unit(shared, problem, None if st.keys is not None else (c, x, layout, st.local))
-        flagged = shared[k] > 0
-        if st.agreed is not None:
-            if st.premax is not None:  # the records show the maxima before the spread
-                st.premax.view(n, k).copy_(shared[:k].expand(n, k))
-            if self.settings.scaling == Scaling.BUCKET:
-                AgreedMaxima(shared[:k], n).spread()
-            agreed = shared[:k].expand(n, k)
-            if st.record is None:  # a flagged unit is NaN on every rank: its maxima inf
-                torch.where(flagged, st.poison, agreed, out=st.agreed.view(n, k))
-            else:  # the records read the maxima as agreed
-                st.agreed.view(n, k).copy_(agreed)
-            st.factors()
-            if st.record is not None:  # a flagged unit is NaN on every rank: its unscale NaN
-                self._add_records(index, st, x)
-                torch.where(flagged, st.poison, st.unscale, out=st.unscale)
-        else:
-            st.factors()
-            self._add_records(index, st, x)
-            # A parameter with a non-finite block in any row is NaN in every row (its
-            # blocks' unscale in that row is NaN); every rank sends this rank its row.
-            per_row = st.unscale.view(n, -1)
-            bad = torch.any(per_row.isnan(), 0) | flagged
-            torch.where(
-                bad.expand_as(per_row),
-                st.poison,
-                per_row[comm.rank].expand_as(per_row),
-                out=st.decode.view_as(per_row),
-            )
-        # One run of whole-byte rows: the N rows' codes are the send buffer end to end.
-        send, recv, values = st.runs.send, st.runs.recv, st.runs.values
-        c.encode(x, out=send.view(-1), scale=st.scale, layout=layout)
-        transports.rows_exchange(send, recv, comm.group, self.traffic)
-        c.decode(recv.view(-1), values.numel(), out=values.view(-1), scale=st.decode, layout=layout)
-        out = torch.empty(st.runs.row_numel, dtype=torch.float32, device=rows.device)
-        c.sum_rows(values, out)  # FP32, in rank order
-        return out if st.pad is None else out[: out.numel() - 1]
 
     # -- the step ---------------------------------------------------------------------
 
@@ -3824,6 +3735,81 @@ def _mixed_spans(
     return g, s, r
 
 
+def _unit_buffers(
+    runs: RowRuns, lay: _MixedLayout, n: int, arena: Arena | None, device: torch.device
+) -> tuple[Any, ...]:
+    """A :class:`SteadyMixedUnit`'s buffers: the encode's input (None: one run, encoded from
+    the step's rows), the codes, the landing, every run's values, the spans (None for one
+    run), its ``buffers``, the send buffer, and a 4-bit run's padded rows and zeros.
+
+    Several runs (``arena`` None): one arena of their own, zeroed (a padded row's zero is
+    never written): the scaled runs' float32 values, then the wire region, which holds
+    the send buffer until it is sent and then the landing (codes, every run's values).
+    One run, cut from ``arena`` (the state's workspace slot): its N rows' codes are the
+    send buffer end to end (a 4-bit odd row copied beside a zero first, every row whole
+    bytes: each goes to its own rank), decoded out of the received rows into values over
+    the send buffer (sent before they are written): no spans."""
+    send_bytes = n * runs.row_bytes
+    if arena is not None:
+        pad, stride = None, lay.strides[0]
+        if not runs.runs[0].packed_rows:
+            padded = arena.take(n * stride, torch.float32).view(n, stride)
+            pad = (padded, torch.zeros(n, 1, dtype=torch.float32, device=device))
+        scratch = arena.take(-(-max(send_bytes, 4 * lay.numel) // 4), torch.float32)
+        send, recv = scratch.view(torch.uint8)[:send_bytes], arena.take(send_bytes)
+        buffers = (scratch.view(torch.uint8), send, recv, recv)
+        return None, send, recv, scratch[: lay.numel], None, buffers, send, pad
+    staged_end, codes_end = 4 * lay.scaled_numel, -(-lay.coded // 4) * 4
+    wire_end = max(-(-send_bytes // 4) * 4, codes_end + 4 * lay.numel)
+    spans = _mixed_spans(runs, lay, n, staged_end, codes_end)
+    u8 = {"dtype": torch.uint8, "device": device}
+    own = torch.zeros(staged_end + wire_end, **u8)
+    coded, recv = torch.empty(lay.coded, **u8), torch.empty(send_bytes, **u8)
+    landing = own[staged_end:]
+    staged, values = (
+        own[:staged_end].view(torch.float32),
+        landing[codes_end : codes_end + 4 * lay.numel].view(torch.float32),
+    )
+    buffers = (own, coded, recv, landing)
+    return staged, coded, landing, values, spans, buffers, landing[:send_bytes], None
+
+
+def _fused_block_keys(
+    keys: Callable[[torch.Tensor], Callable[[], None] | None], x: torch.Tensor
+) -> None:
+    """One format's block keys of a step's rows ``x``: its codec's fused call, bound over
+    them (:meth:`aps_comm.codec.Codec.bind_block_keys`; FSDP hands new rows every step)."""
+    bound = keys(x)
+    assert bound is not None  # as when it was bound
+    bound()
+
+
+def _one_format_decode(
+    made: Callable[[], object],
+    unscale: torch.Tensor,
+    decode: torch.Tensor,
+    shared: torch.Tensor,
+    poison: torch.Tensor,
+    rows: tuple[int, int],
+) -> None:
+    """One format's block factors from the agreed keys and flag (``shared``): ``made``
+    writes every block's ``unscale`` of the N rows (``rows``: N and this rank), then
+    ``decode`` this rank's row's N times, ``poison`` (NaN) for every block of a flagged
+    unit."""
+    (n, rank), flagged = rows, shared[-1] > 0
+    made()
+    # A parameter with a non-finite block in any row is NaN in every row (its blocks'
+    # unscale in that row is NaN); every rank sends this rank its row.
+    per_row = unscale.view(n, -1)
+    bad = torch.any(per_row.isnan(), 0) | flagged
+    torch.where(
+        bad.expand_as(per_row),
+        poison,
+        per_row[rank].expand_as(per_row),
+        out=decode.view_as(per_row),
+    )
+
+
 class _MixedBlocks:
     """Block scaling in a unit of several formats (:meth:`Reducer._settle_mixed_unit`):
     where each scaled format's encoded blocks (its runs, row by row, each chunk's
@@ -3896,20 +3882,6 @@ def _row_segments(run: Run, n: int) -> list[int]:
     return sizes
 
 
-def _padded_rows(runs: RowRuns, n: int) -> RowRuns:
-    """A 4-bit unit's one run of an odd row, each of its N rows followed by a zero
-    (:func:`_row_segments`)."""
-    run = runs.runs[0]
-    layout = Layout.from_numels(_row_segments(run, n), run.rows_layout.device)
-    blocks = run.rows_blocks
-    if blocks is not None:
-        blocks = dataclasses.replace(blocks, layout=layout)
-    padded = dataclasses.replace(
-        run, hi=run.hi + 1, rows_layout=layout, packed_rows=True, rows_blocks=blocks
-    )
-    return dataclasses.replace(runs, runs=[padded], row_numel=runs.row_numel + 1)
-
-
 def _mixed_block_keys(
     layout: Layout,
     formats: list[FloatFormat],
@@ -3965,16 +3937,3 @@ def _format_rows(runs: RowRuns, p: int, device: torch.device) -> torch.Tensor:
         for i in run.index:
             rows[i] += place.get(run.fmt, fp32) * p
     return to_device(torch.tensor(rows, dtype=torch.long), device)
-
-
-def _unit_scratch(runs: RowRuns, arena: Arena, n: int) -> RowRuns:
-    """A settled unit's :class:`aps_comm.plan.RowRuns` with its exchange's and sum's scratch
-    cut from ``arena``: the decoded rows over the send buffer (sent before they are
-    written), the received rows beside them."""
-    send_bytes, values = n * runs.row_bytes, n * runs.row_numel
-    scratch = arena.take(-(-max(send_bytes, 4 * values) // 4), torch.float32)
-    send = scratch.view(torch.uint8)[:send_bytes].view(n, runs.row_bytes)
-    recv = arena.take(send_bytes).view(n, runs.row_bytes)
-    return dataclasses.replace(
-        runs, send=send, recv=recv, values=scratch[:values].view(n, runs.row_numel)
-    )

@@ -525,18 +525,12 @@ class RowRuns:
         by_format: per scaled (non-FP32) format, its parameters' positions on the device.
         row_numel: elements per row.
         row_bytes: bytes per encoded row.
-        send: scratch for the N encoded rows.
-        recv: scratch for the N received rows.
-        values: scratch for the N decoded rows (float32).
     """
 
     runs: list[Run]
     by_format: dict[FloatFormat, torch.Tensor]
     row_numel: int
     row_bytes: int
-    send: torch.Tensor
-    recv: torch.Tensor
-    values: torch.Tensor
 
 
 @dataclasses.dataclass
@@ -709,10 +703,7 @@ class BucketPlan:
             if fmt != FP32  # exact in FP32: no scaling
         }
         self.group_builds += 1
-        row_bytes = runs[-1].b1 if runs else 0
-        send = torch.empty(n_rows, row_bytes, dtype=torch.uint8, device=self.device)
-        values = torch.empty(n_rows, lo, dtype=torch.float32, device=self.device)
-        cached = RowRuns(runs, by_format, lo, row_bytes, send, torch.empty_like(send), values)
+        cached = RowRuns(runs, by_format, lo, runs[-1].b1 if runs else 0)
         # One format mix at a time: a Schedule switch frees the old scratch.
         self.row_runs = {key: cached}
         return cached

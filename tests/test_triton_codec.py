@@ -1635,7 +1635,7 @@ def _fsdp_unit_steps(options: dict, numels: list[int], triton: bool) -> tuple[li
     ids=["e4m3", "e2m1-block", "e4m3-stats-mixed"],
 )
 def test_settled_fsdp_units_on_triton_give_the_kernels_bits(options: dict) -> None:
-    # FSDP2 units bind on Triton too (one format: SteadyUnit; several: SteadyMixedUnit),
+    # FSDP2 units bind on Triton too (one format or several: SteadyMixedUnit),
     # with the numba kernels' bits, a NaN parameter included.
     from aps_comm.policy import ByName
     from benchmarks.hostcost import world_of_one
@@ -1649,8 +1649,7 @@ def test_settled_fsdp_units_on_triton_give_the_kernels_bits(options: dict) -> No
     with world_of_one(torch.device("cpu")):
         want, kind, _ = _fsdp_unit_steps(options, numels, triton=False)
         got, on_triton, launched = _fsdp_unit_steps(options, numels, triton=True)
-    mixed = "policy" in options
-    assert kind == on_triton == ("SteadyMixedUnit" if mixed else "SteadyUnit")
+    assert kind == on_triton == "SteadyMixedUnit"
     assert launched > 0  # the settled step ran Triton's kernels
     for out, ref in zip(got, want, strict=True):
         bits = torch.where(out.isnan(), 0.0, out).view(torch.int32)
