@@ -1614,11 +1614,6 @@ class Reducer:
             # Every group in FP32: under Promote only (its maxima and rates still agreed).
             or not (sent or self.assignment.promoter is not None)
             or any(g.reduction not in routes for g in groups)
-            # Promote's rates are two_phase's factors' (the native sum's ladder has none).
-            or (
-                self.assignment.promoter is not None
-                and any(g.reduction != Route.TWO_PHASE for g in sent)
-            )
         ):
             return
         # One MAX all-reduce: every layer's maximum, or each sent format's block keys in

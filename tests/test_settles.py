@@ -362,10 +362,15 @@ def _feedback_against_the_simulated(rank: int, world_size: int, configs: list[di
     problems = []
     for c, options in enumerate(configs):
         options = dict(options)
+        # Half of layer 3 below the format's range: Promote moves it up a format (a
+        # bucket of one format becomes one of two, bound again).
+        underflow, moved = options.pop("_underflow", False), False
         with forced_codec(options.pop("codec_backend", None)):
             settled = aps_comm.APSState(**options)
             settled.bind_model(torch.nn.ModuleList(ParamLayer(p) for p in params))
-            kind = SteadyGroups if _several(options) else SteadyFeedback
+            kind: Any = SteadyGroups if _several(options) else SteadyFeedback
+            if underflow:
+                kind = (SteadyFeedback, SteadyGroups)
             buffer = torch.empty(sum(numels))
             kept: list[torch.Tensor | None] | None = None  # every rank's residuals
             wire = None
@@ -373,6 +378,8 @@ def _feedback_against_the_simulated(rank: int, world_size: int, configs: list[di
                 gen = torch.Generator().manual_seed(100 * step + 10 * c + rank)
                 x = torch.randn(sum(numels), generator=gen) * 2.0 ** (step - 2)
                 x[::97] *= 1000.0  # layers of very different maxima
+                if underflow:
+                    x[7:706:2] *= 2.0**-60
                 if step == 3 and rank == world_size - 1:
                     x[7] = float("nan")  # layer 3 on one rank: NaN in it on every rank, this step
                 if step == 5:  # residuals restored from a checkpoint: bound again on them
@@ -390,6 +397,7 @@ def _feedback_against_the_simulated(rank: int, world_size: int, configs: list[di
                     problems.append(f"config {c} step {step}: not settled")
                 out = settled.run_bucket(0, buffer, params)
                 fmts = settled.assignment.formats([id(p) for p in params], step)  # the policy's
+                moved = moved or len(set(fmts)) > 1
                 sim = simulate.hook_options(options, fmts)
                 # What each rank sends: its gradient with its residual added (records).
                 sent = list(layers)
@@ -399,7 +407,9 @@ def _feedback_against_the_simulated(rank: int, world_size: int, configs: list[di
                 want, kept = simulate.allreduce_feedback(layers, options["fmt"], kept, **sim)
                 if _bits_differ(out, torch.cat(want)):
                     problems.append(f"config {c} step {step}: gradients differ")
-                if out[6:706].isnan().all() != (step == 3) or out[706:].isnan().any():
+                # Scaled, the whole layer is NaN (its maximum is); in FP32 the element alone.
+                nan = out[6:706].isnan().all() if fmts[3].name != "fp32" else out[7].isnan()
+                if nan != (step == 3) or out[706:].isnan().any():
                     problems.append(f"config {c} step {step}: NaN where it should not be, or not")
                 mine = settled.state_dict()["residuals"]
                 ref = {names[i]: r[rank] for i, r in enumerate(kept) if r is not None}
@@ -416,6 +426,8 @@ def _feedback_against_the_simulated(rank: int, world_size: int, configs: list[di
                     records = simulate.records(sent, options["fmt"], rank, names=names, **sim)
                 if repr(settled.stats) != repr(records):  # NaN-aware through repr
                     problems.append(f"config {c} step {step}: records differ")
+        if underflow and not moved:
+            problems.append(f"config {c}: Promote moved no layer")
     return problems
 
 
@@ -537,6 +549,7 @@ def test_native_blocks_cost_the_same_ops_whatever_the_layers(
 
 
 _NATIVE_FEEDBACK = {"fmt": "fp16", "reduction": "allreduce", "error_feedback": True}
+_UP_TO_FP32 = Promote(gamma=0.05, ladder=("fp16", "fp32"))
 
 
 def test_error_feedback_on_the_native_all_reduce_settles_with_the_simulated_bits() -> None:
@@ -545,7 +558,8 @@ def test_error_feedback_on_the_native_all_reduce_settles_with_the_simulated_bits
     call, the encode with its residual update (kept under ``2**-e``, the decode's
     ``2**-e / N`` aside), the sum in the wire format, with
     :func:`aps_comm.simulate.allreduce_feedback`'s gradients, residuals and records on two
-    ranks (Promote's ladder has no format Gloo sums);
+    ranks; with Promote up a ladder Gloo sums (fp16, then FP32), a layer moved to FP32
+    binding the bucket again as two groups (a RuntimeError before);
     with block scaling (the native sum's agreed keys, their factors in one call), and in
     several formats, consecutive or interleaved, every group's residuals added in one
     call and its factors picking its maxima; on the torch codec backends too."""
@@ -555,6 +569,7 @@ def test_error_feedback_on_the_native_all_reduce_settles_with_the_simulated_bits
         {**_NATIVE_FEEDBACK, "scaling": "none"},
         {**_NATIVE_FEEDBACK, "fmt": "bf16", "stats": True},
         {**_NATIVE_FEEDBACK, "stats": True},
+        {**_NATIVE_FEEDBACK, "stats": True, "policy": [_UP_TO_FP32], "_underflow": True},
         # Block scaling (the native sum's agreed keys), one format and several.
         {**_NATIVE_FEEDBACK, "scaling": "block", "stats": True},
         {**_NATIVE_FEEDBACK, "scaling": "block", "fmt": "bf16", "block_size": 16},
@@ -566,6 +581,7 @@ def test_error_feedback_on_the_native_all_reduce_settles_with_the_simulated_bits
         {**_NATIVE_FEEDBACK, **_native_interleaved(), "scaling": "none"},
         # The torch codec backends: the general path's factors, encode and residual update.
         {**_NATIVE_FEEDBACK, "codec_backend": "cast", "stats": True},
+        {**_NATIVE_FEEDBACK, "codec_backend": "cast", "policy": [_UP_TO_FP32], "_underflow": True},
         {**_NATIVE_FEEDBACK, "codec_backend": "bits", "scaling": "block", "fmt": "bf16"},
         {**_NATIVE_FEEDBACK, **_native_interleaved(), "codec_backend": "cast", "scaling": "block"},
     ]
