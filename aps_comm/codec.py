@@ -508,6 +508,12 @@ def _owner_feedback_ops(
     part = c.decode(out, acc.numel())
     if hi <= lo:
         return
+    if c.backend == "triton":  # one launch, the torch ops' bits
+        lost = _triton().bind_owner_lost(
+            acc, part, layout.device_offsets, factors, span, n, residual
+        )
+        if _triton_ran(("owner_lost",), lost):
+            return
     mine = torch.where(torch.isfinite(unscale), scale, 0.0)
     mine = torch.repeat_interleave(mine, layout.lengths, output_size=layout.numel)[lo:hi]
     lost = torch.where(mine > 0, (acc[: hi - lo] - part[: hi - lo]) / mine, 0.0)
@@ -1012,6 +1018,9 @@ class Codec:
             made = functools.partial(
                 scale_factors, agreed, fmt, "two_phase", world_size=world_size, scaling=scaling
             )
+            if scaling != Scaling.BUCKET:
+                ops = functools.partial(factors_into, made, (scale, unscale))
+                return self.bind_agreed_factors(agreed_maxima, (scale, None, unscale), ops)
         else:
             if kernels:
                 return functools.partial(
@@ -1031,6 +1040,22 @@ class Codec:
                 counts=counts,
             )
         return functools.partial(factors_into, made, (scale, unscale))
+
+    def bind_agreed_factors(
+        self,
+        agreed: AgreedMaxima,
+        out: tuple[torch.Tensor, torch.Tensor | None, torch.Tensor],
+        ops: Callable[[], object],
+    ) -> Callable[[], object]:
+        """The factors of ``agreed`` written into ``out`` (scale, the undivided ``2**-e`` or
+        None, unscale), bound: one launch on "triton"
+        (:func:`aps_comm.triton_codec.bind_maxima_factors`), else (or where that variant
+        cannot run here) ``ops``, the same factors by other calls."""
+        if self.backend != "triton":
+            return ops
+        launch = _triton().bind_maxima_factors(self.fmt, agreed.maxima, agreed.rule(), out)
+        variant = ("maxima_factors", self.fmt.name, agreed.native, out[1] is not None)
+        return functools.partial(_run_bound, variant, launch, ops)
 
     def bind_keep_lost(
         self,
@@ -1057,6 +1082,9 @@ class Codec:
             lost = functools.partial(cpu_kernels.call, "keep_lost", x, sent, residual)
         else:
             lost = functools.partial(_keep_lost_torch, x, sent, residual)
+            if self.backend == "triton":
+                launch = _triton().bind_keep_lost(x, sent, residual)
+                lost = functools.partial(_run_bound, ("keep_lost",), launch, lost)
         return functools.partial(in_order, [decode, lost])
 
     def bind_encode_keep(

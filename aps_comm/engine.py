@@ -3240,8 +3240,8 @@ def _feedback_calls(
     pick: tuple[np.ndarray, np.ndarray, bool] | None,
 ) -> tuple[Callable[[], object] | None, Callable[[], object], np.ndarray | None]:
     """Error feedback's agreement and factors of group ``g``'s values ``x``, bound: one
-    kernel call each on the CPU kernels, tensor ops elsewhere (for the native sum on
-    Triton too: no fused native kernels).
+    kernel call each on the CPU kernels and (the layers' maxima but bucket scaling's)
+    Triton, tensor ops elsewhere.
 
     Args:
         agreed: this rank's block maxima (None without blocks), and the vector the layer
@@ -3311,7 +3311,9 @@ def _native_factors(
     maxima ``agreed``, bound: written into ``out``, per segment ``2**e`` and ``2**-e / N``,
     with error feedback the inverse ``2**-e`` between them. One kernel call on the CPU
     kernels (the layers' through int32 ``keys``, picked from a bucket's maxima with
-    ``pick``: as :func:`_feedback_calls`'), tensor ops elsewhere."""
+    ``pick``: as :func:`_feedback_calls`'), one launch on Triton (the layers' maxima but
+    bucket scaling's: :meth:`aps_comm.codec.Codec.bind_agreed_factors`), tensor ops
+    elsewhere."""
     blocks, fmt, (scale, *inverse, unscale) = g.blocks, g.fmt, out
     if blocks is not None and g.codec.backend == "kernels":
         args = (agreed, blocks.counts, scale, unscale, world_size, *inverse)
@@ -3343,7 +3345,11 @@ def _native_factors(
             factors, agreed, fmt, Route.ALLREDUCE, world_size=world_size, scaling=scaling
         )
     fields = ("scale", "inverse", "unscale") if inverse else ("scale", "unscale")
-    return functools.partial(codec.factors_into, made, out, fields)
+    ops = functools.partial(codec.factors_into, made, out, fields)
+    if blocks is not None or scaling == Scaling.BUCKET:
+        return ops
+    agreed_maxima = AgreedMaxima(agreed, world_size, True, scaling == Scaling.NONE)
+    return g.codec.bind_agreed_factors(agreed_maxima, (scale, *(inverse or [None]), unscale), ops)
 
 
 def _node_groups(layouts: Layouts, route: Route | str, per_node: int) -> dict[str, Any]:

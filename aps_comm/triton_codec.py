@@ -2742,6 +2742,160 @@ def bind_cell_keys(
     )
 
 
+if AVAILABLE:
+
+    @triton.jit(do_not_specialize=["n", "n_ranks"])
+    def _maxima_factors_kernel(
+        amax_ptr,
+        scale_ptr,
+        inverse_ptr,
+        unscale_ptr,
+        n,
+        n_ranks,
+        divisor,
+        E: tl.constexpr,
+        D: tl.constexpr,
+        K: tl.constexpr,
+        DIVIDE: tl.constexpr,
+        INVERSE: tl.constexpr,
+        BLOCK: tl.constexpr,
+    ):
+        """Every segment's factors of its agreed maximum (float32 bits; rule ``K`` over
+        ``n_ranks``, :func:`_exp_key`): ``2**e``, the unscale (``2**-e`` divided by
+        ``divisor`` as ``DIVIDE`` says, NaN for a non-finite maximum) and with
+        ``INVERSE`` ``2**-e`` undivided: the factors the encode and decode derive."""
+        i = tl.program_id(0).to(tl.int64) * BLOCK + tl.arange(0, BLOCK)
+        live = i < n
+        k = _exp_key(tl.load(amax_ptr + i, mask=live, other=0), n_ranks, E, D, K)
+        tl.store(scale_ptr + i, _key_factor(k, divisor, 1, DIVIDE), mask=live)
+        tl.store(unscale_ptr + i, _key_factor(k, divisor, 2, DIVIDE), mask=live)
+        if INVERSE:
+            tl.store(inverse_ptr + i, _key_factor(k, divisor, 2, 0), mask=live)
+
+    @triton.jit(do_not_specialize=["numel"])
+    def _keep_lost_kernel(x_ptr, sent_ptr, res_ptr, numel, BLOCK: tl.constexpr):
+        """``residual = x - sent`` where ``sent`` is finite, else 0."""
+        i = tl.program_id(0).to(tl.int64) * BLOCK + tl.arange(0, BLOCK)
+        live = i < numel
+        x = tl.load(x_ptr + i, mask=live, other=0.0)
+        sent = tl.load(sent_ptr + i, mask=live, other=0.0)
+        finite = (sent == sent) & (tl.abs(sent) < float("inf"))
+        tl.store(res_ptr + i, tl.where(finite, x - sent, 0.0), mask=live)
+
+    @triton.jit(do_not_specialize=["lo", "count", "top", "last", "n_ranks"])
+    def _owner_lost_kernel(
+        acc_ptr,
+        part_ptr,
+        off_ptr,
+        scale_ptr,
+        unscale_ptr,
+        res_ptr,
+        lo,
+        count,
+        top,
+        last,
+        n_ranks,
+        BLOCK: tl.constexpr,
+    ):
+        """The owner's loss ``acc - part`` of its ``count`` elements from ``lo``, divided by
+        their segment's scale (0 where its unscale is not finite) and times ``n_ranks``,
+        added to ``residual[lo:]``: :func:`aps_comm.codec.owner_lost`'s tensor ops."""
+        i = tl.program_id(0).to(tl.int64) * BLOCK + tl.arange(0, BLOCK)
+        live = i < count
+        s = _search(off_ptr, lo + i, tl.full(i.shape, 0, tl.int64), top, last)
+        u = tl.load(unscale_ptr + s, mask=live, other=0.0)
+        f = tl.load(scale_ptr + s, mask=live, other=1.0)
+        mine = tl.where((u == u) & (tl.abs(u) < float("inf")), f, 0.0)
+        d = tl.load(acc_ptr + i, mask=live, other=0.0) - tl.load(part_ptr + i, mask=live, other=0.0)
+        lost = tl.where(mine > 0, _divide(d, tl.where(mine > 0, mine, 1.0), 2), 0.0)
+        r = tl.load(res_ptr + lo + i, mask=live, other=0.0)
+        tl.store(res_ptr + lo + i, r + lost * n_ranks.to(tl.float32), mask=live)
+
+
+def bind_maxima_factors(
+    fmt: FloatFormat,
+    maxima: torch.Tensor,
+    rule: Rule,
+    out: tuple[torch.Tensor, torch.Tensor | None, torch.Tensor],
+) -> Callable[[], object]:
+    """The factors of agreed ``maxima`` under ``rule`` written into ``out`` (float32 scale,
+    the undivided ``2**-e`` or None, unscale: one of each per maximum): one launch per
+    call, whatever the number of segments; the bits of :func:`aps_comm.scaling.factors`.
+
+    Example:
+        >>> s, u = torch.empty(1), torch.empty(1)  # doctest: +SKIP
+        >>> bind_maxima_factors(E4M3, torch.tensor([3.0]), Rule(2), (s, None, u))()  # doctest: +SKIP
+    """
+    scale, inverse, unscale = out
+    consts = _check(fmt, maxima, scale, unscale)
+    n = maxima.numel()
+    if any(t is not None and (t.numel() != n or t.dtype != torch.float32) for t in out):
+        raise ValueError(f"factors need {n} float32 each")
+    if not n:
+        return _NOTHING
+    divisor = rule.world_size if rule.native else 1
+    pow2 = divisor & (divisor - 1) == 0
+    return functools.partial(
+        _maxima_factors_kernel[launch_grid(triton.cdiv(n, BLOCK))],
+        maxima.view(torch.int32),
+        scale,
+        unscale if inverse is None else inverse,
+        unscale,
+        n,
+        rule.world_size,
+        1.0 / divisor if pow2 else float(divisor),
+        E=consts.encode,
+        D=consts.decode,
+        K=key_constants(fmt, rule.native, rule.limit),
+        DIVIDE=0 if divisor == 1 else 1 if pow2 else 2,
+        INVERSE=inverse is not None,
+        BLOCK=BLOCK,
+        **compile_options(),
+    )
+
+
+def bind_keep_lost(
+    x: torch.Tensor, sent: torch.Tensor, residual: torch.Tensor
+) -> Callable[[], object]:
+    """``residual = x - sent`` where ``sent`` is finite, else 0 (float32, one launch)."""
+    if not all(t.dtype == torch.float32 and t.numel() == x.numel() for t in (sent, residual)):
+        raise ValueError(f"keep_lost needs float32 tensors of {x.numel()} elements")
+    if not x.numel():
+        return _NOTHING
+    return functools.partial(
+        _keep_lost_kernel[_grid(x.numel())],
+        *(x, sent, residual, x.numel()),
+        BLOCK=BLOCK,
+        **compile_options(),
+    )
+
+
+def bind_owner_lost(
+    acc: torch.Tensor,
+    part: torch.Tensor,
+    offsets: torch.Tensor,
+    factors: tuple[torch.Tensor, torch.Tensor],
+    span: tuple[int, int],
+    n_ranks: int,
+    residual: torch.Tensor,
+) -> Callable[[], object]:
+    """The owner's loss added to ``residual[lo:hi]`` (``span``; ``acc`` and ``part`` from its
+    element ``lo``), divided by each segment's scale (``offsets``: int64 segment
+    boundaries; ``factors``: scale, unscale) and times ``n_ranks``: one launch."""
+    (lo, hi), (scale, unscale) = span, factors
+    n = scale.numel()
+    _check_offsets(offsets, n, residual.device)
+    if hi <= lo:
+        return _NOTHING
+    return functools.partial(
+        _owner_lost_kernel[_grid(hi - lo)],
+        *(acc, part, offsets, scale, unscale, residual),
+        *(lo, hi - lo, _top(n), n - 1, n_ranks),
+        BLOCK=BLOCK,
+        **compile_options(),
+    )
+
+
 def bind_staged_keys(
     fmt: FloatFormat,
     x: torch.Tensor,
