@@ -734,6 +734,9 @@ _KERNELS = (
     "_records_rows_kernel",
     "_staged_keys_kernel",
     "_staged_key_factors_kernel",
+    "_maxima_factors_kernel",
+    "_keep_lost_kernel",
+    "_owner_lost_kernel",
 )
 
 
@@ -782,6 +785,7 @@ def _launch_everything(tc: types.ModuleType) -> None:
         shards = torch.cat([c.encode(x[:64]), c.encode(x[64:128])])
         c.owner_reduce(shards, 2)
         c.shard_mean(shards, 2)
+        _bind_feedback_calls(c, x, layout, maxima)
         rows = blocks.layout.window(0, 64)
         shard = payload_nbytes(64, fmt)
         recv = torch.cat([c.encode(x[:64]), c.encode(x[:64])])
@@ -793,6 +797,29 @@ def _launch_everything(tc: types.ModuleType) -> None:
         tc.reduce_rank_blocks(recv, 2, fmt, rows.device_offsets, factors, out, d, 126, 32)
         _bind_rank_blocks(c, x, blocks)  # every rank's own block exponents, through the codec
         _bind_agreed_blocks(c, x, blocks)
+
+
+def _bind_feedback_calls(
+    c: codec.Codec, x: torch.Tensor, layout: codec.Layout, maxima: torch.Tensor
+) -> None:
+    """Error feedback's launches, bound by the codec and run: the factors of agreed maxima
+    (two_phase; the native sum's with their inverse, 3 ranks and 4), what the encode lost,
+    and the owner's loss of rank 1 of 2."""
+    from aps_comm.plan import shard_layout
+
+    n, k = x.numel(), maxima.numel()
+    scale, inverse, unscale = (torch.empty(k) for _ in range(3))
+    c.bind_feedback_factors(maxima, 2, scale, unscale)()
+    for ranks in (3, 4):
+        agreed = codec.AgreedMaxima(maxima, ranks, native=True)
+        c.bind_agreed_factors(agreed, (scale, inverse, unscale), lambda: None)()
+    payload = c.encode(x, scale=scale, layout=layout)
+    residual = torch.zeros(n)
+    c.bind_keep_lost(payload, x, torch.empty(n), unscale, layout, residual)()
+    per, shard_bytes = shard_layout(n, c.fmt, 2)
+    recv = c.encode(torch.cat([x, x])[: 2 * per])
+    out = torch.empty(shard_bytes, dtype=torch.uint8)
+    c.bind_owner_feedback(recv, 2, out, layout, (scale, unscale), 1, residual)()
 
 
 def _bind_rank_blocks(c: codec.Codec, x: torch.Tensor, blocks: codec.Blocks) -> None:
