@@ -280,8 +280,12 @@ def _decode_agreed_kernels(
 def _layer_of(layer_ends: np.ndarray) -> np.ndarray:
     """Each block's layer from the layers' ends in the blocks (what the Triton decode
     indexes with; made while binding, its device copy is the binding's)."""
-    counts = np.diff(layer_ends, prepend=0)
-    return np.repeat(np.arange(counts.size, dtype=np.int32), counts)
+    return _block_layers(np.diff(layer_ends, prepend=0), np.int32)
+
+
+def _block_layers(counts: np.ndarray, dtype: type = np.int64) -> np.ndarray:
+    """Each block's layer from the layers' block counts (host work, while binding)."""
+    return np.repeat(np.arange(counts.size, dtype=dtype), counts)
 
 
 def _piece(offsets: np.ndarray, firsts: np.ndarray, j: int) -> slice:
@@ -309,8 +313,7 @@ def _triton_tile(offsets: np.ndarray, counts: torch.Tensor) -> tuple[int, int, n
     longest = _longest(offsets)
     if longest > _triton().MAX_SEGMENT:
         return None
-    host = counts.cpu().numpy()
-    layer_of = np.repeat(np.arange(host.size, dtype=np.int64), host)
+    layer_of = _block_layers(counts.cpu().numpy())
     return max(longest, 1), max(2, 1 << max(longest - 1, 0).bit_length()), layer_of
 
 
@@ -1956,7 +1959,7 @@ class Codec:
         records = self.bind_block_records(x, cells, keys, top)
         if records is None:
             return None
-        layer_of = np.repeat(np.arange(layout.n_segments, dtype=np.int64), cells.counts.numpy())
+        layer_of = _block_layers(cells.counts.numpy())
         at = (agreed.maxima, shown, layer_of, agreed.rule(), (keys, top))
         return functools.partial(_after, _triton().bind_cell_keys(self.fmt, *at), records)
 
