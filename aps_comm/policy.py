@@ -310,6 +310,9 @@ class Assignment:
         self.schedule = [r for r in self.rules if isinstance(r, Schedule)]
         self.promoter = next((r for r in self.rules if isinstance(r, Promote)), None)
         self.layers: dict[Any, tuple[LayerInfo, FloatFormat]] = {}
+        # Per key on Promote's ladder: (its name, its static format's level), found once at
+        # bind so that a step compares no formats (O(layers) dataclass compares per bucket).
+        self._laddered: dict[Any, tuple[str, int]] = {}
         # Per parameter name: Promote's (level, calm steps).
         self.promote: dict[str, tuple[int, int]] = {}
         # Bumped where Promote's levels are replaced (a checkpoint loaded): every
@@ -322,11 +325,13 @@ class Assignment:
         infos = list(layers.values())
         formats = static_formats(self.rules, infos, self.base)
         self.layers = {k: (info, f) for k, info, f in zip(layers, infos, formats, strict=True)}
+        self._laddered = {}
         if self.promoter is not None:
             ladder = list(self.promoter.ladder)
-            for info, f in zip(infos, formats, strict=True):
+            for key, info, f in zip(layers, infos, formats, strict=True):
                 if f in ladder:
                     self.promote.setdefault(info.name, (ladder.index(f), 0))
+                    self._laddered[key] = info.name, ladder.index(f)
 
     @property
     def bound(self) -> bool:
@@ -362,14 +367,13 @@ class Assignment:
     def promote_step(self, keys: Sequence[Any], rates: Sequence[float]) -> None:
         """Move each layer on Promote's ladder from its all-reduced underflow rate."""
         assert self.promoter is not None
-        ladder = list(self.promoter.ladder)
+        step = self.promoter.step
         for key, rate in zip(keys, rates, strict=True):
-            info, static = self.layers[key]
-            if info.name in self.promote and static in ladder:
-                level, calm = self.promote[info.name]
-                self.promote[info.name] = self.promoter.step(
-                    level, calm, rate, ladder.index(static)
-                )
+            at = self._laddered.get(key)
+            if at is not None and at[0] in self.promote:
+                name, base = at
+                level, calm = self.promote[name]
+                self.promote[name] = step(level, calm, rate, base)
 
     def epoch(self, step: int) -> tuple[int, ...]:
         """What ``step``'s formats depend on besides the layers and Promote's steps: the
