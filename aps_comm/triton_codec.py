@@ -140,7 +140,8 @@ class FormatConstants:
         encode: (shift, half_ulp - 1, bias adjustment, max bits, min_normal
             bits, 150 + log2(min_subnormal), max code, NaN code, inf code,
             sign position) as in :func:`aps_comm.cpu_kernels.encoder_params`,
-            non-negative and below 2**32.
+            non-negative and below 2**32, then the hardware conversion
+            (:func:`native_cvt`, 0 for none).
         decode: (mantissa bits, sign position, magnitude mask, exponent
             adjustment ``(127 - bias) << 23`` mod 2**32, emin, inf magnitude,
             first NaN magnitude, shift of a subnormal code that is a float32
@@ -224,9 +225,37 @@ def launch_problem(device: torch.device) -> str | None:
     return _PROBED[device]
 
 
+NATIVE_CVT: dict[tuple[int, int, int, str], int] = {(4, 3, 7, "fn"): 1, (5, 2, 15, "ieee"): 2}
+"""Formats the GPU converts to in hardware (``cvt.rn.satfinite`` to e4m3 and e5m2 on
+compute capability 8.9 and later), by (exponent bits, mantissa bits, bias, specials):
+the encoder's ``native`` code. Its bytes are the integer path's, specials fixed up
+(checked on an H200 over every float32 exponent: the CUDA tests pin it)."""
+
+
+def native_cvt(fmt: FloatFormat, device: torch.device) -> int:
+    """The encoder's hardware conversion of ``fmt`` on ``device``: 1 (e4m3), 2 (e5m2), or
+    0 (the integer path: other formats, the interpreter, GPUs before compute capability 8.9).
+
+    Example:
+        >>> from aps_comm.formats import E4M3
+        >>> native_cvt(E4M3, torch.device("cpu"))
+        0
+    """
+    key = (fmt.exp_bits, fmt.man_bits, fmt.bias, fmt.specials)
+    if INTERPRETED or key not in NATIVE_CVT or torch.device(device).type != "cuda":
+        return 0
+    return NATIVE_CVT[key] if _capability(torch.device(device)) >= (8, 9) else 0
+
+
+@functools.lru_cache(maxsize=16)
+def _capability(device: torch.device) -> tuple[int, int]:
+    return torch.cuda.get_device_capability(device)
+
+
 @functools.lru_cache(maxsize=64)
-def format_constants(fmt: FloatFormat) -> FormatConstants:
-    """The constants of ``fmt`` for the kernels (see :class:`FormatConstants`).
+def format_constants(fmt: FloatFormat, native: int = 0) -> FormatConstants:
+    """The constants of ``fmt`` for the kernels (see :class:`FormatConstants`); ``native``:
+    the encoder's hardware conversion (:func:`native_cvt`), appended to ``encode``.
 
     Raises:
         ValueError: the kernels do not run ``fmt`` (see :func:`supports`).
@@ -236,7 +265,7 @@ def format_constants(fmt: FloatFormat) -> FormatConstants:
             f"the Triton codec handles formats of at most 16 bits with bias <= 127, "
             f"got {fmt.describe()}"
         )
-    enc = tuple(int(v) % _U32 for v in encoder_params(fmt, False)[:10])
+    enc = (*(int(v) % _U32 for v in encoder_params(fmt, False)[:10]), native)
     m, sign = fmt.man_bits, fmt.bits - 1
     magmask = (1 << sign) - 1
     never = magmask + 1
@@ -404,22 +433,33 @@ if AVAILABLE:
         """
         u = v.to(tl.uint32, bitcast=True)
         a = u & 0x7FFFFFFF
-        # Subnormal in the format: round(|v| / min_subnormal), ties to even.
-        ef = a >> 23
-        sig = (a & 0x7FFFFF) | tl.where(ef > 0, 0x800000, 0).to(tl.uint32)
-        s = (E[5] - tl.maximum(ef, 1).to(tl.int32)).to(tl.int32)
-        s = tl.where(s < 0, 31, tl.minimum(s, 31))  # negative: the kernels' wrap-around
-        s = tl.maximum(s, 1).to(tl.uint32)
-        sub = (sig + ((1 << (s - 1)) - 1).to(tl.uint32) + ((sig >> s) & 1)) >> s
-        # Normal: drop `shift` mantissa bits rounding to even, rebias the exponent.
-        odd = (a >> E[0]) & 1
-        normal = ((a + E[1] + odd) >> E[0]) - E[2]
-        c = tl.where(a >= E[4], normal, sub)
-        c = tl.where(a >= E[3], E[6], c)
-        c = tl.where(a == 0x7F800000, E[8], c)
-        c = tl.where(a > 0x7F800000, E[7], c)
-        sign = tl.where(a <= 0x7F800000, (u >> 31) << E[9], 0)
-        return c | sign
+        if E[10] != 0:
+            # The hardware's round to nearest even and saturation (2.5x faster on an
+            # H200 than the integer path); inf and NaN to this encoder's codes.
+            if E[10] == 1:
+                c = v.to(tl.float8e4nv).to(tl.uint8, bitcast=True).to(tl.uint32)
+            else:
+                c = v.to(tl.float8e5).to(tl.uint8, bitcast=True).to(tl.uint32)
+            c = tl.where(a == 0x7F800000, E[8] | ((u >> 31) << E[9]), c)
+            c = tl.where(a > 0x7F800000, E[7], c)
+        else:
+            # Subnormal in the format: round(|v| / min_subnormal), ties to even.
+            ef = a >> 23
+            sig = (a & 0x7FFFFF) | tl.where(ef > 0, 0x800000, 0).to(tl.uint32)
+            s = (E[5] - tl.maximum(ef, 1).to(tl.int32)).to(tl.int32)
+            s = tl.where(s < 0, 31, tl.minimum(s, 31))  # negative: the kernels' wrap-around
+            s = tl.maximum(s, 1).to(tl.uint32)
+            sub = (sig + ((1 << (s - 1)) - 1).to(tl.uint32) + ((sig >> s) & 1)) >> s
+            # Normal: drop `shift` mantissa bits rounding to even, rebias the exponent.
+            odd = (a >> E[0]) & 1
+            normal = ((a + E[1] + odd) >> E[0]) - E[2]
+            c = tl.where(a >= E[4], normal, sub)
+            c = tl.where(a >= E[3], E[6], c)
+            c = tl.where(a == 0x7F800000, E[8], c)
+            c = tl.where(a > 0x7F800000, E[7], c)
+            sign = tl.where(a <= 0x7F800000, (u >> 31) << E[9], 0)
+            c = c | sign
+        return c
 
     @triton.jit
     def _value(c, D: tl.constexpr):
@@ -1865,12 +1905,11 @@ def bind_layer_maxima(
 def _check(fmt: FloatFormat, *tensors: torch.Tensor) -> FormatConstants:
     if not AVAILABLE:
         raise RuntimeError("the Triton codec needs triton (pip install triton)")
-    consts = format_constants(fmt)
     for t in tensors:
         problem = launch_problem(t.device)
         if problem:
             raise ValueError(problem)
-    return consts
+    return format_constants(fmt, native_cvt(fmt, tensors[0].device) if tensors else 0)
 
 
 def _nothing() -> None:

@@ -76,6 +76,21 @@ def test_codec_on_cuda_writes_the_cpu_bytes(name: str) -> None:
     )
 
 
+@pytest.mark.parametrize("name", ["e4m3", "e5m2"])
+def test_hardware_fp8_conversion_writes_the_integer_paths_bytes(name: str) -> None:
+    # From compute capability 8.9 the Triton encoder converts e4m3 and e5m2 with the
+    # hardware's cvt.rn.satfinite: its bytes must be the CPU kernels' for any float32,
+    # every exponent and both signs, inf, NaN and the edges of saturation included.
+    fmt = get_format(name)
+    gen = torch.Generator().manual_seed(1)
+    bits = torch.randint(0, 2**32, (1 << 20,), generator=gen, dtype=torch.int64)
+    edges = [0.0, -0.0, float("inf"), -float("inf"), float("nan"), fmt.max, -fmt.max]
+    edges += [fmt.max * 1.03, fmt.max * 1.0625, fmt.max * 1.07, fmt.min_normal, 2.0**-24]
+    x = torch.cat([bits.to(torch.int32).view(torch.float32), torch.tensor(edges)])
+    gpu = codec.encode(x.to("cuda"), fmt)
+    assert torch.equal(gpu.cpu(), codec.encode(x, fmt))
+
+
 def test_cuda_backends() -> None:
     from aps_comm import triton_codec  # here: collecting this file must not import triton
 

@@ -931,8 +931,16 @@ def test_every_launched_variant_compiles_for_a_gpu(monkeypatch: pytest.MonkeyPat
     backend = make_backend(target)
     compiled = set()
     vectors: dict[tuple[str, int], set[str]] = {}
+    natives: set[str] = set()
     with _loaded(interpret=False) as module:
-        for name, args, recorded in log:
+        # On a GPU of compute capability 8.9 or later e4m3 and e5m2 encode with the
+        # hardware's conversion: every e4m3 variant is compiled that way too.
+        plain, native = module.format_constants(F.E4M3), module.format_constants(F.E4M3, 1)
+        for name, args, recorded in log + [
+            (name, args, {**recorded, "E": native.encode})
+            for name, args, recorded in log
+            if recorded.get("E") == plain.encode
+        ]:
             # Launched on a GPU with the compile options the interpreter took none of.
             kwargs = {**recorded, **module.compile_options()}
             fn = getattr(module, name)
@@ -947,6 +955,8 @@ def test_every_launched_variant_compiles_for_a_gpu(monkeypatch: pytest.MonkeyPat
             src = ASTSource(fn, signature, constexprs, attrs)
             ptx = triton.compile(src, target=target, options=options.__dict__).asm["ptx"]
             compiled.add(key)
+            if kwargs.get("E") == native.encode and "cvt.rn.satfinite.e4m3x2.f32" in ptx:
+                natives.add(name)
             if name == "_maxima_kernel":
                 assert "ld.global.v4.b32" in ptx
             if name in ("_encode_kernel", "_decode_kernel"):
@@ -955,6 +965,7 @@ def test_every_launched_variant_compiles_for_a_gpu(monkeypatch: pytest.MonkeyPat
             if name in ("_send_rank_blocks_kernel", "_decode_rank_blocks_kernel"):
                 vectors.setdefault((name, 0), set()).update(_VECTOR.findall(ptx))
     assert len(compiled) >= 20, len(compiled)
+    assert {"_encode_kernel", "_reduce_kernel"} <= natives, natives
     # A full program moves whole vectors: float32 in four lanes, the codes' bytes in
     # one or more 32-bit words (scalar loads and byte stores once made the encode and
     # decode 2.5x a device copy on an H200).
