@@ -1298,7 +1298,7 @@ class Reducer:
         # Per bucket index: its bound path once settled (:class:`Steady`).
         self.steady: dict[int, _Bound] = {}
         # Per device: the buckets' scratch, shared (:mod:`aps_comm.workspace`).
-        self.workspaces: dict[str, Workspace] = {}
+        self.workspaces: dict[torch.device, Workspace] = {}
         # Per FSDP unit index: its bound reduce-scatter once settled (:class:`SteadyMixedUnit`).
         self.steady_units: dict[int, _Unit] = {}
         # Per bucket index: what it was when it last failed to bind (:meth:`_bind_first`).
@@ -1355,9 +1355,9 @@ class Reducer:
 
     def workspace(self, device: torch.device) -> Workspace:
         """The buckets' shared scratch on ``device`` (made on first use)."""
-        ws = self.workspaces.get(str(device))
+        ws = self.workspaces.get(device)
         if ws is None:
-            ws = self.workspaces[str(device)] = Workspace(device)
+            ws = self.workspaces[device] = Workspace(device)
         return ws
 
     def _slot(self, index: int) -> Slot:

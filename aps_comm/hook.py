@@ -285,6 +285,8 @@ class APSState:
             )
         self.error_feedback = bool(error_feedback)
         self.feedback = ErrorFeedback(0, 1) if self.error_feedback else None
+        # FP32 with nothing on top: every bucket is exactly default_hooks.allreduce_hook.
+        self.plain_fp32 = self.config.fmt == FP32 and not self.policy and not self.error_feedback
         self.bytes_sent = 0
         self.bytes_total = 0
         self.bytes_detail: dict[str, int] = {}
@@ -574,14 +576,18 @@ class APSState:
             return max(1, int(self.chunk_bytes) * 8 // self.fmt.wire_bits)
         return None
 
-    def _submit(self, bucket: _Bucket) -> torch.futures.Future:
-        """Run the bucket off DDP's thread; the future completes with the averaged buffer."""
+    def _submit(self, bucket: _Bucket, steady: object = None) -> torch.futures.Future:
+        """Run the bucket off DDP's thread; the future completes with the averaged buffer.
+
+        ``steady``: the bucket's settled path as :meth:`Reducer.steady_for` found it
+        for this call (None: not settled), so a graph's replay does not look it up again.
+        """
         assert self.reducer is not None
         device = bucket.buffer.device
         if device.type == "cuda" and self.reducer.comm.backend == "nccl":
             stream = self._stream(device)
             if self.graphs is not None and not bucket.is_last:
-                fut = self._graphed(bucket, stream)
+                fut = self._graphed(bucket, stream, steady)
                 if fut is not None:
                     return fut
             job = functools.partial(_run_now, self._run_bucket, bucket)
@@ -616,7 +622,9 @@ class APSState:
         self._deferred = (finish, fut)
         return fut
 
-    def _graphed(self, b: _Bucket, stream: torch.cuda.Stream) -> torch.futures.Future | None:
+    def _graphed(
+        self, b: _Bucket, stream: torch.cuda.Stream, steady: object
+    ) -> torch.futures.Future | None:
         """The bucket's settled work as a CUDA graph: replayed, or captured then replayed.
 
         None where it runs eagerly: not settled, a first settled run, not
@@ -626,7 +634,6 @@ class APSState:
         graphs, reducer = self.graphs, self.reducer
         assert graphs is not None and reducer is not None
         buffer = b.buffer
-        steady = reducer.steady_for(b.index, buffer)
         if steady is None and graphs.lookup(b.index, buffer) is not None:
             # A new epoch of the policy (Schedule, Promote): the bucket is bound
             # again to its new formats, then captured again.
@@ -643,13 +650,14 @@ class APSState:
             or not graphs.ready(b.index, buffer)
         ):
             return None
-        stream.wait_stream(torch.cuda.current_stream(buffer.device))
-        with torch.cuda.stream(stream), torch.no_grad():
+        stream.wait_stream(torch.cuda.current_stream(stream.device))
+        with torch.cuda.stream(stream):
             if entry is None:
                 work = functools.partial(self._steady_work, b)
-                entry = graphs.capture(
-                    b.index, buffer, work, reducer.traffic, reducer.stats, steady
-                )
+                with torch.no_grad():
+                    entry = graphs.capture(
+                        b.index, buffer, work, reducer.traffic, reducer.stats, steady
+                    )
                 if entry is None:
                     return None
             graphs.replay(entry, reducer.traffic, reducer.stats)
@@ -905,10 +913,11 @@ def aps_hook(state: APSState, bucket: dist.GradBucket) -> torch.futures.Future[t
     reducer = state.reducer
     assert reducer is not None
     # A settled bucket was checked when it was bound: no per-parameter work per step.
-    params = [] if reducer.steady_for(index, buffer) is not None else bucket.parameters()
+    steady = reducer.steady_for(index, buffer)
+    params = [] if steady is not None else bucket.parameters()
     if params:
         _check_bucket(buffer, params)
-    if state.fmt == FP32 and not state.policy and not state.error_feedback:
+    if state.plain_fp32:
         # Exactly default_hooks.allreduce_hook, on the state's group.
         fut = transports.fp32_mean_async(
             buffer, reducer.comm.group, reducer.comm.world_size, reducer.traffic
@@ -921,7 +930,8 @@ def aps_hook(state: APSState, bucket: dist.GradBucket) -> torch.futures.Future[t
     fut = state._submit(
         _Bucket(
             index, buffer, list(params), bucket.is_last(), None if params else bucket.parameters
-        )
+        ),
+        steady,
     )
     if buffer.device.type == "cuda" and reducer.comm.backend == "nccl":
         return fut  # the side stream's, complete: a failure was raised in this call
