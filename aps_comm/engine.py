@@ -3193,6 +3193,7 @@ class Reducer:
     def end_step(self) -> tuple[dict[str, int], StepStats]:
         """The step's bytes per collective and records; the next step starts empty."""
         stats, self.stats = self.stats, StepStats()
+        stats.keep()  # on the stream of the step's last bucket, after every replay
         self.step += 1
         return self.traffic.take(), stats
 

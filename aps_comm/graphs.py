@@ -18,8 +18,10 @@ the same work is one launch. The rules:
 - The bytes a bucket hands each collective are counted at capture and added
   per replay (``bytes_detail`` stays true).
 - So are its statistics (``stats=True``): the rows the capture queued are the
-  graph's own memory, which every replay rewrites; each replay queues a copy
-  of them, made on the stream after the replay, as that step's records.
+  graph's own memory, which every replay rewrites; each replay queues them
+  lent, and the step's end copies every lent row in one concatenation on the
+  same stream, before any graph replays again (one launch a step, not one a
+  bucket).
 - A capture that fails is logged once; from then on the state's buckets run
   eagerly, as without graphs.
 
@@ -169,12 +171,13 @@ class BucketGraphs:
 
     @staticmethod
     def replay(entry: BucketGraph, traffic: Traffic, stats: StepStats | None = None) -> None:
-        """Run the bucket's graph on the current stream, count its bytes and queue a copy
-        of its records into ``stats`` (the next replay rewrites the graph's own)."""
+        """Run the bucket's graph on the current stream, count its bytes and queue its
+        records into ``stats``, lent (:meth:`aps_comm.telemetry.StepStats.keep` copies
+        them at the step's end: the next replay rewrites the graph's own)."""
         entry.graph.replay()
         for collective, nbytes in entry.traffic.items():
             if nbytes:
                 traffic(collective, nbytes)
         if stats is not None:
             for part, rows in entry.records:
-                stats.add_rows(*part, rows.clone())
+                stats.add_rows(*part, rows, lent=True)

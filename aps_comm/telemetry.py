@@ -211,6 +211,9 @@ class StepStats:
             tuple[int, list[str | None], list[int], FloatFormat | Sequence[FloatFormat]]
         ] = []
         self._values: list[torch.Tensor] = []
+        # Per queued group: whether its rows are lent (a CUDA graph's own, rewritten by
+        # its next replay) until :meth:`keep` copies them.
+        self._lent: list[bool] = []
         self._records: list[LayerStats] | None = None
 
     @classmethod
@@ -235,6 +238,7 @@ class StepStats:
         self._values.append(
             torch.cat([exps.double()[:, None], amax.double()[:, None], counts.double()], dim=1)
         )
+        self._lent.append(False)
 
     def add_rows(
         self,
@@ -243,6 +247,7 @@ class StepStats:
         numels: Sequence[int],
         fmt: FloatFormat | Sequence[FloatFormat],
         rows: torch.Tensor,
+        lent: bool = False,
     ) -> None:
         """Queue one group's records made as rows already (no device op).
 
@@ -255,7 +260,11 @@ class StepStats:
                 host cost of a queued group then does not grow with the runs).
             rows: float64 (L, 5): exponent, amax, nonzero, underflowing and
                 saturated counts per layer (what :meth:`add` stacks); kept
-                as it is, so the caller hands a tensor no later step writes.
+                as it is, so the caller hands a tensor no later step writes,
+                unless ``lent``.
+            lent: ``rows`` will be written again (a CUDA graph's own memory):
+                :meth:`keep` copies every lent group's rows, in one device op,
+                before that happens.
 
         Raises:
             ValueError: ``rows`` is not float64 with one row of 5 per layer.
@@ -268,6 +277,20 @@ class StepStats:
         fmts = fmt if isinstance(fmt, FloatFormat) else tuple(fmt)
         self._parts.append((bucket, list(names), list(numels), fmts))
         self._values.append(rows)
+        self._lent.append(lent)
+
+    def keep(self) -> None:
+        """Copy the lent rows (:meth:`add_rows`) into memory of their own: one
+        concatenation for the step, not one copy per bucket graph's replay."""
+        lent = [i for i, flag in enumerate(self._lent) if flag]
+        if not lent:
+            return
+        copies = torch.cat([self._values[i] for i in lent])
+        for i, rows in zip(
+            lent, copies.split([self._values[i].shape[0] for i in lent]), strict=True
+        ):
+            self._values[i] = rows
+            self._lent[i] = False
 
     @property
     def queued(self) -> int:
@@ -279,7 +302,7 @@ class StepStats:
         :meth:`add_rows` arguments but the rows, the rows). A CUDA graph's capture
         queues rows the graph writes; each replay adds a copy of them."""
         parts, values = self._parts[mark:], self._values[mark:]
-        del self._parts[mark:], self._values[mark:]
+        del self._parts[mark:], self._values[mark:], self._lent[mark:]
         return list(zip(parts, values, strict=True))
 
     def records(self) -> list[LayerStats]:

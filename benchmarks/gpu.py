@@ -13,7 +13,7 @@ its :data:`MIN_SECONDS` left, and its timeouts end at the budget:
 1. ``step``: what users feel, the step time of a real model
    (:class:`StepLM`: 12 pre-norm encoder layers, d_model 1024, 216.7M
    parameters, batch 8 x 512, bf16 autocast, SGD) under DDP at world size 1
-   on NCCL, median of 20 timed steps after 6 warm-up ones, per configuration
+   on NCCL, median of 40 timed steps after 6 warm-up ones, per configuration
    of :data:`STEP_CONFIGS` (DDP default first and last, ``fp16_compress_hook``,
    ``allreduce_hook``, APS e4m3 two_phase, native FP8, e2m1 and e4m3 block, "auto"), each against
    DDP default's mean; plus, from one profiled step, kernel launches per step
@@ -240,17 +240,20 @@ class HookCase:
         'e4m3 hierarchical'
         >>> HookCase("e2m1", "two_phase", scaling="block").name
         'e2m1 two_phase block'
+        >>> HookCase("e4m3", "two_phase", stats=True).name
+        'e4m3 two_phase stats'
     """
 
     fmt: str
     reduction: str
     ranks_per_node: int | None = None
     scaling: str = "layer"
+    stats: bool = False
 
     @property
     def name(self) -> str:
         tail = "" if self.scaling == "layer" else f" {self.scaling}"
-        return f"{self.fmt} {self.reduction}{tail}"
+        return f"{self.fmt} {self.reduction}{tail}{' stats' if self.stats else ''}"
 
     def __str__(self) -> str:
         return self.name.replace(" ", "-")
@@ -638,6 +641,10 @@ def check_hook_case(case: HookCase, got: dict, want: dict) -> list[str]:
     bad, total = count_mismatches(got["grads"], want["grads"])
     if bad:
         problems.append(f"{bad} of {total} gradient elements differ bitwise from the reference")
+    if got.get("records") != want.get("records"):
+        pairs = zip(got["records"], want["records"], strict=False)
+        steps = [i for i, (g, w) in enumerate(pairs) if g != w] or "(their counts)"
+        problems.append(f"the stats records of steps {steps} differ from the reference's")
     return problems
 
 
@@ -811,6 +818,7 @@ def ddp_grads(
             "error": None,
             "graphs": 0,
             "graph_failure": None,
+            "records": [],
         }
         step = -1
         try:
@@ -822,6 +830,7 @@ def ddp_grads(
                 reduction=case.reduction,
                 ranks_per_node=case.ranks_per_node,
                 scaling=case.scaling,
+                stats=case.stats,
             )
             state.chunk_elements = CHUNK_ELEMENTS
             for step in range(steps):
@@ -833,6 +842,8 @@ def ddp_grads(
                 with _sync_errors(strict):
                     ddp(gs).backward()
                 out["grads"].append([p.grad.detach().cpu().clone() for p in model.parameters()])
+                if case.stats:
+                    out["records"].append([dataclasses.astuple(r) for r in state.stats])
             out["bucket_reductions"] = sorted(set(state.bucket_reductions.values()))
             out["bytes_detail"] = dict(state.bytes_detail)
             if state.graphs is not None:
@@ -1259,6 +1270,7 @@ _NCCL_CASES = tuple(
         HookCase("e3m2", "two_phase"),
         HookCase("e2m1", "two_phase", scaling="block"),
         HookCase("e4m3", "two_phase", scaling="block"),
+        HookCase("e4m3", "two_phase", stats=True),
         HookCase("e4m3", "hierarchical", ranks_per_node=2),
         HookCase("e4m3", "grid"),
     ]

@@ -112,6 +112,8 @@ NCCL_CASES = [
     HookCase("e4m3", "allreduce"),
     HookCase("e5m2", "allreduce"),
     HookCase("e2m1", "two_phase", scaling="block"),
+    # Stats of graphed buckets: each replay's records, kept past the next replay.
+    HookCase("e4m3", "two_phase", stats=True),
 ]
 
 

@@ -18,6 +18,7 @@ from aps_comm.engine import Traffic
 from aps_comm.formats import E4M3
 from aps_comm.graphs import BucketGraphs
 from aps_comm.telemetry import StepStats
+from benchmarks.hostcost import OpCounter
 
 
 class FakeGraph:
@@ -122,29 +123,44 @@ def test_an_error_inside_the_work_ends_the_capture() -> None:
     assert graphs.failed == "ValueError: no"
 
 
-def test_records_are_queued_per_replay_as_copies_not_at_capture() -> None:
+def test_records_are_lent_per_replay_and_kept_once_per_step() -> None:
     """Issue 46: a settled bucket with ``stats=True`` is captured too; the rows its
-    capture queued are the graph's own memory, so each replay queues a copy."""
+    capture queued are the graph's own memory, so each replay queues them lent, and
+    the step's end (:meth:`StepStats.keep`) copies every lent row in one op."""
     graphs, traffic, stats = BucketGraphs(FakeGraph), Traffic(), StepStats()
     static = torch.zeros(2, 5, dtype=torch.float64)  # what the graph writes every replay
+    other = torch.zeros(3, 5, dtype=torch.float64)  # a second bucket's graph
     stats.add_rows(0, ["earlier"], [3], E4M3, torch.ones(1, 5, dtype=torch.float64))
-    entry = graphs.capture(
-        1,
-        torch.zeros(8),
-        lambda: stats.add_rows(1, ["a", "b"], [4, 4], E4M3, static),
-        traffic,
-        stats,
-    )
-    assert entry is not None and stats.queued == 1  # the capture ran nothing
+    entries = [
+        graphs.capture(
+            i + 1,
+            torch.zeros(8),
+            lambda rows=rows, i=i: stats.add_rows(
+                i + 1, list("abc")[: len(rows)], [4] * len(rows), E4M3, rows
+            ),
+            traffic,
+            stats,
+        )
+        for i, rows in enumerate([static, other])
+    ]
+    assert all(e is not None for e in entries) and stats.queued == 1  # nothing ran
     replays = []
     for step in range(2):
-        static.fill_(step)  # the graph's replay rewrites its rows
-        graphs.replay(entry, traffic, stats)
+        static.fill_(step)  # the graphs' replays rewrite their rows
+        other.fill_(10 + step)
+        for entry in entries:
+            graphs.replay(entry, traffic, stats)
+        assert stats._values[1] is static  # lent: no copy per replay
+        with OpCounter() as ops:
+            stats.keep()
+        assert ops.ops == ["aten::cat.default"]  # one op for the step's lent rows
         replays.append(stats.take_since(1))
-    for step, [(part, rows)] in enumerate(replays):
+    for step, [(part, rows), (part2, rows2)] in enumerate(replays):
         assert part == (1, ["a", "b"], [4, 4], E4M3)
-        assert rows.untyped_storage().data_ptr() != static.untyped_storage().data_ptr()
-        assert rows.eq(step).all()  # each step's own values, kept after the next replay
+        assert part2 == (2, ["a", "b", "c"], [4, 4, 4], E4M3)
+        for kept, graph in ((rows, static), (rows2, other)):
+            assert kept.untyped_storage().data_ptr() != graph.untyped_storage().data_ptr()
+        assert rows.eq(step).all() and rows2.eq(10 + step).all()  # kept after later replays
     assert [r.name for r in stats.records()] == ["earlier"]
 
 
