@@ -2161,12 +2161,14 @@ def _hook_call_key(cfg: StepConfig) -> str | None:
     """
     if cfg.hook == Hook.FP16:
         return "hook_call.fp16"
-    # The hook's default (CUDA graphs) only: a "no graphs" row is a comparison.
+    # The hook's default (CUDA graphs, no options) only: a "no graphs" row is a
+    # comparison, a stats or error-feedback row an option beside the plain one.
     if (
         cfg.hook == Hook.APS
         and cfg.reduction == "two_phase"
         and cfg.scaling == "layer"
         and cfg.cuda_graphs
+        and not (cfg.stats or cfg.error_feedback)
     ):
         return f"hook_call.{cfg.fmt}"
     return None
