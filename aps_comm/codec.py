@@ -1060,6 +1060,26 @@ class Codec:
         variant = ("maxima_factors", self.fmt.name, agreed.native, out[1] is not None)
         return functools.partial(_run_bound, variant, launch, ops)
 
+    def bind_key_factors(
+        self,
+        keys: torch.Tensor,
+        counts: torch.Tensor,
+        out: tuple[torch.Tensor, torch.Tensor | None, torch.Tensor],
+        divisor: int,
+        ops: Callable[[], object],
+    ) -> Callable[[], object]:
+        """Agreed block ``keys``' factors written into ``out`` (scale, the undivided
+        ``2**-e`` or None, unscale ``2**-e / divisor``; ``counts``: blocks per layer, an
+        int64 CPU tensor), bound: one launch on "triton"
+        (:func:`aps_comm.triton_codec.bind_block_factors`), else (or where that variant
+        cannot run here) ``ops``, the same factors by other calls."""
+        if self.backend != "triton":
+            return ops
+        launch = _triton().bind_block_factors(keys, counts.numpy(), out, divisor)
+        kind = 0 if divisor == 1 else 1 if divisor & (divisor - 1) == 0 else 2
+        variant = ("block_factors", kind, out[1] is not None)
+        return functools.partial(_run_bound, variant, launch, ops)
+
     def bind_keep_lost(
         self,
         payload: torch.Tensor,
@@ -1449,6 +1469,29 @@ class Codec:
         return _triton().bind_block_keys(
             self.fmt, x, offsets, layer_of, maxima, keys, flags, world_size, agreed
         )
+
+    def bind_native_block_keys(
+        self,
+        x: torch.Tensor,
+        layout: Layout,
+        agreed: tuple[torch.Tensor, torch.Tensor],
+        world_size: int,
+        ops: Callable[[], object],
+    ) -> Callable[[], object]:
+        """This rank's native-sum key of every block of ``layout`` (its blocks), bound:
+        every block's max |x| and key into ``agreed`` (float32 maxima, uint8 keys). One
+        launch on "triton" (:func:`aps_comm.triton_codec.bind_native_block_keys`), else
+        (or where that variant cannot run here) ``ops``, the same values by other calls."""
+        offsets = layout.offsets.numpy()
+        if (
+            self.backend != "triton"
+            or x.dtype != torch.float32
+            or (offsets.size > 1 and int(np.diff(offsets).max()) > _triton().MAX_SEGMENT)
+        ):
+            return ops
+        launch = _triton().bind_native_block_keys(self.fmt, x, offsets, *agreed, world_size)
+        variant = ("native_block_keys", self.fmt.name)
+        return functools.partial(_run_bound, variant, launch, ops)
 
     def bind_blocks(
         self, chunk: BlockChunk

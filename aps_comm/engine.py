@@ -2094,6 +2094,9 @@ class Reducer:
             # Triton's (else None: record_feedback's), under its route's rule of the maxima.
             agreed = AgreedMaxima(shared, comm.world_size, native, scaling == Scaling.NONE)
             records = g.codec.bind_layer_records(x, g.layout, agreed, shared)
+        elif self.settings.stats and blocks and g.codec.backend == "triton":
+            # The agreed keys' records of the blocks (None: record_feedback's tensor ops).
+            records = g.codec.bind_block_records(x, g.blocks, shared, maxima)
         return SteadyFeedback(
             numel,
             x.data_ptr(),
@@ -3030,6 +3033,7 @@ class Reducer:
         if block_keys(x) is None:
             return None
         made = c.bind_feedback_factors(st.shared[:-1], n, scale, unscale, blocks.device_counts)
+        made = c.bind_key_factors(st.shared[:-1], blocks.counts, (scale, None, unscale), 1, made)
         st.poison = torch.tensor(math.nan, dtype=torch.float32, device=device)
         st.keyed = (
             functools.partial(_fused_block_keys, block_keys),
@@ -3275,6 +3279,8 @@ def _feedback_calls(
         return agree, _native_factors(g, shared, world_size, out, scaling, keys, pick), keys
     counts = None if blocks is None else blocks.device_counts
     made = c.bind_feedback_factors(shared, world_size, scale, unscale, counts, keys, pick, scaling)
+    if blocks is not None:
+        made = c.bind_key_factors(shared, blocks.counts, (scale, None, unscale), 1, made)
     return agree, made, keys
 
 
@@ -3288,15 +3294,16 @@ def _native_block_calls(
     """The native sum's block calls of group ``g``'s values ``x``, bound: the one writing
     this rank's maxima and keys of every block under the native sum's rule into
     ``agreed``, and the one writing the agreed keys' factors into ``out``
-    (:func:`_native_factors`). One kernel call each on the CPU kernels, tensor ops
-    elsewhere (Triton too: no fused native kernels)."""
+    (:func:`_native_factors`). One kernel call each on the CPU kernels and one launch
+    each on Triton, tensor ops elsewhere."""
     made = _native_factors(g, agreed[1], world_size, out)
     if g.codec.backend == "kernels":
         grid = g.layout.cells if g.layout.cells is not None else g.layout.offsets.numpy()
         args = (g.fmt, x, grid, *agreed, EXPONENT_LIMIT, world_size)
         return functools.partial(cpu_kernels.call, "native_block_keys", *args), made
     args = (x, g.layout, g.fmt, Route.ALLREDUCE, world_size, agreed)
-    return functools.partial(block_keys_into, *args), made
+    ops = functools.partial(block_keys_into, *args)
+    return g.codec.bind_native_block_keys(x, g.layout, agreed, world_size, ops), made
 
 
 def _native_factors(
@@ -3347,7 +3354,10 @@ def _native_factors(
         )
     fields = ("scale", "inverse", "unscale") if inverse else ("scale", "unscale")
     ops = functools.partial(codec.factors_into, made, out, fields)
-    if blocks is not None or scaling == Scaling.BUCKET:
+    if blocks is not None:
+        into = (scale, *(inverse or [None]), unscale)
+        return g.codec.bind_key_factors(agreed, blocks.counts, into, world_size, ops)
+    if scaling == Scaling.BUCKET:
         return ops
     agreed_maxima = AgreedMaxima(agreed, world_size, True, scaling == Scaling.NONE)
     return g.codec.bind_agreed_factors(agreed_maxima, (scale, *(inverse or [None]), unscale), ops)

@@ -82,6 +82,7 @@ __all__ = [
     "TILE",
     "FormatConstants",
     "Rule",
+    "bind_block_factors",
     "bind_block_keys",
     "bind_block_records",
     "bind_cell_keys",
@@ -89,6 +90,7 @@ __all__ = [
     "bind_decode_rank_blocks",
     "bind_encode",
     "bind_layer_maxima",
+    "bind_native_block_keys",
     "bind_owner_agreed_blocks",
     "bind_owner_agreed_launch",
     "bind_owner_rank_blocks",
@@ -1492,6 +1494,37 @@ if AVAILABLE:
         else:
             tl.store(flag_ptr + layer, tl.full(seg.shape, 1, tl.uint8), mask=owned & (key == 255))
 
+    @triton.jit(do_not_specialize=["n_blocks", "n_ranks"])
+    def _native_block_keys_kernel(
+        x_ptr,
+        off_ptr,
+        amax_ptr,
+        key_ptr,
+        n_blocks,
+        n_ranks,
+        E: tl.constexpr,
+        D: tl.constexpr,
+        K: tl.constexpr,
+        ROWS: tl.constexpr,
+        WIDTH: tl.constexpr,
+    ):
+        """Every block's max |x| (NaN as inf; int32 bits) and its key under the native
+        sum's rule (``K``: :func:`key_constants`, native): the agreed keys' inputs of
+        :func:`aps_comm.cpu_kernels.native_block_keys`. A tile of ``ROWS`` whole blocks per
+        program, as :func:`_block_keys_kernel`'s."""
+        pid = tl.program_id(0).to(tl.int64)
+        seg = pid * ROWS + tl.arange(0, ROWS)
+        owned = seg < n_blocks
+        start = tl.load(off_ptr + seg, mask=owned, other=0)
+        end = tl.load(off_ptr + seg + 1, mask=owned, other=0)
+        j = tl.arange(0, WIDTH)
+        mask = j[None, :] < (end - start)[:, None]
+        x = tl.load(x_ptr + (start[:, None] + j[None, :]), mask=mask, other=0.0)
+        mag = x.to(tl.int32, bitcast=True) & 0x7FFFFFFF
+        m = tl.minimum(tl.reduce(mag, 1, _larger), 0x7F800000)
+        tl.store(amax_ptr + seg, m, mask=owned)
+        tl.store(key_ptr + seg, _exp_key(m, n_ranks, E, D, K).to(tl.uint8), mask=owned)
+
     @triton.jit(do_not_specialize=["n_blocks"])
     def _block_records_kernel(
         x_ptr,
@@ -1608,6 +1641,45 @@ if AVAILABLE:
         tl.store(key_ptr + seg, tl.where(ok, 127 - inner, special).to(tl.uint8), mask=owned)
         outer_key = tl.where(ok, 127 - outer, special).to(tl.uint8)
         tl.store(key_ptr + n_blocks + seg, outer_key, mask=owned)
+
+    @triton.jit
+    def _block_factors_kernel(
+        key_ptr,
+        first_ptr,
+        scale_ptr,
+        inverse_ptr,
+        unscale_ptr,
+        divisor,
+        DIVIDE: tl.constexpr,
+        INVERSE: tl.constexpr,
+        BLOCK: tl.constexpr,
+    ):
+        """One layer per program: its blocks' ``2**e`` and ``2**-e / divisor`` from their
+        agreed keys, NaN for every block of a layer with a key of 255
+        (:func:`aps_comm.cpu_kernels.block_factors_into`, with a divisor
+        :func:`aps_comm.cpu_kernels.native_block_factors`); ``INVERSE``: the undivided
+        ``2**-e`` into ``inverse_ptr`` too. ``first_ptr``: the layers' first blocks
+        (layers + 1 entries)."""
+        layer = tl.program_id(0).to(tl.int64)
+        lo = tl.load(first_ptr + layer)
+        hi = tl.load(first_ptr + layer + 1)
+        bad = tl.full([BLOCK], 0, tl.int32)
+        for b0 in range(lo, hi, BLOCK):
+            b = b0 + tl.arange(0, BLOCK)
+            k = tl.load(key_ptr + b, mask=b < hi, other=0)
+            bad = tl.maximum(bad, (k == 255).to(tl.int32))
+        nan = tl.reduce(bad, 0, _larger) > 0
+        for b0 in range(lo, hi, BLOCK):
+            b = b0 + tl.arange(0, BLOCK)
+            live = b < hi
+            e = _key_exponent(tl.load(key_ptr + b, mask=live, other=0).to(tl.int32))
+            inverse = tl.where(nan, float("nan"), _pow2(-e))
+            tl.store(scale_ptr + b, _pow2(e), mask=live)
+            if INVERSE:
+                tl.store(inverse_ptr + b, inverse, mask=live)
+            if DIVIDE != 0:
+                inverse = _divide(inverse, divisor, DIVIDE)
+            tl.store(unscale_ptr + b, inverse, mask=live)
 
     @triton.jit(do_not_specialize=["n_blocks"])
     def _staged_key_factors_kernel(
@@ -2624,6 +2696,60 @@ def bind_block_keys(
     return launch if zero else functools.partial(_zero_then, flags, launch)
 
 
+def bind_native_block_keys(
+    fmt: FloatFormat,
+    x: torch.Tensor,
+    offsets: np.ndarray,
+    maxima: torch.Tensor,
+    keys: torch.Tensor,
+    world_size: int,
+) -> Callable[[], object]:
+    """This rank's native-sum key of every block, bound: one launch writes every block's
+    max |x| (NaN as inf) into float32 ``maxima`` and its key (headroom for the
+    ``world_size`` ranks' sum in ``fmt``) into uint8 ``keys``, as
+    :func:`aps_comm.cpu_kernels.native_block_keys` does. ``offsets``: int64 host array,
+    the blocks' offsets from 0 to ``x.numel()`` (blocks of at most :data:`MAX_SEGMENT`).
+
+    Example:
+        >>> call = bind_native_block_keys(E4M3, x, offsets, maxima, keys, 2)  # doctest: +SKIP
+        >>> call()  # doctest: +SKIP
+    """
+    consts = _check(fmt, x, maxima, keys)
+    n = offsets.size - 1
+    if (
+        x.dtype != torch.float32
+        or maxima.dtype != torch.float32
+        or keys.dtype != torch.uint8
+        or maxima.numel() != n
+        or keys.numel() != n
+    ):
+        raise ValueError(
+            f"native block keys need float32 values and {n} float32 maxima and uint8 keys"
+        )
+    longest = int(np.diff(offsets).max()) if n else 0
+    if longest > MAX_SEGMENT:
+        raise ValueError(f"blocks of at most {MAX_SEGMENT} elements, got one of {longest}")
+    if not n:
+        return _NOTHING
+    width = max(2, 1 << max(longest - 1, 0).bit_length())
+    rows = max(2, TILE // width)
+    return functools.partial(
+        _native_block_keys_kernel[launch_grid(triton.cdiv(n, rows))],
+        x,
+        _on(offsets, x.device),
+        maxima.view(torch.int32),
+        keys,
+        n,
+        world_size,
+        E=consts.encode,
+        D=consts.decode,
+        K=key_constants(fmt, True, EXPONENT_LIMIT),
+        ROWS=rows,
+        WIDTH=width,
+        **compile_options(),
+    )
+
+
 def bind_block_records(
     fmt: FloatFormat,
     x: torch.Tensor,
@@ -2975,6 +3101,47 @@ def bind_staged_keys(
         LIMIT=EXPONENT_LIMIT,
         ROWS=rows,
         WIDTH=width,
+        **compile_options(),
+    )
+
+
+def bind_block_factors(
+    keys: torch.Tensor,
+    counts: np.ndarray,
+    out: tuple[torch.Tensor, torch.Tensor | None, torch.Tensor],
+    divisor: int = 1,
+) -> Callable[[], object]:
+    """Agreed uint8 block ``keys``' factors into ``out`` (float32 scale, the undivided
+    ``2**-e`` or None, unscale ``2**-e / divisor``; NaN unscale for every block of a layer
+    with a key of 255): one launch, a program per layer (``counts``: host blocks per
+    layer). The bits of :func:`aps_comm.cpu_kernels.block_factors_into` (``divisor`` 1) and
+    :func:`aps_comm.cpu_kernels.native_block_factors` (the native sum's N).
+
+    Example:
+        >>> call = bind_block_factors(keys, counts, (scale, None, unscale))  # doctest: +SKIP
+        >>> call()  # doctest: +SKIP
+    """
+    scale, inverse, unscale = out
+    n = int(counts.sum())
+    _check(E4M3, keys, scale, unscale)
+    if keys.numel() != n or any(
+        t is not None and (t.numel() != n or t.dtype != torch.float32) for t in out
+    ):
+        raise ValueError(f"block factors need {n} keys and {n} float32 factors each")
+    if not counts.size:
+        return _NOTHING  # no layer: a program would read the end of ``first`` as a layer's
+    pow2 = divisor & (divisor - 1) == 0
+    return functools.partial(
+        _block_factors_kernel[launch_grid(counts.size)],
+        keys,
+        _on(np.concatenate([[0], np.cumsum(counts)]), keys.device),
+        scale,
+        unscale if inverse is None else inverse,
+        unscale,
+        1.0 / divisor if pow2 else float(divisor),
+        DIVIDE=0 if divisor == 1 else 1 if pow2 else 2,
+        INVERSE=inverse is not None,
+        BLOCK=BLOCK,
         **compile_options(),
     )
 

@@ -40,7 +40,7 @@ import numpy as np
 import pytest
 import torch
 
-from aps_comm import codec, scaling
+from aps_comm import codec, cpu_kernels, scaling
 from aps_comm import formats as F
 from aps_comm.formats import FloatFormat, code_table, get_format, payload_nbytes, pow2
 
@@ -737,6 +737,8 @@ _KERNELS = (
     "_maxima_factors_kernel",
     "_keep_lost_kernel",
     "_owner_lost_kernel",
+    "_block_factors_kernel",
+    "_native_block_keys_kernel",
 )
 
 
@@ -820,6 +822,16 @@ def _bind_feedback_calls(
     recv = c.encode(torch.cat([x, x])[: 2 * per])
     out = torch.empty(shard_bytes, dtype=torch.uint8)
     c.bind_owner_feedback(recv, 2, out, layout, (scale, unscale), 1, residual)()
+    # Block keys: the native sum's, then their factors (two_phase's; the native sum's
+    # with a power-of-two N and another, with the inverse).
+    blocks = layout.grid(32)
+    nb = blocks.n_blocks
+    agreed = (torch.empty(nb), torch.empty(nb, dtype=torch.uint8))
+    c.bind_native_block_keys(x, blocks.layout, agreed, 3, lambda: None)()
+    block_scale, block_inverse, block_unscale = (torch.empty(nb) for _ in range(3))
+    for ranks, inverse in ((1, None), (4, block_inverse), (3, block_inverse), (3, None)):
+        out3 = (block_scale, inverse, block_unscale)
+        c.bind_key_factors(agreed[1], blocks.counts, out3, ranks, lambda: None)()
 
 
 def _bind_rank_blocks(c: codec.Codec, x: torch.Tensor, blocks: codec.Blocks) -> None:
@@ -1830,6 +1842,54 @@ def _feedback_calls(c: codec.Codec, fmt: FloatFormat, rank: int) -> list[torch.T
     return [kept, residual, out]
 
 
+@pytest.mark.parametrize("fmt", [F.E4M3, F.E2M1, F.FP16, F.BF16], ids=lambda f: f.name)
+@pytest.mark.parametrize("ranks", [1, 3, 4])
+def test_native_block_keys_and_block_factors_match_kernels(
+    tc: types.ModuleType, fmt: FloatFormat, ranks: int
+) -> None:
+    # The native sum's block keys and every route's block factors, one launch each on
+    # Triton: the numba kernels' maxima, keys, scale, inverse and unscale bit for bit, with
+    # zero, subnormal, huge and non-finite blocks (a NaN makes its whole layer's unscale
+    # NaN) and a divisor that is not a power of two.
+    from aps_comm.layout import Layout
+
+    numels = [5, 0, 1, 300, 33, 2, 64, 40]
+    layout = Layout.from_numels(numels, torch.device("cpu"))
+    gen = torch.Generator().manual_seed(ranks)
+    x = torch.randn(layout.numel, generator=gen) * 2.0 ** torch.randint(
+        -140, 120, (layout.numel,), generator=gen
+    )
+    x[6:38] = 0.0  # a zero block
+    x[310] = float("nan")
+    x[340] = float("inf")
+    x[-3] = 3e38
+    blocks = layout.grid(8)
+    nb, counts = blocks.n_blocks, blocks.counts
+    got = (torch.empty(nb), torch.empty(nb, dtype=torch.uint8))
+    want = (torch.empty(nb), torch.empty(nb, dtype=torch.uint8))
+    c = codec.Codec(fmt, torch.device("cpu"), "triton")
+    never = unittest.mock.Mock(side_effect=AssertionError("the torch ops ran"))
+    c.bind_native_block_keys(x, blocks.layout, got, ranks, never)()
+    offsets = blocks.layout.offsets.numpy()
+    cpu_kernels.native_block_keys(fmt, x, offsets, *want, scaling.EXPONENT_LIMIT, ranks)
+    assert torch.equal(got[0].view(torch.int32), want[0].view(torch.int32))
+    assert torch.equal(got[1], want[1]) and (want[1] == 255).any() and (want[1] == 0).any()
+    keys = want[1]
+    for inverse in (False, True):
+        mine = [torch.empty(nb) for _ in range(3)]
+        ref = [torch.empty(nb) for _ in range(3)]
+        out = (mine[0], mine[1] if inverse else None, mine[2])
+        c.bind_key_factors(keys, counts, out, ranks, never)()
+        if ranks == 1 and not inverse:
+            cpu_kernels.block_factors_into(keys, counts.numpy(), ref[0].numpy(), ref[2].numpy())
+        else:
+            kept = ref[1] if inverse else None
+            cpu_kernels.native_block_factors(keys, counts, ref[0], ref[2], ranks, kept)
+        for a, b in zip(mine if inverse else mine[::2], ref if inverse else ref[::2], strict=True):
+            assert torch.equal(a.view(torch.int32), b.view(torch.int32))
+        assert mine[2].isnan().any() and not mine[2].isnan().all()
+
+
 @pytest.mark.parametrize("fmt", [F.E4M3, F.E2M1], ids=lambda f: f.name)
 @pytest.mark.parametrize("rank", [0, 1])
 def test_error_feedback_calls_match_kernels(
@@ -2486,6 +2546,12 @@ _FEEDBACK_CONFIGS = {
     "none": {"fmt": "e4m3", "reduction": "two_phase", "scaling": "none"},
     "native": {"fmt": "fp16", "reduction": "allreduce"},
     "two_phase-stats": {"fmt": "e4m3", "reduction": "two_phase", "stats": True},
+    # Agreed block keys' factors in one launch (bind_block_factors): 32 before; the native
+    # sum's block keys in one more (bind_native_block_keys): 66 before.
+    "block": {"fmt": "e2m1", "reduction": "two_phase", "scaling": "block"},
+    "native-block": {"fmt": "fp16", "reduction": "allreduce", "scaling": "block", "block_size": 8},
+    # The agreed keys' records in two launches (bind_block_records): 89 before.
+    "block-stats": {"fmt": "e2m1", "reduction": "two_phase", "scaling": "block", "stats": True},
 }
 
 
@@ -2493,8 +2559,8 @@ _FEEDBACK_CONFIGS = {
 def test_settled_error_feedback_on_triton_is_a_fixed_handful_of_launches(
     tc: types.ModuleType, name: str
 ) -> None:
-    # A settled SteadyFeedback bucket on Triton (layer scaling and none, two_phase and the
-    # native sum, with records): its factors (one launch from the agreed maxima), residual
+    # A settled SteadyFeedback bucket on Triton (layer, block and no scaling, two_phase and
+    # the native sum, with records): its factors (one launch from the agreed maxima), residual
     # updates and owner step are a fixed handful of launches and ATen ops, at most 15 (they
     # were 51 to 101 tensor ops and launches), the same for 7 layers as for 42. Their bits:
     # test_settled_error_feedback_on_triton_gives_the_kernels_bits.
