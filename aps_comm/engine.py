@@ -180,6 +180,9 @@ class _Bucket:
         promote: with Promote, the layers' keys, sizes and names.
         records_call: with ``names``, where bound, writes the layers' records of the bound
             buffer into the float64 rows it takes (the kinds' own; None: made otherwise).
+        rates_call: with Promote on Triton, the same rows' bound call its underflow rates
+            are read from (None: tensor ops), bound to ``rates_key`` (the values' address,
+            the group): a copy of this binding for other values binds its own.
     """
 
     numel: int
@@ -198,6 +201,8 @@ class _Bucket:
     factors_call: Callable[[], object] | None = None
     promote: tuple[list[Any], list[int], list[str | None]] | None = None
     records_call: Callable[[torch.Tensor], None] | None = None
+    rates_call: Callable[[torch.Tensor], None] | None = None
+    rates_key: tuple[int, int] | None = None
 
     def fill_factors(self) -> None:
         """This step's factors from the agreed vector, once per bucket (not per chunk)."""
@@ -2649,17 +2654,42 @@ class Reducer:
         if scale is not None:
             g.codec.underflow_rates(x, g.layout, scale, out, at)
             return
-        if isinstance(st, SteadyFeedback):  # its route's rule (a native sum's too: sent so)
+        key = (x.data_ptr(), id(g))
+        if st.rates_key != key:
+            st.rates_call, st.rates_key = self._bind_rates(st, x), key
+        if st.rates_call is not None:  # Triton: the records' counts, three launches
+            rows = torch.empty(len(st.fmts), 5, dtype=torch.float64, device=x.device)
+            st.rates_call(rows)
+            counts = rows[:, 2:4]
+        elif isinstance(st, SteadyFeedback):  # its route's rule (a native sum's too: sent so)
             scaling, ranks, route = self.settings.scaling, self.comm.world_size, Route(g.reduction)
             exps = factors(st.shared, g.fmt, route, world_size=ranks, scaling=scaling).exponents
+            counts = layer_counts(x, g.layout.lengths, exps, g.fmt)
         else:
-            exps = self._steady_exponents(st)
-        counts = layer_counts(x, g.layout.lengths, exps, g.fmt)
-        rates = counts[:, 1].float() / counts[:, 0].clamp(min=1).float()
+            counts = layer_counts(x, g.layout.lengths, self._steady_exponents(st), g.fmt)
+        # float32 counts (the layers' nonzero and underflowing), one conversion of both
+        nonzero, under = counts[:, :2].float().unbind(1)
         if at is None:
-            out.copy_(rates)
+            torch.div(under, nonzero.clamp_(min=1), out=out)
         else:
-            out.index_copy_(0, torch.from_numpy(at), rates)
+            out.index_copy_(0, torch.from_numpy(at), under / nonzero.clamp_(min=1))
+
+    def _bind_rates(
+        self, st: Steady | SteadyFeedback, x: torch.Tensor
+    ) -> Callable[[torch.Tensor], None] | None:
+        """Promote's counts of a settled layer bucket on Triton, bound: the records' call
+        (:meth:`aps_comm.codec.Codec.bind_layer_records`) under the route's rule of the
+        agreed maxima; None (tensor ops) off Triton, for staged routes and bucket scaling."""
+        g, scaling = st.group, self.settings.scaling
+        if isinstance(st, SteadyStaged) or scaling == Scaling.BUCKET:
+            return None
+        if isinstance(st, SteadyFeedback):
+            native = g.reduction == Route.ALLREDUCE
+            n = self.comm.world_size
+            agreed = AgreedMaxima(st.shared, n, native, scaling == Scaling.NONE)
+        else:
+            agreed = st.agreed
+        return g.codec.bind_layer_records(x, g.layout, agreed, agreed.maxima)
 
     def _run_steady_blocks(
         self, index: int, st: SteadyBlocks, x: torch.Tensor, defer: bool

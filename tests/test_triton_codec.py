@@ -2586,3 +2586,65 @@ def test_settled_error_feedback_on_triton_is_a_fixed_handful_of_launches(
             del state, st
         counts.append(ops)
     assert len(counts[0]) == len(counts[1]) <= 15, counts
+
+
+_PROMOTE_CONFIGS = {
+    "two_phase": {"fmt": "e4m3", "reduction": "two_phase"},
+    "native": {"fmt": "fp16", "reduction": "allreduce"},
+    "two_phase-feedback": {"fmt": "e4m3", "reduction": "two_phase", "error_feedback": True},
+    "native-feedback": {"fmt": "fp16", "reduction": "allreduce", "error_feedback": True},
+}
+
+
+def _promoted(
+    options: dict, numels: list[int], steps: int = 3
+) -> tuple[object, torch.Tensor, list]:
+    """A settled Promote bucket (gamma 0.9: no layer moves) after ``steps`` steps: the
+    state, its buffer and each step's agreed rates."""
+    import aps_comm
+    from aps_comm.policy import Promote
+    from benchmarks.hostcost import ParamLayer
+
+    x, params = _block_bucket(numels, 23)
+    half = numels[0] // 2  # the first layer's first half underflows, not enough to move it
+    x[:half], x[half : numels[0]], x[0] = 2.0**-45, 0.5, 1.0
+    ladder = (options["fmt"], "fp32")
+    state = aps_comm.APSState(**options, policy=[Promote(gamma=0.9, ladder=ladder)])
+    state.bind_model(torch.nn.ModuleList(ParamLayer(p) for p in params))
+    buffer, rates = x.clone(), []
+    for _ in range(steps):
+        buffer.copy_(x)
+        _quiet(state.run_bucket, 0, buffer, params)
+        assert state.reducer is not None
+        rates.append([float(r) for r in state.reducer.rates.values()])
+    return state, buffer, rates
+
+
+@pytest.mark.parametrize("name", list(_PROMOTE_CONFIGS))
+def test_promote_rates_on_triton_are_the_kernels_in_a_fixed_handful_of_launches(
+    tc: types.ModuleType, name: str
+) -> None:
+    # Promote's underflow rates of a settled bucket on Triton come from the layer records'
+    # counts (three launches, bound once, and three ops), not ~90 tensor ops per bucket:
+    # the CPU kernels' rates every step, at most 15 launches and ATen ops (18 with error
+    # feedback's own 12), the same for 7 layers as for 42.
+    from benchmarks.hostcost import world_of_one
+
+    options = _PROMOTE_CONFIGS[name]
+    numels = [300, 5, 0, 1, 33, 2, 64]
+    with world_of_one(torch.device("cpu")):
+        _, _, want = _promoted(options, numels)
+    counts = []
+    for layers in (numels, numels * 6):
+        with _triton_plans():
+            state, buffer, got = _promoted(options, layers)
+            assert state.reducer is not None
+            st = state.reducer.steady_for(0, buffer)
+            assert st is not None and st.rates_call is not None
+            assert st.group.codec.backend == "triton"
+            counts.append(_launches(state, buffer, []))
+            if layers is numels:
+                assert got == want and max(want[-1]) > 0.1
+            del state, st
+    budget = 18 if options.get("error_feedback") else 15
+    assert len(counts[0]) == len(counts[1]) <= budget, counts
