@@ -1340,7 +1340,8 @@ class Codec:
         ``scaling="none"``'s, every exponent 0). ``pick`` (the CPU kernels only): the
         maxima picked first from a bucket's, as :meth:`AgreedMaxima.host_factors_into`'s.
 
-        One kernel call on "kernels" (:func:`aps_comm.cpu_kernels.staged_factors_into`),
+        One kernel call on "kernels" (:func:`aps_comm.cpu_kernels.staged_factors_into`), one
+        launch on "triton" (:func:`aps_comm.triton_codec.bind_staged_factors`),
         :func:`aps_comm.scaling.factors` and one stack elsewhere, whatever the number of
         layers; the same bits. ``first`` is 1 for hierarchical.
 
@@ -1387,7 +1388,13 @@ class Codec:
             scaling=Scaling.NONE if none else Scaling.LAYER,
             ranks_per_node=ranks_per_node,
         )
-        return functools.partial(_stack_factors, made, out)
+        ops = functools.partial(_stack_factors, made, out)
+        if self.backend != "triton":
+            return ops
+        limit = 0 if none else EXPONENT_LIMIT
+        args = (self.fmt, maxima, world_size, ranks_per_node, grid, out, limit)
+        launch = _triton().bind_staged_factors(*args)
+        return functools.partial(_run_bound, ("staged_factors", grid, none), launch, ops)
 
     def bind_block_keys(
         self,

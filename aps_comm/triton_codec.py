@@ -96,6 +96,7 @@ __all__ = [
     "bind_owner_rank_blocks",
     "bind_reduce_shards",
     "bind_send_rank_blocks",
+    "bind_staged_factors",
     "bind_staged_key_factors",
     "bind_staged_keys",
     "block_segments",
@@ -1681,6 +1682,49 @@ if AVAILABLE:
                 inverse = _divide(inverse, divisor, DIVIDE)
             tl.store(unscale_ptr + b, inverse, mask=live)
 
+    @triton.jit(do_not_specialize=["n", "n_ranks", "per_node"])
+    def _staged_factors_kernel(
+        amax_ptr,
+        out_ptr,
+        n,
+        n_ranks,
+        per_node,
+        F: tl.constexpr,
+        LIMIT: tl.constexpr,
+        GRID: tl.constexpr,
+        BLOCK: tl.constexpr,
+    ):
+        """The staged routes' factor rows (scale, shift, unscale, first; ``out_ptr`` 4 x
+        ``n``) of ``n`` agreed maxima (int32 bits): :func:`aps_comm.cpu_kernels.staged_factors_into`,
+        the exponents as :func:`_staged_keys_kernel` finds them (``LIMIT`` 0:
+        ``scaling="none"``), the unscale NaN for a non-finite maximum."""
+        s = tl.program_id(0).to(tl.int64) * BLOCK + tl.arange(0, BLOCK)
+        live = s < n
+        m = tl.load(amax_ptr + s, mask=live, other=0) & 0x7FFFFFFF
+        ok = (m != 0) & (m < 0x7F800000)
+        a = tl.where(ok, m, 0x3F800000).to(tl.float32, bitcast=True).to(tl.float64)
+        h = a * per_node.to(tl.float64)
+        nodes = (n_ranks // per_node).to(tl.float64)
+        f32max: tl.constexpr = 0xFFFFFE0000000
+        inner = tl.minimum(_largest(h, F[0], F[1]), _largest(h * nodes, 127, f32max))
+        outer = tl.minimum(
+            _largest(a, F[0], F[1]), _largest(a * n_ranks.to(tl.float64), 127, f32max)
+        )
+        inner = tl.where(ok, tl.minimum(tl.maximum(inner, -LIMIT), LIMIT), 0)
+        outer = tl.where(ok, tl.minimum(tl.maximum(outer, -LIMIT), LIMIT), 0)
+        if GRID:
+            scale = _pow2(tl.minimum(tl.maximum(inner - outer, -149), 127))
+            first = _pow2(outer)
+        else:
+            scale = _pow2(inner)
+            first = tl.full([BLOCK], 1.0, tl.float32)
+        shift = _pow2(tl.minimum(tl.maximum(outer - inner, -149), 127))
+        unscale = tl.where(m >= 0x7F800000, float("nan"), _pow2(-outer))
+        tl.store(out_ptr + s, scale, mask=live)
+        tl.store(out_ptr + n + s, shift, mask=live)
+        tl.store(out_ptr + 2 * n + s, unscale, mask=live)
+        tl.store(out_ptr + 3 * n + s, first, mask=live)
+
     @triton.jit(do_not_specialize=["n_blocks"])
     def _staged_key_factors_kernel(
         key_ptr, first_ptr, out_ptr, n_blocks, GRID: tl.constexpr, BLOCK: tl.constexpr
@@ -3101,6 +3145,45 @@ def bind_staged_keys(
         LIMIT=EXPONENT_LIMIT,
         ROWS=rows,
         WIDTH=width,
+        **compile_options(),
+    )
+
+
+def bind_staged_factors(
+    fmt: FloatFormat,
+    maxima: torch.Tensor,
+    world_size: int,
+    ranks_per_node: int,
+    grid: bool,
+    out: torch.Tensor,
+    limit: int = EXPONENT_LIMIT,
+) -> Callable[[], object]:
+    """:func:`aps_comm.cpu_kernels.staged_factors_into` bound: one launch writes the rows of
+    float32 ``out`` (4 x segments: scale, shift, unscale, first) from the agreed float32
+    ``maxima``, whatever the number of segments (``limit`` 0: ``scaling="none"``).
+
+    Example:
+        >>> call = bind_staged_factors(E4M3, maxima, 4, 2, False, out)  # doctest: +SKIP
+        >>> call()  # doctest: +SKIP
+    """
+    _check(fmt, maxima, out)
+    n = maxima.numel()
+    if maxima.dtype != torch.float32 or out.shape != (4, n) or out.dtype != torch.float32:
+        raise ValueError(f"staged factors need {n} float32 maxima and float32 (4, {n}) rows")
+    if not n:
+        return _NOTHING
+    bits = int(np.float64(fmt.max).view(np.int64))
+    return functools.partial(
+        _staged_factors_kernel[_grid(n)],
+        maxima.view(torch.int32),
+        out,
+        n,
+        world_size,
+        ranks_per_node,
+        F=((bits >> 52) - 1023, bits & ((1 << 52) - 1)),
+        LIMIT=limit,
+        GRID=grid,
+        BLOCK=BLOCK,
         **compile_options(),
     )
 

@@ -739,6 +739,7 @@ _KERNELS = (
     "_owner_lost_kernel",
     "_block_factors_kernel",
     "_native_block_keys_kernel",
+    "_staged_factors_kernel",
 )
 
 
@@ -832,6 +833,9 @@ def _bind_feedback_calls(
     for ranks, inverse in ((1, None), (4, block_inverse), (3, block_inverse), (3, None)):
         out3 = (block_scale, inverse, block_unscale)
         c.bind_key_factors(agreed[1], blocks.counts, out3, ranks, lambda: None)()
+    rows = torch.empty(4, k)
+    for grid, none in ((False, False), (True, False), (True, True)):
+        c.bind_staged_factors(maxima, 4, 2, grid, rows, none)()
 
 
 def _bind_rank_blocks(c: codec.Codec, x: torch.Tensor, blocks: codec.Blocks) -> None:
@@ -1842,6 +1846,31 @@ def _feedback_calls(c: codec.Codec, fmt: FloatFormat, rank: int) -> list[torch.T
     return [kept, residual, out]
 
 
+@pytest.mark.parametrize("fmt", [F.E4M3, F.E2M1, F.BF16], ids=lambda f: f.name)
+@pytest.mark.parametrize(("ranks", "per_node"), [(4, 2), (6, 3), (8, 4)])
+def test_staged_factors_of_agreed_maxima_match_kernels(
+    tc: types.ModuleType, fmt: FloatFormat, ranks: int, per_node: int
+) -> None:
+    # Hierarchical's and grid's factor rows of agreed layer maxima, one launch on Triton
+    # (they were ~120 tensor ops per bucket): the numba kernels' rows bit for bit, for
+    # zero, subnormal, huge and non-finite maxima, and under scaling="none".
+    gen = torch.Generator().manual_seed(ranks)
+    maxima = torch.rand(3000, generator=gen) * 2.0 ** torch.randint(
+        -149, 128, (3000,), generator=gen
+    )
+    maxima[:6] = torch.tensor([0.0, float("inf"), float("nan"), 3e38, 1e-45, 1.0])
+    c = codec.Codec(fmt, torch.device("cpu"), "triton")
+    never = unittest.mock.Mock(side_effect=AssertionError("the torch ops ran"))
+    for grid, none in ((False, False), (True, False), (False, True), (True, True)):
+        got, want = torch.empty(4, maxima.numel()), torch.empty(4, maxima.numel())
+        with unittest.mock.patch.object(codec, "_stack_factors", never):
+            c.bind_staged_factors(maxima, ranks, per_node, grid, got, none)()
+        limit = 0 if none else scaling.EXPONENT_LIMIT
+        args = (maxima.numpy(), fmt, ranks, per_node, grid, limit, want.numpy())
+        cpu_kernels.staged_factors_into(*args)
+        assert torch.equal(got.view(torch.int32), want.view(torch.int32)), (grid, none)
+
+
 @pytest.mark.parametrize("fmt", [F.E4M3, F.E2M1, F.FP16, F.BF16], ids=lambda f: f.name)
 @pytest.mark.parametrize("ranks", [1, 3, 4])
 def test_native_block_keys_and_block_factors_match_kernels(
@@ -2648,3 +2677,42 @@ def test_promote_rates_on_triton_are_the_kernels_in_a_fixed_handful_of_launches(
             del state, st
     budget = 18 if options.get("error_feedback") else 15
     assert len(counts[0]) == len(counts[1]) <= budget, counts
+
+
+@pytest.mark.parametrize("policy", [False, True], ids=["plain", "keep_last"])
+def test_settled_staged_bucket_on_triton_is_a_fixed_handful_of_launches(
+    tc: types.ModuleType, policy: bool
+) -> None:
+    # A settled hierarchical bucket with one exponent per layer on Triton: its factor rows
+    # are one launch from the agreed maxima (bind_staged_factors; ~120 tensor ops before),
+    # at most 15 launches and ATen ops in all, the same for 7 layers as for 42. Their
+    # bits: test_settled_staged_buckets_on_triton_and_bits_give_the_kernels_bits.
+    import aps_comm
+    from aps_comm.engine import SteadyGroups, SteadyStaged
+    from aps_comm.policy import KeepLast
+    from benchmarks.hostcost import ParamLayer
+
+    counts = []
+    for numels in ([5, 0, 1, 300, 33, 2, 64], [5, 0, 1, 300, 33, 2, 64] * 6):
+        x, params = _block_bucket(numels, 17)
+        with _triton_plans():
+            state = aps_comm.APSState(
+                "e4m3",
+                reduction="hierarchical",
+                ranks_per_node=1,
+                policy=[KeepLast("fp32")] if policy else None,
+            )
+            state.bind_model(torch.nn.ModuleList(ParamLayer(p) for p in params))
+            buffer = x.clone()
+            for _ in range(2):  # bound, then settled
+                buffer.copy_(x)
+                _quiet(state.run_bucket, 0, buffer, params)
+            assert state.reducer is not None
+            st = state.reducer.steady_for(0, buffer)
+            assert isinstance(st, SteadyGroups if policy else SteadyStaged)
+            buffer.copy_(x)
+            ops = _launches(state, buffer, params)
+            del state, st
+        counts.append(ops)
+    assert "_staged_factors_kernel" in counts[0]
+    assert len(counts[0]) == len(counts[1]) <= 15, counts
