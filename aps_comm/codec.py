@@ -2013,6 +2013,28 @@ class Codec:
         at = (agreed.maxima, shown, layer_of, agreed.rule(), (keys, top))
         return functools.partial(_after, _triton().bind_cell_keys(self.fmt, *at), records)
 
+    def bind_staged_records(
+        self, x: torch.Tensor, layout: Layout, rows: torch.Tensor, shown: torch.Tensor
+    ) -> Callable[[torch.Tensor], None] | None:
+        """:meth:`bind_layer_records` of a staged bucket (one exponent per layer): each
+        layer's records under its first-level exponent, read from the bound factor rows
+        (float32, 4 x layers, :meth:`bind_staged_factors`'), with its ``shown`` maximum.
+        Three launches whatever the number of layers
+        (:func:`aps_comm.triton_codec.bind_row_cell_keys`, then :meth:`bind_block_records`);
+        None off Triton, or where a variant cannot compile here."""
+        if self.backend != "triton" or x.dtype != torch.float32:
+            return None
+        cells = layout.grid(BLOCK_SIZES[-1])
+        n = cells.layout.n_segments
+        keys = torch.empty(n, dtype=torch.uint8, device=x.device)
+        top = torch.empty(n, dtype=torch.float32, device=x.device)
+        records = self.bind_block_records(x, cells, keys, top)
+        if records is None:
+            return None
+        layer_of = _block_layers(cells.counts.numpy())
+        keyed = _triton().bind_row_cell_keys(rows, shown, layer_of, (keys, top))
+        return functools.partial(_after, keyed, records)
+
     def bind_staged_blocks(
         self,
         x: torch.Tensor,

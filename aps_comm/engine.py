@@ -489,6 +489,9 @@ class SteadyStaged(Steady):
             self.factors_call = g.codec.bind_staged_factors(
                 self.agreed.maxima, world_size, self.per_node, grid, f, self.agreed.none
             )
+            if self.names is not None:  # Triton's (else None: record_steady's)
+                shown = self.agreed.maxima if self.raw is None else self.raw
+                self.records_call = g.codec.bind_staged_records(x, g.layout, f, shown)
         counted = self.names is not None or self.promote is not None
         if counted and g.codec.backend == "kernels" and x.device.type == "cpu":
             self.record_keys = np.empty(n, np.int32), np.empty(n, np.float32)
@@ -2679,9 +2682,14 @@ class Reducer:
     ) -> Callable[[torch.Tensor], None] | None:
         """Promote's counts of a settled layer bucket on Triton, bound: the records' call
         (:meth:`aps_comm.codec.Codec.bind_layer_records`) under the route's rule of the
-        agreed maxima; None (tensor ops) off Triton, for staged routes and bucket scaling."""
+        agreed maxima (staged routes: the first level's exponents in the factor rows);
+        None (tensor ops) off Triton, and for bucket scaling off the staged routes."""
         g, scaling = st.group, self.settings.scaling
-        if isinstance(st, SteadyStaged) or scaling == Scaling.BUCKET:
+        if isinstance(st, SteadyStaged):  # the first level's exponents, from its rows
+            if st.factors is None or st.local is not None:
+                return None
+            return g.codec.bind_staged_records(x, g.layout, st.factors, st.agreed.maxima)
+        if scaling == Scaling.BUCKET:
             return None
         if isinstance(st, SteadyFeedback):
             native = g.reduction == Route.ALLREDUCE

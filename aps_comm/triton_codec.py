@@ -95,6 +95,7 @@ __all__ = [
     "bind_owner_agreed_launch",
     "bind_owner_rank_blocks",
     "bind_reduce_shards",
+    "bind_row_cell_keys",
     "bind_send_rank_blocks",
     "bind_staged_factors",
     "bind_staged_key_factors",
@@ -2899,6 +2900,64 @@ if AVAILABLE:
         k = _exp_key(tl.load(amax_ptr + layer, mask=live, other=0), n_ranks, E, D, K)
         tl.store(key_ptr + i, k.to(tl.uint8), mask=live)
         tl.store(top_ptr + i, tl.load(shown_ptr + layer, mask=live, other=0), mask=live)
+
+
+if AVAILABLE:
+
+    @triton.jit(do_not_specialize=["n_cells", "n_layers"])
+    def _row_cell_keys_kernel(
+        rows_ptr, shown_ptr, layer_ptr, key_ptr, top_ptr, n_cells, n_layers, BLOCK: tl.constexpr
+    ):
+        """Every cell's uint8 exponent key of its layer's first-level factor in the staged
+        factor rows (``rows_ptr``: 4 x ``n_layers``; scale times first is ``2**e``
+        exactly, whose exponent field is ``e + 127``: the key ``254`` minus it) and its
+        layer's maximum to show (float32 bits), from each cell's layer."""
+        i = tl.program_id(0).to(tl.int64) * BLOCK + tl.arange(0, BLOCK)
+        live = i < n_cells
+        layer = tl.load(layer_ptr + i, mask=live, other=0).to(tl.int64)
+        scale = tl.load(rows_ptr + layer, mask=live, other=1.0)
+        first = tl.load(rows_ptr + 3 * n_layers + layer, mask=live, other=1.0)
+        k = 254 - ((scale * first).to(tl.int32, bitcast=True) >> 23)
+        tl.store(key_ptr + i, k.to(tl.uint8), mask=live)
+        tl.store(top_ptr + i, tl.load(shown_ptr + layer, mask=live, other=0), mask=live)
+
+
+def bind_row_cell_keys(
+    rows: torch.Tensor,
+    shown: torch.Tensor,
+    layer_of: np.ndarray,
+    out: tuple[torch.Tensor, torch.Tensor],
+) -> Callable[[], object]:
+    """:func:`bind_cell_keys` of a staged bucket: every cell's key of its layer's first-level
+    exponent in the factor rows (float32, 4 x layers; :func:`bind_staged_factors`'), and
+    its layer's ``shown`` maximum, one launch (the CPU kernels' record keys,
+    :meth:`aps_comm.engine.SteadyStaged.first_factors`).
+
+    Example:
+        >>> keys = torch.empty(3, dtype=torch.uint8); top = torch.empty(3)  # doctest: +SKIP
+        >>> bind_row_cell_keys(rows, amax, np.array([0, 0, 1]), (keys, top))()  # doctest: +SKIP
+    """
+    keys, top = out
+    _check(E4M3, rows, shown, keys, top)
+    n, layers = layer_of.size, shown.numel()
+    if keys.dtype != torch.uint8 or top.dtype != torch.float32 or keys.numel() != n:
+        raise ValueError(f"cell keys need {n} uint8 keys and float32 maxima")
+    if rows.shape != (4, layers) or rows.dtype != torch.float32 or not rows.is_contiguous():
+        raise ValueError(f"the factor rows must be contiguous float32 (4, {layers})")
+    if not n:
+        return _NOTHING
+    return functools.partial(
+        _row_cell_keys_kernel[launch_grid(triton.cdiv(n, BLOCK))],
+        rows,
+        shown.view(torch.int32),
+        _on(layer_of, rows.device, torch.int32),
+        keys,
+        top.view(torch.int32),
+        n,
+        layers,
+        BLOCK=BLOCK,
+        **compile_options(),
+    )
 
 
 def bind_cell_keys(

@@ -740,6 +740,7 @@ _KERNELS = (
     "_block_factors_kernel",
     "_native_block_keys_kernel",
     "_staged_factors_kernel",
+    "_row_cell_keys_kernel",
 )
 
 
@@ -836,6 +837,9 @@ def _bind_feedback_calls(
     rows = torch.empty(4, k)
     for grid, none in ((False, False), (True, False), (True, True)):
         c.bind_staged_factors(maxima, 4, 2, grid, rows, none)()
+    staged = c.bind_staged_records(x, layout, rows, maxima)
+    assert staged is not None
+    staged(torch.empty(k, 5, dtype=torch.float64))
 
 
 def _bind_rank_blocks(c: codec.Codec, x: torch.Tensor, blocks: codec.Blocks) -> None:
@@ -1466,9 +1470,9 @@ def _staged_on_backends(
     """Per case, a hierarchical or grid bucket with layer or bucket scaling (2 nodes of 2)
     through the numba kernels' general path, and through the Triton kernels under the
     interpreter and the torch bit path, each settled: (the backends the settled buckets
-    ran on, their first (general) and third (settled) steps' bits, the numba bits). With
-    "block" scaling: agreed block exponents and stats=True, on Triton only, the records
-    compared too."""
+    ran on, their first (general) and third (settled) steps' bits, the numba bits), with
+    stats=True, the records compared too. With "block" scaling: agreed block exponents,
+    on Triton only."""
     import aps_comm
     from aps_comm import plan
     from aps_comm.engine import SteadyStaged
@@ -1476,9 +1480,10 @@ def _staged_on_backends(
     results = []
     for reduction, fmt, scale_by, chunk in cases:
         options = {"fmt": fmt, "reduction": reduction, "scaling": scale_by, "ranks_per_node": 2}
+        options["stats"] = True
         blocks = scale_by == "block"
         if blocks:
-            options.update(block_size=8, block_exponents="agreed", stats=True)
+            options.update(block_size=8, block_exponents="agreed")
         x, params = _block_bucket([5, 0, 1, 300, 33, 2, 64], 20 + rank)
         reference = aps_comm.APSState(**options)
         reference.chunk_elements = chunk
@@ -1517,11 +1522,11 @@ def _staged_on_backends(
 @pytest.mark.slow
 def test_settled_staged_buckets_on_triton_and_bits_give_the_kernels_bits() -> None:
     # Hierarchical and grid with one exponent per layer (or bucket) settle on every
-    # backend (SteadyStaged): on Triton the maxima and the shards' means are bound
-    # launches, the encodes and decodes read the factors written in place. Their bits,
-    # general path and settled, are the numba kernels'. With agreed block exponents
-    # (and stats) on Triton too: the staged keys, their factors and the records are
-    # bound launches; the bits and records are the numba kernels'.
+    # backend (SteadyStaged): on Triton the maxima, the factor rows, the records and the
+    # shards' means are bound launches, the encodes and decodes read the factors written
+    # in place. Their bits, general path and settled, and their records are the numba
+    # kernels'. With agreed block exponents on Triton too: the staged keys, their
+    # factors and the records are bound launches.
     from aps_comm.testing import run_distributed
 
     if not HAVE_TRITON:
@@ -1541,7 +1546,7 @@ def test_settled_staged_buckets_on_triton_and_bits_give_the_kernels_bits() -> No
         for case, (ran, got, want, records) in zip(cases, results, strict=True):
             blocks = case[2] == "block"  # agreed block exponents, stats: Triton's kernels
             assert ran == (["triton"] if blocks else ["triton", "bits"]), (rank, case)
-            assert len(set(records)) == 1 and ("e2m1" in records[0]) == blocks, records
+            assert len(set(records)) == 1 and case[1] in records[0], records
             assert want[:5].isnan().all() and not want[5:].isnan().any()
             expected = torch.where(want.isnan(), 0.0, want).view(torch.int32)
             for out in got:
@@ -2622,6 +2627,8 @@ _PROMOTE_CONFIGS = {
     "native": {"fmt": "fp16", "reduction": "allreduce"},
     "two_phase-feedback": {"fmt": "e4m3", "reduction": "two_phase", "error_feedback": True},
     "native-feedback": {"fmt": "fp16", "reduction": "allreduce", "error_feedback": True},
+    # The first level's exponents, read from the staged factor rows (bind_row_cell_keys).
+    "hierarchical": {"fmt": "e4m3", "reduction": "hierarchical", "ranks_per_node": 1},
 }
 
 
@@ -2679,14 +2686,16 @@ def test_promote_rates_on_triton_are_the_kernels_in_a_fixed_handful_of_launches(
     assert len(counts[0]) == len(counts[1]) <= budget, counts
 
 
+@pytest.mark.parametrize("stats", [False, True], ids=["", "stats"])
 @pytest.mark.parametrize("policy", [False, True], ids=["plain", "keep_last"])
 def test_settled_staged_bucket_on_triton_is_a_fixed_handful_of_launches(
-    tc: types.ModuleType, policy: bool
+    tc: types.ModuleType, policy: bool, stats: bool
 ) -> None:
     # A settled hierarchical bucket with one exponent per layer on Triton: its factor rows
-    # are one launch from the agreed maxima (bind_staged_factors; ~120 tensor ops before),
-    # at most 15 launches and ATen ops in all, the same for 7 layers as for 42. Their
-    # bits: test_settled_staged_buckets_on_triton_and_bits_give_the_kernels_bits.
+    # are one launch from the agreed maxima (bind_staged_factors; ~120 tensor ops before)
+    # and its records three (bind_staged_records; ~140 more before), at most 15 launches
+    # and ATen ops in all, the same for 7 layers as for 42. Their bits and records:
+    # test_settled_staged_buckets_on_triton_and_bits_give_the_kernels_bits.
     import aps_comm
     from aps_comm.engine import SteadyGroups, SteadyStaged
     from aps_comm.policy import KeepLast
@@ -2701,6 +2710,7 @@ def test_settled_staged_bucket_on_triton_is_a_fixed_handful_of_launches(
                 reduction="hierarchical",
                 ranks_per_node=1,
                 policy=[KeepLast("fp32")] if policy else None,
+                stats=stats,
             )
             state.bind_model(torch.nn.ModuleList(ParamLayer(p) for p in params))
             buffer = x.clone()
@@ -2715,4 +2725,5 @@ def test_settled_staged_bucket_on_triton_is_a_fixed_handful_of_launches(
             del state, st
         counts.append(ops)
     assert "_staged_factors_kernel" in counts[0]
+    assert ("_row_cell_keys_kernel" in counts[0]) == stats
     assert len(counts[0]) == len(counts[1]) <= 15, counts
