@@ -2097,14 +2097,7 @@ class Reducer:
                 fused is not None,
             )
         decode = g.codec.bind_decode(send, x, unscale, g.windows[0])
-        records, scaling = None, self.settings.scaling
-        if self.settings.stats and not blocks and scaling != Scaling.BUCKET:
-            # Triton's (else None: record_feedback's), under its route's rule of the maxima.
-            agreed = AgreedMaxima(shared, comm.world_size, native, scaling == Scaling.NONE)
-            records = g.codec.bind_layer_records(x, g.layout, agreed, shared)
-        elif self.settings.stats and blocks and g.codec.backend == "triton":
-            # The agreed keys' records of the blocks (None: record_feedback's tensor ops).
-            records = g.codec.bind_block_records(x, g.blocks, shared, maxima)
+        records = self._feedback_records(g, x, shared, maxima) if self.settings.stats else None
         return SteadyFeedback(
             numel,
             x.data_ptr(),
@@ -2125,6 +2118,22 @@ class Reducer:
             names=list(names) if self.settings.stats else None,
             records_call=records,
         )
+
+    def _feedback_records(
+        self, g: GroupPlan, x: torch.Tensor, shared: torch.Tensor, maxima: torch.Tensor | None
+    ) -> Callable[[torch.Tensor], None] | None:
+        """Triton's bound records of an error-feedback bucket (None: record_feedback's
+        tensor ops): its layers' under the route's rule of the agreed maxima ``shared``,
+        or its blocks' under the agreed keys ``shared`` with this rank's block ``maxima``."""
+        scaling, native = self.settings.scaling, g.reduction == Route.ALLREDUCE
+        if g.blocks is None and scaling != Scaling.BUCKET:
+            none = scaling == Scaling.NONE
+            agreed = AgreedMaxima(shared, self.comm.world_size, native, none)
+            return g.codec.bind_layer_records(x, g.layout, agreed, shared)
+        if g.blocks is not None and g.codec.backend == "triton":
+            assert maxima is not None
+            return g.codec.bind_block_records(x, g.blocks, shared, maxima)
+        return None
 
     def _settle_agreed_blocks(self, b: _Binding, g: GroupPlan) -> None:
         """Bind the bucket's :class:`SteadyAgreedBlocks` path where nothing in it changes
