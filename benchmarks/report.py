@@ -28,7 +28,7 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
-from benchmarks import accuracy, exits, gpu, numerics
+from benchmarks import accuracy, exits, gpu, numerics, triton_launches
 from benchmarks import fsdp as fsdp_bench
 from benchmarks.perfmodel_validate import all_runs
 
@@ -1022,6 +1022,15 @@ def _gpu(found: _Found) -> list[str]:
         if res.data.get("note"):
             lines += [res.data["note"], ""]
         lines += [*_demote(gpu.render_markdown(res.data)), ""]
+    for res in found.of("benchmarks.triton_launches"):
+        lines += [
+            "Triton launches and kernel-launching ATen ops per settled bucket, counted under "
+            f"Triton's interpreter (torch {res.data['torch']}): source {found.link(res.name)}, "
+            f"command {_command(res.data)}.",
+            "",
+            triton_launches.table(res.data["rows"]),
+            "",
+        ]
     for res in costs:
         lines += [
             f"Host cost per settled bucket on {res.data['device']} (torch {res.data['torch']}): "

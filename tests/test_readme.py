@@ -127,6 +127,11 @@ EXEMPT: dict[str, str] = {
         "op count and the settled path's bits"
     ),
     "python -m benchmarks.hostcost --device cuda": "needs a CUDA device",
+    "python -m benchmarks.triton_launches --configs two_phase,promote --layers 4,32": (
+        "a benchmark under Triton's interpreter (a minute for 32 layers); "
+        "tests/test_triton_launches.py runs it on smaller buckets, and its results for "
+        "every configuration are benchmarks/results/triton_launches.json"
+    ),
     "python -m benchmarks.hostcost --memory 8 --configs all": (
         "a benchmark of the state's bytes over a model of 8.4M parameters (minutes of CPU); "
         "tests/test_workspace.py runs measure_memory and pins its bound"
