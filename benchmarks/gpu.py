@@ -154,6 +154,7 @@ __all__ = [
     "reference_case",
     "render_markdown",
     "timed_hook",
+    "versus_row",
     "without_paths",
     "write_preset",
 ]
@@ -2314,6 +2315,23 @@ def _num(value: float | None, fmt: str) -> str:
     return "" if value is None else format(value, fmt)
 
 
+def versus_row(row: dict[str, Any], ref: dict[str, Any] | None) -> float | None:
+    """``row``'s steps over ``ref``'s: the median of their per-round ratios where both ran
+    every round (the rounds interleave the configurations), else of their medians; None
+    where either has no time.
+
+    Example:
+        >>> versus_row({"times_ms": [2.0, 4.0, 3.0]}, {"times_ms": [1.0, 2.0, 2.0]})
+        2.0
+    """
+    if ref is None or not row.get("times_ms") or not ref.get("times_ms"):
+        return None
+    mine, theirs = row["times_ms"], ref["times_ms"]
+    if len(mine) == len(theirs):
+        return round(median_ratio([mine], theirs), 4)
+    return round(statistics.median(mine) / statistics.median(theirs), 4)
+
+
 def _step_markdown(d: dict[str, Any]) -> list[str]:
     """The ``step`` step's table: one row per configuration."""
     first_last = ", ".join(f"{t:.2f}" for t in d.get("baseline_runs_ms", []))
@@ -2324,20 +2342,26 @@ def _step_markdown(d: dict[str, Any]) -> list[str]:
         f"DDP default: {_num(d.get('baseline_ms'), '.2f') or 'no'} ms "
         f"(runs first and last: {first_last or 'none'}"
         + (f"; drift {drift:+.1%}" if drift is not None else "")
-        + "); ratios are against it. Launches: non-NCCL kernels in the profiled step, and "
+        + "); ratios are against it. vs allreduce_hook: the median over rounds of each "
+        "step over allreduce_hook's step in the same round (a host-bound step pays every "
+        "Python hook's host time; this is the hook against torch's own Python hook). "
+        "Launches: non-NCCL kernels in the profiled step, and "
         "inside each comm hook call (mean per bucket); host µs: median host time of a hook call; "
         "peak GiB: the device memory the configuration keeps plus the most a step adds.",
         "",
-        "| config | step ms | ratio | target | result | launches/step | launches/bucket "
-        "| host µs/bucket | buckets | reductions | peak GiB | note |",
-        "| --- | --- | --- | --- | --- | --- | --- | --- | --- | --- | --- | --- |",
+        "| config | step ms | ratio | vs allreduce_hook | target | result | launches/step "
+        "| launches/bucket | host µs/bucket | buckets | reductions | peak GiB | note |",
+        "| --- | --- | --- | --- | --- | --- | --- | --- | --- | --- | --- | --- | --- |",
     ]
+    ref = next((r for r in d["configs"] if r.get("hook") == Hook.ALLREDUCE.value), None)
     for r in d["configs"]:
         note = r.get("error") or r.get("skipped") or ""
         target = f"<= {r['target']:.2f}x" if r.get("target") is not None else ""
+        versus = versus_row(r, ref)
         lines.append(
             f"| {r['config']} | {_num(r.get('step_ms'), '.2f')} | "
             f"{_num(r.get('ratio'), '.3f')}{'x' if r.get('ratio') is not None else ''} | "
+            f"{_num(versus, '.3f')}{'x' if versus is not None else ''} | "
             f"{target} | {r['result']} | {_num(r.get('launches_per_step'), 'd')} | "
             f"{_num(r.get('launches_per_bucket'), '.1f')} | "
             f"{_num(r.get('host_us_per_bucket'), '.0f')} | {_num(r.get('buckets'), 'd')} | "

@@ -313,8 +313,8 @@ def test_step_step_judges_the_rows_and_keeps_the_finished_ones(
     assert all(r["error"].startswith("the run stopped") for r in configs[2:])
     assert not (tmp_path / "step_rows.jsonl").exists()
     md = gpu.render_markdown({"command": "c", "machine": {}, "steps": [result.to_json()]})
-    assert "| DDP default | 40.00 | 1.000x |  | baseline |" in md
-    assert "| APS auto |  |  | <= 1.02x | error |" in md
+    assert "| DDP default | 40.00 | 1.000x |  |  | baseline |" in md  # no times: no pairs
+    assert "| APS auto |  |  |  | <= 1.02x | error |" in md
 
 
 def _tiny_steps(rank: int, world_size: int) -> list[dict[str, Any]]:
@@ -866,3 +866,28 @@ def test_each_configuration_reports_its_own_memory() -> None:
     assert by["APS e4m3 two_phase"]["resident_gib"] == 2.0
     assert by["APS e4m3 two_phase"]["step_extra_gib"] == 0.5
     assert by["APS e4m3 two_phase"]["peak_gib"] == 2.5
+
+
+def test_each_step_row_is_set_beside_allreduce_hook_round_by_round() -> None:
+    # The step is host-bound: every Python hook pays its host time. Each row's steps over
+    # allreduce_hook's in the same round (the rounds interleave the configurations),
+    # median of those ratios: a slow round slows both sides of its ratio.
+    rows = [
+        {
+            **gpu._step_row(c),
+            "times_ms": times,
+            "step_ms": sorted(times)[1],
+            "ratio": 1.0,
+            "result": "reported",
+        }
+        for c, times in (
+            (gpu.STEP_CONFIGS[2], [10.0, 20.0, 11.0]),  # allreduce_hook
+            (gpu.STEP_CONFIGS[3], [11.0, 22.0, 11.0]),  # APS e4m3 two_phase
+        )
+    ]
+    assert rows[0]["hook"] == gpu.Hook.ALLREDUCE.value
+    assert gpu.versus_row(rows[1], rows[0]) == 1.1  # ratio of medians: 11 / 11 = 1.0
+    details = {"model": "m", "batch": "b", "ddp": "d", "steps": "s", "configs": rows}
+    md = "\n".join(gpu._step_markdown(details))
+    assert "| APS e4m3 two_phase | 11.00 | 1.000x | 1.100x |" in md
+    assert "| allreduce_hook | 11.00 | 1.000x | 1.000x |" in md
