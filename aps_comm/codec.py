@@ -2000,18 +2000,14 @@ class Codec:
             >>> call = codec.bind_layer_records(x, layout, agreed, agreed.maxima)  # doctest: +SKIP
             >>> call(torch.empty(layout.n_segments, 5, dtype=torch.float64))  # doctest: +SKIP
         """
-        if self.backend != "triton" or x.dtype != torch.float32:
-            return None
-        cells = layout.grid(BLOCK_SIZES[-1])  # the tile's rows: whole cells
-        n = cells.layout.n_segments
-        keys = torch.empty(n, dtype=torch.uint8, device=x.device)
-        top = torch.empty(n, dtype=torch.float32, device=x.device)
-        records = self.bind_block_records(x, cells, keys, top)
-        if records is None:
-            return None
-        layer_of = _block_layers(cells.counts.numpy())
-        at = (agreed.maxima, shown, layer_of, agreed.rule(), (keys, top))
-        return functools.partial(_after, _triton().bind_cell_keys(self.fmt, *at), records)
+        fmt, rule = self.fmt, agreed.rule()
+        return self._bind_cell_records(
+            x,
+            layout,
+            lambda layer_of, out: _triton().bind_cell_keys(
+                fmt, agreed.maxima, shown, layer_of, rule, out
+            ),
+        )
 
     def bind_staged_records(
         self, x: torch.Tensor, layout: Layout, rows: torch.Tensor, shown: torch.Tensor
@@ -2022,6 +2018,21 @@ class Codec:
         Three launches whatever the number of layers
         (:func:`aps_comm.triton_codec.bind_row_cell_keys`, then :meth:`bind_block_records`);
         None off Triton, or where a variant cannot compile here."""
+        return self._bind_cell_records(
+            x,
+            layout,
+            lambda layer_of, out: _triton().bind_row_cell_keys(rows, shown, layer_of, out),
+        )
+
+    def _bind_cell_records(
+        self,
+        x: torch.Tensor,
+        layout: Layout,
+        bind_keys: Callable[[np.ndarray, tuple[torch.Tensor, torch.Tensor]], Callable],
+    ) -> Callable[[torch.Tensor], None] | None:
+        """Layer records on Triton through cells (pieces of layers of at most the largest
+        block size, a tile's rows): ``bind_keys(layer_of, (keys, top))`` binds the launch
+        writing every cell's key and maximum, then the block records run on the cells."""
         if self.backend != "triton" or x.dtype != torch.float32:
             return None
         cells = layout.grid(BLOCK_SIZES[-1])
@@ -2031,8 +2042,7 @@ class Codec:
         records = self.bind_block_records(x, cells, keys, top)
         if records is None:
             return None
-        layer_of = _block_layers(cells.counts.numpy())
-        keyed = _triton().bind_row_cell_keys(rows, shown, layer_of, (keys, top))
+        keyed = bind_keys(_block_layers(cells.counts.numpy()), (keys, top))
         return functools.partial(_after, keyed, records)
 
     def bind_staged_blocks(

@@ -1440,6 +1440,44 @@ if AVAILABLE:
                 seg = _search(off_ptr, el, seg, step, hi)
         return seg
 
+    @triton.jit
+    def _tile(x_ptr, off_ptr, n_blocks, ROWS: tl.constexpr, WIDTH: tl.constexpr):
+        """A program's tile of ``ROWS`` whole blocks, one per row of at most ``WIDTH``
+        elements (zeros past a block's end): (its blocks, which of them exist, the values)."""
+        seg = tl.program_id(0).to(tl.int64) * ROWS + tl.arange(0, ROWS)
+        owned = seg < n_blocks
+        start = tl.load(off_ptr + seg, mask=owned, other=0)
+        end = tl.load(off_ptr + seg + 1, mask=owned, other=0)
+        j = tl.arange(0, WIDTH)
+        mask = j[None, :] < (end - start)[:, None]
+        return seg, owned, tl.load(x_ptr + (start[:, None] + j[None, :]), mask=mask, other=0.0)
+
+    @triton.jit
+    def _tile_maxima(x_ptr, off_ptr, n_blocks, ROWS: tl.constexpr, WIDTH: tl.constexpr):
+        """:func:`_tile`'s blocks, which exist, and each one's max |x| as int32 bits. An
+        integer max of |x|'s bits is a max that keeps NaN (above inf): to inf."""
+        seg, owned, x = _tile(x_ptr, off_ptr, n_blocks, ROWS, WIDTH)
+        mag = x.to(tl.int32, bitcast=True) & 0x7FFFFFFF
+        return seg, owned, tl.minimum(tl.reduce(mag, 1, _larger), 0x7F800000)
+
+    @triton.jit
+    def _staged_exponents(a, n_ranks, per_node, F: tl.constexpr, LIMIT: tl.constexpr):
+        """(inner, outer) exponents of the staged routes for float64 maxima ``a`` (finite,
+        non-zero), clamped to ``LIMIT``: :func:`aps_comm.cpu_kernels.staged_keys`' exact
+        integer work on float64 fields (``F``: the format's max's exponent and mantissa
+        field). The node sums add L gradients (headroom L, M of them summed in FP32); the
+        mean sent back needs none (N summed). Products of a 24-bit value and rank counts:
+        exact."""
+        h = a * per_node.to(tl.float64)
+        nodes = (n_ranks // per_node).to(tl.float64)
+        f32max: tl.constexpr = 0xFFFFFE0000000
+        inner = tl.minimum(_largest(h, F[0], F[1]), _largest(h * nodes, 127, f32max))
+        outer = tl.minimum(
+            _largest(a, F[0], F[1]), _largest(a * n_ranks.to(tl.float64), 127, f32max)
+        )
+        inner = tl.minimum(tl.maximum(inner, -LIMIT), LIMIT)
+        return inner, tl.minimum(tl.maximum(outer, -LIMIT), LIMIT)
+
     @triton.jit(do_not_specialize=["n_blocks", "n_ranks"])
     def _block_keys_kernel(
         x_ptr,
@@ -1469,17 +1507,7 @@ if AVAILABLE:
         at most ``WIDTH`` elements); the flags are plain stores of the same
         byte (zeroed before), so programs meeting at a layer need no atomics.
         """
-        pid = tl.program_id(0).to(tl.int64)
-        seg = pid * ROWS + tl.arange(0, ROWS)
-        owned = seg < n_blocks
-        start = tl.load(off_ptr + seg, mask=owned, other=0)
-        end = tl.load(off_ptr + seg + 1, mask=owned, other=0)
-        j = tl.arange(0, WIDTH)
-        mask = j[None, :] < (end - start)[:, None]
-        x = tl.load(x_ptr + (start[:, None] + j[None, :]), mask=mask, other=0.0)
-        # An integer max of |x|'s bits is a max that keeps NaN (above inf): to inf.
-        mag = x.to(tl.int32, bitcast=True) & 0x7FFFFFFF
-        m = tl.minimum(tl.reduce(mag, 1, _larger), 0x7F800000)
+        seg, owned, m = _tile_maxima(x_ptr, off_ptr, n_blocks, ROWS, WIDTH)
         d = _mean_exponent(m, 0, M)
         if BOUND:
             ok = tl.where((m == 0) | (m == 0x7F800000), 0x3F800000, m)
@@ -1514,16 +1542,7 @@ if AVAILABLE:
         sum's rule (``K``: :func:`key_constants`, native): the agreed keys' inputs of
         :func:`aps_comm.cpu_kernels.native_block_keys`. A tile of ``ROWS`` whole blocks per
         program, as :func:`_block_keys_kernel`'s."""
-        pid = tl.program_id(0).to(tl.int64)
-        seg = pid * ROWS + tl.arange(0, ROWS)
-        owned = seg < n_blocks
-        start = tl.load(off_ptr + seg, mask=owned, other=0)
-        end = tl.load(off_ptr + seg + 1, mask=owned, other=0)
-        j = tl.arange(0, WIDTH)
-        mask = j[None, :] < (end - start)[:, None]
-        x = tl.load(x_ptr + (start[:, None] + j[None, :]), mask=mask, other=0.0)
-        mag = x.to(tl.int32, bitcast=True) & 0x7FFFFFFF
-        m = tl.minimum(tl.reduce(mag, 1, _larger), 0x7F800000)
+        seg, owned, m = _tile_maxima(x_ptr, off_ptr, n_blocks, ROWS, WIDTH)
         tl.store(amax_ptr + seg, m, mask=owned)
         tl.store(key_ptr + seg, _exp_key(m, n_ranks, E, D, K).to(tl.uint8), mask=owned)
 
@@ -1552,14 +1571,7 @@ if AVAILABLE:
         atomics per layer it touches, not per block: atomics on the few rows of
         a model's largest layers serialise on a GPU. Integer maxima and sums
         are the same in any order."""
-        pid = tl.program_id(0).to(tl.int64)
-        seg = pid * ROWS + tl.arange(0, ROWS)
-        owned = seg < n_blocks
-        start = tl.load(off_ptr + seg, mask=owned, other=0)
-        end = tl.load(off_ptr + seg + 1, mask=owned, other=0)
-        j = tl.arange(0, WIDTH)
-        mask = j[None, :] < (end - start)[:, None]
-        x = tl.load(x_ptr + (start[:, None] + j[None, :]), mask=mask, other=0.0)
+        seg, owned, x = _tile(x_ptr, off_ptr, n_blocks, ROWS, WIDTH)
         k = tl.load(key_ptr + seg, mask=owned, other=0).to(tl.int32)
         m = tl.abs(x) * _key_scale(k, False)[:, None]
         live = m > 0
@@ -1615,29 +1627,10 @@ if AVAILABLE:
         (0 for a zero max, 255 for inf): :func:`aps_comm.cpu_kernels.staged_keys`, exact
         integer work on float64 fields (``F``: the format's max's float64 exponent and
         mantissa field). A tile of ``ROWS`` whole blocks per program, one per row."""
-        pid = tl.program_id(0).to(tl.int64)
-        seg = pid * ROWS + tl.arange(0, ROWS)
-        owned = seg < n_blocks
-        start = tl.load(off_ptr + seg, mask=owned, other=0)
-        end = tl.load(off_ptr + seg + 1, mask=owned, other=0)
-        j = tl.arange(0, WIDTH)
-        mask = j[None, :] < (end - start)[:, None]
-        x = tl.load(x_ptr + (start[:, None] + j[None, :]), mask=mask, other=0.0)
-        mag = x.to(tl.int32, bitcast=True) & 0x7FFFFFFF
-        m = tl.minimum(tl.reduce(mag, 1, _larger), 0x7F800000)
+        seg, owned, m = _tile_maxima(x_ptr, off_ptr, n_blocks, ROWS, WIDTH)
         ok = (m != 0) & (m != 0x7F800000)
         a = tl.where(ok, m, 0x3F800000).to(tl.float32, bitcast=True).to(tl.float64)
-        # The node sums add L gradients (headroom L, M of them summed in FP32); the mean
-        # sent back needs none (N summed). Products of a 24-bit value and rank counts: exact.
-        h = a * per_node.to(tl.float64)
-        nodes = (n_ranks // per_node).to(tl.float64)
-        f32max: tl.constexpr = 0xFFFFFE0000000
-        inner = tl.minimum(_largest(h, F[0], F[1]), _largest(h * nodes, 127, f32max))
-        outer = tl.minimum(
-            _largest(a, F[0], F[1]), _largest(a * n_ranks.to(tl.float64), 127, f32max)
-        )
-        inner = tl.minimum(tl.maximum(inner, -LIMIT), LIMIT)
-        outer = tl.minimum(tl.maximum(outer, -LIMIT), LIMIT)
+        inner, outer = _staged_exponents(a, n_ranks, per_node, F, LIMIT)
         special = tl.where(m == 0, 0, 255)
         tl.store(amax_ptr + seg, m, mask=owned)
         tl.store(key_ptr + seg, tl.where(ok, 127 - inner, special).to(tl.uint8), mask=owned)
@@ -1704,15 +1697,8 @@ if AVAILABLE:
         m = tl.load(amax_ptr + s, mask=live, other=0) & 0x7FFFFFFF
         ok = (m != 0) & (m < 0x7F800000)
         a = tl.where(ok, m, 0x3F800000).to(tl.float32, bitcast=True).to(tl.float64)
-        h = a * per_node.to(tl.float64)
-        nodes = (n_ranks // per_node).to(tl.float64)
-        f32max: tl.constexpr = 0xFFFFFE0000000
-        inner = tl.minimum(_largest(h, F[0], F[1]), _largest(h * nodes, 127, f32max))
-        outer = tl.minimum(
-            _largest(a, F[0], F[1]), _largest(a * n_ranks.to(tl.float64), 127, f32max)
-        )
-        inner = tl.where(ok, tl.minimum(tl.maximum(inner, -LIMIT), LIMIT), 0)
-        outer = tl.where(ok, tl.minimum(tl.maximum(outer, -LIMIT), LIMIT), 0)
+        inner, outer = _staged_exponents(a, n_ranks, per_node, F, LIMIT)
+        inner, outer = tl.where(ok, inner, 0), tl.where(ok, outer, 0)
         if GRID:
             scale = _pow2(tl.minimum(tl.maximum(inner - outer, -149), 127))
             first = _pow2(outer)
@@ -3164,6 +3150,13 @@ def bind_owner_lost(
     )
 
 
+def _max_fields(fmt: FloatFormat) -> tuple[int, int]:
+    """The format's largest value's float64 exponent and mantissa field (the staged
+    kernels' ``F``)."""
+    bits = int(np.float64(fmt.max).view(np.int64))
+    return (bits >> 52) - 1023, bits & ((1 << 52) - 1)
+
+
 def bind_staged_keys(
     fmt: FloatFormat,
     x: torch.Tensor,
@@ -3190,7 +3183,6 @@ def bind_staged_keys(
         raise ValueError(f"blocks of at most {MAX_SEGMENT} elements, got one of {longest}")
     width = max(2, 1 << max(longest - 1, 0).bit_length())
     rows = max(2, TILE // width)
-    bits = int(np.float64(fmt.max).view(np.int64))
     return functools.partial(
         _staged_keys_kernel[launch_grid(max(triton.cdiv(n, rows), 1))],
         x,
@@ -3200,7 +3192,7 @@ def bind_staged_keys(
         n,
         world_size,
         ranks_per_node,
-        F=((bits >> 52) - 1023, bits & ((1 << 52) - 1)),
+        F=_max_fields(fmt),
         LIMIT=EXPONENT_LIMIT,
         ROWS=rows,
         WIDTH=width,
@@ -3231,7 +3223,6 @@ def bind_staged_factors(
         raise ValueError(f"staged factors need {n} float32 maxima and float32 (4, {n}) rows")
     if not n:
         return _NOTHING
-    bits = int(np.float64(fmt.max).view(np.int64))
     return functools.partial(
         _staged_factors_kernel[_grid(n)],
         maxima.view(torch.int32),
@@ -3239,7 +3230,7 @@ def bind_staged_factors(
         n,
         world_size,
         ranks_per_node,
-        F=((bits >> 52) - 1023, bits & ((1 << 52) - 1)),
+        F=_max_fields(fmt),
         LIMIT=limit,
         GRID=grid,
         BLOCK=BLOCK,
