@@ -202,15 +202,19 @@ def _callback_holds_the_group(rank: int, world_size: int) -> dict:
         release.wait(60)
         return fut.value()
 
-    work = dist.all_reduce(torch.ones(1), group=group, async_op=True)
     if rank == 0:
-        # Rank 1 joins the all-reduce only after the barrier: the callback is
-        # attached before it completes, so the completing worker runs it.
+        # Rank 1 starts its half of the all-reduce only after the barrier (the default
+        # group's, not this one's): the callback is attached before the all-reduce can
+        # complete, so the completing worker runs it. (Both ranks starting it before the
+        # barrier let it complete first, now and then: the callback then ran at once, on
+        # this thread, and the test waited out its 60 s and failed.)
+        work = dist.all_reduce(torch.ones(1), group=group, async_op=True)
         work.get_future().then(hold)
         dist.barrier()
         assert started.wait(60)
     else:
         dist.barrier()
+        work = dist.all_reduce(torch.ones(1), group=group, async_op=True)
         work.wait()
         release.set()
     del work
