@@ -2345,17 +2345,18 @@ class Reducer:
         (factors or st.fill_factors)()
         out, at = rates
         counted = False  # a format group's records count its Promote rates too
+        counts = None  # this step's records' counts (Triton's), which Promote's rates reuse
         if st.names is not None:  # before the decode (the owner's mean) overwrites the values
             if isinstance(st, SteadyAgreedBlocks):  # each block's counts under its agreed key
                 assert st.records_call is not None  # made by bind
                 self._add_rows(index, st, st.records_call, x.device)
             elif isinstance(st, SteadyFeedback):
-                self.record_feedback(index, st, x)
+                counts = self.record_feedback(index, st, x)
             else:
-                self.record_steady(index, st, x, out, at)
+                counts = self.record_steady(index, st, x, out, at)
                 counted = out is not None
         if not counted and (out is not None or st.promote is not None):
-            self._settled_rates(st, x, out, at)
+            self._settled_rates(st, x, out, at, counts)
         # Error feedback's not deferred: one workspace slot serves every bucket (:meth:`bucket`).
         defer = defer and not isinstance(st, SteadyFeedback)
         start = time.perf_counter()
@@ -2508,8 +2509,10 @@ class Reducer:
         x: torch.Tensor,
         rates: torch.Tensor | None = None,
         at: np.ndarray | None = None,
-    ) -> None:
-        """Queue a settled bucket's records (``stats=True``).
+    ) -> torch.Tensor | None:
+        """Queue a settled bucket's records (``stats=True``); their layers' nonzero and
+        underflowing counts where a bound records call wrote them (Triton's: Promote's
+        rates reuse them), else None.
 
         Once the maxima are agreed (and their factors made), every layer's
         exponent (staged routes: the first level's), agreed maximum (before
@@ -2526,10 +2529,10 @@ class Reducer:
         if st.records_call is not None:
             # Agreed block keys: each block's counts under its inner (first-level) key;
             # else Triton's of the layers (Promote's rates apart).
-            self._add_rows(index, st, st.records_call, x.device)
+            rows = self._add_rows(index, st, st.records_call, x.device)
             if rates is not None:
-                self._settled_rates(st, x, rates, at)
-            return
+                self._settled_rates(st, x, rates, at, rows[:, 2:4])
+            return rows[:, 2:4]
         amax = agreed.maxima if st.raw is None else st.raw
         keys = st.host_factors[2] if st.host_factors is not None else None
         if isinstance(st, SteadyStaged) and st.record_keys is not None:
@@ -2537,12 +2540,13 @@ class Reducer:
         if keys is not None and x.is_contiguous():
             records = functools.partial(g.codec.layer_records, x, g.layout, amax, keys)
             self._add_rows(index, st, functools.partial(records, rates=rates, at=at), x.device)
-            return
+            return None
         exps = self._steady_exponents(st)
         counts = layer_counts(x, g.layout.lengths, exps, g.fmt)
         self.stats.add(index, st.names, g.numels, g.fmt, exps, amax, counts)
         if rates is not None:
-            self._settled_rates(st, x, rates, at)
+            self._settled_rates(st, x, rates, at, counts[:, :2])
+        return None
 
     def _steady_exponents(self, st: Steady) -> torch.Tensor:
         """A settled bucket's exponents off the CPU kernels, which its records and Promote's
@@ -2580,7 +2584,9 @@ class Reducer:
         counts, smallest, largest = per_layer(g.blocks, counts, exps, blocks_amax(x, g.layout))
         self.stats.add(index, st.names, g.numels, g.fmt, smallest, largest, counts)
 
-    def record_feedback(self, index: int, st: SteadyFeedback, x: torch.Tensor) -> None:
+    def record_feedback(
+        self, index: int, st: SteadyFeedback, x: torch.Tensor
+    ) -> torch.Tensor | None:
         """:meth:`record_steady` with error feedback: the records of this rank's values
         ``x`` with its residuals added, under two_phase's factors of the agreed maxima
         (per block: the agreed keys, folded per layer with this rank's block maxima). One
@@ -2589,9 +2595,8 @@ class Reducer:
         g = st.group
         assert st.names is not None and g is not None
         fmt, route, n = g.fmt, Route(g.reduction), self.comm.world_size
-        if st.records_call is not None:  # Triton's, bound
-            self._add_rows(index, st, st.records_call, x.device)
-            return
+        if st.records_call is not None:  # Triton's, bound: their counts are Promote's too
+            return self._add_rows(index, st, st.records_call, x.device)[:, 2:4]
         if g.codec.backend == "kernels" and x.device.type == "cpu":
             if g.blocks is None:
                 assert st.keys is not None  # left by st.factors
@@ -2600,7 +2605,7 @@ class Reducer:
                 assert st.local is not None
                 records = g.codec.bind_block_records(x, g.blocks, st.shared, st.local)
             self._add_rows(index, st, records, x.device)
-            return
+            return None
         if g.blocks is None:
             scaling = self.settings.scaling
             exps = factors(st.shared, fmt, route, world_size=n, scaling=scaling).exponents
@@ -2613,6 +2618,7 @@ class Reducer:
             counts = layer_counts(x, g.layout.lengths, keyed.exponents, fmt)
             counts, exps, amax = per_layer(g.blocks, counts, keyed.exponents, st.local)
         self.stats.add(index, st.names, g.numels, fmt, exps, amax, counts)
+        return None
 
     def _add_rows(
         self,
@@ -2620,14 +2626,16 @@ class Reducer:
         st: Steady | SteadyBlocks | SteadyFeedback | SteadyAgreedBlocks,
         records: Callable[[torch.Tensor], object],
         device: torch.device,
-    ) -> None:
+    ) -> torch.Tensor:
         """Queue ``st``'s records as the float64 rows (one per layer: exponent, maximum,
-        counts) that ``records`` writes on ``device`` (the codec's records calls)."""
+        counts) that ``records`` writes on ``device`` (the codec's records calls); the
+        rows."""
         g = st.group
         assert st.names is not None and g is not None
         rows = torch.empty(len(st.names), 5, dtype=torch.float64, device=device)
         records(rows)
         self.stats.add_rows(index, st.names, g.numels, g.fmt, rows)
+        return rows
 
     def _promoted(self, st: Steady | SteadyGroups | SteadyFeedback) -> bool:
         """Promote's step from the rates just agreed on the maxima; whether a format of the
@@ -2649,13 +2657,15 @@ class Reducer:
         x: torch.Tensor,
         out: torch.Tensor | None = None,
         at: np.ndarray | None = None,
+        counts: torch.Tensor | None = None,
     ) -> None:
         """Promote: this rank's underflow rate of every layer under this step's factors
         (staged routes: the first level's; error feedback's: of ``x`` with its residuals
         added), into the slots the next step's maxima all-reduce sends (``out``:
         elsewhere than ``st``'s own slots, a format group's; ``at``: its layers' slots in
         ``out``, else the first). One kernel call on the CPU kernels, else a few
-        whole-bucket tensor ops."""
+        whole-bucket tensor ops; ``counts``: the layers' nonzero and underflowing counts
+        under those factors that this step's records already made (not counted again)."""
         g, n, scale = st.group, len(st.fmts), None
         out = st.maxima[n : 2 * n] if out is None else out  # type: ignore[index]  # Promote's
         if isinstance(st, SteadyStaged) and st.record_keys is not None:
@@ -2666,25 +2676,33 @@ class Reducer:
         if scale is not None:
             g.codec.underflow_rates(x, g.layout, scale, out, at)
             return
-        key = (x.data_ptr(), id(g))
-        if st.rates_key != key:
-            st.rates_call, st.rates_key = self._bind_rates(st, x), key
-        if st.rates_call is not None:  # Triton: the records' counts, three launches
-            rows = torch.empty(len(st.fmts), 5, dtype=torch.float64, device=x.device)
-            st.rates_call(rows)
-            counts = rows[:, 2:4]
-        elif isinstance(st, SteadyFeedback):  # its route's rule (a native sum's too: sent so)
-            scaling, ranks, route = self.settings.scaling, self.comm.world_size, Route(g.reduction)
-            exps = factors(st.shared, g.fmt, route, world_size=ranks, scaling=scaling).exponents
-            counts = layer_counts(x, g.layout.lengths, exps, g.fmt)
-        else:
-            counts = layer_counts(x, g.layout.lengths, self._steady_exponents(st), g.fmt)
+        if counts is None:
+            counts = self._rates_counts(st, x)
         # float32 counts (the layers' nonzero and underflowing), one conversion of both
         nonzero, under = counts[:, :2].float().unbind(1)
         if at is None:
             torch.div(under, nonzero.clamp_(min=1), out=out)
         else:
             out.index_copy_(0, torch.from_numpy(at), under / nonzero.clamp_(min=1))
+
+    def _rates_counts(self, st: Steady | SteadyFeedback, x: torch.Tensor) -> torch.Tensor:
+        """The layers' nonzero and underflowing counts of ``x`` under this step's factors,
+        off the CPU kernels: Triton's records call (three launches, bound once per
+        binding), else the tensor ops."""
+        g = st.group
+        key = (x.data_ptr(), id(g))
+        if st.rates_key != key:
+            st.rates_call, st.rates_key = self._bind_rates(st, x), key
+        if st.rates_call is not None:
+            rows = torch.empty(len(st.fmts), 5, dtype=torch.float64, device=x.device)
+            st.rates_call(rows)
+            return rows[:, 2:4]
+        if isinstance(st, SteadyFeedback):  # its route's rule (a native sum's too: sent so)
+            scaling, ranks, route = self.settings.scaling, self.comm.world_size, Route(g.reduction)
+            exps = factors(st.shared, g.fmt, route, world_size=ranks, scaling=scaling).exponents
+        else:
+            exps = self._steady_exponents(st)
+        return layer_counts(x, g.layout.lengths, exps, g.fmt)
 
     def _bind_rates(
         self, st: Steady | SteadyFeedback, x: torch.Tensor

@@ -2629,6 +2629,20 @@ _PROMOTE_CONFIGS = {
     "native-feedback": {"fmt": "fp16", "reduction": "allreduce", "error_feedback": True},
     # The first level's exponents, read from the staged factor rows (bind_row_cell_keys).
     "hierarchical": {"fmt": "e4m3", "reduction": "hierarchical", "ranks_per_node": 1},
+    # With stats=True the rates reuse the counts of the step's own records.
+    "two_phase-stats": {"fmt": "e4m3", "reduction": "two_phase", "stats": True},
+    "two_phase-feedback-stats": {
+        "fmt": "e4m3",
+        "reduction": "two_phase",
+        "error_feedback": True,
+        "stats": True,
+    },
+    "hierarchical-stats": {
+        "fmt": "e4m3",
+        "reduction": "hierarchical",
+        "ranks_per_node": 1,
+        "stats": True,
+    },
 }
 
 
@@ -2676,8 +2690,10 @@ def test_promote_rates_on_triton_are_the_kernels_in_a_fixed_handful_of_launches(
             state, buffer, got = _promoted(options, layers)
             assert state.reducer is not None
             st = state.reducer.steady_for(0, buffer)
-            assert st is not None and st.rates_call is not None
-            assert st.group.codec.backend == "triton"
+            assert st is not None and st.group.codec.backend == "triton"
+            # Bound once; with stats=True the records' own call serves instead.
+            assert (st.records_call if options.get("stats") else st.rates_call) is not None
+            assert options.get("stats") or st.records_call is None
             counts.append(_launches(state, buffer, []))
             if layers is numels:
                 assert got == want and max(want[-1]) > 0.1
