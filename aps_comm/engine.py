@@ -316,6 +316,12 @@ class Steady(_Bucket):
         return True
 
     @property
+    def fp32_mean(self) -> bool:
+        """Whether the bucket is only averaged as it is (the FP32 route, no Promote): one
+        all-reduce with nothing agreed before it, ``allreduce_hook``'s arithmetic."""
+        return self.route == Route.FP32 and self.promote is None
+
+    @property
     def vector(self) -> torch.Tensor:
         """The MAX all-reduce's vector."""
         return self.maxima
@@ -2304,7 +2310,7 @@ class Reducer:
         if isinstance(st, SteadyGroups):
             self._run_groups(index, st, x)
             return None
-        if isinstance(st, Steady) and st.route == Route.FP32 and st.promote is None:
+        if isinstance(st, Steady) and st.fp32_mean:
             transports.fp32_mean(x, comm.group, comm.world_size, self.traffic)
             return None
         if st.bound_ptr != x.data_ptr():  # a bfloat16 bucket's float32 copy: new each step

@@ -47,7 +47,7 @@ from aps_comm.config import (
     check_block_size,
     default_block_size,
 )
-from aps_comm.engine import Comm, Reducer, Settings
+from aps_comm.engine import Comm, Reducer, Settings, Steady
 from aps_comm.executor import FifoWorker, raised_by_backward, run_on_side_stream
 from aps_comm.feedback import ErrorFeedback
 from aps_comm.formats import FP32, FloatFormat, get_format
@@ -917,12 +917,17 @@ def aps_hook(state: APSState, bucket: dist.GradBucket) -> torch.futures.Future[t
     params = [] if steady is not None else bucket.parameters()
     if params:
         _check_bucket(buffer, params)
-    if state.plain_fp32:
-        # Exactly default_hooks.allreduce_hook, on the state's group.
+    nccl = buffer.device.type == "cuda" and reducer.comm.backend == "nccl"
+    if state.plain_fp32 or (nccl and isinstance(steady, Steady) and steady.fp32_mean):
+        # Exactly default_hooks.allreduce_hook, on the state's group, on DDP's thread: so
+        # is a settled FP32-route bucket ("auto" on fast links) on NCCL, which orders its
+        # collectives by issue alone (Gloo's worker would be passed by this one).
         fut = transports.fp32_mean_async(
             buffer, reducer.comm.group, reducer.comm.world_size, reducer.traffic
         )
         if bucket.is_last():
+            if not state.plain_fp32:
+                state._forget_after(index)
             state._end_step()
         return fut
     if params:
@@ -933,7 +938,7 @@ def aps_hook(state: APSState, bucket: dist.GradBucket) -> torch.futures.Future[t
         ),
         steady,
     )
-    if buffer.device.type == "cuda" and reducer.comm.backend == "nccl":
+    if nccl:
         return fut  # the side stream's, complete: a failure was raised in this call
     # The worker's: DDP would report its failure as "Unable to cast ... to Tensor".
     return raised_by_backward(fut, buffer)

@@ -117,6 +117,12 @@ NCCL_CASES = [
 ]
 
 
+# "auto" at world size 1 on NCCL sends every bucket in FP32: settled, that is
+# allreduce_hook's one call on DDP's thread (no graph, no side stream), compared with
+# the plain FP32 state's run.
+AUTO_CASE = HookCase("e4m3", "auto")
+
+
 def _nccl_skip(case: HookCase) -> str | None:
     return hook_skip_reason(case, "nccl", 1, Environment.detect().native_fp8)
 
@@ -126,12 +132,11 @@ def nccl_runs() -> dict[HookCase, tuple[dict[str, Any], dict[str, Any]]]:
     """Every runnable NCCL case in one job, its Gloo/CPU reference in another."""
     if not dist.is_nccl_available():
         pytest.skip("needs the NCCL backend")
-    cases = [c for c in NCCL_CASES if _nccl_skip(c) is None]
+    cases = [c for c in NCCL_CASES if _nccl_skip(c) is None] + [AUTO_CASE]
+    refs = [HookCase("fp32", "auto") if c == AUTO_CASE else reference_case(c) for c in cases]
     # Five steps: settled buckets are captured as CUDA graphs at step 3 and replayed at 4.
     gpu = run_distributed(ddp_grads, 1, args=("cuda", cases, 5, 2), backend="nccl", timeout=300)[0]
-    cpu = run_distributed(
-        ddp_grads, 1, args=("cpu", [reference_case(c) for c in cases], 5, None), timeout=300
-    )[0]
+    cpu = run_distributed(ddp_grads, 1, args=("cpu", refs, 5, None), timeout=300)[0]
     return {c: (g, r) for c, g, r in zip(cases, gpu, cpu, strict=True)}
 
 
@@ -152,9 +157,22 @@ def test_settled_buckets_run_as_cuda_graphs_on_nccl(
     # Every bucket but the step's last is captured once settled; the bits are
     # checked against the Gloo/CPU run above, replays included.
     for case, (got, _) in nccl_runs.items():
+        if case == AUTO_CASE:
+            continue
         assert got["error"] is None, case
         assert got["graph_failure"] is None, case
         assert got["graphs"] >= 1, case
+
+
+def test_settled_fp32_buckets_on_nccl_are_allreduce_hooks_one_call(
+    nccl_runs: dict[HookCase, tuple[dict[str, Any], dict[str, Any]]],
+) -> None:
+    got, want = nccl_runs[AUTO_CASE]
+    assert got["error"] is None and want["error"] is None
+    assert got["bucket_reductions"] == ["fp32"]
+    assert got["graphs"] == 0  # from step 2 on: never the side stream, so never captured
+    assert got["bytes_detail"] == {"all_reduce": 4 * got["numel"]}
+    assert count_mismatches(got["grads"], want["grads"])[0] == 0
 
 
 GLOO_CASES = [HookCase("e4m3", "two_phase"), HookCase("fp16", "allreduce")]
