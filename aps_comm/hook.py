@@ -300,6 +300,11 @@ class APSState:
         self._last_stats = StepStats()
         self._worker: FifoWorker | None = None
         self._streams: dict[torch.device, torch.cuda.Stream] = {}
+        # NCCL, this step: whether the side stream has work since the last settled FP32
+        # bucket's all-reduce on DDP's thread (:meth:`_fp32_on_nccl`), and that
+        # all-reduce's future, which the side stream's next work waits for.
+        self._side_ahead = False
+        self._direct: torch.futures.Future | None = None
         # Per bucket index: the non-float32 buffer of DDP's whose float32 copy it was last
         # bound on (:meth:`_float_input`). The buffer itself, not its address: DDP frees a
         # buffer when it re-buckets, and the new one may be allocated at the same address.
@@ -567,6 +572,8 @@ class APSState:
         )
         self.bytes_total = sum(self.bytes_detail.values())
         self.step += 1
+        # DDP's stream waits for every bucket's future: the next step starts ordered.
+        self._side_ahead, self._direct = False, None
 
     def _chunk(self) -> int | None:
         """Elements per chunk as the user fixed them, or None (the engine decides)."""
@@ -586,6 +593,11 @@ class APSState:
         device = bucket.buffer.device
         if device.type == "cuda" and self.reducer.comm.backend == "nccl":
             stream = self._stream(device)
+            if self._direct is not None:  # after the FP32 all-reduce issued before it
+                with torch.cuda.stream(stream):
+                    self._direct.wait()  # NCCL's future is complete: a stream wait only
+                self._direct = None
+            self._side_ahead = True
             if self.graphs is not None and not bucket.is_last:
                 fut = self._graphed(bucket, stream, steady)
                 if fut is not None:
@@ -620,6 +632,25 @@ class APSState:
             return self._worker.submit(finish)
         fut: torch.futures.Future = torch.futures.Future()
         self._deferred = (finish, fut)
+        return fut
+
+    def _fp32_on_nccl(self, buffer: torch.Tensor) -> torch.futures.Future:
+        """``allreduce_hook``'s call for a settled FP32 bucket on NCCL, on DDP's thread.
+
+        Ordered after this step's side-stream work where there is some: a graph
+        replays its NCCL kernels on the side stream, not the process group's, and
+        kernels of one communicator on two unordered streams may deadlock.
+        """
+        assert self.reducer is not None
+        comm, traffic = self.reducer.comm, self.reducer.traffic
+        if not self._side_ahead:
+            self._direct = transports.fp32_mean_async(buffer, comm.group, comm.world_size, traffic)
+            return self._direct
+        stream = self._stream(buffer.device)
+        stream.wait_stream(torch.cuda.current_stream(buffer.device))
+        with torch.cuda.stream(stream):
+            fut = transports.fp32_mean_async(buffer, comm.group, comm.world_size, traffic)
+        self._side_ahead, self._direct = False, fut
         return fut
 
     def _graphed(
@@ -917,17 +948,21 @@ def aps_hook(state: APSState, bucket: dist.GradBucket) -> torch.futures.Future[t
     params = [] if steady is not None else bucket.parameters()
     if params:
         _check_bucket(buffer, params)
-    nccl = buffer.device.type == "cuda" and reducer.comm.backend == "nccl"
-    if state.plain_fp32 or (nccl and isinstance(steady, Steady) and steady.fp32_mean):
-        # Exactly default_hooks.allreduce_hook, on the state's group, on DDP's thread: so
-        # is a settled FP32-route bucket ("auto" on fast links) on NCCL, which orders its
-        # collectives by issue alone (Gloo's worker would be passed by this one).
+    if state.plain_fp32:
+        # Exactly default_hooks.allreduce_hook, on the state's group.
         fut = transports.fp32_mean_async(
             buffer, reducer.comm.group, reducer.comm.world_size, reducer.traffic
         )
         if bucket.is_last():
-            if not state.plain_fp32:
-                state._forget_after(index)
+            state._end_step()
+        return fut
+    nccl = buffer.device.type == "cuda" and reducer.comm.backend == "nccl"
+    if nccl and isinstance(steady, Steady) and steady.fp32_mean:
+        # A settled FP32-route bucket ("auto" on fast links): the same call, on DDP's
+        # thread. Not on Gloo, whose worker's collectives this one would overtake.
+        fut = state._fp32_on_nccl(buffer)
+        if bucket.is_last():
+            state._forget_after(index)
             state._end_step()
         return fut
     if params:
