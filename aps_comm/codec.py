@@ -774,7 +774,7 @@ class Codec:
         if out is None:
             need = payload_nbytes(x.numel() + pad, self.fmt)
             out = torch.empty(need, dtype=torch.uint8, device=x.device)
-        self.bind_encode(x, out, scale, layout, pad)()
+        self.bind_encode(x, out, scale, layout, pad, once=True)()
         return out
 
     def decode(
@@ -802,7 +802,7 @@ class Codec:
                 _check_scaled(scale.maxima, layout, numel)
                 scale = scale.factors(self.fmt, unscale=True)
             out = torch.empty(numel, dtype=torch.float32, device=payload.device)
-        self.bind_decode(payload, out, scale, layout, numel)()
+        self.bind_decode(payload, out, scale, layout, numel, once=True)()
         return out
 
     def _scaled(
@@ -826,12 +826,15 @@ class Codec:
         scale: torch.Tensor | AgreedMaxima | None,
         layout: Layout | None,
         pad: int = 0,
+        once: bool = False,
     ) -> Callable[[], object]:
         """:meth:`encode` into ``out`` checked once; the returned call repeats it.
 
         A settled bucket encodes the same buffers every step: the call reads
         their values (``x``, the factors or agreed maxima, refilled in place)
-        when it runs, with no checks, windows or lookups on the host.
+        when it runs, with no checks, windows or lookups on the host; on
+        "triton" each program's segments are found here, not searched per run.
+        ``once``: the call runs once (:meth:`encode`), so nothing is found ahead.
         """
         need = payload_nbytes(x.numel() + pad, self.fmt)
         if out.dtype != torch.uint8 or out.numel() != need or out.device != x.device:
@@ -839,7 +842,7 @@ class Codec:
                 f"out must hold {need} uint8 bytes on {x.device}, got {out.numel()} "
                 f"{out.dtype} on {out.device}"
             )
-        return self._bind_coded("encode", x, out, scale, layout, x.numel(), pad)
+        return self._bind_coded("encode", x, out, scale, layout, (x.numel(), pad, once))
 
     def bind_decode(
         self,
@@ -848,10 +851,12 @@ class Codec:
         scale: torch.Tensor | AgreedMaxima | None,
         layout: Layout | None,
         numel: int | None = None,
+        once: bool = False,
     ) -> Callable[[], object]:
         """:meth:`decode` into ``out`` checked once; the returned call repeats it.
 
-        ``numel``: the elements to decode, ``out``'s where None (checked against it).
+        ``numel``: the elements to decode, ``out``'s where None (checked against it);
+        ``once``: as :meth:`bind_encode`'s.
         """
         fmt = self.fmt
         numel = out.numel() if numel is None else numel
@@ -866,7 +871,7 @@ class Codec:
                 f"out must be a contiguous float32 tensor of {numel} elements, "
                 f"got {out.dtype} of shape {tuple(out.shape)}"
             )
-        return self._bind_coded("decode", payload[:need], out, scale, layout, numel)
+        return self._bind_coded("decode", payload[:need], out, scale, layout, (numel, 0, once))
 
     def _bind_coded(
         self,
@@ -875,26 +880,27 @@ class Codec:
         out: torch.Tensor,
         scale: torch.Tensor | AgreedMaxima | None,
         layout: Layout | None,
-        numel: int,
-        pad: int = 0,
+        sizes: tuple[int, int, bool],
     ) -> Callable[[], object]:
         """:meth:`bind_encode`'s or :meth:`bind_decode`'s (``kernel``) call, its buffers
-        checked: ``numel`` elements of ``src`` into ``out``, then an encode's ``pad`` zero
-        codes. One kernel call on "kernels" and "triton" (a variant that cannot run here
-        falls back to the torch ops), the torch ops elsewhere."""
-        fmt = self.fmt
+        checked: ``sizes`` (numel, pad, once): ``numel`` elements of ``src`` into ``out``,
+        then an encode's ``pad`` zero codes, for one run or many. One kernel call on
+        "kernels" and "triton" (a variant that cannot run here falls back to the torch
+        ops), the torch ops elsewhere."""
+        fmt, (numel, pad, once) = self.fmt, sizes
         factors, agreed = self._scaled(scale, layout, numel)
         if self.backend == "triton":
             block = layout.block_size if layout is not None else None
             native = None if agreed is None else agreed.native
-            variant = (kernel, fmt.name, factors is not None, native, block, pad > 0)
+            variant = (kernel, fmt.name, factors is not None, native, block, pad > 0, once)
             launch = getattr(_triton(), f"bind_{kernel}")(
                 *(src, out, fmt, _device_offsets(layout), factors),
                 maxima=agreed.maxima if agreed else None,
                 rule=agreed.rule() if agreed else None,
                 **({"pad": pad} if pad else {}),
+                table=not once,
             )
-            fallback = self._torch()._bind_coded(kernel, src, out, scale, layout, numel, pad)
+            fallback = self._torch()._bind_coded(kernel, src, out, scale, layout, sizes)
             return functools.partial(_run_bound, variant, launch, fallback)
         head = payload_nbytes(numel, fmt)
         body = out[:head] if pad else out
@@ -1262,7 +1268,7 @@ class Codec:
             )
         if self.backend != "triton":
             return ops
-        launch = _triton().bind_layer_maxima(x, out, layout.device_offsets)
+        launch = _triton().bind_layer_maxima(x, out, layout.device_offsets, table=True)
         bound = functools.partial(in_order, [out.zero_, launch])
         return functools.partial(_run_bound, ("layer_maxima",), bound, ops)
 
@@ -2463,6 +2469,7 @@ class Codec:
                 values[r],
                 None if rank_scales is None else rank_scales[r],
                 None if rank_scales is None else layout,
+                once=True,
             )
             for r in range(n_ranks)
         ]

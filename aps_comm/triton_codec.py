@@ -350,13 +350,48 @@ if AVAILABLE:
         zero = tl.program_id(0) * 0
         lo = _search(off_ptr, first, zero, zero + top, n_last)
         hi = _search(off_ptr, last_idx, lo, zero + top, n_last)
-        width = hi - lo
-        step = zero
-        nxt = zero + 1
+        return lo, hi, _width_step(hi - lo)
+
+    @triton.jit
+    def _width_step(width):
+        """The first step of a search over ``width + 1`` segments: the largest power of two
+        not above ``width`` (0 for one segment)."""
+        step = width * 0
+        nxt = step + 1
         while nxt <= width:
             step = nxt
             nxt = nxt * 2
+        return step
+
+    @triton.jit
+    def _program_segments(seg_ptr, pid, off_ptr, first, last_idx, top, n_last, TABLE: tl.constexpr):
+        """:func:`_chunk_segments` of program ``pid``: read from the table a bound call made
+        once (``TABLE``: :func:`_segments_kernel`'s), else searched; a search is about 14
+        dependent loads per program, the table one."""
+        if TABLE:
+            lo = tl.load(seg_ptr + 2 * pid).to(tl.int32)
+            hi = tl.load(seg_ptr + 2 * pid + 1).to(tl.int32)
+            step = _width_step(hi - lo)
+        else:
+            lo, hi, step = _chunk_segments(off_ptr, first, last_idx, top, n_last)
         return lo, hi, step
+
+    @triton.jit(do_not_specialize=["numel", "top", "n_last", "programs"])
+    def _segments_kernel(
+        off_ptr, seg_ptr, numel, top, n_last, programs, BLOCK: tl.constexpr, R: tl.constexpr
+    ):
+        """The segments of the first and last element of each of ``programs`` programs of
+        ``BLOCK`` elements (an encode's padding programs: of element ``numel - 1``), as
+        :func:`_chunk_segments` finds them: int64 (lo, hi) pairs, ``R`` programs each."""
+        p = tl.program_id(0).to(tl.int64) * R + tl.arange(0, R)
+        first = p * BLOCK
+        last = tl.maximum(tl.minimum(first + BLOCK, numel) - 1, 0)
+        zero = tl.full([R], 0, tl.int32)
+        lo = _search(off_ptr, tl.minimum(first, last), zero, top, n_last)
+        hi = _search(off_ptr, last, lo, top, n_last)
+        mask = p < programs
+        tl.store(seg_ptr + 2 * p, lo, mask=mask)
+        tl.store(seg_ptr + 2 * p + 1, hi, mask=mask)
 
     @triton.jit
     def _factor(
@@ -599,6 +634,7 @@ if AVAILABLE:
         off_ptr,
         scale_ptr,
         first_ptr,
+        seg_ptr,
         numel,
         top,
         n_last,
@@ -612,12 +648,15 @@ if AVAILABLE:
         SHIFT: tl.constexpr,
         AMAX: tl.constexpr,
         BLOCK: tl.constexpr,
+        TABLE: tl.constexpr = False,
     ):
         """Codes of ``numel`` elements, then zero codes up to ``total`` (a shard's padding)."""
         pid = tl.program_id(0).to(tl.int64)
         first = pid * BLOCK
         last = tl.maximum(tl.minimum(first + BLOCK, numel) - 1, 0)
-        lo, hi, step = _chunk_segments(off_ptr, tl.minimum(first, last), last, top, n_last)
+        lo, hi, step = _program_segments(
+            seg_ptr, pid, off_ptr, tl.minimum(first, last), last, top, n_last, TABLE
+        )
         if WIRE == 4:
             if first + BLOCK <= numel:
                 # A full program: contiguous (vectorised) loads, the codes paired in registers.
@@ -742,6 +781,7 @@ if AVAILABLE:
         off_ptr,
         scale_ptr,
         first_ptr,
+        seg_ptr,
         numel,
         top,
         n_last,
@@ -756,6 +796,7 @@ if AVAILABLE:
         AMAX: tl.constexpr,
         DIVIDE: tl.constexpr,
         BLOCK: tl.constexpr,
+        TABLE: tl.constexpr = False,
     ):
         pid = tl.program_id(0).to(tl.int64)
         first = pid * BLOCK
@@ -768,6 +809,8 @@ if AVAILABLE:
                 off_ptr,
                 scale_ptr,
                 first_ptr,
+                seg_ptr,
+                pid,
                 first,
                 i,
                 tl.full([BLOCK], 1, tl.int1),
@@ -785,6 +828,7 @@ if AVAILABLE:
                 AMAX,
                 DIVIDE,
                 BLOCK,
+                TABLE,
                 True,
             )
         else:
@@ -794,6 +838,8 @@ if AVAILABLE:
                 off_ptr,
                 scale_ptr,
                 first_ptr,
+                seg_ptr,
+                pid,
                 first,
                 i,
                 i < numel,
@@ -811,6 +857,7 @@ if AVAILABLE:
                 AMAX,
                 DIVIDE,
                 BLOCK,
+                TABLE,
             )
 
     @triton.jit
@@ -820,6 +867,8 @@ if AVAILABLE:
         off_ptr,
         scale_ptr,
         first_ptr,
+        seg_ptr,
+        pid,
         first,
         i,
         mask,
@@ -837,6 +886,7 @@ if AVAILABLE:
         AMAX: tl.constexpr,
         DIVIDE: tl.constexpr,
         BLOCK: tl.constexpr,
+        TABLE: tl.constexpr,
         FULL: tl.constexpr = False,
     ):
         """One program of :func:`_decode_kernel`: elements ``i`` where ``mask`` (``FULL``:
@@ -847,7 +897,7 @@ if AVAILABLE:
             v = _value(_load_code(src_ptr, i, mask, WIRE), D)
         if SCALED:
             last = tl.minimum(first + BLOCK, numel) - 1
-            lo, hi, step = _chunk_segments(off_ptr, first, last, top, n_last)
+            lo, hi, step = _program_segments(seg_ptr, pid, off_ptr, first, last, top, n_last, TABLE)
             v = v * _factor(
                 scale_ptr,
                 off_ptr,
@@ -1370,10 +1420,12 @@ if AVAILABLE:
         x_ptr,
         amax_ptr,
         off_ptr,
+        seg_ptr,
         numel,
         top,
         n_last,
         BLOCK: tl.constexpr,
+        TABLE: tl.constexpr = False,
     ):
         """Each segment's max |x| (NaN as inf), MAX-ed into ``amax_ptr`` as int32 bits
         (zero beforehand): non-negative float32 bits order as the values do.
@@ -1391,9 +1443,8 @@ if AVAILABLE:
             x = tl.load(x_ptr + i, mask=mask, other=0.0)
         # An integer max of |x|'s bits is a max that keeps NaN (above inf): to inf.
         mag = tl.minimum(x.to(tl.int32, bitcast=True) & 0x7FFFFFFF, 0x7F800000)
-        lo, hi, step = _chunk_segments(
-            off_ptr, first, tl.minimum(first + BLOCK, numel) - 1, top, n_last
-        )
+        last = tl.minimum(first + BLOCK, numel) - 1
+        lo, hi, step = _program_segments(seg_ptr, pid, off_ptr, first, last, top, n_last, TABLE)
         if lo == hi:
             tl.atomic_max(amax_ptr + lo, tl.reduce(mag, 0, _larger))
         else:
@@ -1969,7 +2020,7 @@ def layer_maxima(x: torch.Tensor, maxima: torch.Tensor, offsets: torch.Tensor) -
 
 
 def bind_layer_maxima(
-    x: torch.Tensor, maxima: torch.Tensor, offsets: torch.Tensor
+    x: torch.Tensor, maxima: torch.Tensor, offsets: torch.Tensor, table: bool = False
 ) -> Callable[[], object]:
     """:func:`layer_maxima` checked and bound once: the returned call launches it.
 
@@ -1980,6 +2031,7 @@ def bind_layer_maxima(
         x: contiguous float32 values.
         maxima: float32, one per segment, zero (or maxima to MAX with).
         offsets: int64 segment offsets on the device, from 0 to ``x.numel()``.
+        table: as :func:`bind_encode`'s.
     """
     _check(E4M3, x, maxima)
     n = offsets.numel() - 1
@@ -1992,15 +2044,18 @@ def bind_layer_maxima(
     numel = x.numel()
     if not numel:
         return _NOTHING
+    seg = _segment_table(offsets, n, numel, numel) if table else None
     return functools.partial(
         _maxima_kernel[_grid(numel)],
         x,
         maxima.view(torch.int32),
         offsets,
+        offsets if seg is None else seg,
         numel,
         _top(n),
         n - 1,
         BLOCK=BLOCK,
+        TABLE=seg is not None,
         **compile_options(),
     )
 
@@ -2260,9 +2315,14 @@ def bind_encode(
     maxima: torch.Tensor | None = None,
     rule: Rule | None = None,
     pad: int = 0,
+    table: bool = False,
 ) -> Callable[[], object]:
     """:func:`encode` checked and bound once: the returned call launches it (a
-    settled bucket's every step, with no per-call checks on the host)."""
+    settled bucket's every step, with no per-call checks on the host).
+
+    ``table``: find each program's segments now, in one launch (:func:`_segment_table`),
+    for every launch of the call to read rather than search (for a call run many times).
+    """
     factors, rule = _maxima_or_factors(factors, maxima, rule)
     consts = _check(fmt, x, out)
     x = x.reshape(-1)
@@ -2279,11 +2339,13 @@ def bind_encode(
         # the programs must not read factors, which an empty segmentation has none of
         # (an empty tensor's address is 0: a GPU faults where the interpreter segfaults).
         sc = _scaling(x.device, fmt, None, None, 0, None)
+    seg = _segment_table(sc.offsets, sc.last + 1, numel, total) if table and sc.scaled else None
     return functools.partial(
         _encode_kernel[_grid(total)],
         x,
         out,
         *sc.args(),
+        sc.offsets if seg is None else seg,
         numel,
         sc.top,
         sc.last,
@@ -2297,8 +2359,34 @@ def bind_encode(
         SHIFT=sc.shift,
         AMAX=int(sc.amax),
         BLOCK=BLOCK,
+        TABLE=seg is not None,
         **compile_options(),
     )
+
+
+_SEGMENT_ROWS = 128
+"""Programs of the codec whose segments one program of :func:`_segment_table` finds."""
+
+
+def _segment_table(
+    offsets: torch.Tensor, n_segments: int, numel: int, total: int
+) -> torch.Tensor | None:
+    """Each program's first and last segment of ``n_segments`` (``offsets``) for a pass
+    over ``numel`` elements in ``total`` (with an encode's padding), found once by the
+    kernels' own search: int64 pairs, one per program of :data:`BLOCK` elements; None
+    for one segment (no search)."""
+    if n_segments <= 1:
+        return None
+    programs = triton.cdiv(total, BLOCK)
+    seg = torch.empty(2 * programs, dtype=torch.int64, device=offsets.device)
+    top, last = _top(n_segments), n_segments - 1
+    _segments_kernel[launch_grid(triton.cdiv(programs, _SEGMENT_ROWS))](
+        *(offsets, seg, numel, top, last, programs),
+        BLOCK=BLOCK,
+        R=_SEGMENT_ROWS,
+        **compile_options(),
+    )
+    return seg
 
 
 def _maxima_or_factors(
@@ -2359,8 +2447,10 @@ def bind_decode(
     first_block: torch.Tensor | None = None,
     maxima: torch.Tensor | None = None,
     rule: Rule | None = None,
+    table: bool = False,
 ) -> Callable[[], object]:
-    """:func:`decode` checked and bound once: the returned call launches it."""
+    """:func:`decode` checked and bound once: the returned call launches it (``table``:
+    as :func:`bind_encode`'s)."""
     factors, rule = _maxima_or_factors(factors, maxima, rule)
     consts = _check(fmt, payload, out)
     numel = out.numel()
@@ -2369,11 +2459,13 @@ def bind_decode(
     sc = _scaling(out.device, fmt, offsets, factors, block_size, first_block, rule)
     divisor = rule.world_size if rule is not None and rule.native else 1
     pow2 = divisor & (divisor - 1) == 0
+    seg = _segment_table(sc.offsets, sc.last + 1, numel, numel) if table and sc.scaled else None
     return functools.partial(
         _decode_kernel[_grid(numel)],
         payload,
         out,
         *sc.args(),
+        sc.offsets if seg is None else seg,
         numel,
         sc.top,
         sc.last,
@@ -2388,6 +2480,7 @@ def bind_decode(
         AMAX=2 * int(sc.amax),
         DIVIDE=0 if divisor == 1 else 1 if pow2 else 2,
         BLOCK=BLOCK,
+        TABLE=seg is not None,
         **compile_options(),
     )
 
@@ -3710,10 +3803,11 @@ _PtxSources = dict[str, tuple[Callable[..., object], dict[str, str], dict[str, o
 def _ptx_codec_sources(fmt: FloatFormat, block_size: int) -> _PtxSources:
     """:func:`ptx`'s encode and decode kernels, with factors or with agreed maxima."""
     consts = format_constants(fmt)
-    factors = {"off_ptr": "*i64", "scale_ptr": "*fp32", "first_ptr": "*i64"}
+    factors = {"off_ptr": "*i64", "scale_ptr": "*fp32", "first_ptr": "*i64", "seg_ptr": "*i64"}
     shift = block_size.bit_length() - 1 if block_size else 0
     scalar, rest, rest_d = _PTX_SCALARS, _PTX_ENCODE_REST, _PTX_DECODE_REST
-    plain = {"E": consts.encode, "D": consts.decode, "K": (0, 0, 0, 0, 0)}
+    # The bound calls' variants: each program's segments read from their table.
+    plain = {"E": consts.encode, "D": consts.decode, "K": (0, 0, 0, 0, 0), "TABLE": True}
     sources: _PtxSources = {
         "encode": (
             _encode_kernel,
@@ -3726,7 +3820,7 @@ def _ptx_codec_sources(fmt: FloatFormat, block_size: int) -> _PtxSources:
             {**plain, "SCALED": True, "SHIFT": shift, "AMAX": 0, "DIVIDE": 0},
         ),
     }
-    agreed = {"off_ptr": "*i64", "scale_ptr": "*i32", "first_ptr": "*i64"}
+    agreed = {"off_ptr": "*i64", "scale_ptr": "*i32", "first_ptr": "*i64", "seg_ptr": "*i64"}
     for name, native in (("encode_maxima", False), ("encode_maxima_native", True)):
         sources[name] = (
             _encode_kernel,
@@ -3738,6 +3832,7 @@ def _ptx_codec_sources(fmt: FloatFormat, block_size: int) -> _PtxSources:
                 "SCALED": True,
                 "SHIFT": 0,
                 "AMAX": 1,
+                "TABLE": True,
             },
         )
     for name, native, divide in (
@@ -3756,12 +3851,13 @@ def _ptx_codec_sources(fmt: FloatFormat, block_size: int) -> _PtxSources:
                 "SHIFT": 0,
                 "AMAX": 2,
                 "DIVIDE": divide,
+                "TABLE": True,
             },
         )
     sources["maxima"] = (
         _maxima_kernel,
-        {"x_ptr": "*fp32", "amax_ptr": "*i32", "off_ptr": "*i64", **scalar},
-        {"BLOCK": BLOCK},
+        {"x_ptr": "*fp32", "amax_ptr": "*i32", "off_ptr": "*i64", "seg_ptr": "*i64", **scalar},
+        {"BLOCK": BLOCK, "TABLE": True},
     )
     return sources
 

@@ -21,7 +21,8 @@ its :data:`MIN_SECONDS` left, and its timeouts end at the budget:
    and native <= 1.10x, block <= 1.15x, "auto" (FP32 at world size 1) <= 1.02x.
 2. ``codec``: e4m3 encode + decode of a 256 MiB float32 buffer against a
    device copy of the same buffer, with and without per-layer scales, timed
-   with CUDA events; the ratio is the median of per-repeat ratios (target
+   with CUDA events around the calls a settled bucket binds once and runs
+   every step (:meth:`aps_comm.codec.Codec.bind_encode`); the ratio is the median of per-repeat ratios (target
    <= 1.5x; the memory-bound ideal is 1.25x: 10 bytes moved per element
    against the copy's 8). The backend "auto" picks is judged; the torch
    casts and the Triton kernels (where Triton is installed) are timed beside it.
@@ -76,7 +77,6 @@ import argparse
 import contextlib
 import dataclasses
 import enum
-import functools
 import gc
 import json
 import math
@@ -1103,14 +1103,10 @@ def _step_codec(ctx: StepContext, repeats: int = 50) -> StepResult:
     for b in backends:
         c = codec.Codec(fmt, dev, b)
         fns |= {
-            f"{b}:encode": functools.partial(c.encode, x, out=payload),
-            f"{b}:decode": functools.partial(c.decode, payload, n, out=y),
-            f"{b}:scaled_encode": functools.partial(
-                c.encode, x, out=payload, scale=scale, layout=layout
-            ),
-            f"{b}:scaled_decode": functools.partial(
-                c.decode, payload, n, out=y, scale=unscale, layout=layout
-            ),
+            f"{b}:encode": c.bind_encode(x, payload, None, None),
+            f"{b}:decode": c.bind_decode(payload, y, None, None),
+            f"{b}:scaled_encode": c.bind_encode(x, payload, scale, layout),
+            f"{b}:scaled_decode": c.bind_decode(payload, y, unscale, layout),
         }
     if "triton" in backends:  # block scaling (issue 28): a factor per 32 elements
         from aps_comm import triton_codec
@@ -1118,13 +1114,13 @@ def _step_codec(ctx: StepContext, repeats: int = 50) -> StepResult:
         offsets, first = (t.to(dev) for t in triton_codec.block_segments(layout.offsets, 32))
         n_blocks = int(((layout.offsets.diff() + 31) // 32).sum())
         bscale = torch.exp2(torch.randint(-4, 5, (n_blocks,), device=dev).float())
-        blocks = {"block_size": 32, "first_block": first}
+        blocks = {"block_size": 32, "first_block": first, "table": True}
         fns |= {
-            "triton:block_encode": functools.partial(
-                triton_codec.encode, x, payload, fmt, offsets, bscale, **blocks
+            "triton:block_encode": triton_codec.bind_encode(
+                x, payload, fmt, offsets, bscale, **blocks
             ),
-            "triton:block_decode": functools.partial(
-                triton_codec.decode, payload, y, fmt, offsets, 1 / bscale, **blocks
+            "triton:block_decode": triton_codec.bind_decode(
+                payload, y, fmt, offsets, 1 / bscale, **blocks
             ),
         }
     if "triton" in backends:  # the settled path's calls: factors from agreed maxima
@@ -1133,14 +1129,18 @@ def _step_codec(ctx: StepContext, repeats: int = 50) -> StepResult:
         maxima = 448 * torch.exp2(torch.randint(-4, 5, (100,), device=dev).float())
         agreed = codec.AgreedMaxima(maxima, world_size=1)
         c = codec.Codec(fmt, dev, "triton")
-        fns |= {
-            "triton:keyed_encode": functools.partial(
-                c.encode, x, out=payload, scale=agreed, layout=layout
-            ),
-            "triton:keyed_decode": functools.partial(
-                c.decode, payload, n, out=y, scale=agreed, layout=layout
-            ),
-        }
+
+        def keyed() -> dict[str, Callable[[], object]]:
+            """The keyed calls bound as the kernels' shape now is (bound: its grid)."""
+            return {
+                "encode": c.bind_encode(x, payload, agreed, layout),
+                "decode": c.bind_decode(payload, y, agreed, layout),
+                # What the search costs: the same calls without the bound segment table.
+                "searched_encode": c.bind_encode(x, payload, agreed, layout, once=True),
+                "searched_decode": c.bind_decode(payload, y, agreed, layout, once=True),
+            }
+
+        fns |= {f"triton:keyed_{k}": f for k, f in keyed().items()}
     ms = _events_ms(fns, repeats)
     shapes: dict[str, dict[str, float]] = {}
     if "triton" in backends:  # elements and warps per program, for the next tuning
@@ -1148,11 +1148,12 @@ def _step_codec(ctx: StepContext, repeats: int = 50) -> StepResult:
         try:
             for block, warps in CODEC_SHAPES:
                 tc.BLOCK, tc.NUM_WARPS = block, warps
+                calls = keyed()
                 shape = _events_ms(
                     {
                         "copy": lambda: y.copy_(x),
-                        "encode": fns["triton:keyed_encode"],
-                        "decode": fns["triton:keyed_decode"],
+                        "encode": calls["encode"],
+                        "decode": calls["decode"],
                     },
                     max(repeats // 2, 5),
                 )
@@ -1189,6 +1190,7 @@ def _step_codec(ctx: StepContext, repeats: int = 50) -> StepResult:
                     {
                         "block32": timing(b, "block_").to_json(),
                         "keyed": timing(b, "keyed_").to_json(),
+                        "keyed_searched": timing(b, "keyed_searched_").to_json(),
                         "shapes": shapes,
                     }
                     if b == "triton"

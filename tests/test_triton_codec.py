@@ -310,6 +310,56 @@ def test_encode_matches_kernels(tc: types.ModuleType, fmt: FloatFormat) -> None:
         assert torch.equal(_quiet(codec.encode, y, fmt, backend="triton"), codec.encode(y, fmt))
 
 
+@pytest.mark.parametrize("block_size", [0, 32])
+def test_bound_calls_read_each_programs_segments_from_a_table(
+    tc: types.ModuleType, block_size: int
+) -> None:
+    # A bound encode or decode (a settled bucket's, run every step) finds each program's
+    # first and last segment once, at binding, rather than by two binary searches per
+    # program per run: the table holds what the search finds (empty segments, a window
+    # of block offsets before 0 and past the end, the encode's padding programs), and
+    # the calls write the unbound calls' bits.
+    fmt = F.E4M3
+    numel, pad = 5 * tc.BLOCK + 77, 3 * tc.BLOCK + 5
+    sizes = [0, 3, tc.BLOCK - 1, 0, 2 * tc.BLOCK + 7, 1, numel - 3 * tc.BLOCK - 10]
+    offsets = torch.tensor(np.concatenate([[0], np.cumsum(sizes)]), dtype=torch.int64)
+    x = torch.randn(numel) * 100
+    kw: dict[str, Any] = {}
+    if block_size:
+        offsets = offsets - 40  # a window: the first segment began before it
+        offsets[-1] = numel + 9  # and the last one ends after it
+        first = torch.tensor([0, 1, 3, 40, 42, 200, 260], dtype=torch.int64)
+        factors = torch.exp2(torch.randint(-3, 4, (400,)).float())
+        kw = {"block_size": block_size, "first_block": first}
+    else:
+        factors = torch.exp2(torch.randint(-3, 4, (len(sizes),)).float())
+    out = torch.empty(payload_nbytes(numel + pad, fmt), dtype=torch.uint8)
+    call = tc.bind_encode(x, out, fmt, offsets, factors, pad=pad, table=True, **kw)
+    assert call.keywords["TABLE"]
+    programs = -(-(numel + pad) // tc.BLOCK)
+    first_el = np.minimum(np.arange(programs) * tc.BLOCK, numel - 1)
+    last_el = np.minimum(first_el + tc.BLOCK, numel) - 1
+    off = offsets.numpy()
+    want = np.stack([np.searchsorted(off[:-1], e, side="right") - 1 for e in (first_el, last_el)])
+    assert np.array_equal(call.args[5].view(-1, 2).numpy(), want.T.clip(0))
+    _quiet(call)
+    searched = torch.empty_like(out)
+    _quiet(tc.bind_encode(x, searched, fmt, offsets, factors, pad=pad, **kw))
+    assert torch.equal(out, searched)
+    back, back_searched = torch.empty(numel), torch.empty(numel)
+    decode = tc.bind_decode(out, back, fmt, offsets, 1 / factors, table=True, **kw)
+    assert decode.keywords["TABLE"]
+    _quiet(decode)
+    _quiet(tc.bind_decode(out, back_searched, fmt, offsets, 1 / factors, **kw))
+    assert torch.equal(_bits(back), _bits(back_searched))
+    if not block_size:  # the layers' maxima: the other pass a settled bucket runs per step
+        maxima = torch.zeros(len(sizes))
+        call = tc.bind_layer_maxima(x, maxima, offsets, table=True)
+        assert call.keywords["TABLE"]
+        call()
+        assert torch.equal(maxima, codec.segment_amax(x, codec.Layout.from_numels(sizes, x.device)))
+
+
 def _every_code(fmt: FloatFormat) -> torch.Tensor:
     """A payload holding every bit pattern of a wire element (bits above the format's too);
     for 16 bits every high byte with 58 low ones (the extremes among them)."""
@@ -741,6 +791,7 @@ _KERNELS = (
     "_native_block_keys_kernel",
     "_staged_factors_kernel",
     "_row_cell_keys_kernel",
+    "_segments_kernel",
 )
 
 
