@@ -101,6 +101,7 @@ from torch.nn.parallel import DistributedDataParallel as DDP
 import aps_comm
 from aps_comm import codec
 from aps_comm.formats import FloatFormat, get_format, payload_nbytes
+from aps_comm.policy import ByName
 from aps_comm.testing import DistributedTestError, run_distributed
 from aps_perfmodel.cluster import DEVICE_DATA_KIND, device_data_path
 
@@ -243,6 +244,8 @@ class HookCase:
         'e2m1 two_phase block'
         >>> HookCase("e4m3", "two_phase", stats=True).name
         'e4m3 two_phase stats'
+        >>> HookCase("e4m3", "two_phase", fp32=("blocks.0.*",)).name
+        'e4m3 two_phase fp32:blocks.0.*'
     """
 
     fmt: str
@@ -250,11 +253,13 @@ class HookCase:
     ranks_per_node: int | None = None
     scaling: str = "layer"
     stats: bool = False
+    fp32: tuple[str, ...] = ()  # name patterns of layers sent in FP32 (ByName)
 
     @property
     def name(self) -> str:
         tail = "" if self.scaling == "layer" else f" {self.scaling}"
-        return f"{self.fmt} {self.reduction}{tail}{' stats' if self.stats else ''}"
+        tail += " stats" if self.stats else ""
+        return f"{self.fmt} {self.reduction}{tail}" + "".join(f" fp32:{p}" for p in self.fp32)
 
     def __str__(self) -> str:
         return self.name.replace(" ", "-")
@@ -832,6 +837,7 @@ def ddp_grads(
                 ranks_per_node=case.ranks_per_node,
                 scaling=case.scaling,
                 stats=case.stats,
+                policy=[ByName(dict.fromkeys(case.fp32, "fp32"))] if case.fp32 else None,
             )
             state.chunk_elements = CHUNK_ELEMENTS
             for step in range(steps):

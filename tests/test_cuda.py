@@ -121,6 +121,10 @@ NCCL_CASES = [
 # allreduce_hook's one call on DDP's thread (no graph, no side stream), compared with
 # the plain FP32 state's run.
 AUTO_CASE = HookCase("e4m3", "auto")
+# FP32 buckets among coded ones (after DDP's re-bucketing: bucket 0 is blocks.2's last
+# two layers, bucket 2 blocks.0, bucket 1 the rest): the first and the last go direct,
+# before and after the middle one's graph on the side stream, each ordered against it.
+MIXED_CASE = HookCase("e4m3", "two_phase", fp32=("blocks.0.*", "blocks.2.*"))
 
 
 def _nccl_skip(case: HookCase) -> str | None:
@@ -132,7 +136,7 @@ def nccl_runs() -> dict[HookCase, tuple[dict[str, Any], dict[str, Any]]]:
     """Every runnable NCCL case in one job, its Gloo/CPU reference in another."""
     if not dist.is_nccl_available():
         pytest.skip("needs the NCCL backend")
-    cases = [c for c in NCCL_CASES if _nccl_skip(c) is None] + [AUTO_CASE]
+    cases = [c for c in NCCL_CASES if _nccl_skip(c) is None] + [AUTO_CASE, MIXED_CASE]
     refs = [HookCase("fp32", "auto") if c == AUTO_CASE else reference_case(c) for c in cases]
     # Five steps: settled buckets are captured as CUDA graphs at step 3 and replayed at 4.
     gpu = run_distributed(ddp_grads, 1, args=("cuda", cases, 5, 2), backend="nccl", timeout=300)[0]
@@ -157,7 +161,7 @@ def test_settled_buckets_run_as_cuda_graphs_on_nccl(
     # Every bucket but the step's last is captured once settled; the bits are
     # checked against the Gloo/CPU run above, replays included.
     for case, (got, _) in nccl_runs.items():
-        if case == AUTO_CASE:
+        if case in (AUTO_CASE, MIXED_CASE):
             continue
         assert got["error"] is None, case
         assert got["graph_failure"] is None, case
@@ -172,6 +176,19 @@ def test_settled_fp32_buckets_on_nccl_are_allreduce_hooks_one_call(
     assert got["bucket_reductions"] == ["fp32"]
     assert got["graphs"] == 0  # from step 2 on: never the side stream, so never captured
     assert got["bytes_detail"] == {"all_reduce": 4 * got["numel"]}
+    assert count_mismatches(got["grads"], want["grads"])[0] == 0
+
+
+def test_fp32_buckets_on_ddps_thread_beside_graphed_ones_on_nccl(
+    nccl_runs: dict[HookCase, tuple[dict[str, Any], dict[str, Any]]],
+) -> None:
+    got, want = nccl_runs[MIXED_CASE]
+    assert got["error"] is None and want["error"] is None
+    assert got["graph_failure"] is None
+    # A bucket of FP32 layers is no reduction of the format's; its bytes are FP32's.
+    assert got["bucket_reductions"] == want["bucket_reductions"] == ["two_phase"]
+    assert got["bytes_detail"]["all_reduce"] == want["bytes_detail"]["all_reduce"] > 0
+    assert got["graphs"] <= 1  # the middle bucket at most: the FP32 ones are never captured
     assert count_mismatches(got["grads"], want["grads"])[0] == 0
 
 
