@@ -17,6 +17,7 @@ import os
 import re
 import sys
 import threading
+import time
 import traceback
 import weakref
 from collections.abc import Iterator
@@ -47,6 +48,19 @@ def _gloo_threads() -> int:
         with contextlib.suppress(OSError):  # a thread that ended meanwhile
             names.append(Path(f"/proc/self/task/{tid}/comm").read_text())
     return sum("gloo" in name for name in names)
+
+
+def _gloo_threads_down_to(floor: int, wait_s: float = 10.0) -> int:
+    """:func:`_gloo_threads` once it is at most ``floor``, or after ``wait_s`` seconds.
+
+    A joined thread can stay listed in /proc for a moment after its join returned
+    (the kernel wakes the joiner before it releases the task), the longer the more
+    loaded the machine: a thread really left running stays past the wait.
+    """
+    deadline = time.monotonic() + wait_s
+    while (count := _gloo_threads()) > floor and time.monotonic() < deadline:
+        time.sleep(0.01)
+    return count
 
 
 def _released_at_exit(rank: int, world_size: int, drop: bool = False, keep: bool = False) -> dict:
@@ -113,7 +127,7 @@ def _released_at_exit(rank: int, world_size: int, drop: bool = False, keep: bool
         dist.destroy_process_group = real_destroy
         gc.enable()
     del kept
-    after = _gloo_threads()
+    after = _gloo_threads_down_to(before - 3)
     total = torch.ones(1)
     dist.all_reduce(total)  # the default group is not the hook's to release
     return {
@@ -235,7 +249,7 @@ def _callback_holds_the_group(rank: int, world_size: int) -> dict:
         "on_a_worker": ran_on != [threading.get_ident()],
         "released": release.is_set(),
         "group_freed": freed() is None,
-        "threads_joined": before - _gloo_threads(),
+        "threads_joined": before - _gloo_threads_down_to(before - 3),
         "stderr": said,
     }
 
@@ -338,7 +352,7 @@ def _failed_register(rank: int, world_size: int, api: str) -> dict:
         kept = exc
     finally:
         atexit.register, dist.new_group = real_register, real_new_group
-    left = _gloo_threads() - before
+    left = _gloo_threads_down_to(before) - before
     installed = list(
         dict.fromkeys(h for h in handlers if getattr(h, "__module__", "") == "aps_comm.teardown")
     )
