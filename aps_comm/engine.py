@@ -279,9 +279,9 @@ class Steady(_Bucket):
         """
         self.held = x  # an FP32 bucket's binding holds nothing else of it
         g = self.group
-        if g is None:
-            return True
-        if self.route == Route.FP32:  # with Promote: averaged as they are, maxima bound apart
+        # No group: the FP32 mean (run before any address check); with Promote: averaged as
+        # they are, maxima bound apart.
+        if g is None or self.route == Route.FP32:
             self.bound_ptr = x.data_ptr()
             return True
         native = self.route == Route.ALLREDUCE
@@ -888,11 +888,7 @@ class SteadyGroups:
         # The staged groups' chunk scratch: one for all (a group at a time), as the values
         # the workspace's, or (no workspace) every group's own.
         staged = [transports.node_spare(g) for g in self.groups if g.node is not None]
-        spare = (
-            _take(arena, max(staged), torch.float32, x.device)
-            if staged and arena is not None
-            else None
-        )
+        spare = arena.take(max(staged), torch.float32) if staged and arena is not None else None
         gather = self._divided(x, values, world_size) if on_host and self.blocks else None
         if self.blocks:
             part = functools.partial(self._blocks_part, arena, gather, (rank, world_size))
@@ -2554,10 +2550,15 @@ class Reducer:
             self._settled_rates(st, x, rates, at, counts[:, :2])
         return None
 
-    def _steady_exponents(self, st: Steady) -> torch.Tensor:
+    def _steady_exponents(self, st: Steady | SteadyFeedback) -> torch.Tensor:
         """A settled bucket's exponents off the CPU kernels, which its records and Promote's
         rates count under: :func:`aps_comm.scaling.factors`' of the agreed maxima (spread:
-        the layer rule of them is the bucket rule; staged routes: the first level's)."""
+        the layer rule of them is the bucket rule; staged routes: the first level's; error
+        feedback's: its route's rule, a native sum's too, sent so)."""
+        if isinstance(st, SteadyFeedback):
+            g, scaling = st.group, self.settings.scaling
+            route, n = Route(g.reduction), self.comm.world_size
+            return factors(st.shared, g.fmt, route, world_size=n, scaling=scaling).exponents
         return factors(
             st.agreed.maxima,
             st.group.fmt,
@@ -2613,8 +2614,7 @@ class Reducer:
             self._add_rows(index, st, records, x.device)
             return None
         if g.blocks is None:
-            scaling = self.settings.scaling
-            exps = factors(st.shared, fmt, route, world_size=n, scaling=scaling).exponents
+            exps = self._steady_exponents(st)
             counts, amax = layer_counts(x, g.layout.lengths, exps, fmt), st.shared
         else:
             assert st.local is not None
@@ -2703,12 +2703,7 @@ class Reducer:
             rows = torch.empty(len(st.fmts), 5, dtype=torch.float64, device=x.device)
             st.rates_call(rows)
             return rows[:, 2:4]
-        if isinstance(st, SteadyFeedback):  # its route's rule (a native sum's too: sent so)
-            scaling, ranks, route = self.settings.scaling, self.comm.world_size, Route(g.reduction)
-            exps = factors(st.shared, g.fmt, route, world_size=ranks, scaling=scaling).exponents
-        else:
-            exps = self._steady_exponents(st)
-        return layer_counts(x, g.layout.lengths, exps, g.fmt)
+        return layer_counts(x, g.layout.lengths, self._steady_exponents(st), g.fmt)
 
     def _bind_rates(
         self, st: Steady | SteadyFeedback, x: torch.Tensor
@@ -3183,15 +3178,12 @@ class Reducer:
                 torch.index_select(st.maxima, 0, st.perm, out=st.agreed)
         for spread in st.spreads:
             spread.spread()
-        if st.spans is None:  # one run: its rows encoded straight into the send buffer
-            for made, encode, _ in st.calls:
-                made()
-                encode(encoded)
-        else:
+        if st.spans is not None:
             c.copy_spans(rows, arena, st.spans[0])
-            for made, encode, _ in st.calls:
-                made()
-                encode()
+        step_rows = (encoded,) if st.spans is None else ()  # one run: straight into the send buffer
+        for made, encode, _ in st.calls:
+            made()
+            encode(*step_rows)
         self._add_records(index, st, encoded)
         if st.spans is not None:
             c.copy_spans(coded, arena, st.spans[1])
@@ -3928,11 +3920,8 @@ class _MixedBlocks:
             at, mine = row * p + param, rank * p + param
             pos.append(np.arange(first[at], first[at] + counts[at]))
             src.append(np.arange(first[mine], first[mine] + counts[mine]))
-        empty = np.zeros(0, np.int64)
-        return (
-            np.concatenate(pos).astype(np.int64) if pos else empty,
-            np.concatenate(src).astype(np.int64) if src else empty,
-        )
+        empty = np.zeros(0, np.int64)  # no encoded block: int64 all the same
+        return np.concatenate([empty, *pos]), np.concatenate([empty, *src])
 
 
 def _unit_kernel_after(name: str, args: tuple, x: torch.Tensor) -> None:
