@@ -279,9 +279,9 @@ class Steady(_Bucket):
         """
         self.held = x  # an FP32 bucket's binding holds nothing else of it
         g = self.group
-        if g is None:
-            return True
-        if self.route == Route.FP32:  # with Promote: averaged as they are, maxima bound apart
+        # No group: the FP32 mean (run before any address check); with Promote: averaged as
+        # they are, maxima bound apart.
+        if g is None or self.route == Route.FP32:
             self.bound_ptr = x.data_ptr()
             return True
         native = self.route == Route.ALLREDUCE
@@ -298,21 +298,8 @@ class Steady(_Bucket):
         if self.names is not None:  # Triton's records (elsewhere None: record_steady's)
             shown = self.agreed.maxima if self.raw is None else self.raw
             self.records_call = g.codec.bind_layer_records(x, g.layout, self.agreed, shown)
-        calls = []
-        for c, ((lo, hi), (r0, r1)) in enumerate(zip(g.chunks, g.regions, strict=True)):
-            window, send, values = g.windows[c], g.send[r0:r1], x[lo:hi]
-            owner = recv = shard = None
-            if native:
-                encode = g.codec.bind_encode(values, send, scale, window)
-            else:
-                pad = (r1 - r0) * 8 // g.fmt.wire_bits - (hi - lo)
-                encode = g.codec.bind_encode(values, send, scale, window, pad)
-                s0, s1 = g.shard_regions[c]
-                recv, shard = g.recv[r0:r1], g.shards[s0:s1]
-                owner = g.codec.bind_owner_reduce(recv, world_size, shard)
-            decode = g.codec.bind_decode(send, values, unscale, window)
-            calls.append(transports.ChunkCalls(encode, owner, decode, send, recv, shard))
-        self.calls, self.bound_ptr = calls, x.data_ptr()
+        self.calls = _chunk_calls(g, x, (scale, unscale), world_size, native)
+        self.bound_ptr = x.data_ptr()
         return True
 
     @property
@@ -519,6 +506,33 @@ class SteadyStaged(Steady):
         return first, keys
 
 
+def _chunk_calls(
+    g: GroupPlan,
+    x: torch.Tensor,
+    factors: tuple[torch.Tensor | AgreedMaxima, torch.Tensor | AgreedMaxima],
+    world_size: int,
+    native: bool,
+) -> list[transports.ChunkCalls]:
+    """Every chunk's codec calls of group ``g`` bound to its float32 values ``x`` under
+    ``factors`` (scale, unscale): the native sum's encode and decode, or two_phase's encode
+    padded to whole shards, the owner's reduce and the decode."""
+    (scale, unscale), calls = factors, []
+    for c, ((lo, hi), (r0, r1)) in enumerate(zip(g.chunks, g.regions, strict=True)):
+        window, send, values = g.windows[c], g.send[r0:r1], x[lo:hi]
+        owner = recv = shard = None
+        if native:
+            encode = g.codec.bind_encode(values, send, scale, window)
+        else:
+            pad = (r1 - r0) * 8 // g.fmt.wire_bits - (hi - lo)
+            encode = g.codec.bind_encode(values, send, scale, window, pad)
+            s0, s1 = g.shard_regions[c]
+            recv, shard = g.recv[r0:r1], g.shards[s0:s1]
+            owner = g.codec.bind_owner_reduce(recv, world_size, shard)
+        decode = g.codec.bind_decode(send, values, unscale, window)
+        calls.append(transports.ChunkCalls(encode, owner, decode, send, recv, shard))
+    return calls
+
+
 def _step_views(workspace: Workspace, sizes: list[tuple[int, torch.dtype]]) -> list[torch.Tensor]:
     """Views of ``sizes`` (elements, dtype) one after the other from the start of
     ``workspace``'s STEP slot (grown first where it is too small)."""
@@ -528,29 +542,6 @@ def _step_views(workspace: Workspace, sizes: list[tuple[int, torch.dtype]]) -> l
     probe.close()
     arena = workspace.arena(Slot.STEP)
     return [arena.take(n, dtype) for n, dtype in sizes]
-
-
-def _exchange(
-    g: GroupPlan,
-    calls: list[transports.ChunkCalls] | None,
-    group: dist.ProcessGroup,
-    traffic: Traffic,
-    defer: bool = False,
-    groups: NodeGroups | None = None,
-    offer: int = 0,
-    on_chunk: Callable[[int], None] | None = None,
-) -> Callable[[], None] | None:
-    """Group ``g``'s bound chunks ``calls`` around its route's collectives, whichever
-    settled kind bound them: with ``groups`` the staged routes' four, else the native
-    sum's or two_phase's on ``group`` (``offer``, ``on_chunk``: those of
-    :func:`aps_comm.transports.two_phase_bound`; ``defer``: the last ones left on the
-    wire, their finishing function returned)."""
-    assert calls is not None  # made by the binding
-    if groups is not None:
-        return transports.two_phase_bound(calls, groups.inter, traffic, defer, groups=groups)
-    if g.reduction == Route.ALLREDUCE:  # the bound calls read the factors, written already
-        return transports.native(calls, g.fmt, group, traffic, defer)
-    return transports.two_phase_bound(calls, group, traffic, defer, offer, on_chunk)
 
 
 @dataclasses.dataclass
@@ -686,12 +677,7 @@ class SteadyAgreedBlocks(_Bucket):
             self.keys_call, self.factors_call = _native_block_calls(
                 g, x, world_size, agreed, self.factors
             )
-            self.calls = []
-            for c, ((lo, hi), (r0, r1)) in enumerate(zip(g.chunks, g.regions, strict=True)):
-                send, window = g.send[r0:r1], g.windows[c]
-                encode = g.codec.bind_encode(x[lo:hi], send, scale, window)
-                decode = g.codec.bind_decode(send, x[lo:hi], unscale, window)
-                self.calls.append(transports.ChunkCalls(encode, None, decode, send))
+            self.calls = _chunk_calls(g, x, (scale, unscale), world_size, native=True)
             self.bound_ptr = x.data_ptr()
             return True
         # The union as the keys' flags: on Triton the keys' kernel zeroes it for the
@@ -902,11 +888,7 @@ class SteadyGroups:
         # The staged groups' chunk scratch: one for all (a group at a time), as the values
         # the workspace's, or (no workspace) every group's own.
         staged = [transports.node_spare(g) for g in self.groups if g.node is not None]
-        spare = (
-            _take(arena, max(staged), torch.float32, x.device)
-            if staged and arena is not None
-            else None
-        )
+        spare = arena.take(max(staged), torch.float32) if staged and arena is not None else None
         gather = self._divided(x, values, world_size) if on_host and self.blocks else None
         if self.blocks:
             part = functools.partial(self._blocks_part, arena, gather, (rank, world_size))
@@ -1066,16 +1048,20 @@ class SteadyGroups:
         return steady
 
     def _gather_maxima(
-        self, x: torch.Tensor, values: torch.Tensor, agreed: torch.Tensor
+        self,
+        x: torch.Tensor,
+        values: torch.Tensor,
+        agreed: torch.Tensor,
+        residuals: torch.Tensor | None = None,
     ) -> Callable[[], object]:
         """The gather and the maxima in one call on the CPU kernels: the layers of ``x``
         copied into ``values`` in the plan's order, each one's max |x| written into
-        ``agreed`` in bucket order (:func:`aps_comm.cpu_kernels.gather_add`, no residual)."""
+        ``agreed`` in bucket order (:func:`aps_comm.cpu_kernels.gather_add`); with
+        ``residuals`` (the sent groups' flat ones) every sent layer's added first."""
+        flat = np.empty(0, np.float32) if residuals is None else residuals.numpy()
+        spans = self.spans(residuals=residuals is not None)
         return functools.partial(
-            cpu_kernels.call,
-            "gather_add",
-            *(x.numpy(), self.spans()),
-            *(np.empty(0, np.float32), values.numpy(), agreed.numpy()),
+            cpu_kernels.call, "gather_add", x.numpy(), spans, flat, values.numpy(), agreed.numpy()
         )
 
     def _picked_factors(
@@ -1546,7 +1532,7 @@ class Reducer:
         but the policy's epoch (the layers' names label the records with ``stats=True``,
         their keys Promote's levels)."""
         settings, assignment = self.settings, self.assignment
-        (index, x, _, fmts), names = b.at, b.layers[2]
+        (_, x, _, fmts), names = b.at, b.layers[2]
         blocks = settings.scaling == Scaling.BLOCK
         promoted = assignment.promoter is not None
         if self.feedback is not None:
@@ -1587,9 +1573,7 @@ class Reducer:
             layouts=self.comm.layouts,
             scratch=self.workspace(x.device),
         )
-        if st.bind(x, self.comm.world_size, self.comm.rank):
-            st.workspace = self._epoch(index, x.device)  # the STEP slot's, after the binding
-            self.steady[index] = st
+        self._keep(b, st if st.bind(x, self.comm.world_size, self.comm.rank) else None)
 
     def _steady_groups(
         self,
@@ -1686,8 +1670,7 @@ class Reducer:
                 return
             if workspace.epoch(Slot.STEP) == epoch:
                 break
-        st.workspace = self._epoch(b.index, x.device)
-        self.steady[b.index] = st
+        self._keep(b, st)
 
     def _feedback_part(
         self,
@@ -1852,15 +1835,7 @@ class Reducer:
         if not in_place:
             st.interleave(x, values, order)  # its scatter (the gather is the kernel's)
         maxima = st.maxima[:0] if st.blocks else st.maxima[:n]
-        st.gather = functools.partial(
-            cpu_kernels.call,
-            "gather_add",
-            x.numpy(),
-            st.spans(residuals=True),
-            flat.numpy(),
-            values.numpy(),
-            maxima.numpy(),
-        )
+        st.gather = st._gather_maxima(x, values, maxima, flat)
         st.fused = True
         if st.blocks or in_place:  # block keys: in the plan's order already
             return values, st.maxima, flat
@@ -1979,7 +1954,7 @@ class Reducer:
                 transports.fp32_mean(values, comm.group, world_size, self.traffic, divided)
             elif isinstance(s, SteadyBlocks):
                 self.steady_block_keys(index, s, values)  # and their records
-                _exchange(s.group, s.calls, comm.group, self.traffic, groups=s.groups)
+                self._exchange(s)
             else:
                 # Factors and scratch of one group at a time: the groups share the STEP slot.
                 made = next(factors, None) if isinstance(s, Steady) else None
@@ -2147,7 +2122,7 @@ class Reducer:
         two_phase's, or the native sum's (``native``: one MAX all-reduce of the keys, this
         rank's preferred chunk on it where measured, then per chunk the encode, the sum in
         the wire format and the decode, :func:`aps_comm.transports.native`'s)."""
-        (index, x, _, _), measured = b.at, b.measured
+        x, measured = b.x, b.measured
         assignment, sh = self.assignment, g.block_shards
         native, device = g.reduction == Route.ALLREDUCE, x.device
         if (
@@ -2162,15 +2137,12 @@ class Reducer:
         # Written and read before the exchange, never by a deferred tail: every bucket's.
         (maxima,) = _step_views(self.workspace(device), [(n_blocks, torch.float32)])
         shared = torch.zeros(n_blocks + int(measured), dtype=torch.uint8, device=device)
-        st = self._agreed_part(b, iter([(None, maxima)]), 0, g, x, shared)
-        if st is not None:
-            st.workspace = self._epoch(index, device)
-            self.steady[index] = st
+        self._keep(b, self._agreed_part(b, iter([(None, maxima)]), 0, g, x, shared))
 
     def _settle_blocks(self, b: _Binding, g: GroupPlan) -> None:
         """Bind the bucket's :class:`SteadyBlocks` path where nothing in it changes per step
         (with ``stats=True`` recording too, its layers labelled by their names)."""
-        (index, x, plan, fmts), names = b.at, b.layers[2]
+        (_, x, plan, fmts), names = b.at, b.layers[2]
         assignment = self.assignment
         sh, route = g.block_shards, Route(g.reduction)
         two_phase = route == Route.TWO_PHASE and sh is not None and sh.rank_exponents
@@ -2189,10 +2161,7 @@ class Reducer:
         where = (self.comm.layouts, assignment.epoch(self.step))
         ranks = (self.comm.rank, self.comm.world_size)
         chunking = (b.measured, b.chunk)
-        st = _rank_blocks(plan, g, x, list(fmts), chunking, scratch, labels, where, ranks)
-        if st is not None:
-            st.workspace = self._epoch(index, x.device)
-            self.steady[index] = st
+        self._keep(b, _rank_blocks(plan, g, x, list(fmts), chunking, scratch, labels, where, ranks))
 
     def _settle(self, b: _Binding, g: GroupPlan | None, route: Route) -> None:
         """Bind the bucket's :class:`Steady` path (two_phase, a native sum or FP32), or its
@@ -2205,7 +2174,7 @@ class Reducer:
         sizes and names.
         """
         assignment, settings, staged = self.assignment, self.settings, route.staged
-        (index, x, plan, fmts), (keys, numels, names) = b.at, b.layers
+        (_, x, plan, fmts), (keys, numels, names) = b.at, b.layers
         measured, promote = b.measured, None
         if assignment.promoter is not None:
             promote = list(keys), list(numels), list(names)
@@ -2261,13 +2230,19 @@ class Reducer:
             st.record_names(names)
         if not st.bind(x, self.comm.world_size):
             return
-        st.workspace = self._epoch(index, x.device)  # the STEP slot's, after the binding
-        self.steady[index] = st
+        self._keep(b, st)
         if promote is not None and route == Route.FP32:
             # The maxima all the same: a move out of FP32 resumes from them.
             # Any format's codec writes them; the ladder's narrowest has the fused kernel.
             narrowest = codec.codec_for(assignment.promoter.ladder[0], x.device)  # type: ignore[union-attr]
             st.maxima_call = narrowest.bind_layer_maxima(x, plan.layout, maxima[:n])
+
+    def _keep(self, b: _Binding, st: _Bound | None) -> None:
+        """Keep ``st``, where it bound, as bucket ``b``'s settled path, on the workspace
+        epoch after its binding (its STEP slot may have grown)."""
+        if st is not None:
+            st.workspace = self._epoch(b.index, b.x.device)
+            self.steady[b.index] = st
 
     def steady_for(self, index: int, buffer: torch.Tensor) -> _Bound | None:
         """The bucket's :class:`Steady` path, if its layout and the policy's epoch are the ones
@@ -2365,8 +2340,29 @@ class Reducer:
             self._settled_rates(st, x, out, at, counts)
         # Error feedback's not deferred: one workspace slot serves every bucket (:meth:`bucket`).
         defer = defer and not isinstance(st, SteadyFeedback)
-        start = time.perf_counter()
-        tail = _exchange(st.group, st.calls, self.comm.group, self.traffic, defer, st.groups)
+        return self._exchange(st, defer)
+
+    def _exchange(
+        self,
+        st: _Part,
+        defer: bool = False,
+        offer: int = 0,
+        on_chunk: Callable[[int], None] | None = None,
+    ) -> Callable[[], None] | None:
+        """``st``'s bound chunks around its route's collectives, whichever settled kind bound
+        them: with ``st.groups`` the staged routes' four, else the native sum's or
+        two_phase's (``offer``, ``on_chunk``: those of
+        :func:`aps_comm.transports.two_phase_bound`; ``defer``: the last ones left on the
+        wire, their finishing function returned); timed for its plan where measured."""
+        g, calls, groups, traffic = st.group, st.calls, st.groups, self.traffic
+        assert calls is not None  # made by the binding
+        start, group = time.perf_counter(), self.comm.group
+        if groups is not None:
+            tail = transports.two_phase_bound(calls, groups.inter, traffic, defer, groups=groups)
+        elif g.reduction == Route.ALLREDUCE:  # the bound calls read the factors, written already
+            tail = transports.native(calls, g.fmt, group, traffic, defer)
+        else:
+            tail = transports.two_phase_bound(calls, group, traffic, defer, offer, on_chunk)
         if st.measured:
             st.plan.timed(time.perf_counter() - start)
         return tail
@@ -2554,10 +2550,15 @@ class Reducer:
             self._settled_rates(st, x, rates, at, counts[:, :2])
         return None
 
-    def _steady_exponents(self, st: Steady) -> torch.Tensor:
+    def _steady_exponents(self, st: Steady | SteadyFeedback) -> torch.Tensor:
         """A settled bucket's exponents off the CPU kernels, which its records and Promote's
         rates count under: :func:`aps_comm.scaling.factors`' of the agreed maxima (spread:
-        the layer rule of them is the bucket rule; staged routes: the first level's)."""
+        the layer rule of them is the bucket rule; staged routes: the first level's; error
+        feedback's: its route's rule, a native sum's too, sent so)."""
+        if isinstance(st, SteadyFeedback):
+            g, scaling = st.group, self.settings.scaling
+            route, n = Route(g.reduction), self.comm.world_size
+            return factors(st.shared, g.fmt, route, world_size=n, scaling=scaling).exponents
         return factors(
             st.agreed.maxima,
             st.group.fmt,
@@ -2613,8 +2614,7 @@ class Reducer:
             self._add_rows(index, st, records, x.device)
             return None
         if g.blocks is None:
-            scaling = self.settings.scaling
-            exps = factors(st.shared, fmt, route, world_size=n, scaling=scaling).exponents
+            exps = self._steady_exponents(st)
             counts, amax = layer_counts(x, g.layout.lengths, exps, fmt), st.shared
         else:
             assert st.local is not None
@@ -2703,12 +2703,7 @@ class Reducer:
             rows = torch.empty(len(st.fmts), 5, dtype=torch.float64, device=x.device)
             st.rates_call(rows)
             return rows[:, 2:4]
-        if isinstance(st, SteadyFeedback):  # its route's rule (a native sum's too: sent so)
-            scaling, ranks, route = self.settings.scaling, self.comm.world_size, Route(g.reduction)
-            exps = factors(st.shared, g.fmt, route, world_size=ranks, scaling=scaling).exponents
-        else:
-            exps = self._steady_exponents(st)
-        return layer_counts(x, g.layout.lengths, exps, g.fmt)
+        return layer_counts(x, g.layout.lengths, self._steady_exponents(st), g.fmt)
 
     def _bind_rates(
         self, st: Steady | SteadyFeedback, x: torch.Tensor
@@ -2724,20 +2719,16 @@ class Reducer:
             return g.codec.bind_staged_records(x, g.layout, st.factors, st.agreed.maxima)
         if scaling == Scaling.BUCKET:
             return None
-        if isinstance(st, SteadyFeedback):
-            native = g.reduction == Route.ALLREDUCE
-            n = self.comm.world_size
-            agreed = AgreedMaxima(st.shared, n, native, scaling == Scaling.NONE)
-        else:
-            agreed = st.agreed
-        return g.codec.bind_layer_records(x, g.layout, agreed, agreed.maxima)
+        if isinstance(st, SteadyFeedback):  # its records' call (Promote refuses blocks)
+            return self._feedback_records(g, x, st.shared, st.local)
+        return g.codec.bind_layer_records(x, g.layout, st.agreed, st.agreed.maxima)
 
     def _run_steady_blocks(
         self, index: int, st: SteadyBlocks, x: torch.Tensor, defer: bool
     ) -> Callable[[], None] | None:
         """:meth:`run_steady` with every rank's own block exponents: one call for the keys,
         three per chunk (two_phase; hierarchical and grid a fixed handful)."""
-        comm, plan, settings = self.comm, st.plan, self.settings
+        plan, settings = st.plan, self.settings
         self.steady_block_keys(index, st, x)  # and their records
         offer, on_chunk = 0, None
         # Staged: the chunk is the model's (the route offers none); only the timing is kept.
@@ -2750,13 +2741,7 @@ class Reducer:
                 self._rechunk(index, st, x, chunk)
             offer, on_chunk = self._offer(st, route), functools.partial(_agree_chunk, plan)
         self.bucket_chunks[index] = st.chunk
-        start = time.perf_counter()
-        tail = _exchange(
-            st.group, st.calls, comm.group, self.traffic, defer, st.groups, offer, on_chunk
-        )
-        if st.measured:
-            plan.timed(time.perf_counter() - start)
-        return tail
+        return self._exchange(st, defer, offer, on_chunk)
 
     def _routes_for(self, plan: BucketPlan, fmts: Sequence[FloatFormat]) -> dict:
         """Each format's route in this bucket: as configured, or the model's choice."""
@@ -2852,10 +2837,8 @@ class Reducer:
         n, settings, device = self.comm.world_size, self.settings, rows.device
         plan = self.plan(index, list(chunks) * n, device)
         fmts = self.assignment.formats(params[0], step)
-        if settings.scaling == Scaling.BLOCK:
-            runs = plan.runs(fmts, n, settings.block_size)
-        else:
-            runs = plan.runs(fmts, n)
+        size = settings.block_size if settings.scaling == Scaling.BLOCK else None
+        runs = plan.runs(fmts, n, size)
         self.steady_units.pop(index, None)
         key = (tuple(chunks), rows.numel(), device, self.assignment.epoch(step))
         bind: Callable[..., _Unit | None] = functools.partial(self._settle_mixed_unit, plan)
@@ -3195,15 +3178,12 @@ class Reducer:
                 torch.index_select(st.maxima, 0, st.perm, out=st.agreed)
         for spread in st.spreads:
             spread.spread()
-        if st.spans is None:  # one run: its rows encoded straight into the send buffer
-            for made, encode, _ in st.calls:
-                made()
-                encode(encoded)
-        else:
+        if st.spans is not None:
             c.copy_spans(rows, arena, st.spans[0])
-            for made, encode, _ in st.calls:
-                made()
-                encode()
+        step_rows = (encoded,) if st.spans is None else ()  # one run: straight into the send buffer
+        for made, encode, _ in st.calls:
+            made()
+            encode(*step_rows)
         self._add_records(index, st, encoded)
         if st.spans is not None:
             c.copy_spans(coded, arena, st.spans[1])
@@ -3940,11 +3920,8 @@ class _MixedBlocks:
             at, mine = row * p + param, rank * p + param
             pos.append(np.arange(first[at], first[at] + counts[at]))
             src.append(np.arange(first[mine], first[mine] + counts[mine]))
-        empty = np.zeros(0, np.int64)
-        return (
-            np.concatenate(pos).astype(np.int64) if pos else empty,
-            np.concatenate(src).astype(np.int64) if src else empty,
-        )
+        empty = np.zeros(0, np.int64)  # no encoded block: int64 all the same
+        return np.concatenate([empty, *pos]), np.concatenate([empty, *src])
 
 
 def _unit_kernel_after(name: str, args: tuple, x: torch.Tensor) -> None:
