@@ -181,10 +181,6 @@ def _factors(scale: torch.Tensor, layout: Layout | None, numel: int) -> torch.Te
     return torch.repeat_interleave(scale, layout.lengths, output_size=numel)
 
 
-def _device_offsets(layout: Layout | None) -> torch.Tensor | None:
-    return None if layout is None else layout.device_offsets
-
-
 def _host_offsets(layout: Layout | None, numel: int) -> np.ndarray | BlockGrid:
     # A CPU block grid as it is: the kernels derive its offsets per call, so a bound
     # call keeps nothing per block.
@@ -340,11 +336,6 @@ def in_order(calls: Sequence[Callable[[], object]]) -> None:
     """Run bound ``calls`` one after the other (several bound calls as one)."""
     for call in calls:
         call()
-
-
-def _or_rows(rows: torch.Tensor, out: torch.Tensor) -> None:
-    """The OR of rows of 0/1 flag bytes: their maximum."""
-    torch.amax(rows, dim=0, out=out)
 
 
 def _triton_ran(variant: tuple, launch: Callable[[], None]) -> bool:
@@ -562,8 +553,7 @@ class AgreedMaxima:
         """The maxima of a window's segments (no copy)."""
         if layout is None or layout.parent is None:
             return self
-        at = slice(layout.first, layout.first + layout.n_segments)
-        return AgreedMaxima(self.maxima[at], self.world_size, self.native, self.none)
+        return dataclasses.replace(self, maxima=_window_scale(self.maxima, layout))
 
     def factors(self, fmt: FloatFormat, unscale: bool) -> torch.Tensor:
         """The float32 factors the maxima stand for (the backends without kernels)."""
@@ -894,7 +884,7 @@ class Codec:
             native = None if agreed is None else agreed.native
             variant = (kernel, fmt.name, factors is not None, native, block, pad > 0, once)
             launch = getattr(_triton(), f"bind_{kernel}")(
-                *(src, out, fmt, _device_offsets(layout), factors),
+                *(src, out, fmt, None if layout is None else layout.device_offsets, factors),
                 maxima=agreed.maxima if agreed else None,
                 rule=agreed.rule() if agreed else None,
                 **({"pad": pad} if pad else {}),
@@ -1250,11 +1240,11 @@ class Codec:
         return functools.partial(in_order, calls)
 
     def bind_layer_maxima(
-        self, x: torch.Tensor, layout: Layout, out: torch.Tensor
+        self, x: torch.Tensor, layout: Layout, out: torch.Tensor, once: bool = False
     ) -> Callable[[], object]:
         """:meth:`layer_maxima` into ``out`` checked once; the returned call repeats it: one
         kernel call on "kernels" and "triton" (a variant that cannot run here falls back),
-        :func:`segment_amax` elsewhere."""
+        :func:`segment_amax` elsewhere. ``once``: as :meth:`bind_encode`'s."""
         if out.dtype != torch.float32 or out.numel() != layout.n_segments:
             raise ValueError(
                 f"out must hold {layout.n_segments} float32 maxima, got {out.numel()} {out.dtype}"
@@ -1268,7 +1258,10 @@ class Codec:
             )
         if self.backend != "triton":
             return ops
-        launch = _triton().bind_layer_maxima(x, out, layout.device_offsets, table=True)
+        if once:  # the module's run-once launch, not a binding: nothing kept for one call
+            launch = functools.partial(_triton().layer_maxima, x, out, layout.device_offsets)
+        else:
+            launch = _triton().bind_layer_maxima(x, out, layout.device_offsets, table=True)
         bound = functools.partial(in_order, [out.zero_, launch])
         return functools.partial(_run_bound, ("layer_maxima",), bound, ops)
 
@@ -1499,7 +1492,7 @@ class Codec:
         if (
             self.backend != "triton"
             or x.dtype != torch.float32
-            or (offsets.size > 1 and int(np.diff(offsets).max()) > _triton().MAX_SEGMENT)
+            or _longest(offsets) > _triton().MAX_SEGMENT
         ):
             return ops
         launch = _triton().bind_native_block_keys(self.fmt, x, offsets, *agreed, world_size)
@@ -1842,9 +1835,9 @@ class Codec:
         return functools.partial(_mean_of_rows, decode_rows, rows, mean)
 
     def _bind_or(self, rows: torch.Tensor, out: torch.Tensor) -> Callable[[], object]:
-        """The OR of rows of 0/1 flag bytes into ``out``, bound."""
+        """The OR of rows of 0/1 flag bytes into ``out`` (their maximum), bound."""
         if self.backend == "triton":
-            return functools.partial(_or_rows, rows, out)
+            return functools.partial(torch.amax, rows, dim=0, out=out)
         return functools.partial(cpu_kernels.call, "or_rows", rows.numpy(), out.numpy())
 
     def _torch(self) -> Codec:
@@ -1865,18 +1858,7 @@ class Codec:
             >>> c.layer_maxima(torch.tensor([3.0, -4.0, float("nan")]), layout, out)
             tensor([4., inf])
         """
-        if self.backend != "triton" or x.dtype != torch.float32:
-            self.bind_layer_maxima(x, layout, out)()
-            return out
-        if out.dtype != torch.float32 or out.numel() != layout.n_segments:
-            raise ValueError(
-                f"out must hold {layout.n_segments} float32 maxima, got {out.numel()} {out.dtype}"
-            )
-        # The module's run-once launch, not a binding: nothing kept for one call.
-        out.zero_()
-        launch = functools.partial(_triton().layer_maxima, x, out, layout.device_offsets)
-        if not _triton_ran(("layer_maxima",), launch):
-            out.copy_(segment_amax(x, layout))
+        self.bind_layer_maxima(x, layout, out, once=True)()
         return out
 
     def sum_rows(self, rows: torch.Tensor, out: torch.Tensor) -> torch.Tensor:
