@@ -217,6 +217,15 @@ def _check_scaled(scale: torch.Tensor | None, layout: Layout | None, numel: int)
         )
 
 
+def _check_bytes(out: torch.Tensor, need: int, device: torch.device) -> None:
+    """An output of codes must be ``need`` uint8 bytes on the data's ``device``."""
+    if out.dtype != torch.uint8 or out.numel() != need or out.device != device:
+        raise ValueError(
+            f"out must hold {need} uint8 bytes on {device}, got {out.numel()} "
+            f"{out.dtype} on {out.device}"
+        )
+
+
 def _window_scale(scale: torch.Tensor | None, layout: Layout | None) -> torch.Tensor | None:
     """The scales of a window's segments, out of its whole layout's (no copy)."""
     if scale is None or layout is None or layout.parent is None:
@@ -826,12 +835,7 @@ class Codec:
         "triton" each program's segments are found here, not searched per run.
         ``once``: the call runs once (:meth:`encode`), so nothing is found ahead.
         """
-        need = payload_nbytes(x.numel() + pad, self.fmt)
-        if out.dtype != torch.uint8 or out.numel() != need or out.device != x.device:
-            raise ValueError(
-                f"out must hold {need} uint8 bytes on {x.device}, got {out.numel()} "
-                f"{out.dtype} on {out.device}"
-            )
+        _check_bytes(out, payload_nbytes(x.numel() + pad, self.fmt), x.device)
         return self._bind_coded("encode", x, out, scale, layout, (x.numel(), pad, once))
 
     def bind_decode(
@@ -939,9 +943,7 @@ class Codec:
         self, recv: torch.Tensor, n_ranks: int, out: torch.Tensor
     ) -> Callable[[], object]:
         """:meth:`owner_reduce` into ``out`` checked once; the returned call repeats it."""
-        shard_bytes = self._shard_bytes(recv, n_ranks)
-        if out.dtype != torch.uint8 or out.numel() != shard_bytes:
-            raise ValueError(f"out must hold {shard_bytes} uint8 bytes, got {out.numel()}")
+        _check_bytes(out, self._shard_bytes(recv, n_ranks), recv.device)
         if self.backend == "kernels":
             return functools.partial(
                 cpu_kernels.call, "reduce_shards", recv, n_ranks, self.fmt, out
@@ -1194,8 +1196,7 @@ class Codec:
         """
         fmt, (scale, unscale) = self.fmt, factors
         per = self._shard_bytes(recv, n_ranks) * 8 // fmt.wire_bits
-        if payload_nbytes(per, fmt) != out.numel():
-            raise ValueError(f"out must hold {payload_nbytes(per, fmt)} bytes, got {out.numel()}")
+        _check_bytes(out, payload_nbytes(per, fmt), recv.device)
         lo = rank * per
         hi = max(lo, min(lo + per, layout.numel))
         if self.backend != "kernels" or recv.device.type != "cpu":
@@ -1957,7 +1958,7 @@ class Codec:
             return functools.partial(cpu_kernels.call, "block_records", *args)
         if self.backend in ("cast", "bits"):
             return functools.partial(_block_rows, x, blocks, keys, maxima, self.fmt)
-        if self.backend != "triton" or x.dtype != torch.float32:
+        if x.dtype != torch.float32:  # "triton" from here
             return None
         tile = _triton_tile(offsets, blocks.counts)
         if tile is None:
@@ -2380,9 +2381,7 @@ class Codec:
                 f"own_row a row of {n_ranks}, got {own.dtype} of {own.numel()} on "
                 f"{own.device} and own_row={own_row}"
             )
-        if own is None:
-            own_row = -1
-        mine = own, own_row
+        mine = own, (-1 if own is None else own_row)
         d = self._owner_pass("reduce_rank_blocks", recv, n_ranks, layout, rank_scales, out, mine)
         if d is not None:
             return out, d
@@ -2481,11 +2480,7 @@ class Codec:
         need = payload_nbytes(numel, self.fmt)
         if out is None:
             return torch.empty(need, dtype=torch.uint8, device=recv.device)
-        if out.dtype != torch.uint8 or out.numel() != need or out.device != recv.device:
-            raise ValueError(
-                f"out must hold {need} uint8 bytes on {recv.device}, got {out.numel()} "
-                f"{out.dtype} on {out.device}"
-            )
+        _check_bytes(out, need, recv.device)
         return out
 
     def shard_mean(
