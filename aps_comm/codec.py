@@ -181,10 +181,6 @@ def _factors(scale: torch.Tensor, layout: Layout | None, numel: int) -> torch.Te
     return torch.repeat_interleave(scale, layout.lengths, output_size=numel)
 
 
-def _device_offsets(layout: Layout | None) -> torch.Tensor | None:
-    return None if layout is None else layout.device_offsets
-
-
 def _host_offsets(layout: Layout | None, numel: int) -> np.ndarray | BlockGrid:
     # A CPU block grid as it is: the kernels derive its offsets per call, so a bound
     # call keeps nothing per block.
@@ -218,6 +214,15 @@ def _check_scaled(scale: torch.Tensor | None, layout: Layout | None, numel: int)
         raise ValueError(
             f"layout covers {layout.numel} elements in {segments} segments; "
             f"the data has {numel} elements and the scale {scale.numel()} entries"
+        )
+
+
+def _check_bytes(out: torch.Tensor, need: int, device: torch.device) -> None:
+    """An output of codes must be ``need`` uint8 bytes on the data's ``device``."""
+    if out.dtype != torch.uint8 or out.numel() != need or out.device != device:
+        raise ValueError(
+            f"out must hold {need} uint8 bytes on {device}, got {out.numel()} "
+            f"{out.dtype} on {out.device}"
         )
 
 
@@ -340,11 +345,6 @@ def in_order(calls: Sequence[Callable[[], object]]) -> None:
     """Run bound ``calls`` one after the other (several bound calls as one)."""
     for call in calls:
         call()
-
-
-def _or_rows(rows: torch.Tensor, out: torch.Tensor) -> None:
-    """The OR of rows of 0/1 flag bytes: their maximum."""
-    torch.amax(rows, dim=0, out=out)
 
 
 def _triton_ran(variant: tuple, launch: Callable[[], None]) -> bool:
@@ -562,8 +562,7 @@ class AgreedMaxima:
         """The maxima of a window's segments (no copy)."""
         if layout is None or layout.parent is None:
             return self
-        at = slice(layout.first, layout.first + layout.n_segments)
-        return AgreedMaxima(self.maxima[at], self.world_size, self.native, self.none)
+        return dataclasses.replace(self, maxima=_window_scale(self.maxima, layout))
 
     def factors(self, fmt: FloatFormat, unscale: bool) -> torch.Tensor:
         """The float32 factors the maxima stand for (the backends without kernels)."""
@@ -836,12 +835,7 @@ class Codec:
         "triton" each program's segments are found here, not searched per run.
         ``once``: the call runs once (:meth:`encode`), so nothing is found ahead.
         """
-        need = payload_nbytes(x.numel() + pad, self.fmt)
-        if out.dtype != torch.uint8 or out.numel() != need or out.device != x.device:
-            raise ValueError(
-                f"out must hold {need} uint8 bytes on {x.device}, got {out.numel()} "
-                f"{out.dtype} on {out.device}"
-            )
+        _check_bytes(out, payload_nbytes(x.numel() + pad, self.fmt), x.device)
         return self._bind_coded("encode", x, out, scale, layout, (x.numel(), pad, once))
 
     def bind_decode(
@@ -894,7 +888,7 @@ class Codec:
             native = None if agreed is None else agreed.native
             variant = (kernel, fmt.name, factors is not None, native, block, pad > 0, once)
             launch = getattr(_triton(), f"bind_{kernel}")(
-                *(src, out, fmt, _device_offsets(layout), factors),
+                *(src, out, fmt, None if layout is None else layout.device_offsets, factors),
                 maxima=agreed.maxima if agreed else None,
                 rule=agreed.rule() if agreed else None,
                 **({"pad": pad} if pad else {}),
@@ -949,9 +943,7 @@ class Codec:
         self, recv: torch.Tensor, n_ranks: int, out: torch.Tensor
     ) -> Callable[[], object]:
         """:meth:`owner_reduce` into ``out`` checked once; the returned call repeats it."""
-        shard_bytes = self._shard_bytes(recv, n_ranks)
-        if out.dtype != torch.uint8 or out.numel() != shard_bytes:
-            raise ValueError(f"out must hold {shard_bytes} uint8 bytes, got {out.numel()}")
+        _check_bytes(out, self._shard_bytes(recv, n_ranks), recv.device)
         if self.backend == "kernels":
             return functools.partial(
                 cpu_kernels.call, "reduce_shards", recv, n_ranks, self.fmt, out
@@ -1204,8 +1196,7 @@ class Codec:
         """
         fmt, (scale, unscale) = self.fmt, factors
         per = self._shard_bytes(recv, n_ranks) * 8 // fmt.wire_bits
-        if payload_nbytes(per, fmt) != out.numel():
-            raise ValueError(f"out must hold {payload_nbytes(per, fmt)} bytes, got {out.numel()}")
+        _check_bytes(out, payload_nbytes(per, fmt), recv.device)
         lo = rank * per
         hi = max(lo, min(lo + per, layout.numel))
         if self.backend != "kernels" or recv.device.type != "cpu":
@@ -1250,11 +1241,11 @@ class Codec:
         return functools.partial(in_order, calls)
 
     def bind_layer_maxima(
-        self, x: torch.Tensor, layout: Layout, out: torch.Tensor
+        self, x: torch.Tensor, layout: Layout, out: torch.Tensor, once: bool = False
     ) -> Callable[[], object]:
         """:meth:`layer_maxima` into ``out`` checked once; the returned call repeats it: one
         kernel call on "kernels" and "triton" (a variant that cannot run here falls back),
-        :func:`segment_amax` elsewhere."""
+        :func:`segment_amax` elsewhere. ``once``: as :meth:`bind_encode`'s."""
         if out.dtype != torch.float32 or out.numel() != layout.n_segments:
             raise ValueError(
                 f"out must hold {layout.n_segments} float32 maxima, got {out.numel()} {out.dtype}"
@@ -1268,7 +1259,10 @@ class Codec:
             )
         if self.backend != "triton":
             return ops
-        launch = _triton().bind_layer_maxima(x, out, layout.device_offsets, table=True)
+        if once:  # the module's run-once launch, not a binding: nothing kept for one call
+            launch = functools.partial(_triton().layer_maxima, x, out, layout.device_offsets)
+        else:
+            launch = _triton().bind_layer_maxima(x, out, layout.device_offsets, table=True)
         bound = functools.partial(in_order, [out.zero_, launch])
         return functools.partial(_run_bound, ("layer_maxima",), bound, ops)
 
@@ -1499,7 +1493,7 @@ class Codec:
         if (
             self.backend != "triton"
             or x.dtype != torch.float32
-            or (offsets.size > 1 and int(np.diff(offsets).max()) > _triton().MAX_SEGMENT)
+            or _longest(offsets) > _triton().MAX_SEGMENT
         ):
             return ops
         launch = _triton().bind_native_block_keys(self.fmt, x, offsets, *agreed, world_size)
@@ -1842,9 +1836,9 @@ class Codec:
         return functools.partial(_mean_of_rows, decode_rows, rows, mean)
 
     def _bind_or(self, rows: torch.Tensor, out: torch.Tensor) -> Callable[[], object]:
-        """The OR of rows of 0/1 flag bytes into ``out``, bound."""
+        """The OR of rows of 0/1 flag bytes into ``out`` (their maximum), bound."""
         if self.backend == "triton":
-            return functools.partial(_or_rows, rows, out)
+            return functools.partial(torch.amax, rows, dim=0, out=out)
         return functools.partial(cpu_kernels.call, "or_rows", rows.numpy(), out.numpy())
 
     def _torch(self) -> Codec:
@@ -1865,18 +1859,7 @@ class Codec:
             >>> c.layer_maxima(torch.tensor([3.0, -4.0, float("nan")]), layout, out)
             tensor([4., inf])
         """
-        if self.backend != "triton" or x.dtype != torch.float32:
-            self.bind_layer_maxima(x, layout, out)()
-            return out
-        if out.dtype != torch.float32 or out.numel() != layout.n_segments:
-            raise ValueError(
-                f"out must hold {layout.n_segments} float32 maxima, got {out.numel()} {out.dtype}"
-            )
-        # The module's run-once launch, not a binding: nothing kept for one call.
-        out.zero_()
-        launch = functools.partial(_triton().layer_maxima, x, out, layout.device_offsets)
-        if not _triton_ran(("layer_maxima",), launch):
-            out.copy_(segment_amax(x, layout))
+        self.bind_layer_maxima(x, layout, out, once=True)()
         return out
 
     def sum_rows(self, rows: torch.Tensor, out: torch.Tensor) -> torch.Tensor:
@@ -1975,7 +1958,7 @@ class Codec:
             return functools.partial(cpu_kernels.call, "block_records", *args)
         if self.backend in ("cast", "bits"):
             return functools.partial(_block_rows, x, blocks, keys, maxima, self.fmt)
-        if self.backend != "triton" or x.dtype != torch.float32:
+        if x.dtype != torch.float32:  # "triton" from here
             return None
         tile = _triton_tile(offsets, blocks.counts)
         if tile is None:
@@ -2398,9 +2381,7 @@ class Codec:
                 f"own_row a row of {n_ranks}, got {own.dtype} of {own.numel()} on "
                 f"{own.device} and own_row={own_row}"
             )
-        if own is None:
-            own_row = -1
-        mine = own, own_row
+        mine = own, (-1 if own is None else own_row)
         d = self._owner_pass("reduce_rank_blocks", recv, n_ranks, layout, rank_scales, out, mine)
         if d is not None:
             return out, d
@@ -2499,11 +2480,7 @@ class Codec:
         need = payload_nbytes(numel, self.fmt)
         if out is None:
             return torch.empty(need, dtype=torch.uint8, device=recv.device)
-        if out.dtype != torch.uint8 or out.numel() != need or out.device != recv.device:
-            raise ValueError(
-                f"out must hold {need} uint8 bytes on {recv.device}, got {out.numel()} "
-                f"{out.dtype} on {out.device}"
-            )
+        _check_bytes(out, need, recv.device)
         return out
 
     def shard_mean(
