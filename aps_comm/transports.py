@@ -173,7 +173,7 @@ def fp32_mean_async(
 
     The future holds ``x`` (averaged in place) once the all-reduce is done.
     """
-    return _fp32_sum(x, group, world_size, count, False).get_future().then(_first)
+    return _fp32_sum(x, group, world_size, count, False).get_future().then(lambda f: f.value()[0])
 
 
 def _fp32_sum(
@@ -183,10 +183,6 @@ def _fp32_sum(
         x.div_(world_size)
     count("all_reduce", x.numel() * x.element_size())
     return dist.all_reduce(x, group=group, async_op=True)
-
-
-def _first(fut: torch.futures.Future) -> torch.Tensor:
-    return fut.value()[0]
 
 
 def rows_exchange(
@@ -747,18 +743,14 @@ def _chunk_calls(
         return ChunkCalls(send, owner, decode, *views)
     if c:
         return ChunkCalls(functools.partial(send, 0), owner, decode, *views)
-    encode = functools.partial(_send_offer, send, offer)
-    return ChunkCalls(
-        encode, functools.partial(_keep_offer, owner, offer), decode, *views, offer=offer
-    )
 
+    def encode() -> None:
+        send(offer[0])
 
-def _send_offer(send: Callable[[int], object], offer: list[int]) -> None:
-    send(offer[0])
+    def keep() -> None:
+        offer[1] = owner()  # type: ignore[assignment]  # the first chunk's owner returns the log2
 
-
-def _keep_offer(owner: Callable[[], int], offer: list[int]) -> None:
-    offer[1] = owner()
+    return ChunkCalls(encode, keep, decode, *views, offer=offer)
 
 
 def _node_rows(g: GroupPlan, c: int) -> tuple[int, int, int]:
@@ -918,9 +910,7 @@ class _NodeBlockOps(_BlockOps):
             mine = bounds[local * nodes : (local + 1) * nodes + 1]
             spans = [(a - s0, b - s0) for a, b in itertools.pairwise(mine)]
             self.pieces.append((spans, [nb.slice_layout[c].window(a, b) for a, b in spans]))
-            self.firsts.append(
-                [layout.window(a, b).first if b > a else 0 for a, b in itertools.pairwise(bounds)]
-            )
+            self.firsts.append(_block_firsts(layout, bounds).tolist())
 
     @property
     def nb(self) -> NodeBlocks:
