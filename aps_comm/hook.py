@@ -25,6 +25,7 @@ Example:
 # No `from __future__ import annotations`: DDP inspects the hook's annotations
 # and requires the real dist.GradBucket / torch.futures.Future objects.
 
+import contextlib
 import dataclasses
 import datetime
 import functools
@@ -643,12 +644,12 @@ class APSState:
         """
         assert self.reducer is not None
         comm, traffic = self.reducer.comm, self.reducer.traffic
-        if not self._side_ahead:
-            self._direct = transports.fp32_mean_async(buffer, comm.group, comm.world_size, traffic)
-            return self._direct
-        stream = self._stream(buffer.device)
-        stream.wait_stream(torch.cuda.current_stream(buffer.device))
-        with torch.cuda.stream(stream):
+        after: contextlib.AbstractContextManager = contextlib.nullcontext()
+        if self._side_ahead:
+            stream = self._stream(buffer.device)
+            stream.wait_stream(torch.cuda.current_stream(buffer.device))
+            after = torch.cuda.stream(stream)
+        with after:
             fut = transports.fp32_mean_async(buffer, comm.group, comm.world_size, traffic)
         self._side_ahead, self._direct = False, fut
         return fut
