@@ -15,7 +15,8 @@ its :data:`MIN_SECONDS` left, and its timeouts end at the budget:
    parameters, batch 8 x 512, bf16 autocast, SGD) under DDP at world size 1
    on NCCL, median of 40 timed steps after 6 warm-up ones, per configuration
    of :data:`STEP_CONFIGS` (DDP default first and last, ``fp16_compress_hook``,
-   ``allreduce_hook``, APS e4m3 two_phase, native FP8, e2m1 and e4m3 block, "auto"), each against
+   ``allreduce_hook``, APS e4m3 two_phase, native FP8, e2m1 and e4m3 block, "auto";
+   stats, error feedback and Promote beside their plain rows), each against
    DDP default's mean; plus, from one profiled step, kernel launches per step
    and per bucket and the host time of a hook call. Targets: e4m3 two_phase
    and native <= 1.10x, block <= 1.15x, "auto" (FP32 at world size 1) <= 1.02x.
@@ -101,7 +102,7 @@ from torch.nn.parallel import DistributedDataParallel as DDP
 import aps_comm
 from aps_comm import codec
 from aps_comm.formats import FloatFormat, get_format, payload_nbytes
-from aps_comm.policy import ByName
+from aps_comm.policy import ByName, Promote
 from aps_comm.testing import DistributedTestError, run_distributed
 from aps_perfmodel.cluster import DEVICE_DATA_KIND, device_data_path
 
@@ -1485,6 +1486,7 @@ class StepConfig:
     cuda_graphs: bool = True
     stats: bool = False
     error_feedback: bool = False
+    promote: bool = False
     beside: str | None = None
 
     @property
@@ -1504,6 +1506,8 @@ class StepConfig:
             args.append("stats=True")
         if self.error_feedback:
             args.append("error_feedback=True")
+        if self.promote:
+            args.append("policy=[Promote()]")
         if not self.cuda_graphs:
             args.append("cuda_graphs=False")
         return f"aps_comm.register(ddp, {', '.join(args)})"
@@ -1536,6 +1540,15 @@ STEP_CONFIGS: tuple[StepConfig, ...] = (
         "block",
         error_feedback=True,
         beside="APS e2m1 block two_phase",
+    ),
+    # Promote settles but is not captured: it reads the agreed rates on the host per bucket.
+    StepConfig(
+        "APS e4m3 two_phase + Promote",
+        Hook.APS,
+        "e4m3",
+        "two_phase",
+        promote=True,
+        beside="APS e4m3 two_phase",
     ),
     StepConfig("APS e4m3 two_phase, no graphs", Hook.APS, "e4m3", "two_phase", cuda_graphs=False),
     StepConfig(
@@ -1601,6 +1614,7 @@ def _aps_state(ddp: DDP, cfg: StepConfig, device: torch.device) -> aps_comm.APSS
         cuda_graphs=cfg.cuda_graphs,
         stats=cfg.stats,
         error_feedback=cfg.error_feedback,
+        policy=[Promote()] if cfg.promote else None,
     )
     state.bind_model(ddp.module)
     state.bind(device)
@@ -2177,7 +2191,7 @@ def _hook_call_key(cfg: StepConfig) -> str | None:
         and cfg.reduction == "two_phase"
         and cfg.scaling == "layer"
         and cfg.cuda_graphs
-        and not (cfg.stats or cfg.error_feedback)
+        and not (cfg.stats or cfg.error_feedback or cfg.promote)
     ):
         return f"hook_call.{cfg.fmt}"
     return None

@@ -139,6 +139,11 @@ def test_step_configs_are_the_issue_34_table() -> None:
             None,
         ),
         (
+            "APS e4m3 two_phase + Promote",
+            'aps_comm.register(ddp, fmt="e4m3", reduction="two_phase", policy=[Promote()])',
+            None,
+        ),
+        (
             "APS e4m3 two_phase, no graphs",
             'aps_comm.register(ddp, fmt="e4m3", reduction="two_phase", cuda_graphs=False)',
             None,
@@ -288,6 +293,7 @@ def test_step_step_judges_the_rows_and_keeps_the_finished_ones(
         "pass",
         "pass",
         "pass",
+        "pass",
         "reported",
         "reported",
         "baseline",
@@ -333,6 +339,7 @@ def test_real_model_steps_run_every_config_on_gloo_cpu() -> None:
         "allreduce_hook",
         "APS e4m3 two_phase",
         "APS auto",
+        "APS e4m3 two_phase + Promote",
     ):
         r = by[name]
         assert r["error"] is None and r["skipped"] is None, r
