@@ -1863,10 +1863,9 @@ class Reducer:
             {m or "": (local if i in kept else slots)[i] for i, m in enumerate(names)}
         )
 
-    def _run_groups(self, index: int, st: SteadyGroups, x: torch.Tensor) -> None:
-        """:meth:`run_steady` of a bucket of several formats: the one MAX all-reduce of its
-        vector (none with every rank's own block exponents), then each group's bound path
-        in the plan's order (nothing deferred).
+    def _agree_groups(self, st: SteadyGroups, x: torch.Tensor) -> bool:
+        """:meth:`run_head` of a bucket of several formats: the one MAX all-reduce of its
+        vector; False, none, with every rank's own block exponents.
 
         Before that all-reduce: with error feedback (``st.feedback``) every group's
         residuals added, then every layer's maximum (or each group's block keys) and
@@ -1874,15 +1873,12 @@ class Reducer:
         (``st.agreed_blocks``) every sent group's keys; both after the gather, where
         the groups interleave. Else every layer's maximum (the gather after it).
         This rank's preferred chunk rides on the vector where chunks are measured."""
-        comm, plan = self.comm, st.plan
+        comm = self.comm
         early = st.feedback or st.agreed_blocks  # float32 buckets only: bound to x for good
         if not early and st.bound_ptr != x.data_ptr():  # a bfloat16 bucket's float32 copy
             st.bind(x, comm.world_size, comm.rank)
         if st.blocks and not early:
-            # The chunk its ranks agreed on, or the model's.
-            chunk = (plan.agreed_chunk or plan.model_chunk) if st.measured else st.chunk
-            self._finish_groups(index, st, x, chunk)
-            return
+            return False
         assert st.parts is not None  # made by bind
         sent = [(values, s) for values, s in st.parts if s is not None]
         if early and st.gather is not None:
@@ -1903,15 +1899,10 @@ class Reducer:
         if early and st.put_rates is not None:  # into bucket order
             st.put_rates()
         transports.all_reduce_max(st.maxima, comm.group, self.traffic)
-        if st.promote is not None and self._promoted(st):
-            # Nothing deferred (error feedback: the values with their residuals carried).
-            self._moved(index, st, x, False)
-            return
-        chunk = 2 ** int(st.maxima.numpy()[-1]) if st.measured else st.chunk
-        self._finish_groups(index, st, x, chunk)
+        return True
 
     def _finish_groups(self, index: int, st: SteadyGroups, x: torch.Tensor, chunk: int) -> None:
-        """:meth:`_run_groups`' half after the MAX all-reduce (none with blocks), on the
+        """:meth:`run_steady`'s half of a bucket of several formats after the MAX all-reduce (none with blocks), on the
         vector it agreed and ``chunk``, the ranks' chunk: every group's bound path (the
         groups bound again where the chunk moved; with agreed block exponents the keys
         and their scratch stay: only the chunks' calls move)."""
@@ -2281,24 +2272,50 @@ class Reducer:
         :class:`SteadyFeedback`) writes its part of it, MAX-all-reduces it, then
         finishes on it (:meth:`_finish_steady`).
         """
-        comm = self.comm
-        if isinstance(st, SteadyGroups):
-            self._run_groups(index, st, x)
-            return None
         if isinstance(st, Steady) and st.fp32_mean:
-            transports.fp32_mean(x, comm.group, comm.world_size, self.traffic)
+            transports.fp32_mean(x, self.comm.group, self.comm.world_size, self.traffic)
             return None
+        if not self.run_head(st, x):  # every rank's own block exponents: nothing agreed
+            if isinstance(st, SteadyGroups):
+                plan = st.plan  # the chunk its ranks agreed on, or the model's
+                chunk = (plan.agreed_chunk or plan.model_chunk) if st.measured else st.chunk
+                self._finish_groups(index, st, x, chunk)
+                return None
+            return self._run_steady_blocks(index, st, x, defer)  # type: ignore[arg-type]
+        if st.promote is not None and self.promoted(st):  # type: ignore[arg-type]  # no blocks
+            if isinstance(st, SteadyGroups):  # nothing deferred (error feedback's values carried)
+                self.move(index, st, x, False)
+                return None
+            return self.move(index, st, x, defer)  # type: ignore[arg-type]
+        return self.run_rest(index, st, x, defer)
+
+    def run_head(self, st: _Bound, x: torch.Tensor) -> bool:
+        """:meth:`run_steady` up to its MAX all-reduce, the vector agreed; False where the
+        bucket agrees none (every rank's own block exponents: only bound here). Promote's
+        host read (:meth:`promoted`) sits between it and :meth:`run_rest`, so on CUDA
+        each half is a graph of its own (:mod:`aps_comm.hook`)."""
+        if isinstance(st, SteadyGroups):
+            return self._agree_groups(st, x)
         if st.bound_ptr != x.data_ptr():  # a bfloat16 bucket's float32 copy: new each step
             self._bind(st, x)
         if isinstance(st, SteadyBlocks):
-            return self._run_steady_blocks(index, st, x, defer)
+            return False
         if st.measured:  # CPU only: the numpy view of the chunk's slot, no tensor op
             st.vector.numpy()[-1] = self._offer(st, st.route if isinstance(st, Steady) else st.main)
         st.write_vector(x)
-        transports.all_reduce_max(st.vector, comm.group, self.traffic)
-        if st.promote is not None and self._promoted(st):  # type: ignore[arg-type]  # no blocks
-            return self._moved(index, st, x, defer)  # type: ignore[arg-type]
-        return self._finish_steady(index, st, x, defer)
+        transports.all_reduce_max(st.vector, self.comm.group, self.traffic)
+        return True
+
+    def run_rest(
+        self, index: int, st: _Bound, x: torch.Tensor, defer: bool = False
+    ) -> Callable[[], None] | None:
+        """:meth:`run_steady` after :meth:`run_head`, on the vector it agreed (no format
+        moved): the factors, records, rates and the route's bound chunks."""
+        if isinstance(st, SteadyGroups):
+            chunk = 2 ** int(st.maxima.numpy()[-1]) if st.measured else st.chunk
+            self._finish_groups(index, st, x, chunk)
+            return None
+        return self._finish_steady(index, st, x, defer)  # type: ignore[arg-type]  # agreed
 
     def _finish_steady(
         self,
@@ -2424,7 +2441,7 @@ class Reducer:
         if st.measured:
             st.plan.timed(time.perf_counter() - start)
 
-    def _moved(
+    def move(
         self, index: int, st: Steady | SteadyFeedback | SteadyGroups, x: torch.Tensor, defer: bool
     ) -> Callable[[], None] | None:
         """Promote moved a layer's format of settled bucket ``index``: the new formats bound
@@ -2468,7 +2485,7 @@ class Reducer:
         return self._resume(index, new, x, defer, carried)
 
     def _vector(self, size: int, dtype: torch.dtype, device: torch.device) -> torch.Tensor:
-        """A settled bucket's MAX all-reduce vector, zeros; on Promote's move (:meth:`_moved`)
+        """A settled bucket's MAX all-reduce vector, zeros; on Promote's move (:meth:`move`)
         the moving binding's own where it has this size: every kind lays it out alike (the
         layers' maxima and rates in bucket order, then the chunk), so the new binding
         resumes from the maxima and chunk just agreed with no copy (its rates are bound
@@ -2643,7 +2660,7 @@ class Reducer:
         self.stats.add_rows(index, st.names, g.numels, g.fmt, rows)
         return rows
 
-    def _promoted(self, st: Steady | SteadyGroups | SteadyFeedback) -> bool:
+    def promoted(self, st: Steady | SteadyGroups | SteadyFeedback) -> bool:
         """Promote's step from the rates just agreed on the maxima; whether a format of the
         bucket moved (only this bucket's layers move here).
 
