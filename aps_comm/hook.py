@@ -52,7 +52,7 @@ from aps_comm.engine import Comm, Reducer, Settings, Steady
 from aps_comm.executor import FifoWorker, raised_by_backward, run_on_side_stream
 from aps_comm.feedback import ErrorFeedback
 from aps_comm.formats import FP32, FloatFormat, get_format
-from aps_comm.graphs import BucketGraphs
+from aps_comm.graphs import BucketGraph, BucketGraphs
 from aps_comm.plan import Planner
 from aps_comm.policy import Assignment, LayerInfo, Rule, policy_rules
 from aps_comm.policy import describe as describe_policy
@@ -657,11 +657,26 @@ class APSState:
     def _graphed(
         self, b: _Bucket, stream: torch.cuda.Stream, steady: object
     ) -> torch.futures.Future | None:
-        """The bucket's settled work as a CUDA graph: replayed, or captured then replayed.
+        """The bucket's settled work as CUDA graphs on the side stream (:meth:`_replayed`);
+        None where it runs eagerly instead, or where the caller's stream is itself being
+        captured."""
+        if torch.cuda.is_current_stream_capturing():
+            return None
+        stream.wait_stream(torch.cuda.current_stream(stream.device))
+        with torch.cuda.stream(stream):
+            if not self._replayed(b, steady):
+                return None
+            fut: torch.futures.Future = torch.futures.Future(devices=[b.buffer.device])
+            fut.set_result(b.buffer)
+        return fut
 
-        None where it runs eagerly: not settled, a first settled run, not
-        float32 (its copies in and out of float32 are not captured), the
-        caller's stream is itself being captured, or capture failed.
+    def _replayed(self, b: _Bucket, steady: object) -> bool:
+        """Run the bucket's settled work on the current stream as its graph: replayed, or
+        captured then replayed (a Promote bucket: :meth:`_graphed_promote`).
+
+        False where nothing ran, and it runs eagerly: not settled, a first settled
+        run, not float32 (its copies in and out of float32 are not captured), or
+        capture failed.
         """
         graphs, reducer = self.graphs, self.reducer
         assert graphs is not None and reducer is not None
@@ -674,28 +689,53 @@ class APSState:
         # (error feedback binds again after restored residuals).
         entry = graphs.lookup(b.index, buffer, steady) if steady is not None else None
         if entry is None and (
-            buffer.dtype != torch.float32
-            # Promote reads its agreed rates on the host in the middle of the bucket.
-            or reducer.assignment.promoter is not None
-            or steady is None
-            or torch.cuda.is_current_stream_capturing()
-            or not graphs.ready(b.index, buffer)
+            buffer.dtype != torch.float32 or steady is None or not graphs.ready(b.index, buffer)
         ):
-            return None
-        stream.wait_stream(torch.cuda.current_stream(stream.device))
-        with torch.cuda.stream(stream):
+            return False
+        # Every settled kind has ``promote``: its layers where Promote may move them.
+        if getattr(steady, "promote", None) is not None:
+            return self._graphed_promote(b, steady, entry)
+        if entry is None:
+            work = functools.partial(self._steady_work, b)
+            with torch.no_grad():
+                entry = graphs.capture(
+                    b.index, buffer, work, reducer.traffic, reducer.stats, steady
+                )
             if entry is None:
-                work = functools.partial(self._steady_work, b)
-                with torch.no_grad():
-                    entry = graphs.capture(
-                        b.index, buffer, work, reducer.traffic, reducer.stats, steady
-                    )
-                if entry is None:
-                    return None
-            graphs.replay(entry, reducer.traffic, reducer.stats)
-            fut: torch.futures.Future = torch.futures.Future(devices=[buffer.device])
-            fut.set_result(buffer)
-        return fut
+                return False
+        graphs.replay(entry, reducer.traffic, reducer.stats)
+        return True
+
+    def _graphed_promote(self, b: _Bucket, steady: object, entry: BucketGraph | None) -> bool:
+        """A Promote bucket as two graphs around the host's read of the agreed rates
+        (:meth:`Reducer.promoted`, one sync): the head, then the rest where no format
+        moved, else the bucket bound again and finished eagerly (its graphs dropped).
+        False where nothing ran: the head's capture failed (graphs are off)."""
+        graphs, reducer = self.graphs, self.reducer
+        assert graphs is not None and reducer is not None
+        x, traffic, stats = b.buffer, reducer.traffic, reducer.stats
+        head = entry.head if entry is not None else None
+        if head is None:
+            work = functools.partial(reducer.run_head, steady, x)
+            with torch.no_grad():
+                head = graphs.capture(b.index, x, work, traffic, stats, steady, keep=False)
+            if head is None:
+                return False
+        graphs.replay(head, traffic, stats)
+        if reducer.promoted(steady):  # type: ignore[arg-type]  # a kind with Promote
+            graphs.drop(b.index)
+            with torch.no_grad():
+                reducer.move(b.index, steady, x, False)  # type: ignore[arg-type]
+            return True
+        if entry is None:
+            work = functools.partial(reducer.run_rest, b.index, steady, x)
+            with torch.no_grad():
+                entry = graphs.capture(b.index, x, work, traffic, stats, steady, head)
+                if entry is None:  # graphs are off from now on: the rest eagerly
+                    reducer.run_rest(b.index, steady, x)  # type: ignore[arg-type]
+                    return True
+        graphs.replay(entry, traffic, stats)
+        return True
 
     def _steady_work(self, b: _Bucket) -> None:
         """A settled float32 bucket's device work, and nothing on the host besides."""
