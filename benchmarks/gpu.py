@@ -102,7 +102,7 @@ from torch.nn.parallel import DistributedDataParallel as DDP
 import aps_comm
 from aps_comm import codec
 from aps_comm.formats import FloatFormat, get_format, payload_nbytes
-from aps_comm.policy import ByName, Promote
+from aps_comm.policy import ByName, Promote, Rule
 from aps_comm.testing import DistributedTestError, run_distributed
 from aps_perfmodel.cluster import DEVICE_DATA_KIND, device_data_path
 
@@ -181,6 +181,9 @@ _MAGNITUDES = (1e-2, 3.0, 1e3, 1e-5, 0.0, 0.5, 2e-2, 1.0, 1e-7)
 # 50 KB buckets: about 13k FP32 elements, so the ~66k gradients form several.
 BUCKET_CAP_MB = 0.05
 CHUNK_ELEMENTS = 2500  # several pipelined chunks per bucket
+PROMOTE = Promote(gamma=1e-3, patience=4)
+"""A :class:`HookCase`'s Promote: on :func:`rank_grads` at world size 1 every layer moves up
+at step 1, every bucket moves at steps 5 and 6 and the second at step 8 (10 steps)."""
 BUCKET_PREFIX = "aps_bucket_"  # the profiler range around each hook call
 _CODEC_TARGET = 1.5
 CODEC_FORMAT = "e4m3"  # the format the codec step times
@@ -247,6 +250,8 @@ class HookCase:
         'e4m3 two_phase stats'
         >>> HookCase("e4m3", "two_phase", fp32=("blocks.0.*",)).name
         'e4m3 two_phase fp32:blocks.0.*'
+        >>> HookCase("e4m3", "two_phase", promote=True).name
+        'e4m3 two_phase promote'
     """
 
     fmt: str
@@ -255,12 +260,20 @@ class HookCase:
     scaling: str = "layer"
     stats: bool = False
     fp32: tuple[str, ...] = ()  # name patterns of layers sent in FP32 (ByName)
+    promote: bool = False  # PROMOTE's formats, which move up and down every few steps
 
     @property
     def name(self) -> str:
         tail = "" if self.scaling == "layer" else f" {self.scaling}"
         tail += " stats" if self.stats else ""
+        tail += " promote" if self.promote else ""
         return f"{self.fmt} {self.reduction}{tail}" + "".join(f" fp32:{p}" for p in self.fp32)
+
+    @property
+    def policy(self) -> list[Rule] | None:
+        """The rules :func:`aps_comm.register` takes for it."""
+        rules: list[Rule] = [ByName(dict.fromkeys(self.fp32, "fp32"))] if self.fp32 else []
+        return [*rules, PROMOTE] if self.promote else rules or None
 
     def __str__(self) -> str:
         return self.name.replace(" ", "-")
@@ -811,7 +824,9 @@ def ddp_grads(
     Returns:
         Per case: {"case", "grads" (per step, every parameter's gradient on the
         CPU), "bucket_reductions" (sorted, last step), "bytes_detail" (last
-        step), "numel", "error" (None, or what raised and at which step)}.
+        step), "numel", "error" (None, or what raised and at which step),
+        "graphs" (buckets held as CUDA graphs at the end; "graph_counts" after
+        each step), "graph_failure", "records" (with stats, per step)}.
     """
     dev = _device(device)
     results = []
@@ -824,6 +839,7 @@ def ddp_grads(
             "numel": sum(math.prod(s) for s in SHAPES),
             "error": None,
             "graphs": 0,
+            "graph_counts": [],
             "graph_failure": None,
             "records": [],
         }
@@ -838,7 +854,7 @@ def ddp_grads(
                 ranks_per_node=case.ranks_per_node,
                 scaling=case.scaling,
                 stats=case.stats,
-                policy=[ByName(dict.fromkeys(case.fp32, "fp32"))] if case.fp32 else None,
+                policy=case.policy,
             )
             state.chunk_elements = CHUNK_ELEMENTS
             for step in range(steps):
@@ -850,6 +866,8 @@ def ddp_grads(
                 with _sync_errors(strict):
                     ddp(gs).backward()
                 out["grads"].append([p.grad.detach().cpu().clone() for p in model.parameters()])
+                if state.graphs is not None:
+                    out["graph_counts"].append(len(state.graphs.graphs))
                 if case.stats:
                     out["records"].append([dataclasses.astuple(r) for r in state.stats])
             out["bucket_reductions"] = sorted(set(state.bucket_reductions.values()))
@@ -1541,7 +1559,7 @@ STEP_CONFIGS: tuple[StepConfig, ...] = (
         error_feedback=True,
         beside="APS e2m1 block two_phase",
     ),
-    # Promote settles but is not captured: it reads the agreed rates on the host per bucket.
+    # Promote's buckets are two graphs around a host read (a sync) of the agreed rates.
     StepConfig(
         "APS e4m3 two_phase + Promote",
         Hook.APS,

@@ -192,6 +192,27 @@ def test_fp32_buckets_on_ddps_thread_beside_graphed_ones_on_nccl(
     assert count_mismatches(got["grads"], want["grads"])[0] == 0
 
 
+# Promote, whose formats move up and down every few steps (benchmarks.gpu.PROMOTE): each
+# bucket two graphs around the host's read of the agreed rates, replayed, dropped on a
+# move and captured again. No sync-debug mode: that read is a sync, by design.
+PROMOTE_CASE = HookCase("e4m3", "two_phase", promote=True)
+
+
+def test_promote_buckets_run_as_two_graphs_around_the_rates_read_on_nccl() -> None:
+    if not dist.is_nccl_available():
+        pytest.skip("needs the NCCL backend")
+    args = ([PROMOTE_CASE], 10, None)
+    got = run_distributed(ddp_grads, 1, args=("cuda", *args), backend="nccl", timeout=300)[0][0]
+    want = run_distributed(ddp_grads, 1, args=("cpu", *args), timeout=300)[0][0]
+    assert got["error"] is None and want["error"] is None, got["error"] or want["error"]
+    assert got["graph_failure"] is None
+    # Captured at step 2 (after step 1's moves), dropped by the moves of steps 5 and 6.
+    assert max(got["graph_counts"]) >= 1, got["graph_counts"]
+    assert 0 in got["graph_counts"][5:7], got["graph_counts"]
+    assert count_mismatches(got["grads"], want["grads"])[0] == 0
+    assert got["bytes_detail"] == want["bytes_detail"]
+
+
 GLOO_CASES = [HookCase("e4m3", "two_phase"), HookCase("fp16", "allreduce")]
 
 
