@@ -28,12 +28,13 @@ Example:
 import contextlib
 import dataclasses
 import datetime
+import enum
 import functools
 import hashlib
 import json
 import os
 from collections.abc import Callable, Sequence
-from typing import TypedDict
+from typing import Any, TypedDict
 
 import torch
 import torch.distributed as dist
@@ -117,6 +118,17 @@ class APSConfig:
             agreed = self.block_exponents == BlockExponents.AGREED
             scaling += f"({self.block_size}{', agreed exponents' if agreed else ''})"
         return f"fmt={self.fmt.describe()}, reduction={self.reduction}, scaling={scaling}"
+
+
+class _Half(enum.Enum):
+    """What part of a settled bucket's work one call runs: Promote's bucket reads its
+    agreed rates on the host between its head and the rest (or, where a format moved,
+    the new binding's finish)."""
+
+    WHOLE = "whole"
+    HEAD = "head"
+    REST = "rest"
+    MOVED = "moved"
 
 
 @dataclasses.dataclass(frozen=True)
@@ -309,7 +321,7 @@ class APSState:
         # Per bucket index: the non-float32 buffer of DDP's whose float32 copy it was last
         # bound on (:meth:`_float_input`). The buffer itself, not its address: DDP frees a
         # buffer when it re-buckets, and the new one may be allocated at the same address.
-        self._inputs: dict[int, torch.Tensor] = {}
+        self._inputs: dict[int, tuple[torch.Tensor, torch.Tensor]] = {}
         # The last step's last bucket: buckets past it are forgotten once, when it changes.
         self._last_bucket = -1
         self.cuda_graphs = bool(cuda_graphs)
@@ -675,8 +687,8 @@ class APSState:
         captured then replayed (a Promote bucket: :meth:`_graphed_promote`).
 
         False where nothing ran, and it runs eagerly: not settled, a first settled
-        run, not float32 (its copies in and out of float32 are not captured), or
-        capture failed.
+        run, or capture failed. A bucket of another dtype than float32 is captured
+        with its copies into its float32 copy and back (:meth:`_float_input`).
         """
         graphs, reducer = self.graphs, self.reducer
         assert graphs is not None and reducer is not None
@@ -688,15 +700,13 @@ class APSState:
         # A graph replays the settled path it captured: none of an earlier binding
         # (error feedback binds again after restored residuals).
         entry = graphs.lookup(b.index, buffer, steady) if steady is not None else None
-        if entry is None and (
-            buffer.dtype != torch.float32 or steady is None or not graphs.ready(b.index, buffer)
-        ):
+        if entry is None and (steady is None or not graphs.ready(b.index, buffer)):
             return False
         # Every settled kind has ``promote``: its layers where Promote may move them.
         if getattr(steady, "promote", None) is not None:
             return self._graphed_promote(b, steady, entry)
         if entry is None:
-            work = functools.partial(self._steady_work, b)
+            work = functools.partial(self._steady_work, b, steady)
             with torch.no_grad():
                 entry = graphs.capture(
                     b.index, buffer, work, reducer.traffic, reducer.stats, steady
@@ -713,39 +723,54 @@ class APSState:
         False where nothing ran: the head's capture failed (graphs are off)."""
         graphs, reducer = self.graphs, self.reducer
         assert graphs is not None and reducer is not None
-        x, traffic, stats = b.buffer, reducer.traffic, reducer.stats
+        traffic, stats = reducer.traffic, reducer.stats
         head = entry.head if entry is not None else None
         if head is None:
-            work = functools.partial(reducer.run_head, steady, x)
+            work = functools.partial(self._steady_work, b, steady, _Half.HEAD)
             with torch.no_grad():
-                head = graphs.capture(b.index, x, work, traffic, stats, steady, keep=False)
+                head = graphs.capture(b.index, b.buffer, work, traffic, stats, steady, keep=False)
             if head is None:
                 return False
         graphs.replay(head, traffic, stats)
         if reducer.promoted(steady):  # type: ignore[arg-type]  # a kind with Promote
             graphs.drop(b.index)
             with torch.no_grad():
-                reducer.move(b.index, steady, x, False)  # type: ignore[arg-type]
+                self._steady_work(b, steady, _Half.MOVED)
             return True
         if entry is None:
-            work = functools.partial(reducer.run_rest, b.index, steady, x)
+            work = functools.partial(self._steady_work, b, steady, _Half.REST)
             with torch.no_grad():
-                entry = graphs.capture(b.index, x, work, traffic, stats, steady, head)
+                entry = graphs.capture(b.index, b.buffer, work, traffic, stats, steady, head)
                 if entry is None:  # graphs are off from now on: the rest eagerly
-                    reducer.run_rest(b.index, steady, x)  # type: ignore[arg-type]
+                    work()
                     return True
         graphs.replay(entry, traffic, stats)
         return True
 
-    def _steady_work(self, b: _Bucket) -> None:
-        """A settled float32 bucket's device work, and nothing on the host besides."""
+    def _steady_work(self, b: _Bucket, steady: object, half: _Half = _Half.WHOLE) -> None:
+        """A settled bucket's device work (``half`` of it: around Promote's host read),
+        nothing on the host besides; with its copies into its float32 copy and back where
+        DDP's buffer is of another dtype."""
         reducer = self.reducer
         assert reducer is not None
-        steady = reducer.steady_for(b.index, b.buffer)
-        assert steady is not None
-        tail = reducer.run_steady(b.index, steady, b.buffer)
+        x = self._float_view(b.index, b.buffer) if b.buffer.dtype != torch.float32 else b.buffer
+        assert x is not None  # settled: the copy was made
+        st: Any = steady
+        if x is not b.buffer and half in (_Half.WHOLE, _Half.HEAD):
+            x.copy_(b.buffer.view(-1))
+        if half == _Half.HEAD:
+            reducer.run_head(st, x)
+            return
+        if half == _Half.WHOLE:
+            tail = reducer.run_steady(b.index, st, x)
+        elif half == _Half.REST:
+            tail = reducer.run_rest(b.index, st, x)
+        else:  # a format moved: the new binding finishes the step
+            tail = reducer.move(b.index, st, x, False)
         if tail is not None:
             tail()
+        if x is not b.buffer:
+            b.buffer.copy_(x)
 
     def run_bucket(
         self,
@@ -804,18 +829,30 @@ class APSState:
         when DDP's buffer for the bucket changes.
         """
         assert self.reducer is not None
-        held = self._inputs.get(b.index)
-        if held is None or not _same_buffer(held, b.buffer):
+        if self._float_view(b.index, b.buffer) is None:
             # A new buffer of DDP's (its re-bucketing) may hold other layers, and the copy
             # would not tell: bound again, as a float32 bucket's new buffer is.
             self.reducer.steady.pop(b.index, None)
-            self._inputs[b.index] = b.buffer
         workspace = self.reducer.workspace(b.buffer.device)
         arena = workspace.arena(Slot.input_of(b.index))
         x = arena.take(b.buffer.numel(), torch.float32)
         if not arena.close():  # the region grew: the view from its new storage
             x = workspace.arena(Slot.input_of(b.index)).take(b.buffer.numel(), torch.float32)
+        self._inputs[b.index] = b.buffer, x
         return x.copy_(b.buffer.view(-1))
+
+    def _float_view(self, index: int, buffer: torch.Tensor) -> torch.Tensor | None:
+        """The float32 copy :meth:`_float_input` last made of ``buffer`` (not copied again),
+        or None where the bucket's buffer is another."""
+        held = self._inputs.get(index)
+        return held[1] if held is not None and _same_buffer(held[0], buffer) else None
+
+    def _steady_for(self, index: int, buffer: torch.Tensor) -> object:
+        """The bucket's settled path (:meth:`Reducer.steady_for`), bound to the float32
+        copy where DDP's buffer is of another dtype; None where it has none."""
+        assert self.reducer is not None
+        x = buffer if buffer.dtype == torch.float32 else self._float_view(index, buffer)
+        return None if x is None else self.reducer.steady_for(index, x)
 
     def _finish_bucket(
         self, b: _Bucket, x: torch.Tensor, tail: Callable[[], None] | None
@@ -985,7 +1022,7 @@ def aps_hook(state: APSState, bucket: dist.GradBucket) -> torch.futures.Future[t
     reducer = state.reducer
     assert reducer is not None
     # A settled bucket was checked when it was bound: no per-parameter work per step.
-    steady = reducer.steady_for(index, buffer)
+    steady = state._steady_for(index, buffer)
     params = [] if steady is not None else bucket.parameters()
     if params:
         _check_bucket(buffer, params)
@@ -998,7 +1035,8 @@ def aps_hook(state: APSState, bucket: dist.GradBucket) -> torch.futures.Future[t
             state._end_step()
         return fut
     nccl = buffer.device.type == "cuda" and reducer.comm.backend == "nccl"
-    if nccl and isinstance(steady, Steady) and steady.fp32_mean:
+    fp32 = buffer.dtype == torch.float32  # else summed in its float32 copy, as eagerly
+    if nccl and fp32 and isinstance(steady, Steady) and steady.fp32_mean:
         # A settled FP32-route bucket ("auto" on fast links): the same call, on DDP's
         # thread. Not with Gloo's worker: a call from here could overtake its
         # collectives, and on the CPU's cores it overlaps the division and the

@@ -259,7 +259,7 @@ def _graphs_hook(state: aps_comm.APSState, bucket: dist.GradBucket) -> torch.fut
     (with graphs), eagerly otherwise."""
     buffer, index, last = bucket.buffer(), bucket.index(), bucket.is_last()
     reducer, b = state.reducer, SimpleNamespace(index=index, buffer=buffer)
-    steady = reducer.steady_for(index, buffer) if reducer is not None else None
+    steady = state._steady_for(index, buffer) if reducer is not None else None
     if state.graphs is None or reducer is None or last or not state._replayed(b, steady):  # type: ignore[arg-type]
         state.run_bucket(index, buffer, bucket.parameters(), last)
     fut: torch.futures.Future = torch.futures.Future()
@@ -273,8 +273,10 @@ _graphs_hook.__annotations__.update(
 )
 
 
-def _graph_steps(rank: int, world_size: int, case: HookCase, graphs: bool) -> dict[str, list]:
-    model = GradModel()
+def _graph_steps(
+    rank: int, world_size: int, case: HookCase, graphs: bool, dtype: torch.dtype
+) -> dict[str, list]:
+    model = GradModel().to(dtype)
     ddp = DDP(model, bucket_cap_mb=BUCKET_CAP_MB)
     state = aps_comm.APSState(case.fmt, reduction=case.reduction, policy=case.policy)
     state.chunk_elements = CHUNK_ELEMENTS
@@ -285,7 +287,7 @@ def _graph_steps(rank: int, world_size: int, case: HookCase, graphs: bool) -> di
     out: dict[str, list] = {"grads": [], "counts": [], "captures": []}
     for step in range(10):
         ddp.zero_grad(set_to_none=True)
-        ddp(rank_grads(rank, step)).backward()
+        ddp([g.to(dtype) for g in rank_grads(rank, step)]).backward()
         out["grads"].append([p.grad.clone() for p in model.parameters()])
         if isinstance(state.graphs, _RerunGraphs):
             out["counts"].append(len(state.graphs.graphs))
@@ -293,25 +295,29 @@ def _graph_steps(rank: int, world_size: int, case: HookCase, graphs: bool) -> di
     return out
 
 
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16], ids=str)
 @pytest.mark.parametrize("promote", [False, True], ids=["plain", "promote"])
-def test_buckets_replayed_as_graphs_give_the_eager_bits(promote: bool) -> None:
+def test_buckets_replayed_as_graphs_give_the_eager_bits(promote: bool, dtype: torch.dtype) -> None:
     """Settled buckets run as graphs (here, graphs that rerun their work on the CPU) give
-    the eager run's bits, step after step; a Promote bucket as two graphs around the
+    the eager run's bits, step after step (bfloat16 buckets with their copies into
+    float32 and back inside the graph); a Promote bucket as two graphs around the
     host's read of the agreed rates, dropped where a format moves (steps 5 and 6 on
     these gradients: benchmarks.gpu.PROMOTE) and captured again."""
     case = HookCase("e4m3", "two_phase", promote=promote)
-    got = run_distributed(_graph_steps, 2, args=(case, True), timeout=120)
-    want = run_distributed(_graph_steps, 2, args=(case, False), timeout=120)
+    got = run_distributed(_graph_steps, 2, args=(case, True, dtype), timeout=120)
+    want = run_distributed(_graph_steps, 2, args=(case, False, dtype), timeout=120)
     for rank in range(2):
         assert count_mismatches(got[rank]["grads"], want[rank]["grads"])[0] == 0, rank
-    # Buckets held as graphs after each step (of 3; the last is never captured), and
-    # captures so far. Step 0 plans and step 1 re-buckets; a bucket is captured on its
-    # second settled run, once (a Promote bucket: its head and its rest).
-    counts, captures = got[0]["counts"], got[0]["captures"]
-    if not promote:
-        assert (counts, captures) == ([0, 0, 0] + [2] * 7, [0, 0, 0] + [2] * 7)
-    else:
-        # Step 1 moves every layer up and the first bucket binds again at step 2; both
-        # move at steps 5 (after replaying their heads) and 6, the second at step 8.
-        assert counts == [0, 0, 0, 1, 2, 0, 0, 2, 1, 1]
-        assert captures == [0, 0, 0, 2, 4, 4, 4, 8, 8, 8]
+    # Buckets held as graphs after each step, and captures so far: of 3 buckets in
+    # float32, 2 in bfloat16 (half the bytes a layer); the last is never captured. Step 0
+    # plans and step 1 re-buckets; a bucket is captured on its second settled run, once
+    # (a Promote bucket: its head and its rest). Under Promote every layer moves up at
+    # step 1, and the first bucket binds again at step 2 (float32) or 3 (bfloat16); the
+    # buckets move at steps 5 (after replaying their heads) and 6, the second at step 8.
+    want_counts, want_captures = {
+        (False, torch.float32): ([0, 0, 0] + [2] * 7, [0, 0, 0] + [2] * 7),
+        (False, torch.bfloat16): ([0, 0, 0] + [1] * 7, [0, 0, 0] + [1] * 7),
+        (True, torch.float32): ([0, 0, 0, 1, 2, 0, 0, 2, 1, 1], [0, 0, 0, 2, 4, 4, 4, 8, 8, 8]),
+        (True, torch.bfloat16): ([0, 0, 0, 0, 1, 0, 0, 1, 1, 1], [0, 0, 0, 0, 2, 2, 2, 4, 4, 4]),
+    }[promote, dtype]
+    assert (got[0]["counts"], got[0]["captures"]) == (want_counts, want_captures)
