@@ -252,6 +252,8 @@ class HookCase:
         'e4m3 two_phase fp32:blocks.0.*'
         >>> HookCase("e4m3", "two_phase", promote=True).name
         'e4m3 two_phase promote'
+        >>> HookCase("e4m3", "two_phase", grads="bfloat16").name
+        'e4m3 two_phase bfloat16-grads'
     """
 
     fmt: str
@@ -261,12 +263,14 @@ class HookCase:
     stats: bool = False
     fp32: tuple[str, ...] = ()  # name patterns of layers sent in FP32 (ByName)
     promote: bool = False  # PROMOTE's formats, which move up and down every few steps
+    grads: str = "float32"  # the parameters' dtype, so DDP's buckets'
 
     @property
     def name(self) -> str:
         tail = "" if self.scaling == "layer" else f" {self.scaling}"
         tail += " stats" if self.stats else ""
         tail += " promote" if self.promote else ""
+        tail += "" if self.grads == "float32" else f" {self.grads}-grads"
         return f"{self.fmt} {self.reduction}{tail}" + "".join(f" fp32:{p}" for p in self.fp32)
 
     @property
@@ -845,7 +849,8 @@ def ddp_grads(
         }
         step = -1
         try:
-            model = GradModel().to(dev)
+            dtype = getattr(torch, case.grads)
+            model = GradModel().to(dev, dtype)
             ddp = DDP(model, bucket_cap_mb=BUCKET_CAP_MB)
             state = aps_comm.register(
                 ddp,
@@ -858,7 +863,7 @@ def ddp_grads(
             )
             state.chunk_elements = CHUNK_ELEMENTS
             for step in range(steps):
-                gs = [g.to(dev) for g in rank_grads(rank, step)]
+                gs = [g.to(dev, dtype) for g in rank_grads(rank, step)]
                 ddp.zero_grad(set_to_none=True)
                 strict = (
                     dev.type == "cuda" and sync_error_from is not None and step >= sync_error_from
@@ -943,7 +948,8 @@ def profile_step(
     results = []
     for case in cases:
         try:
-            model = GradModel().to(dev)
+            dtype = getattr(torch, case.grads)
+            model = GradModel().to(dev, dtype)
             ddp = DDP(model, bucket_cap_mb=BUCKET_CAP_MB)
             state = aps_comm.APSState(
                 fmt=case.fmt,
@@ -955,7 +961,7 @@ def profile_step(
             ddp.register_comm_hook(state, labelled_hook)
             state.chunk_elements = CHUNK_ELEMENTS
             for step in range(warm_steps + 1):
-                gs = [g.to(dev) for g in rank_grads(rank, step)]
+                gs = [g.to(dev, dtype) for g in rank_grads(rank, step)]
                 ddp.zero_grad(set_to_none=True)
                 profiler = (
                     torch.profiler.profile(activities=activities)
@@ -1406,6 +1412,7 @@ def _step_profile(ctx: StepContext) -> StepResult:
         HookCase("e4m3", "two_phase"),
         HookCase("fp16", "allreduce"),
         HookCase("e2m1", "two_phase", scaling="block"),
+        HookCase("e4m3", "two_phase", grads="bfloat16"),
     ]
     if ctx.env.native_fp8 is None:
         cases.append(HookCase("e4m3", "allreduce"))

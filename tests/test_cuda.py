@@ -114,6 +114,8 @@ NCCL_CASES = [
     HookCase("e2m1", "two_phase", scaling="block"),
     # Stats of graphed buckets: each replay's records, kept past the next replay.
     HookCase("e4m3", "two_phase", stats=True),
+    # bfloat16 buckets: captured with their copies into float32 and back.
+    HookCase("e4m3", "two_phase", grads="bfloat16"),
 ]
 
 
