@@ -2513,13 +2513,9 @@ class Reducer:
                 _gather_back(st.scatter)
             self._run_parts(index, st, early=True)
             return None
-        if isinstance(st, SteadyGroups):
-            if st.gather is None and st.scatter is not None:  # the maxima call gathers
-                _gather_back(st.scatter)
-            chunk = 2 ** int(st.maxima.numpy()[-1]) if st.measured else st.chunk
-            self._finish_groups(index, st, x, chunk)
-            return None
-        return self._finish_steady(index, st, x, defer)
+        if isinstance(st, SteadyGroups) and st.gather is None and st.scatter is not None:
+            _gather_back(st.scatter)  # the maxima call gathers
+        return self.run_rest(index, st, x, defer)
 
     def record_steady(
         self,

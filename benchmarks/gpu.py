@@ -823,7 +823,8 @@ def ddp_grads(
         cases: the configurations, run one after another in this process.
         steps: steps per case.
         sync_error_from: the first step run under
-            ``torch.cuda.set_sync_debug_mode("error")`` (None: none).
+            ``torch.cuda.set_sync_debug_mode("error")`` (None: none; never a Promote
+            case's, which reads its agreed rates on the host).
 
     Returns:
         Per case: {"case", "grads" (per step, every parameter's gradient on the
@@ -865,8 +866,12 @@ def ddp_grads(
             for step in range(steps):
                 gs = [g.to(dev, dtype) for g in rank_grads(rank, step)]
                 ddp.zero_grad(set_to_none=True)
+                # Promote reads its agreed rates on the host per bucket: a sync by design.
                 strict = (
-                    dev.type == "cuda" and sync_error_from is not None and step >= sync_error_from
+                    dev.type == "cuda"
+                    and sync_error_from is not None
+                    and step >= sync_error_from
+                    and not case.promote
                 )
                 with _sync_errors(strict):
                     ddp(gs).backward()

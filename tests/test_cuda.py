@@ -127,6 +127,10 @@ AUTO_CASE = HookCase("e4m3", "auto")
 # two layers, bucket 2 blocks.0, bucket 1 the rest): the first and the last go direct,
 # before and after the middle one's graph on the side stream, each ordered against it.
 MIXED_CASE = HookCase("e4m3", "two_phase", fp32=("blocks.0.*", "blocks.2.*"))
+# Promote, whose formats move up and down every few steps (benchmarks.gpu.PROMOTE): each
+# bucket two graphs around the host's read of the agreed rates (a sync, by design: the
+# sync-debug mode is off for it), replayed, dropped on a move and captured again.
+PROMOTE_CASE = HookCase("e4m3", "two_phase", promote=True)
 
 
 def _nccl_skip(case: HookCase) -> str | None:
@@ -139,10 +143,12 @@ def nccl_runs() -> dict[HookCase, tuple[dict[str, Any], dict[str, Any]]]:
     if not dist.is_nccl_available():
         pytest.skip("needs the NCCL backend")
     cases = [c for c in NCCL_CASES if _nccl_skip(c) is None] + [AUTO_CASE, MIXED_CASE]
+    cases.append(PROMOTE_CASE)
     refs = [HookCase("fp32", "auto") if c == AUTO_CASE else reference_case(c) for c in cases]
-    # Five steps: settled buckets are captured as CUDA graphs at step 3 and replayed at 4.
-    gpu = run_distributed(ddp_grads, 1, args=("cuda", cases, 5, 2), backend="nccl", timeout=300)[0]
-    cpu = run_distributed(ddp_grads, 1, args=("cpu", refs, 5, None), timeout=300)[0]
+    # Settled buckets are captured as CUDA graphs at step 3 and replayed from step 4;
+    # ten steps for Promote's moves (steps 5, 6 and 8).
+    gpu = run_distributed(ddp_grads, 1, args=("cuda", cases, 10, 2), backend="nccl", timeout=300)[0]
+    cpu = run_distributed(ddp_grads, 1, args=("cpu", refs, 10, None), timeout=300)[0]
     return {c: (g, r) for c, g, r in zip(cases, gpu, cpu, strict=True)}
 
 
@@ -163,7 +169,7 @@ def test_settled_buckets_run_as_cuda_graphs_on_nccl(
     # Every bucket but the step's last is captured once settled; the bits are
     # checked against the Gloo/CPU run above, replays included.
     for case, (got, _) in nccl_runs.items():
-        if case in (AUTO_CASE, MIXED_CASE):
+        if case in (AUTO_CASE, MIXED_CASE, PROMOTE_CASE):
             continue
         assert got["error"] is None, case
         assert got["graph_failure"] is None, case
@@ -194,21 +200,13 @@ def test_fp32_buckets_on_ddps_thread_beside_graphed_ones_on_nccl(
     assert count_mismatches(got["grads"], want["grads"])[0] == 0
 
 
-# Promote, whose formats move up and down every few steps (benchmarks.gpu.PROMOTE): each
-# bucket two graphs around the host's read of the agreed rates, replayed, dropped on a
-# move and captured again. No sync-debug mode: that read is a sync, by design.
-PROMOTE_CASE = HookCase("e4m3", "two_phase", promote=True)
-
-
-def test_promote_buckets_run_as_two_graphs_around_the_rates_read_on_nccl() -> None:
-    if not dist.is_nccl_available():
-        pytest.skip("needs the NCCL backend")
-    args = ([PROMOTE_CASE], 10, None)
-    got = run_distributed(ddp_grads, 1, args=("cuda", *args), backend="nccl", timeout=300)[0][0]
-    want = run_distributed(ddp_grads, 1, args=("cpu", *args), timeout=300)[0][0]
+def test_promote_buckets_run_as_two_graphs_around_the_rates_read_on_nccl(
+    nccl_runs: dict[HookCase, tuple[dict[str, Any], dict[str, Any]]],
+) -> None:
+    got, want = nccl_runs[PROMOTE_CASE]
     assert got["error"] is None and want["error"] is None, got["error"] or want["error"]
     assert got["graph_failure"] is None
-    # Captured at step 2 (after step 1's moves), dropped by the moves of steps 5 and 6.
+    # Captured from step 3 (after step 1's moves), dropped by the moves of steps 5 and 6.
     assert max(got["graph_counts"]) >= 1, got["graph_counts"]
     assert 0 in got["graph_counts"][5:7], got["graph_counts"]
     assert count_mismatches(got["grads"], want["grads"])[0] == 0
