@@ -321,7 +321,7 @@ class APSState:
         # Per bucket index: the non-float32 buffer of DDP's whose float32 copy it was last
         # bound on (:meth:`_float_input`). The buffer itself, not its address: DDP frees a
         # buffer when it re-buckets, and the new one may be allocated at the same address.
-        self._inputs: dict[int, tuple[torch.Tensor, torch.Tensor]] = {}
+        self._inputs: dict[int, tuple[torch.Tensor, torch.Tensor, tuple[int, ...]]] = {}
         # The last step's last bucket: buckets past it are forgotten once, when it changes.
         self._last_bucket = -1
         self.cuda_graphs = bool(cuda_graphs)
@@ -833,19 +833,24 @@ class APSState:
             # A new buffer of DDP's (its re-bucketing) may hold other layers, and the copy
             # would not tell: bound again, as a float32 bucket's new buffer is.
             self.reducer.steady.pop(b.index, None)
-        workspace = self.reducer.workspace(b.buffer.device)
-        arena = workspace.arena(Slot.input_of(b.index))
+        slot, workspace = Slot.input_of(b.index), self.reducer.workspace(b.buffer.device)
+        arena = workspace.arena(slot)
         x = arena.take(b.buffer.numel(), torch.float32)
         if not arena.close():  # the region grew: the view from its new storage
-            x = workspace.arena(Slot.input_of(b.index)).take(b.buffer.numel(), torch.float32)
-        self._inputs[b.index] = b.buffer, x
+            x = workspace.arena(slot).take(b.buffer.numel(), torch.float32)
+        self._inputs[b.index] = b.buffer, x, workspace.epoch(slot)
         return x.copy_(b.buffer.view(-1))
 
     def _float_view(self, index: int, buffer: torch.Tensor) -> torch.Tensor | None:
         """The float32 copy :meth:`_float_input` last made of ``buffer`` (not copied again),
-        or None where the bucket's buffer is another."""
+        or None where the bucket's buffer is another or the copy's region has grown since
+        (another bucket's larger copy: the old storage is not kept)."""
         held = self._inputs.get(index)
-        return held[1] if held is not None and _same_buffer(held[0], buffer) else None
+        if held is None or not _same_buffer(held[0], buffer):
+            return None
+        assert self.reducer is not None
+        epoch = self.reducer.workspace(buffer.device).epoch(Slot.input_of(index))
+        return held[1] if held[2] == epoch else None
 
     def _steady_for(self, index: int, buffer: torch.Tensor) -> object:
         """The bucket's settled path (:meth:`Reducer.steady_for`), bound to the float32

@@ -277,7 +277,9 @@ def _graph_steps(
     rank: int, world_size: int, case: HookCase, graphs: bool, dtype: torch.dtype
 ) -> dict[str, list]:
     model = GradModel().to(dtype)
-    ddp = DDP(model, bucket_cap_mb=BUCKET_CAP_MB)
+    # The same buckets whatever the dtype: three, the first and the last sharing the
+    # float32 copies' region of even buckets (bfloat16).
+    ddp = DDP(model, bucket_cap_mb=BUCKET_CAP_MB * dtype.itemsize / 4)
     state = aps_comm.APSState(case.fmt, reduction=case.reduction, policy=case.policy)
     state.chunk_elements = CHUNK_ELEMENTS
     state.bind_model(model)
@@ -308,16 +310,35 @@ def test_buckets_replayed_as_graphs_give_the_eager_bits(promote: bool, dtype: to
     want = run_distributed(_graph_steps, 2, args=(case, False, dtype), timeout=120)
     for rank in range(2):
         assert count_mismatches(got[rank]["grads"], want[rank]["grads"])[0] == 0, rank
-    # Buckets held as graphs after each step, and captures so far: of 3 buckets in
-    # float32, 2 in bfloat16 (half the bytes a layer); the last is never captured. Step 0
-    # plans and step 1 re-buckets; a bucket is captured on its second settled run, once
-    # (a Promote bucket: its head and its rest). Under Promote every layer moves up at
-    # step 1, and the first bucket binds again at step 2 (float32) or 3 (bfloat16); the
+    # Buckets held as graphs after each step, and captures so far (of 3 buckets; the last
+    # is never captured). Step 0 plans and step 1 re-buckets; a bucket is captured on its
+    # second settled run, once (a Promote bucket: its head and its rest). Under Promote
+    # every layer moves up at step 1, and the first bucket binds again at step 2; the
     # buckets move at steps 5 (after replaying their heads) and 6, the second at step 8.
     want_counts, want_captures = {
         (False, torch.float32): ([0, 0, 0] + [2] * 7, [0, 0, 0] + [2] * 7),
-        (False, torch.bfloat16): ([0, 0, 0] + [1] * 7, [0, 0, 0] + [1] * 7),
+        (False, torch.bfloat16): ([0, 0, 0] + [2] * 7, [0, 0, 0] + [2] * 7),
         (True, torch.float32): ([0, 0, 0, 1, 2, 0, 0, 2, 1, 1], [0, 0, 0, 2, 4, 4, 4, 8, 8, 8]),
-        (True, torch.bfloat16): ([0, 0, 0, 0, 1, 0, 0, 1, 1, 1], [0, 0, 0, 0, 2, 2, 2, 4, 4, 4]),
+        (True, torch.bfloat16): ([0, 0, 0, 1, 2, 0, 0, 2, 1, 1], [0, 0, 0, 2, 4, 4, 4, 8, 8, 8]),
     }[promote, dtype]
     assert (got[0]["counts"], got[0]["captures"]) == (want_counts, want_captures)
+
+
+def _float_copies(rank: int, world_size: int) -> tuple[bool, bool, bool]:
+    state = aps_comm.APSState("e4m3", reduction="two_phase")
+    state.bind(torch.device("cpu"))
+    small, large = torch.zeros(8, dtype=torch.bfloat16), torch.zeros(64, dtype=torch.bfloat16)
+    state._float_input(SimpleNamespace(index=0, buffer=small))  # type: ignore[arg-type]
+    kept = state._float_view(0, small) is not None
+    other = state._float_view(0, large) is None
+    state._float_input(SimpleNamespace(index=2, buffer=large))  # type: ignore[arg-type]
+    return kept, other, state._float_view(0, small) is None
+
+
+def test_a_float32_copy_is_not_reused_once_its_region_grew() -> None:
+    """A bucket of bfloat16 gradients is found settled (and replayed as a graph) through
+    its float32 copy; once a larger bucket of the same region grows it, the copy is not
+    reused: the bucket takes a view of the new region and binds again, as eagerly, and
+    no old region stays alive for it."""
+    kept, other, dropped = run_distributed(_float_copies, 1, timeout=60)[0]
+    assert kept and other and dropped
