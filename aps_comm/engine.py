@@ -75,6 +75,7 @@ __all__ = [
     "Comm",
     "Reducer",
     "Settings",
+    "Settled",
     "Steady",
     "SteadyAgreedBlocks",
     "SteadyBlocks",
@@ -1081,9 +1082,10 @@ class SteadyGroups:
         return functools.partial(steady.agreed.host_factors_into, g.fmt, *steady.host_factors, pick)
 
 
-# A format group's bound path in a :class:`SteadyGroups`, and any bucket's.
+# A format group's bound path in a :class:`SteadyGroups`.
 _Part = Steady | SteadyBlocks | SteadyFeedback | SteadyAgreedBlocks
-_Bound = _Part | SteadyGroups
+Settled = _Part | SteadyGroups
+"""A settled bucket's bound path, of whichever kind (:meth:`Reducer.steady_for`)."""
 
 
 @dataclasses.dataclass
@@ -1296,7 +1298,7 @@ class Reducer:
         self._routes: dict[FloatFormat, Route] = {}
         self._fixed: dict[FloatFormat, Route] = {}
         # Per bucket index: its bound path once settled (:class:`Steady`).
-        self.steady: dict[int, _Bound] = {}
+        self.steady: dict[int, Settled] = {}
         # Per device: the buckets' scratch, shared (:mod:`aps_comm.workspace`).
         self.workspaces: dict[torch.device, Workspace] = {}
         # Per FSDP unit index: its bound reduce-scatter once settled (:class:`SteadyMixedUnit`).
@@ -1420,7 +1422,7 @@ class Reducer:
         layers: tuple[Sequence[Any], list[int], Sequence[str | None]],
         chunk: int | None,
         added: bool = False,
-    ) -> _Bound | None:
+    ) -> Settled | None:
         """Bind bucket ``index``'s settled path before it runs (no collective): this step's
         formats, and the chunk this rank offers (:meth:`run_steady` agrees it with the
         others' and binds again where the largest differs). None where the configuration
@@ -2228,14 +2230,14 @@ class Reducer:
             narrowest = codec.codec_for(assignment.promoter.ladder[0], x.device)  # type: ignore[union-attr]
             st.maxima_call = narrowest.bind_layer_maxima(x, plan.layout, maxima[:n])
 
-    def _keep(self, b: _Binding, st: _Bound | None) -> None:
+    def _keep(self, b: _Binding, st: Settled | None) -> None:
         """Keep ``st``, where it bound, as bucket ``b``'s settled path, on the workspace
         epoch after its binding (its STEP slot may have grown)."""
         if st is not None:
             st.workspace = self._epoch(b.index, b.x.device)
             self.steady[b.index] = st
 
-    def steady_for(self, index: int, buffer: torch.Tensor) -> _Bound | None:
+    def steady_for(self, index: int, buffer: torch.Tensor) -> Settled | None:
         """The bucket's :class:`Steady` path, if its layout and the policy's epoch are the ones
         it was bound to (a new epoch's formats bind it again, through :meth:`bucket`), and
         with error feedback, its residuals are still the feedback's."""
@@ -2259,7 +2261,7 @@ class Reducer:
     def run_steady(
         self,
         index: int,
-        st: _Bound,
+        st: Settled,
         x: torch.Tensor,
         defer: bool = False,
     ) -> Callable[[], None] | None:
@@ -2282,14 +2284,14 @@ class Reducer:
                 self._finish_groups(index, st, x, chunk)
                 return None
             return self._run_steady_blocks(index, st, x, defer)  # type: ignore[arg-type]
-        if st.promote is not None and self.promoted(st):  # type: ignore[arg-type]  # no blocks
+        if st.promote is not None and self.promoted(st):  # no blocks: Promote needs layers
             if isinstance(st, SteadyGroups):  # nothing deferred (error feedback's values carried)
                 self.move(index, st, x, False)
                 return None
-            return self.move(index, st, x, defer)  # type: ignore[arg-type]
+            return self.move(index, st, x, defer)
         return self.run_rest(index, st, x, defer)
 
-    def run_head(self, st: _Bound, x: torch.Tensor) -> bool:
+    def run_head(self, st: Settled, x: torch.Tensor) -> bool:
         """:meth:`run_steady` up to its MAX all-reduce, the vector agreed; False where the
         bucket agrees none (every rank's own block exponents: only bound here). Promote's
         host read (:meth:`promoted`) sits between it and :meth:`run_rest`, so on CUDA
@@ -2307,7 +2309,7 @@ class Reducer:
         return True
 
     def run_rest(
-        self, index: int, st: _Bound, x: torch.Tensor, defer: bool = False
+        self, index: int, st: Settled, x: torch.Tensor, defer: bool = False
     ) -> Callable[[], None] | None:
         """:meth:`run_steady` after :meth:`run_head`, on the vector it agreed (no format
         moved): the factors, records, rates and the route's bound chunks."""
@@ -2442,7 +2444,7 @@ class Reducer:
             st.plan.timed(time.perf_counter() - start)
 
     def move(
-        self, index: int, st: Steady | SteadyFeedback | SteadyGroups, x: torch.Tensor, defer: bool
+        self, index: int, st: Settled, x: torch.Tensor, defer: bool
     ) -> Callable[[], None] | None:
         """Promote moved a layer's format of settled bucket ``index``: the new formats bound
         first (no collective, :meth:`_bind_first`) and the step finished on their bound
@@ -2656,7 +2658,7 @@ class Reducer:
         self.stats.add_rows(index, st.names, g.numels, g.fmt, rows)
         return rows
 
-    def promoted(self, st: Steady | SteadyGroups | SteadyFeedback) -> bool:
+    def promoted(self, st: Settled) -> bool:
         """Promote's step from the rates just agreed on the maxima; whether a format of the
         bucket moved (only this bucket's layers move here).
 

@@ -34,7 +34,7 @@ import hashlib
 import json
 import os
 from collections.abc import Callable, Sequence
-from typing import Any, TypedDict
+from typing import TypedDict
 
 import torch
 import torch.distributed as dist
@@ -49,7 +49,7 @@ from aps_comm.config import (
     check_block_size,
     default_block_size,
 )
-from aps_comm.engine import Comm, Reducer, Settings, Steady
+from aps_comm.engine import Comm, Reducer, Settings, Settled, Steady
 from aps_comm.executor import FifoWorker, raised_by_backward, run_on_side_stream
 from aps_comm.feedback import ErrorFeedback
 from aps_comm.formats import FP32, FloatFormat, get_format
@@ -596,7 +596,7 @@ class APSState:
             return max(1, int(self.chunk_bytes) * 8 // self.fmt.wire_bits)
         return None
 
-    def _submit(self, bucket: _Bucket, steady: object = None) -> torch.futures.Future:
+    def _submit(self, bucket: _Bucket, steady: Settled | None = None) -> torch.futures.Future:
         """Run the bucket off DDP's thread; the future completes with the averaged buffer.
 
         ``steady``: the bucket's settled path as :meth:`Reducer.steady_for` found it
@@ -667,7 +667,7 @@ class APSState:
         return fut
 
     def _graphed(
-        self, b: _Bucket, stream: torch.cuda.Stream, steady: object
+        self, b: _Bucket, stream: torch.cuda.Stream, steady: Settled | None
     ) -> torch.futures.Future | None:
         """The bucket's settled work as CUDA graphs on the side stream (:meth:`_replayed`);
         None where it runs eagerly instead, or where the caller's stream is itself being
@@ -682,7 +682,7 @@ class APSState:
             fut.set_result(b.buffer)
         return fut
 
-    def _replayed(self, b: _Bucket, steady: object) -> bool:
+    def _replayed(self, b: _Bucket, steady: Settled | None) -> bool:
         """Run the bucket's settled work on the current stream as its graph: replayed, or
         captured then replayed (a Promote bucket: :meth:`_graphed_promote`).
 
@@ -702,8 +702,7 @@ class APSState:
         entry = graphs.lookup(b.index, buffer, steady) if steady is not None else None
         if entry is None and (steady is None or not graphs.ready(b.index, buffer)):
             return False
-        # Every settled kind has ``promote``: its layers where Promote may move them.
-        if getattr(steady, "promote", None) is not None:
+        if steady.promote is not None:  # its layers where Promote may move them
             return self._graphed_promote(b, steady, entry)
         if entry is None:
             work = functools.partial(self._steady_work, b, steady)
@@ -716,7 +715,7 @@ class APSState:
         graphs.replay(entry, reducer.traffic, reducer.stats)
         return True
 
-    def _graphed_promote(self, b: _Bucket, steady: object, entry: BucketGraph | None) -> bool:
+    def _graphed_promote(self, b: _Bucket, steady: Settled, entry: BucketGraph | None) -> bool:
         """A Promote bucket as two graphs around the host's read of the agreed rates
         (:meth:`Reducer.promoted`, one sync): the head, then the rest where no format
         moved, else the bucket bound again and finished eagerly (its graphs dropped).
@@ -732,7 +731,7 @@ class APSState:
             if head is None:
                 return False
         graphs.replay(head, traffic, stats)
-        if reducer.promoted(steady):  # type: ignore[arg-type]  # a kind with Promote
+        if reducer.promoted(steady):
             graphs.drop(b.index)
             with torch.no_grad():
                 self._steady_work(b, steady, _Half.MOVED)
@@ -747,7 +746,7 @@ class APSState:
         graphs.replay(entry, traffic, stats)
         return True
 
-    def _steady_work(self, b: _Bucket, steady: object, half: _Half = _Half.WHOLE) -> None:
+    def _steady_work(self, b: _Bucket, steady: Settled, half: _Half = _Half.WHOLE) -> None:
         """A settled bucket's device work (``half`` of it: around Promote's host read),
         nothing on the host besides; with its copies into its float32 copy and back where
         DDP's buffer is of another dtype."""
@@ -755,18 +754,17 @@ class APSState:
         assert reducer is not None
         x = self._float_view(b.index, b.buffer) if b.buffer.dtype != torch.float32 else b.buffer
         assert x is not None  # settled: the copy was made
-        st: Any = steady
         if x is not b.buffer and half in (_Half.WHOLE, _Half.HEAD):
             x.copy_(b.buffer.view(-1))
         if half == _Half.HEAD:
-            reducer.run_head(st, x)
+            reducer.run_head(steady, x)
             return
         if half == _Half.WHOLE:
-            tail = reducer.run_steady(b.index, st, x)
+            tail = reducer.run_steady(b.index, steady, x)
         elif half == _Half.REST:
-            tail = reducer.run_rest(b.index, st, x)
+            tail = reducer.run_rest(b.index, steady, x)
         else:  # a format moved: the new binding finishes the step
-            tail = reducer.move(b.index, st, x, False)
+            tail = reducer.move(b.index, steady, x, False)
         if tail is not None:
             tail()
         if x is not b.buffer:
@@ -852,7 +850,7 @@ class APSState:
         epoch = self.reducer.workspace(buffer.device).epoch(Slot.input_of(index))
         return held[1] if held[2] == epoch else None
 
-    def _steady_for(self, index: int, buffer: torch.Tensor) -> object:
+    def _steady_for(self, index: int, buffer: torch.Tensor) -> Settled | None:
         """The bucket's settled path (:meth:`Reducer.steady_for`), bound to the float32
         copy where DDP's buffer is of another dtype; None where it has none."""
         assert self.reducer is not None
