@@ -445,3 +445,35 @@ def test_ranks_that_record_stats_and_ranks_that_do_not_agree(route: str) -> None
     for grads in out:
         assert grads[0] == grads[1]  # stats on one rank change nothing
     assert out[0][1] == out[1][1]  # every rank holds the same gradients
+
+
+def _checks_per_step(rank: int, world_size: int, dtype: torch.dtype) -> list[int]:
+    import aps_comm.hook as hook_module
+
+    calls: list[int] = []
+    check = hook_module._check_bucket
+
+    def counted(*args: object) -> None:
+        calls.append(1)
+        check(*args)  # type: ignore[arg-type]
+
+    hook_module._check_bucket = counted  # type: ignore[assignment]
+    model = nn.Sequential(*[nn.Linear(8, 8) for _ in range(6)]).to(dtype)
+    ddp = DDP(model, bucket_cap_mb=0.001)
+    register(ddp, "e4m3", reduction="two_phase")
+    per_step = []
+    for _ in range(5):
+        before = len(calls)
+        ddp(torch.ones(2, 8, dtype=dtype)).float().sum().backward()
+        per_step.append(len(calls) - before)
+    return per_step
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16], ids=str)
+def test_a_settled_bucket_checks_no_parameter_per_step(dtype: torch.dtype) -> None:
+    """A settled bucket was checked when it was bound: its hook call does no work per
+    parameter, whatever the gradients' dtype (a bfloat16 bucket is found settled through
+    its float32 copy)."""
+    per_step = run_distributed(_checks_per_step, 1, args=(dtype,), timeout=60)[0]
+    assert per_step[0] > 0  # binding checks every bucket
+    assert per_step[3:] == [0, 0], per_step
