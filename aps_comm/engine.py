@@ -2294,8 +2294,8 @@ class Reducer:
     def run_head(self, st: Settled, x: torch.Tensor) -> bool:
         """:meth:`run_steady` up to its MAX all-reduce, the vector agreed; False where the
         bucket agrees none (every rank's own block exponents: only bound here). Promote's
-        host read (:meth:`promoted`) sits between it and :meth:`run_rest`, so on CUDA
-        each half is a graph of its own (:mod:`aps_comm.hook`)."""
+        host read (:meth:`promoted`) sits between it and :meth:`run_rest`, which on CUDA
+        is a graph of its own (:mod:`aps_comm.hook`)."""
         if isinstance(st, SteadyGroups):
             return self._agree_groups(st, x)
         if st.bound_ptr != x.data_ptr():  # a bfloat16 bucket's float32 copy: new each step

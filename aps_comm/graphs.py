@@ -22,10 +22,11 @@ the same work is one launch. The rules:
   lent, and the step's end copies every lent row in one concatenation on the
   same stream, before any graph replays again (one launch a step, not one a
   bucket).
-- A Promote bucket is two graphs: its head, up to the MAX all-reduce, and the
-  rest. Between them the host reads the agreed rates (one sync) and decides
-  whether a format moves: if none does the rest replays, else the bucket is
-  bound again and finished eagerly, and both graphs are dropped.
+- A Promote bucket runs its head (the maxima and the MAX all-reduce) eagerly:
+  the host reads the agreed rates after it (one sync), which must fail, not
+  hang, if a peer dies. The rest is its graph, replayed where no format moved;
+  where one did, the bucket is bound again, finished eagerly and its graph
+  dropped.
 - A capture that fails is logged once; from then on the state's buckets run
   eagerly, as without graphs.
 
@@ -64,8 +65,6 @@ class BucketGraph:
         records: the statistics rows one run writes (``stats=True``), with
             what labels them (:meth:`aps_comm.telemetry.StepStats.take_since`).
         bound: the settled path captured (None: not given).
-        head: a Promote bucket's first graph, replayed before the host reads the agreed
-            rates (``graph`` is the rest); None for every other bucket.
     """
 
     graph: Any
@@ -74,7 +73,6 @@ class BucketGraph:
     traffic: dict[str, int]
     records: list[tuple[tuple, torch.Tensor]] = dataclasses.field(default_factory=list)
     bound: object = None
-    head: BucketGraph | None = None
 
 
 class BucketGraphs:
@@ -138,17 +136,13 @@ class BucketGraphs:
         traffic: Traffic,
         stats: StepStats | None = None,
         bound: object = None,
-        head: BucketGraph | None = None,
-        keep: bool = True,
     ) -> BucketGraph | None:
         """Capture ``work`` (the settled path ``bound``) on the current stream; None (graphs
         off, logged) if it fails.
 
         ``work`` is recorded, not run: :meth:`replay` runs it. The bytes it
         counts into ``traffic`` and the records it queues in ``stats`` are
-        taken out and kept for the replays. A Promote bucket's head is captured
-        with ``keep`` False (returned, not kept as the bucket's graph), then its
-        rest with ``head`` (the entry then holds both).
+        taken out and kept for the replays.
         """
         before = dict(traffic.bytes)
         mark = stats.queued if stats is not None else 0
@@ -176,9 +170,8 @@ class BucketGraphs:
         delta = {k: v - before.get(k, 0) for k, v in traffic.bytes.items()}
         traffic.bytes = before
         records = stats.take_since(mark) if stats is not None else []
-        entry = BucketGraph(graph, buffer.data_ptr(), buffer.numel(), delta, records, bound, head)
-        if keep:
-            self.graphs[index] = entry
+        entry = BucketGraph(graph, buffer.data_ptr(), buffer.numel(), delta, records, bound)
+        self.graphs[index] = entry
         return entry
 
     @staticmethod

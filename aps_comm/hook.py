@@ -703,7 +703,8 @@ class APSState:
         if entry is None and (steady is None or not graphs.ready(b.index, buffer)):
             return False
         if steady.promote is not None:  # its layers where Promote may move them
-            return self._graphed_promote(b, steady, entry)
+            self._graphed_promote(b, steady, entry)
+            return True
         if entry is None:
             work = functools.partial(self._steady_work, b, steady)
             with torch.no_grad():
@@ -715,36 +716,33 @@ class APSState:
         graphs.replay(entry, reducer.traffic, reducer.stats)
         return True
 
-    def _graphed_promote(self, b: _Bucket, steady: Settled, entry: BucketGraph | None) -> bool:
-        """A Promote bucket as two graphs around the host's read of the agreed rates
-        (:meth:`Reducer.promoted`, one sync): the head, then the rest where no format
-        moved, else the bucket bound again and finished eagerly (its graphs dropped).
-        False where nothing ran: the head's capture failed (graphs are off)."""
+    def _graphed_promote(self, b: _Bucket, steady: Settled, entry: BucketGraph | None) -> None:
+        """A Promote bucket: its head eagerly, then the host's read of the agreed rates
+        (:meth:`Reducer.promoted`, one sync), then the rest as its graph where no format
+        moved, else the bucket bound again and finished eagerly (its graph dropped).
+
+        The head (the maxima and the MAX all-reduce) is not captured: the host waits on
+        its all-reduce, and a collective inside a graph escapes the process group's
+        watchdog, so a dead peer would hang that read instead of failing the job
+        within the group's timeout.
+        """
         graphs, reducer = self.graphs, self.reducer
         assert graphs is not None and reducer is not None
-        traffic, stats = reducer.traffic, reducer.stats
-        head = entry.head if entry is not None else None
-        if head is None:
-            work = functools.partial(self._steady_work, b, steady, _Half.HEAD)
-            with torch.no_grad():
-                head = graphs.capture(b.index, b.buffer, work, traffic, stats, steady, keep=False)
-            if head is None:
-                return False
-        graphs.replay(head, traffic, stats)
-        if reducer.promoted(steady):
-            graphs.drop(b.index)
-            with torch.no_grad():
+        with torch.no_grad():
+            self._steady_work(b, steady, _Half.HEAD)
+            if reducer.promoted(steady):
+                graphs.drop(b.index)
                 self._steady_work(b, steady, _Half.MOVED)
-            return True
-        if entry is None:
-            work = functools.partial(self._steady_work, b, steady, _Half.REST)
-            with torch.no_grad():
-                entry = graphs.capture(b.index, b.buffer, work, traffic, stats, steady, head)
+                return
+            if entry is None:
+                work = functools.partial(self._steady_work, b, steady, _Half.REST)
+                entry = graphs.capture(
+                    b.index, b.buffer, work, reducer.traffic, reducer.stats, steady
+                )
                 if entry is None:  # graphs are off from now on: the rest eagerly
                     work()
-                    return True
-        graphs.replay(entry, traffic, stats)
-        return True
+                    return
+        graphs.replay(entry, reducer.traffic, reducer.stats)
 
     def _steady_work(self, b: _Bucket, steady: Settled, half: _Half = _Half.WHOLE) -> None:
         """A settled bucket's device work (``half`` of it: around Promote's host read),

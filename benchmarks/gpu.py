@@ -1571,7 +1571,7 @@ STEP_CONFIGS: tuple[StepConfig, ...] = (
         error_feedback=True,
         beside="APS e2m1 block two_phase",
     ),
-    # Promote's buckets are two graphs around a host read (a sync) of the agreed rates.
+    # Promote's buckets read their agreed rates on the host (a sync); the rest is a graph.
     StepConfig(
         "APS e4m3 two_phase + Promote",
         Hook.APS,

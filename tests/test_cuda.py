@@ -128,8 +128,9 @@ AUTO_CASE = HookCase("e4m3", "auto")
 # before and after the middle one's graph on the side stream, each ordered against it.
 MIXED_CASE = HookCase("e4m3", "two_phase", fp32=("blocks.0.*", "blocks.2.*"))
 # Promote, whose formats move up and down every few steps (benchmarks.gpu.PROMOTE): each
-# bucket two graphs around the host's read of the agreed rates (a sync, by design: the
-# sync-debug mode is off for it), replayed, dropped on a move and captured again.
+# bucket's head eagerly, the host's read of the agreed rates (a sync, by design: the
+# sync-debug mode is off for it), the rest as its graph, dropped on a move and
+# captured again.
 PROMOTE_CASE = HookCase("e4m3", "two_phase", promote=True)
 
 
@@ -200,7 +201,7 @@ def test_fp32_buckets_on_ddps_thread_beside_graphed_ones_on_nccl(
     assert count_mismatches(got["grads"], want["grads"])[0] == 0
 
 
-def test_promote_buckets_run_as_two_graphs_around_the_rates_read_on_nccl(
+def test_promote_buckets_replay_their_rest_after_the_rates_read_on_nccl(
     nccl_runs: dict[HookCase, tuple[dict[str, Any], dict[str, Any]]],
 ) -> None:
     got, want = nccl_runs[PROMOTE_CASE]

@@ -199,24 +199,6 @@ def test_a_dropped_graph_is_captured_again_after_one_more_eager_run() -> None:
     assert not graphs.ready(0, x) and graphs.ready(0, x)
 
 
-def test_a_promote_buckets_head_is_kept_with_its_rest() -> None:
-    """A Promote bucket is two graphs, the head up to the MAX all-reduce (the host reads
-    the agreed rates after it) and the rest: one entry, whose bytes add up per replay."""
-    graphs, traffic, log = BucketGraphs(FakeGraph), Traffic(), []
-    x = torch.zeros(8)
-    head = graphs.capture(0, x, lambda: traffic("all_reduce_max", 8), traffic, keep=False)
-    assert head is not None and head.head is None
-    assert graphs.lookup(0, x) is None  # a head alone is no bucket's graph
-    entry = graphs.capture(0, x, lambda: _work(traffic, log), traffic, head=head)
-    assert entry is not None and graphs.lookup(0, x) is entry and entry.head is head
-    assert traffic.take() == {}  # counted per replay, not at capture
-    graphs.replay(head, traffic)
-    graphs.replay(entry, traffic)
-    assert traffic.take() == {"all_reduce_max": 8, "all_to_all": 100, "all_gather": 40}
-    graphs.drop(0)  # a format moved: both go
-    assert graphs.lookup(0, x) is None
-
-
 class _Rerun:
     """A CUDA graph of ``work`` on the CPU: its replay runs the work again, as a real
     graph's replay runs the kernels the capture recorded."""
@@ -243,13 +225,10 @@ class _RerunGraphs(BucketGraphs):
         traffic: Traffic,
         stats: StepStats | None = None,
         bound: object = None,
-        head: BucketGraph | None = None,
-        keep: bool = True,
     ) -> BucketGraph:
         self.captures += 1
-        entry = BucketGraph(_Rerun(work), buffer.data_ptr(), buffer.numel(), {}, [], bound, head)
-        if keep:
-            self.graphs[index] = entry
+        entry = BucketGraph(_Rerun(work), buffer.data_ptr(), buffer.numel(), {}, [], bound)
+        self.graphs[index] = entry
         return entry
 
 
@@ -302,9 +281,9 @@ def _graph_steps(
 def test_buckets_replayed_as_graphs_give_the_eager_bits(promote: bool, dtype: torch.dtype) -> None:
     """Settled buckets run as graphs (here, graphs that rerun their work on the CPU) give
     the eager run's bits, step after step (bfloat16 buckets with their copies into
-    float32 and back inside the graph); a Promote bucket as two graphs around the
-    host's read of the agreed rates, dropped where a format moves (steps 5 and 6 on
-    these gradients: benchmarks.gpu.PROMOTE) and captured again."""
+    float32 and back inside the graph); a Promote bucket's head eagerly, the host's
+    read of the agreed rates, then the rest as its graph, dropped where a format moves
+    (steps 5 and 6 on these gradients: benchmarks.gpu.PROMOTE) and captured again."""
     case = HookCase("e4m3", "two_phase", promote=promote)
     got = run_distributed(_graph_steps, 2, args=(case, True, dtype), timeout=120)
     want = run_distributed(_graph_steps, 2, args=(case, False, dtype), timeout=120)
@@ -312,15 +291,14 @@ def test_buckets_replayed_as_graphs_give_the_eager_bits(promote: bool, dtype: to
         assert count_mismatches(got[rank]["grads"], want[rank]["grads"])[0] == 0, rank
     # Buckets held as graphs after each step, and captures so far (of 3 buckets; the last
     # is never captured). Step 0 plans and step 1 re-buckets; a bucket is captured on its
-    # second settled run, once (a Promote bucket: its head and its rest). Under Promote
-    # every layer moves up at step 1, and the first bucket binds again at step 2; the
-    # buckets move at steps 5 (after replaying their heads) and 6, the second at step 8.
-    want_counts, want_captures = {
-        (False, torch.float32): ([0, 0, 0] + [2] * 7, [0, 0, 0] + [2] * 7),
-        (False, torch.bfloat16): ([0, 0, 0] + [2] * 7, [0, 0, 0] + [2] * 7),
-        (True, torch.float32): ([0, 0, 0, 1, 2, 0, 0, 2, 1, 1], [0, 0, 0, 2, 4, 4, 4, 8, 8, 8]),
-        (True, torch.bfloat16): ([0, 0, 0, 1, 2, 0, 0, 2, 1, 1], [0, 0, 0, 2, 4, 4, 4, 8, 8, 8]),
-    }[promote, dtype]
+    # second settled run, once. Under Promote every layer moves up at step 1, and the
+    # first bucket binds again at step 2; the buckets move at steps 5 (their graphs
+    # captured at steps 3 and 4) and 6, the second at step 8 (captured at step 7).
+    want_counts, want_captures = (
+        ([0, 0, 0, 1, 2, 0, 0, 2, 1, 1], [0, 0, 0, 1, 2, 2, 2, 4, 4, 4])
+        if promote
+        else ([0, 0, 0] + [2] * 7, [0, 0, 0] + [2] * 7)
+    )
     assert (got[0]["counts"], got[0]["captures"]) == (want_counts, want_captures)
 
 
