@@ -319,8 +319,9 @@ class APSState:
         self._side_ahead = False
         self._direct: torch.futures.Future | None = None
         # Per bucket index: the non-float32 buffer of DDP's whose float32 copy it was last
-        # bound on (:meth:`_float_input`). The buffer itself, not its address: DDP frees a
-        # buffer when it re-buckets, and the new one may be allocated at the same address.
+        # bound on (:meth:`_float_input`), that copy, and its region's epoch. The buffer
+        # itself, not its address: DDP frees a buffer when it re-buckets, and the new one
+        # may be allocated at the same address.
         self._inputs: dict[int, tuple[torch.Tensor, torch.Tensor, tuple[int, ...]]] = {}
         # The last step's last bucket: buckets past it are forgotten once, when it changes.
         self._last_bucket = -1
