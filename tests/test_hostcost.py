@@ -1645,6 +1645,7 @@ def _run_into(
     outs.append(state.run_bucket(0, buffer, params))
 
 
+@pytest.mark.filterwarnings(r"ignore:aps_comm. e2m1 \(4 bits\) with scaling='layer':UserWarning")
 @pytest.mark.parametrize(
     "route",
     [
