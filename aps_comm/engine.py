@@ -1904,8 +1904,9 @@ class Reducer:
         return True
 
     def _finish_groups(self, index: int, st: SteadyGroups, x: torch.Tensor, chunk: int) -> None:
-        """:meth:`run_steady`'s half of a bucket of several formats after the MAX all-reduce (none with blocks), on the
-        vector it agreed and ``chunk``, the ranks' chunk: every group's bound path (the
+        """:meth:`run_rest` of a bucket of several formats (after the MAX all-reduce, none
+        with every rank's own block exponents), on the vector it agreed and ``chunk``, the
+        ranks' chunk: every group's bound path (the
         groups bound again where the chunk moved; with agreed block exponents the keys
         and their scratch stay: only the chunks' calls move)."""
         if chunk != st.chunk:
@@ -2279,10 +2280,7 @@ class Reducer:
             return None
         if not self.run_head(st, x):  # every rank's own block exponents: nothing agreed
             if isinstance(st, SteadyGroups):
-                plan = st.plan  # the chunk its ranks agreed on, or the model's
-                chunk = (plan.agreed_chunk or plan.model_chunk) if st.measured else st.chunk
-                self._finish_groups(index, st, x, chunk)
-                return None
+                return self.run_rest(index, st, x)
             return self._run_steady_blocks(index, st, x, defer)  # type: ignore[arg-type]
         if st.promote is not None and self.promoted(st):  # no blocks: Promote needs layers
             if isinstance(st, SteadyGroups):  # nothing deferred (error feedback's values carried)
@@ -2314,7 +2312,11 @@ class Reducer:
         """:meth:`run_steady` after :meth:`run_head`, on the vector it agreed (no format
         moved): the factors, records, rates and the route's bound chunks."""
         if isinstance(st, SteadyGroups):
-            chunk = 2 ** int(st.maxima.numpy()[-1]) if st.measured else st.chunk
+            chunk = st.chunk
+            if st.measured and st.blocks and not (st.feedback or st.agreed_blocks):
+                chunk = st.plan.agreed_chunk or st.plan.model_chunk  # agreed on the exchange
+            elif st.measured:  # the ranks' largest preference, agreed on the vector
+                chunk = 2 ** int(st.maxima.numpy()[-1])
             self._finish_groups(index, st, x, chunk)
             return None
         return self._finish_steady(index, st, x, defer)  # type: ignore[arg-type]  # agreed

@@ -53,7 +53,7 @@ from aps_comm.engine import Comm, Reducer, Settings, Settled, Steady
 from aps_comm.executor import FifoWorker, raised_by_backward, run_on_side_stream
 from aps_comm.feedback import ErrorFeedback
 from aps_comm.formats import FP32, FloatFormat, get_format
-from aps_comm.graphs import BucketGraph, BucketGraphs
+from aps_comm.graphs import BucketGraphs
 from aps_comm.plan import Planner
 from aps_comm.policy import Assignment, LayerInfo, Rule, policy_rules
 from aps_comm.policy import describe as describe_policy
@@ -685,7 +685,9 @@ class APSState:
 
     def _replayed(self, b: _Bucket, steady: Settled | None) -> bool:
         """Run the bucket's settled work on the current stream as its graph: replayed, or
-        captured then replayed (a Promote bucket: :meth:`_graphed_promote`).
+        captured then replayed (a Promote bucket: its head eagerly, the host's read of the
+        agreed rates, one sync, then the rest as its graph where no format moved, else
+        bound again and finished eagerly, its graph dropped).
 
         False where nothing ran, and it runs eagerly: not settled, a first settled
         run, or capture failed. A bucket of another dtype than float32 is captured
@@ -703,47 +705,31 @@ class APSState:
         entry = graphs.lookup(b.index, buffer, steady) if steady is not None else None
         if entry is None and (steady is None or not graphs.ready(b.index, buffer)):
             return False
-        if steady.promote is not None:  # its layers where Promote may move them
-            self._graphed_promote(b, steady, entry)
-            return True
+        half = _Half.WHOLE
+        if steady.promote is not None:
+            # Its head runs eagerly: the host waits on the head's MAX all-reduce to read the
+            # agreed rates, and a collective inside a graph escapes the process group's
+            # watchdog, so a dead peer would hang that read instead of failing the job.
+            with torch.no_grad():
+                self._steady_work(b, steady, _Half.HEAD)
+                if reducer.promoted(steady):  # a format moved: bound again, finished eagerly
+                    graphs.drop(b.index)
+                    self._steady_work(b, steady, _Half.MOVED)
+                    return True
+            half = _Half.REST
         if entry is None:
-            work = functools.partial(self._steady_work, b, steady)
+            work = functools.partial(self._steady_work, b, steady, half)
             with torch.no_grad():
                 entry = graphs.capture(
                     b.index, buffer, work, reducer.traffic, reducer.stats, steady
                 )
+                if entry is None and half == _Half.REST:  # graphs are off: the rest eagerly
+                    work()
+                    return True
             if entry is None:
                 return False
         graphs.replay(entry, reducer.traffic, reducer.stats)
         return True
-
-    def _graphed_promote(self, b: _Bucket, steady: Settled, entry: BucketGraph | None) -> None:
-        """A Promote bucket: its head eagerly, then the host's read of the agreed rates
-        (:meth:`Reducer.promoted`, one sync), then the rest as its graph where no format
-        moved, else the bucket bound again and finished eagerly (its graph dropped).
-
-        The head (the maxima and the MAX all-reduce) is not captured: the host waits on
-        its all-reduce, and a collective inside a graph escapes the process group's
-        watchdog, so a dead peer would hang that read instead of failing the job
-        within the group's timeout.
-        """
-        graphs, reducer = self.graphs, self.reducer
-        assert graphs is not None and reducer is not None
-        with torch.no_grad():
-            self._steady_work(b, steady, _Half.HEAD)
-            if reducer.promoted(steady):
-                graphs.drop(b.index)
-                self._steady_work(b, steady, _Half.MOVED)
-                return
-            if entry is None:
-                work = functools.partial(self._steady_work, b, steady, _Half.REST)
-                entry = graphs.capture(
-                    b.index, b.buffer, work, reducer.traffic, reducer.stats, steady
-                )
-                if entry is None:  # graphs are off from now on: the rest eagerly
-                    work()
-                    return
-        graphs.replay(entry, reducer.traffic, reducer.stats)
 
     def _steady_work(self, b: _Bucket, steady: Settled, half: _Half = _Half.WHOLE) -> None:
         """A settled bucket's device work (``half`` of it: around Promote's host read),
