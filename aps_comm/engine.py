@@ -48,7 +48,7 @@ from aps_comm.config import DEFAULT_BLOCK_SIZE, BlockExponents, Reduction, Route
 from aps_comm.cpu_kernels import record_limits
 from aps_comm.feedback import ErrorFeedback
 from aps_comm.formats import FP32, FloatFormat, payload_nbytes
-from aps_comm.hostcopy import to_device
+from aps_comm.hostcopy import HostValue, to_device
 from aps_comm.layout import Blocks, Layout
 from aps_comm.plan import BucketPlan, GroupPlan, Planner, RowRuns, Run
 from aps_comm.policy import Assignment
@@ -72,6 +72,7 @@ from aps_comm.workspace import Arena, Slot, Workspace
 
 __all__ = [
     "ONE_CHUNK",
+    "AgreedRates",
     "Comm",
     "Reducer",
     "Settings",
@@ -1089,6 +1090,28 @@ Settled = _Part | SteadyGroups
 
 
 @dataclasses.dataclass
+class AgreedRates:
+    """Promote's rates of a settled bucket, agreed at the end of a step for the next one
+    (:meth:`Reducer.agree_rates`).
+
+    Attributes:
+        bound: the settled path they are of (another binding reads none).
+        rates: the agreed rates, on the bucket's device (bucket order).
+        host: their copy on its way to the host; None once read.
+    """
+
+    bound: Settled
+    rates: torch.Tensor
+    host: HostValue | None = None
+
+
+def _then(first: Callable[[], object], then: Callable[[], object]) -> None:
+    """``first()``, then ``then()``: a deferred finish with one more call after it."""
+    first()
+    then()
+
+
+@dataclasses.dataclass
 class _Unit:
     """What every settled FSDP2 unit keeps (:class:`SteadyMixedUnit`, :class:`SteadyFP32Unit`):
     the layout and policy epoch it is bound to, and its records.
@@ -1299,6 +1322,8 @@ class Reducer:
         self._fixed: dict[FloatFormat, Route] = {}
         # Per bucket index: its bound path once settled (:class:`Steady`).
         self.steady: dict[int, Settled] = {}
+        # Per bucket index, with Promote: the rates agreed for its next step.
+        self.agreed_rates: dict[int, AgreedRates] = {}
         # Per device: the buckets' scratch, shared (:mod:`aps_comm.workspace`).
         self.workspaces: dict[torch.device, Workspace] = {}
         # Per FSDP unit index: its bound reduce-scatter once settled (:class:`SteadyMixedUnit`).
@@ -2265,6 +2290,7 @@ class Reducer:
         st: Settled,
         x: torch.Tensor,
         defer: bool = False,
+        moved: bool | None = None,
     ) -> Callable[[], None] | None:
         """Average one bucket along its :class:`Steady` path (the same bits as :meth:`bucket`).
 
@@ -2274,26 +2300,38 @@ class Reducer:
         Every kind that agrees a vector (:class:`Steady`, :class:`SteadyAgreedBlocks`,
         :class:`SteadyFeedback`) writes its part of it, MAX-all-reduces it, then
         finishes on it (:meth:`_finish_steady`).
+
+        With Promote, ``moved``: whether a format moved this step, decided already
+        (:meth:`promote_early`); None decides here, from the rates the last step agreed
+        where it did, else from those this step's MAX all-reduce agrees (:meth:`promoted`).
         """
         if isinstance(st, Steady) and st.fp32_mean:
             transports.fp32_mean(x, self.comm.group, self.comm.world_size, self.traffic)
             return None
+        if st.promote is not None and moved is None:
+            moved = self.promote_early(index, st)
         if not self.run_head(st, x):  # every rank's own block exponents: nothing agreed
             if isinstance(st, SteadyGroups):
                 return self.run_rest(index, st, x)
             return self._run_steady_blocks(index, st, x, defer)  # type: ignore[arg-type]
-        if st.promote is not None and self.promoted(st):  # no blocks: Promote needs layers
-            if isinstance(st, SteadyGroups):  # nothing deferred (error feedback's values carried)
-                self.move(index, st, x, False)
-                return None
-            return self.move(index, st, x, defer)
-        return self.run_rest(index, st, x, defer)
+        if st.promote is None:
+            return self.run_rest(index, st, x, defer)
+        # No blocks here: Promote needs layers.
+        if moved if moved is not None else self.promoted(st):
+            # A bucket of several formats defers nothing (error feedback's values carried).
+            tail = self.move(index, st, x, defer and not isinstance(st, SteadyGroups))
+        else:
+            tail = self.run_rest(index, st, x, defer)
+        if tail is None:
+            self.agree_rates(index)
+            return None
+        return functools.partial(_then, tail, functools.partial(self.agree_rates, index))
 
     def run_head(self, st: Settled, x: torch.Tensor) -> bool:
         """:meth:`run_steady` up to its MAX all-reduce, the vector agreed; False where the
         bucket agrees none (every rank's own block exponents: only bound here). Promote's
-        host read (:meth:`promoted`) sits between it and :meth:`run_rest`, which on CUDA
-        is a graph of its own (:mod:`aps_comm.hook`)."""
+        host read (:meth:`promoted`), where the last step agreed no rates, sits between
+        it and :meth:`run_rest`."""
         if isinstance(st, SteadyGroups):
             return self._agree_groups(st, x)
         if st.bound_ptr != x.data_ptr():  # a bfloat16 bucket's float32 copy: new each step
@@ -2665,14 +2703,79 @@ class Reducer:
         bucket moved (only this bucket's layers move here).
 
         Promote picks formats on the host: one read of the agreed rates per
-        bucket (none on the CPU, where they are host memory already).
+        bucket (none on the CPU, where they are host memory already). On a GPU
+        that read waits for this step's MAX all-reduce, so for the backward's
+        kernels queued before it: :meth:`promote_early` waits for none.
         """
         assert st.promote is not None and st.maxima is not None
         n = len(st.fmts)
-        rates = st.maxima[n : 2 * n]
-        agreed = rates.numpy() if rates.device.type == "cpu" else rates
-        self.assignment.promote_step(st.promote[0], agreed.tolist())
+        return self._promote_step(st, st.maxima[n : 2 * n])
+
+    def _promote_step(self, st: Settled, agreed: torch.Tensor) -> bool:
+        """Promote's step of ``st``'s layers from ``agreed`` (their rates, agreed by the
+        ranks); whether a format moved."""
+        assert st.promote is not None
+        values = agreed.numpy() if agreed.device.type == "cpu" else agreed
+        self.assignment.promote_step(st.promote[0], values.tolist())
         return self.assignment.formats(st.promote[0], self.step) != st.fmts
+
+    def agree_rates(self, index: int) -> None:
+        """Promote: the rates that settled bucket ``index``'s next MAX all-reduce sends,
+        agreed now (a copy of them MAX-all-reduced) and copied to the host
+        (:meth:`keep_rates`), so that its next step decides before its own collectives
+        (:meth:`promote_early`).
+
+        That all-reduce agrees them again, to the same values (the ranks'
+        largest): nothing but the step the host reads them in changes.
+        """
+        st = self.steady.get(index)
+        if st is None or st.promote is None or st.maxima is None:
+            return
+        n = len(st.fmts)
+        kept = self.agreed_rates.get(index)
+        if kept is None or kept.rates.shape[0] != n or kept.rates.device != st.maxima.device:
+            kept = self.agreed_rates[index] = AgreedRates(st, torch.empty_like(st.maxima[:n]))
+        kept.bound = st  # a move's new binding: the same layers, the same buffer
+        if isinstance(st, SteadyGroups) and (st.feedback or st.agreed_blocks) and st.put_rates:
+            st.put_rates()  # into bucket order, as its head does (the others' finish did)
+        slots = st.maxima[n : 2 * n]
+        if slots.device.type == "cpu":
+            kept.rates.numpy()[:] = slots.numpy()  # host memory: no tensor op
+        else:
+            kept.rates.copy_(slots)
+        transports.all_reduce_max(kept.rates, self.comm.group, self.traffic)
+        # Captured into a CUDA graph: its replay's caller copies them.
+        if kept.rates.device.type != "cuda" or not torch.cuda.is_current_stream_capturing():
+            self.keep_rates(index)
+
+    def keep_rates(self, index: int) -> None:
+        """The rates :meth:`agree_rates` agreed, on their way to the host (on CUDA a copy
+        to pinned memory and an event: no wait); the next :meth:`promote_early` reads
+        them."""
+        kept = self.agreed_rates.get(index)
+        if kept is not None:
+            kept.host = HostValue(kept.rates)
+
+    def rates_ready(self, index: int, st: Settled) -> bool:
+        """Whether ``st``'s rates for this step were agreed at the end of its last one."""
+        kept = self.agreed_rates.get(index)
+        return kept is not None and kept.bound is st and kept.host is not None
+
+    def promote_early(self, index: int, st: Settled) -> bool | None:
+        """Promote's step from the rates settled bucket ``index`` agreed at the end of its
+        last step (:meth:`agree_rates`); whether a format moved; None where there are
+        none (a first step on ``st``: :meth:`promoted` decides after its head).
+
+        Read once. On a GPU the host waits only for the last step's copy, long
+        done: nothing of this step's backward drains, and the bucket's whole
+        step replays as one graph.
+        """
+        if not self.rates_ready(index, st):
+            return None
+        kept = self.agreed_rates[index]
+        assert kept.host is not None
+        host, kept.host = kept.host, None
+        return self._promote_step(st, host.result())
 
     def _settled_rates(
         self,

@@ -22,11 +22,12 @@ the same work is one launch. The rules:
   lent, and the step's end copies every lent row in one concatenation on the
   same stream, before any graph replays again (one launch a step, not one a
   bucket).
-- A Promote bucket runs its head (the maxima and the MAX all-reduce) eagerly:
-  the host reads the agreed rates after it (one sync), which must fail, not
-  hang, if a peer dies. The rest is its graph, replayed where no format moved;
-  where one did, the bucket is bound again, finished eagerly and its graph
-  dropped.
+- A Promote bucket takes its step on the host before its graph, from the
+  rates its last step agreed (its graph's last collective) and copied to the
+  host: the host waits for that copy alone, done long before, which the last
+  step's eager last bucket follows on the same stream. Its whole step is its
+  graph, replayed where no format moved; where one did, the bucket is bound
+  again, run eagerly and its graph dropped.
 - A capture that fails is logged once; from then on the state's buckets run
   eagerly, as without graphs.
 

@@ -28,7 +28,6 @@ Example:
 import contextlib
 import dataclasses
 import datetime
-import enum
 import functools
 import hashlib
 import json
@@ -118,17 +117,6 @@ class APSConfig:
             agreed = self.block_exponents == BlockExponents.AGREED
             scaling += f"({self.block_size}{', agreed exponents' if agreed else ''})"
         return f"fmt={self.fmt.describe()}, reduction={self.reduction}, scaling={scaling}"
-
-
-class _Half(enum.Enum):
-    """What part of a settled bucket's work one call runs: Promote's bucket reads its
-    agreed rates on the host between its head and the rest (or, where a format moved,
-    the new binding's finish)."""
-
-    WHOLE = "whole"
-    HEAD = "head"
-    REST = "rest"
-    MOVED = "moved"
 
 
 @dataclasses.dataclass(frozen=True)
@@ -685,9 +673,9 @@ class APSState:
 
     def _replayed(self, b: _Bucket, steady: Settled | None) -> bool:
         """Run the bucket's settled work on the current stream as its graph: replayed, or
-        captured then replayed (a Promote bucket: its head eagerly, the host's read of the
-        agreed rates, one sync, then the rest as its graph where no format moved, else
-        bound again and finished eagerly, its graph dropped).
+        captured then replayed (a Promote bucket: first its step on the host, from the
+        rates its last step agreed; where a format moved, bound again and run eagerly, its
+        graph dropped).
 
         False where nothing ran, and it runs eagerly: not settled, a first settled
         run, or capture failed. A bucket of another dtype than float32 is captured
@@ -705,51 +693,46 @@ class APSState:
         entry = graphs.lookup(b.index, buffer, steady) if steady is not None else None
         if entry is None and (steady is None or not graphs.ready(b.index, buffer)):
             return False
-        half = _Half.WHOLE
+        moved: bool | None = None
         if steady.promote is not None:
-            # Its head runs eagerly: the host waits on the head's MAX all-reduce to read the
-            # agreed rates, and a collective inside a graph escapes the process group's
-            # watchdog, so a dead peer would hang that read instead of failing the job.
-            with torch.no_grad():
-                self._steady_work(b, steady, _Half.HEAD)
-                if reducer.promoted(steady):  # a format moved: bound again, finished eagerly
-                    graphs.drop(b.index)
-                    self._steady_work(b, steady, _Half.MOVED)
-                    return True
-            half = _Half.REST
+            # The host waits only for the copy of the rates its last step agreed, which
+            # the last step's eager (watched) last bucket follows on this stream: a dead
+            # peer fails the job within the process group's timeout, as elsewhere.
+            if not reducer.rates_ready(b.index, steady):
+                return False  # eagerly: it decides after its MAX all-reduce
+            moved = reducer.promote_early(b.index, steady)
+            if moved:  # bound again, run eagerly
+                graphs.drop(b.index)
+                with torch.no_grad():
+                    self._steady_work(b, steady, moved)
+                return True
         if entry is None:
-            work = functools.partial(self._steady_work, b, steady, half)
+            work = functools.partial(self._steady_work, b, steady, moved)
             with torch.no_grad():
                 entry = graphs.capture(
                     b.index, buffer, work, reducer.traffic, reducer.stats, steady
                 )
-                if entry is None and half == _Half.REST:  # graphs are off: the rest eagerly
+                if entry is None and moved is not None:  # graphs are off, Promote decided
                     work()
                     return True
             if entry is None:
                 return False
         graphs.replay(entry, reducer.traffic, reducer.stats)
+        if moved is not None:  # the rates its replay agreed, for its next step
+            reducer.keep_rates(b.index)
         return True
 
-    def _steady_work(self, b: _Bucket, steady: Settled, half: _Half = _Half.WHOLE) -> None:
-        """A settled bucket's device work (``half`` of it: around Promote's host read),
-        nothing on the host besides; with its copies into its float32 copy and back where
+    def _steady_work(self, b: _Bucket, steady: Settled, moved: bool | None = None) -> None:
+        """A settled bucket's device work, nothing on the host besides (``moved``: Promote's
+        step, decided already); with its copies into its float32 copy and back where
         DDP's buffer is of another dtype."""
         reducer = self.reducer
         assert reducer is not None
         x = self._float_view(b.index, b.buffer) if b.buffer.dtype != torch.float32 else b.buffer
         assert x is not None  # settled: the copy was made
-        if x is not b.buffer and half in (_Half.WHOLE, _Half.HEAD):
+        if x is not b.buffer:
             x.copy_(b.buffer.view(-1))
-        if half == _Half.HEAD:
-            reducer.run_head(steady, x)
-            return
-        if half == _Half.WHOLE:
-            tail = reducer.run_steady(b.index, steady, x)
-        elif half == _Half.REST:
-            tail = reducer.run_rest(b.index, steady, x)
-        else:  # a format moved: the new binding finishes the step
-            tail = reducer.move(b.index, steady, x, False)
+        tail = reducer.run_steady(b.index, steady, x, moved=moved)
         if tail is not None:
             tail()
         if x is not b.buffer:

@@ -866,7 +866,8 @@ def ddp_grads(
             for step in range(steps):
                 gs = [g.to(dev, dtype) for g in rank_grads(rank, step)]
                 ddp.zero_grad(set_to_none=True)
-                # Promote reads its agreed rates on the host per bucket: a sync by design.
+                # Promote's first step of a binding reads its rates after its own MAX
+                # all-reduce (a sync); later ones wait on the last step's copy.
                 strict = (
                     dev.type == "cuda"
                     and sync_error_from is not None
@@ -1571,7 +1572,8 @@ STEP_CONFIGS: tuple[StepConfig, ...] = (
         error_feedback=True,
         beside="APS e2m1 block two_phase",
     ),
-    # Promote's buckets read their agreed rates on the host (a sync); the rest is a graph.
+    # Promote's buckets take their step on the host from the rates their last step
+    # agreed, then replay their whole step as their graph.
     StepConfig(
         "APS e4m3 two_phase + Promote",
         Hook.APS,

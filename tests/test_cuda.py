@@ -128,9 +128,9 @@ AUTO_CASE = HookCase("e4m3", "auto")
 # before and after the middle one's graph on the side stream, each ordered against it.
 MIXED_CASE = HookCase("e4m3", "two_phase", fp32=("blocks.0.*", "blocks.2.*"))
 # Promote, whose formats move up and down every few steps (benchmarks.gpu.PROMOTE): each
-# bucket's head eagerly, the host's read of the agreed rates (a sync, by design: the
-# sync-debug mode is off for it), the rest as its graph, dropped on a move and
-# captured again.
+# bucket's step on the host from the rates its last step agreed (a binding's first step
+# reads them after its own MAX all-reduce, a sync: the sync-debug mode is off for it),
+# then its whole step as its graph, dropped on a move and captured again.
 PROMOTE_CASE = HookCase("e4m3", "two_phase", promote=True)
 
 
@@ -201,7 +201,7 @@ def test_fp32_buckets_on_ddps_thread_beside_graphed_ones_on_nccl(
     assert count_mismatches(got["grads"], want["grads"])[0] == 0
 
 
-def test_promote_buckets_replay_their_rest_after_the_rates_read_on_nccl(
+def test_promote_buckets_replay_their_whole_step_on_the_last_steps_rates_on_nccl(
     nccl_runs: dict[HookCase, tuple[dict[str, Any], dict[str, Any]]],
 ) -> None:
     got, want = nccl_runs[PROMOTE_CASE]

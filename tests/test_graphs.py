@@ -19,6 +19,7 @@ import torch.distributed as dist
 from torch.nn.parallel import DistributedDataParallel as DDP
 
 import aps_comm
+from aps_comm import transports
 from aps_comm.engine import Traffic
 from aps_comm.formats import E4M3
 from aps_comm.graphs import BucketGraph, BucketGraphs
@@ -203,11 +204,17 @@ class _Rerun:
     """A CUDA graph of ``work`` on the CPU: its replay runs the work again, as a real
     graph's replay runs the kernels the capture recorded."""
 
+    running = False  # a replay runs (the collectives it calls were captured)
+
     def __init__(self, work: Callable[[], object]) -> None:
         self.work = work
 
     def replay(self) -> None:
-        self.work()
+        _Rerun.running = True
+        try:
+            self.work()
+        finally:
+            _Rerun.running = False
 
 
 class _RerunGraphs(BucketGraphs):
@@ -265,14 +272,24 @@ def _graph_steps(
     state.bind(torch.device("cpu"))
     state.graphs = _RerunGraphs() if graphs else None
     ddp.register_comm_hook(state, _graphs_hook)
-    out: dict[str, list] = {"grads": [], "counts": [], "captures": []}
+    out: dict[str, list] = {"grads": [], "counts": [], "captures": [], "eager_maxima": []}
+    eager = [0]  # MAX all-reduces outside a replay: a graph's would not run on the host
+    all_reduce_max = transports.all_reduce_max
+
+    def counted(*args: object) -> None:
+        eager[0] += not _Rerun.running
+        all_reduce_max(*args)  # type: ignore[arg-type]
+
+    transports.all_reduce_max = counted  # type: ignore[assignment]  # a spawned process's
     for step in range(10):
+        eager[0] = 0
         ddp.zero_grad(set_to_none=True)
         ddp([g.to(dtype) for g in rank_grads(rank, step)]).backward()
         out["grads"].append([p.grad.clone() for p in model.parameters()])
         if isinstance(state.graphs, _RerunGraphs):
             out["counts"].append(len(state.graphs.graphs))
             out["captures"].append(state.graphs.captures)
+            out["eager_maxima"].append(eager[0])
     return out
 
 
@@ -281,9 +298,10 @@ def _graph_steps(
 def test_buckets_replayed_as_graphs_give_the_eager_bits(promote: bool, dtype: torch.dtype) -> None:
     """Settled buckets run as graphs (here, graphs that rerun their work on the CPU) give
     the eager run's bits, step after step (bfloat16 buckets with their copies into
-    float32 and back inside the graph); a Promote bucket's head eagerly, the host's
-    read of the agreed rates, then the rest as its graph, dropped where a format moves
-    (steps 5 and 6 on these gradients: benchmarks.gpu.PROMOTE) and captured again."""
+    float32 and back inside the graph); a Promote bucket's step decided on the host
+    from the rates its last step agreed, then its whole step as its graph, dropped where
+    a format moves (steps 5 and 6 on these gradients: benchmarks.gpu.PROMOTE) and
+    captured again."""
     case = HookCase("e4m3", "two_phase", promote=promote)
     got = run_distributed(_graph_steps, 2, args=(case, True, dtype), timeout=120)
     want = run_distributed(_graph_steps, 2, args=(case, False, dtype), timeout=120)
@@ -300,6 +318,13 @@ def test_buckets_replayed_as_graphs_give_the_eager_bits(promote: bool, dtype: to
         else ([0, 0, 0] + [2] * 7, [0, 0, 0] + [2] * 7)
     )
     assert (got[0]["counts"], got[0]["captures"]) == (want_counts, want_captures)
+    # MAX all-reduces on the host per step: each eager bucket's one (Promote: and one of
+    # its rates for the next step), none of a bucket replayed. A Promote bucket that read
+    # its rates after its own all-reduce (an eager head) would add one per graph held.
+    # Step 0 has one bucket; later, those not held as graphs after the step ran eagerly.
+    eager = [1] + [3 - held for held in want_counts[1:]]
+    want_maxima = [2 * e for e in eager] if promote else eager
+    assert got[0]["eager_maxima"] == want_maxima
 
 
 def _float_copies(rank: int, world_size: int) -> tuple[bool, bool, bool]:
