@@ -1097,12 +1097,14 @@ class AgreedRates:
     Attributes:
         bound: the settled path they are of (another binding reads none).
         rates: the agreed rates, on the bucket's device (bucket order).
-        host: their copy on its way to the host; None once read.
+        host: their copy on its way to the host (one pinned buffer, copied again each step).
+        fresh: whether ``host`` holds rates not read yet.
     """
 
     bound: Settled
     rates: torch.Tensor
     host: HostValue | None = None
+    fresh: bool = False
 
 
 def _then(first: Callable[[], object], then: Callable[[], object]) -> None:
@@ -2753,13 +2755,18 @@ class Reducer:
         to pinned memory and an event: no wait); the next :meth:`promote_early` reads
         them."""
         kept = self.agreed_rates.get(index)
-        if kept is not None:
+        if kept is None:
+            return
+        if kept.host is None:
             kept.host = HostValue(kept.rates)
+        else:
+            kept.host.refresh(kept.rates)
+        kept.fresh = True
 
     def rates_ready(self, index: int, st: Settled) -> bool:
         """Whether ``st``'s rates for this step were agreed at the end of its last one."""
         kept = self.agreed_rates.get(index)
-        return kept is not None and kept.bound is st and kept.host is not None
+        return kept is not None and kept.bound is st and kept.fresh
 
     def promote_early(self, index: int, st: Settled) -> bool | None:
         """Promote's step from the rates settled bucket ``index`` agreed at the end of its
@@ -2774,8 +2781,8 @@ class Reducer:
             return None
         kept = self.agreed_rates[index]
         assert kept.host is not None
-        host, kept.host = kept.host, None
-        return self._promote_step(st, host.result())
+        kept.fresh = False
+        return self._promote_step(st, kept.host.result())
 
     def _settled_rates(
         self,

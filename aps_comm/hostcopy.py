@@ -59,6 +59,16 @@ class HostValue:
         else:
             self.host = value
 
+    def refresh(self, value: torch.Tensor) -> None:
+        """Copy ``value`` (the first one's shape, dtype and device) again: into the same
+        pinned memory, behind the same event (no allocation). Call it once the last
+        value was read: the copy overwrites it."""
+        if self.event is None:
+            self.host = value
+            return
+        self.host.copy_(value, non_blocking=True)
+        self.event.record()
+
     def result(self) -> torch.Tensor:
         """The value on the host (waits for the copy where it has not finished)."""
         if self.event is not None:
