@@ -439,7 +439,7 @@ class Cluster:
             1.07
             >>> h200 = replace(c, device=get_device("h200"))  # measured on an H200
             >>> round(h200.codec_time("encode", "e4m3", 1.0, 2**26) * 1e3, 4)
-            0.1584
+            0.1015
         """
         key = op if op in _FORMAT_FREE_OPS else f"{op}.{fmt_name}"
         costs = self.pass_costs

@@ -741,7 +741,7 @@ def test_profile_finds_every_bucket_of_the_step(harness: list) -> None:
 
 # --- The performance model's constants ------------------------------------------------
 
-H200_RUN = ROOT / "benchmarks" / "results" / "gpu_h200_eaeb792.json"
+H200_RUN = ROOT / "benchmarks" / "results" / "gpu_h200_35adf17.json"
 
 
 def test_the_h200_preset_is_what_device_constants_derives_from_the_h200_run() -> None:
@@ -753,7 +753,7 @@ def test_the_h200_preset_is_what_device_constants_derives_from_the_h200_run() ->
     costs, source = measured_costs(derived)
     assert dict(get_device("h200").measured) == costs
     assert get_device("h200").measured_source == source
-    assert "NVIDIA H200" in source and "commit eaeb792" in source and "triton codec" in source
+    assert "NVIDIA H200" in source and "commit 35adf17" in source and "triton codec" in source
 
 
 def test_device_constants_per_element_and_per_bucket() -> None:

@@ -34,7 +34,7 @@ def test_h200_preset_is_the_datasheet_plus_the_measured_run() -> None:
     assert h200.peak_flops == h100.peak_flops
     assert {"encode.e4m3", "decode.e4m3", "hook_call.e4m3", "hook_call.fp16"} <= set(h200.measured)
     assert {"encode.e4m3.block32", "decode.e4m3.block32"} <= set(h200.measured)
-    assert "eaeb792" in h200.measured_source and "--preset h200" in h200.measured_source
+    assert "35adf17" in h200.measured_source and "--preset h200" in h200.measured_source
     # No H100 run exists: its preset is the datasheet, and says so.
     assert not h100.measured and "has not run on an H100" in h100.source
 
@@ -102,7 +102,7 @@ def test_cli_device_h200_predicts_the_measured_costs(
     argv += ("--device", "h200", "--fmt", "e4m3", "--strategy", "two_phase")
     measured = _predict(capsys, *argv)
     assert measured["assumptions"]["device"] == "h200"
-    assert "eaeb792" in measured["assumptions"]["measured"]
+    assert "35adf17" in measured["assumptions"]["measured"]
     ideal_h200 = replace(get_device("h200"), measured={})
     monkeypatch.setitem(cluster_module.DEVICES, "h200", ideal_h200)
     ideal = _predict(capsys, *argv)

@@ -572,7 +572,7 @@ def _check_perfmodel_h200(proc: subprocess.CompletedProcess[str], cwd: Path) -> 
     }
     flat = " ".join(proc.stdout.split())
     assert "measured codec and hook costs per bucket of the h200 preset" in flat
-    assert "commit eaeb792" in flat
+    assert "commit 35adf17" in flat
     # docs/performance-model.md quotes these numbers, and the same device's ideal ones.
     text = " ".join((DOCS / "performance-model.md").read_text().split())
     assert f"spends {comm['e4m3']} per step in e4m3 two_phase" in text, comm
