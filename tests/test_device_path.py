@@ -690,6 +690,40 @@ def test_settled_policies_make_no_host_traffic_but_promotes_read(
         assert mode.copies == [], mode.copies
 
 
+@pytest.mark.parametrize(
+    ("reduction", "world"), [("two_phase", 3), ("allreduce", 3), ("hierarchical", 6), ("grid", 6)]
+)
+def test_promote_buckets_read_the_last_steps_rates_before_their_own_collectives(
+    monkeypatch: pytest.MonkeyPatch, fp8_sums: None, reduction: str, world: int
+) -> None:
+    """On a GPU, reading rates that a bucket's own MAX all-reduce agreed waits for every
+    kernel of the backward queued before it, once per bucket. A bucket reads those its
+    last step agreed instead, before any collective of its step: only a binding's first
+    step reads after its all-reduce."""
+    reads: list[int] = []  # per Promote step: the collectives issued before it
+    starts: list[int] = []  # per bucket run: the collectives issued before it
+    with stubbed_collectives(monkeypatch) as issued:
+        reducer, names = _reducer(
+            get_format("e4m3"), reduction, "layer", world, 1, POLICIES["promote"]
+        )
+        promote_step, run_steady = reducer.assignment.promote_step, Reducer.run_steady
+
+        def read(*args: Any) -> None:
+            reads.append(len(issued))
+            promote_step(*args)
+
+        def run(self: Reducer, *args: Any, **kwargs: Any) -> Callable[[], None] | None:
+            starts.append(len(issued))
+            return run_steady(self, *args, **kwargs)
+
+        monkeypatch.setattr(reducer.assignment, "promote_step", read)
+        monkeypatch.setattr(Reducer, "run_steady", run)
+        _bucket_steps(reducer, names, 4, chunk=None)
+    assert len(reads) == len(starts) == 8  # two buckets, four steps
+    # Step 0 binds both buckets: each reads after its MAX all-reduce, then none does.
+    assert [r - s for r, s in zip(reads, starts, strict=True)] == [1, 1] + [0] * 6
+
+
 @pytest.mark.parametrize("stats", [False, True])
 @pytest.mark.parametrize("reduction", ["hierarchical", "grid"])
 def test_settled_staged_buckets_under_promote_read_only_its_rates(
