@@ -111,6 +111,7 @@ __all__ = [
     "BUCKET_PREFIX",
     "CHUNK_ELEMENTS",
     "CODEC_FORMAT",
+    "CUDA_TESTS_COMMAND",
     "DEFAULT_BUDGET_S",
     "MIN_SECONDS",
     "SHAPES",
@@ -138,6 +139,7 @@ __all__ = [
     "check_hook_case",
     "classify_event",
     "count_mismatches",
+    "cut_tests_result",
     "ddp_grads",
     "device_constants",
     "fsdp_grads",
@@ -1037,15 +1039,57 @@ class StepContext:
         return max(1.0, min(wanted, self.remaining()))
 
 
+CUDA_TESTS_COMMAND = "python -m pytest tests/test_cuda.py -v -rs"
+"""What the ``cuda_tests`` step runs (in the checkout, its JUnit XML into the output)."""
+# ``pytest -v``'s line of a test: its node id (parameters may hold spaces), then its
+# outcome once it ended.
+_TEST_LINE = re.compile(r"^(\S+::.+?)(?:\s+(PASSED|FAILED|ERROR|SKIPPED|XFAIL|XPASS)\b.*)?\s*$")
+
+
+def cut_tests_result(exc: subprocess.TimeoutExpired) -> StepResult:
+    """The ``cuda_tests`` step cut by the budget: what its output says of each test run
+    before the cut (``pytest -v``'s lines), so that a short run still tells which passed.
+
+    Example:
+        >>> out = "tests/test_cuda.py::test_a PASSED [ 50%]\\ntests/test_cuda.py::test_b "
+        >>> cut_tests_result(subprocess.TimeoutExpired("pytest", 9.0, out)).reason
+        'pytest ran past 9 s: 1 passed and 0 failed before the cut, then test_b'
+    """
+    output = "".join(
+        part.decode(errors="replace") if isinstance(part, bytes) else part or ""
+        for part in (exc.stdout, exc.stderr)
+    )
+    ran: dict[str, list[str]] = {"passed": [], "failed": []}
+    running = ""
+    for line in output.splitlines():
+        test = _TEST_LINE.match(line)
+        if test is None:
+            continue
+        name, outcome = test.group(1).rpartition("::")[2], test.group(2)
+        if outcome == "PASSED":
+            ran["passed"].append(name)
+        elif outcome in ("FAILED", "ERROR"):
+            ran["failed"].append(name)
+        running = "" if outcome else name
+    reason = (
+        f"pytest ran past {exc.timeout:.0f} s: {len(ran['passed'])} passed and "
+        f"{len(ran['failed'])} failed before the cut"
+    )
+    reason += f", then {running}" if running else ""
+    details = {"command": CUDA_TESTS_COMMAND, **ran, "output_tail": output[-4000:]}
+    return StepResult("cuda_tests", Status.FAILED, reason, 0.0, details)
+
+
 def _step_cuda_tests(ctx: StepContext) -> StepResult:
     test_file = _ROOT / "tests" / "test_cuda.py"
     if not test_file.exists():
         return StepResult("cuda_tests", Status.SKIPPED, f"{test_file.name} is not in this checkout")
     xml = (ctx.out / "cuda_tests.xml").resolve()  # pytest runs in the checkout
-    cmd = [sys.executable, "-m", "pytest", str(test_file), "-q", "-rs", "-p", "no:cacheprovider"]
+    # Unbuffered and one line per test: a run cut by the budget still says which passed.
+    cmd = [sys.executable, "-u", "-m", "pytest", str(test_file), "-v", "-rs"]
     try:
         proc = subprocess.run(
-            [*cmd, f"--junitxml={xml}"],
+            [*cmd, "-p", "no:cacheprovider", f"--junitxml={xml}"],
             cwd=_ROOT,
             capture_output=True,
             text=True,
@@ -1053,11 +1097,11 @@ def _step_cuda_tests(ctx: StepContext) -> StepResult:
             check=False,
         )
     except subprocess.TimeoutExpired as exc:
-        return StepResult("cuda_tests", Status.FAILED, f"pytest ran past {exc.timeout:.0f} s")
+        return cut_tests_result(exc)
     output = proc.stdout + proc.stderr
     summary = next((ln for ln in reversed(output.splitlines()) if ln.strip()), "")
     details: dict[str, Any] = {
-        "command": "python -m pytest tests/test_cuda.py -q -rs",
+        "command": CUDA_TESTS_COMMAND,
         "returncode": proc.returncode,
         "summary": summary,
         "output_tail": output[-4000:],

@@ -898,3 +898,23 @@ def test_each_step_row_is_set_beside_allreduce_hook_round_by_round() -> None:
     md = "\n".join(gpu._step_markdown(details))
     assert "| APS e4m3 two_phase | 11.00 | 1.000x | 1.100x |" in md
     assert "| allreduce_hook | 11.00 | 1.000x | 1.000x |" in md
+
+
+def test_cuda_tests_cut_by_the_budget_say_which_ran() -> None:
+    lines = [
+        "tests/test_cuda.py::test_codec_on_cuda[e4m3] PASSED [  4%]",
+        "tests/test_cuda.py::test_hook_on_nccl[e4m3 two_phase] PASSED [  8%]",
+        "tests/test_cuda.py::test_hook_on_nccl[e5m2 two_phase] FAILED [ 12%]",
+        "tests/test_cuda.py::test_promote_on_nccl ",
+    ]
+    cut = subprocess.TimeoutExpired(gpu.CUDA_TESTS_COMMAND, 181.4, "\n".join(lines).encode())
+    got = gpu.cut_tests_result(cut)
+    assert (got.name, got.status) == ("cuda_tests", gpu.Status.FAILED)
+    assert got.reason == (
+        "pytest ran past 181 s: 2 passed and 1 failed before the cut, then test_promote_on_nccl"
+    )
+    assert got.details["passed"] == [
+        "test_codec_on_cuda[e4m3]",
+        "test_hook_on_nccl[e4m3 two_phase]",
+    ]
+    assert got.details["failed"] == ["test_hook_on_nccl[e5m2 two_phase]"]
