@@ -28,6 +28,7 @@ from aps_comm.testing import run_distributed
 from benchmarks.gpu import (
     BUCKET_CAP_MB,
     CHUNK_ELEMENTS,
+    PROMOTE,
     GradModel,
     HookCase,
     count_mismatches,
@@ -270,6 +271,8 @@ def _graph_steps(
     state.chunk_elements = CHUNK_ELEMENTS
     state.bind_model(model)
     state.bind(torch.device("cpu"))
+    assert state.reducer is not None
+    state.reducer.early_rates = True  # Promote's rates as on a GPU: agreed a step early
     state.graphs = _RerunGraphs() if graphs else None
     ddp.register_comm_hook(state, _graphs_hook)
     out: dict[str, list] = {"grads": [], "counts": [], "captures": [], "eager_maxima": []}
@@ -345,3 +348,30 @@ def test_a_float32_copy_is_not_reused_once_its_region_grew() -> None:
     no old region stays alive for it."""
     kept, other, dropped = run_distributed(_float_copies, 1, timeout=60)[0]
     assert kept and other and dropped
+
+
+def _cpu_promote_maxima(rank: int, world_size: int) -> tuple[int, int]:
+    model = GradModel()
+    state = aps_comm.APSState("e4m3", reduction="two_phase", policy=[PROMOTE])
+    state.bind_model(model)
+    state.bind(torch.device("cpu"))
+    params = list(model.parameters())
+    buffer = torch.cat([g.flatten() for g in rank_grads(rank, 0)])
+    calls = [0]
+    all_reduce_max = transports.all_reduce_max
+
+    def counted(*args: object) -> None:
+        calls[0] += 1
+        all_reduce_max(*args)  # type: ignore[arg-type]
+
+    transports.all_reduce_max = counted  # type: ignore[assignment]  # a spawned process's
+    for _ in range(4):
+        state.run_bucket(0, buffer.clone(), params)
+    assert state.reducer is not None
+    return calls[0], len(state.reducer.agreed_rates)
+
+
+def test_on_the_cpu_promote_reads_the_rates_its_own_all_reduce_agreed() -> None:
+    """On the CPU the agreed rates are host memory when the bucket's MAX all-reduce
+    returns: no step agrees them a step early, which would cost one more collective."""
+    assert run_distributed(_cpu_promote_maxima, 2, timeout=120) == [(4, 0), (4, 0)]
