@@ -152,6 +152,7 @@ __all__ = [
     "median_ratio",
     "native_fp8_skip_reason",
     "padded_numel",
+    "profile_stalls",
     "profile_step",
     "rank_grads",
     "real_model_steps",
@@ -187,6 +188,7 @@ PROMOTE = Promote(gamma=1e-3, patience=4)
 """A :class:`HookCase`'s Promote: on :func:`rank_grads` at world size 1 every layer moves up
 at step 1, every bucket moves at steps 5 and 6 and the second at step 8 (10 steps)."""
 BUCKET_PREFIX = "aps_bucket_"  # the profiler range around each hook call
+SYNC_US = "sync_us"  # a bucket's profile: the host's microseconds inside its syncs
 _CODEC_TARGET = 1.5
 CODEC_FORMAT = "e4m3"  # the format the codec step times
 _MIB = 256  # the codec buffer: 64 Mi float32, several times any GPU's L2
@@ -529,8 +531,10 @@ def bucket_profile(events: Sequence[ProfileEvent], prefix: str = BUCKET_PREFIX) 
     counted under "outside" (the forward, autograd, DDP's own work).
 
     Returns:
-        ``{"buckets": [{"bucket": i, <EventKind values>: count}, ...],
-        "outside": {...}, "step": {...}}``, buckets in index order.
+        ``{"buckets": [{"bucket": i, <EventKind values>: count, "sync_us": us}, ...],
+        "outside": {...}, "step": {...}}``, buckets in index order; ``sync_us``: the
+        host's time inside its syncs (a wait on work long done takes a few us, one on
+        the backward queued before the bucket much more).
 
     Example:
         >>> ev = [ProfileEvent("aps_bucket_0", 1, 0.0, 10.0),
@@ -547,10 +551,10 @@ def bucket_profile(events: Sequence[ProfileEvent], prefix: str = BUCKET_PREFIX) 
             windows.append((int(index), e))
     windows.sort(key=lambda w: (w[0], w[1].start_us))
 
-    def zero() -> dict[str, int]:
-        return {k.value: 0 for k in EventKind}
+    def zero() -> dict[str, float]:
+        return {**{k.value: 0 for k in EventKind}, SYNC_US: 0.0}
 
-    counts: dict[int | None, dict[str, int]] = {i: zero() for i, _ in windows}
+    counts: dict[int | None, dict[str, float]] = {i: zero() for i, _ in windows}
     counts[None] = zero()
     for e in events:
         if e.on_device or e.name.startswith(prefix):
@@ -567,6 +571,8 @@ def bucket_profile(events: Sequence[ProfileEvent], prefix: str = BUCKET_PREFIX) 
         for kind in kinds:
             if kind is not None:
                 counts[where][kind.value] += 1
+        if kinds[0] == EventKind.HOST_SYNC:
+            counts[where][SYNC_US] += e.end_us - e.start_us
     step = zero()
     for c in counts.values():
         for k, v in c.items():
@@ -964,6 +970,7 @@ def profile_step(
                 reduction=case.reduction,
                 ranks_per_node=case.ranks_per_node,
                 scaling=case.scaling,
+                policy=case.policy,
             )
             state.bind_model(model)
             ddp.register_comm_hook(state, labelled_hook)
@@ -1455,6 +1462,34 @@ def _step_fsdp(ctx: StepContext, world: int = 2, fmt: str = "e4m3") -> StepResul
 
 
 _STALLS = (EventKind.HOST_SYNC, EventKind.D2H_COPY, EventKind.H2D_COPY)
+# A settled Promote bucket's own: one wait (the last step's rates) and one copy (this one's).
+_PROMOTE_STALLS = {EventKind.HOST_SYNC: 1, EventKind.D2H_COPY: 1}
+
+
+def profile_stalls(cases: Sequence[HookCase], out: Sequence[dict[str, Any]]) -> list[str]:
+    """The buckets of :func:`profile_step`'s ``out`` that stall the host, one line each.
+
+    After warm-up a bucket's path neither blocks the host nor copies between
+    host and device (plans, scales and chunk sizes are all built by then). But
+    a Promote bucket: it waits for the copy of the rates its last step agreed
+    and copies this step's (its ``sync_us`` says whether that wait was short).
+
+    Example:
+        >>> zero = {k.value: 0 for k in EventKind}
+        >>> out = [{"case": "e4m3 two_phase", "error": None,
+        ...         "buckets": [{"bucket": 0, **zero, "host_syncs": 1}]}]
+        >>> profile_stalls([HookCase("e4m3", "two_phase")], out)
+        ['e4m3 two_phase bucket 0: 1 host_syncs']
+    """
+    allowed = {c.name: _PROMOTE_STALLS if c.promote else {} for c in cases}
+    return [
+        f"{r['case']} bucket {b['bucket']}: "
+        + ", ".join(f"{b[k.value]} {k.value}" for k in _STALLS if b[k.value])
+        for r in out
+        if not r["error"]
+        for b in r["buckets"]
+        if any(b[k.value] > allowed[r["case"]].get(k, 0) for k in _STALLS)
+    ]
 
 
 def _step_profile(ctx: StepContext) -> StepResult:
@@ -1463,6 +1498,7 @@ def _step_profile(ctx: StepContext) -> StepResult:
         HookCase("fp16", "allreduce"),
         HookCase("e2m1", "two_phase", scaling="block"),
         HookCase("e4m3", "two_phase", grads="bfloat16"),
+        HookCase("e4m3", "two_phase", promote=True),
     ]
     if ctx.env.native_fp8 is None:
         cases.append(HookCase("e4m3", "allreduce"))
@@ -1470,16 +1506,7 @@ def _step_profile(ctx: StepContext) -> StepResult:
         profile_step, 1, args=("cuda", cases), backend="nccl", timeout=ctx.timeout(300)
     )[0]
     failed = [f"{r['case']}: {r['error']}" for r in out if r["error"]]
-    # After warm-up a bucket's path neither blocks the host nor copies between
-    # host and device (plans, scales and chunk sizes are all built by then).
-    stalls = [
-        f"{r['case']} bucket {b['bucket']}: "
-        + ", ".join(f"{b[k.value]} {k.value}" for k in _STALLS if b[k.value])
-        for r in out
-        if not r["error"]
-        for b in r["buckets"]
-        if any(b[k.value] for k in _STALLS)
-    ]
+    stalls = profile_stalls(cases, out)
     details = {"ranks": 1, "backend": "nccl", "cases": out}
     if failed or stalls:
         return StepResult("profile", Status.FAILED, "; ".join(failed + stalls), 0.0, details)
@@ -2380,6 +2407,11 @@ def _commit() -> str | None:
 # The report.
 
 
+def _count(value: object) -> str:
+    """A profile table's cell: a count, or microseconds rounded to whole ones."""
+    return f"{value:.0f}" if isinstance(value, float) else str(value)
+
+
 def _cell(text: Any) -> str:
     return str(text).replace("|", "\\|").replace("\n", " ")
 
@@ -2552,7 +2584,7 @@ def render_markdown(report: dict[str, Any]) -> str:
                     f"{_cell(r.get('bytes_detail', ''))} |"
                 )
         elif s["name"] == "profile" and "cases" in d:
-            kinds = [k.value for k in EventKind]
+            kinds = [*(k.value for k in EventKind), SYNC_US]  # sync_us: runs since f883090
             lines += [
                 "| case | bucket | " + " | ".join(kinds) + " |",
                 "| --- | --- | " + " | ".join("---" for _ in kinds) + " |",
@@ -2565,7 +2597,7 @@ def render_markdown(report: dict[str, Any]) -> str:
                 for b in rows:
                     lines.append(
                         f"| {r['case']} | {b['bucket']} | "
-                        + " | ".join(str(b[k]) for k in kinds)
+                        + " | ".join(_count(b.get(k, "")) for k in kinds)
                         + " |"
                     )
         else:

@@ -443,18 +443,19 @@ def test_bucket_profile_counts_per_bucket_on_the_hook_thread() -> None:
         ProfileEvent("aps_bucket_0", 0, 1.0, 9.0, on_device=True),  # the GPU-side range
     ]
     got = gpu.bucket_profile(events)
-    zero = {k.value: 0 for k in EventKind}
+    zero = {**{k.value: 0 for k in EventKind}, "sync_us": 0.0}
     assert got["buckets"] == [
-        {"bucket": 0, **zero, "kernels": 1, "nccl_kernels": 1, "host_syncs": 1},
-        {"bucket": 1, **zero, "host_syncs": 1, "d2h_copies": 1},
+        {"bucket": 0, **zero, "kernels": 1, "nccl_kernels": 1, "host_syncs": 1, "sync_us": 1.0},
+        {"bucket": 1, **zero, "host_syncs": 1, "d2h_copies": 1, "sync_us": 1.0},
     ]
-    assert got["outside"] == {**zero, "kernels": 1, "host_syncs": 1}
+    assert got["outside"] == {**zero, "kernels": 1, "host_syncs": 1, "sync_us": 1.0}
     assert got["step"] == {
         **zero,
         "kernels": 2,
         "nccl_kernels": 1,
         "host_syncs": 3,
         "d2h_copies": 1,
+        "sync_us": 3.0,
     }
     with pytest.raises(ValueError, match="'aps_bucket_x' does not end in a bucket index"):
         gpu.bucket_profile([ProfileEvent("aps_bucket_x", 7, 0.0, 1.0)])
@@ -736,7 +737,7 @@ def test_profile_finds_every_bucket_of_the_step(harness: list) -> None:
     buckets = [b["bucket"] for b in prof0["buckets"]]
     assert len(buckets) >= 2 and buckets == list(range(len(buckets)))
     # On Gloo/CPU the hook hands its buckets to a worker thread: no device work at all.
-    assert prof0["step"] == {k.value: 0 for k in EventKind}
+    assert prof0["step"] == {**{k.value: 0 for k in EventKind}, "sync_us": 0.0}
 
 
 # --- The performance model's constants ------------------------------------------------
@@ -918,3 +919,26 @@ def test_cuda_tests_cut_by_the_budget_say_which_ran() -> None:
         "test_hook_on_nccl[e4m3 two_phase]",
     ]
     assert got.details["failed"] == ["test_hook_on_nccl[e5m2 two_phase]"]
+
+
+def test_a_promote_bucket_may_wait_once_for_its_last_steps_rates_and_copy_once() -> None:
+    zero = {k.value: 0 for k in EventKind}
+    plain, promote = HookCase("e4m3", "two_phase"), HookCase("e4m3", "two_phase", promote=True)
+    once = {**zero, "host_syncs": 1, "d2h_copies": 1}
+    out = [
+        {"case": plain.name, "error": None, "buckets": [{"bucket": 0, **once}]},
+        {
+            "case": promote.name,
+            "error": None,
+            "buckets": [
+                {"bucket": 0, **once},
+                {"bucket": 1, **once, "host_syncs": 2},  # a second wait: this step's own
+                {"bucket": 2, **zero, "h2d_copies": 1},
+            ],
+        },
+    ]
+    assert gpu.profile_stalls([plain, promote], out) == [
+        "e4m3 two_phase bucket 0: 1 host_syncs, 1 d2h_copies",
+        "e4m3 two_phase promote bucket 1: 2 host_syncs, 1 d2h_copies",
+        "e4m3 two_phase promote bucket 2: 1 h2d_copies",
+    ]
