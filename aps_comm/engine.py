@@ -1326,10 +1326,11 @@ class Reducer:
         self.steady: dict[int, Settled] = {}
         # Per bucket index, with Promote: the rates agreed for its next step.
         self.agreed_rates: dict[int, AgreedRates] = {}
-        # Whether Promote's rates are agreed a step early (:meth:`agree_rates`); None: off
-        # the CPU only, where reading this step's waits on the device's queue (on the CPU
-        # they are host memory already, and one more collective would cost a latency).
-        # Tests force it to drive the GPU's path on the CPU.
+        # Whether Promote's rates are agreed a step early (:meth:`agree_rates`); None: on
+        # NCCL only, where the hook reads them on DDP's thread and a read of this step's
+        # waits on the device's queue. On Gloo they are host memory as the collective
+        # returns (or read on the worker's thread), and one more collective would cost
+        # a latency. Tests force it to drive the GPU's path on the CPU.
         self.early_rates: bool | None = None
         # Per device: the buckets' scratch, shared (:mod:`aps_comm.workspace`).
         self.workspaces: dict[torch.device, Workspace] = {}
@@ -2730,7 +2731,7 @@ class Reducer:
         """Promote: the rates that settled bucket ``index``'s next MAX all-reduce sends,
         agreed now (a copy of them MAX-all-reduced) and copied to the host
         (:meth:`keep_rates`), so that its next step decides before its own collectives
-        (:meth:`promote_early`); off the CPU only, unless :attr:`early_rates` says.
+        (:meth:`promote_early`); on NCCL only, unless :attr:`early_rates` says.
 
         That all-reduce agrees them again, to the same values (the ranks'
         largest): nothing but the step the host reads them in changes.
@@ -2739,7 +2740,7 @@ class Reducer:
         if st is None or st.promote is None or st.maxima is None:
             return
         early = self.early_rates
-        if not (early if early is not None else st.maxima.device.type != "cpu"):
+        if not (early if early is not None else self.comm.backend == "nccl"):
             return
         n = len(st.fmts)
         kept = self.agreed_rates.get(index)
