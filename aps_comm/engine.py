@@ -2724,8 +2724,9 @@ class Reducer:
         ranks); whether a format moved."""
         assert st.promote is not None
         values = agreed.numpy() if agreed.device.type == "cpu" else agreed
-        self.assignment.promote_step(st.promote[0], values.tolist())
-        return self.assignment.formats(st.promote[0], self.step) != st.fmts
+        # The formats are looked up only where a level moved (the host's step per bucket).
+        moved = self.assignment.promote_step(st.promote[0], values.tolist())
+        return moved and self.assignment.formats(st.promote[0], self.step) != st.fmts
 
     def agree_rates(self, index: int) -> None:
         """Promote: the rates that settled bucket ``index``'s next MAX all-reduce sends,

@@ -364,16 +364,20 @@ class Assignment:
             out.append(fmt)
         return out
 
-    def promote_step(self, keys: Sequence[Any], rates: Sequence[float]) -> None:
-        """Move each layer on Promote's ladder from its all-reduced underflow rate."""
+    def promote_step(self, keys: Sequence[Any], rates: Sequence[float]) -> bool:
+        """Move each layer on Promote's ladder from its all-reduced underflow rate; whether
+        a layer's level moved (its format, unless a Schedule rule overrides it)."""
         assert self.promoter is not None
         step = self.promoter.step
+        moved = False
         for key, rate in zip(keys, rates, strict=True):
             at = self._laddered.get(key)
             if at is not None and at[0] in self.promote:
                 name, base = at
                 level, calm = self.promote[name]
-                self.promote[name] = step(level, calm, rate, base)
+                self.promote[name] = new = step(level, calm, rate, base)
+                moved |= new[0] != level
+        return moved
 
     def epoch(self, step: int) -> tuple[int, ...]:
         """What ``step``'s formats depend on besides the layers and Promote's steps: the

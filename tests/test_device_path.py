@@ -708,9 +708,9 @@ def test_promote_buckets_read_the_last_steps_rates_before_their_own_collectives(
         )
         promote_step, run_steady = reducer.assignment.promote_step, Reducer.run_steady
 
-        def read(*args: Any) -> None:
+        def read(*args: Any) -> bool:
             reads.append(len(issued))
-            promote_step(*args)
+            return promote_step(*args)
 
         def run(self: Reducer, *args: Any, **kwargs: Any) -> Callable[[], None] | None:
             starts.append(len(issued))

@@ -10,6 +10,7 @@ from torch.nn.parallel import DistributedDataParallel as DDP
 from aps_comm import APSState, aps_hook, register, simulate
 from aps_comm.formats import BF16, E4M3, E5M2, FP16, FP32, get_format, quantize
 from aps_comm.policy import (
+    Assignment,
     ByName,
     KeepLast,
     LayerInfo,
@@ -88,6 +89,18 @@ def test_low_ratio_demotes_largest_first(ratio: float) -> None:
     assert {f for f in formats} <= {E4M3, FP16}
     with pytest.raises(ValueError, match="ratio"):
         LowRatio(1.5)
+
+
+def test_promote_step_says_whether_a_layer_moved() -> None:
+    # A settled bucket looks its formats up only where a level moved.
+    a = Assignment([Promote(gamma=1e-3, patience=2)], E4M3)
+    a.bind({"w": LayerInfo(0, "w", 10, ""), "v": LayerInfo(1, "v", 10, "")})
+    assert not a.promote_step(["w", "v"], [5e-4, 0.0])  # under gamma: stays
+    assert a.promote_step(["w", "v"], [0.0, 2e-3])  # v moves up
+    assert [f.name for f in a.formats(["w", "v"], step=0)] == ["e4m3", "e5m2"]
+    assert not a.promote_step(["w", "v"], [0.0, 0.0])  # v calm for 1 step of 2
+    assert a.promote_step(["w", "v"], [0.0, 0.0])  # and back down
+    assert [f.name for f in a.formats(["w", "v"], step=0)] == ["e4m3", "e4m3"]
 
 
 def test_promote_hysteresis() -> None:
