@@ -2773,11 +2773,6 @@ class Reducer:
             kept.host.refresh(kept.rates)
         kept.fresh = True
 
-    def rates_ready(self, index: int, st: Settled) -> bool:
-        """Whether ``st``'s rates for this step were agreed at the end of its last one."""
-        kept = self.agreed_rates.get(index)
-        return kept is not None and kept.bound is st and kept.fresh
-
     def promote_early(self, index: int, st: Settled) -> bool | None:
         """Promote's step from the rates settled bucket ``index`` agreed at the end of its
         last step (:meth:`agree_rates`); whether a format moved; None where there are
@@ -2787,9 +2782,9 @@ class Reducer:
         done: nothing of this step's backward drains, and the bucket's whole
         step replays as one graph.
         """
-        if not self.rates_ready(index, st):
+        kept = self.agreed_rates.get(index)
+        if kept is None or kept.bound is not st or not kept.fresh:
             return None
-        kept = self.agreed_rates[index]
         assert kept.host is not None
         kept.fresh = False
         return self._promote_step(st, kept.host.result())

@@ -698,9 +698,9 @@ class APSState:
             # The host waits only for the copy of the rates its last step agreed, which
             # the last step's eager (watched) last bucket follows on this stream: a dead
             # peer fails the job within the process group's timeout, as elsewhere.
-            if not reducer.rates_ready(b.index, steady):
-                return False  # eagerly: it decides after its MAX all-reduce
             moved = reducer.promote_early(b.index, steady)
+            if moved is None:
+                return False  # eagerly: it decides after its MAX all-reduce
             if moved:  # bound again, run eagerly
                 graphs.drop(b.index)
                 with torch.no_grad():
