@@ -2723,9 +2723,9 @@ class Reducer:
         """Promote's step of ``st``'s layers from ``agreed`` (their rates, agreed by the
         ranks); whether a format moved."""
         assert st.promote is not None
-        values = agreed.numpy() if agreed.device.type == "cpu" else agreed
+        values = agreed.numpy() if agreed.device.type == "cpu" else agreed.cpu().numpy()
         # The formats are looked up only where a level moved (the host's step per bucket).
-        moved = self.assignment.promote_step(st.promote[0], values.tolist())
+        moved = self.assignment.promote_step(st.promote[0], values)
         return moved and self.assignment.formats(st.promote[0], self.step) != st.fmts
 
     def agree_rates(self, index: int) -> None:

@@ -34,6 +34,7 @@ import fnmatch
 from collections.abc import Callable, Mapping, Sequence
 from typing import Any
 
+import numpy as np
 import torch
 
 from aps_comm.formats import FloatFormat, get_format
@@ -216,14 +217,32 @@ class Promote(Rule):
 
     def step(self, level: int, calm_steps: int, rate: float, base_level: int) -> tuple[int, int]:
         """Next (level, calm_steps) of one layer from the all-reduced underflow rate."""
-        if rate > self.gamma:
-            return min(level + 1, len(self.ladder) - 1), 0
-        if rate < self.gamma * self.calm and level > base_level:
-            calm_steps += 1
-            if calm_steps >= self.patience:
-                return level - 1, 0
-            return level, calm_steps
-        return level, 0
+        levels, calm = self.steps(
+            np.array([level]), np.array([calm_steps]), np.array([rate]), np.array([base_level])
+        )
+        return int(levels[0]), int(calm[0])
+
+    def steps(
+        self, levels: np.ndarray, calm_steps: np.ndarray, rates: np.ndarray, base: np.ndarray
+    ) -> tuple[np.ndarray, np.ndarray]:
+        """:meth:`step` of many layers at once (a bucket's, in a few array ops whatever
+        their number): their next levels and calm steps.
+
+        ``rates`` must be float64: compared as float32, a rate and ``gamma``
+        round apart (float32 rates are widened exactly).
+
+        Example:
+            >>> lv, calm = Promote(gamma=0.01, patience=1).steps(
+            ...     np.array([0, 1]), np.array([0, 0]), np.array([0.02, 0.0]), np.array([0, 0]))
+            >>> lv.tolist(), calm.tolist()
+            ([1, 0], [0, 0])
+        """
+        up = rates > self.gamma
+        calm = ~up & (rates < self.gamma * self.calm) & (levels > base)
+        calm_steps = np.where(calm, calm_steps + 1, 0)
+        down = calm_steps >= self.patience  # only where calm: patience >= 1
+        levels = np.where(up, np.minimum(levels + 1, len(self.ladder) - 1), levels - down)
+        return levels, np.where(down, 0, calm_steps)
 
 
 def static_formats(
@@ -313,8 +332,14 @@ class Assignment:
         # Per key on Promote's ladder: (its name, its static format's level), found once at
         # bind so that a step compares no formats (O(layers) dataclass compares per bucket).
         self._laddered: dict[Any, tuple[str, int]] = {}
-        # Per parameter name: Promote's (level, calm steps).
-        self.promote: dict[str, tuple[int, int]] = {}
+        # Promote's (level, calm steps) per parameter name, in arrays (a slot per name, kept
+        # for good) so that a bucket's step is a few array ops, not a loop over its layers.
+        self._slot: dict[str, int] = {}
+        self._levels = np.zeros(0, dtype=np.int64)
+        self._calm = np.zeros(0, dtype=np.int64)
+        self._held = np.zeros(0, dtype=bool)
+        # Per bucket's keys: (their positions on the ladder, their slots, their base levels).
+        self._found: dict[tuple[Any, ...], tuple[np.ndarray, np.ndarray, np.ndarray]] = {}
         # Bumped where Promote's levels are replaced (a checkpoint loaded): every
         # settled bucket is bound again (see :meth:`epoch`). A level that Promote
         # moves is seen by its own bucket, which then binds again by itself.
@@ -325,13 +350,41 @@ class Assignment:
         infos = list(layers.values())
         formats = static_formats(self.rules, infos, self.base)
         self.layers = {k: (info, f) for k, info, f in zip(layers, infos, formats, strict=True)}
-        self._laddered = {}
+        self._laddered, self._found = {}, {}
         if self.promoter is not None:
             ladder = list(self.promoter.ladder)
             for key, info, f in zip(layers, infos, formats, strict=True):
                 if f in ladder:
-                    self.promote.setdefault(info.name, (ladder.index(f), 0))
+                    at = self._place(info.name)
+                    if not self._held[at]:  # a checkpoint's level stays
+                        self._levels[at], self._calm[at], self._held[at] = ladder.index(f), 0, True
                     self._laddered[key] = info.name, ladder.index(f)
+
+    @property
+    def promote(self) -> dict[str, tuple[int, int]]:
+        """Promote's (level on its ladder, calm steps) per parameter name (a checkpoint's)."""
+        return {
+            name: (int(self._levels[i]), int(self._calm[i]))
+            for name, i in self._slot.items()
+            if self._held[i]
+        }
+
+    @promote.setter
+    def promote(self, levels: Mapping[str, tuple[int, int]]) -> None:
+        self._held[:] = False
+        for name, (level, calm) in levels.items():
+            at = self._place(name)
+            self._levels[at], self._calm[at], self._held[at] = level, calm, True
+        self._found = {}
+
+    def _place(self, name: str) -> int:
+        """``name``'s slot in Promote's arrays, made where it has none."""
+        at = self._slot.get(name)
+        if at is None:
+            at = self._slot[name] = len(self._slot)
+            self._levels, self._calm = np.append(self._levels, 0), np.append(self._calm, 0)
+            self._held = np.append(self._held, False)
+        return at
 
     @property
     def bound(self) -> bool:
@@ -359,25 +412,44 @@ class Assignment:
         ladder = self.promoter.ladder if self.promoter is not None else ()
         for key in keys:
             info, fmt = self.layers.get(key, (None, self.base))
-            if info is not None and info.name in self.promote:
-                fmt = ladder[self.promote[info.name][0]]  # type: ignore[index]
+            at = self._slot.get(info.name) if info is not None else None
+            if at is not None and self._held[at]:
+                fmt = ladder[self._levels[at]]  # type: ignore[index]
             out.append(fmt)
         return out
 
-    def promote_step(self, keys: Sequence[Any], rates: Sequence[float]) -> bool:
+    def promote_step(self, keys: Sequence[Any], rates: Sequence[float] | np.ndarray) -> bool:
         """Move each layer on Promote's ladder from its all-reduced underflow rate; whether
-        a layer's level moved (its format, unless a Schedule rule overrides it)."""
+        a layer's level moved (its format, unless a Schedule rule overrides it).
+
+        A few array ops per call whatever the number of layers: the keys'
+        slots are found once per bucket."""
         assert self.promoter is not None
-        step = self.promoter.step
-        moved = False
-        for key, rate in zip(keys, rates, strict=True):
-            at = self._laddered.get(key)
-            if at is not None and at[0] in self.promote:
-                name, base = at
-                level, calm = self.promote[name]
-                self.promote[name] = new = step(level, calm, rate, base)
-                moved |= new[0] != level
-        return moved
+        if len(rates) != len(keys):
+            raise ValueError(f"{len(rates)} underflow rates for {len(keys)} layers")
+        keys = tuple(keys)
+        found = self._found.get(keys)
+        if found is None:
+            found = self._found[keys] = self._ladder_slots(keys)
+        at, slots, base = found
+        if not len(at):
+            return False
+        levels = self._levels[slots]
+        new, self._calm[slots] = self.promoter.steps(
+            levels, self._calm[slots], np.asarray(rates, dtype=np.float64)[at], base
+        )
+        self._levels[slots] = new
+        return bool((new != levels).any())
+
+    def _ladder_slots(self, keys: tuple[Any, ...]) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
+        """Of ``keys``, those on Promote's ladder: their positions, slots and base levels."""
+        found = [
+            (i, self._slot[name], base)
+            for i, (name, base) in enumerate(self._laddered.get(k, ("", -1)) for k in keys)
+            if base >= 0 and self._held[self._slot[name]]
+        ]
+        at, slots, base = np.array(found, dtype=np.int64).reshape(-1, 3).T
+        return at, slots, base
 
     def epoch(self, step: int) -> tuple[int, ...]:
         """What ``step``'s formats depend on besides the layers and Promote's steps: the

@@ -1,6 +1,7 @@
 """Precision policies and error feedback: decisions, all-ranks agreement, mixed buckets,
 checkpoints. (No ``from __future__ import annotations``: DDP checks hook annotations.)"""
 
+import numpy as np
 import pytest
 import torch
 import torch.distributed as dist
@@ -101,6 +102,29 @@ def test_promote_step_says_whether_a_layer_moved() -> None:
     assert not a.promote_step(["w", "v"], [0.0, 0.0])  # v calm for 1 step of 2
     assert a.promote_step(["w", "v"], [0.0, 0.0])  # and back down
     assert [f.name for f in a.formats(["w", "v"], step=0)] == ["e4m3", "e4m3"]
+
+
+def test_promote_step_moves_a_bucket_as_each_layer_alone() -> None:
+    # A bucket's step is one array step: the same moves as each layer's own step, with
+    # float32 rates (the all-reduced slots) compared to gamma exactly, not rounded.
+    rule = Promote(gamma=1e-3, patience=2, calm=0.1)
+    a = Assignment([rule, MinNumel(5, fmt="fp32")], E4M3)
+    names = [f"l{i}" for i in range(6)]  # l5 is under MinNumel: off the ladder
+    a.bind({n: LayerInfo(i, n, 4 if n == "l5" else 10, "") for i, n in enumerate(names)})
+    state = {n: (0, 0) for n in names[:5]}
+    rates = np.float32([[1e-3, 2e-3, 0.0, 5e-5, 5e-4, 1.0], [0.0] * 6, [0.0] * 6, [1e-3] * 6])
+    for row in rates:
+        moved = a.promote_step(names, row)
+        before = dict(state)
+        for i, n in enumerate(names[:5]):
+            state[n] = rule.step(*state[n], float(row[i]), base_level=0)
+        assert a.promote == state
+        assert moved == any(state[n][0] != before[n][0] for n in state)
+        expected = [rule.ladder[state[n][0]].name for n in names[:5]]  # type: ignore[union-attr]
+        assert [f.name for f in a.formats(names, step=0)] == [*expected, "fp32"]
+    assert float(np.float32(1e-3)) > 1e-3 and state["l3"] == (1, 0)  # up by the last row
+    with pytest.raises(ValueError, match="2 underflow rates for 6 layers"):
+        a.promote_step(names, [0.0, 0.0])
 
 
 def test_promote_hysteresis() -> None:
