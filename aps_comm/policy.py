@@ -304,6 +304,19 @@ def describe(rules: Sequence[Rule]) -> str:
     return "[" + ", ".join(r.describe() for r in rules) + "]"
 
 
+@dataclasses.dataclass
+class _Laddered:
+    """A bucket's layers on Promote's ladder: their positions among its keys, their
+    slots in :class:`Assignment`'s arrays, their base levels; ``quiet``: all at their
+    base level, no calm step counted (a step then moves nothing unless a rate exceeds
+    gamma: the common step, in one check)."""
+
+    at: np.ndarray
+    slots: np.ndarray
+    base: np.ndarray
+    quiet: bool
+
+
 class Assignment:
     """Each layer's wire format, step by step: the static rules, Schedule and Promote applied.
 
@@ -338,8 +351,8 @@ class Assignment:
         self._levels = np.zeros(0, dtype=np.int64)
         self._calm = np.zeros(0, dtype=np.int64)
         self._held = np.zeros(0, dtype=bool)
-        # Per bucket's keys: (their positions on the ladder, their slots, their base levels).
-        self._found: dict[tuple[Any, ...], tuple[np.ndarray, np.ndarray, np.ndarray]] = {}
+        # Per bucket's keys, their layers on the ladder (a parameter is in one bucket).
+        self._found: dict[tuple[Any, ...], _Laddered] = {}
         # Bumped where Promote's levels are replaced (a checkpoint loaded): every
         # settled bucket is bound again (see :meth:`epoch`). A level that Promote
         # moves is seen by its own bucket, which then binds again by itself.
@@ -422,8 +435,9 @@ class Assignment:
         """Move each layer on Promote's ladder from its all-reduced underflow rate; whether
         a layer's level moved (its format, unless a Schedule rule overrides it).
 
-        A few array ops per call whatever the number of layers: the keys'
-        slots are found once per bucket."""
+        A few array ops per call whatever the number of layers (the keys'
+        slots are found once per bucket), and one check while every layer is
+        quiet and no rate exceeds gamma."""
         assert self.promoter is not None
         if len(rates) != len(keys):
             raise ValueError(f"{len(rates)} underflow rates for {len(keys)} layers")
@@ -431,25 +445,28 @@ class Assignment:
         found = self._found.get(keys)
         if found is None:
             found = self._found[keys] = self._ladder_slots(keys)
-        at, slots, base = found
-        if not len(at):
+        # float(): a float32 maximum compared exactly (numpy compares it to gamma as float32)
+        if found.quiet and (not len(keys) or float(np.max(rates)) <= self.promoter.gamma):
             return False
+        at, slots, base = found.at, found.slots, found.base
         levels = self._levels[slots]
-        new, self._calm[slots] = self.promoter.steps(
+        new, calm = self.promoter.steps(
             levels, self._calm[slots], np.asarray(rates, dtype=np.float64)[at], base
         )
-        self._levels[slots] = new
+        self._levels[slots], self._calm[slots] = new, calm
+        found.quiet = not (new != base).any()  # calm steps count only above the base
         return bool((new != levels).any())
 
-    def _ladder_slots(self, keys: tuple[Any, ...]) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
-        """Of ``keys``, those on Promote's ladder: their positions, slots and base levels."""
+    def _ladder_slots(self, keys: tuple[Any, ...]) -> _Laddered:
+        """Of ``keys``, those on Promote's ladder."""
         found = [
             (i, self._slot[name], base)
             for i, (name, base) in enumerate(self._laddered.get(k, ("", -1)) for k in keys)
             if base >= 0 and self._held[self._slot[name]]
         ]
         at, slots, base = np.array(found, dtype=np.int64).reshape(-1, 3).T
-        return at, slots, base
+        moving = (self._levels[slots] != base) | (self._calm[slots] != 0)
+        return _Laddered(at, slots, base, not moving.any())
 
     def epoch(self, step: int) -> tuple[int, ...]:
         """What ``step``'s formats depend on besides the layers and Promote's steps: the
