@@ -2105,7 +2105,8 @@ class Reducer:
                 fused is not None,
             )
         decode = g.codec.bind_decode(send, x, unscale, g.windows[0])
-        records = self._feedback_records(g, x, shared, maxima) if self.settings.stats else None
+        stats = self.settings.stats
+        records = self._feedback_records(g, x, shared, maxima, host_keys) if stats else None
         return SteadyFeedback(
             numel,
             x.data_ptr(),
@@ -2128,12 +2129,25 @@ class Reducer:
         )
 
     def _feedback_records(
-        self, g: GroupPlan, x: torch.Tensor, shared: torch.Tensor, maxima: torch.Tensor | None
+        self,
+        g: GroupPlan,
+        x: torch.Tensor,
+        shared: torch.Tensor,
+        maxima: torch.Tensor | None,
+        keys: np.ndarray | None,
     ) -> Callable[[torch.Tensor], None] | None:
-        """Triton's bound records of an error-feedback bucket (None: record_feedback's
-        tensor ops): its layers' under the route's rule of the agreed maxima ``shared``,
-        or its blocks' under the agreed keys ``shared`` with this rank's block ``maxima``."""
+        """The bound records of an error-feedback bucket (None: record_feedback's tensor
+        ops): its layers' under the route's rule of the agreed maxima ``shared`` (on the
+        CPU kernels their int32 exponent ``keys``), or its blocks' under the agreed keys
+        ``shared`` with this rank's block ``maxima``; one kernel call on the CPU kernels,
+        Triton's launches on Triton."""
         scaling, native = self.settings.scaling, g.reduction == Route.ALLREDUCE
+        if g.codec.backend == "kernels" and x.device.type == "cpu":
+            if g.blocks is None:
+                assert keys is not None  # left by the factors' call
+                return functools.partial(g.codec.layer_records, x, g.layout, shared, keys)
+            assert maxima is not None
+            return g.codec.bind_block_records(x, g.blocks, shared, maxima)
         if g.blocks is None and scaling != Scaling.BUCKET:
             none = scaling == Scaling.NONE
             agreed = AgreedMaxima(shared, self.comm.world_size, native, none)
@@ -2665,17 +2679,8 @@ class Reducer:
         g = st.group
         assert st.names is not None and g is not None
         fmt, route, n = g.fmt, Route(g.reduction), self.comm.world_size
-        if st.records_call is not None:  # Triton's, bound: their counts are Promote's too
+        if st.records_call is not None:  # bound: Triton's counts are Promote's too
             return self._add_rows(index, st, st.records_call, x.device)[:, 2:4]
-        if g.codec.backend == "kernels" and x.device.type == "cpu":
-            if g.blocks is None:
-                assert st.keys is not None  # left by st.factors
-                records = functools.partial(g.codec.layer_records, x, g.layout, st.shared, st.keys)
-            else:
-                assert st.local is not None
-                records = g.codec.bind_block_records(x, g.blocks, st.shared, st.local)
-            self._add_rows(index, st, records, x.device)
-            return None
         if g.blocks is None:
             exps = self._steady_exponents(st)
             counts, amax = layer_counts(x, g.layout.lengths, exps, fmt), st.shared
@@ -2852,7 +2857,7 @@ class Reducer:
         if scaling == Scaling.BUCKET:
             return None
         if isinstance(st, SteadyFeedback):  # its records' call (Promote refuses blocks)
-            return self._feedback_records(g, x, st.shared, st.local)
+            return self._feedback_records(g, x, st.shared, st.local, st.keys)
         return g.codec.bind_layer_records(x, g.layout, st.agreed, st.agreed.maxima)
 
     def _run_steady_blocks(
