@@ -309,12 +309,13 @@ class _Laddered:
     """A bucket's layers on Promote's ladder: their positions among its keys, their
     slots in :class:`Assignment`'s arrays, their base levels; ``quiet``: all at their
     base level, no calm step counted (a step then moves nothing unless a rate exceeds
-    gamma: the common step, in one check)."""
+    gamma: the common step, in one check), as of the assignment's ``seen`` version."""
 
     at: np.ndarray
     slots: np.ndarray
     base: np.ndarray
-    quiet: bool
+    quiet: bool = True
+    seen: int = -1
 
 
 class Assignment:
@@ -351,8 +352,11 @@ class Assignment:
         self._levels = np.zeros(0, dtype=np.int64)
         self._calm = np.zeros(0, dtype=np.int64)
         self._held = np.zeros(0, dtype=bool)
-        # Per bucket's keys, their layers on the ladder (a parameter is in one bucket).
+        # Per bucket's keys, their layers on the ladder; a bucket's keys may be another's
+        # too (a format group's), so its ``quiet`` holds only until a step changes any
+        # level or calm step (``_version``).
         self._found: dict[tuple[Any, ...], _Laddered] = {}
+        self._version = 0
         # Bumped where Promote's levels are replaced (a checkpoint loaded): every
         # settled bucket is bound again (see :meth:`epoch`). A level that Promote
         # moves is seen by its own bucket, which then binds again by itself.
@@ -445,17 +449,24 @@ class Assignment:
         found = self._found.get(keys)
         if found is None:
             found = self._found[keys] = self._ladder_slots(keys)
+        if found.seen != self._version:  # another step moved a level or counted: look again
+            moving = (self._levels[found.slots] != found.base) | (self._calm[found.slots] != 0)
+            found.quiet, found.seen = not moving.any(), self._version
         # float(): a float32 maximum compared exactly (numpy compares it to gamma as float32)
         if found.quiet and (not len(keys) or float(np.max(rates)) <= self.promoter.gamma):
             return False
         at, slots, base = found.at, found.slots, found.base
-        levels = self._levels[slots]
+        levels, counted = self._levels[slots], self._calm[slots]
         new, calm = self.promoter.steps(
-            levels, self._calm[slots], np.asarray(rates, dtype=np.float64)[at], base
+            levels, counted, np.asarray(rates, dtype=np.float64)[at], base
         )
         self._levels[slots], self._calm[slots] = new, calm
+        moved = bool((new != levels).any())
+        if moved or (calm != counted).any():
+            self._version += 1
         found.quiet = not (new != base).any()  # calm steps count only above the base
-        return bool((new != levels).any())
+        found.seen = self._version
+        return moved
 
     def _ladder_slots(self, keys: tuple[Any, ...]) -> _Laddered:
         """Of ``keys``, those on Promote's ladder."""
@@ -465,8 +476,7 @@ class Assignment:
             if base >= 0 and self._held[self._slot[name]]
         ]
         at, slots, base = np.array(found, dtype=np.int64).reshape(-1, 3).T
-        moving = (self._levels[slots] != base) | (self._calm[slots] != 0)
-        return _Laddered(at, slots, base, not moving.any())
+        return _Laddered(at, slots, base)
 
     def epoch(self, step: int) -> tuple[int, ...]:
         """What ``step``'s formats depend on besides the layers and Promote's steps: the

@@ -127,6 +127,17 @@ def test_promote_step_moves_a_bucket_as_each_layer_alone() -> None:
         a.promote_step(names, [0.0, 0.0])
 
 
+def test_promote_step_of_a_bucket_sees_its_layers_moved_by_another_binding() -> None:
+    # A bucket's keys and a format group's among them step the same layers: a bucket
+    # quiet when it last stepped counts calm steps of a layer another binding moved up.
+    a = Assignment([Promote(gamma=1e-3, patience=3)], E4M3)
+    a.bind({"w": LayerInfo(0, "w", 10, ""), "v": LayerInfo(1, "v", 10, "")})
+    assert not a.promote_step(["w", "v"], [0.0, 0.0])  # the whole bucket, quiet
+    assert a.promote_step(["w"], [2e-3])  # w's group moves it up
+    assert not a.promote_step(["w", "v"], [0.0, 0.0])  # the bucket again: w is calm once
+    assert a.promote == {"w": (1, 1), "v": (0, 0)}
+
+
 def test_promote_hysteresis() -> None:
     rule = Promote(gamma=1e-3, patience=3, calm=0.1)
     level, calm = 0, 0
