@@ -2461,13 +2461,13 @@ if AVAILABLE:
         for i in range(len(keys)):
             k = keys[i]
             e = 0 if k == 0 or k == 255 else 127 - k
-            if unscale:
-                f = np.float32(math.ldexp(1.0, -e))
+            if unscale:  # 2**-e from its bits (exact, subnormals too), as ldexp's
+                f = _u2f(_pow2_bits(-e))
                 if divisor != 1:
                     f = f / np.float32(divisor)  # float32 operands: one IEEE division
                 out[i] = np.float32(np.nan) if k == 255 else f
             else:
-                out[i] = np.float32(math.ldexp(1.0, e))
+                out[i] = _u2f(_pow2_bits(e))
 
 
 def key_factors(keys: np.ndarray, unscale: bool, divisor: int = 1) -> np.ndarray:
@@ -2571,7 +2571,7 @@ if AVAILABLE:
     @_njit
     def _scaled_counts(x, lo, hi, e, tiny, fmax):
         """Of ``x[lo:hi]`` times ``2**e``: nonzero, underflowing and saturating elements."""
-        f = np.float32(math.ldexp(1.0, e))
+        f = _u2f(_pow2_bits(e))  # exact, as ldexp's, without a call per block
         nonzero = under = saturated = 0
         for i in range(_u64(lo), _u64(hi)):  # unsigned: LLVM vectorises the counts
             m = np.float32(abs(x[i]) * f)  # float32 products, as the torch counts'
@@ -2641,11 +2641,13 @@ if AVAILABLE:
             layer_keys = keys[start:stop]  # a view from 0: vectorised (7x)
             for i in range(stop - start):
                 bad |= layer_keys[i] == 255
-            for i in range(start, stop):
-                k = keys[i]
-                e = 0 if k == 0 or k == 255 else 127 - np.int32(k)
-                scale[i] = np.float32(math.ldexp(1.0, e))
-                unscale[i] = np.float32(np.nan) if bad else np.float32(math.ldexp(1.0, -e))
+            # 2**e from its bits (exact, subnormals too), not ldexp's call: vectorised (25x).
+            up, down = scale[start:stop], unscale[start:stop]
+            for i in range(stop - start):
+                k = np.int32(layer_keys[i])
+                e = 0 if k == 0 or k == 255 else 127 - k
+                up[i] = _u2f(_pow2_bits(e))
+                down[i] = np.float32(np.nan) if bad else _u2f(_pow2_bits(-e))
             start = stop
 
     @_njit
@@ -2912,11 +2914,11 @@ if AVAILABLE:
                 bad[param_of[b]] = 1
         flagged = flag[0] > 0
         for j in range(len(pos)):
-            scale[j] = np.float32(math.ldexp(1.0, _key_exponent(keys[pos[j]])))
+            scale[j] = _u2f(_pow2_bits(_key_exponent(keys[pos[j]])))  # exact, as ldexp's
             if flagged or bad[param_of[pos[j]]]:
                 decode[j] = np.float32(np.nan)
             else:
-                decode[j] = np.float32(math.ldexp(1.0, -_key_exponent(keys[src[j]])))
+                decode[j] = _u2f(_pow2_bits(-_key_exponent(keys[src[j]])))
         for i in range(len(maxima)):
             maxima[i] = np.float32(np.inf) if flagged or bad[i] else np.float32(0.0)
 
