@@ -368,3 +368,22 @@ def test_reduce_encode_gives_the_separate_calls_bits(fmt: FloatFormat, encoded: 
     cpu_kernels.encode(accs[1][:numel], outs[1][:head], *args)
     assert torch.equal(accs[0].view(torch.int32), accs[1].view(torch.int32))
     assert torch.equal(outs[0], outs[1])
+
+
+def test_every_keys_factors_are_its_exact_powers_of_two() -> None:
+    # The kernels build 2**e from its bits: every key's, subnormal 2**-127 included, must be
+    # the exact power (Python's float arithmetic, not the kernels', is the reference).
+    keys = np.arange(256, dtype=np.int32)
+    e = np.where((keys == 0) | (keys == 255), 0, 127 - keys)
+    up = np.array([2.0 ** int(v) for v in e], np.float32)
+    down = np.array([2.0 ** -int(v) for v in e], np.float32)
+    assert np.array_equal(cpu_kernels.key_factors(keys, False), up)
+    want = np.where(keys == 255, np.float32(np.nan), down / np.float32(3))
+    assert np.array_equal(cpu_kernels.key_factors(keys, True, 3), want, equal_nan=True)
+    # Blocks: one layer of keys 0..254, then one whose 255 makes all its unscales NaN.
+    scale, unscale = np.empty(256, np.float32), np.empty(256, np.float32)
+    cpu_kernels.block_factors_into(
+        torch.from_numpy(keys.astype(np.uint8)), np.array([255, 1]), scale, unscale
+    )
+    assert np.array_equal(scale, up) and np.array_equal(unscale[:255], down[:255])
+    assert np.isnan(unscale[255]) and down[128] == 2.0**1 and up[254] == 2.0**-127
