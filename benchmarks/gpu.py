@@ -76,12 +76,14 @@ Example:
 # against the real dist.GradBucket and torch.futures.Future[torch.Tensor].
 import argparse
 import contextlib
+import cProfile
 import dataclasses
 import enum
 import gc
 import json
 import math
 import platform
+import pstats
 import re
 import statistics
 import subprocess
@@ -113,6 +115,7 @@ __all__ = [
     "CODEC_FORMAT",
     "CUDA_TESTS_COMMAND",
     "DEFAULT_BUDGET_S",
+    "HOST_BREAKDOWN_STEPS",
     "MIN_SECONDS",
     "SHAPES",
     "STEPS",
@@ -144,6 +147,7 @@ __all__ = [
     "device_constants",
     "fsdp_grads",
     "hook_skip_reason",
+    "host_breakdown",
     "judge_step_rows",
     "junit_counts",
     "labelled_hook",
@@ -1689,18 +1693,58 @@ class TimedHook:
         self.state = state
         self.host_us: list[float] = []
         self.label = False
+        # Where set, each call runs under it (on DDP's thread that calls the hook, which a
+        # profiler enabled on the main thread never sees): :func:`host_breakdown`.
+        self.profiler: cProfile.Profile | None = None
 
 
 def timed_hook(timed: TimedHook, bucket: dist.GradBucket) -> torch.futures.Future[torch.Tensor]:
     """``timed.hook(timed.state, bucket)``, its host time appended to ``timed.host_us``."""
+    profiler = timed.profiler
     start = time.perf_counter()
-    if timed.label:
-        with torch.profiler.record_function(f"{BUCKET_PREFIX}{bucket.index()}"):
+    if profiler is not None:
+        profiler.enable()
+    try:
+        if timed.label:
+            with torch.profiler.record_function(f"{BUCKET_PREFIX}{bucket.index()}"):
+                fut = timed.hook(timed.state, bucket)
+        else:
             fut = timed.hook(timed.state, bucket)
-    else:
-        fut = timed.hook(timed.state, bucket)
+    finally:
+        if profiler is not None:
+            profiler.disable()
     timed.host_us.append((time.perf_counter() - start) * 1e6)
     return fut
+
+
+HOST_BREAKDOWN_STEPS = 3
+"""Steps of each APS row run with its hook calls under cProfile (:func:`host_breakdown`)."""
+
+
+def host_breakdown(
+    profiler: cProfile.Profile, calls: int, within: str = "aps_comm", top: int = 12
+) -> dict[str, float]:
+    """Where a hook call's host time goes: per call, the microseconds spent inside each
+    function of a module under ``within`` (cumulative: its callees' included), the
+    ``top`` largest, largest first, keyed ``module.function``. Under cProfile every
+    Python call costs more, alike in every row: compare a row's functions with another
+    row's (a Promote bucket's ``promote_early`` and ``keep_rates`` beside the plain row's
+    replay), not with ``host_us_per_bucket``.
+
+    Example:
+        >>> p = cProfile.Profile()
+        >>> host_breakdown(p, 0)
+        {}
+    """
+    if calls <= 0:
+        return {}
+    spent: dict[str, float] = {}
+    for (path, _, name), row in pstats.Stats(profiler).stats.items():  # type: ignore[attr-defined]
+        if within in Path(path).parts or Path(path).stem == within:
+            key = f"{Path(path).stem}.{name}"
+            spent[key] = spent.get(key, 0.0) + row[3]  # cumulative seconds
+    ranked = sorted(spent.items(), key=lambda kv: -kv[1])[:top]
+    return {k: round(v / calls * 1e6, 1) for k, v in ranked}
 
 
 def _aps_state(ddp: DDP, cfg: StepConfig, device: torch.device) -> aps_comm.APSState:
@@ -1735,6 +1779,7 @@ def _step_row(cfg: StepConfig) -> dict[str, Any]:
         "times_ms": [],
         "buckets": None,
         "host_us_per_bucket": None,
+        "host_breakdown_us": None,
         "launches_per_step": None,
         "launches_per_bucket": None,
         "bucket_reductions": [],
@@ -1974,6 +2019,16 @@ class _ConfigRun:
                     if graphs is not None:
                         row["cuda_graphs"] = len(graphs.graphs)
                         row["graph_failure"] = graphs.failed
+            if profile and timed is not None and isinstance(timed.state, aps_comm.APSState):
+                timed.profiler, before = cProfile.Profile(), len(timed.host_us)
+                try:
+                    for _ in range(HOST_BREAKDOWN_STEPS):
+                        self.one_step()
+                        self.sync()
+                    calls = len(timed.host_us) - before
+                    row["host_breakdown_us"] = host_breakdown(timed.profiler, calls)
+                finally:
+                    timed.profiler = None
             if profile:
 
                 def profiled() -> None:
@@ -2042,7 +2097,8 @@ def real_model_steps(
         "host_us_per_bucket" (median host time of a hook call, microseconds),
         "launches_per_step" (non-NCCL kernels in the profiled step),
         "launches_per_bucket" (non-NCCL kernels launched inside a hook call,
-        mean over the buckets), "bucket_reductions", "resident_gib" (device
+        mean over the buckets), with ``profile`` for APS's rows "host_breakdown_us"
+        (:func:`host_breakdown` of :data:`HOST_BREAKDOWN_STEPS` more steps), "bucket_reductions", "resident_gib" (device
         bytes the configuration keeps: model, gradients, optimizer, DDP's buckets,
         the hook's state), "step_extra_gib" (the most a timed step allocates on
         top), "peak_gib" (their sum: the configuration's own peak), "skipped"

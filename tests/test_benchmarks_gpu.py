@@ -4,9 +4,11 @@ exits 0; its helpers and checks, with hand values and on a real 2-rank Gloo run.
 from __future__ import annotations
 
 import copy
+import cProfile
 import json
 import subprocess
 import sys
+import threading
 import time
 from pathlib import Path
 from typing import Any
@@ -350,10 +352,42 @@ def test_real_model_steps_run_every_config_on_gloo_cpu() -> None:
         assert by[name]["launches_per_bucket"] == 0
     assert by["DDP default"]["buckets"] is None
     assert by["APS e4m3 two_phase"]["bucket_reductions"] == ["two_phase"]
+    # APS rows say where a hook call's host time goes (on Gloo the call hands the bucket
+    # to its worker: on NCCL the graphs' replays and Promote's step show); PyTorch's
+    # hooks have no such row.
+    for name in ("APS e4m3 two_phase", "APS e4m3 two_phase + Promote"):
+        spent = by[name]["host_breakdown_us"]
+        assert spent["hook.aps_hook"] == max(spent.values()) > 0, spent
+    assert by["allreduce_hook"]["host_breakdown_us"] is None
     # Gloo cannot sum float8: register's ValueError is the skip reason.
     native = by["APS e4m3 allreduce (native FP8)"]
     assert native["skipped"].startswith("aps_comm.register raised ValueError: ")
     assert native["error"] is None and native["step_ms"] is None
+
+
+def _calls_twice(state: object, bucket: object) -> torch.futures.Future[torch.Tensor]:
+    _inner()
+    _inner()
+    fut: torch.futures.Future[torch.Tensor] = torch.futures.Future()
+    fut.set_result(torch.zeros(1))
+    return fut
+
+
+def _inner() -> None:
+    time.sleep(0.002)
+
+
+def test_host_breakdown_times_the_hooks_calls_on_the_thread_that_makes_them() -> None:
+    # DDP calls a comm hook on its autograd thread: the profiler is enabled inside each call.
+    timed = gpu.TimedHook(_calls_twice, None)
+    timed.profiler = cProfile.Profile()
+    worker = threading.Thread(target=lambda: [gpu.timed_hook(timed, None) for _ in range(3)])
+    worker.start()
+    worker.join()
+    spent = gpu.host_breakdown(timed.profiler, 3, within="test_benchmarks_gpu", top=2)
+    assert list(spent) == ["test_benchmarks_gpu._calls_twice", "test_benchmarks_gpu._inner"]
+    assert spent["test_benchmarks_gpu._calls_twice"] >= 4000  # two 2 ms sleeps a call
+    assert gpu.host_breakdown(timed.profiler, 0) == {}
 
 
 def _one_config_fails(rank: int, world_size: int) -> list[dict[str, Any]]:
