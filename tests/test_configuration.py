@@ -23,6 +23,7 @@ from torch.distributed.fsdp import fully_shard
 from torch.nn.parallel import DistributedDataParallel as DDP
 
 from aps_comm import APSState, fsdp, register
+from aps_comm.engine import ONE_CHUNK
 from aps_comm.fsdp import APSFSDPConfig, APSFSDPState
 from aps_comm.hook import APSConfig, StateOptions
 from aps_comm.policy import KeepLast
@@ -243,3 +244,74 @@ def test_fsdp_ranks_with_any_field_different_refuse_to_run() -> None:
             assert "configuration differs across ranks" in msg, (field, msg)
             # The configuration's text names the field, or block_size's scaling=block(64).
             assert f"{field}=" in msg or (field == "block_size" and "block(64)" in msg), msg
+
+
+class _Moves(_Prefers):
+    """A planner whose preferred chunk follows ``schedule`` step by step (its timing moved)."""
+
+    def __init__(self, planner: object, schedule: list[int], step: list[int]) -> None:
+        super().__init__(planner, schedule[0])
+        self.schedule, self.step = schedule, step
+
+    def chunk(self, *args: object, **kwargs: object) -> int:
+        return self.schedule[min(self.step[0], len(self.schedule) - 1)]
+
+
+# Settled buckets of several formats (an FP32 layer beside e4m3 ones), plain, with agreed
+# block exponents, and with error feedback (whose owner step needs the whole bucket: one
+# chunk whatever the ranks prefer); per kind, the chunks the bucket runs.
+_MOVING = {
+    "groups": ({"fmt": "e4m3", "policy": [KeepLast("fp32")]}, {1024, 256, 512}),
+    "groups+agreed-blocks": (
+        {
+            "fmt": "e2m1",
+            "scaling": "block",
+            "block_size": 32,
+            "block_exponents": "agreed",
+            "policy": [KeepLast("fp32")],
+        },
+        {1024, 256, 512},
+    ),
+    "groups+feedback": (
+        {"fmt": "e4m3", "policy": [KeepLast("fp32")], "error_feedback": True},
+        {ONE_CHUNK},
+    ),
+}
+
+
+def _moving_chunks(rank: int, world_size: int, options: dict) -> tuple[list[int], bool]:
+    """Rank 1's preferred chunk moves after the buckets settled; rank 0 prefers a small
+    one. Every step's gradients equal a run whose ranks agree on one chunk throughout."""
+    moving = [1024, 1024, 1024, 256, 256, 512] if rank else [128] * 6
+    grads, agreed = [], []
+    for schedule in (moving, [1024] * 6):
+        torch.manual_seed(0)
+        ddp = DDP(Net(), bucket_cap_mb=1)  # one bucket of 1,904 elements
+        state = register(ddp, **{"reduction": "two_phase", **options})
+        step = [0]
+        state.reducer.planner = _Moves(state.reducer.planner, schedule, step)  # type: ignore[union-attr]
+        out, seen = [], []
+        for step[0] in range(len(schedule)):
+            for st in state.reducer.steady.values():  # type: ignore[union-attr]
+                st.offer = None  # as when its measured exchange moves: the planner is asked
+            torch.manual_seed(1000 * step[0] + rank)
+            ddp.zero_grad()
+            ddp(torch.randn(8, 16) * (rank + 1)).pow(2).sum().backward()
+            out += [p.grad.clone() for p in ddp.parameters()]
+            seen += sorted(set(state.reducer.bucket_chunks.values()))  # type: ignore[union-attr]
+        grads.append(out)
+        agreed.append(seen)
+    same = all(torch.equal(a, b) for a, b in zip(*grads, strict=True))
+    return agreed[0], same
+
+
+@pytest.mark.parametrize("kind", list(_MOVING))
+def test_settled_format_groups_follow_the_agreed_chunk_as_it_moves(kind: str) -> None:
+    """A settled bucket of several formats is planned again when the ranks' agreed chunk
+    moves, on every rank alike, with the bits of a run that never moved."""
+    options, expected = _MOVING[kind]
+    results = run_distributed(_moving_chunks, 2, args=(options,), timeout=180)
+    assert results[0] == results[1]
+    chunks, same = results[0]
+    assert same
+    assert set(chunks) == expected, chunks
