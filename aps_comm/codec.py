@@ -1169,7 +1169,7 @@ class Codec:
         The call decodes the N shards of ``recv``, averages them in float32
         in rank order, encodes the mean into ``out`` as it is and adds what
         that lost, divided by the segment's scale and times N, to this rank's
-        elements of ``residual``: :meth:`aps_comm.feedback.ErrorFeedback.owner_reduce`'s
+        elements of ``residual``: :func:`aps_comm.simulate.allreduce_feedback`'s
         arithmetic and bits, in five kernel calls on "kernels" (into
         ``scratch`` and a shard's mean kept here), a fixed handful of tensor
         ops elsewhere.
@@ -1224,7 +1224,7 @@ class Codec:
                 *(fmt, recv.numpy(), (values.numpy(), acc.numpy()), out.numpy(), host),
                 *((lo, hi, n_ranks), residual.numpy()),
             )
-        # The calls of ErrorFeedback.owner_reduce, into scratch kept for the bucket; the
+        # The owner's step of aps_comm.simulate.allreduce_feedback, into scratch kept for the bucket; the
         # mean re-decoded goes where the shards were: they are summed by then.
         part = values[:per]
         calls = [

@@ -21,9 +21,6 @@ from collections.abc import Sequence
 
 import torch
 
-from aps_comm.codec import Codec
-from aps_comm.layout import Layout
-
 __all__ = ["ErrorFeedback"]
 
 
@@ -64,7 +61,7 @@ class ErrorFeedback:
         settled bucket then updates ``flat`` in place with whole-bucket
         kernels, no per-layer work; the views keep :attr:`residuals` (and
         checkpoints) current. Any other change to those names' residuals
-        (:meth:`owner_reduce`, :meth:`drop`, a restored
+        (:meth:`drop`, a restored
         :attr:`residuals`) ends the sharing: :meth:`shared` then says False.
 
         Returns:
@@ -106,37 +103,3 @@ class ErrorFeedback:
         self._release(names)
         for name in names:
             self.residuals.pop(name or "", None)
-
-    def owner_reduce(
-        self,
-        coder: Codec,
-        layout: Layout,
-        numels: Sequence[int],
-        names: Sequence[str | None],
-        scale: torch.Tensor,
-        finite: torch.Tensor,
-        recv: torch.Tensor,
-        out: torch.Tensor,
-    ) -> None:
-        """The owner's step of two_phase, folding its re-quantization loss into the residuals.
-
-        The loss goes into this rank's per-parameter residuals times N: next
-        step it is sent again and averaged, so the mean gets it back.
-        """
-        self._release(names)
-        n_ranks, numel = self.world_size, layout.numel
-        per = out.numel() * 8 // coder.fmt.wire_bits
-        acc = coder.shard_mean(recv, n_ranks)
-        coder.encode(acc, out=out)
-        lo, hi = self.rank * per, min((self.rank + 1) * per, numel)
-        if hi <= lo:
-            return
-        part = coder.decode(out, acc.numel())
-        mine = torch.repeat_interleave(
-            torch.where(finite, scale, 0.0), layout.lengths, output_size=numel
-        )[lo:hi]
-        lost = torch.where(mine > 0, (acc[: hi - lo] - part[: hi - lo]) / mine, 0.0)
-        flat = torch.cat([self.residuals[n] for n in names])  # type: ignore[index]
-        flat[lo:hi] += lost * n_ranks
-        for name, piece in zip(names, torch.split(flat, list(numels)), strict=True):
-            self.residuals[name] = piece  # type: ignore[index]
