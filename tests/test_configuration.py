@@ -282,9 +282,9 @@ _MOVING = {
 def _moving_chunks(rank: int, world_size: int, options: dict) -> tuple[list[int], bool]:
     """Rank 1's preferred chunk moves after the buckets settled; rank 0 prefers a small
     one. Every step's gradients equal a run whose ranks agree on one chunk throughout."""
-    moving = [1024, 1024, 1024, 256, 256, 512] if rank else [128] * 6
+    moving = [1024, 1024, 256, 512] if rank else [128] * 4
     grads, agreed = [], []
-    for schedule in (moving, [1024] * 6):
+    for schedule in (moving, [1024] * 4):
         torch.manual_seed(0)
         ddp = DDP(Net(), bucket_cap_mb=1)  # one bucket of 1,904 elements
         state = register(ddp, **{"reduction": "two_phase", **options})
