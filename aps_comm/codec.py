@@ -1224,7 +1224,7 @@ class Codec:
                 *(fmt, recv.numpy(), (values.numpy(), acc.numpy()), out.numpy(), host),
                 *((lo, hi, n_ranks), residual.numpy()),
             )
-        # The owner's step of aps_comm.simulate.allreduce_feedback, into scratch kept for the bucket; the
+        # simulate.allreduce_feedback's owner step, into scratch kept for the bucket; the
         # mean re-decoded goes where the shards were: they are summed by then.
         part = values[:per]
         calls = [
